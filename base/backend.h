@@ -1,0 +1,69 @@
+/*
+ * Private interface between device.c / tensor.c and the compute backends (CPU, CUDA).
+ * Not installed. Each backend fills one backend_t with labelled initialisers; the public
+ * functions check their arguments, then call through the table of the tensor's device.
+ */
+#ifndef FSDPC_BASE_BACKEND_H
+#define FSDPC_BASE_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/device.h"
+#include "base/dtype.h"
+#include "base/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define BACKEND_MAX_DIMS 5
+
+/* An element-wise copy between two strided views on one device, converting dtype. Strides
+ * are in elements. Shapes have ndim entries, ndim >= 1 (a scalar is shape [1]). */
+typedef struct copy_desc {
+  int ndim;
+  int64_t shape[BACKEND_MAX_DIMS];
+  int64_t dst_stride[BACKEND_MAX_DIMS];
+  int64_t src_stride[BACKEND_MAX_DIMS];
+  void *dst;
+  const void *src;
+  dtype_t dst_dtype;
+  dtype_t src_dtype;
+} copy_desc_t;
+
+typedef struct backend {
+  const char *name;
+  status_t (*alloc)(int index, size_t bytes, void **out);
+  void (*free)(int index, void *ptr);
+  status_t (*copy)(int index, const copy_desc_t *desc);
+  /* Sets n elements at ptr to the bit pattern `pattern` of elem_size bytes. */
+  status_t (*fill)(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern);
+  status_t (*stream_sync)(int index);
+} backend_t;
+
+const backend_t *cpu_backend(void);
+
+/* NULL when the library was built without CUDA. */
+const backend_t *cuda_backend(void);
+
+/* ---- CUDA-only entry points used by device.c; defined by cuda_backend.cu ---- */
+int cuda_device_count(void);
+status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+                     size_t bytes);
+stream_t *cuda_stream_current(int index);
+void cuda_stream_set_current(int index, stream_t *s);
+status_t cuda_stream_new(int index, stream_t **out);
+void cuda_stream_free(stream_t *s);
+status_t cuda_stream_wait_event(stream_t *s, event_t *e);
+status_t cuda_stream_synchronize(stream_t *s);
+status_t cuda_event_new(int index, event_t **out);
+void cuda_event_free(event_t *e);
+status_t cuda_event_record(event_t *e, stream_t *s);
+status_t cuda_event_synchronize(event_t *e);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

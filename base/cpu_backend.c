@@ -1,0 +1,116 @@
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/backend.h"
+
+static status_t cpu_alloc(int index, size_t bytes, void **out) {
+  (void)index;
+  size_t rounded = (bytes + 63) & ~(size_t)63;
+  void *p = aligned_alloc(64, rounded);
+  if (p == NULL) return err_set(STATUS_ENOMEM, "host allocation of %zu bytes failed", bytes);
+  *out = p;
+  return STATUS_OK;
+}
+
+static void cpu_free(int index, void *ptr) {
+  (void)index;
+  free(ptr);
+}
+
+/* Merges dimensions that are contiguous in both views and drops size-1 dimensions, so that
+ * the common cases reach the memcpy path. Returns the new ndim (>= 1). */
+static int coalesce(copy_desc_t *d) {
+  int n = 0;
+  for (int i = 0; i < d->ndim; i++) {
+    if (d->shape[i] == 1) continue;
+    if (n > 0 && d->dst_stride[n - 1] == d->dst_stride[i] * d->shape[i] &&
+        d->src_stride[n - 1] == d->src_stride[i] * d->shape[i]) {
+      d->shape[n - 1] *= d->shape[i];
+      d->dst_stride[n - 1] = d->dst_stride[i];
+      d->src_stride[n - 1] = d->src_stride[i];
+      continue;
+    }
+    d->shape[n] = d->shape[i];
+    d->dst_stride[n] = d->dst_stride[i];
+    d->src_stride[n] = d->src_stride[i];
+    n++;
+  }
+  if (n == 0) {
+    d->shape[0] = 1;
+    d->dst_stride[0] = d->src_stride[0] = 1;
+    n = 1;
+  }
+  d->ndim = n;
+  return n;
+}
+
+static status_t cpu_copy(int index, const copy_desc_t *desc) {
+  (void)index;
+  copy_desc_t d = *desc;
+  for (int i = 0; i < d.ndim; i++)
+    if (d.shape[i] == 0) return STATUS_OK;
+  int nd = coalesce(&d);
+  size_t dsz = dtype_size(d.dst_dtype), ssz = dtype_size(d.src_dtype);
+  int same = d.dst_dtype == d.src_dtype;
+  int rows_contig = same && d.dst_stride[nd - 1] == 1 && d.src_stride[nd - 1] == 1;
+  int64_t inner = d.shape[nd - 1];
+  int64_t outer = 1;
+  for (int i = 0; i < nd - 1; i++) outer *= d.shape[i];
+
+  int64_t idx[BACKEND_MAX_DIMS] = {0};
+  for (int64_t o = 0; o < outer; o++) {
+    int64_t doff = 0, soff = 0;
+    for (int i = 0; i < nd - 1; i++) {
+      doff += idx[i] * d.dst_stride[i];
+      soff += idx[i] * d.src_stride[i];
+    }
+    char *dst = (char *)d.dst + doff * (int64_t)dsz;
+    const char *src = (const char *)d.src + soff * (int64_t)ssz;
+    if (rows_contig) {
+      memcpy(dst, src, (size_t)inner * dsz);
+    } else if (same) {
+      for (int64_t k = 0; k < inner; k++)
+        memcpy(dst + k * d.dst_stride[nd - 1] * (int64_t)dsz,
+               src + k * d.src_stride[nd - 1] * (int64_t)ssz, dsz);
+    } else {
+      for (int64_t k = 0; k < inner; k++)
+        dtype_store(d.dst_dtype, dst, (size_t)(k * d.dst_stride[nd - 1]),
+                    dtype_load(d.src_dtype, src, (size_t)(k * d.src_stride[nd - 1])));
+    }
+    for (int i = nd - 2; i >= 0; i--) { /* odometer over the outer dimensions */
+      if (++idx[i] < d.shape[i]) break;
+      idx[i] = 0;
+    }
+  }
+  return STATUS_OK;
+}
+
+static status_t cpu_fill(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern) {
+  (void)index;
+  char *p = ptr;
+  if (n == 0) return STATUS_OK;
+  memcpy(p, &pattern, elem_size); /* little-endian: the low bytes hold the element */
+  size_t done = 1;
+  while (done < n) { /* doubling copies */
+    size_t chunk = done < n - done ? done : n - done;
+    memcpy(p + done * elem_size, p, chunk * elem_size);
+    done += chunk;
+  }
+  return STATUS_OK;
+}
+
+static status_t cpu_stream_sync(int index) {
+  (void)index;
+  return STATUS_OK;
+}
+
+static const backend_t cpu_table = {
+    .name = "cpu",
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .copy = cpu_copy,
+    .fill = cpu_fill,
+    .stream_sync = cpu_stream_sync,
+};
+
+const backend_t *cpu_backend(void) { return &cpu_table; }

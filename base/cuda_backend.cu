@@ -1,0 +1,283 @@
+/*
+ * CUDA backend: memory from the stream-ordered pool, strided casting copies, fills,
+ * streams and events. Kernels first, then launchers; every launcher runs on the current
+ * stream of its device and checks cudaGetLastError().
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "base/backend.h"
+#include "base/cuda_check.h"
+
+struct stream {
+  int device;
+  cudaStream_t s;
+};
+
+struct event {
+  int device;
+  cudaEvent_t e;
+};
+
+/* ======================= kernels ======================= */
+
+struct copy_args {
+  int ndim;
+  int64_t shape[BACKEND_MAX_DIMS];
+  int64_t dst_stride[BACKEND_MAX_DIMS];
+  int64_t src_stride[BACKEND_MAX_DIMS];
+};
+
+__device__ static double load_elem(int dt, const void *p, int64_t i) {
+  switch (dt) {
+    case DTYPE_F32: return ((const float *)p)[i];
+    case DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    case DTYPE_F16: return __half2float(((const __half *)p)[i]);
+    case DTYPE_I32: return ((const int32_t *)p)[i];
+    case DTYPE_I64: return (double)((const int64_t *)p)[i];
+  }
+  return 0.0;
+}
+
+__device__ static int64_t saturate_i64(double v, double lo, double hi) {
+  if (v != v) return 0;
+  if (v <= lo) return (int64_t)lo;
+  if (v >= hi) return (int64_t)hi;
+  return (int64_t)v;
+}
+
+/* Same rounding as dtype_store(): floats through f32 with round-to-nearest-even. */
+__device__ static void store_elem(int dt, void *p, int64_t i, double v) {
+  switch (dt) {
+    case DTYPE_F32: ((float *)p)[i] = (float)v; break;
+    case DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn((float)v); break;
+    case DTYPE_F16: ((__half *)p)[i] = __float2half_rn((float)v); break;
+    case DTYPE_I32:
+      ((int32_t *)p)[i] = (int32_t)saturate_i64(v, -2147483648.0, 2147483647.0);
+      break;
+    case DTYPE_I64:
+      ((int64_t *)p)[i] = saturate_i64(v, -9223372036854775808.0, 9223372036854774784.0);
+      break;
+  }
+}
+
+__global__ static void copy_kernel(copy_args a, void *dst, int dst_dt, const void *src,
+                                   int src_dt, int elem_size, int64_t n) {
+  for (int64_t lin = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; lin < n;
+       lin += (int64_t)gridDim.x * blockDim.x) {
+    int64_t rest = lin, doff = 0, soff = 0;
+    for (int d = a.ndim - 1; d >= 0; d--) {
+      int64_t k = rest % a.shape[d];
+      rest /= a.shape[d];
+      doff += k * a.dst_stride[d];
+      soff += k * a.src_stride[d];
+    }
+    if (dst_dt == src_dt) {
+      switch (elem_size) {
+        case 2: ((uint16_t *)dst)[doff] = ((const uint16_t *)src)[soff]; break;
+        case 4: ((uint32_t *)dst)[doff] = ((const uint32_t *)src)[soff]; break;
+        case 8: ((uint64_t *)dst)[doff] = ((const uint64_t *)src)[soff]; break;
+      }
+    } else {
+      store_elem(dst_dt, dst, doff, load_elem(src_dt, src, soff));
+    }
+  }
+}
+
+template <typename T>
+__global__ static void fill_kernel(T *p, T value, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x)
+    p[i] = value;
+}
+
+/* ======================= launchers ======================= */
+
+static pthread_mutex_t lib_stream_lock = PTHREAD_MUTEX_INITIALIZER;
+static stream_t lib_streams[DEVICE_MAX_CUDA];
+static int lib_stream_ready[DEVICE_MAX_CUDA];
+static __thread stream_t *current_streams[DEVICE_MAX_CUDA];
+
+static int grid_for(int64_t n, int block) {
+  int64_t g = (n + block - 1) / block;
+  if (g > 65535) g = 65535;
+  return g < 1 ? 1 : (int)g;
+}
+
+extern "C" int cuda_device_count(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError(); /* no driver (error 35) or no device: zero devices */
+    return 0;
+  }
+  return n;
+}
+
+extern "C" stream_t *cuda_stream_current(int index) {
+  if (current_streams[index] != NULL) return current_streams[index];
+  pthread_mutex_lock(&lib_stream_lock);
+  if (!lib_stream_ready[index]) {
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(index);
+    lib_streams[index].device = index;
+    if (cudaStreamCreateWithFlags(&lib_streams[index].s, cudaStreamNonBlocking) != cudaSuccess)
+      lib_streams[index].s = 0; /* fall back to the legacy stream; errors surface later */
+    cudaSetDevice(prev);
+    lib_stream_ready[index] = 1;
+  }
+  pthread_mutex_unlock(&lib_stream_lock);
+  return &lib_streams[index];
+}
+
+extern "C" void cuda_stream_set_current(int index, stream_t *s) { current_streams[index] = s; }
+
+static cudaStream_t raw_stream(int index) { return cuda_stream_current(index)->s; }
+
+static status_t cuda_alloc(int index, size_t bytes, void **out) {
+  CUDA_TRY(cudaSetDevice(index));
+  cudaError_t e = cudaMallocAsync(out, bytes, raw_stream(index));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return err_set(e == cudaErrorMemoryAllocation ? STATUS_ENOMEM : STATUS_ECUDA,
+                   "cudaMallocAsync of %zu bytes on cuda:%d: %s", bytes, index,
+                   cudaGetErrorString(e));
+  }
+  return STATUS_OK;
+}
+
+static void cuda_free(int index, void *ptr) {
+  cudaSetDevice(index);
+  cudaFreeAsync(ptr, raw_stream(index));
+}
+
+static status_t cuda_copy(int index, const copy_desc_t *d) {
+  int64_t n = 1;
+  copy_args a;
+  a.ndim = d->ndim;
+  for (int i = 0; i < d->ndim; i++) {
+    n *= d->shape[i];
+    a.shape[i] = d->shape[i];
+    a.dst_stride[i] = d->dst_stride[i];
+    a.src_stride[i] = d->src_stride[i];
+  }
+  if (n == 0) return STATUS_OK;
+  CUDA_TRY(cudaSetDevice(index));
+  const int block = 256;
+  copy_kernel<<<grid_for(n, block), block, 0, raw_stream(index)>>>(
+      a, d->dst, d->dst_dtype, d->src, d->src_dtype, (int)dtype_size(d->src_dtype), n);
+  CUDA_TRY(cudaGetLastError());
+  return STATUS_OK;
+}
+
+static status_t cuda_fill(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern) {
+  if (n == 0) return STATUS_OK;
+  CUDA_TRY(cudaSetDevice(index));
+  const int block = 256;
+  cudaStream_t s = raw_stream(index);
+  int grid = grid_for((int64_t)n, block);
+  switch (elem_size) {
+    case 2: fill_kernel<<<grid, block, 0, s>>>((uint16_t *)ptr, (uint16_t)pattern, (int64_t)n); break;
+    case 4: fill_kernel<<<grid, block, 0, s>>>((uint32_t *)ptr, (uint32_t)pattern, (int64_t)n); break;
+    case 8: fill_kernel<<<grid, block, 0, s>>>((uint64_t *)ptr, pattern, (int64_t)n); break;
+    default: return err_set(STATUS_EINVAL, "cuda fill: element size %zu", elem_size);
+  }
+  CUDA_TRY(cudaGetLastError());
+  return STATUS_OK;
+}
+
+static status_t cuda_stream_sync_dev(int index) {
+  CUDA_TRY(cudaStreamSynchronize(raw_stream(index)));
+  return STATUS_OK;
+}
+
+extern "C" status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+                                size_t bytes) {
+  int index = dst_dev.type == DEVICE_CUDA ? dst_dev.index : src_dev.index;
+  CUDA_TRY(cudaSetDevice(index));
+  cudaStream_t s = raw_stream(index);
+  if (dst_dev.type == DEVICE_CUDA && src_dev.type == DEVICE_CUDA && dst_dev.index != src_dev.index)
+    CUDA_TRY(cudaMemcpyPeerAsync(dst, dst_dev.index, src, src_dev.index, bytes, s));
+  else
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
+  if (dst_dev.type == DEVICE_CPU || src_dev.type == DEVICE_CPU)
+    CUDA_TRY(cudaStreamSynchronize(s)); /* host memory is read or written by the caller next */
+  return STATUS_OK;
+}
+
+extern "C" status_t cuda_stream_new(int index, stream_t **out) {
+  stream_t *s = (stream_t *)calloc(1, sizeof *s);
+  if (s == NULL) return err_set(STATUS_ENOMEM, "stream_new: out of host memory");
+  s->device = index;
+  cudaError_t e = cudaSetDevice(index);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->s, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    free(s);
+    return err_set(STATUS_ECUDA, "stream_new on cuda:%d: %s", index, cudaGetErrorString(e));
+  }
+  *out = s;
+  return STATUS_OK;
+}
+
+extern "C" void cuda_stream_free(stream_t *s) {
+  cudaStreamDestroy(s->s);
+  free(s);
+}
+
+extern "C" status_t cuda_stream_wait_event(stream_t *s, event_t *e) {
+  CUDA_TRY(cudaStreamWaitEvent(s->s, e->e, 0));
+  return STATUS_OK;
+}
+
+extern "C" status_t cuda_stream_synchronize(stream_t *s) {
+  CUDA_TRY(cudaStreamSynchronize(s->s));
+  return STATUS_OK;
+}
+
+extern "C" status_t cuda_event_new(int index, event_t **out) {
+  event_t *ev = (event_t *)calloc(1, sizeof *ev);
+  if (ev == NULL) return err_set(STATUS_ENOMEM, "event_new: out of host memory");
+  ev->device = index;
+  cudaError_t e = cudaSetDevice(index);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev->e, cudaEventDisableTiming);
+  if (e != cudaSuccess) {
+    free(ev);
+    return err_set(STATUS_ECUDA, "event_new on cuda:%d: %s", index, cudaGetErrorString(e));
+  }
+  *out = ev;
+  return STATUS_OK;
+}
+
+extern "C" void cuda_event_free(event_t *e) {
+  cudaEventDestroy(e->e);
+  free(e);
+}
+
+extern "C" status_t cuda_event_record(event_t *e, stream_t *s) {
+  CUDA_TRY(cudaEventRecord(e->e, s->s));
+  return STATUS_OK;
+}
+
+extern "C" status_t cuda_event_synchronize(event_t *e) {
+  CUDA_TRY(cudaEventSynchronize(e->e));
+  return STATUS_OK;
+}
+
+static const backend_t cuda_table = {
+    /* .name = */ "cuda",
+    /* .alloc = */ cuda_alloc,
+    /* .free = */ cuda_free,
+    /* .copy = */ cuda_copy,
+    /* .fill = */ cuda_fill,
+    /* .stream_sync = */ cuda_stream_sync_dev,
+};
+
+extern "C" const backend_t *cuda_backend(void) { return &cuda_table; }
+
+/* Raw handles for other CUDA-aware parts of the library (NCCL groups, cuBLAS). */
+extern "C" cudaStream_t cuda_stream_raw(stream_t *s) { return s->s; }
+extern "C" cudaEvent_t cuda_event_raw(event_t *e) { return e->e; }

@@ -1,0 +1,146 @@
+#include "base/device.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "base/backend.h"
+
+/* Slot 0 is the host; slots 1.. are CUDA devices. */
+static _Atomic size_t mem_current[1 + DEVICE_MAX_CUDA];
+static _Atomic size_t mem_peak[1 + DEVICE_MAX_CUDA];
+
+static int mem_slot(device_t dev) {
+  if (dev.type == DEVICE_CPU) return 0;
+  if (dev.index < 0 || dev.index >= DEVICE_MAX_CUDA) return -1;
+  return 1 + dev.index;
+}
+
+static void mem_account_add(int slot, size_t bytes) {
+  size_t now = atomic_fetch_add(&mem_current[slot], bytes) + bytes;
+  size_t peak = atomic_load(&mem_peak[slot]);
+  while (now > peak && !atomic_compare_exchange_weak(&mem_peak[slot], &peak, now)) {
+  }
+}
+
+mem_stats_t mem_stats(device_t dev) {
+  int slot = mem_slot(dev);
+  if (slot < 0) return (mem_stats_t){0, 0};
+  return (mem_stats_t){atomic_load(&mem_current[slot]), atomic_load(&mem_peak[slot])};
+}
+
+void mem_reset_peak(device_t dev) {
+  int slot = mem_slot(dev);
+  if (slot >= 0) atomic_store(&mem_peak[slot], atomic_load(&mem_current[slot]));
+}
+
+const char *device_str(device_t dev, char *buf, size_t size) {
+  if (dev.type == DEVICE_CPU)
+    snprintf(buf, size, "cpu");
+  else
+    snprintf(buf, size, "cuda:%d", dev.index);
+  return buf;
+}
+
+int device_cuda_compiled(void) { return cuda_backend() != NULL; }
+
+int device_cuda_count(void) { return cuda_backend() ? cuda_device_count() : 0; }
+
+status_t device_check(device_t dev) {
+  if (dev.type == DEVICE_CPU) return STATUS_OK;
+  if (dev.type != DEVICE_CUDA) return err_set(STATUS_EINVAL, "unknown device type %d", dev.type);
+  if (!device_cuda_compiled())
+    return err_set(STATUS_ENODEV, "cuda:%d requested, but the library was built without CUDA",
+                   dev.index);
+  int n = device_cuda_count();
+  if (dev.index < 0 || dev.index >= n || dev.index >= DEVICE_MAX_CUDA)
+    return err_set(STATUS_ENODEV, "cuda:%d requested, but %d CUDA device(s) are present",
+                   dev.index, n);
+  return STATUS_OK;
+}
+
+static const backend_t *backend_of(device_t dev) {
+  return dev.type == DEVICE_CUDA ? cuda_backend() : cpu_backend();
+}
+
+status_t device_alloc(device_t dev, size_t bytes, void **out) {
+  if (out == NULL) return err_set(STATUS_EINVAL, "device_alloc: out is NULL");
+  *out = NULL;
+  TRY(device_check(dev));
+  if (bytes == 0) return STATUS_OK;
+  TRY(backend_of(dev)->alloc(dev.index, bytes, out));
+  mem_account_add(mem_slot(dev), bytes);
+  return STATUS_OK;
+}
+
+void device_free(device_t dev, void *ptr, size_t bytes) {
+  if (ptr == NULL) return;
+  backend_of(dev)->free(dev.index, ptr);
+  atomic_fetch_sub(&mem_current[mem_slot(dev)], bytes);
+}
+
+status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+                       size_t bytes) {
+  if (bytes == 0) return STATUS_OK;
+  if (dst == NULL || src == NULL) return err_set(STATUS_EINVAL, "device_memcpy: NULL pointer");
+  if (dst_dev.type == DEVICE_CPU && src_dev.type == DEVICE_CPU) {
+    memmove(dst, src, bytes);
+    return STATUS_OK;
+  }
+  TRY(device_check(dst_dev));
+  TRY(device_check(src_dev));
+  return cuda_memcpy(dst_dev, dst, src_dev, src, bytes);
+}
+
+status_t device_stream_sync(device_t dev) {
+  TRY(device_check(dev));
+  return backend_of(dev)->stream_sync(dev.index);
+}
+
+stream_t *stream_current(device_t dev) {
+  if (dev.type != DEVICE_CUDA || !device_cuda_compiled()) return NULL;
+  return cuda_stream_current(dev.index);
+}
+
+void stream_set_current(device_t dev, stream_t *s) {
+  if (dev.type == DEVICE_CUDA && device_cuda_compiled()) cuda_stream_set_current(dev.index, s);
+}
+
+status_t stream_new(device_t dev, stream_t **out) {
+  *out = NULL;
+  TRY(device_check(dev));
+  if (dev.type == DEVICE_CPU) return STATUS_OK;
+  return cuda_stream_new(dev.index, out);
+}
+
+void stream_free(stream_t *s) {
+  if (s != NULL) cuda_stream_free(s);
+}
+
+status_t stream_wait_event(stream_t *s, event_t *e) {
+  if (s == NULL || e == NULL) return STATUS_OK;
+  return cuda_stream_wait_event(s, e);
+}
+
+status_t stream_synchronize(stream_t *s) {
+  return s == NULL ? STATUS_OK : cuda_stream_synchronize(s);
+}
+
+status_t event_new(device_t dev, event_t **out) {
+  *out = NULL;
+  TRY(device_check(dev));
+  if (dev.type == DEVICE_CPU) return STATUS_OK;
+  return cuda_event_new(dev.index, out);
+}
+
+void event_free(event_t *e) {
+  if (e != NULL) cuda_event_free(e);
+}
+
+status_t event_record(event_t *e, stream_t *s) {
+  return e == NULL ? STATUS_OK : cuda_event_record(e, s);
+}
+
+status_t event_synchronize(event_t *e) {
+  return e == NULL ? STATUS_OK : cuda_event_synchronize(e);
+}

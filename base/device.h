@@ -1,0 +1,114 @@
+/*
+ * Devices, streams, events and the one accounting point for memory.
+ *
+ * A device is a plain value: the host CPU or CUDA device i. Every allocation of tensor
+ * memory goes through device_alloc()/device_free(), which keep the current and peak byte
+ * counts per device:
+ *
+ *   void *p;
+ *   TRY(device_alloc(device_cuda(0), 1 << 20, &p));   // from CUDA's stream-ordered pool
+ *   mem_stats_t s = mem_stats(device_cuda(0));        // s.current == 1 << 20
+ *   device_free(device_cuda(0), p, 1 << 20);
+ *
+ * CUDA work of this thread runs on the device's current stream (stream_current()); a
+ * library-owned non-blocking stream per device unless stream_set_current() chose another.
+ * Host code that reads device results copies them with tensor_copy(), which waits for that
+ * one stream, never for the whole device. On the CPU, streams and events are NULL and every
+ * operation completes before it returns.
+ */
+#ifndef FSDPC_BASE_DEVICE_H
+#define FSDPC_BASE_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DEVICE_MAX_CUDA 16
+
+typedef enum device_type { DEVICE_CPU = 0, DEVICE_CUDA = 1 } device_type_t;
+
+typedef struct device {
+  device_type_t type;
+  int index; /* CUDA ordinal; 0 for the CPU */
+} device_t;
+
+static inline device_t device_cpu(void) { return (device_t){DEVICE_CPU, 0}; }
+static inline device_t device_cuda(int index) { return (device_t){DEVICE_CUDA, index}; }
+static inline int device_equal(device_t a, device_t b) {
+  return a.type == b.type && a.index == b.index;
+}
+
+/* "cpu" or "cuda:N" into buf (at least 16 bytes); returns buf. */
+const char *device_str(device_t dev, char *buf, size_t size);
+
+/* 1 when the library was built with CUDA support. */
+int device_cuda_compiled(void);
+
+/* Number of usable CUDA devices: 0 without CUDA support, without a driver or without a GPU. */
+int device_cuda_count(void);
+
+/* Checks that dev exists (the CPU always does). */
+status_t device_check(device_t dev);
+
+/* Allocates bytes on dev (64-byte aligned on the host; CUDA's stream-ordered pool on the
+ * current stream for CUDA) and accounts for them. bytes == 0 gives *out == NULL. */
+status_t device_alloc(device_t dev, size_t bytes, void **out);
+
+/* Releases memory from device_alloc; bytes must be the size it was allocated with.
+ * device_free(dev, NULL, 0) is a no-op. */
+void device_free(device_t dev, void *ptr, size_t bytes);
+
+/* Copies bytes between any two devices (host<->device, device<->device). Blocks until the
+ * data is usable by the host when dst is the host; otherwise ordered on the current stream. */
+status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+                       size_t bytes);
+
+/* Waits until all work queued on the current stream of dev is done (no-op on the CPU). */
+status_t device_stream_sync(device_t dev);
+
+/* ---- memory accounting ---- */
+
+typedef struct mem_stats {
+  size_t current; /* bytes allocated now */
+  size_t peak;    /* highest value of current since start or the last reset */
+} mem_stats_t;
+
+mem_stats_t mem_stats(device_t dev);
+
+/* Sets peak to the current value. */
+void mem_reset_peak(device_t dev);
+
+/* ---- streams and events (CUDA; NULL handles on the CPU) ---- */
+
+typedef struct stream stream_t;
+typedef struct event event_t;
+
+/* The current stream of this thread on dev (never freed by the caller). */
+stream_t *stream_current(device_t dev);
+
+/* Makes s (created by stream_new on the same device, or NULL for the library stream) the
+ * current stream of this thread on dev. */
+void stream_set_current(device_t dev, stream_t *s);
+
+/* Creates a non-blocking stream on dev; *out is NULL on the CPU. Free with stream_free. */
+status_t stream_new(device_t dev, stream_t **out);
+void stream_free(stream_t *s);
+status_t stream_wait_event(stream_t *s, event_t *e);
+status_t stream_synchronize(stream_t *s);
+
+/* Events are created without timing. event_record(e, s) captures the work queued on s. */
+status_t event_new(device_t dev, event_t **out);
+void event_free(event_t *e);
+status_t event_record(event_t *e, stream_t *s);
+status_t event_synchronize(event_t *e);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

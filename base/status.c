@@ -1,0 +1,29 @@
+#include "base/status.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+static _Thread_local char detail_text[1024];
+
+const char *status_str(status_t st) {
+  switch (st) {
+#define STATUS_CASE_(name, value, msg) \
+  case STATUS_##name:                  \
+    return msg;
+    STATUS_TABLE(STATUS_CASE_)
+#undef STATUS_CASE_
+  }
+  return "unknown status";
+}
+
+const char *err_detail(void) { return detail_text; }
+
+status_t err_set(status_t st, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(detail_text, sizeof detail_text, fmt, ap);
+  va_end(ap);
+  return st;
+}
+
+void err_clear(void) { detail_text[0] = '\0'; }

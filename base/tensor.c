@@ -1,0 +1,282 @@
+#include "base/tensor.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/backend.h"
+
+struct tensor_storage {
+  int refcount;
+  int owned; /* 0 for tensor_wrap: the memory belongs to the caller */
+  device_t device;
+  void *ptr;
+  size_t bytes;
+};
+
+static const backend_t *backend_of(device_t dev) {
+  return dev.type == DEVICE_CUDA ? cuda_backend() : cpu_backend();
+}
+
+const char *shape_str(int ndim, const int64_t *shape, char *buf, size_t size) {
+  size_t off = 0;
+  off += (size_t)snprintf(buf + off, size - off, "[");
+  for (int i = 0; i < ndim && off < size; i++)
+    off += (size_t)snprintf(buf + off, size - off, "%s%lld", i ? "," : "", (long long)shape[i]);
+  if (off < size) snprintf(buf + off, size - off, "]");
+  return buf;
+}
+
+int64_t tensor_numel(const tensor_t *t) {
+  int64_t n = 1;
+  for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+  return n;
+}
+
+size_t tensor_nbytes(const tensor_t *t) {
+  return (size_t)tensor_numel(t) * dtype_size(t->dtype);
+}
+
+bool tensor_is_contiguous(const tensor_t *t) {
+  int64_t expect = 1;
+  for (int i = t->ndim - 1; i >= 0; i--) {
+    if (t->shape[i] != 1 && t->stride[i] != expect) return false;
+    expect *= t->shape[i];
+  }
+  return true;
+}
+
+bool tensor_same_shape(const tensor_t *a, const tensor_t *b) {
+  if (a->ndim != b->ndim) return false;
+  for (int i = 0; i < a->ndim; i++)
+    if (a->shape[i] != b->shape[i]) return false;
+  return true;
+}
+
+static status_t check_shape(int ndim, const int64_t *shape) {
+  if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
+    return err_set(STATUS_ESHAPE, "tensors have 0 to %d dimensions, got %d", TENSOR_MAX_DIMS,
+                   ndim);
+  if (ndim > 0 && shape == NULL) return err_set(STATUS_EINVAL, "shape is NULL");
+  int64_t numel = 1;
+  for (int i = 0; i < ndim; i++) {
+    if (shape[i] < 0)
+      return err_set(STATUS_ESHAPE, "negative size %lld in dimension %d", (long long)shape[i], i);
+    if (shape[i] > 0 && numel > INT64_MAX / 16 / shape[i])
+      return err_set(STATUS_ESHAPE, "shape too large");
+    numel *= shape[i];
+  }
+  return STATUS_OK;
+}
+
+static void set_layout(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+  memset(t, 0, sizeof *t);
+  t->dtype = dtype;
+  t->device = dev;
+  t->ndim = ndim;
+  int64_t stride = 1;
+  for (int i = ndim - 1; i >= 0; i--) {
+    t->shape[i] = shape[i];
+    t->stride[i] = stride;
+    stride *= shape[i];
+  }
+}
+
+status_t tensor_init(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+  if (t == NULL) return err_set(STATUS_EINVAL, "tensor_init: t is NULL");
+  memset(t, 0, sizeof *t);
+  if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
+  TRY(check_shape(ndim, shape));
+  TRY(device_check(dev));
+  set_layout(t, dtype, dev, ndim, shape);
+  size_t bytes = tensor_nbytes(t);
+  if (bytes == 0) return STATUS_OK;
+  tensor_storage_t *s = calloc(1, sizeof *s);
+  if (s == NULL) return err_set(STATUS_ENOMEM, "tensor_init: out of host memory");
+  status_t st = device_alloc(dev, bytes, &s->ptr);
+  if (st != STATUS_OK) {
+    free(s);
+    memset(t, 0, sizeof *t);
+    return st;
+  }
+  s->refcount = 1;
+  s->owned = 1;
+  s->device = dev;
+  s->bytes = bytes;
+  t->storage = s;
+  t->data = s->ptr;
+  return STATUS_OK;
+}
+
+status_t tensor_zeros(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+  TRY(tensor_init(t, dtype, dev, ndim, shape));
+  status_t st = tensor_fill(t, 0.0);
+  if (st != STATUS_OK) tensor_free(t);
+  return st;
+}
+
+status_t tensor_clone(tensor_t *out, const tensor_t *src, dtype_t dtype, device_t dev) {
+  TRY(tensor_init(out, dtype, dev, src->ndim, src->shape));
+  status_t st = tensor_copy(out, src);
+  if (st != STATUS_OK) tensor_free(out);
+  return st;
+}
+
+status_t tensor_wrap(tensor_t *t, void *data, dtype_t dtype, device_t dev, int ndim,
+                     const int64_t *shape) {
+  if (t == NULL) return err_set(STATUS_EINVAL, "tensor_wrap: t is NULL");
+  memset(t, 0, sizeof *t);
+  if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
+  TRY(check_shape(ndim, shape));
+  set_layout(t, dtype, dev, ndim, shape);
+  if (tensor_numel(t) > 0 && data == NULL)
+    return err_set(STATUS_EINVAL, "tensor_wrap: data is NULL for a non-empty tensor");
+  if (tensor_numel(t) == 0) return STATUS_OK;
+  tensor_storage_t *s = calloc(1, sizeof *s);
+  if (s == NULL) return err_set(STATUS_ENOMEM, "tensor_wrap: out of host memory");
+  s->refcount = 1;
+  s->device = dev;
+  s->ptr = data;
+  t->storage = s;
+  t->data = data;
+  return STATUS_OK;
+}
+
+void tensor_free(tensor_t *t) {
+  if (t == NULL) return;
+  tensor_storage_t *s = t->storage;
+  if (s != NULL && --s->refcount == 0) {
+    if (s->owned) device_free(s->device, s->ptr, s->bytes);
+    free(s);
+  }
+  memset(t, 0, sizeof *t);
+}
+
+status_t tensor_ref(tensor_t *out, const tensor_t *src) {
+  *out = *src;
+  if (out->storage) out->storage->refcount++;
+  return STATUS_OK;
+}
+
+status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t *shape) {
+  TRY(check_shape(ndim, shape));
+  char a[96], b[96];
+  int64_t n = 1;
+  for (int i = 0; i < ndim; i++) n *= shape[i];
+  if (n != tensor_numel(src))
+    return err_set(STATUS_ESHAPE, "shape %s cannot be viewed as %s",
+                   shape_str(src->ndim, src->shape, a, sizeof a), shape_str(ndim, shape, b, sizeof b));
+  if (!tensor_is_contiguous(src))
+    return err_set(STATUS_ESHAPE, "view of a non-contiguous tensor of shape %s",
+                   shape_str(src->ndim, src->shape, a, sizeof a));
+  tensor_t v;
+  set_layout(&v, src->dtype, src->device, ndim, shape);
+  v.data = src->data;
+  v.storage = src->storage;
+  if (v.storage) v.storage->refcount++;
+  *out = v;
+  return STATUS_OK;
+}
+
+status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t start,
+                       int64_t length) {
+  char a[96];
+  if (dim < 0 || dim >= src->ndim)
+    return err_set(STATUS_EINVAL, "narrow: dimension %d out of range for shape %s", dim,
+                   shape_str(src->ndim, src->shape, a, sizeof a));
+  if (start < 0 || length < 0 || start + length > src->shape[dim])
+    return err_set(STATUS_ESHAPE, "narrow: [%lld, %lld) outside dimension %d of shape %s",
+                   (long long)start, (long long)(start + length), dim,
+                   shape_str(src->ndim, src->shape, a, sizeof a));
+  tensor_t v = *src;
+  v.shape[dim] = length;
+  if (tensor_numel(&v) == 0) {
+    v.data = NULL;
+    v.storage = NULL;
+  } else {
+    v.data = (char *)src->data + start * src->stride[dim] * (int64_t)dtype_size(src->dtype);
+    if (v.storage) v.storage->refcount++;
+  }
+  *out = v;
+  return STATUS_OK;
+}
+
+static void desc_from(copy_desc_t *d, const tensor_t *dst, const tensor_t *src) {
+  memset(d, 0, sizeof *d);
+  d->ndim = dst->ndim > 0 ? dst->ndim : 1;
+  for (int i = 0; i < d->ndim; i++) {
+    d->shape[i] = dst->ndim ? dst->shape[i] : 1;
+    d->dst_stride[i] = dst->ndim ? dst->stride[i] : 1;
+    d->src_stride[i] = src->ndim ? src->stride[i] : 1;
+  }
+  d->dst = dst->data;
+  d->src = src->data;
+  d->dst_dtype = dst->dtype;
+  d->src_dtype = src->dtype;
+}
+
+status_t tensor_copy(tensor_t *dst, const tensor_t *src) {
+  char a[96], b[96];
+  if (!tensor_same_shape(dst, src))
+    return err_set(STATUS_ESHAPE, "copy: destination shape %s differs from source shape %s",
+                   shape_str(dst->ndim, dst->shape, a, sizeof a),
+                   shape_str(src->ndim, src->shape, b, sizeof b));
+  if (tensor_numel(dst) == 0) return STATUS_OK;
+  if (device_equal(dst->device, src->device)) {
+    copy_desc_t d;
+    desc_from(&d, dst, src);
+    return backend_of(dst->device)->copy(dst->device.index, &d);
+  }
+  /* Across devices: make a contiguous source in the destination dtype, move the bytes,
+   * then scatter into the destination layout if it is strided. */
+  status_t st = STATUS_OK;
+  tensor_t staged_src = {0}, staged_dst = {0};
+  const tensor_t *from = src;
+  if (!tensor_is_contiguous(src) || src->dtype != dst->dtype) {
+    TRY_GOTO(st, tensor_clone(&staged_src, src, dst->dtype, src->device));
+    from = &staged_src;
+  }
+  if (tensor_is_contiguous(dst)) {
+    TRY_GOTO(st, device_memcpy(dst->device, dst->data, from->device, from->data,
+                               tensor_nbytes(from)));
+  } else {
+    TRY_GOTO(st, tensor_init(&staged_dst, dst->dtype, dst->device, dst->ndim, dst->shape));
+    TRY_GOTO(st, device_memcpy(dst->device, staged_dst.data, from->device, from->data,
+                               tensor_nbytes(from)));
+    TRY_GOTO(st, tensor_copy(dst, &staged_dst));
+  }
+cleanup:
+  tensor_free(&staged_src);
+  tensor_free(&staged_dst);
+  return st;
+}
+
+status_t tensor_fill(tensor_t *t, double value) {
+  if (tensor_numel(t) == 0) return STATUS_OK;
+  uint64_t pattern = 0;
+  dtype_store(t->dtype, &pattern, 0, value);
+  size_t esz = dtype_size(t->dtype);
+  const backend_t *be = backend_of(t->device);
+  if (tensor_is_contiguous(t))
+    return be->fill(t->device.index, t->data, esz, (size_t)tensor_numel(t), pattern);
+  /* Strided: fill one element, then broadcast it with a stride-0 copy. */
+  TRY(be->fill(t->device.index, t->data, esz, 1, pattern));
+  copy_desc_t d;
+  desc_from(&d, t, t);
+  for (int i = 0; i < d.ndim; i++) d.src_stride[i] = 0;
+  return be->copy(t->device.index, &d);
+}
+
+status_t tensor_equal(const tensor_t *a, const tensor_t *b, bool *equal) {
+  *equal = false;
+  if (a->dtype != b->dtype || !tensor_same_shape(a, b)) return STATUS_OK;
+  status_t st = STATUS_OK;
+  tensor_t ha = {0}, hb = {0};
+  TRY_GOTO(st, tensor_clone(&ha, a, a->dtype, device_cpu()));
+  TRY_GOTO(st, tensor_clone(&hb, b, b->dtype, device_cpu()));
+  *equal = tensor_nbytes(&ha) == 0 || memcmp(ha.data, hb.data, tensor_nbytes(&ha)) == 0;
+cleanup:
+  tensor_free(&ha);
+  tensor_free(&hb);
+  return st;
+}

@@ -1,0 +1,174 @@
+#include "dtensor/dtensor.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtensor/dtensor_impl.h"
+
+void mesh_shape_coord(const mesh_t *mesh, int *shape, int *coord) {
+  for (int i = 0; i < mesh_ndim(mesh); i++) {
+    shape[i] = mesh_size(mesh, i);
+    if (coord) coord[i] = mesh_coord(mesh, i);
+  }
+}
+
+status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim,
+                             const int64_t *global_shape, const int *coord,
+                             int64_t *local_shape, int64_t *offset) {
+  int shape[MESH_MAX_DIMS];
+  mesh_shape_coord(mesh, shape, NULL);
+  if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
+    return err_set(STATUS_ESHAPE, "DTensor of %d dimensions (at most %d)", ndim, TENSOR_MAX_DIMS);
+  TRY(placements_check(ndim, mesh_ndim(mesh), shape, pl));
+  placements_local_box(ndim, global_shape, mesh_ndim(mesh), shape, pl, coord, local_shape, offset);
+  return STATUS_OK;
+}
+
+status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh,
+                            const placement_t *pl, int ndim, const int64_t *global_shape) {
+  dtensor_t *dt = calloc(1, sizeof *dt);
+  if (dt == NULL) return err_set(STATUS_ENOMEM, "DTensor: out of host memory");
+  dt->mesh = mesh;
+  dt->ndim = ndim;
+  memcpy(dt->shape, global_shape, sizeof(int64_t) * (size_t)ndim);
+  memcpy(dt->pl, pl, sizeof(placement_t) * (size_t)mesh_ndim(mesh));
+  dt->local = *local;
+  memset(local, 0, sizeof *local);
+  *out = dt;
+  return STATUS_OK;
+}
+
+static status_t check_device(const tensor_t *t, const mesh_t *mesh, const char *what) {
+  device_t want = mesh_device(mesh);
+  if (!device_equal(t->device, want)) {
+    char a[16], b[16];
+    return err_set(STATUS_EINVAL, "%s: tensor on %s, but the mesh's device is %s", what,
+                   device_str(t->device, a, sizeof a), device_str(want, b, sizeof b));
+  }
+  return STATUS_OK;
+}
+
+status_t dtensor_from_local(dtensor_t **out, const tensor_t *local, mesh_t *mesh,
+                            const placement_t *pl, int ndim, const int64_t *global_shape) {
+  *out = NULL;
+  int coord[MESH_MAX_DIMS], shape[MESH_MAX_DIMS];
+  mesh_shape_coord(mesh, shape, coord);
+  int64_t want[TENSOR_MAX_DIMS], offset[TENSOR_MAX_DIMS];
+  TRY(dtensor_compute_box(mesh, pl, ndim, global_shape, coord, want, offset));
+  TRY(check_device(local, mesh, "dtensor_from_local"));
+  if (local->ndim != ndim || memcmp(local->shape, want, sizeof(int64_t) * (size_t)ndim) != 0) {
+    char a[96], b[96], c[96], p[128];
+    return err_set(STATUS_ESHAPE,
+                   "dtensor_from_local: local shape %s, but placements %s of global shape %s "
+                   "give this rank %s",
+                   shape_str(local->ndim, local->shape, a, sizeof a),
+                   placements_str(mesh_ndim(mesh), pl, p, sizeof p),
+                   shape_str(ndim, global_shape, b, sizeof b), shape_str(ndim, want, c, sizeof c));
+  }
+  tensor_t mine;
+  if (tensor_is_contiguous(local))
+    TRY(tensor_ref(&mine, local));
+  else
+    TRY(tensor_clone(&mine, local, local->dtype, local->device));
+  status_t st = dtensor_wrap_owned(out, &mine, mesh, pl, ndim, global_shape);
+  tensor_free(&mine);
+  return st;
+}
+
+status_t local_from_full(const tensor_t *full, const mesh_t *mesh, const placement_t *pl,
+                         tensor_t *out) {
+  int coord[MESH_MAX_DIMS];
+  int64_t shape[TENSOR_MAX_DIMS], offset[TENSOR_MAX_DIMS];
+  for (int i = 0; i < mesh_ndim(mesh); i++) coord[i] = mesh_coord(mesh, i);
+  TRY(dtensor_compute_box(mesh, pl, full->ndim, full->shape, coord, shape, offset));
+  tensor_t box, next;
+  TRY(tensor_ref(&box, full));
+  for (int d = 0; d < full->ndim; d++) {
+    status_t st = tensor_narrow(&next, &box, d, offset[d], shape[d]);
+    tensor_free(&box);
+    TRY(st);
+    box = next;
+  }
+  int zero = 0;
+  for (int i = 0; i < mesh_ndim(mesh); i++)
+    if (pl[i].kind == PLACEMENT_PARTIAL && pl[i].op == REDUCE_SUM && coord[i] != 0) zero = 1;
+  status_t st = zero ? tensor_zeros(out, full->dtype, full->device, full->ndim, shape)
+                     : tensor_clone(out, &box, full->dtype, full->device);
+  tensor_free(&box);
+  return st;
+}
+
+/* Broadcasts buf from the mesh coordinates `src` to every rank of the mesh, one mesh dimension
+ * at a time: along dim k only the ranks whose coordinates after k equal src's take part. */
+static status_t broadcast_over_mesh(mesh_t *mesh, const int *src, tensor_t *buf) {
+  int n = mesh_ndim(mesh);
+  for (int k = 0; k < n; k++) {
+    int joins = 1;
+    for (int j = k + 1; j < n; j++)
+      if (mesh_coord(mesh, j) != src[j]) joins = 0;
+    if (joins)
+      TRY(pg_broadcast(mesh_group(mesh, k), buf->data, (size_t)tensor_numel(buf), buf->dtype,
+                       src[k], NULL));
+  }
+  return STATUS_OK;
+}
+
+status_t dtensor_distribute(dtensor_t **out, const tensor_t *full, mesh_t *mesh,
+                            const placement_t *pl, int src_rank) {
+  *out = NULL;
+  TRY(check_device(full, mesh, "dtensor_distribute"));
+  int shape[MESH_MAX_DIMS];
+  mesh_shape_coord(mesh, shape, NULL);
+  TRY(placements_check(full->ndim, mesh_ndim(mesh), shape, pl));
+  tensor_t local = {0}, scratch = {0};
+  status_t st = STATUS_OK;
+  const tensor_t *from = full;
+  if (src_rank != DTENSOR_ALL_RANKS) {
+    int idx = -1;
+    for (int i = 0; i < mesh_numel(mesh); i++)
+      if (mesh_ranks(mesh)[i] == src_rank) idx = i;
+    if (idx < 0) return err_set(STATUS_EINVAL, "distribute: source rank %d is not in the mesh", src_rank);
+    int src[MESH_MAX_DIMS];
+    mesh_unravel(mesh, idx, src);
+    TRY_GOTO(st, tensor_clone(&scratch, full, full->dtype, full->device));
+    TRY_GOTO(st, broadcast_over_mesh(mesh, src, &scratch));
+    from = &scratch;
+  }
+  TRY_GOTO(st, local_from_full(from, mesh, pl, &local));
+  st = dtensor_wrap_owned(out, &local, mesh, pl, full->ndim, full->shape);
+cleanup:
+  tensor_free(&local);
+  tensor_free(&scratch);
+  return st;
+}
+
+status_t dtensor_full_tensor(const dtensor_t *dt, tensor_t *out) {
+  placement_t rep[MESH_MAX_DIMS];
+  for (int i = 0; i < mesh_ndim(dt->mesh); i++) rep[i] = placement_replicate();
+  dtensor_t *r;
+  TRY(dtensor_redistribute(dt, rep, &r));
+  *out = r->local;
+  memset(&r->local, 0, sizeof r->local);
+  dtensor_free(r);
+  return STATUS_OK;
+}
+
+void dtensor_free(dtensor_t *dt) {
+  if (dt == NULL) return;
+  tensor_free(&dt->local);
+  free(dt);
+}
+
+const tensor_t *dtensor_local(const dtensor_t *dt) { return &dt->local; }
+mesh_t *dtensor_mesh(const dtensor_t *dt) { return dt->mesh; }
+int dtensor_ndim(const dtensor_t *dt) { return dt->ndim; }
+const int64_t *dtensor_shape(const dtensor_t *dt) { return dt->shape; }
+const placement_t *dtensor_placements(const dtensor_t *dt) { return dt->pl; }
+
+void dtensor_offset(const dtensor_t *dt, int64_t *offset) {
+  int coord[MESH_MAX_DIMS], shape[MESH_MAX_DIMS];
+  int64_t local[TENSOR_MAX_DIMS];
+  mesh_shape_coord(dt->mesh, shape, coord);
+  placements_local_box(dt->ndim, dt->shape, mesh_ndim(dt->mesh), shape, dt->pl, coord, local,
+                       offset);
+}

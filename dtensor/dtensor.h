@@ -1,0 +1,71 @@
+/*
+ * DTensor: a local tensor plus the global shape, the mesh and one placement per mesh
+ * dimension. Local shape and global offset follow from the placements (placement.h).
+ *
+ *   placement_t pl[] = {placement_shard(0)};
+ *   dtensor_t *x, *y;
+ *   TRY(dtensor_distribute(&x, &full, mesh, pl, DTENSOR_ALL_RANKS)); // every rank holds full
+ *   TRY(dtensor_redistribute(x, (placement_t[]){placement_replicate()}, &y)); // all-gather
+ *   const tensor_t *whole = dtensor_local(y);
+ *   dtensor_free(y); dtensor_free(x);
+ *
+ * The mesh must outlive every DTensor on it. Local tensors live on the mesh's device.
+ * distribute(X, P) with a Partial placement puts X on coordinate 0 of each Partial(sum) mesh
+ * dimension and zeros elsewhere; Partial(avg) and Partial(max) hold X on every coordinate.
+ */
+#ifndef FSDPC_DTENSOR_DTENSOR_H
+#define FSDPC_DTENSOR_DTENSOR_H
+
+#include "base/tensor.h"
+#include "dtensor/placement.h"
+#include "mesh/mesh.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dtensor dtensor_t;
+
+#define DTENSOR_ALL_RANKS (-1)
+
+/* Wraps this rank's shard. local must have exactly the shape the placements give this rank
+ * for global_shape; the DTensor takes its own reference to local's memory (the caller still
+ * frees local). Local; no communication. */
+status_t dtensor_from_local(dtensor_t **out, const tensor_t *local, mesh_t *mesh,
+                            const placement_t *pl, int ndim, const int64_t *global_shape);
+
+/* Distributes a full tensor. src_rank == DTENSOR_ALL_RANKS: every rank passes the same full
+ * tensor and nothing is communicated. Otherwise src_rank (a world rank in the mesh) holds the
+ * data; other ranks pass a tensor of the same shape and dtype whose contents are ignored, and
+ * the data is broadcast along the mesh dimensions. Collective over the mesh in that case. */
+status_t dtensor_distribute(dtensor_t **out, const tensor_t *full, mesh_t *mesh,
+                            const placement_t *pl, int src_rank);
+
+/* A new DTensor with placements dst holding the same global value, moved one mesh dimension
+ * at a time with the collectives of the redistribute table. Collective over the mesh. */
+status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dtensor_t **out);
+
+/* The whole global value on every rank (a new tensor the caller frees). Collective. */
+status_t dtensor_full_tensor(const dtensor_t *dt, tensor_t *out);
+
+void dtensor_free(dtensor_t *dt);
+
+const tensor_t *dtensor_local(const dtensor_t *dt);
+mesh_t *dtensor_mesh(const dtensor_t *dt);
+int dtensor_ndim(const dtensor_t *dt);
+const int64_t *dtensor_shape(const dtensor_t *dt);
+const placement_t *dtensor_placements(const dtensor_t *dt);
+/* This rank's global offset, dtensor_ndim entries. */
+void dtensor_offset(const dtensor_t *dt, int64_t *offset);
+
+/* Local shape and offset that placements give mesh coordinates coord for a global shape on
+ * mesh (mesh_ndim(mesh) coordinates). Checks the placements. No communication. */
+status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim,
+                             const int64_t *global_shape, const int *coord,
+                             int64_t *local_shape, int64_t *offset);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

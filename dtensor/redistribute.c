@@ -1,0 +1,430 @@
+/*
+ * Redistribution, one mesh dimension at a time.
+ *
+ * Planning follows the nested-shard rule: walking mesh dimensions from the last to the
+ * first, a dimension whose target is Shard(d) is first replicated if the mesh dimensions
+ * before it do not already shard d the way the target does; then walking first to last,
+ * every dimension still off its target moves there. This guarantees that whenever mesh
+ * dimension i changes a shard of tensor dimension d, no later mesh dimension shards d, so
+ * each step works on contiguous chunks of the "logical" shape (the global shape cut by the
+ * mesh dimensions before i).
+ *
+ * Steps (W = size of mesh dimension i, c = chunk size, padding to c makes blocks equal):
+ *   Shard(d)  -> Replicate   all-gather of padded chunks, then unpad
+ *   Partial   -> Replicate   all-reduce
+ *   Partial   -> Shard(d)    reduce-scatter of padded chunks
+ *   Shard(d)  -> Shard(e)    all-to-all of padded blocks
+ *   Replicate -> Shard(d)    local chunk, no communication
+ *   Replicate -> Partial     sum: kept on coordinate 0, zeros elsewhere; avg/max: kept
+ *   Shard(d)  -> Partial(sum)  the shard placed into zeros, no communication
+ *   other Partial targets    through Replicate (two steps)
+ *
+ * Strided shards take a general path instead: reduce Partial dimensions, gather every
+ * rank's box over all mesh dimensions, assemble the full value and cut the target out.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtensor/dtensor_impl.h"
+
+typedef struct step {
+  int dim;
+  placement_t from, to;
+} step_t;
+
+static int plan_steps(int n, const placement_t *src, const placement_t *dst, step_t *steps) {
+  placement_t cur[MESH_MAX_DIMS];
+  memcpy(cur, src, sizeof(placement_t) * (size_t)n);
+  int ns = 0;
+  for (int i = n - 1; i >= 0; i--) {
+    placement_t target = dst[i];
+    if (target.kind == PLACEMENT_SHARD) {
+      for (int j = 0; j < i; j++)
+        if (placement_is_shard(cur[j], target.dim) != placement_is_shard(dst[j], target.dim))
+          target = placement_replicate();
+    }
+    if (!placement_equal(cur[i], target)) {
+      steps[ns++] = (step_t){i, cur[i], target};
+      cur[i] = target;
+    }
+  }
+  for (int i = 0; i < n; i++) {
+    if (!placement_equal(cur[i], dst[i])) {
+      steps[ns++] = (step_t){i, cur[i], dst[i]};
+      cur[i] = dst[i];
+    }
+  }
+  return ns;
+}
+
+/* ---- helpers on local tensors ---- */
+
+/* A non-owning tensor of `shape` over block k (of `block` elements each) of buf. */
+static status_t block_of(tensor_t *out, const tensor_t *buf, int64_t k, int64_t block, int ndim,
+                         const int64_t *shape) {
+  char *base = buf->data;
+  if (block > 0) base += (size_t)(k * block) * dtype_size(buf->dtype);
+  return tensor_wrap(out, block > 0 ? base : NULL, buf->dtype, buf->device, ndim, shape);
+}
+
+/* Copies src into the region of dst starting at (d1: o1) and (d2: o2) with src's extents;
+ * d2 < 0 for a single dimension. */
+static status_t copy_into(tensor_t *dst, int d1, int64_t o1, int d2, int64_t o2,
+                          const tensor_t *src) {
+  tensor_t a = {0}, b = {0};
+  status_t st = STATUS_OK;
+  TRY_GOTO(st, tensor_narrow(&a, dst, d1, o1, src->shape[d1]));
+  if (d2 >= 0) {
+    TRY_GOTO(st, tensor_narrow(&b, &a, d2, o2, src->shape[d2]));
+    st = tensor_copy(&b, src);
+  } else {
+    st = tensor_copy(&a, src);
+  }
+cleanup:
+  tensor_free(&a);
+  tensor_free(&b);
+  return st;
+}
+
+/* A view of src narrowed to [o1, o1+l1) along d1 and (if d2 >= 0) [o2, o2+l2) along d2. */
+static status_t narrow2(tensor_t *out, const tensor_t *src, int d1, int64_t o1, int64_t l1,
+                        int d2, int64_t o2, int64_t l2) {
+  TRY(tensor_narrow(out, src, d1, o1, l1));
+  if (d2 < 0) return STATUS_OK;
+  tensor_t tmp = *out;
+  status_t st = tensor_narrow(out, &tmp, d2, o2, l2);
+  tensor_free(&tmp);
+  return st;
+}
+
+typedef struct ctx {
+  pg_t *pg;
+  int W, r;
+  int64_t L[TENSOR_MAX_DIMS]; /* logical shape at this mesh dimension */
+} ctx_t;
+
+static void with_dim(const tensor_t *t, int d, int64_t v, int64_t *shape) {
+  memcpy(shape, t->shape, sizeof(int64_t) * TENSOR_MAX_DIMS);
+  shape[d] = v;
+}
+
+static status_t shard_to_replicate(const ctx_t *c, const tensor_t *x, int d, tensor_t *out) {
+  int64_t cs = chunk_size(c->L[d], c->W), P[TENSOR_MAX_DIMS], F[TENSOR_MAX_DIMS];
+  with_dim(x, d, cs, P);
+  with_dim(x, d, c->L[d], F);
+  TRY(tensor_init(out, x->dtype, x->device, x->ndim, F));
+  if (d == 0 && c->L[0] % c->W == 0) /* even rows: the gathered buffer is the result */
+    return pg_all_gather(c->pg, x->data, out->data, (size_t)tensor_numel(x), x->dtype, NULL);
+  tensor_t send = {0}, recv = {0}, blk = {0}, part = {0};
+  status_t st = STATUS_OK;
+  TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, x->ndim, P));
+  TRY_GOTO(st, copy_into(&send, d, 0, -1, 0, x));
+  int64_t nb = tensor_numel(&send);
+  int64_t R[1] = {nb * c->W};
+  TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, 1, R));
+  TRY_GOTO(st, pg_all_gather(c->pg, send.data, recv.data, (size_t)nb, x->dtype, NULL));
+  for (int k = 0; k < c->W; k++) {
+    int64_t ok, lk;
+    chunk_range(c->L[d], c->W, k, &ok, &lk);
+    TRY_GOTO(st, block_of(&blk, &recv, k, nb, x->ndim, P));
+    TRY_GOTO(st, tensor_narrow(&part, &blk, d, 0, lk));
+    TRY_GOTO(st, copy_into(out, d, ok, -1, 0, &part));
+    tensor_free(&part);
+    tensor_free(&blk);
+  }
+cleanup:
+  tensor_free(&part);
+  tensor_free(&blk);
+  tensor_free(&send);
+  tensor_free(&recv);
+  if (st != STATUS_OK) tensor_free(out);
+  return st;
+}
+
+static status_t partial_to_replicate(const ctx_t *c, const tensor_t *x, reduce_op_t op,
+                                     tensor_t *out) {
+  TRY(tensor_clone(out, x, x->dtype, x->device));
+  status_t st = pg_all_reduce(c->pg, out->data, out->data, (size_t)tensor_numel(out), out->dtype,
+                              op, NULL);
+  if (st != STATUS_OK) tensor_free(out);
+  return st;
+}
+
+static status_t partial_to_shard(const ctx_t *c, const tensor_t *x, reduce_op_t op, int d,
+                                 tensor_t *out) {
+  int64_t cs = chunk_size(c->L[d], c->W), P[TENSOR_MAX_DIMS];
+  with_dim(x, d, cs, P);
+  tensor_t send = {0}, recv = {0}, blk = {0}, part = {0}, mine = {0};
+  status_t st = STATUS_OK;
+  int64_t nb = 1;
+  for (int i = 0; i < x->ndim; i++) nb *= P[i];
+  int64_t S[1] = {nb * c->W};
+  TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, 1, S));
+  for (int k = 0; k < c->W && nb > 0; k++) {
+    int64_t ok, lk;
+    chunk_range(c->L[d], c->W, k, &ok, &lk);
+    TRY_GOTO(st, block_of(&blk, &send, k, nb, x->ndim, P));
+    TRY_GOTO(st, tensor_narrow(&part, x, d, ok, lk));
+    TRY_GOTO(st, copy_into(&blk, d, 0, -1, 0, &part));
+    tensor_free(&part);
+    tensor_free(&blk);
+  }
+  TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, x->ndim, P));
+  TRY_GOTO(st, pg_reduce_scatter(c->pg, send.data, recv.data, (size_t)nb, x->dtype, op, NULL));
+  int64_t orr, lr;
+  chunk_range(c->L[d], c->W, c->r, &orr, &lr);
+  TRY_GOTO(st, tensor_narrow(&mine, &recv, d, 0, lr));
+  st = tensor_clone(out, &mine, x->dtype, x->device);
+cleanup:
+  tensor_free(&part);
+  tensor_free(&blk);
+  tensor_free(&mine);
+  tensor_free(&send);
+  tensor_free(&recv);
+  return st;
+}
+
+static status_t shard_to_shard(const ctx_t *c, const tensor_t *x, int d, int e, tensor_t *out) {
+  int64_t cd = chunk_size(c->L[d], c->W), ce = chunk_size(c->L[e], c->W);
+  int64_t B[TENSOR_MAX_DIMS], O[TENSOR_MAX_DIMS];
+  with_dim(x, d, cd, B);
+  B[e] = ce;
+  int64_t oer, ler;
+  chunk_range(c->L[e], c->W, c->r, &oer, &ler);
+  with_dim(x, d, c->L[d], O);
+  O[e] = ler;
+  int64_t nb = 1;
+  for (int i = 0; i < x->ndim; i++) nb *= B[i];
+  int64_t S[1] = {nb * c->W};
+  tensor_t send = {0}, recv = {0}, blk = {0}, part = {0};
+  status_t st = STATUS_OK;
+  TRY_GOTO(st, tensor_init(out, x->dtype, x->device, x->ndim, O));
+  TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, 1, S));
+  TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, 1, S));
+  for (int k = 0; k < c->W && nb > 0; k++) { /* block k: my d-chunk of rank k's e-chunk */
+    int64_t ok, lk;
+    chunk_range(c->L[e], c->W, k, &ok, &lk);
+    TRY_GOTO(st, block_of(&blk, &send, k, nb, x->ndim, B));
+    TRY_GOTO(st, tensor_narrow(&part, x, e, ok, lk));
+    TRY_GOTO(st, copy_into(&blk, d, 0, e, 0, &part));
+    tensor_free(&part);
+    tensor_free(&blk);
+  }
+  TRY_GOTO(st, pg_all_to_all(c->pg, send.data, recv.data, (size_t)nb, x->dtype, NULL));
+  for (int k = 0; k < c->W && nb > 0; k++) { /* from rank k: its d-chunk of my e-chunk */
+    int64_t ok, lk;
+    chunk_range(c->L[d], c->W, k, &ok, &lk);
+    TRY_GOTO(st, block_of(&blk, &recv, k, nb, x->ndim, B));
+    TRY_GOTO(st, narrow2(&part, &blk, d, 0, lk, e, 0, ler));
+    TRY_GOTO(st, copy_into(out, d, ok, -1, 0, &part));
+    tensor_free(&part);
+    tensor_free(&blk);
+  }
+cleanup:
+  tensor_free(&part);
+  tensor_free(&blk);
+  tensor_free(&send);
+  tensor_free(&recv);
+  if (st != STATUS_OK) tensor_free(out);
+  return st;
+}
+
+static status_t replicate_to_shard(const ctx_t *c, const tensor_t *x, int d, tensor_t *out) {
+  int64_t o, l;
+  chunk_range(x->shape[d], c->W, c->r, &o, &l);
+  tensor_t part;
+  TRY(tensor_narrow(&part, x, d, o, l));
+  status_t st = tensor_clone(out, &part, x->dtype, x->device);
+  tensor_free(&part);
+  return st;
+}
+
+static status_t to_partial(const ctx_t *c, const tensor_t *x, placement_t from, reduce_op_t op,
+                           tensor_t *out) {
+  if (from.kind == PLACEMENT_REPLICATE) {
+    if (op == REDUCE_SUM && c->r != 0)
+      return tensor_zeros(out, x->dtype, x->device, x->ndim, x->shape);
+    return tensor_ref(out, x);
+  }
+  /* Shard(d) -> Partial(sum): the shard in place inside zeros. */
+  int d = from.dim;
+  int64_t F[TENSOR_MAX_DIMS], o, l;
+  with_dim(x, d, c->L[d], F);
+  chunk_range(c->L[d], c->W, c->r, &o, &l);
+  TRY(tensor_zeros(out, x->dtype, x->device, x->ndim, F));
+  status_t st = copy_into(out, d, o, -1, 0, x);
+  if (st != STATUS_OK) tensor_free(out);
+  return st;
+}
+
+/* Checks the planner's promise: no mesh dimension after i shards tensor dimension d. */
+static status_t check_inner(const placement_t *cur, int n, int i, int d) {
+  for (int j = i + 1; j < n; j++)
+    if (placement_is_shard(cur[j], d))
+      return err_set(STATUS_EINTERNAL,
+                     "redistribute: mesh dim %d changes a shard of tensor dim %d that mesh dim "
+                     "%d also shards", i, d, j);
+  return STATUS_OK;
+}
+
+/* Runs one step on mesh dimension s->dim; replaces *x with the result. */
+static status_t run_step(const dtensor_t *src, const placement_t *cur, const step_t *s,
+                         tensor_t *x) {
+  mesh_t *mesh = src->mesh;
+  int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS], coord[MESH_MAX_DIMS];
+  mesh_shape_coord(mesh, shape, coord);
+  ctx_t c = {.pg = mesh_group(mesh, s->dim), .W = shape[s->dim], .r = coord[s->dim]};
+  int64_t off[TENSOR_MAX_DIMS];
+  placements_local_box(src->ndim, src->shape, s->dim, shape, cur, coord, c.L, off);
+
+  placement_t from = s->from, to = s->to;
+  if (from.kind == PLACEMENT_SHARD) TRY(check_inner(cur, n, s->dim, from.dim));
+  if (to.kind == PLACEMENT_SHARD) TRY(check_inner(cur, n, s->dim, to.dim));
+
+  tensor_t out = {0};
+  status_t st;
+  if (from.kind == PLACEMENT_SHARD && to.kind == PLACEMENT_REPLICATE)
+    st = shard_to_replicate(&c, x, from.dim, &out);
+  else if (from.kind == PLACEMENT_PARTIAL && to.kind == PLACEMENT_REPLICATE)
+    st = partial_to_replicate(&c, x, from.op, &out);
+  else if (from.kind == PLACEMENT_PARTIAL && to.kind == PLACEMENT_SHARD)
+    st = partial_to_shard(&c, x, from.op, to.dim, &out);
+  else if (from.kind == PLACEMENT_SHARD && to.kind == PLACEMENT_SHARD)
+    st = shard_to_shard(&c, x, from.dim, to.dim, &out);
+  else if (from.kind == PLACEMENT_REPLICATE && to.kind == PLACEMENT_SHARD)
+    st = replicate_to_shard(&c, x, to.dim, &out);
+  else if (to.kind == PLACEMENT_PARTIAL)
+    st = to_partial(&c, x, from, to.op, &out);
+  else
+    st = err_set(STATUS_EINTERNAL, "redistribute: no rule for this step");
+  if (st != STATUS_OK) return st;
+  tensor_free(x);
+  *x = out;
+  return STATUS_OK;
+}
+
+/* Steps into a Partial target other than from Replicate or Shard->Partial(sum) go through
+ * Replicate. */
+static int needs_replicate_first(placement_t from, placement_t to) {
+  if (to.kind != PLACEMENT_PARTIAL || from.kind == PLACEMENT_REPLICATE) return 0;
+  if (from.kind == PLACEMENT_SHARD) return to.op != REDUCE_SUM;
+  return 1; /* Partial(a) -> Partial(b), a != b */
+}
+
+/* ---- the general path for strided shards ---- */
+
+static int has_strided(int n, const placement_t *pl) {
+  for (int i = 0; i < n; i++)
+    if (pl[i].kind == PLACEMENT_SHARD && pl[i].split_factor > 1) return 1;
+  return 0;
+}
+
+static status_t gather_full(const dtensor_t *src, tensor_t *full) {
+  mesh_t *mesh = src->mesh;
+  int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS], coord[MESH_MAX_DIMS];
+  mesh_shape_coord(mesh, shape, coord);
+  tensor_t x = {0}, buf = {0}, next = {0}, blk = {0};
+  status_t st = STATUS_OK;
+  TRY(tensor_ref(&x, &src->local));
+  for (int i = 0; i < n; i++) { /* reduce every Partial dimension first */
+    if (src->pl[i].kind != PLACEMENT_PARTIAL) continue;
+    tensor_t reduced;
+    TRY_GOTO(st, tensor_clone(&reduced, &x, x.dtype, x.device));
+    tensor_free(&x);
+    x = reduced;
+    TRY_GOTO(st, pg_all_reduce(mesh_group(mesh, i), x.data, x.data, (size_t)tensor_numel(&x),
+                               x.dtype, src->pl[i].op, NULL));
+  }
+  int64_t maxbox = 0, ls[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
+  int c[MESH_MAX_DIMS];
+  for (int idx = 0; idx < mesh_numel(mesh); idx++) {
+    mesh_unravel(mesh, idx, c);
+    placements_local_box(src->ndim, src->shape, n, shape, src->pl, c, ls, off);
+    int64_t ne = 1;
+    for (int d = 0; d < src->ndim; d++) ne *= ls[d];
+    if (ne > maxbox) maxbox = ne;
+  }
+  int64_t count = maxbox;
+  TRY_GOTO(st, tensor_zeros(&buf, x.dtype, x.device, 1, &count));
+  if (tensor_numel(&x) > 0) {
+    tensor_t flat, head;
+    TRY_GOTO(st, tensor_view(&flat, &x, 1, (int64_t[]){tensor_numel(&x)}));
+    st = tensor_narrow(&head, &buf, 0, 0, tensor_numel(&x));
+    if (st == STATUS_OK) st = tensor_copy(&head, &flat);
+    tensor_free(&flat);
+    tensor_free(&head);
+    if (st != STATUS_OK) goto cleanup;
+  }
+  for (int i = n - 1; i >= 0; i--) { /* row-major order of coordinates when done */
+    int64_t total = count * shape[i];
+    TRY_GOTO(st, tensor_init(&next, x.dtype, x.device, 1, &total));
+    TRY_GOTO(st, pg_all_gather(mesh_group(mesh, i), buf.data, next.data, (size_t)count, x.dtype,
+                               NULL));
+    tensor_free(&buf);
+    buf = next;
+    memset(&next, 0, sizeof next);
+    count = total;
+  }
+  TRY_GOTO(st, tensor_init(full, x.dtype, x.device, src->ndim, src->shape));
+  for (int idx = 0; idx < mesh_numel(mesh) && maxbox > 0; idx++) {
+    mesh_unravel(mesh, idx, c);
+    placements_local_box(src->ndim, src->shape, n, shape, src->pl, c, ls, off);
+    TRY_GOTO(st, block_of(&blk, &buf, idx, maxbox, src->ndim, ls));
+    tensor_t region = {0}, tmp = {0};
+    st = tensor_ref(&region, full);
+    for (int d = 0; d < src->ndim && st == STATUS_OK; d++) {
+      st = tensor_narrow(&tmp, &region, d, off[d], ls[d]);
+      tensor_free(&region);
+      region = tmp;
+    }
+    if (st == STATUS_OK) st = tensor_copy(&region, &blk);
+    tensor_free(&region);
+    tensor_free(&blk);
+    if (st != STATUS_OK) goto cleanup;
+  }
+cleanup:
+  tensor_free(&x);
+  tensor_free(&buf);
+  tensor_free(&next);
+  tensor_free(&blk);
+  if (st != STATUS_OK) tensor_free(full);
+  return st;
+}
+
+status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dtensor_t **out) {
+  *out = NULL;
+  mesh_t *mesh = src->mesh;
+  int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS];
+  mesh_shape_coord(mesh, shape, NULL);
+  TRY(placements_check(src->ndim, n, shape, dst));
+  tensor_t x = {0};
+  status_t st = STATUS_OK;
+  if (has_strided(n, src->pl) || has_strided(n, dst)) {
+    tensor_t full = {0};
+    TRY(gather_full(src, &full));
+    st = local_from_full(&full, mesh, dst, &x);
+    tensor_free(&full);
+    if (st != STATUS_OK) return st;
+  } else {
+    step_t steps[2 * MESH_MAX_DIMS];
+    int ns = plan_steps(n, src->pl, dst, steps);
+    placement_t cur[MESH_MAX_DIMS];
+    memcpy(cur, src->pl, sizeof(placement_t) * (size_t)n);
+    TRY(tensor_ref(&x, &src->local));
+    for (int k = 0; k < ns; k++) {
+      step_t s = steps[k];
+      if (needs_replicate_first(s.from, s.to)) {
+        step_t first = {s.dim, s.from, placement_replicate()};
+        TRY_GOTO(st, run_step(src, cur, &first, &x));
+        cur[s.dim] = placement_replicate();
+        s.from = placement_replicate();
+      }
+      TRY_GOTO(st, run_step(src, cur, &s, &x));
+      cur[s.dim] = s.to;
+    }
+  }
+  st = dtensor_wrap_owned(out, &x, mesh, dst, src->ndim, src->shape);
+cleanup:
+  tensor_free(&x);
+  return st;
+}

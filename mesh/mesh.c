@@ -1,0 +1,312 @@
+#include "mesh/mesh.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mesh/pg_impl.h"
+#include "mesh/world.h"
+
+/* The world-level mesh every slice and flattening refers back to. */
+typedef struct mesh_root {
+  int refcount;
+  int ndim;
+  int shape[MESH_MAX_DIMS];
+  int coord[MESH_MAX_DIMS];
+  MPI_Comm comm;
+  device_t device;
+} mesh_root_t;
+
+struct mesh {
+  mesh_root_t *root;
+  int ndim;
+  int shape[MESH_MAX_DIMS];
+  int coord[MESH_MAX_DIMS];
+  char names[MESH_MAX_DIMS][MESH_NAME_MAX];
+  unsigned root_mask[MESH_MAX_DIMS]; /* the root dimensions each dimension spans */
+  pg_t *groups[MESH_MAX_DIMS];
+  int *ranks;
+  int nranks;
+};
+
+static void root_release(mesh_root_t *root) {
+  if (root == NULL || --root->refcount > 0) return;
+  MPI_Comm_free(&root->comm);
+  free(root);
+}
+
+void mesh_free(mesh_t *mesh) {
+  if (mesh == NULL) return;
+  for (int i = 0; i < mesh->ndim; i++) pg_release(mesh->groups[i]);
+  root_release(mesh->root);
+  free(mesh->ranks);
+  free(mesh);
+}
+
+/* Root coordinates of world rank r (row-major). */
+static void root_unravel(const mesh_root_t *root, int r, int *coord) {
+  for (int i = root->ndim - 1; i >= 0; i--) {
+    coord[i] = r % root->shape[i];
+    r /= root->shape[i];
+  }
+}
+
+/* Row-major index of coord over the root dimensions in mask (in root order). */
+static int masked_index(const mesh_root_t *root, const int *coord, unsigned mask) {
+  int idx = 0;
+  for (int i = 0; i < root->ndim; i++)
+    if (mask & (1u << i)) idx = idx * root->shape[i] + coord[i];
+  return idx;
+}
+
+/* Fills mesh->ranks: world ranks that agree with this rank outside the mesh's root dims. */
+static status_t fill_ranks(mesh_t *m) {
+  unsigned all = 0;
+  for (int i = 0; i < m->ndim; i++) all |= m->root_mask[i];
+  m->nranks = 1;
+  for (int i = 0; i < m->ndim; i++) m->nranks *= m->shape[i];
+  m->ranks = malloc(sizeof(int) * (size_t)m->nranks);
+  if (m->ranks == NULL) return err_set(STATUS_ENOMEM, "mesh: out of host memory");
+  int world = 1, n = 0, c[MESH_MAX_DIMS];
+  for (int i = 0; i < m->root->ndim; i++) world *= m->root->shape[i];
+  unsigned others = ((1u << m->root->ndim) - 1) & ~all;
+  int mine = masked_index(m->root, m->root->coord, others);
+  for (int r = 0; r < world; r++) {
+    root_unravel(m->root, r, c);
+    if (masked_index(m->root, c, others) == mine) m->ranks[n++] = r;
+  }
+  return n == m->nranks ? STATUS_OK : err_set(STATUS_EINTERNAL, "mesh: rank list mismatch");
+}
+
+static status_t check_names(int ndim, const char *const *names) {
+  for (int i = 0; i < ndim; i++) {
+    if (names == NULL || names[i] == NULL || names[i][0] == '\0')
+      return err_set(STATUS_EMESH, "mesh dimension %d has no name", i);
+    if (strlen(names[i]) >= MESH_NAME_MAX)
+      return err_set(STATUS_EMESH, "mesh dimension name '%s' is longer than %d characters",
+                     names[i], MESH_NAME_MAX - 1);
+    for (int j = 0; j < i; j++)
+      if (strcmp(names[i], names[j]) == 0)
+        return err_set(STATUS_EMESH, "mesh dimension name '%s' appears twice", names[i]);
+  }
+  return STATUS_OK;
+}
+
+/* Resolves -1 and checks that the sizes multiply to the world size. */
+static status_t resolve_shape(int ndim, const int *shape, const char *const *names, int world,
+                              int *out) {
+  int inferred = -1;
+  double known = 1; /* a double cannot overflow for five int factors */
+  char dims[256];
+  size_t off = 0;
+  dims[0] = '\0';
+  for (int i = 0; i < ndim; i++) {
+    if (shape[i] == -1) {
+      if (inferred >= 0)
+        return err_set(STATUS_EMESH, "mesh: only one dimension may be -1 ('%s' and '%s' are)",
+                       names[inferred], names[i]);
+      inferred = i;
+    } else if (shape[i] <= 0) {
+      return err_set(STATUS_EMESH, "mesh: size of '%s' must be positive or -1, got %d",
+                     names[i], shape[i]);
+    } else {
+      known *= shape[i];
+    }
+    out[i] = shape[i];
+    if (off < sizeof dims)
+      off += (size_t)snprintf(dims + off, sizeof dims - off, "%s%s=%d", i ? " x " : "",
+                              names[i], shape[i]);
+  }
+  if (inferred >= 0) {
+    if (known > world || world % (int)known != 0)
+      return err_set(STATUS_EMESH,
+                     "mesh %s: world size %d is not divisible by %.0f (the product of the "
+                     "other dimensions), so '%s' cannot be inferred",
+                     dims, world, known, names[inferred]);
+    out[inferred] = world / (int)known;
+    return STATUS_OK;
+  }
+  if (known != world)
+    return err_set(STATUS_EMESH, "mesh %s has %.0f ranks, but the world has %d", dims, known,
+                   world);
+  return STATUS_OK;
+}
+
+static status_t new_mesh(mesh_root_t *root, mesh_t **out) {
+  mesh_t *m = calloc(1, sizeof *m);
+  if (m == NULL) return err_set(STATUS_ENOMEM, "mesh: out of host memory");
+  m->root = root;
+  root->refcount++;
+  *out = m;
+  return STATUS_OK;
+}
+
+/* Builds the group of the ranks that agree with this rank outside `mask`, ordered
+ * row-major over the dimensions in mask. Collective over the root. */
+static status_t split_group(mesh_root_t *root, unsigned mask, pg_t **out) {
+  unsigned others = ((1u << root->ndim) - 1) & ~mask;
+  MPI_Comm sub;
+  TRY(pg_mpi_status(MPI_Comm_split(root->comm, masked_index(root, root->coord, others),
+                                   masked_index(root, root->coord, mask), &sub),
+                    "MPI_Comm_split"));
+  status_t st = root->device.type == DEVICE_CUDA ? pg_new_nccl(sub, root->device.index, out)
+                                                 : pg_new_mpi(sub, out);
+  MPI_Comm_free(&sub);
+  return st;
+}
+
+status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *names,
+                   device_type_t device_type) {
+  if (out == NULL) return err_set(STATUS_EINVAL, "mesh_init: out is NULL");
+  *out = NULL;
+  if (ndim < 1 || ndim > MESH_MAX_DIMS)
+    return err_set(STATUS_EMESH, "mesh: 1 to %d dimensions, got %d", MESH_MAX_DIMS, ndim);
+  if (shape == NULL) return err_set(STATUS_EINVAL, "mesh_init: shape is NULL");
+  TRY(check_names(ndim, names));
+  int sizes[MESH_MAX_DIMS];
+  TRY(resolve_shape(ndim, shape, names, world_size(), sizes));
+
+  device_t dev = device_cpu();
+  if (device_type == DEVICE_CUDA) {
+    dev = world_device();
+    status_t st = STATUS_OK;
+    if (dev.type != DEVICE_CUDA)
+      st = err_set(STATUS_ENODEV, "CUDA mesh requested, but rank %d has no CUDA device",
+                   world_rank());
+    TRY(comm_agree(world_comm(), st));
+  }
+
+  mesh_root_t *root = calloc(1, sizeof *root);
+  if (root == NULL) return err_set(STATUS_ENOMEM, "mesh: out of host memory");
+  root->ndim = ndim;
+  root->device = dev;
+  memcpy(root->shape, sizes, sizeof(int) * (size_t)ndim);
+  root_unravel(root, world_rank(), root->coord);
+  status_t st = pg_mpi_status(MPI_Comm_dup(world_comm(), &root->comm), "MPI_Comm_dup");
+  if (st != STATUS_OK) {
+    free(root);
+    return st;
+  }
+  mesh_t *m = NULL;
+  st = new_mesh(root, &m); /* takes the root's first reference */
+  if (st != STATUS_OK) {
+    MPI_Comm_free(&root->comm);
+    free(root);
+    return st;
+  }
+  m->ndim = ndim;
+  for (int i = 0; i < ndim; i++) {
+    m->shape[i] = sizes[i];
+    m->coord[i] = root->coord[i];
+    m->root_mask[i] = 1u << i;
+    snprintf(m->names[i], MESH_NAME_MAX, "%s", names[i]);
+  }
+  for (int i = 0; i < ndim && st == STATUS_OK; i++) st = split_group(root, 1u << i, &m->groups[i]);
+  if (st == STATUS_OK) st = fill_ranks(m);
+  st = comm_agree(world_comm(), st);
+  if (st != STATUS_OK) {
+    mesh_free(m);
+    return st;
+  }
+  *out = m;
+  return STATUS_OK;
+}
+
+/* Indices of the named dimensions, which must be distinct and in mesh order. */
+static status_t lookup_dims(const mesh_t *mesh, int n, const char *const *names, int *idx) {
+  if (n < 1 || n > mesh->ndim)
+    return err_set(STATUS_EMESH, "mesh: %d dimension names given for a %d-D mesh", n, mesh->ndim);
+  for (int k = 0; k < n; k++) {
+    idx[k] = names && names[k] ? mesh_dim_index(mesh, names[k]) : -1;
+    if (idx[k] < 0) {
+      char buf[256];
+      return err_set(STATUS_EMESH, "mesh %s has no dimension '%s'",
+                     mesh_str(mesh, buf, sizeof buf), names && names[k] ? names[k] : "(null)");
+    }
+    if (k > 0 && idx[k] <= idx[k - 1])
+      return err_set(STATUS_EMESH, "mesh dimensions must be named once each, in mesh order "
+                     "('%s' comes after '%s')", names[k - 1], names[k]);
+  }
+  return STATUS_OK;
+}
+
+status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t **out) {
+  *out = NULL;
+  int idx[MESH_MAX_DIMS];
+  TRY(lookup_dims(mesh, n, names, idx));
+  mesh_t *m = NULL;
+  TRY(new_mesh(mesh->root, &m));
+  m->ndim = n;
+  for (int k = 0; k < n; k++) {
+    int d = idx[k];
+    m->shape[k] = mesh->shape[d];
+    m->coord[k] = mesh->coord[d];
+    m->root_mask[k] = mesh->root_mask[d];
+    memcpy(m->names[k], mesh->names[d], MESH_NAME_MAX);
+    m->groups[k] = pg_retain(mesh->groups[d]);
+  }
+  status_t st = fill_ranks(m);
+  if (st != STATUS_OK) {
+    mesh_free(m);
+    return st;
+  }
+  *out = m;
+  return STATUS_OK;
+}
+
+status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names, const char *new_name,
+                      mesh_t **out) {
+  *out = NULL;
+  int idx[MESH_MAX_DIMS];
+  TRY(lookup_dims(mesh, n, names, idx));
+  TRY(check_names(1, &new_name));
+  mesh_t *m = NULL;
+  TRY(new_mesh(mesh->root, &m));
+  m->ndim = 1;
+  m->shape[0] = 1;
+  for (int k = 0; k < n; k++) {
+    m->shape[0] *= mesh->shape[idx[k]];
+    m->root_mask[0] |= mesh->root_mask[idx[k]];
+  }
+  m->coord[0] = masked_index(m->root, m->root->coord, m->root_mask[0]);
+  snprintf(m->names[0], MESH_NAME_MAX, "%s", new_name);
+  status_t st = split_group(m->root, m->root_mask[0], &m->groups[0]);
+  if (st == STATUS_OK) st = fill_ranks(m);
+  if (st != STATUS_OK) {
+    mesh_free(m);
+    return st;
+  }
+  *out = m;
+  return STATUS_OK;
+}
+
+int mesh_ndim(const mesh_t *mesh) { return mesh->ndim; }
+int mesh_size(const mesh_t *mesh, int dim) { return mesh->shape[dim]; }
+int mesh_numel(const mesh_t *mesh) { return mesh->nranks; }
+int mesh_coord(const mesh_t *mesh, int dim) { return mesh->coord[dim]; }
+const char *mesh_dim_name(const mesh_t *mesh, int dim) { return mesh->names[dim]; }
+pg_t *mesh_group(const mesh_t *mesh, int dim) { return mesh->groups[dim]; }
+const int *mesh_ranks(const mesh_t *mesh) { return mesh->ranks; }
+device_t mesh_device(const mesh_t *mesh) { return mesh->root->device; }
+
+int mesh_dim_index(const mesh_t *mesh, const char *name) {
+  for (int i = 0; i < mesh->ndim; i++)
+    if (strcmp(mesh->names[i], name) == 0) return i;
+  return -1;
+}
+
+void mesh_unravel(const mesh_t *mesh, int index, int *coord) {
+  for (int i = mesh->ndim - 1; i >= 0; i--) {
+    coord[i] = index % mesh->shape[i];
+    index /= mesh->shape[i];
+  }
+}
+
+const char *mesh_str(const mesh_t *mesh, char *buf, size_t size) {
+  size_t off = (size_t)snprintf(buf, size, "(");
+  for (int i = 0; i < mesh->ndim && off < size; i++)
+    off += (size_t)snprintf(buf + off, size - off, "%s%s=%d", i ? ", " : "", mesh->names[i],
+                            mesh->shape[i]);
+  if (off < size) snprintf(buf + off, size - off, ")");
+  return buf;
+}

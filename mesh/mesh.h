@@ -1,0 +1,80 @@
+/*
+ * DeviceMesh: an N-D, named arrangement of ranks with one process group per dimension.
+ *
+ * Ranks are laid out row-major over the world (rank = arange(world).view(shape)); the group
+ * of dimension i holds the ranks that differ only in coordinate i.
+ *
+ *   int shape[] = {2, -1};                       // -1: whatever is left of the world
+ *   const char *names[] = {"dp_replicate", "dp_shard"};
+ *   mesh_t *mesh, *shard, *dp;
+ *   TRY(mesh_init(&mesh, 2, shape, names, DEVICE_CPU));       // collective over the world
+ *   TRY(mesh_slice(mesh, 1, (const char *[]){"dp_shard"}, &shard));  // reuses the group
+ *   TRY(mesh_flatten(mesh, 2, names, "dp", &dp));              // new 1-D group of 2*W/2 ranks
+ *   pg_t *g = mesh_group(shard, 0);
+ *   mesh_free(dp); mesh_free(shard); mesh_free(mesh);
+ *
+ * Groups use MPI on a CPU mesh and NCCL on a CUDA mesh (each rank on world_device()).
+ * Meshes are reference counted internally: a slice keeps its parent's groups alive, so
+ * meshes may be freed in any order.
+ */
+#ifndef FSDPC_MESH_MESH_H
+#define FSDPC_MESH_MESH_H
+
+#include "base/device.h"
+#include "base/status.h"
+#include "mesh/pg.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MESH_MAX_DIMS 5
+#define MESH_NAME_MAX 32
+
+typedef struct mesh mesh_t;
+
+/* Creates a mesh over the world. shape[i] > 0, or -1 on at most one dimension; names are
+ * distinct, non-empty, shorter than MESH_NAME_MAX. The product of the sizes must equal the
+ * world size. Every rank gets the same error for a bad shape (it depends only on the
+ * arguments and the world size), so no rank is left waiting. Collective over the world. */
+status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *names,
+                   device_type_t device_type);
+
+/* Releases a mesh; its groups go when no slice or flattened mesh uses them. NULL is a no-op. */
+void mesh_free(mesh_t *mesh);
+
+/* A submesh of the named dimensions (in the parent's order), sharing the parent's groups.
+ * Local: no communication. */
+status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t **out);
+
+/* A 1-D mesh named new_name whose group is the product of the named dimensions (in the
+ * parent's order; rank order row-major over them). Collective over all ranks of the mesh's
+ * root (the mesh created by mesh_init). */
+status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names, const char *new_name,
+                      mesh_t **out);
+
+int mesh_ndim(const mesh_t *mesh);
+int mesh_size(const mesh_t *mesh, int dim);
+/* Number of ranks in the mesh (product of the sizes). */
+int mesh_numel(const mesh_t *mesh);
+/* This rank's coordinate along dim. */
+int mesh_coord(const mesh_t *mesh, int dim);
+const char *mesh_dim_name(const mesh_t *mesh, int dim);
+/* Index of the dimension called name, or -1. */
+int mesh_dim_index(const mesh_t *mesh, const char *name);
+/* The group of dimension dim (owned by the mesh). */
+pg_t *mesh_group(const mesh_t *mesh, int dim);
+/* World ranks of the mesh in row-major order of its coordinates (mesh_numel entries). */
+const int *mesh_ranks(const mesh_t *mesh);
+/* Coordinates of the mesh's i-th rank (row-major index) into coord[mesh_ndim]. */
+void mesh_unravel(const mesh_t *mesh, int index, int *coord);
+/* The device this rank's buffers live on for this mesh. */
+device_t mesh_device(const mesh_t *mesh);
+/* "(dp_replicate=2, dp_shard=4)" into buf; returns buf. */
+const char *mesh_str(const mesh_t *mesh, char *buf, size_t size);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

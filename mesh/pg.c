@@ -1,0 +1,196 @@
+#include "mesh/pg.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "mesh/pg_impl.h"
+
+const char *pg_kind_name(pg_kind_t kind) {
+  static const char *const names[PG_KIND_COUNT] = {
+      [PG_ALL_GATHER] = "all_gather", [PG_REDUCE_SCATTER] = "reduce_scatter",
+      [PG_ALL_REDUCE] = "all_reduce", [PG_ALL_TO_ALL] = "all_to_all",
+      [PG_BROADCAST] = "broadcast",   [PG_BARRIER] = "barrier",
+  };
+  return (unsigned)kind < PG_KIND_COUNT ? names[kind] : "invalid";
+}
+
+const char *reduce_op_name(reduce_op_t op) {
+  switch (op) {
+    case REDUCE_SUM: return "sum";
+    case REDUCE_AVG: return "avg";
+    case REDUCE_MAX: return "max";
+  }
+  return "invalid";
+}
+
+status_t pg_mpi_status(int rc, const char *what) {
+  if (rc == MPI_SUCCESS) return STATUS_OK;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "code %d", rc);
+  return err_set(STATUS_EMPI, "%s failed: %s", what, text);
+}
+
+status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out) {
+  *out = NULL;
+  pg_t *pg = calloc(1, sizeof *pg);
+  if (pg == NULL) return err_set(STATUS_ENOMEM, "process group: out of host memory");
+  pg->ops = ops;
+  pg->refcount = 1;
+  pg->device = dev;
+  status_t st = pg_mpi_status(MPI_Comm_dup(comm, &pg->comm), "MPI_Comm_dup");
+  if (st != STATUS_OK) {
+    free(pg);
+    return st;
+  }
+  MPI_Comm_set_errhandler(pg->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(pg->comm, &pg->rank);
+  MPI_Comm_size(pg->comm, &pg->size);
+  *out = pg;
+  return STATUS_OK;
+}
+
+pg_t *pg_retain(pg_t *pg) {
+  if (pg) pg->refcount++;
+  return pg;
+}
+
+void pg_release(pg_t *pg) {
+  if (pg == NULL || --pg->refcount > 0) return;
+  if (pg->ops->destroy) pg->ops->destroy(pg);
+  MPI_Comm_free(&pg->comm);
+  free(pg);
+}
+
+int pg_rank(const pg_t *pg) { return pg->rank; }
+int pg_size(const pg_t *pg) { return pg->size; }
+device_t pg_device(const pg_t *pg) { return pg->device; }
+MPI_Comm pg_comm(const pg_t *pg) { return pg->comm; }
+const char *pg_backend_name(const pg_t *pg) { return pg->ops->name; }
+pg_counters_t pg_counters(const pg_t *pg) { return pg->counters; }
+void pg_reset_counters(pg_t *pg) { pg->counters = (pg_counters_t){{0}, {0}}; }
+
+static status_t check_call(const pg_t *pg, const char *what, dtype_t dt, size_t count,
+                           size_t total_count) {
+  if (pg == NULL) return err_set(STATUS_EINVAL, "%s: group is NULL", what);
+  if (dtype_size(dt) == 0) return err_set(STATUS_EDTYPE, "%s: invalid dtype %d", what, (int)dt);
+  if (total_count > (size_t)INT_MAX || count > (size_t)INT_MAX)
+    return err_set(STATUS_EINVAL, "%s: %zu elements exceed the per-call limit of %d", what,
+                   total_count, INT_MAX);
+  return STATUS_OK;
+}
+
+static status_t check_op(const char *what, dtype_t dt, reduce_op_t op) {
+  if (op != REDUCE_SUM && op != REDUCE_AVG && op != REDUCE_MAX)
+    return err_set(STATUS_EINVAL, "%s: invalid reduce op %d", what, (int)op);
+  if (op == REDUCE_AVG && !dtype_is_float(dt))
+    return err_set(STATUS_EDTYPE, "%s: avg needs a floating-point dtype, got %s", what,
+                   dtype_name(dt));
+  return STATUS_OK;
+}
+
+static status_t check_buf(const char *what, const void *p, size_t count) {
+  if (count > 0 && p == NULL) return err_set(STATUS_EINVAL, "%s: NULL buffer", what);
+  return STATUS_OK;
+}
+
+static void count_call(pg_t *pg, pg_kind_t kind, uint64_t bytes) {
+  pg->counters.calls[kind]++;
+  pg->counters.bytes[kind] += bytes;
+}
+
+/* Runs a call either asynchronously (work != NULL) or to completion. */
+static status_t finish(status_t st, pg_work_t *w, pg_work_t **work) {
+  if (st != STATUS_OK) return st;
+  if (work != NULL) {
+    *work = w;
+    return STATUS_OK;
+  }
+  return pg_wait(w);
+}
+
+status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                       pg_work_t **work) {
+  if (work) *work = NULL;
+  TRY(check_call(pg, "all_gather", dt, count, count * (size_t)(pg ? pg->size : 1)));
+  TRY(check_buf("all_gather", send, count));
+  TRY(check_buf("all_gather", recv, count));
+  pg_work_t *w = NULL;
+  status_t st = pg->ops->all_gather(pg, send, recv, count, dt, &w);
+  if (st == STATUS_OK)
+    count_call(pg, PG_ALL_GATHER, (uint64_t)(pg->size - 1) * count * dtype_size(dt));
+  return finish(st, w, work);
+}
+
+status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                           dtype_t dt, reduce_op_t op, pg_work_t **work) {
+  if (work) *work = NULL;
+  TRY(check_call(pg, "reduce_scatter", dt, recv_count, recv_count * (size_t)(pg ? pg->size : 1)));
+  TRY(check_op("reduce_scatter", dt, op));
+  TRY(check_buf("reduce_scatter", send, recv_count));
+  TRY(check_buf("reduce_scatter", recv, recv_count));
+  pg_work_t *w = NULL;
+  status_t st = pg->ops->reduce_scatter(pg, send, recv, recv_count, dt, op, &w);
+  if (st == STATUS_OK)
+    count_call(pg, PG_REDUCE_SCATTER, (uint64_t)(pg->size - 1) * recv_count * dtype_size(dt));
+  return finish(st, w, work);
+}
+
+status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                       reduce_op_t op, pg_work_t **work) {
+  if (work) *work = NULL;
+  TRY(check_call(pg, "all_reduce", dt, count, count));
+  TRY(check_op("all_reduce", dt, op));
+  TRY(check_buf("all_reduce", send, count));
+  TRY(check_buf("all_reduce", recv, count));
+  pg_work_t *w = NULL;
+  status_t st = pg->ops->all_reduce(pg, send, recv, count, dt, op, &w);
+  if (st == STATUS_OK)
+    count_call(pg, PG_ALL_REDUCE,
+               2u * (uint64_t)(pg->size - 1) * count * dtype_size(dt) / (uint64_t)pg->size);
+  return finish(st, w, work);
+}
+
+status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                       pg_work_t **work) {
+  if (work) *work = NULL;
+  TRY(check_call(pg, "all_to_all", dt, count, count * (size_t)(pg ? pg->size : 1)));
+  TRY(check_buf("all_to_all", send, count));
+  TRY(check_buf("all_to_all", recv, count));
+  if (count > 0 && send == recv)
+    return err_set(STATUS_EINVAL, "all_to_all: send and recv must not be the same buffer");
+  pg_work_t *w = NULL;
+  status_t st = pg->ops->all_to_all(pg, send, recv, count, dt, &w);
+  if (st == STATUS_OK)
+    count_call(pg, PG_ALL_TO_ALL, (uint64_t)(pg->size - 1) * count * dtype_size(dt));
+  return finish(st, w, work);
+}
+
+status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                      pg_work_t **work) {
+  if (work) *work = NULL;
+  TRY(check_call(pg, "broadcast", dt, count, count));
+  TRY(check_buf("broadcast", buf, count));
+  if (root < 0 || root >= pg->size)
+    return err_set(STATUS_EINVAL, "broadcast: root %d outside a group of %d", root, pg->size);
+  pg_work_t *w = NULL;
+  status_t st = pg->ops->broadcast(pg, buf, count, dt, root, &w);
+  if (st == STATUS_OK)
+    count_call(pg, PG_BROADCAST, pg->size > 1 ? (uint64_t)count * dtype_size(dt) : 0);
+  return finish(st, w, work);
+}
+
+status_t pg_barrier(pg_t *pg, pg_work_t **work) {
+  if (work) *work = NULL;
+  if (pg == NULL) return err_set(STATUS_EINVAL, "barrier: group is NULL");
+  pg_work_t *w = NULL;
+  status_t st = pg->ops->barrier(pg, &w);
+  if (st == STATUS_OK) count_call(pg, PG_BARRIER, 0);
+  return finish(st, w, work);
+}
+
+status_t pg_wait(pg_work_t *work) {
+  if (work == NULL) return STATUS_OK;
+  return work->complete(work);
+}

@@ -1,0 +1,120 @@
+/*
+ * Process groups: one interface for collectives, two backends.
+ *
+ *   MPI  (host buffers):   pg_new_mpi(comm)         -- every build
+ *   NCCL (device buffers): pg_new_nccl(comm, device) -- CUDA builds; the NCCL unique id is
+ *                          broadcast over `comm`, which also stays available for host-side
+ *                          agreement (pg_comm()).
+ *
+ * Every collective is collective over the group's ranks (all must call it, in the same
+ * order), counts in elements (never bytes), and comes in two forms: work == NULL blocks
+ * until the result is ready; otherwise *work receives a handle and the call returns at once;
+ * pg_wait(*work) then completes it (MPI: the host waits; NCCL: the current stream of the
+ * device waits on the collective's stream, the host does not block) and frees the handle.
+ * Buffers must stay untouched until then.
+ *
+ *   pg_work_t *w;
+ *   TRY(pg_all_gather(pg, shard, full, shard_count, DTYPE_F32, &w));   // returns at once
+ *   ... other work ...
+ *   TRY(pg_wait(w));                                                    // full is ready
+ *
+ * Counters: every call increments calls[kind] and adds to bytes[kind] the bytes this rank
+ * sends in the bandwidth-optimal (ring) algorithm, with n the bytes of one rank's block:
+ *   all-gather (W-1)*n_in, reduce-scatter (W-1)*n_out, all-reduce 2*(W-1)*n/W (integer
+ *   division), all-to-all (W-1)*n_block, broadcast n when W > 1, barrier 0.
+ * So a group of size 1 counts its calls and zero bytes.
+ */
+#ifndef FSDPC_MESH_PG_H
+#define FSDPC_MESH_PG_H
+
+#include <mpi.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/device.h"
+#include "base/dtype.h"
+#include "base/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum pg_kind {
+  PG_ALL_GATHER = 0,
+  PG_REDUCE_SCATTER,
+  PG_ALL_REDUCE,
+  PG_ALL_TO_ALL,
+  PG_BROADCAST,
+  PG_BARRIER,
+  PG_KIND_COUNT
+} pg_kind_t;
+
+typedef enum reduce_op { REDUCE_SUM = 0, REDUCE_AVG, REDUCE_MAX } reduce_op_t;
+
+typedef struct pg_counters {
+  uint64_t calls[PG_KIND_COUNT];
+  uint64_t bytes[PG_KIND_COUNT];
+} pg_counters_t;
+
+typedef struct pg pg_t;
+typedef struct pg_work pg_work_t;
+
+const char *pg_kind_name(pg_kind_t kind);
+const char *reduce_op_name(reduce_op_t op);
+
+/* Creates an MPI group over the ranks of comm (duplicated; the caller keeps comm).
+ * Collective over comm. Free with pg_release. */
+status_t pg_new_mpi(MPI_Comm comm, pg_t **out);
+
+/* Creates an NCCL group over the ranks of comm using CUDA device `device` on this rank.
+ * Collective over comm. STATUS_ENODEV without CUDA support or device. */
+status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out);
+
+/* Reference counting: a group may be shared by several meshes. pg_release(NULL) is a no-op. */
+pg_t *pg_retain(pg_t *pg);
+void pg_release(pg_t *pg);
+
+int pg_rank(const pg_t *pg);
+int pg_size(const pg_t *pg);
+/* Where the group's buffers must live: the host for MPI, a CUDA device for NCCL. */
+device_t pg_device(const pg_t *pg);
+/* The group's MPI communicator (for host-side agreement); owned by the group. */
+MPI_Comm pg_comm(const pg_t *pg);
+const char *pg_backend_name(const pg_t *pg);
+
+pg_counters_t pg_counters(const pg_t *pg);
+void pg_reset_counters(pg_t *pg);
+
+/* recv[r*count .. (r+1)*count) = send of rank r. recv holds size*count elements; send may be
+ * recv + rank*count (in place). */
+status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                       pg_work_t **work);
+
+/* send holds size*recv_count elements; block r of the reduction lands in recv of rank r.
+ * REDUCE_AVG divides the sum by the group size (floating-point dtypes only). */
+status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                           dtype_t dt, reduce_op_t op, pg_work_t **work);
+
+/* recv = reduction of send over the group; send == recv is in place. */
+status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                       reduce_op_t op, pg_work_t **work);
+
+/* send and recv hold size*count elements: block j of send goes to rank j, block i of recv
+ * comes from rank i. Not in place. */
+status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                       pg_work_t **work);
+
+/* buf of root (a rank of the group) is copied into buf of every rank. */
+status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                      pg_work_t **work);
+
+status_t pg_barrier(pg_t *pg, pg_work_t **work);
+
+/* Completes and frees a handle (see above). pg_wait(NULL) is a no-op. */
+status_t pg_wait(pg_work_t *work);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

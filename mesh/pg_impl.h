@@ -1,0 +1,50 @@
+/*
+ * Private interface table between pg.c and its backends (pg_mpi.c, pg_nccl.c). pg.c checks
+ * arguments and keeps the counters; a backend only moves data.
+ */
+#ifndef FSDPC_MESH_PG_IMPL_H
+#define FSDPC_MESH_PG_IMPL_H
+
+#include "mesh/pg.h"
+
+typedef struct pg_ops {
+  const char *name;
+  status_t (*all_gather)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                         pg_work_t **work);
+  status_t (*reduce_scatter)(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                             dtype_t dt, reduce_op_t op, pg_work_t **work);
+  status_t (*all_reduce)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                         reduce_op_t op, pg_work_t **work);
+  status_t (*all_to_all)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                         pg_work_t **work);
+  status_t (*broadcast)(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                        pg_work_t **work);
+  status_t (*barrier)(pg_t *pg, pg_work_t **work);
+  void (*destroy)(pg_t *pg);
+} pg_ops_t;
+
+struct pg {
+  const pg_ops_t *ops;
+  int refcount;
+  int rank;
+  int size;
+  device_t device;
+  MPI_Comm comm; /* a duplicate owned by the group, errors returned, not fatal */
+  pg_counters_t counters;
+  void *impl; /* backend state */
+};
+
+/* Every backend's handle starts with this header; pg_wait calls complete(), which also
+ * frees the handle. */
+struct pg_work {
+  status_t (*complete)(pg_work_t *work);
+};
+
+/* Maps an MPI return code into a status with the failing call named. */
+status_t pg_mpi_status(int rc, const char *what);
+
+/* Allocates a group with a duplicate of comm and fills rank and size; the backend fills the
+ * rest. */
+status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out);
+
+#endif

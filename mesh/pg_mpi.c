@@ -1,0 +1,202 @@
+/*
+ * MPI backend: nonblocking MPI collectives on host buffers. bf16 and f16 travel as 2-byte
+ * MPI types with user-defined sum and max (each step converts to f32 and rounds back);
+ * avg is a sum divided by the group size when the request completes.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "mesh/pg_impl.h"
+
+typedef struct mpi_work {
+  pg_work_t base;
+  MPI_Request req;
+  const char *what;
+  /* avg post-processing: divide `count` elements at `buf` by `divisor` */
+  void *avg_buf;
+  size_t avg_count;
+  dtype_t dt;
+  int divisor;
+} mpi_work_t;
+
+static MPI_Datatype half_types[2]; /* [0] bf16, [1] f16 */
+static MPI_Op half_ops[2][2];      /* [bf16|f16][sum|max] */
+static int half_ready;
+
+typedef float (*to_f32_fn)(uint16_t);
+typedef uint16_t (*from_f32_fn)(float);
+
+static void half_reduce(void *in, void *inout, int *len, to_f32_fn to, from_f32_fn from,
+                        int is_max) {
+  const uint16_t *a = in;
+  uint16_t *b = inout;
+  for (int i = 0; i < *len; i++) {
+    float x = to(a[i]), y = to(b[i]);
+    b[i] = from(is_max ? (x > y || x != x ? x : y) : x + y);
+  }
+}
+
+static void bf16_sum(void *in, void *inout, int *len, MPI_Datatype *dt) {
+  (void)dt;
+  half_reduce(in, inout, len, bf16_to_f32, f32_to_bf16, 0);
+}
+static void bf16_max(void *in, void *inout, int *len, MPI_Datatype *dt) {
+  (void)dt;
+  half_reduce(in, inout, len, bf16_to_f32, f32_to_bf16, 1);
+}
+static void f16_sum(void *in, void *inout, int *len, MPI_Datatype *dt) {
+  (void)dt;
+  half_reduce(in, inout, len, f16_to_f32, f32_to_f16, 0);
+}
+static void f16_max(void *in, void *inout, int *len, MPI_Datatype *dt) {
+  (void)dt;
+  half_reduce(in, inout, len, f16_to_f32, f32_to_f16, 1);
+}
+
+static status_t half_types_init(void) {
+  if (half_ready) return STATUS_OK;
+  for (int i = 0; i < 2; i++) {
+    TRY(pg_mpi_status(MPI_Type_contiguous(2, MPI_BYTE, &half_types[i]), "MPI_Type_contiguous"));
+    TRY(pg_mpi_status(MPI_Type_commit(&half_types[i]), "MPI_Type_commit"));
+  }
+  TRY(pg_mpi_status(MPI_Op_create(bf16_sum, 1, &half_ops[0][0]), "MPI_Op_create"));
+  TRY(pg_mpi_status(MPI_Op_create(bf16_max, 1, &half_ops[0][1]), "MPI_Op_create"));
+  TRY(pg_mpi_status(MPI_Op_create(f16_sum, 1, &half_ops[1][0]), "MPI_Op_create"));
+  TRY(pg_mpi_status(MPI_Op_create(f16_max, 1, &half_ops[1][1]), "MPI_Op_create"));
+  half_ready = 1;
+  return STATUS_OK;
+}
+
+static MPI_Datatype mpi_type(dtype_t dt) {
+  switch (dt) {
+    case DTYPE_F32: return MPI_FLOAT;
+    case DTYPE_BF16: return half_types[0];
+    case DTYPE_F16: return half_types[1];
+    case DTYPE_I32: return MPI_INT32_T;
+    case DTYPE_I64: return MPI_INT64_T;
+    default: return MPI_DATATYPE_NULL;
+  }
+}
+
+static MPI_Op mpi_op(dtype_t dt, reduce_op_t op) {
+  int is_max = op == REDUCE_MAX;
+  if (dt == DTYPE_BF16) return half_ops[0][is_max];
+  if (dt == DTYPE_F16) return half_ops[1][is_max];
+  return is_max ? MPI_MAX : MPI_SUM;
+}
+
+static status_t mpi_complete(pg_work_t *base) {
+  mpi_work_t *w = (mpi_work_t *)base;
+  status_t st = pg_mpi_status(MPI_Wait(&w->req, MPI_STATUS_IGNORE), w->what);
+  if (st == STATUS_OK && w->avg_buf != NULL) {
+    for (size_t i = 0; i < w->avg_count; i++)
+      dtype_store(w->dt, w->avg_buf, i, dtype_load(w->dt, w->avg_buf, i) / w->divisor);
+  }
+  free(w);
+  return st;
+}
+
+static status_t new_work(const char *what, mpi_work_t **out) {
+  mpi_work_t *w = calloc(1, sizeof *w);
+  if (w == NULL) return err_set(STATUS_ENOMEM, "%s: out of host memory", what);
+  w->base.complete = mpi_complete;
+  w->what = what;
+  w->req = MPI_REQUEST_NULL;
+  *out = w;
+  return STATUS_OK;
+}
+
+/* Hands out the handle of a started request; on failure frees it instead. */
+static status_t started(mpi_work_t *w, int rc, pg_work_t **work) {
+  status_t st = pg_mpi_status(rc, w->what);
+  if (st != STATUS_OK) {
+    free(w);
+    return st;
+  }
+  *work = &w->base;
+  return STATUS_OK;
+}
+
+static status_t mpi_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                               pg_work_t **work) {
+  mpi_work_t *w = NULL;
+  TRY(new_work("MPI_Iallgather", &w));
+  const void *src = send;
+  if ((const char *)send == (const char *)recv + (size_t)pg->rank * count * dtype_size(dt))
+    src = MPI_IN_PLACE;
+  return started(w,
+                 MPI_Iallgather(src, (int)count, mpi_type(dt), recv, (int)count, mpi_type(dt),
+                                pg->comm, &w->req),
+                 work);
+}
+
+static status_t mpi_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                                   dtype_t dt, reduce_op_t op, pg_work_t **work) {
+  mpi_work_t *w = NULL;
+  TRY(new_work("MPI_Ireduce_scatter_block", &w));
+  if (op == REDUCE_AVG) {
+    w->avg_buf = recv;
+    w->avg_count = recv_count;
+    w->dt = dt;
+    w->divisor = pg->size;
+  }
+  return started(w,
+                 MPI_Ireduce_scatter_block(send, recv, (int)recv_count, mpi_type(dt),
+                                           mpi_op(dt, op), pg->comm, &w->req),
+                 work);
+}
+
+static status_t mpi_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                               reduce_op_t op, pg_work_t **work) {
+  mpi_work_t *w = NULL;
+  TRY(new_work("MPI_Iallreduce", &w));
+  if (op == REDUCE_AVG) {
+    w->avg_buf = recv;
+    w->avg_count = count;
+    w->dt = dt;
+    w->divisor = pg->size;
+  }
+  return started(w,
+                 MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count,
+                                mpi_type(dt), mpi_op(dt, op), pg->comm, &w->req),
+                 work);
+}
+
+static status_t mpi_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                               pg_work_t **work) {
+  mpi_work_t *w = NULL;
+  TRY(new_work("MPI_Ialltoall", &w));
+  return started(w,
+                 MPI_Ialltoall(send, (int)count, mpi_type(dt), recv, (int)count, mpi_type(dt),
+                               pg->comm, &w->req),
+                 work);
+}
+
+static status_t mpi_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                              pg_work_t **work) {
+  mpi_work_t *w = NULL;
+  TRY(new_work("MPI_Ibcast", &w));
+  return started(w, MPI_Ibcast(buf, (int)count, mpi_type(dt), root, pg->comm, &w->req), work);
+}
+
+static status_t mpi_barrier(pg_t *pg, pg_work_t **work) {
+  mpi_work_t *w = NULL;
+  TRY(new_work("MPI_Ibarrier", &w));
+  return started(w, MPI_Ibarrier(pg->comm, &w->req), work);
+}
+
+static const pg_ops_t mpi_ops = {
+    .name = "mpi",
+    .all_gather = mpi_all_gather,
+    .reduce_scatter = mpi_reduce_scatter,
+    .all_reduce = mpi_all_reduce,
+    .all_to_all = mpi_all_to_all,
+    .broadcast = mpi_broadcast,
+    .barrier = mpi_barrier,
+    .destroy = NULL,
+};
+
+status_t pg_new_mpi(MPI_Comm comm, pg_t **out) {
+  TRY(half_types_init());
+  return pg_alloc(comm, &mpi_ops, device_cpu(), out);
+}

@@ -1,0 +1,199 @@
+/*
+ * NCCL backend: device buffers, one NCCL communicator per group (its unique id broadcast
+ * over the group's MPI communicator) and one communication stream per group. A collective
+ * first makes the communication stream wait on an event recorded on the caller's current
+ * stream, runs there, and records a completion event; pg_wait() makes the caller's current
+ * stream wait on that event. No device-wide synchronisation.
+ */
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/cuda_check.h"
+#include "mesh/pg_impl.h"
+
+cudaStream_t cuda_stream_raw(stream_t *s);
+
+#define NCCL_TRY(call)                                                                   \
+  do {                                                                                   \
+    ncclResult_t nccl_rc_ = (call);                                                      \
+    if (nccl_rc_ != ncclSuccess)                                                         \
+      return err_set(STATUS_ENCCL, "%s:%d: %s: %s", __FILE__, __LINE__, #call,           \
+                     ncclGetErrorString(nccl_rc_));                                      \
+  } while (0)
+
+typedef struct nccl_state {
+  ncclComm_t comm;
+  cudaStream_t stream;
+} nccl_state_t;
+
+typedef struct nccl_work {
+  pg_work_t base;
+  int device;
+  cudaEvent_t done;
+} nccl_work_t;
+
+static nccl_state_t *state(pg_t *pg) { return pg->impl; }
+
+static status_t nccl_complete(pg_work_t *base) {
+  nccl_work_t *w = (nccl_work_t *)base;
+  cudaError_t e = cudaSetDevice(w->device);
+  if (e == cudaSuccess)
+    e = cudaStreamWaitEvent(cuda_stream_raw(stream_current(device_cuda(w->device))), w->done, 0);
+  cudaEventDestroy(w->done);
+  free(w);
+  if (e != cudaSuccess) return err_set(STATUS_ECUDA, "pg_wait: %s", cudaGetErrorString(e));
+  return STATUS_OK;
+}
+
+/* Orders the communication stream after the caller's current stream. */
+static status_t begin(pg_t *pg) {
+  CUDA_TRY(cudaSetDevice(pg->device.index));
+  cudaEvent_t ready;
+  CUDA_TRY(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  cudaStream_t caller = cuda_stream_raw(stream_current(pg->device));
+  cudaError_t e = cudaEventRecord(ready, caller);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(state(pg)->stream, ready, 0);
+  cudaEventDestroy(ready);
+  if (e != cudaSuccess) return err_set(STATUS_ECUDA, "nccl begin: %s", cudaGetErrorString(e));
+  return STATUS_OK;
+}
+
+/* Records completion on the communication stream and hands out the handle. */
+static status_t end(pg_t *pg, pg_work_t **work) {
+  nccl_work_t *w = calloc(1, sizeof *w);
+  if (w == NULL) return err_set(STATUS_ENOMEM, "nccl: out of host memory");
+  w->base.complete = nccl_complete;
+  w->device = pg->device.index;
+  cudaError_t e = cudaEventCreateWithFlags(&w->done, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventRecord(w->done, state(pg)->stream);
+  if (e != cudaSuccess) {
+    free(w);
+    return err_set(STATUS_ECUDA, "nccl end: %s", cudaGetErrorString(e));
+  }
+  *work = &w->base;
+  return STATUS_OK;
+}
+
+static ncclDataType_t nccl_type(dtype_t dt) {
+  switch (dt) {
+    case DTYPE_F32: return ncclFloat32;
+    case DTYPE_BF16: return ncclBfloat16;
+    case DTYPE_F16: return ncclFloat16;
+    case DTYPE_I32: return ncclInt32;
+    case DTYPE_I64: return ncclInt64;
+    default: return ncclFloat32;
+  }
+}
+
+static ncclRedOp_t nccl_op(reduce_op_t op) {
+  return op == REDUCE_AVG ? ncclAvg : op == REDUCE_MAX ? ncclMax : ncclSum;
+}
+
+static status_t nccl_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                                pg_work_t **work) {
+  TRY(begin(pg));
+  NCCL_TRY(ncclAllGather(send, recv, count, nccl_type(dt), state(pg)->comm, state(pg)->stream));
+  return end(pg, work);
+}
+
+static status_t nccl_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                                    dtype_t dt, reduce_op_t op, pg_work_t **work) {
+  TRY(begin(pg));
+  NCCL_TRY(ncclReduceScatter(send, recv, recv_count, nccl_type(dt), nccl_op(op), state(pg)->comm,
+                             state(pg)->stream));
+  return end(pg, work);
+}
+
+static status_t nccl_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                                reduce_op_t op, pg_work_t **work) {
+  TRY(begin(pg));
+  NCCL_TRY(ncclAllReduce(send, recv, count, nccl_type(dt), nccl_op(op), state(pg)->comm,
+                         state(pg)->stream));
+  return end(pg, work);
+}
+
+static status_t nccl_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                                pg_work_t **work) {
+  TRY(begin(pg));
+  size_t block = count * dtype_size(dt);
+  NCCL_TRY(ncclGroupStart());
+  for (int peer = 0; peer < pg->size; peer++) {
+    ncclSend((const char *)send + peer * block, count, nccl_type(dt), peer, state(pg)->comm,
+             state(pg)->stream);
+    ncclRecv((char *)recv + peer * block, count, nccl_type(dt), peer, state(pg)->comm,
+             state(pg)->stream);
+  }
+  NCCL_TRY(ncclGroupEnd());
+  return end(pg, work);
+}
+
+static status_t nccl_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                               pg_work_t **work) {
+  TRY(begin(pg));
+  NCCL_TRY(ncclBroadcast(buf, buf, count, nccl_type(dt), root, state(pg)->comm, state(pg)->stream));
+  return end(pg, work);
+}
+
+/* A barrier orders ranks, not streams: the host-side MPI barrier of the group. */
+static status_t nccl_barrier(pg_t *pg, pg_work_t **work) {
+  TRY(pg_mpi_status(MPI_Barrier(pg->comm), "MPI_Barrier"));
+  TRY(begin(pg));
+  return end(pg, work);
+}
+
+static void nccl_destroy(pg_t *pg) {
+  nccl_state_t *s = state(pg);
+  if (s == NULL) return;
+  cudaSetDevice(pg->device.index);
+  if (s->comm) ncclCommDestroy(s->comm);
+  if (s->stream) cudaStreamDestroy(s->stream);
+  free(s);
+}
+
+static const pg_ops_t nccl_ops = {
+    .name = "nccl",
+    .all_gather = nccl_all_gather,
+    .reduce_scatter = nccl_reduce_scatter,
+    .all_reduce = nccl_all_reduce,
+    .all_to_all = nccl_all_to_all,
+    .broadcast = nccl_broadcast,
+    .barrier = nccl_barrier,
+    .destroy = nccl_destroy,
+};
+
+status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
+  *out = NULL;
+  TRY(device_check(device_cuda(device)));
+  pg_t *pg = NULL;
+  TRY(pg_alloc(comm, &nccl_ops, device_cuda(device), &pg));
+  status_t st = STATUS_OK;
+  nccl_state_t *s = calloc(1, sizeof *s);
+  if (s == NULL) {
+    st = err_set(STATUS_ENOMEM, "nccl: out of host memory");
+    goto cleanup;
+  }
+  pg->impl = s;
+  ncclUniqueId id;
+  if (pg->rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
+    memset(&id, 0, sizeof id); /* every rank still joins the broadcast; init then fails */
+  TRY_GOTO(st, pg_mpi_status(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, pg->comm), "MPI_Bcast"));
+  if (cudaSetDevice(device) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking) != cudaSuccess) {
+    st = err_set(STATUS_ECUDA, "nccl: cannot create a stream on cuda:%d", device);
+    goto cleanup;
+  }
+  ncclResult_t rc = ncclCommInitRank(&s->comm, pg->size, id, pg->rank);
+  if (rc != ncclSuccess) {
+    s->comm = NULL;
+    st = err_set(STATUS_ENCCL, "ncclCommInitRank (rank %d of %d on cuda:%d): %s", pg->rank,
+                 pg->size, device, ncclGetErrorString(rc));
+    goto cleanup;
+  }
+  *out = pg;
+  return STATUS_OK;
+cleanup:
+  pg_release(pg);
+  return st;
+}
