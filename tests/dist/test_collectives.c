@@ -1,0 +1,276 @@
+/*
+ * Every collective of the MPI backend against closed-form results, in every dtype, with
+ * counts of 0, 1, 7 and 1001 (not multiples of the world size), in place and not,
+ * blocking and asynchronous; the group counters against their formulas. Run under mpirun
+ * at several world sizes. Values are small integers, exact in every dtype.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mesh/pg.h"
+#include "tests/harness.h"
+
+static const dtype_t all_dtypes[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32, DTYPE_I64};
+static const size_t counts[] = {0, 1, 7, 1001};
+#define NDT (sizeof all_dtypes / sizeof all_dtypes[0])
+#define NCOUNTS (sizeof counts / sizeof counts[0])
+
+static pg_t *world_pg(void) {
+  pg_t *pg = NULL;
+  ck_assert_int_eq(pg_new_mpi(MPI_COMM_WORLD, &pg), STATUS_OK);
+  return pg;
+}
+
+static void *buf_new(dtype_t dt, size_t n) { return calloc(n ? n : 1, dtype_size(dt)); }
+
+static void set(dtype_t dt, void *b, size_t i, double v) { dtype_store(dt, b, i, v); }
+static double get(dtype_t dt, const void *b, size_t i) { return dtype_load(dt, b, i); }
+
+/* Number of elements of got that differ from want (tol 0: exact). */
+static int mismatches(dtype_t dt, const void *got, const double *want, size_t n, double tol) {
+  int bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    double g = get(dt, got, i), w = want[i];
+    if (tol == 0 ? g != w : fabs(g - w) > tol * fmax(1.0, fabs(w))) bad++;
+  }
+  return bad;
+}
+
+START_TEST(all_gather_every_dtype_and_count) {
+  pg_t *pg = world_pg();
+  int W = pg_size(pg), r = pg_rank(pg), bad = 0;
+  for (size_t di = 0; di < NDT; di++)
+    for (size_t ci = 0; ci < NCOUNTS; ci++)
+      for (int inplace = 0; inplace < 2; inplace++) {
+        dtype_t dt = all_dtypes[di];
+        size_t n = counts[ci];
+        void *send = buf_new(dt, n), *recv = buf_new(dt, n * W);
+        double *want = malloc(sizeof(double) * (n * W + 1));
+        for (size_t i = 0; i < n; i++) set(dt, send, i, (double)((r * 7 + i) % 61));
+        for (int q = 0; q < W; q++)
+          for (size_t i = 0; i < n; i++) want[q * n + i] = (double)((q * 7 + i) % 61);
+        const void *src = send;
+        if (inplace) {
+          memcpy((char *)recv + r * n * dtype_size(dt), send, n * dtype_size(dt));
+          src = (char *)recv + r * n * dtype_size(dt);
+        }
+        if (pg_all_gather(pg, src, recv, n, dt, NULL) != STATUS_OK) bad++;
+        bad += mismatches(dt, recv, want, n * W, 0);
+        free(send);
+        free(recv);
+        free(want);
+      }
+  expect_all(bad == 0, "all_gather: %d mismatches", bad);
+  pg_release(pg);
+}
+END_TEST
+
+START_TEST(reduce_scatter_sum_avg_max) {
+  pg_t *pg = world_pg();
+  int W = pg_size(pg), r = pg_rank(pg), bad = 0;
+  for (size_t di = 0; di < NDT; di++)
+    for (size_t ci = 0; ci < NCOUNTS; ci++)
+      for (int op = REDUCE_SUM; op <= REDUCE_MAX; op++) {
+        dtype_t dt = all_dtypes[di];
+        if (op == REDUCE_AVG && !dtype_is_float(dt)) continue;
+        size_t n = counts[ci];
+        void *send = buf_new(dt, n * W), *recv = buf_new(dt, n);
+        double *want = calloc(n + 1, sizeof(double));
+        for (size_t j = 0; j < n * W; j++) set(dt, send, j, (double)((r + j) % 5 + (j % 3)));
+        for (size_t i = 0; i < n; i++) {
+          size_t j = r * n + i;
+          double acc = op == REDUCE_MAX ? -1e30 : 0;
+          for (int q = 0; q < W; q++) {
+            double v = (double)((q + j) % 5 + (j % 3));
+            acc = op == REDUCE_MAX ? fmax(acc, v) : acc + v;
+          }
+          want[i] = op == REDUCE_AVG ? acc / W : acc;
+        }
+        if (pg_reduce_scatter(pg, send, recv, n, dt, (reduce_op_t)op, NULL) != STATUS_OK) bad++;
+        double tol = op != REDUCE_AVG ? 0 : dt == DTYPE_F32 ? 1e-6 : 1e-2;
+        bad += mismatches(dt, recv, want, n, tol);
+        free(send);
+        free(recv);
+        free(want);
+      }
+  expect_all(bad == 0, "reduce_scatter: %d mismatches", bad);
+  pg_release(pg);
+}
+END_TEST
+
+START_TEST(all_reduce_sum_avg_max_in_and_out_of_place) {
+  pg_t *pg = world_pg();
+  int W = pg_size(pg), r = pg_rank(pg), bad = 0;
+  for (size_t di = 0; di < NDT; di++)
+    for (size_t ci = 0; ci < NCOUNTS; ci++)
+      for (int op = REDUCE_SUM; op <= REDUCE_MAX; op++)
+        for (int inplace = 0; inplace < 2; inplace++) {
+          dtype_t dt = all_dtypes[di];
+          if (op == REDUCE_AVG && !dtype_is_float(dt)) continue;
+          size_t n = counts[ci];
+          void *send = buf_new(dt, n), *recv = buf_new(dt, n);
+          double *want = calloc(n + 1, sizeof(double));
+          for (size_t i = 0; i < n; i++) set(dt, send, i, (double)((r * 3 + i) % 11) - 4);
+          for (size_t i = 0; i < n; i++) {
+            double acc = op == REDUCE_MAX ? -1e30 : 0;
+            for (int q = 0; q < W; q++) {
+              double v = (double)((q * 3 + i) % 11) - 4;
+              acc = op == REDUCE_MAX ? fmax(acc, v) : acc + v;
+            }
+            want[i] = op == REDUCE_AVG ? acc / W : acc;
+          }
+          void *dst = inplace ? send : recv;
+          if (pg_all_reduce(pg, send, dst, n, dt, (reduce_op_t)op, NULL) != STATUS_OK) bad++;
+          double tol = op != REDUCE_AVG ? 0 : dt == DTYPE_F32 ? 1e-6 : 1e-2;
+          bad += mismatches(dt, dst, want, n, tol);
+          free(send);
+          free(recv);
+          free(want);
+        }
+  expect_all(bad == 0, "all_reduce: %d mismatches", bad);
+  pg_release(pg);
+}
+END_TEST
+
+START_TEST(all_to_all_every_dtype_and_count) {
+  pg_t *pg = world_pg();
+  int W = pg_size(pg), r = pg_rank(pg), bad = 0;
+  for (size_t di = 0; di < NDT; di++)
+    for (size_t ci = 0; ci < NCOUNTS; ci++) {
+      dtype_t dt = all_dtypes[di];
+      size_t n = counts[ci];
+      void *send = buf_new(dt, n * W), *recv = buf_new(dt, n * W);
+      double *want = malloc(sizeof(double) * (n * W + 1));
+      for (int j = 0; j < W; j++)
+        for (size_t i = 0; i < n; i++) set(dt, send, j * n + i, (double)((r * 11 + j * 3 + i) % 97));
+      for (int q = 0; q < W; q++)
+        for (size_t i = 0; i < n; i++) want[q * n + i] = (double)((q * 11 + r * 3 + i) % 97);
+      if (pg_all_to_all(pg, send, recv, n, dt, NULL) != STATUS_OK) bad++;
+      bad += mismatches(dt, recv, want, n * W, 0);
+      free(send);
+      free(recv);
+      free(want);
+    }
+  expect_all(bad == 0, "all_to_all: %d mismatches", bad);
+  pg_release(pg);
+}
+END_TEST
+
+START_TEST(broadcast_from_every_root) {
+  pg_t *pg = world_pg();
+  int W = pg_size(pg), r = pg_rank(pg), bad = 0;
+  for (size_t di = 0; di < NDT; di++)
+    for (int root = 0; root < W; root++) {
+      dtype_t dt = all_dtypes[di];
+      size_t n = 7;
+      void *buf = buf_new(dt, n);
+      double want[7];
+      for (size_t i = 0; i < n; i++) {
+        want[i] = (double)(root * 10 + (int)i);
+        set(dt, buf, i, r == root ? want[i] : -1);
+      }
+      if (pg_broadcast(pg, buf, n, dt, root, NULL) != STATUS_OK) bad++;
+      bad += mismatches(dt, buf, want, n, 0);
+      free(buf);
+    }
+  expect_all(bad == 0, "broadcast: %d mismatches", bad);
+  pg_release(pg);
+}
+END_TEST
+
+START_TEST(async_collectives_overlap_then_wait) {
+  pg_t *pg = world_pg();
+  int W = pg_size(pg), r = pg_rank(pg), bad = 0;
+  float ag_in[3] = {(float)r, (float)r + 1, (float)r + 2}, *ag_out = calloc(3 * W, sizeof(float));
+  float ar[4] = {1, 2, 3, (float)r};
+  pg_work_t *w1 = NULL, *w2 = NULL, *w3 = NULL;
+  if (pg_all_gather(pg, ag_in, ag_out, 3, DTYPE_F32, &w1) != STATUS_OK) bad++;
+  if (pg_all_reduce(pg, ar, ar, 4, DTYPE_F32, REDUCE_AVG, &w2) != STATUS_OK) bad++;
+  if (pg_barrier(pg, &w3) != STATUS_OK) bad++;
+  ck_assert_ptr_nonnull(w1);
+  if (pg_wait(w3) != STATUS_OK || pg_wait(w2) != STATUS_OK || pg_wait(w1) != STATUS_OK) bad++;
+  for (int q = 0; q < W; q++)
+    for (int i = 0; i < 3; i++) bad += ag_out[q * 3 + i] != (float)(q + i);
+  bad += ar[0] != 1 || ar[2] != 3 || fabsf(ar[3] - (W - 1) / 2.0f) > 1e-6f;
+  free(ag_out);
+  expect_all(bad == 0, "async: %d mismatches", bad);
+  pg_release(pg);
+}
+END_TEST
+
+START_TEST(pg_counters_match_formulas) {
+  pg_t *pg = world_pg();
+  uint64_t W = (uint64_t)pg_size(pg);
+  pg_reset_counters(pg);
+  float *a = calloc(1000 * W, sizeof(float)), *b = calloc(1000 * W, sizeof(float));
+  uint16_t *h = calloc(1000 * W, sizeof(uint16_t)), *h2 = calloc(1000 * W, sizeof(uint16_t));
+  int ok = 1;
+  ok &= pg_all_gather(pg, a, b, 100, DTYPE_F32, NULL) == STATUS_OK;
+  ok &= pg_all_gather(pg, h, h2, 7, DTYPE_BF16, NULL) == STATUS_OK;
+  ok &= pg_reduce_scatter(pg, a, b, 50, DTYPE_F32, REDUCE_AVG, NULL) == STATUS_OK;
+  ok &= pg_all_reduce(pg, a, a, 1000, DTYPE_F32, REDUCE_SUM, NULL) == STATUS_OK;
+  ok &= pg_all_to_all(pg, a, b, 10, DTYPE_F32, NULL) == STATUS_OK;
+  ok &= pg_broadcast(pg, h, 9, DTYPE_F16, 0, NULL) == STATUS_OK;
+  ok &= pg_barrier(pg, NULL) == STATUS_OK;
+  ok &= pg_all_gather(pg, a, b, 0, DTYPE_F32, NULL) == STATUS_OK;
+  pg_counters_t c = pg_counters(pg);
+  ok &= c.calls[PG_ALL_GATHER] == 3 && c.calls[PG_REDUCE_SCATTER] == 1 &&
+        c.calls[PG_ALL_REDUCE] == 1 && c.calls[PG_ALL_TO_ALL] == 1 &&
+        c.calls[PG_BROADCAST] == 1 && c.calls[PG_BARRIER] == 1;
+  ok &= c.bytes[PG_ALL_GATHER] == (W - 1) * (100 * 4 + 7 * 2);
+  ok &= c.bytes[PG_REDUCE_SCATTER] == (W - 1) * 50 * 4;
+  ok &= c.bytes[PG_ALL_REDUCE] == 2 * (W - 1) * 4000 / W;
+  ok &= c.bytes[PG_ALL_TO_ALL] == (W - 1) * 10 * 4;
+  ok &= c.bytes[PG_BROADCAST] == (W > 1 ? 18u : 0u);
+  ok &= c.bytes[PG_BARRIER] == 0;
+  free(a);
+  free(b);
+  free(h);
+  free(h2);
+  expect_all(ok, "counters differ from the formulas");
+  pg_release(pg);
+}
+END_TEST
+
+START_TEST(pg_rejects_bad_arguments_locally) {
+  pg_t *pg = world_pg();
+  int32_t x[4] = {0};
+  ck_assert_int_eq(pg_all_reduce(pg, x, x, 4, DTYPE_I32, REDUCE_AVG, NULL), STATUS_EDTYPE);
+  ck_assert_int_eq(pg_all_to_all(pg, x, x, 1, DTYPE_I32, NULL), STATUS_EINVAL);
+  ck_assert_int_eq(pg_broadcast(pg, x, 4, DTYPE_I32, pg_size(pg), NULL), STATUS_EINVAL);
+  ck_assert_int_eq(pg_all_gather(pg, NULL, x, 4, DTYPE_I32, NULL), STATUS_EINVAL);
+  ck_assert_int_eq(pg_all_reduce(pg, x, x, 4, DTYPE_COUNT, REDUCE_SUM, NULL), STATUS_EDTYPE);
+  pg_counters_t c = pg_counters(pg);
+  for (int k = 0; k < PG_KIND_COUNT; k++) ck_assert_uint_eq(c.calls[k], 0);
+  pg_release(pg);
+}
+END_TEST
+
+START_TEST(comm_agree_reports_the_failing_rank_everywhere) {
+  int r = world_rank(), W = world_size();
+  status_t st = r == W - 1 ? err_set(STATUS_ESHAPE, "bad shape on the last rank") : STATUS_OK;
+  status_t agreed = comm_agree(MPI_COMM_WORLD, st);
+  ck_assert_int_eq(agreed, STATUS_ESHAPE);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "bad shape on the last rank"));
+  ck_assert_int_eq(comm_agree(MPI_COMM_WORLD, STATUS_OK), STATUS_OK);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("collectives");
+  TCase *tc = tcase_create("mpi");
+  tcase_add_test(tc, all_gather_every_dtype_and_count);
+  tcase_add_test(tc, reduce_scatter_sum_avg_max);
+  tcase_add_test(tc, all_reduce_sum_avg_max_in_and_out_of_place);
+  tcase_add_test(tc, all_to_all_every_dtype_and_count);
+  tcase_add_test(tc, broadcast_from_every_root);
+  tcase_add_test(tc, async_collectives_overlap_then_wait);
+  tcase_add_test(tc, pg_counters_match_formulas);
+  tcase_add_test(tc, pg_rejects_bad_arguments_locally);
+  tcase_add_test(tc, comm_agree_reports_the_failing_rank_everywhere);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }

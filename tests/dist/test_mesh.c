@@ -1,0 +1,160 @@
+/* DeviceMesh under mpirun: layout, per-dimension groups, slicing, flattening, errors. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mesh/mesh.h"
+#include "tests/harness.h"
+
+/* World ranks of the group of mesh dim `dim`, gathered over the group. */
+static int *group_members(const mesh_t *m, int dim) {
+  pg_t *g = mesh_group(m, dim);
+  int n = pg_size(g);
+  int32_t me = world_rank();
+  int32_t *all = calloc((size_t)n, sizeof(int32_t));
+  ck_assert_int_eq(pg_all_gather(g, &me, all, 1, DTYPE_I32, NULL), STATUS_OK);
+  return all;
+}
+
+/* Smallest divisor a > 1 of W (W itself when prime; 1 when W == 1). */
+static int small_factor(int W) {
+  for (int a = 2; a <= W; a++)
+    if (W % a == 0) return a;
+  return 1;
+}
+
+START_TEST(mesh_1d_infers_world_size) {
+  mesh_t *m = NULL;
+  ck_assert_int_eq(mesh_init(&m, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_size(m, 0), world_size());
+  ck_assert_int_eq(mesh_coord(m, 0), world_rank());
+  ck_assert_int_eq(pg_size(mesh_group(m, 0)), world_size());
+  ck_assert_int_eq(mesh_numel(m), world_size());
+  mesh_free(m);
+}
+END_TEST
+
+START_TEST(mesh_2d_groups_differ_in_one_coordinate) {
+  int W = world_size(), a = small_factor(W), b = W / a, r = world_rank();
+  mesh_t *m = NULL;
+  ck_assert_int_eq(mesh_init(&m, 2, (int[]){a, -1}, (const char *[]){"dp_replicate", "dp_shard"},
+                             DEVICE_CPU),
+                   STATUS_OK);
+  ck_assert_int_eq(mesh_size(m, 1), b);
+  ck_assert_int_eq(mesh_coord(m, 0), r / b);
+  ck_assert_int_eq(mesh_coord(m, 1), r % b);
+  int ok = 1;
+  int *rows = group_members(m, 1), *cols = group_members(m, 0);
+  for (int k = 0; k < b; k++) ok &= rows[k] == (r / b) * b + k;
+  for (int k = 0; k < a; k++) ok &= cols[k] == k * b + r % b;
+  for (int k = 0; k < W; k++) ok &= mesh_ranks(m)[k] == k;
+  free(rows);
+  free(cols);
+  char got[128], want[128];
+  snprintf(want, sizeof want, "(dp_replicate=%d, dp_shard=%d)", a, b);
+  ck_assert_str_eq(mesh_str(m, got, sizeof got), want);
+  expect_all(ok, "2-D groups are not the rows and columns of arange(W).view(a, b)");
+  mesh_free(m);
+}
+END_TEST
+
+START_TEST(mesh_slice_reuses_parent_groups) {
+  int W = world_size(), a = small_factor(W);
+  mesh_t *m = NULL, *s = NULL, *bad = NULL;
+  const char *names[2] = {"dp_replicate", "dp_shard"};
+  ck_assert_int_eq(mesh_init(&m, 2, (int[]){a, -1}, names, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_slice(m, 1, (const char *[]){"dp_shard"}, &s), STATUS_OK);
+  ck_assert_ptr_eq(mesh_group(s, 0), mesh_group(m, 1));
+  ck_assert_int_eq(mesh_coord(s, 0), mesh_coord(m, 1));
+  ck_assert_int_eq(mesh_numel(s), W / a);
+  ck_assert_int_eq(mesh_ranks(s)[0], (world_rank() / (W / a)) * (W / a));
+  ck_assert_int_eq(mesh_slice(m, 2, (const char *[]){"dp_shard", "dp_replicate"}, &bad),
+                   STATUS_EMESH);
+  ck_assert_int_eq(mesh_slice(m, 1, (const char *[]){"tp"}, &bad), STATUS_EMESH);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "no dimension 'tp'"));
+  mesh_free(m); /* the slice keeps the groups alive */
+  int32_t one = 1, sum = 0;
+  ck_assert_int_eq(pg_all_reduce(mesh_group(s, 0), &one, &sum, 1, DTYPE_I32, REDUCE_SUM, NULL),
+                   STATUS_OK);
+  ck_assert_int_eq(sum, W / a);
+  mesh_free(s);
+}
+END_TEST
+
+START_TEST(mesh_flatten_makes_row_major_group) {
+  int W = world_size();
+  if (W % 2 != 0 || W < 4) return; /* needs a 3-D mesh with two non-trivial outer dims */
+  int dims[3] = {2, W / 4 > 0 && W % 4 == 0 ? 2 : 1, -1};
+  mesh_t *m = NULL, *dp = NULL, *outer = NULL;
+  const char *names[3] = {"dp_replicate", "dp_shard", "tp"};
+  ck_assert_int_eq(mesh_init(&m, 3, dims, names, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_flatten(m, 2, names, "dp", &dp), STATUS_OK);
+  int R = mesh_size(m, 0), S = mesh_size(m, 1), T = mesh_size(m, 2);
+  ck_assert_int_eq(mesh_size(dp, 0), R * S);
+  ck_assert_int_eq(mesh_coord(dp, 0), mesh_coord(m, 0) * S + mesh_coord(m, 1));
+  int *members = group_members(dp, 0), ok = 1;
+  for (int k = 0; k < R * S; k++) ok &= members[k] == k * T + mesh_coord(m, 2);
+  for (int k = 0; k < R * S; k++) ok &= mesh_ranks(dp)[k] == members[k];
+  free(members);
+  /* flatten a slice: (dp_replicate, tp) skipping the middle dim */
+  ck_assert_int_eq(mesh_slice(m, 2, (const char *[]){"dp_replicate", "tp"}, &outer), STATUS_OK);
+  mesh_t *flat = NULL;
+  ck_assert_int_eq(mesh_flatten(outer, 2, (const char *[]){"dp_replicate", "tp"}, "rt", &flat),
+                   STATUS_OK);
+  members = group_members(flat, 0);
+  for (int a = 0; a < R; a++)
+    for (int t = 0; t < T; t++) ok &= members[a * T + t] == (a * S + mesh_coord(m, 1)) * T + t;
+  free(members);
+  expect_all(ok, "flattened groups are not row-major over the flattened dims");
+  mesh_free(flat);
+  mesh_free(outer);
+  mesh_free(dp);
+  mesh_free(m);
+}
+END_TEST
+
+START_TEST(mesh_size_mismatch_fails_on_every_rank) {
+  int W = world_size();
+  mesh_t *m = NULL;
+  status_t st = mesh_init(&m, 2, (int[]){W + 1, 1}, (const char *[]){"a", "b"}, DEVICE_CPU);
+  expect_all(st == STATUS_EMESH && m == NULL, "mismatch not refused everywhere");
+  ck_assert_ptr_nonnull(strstr(err_detail(), "but the world has"));
+  st = mesh_init(&m, 2, (int[]){-1, -1}, (const char *[]){"a", "b"}, DEVICE_CPU);
+  expect_all(st == STATUS_EMESH, "two -1 accepted");
+  st = mesh_init(&m, 2, (int[]){0, -1}, (const char *[]){"a", "b"}, DEVICE_CPU);
+  expect_all(st == STATUS_EMESH, "zero size accepted");
+  st = mesh_init(&m, 2, (int[]){W + 1, -1}, (const char *[]){"a", "b"}, DEVICE_CPU);
+  expect_all(st == STATUS_EMESH, "-1 inferred from a non-divisor");
+  ck_assert_ptr_nonnull(strstr(err_detail(), "cannot be inferred"));
+  st = mesh_init(&m, 2, (int[]){1, -1}, (const char *[]){"a", "a"}, DEVICE_CPU);
+  expect_all(st == STATUS_EMESH, "duplicate names accepted");
+  st = mesh_init(&m, 6, (int[]){1, 1, 1, 1, 1, -1}, (const char *[]){"a", "b", "c", "d", "e", "f"},
+                 DEVICE_CPU);
+  expect_all(st == STATUS_EMESH, "6-D mesh accepted");
+  /* the world is still usable: nobody is stuck in a collective */
+  ck_assert(all_ranks(1));
+}
+END_TEST
+
+START_TEST(mesh_cuda_without_device_fails_on_every_rank) {
+  if (device_cuda_count() > 0) return;
+  mesh_t *m = NULL;
+  status_t st = mesh_init(&m, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA);
+  expect_all(st == STATUS_ENODEV && m == NULL, "CUDA mesh without a device: %d", st);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("mesh");
+  TCase *tc = tcase_create("mpi");
+  tcase_add_test(tc, mesh_1d_infers_world_size);
+  tcase_add_test(tc, mesh_2d_groups_differ_in_one_coordinate);
+  tcase_add_test(tc, mesh_slice_reuses_parent_groups);
+  tcase_add_test(tc, mesh_flatten_makes_row_major_group);
+  tcase_add_test(tc, mesh_size_mismatch_fails_on_every_rank);
+  tcase_add_test(tc, mesh_cuda_without_device_fails_on_every_rank);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }

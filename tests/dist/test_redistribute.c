@@ -1,0 +1,255 @@
+/*
+ * The redistribution property, exhaustively over placement pairs:
+ *
+ *   for random global X and every pair of placement tuples P, Q drawn from
+ *   {Shard(d) for every tensor dim d, Replicate, Partial(sum)} on each mesh dimension:
+ *     redistribute(distribute(X, P), Q) == distribute(X, Q)   bit-exactly, and
+ *     full_tensor(distribute(X, P)) == X.
+ *
+ * Where Q holds a Partial, the local split is not unique, so the reduced value
+ * (full_tensor) is compared with X instead. Data are small integers, so sums are exact in
+ * every dtype. Usage: test_redistribute MESH, e.g. "4" or "2x2x2" (the product must equal
+ * the world size).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtensor/dtensor.h"
+#include "tests/harness.h"
+
+static int g_ndim;
+static int g_shape[MESH_MAX_DIMS];
+static int g_shapes_per_ndim = 12;
+
+static mesh_t *make_mesh(void) {
+  const char *names[3] = {"m0", "m1", "m2"};
+  mesh_t *m = NULL;
+  ck_assert_int_eq(mesh_init(&m, g_ndim, g_shape, names, DEVICE_CPU), STATUS_OK);
+  return m;
+}
+
+/* All placement tuples for a tensor of ndim dims: (ndim + 2)^mesh_ndim of them. */
+static int all_tuples(int tensor_ndim, placement_t (*out)[MESH_MAX_DIMS]) {
+  int per = tensor_ndim + 2, total = 1;
+  for (int i = 0; i < g_ndim; i++) total *= per;
+  for (int t = 0; t < total; t++) {
+    int rest = t;
+    for (int i = 0; i < g_ndim; i++) {
+      int k = rest % per;
+      rest /= per;
+      out[t][i] = k < tensor_ndim ? placement_shard(k)
+                                  : (k == tensor_ndim ? placement_replicate()
+                                                      : placement_partial(REDUCE_SUM));
+    }
+  }
+  return total;
+}
+
+static int has_partial(const placement_t *pl) {
+  for (int i = 0; i < g_ndim; i++)
+    if (pl[i].kind == PLACEMENT_PARTIAL) return 1;
+  return 0;
+}
+
+static void fill_pattern(tensor_t *t, int salt) {
+  for (int64_t i = 0; i < tensor_numel(t); i++)
+    dtype_store(t->dtype, t->data, (size_t)i, (double)((i * 7 + salt) % 23 - 11));
+}
+
+static int same(const tensor_t *a, const tensor_t *b) {
+  bool eq = false;
+  return tensor_equal(a, b, &eq) == STATUS_OK && eq;
+}
+
+START_TEST(redistribute_matches_distribute_for_every_pair) {
+  mesh_t *mesh = make_mesh();
+  test_rng_t rng = {1234};
+  static const dtype_t dts[] = {DTYPE_F32, DTYPE_I32, DTYPE_BF16, DTYPE_I64, DTYPE_F16};
+  long cases = 0, failures = 0;
+  static placement_t tuples[4096][MESH_MAX_DIMS];
+  for (int tensor_ndim = 1; tensor_ndim <= 3; tensor_ndim++) {
+    int nt = all_tuples(tensor_ndim, tuples);
+    /* (ndim+2)^(2*mesh_ndim) pairs per shape: fewer shapes where that is large */
+    int nshapes = nt * nt > 10000 ? 3 : nt * nt < 100 ? 4 * g_shapes_per_ndim : g_shapes_per_ndim;
+    for (int s = 0; s < nshapes; s++) {
+      int64_t shape[3];
+      for (int d = 0; d < tensor_ndim; d++) /* small dims (below the mesh size) and odd ones */
+        shape[d] = test_rng_int(&rng, 0, 3) == 0 ? test_rng_int(&rng, 0, 3)
+                                                 : test_rng_int(&rng, 1, 6) * 2 - 1 + (s & 1);
+      dtype_t dt = dts[(tensor_ndim * 7 + s) % 5];
+      tensor_t X;
+      ck_assert_int_eq(tensor_init(&X, dt, device_cpu(), tensor_ndim, shape), STATUS_OK);
+      fill_pattern(&X, s);
+      for (int p = 0; p < nt; p++) {
+        dtensor_t *A = NULL;
+        status_t st = dtensor_distribute(&A, &X, mesh, tuples[p], DTENSOR_ALL_RANKS);
+        tensor_t full = {0};
+        if (st == STATUS_OK) st = dtensor_full_tensor(A, &full);
+        if (st != STATUS_OK || !same(&full, &X)) failures++;
+        tensor_free(&full);
+        for (int q = 0; q < nt && A != NULL; q++) {
+          dtensor_t *B = NULL, *C = NULL;
+          st = dtensor_redistribute(A, tuples[q], &B);
+          if (st == STATUS_OK) st = dtensor_distribute(&C, &X, mesh, tuples[q], DTENSOR_ALL_RANKS);
+          int ok = st == STATUS_OK;
+          if (ok && has_partial(tuples[q])) {
+            tensor_t got = {0};
+            ok = dtensor_full_tensor(B, &got) == STATUS_OK && same(&got, &X);
+            tensor_free(&got);
+          } else if (ok) {
+            ok = same(dtensor_local(B), dtensor_local(C));
+          }
+          if (!ok) {
+            char a[128], b[128], sh[64];
+            if (failures < 10)
+              fprintf(stderr, "rank %d: %s %s: %s -> %s differs (%s)\n", world_rank(),
+                      dtype_name(dt), shape_str(tensor_ndim, shape, sh, sizeof sh),
+                      placements_str(g_ndim, tuples[p], a, sizeof a),
+                      placements_str(g_ndim, tuples[q], b, sizeof b),
+                      st == STATUS_OK ? "values" : err_detail());
+            failures++;
+          }
+          cases++;
+          dtensor_free(B);
+          dtensor_free(C);
+        }
+        dtensor_free(A);
+      }
+      tensor_free(&X);
+    }
+  }
+  if (world_rank() == 0) {
+    char m[64];
+    printf("redistribute on mesh %s: %ld placement pairs checked\n", mesh_str(mesh, m, sizeof m),
+           cases);
+  }
+  expect_all(failures == 0, "%ld of %ld redistributions differ", failures, cases);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* distribute from one source rank equals distribute from all ranks; other ranks' data is
+ * ignored. */
+START_TEST(distribute_from_source_rank) {
+  mesh_t *mesh = make_mesh();
+  int64_t shape[2] = {5, 3};
+  tensor_t X, junk;
+  ck_assert_int_eq(tensor_init(&X, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&junk, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  fill_pattern(&X, 3);
+  ck_assert_int_eq(tensor_fill(&junk, 99), STATUS_OK);
+  int src = world_size() - 1, bad = 0;
+  static placement_t tuples[4096][MESH_MAX_DIMS];
+  int nt = all_tuples(2, tuples);
+  for (int p = 0; p < nt; p++) {
+    dtensor_t *A = NULL, *B = NULL;
+    const tensor_t *mine = world_rank() == src ? &X : &junk;
+    if (dtensor_distribute(&A, mine, mesh, tuples[p], src) != STATUS_OK ||
+        dtensor_distribute(&B, &X, mesh, tuples[p], DTENSOR_ALL_RANKS) != STATUS_OK ||
+        !same(dtensor_local(A), dtensor_local(B)))
+      bad++;
+    dtensor_free(A);
+    dtensor_free(B);
+  }
+  expect_all(bad == 0, "%d source-rank distributions differ", bad);
+  tensor_free(&X);
+  tensor_free(&junk);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* Strided shards (FSDP over a TP shard) round-trip through the general path. */
+START_TEST(strided_shard_round_trips) {
+  if (g_ndim != 2) return;
+  mesh_t *mesh = make_mesh();
+  int64_t shape[2] = {11, 3};
+  tensor_t X;
+  ck_assert_int_eq(tensor_init(&X, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  fill_pattern(&X, 5);
+  placement_t strided[2] = {placement_strided_shard(0, g_shape[1]), placement_shard(0)};
+  placement_t others[4][2] = {{placement_replicate(), placement_replicate()},
+                              {placement_shard(0), placement_shard(1)},
+                              {placement_partial(REDUCE_SUM), placement_shard(0)},
+                              {placement_replicate(), placement_shard(0)}};
+  int bad = 0;
+  dtensor_t *S = NULL;
+  ck_assert_int_eq(dtensor_distribute(&S, &X, mesh, strided, DTENSOR_ALL_RANKS), STATUS_OK);
+  int64_t off[2];
+  dtensor_offset(S, off);
+  /* tp chunks first, then dp chunks the tp piece */
+  int64_t tp_off, tp_len, dp_off, dp_len;
+  chunk_range(11, g_shape[1], mesh_coord(mesh, 1), &tp_off, &tp_len);
+  chunk_range(tp_len, g_shape[0], mesh_coord(mesh, 0), &dp_off, &dp_len);
+  bad += off[0] != tp_off + dp_off || dtensor_local(S)->shape[0] != dp_len;
+  for (int k = 0; k < 4; k++) {
+    dtensor_t *A = NULL, *B = NULL, *C = NULL;
+    tensor_t full = {0};
+    int ok = dtensor_redistribute(S, others[k], &A) == STATUS_OK &&
+             dtensor_redistribute(A, strided, &B) == STATUS_OK &&
+             same(dtensor_local(B), dtensor_local(S)) &&
+             dtensor_full_tensor(A, &full) == STATUS_OK && same(&full, &X) &&
+             dtensor_distribute(&C, &X, mesh, others[k], DTENSOR_ALL_RANKS) == STATUS_OK;
+    if (ok && others[k][0].kind != PLACEMENT_PARTIAL)
+      ok = same(dtensor_local(A), dtensor_local(C));
+    bad += !ok;
+    tensor_free(&full);
+    dtensor_free(A);
+    dtensor_free(B);
+    dtensor_free(C);
+  }
+  expect_all(bad == 0, "%d strided round trips failed", bad);
+  dtensor_free(S);
+  tensor_free(&X);
+  mesh_free(mesh);
+}
+END_TEST
+
+START_TEST(from_local_checks_the_shard_shape) {
+  mesh_t *mesh = make_mesh();
+  int64_t global[1] = {13}, wrong[1] = {14};
+  placement_t pl[MESH_MAX_DIMS];
+  for (int i = 0; i < g_ndim; i++) pl[i] = placement_shard(0);
+  int coord[MESH_MAX_DIMS];
+  for (int i = 0; i < g_ndim; i++) coord[i] = mesh_coord(mesh, i);
+  int64_t ls[1], off[1];
+  ck_assert_int_eq(dtensor_compute_box(mesh, pl, 1, global, coord, ls, off), STATUS_OK);
+  tensor_t local;
+  ck_assert_int_eq(tensor_init(&local, DTYPE_F32, device_cpu(), 1, wrong), STATUS_OK);
+  dtensor_t *d = NULL;
+  ck_assert_int_eq(dtensor_from_local(&d, &local, mesh, pl, 1, global), STATUS_ESHAPE);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "local shape [14]"));
+  tensor_free(&local);
+  ck_assert_int_eq(tensor_init(&local, DTYPE_F32, device_cpu(), 1, ls), STATUS_OK);
+  ck_assert_int_eq(dtensor_from_local(&d, &local, mesh, pl, 1, global), STATUS_OK);
+  int64_t got[1];
+  dtensor_offset(d, got);
+  ck_assert_int_eq(got[0], off[0]);
+  tensor_free(&local); /* the DTensor holds its own reference */
+  ck_assert_int_eq(dtensor_local(d)->shape[0], ls[0]);
+  dtensor_free(d);
+  mesh_free(mesh);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("redistribute");
+  TCase *tc = tcase_create("property");
+  tcase_add_test(tc, redistribute_matches_distribute_for_every_pair);
+  tcase_add_test(tc, distribute_from_source_rank);
+  tcase_add_test(tc, strided_shard_round_trips);
+  tcase_add_test(tc, from_local_checks_the_shard_shape);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) {
+  const char *spec = argc > 1 ? argv[1] : "1";
+  g_ndim = 0;
+  for (const char *p = spec; *p && g_ndim < 3;) {
+    g_shape[g_ndim++] = (int)strtol(p, (char **)&p, 10);
+    if (*p == 'x') p++;
+  }
+  if (argc > 2) g_shapes_per_ndim = atoi(argv[2]);
+  return harness_main(argc, argv, make_suite);
+}

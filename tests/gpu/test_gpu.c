@@ -1,0 +1,188 @@
+/*
+ * CUDA backend against its CPU twin: every tensor operation on random inputs (device outputs
+ * poisoned first, sizes that are not multiples of the block size), NCCL groups against
+ * closed-form results, and DTensor redistribution on device memory. Exits 77 (skip) when no
+ * CUDA device is present. Runs at any world size as long as each rank has its own GPU.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtensor/dtensor.h"
+#include "tests/harness.h"
+
+static device_t gpu(void) { return world_device(); }
+
+static int same(const tensor_t *a, const tensor_t *b) {
+  bool eq = false;
+  return tensor_equal(a, b, &eq) == STATUS_OK && eq;
+}
+
+static void random_f32(tensor_t *t, unsigned long long seed) {
+  test_rng_t rng = {seed};
+  for (int64_t i = 0; i < tensor_numel(t); i++)
+    ((float *)t->data)[i] = (float)((double)(test_rng_next(&rng) >> 11) * 0x1p-53 * 200.0 - 100.0);
+}
+
+START_TEST(cuda_copy_and_cast_match_cpu) {
+  static const int64_t sizes[][3] = {{1, 1, 1}, {3, 5, 7}, {17, 33, 65}, {2, 257, 129}};
+  static const dtype_t dts[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32, DTYPE_I64};
+  int bad = 0;
+  for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+    tensor_t host, dev;
+    ck_assert_int_eq(tensor_init(&host, DTYPE_F32, device_cpu(), 3, sizes[s]), STATUS_OK);
+    random_f32(&host, 100 + s);
+    ck_assert_int_eq(tensor_clone(&dev, &host, DTYPE_F32, gpu()), STATUS_OK);
+    for (size_t d = 0; d < sizeof dts / sizeof dts[0]; d++) {
+      tensor_t want, got, back;
+      ck_assert_int_eq(tensor_clone(&want, &host, dts[d], device_cpu()), STATUS_OK);
+      ck_assert_int_eq(tensor_init(&got, dts[d], gpu(), 3, sizes[s]), STATUS_OK);
+      ck_assert_int_eq(tensor_fill(&got, -12345), STATUS_OK); /* poison */
+      ck_assert_int_eq(tensor_copy(&got, &dev), STATUS_OK);   /* cast on the device */
+      ck_assert_int_eq(tensor_clone(&back, &got, dts[d], device_cpu()), STATUS_OK);
+      if (!same(&back, &want)) {
+        fprintf(stderr, "cast f32 -> %s differs for size %lld\n", dtype_name(dts[d]),
+                (long long)tensor_numel(&host));
+        bad++;
+      }
+      tensor_free(&want);
+      tensor_free(&got);
+      tensor_free(&back);
+    }
+    /* strided narrow along the last dimension, device to device and device to host */
+    if (sizes[s][2] > 2) {
+      tensor_t hv, dv, want, got, back;
+      ck_assert_int_eq(tensor_narrow(&hv, &host, 2, 1, sizes[s][2] - 2), STATUS_OK);
+      ck_assert_int_eq(tensor_narrow(&dv, &dev, 2, 1, sizes[s][2] - 2), STATUS_OK);
+      ck_assert_int_eq(tensor_clone(&want, &hv, DTYPE_BF16, device_cpu()), STATUS_OK);
+      ck_assert_int_eq(tensor_clone(&got, &dv, DTYPE_BF16, gpu()), STATUS_OK);
+      ck_assert_int_eq(tensor_clone(&back, &dv, DTYPE_BF16, device_cpu()), STATUS_OK);
+      bad += !same(&got, &want) + !same(&back, &want);
+      tensor_free(&hv);
+      tensor_free(&dv);
+      tensor_free(&want);
+      tensor_free(&got);
+      tensor_free(&back);
+    }
+    tensor_free(&host);
+    tensor_free(&dev);
+  }
+  ck_assert_msg(bad == 0, "%d CUDA copies differ from the CPU", bad);
+}
+END_TEST
+
+START_TEST(cuda_fill_and_memory_accounting) {
+  mem_stats_t before = mem_stats(gpu());
+  int64_t shape[1] = {1000003};
+  tensor_t t, h, want;
+  ck_assert_int_eq(tensor_init(&t, DTYPE_F16, gpu(), 1, shape), STATUS_OK);
+  ck_assert_uint_eq(mem_stats(gpu()).current - before.current, 2000006);
+  ck_assert_int_eq(tensor_fill(&t, 0.1), STATUS_OK);
+  ck_assert_int_eq(tensor_clone(&h, &t, DTYPE_F16, device_cpu()), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&want, DTYPE_F16, device_cpu(), 1, shape), STATUS_OK);
+  ck_assert_int_eq(tensor_fill(&want, 0.1), STATUS_OK);
+  ck_assert(same(&h, &want));
+  tensor_free(&t);
+  tensor_free(&h);
+  tensor_free(&want);
+  ck_assert_uint_eq(mem_stats(gpu()).current, before.current);
+}
+END_TEST
+
+START_TEST(nccl_collectives_closed_form) {
+  mesh_t *mesh = NULL;
+  ck_assert_int_eq(mesh_init(&mesh, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA),
+                   STATUS_OK);
+  pg_t *pg = mesh_group(mesh, 0);
+  ck_assert_str_eq(pg_backend_name(pg), "nccl");
+  int W = pg_size(pg), r = pg_rank(pg), bad = 0;
+  size_t n = 1001;
+  int64_t shape[1] = {(int64_t)(n * W)};
+  tensor_t send, recv, host;
+  ck_assert_int_eq(tensor_init(&host, DTYPE_F32, device_cpu(), 1, shape), STATUS_OK);
+  for (size_t i = 0; i < n * W; i++) ((float *)host.data)[i] = (float)((r * 7 + i) % 61);
+  ck_assert_int_eq(tensor_clone(&send, &host, DTYPE_F32, gpu()), STATUS_OK);
+  ck_assert_int_eq(tensor_zeros(&recv, DTYPE_F32, gpu(), 1, shape), STATUS_OK);
+  /* all-gather of the first n elements */
+  pg_work_t *w = NULL;
+  ck_assert_int_eq(pg_all_gather(pg, send.data, recv.data, n, DTYPE_F32, &w), STATUS_OK);
+  ck_assert_int_eq(pg_wait(w), STATUS_OK);
+  tensor_t back;
+  ck_assert_int_eq(tensor_clone(&back, &recv, DTYPE_F32, device_cpu()), STATUS_OK);
+  for (int q = 0; q < W; q++)
+    for (size_t i = 0; i < n; i++) bad += ((float *)back.data)[q * n + i] != (float)((q * 7 + i) % 61);
+  tensor_free(&back);
+  /* all-reduce sum in place */
+  ck_assert_int_eq(pg_all_reduce(pg, send.data, send.data, n * W, DTYPE_F32, REDUCE_SUM, NULL),
+                   STATUS_OK);
+  ck_assert_int_eq(tensor_clone(&back, &send, DTYPE_F32, device_cpu()), STATUS_OK);
+  for (size_t i = 0; i < n * W; i++) {
+    float want = 0;
+    for (int q = 0; q < W; q++) want += (float)((q * 7 + i) % 61);
+    bad += ((float *)back.data)[i] != want;
+  }
+  tensor_free(&back);
+  pg_counters_t c = pg_counters(pg);
+  bad += c.calls[PG_ALL_GATHER] != 1 || c.calls[PG_ALL_REDUCE] != 1;
+  tensor_free(&send);
+  tensor_free(&recv);
+  tensor_free(&host);
+  expect_all(bad == 0, "%d NCCL results differ", bad);
+  mesh_free(mesh);
+}
+END_TEST
+
+START_TEST(dtensor_redistribute_on_device) {
+  mesh_t *mesh = NULL;
+  ck_assert_int_eq(mesh_init(&mesh, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA),
+                   STATUS_OK);
+  int64_t shape[2] = {7, 5};
+  tensor_t host, X;
+  ck_assert_int_eq(tensor_init(&host, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  for (int i = 0; i < 35; i++) ((float *)host.data)[i] = (float)(i % 13 - 6);
+  ck_assert_int_eq(tensor_clone(&X, &host, DTYPE_F32, gpu()), STATUS_OK);
+  placement_t pls[4] = {placement_shard(0), placement_shard(1), placement_replicate(),
+                        placement_partial(REDUCE_SUM)};
+  int bad = 0, cases = 0;
+  for (int p = 0; p < 4; p++)
+    for (int q = 0; q < 4; q++) {
+      dtensor_t *A = NULL, *B = NULL;
+      tensor_t full = {0};
+      int ok = dtensor_distribute(&A, &X, mesh, &pls[p], DTENSOR_ALL_RANKS) == STATUS_OK &&
+               dtensor_redistribute(A, &pls[q], &B) == STATUS_OK &&
+               dtensor_full_tensor(B, &full) == STATUS_OK && same(&full, &X) &&
+               full.device.type == DEVICE_CUDA;
+      bad += !ok;
+      cases++;
+      tensor_free(&full);
+      dtensor_free(A);
+      dtensor_free(B);
+    }
+  if (world_rank() == 0) printf("device redistribute: %d placement pairs\n", cases);
+  expect_all(bad == 0, "%d device redistributions differ", bad);
+  tensor_free(&host);
+  tensor_free(&X);
+  mesh_free(mesh);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("gpu");
+  TCase *tc = tcase_create("cuda");
+  tcase_set_timeout(tc, 0);
+  tcase_add_test(tc, cuda_copy_and_cast_match_cpu);
+  tcase_add_test(tc, cuda_fill_and_memory_accounting);
+  tcase_add_test(tc, nccl_collectives_closed_form);
+  tcase_add_test(tc, dtensor_redistribute_on_device);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) {
+  if (device_cuda_count() == 0) {
+    printf("no CUDA device%s: skipping the GPU suite\n",
+           device_cuda_compiled() ? "" : " (built without CUDA)");
+    return 77;
+  }
+  return harness_main(argc, argv, make_suite);
+}

@@ -1,0 +1,38 @@
+/*
+ * Runs a Check suite on every rank of an MPI job (or alone, as a world of one).
+ *
+ * Check runs in CK_NOFORK mode (forking after MPI_Init is not allowed), so a test that
+ * fails an assertion on one rank only must not leave the others waiting in a collective:
+ * multi-rank tests count their failures locally and assert on the agreed result
+ * (expect_all), so all ranks fail together. The exit code is 0 only when every rank passed;
+ * 77 (skip) when the suite asked for it on every rank.
+ */
+#ifndef FSDPC_TESTS_HARNESS_H
+#define FSDPC_TESTS_HARNESS_H
+
+#include <check.h>
+#include <stdbool.h>
+
+#include "mesh/world.h"
+
+/* Initialises the world, runs the suite, combines the ranks' verdicts, finalises. */
+int harness_main(int argc, char **argv, Suite *(*make_suite)(void));
+
+/* 1 when ok holds on every rank of the world. Collective. */
+int all_ranks(int ok);
+
+/* Asserts that ok holds on every rank (collective; every rank fails together). */
+#define expect_all(ok, ...) ck_assert_msg(all_ranks(ok), __VA_ARGS__)
+
+/* Asks harness_main to exit 77 (skip) once the suite has run. */
+void harness_skip(const char *why);
+
+/* Deterministic random numbers, identical on every rank for the same seed. */
+typedef struct test_rng {
+  unsigned long long s;
+} test_rng_t;
+unsigned long long test_rng_next(test_rng_t *r);
+/* Uniform in [lo, hi]. */
+int test_rng_int(test_rng_t *r, int lo, int hi);
+
+#endif

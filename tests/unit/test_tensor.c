@@ -1,0 +1,217 @@
+#include <string.h>
+
+#include "base/tensor.h"
+#include "tests/harness.h"
+
+static float *f32(const tensor_t *t) { return (float *)t->data; }
+
+static void iota(tensor_t *t) {
+  for (int64_t i = 0; i < tensor_numel(t); i++) f32(t)[i] = (float)i;
+}
+
+START_TEST(tensor_init_contiguous_layout) {
+  tensor_t t;
+  int64_t shape[3] = {2, 3, 4};
+  ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 3, shape), STATUS_OK);
+  ck_assert_int_eq(tensor_numel(&t), 24);
+  ck_assert_uint_eq(tensor_nbytes(&t), 96);
+  ck_assert_int_eq(t.stride[0], 12);
+  ck_assert_int_eq(t.stride[2], 1);
+  ck_assert(tensor_is_contiguous(&t));
+  tensor_free(&t);
+  ck_assert_ptr_null(t.storage);
+  tensor_free(NULL);
+}
+END_TEST
+
+START_TEST(tensor_init_rejects_bad_shapes) {
+  tensor_t t;
+  int64_t six[6] = {1, 1, 1, 1, 1, 1}, neg[2] = {3, -1};
+  ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 6, six), STATUS_ESHAPE);
+  ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 2, neg), STATUS_ESHAPE);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "negative"));
+  ck_assert_int_eq(tensor_init(&t, (dtype_t)99, device_cpu(), 2, neg), STATUS_EDTYPE);
+}
+END_TEST
+
+START_TEST(tensor_init_cuda_without_device_is_enodev) {
+  if (device_cuda_count() > 0) return;
+  tensor_t t;
+  int64_t shape[1] = {4};
+  ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cuda(0), 1, shape), STATUS_ENODEV);
+}
+END_TEST
+
+START_TEST(tensor_scalar_and_empty) {
+  tensor_t s, e;
+  ck_assert_int_eq(tensor_init(&s, DTYPE_I64, device_cpu(), 0, NULL), STATUS_OK);
+  ck_assert_int_eq(tensor_numel(&s), 1);
+  ck_assert_int_eq(tensor_fill(&s, 7), STATUS_OK);
+  ck_assert_int_eq(*(int64_t *)s.data, 7);
+  int64_t shape[2] = {0, 5};
+  ck_assert_int_eq(tensor_init(&e, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  ck_assert_ptr_null(e.data);
+  ck_assert_int_eq(tensor_fill(&e, 1), STATUS_OK);
+  tensor_free(&s);
+  tensor_free(&e);
+}
+END_TEST
+
+START_TEST(tensor_view_checks_numel) {
+  tensor_t t, v;
+  int64_t shape[2] = {7, 15}, bad[2] = {16, 15}, good[1] = {105};
+  ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  ck_assert_int_eq(tensor_view(&v, &t, 2, bad), STATUS_ESHAPE);
+  ck_assert_str_eq(err_detail(), "shape [7,15] cannot be viewed as [16,15]");
+  ck_assert_int_eq(tensor_view(&v, &t, 1, good), STATUS_OK);
+  ck_assert_ptr_eq(v.data, t.data);
+  tensor_free(&t); /* the view keeps the storage alive */
+  f32(&v)[104] = 1.0f;
+  tensor_free(&v);
+}
+END_TEST
+
+START_TEST(tensor_narrow_inner_dim_copies_strided) {
+  tensor_t t, n, c;
+  int64_t shape[2] = {4, 6};
+  ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  iota(&t);
+  ck_assert_int_eq(tensor_narrow(&n, &t, 1, 2, 3), STATUS_OK);
+  ck_assert(!tensor_is_contiguous(&n));
+  ck_assert_int_eq(tensor_clone(&c, &n, DTYPE_F32, device_cpu()), STATUS_OK);
+  for (int i = 0; i < 4; i++)
+    for (int j = 0; j < 3; j++) ck_assert(f32(&c)[i * 3 + j] == (float)(i * 6 + j + 2));
+  tensor_free(&c);
+  ck_assert_int_eq(tensor_narrow(&c, &t, 1, 5, 2), STATUS_ESHAPE);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "[5, 7)"));
+  tensor_free(&n);
+  tensor_free(&t);
+}
+END_TEST
+
+START_TEST(tensor_copy_into_strided_destination) {
+  tensor_t t, src, dst;
+  int64_t shape[3] = {2, 3, 4}, sub[3] = {2, 3, 2};
+  ck_assert_int_eq(tensor_zeros(&t, DTYPE_F32, device_cpu(), 3, shape), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&src, DTYPE_F32, device_cpu(), 3, sub), STATUS_OK);
+  iota(&src);
+  ck_assert_int_eq(tensor_narrow(&dst, &t, 2, 1, 2), STATUS_OK);
+  ck_assert_int_eq(tensor_copy(&dst, &src), STATUS_OK);
+  for (int i = 0; i < 6; i++) {
+    ck_assert(f32(&t)[i * 4 + 0] == 0.0f);
+    ck_assert(f32(&t)[i * 4 + 1] == (float)(i * 2));
+    ck_assert(f32(&t)[i * 4 + 2] == (float)(i * 2 + 1));
+    ck_assert(f32(&t)[i * 4 + 3] == 0.0f);
+  }
+  ck_assert_int_eq(tensor_copy(&t, &src), STATUS_ESHAPE);
+  tensor_free(&dst);
+  tensor_free(&src);
+  tensor_free(&t);
+}
+END_TEST
+
+START_TEST(tensor_copy_casts_with_rounding) {
+  tensor_t a, b, c;
+  int64_t shape[1] = {4};
+  ck_assert_int_eq(tensor_init(&a, DTYPE_F32, device_cpu(), 1, shape), STATUS_OK);
+  f32(&a)[0] = 1.0f;
+  f32(&a)[1] = 1.0f + 0x1p-8f; /* bf16 tie: rounds to even 1.0 */
+  f32(&a)[2] = -3.75f;
+  f32(&a)[3] = 65520.0f;
+  ck_assert_int_eq(tensor_clone(&b, &a, DTYPE_BF16, device_cpu()), STATUS_OK);
+  uint16_t *h = b.data;
+  ck_assert_uint_eq(h[0], 0x3F80);
+  ck_assert_uint_eq(h[1], 0x3F80);
+  ck_assert_uint_eq(h[2], f32_to_bf16(-3.75f));
+  ck_assert_int_eq(tensor_clone(&c, &a, DTYPE_I32, device_cpu()), STATUS_OK);
+  ck_assert_int_eq(((int32_t *)c.data)[2], -3);
+  ck_assert_int_eq(((int32_t *)c.data)[3], 65520);
+  tensor_free(&a);
+  tensor_free(&b);
+  tensor_free(&c);
+}
+END_TEST
+
+START_TEST(tensor_fill_strided_view) {
+  tensor_t t, col;
+  int64_t shape[2] = {3, 3};
+  ck_assert_int_eq(tensor_zeros(&t, DTYPE_F16, device_cpu(), 2, shape), STATUS_OK);
+  ck_assert_int_eq(tensor_narrow(&col, &t, 1, 1, 1), STATUS_OK);
+  ck_assert_int_eq(tensor_fill(&col, 2.5), STATUS_OK);
+  uint16_t *h = t.data;
+  for (int i = 0; i < 9; i++) ck_assert_uint_eq(h[i], i % 3 == 1 ? f32_to_f16(2.5f) : 0);
+  tensor_free(&col);
+  tensor_free(&t);
+}
+END_TEST
+
+START_TEST(tensor_equal_compares_bits) {
+  tensor_t a, b;
+  int64_t shape[2] = {2, 2};
+  ck_assert_int_eq(tensor_zeros(&a, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  ck_assert_int_eq(tensor_zeros(&b, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  bool eq;
+  ck_assert_int_eq(tensor_equal(&a, &b, &eq), STATUS_OK);
+  ck_assert(eq);
+  f32(&b)[3] = -0.0f; /* equal as numbers, not as bits */
+  ck_assert_int_eq(tensor_equal(&a, &b, &eq), STATUS_OK);
+  ck_assert(!eq);
+  tensor_free(&a);
+  tensor_free(&b);
+}
+END_TEST
+
+START_TEST(mem_stats_track_current_and_peak) {
+  mem_reset_peak(device_cpu());
+  mem_stats_t base = mem_stats(device_cpu());
+  tensor_t a, b;
+  int64_t s1[1] = {1000}, s2[1] = {500};
+  ck_assert_int_eq(tensor_init(&a, DTYPE_F32, device_cpu(), 1, s1), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&b, DTYPE_I64, device_cpu(), 1, s2), STATUS_OK);
+  mem_stats_t now = mem_stats(device_cpu());
+  ck_assert_uint_eq(now.current - base.current, 4000 + 4000);
+  tensor_free(&a);
+  now = mem_stats(device_cpu());
+  ck_assert_uint_eq(now.current - base.current, 4000);
+  ck_assert_uint_eq(now.peak - base.current, 8000);
+  mem_reset_peak(device_cpu());
+  ck_assert_uint_eq(mem_stats(device_cpu()).peak, now.current);
+  tensor_free(&b);
+  ck_assert_uint_eq(mem_stats(device_cpu()).current, base.current);
+}
+END_TEST
+
+START_TEST(tensor_wrap_does_not_free) {
+  float buf[6] = {1, 2, 3, 4, 5, 6};
+  tensor_t t, v;
+  int64_t shape[2] = {2, 3};
+  size_t before = mem_stats(device_cpu()).current;
+  ck_assert_int_eq(tensor_wrap(&t, buf, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  ck_assert_int_eq(tensor_narrow(&v, &t, 0, 1, 1), STATUS_OK);
+  ck_assert(f32(&v)[2] == 6.0f);
+  tensor_free(&t);
+  tensor_free(&v);
+  ck_assert_uint_eq(mem_stats(device_cpu()).current, before);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("tensor");
+  TCase *tc = tcase_create("core");
+  tcase_add_test(tc, tensor_init_contiguous_layout);
+  tcase_add_test(tc, tensor_init_rejects_bad_shapes);
+  tcase_add_test(tc, tensor_init_cuda_without_device_is_enodev);
+  tcase_add_test(tc, tensor_scalar_and_empty);
+  tcase_add_test(tc, tensor_view_checks_numel);
+  tcase_add_test(tc, tensor_narrow_inner_dim_copies_strided);
+  tcase_add_test(tc, tensor_copy_into_strided_destination);
+  tcase_add_test(tc, tensor_copy_casts_with_rounding);
+  tcase_add_test(tc, tensor_fill_strided_view);
+  tcase_add_test(tc, tensor_equal_compares_bits);
+  tcase_add_test(tc, mem_stats_track_current_and_peak);
+  tcase_add_test(tc, tensor_wrap_does_not_free);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
