@@ -49,8 +49,7 @@ const backend_t *cuda_backend(void);
 
 /* ---- CUDA-only entry points used by device.c; defined by cuda_backend.cu ---- */
 int cuda_device_count(void);
-status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
-                     size_t bytes);
+status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src, size_t bytes);
 stream_t *cuda_stream_current(int index);
 void cuda_stream_set_current(int index, stream_t *s);
 status_t cuda_stream_new(int index, stream_t **out);

@@ -65,8 +65,8 @@ __device__ static void store_elem(int dt, void *p, int64_t i, double v) {
   }
 }
 
-__global__ static void copy_kernel(copy_args a, void *dst, int dst_dt, const void *src,
-                                   int src_dt, int elem_size, int64_t n) {
+__global__ static void copy_kernel(copy_args a, void *dst, int dst_dt, const void *src, int src_dt,
+                                   int elem_size, int64_t n) {
   for (int64_t lin = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; lin < n;
        lin += (int64_t)gridDim.x * blockDim.x) {
     int64_t rest = lin, doff = 0, soff = 0;
@@ -181,8 +181,12 @@ static status_t cuda_fill(int index, void *ptr, size_t elem_size, size_t n, uint
   cudaStream_t s = raw_stream(index);
   int grid = grid_for((int64_t)n, block);
   switch (elem_size) {
-    case 2: fill_kernel<<<grid, block, 0, s>>>((uint16_t *)ptr, (uint16_t)pattern, (int64_t)n); break;
-    case 4: fill_kernel<<<grid, block, 0, s>>>((uint32_t *)ptr, (uint32_t)pattern, (int64_t)n); break;
+    case 2:
+      fill_kernel<<<grid, block, 0, s>>>((uint16_t *)ptr, (uint16_t)pattern, (int64_t)n);
+      break;
+    case 4:
+      fill_kernel<<<grid, block, 0, s>>>((uint32_t *)ptr, (uint32_t)pattern, (int64_t)n);
+      break;
     case 8: fill_kernel<<<grid, block, 0, s>>>((uint64_t *)ptr, pattern, (int64_t)n); break;
     default: return err_set(STATUS_EINVAL, "cuda fill: element size %zu", elem_size);
   }

@@ -9,12 +9,12 @@
 
 #include "base/status.h"
 
-#define CUDA_TRY(call)                                                                  \
-  do {                                                                                  \
-    cudaError_t cuda_err_ = (call);                                                     \
-    if (cuda_err_ != cudaSuccess)                                                       \
-      return err_set(STATUS_ECUDA, "%s:%d: %s: %s", __FILE__, __LINE__, #call,          \
-                     cudaGetErrorString(cuda_err_));                                    \
+#define CUDA_TRY(call)                                                         \
+  do {                                                                         \
+    cudaError_t cuda_err_ = (call);                                            \
+    if (cuda_err_ != cudaSuccess)                                              \
+      return err_set(STATUS_ECUDA, "%s:%d: %s: %s", __FILE__, __LINE__, #call, \
+                     cudaGetErrorString(cuda_err_));                           \
   } while (0)
 
 #endif

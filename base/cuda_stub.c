@@ -5,8 +5,7 @@
 const backend_t *cuda_backend(void) { return NULL; }
 int cuda_device_count(void) { return 0; }
 
-status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
-                     size_t bytes) {
+status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src, size_t bytes) {
   (void)dst_dev, (void)dst, (void)src_dev, (void)src, (void)bytes;
   return err_set(STATUS_ENODEV, "built without CUDA");
 }

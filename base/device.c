@@ -54,8 +54,8 @@ status_t device_check(device_t dev) {
                    dev.index);
   int n = device_cuda_count();
   if (dev.index < 0 || dev.index >= n || dev.index >= DEVICE_MAX_CUDA)
-    return err_set(STATUS_ENODEV, "cuda:%d requested, but %d CUDA device(s) are present",
-                   dev.index, n);
+    return err_set(STATUS_ENODEV, "cuda:%d requested, but %d CUDA device(s) are present", dev.index,
+                   n);
   return STATUS_OK;
 }
 
@@ -141,6 +141,4 @@ status_t event_record(event_t *e, stream_t *s) {
   return e == NULL ? STATUS_OK : cuda_event_record(e, s);
 }
 
-status_t event_synchronize(event_t *e) {
-  return e == NULL ? STATUS_OK : cuda_event_synchronize(e);
-}
+status_t event_synchronize(event_t *e) { return e == NULL ? STATUS_OK : cuda_event_synchronize(e); }

@@ -6,15 +6,11 @@
 size_t dtype_size(dtype_t dt) {
   switch (dt) {
     case DTYPE_F32:
-    case DTYPE_I32:
-      return 4;
+    case DTYPE_I32: return 4;
     case DTYPE_BF16:
-    case DTYPE_F16:
-      return 2;
-    case DTYPE_I64:
-      return 8;
-    default:
-      return 0;
+    case DTYPE_F16: return 2;
+    case DTYPE_I64: return 8;
+    default: return 0;
   }
 }
 
@@ -32,11 +28,10 @@ status_t dtype_parse(const char *name, dtype_t *out) {
     const char *name;
     dtype_t dt;
   } aliases[] = {
-      {"f32", DTYPE_F32},  {"float32", DTYPE_F32},   {"fp32", DTYPE_F32},
-      {"bf16", DTYPE_BF16}, {"bfloat16", DTYPE_BF16},
-      {"f16", DTYPE_F16},  {"float16", DTYPE_F16},   {"fp16", DTYPE_F16},
-      {"i32", DTYPE_I32},  {"int32", DTYPE_I32},
-      {"i64", DTYPE_I64},  {"int64", DTYPE_I64},
+      {"f32", DTYPE_F32},     {"float32", DTYPE_F32},   {"fp32", DTYPE_F32},
+      {"bf16", DTYPE_BF16},   {"bfloat16", DTYPE_BF16}, {"f16", DTYPE_F16},
+      {"float16", DTYPE_F16}, {"fp16", DTYPE_F16},      {"i32", DTYPE_I32},
+      {"int32", DTYPE_I32},   {"i64", DTYPE_I64},       {"int64", DTYPE_I64},
   };
   if (name == NULL || out == NULL) return err_set(STATUS_EINVAL, "dtype_parse: NULL argument");
   for (size_t i = 0; i < sizeof aliases / sizeof aliases[0]; i++) {
@@ -45,13 +40,10 @@ status_t dtype_parse(const char *name, dtype_t *out) {
       return STATUS_OK;
     }
   }
-  return err_set(STATUS_EDTYPE, "unknown dtype '%s' (expected f32, bf16, f16, i32 or i64)",
-                 name);
+  return err_set(STATUS_EDTYPE, "unknown dtype '%s' (expected f32, bf16, f16, i32 or i64)", name);
 }
 
-int dtype_is_float(dtype_t dt) {
-  return dt == DTYPE_F32 || dt == DTYPE_BF16 || dt == DTYPE_F16;
-}
+int dtype_is_float(dtype_t dt) { return dt == DTYPE_F32 || dt == DTYPE_BF16 || dt == DTYPE_F16; }
 
 static uint32_t f32_bits(float f) {
   uint32_t u;
@@ -117,18 +109,12 @@ float f16_to_f32(uint16_t h) {
 
 double dtype_load(dtype_t dt, const void *buf, size_t i) {
   switch (dt) {
-    case DTYPE_F32:
-      return ((const float *)buf)[i];
-    case DTYPE_BF16:
-      return bf16_to_f32(((const uint16_t *)buf)[i]);
-    case DTYPE_F16:
-      return f16_to_f32(((const uint16_t *)buf)[i]);
-    case DTYPE_I32:
-      return ((const int32_t *)buf)[i];
-    case DTYPE_I64:
-      return (double)((const int64_t *)buf)[i];
-    default:
-      return 0.0;
+    case DTYPE_F32: return ((const float *)buf)[i];
+    case DTYPE_BF16: return bf16_to_f32(((const uint16_t *)buf)[i]);
+    case DTYPE_F16: return f16_to_f32(((const uint16_t *)buf)[i]);
+    case DTYPE_I32: return ((const int32_t *)buf)[i];
+    case DTYPE_I64: return (double)((const int64_t *)buf)[i];
+    default: return 0.0;
   }
 }
 
@@ -141,23 +127,14 @@ static int64_t saturate(double v, double lo, double hi) {
 
 void dtype_store(dtype_t dt, void *buf, size_t i, double v) {
   switch (dt) {
-    case DTYPE_F32:
-      ((float *)buf)[i] = (float)v;
-      break;
-    case DTYPE_BF16:
-      ((uint16_t *)buf)[i] = f32_to_bf16((float)v);
-      break;
-    case DTYPE_F16:
-      ((uint16_t *)buf)[i] = f32_to_f16((float)v);
-      break;
-    case DTYPE_I32:
-      ((int32_t *)buf)[i] = (int32_t)saturate(v, -2147483648.0, 2147483647.0);
-      break;
+    case DTYPE_F32: ((float *)buf)[i] = (float)v; break;
+    case DTYPE_BF16: ((uint16_t *)buf)[i] = f32_to_bf16((float)v); break;
+    case DTYPE_F16: ((uint16_t *)buf)[i] = f32_to_f16((float)v); break;
+    case DTYPE_I32: ((int32_t *)buf)[i] = (int32_t)saturate(v, -2147483648.0, 2147483647.0); break;
     case DTYPE_I64:
       /* 2^63 is not representable in int64; the largest double below it is. */
       ((int64_t *)buf)[i] = saturate(v, -9223372036854775808.0, 9223372036854774784.0);
       break;
-    default:
-      break;
+    default: break;
   }
 }

@@ -8,8 +8,7 @@ static _Thread_local char detail_text[1024];
 const char *status_str(status_t st) {
   switch (st) {
 #define STATUS_CASE_(name, value, msg) \
-  case STATUS_##name:                  \
-    return msg;
+  case STATUS_##name: return msg;
     STATUS_TABLE(STATUS_CASE_)
 #undef STATUS_CASE_
   }

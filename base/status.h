@@ -19,22 +19,22 @@ extern "C" {
 #endif
 
 /* X-macro table: name, value, message. */
-#define STATUS_TABLE(X)                                                     \
-  X(OK, 0, "ok")                                                            \
-  X(EINVAL, -1, "invalid argument")                                         \
-  X(ENOMEM, -2, "out of memory")                                            \
-  X(ENODEV, -3, "device not available")                                     \
-  X(ESHAPE, -4, "shape mismatch")                                           \
-  X(EDTYPE, -5, "unsupported dtype")                                        \
-  X(EMPI, -6, "MPI error")                                                  \
-  X(ECUDA, -7, "CUDA error")                                                \
-  X(ENCCL, -8, "NCCL error")                                                \
-  X(ECUBLAS, -9, "cuBLAS error")                                            \
-  X(EIO, -10, "I/O error")                                                  \
-  X(EFORMAT, -11, "malformed input")                                        \
-  X(EMESH, -12, "invalid device mesh")                                      \
-  X(EPLACEMENT, -13, "invalid placement")                                   \
-  X(EUNSUPPORTED, -14, "operation not supported")                           \
+#define STATUS_TABLE(X)                           \
+  X(OK, 0, "ok")                                  \
+  X(EINVAL, -1, "invalid argument")               \
+  X(ENOMEM, -2, "out of memory")                  \
+  X(ENODEV, -3, "device not available")           \
+  X(ESHAPE, -4, "shape mismatch")                 \
+  X(EDTYPE, -5, "unsupported dtype")              \
+  X(EMPI, -6, "MPI error")                        \
+  X(ECUDA, -7, "CUDA error")                      \
+  X(ENCCL, -8, "NCCL error")                      \
+  X(ECUBLAS, -9, "cuBLAS error")                  \
+  X(EIO, -10, "I/O error")                        \
+  X(EFORMAT, -11, "malformed input")              \
+  X(EMESH, -12, "invalid device mesh")            \
+  X(EPLACEMENT, -13, "invalid placement")         \
+  X(EUNSUPPORTED, -14, "operation not supported") \
   X(EINTERNAL, -15, "internal error")
 
 typedef enum status {
@@ -58,17 +58,17 @@ status_t err_set(status_t st, const char *fmt, ...) __attribute__((format(printf
 void err_clear(void);
 
 /* Propagate a failing status: evaluates expr once, returns it from the caller on failure. */
-#define TRY(expr)                                                           \
-  do {                                                                      \
-    status_t try_st_ = (expr);                                              \
-    if (try_st_ != STATUS_OK) return try_st_;                               \
+#define TRY(expr)                             \
+  do {                                        \
+    status_t try_st_ = (expr);                \
+    if (try_st_ != STATUS_OK) return try_st_; \
   } while (0)
 
 /* Same, but jumps to `cleanup` with `st` set, for functions that must release resources. */
-#define TRY_GOTO(st, expr)                                                  \
-  do {                                                                      \
-    (st) = (expr);                                                          \
-    if ((st) != STATUS_OK) goto cleanup;                                    \
+#define TRY_GOTO(st, expr)               \
+  do {                                   \
+    (st) = (expr);                       \
+    if ((st) != STATUS_OK) goto cleanup; \
   } while (0)
 
 #ifdef __cplusplus

@@ -33,9 +33,7 @@ int64_t tensor_numel(const tensor_t *t) {
   return n;
 }
 
-size_t tensor_nbytes(const tensor_t *t) {
-  return (size_t)tensor_numel(t) * dtype_size(t->dtype);
-}
+size_t tensor_nbytes(const tensor_t *t) { return (size_t)tensor_numel(t) * dtype_size(t->dtype); }
 
 bool tensor_is_contiguous(const tensor_t *t) {
   int64_t expect = 1;
@@ -55,8 +53,7 @@ bool tensor_same_shape(const tensor_t *a, const tensor_t *b) {
 
 static status_t check_shape(int ndim, const int64_t *shape) {
   if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
-    return err_set(STATUS_ESHAPE, "tensors have 0 to %d dimensions, got %d", TENSOR_MAX_DIMS,
-                   ndim);
+    return err_set(STATUS_ESHAPE, "tensors have 0 to %d dimensions, got %d", TENSOR_MAX_DIMS, ndim);
   if (ndim > 0 && shape == NULL) return err_set(STATUS_EINVAL, "shape is NULL");
   int64_t numel = 1;
   for (int i = 0; i < ndim; i++) {
@@ -165,7 +162,8 @@ status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t
   for (int i = 0; i < ndim; i++) n *= shape[i];
   if (n != tensor_numel(src))
     return err_set(STATUS_ESHAPE, "shape %s cannot be viewed as %s",
-                   shape_str(src->ndim, src->shape, a, sizeof a), shape_str(ndim, shape, b, sizeof b));
+                   shape_str(src->ndim, src->shape, a, sizeof a),
+                   shape_str(ndim, shape, b, sizeof b));
   if (!tensor_is_contiguous(src))
     return err_set(STATUS_ESHAPE, "view of a non-contiguous tensor of shape %s",
                    shape_str(src->ndim, src->shape, a, sizeof a));
@@ -178,8 +176,7 @@ status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t
   return STATUS_OK;
 }
 
-status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t start,
-                       int64_t length) {
+status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t start, int64_t length) {
   char a[96];
   if (dim < 0 || dim >= src->ndim)
     return err_set(STATUS_EINVAL, "narrow: dimension %d out of range for shape %s", dim,
@@ -237,8 +234,8 @@ status_t tensor_copy(tensor_t *dst, const tensor_t *src) {
     from = &staged_src;
   }
   if (tensor_is_contiguous(dst)) {
-    TRY_GOTO(st, device_memcpy(dst->device, dst->data, from->device, from->data,
-                               tensor_nbytes(from)));
+    TRY_GOTO(st,
+             device_memcpy(dst->device, dst->data, from->device, from->data, tensor_nbytes(from)));
   } else {
     TRY_GOTO(st, tensor_init(&staged_dst, dst->dtype, dst->device, dst->ndim, dst->shape));
     TRY_GOTO(st, device_memcpy(dst->device, staged_dst.data, from->device, from->data,

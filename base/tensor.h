@@ -67,8 +67,7 @@ void tensor_free(tensor_t *t);
 status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t *shape);
 
 /* A view of elements [start, start + length) along dim. */
-status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t start,
-                       int64_t length);
+status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t start, int64_t length);
 
 /* Another reference to the same elements (same shape and strides). */
 status_t tensor_ref(tensor_t *out, const tensor_t *src);

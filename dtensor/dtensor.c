@@ -13,8 +13,8 @@ void mesh_shape_coord(const mesh_t *mesh, int *shape, int *coord) {
 }
 
 status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim,
-                             const int64_t *global_shape, const int *coord,
-                             int64_t *local_shape, int64_t *offset) {
+                             const int64_t *global_shape, const int *coord, int64_t *local_shape,
+                             int64_t *offset) {
   int shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
   if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
@@ -24,8 +24,8 @@ status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim
   return STATUS_OK;
 }
 
-status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh,
-                            const placement_t *pl, int ndim, const int64_t *global_shape) {
+status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh, const placement_t *pl,
+                            int ndim, const int64_t *global_shape) {
   dtensor_t *dt = calloc(1, sizeof *dt);
   if (dt == NULL) return err_set(STATUS_ENOMEM, "DTensor: out of host memory");
   dt->mesh = mesh;
@@ -127,7 +127,8 @@ status_t dtensor_distribute(dtensor_t **out, const tensor_t *full, mesh_t *mesh,
     int idx = -1;
     for (int i = 0; i < mesh_numel(mesh); i++)
       if (mesh_ranks(mesh)[i] == src_rank) idx = i;
-    if (idx < 0) return err_set(STATUS_EINVAL, "distribute: source rank %d is not in the mesh", src_rank);
+    if (idx < 0)
+      return err_set(STATUS_EINVAL, "distribute: source rank %d is not in the mesh", src_rank);
     int src[MESH_MAX_DIMS];
     mesh_unravel(mesh, idx, src);
     TRY_GOTO(st, tensor_clone(&scratch, full, full->dtype, full->device));

@@ -16,8 +16,8 @@ struct dtensor {
 void mesh_shape_coord(const mesh_t *mesh, int *shape, int *coord);
 
 /* Allocates a DTensor that takes ownership of *local (which is zeroed). */
-status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh,
-                            const placement_t *pl, int ndim, const int64_t *global_shape);
+status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh, const placement_t *pl,
+                            int ndim, const int64_t *global_shape);
 
 /* This rank's local tensor for placements pl, cut from the full value (a new contiguous
  * tensor on `full`'s device): the shard box, zeros off coordinate 0 of Partial(sum) dims. */

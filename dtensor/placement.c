@@ -11,20 +11,15 @@ bool placement_equal(placement_t a, placement_t b) {
 
 const char *placement_str(placement_t p, char *buf, size_t size) {
   switch (p.kind) {
-    case PLACEMENT_REPLICATE:
-      snprintf(buf, size, "R");
-      break;
+    case PLACEMENT_REPLICATE: snprintf(buf, size, "R"); break;
     case PLACEMENT_SHARD:
       if (p.split_factor > 1)
         snprintf(buf, size, "SS(%d,%d)", p.dim, p.split_factor);
       else
         snprintf(buf, size, "S(%d)", p.dim);
       break;
-    case PLACEMENT_PARTIAL:
-      snprintf(buf, size, "P(%s)", reduce_op_name(p.op));
-      break;
-    default:
-      snprintf(buf, size, "?");
+    case PLACEMENT_PARTIAL: snprintf(buf, size, "P(%s)", reduce_op_name(p.op)); break;
+    default: snprintf(buf, size, "?");
   }
   return buf;
 }
@@ -56,8 +51,7 @@ status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
   for (int i = 0; i < mesh_ndim; i++) {
     placement_t p = pl[i];
     switch (p.kind) {
-      case PLACEMENT_REPLICATE:
-        break;
+      case PLACEMENT_REPLICATE: break;
       case PLACEMENT_PARTIAL:
         if (p.op != REDUCE_SUM && p.op != REDUCE_AVG && p.op != REDUCE_MAX)
           return err_set(STATUS_EPLACEMENT, "mesh dim %d: invalid partial reduce op %d", i,
@@ -65,12 +59,10 @@ status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
         break;
       case PLACEMENT_SHARD: {
         if (p.dim < 0 || p.dim >= tensor_ndim)
-          return err_set(STATUS_EPLACEMENT,
-                         "mesh dim %d: %s shards dimension %d of a %d-D tensor", i,
-                         placement_str(p, buf, sizeof buf), p.dim, tensor_ndim);
+          return err_set(STATUS_EPLACEMENT, "mesh dim %d: %s shards dimension %d of a %d-D tensor",
+                         i, placement_str(p, buf, sizeof buf), p.dim, tensor_ndim);
         if (p.split_factor < 1)
-          return err_set(STATUS_EPLACEMENT, "mesh dim %d: split factor %d < 1", i,
-                         p.split_factor);
+          return err_set(STATUS_EPLACEMENT, "mesh dim %d: split factor %d < 1", i, p.split_factor);
         if (p.split_factor > 1) {
           int later = 1;
           for (int j = i + 1; j < mesh_ndim; j++)
@@ -85,8 +77,7 @@ status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
         break;
       }
       default:
-        return err_set(STATUS_EPLACEMENT, "mesh dim %d: invalid placement kind %d", i,
-                       (int)p.kind);
+        return err_set(STATUS_EPLACEMENT, "mesh dim %d: invalid placement kind %d", i, (int)p.kind);
     }
   }
   return STATUS_OK;

@@ -87,8 +87,8 @@ cleanup:
 }
 
 /* A view of src narrowed to [o1, o1+l1) along d1 and (if d2 >= 0) [o2, o2+l2) along d2. */
-static status_t narrow2(tensor_t *out, const tensor_t *src, int d1, int64_t o1, int64_t l1,
-                        int d2, int64_t o2, int64_t l2) {
+static status_t narrow2(tensor_t *out, const tensor_t *src, int d1, int64_t o1, int64_t l1, int d2,
+                        int64_t o2, int64_t l2) {
   TRY(tensor_narrow(out, src, d1, o1, l1));
   if (d2 < 0) return STATUS_OK;
   tensor_t tmp = *out;
@@ -144,8 +144,8 @@ cleanup:
 static status_t partial_to_replicate(const ctx_t *c, const tensor_t *x, reduce_op_t op,
                                      tensor_t *out) {
   TRY(tensor_clone(out, x, x->dtype, x->device));
-  status_t st = pg_all_reduce(c->pg, out->data, out->data, (size_t)tensor_numel(out), out->dtype,
-                              op, NULL);
+  status_t st =
+      pg_all_reduce(c->pg, out->data, out->data, (size_t)tensor_numel(out), out->dtype, op, NULL);
   if (st != STATUS_OK) tensor_free(out);
   return st;
 }
@@ -263,7 +263,8 @@ static status_t check_inner(const placement_t *cur, int n, int i, int d) {
     if (placement_is_shard(cur[j], d))
       return err_set(STATUS_EINTERNAL,
                      "redistribute: mesh dim %d changes a shard of tensor dim %d that mesh dim "
-                     "%d also shards", i, d, j);
+                     "%d also shards",
+                     i, d, j);
   return STATUS_OK;
 }
 
@@ -358,8 +359,8 @@ static status_t gather_full(const dtensor_t *src, tensor_t *full) {
   for (int i = n - 1; i >= 0; i--) { /* row-major order of coordinates when done */
     int64_t total = count * shape[i];
     TRY_GOTO(st, tensor_init(&next, x.dtype, x.device, 1, &total));
-    TRY_GOTO(st, pg_all_gather(mesh_group(mesh, i), buf.data, next.data, (size_t)count, x.dtype,
-                               NULL));
+    TRY_GOTO(st,
+             pg_all_gather(mesh_group(mesh, i), buf.data, next.data, (size_t)count, x.dtype, NULL));
     tensor_free(&buf);
     buf = next;
     memset(&next, 0, sizeof next);

@@ -107,15 +107,15 @@ static status_t resolve_shape(int ndim, const int *shape, const char *const *nam
                        names[inferred], names[i]);
       inferred = i;
     } else if (shape[i] <= 0) {
-      return err_set(STATUS_EMESH, "mesh: size of '%s' must be positive or -1, got %d",
-                     names[i], shape[i]);
+      return err_set(STATUS_EMESH, "mesh: size of '%s' must be positive or -1, got %d", names[i],
+                     shape[i]);
     } else {
       known *= shape[i];
     }
     out[i] = shape[i];
     if (off < sizeof dims)
-      off += (size_t)snprintf(dims + off, sizeof dims - off, "%s%s=%d", i ? " x " : "",
-                              names[i], shape[i]);
+      off += (size_t)snprintf(dims + off, sizeof dims - off, "%s%s=%d", i ? " x " : "", names[i],
+                              shape[i]);
   }
   if (inferred >= 0) {
     if (known > world || world % (int)known != 0)
@@ -220,12 +220,14 @@ static status_t lookup_dims(const mesh_t *mesh, int n, const char *const *names,
     idx[k] = names && names[k] ? mesh_dim_index(mesh, names[k]) : -1;
     if (idx[k] < 0) {
       char buf[256];
-      return err_set(STATUS_EMESH, "mesh %s has no dimension '%s'",
-                     mesh_str(mesh, buf, sizeof buf), names && names[k] ? names[k] : "(null)");
+      return err_set(STATUS_EMESH, "mesh %s has no dimension '%s'", mesh_str(mesh, buf, sizeof buf),
+                     names && names[k] ? names[k] : "(null)");
     }
     if (k > 0 && idx[k] <= idx[k - 1])
-      return err_set(STATUS_EMESH, "mesh dimensions must be named once each, in mesh order "
-                     "('%s' comes after '%s')", names[k - 1], names[k]);
+      return err_set(STATUS_EMESH,
+                     "mesh dimensions must be named once each, in mesh order "
+                     "('%s' comes after '%s')",
+                     names[k - 1], names[k]);
   }
   return STATUS_OK;
 }

@@ -123,8 +123,8 @@ status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dty
   return finish(st, w, work);
 }
 
-status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
-                           dtype_t dt, reduce_op_t op, pg_work_t **work) {
+status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count, dtype_t dt,
+                           reduce_op_t op, pg_work_t **work) {
   if (work) *work = NULL;
   TRY(check_call(pg, "reduce_scatter", dt, recv_count, recv_count * (size_t)(pg ? pg->size : 1)));
   TRY(check_op("reduce_scatter", dt, op));
@@ -167,8 +167,7 @@ status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dty
   return finish(st, w, work);
 }
 
-status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
-                      pg_work_t **work) {
+status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root, pg_work_t **work) {
   if (work) *work = NULL;
   TRY(check_call(pg, "broadcast", dt, count, count));
   TRY(check_buf("broadcast", buf, count));

@@ -92,8 +92,8 @@ status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dty
 
 /* send holds size*recv_count elements; block r of the reduction lands in recv of rank r.
  * REDUCE_AVG divides the sum by the group size (floating-point dtypes only). */
-status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
-                           dtype_t dt, reduce_op_t op, pg_work_t **work);
+status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count, dtype_t dt,
+                           reduce_op_t op, pg_work_t **work);
 
 /* recv = reduction of send over the group; send == recv is in place. */
 status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
@@ -105,8 +105,7 @@ status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dty
                        pg_work_t **work);
 
 /* buf of root (a rank of the group) is copied into buf of every rank. */
-status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
-                      pg_work_t **work);
+status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root, pg_work_t **work);
 
 status_t pg_barrier(pg_t *pg, pg_work_t **work);
 

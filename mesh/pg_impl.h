@@ -11,14 +11,13 @@ typedef struct pg_ops {
   const char *name;
   status_t (*all_gather)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
                          pg_work_t **work);
-  status_t (*reduce_scatter)(pg_t *pg, const void *send, void *recv, size_t recv_count,
-                             dtype_t dt, reduce_op_t op, pg_work_t **work);
+  status_t (*reduce_scatter)(pg_t *pg, const void *send, void *recv, size_t recv_count, dtype_t dt,
+                             reduce_op_t op, pg_work_t **work);
   status_t (*all_reduce)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
                          reduce_op_t op, pg_work_t **work);
   status_t (*all_to_all)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
                          pg_work_t **work);
-  status_t (*broadcast)(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
-                        pg_work_t **work);
+  status_t (*broadcast)(pg_t *pg, void *buf, size_t count, dtype_t dt, int root, pg_work_t **work);
   status_t (*barrier)(pg_t *pg, pg_work_t **work);
   void (*destroy)(pg_t *pg);
 } pg_ops_t;

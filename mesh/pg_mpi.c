@@ -157,8 +157,8 @@ static status_t mpi_all_reduce(pg_t *pg, const void *send, void *recv, size_t co
     w->divisor = pg->size;
   }
   return started(w,
-                 MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count,
-                                mpi_type(dt), mpi_op(dt, op), pg->comm, &w->req),
+                 MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, (int)count, mpi_type(dt),
+                                mpi_op(dt, op), pg->comm, &w->req),
                  work);
 }
 

@@ -15,12 +15,12 @@
 
 cudaStream_t cuda_stream_raw(stream_t *s);
 
-#define NCCL_TRY(call)                                                                   \
-  do {                                                                                   \
-    ncclResult_t nccl_rc_ = (call);                                                      \
-    if (nccl_rc_ != ncclSuccess)                                                         \
-      return err_set(STATUS_ENCCL, "%s:%d: %s: %s", __FILE__, __LINE__, #call,           \
-                     ncclGetErrorString(nccl_rc_));                                      \
+#define NCCL_TRY(call)                                                         \
+  do {                                                                         \
+    ncclResult_t nccl_rc_ = (call);                                            \
+    if (nccl_rc_ != ncclSuccess)                                               \
+      return err_set(STATUS_ENCCL, "%s:%d: %s: %s", __FILE__, __LINE__, #call, \
+                     ncclGetErrorString(nccl_rc_));                            \
   } while (0)
 
 typedef struct nccl_state {

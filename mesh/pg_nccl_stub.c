@@ -4,6 +4,8 @@
 status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
   (void)comm;
   *out = NULL;
-  return err_set(STATUS_ENODEV, "NCCL group on cuda:%d requested, but the library was built "
-                 "without CUDA", device);
+  return err_set(STATUS_ENODEV,
+                 "NCCL group on cuda:%d requested, but the library was built "
+                 "without CUDA",
+                 device);
 }

@@ -32,9 +32,9 @@ status_t world_init(int *argc, char ***argv) {
   if (!env_int("OMPI_COMM_WORLD_LOCAL_RANK", &local_rank) &&
       !env_int("MPI_LOCALRANKID", &local_rank) && !env_int("SLURM_LOCALID", &local_rank)) {
     MPI_Comm node;
-    TRY(pg_mpi_status(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0,
-                                          MPI_INFO_NULL, &node),
-                      "MPI_Comm_split_type"));
+    TRY(pg_mpi_status(
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+        "MPI_Comm_split_type"));
     MPI_Comm_rank(node, &local_rank);
     MPI_Comm_free(&node);
   }

@@ -48,8 +48,7 @@ int harness_main(int argc, char **argv, Suite *(*make_suite)(void)) {
   int total = 0, skip_all = 0;
   MPI_Allreduce(&failed, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   MPI_Allreduce(&skip_requested, &skip_all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  if (rank == 0 && size > 1)
-    printf("%d rank(s): %d failure(s) in total\n", size, total);
+  if (rank == 0 && size > 1) printf("%d rank(s): %d failure(s) in total\n", size, total);
   world_finalize();
   if (total > 0) return 1;
   return skip_all ? 77 : 0;

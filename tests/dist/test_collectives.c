@@ -143,7 +143,8 @@ START_TEST(all_to_all_every_dtype_and_count) {
       void *send = buf_new(dt, n * W), *recv = buf_new(dt, n * W);
       double *want = malloc(sizeof(double) * (n * W + 1));
       for (int j = 0; j < W; j++)
-        for (size_t i = 0; i < n; i++) set(dt, send, j * n + i, (double)((r * 11 + j * 3 + i) % 97));
+        for (size_t i = 0; i < n; i++)
+          set(dt, send, j * n + i, (double)((r * 11 + j * 3 + i) % 97));
       for (int q = 0; q < W; q++)
         for (size_t i = 0; i < n; i++) want[q * n + i] = (double)((q * 11 + r * 3 + i) % 97);
       if (pg_all_to_all(pg, send, recv, n, dt, NULL) != STATUS_OK) bad++;
@@ -216,8 +217,8 @@ START_TEST(pg_counters_match_formulas) {
   ok &= pg_all_gather(pg, a, b, 0, DTYPE_F32, NULL) == STATUS_OK;
   pg_counters_t c = pg_counters(pg);
   ok &= c.calls[PG_ALL_GATHER] == 3 && c.calls[PG_REDUCE_SCATTER] == 1 &&
-        c.calls[PG_ALL_REDUCE] == 1 && c.calls[PG_ALL_TO_ALL] == 1 &&
-        c.calls[PG_BROADCAST] == 1 && c.calls[PG_BARRIER] == 1;
+        c.calls[PG_ALL_REDUCE] == 1 && c.calls[PG_ALL_TO_ALL] == 1 && c.calls[PG_BROADCAST] == 1 &&
+        c.calls[PG_BARRIER] == 1;
   ok &= c.bytes[PG_ALL_GATHER] == (W - 1) * (100 * 4 + 7 * 2);
   ok &= c.bytes[PG_REDUCE_SCATTER] == (W - 1) * 50 * 4;
   ok &= c.bytes[PG_ALL_REDUCE] == 2 * (W - 1) * 4000 / W;

@@ -37,9 +37,9 @@ END_TEST
 START_TEST(mesh_2d_groups_differ_in_one_coordinate) {
   int W = world_size(), a = small_factor(W), b = W / a, r = world_rank();
   mesh_t *m = NULL;
-  ck_assert_int_eq(mesh_init(&m, 2, (int[]){a, -1}, (const char *[]){"dp_replicate", "dp_shard"},
-                             DEVICE_CPU),
-                   STATUS_OK);
+  ck_assert_int_eq(
+      mesh_init(&m, 2, (int[]){a, -1}, (const char *[]){"dp_replicate", "dp_shard"}, DEVICE_CPU),
+      STATUS_OK);
   ck_assert_int_eq(mesh_size(m, 1), b);
   ck_assert_int_eq(mesh_coord(m, 0), r / b);
   ck_assert_int_eq(mesh_coord(m, 1), r % b);

@@ -38,9 +38,9 @@ static int all_tuples(int tensor_ndim, placement_t (*out)[MESH_MAX_DIMS]) {
     for (int i = 0; i < g_ndim; i++) {
       int k = rest % per;
       rest /= per;
-      out[t][i] = k < tensor_ndim ? placement_shard(k)
-                                  : (k == tensor_ndim ? placement_replicate()
-                                                      : placement_partial(REDUCE_SUM));
+      out[t][i] = k < tensor_ndim
+                      ? placement_shard(k)
+                      : (k == tensor_ndim ? placement_replicate() : placement_partial(REDUCE_SUM));
     }
   }
   return total;
@@ -190,8 +190,7 @@ START_TEST(strided_shard_round_trips) {
              same(dtensor_local(B), dtensor_local(S)) &&
              dtensor_full_tensor(A, &full) == STATUS_OK && same(&full, &X) &&
              dtensor_distribute(&C, &X, mesh, others[k], DTENSOR_ALL_RANKS) == STATUS_OK;
-    if (ok && others[k][0].kind != PLACEMENT_PARTIAL)
-      ok = same(dtensor_local(A), dtensor_local(C));
+    if (ok && others[k][0].kind != PLACEMENT_PARTIAL) ok = same(dtensor_local(A), dtensor_local(C));
     bad += !ok;
     tensor_free(&full);
     dtensor_free(A);

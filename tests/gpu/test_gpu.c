@@ -110,7 +110,8 @@ START_TEST(nccl_collectives_closed_form) {
   tensor_t back;
   ck_assert_int_eq(tensor_clone(&back, &recv, DTYPE_F32, device_cpu()), STATUS_OK);
   for (int q = 0; q < W; q++)
-    for (size_t i = 0; i < n; i++) bad += ((float *)back.data)[q * n + i] != (float)((q * 7 + i) % 61);
+    for (size_t i = 0; i < n; i++)
+      bad += ((float *)back.data)[q * n + i] != (float)((q * 7 + i) % 61);
   tensor_free(&back);
   /* all-reduce sum in place */
   ck_assert_int_eq(pg_all_reduce(pg, send.data, send.data, n * W, DTYPE_F32, REDUCE_SUM, NULL),

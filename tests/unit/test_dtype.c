@@ -26,7 +26,7 @@ START_TEST(f32_to_bf16_known_patterns) {
   ck_assert_uint_eq(f32_to_bf16(from_bits(0x00008000)), 0x0000); /* subnormal tie to even 0 */
   ck_assert_uint_eq(f32_to_bf16(from_bits(0x00018000)), 0x0002); /* subnormal tie to even 2 */
   ck_assert_uint_eq(f32_to_bf16(from_bits(0x7FC00000)), 0x7FC0); /* quiet NaN */
-  uint16_t snan = f32_to_bf16(from_bits(0x7F800001));             /* payload below bf16 */
+  uint16_t snan = f32_to_bf16(from_bits(0x7F800001));            /* payload below bf16 */
   ck_assert_msg((snan & 0x7F80) == 0x7F80 && (snan & 0x7F) != 0, "sNaN became %04x", snan);
   ck_assert_uint_eq(f32_to_bf16(from_bits(0xFFC00000)) & 0x8000, 0x8000); /* sign kept */
 }
@@ -50,17 +50,17 @@ START_TEST(f32_to_f16_known_patterns) {
   ck_assert_uint_eq(f32_to_f16(65520.0f), 0x7C00); /* the tie rounds to even: inf */
   ck_assert_uint_eq(f32_to_f16(1e10f), 0x7C00);
   ck_assert_uint_eq(f32_to_f16(-INFINITY), 0xFC00);
-  ck_assert_uint_eq(f32_to_f16(1.0f + 0x1p-11f), 0x3C00);        /* tie, even below */
-  ck_assert_uint_eq(f32_to_f16(1.0f + 3 * 0x1p-11f), 0x3C02);    /* tie, even above */
-  ck_assert_uint_eq(f32_to_f16(0x1p-14f), 0x0400);               /* smallest normal */
-  ck_assert_uint_eq(f32_to_f16(1023 * 0x1p-24f), 0x03FF);        /* largest subnormal */
-  ck_assert_uint_eq(f32_to_f16(0x1p-24f), 0x0001);               /* smallest subnormal */
-  ck_assert_uint_eq(f32_to_f16(0x1p-25f), 0x0000);               /* tie: even is zero */
-  ck_assert_uint_eq(f32_to_f16(3 * 0x1p-25f), 0x0002);           /* tie: even is two */
-  ck_assert_uint_eq(f32_to_f16(0.75f * 0x1p-24f), 0x0001);       /* above the tie */
+  ck_assert_uint_eq(f32_to_f16(1.0f + 0x1p-11f), 0x3C00);     /* tie, even below */
+  ck_assert_uint_eq(f32_to_f16(1.0f + 3 * 0x1p-11f), 0x3C02); /* tie, even above */
+  ck_assert_uint_eq(f32_to_f16(0x1p-14f), 0x0400);            /* smallest normal */
+  ck_assert_uint_eq(f32_to_f16(1023 * 0x1p-24f), 0x03FF);     /* largest subnormal */
+  ck_assert_uint_eq(f32_to_f16(0x1p-24f), 0x0001);            /* smallest subnormal */
+  ck_assert_uint_eq(f32_to_f16(0x1p-25f), 0x0000);            /* tie: even is zero */
+  ck_assert_uint_eq(f32_to_f16(3 * 0x1p-25f), 0x0002);        /* tie: even is two */
+  ck_assert_uint_eq(f32_to_f16(0.75f * 0x1p-24f), 0x0001);    /* above the tie */
   ck_assert_uint_eq(f32_to_f16(0x1p-26f), 0x0000);
   ck_assert_uint_eq(f32_to_f16(-0x1p-24f), 0x8001);
-  ck_assert_uint_eq(f32_to_f16(1023.5f * 0x1p-24f), 0x0400);     /* rounds into the normals */
+  ck_assert_uint_eq(f32_to_f16(1023.5f * 0x1p-24f), 0x0400); /* rounds into the normals */
   uint16_t n = f32_to_f16(NAN);
   ck_assert_msg((n & 0x7C00) == 0x7C00 && (n & 0x3FF) != 0, "NaN became %04x", n);
   n = f32_to_f16(from_bits(0x7F800001)); /* payload too small for f16: still a NaN */

@@ -11,8 +11,8 @@ static void expect_chunks(int64_t n, int64_t w, const int64_t *lens) {
     chunk_range(n, w, r, &off, &len);
     ck_assert_msg(len == lens[r] && off == expect_off,
                   "n=%lld w=%lld rank %lld: got [%lld +%lld], want [%lld +%lld]", (long long)n,
-                  (long long)w, (long long)r, (long long)off, (long long)len,
-                  (long long)expect_off, (long long)lens[r]);
+                  (long long)w, (long long)r, (long long)off, (long long)len, (long long)expect_off,
+                  (long long)lens[r]);
     expect_off += len;
   }
 }
@@ -31,8 +31,8 @@ START_TEST(chunk_range_torch_chunk_rule) {
 }
 END_TEST
 
-static void box(int ndim, const int64_t *shape, int mdim, const int *mshape,
-                const placement_t *pl, const int *coord, int64_t *ls, int64_t *off) {
+static void box(int ndim, const int64_t *shape, int mdim, const int *mshape, const placement_t *pl,
+                const int *coord, int64_t *ls, int64_t *off) {
   ck_assert_int_eq(placements_check(ndim, mdim, mshape, pl), STATUS_OK);
   placements_local_box(ndim, shape, mdim, mshape, pl, coord, ls, off);
 }

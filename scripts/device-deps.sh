@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# For a GPU machine without apt or network: bundle the build and test dependencies here,
+# unpack them there.
+#   here:  scripts/device-deps.sh fetch          -> .deps/debs/*.deb   (git-ignored)
+#   there: source scripts/device-deps.sh env     -> unpacks into .deps/root, exports paths
+set -euo pipefail
+top="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+debs="$top/.deps/debs"
+root="$top/.deps/root"
+
+packages=(
+  meson ninja-build pkg-config
+  check libsubunit0 libsubunit-dev
+  libyaml-0-2 libyaml-dev libcjson1 libcjson-dev
+  libopenmpi-dev libopenmpi3 openmpi-bin openmpi-common
+  libpmix2 libhwloc15 libevent-core-2.1-7 libevent-pthreads-2.1-7 libfabric1 libucx0
+  libpsm2-2 libpsm-infinipath1 libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200
+  libmunge2 libnuma1 libxnvctrl0 libltdl7
+  libopenblas-dev libopenblas0 libopenblas0-pthread libopenblas-pthread-dev libgfortran5
+)
+
+case "${1:-}" in
+  fetch)
+    mkdir -p "$debs"
+    (cd "$debs" && apt-get download "${packages[@]}")
+    echo "device-deps: $(ls "$debs" | wc -l) packages in $debs"
+    ;;
+  env)
+    if [ ! -d "$root/usr" ]; then
+      mkdir -p "$root"
+      for d in "$debs"/*.deb; do dpkg -x "$d" "$root"; done
+    fi
+    export PATH="$root/usr/bin:/usr/local/cuda/bin:$PATH"
+    export LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu:$root/usr/lib/x86_64-linux-gnu/openmpi/lib:${LD_LIBRARY_PATH:-}"
+    export PKG_CONFIG_PATH="$root/usr/lib/x86_64-linux-gnu/pkgconfig:$root/usr/share/pkgconfig"
+    export PYTHONPATH="$root/usr/lib/python3/dist-packages:${PYTHONPATH:-}"
+    export OPAL_PREFIX="$root/usr"
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    ;;
+  *)
+    echo "usage: scripts/device-deps.sh fetch | source scripts/device-deps.sh env" >&2
+    exit 2
+    ;;
+esac
