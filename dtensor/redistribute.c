@@ -67,33 +67,26 @@ static status_t block_of(tensor_t *out, const tensor_t *buf, int64_t k, int64_t 
   return tensor_wrap(out, block > 0 ? base : NULL, buf->dtype, buf->device, ndim, shape);
 }
 
-/* Copies src into the region of dst starting at (d1: o1) and (d2: o2) with src's extents;
- * d2 < 0 for a single dimension. */
-static status_t copy_into(tensor_t *dst, int d1, int64_t o1, int d2, int64_t o2,
-                          const tensor_t *src) {
-  tensor_t a = {0}, b = {0};
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, tensor_narrow(&a, dst, d1, o1, src->shape[d1]));
-  if (d2 >= 0) {
-    TRY_GOTO(st, tensor_narrow(&b, &a, d2, o2, src->shape[d2]));
-    st = tensor_copy(&b, src);
-  } else {
-    st = tensor_copy(&a, src);
+/* A view of t with extents `shape`, starting at `off` along dim and at 0 elsewhere. */
+static status_t view_region(tensor_t *out, const tensor_t *t, int dim, int64_t off,
+                            const int64_t *shape) {
+  TRY(tensor_ref(out, t));
+  for (int d = 0; d < t->ndim; d++) {
+    tensor_t next;
+    status_t st = tensor_narrow(&next, out, d, d == dim ? off : 0, shape[d]);
+    tensor_free(out);
+    TRY(st);
+    *out = next;
   }
-cleanup:
-  tensor_free(&a);
-  tensor_free(&b);
-  return st;
+  return STATUS_OK;
 }
 
-/* A view of src narrowed to [o1, o1+l1) along d1 and (if d2 >= 0) [o2, o2+l2) along d2. */
-static status_t narrow2(tensor_t *out, const tensor_t *src, int d1, int64_t o1, int64_t l1, int d2,
-                        int64_t o2, int64_t l2) {
-  TRY(tensor_narrow(out, src, d1, o1, l1));
-  if (d2 < 0) return STATUS_OK;
-  tensor_t tmp = *out;
-  status_t st = tensor_narrow(out, &tmp, d2, o2, l2);
-  tensor_free(&tmp);
+/* Copies src into dst at `off` along dim (0 elsewhere). */
+static status_t copy_region(tensor_t *dst, int dim, int64_t off, const tensor_t *src) {
+  tensor_t region;
+  TRY(view_region(&region, dst, dim, off, src->shape));
+  status_t st = tensor_copy(&region, src);
+  tensor_free(&region);
   return st;
 }
 
@@ -108,33 +101,64 @@ static void with_dim(const tensor_t *t, int d, int64_t v, int64_t *shape) {
   shape[d] = v;
 }
 
+/* Block k (shape B, nb elements) of buf receives chunk k along dim of x, at its origin. */
+static status_t pack_chunks(const ctx_t *c, tensor_t *buf, int64_t nb, const int64_t *B,
+                            const tensor_t *x, int dim) {
+  for (int k = 0; k < c->W && nb > 0; k++) {
+    int64_t ok, lk;
+    chunk_range(x->shape[dim], c->W, k, &ok, &lk);
+    tensor_t blk = {0}, part = {0};
+    status_t st = block_of(&blk, buf, k, nb, x->ndim, B);
+    if (st == STATUS_OK) st = tensor_narrow(&part, x, dim, ok, lk);
+    if (st == STATUS_OK) st = copy_region(&blk, dim, 0, &part);
+    tensor_free(&part);
+    tensor_free(&blk);
+    TRY(st);
+  }
+  return STATUS_OK;
+}
+
+/* Chunk k along dim of out receives block k (shape B, nb elements) of buf, cut at its origin
+ * to the chunk's extents. */
+static status_t unpack_chunks(const ctx_t *c, tensor_t *out, const tensor_t *buf, int64_t nb,
+                              const int64_t *B, int dim) {
+  for (int k = 0; k < c->W && nb > 0; k++) {
+    int64_t ok, region[TENSOR_MAX_DIMS];
+    with_dim(out, dim, 0, region);
+    chunk_range(out->shape[dim], c->W, k, &ok, &region[dim]);
+    tensor_t blk = {0}, part = {0};
+    status_t st = block_of(&blk, buf, k, nb, out->ndim, B);
+    if (st == STATUS_OK) st = view_region(&part, &blk, dim, 0, region);
+    if (st == STATUS_OK) st = copy_region(out, dim, ok, &part);
+    tensor_free(&part);
+    tensor_free(&blk);
+    TRY(st);
+  }
+  return STATUS_OK;
+}
+
+static int64_t numel_of(int ndim, const int64_t *shape) {
+  int64_t n = 1;
+  for (int i = 0; i < ndim; i++) n *= shape[i];
+  return n;
+}
+
 static status_t shard_to_replicate(const ctx_t *c, const tensor_t *x, int d, tensor_t *out) {
-  int64_t cs = chunk_size(c->L[d], c->W), P[TENSOR_MAX_DIMS], F[TENSOR_MAX_DIMS];
-  with_dim(x, d, cs, P);
+  int64_t P[TENSOR_MAX_DIMS], F[TENSOR_MAX_DIMS];
+  with_dim(x, d, chunk_size(c->L[d], c->W), P);
   with_dim(x, d, c->L[d], F);
   TRY(tensor_init(out, x->dtype, x->device, x->ndim, F));
   if (d == 0 && c->L[0] % c->W == 0) /* even rows: the gathered buffer is the result */
     return pg_all_gather(c->pg, x->data, out->data, (size_t)tensor_numel(x), x->dtype, NULL);
-  tensor_t send = {0}, recv = {0}, blk = {0}, part = {0};
+  tensor_t send = {0}, recv = {0};
   status_t st = STATUS_OK;
+  int64_t nb = numel_of(x->ndim, P), R[1] = {nb * c->W};
   TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, x->ndim, P));
-  TRY_GOTO(st, copy_into(&send, d, 0, -1, 0, x));
-  int64_t nb = tensor_numel(&send);
-  int64_t R[1] = {nb * c->W};
+  TRY_GOTO(st, copy_region(&send, d, 0, x));
   TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, 1, R));
   TRY_GOTO(st, pg_all_gather(c->pg, send.data, recv.data, (size_t)nb, x->dtype, NULL));
-  for (int k = 0; k < c->W; k++) {
-    int64_t ok, lk;
-    chunk_range(c->L[d], c->W, k, &ok, &lk);
-    TRY_GOTO(st, block_of(&blk, &recv, k, nb, x->ndim, P));
-    TRY_GOTO(st, tensor_narrow(&part, &blk, d, 0, lk));
-    TRY_GOTO(st, copy_into(out, d, ok, -1, 0, &part));
-    tensor_free(&part);
-    tensor_free(&blk);
-  }
+  st = unpack_chunks(c, out, &recv, nb, P, d);
 cleanup:
-  tensor_free(&part);
-  tensor_free(&blk);
   tensor_free(&send);
   tensor_free(&recv);
   if (st != STATUS_OK) tensor_free(out);
@@ -152,77 +176,44 @@ static status_t partial_to_replicate(const ctx_t *c, const tensor_t *x, reduce_o
 
 static status_t partial_to_shard(const ctx_t *c, const tensor_t *x, reduce_op_t op, int d,
                                  tensor_t *out) {
-  int64_t cs = chunk_size(c->L[d], c->W), P[TENSOR_MAX_DIMS];
-  with_dim(x, d, cs, P);
-  tensor_t send = {0}, recv = {0}, blk = {0}, part = {0}, mine = {0};
+  int64_t P[TENSOR_MAX_DIMS];
+  with_dim(x, d, chunk_size(c->L[d], c->W), P);
+  tensor_t send = {0}, recv = {0}, mine = {0};
   status_t st = STATUS_OK;
-  int64_t nb = 1;
-  for (int i = 0; i < x->ndim; i++) nb *= P[i];
-  int64_t S[1] = {nb * c->W};
+  int64_t nb = numel_of(x->ndim, P), S[1] = {nb * c->W}, orr, lr;
   TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, 1, S));
-  for (int k = 0; k < c->W && nb > 0; k++) {
-    int64_t ok, lk;
-    chunk_range(c->L[d], c->W, k, &ok, &lk);
-    TRY_GOTO(st, block_of(&blk, &send, k, nb, x->ndim, P));
-    TRY_GOTO(st, tensor_narrow(&part, x, d, ok, lk));
-    TRY_GOTO(st, copy_into(&blk, d, 0, -1, 0, &part));
-    tensor_free(&part);
-    tensor_free(&blk);
-  }
+  TRY_GOTO(st, pack_chunks(c, &send, nb, P, x, d));
   TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, x->ndim, P));
   TRY_GOTO(st, pg_reduce_scatter(c->pg, send.data, recv.data, (size_t)nb, x->dtype, op, NULL));
-  int64_t orr, lr;
   chunk_range(c->L[d], c->W, c->r, &orr, &lr);
   TRY_GOTO(st, tensor_narrow(&mine, &recv, d, 0, lr));
   st = tensor_clone(out, &mine, x->dtype, x->device);
 cleanup:
-  tensor_free(&part);
-  tensor_free(&blk);
   tensor_free(&mine);
   tensor_free(&send);
   tensor_free(&recv);
   return st;
 }
 
+/* Block k sent to rank k is my d-chunk of its e-chunk; block k received from rank k is its
+ * d-chunk of my e-chunk. Both padded to (chunk of d, chunk of e). */
 static status_t shard_to_shard(const ctx_t *c, const tensor_t *x, int d, int e, tensor_t *out) {
-  int64_t cd = chunk_size(c->L[d], c->W), ce = chunk_size(c->L[e], c->W);
-  int64_t B[TENSOR_MAX_DIMS], O[TENSOR_MAX_DIMS];
-  with_dim(x, d, cd, B);
-  B[e] = ce;
-  int64_t oer, ler;
+  int64_t B[TENSOR_MAX_DIMS], O[TENSOR_MAX_DIMS], oer, ler;
+  with_dim(x, d, chunk_size(c->L[d], c->W), B);
+  B[e] = chunk_size(c->L[e], c->W);
   chunk_range(c->L[e], c->W, c->r, &oer, &ler);
   with_dim(x, d, c->L[d], O);
   O[e] = ler;
-  int64_t nb = 1;
-  for (int i = 0; i < x->ndim; i++) nb *= B[i];
-  int64_t S[1] = {nb * c->W};
-  tensor_t send = {0}, recv = {0}, blk = {0}, part = {0};
+  int64_t nb = numel_of(x->ndim, B), S[1] = {nb * c->W};
+  tensor_t send = {0}, recv = {0};
   status_t st = STATUS_OK;
   TRY_GOTO(st, tensor_init(out, x->dtype, x->device, x->ndim, O));
   TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, 1, S));
   TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, 1, S));
-  for (int k = 0; k < c->W && nb > 0; k++) { /* block k: my d-chunk of rank k's e-chunk */
-    int64_t ok, lk;
-    chunk_range(c->L[e], c->W, k, &ok, &lk);
-    TRY_GOTO(st, block_of(&blk, &send, k, nb, x->ndim, B));
-    TRY_GOTO(st, tensor_narrow(&part, x, e, ok, lk));
-    TRY_GOTO(st, copy_into(&blk, d, 0, e, 0, &part));
-    tensor_free(&part);
-    tensor_free(&blk);
-  }
+  TRY_GOTO(st, pack_chunks(c, &send, nb, B, x, e));
   TRY_GOTO(st, pg_all_to_all(c->pg, send.data, recv.data, (size_t)nb, x->dtype, NULL));
-  for (int k = 0; k < c->W && nb > 0; k++) { /* from rank k: its d-chunk of my e-chunk */
-    int64_t ok, lk;
-    chunk_range(c->L[d], c->W, k, &ok, &lk);
-    TRY_GOTO(st, block_of(&blk, &recv, k, nb, x->ndim, B));
-    TRY_GOTO(st, narrow2(&part, &blk, d, 0, lk, e, 0, ler));
-    TRY_GOTO(st, copy_into(out, d, ok, -1, 0, &part));
-    tensor_free(&part);
-    tensor_free(&blk);
-  }
+  st = unpack_chunks(c, out, &recv, nb, B, d);
 cleanup:
-  tensor_free(&part);
-  tensor_free(&blk);
   tensor_free(&send);
   tensor_free(&recv);
   if (st != STATUS_OK) tensor_free(out);
@@ -252,7 +243,7 @@ static status_t to_partial(const ctx_t *c, const tensor_t *x, placement_t from, 
   with_dim(x, d, c->L[d], F);
   chunk_range(c->L[d], c->W, c->r, &o, &l);
   TRY(tensor_zeros(out, x->dtype, x->device, x->ndim, F));
-  status_t st = copy_into(out, d, o, -1, 0, x);
+  status_t st = copy_region(out, d, o, x);
   if (st != STATUS_OK) tensor_free(out);
   return st;
 }
