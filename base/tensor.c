@@ -198,6 +198,21 @@ status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t star
   return STATUS_OK;
 }
 
+status_t tensor_narrow_box(tensor_t *out, const tensor_t *src, const int64_t *offset,
+                           const int64_t *shape) {
+  tensor_t box;
+  TRY(tensor_ref(&box, src));
+  for (int d = 0; d < src->ndim; d++) {
+    tensor_t next;
+    status_t st = tensor_narrow(&next, &box, d, offset[d], shape[d]);
+    tensor_free(&box);
+    TRY(st);
+    box = next;
+  }
+  *out = box;
+  return STATUS_OK;
+}
+
 static void desc_from(copy_desc_t *d, const tensor_t *dst, const tensor_t *src) {
   memset(d, 0, sizeof *d);
   d->ndim = dst->ndim > 0 ? dst->ndim : 1;

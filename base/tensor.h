@@ -69,6 +69,10 @@ status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t
 /* A view of elements [start, start + length) along dim. */
 status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t start, int64_t length);
 
+/* A view of the box [offset[d], offset[d] + shape[d]) in every dimension d. */
+status_t tensor_narrow_box(tensor_t *out, const tensor_t *src, const int64_t *offset,
+                           const int64_t *shape);
+
 /* Another reference to the same elements (same shape and strides). */
 status_t tensor_ref(tensor_t *out, const tensor_t *src);
 

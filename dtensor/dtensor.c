@@ -81,14 +81,8 @@ status_t local_from_full(const tensor_t *full, const mesh_t *mesh, const placeme
   int64_t shape[TENSOR_MAX_DIMS], offset[TENSOR_MAX_DIMS];
   for (int i = 0; i < mesh_ndim(mesh); i++) coord[i] = mesh_coord(mesh, i);
   TRY(dtensor_compute_box(mesh, pl, full->ndim, full->shape, coord, shape, offset));
-  tensor_t box, next;
-  TRY(tensor_ref(&box, full));
-  for (int d = 0; d < full->ndim; d++) {
-    status_t st = tensor_narrow(&next, &box, d, offset[d], shape[d]);
-    tensor_free(&box);
-    TRY(st);
-    box = next;
-  }
+  tensor_t box;
+  TRY(tensor_narrow_box(&box, full, offset, shape));
   int zero = 0;
   for (int i = 0; i < mesh_ndim(mesh); i++)
     if (pl[i].kind == PLACEMENT_PARTIAL && pl[i].op == REDUCE_SUM && coord[i] != 0) zero = 1;

@@ -70,15 +70,9 @@ static status_t block_of(tensor_t *out, const tensor_t *buf, int64_t k, int64_t 
 /* A view of t with extents `shape`, starting at `off` along dim and at 0 elsewhere. */
 static status_t view_region(tensor_t *out, const tensor_t *t, int dim, int64_t off,
                             const int64_t *shape) {
-  TRY(tensor_ref(out, t));
-  for (int d = 0; d < t->ndim; d++) {
-    tensor_t next;
-    status_t st = tensor_narrow(&next, out, d, d == dim ? off : 0, shape[d]);
-    tensor_free(out);
-    TRY(st);
-    *out = next;
-  }
-  return STATUS_OK;
+  int64_t offset[TENSOR_MAX_DIMS] = {0};
+  offset[dim] = off;
+  return tensor_narrow_box(out, t, offset, shape);
 }
 
 /* Copies src into dst at `off` along dim (0 elsewhere). */
@@ -332,8 +326,7 @@ static status_t gather_full(const dtensor_t *src, tensor_t *full) {
   for (int idx = 0; idx < mesh_numel(mesh); idx++) {
     mesh_unravel(mesh, idx, c);
     placements_local_box(src->ndim, src->shape, n, shape, src->pl, c, ls, off);
-    int64_t ne = 1;
-    for (int d = 0; d < src->ndim; d++) ne *= ls[d];
+    int64_t ne = numel_of(src->ndim, ls);
     if (ne > maxbox) maxbox = ne;
   }
   int64_t count = maxbox;
@@ -362,13 +355,8 @@ static status_t gather_full(const dtensor_t *src, tensor_t *full) {
     mesh_unravel(mesh, idx, c);
     placements_local_box(src->ndim, src->shape, n, shape, src->pl, c, ls, off);
     TRY_GOTO(st, block_of(&blk, &buf, idx, maxbox, src->ndim, ls));
-    tensor_t region = {0}, tmp = {0};
-    st = tensor_ref(&region, full);
-    for (int d = 0; d < src->ndim && st == STATUS_OK; d++) {
-      st = tensor_narrow(&tmp, &region, d, off[d], ls[d]);
-      tensor_free(&region);
-      region = tmp;
-    }
+    tensor_t region = {0};
+    st = tensor_narrow_box(&region, full, off, ls);
     if (st == STATUS_OK) st = tensor_copy(&region, &blk);
     tensor_free(&region);
     tensor_free(&blk);

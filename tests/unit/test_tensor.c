@@ -89,6 +89,22 @@ START_TEST(tensor_narrow_inner_dim_copies_strided) {
 }
 END_TEST
 
+START_TEST(tensor_narrow_box_views_a_box) {
+  tensor_t t, b;
+  int64_t shape[3] = {3, 4, 5}, off[3] = {1, 2, 3}, ext[3] = {2, 1, 2};
+  ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 3, shape), STATUS_OK);
+  iota(&t);
+  ck_assert_int_eq(tensor_narrow_box(&b, &t, off, ext), STATUS_OK);
+  ck_assert_int_eq(tensor_numel(&b), 4);
+  ck_assert(f32(&b)[0] == (float)(1 * 20 + 2 * 5 + 3));
+  ck_assert(*(float *)((char *)b.data + b.stride[0] * 4) == (float)(2 * 20 + 2 * 5 + 3));
+  tensor_free(&b);
+  int64_t past[3] = {0, 0, 4};
+  ck_assert_int_eq(tensor_narrow_box(&b, &t, past, ext), STATUS_ESHAPE);
+  tensor_free(&t);
+}
+END_TEST
+
 START_TEST(tensor_copy_into_strided_destination) {
   tensor_t t, src, dst;
   int64_t shape[3] = {2, 3, 4}, sub[3] = {2, 3, 2};
@@ -204,6 +220,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_scalar_and_empty);
   tcase_add_test(tc, tensor_view_checks_numel);
   tcase_add_test(tc, tensor_narrow_inner_dim_copies_strided);
+  tcase_add_test(tc, tensor_narrow_box_views_a_box);
   tcase_add_test(tc, tensor_copy_into_strided_destination);
   tcase_add_test(tc, tensor_copy_casts_with_rounding);
   tcase_add_test(tc, tensor_fill_strided_view);
