@@ -1,6 +1,7 @@
 /* Stand-ins for the CUDA entry points when the library is built without CUDA: no device is
  * ever present, so device_check() refuses CUDA devices before any of these can be reached. */
 #include "base/backend.h"
+#include "base/kernels_impl.h"
 
 const backend_t *cuda_backend(void) { return NULL; }
 int cuda_device_count(void) { return 0; }
@@ -43,3 +44,5 @@ status_t cuda_event_synchronize(event_t *e) {
   (void)e;
   return STATUS_OK;
 }
+
+const kernel_ops_t *cuda_kernels(void) { return NULL; }

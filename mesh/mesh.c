@@ -212,6 +212,55 @@ status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *
   return STATUS_OK;
 }
 
+status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_type) {
+  if (out == NULL) return err_set(STATUS_EINVAL, "mesh_init_local: out is NULL");
+  *out = NULL;
+  TRY(check_names(1, &name));
+  device_t dev = device_cpu();
+  if (device_type == DEVICE_CUDA) {
+    dev = world_device();
+    if (dev.type != DEVICE_CUDA)
+      return err_set(STATUS_ENODEV, "CUDA mesh requested, but rank %d has no CUDA device",
+                     world_rank());
+  }
+  mesh_root_t *root = calloc(1, sizeof *root);
+  if (root == NULL) return err_set(STATUS_ENOMEM, "mesh: out of host memory");
+  root->ndim = 1;
+  root->shape[0] = 1;
+  root->device = dev;
+  status_t st = pg_mpi_status(MPI_Comm_dup(MPI_COMM_SELF, &root->comm), "MPI_Comm_dup");
+  if (st != STATUS_OK) {
+    free(root);
+    return st;
+  }
+  mesh_t *m = NULL;
+  if ((st = new_mesh(root, &m)) != STATUS_OK) {
+    MPI_Comm_free(&root->comm);
+    free(root);
+    return st;
+  }
+  m->ndim = 1;
+  m->shape[0] = 1;
+  m->root_mask[0] = 1;
+  snprintf(m->names[0], MESH_NAME_MAX, "%s", name);
+  st = dev.type == DEVICE_CUDA ? pg_new_nccl(root->comm, dev.index, &m->groups[0])
+                               : pg_new_mpi(root->comm, &m->groups[0]);
+  if (st == STATUS_OK) {
+    m->nranks = 1;
+    m->ranks = malloc(sizeof(int));
+    if (m->ranks == NULL)
+      st = err_set(STATUS_ENOMEM, "mesh: out of host memory");
+    else
+      m->ranks[0] = world_rank();
+  }
+  if (st != STATUS_OK) {
+    mesh_free(m);
+    return st;
+  }
+  *out = m;
+  return STATUS_OK;
+}
+
 /* Indices of the named dimensions, which must be distinct and in mesh order. */
 static status_t lookup_dims(const mesh_t *mesh, int n, const char *const *names, int *idx) {
   if (n < 1 || n > mesh->ndim)

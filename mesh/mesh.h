@@ -40,6 +40,10 @@ typedef struct mesh mesh_t;
 status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *names,
                    device_type_t device_type);
 
+/* A 1-D mesh of this rank alone (size 1, named name), for tensors that are not distributed:
+ * an unsharded parameter is Replicate on such a mesh. Local; no communication. */
+status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_type);
+
 /* Releases a mesh; its groups go when no slice or flattened mesh uses them. NULL is a no-op. */
 void mesh_free(mesh_t *mesh);
 

@@ -1,0 +1,330 @@
+/* Argument checks of the compute kernels, then dispatch to the device's backend. */
+#include "base/kernels.h"
+
+#include <stddef.h>
+
+#include "base/kernels_impl.h"
+
+#define NT(...)                        \
+  ((const tensor_t *[]){__VA_ARGS__}), \
+      (int)(sizeof((const tensor_t *[]){__VA_ARGS__}) / sizeof(const tensor_t *))
+
+/* All tensors present, contiguous and on one existing device; returns that device's ops. */
+static status_t check_common(const char *fn, const tensor_t *const *ts, int n,
+                             const kernel_ops_t **ops) {
+  for (int i = 0; i < n; i++) {
+    if (ts[i] == NULL) return err_set(STATUS_EINVAL, "%s: argument %d is NULL", fn, i);
+    if (!tensor_is_contiguous(ts[i]))
+      return err_set(STATUS_EINVAL, "%s: argument %d is not contiguous", fn, i);
+    if (!device_equal(ts[i]->device, ts[0]->device)) {
+      char a[16], b[16];
+      return err_set(STATUS_EINVAL, "%s: arguments on different devices (%s and %s)", fn,
+                     device_str(ts[0]->device, a, sizeof a),
+                     device_str(ts[i]->device, b, sizeof b));
+    }
+  }
+  TRY(device_check(ts[0]->device));
+  *ops = ts[0]->device.type == DEVICE_CUDA ? cuda_kernels() : cpu_kernels();
+  if (*ops == NULL) return err_set(STATUS_ENODEV, "%s: no kernels for this device", fn);
+  return STATUS_OK;
+}
+
+/* Every tensor has a float dtype, the same as the first one. */
+static status_t check_float_same(const char *fn, const tensor_t *const *ts, int n) {
+  for (int i = 0; i < n; i++) {
+    if (!dtype_is_float(ts[i]->dtype))
+      return err_set(STATUS_EDTYPE, "%s: argument %d has dtype %s, expected a float dtype", fn, i,
+                     dtype_name(ts[i]->dtype));
+    if (ts[i]->dtype != ts[0]->dtype)
+      return err_set(STATUS_EDTYPE, "%s: arguments mix dtypes %s and %s", fn,
+                     dtype_name(ts[0]->dtype), dtype_name(ts[i]->dtype));
+  }
+  return STATUS_OK;
+}
+
+static status_t check_dtype(const char *fn, const char *what, const tensor_t *t, dtype_t dt) {
+  if (t->dtype != dt)
+    return err_set(STATUS_EDTYPE, "%s: %s has dtype %s, expected %s", fn, what,
+                   dtype_name(t->dtype), dtype_name(dt));
+  return STATUS_OK;
+}
+
+static status_t check_float(const char *fn, const char *what, const tensor_t *t) {
+  if (!dtype_is_float(t->dtype))
+    return err_set(STATUS_EDTYPE, "%s: %s has dtype %s, expected a float dtype", fn, what,
+                   dtype_name(t->dtype));
+  return STATUS_OK;
+}
+
+static status_t check_index(const char *fn, const tensor_t *t) {
+  if (t->dtype != DTYPE_I32 && t->dtype != DTYPE_I64)
+    return err_set(STATUS_EDTYPE, "%s: indices have dtype %s, expected i32 or i64", fn,
+                   dtype_name(t->dtype));
+  return STATUS_OK;
+}
+
+static status_t shape_error(const char *fn, const char *what, const tensor_t *t,
+                            const char *expected) {
+  char buf[96];
+  return err_set(STATUS_ESHAPE, "%s: %s has shape %s, expected %s", fn, what,
+                 shape_str(t->ndim, t->shape, buf, sizeof buf), expected);
+}
+
+static int64_t last_dim(const tensor_t *t) { return t->ndim == 0 ? 1 : t->shape[t->ndim - 1]; }
+static int64_t rows_of(const tensor_t *t) {
+  int64_t last = last_dim(t);
+  return last == 0 ? 0 : tensor_numel(t) / last;
+}
+
+static status_t check_same_shape(const char *fn, const tensor_t *const *ts, int n) {
+  for (int i = 1; i < n; i++)
+    if (!tensor_same_shape(ts[0], ts[i])) {
+      char a[96], b[96];
+      return err_set(STATUS_ESHAPE, "%s: shapes %s and %s differ", fn,
+                     shape_str(ts[0]->ndim, ts[0]->shape, a, sizeof a),
+                     shape_str(ts[i]->ndim, ts[i]->shape, b, sizeof b));
+    }
+  return STATUS_OK;
+}
+
+status_t kernel_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
+                       bool trans_b, float alpha, float beta) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_matmul", NT(out, a, b), &ops));
+  TRY(check_float_same("kernel_matmul", NT(out, a, b)));
+  if (a->ndim < 1 || b->ndim < 1 || out->ndim < 1)
+    return err_set(STATUS_ESHAPE, "kernel_matmul: scalars are not matrices");
+  matmul_dims_t d;
+  int64_t ar = rows_of(a), ac = last_dim(a), br = rows_of(b), bc = last_dim(b);
+  d.m = trans_a ? ac : ar;
+  d.k = trans_a ? ar : ac;
+  int64_t kb = trans_b ? bc : br;
+  d.n = trans_b ? br : bc;
+  d.lda = ac;
+  d.ldb = bc;
+  if (kb != d.k || last_dim(out) != d.n || tensor_numel(out) != d.m * d.n) {
+    char sa[96], sb[96], so[96];
+    return err_set(STATUS_ESHAPE, "kernel_matmul: %s%s @ %s%s cannot produce %s",
+                   shape_str(a->ndim, a->shape, sa, sizeof sa), trans_a ? "^T" : "",
+                   shape_str(b->ndim, b->shape, sb, sizeof sb), trans_b ? "^T" : "",
+                   shape_str(out->ndim, out->shape, so, sizeof so));
+  }
+  if (d.m > INT32_MAX || d.n > INT32_MAX || d.k > INT32_MAX)
+    return err_set(STATUS_EUNSUPPORTED, "kernel_matmul: dimensions beyond 2^31-1");
+  if (d.m == 0 || d.n == 0) return STATUS_OK;
+  return ops->matmul(out, a, trans_a, b, trans_b, alpha, beta, &d);
+}
+
+status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_embedding", NT(out, table, ids), &ops));
+  TRY(check_float_same("kernel_embedding", NT(out, table)));
+  TRY(check_index("kernel_embedding", ids));
+  if (table->ndim != 2) return shape_error("kernel_embedding", "table", table, "[V, D]");
+  if (last_dim(out) != table->shape[1] || tensor_numel(out) != tensor_numel(ids) * table->shape[1])
+    return shape_error("kernel_embedding", "out", out, "[ids..., D]");
+  return ops->embedding(out, table, ids);
+}
+
+status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
+                                   const tensor_t *ids) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_embedding_backward", NT(grad_table, grad_out, ids), &ops));
+  TRY(check_float("kernel_embedding_backward", "grad_table", grad_table));
+  TRY(check_float("kernel_embedding_backward", "grad_out", grad_out));
+  TRY(check_index("kernel_embedding_backward", ids));
+  if (grad_table->ndim != 2)
+    return shape_error("kernel_embedding_backward", "grad_table", grad_table, "[V, D]");
+  if (last_dim(grad_out) != grad_table->shape[1] ||
+      tensor_numel(grad_out) != tensor_numel(ids) * grad_table->shape[1])
+    return shape_error("kernel_embedding_backward", "grad_out", grad_out, "[ids..., D]");
+  return ops->embedding_backward(grad_table, grad_out, ids);
+}
+
+static status_t check_rows_stat(const char *fn, const tensor_t *stat, int64_t rows) {
+  TRY(check_dtype(fn, "rstd", stat, DTYPE_F32));
+  if (tensor_numel(stat) != rows) return shape_error(fn, "rstd", stat, "one element per row");
+  return STATUS_OK;
+}
+
+status_t kernel_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
+                        float eps) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_rmsnorm", NT(out, rstd, x, w), &ops));
+  TRY(check_float_same("kernel_rmsnorm", NT(out, x)));
+  TRY(check_float("kernel_rmsnorm", "w", w));
+  TRY(check_same_shape("kernel_rmsnorm", NT(out, x)));
+  if (w->ndim != 1 || w->shape[0] != last_dim(x))
+    return shape_error("kernel_rmsnorm", "w", w, "[D] with D the last dimension of x");
+  TRY(check_rows_stat("kernel_rmsnorm", rstd, rows_of(x)));
+  return ops->rmsnorm(out, rstd, x, w, eps);
+}
+
+status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
+                                 const tensor_t *w, const tensor_t *rstd) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_rmsnorm_backward", NT(dx, dw, dy, x, w, rstd), &ops));
+  TRY(check_float_same("kernel_rmsnorm_backward", NT(dx, dy, x)));
+  TRY(check_float("kernel_rmsnorm_backward", "w", w));
+  TRY(check_float("kernel_rmsnorm_backward", "dw", dw));
+  TRY(check_same_shape("kernel_rmsnorm_backward", NT(dx, dy, x)));
+  TRY(check_same_shape("kernel_rmsnorm_backward", NT(w, dw)));
+  if (w->ndim != 1 || w->shape[0] != last_dim(x))
+    return shape_error("kernel_rmsnorm_backward", "w", w, "[D] with D the last dimension of x");
+  TRY(check_rows_stat("kernel_rmsnorm_backward", rstd, rows_of(x)));
+  return ops->rmsnorm_backward(dx, dw, dy, x, w, rstd);
+}
+
+status_t kernel_rope(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
+                     bool inverse) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_rope", NT(out, x), &ops));
+  TRY(check_float_same("kernel_rope", NT(out, x)));
+  TRY(check_same_shape("kernel_rope", NT(out, x)));
+  if (x->ndim != 4 || x->shape[3] % 2 != 0)
+    return shape_error("kernel_rope", "x", x, "[B, T, H, Dh] with Dh even");
+  if (!(theta > 0)) return err_set(STATUS_EINVAL, "kernel_rope: theta must be positive");
+  return ops->rope(out, x, theta, pos_offset, inverse);
+}
+
+static status_t check_qkv(const char *fn, const tensor_t *q, const tensor_t *k, const tensor_t *v) {
+  if (q->ndim != 4) return shape_error(fn, "q", q, "[B, T, H, Dh]");
+  if (k->ndim != 4 || k->shape[0] != q->shape[0] || k->shape[1] != q->shape[1] ||
+      k->shape[3] != q->shape[3] || k->shape[2] < 1 || q->shape[2] % k->shape[2] != 0)
+    return shape_error(fn, "k", k, "[B, T, Hkv, Dh] with H a multiple of Hkv");
+  TRY(check_same_shape(fn, NT(k, v)));
+  return STATUS_OK;
+}
+
+static status_t check_lse(const char *fn, const tensor_t *lse, const tensor_t *q) {
+  TRY(check_dtype(fn, "lse", lse, DTYPE_F32));
+  if (lse->ndim != 3 || lse->shape[0] != q->shape[0] || lse->shape[1] != q->shape[2] ||
+      lse->shape[2] != q->shape[1])
+    return shape_error(fn, "lse", lse, "[B, H, T]");
+  return STATUS_OK;
+}
+
+status_t kernel_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
+                          const tensor_t *v) {
+  const char *fn = "kernel_attention";
+  const kernel_ops_t *ops;
+  TRY(check_common(fn, NT(out, lse, q, k, v), &ops));
+  TRY(check_float_same(fn, NT(out, q, k, v)));
+  TRY(check_qkv(fn, q, k, v));
+  TRY(check_same_shape(fn, NT(out, q)));
+  TRY(check_lse(fn, lse, q));
+  if (tensor_numel(q) == 0) return STATUS_OK;
+  return ops->attention(out, lse, q, k, v);
+}
+
+status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
+                                   const tensor_t *q, const tensor_t *k, const tensor_t *v,
+                                   const tensor_t *out, const tensor_t *lse) {
+  const char *fn = "kernel_attention_backward";
+  const kernel_ops_t *ops;
+  TRY(check_common(fn, NT(dq, dk, dv, dout, q, k, v, out, lse), &ops));
+  TRY(check_float_same(fn, NT(dq, dk, dv, dout, q, k, v, out)));
+  TRY(check_qkv(fn, q, k, v));
+  TRY(check_same_shape(fn, NT(dq, dout, q, out)));
+  TRY(check_same_shape(fn, NT(dk, dv, k)));
+  TRY(check_lse(fn, lse, q));
+  if (tensor_numel(q) == 0) return STATUS_OK;
+  return ops->attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+}
+
+status_t kernel_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_silu_mul", NT(out, gate, up), &ops));
+  TRY(check_float_same("kernel_silu_mul", NT(out, gate, up)));
+  TRY(check_same_shape("kernel_silu_mul", NT(out, gate, up)));
+  return ops->silu_mul(out, gate, up);
+}
+
+status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
+                                  const tensor_t *gate, const tensor_t *up) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up), &ops));
+  TRY(check_float_same("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
+  TRY(check_same_shape("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
+  return ops->silu_mul_backward(dgate, dup, dout, gate, up);
+}
+
+status_t kernel_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_add", NT(out, a, b), &ops));
+  TRY(check_float_same("kernel_add", NT(out, a, b)));
+  TRY(check_same_shape("kernel_add", NT(out, a, b)));
+  return ops->add(out, a, b);
+}
+
+status_t kernel_axpy(tensor_t *y, float alpha, const tensor_t *x) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_axpy", NT(y, x), &ops));
+  TRY(check_float("kernel_axpy", "y", y));
+  TRY(check_float("kernel_axpy", "x", x));
+  TRY(check_same_shape("kernel_axpy", NT(y, x)));
+  return ops->axpy(y, alpha, x);
+}
+
+status_t kernel_scale(tensor_t *x, float alpha) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_scale", NT(x), &ops));
+  TRY(check_float("kernel_scale", "x", x));
+  return ops->scale(x, alpha);
+}
+
+static status_t check_ce(const char *fn, const tensor_t *logits, const tensor_t *targets) {
+  TRY(check_float(fn, "logits", logits));
+  TRY(check_index(fn, targets));
+  if (logits->ndim < 1 || rows_of(logits) != tensor_numel(targets))
+    return shape_error(fn, "logits", logits, "[N, V] with N the number of targets");
+  return STATUS_OK;
+}
+
+status_t kernel_cross_entropy(tensor_t *losses, const tensor_t *logits, const tensor_t *targets) {
+  const char *fn = "kernel_cross_entropy";
+  const kernel_ops_t *ops;
+  TRY(check_common(fn, NT(losses, logits, targets), &ops));
+  TRY(check_ce(fn, logits, targets));
+  TRY(check_dtype(fn, "losses", losses, DTYPE_F32));
+  if (tensor_numel(losses) != tensor_numel(targets))
+    return shape_error(fn, "losses", losses, "one element per target");
+  return ops->cross_entropy(losses, logits, targets);
+}
+
+status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
+                                       const tensor_t *targets, float scale) {
+  const char *fn = "kernel_cross_entropy_backward";
+  const kernel_ops_t *ops;
+  TRY(check_common(fn, NT(dlogits, logits, targets), &ops));
+  TRY(check_ce(fn, logits, targets));
+  TRY(check_float_same(fn, NT(dlogits, logits)));
+  TRY(check_same_shape(fn, NT(dlogits, logits)));
+  return ops->cross_entropy_backward(dlogits, logits, targets, scale);
+}
+
+status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                      const adamw_args_t *args) {
+  const char *fn = "kernel_adamw";
+  const kernel_ops_t *ops;
+  TRY(check_common(fn, NT(p, g, m, v), &ops));
+  TRY(check_float(fn, "p", p));
+  TRY(check_float(fn, "g", g));
+  TRY(check_dtype(fn, "m", m, DTYPE_F32));
+  TRY(check_dtype(fn, "v", v, DTYPE_F32));
+  if (tensor_numel(g) != tensor_numel(p) || tensor_numel(m) != tensor_numel(p) ||
+      tensor_numel(v) != tensor_numel(p))
+    return err_set(STATUS_ESHAPE, "%s: p, g, m and v must have the same number of elements", fn);
+  if (args == NULL || args->step < 1) return err_set(STATUS_EINVAL, "%s: step must be >= 1", fn);
+  return ops->adamw(p, g, m, v, args);
+}
+
+status_t kernel_sum_squares(const tensor_t *x, double *out) {
+  const kernel_ops_t *ops;
+  if (out == NULL) return err_set(STATUS_EINVAL, "kernel_sum_squares: out is NULL");
+  TRY(check_common("kernel_sum_squares", NT(x), &ops));
+  TRY(check_float("kernel_sum_squares", "x", x));
+  *out = 0;
+  if (tensor_numel(x) == 0) return STATUS_OK;
+  return ops->sum_squares(x, out);
+}

@@ -1,0 +1,111 @@
+/*
+ * Compute kernels of the reference model, one semantics on every device: the CPU twin uses
+ * OpenBLAS for matrix products and plain C elsewhere; the CUDA twin uses cuBLAS and CUDA
+ * kernels. Each function checks its arguments (same device, contiguous, shapes, dtypes) and
+ * then calls the backend of the tensors' device, on that device's current stream.
+ *
+ *   // y[N, out] = x[N, in] @ w[out, in]^T
+ *   TRY(kernel_matmul(&y, &x, false, &w, true, 1.0f, 0.0f));
+ *
+ * Conventions shared by all kernels:
+ * - Every tensor is contiguous and all tensors of one call are on one device.
+ * - "Float" tensors are F32, BF16 or F16; the values of one call share one float dtype, except
+ *   where a parameter says F32 (statistics, losses, optimizer moments, gradient accumulators).
+ *   Arithmetic is in fp32 whatever the storage dtype; results are rounded once to nearest-even.
+ * - Leading dimensions are batch dimensions: a [B, T, D] activation is [B*T, D] to a kernel
+ *   that works on rows.
+ * - "accumulates" means out += result; "writes" means out = result.
+ * None of these functions allocates memory that outlives the call, and none is collective.
+ */
+#ifndef FSDPC_BASE_KERNELS_H
+#define FSDPC_BASE_KERNELS_H
+
+#include <stdbool.h>
+
+#include "base/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* out = alpha * op(a) @ op(b) + beta * out, where op(x) is x or x^T, a and b viewed as
+ * matrices [numel/last, last]. op(a) is [M, K], op(b) is [K, N], out has M*N elements and
+ * last dimension N. a, b and out share one float dtype; accumulation is fp32. */
+status_t kernel_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
+                       bool trans_b, float alpha, float beta);
+
+/* out[..., D] = table[ids[...], :]; ids are I32 or I64 in [0, V). */
+status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids);
+
+/* grad_table[ids[i], :] += grad_out[i, :] (accumulates). grad_table may be F32 while grad_out
+ * is a narrower float dtype. */
+status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
+                                   const tensor_t *ids);
+
+/* RMSNorm over the last dimension: rstd = 1/sqrt(mean(x^2) + eps) (F32, one per row),
+ * out = w * (x * rstd rounded to x's dtype). Writes out and rstd. */
+status_t kernel_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
+                        float eps);
+
+/* Writes dx, accumulates dw (dw may be F32). */
+status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
+                                 const tensor_t *w, const tensor_t *rstd);
+
+/* Rotary embedding with the rotate_half convention on x [B, T, H, Dh] (Dh even): for pair
+ * (i, i + Dh/2) at position t + pos_offset, angle = pos * theta^(-2i/Dh). inverse rotates by
+ * -angle, which is the backward of the forward rotation. out may be x (in place). */
+status_t kernel_rope(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
+                     bool inverse);
+
+/* Causal softmax attention with grouped-query heads: q [B, T, H, Dh], k and v [B, T, Hkv, Dh],
+ * H a multiple of Hkv (query head h reads kv head h / (H/Hkv)), scale 1/sqrt(Dh).
+ * Writes out [B, T, H, Dh] and lse [B, H, T] (F32 log-sum-exp of the scaled scores). */
+status_t kernel_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
+                          const tensor_t *v);
+
+/* Writes dq, dk, dv from dout and the forward's inputs, output and lse. */
+status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
+                                   const tensor_t *q, const tensor_t *k, const tensor_t *v,
+                                   const tensor_t *out, const tensor_t *lse);
+
+/* out = silu(gate) * up, silu(x) = x / (1 + exp(-x)). */
+status_t kernel_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up);
+
+/* Writes dgate and dup. */
+status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
+                                  const tensor_t *gate, const tensor_t *up);
+
+/* out = a + b (out may alias a or b). */
+status_t kernel_add(tensor_t *out, const tensor_t *a, const tensor_t *b);
+
+/* y += alpha * x; y may be F32 while x is narrower. */
+status_t kernel_axpy(tensor_t *y, float alpha, const tensor_t *x);
+
+/* x *= alpha. */
+status_t kernel_scale(tensor_t *x, float alpha);
+
+/* Per-row cross-entropy of logits [N, V] against targets [N] (I32 or I64): losses[r] =
+ * logsumexp(logits[r]) - logits[r, targets[r]] (F32 [N]); a negative target ignores the row
+ * (loss 0). */
+status_t kernel_cross_entropy(tensor_t *losses, const tensor_t *logits, const tensor_t *targets);
+
+/* Writes dlogits = scale * (softmax(logits) - onehot(targets)); zero for ignored rows. */
+status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
+                                       const tensor_t *targets, float scale);
+
+/* One torch.optim.AdamW update of p with gradient g and F32 moments m, v (all same numel). */
+typedef struct adamw_args {
+  double lr, beta1, beta2, eps, weight_decay; /* as torch's Python floats */
+  int64_t step;                               /* 1-based: the step being taken */
+} adamw_args_t;
+status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                      const adamw_args_t *args);
+
+/* *out = sum of x^2 in double precision (blocks until the value is on the host). */
+status_t kernel_sum_squares(const tensor_t *x, double *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

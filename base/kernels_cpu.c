@@ -1,0 +1,570 @@
+/*
+ * CPU twin of the compute kernels: OpenBLAS for matrix products, plain C elsewhere.
+ * Values are read into fp32 (converted copies for bf16/f16 storage), computed in fp32 with
+ * double-precision reductions where a row is summed, and rounded once when stored.
+ */
+#include <cblas.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/kernels_impl.h"
+
+/* ---- fp32 views of tensors of any float dtype ---- */
+
+typedef struct fbuf {
+  float *p;
+  int64_t n;
+  bool owned; /* a converted copy that must be stored back (outputs) and freed */
+} fbuf_t;
+
+static status_t fbuf_alloc(fbuf_t *b, int64_t n) {
+  b->n = n;
+  b->owned = true;
+  b->p = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+  if (b->p == NULL)
+    return err_set(STATUS_ENOMEM, "kernels: out of host memory for %lld floats", (long long)n);
+  return STATUS_OK;
+}
+
+/* Read access: F32 tensors are used in place, others converted. */
+static status_t fbuf_in(fbuf_t *b, const tensor_t *t) {
+  int64_t n = tensor_numel(t);
+  if (t->dtype == DTYPE_F32) {
+    *b = (fbuf_t){.p = (float *)t->data, .n = n, .owned = false};
+    return STATUS_OK;
+  }
+  TRY(fbuf_alloc(b, n));
+  for (int64_t i = 0; i < n; i++) b->p[i] = (float)dtype_load(t->dtype, t->data, (size_t)i);
+  return STATUS_OK;
+}
+
+/* Write access; with load the current values are read first (for accumulation). */
+static status_t fbuf_out(fbuf_t *b, tensor_t *t, bool load) {
+  if (t->dtype == DTYPE_F32 || load) return fbuf_in(b, t);
+  return fbuf_alloc(b, tensor_numel(t));
+}
+
+/* Stores an output buffer back into t (rounding once) and releases it. */
+static void fbuf_commit(fbuf_t *b, tensor_t *t) {
+  if (b->owned)
+    for (int64_t i = 0; i < b->n; i++) dtype_store(t->dtype, t->data, (size_t)i, b->p[i]);
+  if (b->owned) free(b->p);
+  b->p = NULL;
+}
+
+static void fbuf_release(fbuf_t *b) {
+  if (b->owned) free(b->p);
+  b->p = NULL;
+}
+
+/* Value of x rounded to dtype dt, as float. */
+static float round_to(dtype_t dt, float x) {
+  switch (dt) {
+    case DTYPE_BF16: return bf16_to_f32(f32_to_bf16(x));
+    case DTYPE_F16: return f16_to_f32(f32_to_f16(x));
+    default: return x;
+  }
+}
+
+static int64_t index_at(const tensor_t *t, int64_t i) {
+  return t->dtype == DTYPE_I32 ? ((const int32_t *)t->data)[i] : ((const int64_t *)t->data)[i];
+}
+
+static int64_t last_dim(const tensor_t *t) { return t->ndim == 0 ? 1 : t->shape[t->ndim - 1]; }
+
+/* ---- matmul ---- */
+
+static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
+static void blas_threads_default(void) {
+  if (getenv("OPENBLAS_NUM_THREADS") == NULL) openblas_set_num_threads(1);
+}
+
+static status_t cpu_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
+                           bool trans_b, float alpha, float beta, const matmul_dims_t *d) {
+  pthread_once(&blas_once, blas_threads_default);
+  fbuf_t fa, fb, fo;
+  status_t st = STATUS_OK;
+  TRY(fbuf_in(&fa, a));
+  TRY_GOTO(st, fbuf_in(&fb, b));
+  st = fbuf_out(&fo, out, beta != 0.0f);
+  if (st != STATUS_OK) {
+    fbuf_release(&fb);
+    goto cleanup;
+  }
+  if (d->k == 0) {
+    for (int64_t i = 0; i < d->m * d->n; i++) fo.p[i] = beta == 0.0f ? 0.0f : beta * fo.p[i];
+  } else {
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                trans_b ? CblasTrans : CblasNoTrans, (int)d->m, (int)d->n, (int)d->k, alpha, fa.p,
+                (int)d->lda, fb.p, (int)d->ldb, beta, fo.p, (int)d->n);
+  }
+  fbuf_commit(&fo, out);
+  fbuf_release(&fb);
+cleanup:
+  fbuf_release(&fa);
+  return st;
+}
+
+/* ---- embedding ---- */
+
+static status_t cpu_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
+  int64_t n = tensor_numel(ids), V = table->shape[0], D = table->shape[1];
+  size_t row = (size_t)D * dtype_size(table->dtype);
+  for (int64_t i = 0; i < n; i++) {
+    int64_t id = index_at(ids, i);
+    if (id < 0 || id >= V)
+      return err_set(STATUS_EINVAL,
+                     "kernel_embedding: index %lld at position %lld is outside "
+                     "[0, %lld)",
+                     (long long)id, (long long)i, (long long)V);
+    memcpy((char *)out->data + (size_t)i * row, (const char *)table->data + (size_t)id * row, row);
+  }
+  return STATUS_OK;
+}
+
+static status_t cpu_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
+                                       const tensor_t *ids) {
+  int64_t n = tensor_numel(ids), V = grad_table->shape[0], D = grad_table->shape[1];
+  for (int64_t i = 0; i < n; i++) {
+    int64_t id = index_at(ids, i);
+    if (id < 0 || id >= V)
+      return err_set(STATUS_EINVAL, "kernel_embedding_backward: index %lld outside [0, %lld)",
+                     (long long)id, (long long)V);
+  }
+  fbuf_t g, go;
+  TRY(fbuf_out(&g, grad_table, true));
+  status_t st = fbuf_in(&go, grad_out);
+  if (st != STATUS_OK) {
+    fbuf_release(&g);
+    return st;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    float *dst = g.p + index_at(ids, i) * D;
+    const float *src = go.p + i * D;
+    for (int64_t j = 0; j < D; j++) dst[j] += src[j];
+  }
+  fbuf_release(&go);
+  fbuf_commit(&g, grad_table);
+  return STATUS_OK;
+}
+
+/* ---- RMSNorm ---- */
+
+static status_t cpu_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
+                            float eps) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
+  fbuf_t fx, fw, fo;
+  TRY(fbuf_in(&fx, x));
+  status_t st = fbuf_in(&fw, w);
+  if (st == STATUS_OK) st = fbuf_out(&fo, out, false);
+  if (st != STATUS_OK) {
+    fbuf_release(&fx);
+    fbuf_release(&fw);
+    return st;
+  }
+  float *r = rstd->data;
+  for (int64_t i = 0; i < rows; i++) {
+    const float *xi = fx.p + i * D;
+    double ss = 0;
+    for (int64_t j = 0; j < D; j++) ss += (double)xi[j] * xi[j];
+    float var = (float)(ss / (double)D);
+    r[i] = 1.0f / sqrtf(var + eps);
+    for (int64_t j = 0; j < D; j++) fo.p[i * D + j] = fw.p[j] * round_to(x->dtype, xi[j] * r[i]);
+  }
+  fbuf_commit(&fo, out);
+  fbuf_release(&fx);
+  fbuf_release(&fw);
+  return STATUS_OK;
+}
+
+static status_t cpu_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
+                                     const tensor_t *x, const tensor_t *w, const tensor_t *rstd) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
+  fbuf_t fdx, fdw, fdy, fx, fw;
+  fbuf_t *bufs[] = {&fdx, &fdw, &fdy, &fx, &fw};
+  int got = 0;
+  status_t st = fbuf_out(&fdx, dx, false);
+  if (st == STATUS_OK && ++got) st = fbuf_out(&fdw, dw, true);
+  if (st == STATUS_OK && ++got) st = fbuf_in(&fdy, dy);
+  if (st == STATUS_OK && ++got) st = fbuf_in(&fx, x);
+  if (st == STATUS_OK && ++got) st = fbuf_in(&fw, w);
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) fbuf_release(bufs[i]);
+    return st;
+  }
+  const float *r = rstd->data;
+  for (int64_t i = 0; i < rows; i++) {
+    const float *xi = fx.p + i * D, *dyi = fdy.p + i * D;
+    double dot = 0; /* sum_j dy_j w_j x_j */
+    for (int64_t j = 0; j < D; j++) dot += (double)dyi[j] * fw.p[j] * xi[j];
+    float c = (float)(dot / (double)D) * r[i] * r[i];
+    for (int64_t j = 0; j < D; j++) {
+      fdx.p[i * D + j] = r[i] * (dyi[j] * fw.p[j] - xi[j] * c);
+      fdw.p[j] += dyi[j] * (xi[j] * r[i]);
+    }
+  }
+  fbuf_commit(&fdx, dx);
+  fbuf_commit(&fdw, dw);
+  fbuf_release(&fdy);
+  fbuf_release(&fx);
+  fbuf_release(&fw);
+  return STATUS_OK;
+}
+
+/* ---- RoPE ---- */
+
+static status_t cpu_rope(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
+                         bool inverse) {
+  int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], half = Dh / 2;
+  fbuf_t fx, fo;
+  TRY(fbuf_in(&fx, x));
+  status_t st =
+      out->data == x->data && x->dtype == DTYPE_F32 ? fbuf_in(&fo, out) : fbuf_out(&fo, out, false);
+  if (st != STATUS_OK) {
+    fbuf_release(&fx);
+    return st;
+  }
+  float *cs = malloc(sizeof(float) * 2 * (size_t)(half ? half : 1));
+  if (cs == NULL) {
+    fbuf_release(&fx);
+    fbuf_release(&fo);
+    return err_set(STATUS_ENOMEM, "kernel_rope: out of host memory");
+  }
+  for (int64_t t = 0; t < T; t++) {
+    for (int64_t i = 0; i < half; i++) {
+      double ang = (double)(t + pos_offset) * pow(theta, -2.0 * (double)i / (double)Dh);
+      cs[2 * i] = (float)cos(ang);
+      cs[2 * i + 1] = inverse ? -(float)sin(ang) : (float)sin(ang);
+    }
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t h = 0; h < H; h++) {
+        int64_t base = ((b * T + t) * H + h) * Dh;
+        for (int64_t i = 0; i < half; i++) {
+          float x1 = fx.p[base + i], x2 = fx.p[base + i + half];
+          float c = cs[2 * i], s = cs[2 * i + 1];
+          fo.p[base + i] = x1 * c - x2 * s;
+          fo.p[base + i + half] = x2 * c + x1 * s;
+        }
+      }
+  }
+  free(cs);
+  fbuf_release(&fx);
+  fbuf_commit(&fo, out);
+  return STATUS_OK;
+}
+
+/* ---- attention ---- */
+
+typedef struct attn_dims {
+  int64_t B, T, H, Hkv, Dh, rep;
+  float scale;
+} attn_dims_t;
+
+static attn_dims_t attn_dims(const tensor_t *q, const tensor_t *k) {
+  attn_dims_t d = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0, 0};
+  d.rep = d.H / d.Hkv;
+  d.scale = 1.0f / sqrtf((float)d.Dh);
+  return d;
+}
+
+static float dotf(const float *a, const float *b, int64_t n) {
+  float s = 0;
+  for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
+                              const tensor_t *v) {
+  attn_dims_t d = attn_dims(q, k);
+  fbuf_t fq, fk, fv, fo;
+  fbuf_t *bufs[] = {&fq, &fk, &fv, &fo};
+  int got = 0;
+  float *s = malloc(sizeof(float) * (size_t)d.T);
+  status_t st = s ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention: out of host memory");
+  if (st == STATUS_OK) st = fbuf_in(&fq, q);
+  if (st == STATUS_OK && ++got) st = fbuf_in(&fk, k);
+  if (st == STATUS_OK && ++got) st = fbuf_in(&fv, v);
+  if (st == STATUS_OK && ++got) st = fbuf_out(&fo, out, false);
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) fbuf_release(bufs[i]);
+    free(s);
+    return st;
+  }
+  float *L = lse->data;
+  for (int64_t b = 0; b < d.B; b++)
+    for (int64_t h = 0; h < d.H; h++) {
+      int64_t g = h / d.rep;
+      for (int64_t i = 0; i < d.T; i++) {
+        const float *qi = fq.p + ((b * d.T + i) * d.H + h) * d.Dh;
+        float m = -INFINITY;
+        for (int64_t j = 0; j <= i; j++) {
+          s[j] = d.scale * dotf(qi, fk.p + ((b * d.T + j) * d.Hkv + g) * d.Dh, d.Dh);
+          if (s[j] > m) m = s[j];
+        }
+        double l = 0;
+        for (int64_t j = 0; j <= i; j++) l += exp((double)(s[j] - m));
+        float lse_i = m + (float)log(l);
+        L[(b * d.H + h) * d.T + i] = lse_i;
+        float *oi = fo.p + ((b * d.T + i) * d.H + h) * d.Dh;
+        for (int64_t c = 0; c < d.Dh; c++) oi[c] = 0;
+        for (int64_t j = 0; j <= i; j++) {
+          float p = expf(s[j] - lse_i);
+          const float *vj = fv.p + ((b * d.T + j) * d.Hkv + g) * d.Dh;
+          for (int64_t c = 0; c < d.Dh; c++) oi[c] += p * vj[c];
+        }
+      }
+    }
+  free(s);
+  fbuf_release(&fq);
+  fbuf_release(&fk);
+  fbuf_release(&fv);
+  fbuf_commit(&fo, out);
+  return STATUS_OK;
+}
+
+static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
+                                       const tensor_t *dout, const tensor_t *q, const tensor_t *k,
+                                       const tensor_t *v, const tensor_t *out,
+                                       const tensor_t *lse) {
+  attn_dims_t d = attn_dims(q, k);
+  fbuf_t b_[8];
+  const tensor_t *ins[] = {dout, q, k, v, out};
+  int got = 0;
+  status_t st = STATUS_OK;
+  for (int i = 0; i < 5 && st == STATUS_OK; i++)
+    if ((st = fbuf_in(&b_[got], ins[i])) == STATUS_OK) got++;
+  tensor_t *outs[] = {dq, dk, dv};
+  for (int i = 0; i < 3 && st == STATUS_OK; i++) {
+    /* dk and dv accumulate over query rows: start from zeros */
+    if ((st = fbuf_alloc(&b_[got], tensor_numel(outs[i]))) == STATUS_OK) {
+      memset(b_[got].p, 0, sizeof(float) * (size_t)b_[got].n);
+      got++;
+    }
+  }
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) fbuf_release(&b_[i]);
+    return st;
+  }
+  const float *fdo = b_[0].p, *fq = b_[1].p, *fk = b_[2].p, *fv = b_[3].p, *fo = b_[4].p;
+  float *fdq = b_[5].p, *fdk = b_[6].p, *fdv = b_[7].p;
+  const float *L = lse->data;
+  for (int64_t b = 0; b < d.B; b++)
+    for (int64_t h = 0; h < d.H; h++) {
+      int64_t g = h / d.rep;
+      for (int64_t i = 0; i < d.T; i++) {
+        int64_t qi = ((b * d.T + i) * d.H + h) * d.Dh;
+        float Di = dotf(fdo + qi, fo + qi, d.Dh);
+        float lse_i = L[(b * d.H + h) * d.T + i];
+        for (int64_t j = 0; j <= i; j++) {
+          int64_t kj = ((b * d.T + j) * d.Hkv + g) * d.Dh;
+          float p = expf(d.scale * dotf(fq + qi, fk + kj, d.Dh) - lse_i);
+          float dp = dotf(fdo + qi, fv + kj, d.Dh);
+          float ds = p * (dp - Di) * d.scale;
+          for (int64_t c = 0; c < d.Dh; c++) {
+            fdq[qi + c] += ds * fk[kj + c];
+            fdk[kj + c] += ds * fq[qi + c];
+            fdv[kj + c] += p * fdo[qi + c];
+          }
+        }
+      }
+    }
+  for (int i = 0; i < 5; i++) fbuf_release(&b_[i]);
+  for (int i = 0; i < 3; i++) {
+    for (int64_t j = 0; j < b_[5 + i].n; j++)
+      dtype_store(outs[i]->dtype, outs[i]->data, (size_t)j, b_[5 + i].p[j]);
+    free(b_[5 + i].p);
+  }
+  return STATUS_OK;
+}
+
+/* ---- element-wise ---- */
+
+static float silu_sig(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+static status_t cpu_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
+  int64_t n = tensor_numel(out);
+  for (int64_t i = 0; i < n; i++) {
+    float g = (float)dtype_load(gate->dtype, gate->data, (size_t)i);
+    float u = (float)dtype_load(up->dtype, up->data, (size_t)i);
+    float a = round_to(out->dtype, g * silu_sig(g));
+    dtype_store(out->dtype, out->data, (size_t)i, a * u);
+  }
+  return STATUS_OK;
+}
+
+static status_t cpu_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
+                                      const tensor_t *gate, const tensor_t *up) {
+  int64_t n = tensor_numel(dout);
+  for (int64_t i = 0; i < n; i++) {
+    float g = (float)dtype_load(gate->dtype, gate->data, (size_t)i);
+    float u = (float)dtype_load(up->dtype, up->data, (size_t)i);
+    float dy = (float)dtype_load(dout->dtype, dout->data, (size_t)i);
+    float s = silu_sig(g);
+    dtype_store(dup->dtype, dup->data, (size_t)i, dy * (g * s));
+    dtype_store(dgate->dtype, dgate->data, (size_t)i, dy * u * (s * (1.0f + g * (1.0f - s))));
+  }
+  return STATUS_OK;
+}
+
+static status_t cpu_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
+  int64_t n = tensor_numel(out);
+  if (out->dtype == DTYPE_F32) {
+    const float *pa = a->data, *pb = b->data;
+    float *po = out->data;
+    for (int64_t i = 0; i < n; i++) po[i] = pa[i] + pb[i];
+    return STATUS_OK;
+  }
+  for (int64_t i = 0; i < n; i++)
+    dtype_store(out->dtype, out->data, (size_t)i,
+                (float)dtype_load(a->dtype, a->data, (size_t)i) +
+                    (float)dtype_load(b->dtype, b->data, (size_t)i));
+  return STATUS_OK;
+}
+
+static status_t cpu_axpy(tensor_t *y, float alpha, const tensor_t *x) {
+  int64_t n = tensor_numel(y);
+  if (y->dtype == DTYPE_F32 && x->dtype == DTYPE_F32) {
+    float *py = y->data;
+    const float *px = x->data;
+    if (alpha == 1.0f)
+      for (int64_t i = 0; i < n; i++) py[i] += px[i];
+    else
+      for (int64_t i = 0; i < n; i++) py[i] += alpha * px[i];
+    return STATUS_OK;
+  }
+  for (int64_t i = 0; i < n; i++)
+    dtype_store(y->dtype, y->data, (size_t)i,
+                (float)dtype_load(y->dtype, y->data, (size_t)i) +
+                    alpha * (float)dtype_load(x->dtype, x->data, (size_t)i));
+  return STATUS_OK;
+}
+
+static status_t cpu_scale(tensor_t *x, float alpha) {
+  int64_t n = tensor_numel(x);
+  for (int64_t i = 0; i < n; i++)
+    dtype_store(x->dtype, x->data, (size_t)i,
+                alpha * (float)dtype_load(x->dtype, x->data, (size_t)i));
+  return STATUS_OK;
+}
+
+/* ---- cross-entropy ---- */
+
+static status_t ce_target(const tensor_t *targets, int64_t r, int64_t V, int64_t *t) {
+  *t = index_at(targets, r);
+  if (*t >= V)
+    return err_set(STATUS_EINVAL, "cross-entropy: target %lld of row %lld is outside [0, %lld)",
+                   (long long)*t, (long long)r, (long long)V);
+  return STATUS_OK;
+}
+
+/* log-sum-exp of a row in fp32 with a double-precision sum. */
+static float row_lse(const float *x, int64_t V) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < V; j++) m = x[j] > m ? x[j] : m;
+  double s = 0;
+  for (int64_t j = 0; j < V; j++) s += exp((double)(x[j] - m));
+  return m + (float)log(s);
+}
+
+static status_t cpu_cross_entropy(tensor_t *losses, const tensor_t *logits,
+                                  const tensor_t *targets) {
+  int64_t V = last_dim(logits), N = tensor_numel(targets);
+  fbuf_t fl;
+  TRY(fbuf_in(&fl, logits));
+  float *out = losses->data;
+  status_t st = STATUS_OK;
+  for (int64_t r = 0; r < N && st == STATUS_OK; r++) {
+    int64_t t;
+    if ((st = ce_target(targets, r, V, &t)) != STATUS_OK) break;
+    out[r] = t < 0 ? 0.0f : row_lse(fl.p + r * V, V) - fl.p[r * V + t];
+  }
+  fbuf_release(&fl);
+  return st;
+}
+
+static status_t cpu_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
+                                           const tensor_t *targets, float scale) {
+  int64_t V = last_dim(logits), N = tensor_numel(targets);
+  fbuf_t fl, fd;
+  TRY(fbuf_in(&fl, logits));
+  status_t st = fbuf_out(&fd, dlogits, false);
+  if (st != STATUS_OK) {
+    fbuf_release(&fl);
+    return st;
+  }
+  for (int64_t r = 0; r < N && st == STATUS_OK; r++) {
+    int64_t t;
+    if ((st = ce_target(targets, r, V, &t)) != STATUS_OK) break;
+    const float *x = fl.p + r * V;
+    float *g = fd.p + r * V;
+    if (t < 0) {
+      memset(g, 0, sizeof(float) * (size_t)V);
+      continue;
+    }
+    float lse = row_lse(x, V);
+    for (int64_t j = 0; j < V; j++) g[j] = scale * expf(x[j] - lse);
+    g[t] -= scale;
+  }
+  fbuf_commit(&fd, dlogits);
+  fbuf_release(&fl);
+  return st;
+}
+
+/* ---- optimizer and reductions ---- */
+
+static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                          const adamw_args_t *a) {
+  float decay = (float)(1.0 - a->lr * a->weight_decay);
+  float one_minus_b1 = (float)(1.0 - a->beta1), b2 = (float)a->beta2;
+  float one_minus_b2 = (float)(1.0 - a->beta2);
+  double bc1 = 1.0 - pow(a->beta1, (double)a->step), bc2 = 1.0 - pow(a->beta2, (double)a->step);
+  float step_size = (float)(a->lr / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)a->eps;
+  float *pm = m->data, *pv = v->data;
+  int64_t n = tensor_numel(p);
+  for (int64_t i = 0; i < n; i++) {
+    float pi = (float)dtype_load(p->dtype, p->data, (size_t)i);
+    float gi = (float)dtype_load(g->dtype, g->data, (size_t)i);
+    pi *= decay;
+    pm[i] += one_minus_b1 * (gi - pm[i]);
+    pv[i] = pv[i] * b2 + one_minus_b2 * gi * gi;
+    float denom = sqrtf(pv[i]) / bc2_sqrt + eps;
+    pi += (-step_size * pm[i]) / denom;
+    dtype_store(p->dtype, p->data, (size_t)i, pi);
+  }
+  return STATUS_OK;
+}
+
+static status_t cpu_sum_squares(const tensor_t *x, double *out) {
+  int64_t n = tensor_numel(x);
+  double s = 0;
+  for (int64_t i = 0; i < n; i++) {
+    double e = dtype_load(x->dtype, x->data, (size_t)i);
+    s += e * e;
+  }
+  *out = s;
+  return STATUS_OK;
+}
+
+static const kernel_ops_t ops = {
+    .matmul = cpu_matmul,
+    .embedding = cpu_embedding,
+    .embedding_backward = cpu_embedding_backward,
+    .rmsnorm = cpu_rmsnorm,
+    .rmsnorm_backward = cpu_rmsnorm_backward,
+    .rope = cpu_rope,
+    .attention = cpu_attention,
+    .attention_backward = cpu_attention_backward,
+    .silu_mul = cpu_silu_mul,
+    .silu_mul_backward = cpu_silu_mul_backward,
+    .add = cpu_add,
+    .axpy = cpu_axpy,
+    .scale = cpu_scale,
+    .cross_entropy = cpu_cross_entropy,
+    .cross_entropy_backward = cpu_cross_entropy_backward,
+    .adamw = cpu_adamw,
+    .sum_squares = cpu_sum_squares,
+};
+
+const kernel_ops_t *cpu_kernels(void) { return &ops; }

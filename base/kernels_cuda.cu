@@ -1,0 +1,664 @@
+/*
+ * CUDA twin of the compute kernels: cuBLAS (fp32 compute) for matrix products, CUDA kernels
+ * elsewhere. Same semantics as kernels_cpu.c; values are computed in fp32 and rounded once
+ * when stored. Kernels first, then launchers; every launcher runs on the current stream of
+ * its device and checks cudaGetLastError().
+ */
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "base/cuda_check.h"
+#include "base/kernels_impl.h"
+
+extern "C" cudaStream_t cuda_stream_raw(stream_t *s);
+
+/* ======================= kernels ======================= */
+
+__device__ static float ldf(int dt, const void *p, int64_t i) {
+  switch (dt) {
+    case DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    case DTYPE_F16: return __half2float(((const __half *)p)[i]);
+    default: return ((const float *)p)[i];
+  }
+}
+
+__device__ static void stf(int dt, void *p, int64_t i, float v) {
+  switch (dt) {
+    case DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); break;
+    case DTYPE_F16: ((__half *)p)[i] = __float2half_rn(v); break;
+    default: ((float *)p)[i] = v;
+  }
+}
+
+__device__ static float rnd(int dt, float v) {
+  switch (dt) {
+    case DTYPE_BF16: return __bfloat162float(__float2bfloat16_rn(v));
+    case DTYPE_F16: return __half2float(__float2half_rn(v));
+    default: return v;
+  }
+}
+
+__device__ static int64_t ldi(int dt, const void *p, int64_t i) {
+  return dt == DTYPE_I32 ? ((const int32_t *)p)[i] : ((const int64_t *)p)[i];
+}
+
+__device__ static void atomic_addf(int dt, void *p, int64_t i, float v) {
+  switch (dt) {
+    case DTYPE_BF16: atomicAdd(((__nv_bfloat16 *)p) + i, __float2bfloat16_rn(v)); break;
+    case DTYPE_F16: atomicAdd(((__half *)p) + i, __float2half_rn(v)); break;
+    default: atomicAdd(((float *)p) + i, v);
+  }
+}
+
+#define GRID_STRIDE(i, n)                                                   \
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
+       i += (int64_t)gridDim.x * blockDim.x)
+
+/* Sum or max over the block; every thread gets the result. blockDim.x is a multiple of 32. */
+template <bool kMax>
+__device__ static float block_reduce(float v) {
+  __shared__ float part[32];
+  for (int o = 16; o > 0; o >>= 1) {
+    float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, w) : v + w;
+  }
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  v = lane < nw ? part[lane] : (kMax ? -INFINITY : 0.0f);
+  for (int o = 16; o > 0; o >>= 1) {
+    float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, w) : v + w;
+  }
+  return v;
+}
+
+__global__ static void embedding_kernel(void *out, const void *table, int tdt, const void *ids,
+                                        int idt, int64_t n, int64_t D, int64_t V, int *bad) {
+  GRID_STRIDE(e, n * D) {
+    int64_t id = ldi(idt, ids, e / D);
+    if (id < 0 || id >= V) {
+      *bad = 1;
+      continue;
+    }
+    stf(tdt, out, e, ldf(tdt, table, id * D + e % D));
+  }
+}
+
+__global__ static void embedding_backward_kernel(void *gt, int gdt, const void *go, int odt,
+                                                 const void *ids, int idt, int64_t n, int64_t D,
+                                                 int64_t V, int *bad) {
+  GRID_STRIDE(e, n * D) {
+    int64_t id = ldi(idt, ids, e / D);
+    if (id < 0 || id >= V) {
+      *bad = 1;
+      continue;
+    }
+    atomic_addf(gdt, gt, id * D + e % D, ldf(odt, go, e));
+  }
+}
+
+__global__ static void rmsnorm_kernel(void *out, float *rstd, const void *x, int xdt, const void *w,
+                                      int wdt, int64_t D, float eps) {
+  int64_t row = blockIdx.x;
+  float ss = 0;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+    float v = ldf(xdt, x, row * D + j);
+    ss += v * v;
+  }
+  ss = block_reduce<false>(ss);
+  float r = rsqrtf(ss / (float)D + eps);
+  if (threadIdx.x == 0) rstd[row] = r;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
+    stf(xdt, out, row * D + j, ldf(wdt, w, j) * rnd(xdt, ldf(xdt, x, row * D + j) * r));
+}
+
+__global__ static void rmsnorm_backward_dx_kernel(void *dx, const void *dy, const void *x, int xdt,
+                                                  const void *w, int wdt, const float *rstd,
+                                                  int64_t D) {
+  int64_t row = blockIdx.x;
+  float r = rstd[row], dot = 0;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
+    dot += ldf(xdt, dy, row * D + j) * ldf(wdt, w, j) * ldf(xdt, x, row * D + j);
+  dot = block_reduce<false>(dot);
+  float c = dot / (float)D * r * r;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+    int64_t e = row * D + j;
+    stf(xdt, dx, e, r * (ldf(xdt, dy, e) * ldf(wdt, w, j) - ldf(xdt, x, e) * c));
+  }
+}
+
+/* One thread per column, summing over rows in order: deterministic. */
+__global__ static void rmsnorm_backward_dw_kernel(void *dw, int wdt, const void *dy, const void *x,
+                                                  int xdt, const float *rstd, int64_t rows,
+                                                  int64_t D) {
+  GRID_STRIDE(j, D) {
+    float s = 0;
+    for (int64_t i = 0; i < rows; i++)
+      s += ldf(xdt, dy, i * D + j) * (ldf(xdt, x, i * D + j) * rstd[i]);
+    stf(wdt, dw, j, ldf(wdt, dw, j) + s);
+  }
+}
+
+__global__ static void rope_kernel(void *out, const void *x, int dt, int64_t B, int64_t T,
+                                   int64_t H, int64_t Dh, double theta, int64_t pos_offset,
+                                   float sign) {
+  int64_t half = Dh / 2;
+  GRID_STRIDE(e, B * T * H * half) {
+    int64_t i = e % half, row = e / half, t = (row / H) % T;
+    double ang = (double)(t + pos_offset) * pow(theta, -2.0 * (double)i / (double)Dh);
+    float c = (float)cos(ang), s = sign * (float)sin(ang);
+    int64_t base = row * Dh;
+    float x1 = ldf(dt, x, base + i), x2 = ldf(dt, x, base + i + half);
+    stf(dt, out, base + i, x1 * c - x2 * s);
+    stf(dt, out, base + i + half, x2 * c + x1 * s);
+  }
+}
+
+struct attn_dims {
+  int64_t B, T, H, Hkv, Dh, rep;
+  float scale;
+};
+
+__device__ static float dot_rows(int dt, const void *a, int64_t ia, const void *b, int64_t ib,
+                                 int64_t n) {
+  float s = 0;
+  for (int64_t c = 0; c < n; c++) s += ldf(dt, a, ia + c) * ldf(dt, b, ib + c);
+  return s;
+}
+
+/* One block per (b, h, i) query row; scores in shared memory (T floats). */
+__global__ static void attention_kernel(void *out, float *lse, const void *q, const void *k,
+                                        const void *v, int dt, attn_dims d) {
+  extern __shared__ float s[];
+  int64_t i = blockIdx.x % d.T, bh = blockIdx.x / d.T, h = bh % d.H, b = bh / d.H;
+  int64_t g = h / d.rep, qi = ((b * d.T + i) * d.H + h) * d.Dh;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) {
+    s[j] = d.scale * dot_rows(dt, q, qi, k, ((b * d.T + j) * d.Hkv + g) * d.Dh, d.Dh);
+    m = fmaxf(m, s[j]);
+  }
+  m = block_reduce<true>(m);
+  float l = 0;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) l += expf(s[j] - m);
+  l = block_reduce<false>(l);
+  float L = m + logf(l);
+  if (threadIdx.x == 0) lse[bh * d.T + i] = L;
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x) {
+    float acc = 0;
+    for (int64_t j = 0; j <= i; j++)
+      acc += expf(s[j] - L) * ldf(dt, v, ((b * d.T + j) * d.Hkv + g) * d.Dh + c);
+    stf(dt, out, qi + c, acc);
+  }
+}
+
+/* One block per query row: writes dq, accumulates dk and dv (fp32) with atomics. */
+__global__ static void attention_backward_kernel(void *dq, float *dk, float *dv, const void *dout,
+                                                 const void *q, const void *k, const void *v,
+                                                 const void *o, const float *lse, int dt,
+                                                 attn_dims d) {
+  extern __shared__ float sm[];
+  float *p = sm, *ds = sm + d.T;
+  int64_t i = blockIdx.x % d.T, bh = blockIdx.x / d.T, h = bh % d.H, b = bh / d.H;
+  int64_t g = h / d.rep, qi = ((b * d.T + i) * d.H + h) * d.Dh;
+  float Di = 0;
+  for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x)
+    Di += ldf(dt, dout, qi + c) * ldf(dt, o, qi + c);
+  Di = block_reduce<false>(Di);
+  float L = lse[bh * d.T + i];
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) {
+    int64_t kj = ((b * d.T + j) * d.Hkv + g) * d.Dh;
+    p[j] = expf(d.scale * dot_rows(dt, q, qi, k, kj, d.Dh) - L);
+    ds[j] = p[j] * (dot_rows(dt, dout, qi, v, kj, d.Dh) - Di) * d.scale;
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x) {
+    float acc = 0, qc = ldf(dt, q, qi + c), dc = ldf(dt, dout, qi + c);
+    for (int64_t j = 0; j <= i; j++) {
+      int64_t kj = ((b * d.T + j) * d.Hkv + g) * d.Dh + c;
+      acc += ds[j] * ldf(dt, k, kj);
+      atomicAdd(dk + kj, ds[j] * qc);
+      atomicAdd(dv + kj, p[j] * dc);
+    }
+    stf(dt, dq, qi + c, acc);
+  }
+}
+
+__global__ static void cast_kernel(void *dst, int dt, const float *src, int64_t n) {
+  GRID_STRIDE(e, n) stf(dt, dst, e, src[e]);
+}
+
+__global__ static void silu_mul_kernel(void *out, const void *gate, const void *up, int dt,
+                                       int64_t n) {
+  GRID_STRIDE(e, n) {
+    float g = ldf(dt, gate, e), sg = 1.0f / (1.0f + expf(-g));
+    stf(dt, out, e, rnd(dt, g * sg) * ldf(dt, up, e));
+  }
+}
+
+__global__ static void silu_mul_backward_kernel(void *dgate, void *dup, const void *dout,
+                                                const void *gate, const void *up, int dt,
+                                                int64_t n) {
+  GRID_STRIDE(e, n) {
+    float g = ldf(dt, gate, e), u = ldf(dt, up, e), dy = ldf(dt, dout, e);
+    float s = 1.0f / (1.0f + expf(-g));
+    stf(dt, dup, e, dy * (g * s));
+    stf(dt, dgate, e, dy * u * (s * (1.0f + g * (1.0f - s))));
+  }
+}
+
+__global__ static void add_kernel(void *out, const void *a, const void *b, int dt, int64_t n) {
+  GRID_STRIDE(e, n) stf(dt, out, e, ldf(dt, a, e) + ldf(dt, b, e));
+}
+
+__global__ static void axpy_kernel(void *y, int ydt, float alpha, const void *x, int xdt,
+                                   int64_t n) {
+  GRID_STRIDE(e, n) stf(ydt, y, e, ldf(ydt, y, e) + alpha * ldf(xdt, x, e));
+}
+
+__global__ static void scale_kernel(void *x, int dt, float alpha, int64_t n) {
+  GRID_STRIDE(e, n) stf(dt, x, e, alpha * ldf(dt, x, e));
+}
+
+/* log-sum-exp of one row, computed by the whole block. */
+__device__ static float block_row_lse(const void *x, int dt, int64_t base, int64_t V) {
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, ldf(dt, x, base + j));
+  m = block_reduce<true>(m);
+  float s = 0;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(ldf(dt, x, base + j) - m);
+  s = block_reduce<false>(s);
+  return m + logf(s);
+}
+
+__global__ static void cross_entropy_kernel(float *losses, const void *logits, int dt,
+                                            const void *targets, int tdt, int64_t V, int *bad) {
+  int64_t r = blockIdx.x, t = ldi(tdt, targets, r);
+  if (t >= V) {
+    if (threadIdx.x == 0) *bad = 1;
+    return;
+  }
+  if (t < 0) {
+    if (threadIdx.x == 0) losses[r] = 0.0f;
+    return;
+  }
+  float L = block_row_lse(logits, dt, r * V, V);
+  if (threadIdx.x == 0) losses[r] = L - ldf(dt, logits, r * V + t);
+}
+
+__global__ static void cross_entropy_backward_kernel(void *dlogits, const void *logits, int dt,
+                                                     const void *targets, int tdt, int64_t V,
+                                                     float scale, int *bad) {
+  int64_t r = blockIdx.x, t = ldi(tdt, targets, r);
+  if (t >= V) {
+    if (threadIdx.x == 0) *bad = 1;
+    return;
+  }
+  if (t < 0) {
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) stf(dt, dlogits, r * V + j, 0.0f);
+    return;
+  }
+  float L = block_row_lse(logits, dt, r * V, V);
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    float g = scale * expf(ldf(dt, logits, r * V + j) - L);
+    stf(dt, dlogits, r * V + j, j == t ? g - scale : g);
+  }
+}
+
+struct adamw_consts {
+  float decay, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps;
+};
+
+__global__ static void adamw_kernel(void *p, int pdt, const void *g, int gdt, float *m, float *v,
+                                    adamw_consts a, int64_t n) {
+  GRID_STRIDE(e, n) {
+    float pi = ldf(pdt, p, e) * a.decay, gi = ldf(gdt, g, e);
+    m[e] += a.one_minus_b1 * (gi - m[e]);
+    v[e] = v[e] * a.b2 + a.one_minus_b2 * gi * gi;
+    float denom = sqrtf(v[e]) / a.bc2_sqrt + a.eps;
+    stf(pdt, p, e, pi + (-a.step_size * m[e]) / denom);
+  }
+}
+
+__global__ static void sum_squares_kernel(double *out, const void *x, int dt, int64_t n) {
+  float s = 0;
+  GRID_STRIDE(e, n) {
+    float v = ldf(dt, x, e);
+    s += v * v;
+  }
+  s = block_reduce<false>(s);
+  if (threadIdx.x == 0) atomicAdd(out, (double)s);
+}
+
+/* ======================= launchers ======================= */
+
+static const int kBlock = 256;
+
+static int grid_for(int64_t n) {
+  int64_t g = (n + kBlock - 1) / kBlock;
+  if (g > 65535) g = 65535;
+  return g < 1 ? 1 : (int)g;
+}
+
+static cudaStream_t stream_of(const tensor_t *t) {
+  return cuda_stream_raw(stream_current(t->device));
+}
+
+static status_t launched(const char *what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return err_set(STATUS_ECUDA, "%s: launch failed: %s", what, cudaGetErrorString(e));
+  return STATUS_OK;
+}
+
+/* A device int flag for index checks, read back after the kernel (a blocking read). */
+typedef struct flag {
+  device_t dev;
+  int *p;
+} flag_t;
+
+static status_t flag_new(flag_t *f, device_t dev) {
+  f->dev = dev;
+  TRY(device_alloc(dev, sizeof(int), (void **)&f->p));
+  status_t st = STATUS_OK;
+  if (cudaMemsetAsync(f->p, 0, sizeof(int), cuda_stream_raw(stream_current(dev))) != cudaSuccess)
+    st = err_set(STATUS_ECUDA, "cudaMemsetAsync failed");
+  if (st != STATUS_OK) device_free(dev, f->p, sizeof(int));
+  return st;
+}
+
+/* Frees the flag; *raised tells whether a kernel set it. */
+static status_t flag_take(flag_t *f, int *raised) {
+  int h = 0;
+  status_t st = device_memcpy(device_cpu(), &h, f->dev, f->p, sizeof(int));
+  device_free(f->dev, f->p, sizeof(int));
+  *raised = h;
+  return st;
+}
+
+static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
+                            bool trans_b, float alpha, float beta, const matmul_dims_t *d) {
+  static __thread cublasHandle_t handles[DEVICE_MAX_CUDA];
+  int dev = out->device.index;
+  CUDA_TRY(cudaSetDevice(dev));
+  if (handles[dev] == NULL && cublasCreate(&handles[dev]) != CUBLAS_STATUS_SUCCESS)
+    return err_set(STATUS_ECUBLAS, "cublasCreate failed on cuda:%d", dev);
+  cublasHandle_t h = handles[dev];
+  if (cublasSetStream(h, stream_of(out)) != CUBLAS_STATUS_SUCCESS)
+    return err_set(STATUS_ECUBLAS, "cublasSetStream failed");
+  cudaDataType_t t = out->dtype == DTYPE_BF16  ? CUDA_R_16BF
+                     : out->dtype == DTYPE_F16 ? CUDA_R_16F
+                                               : CUDA_R_32F;
+  /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T. */
+  cublasStatus_t s = cublasGemmEx(
+      h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)d->n,
+      (int)d->m, (int)d->k, &alpha, b->data, t, (int)d->ldb, a->data, t, (int)d->lda, &beta,
+      out->data, t, (int)d->n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS)
+    return err_set(STATUS_ECUBLAS, "cublasGemmEx (m=%lld n=%lld k=%lld) failed with status %d",
+                   (long long)d->m, (long long)d->n, (long long)d->k, (int)s);
+  return STATUS_OK;
+}
+
+static status_t cuda_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
+  int64_t n = tensor_numel(ids), D = table->shape[1], V = table->shape[0];
+  if (n * D == 0) return STATUS_OK;
+  flag_t f;
+  TRY(flag_new(&f, out->device));
+  embedding_kernel<<<grid_for(n * D), kBlock, 0, stream_of(out)>>>(
+      out->data, table->data, table->dtype, ids->data, ids->dtype, n, D, V, f.p);
+  status_t st = launched("kernel_embedding");
+  int bad = 0;
+  status_t st2 = flag_take(&f, &bad);
+  TRY(st);
+  TRY(st2);
+  if (bad)
+    return err_set(STATUS_EINVAL, "kernel_embedding: an index is outside [0, %lld)", (long long)V);
+  return STATUS_OK;
+}
+
+static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
+                                        const tensor_t *ids) {
+  int64_t n = tensor_numel(ids), D = grad_table->shape[1], V = grad_table->shape[0];
+  if (n * D == 0) return STATUS_OK;
+  flag_t f;
+  TRY(flag_new(&f, grad_table->device));
+  embedding_backward_kernel<<<grid_for(n * D), kBlock, 0, stream_of(grad_table)>>>(
+      grad_table->data, grad_table->dtype, grad_out->data, grad_out->dtype, ids->data, ids->dtype,
+      n, D, V, f.p);
+  status_t st = launched("kernel_embedding_backward");
+  int bad = 0;
+  status_t st2 = flag_take(&f, &bad);
+  TRY(st);
+  TRY(st2);
+  if (bad)
+    return err_set(STATUS_EINVAL,
+                   "kernel_embedding_backward: an index is outside "
+                   "[0, %lld)",
+                   (long long)V);
+  return STATUS_OK;
+}
+
+static int64_t last_dim(const tensor_t *t) { return t->ndim == 0 ? 1 : t->shape[t->ndim - 1]; }
+
+static status_t cuda_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
+                             float eps) {
+  int64_t D = last_dim(x), rows = D ? tensor_numel(x) / D : 0;
+  if (rows == 0) return STATUS_OK;
+  rmsnorm_kernel<<<(unsigned)rows, kBlock, 0, stream_of(x)>>>(
+      out->data, (float *)rstd->data, x->data, x->dtype, w->data, w->dtype, D, eps);
+  return launched("kernel_rmsnorm");
+}
+
+static status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
+                                      const tensor_t *x, const tensor_t *w, const tensor_t *rstd) {
+  int64_t D = last_dim(x), rows = D ? tensor_numel(x) / D : 0;
+  if (rows == 0) return STATUS_OK;
+  cudaStream_t s = stream_of(x);
+  rmsnorm_backward_dx_kernel<<<(unsigned)rows, kBlock, 0, s>>>(
+      dx->data, dy->data, x->data, x->dtype, w->data, w->dtype, (const float *)rstd->data, D);
+  TRY(launched("kernel_rmsnorm_backward"));
+  rmsnorm_backward_dw_kernel<<<grid_for(D), kBlock, 0, s>>>(
+      dw->data, dw->dtype, dy->data, x->data, x->dtype, (const float *)rstd->data, rows, D);
+  return launched("kernel_rmsnorm_backward");
+}
+
+static status_t cuda_rope(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
+                          bool inverse) {
+  int64_t n = tensor_numel(x) / 2;
+  if (n == 0) return STATUS_OK;
+  rope_kernel<<<grid_for(n), kBlock, 0, stream_of(x)>>>(out->data, x->data, x->dtype, x->shape[0],
+                                                        x->shape[1], x->shape[2], x->shape[3],
+                                                        theta, pos_offset, inverse ? -1.0f : 1.0f);
+  return launched("kernel_rope");
+}
+
+static attn_dims attn_dims_of(const tensor_t *q, const tensor_t *k) {
+  attn_dims d = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0, 0};
+  d.rep = d.H / d.Hkv;
+  d.scale = 1.0f / sqrtf((float)d.Dh);
+  return d;
+}
+
+static status_t attn_smem(const attn_dims &d, int per_row, size_t *bytes) {
+  *bytes = sizeof(float) * (size_t)d.T * (size_t)per_row;
+  if (*bytes > 48 * 1024)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "attention on CUDA supports sequences up to %d tokens, "
+                   "got %lld",
+                   48 * 1024 / (int)sizeof(float) / per_row, (long long)d.T);
+  return STATUS_OK;
+}
+
+static status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
+                               const tensor_t *v) {
+  attn_dims d = attn_dims_of(q, k);
+  size_t smem;
+  TRY(attn_smem(d, 1, &smem));
+  attention_kernel<<<(unsigned)(d.B * d.H * d.T), 128, smem, stream_of(q)>>>(
+      out->data, (float *)lse->data, q->data, k->data, v->data, q->dtype, d);
+  return launched("kernel_attention");
+}
+
+static status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
+                                        const tensor_t *dout, const tensor_t *q, const tensor_t *k,
+                                        const tensor_t *v, const tensor_t *out,
+                                        const tensor_t *lse) {
+  attn_dims d = attn_dims_of(q, k);
+  size_t smem;
+  TRY(attn_smem(d, 2, &smem));
+  int64_t nk = tensor_numel(k);
+  tensor_t acc;
+  int64_t shape[2] = {2, nk};
+  TRY(tensor_zeros(&acc, DTYPE_F32, k->device, 2, shape));
+  float *fdk = (float *)acc.data, *fdv = fdk + nk;
+  cudaStream_t s = stream_of(q);
+  attention_backward_kernel<<<(unsigned)(d.B * d.H * d.T), 128, smem, s>>>(
+      dq->data, fdk, fdv, dout->data, q->data, k->data, v->data, out->data,
+      (const float *)lse->data, q->dtype, d);
+  status_t st = launched("kernel_attention_backward");
+  if (st == STATUS_OK) {
+    cast_kernel<<<grid_for(nk), kBlock, 0, s>>>(dk->data, dk->dtype, fdk, nk);
+    cast_kernel<<<grid_for(nk), kBlock, 0, s>>>(dv->data, dv->dtype, fdv, nk);
+    st = launched("kernel_attention_backward");
+  }
+  tensor_free(&acc);
+  return st;
+}
+
+static status_t cuda_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
+  int64_t n = tensor_numel(out);
+  if (n == 0) return STATUS_OK;
+  silu_mul_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, gate->data, up->data,
+                                                              out->dtype, n);
+  return launched("kernel_silu_mul");
+}
+
+static status_t cuda_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
+                                       const tensor_t *gate, const tensor_t *up) {
+  int64_t n = tensor_numel(dout);
+  if (n == 0) return STATUS_OK;
+  silu_mul_backward_kernel<<<grid_for(n), kBlock, 0, stream_of(dout)>>>(
+      dgate->data, dup->data, dout->data, gate->data, up->data, dout->dtype, n);
+  return launched("kernel_silu_mul_backward");
+}
+
+static status_t cuda_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
+  int64_t n = tensor_numel(out);
+  if (n == 0) return STATUS_OK;
+  add_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, a->data, b->data, out->dtype,
+                                                         n);
+  return launched("kernel_add");
+}
+
+static status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x) {
+  int64_t n = tensor_numel(y);
+  if (n == 0) return STATUS_OK;
+  axpy_kernel<<<grid_for(n), kBlock, 0, stream_of(y)>>>(y->data, y->dtype, alpha, x->data, x->dtype,
+                                                        n);
+  return launched("kernel_axpy");
+}
+
+static status_t cuda_scale(tensor_t *x, float alpha) {
+  int64_t n = tensor_numel(x);
+  if (n == 0) return STATUS_OK;
+  scale_kernel<<<grid_for(n), kBlock, 0, stream_of(x)>>>(x->data, x->dtype, alpha, n);
+  return launched("kernel_scale");
+}
+
+static status_t ce_finish(const char *what, flag_t *f, status_t st, int64_t V) {
+  int bad = 0;
+  status_t st2 = flag_take(f, &bad);
+  TRY(st);
+  TRY(st2);
+  if (bad)
+    return err_set(STATUS_EINVAL, "%s: a target is >= the vocabulary size %lld", what,
+                   (long long)V);
+  return STATUS_OK;
+}
+
+static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
+                                   const tensor_t *targets) {
+  int64_t V = last_dim(logits), N = tensor_numel(targets);
+  if (N == 0) return STATUS_OK;
+  flag_t f;
+  TRY(flag_new(&f, logits->device));
+  cross_entropy_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
+      (float *)losses->data, logits->data, logits->dtype, targets->data, targets->dtype, V, f.p);
+  return ce_finish("kernel_cross_entropy", &f, launched("kernel_cross_entropy"), V);
+}
+
+static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
+                                            const tensor_t *targets, float scale) {
+  int64_t V = last_dim(logits), N = tensor_numel(targets);
+  if (N == 0) return STATUS_OK;
+  flag_t f;
+  TRY(flag_new(&f, logits->device));
+  cross_entropy_backward_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
+      dlogits->data, logits->data, logits->dtype, targets->data, targets->dtype, V, scale, f.p);
+  return ce_finish("kernel_cross_entropy_backward", &f, launched("kernel_cross_entropy_backward"),
+                   V);
+}
+
+static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                           const adamw_args_t *a) {
+  int64_t n = tensor_numel(p);
+  if (n == 0) return STATUS_OK;
+  double bc1 = 1.0 - pow(a->beta1, (double)a->step), bc2 = 1.0 - pow(a->beta2, (double)a->step);
+  adamw_consts c = {(float)(1.0 - a->lr * a->weight_decay),
+                    (float)(1.0 - a->beta1),
+                    (float)a->beta2,
+                    (float)(1.0 - a->beta2),
+                    (float)(a->lr / bc1),
+                    (float)sqrt(bc2),
+                    (float)a->eps};
+  adamw_kernel<<<grid_for(n), kBlock, 0, stream_of(p)>>>(p->data, p->dtype, g->data, g->dtype,
+                                                         (float *)m->data, (float *)v->data, c, n);
+  return launched("kernel_adamw");
+}
+
+static status_t cuda_sum_squares(const tensor_t *x, double *out) {
+  int64_t n = tensor_numel(x);
+  double *acc;
+  TRY(device_alloc(x->device, sizeof(double), (void **)&acc));
+  cudaStream_t s = stream_of(x);
+  status_t st = STATUS_OK;
+  if (cudaMemsetAsync(acc, 0, sizeof(double), s) != cudaSuccess)
+    st = err_set(STATUS_ECUDA, "cudaMemsetAsync failed");
+  if (st == STATUS_OK) {
+    int grid = grid_for(n) < 1024 ? grid_for(n) : 1024;
+    sum_squares_kernel<<<grid, kBlock, 0, s>>>(acc, x->data, x->dtype, n);
+    st = launched("kernel_sum_squares");
+  }
+  if (st == STATUS_OK) st = device_memcpy(device_cpu(), out, x->device, acc, sizeof(double));
+  device_free(x->device, acc, sizeof(double));
+  return st;
+}
+
+static const kernel_ops_t ops = {
+    /* .matmul = */ cuda_matmul,
+    /* .embedding = */ cuda_embedding,
+    /* .embedding_backward = */ cuda_embedding_backward,
+    /* .rmsnorm = */ cuda_rmsnorm,
+    /* .rmsnorm_backward = */ cuda_rmsnorm_backward,
+    /* .rope = */ cuda_rope,
+    /* .attention = */ cuda_attention,
+    /* .attention_backward = */ cuda_attention_backward,
+    /* .silu_mul = */ cuda_silu_mul,
+    /* .silu_mul_backward = */ cuda_silu_mul_backward,
+    /* .add = */ cuda_add,
+    /* .axpy = */ cuda_axpy,
+    /* .scale = */ cuda_scale,
+    /* .cross_entropy = */ cuda_cross_entropy,
+    /* .cross_entropy_backward = */ cuda_cross_entropy_backward,
+    /* .adamw = */ cuda_adamw,
+    /* .sum_squares = */ cuda_sum_squares,
+};
+
+extern "C" const kernel_ops_t *cuda_kernels(void) { return &ops; }

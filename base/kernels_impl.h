@@ -1,0 +1,60 @@
+/*
+ * Private interface between kernels.c (argument checks) and the compute backends. Each
+ * backend fills one kernel_ops_t with labelled initialisers; arguments arrive checked.
+ */
+#ifndef FSDPC_BASE_KERNELS_IMPL_H
+#define FSDPC_BASE_KERNELS_IMPL_H
+
+#include "base/kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Matrix sizes of a checked kernel_matmul call: op(a) is [m, k], op(b) is [k, n]; lda and
+ * ldb are the row lengths of a and b as stored. */
+typedef struct matmul_dims {
+  int64_t m, n, k, lda, ldb;
+} matmul_dims_t;
+
+typedef struct kernel_ops {
+  status_t (*matmul)(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
+                     bool trans_b, float alpha, float beta, const matmul_dims_t *d);
+  status_t (*embedding)(tensor_t *out, const tensor_t *table, const tensor_t *ids);
+  status_t (*embedding_backward)(tensor_t *grad_table, const tensor_t *grad_out,
+                                 const tensor_t *ids);
+  status_t (*rmsnorm)(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
+                      float eps);
+  status_t (*rmsnorm_backward)(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
+                               const tensor_t *w, const tensor_t *rstd);
+  status_t (*rope)(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
+                   bool inverse);
+  status_t (*attention)(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
+                        const tensor_t *v);
+  status_t (*attention_backward)(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
+                                 const tensor_t *q, const tensor_t *k, const tensor_t *v,
+                                 const tensor_t *out, const tensor_t *lse);
+  status_t (*silu_mul)(tensor_t *out, const tensor_t *gate, const tensor_t *up);
+  status_t (*silu_mul_backward)(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
+                                const tensor_t *gate, const tensor_t *up);
+  status_t (*add)(tensor_t *out, const tensor_t *a, const tensor_t *b);
+  status_t (*axpy)(tensor_t *y, float alpha, const tensor_t *x);
+  status_t (*scale)(tensor_t *x, float alpha);
+  status_t (*cross_entropy)(tensor_t *losses, const tensor_t *logits, const tensor_t *targets);
+  status_t (*cross_entropy_backward)(tensor_t *dlogits, const tensor_t *logits,
+                                     const tensor_t *targets, float scale);
+  status_t (*adamw)(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                    const adamw_args_t *args);
+  status_t (*sum_squares)(const tensor_t *x, double *out);
+} kernel_ops_t;
+
+const kernel_ops_t *cpu_kernels(void);
+
+/* NULL when the library was built without CUDA. */
+const kernel_ops_t *cuda_kernels(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,513 @@
+#include "checkpoint/safetensors.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ---- dtypes ---- */
+
+static const struct {
+  const char *name;
+  size_t size;
+  dtype_t dtype;
+} kDtypes[] = {
+    {"F32", 4, DTYPE_F32},   {"BF16", 2, DTYPE_BF16},     {"F16", 2, DTYPE_F16},
+    {"I32", 4, DTYPE_I32},   {"I64", 8, DTYPE_I64},       {"F64", 8, DTYPE_COUNT},
+    {"U8", 1, DTYPE_COUNT},  {"I8", 1, DTYPE_COUNT},      {"BOOL", 1, DTYPE_COUNT},
+    {"I16", 2, DTYPE_COUNT}, {"U16", 2, DTYPE_COUNT},     {"U32", 4, DTYPE_COUNT},
+    {"U64", 8, DTYPE_COUNT}, {"F8_E4M3", 1, DTYPE_COUNT}, {"F8_E5M2", 1, DTYPE_COUNT},
+};
+
+static int dtype_index(const char *name) {
+  for (size_t i = 0; i < sizeof kDtypes / sizeof kDtypes[0]; i++)
+    if (strcmp(kDtypes[i].name, name) == 0) return (int)i;
+  return -1;
+}
+
+static const char *dtype_st_name(dtype_t dt) {
+  for (size_t i = 0; i < sizeof kDtypes / sizeof kDtypes[0]; i++)
+    if (kDtypes[i].dtype == dt) return kDtypes[i].name;
+  return NULL;
+}
+
+/* ---- reader ---- */
+
+typedef struct meta {
+  char *key, *value;
+} meta_t;
+
+struct st_file {
+  char *path;
+  FILE *fp;
+  uint64_t data_start, data_size;
+  st_info_t *t;
+  int n;
+  meta_t *meta;
+  int n_meta;
+};
+
+void st_close(st_file_t *f) {
+  if (f == NULL) return;
+  if (f->fp) fclose(f->fp);
+  for (int i = 0; i < f->n; i++) {
+    free((char *)f->t[i].name);
+  }
+  for (int i = 0; i < f->n_meta; i++) {
+    free(f->meta[i].key);
+    free(f->meta[i].value);
+  }
+  free(f->t);
+  free(f->meta);
+  free(f->path);
+  free(f);
+}
+
+static int cmp_begin(const void *a, const void *b) {
+  const st_info_t *x = a, *y = b;
+  if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+  return x->end < y->end ? -1 : x->end > y->end;
+}
+
+static status_t parse_u64(const cJSON *v, uint64_t *out) {
+  if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > 9007199254740992.0 ||
+      v->valuedouble != floor(v->valuedouble))
+    return STATUS_EFORMAT;
+  *out = (uint64_t)v->valuedouble;
+  return STATUS_OK;
+}
+
+static status_t parse_entry(st_file_t *f, const cJSON *item, st_info_t *t) {
+  const char *p = f->path, *nm = item->string;
+  if (!cJSON_IsObject(item))
+    return err_set(STATUS_EFORMAT, "%s: entry '%s' is not an object", p, nm);
+  const cJSON *dt = cJSON_GetObjectItemCaseSensitive(item, "dtype");
+  const cJSON *sh = cJSON_GetObjectItemCaseSensitive(item, "shape");
+  const cJSON *off = cJSON_GetObjectItemCaseSensitive(item, "data_offsets");
+  if (!cJSON_IsString(dt) || !cJSON_IsArray(sh) || !cJSON_IsArray(off))
+    return err_set(STATUS_EFORMAT, "%s: tensor '%s' needs dtype, shape and data_offsets", p, nm);
+  int di = dtype_index(dt->valuestring);
+  if (di < 0)
+    return err_set(STATUS_EFORMAT, "%s: tensor '%s' has unknown dtype '%s'", p, nm,
+                   dt->valuestring);
+  t->dtype_name = kDtypes[di].name;
+  t->dtype = kDtypes[di].dtype;
+  t->elem_size = kDtypes[di].size;
+  t->ndim = cJSON_GetArraySize(sh);
+  if (t->ndim > ST_MAX_DIMS)
+    return err_set(STATUS_EFORMAT, "%s: tensor '%s' has %d dimensions (at most %d)", p, nm, t->ndim,
+                   ST_MAX_DIMS);
+  double numel = 1;
+  for (int d = 0; d < t->ndim; d++) {
+    uint64_t v;
+    if (parse_u64(cJSON_GetArrayItem(sh, d), &v) != STATUS_OK)
+      return err_set(STATUS_EFORMAT, "%s: tensor '%s' has a bad shape entry", p, nm);
+    t->shape[d] = (int64_t)v;
+    numel *= (double)v;
+  }
+  if (cJSON_GetArraySize(off) != 2 || parse_u64(cJSON_GetArrayItem(off, 0), &t->begin) ||
+      parse_u64(cJSON_GetArrayItem(off, 1), &t->end) || t->end < t->begin)
+    return err_set(STATUS_EFORMAT, "%s: tensor '%s' has bad data_offsets", p, nm);
+  if (t->end > f->data_size)
+    return err_set(STATUS_EFORMAT,
+                   "%s: tensor '%s' ends at byte %llu, past the %llu-byte data "
+                   "buffer (truncated file?)",
+                   p, nm, (unsigned long long)t->end, (unsigned long long)f->data_size);
+  if (numel * (double)t->elem_size != (double)(t->end - t->begin))
+    return err_set(STATUS_EFORMAT,
+                   "%s: tensor '%s' has %llu bytes, but its shape and dtype %s "
+                   "need %.0f",
+                   p, nm, (unsigned long long)(t->end - t->begin), t->dtype_name,
+                   numel * (double)t->elem_size);
+  if ((t->name = strdup(nm)) == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  return STATUS_OK;
+}
+
+static status_t parse_metadata(st_file_t *f, const cJSON *m) {
+  if (!cJSON_IsObject(m))
+    return err_set(STATUS_EFORMAT, "%s: __metadata__ is not an object", f->path);
+  int n = cJSON_GetArraySize(m);
+  if ((f->meta = calloc((size_t)(n ? n : 1), sizeof(meta_t))) == NULL)
+    return err_set(STATUS_ENOMEM, "out of host memory");
+  for (const cJSON *it = m->child; it; it = it->next) {
+    if (!cJSON_IsString(it))
+      return err_set(STATUS_EFORMAT, "%s: __metadata__ value of '%s' is not a string", f->path,
+                     it->string);
+    meta_t *e = &f->meta[f->n_meta++];
+    if ((e->key = strdup(it->string)) == NULL || (e->value = strdup(it->valuestring)) == NULL)
+      return err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  return STATUS_OK;
+}
+
+static status_t parse_header(st_file_t *f, const char *text) {
+  cJSON *root = cJSON_Parse(text);
+  if (root == NULL || !cJSON_IsObject(root)) {
+    cJSON_Delete(root);
+    return err_set(STATUS_EFORMAT, "%s: header is not a JSON object", f->path);
+  }
+  status_t st = STATUS_OK;
+  int total = cJSON_GetArraySize(root);
+  if ((f->t = calloc((size_t)(total ? total : 1), sizeof(st_info_t))) == NULL)
+    TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
+  for (const cJSON *it = root->child; it; it = it->next) {
+    if (strcmp(it->string, "__metadata__") == 0) {
+      if (f->meta != NULL)
+        TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: __metadata__ appears twice", f->path));
+      TRY_GOTO(st, parse_metadata(f, it));
+      continue;
+    }
+    for (int j = 0; j < f->n; j++)
+      if (strcmp(f->t[j].name, it->string) == 0)
+        TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: tensor '%s' appears twice", f->path, it->string));
+    TRY_GOTO(st, parse_entry(f, it, &f->t[f->n]));
+    f->n++;
+  }
+  qsort(f->t, (size_t)f->n, sizeof(st_info_t), cmp_begin);
+  uint64_t pos = 0;
+  for (int i = 0; i < f->n; i++) {
+    if (f->t[i].begin != pos)
+      TRY_GOTO(st, err_set(STATUS_EFORMAT,
+                           "%s: tensor '%s' starts at byte %llu, expected %llu "
+                           "(overlapping or non-contiguous data)",
+                           f->path, f->t[i].name, (unsigned long long)f->t[i].begin,
+                           (unsigned long long)pos));
+    pos = f->t[i].end;
+  }
+  if (pos != f->data_size)
+    TRY_GOTO(st, err_set(STATUS_EFORMAT,
+                         "%s: tensors cover %llu bytes of a %llu-byte data "
+                         "buffer",
+                         f->path, (unsigned long long)pos, (unsigned long long)f->data_size));
+cleanup:
+  cJSON_Delete(root);
+  return st;
+}
+
+status_t st_open(st_file_t **out, const char *path) {
+  *out = NULL;
+  st_file_t *f = calloc(1, sizeof *f);
+  if (f == NULL || (f->path = strdup(path)) == NULL) {
+    free(f);
+    return err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  status_t st = STATUS_OK;
+  char *text = NULL;
+  if ((f->fp = fopen(path, "rb")) == NULL)
+    TRY_GOTO(st, err_set(STATUS_EIO, "%s: %s", path, strerror(errno)));
+  unsigned char len8[8];
+  if (fread(len8, 1, 8, f->fp) != 8)
+    TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: shorter than the 8-byte header length", path));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; i--) n = (n << 8) | len8[i];
+  if (fseeko(f->fp, 0, SEEK_END) != 0) TRY_GOTO(st, err_set(STATUS_EIO, "%s: cannot seek", path));
+  off_t size = ftello(f->fp);
+  if (n < 2 || n > ST_MAX_HEADER)
+    TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: header length %llu outside [2, %u]", path,
+                         (unsigned long long)n, ST_MAX_HEADER));
+  if ((uint64_t)size < 8 + n)
+    TRY_GOTO(st, err_set(STATUS_EFORMAT,
+                         "%s: header of %llu bytes does not fit in the %lld-byte "
+                         "file (truncated?)",
+                         path, (unsigned long long)n, (long long)size));
+  if ((text = malloc(n + 1)) == NULL) TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
+  if (fseeko(f->fp, 8, SEEK_SET) != 0 || fread(text, 1, n, f->fp) != n)
+    TRY_GOTO(st, err_set(STATUS_EIO, "%s: cannot read the header", path));
+  text[n] = '\0';
+  if (text[0] != '{' || strlen(text) != n)
+    TRY_GOTO(st,
+             err_set(STATUS_EFORMAT, "%s: header does not start with '{' or contains NUL", path));
+  f->data_start = 8 + n;
+  f->data_size = (uint64_t)size - f->data_start;
+  TRY_GOTO(st, parse_header(f, text));
+  free(text);
+  *out = f;
+  return STATUS_OK;
+cleanup:
+  free(text);
+  st_close(f);
+  return st;
+}
+
+const char *st_path(const st_file_t *f) { return f->path; }
+int st_num_tensors(const st_file_t *f) { return f->n; }
+const st_info_t *st_tensor(const st_file_t *f, int i) { return &f->t[i]; }
+
+const st_info_t *st_find(const st_file_t *f, const char *name) {
+  for (int i = 0; i < f->n; i++)
+    if (strcmp(f->t[i].name, name) == 0) return &f->t[i];
+  return NULL;
+}
+
+const char *st_metadata(const st_file_t *f, const char *key) {
+  for (int i = 0; i < f->n_meta; i++)
+    if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
+  return NULL;
+}
+
+static status_t find_or_fail(st_file_t *f, const char *name, const st_info_t **out) {
+  *out = st_find(f, name);
+  if (*out == NULL) return err_set(STATUS_EFORMAT, "%s: no tensor '%s'", f->path, name);
+  return STATUS_OK;
+}
+
+static status_t read_at(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes) {
+  if (bytes == 0) return STATUS_OK;
+  if (fseeko(f->fp, (off_t)(f->data_start + pos), SEEK_SET) != 0 ||
+      fread(buf, 1, bytes, f->fp) != bytes)
+    return err_set(STATUS_EIO, "%s: reading tensor '%s' failed (truncated file?)", f->path, name);
+  return STATUS_OK;
+}
+
+status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes) {
+  const st_info_t *t;
+  TRY(find_or_fail(f, name, &t));
+  if (bytes != t->end - t->begin)
+    return err_set(STATUS_ESHAPE, "%s: tensor '%s' has %llu bytes, buffer has %zu", f->path, name,
+                   (unsigned long long)(t->end - t->begin), bytes);
+  return read_at(f, name, t->begin, buf, bytes);
+}
+
+status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tensor_t *dst) {
+  const st_info_t *t;
+  TRY(find_or_fail(f, name, &t));
+  if (t->dtype == DTYPE_COUNT)
+    return err_set(STATUS_EDTYPE, "%s: tensor '%s' has dtype %s, which tensors cannot hold",
+                   f->path, name, t->dtype_name);
+  char a[96], b[96];
+  if (t->ndim != dst->ndim && !(t->ndim == 0 && dst->ndim == 1 && dst->shape[0] == 1))
+    return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, destination %s", f->path, name,
+                   shape_str(t->ndim, t->shape, a, sizeof a),
+                   shape_str(dst->ndim, dst->shape, b, sizeof b));
+  int nd = t->ndim;
+  for (int d = 0; d < nd; d++)
+    if (offset[d] < 0 || offset[d] + dst->shape[d] > t->shape[d])
+      return err_set(STATUS_ESHAPE,
+                     "%s: box of %s at dimension %d is outside tensor '%s' of "
+                     "shape %s",
+                     f->path, shape_str(dst->ndim, dst->shape, b, sizeof b), d, name,
+                     shape_str(t->ndim, t->shape, a, sizeof a));
+  tensor_t host;
+  TRY(tensor_init(&host, t->dtype, device_cpu(), dst->ndim, dst->shape));
+  /* rows of the box: contiguous runs along the last dimension */
+  int64_t rows = 1, run = nd ? dst->shape[nd - 1] : 1, idx[ST_MAX_DIMS] = {0};
+  for (int d = 0; d + 1 < nd; d++) rows *= dst->shape[d];
+  if (tensor_numel(dst) == 0) rows = 0;
+  status_t st = STATUS_OK;
+  for (int64_t r = 0; r < rows && st == STATUS_OK; r++) {
+    uint64_t elem = 0;
+    for (int d = 0; d < nd; d++)
+      elem = elem * (uint64_t)t->shape[d] + (uint64_t)(offset[d] + (d + 1 < nd ? idx[d] : 0));
+    st = read_at(f, name, t->begin + elem * t->elem_size,
+                 (char *)host.data + (size_t)(r * run) * t->elem_size, (size_t)run * t->elem_size);
+    for (int d = nd - 2; d >= 0; d--) {
+      if (++idx[d] < dst->shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+  if (st == STATUS_OK) st = tensor_copy(dst, &host);
+  tensor_free(&host);
+  return st;
+}
+
+status_t st_read(st_file_t *f, const char *name, tensor_t *dst) {
+  const st_info_t *t;
+  TRY(find_or_fail(f, name, &t));
+  bool same = t->ndim == dst->ndim;
+  for (int d = 0; same && d < t->ndim; d++) same = t->shape[d] == dst->shape[d];
+  if (!same) {
+    char a[96], b[96];
+    return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, expected %s", f->path, name,
+                   shape_str(t->ndim, t->shape, a, sizeof a),
+                   shape_str(dst->ndim, dst->shape, b, sizeof b));
+  }
+  int64_t zero[ST_MAX_DIMS] = {0};
+  return st_read_box(f, name, zero, dst);
+}
+
+/* ---- writer ---- */
+
+typedef struct wentry {
+  char *name;
+  tensor_t t; /* contiguous */
+} wentry_t;
+
+struct st_writer {
+  wentry_t *e;
+  int n, cap;
+  meta_t *meta;
+  int n_meta;
+};
+
+status_t st_writer_new(st_writer_t **out) {
+  *out = calloc(1, sizeof(st_writer_t));
+  return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+}
+
+void st_writer_free(st_writer_t *w) {
+  if (w == NULL) return;
+  for (int i = 0; i < w->n; i++) {
+    free(w->e[i].name);
+    tensor_free(&w->e[i].t);
+  }
+  for (int i = 0; i < w->n_meta; i++) {
+    free(w->meta[i].key);
+    free(w->meta[i].value);
+  }
+  free(w->e);
+  free(w->meta);
+  free(w);
+}
+
+status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t) {
+  if (name == NULL || name[0] == '\0' || strcmp(name, "__metadata__") == 0)
+    return err_set(STATUS_EINVAL, "safetensors: invalid tensor name");
+  if (dtype_st_name(t->dtype) == NULL)
+    return err_set(STATUS_EDTYPE, "safetensors: tensor '%s' has an unsupported dtype", name);
+  for (int i = 0; i < w->n; i++)
+    if (strcmp(w->e[i].name, name) == 0)
+      return err_set(STATUS_EINVAL, "safetensors: tensor '%s' added twice", name);
+  if (w->n == w->cap) {
+    int nc = w->cap ? 2 * w->cap : 16;
+    wentry_t *p = realloc(w->e, sizeof(wentry_t) * (size_t)nc);
+    if (p == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+    w->e = p;
+    w->cap = nc;
+  }
+  wentry_t *e = &w->e[w->n];
+  memset(e, 0, sizeof *e);
+  if ((e->name = strdup(name)) == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  status_t st =
+      tensor_is_contiguous(t) ? tensor_ref(&e->t, t) : tensor_clone(&e->t, t, t->dtype, t->device);
+  if (st != STATUS_OK) {
+    free(e->name);
+    return st;
+  }
+  w->n++;
+  return STATUS_OK;
+}
+
+status_t st_writer_set_metadata(st_writer_t *w, const char *key, const char *value) {
+  for (int i = 0; i < w->n_meta; i++)
+    if (strcmp(w->meta[i].key, key) == 0) {
+      char *v = strdup(value);
+      if (v == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+      free(w->meta[i].value);
+      w->meta[i].value = v;
+      return STATUS_OK;
+    }
+  meta_t *p = realloc(w->meta, sizeof(meta_t) * (size_t)(w->n_meta + 1));
+  if (p == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  w->meta = p;
+  meta_t *m = &w->meta[w->n_meta];
+  m->key = strdup(key);
+  m->value = strdup(value);
+  if (m->key == NULL || m->value == NULL) {
+    free(m->key);
+    free(m->value);
+    return err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  w->n_meta++;
+  return STATUS_OK;
+}
+
+static cJSON *raw_u64(uint64_t v) {
+  char buf[32];
+  snprintf(buf, sizeof buf, "%llu", (unsigned long long)v);
+  return cJSON_CreateRaw(buf);
+}
+
+/* The header JSON, padded with spaces to a multiple of 8 bytes. */
+static status_t build_header(const st_writer_t *w, char **out, size_t *len) {
+  cJSON *root = cJSON_CreateObject();
+  if (root == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  if (w->n_meta > 0) {
+    cJSON *m = cJSON_AddObjectToObject(root, "__metadata__");
+    for (int i = 0; m && i < w->n_meta; i++)
+      cJSON_AddStringToObject(m, w->meta[i].key, w->meta[i].value);
+  }
+  uint64_t pos = 0;
+  for (int i = 0; i < w->n; i++) {
+    const tensor_t *t = &w->e[i].t;
+    cJSON *o = cJSON_AddObjectToObject(root, w->e[i].name);
+    if (o == NULL) break;
+    cJSON_AddStringToObject(o, "dtype", dtype_st_name(t->dtype));
+    cJSON *sh = cJSON_AddArrayToObject(o, "shape");
+    for (int d = 0; sh && d < t->ndim; d++)
+      cJSON_AddItemToArray(sh, raw_u64((uint64_t)t->shape[d]));
+    cJSON *off = cJSON_AddArrayToObject(o, "data_offsets");
+    uint64_t end = pos + tensor_nbytes(t);
+    if (off) {
+      cJSON_AddItemToArray(off, raw_u64(pos));
+      cJSON_AddItemToArray(off, raw_u64(end));
+    }
+    pos = end;
+  }
+  char *text = cJSON_PrintUnformatted(root);
+  cJSON_Delete(root);
+  if (text == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  size_t n = strlen(text), padded = (n + 7) & ~(size_t)7;
+  char *buf = realloc(text, padded + 1);
+  if (buf == NULL) {
+    free(text);
+    return err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  memset(buf + n, ' ', padded - n);
+  buf[padded] = '\0';
+  *out = buf;
+  *len = padded;
+  return STATUS_OK;
+}
+
+static status_t write_all(FILE *fp, const char *path, const void *p, size_t n) {
+  if (n && fwrite(p, 1, n, fp) != n)
+    return err_set(STATUS_EIO, "%s: write failed: %s", path, strerror(errno));
+  return STATUS_OK;
+}
+
+status_t st_writer_save(st_writer_t *w, const char *path) {
+  char *header = NULL, *tmp = NULL;
+  size_t hlen = 0;
+  TRY(build_header(w, &header, &hlen));
+  status_t st = STATUS_OK;
+  FILE *fp = NULL;
+  if ((tmp = malloc(strlen(path) + 5)) == NULL)
+    TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
+  sprintf(tmp, "%s.tmp", path);
+  if ((fp = fopen(tmp, "wb")) == NULL)
+    TRY_GOTO(st, err_set(STATUS_EIO, "%s: %s", tmp, strerror(errno)));
+  unsigned char len8[8];
+  for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
+  TRY_GOTO(st, write_all(fp, tmp, len8, 8));
+  TRY_GOTO(st, write_all(fp, tmp, header, hlen));
+  for (int i = 0; i < w->n; i++) {
+    const tensor_t *t = &w->e[i].t;
+    if (t->device.type == DEVICE_CPU) {
+      TRY_GOTO(st, write_all(fp, tmp, t->data, tensor_nbytes(t)));
+    } else {
+      tensor_t host;
+      TRY_GOTO(st, tensor_clone(&host, t, t->dtype, device_cpu()));
+      st = write_all(fp, tmp, host.data, tensor_nbytes(&host));
+      tensor_free(&host);
+      if (st != STATUS_OK) goto cleanup;
+    }
+  }
+  if (fflush(fp) != 0 || fsync(fileno(fp)) != 0)
+    TRY_GOTO(st, err_set(STATUS_EIO, "%s: flush failed: %s", tmp, strerror(errno)));
+  int rc = fclose(fp);
+  fp = NULL;
+  if (rc != 0) TRY_GOTO(st, err_set(STATUS_EIO, "%s: close failed", tmp));
+  if (rename(tmp, path) != 0)
+    TRY_GOTO(st, err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, path, strerror(errno)));
+cleanup:
+  if (fp) {
+    fclose(fp);
+    remove(tmp);
+  }
+  free(tmp);
+  free(header);
+  return st;
+}

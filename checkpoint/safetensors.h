@@ -1,0 +1,88 @@
+/*
+ * Safetensors files: an 8-byte little-endian header length N, N bytes of JSON header
+ * ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}),
+ * then the byte buffer the offsets index.
+ *
+ * The reader validates everything before use: header size (at most 100 MB), JSON shape,
+ * known dtype names, non-negative shapes, offsets inside the file, size = numel x element
+ * size, the buffer fully covered without gaps or overlaps, unique names. Errors name the file
+ * and the tensor.
+ *
+ *   st_file_t *f;
+ *   TRY(st_open(&f, "model.safetensors"));
+ *   const st_info_t *w = st_find(f, "model.norm.weight");   // NULL if absent
+ *   TRY(st_read(f, "model.norm.weight", &dst));             // dst has the stored shape
+ *   st_close(f);
+ *
+ *   st_writer_t *w;
+ *   TRY(st_writer_new(&w));
+ *   TRY(st_writer_add(w, "model.norm.weight", &t));          // keeps a reference to t
+ *   TRY(st_writer_set_metadata(w, "format", "pt"));
+ *   TRY(st_writer_save(w, "out.safetensors"));               // temporary file + rename
+ *   st_writer_free(w);
+ */
+#ifndef FSDPC_CHECKPOINT_SAFETENSORS_H
+#define FSDPC_CHECKPOINT_SAFETENSORS_H
+
+#include <stdint.h>
+
+#include "base/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ST_MAX_DIMS 8
+#define ST_MAX_HEADER (100u * 1000u * 1000u)
+
+typedef struct st_info {
+  const char *name;
+  const char *dtype_name; /* as stored: "F32", "BF16", "U8", ... */
+  dtype_t dtype;          /* DTYPE_COUNT when the library's tensors cannot hold it */
+  size_t elem_size;
+  int ndim;
+  int64_t shape[ST_MAX_DIMS];
+  uint64_t begin, end; /* byte range within the data buffer */
+} st_info_t;
+
+typedef struct st_file st_file_t;
+
+/* Opens and validates a file; the file stays open until st_close. */
+status_t st_open(st_file_t **out, const char *path);
+void st_close(st_file_t *f);
+
+const char *st_path(const st_file_t *f);
+int st_num_tensors(const st_file_t *f);
+/* Tensor i in file order (sorted by offset). */
+const st_info_t *st_tensor(const st_file_t *f, int i);
+const st_info_t *st_find(const st_file_t *f, const char *name);
+/* Value of a __metadata__ key, or NULL. */
+const char *st_metadata(const st_file_t *f, const char *key);
+
+/* Reads tensor name into dst, which must have the stored shape (any dtype: converted; any
+ * device). */
+status_t st_read(st_file_t *f, const char *name, tensor_t *dst);
+
+/* Reads the box [offset, offset + dst->shape) of tensor name into dst (any dtype and device),
+ * reading only the rows of the box from the file. */
+status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tensor_t *dst);
+
+/* Reads the raw bytes of tensor name (bytes must equal its size). */
+status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes);
+
+typedef struct st_writer st_writer_t;
+
+status_t st_writer_new(st_writer_t **out);
+void st_writer_free(st_writer_t *w);
+/* Adds a tensor (any device; stored in its dtype). Names are unique; the writer keeps a
+ * reference to t's memory until it is freed. */
+status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t);
+status_t st_writer_set_metadata(st_writer_t *w, const char *key, const char *value);
+/* Writes the file to path + ".tmp", flushes it to disk and renames it over path. */
+status_t st_writer_save(st_writer_t *w, const char *path);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,270 @@
+#include "nn/autograd.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/kernels.h"
+
+typedef enum entry_kind { ENTRY_OP, ENTRY_ENTER, ENTRY_EXIT, ENTRY_CHECKPOINT } entry_kind_t;
+
+typedef struct entry {
+  entry_kind_t kind;
+  nn_module_t *module; /* ENTER, EXIT, CHECKPOINT */
+  nn_node_t node;      /* OP; for CHECKPOINT, in[0] and out are the call's input and output */
+} entry_t;
+
+typedef struct tape {
+  entry_t *e;
+  int n, cap;
+} tape_t;
+
+struct nn_ctx {
+  tape_t tape;
+  bool grad_enabled;
+  int suspended; /* > 0 inside the forward of a checkpointed call */
+  bool recomputing;
+};
+
+static bool present(const tensor_t *t) { return t->storage != NULL || t->ndim > 0; }
+
+status_t nn_var_new(nn_var_t **out, tensor_t *value, bool requires_grad) {
+  nn_var_t *v = calloc(1, sizeof *v);
+  if (v == NULL) {
+    tensor_free(value);
+    return err_set(STATUS_ENOMEM, "autograd: out of host memory");
+  }
+  v->value = *value;
+  memset(value, 0, sizeof *value);
+  v->requires_grad = requires_grad;
+  v->refs = 1;
+  *out = v;
+  return STATUS_OK;
+}
+
+nn_var_t *nn_var_ref(nn_var_t *v) {
+  if (v) v->refs++;
+  return v;
+}
+
+void nn_var_put(nn_var_t *v) {
+  if (v == NULL || --v->refs > 0) return;
+  tensor_free(&v->value);
+  tensor_free(&v->grad);
+  free(v);
+}
+
+bool nn_var_has_grad(const nn_var_t *v) { return present(&v->grad); }
+
+status_t nn_ctx_new(nn_ctx_t **out) {
+  nn_ctx_t *c = calloc(1, sizeof *c);
+  if (c == NULL) return err_set(STATUS_ENOMEM, "autograd: out of host memory");
+  c->grad_enabled = true;
+  *out = c;
+  return STATUS_OK;
+}
+
+static void node_release(nn_node_t *n) {
+  for (int i = 0; i < NN_NODE_MAX_IN; i++) nn_var_put(n->in[i]);
+  nn_var_put(n->out);
+  for (int i = 0; i < NN_NODE_MAX_SAVED; i++) tensor_free(&n->saved[i]);
+  memset(n, 0, sizeof *n);
+}
+
+static void tape_release(tape_t *t, int from) {
+  for (int i = from; i < t->n; i++) node_release(&t->e[i].node);
+  t->n = from < t->n ? from : t->n;
+}
+
+void nn_ctx_clear(nn_ctx_t *ctx) { tape_release(&ctx->tape, 0); }
+
+void nn_ctx_free(nn_ctx_t *ctx) {
+  if (ctx == NULL) return;
+  nn_ctx_clear(ctx);
+  free(ctx->tape.e);
+  free(ctx);
+}
+
+void nn_ctx_set_grad_enabled(nn_ctx_t *ctx, bool enabled) { ctx->grad_enabled = enabled; }
+bool nn_ctx_recording(const nn_ctx_t *ctx) { return ctx->grad_enabled && ctx->suspended == 0; }
+bool nn_ctx_recomputing(const nn_ctx_t *ctx) { return ctx->recomputing; }
+int nn_ctx_tape_length(const nn_ctx_t *ctx) { return ctx->tape.n; }
+
+/* Appends an entry; takes over e's references (released on failure). */
+static status_t push(nn_ctx_t *ctx, entry_t *e) {
+  tape_t *t = &ctx->tape;
+  if (t->n == t->cap) {
+    int nc = t->cap ? 2 * t->cap : 64;
+    entry_t *p = realloc(t->e, sizeof(entry_t) * (size_t)nc);
+    if (p == NULL) {
+      node_release(&e->node);
+      return err_set(STATUS_ENOMEM, "autograd: out of host memory for the tape");
+    }
+    t->e = p;
+    t->cap = nc;
+  }
+  t->e[t->n++] = *e;
+  return STATUS_OK;
+}
+
+static status_t push_marker(nn_ctx_t *ctx, entry_kind_t kind, nn_module_t *m) {
+  entry_t e = {.kind = kind, .module = m};
+  return push(ctx, &e);
+}
+
+bool nn_needs_grad(const nn_ctx_t *ctx, nn_var_t *const *in, int n_in, const nn_param_t *p) {
+  if (!nn_ctx_recording(ctx)) return false;
+  for (int i = 0; i < n_in; i++)
+    if (in[i] && in[i]->requires_grad) return true;
+  return p != NULL && p->requires_grad;
+}
+
+status_t nn_record(nn_ctx_t *ctx, const nn_node_t *node) {
+  entry_t e = {.kind = ENTRY_OP, .node = *node};
+  for (int i = 0; i < NN_NODE_MAX_IN; i++) nn_var_ref(e.node.in[i]);
+  nn_var_ref(e.node.out);
+  if (!nn_ctx_recording(ctx)) {
+    node_release(&e.node);
+    return STATUS_OK;
+  }
+  return push(ctx, &e);
+}
+
+status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g) {
+  if (!present(&v->grad)) {
+    v->grad = *g;
+    memset(g, 0, sizeof *g);
+    return STATUS_OK;
+  }
+  status_t st = kernel_axpy(&v->grad, 1.0f, g);
+  tensor_free(g);
+  return st;
+}
+
+status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g) {
+  status_t st = STATUS_OK;
+  if (present(&p->compute_grad)) {
+    st = kernel_axpy(&p->compute_grad, 1.0f, g);
+  } else if (p->external) {
+    st = tensor_ref(&p->compute_grad, g);
+  } else {
+    st = dtensor_from_local(&p->grad, g, dtensor_mesh(p->value), dtensor_placements(p->value),
+                            dtensor_ndim(p->value), dtensor_shape(p->value));
+    if (st == STATUS_OK) st = tensor_ref(&p->compute_grad, dtensor_local(p->grad));
+  }
+  tensor_free(g);
+  return st;
+}
+
+/* ---- calls ---- */
+
+/* enter marker, forward, exit marker, with the forward hooks around them. */
+static status_t call_recorded(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  bool rec = nn_ctx_recording(ctx);
+  TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
+  if (rec) TRY(push_marker(ctx, ENTRY_ENTER, m));
+  TRY(nn_module_forward(m)(ctx, m, in, out));
+  if (rec) TRY(push_marker(ctx, ENTRY_EXIT, m));
+  return nn_module_run_hooks(ctx, m, NN_HOOK_POST_FORWARD);
+}
+
+status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  *out = NULL;
+  if (nn_module_forward(m) == NULL)
+    return err_set(STATUS_EINVAL, "module '%s' has no forward", nn_module_fqn(m));
+  if (!nn_module_checkpoint(m) || !nn_ctx_recording(ctx)) return call_recorded(ctx, m, in, out);
+
+  /* Activation checkpointing: run forward unrecorded and keep only the call's input. */
+  TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
+  ctx->suspended++;
+  status_t st = nn_module_forward(m)(ctx, m, in, out);
+  ctx->suspended--;
+  TRY(st);
+  (*out)->requires_grad = true;
+  entry_t e = {.kind = ENTRY_CHECKPOINT, .module = m};
+  e.node.in[0] = nn_var_ref(in);
+  e.node.out = nn_var_ref(*out);
+  e.node.name = "checkpoint";
+  TRY(push(ctx, &e));
+  return nn_module_run_hooks(ctx, m, NN_HOOK_POST_FORWARD);
+}
+
+/* ---- backward ---- */
+
+static status_t walk(nn_ctx_t *ctx, tape_t *t);
+
+/* Recomputes a checkpointed call on its own tape and differentiates it. The recomputed
+ * input shares the original input's gradient buffer, so accumulation happens in the same
+ * order as without checkpointing and the numbers are bit-identical. */
+static status_t backward_checkpoint(nn_ctx_t *ctx, entry_t *e) {
+  nn_var_t *in = e->node.in[0], *out = e->node.out, *in2 = NULL, *out2 = NULL;
+  if (!nn_var_has_grad(out)) return STATUS_OK;
+  tensor_t v;
+  TRY(tensor_ref(&v, &in->value));
+  TRY(nn_var_new(&in2, &v, in->requires_grad));
+  status_t st = STATUS_OK;
+  if (nn_var_has_grad(in)) TRY_GOTO(st, tensor_ref(&in2->grad, &in->grad));
+
+  tape_t outer = ctx->tape;
+  memset(&ctx->tape, 0, sizeof ctx->tape);
+  ctx->recomputing = true;
+  st = call_recorded(ctx, e->module, in2, &out2);
+  ctx->recomputing = false;
+  tape_t sub = ctx->tape;
+  ctx->tape = outer;
+  if (st == STATUS_OK) {
+    out2->grad = out->grad; /* hand the incoming gradient over */
+    memset(&out->grad, 0, sizeof out->grad);
+    st = walk(ctx, &sub);
+  }
+  tape_release(&sub, 0);
+  free(sub.e);
+  if (st == STATUS_OK && nn_var_has_grad(in2) && !nn_var_has_grad(in)) {
+    in->grad = in2->grad;
+    memset(&in2->grad, 0, sizeof in2->grad);
+  }
+cleanup:
+  nn_var_put(out2);
+  nn_var_put(in2);
+  return st;
+}
+
+static status_t walk(nn_ctx_t *ctx, tape_t *t) {
+  status_t st = STATUS_OK;
+  while (t->n > 0 && st == STATUS_OK) {
+    entry_t *e = &t->e[t->n - 1];
+    switch (e->kind) {
+      case ENTRY_OP:
+        if (e->node.out && nn_var_has_grad(e->node.out)) {
+          st = e->node.backward(ctx, &e->node);
+          tensor_free(&e->node.out->grad); /* consumed */
+        }
+        break;
+      case ENTRY_EXIT: st = nn_module_run_hooks(ctx, e->module, NN_HOOK_PRE_BACKWARD); break;
+      case ENTRY_ENTER: st = nn_module_run_hooks(ctx, e->module, NN_HOOK_POST_BACKWARD); break;
+      case ENTRY_CHECKPOINT: st = backward_checkpoint(ctx, e); break;
+    }
+    node_release(&t->e[t->n - 1].node);
+    t->n--;
+  }
+  return st;
+}
+
+status_t nn_backward(nn_ctx_t *ctx, nn_var_t *loss) {
+  if (loss == NULL || tensor_numel(&loss->value) != 1) {
+    nn_ctx_clear(ctx);
+    return err_set(STATUS_EINVAL, "nn_backward: the loss must have exactly one element");
+  }
+  tensor_t one;
+  status_t st =
+      tensor_init(&one, loss->value.dtype, loss->value.device, loss->value.ndim, loss->value.shape);
+  if (st == STATUS_OK) st = tensor_fill(&one, 1.0);
+  if (st == STATUS_OK) st = nn_accumulate_grad(loss, &one);
+  if (st != STATUS_OK) {
+    tensor_free(&one);
+    nn_ctx_clear(ctx);
+    return st;
+  }
+  st = walk(ctx, &ctx->tape);
+  nn_ctx_clear(ctx);
+  return st;
+}

@@ -1,0 +1,107 @@
+/*
+ * Variables, the activation tape and backward.
+ *
+ * A context records, during forward, a tape of module calls (enter/exit markers) and of the
+ * operations inside them with their saved activations; nn_backward() walks the tape in reverse,
+ * running each operation's backward and the module hooks: pre-backward at a call's exit marker,
+ * post-backward at its enter marker. A module called twice leaves two calls on the tape; a
+ * parameter used by two modules accumulates both gradients.
+ *
+ *   nn_ctx_t *ctx;
+ *   nn_var_t *ids, *logits, *loss;
+ *   TRY(nn_ctx_new(&ctx));
+ *   TRY(nn_var_new(&ids, &tokens, false));          // takes over `tokens`
+ *   TRY(nn_call(ctx, model, ids, &logits));          // records the tape
+ *   TRY(nn_cross_entropy(ctx, logits, targets, &loss));
+ *   TRY(nn_backward(ctx, loss));                     // parameter grads now in compute_grad
+ *   nn_var_put(loss); nn_var_put(logits); nn_var_put(ids);
+ *   nn_ctx_free(ctx);
+ *
+ * Variables are reference counted: every function that returns one gives the caller a
+ * reference, released with nn_var_put(); the tape holds its own references to what backward
+ * needs, and drops them as backward passes (or at nn_ctx_clear()).
+ */
+#ifndef FSDPC_NN_AUTOGRAD_H
+#define FSDPC_NN_AUTOGRAD_H
+
+#include "nn/module.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct nn_var {
+  tensor_t value;
+  tensor_t grad; /* present once a gradient has arrived (grad.storage or grad.ndim set) */
+  bool requires_grad;
+  int refs;
+};
+
+/* A variable holding value (moved in: the caller's tensor_t is left empty). */
+status_t nn_var_new(nn_var_t **out, tensor_t *value, bool requires_grad);
+nn_var_t *nn_var_ref(nn_var_t *v);
+void nn_var_put(nn_var_t *v);
+bool nn_var_has_grad(const nn_var_t *v);
+
+status_t nn_ctx_new(nn_ctx_t **out);
+/* Drops the tape and frees the context. NULL is a no-op. */
+void nn_ctx_free(nn_ctx_t *ctx);
+
+/* Gradient mode: when off (evaluation), nothing is recorded. On by default. */
+void nn_ctx_set_grad_enabled(nn_ctx_t *ctx, bool enabled);
+/* True while operations are being recorded. */
+bool nn_ctx_recording(const nn_ctx_t *ctx);
+/* True while backward recomputes the forward of an activation-checkpointed call. */
+bool nn_ctx_recomputing(const nn_ctx_t *ctx);
+
+/* Calls module m on in: pre-forward hooks, m's forward (recorded, or under activation
+ * checkpointing when m asks for it), post-forward hooks. *out is the caller's reference. */
+status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out);
+
+/* Seeds d(loss)/d(loss) = 1 (loss has one element), runs backward over the whole tape and
+ * clears it. Parameter gradients accumulate into compute_grad. */
+status_t nn_backward(nn_ctx_t *ctx, nn_var_t *loss);
+
+/* Drops the tape without running backward. */
+void nn_ctx_clear(nn_ctx_t *ctx);
+
+/* Number of entries on the tape (for tests). */
+int nn_ctx_tape_length(const nn_ctx_t *ctx);
+
+/* ---- for operation implementations (ops.c) ---- */
+
+#define NN_NODE_MAX_IN 3
+#define NN_NODE_MAX_SAVED 4
+
+typedef struct nn_node nn_node_t;
+typedef status_t (*nn_backward_fn)(nn_ctx_t *ctx, nn_node_t *n);
+
+struct nn_node {
+  nn_backward_fn backward;
+  const char *name;                  /* the operation, for error messages */
+  nn_var_t *in[NN_NODE_MAX_IN];      /* referenced inputs (NULL-padded) */
+  nn_var_t *out;                     /* referenced output */
+  nn_param_t *param;                 /* the parameter the operation reads, if any */
+  tensor_t saved[NN_NODE_MAX_SAVED]; /* extra saved tensors (statistics), owned */
+  double scalar;                     /* one operation constant (eps, theta, scale) */
+};
+
+/* True when an operation on these inputs must be recorded: recording is on and an input or
+ * the parameter requires a gradient. */
+bool nn_needs_grad(const nn_ctx_t *ctx, nn_var_t *const *in, int n_in, const nn_param_t *p);
+
+/* Appends an operation to the tape; the tape takes references to node->in and node->out and
+ * ownership of node->saved (also on failure). */
+status_t nn_record(nn_ctx_t *ctx, const nn_node_t *node);
+
+/* Adds g into v's gradient; takes over g (moved in when v has no gradient yet). */
+status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g);
+
+/* Adds g into p's compute_grad (allocating it first); g is released. */
+status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,62 @@
+/*
+ * The token stream and the global batch order (DESIGN section 10).
+ *
+ * A data file is a flat token sequence: the bytes of a text file (vocabulary 256), or
+ * little-endian uint16 tokens. For step s, micro-step m of grad_accum, global micro-batch
+ * G = dp_size * batch_size, sample j in [0, G) starts at
+ *   ((s * grad_accum + m) * G + j) * seq_len  mod  (N - seq_len - 1);
+ * its inputs are seq_len tokens from there and its targets the same shifted by one.
+ * Data-parallel rank d takes samples [d * batch_size, (d + 1) * batch_size), so every plan
+ * trains on the same global batch.
+ *
+ *   data_t *d;
+ *   TRY(data_open(&d, "corpus.txt", DATA_BYTES));
+ *   data_spec_t spec = {.batch_size = 2, .seq_len = 32, .grad_accum = 1, .dp_size = 1};
+ *   TRY(data_batch(d, &spec, step, 0, &inputs, &targets));   // I64 [2, 32] on the host
+ *   data_free(d);
+ */
+#ifndef FSDPC_NN_DATA_H
+#define FSDPC_NN_DATA_H
+
+#include <stdint.h>
+
+#include "base/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum data_format { DATA_BYTES, DATA_U16 } data_format_t;
+
+typedef struct data data_t;
+
+typedef struct data_spec {
+  int64_t batch_size; /* per data-parallel rank */
+  int64_t seq_len;
+  int64_t grad_accum;
+  int64_t dp_size;
+  int64_t dp_rank;
+} data_spec_t;
+
+/* Reads the whole token file into memory. Errors name the file. */
+status_t data_open(data_t **out, const char *path, data_format_t format);
+void data_free(data_t *d);
+
+int64_t data_num_tokens(const data_t *d);
+/* The largest token id in the file (to check against the vocabulary). */
+int64_t data_max_token(const data_t *d);
+
+/* Start of sample j of micro-step m of step s (global sample index; see above). */
+int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
+                          int64_t j);
+
+/* This rank's inputs and targets for (step, micro): new I64 [batch_size, seq_len] host
+ * tensors the caller frees. */
+status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
+                    tensor_t *inputs, tensor_t *targets);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,103 @@
+/*
+ * The reference model: Llama with the math of Hugging Face's LlamaForCausalLM and its
+ * parameter names (DESIGN section 10).
+ *
+ *   llama_config_t cfg;
+ *   llama_t *model;
+ *   TRY(llama_config_from_hf("config.json", &cfg));
+ *   llama_options_t opt = LLAMA_OPTIONS_INIT;
+ *   TRY(llama_new(&model, &cfg, &opt));          // parameters on a one-rank mesh
+ *   TRY(llama_init_weights(model, 1234));        // plan-independent init
+ *   TRY(nn_call(ctx, llama_module(model), ids, &logits));   // ids: I32/I64 [B, T]
+ *   llama_free(model);
+ *
+ * Module tree (FQNs): "" (the causal LM) -> model -> embed_tokens, layers.{i} ->
+ * {input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+ * mlp.{gate,up,down}_proj}, model.norm; lm_head (sharing model.embed_tokens.weight when
+ * embeddings are tied, in which case there is no lm_head.weight).
+ * Every leaf computes from its parameters' `compute` tensors, so fully_shard and tensor
+ * parallelism work by hooks and parameter replacement; attention derives its local head count
+ * from the local q/k projection shapes.
+ */
+#ifndef FSDPC_NN_LLAMA_H
+#define FSDPC_NN_LLAMA_H
+
+#include <stdint.h>
+
+#include "nn/autograd.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct llama_config {
+  int64_t dim;         /* hidden_size */
+  int64_t n_layers;    /* num_hidden_layers */
+  int64_t n_heads;     /* num_attention_heads */
+  int64_t n_kv_heads;  /* num_key_value_heads */
+  int64_t ffn_dim;     /* intermediate_size */
+  int64_t vocab_size;  /* vocab_size */
+  int64_t max_seq_len; /* max_position_embeddings */
+  double rope_theta;
+  double norm_eps;     /* rms_norm_eps */
+  bool tie_embeddings; /* tie_word_embeddings */
+} llama_config_t;
+
+/* Hugging Face's LlamaConfig defaults for what a config.json may leave out. */
+#define LLAMA_CONFIG_INIT                                                              \
+  {                                                                                    \
+    .dim = 4096, .n_layers = 32, .n_heads = 32, .n_kv_heads = 32, .ffn_dim = 11008,    \
+    .vocab_size = 32000, .max_seq_len = 2048, .rope_theta = 10000.0, .norm_eps = 1e-6, \
+    .tie_embeddings = false                                                            \
+  }
+
+/* Checks sizes: all positive, dim divisible by n_heads with an even head size, n_heads a
+ * multiple of n_kv_heads. */
+status_t llama_config_check(const llama_config_t *c);
+
+/* Reads a Hugging Face config.json (hidden_size, num_hidden_layers, num_attention_heads,
+ * num_key_value_heads, intermediate_size, vocab_size, rope_theta, rms_norm_eps,
+ * tie_word_embeddings, max_position_embeddings); refuses features the model does not have
+ * (biases, rope scaling, another activation). Errors name the file and the key. */
+status_t llama_config_from_hf(const char *path, llama_config_t *out);
+
+/* Writes the config as a Hugging Face LlamaForCausalLM config.json. */
+status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path);
+
+/* Number of parameters (the lm_head counted only when untied). */
+int64_t llama_num_params(const llama_config_t *c);
+
+typedef struct llama_options {
+  dtype_t dtype;                 /* parameter dtype */
+  device_type_t device;          /* where parameters live (this rank's device) */
+  bool activation_checkpointing; /* per transformer block */
+} llama_options_t;
+
+#define LLAMA_OPTIONS_INIT \
+  { .dtype = DTYPE_F32, .device = DEVICE_CPU, .activation_checkpointing = false }
+
+typedef struct llama llama_t;
+
+/* Builds the module tree with uninitialised parameters, each Replicate on a one-rank mesh
+ * owned by the model. Local. */
+status_t llama_new(llama_t **out, const llama_config_t *cfg, const llama_options_t *opt);
+void llama_free(llama_t *m);
+
+/* Linear and embedding weights ~ N(0, 0.02), norm weights = 1 (init.h). Local. */
+status_t llama_init_weights(llama_t *m, uint64_t seed);
+
+nn_module_t *llama_module(const llama_t *m);
+const llama_config_t *llama_get_config(const llama_t *m);
+/* The transformer block i (module "model.layers.i"). */
+nn_module_t *llama_layer(const llama_t *m, int64_t i);
+/* The one-rank mesh the parameters were created on. */
+mesh_t *llama_local_mesh(const llama_t *m);
+
+/* Turns activation checkpointing of every transformer block on or off. */
+void llama_set_activation_checkpointing(llama_t *m, bool enabled);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

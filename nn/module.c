@@ -1,0 +1,282 @@
+#include "nn/module.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct hook {
+  nn_hook_fn fn;
+  void *user;
+} hook_t;
+
+struct nn_module {
+  char *name;
+  char *fqn;
+  nn_module_t *parent;
+  nn_forward_fn forward;
+  void *impl;
+  nn_module_t **children;
+  int n_children, cap_children;
+  nn_param_t **params; /* owned and shared */
+  int n_params, cap_params;
+  hook_t *hooks[NN_HOOK_COUNT];
+  int n_hooks[NN_HOOK_COUNT];
+  bool checkpoint;
+};
+
+/* Grows *arr (of elem bytes) to hold one more element. */
+static status_t grow(void **arr, int n, int *cap, size_t elem) {
+  if (n < *cap) return STATUS_OK;
+  int nc = *cap ? 2 * *cap : 4;
+  void *p = realloc(*arr, elem * (size_t)nc);
+  if (p == NULL) return err_set(STATUS_ENOMEM, "module: out of host memory");
+  *arr = p;
+  *cap = nc;
+  return STATUS_OK;
+}
+
+static status_t check_name(const char *what, const char *name) {
+  if (name == NULL) return err_set(STATUS_EINVAL, "%s name is NULL", what);
+  if (strchr(name, '.') != NULL)
+    return err_set(STATUS_EINVAL, "%s name '%s' contains a dot", what, name);
+  return STATUS_OK;
+}
+
+status_t nn_module_new(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl) {
+  *out = NULL;
+  TRY(check_name("module", name));
+  nn_module_t *m = calloc(1, sizeof *m);
+  if (m == NULL || (m->name = strdup(name)) == NULL) {
+    free(m);
+    return err_set(STATUS_ENOMEM, "module: out of host memory");
+  }
+  m->forward = forward;
+  m->impl = impl;
+  *out = m;
+  return STATUS_OK;
+}
+
+static void param_free(nn_param_t *p) {
+  tensor_free(&p->compute);
+  tensor_free(&p->compute_grad);
+  dtensor_free(p->grad);
+  dtensor_free(p->value);
+  free(p->name);
+  free(p->fqn);
+  free(p);
+}
+
+void nn_module_free(nn_module_t *m) {
+  if (m == NULL) return;
+  for (int i = 0; i < m->n_children; i++) nn_module_free(m->children[i]);
+  for (int i = 0; i < m->n_params; i++)
+    if (m->params[i]->owner == m) param_free(m->params[i]);
+  for (int k = 0; k < NN_HOOK_COUNT; k++) free(m->hooks[k]);
+  free(m->children);
+  free(m->params);
+  free(m->name);
+  free(m->fqn);
+  free(m);
+}
+
+status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child) {
+  if (parent == NULL || child == NULL) return err_set(STATUS_EINVAL, "module: NULL argument");
+  if (child->parent != NULL)
+    return err_set(STATUS_EINVAL, "module '%s' already has a parent", child->name);
+  if (child->name[0] == '\0') return err_set(STATUS_EINVAL, "a child module needs a name");
+  if (nn_module_child_named(parent, child->name) != NULL)
+    return err_set(STATUS_EINVAL, "module '%s' already has a child '%s'", parent->name,
+                   child->name);
+  TRY(grow((void **)&parent->children, parent->n_children, &parent->cap_children,
+           sizeof(nn_module_t *)));
+  parent->children[parent->n_children++] = child;
+  child->parent = parent;
+  return STATUS_OK;
+}
+
+static status_t attach_param(nn_module_t *m, nn_param_t *p) {
+  if (nn_module_param_named(m, p->name) != NULL)
+    return err_set(STATUS_EINVAL, "module '%s' already has a parameter '%s'", m->name, p->name);
+  TRY(grow((void **)&m->params, m->n_params, &m->cap_params, sizeof(nn_param_t *)));
+  m->params[m->n_params++] = p;
+  return STATUS_OK;
+}
+
+status_t nn_module_add_param(nn_module_t *m, const char *name, dtensor_t *value, bool requires_grad,
+                             nn_param_t **out) {
+  status_t st = STATUS_OK;
+  nn_param_t *p = NULL;
+  if (out) *out = NULL;
+  if (m == NULL || value == NULL) TRY_GOTO(st, err_set(STATUS_EINVAL, "module: NULL argument"));
+  TRY_GOTO(st, check_name("parameter", name));
+  if ((p = calloc(1, sizeof *p)) == NULL || (p->name = strdup(name)) == NULL)
+    TRY_GOTO(st, err_set(STATUS_ENOMEM, "module: out of host memory"));
+  p->owner = m;
+  p->value = value;
+  value = NULL;
+  p->requires_grad = requires_grad;
+  TRY_GOTO(st, tensor_ref(&p->compute, dtensor_local(p->value)));
+  TRY_GOTO(st, attach_param(m, p));
+  if (out) *out = p;
+  return STATUS_OK;
+cleanup:
+  if (p) param_free(p);
+  dtensor_free(value);
+  return st;
+}
+
+status_t nn_module_share_param(nn_module_t *m, nn_param_t *p) {
+  if (m == NULL || p == NULL) return err_set(STATUS_EINVAL, "module: NULL argument");
+  return attach_param(m, p);
+}
+
+static char *join(const char *a, const char *b) {
+  size_t la = strlen(a), lb = strlen(b);
+  char *s = malloc(la + lb + 2);
+  if (s == NULL) return NULL;
+  if (la == 0) {
+    memcpy(s, b, lb + 1);
+  } else {
+    memcpy(s, a, la);
+    s[la] = '.';
+    memcpy(s + la + 1, b, lb + 1);
+  }
+  return s;
+}
+
+static status_t finalize(nn_module_t *m, const char *prefix) {
+  free(m->fqn);
+  m->fqn = m->parent == NULL ? strdup("") : join(prefix, m->name);
+  if (m->fqn == NULL) return err_set(STATUS_ENOMEM, "module: out of host memory");
+  for (int i = 0; i < m->n_params; i++) {
+    nn_param_t *p = m->params[i];
+    if (p->owner != m) continue;
+    free(p->fqn);
+    if ((p->fqn = join(m->fqn, p->name)) == NULL)
+      return err_set(STATUS_ENOMEM, "module: out of host memory");
+  }
+  for (int i = 0; i < m->n_children; i++) TRY(finalize(m->children[i], m->fqn));
+  return STATUS_OK;
+}
+
+status_t nn_module_finalize(nn_module_t *root) {
+  if (root == NULL) return err_set(STATUS_EINVAL, "module: NULL argument");
+  return finalize(root, "");
+}
+
+status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, void *user) {
+  if (m == NULL || fn == NULL || kind < 0 || kind >= NN_HOOK_COUNT)
+    return err_set(STATUS_EINVAL, "nn_module_add_hook: bad argument");
+  hook_t *h = realloc(m->hooks[kind], sizeof(hook_t) * (size_t)(m->n_hooks[kind] + 1));
+  if (h == NULL) return err_set(STATUS_ENOMEM, "module: out of host memory");
+  h[m->n_hooks[kind]++] = (hook_t){fn, user};
+  m->hooks[kind] = h;
+  return STATUS_OK;
+}
+
+status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind) {
+  for (int i = 0; i < m->n_hooks[kind]; i++)
+    TRY(m->hooks[kind][i].fn(ctx, m, kind, m->hooks[kind][i].user));
+  return STATUS_OK;
+}
+
+void nn_module_set_checkpoint(nn_module_t *m, bool enabled) { m->checkpoint = enabled; }
+bool nn_module_checkpoint(const nn_module_t *m) { return m->checkpoint; }
+const char *nn_module_name(const nn_module_t *m) { return m->name; }
+const char *nn_module_fqn(const nn_module_t *m) { return m->fqn ? m->fqn : m->name; }
+nn_module_t *nn_module_parent(const nn_module_t *m) { return m->parent; }
+void *nn_module_impl(const nn_module_t *m) { return m->impl; }
+nn_forward_fn nn_module_forward(const nn_module_t *m) { return m->forward; }
+int nn_module_num_children(const nn_module_t *m) { return m->n_children; }
+nn_module_t *nn_module_child(const nn_module_t *m, int i) { return m->children[i]; }
+int nn_module_num_params(const nn_module_t *m) { return m->n_params; }
+nn_param_t *nn_module_param(const nn_module_t *m, int i) { return m->params[i]; }
+
+nn_module_t *nn_module_child_named(const nn_module_t *m, const char *name) {
+  for (int i = 0; i < m->n_children; i++)
+    if (strcmp(m->children[i]->name, name) == 0) return m->children[i];
+  return NULL;
+}
+
+nn_param_t *nn_module_param_named(const nn_module_t *m, const char *name) {
+  for (int i = 0; i < m->n_params; i++)
+    if (strcmp(m->params[i]->name, name) == 0) return m->params[i];
+  return NULL;
+}
+
+nn_module_t *nn_module_find(nn_module_t *root, const char *fqn) {
+  nn_module_t *m = root;
+  const char *s = fqn;
+  while (m != NULL && *s != '\0') {
+    const char *dot = strchr(s, '.');
+    size_t len = dot ? (size_t)(dot - s) : strlen(s);
+    nn_module_t *next = NULL;
+    for (int i = 0; i < m->n_children && next == NULL; i++)
+      if (strlen(m->children[i]->name) == len && strncmp(m->children[i]->name, s, len) == 0)
+        next = m->children[i];
+    m = next;
+    s += len + (dot ? 1 : 0);
+  }
+  return m;
+}
+
+nn_param_t *nn_param_find(nn_module_t *root, const char *fqn) {
+  const char *dot = strrchr(fqn, '.');
+  if (dot == NULL) {
+    nn_param_t *p = nn_module_param_named(root, fqn);
+    return p && p->owner == root ? p : NULL;
+  }
+  size_t len = (size_t)(dot - fqn);
+  char *path = malloc(len + 1);
+  if (path == NULL) return NULL;
+  memcpy(path, fqn, len);
+  path[len] = '\0';
+  nn_module_t *m = nn_module_find(root, path);
+  free(path);
+  if (m == NULL) return NULL;
+  nn_param_t *p = nn_module_param_named(m, dot + 1);
+  return p && p->owner == m ? p : NULL;
+}
+
+static status_t collect(const nn_module_t *m, nn_param_t ***arr, int *n, int *cap) {
+  for (int i = 0; i < m->n_params; i++) {
+    if (m->params[i]->owner != m) continue;
+    TRY(grow((void **)arr, *n, cap, sizeof(nn_param_t *)));
+    (*arr)[(*n)++] = m->params[i];
+  }
+  for (int i = 0; i < m->n_children; i++) TRY(collect(m->children[i], arr, n, cap));
+  return STATUS_OK;
+}
+
+status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n) {
+  nn_param_t **arr = NULL;
+  int cnt = 0, cap = 0;
+  status_t st = collect(m, &arr, &cnt, &cap);
+  if (st != STATUS_OK) {
+    free(arr);
+    return st;
+  }
+  *out = arr;
+  *n = cnt;
+  return STATUS_OK;
+}
+
+status_t nn_param_ensure_grad(nn_param_t *p) {
+  if (p->compute_grad.storage != NULL || p->compute_grad.ndim > 0) return STATUS_OK;
+  const tensor_t *c = &p->compute;
+  if (p->external) return tensor_zeros(&p->compute_grad, c->dtype, c->device, c->ndim, c->shape);
+  const tensor_t *local = dtensor_local(p->value);
+  tensor_t z;
+  TRY(tensor_zeros(&z, local->dtype, local->device, local->ndim, local->shape));
+  status_t st =
+      dtensor_from_local(&p->grad, &z, dtensor_mesh(p->value), dtensor_placements(p->value),
+                         dtensor_ndim(p->value), dtensor_shape(p->value));
+  if (st == STATUS_OK) st = tensor_ref(&p->compute_grad, dtensor_local(p->grad));
+  tensor_free(&z);
+  return st;
+}
+
+void nn_param_zero_grad(nn_param_t *p) {
+  tensor_free(&p->compute_grad);
+  dtensor_free(p->grad);
+  p->grad = NULL;
+}

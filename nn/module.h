@@ -1,0 +1,140 @@
+/*
+ * Modules: a tree of named children and named parameters, with hook points around every call.
+ *
+ * A module's fully qualified name (FQN) is the dotted path of child names from the root
+ * ("model.layers.3.self_attn.q_proj"); a parameter's FQN appends its own name
+ * ("model.layers.3.self_attn.q_proj.weight"). The FQN is the parameter's identity in plans,
+ * optimizer groups and checkpoints.
+ *
+ *   nn_module_t *root, *lin;
+ *   TRY(nn_module_new(&root, "", NULL, NULL));
+ *   TRY(nn_module_new(&lin, "proj", linear_forward, NULL));
+ *   TRY(nn_module_add_child(root, lin));               // root owns lin from now on
+ *   TRY(nn_module_add_param(lin, "weight", w, true, NULL));  // lin owns the DTensor w
+ *   TRY(nn_module_finalize(root));                      // FQNs: "proj", "proj.weight"
+ *   ...
+ *   nn_module_free(root);                               // frees the whole tree
+ *
+ * A parameter is a DTensor (an unsharded one is Replicate on a one-rank mesh, see
+ * mesh_init_local). Forward and backward never read the DTensor directly: they read
+ * `compute`, the unsharded tensor, and accumulate into `compute_grad`. For an ordinary
+ * parameter `compute` is the DTensor's local tensor and `compute_grad` the local tensor of
+ * `grad`; a parameter marked external (fully_shard) has both managed by its hooks.
+ *
+ * One parameter may appear in several modules (tied embeddings): it is owned by the module
+ * that added it and shared by the others (nn_module_share_param); it has one FQN, the owner's.
+ */
+#ifndef FSDPC_NN_MODULE_H
+#define FSDPC_NN_MODULE_H
+
+#include <stdbool.h>
+
+#include "dtensor/dtensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct nn_module nn_module_t;
+typedef struct nn_ctx nn_ctx_t;
+typedef struct nn_var nn_var_t;
+
+typedef struct nn_param {
+  char *name;            /* local name ("weight"); owned */
+  char *fqn;             /* set by nn_module_finalize; owned */
+  nn_module_t *owner;    /* the module that added it */
+  dtensor_t *value;      /* the parameter; owned */
+  dtensor_t *grad;       /* same mesh and placements as value; NULL until a gradient exists */
+  tensor_t compute;      /* the unsharded value that forward and backward read */
+  tensor_t compute_grad; /* gradient of compute, accumulated by backward */
+  bool requires_grad;
+  bool external; /* compute and compute_grad are managed by hooks, not by the module tree */
+} nn_param_t;
+
+/* The body of a module: reads in, returns a new variable in *out (the caller's reference).
+ * Called through nn_call(), never directly, so that hooks and the tape see the call. */
+typedef status_t (*nn_forward_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out);
+
+typedef enum nn_hook_kind {
+  NN_HOOK_PRE_FORWARD,
+  NN_HOOK_POST_FORWARD,
+  NN_HOOK_PRE_BACKWARD,  /* before the gradient flows into the module's call */
+  NN_HOOK_POST_BACKWARD, /* after the call's backward, parameter gradients included */
+  NN_HOOK_COUNT
+} nn_hook_kind_t;
+
+/* A hook; nn_ctx_recomputing(ctx) tells a forward hook that it runs inside the recomputation
+ * of an activation-checkpointed call during backward. A failing hook fails the call. */
+typedef status_t (*nn_hook_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
+
+/* Creates a module named name (a child name: no dots; "" only for a root). forward may be
+ * NULL for a pure container. impl is the module's private data, not owned. */
+status_t nn_module_new(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl);
+
+/* Frees m, its children and the parameters it owns. NULL is a no-op. */
+void nn_module_free(nn_module_t *m);
+
+/* Appends child (which must have no parent); the parent owns it from now on. Child names
+ * are unique within a parent. */
+status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child);
+
+/* Adds a parameter owned by m; m takes ownership of value (also on failure). *out, if not
+ * NULL, receives the parameter (owned by m). */
+status_t nn_module_add_param(nn_module_t *m, const char *name, dtensor_t *value, bool requires_grad,
+                             nn_param_t **out);
+
+/* Makes an existing parameter (owned elsewhere in the same tree) usable by m. */
+status_t nn_module_share_param(nn_module_t *m, nn_param_t *p);
+
+/* Assigns the FQNs of every module and parameter under root. Call after building the tree. */
+status_t nn_module_finalize(nn_module_t *root);
+
+/* Registers a hook; hooks of one kind run in registration order. */
+status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, void *user);
+
+/* Selects activation checkpointing for every call of m: forward keeps only m's input, and
+ * backward recomputes m's forward before differentiating it. */
+void nn_module_set_checkpoint(nn_module_t *m, bool enabled);
+bool nn_module_checkpoint(const nn_module_t *m);
+
+const char *nn_module_name(const nn_module_t *m);
+/* "" for the root; valid after nn_module_finalize. */
+const char *nn_module_fqn(const nn_module_t *m);
+nn_module_t *nn_module_parent(const nn_module_t *m);
+void *nn_module_impl(const nn_module_t *m);
+nn_forward_fn nn_module_forward(const nn_module_t *m);
+int nn_module_num_children(const nn_module_t *m);
+nn_module_t *nn_module_child(const nn_module_t *m, int i);
+/* The child called name, or NULL. */
+nn_module_t *nn_module_child_named(const nn_module_t *m, const char *name);
+/* Parameters used by m itself (owned or shared), in registration order. */
+int nn_module_num_params(const nn_module_t *m);
+nn_param_t *nn_module_param(const nn_module_t *m, int i);
+/* The parameter of m (owned or shared) with local name name, or NULL. */
+nn_param_t *nn_module_param_named(const nn_module_t *m, const char *name);
+
+/* The module with this FQN under root ("" is root), or NULL. */
+nn_module_t *nn_module_find(nn_module_t *root, const char *fqn);
+
+/* Every parameter under m once (shared ones at their owner), depth-first in registration
+ * order: *out is a new array of *n borrowed pointers, freed by the caller with free(). */
+status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n);
+
+/* The parameter with this FQN under root, or NULL. */
+nn_param_t *nn_param_find(nn_module_t *root, const char *fqn);
+
+/* Makes sure p has a gradient: for an ordinary parameter a zero-filled grad DTensor with
+ * compute_grad its local tensor; for an external one a zero compute_grad of compute's shape. */
+status_t nn_param_ensure_grad(nn_param_t *p);
+
+/* Drops p's gradient (grad and compute_grad). */
+void nn_param_zero_grad(nn_param_t *p);
+
+/* Runs m's hooks of one kind (used by the tape and by fully_shard's explicit calls). */
+status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,402 @@
+#include "nn/ops.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "base/kernels.h"
+
+/* ---- helpers ---- */
+
+static status_t alloc_like(tensor_t *t, const tensor_t *like) {
+  return tensor_init(t, like->dtype, like->device, like->ndim, like->shape);
+}
+
+static status_t zeros_like(tensor_t *t, const tensor_t *like) {
+  return tensor_zeros(t, like->dtype, like->device, like->ndim, like->shape);
+}
+
+/* Wraps a computed value as the output variable and records node when a gradient is
+ * needed. Releases value and node's saved tensors on failure. */
+static status_t finish(nn_ctx_t *ctx, nn_node_t *node, bool needs, tensor_t *value,
+                       nn_var_t **out) {
+  status_t st = nn_var_new(out, value, needs);
+  if (st == STATUS_OK && needs) {
+    node->out = *out;
+    return nn_record(ctx, node);
+  }
+  for (int i = 0; i < NN_NODE_MAX_SAVED; i++) tensor_free(&node->saved[i]);
+  return st;
+}
+
+static status_t check_param(const char *op, const nn_param_t *p) {
+  if (p == NULL || p->compute.storage == NULL)
+    return err_set(STATUS_EINVAL, "%s: parameter %s has no unsharded value to compute with", op,
+                   p && p->fqn ? p->fqn : "(unnamed)");
+  return STATUS_OK;
+}
+
+/* ---- linear ---- */
+
+static status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *x = n->in[0];
+  const tensor_t *dy = &n->out->grad, *w = &n->param->compute;
+  if (x->requires_grad) {
+    tensor_t dx;
+    TRY(alloc_like(&dx, &x->value));
+    status_t st = kernel_matmul(&dx, dy, false, w, false, 1.0f, 0.0f);
+    if (st != STATUS_OK) {
+      tensor_free(&dx);
+      return st;
+    }
+    TRY(nn_accumulate_grad(x, &dx));
+  }
+  if (n->param->requires_grad) {
+    tensor_t dw;
+    TRY(alloc_like(&dw, w));
+    status_t st = kernel_matmul(&dw, dy, true, &x->value, false, 1.0f, 0.0f);
+    if (st != STATUS_OK) {
+      tensor_free(&dw);
+      return st;
+    }
+    TRY(nn_param_accumulate_grad(n->param, &dw));
+  }
+  return STATUS_OK;
+}
+
+status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
+  *out = NULL;
+  TRY(check_param("nn_linear", w));
+  const tensor_t *W = &w->compute;
+  if (W->ndim != 2 || x->value.ndim < 1 || x->value.shape[x->value.ndim - 1] != W->shape[1]) {
+    char a[96], b[96];
+    return err_set(STATUS_ESHAPE, "nn_linear (%s): input %s does not match weight %s", w->fqn,
+                   shape_str(x->value.ndim, x->value.shape, a, sizeof a),
+                   shape_str(W->ndim, W->shape, b, sizeof b));
+  }
+  int64_t shape[TENSOR_MAX_DIMS];
+  memcpy(shape, x->value.shape, sizeof shape);
+  shape[x->value.ndim - 1] = W->shape[0];
+  tensor_t y;
+  TRY(tensor_init(&y, W->dtype, W->device, x->value.ndim, shape));
+  status_t st = kernel_matmul(&y, &x->value, false, W, true, 1.0f, 0.0f);
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    return st;
+  }
+  nn_node_t n = {.backward = linear_backward, .name = "linear", .in = {x}, .param = w};
+  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
+}
+
+/* ---- embedding ---- */
+
+static status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  if (!n->param->requires_grad) return STATUS_OK;
+  tensor_t dw;
+  TRY(zeros_like(&dw, &n->param->compute));
+  status_t st = kernel_embedding_backward(&dw, &n->out->grad, &n->in[0]->value);
+  if (st != STATUS_OK) {
+    tensor_free(&dw);
+    return st;
+  }
+  return nn_param_accumulate_grad(n->param, &dw);
+}
+
+status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **out) {
+  *out = NULL;
+  TRY(check_param("nn_embedding", w));
+  const tensor_t *W = &w->compute;
+  if (W->ndim != 2 || ids->value.ndim + 1 > TENSOR_MAX_DIMS)
+    return err_set(STATUS_ESHAPE, "nn_embedding (%s): weight must be [V, D]", w->fqn);
+  int64_t shape[TENSOR_MAX_DIMS];
+  memcpy(shape, ids->value.shape, sizeof(int64_t) * (size_t)ids->value.ndim);
+  shape[ids->value.ndim] = W->shape[1];
+  tensor_t y;
+  TRY(tensor_init(&y, W->dtype, W->device, ids->value.ndim + 1, shape));
+  status_t st = kernel_embedding(&y, W, &ids->value);
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    return st;
+  }
+  nn_node_t n = {.backward = embedding_backward, .name = "embedding", .in = {ids}, .param = w};
+  return finish(ctx, &n, nn_needs_grad(ctx, NULL, 0, w), &y, out);
+}
+
+/* ---- RMSNorm ---- */
+
+static status_t rmsnorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *x = n->in[0];
+  tensor_t dx, dw;
+  TRY(alloc_like(&dx, &x->value));
+  status_t st = zeros_like(&dw, &n->param->compute);
+  if (st == STATUS_OK) {
+    st = kernel_rmsnorm_backward(&dx, &dw, &n->out->grad, &x->value, &n->param->compute,
+                                 &n->saved[0]);
+    if (st == STATUS_OK && x->requires_grad) st = nn_accumulate_grad(x, &dx);
+    if (st == STATUS_OK && n->param->requires_grad) st = nn_param_accumulate_grad(n->param, &dw);
+    tensor_free(&dw);
+  }
+  tensor_free(&dx);
+  return st;
+}
+
+status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out) {
+  *out = NULL;
+  TRY(check_param("nn_rmsnorm", w));
+  int64_t D = x->value.ndim ? x->value.shape[x->value.ndim - 1] : 1;
+  int64_t rows = D ? tensor_numel(&x->value) / D : 0;
+  tensor_t y, rstd;
+  TRY(alloc_like(&y, &x->value));
+  status_t st = tensor_init(&rstd, DTYPE_F32, x->value.device, 1, &rows);
+  if (st == STATUS_OK) st = kernel_rmsnorm(&y, &rstd, &x->value, &w->compute, (float)eps);
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    tensor_free(&rstd);
+    return st;
+  }
+  nn_node_t n = {
+      .backward = rmsnorm_backward, .name = "rmsnorm", .in = {x}, .param = w, .saved = {rstd}};
+  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
+}
+
+/* ---- RoPE ---- */
+
+static status_t rope_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  if (!n->in[0]->requires_grad) return STATUS_OK;
+  tensor_t dx;
+  TRY(alloc_like(&dx, &n->out->grad));
+  status_t st = kernel_rope(&dx, &n->out->grad, n->scalar, 0, true);
+  if (st != STATUS_OK) {
+    tensor_free(&dx);
+    return st;
+  }
+  return nn_accumulate_grad(n->in[0], &dx);
+}
+
+status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, double theta, nn_var_t **out) {
+  *out = NULL;
+  tensor_t y;
+  TRY(alloc_like(&y, &x->value));
+  status_t st = kernel_rope(&y, &x->value, theta, 0, false);
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    return st;
+  }
+  nn_node_t n = {.backward = rope_backward, .name = "rope", .in = {x}, .scalar = theta};
+  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
+}
+
+/* ---- attention ---- */
+
+static status_t attention_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *q = n->in[0], *k = n->in[1], *v = n->in[2];
+  tensor_t d[3] = {{0}};
+  status_t st = alloc_like(&d[0], &q->value);
+  if (st == STATUS_OK) st = alloc_like(&d[1], &k->value);
+  if (st == STATUS_OK) st = alloc_like(&d[2], &v->value);
+  if (st == STATUS_OK)
+    st = kernel_attention_backward(&d[0], &d[1], &d[2], &n->out->grad, &q->value, &k->value,
+                                   &v->value, &n->out->value, &n->saved[0]);
+  for (int i = 0; i < 3 && st == STATUS_OK; i++)
+    if (n->in[i]->requires_grad) st = nn_accumulate_grad(n->in[i], &d[i]);
+  for (int i = 0; i < 3; i++) tensor_free(&d[i]);
+  return st;
+}
+
+status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_var_t **out) {
+  *out = NULL;
+  if (q->value.ndim != 4) return err_set(STATUS_ESHAPE, "nn_attention: q must be [B, T, H, Dh]");
+  int64_t lshape[3] = {q->value.shape[0], q->value.shape[2], q->value.shape[1]};
+  tensor_t y, lse;
+  TRY(alloc_like(&y, &q->value));
+  status_t st = tensor_init(&lse, DTYPE_F32, q->value.device, 3, lshape);
+  if (st == STATUS_OK) st = kernel_attention(&y, &lse, &q->value, &k->value, &v->value);
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    tensor_free(&lse);
+    return st;
+  }
+  nn_var_t *in[3] = {q, k, v};
+  nn_node_t n = {
+      .backward = attention_backward, .name = "attention", .in = {q, k, v}, .saved = {lse}};
+  return finish(ctx, &n, nn_needs_grad(ctx, in, 3, NULL), &y, out);
+}
+
+/* ---- element-wise ---- */
+
+static status_t silu_mul_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  tensor_t dg, du;
+  TRY(alloc_like(&dg, &n->in[0]->value));
+  status_t st = alloc_like(&du, &n->in[1]->value);
+  if (st == STATUS_OK) {
+    st = kernel_silu_mul_backward(&dg, &du, &n->out->grad, &n->in[0]->value, &n->in[1]->value);
+    if (st == STATUS_OK && n->in[0]->requires_grad) st = nn_accumulate_grad(n->in[0], &dg);
+    if (st == STATUS_OK && n->in[1]->requires_grad) st = nn_accumulate_grad(n->in[1], &du);
+    tensor_free(&du);
+  }
+  tensor_free(&dg);
+  return st;
+}
+
+status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out) {
+  *out = NULL;
+  tensor_t y;
+  TRY(alloc_like(&y, &gate->value));
+  status_t st = kernel_silu_mul(&y, &gate->value, &up->value);
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    return st;
+  }
+  nn_var_t *in[2] = {gate, up};
+  nn_node_t n = {.backward = silu_mul_backward, .name = "silu_mul", .in = {gate, up}};
+  return finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &y, out);
+}
+
+/* Passes the incoming gradient (times scalar) to every input that wants one. */
+static status_t pass_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  for (int i = 0; i < NN_NODE_MAX_IN && n->in[i]; i++) {
+    nn_var_t *x = n->in[i];
+    if (!x->requires_grad) continue;
+    tensor_t g;
+    if (n->scalar == 1.0 && tensor_same_shape(&n->out->grad, &x->value)) {
+      TRY(tensor_ref(&g, &n->out->grad));
+    } else {
+      TRY(tensor_clone(&g, &n->out->grad, n->out->grad.dtype, n->out->grad.device));
+      if (n->scalar != 1.0) {
+        status_t st = kernel_scale(&g, (float)n->scalar);
+        if (st != STATUS_OK) {
+          tensor_free(&g);
+          return st;
+        }
+      }
+    }
+    if (!tensor_same_shape(&g, &x->value)) {
+      tensor_t view;
+      status_t st = tensor_view(&view, &g, x->value.ndim, x->value.shape);
+      tensor_free(&g);
+      TRY(st);
+      g = view;
+    }
+    TRY(nn_accumulate_grad(x, &g));
+  }
+  return STATUS_OK;
+}
+
+status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out) {
+  *out = NULL;
+  tensor_t y;
+  TRY(alloc_like(&y, &a->value));
+  status_t st = kernel_add(&y, &a->value, &b->value);
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    return st;
+  }
+  nn_var_t *in[2] = {a, b};
+  nn_node_t n = {.backward = pass_backward, .name = "add", .in = {a, b}, .scalar = 1.0};
+  return finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &y, out);
+}
+
+status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out) {
+  *out = NULL;
+  tensor_t y;
+  TRY(tensor_clone(&y, &x->value, x->value.dtype, x->value.device));
+  status_t st = kernel_scale(&y, (float)alpha);
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    return st;
+  }
+  nn_node_t n = {.backward = pass_backward, .name = "scale", .in = {x}, .scalar = alpha};
+  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
+}
+
+status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_var_t **out) {
+  *out = NULL;
+  tensor_t y;
+  TRY(tensor_view(&y, &x->value, ndim, shape));
+  nn_node_t n = {.backward = pass_backward, .name = "view", .in = {x}, .scalar = 1.0};
+  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
+}
+
+/* ---- loss ---- */
+
+status_t nn_var_scalar(const nn_var_t *v, double *out) {
+  if (tensor_numel(&v->value) != 1)
+    return err_set(STATUS_EINVAL, "nn_var_scalar: variable has %lld elements",
+                   (long long)tensor_numel(&v->value));
+  float f;
+  tensor_t h;
+  int64_t one = 1;
+  TRY(tensor_wrap(&h, &f, DTYPE_F32, device_cpu(), 1, &one));
+  tensor_t src;
+  TRY(tensor_view(&src, &v->value, 1, &one));
+  status_t st = tensor_copy(&h, &src);
+  tensor_free(&src);
+  tensor_free(&h);
+  *out = f;
+  return st;
+}
+
+static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  double dloss;
+  TRY(nn_var_scalar(n->out, &dloss));
+  nn_var_t *logits = n->in[0];
+  if (!logits->requires_grad) return STATUS_OK;
+  tensor_t d;
+  TRY(alloc_like(&d, &logits->value));
+  status_t st =
+      kernel_cross_entropy_backward(&d, &logits->value, &n->saved[0], (float)(dloss / n->scalar));
+  if (st != STATUS_OK) {
+    tensor_free(&d);
+    return st;
+  }
+  return nn_accumulate_grad(logits, &d);
+}
+
+status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets, nn_var_t **out,
+                          int64_t *n_tokens) {
+  *out = NULL;
+  int64_t n = tensor_numel(targets);
+  tensor_t losses, host_losses = {0}, host_targets = {0}, targets_ref = {0}, loss = {0};
+  TRY(tensor_init(&losses, DTYPE_F32, logits->value.device, 1, &n));
+  status_t st = kernel_cross_entropy(&losses, &logits->value, targets);
+  if (st == STATUS_OK) st = tensor_clone(&host_losses, &losses, DTYPE_F32, device_cpu());
+  if (st == STATUS_OK) st = tensor_clone(&host_targets, targets, DTYPE_I64, device_cpu());
+  int64_t count = 0;
+  double sum = 0;
+  if (st == STATUS_OK) {
+    const float *l = host_losses.data;
+    const int64_t *t = host_targets.data;
+    for (int64_t i = 0; i < n; i++)
+      if (t[i] >= 0) {
+        sum += l[i];
+        count++;
+      }
+    if (count == 0) st = err_set(STATUS_EINVAL, "nn_cross_entropy: every target is ignored");
+  }
+  int64_t one = 1;
+  if (st == STATUS_OK) st = tensor_init(&loss, DTYPE_F32, logits->value.device, 0, &one);
+  if (st == STATUS_OK) st = tensor_fill(&loss, sum / (double)count);
+  if (st == STATUS_OK) st = tensor_ref(&targets_ref, targets);
+  tensor_free(&losses);
+  tensor_free(&host_losses);
+  tensor_free(&host_targets);
+  if (st != STATUS_OK) {
+    tensor_free(&loss);
+    tensor_free(&targets_ref);
+    return st;
+  }
+  if (n_tokens) *n_tokens = count;
+  nn_node_t node = {.backward = cross_entropy_backward,
+                    .name = "cross_entropy",
+                    .in = {logits},
+                    .saved = {targets_ref},
+                    .scalar = (double)count};
+  return finish(ctx, &node, nn_needs_grad(ctx, &logits, 1, NULL), &loss, out);
+}

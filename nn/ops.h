@@ -1,0 +1,59 @@
+/*
+ * Differentiable operations of the reference model. Each computes its result with the
+ * kernels of base/kernels.h on the inputs' device and, when a gradient is needed, records
+ * itself on the context's tape with what its backward reads. Parameters are read through
+ * nn_param_t.compute at forward and again at backward (so hooks may swap the tensor in
+ * between, as fully_shard does). Every *out is a new variable the caller releases.
+ *
+ *   TRY(nn_linear(ctx, x, q_proj_weight, &q));   // q[..., out] = x[..., in] @ W^T
+ */
+#ifndef FSDPC_NN_OPS_H
+#define FSDPC_NN_OPS_H
+
+#include "nn/autograd.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* y[..., out] = x[..., in] @ w^T with w [out, in] (no bias). */
+status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out);
+
+/* y[..., D] = w[ids[...], :] with w [V, D]; ids (I32/I64) get no gradient. */
+status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **out);
+
+/* RMSNorm over the last dimension with weight w [D], computed in fp32. */
+status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out);
+
+/* Rotary embedding (rotate_half) of x [B, T, H, Dh] at positions 0..T-1. */
+status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, double theta, nn_var_t **out);
+
+/* Causal grouped-query attention: q [B, T, H, Dh], k and v [B, T, Hkv, Dh]. */
+status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_var_t **out);
+
+/* silu(gate) * up. */
+status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out);
+
+/* a + b (same shape). */
+status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out);
+
+/* alpha * x. */
+status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out);
+
+/* x seen with another shape of the same number of elements (no copy). */
+status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_var_t **out);
+
+/* Mean token cross-entropy of logits [..., V] against targets [...] (I32/I64 tensor on the
+ * logits' device; negative targets are ignored). *out is an F32 scalar variable; *n_tokens,
+ * if not NULL, receives the number of counted targets. Blocks to read the losses. */
+status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets, nn_var_t **out,
+                          int64_t *n_tokens);
+
+/* The value of a one-element variable on the host (blocks). */
+status_t nn_var_scalar(const nn_var_t *v, double *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

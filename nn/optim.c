@@ -1,0 +1,165 @@
+#include "nn/optim.h"
+
+#include <fnmatch.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/kernels.h"
+
+static status_t pg_mpi_check(int rc) {
+  return rc == MPI_SUCCESS ? STATUS_OK
+                           : err_set(STATUS_EMPI, "clip_grad_norm: MPI_Allreduce failed");
+}
+
+typedef struct slot {
+  nn_param_t *p;
+  double lr, weight_decay;
+  tensor_t m, v;
+  bool ready;
+} slot_t;
+
+struct optim {
+  adamw_config_t cfg;
+  slot_t *slots;
+  int n;
+  int64_t steps;
+};
+
+status_t optim_new(optim_t **out, nn_param_t *const *params, int n, const adamw_config_t *cfg) {
+  *out = NULL;
+  if (cfg == NULL || n < 0 || (n > 0 && params == NULL))
+    return err_set(STATUS_EINVAL, "optim_new: bad arguments");
+  if (!(cfg->lr >= 0) || !(cfg->beta1 >= 0 && cfg->beta1 < 1) ||
+      !(cfg->beta2 >= 0 && cfg->beta2 < 1) || !(cfg->eps >= 0) || !(cfg->weight_decay >= 0))
+    return err_set(STATUS_EINVAL,
+                   "AdamW: need lr >= 0, 0 <= betas < 1, eps >= 0, "
+                   "weight_decay >= 0");
+  if (cfg->n_groups < 0 || cfg->n_groups > ADAMW_MAX_GROUPS)
+    return err_set(STATUS_EINVAL, "AdamW: at most %d parameter groups", ADAMW_MAX_GROUPS);
+  optim_t *o = calloc(1, sizeof *o);
+  if (o == NULL || (o->slots = calloc((size_t)(n ? n : 1), sizeof(slot_t))) == NULL) {
+    free(o);
+    return err_set(STATUS_ENOMEM, "AdamW: out of host memory");
+  }
+  o->cfg = *cfg;
+  o->n = n;
+  for (int i = 0; i < n; i++) {
+    slot_t *s = &o->slots[i];
+    s->p = params[i];
+    s->lr = cfg->lr;
+    s->weight_decay = cfg->weight_decay;
+    const char *fqn = params[i]->fqn ? params[i]->fqn : params[i]->name;
+    for (int g = 0; g < cfg->n_groups; g++) {
+      if (cfg->groups[g].pattern == NULL || fnmatch(cfg->groups[g].pattern, fqn, 0) != 0) continue;
+      if (cfg->groups[g].lr >= 0) s->lr = cfg->groups[g].lr;
+      if (cfg->groups[g].weight_decay >= 0) s->weight_decay = cfg->groups[g].weight_decay;
+      break;
+    }
+  }
+  for (int g = 0; g < cfg->n_groups; g++) o->cfg.groups[g].pattern = NULL; /* not kept */
+  *out = o;
+  return STATUS_OK;
+}
+
+void optim_free(optim_t *o) {
+  if (o == NULL) return;
+  for (int i = 0; i < o->n; i++) {
+    tensor_free(&o->slots[i].m);
+    tensor_free(&o->slots[i].v);
+  }
+  free(o->slots);
+  free(o);
+}
+
+void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_decay) {
+  *lr = o->slots[i].lr;
+  *weight_decay = o->slots[i].weight_decay;
+}
+
+int64_t optim_steps(const optim_t *o) { return o->steps; }
+
+status_t optim_step(optim_t *o, double lr_factor) {
+  o->steps++;
+  for (int i = 0; i < o->n; i++) {
+    slot_t *s = &o->slots[i];
+    if (s->p->grad == NULL || !s->p->requires_grad) continue;
+    const tensor_t *local = dtensor_local(s->p->value);
+    if (!s->ready) {
+      TRY(tensor_zeros(&s->m, DTYPE_F32, local->device, local->ndim, local->shape));
+      TRY(tensor_zeros(&s->v, DTYPE_F32, local->device, local->ndim, local->shape));
+      s->ready = true;
+    }
+    adamw_args_t a = {.lr = s->lr * lr_factor,
+                      .beta1 = o->cfg.beta1,
+                      .beta2 = o->cfg.beta2,
+                      .eps = o->cfg.eps,
+                      .weight_decay = s->weight_decay,
+                      .step = o->steps};
+    tensor_t p;
+    TRY(tensor_ref(&p, local));
+    status_t st = kernel_adamw(&p, dtensor_local(s->p->grad), &s->m, &s->v, &a);
+    tensor_free(&p);
+    if (st != STATUS_OK) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "%s", err_detail());
+      return err_set(st, "AdamW step of %s: %s", s->p->fqn, msg);
+    }
+  }
+  return STATUS_OK;
+}
+
+void optim_zero_grad(optim_t *o) {
+  for (int i = 0; i < o->n; i++) nn_param_zero_grad(o->slots[i].p);
+}
+
+/* True when this rank holds the copy of its shard that counts (coordinate 0 of every mesh
+ * dimension the gradient is replicated or partial over). */
+static bool counts_here(const dtensor_t *g) {
+  const mesh_t *mesh = dtensor_mesh(g);
+  const placement_t *pl = dtensor_placements(g);
+  for (int i = 0; i < mesh_ndim(mesh); i++)
+    if (pl[i].kind == PLACEMENT_REPLICATE && mesh_coord(mesh, i) != 0) return false;
+  return true;
+}
+
+status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,
+                        double *norm) {
+  double total = 0;
+  for (int i = 0; i < n; i++) {
+    if (params[i]->grad == NULL || !counts_here(params[i]->grad)) continue;
+    double s;
+    TRY(kernel_sum_squares(dtensor_local(params[i]->grad), &s));
+    total += s;
+  }
+  if (group != NULL) {
+    /* one double over the group's host communicator: exact, and not a data collective */
+    double sum = 0;
+    TRY(pg_mpi_check(MPI_Allreduce(&total, &sum, 1, MPI_DOUBLE, MPI_SUM, pg_comm(group))));
+    total = sum;
+  }
+  double nrm = sqrt(total);
+  if (norm) *norm = nrm;
+  if (!(max_norm > 0)) return err_set(STATUS_EINVAL, "clip_grad_norm: max_norm must be positive");
+  float coef = (float)(max_norm / (nrm + 1e-6));
+  if (coef >= 1.0f) return STATUS_OK;
+  for (int i = 0; i < n; i++) {
+    if (params[i]->grad == NULL) continue;
+    tensor_t g;
+    TRY(tensor_ref(&g, dtensor_local(params[i]->grad)));
+    status_t st = kernel_scale(&g, coef);
+    tensor_free(&g);
+    TRY(st);
+  }
+  return STATUS_OK;
+}
+
+double lr_schedule_factor(const lr_schedule_t *s, int64_t step) {
+  if (s->warmup_steps > 0 && step < s->warmup_steps)
+    return (double)(step + 1) / (double)s->warmup_steps;
+  int64_t span = s->total_steps - s->warmup_steps;
+  if (span < 1) span = 1;
+  double progress = (double)(step - s->warmup_steps) / (double)span;
+  return s->min_ratio + (1.0 - s->min_ratio) * 0.5 * (1.0 + cos(M_PI * progress));
+}

@@ -1,0 +1,90 @@
+/*
+ * AdamW with per-parameter groups, gradient clipping and the learning-rate schedule, exactly
+ * as DESIGN section 10 (torch.optim.AdamW, torch.nn.utils.clip_grad_norm_, warmup + cosine).
+ *
+ *   adamw_config_t cfg = ADAMW_CONFIG_INIT;
+ *   cfg.lr = 3e-3;
+ *   cfg.groups[cfg.n_groups++] = (adamw_group_t){.pattern = "*norm*", .lr = -1, .weight_decay = 0};
+ *   optim_t *opt;
+ *   TRY(optim_new(&opt, params, n, &cfg));
+ *   ... backward ...
+ *   TRY(clip_grad_norm(params, n, 1.0, NULL, &norm));
+ *   TRY(optim_step(opt, lr_schedule(&sched, cfg.lr, step) / cfg.lr));
+ *   optim_free(opt);
+ *
+ * The optimizer steps on each parameter's local shard (p->value, p->grad); moments are F32
+ * tensors shaped like the local shard on its device.
+ */
+#ifndef FSDPC_NN_OPTIM_H
+#define FSDPC_NN_OPTIM_H
+
+#include "mesh/pg.h"
+#include "nn/module.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ADAMW_MAX_GROUPS 16
+
+/* Parameters whose FQN matches pattern (fnmatch glob; the first matching group wins) use
+ * this group's lr and weight decay; a negative value means the default. */
+typedef struct adamw_group {
+  const char *pattern;
+  double lr;
+  double weight_decay;
+} adamw_group_t;
+
+typedef struct adamw_config {
+  double lr, beta1, beta2, eps, weight_decay;
+  int n_groups;
+  adamw_group_t groups[ADAMW_MAX_GROUPS];
+} adamw_config_t;
+
+/* torch.optim.AdamW's defaults. */
+#define ADAMW_CONFIG_INIT \
+  { .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 1e-2, .n_groups = 0 }
+
+typedef struct optim optim_t;
+
+/* An optimizer over params (borrowed; they must outlive it). Patterns are copied. */
+status_t optim_new(optim_t **out, nn_param_t *const *params, int n, const adamw_config_t *cfg);
+void optim_free(optim_t *o);
+
+/* One AdamW step of every parameter that has a gradient, with each group's lr times
+ * lr_factor (the schedule's factor). Parameters without a gradient are skipped, as torch does. */
+status_t optim_step(optim_t *o, double lr_factor);
+
+/* The lr and weight decay a parameter gets (after group matching). */
+void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_decay);
+
+/* Steps taken so far. */
+int64_t optim_steps(const optim_t *o);
+
+/* Drops every parameter's gradient. */
+void optim_zero_grad(optim_t *o);
+
+/* Global L2 norm of all gradients across all shards, every element counted once (a shard
+ * replicated over mesh dimensions is counted only on coordinate 0 of them); group, if not
+ * NULL, is the process group over which the per-rank sums are added (NULL: this rank only).
+ * Scales every gradient by max_norm / (norm + 1e-6) when that is below 1. *norm receives the
+ * norm before clipping. Collective over group. */
+status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,
+                        double *norm);
+
+/* Warmup then cosine decay to a floor: for step s of total steps S with W warmup steps and
+ * floor ratio r, f = (s+1)/W if s < W, else r + (1-r) * 0.5 * (1 + cos(pi * (s-W) / max(1, S-W))).
+ */
+typedef struct lr_schedule {
+  int64_t warmup_steps;
+  int64_t total_steps;
+  double min_ratio;
+} lr_schedule_t;
+
+double lr_schedule_factor(const lr_schedule_t *s, int64_t step);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
