@@ -249,6 +249,17 @@ static status_t walk(nn_ctx_t *ctx, tape_t *t) {
   return st;
 }
 
+status_t nn_backward_grad(nn_ctx_t *ctx, nn_var_t *out, tensor_t *grad) {
+  status_t st = STATUS_OK;
+  if (out == NULL || grad == NULL || !tensor_same_shape(&out->value, grad))
+    st = err_set(STATUS_ESHAPE, "nn_backward_grad: gradient shape differs from the variable's");
+  if (st == STATUS_OK) st = nn_accumulate_grad(out, grad);
+  if (st == STATUS_OK) st = walk(ctx, &ctx->tape);
+  if (grad) tensor_free(grad);
+  nn_ctx_clear(ctx);
+  return st;
+}
+
 status_t nn_backward(nn_ctx_t *ctx, nn_var_t *loss) {
   if (loss == NULL || tensor_numel(&loss->value) != 1) {
     nn_ctx_clear(ctx);

@@ -62,6 +62,10 @@ status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out);
  * clears it. Parameter gradients accumulate into compute_grad. */
 status_t nn_backward(nn_ctx_t *ctx, nn_var_t *loss);
 
+/* Backward from any variable with a given incoming gradient (same shape; takes over grad),
+ * as torch's out.backward(grad). Clears the tape. */
+status_t nn_backward_grad(nn_ctx_t *ctx, nn_var_t *out, tensor_t *grad);
+
 /* Drops the tape without running backward. */
 void nn_ctx_clear(nn_ctx_t *ctx);
 

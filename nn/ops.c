@@ -325,16 +325,16 @@ status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_
 
 /* ---- loss ---- */
 
-status_t nn_var_scalar(const nn_var_t *v, double *out) {
-  if (tensor_numel(&v->value) != 1)
-    return err_set(STATUS_EINVAL, "nn_var_scalar: variable has %lld elements",
-                   (long long)tensor_numel(&v->value));
+/* The value of a one-element tensor on the host (blocks). */
+static status_t scalar_of(const tensor_t *t, double *out) {
+  if (tensor_numel(t) != 1)
+    return err_set(STATUS_EINVAL, "expected one element, got %lld", (long long)tensor_numel(t));
   float f;
   tensor_t h;
   int64_t one = 1;
   TRY(tensor_wrap(&h, &f, DTYPE_F32, device_cpu(), 1, &one));
   tensor_t src;
-  TRY(tensor_view(&src, &v->value, 1, &one));
+  TRY(tensor_view(&src, t, 1, &one));
   status_t st = tensor_copy(&h, &src);
   tensor_free(&src);
   tensor_free(&h);
@@ -342,10 +342,12 @@ status_t nn_var_scalar(const nn_var_t *v, double *out) {
   return st;
 }
 
+status_t nn_var_scalar(const nn_var_t *v, double *out) { return scalar_of(&v->value, out); }
+
 static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   double dloss;
-  TRY(nn_var_scalar(n->out, &dloss));
+  TRY(scalar_of(&n->out->grad, &dloss));
   nn_var_t *logits = n->in[0];
   if (!logits->requires_grad) return STATUS_OK;
   tensor_t d;

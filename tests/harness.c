@@ -1,5 +1,6 @@
 #include "tests/harness.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -27,11 +28,49 @@ int test_rng_int(test_rng_t *r, int lo, int hi) {
   return lo + (int)(test_rng_next(r) % (unsigned long long)(hi - lo + 1));
 }
 
+double test_rng_uniform(test_rng_t *r) {
+  return (double)(test_rng_next(r) >> 11) * 0x1.0p-52 - 1.0;
+}
+
+void test_fill_uniform(tensor_t *t, test_rng_t *r, double scale) {
+  tensor_t host;
+  ck_assert_int_eq(tensor_init(&host, t->dtype, device_cpu(), t->ndim, t->shape), STATUS_OK);
+  for (int64_t i = 0; i < tensor_numel(t); i++)
+    dtype_store(t->dtype, host.data, (size_t)i, scale * test_rng_uniform(r));
+  ck_assert_int_eq(tensor_copy(t, &host), STATUS_OK);
+  tensor_free(&host);
+}
+
+double test_rel_l2(const tensor_t *a, const tensor_t *ref) {
+  tensor_t ha, hr;
+  ck_assert_msg(tensor_same_shape(a, ref), "test_rel_l2: shapes differ");
+  ck_assert_int_eq(tensor_clone(&ha, a, DTYPE_F32, device_cpu()), STATUS_OK);
+  ck_assert_int_eq(tensor_clone(&hr, ref, DTYPE_F32, device_cpu()), STATUS_OK);
+  const float *pa = ha.data, *pr = hr.data;
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < tensor_numel(a); i++) {
+    double d = (double)pa[i] - pr[i];
+    num += d * d;
+    den += (double)pr[i] * pr[i];
+  }
+  tensor_free(&ha);
+  tensor_free(&hr);
+  if (num != num) return INFINITY; /* NaN anywhere is a failure */
+  return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static int saved_argc;
+static char **saved_argv;
+int test_argc(void) { return saved_argc; }
+char **test_argv(void) { return saved_argv; }
+
 int harness_main(int argc, char **argv, Suite *(*make_suite)(void)) {
   if (world_init(&argc, &argv) != STATUS_OK) {
     fprintf(stderr, "harness: %s\n", err_detail());
     return 1;
   }
+  saved_argc = argc;
+  saved_argv = argv;
   int rank = world_rank(), size = world_size();
   SRunner *sr = srunner_create(make_suite());
   srunner_set_fork_status(sr, CK_NOFORK);

@@ -13,6 +13,7 @@
 #include <check.h>
 #include <stdbool.h>
 
+#include "base/tensor.h"
 #include "mesh/world.h"
 
 /* Initialises the world, runs the suite, combines the ranks' verdicts, finalises. */
@@ -34,5 +35,19 @@ typedef struct test_rng {
 unsigned long long test_rng_next(test_rng_t *r);
 /* Uniform in [lo, hi]. */
 int test_rng_int(test_rng_t *r, int lo, int hi);
+
+/* Uniform in [-1, 1). */
+double test_rng_uniform(test_rng_t *r);
+
+/* Fills a float tensor (any device) with uniform values in [-scale, scale). */
+void test_fill_uniform(tensor_t *t, test_rng_t *r, double scale);
+
+/* ||a - ref||_2 / ||ref||_2 over two float tensors of the same shape (any devices);
+ * fails the test when the comparison itself cannot run. */
+double test_rel_l2(const tensor_t *a, const tensor_t *ref);
+
+/* The process's arguments after MPI's, for suites that take a mode ("cuda"). */
+int test_argc(void);
+char **test_argv(void);
 
 #endif

@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""Golden values for the C Llama, computed by an independent plain-PyTorch Llama.
+
+Builds the model of DESIGN section 10 (Hugging Face LlamaForCausalLM math and names) in
+plain torch, writes random initial weights to a safetensors file and loads them back, then
+runs on the project's corpus with the project's data order:
+  - one forward and backward on step 0's batch: logits, loss, every parameter's gradient;
+  - STEPS AdamW steps (parameter groups, gradient clipping, warmup + cosine schedule):
+    the per-step losses.
+Outputs, for the untied and the tied-embedding variant, go next to this script:
+  tiny[_tied]_config.json, tiny[_tied]_init.safetensors, tiny[_tied]_golden.safetensors.
+
+Needs torch (Debian: apt-get install python3-torch); CI does not run this script. Rerunning
+it reproduces the committed files byte for byte (fixed seeds, one CPU thread).
+"""
+import json
+import math
+import os
+import struct
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CORPUS = os.path.join(HERE, "..", "..", "data", "corpus.txt")
+
+CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=160, vocab_size=256, max_position_embeddings=64,
+              rope_theta=10000.0, rms_norm_eps=1e-5)
+BATCH, SEQ, STEPS = 2, 32, 10
+TRAIN = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_norm=1.0,
+             warmup=3, min_ratio=0.1,
+             # groups: first match wins (fnmatch on the FQN)
+             groups=[("*norm*", None, 0.0), ("model.embed_tokens.*", 1e-3, None)])
+SEED = 1234
+
+
+# ---------------------------------------------------------------- safetensors (independent)
+
+ST_DTYPES = {torch.float32: "F32", torch.int64: "I64"}
+
+
+def save_safetensors(path, tensors, metadata=None):
+    header, blobs, pos = {}, [], 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        data = t.numpy().tobytes()
+        header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [pos, pos + len(data)]}
+        blobs.append(data)
+        pos += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for b in blobs:
+            f.write(b)
+
+
+def load_safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        assert e["dtype"] == "F32", e
+        b, end = e["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(data[b:end]), dtype=torch.float32).reshape(e["shape"])
+    return out
+
+
+# ---------------------------------------------------------------- the model
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        var = xf.pow(2).mean(-1, keepdim=True)
+        return self.weight * (xf * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+
+def rope_tables(seq, head_dim, theta):
+    i = torch.arange(0, head_dim, 2, dtype=torch.float64)
+    inv_freq = theta ** (-i / head_dim)
+    ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.h, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
+        self.hd = c["hidden_size"] // self.h
+        self.theta = c["rope_theta"]
+        d = c["hidden_size"]
+        self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
+        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, d, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        cos, sin = rope_tables(T, self.hd, self.theta)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rep = self.h // self.kv
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
+        mask = torch.full((T, T), float("-inf")).triu(1)
+        p = torch.softmax((s + mask).float(), dim=-1).to(q.dtype)
+        o = (p @ v).transpose(1, 2).reshape(B, T, self.h * self.hd)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        d, f = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.mlp = MLP(c)
+
+    def forward(self, x):
+        h = x + self.self_attn(self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Body(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList(Block(c) for _ in range(c["num_hidden_layers"]))
+        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+
+    def forward(self, ids):
+        h = self.embed_tokens(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.model = Body(c)
+        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        if c["tie_word_embeddings"]:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+# ---------------------------------------------------------------- data and schedule
+
+def load_tokens():
+    with open(CORPUS, "rb") as f:
+        return torch.tensor(list(f.read()), dtype=torch.int64)
+
+
+def batch(tokens, step, micro=0, grad_accum=1, dp_size=1, dp_rank=0):
+    G = dp_size * BATCH
+    span = len(tokens) - SEQ - 1
+    xs, ys = [], []
+    for b in range(BATCH):
+        j = dp_rank * BATCH + b
+        s = ((step * grad_accum + micro) * G + j) * SEQ % span
+        xs.append(tokens[s:s + SEQ])
+        ys.append(tokens[s + 1:s + SEQ + 1])
+    return torch.stack(xs), torch.stack(ys)
+
+
+def lr_factor(s):
+    W, S, r = TRAIN["warmup"], STEPS, TRAIN["min_ratio"]
+    if s < W:
+        return (s + 1) / W
+    return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * (s - W) / max(1, S - W)))
+
+
+def param_groups(model):
+    import fnmatch
+    groups = {}
+    for name, p in model.named_parameters():
+        lr, wd = TRAIN["lr"], TRAIN["weight_decay"]
+        for pat, glr, gwd in TRAIN["groups"]:
+            if fnmatch.fnmatchcase(name, pat):
+                lr = glr if glr is not None else lr
+                wd = gwd if gwd is not None else wd
+                break
+        groups.setdefault((lr, wd), []).append(p)
+    return [dict(params=ps, lr=lr, weight_decay=wd, base_lr=lr) for (lr, wd), ps in groups.items()]
+
+
+# ---------------------------------------------------------------- main
+
+def run(tied):
+    tag = "tiny_tied" if tied else "tiny"
+    cfg = dict(CONFIG, tie_word_embeddings=tied, model_type="llama", hidden_act="silu",
+               architectures=["LlamaForCausalLM"])
+    with open(os.path.join(HERE, tag + "_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+    torch.manual_seed(SEED + tied)
+    model = CausalLM(cfg)
+    init = {}
+    for name, p in model.named_parameters():  # shared parameters appear once
+        if name.endswith("norm.weight"):
+            init[name] = 1.0 + 0.1 * torch.randn(p.shape)
+        else:
+            init[name] = 0.02 * torch.randn(p.shape)
+    init_path = os.path.join(HERE, tag + "_init.safetensors")
+    save_safetensors(init_path, init, {"format": "pt"})
+    loaded = load_safetensors(init_path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(loaded[name])
+
+    tokens = load_tokens()
+    V = cfg["vocab_size"]
+    x, y = batch(tokens, 0)
+    logits = model(x)
+    loss = F.cross_entropy(logits.view(-1, V).float(), y.view(-1))
+    loss.backward()
+    golden = {"logits": logits.detach(), "loss": loss.detach().reshape(1)}
+    for name, p in model.named_parameters():
+        golden["grad." + name] = p.grad.detach().clone()
+    model.zero_grad(set_to_none=True)
+
+    opt = torch.optim.AdamW(param_groups(model), betas=(TRAIN["beta1"], TRAIN["beta2"]),
+                            eps=TRAIN["eps"], foreach=False)
+    losses = []
+    for s in range(STEPS):
+        for g in opt.param_groups:
+            g["lr"] = g["base_lr"] * lr_factor(s)
+        x, y = batch(tokens, s)
+        loss = F.cross_entropy(model(x).view(-1, V).float(), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN["max_norm"])
+        opt.step()
+        losses.append(loss.item())
+    golden["train_losses"] = torch.tensor(losses, dtype=torch.float32)
+    meta = {"batch_size": str(BATCH), "seq_len": str(SEQ), "steps": str(STEPS),
+            "torch_version": torch.__version__}
+    save_safetensors(os.path.join(HERE, tag + "_golden.safetensors"), golden, meta)
+    print(f"{tag}: loss {golden['loss'].item():.6f}, losses " +
+          " ".join(f"{v:.4f}" for v in losses))
+
+
+def main():
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    for tied in (False, True):
+        run(tied)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+/*
+ * The C Llama against golden values from an independent PyTorch model
+ * (tests/reference/make_goldens.py): logits, loss and every gradient of one step, and the
+ * losses of ten AdamW steps with parameter groups, clipping and the schedule; untied and tied
+ * embeddings, with and without activation checkpointing.
+ *
+ * Run with argument "cuda" (the GPU suite) the same checks run on the GPU in fp32, and a bf16
+ * variant with the wider tolerances documented in README.md.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint/hf_weights.h"
+#include "checkpoint/safetensors.h"
+#include "nn/data.h"
+#include "nn/llama.h"
+#include "nn/ops.h"
+#include "nn/optim.h"
+#include "tests/harness.h"
+
+#define REF SOURCE_ROOT "/tests/reference/"
+#define CORPUS SOURCE_ROOT "/data/corpus.txt"
+#define STEPS 10
+
+typedef struct run_mode {
+  device_type_t device;
+  dtype_t dtype;
+  double tol_logits, tol_grad, tol_losses;
+} run_mode_t;
+
+static run_mode_t mode = {DEVICE_CPU, DTYPE_F32, 1e-5, 1e-4, 1e-5};
+
+static void ok(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
+
+static void path_of(char *buf, size_t n, const char *tag, const char *what) {
+  snprintf(buf, n, REF "%s_%s", tag, what);
+}
+
+static llama_t *load_model(const char *tag, bool ac) {
+  char path[512];
+  llama_config_t cfg;
+  path_of(path, sizeof path, tag, "config.json");
+  ok(llama_config_from_hf(path, &cfg));
+  llama_options_t opt = LLAMA_OPTIONS_INIT;
+  opt.device = mode.device;
+  opt.dtype = mode.dtype;
+  opt.activation_checkpointing = ac;
+  llama_t *m;
+  ok(llama_new(&m, &cfg, &opt));
+  path_of(path, sizeof path, tag, "init.safetensors");
+  ok(ckpt_load_weights(llama_module(m), path));
+  return m;
+}
+
+static st_file_t *open_golden(const char *tag) {
+  char path[512];
+  path_of(path, sizeof path, tag, "golden.safetensors");
+  st_file_t *f;
+  ok(st_open(&f, path));
+  return f;
+}
+
+/* A golden tensor on the host as f32. */
+static void golden(st_file_t *f, const char *name, tensor_t *out) {
+  const st_info_t *info = st_find(f, name);
+  ck_assert_msg(info != NULL, "golden file has no %s", name);
+  ok(tensor_init(out, DTYPE_F32, device_cpu(), info->ndim, info->shape));
+  ok(st_read(f, name, out));
+}
+
+static data_spec_t spec_of(st_file_t *g) {
+  data_spec_t s = {.batch_size = 2, .seq_len = 32, .grad_accum = 1, .dp_size = 1, .dp_rank = 0};
+  ck_assert_str_eq(st_metadata(g, "batch_size"), "2");
+  ck_assert_str_eq(st_metadata(g, "seq_len"), "32");
+  return s;
+}
+
+/* One forward + backward on step `step`'s batch; returns logits (caller frees) and loss. */
+static void step_fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
+                         nn_ctx_t *ctx, tensor_t *logits_out, double *loss_out) {
+  tensor_t in_h, tg_h, in, tg;
+  ok(data_batch(d, spec, step, 0, &in_h, &tg_h));
+  device_t dev = mesh_device(llama_local_mesh(m));
+  ok(tensor_clone(&in, &in_h, DTYPE_I64, dev));
+  ok(tensor_clone(&tg, &tg_h, DTYPE_I64, dev));
+  nn_var_t *ids, *logits, *loss;
+  ok(nn_var_new(&ids, &in, false));
+  ok(nn_call(ctx, llama_module(m), ids, &logits));
+  ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+  ok(nn_var_scalar(loss, loss_out));
+  ok(nn_backward(ctx, loss));
+  if (logits_out) ok(tensor_ref(logits_out, &logits->value));
+  nn_var_put(loss);
+  nn_var_put(logits);
+  nn_var_put(ids);
+  tensor_free(&tg);
+  tensor_free(&in_h);
+  tensor_free(&tg_h);
+}
+
+static void check_step0(const char *tag, bool ac) {
+  llama_t *m = load_model(tag, ac);
+  st_file_t *g = open_golden(tag);
+  data_t *d;
+  ok(data_open(&d, CORPUS, DATA_BYTES));
+  data_spec_t spec = spec_of(g);
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  tensor_t logits, ref;
+  double loss;
+  step_fwd_bwd(m, d, &spec, 0, ctx, &logits, &loss);
+
+  golden(g, "logits", &ref);
+  double e = test_rel_l2(&logits, &ref);
+  ck_assert_msg(e <= mode.tol_logits, "%s logits: relative error %.3g", tag, e);
+  tensor_free(&ref);
+  golden(g, "loss", &ref);
+  double want = ((float *)ref.data)[0];
+  ck_assert_msg(fabs(loss - want) <= mode.tol_logits * fabs(want), "%s loss %.8f, torch %.8f", tag,
+                loss, want);
+  tensor_free(&ref);
+
+  nn_param_t **ps;
+  int n;
+  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  ck_assert_int_eq(n, st_num_tensors(g) - 3); /* logits, loss, train_losses */
+  for (int i = 0; i < n; i++) {
+    char name[256];
+    snprintf(name, sizeof name, "grad.%s", ps[i]->fqn);
+    golden(g, name, &ref);
+    ck_assert_msg(ps[i]->grad != NULL, "%s has no gradient", ps[i]->fqn);
+    e = test_rel_l2(dtensor_local(ps[i]->grad), &ref);
+    ck_assert_msg(e <= mode.tol_grad, "%s: gradient relative L2 error %.3g", name, e);
+    tensor_free(&ref);
+  }
+  free(ps);
+  tensor_free(&logits);
+  nn_ctx_free(ctx);
+  data_free(d);
+  st_close(g);
+  llama_free(m);
+}
+
+START_TEST(forward_backward_untied) { check_step0("tiny", false); }
+END_TEST
+START_TEST(forward_backward_tied) { check_step0("tiny_tied", false); }
+END_TEST
+START_TEST(forward_backward_checkpointed) {
+  check_step0("tiny", true);
+  check_step0("tiny_tied", true);
+}
+END_TEST
+
+static void train(const char *tag, bool ac, double *losses) {
+  llama_t *m = load_model(tag, ac);
+  st_file_t *g = open_golden(tag);
+  data_t *d;
+  ok(data_open(&d, CORPUS, DATA_BYTES));
+  data_spec_t spec = spec_of(g);
+  nn_param_t **ps;
+  int n;
+  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  adamw_config_t cfg = ADAMW_CONFIG_INIT;
+  cfg.lr = 3e-3;
+  cfg.beta2 = 0.95;
+  cfg.weight_decay = 0.1;
+  cfg.groups[cfg.n_groups++] = (adamw_group_t){"*norm*", -1, 0.0};
+  cfg.groups[cfg.n_groups++] = (adamw_group_t){"model.embed_tokens.*", 1e-3, -1};
+  lr_schedule_t sched = {.warmup_steps = 3, .total_steps = STEPS, .min_ratio = 0.1};
+  optim_t *opt;
+  ok(optim_new(&opt, ps, n, &cfg));
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  for (int s = 0; s < STEPS; s++) {
+    optim_zero_grad(opt);
+    step_fwd_bwd(m, d, &spec, s, ctx, NULL, &losses[s]);
+    ok(clip_grad_norm(ps, n, 1.0, NULL, NULL));
+    ok(optim_step(opt, lr_schedule_factor(&sched, s)));
+  }
+  nn_ctx_free(ctx);
+  optim_free(opt);
+  free(ps);
+  data_free(d);
+  st_close(g);
+  llama_free(m);
+}
+
+static void check_training(const char *tag) {
+  double losses[STEPS];
+  train(tag, false, losses);
+  st_file_t *g = open_golden(tag);
+  tensor_t ref;
+  golden(g, "train_losses", &ref);
+  ck_assert_int_eq(tensor_numel(&ref), STEPS);
+  for (int s = 0; s < STEPS; s++) {
+    double want = ((float *)ref.data)[s];
+    ck_assert_msg(fabs(losses[s] - want) <= mode.tol_losses * fabs(want),
+                  "%s step %d: loss %.8f, torch %.8f", tag, s, losses[s], want);
+  }
+  ck_assert_msg(losses[STEPS - 1] < losses[0], "%s: training did not lower the loss", tag);
+  tensor_free(&ref);
+  st_close(g);
+}
+
+START_TEST(training_untied) { check_training("tiny"); }
+END_TEST
+START_TEST(training_tied) { check_training("tiny_tied"); }
+END_TEST
+
+/* Activation checkpointing changes no number: bit-identical gradients, lower peak memory. */
+START_TEST(checkpointing_bit_identical) {
+  device_t dev = mode.device == DEVICE_CUDA ? world_device() : device_cpu();
+  llama_t *m[2];
+  size_t peak[2];
+  data_t *d;
+  ok(data_open(&d, CORPUS, DATA_BYTES));
+  data_spec_t spec = {.batch_size = 2, .seq_len = 32, .grad_accum = 1, .dp_size = 1};
+  for (int k = 0; k < 2; k++) {
+    m[k] = load_model("tiny", k == 1);
+    nn_ctx_t *ctx;
+    ok(nn_ctx_new(&ctx));
+    size_t base = mem_stats(dev).current;
+    mem_reset_peak(dev);
+    double loss;
+    step_fwd_bwd(m[k], d, &spec, 3, ctx, NULL, &loss);
+    peak[k] = mem_stats(dev).peak - base;
+    nn_ctx_free(ctx);
+  }
+  nn_param_t **p0, **p1;
+  int n0, n1;
+  ok(nn_named_parameters(llama_module(m[0]), &p0, &n0));
+  ok(nn_named_parameters(llama_module(m[1]), &p1, &n1));
+  ck_assert_int_eq(n0, n1);
+  for (int i = 0; i < n0; i++) {
+    bool eq = false;
+    ok(tensor_equal(dtensor_local(p0[i]->grad), dtensor_local(p1[i]->grad), &eq));
+    ck_assert_msg(eq, "%s: gradient differs with activation checkpointing", p0[i]->fqn);
+  }
+  ck_assert_msg(peak[1] < peak[0], "checkpointing peak %zu bytes, without %zu", peak[1], peak[0]);
+  free(p0);
+  free(p1);
+  llama_free(m[0]);
+  llama_free(m[1]);
+  data_free(d);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("llama");
+  TCase *tc = tcase_create("golden");
+  tcase_set_timeout(tc, 600);
+  if (test_argc() > 1 && strcmp(test_argv()[1], "cuda") == 0) {
+    if (world_device().type != DEVICE_CUDA) {
+      harness_skip("no CUDA device");
+      suite_add_tcase(s, tc);
+      return s;
+    }
+    mode.device = DEVICE_CUDA;
+    mode.tol_logits = 1e-4; /* cuBLAS and atomics reorder fp32 sums */
+    mode.tol_grad = 1e-3;
+    mode.tol_losses = 1e-4;
+  }
+  if (test_argc() > 2 && strcmp(test_argv()[2], "bf16") == 0) {
+    mode.dtype = DTYPE_BF16;
+    mode.tol_logits = 3e-2;
+    mode.tol_grad = 1e-1;
+    mode.tol_losses = 2e-2;
+  }
+  tcase_add_test(tc, forward_backward_untied);
+  tcase_add_test(tc, forward_backward_tied);
+  tcase_add_test(tc, forward_backward_checkpointed);
+  if (mode.dtype == DTYPE_F32) tcase_add_test(tc, checkpointing_bit_identical);
+  tcase_add_test(tc, training_untied);
+  tcase_add_test(tc, training_tied);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
