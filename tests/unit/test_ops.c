@@ -1,0 +1,250 @@
+/*
+ * Every backward against central finite differences of its forward: for an operation y = f(x),
+ * L = sum(r * y) with a random r; dL/dx from backward is compared with
+ * (L(x + h e_i) - L(x - h e_i)) / 2h on sampled elements of every input and parameter.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/ops.h"
+#include "tests/harness.h"
+
+#define MAX_IN 3
+#define MAX_PARAMS 2
+
+static void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
+
+typedef struct fd_case {
+  const char *name;
+  int n_in;
+  int in_ndim[MAX_IN];
+  int64_t in_shape[MAX_IN][4];
+  bool in_grad[MAX_IN]; /* false: not differentiated (ids, targets) */
+  int n_params;
+  int p_ndim[MAX_PARAMS];
+  int64_t p_shape[MAX_PARAMS][4];
+  /* builds the output from inputs and parameters */
+  status_t (*build)(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out);
+  /* optional: fills non-differentiated inputs (indices) */
+  void (*fill)(tensor_t *in, int i);
+} fd_case_t;
+
+static double weighted_sum(const tensor_t *y, const tensor_t *r) {
+  tensor_t h;
+  ok(tensor_clone(&h, y, DTYPE_F32, device_cpu()));
+  double s = 0;
+  for (int64_t i = 0; i < tensor_numel(y); i++) s += (double)((float *)h.data)[i] * ((float *)r->data)[i];
+  tensor_free(&h);
+  return s;
+}
+
+static double eval(const fd_case_t *c, nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
+                   const tensor_t *r) {
+  nn_ctx_set_grad_enabled(ctx, false);
+  nn_var_t *y;
+  ok(c->build(ctx, in, p, &y));
+  double s = weighted_sum(&y->value, r);
+  nn_var_put(y);
+  nn_ctx_set_grad_enabled(ctx, true);
+  return s;
+}
+
+/* Compares analytic gradient g of tensor x (perturbed in place) at sampled elements. */
+static void check_tensor(const fd_case_t *c, const char *what, nn_ctx_t *ctx, nn_var_t **in,
+                         nn_param_t **p, const tensor_t *r, tensor_t *x, const tensor_t *g,
+                         test_rng_t *rng) {
+  ck_assert_msg(g->storage != NULL, "%s: %s has no gradient", c->name, what);
+  tensor_t gh;
+  ok(tensor_clone(&gh, g, DTYPE_F32, device_cpu()));
+  int64_t n = tensor_numel(x);
+  int samples = n < 24 ? (int)n : 24;
+  float *xv = x->data;
+  for (int s = 0; s < samples; s++) {
+    int64_t i = n < 24 ? s : (int64_t)(test_rng_next(rng) % (unsigned long long)n);
+    float orig = xv[i];
+    double h = 1e-2;
+    xv[i] = orig + (float)h;
+    double lp = eval(c, ctx, in, p, r);
+    xv[i] = orig - (float)h;
+    double lm = eval(c, ctx, in, p, r);
+    xv[i] = orig;
+    double fd = (lp - lm) / (2 * h), an = ((float *)gh.data)[i];
+    ck_assert_msg(fabs(fd - an) <= 1e-3 + 3e-3 * fabs(fd), "%s: d/d%s[%lld]: backward %.6g, "
+                  "finite difference %.6g", c->name, what, (long long)i, an, fd);
+  }
+  tensor_free(&gh);
+}
+
+static void run_case(const fd_case_t *c) {
+  test_rng_t rng = {0x5eed + (unsigned long long)strlen(c->name)};
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *in[MAX_IN] = {0};
+  nn_param_t params[MAX_PARAMS], *pp[MAX_PARAMS] = {0};
+  memset(params, 0, sizeof params);
+  for (int i = 0; i < c->n_in; i++) {
+    tensor_t t;
+    if (c->in_grad[i]) {
+      ok(tensor_init(&t, DTYPE_F32, device_cpu(), c->in_ndim[i], c->in_shape[i]));
+      test_fill_uniform(&t, &rng, 1.0);
+    } else {
+      ok(tensor_init(&t, DTYPE_I64, device_cpu(), c->in_ndim[i], c->in_shape[i]));
+      c->fill(&t, i);
+    }
+    ok(nn_var_new(&in[i], &t, c->in_grad[i]));
+  }
+  for (int i = 0; i < c->n_params; i++) {
+    params[i].name = params[i].fqn = (char *)"w";
+    params[i].requires_grad = true;
+    params[i].external = true; /* plain compute/compute_grad tensors, no DTensor */
+    ok(tensor_init(&params[i].compute, DTYPE_F32, device_cpu(), c->p_ndim[i], c->p_shape[i]));
+    test_fill_uniform(&params[i].compute, &rng, 1.0);
+    pp[i] = &params[i];
+  }
+  nn_var_t *y;
+  ok(c->build(ctx, in, pp, &y));
+  tensor_t r, rg;
+  ok(tensor_init(&r, DTYPE_F32, device_cpu(), y->value.ndim, y->value.shape));
+  test_fill_uniform(&r, &rng, 1.0);
+  ok(tensor_clone(&rg, &r, DTYPE_F32, device_cpu()));
+  ok(nn_backward_grad(ctx, y, &rg));
+  ck_assert_int_eq(nn_ctx_tape_length(ctx), 0);
+  nn_var_put(y);
+  for (int i = 0; i < c->n_in; i++) {
+    if (!c->in_grad[i]) continue;
+    char what[16];
+    snprintf(what, sizeof what, "input%d", i);
+    check_tensor(c, what, ctx, in, pp, &r, &in[i]->value, &in[i]->grad, &rng);
+  }
+  for (int i = 0; i < c->n_params; i++) {
+    char what[16];
+    snprintf(what, sizeof what, "param%d", i);
+    check_tensor(c, what, ctx, in, pp, &r, &params[i].compute, &params[i].compute_grad, &rng);
+  }
+  for (int i = 0; i < c->n_in; i++) nn_var_put(in[i]);
+  for (int i = 0; i < c->n_params; i++) {
+    tensor_free(&params[i].compute);
+    tensor_free(&params[i].compute_grad);
+  }
+  tensor_free(&r);
+  nn_ctx_free(ctx);
+}
+
+/* ---- the operations ---- */
+
+static status_t b_linear(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  return nn_linear(ctx, in[0], p[0], out);
+}
+
+/* The same weight used twice in a row: gradients of both uses accumulate. */
+static status_t b_linear_twice(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  nn_var_t *h;
+  TRY(nn_linear(ctx, in[0], p[0], &h));
+  status_t st = nn_linear(ctx, h, p[0], out);
+  nn_var_put(h);
+  return st;
+}
+
+static status_t b_embedding(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  return nn_embedding(ctx, in[0], p[0], out);
+}
+
+static status_t b_rmsnorm(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  return nn_rmsnorm(ctx, in[0], p[0], 1e-5, out);
+}
+
+static status_t b_rope(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  return nn_rope(ctx, in[0], 10000.0, out);
+}
+
+static status_t b_attention(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  return nn_attention(ctx, in[0], in[1], in[2], out);
+}
+
+static status_t b_silu_mul(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  return nn_silu_mul(ctx, in[0], in[1], out);
+}
+
+/* x + x*2 through add, scale and a view: one variable reaching the output twice. */
+static status_t b_add_scale_view(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  nn_var_t *s, *a;
+  TRY(nn_scale(ctx, in[0], 2.0, &s));
+  status_t st = nn_add(ctx, in[0], s, &a);
+  nn_var_put(s);
+  TRY(st);
+  int64_t shape[2] = {2, 6};
+  st = nn_view(ctx, a, 2, shape, out);
+  nn_var_put(a);
+  return st;
+}
+
+static status_t b_cross_entropy(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  return nn_cross_entropy(ctx, in[0], &in[1]->value, out, NULL);
+}
+
+static void fill_ids(tensor_t *t, int i) {
+  (void)i;
+  int64_t *v = t->data;
+  for (int64_t k = 0; k < tensor_numel(t); k++) v[k] = (k * 3) % 5; /* repeats on purpose */
+}
+
+static void fill_targets(tensor_t *t, int i) {
+  (void)i;
+  int64_t *v = t->data;
+  for (int64_t k = 0; k < tensor_numel(t); k++) v[k] = k == 2 ? -100 : (k * 5) % 9;
+}
+
+static const fd_case_t cases[] = {
+    {"linear", 1, {3}, {{2, 3, 5}}, {true}, 1, {2}, {{4, 5}}, b_linear, NULL},
+    {"linear_twice", 1, {2}, {{3, 5}}, {true}, 1, {2}, {{5, 5}}, b_linear_twice, NULL},
+    {"embedding", 1, {2}, {{2, 3}}, {false}, 1, {2}, {{7, 5}}, b_embedding, fill_ids},
+    {"rmsnorm", 1, {2}, {{3, 8}}, {true}, 1, {1}, {{8}}, b_rmsnorm, NULL},
+    {"rope", 1, {4}, {{2, 5, 3, 6}}, {true}, 0, {0}, {{0}}, b_rope, NULL},
+    {"attention", 3, {4, 4, 4}, {{2, 5, 4, 6}, {2, 5, 2, 6}, {2, 5, 2, 6}}, {true, true, true},
+     0, {0}, {{0}}, b_attention, NULL},
+    {"silu_mul", 2, {2, 2}, {{3, 7}, {3, 7}}, {true, true}, 0, {0}, {{0}}, b_silu_mul, NULL},
+    {"add_scale_view", 1, {2}, {{3, 4}}, {true}, 0, {0}, {{0}}, b_add_scale_view, NULL},
+    {"cross_entropy", 2, {2, 1}, {{6, 9}, {6}}, {true, false}, 0, {0}, {{0}}, b_cross_entropy,
+     fill_targets},
+};
+
+START_TEST(backward_matches_finite_differences) { run_case(&cases[_i]); }
+END_TEST
+
+/* The tape records module calls and drops everything after backward. */
+START_TEST(no_grad_records_nothing) {
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  nn_ctx_set_grad_enabled(ctx, false);
+  int64_t shape[2] = {2, 3};
+  tensor_t t;
+  ok(tensor_zeros(&t, DTYPE_F32, device_cpu(), 2, shape));
+  nn_var_t *x, *y;
+  ok(nn_var_new(&x, &t, true));
+  ok(nn_add(ctx, x, x, &y));
+  ck_assert_int_eq(nn_ctx_tape_length(ctx), 0);
+  ck_assert(!y->requires_grad);
+  nn_var_put(y);
+  nn_var_put(x);
+  nn_ctx_free(ctx);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("ops");
+  TCase *tc = tcase_create("finite_differences");
+  tcase_add_loop_test(tc, backward_matches_finite_differences, 0,
+                      (int)(sizeof cases / sizeof cases[0]));
+  tcase_add_test(tc, no_grad_records_nothing);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
