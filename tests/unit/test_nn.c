@@ -1,0 +1,369 @@
+/*
+ * The module layer around the model: module tree and FQNs, hook order with a module called
+ * twice and a shared parameter, plan-independent init (also on sharded meshes when run under
+ * mpirun), the data order, the LR schedule, AdamW and clipping against hand-computed values,
+ * and Hugging Face config parsing.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "nn/data.h"
+#include "nn/init.h"
+#include "nn/llama.h"
+#include "nn/ops.h"
+#include "nn/optim.h"
+#include "tests/harness.h"
+
+static void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
+
+static mesh_t *local_mesh(void) {
+  mesh_t *m;
+  ok(mesh_init_local(&m, "local", DEVICE_CPU));
+  return m;
+}
+
+static dtensor_t *replicated(mesh_t *mesh, int ndim, const int64_t *shape, double fill) {
+  tensor_t t;
+  ok(tensor_init(&t, DTYPE_F32, device_cpu(), ndim, shape));
+  ok(tensor_fill(&t, fill));
+  dtensor_t *d;
+  placement_t rep = placement_replicate();
+  ok(dtensor_from_local(&d, &t, mesh, &rep, ndim, shape));
+  tensor_free(&t);
+  return d;
+}
+
+/* ---- hooks ---- */
+
+static char hook_log[512];
+
+static status_t log_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
+  (void)ctx, (void)user;
+  static const char *tag[] = {"F<", "F>", "B<", "B>"};
+  size_t n = strlen(hook_log);
+  snprintf(hook_log + n, sizeof hook_log - n, "%s%s ", tag[kind],
+           nn_module_name(m)[0] ? nn_module_name(m) : "root");
+  return STATUS_OK;
+}
+
+static status_t lin_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  return nn_linear(ctx, in, nn_module_param(m, 0), out);
+}
+
+/* root: a(a(x)) then b(x') where b shares a's weight */
+static status_t root_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  nn_var_t *h1, *h2;
+  TRY(nn_call(ctx, nn_module_child_named(m, "a"), in, &h1));
+  status_t st = nn_call(ctx, nn_module_child_named(m, "a"), h1, &h2);
+  nn_var_put(h1);
+  TRY(st);
+  st = nn_call(ctx, nn_module_child_named(m, "b"), h2, out);
+  nn_var_put(h2);
+  return st;
+}
+
+static nn_module_t *tiny_tree(mesh_t *mesh) {
+  nn_module_t *root, *a, *b;
+  ok(nn_module_new(&root, "", root_fwd, NULL));
+  ok(nn_module_new(&a, "a", lin_fwd, NULL));
+  ok(nn_module_new(&b, "b", lin_fwd, NULL));
+  ok(nn_module_add_child(root, a));
+  ok(nn_module_add_child(root, b));
+  nn_param_t *w;
+  int64_t shape[2] = {3, 3};
+  ok(nn_module_add_param(a, "weight", replicated(mesh, 2, shape, 0.5), true, &w));
+  ok(nn_module_share_param(b, w));
+  ok(nn_module_finalize(root));
+  nn_module_t *ms[] = {root, a, b};
+  for (int i = 0; i < 3; i++)
+    for (int k = 0; k < NN_HOOK_COUNT; k++) ok(nn_module_add_hook(ms[i], k, log_hook, NULL));
+  return root;
+}
+
+START_TEST(module_fqns_and_shared_parameters) {
+  mesh_t *mesh = local_mesh();
+  nn_module_t *root = tiny_tree(mesh);
+  nn_param_t **ps;
+  int n;
+  ok(nn_named_parameters(root, &ps, &n));
+  ck_assert_int_eq(n, 1); /* the shared weight appears once, at its owner */
+  ck_assert_str_eq(ps[0]->fqn, "a.weight");
+  ck_assert_ptr_eq(nn_param_find(root, "a.weight"), ps[0]);
+  ck_assert_ptr_null(nn_param_find(root, "b.weight"));
+  ck_assert_ptr_eq(nn_module_param_named(nn_module_find(root, "b"), "weight"), ps[0]);
+  ck_assert_str_eq(nn_module_fqn(nn_module_find(root, "b")), "b");
+  nn_module_t *dup;
+  ok(nn_module_new(&dup, "a", NULL, NULL));
+  ck_assert_int_eq(nn_module_add_child(root, dup), STATUS_EINVAL);
+  nn_module_free(dup);
+  ck_assert_int_eq(nn_module_new(&dup, "x.y", NULL, NULL), STATUS_EINVAL);
+  free(ps);
+  nn_module_free(root);
+  mesh_free(mesh);
+}
+END_TEST
+
+START_TEST(hooks_fire_in_call_order) {
+  mesh_t *mesh = local_mesh();
+  nn_module_t *root = tiny_tree(mesh);
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  int64_t shape[2] = {2, 3};
+  tensor_t t;
+  ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape));
+  ok(tensor_fill(&t, 1.0));
+  nn_var_t *x, *y;
+  ok(nn_var_new(&x, &t, false));
+  hook_log[0] = '\0';
+  ok(nn_call(ctx, root, x, &y));
+  ck_assert_str_eq(hook_log, "F<root F<a F>a F<a F>a F<b F>b F>root ");
+  hook_log[0] = '\0';
+  tensor_t g;
+  ok(tensor_init(&g, DTYPE_F32, device_cpu(), 2, shape));
+  ok(tensor_fill(&g, 1.0));
+  ok(nn_backward_grad(ctx, y, &g));
+  ck_assert_str_eq(hook_log, "B<root B<b B>b B<a B>a B<a B>a B>root ");
+  /* y = W W W x with W = 0.5 everywhere (3x3), x = 1, dy = 1: every call contributes */
+  nn_param_t *w = nn_param_find(root, "a.weight");
+  const float *gw = dtensor_local(w->grad)->data;
+  /* h1 = 1.5, h2 = 2.25 per element; dW = sum over uses of dy_k^T x_k:
+   * b: dy=1, x=h2 -> 2*2.25 = 4.5; second a: dy=1.5, x=h1 -> 2*1.5*1.5 = 4.5;
+   * first a: dy=2.25, x=1 -> 2*2.25 = 4.5; total 13.5 */
+  for (int i = 0; i < 9; i++) ck_assert_float_eq_tol(gw[i], 13.5f, 1e-5f);
+  /* a child called on its own (outside its parent's forward) */
+  hook_log[0] = '\0';
+  nn_var_t *z;
+  ok(nn_call(ctx, nn_module_find(root, "a"), x, &z));
+  ck_assert_str_eq(hook_log, "F<a F>a ");
+  nn_ctx_clear(ctx);
+  nn_var_put(z);
+  nn_var_put(y);
+  nn_var_put(x);
+  nn_ctx_free(ctx);
+  nn_module_free(root);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* ---- init ---- */
+
+START_TEST(init_is_plan_independent) {
+  int W = world_size();
+  mesh_t *world;
+  const char *names[] = {"dp"};
+  ok(mesh_init(&world, 1, &W, names, DEVICE_CPU));
+  int64_t shape[2] = {10, 3}; /* uneven over 3 or 4 ranks */
+  placement_t sh = placement_shard(0);
+  int coord = mesh_coord(world, 0);
+  int64_t lshape[2], off[2];
+  ok(dtensor_compute_box(world, &sh, 2, shape, &coord, lshape, off));
+  tensor_t local;
+  ok(tensor_zeros(&local, DTYPE_F32, device_cpu(), 2, lshape));
+  dtensor_t *d;
+  ok(dtensor_from_local(&d, &local, world, &sh, 2, shape));
+  tensor_free(&local);
+  nn_module_t *m;
+  ok(nn_module_new(&m, "", NULL, NULL));
+  nn_param_t *p;
+  ok(nn_module_add_param(m, "w", d, true, &p));
+  ok(nn_module_finalize(m));
+  ok(nn_init_normal(p, 7, 0.0, 0.02));
+  tensor_t full;
+  ok(dtensor_full_tensor(p->value, &full));
+  int bad = 0;
+  for (int i = 0; i < 30; i++) {
+    float want = (float)(0.02 * nn_init_normal_value(7, "w", (uint64_t)i));
+    if (((float *)full.data)[i] != want) bad++;
+  }
+  expect_all(bad == 0, "%d elements differ from the unsharded init", bad);
+  /* different names and seeds give different values */
+  ck_assert(nn_init_normal_value(7, "w", 0) != nn_init_normal_value(8, "w", 0));
+  ck_assert(nn_init_normal_value(7, "w", 0) != nn_init_normal_value(7, "v", 0));
+  tensor_free(&full);
+  nn_module_free(m);
+  mesh_free(world);
+}
+END_TEST
+
+START_TEST(init_normal_statistics) {
+  double s = 0, s2 = 0;
+  int n = 20000;
+  for (int i = 0; i < n; i++) {
+    double v = nn_init_normal_value(3, "x", (uint64_t)i);
+    s += v;
+    s2 += v * v;
+  }
+  ck_assert(fabs(s / n) < 0.03);
+  ck_assert(fabs(s2 / n - 1.0) < 0.05);
+}
+END_TEST
+
+/* ---- data order ---- */
+
+START_TEST(data_order_and_dp_split) {
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  int64_t N = data_num_tokens(d);
+  data_spec_t g = {.batch_size = 4, .seq_len = 16, .grad_accum = 2, .dp_size = 1, .dp_rank = 0};
+  ck_assert_int_eq(data_sample_start(d, &g, 3, 1, 2), ((3 * 2 + 1) * 4 + 2) * 16 % (N - 17));
+  tensor_t gi, gt;
+  ok(data_batch(d, &g, 3, 1, &gi, &gt));
+  const int64_t *all = gi.data, *allt = gt.data;
+  for (int r = 0; r < 2; r++) { /* two dp ranks of batch 2 see the same global batch */
+    data_spec_t s = {.batch_size = 2, .seq_len = 16, .grad_accum = 2, .dp_size = 2, .dp_rank = r};
+    tensor_t in, tg;
+    ok(data_batch(d, &s, 3, 1, &in, &tg));
+    ck_assert_int_eq(memcmp(in.data, all + r * 2 * 16, 2 * 16 * sizeof(int64_t)), 0);
+    const int64_t *a = in.data, *t = tg.data;
+    for (int k = 0; k + 1 < 16; k++) ck_assert_int_eq(t[k], a[k + 1]); /* shifted by one */
+    ck_assert_int_eq(memcmp(tg.data, allt + r * 2 * 16, 2 * 16 * sizeof(int64_t)), 0);
+    tensor_free(&in);
+    tensor_free(&tg);
+  }
+  data_spec_t bad = g;
+  bad.dp_rank = 1;
+  ck_assert_int_eq(data_batch(d, &bad, 0, 0, &gi, &gt), STATUS_EINVAL);
+  tensor_free(&gi);
+  tensor_free(&gt);
+  data_free(d);
+  ck_assert_int_eq(data_open(&d, "/nonexistent/tokens.bin", DATA_U16), STATUS_EIO);
+}
+END_TEST
+
+/* ---- optimizer ---- */
+
+START_TEST(lr_schedule_values) {
+  lr_schedule_t s = {.warmup_steps = 3, .total_steps = 10, .min_ratio = 0.1};
+  ck_assert_double_eq_tol(lr_schedule_factor(&s, 0), 1.0 / 3, 1e-15);
+  ck_assert_double_eq_tol(lr_schedule_factor(&s, 2), 1.0, 1e-15);
+  ck_assert_double_eq_tol(lr_schedule_factor(&s, 3), 1.0, 1e-15);
+  ck_assert_double_eq_tol(lr_schedule_factor(&s, 10), 0.1, 1e-15);
+  double mid = 0.1 + 0.9 * 0.5 * (1 + cos(M_PI * 4.0 / 7.0));
+  ck_assert_double_eq_tol(lr_schedule_factor(&s, 7), mid, 1e-15);
+}
+END_TEST
+
+START_TEST(adamw_matches_formula_and_groups) {
+  mesh_t *mesh = local_mesh();
+  nn_module_t *m;
+  ok(nn_module_new(&m, "", NULL, NULL));
+  int64_t n3 = 3;
+  nn_param_t *w, *nw;
+  ok(nn_module_add_param(m, "weight", replicated(mesh, 1, &n3, 1.0), true, &w));
+  ok(nn_module_add_param(m, "norm", replicated(mesh, 1, &n3, 1.0), true, &nw));
+  ok(nn_module_finalize(m));
+  nn_param_t *ps[] = {w, nw};
+  adamw_config_t cfg = ADAMW_CONFIG_INIT;
+  cfg.lr = 0.1;
+  cfg.weight_decay = 0.5;
+  cfg.groups[cfg.n_groups++] = (adamw_group_t){"*norm*", 0.01, 0.0};
+  optim_t *o;
+  ok(optim_new(&o, ps, 2, &cfg));
+  double lr, wd;
+  optim_param_hparams(o, 1, &lr, &wd);
+  ck_assert(lr == 0.01 && wd == 0.0);
+  float gvals[3] = {0.5f, -2.0f, 0.0f};
+  double p_ref[3] = {1, 1, 1}, m_ref[3] = {0}, v_ref[3] = {0};
+  for (int step = 1; step <= 3; step++) {
+    for (int k = 0; k < 2; k++) {
+      tensor_t g;
+      ok(tensor_init(&g, DTYPE_F32, device_cpu(), 1, &n3));
+      memcpy(g.data, gvals, sizeof gvals);
+      nn_param_zero_grad(ps[k]);
+      ok(nn_param_accumulate_grad(ps[k], &g));
+    }
+    ok(optim_step(o, 0.5)); /* schedule factor */
+    double a = 0.1 * 0.5;
+    for (int i = 0; i < 3; i++) {
+      p_ref[i] *= 1 - a * 0.5;
+      m_ref[i] = 0.9 * m_ref[i] + 0.1 * gvals[i];
+      v_ref[i] = 0.999 * v_ref[i] + 0.001 * gvals[i] * gvals[i];
+      double mh = m_ref[i] / (1 - pow(0.9, step)), vh = v_ref[i] / (1 - pow(0.999, step));
+      p_ref[i] -= a * mh / (sqrt(vh) + 1e-8);
+    }
+  }
+  const float *pv = dtensor_local(w->value)->data;
+  for (int i = 0; i < 3; i++) ck_assert_double_eq_tol(pv[i], p_ref[i], 2e-6);
+  ck_assert_int_eq(optim_steps(o), 3);
+  /* clipping: grads (0.5, -2, 0) twice -> norm sqrt(2 * 4.25) */
+  double norm;
+  ok(clip_grad_norm(ps, 2, 1.0, NULL, &norm));
+  ck_assert_double_eq_tol(norm, sqrt(8.5), 1e-6);
+  double after;
+  ok(clip_grad_norm(ps, 2, 100.0, NULL, &after));
+  ck_assert_double_eq_tol(after, 1.0, 1e-5);
+  optim_free(o);
+  nn_module_free(m);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* ---- Hugging Face config ---- */
+
+static const char *write_tmp(const char *name, const char *text) {
+  static char path[256];
+  snprintf(path, sizeof path, "/tmp/fsdpc_test_%d_%s", (int)getpid(), name);
+  FILE *f = fopen(path, "w");
+  fputs(text, f);
+  fclose(f);
+  return path;
+}
+
+START_TEST(hf_config_parse_and_errors) {
+  llama_config_t c;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_tied_config.json", &c));
+  ck_assert(c.dim == 64 && c.n_layers == 2 && c.n_heads == 4 && c.n_kv_heads == 2 &&
+            c.ffn_dim == 160 && c.vocab_size == 256 && c.max_seq_len == 64 && c.tie_embeddings);
+  ck_assert_double_eq(c.norm_eps, 1e-5);
+  const char *p = write_tmp("cfg.json", "{\"hidden_size\": 64}");
+  ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EFORMAT);
+  ck_assert(strstr(err_detail(), "num_hidden_layers") != NULL);
+  p = write_tmp("cfg.json", "{\"hidden_size\": 64, \"num_hidden_layers\": 1, "
+                            "\"num_attention_heads\": 3, \"intermediate_size\": 8, "
+                            "\"vocab_size\": 10}");
+  ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EINVAL);
+  p = write_tmp("cfg.json", "{\"hidden_size\": 64, \"num_hidden_layers\": 1, "
+                            "\"num_attention_heads\": 4, \"intermediate_size\": 8, "
+                            "\"vocab_size\": 10, \"rope_scaling\": {\"type\": \"linear\"}}");
+  ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EUNSUPPORTED);
+  p = write_tmp("cfg.json", "{\"hidden_size\": \"64\"");
+  ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EFORMAT);
+  ck_assert_int_eq(llama_config_from_hf("/nonexistent/config.json", &c), STATUS_EIO);
+  /* round trip through our writer */
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &c));
+  char out[256];
+  snprintf(out, sizeof out, "/tmp/fsdpc_test_%d_out.json", (int)getpid());
+  ok(llama_config_to_hf(&c, DTYPE_F32, out));
+  llama_config_t back;
+  ok(llama_config_from_hf(out, &back));
+  ck_assert(c.dim == back.dim && c.n_layers == back.n_layers && c.n_heads == back.n_heads &&
+            c.n_kv_heads == back.n_kv_heads && c.ffn_dim == back.ffn_dim &&
+            c.vocab_size == back.vocab_size && c.max_seq_len == back.max_seq_len &&
+            c.rope_theta == back.rope_theta && c.norm_eps == back.norm_eps &&
+            c.tie_embeddings == back.tie_embeddings);
+  remove(out);
+  remove(p);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("nn");
+  TCase *tc = tcase_create("nn");
+  if (world_size() == 1) {
+    tcase_add_test(tc, module_fqns_and_shared_parameters);
+    tcase_add_test(tc, hooks_fire_in_call_order);
+    tcase_add_test(tc, init_normal_statistics);
+    tcase_add_test(tc, data_order_and_dp_split);
+    tcase_add_test(tc, lr_schedule_values);
+    tcase_add_test(tc, adamw_matches_formula_and_groups);
+    tcase_add_test(tc, hf_config_parse_and_errors);
+  }
+  tcase_add_test(tc, init_is_plan_independent);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
