@@ -219,7 +219,7 @@ status_t st_open(st_file_t **out, const char *path) {
   text[n] = '\0';
   if (text[0] != '{' || strlen(text) != n)
     TRY_GOTO(st,
-             err_set(STATUS_EFORMAT, "%s: header does not start with '{' or contains NUL", path));
+             err_set(STATUS_EFORMAT, "%s: header is not a JSON object (no leading '{', or a NUL byte inside)", path));
   f->data_start = 8 + n;
   f->data_size = (uint64_t)size - f->data_start;
   TRY_GOTO(st, parse_header(f, text));
