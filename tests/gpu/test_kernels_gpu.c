@@ -1,0 +1,264 @@
+/*
+ * Every CUDA compute kernel against its CPU twin on the same random inputs: device outputs
+ * are poisoned (NaN) first, sizes are not multiples of the block size, and each kernel runs in
+ * f32 and bf16. Tolerances (relative L2 over each output): 1e-5 in f32 (summation order
+ * differs); 1e-2 in bf16 (one rounding of a differently ordered fp32 sum can move a bf16
+ * value by one unit in the last place). Exits 77 (skip) without a CUDA device.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "base/kernels.h"
+#include "tests/harness.h"
+
+#define MAX_T 6
+
+static void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
+
+typedef struct kcase {
+  const char *name;
+  /* runs the kernel on dev with inputs from rng; fills outs (host f32 copies) */
+  int (*run)(device_t dev, dtype_t dt, tensor_t *outs);
+} kcase_t;
+
+/* A random float tensor on dev (same values on every device for the same seed). */
+static void rnd(tensor_t *t, device_t dev, dtype_t dt, int ndim, const int64_t *shape,
+                unsigned long long seed, double scale) {
+  tensor_t h;
+  ok(tensor_init(&h, dt, device_cpu(), ndim, shape));
+  test_rng_t r = {seed};
+  test_fill_uniform(&h, &r, scale);
+  ok(tensor_clone(t, &h, dt, dev));
+  tensor_free(&h);
+}
+
+static void poisoned(tensor_t *t, device_t dev, dtype_t dt, int ndim, const int64_t *shape) {
+  ok(tensor_init(t, dt, dev, ndim, shape));
+  ok(tensor_fill(t, NAN));
+}
+
+static void ids(tensor_t *t, device_t dev, int64_t n, int64_t V) {
+  tensor_t h;
+  ok(tensor_init(&h, DTYPE_I64, device_cpu(), 1, &n));
+  for (int64_t i = 0; i < n; i++) ((int64_t *)h.data)[i] = (i * 7919) % V;
+  if (n > 3) ((int64_t *)h.data)[3] = -100; /* ignored target (cross-entropy only) */
+  ok(tensor_clone(t, &h, DTYPE_I64, dev));
+  tensor_free(&h);
+}
+
+static void out(tensor_t *dst, tensor_t *t) {
+  ok(tensor_clone(dst, t, DTYPE_F32, device_cpu()));
+  tensor_free(t);
+}
+
+static int k_matmul(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t sa[2] = {37, 53}, sb[2] = {29, 53}, so[2] = {37, 29};
+  tensor_t a, b, c;
+  rnd(&a, dev, dt, 2, sa, 1, 1);
+  rnd(&b, dev, dt, 2, sb, 2, 1);
+  rnd(&c, dev, dt, 2, so, 3, 1);
+  ok(kernel_matmul(&c, &a, false, &b, true, 0.5f, 1.0f)); /* accumulate into random c */
+  tensor_t d;
+  int64_t sd[2] = {53, 29};
+  poisoned(&d, dev, dt, 2, sd);
+  ok(kernel_matmul(&d, &a, true, &c, false, 1.0f, 0.0f));
+  out(&o[0], &c);
+  out(&o[1], &d);
+  tensor_free(&a);
+  tensor_free(&b);
+  return 2;
+}
+
+static int k_embedding(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t st[2] = {61, 33}, so[2] = {45, 33};
+  tensor_t table, id, y, g, dy;
+  rnd(&table, dev, dt, 2, st, 4, 1);
+  ids(&id, dev, 45, 61);
+  ((void)0);
+  tensor_t h;
+  ok(tensor_clone(&h, &id, DTYPE_I64, device_cpu()));
+  ((int64_t *)h.data)[3] = 5; /* embeddings need valid ids everywhere */
+  tensor_free(&id);
+  ok(tensor_clone(&id, &h, DTYPE_I64, dev));
+  tensor_free(&h);
+  poisoned(&y, dev, dt, 2, so);
+  ok(kernel_embedding(&y, &table, &id));
+  rnd(&dy, dev, dt, 2, so, 5, 1);
+  ok(tensor_zeros(&g, DTYPE_F32, dev, 2, st));
+  ok(kernel_embedding_backward(&g, &dy, &id));
+  out(&o[0], &y);
+  out(&o[1], &g);
+  tensor_free(&table);
+  tensor_free(&id);
+  tensor_free(&dy);
+  return 2;
+}
+
+static int k_rmsnorm(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t sx[2] = {37, 333}, sw = 333, rows = 37;
+  tensor_t x, w, y, r, dy, dx, dw;
+  rnd(&x, dev, dt, 2, sx, 6, 2);
+  rnd(&w, dev, dt, 1, &sw, 7, 1);
+  poisoned(&y, dev, dt, 2, sx);
+  poisoned(&r, dev, DTYPE_F32, 1, &rows);
+  ok(kernel_rmsnorm(&y, &r, &x, &w, 1e-5f));
+  rnd(&dy, dev, dt, 2, sx, 8, 1);
+  poisoned(&dx, dev, dt, 2, sx);
+  ok(tensor_zeros(&dw, DTYPE_F32, dev, 1, &sw));
+  ok(kernel_rmsnorm_backward(&dx, &dw, &dy, &x, &w, &r));
+  out(&o[0], &y);
+  out(&o[1], &r);
+  out(&o[2], &dx);
+  out(&o[3], &dw);
+  tensor_free(&x);
+  tensor_free(&w);
+  tensor_free(&dy);
+  return 4;
+}
+
+static int k_rope(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t s[4] = {3, 19, 5, 14};
+  tensor_t x, y, z;
+  rnd(&x, dev, dt, 4, s, 9, 1);
+  poisoned(&y, dev, dt, 4, s);
+  poisoned(&z, dev, dt, 4, s);
+  ok(kernel_rope(&y, &x, 10000.0, 3, false));
+  ok(kernel_rope(&z, &x, 500000.0, 0, true));
+  out(&o[0], &y);
+  out(&o[1], &z);
+  tensor_free(&x);
+  return 2;
+}
+
+static int k_attention(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t sq[4] = {2, 19, 6, 10}, sk[4] = {2, 19, 2, 10}, sl[3] = {2, 6, 19};
+  tensor_t q, k, v, y, lse, dy, dq, dk, dv;
+  rnd(&q, dev, dt, 4, sq, 10, 1);
+  rnd(&k, dev, dt, 4, sk, 11, 1);
+  rnd(&v, dev, dt, 4, sk, 12, 1);
+  poisoned(&y, dev, dt, 4, sq);
+  poisoned(&lse, dev, DTYPE_F32, 3, sl);
+  ok(kernel_attention(&y, &lse, &q, &k, &v));
+  rnd(&dy, dev, dt, 4, sq, 13, 1);
+  poisoned(&dq, dev, dt, 4, sq);
+  poisoned(&dk, dev, dt, 4, sk);
+  poisoned(&dv, dev, dt, 4, sk);
+  ok(kernel_attention_backward(&dq, &dk, &dv, &dy, &q, &k, &v, &y, &lse));
+  out(&o[0], &y);
+  out(&o[1], &lse);
+  out(&o[2], &dq);
+  out(&o[3], &dk);
+  out(&o[4], &dv);
+  tensor_free(&q);
+  tensor_free(&k);
+  tensor_free(&v);
+  tensor_free(&dy);
+  return 5;
+}
+
+static int k_elementwise(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t s[2] = {41, 67};
+  tensor_t g, u, y, dy, dg, du, sum, acc;
+  rnd(&g, dev, dt, 2, s, 14, 4);
+  rnd(&u, dev, dt, 2, s, 15, 1);
+  poisoned(&y, dev, dt, 2, s);
+  ok(kernel_silu_mul(&y, &g, &u));
+  rnd(&dy, dev, dt, 2, s, 16, 1);
+  poisoned(&dg, dev, dt, 2, s);
+  poisoned(&du, dev, dt, 2, s);
+  ok(kernel_silu_mul_backward(&dg, &du, &dy, &g, &u));
+  poisoned(&sum, dev, dt, 2, s);
+  ok(kernel_add(&sum, &g, &u));
+  ok(kernel_scale(&sum, -0.75f));
+  rnd(&acc, dev, DTYPE_F32, 2, s, 17, 1);
+  ok(kernel_axpy(&acc, 0.3f, &g));
+  out(&o[0], &y);
+  out(&o[1], &dg);
+  out(&o[2], &du);
+  out(&o[3], &sum);
+  out(&o[4], &acc);
+  tensor_free(&g);
+  tensor_free(&u);
+  tensor_free(&dy);
+  return 5;
+}
+
+static int k_cross_entropy(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t s[2] = {23, 301}, n = 23;
+  tensor_t logits, tg, losses, d;
+  rnd(&logits, dev, dt, 2, s, 18, 5);
+  ids(&tg, dev, 23, 301);
+  poisoned(&losses, dev, DTYPE_F32, 1, &n);
+  ok(kernel_cross_entropy(&losses, &logits, &tg));
+  poisoned(&d, dev, dt, 2, s);
+  ok(kernel_cross_entropy_backward(&d, &logits, &tg, 1.0f / 22));
+  out(&o[0], &losses);
+  out(&o[1], &d);
+  tensor_free(&logits);
+  tensor_free(&tg);
+  return 2;
+}
+
+static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t n = 1001, one = 1;
+  tensor_t p, g, m, v;
+  rnd(&p, dev, dt, 1, &n, 19, 1);
+  rnd(&g, dev, dt, 1, &n, 20, 1);
+  ok(tensor_zeros(&m, DTYPE_F32, dev, 1, &n));
+  ok(tensor_zeros(&v, DTYPE_F32, dev, 1, &n));
+  for (int step = 1; step <= 3; step++) {
+    adamw_args_t a = {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+                      .weight_decay = 0.1, .step = step};
+    ok(kernel_adamw(&p, &g, &m, &v, &a));
+  }
+  double ss;
+  ok(kernel_sum_squares(&g, &ss));
+  tensor_t s;
+  ok(tensor_init(&s, DTYPE_F32, device_cpu(), 1, &one));
+  ((float *)s.data)[0] = (float)ss;
+  out(&o[0], &p);
+  out(&o[1], &m);
+  out(&o[2], &v);
+  o[3] = s;
+  tensor_free(&g);
+  return 4;
+}
+
+static const kcase_t cases[] = {
+    {"matmul", k_matmul},           {"embedding", k_embedding},
+    {"rmsnorm", k_rmsnorm},         {"rope", k_rope},
+    {"attention", k_attention},     {"silu_mul/add/scale/axpy", k_elementwise},
+    {"cross_entropy", k_cross_entropy}, {"adamw/sum_squares", k_adamw_sumsq},
+};
+
+START_TEST(cuda_kernel_matches_cpu) {
+  const kcase_t *c = &cases[_i / 2];
+  dtype_t dt = _i % 2 ? DTYPE_BF16 : DTYPE_F32;
+  double tol = dt == DTYPE_F32 ? 1e-5 : 1e-2;
+  tensor_t cpu[MAX_T], gpu[MAX_T];
+  int n = c->run(device_cpu(), dt, cpu);
+  ck_assert_int_eq(c->run(world_device(), dt, gpu), n);
+  for (int i = 0; i < n; i++) {
+    double e = test_rel_l2(&gpu[i], &cpu[i]);
+    ck_assert_msg(e <= tol, "%s (%s) output %d: CUDA vs CPU relative error %.3g", c->name,
+                  dtype_name(dt), i, e);
+    tensor_free(&cpu[i]);
+    tensor_free(&gpu[i]);
+  }
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("kernels_gpu");
+  TCase *tc = tcase_create("cuda_vs_cpu");
+  if (world_device().type != DEVICE_CUDA) {
+    harness_skip("no CUDA device");
+  } else {
+    tcase_add_loop_test(tc, cuda_kernel_matches_cpu, 0, 2 * (int)(sizeof cases / sizeof cases[0]));
+  }
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
