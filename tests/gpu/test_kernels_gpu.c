@@ -14,7 +14,9 @@
 
 #define MAX_T 6
 
-static void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
+static void ok(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
 
 typedef struct kcase {
   const char *name;
@@ -208,8 +210,8 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
   ok(tensor_zeros(&m, DTYPE_F32, dev, 1, &n));
   ok(tensor_zeros(&v, DTYPE_F32, dev, 1, &n));
   for (int step = 1; step <= 3; step++) {
-    adamw_args_t a = {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
-                      .weight_decay = 0.1, .step = step};
+    adamw_args_t a = {
+        .lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = step};
     ok(kernel_adamw(&p, &g, &m, &v, &a));
   }
   double ss;
@@ -226,10 +228,14 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
 }
 
 static const kcase_t cases[] = {
-    {"matmul", k_matmul},           {"embedding", k_embedding},
-    {"rmsnorm", k_rmsnorm},         {"rope", k_rope},
-    {"attention", k_attention},     {"silu_mul/add/scale/axpy", k_elementwise},
-    {"cross_entropy", k_cross_entropy}, {"adamw/sum_squares", k_adamw_sumsq},
+    {"matmul", k_matmul},
+    {"embedding", k_embedding},
+    {"rmsnorm", k_rmsnorm},
+    {"rope", k_rope},
+    {"attention", k_attention},
+    {"silu_mul/add/scale/axpy", k_elementwise},
+    {"cross_entropy", k_cross_entropy},
+    {"adamw/sum_squares", k_adamw_sumsq},
 };
 
 START_TEST(cuda_kernel_matches_cpu) {

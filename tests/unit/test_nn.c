@@ -17,7 +17,9 @@
 #include "nn/optim.h"
 #include "tests/harness.h"
 
-static void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
+static void ok(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
 
 static mesh_t *local_mesh(void) {
   mesh_t *m;
@@ -321,13 +323,15 @@ START_TEST(hf_config_parse_and_errors) {
   const char *p = write_tmp("cfg.json", "{\"hidden_size\": 64}");
   ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EFORMAT);
   ck_assert(strstr(err_detail(), "num_hidden_layers") != NULL);
-  p = write_tmp("cfg.json", "{\"hidden_size\": 64, \"num_hidden_layers\": 1, "
-                            "\"num_attention_heads\": 3, \"intermediate_size\": 8, "
-                            "\"vocab_size\": 10}");
+  p = write_tmp("cfg.json",
+                "{\"hidden_size\": 64, \"num_hidden_layers\": 1, "
+                "\"num_attention_heads\": 3, \"intermediate_size\": 8, "
+                "\"vocab_size\": 10}");
   ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EINVAL);
-  p = write_tmp("cfg.json", "{\"hidden_size\": 64, \"num_hidden_layers\": 1, "
-                            "\"num_attention_heads\": 4, \"intermediate_size\": 8, "
-                            "\"vocab_size\": 10, \"rope_scaling\": {\"type\": \"linear\"}}");
+  p = write_tmp("cfg.json",
+                "{\"hidden_size\": 64, \"num_hidden_layers\": 1, "
+                "\"num_attention_heads\": 4, \"intermediate_size\": 8, "
+                "\"vocab_size\": 10, \"rope_scaling\": {\"type\": \"linear\"}}");
   ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EUNSUPPORTED);
   p = write_tmp("cfg.json", "{\"hidden_size\": \"64\"");
   ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EFORMAT);

@@ -14,7 +14,9 @@
 #define MAX_IN 3
 #define MAX_PARAMS 2
 
-static void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
+static void ok(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
 
 typedef struct fd_case {
   const char *name;
@@ -35,7 +37,8 @@ static double weighted_sum(const tensor_t *y, const tensor_t *r) {
   tensor_t h;
   ok(tensor_clone(&h, y, DTYPE_F32, device_cpu()));
   double s = 0;
-  for (int64_t i = 0; i < tensor_numel(y); i++) s += (double)((float *)h.data)[i] * ((float *)r->data)[i];
+  for (int64_t i = 0; i < tensor_numel(y); i++)
+    s += (double)((float *)h.data)[i] * ((float *)r->data)[i];
   tensor_free(&h);
   return s;
 }
@@ -71,8 +74,10 @@ static void check_tensor(const fd_case_t *c, const char *what, nn_ctx_t *ctx, nn
     double lm = eval(c, ctx, in, p, r);
     xv[i] = orig;
     double fd = (lp - lm) / (2 * h), an = ((float *)gh.data)[i];
-    ck_assert_msg(fabs(fd - an) <= 1e-3 + 3e-3 * fabs(fd), "%s: d/d%s[%lld]: backward %.6g, "
-                  "finite difference %.6g", c->name, what, (long long)i, an, fd);
+    ck_assert_msg(fabs(fd - an) <= 1e-3 + 3e-3 * fabs(fd),
+                  "%s: d/d%s[%lld]: backward %.6g, "
+                  "finite difference %.6g",
+                  c->name, what, (long long)i, an, fd);
   }
   tensor_free(&gh);
 }
@@ -207,11 +212,27 @@ static const fd_case_t cases[] = {
     {"embedding", 1, {2}, {{2, 3}}, {false}, 1, {2}, {{7, 5}}, b_embedding, fill_ids},
     {"rmsnorm", 1, {2}, {{3, 8}}, {true}, 1, {1}, {{8}}, b_rmsnorm, NULL},
     {"rope", 1, {4}, {{2, 5, 3, 6}}, {true}, 0, {0}, {{0}}, b_rope, NULL},
-    {"attention", 3, {4, 4, 4}, {{2, 5, 4, 6}, {2, 5, 2, 6}, {2, 5, 2, 6}}, {true, true, true},
-     0, {0}, {{0}}, b_attention, NULL},
+    {"attention",
+     3,
+     {4, 4, 4},
+     {{2, 5, 4, 6}, {2, 5, 2, 6}, {2, 5, 2, 6}},
+     {true, true, true},
+     0,
+     {0},
+     {{0}},
+     b_attention,
+     NULL},
     {"silu_mul", 2, {2, 2}, {{3, 7}, {3, 7}}, {true, true}, 0, {0}, {{0}}, b_silu_mul, NULL},
     {"add_scale_view", 1, {2}, {{3, 4}}, {true}, 0, {0}, {{0}}, b_add_scale_view, NULL},
-    {"cross_entropy", 2, {2, 1}, {{6, 9}, {6}}, {true, false}, 0, {0}, {{0}}, b_cross_entropy,
+    {"cross_entropy",
+     2,
+     {2, 1},
+     {{6, 9}, {6}},
+     {true, false},
+     0,
+     {0},
+     {{0}},
+     b_cross_entropy,
      fill_targets},
 };
 

@@ -13,7 +13,9 @@
 #include "nn/llama.h"
 #include "tests/harness.h"
 
-static void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
+static void ok(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
 
 static char tmp_path[256];
 static const char *tmp(const char *name) {
@@ -111,20 +113,24 @@ static void expect_refused(const char *header, size_t data_len, const char *need
 
 START_TEST(malformed_files_are_refused) {
   expect_refused("[1,2]", 0, "JSON object");
-  expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 4, "truncated");
+  expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 4,
+                 "truncated");
   expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8, "need");
   expect_refused("{\"a\":{\"dtype\":\"Q7\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, "Q7");
   expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8, "shape");
-  expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-                 "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
-                 12, "overlapping");
-  expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-                 "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[12,16]}}",
-                 16, "non-contiguous");
+  expect_refused(
+      "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+      "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
+      12, "overlapping");
+  expect_refused(
+      "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+      "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[12,16]}}",
+      16, "non-contiguous");
   expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 12, "cover");
-  expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-                 "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}",
-                 16, "twice");
+  expect_refused(
+      "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+      "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}",
+      16, "twice");
   expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[2]}}", 8, "data_offsets");
   expect_refused("{\"__metadata__\":{\"k\":3}}", 0, "__metadata__");
   /* a header length beyond the limit, and one beyond the file */

@@ -1,0 +1,70 @@
+/*
+ * Peak memory of one forward + backward with and without activation checkpointing, and a
+ * check that the gradients are bit-identical.
+ *
+ *   bench-ac-memory [--config configs/llama-small.json] [--batch 4] [--seq 128]
+ *                   [--device cpu|cuda] [--dtype f32|bf16]
+ */
+#include "bench/bench_util.h"
+#include "mesh/world.h"
+
+int main(int argc, char **argv) {
+  BENCH_TRY(world_init(&argc, &argv));
+  const char *cfg_path = bench_opt(argc, argv, "--config", SOURCE_ROOT "/configs/llama-small.json");
+  data_spec_t spec = {.batch_size = atoll(bench_opt(argc, argv, "--batch", "4")),
+                      .seq_len = atoll(bench_opt(argc, argv, "--seq", "128")),
+                      .grad_accum = 1,
+                      .dp_size = 1};
+  llama_config_t cfg;
+  BENCH_TRY(llama_config_from_hf(cfg_path, &cfg));
+  llama_options_t opt = LLAMA_OPTIONS_INIT;
+  opt.device =
+      strcmp(bench_opt(argc, argv, "--device", "cpu"), "cuda") == 0 ? DEVICE_CUDA : DEVICE_CPU;
+  BENCH_TRY(dtype_parse(bench_opt(argc, argv, "--dtype", "f32"), &opt.dtype));
+  data_t *d;
+  BENCH_TRY(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  llama_t *m[2];
+  size_t peak[2], params = 0;
+  double secs[2];
+  for (int k = 0; k < 2; k++) {
+    opt.activation_checkpointing = k == 1;
+    BENCH_TRY(llama_new(&m[k], &cfg, &opt));
+    BENCH_TRY(llama_init_weights(m[k], 7));
+    device_t dev = mesh_device(llama_local_mesh(m[k]));
+    nn_ctx_t *ctx;
+    BENCH_TRY(nn_ctx_new(&ctx));
+    size_t base = mem_stats(dev).current;
+    mem_reset_peak(dev);
+    double t = bench_now();
+    bench_fwd_bwd(ctx, m[k], d, &spec, 0, 0);
+    BENCH_TRY(device_stream_sync(dev));
+    secs[k] = bench_now() - t;
+    peak[k] = mem_stats(dev).peak - base;
+    if (k == 0) params = base;
+    nn_ctx_free(ctx);
+  }
+  nn_param_t **p0, **p1;
+  int n0, n1, same = 1;
+  BENCH_TRY(nn_named_parameters(llama_module(m[0]), &p0, &n0));
+  BENCH_TRY(nn_named_parameters(llama_module(m[1]), &p1, &n1));
+  for (int i = 0; i < n0; i++) {
+    bool eq = false;
+    BENCH_TRY(tensor_equal(dtensor_local(p0[i]->grad), dtensor_local(p1[i]->grad), &eq));
+    same &= eq;
+  }
+  printf("model %lld params (%zu bytes resident before the step), batch %lld x %lld\n",
+         (long long)llama_num_params(&cfg), params, (long long)spec.batch_size,
+         (long long)spec.seq_len);
+  printf("peak above resident, no checkpointing:   %10.2f MiB  (%.3f s)\n",
+         (double)peak[0] / 1048576.0, secs[0]);
+  printf("peak above resident, with checkpointing: %10.2f MiB  (%.3f s)\n",
+         (double)peak[1] / 1048576.0, secs[1]);
+  printf("gradients bit-identical: %s\n", same ? "yes" : "NO");
+  free(p0);
+  free(p1);
+  llama_free(m[0]);
+  llama_free(m[1]);
+  data_free(d);
+  world_finalize();
+  return same && peak[1] < peak[0] ? 0 : 1;
+}

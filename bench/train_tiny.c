@@ -1,0 +1,96 @@
+/*
+ * Single-process training of a small Llama on the bundled corpus: prints the loss curve and
+ * tokens per second.
+ *
+ *   bench-train-tiny [--config configs/llama-tiny.json] [--data data/corpus.txt]
+ *                    [--steps 300] [--batch 8] [--seq 64] [--accum 1] [--lr 3e-3]
+ *                    [--device cpu|cuda] [--dtype f32|bf16] [--ac] [--every 25]
+ */
+#include <math.h>
+
+#include "bench/bench_util.h"
+#include "mesh/world.h"
+#include "nn/optim.h"
+
+int main(int argc, char **argv) {
+  BENCH_TRY(world_init(&argc, &argv));
+  const char *cfg_path = bench_opt(argc, argv, "--config", SOURCE_ROOT "/configs/llama-tiny.json");
+  const char *data_path = bench_opt(argc, argv, "--data", SOURCE_ROOT "/data/corpus.txt");
+  int64_t steps = atoll(bench_opt(argc, argv, "--steps", "300"));
+  int64_t every = atoll(bench_opt(argc, argv, "--every", "25"));
+  data_spec_t spec = {.batch_size = atoll(bench_opt(argc, argv, "--batch", "8")),
+                      .seq_len = atoll(bench_opt(argc, argv, "--seq", "64")),
+                      .grad_accum = atoll(bench_opt(argc, argv, "--accum", "1")),
+                      .dp_size = 1,
+                      .dp_rank = 0};
+  llama_config_t cfg;
+  BENCH_TRY(llama_config_from_hf(cfg_path, &cfg));
+  llama_options_t opt = LLAMA_OPTIONS_INIT;
+  opt.device =
+      strcmp(bench_opt(argc, argv, "--device", "cpu"), "cuda") == 0 ? DEVICE_CUDA : DEVICE_CPU;
+  BENCH_TRY(dtype_parse(bench_opt(argc, argv, "--dtype", "f32"), &opt.dtype));
+  opt.activation_checkpointing = bench_flag(argc, argv, "--ac");
+  llama_t *m;
+  BENCH_TRY(llama_new(&m, &cfg, &opt));
+  BENCH_TRY(llama_init_weights(m, 1234));
+  data_t *d;
+  BENCH_TRY(data_open(&d, data_path, DATA_BYTES));
+  if (data_max_token(d) >= cfg.vocab_size) {
+    fprintf(stderr, "%s: token %lld outside the vocabulary of %lld\n", data_path,
+            (long long)data_max_token(d), (long long)cfg.vocab_size);
+    return 1;
+  }
+  nn_param_t **ps;
+  int n;
+  BENCH_TRY(nn_named_parameters(llama_module(m), &ps, &n));
+  adamw_config_t acfg = ADAMW_CONFIG_INIT;
+  acfg.lr = atof(bench_opt(argc, argv, "--lr", "3e-3"));
+  acfg.beta2 = 0.95;
+  acfg.weight_decay = 0.1;
+  acfg.groups[acfg.n_groups++] = (adamw_group_t){"*norm*", -1, 0.0};
+  lr_schedule_t sched = {.warmup_steps = steps / 10, .total_steps = steps, .min_ratio = 0.1};
+  optim_t *o;
+  BENCH_TRY(optim_new(&o, ps, n, &acfg));
+  nn_ctx_t *ctx;
+  BENCH_TRY(nn_ctx_new(&ctx));
+  printf(
+      "model: %lld parameters, %lld layers, dim %lld; batch %lld x %lld tokens, accum %lld, "
+      "%s %s%s\n",
+      (long long)llama_num_params(&cfg), (long long)cfg.n_layers, (long long)cfg.dim,
+      (long long)spec.batch_size, (long long)spec.seq_len, (long long)spec.grad_accum,
+      opt.device == DEVICE_CUDA ? "cuda" : "cpu", dtype_name(opt.dtype),
+      opt.activation_checkpointing ? ", activation checkpointing" : "");
+  printf("%6s %10s %10s %12s\n", "step", "loss", "grad_norm", "tokens/s");
+  double t0 = bench_now(), window = t0, first = 0, last = 0, avg = 0;
+  int64_t tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum;
+  for (int64_t s = 0; s < steps; s++) {
+    optim_zero_grad(o);
+    double loss = 0;
+    for (int64_t k = 0; k < spec.grad_accum; k++)
+      loss += bench_fwd_bwd(ctx, m, d, &spec, s, k) / (double)spec.grad_accum;
+    double norm;
+    BENCH_TRY(clip_grad_norm(ps, n, 1.0, NULL, &norm));
+    BENCH_TRY(optim_step(o, lr_schedule_factor(&sched, s)));
+    if (s == 0) first = loss;
+    avg = s == 0 ? loss : 0.9 * avg + 0.1 * loss;
+    last = loss;
+    if ((s + 1) % every == 0 || s == 0 || s + 1 == steps) {
+      BENCH_TRY(device_stream_sync(mesh_device(llama_local_mesh(m))));
+      double now = bench_now();
+      int64_t done = s == 0 ? 1 : ((s + 1) % every == 0 ? every : (s + 1) % every);
+      printf("%6lld %10.4f %10.4f %12.0f\n", (long long)s, loss, norm,
+             (double)(done * tokens_per_step) / (now - window));
+      window = now;
+    }
+  }
+  double total = bench_now() - t0;
+  printf("loss %.4f -> %.4f (smoothed %.4f); %.0f tokens/s over %lld steps (%.1f s)\n", first, last,
+         avg, (double)(steps * tokens_per_step) / total, (long long)steps, total);
+  nn_ctx_free(ctx);
+  optim_free(o);
+  free(ps);
+  data_free(d);
+  llama_free(m);
+  world_finalize();
+  return avg < first ? 0 : 1;
+}
