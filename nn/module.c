@@ -17,6 +17,7 @@ struct nn_module {
   nn_module_t **children;
   int n_children, cap_children;
   nn_param_t **params; /* owned and shared */
+  bool *owns;          /* owns[i]: params[i] was added here (read without touching params[i]) */
   int n_params, cap_params;
   hook_t *hooks[NN_HOOK_COUNT];
   int n_hooks[NN_HOOK_COUNT];
@@ -69,10 +70,11 @@ void nn_module_free(nn_module_t *m) {
   if (m == NULL) return;
   for (int i = 0; i < m->n_children; i++) nn_module_free(m->children[i]);
   for (int i = 0; i < m->n_params; i++)
-    if (m->params[i]->owner == m) param_free(m->params[i]);
+    if (m->owns[i]) param_free(m->params[i]);
   for (int k = 0; k < NN_HOOK_COUNT; k++) free(m->hooks[k]);
   free(m->children);
   free(m->params);
+  free(m->owns);
   free(m->name);
   free(m->fqn);
   free(m);
@@ -96,7 +98,16 @@ status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child) {
 static status_t attach_param(nn_module_t *m, nn_param_t *p) {
   if (nn_module_param_named(m, p->name) != NULL)
     return err_set(STATUS_EINVAL, "module '%s' already has a parameter '%s'", m->name, p->name);
-  TRY(grow((void **)&m->params, m->n_params, &m->cap_params, sizeof(nn_param_t *)));
+  if (m->n_params == m->cap_params) {
+    int nc = m->cap_params ? 2 * m->cap_params : 4;
+    nn_param_t **ps = realloc(m->params, sizeof(nn_param_t *) * (size_t)nc);
+    if (ps != NULL) m->params = ps;
+    bool *os = ps ? realloc(m->owns, sizeof(bool) * (size_t)nc) : NULL;
+    if (os == NULL) return err_set(STATUS_ENOMEM, "module: out of host memory");
+    m->owns = os;
+    m->cap_params = nc;
+  }
+  m->owns[m->n_params] = p->owner == m;
   m->params[m->n_params++] = p;
   return STATUS_OK;
 }

@@ -31,8 +31,11 @@ case "${1:-}" in
       for d in "$debs"/*.deb; do dpkg -x "$d" "$root"; done
     fi
     export PATH="$root/usr/bin:/usr/local/cuda/bin:$PATH"
-    export LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu:$root/usr/lib/x86_64-linux-gnu/openmpi/lib:${LD_LIBRARY_PATH:-}"
-    export PKG_CONFIG_PATH="$root/usr/lib/x86_64-linux-gnu/pkgconfig:$root/usr/share/pkgconfig"
+    # dpkg -x does not run update-alternatives: point at OpenBLAS's own directory
+    export LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu:$root/usr/lib/x86_64-linux-gnu/openmpi/lib:$root/usr/lib/x86_64-linux-gnu/openblas-pthread:${LD_LIBRARY_PATH:-}"
+    export PKG_CONFIG_PATH="$root/usr/lib/x86_64-linux-gnu/pkgconfig:$root/usr/share/pkgconfig:$root/usr/lib/x86_64-linux-gnu/openblas-pthread/pkgconfig"
+    # the .pc files name /usr/...: make pkg-config prefix every path with the unpack root
+    export PKG_CONFIG_SYSROOT_DIR="$root"
     export PYTHONPATH="$root/usr/lib/python3/dist-packages:${PYTHONPATH:-}"
     export OPAL_PREFIX="$root/usr"
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
