@@ -10,17 +10,13 @@
 
 int main(int argc, char **argv) {
   BENCH_TRY(world_init(&argc, &argv));
-  const char *cfg_path = bench_opt(argc, argv, "--config", SOURCE_ROOT "/configs/llama-small.json");
   data_spec_t spec = {.batch_size = atoll(bench_opt(argc, argv, "--batch", "4")),
                       .seq_len = atoll(bench_opt(argc, argv, "--seq", "128")),
                       .grad_accum = 1,
                       .dp_size = 1};
   llama_config_t cfg;
-  BENCH_TRY(llama_config_from_hf(cfg_path, &cfg));
-  llama_options_t opt = LLAMA_OPTIONS_INIT;
-  opt.device =
-      strcmp(bench_opt(argc, argv, "--device", "cpu"), "cuda") == 0 ? DEVICE_CUDA : DEVICE_CPU;
-  BENCH_TRY(dtype_parse(bench_opt(argc, argv, "--dtype", "f32"), &opt.dtype));
+  llama_options_t opt;
+  bench_model(argc, argv, SOURCE_ROOT "/configs/llama-small.json", &cfg, &opt);
   data_t *d;
   BENCH_TRY(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
   llama_t *m[2];

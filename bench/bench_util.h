@@ -40,6 +40,22 @@ static inline int bench_flag(int argc, char **argv, const char *name) {
   return 0;
 }
 
+/* The model config (--config, default def_config) and options (--device cpu|cuda,
+ * --dtype f32|bf16|f16, --ac). */
+static inline void bench_model(int argc, char **argv, const char *def_config, llama_config_t *cfg,
+                               llama_options_t *opt) {
+  BENCH_TRY(llama_config_from_hf(bench_opt(argc, argv, "--config", def_config), cfg));
+  *opt = (llama_options_t)LLAMA_OPTIONS_INIT;
+  const char *dev = bench_opt(argc, argv, "--device", "cpu");
+  if (strcmp(dev, "cpu") != 0 && strcmp(dev, "cuda") != 0) {
+    fprintf(stderr, "--device must be cpu or cuda, got '%s'\n", dev);
+    exit(2);
+  }
+  opt->device = strcmp(dev, "cuda") == 0 ? DEVICE_CUDA : DEVICE_CPU;
+  BENCH_TRY(dtype_parse(bench_opt(argc, argv, "--dtype", "f32"), &opt->dtype));
+  opt->activation_checkpointing = bench_flag(argc, argv, "--ac");
+}
+
 /* Forward, loss and backward of one micro-batch; returns the loss. */
 static inline double bench_fwd_bwd(nn_ctx_t *ctx, llama_t *m, const data_t *d,
                                    const data_spec_t *spec, int64_t step, int64_t micro) {

@@ -14,7 +14,6 @@
 
 int main(int argc, char **argv) {
   BENCH_TRY(world_init(&argc, &argv));
-  const char *cfg_path = bench_opt(argc, argv, "--config", SOURCE_ROOT "/configs/llama-tiny.json");
   const char *data_path = bench_opt(argc, argv, "--data", SOURCE_ROOT "/data/corpus.txt");
   int64_t steps = atoll(bench_opt(argc, argv, "--steps", "300"));
   int64_t every = atoll(bench_opt(argc, argv, "--every", "25"));
@@ -24,12 +23,8 @@ int main(int argc, char **argv) {
                       .dp_size = 1,
                       .dp_rank = 0};
   llama_config_t cfg;
-  BENCH_TRY(llama_config_from_hf(cfg_path, &cfg));
-  llama_options_t opt = LLAMA_OPTIONS_INIT;
-  opt.device =
-      strcmp(bench_opt(argc, argv, "--device", "cpu"), "cuda") == 0 ? DEVICE_CUDA : DEVICE_CPU;
-  BENCH_TRY(dtype_parse(bench_opt(argc, argv, "--dtype", "f32"), &opt.dtype));
-  opt.activation_checkpointing = bench_flag(argc, argv, "--ac");
+  llama_options_t opt;
+  bench_model(argc, argv, SOURCE_ROOT "/configs/llama-tiny.json", &cfg, &opt);
   llama_t *m;
   BENCH_TRY(llama_new(&m, &cfg, &opt));
   BENCH_TRY(llama_init_weights(m, 1234));

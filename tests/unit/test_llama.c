@@ -115,7 +115,7 @@ static void check_step0(const char *tag, bool ac) {
   step_fwd_bwd(m, d, &spec, 0, ctx, &logits, &loss);
 
   golden(g, "logits", &ref);
-  double e = test_rel_l2(&logits, &ref);
+  double e = test_rel_l2(&logits, &ref), worst_grad = 0;
   ck_assert_msg(e <= mode.tol_logits, "%s logits: relative error %.3g", tag, e);
   tensor_free(&ref);
   golden(g, "loss", &ref);
@@ -135,8 +135,12 @@ static void check_step0(const char *tag, bool ac) {
     ck_assert_msg(ps[i]->grad != NULL, "%s has no gradient", ps[i]->fqn);
     e = test_rel_l2(dtensor_local(ps[i]->grad), &ref);
     ck_assert_msg(e <= mode.tol_grad, "%s: gradient relative L2 error %.3g", name, e);
+    worst_grad = e > worst_grad ? e : worst_grad;
     tensor_free(&ref);
   }
+  if (getenv("FSDPC_TEST_VERBOSE"))
+    printf("%s%s: loss %.8f (torch %.8f), worst gradient relative L2 %.3g\n", tag,
+           ac ? " (checkpointed)" : "", loss, want, worst_grad);
   free(ps);
   tensor_free(&logits);
   nn_ctx_free(ctx);
@@ -198,6 +202,9 @@ static void check_training(const char *tag) {
   ck_assert_int_eq(tensor_numel(&ref), STEPS);
   for (int s = 0; s < STEPS; s++) {
     double want = ((float *)ref.data)[s];
+    if (getenv("FSDPC_TEST_VERBOSE"))
+      printf("%s step %d: loss %.7f torch %.7f rel %.2g\n", tag, s, losses[s], want,
+             fabs(losses[s] - want) / want);
     ck_assert_msg(fabs(losses[s] - want) <= mode.tol_losses * fabs(want),
                   "%s step %d: loss %.8f, torch %.8f", tag, s, losses[s], want);
   }
@@ -267,8 +274,8 @@ static Suite *make_suite(void) {
   if (test_argc() > 2 && strcmp(test_argv()[2], "bf16") == 0) {
     mode.dtype = DTYPE_BF16;
     mode.tol_logits = 3e-2;
-    mode.tol_grad = 1e-1;
-    mode.tol_losses = 2e-2;
+    mode.tol_grad = 5e-2;
+    mode.tol_losses = 1e-2;
   }
   tcase_add_test(tc, forward_backward_untied);
   tcase_add_test(tc, forward_backward_tied);

@@ -232,6 +232,31 @@ START_TEST(data_order_and_dp_split) {
   tensor_free(&gt);
   data_free(d);
   ck_assert_int_eq(data_open(&d, "/nonexistent/tokens.bin", DATA_U16), STATUS_EIO);
+  /* uint16 tokens, little-endian */
+  char path[256];
+  snprintf(path, sizeof path, "/tmp/fsdpc_test_%d_tokens.bin", (int)getpid());
+  FILE *fp = fopen(path, "wb");
+  for (int i = 0; i < 40; i++) {
+    unsigned v = 1000u + 517u * (unsigned)i;
+    fputc((int)(v & 0xff), fp);
+    fputc((int)(v >> 8), fp);
+  }
+  fclose(fp);
+  ok(data_open(&d, path, DATA_U16));
+  ck_assert_int_eq(data_num_tokens(d), 40);
+  ck_assert_int_eq(data_max_token(d), 1000 + 517 * 39);
+  data_spec_t u = {.batch_size = 1, .seq_len = 4, .grad_accum = 1, .dp_size = 1};
+  ok(data_batch(d, &u, 2, 0, &gi, &gt)); /* starts at 2 * 4 = 8 */
+  ck_assert_int_eq(((int64_t *)gi.data)[0], 1000 + 517 * 8);
+  ck_assert_int_eq(((int64_t *)gt.data)[3], 1000 + 517 * 12);
+  tensor_free(&gi);
+  tensor_free(&gt);
+  data_free(d);
+  fp = fopen(path, "ab");
+  fputc(1, fp); /* an odd byte count is not a uint16 file */
+  fclose(fp);
+  ck_assert_int_eq(data_open(&d, path, DATA_U16), STATUS_EFORMAT);
+  remove(path);
 }
 END_TEST
 

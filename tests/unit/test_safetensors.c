@@ -147,6 +147,29 @@ START_TEST(malformed_files_are_refused) {
 }
 END_TEST
 
+/* Dtypes tensors cannot hold (U8 here) are listed and readable as raw bytes. */
+START_TEST(other_dtypes_read_raw) {
+  const char *h = "{\"u\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[0,3]}}";
+  const char *path = raw_file(h, strlen(h), 3);
+  st_file_t *f;
+  ok(st_open(&f, path));
+  const st_info_t *u = st_find(f, "u");
+  ck_assert_str_eq(u->dtype_name, "U8");
+  ck_assert_int_eq(u->dtype, DTYPE_COUNT);
+  unsigned char buf[3] = {9, 9, 9};
+  ok(st_read_raw(f, "u", buf, 3));
+  ck_assert(buf[0] == 0 && buf[2] == 0);
+  ck_assert_int_eq(st_read_raw(f, "u", buf, 2), STATUS_ESHAPE);
+  tensor_t t;
+  int64_t n = 3;
+  ok(tensor_init(&t, DTYPE_F32, device_cpu(), 1, &n));
+  ck_assert_int_eq(st_read(f, "u", &t), STATUS_EDTYPE);
+  tensor_free(&t);
+  st_close(f);
+  remove(path);
+}
+END_TEST
+
 /* Weights by HF name: the reference init file loads; missing, unexpected and misshapen
  * tensors are refused by name. */
 START_TEST(model_weights_load_and_save) {
@@ -201,6 +224,7 @@ static Suite *make_suite(void) {
   TCase *tc = tcase_create("safetensors");
   tcase_add_test(tc, round_trip_all_dtypes);
   tcase_add_test(tc, malformed_files_are_refused);
+  tcase_add_test(tc, other_dtypes_read_raw);
   tcase_add_test(tc, model_weights_load_and_save);
   suite_add_tcase(s, tc);
   return s;
