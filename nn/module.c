@@ -22,6 +22,7 @@ struct nn_module {
   hook_t *hooks[NN_HOOK_COUNT];
   int n_hooks[NN_HOOK_COUNT];
   bool checkpoint;
+  void *ext;
 };
 
 /* Grows *arr (of elem bytes) to hold one more element. */
@@ -191,6 +192,8 @@ status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind)
 }
 
 void nn_module_set_checkpoint(nn_module_t *m, bool enabled) { m->checkpoint = enabled; }
+void nn_module_set_ext(nn_module_t *m, void *ext) { m->ext = ext; }
+void *nn_module_ext(const nn_module_t *m) { return m->ext; }
 bool nn_module_checkpoint(const nn_module_t *m) { return m->checkpoint; }
 const char *nn_module_name(const nn_module_t *m) { return m->name; }
 const char *nn_module_fqn(const nn_module_t *m) { return m->fqn ? m->fqn : m->name; }

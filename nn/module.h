@@ -130,6 +130,11 @@ status_t nn_param_ensure_grad(nn_param_t *p);
 /* Drops p's gradient (grad and compute_grad). */
 void nn_param_zero_grad(nn_param_t *p);
 
+/* One slot of extension state per module (fully_shard keeps its parameter group here);
+ * not owned by the module. */
+void nn_module_set_ext(nn_module_t *m, void *ext);
+void *nn_module_ext(const nn_module_t *m);
+
 /* Runs m's hooks of one kind (used by the tape and by fully_shard's explicit calls). */
 status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind);
 

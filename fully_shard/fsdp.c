@@ -1,0 +1,398 @@
+#include "fully_shard/fsdp.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/kernels.h"
+
+typedef struct fsdp_param {
+  nn_param_t *p;
+  int64_t n0;      /* global rows */
+  int64_t rows;    /* padded rows per rank: ceil(n0 / W) */
+  int64_t row;     /* elements per row */
+  int64_t offset;  /* in the flat all-gather buffer of one rank, elements */
+  tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype */
+} fsdp_param_t;
+
+struct fsdp_group {
+  nn_module_t *module;
+  fsdp_param_t *params;
+  int n;
+  int64_t flat; /* elements per rank in the all-gather buffer */
+  mesh_t *mesh;
+  pg_t *shard, *replicate; /* replicate: NULL without HSDP */
+  int W, rank;
+  fsdp_options_t opt;
+  dtype_t param_dtype, reduce_dtype;
+  int reshard_after_forward; /* resolved on the first forward */
+  bool initialised, is_root, unsharded;
+};
+
+fsdp_group_t *fsdp_group_of(const nn_module_t *m) { return nn_module_ext(m); }
+bool fsdp_is_unsharded(const fsdp_group_t *g) { return g->unsharded; }
+int fsdp_reshard_after_forward(const fsdp_group_t *g) { return g->reshard_after_forward; }
+int fsdp_num_params(const fsdp_group_t *g) { return g->n; }
+int64_t fsdp_flat_numel(const fsdp_group_t *g) { return g->flat; }
+
+/* ---- sharding ---- */
+
+typedef struct plist {
+  nn_param_t **p;
+  int n, cap;
+} plist_t;
+
+static status_t collect(const nn_module_t *m, plist_t *l) {
+  for (int i = 0; i < nn_module_num_params(m); i++) {
+    nn_param_t *p = nn_module_param(m, i);
+    if (p->external) continue; /* claimed by an inner fully_shard (or other hooks) */
+    bool seen = false;
+    for (int j = 0; j < l->n && !seen; j++) seen = l->p[j] == p;
+    if (seen) continue;
+    if (l->n == l->cap) {
+      int nc = l->cap ? 2 * l->cap : 16;
+      nn_param_t **np = realloc(l->p, sizeof(nn_param_t *) * (size_t)nc);
+      if (np == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+      l->p = np;
+      l->cap = nc;
+    }
+    l->p[l->n++] = p;
+  }
+  for (int i = 0; i < nn_module_num_children(m); i++) TRY(collect(nn_module_child(m, i), l));
+  return STATUS_OK;
+}
+
+static status_t check_param(const nn_param_t *p, const mesh_t *mesh) {
+  const dtensor_t *v = p->value;
+  const mesh_t *pm = dtensor_mesh(v);
+  for (int i = 0; i < mesh_ndim(pm); i++)
+    if (dtensor_placements(v)[i].kind != PLACEMENT_REPLICATE || mesh_size(pm, i) != 1)
+      return err_set(STATUS_EINVAL, "fully_shard: parameter %s is already distributed", p->fqn);
+  if (dtensor_ndim(v) < 1)
+    return err_set(STATUS_ESHAPE,
+                   "fully_shard: parameter %s is a scalar; sharding needs at "
+                   "least one dimension",
+                   p->fqn);
+  if (!device_equal(dtensor_local(v)->device, mesh_device(mesh))) {
+    char a[16], b[16];
+    return err_set(STATUS_EINVAL, "fully_shard: parameter %s is on %s, the mesh on %s", p->fqn,
+                   device_str(dtensor_local(v)->device, a, sizeof a),
+                   device_str(mesh_device(mesh), b, sizeof b));
+  }
+  return STATUS_OK;
+}
+
+/* Replaces p's value with its Shard(0) DTensor on the group's mesh. */
+static status_t shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
+  nn_param_t *p = fp->p;
+  const tensor_t *full = dtensor_local(p->value);
+  int nd = full->ndim;
+  fp->n0 = full->shape[0];
+  fp->rows = chunk_size(fp->n0, g->W);
+  fp->row = fp->n0 ? tensor_numel(full) / fp->n0 : 0;
+  int64_t start, len, shape[TENSOR_MAX_DIMS];
+  chunk_range(fp->n0, g->W, g->rank, &start, &len);
+  memcpy(shape, full->shape, sizeof shape);
+  shape[0] = fp->rows;
+  TRY(tensor_zeros(&fp->padded, full->dtype, full->device, nd, shape));
+  tensor_t src = {0}, dst = {0}, local = {0};
+  status_t st = STATUS_OK;
+  dtensor_t *dt = NULL;
+  TRY_GOTO(st, tensor_narrow(&src, full, 0, start, len));
+  TRY_GOTO(st, tensor_narrow(&dst, &fp->padded, 0, 0, len));
+  TRY_GOTO(st, tensor_copy(&dst, &src));
+  TRY_GOTO(st, tensor_ref(&local, &dst));
+  placement_t pl[2] = {placement_replicate(), placement_shard(0)};
+  int md = mesh_ndim(g->mesh);
+  TRY_GOTO(st, dtensor_from_local(&dt, &local, g->mesh, md == 2 ? pl : pl + 1, nd, full->shape));
+  tensor_free(&p->compute);
+  nn_param_zero_grad(p);
+  dtensor_free(p->value);
+  p->value = dt;
+  p->external = true;
+cleanup:
+  tensor_free(&src);
+  tensor_free(&dst);
+  tensor_free(&local);
+  return st;
+}
+
+static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
+
+static void group_free(fsdp_group_t *g) {
+  if (g == NULL) return;
+  for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].padded);
+  free(g->params);
+  free(g);
+}
+
+status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out) {
+  if (out) *out = NULL;
+  if (m == NULL || opt == NULL || opt->mesh == NULL)
+    return err_set(STATUS_EINVAL, "fully_shard: module, options and mesh are required");
+  if (fsdp_group_of(m) != NULL)
+    return err_set(STATUS_EINVAL, "fully_shard: module '%s' is already fully sharded",
+                   nn_module_fqn(m));
+  int md = mesh_ndim(opt->mesh);
+  if (md != 1 && md != 2)
+    return err_set(STATUS_EMESH,
+                   "fully_shard: the mesh must be 1-D (shard) or 2-D "
+                   "(replicate, shard), got %d dimensions",
+                   md);
+  if (opt->reshard_after_forward != FSDP_RESHARD_AUTO && opt->reshard_after_forward != 0 &&
+      opt->reshard_after_forward != 1)
+    return err_set(STATUS_EINVAL,
+                   "fully_shard: reshard_after_forward must be auto, 0 or 1, "
+                   "got %d",
+                   opt->reshard_after_forward);
+  plist_t l = {0};
+  status_t st = collect(m, &l);
+  for (int i = 0; i < l.n && st == STATUS_OK; i++) st = check_param(l.p[i], opt->mesh);
+  fsdp_group_t *g = NULL;
+  if (st == STATUS_OK && (g = calloc(1, sizeof *g)) == NULL)
+    st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  if (st == STATUS_OK &&
+      (g->params = calloc((size_t)(l.n ? l.n : 1), sizeof(fsdp_param_t))) == NULL)
+    st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  if (st != STATUS_OK) {
+    free(l.p);
+    group_free(g);
+    return st;
+  }
+  g->module = m;
+  g->mesh = opt->mesh;
+  g->opt = *opt;
+  g->shard = mesh_group(opt->mesh, md - 1);
+  g->replicate = md == 2 ? mesh_group(opt->mesh, 0) : NULL;
+  g->W = mesh_size(opt->mesh, md - 1);
+  g->rank = mesh_coord(opt->mesh, md - 1);
+  g->reshard_after_forward = opt->reshard_after_forward;
+  for (int i = 0; i < l.n && st == STATUS_OK; i++) {
+    fsdp_param_t *fp = &g->params[g->n];
+    fp->p = l.p[i];
+    dtype_t dt = dtensor_local(fp->p->value)->dtype;
+    if (g->n == 0) {
+      g->param_dtype = opt->param_dtype == DTYPE_COUNT ? dt : opt->param_dtype;
+      g->reduce_dtype = opt->reduce_dtype == DTYPE_COUNT ? g->param_dtype : opt->reduce_dtype;
+    }
+    st = shard_param(g, fp);
+    if (st == STATUS_OK) {
+      fp->offset = g->flat;
+      g->flat += fp->rows * fp->row;
+      g->n++;
+    }
+  }
+  free(l.p);
+  for (int k = 0; k < NN_HOOK_COUNT && st == STATUS_OK; k++) st = nn_module_add_hook(m, k, hook, g);
+  if (st != STATUS_OK) { /* parameters already sharded stay sharded; the group is dropped */
+    group_free(g);
+    return st;
+  }
+  nn_module_set_ext(m, g);
+  if (out) *out = g;
+  return STATUS_OK;
+}
+
+static void free_all(nn_module_t *m) {
+  fsdp_group_t *g = fsdp_group_of(m);
+  if (g != NULL) {
+    fsdp_reshard(g);
+    group_free(g);
+    nn_module_set_ext(m, NULL);
+  }
+  for (int i = 0; i < nn_module_num_children(m); i++) free_all(nn_module_child(m, i));
+}
+
+void fsdp_free_all(nn_module_t *root) {
+  if (root) free_all(root);
+}
+
+/* ---- unshard / reshard ---- */
+
+status_t fsdp_unshard(fsdp_group_t *g) {
+  if (g->unsharded || g->n == 0) {
+    g->unsharded = true;
+    return STATUS_OK;
+  }
+  device_t dev = mesh_device(g->mesh);
+  int64_t total = g->flat * g->W;
+  tensor_t buf;
+  TRY(tensor_init(&buf, g->param_dtype, dev, 1, &total));
+  status_t st = STATUS_OK;
+  /* copy-in: this rank's padded shards, cast, into its block of the gather buffer */
+  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    tensor_t slot;
+    int64_t n = fp->rows * fp->row;
+    if ((st = tensor_narrow(&slot, &buf, 0, g->rank * g->flat + fp->offset, n)) != STATUS_OK) break;
+    tensor_t flat;
+    st = tensor_view(&flat, &fp->padded, 1, &n);
+    if (st == STATUS_OK) st = tensor_copy(&slot, &flat);
+    tensor_free(&flat);
+    tensor_free(&slot);
+  }
+  if (st == STATUS_OK && g->W > 1) {
+    char *base = buf.data;
+    st = pg_all_gather(g->shard, base + (size_t)(g->rank * g->flat) * dtype_size(g->param_dtype),
+                       buf.data, (size_t)g->flat, g->param_dtype, NULL);
+  }
+  /* copy-out: rank r's rows of each parameter into the unsharded tensor */
+  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    const dtensor_t *v = fp->p->value;
+    tensor_t full;
+    if ((st = tensor_init(&full, g->param_dtype, dev, dtensor_ndim(v), dtensor_shape(v))) !=
+        STATUS_OK)
+      break;
+    for (int r = 0; r < g->W && st == STATUS_OK; r++) {
+      int64_t start, len, shape[TENSOR_MAX_DIMS];
+      chunk_range(fp->n0, g->W, r, &start, &len);
+      if (len == 0) continue;
+      memcpy(shape, dtensor_shape(v), sizeof(int64_t) * (size_t)dtensor_ndim(v));
+      shape[0] = len;
+      tensor_t src = {0}, src_nd = {0}, dst = {0};
+      st = tensor_narrow(&src, &buf, 0, r * g->flat + fp->offset, len * fp->row);
+      if (st == STATUS_OK) st = tensor_view(&src_nd, &src, dtensor_ndim(v), shape);
+      if (st == STATUS_OK) st = tensor_narrow(&dst, &full, 0, start, len);
+      if (st == STATUS_OK) st = tensor_copy(&dst, &src_nd);
+      tensor_free(&src);
+      tensor_free(&src_nd);
+      tensor_free(&dst);
+    }
+    if (st == STATUS_OK) {
+      tensor_free(&fp->p->compute);
+      fp->p->compute = full;
+    } else {
+      tensor_free(&full);
+    }
+  }
+  tensor_free(&buf);
+  if (st == STATUS_OK) g->unsharded = true;
+  return st;
+}
+
+void fsdp_reshard(fsdp_group_t *g) {
+  for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].p->compute);
+  g->unsharded = false;
+}
+
+/* ---- gradient reduction ---- */
+
+static bool has_grad(const nn_param_t *p) {
+  return p->requires_grad && (p->compute_grad.storage != NULL || p->compute_grad.ndim > 0);
+}
+
+/* Accumulates v (this rank's reduced rows of fp, any float dtype) into fp's grad DTensor. */
+static status_t accumulate_shard(fsdp_param_t *fp, const tensor_t *v) {
+  nn_param_t *p = fp->p;
+  const tensor_t *local = dtensor_local(p->value);
+  if (p->grad == NULL) {
+    tensor_t z;
+    TRY(tensor_zeros(&z, local->dtype, local->device, local->ndim, local->shape));
+    status_t st =
+        dtensor_from_local(&p->grad, &z, dtensor_mesh(p->value), dtensor_placements(p->value),
+                           dtensor_ndim(p->value), dtensor_shape(p->value));
+    tensor_free(&z);
+    TRY(st);
+  }
+  tensor_t dst, src;
+  TRY(tensor_ref(&dst, dtensor_local(p->grad)));
+  status_t st = tensor_view(&src, v, local->ndim, local->shape);
+  if (st == STATUS_OK) st = kernel_axpy(&dst, 1.0f, &src);
+  tensor_free(&src);
+  tensor_free(&dst);
+  return st;
+}
+
+static status_t reduce_grads(fsdp_group_t *g) {
+  int64_t flat = 0;
+  for (int i = 0; i < g->n; i++)
+    if (has_grad(g->params[i].p)) flat += g->params[i].rows * g->params[i].row;
+  if (flat == 0) return STATUS_OK;
+  device_t dev = mesh_device(g->mesh);
+  int64_t total = flat * g->W;
+  tensor_t send, recv = {0};
+  TRY(tensor_zeros(&send, g->reduce_dtype, dev, 1, &total));
+  status_t st = STATUS_OK;
+  /* rank-major pack: block r holds chunk r of every parameter, each padded to its rows */
+  int64_t off = 0;
+  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    if (!has_grad(fp->p)) continue;
+    for (int r = 0; r < g->W && st == STATUS_OK; r++) {
+      int64_t start, len, shape[TENSOR_MAX_DIMS];
+      chunk_range(fp->n0, g->W, r, &start, &len);
+      if (len == 0) continue;
+      const tensor_t *cg = &fp->p->compute_grad;
+      memcpy(shape, cg->shape, sizeof shape);
+      shape[0] = len;
+      tensor_t src = {0}, dst = {0}, dst_nd = {0};
+      st = tensor_narrow(&src, cg, 0, start, len);
+      if (st == STATUS_OK) st = tensor_narrow(&dst, &send, 0, r * flat + off, len * fp->row);
+      if (st == STATUS_OK) st = tensor_view(&dst_nd, &dst, cg->ndim, shape);
+      if (st == STATUS_OK) st = tensor_copy(&dst_nd, &src);
+      tensor_free(&src);
+      tensor_free(&dst);
+      tensor_free(&dst_nd);
+    }
+    off += fp->rows * fp->row;
+  }
+  if (st == STATUS_OK) {
+    if (g->W > 1) {
+      st = tensor_init(&recv, g->reduce_dtype, dev, 1, &flat);
+      if (st == STATUS_OK)
+        st = pg_reduce_scatter(g->shard, send.data, recv.data, (size_t)flat, g->reduce_dtype,
+                               REDUCE_AVG, NULL);
+    } else {
+      st = tensor_ref(&recv, &send);
+    }
+  }
+  if (st == STATUS_OK && g->replicate != NULL && pg_size(g->replicate) > 1)
+    st = pg_all_reduce(g->replicate, recv.data, recv.data, (size_t)flat, g->reduce_dtype,
+                       REDUCE_AVG, NULL);
+  off = 0;
+  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    if (!has_grad(fp->p)) continue;
+    const tensor_t *local = dtensor_local(fp->p->value);
+    tensor_t mine;
+    st = tensor_narrow(&mine, &recv, 0, off, tensor_numel(local));
+    if (st == STATUS_OK) st = accumulate_shard(fp, &mine);
+    tensor_free(&mine);
+    tensor_free(&fp->p->compute_grad);
+    off += fp->rows * fp->row;
+  }
+  tensor_free(&send);
+  tensor_free(&recv);
+  return st;
+}
+
+/* ---- hooks ---- */
+
+static void lazy_init(fsdp_group_t *g) {
+  if (g->initialised) return;
+  g->initialised = true;
+  g->is_root = true;
+  for (nn_module_t *a = nn_module_parent(g->module); a != NULL; a = nn_module_parent(a))
+    if (fsdp_group_of(a) != NULL) g->is_root = false;
+  if (g->reshard_after_forward == FSDP_RESHARD_AUTO) g->reshard_after_forward = !g->is_root;
+}
+
+static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
+  (void)m;
+  fsdp_group_t *g = user;
+  lazy_init(g);
+  switch (kind) {
+    case NN_HOOK_PRE_FORWARD:
+    case NN_HOOK_PRE_BACKWARD: return fsdp_unshard(g);
+    case NN_HOOK_POST_FORWARD:
+      /* inside a checkpointed call's recomputation the parameters are needed next */
+      if (!nn_ctx_recomputing(ctx) && g->reshard_after_forward == 1) fsdp_reshard(g);
+      return STATUS_OK;
+    case NN_HOOK_POST_BACKWARD: {
+      status_t st = reduce_grads(g);
+      fsdp_reshard(g);
+      return st;
+    }
+    default: return STATUS_OK;
+  }
+}

@@ -1,0 +1,82 @@
+/*
+ * fully_shard: FSDP2 semantics on the module layer (DESIGN section 7).
+ *
+ * Each call makes one parameter group from the parameters of the module's subtree that no
+ * earlier (inner) call claimed; apply it bottom-up, blocks first and the root last. Every
+ * parameter becomes a DTensor sharded on dim 0 (Shard(0) on a 1-D mesh; (Replicate,
+ * Shard(0)) on a 2-D HSDP mesh) whose local shard lives in zero-padded storage of
+ * ceil(n0 / W) rows. Hooks do the rest:
+ *   pre-forward / pre-backward: unshard, one all-gather of one flat buffer per group;
+ *   post-forward: reshard (free the unsharded parameters) when reshard_after_forward;
+ *   post-backward: one reduce-scatter (average over the shard group) per group, then for HSDP
+ *   one all-reduce (average) over the replicate group; the sharded gradients accumulate into
+ *   each parameter's grad DTensor, in the parameter's dtype.
+ * The root (the group with no fully-sharded ancestor, found on the first forward) keeps its
+ * parameters unsharded after forward by default.
+ *
+ *   fsdp_options_t opt = FSDP_OPTIONS_INIT;
+ *   opt.mesh = dp_mesh;                            // 1-D, or 2-D (replicate, shard)
+ *   for (i = 0; i < n_layers; i++) TRY(fully_shard(llama_layer(model, i), &opt, NULL));
+ *   TRY(fully_shard(llama_module(model), &opt, &root));
+ *   ... nn_call / nn_backward as usual; optimizer and clipping act on the shards ...
+ *   fsdp_free_all(llama_module(model));            // before the model is freed
+ *
+ * Every rank of the mesh must apply the same calls to the same model; the hooks are
+ * collective over the mesh.
+ */
+#ifndef FSDPC_FULLY_SHARD_FSDP_H
+#define FSDPC_FULLY_SHARD_FSDP_H
+
+#include "mesh/mesh.h"
+#include "nn/autograd.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* reshard_after_forward values: FSDP_RESHARD_AUTO (false for the root, true elsewhere),
+ * 0 (false), 1 (true). */
+#define FSDP_RESHARD_AUTO (-1)
+
+typedef struct fsdp_options {
+  mesh_t *mesh;              /* 1-D (shard) or 2-D (replicate, shard); must outlive the group */
+  int reshard_after_forward; /* FSDP_RESHARD_AUTO, 0 or 1 */
+  dtype_t param_dtype;       /* all-gather and compute dtype; DTYPE_COUNT: the parameter's */
+  dtype_t reduce_dtype;      /* gradient reduction dtype; DTYPE_COUNT: param_dtype */
+} fsdp_options_t;
+
+#define FSDP_OPTIONS_INIT                                                                 \
+  {                                                                                       \
+    .mesh = NULL, .reshard_after_forward = FSDP_RESHARD_AUTO, .param_dtype = DTYPE_COUNT, \
+    .reduce_dtype = DTYPE_COUNT                                                           \
+  }
+
+typedef struct fsdp_group fsdp_group_t;
+
+/* Shards the unclaimed parameters of m's subtree (each must be whole on this rank, at least
+ * 1-D) and installs the hooks. *out, if not NULL, receives the group (owned by m's ext slot
+ * until fsdp_free_all). Local: no communication. */
+status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out);
+
+/* The group fully_shard installed on m, or NULL. */
+fsdp_group_t *fsdp_group_of(const nn_module_t *m);
+
+/* All-gathers the group's parameters (no-op when already unsharded). Collective. */
+status_t fsdp_unshard(fsdp_group_t *g);
+/* Frees the unsharded parameters. Local. */
+void fsdp_reshard(fsdp_group_t *g);
+bool fsdp_is_unsharded(const fsdp_group_t *g);
+/* The reshard-after-forward policy in effect (after the root was found). */
+int fsdp_reshard_after_forward(const fsdp_group_t *g);
+int fsdp_num_params(const fsdp_group_t *g);
+/* Elements per rank in the group's all-gather buffer (sum of padded shard sizes). */
+int64_t fsdp_flat_numel(const fsdp_group_t *g);
+
+/* Frees every group installed under root (restoring nothing: the parameters stay sharded). */
+void fsdp_free_all(nn_module_t *root);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

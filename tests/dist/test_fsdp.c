@@ -1,0 +1,287 @@
+/*
+ * fully_shard against the single-rank model: shards equal the chunk-rule slices, training
+ * with FSDP (or HSDP with argument "hsdp") matches the unsharded run step for step, and the
+ * collectives per step are exactly one all-gather per unshard and one reduce-scatter per
+ * group with the bytes of DESIGN section 11.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fully_shard/fsdp.h"
+#include "nn/data.h"
+#include "nn/llama.h"
+#include "nn/ops.h"
+#include "nn/optim.h"
+#include "tests/harness.h"
+
+#define STEPS 10
+
+static void ok(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
+
+static bool hsdp_mode(void) { return test_argc() > 1 && strcmp(test_argv()[1], "hsdp") == 0; }
+
+/* The data-parallel mesh: 1-D over the world, or (2, W/2) for HSDP. */
+static mesh_t *dp_mesh(void) {
+  mesh_t *m;
+  if (hsdp_mode()) {
+    int shape[2] = {2, -1};
+    const char *names[] = {"dp_replicate", "dp_shard"};
+    ok(mesh_init(&m, 2, shape, names, DEVICE_CPU));
+  } else {
+    int w = world_size();
+    const char *names[] = {"dp_shard"};
+    ok(mesh_init(&m, 1, &w, names, DEVICE_CPU));
+  }
+  return m;
+}
+
+START_TEST(shards_are_chunks) {
+  mesh_t *mesh = dp_mesh(), *local;
+  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  static const int64_t shapes[][2] = {{16, 15}, {7, 15}, {16, 17}, {3, 0}, {1, 8}};
+  nn_module_t *root;
+  ok(nn_module_new(&root, "", NULL, NULL));
+  for (int i = 0; i < 5; i++) {
+    int nd = shapes[i][1] ? 2 : 1;
+    tensor_t t;
+    ok(tensor_init(&t, DTYPE_F32, device_cpu(), nd, shapes[i]));
+    for (int64_t k = 0; k < tensor_numel(&t); k++) ((float *)t.data)[k] = (float)(1000 * i + k);
+    dtensor_t *d;
+    placement_t rep = placement_replicate();
+    ok(dtensor_from_local(&d, &t, local, &rep, nd, shapes[i]));
+    tensor_free(&t);
+    char name[8];
+    snprintf(name, sizeof name, "p%d", i);
+    ok(nn_module_add_param(root, name, d, true, NULL));
+  }
+  ok(nn_module_finalize(root));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  ok(fully_shard(root, &opt, NULL));
+  int md = mesh_ndim(mesh), W = mesh_size(mesh, md - 1), r = mesh_coord(mesh, md - 1);
+  int bad = 0;
+  for (int i = 0; i < 5; i++) {
+    char name[8];
+    snprintf(name, sizeof name, "p%d", i);
+    nn_param_t *p = nn_param_find(root, name);
+    const tensor_t *l = dtensor_local(p->value);
+    int64_t start, len, row = shapes[i][1] ? shapes[i][1] : 1;
+    chunk_range(shapes[i][0], W, r, &start, &len);
+    if (l->shape[0] != len) bad++;
+    for (int64_t k = 0; k < len * row; k++)
+      if (((float *)l->data)[k] != (float)(1000 * i + start * row + k)) bad++;
+  }
+  expect_all(bad == 0, "%d shard mismatches", bad);
+  /* scalars are refused */
+  nn_module_t *s;
+  ok(nn_module_new(&s, "", NULL, NULL));
+  tensor_t t;
+  ok(tensor_zeros(&t, DTYPE_F32, device_cpu(), 0, NULL));
+  dtensor_t *d;
+  placement_t rep = placement_replicate();
+  ok(dtensor_from_local(&d, &t, local, &rep, 0, NULL));
+  tensor_free(&t);
+  ok(nn_module_add_param(s, "scale", d, true, NULL));
+  ok(nn_module_finalize(s));
+  ck_assert_int_eq(fully_shard(s, &opt, NULL), STATUS_ESHAPE);
+  ck_assert(strstr(err_detail(), "scale") != NULL);
+  nn_module_free(s);
+  fsdp_free_all(root);
+  nn_module_free(root);
+  mesh_free(local);
+  mesh_free(mesh);
+}
+END_TEST
+
+typedef struct run {
+  llama_t *m;
+  nn_param_t **ps;
+  int n;
+  optim_t *opt;
+} run_t;
+
+static void run_init(run_t *r, const llama_config_t *cfg) {
+  ok(llama_new(&r->m, cfg, NULL));
+  ok(llama_init_weights(r->m, 99));
+}
+
+static void run_optim(run_t *r) {
+  ok(nn_named_parameters(llama_module(r->m), &r->ps, &r->n));
+  adamw_config_t a = ADAMW_CONFIG_INIT;
+  a.lr = 3e-3;
+  a.beta2 = 0.95;
+  a.weight_decay = 0.1;
+  a.groups[a.n_groups++] = (adamw_group_t){"*norm*", -1, 0.0};
+  a.groups[a.n_groups++] = (adamw_group_t){"model.embed_tokens.*", 1e-3, -1};
+  ok(optim_new(&r->opt, r->ps, r->n, &a));
+}
+
+/* ||a||_2 of a host f32 tensor. */
+static double norm2(const tensor_t *t) {
+  double s = 0;
+  for (int64_t i = 0; i < tensor_numel(t); i++)
+    s += (double)((float *)t->data)[i] * ((float *)t->data)[i];
+  return sqrt(s);
+}
+
+/* Counts shards (of values, or of gradients) that differ from the chunk of the single-rank
+ * tensor by more than 1e-5 of the whole single-rank tensor's L2 norm (fp32 sums run in another
+ * order on every plan; a shard of cancelling gradients has a small norm of its own). */
+static int compare_shards(const run_t *ref, const run_t *sh, bool grads) {
+  ck_assert_int_eq(ref->n, sh->n);
+  int bad = 0;
+  for (int i = 0; i < ref->n; i++) {
+    const dtensor_t *rv = grads ? ref->ps[i]->grad : ref->ps[i]->value;
+    const dtensor_t *sv = grads ? sh->ps[i]->grad : sh->ps[i]->value;
+    ck_assert_msg(rv != NULL && sv != NULL, "%s: missing %s", sh->ps[i]->fqn,
+                  grads ? "gradient" : "value");
+    const tensor_t *mine = dtensor_local(sv);
+    int64_t off[TENSOR_MAX_DIMS];
+    dtensor_offset(sv, off);
+    tensor_t want;
+    ok(tensor_narrow_box(&want, dtensor_local(rv), off, mine->shape));
+    double e = tensor_numel(mine) ? test_rel_l2(mine, &want) * norm2(&want) : 0;
+    e /= norm2(dtensor_local(rv)) + 1e-30;
+    if (e > 1e-5) {
+      bad++;
+      printf("rank %d: %s %s shard differs by %.3g\n", world_rank(), sh->ps[i]->fqn,
+             grads ? "gradient" : "parameter", e);
+    }
+    tensor_free(&want);
+  }
+  return bad;
+}
+
+static double fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step) {
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  tensor_t in, tg;
+  ok(data_batch(d, spec, step, 0, &in, &tg));
+  nn_var_t *ids, *logits, *loss;
+  ok(nn_var_new(&ids, &in, false));
+  ok(nn_call(ctx, llama_module(m), ids, &logits));
+  ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+  double v;
+  ok(nn_var_scalar(loss, &v));
+  ok(nn_backward(ctx, loss));
+  nn_var_put(loss);
+  nn_var_put(logits);
+  nn_var_put(ids);
+  tensor_free(&tg);
+  nn_ctx_free(ctx);
+  return v;
+}
+
+static void parity(bool tied, int reshard) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  cfg.vocab_size = 250; /* not divisible by 3, 4 or 8 */
+  cfg.tie_embeddings = tied;
+  mesh_t *mesh = dp_mesh();
+  int md = mesh_ndim(mesh), W = world_size();
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  const int B = 2;
+  data_spec_t gspec = {.batch_size = B * W, .seq_len = 16, .grad_accum = 1, .dp_size = 1};
+  int dp_rank = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
+                        : mesh_coord(mesh, 0);
+  data_spec_t lspec = {
+      .batch_size = B, .seq_len = 16, .grad_accum = 1, .dp_size = W, .dp_rank = dp_rank};
+  run_t ref, sh;
+  run_init(&ref, &cfg);
+  run_init(&sh, &cfg);
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  opt.reshard_after_forward = reshard;
+  fsdp_group_t *groups[16];
+  for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(sh.m, i), &opt, &groups[i]));
+  opt.reshard_after_forward = FSDP_RESHARD_AUTO;
+  ok(fully_shard(llama_module(sh.m), &opt, &groups[cfg.n_layers]));
+  run_optim(&ref);
+  run_optim(&sh);
+  mesh_t *flat = NULL;
+  const char *names[] = {"dp_replicate", "dp_shard"};
+  if (md == 2) ok(mesh_flatten(mesh, 2, names, "dp", &flat));
+  pg_t *world_pg = mesh_group(md == 2 ? flat : mesh, 0);
+  lr_schedule_t sched = {.warmup_steps = 3, .total_steps = STEPS, .min_ratio = 0.1};
+  int bad = 0;
+  pg_t *shard_pg = mesh_group(mesh, md - 1);
+  for (int s = 0; s < STEPS; s++) {
+    optim_zero_grad(ref.opt);
+    optim_zero_grad(sh.opt);
+    double lref = fwd_bwd(ref.m, d, &gspec, s);
+    pg_reset_counters(shard_pg);
+    double lsh = fwd_bwd(sh.m, d, &lspec, s), lsum = 0;
+    pg_counters_t c = pg_counters(shard_pg);
+    MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
+    lsh = lsum / W;
+    if (fabs(lsh - lref) > 1e-5 * fabs(lref)) {
+      bad++;
+      if (world_rank() == 0) printf("step %d: sharded loss %.8f, single rank %.8f\n", s, lsh, lref);
+    }
+    /* exact collectives: layers gather twice (forward, backward) when resharding, the root once */
+    int Ws = mesh_size(mesh, md - 1);
+    long long ag = 0, agb = 0, rs = 0, rsb = 0;
+    for (int i = 0; i <= cfg.n_layers; i++) {
+      int gathers = i < cfg.n_layers && reshard != 0 ? 2 : 1;
+      long long fb = (long long)fsdp_flat_numel(groups[i]) * 4;
+      ag += gathers;
+      agb += gathers * (Ws - 1) * fb;
+      rs += 1;
+      rsb += (Ws - 1) * fb;
+    }
+    if (Ws == 1) ag = agb = rs = rsb = 0;
+    if ((long long)c.calls[PG_ALL_GATHER] != ag || (long long)c.bytes[PG_ALL_GATHER] != agb ||
+        (long long)c.calls[PG_REDUCE_SCATTER] != rs ||
+        (long long)c.bytes[PG_REDUCE_SCATTER] != rsb) {
+      bad++;
+      if (world_rank() == 0)
+        printf(
+            "step %d: all-gathers %llu (%llu B), expected %lld (%lld B); reduce-scatters "
+            "%llu (%llu B), expected %lld (%lld B)\n",
+            s, (unsigned long long)c.calls[PG_ALL_GATHER],
+            (unsigned long long)c.bytes[PG_ALL_GATHER], ag, agb,
+            (unsigned long long)c.calls[PG_REDUCE_SCATTER],
+            (unsigned long long)c.bytes[PG_REDUCE_SCATTER], rs, rsb);
+    }
+    bad += compare_shards(&ref, &sh, true); /* gradients before clipping */
+    ok(clip_grad_norm(ref.ps, ref.n, 1.0, NULL, NULL));
+    ok(clip_grad_norm(sh.ps, sh.n, 1.0, world_pg, NULL));
+    ok(optim_step(ref.opt, lr_schedule_factor(&sched, s)));
+    ok(optim_step(sh.opt, lr_schedule_factor(&sched, s)));
+  }
+  bad += compare_shards(&ref, &sh, false);
+  expect_all(bad == 0, "%d mismatches between the sharded and the single-rank run", bad);
+  for (run_t *r = &ref; r; r = r == &ref ? &sh : NULL) {
+    optim_free(r->opt);
+    free(r->ps);
+  }
+  fsdp_free_all(llama_module(sh.m));
+  llama_free(ref.m);
+  llama_free(sh.m);
+  data_free(d);
+  mesh_free(flat);
+  mesh_free(mesh);
+}
+
+START_TEST(training_parity_reshard) { parity(false, FSDP_RESHARD_AUTO); }
+END_TEST
+START_TEST(training_parity_no_reshard_tied) { parity(true, 0); }
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("fsdp");
+  TCase *tc = tcase_create("fsdp");
+  tcase_set_timeout(tc, 600);
+  tcase_add_test(tc, shards_are_chunks);
+  tcase_add_test(tc, training_parity_reshard);
+  tcase_add_test(tc, training_parity_no_reshard_tied);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
