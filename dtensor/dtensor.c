@@ -30,7 +30,7 @@ status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh, cons
   if (dt == NULL) return err_set(STATUS_ENOMEM, "DTensor: out of host memory");
   dt->mesh = mesh;
   dt->ndim = ndim;
-  memcpy(dt->shape, global_shape, sizeof(int64_t) * (size_t)ndim);
+  if (ndim > 0) memcpy(dt->shape, global_shape, sizeof(int64_t) * (size_t)ndim);
   memcpy(dt->pl, pl, sizeof(placement_t) * (size_t)mesh_ndim(mesh));
   dt->local = *local;
   memset(local, 0, sizeof *local);
