@@ -26,6 +26,8 @@ struct fsdp_group {
   dtype_t param_dtype, reduce_dtype;
   int reshard_after_forward; /* resolved on the first forward */
   bool initialised, is_root, unsharded;
+  bool sync, all_reduce, reshard_after_backward;
+  tensor_t partial; /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
 };
 
 fsdp_group_t *fsdp_group_of(const nn_module_t *m) { return nn_module_ext(m); }
@@ -120,6 +122,7 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
 
 static void group_free(fsdp_group_t *g) {
   if (g == NULL) return;
+  tensor_free(&g->partial);
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].padded);
   free(g->params);
   free(g);
@@ -166,6 +169,7 @@ status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **o
   g->W = mesh_size(opt->mesh, md - 1);
   g->rank = mesh_coord(opt->mesh, md - 1);
   g->reshard_after_forward = opt->reshard_after_forward;
+  g->sync = g->all_reduce = g->reshard_after_backward = true;
   for (int i = 0; i < l.n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[g->n];
     fp->p = l.p[i];
@@ -204,6 +208,29 @@ static void free_all(nn_module_t *m) {
 
 void fsdp_free_all(nn_module_t *root) {
   if (root) free_all(root);
+}
+
+typedef enum control { CONTROL_SYNC, CONTROL_ALL_REDUCE, CONTROL_RESHARD_AFTER_BACKWARD } control_t;
+
+static void set_control(nn_module_t *m, control_t what, bool value) {
+  fsdp_group_t *g = fsdp_group_of(m);
+  if (g != NULL) {
+    if (what == CONTROL_SYNC) g->sync = value;
+    if (what == CONTROL_ALL_REDUCE) g->all_reduce = value;
+    if (what == CONTROL_RESHARD_AFTER_BACKWARD) g->reshard_after_backward = value;
+  }
+  for (int i = 0; i < nn_module_num_children(m); i++)
+    set_control(nn_module_child(m, i), what, value);
+}
+
+void fsdp_set_requires_gradient_sync(nn_module_t *root, bool sync) {
+  set_control(root, CONTROL_SYNC, sync);
+}
+void fsdp_set_requires_all_reduce(nn_module_t *root, bool all_reduce) {
+  set_control(root, CONTROL_ALL_REDUCE, all_reduce);
+}
+void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard) {
+  set_control(root, CONTROL_RESHARD_AFTER_BACKWARD, reshard);
 }
 
 /* ---- unshard / reshard ---- */
@@ -346,9 +373,31 @@ static status_t reduce_grads(fsdp_group_t *g) {
       st = tensor_ref(&recv, &send);
     }
   }
-  if (st == STATUS_OK && g->replicate != NULL && pg_size(g->replicate) > 1)
-    st = pg_all_reduce(g->replicate, recv.data, recv.data, (size_t)flat, g->reduce_dtype,
-                       REDUCE_AVG, NULL);
+  if (st == STATUS_OK && g->replicate != NULL && pg_size(g->replicate) > 1) {
+    /* HSDP: without all-reduce, park the partial result; with it, add what was parked */
+    bool parked = g->partial.storage != NULL;
+    if (parked && tensor_numel(&g->partial) != flat)
+      st = err_set(STATUS_EINVAL,
+                   "fully_shard: parameters with gradients changed between "
+                   "backward passes without all-reduce");
+    if (st == STATUS_OK && !g->all_reduce) {
+      st = parked ? kernel_axpy(&g->partial, 1.0f, &recv) : tensor_ref(&g->partial, &recv);
+      if (st == STATUS_OK) {
+        for (int i = 0; i < g->n; i++)
+          if (has_grad(g->params[i].p)) tensor_free(&g->params[i].p->compute_grad);
+      }
+      tensor_free(&send);
+      tensor_free(&recv);
+      return st;
+    }
+    if (st == STATUS_OK && parked) {
+      st = kernel_axpy(&recv, 1.0f, &g->partial);
+      tensor_free(&g->partial);
+    }
+    if (st == STATUS_OK)
+      st = pg_all_reduce(g->replicate, recv.data, recv.data, (size_t)flat, g->reduce_dtype,
+                         REDUCE_AVG, NULL);
+  }
   off = 0;
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
@@ -389,8 +438,8 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
       if (!nn_ctx_recomputing(ctx) && g->reshard_after_forward == 1) fsdp_reshard(g);
       return STATUS_OK;
     case NN_HOOK_POST_BACKWARD: {
-      status_t st = reduce_grads(g);
-      fsdp_reshard(g);
+      status_t st = g->sync ? reduce_grads(g) : STATUS_OK; /* else keep accumulating */
+      if (g->reshard_after_backward) fsdp_reshard(g);
       return st;
     }
     default: return STATUS_OK;

@@ -72,6 +72,17 @@ int fsdp_num_params(const fsdp_group_t *g);
 /* Elements per rank in the group's all-gather buffer (sum of padded shard sizes). */
 int64_t fsdp_flat_numel(const fsdp_group_t *g);
 
+/* Gradient-sync control, applied to every group under root (as on PyTorch's FSDPModule):
+ * - requires_gradient_sync false: backward keeps accumulating unsharded gradients and issues
+ *   no collective; the next backward with sync reduces the sum (gradient accumulation).
+ * - requires_all_reduce false (HSDP): reduce-scatter only; the partial results are summed
+ *   into the next all-reduce.
+ * - reshard_after_backward false: parameters stay unsharded after backward.
+ * Local. */
+void fsdp_set_requires_gradient_sync(nn_module_t *root, bool sync);
+void fsdp_set_requires_all_reduce(nn_module_t *root, bool all_reduce);
+void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard);
+
 /* Frees every group installed under root (restoring nothing: the parameters stay sharded). */
 void fsdp_free_all(nn_module_t *root);
 
