@@ -27,7 +27,9 @@ struct fsdp_group {
   int reshard_after_forward; /* resolved on the first forward */
   bool initialised, is_root, unsharded;
   bool sync, all_reduce, reshard_after_backward;
-  tensor_t partial; /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
+  pg_t *post_forward;          /* integer reshard: the N consecutive ranks of this one */
+  tensor_t post_forward_slice; /* blocks [i*W/N, (i+1)*W/N) of the gathered buffer */
+  tensor_t partial;            /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
 };
 
 fsdp_group_t *fsdp_group_of(const nn_module_t *m) { return nn_module_ext(m); }
@@ -35,6 +37,7 @@ bool fsdp_is_unsharded(const fsdp_group_t *g) { return g->unsharded; }
 int fsdp_reshard_after_forward(const fsdp_group_t *g) { return g->reshard_after_forward; }
 int fsdp_num_params(const fsdp_group_t *g) { return g->n; }
 int64_t fsdp_flat_numel(const fsdp_group_t *g) { return g->flat; }
+pg_t *fsdp_post_forward_group(const fsdp_group_t *g) { return g->post_forward; }
 
 /* ---- sharding ---- */
 
@@ -123,6 +126,8 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
 static void group_free(fsdp_group_t *g) {
   if (g == NULL) return;
   tensor_free(&g->partial);
+  tensor_free(&g->post_forward_slice);
+  pg_release(g->post_forward);
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].padded);
   free(g->params);
   free(g);
@@ -141,12 +146,12 @@ status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **o
                    "fully_shard: the mesh must be 1-D (shard) or 2-D "
                    "(replicate, shard), got %d dimensions",
                    md);
-  if (opt->reshard_after_forward != FSDP_RESHARD_AUTO && opt->reshard_after_forward != 0 &&
-      opt->reshard_after_forward != 1)
+  int W = mesh_size(opt->mesh, md - 1), N = opt->reshard_after_forward;
+  if (N != FSDP_RESHARD_AUTO && N != 0 && N != 1 && (N < 2 || N >= W || W % N != 0))
     return err_set(STATUS_EINVAL,
-                   "fully_shard: reshard_after_forward must be auto, 0 or 1, "
-                   "got %d",
-                   opt->reshard_after_forward);
+                   "fully_shard: reshard_after_forward %d is not valid for a shard group of %d "
+                   "ranks (use true, false, or an integer N with 1 < N < %d dividing %d)",
+                   N, W, W, W);
   plist_t l = {0};
   status_t st = collect(m, &l);
   for (int i = 0; i < l.n && st == STATUS_OK; i++) st = check_param(l.p[i], opt->mesh);
@@ -186,6 +191,18 @@ status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **o
     }
   }
   free(l.p);
+  if (st == STATUS_OK && N >= 2) { /* ranks.view(-1, N): consecutive ranks of the shard group */
+    MPI_Comm sub;
+    st = MPI_Comm_split(pg_comm(g->shard), g->rank / N, g->rank % N, &sub) == MPI_SUCCESS
+             ? STATUS_OK
+             : err_set(STATUS_EMPI, "fully_shard: MPI_Comm_split failed");
+    if (st == STATUS_OK) {
+      device_t dev = mesh_device(g->mesh);
+      st = dev.type == DEVICE_CUDA ? pg_new_nccl(sub, dev.index, &g->post_forward)
+                                   : pg_new_mpi(sub, &g->post_forward);
+      MPI_Comm_free(&sub);
+    }
+  }
   for (int k = 0; k < NN_HOOK_COUNT && st == STATUS_OK; k++) st = nn_module_add_hook(m, k, hook, g);
   if (st != STATUS_OK) { /* parameters already sharded stay sharded; the group is dropped */
     group_free(g);
@@ -245,8 +262,15 @@ status_t fsdp_unshard(fsdp_group_t *g) {
   tensor_t buf;
   TRY(tensor_init(&buf, g->param_dtype, dev, 1, &total));
   status_t st = STATUS_OK;
+  bool from_slice = g->post_forward_slice.storage != NULL;
+  if (from_slice) { /* integer reshard: gather the N slices within the post-forward group */
+    int64_t count = tensor_numel(&g->post_forward_slice);
+    st = pg_all_gather(g->post_forward, g->post_forward_slice.data, buf.data, (size_t)count,
+                       g->param_dtype, NULL);
+    tensor_free(&g->post_forward_slice);
+  }
   /* copy-in: this rank's padded shards, cast, into its block of the gather buffer */
-  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
+  for (int i = 0; i < g->n && st == STATUS_OK && !from_slice; i++) {
     fsdp_param_t *fp = &g->params[i];
     tensor_t slot;
     int64_t n = fp->rows * fp->row;
@@ -257,7 +281,7 @@ status_t fsdp_unshard(fsdp_group_t *g) {
     tensor_free(&flat);
     tensor_free(&slot);
   }
-  if (st == STATUS_OK && g->W > 1) {
+  if (st == STATUS_OK && g->W > 1 && !from_slice) {
     char *base = buf.data;
     st = pg_all_gather(g->shard, base + (size_t)(g->rank * g->flat) * dtype_size(g->param_dtype),
                        buf.data, (size_t)g->flat, g->param_dtype, NULL);
@@ -299,7 +323,45 @@ status_t fsdp_unshard(fsdp_group_t *g) {
 
 void fsdp_reshard(fsdp_group_t *g) {
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].p->compute);
+  tensor_free(&g->post_forward_slice);
   g->unsharded = false;
+}
+
+/* Integer reshard after forward: keep blocks [i*W/N, (i+1)*W/N) of the gathered buffer
+ * (i = this rank's place in its group of N), rebuilt from the unsharded parameters, then
+ * free those. Local. */
+static status_t reshard_to_slice(fsdp_group_t *g) {
+  int N = g->reshard_after_forward, per = g->W / N, first = (g->rank % N) * per;
+  int64_t count = (int64_t)per * g->flat;
+  tensor_t slice;
+  TRY(tensor_zeros(&slice, g->param_dtype, mesh_device(g->mesh), 1, &count));
+  status_t st = STATUS_OK;
+  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    const tensor_t *full = &fp->p->compute;
+    for (int b = first; b < first + per && st == STATUS_OK; b++) {
+      int64_t start, len, shape[TENSOR_MAX_DIMS];
+      chunk_range(fp->n0, g->W, b, &start, &len);
+      if (len == 0) continue;
+      memcpy(shape, full->shape, sizeof shape);
+      shape[0] = len;
+      tensor_t src = {0}, dst = {0}, dst_nd = {0};
+      st = tensor_narrow(&src, full, 0, start, len);
+      if (st == STATUS_OK)
+        st = tensor_narrow(&dst, &slice, 0, (b - first) * g->flat + fp->offset, len * fp->row);
+      if (st == STATUS_OK) st = tensor_view(&dst_nd, &dst, full->ndim, shape);
+      if (st == STATUS_OK) st = tensor_copy(&dst_nd, &src);
+      tensor_free(&src);
+      tensor_free(&dst);
+      tensor_free(&dst_nd);
+    }
+  }
+  fsdp_reshard(g);
+  if (st == STATUS_OK)
+    g->post_forward_slice = slice;
+  else
+    tensor_free(&slice);
+  return st;
 }
 
 /* ---- gradient reduction ---- */
@@ -435,7 +497,9 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
     case NN_HOOK_PRE_BACKWARD: return fsdp_unshard(g);
     case NN_HOOK_POST_FORWARD:
       /* inside a checkpointed call's recomputation the parameters are needed next */
-      if (!nn_ctx_recomputing(ctx) && g->reshard_after_forward == 1) fsdp_reshard(g);
+      if (nn_ctx_recomputing(ctx) || !g->unsharded) return STATUS_OK;
+      if (g->reshard_after_forward == 1) fsdp_reshard(g);
+      if (g->reshard_after_forward >= 2) return reshard_to_slice(g);
       return STATUS_OK;
     case NN_HOOK_POST_BACKWARD: {
       status_t st = g->sync ? reduce_grads(g) : STATUS_OK; /* else keep accumulating */

@@ -35,12 +35,14 @@ extern "C" {
 #endif
 
 /* reshard_after_forward values: FSDP_RESHARD_AUTO (false for the root, true elsewhere),
- * 0 (false), 1 (true). */
+ * 0 (false), 1 (true), or N with 1 < N < W dividing the shard size W: after forward keep a
+ * 1/N slice of the gathered parameters, so the backward all-gather runs within groups of N
+ * consecutive ranks of the shard group (ranks.view(-1, N)). */
 #define FSDP_RESHARD_AUTO (-1)
 
 typedef struct fsdp_options {
   mesh_t *mesh;              /* 1-D (shard) or 2-D (replicate, shard); must outlive the group */
-  int reshard_after_forward; /* FSDP_RESHARD_AUTO, 0 or 1 */
+  int reshard_after_forward; /* FSDP_RESHARD_AUTO, 0, 1 or N (see above) */
   dtype_t param_dtype;       /* all-gather and compute dtype; DTYPE_COUNT: the parameter's */
   dtype_t reduce_dtype;      /* gradient reduction dtype; DTYPE_COUNT: param_dtype */
 } fsdp_options_t;
@@ -55,7 +57,8 @@ typedef struct fsdp_group fsdp_group_t;
 
 /* Shards the unclaimed parameters of m's subtree (each must be whole on this rank, at least
  * 1-D) and installs the hooks. *out, if not NULL, receives the group (owned by m's ext slot
- * until fsdp_free_all). Local: no communication. */
+ * until fsdp_free_all). Local, except with an integer reshard_after_forward, which creates
+ * the post-forward group: then collective over the mesh's shard dimension. */
 status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out);
 
 /* The group fully_shard installed on m, or NULL. */
@@ -69,6 +72,8 @@ bool fsdp_is_unsharded(const fsdp_group_t *g);
 /* The reshard-after-forward policy in effect (after the root was found). */
 int fsdp_reshard_after_forward(const fsdp_group_t *g);
 int fsdp_num_params(const fsdp_group_t *g);
+/* The group of N consecutive ranks of an integer reshard_after_forward, or NULL. */
+pg_t *fsdp_post_forward_group(const fsdp_group_t *g);
 /* Elements per rank in the group's all-gather buffer (sum of padded shard sizes). */
 int64_t fsdp_flat_numel(const fsdp_group_t *g);
 

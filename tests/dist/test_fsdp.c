@@ -199,14 +199,23 @@ typedef struct plan {
 
 /* Collectives one step must issue on the shard and replicate groups. */
 static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_groups,
-                            const mesh_t *mesh, pg_counters_t *shard, pg_counters_t *rep) {
+                            const mesh_t *mesh, pg_counters_t *shard, pg_counters_t *rep,
+                            pg_counters_t *post) {
   int md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1), R = md == 2 ? mesh_size(mesh, 0) : 1;
   memset(shard, 0, sizeof *shard);
   memset(rep, 0, sizeof *rep);
+  memset(post, 0, sizeof *post);
   bool no_sync = pl->accum > 1 && !pl->hold_all_reduce;
   for (int i = 0; i < n_groups; i++) {
     uint64_t fb = (uint64_t)fsdp_flat_numel(groups[i]) * 4;
-    uint64_t gathers = (uint64_t)pl->accum * (i < n_groups - 1 && pl->reshard != 0 ? 2 : 1);
+    bool layer = i < n_groups - 1, int_reshard = layer && pl->reshard >= 2;
+    bool full_reshard = pl->reshard == 1 || pl->reshard == FSDP_RESHARD_AUTO;
+    uint64_t gathers = (uint64_t)pl->accum * (layer && full_reshard ? 2 : 1);
+    if (int_reshard) { /* the backward gathers run within groups of N */
+      uint64_t N = (uint64_t)pl->reshard;
+      post->calls[PG_ALL_GATHER] += (uint64_t)pl->accum;
+      post->bytes[PG_ALL_GATHER] += (uint64_t)pl->accum * (N - 1) * fb * (uint64_t)Ws / N;
+    }
     uint64_t scatters = no_sync ? 1 : (uint64_t)pl->accum;
     if (Ws > 1) {
       shard->calls[PG_ALL_GATHER] += gathers;
@@ -286,12 +295,23 @@ static void parity(const plan_t *pl) {
       lref += fwd_bwd(ref.m, d, &gspec, s, m) / pl->accum;
       lsh += fwd_bwd(sh.m, d, &lspec, s, m) / pl->accum;
     }
-    pg_counters_t want_s, want_r, got_r = {0};
-    expected_counts(pl, groups, ng, mesh, &want_s, &want_r);
+    pg_counters_t want_s, want_r, want_p, got_r = {0}, got_p = {0};
+    expected_counts(pl, groups, ng, mesh, &want_s, &want_r, &want_p);
     pg_counters_t got_s = pg_counters(shard_pg);
     if (rep_pg) got_r = pg_counters(rep_pg);
+    for (int i = 0; i < ng; i++) {
+      pg_t *pf = fsdp_post_forward_group(groups[i]);
+      if (pf == NULL) continue;
+      pg_counters_t c = pg_counters(pf);
+      for (int k = 0; k < PG_KIND_COUNT; k++) {
+        got_p.calls[k] += c.calls[k];
+        got_p.bytes[k] += c.bytes[k];
+      }
+      pg_reset_counters(pf);
+    }
     bad += check_counts(s, "shard", &got_s, &want_s);
     if (rep_pg) bad += check_counts(s, "replicate", &got_r, &want_r);
+    bad += check_counts(s, "post-forward", &got_p, &want_p);
     MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
     lsh = lsum / W;
     if (fabs(lsh - lref) > 1e-5 * fabs(lref)) {
@@ -327,6 +347,36 @@ START_TEST(training_parity_accumulation_no_sync) {
 }
 END_TEST
 START_TEST(training_parity_accumulation_hold_all_reduce) { parity(&(plan_t){false, 1, 3, true}); }
+END_TEST
+
+/* Integer reshard_after_forward N: the backward all-gather runs within groups of N. */
+START_TEST(training_parity_int_reshard) {
+  int Ws = hsdp_mode() ? world_size() / hsdp_replicas() : world_size();
+  for (int N = 2; N < Ws; N *= 2)
+    if (Ws % N == 0) parity(&(plan_t){false, N, 1, false});
+}
+END_TEST
+
+START_TEST(int_reshard_invalid_is_refused) {
+  mesh_t *mesh = dp_mesh();
+  int md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1);
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  llama_t *m;
+  ok(llama_new(&m, &cfg, NULL));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  int bad_values[] = {Ws, Ws + 1, -2, Ws > 2 ? Ws - 1 : 7};
+  for (int i = 0; i < 4; i++) {
+    opt.reshard_after_forward = bad_values[i];
+    int v = bad_values[i];
+    if ((v >= -1 && v <= 1) || (v > 1 && v < Ws && Ws % v == 0)) continue; /* valid ones */
+    ck_assert_int_eq(fully_shard(llama_layer(m, 0), &opt, NULL), STATUS_EINVAL);
+    ck_assert(strstr(err_detail(), "reshard_after_forward") != NULL);
+  }
+  llama_free(m);
+  mesh_free(mesh);
+}
 END_TEST
 
 /* Which parameters are unsharded after forward and after backward, per reshard policy;
@@ -393,6 +443,8 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_parity_accumulation_no_sync);
   if (hsdp_mode()) tcase_add_test(tc, training_parity_accumulation_hold_all_reduce);
   tcase_add_test(tc, parameter_state_after_forward_and_backward);
+  tcase_add_test(tc, training_parity_int_reshard);
+  tcase_add_test(tc, int_reshard_invalid_is_refused);
   suite_add_tcase(s, tc);
   return s;
 }
