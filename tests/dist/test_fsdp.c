@@ -401,6 +401,110 @@ START_TEST(training_parity_accumulation_hold_all_reduce) {
 }
 END_TEST
 
+/* ---- a module called twice, by hand-built modules ---- */
+
+static status_t lin_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  return nn_linear(ctx, in, nn_module_param(m, 0), out);
+}
+static status_t emb_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  return nn_embedding(ctx, in, nn_module_param(m, 0), out);
+}
+/* head(lin(lin(emb(ids)))) */
+static status_t twice_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  nn_var_t *a = NULL, *b = NULL, *c = NULL;
+  status_t st = STATUS_OK;
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "emb"), in, &a));
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "lin"), a, &b));
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "lin"), b, &c));
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "head"), c, out));
+cleanup:
+  nn_var_put(a);
+  nn_var_put(b);
+  nn_var_put(c);
+  return st;
+}
+
+static nn_module_t *twice_model(mesh_t *local) {
+  nn_module_t *root;
+  ok(nn_module_new(&root, "", twice_fwd, NULL));
+  const char *names[] = {"emb", "lin", "head"};
+  nn_forward_fn fns[] = {emb_fwd, lin_fwd, lin_fwd};
+  int64_t shapes[][2] = {{11, 6}, {6, 6}, {11, 6}};
+  for (int i = 0; i < 3; i++) {
+    nn_module_t *c;
+    ok(nn_module_new(&c, names[i], fns[i], NULL));
+    ok(nn_module_add_child(root, c));
+    tensor_t t;
+    ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shapes[i]));
+    test_rng_t r = {77 + (unsigned)i};
+    test_fill_uniform(&t, &r, 0.5);
+    dtensor_t *d;
+    placement_t rep = placement_replicate();
+    ok(dtensor_from_local(&d, &t, local, &rep, 2, shapes[i]));
+    tensor_free(&t);
+    ok(nn_module_add_param(c, "weight", d, true, NULL));
+  }
+  ok(nn_module_finalize(root));
+  return root;
+}
+
+static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
+  int64_t shape[2] = {1, n};
+  tensor_t ids, tg;
+  ok(tensor_init(&ids, DTYPE_I64, device_cpu(), 2, shape));
+  ok(tensor_init(&tg, DTYPE_I64, device_cpu(), 2, shape));
+  for (int64_t i = 0; i < n; i++) {
+    ((int64_t *)ids.data)[i] = (first + i) * 7 % 11;
+    ((int64_t *)tg.data)[i] = (first + i) * 5 % 11;
+  }
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *x, *logits, *loss;
+  ok(nn_var_new(&x, &ids, false));
+  ok(nn_call(ctx, root, x, &logits));
+  ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+  double v;
+  ok(nn_var_scalar(loss, &v));
+  ok(nn_backward(ctx, loss));
+  nn_var_put(loss);
+  nn_var_put(logits);
+  nn_var_put(x);
+  tensor_free(&tg);
+  nn_ctx_free(ctx);
+  return v;
+}
+
+START_TEST(module_called_twice) {
+  mesh_t *mesh = dp_mesh(), *local;
+  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  int W = world_size(), md = mesh_ndim(mesh);
+  int dp = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
+                   : mesh_coord(mesh, 0);
+  nn_module_t *ref = twice_model(local), *sh = twice_model(local);
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  fsdp_group_t *lin;
+  ok(fully_shard(nn_module_find(sh, "lin"), &opt, &lin));
+  ok(fully_shard(sh, &opt, NULL));
+  const int T = 5;
+  double lref = twice_step(ref, 0, T * W), lsh = twice_step(sh, dp * T, T), sum = 0;
+  MPI_Allreduce(&lsh, &sum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
+  int bad = fabs(sum / W - lref) > 1e-5 * fabs(lref);
+  run_t r = {0}, s = {0};
+  ok(nn_named_parameters(ref, &r.ps, &r.n));
+  ok(nn_named_parameters(sh, &s.ps, &s.n));
+  bad += compare_shards(&r, &s, true, 5e-5); /* lin's gradient sums both calls */
+  expect_all(bad == 0, "module called twice: %d mismatches", bad);
+  free(r.ps);
+  free(s.ps);
+  fsdp_free_all(sh);
+  nn_module_free(ref);
+  nn_module_free(sh);
+  mesh_free(local);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* Integer reshard_after_forward N: the backward all-gather runs within groups of N. */
 START_TEST(training_parity_int_reshard) {
   int Ws = hsdp_mode() ? world_size() / hsdp_replicas() : world_size();
@@ -500,6 +604,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, parameter_state_after_forward_and_backward);
   tcase_add_test(tc, training_parity_int_reshard);
   tcase_add_test(tc, int_reshard_invalid_is_refused);
+  tcase_add_test(tc, module_called_twice);
   suite_add_tcase(s, tc);
   return s;
 }
