@@ -30,6 +30,7 @@ struct fsdp_group {
   pg_t *post_forward;          /* integer reshard: the N consecutive ranks of this one */
   tensor_t post_forward_slice; /* blocks [i*W/N, (i+1)*W/N) of the gathered buffer */
   tensor_t partial;            /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
+  double divide_factor;        /* > 0: sum / factor instead of the average */
 };
 
 fsdp_group_t *fsdp_group_of(const nn_module_t *m) { return nn_module_ext(m); }
@@ -46,10 +47,16 @@ typedef struct plist {
   int n, cap;
 } plist_t;
 
-static status_t collect(const nn_module_t *m, plist_t *l) {
+static bool ignored(const fsdp_options_t *opt, const nn_param_t *p) {
+  for (int i = 0; i < opt->n_ignored; i++)
+    if (opt->ignored[i] == p) return true;
+  return false;
+}
+
+static status_t collect(const nn_module_t *m, const fsdp_options_t *opt, plist_t *l) {
   for (int i = 0; i < nn_module_num_params(m); i++) {
     nn_param_t *p = nn_module_param(m, i);
-    if (p->external) continue; /* claimed by an inner fully_shard (or other hooks) */
+    if (p->external || ignored(opt, p)) continue; /* claimed by an inner call, or ignored */
     bool seen = false;
     for (int j = 0; j < l->n && !seen; j++) seen = l->p[j] == p;
     if (seen) continue;
@@ -62,7 +69,7 @@ static status_t collect(const nn_module_t *m, plist_t *l) {
     }
     l->p[l->n++] = p;
   }
-  for (int i = 0; i < nn_module_num_children(m); i++) TRY(collect(nn_module_child(m, i), l));
+  for (int i = 0; i < nn_module_num_children(m); i++) TRY(collect(nn_module_child(m, i), opt, l));
   return STATUS_OK;
 }
 
@@ -153,7 +160,7 @@ status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **o
                    "ranks (use true, false, or an integer N with 1 < N < %d dividing %d)",
                    N, W, W, W);
   plist_t l = {0};
-  status_t st = collect(m, &l);
+  status_t st = collect(m, opt, &l);
   for (int i = 0; i < l.n && st == STATUS_OK; i++) st = check_param(l.p[i], opt->mesh);
   fsdp_group_t *g = NULL;
   if (st == STATUS_OK && (g = calloc(1, sizeof *g)) == NULL)
@@ -227,17 +234,27 @@ void fsdp_free_all(nn_module_t *root) {
   if (root) free_all(root);
 }
 
-typedef enum control { CONTROL_SYNC, CONTROL_ALL_REDUCE, CONTROL_RESHARD_AFTER_BACKWARD } control_t;
+typedef enum control {
+  CONTROL_SYNC,
+  CONTROL_ALL_REDUCE,
+  CONTROL_RESHARD_AFTER_BACKWARD,
+  CONTROL_DIVIDE_FACTOR
+} control_t;
 
-static void set_control(nn_module_t *m, control_t what, bool value) {
+static void set_control(nn_module_t *m, control_t what, double value) {
   fsdp_group_t *g = fsdp_group_of(m);
   if (g != NULL) {
-    if (what == CONTROL_SYNC) g->sync = value;
-    if (what == CONTROL_ALL_REDUCE) g->all_reduce = value;
-    if (what == CONTROL_RESHARD_AFTER_BACKWARD) g->reshard_after_backward = value;
+    if (what == CONTROL_SYNC) g->sync = value != 0;
+    if (what == CONTROL_ALL_REDUCE) g->all_reduce = value != 0;
+    if (what == CONTROL_RESHARD_AFTER_BACKWARD) g->reshard_after_backward = value != 0;
+    if (what == CONTROL_DIVIDE_FACTOR) g->divide_factor = value;
   }
   for (int i = 0; i < nn_module_num_children(m); i++)
     set_control(nn_module_child(m, i), what, value);
+}
+
+void fsdp_set_gradient_divide_factor(nn_module_t *root, double factor) {
+  set_control(root, CONTROL_DIVIDE_FACTOR, factor > 0 ? factor : 0);
 }
 
 void fsdp_set_requires_gradient_sync(nn_module_t *root, bool sync) {
@@ -399,6 +416,7 @@ static status_t reduce_grads(fsdp_group_t *g) {
   if (flat == 0) return STATUS_OK;
   device_t dev = mesh_device(g->mesh);
   int64_t total = flat * g->W;
+  reduce_op_t op = g->divide_factor > 0 ? REDUCE_SUM : REDUCE_AVG;
   tensor_t send, recv = {0};
   TRY(tensor_zeros(&send, g->reduce_dtype, dev, 1, &total));
   status_t st = STATUS_OK;
@@ -429,8 +447,8 @@ static status_t reduce_grads(fsdp_group_t *g) {
     if (g->W > 1) {
       st = tensor_init(&recv, g->reduce_dtype, dev, 1, &flat);
       if (st == STATUS_OK)
-        st = pg_reduce_scatter(g->shard, send.data, recv.data, (size_t)flat, g->reduce_dtype,
-                               REDUCE_AVG, NULL);
+        st = pg_reduce_scatter(g->shard, send.data, recv.data, (size_t)flat, g->reduce_dtype, op,
+                               NULL);
     } else {
       st = tensor_ref(&recv, &send);
     }
@@ -457,9 +475,11 @@ static status_t reduce_grads(fsdp_group_t *g) {
       tensor_free(&g->partial);
     }
     if (st == STATUS_OK)
-      st = pg_all_reduce(g->replicate, recv.data, recv.data, (size_t)flat, g->reduce_dtype,
-                         REDUCE_AVG, NULL);
+      st = pg_all_reduce(g->replicate, recv.data, recv.data, (size_t)flat, g->reduce_dtype, op,
+                         NULL);
   }
+  if (st == STATUS_OK && g->divide_factor > 0)
+    st = kernel_scale(&recv, (float)(1.0 / g->divide_factor));
   off = 0;
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];

@@ -41,16 +41,18 @@ extern "C" {
 #define FSDP_RESHARD_AUTO (-1)
 
 typedef struct fsdp_options {
-  mesh_t *mesh;              /* 1-D (shard) or 2-D (replicate, shard); must outlive the group */
-  int reshard_after_forward; /* FSDP_RESHARD_AUTO, 0, 1 or N (see above) */
-  dtype_t param_dtype;       /* all-gather and compute dtype; DTYPE_COUNT: the parameter's */
-  dtype_t reduce_dtype;      /* gradient reduction dtype; DTYPE_COUNT: param_dtype */
+  mesh_t *mesh;               /* 1-D (shard) or 2-D (replicate, shard); must outlive the group */
+  int reshard_after_forward;  /* FSDP_RESHARD_AUTO, 0, 1 or N (see above) */
+  dtype_t param_dtype;        /* all-gather and compute dtype; DTYPE_COUNT: the parameter's */
+  dtype_t reduce_dtype;       /* gradient reduction dtype; DTYPE_COUNT: param_dtype */
+  nn_param_t *const *ignored; /* parameters left alone: not sharded, not reduced */
+  int n_ignored;
 } fsdp_options_t;
 
 #define FSDP_OPTIONS_INIT                                                                 \
   {                                                                                       \
     .mesh = NULL, .reshard_after_forward = FSDP_RESHARD_AUTO, .param_dtype = DTYPE_COUNT, \
-    .reduce_dtype = DTYPE_COUNT                                                           \
+    .reduce_dtype = DTYPE_COUNT, .ignored = NULL, .n_ignored = 0                          \
   }
 
 typedef struct fsdp_group fsdp_group_t;
@@ -87,6 +89,10 @@ int64_t fsdp_flat_numel(const fsdp_group_t *g);
 void fsdp_set_requires_gradient_sync(nn_module_t *root, bool sync);
 void fsdp_set_requires_all_reduce(nn_module_t *root, bool all_reduce);
 void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard);
+
+/* Reduce gradients as a sum divided by factor instead of the average over the data-parallel
+ * ranks (factor > 0; 0 restores the average). Applied to every group under root. */
+void fsdp_set_gradient_divide_factor(nn_module_t *root, double factor);
 
 /* Frees every group installed under root (restoring nothing: the parameters stay sharded). */
 void fsdp_free_all(nn_module_t *root);

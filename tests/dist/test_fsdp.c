@@ -505,6 +505,50 @@ START_TEST(module_called_twice) {
 }
 END_TEST
 
+/* An ignored parameter stays whole and local; a divide factor of 1 sums the gradients. */
+START_TEST(ignored_parameter_and_divide_factor) {
+  mesh_t *mesh = dp_mesh(), *local;
+  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  int W = world_size(), md = mesh_ndim(mesh);
+  int dp = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
+                   : mesh_coord(mesh, 0);
+  nn_module_t *ref = twice_model(local), *sh = twice_model(local);
+  nn_param_t *head = nn_param_find(sh, "head.weight");
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  opt.ignored = &head;
+  opt.n_ignored = 1;
+  fsdp_group_t *g;
+  ok(fully_shard(sh, &opt, &g));
+  ck_assert_int_eq(fsdp_num_params(g), 2);
+  ck_assert(!head->external && dtensor_mesh(head->value) == local);
+  fsdp_set_gradient_divide_factor(sh, 1.0);
+  const int T = 5;
+  twice_step(ref, 0, T * W);
+  twice_step(sh, dp * T, T);
+  /* summed, not averaged: the reference's mean gradient times W */
+  nn_param_t *rl = nn_param_find(ref, "lin.weight");
+  tensor_t scaled;
+  ok(tensor_clone(&scaled, dtensor_local(rl->grad), DTYPE_F32, device_cpu()));
+  for (int64_t i = 0; i < tensor_numel(&scaled); i++) ((float *)scaled.data)[i] *= (float)W;
+  nn_param_t *sl = nn_param_find(sh, "lin.weight");
+  int64_t off[2];
+  dtensor_offset(sl->value, off);
+  tensor_t want;
+  ok(tensor_narrow_box(&want, &scaled, off, dtensor_local(sl->grad)->shape));
+  double e = tensor_numel(&want) ? test_rel_l2(dtensor_local(sl->grad), &want) : 0;
+  ck_assert(head->grad != NULL); /* the ignored weight has its local, unreduced gradient */
+  expect_all(e < 1e-5, "divide factor 1: error %.3g", e);
+  tensor_free(&want);
+  tensor_free(&scaled);
+  fsdp_free_all(sh);
+  nn_module_free(ref);
+  nn_module_free(sh);
+  mesh_free(local);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* Integer reshard_after_forward N: the backward all-gather runs within groups of N. */
 START_TEST(training_parity_int_reshard) {
   int Ws = hsdp_mode() ? world_size() / hsdp_replicas() : world_size();
@@ -605,6 +649,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_parity_int_reshard);
   tcase_add_test(tc, int_reshard_invalid_is_refused);
   tcase_add_test(tc, module_called_twice);
+  tcase_add_test(tc, ignored_parameter_and_divide_factor);
   suite_add_tcase(s, tc);
   return s;
 }
