@@ -549,6 +549,69 @@ START_TEST(ignored_parameter_and_divide_factor) {
 }
 END_TEST
 
+/* Memory (DESIGN 7): with reshard_after_forward, forward ends holding the sharded state, the
+ * root's gathered parameters and the activations, and never more than a few unsharded
+ * groups on top; the activations are measured on the unsharded model with the same batch. */
+START_TEST(forward_memory_within_budget) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  cfg.n_layers = 6;
+  mesh_t *mesh = dp_mesh();
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  data_spec_t spec = {.batch_size = 1, .seq_len = 16, .grad_accum = 1, .dp_size = 1};
+  device_t cpu = device_cpu();
+  size_t act = 0, grown = 0, peak = 0, root_bytes = 0, largest = 0;
+  for (int k = 0; k < 2; k++) { /* 0: the unsharded model, 1: fully sharded */
+    llama_t *m;
+    ok(llama_new(&m, &cfg, NULL));
+    fsdp_group_t *groups[8];
+    if (k == 1) {
+      fsdp_options_t opt = FSDP_OPTIONS_INIT;
+      opt.mesh = mesh;
+      for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(m, i), &opt, &groups[i]));
+      ok(fully_shard(llama_module(m), &opt, &groups[cfg.n_layers]));
+      int md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1);
+      for (int i = 0; i < cfg.n_layers; i++) {
+        size_t b = (size_t)fsdp_flat_numel(groups[i]) * (size_t)Ws * 4;
+        largest = b > largest ? b : largest;
+      }
+      root_bytes = (size_t)fsdp_flat_numel(groups[cfg.n_layers]) * (size_t)Ws * 4;
+    }
+    nn_ctx_t *ctx;
+    ok(nn_ctx_new(&ctx));
+    tensor_t in, tg;
+    ok(data_batch(d, &spec, 0, 0, &in, &tg));
+    nn_var_t *ids, *logits;
+    ok(nn_var_new(&ids, &in, false));
+    size_t before = mem_stats(cpu).current;
+    mem_reset_peak(cpu);
+    ok(nn_call(ctx, llama_module(m), ids, &logits));
+    if (k == 0) act = mem_stats(cpu).current - before;
+    if (k == 1) {
+      grown = mem_stats(cpu).current - before;
+      peak = mem_stats(cpu).peak - before;
+    }
+    nn_ctx_clear(ctx);
+    nn_var_put(logits);
+    nn_var_put(ids);
+    tensor_free(&tg);
+    nn_ctx_free(ctx);
+    fsdp_free_all(llama_module(m));
+    llama_free(m);
+  }
+  size_t budget_end = act + root_bytes, budget_peak = act + root_bytes + 3 * largest;
+  if (world_rank() == 0)
+    printf(
+        "forward memory: end %zu B (budget: activations %zu + root %zu = %zu); peak %zu B "
+        "(budget + 3 x largest group %zu = %zu)\n",
+        grown, act, root_bytes, budget_end, peak, largest, budget_peak);
+  expect_all(grown <= budget_end && peak <= budget_peak, "forward memory over budget");
+  data_free(d);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* Integer reshard_after_forward N: the backward all-gather runs within groups of N. */
 START_TEST(training_parity_int_reshard) {
   int Ws = hsdp_mode() ? world_size() / hsdp_replicas() : world_size();
@@ -650,6 +713,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, int_reshard_invalid_is_refused);
   tcase_add_test(tc, module_called_twice);
   tcase_add_test(tc, ignored_parameter_and_divide_factor);
+  tcase_add_test(tc, forward_memory_within_budget);
   suite_add_tcase(s, tc);
   return s;
 }
