@@ -1,0 +1,137 @@
+/*
+ * FSDP training steps of a Llama under a plan: per-step communication bytes measured and
+ * analytic (DESIGN section 11), peak memory measured and budgeted (DESIGN section 7), step
+ * time. Figures, not assertions.
+ *
+ *   mpirun -n 4 bench-fsdp-step [--config configs/llama-small.json] [--hsdp R]
+ *       [--reshard auto|0|1|N] [--param-dtype f32|bf16] [--steps 5] [--batch 2] [--seq 128]
+ */
+#include "bench/bench_util.h"
+#include "fully_shard/fsdp.h"
+#include "mesh/world.h"
+#include "nn/optim.h"
+
+static uint64_t sum_kind(pg_t *pg, pg_kind_t k) { return pg ? pg_counters(pg).bytes[k] : 0; }
+
+int main(int argc, char **argv) {
+  BENCH_TRY(world_init(&argc, &argv));
+  int rank = world_rank(), W = world_size();
+  llama_config_t cfg;
+  llama_options_t lopt;
+  bench_model(argc, argv, SOURCE_ROOT "/configs/llama-small.json", &cfg, &lopt);
+  int R = atoi(bench_opt(argc, argv, "--hsdp", "1"));
+  const char *rs = bench_opt(argc, argv, "--reshard", "auto");
+  int reshard = strcmp(rs, "auto") == 0 ? FSDP_RESHARD_AUTO : atoi(rs);
+  dtype_t pdt;
+  BENCH_TRY(dtype_parse(bench_opt(argc, argv, "--param-dtype", "f32"), &pdt));
+  int64_t steps = atoll(bench_opt(argc, argv, "--steps", "5"));
+  mesh_t *mesh;
+  if (R > 1) {
+    int shape[2] = {R, -1};
+    const char *names[] = {"dp_replicate", "dp_shard"};
+    BENCH_TRY(mesh_init(&mesh, 2, shape, names, lopt.device));
+  } else {
+    const char *names[] = {"dp_shard"};
+    BENCH_TRY(mesh_init(&mesh, 1, &W, names, lopt.device));
+  }
+  int md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1);
+  int dp_rank = md == 2 ? mesh_coord(mesh, 0) * Ws + mesh_coord(mesh, 1) : mesh_coord(mesh, 0);
+  data_spec_t spec = {.batch_size = atoll(bench_opt(argc, argv, "--batch", "2")),
+                      .seq_len = atoll(bench_opt(argc, argv, "--seq", "128")),
+                      .grad_accum = 1,
+                      .dp_size = W,
+                      .dp_rank = dp_rank};
+  llama_t *m;
+  BENCH_TRY(llama_new(&m, &cfg, &lopt));
+  BENCH_TRY(llama_init_weights(m, 1));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  opt.reshard_after_forward = reshard;
+  opt.param_dtype = pdt == lopt.dtype ? DTYPE_COUNT : pdt;
+  opt.reduce_dtype = lopt.dtype;
+  int ng = (int)cfg.n_layers + 1;
+  fsdp_group_t **groups = calloc((size_t)ng, sizeof *groups);
+  for (int i = 0; i < cfg.n_layers; i++)
+    BENCH_TRY(fully_shard(llama_layer(m, i), &opt, &groups[i]));
+  opt.reshard_after_forward = FSDP_RESHARD_AUTO;
+  BENCH_TRY(fully_shard(llama_module(m), &opt, &groups[cfg.n_layers]));
+  nn_param_t **ps;
+  int n;
+  BENCH_TRY(nn_named_parameters(llama_module(m), &ps, &n));
+  adamw_config_t acfg = ADAMW_CONFIG_INIT;
+  optim_t *o;
+  BENCH_TRY(optim_new(&o, ps, n, &acfg));
+  data_t *d;
+  BENCH_TRY(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  pg_t *shard = mesh_group(mesh, md - 1), *rep = md == 2 ? mesh_group(mesh, 0) : NULL;
+  mesh_t *flat = NULL;
+  if (md == 2) {
+    const char *names[] = {"dp_replicate", "dp_shard"};
+    BENCH_TRY(mesh_flatten(mesh, 2, names, "dp", &flat));
+  }
+  pg_t *world_pg = mesh_group(md == 2 ? flat : mesh, 0);
+  size_t pbytes = dtype_size(pdt), rbytes = dtype_size(lopt.dtype);
+  double P = (double)llama_num_params(&cfg), largest = 0;
+  for (int i = 0; i < ng; i++) {
+    double b = (double)fsdp_flat_numel(groups[i]) * Ws * (double)pbytes;
+    largest = b > largest ? b : largest;
+  }
+  device_t dev = mesh_device(mesh);
+  if (rank == 0)
+    printf(
+        "llama %lld params, %lld layers; mesh %s x %d; reshard %s; param %s, reduce %s; "
+        "batch %lld x %lld per rank\n",
+        (long long)P, (long long)cfg.n_layers, R > 1 ? "hsdp" : "fsdp", W, rs, dtype_name(pdt),
+        dtype_name(lopt.dtype), (long long)spec.batch_size, (long long)spec.seq_len);
+  for (int64_t s = 0; s < steps; s++) {
+    pg_reset_counters(shard);
+    if (rep) pg_reset_counters(rep);
+    for (int i = 0; i < ng; i++)
+      if (fsdp_post_forward_group(groups[i])) pg_reset_counters(fsdp_post_forward_group(groups[i]));
+    optim_zero_grad(o);
+    size_t base = mem_stats(dev).current;
+    mem_reset_peak(dev);
+    MPI_Barrier(world_comm());
+    double t0 = bench_now();
+    nn_ctx_t *ctx;
+    BENCH_TRY(nn_ctx_new(&ctx));
+    bench_fwd_bwd(ctx, m, d, &spec, s, 0);
+    nn_ctx_free(ctx);
+    BENCH_TRY(clip_grad_norm(ps, n, 1.0, world_pg, NULL));
+    BENCH_TRY(optim_step(o, 1.0));
+    BENCH_TRY(device_stream_sync(dev));
+    double dt = bench_now() - t0;
+    uint64_t ag = sum_kind(shard, PG_ALL_GATHER), rsb = sum_kind(shard, PG_REDUCE_SCATTER);
+    uint64_t ar = sum_kind(rep, PG_ALL_REDUCE);
+    for (int i = 0; i < ng; i++) ag += sum_kind(fsdp_post_forward_group(groups[i]), PG_ALL_GATHER);
+    double f = (double)(Ws - 1) / Ws;
+    double ag_model = (reshard == 0 ? 1 : 2) * f * P * (double)pbytes,
+           rs_model = f * P * (double)rbytes;
+    double ar_model = R > 1 ? 2.0 * (R - 1) / R * P / Ws * (double)rbytes : 0;
+    size_t peak = mem_stats(dev).peak;
+    double state = 4.0 * P / Ws * (double)rbytes; /* params, grads, two Adam moments */
+    if (rank == 0)
+      printf(
+          "step %lld: %.3f s | all-gather %.0f B (model %.0f) reduce-scatter %.0f B (model "
+          "%.0f) all-reduce %.0f B (model %.0f) | peak %.2f MiB (resident %.2f MiB; sharded "
+          "state %.2f MiB, largest group %.2f MiB)\n",
+          (long long)s, dt, (double)ag, ag_model, (double)rsb, rs_model, (double)ar, ar_model,
+          peak / 1048576.0, base / 1048576.0, state / 1048576.0, largest / 1048576.0);
+  }
+  if (rank == 0)
+    printf(
+        "model: all-gathers 2 (W-1)/W P bytes(param) with resharding, 1x without (the root "
+        "gathers once either way, so measured is lower), reduce-scatters (W-1)/W P "
+        "bytes(reduce), HSDP all-reduce 2 (R-1)/R P/W bytes(reduce); P unpadded, measured "
+        "padded; an integer reshard moves the backward gathers into groups of N\n");
+  free(ps);
+  optim_free(o);
+  fsdp_free_all(llama_module(m));
+  llama_free(m);
+  free(groups);
+  data_free(d);
+  mesh_free(flat);
+  mesh_free(mesh);
+  world_finalize();
+  return 0;
+}
