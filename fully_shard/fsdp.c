@@ -14,6 +14,23 @@ typedef struct fsdp_param {
   tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype */
 } fsdp_param_t;
 
+typedef struct gvec {
+  fsdp_group_t **v;
+  int n, cap;
+} gvec_t;
+
+static status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
+  if (a->n == a->cap) {
+    int nc = a->cap ? 2 * a->cap : 16;
+    fsdp_group_t **v = realloc(a->v, sizeof(fsdp_group_t *) * (size_t)nc);
+    if (v == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+    a->v = v;
+    a->cap = nc;
+  }
+  a->v[a->n++] = g;
+  return STATUS_OK;
+}
+
 struct fsdp_group {
   nn_module_t *module;
   fsdp_param_t *params;
@@ -31,6 +48,19 @@ struct fsdp_group {
   tensor_t post_forward_slice; /* blocks [i*W/N, (i+1)*W/N) of the gathered buffer */
   tensor_t partial;            /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
   double divide_factor;        /* > 0: sum / factor instead of the average */
+  tensor_t gather;             /* the all-gather buffer while gathering */
+  pg_work_t *pending;          /* its collective */
+  bool gathering;
+  fsdp_event_fn on_event;
+  void *on_event_user;
+  fsdp_group_t *root; /* found on the first forward */
+  /* root only: pre-forward order of this and of the last iteration, post-forward order of
+   * this one (backward runs it in reverse), and where backward is in it */
+  gvec_t fwd_order, prev_fwd_order, bwd_order;
+  int bwd_pos;
+  fsdp_group_t **fwd_prefetch, **bwd_prefetch; /* explicit lists */
+  int n_fwd_prefetch, n_bwd_prefetch;
+  bool fwd_explicit, bwd_explicit;
 };
 
 fsdp_group_t *fsdp_group_of(const nn_module_t *m) { return nn_module_ext(m); }
@@ -134,6 +164,12 @@ static void group_free(fsdp_group_t *g) {
   if (g == NULL) return;
   tensor_free(&g->partial);
   tensor_free(&g->post_forward_slice);
+  tensor_free(&g->gather);
+  free(g->fwd_order.v);
+  free(g->prev_fwd_order.v);
+  free(g->bwd_order.v);
+  free(g->fwd_prefetch);
+  free(g->bwd_prefetch);
   pg_release(g->post_forward);
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].padded);
   free(g->params);
@@ -269,41 +305,57 @@ void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard) {
 
 /* ---- unshard / reshard ---- */
 
-status_t fsdp_unshard(fsdp_group_t *g) {
-  if (g->unsharded || g->n == 0) {
+static void emit(fsdp_group_t *g, const char *event) {
+  if (g->on_event) g->on_event(event, g, g->on_event_user);
+}
+
+/* Starts gathering the group: copy-in and a nonblocking all-gather (or, after an integer
+ * reshard, the all-gather of the kept slices within the post-forward group). */
+static status_t unshard_start(fsdp_group_t *g) {
+  if (g->unsharded || g->gathering) return STATUS_OK;
+  if (g->n == 0) {
     g->unsharded = true;
     return STATUS_OK;
   }
-  device_t dev = mesh_device(g->mesh);
   int64_t total = g->flat * g->W;
-  tensor_t buf;
-  TRY(tensor_init(&buf, g->param_dtype, dev, 1, &total));
+  TRY(tensor_init(&g->gather, g->param_dtype, mesh_device(g->mesh), 1, &total));
+  g->gathering = true;
+  emit(g, "unshard");
   status_t st = STATUS_OK;
-  bool from_slice = g->post_forward_slice.storage != NULL;
-  if (from_slice) { /* integer reshard: gather the N slices within the post-forward group */
+  if (g->post_forward_slice.storage != NULL) {
     int64_t count = tensor_numel(&g->post_forward_slice);
-    st = pg_all_gather(g->post_forward, g->post_forward_slice.data, buf.data, (size_t)count,
-                       g->param_dtype, NULL);
-    tensor_free(&g->post_forward_slice);
+    return pg_all_gather(g->post_forward, g->post_forward_slice.data, g->gather.data, (size_t)count,
+                         g->param_dtype, &g->pending);
   }
   /* copy-in: this rank's padded shards, cast, into its block of the gather buffer */
-  for (int i = 0; i < g->n && st == STATUS_OK && !from_slice; i++) {
+  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
-    tensor_t slot;
+    tensor_t slot, flat;
     int64_t n = fp->rows * fp->row;
-    if ((st = tensor_narrow(&slot, &buf, 0, g->rank * g->flat + fp->offset, n)) != STATUS_OK) break;
-    tensor_t flat;
+    if ((st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->flat + fp->offset, n)) != STATUS_OK)
+      break;
     st = tensor_view(&flat, &fp->padded, 1, &n);
     if (st == STATUS_OK) st = tensor_copy(&slot, &flat);
     tensor_free(&flat);
     tensor_free(&slot);
   }
-  if (st == STATUS_OK && g->W > 1 && !from_slice) {
-    char *base = buf.data;
+  if (st == STATUS_OK && g->W > 1) {
+    char *base = g->gather.data;
     st = pg_all_gather(g->shard, base + (size_t)(g->rank * g->flat) * dtype_size(g->param_dtype),
-                       buf.data, (size_t)g->flat, g->param_dtype, NULL);
+                       g->gather.data, (size_t)g->flat, g->param_dtype, &g->pending);
   }
-  /* copy-out: rank r's rows of each parameter into the unsharded tensor */
+  return st;
+}
+
+/* Completes a started gather: waits, then copies rank r's rows of each parameter out into
+ * the unsharded tensors. */
+static status_t unshard_wait(fsdp_group_t *g) {
+  if (!g->gathering) return STATUS_OK;
+  status_t st = pg_wait(g->pending);
+  g->pending = NULL;
+  g->gathering = false;
+  tensor_free(&g->post_forward_slice);
+  device_t dev = mesh_device(g->mesh);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     const dtensor_t *v = fp->p->value;
@@ -318,7 +370,7 @@ status_t fsdp_unshard(fsdp_group_t *g) {
       memcpy(shape, dtensor_shape(v), sizeof(int64_t) * (size_t)dtensor_ndim(v));
       shape[0] = len;
       tensor_t src = {0}, src_nd = {0}, dst = {0};
-      st = tensor_narrow(&src, &buf, 0, r * g->flat + fp->offset, len * fp->row);
+      st = tensor_narrow(&src, &g->gather, 0, r * g->flat + fp->offset, len * fp->row);
       if (st == STATUS_OK) st = tensor_view(&src_nd, &src, dtensor_ndim(v), shape);
       if (st == STATUS_OK) st = tensor_narrow(&dst, &full, 0, start, len);
       if (st == STATUS_OK) st = tensor_copy(&dst, &src_nd);
@@ -333,15 +385,28 @@ status_t fsdp_unshard(fsdp_group_t *g) {
       tensor_free(&full);
     }
   }
-  tensor_free(&buf);
+  tensor_free(&g->gather);
   if (st == STATUS_OK) g->unsharded = true;
   return st;
 }
 
+status_t fsdp_unshard(fsdp_group_t *g) {
+  TRY(unshard_start(g));
+  return unshard_wait(g);
+}
+
 void fsdp_reshard(fsdp_group_t *g) {
+  if (g->gathering) { /* a prefetch nobody used: complete it, then drop it */
+    pg_wait(g->pending);
+    g->pending = NULL;
+    g->gathering = false;
+    tensor_free(&g->gather);
+  }
+  bool had = g->unsharded || g->post_forward_slice.storage != NULL;
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].p->compute);
   tensor_free(&g->post_forward_slice);
   g->unsharded = false;
+  if (had) emit(g, "reshard");
 }
 
 /* Integer reshard after forward: keep blocks [i*W/N, (i+1)*W/N) of the gathered buffer
@@ -502,10 +567,64 @@ static status_t reduce_grads(fsdp_group_t *g) {
 static void lazy_init(fsdp_group_t *g) {
   if (g->initialised) return;
   g->initialised = true;
-  g->is_root = true;
+  g->root = g;
   for (nn_module_t *a = nn_module_parent(g->module); a != NULL; a = nn_module_parent(a))
-    if (fsdp_group_of(a) != NULL) g->is_root = false;
+    if (fsdp_group_of(a) != NULL) g->root = fsdp_group_of(a);
+  g->is_root = g->root == g;
   if (g->reshard_after_forward == FSDP_RESHARD_AUTO) g->reshard_after_forward = !g->is_root;
+}
+
+/* The group to prefetch in forward: explicit list, else the group that followed this call
+ * in the last iteration's forward order. */
+static status_t forward_prefetch(fsdp_group_t *g) {
+  if (g->fwd_explicit) {
+    for (int i = 0; i < g->n_fwd_prefetch; i++) TRY(unshard_start(g->fwd_prefetch[i]));
+    return STATUS_OK;
+  }
+  const gvec_t *prev = &g->root->prev_fwd_order;
+  int pos = g->root->fwd_order.n - 1;
+  if (pos + 1 < prev->n && prev->v[pos] == g) return unshard_start(prev->v[pos + 1]);
+  return STATUS_OK;
+}
+
+/* The group to prefetch in backward: explicit list, else the call before this one in
+ * post-forward order (the next to run backward). */
+static status_t backward_prefetch(fsdp_group_t *g) {
+  fsdp_group_t *root = g->root;
+  int i = root->bwd_pos - 1;
+  while (i >= 0 && root->bwd_order.v[i] != g) i--;
+  if (i >= 0) root->bwd_pos = i;
+  if (g->bwd_explicit) {
+    for (int k = 0; k < g->n_bwd_prefetch; k++) TRY(unshard_start(g->bwd_prefetch[k]));
+    return STATUS_OK;
+  }
+  if (i > 0) return unshard_start(root->bwd_order.v[i - 1]);
+  return STATUS_OK;
+}
+
+static status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
+  if (nn_ctx_recomputing(ctx)) return fsdp_unshard(g); /* no orders, no prefetch */
+  fsdp_group_t *root = g->root;
+  if (g->is_root) { /* a new iteration: the forward order just recorded becomes the last one */
+    gvec_t t = root->prev_fwd_order;
+    root->prev_fwd_order = root->fwd_order;
+    root->fwd_order = t;
+    root->fwd_order.n = 0;
+    root->bwd_order.n = 0;
+  }
+  TRY(gvec_push(&root->fwd_order, g));
+  TRY(fsdp_unshard(g));
+  return forward_prefetch(g);
+}
+
+static status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
+  /* inside a checkpointed call's recomputation the parameters are needed next */
+  if (nn_ctx_recomputing(ctx)) return STATUS_OK;
+  TRY(gvec_push(&g->root->bwd_order, g));
+  if (!g->unsharded) return STATUS_OK;
+  if (g->reshard_after_forward == 1) fsdp_reshard(g);
+  if (g->reshard_after_forward >= 2) return reshard_to_slice(g);
+  return STATUS_OK;
 }
 
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
@@ -513,15 +632,14 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
   fsdp_group_t *g = user;
   lazy_init(g);
   switch (kind) {
-    case NN_HOOK_PRE_FORWARD:
-    case NN_HOOK_PRE_BACKWARD: return fsdp_unshard(g);
-    case NN_HOOK_POST_FORWARD:
-      /* inside a checkpointed call's recomputation the parameters are needed next */
-      if (nn_ctx_recomputing(ctx) || !g->unsharded) return STATUS_OK;
-      if (g->reshard_after_forward == 1) fsdp_reshard(g);
-      if (g->reshard_after_forward >= 2) return reshard_to_slice(g);
-      return STATUS_OK;
+    case NN_HOOK_PRE_FORWARD: return pre_forward(ctx, g);
+    case NN_HOOK_POST_FORWARD: return post_forward(ctx, g);
+    case NN_HOOK_PRE_BACKWARD:
+      if (g->is_root) g->bwd_pos = g->bwd_order.n;
+      TRY(fsdp_unshard(g));
+      return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
+      emit(g, "post_backward");
       status_t st = g->sync ? reduce_grads(g) : STATUS_OK; /* else keep accumulating */
       if (g->reshard_after_backward) fsdp_reshard(g);
       return st;
@@ -529,3 +647,36 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
     default: return STATUS_OK;
   }
 }
+
+static status_t set_list(fsdp_group_t ***list, int *n, bool *explicit_, fsdp_group_t *const *gs,
+                         int count) {
+  fsdp_group_t **v = NULL;
+  if (count > 0 && (v = malloc(sizeof(fsdp_group_t *) * (size_t)count)) == NULL)
+    return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  for (int i = 0; i < count; i++) v[i] = gs[i];
+  free(*list);
+  *list = v;
+  *n = count;
+  *explicit_ = true;
+  return STATUS_OK;
+}
+
+status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
+  return set_list(&g->fwd_prefetch, &g->n_fwd_prefetch, &g->fwd_explicit, groups, n);
+}
+
+status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
+  return set_list(&g->bwd_prefetch, &g->n_bwd_prefetch, &g->bwd_explicit, groups, n);
+}
+
+void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user) {
+  fsdp_group_t *g = fsdp_group_of(root);
+  if (g != NULL) {
+    g->on_event = fn;
+    g->on_event_user = user;
+  }
+  for (int i = 0; i < nn_module_num_children(root); i++)
+    fsdp_set_event_hook(nn_module_child(root, i), fn, user);
+}
+
+const char *fsdp_group_name(const fsdp_group_t *g) { return nn_module_fqn(g->module); }

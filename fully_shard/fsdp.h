@@ -57,6 +57,10 @@ typedef struct fsdp_options {
 
 typedef struct fsdp_group fsdp_group_t;
 
+/* Observer of a group's data-path events: "unshard" (an all-gather is issued), "reshard"
+ * (unsharded parameters freed), "post_backward" (gradients about to be reduced). */
+typedef void (*fsdp_event_fn)(const char *event, const fsdp_group_t *g, void *user);
+
 /* Shards the unclaimed parameters of m's subtree (each must be whole on this rank, at least
  * 1-D) and installs the hooks. *out, if not NULL, receives the group (owned by m's ext slot
  * until fsdp_free_all). Local, except with an integer reshard_after_forward, which creates
@@ -93,6 +97,19 @@ void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard);
 /* Reduce gradients as a sum divided by factor instead of the average over the data-parallel
  * ranks (factor > 0; 0 restores the average). Applied to every group under root. */
 void fsdp_set_gradient_divide_factor(nn_module_t *root, double factor);
+
+/* Prefetching. By default forward starts the all-gather of the group that followed this one in
+ * the last iteration's forward, right after this group is gathered; backward starts the
+ * all-gather of the group that runs backward next (reverse post-forward order). An explicit
+ * list (possibly empty) replaces the default for that group. On the CPU a started all-gather
+ * is a nonblocking MPI collective completed at the group's next unshard. Local. */
+status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
+status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
+
+/* Installs an event observer on every group under root (NULL removes it). */
+void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user);
+/* The FQN of the group's module ("" for the model's root). */
+const char *fsdp_group_name(const fsdp_group_t *g);
 
 /* Frees every group installed under root (restoring nothing: the parameters stay sharded). */
 void fsdp_free_all(nn_module_t *root);

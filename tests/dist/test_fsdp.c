@@ -612,6 +612,110 @@ START_TEST(forward_memory_within_budget) {
 }
 END_TEST
 
+/* ---- order of unshard / reshard / post-backward events ---- */
+
+static char event_log[2048];
+
+static void log_event(const char *event, const fsdp_group_t *g, void *user) {
+  (void)user;
+  const char *name = fsdp_group_name(g);
+  size_t n = strlen(event_log);
+  snprintf(event_log + n, sizeof event_log - n, "%s %s\n", event,
+           name[0] ? name + strlen("model.") : "root");
+}
+
+/* Runs two iterations and returns the second one's events: forward, then backward. */
+static void two_iterations(int explicit_mode, char *fwd, char *bwd, size_t size) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  llama_t *m;
+  ok(llama_new(&m, &cfg, NULL));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  fsdp_group_t *l0, *l1, *root;
+  ok(fully_shard(llama_layer(m, 0), &opt, &l0));
+  ok(fully_shard(llama_layer(m, 1), &opt, &l1));
+  ok(fully_shard(llama_module(m), &opt, &root));
+  if (explicit_mode == 1) { /* the root gathers both blocks up front, block 1 first */
+    fsdp_group_t *both[] = {l1, l0};
+    ok(fsdp_set_forward_prefetch(root, both, 2));
+    ok(fsdp_set_forward_prefetch(l0, NULL, 0));
+    ok(fsdp_set_forward_prefetch(l1, NULL, 0));
+  }
+  if (explicit_mode == 2) { /* backward: the root gathers both blocks up front, block 0 first */
+    fsdp_group_t *both[] = {l0, l1};
+    ok(fsdp_set_backward_prefetch(root, both, 2));
+    ok(fsdp_set_backward_prefetch(l1, NULL, 0));
+    ok(fsdp_set_backward_prefetch(l0, NULL, 0));
+  }
+  fsdp_set_event_hook(llama_module(m), log_event, NULL);
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  data_spec_t spec = {.batch_size = 1, .seq_len = 8, .grad_accum = 1, .dp_size = 1};
+  for (int it = 0; it < 2; it++) {
+    nn_ctx_t *ctx;
+    ok(nn_ctx_new(&ctx));
+    tensor_t in, tg;
+    ok(data_batch(d, &spec, it, 0, &in, &tg));
+    nn_var_t *ids, *logits, *loss;
+    ok(nn_var_new(&ids, &in, false));
+    event_log[0] = '\0';
+    ok(nn_call(ctx, llama_module(m), ids, &logits));
+    snprintf(fwd, size, "%s", event_log);
+    event_log[0] = '\0';
+    ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+    ok(nn_backward(ctx, loss));
+    snprintf(bwd, size, "%s", event_log);
+    nn_var_put(loss);
+    nn_var_put(logits);
+    nn_var_put(ids);
+    tensor_free(&tg);
+    nn_ctx_free(ctx);
+  }
+  fsdp_free_all(llama_module(m));
+  llama_free(m);
+  data_free(d);
+  mesh_free(mesh);
+}
+
+static const char *kDefaultForward =
+    "unshard root\nunshard layers.0\nunshard layers.1\nreshard layers.0\nreshard layers.1\n";
+static const char *kDefaultBackward =
+    "unshard layers.1\nunshard layers.0\npost_backward layers.1\nreshard layers.1\n"
+    "post_backward layers.0\nreshard layers.0\npost_backward root\nreshard root\n";
+
+START_TEST(event_order_default) {
+  char fwd[2048], bwd[2048];
+  two_iterations(0, fwd, bwd, sizeof fwd);
+  /* forward: the root gathers, prefetching block 0; block 0 prefetches block 1 */
+  ck_assert_str_eq(fwd, kDefaultForward);
+  /* backward: the root (still gathered) prefetches block 1; block 1 prefetches block 0 */
+  ck_assert_str_eq(bwd, kDefaultBackward);
+}
+END_TEST
+
+START_TEST(event_order_explicit_forward_prefetch) {
+  char fwd[2048], bwd[2048];
+  two_iterations(1, fwd, bwd, sizeof fwd);
+  ck_assert_str_eq(fwd,
+                   "unshard root\nunshard layers.1\nunshard layers.0\nreshard layers.0\n"
+                   "reshard layers.1\n");
+  ck_assert_str_eq(bwd, kDefaultBackward);
+}
+END_TEST
+
+START_TEST(event_order_explicit_backward_prefetch) {
+  char fwd[2048], bwd[2048];
+  two_iterations(2, fwd, bwd, sizeof fwd);
+  ck_assert_str_eq(fwd, kDefaultForward);
+  ck_assert_str_eq(bwd,
+                   "unshard layers.0\nunshard layers.1\npost_backward layers.1\n"
+                   "reshard layers.1\npost_backward layers.0\nreshard layers.0\n"
+                   "post_backward root\nreshard root\n");
+}
+END_TEST
+
 /* Integer reshard_after_forward N: the backward all-gather runs within groups of N. */
 START_TEST(training_parity_int_reshard) {
   int Ws = hsdp_mode() ? world_size() / hsdp_replicas() : world_size();
@@ -714,6 +818,9 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, module_called_twice);
   tcase_add_test(tc, ignored_parameter_and_divide_factor);
   tcase_add_test(tc, forward_memory_within_budget);
+  tcase_add_test(tc, event_order_default);
+  tcase_add_test(tc, event_order_explicit_forward_prefetch);
+  tcase_add_test(tc, event_order_explicit_backward_prefetch);
   suite_add_tcase(s, tc);
   return s;
 }
