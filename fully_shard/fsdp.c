@@ -1,25 +1,10 @@
-#include "fully_shard/fsdp.h"
-
+/* fully_shard: sharding parameters into groups, the hooks, prefetching and control. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/kernels.h"
+#include "fully_shard/fsdp_impl.h"
 
-typedef struct fsdp_param {
-  nn_param_t *p;
-  int64_t n0;      /* global rows */
-  int64_t rows;    /* padded rows per rank: ceil(n0 / W) */
-  int64_t row;     /* elements per row */
-  int64_t offset;  /* in the flat all-gather buffer of one rank, elements */
-  tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype */
-} fsdp_param_t;
-
-typedef struct gvec {
-  fsdp_group_t **v;
-  int n, cap;
-} gvec_t;
-
-static status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
+status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
   if (a->n == a->cap) {
     int nc = a->cap ? 2 * a->cap : 16;
     fsdp_group_t **v = realloc(a->v, sizeof(fsdp_group_t *) * (size_t)nc);
@@ -30,38 +15,6 @@ static status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
   a->v[a->n++] = g;
   return STATUS_OK;
 }
-
-struct fsdp_group {
-  nn_module_t *module;
-  fsdp_param_t *params;
-  int n;
-  int64_t flat; /* elements per rank in the all-gather buffer */
-  mesh_t *mesh;
-  pg_t *shard, *replicate; /* replicate: NULL without HSDP */
-  int W, rank;
-  fsdp_options_t opt;
-  dtype_t param_dtype, reduce_dtype;
-  int reshard_after_forward; /* resolved on the first forward */
-  bool initialised, is_root, unsharded;
-  bool sync, all_reduce, reshard_after_backward;
-  pg_t *post_forward;          /* integer reshard: the N consecutive ranks of this one */
-  tensor_t post_forward_slice; /* blocks [i*W/N, (i+1)*W/N) of the gathered buffer */
-  tensor_t partial;            /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
-  double divide_factor;        /* > 0: sum / factor instead of the average */
-  tensor_t gather;             /* the all-gather buffer while gathering */
-  pg_work_t *pending;          /* its collective */
-  bool gathering;
-  fsdp_event_fn on_event;
-  void *on_event_user;
-  fsdp_group_t *root; /* found on the first forward */
-  /* root only: pre-forward order of this and of the last iteration, post-forward order of
-   * this one (backward runs it in reverse), and where backward is in it */
-  gvec_t fwd_order, prev_fwd_order, bwd_order;
-  int bwd_pos;
-  fsdp_group_t **fwd_prefetch, **bwd_prefetch; /* explicit lists */
-  int n_fwd_prefetch, n_bwd_prefetch;
-  bool fwd_explicit, bwd_explicit;
-};
 
 fsdp_group_t *fsdp_group_of(const nn_module_t *m) { return nn_module_ext(m); }
 bool fsdp_is_unsharded(const fsdp_group_t *g) { return g->unsharded; }
@@ -303,265 +256,6 @@ void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard) {
   set_control(root, CONTROL_RESHARD_AFTER_BACKWARD, reshard);
 }
 
-/* ---- unshard / reshard ---- */
-
-static void emit(fsdp_group_t *g, const char *event) {
-  if (g->on_event) g->on_event(event, g, g->on_event_user);
-}
-
-/* Starts gathering the group: copy-in and a nonblocking all-gather (or, after an integer
- * reshard, the all-gather of the kept slices within the post-forward group). */
-static status_t unshard_start(fsdp_group_t *g) {
-  if (g->unsharded || g->gathering) return STATUS_OK;
-  if (g->n == 0) {
-    g->unsharded = true;
-    return STATUS_OK;
-  }
-  int64_t total = g->flat * g->W;
-  TRY(tensor_init(&g->gather, g->param_dtype, mesh_device(g->mesh), 1, &total));
-  g->gathering = true;
-  emit(g, "unshard");
-  status_t st = STATUS_OK;
-  if (g->post_forward_slice.storage != NULL) {
-    int64_t count = tensor_numel(&g->post_forward_slice);
-    return pg_all_gather(g->post_forward, g->post_forward_slice.data, g->gather.data, (size_t)count,
-                         g->param_dtype, &g->pending);
-  }
-  /* copy-in: this rank's padded shards, cast, into its block of the gather buffer */
-  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
-    fsdp_param_t *fp = &g->params[i];
-    tensor_t slot, flat;
-    int64_t n = fp->rows * fp->row;
-    if ((st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->flat + fp->offset, n)) != STATUS_OK)
-      break;
-    st = tensor_view(&flat, &fp->padded, 1, &n);
-    if (st == STATUS_OK) st = tensor_copy(&slot, &flat);
-    tensor_free(&flat);
-    tensor_free(&slot);
-  }
-  if (st == STATUS_OK && g->W > 1) {
-    char *base = g->gather.data;
-    st = pg_all_gather(g->shard, base + (size_t)(g->rank * g->flat) * dtype_size(g->param_dtype),
-                       g->gather.data, (size_t)g->flat, g->param_dtype, &g->pending);
-  }
-  return st;
-}
-
-/* Completes a started gather: waits, then copies rank r's rows of each parameter out into
- * the unsharded tensors. */
-static status_t unshard_wait(fsdp_group_t *g) {
-  if (!g->gathering) return STATUS_OK;
-  status_t st = pg_wait(g->pending);
-  g->pending = NULL;
-  g->gathering = false;
-  tensor_free(&g->post_forward_slice);
-  device_t dev = mesh_device(g->mesh);
-  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
-    fsdp_param_t *fp = &g->params[i];
-    const dtensor_t *v = fp->p->value;
-    tensor_t full;
-    if ((st = tensor_init(&full, g->param_dtype, dev, dtensor_ndim(v), dtensor_shape(v))) !=
-        STATUS_OK)
-      break;
-    for (int r = 0; r < g->W && st == STATUS_OK; r++) {
-      int64_t start, len, shape[TENSOR_MAX_DIMS];
-      chunk_range(fp->n0, g->W, r, &start, &len);
-      if (len == 0) continue;
-      memcpy(shape, dtensor_shape(v), sizeof(int64_t) * (size_t)dtensor_ndim(v));
-      shape[0] = len;
-      tensor_t src = {0}, src_nd = {0}, dst = {0};
-      st = tensor_narrow(&src, &g->gather, 0, r * g->flat + fp->offset, len * fp->row);
-      if (st == STATUS_OK) st = tensor_view(&src_nd, &src, dtensor_ndim(v), shape);
-      if (st == STATUS_OK) st = tensor_narrow(&dst, &full, 0, start, len);
-      if (st == STATUS_OK) st = tensor_copy(&dst, &src_nd);
-      tensor_free(&src);
-      tensor_free(&src_nd);
-      tensor_free(&dst);
-    }
-    if (st == STATUS_OK) {
-      tensor_free(&fp->p->compute);
-      fp->p->compute = full;
-    } else {
-      tensor_free(&full);
-    }
-  }
-  tensor_free(&g->gather);
-  if (st == STATUS_OK) g->unsharded = true;
-  return st;
-}
-
-status_t fsdp_unshard(fsdp_group_t *g) {
-  TRY(unshard_start(g));
-  return unshard_wait(g);
-}
-
-void fsdp_reshard(fsdp_group_t *g) {
-  if (g->gathering) { /* a prefetch nobody used: complete it, then drop it */
-    pg_wait(g->pending);
-    g->pending = NULL;
-    g->gathering = false;
-    tensor_free(&g->gather);
-  }
-  bool had = g->unsharded || g->post_forward_slice.storage != NULL;
-  for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].p->compute);
-  tensor_free(&g->post_forward_slice);
-  g->unsharded = false;
-  if (had) emit(g, "reshard");
-}
-
-/* Integer reshard after forward: keep blocks [i*W/N, (i+1)*W/N) of the gathered buffer
- * (i = this rank's place in its group of N), rebuilt from the unsharded parameters, then
- * free those. Local. */
-static status_t reshard_to_slice(fsdp_group_t *g) {
-  int N = g->reshard_after_forward, per = g->W / N, first = (g->rank % N) * per;
-  int64_t count = (int64_t)per * g->flat;
-  tensor_t slice;
-  TRY(tensor_zeros(&slice, g->param_dtype, mesh_device(g->mesh), 1, &count));
-  status_t st = STATUS_OK;
-  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
-    fsdp_param_t *fp = &g->params[i];
-    const tensor_t *full = &fp->p->compute;
-    for (int b = first; b < first + per && st == STATUS_OK; b++) {
-      int64_t start, len, shape[TENSOR_MAX_DIMS];
-      chunk_range(fp->n0, g->W, b, &start, &len);
-      if (len == 0) continue;
-      memcpy(shape, full->shape, sizeof shape);
-      shape[0] = len;
-      tensor_t src = {0}, dst = {0}, dst_nd = {0};
-      st = tensor_narrow(&src, full, 0, start, len);
-      if (st == STATUS_OK)
-        st = tensor_narrow(&dst, &slice, 0, (b - first) * g->flat + fp->offset, len * fp->row);
-      if (st == STATUS_OK) st = tensor_view(&dst_nd, &dst, full->ndim, shape);
-      if (st == STATUS_OK) st = tensor_copy(&dst_nd, &src);
-      tensor_free(&src);
-      tensor_free(&dst);
-      tensor_free(&dst_nd);
-    }
-  }
-  fsdp_reshard(g);
-  if (st == STATUS_OK)
-    g->post_forward_slice = slice;
-  else
-    tensor_free(&slice);
-  return st;
-}
-
-/* ---- gradient reduction ---- */
-
-static bool has_grad(const nn_param_t *p) {
-  return p->requires_grad && (p->compute_grad.storage != NULL || p->compute_grad.ndim > 0);
-}
-
-/* Accumulates v (this rank's reduced rows of fp, any float dtype) into fp's grad DTensor. */
-static status_t accumulate_shard(fsdp_param_t *fp, const tensor_t *v) {
-  nn_param_t *p = fp->p;
-  const tensor_t *local = dtensor_local(p->value);
-  if (p->grad == NULL) {
-    tensor_t z;
-    TRY(tensor_zeros(&z, local->dtype, local->device, local->ndim, local->shape));
-    status_t st =
-        dtensor_from_local(&p->grad, &z, dtensor_mesh(p->value), dtensor_placements(p->value),
-                           dtensor_ndim(p->value), dtensor_shape(p->value));
-    tensor_free(&z);
-    TRY(st);
-  }
-  tensor_t dst, src;
-  TRY(tensor_ref(&dst, dtensor_local(p->grad)));
-  status_t st = tensor_view(&src, v, local->ndim, local->shape);
-  if (st == STATUS_OK) st = kernel_axpy(&dst, 1.0f, &src);
-  tensor_free(&src);
-  tensor_free(&dst);
-  return st;
-}
-
-static status_t reduce_grads(fsdp_group_t *g) {
-  int64_t flat = 0;
-  for (int i = 0; i < g->n; i++)
-    if (has_grad(g->params[i].p)) flat += g->params[i].rows * g->params[i].row;
-  if (flat == 0) return STATUS_OK;
-  device_t dev = mesh_device(g->mesh);
-  int64_t total = flat * g->W;
-  reduce_op_t op = g->divide_factor > 0 ? REDUCE_SUM : REDUCE_AVG;
-  tensor_t send, recv = {0};
-  TRY(tensor_zeros(&send, g->reduce_dtype, dev, 1, &total));
-  status_t st = STATUS_OK;
-  /* rank-major pack: block r holds chunk r of every parameter, each padded to its rows */
-  int64_t off = 0;
-  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
-    fsdp_param_t *fp = &g->params[i];
-    if (!has_grad(fp->p)) continue;
-    for (int r = 0; r < g->W && st == STATUS_OK; r++) {
-      int64_t start, len, shape[TENSOR_MAX_DIMS];
-      chunk_range(fp->n0, g->W, r, &start, &len);
-      if (len == 0) continue;
-      const tensor_t *cg = &fp->p->compute_grad;
-      memcpy(shape, cg->shape, sizeof shape);
-      shape[0] = len;
-      tensor_t src = {0}, dst = {0}, dst_nd = {0};
-      st = tensor_narrow(&src, cg, 0, start, len);
-      if (st == STATUS_OK) st = tensor_narrow(&dst, &send, 0, r * flat + off, len * fp->row);
-      if (st == STATUS_OK) st = tensor_view(&dst_nd, &dst, cg->ndim, shape);
-      if (st == STATUS_OK) st = tensor_copy(&dst_nd, &src);
-      tensor_free(&src);
-      tensor_free(&dst);
-      tensor_free(&dst_nd);
-    }
-    off += fp->rows * fp->row;
-  }
-  if (st == STATUS_OK) {
-    if (g->W > 1) {
-      st = tensor_init(&recv, g->reduce_dtype, dev, 1, &flat);
-      if (st == STATUS_OK)
-        st = pg_reduce_scatter(g->shard, send.data, recv.data, (size_t)flat, g->reduce_dtype, op,
-                               NULL);
-    } else {
-      st = tensor_ref(&recv, &send);
-    }
-  }
-  if (st == STATUS_OK && g->replicate != NULL && pg_size(g->replicate) > 1) {
-    /* HSDP: without all-reduce, park the partial result; with it, add what was parked */
-    bool parked = g->partial.storage != NULL;
-    if (parked && tensor_numel(&g->partial) != flat)
-      st = err_set(STATUS_EINVAL,
-                   "fully_shard: parameters with gradients changed between "
-                   "backward passes without all-reduce");
-    if (st == STATUS_OK && !g->all_reduce) {
-      st = parked ? kernel_axpy(&g->partial, 1.0f, &recv) : tensor_ref(&g->partial, &recv);
-      if (st == STATUS_OK) {
-        for (int i = 0; i < g->n; i++)
-          if (has_grad(g->params[i].p)) tensor_free(&g->params[i].p->compute_grad);
-      }
-      tensor_free(&send);
-      tensor_free(&recv);
-      return st;
-    }
-    if (st == STATUS_OK && parked) {
-      st = kernel_axpy(&recv, 1.0f, &g->partial);
-      tensor_free(&g->partial);
-    }
-    if (st == STATUS_OK)
-      st = pg_all_reduce(g->replicate, recv.data, recv.data, (size_t)flat, g->reduce_dtype, op,
-                         NULL);
-  }
-  if (st == STATUS_OK && g->divide_factor > 0)
-    st = kernel_scale(&recv, (float)(1.0 / g->divide_factor));
-  off = 0;
-  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
-    fsdp_param_t *fp = &g->params[i];
-    if (!has_grad(fp->p)) continue;
-    const tensor_t *local = dtensor_local(fp->p->value);
-    tensor_t mine;
-    st = tensor_narrow(&mine, &recv, 0, off, tensor_numel(local));
-    if (st == STATUS_OK) st = accumulate_shard(fp, &mine);
-    tensor_free(&mine);
-    tensor_free(&fp->p->compute_grad);
-    off += fp->rows * fp->row;
-  }
-  tensor_free(&send);
-  tensor_free(&recv);
-  return st;
-}
-
 /* ---- hooks ---- */
 
 static void lazy_init(fsdp_group_t *g) {
@@ -578,12 +272,12 @@ static void lazy_init(fsdp_group_t *g) {
  * in the last iteration's forward order. */
 static status_t forward_prefetch(fsdp_group_t *g) {
   if (g->fwd_explicit) {
-    for (int i = 0; i < g->n_fwd_prefetch; i++) TRY(unshard_start(g->fwd_prefetch[i]));
+    for (int i = 0; i < g->n_fwd_prefetch; i++) TRY(fsdp_unshard_start(g->fwd_prefetch[i]));
     return STATUS_OK;
   }
   const gvec_t *prev = &g->root->prev_fwd_order;
   int pos = g->root->fwd_order.n - 1;
-  if (pos + 1 < prev->n && prev->v[pos] == g) return unshard_start(prev->v[pos + 1]);
+  if (pos + 1 < prev->n && prev->v[pos] == g) return fsdp_unshard_start(prev->v[pos + 1]);
   return STATUS_OK;
 }
 
@@ -595,10 +289,10 @@ static status_t backward_prefetch(fsdp_group_t *g) {
   while (i >= 0 && root->bwd_order.v[i] != g) i--;
   if (i >= 0) root->bwd_pos = i;
   if (g->bwd_explicit) {
-    for (int k = 0; k < g->n_bwd_prefetch; k++) TRY(unshard_start(g->bwd_prefetch[k]));
+    for (int k = 0; k < g->n_bwd_prefetch; k++) TRY(fsdp_unshard_start(g->bwd_prefetch[k]));
     return STATUS_OK;
   }
-  if (i > 0) return unshard_start(root->bwd_order.v[i - 1]);
+  if (i > 0) return fsdp_unshard_start(root->bwd_order.v[i - 1]);
   return STATUS_OK;
 }
 
@@ -623,7 +317,7 @@ static status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   TRY(gvec_push(&g->root->bwd_order, g));
   if (!g->unsharded) return STATUS_OK;
   if (g->reshard_after_forward == 1) fsdp_reshard(g);
-  if (g->reshard_after_forward >= 2) return reshard_to_slice(g);
+  if (g->reshard_after_forward >= 2) return fsdp_reshard_to_slice(g);
   return STATUS_OK;
 }
 
@@ -639,8 +333,8 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
       TRY(fsdp_unshard(g));
       return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
-      emit(g, "post_backward");
-      status_t st = g->sync ? reduce_grads(g) : STATUS_OK; /* else keep accumulating */
+      fsdp_emit(g, "post_backward");
+      status_t st = g->sync ? fsdp_reduce_grads(g) : STATUS_OK; /* else keep accumulating */
       if (g->reshard_after_backward) fsdp_reshard(g);
       return st;
     }

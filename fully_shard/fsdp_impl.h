@@ -1,0 +1,70 @@
+/*
+ * Private state of fully_shard, shared by fsdp.c (sharding, hooks, prefetch, control) and
+ * fsdp_comm.c (the unshard and gradient-reduction data path). Not installed.
+ */
+#ifndef FSDPC_FULLY_SHARD_FSDP_IMPL_H
+#define FSDPC_FULLY_SHARD_FSDP_IMPL_H
+
+#include "fully_shard/fsdp.h"
+
+typedef struct fsdp_param {
+  nn_param_t *p;
+  int64_t n0;      /* global rows */
+  int64_t rows;    /* padded rows per rank: ceil(n0 / W) */
+  int64_t row;     /* elements per row */
+  int64_t offset;  /* in the flat all-gather buffer of one rank, elements */
+  tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype */
+} fsdp_param_t;
+
+typedef struct gvec {
+  fsdp_group_t **v;
+  int n, cap;
+} gvec_t;
+
+struct fsdp_group {
+  nn_module_t *module;
+  fsdp_param_t *params;
+  int n;
+  int64_t flat; /* elements per rank in the all-gather buffer */
+  mesh_t *mesh;
+  pg_t *shard, *replicate; /* replicate: NULL without HSDP */
+  int W, rank;
+  fsdp_options_t opt;
+  dtype_t param_dtype, reduce_dtype;
+  int reshard_after_forward; /* resolved on the first forward */
+  bool initialised, is_root, unsharded;
+  bool sync, all_reduce, reshard_after_backward;
+  pg_t *post_forward;          /* integer reshard: the N consecutive ranks of this one */
+  tensor_t post_forward_slice; /* blocks [i*W/N, (i+1)*W/N) of the gathered buffer */
+  tensor_t partial;            /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
+  double divide_factor;        /* > 0: sum / factor instead of the average */
+  tensor_t gather;             /* the all-gather buffer while gathering */
+  pg_work_t *pending;          /* its collective */
+  bool gathering;
+  fsdp_event_fn on_event;
+  void *on_event_user;
+  fsdp_group_t *root; /* found on the first forward */
+  /* root only: pre-forward order of this and of the last iteration, post-forward order of
+   * this one (backward runs it in reverse), and where backward is in it */
+  gvec_t fwd_order, prev_fwd_order, bwd_order;
+  int bwd_pos;
+  fsdp_group_t **fwd_prefetch, **bwd_prefetch; /* explicit lists */
+  int n_fwd_prefetch, n_bwd_prefetch;
+  bool fwd_explicit, bwd_explicit;
+};
+
+/* Appends g to a. */
+status_t gvec_push(gvec_t *a, fsdp_group_t *g);
+
+/* Reports a data-path event to the group's observer. */
+void fsdp_emit(fsdp_group_t *g, const char *event);
+/* Starts gathering (copy-in and a nonblocking all-gather); no-op when gathered or gathering. */
+status_t fsdp_unshard_start(fsdp_group_t *g);
+/* Completes a started gather and copies out into the unsharded tensors. */
+status_t fsdp_unshard_wait(fsdp_group_t *g);
+/* Integer reshard after forward: keep this rank's 1/N slice, free the unsharded tensors. */
+status_t fsdp_reshard_to_slice(fsdp_group_t *g);
+/* Post-backward reduction of the unsharded gradients into the sharded ones. */
+status_t fsdp_reduce_grads(fsdp_group_t *g);
+
+#endif
