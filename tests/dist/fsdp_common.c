@@ -1,0 +1,119 @@
+#include "tests/dist/fsdp_common.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/ops.h"
+
+void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
+
+bool hsdp_mode(void) { return test_argc() > 1 && strncmp(test_argv()[1], "hsdp", 4) == 0; }
+int hsdp_replicas(void) {
+  const char *a = test_argv()[1];
+  return a[4] == ':' ? atoi(a + 5) : 2;
+}
+
+/* The data-parallel mesh: 1-D over the world, or (R, W/R) for HSDP. */
+mesh_t *dp_mesh(void) {
+  mesh_t *m;
+  if (hsdp_mode()) {
+    int shape[2] = {hsdp_replicas(), -1};
+    const char *names[] = {"dp_replicate", "dp_shard"};
+    ok(mesh_init(&m, 2, shape, names, DEVICE_CPU));
+  } else {
+    int w = world_size();
+    const char *names[] = {"dp_shard"};
+    ok(mesh_init(&m, 1, &w, names, DEVICE_CPU));
+  }
+  return m;
+}
+
+void run_init(run_t *r, const llama_config_t *cfg) {
+  ok(llama_new(&r->m, cfg, NULL));
+  ok(llama_init_weights(r->m, 99));
+}
+
+void run_optim(run_t *r) {
+  ok(nn_named_parameters(llama_module(r->m), &r->ps, &r->n));
+  adamw_config_t a = ADAMW_CONFIG_INIT;
+  a.lr = 3e-3;
+  a.beta2 = 0.95;
+  a.weight_decay = 0.1;
+  a.groups[a.n_groups++] = (adamw_group_t){"*norm*", -1, 0.0};
+  a.groups[a.n_groups++] = (adamw_group_t){"model.embed_tokens.*", 1e-3, -1};
+  ok(optim_new(&r->opt, r->ps, r->n, &a));
+}
+
+/* ||a||_2 of a host f32 tensor. */
+static double norm2(const tensor_t *t) {
+  double s = 0;
+  for (int64_t i = 0; i < tensor_numel(t); i++)
+    s += (double)((float *)t->data)[i] * ((float *)t->data)[i];
+  return sqrt(s);
+}
+
+/* Counts shards (of values, or of gradients) that differ from the chunk of the single-rank
+ * tensor by more than tol relative to the whole single-rank tensor's L2 norm. In f32 the
+ * tolerances are 1e-5 for losses and parameters and 5e-5 for gradients (fp32 sums run in
+ * another order on every plan; gradients of 3 micro-batches over 8 ranks differed by up to
+ * 2.3e-5). With bf16 parameters and f32 reduction, against a reference doing the same casts,
+ * weight gradients of the local and of the global batch round differently in bf16: 2e-3 for
+ * losses (measured up to 2e-4), 1e-1 for gradients (measured up to 5.6e-2) and 1e-2 for
+ * parameters after ten steps (measured up to 3.8e-3; Adam normalises small differences). */
+int compare_shards(const run_t *ref, const run_t *sh, bool grads, double tol) {
+  ck_assert_int_eq(ref->n, sh->n);
+  int bad = 0;
+  for (int i = 0; i < ref->n; i++) {
+    if (grads && !ref->ps[i]->requires_grad) {
+      if (sh->ps[i]->grad != NULL) bad++; /* frozen: no gradient anywhere */
+      continue;
+    }
+    const dtensor_t *rv = grads ? ref->ps[i]->grad : ref->ps[i]->value;
+    const dtensor_t *sv = grads ? sh->ps[i]->grad : sh->ps[i]->value;
+    ck_assert_msg(rv != NULL && sv != NULL, "%s: missing %s", sh->ps[i]->fqn,
+                  grads ? "gradient" : "value");
+    const tensor_t *mine = dtensor_local(sv);
+    int64_t off[TENSOR_MAX_DIMS];
+    dtensor_offset(sv, off);
+    tensor_t want;
+    ok(tensor_narrow_box(&want, dtensor_local(rv), off, mine->shape));
+    double e = tensor_numel(mine) ? test_rel_l2(mine, &want) * norm2(&want) : 0;
+    e /= norm2(dtensor_local(rv)) + 1e-30;
+    if (e > tol) {
+      bad++;
+      printf("rank %d: %s %s shard differs by %.3g\n", world_rank(), sh->ps[i]->fqn,
+             grads ? "gradient" : "parameter", e);
+    }
+    tensor_free(&want);
+  }
+  return bad;
+}
+
+double fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro) {
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  tensor_t in, tg, in_dev, tg_dev;
+  ok(data_batch(d, spec, step, micro, &in, &tg));
+  device_t dev = mesh_device(llama_local_mesh(m));
+  ok(tensor_clone(&in_dev, &in, DTYPE_I64, dev));
+  ok(tensor_clone(&tg_dev, &tg, DTYPE_I64, dev));
+  nn_var_t *ids, *logits, *loss, *scaled;
+  ok(nn_var_new(&ids, &in_dev, false));
+  ok(nn_call(ctx, llama_module(m), ids, &logits));
+  ok(nn_cross_entropy(ctx, logits, &tg_dev, &loss, NULL));
+  double v;
+  ok(nn_var_scalar(loss, &v));
+  ok(nn_scale(ctx, loss, 1.0 / (double)spec->grad_accum, &scaled));
+  ok(nn_backward(ctx, scaled));
+  nn_var_put(scaled);
+  nn_var_put(loss);
+  nn_var_put(logits);
+  nn_var_put(ids);
+  tensor_free(&in);
+  tensor_free(&tg);
+  tensor_free(&tg_dev);
+  nn_ctx_free(ctx);
+  return v;
+}

@@ -1,0 +1,37 @@
+/* Helpers shared by the fully_shard suites (tests/dist/test_fsdp*.c). */
+#ifndef FSDPC_TESTS_FSDP_COMMON_H
+#define FSDPC_TESTS_FSDP_COMMON_H
+
+#include "fully_shard/fsdp.h"
+#include "nn/data.h"
+#include "nn/llama.h"
+#include "nn/optim.h"
+#include "tests/harness.h"
+
+void ok(status_t st);
+
+/* Argument "hsdp" or "hsdp:R": an HSDP mesh (R, W/R), R = 2 by default. */
+bool hsdp_mode(void);
+int hsdp_replicas(void);
+/* The data-parallel mesh: 1-D over the world, or (R, W/R) for HSDP. Collective. */
+mesh_t *dp_mesh(void);
+
+/* A model with its parameter list and optimizer. */
+typedef struct run {
+  llama_t *m;
+  nn_param_t **ps;
+  int n;
+  optim_t *opt;
+} run_t;
+
+void run_init(run_t *r, const llama_config_t *cfg);
+void run_optim(run_t *r);
+
+/* Counts shards (values, or gradients) differing from the chunk of the single-rank tensor by
+ * more than tol relative to the whole single-rank tensor's L2 norm; prints each. */
+int compare_shards(const run_t *ref, const run_t *sh, bool grads, double tol);
+
+/* Forward, loss scaled by 1/grad_accum, backward of one micro-batch; returns the loss. */
+double fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro);
+
+#endif

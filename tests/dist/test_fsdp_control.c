@@ -1,0 +1,337 @@
+/*
+ * fully_shard's control surface: parameter state after forward and backward for each reshard
+ * policy and by hand, a module called twice, ignored parameters, the gradient divide factor,
+ * and the order of unshard / reshard / post-backward events with default and explicit
+ * prefetching.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/ops.h"
+#include "tests/dist/fsdp_common.h"
+
+START_TEST(parameter_state_after_forward_and_backward) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  data_spec_t spec = {.batch_size = 1, .seq_len = 8, .grad_accum = 1, .dp_size = 1};
+  for (int policy = 0; policy < 3; policy++) { /* 0: false, 1: true, 2: default */
+    llama_t *m;
+    ok(llama_new(&m, &cfg, NULL));
+    fsdp_options_t opt = FSDP_OPTIONS_INIT;
+    opt.mesh = mesh;
+    opt.reshard_after_forward = policy == 2 ? FSDP_RESHARD_AUTO : policy;
+    fsdp_group_t *layer, *root;
+    ok(fully_shard(llama_layer(m, 0), &opt, &layer));
+    ok(fully_shard(llama_layer(m, 1), &opt, NULL));
+    ok(fully_shard(llama_module(m), &opt, &root));
+    ck_assert(!fsdp_is_unsharded(layer) && !fsdp_is_unsharded(root));
+    nn_ctx_t *ctx;
+    ok(nn_ctx_new(&ctx));
+    tensor_t in, tg;
+    ok(data_batch(d, &spec, 0, 0, &in, &tg));
+    nn_var_t *ids, *logits, *loss;
+    ok(nn_var_new(&ids, &in, false));
+    ok(nn_call(ctx, llama_module(m), ids, &logits));
+    bool layer_kept = policy == 0, root_kept = policy != 1;
+    ck_assert_msg(fsdp_is_unsharded(layer) == layer_kept, "policy %d: layer after forward", policy);
+    ck_assert_msg(fsdp_is_unsharded(root) == root_kept, "policy %d: root after forward", policy);
+    nn_param_t *q = nn_param_find(llama_module(m), "model.layers.0.self_attn.q_proj.weight");
+    ck_assert((q->compute.storage != NULL) == layer_kept);
+    ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+    ok(nn_backward(ctx, loss));
+    ck_assert(!fsdp_is_unsharded(layer) && !fsdp_is_unsharded(root)); /* after backward */
+    ck_assert(q->compute.storage == NULL && q->grad != NULL);
+    ck_assert(q->compute_grad.storage == NULL); /* reduced into the sharded gradient */
+    ok(fsdp_unshard(layer));
+    ck_assert(fsdp_is_unsharded(layer) && q->compute.shape[0] == 64);
+    fsdp_reshard(layer);
+    ck_assert(!fsdp_is_unsharded(layer) && q->compute.storage == NULL);
+    nn_var_put(loss);
+    nn_var_put(logits);
+    nn_var_put(ids);
+    tensor_free(&tg);
+    nn_ctx_free(ctx);
+    fsdp_free_all(llama_module(m));
+    llama_free(m);
+  }
+  data_free(d);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* ---- a module called twice, by hand-built modules ---- */
+
+static status_t lin_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  return nn_linear(ctx, in, nn_module_param(m, 0), out);
+}
+static status_t emb_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  return nn_embedding(ctx, in, nn_module_param(m, 0), out);
+}
+/* head(lin(lin(emb(ids)))) */
+static status_t twice_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  nn_var_t *a = NULL, *b = NULL, *c = NULL;
+  status_t st = STATUS_OK;
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "emb"), in, &a));
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "lin"), a, &b));
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "lin"), b, &c));
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "head"), c, out));
+cleanup:
+  nn_var_put(a);
+  nn_var_put(b);
+  nn_var_put(c);
+  return st;
+}
+
+static nn_module_t *twice_model(mesh_t *local) {
+  nn_module_t *root;
+  ok(nn_module_new(&root, "", twice_fwd, NULL));
+  const char *names[] = {"emb", "lin", "head"};
+  nn_forward_fn fns[] = {emb_fwd, lin_fwd, lin_fwd};
+  int64_t shapes[][2] = {{11, 6}, {6, 6}, {11, 6}};
+  for (int i = 0; i < 3; i++) {
+    nn_module_t *c;
+    ok(nn_module_new(&c, names[i], fns[i], NULL));
+    ok(nn_module_add_child(root, c));
+    tensor_t t;
+    ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shapes[i]));
+    test_rng_t r = {77 + (unsigned)i};
+    test_fill_uniform(&t, &r, 0.5);
+    dtensor_t *d;
+    placement_t rep = placement_replicate();
+    ok(dtensor_from_local(&d, &t, local, &rep, 2, shapes[i]));
+    tensor_free(&t);
+    ok(nn_module_add_param(c, "weight", d, true, NULL));
+  }
+  ok(nn_module_finalize(root));
+  return root;
+}
+
+static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
+  int64_t shape[2] = {1, n};
+  tensor_t ids, tg;
+  ok(tensor_init(&ids, DTYPE_I64, device_cpu(), 2, shape));
+  ok(tensor_init(&tg, DTYPE_I64, device_cpu(), 2, shape));
+  for (int64_t i = 0; i < n; i++) {
+    ((int64_t *)ids.data)[i] = (first + i) * 7 % 11;
+    ((int64_t *)tg.data)[i] = (first + i) * 5 % 11;
+  }
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *x, *logits, *loss;
+  ok(nn_var_new(&x, &ids, false));
+  ok(nn_call(ctx, root, x, &logits));
+  ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+  double v;
+  ok(nn_var_scalar(loss, &v));
+  ok(nn_backward(ctx, loss));
+  nn_var_put(loss);
+  nn_var_put(logits);
+  nn_var_put(x);
+  tensor_free(&tg);
+  nn_ctx_free(ctx);
+  return v;
+}
+
+START_TEST(module_called_twice) {
+  mesh_t *mesh = dp_mesh(), *local;
+  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  int W = world_size(), md = mesh_ndim(mesh);
+  int dp = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
+                   : mesh_coord(mesh, 0);
+  nn_module_t *ref = twice_model(local), *sh = twice_model(local);
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  fsdp_group_t *lin;
+  ok(fully_shard(nn_module_find(sh, "lin"), &opt, &lin));
+  ok(fully_shard(sh, &opt, NULL));
+  const int T = 5;
+  double lref = twice_step(ref, 0, T * W), lsh = twice_step(sh, dp * T, T), sum = 0;
+  MPI_Allreduce(&lsh, &sum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
+  int bad = fabs(sum / W - lref) > 1e-5 * fabs(lref);
+  run_t r = {0}, s = {0};
+  ok(nn_named_parameters(ref, &r.ps, &r.n));
+  ok(nn_named_parameters(sh, &s.ps, &s.n));
+  bad += compare_shards(&r, &s, true, 5e-5); /* lin's gradient sums both calls */
+  expect_all(bad == 0, "module called twice: %d mismatches", bad);
+  free(r.ps);
+  free(s.ps);
+  fsdp_free_all(sh);
+  nn_module_free(ref);
+  nn_module_free(sh);
+  mesh_free(local);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* An ignored parameter stays whole and local; a divide factor of 1 sums the gradients. */
+START_TEST(ignored_parameter_and_divide_factor) {
+  mesh_t *mesh = dp_mesh(), *local;
+  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  int W = world_size(), md = mesh_ndim(mesh);
+  int dp = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
+                   : mesh_coord(mesh, 0);
+  nn_module_t *ref = twice_model(local), *sh = twice_model(local);
+  nn_param_t *head = nn_param_find(sh, "head.weight");
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  opt.ignored = &head;
+  opt.n_ignored = 1;
+  fsdp_group_t *g;
+  ok(fully_shard(sh, &opt, &g));
+  ck_assert_int_eq(fsdp_num_params(g), 2);
+  ck_assert(!head->external && dtensor_mesh(head->value) == local);
+  fsdp_set_gradient_divide_factor(sh, 1.0);
+  const int T = 5;
+  twice_step(ref, 0, T * W);
+  twice_step(sh, dp * T, T);
+  /* summed, not averaged: the reference's mean gradient times W */
+  nn_param_t *rl = nn_param_find(ref, "lin.weight");
+  tensor_t scaled;
+  ok(tensor_clone(&scaled, dtensor_local(rl->grad), DTYPE_F32, device_cpu()));
+  for (int64_t i = 0; i < tensor_numel(&scaled); i++) ((float *)scaled.data)[i] *= (float)W;
+  nn_param_t *sl = nn_param_find(sh, "lin.weight");
+  int64_t off[2];
+  dtensor_offset(sl->value, off);
+  tensor_t want;
+  ok(tensor_narrow_box(&want, &scaled, off, dtensor_local(sl->grad)->shape));
+  double e = tensor_numel(&want) ? test_rel_l2(dtensor_local(sl->grad), &want) : 0;
+  ck_assert(head->grad != NULL); /* the ignored weight has its local, unreduced gradient */
+  expect_all(e < 1e-5, "divide factor 1: error %.3g", e);
+  tensor_free(&want);
+  tensor_free(&scaled);
+  fsdp_free_all(sh);
+  nn_module_free(ref);
+  nn_module_free(sh);
+  mesh_free(local);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* Memory (DESIGN 7): with reshard_after_forward, forward ends holding the sharded state, the
+ * root's gathered parameters and the activations, and never more than a few unsharded
+ * groups on top; the activations are measured on the unsharded model with the same batch. */
+/* ---- order of unshard / reshard / post-backward events ---- */
+
+static char event_log[2048];
+
+static void log_event(const char *event, const fsdp_group_t *g, void *user) {
+  (void)user;
+  const char *name = fsdp_group_name(g);
+  size_t n = strlen(event_log);
+  snprintf(event_log + n, sizeof event_log - n, "%s %s\n", event,
+           name[0] ? name + strlen("model.") : "root");
+}
+
+/* Runs two iterations and returns the second one's events: forward, then backward. */
+static void two_iterations(int explicit_mode, char *fwd, char *bwd, size_t size) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  llama_t *m;
+  ok(llama_new(&m, &cfg, NULL));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  fsdp_group_t *l0, *l1, *root;
+  ok(fully_shard(llama_layer(m, 0), &opt, &l0));
+  ok(fully_shard(llama_layer(m, 1), &opt, &l1));
+  ok(fully_shard(llama_module(m), &opt, &root));
+  if (explicit_mode == 1) { /* the root gathers both blocks up front, block 1 first */
+    fsdp_group_t *both[] = {l1, l0};
+    ok(fsdp_set_forward_prefetch(root, both, 2));
+    ok(fsdp_set_forward_prefetch(l0, NULL, 0));
+    ok(fsdp_set_forward_prefetch(l1, NULL, 0));
+  }
+  if (explicit_mode == 2) { /* backward: the root gathers both blocks up front, block 0 first */
+    fsdp_group_t *both[] = {l0, l1};
+    ok(fsdp_set_backward_prefetch(root, both, 2));
+    ok(fsdp_set_backward_prefetch(l1, NULL, 0));
+    ok(fsdp_set_backward_prefetch(l0, NULL, 0));
+  }
+  fsdp_set_event_hook(llama_module(m), log_event, NULL);
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  data_spec_t spec = {.batch_size = 1, .seq_len = 8, .grad_accum = 1, .dp_size = 1};
+  for (int it = 0; it < 2; it++) {
+    nn_ctx_t *ctx;
+    ok(nn_ctx_new(&ctx));
+    tensor_t in, tg;
+    ok(data_batch(d, &spec, it, 0, &in, &tg));
+    nn_var_t *ids, *logits, *loss;
+    ok(nn_var_new(&ids, &in, false));
+    event_log[0] = '\0';
+    ok(nn_call(ctx, llama_module(m), ids, &logits));
+    snprintf(fwd, size, "%s", event_log);
+    event_log[0] = '\0';
+    ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+    ok(nn_backward(ctx, loss));
+    snprintf(bwd, size, "%s", event_log);
+    nn_var_put(loss);
+    nn_var_put(logits);
+    nn_var_put(ids);
+    tensor_free(&tg);
+    nn_ctx_free(ctx);
+  }
+  fsdp_free_all(llama_module(m));
+  llama_free(m);
+  data_free(d);
+  mesh_free(mesh);
+}
+
+static const char *kDefaultForward =
+    "unshard root\nunshard layers.0\nunshard layers.1\nreshard layers.0\nreshard layers.1\n";
+static const char *kDefaultBackward =
+    "unshard layers.1\nunshard layers.0\npost_backward layers.1\nreshard layers.1\n"
+    "post_backward layers.0\nreshard layers.0\npost_backward root\nreshard root\n";
+
+START_TEST(event_order_default) {
+  char fwd[2048], bwd[2048];
+  two_iterations(0, fwd, bwd, sizeof fwd);
+  /* forward: the root gathers, prefetching block 0; block 0 prefetches block 1 */
+  ck_assert_str_eq(fwd, kDefaultForward);
+  /* backward: the root (still gathered) prefetches block 1; block 1 prefetches block 0 */
+  ck_assert_str_eq(bwd, kDefaultBackward);
+}
+END_TEST
+
+START_TEST(event_order_explicit_forward_prefetch) {
+  char fwd[2048], bwd[2048];
+  two_iterations(1, fwd, bwd, sizeof fwd);
+  ck_assert_str_eq(fwd,
+                   "unshard root\nunshard layers.1\nunshard layers.0\nreshard layers.0\n"
+                   "reshard layers.1\n");
+  ck_assert_str_eq(bwd, kDefaultBackward);
+}
+END_TEST
+
+START_TEST(event_order_explicit_backward_prefetch) {
+  char fwd[2048], bwd[2048];
+  two_iterations(2, fwd, bwd, sizeof fwd);
+  ck_assert_str_eq(fwd, kDefaultForward);
+  ck_assert_str_eq(bwd,
+                   "unshard layers.0\nunshard layers.1\npost_backward layers.1\n"
+                   "reshard layers.1\npost_backward layers.0\nreshard layers.0\n"
+                   "post_backward root\nreshard root\n");
+}
+END_TEST
+
+/* Integer reshard_after_forward N: the backward all-gather runs within groups of N. */
+static Suite *make_suite(void) {
+  Suite *s = suite_create("fsdp_control");
+  TCase *tc = tcase_create("fsdp_control");
+  tcase_set_timeout(tc, 600);
+  tcase_add_test(tc, parameter_state_after_forward_and_backward);
+  tcase_add_test(tc, module_called_twice);
+  tcase_add_test(tc, ignored_parameter_and_divide_factor);
+  tcase_add_test(tc, event_order_default);
+  tcase_add_test(tc, event_order_explicit_forward_prefetch);
+  tcase_add_test(tc, event_order_explicit_backward_prefetch);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
