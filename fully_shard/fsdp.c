@@ -336,6 +336,9 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
       fsdp_emit(g, "post_backward");
       status_t st = g->sync ? fsdp_reduce_grads(g) : STATUS_OK; /* else keep accumulating */
       if (g->reshard_after_backward) fsdp_reshard(g);
+      if (g->is_root) /* end of backward: drop prefetches no backward consumed */
+        for (int i = 0; i < g->fwd_order.n; i++)
+          if (g->fwd_order.v[i]->gathering) fsdp_reshard(g->fwd_order.v[i]);
       return st;
     }
     default: return STATUS_OK;
