@@ -126,16 +126,25 @@ static void group_free(fsdp_group_t *g) {
   pg_release(g->post_forward);
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].padded);
   free(g->params);
+  free(g->modules);
   free(g);
 }
 
 status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out) {
+  return fully_shard_modules(&m, 1, opt, out);
+}
+
+status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_options_t *opt,
+                             fsdp_group_t **out) {
   if (out) *out = NULL;
-  if (m == NULL || opt == NULL || opt->mesh == NULL)
-    return err_set(STATUS_EINVAL, "fully_shard: module, options and mesh are required");
-  if (fsdp_group_of(m) != NULL)
-    return err_set(STATUS_EINVAL, "fully_shard: module '%s' is already fully sharded",
-                   nn_module_fqn(m));
+  if (ms == NULL || n_modules < 1 || opt == NULL || opt->mesh == NULL)
+    return err_set(STATUS_EINVAL, "fully_shard: modules, options and mesh are required");
+  for (int i = 0; i < n_modules; i++) {
+    if (ms[i] == NULL) return err_set(STATUS_EINVAL, "fully_shard: module %d is NULL", i);
+    if (fsdp_group_of(ms[i]) != NULL)
+      return err_set(STATUS_EINVAL, "fully_shard: module '%s' is already fully sharded",
+                     nn_module_fqn(ms[i]));
+  }
   int md = mesh_ndim(opt->mesh);
   if (md != 1 && md != 2)
     return err_set(STATUS_EMESH,
@@ -149,20 +158,24 @@ status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **o
                    "ranks (use true, false, or an integer N with 1 < N < %d dividing %d)",
                    N, W, W, W);
   plist_t l = {0};
-  status_t st = collect(m, opt, &l);
+  status_t st = STATUS_OK;
+  for (int i = 0; i < n_modules && st == STATUS_OK; i++) st = collect(ms[i], opt, &l);
   for (int i = 0; i < l.n && st == STATUS_OK; i++) st = check_param(l.p[i], opt->mesh);
   fsdp_group_t *g = NULL;
   if (st == STATUS_OK && (g = calloc(1, sizeof *g)) == NULL)
     st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
   if (st == STATUS_OK &&
-      (g->params = calloc((size_t)(l.n ? l.n : 1), sizeof(fsdp_param_t))) == NULL)
+      ((g->params = calloc((size_t)(l.n ? l.n : 1), sizeof(fsdp_param_t))) == NULL ||
+       (g->modules = malloc(sizeof(nn_module_t *) * (size_t)n_modules)) == NULL))
     st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
   if (st != STATUS_OK) {
     free(l.p);
     group_free(g);
     return st;
   }
-  g->module = m;
+  g->module = ms[0];
+  memcpy(g->modules, ms, sizeof(nn_module_t *) * (size_t)n_modules);
+  g->n_modules = n_modules;
   g->mesh = opt->mesh;
   g->opt = *opt;
   g->shard = mesh_group(opt->mesh, md - 1);
@@ -199,12 +212,14 @@ status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **o
       MPI_Comm_free(&sub);
     }
   }
-  for (int k = 0; k < NN_HOOK_COUNT && st == STATUS_OK; k++) st = nn_module_add_hook(m, k, hook, g);
+  for (int i = 0; i < n_modules; i++)
+    for (int k = 0; k < NN_HOOK_COUNT && st == STATUS_OK; k++)
+      st = nn_module_add_hook(ms[i], k, hook, g);
   if (st != STATUS_OK) { /* parameters already sharded stay sharded; the group is dropped */
     group_free(g);
     return st;
   }
-  nn_module_set_ext(m, g);
+  for (int i = 0; i < n_modules; i++) nn_module_set_ext(ms[i], g);
   if (out) *out = g;
   return STATUS_OK;
 }
@@ -213,8 +228,8 @@ static void free_all(nn_module_t *m) {
   fsdp_group_t *g = fsdp_group_of(m);
   if (g != NULL) {
     fsdp_reshard(g);
+    for (int i = 0; i < g->n_modules; i++) nn_module_set_ext(g->modules[i], NULL);
     group_free(g);
-    nn_module_set_ext(m, NULL);
   }
   for (int i = 0; i < nn_module_num_children(m); i++) free_all(nn_module_child(m, i));
 }
@@ -261,9 +276,10 @@ void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard) {
 static void lazy_init(fsdp_group_t *g) {
   if (g->initialised) return;
   g->initialised = true;
-  g->root = g;
-  for (nn_module_t *a = nn_module_parent(g->module); a != NULL; a = nn_module_parent(a))
-    if (fsdp_group_of(a) != NULL) g->root = fsdp_group_of(a);
+  g->root = g; /* the outermost group above any of this group's modules */
+  for (int i = 0; i < g->n_modules; i++)
+    for (nn_module_t *a = nn_module_parent(g->modules[i]); a != NULL; a = nn_module_parent(a))
+      if (fsdp_group_of(a) != NULL && fsdp_group_of(a) != g) g->root = fsdp_group_of(a);
   g->is_root = g->root == g;
   if (g->reshard_after_forward == FSDP_RESHARD_AUTO) g->reshard_after_forward = !g->is_root;
 }

@@ -67,6 +67,11 @@ typedef void (*fsdp_event_fn)(const char *event, const fsdp_group_t *g, void *us
  * the post-forward group: then collective over the mesh's shard dimension. */
 status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out);
 
+/* One group over several modules (for example [embed_tokens, lm_head] sharing a tied
+ * weight): the unclaimed parameters of all their subtrees, hooks on each module. */
+status_t fully_shard_modules(nn_module_t *const *ms, int n, const fsdp_options_t *opt,
+                             fsdp_group_t **out);
+
 /* The group fully_shard installed on m, or NULL. */
 fsdp_group_t *fsdp_group_of(const nn_module_t *m);
 

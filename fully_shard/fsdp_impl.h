@@ -22,7 +22,9 @@ typedef struct gvec {
 } gvec_t;
 
 struct fsdp_group {
-  nn_module_t *module;
+  nn_module_t *module;   /* the first module (names the group) */
+  nn_module_t **modules; /* every module of the group (a list forms one group) */
+  int n_modules;
   fsdp_param_t *params;
   int n;
   int64_t flat; /* elements per rank in the all-gather buffer */

@@ -81,6 +81,7 @@ typedef struct plan {
   bool ac;              /* activation checkpointing of the sharded model's blocks */
   bool frozen;          /* one frozen parameter inside a trainable group */
   bool bf16;            /* param_dtype bf16, reduce_dtype f32, on both sides */
+  bool tied_group;      /* [embed_tokens, lm_head] as one group below the root (tied) */
 } plan_t;
 
 /* Collectives one step must issue on the shard and replicate groups. */
@@ -176,6 +177,13 @@ static void parity(const plan_t *pl) {
   int ng = (int)cfg.n_layers + 1;
   for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(sh.m, i), &opt, &groups[i]));
   opt.reshard_after_forward = FSDP_RESHARD_AUTO;
+  if (pl->tied_group) {
+    nn_module_t *pair[] = {nn_module_find(llama_module(sh.m), "model.embed_tokens"),
+                           nn_module_find(llama_module(sh.m), "lm_head")};
+    fsdp_group_t *tg;
+    ok(fully_shard_modules(pair, 2, &opt, &tg));
+    ck_assert_int_eq(fsdp_num_params(tg), 1); /* the tied weight, once */
+  }
   ok(fully_shard(llama_module(sh.m), &opt, &groups[cfg.n_layers]));
   run_optim(&ref);
   run_optim(&sh);
@@ -218,9 +226,11 @@ static void parity(const plan_t *pl) {
       }
       pg_reset_counters(pf);
     }
-    bad += check_counts(s, "shard", &got_s, &want_s);
-    if (rep_pg) bad += check_counts(s, "replicate", &got_r, &want_r);
-    bad += check_counts(s, "post-forward", &got_p, &want_p);
+    if (!pl->tied_group) { /* the closed form below covers blocks + root */
+      bad += check_counts(s, "shard", &got_s, &want_s);
+      if (rep_pg) bad += check_counts(s, "replicate", &got_r, &want_r);
+      bad += check_counts(s, "post-forward", &got_p, &want_p);
+    }
     MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
     lsh = lsum / W;
     if (fabs(lsh - lref) > tol * fabs(lref)) {
@@ -252,6 +262,10 @@ static void parity(const plan_t *pl) {
 START_TEST(training_parity_reshard) {
   parity(
       &(plan_t){.tied = false, .reshard = FSDP_RESHARD_AUTO, .accum = 1, .hold_all_reduce = false});
+}
+END_TEST
+START_TEST(training_parity_tied_module_list) {
+  parity(&(plan_t){.tied = true, .reshard = FSDP_RESHARD_AUTO, .accum = 1, .tied_group = true});
 }
 END_TEST
 START_TEST(training_parity_checkpointed_frozen) {
@@ -380,6 +394,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_parity_reshard);
   tcase_add_test(tc, training_parity_no_reshard_tied);
   tcase_add_test(tc, training_parity_checkpointed_frozen);
+  tcase_add_test(tc, training_parity_tied_module_list);
   tcase_add_test(tc, training_parity_mixed_precision);
   tcase_add_test(tc, training_parity_accumulation_no_sync);
   if (hsdp_mode()) tcase_add_test(tc, training_parity_accumulation_hold_all_reduce);
