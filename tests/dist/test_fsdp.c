@@ -322,7 +322,7 @@ END_TEST
 
 /* Which parameters are unsharded after forward and after backward, per reshard policy;
  * manual unshard and reshard. */
-START_TEST(forward_memory_within_budget) {
+START_TEST(memory_within_budget) {
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   cfg.n_layers = 6;
@@ -332,6 +332,7 @@ START_TEST(forward_memory_within_budget) {
   data_spec_t spec = {.batch_size = 1, .seq_len = 16, .grad_accum = 1, .dp_size = 1};
   device_t cpu = device_cpu();
   size_t act = 0, grown = 0, peak = 0, root_bytes = 0, largest = 0;
+  size_t ref_bwd = 0, ref_grads = 0, bwd_peak = 0, bwd_end = 0, sharded_grads = 0;
   for (int k = 0; k < 2; k++) { /* 0: the unsharded model, 1: fully sharded */
     llama_t *m;
     ok(llama_new(&m, &cfg, NULL));
@@ -362,7 +363,28 @@ START_TEST(forward_memory_within_budget) {
       grown = mem_stats(cpu).current - before;
       peak = mem_stats(cpu).peak - before;
     }
-    nn_ctx_clear(ctx);
+    /* backward, measured from the end of forward */
+    nn_var_t *loss;
+    ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+    size_t start = mem_stats(cpu).current;
+    mem_reset_peak(cpu);
+    ok(nn_backward(ctx, loss));
+    size_t bpeak = mem_stats(cpu).peak - start, bend = mem_stats(cpu).current;
+    nn_param_t **ps;
+    int n;
+    ok(nn_named_parameters(llama_module(m), &ps, &n));
+    size_t gb = 0;
+    for (int i = 0; i < n; i++) gb += tensor_nbytes(dtensor_local(ps[i]->grad));
+    free(ps);
+    if (k == 0) {
+      ref_bwd = bpeak;
+      ref_grads = gb;
+    } else {
+      bwd_peak = bpeak;
+      bwd_end = bend > start ? bend - start : 0;
+      sharded_grads = gb;
+    }
+    nn_var_put(loss);
     nn_var_put(logits);
     nn_var_put(ids);
     tensor_free(&tg);
@@ -370,6 +392,16 @@ START_TEST(forward_memory_within_budget) {
     fsdp_free_all(llama_module(m));
     llama_free(m);
   }
+  /* backward never holds more than the unsharded model's backward plus a few gathered groups,
+   * and ends holding (beyond the freed activations) only the sharded gradients */
+  size_t budget_bwd = ref_bwd + 3 * largest;
+  if (world_rank() == 0)
+    printf(
+        "backward memory: peak %zu B (budget: unsharded model's backward peak %zu + 3 x "
+        "largest group = %zu); growth at the end %zu B (budget: sharded gradients %zu, the "
+        "unsharded model's are %zu)\n",
+        bwd_peak, ref_bwd, budget_bwd, bwd_end, sharded_grads, ref_grads);
+  expect_all(bwd_peak <= budget_bwd && bwd_end <= sharded_grads, "backward memory over budget");
   size_t budget_end = act + root_bytes, budget_peak = act + root_bytes + 3 * largest;
   if (world_rank() == 0)
     printf(
@@ -400,7 +432,7 @@ static Suite *make_suite(void) {
   if (hsdp_mode()) tcase_add_test(tc, training_parity_accumulation_hold_all_reduce);
   tcase_add_test(tc, training_parity_int_reshard);
   tcase_add_test(tc, int_reshard_invalid_is_refused);
-  tcase_add_test(tc, forward_memory_within_budget);
+  tcase_add_test(tc, memory_within_budget);
   suite_add_tcase(s, tc);
   return s;
 }
