@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up, builds and runs the main job: the 4-rank DTensor demo on a 2x2 mesh, then a
-# single-process training run of the tiny Llama on the bundled corpus.
+# Sets up, builds and runs the main job: the 4-rank DTensor demo on a 2x2 mesh, a
+# single-process training run of the tiny Llama on the bundled corpus, and fully-sharded
+# training steps of a small Llama on 4 ranks (communication, memory and time per step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -12,3 +13,4 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_TH
 ninja -C build
 mpirun --oversubscribe --bind-to none -n 4 build/tools/fsdp-demo
 build/bench/bench-train-tiny --steps 200
+mpirun --oversubscribe --bind-to none -n 4 build/bench/bench-fsdp-step --steps 3
