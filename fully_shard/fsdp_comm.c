@@ -50,6 +50,26 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
   return st;
 }
 
+/* Copies chunk r (of W, the chunk rule on dim 0) of the unsharded tensor full to or from a
+ * flat buffer, where its rows lie contiguously from element pos. Empty chunks copy nothing. */
+static status_t chunk_copy(const fsdp_param_t *fp, int W, int r, tensor_t *full, tensor_t *flat,
+                           int64_t pos, bool to_flat) {
+  int64_t start, len, shape[TENSOR_MAX_DIMS];
+  chunk_range(fp->n0, W, r, &start, &len);
+  if (len == 0) return STATUS_OK;
+  memcpy(shape, full->shape, sizeof shape);
+  shape[0] = len;
+  tensor_t rows = {0}, slot = {0}, slot_nd = {0};
+  status_t st = tensor_narrow(&rows, full, 0, start, len);
+  if (st == STATUS_OK) st = tensor_narrow(&slot, flat, 0, pos, len * fp->row);
+  if (st == STATUS_OK) st = tensor_view(&slot_nd, &slot, full->ndim, shape);
+  if (st == STATUS_OK) st = to_flat ? tensor_copy(&slot_nd, &rows) : tensor_copy(&rows, &slot_nd);
+  tensor_free(&rows);
+  tensor_free(&slot);
+  tensor_free(&slot_nd);
+  return st;
+}
+
 /* Completes a started gather: waits, then copies rank r's rows of each parameter out into
  * the unsharded tensors. */
 status_t fsdp_unshard_wait(fsdp_group_t *g) {
@@ -66,21 +86,8 @@ status_t fsdp_unshard_wait(fsdp_group_t *g) {
     if ((st = tensor_init(&full, g->param_dtype, dev, dtensor_ndim(v), dtensor_shape(v))) !=
         STATUS_OK)
       break;
-    for (int r = 0; r < g->W && st == STATUS_OK; r++) {
-      int64_t start, len, shape[TENSOR_MAX_DIMS];
-      chunk_range(fp->n0, g->W, r, &start, &len);
-      if (len == 0) continue;
-      memcpy(shape, dtensor_shape(v), sizeof(int64_t) * (size_t)dtensor_ndim(v));
-      shape[0] = len;
-      tensor_t src = {0}, src_nd = {0}, dst = {0};
-      st = tensor_narrow(&src, &g->gather, 0, r * g->flat + fp->offset, len * fp->row);
-      if (st == STATUS_OK) st = tensor_view(&src_nd, &src, dtensor_ndim(v), shape);
-      if (st == STATUS_OK) st = tensor_narrow(&dst, &full, 0, start, len);
-      if (st == STATUS_OK) st = tensor_copy(&dst, &src_nd);
-      tensor_free(&src);
-      tensor_free(&src_nd);
-      tensor_free(&dst);
-    }
+    for (int r = 0; r < g->W && st == STATUS_OK; r++)
+      st = chunk_copy(fp, g->W, r, &full, &g->gather, r * g->flat + fp->offset, false);
     if (st == STATUS_OK) {
       tensor_free(&fp->p->compute);
       fp->p->compute = full;
@@ -123,23 +130,9 @@ status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
   status_t st = STATUS_OK;
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
-    const tensor_t *full = &fp->p->compute;
-    for (int b = first; b < first + per && st == STATUS_OK; b++) {
-      int64_t start, len, shape[TENSOR_MAX_DIMS];
-      chunk_range(fp->n0, g->W, b, &start, &len);
-      if (len == 0) continue;
-      memcpy(shape, full->shape, sizeof shape);
-      shape[0] = len;
-      tensor_t src = {0}, dst = {0}, dst_nd = {0};
-      st = tensor_narrow(&src, full, 0, start, len);
-      if (st == STATUS_OK)
-        st = tensor_narrow(&dst, &slice, 0, (b - first) * g->flat + fp->offset, len * fp->row);
-      if (st == STATUS_OK) st = tensor_view(&dst_nd, &dst, full->ndim, shape);
-      if (st == STATUS_OK) st = tensor_copy(&dst_nd, &src);
-      tensor_free(&src);
-      tensor_free(&dst);
-      tensor_free(&dst_nd);
-    }
+    for (int b = first; b < first + per && st == STATUS_OK; b++)
+      st = chunk_copy(fp, g->W, b, &fp->p->compute, &slice, (b - first) * g->flat + fp->offset,
+                      true);
   }
   fsdp_reshard(g);
   if (st == STATUS_OK)
@@ -153,28 +146,6 @@ status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
 
 static bool has_grad(const nn_param_t *p) {
   return p->requires_grad && (p->compute_grad.storage != NULL || p->compute_grad.ndim > 0);
-}
-
-/* Accumulates v (this rank's reduced rows of fp, any float dtype) into fp's grad DTensor. */
-static status_t accumulate_shard(fsdp_param_t *fp, const tensor_t *v) {
-  nn_param_t *p = fp->p;
-  const tensor_t *local = dtensor_local(p->value);
-  if (p->grad == NULL) {
-    tensor_t z;
-    TRY(tensor_zeros(&z, local->dtype, local->device, local->ndim, local->shape));
-    status_t st =
-        dtensor_from_local(&p->grad, &z, dtensor_mesh(p->value), dtensor_placements(p->value),
-                           dtensor_ndim(p->value), dtensor_shape(p->value));
-    tensor_free(&z);
-    TRY(st);
-  }
-  tensor_t dst, src;
-  TRY(tensor_ref(&dst, dtensor_local(p->grad)));
-  status_t st = tensor_view(&src, v, local->ndim, local->shape);
-  if (st == STATUS_OK) st = kernel_axpy(&dst, 1.0f, &src);
-  tensor_free(&src);
-  tensor_free(&dst);
-  return st;
 }
 
 status_t fsdp_reduce_grads(fsdp_group_t *g) {
@@ -193,22 +164,8 @@ status_t fsdp_reduce_grads(fsdp_group_t *g) {
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     if (!has_grad(fp->p)) continue;
-    for (int r = 0; r < g->W && st == STATUS_OK; r++) {
-      int64_t start, len, shape[TENSOR_MAX_DIMS];
-      chunk_range(fp->n0, g->W, r, &start, &len);
-      if (len == 0) continue;
-      const tensor_t *cg = &fp->p->compute_grad;
-      memcpy(shape, cg->shape, sizeof shape);
-      shape[0] = len;
-      tensor_t src = {0}, dst = {0}, dst_nd = {0};
-      st = tensor_narrow(&src, cg, 0, start, len);
-      if (st == STATUS_OK) st = tensor_narrow(&dst, &send, 0, r * flat + off, len * fp->row);
-      if (st == STATUS_OK) st = tensor_view(&dst_nd, &dst, cg->ndim, shape);
-      if (st == STATUS_OK) st = tensor_copy(&dst_nd, &src);
-      tensor_free(&src);
-      tensor_free(&dst);
-      tensor_free(&dst_nd);
-    }
+    for (int r = 0; r < g->W && st == STATUS_OK; r++)
+      st = chunk_copy(fp, g->W, r, &fp->p->compute_grad, &send, r * flat + off, true);
     off += fp->rows * fp->row;
   }
   if (st == STATUS_OK) {
@@ -255,7 +212,7 @@ status_t fsdp_reduce_grads(fsdp_group_t *g) {
     const tensor_t *local = dtensor_local(fp->p->value);
     tensor_t mine;
     st = tensor_narrow(&mine, &recv, 0, off, tensor_numel(local));
-    if (st == STATUS_OK) st = accumulate_shard(fp, &mine);
+    if (st == STATUS_OK) st = nn_param_accumulate_local_grad(fp->p, &mine);
     tensor_free(&mine);
     tensor_free(&fp->p->compute_grad);
     off += fp->rows * fp->row;

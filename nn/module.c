@@ -3,6 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/kernels.h"
+
 typedef struct hook {
   nn_hook_fn fn;
   void *user;
@@ -274,18 +276,23 @@ status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n) {
   return STATUS_OK;
 }
 
-status_t nn_param_ensure_grad(nn_param_t *p) {
-  if (p->compute_grad.storage != NULL || p->compute_grad.ndim > 0) return STATUS_OK;
-  const tensor_t *c = &p->compute;
-  if (p->external) return tensor_zeros(&p->compute_grad, c->dtype, c->device, c->ndim, c->shape);
+status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g) {
   const tensor_t *local = dtensor_local(p->value);
-  tensor_t z;
-  TRY(tensor_zeros(&z, local->dtype, local->device, local->ndim, local->shape));
-  status_t st =
-      dtensor_from_local(&p->grad, &z, dtensor_mesh(p->value), dtensor_placements(p->value),
-                         dtensor_ndim(p->value), dtensor_shape(p->value));
-  if (st == STATUS_OK) st = tensor_ref(&p->compute_grad, dtensor_local(p->grad));
-  tensor_free(&z);
+  if (p->grad == NULL) {
+    tensor_t z;
+    TRY(tensor_zeros(&z, local->dtype, local->device, local->ndim, local->shape));
+    status_t st =
+        dtensor_from_local(&p->grad, &z, dtensor_mesh(p->value), dtensor_placements(p->value),
+                           dtensor_ndim(p->value), dtensor_shape(p->value));
+    tensor_free(&z);
+    TRY(st);
+  }
+  tensor_t dst, src;
+  TRY(tensor_ref(&dst, dtensor_local(p->grad)));
+  status_t st = tensor_view(&src, g, local->ndim, local->shape);
+  if (st == STATUS_OK) st = kernel_axpy(&dst, 1.0f, &src);
+  tensor_free(&src);
+  tensor_free(&dst);
   return st;
 }
 

@@ -123,9 +123,10 @@ status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n);
 /* The parameter with this FQN under root, or NULL. */
 nn_param_t *nn_param_find(nn_module_t *root, const char *fqn);
 
-/* Makes sure p has a gradient: for an ordinary parameter a zero-filled grad DTensor with
- * compute_grad its local tensor; for an external one a zero compute_grad of compute's shape. */
-status_t nn_param_ensure_grad(nn_param_t *p);
+/* Adds g (the elements of p's local shard, any float dtype) into p->grad, which is created
+ * zero-filled on first use with p->value's mesh, placements and dtype. g is not kept (used
+ * by fully_shard to accumulate reduced shards). */
+status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g);
 
 /* Drops p's gradient (grad and compute_grad). */
 void nn_param_zero_grad(nn_param_t *p);
