@@ -220,8 +220,7 @@ static status_t cpu_rope(tensor_t *out, const tensor_t *x, double theta, int64_t
   int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], half = Dh / 2;
   fbuf_t fx, fo;
   TRY(fbuf_in(&fx, x));
-  status_t st =
-      out->data == x->data && x->dtype == DTYPE_F32 ? fbuf_in(&fo, out) : fbuf_out(&fo, out, false);
+  status_t st = fbuf_out(&fo, out, false); /* f32: in place, so out may be x */
   if (st != STATUS_OK) {
     fbuf_release(&fx);
     return st;

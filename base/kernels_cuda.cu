@@ -373,14 +373,21 @@ static status_t flag_new(flag_t *f, device_t dev) {
   return st;
 }
 
-/* Frees the flag; *raised tells whether a kernel set it. */
-static status_t flag_take(flag_t *f, int *raised) {
-  int h = 0;
-  status_t st = device_memcpy(device_cpu(), &h, f->dev, f->p, sizeof(int));
+/* Frees the flag after the kernel that may set it; returns the launch status, else the read's,
+ * else an EINVAL built from fmt (one %s for what, one %lld for limit) when the flag was set. */
+static status_t flag_finish(flag_t *f, status_t launch, const char *fmt, const char *what,
+                            int64_t limit) {
+  int raised = 0;
+  status_t st = device_memcpy(device_cpu(), &raised, f->dev, f->p, sizeof(int));
   device_free(f->dev, f->p, sizeof(int));
-  *raised = h;
-  return st;
+  TRY(launch);
+  TRY(st);
+  if (raised) return err_set(STATUS_EINVAL, fmt, what, (long long)limit);
+  return STATUS_OK;
 }
+
+static const char kIndexRange[] = "%s: an index is outside [0, %lld)";
+static const char kTargetRange[] = "%s: a target is >= the vocabulary size %lld";
 
 static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
                             bool trans_b, float alpha, float beta, const matmul_dims_t *d) {
@@ -413,14 +420,7 @@ static status_t cuda_embedding(tensor_t *out, const tensor_t *table, const tenso
   TRY(flag_new(&f, out->device));
   embedding_kernel<<<grid_for(n * D), kBlock, 0, stream_of(out)>>>(
       out->data, table->data, table->dtype, ids->data, ids->dtype, n, D, V, f.p);
-  status_t st = launched("kernel_embedding");
-  int bad = 0;
-  status_t st2 = flag_take(&f, &bad);
-  TRY(st);
-  TRY(st2);
-  if (bad)
-    return err_set(STATUS_EINVAL, "kernel_embedding: an index is outside [0, %lld)", (long long)V);
-  return STATUS_OK;
+  return flag_finish(&f, launched("kernel_embedding"), kIndexRange, "kernel_embedding", V);
 }
 
 static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
@@ -432,17 +432,8 @@ static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *gr
   embedding_backward_kernel<<<grid_for(n * D), kBlock, 0, stream_of(grad_table)>>>(
       grad_table->data, grad_table->dtype, grad_out->data, grad_out->dtype, ids->data, ids->dtype,
       n, D, V, f.p);
-  status_t st = launched("kernel_embedding_backward");
-  int bad = 0;
-  status_t st2 = flag_take(&f, &bad);
-  TRY(st);
-  TRY(st2);
-  if (bad)
-    return err_set(STATUS_EINVAL,
-                   "kernel_embedding_backward: an index is outside "
-                   "[0, %lld)",
-                   (long long)V);
-  return STATUS_OK;
+  return flag_finish(&f, launched("kernel_embedding_backward"), kIndexRange,
+                     "kernel_embedding_backward", V);
 }
 
 static int64_t last_dim(const tensor_t *t) { return t->ndim == 0 ? 1 : t->shape[t->ndim - 1]; }
@@ -572,17 +563,6 @@ static status_t cuda_scale(tensor_t *x, float alpha) {
   return launched("kernel_scale");
 }
 
-static status_t ce_finish(const char *what, flag_t *f, status_t st, int64_t V) {
-  int bad = 0;
-  status_t st2 = flag_take(f, &bad);
-  TRY(st);
-  TRY(st2);
-  if (bad)
-    return err_set(STATUS_EINVAL, "%s: a target is >= the vocabulary size %lld", what,
-                   (long long)V);
-  return STATUS_OK;
-}
-
 static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
                                    const tensor_t *targets) {
   int64_t V = last_dim(logits), N = tensor_numel(targets);
@@ -591,7 +571,7 @@ static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
   TRY(flag_new(&f, logits->device));
   cross_entropy_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
       (float *)losses->data, logits->data, logits->dtype, targets->data, targets->dtype, V, f.p);
-  return ce_finish("kernel_cross_entropy", &f, launched("kernel_cross_entropy"), V);
+  return flag_finish(&f, launched("kernel_cross_entropy"), kTargetRange, "kernel_cross_entropy", V);
 }
 
 static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
@@ -602,8 +582,8 @@ static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *l
   TRY(flag_new(&f, logits->device));
   cross_entropy_backward_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
       dlogits->data, logits->data, logits->dtype, targets->data, targets->dtype, V, scale, f.p);
-  return ce_finish("kernel_cross_entropy_backward", &f, launched("kernel_cross_entropy_backward"),
-                   V);
+  return flag_finish(&f, launched("kernel_cross_entropy_backward"), kTargetRange,
+                     "kernel_cross_entropy_backward", V);
 }
 
 static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
