@@ -46,14 +46,6 @@ __device__ static int64_t ldi(int dt, const void *p, int64_t i) {
   return dt == DTYPE_I32 ? ((const int32_t *)p)[i] : ((const int64_t *)p)[i];
 }
 
-__device__ static void atomic_addf(int dt, void *p, int64_t i, float v) {
-  switch (dt) {
-    case DTYPE_BF16: atomicAdd(((__nv_bfloat16 *)p) + i, __float2bfloat16_rn(v)); break;
-    case DTYPE_F16: atomicAdd(((__half *)p) + i, __float2half_rn(v)); break;
-    default: atomicAdd(((float *)p) + i, v);
-  }
-}
-
 #define GRID_STRIDE(i, n)                                                   \
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
        i += (int64_t)gridDim.x * blockDim.x)
@@ -90,16 +82,25 @@ __global__ static void embedding_kernel(void *out, const void *table, int tdt, c
   }
 }
 
+/*
+ * Deterministic scatter-add: thread (column c, vocabulary slice y) walks the tokens in order and
+ * adds those whose id falls in its slice, so each gradient element sums in token order.
+ */
 __global__ static void embedding_backward_kernel(void *gt, int gdt, const void *go, int odt,
                                                  const void *ids, int idt, int64_t n, int64_t D,
-                                                 int64_t V, int *bad) {
-  GRID_STRIDE(e, n * D) {
-    int64_t id = ldi(idt, ids, e / D);
+                                                 int64_t V, int64_t slice, int *bad) {
+  int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  int64_t lo = blockIdx.y * slice, hi = lo + slice < V ? lo + slice : V;
+  if (c >= D) return;
+  for (int64_t t = 0; t < n; t++) {
+    int64_t id = ldi(idt, ids, t);
     if (id < 0 || id >= V) {
-      *bad = 1;
+      if (blockIdx.y == 0) *bad = 1;
       continue;
     }
-    atomic_addf(gdt, gt, id * D + e % D, ldf(odt, go, e));
+    if (id < lo || id >= hi) continue;
+    int64_t e = id * D + c;
+    stf(gdt, gt, e, ldf(gdt, gt, e) + ldf(odt, go, t * D + c));
   }
 }
 
@@ -198,35 +199,65 @@ __global__ static void attention_kernel(void *out, float *lse, const void *q, co
   }
 }
 
-/* One block per query row: writes dq, accumulates dk and dv (fp32) with atomics. */
-__global__ static void attention_backward_kernel(void *dq, float *dk, float *dv, const void *dout,
-                                                 const void *q, const void *k, const void *v,
-                                                 const void *o, const float *lse, int dt,
-                                                 attn_dims d) {
-  extern __shared__ float sm[];
-  float *p = sm, *ds = sm + d.T;
+/* One block per query row: writes dq and the row's delta = dout . out. */
+__global__ static void attention_backward_dq_kernel(void *dq, float *delta, const void *dout,
+                                                    const void *q, const void *k, const void *v,
+                                                    const void *o, const float *lse, int dt,
+                                                    attn_dims d) {
+  extern __shared__ float ds[];
   int64_t i = blockIdx.x % d.T, bh = blockIdx.x / d.T, h = bh % d.H, b = bh / d.H;
   int64_t g = h / d.rep, qi = ((b * d.T + i) * d.H + h) * d.Dh;
   float Di = 0;
   for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x)
     Di += ldf(dt, dout, qi + c) * ldf(dt, o, qi + c);
   Di = block_reduce<false>(Di);
+  if (threadIdx.x == 0) delta[bh * d.T + i] = Di;
   float L = lse[bh * d.T + i];
   for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) {
     int64_t kj = ((b * d.T + j) * d.Hkv + g) * d.Dh;
-    p[j] = expf(d.scale * dot_rows(dt, q, qi, k, kj, d.Dh) - L);
-    ds[j] = p[j] * (dot_rows(dt, dout, qi, v, kj, d.Dh) - Di) * d.scale;
+    float p = expf(d.scale * dot_rows(dt, q, qi, k, kj, d.Dh) - L);
+    ds[j] = p * (dot_rows(dt, dout, qi, v, kj, d.Dh) - Di) * d.scale;
   }
   __syncthreads();
   for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x) {
-    float acc = 0, qc = ldf(dt, q, qi + c), dc = ldf(dt, dout, qi + c);
-    for (int64_t j = 0; j <= i; j++) {
-      int64_t kj = ((b * d.T + j) * d.Hkv + g) * d.Dh + c;
-      acc += ds[j] * ldf(dt, k, kj);
-      atomicAdd(dk + kj, ds[j] * qc);
-      atomicAdd(dv + kj, p[j] * dc);
-    }
+    float acc = 0;
+    for (int64_t j = 0; j <= i; j++)
+      acc += ds[j] * ldf(dt, k, ((b * d.T + j) * d.Hkv + g) * d.Dh + c);
     stf(dt, dq, qi + c, acc);
+  }
+}
+
+/*
+ * One block per key row (b, kv head g, j): sums over the query rows i >= j of every head in
+ * the group, in a fixed order, so dk and dv need no atomics and are deterministic.
+ */
+__global__ static void attention_backward_dkv_kernel(float *dk, float *dv, const void *dout,
+                                                     const void *q, const void *k, const void *v,
+                                                     const float *lse, const float *delta, int dt,
+                                                     attn_dims d) {
+  extern __shared__ float sm[];
+  float *p = sm, *ds = sm + d.T;
+  int64_t j = blockIdx.x % d.T, bg = blockIdx.x / d.T, g = bg % d.Hkv, b = bg / d.Hkv;
+  int64_t kj = ((b * d.T + j) * d.Hkv + g) * d.Dh;
+  for (int64_t h = g * d.rep; h < (g + 1) * d.rep; h++) {
+    int64_t bh = b * d.H + h;
+    for (int64_t i = j + threadIdx.x; i < d.T; i += blockDim.x) {
+      int64_t qi = ((b * d.T + i) * d.H + h) * d.Dh;
+      p[i] = expf(d.scale * dot_rows(dt, q, qi, k, kj, d.Dh) - lse[bh * d.T + i]);
+      ds[i] = p[i] * (dot_rows(dt, dout, qi, v, kj, d.Dh) - delta[bh * d.T + i]) * d.scale;
+    }
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x) {
+      float ak = 0, av = 0;
+      for (int64_t i = j; i < d.T; i++) {
+        int64_t qc = ((b * d.T + i) * d.H + h) * d.Dh + c;
+        ak += ds[i] * ldf(dt, q, qc);
+        av += p[i] * ldf(dt, dout, qc);
+      }
+      dk[kj + c] += ak;
+      dv[kj + c] += av;
+    }
+    __syncthreads();
   }
 }
 
@@ -429,9 +460,15 @@ static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *gr
   if (n * D == 0) return STATUS_OK;
   flag_t f;
   TRY(flag_new(&f, grad_table->device));
-  embedding_backward_kernel<<<grid_for(n * D), kBlock, 0, stream_of(grad_table)>>>(
+  /* about two waves of threads on a large GPU: columns x vocabulary slices */
+  int64_t cols = (D + kBlock - 1) / kBlock, slices = (256 * 1024 / kBlock + cols - 1) / cols;
+  if (slices > V) slices = V;
+  if (slices > 65535) slices = 65535;
+  if (slices < 1) slices = 1;
+  dim3 grid((unsigned)cols, (unsigned)slices);
+  embedding_backward_kernel<<<grid, kBlock, 0, stream_of(grad_table)>>>(
       grad_table->data, grad_table->dtype, grad_out->data, grad_out->dtype, ids->data, ids->dtype,
-      n, D, V, f.p);
+      n, D, V, (V + slices - 1) / slices, f.p);
   return flag_finish(&f, launched("kernel_embedding_backward"), kIndexRange,
                      "kernel_embedding_backward", V);
 }
@@ -504,15 +541,18 @@ static status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv
   attn_dims d = attn_dims_of(q, k);
   size_t smem;
   TRY(attn_smem(d, 2, &smem));
-  int64_t nk = tensor_numel(k);
+  int64_t nk = tensor_numel(k), nrow = d.B * d.H * d.T;
   tensor_t acc;
-  int64_t shape[2] = {2, nk};
-  TRY(tensor_zeros(&acc, DTYPE_F32, k->device, 2, shape));
-  float *fdk = (float *)acc.data, *fdv = fdk + nk;
+  int64_t shape[1] = {2 * nk + nrow};
+  TRY(tensor_zeros(&acc, DTYPE_F32, k->device, 1, shape));
+  float *fdk = (float *)acc.data, *fdv = fdk + nk, *delta = fdv + nk;
   cudaStream_t s = stream_of(q);
-  attention_backward_kernel<<<(unsigned)(d.B * d.H * d.T), 128, smem, s>>>(
-      dq->data, fdk, fdv, dout->data, q->data, k->data, v->data, out->data,
-      (const float *)lse->data, q->dtype, d);
+  attention_backward_dq_kernel<<<(unsigned)nrow, 128, smem / 2, s>>>(
+      dq->data, delta, dout->data, q->data, k->data, v->data, out->data, (const float *)lse->data,
+      q->dtype, d);
+  attention_backward_dkv_kernel<<<(unsigned)(d.B * d.Hkv * d.T), 128, smem, s>>>(
+      fdk, fdv, dout->data, q->data, k->data, v->data, (const float *)lse->data, delta, q->dtype,
+      d);
   status_t st = launched("kernel_attention_backward");
   if (st == STATUS_OK) {
     cast_kernel<<<grid_for(nk), kBlock, 0, s>>>(dk->data, dk->dtype, fdk, nk);
