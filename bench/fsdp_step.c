@@ -5,6 +5,8 @@
  *
  *   mpirun -n 4 bench-fsdp-step [--config configs/llama-small.json] [--hsdp R]
  *       [--reshard auto|0|1|N] [--param-dtype f32|bf16] [--steps 5] [--batch 2] [--seq 128]
+ *       [--device cpu|cuda] [--offload]
+ * With --offload (CUDA) the sharded state lives on the host; its memory is printed too.
  */
 #include "bench/bench_util.h"
 #include "fully_shard/fsdp.h"
@@ -49,6 +51,7 @@ int main(int argc, char **argv) {
   opt.reshard_after_forward = reshard;
   opt.param_dtype = pdt == lopt.dtype ? DTYPE_COUNT : pdt;
   opt.reduce_dtype = lopt.dtype;
+  opt.offload = bench_flag(argc, argv, "--offload");
   int ng = (int)cfg.n_layers + 1;
   fsdp_group_t **groups = calloc((size_t)ng, sizeof *groups);
   for (int i = 0; i < cfg.n_layers; i++)
@@ -89,8 +92,9 @@ int main(int argc, char **argv) {
     for (int i = 0; i < ng; i++)
       if (fsdp_post_forward_group(groups[i])) pg_reset_counters(fsdp_post_forward_group(groups[i]));
     optim_zero_grad(o);
-    size_t base = mem_stats(dev).current;
+    size_t base = mem_stats(dev).current, host_base = mem_stats(device_cpu()).current;
     mem_reset_peak(dev);
+    mem_reset_peak(device_cpu());
     MPI_Barrier(world_comm());
     double t0 = bench_now();
     nn_ctx_t *ctx;
@@ -117,6 +121,9 @@ int main(int argc, char **argv) {
           "state %.2f MiB, largest group %.2f MiB)\n",
           (long long)s, dt, (double)ag, ag_model, (double)rsb, rs_model, (double)ar, ar_model,
           peak / 1048576.0, base / 1048576.0, state / 1048576.0, largest / 1048576.0);
+    if (rank == 0 && opt.offload)
+      printf("        host: peak %.2f MiB (resident %.2f MiB)\n",
+             mem_stats(device_cpu()).peak / 1048576.0, host_base / 1048576.0);
   }
   if (rank == 0)
     printf(

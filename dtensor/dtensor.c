@@ -38,8 +38,10 @@ status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh, cons
   return STATUS_OK;
 }
 
-static status_t check_device(const tensor_t *t, const mesh_t *mesh, const char *what) {
+static status_t check_device(const tensor_t *t, const mesh_t *mesh, const char *what,
+                             bool host_ok) {
   device_t want = mesh_device(mesh);
+  if (host_ok && t->device.type == DEVICE_CPU) return STATUS_OK; /* an offloaded shard */
   if (!device_equal(t->device, want)) {
     char a[16], b[16];
     return err_set(STATUS_EINVAL, "%s: tensor on %s, but the mesh's device is %s", what,
@@ -55,7 +57,7 @@ status_t dtensor_from_local(dtensor_t **out, const tensor_t *local, mesh_t *mesh
   mesh_shape_coord(mesh, shape, coord);
   int64_t want[TENSOR_MAX_DIMS], offset[TENSOR_MAX_DIMS];
   TRY(dtensor_compute_box(mesh, pl, ndim, global_shape, coord, want, offset));
-  TRY(check_device(local, mesh, "dtensor_from_local"));
+  TRY(check_device(local, mesh, "dtensor_from_local", true));
   if (local->ndim != ndim || memcmp(local->shape, want, sizeof(int64_t) * (size_t)ndim) != 0) {
     char a[96], b[96], c[96], p[128];
     return err_set(STATUS_ESHAPE,
@@ -110,7 +112,7 @@ static status_t broadcast_over_mesh(mesh_t *mesh, const int *src, tensor_t *buf)
 status_t dtensor_distribute(dtensor_t **out, const tensor_t *full, mesh_t *mesh,
                             const placement_t *pl, int src_rank) {
   *out = NULL;
-  TRY(check_device(full, mesh, "dtensor_distribute"));
+  TRY(check_device(full, mesh, "dtensor_distribute", false));
   int shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
   TRY(placements_check(full->ndim, mesh_ndim(mesh), shape, pl));

@@ -30,7 +30,8 @@ typedef struct dtensor dtensor_t;
 
 /* Wraps this rank's shard. local must have exactly the shape the placements give this rank
  * for global_shape; the DTensor takes its own reference to local's memory (the caller still
- * frees local). Local; no communication. */
+ * frees local). local lives on the mesh's device, or in host memory (an offloaded shard, which
+ * redistribution refuses). Local; no communication. */
 status_t dtensor_from_local(dtensor_t **out, const tensor_t *local, mesh_t *mesh,
                             const placement_t *pl, int ndim, const int64_t *global_shape);
 

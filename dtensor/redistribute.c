@@ -377,6 +377,14 @@ status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dten
   int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
   TRY(placements_check(src->ndim, n, shape, dst));
+  if (!device_equal(src->local.device, mesh_device(mesh))) {
+    char a[16], b[16];
+    return err_set(STATUS_EINVAL,
+                   "dtensor_redistribute: the local shard is on %s (offloaded), the mesh on %s; "
+                   "copy it to the mesh's device first",
+                   device_str(src->local.device, a, sizeof a),
+                   device_str(mesh_device(mesh), b, sizeof b));
+  }
   tensor_t x = {0};
   status_t st = STATUS_OK;
   if (has_strided(n, src->pl) || has_strided(n, dst)) {

@@ -88,7 +88,7 @@ static status_t shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   chunk_range(fp->n0, g->W, g->rank, &start, &len);
   memcpy(shape, full->shape, sizeof shape);
   shape[0] = fp->rows;
-  TRY(tensor_zeros(&fp->padded, full->dtype, full->device, nd, shape));
+  TRY(tensor_zeros(&fp->padded, full->dtype, g->offload ? device_cpu() : full->device, nd, shape));
   tensor_t src = {0}, dst = {0}, local = {0};
   status_t st = STATUS_OK;
   dtensor_t *dt = NULL;
@@ -113,6 +113,59 @@ cleanup:
 
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
 
+/* Post-forward groups of an integer reshard, one per (shard group, N), shared by the groups
+ * that use them and released with the last. */
+typedef struct pf_entry {
+  pg_t *shard, *pf;
+  int N, users;
+  struct pf_entry *next;
+} pf_entry_t;
+static pf_entry_t *pf_entries;
+
+/* ranks.view(-1, N): the N consecutive ranks of the shard group holding this one. Collective
+ * over the shard group the first time for each (group, N); every rank makes the same calls. */
+static status_t post_forward_group(fsdp_group_t *g, int N) {
+  for (pf_entry_t *e = pf_entries; e != NULL; e = e->next)
+    if (e->shard == g->shard && e->N == N) {
+      e->users++;
+      g->post_forward = e->pf;
+      return STATUS_OK;
+    }
+  pf_entry_t *e = calloc(1, sizeof *e);
+  if (e == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  MPI_Comm sub;
+  if (MPI_Comm_split(pg_comm(g->shard), g->rank / N, g->rank % N, &sub) != MPI_SUCCESS) {
+    free(e);
+    return err_set(STATUS_EMPI, "fully_shard: MPI_Comm_split failed");
+  }
+  device_t dev = mesh_device(g->mesh);
+  status_t st =
+      dev.type == DEVICE_CUDA ? pg_new_nccl(sub, dev.index, &e->pf) : pg_new_mpi(sub, &e->pf);
+  MPI_Comm_free(&sub);
+  if (st != STATUS_OK) {
+    free(e);
+    return st;
+  }
+  *e = (pf_entry_t){g->shard, e->pf, N, 1, pf_entries};
+  pf_entries = e;
+  g->post_forward = e->pf;
+  return STATUS_OK;
+}
+
+static void post_forward_release(fsdp_group_t *g) {
+  for (pf_entry_t **p = &pf_entries; *p != NULL; p = &(*p)->next) {
+    pf_entry_t *e = *p;
+    if (e->pf != g->post_forward) continue;
+    if (--e->users == 0) {
+      pg_release(e->pf);
+      *p = e->next;
+      free(e);
+    }
+    break;
+  }
+  g->post_forward = NULL;
+}
+
 static void group_free(fsdp_group_t *g) {
   if (g == NULL) return;
   tensor_free(&g->partial);
@@ -123,7 +176,10 @@ static void group_free(fsdp_group_t *g) {
   free(g->bwd_order.v);
   free(g->fwd_prefetch);
   free(g->bwd_prefetch);
-  pg_release(g->post_forward);
+  post_forward_release(g);
+  event_free(g->copied);
+  tensor_free(&g->red_send);
+  tensor_free(&g->red_recv);
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].padded);
   free(g->params);
   free(g->modules);
@@ -183,7 +239,9 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
   g->W = mesh_size(opt->mesh, md - 1);
   g->rank = mesh_coord(opt->mesh, md - 1);
   g->reshard_after_forward = opt->reshard_after_forward;
-  g->sync = g->all_reduce = g->reshard_after_backward = true;
+  g->sync = g->all_reduce = g->reshard_after_backward = g->is_last_backward = true;
+  g->offload = opt->offload && mesh_device(opt->mesh).type == DEVICE_CUDA;
+  st = fsdp_streams_of(mesh_device(opt->mesh), &g->streams);
   for (int i = 0; i < l.n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[g->n];
     fp->p = l.p[i];
@@ -200,18 +258,7 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
     }
   }
   free(l.p);
-  if (st == STATUS_OK && N >= 2) { /* ranks.view(-1, N): consecutive ranks of the shard group */
-    MPI_Comm sub;
-    st = MPI_Comm_split(pg_comm(g->shard), g->rank / N, g->rank % N, &sub) == MPI_SUCCESS
-             ? STATUS_OK
-             : err_set(STATUS_EMPI, "fully_shard: MPI_Comm_split failed");
-    if (st == STATUS_OK) {
-      device_t dev = mesh_device(g->mesh);
-      st = dev.type == DEVICE_CUDA ? pg_new_nccl(sub, dev.index, &g->post_forward)
-                                   : pg_new_mpi(sub, &g->post_forward);
-      MPI_Comm_free(&sub);
-    }
-  }
+  if (st == STATUS_OK && N >= 2) st = post_forward_group(g, N);
   for (int i = 0; i < n_modules; i++)
     for (int k = 0; k < NN_HOOK_COUNT && st == STATUS_OK; k++)
       st = nn_module_add_hook(ms[i], k, hook, g);
@@ -234,15 +281,25 @@ static void free_all(nn_module_t *m) {
   for (int i = 0; i < nn_module_num_children(m); i++) free_all(nn_module_child(m, i));
 }
 
+/* Drops reductions still in flight (after a backward that was not the last). */
+static void drop_reductions(nn_module_t *m) {
+  fsdp_group_t *g = fsdp_group_of(m);
+  if (g != NULL && g->reducing != NULL) fsdp_reduce_drop(g->reducing);
+  for (int i = 0; i < nn_module_num_children(m); i++) drop_reductions(nn_module_child(m, i));
+}
+
 void fsdp_free_all(nn_module_t *root) {
-  if (root) free_all(root);
+  if (root == NULL) return;
+  drop_reductions(root);
+  free_all(root);
 }
 
 typedef enum control {
   CONTROL_SYNC,
   CONTROL_ALL_REDUCE,
   CONTROL_RESHARD_AFTER_BACKWARD,
-  CONTROL_DIVIDE_FACTOR
+  CONTROL_DIVIDE_FACTOR,
+  CONTROL_LAST_BACKWARD
 } control_t;
 
 static void set_control(nn_module_t *m, control_t what, double value) {
@@ -252,6 +309,7 @@ static void set_control(nn_module_t *m, control_t what, double value) {
     if (what == CONTROL_ALL_REDUCE) g->all_reduce = value != 0;
     if (what == CONTROL_RESHARD_AFTER_BACKWARD) g->reshard_after_backward = value != 0;
     if (what == CONTROL_DIVIDE_FACTOR) g->divide_factor = value;
+    if (what == CONTROL_LAST_BACKWARD) g->is_last_backward = value != 0;
   }
   for (int i = 0; i < nn_module_num_children(m); i++)
     set_control(nn_module_child(m, i), what, value);
@@ -269,6 +327,9 @@ void fsdp_set_requires_all_reduce(nn_module_t *root, bool all_reduce) {
 }
 void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard) {
   set_control(root, CONTROL_RESHARD_AFTER_BACKWARD, reshard);
+}
+void fsdp_set_is_last_backward(nn_module_t *root, bool last) {
+  set_control(root, CONTROL_LAST_BACKWARD, last);
 }
 
 /* ---- hooks ---- */
@@ -350,11 +411,14 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
       return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
       fsdp_emit(g, "post_backward");
-      status_t st = g->sync ? fsdp_reduce_grads(g) : STATUS_OK; /* else keep accumulating */
+      status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK; /* else keep accumulating */
       if (g->reshard_after_backward) fsdp_reshard(g);
-      if (g->is_root) /* end of backward: drop prefetches no backward consumed */
-        for (int i = 0; i < g->fwd_order.n; i++)
-          if (g->fwd_order.v[i]->gathering) fsdp_reshard(g->fwd_order.v[i]);
+      if (!g->is_root) return st;
+      /* end of backward: drop prefetches no backward consumed; on the last backward finish
+       * the reductions, otherwise the next backward's first post-backward does */
+      for (int i = 0; i < g->fwd_order.n; i++)
+        if (g->fwd_order.v[i]->gathering) fsdp_reshard(g->fwd_order.v[i]);
+      if (st == STATUS_OK && g->is_last_backward) st = fsdp_finish_backward(g);
       return st;
     }
     default: return STATUS_OK;

@@ -47,12 +47,14 @@ typedef struct fsdp_options {
   dtype_t reduce_dtype;       /* gradient reduction dtype; DTYPE_COUNT: param_dtype */
   nn_param_t *const *ignored; /* parameters left alone: not sharded, not reduced */
   int n_ignored;
+  bool offload; /* CUDA mesh: sharded parameters and gradients live in host memory, so the
+                   optimizer and clipping run on the host; no effect on a CPU mesh */
 } fsdp_options_t;
 
 #define FSDP_OPTIONS_INIT                                                                 \
   {                                                                                       \
     .mesh = NULL, .reshard_after_forward = FSDP_RESHARD_AUTO, .param_dtype = DTYPE_COUNT, \
-    .reduce_dtype = DTYPE_COUNT, .ignored = NULL, .n_ignored = 0                          \
+    .reduce_dtype = DTYPE_COUNT, .ignored = NULL, .n_ignored = 0, .offload = false        \
   }
 
 typedef struct fsdp_group fsdp_group_t;
@@ -94,10 +96,14 @@ int64_t fsdp_flat_numel(const fsdp_group_t *g);
  * - requires_all_reduce false (HSDP): reduce-scatter only; the partial results are summed
  *   into the next all-reduce.
  * - reshard_after_backward false: parameters stay unsharded after backward.
+ * - is_last_backward false: the end of backward does not wait for the last gradient
+ *   reductions (micro-batches before the last); they finish during the next backward. Leave
+ *   it true for the backward before the optimizer step.
  * Local. */
 void fsdp_set_requires_gradient_sync(nn_module_t *root, bool sync);
 void fsdp_set_requires_all_reduce(nn_module_t *root, bool all_reduce);
 void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard);
+void fsdp_set_is_last_backward(nn_module_t *root, bool last);
 
 /* Reduce gradients as a sum divided by factor instead of the average over the data-parallel
  * ranks (factor > 0; 0 restores the average). Applied to every group under root. */

@@ -1,10 +1,74 @@
 /* fully_shard's data path: unshard (copy-in, all-gather, copy-out), reshard, and the
- * post-backward reduce-scatter / all-reduce of gradients. */
+ * post-backward reduce-scatter / all-reduce of gradients.
+ *
+ * On CUDA, copy-in runs on the device's copy-in stream and reductions on its reduce stream;
+ * each waits for the compute stream by an event recorded where the work is issued, and the
+ * compute stream waits for the all-gather (pg_wait) and, at the end of backward, for the
+ * last reduction. Memory is stream-ordered: a buffer is freed on the stream that last used
+ * it, or on one ordered after that. Nothing synchronises the device. On the CPU the streams
+ * are absent and the collectives are nonblocking MPI ones completed at the same points. */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/kernels.h"
 #include "fully_shard/fsdp_impl.h"
+
+/* ---- streams ---- */
+
+static pthread_mutex_t streams_lock = PTHREAD_MUTEX_INITIALIZER;
+static fsdp_streams_t device_streams[DEVICE_MAX_CUDA];
+
+status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out) {
+  *out = NULL;
+  if (dev.type != DEVICE_CUDA) return STATUS_OK;
+  if (dev.index < 0 || dev.index >= DEVICE_MAX_CUDA)
+    return err_set(STATUS_ENODEV, "fully_shard: no CUDA device %d", dev.index);
+  fsdp_streams_t *s = &device_streams[dev.index];
+  status_t st = STATUS_OK;
+  pthread_mutex_lock(&streams_lock);
+  if (s->reduced == NULL) {
+    st = stream_new(dev, &s->copy_in);
+    if (st == STATUS_OK) st = stream_new(dev, &s->reduce);
+    if (st == STATUS_OK) st = event_new(dev, &s->reduced);
+    if (st != STATUS_OK) {
+      stream_free(s->copy_in);
+      stream_free(s->reduce);
+      memset(s, 0, sizeof *s);
+    }
+  }
+  pthread_mutex_unlock(&streams_lock);
+  if (st == STATUS_OK) *out = s;
+  return st;
+}
+
+/* Makes side the current stream of dev; with after_current, ordered after all work queued so
+ * far on the stream that was current. *prev receives that stream. No-op on the CPU. */
+static status_t side_enter(device_t dev, stream_t *side, bool after_current, stream_t **prev) {
+  *prev = stream_current(dev);
+  if (side == NULL) return STATUS_OK;
+  if (after_current) {
+    event_t *e;
+    TRY(event_new(dev, &e));
+    status_t st = event_record(e, *prev);
+    if (st == STATUS_OK) st = stream_wait_event(side, e);
+    event_free(e);
+    TRY(st);
+  }
+  stream_set_current(dev, side);
+  return STATUS_OK;
+}
+
+static void side_exit(device_t dev, stream_t *side, stream_t *prev) {
+  if (side != NULL) stream_set_current(dev, prev);
+}
+
+static stream_t *copy_in_stream(const fsdp_group_t *g) {
+  return g->streams ? g->streams->copy_in : NULL;
+}
+static stream_t *reduce_stream(const fsdp_group_t *g) {
+  return g->streams ? g->streams->reduce : NULL;
+}
 
 /* ---- unshard / reshard ---- */
 
@@ -20,32 +84,58 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
     g->unsharded = true;
     return STATUS_OK;
   }
+  device_t dev = mesh_device(g->mesh);
+  if (g->streams != NULL && g->copied == NULL) TRY(event_new(dev, &g->copied));
+  /* copy-in reads shards the optimizer may just have written on the compute stream; offloaded
+   * shards live on the host, written synchronously */
+  bool slice = g->post_forward_slice.storage != NULL;
+  stream_t *prev;
+  TRY(side_enter(dev, copy_in_stream(g), slice || !g->offload, &prev));
   int64_t total = g->flat * g->W;
-  TRY(tensor_init(&g->gather, g->param_dtype, mesh_device(g->mesh), 1, &total));
+  status_t st = tensor_init(&g->gather, g->param_dtype, dev, 1, &total);
+  if (st != STATUS_OK) {
+    side_exit(dev, copy_in_stream(g), prev);
+    return st;
+  }
   g->gathering = true;
   fsdp_emit(g, "unshard");
-  status_t st = STATUS_OK;
-  if (g->post_forward_slice.storage != NULL) {
+  if (slice) {
     int64_t count = tensor_numel(&g->post_forward_slice);
-    return pg_all_gather(g->post_forward, g->post_forward_slice.data, g->gather.data, (size_t)count,
-                         g->param_dtype, &g->pending);
+    st = pg_all_gather(g->post_forward, g->post_forward_slice.data, g->gather.data, (size_t)count,
+                       g->param_dtype, &g->pending);
+  } else {
+    /* copy-in: this rank's padded shards, cast, into its block of the gather buffer */
+    for (int i = 0; i < g->n && st == STATUS_OK; i++) {
+      fsdp_param_t *fp = &g->params[i];
+      tensor_t slot, flat;
+      int64_t n = fp->rows * fp->row;
+      if ((st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->flat + fp->offset, n)) !=
+          STATUS_OK)
+        break;
+      st = tensor_view(&flat, &fp->padded, 1, &n);
+      if (st == STATUS_OK) st = tensor_copy(&slot, &flat);
+      tensor_free(&flat);
+      tensor_free(&slot);
+    }
+    if (st == STATUS_OK && g->W > 1) {
+      char *base = g->gather.data;
+      st = pg_all_gather(g->shard, base + (size_t)(g->rank * g->flat) * dtype_size(g->param_dtype),
+                         g->gather.data, (size_t)g->flat, g->param_dtype, &g->pending);
+    }
   }
-  /* copy-in: this rank's padded shards, cast, into its block of the gather buffer */
-  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
-    fsdp_param_t *fp = &g->params[i];
-    tensor_t slot, flat;
-    int64_t n = fp->rows * fp->row;
-    if ((st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->flat + fp->offset, n)) != STATUS_OK)
-      break;
-    st = tensor_view(&flat, &fp->padded, 1, &n);
-    if (st == STATUS_OK) st = tensor_copy(&slot, &flat);
-    tensor_free(&flat);
-    tensor_free(&slot);
-  }
-  if (st == STATUS_OK && g->W > 1) {
-    char *base = g->gather.data;
-    st = pg_all_gather(g->shard, base + (size_t)(g->rank * g->flat) * dtype_size(g->param_dtype),
-                       g->gather.data, (size_t)g->flat, g->param_dtype, &g->pending);
+  if (st == STATUS_OK) st = event_record(g->copied, copy_in_stream(g));
+  side_exit(dev, copy_in_stream(g), prev);
+  return st;
+}
+
+/* Completes the started gather: the current stream waits for copy-in and the all-gather. */
+static status_t gather_wait(fsdp_group_t *g) {
+  status_t st = pg_wait(g->pending);
+  g->pending = NULL;
+  g->gathering = false;
+  if (g->copied != NULL) {
+    status_t s2 = stream_wait_event(stream_current(mesh_device(g->mesh)), g->copied);
+    if (st == STATUS_OK) st = s2;
   }
   return st;
 }
@@ -74,9 +164,7 @@ static status_t chunk_copy(const fsdp_param_t *fp, int W, int r, tensor_t *full,
  * the unsharded tensors. */
 status_t fsdp_unshard_wait(fsdp_group_t *g) {
   if (!g->gathering) return STATUS_OK;
-  status_t st = pg_wait(g->pending);
-  g->pending = NULL;
-  g->gathering = false;
+  status_t st = gather_wait(g);
   tensor_free(&g->post_forward_slice);
   device_t dev = mesh_device(g->mesh);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
@@ -107,9 +195,7 @@ status_t fsdp_unshard(fsdp_group_t *g) {
 
 void fsdp_reshard(fsdp_group_t *g) {
   if (g->gathering) { /* a prefetch nobody used: complete it, then drop it */
-    pg_wait(g->pending);
-    g->pending = NULL;
-    g->gathering = false;
+    gather_wait(g);
     tensor_free(&g->gather);
   }
   bool had = g->unsharded || g->post_forward_slice.storage != NULL;
@@ -148,76 +234,123 @@ static bool has_grad(const nn_param_t *p) {
   return p->requires_grad && (p->compute_grad.storage != NULL || p->compute_grad.ndim > 0);
 }
 
-status_t fsdp_reduce_grads(fsdp_group_t *g) {
+status_t fsdp_reduce_start(fsdp_group_t *g) {
+  TRY(fsdp_reduce_finish(g->root));
   int64_t flat = 0;
-  for (int i = 0; i < g->n; i++)
-    if (has_grad(g->params[i].p)) flat += g->params[i].rows * g->params[i].row;
+  for (int i = 0; i < g->n; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    fp->reducing = has_grad(fp->p);
+    if (fp->reducing) flat += fp->rows * fp->row;
+  }
   if (flat == 0) return STATUS_OK;
   device_t dev = mesh_device(g->mesh);
+  stream_t *prev;
+  TRY(side_enter(dev, reduce_stream(g), true, &prev)); /* after the gradients are computed */
   int64_t total = flat * g->W;
   reduce_op_t op = g->divide_factor > 0 ? REDUCE_SUM : REDUCE_AVG;
-  tensor_t send, recv = {0};
-  TRY(tensor_zeros(&send, g->reduce_dtype, dev, 1, &total));
-  status_t st = STATUS_OK;
-  /* rank-major pack: block r holds chunk r of every parameter, each padded to its rows */
+  status_t st = tensor_zeros(&g->red_send, g->reduce_dtype, dev, 1, &total);
+  /* rank-major pack: block r holds chunk r of every parameter, each padded to its rows; the
+   * unsharded gradients are freed here, on the stream that read them last */
   int64_t off = 0;
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
-    if (!has_grad(fp->p)) continue;
+    if (!fp->reducing) continue;
     for (int r = 0; r < g->W && st == STATUS_OK; r++)
-      st = chunk_copy(fp, g->W, r, &fp->p->compute_grad, &send, r * flat + off, true);
-    off += fp->rows * fp->row;
-  }
-  if (st == STATUS_OK) {
-    if (g->W > 1) {
-      st = tensor_init(&recv, g->reduce_dtype, dev, 1, &flat);
-      if (st == STATUS_OK)
-        st = pg_reduce_scatter(g->shard, send.data, recv.data, (size_t)flat, g->reduce_dtype, op,
-                               NULL);
-    } else {
-      st = tensor_ref(&recv, &send);
-    }
-  }
-  if (st == STATUS_OK && g->replicate != NULL && pg_size(g->replicate) > 1) {
-    /* HSDP: without all-reduce, park the partial result; with it, add what was parked */
-    bool parked = g->partial.storage != NULL;
-    if (parked && tensor_numel(&g->partial) != flat)
-      st = err_set(STATUS_EINVAL,
-                   "fully_shard: parameters with gradients changed between "
-                   "backward passes without all-reduce");
-    if (st == STATUS_OK && !g->all_reduce) {
-      st = parked ? kernel_axpy(&g->partial, 1.0f, &recv) : tensor_ref(&g->partial, &recv);
-      if (st == STATUS_OK) {
-        for (int i = 0; i < g->n; i++)
-          if (has_grad(g->params[i].p)) tensor_free(&g->params[i].p->compute_grad);
-      }
-      tensor_free(&send);
-      tensor_free(&recv);
-      return st;
-    }
-    if (st == STATUS_OK && parked) {
-      st = kernel_axpy(&recv, 1.0f, &g->partial);
-      tensor_free(&g->partial);
-    }
-    if (st == STATUS_OK)
-      st = pg_all_reduce(g->replicate, recv.data, recv.data, (size_t)flat, g->reduce_dtype, op,
-                         NULL);
-  }
-  if (st == STATUS_OK && g->divide_factor > 0)
-    st = kernel_scale(&recv, (float)(1.0 / g->divide_factor));
-  off = 0;
-  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
-    fsdp_param_t *fp = &g->params[i];
-    if (!has_grad(fp->p)) continue;
-    const tensor_t *local = dtensor_local(fp->p->value);
-    tensor_t mine;
-    st = tensor_narrow(&mine, &recv, 0, off, tensor_numel(local));
-    if (st == STATUS_OK) st = nn_param_accumulate_local_grad(fp->p, &mine);
-    tensor_free(&mine);
+      st = chunk_copy(fp, g->W, r, &fp->p->compute_grad, &g->red_send, r * flat + off, true);
     tensor_free(&fp->p->compute_grad);
     off += fp->rows * fp->row;
   }
-  tensor_free(&send);
-  tensor_free(&recv);
+  if (st == STATUS_OK && g->W > 1) {
+    st = tensor_init(&g->red_recv, g->reduce_dtype, dev, 1, &flat);
+    if (st == STATUS_OK)
+      st = pg_reduce_scatter(g->shard, g->red_send.data, g->red_recv.data, (size_t)flat,
+                             g->reduce_dtype, op, &g->red_work);
+  } else if (st == STATUS_OK) {
+    st = tensor_ref(&g->red_recv, &g->red_send);
+  }
+  g->red_flat = flat;
+  g->root->reducing = g;
+  side_exit(dev, reduce_stream(g), prev);
+  if (st != STATUS_OK) fsdp_reduce_drop(g);
   return st;
+}
+
+void fsdp_reduce_drop(fsdp_group_t *g) {
+  if (g->red_work != NULL) pg_wait(g->red_work);
+  g->red_work = NULL;
+  tensor_free(&g->red_send);
+  tensor_free(&g->red_recv);
+  g->red_flat = 0;
+  if (g->root != NULL && g->root->reducing == g) g->root->reducing = NULL;
+}
+
+/* HSDP: all-reduces recv over the replicate group, or parks it (sums it into the partial
+ * result) while all-reduce is off. *parked tells which. */
+static status_t replicate_reduce(fsdp_group_t *g, tensor_t *recv, reduce_op_t op, bool *parked) {
+  *parked = false;
+  if (g->replicate == NULL || pg_size(g->replicate) == 1) return STATUS_OK;
+  bool have = g->partial.storage != NULL;
+  if (have && tensor_numel(&g->partial) != g->red_flat)
+    return err_set(STATUS_EINVAL,
+                   "fully_shard: parameters with gradients changed between "
+                   "backward passes without all-reduce");
+  if (!g->all_reduce) {
+    *parked = true;
+    return have ? kernel_axpy(&g->partial, 1.0f, recv) : tensor_ref(&g->partial, recv);
+  }
+  if (have) {
+    TRY(kernel_axpy(recv, 1.0f, &g->partial));
+    tensor_free(&g->partial);
+  }
+  return pg_all_reduce(g->replicate, recv->data, recv->data, (size_t)g->red_flat, g->reduce_dtype,
+                       op, NULL);
+}
+
+status_t fsdp_reduce_finish(fsdp_group_t *root) {
+  fsdp_group_t *g = root->reducing;
+  if (g == NULL) return STATUS_OK;
+  root->reducing = NULL;
+  device_t dev = mesh_device(g->mesh);
+  stream_t *prev;
+  status_t st = side_enter(dev, reduce_stream(g), false, &prev);
+  if (st != STATUS_OK) {
+    fsdp_reduce_drop(g);
+    return st;
+  }
+  st = pg_wait(g->red_work);
+  g->red_work = NULL;
+  tensor_free(&g->red_send);
+  reduce_op_t op = g->divide_factor > 0 ? REDUCE_SUM : REDUCE_AVG;
+  bool parked = false;
+  if (st == STATUS_OK) st = replicate_reduce(g, &g->red_recv, op, &parked);
+  if (st == STATUS_OK && !parked && g->divide_factor > 0)
+    st = kernel_scale(&g->red_recv, (float)(1.0 / g->divide_factor));
+  tensor_t host = {0}, *red = &g->red_recv;
+  if (st == STATUS_OK && !parked && g->offload) { /* one copy to the host, then add there */
+    st = tensor_clone(&host, &g->red_recv, g->reduce_dtype, device_cpu());
+    red = &host;
+  }
+  int64_t off = 0;
+  for (int i = 0; i < g->n && st == STATUS_OK && !parked; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    if (!fp->reducing) continue;
+    tensor_t mine;
+    st = tensor_narrow(&mine, red, 0, off, tensor_numel(dtensor_local(fp->p->value)));
+    if (st == STATUS_OK) st = nn_param_accumulate_local_grad(fp->p, &mine);
+    tensor_free(&mine);
+    off += fp->rows * fp->row;
+  }
+  tensor_free(&host);
+  tensor_free(&g->red_recv);
+  g->red_flat = 0;
+  if (st == STATUS_OK && g->streams != NULL)
+    st = event_record(g->streams->reduced, g->streams->reduce);
+  side_exit(dev, reduce_stream(g), prev);
+  return st;
+}
+
+status_t fsdp_finish_backward(fsdp_group_t *root) {
+  TRY(fsdp_reduce_finish(root));
+  if (root->streams == NULL) return STATUS_OK;
+  return stream_wait_event(stream_current(mesh_device(root->mesh)), root->streams->reduced);
 }

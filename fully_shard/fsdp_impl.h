@@ -13,8 +13,19 @@ typedef struct fsdp_param {
   int64_t rows;    /* padded rows per rank: ceil(n0 / W) */
   int64_t row;     /* elements per row */
   int64_t offset;  /* in the flat all-gather buffer of one rank, elements */
-  tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype */
+  tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype; on the host
+                      when offloaded */
+  bool reducing;   /* its gradient is in the group's reduction in flight */
 } fsdp_param_t;
+
+/* Side streams of one CUDA device, shared by every group on it (all NULL on the CPU):
+ * copy_in for the all-gather copy-in, reduce for gradient packing, reduce-scatter, all-reduce
+ * and accumulation. NCCL runs each communicator on its own stream, ordered by events after
+ * the stream that issues the collective; reduced marks the end of the last reduction. */
+typedef struct fsdp_streams {
+  stream_t *copy_in, *reduce;
+  event_t *reduced;
+} fsdp_streams_t;
 
 typedef struct gvec {
   fsdp_group_t **v;
@@ -42,7 +53,15 @@ struct fsdp_group {
   double divide_factor;        /* > 0: sum / factor instead of the average */
   tensor_t gather;             /* the all-gather buffer while gathering */
   pg_work_t *pending;          /* its collective */
+  event_t *copied;             /* copy-in done (CUDA) */
   bool gathering;
+  bool offload; /* sharded parameters and gradients on the host (CUDA mesh) */
+  fsdp_streams_t *streams;
+  /* the gradient reduction in flight: reduce-scatter issued, completed at the next group's
+   * post-backward or at the end of backward */
+  tensor_t red_send, red_recv;
+  int64_t red_flat;
+  pg_work_t *red_work;
   fsdp_event_fn on_event;
   void *on_event_user;
   fsdp_group_t *root; /* found on the first forward */
@@ -50,11 +69,15 @@ struct fsdp_group {
    * this one (backward runs it in reverse), and where backward is in it */
   gvec_t fwd_order, prev_fwd_order, bwd_order;
   int bwd_pos;
+  fsdp_group_t *reducing; /* root only: the group whose reduction is in flight */
+  bool is_last_backward;  /* root only: finish reductions at the end of backward */
   fsdp_group_t **fwd_prefetch, **bwd_prefetch; /* explicit lists */
   int n_fwd_prefetch, n_bwd_prefetch;
   bool fwd_explicit, bwd_explicit;
 };
 
+/* The side streams of dev (NULL on the CPU), created on first use and kept. */
+status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out);
 /* Appends g to a. */
 status_t gvec_push(gvec_t *a, fsdp_group_t *g);
 
@@ -66,7 +89,15 @@ status_t fsdp_unshard_start(fsdp_group_t *g);
 status_t fsdp_unshard_wait(fsdp_group_t *g);
 /* Integer reshard after forward: keep this rank's 1/N slice, free the unsharded tensors. */
 status_t fsdp_reshard_to_slice(fsdp_group_t *g);
-/* Post-backward reduction of the unsharded gradients into the sharded ones. */
-status_t fsdp_reduce_grads(fsdp_group_t *g);
+/* Post-backward: packs the unsharded gradients and issues the reduce-scatter, after finishing
+ * the reduction in flight (of any group under the same root). */
+status_t fsdp_reduce_start(fsdp_group_t *g);
+/* Finishes the root's reduction in flight, if any: waits for the reduce-scatter, all-reduces
+ * (HSDP) and accumulates into the sharded gradients. */
+status_t fsdp_reduce_finish(fsdp_group_t *root);
+/* End of the root's backward: finishes reductions and orders the compute stream after them. */
+status_t fsdp_finish_backward(fsdp_group_t *root);
+/* Drops a reduction in flight without accumulating it (teardown). */
+void fsdp_reduce_drop(fsdp_group_t *g);
 
 #endif

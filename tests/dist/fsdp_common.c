@@ -9,6 +9,10 @@
 
 void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
 
+static bool cuda_mode(void) { return test_argc() > 1 && strncmp(test_argv()[1], "cuda", 4) == 0; }
+device_type_t test_device_type(void) { return cuda_mode() ? DEVICE_CUDA : DEVICE_CPU; }
+bool test_offload(void) { return cuda_mode() && strcmp(test_argv()[1], "cuda:offload") == 0; }
+
 bool hsdp_mode(void) { return test_argc() > 1 && strncmp(test_argv()[1], "hsdp", 4) == 0; }
 int hsdp_replicas(void) {
   const char *a = test_argv()[1];
@@ -21,17 +25,19 @@ mesh_t *dp_mesh(void) {
   if (hsdp_mode()) {
     int shape[2] = {hsdp_replicas(), -1};
     const char *names[] = {"dp_replicate", "dp_shard"};
-    ok(mesh_init(&m, 2, shape, names, DEVICE_CPU));
+    ok(mesh_init(&m, 2, shape, names, test_device_type()));
   } else {
     int w = world_size();
     const char *names[] = {"dp_shard"};
-    ok(mesh_init(&m, 1, &w, names, DEVICE_CPU));
+    ok(mesh_init(&m, 1, &w, names, test_device_type()));
   }
   return m;
 }
 
 void run_init(run_t *r, const llama_config_t *cfg) {
-  ok(llama_new(&r->m, cfg, NULL));
+  llama_options_t o = LLAMA_OPTIONS_INIT;
+  o.device = test_device_type();
+  ok(llama_new(&r->m, cfg, &o));
   ok(llama_init_weights(r->m, 99));
 }
 
@@ -46,11 +52,14 @@ void run_optim(run_t *r) {
   ok(optim_new(&r->opt, r->ps, r->n, &a));
 }
 
-/* ||a||_2 of a host f32 tensor. */
+/* ||a||_2 of a float tensor on any device. */
 static double norm2(const tensor_t *t) {
+  tensor_t h;
+  ok(tensor_clone(&h, t, DTYPE_F32, device_cpu()));
   double s = 0;
-  for (int64_t i = 0; i < tensor_numel(t); i++)
-    s += (double)((float *)t->data)[i] * ((float *)t->data)[i];
+  for (int64_t i = 0; i < tensor_numel(&h); i++)
+    s += (double)((float *)h.data)[i] * ((float *)h.data)[i];
+  tensor_free(&h);
   return sqrt(s);
 }
 

@@ -10,6 +10,10 @@
 
 void ok(status_t st);
 
+/* Argument "cuda" or "cuda:offload": models and mesh on this rank's GPU (with offload, the
+ * sharded state on the host). */
+device_type_t test_device_type(void);
+bool test_offload(void);
 /* Argument "hsdp" or "hsdp:R": an HSDP mesh (R, W/R), R = 2 by default. */
 bool hsdp_mode(void);
 int hsdp_replicas(void);
