@@ -27,17 +27,14 @@ int main(int argc, char **argv) {
     BENCH_TRY(llama_new(&m[k], &cfg, &opt));
     BENCH_TRY(llama_init_weights(m[k], 7));
     device_t dev = mesh_device(llama_local_mesh(m[k]));
-    nn_ctx_t *ctx;
-    BENCH_TRY(nn_ctx_new(&ctx));
     size_t base = mem_stats(dev).current;
     mem_reset_peak(dev);
     double t = bench_now();
-    bench_fwd_bwd(ctx, m[k], d, &spec, 0, 0);
+    bench_fwd_bwd(m[k], d, &spec, 0, 0);
     BENCH_TRY(device_stream_sync(dev));
     secs[k] = bench_now() - t;
     peak[k] = mem_stats(dev).peak - base;
     if (k == 0) params = base;
-    nn_ctx_free(ctx);
   }
   nn_param_t **p0, **p1;
   int n0, n1, same = 1;

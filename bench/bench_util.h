@@ -10,6 +10,7 @@
 #include "nn/data.h"
 #include "nn/llama.h"
 #include "nn/ops.h"
+#include "nn/train.h"
 
 /* Prints the error and exits: benchmarks are programs, not library code. */
 #define BENCH_TRY(expr)                                                            \
@@ -57,29 +58,11 @@ static inline void bench_model(int argc, char **argv, const char *def_config, ll
 }
 
 /* Forward, loss and backward of one micro-batch; returns the loss. */
-static inline double bench_fwd_bwd(nn_ctx_t *ctx, llama_t *m, const data_t *d,
-                                   const data_spec_t *spec, int64_t step, int64_t micro) {
-  tensor_t in_h, tg_h, in, tg;
-  BENCH_TRY(data_batch(d, spec, step, micro, &in_h, &tg_h));
-  device_t dev = mesh_device(llama_local_mesh(m));
-  BENCH_TRY(tensor_clone(&in, &in_h, DTYPE_I64, dev));
-  BENCH_TRY(tensor_clone(&tg, &tg_h, DTYPE_I64, dev));
-  nn_var_t *ids, *logits, *loss, *scaled;
-  BENCH_TRY(nn_var_new(&ids, &in, false));
-  BENCH_TRY(nn_call(ctx, llama_module(m), ids, &logits));
-  BENCH_TRY(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
-  double value;
-  BENCH_TRY(nn_var_scalar(loss, &value));
-  BENCH_TRY(nn_scale(ctx, loss, 1.0 / (double)spec->grad_accum, &scaled));
-  BENCH_TRY(nn_backward(ctx, scaled));
-  nn_var_put(scaled);
-  nn_var_put(loss);
-  nn_var_put(logits);
-  nn_var_put(ids);
-  tensor_free(&tg);
-  tensor_free(&in_h);
-  tensor_free(&tg_h);
-  return value;
+static inline double bench_fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec,
+                                   int64_t step, int64_t micro) {
+  double loss;
+  BENCH_TRY(llama_micro_step(m, d, spec, step, micro, &loss));
+  return loss;
 }
 
 #endif

@@ -97,10 +97,7 @@ int main(int argc, char **argv) {
     mem_reset_peak(device_cpu());
     MPI_Barrier(world_comm());
     double t0 = bench_now();
-    nn_ctx_t *ctx;
-    BENCH_TRY(nn_ctx_new(&ctx));
-    bench_fwd_bwd(ctx, m, d, &spec, s, 0);
-    nn_ctx_free(ctx);
+    bench_fwd_bwd(m, d, &spec, s, 0);
     BENCH_TRY(clip_grad_norm(ps, n, 1.0, world_pg, NULL));
     BENCH_TRY(optim_step(o, 1.0));
     BENCH_TRY(device_stream_sync(dev));

@@ -46,8 +46,6 @@ int main(int argc, char **argv) {
   lr_schedule_t sched = {.warmup_steps = steps / 10, .total_steps = steps, .min_ratio = 0.1};
   optim_t *o;
   BENCH_TRY(optim_new(&o, ps, n, &acfg));
-  nn_ctx_t *ctx;
-  BENCH_TRY(nn_ctx_new(&ctx));
   printf(
       "model: %lld parameters, %lld layers, dim %lld; batch %lld x %lld tokens, accum %lld, "
       "%s %s%s\n",
@@ -62,7 +60,7 @@ int main(int argc, char **argv) {
     optim_zero_grad(o);
     double loss = 0;
     for (int64_t k = 0; k < spec.grad_accum; k++)
-      loss += bench_fwd_bwd(ctx, m, d, &spec, s, k) / (double)spec.grad_accum;
+      loss += bench_fwd_bwd(m, d, &spec, s, k) / (double)spec.grad_accum;
     double norm;
     BENCH_TRY(clip_grad_norm(ps, n, 1.0, NULL, &norm));
     BENCH_TRY(optim_step(o, lr_schedule_factor(&sched, s)));
@@ -81,7 +79,6 @@ int main(int argc, char **argv) {
   double total = bench_now() - t0;
   printf("loss %.4f -> %.4f (smoothed %.4f); %.0f tokens/s over %lld steps (%.1f s)\n", first, last,
          avg, (double)(steps * tokens_per_step) / total, (long long)steps, total);
-  nn_ctx_free(ctx);
   optim_free(o);
   free(ps);
   data_free(d);

@@ -22,6 +22,8 @@ int fsdp_reshard_after_forward(const fsdp_group_t *g) { return g->reshard_after_
 int fsdp_num_params(const fsdp_group_t *g) { return g->n; }
 int64_t fsdp_flat_numel(const fsdp_group_t *g) { return g->flat; }
 pg_t *fsdp_post_forward_group(const fsdp_group_t *g) { return g->post_forward; }
+dtype_t fsdp_param_dtype(const fsdp_group_t *g) { return g->param_dtype; }
+dtype_t fsdp_reduce_dtype(const fsdp_group_t *g) { return g->reduce_dtype; }
 
 /* ---- sharding ---- */
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "nn/ops.h"
+#include "nn/train.h"
 
 void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
 
@@ -101,28 +102,7 @@ int compare_shards(const run_t *ref, const run_t *sh, bool grads, double tol) {
 }
 
 double fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro) {
-  nn_ctx_t *ctx;
-  ok(nn_ctx_new(&ctx));
-  tensor_t in, tg, in_dev, tg_dev;
-  ok(data_batch(d, spec, step, micro, &in, &tg));
-  device_t dev = mesh_device(llama_local_mesh(m));
-  ok(tensor_clone(&in_dev, &in, DTYPE_I64, dev));
-  ok(tensor_clone(&tg_dev, &tg, DTYPE_I64, dev));
-  nn_var_t *ids, *logits, *loss, *scaled;
-  ok(nn_var_new(&ids, &in_dev, false));
-  ok(nn_call(ctx, llama_module(m), ids, &logits));
-  ok(nn_cross_entropy(ctx, logits, &tg_dev, &loss, NULL));
   double v;
-  ok(nn_var_scalar(loss, &v));
-  ok(nn_scale(ctx, loss, 1.0 / (double)spec->grad_accum, &scaled));
-  ok(nn_backward(ctx, scaled));
-  nn_var_put(scaled);
-  nn_var_put(loss);
-  nn_var_put(logits);
-  nn_var_put(ids);
-  tensor_free(&in);
-  tensor_free(&tg);
-  tensor_free(&tg_dev);
-  nn_ctx_free(ctx);
+  ok(llama_micro_step(m, d, spec, step, micro, &v));
   return v;
 }

@@ -1,0 +1,33 @@
+#include "nn/train.h"
+
+#include "nn/ops.h"
+
+status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
+                          int64_t micro, double *loss) {
+  tensor_t in_h = {0}, tg_h = {0}, in = {0}, tg = {0};
+  nn_ctx_t *ctx = NULL;
+  nn_var_t *ids = NULL, *logits = NULL, *l = NULL, *scaled = NULL;
+  device_t dev = mesh_device(llama_local_mesh(m));
+  status_t st = STATUS_OK;
+  TRY_GOTO(st, data_batch(d, spec, step, micro, &in_h, &tg_h));
+  TRY_GOTO(st, tensor_clone(&in, &in_h, DTYPE_I64, dev));
+  TRY_GOTO(st, tensor_clone(&tg, &tg_h, DTYPE_I64, dev));
+  TRY_GOTO(st, nn_ctx_new(&ctx));
+  TRY_GOTO(st, nn_var_new(&ids, &in, false));
+  TRY_GOTO(st, nn_call(ctx, llama_module(m), ids, &logits));
+  TRY_GOTO(st, nn_cross_entropy(ctx, logits, &tg, &l, NULL));
+  TRY_GOTO(st, nn_var_scalar(l, loss));
+  TRY_GOTO(st, nn_scale(ctx, l, 1.0 / (double)spec->grad_accum, &scaled));
+  TRY_GOTO(st, nn_backward(ctx, scaled));
+cleanup:
+  nn_var_put(scaled);
+  nn_var_put(l);
+  nn_var_put(logits);
+  nn_var_put(ids);
+  nn_ctx_free(ctx);
+  tensor_free(&in);
+  tensor_free(&tg);
+  tensor_free(&in_h);
+  tensor_free(&tg_h);
+  return st;
+}

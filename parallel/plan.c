@@ -1,0 +1,757 @@
+/* YAML plans (libyaml's document API) into plan_t: --set overrides, key checks with
+ * did-you-mean, typed values with ranges, then resolution against the world size. */
+#include "parallel/plan.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <yaml.h>
+
+#include "fully_shard/fsdp.h"
+
+#define MAX_SETS 256
+
+typedef struct ctx {
+  plan_t *p;
+  yaml_document_t doc;
+  int set_base;                 /* nodes from this index on were made by --set */
+  const char *set_of[MAX_SETS]; /* the --set text of node set_base + i */
+  int n_set_nodes;
+  char dir[PLAN_PATH_MAX]; /* the file's folder, for relative paths */
+} ctx_t;
+
+void plan_defaults(plan_t *p) {
+  memset(p, 0, sizeof *p);
+  p->dp_replicate = 1;
+  p->dp_shard = -1;
+  p->tp = 1;
+  /* model: the small Llama of configs/llama-small.json */
+  p->model = (llama_config_t)LLAMA_CONFIG_INIT;
+  p->model.dim = 256;
+  p->model.n_layers = 6;
+  p->model.n_heads = 8;
+  p->model.n_kv_heads = 4;
+  p->model.ffn_dim = 688;
+  p->model.vocab_size = 256;
+  p->model.max_seq_len = 1024;
+  p->model.norm_eps = 1e-5;
+  p->model.tie_embeddings = false;
+  p->model_seed = 0;
+  p->reshard_after_forward = FSDP_RESHARD_AUTO;
+  p->param_dtype = p->reduce_dtype = DTYPE_COUNT;
+  p->optim = (adamw_config_t)ADAMW_CONFIG_INIT;
+  p->optim.lr = 3e-4;
+  p->optim.weight_decay = 0.1;
+  p->optim.beta2 = 0.95;
+  p->clip_grad_norm = 1.0;
+  p->warmup_steps = 0;
+  p->min_lr_ratio = 0.1;
+  p->data_format = DATA_BYTES;
+  p->seq_len = 128;
+  p->batch_size = 8;
+  p->grad_accum = 1;
+  p->steps = 100;
+  p->seed = 0;
+  p->ckpt_keep = 0;
+  p->log_interval = 10;
+}
+
+/* ---- nodes, places, errors ---- */
+
+static yaml_node_t *node(ctx_t *c, int i) { return i ? yaml_document_get_node(&c->doc, i) : NULL; }
+
+static void where_of(ctx_t *c, int i, plan_where_t *w) {
+  if (i >= c->set_base && i - c->set_base < c->n_set_nodes) {
+    snprintf(w->text, sizeof w->text, "--set %s", c->set_of[i - c->set_base]);
+    return;
+  }
+  yaml_node_t *n = node(c, i);
+  snprintf(w->text, sizeof w->text, "%s:%zu:%zu", c->p->source, n ? n->start_mark.line + 1 : 1,
+           n ? n->start_mark.column + 1 : 1);
+}
+
+static status_t fail(ctx_t *c, int i, const char *path, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  plan_where_t w;
+  where_of(c, i, &w);
+  return err_set(STATUS_EFORMAT, "%s: %s: %s", w.text, path, msg);
+}
+
+static const char *scalar(ctx_t *c, int i) {
+  yaml_node_t *n = node(c, i);
+  return n && n->type == YAML_SCALAR_NODE ? (const char *)n->data.scalar.value : NULL;
+}
+
+/* An absent value: no node, or a plain empty / null scalar. */
+static bool is_null(ctx_t *c, int i) {
+  yaml_node_t *n = node(c, i);
+  if (n == NULL) return true;
+  if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE) return false;
+  const char *s = (const char *)n->data.scalar.value;
+  return s[0] == 0 || strcmp(s, "~") == 0 || strcasecmp(s, "null") == 0;
+}
+
+static void join(char *out, size_t size, const char *prefix, const char *key) {
+  snprintf(out, size, "%s%s%s", prefix, prefix[0] ? "." : "", key);
+}
+
+static size_t edit_distance(const char *a, const char *b) {
+  size_t la = strlen(a), lb = strlen(b), row[64];
+  if (lb >= 63 || la >= 63) return 99;
+  for (size_t j = 0; j <= lb; j++) row[j] = j;
+  for (size_t i = 1; i <= la; i++) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= lb; j++) {
+      size_t up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+      if (up + 1 < best) best = up + 1;
+      if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+      diag = up;
+      row[j] = best;
+    }
+  }
+  return row[lb];
+}
+
+/* Checks that i is a mapping of scalar keys from keys (NULL-terminated), without duplicates. */
+static status_t check_keys(ctx_t *c, int i, const char *path, const char *const *keys) {
+  yaml_node_t *n = node(c, i);
+  if (n->type != YAML_MAPPING_NODE)
+    return fail(c, i, path, "expected a mapping of keys (%s, ...)", keys[0]);
+  for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
+    const char *k = scalar(c, a->key);
+    if (k == NULL) return fail(c, a->key, path, "keys must be plain names");
+    char full[256];
+    join(full, sizeof full, path, k);
+    bool known = false;
+    const char *near = NULL;
+    size_t best = 3;
+    for (int j = 0; keys[j]; j++) {
+      if (strcmp(keys[j], k) == 0) known = true;
+      size_t d = edit_distance(keys[j], k);
+      if (d < best) {
+        best = d;
+        near = keys[j];
+      }
+    }
+    if (!known) {
+      char list[256] = "";
+      for (int j = 0; keys[j]; j++) {
+        strncat(list, j ? ", " : "", sizeof list - strlen(list) - 1);
+        strncat(list, keys[j], sizeof list - strlen(list) - 1);
+      }
+      if (near) return fail(c, a->key, full, "unknown key; did you mean '%s'?", near);
+      return fail(c, a->key, full, "unknown key (expected one of: %s)", list);
+    }
+    for (yaml_node_pair_t *b = n->data.mapping.pairs.start; b < a; b++)
+      if (strcmp(scalar(c, b->key) ? scalar(c, b->key) : "", k) == 0) {
+        plan_where_t w;
+        where_of(c, b->key, &w);
+        return fail(c, a->key, full, "duplicate key (first given at %s)", w.text);
+      }
+  }
+  return STATUS_OK;
+}
+
+/* The value node of key in mapping i (the last one, so --set wins), or 0. */
+static int find(ctx_t *c, int i, const char *key) {
+  yaml_node_t *n = node(c, i);
+  if (n == NULL || n->type != YAML_MAPPING_NODE) return 0;
+  int v = 0;
+  for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
+    const char *k = scalar(c, a->key);
+    if (k && strcmp(k, key) == 0) v = a->value;
+  }
+  return v;
+}
+
+/* ---- typed values ---- */
+
+static status_t want_scalar(ctx_t *c, int v, const char *path, const char *what, const char **s) {
+  *s = scalar(c, v);
+  if (*s == NULL)
+    return fail(c, v, path, "expected %s, got a %s", what,
+                node(c, v)->type == YAML_MAPPING_NODE ? "mapping" : "list");
+  return STATUS_OK;
+}
+
+static status_t parse_int(ctx_t *c, int v, const char *path, int64_t lo, int64_t hi, int64_t *out) {
+  const char *s;
+  TRY(want_scalar(c, v, path, "an integer", &s));
+  char *end;
+  errno = 0;
+  long long x = strtoll(s, &end, 10);
+  if (end == s || *end != 0) return fail(c, v, path, "expected an integer, got '%s'", s);
+  if (errno == ERANGE || x < lo || x > hi)
+    return fail(c, v, path, "%s is out of range [%lld, %lld]", s, (long long)lo, (long long)hi);
+  *out = x;
+  return STATUS_OK;
+}
+
+static status_t get_int(ctx_t *c, int map, const char *prefix, const char *key, int64_t lo,
+                        int64_t hi, int64_t *out) {
+  int v = find(c, map, key);
+  if (is_null(c, v)) return STATUS_OK;
+  char path[256];
+  join(path, sizeof path, prefix, key);
+  return parse_int(c, v, path, lo, hi, out);
+}
+
+static status_t get_size(ctx_t *c, int map, const char *prefix, const char *key, int *out) {
+  int v = find(c, map, key);
+  if (is_null(c, v)) return STATUS_OK;
+  char path[256];
+  join(path, sizeof path, prefix, key);
+  int64_t x;
+  TRY(parse_int(c, v, path, -1, 1 << 20, &x));
+  if (x == 0) return fail(c, v, path, "a mesh size must be positive, or -1 for the rest");
+  *out = (int)x;
+  return STATUS_OK;
+}
+
+static status_t get_float(ctx_t *c, int map, const char *prefix, const char *key, double lo,
+                          double hi, bool open_lo, double *out) {
+  int v = find(c, map, key);
+  if (is_null(c, v)) return STATUS_OK;
+  char path[256];
+  join(path, sizeof path, prefix, key);
+  const char *s;
+  TRY(want_scalar(c, v, path, "a number", &s));
+  char *end;
+  errno = 0;
+  double x = strtod(s, &end);
+  if (end == s || *end != 0) return fail(c, v, path, "expected a number, got '%s'", s);
+  if (errno == ERANGE || !isfinite(x) || x < lo || x > hi || (open_lo && x == lo))
+    return fail(c, v, path, "%s is out of range %s%g, %g]", s, open_lo ? "(" : "[", lo, hi);
+  *out = x;
+  return STATUS_OK;
+}
+
+static status_t parse_bool(ctx_t *c, int v, const char *path, bool *out) {
+  const char *s;
+  TRY(want_scalar(c, v, path, "true or false", &s));
+  if (strcasecmp(s, "true") == 0)
+    *out = true;
+  else if (strcasecmp(s, "false") == 0)
+    *out = false;
+  else
+    return fail(c, v, path, "expected true or false, got '%s'", s);
+  return STATUS_OK;
+}
+
+static status_t get_bool(ctx_t *c, int map, const char *prefix, const char *key, bool *out) {
+  int v = find(c, map, key);
+  if (is_null(c, v)) return STATUS_OK;
+  char path[256];
+  join(path, sizeof path, prefix, key);
+  return parse_bool(c, v, path, out);
+}
+
+static status_t get_str(ctx_t *c, int map, const char *prefix, const char *key, char *out,
+                        size_t size) {
+  int v = find(c, map, key);
+  if (is_null(c, v)) return STATUS_OK;
+  char path[256];
+  join(path, sizeof path, prefix, key);
+  const char *s;
+  TRY(want_scalar(c, v, path, "a string", &s));
+  if (strlen(s) >= size) return fail(c, v, path, "longer than %zu characters", size - 1);
+  strcpy(out, s);
+  return STATUS_OK;
+}
+
+/* A path: relative ones from the file are taken from the file's folder. */
+static status_t get_path(ctx_t *c, int map, const char *prefix, const char *key, char *out) {
+  int v = find(c, map, key);
+  TRY(get_str(c, map, prefix, key, out, PLAN_PATH_MAX));
+  if (is_null(c, v) || out[0] == '/' || v >= c->set_base || c->dir[0] == 0) return STATUS_OK;
+  char joined[2 * PLAN_PATH_MAX];
+  snprintf(joined, sizeof joined, "%s/%s", c->dir, out);
+  if (strlen(joined) >= PLAN_PATH_MAX) {
+    char path[256];
+    join(path, sizeof path, prefix, key);
+    return fail(c, v, path, "the path is too long");
+  }
+  strcpy(out, joined);
+  return STATUS_OK;
+}
+
+static status_t get_dtype(ctx_t *c, int map, const char *prefix, const char *key, dtype_t *out) {
+  int v = find(c, map, key);
+  if (is_null(c, v)) return STATUS_OK;
+  char path[256];
+  join(path, sizeof path, prefix, key);
+  const char *s;
+  TRY(want_scalar(c, v, path, "a dtype", &s));
+  dtype_t dt;
+  if (dtype_parse(s, &dt) != STATUS_OK || !dtype_is_float(dt))
+    return fail(c, v, path, "expected f32, bf16 or f16, got '%s'", s);
+  *out = dt;
+  return STATUS_OK;
+}
+
+/* true | false | integer N >= 2 (0 and 1 mean false and true). */
+static status_t get_reshard(ctx_t *c, int map, const char *prefix, int *out) {
+  int v = find(c, map, "reshard_after_forward");
+  if (is_null(c, v)) return STATUS_OK;
+  char path[256];
+  join(path, sizeof path, prefix, "reshard_after_forward");
+  const char *s;
+  TRY(want_scalar(c, v, path, "true, false or an integer", &s));
+  if (strcasecmp(s, "true") == 0 || strcasecmp(s, "false") == 0) {
+    *out = strcasecmp(s, "true") == 0;
+    return STATUS_OK;
+  }
+  char *end;
+  errno = 0;
+  long long x = strtoll(s, &end, 10);
+  if (end == s || *end != 0)
+    return fail(c, v, path, "expected true, false or an integer, got '%s'", s);
+  if (errno == ERANGE || x < 0 || x > (1 << 20))
+    return fail(c, v, path, "%s is out of range (an integer N >= 2, or true / false)", s);
+  *out = (int)x;
+  return STATUS_OK;
+}
+
+/* ---- sections ---- */
+
+static status_t section(ctx_t *c, int root, const char *key, const char *const *keys, int *out) {
+  *out = find(c, root, key);
+  if (is_null(c, *out)) {
+    *out = 0;
+    return STATUS_OK;
+  }
+  return check_keys(c, *out, key, keys);
+}
+
+static status_t read_mesh(ctx_t *c, int root) {
+  static const char *const keys[] = {"dp_replicate", "dp_shard", "tp", NULL};
+  int m;
+  TRY(section(c, root, "mesh", keys, &m));
+  if (m == 0) {
+    snprintf(c->p->mesh_where.text, sizeof c->p->mesh_where.text, "%s", c->p->source);
+    return STATUS_OK;
+  }
+  where_of(c, m, &c->p->mesh_where);
+  TRY(get_size(c, m, "mesh", "dp_replicate", &c->p->dp_replicate));
+  TRY(get_size(c, m, "mesh", "dp_shard", &c->p->dp_shard));
+  TRY(get_size(c, m, "mesh", "tp", &c->p->tp));
+  int unknown = (c->p->dp_replicate < 0) + (c->p->dp_shard < 0) + (c->p->tp < 0);
+  if (unknown > 1) return fail(c, m, "mesh", "at most one size may be -1");
+  return STATUS_OK;
+}
+
+static status_t read_model(ctx_t *c, int root) {
+  static const char *const keys[] = {"dim",      "n_layers",       "n_heads",     "n_kv_heads",
+                                     "ffn_dim",  "vocab_size",     "max_seq_len", "rope_theta",
+                                     "norm_eps", "tie_embeddings", "seed",        "init_from",
+                                     NULL};
+  int m;
+  TRY(section(c, root, "model", keys, &m));
+  if (m == 0) return STATUS_OK;
+  plan_t *p = c->p;
+  uint64_t seed = p->model_seed;
+  int64_t s = 0;
+  TRY(get_int(c, m, "model", "seed", 0, INT64_MAX, &s));
+  if (find(c, m, "seed")) seed = (uint64_t)s;
+  p->model_seed = seed;
+  TRY(get_path(c, m, "model", "init_from", p->init_from));
+  if (p->init_from[0]) {
+    for (int i = 0; keys[i] && strcmp(keys[i], "seed") != 0; i++)
+      if (find(c, m, keys[i]))
+        return fail(c, find(c, m, keys[i]), "model",
+                    "%s: the architecture comes from %s/config.json "
+                    "with model.init_from; remove model.%s",
+                    keys[i], p->init_from, keys[i]);
+    char cfg[PLAN_PATH_MAX + 16];
+    snprintf(cfg, sizeof cfg, "%s/config.json", p->init_from);
+    if (llama_config_from_hf(cfg, &p->model) != STATUS_OK)
+      return fail(c, find(c, m, "init_from"), "model.init_from", "%s", err_detail());
+    return STATUS_OK;
+  }
+  llama_config_t *mc = &p->model;
+  const int64_t big = (int64_t)1 << 31;
+  TRY(get_int(c, m, "model", "dim", 1, big, &mc->dim));
+  TRY(get_int(c, m, "model", "n_layers", 1, 4096, &mc->n_layers));
+  TRY(get_int(c, m, "model", "n_heads", 1, 65536, &mc->n_heads));
+  TRY(get_int(c, m, "model", "n_kv_heads", 1, 65536, &mc->n_kv_heads));
+  TRY(get_int(c, m, "model", "ffn_dim", 1, big, &mc->ffn_dim));
+  TRY(get_int(c, m, "model", "vocab_size", 1, big, &mc->vocab_size));
+  TRY(get_int(c, m, "model", "max_seq_len", 1, big, &mc->max_seq_len));
+  TRY(get_float(c, m, "model", "rope_theta", 0, 1e12, true, &mc->rope_theta));
+  TRY(get_float(c, m, "model", "norm_eps", 0, 1, true, &mc->norm_eps));
+  TRY(get_bool(c, m, "model", "tie_embeddings", &mc->tie_embeddings));
+  if (llama_config_check(mc) != STATUS_OK) return fail(c, m, "model", "%s", err_detail());
+  return STATUS_OK;
+}
+
+static status_t read_mp(ctx_t *c, int map, const char *prefix, dtype_t *pdt, dtype_t *rdt) {
+  static const char *const keys[] = {"param_dtype", "reduce_dtype", NULL};
+  char path[256];
+  join(path, sizeof path, prefix, "mp_policy");
+  int v = find(c, map, "mp_policy");
+  if (is_null(c, v)) return STATUS_OK;
+  TRY(check_keys(c, v, path, keys));
+  TRY(get_dtype(c, v, path, "param_dtype", pdt));
+  return get_dtype(c, v, path, "reduce_dtype", rdt);
+}
+
+static status_t read_units(ctx_t *c, int fs) {
+  plan_t *p = c->p;
+  const char *path = "parallelize.fully_shard.units";
+  int v = find(c, fs, "units");
+  if (is_null(c, v)) return STATUS_OK;
+  yaml_node_t *n = node(c, v);
+  if (n->type != YAML_SEQUENCE_NODE) return fail(c, v, path, "expected a list of module patterns");
+  p->n_units = 0;
+  for (yaml_node_item_t *it = n->data.sequence.items.start; it < n->data.sequence.items.top; it++) {
+    if (p->n_units == PLAN_MAX_UNITS)
+      return fail(c, *it, path, "more than %d units", PLAN_MAX_UNITS);
+    plan_unit_t *u = &p->units[p->n_units];
+    char upath[256];
+    snprintf(upath, sizeof upath, "%s[%d]", path, p->n_units);
+    u->reshard_after_forward = p->reshard_after_forward;
+    u->param_dtype = p->param_dtype;
+    u->reduce_dtype = p->reduce_dtype;
+    where_of(c, *it, &u->where);
+    const char *s = scalar(c, *it);
+    if (s == NULL) { /* {match: PATTERN, reshard_after_forward: ..., mp_policy: ...} */
+      static const char *const keys[] = {"match", "reshard_after_forward", "mp_policy", NULL};
+      TRY(check_keys(c, *it, upath, keys));
+      int m = find(c, *it, "match");
+      char mpath[300];
+      snprintf(mpath, sizeof mpath, "%s.match", upath);
+      if (is_null(c, m)) return fail(c, *it, mpath, "missing: the module pattern of this unit");
+      TRY(want_scalar(c, m, mpath, "a module pattern", &s));
+      TRY(get_reshard(c, *it, upath, &u->reshard_after_forward));
+      TRY(read_mp(c, *it, upath, &u->param_dtype, &u->reduce_dtype));
+    }
+    if (s[0] == 0) return fail(c, *it, upath, "empty module pattern");
+    if (strlen(s) >= PLAN_PATTERN_MAX)
+      return fail(c, *it, upath, "pattern longer than %d characters", PLAN_PATTERN_MAX - 1);
+    strcpy(u->pattern, s);
+    p->n_units++;
+  }
+  return STATUS_OK;
+}
+
+static status_t read_parallelize(ctx_t *c, int root) {
+  static const char *const keys[] = {"fully_shard", "tensor_parallel", NULL};
+  static const char *const fs_keys[] = {"units", "reshard_after_forward", "mp_policy", "offload",
+                                        NULL};
+  static const char *const styles[] = {"colwise", "rowwise", "sequence_parallel", "prepare_input",
+                                       NULL};
+  plan_t *p = c->p;
+  int m;
+  TRY(section(c, root, "parallelize", keys, &m));
+  int fs = m ? find(c, m, "fully_shard") : 0;
+  if (!is_null(c, fs)) {
+    const char *path = "parallelize.fully_shard";
+    TRY(check_keys(c, fs, path, fs_keys));
+    where_of(c, fs, &p->fsdp_where);
+    TRY(get_reshard(c, fs, path, &p->reshard_after_forward));
+    TRY(read_mp(c, fs, path, &p->param_dtype, &p->reduce_dtype));
+    TRY(get_bool(c, fs, path, "offload", &p->offload));
+    for (int i = 0; i < p->n_units; i++) { /* the defaults units take */
+      p->units[i].reshard_after_forward = p->reshard_after_forward;
+      p->units[i].param_dtype = p->param_dtype;
+      p->units[i].reduce_dtype = p->reduce_dtype;
+    }
+    TRY(read_units(c, fs));
+  }
+  int tp = m ? find(c, m, "tensor_parallel") : 0;
+  if (!is_null(c, tp)) {
+    yaml_node_t *n = node(c, tp);
+    const char *path = "parallelize.tensor_parallel";
+    if (n->type != YAML_MAPPING_NODE)
+      return fail(c, tp, path, "expected a mapping of module pattern: style");
+    for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
+      const char *k = scalar(c, a->key), *s = scalar(c, a->value);
+      if (p->n_tp_rules == PLAN_MAX_TP_RULES)
+        return fail(c, a->key, path, "more than %d rules", PLAN_MAX_TP_RULES);
+      if (k == NULL || s == NULL || strlen(k) >= PLAN_PATTERN_MAX)
+        return fail(c, a->key, path, "expected module pattern: style");
+      bool known = false;
+      for (int i = 0; styles[i]; i++) known |= strcmp(styles[i], s) == 0;
+      if (!known)
+        return fail(c, a->value, path,
+                    "unknown style '%s' (colwise, rowwise, sequence_parallel, prepare_input)", s);
+      plan_tp_rule_t *r = &p->tp_rules[p->n_tp_rules++];
+      strcpy(r->pattern, k);
+      strcpy(r->style, s);
+      where_of(c, a->key, &r->where);
+    }
+  }
+  return STATUS_OK;
+}
+
+static status_t read_optim(ctx_t *c, int root) {
+  static const char *const keys[] = {"lr",           "beta1",          "beta2",        "eps",
+                                     "weight_decay", "clip_grad_norm", "param_groups", NULL};
+  static const char *const gkeys[] = {"lr", "weight_decay", NULL};
+  plan_t *p = c->p;
+  int m;
+  TRY(section(c, root, "optim", keys, &m));
+  if (m == 0) return STATUS_OK;
+  adamw_config_t *o = &p->optim;
+  TRY(get_float(c, m, "optim", "lr", 0, 1e3, true, &o->lr));
+  TRY(get_float(c, m, "optim", "beta1", 0, 0.999999, false, &o->beta1));
+  TRY(get_float(c, m, "optim", "beta2", 0, 0.999999, false, &o->beta2));
+  TRY(get_float(c, m, "optim", "eps", 0, 1, true, &o->eps));
+  TRY(get_float(c, m, "optim", "weight_decay", 0, 1e3, false, &o->weight_decay));
+  TRY(get_float(c, m, "optim", "clip_grad_norm", 0, 1e12, false, &p->clip_grad_norm));
+  int g = find(c, m, "param_groups");
+  if (is_null(c, g)) return STATUS_OK;
+  yaml_node_t *n = node(c, g);
+  if (n->type != YAML_MAPPING_NODE)
+    return fail(c, g, "optim.param_groups",
+                "expected a mapping of FQN pattern: {lr, weight_decay}");
+  o->n_groups = 0;
+  for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
+    const char *k = scalar(c, a->key);
+    if (k == NULL || strlen(k) >= PLAN_PATTERN_MAX)
+      return fail(c, a->key, "optim.param_groups", "expected an FQN pattern as the key");
+    if (o->n_groups == ADAMW_MAX_GROUPS)
+      return fail(c, a->key, "optim.param_groups", "more than %d groups", ADAMW_MAX_GROUPS);
+    char path[300];
+    snprintf(path, sizeof path, "optim.param_groups.%s", k);
+    TRY(check_keys(c, a->value, path, gkeys));
+    adamw_group_t *gr = &o->groups[o->n_groups];
+    gr->lr = gr->weight_decay = -1;
+    TRY(get_float(c, a->value, path, "lr", 0, 1e3, false, &gr->lr));
+    TRY(get_float(c, a->value, path, "weight_decay", 0, 1e3, false, &gr->weight_decay));
+    strcpy(p->group_patterns[o->n_groups], k);
+    gr->pattern = p->group_patterns[o->n_groups];
+    o->n_groups++;
+  }
+  return STATUS_OK;
+}
+
+static status_t read_rest(ctx_t *c, int root) {
+  static const char *const sched_keys[] = {"warmup_steps", "min_lr_ratio", NULL};
+  static const char *const data_keys[] = {"path",       "format",     "seq_len",
+                                          "batch_size", "grad_accum", NULL};
+  static const char *const train_keys[] = {"steps", "seed", "activation_checkpointing", NULL};
+  static const char *const ckpt_keys[] = {"dir", "interval", "keep", "load", NULL};
+  static const char *const log_keys[] = {"metrics", "interval", NULL};
+  plan_t *p = c->p;
+  const int64_t big = (int64_t)1 << 40;
+  int m;
+  TRY(section(c, root, "schedule", sched_keys, &m));
+  TRY(get_int(c, m, "schedule", "warmup_steps", 0, big, &p->warmup_steps));
+  TRY(get_float(c, m, "schedule", "min_lr_ratio", 0, 1, false, &p->min_lr_ratio));
+  TRY(section(c, root, "data", data_keys, &m));
+  if (m) where_of(c, m, &p->data_where);
+  TRY(get_path(c, m, "data", "path", p->data_path));
+  int f = find(c, m, "format");
+  if (!is_null(c, f)) {
+    const char *s;
+    TRY(want_scalar(c, f, "data.format", "text or u16", &s));
+    if (strcmp(s, "text") == 0)
+      p->data_format = DATA_BYTES;
+    else if (strcmp(s, "u16") == 0)
+      p->data_format = DATA_U16;
+    else
+      return fail(c, f, "data.format", "expected text or u16, got '%s'", s);
+  }
+  TRY(get_int(c, m, "data", "seq_len", 1, (int64_t)1 << 24, &p->seq_len));
+  TRY(get_int(c, m, "data", "batch_size", 1, (int64_t)1 << 24, &p->batch_size));
+  TRY(get_int(c, m, "data", "grad_accum", 1, (int64_t)1 << 20, &p->grad_accum));
+  TRY(section(c, root, "train", train_keys, &m));
+  TRY(get_int(c, m, "train", "steps", 1, big, &p->steps));
+  int64_t seed = -1;
+  TRY(get_int(c, m, "train", "seed", 0, INT64_MAX, &seed));
+  if (seed >= 0) p->seed = (uint64_t)seed;
+  TRY(get_bool(c, m, "train", "activation_checkpointing", &p->activation_checkpointing));
+  TRY(section(c, root, "checkpoint", ckpt_keys, &m));
+  if (m) where_of(c, m, &p->ckpt_where);
+  TRY(get_path(c, m, "checkpoint", "dir", p->ckpt_dir));
+  TRY(get_int(c, m, "checkpoint", "interval", 0, big, &p->ckpt_interval));
+  TRY(get_int(c, m, "checkpoint", "keep", 0, 1 << 20, &p->ckpt_keep));
+  TRY(get_path(c, m, "checkpoint", "load", p->ckpt_load));
+  TRY(section(c, root, "log", log_keys, &m));
+  TRY(get_path(c, m, "log", "metrics", p->metrics));
+  TRY(get_int(c, m, "log", "interval", 1, big, &p->log_interval));
+  return STATUS_OK;
+}
+
+/* ---- --set ---- */
+
+static int add_scalar(ctx_t *c, const char *s, const char *set) {
+  int i = yaml_document_add_scalar(&c->doc, NULL, (yaml_char_t *)s, (int)strlen(s),
+                                   YAML_PLAIN_SCALAR_STYLE);
+  if (i && i - c->set_base < MAX_SETS) {
+    c->set_of[i - c->set_base] = set;
+    if (i - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = i - c->set_base + 1;
+  }
+  return i;
+}
+
+static status_t apply_set(ctx_t *c, int root, const char *set) {
+  const char *eq = strchr(set, '=');
+  if (eq == NULL || eq == set)
+    return err_set(STATUS_EFORMAT, "--set %s: expected key.path=value", set);
+  char key[256];
+  size_t kl = (size_t)(eq - set);
+  if (kl >= sizeof key) return err_set(STATUS_EFORMAT, "--set %s: key path too long", set);
+  memcpy(key, set, kl);
+  key[kl] = 0;
+  int cur = root;
+  char *save = NULL;
+  for (char *part = strtok_r(key, ".", &save); part; part = strtok_r(NULL, ".", &save)) {
+    bool last = save == NULL || *save == 0;
+    if (node(c, cur)->type != YAML_MAPPING_NODE)
+      return err_set(STATUS_EFORMAT, "--set %s: '%s' is inside a value that is not a mapping", set,
+                     part);
+    int v = find(c, cur, part);
+    if (last) { /* replace the value given in the file, or add the key */
+      int val = add_scalar(c, eq + 1, set);
+      if (!val) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+      yaml_node_t *m = node(c, cur);
+      for (yaml_node_pair_t *a = m->data.mapping.pairs.start; a < m->data.mapping.pairs.top; a++)
+        if (scalar(c, a->key) && strcmp(scalar(c, a->key), part) == 0) a->value = val;
+      if (v != 0) return STATUS_OK;
+      int k = add_scalar(c, part, set);
+      if (!k || !yaml_document_append_mapping_pair(&c->doc, cur, k, val))
+        return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+      return STATUS_OK;
+    }
+    if (v == 0 || is_null(c, v)) {
+      v = yaml_document_add_mapping(&c->doc, NULL, YAML_BLOCK_MAPPING_STYLE);
+      int k = add_scalar(c, part, set);
+      if (v && v - c->set_base < MAX_SETS) c->set_of[v - c->set_base] = set;
+      if (v && v - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = v - c->set_base + 1;
+      if (!v || !k || !yaml_document_append_mapping_pair(&c->doc, cur, k, v))
+        return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+    }
+    cur = v;
+  }
+  return err_set(STATUS_EFORMAT, "--set %s: empty key path", set);
+}
+
+/* ---- load ---- */
+
+static status_t parse_file(ctx_t *c, const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return err_set(STATUS_EIO, "%s: cannot open the plan: %s", path, strerror(errno));
+  yaml_parser_t parser;
+  yaml_parser_initialize(&parser);
+  yaml_parser_set_input_file(&parser, f);
+  status_t st = STATUS_OK;
+  if (!yaml_parser_load(&parser, &c->doc)) {
+    st = err_set(STATUS_EFORMAT, "%s:%zu:%zu: not valid YAML: %s%s%s", path,
+                 parser.problem_mark.line + 1, parser.problem_mark.column + 1,
+                 parser.problem ? parser.problem : "syntax error", parser.context ? " " : "",
+                 parser.context ? parser.context : "");
+    memset(&c->doc, 0, sizeof c->doc);
+  }
+  yaml_parser_delete(&parser);
+  fclose(f);
+  return st;
+}
+
+status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets) {
+  plan_defaults(p);
+  if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
+  strcpy(p->source, path);
+  plan_where_t *ws[] = {&p->mesh_where, &p->fsdp_where, &p->data_where, &p->ckpt_where};
+  for (int i = 0; i < 4; i++) snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
+  ctx_t *c = calloc(1, sizeof *c);
+  if (c == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
+  c->p = p;
+  const char *slash = strrchr(path, '/');
+  if (slash) snprintf(c->dir, sizeof c->dir, "%.*s", (int)(slash - path), path);
+  status_t st = parse_file(c, path);
+  if (st != STATUS_OK) {
+    free(c);
+    return st;
+  }
+  int root = yaml_document_get_root_node(&c->doc) ? 1 : 0;
+  if (root == 0 || is_null(c, root)) {
+    st = err_set(STATUS_EFORMAT,
+                 "%s: the plan is empty (expected a mapping of sections: mesh, "
+                 "model, parallelize, optim, schedule, data, train, checkpoint, log)",
+                 path);
+  } else if (node(c, root)->type != YAML_MAPPING_NODE) {
+    st = fail(c, root, "(top level)", "expected a mapping of sections (mesh, model, ...)");
+  }
+  c->set_base = (int)(c->doc.nodes.top - c->doc.nodes.start) + 1;
+  for (int i = 0; i < n_sets && st == STATUS_OK; i++) st = apply_set(c, root, sets[i]);
+  static const char *const top[] = {"mesh", "model", "parallelize", "optim", "schedule",
+                                    "data", "train", "checkpoint",  "log",   NULL};
+  if (st == STATUS_OK) st = check_keys(c, root, "", top);
+  if (st == STATUS_OK) st = read_mesh(c, root);
+  if (st == STATUS_OK) st = read_model(c, root);
+  if (st == STATUS_OK) st = read_parallelize(c, root);
+  if (st == STATUS_OK) st = read_optim(c, root);
+  if (st == STATUS_OK) st = read_rest(c, root);
+  yaml_document_delete(&c->doc);
+  free(c);
+  return st;
+}
+
+/* ---- resolve ---- */
+
+status_t plan_resolve(plan_t *p, int world) {
+  int *sizes[3] = {&p->dp_replicate, &p->dp_shard, &p->tp};
+  static const char *names[3] = {"dp_replicate", "dp_shard", "tp"};
+  long long known = 1;
+  int rest = -1;
+  for (int i = 0; i < 3; i++) {
+    if (*sizes[i] < 0)
+      rest = i;
+    else
+      known *= *sizes[i];
+  }
+  if (rest >= 0) {
+    if (known > world || world % known != 0)
+      return err_set(STATUS_EMESH,
+                     "%s: mesh: the world has %d ranks, which mesh sizes of product %lld do not "
+                     "divide (mesh.%s = -1 takes the rest)",
+                     p->mesh_where.text, world, known, names[rest]);
+    *sizes[rest] = (int)(world / known);
+  } else if (known != world) {
+    return err_set(STATUS_EMESH,
+                   "%s: mesh: dp_replicate x dp_shard x tp = %d x %d x %d = %lld, but the world "
+                   "has %d ranks",
+                   p->mesh_where.text, p->dp_replicate, p->dp_shard, p->tp, known, world);
+  }
+  if (p->tp > 1)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: mesh.tp: tensor parallelism (tp = %d) is not supported yet; use tp: 1",
+                   p->mesh_where.text, p->tp);
+  for (int i = 0; i <= p->n_units; i++) {
+    int N = i < p->n_units ? p->units[i].reshard_after_forward : p->reshard_after_forward;
+    const char *w = i < p->n_units ? p->units[i].where.text : p->fsdp_where.text;
+    if (N >= 2 && (N >= p->dp_shard || p->dp_shard % N != 0))
+      return err_set(STATUS_EINVAL,
+                     "%s: parallelize.fully_shard.reshard_after_forward: %d does not divide "
+                     "mesh.dp_shard=%d into groups of 1 < N < %d ranks",
+                     w, N, p->dp_shard, p->dp_shard);
+  }
+  if (p->data_path[0] == 0)
+    return err_set(STATUS_EINVAL, "%s: data.path: missing (the token file to train on)", p->source);
+  struct stat sb;
+  errno = 0;
+  if (stat(p->data_path, &sb) != 0 || !S_ISREG(sb.st_mode))
+    return err_set(STATUS_EIO, "%s: data.path: cannot read '%s': %s", p->data_where.text,
+                   p->data_path, errno ? strerror(errno) : "not a regular file");
+  if (p->seq_len > p->model.max_seq_len)
+    return err_set(STATUS_EINVAL, "%s: data.seq_len: %lld exceeds model.max_seq_len=%lld",
+                   p->data_where.text, (long long)p->seq_len, (long long)p->model.max_seq_len);
+  if (p->ckpt_load[0] || (p->ckpt_dir[0] && p->ckpt_interval > 0))
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: checkpoint: saving and loading training checkpoints is not supported "
+                   "yet; leave checkpoint.dir and checkpoint.load unset",
+                   p->ckpt_where.text);
+  return STATUS_OK;
+}

@@ -1,0 +1,454 @@
+/*
+ * fsdp-train: trains the Llama under a YAML parallelism plan.
+ *
+ *   mpirun -n 4 fsdp-train configs/fsdp.yaml [--set key.path=value]... [--metrics PATH]
+ *       [--dry-run]
+ *
+ * Prints a header (world, mesh, plan, parameters, per-rank sharded bytes), a line per logged
+ * step and a summary; --metrics (or log.metrics) writes one JSON object per step from rank 0.
+ * --dry-run builds the sharded model and prints placements, shapes, memory and communication
+ * estimates without training. Bad input is reported by every rank, with a non-zero exit.
+ */
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "checkpoint/hf_weights.h"
+#include "mesh/world.h"
+#include "nn/train.h"
+#include "parallel/parallelize.h"
+
+#define MAX_GROUPS 1024
+
+typedef struct args {
+  const char *config;
+  const char *sets[256];
+  int n_sets;
+  const char *metrics;
+  bool dry_run;
+} args_t;
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: fsdp-train CONFIG.yaml [--set key.path=value]... [--metrics PATH] "
+          "[--dry-run]\n"
+          "  under mpirun -n N for N ranks; the plan's mesh must multiply to N\n");
+}
+
+static status_t parse_args(int argc, char **argv, args_t *a) {
+  memset(a, 0, sizeof *a);
+  for (int i = 1; i < argc; i++) {
+    const char *s = argv[i];
+    if (strcmp(s, "--set") == 0 || strcmp(s, "--metrics") == 0) {
+      if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", s);
+      if (s[2] == 's') {
+        if (a->n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set options");
+        a->sets[a->n_sets++] = argv[++i];
+      } else {
+        a->metrics = argv[++i];
+      }
+    } else if (strncmp(s, "--set=", 6) == 0) {
+      if (a->n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set options");
+      a->sets[a->n_sets++] = s + 6;
+    } else if (strncmp(s, "--metrics=", 10) == 0) {
+      a->metrics = s + 10;
+    } else if (strcmp(s, "--dry-run") == 0) {
+      a->dry_run = true;
+    } else if (s[0] == '-' && s[1] != 0) {
+      return err_set(STATUS_EINVAL, "unknown option '%s'", s);
+    } else if (a->config == NULL) {
+      a->config = s;
+    } else {
+      return err_set(STATUS_EINVAL, "more than one plan file ('%s' and '%s')", a->config, s);
+    }
+  }
+  if (a->config == NULL) return err_set(STATUS_EINVAL, "no plan file given");
+  return STATUS_OK;
+}
+
+/* Every rank learns whether any rank failed; each failing rank prints its own message. */
+static bool agree(status_t st) {
+  int bad = st != STATUS_OK, any = 0;
+  MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world_comm());
+  if (bad)
+    fprintf(stderr, "fsdp-train: [rank %d] %s\n", world_rank(), err_detail());
+  else if (any)
+    fprintf(stderr, "fsdp-train: [rank %d] stopping: another rank failed\n", world_rank());
+  return any == 0;
+}
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static const char *reshard_str(int r, char *buf, size_t n) {
+  if (r == FSDP_RESHARD_AUTO) return "auto";
+  if (r == 0 || r == 1) return r ? "true" : "false";
+  snprintf(buf, n, "%d", r);
+  return buf;
+}
+
+static const char *dt_str(dtype_t d) { return d == DTYPE_COUNT ? "own" : dtype_name(d); }
+
+static void mib(char *buf, size_t n, double bytes) {
+  if (bytes >= 1073741824.0)
+    snprintf(buf, n, "%.2f GiB", bytes / 1073741824.0);
+  else
+    snprintf(buf, n, "%.2f MiB", bytes / 1048576.0);
+}
+
+typedef struct run {
+  plan_t plan;
+  args_t args;
+  mesh_t *mesh, *dp_flat;
+  pg_t *dp; /* every data-parallel rank (for the loss, clipping) */
+  llama_t *model;
+  fsdp_group_t *groups[MAX_GROUPS];
+  int n_groups;
+  nn_param_t **ps;
+  int n;
+  optim_t *opt;
+  data_t *data;
+  device_t dev;
+  int dp_size, dp_rank;
+} run_t;
+
+static status_t build(run_t *r) {
+  plan_t *p = &r->plan;
+  TRY(plan_mesh(p, world_device().type, &r->mesh));
+  r->dev = mesh_device(r->mesh);
+  int md = mesh_ndim(r->mesh);
+  if (md == 2) {
+    const char *names[] = {"dp_replicate", "dp_shard"};
+    TRY(mesh_flatten(r->mesh, 2, names, "dp", &r->dp_flat));
+  }
+  r->dp = mesh_group(md == 2 ? r->dp_flat : r->mesh, 0);
+  r->dp_size = p->dp_replicate * p->dp_shard;
+  r->dp_rank = md == 2 ? mesh_coord(r->mesh, 0) * p->dp_shard + mesh_coord(r->mesh, 1)
+                       : mesh_coord(r->mesh, 0);
+  llama_options_t lo = LLAMA_OPTIONS_INIT;
+  lo.device = r->dev.type;
+  lo.activation_checkpointing = p->activation_checkpointing;
+  TRY(llama_new(&r->model, &p->model, &lo));
+  if (p->init_from[0]) {
+    char w[PLAN_PATH_MAX + 32];
+    snprintf(w, sizeof w, "%s/model.safetensors", p->init_from);
+    TRY(ckpt_load_weights(llama_module(r->model), w));
+  } else {
+    TRY(llama_init_weights(r->model, p->model_seed));
+  }
+  TRY(plan_apply_fully_shard(p, r->model, r->mesh, r->groups, MAX_GROUPS, &r->n_groups));
+  TRY(nn_named_parameters(llama_module(r->model), &r->ps, &r->n));
+  TRY(optim_new(&r->opt, r->ps, r->n, &p->optim));
+  if (!r->args.dry_run) {
+    TRY(data_open(&r->data, p->data_path, p->data_format));
+    if (data_max_token(r->data) >= p->model.vocab_size)
+      return err_set(STATUS_EINVAL,
+                     "%s: data.path: token id %lld in '%s' is outside "
+                     "model.vocab_size=%lld",
+                     p->data_where.text, (long long)data_max_token(r->data), p->data_path,
+                     (long long)p->model.vocab_size);
+    int64_t need = p->seq_len + 1;
+    if (data_num_tokens(r->data) < need)
+      return err_set(STATUS_EINVAL,
+                     "%s: data.path: '%s' has %lld tokens, fewer than one sample "
+                     "of data.seq_len + 1 = %lld",
+                     p->data_where.text, p->data_path, (long long)data_num_tokens(r->data),
+                     (long long)need);
+  }
+  return STATUS_OK;
+}
+
+/* Per-rank bytes of the sharded parameters (padded storage included). */
+static double sharded_param_bytes(const run_t *r) {
+  double b = 0;
+  for (int i = 0; i < r->n; i++) b += (double)tensor_nbytes(dtensor_local(r->ps[i]->value));
+  return b;
+}
+
+static void header(const run_t *r) {
+  const plan_t *p = &r->plan;
+  char dev[16], rb[16], mb[32];
+  device_str(r->dev, dev, sizeof dev);
+  mib(mb, sizeof mb, sharded_param_bytes(r));
+  printf("fsdp-train: %s\n", p->source);
+  printf("  world %d ranks on %s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n", world_size(),
+         dev, p->dp_replicate, p->dp_shard, p->tp, p->dp_replicate > 1 ? "HSDP" : "FSDP");
+  printf(
+      "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
+      "%lld parameters\n",
+      (long long)p->model.dim, (long long)p->model.n_layers, (long long)p->model.n_heads,
+      (long long)p->model.n_kv_heads, (long long)p->model.ffn_dim, (long long)p->model.vocab_size,
+      p->model.tie_embeddings ? "tied" : "untied", (long long)llama_num_params(&p->model));
+  printf(
+      "  fully_shard: %d groups (%d units + root); reshard_after_forward %s; param %s, "
+      "reduce %s%s\n",
+      r->n_groups, p->n_units, reshard_str(p->reshard_after_forward, rb, sizeof rb),
+      dt_str(p->param_dtype), dt_str(p->reduce_dtype), p->offload ? "; offload" : "");
+  printf("  sharded parameters on rank 0: %s\n", mb);
+  printf(
+      "  data: %s, %lld samples x %lld tokens per rank, grad_accum %lld (global batch %lld "
+      "samples); %lld steps\n",
+      p->data_path, (long long)p->batch_size, (long long)p->seq_len, (long long)p->grad_accum,
+      (long long)(p->batch_size * p->grad_accum * r->dp_size), (long long)p->steps);
+  fflush(stdout);
+}
+
+/* Communication of one step by the closed form of DESIGN section 11: per group and
+ * micro-batch, an all-gather in forward and, when the group reshards, one in backward (within
+ * the post-forward group for an integer reshard); one reduce-scatter; one HSDP all-reduce. */
+typedef struct comm {
+  double ag, rs, ar;          /* bytes */
+  long long n_ag, n_rs, n_ar; /* calls */
+} comm_t;
+
+static comm_t comm_model(const run_t *r) {
+  comm_t c = {0};
+  const plan_t *p = &r->plan;
+  int W = p->dp_shard, R = p->dp_replicate;
+  double A = (double)p->grad_accum;
+  for (int i = 0; i < r->n_groups; i++) {
+    const fsdp_group_t *g = r->groups[i];
+    bool root = i == r->n_groups - 1;
+    int rs = root ? 0 : fsdp_reshard_after_forward(g); /* the root keeps its parameters */
+    if (rs == FSDP_RESHARD_AUTO) rs = 1;
+    const dtype_t pd = fsdp_param_dtype(g), rd = fsdp_reduce_dtype(g);
+    double flat = (double)fsdp_flat_numel(g);
+    if (W > 1) {
+      c.n_ag += (long long)A * (rs == 1 ? 2 : 1);
+      c.ag += A * (rs == 1 ? 2 : 1) * (W - 1) * flat * (double)dtype_size(pd);
+      if (rs >= 2) {
+        c.n_ag += (long long)A;
+        c.ag += A * (rs - 1) * flat * W / rs * (double)dtype_size(pd);
+      }
+      c.n_rs += (long long)A;
+      c.rs += A * (W - 1) * flat * (double)dtype_size(rd);
+    }
+    if (R > 1) {
+      c.n_ar += (long long)A;
+      c.ar += A * 2.0 * (R - 1) * flat * (double)dtype_size(rd) / R;
+    }
+  }
+  return c;
+}
+
+static double counted_bytes(const run_t *r) {
+  double b = 0;
+  pg_t *pgs[2] = {mesh_group(r->mesh, mesh_ndim(r->mesh) - 1),
+                  mesh_ndim(r->mesh) == 2 ? mesh_group(r->mesh, 0) : NULL};
+  for (int k = 0; k < 2; k++) {
+    if (pgs[k] == NULL) continue;
+    pg_counters_t c = pg_counters(pgs[k]);
+    for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
+    pg_reset_counters(pgs[k]);
+  }
+  pg_t *seen[MAX_GROUPS];
+  int ns = 0;
+  for (int i = 0; i < r->n_groups; i++) { /* post-forward groups, each once */
+    pg_t *pf = fsdp_post_forward_group(r->groups[i]);
+    bool dup = pf == NULL;
+    for (int j = 0; j < ns && !dup; j++) dup = seen[j] == pf;
+    if (dup) continue;
+    seen[ns++] = pf;
+    pg_counters_t c = pg_counters(pf);
+    for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
+    pg_reset_counters(pf);
+  }
+  return b;
+}
+
+static void dry_run(const run_t *r) {
+  const plan_t *p = &r->plan;
+  int W = p->dp_shard;
+  if (world_rank() == 0) {
+    printf(
+        "\nparameters (placements on mesh (%s), global shape, local shape of each dp_shard "
+        "rank):\n",
+        p->dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard");
+    for (int i = 0; i < r->n; i++) {
+      const dtensor_t *v = r->ps[i]->value;
+      char pl[64], gs[64] = "";
+      const int64_t *shape = dtensor_shape(v);
+      int nd = dtensor_ndim(v);
+      placements_str(mesh_ndim(dtensor_mesh(v)), dtensor_placements(v), pl, sizeof pl);
+      for (int d = 0; d < nd; d++)
+        snprintf(gs + strlen(gs), sizeof gs - strlen(gs), "%s%lld", d ? "x" : "",
+                 (long long)shape[d]);
+      printf("  %-44s %-22s %-12s", r->ps[i]->fqn, pl, gs);
+      for (int k = 0; k < W; k++) {
+        int64_t start, len;
+        chunk_range(shape[0], W, k, &start, &len);
+        printf(" %lld", (long long)len);
+        for (int d = 1; d < nd; d++) printf("x%lld", (long long)shape[d]);
+      }
+      printf("\n");
+    }
+    double pb = sharded_param_bytes(r), largest = 0;
+    for (int i = 0; i < r->n_groups; i++) {
+      double b = (double)fsdp_flat_numel(r->groups[i]) * W *
+                 (double)dtype_size(fsdp_param_dtype(r->groups[i]));
+      largest = b > largest ? b : largest;
+    }
+    char a[32], b2[32], c[32], d[32];
+    mib(a, sizeof a, pb);
+    mib(b2, sizeof b2, 2 * pb);
+    mib(c, sizeof c, largest);
+    mib(d, sizeof d, 4 * pb + largest);
+    printf(
+        "\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
+        "largest unsharded unit %s; total %s plus activations\n",
+        a, a, b2, c, d);
+    printf("state_bytes %.0f\n", 4 * pb);
+    comm_t m = comm_model(r);
+    printf(
+        "communication per step and rank (DESIGN 11): all-gather %lld calls %.0f B, "
+        "reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
+        m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar);
+    printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
+  }
+}
+
+static status_t train(run_t *r) {
+  const plan_t *p = &r->plan;
+  data_spec_t spec = {.batch_size = p->batch_size,
+                      .seq_len = p->seq_len,
+                      .grad_accum = p->grad_accum,
+                      .dp_size = r->dp_size,
+                      .dp_rank = r->dp_rank};
+  lr_schedule_t sched = {
+      .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
+  const char *mpath = r->args.metrics ? r->args.metrics : p->metrics;
+  FILE *mf = NULL;
+  bool lead = world_rank() == 0, tty = lead && isatty(fileno(stdout));
+  int bad = 0;
+  if (lead && mpath[0] && (mf = fopen(mpath, "w")) == NULL) bad = 1;
+  MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, world_comm());
+  if (bad) return err_set(STATUS_EIO, "cannot write the metrics file '%s'", mpath);
+  nn_module_t *root = llama_module(r->model);
+  double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0;
+  size_t peak_max = 0;
+  status_t st = STATUS_OK;
+  counted_bytes(r); /* reset */
+  for (int64_t s = 0; s < p->steps && st == STATUS_OK; s++) {
+    double t0 = now(), loss = 0;
+    mem_reset_peak(r->dev);
+    optim_zero_grad(r->opt);
+    for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++) {
+      fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
+      double l;
+      st = llama_micro_step(r->model, r->data, &spec, s, k, &l);
+      loss += l / (double)p->grad_accum;
+    }
+    double norm = 0, factor = lr_schedule_factor(&sched, s);
+    if (st == STATUS_OK)
+      st = clip_grad_norm(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY, r->dp,
+                          &norm);
+    if (st == STATUS_OK) st = optim_step(r->opt, factor);
+    if (st == STATUS_OK) st = device_stream_sync(r->dev);
+    if (st != STATUS_OK) break;
+    double gl = 0;
+    MPI_Allreduce(&loss, &gl, 1, MPI_DOUBLE, MPI_SUM, world_comm());
+    gl /= world_size(); /* tp ranks (none yet) would repeat the same loss */
+    double dt = now() - t0;
+    double tokens = (double)(p->batch_size * p->seq_len * p->grad_accum * r->dp_size);
+    double tps = tokens / dt, comm = counted_bytes(r);
+    size_t peak = mem_stats(r->dev).peak, state = mem_stats(r->dev).current;
+    peak_max = peak > peak_max ? peak : peak_max;
+    if (s == 0) first_loss = gl;
+    last_loss = gl;
+    tok_sum += tokens;
+    if (!lead) continue;
+    if (mf) {
+      cJSON *o = cJSON_CreateObject();
+      cJSON_AddNumberToObject(o, "step", (double)(s + 1));
+      cJSON_AddNumberToObject(o, "loss", gl);
+      cJSON_AddNumberToObject(o, "lr", p->optim.lr * factor);
+      cJSON_AddNumberToObject(o, "grad_norm", norm);
+      cJSON_AddNumberToObject(o, "tokens_per_s", tps);
+      cJSON_AddNumberToObject(o, "peak_mem_bytes", (double)peak);
+      cJSON_AddNumberToObject(o, "comm_bytes", comm);
+      cJSON_AddNumberToObject(o, "state_bytes", (double)state);
+      cJSON_AddNumberToObject(o, "step_time_s", dt);
+      char *line = cJSON_PrintUnformatted(o);
+      if (line) fprintf(mf, "%s\n", line);
+      fflush(mf);
+      free(line);
+      cJSON_Delete(o);
+    }
+    bool show = s == 0 || s + 1 == p->steps || (s + 1) % p->log_interval == 0;
+    double elapsed = now() - t_start, eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
+    char pm[32];
+    mib(pm, sizeof pm, (double)peak);
+    if (show) {
+      printf(
+          "%sstep %5lld/%lld  loss %.6f  lr %.3e  grad_norm %.4f  %.0f tok/s  peak %s  "
+          "ETA %.0fs\n",
+          tty ? "\r\033[K" : "", (long long)(s + 1), (long long)p->steps, gl, p->optim.lr * factor,
+          norm, tps, pm, eta);
+    } else if (tty) { /* live progress on a terminal */
+      int w = 30, done = (int)((double)w * (double)(s + 1) / (double)p->steps);
+      printf("\r[%.*s%*s] %lld/%lld  loss %.4f  %.0f tok/s  ETA %.0fs", done,
+             "##############################", w - done, "", (long long)(s + 1),
+             (long long)p->steps, gl, tps, eta);
+    }
+    fflush(stdout);
+  }
+  if (mf) fclose(mf);
+  if (st == STATUS_OK && lead) {
+    double total = now() - t_start;
+    char pm[32];
+    mib(pm, sizeof pm, (double)peak_max);
+    printf("done: %lld steps in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s\n",
+           (long long)p->steps, total, first_loss, last_loss, tok_sum / total, pm);
+  }
+  return st;
+}
+
+int main(int argc, char **argv) {
+  if (world_init(&argc, &argv) != STATUS_OK) {
+    fprintf(stderr, "fsdp-train: %s\n", err_detail());
+    return 1;
+  }
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      if (world_rank() == 0) usage(stdout);
+      world_finalize();
+      return 0;
+    }
+  run_t *r = calloc(1, sizeof *r);
+  status_t st = r ? parse_args(argc, argv, &r->args) : STATUS_ENOMEM;
+  if (st != STATUS_OK && world_rank() == 0) usage(stderr);
+  if (st == STATUS_OK) st = plan_load(&r->plan, r->args.config, r->args.sets, r->args.n_sets);
+  if (st == STATUS_OK) st = plan_resolve(&r->plan, world_size());
+  int rc = 1;
+  if (agree(st)) {
+    st = build(r);
+    if (agree(st)) {
+      if (world_rank() == 0) header(r);
+      if (r->args.dry_run) {
+        dry_run(r);
+        rc = 0;
+      } else if (agree(train(r))) {
+        rc = 0;
+      }
+    }
+  }
+  if (r) {
+    optim_free(r->opt);
+    free(r->ps);
+    if (r->model) fsdp_free_all(llama_module(r->model));
+    llama_free(r->model);
+    data_free(r->data);
+    mesh_free(r->dp_flat);
+    mesh_free(r->mesh);
+    free(r);
+  }
+  world_finalize();
+  return rc;
+}
