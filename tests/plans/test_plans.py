@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""fsdp-train end to end.
+
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT configs   every shipped plan at its world size:
+                                                        loss goes down; fp32 plans match
+                                                        debug.yaml step for step (1e-5)
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT errors    malformed input: documented message
+                                                        from every rank, non-zero exit, fast
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT dry-run   --dry-run's estimates against a real
+                                                        run's counters
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+EXE, MPIRUN, ROOT, MODE = sys.argv[1:5]
+MPI_ARGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
+STEPS = 10
+failures = []
+
+
+def run(n, args, timeout=300):
+    cmd = [MPIRUN] + MPI_ARGS + ["-n", str(n), EXE] + args
+    t = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return p, time.time() - t
+
+
+def check(ok, what):
+    print(("ok    " if ok else "FAIL  ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def losses(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+# (config, world size, fp32: matches debug.yaml)
+PLANS = [
+    ("debug", 1, True),
+    ("fsdp", 4, True),
+    ("hsdp", 4, True),
+    ("hsdp-int-reshard", 8, True),
+    ("fsdp-grad-accum", 2, True),
+    ("fsdp-bf16", 4, False),
+]
+
+
+def configs():
+    tmp = tempfile.mkdtemp()
+    ref = None
+    for name, n, fp32 in PLANS:
+        metrics = os.path.join(tmp, name + ".jsonl")
+        p, _ = run(n, [os.path.join(ROOT, "configs", name + ".yaml"), "--set",
+                       "train.steps=%d" % STEPS, "--metrics", metrics])
+        check(p.returncode == 0, "%s on %d ranks runs" % (name, n))
+        if p.returncode != 0:
+            print(p.stdout[-2000:], p.stderr[-2000:])
+            continue
+        m = losses(metrics)
+        check(len(m) == STEPS and [r["step"] for r in m] == list(range(1, STEPS + 1)),
+              "%s: one metrics line per step" % name)
+        keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes", "comm_bytes"}
+        check(all(keys <= set(r) for r in m), "%s: metrics carry %s" % (name, sorted(keys)))
+        check(m[-1]["loss"] < m[0]["loss"] - 0.5,
+              "%s: loss goes down (%.4f -> %.4f)" % (name, m[0]["loss"], m[-1]["loss"]))
+        if name == "debug":
+            ref = [r["loss"] for r in m]
+        elif ref is not None:
+            worst = max(abs(a["loss"] - b) / abs(b) for a, b in zip(m, ref))
+            tol = 1e-5 if fp32 else 2e-3
+            check(worst <= tol, "%s: losses match debug.yaml within %g (worst %.2e)"
+                  % (name, tol, worst))
+
+
+PYTORCH_PLAN = """\
+# the tiny model of tests/reference, trained as make_goldens.py trains it
+model:
+  init_from: {model}
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+optim:
+  lr: 3.0e-3
+  beta2: 0.95
+  eps: 1.0e-8
+  weight_decay: 0.1
+  clip_grad_norm: 1.0
+  param_groups:
+    "*norm*": {weight_decay: 0.0}
+    "model.embed_tokens.*": {lr: 1.0e-3}
+schedule:
+  warmup_steps: 3
+  min_lr_ratio: 0.1
+data:
+  path: {data}
+  seq_len: 32
+  batch_size: 1
+train:
+  steps: 10
+"""
+
+
+def golden_losses():
+    import struct
+    with open(os.path.join(ROOT, "tests", "reference", "tiny_golden.safetensors"), "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = json.loads(f.read(n))
+        a, b = head["train_losses"]["data_offsets"]
+        f.seek(8 + n + a)
+        raw = f.read(b - a)
+    return list(struct.unpack("<%df" % (len(raw) // 4), raw))
+
+
+def pytorch():
+    """init_from a Hugging Face folder, FSDP on 2 ranks: PyTorch's ten losses."""
+    tmp = tempfile.mkdtemp()
+    model = os.path.join(tmp, "tiny")
+    os.mkdir(model)
+    ref = os.path.join(ROOT, "tests", "reference")
+    os.symlink(os.path.join(ref, "tiny_config.json"), os.path.join(model, "config.json"))
+    os.symlink(os.path.join(ref, "tiny_init.safetensors"), os.path.join(model, "model.safetensors"))
+    plan = os.path.join(tmp, "tiny.yaml")
+    with open(plan, "w") as f:
+        f.write(PYTORCH_PLAN.replace("{model}", model).replace(
+            "{data}", os.path.join(ROOT, "data", "corpus.txt")))
+    metrics = os.path.join(tmp, "m.jsonl")
+    p, _ = run(2, [plan, "--metrics", metrics])
+    check(p.returncode == 0, "model.init_from plan on 2 ranks runs")
+    if p.returncode != 0:
+        print(p.stdout[-2000:], p.stderr[-2000:])
+        return
+    got = [r["loss"] for r in losses(metrics)]
+    want = golden_losses()
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    check(len(got) == len(want) == 10 and worst <= 1e-5,
+          "fsdp-train on 2 ranks reproduces PyTorch's ten losses (worst %.2e)" % worst)
+
+
+BASE = """\
+mesh:
+  dp_shard: -1
+model:
+  dim: 32
+  n_layers: 2
+  n_heads: 2
+  n_kv_heads: 1
+  ffn_dim: 64
+  vocab_size: 256
+  max_seq_len: 64
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+data:
+  path: {data}
+  seq_len: 16
+  batch_size: 2
+train:
+  steps: 2
+"""
+
+
+def errors():
+    tmp = tempfile.mkdtemp()
+    data = os.path.join(ROOT, "data", "corpus.txt")
+    base = BASE.replace("{data}", data)
+    # (name, plan text or None for BASE, extra args, expected message regex)
+    cases = [
+        ("syntax error", "mesh: [1, 2\n", [], r"bad\d*\.yaml:\d+:\d+: not valid YAML"),
+        ("wrong type", base.replace("seq_len: 16", "seq_len: abc"), [],
+         r"bad\d*\.yaml:16:12: data\.seq_len: expected an integer, got 'abc'"),
+        ("unknown top-level key", base + "trian:\n  steps: 3\n", [],
+         r"trian: unknown key; did you mean 'train'\?"),
+        ("unknown nested key", base.replace("  dim: 32", "  dimm: 32"), [],
+         r"model\.dimm: unknown key; did you mean 'dim'\?"),
+        ("negative mesh size", base.replace("dp_shard: -1", "dp_shard: -3"), [],
+         r"mesh\.dp_shard: -3 is out of range"),
+        ("zero mesh size", base.replace("dp_shard: -1", "dp_shard: 0"), [],
+         r"mesh\.dp_shard: a mesh size must be positive"),
+        ("mesh product differs from the world", base.replace("dp_shard: -1", "dp_shard: 3"), [],
+         r"mesh: dp_replicate x dp_shard x tp = 1 x 3 x 1 = 3, but the world has 2 ranks"),
+        ("integer reshard not dividing dp_shard", base.replace(
+            'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    reshard_after_forward: 3'),
+         [], r"reshard_after_forward: 3 does not divide mesh\.dp_shard=2"),
+        ("missing data file", base.replace(data, "/nonexistent/tokens.bin"), [],
+         r"data\.path: cannot read '/nonexistent/tokens\.bin'"),
+        ("unit pattern matching nothing", base.replace('"model.layers.*"', '"model.blocks.*"'),
+         [], r"units\[0\]: 'model\.blocks\.\*' matches no module"),
+        ("empty file", "", [], r"the plan is empty"),
+        ("binary garbage", b"\x00\x01\xff\xfe garbage \x80\x81", [], r"not valid YAML"),
+        ("huge number", base.replace("batch_size: 2", "batch_size: 99999999999999999999999"),
+         [], r"data\.batch_size: 99999999999999999999999 is out of range"),
+        ("duplicate key", base + "data:\n  seq_len: 8\n", [],
+         r"data: duplicate key \(first given at .*bad\d*\.yaml:14:1\)"),
+        ("tensor parallel not yet", base.replace("dp_shard: -1", "dp_shard: 1\n  tp: 2"), [],
+         r"mesh\.tp: tensor parallelism \(tp = 2\) is not supported yet"),
+        ("unknown dtype", base.replace('units: ["model.layers.*"]',
+                                       'units: ["model.layers.*"]\n    mp_policy: {param_dtype: f8}'),
+         [], r"mp_policy\.param_dtype: expected f32, bf16 or f16, got 'f8'"),
+        ("not a boolean", base.replace("  max_seq_len: 64", "  max_seq_len: 64\n  tie_embeddings: maybe"),
+         [], r"model\.tie_embeddings: expected true or false, got 'maybe'"),
+        ("--set without a value", None, ["--set", "train.steps"], r"--set train\.steps: expected key\.path=value"),
+        ("--set with an unknown key", None, ["--set", "train.stepz=3"],
+         r"--set train\.stepz=3: train\.stepz: unknown key; did you mean 'steps'\?"),
+        ("--set with a bad value", None, ["--set", "optim.lr=-1"],
+         r"--set optim\.lr=-1: optim\.lr: -1 is out of range"),
+        ("inconsistent model", base.replace("n_heads: 2", "n_heads: 3"), [], r"bad\d*\.yaml:\d+:\d+: model: "),
+        ("top level not a mapping", "- mesh\n- model\n", [], r"expected a mapping of sections"),
+        ("missing plan file", "MISSING", [], r"cannot open the plan"),
+        ("unknown option", None, ["--frobnicate"], r"unknown option '--frobnicate'"),
+        ("vocabulary smaller than the data", base.replace("vocab_size: 256", "vocab_size: 50"), [],
+         r"token id \d+ .* is outside model\.vocab_size=50"),
+        ("two sizes of -1", base.replace("dp_shard: -1", "dp_shard: -1\n  dp_replicate: -1"), [],
+         r"mesh: at most one size may be -1"),
+        ("sequence longer than the model's", base.replace("seq_len: 16", "seq_len: 128"), [],
+         r"data\.seq_len: 128 exceeds model\.max_seq_len=64"),
+        ("unknown data format", base.replace("  seq_len: 16", "  format: csv\n  seq_len: 16"), [],
+         r"data\.format: expected text or u16, got 'csv'"),
+        ("units not a list", base.replace('units: ["model.layers.*"]', 'units: "model.layers.*"'),
+         [], r"units: expected a list of module patterns"),
+        ("checkpoints not yet", base + "checkpoint:\n  load: /tmp/x\n", [],
+         r"checkpoint: saving and loading training checkpoints is not supported yet"),
+    ]
+    def one(k):
+        name, text, extra, want = cases[k]
+        path = os.path.join(tmp, "bad%d.yaml" % k)
+        if text == "MISSING":
+            path = os.path.join(tmp, "missing.yaml")
+        else:
+            mode = "wb" if isinstance(text, bytes) else "w"
+            with open(path, mode) as f:
+                f.write(text if text is not None else base)
+        try:
+            return run(2, [path] + extra, timeout=60)
+        except subprocess.TimeoutExpired:
+            return None, 60.0
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(one, range(len(cases))))
+    for (name, _, _, want), (p, secs) in zip(cases, results):
+        if p is None:
+            check(False, "%s: finishes (timed out)" % name)
+            continue
+        lines = [l for l in p.stderr.splitlines() if re.search(want, l)]
+        both = any("[rank 0]" in l for l in lines) and any("[rank 1]" in l for l in lines)
+        good = p.returncode != 0 and both and secs < 30
+        check(good, "%s: exit %d in %.1fs, both ranks say /%s/" % (name, p.returncode, secs, want))
+        if not good:
+            print(p.stderr[-1500:])
+    check(len(cases) >= 20, "%d malformed inputs" % len(cases))
+
+
+def dry_run():
+    tmp = tempfile.mkdtemp()
+    for name, n, _ in PLANS:
+        plan = os.path.join(ROOT, "configs", name + ".yaml")
+        p, _ = run(n, [plan, "--dry-run"])
+        check(p.returncode == 0, "%s: --dry-run runs" % name)
+        est_comm = re.search(r"^comm_bytes (\d+)$", p.stdout, re.M)
+        est_state = re.search(r"^state_bytes (\d+)$", p.stdout, re.M)
+        check(bool(est_comm and est_state), "%s: --dry-run prints its estimates" % name)
+        check("placements" in p.stdout and "model.layers.0.mlp.up_proj.weight" in p.stdout,
+              "%s: --dry-run lists every parameter's placements and shapes" % name)
+        if not (est_comm and est_state):
+            continue
+        metrics = os.path.join(tmp, name + ".jsonl")
+        p, _ = run(n, [plan, "--set", "train.steps=2", "--metrics", metrics])
+        m = losses(metrics)
+        got_comm, got_state = m[-1]["comm_bytes"], m[-1]["state_bytes"]
+        want_comm, want_state = int(est_comm.group(1)), int(est_state.group(1))
+        check(got_comm == want_comm, "%s: communication %d B per step, estimated %d B"
+              % (name, got_comm, want_comm))
+        check(abs(got_state - want_state) <= 0.1 * want_state,
+              "%s: memory held after a step %d B, estimated %d B (10%%)"
+              % (name, got_state, want_state))
+
+
+{"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run}[MODE]()
+print("%d failure(s)" % len(failures))
+sys.exit(1 if failures else 0)
