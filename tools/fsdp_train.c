@@ -325,7 +325,10 @@ static status_t train(run_t *r) {
       .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
   const char *mpath = r->args.metrics ? r->args.metrics : p->metrics;
   FILE *mf = NULL;
-  bool lead = world_rank() == 0, tty = lead && isatty(fileno(stdout));
+  /* a live progress bar on a terminal; mpirun hands every rank a pseudo-terminal even when
+   * its own output is redirected, so under a launcher the bar stays off */
+  bool launched = getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("SLURM_PROCID");
+  bool lead = world_rank() == 0, tty = lead && !launched && isatty(fileno(stdout));
   int bad = 0;
   if (lead && mpath[0] && (mf = fopen(mpath, "w")) == NULL) bad = 1;
   MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, world_comm());
