@@ -136,14 +136,13 @@ static status_t build(run_t *r) {
   lo.device = r->dev.type;
   lo.activation_checkpointing = p->activation_checkpointing;
   TRY(llama_new(&r->model, &p->model, &lo));
-  if (p->init_from[0]) {
+  if (!p->init_from[0]) TRY(llama_init_weights(r->model, p->model_seed));
+  TRY(plan_apply_fully_shard(p, r->model, r->mesh, r->groups, MAX_GROUPS, &r->n_groups));
+  if (p->init_from[0]) { /* after sharding: each rank reads only its shards' rows */
     char w[PLAN_PATH_MAX + 32];
     snprintf(w, sizeof w, "%s/model.safetensors", p->init_from);
     TRY(ckpt_load_weights(llama_module(r->model), w));
-  } else {
-    TRY(llama_init_weights(r->model, p->model_seed));
   }
-  TRY(plan_apply_fully_shard(p, r->model, r->mesh, r->groups, MAX_GROUPS, &r->n_groups));
   TRY(nn_named_parameters(llama_module(r->model), &r->ps, &r->n));
   TRY(optim_new(&r->opt, r->ps, r->n, &p->optim));
   if (!r->args.dry_run) {
