@@ -48,6 +48,7 @@ struct st_file {
   int n;
   meta_t *meta;
   int n_meta;
+  uint64_t bytes_read; /* tensor data read so far */
 };
 
 void st_close(st_file_t *f) {
@@ -218,8 +219,9 @@ status_t st_open(st_file_t **out, const char *path) {
     TRY_GOTO(st, err_set(STATUS_EIO, "%s: cannot read the header", path));
   text[n] = '\0';
   if (text[0] != '{' || strlen(text) != n)
-    TRY_GOTO(st,
-             err_set(STATUS_EFORMAT, "%s: header is not a JSON object (no leading '{', or a NUL byte inside)", path));
+    TRY_GOTO(st, err_set(STATUS_EFORMAT,
+                         "%s: header is not a JSON object (no leading '{', or a NUL byte inside)",
+                         path));
   f->data_start = 8 + n;
   f->data_size = (uint64_t)size - f->data_start;
   TRY_GOTO(st, parse_header(f, text));
@@ -259,8 +261,12 @@ static status_t read_at(st_file_t *f, const char *name, uint64_t pos, void *buf,
   if (fseeko(f->fp, (off_t)(f->data_start + pos), SEEK_SET) != 0 ||
       fread(buf, 1, bytes, f->fp) != bytes)
     return err_set(STATUS_EIO, "%s: reading tensor '%s' failed (truncated file?)", f->path, name);
+  f->bytes_read += bytes;
   return STATUS_OK;
 }
+
+uint64_t st_bytes_read(const st_file_t *f) { return f->bytes_read; }
+uint64_t st_header_bytes(const st_file_t *f) { return f->data_start; }
 
 status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes) {
   const st_info_t *t;

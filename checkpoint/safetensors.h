@@ -67,6 +67,10 @@ status_t st_read(st_file_t *f, const char *name, tensor_t *dst);
  * reading only the rows of the box from the file. */
 status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tensor_t *dst);
 
+/* Tensor data bytes read from the file so far; the bytes before the data (length + header). */
+uint64_t st_bytes_read(const st_file_t *f);
+uint64_t st_header_bytes(const st_file_t *f);
+
 /* Reads the raw bytes of tensor name (bytes must equal its size). */
 status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes);
 

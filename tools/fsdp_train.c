@@ -9,7 +9,7 @@
  * --dry-run builds the sharded model and prints placements, shapes, memory and communication
  * estimates without training. Bad input is reported by every rank, with a non-zero exit.
  */
-#include <cjson/cJSON.h>
+#include <cJSON.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,0 +1,356 @@
+/* Distributed checkpoints: sharded save with an atomic commit, and loads that read only the
+ * intersection of saved and needed boxes. */
+#include "checkpoint/dcp.h"
+
+#include <cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "checkpoint/safetensors.h"
+#include "dtensor/placement.h"
+
+#define DCP_PATH_MAX 4096
+#define DCP_JOIN_MAX (DCP_PATH_MAX + 320) /* a folder path plus a file name */
+
+/* ---- save ---- */
+
+/* Whether this rank writes its shard of v: coordinate 0 on every dimension v is replicated
+ * over. Partial and strided placements cannot be saved as boxes. */
+static status_t writes_shard(const char *name, const dtensor_t *v, bool *out) {
+  const mesh_t *m = dtensor_mesh(v);
+  const placement_t *pl = dtensor_placements(v);
+  *out = tensor_numel(dtensor_local(v)) > 0;
+  for (int d = 0; d < mesh_ndim(m); d++) {
+    char b[32];
+    if (pl[d].kind == PLACEMENT_PARTIAL ||
+        (pl[d].kind == PLACEMENT_SHARD && pl[d].split_factor > 1))
+      return err_set(STATUS_EUNSUPPORTED,
+                     "checkpoint: tensor '%s' has placement %s on mesh dimension %d; "
+                     "redistribute it to Shard or Replicate before saving",
+                     name, placement_str(pl[d], b, sizeof b), d);
+    if (pl[d].kind == PLACEMENT_REPLICATE && mesh_coord(m, d) != 0) *out = false;
+  }
+  return STATUS_OK;
+}
+
+static status_t fsync_path(const char *path) {
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) return err_set(STATUS_EIO, "%s: cannot open to sync: %s", path, strerror(errno));
+  int rc = fsync(fd);
+  close(fd);
+  if (rc != 0) return err_set(STATUS_EIO, "%s: fsync failed: %s", path, strerror(errno));
+  return STATUS_OK;
+}
+
+/* Removes a folder of files (a stale temporary one). */
+static void remove_tree(const char *dir) {
+  DIR *d = opendir(dir);
+  if (d == NULL) return;
+  struct dirent *e;
+  char p[DCP_JOIN_MAX];
+  while ((e = readdir(d)) != NULL) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+    snprintf(p, sizeof p, "%.4000s/%.255s", dir, e->d_name);
+    unlink(p);
+  }
+  closedir(d);
+  rmdir(dir);
+}
+
+/* The file this rank writes: its shards and their offsets. */
+static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, int rank) {
+  st_writer_t *w = NULL;
+  cJSON *info = cJSON_CreateObject();
+  char *text = NULL;
+  int count = 0;
+  status_t st = info ? STATUS_OK : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  if (st == STATUS_OK) st = st_writer_new(&w);
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    bool mine;
+    st = writes_shard(entries[i].name, entries[i].value, &mine);
+    if (st != STATUS_OK || !mine) continue;
+    const dtensor_t *v = entries[i].value;
+    int64_t off[TENSOR_MAX_DIMS];
+    dtensor_offset(v, off);
+    cJSON *offsets = cJSON_CreateArray(), *item = cJSON_CreateObject();
+    for (int d = 0; d < dtensor_ndim(v) && offsets; d++)
+      cJSON_AddItemToArray(offsets, cJSON_CreateNumber((double)off[d]));
+    if (offsets == NULL || item == NULL) {
+      cJSON_Delete(offsets);
+      cJSON_Delete(item);
+      st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+      break;
+    }
+    cJSON_AddItemToObject(item, "saved_offsets", offsets);
+    cJSON_AddItemToObject(info, entries[i].name, item);
+    st = st_writer_add(w, entries[i].name, dtensor_local(v));
+    count++;
+  }
+  if (st == STATUS_OK && count > 0) {
+    char path[DCP_JOIN_MAX];
+    snprintf(path, sizeof path, "%.4010s/shard-%05d.safetensors", tmp, rank);
+    text = cJSON_PrintUnformatted(info);
+    if (text == NULL) st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+    if (st == STATUS_OK) st = st_writer_set_metadata(w, "DCP_SHARDING_INFO", text);
+    if (st == STATUS_OK) st = st_writer_set_metadata(w, "DCP_VERSION", DCP_VERSION);
+    if (st == STATUS_OK) st = st_writer_set_metadata(w, "format", "pt");
+    if (st == STATUS_OK) st = st_writer_save(w, path);
+  }
+  free(text);
+  cJSON_Delete(info);
+  st_writer_free(w);
+  return st;
+}
+
+/* Every rank's verdict; the message of a failing rank stays on that rank, the others get
+ * a pointer to it. */
+static status_t agree(status_t st, MPI_Comm comm, const char *what) {
+  int bad = st != STATUS_OK, any = 0;
+  MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, comm);
+  if (any && !bad) return err_set(STATUS_EIO, "%s: another rank failed", what);
+  return st;
+}
+
+status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm) {
+  int rank;
+  MPI_Comm_rank(comm, &rank);
+  char tmp[DCP_JOIN_MAX];
+  snprintf(tmp, sizeof tmp, "%.4000s.tmp", dir);
+  status_t st = STATUS_OK;
+  if (strlen(dir) + 8 >= DCP_PATH_MAX) st = err_set(STATUS_EINVAL, "checkpoint: path too long");
+  struct stat sb;
+  if (rank == 0 && st == STATUS_OK) {
+    if (stat(dir, &sb) == 0)
+      st = err_set(STATUS_EINVAL, "checkpoint: %s already exists", dir);
+    else {
+      remove_tree(tmp); /* left by a save that died before its commit */
+      if (mkdir(tmp, 0755) != 0)
+        st = err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
+    }
+  }
+  TRY(agree(st, comm, dir));
+  st = write_shards(tmp, entries, n, rank);
+  TRY(agree(st, comm, dir));
+  if (rank == 0) { /* commit: the folder's entries, then the rename, reach the disk */
+    st = fsync_path(tmp);
+    if (st == STATUS_OK && rename(tmp, dir) != 0)
+      st = err_set(STATUS_EIO, "checkpoint: cannot rename %s to %s: %s", tmp, dir, strerror(errno));
+    if (st == STATUS_OK) {
+      char parent[DCP_PATH_MAX];
+      snprintf(parent, sizeof parent, "%s", dir);
+      char *slash = strrchr(parent, '/');
+      if (slash == parent)
+        slash[1] = 0;
+      else if (slash)
+        *slash = 0;
+      else
+        strcpy(parent, ".");
+      st = fsync_path(parent);
+    }
+  }
+  return agree(st, comm, dir);
+}
+
+/* ---- load ---- */
+
+typedef struct chunk {
+  int file;
+  int64_t off[TENSOR_MAX_DIMS];
+  const st_info_t *info;
+} chunk_t;
+
+typedef struct folder {
+  st_file_t **f;
+  cJSON **sharding; /* per file: DCP_SHARDING_INFO, or NULL */
+  int n;
+} folder_t;
+
+static void folder_close(folder_t *fo) {
+  for (int i = 0; i < fo->n; i++) {
+    st_close(fo->f[i]);
+    cJSON_Delete(fo->sharding[i]);
+  }
+  free(fo->f);
+  free(fo->sharding);
+}
+
+static int cmp_str(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static status_t folder_open(const char *dir, folder_t *fo) {
+  memset(fo, 0, sizeof *fo);
+  DIR *d = opendir(dir);
+  if (d == NULL)
+    return err_set(STATUS_EIO, "checkpoint: cannot open folder %s: %s", dir, strerror(errno));
+  char **names = NULL;
+  int n = 0, cap = 0;
+  status_t st = STATUS_OK;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL && st == STATUS_OK) {
+    size_t l = strlen(e->d_name);
+    if (l < 12 || strcmp(e->d_name + l - 12, ".safetensors") != 0) continue;
+    if (n == cap) {
+      cap = cap ? 2 * cap : 16;
+      char **nn = realloc(names, sizeof(char *) * (size_t)cap);
+      if (nn == NULL) {
+        st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+        break;
+      }
+      names = nn;
+    }
+    if ((names[n] = strdup(e->d_name)) == NULL)
+      st = err_set(STATUS_ENOMEM, "out of host memory");
+    else
+      n++;
+  }
+  closedir(d);
+  if (st == STATUS_OK && n == 0)
+    st = err_set(STATUS_EFORMAT, "checkpoint: %s holds no .safetensors file", dir);
+  if (st == STATUS_OK) {
+    qsort(names, (size_t)n, sizeof(char *), cmp_str);
+    fo->f = calloc((size_t)n, sizeof *fo->f);
+    fo->sharding = calloc((size_t)n, sizeof *fo->sharding);
+    if (fo->f == NULL || fo->sharding == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    char path[DCP_JOIN_MAX];
+    snprintf(path, sizeof path, "%.4000s/%.255s", dir, names[i]);
+    st = st_open(&fo->f[i], path);
+    if (st != STATUS_OK) break;
+    fo->n = i + 1;
+    const char *info = st_metadata(fo->f[i], "DCP_SHARDING_INFO");
+    if (info != NULL && (fo->sharding[i] = cJSON_Parse(info)) == NULL)
+      st = err_set(STATUS_EFORMAT, "%s: DCP_SHARDING_INFO is not valid JSON", path);
+  }
+  for (int i = 0; i < n; i++) free(names[i]);
+  free(names);
+  if (st != STATUS_OK) folder_close(fo);
+  return st;
+}
+
+/* The saved chunks of name: (file, offset, stored info). */
+static status_t chunks_of(const folder_t *fo, const char *name, chunk_t **out, int *count) {
+  *out = NULL;
+  *count = 0;
+  chunk_t *c = calloc((size_t)fo->n, sizeof *c);
+  if (c == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  int k = 0;
+  for (int i = 0; i < fo->n; i++) {
+    const st_info_t *t = st_find(fo->f[i], name);
+    if (t == NULL) continue;
+    c[k].file = i;
+    c[k].info = t;
+    const cJSON *e =
+        fo->sharding[i] ? cJSON_GetObjectItemCaseSensitive(fo->sharding[i], name) : NULL;
+    const cJSON *offs = e ? cJSON_GetObjectItemCaseSensitive(e, "saved_offsets") : NULL;
+    if (e != NULL && (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != t->ndim)) {
+      free(c);
+      return err_set(STATUS_EFORMAT,
+                     "%s: DCP_SHARDING_INFO of tensor '%s' lacks saved_offsets of %d numbers",
+                     st_path(fo->f[i]), name, t->ndim);
+    }
+    for (int d = 0; d < t->ndim; d++) {
+      const cJSON *v = offs ? cJSON_GetArrayItem(offs, d) : NULL;
+      if (v != NULL && (!cJSON_IsNumber(v) || v->valuedouble < 0)) {
+        free(c);
+        return err_set(STATUS_EFORMAT, "%s: tensor '%s': saved_offsets are not offsets",
+                       st_path(fo->f[i]), name);
+      }
+      c[k].off[d] = v ? (int64_t)v->valuedouble : 0;
+    }
+    k++;
+  }
+  *out = c;
+  *count = k;
+  return STATUS_OK;
+}
+
+static status_t load_one(const char *dir, const folder_t *fo, const dcp_entry_t *e,
+                         dcp_stats_t *s) {
+  chunk_t *c;
+  int nc;
+  TRY(chunks_of(fo, e->name, &c, &nc));
+  const dtensor_t *v = e->value;
+  int nd = dtensor_ndim(v);
+  const int64_t *gshape = dtensor_shape(v);
+  status_t st = STATUS_OK;
+  char a[96], b[96];
+  if (nc == 0) st = err_set(STATUS_EFORMAT, "checkpoint %s: missing tensor '%s'", dir, e->name);
+  /* the saved global shape: the largest offset + shape over the chunks */
+  int64_t saved[TENSOR_MAX_DIMS] = {0};
+  for (int k = 0; k < nc && st == STATUS_OK; k++) {
+    if (c[k].info->ndim != nd)
+      st = err_set(STATUS_ESHAPE, "%s: tensor '%s' has %d dimensions, the model's has %d",
+                   st_path(fo->f[c[k].file]), e->name, c[k].info->ndim, nd);
+    for (int d = 0; d < nd && st == STATUS_OK; d++) {
+      int64_t end = c[k].off[d] + c[k].info->shape[d];
+      saved[d] = end > saved[d] ? end : saved[d];
+    }
+    if (st == STATUS_OK && c[k].info->dtype == DTYPE_COUNT)
+      st = err_set(STATUS_EDTYPE, "%s: tensor '%s' has dtype %s", st_path(fo->f[c[k].file]),
+                   e->name, c[k].info->dtype_name);
+  }
+  if (st == STATUS_OK && memcmp(saved, gshape, sizeof(int64_t) * (size_t)nd) != 0)
+    st = err_set(STATUS_ESHAPE,
+                 "checkpoint %s: tensor '%s' was saved with shape %s, the model's is %s", dir,
+                 e->name, shape_str(nd, saved, a, sizeof a), shape_str(nd, gshape, b, sizeof b));
+  const tensor_t *local = dtensor_local(v);
+  int64_t loff[TENSOR_MAX_DIMS], covered = 0;
+  dtensor_offset(v, loff);
+  for (int k = 0; k < nc && st == STATUS_OK; k++) {
+    int64_t lo[TENSOR_MAX_DIMS], len[TENSOR_MAX_DIMS], vol = 1;
+    for (int d = 0; d < nd; d++) {
+      int64_t s0 = c[k].off[d], s1 = s0 + c[k].info->shape[d];
+      int64_t n0 = loff[d], n1 = n0 + local->shape[d];
+      lo[d] = s0 > n0 ? s0 : n0;
+      int64_t hi = s1 < n1 ? s1 : n1;
+      len[d] = hi > lo[d] ? hi - lo[d] : 0;
+      vol *= len[d];
+    }
+    if (vol == 0) continue;
+    /* the destination: the intersection inside this rank's shard */
+    tensor_t dst, next;
+    st = tensor_ref(&dst, local);
+    for (int d = 0; d < nd && st == STATUS_OK; d++) {
+      st = tensor_narrow(&next, &dst, d, lo[d] - loff[d], len[d]);
+      tensor_free(&dst);
+      dst = next;
+    }
+    int64_t src[TENSOR_MAX_DIMS];
+    for (int d = 0; d < nd; d++) src[d] = lo[d] - c[k].off[d];
+    if (st == STATUS_OK) st = st_read_box(fo->f[c[k].file], e->name, src, &dst);
+    tensor_free(&dst);
+    covered += vol;
+    if (s) s->bytes_needed += (uint64_t)vol * c[k].info->elem_size;
+  }
+  if (st == STATUS_OK && covered != tensor_numel(local))
+    st = err_set(STATUS_EFORMAT,
+                 "checkpoint %s: the saved chunks of tensor '%s' cover %lld of the %lld "
+                 "elements this rank needs",
+                 dir, e->name, (long long)covered, (long long)tensor_numel(local));
+  free(c);
+  return st;
+}
+
+status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
+  folder_t fo;
+  TRY(folder_open(dir, &fo));
+  dcp_stats_t s = {0};
+  s.files = fo.n;
+  status_t st = STATUS_OK;
+  for (int i = 0; i < n && st == STATUS_OK; i++) st = load_one(dir, &fo, &entries[i], &s);
+  for (int i = 0; i < fo.n; i++) {
+    s.bytes_read += st_bytes_read(fo.f[i]);
+    s.header_bytes += st_header_bytes(fo.f[i]);
+  }
+  if (stats) *stats = s;
+  folder_close(&fo);
+  return st;
+}

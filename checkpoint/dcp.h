@@ -1,0 +1,64 @@
+/*
+ * Distributed checkpoints of DTensors (DESIGN section 9): every rank saves its own shards, no
+ * gather; a load under any other plan reads, on each rank, only the saved bytes its shards
+ * need.
+ *
+ * Layout of a checkpoint folder (PyTorch DCP's Hugging Face storage layout):
+ *   DIR/shard-RRRRR.safetensors   one file per rank that holds a shard to save (RRRRR: the
+ *                                 world rank, 5 digits); the tensor key is the plain name, the
+ *                                 stored shape the local chunk's shape
+ *   __metadata__ of each file:    "DCP_SHARDING_INFO": {"name": {"saved_offsets": [..]}, ...}
+ *                                 (each chunk's global offset), "DCP_VERSION": "1.0",
+ *                                 "format": "pt"
+ * A reader takes every *.safetensors file directly in DIR; a tensor's global shape is the
+ * largest offset + shape over its chunks. A tensor without sharding info is a whole tensor at
+ * offset 0, so plain Hugging Face weight files load the same way.
+ *
+ *   dcp_entry_t e[] = {{"model.norm.weight", norm->value}, ...};
+ *   TRY(dcp_save("ckpt/step-100", e, n, world_comm()));
+ *   TRY(dcp_load("ckpt/step-100", e, n, NULL));     // any placements, any mesh
+ */
+#ifndef FSDPC_CHECKPOINT_DCP_H
+#define FSDPC_CHECKPOINT_DCP_H
+
+#include <mpi.h>
+
+#include "dtensor/dtensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DCP_VERSION "1.0"
+
+typedef struct dcp_entry {
+  const char *name;
+  dtensor_t *value;
+} dcp_entry_t;
+
+typedef struct dcp_stats {
+  uint64_t bytes_read;   /* tensor data read from the files by this rank */
+  uint64_t header_bytes; /* length fields and headers of the files this rank opened */
+  uint64_t bytes_needed; /* this rank's shards, in the stored dtypes */
+  int files;             /* files in the folder */
+} dcp_stats_t;
+
+/* Saves the entries into folder dir, which must not exist: every rank writes its local
+ * shards (a shard replicated over mesh dimensions is written by the replica at coordinate 0
+ * only; empty shards are skipped) into one file of a temporary folder, then rank 0 commits
+ * it by renaming it to dir (fsync'd). A crash before the rename leaves no dir. Partial and
+ * strided placements are refused. Collective over comm, which spans every rank of the
+ * entries' meshes. */
+status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm);
+
+/* Loads every entry's local shard from folder dir, whatever plan saved it: the global shape
+ * must match and the saved chunks must cover the shard; values are converted to the
+ * entry's dtype. Reads only the saved rows that intersect this rank's shards. Local (every
+ * rank reads for itself). */
+status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,228 @@
+/*
+ * Distributed checkpoints: tensors saved under one plan load under another (world-1
+ * replicate, 1-D shard on either dimension, 2-D HSDP and (S(0), S(1))) exactly equal to
+ * distributing the original directly; replicas are written once; each rank reads exactly
+ * the bytes its shards need; bad folders and mismatches give errors naming the tensor.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "checkpoint/dcp.h"
+#include "checkpoint/safetensors.h"
+#include "tests/harness.h"
+
+#define NT 5
+static const int64_t shapes[NT][2] = {{16, 15}, {7, 15}, {3, 0}, {1, 8}, {10, 6}};
+static const char *names[NT] = {"a.weight", "b.weight", "c.bias", "d.row", "e.half"};
+
+static void ok(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
+
+static int ndim_of(int i) { return shapes[i][1] ? 2 : 1; }
+
+/* The global value of tensor i: i * 1000 + its flat index (exact in f32 and bf16 here). */
+static void full_of(int i, tensor_t *t) {
+  ok(tensor_init(t, DTYPE_F32, device_cpu(), ndim_of(i), shapes[i]));
+  for (int64_t k = 0; k < tensor_numel(t); k++)
+    ((float *)t->data)[k] = (float)(i == 4 ? k % 200 : i * 1000 + k);
+}
+
+/* Distributes every tensor with placements pl (ndim-1 tensors shard dim 0 where 2-D ones
+ * would shard dim 1). */
+static void make(mesh_t *mesh, const placement_t *pl, bool zero, dcp_entry_t *e, dtensor_t **d) {
+  for (int i = 0; i < NT; i++) {
+    tensor_t full;
+    full_of(i, &full);
+    if (i == 4) { /* stored as bf16 */
+      tensor_t h;
+      ok(tensor_clone(&h, &full, DTYPE_BF16, device_cpu()));
+      tensor_free(&full);
+      full = h;
+    }
+    if (zero) ok(tensor_fill(&full, 0));
+    placement_t p[2] = {pl[0], pl[1]};
+    for (int k = 0; k < mesh_ndim(mesh); k++)
+      if (p[k].kind == PLACEMENT_SHARD && p[k].dim >= ndim_of(i)) p[k] = placement_shard(0);
+    ok(dtensor_distribute(&d[i], &full, mesh, p, DTENSOR_ALL_RANKS));
+    tensor_free(&full);
+    e[i] = (dcp_entry_t){names[i], d[i]};
+  }
+}
+
+static void free_all(dtensor_t **d) {
+  for (int i = 0; i < NT; i++) dtensor_free(d[i]);
+}
+
+static char root[256];
+
+static void make_root(void) {
+  if (world_rank() == 0) {
+    snprintf(root, sizeof root, "/tmp/fsdpc-dcp-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(root));
+  }
+  MPI_Bcast(root, sizeof root, MPI_CHAR, 0, world_comm());
+}
+
+static void remove_root(void) {
+  MPI_Barrier(world_comm());
+  if (world_rank() == 0) {
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", root);
+  }
+}
+
+typedef struct plan {
+  const char *name;
+  int mesh; /* 0: world 1-D, 1: 2-D (2, W/2), 2: this rank alone */
+  placement_t pl[2];
+} plan_t;
+
+START_TEST(save_under_one_plan_load_under_another) {
+  int W = world_size();
+  make_root();
+  mesh_t *meshes[3] = {NULL, NULL, NULL};
+  const char *n1[] = {"w"}, *n2[] = {"r", "s"};
+  ok(mesh_init(&meshes[0], 1, &W, n1, DEVICE_CPU));
+  bool two_d = W >= 4 && W % 2 == 0;
+  if (two_d) ok(mesh_init(&meshes[1], 2, (int[]){2, W / 2}, n2, DEVICE_CPU));
+  ok(mesh_init_local(&meshes[2], "one", DEVICE_CPU));
+  plan_t plans[] = {
+      {"S0", 0, {placement_shard(0), placement_replicate()}},
+      {"S1", 0, {placement_shard(1), placement_replicate()}},
+      {"R", 0, {placement_replicate(), placement_replicate()}},
+      {"local", 2, {placement_replicate(), placement_replicate()}},
+      {"R_S0", 1, {placement_replicate(), placement_shard(0)}},
+      {"S0_S1", 1, {placement_shard(0), placement_shard(1)}},
+  };
+  int np = (int)(sizeof plans / sizeof plans[0]), bad = 0, pairs = 0;
+  for (int a = 0; a < np; a++) {
+    if (plans[a].mesh == 1 && !two_d) continue;
+    if (plans[a].mesh == 2) continue; /* every rank would save the whole tensor */
+    char dir[400];
+    snprintf(dir, sizeof dir, "%s/%s", root, plans[a].name);
+    dcp_entry_t e[NT];
+    dtensor_t *d[NT];
+    make(meshes[plans[a].mesh], plans[a].pl, false, e, d);
+    ok(dcp_save(dir, e, NT, world_comm()));
+    free_all(d);
+    /* replicas written once: the files hold every element exactly once */
+    if (world_rank() == 0) {
+      int64_t stored[NT] = {0};
+      for (int r = 0; r < W; r++) {
+        char path[500];
+        snprintf(path, sizeof path, "%s/shard-%05d.safetensors", dir, r);
+        st_file_t *f;
+        if (access(path, F_OK) != 0) continue;
+        ok(st_open(&f, path));
+        ck_assert_str_eq(st_metadata(f, "DCP_VERSION"), DCP_VERSION);
+        ck_assert_str_eq(st_metadata(f, "format"), "pt");
+        for (int i = 0; i < NT; i++) {
+          const st_info_t *t = st_find(f, names[i]);
+          int64_t n = 1;
+          for (int k = 0; t && k < t->ndim; k++) n *= t->shape[k];
+          if (t) stored[i] += n;
+        }
+        st_close(f);
+      }
+      for (int i = 0; i < NT; i++)
+        if (stored[i] != shapes[i][0] * (shapes[i][1] ? shapes[i][1] : 1)) {
+          bad++;
+          printf("%s: %s stored %lld elements\n", plans[a].name, names[i], (long long)stored[i]);
+        }
+    }
+    for (int b = 0; b < np; b++) {
+      if (plans[b].mesh == 1 && !two_d) continue;
+      dtensor_t *got[NT], *want[NT];
+      dcp_entry_t eg[NT], ew[NT];
+      make(meshes[plans[b].mesh], plans[b].pl, true, eg, got);
+      make(meshes[plans[b].mesh], plans[b].pl, false, ew, want);
+      dcp_stats_t s;
+      ok(dcp_load(dir, eg, NT, &s));
+      for (int i = 0; i < NT; i++) {
+        bool eq = false;
+        ok(tensor_equal(dtensor_local(got[i]), dtensor_local(want[i]), &eq));
+        if (!eq) {
+          bad++;
+          printf("saved %s, loaded %s: %s differs\n", plans[a].name, plans[b].name, names[i]);
+        }
+      }
+      if (s.bytes_read != s.bytes_needed) {
+        bad++;
+        printf("saved %s, loaded %s: read %llu bytes, needed %llu\n", plans[a].name, plans[b].name,
+               (unsigned long long)s.bytes_read, (unsigned long long)s.bytes_needed);
+      }
+      free_all(got);
+      free_all(want);
+      pairs++;
+    }
+  }
+  if (world_rank() == 0) printf("%d save/load plan pairs checked on %d ranks\n", pairs, W);
+  expect_all(bad == 0, "%d checkpoint mismatches", bad);
+  for (int k = 0; k < 3; k++) mesh_free(meshes[k]);
+  remove_root();
+}
+END_TEST
+
+START_TEST(errors_name_the_tensor) {
+  int W = world_size();
+  make_root();
+  mesh_t *mesh;
+  const char *n1[] = {"w"};
+  ok(mesh_init(&mesh, 1, &W, n1, DEVICE_CPU));
+  placement_t pl[2] = {placement_shard(0), placement_replicate()};
+  dcp_entry_t e[NT];
+  dtensor_t *d[NT];
+  make(mesh, pl, false, e, d);
+  char dir[400], stale[420];
+  snprintf(dir, sizeof dir, "%s/ckpt", root);
+  snprintf(stale, sizeof stale, "%s.tmp", dir);
+  /* a save that died before its commit left a temporary folder: ignored and replaced */
+  if (world_rank() == 0) {
+    ck_assert_int_eq(mkdir(stale, 0755), 0);
+    FILE *f = fopen(strcat(strcpy((char[440]){0}, stale), "/shard-00000.safetensors"), "w");
+    fputs("partial", f);
+    fclose(f);
+  }
+  MPI_Barrier(world_comm());
+  status_t st = dcp_load(stale, e, NT, NULL);
+  ck_assert_int_ne(st, STATUS_OK); /* the partial file is not a checkpoint */
+  ok(dcp_save(dir, e, NT, world_comm()));
+  ck_assert_int_ne(access(stale, F_OK), 0);
+  /* saving over an existing checkpoint is refused on every rank */
+  st = dcp_save(dir, e, NT, world_comm());
+  ck_assert_int_ne(st, STATUS_OK);
+  ck_assert_msg(strstr(err_detail(), "already exists") || strstr(err_detail(), "another rank"),
+                "%s", err_detail());
+  /* a tensor the checkpoint lacks */
+  dcp_entry_t missing = {"z.weight", d[0]};
+  ck_assert_int_eq(dcp_load(dir, &missing, 1, NULL), STATUS_EFORMAT);
+  ck_assert_msg(strstr(err_detail(), "missing tensor 'z.weight'"), "%s", err_detail());
+  /* a shape that differs from the saved one */
+  dcp_entry_t wrong = {"b.weight", d[0]}; /* (16,15) into the (7,15) one */
+  ck_assert_int_eq(dcp_load(dir, &wrong, 1, NULL), STATUS_ESHAPE);
+  ck_assert_msg(strstr(err_detail(), "'b.weight' was saved with shape [7,15]"), "%s", err_detail());
+  /* no such folder */
+  ck_assert_int_ne(dcp_load("/nonexistent/ckpt", e, NT, NULL), STATUS_OK);
+  ck_assert_msg(strstr(err_detail(), "/nonexistent/ckpt"), "%s", err_detail());
+  free_all(d);
+  mesh_free(mesh);
+  remove_root();
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("dcp");
+  TCase *tc = tcase_create("dcp");
+  tcase_set_timeout(tc, 300);
+  tcase_add_test(tc, save_under_one_plan_load_under_another);
+  tcase_add_test(tc, errors_name_the_tensor);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
