@@ -48,8 +48,8 @@ static status_t fsync_path(const char *path) {
   return STATUS_OK;
 }
 
-/* Removes a folder of files (a stale temporary one). */
-static void remove_tree(const char *dir) {
+/* Removes a folder of files and folders of files. */
+void dcp_remove_tree(const char *dir) {
   DIR *d = opendir(dir);
   if (d == NULL) return;
   struct dirent *e;
@@ -57,7 +57,7 @@ static void remove_tree(const char *dir) {
   while ((e = readdir(d)) != NULL) {
     if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
     snprintf(p, sizeof p, "%.4000s/%.255s", dir, e->d_name);
-    unlink(p);
+    if (unlink(p) != 0) dcp_remove_tree(p);
   }
   closedir(d);
   rmdir(dir);
@@ -117,27 +117,38 @@ static status_t agree(status_t st, MPI_Comm comm, const char *what) {
   return st;
 }
 
-status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm) {
+status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm) {
   int rank;
   MPI_Comm_rank(comm, &rank);
-  char tmp[DCP_JOIN_MAX];
-  snprintf(tmp, sizeof tmp, "%.4000s.tmp", dir);
   status_t st = STATUS_OK;
-  if (strlen(dir) + 8 >= DCP_PATH_MAX) st = err_set(STATUS_EINVAL, "checkpoint: path too long");
+  if (strlen(dir) + 8 >= DCP_PATH_MAX || size < DCP_PATH_MAX)
+    st = err_set(STATUS_EINVAL, "checkpoint: path too long");
+  else
+    snprintf(tmp, size, "%.4000s.tmp", dir);
   struct stat sb;
   if (rank == 0 && st == STATUS_OK) {
-    if (stat(dir, &sb) == 0)
+    if (stat(dir, &sb) == 0) {
       st = err_set(STATUS_EINVAL, "checkpoint: %s already exists", dir);
-    else {
-      remove_tree(tmp); /* left by a save that died before its commit */
+    } else {
+      dcp_remove_tree(tmp); /* left by a save that died before its commit */
       if (mkdir(tmp, 0755) != 0)
         st = err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
     }
   }
-  TRY(agree(st, comm, dir));
-  st = write_shards(tmp, entries, n, rank);
-  TRY(agree(st, comm, dir));
-  if (rank == 0) { /* commit: the folder's entries, then the rename, reach the disk */
+  return agree(st, comm, dir);
+}
+
+status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm) {
+  int rank;
+  MPI_Comm_rank(comm, &rank);
+  return agree(write_shards(folder, entries, n, rank), comm, folder);
+}
+
+status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm) {
+  int rank;
+  MPI_Comm_rank(comm, &rank);
+  status_t st = STATUS_OK;
+  if (rank == 0) { /* the folder's entries, then the rename, reach the disk */
     st = fsync_path(tmp);
     if (st == STATUS_OK && rename(tmp, dir) != 0)
       st = err_set(STATUS_EIO, "checkpoint: cannot rename %s to %s: %s", tmp, dir, strerror(errno));
@@ -155,6 +166,13 @@ status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm c
     }
   }
   return agree(st, comm, dir);
+}
+
+status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm) {
+  char tmp[DCP_JOIN_MAX];
+  TRY(dcp_prepare(dir, tmp, sizeof tmp, comm));
+  TRY(dcp_write(tmp, entries, n, comm));
+  return dcp_commit(tmp, dir, comm);
 }
 
 /* ---- load ---- */

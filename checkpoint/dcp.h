@@ -51,6 +51,16 @@ typedef struct dcp_stats {
  * entries' meshes. */
 status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm);
 
+/* The steps of dcp_save, for checkpoints of several folders committed at once:
+ * dcp_prepare checks that dir does not exist and creates the temporary folder (its path into
+ * tmp, size >= 4096); dcp_write writes every rank's file into an existing folder; dcp_commit
+ * renames tmp to dir. Each is collective over comm and gives every rank the same verdict. */
+status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm);
+status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm);
+status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm);
+/* Removes a folder and everything in it (two levels). Local. */
+void dcp_remove_tree(const char *dir);
+
 /* Loads every entry's local shard from folder dir, whatever plan saved it: the global shape
  * must match and the saved chunks must cover the shard; values are converted to the
  * entry's dtype. Reads only the saved rows that intersect this rank's shards. Local (every

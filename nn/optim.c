@@ -79,6 +79,33 @@ void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_dec
 }
 
 int64_t optim_steps(const optim_t *o) { return o->steps; }
+void optim_set_steps(optim_t *o, int64_t steps) { o->steps = steps; }
+
+static status_t slot_ready(slot_t *s) {
+  if (s->ready) return STATUS_OK;
+  const tensor_t *local = dtensor_local(s->p->value);
+  TRY(tensor_zeros(&s->m, DTYPE_F32, local->device, local->ndim, local->shape));
+  TRY(tensor_zeros(&s->v, DTYPE_F32, local->device, local->ndim, local->shape));
+  s->ready = true;
+  return STATUS_OK;
+}
+
+status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
+  *exp_avg = *exp_avg_sq = NULL;
+  if (i < 0 || i >= o->n) return err_set(STATUS_EINVAL, "optim_state: no parameter %d", i);
+  slot_t *s = &o->slots[i];
+  TRY(slot_ready(s));
+  const dtensor_t *v = s->p->value;
+  TRY(dtensor_from_local(exp_avg, &s->m, dtensor_mesh(v), dtensor_placements(v), dtensor_ndim(v),
+                         dtensor_shape(v)));
+  status_t st = dtensor_from_local(exp_avg_sq, &s->v, dtensor_mesh(v), dtensor_placements(v),
+                                   dtensor_ndim(v), dtensor_shape(v));
+  if (st != STATUS_OK) {
+    dtensor_free(*exp_avg);
+    *exp_avg = NULL;
+  }
+  return st;
+}
 
 status_t optim_step(optim_t *o, double lr_factor) {
   o->steps++;
@@ -86,11 +113,7 @@ status_t optim_step(optim_t *o, double lr_factor) {
     slot_t *s = &o->slots[i];
     if (s->p->grad == NULL || !s->p->requires_grad) continue;
     const tensor_t *local = dtensor_local(s->p->value);
-    if (!s->ready) {
-      TRY(tensor_zeros(&s->m, DTYPE_F32, local->device, local->ndim, local->shape));
-      TRY(tensor_zeros(&s->v, DTYPE_F32, local->device, local->ndim, local->shape));
-      s->ready = true;
-    }
+    TRY(slot_ready(s));
     adamw_args_t a = {.lr = s->lr * lr_factor,
                       .beta1 = o->cfg.beta1,
                       .beta2 = o->cfg.beta2,

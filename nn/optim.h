@@ -61,6 +61,13 @@ void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_dec
 /* Steps taken so far. */
 int64_t optim_steps(const optim_t *o);
 
+/* Parameter i's AdamW moments (exp_avg, exp_avg_sq; f32, zero before the first step) as new
+ * DTensors sharing the optimizer's memory, with the parameter's mesh and placements: for
+ * checkpoints. The caller frees the DTensors; the optimizer keeps the memory. */
+status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq);
+/* Sets the number of steps taken (bias correction continues from there), for resuming. */
+void optim_set_steps(optim_t *o, int64_t steps);
+
 /* Drops every parameter's gradient. */
 void optim_zero_grad(optim_t *o);
 

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <yaml.h>
 
 #include "fully_shard/fsdp.h"
@@ -577,7 +578,11 @@ static status_t read_rest(ctx_t *c, int root) {
   TRY(get_path(c, m, "checkpoint", "dir", p->ckpt_dir));
   TRY(get_int(c, m, "checkpoint", "interval", 0, big, &p->ckpt_interval));
   TRY(get_int(c, m, "checkpoint", "keep", 0, 1 << 20, &p->ckpt_keep));
-  TRY(get_path(c, m, "checkpoint", "load", p->ckpt_load));
+  int ld = find(c, m, "load");
+  if (!is_null(c, ld) && scalar(c, ld) && strcmp(scalar(c, ld), "auto") == 0)
+    strcpy(p->ckpt_load, "auto");
+  else
+    TRY(get_path(c, m, "checkpoint", "load", p->ckpt_load));
   TRY(section(c, root, "log", log_keys, &m));
   TRY(get_path(c, m, "log", "metrics", p->metrics));
   TRY(get_int(c, m, "log", "interval", 1, big, &p->log_interval));
@@ -748,10 +753,19 @@ status_t plan_resolve(plan_t *p, int world) {
   if (p->seq_len > p->model.max_seq_len)
     return err_set(STATUS_EINVAL, "%s: data.seq_len: %lld exceeds model.max_seq_len=%lld",
                    p->data_where.text, (long long)p->seq_len, (long long)p->model.max_seq_len);
-  if (p->ckpt_load[0] || (p->ckpt_dir[0] && p->ckpt_interval > 0))
-    return err_set(STATUS_EUNSUPPORTED,
-                   "%s: checkpoint: saving and loading training checkpoints is not supported "
-                   "yet; leave checkpoint.dir and checkpoint.load unset",
+  if (p->ckpt_interval > 0 && p->ckpt_dir[0] == 0)
+    return err_set(STATUS_EINVAL, "%s: checkpoint.interval: %lld needs checkpoint.dir",
+                   p->ckpt_where.text, (long long)p->ckpt_interval);
+  if (strcmp(p->ckpt_load, "auto") == 0 && p->ckpt_dir[0] == 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: checkpoint.load: auto resumes from checkpoint.dir, which is not set",
                    p->ckpt_where.text);
+  if (p->ckpt_load[0] && strcmp(p->ckpt_load, "auto") != 0) {
+    char state[PLAN_PATH_MAX + 32];
+    snprintf(state, sizeof state, "%s/train_state.json", p->ckpt_load);
+    if (access(state, R_OK) != 0)
+      return err_set(STATUS_EIO, "%s: checkpoint.load: '%s' is not a complete checkpoint (no "
+                     "train_state.json)", p->ckpt_where.text, p->ckpt_load);
+  }
   return STATUS_OK;
 }

@@ -14,10 +14,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "checkpoint/hf_weights.h"
+#include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"
 #include "nn/train.h"
 #include "parallel/parallelize.h"
@@ -117,6 +119,9 @@ typedef struct run {
   data_t *data;
   device_t dev;
   int dp_size, dp_rank;
+  int64_t start_step; /* steps already taken (resumed from a checkpoint) */
+  char resumed_from[PLAN_PATH_MAX + 32];
+  dcp_stats_t load_stats;
 } run_t;
 
 static status_t build(run_t *r) {
@@ -145,6 +150,17 @@ static status_t build(run_t *r) {
   }
   TRY(nn_named_parameters(llama_module(r->model), &r->ps, &r->n));
   TRY(optim_new(&r->opt, r->ps, r->n, &p->optim));
+  if (p->ckpt_load[0]) {
+    bool found = true;
+    if (strcmp(p->ckpt_load, "auto") == 0)
+      TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, &found));
+    else
+      snprintf(r->resumed_from, sizeof r->resumed_from, "%s", p->ckpt_load);
+    if (found)
+      TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
+    else
+      r->resumed_from[0] = 0;
+  }
   if (!r->args.dry_run) {
     TRY(data_open(&r->data, p->data_path, p->data_format));
     if (data_max_token(r->data) >= p->model.vocab_size)
@@ -191,6 +207,15 @@ static void header(const run_t *r) {
       r->n_groups, p->n_units, reshard_str(p->reshard_after_forward, rb, sizeof rb),
       dt_str(p->param_dtype), dt_str(p->reduce_dtype), p->offload ? "; offload" : "");
   printf("  sharded parameters on rank 0: %s\n", mb);
+  if (r->resumed_from[0])
+    printf(
+        "  resumed from %s after step %lld (rank 0 read %llu bytes of tensor data, needing "
+        "%llu, plus %llu header bytes of %d files)\n",
+        r->resumed_from, (long long)r->start_step, (unsigned long long)r->load_stats.bytes_read,
+        (unsigned long long)r->load_stats.bytes_needed,
+        (unsigned long long)r->load_stats.header_bytes, r->load_stats.files);
+  else if (p->ckpt_load[0])
+    printf("  no checkpoint in %s yet: starting from step 0\n", p->ckpt_dir);
   printf(
       "  data: %s, %lld samples x %lld tokens per rank, grad_accum %lld (global batch %lld "
       "samples); %lld steps\n",
@@ -332,12 +357,19 @@ static status_t train(run_t *r) {
   if (lead && mpath[0] && (mf = fopen(mpath, "w")) == NULL) bad = 1;
   MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, world_comm());
   if (bad) return err_set(STATUS_EIO, "cannot write the metrics file '%s'", mpath);
+  if (r->start_step >= p->steps) {
+    if (lead)
+      printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
+             (long long)r->start_step, (long long)p->steps);
+    if (mf) fclose(mf);
+    return STATUS_OK;
+  }
   nn_module_t *root = llama_module(r->model);
   double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0;
   size_t peak_max = 0;
   status_t st = STATUS_OK;
   counted_bytes(r); /* reset */
-  for (int64_t s = 0; s < p->steps && st == STATUS_OK; s++) {
+  for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK; s++) {
     double t0 = now(), loss = 0;
     mem_reset_peak(r->dev);
     optim_zero_grad(r->opt);
@@ -362,7 +394,25 @@ static status_t train(run_t *r) {
     double tps = tokens / dt, comm = counted_bytes(r);
     size_t peak = mem_stats(r->dev).peak, state = mem_stats(r->dev).current;
     peak_max = peak > peak_max ? peak : peak_max;
-    if (s == 0) first_loss = gl;
+    if (s == r->start_step) first_loss = gl;
+    if (p->ckpt_interval > 0 && (s + 1) % p->ckpt_interval == 0) {
+      char dir[PLAN_PATH_MAX + 32], under[1024];
+      ckpt_step_dir(p->ckpt_dir, s + 1, dir, sizeof dir);
+      snprintf(under, sizeof under,
+               "{\"plan\": \"%s\", \"world_size\": %d, \"dp_replicate\": %d, "
+               "\"dp_shard\": %d, \"tp\": %d, \"global_batch\": %lld}",
+               p->source, world_size(), p->dp_replicate, p->dp_shard, p->tp,
+               (long long)(p->batch_size * p->grad_accum * r->dp_size));
+      if (lead) {
+        struct stat sb;
+        if (stat(p->ckpt_dir, &sb) != 0) mkdir(p->ckpt_dir, 0755);
+      }
+      MPI_Barrier(world_comm());
+      st = ckpt_save_training(dir, r->ps, r->n, r->opt, s + 1, under, world_comm());
+      if (st != STATUS_OK) break;
+      if (lead) ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
+      if (lead) printf("saved %s\n", dir);
+    }
     last_loss = gl;
     tok_sum += tokens;
     if (!lead) continue;
@@ -407,7 +457,8 @@ static status_t train(run_t *r) {
     char pm[32];
     mib(pm, sizeof pm, (double)peak_max);
     printf("done: %lld steps in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s\n",
-           (long long)p->steps, total, first_loss, last_loss, tok_sum / total, pm);
+           (long long)(p->steps - r->start_step), total, first_loss, last_loss, tok_sum / total,
+           pm);
   }
   return st;
 }

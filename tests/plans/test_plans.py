@@ -12,6 +12,8 @@
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,13 @@ EXE, MPIRUN, ROOT, MODE = sys.argv[1:5]
 MPI_ARGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
 STEPS = 10
 failures = []
+TEMPS = []
+
+
+def mkdtemp():
+    d = tempfile.mkdtemp(prefix="fsdpc-plans-")
+    TEMPS.append(d)
+    return d
 
 
 def run(n, args, timeout=300):
@@ -53,7 +62,7 @@ PLANS = [
 
 
 def configs():
-    tmp = tempfile.mkdtemp()
+    tmp = mkdtemp()
     ref = None
     for name, n, fp32 in PLANS:
         metrics = os.path.join(tmp, name + ".jsonl")
@@ -120,7 +129,7 @@ def golden_losses():
 
 def pytorch():
     """init_from a Hugging Face folder, FSDP on 2 ranks: PyTorch's ten losses."""
-    tmp = tempfile.mkdtemp()
+    tmp = mkdtemp()
     model = os.path.join(tmp, "tiny")
     os.mkdir(model)
     ref = os.path.join(ROOT, "tests", "reference")
@@ -167,7 +176,7 @@ train:
 
 
 def errors():
-    tmp = tempfile.mkdtemp()
+    tmp = mkdtemp()
     data = os.path.join(ROOT, "data", "corpus.txt")
     base = BASE.replace("{data}", data)
     # (name, plan text or None for BASE, extra args, expected message regex)
@@ -224,8 +233,10 @@ def errors():
          r"data\.format: expected text or u16, got 'csv'"),
         ("units not a list", base.replace('units: ["model.layers.*"]', 'units: "model.layers.*"'),
          [], r"units: expected a list of module patterns"),
-        ("checkpoints not yet", base + "checkpoint:\n  load: /tmp/x\n", [],
-         r"checkpoint: saving and loading training checkpoints is not supported yet"),
+        ("checkpoint.load not a checkpoint", base + "checkpoint:\n  load: /nonexistent/step-5\n", [],
+         r"checkpoint\.load: '/nonexistent/step-5' is not a complete checkpoint"),
+        ("checkpoint.interval without a folder", base + "checkpoint:\n  interval: 5\n", [],
+         r"checkpoint\.interval: 5 needs checkpoint\.dir"),
     ]
     def one(k):
         name, text, extra, want = cases[k]
@@ -258,7 +269,7 @@ def errors():
 
 
 def dry_run():
-    tmp = tempfile.mkdtemp()
+    tmp = mkdtemp()
     for name, n, _ in PLANS:
         plan = os.path.join(ROOT, "configs", name + ".yaml")
         p, _ = run(n, [plan, "--dry-run"])
@@ -282,6 +293,120 @@ def dry_run():
               % (name, got_state, want_state))
 
 
-{"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run}[MODE]()
+def kill_session(sid):
+    """SIGKILL every process of session sid (mpirun started with a new session; its ranks
+    keep that session) until none is left."""
+    for _ in range(100):
+        alive = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open("/proc/%s/stat" % pid) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                alive.append(int(pid))
+        if not alive:
+            return
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+
+
+def checkpoints():
+    tmp = mkdtemp()
+    cfg = lambda name: os.path.join(ROOT, "configs", name + ".yaml")
+
+    def train(n, name, sets, metrics=None):
+        args = [cfg(name)]
+        for kv in sets:
+            args += ["--set", kv]
+        if metrics:
+            args += ["--metrics", metrics]
+        p, _ = run(n, args)
+        check(p.returncode == 0, "%s on %d ranks with %s runs" % (name, n, " ".join(sets)))
+        if p.returncode != 0:
+            print(p.stdout[-2000:], p.stderr[-2000:])
+        return p
+
+    # 1. exact resume under the same plan: losses and saved files bit-identical
+    a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
+    ma, mc = os.path.join(tmp, "a.jsonl"), os.path.join(tmp, "c.jsonl")
+    train(4, "fsdp", ["train.steps=10", "checkpoint.dir=" + a, "checkpoint.interval=5"], ma)
+    train(4, "fsdp", ["train.steps=5", "checkpoint.dir=" + b, "checkpoint.interval=5"])
+    p = train(4, "fsdp", ["train.steps=10", "checkpoint.dir=" + b, "checkpoint.interval=5",
+                          "checkpoint.load=auto"], mc)
+    check("resumed from %s/step-00000005" % b in p.stdout, "load: auto finds step 5")
+    la, lc = [r["loss"] for r in losses(ma)][5:], [r["loss"] for r in losses(mc)]
+    check(la == lc, "resumed losses are bit-identical (%s vs %s)" % (la[:1], lc[:1]))
+    same = True
+    for sub in ("model", "optim"):
+        for f in sorted(os.listdir(os.path.join(a, "step-00000010", sub))):
+            with open(os.path.join(a, "step-00000010", sub, f), "rb") as x, \
+                    open(os.path.join(b, "step-00000010", sub, f), "rb") as y:
+                same = same and x.read() == y.read()
+    check(same, "the step-10 checkpoints of both runs are byte-identical")
+    # 2. resume under other plans: global batch 24 everywhere
+    ref = os.path.join(tmp, "ref.jsonl")
+    train(1, "debug", ["train.steps=10", "data.batch_size=24"], ref)
+    want = [r["loss"] for r in losses(ref)][5:]
+    s = os.path.join(tmp, "s")
+    train(4, "fsdp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + s,
+                      "checkpoint.interval=5"])
+    for n, name, batch in [(1, "debug", 24), (4, "hsdp", 6), (3, "fsdp", 8),
+                           (8, "hsdp-int-reshard", 3)]:
+        m = os.path.join(tmp, "x.jsonl")
+        p = train(n, name, ["train.steps=10", "data.batch_size=%d" % batch,
+                            "checkpoint.load=" + os.path.join(s, "step-00000005")], m)
+        got = [r["loss"] for r in losses(m)]
+        worst = max(abs(x - y) / abs(y) for x, y in zip(got, want)) if got else 1
+        check(len(got) == 5 and worst <= 1e-5,
+              "saved by fsdp on 4 ranks, resumed by %s on %d: losses match the uninterrupted "
+              "run (worst %.2e)" % (name, n, worst))
+        rd = re.search(r"read (\d+) bytes of tensor data, needing (\d+)", p.stdout)
+        check(bool(rd) and rd.group(1) == rd.group(2),
+              "%s on %d: rank 0 reads exactly the bytes it needs" % (name, n))
+    # 3. keep: only the newest checkpoints stay
+    k = os.path.join(tmp, "k")
+    train(2, "fsdp-grad-accum", ["train.steps=6", "checkpoint.dir=" + k, "checkpoint.interval=2",
+                                 "checkpoint.keep=2"])
+    check(sorted(os.listdir(k)) == ["step-00000004", "step-00000006"],
+          "checkpoint.keep=2 keeps the newest two (%s)" % sorted(os.listdir(k)))
+    # 4. a run killed while saving every step: the newest complete checkpoint still loads
+    kd = os.path.join(tmp, "kill")
+    cmd = [MPIRUN] + MPI_ARGS + ["-n", "4", EXE, cfg("fsdp"), "--set", "train.steps=100000",
+                                 "--set", "checkpoint.dir=" + kd, "--set", "checkpoint.interval=1",
+                                 "--set", "checkpoint.keep=3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(os.listdir(kd) if os.path.isdir(kd) else []) < 3:
+        time.sleep(0.05)
+    time.sleep(0.37)
+    kill_session(proc.pid)  # mpirun and every rank, mid-step or mid-save
+    proc.wait()
+    left = sorted(os.listdir(kd))
+    complete = [d for d in left if d.startswith("step-") and not d.endswith(".tmp")
+                and os.path.exists(os.path.join(kd, d, "train_state.json"))]
+    check(len(complete) > 0, "a run killed mid-training left complete checkpoints (%s)" % left)
+    if complete:
+        newest = int(complete[-1][5:])
+        p = train(4, "fsdp", ["checkpoint.dir=" + kd, "checkpoint.load=auto",
+                              "train.steps=%d" % (newest + 1)])
+        good = "resumed from %s/%s" % (kd, complete[-1]) in p.stdout
+        check(good, "after the kill (left: %s) load: auto resumes from %s" % (left, complete[-1]))
+        if not good:
+            print(p.stdout[-3000:], p.stderr[-2000:])
+
+
+{"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run,
+ "checkpoint": checkpoints}[MODE]()
+for d in TEMPS:
+    shutil.rmtree(d, ignore_errors=True)
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)

@@ -1,0 +1,237 @@
+#include "checkpoint/train_ckpt.h"
+
+#include <cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define PATH_LEN 4400
+
+/* Entries of the model (names) and of the optimizer ("name.exp_avg", ...). */
+typedef struct entries {
+  dcp_entry_t *model, *optim;
+  dtensor_t **owned; /* the optimizer-state DTensors */
+  char **names;
+  int n;
+} entries_t;
+
+static void entries_free(entries_t *e) {
+  for (int i = 0; i < 2 * e->n; i++) {
+    if (e->owned) dtensor_free(e->owned[i]);
+    if (e->names) free(e->names[i]);
+  }
+  free(e->model);
+  free(e->optim);
+  free(e->owned);
+  free(e->names);
+}
+
+static status_t entries_make(nn_param_t *const *params, int n, optim_t *opt, entries_t *e) {
+  memset(e, 0, sizeof *e);
+  e->n = n;
+  e->model = calloc((size_t)n + 1, sizeof *e->model);
+  e->optim = calloc(2 * (size_t)n + 1, sizeof *e->optim);
+  e->owned = calloc(2 * (size_t)n + 1, sizeof *e->owned);
+  e->names = calloc(2 * (size_t)n + 1, sizeof *e->names);
+  if (!e->model || !e->optim || !e->owned || !e->names) {
+    entries_free(e);
+    return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  }
+  for (int i = 0; i < n; i++) {
+    const char *name = params[i]->fqn;
+    e->model[i] = (dcp_entry_t){name, params[i]->value};
+    status_t st = optim_state(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1]);
+    for (int k = 0; k < 2 && st == STATUS_OK; k++) {
+      size_t l = strlen(name) + 16;
+      if ((e->names[2 * i + k] = malloc(l)) == NULL) {
+        st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+        break;
+      }
+      snprintf(e->names[2 * i + k], l, "%s.%s", name, k ? "exp_avg_sq" : "exp_avg");
+      e->optim[2 * i + k] = (dcp_entry_t){e->names[2 * i + k], e->owned[2 * i + k]};
+    }
+    if (st != STATUS_OK) {
+      entries_free(e);
+      return st;
+    }
+  }
+  return STATUS_OK;
+}
+
+static status_t make_dir(const char *path) {
+  if (mkdir(path, 0755) != 0 && errno != EEXIST)
+    return err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", path, strerror(errno));
+  return STATUS_OK;
+}
+
+static status_t write_state(const char *tmp, int64_t step, int64_t optim_steps,
+                            const char *saved_under) {
+  cJSON *o = cJSON_CreateObject();
+  if (o == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  cJSON_AddNumberToObject(o, "step", (double)step);
+  cJSON_AddNumberToObject(o, "optim_steps", (double)optim_steps);
+  cJSON *under = saved_under ? cJSON_Parse(saved_under) : NULL;
+  if (under) cJSON_AddItemToObject(o, "saved_under", under);
+  char *text = cJSON_Print(o);
+  cJSON_Delete(o);
+  if (text == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  char path[PATH_LEN];
+  snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
+  FILE *f = fopen(path, "w");
+  status_t st = STATUS_OK;
+  if (f == NULL || fputs(text, f) < 0 || fflush(f) != 0 || fsync(fileno(f)) != 0)
+    st = err_set(STATUS_EIO, "checkpoint: cannot write %s: %s", path, strerror(errno));
+  if (f) fclose(f);
+  free(text);
+  return st;
+}
+
+status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
+                            int64_t step, const char *saved_under, MPI_Comm comm) {
+  int rank;
+  MPI_Comm_rank(comm, &rank);
+  entries_t e;
+  TRY(entries_make(params, n, opt, &e));
+  char tmp[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
+  status_t st = dcp_prepare(dir, tmp, sizeof tmp, comm);
+  if (st == STATUS_OK) {
+    snprintf(model, sizeof model, "%.4000s/model", tmp);
+    snprintf(optim, sizeof optim, "%.4000s/optim", tmp);
+    status_t mine = STATUS_OK;
+    if (rank == 0) {
+      mine = make_dir(model);
+      if (mine == STATUS_OK) mine = make_dir(optim);
+      if (mine == STATUS_OK) mine = write_state(tmp, step, optim_steps(opt), saved_under);
+    }
+    int bad = mine != STATUS_OK, any = 0;
+    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, comm);
+    st = any ? (bad ? mine : err_set(STATUS_EIO, "checkpoint %s: rank 0 failed", dir)) : STATUS_OK;
+  }
+  if (st == STATUS_OK) st = dcp_write(model, e.model, n, comm);
+  if (st == STATUS_OK) st = dcp_write(optim, e.optim, 2 * n, comm);
+  if (st == STATUS_OK) st = dcp_commit(tmp, dir, comm);
+  entries_free(&e);
+  return st;
+}
+
+static status_t read_state(const char *dir, int64_t *step, int64_t *optim_steps) {
+  char path[PATH_LEN];
+  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
+  FILE *f = fopen(path, "rb");
+  if (f == NULL)
+    return err_set(STATUS_EIO, "checkpoint: cannot read %s: %s", path, strerror(errno));
+  char buf[65536];
+  size_t len = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[len] = 0;
+  cJSON *o = cJSON_Parse(buf);
+  const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
+  const cJSON *os = cJSON_GetObjectItemCaseSensitive(o, "optim_steps");
+  status_t st = STATUS_OK;
+  if (!cJSON_IsNumber(s) || !cJSON_IsNumber(os) || s->valuedouble < 0 || os->valuedouble < 0)
+    st = err_set(STATUS_EFORMAT, "%s: expected {\"step\": N, \"optim_steps\": N, ...}", path);
+  else {
+    *step = (int64_t)s->valuedouble;
+    *optim_steps = (int64_t)os->valuedouble;
+  }
+  cJSON_Delete(o);
+  return st;
+}
+
+status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
+                            int64_t *step, dcp_stats_t *stats) {
+  int64_t s = 0, os = 0;
+  TRY(read_state(dir, &s, &os));
+  entries_t e;
+  TRY(entries_make(params, n, opt, &e));
+  char model[PATH_LEN], optim[PATH_LEN];
+  snprintf(model, sizeof model, "%.4000s/model", dir);
+  snprintf(optim, sizeof optim, "%.4000s/optim", dir);
+  dcp_stats_t a = {0}, b = {0};
+  status_t st = dcp_load(model, e.model, n, &a);
+  if (st == STATUS_OK) st = dcp_load(optim, e.optim, 2 * n, &b);
+  entries_free(&e);
+  TRY(st);
+  optim_set_steps(opt, os);
+  *step = s;
+  if (stats) {
+    stats->bytes_read = a.bytes_read + b.bytes_read;
+    stats->header_bytes = a.header_bytes + b.header_bytes;
+    stats->bytes_needed = a.bytes_needed + b.bytes_needed;
+    stats->files = a.files + b.files;
+  }
+  return STATUS_OK;
+}
+
+void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
+  snprintf(out, size, "%s/step-%08" PRId64, root, step);
+}
+
+/* Complete checkpoints under root, sorted by step (ascending). */
+static status_t list_steps(const char *root, int64_t **steps, int *n) {
+  *steps = NULL;
+  *n = 0;
+  DIR *d = opendir(root);
+  if (d == NULL) return STATUS_OK;
+  int cap = 0;
+  struct dirent *e;
+  status_t st = STATUS_OK;
+  while ((e = readdir(d)) != NULL) {
+    long long s;
+    char tail;
+    if (sscanf(e->d_name, "step-%lld%c", &s, &tail) != 1 || s < 0) continue;
+    char state[PATH_LEN];
+    snprintf(state, sizeof state, "%.4000s/%.255s/train_state.json", root, e->d_name);
+    if (access(state, R_OK) != 0) continue; /* not a complete checkpoint */
+    if (*n == cap) {
+      cap = cap ? 2 * cap : 16;
+      int64_t *ns = realloc(*steps, sizeof(int64_t) * (size_t)cap);
+      if (ns == NULL) {
+        st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+        break;
+      }
+      *steps = ns;
+    }
+    (*steps)[(*n)++] = s;
+  }
+  closedir(d);
+  for (int i = 1; i < *n; i++) /* insertion sort: few entries */
+    for (int j = i; j > 0 && (*steps)[j - 1] > (*steps)[j]; j--) {
+      int64_t t = (*steps)[j];
+      (*steps)[j] = (*steps)[j - 1];
+      (*steps)[j - 1] = t;
+    }
+  return st;
+}
+
+status_t ckpt_latest(const char *root, char *out, size_t size, bool *found) {
+  int64_t *steps;
+  int n;
+  TRY(list_steps(root, &steps, &n));
+  *found = n > 0;
+  if (n > 0) ckpt_step_dir(root, steps[n - 1], out, size);
+  free(steps);
+  return STATUS_OK;
+}
+
+status_t ckpt_prune(const char *root, int keep) {
+  if (keep <= 0) return STATUS_OK;
+  int64_t *steps;
+  int n;
+  TRY(list_steps(root, &steps, &n));
+  for (int i = 0; i < n - keep; i++) {
+    char dir[PATH_LEN];
+    ckpt_step_dir(root, steps[i], dir, sizeof dir);
+    char state[PATH_LEN]; /* first: a half-removed checkpoint is never taken for complete */
+    snprintf(state, sizeof state, "%.4000s/train_state.json", dir);
+    unlink(state);
+    dcp_remove_tree(dir);
+  }
+  free(steps);
+  return STATUS_OK;
+}

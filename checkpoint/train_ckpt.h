@@ -1,0 +1,49 @@
+/*
+ * Training checkpoints: model, optimizer and train state, saved sharded and loaded under any
+ * plan.
+ *
+ * Layout of one checkpoint folder (committed atomically: written as DIR.tmp, then renamed):
+ *   DIR/model/shard-RRRRR.safetensors   the parameters by their Hugging Face names (dcp.h)
+ *   DIR/optim/shard-RRRRR.safetensors   "NAME.exp_avg", "NAME.exp_avg_sq" (f32)
+ *   DIR/train_state.json                {"step": N, "optim_steps": N, "saved_under": {...}}
+ * Checkpoints of a run live in one folder as step-NNNNNNNN; the newest complete one is the one
+ * to resume from.
+ */
+#ifndef FSDPC_CHECKPOINT_TRAIN_CKPT_H
+#define FSDPC_CHECKPOINT_TRAIN_CKPT_H
+
+#include "checkpoint/dcp.h"
+#include "nn/optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Saves params (the optimizer's, in its order), the optimizer state and the step into dir
+ * (which must not exist). saved_under: a JSON object describing the plan (stored as given),
+ * or NULL. Collective over comm. */
+status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
+                            int64_t step, const char *saved_under, MPI_Comm comm);
+
+/* Loads a checkpoint saved under any plan into params and opt (whose shards may be laid out
+ * differently); *step receives the step it was saved after. stats (may be NULL) adds up both
+ * folders' reads. Local. */
+status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
+                            int64_t *step, dcp_stats_t *stats);
+
+/* The newest complete checkpoint (step-NNNNNNNN with a train_state.json) in root into out;
+ * *found false when there is none (or root does not exist). Local. */
+status_t ckpt_latest(const char *root, char *out, size_t size, bool *found);
+
+/* The folder of the checkpoint after step under root: root/step-NNNNNNNN. */
+void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size);
+
+/* Removes all but the newest keep complete checkpoints under root (keep <= 0: none). Local;
+ * call it on one rank. */
+status_t ckpt_prune(const char *root, int keep);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
