@@ -177,6 +177,15 @@ static int find(ctx_t *c, int i, const char *key) {
 
 /* ---- typed values ---- */
 
+/* The value node of key in mapping map, with its key path in path[256]; 0 when the key is
+ * absent or null (the default stays). */
+static int lookup(ctx_t *c, int map, const char *prefix, const char *key, char *path) {
+  int v = find(c, map, key);
+  if (is_null(c, v)) return 0;
+  join(path, 256, prefix, key);
+  return v;
+}
+
 static status_t want_scalar(ctx_t *c, int v, const char *path, const char *what, const char **s) {
   *s = scalar(c, v);
   if (*s == NULL)
@@ -200,18 +209,16 @@ static status_t parse_int(ctx_t *c, int v, const char *path, int64_t lo, int64_t
 
 static status_t get_int(ctx_t *c, int map, const char *prefix, const char *key, int64_t lo,
                         int64_t hi, int64_t *out) {
-  int v = find(c, map, key);
-  if (is_null(c, v)) return STATUS_OK;
   char path[256];
-  join(path, sizeof path, prefix, key);
+  int v = lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
   return parse_int(c, v, path, lo, hi, out);
 }
 
 static status_t get_size(ctx_t *c, int map, const char *prefix, const char *key, int *out) {
-  int v = find(c, map, key);
-  if (is_null(c, v)) return STATUS_OK;
   char path[256];
-  join(path, sizeof path, prefix, key);
+  int v = lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
   int64_t x;
   TRY(parse_int(c, v, path, -1, 1 << 20, &x));
   if (x == 0) return fail(c, v, path, "a mesh size must be positive, or -1 for the rest");
@@ -221,10 +228,9 @@ static status_t get_size(ctx_t *c, int map, const char *prefix, const char *key,
 
 static status_t get_float(ctx_t *c, int map, const char *prefix, const char *key, double lo,
                           double hi, bool open_lo, double *out) {
-  int v = find(c, map, key);
-  if (is_null(c, v)) return STATUS_OK;
   char path[256];
-  join(path, sizeof path, prefix, key);
+  int v = lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
   const char *s;
   TRY(want_scalar(c, v, path, "a number", &s));
   char *end;
@@ -250,19 +256,17 @@ static status_t parse_bool(ctx_t *c, int v, const char *path, bool *out) {
 }
 
 static status_t get_bool(ctx_t *c, int map, const char *prefix, const char *key, bool *out) {
-  int v = find(c, map, key);
-  if (is_null(c, v)) return STATUS_OK;
   char path[256];
-  join(path, sizeof path, prefix, key);
+  int v = lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
   return parse_bool(c, v, path, out);
 }
 
 static status_t get_str(ctx_t *c, int map, const char *prefix, const char *key, char *out,
                         size_t size) {
-  int v = find(c, map, key);
-  if (is_null(c, v)) return STATUS_OK;
   char path[256];
-  join(path, sizeof path, prefix, key);
+  int v = lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
   const char *s;
   TRY(want_scalar(c, v, path, "a string", &s));
   if (strlen(s) >= size) return fail(c, v, path, "longer than %zu characters", size - 1);
@@ -272,25 +276,21 @@ static status_t get_str(ctx_t *c, int map, const char *prefix, const char *key, 
 
 /* A path: relative ones from the file are taken from the file's folder. */
 static status_t get_path(ctx_t *c, int map, const char *prefix, const char *key, char *out) {
-  int v = find(c, map, key);
+  char path[256];
+  int v = lookup(c, map, prefix, key, path);
   TRY(get_str(c, map, prefix, key, out, PLAN_PATH_MAX));
-  if (is_null(c, v) || out[0] == '/' || v >= c->set_base || c->dir[0] == 0) return STATUS_OK;
+  if (v == 0 || out[0] == '/' || v >= c->set_base || c->dir[0] == 0) return STATUS_OK;
   char joined[2 * PLAN_PATH_MAX];
   snprintf(joined, sizeof joined, "%s/%s", c->dir, out);
-  if (strlen(joined) >= PLAN_PATH_MAX) {
-    char path[256];
-    join(path, sizeof path, prefix, key);
-    return fail(c, v, path, "the path is too long");
-  }
+  if (strlen(joined) >= PLAN_PATH_MAX) return fail(c, v, path, "the path is too long");
   strcpy(out, joined);
   return STATUS_OK;
 }
 
 static status_t get_dtype(ctx_t *c, int map, const char *prefix, const char *key, dtype_t *out) {
-  int v = find(c, map, key);
-  if (is_null(c, v)) return STATUS_OK;
   char path[256];
-  join(path, sizeof path, prefix, key);
+  int v = lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
   const char *s;
   TRY(want_scalar(c, v, path, "a dtype", &s));
   dtype_t dt;
@@ -302,10 +302,9 @@ static status_t get_dtype(ctx_t *c, int map, const char *prefix, const char *key
 
 /* true | false | integer N >= 2 (0 and 1 mean false and true). */
 static status_t get_reshard(ctx_t *c, int map, const char *prefix, int *out) {
-  int v = find(c, map, "reshard_after_forward");
-  if (is_null(c, v)) return STATUS_OK;
   char path[256];
-  join(path, sizeof path, prefix, "reshard_after_forward");
+  int v = lookup(c, map, prefix, "reshard_after_forward", path);
+  if (v == 0) return STATUS_OK;
   const char *s;
   TRY(want_scalar(c, v, path, "true, false or an integer", &s));
   if (strcasecmp(s, "true") == 0 || strcasecmp(s, "false") == 0) {
@@ -398,9 +397,8 @@ static status_t read_model(ctx_t *c, int root) {
 static status_t read_mp(ctx_t *c, int map, const char *prefix, dtype_t *pdt, dtype_t *rdt) {
   static const char *const keys[] = {"param_dtype", "reduce_dtype", NULL};
   char path[256];
-  join(path, sizeof path, prefix, "mp_policy");
-  int v = find(c, map, "mp_policy");
-  if (is_null(c, v)) return STATUS_OK;
+  int v = lookup(c, map, prefix, "mp_policy", path);
+  if (v == 0) return STATUS_OK;
   TRY(check_keys(c, v, path, keys));
   TRY(get_dtype(c, v, path, "param_dtype", pdt));
   return get_dtype(c, v, path, "reduce_dtype", rdt);
@@ -764,8 +762,10 @@ status_t plan_resolve(plan_t *p, int world) {
     char state[PLAN_PATH_MAX + 32];
     snprintf(state, sizeof state, "%s/train_state.json", p->ckpt_load);
     if (access(state, R_OK) != 0)
-      return err_set(STATUS_EIO, "%s: checkpoint.load: '%s' is not a complete checkpoint (no "
-                     "train_state.json)", p->ckpt_where.text, p->ckpt_load);
+      return err_set(STATUS_EIO,
+                     "%s: checkpoint.load: '%s' is not a complete checkpoint (no "
+                     "train_state.json)",
+                     p->ckpt_where.text, p->ckpt_load);
   }
   return STATUS_OK;
 }
