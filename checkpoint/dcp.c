@@ -108,9 +108,7 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
   return st;
 }
 
-/* Every rank's verdict; the message of a failing rank stays on that rank, the others get
- * a pointer to it. */
-static status_t agree(status_t st, MPI_Comm comm, const char *what) {
+status_t dcp_agree(status_t st, MPI_Comm comm, const char *what) {
   int bad = st != STATUS_OK, any = 0;
   MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, comm);
   if (any && !bad) return err_set(STATUS_EIO, "%s: another rank failed", what);
@@ -135,13 +133,13 @@ status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm) {
         st = err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
     }
   }
-  return agree(st, comm, dir);
+  return dcp_agree(st, comm, dir);
 }
 
 status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm) {
   int rank;
   MPI_Comm_rank(comm, &rank);
-  return agree(write_shards(folder, entries, n, rank), comm, folder);
+  return dcp_agree(write_shards(folder, entries, n, rank), comm, folder);
 }
 
 status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm) {
@@ -165,7 +163,7 @@ status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm) {
       st = fsync_path(parent);
     }
   }
-  return agree(st, comm, dir);
+  return dcp_agree(st, comm, dir);
 }
 
 status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm) {

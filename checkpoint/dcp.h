@@ -58,6 +58,9 @@ status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm c
 status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm);
 status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm);
 status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm);
+/* Every rank's verdict on st: a failing rank keeps its own status and message, the others
+ * get "WHAT: another rank failed". Collective over comm. */
+status_t dcp_agree(status_t st, MPI_Comm comm, const char *what);
 /* Removes a folder and everything in it (two levels). Local. */
 void dcp_remove_tree(const char *dir);
 

@@ -108,9 +108,7 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
       if (mine == STATUS_OK) mine = make_dir(optim);
       if (mine == STATUS_OK) mine = write_state(tmp, step, optim_steps(opt), saved_under);
     }
-    int bad = mine != STATUS_OK, any = 0;
-    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, comm);
-    st = any ? (bad ? mine : err_set(STATUS_EIO, "checkpoint %s: rank 0 failed", dir)) : STATUS_OK;
+    st = dcp_agree(mine, comm, dir);
   }
   if (st == STATUS_OK) st = dcp_write(model, e.model, n, comm);
   if (st == STATUS_OK) st = dcp_write(optim, e.optim, 2 * n, comm);
