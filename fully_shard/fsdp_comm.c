@@ -30,10 +30,12 @@ status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out) {
   if (s->reduced == NULL) {
     st = stream_new(dev, &s->copy_in);
     if (st == STATUS_OK) st = stream_new(dev, &s->reduce);
+    if (st == STATUS_OK) st = event_new(dev, &s->issued);
     if (st == STATUS_OK) st = event_new(dev, &s->reduced);
     if (st != STATUS_OK) {
       stream_free(s->copy_in);
       stream_free(s->reduce);
+      event_free(s->issued);
       memset(s, 0, sizeof *s);
     }
   }
@@ -42,18 +44,17 @@ status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out) {
   return st;
 }
 
-/* Makes side the current stream of dev; with after_current, ordered after all work queued so
- * far on the stream that was current. *prev receives that stream. No-op on the CPU. */
-static status_t side_enter(device_t dev, stream_t *side, bool after_current, stream_t **prev) {
+/* Makes side (one of g's side streams) the current stream of dev; with after_current,
+ * ordered after all work queued so far on the stream that was current, through the device's
+ * issued event (a wait takes the event as recorded at that moment, so one event serves every
+ * call). *prev receives that stream. No-op on the CPU. */
+static status_t side_enter(const fsdp_group_t *g, device_t dev, stream_t *side, bool after_current,
+                           stream_t **prev) {
   *prev = stream_current(dev);
   if (side == NULL) return STATUS_OK;
   if (after_current) {
-    event_t *e;
-    TRY(event_new(dev, &e));
-    status_t st = event_record(e, *prev);
-    if (st == STATUS_OK) st = stream_wait_event(side, e);
-    event_free(e);
-    TRY(st);
+    TRY(event_record(g->streams->issued, *prev));
+    TRY(stream_wait_event(side, g->streams->issued));
   }
   stream_set_current(dev, side);
   return STATUS_OK;
@@ -90,7 +91,7 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
    * shards live on the host, written synchronously */
   bool slice = g->post_forward_slice.storage != NULL;
   stream_t *prev;
-  TRY(side_enter(dev, copy_in_stream(g), slice || !g->offload, &prev));
+  TRY(side_enter(g, dev, copy_in_stream(g), slice || !g->offload, &prev));
   int64_t total = g->flat * g->W;
   status_t st = tensor_init(&g->gather, g->param_dtype, dev, 1, &total);
   if (st != STATUS_OK) {
@@ -245,7 +246,7 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
   if (flat == 0) return STATUS_OK;
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
-  TRY(side_enter(dev, reduce_stream(g), true, &prev)); /* after the gradients are computed */
+  TRY(side_enter(g, dev, reduce_stream(g), true, &prev)); /* after the gradients are computed */
   int64_t total = flat * g->W;
   reduce_op_t op = g->divide_factor > 0 ? REDUCE_SUM : REDUCE_AVG;
   status_t st = tensor_zeros(&g->red_send, g->reduce_dtype, dev, 1, &total);
@@ -312,7 +313,7 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
   root->reducing = NULL;
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
-  status_t st = side_enter(dev, reduce_stream(g), false, &prev);
+  status_t st = side_enter(g, dev, reduce_stream(g), false, &prev);
   if (st != STATUS_OK) {
     fsdp_reduce_drop(g);
     return st;

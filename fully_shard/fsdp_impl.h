@@ -24,6 +24,7 @@ typedef struct fsdp_param {
  * the stream that issues the collective; reduced marks the end of the last reduction. */
 typedef struct fsdp_streams {
   stream_t *copy_in, *reduce;
+  event_t *issued; /* the issuing stream's position, for a side stream to wait on */
   event_t *reduced;
 } fsdp_streams_t;
 
