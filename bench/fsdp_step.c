@@ -58,6 +58,8 @@ int main(int argc, char **argv) {
     BENCH_TRY(fully_shard(llama_layer(m, i), &opt, &groups[i]));
   opt.reshard_after_forward = FSDP_RESHARD_AUTO;
   BENCH_TRY(fully_shard(llama_module(m), &opt, &groups[cfg.n_layers]));
+  pg_t **post = calloc((size_t)ng, sizeof *post); /* each post-forward group once */
+  int npost = fsdp_post_forward_groups(groups, ng, post);
   nn_param_t **ps;
   int n;
   BENCH_TRY(nn_named_parameters(llama_module(m), &ps, &n));
@@ -89,8 +91,7 @@ int main(int argc, char **argv) {
   for (int64_t s = 0; s < steps; s++) {
     pg_reset_counters(shard);
     if (rep) pg_reset_counters(rep);
-    for (int i = 0; i < ng; i++)
-      if (fsdp_post_forward_group(groups[i])) pg_reset_counters(fsdp_post_forward_group(groups[i]));
+    for (int i = 0; i < npost; i++) pg_reset_counters(post[i]);
     optim_zero_grad(o);
     size_t base = mem_stats(dev).current, host_base = mem_stats(device_cpu()).current;
     mem_reset_peak(dev);
@@ -104,7 +105,7 @@ int main(int argc, char **argv) {
     double dt = bench_now() - t0;
     uint64_t ag = sum_kind(shard, PG_ALL_GATHER), rsb = sum_kind(shard, PG_REDUCE_SCATTER);
     uint64_t ar = sum_kind(rep, PG_ALL_REDUCE);
-    for (int i = 0; i < ng; i++) ag += sum_kind(fsdp_post_forward_group(groups[i]), PG_ALL_GATHER);
+    for (int i = 0; i < npost; i++) ag += sum_kind(post[i], PG_ALL_GATHER);
     double f = (double)(Ws - 1) / Ws;
     double ag_model = (reshard == 0 ? 1 : 2) * f * P * (double)pbytes,
            rs_model = f * P * (double)rbytes;
@@ -133,6 +134,7 @@ int main(int argc, char **argv) {
   fsdp_free_all(llama_module(m));
   llama_free(m);
   free(groups);
+  free(post);
   data_free(d);
   mesh_free(flat);
   mesh_free(mesh);

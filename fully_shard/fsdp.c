@@ -23,6 +23,17 @@ int fsdp_num_params(const fsdp_group_t *g) { return g->n; }
 int64_t fsdp_flat_numel(const fsdp_group_t *g) { return g->flat; }
 pg_t *fsdp_post_forward_group(const fsdp_group_t *g) { return g->post_forward; }
 dtype_t fsdp_param_dtype(const fsdp_group_t *g) { return g->param_dtype; }
+
+int fsdp_post_forward_groups(fsdp_group_t *const *groups, int n, pg_t **out) {
+  int k = 0;
+  for (int i = 0; i < n; i++) {
+    pg_t *pf = groups[i]->post_forward;
+    bool seen = pf == NULL;
+    for (int j = 0; j < k && !seen; j++) seen = out[j] == pf;
+    if (!seen) out[k++] = pf;
+  }
+  return k;
+}
 dtype_t fsdp_reduce_dtype(const fsdp_group_t *g) { return g->reduce_dtype; }
 
 /* ---- sharding ---- */

@@ -87,6 +87,9 @@ int fsdp_reshard_after_forward(const fsdp_group_t *g);
 int fsdp_num_params(const fsdp_group_t *g);
 /* The group of N consecutive ranks of an integer reshard_after_forward, or NULL. */
 pg_t *fsdp_post_forward_group(const fsdp_group_t *g);
+/* The distinct post-forward groups of groups[0..n) (groups of one shard group and N share
+ * one), each once, into out (room for n); returns how many. */
+int fsdp_post_forward_groups(fsdp_group_t *const *groups, int n, pg_t **out);
 /* The all-gather and the gradient-reduction dtypes in effect. */
 dtype_t fsdp_param_dtype(const fsdp_group_t *g);
 dtype_t fsdp_reduce_dtype(const fsdp_group_t *g);

@@ -272,17 +272,12 @@ static double counted_bytes(const run_t *r) {
     for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
     pg_reset_counters(pgs[k]);
   }
-  pg_t *seen[MAX_GROUPS];
-  int ns = 0;
-  for (int i = 0; i < r->n_groups; i++) { /* post-forward groups, each once */
-    pg_t *pf = fsdp_post_forward_group(r->groups[i]);
-    bool dup = pf == NULL;
-    for (int j = 0; j < ns && !dup; j++) dup = seen[j] == pf;
-    if (dup) continue;
-    seen[ns++] = pf;
-    pg_counters_t c = pg_counters(pf);
+  pg_t *pf[MAX_GROUPS];
+  int npf = fsdp_post_forward_groups((fsdp_group_t *const *)r->groups, r->n_groups, pf);
+  for (int i = 0; i < npf; i++) {
+    pg_counters_t c = pg_counters(pf[i]);
     for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
-    pg_reset_counters(pf);
+    pg_reset_counters(pf[i]);
   }
   return b;
 }
