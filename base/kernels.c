@@ -115,7 +115,8 @@ status_t kernel_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const ten
   return ops->matmul(out, a, trans_a, b, trans_b, alpha, beta, &d);
 }
 
-status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
+status_t kernel_embedding_shard(tensor_t *out, const tensor_t *table, const tensor_t *ids,
+                                int64_t first, int64_t vocab) {
   const kernel_ops_t *ops;
   TRY(check_common("kernel_embedding", NT(out, table, ids), &ops));
   TRY(check_float_same("kernel_embedding", NT(out, table)));
@@ -123,11 +124,15 @@ status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *
   if (table->ndim != 2) return shape_error("kernel_embedding", "table", table, "[V, D]");
   if (last_dim(out) != table->shape[1] || tensor_numel(out) != tensor_numel(ids) * table->shape[1])
     return shape_error("kernel_embedding", "out", out, "[ids..., D]");
-  return ops->embedding(out, table, ids);
+  if (first < 0 || vocab < first + table->shape[0])
+    return err_set(STATUS_EINVAL,
+                   "kernel_embedding: rows [%lld, %lld) outside a vocabulary of %lld",
+                   (long long)first, (long long)(first + table->shape[0]), (long long)vocab);
+  return ops->embedding(out, table, ids, first, vocab);
 }
 
-status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
-                                   const tensor_t *ids) {
+status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *grad_out,
+                                         const tensor_t *ids, int64_t first, int64_t vocab) {
   const kernel_ops_t *ops;
   TRY(check_common("kernel_embedding_backward", NT(grad_table, grad_out, ids), &ops));
   TRY(check_float("kernel_embedding_backward", "grad_table", grad_table));
@@ -138,7 +143,21 @@ status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_ou
   if (last_dim(grad_out) != grad_table->shape[1] ||
       tensor_numel(grad_out) != tensor_numel(ids) * grad_table->shape[1])
     return shape_error("kernel_embedding_backward", "grad_out", grad_out, "[ids..., D]");
-  return ops->embedding_backward(grad_table, grad_out, ids);
+  if (first < 0 || vocab < first + grad_table->shape[0])
+    return err_set(STATUS_EINVAL,
+                   "kernel_embedding_backward: rows [%lld, %lld) outside a vocabulary of %lld",
+                   (long long)first, (long long)(first + grad_table->shape[0]), (long long)vocab);
+  return ops->embedding_backward(grad_table, grad_out, ids, first, vocab);
+}
+
+status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
+  return kernel_embedding_shard(out, table, ids, 0, table->ndim == 2 ? table->shape[0] : 0);
+}
+
+status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
+                                   const tensor_t *ids) {
+  return kernel_embedding_shard_backward(grad_table, grad_out, ids, 0,
+                                         grad_table->ndim == 2 ? grad_table->shape[0] : 0);
 }
 
 static status_t check_rows_stat(const char *fn, const tensor_t *stat, int64_t rows) {

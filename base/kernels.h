@@ -42,6 +42,14 @@ status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *
 status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
                                    const tensor_t *ids);
 
+/* The same on a vocabulary shard: table holds rows [first, first + V) of a vocabulary of
+ * `vocab` ids; ids must lie in [0, vocab), and those outside the shard give zero rows
+ * (forward) and no gradient (backward). */
+status_t kernel_embedding_shard(tensor_t *out, const tensor_t *table, const tensor_t *ids,
+                                int64_t first, int64_t vocab);
+status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *grad_out,
+                                         const tensor_t *ids, int64_t first, int64_t vocab);
+
 /* RMSNorm over the last dimension: rstd = 1/sqrt(mean(x^2) + eps) (F32, one per row),
  * out = w * (x * rstd rounded to x's dtype). Writes out and rstd. */
 status_t kernel_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,

@@ -109,30 +109,36 @@ cleanup:
 
 /* ---- embedding ---- */
 
-static status_t cpu_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
+static status_t check_ids(const char *fn, const tensor_t *ids, int64_t vocab) {
+  for (int64_t i = 0, n = tensor_numel(ids); i < n; i++) {
+    int64_t id = index_at(ids, i);
+    if (id < 0 || id >= vocab)
+      return err_set(STATUS_EINVAL, "%s: index %lld at position %lld is outside [0, %lld)", fn,
+                     (long long)id, (long long)i, (long long)vocab);
+  }
+  return STATUS_OK;
+}
+
+static status_t cpu_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids,
+                              int64_t first, int64_t vocab) {
   int64_t n = tensor_numel(ids), V = table->shape[0], D = table->shape[1];
   size_t row = (size_t)D * dtype_size(table->dtype);
+  TRY(check_ids("kernel_embedding", ids, vocab));
   for (int64_t i = 0; i < n; i++) {
-    int64_t id = index_at(ids, i);
+    int64_t id = index_at(ids, i) - first;
+    char *dst = (char *)out->data + (size_t)i * row;
     if (id < 0 || id >= V)
-      return err_set(STATUS_EINVAL,
-                     "kernel_embedding: index %lld at position %lld is outside "
-                     "[0, %lld)",
-                     (long long)id, (long long)i, (long long)V);
-    memcpy((char *)out->data + (size_t)i * row, (const char *)table->data + (size_t)id * row, row);
+      memset(dst, 0, row); /* another shard's row */
+    else
+      memcpy(dst, (const char *)table->data + (size_t)id * row, row);
   }
   return STATUS_OK;
 }
 
 static status_t cpu_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
-                                       const tensor_t *ids) {
+                                       const tensor_t *ids, int64_t first, int64_t vocab) {
   int64_t n = tensor_numel(ids), V = grad_table->shape[0], D = grad_table->shape[1];
-  for (int64_t i = 0; i < n; i++) {
-    int64_t id = index_at(ids, i);
-    if (id < 0 || id >= V)
-      return err_set(STATUS_EINVAL, "kernel_embedding_backward: index %lld outside [0, %lld)",
-                     (long long)id, (long long)V);
-  }
+  TRY(check_ids("kernel_embedding_backward", ids, vocab));
   fbuf_t g, go;
   TRY(fbuf_out(&g, grad_table, true));
   status_t st = fbuf_in(&go, grad_out);
@@ -141,7 +147,9 @@ static status_t cpu_embedding_backward(tensor_t *grad_table, const tensor_t *gra
     return st;
   }
   for (int64_t i = 0; i < n; i++) {
-    float *dst = g.p + index_at(ids, i) * D;
+    int64_t id = index_at(ids, i) - first;
+    if (id < 0 || id >= V) continue;
+    float *dst = g.p + id * D;
     const float *src = go.p + i * D;
     for (int64_t j = 0; j < D; j++) dst[j] += src[j];
   }

@@ -70,15 +70,18 @@ __device__ static float block_reduce(float v) {
   return v;
 }
 
+/* table holds rows [first, first + V) of a vocabulary of `vocab` ids; others give zeros */
 __global__ static void embedding_kernel(void *out, const void *table, int tdt, const void *ids,
-                                        int idt, int64_t n, int64_t D, int64_t V, int *bad) {
+                                        int idt, int64_t n, int64_t D, int64_t V, int64_t first,
+                                        int64_t vocab, int *bad) {
   GRID_STRIDE(e, n * D) {
     int64_t id = ldi(idt, ids, e / D);
-    if (id < 0 || id >= V) {
+    if (id < 0 || id >= vocab) {
       *bad = 1;
       continue;
     }
-    stf(tdt, out, e, ldf(tdt, table, id * D + e % D));
+    id -= first;
+    stf(tdt, out, e, id < 0 || id >= V ? 0.0f : ldf(tdt, table, id * D + e % D));
   }
 }
 
@@ -88,16 +91,18 @@ __global__ static void embedding_kernel(void *out, const void *table, int tdt, c
  */
 __global__ static void embedding_backward_kernel(void *gt, int gdt, const void *go, int odt,
                                                  const void *ids, int idt, int64_t n, int64_t D,
-                                                 int64_t V, int64_t slice, int *bad) {
+                                                 int64_t V, int64_t first, int64_t vocab,
+                                                 int64_t slice, int *bad) {
   int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   int64_t lo = blockIdx.y * slice, hi = lo + slice < V ? lo + slice : V;
   if (c >= D) return;
   for (int64_t t = 0; t < n; t++) {
     int64_t id = ldi(idt, ids, t);
-    if (id < 0 || id >= V) {
+    if (id < 0 || id >= vocab) {
       if (blockIdx.y == 0) *bad = 1;
       continue;
     }
+    id -= first;
     if (id < lo || id >= hi) continue;
     int64_t e = id * D + c;
     stf(gdt, gt, e, ldf(gdt, gt, e) + ldf(odt, go, t * D + c));
@@ -444,18 +449,19 @@ static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, cons
   return STATUS_OK;
 }
 
-static status_t cuda_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
+static status_t cuda_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids,
+                               int64_t first, int64_t vocab) {
   int64_t n = tensor_numel(ids), D = table->shape[1], V = table->shape[0];
   if (n * D == 0) return STATUS_OK;
   flag_t f;
   TRY(flag_new(&f, out->device));
   embedding_kernel<<<grid_for(n * D), kBlock, 0, stream_of(out)>>>(
-      out->data, table->data, table->dtype, ids->data, ids->dtype, n, D, V, f.p);
-  return flag_finish(&f, launched("kernel_embedding"), kIndexRange, "kernel_embedding", V);
+      out->data, table->data, table->dtype, ids->data, ids->dtype, n, D, V, first, vocab, f.p);
+  return flag_finish(&f, launched("kernel_embedding"), kIndexRange, "kernel_embedding", vocab);
 }
 
 static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
-                                        const tensor_t *ids) {
+                                        const tensor_t *ids, int64_t first, int64_t vocab) {
   int64_t n = tensor_numel(ids), D = grad_table->shape[1], V = grad_table->shape[0];
   if (n * D == 0) return STATUS_OK;
   flag_t f;
@@ -468,9 +474,9 @@ static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *gr
   dim3 grid((unsigned)cols, (unsigned)slices);
   embedding_backward_kernel<<<grid, kBlock, 0, stream_of(grad_table)>>>(
       grad_table->data, grad_table->dtype, grad_out->data, grad_out->dtype, ids->data, ids->dtype,
-      n, D, V, (V + slices - 1) / slices, f.p);
+      n, D, V, first, vocab, (V + slices - 1) / slices, f.p);
   return flag_finish(&f, launched("kernel_embedding_backward"), kIndexRange,
-                     "kernel_embedding_backward", V);
+                     "kernel_embedding_backward", vocab);
 }
 
 static int64_t last_dim(const tensor_t *t) { return t->ndim == 0 ? 1 : t->shape[t->ndim - 1]; }

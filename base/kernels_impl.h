@@ -20,9 +20,12 @@ typedef struct matmul_dims {
 typedef struct kernel_ops {
   status_t (*matmul)(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
                      bool trans_b, float alpha, float beta, const matmul_dims_t *d);
-  status_t (*embedding)(tensor_t *out, const tensor_t *table, const tensor_t *ids);
+  /* table holds rows [first, first + V) of a vocabulary of `vocab` ids (first = 0 and
+   * vocab = V when whole): ids outside the rows give zero rows and no gradient */
+  status_t (*embedding)(tensor_t *out, const tensor_t *table, const tensor_t *ids, int64_t first,
+                        int64_t vocab);
   status_t (*embedding_backward)(tensor_t *grad_table, const tensor_t *grad_out,
-                                 const tensor_t *ids);
+                                 const tensor_t *ids, int64_t first, int64_t vocab);
   status_t (*rmsnorm)(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
                       float eps);
   status_t (*rmsnorm_backward)(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,

@@ -69,12 +69,28 @@ static status_t collect(const nn_module_t *m, const fsdp_options_t *opt, plist_t
   return STATUS_OK;
 }
 
+/* The tensor-parallel mesh p already lives on (1-D, of the same world mesh as the group's),
+ * or NULL for a whole parameter. */
+static mesh_t *tp_mesh_of(const nn_param_t *p) {
+  mesh_t *pm = dtensor_mesh(p->value);
+  return mesh_ndim(pm) == 1 && mesh_size(pm, 0) == 1 ? NULL : pm;
+}
+
 static status_t check_param(const nn_param_t *p, const mesh_t *mesh) {
   const dtensor_t *v = p->value;
   const mesh_t *pm = dtensor_mesh(v);
-  for (int i = 0; i < mesh_ndim(pm); i++)
-    if (dtensor_placements(v)[i].kind != PLACEMENT_REPLICATE || mesh_size(pm, i) != 1)
-      return err_set(STATUS_EINVAL, "fully_shard: parameter %s is already distributed", p->fqn);
+  const placement_t *pl = dtensor_placements(v);
+  if (tp_mesh_of(p) != NULL) {
+    if (mesh_ndim(pm) != 1 || !mesh_same_root(pm, mesh) || pl[0].kind == PLACEMENT_PARTIAL ||
+        mesh_ndim(mesh) + 1 > MESH_MAX_DIMS)
+      return err_set(STATUS_EINVAL,
+                     "fully_shard: parameter %s is already distributed (only a Shard or "
+                     "Replicate DTensor on one tensor-parallel dimension of the same world "
+                     "mesh composes with fully_shard)",
+                     p->fqn);
+  } else if (pl[0].kind != PLACEMENT_REPLICATE) {
+    return err_set(STATUS_EINVAL, "fully_shard: parameter %s is already distributed", p->fqn);
+  }
   if (dtensor_ndim(v) < 1)
     return err_set(STATUS_ESHAPE,
                    "fully_shard: parameter %s is a scalar; sharding needs at "
@@ -89,18 +105,50 @@ static status_t check_param(const nn_param_t *p, const mesh_t *mesh) {
   return STATUS_OK;
 }
 
-/* Replaces p's value with its Shard(0) DTensor on the group's mesh. */
+/* The mesh and placements of p's sharded DTensor: Shard(0) over the group's shard dimension
+ * ((Replicate, Shard(0)) for HSDP); a tensor-parallel parameter lives on (dp..., tp) with its
+ * tp placement last, the dp shard strided when tp also shards dimension 0 (dp chunks the tp
+ * shard). */
+static status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, mesh_t **mesh,
+                               placement_t *pl) {
+  int md = mesh_ndim(g->mesh);
+  mesh_t *tp = tp_mesh_of(p);
+  for (int i = 0; i < md - 1; i++) pl[i] = placement_replicate();
+  pl[md - 1] = placement_shard(0);
+  *mesh = g->mesh;
+  if (tp == NULL) return STATUS_OK;
+  placement_t tpl = dtensor_placements(p->value)[0];
+  if (placement_is_shard(tpl, 0)) pl[md - 1] = placement_strided_shard(0, mesh_size(tp, 0));
+  pl[md] = tpl;
+  if (g->param_mesh == NULL) TRY(mesh_concat(g->mesh, tp, &g->param_mesh));
+  if (mesh_group(g->param_mesh, md) != mesh_group(tp, 0))
+    return err_set(STATUS_EINVAL,
+                   "fully_shard: the parameters of one group live on different tensor-parallel "
+                   "meshes (%s)",
+                   p->fqn);
+  *mesh = g->param_mesh;
+  return STATUS_OK;
+}
+
+/* Replaces p's value with its sharded DTensor: dim 0 of its local tensor (the whole
+ * parameter, or its tensor-parallel shard) chunked over the group's shard dimension. */
 static status_t shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   nn_param_t *p = fp->p;
   const tensor_t *full = dtensor_local(p->value);
   int nd = full->ndim;
   fp->n0 = full->shape[0];
+  fp->ndim = nd;
+  memcpy(fp->shape, full->shape, sizeof(int64_t) * (size_t)nd);
   fp->rows = chunk_size(fp->n0, g->W);
   fp->row = fp->n0 ? tensor_numel(full) / fp->n0 : 0;
-  int64_t start, len, shape[TENSOR_MAX_DIMS];
+  int64_t start, len, shape[TENSOR_MAX_DIMS], global[TENSOR_MAX_DIMS];
   chunk_range(fp->n0, g->W, g->rank, &start, &len);
   memcpy(shape, full->shape, sizeof shape);
+  memcpy(global, dtensor_shape(p->value), sizeof(int64_t) * (size_t)nd);
   shape[0] = fp->rows;
+  placement_t pl[MESH_MAX_DIMS];
+  mesh_t *mesh;
+  TRY(sharded_layout(g, p, &mesh, pl));
   TRY(tensor_zeros(&fp->padded, full->dtype, g->offload ? device_cpu() : full->device, nd, shape));
   tensor_t src = {0}, dst = {0}, local = {0};
   status_t st = STATUS_OK;
@@ -109,9 +157,7 @@ static status_t shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   TRY_GOTO(st, tensor_narrow(&dst, &fp->padded, 0, 0, len));
   TRY_GOTO(st, tensor_copy(&dst, &src));
   TRY_GOTO(st, tensor_ref(&local, &dst));
-  placement_t pl[2] = {placement_replicate(), placement_shard(0)};
-  int md = mesh_ndim(g->mesh);
-  TRY_GOTO(st, dtensor_from_local(&dt, &local, g->mesh, md == 2 ? pl : pl + 1, nd, full->shape));
+  TRY_GOTO(st, dtensor_from_local(&dt, &local, mesh, pl, nd, global));
   tensor_free(&p->compute);
   nn_param_zero_grad(p);
   dtensor_free(p->value);
@@ -196,6 +242,7 @@ static void group_free(fsdp_group_t *g) {
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].padded);
   free(g->params);
   free(g->modules);
+  mesh_free(g->param_mesh);
   free(g);
 }
 

@@ -170,11 +170,8 @@ status_t fsdp_unshard_wait(fsdp_group_t *g) {
   device_t dev = mesh_device(g->mesh);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
-    const dtensor_t *v = fp->p->value;
     tensor_t full;
-    if ((st = tensor_init(&full, g->param_dtype, dev, dtensor_ndim(v), dtensor_shape(v))) !=
-        STATUS_OK)
-      break;
+    if ((st = tensor_init(&full, g->param_dtype, dev, fp->ndim, fp->shape)) != STATUS_OK) break;
     for (int r = 0; r < g->W && st == STATUS_OK; r++)
       st = chunk_copy(fp, g->W, r, &full, &g->gather, r * g->flat + fp->offset, false);
     if (st == STATUS_OK) {

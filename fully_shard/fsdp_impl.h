@@ -9,7 +9,10 @@
 
 typedef struct fsdp_param {
   nn_param_t *p;
-  int64_t n0;      /* global rows */
+  int64_t n0;      /* rows of the unsharded tensor */
+  int ndim;
+  int64_t shape[TENSOR_MAX_DIMS]; /* the unsharded tensor: the whole parameter, or its
+                                     tensor-parallel shard */
   int64_t rows;    /* padded rows per rank: ceil(n0 / W) */
   int64_t row;     /* elements per row */
   int64_t offset;  /* in the flat all-gather buffer of one rank, elements */
@@ -41,6 +44,7 @@ struct fsdp_group {
   int n;
   int64_t flat; /* elements per rank in the all-gather buffer */
   mesh_t *mesh;
+  mesh_t *param_mesh;      /* (dp..., tp) of tensor-parallel parameters, or NULL; owned */
   pg_t *shard, *replicate; /* replicate: NULL without HSDP */
   int W, rank;
   fsdp_options_t opt;

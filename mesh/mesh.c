@@ -305,6 +305,43 @@ status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t 
   return STATUS_OK;
 }
 
+bool mesh_same_root(const mesh_t *a, const mesh_t *b) { return a->root == b->root; }
+
+status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out) {
+  *out = NULL;
+  if (a->root != b->root)
+    return err_set(STATUS_EMESH, "mesh_concat: the meshes come from different mesh_init calls");
+  if (a->ndim + b->ndim > MESH_MAX_DIMS)
+    return err_set(STATUS_EMESH, "mesh_concat: more than %d dimensions", MESH_MAX_DIMS);
+  for (int i = 0; i < a->ndim; i++)
+    for (int j = 0; j < b->ndim; j++)
+      if ((a->root_mask[i] & b->root_mask[j]) || strcmp(a->names[i], b->names[j]) == 0)
+        return err_set(STATUS_EMESH, "mesh_concat: dimensions '%s' and '%s' overlap", a->names[i],
+                       b->names[j]);
+      else if (a->root_mask[i] > b->root_mask[j])
+        return err_set(STATUS_EMESH, "mesh_concat: '%s' comes after '%s' in the world mesh",
+                       a->names[i], b->names[j]);
+  mesh_t *m = NULL;
+  TRY(new_mesh(a->root, &m));
+  const mesh_t *src[2] = {a, b};
+  for (int s = 0; s < 2; s++)
+    for (int d = 0; d < src[s]->ndim; d++) {
+      int k = m->ndim++;
+      m->shape[k] = src[s]->shape[d];
+      m->coord[k] = src[s]->coord[d];
+      m->root_mask[k] = src[s]->root_mask[d];
+      memcpy(m->names[k], src[s]->names[d], MESH_NAME_MAX);
+      m->groups[k] = pg_retain(src[s]->groups[d]);
+    }
+  status_t st = fill_ranks(m);
+  if (st != STATUS_OK) {
+    mesh_free(m);
+    return st;
+  }
+  *out = m;
+  return STATUS_OK;
+}
+
 status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names, const char *new_name,
                       mesh_t **out) {
   *out = NULL;

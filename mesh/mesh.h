@@ -20,6 +20,8 @@
 #ifndef FSDPC_MESH_MESH_H
 #define FSDPC_MESH_MESH_H
 
+#include <stdbool.h>
+
 #include "base/device.h"
 #include "base/status.h"
 #include "mesh/pg.h"
@@ -50,6 +52,14 @@ void mesh_free(mesh_t *mesh);
 /* A submesh of the named dimensions (in the parent's order), sharing the parent's groups.
  * Local: no communication. */
 status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t **out);
+
+/* A mesh with a's dimensions followed by b's, sharing their groups: fully_shard places a
+ * tensor-parallel parameter on (dp..., tp) this way. a and b come from the same mesh_init,
+ * span disjoint dimensions of it, a's before b's, and have distinct names. Local: no communication. */
+status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out);
+
+/* True when a and b come from the same mesh_init. */
+bool mesh_same_root(const mesh_t *a, const mesh_t *b);
 
 /* A 1-D mesh named new_name whose group is the product of the named dimensions (in the
  * parent's order; rank order row-major over them). Collective over all ranks of the mesh's

@@ -162,7 +162,7 @@ static status_t call_recorded(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_va
   bool rec = nn_ctx_recording(ctx);
   TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
   if (rec) TRY(push_marker(ctx, ENTRY_ENTER, m));
-  TRY(nn_module_forward(m)(ctx, m, in, out));
+  TRY(nn_module_run_forward(ctx, m, in, out));
   if (rec) TRY(push_marker(ctx, ENTRY_EXIT, m));
   return nn_module_run_hooks(ctx, m, NN_HOOK_POST_FORWARD);
 }
@@ -176,7 +176,7 @@ status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   /* Activation checkpointing: run forward unrecorded and keep only the call's input. */
   TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
   ctx->suspended++;
-  status_t st = nn_module_forward(m)(ctx, m, in, out);
+  status_t st = nn_module_run_forward(ctx, m, in, out);
   ctx->suspended--;
   TRY(st);
   (*out)->requires_grad = true;

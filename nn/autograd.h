@@ -35,6 +35,8 @@ struct nn_var {
   tensor_t grad; /* present once a gradient has arrived (grad.storage or grad.ndim set) */
   bool requires_grad;
   int refs;
+  int layout; /* the tensor-parallel layout tensor parallelism gave it (0: none, see
+                 parallel/tensor_parallel.h); operations leave it 0 */
 };
 
 /* A variable holding value (moved in: the caller's tensor_t is left empty). */
@@ -88,6 +90,8 @@ struct nn_node {
   nn_param_t *param;                 /* the parameter the operation reads, if any */
   tensor_t saved[NN_NODE_MAX_SAVED]; /* extra saved tensors (statistics), owned */
   double scalar;                     /* one operation constant (eps, theta, scale) */
+  void *user;                        /* operation state not owned by the node (a group) */
+  int64_t ints[2];                   /* integer constants (a dimension, an offset) */
 };
 
 /* True when an operation on these inputs must be recorded: recording is on and an input or

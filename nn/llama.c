@@ -352,6 +352,10 @@ static status_t add_leaf(builder_t *b, nn_module_t *parent, const char *name, nn
                          int64_t rows, int64_t cols, nn_module_t **out) {
   nn_module_t *m;
   TRY(nn_module_new(&m, name, fn, b->L));
+  nn_module_set_kind(m, fn == linear_forward      ? "linear"
+                        : fn == embedding_forward ? "embedding"
+                        : fn == rmsnorm_forward   ? "rmsnorm"
+                                                  : NULL);
   status_t st = nn_module_add_child(parent, m);
   if (st != STATUS_OK) {
     nn_module_free(m);

@@ -1,5 +1,6 @@
 #include "nn/module.h"
 
+#include <fnmatch.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +26,9 @@ struct nn_module {
   int n_hooks[NN_HOOK_COUNT];
   bool checkpoint;
   void *ext;
+  nn_wrap_fn wrap;
+  void *wrap_user;
+  const char *kind;
 };
 
 /* Grows *arr (of elem bytes) to hold one more element. */
@@ -138,6 +142,25 @@ cleanup:
   return st;
 }
 
+status_t nn_param_set_value(nn_param_t *p, dtensor_t *value) {
+  if (p->external) {
+    dtensor_free(value);
+    return err_set(STATUS_EINVAL, "parameter %s is managed by fully_shard", p->fqn);
+  }
+  tensor_t c;
+  status_t st = tensor_ref(&c, dtensor_local(value));
+  if (st != STATUS_OK) {
+    dtensor_free(value);
+    return st;
+  }
+  nn_param_zero_grad(p);
+  tensor_free(&p->compute);
+  dtensor_free(p->value);
+  p->value = value;
+  p->compute = c;
+  return STATUS_OK;
+}
+
 status_t nn_module_share_param(nn_module_t *m, nn_param_t *p) {
   if (m == NULL || p == NULL) return err_set(STATUS_EINVAL, "module: NULL argument");
   return attach_param(m, p);
@@ -193,7 +216,22 @@ status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind)
   return STATUS_OK;
 }
 
+status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user) {
+  if (m->wrap != NULL)
+    return err_set(STATUS_EINVAL, "module '%s' already has a forward wrapper", nn_module_fqn(m));
+  m->wrap = fn;
+  m->wrap_user = user;
+  return STATUS_OK;
+}
+
+status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  if (m->wrap) return m->wrap(ctx, m, in, out, m->forward, m->wrap_user);
+  return m->forward(ctx, m, in, out);
+}
+
 void nn_module_set_checkpoint(nn_module_t *m, bool enabled) { m->checkpoint = enabled; }
+void nn_module_set_kind(nn_module_t *m, const char *kind) { m->kind = kind; }
+const char *nn_module_kind(const nn_module_t *m) { return m->kind; }
 void nn_module_set_ext(nn_module_t *m, void *ext) { m->ext = ext; }
 void *nn_module_ext(const nn_module_t *m) { return m->ext; }
 bool nn_module_checkpoint(const nn_module_t *m) { return m->checkpoint; }
@@ -300,4 +338,16 @@ void nn_param_zero_grad(nn_param_t *p) {
   tensor_free(&p->compute_grad);
   dtensor_free(p->grad);
   p->grad = NULL;
+}
+
+bool nn_fqn_match(const char *pattern, const char *fqn) {
+  char pb[256], nb[1024];
+  if (strlen(pattern) >= sizeof pb || strlen(fqn) >= sizeof nb) return false;
+  strcpy(pb, pattern);
+  strcpy(nb, fqn);
+  for (char *c = pb; *c; c++)
+    if (*c == '.') *c = '/';
+  for (char *c = nb; *c; c++)
+    if (*c == '.') *c = '/';
+  return fnmatch(pb, nb, FNM_PATHNAME) == 0;
 }

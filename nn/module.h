@@ -113,6 +113,10 @@ nn_param_t *nn_module_param(const nn_module_t *m, int i);
 /* The parameter of m (owned or shared) with local name name, or NULL. */
 nn_param_t *nn_module_param_named(const nn_module_t *m, const char *name);
 
+/* Glob match of an FQN, with '*' and '?' staying inside one dot-separated name
+ * ("model.layers.*" matches each block, not its children). */
+bool nn_fqn_match(const char *pattern, const char *fqn);
+
 /* The module with this FQN under root ("" is root), or NULL. */
 nn_module_t *nn_module_find(nn_module_t *root, const char *fqn);
 
@@ -128,13 +132,36 @@ nn_param_t *nn_param_find(nn_module_t *root, const char *fqn);
  * by fully_shard to accumulate reduced shards). */
 status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g);
 
+/* Replaces p's value (p takes ownership, also on failure): drops the gradient and points
+ * compute at the new local tensor. For layers that redistribute parameters (tensor
+ * parallelism); not for a parameter fully_shard manages. */
+status_t nn_param_set_value(nn_param_t *p, dtensor_t *value);
+
 /* Drops p's gradient (grad and compute_grad). */
 void nn_param_zero_grad(nn_param_t *p);
+
+/* The kind of layer a module is ("linear", "embedding", "rmsnorm"; NULL for others), which
+ * tells tensor parallelism how to split it. The string is not copied. */
+void nn_module_set_kind(nn_module_t *m, const char *kind);
+const char *nn_module_kind(const nn_module_t *m);
 
 /* One slot of extension state per module (fully_shard keeps its parameter group here);
  * not owned by the module. */
 void nn_module_set_ext(nn_module_t *m, void *ext);
 void *nn_module_ext(const nn_module_t *m);
+
+/* A wrapper around a module's forward (tensor parallelism converts the input and output
+ * layouts with it): it receives the call's input and the module's own forward, and returns
+ * the call's output. Runs inside the recorded call, so the operations it records are part of
+ * the call (and are recomputed under activation checkpointing). */
+typedef status_t (*nn_wrap_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
+                               nn_forward_fn inner, void *user);
+
+/* Installs m's forward wrapper (one per module; a second is refused). */
+status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user);
+
+/* Runs m's forward through its wrapper, if any (used by nn_call). */
+status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out);
 
 /* Runs m's hooks of one kind (used by the tape and by fully_shard's explicit calls). */
 status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind);

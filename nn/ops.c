@@ -95,7 +95,8 @@ static status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
   if (!n->param->requires_grad) return STATUS_OK;
   tensor_t dw;
   TRY(zeros_like(&dw, &n->param->compute));
-  status_t st = kernel_embedding_backward(&dw, &n->out->grad, &n->in[0]->value);
+  status_t st =
+      kernel_embedding_shard_backward(&dw, &n->out->grad, &n->in[0]->value, n->ints[0], n->ints[1]);
   if (st != STATUS_OK) {
     tensor_free(&dw);
     return st;
@@ -104,6 +105,11 @@ static status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **out) {
+  return nn_embedding_shard(ctx, ids, w, 0, w->compute.ndim == 2 ? w->compute.shape[0] : 0, out);
+}
+
+status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
+                            int64_t vocab, nn_var_t **out) {
   *out = NULL;
   TRY(check_param("nn_embedding", w));
   const tensor_t *W = &w->compute;
@@ -114,12 +120,16 @@ status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **ou
   shape[ids->value.ndim] = W->shape[1];
   tensor_t y;
   TRY(tensor_init(&y, W->dtype, W->device, ids->value.ndim + 1, shape));
-  status_t st = kernel_embedding(&y, W, &ids->value);
+  status_t st = kernel_embedding_shard(&y, W, &ids->value, first, vocab);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
   }
-  nn_node_t n = {.backward = embedding_backward, .name = "embedding", .in = {ids}, .param = w};
+  nn_node_t n = {.backward = embedding_backward,
+                 .name = "embedding",
+                 .in = {ids},
+                 .param = w,
+                 .ints = {first, vocab}};
   return finish(ctx, &n, nn_needs_grad(ctx, NULL, 0, w), &y, out);
 }
 

@@ -22,6 +22,11 @@ status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out);
 /* y[..., D] = w[ids[...], :] with w [V, D]; ids (I32/I64) get no gradient. */
 status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **out);
 
+/* The same on a vocabulary shard: w holds rows [first, first + V) of `vocab` ids; ids outside
+ * the shard give zero rows and no gradient (a row-wise tensor-parallel embedding, whose
+ * outputs are summed over the shards). */
+status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
+                            int64_t vocab, nn_var_t **out);
 /* RMSNorm over the last dimension with weight w [D], computed in fp32. */
 status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out);
 

@@ -1,31 +1,81 @@
 #include "parallel/parallelize.h"
 
-#include <fnmatch.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 status_t plan_mesh(const plan_t *p, device_type_t dev, mesh_t **out) {
+  int shape[3], n = 0;
+  const char *names[3];
   if (p->dp_replicate > 1) {
-    int shape[2] = {p->dp_replicate, p->dp_shard};
-    const char *names[] = {"dp_replicate", "dp_shard"};
-    return mesh_init(out, 2, shape, names, dev);
+    shape[n] = p->dp_replicate;
+    names[n++] = "dp_replicate";
   }
-  int w = p->dp_shard;
-  const char *names[] = {"dp_shard"};
-  return mesh_init(out, 1, &w, names, dev);
+  shape[n] = p->dp_shard;
+  names[n++] = "dp_shard";
+  if (p->tp > 1) {
+    shape[n] = p->tp;
+    names[n++] = "tp";
+  }
+  return mesh_init(out, n, shape, names, dev);
 }
 
-/* fnmatch with '*' and '?' staying inside one dot-separated component of the FQN. */
-static bool fqn_match(const char *pattern, const char *fqn) {
-  char pb[PLAN_PATTERN_MAX], nb[1024];
-  if (strlen(pattern) >= sizeof pb || strlen(fqn) >= sizeof nb) return false;
-  strcpy(pb, pattern);
-  strcpy(nb, fqn);
-  for (char *c = pb; *c; c++)
-    if (*c == '.') *c = '/';
-  for (char *c = nb; *c; c++)
-    if (*c == '.') *c = '/';
-  return fnmatch(pb, nb, FNM_PATHNAME) == 0;
+status_t plan_dp_mesh(const plan_t *p, const mesh_t *world, mesh_t **out) {
+  const char *names[2] = {"dp_replicate", "dp_shard"};
+  int n = p->dp_replicate > 1 ? 2 : 1;
+  return mesh_slice(world, n, names + 2 - n, out);
+}
+
+/* The Llama plan of TorchTitan: attention and MLP inputs split by column and outputs by
+ * row, the vocabulary split in the embedding and lm_head (whose output is made whole for the
+ * loss), norms on sequence shards under sequence parallelism. */
+static const tp_rule_t llama_plan[] = {
+    {"model.embed_tokens", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.input_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn.q_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn.k_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn.v_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn.o_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.post_attention_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT,
+     TP_LAYOUT_DEFAULT},
+    {"model.layers.*.mlp", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.mlp.gate_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.mlp.up_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.mlp.down_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.norm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"lm_head", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_REPLICATE},
+};
+
+int plan_default_tp_rules(const tp_rule_t **rules) {
+  *rules = llama_plan;
+  return (int)(sizeof llama_plan / sizeof llama_plan[0]);
+}
+
+status_t plan_apply_tensor_parallel(const plan_t *p, llama_t *m, const mesh_t *world,
+                                    mesh_t **tp_mesh, tp_plan_t **out) {
+  *out = NULL;
+  *tp_mesh = NULL;
+  if (p->tp <= 1) return STATUS_OK;
+  tp_rule_t rules[PLAN_MAX_TP_RULES];
+  const tp_rule_t *use = rules;
+  int n = p->n_tp_rules;
+  for (int i = 0; i < n; i++)
+    rules[i] = (tp_rule_t){p->tp_rules[i].pattern, p->tp_rules[i].style, p->tp_rules[i].input,
+                           p->tp_rules[i].output};
+  if (!p->tp_plan_given) n = plan_default_tp_rules(&use);
+  TRY(mesh_slice(world, 1, (const char *[]){"tp"}, tp_mesh));
+  status_t st = tensor_parallel(llama_module(m), *tp_mesh, use, n, p->sequence_parallel, out);
+  if (st != STATUS_OK && p->tp_plan_given) { /* name the rule's place in the file */
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", err_detail());
+    st = err_set(st, "%s: parallelize.tensor_parallel.plan: %s", p->tp_where.text, msg);
+  }
+  if (st != STATUS_OK) {
+    mesh_free(*tp_mesh);
+    *tp_mesh = NULL;
+  }
+  return st;
 }
 
 typedef struct walk {
@@ -55,14 +105,14 @@ static status_t visit(walk_t *w, nn_module_t *mod) {
   for (int i = 0; i < nn_module_num_children(mod); i++) TRY(visit(w, nn_module_child(mod, i)));
   if (mod == w->root) return STATUS_OK;
   for (int u = 0; u < w->p->n_units; u++)
-    if (fqn_match(w->p->units[u].pattern, nn_module_fqn(mod))) {
+    if (nn_fqn_match(w->p->units[u].pattern, nn_module_fqn(mod))) {
       return shard_unit(w, mod, &w->p->units[u]);
     }
   return STATUS_OK;
 }
 
 static int count_matches(const nn_module_t *root, const nn_module_t *mod, const char *pattern) {
-  int n = mod != root && fqn_match(pattern, nn_module_fqn(mod));
+  int n = mod != root && nn_fqn_match(pattern, nn_module_fqn(mod));
   for (int i = 0; i < nn_module_num_children(mod); i++)
     n += count_matches(root, nn_module_child(mod, i), pattern);
   return n;

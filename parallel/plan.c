@@ -443,12 +443,69 @@ static status_t read_units(ctx_t *c, int fs) {
   return STATUS_OK;
 }
 
+static status_t read_tp_layout(ctx_t *c, int map, const char *path, const char *key,
+                               tp_layout_t *out) {
+  int v = find(c, map, key);
+  if (is_null(c, v)) return STATUS_OK;
+  const char *s = scalar(c, v);
+  if (s == NULL || !tp_layout_parse(s, out))
+    return fail(c, v, path, "%s: expected replicate, shard(1) or shard(-1)", key);
+  return STATUS_OK;
+}
+
+/* tensor_parallel: {plan: {PATTERN: STYLE | {style: STYLE, input: L, output: L}},
+ * sequence_parallel: bool} */
+static status_t read_tp(ctx_t *c, int tp) {
+  static const char *const keys[] = {"plan", "sequence_parallel", NULL};
+  static const char *const rkeys[] = {"style", "input", "output", NULL};
+  plan_t *p = c->p;
+  const char *path = "parallelize.tensor_parallel";
+  if (node(c, tp)->type != YAML_MAPPING_NODE)
+    return fail(c, tp, path, "expected a mapping with plan and sequence_parallel");
+  TRY(check_keys(c, tp, path, keys));
+  where_of(c, tp, &p->tp_where);
+  TRY(get_bool(c, tp, path, "sequence_parallel", &p->sequence_parallel));
+  int pl = find(c, tp, "plan");
+  if (is_null(c, pl)) return STATUS_OK;
+  const char *ppath = "parallelize.tensor_parallel.plan";
+  yaml_node_t *n = node(c, pl);
+  if (n->type != YAML_MAPPING_NODE)
+    return fail(c, pl, ppath, "expected a mapping of module pattern: style");
+  p->tp_plan_given = true;
+  for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
+    const char *k = scalar(c, a->key);
+    if (p->n_tp_rules == PLAN_MAX_TP_RULES)
+      return fail(c, a->key, ppath, "more than %d rules", PLAN_MAX_TP_RULES);
+    if (k == NULL || strlen(k) >= PLAN_PATTERN_MAX)
+      return fail(c, a->key, ppath, "expected module pattern: style");
+    plan_tp_rule_t *r = &p->tp_rules[p->n_tp_rules];
+    memset(r, 0, sizeof *r);
+    char rpath[PLAN_PATTERN_MAX + 64];
+    snprintf(rpath, sizeof rpath, "%s.%s", ppath, k);
+    int sv = a->value;
+    if (node(c, a->value)->type == YAML_MAPPING_NODE) {
+      TRY(check_keys(c, a->value, rpath, rkeys));
+      sv = find(c, a->value, "style");
+      if (sv == 0) return fail(c, a->value, rpath, "style: missing");
+      TRY(read_tp_layout(c, a->value, rpath, "input", &r->input));
+      TRY(read_tp_layout(c, a->value, rpath, "output", &r->output));
+    }
+    const char *s = scalar(c, sv);
+    if (s == NULL || !tp_style_parse(s, &r->style))
+      return fail(c, sv, rpath,
+                  "unknown style '%s' (colwise, rowwise, sequence_parallel, prepare_input)",
+                  s ? s : "");
+    strcpy(r->pattern, k);
+    where_of(c, a->key, &r->where);
+    p->n_tp_rules++;
+  }
+  return STATUS_OK;
+}
+
 static status_t read_parallelize(ctx_t *c, int root) {
   static const char *const keys[] = {"fully_shard", "tensor_parallel", NULL};
   static const char *const fs_keys[] = {"units", "reshard_after_forward", "mp_policy", "offload",
                                         NULL};
-  static const char *const styles[] = {"colwise", "rowwise", "sequence_parallel", "prepare_input",
-                                       NULL};
   plan_t *p = c->p;
   int m;
   TRY(section(c, root, "parallelize", keys, &m));
@@ -468,28 +525,7 @@ static status_t read_parallelize(ctx_t *c, int root) {
     TRY(read_units(c, fs));
   }
   int tp = m ? find(c, m, "tensor_parallel") : 0;
-  if (!is_null(c, tp)) {
-    yaml_node_t *n = node(c, tp);
-    const char *path = "parallelize.tensor_parallel";
-    if (n->type != YAML_MAPPING_NODE)
-      return fail(c, tp, path, "expected a mapping of module pattern: style");
-    for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
-      const char *k = scalar(c, a->key), *s = scalar(c, a->value);
-      if (p->n_tp_rules == PLAN_MAX_TP_RULES)
-        return fail(c, a->key, path, "more than %d rules", PLAN_MAX_TP_RULES);
-      if (k == NULL || s == NULL || strlen(k) >= PLAN_PATTERN_MAX)
-        return fail(c, a->key, path, "expected module pattern: style");
-      bool known = false;
-      for (int i = 0; styles[i]; i++) known |= strcmp(styles[i], s) == 0;
-      if (!known)
-        return fail(c, a->value, path,
-                    "unknown style '%s' (colwise, rowwise, sequence_parallel, prepare_input)", s);
-      plan_tp_rule_t *r = &p->tp_rules[p->n_tp_rules++];
-      strcpy(r->pattern, k);
-      strcpy(r->style, s);
-      where_of(c, a->key, &r->where);
-    }
-  }
+  if (!is_null(c, tp)) TRY(read_tp(c, tp));
   return STATUS_OK;
 }
 
@@ -728,10 +764,28 @@ status_t plan_resolve(plan_t *p, int world) {
                    "has %d ranks",
                    p->mesh_where.text, p->dp_replicate, p->dp_shard, p->tp, known, world);
   }
-  if (p->tp > 1)
-    return err_set(STATUS_EUNSUPPORTED,
-                   "%s: mesh.tp: tensor parallelism (tp = %d) is not supported yet; use tp: 1",
-                   p->mesh_where.text, p->tp);
+  if (p->tp > 1) {
+    const struct {
+      const char *key;
+      int64_t v;
+      const char *why;
+    } split[] = {{"n_heads", p->model.n_heads, "whole attention heads"},
+                 {"n_kv_heads", p->model.n_kv_heads, "whole key/value heads"},
+                 {"ffn_dim", p->model.ffn_dim, "an equal slice of the MLP"},
+                 {"vocab_size", p->model.vocab_size, "an equal slice of the vocabulary"}};
+    for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
+      if (split[i].v % p->tp != 0)
+        return err_set(STATUS_EINVAL,
+                       "%s: mesh.tp: %d does not divide model.%s=%lld (each tensor-parallel "
+                       "rank needs %s)",
+                       p->mesh_where.text, p->tp, split[i].key, (long long)split[i].v,
+                       split[i].why);
+    if (p->sequence_parallel && p->seq_len % p->tp != 0)
+      return err_set(STATUS_EINVAL,
+                     "%s: data.seq_len: %lld is not divisible by mesh.tp=%d (sequence "
+                     "parallelism splits the sequence evenly)",
+                     p->data_where.text, (long long)p->seq_len, p->tp);
+  }
   for (int i = 0; i <= p->n_units; i++) {
     int N = i < p->n_units ? p->units[i].reshard_after_forward : p->reshard_after_forward;
     const char *w = i < p->n_units ? p->units[i].where.text : p->fsdp_where.text;

@@ -19,6 +19,7 @@
 #include "nn/data.h"
 #include "nn/llama.h"
 #include "nn/optim.h"
+#include "parallel/tensor_parallel.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,9 +45,12 @@ typedef struct plan_unit {
   plan_where_t where;
 } plan_unit_t;
 
+/* One tensor-parallel rule: modules matching pattern get a style (layouts: TP_LAYOUT_DEFAULT
+ * for the style's own). */
 typedef struct plan_tp_rule {
   char pattern[PLAN_PATTERN_MAX];
-  char style[32];
+  tp_style_t style;
+  tp_layout_t input, output;
   plan_where_t where;
 } plan_tp_rule_t;
 
@@ -66,9 +70,12 @@ typedef struct plan {
   dtype_t param_dtype, reduce_dtype;
   bool offload;
   plan_where_t fsdp_where;
-  /* parallelize.tensor_parallel */
+  /* parallelize.tensor_parallel: the rules of `plan` (the built-in Llama plan when absent) */
   plan_tp_rule_t tp_rules[PLAN_MAX_TP_RULES];
   int n_tp_rules;
+  bool tp_plan_given;
+  bool sequence_parallel;
+  plan_where_t tp_where;
   /* optim, schedule */
   adamw_config_t optim;
   char group_patterns[ADAMW_MAX_GROUPS][PLAN_PATTERN_MAX]; /* storage of optim.groups[].pattern */
@@ -101,7 +108,8 @@ void plan_defaults(plan_t *p);
 status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets);
 
 /* Resolves -1 mesh sizes against the world size and checks what needs it: the mesh product,
- * integer reshards dividing dp_shard, tensor parallelism (not supported yet), the data file.
+ * integer reshards dividing dp_shard, tensor-parallel sizes (heads, key/value heads, ffn_dim,
+ * vocab_size and, under sequence parallelism, data.seq_len divisible by tp), the data file.
  * Local (every rank reaches the same verdict). */
 status_t plan_resolve(plan_t *p, int world_size);
 

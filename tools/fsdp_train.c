@@ -108,8 +108,11 @@ static void mib(char *buf, size_t n, double bytes) {
 typedef struct run {
   plan_t plan;
   args_t args;
-  mesh_t *mesh, *dp_flat;
-  pg_t *dp; /* every data-parallel rank (for the loss, clipping) */
+  mesh_t *mesh;    /* the world: (dp_replicate,) dp_shard(, tp) */
+  mesh_t *dp_mesh; /* its data-parallel slice, which fully_shard shards over */
+  mesh_t *tp_mesh; /* its tp slice, or NULL */
+  mesh_t *all;     /* every rank as one dimension (gradient clipping) */
+  tp_plan_t *tp;
   llama_t *model;
   fsdp_group_t *groups[MAX_GROUPS];
   int n_groups;
@@ -129,20 +132,21 @@ static status_t build(run_t *r) {
   TRY(plan_mesh(p, world_device().type, &r->mesh));
   r->dev = mesh_device(r->mesh);
   int md = mesh_ndim(r->mesh);
-  if (md == 2) {
-    const char *names[] = {"dp_replicate", "dp_shard"};
-    TRY(mesh_flatten(r->mesh, 2, names, "dp", &r->dp_flat));
-  }
-  r->dp = mesh_group(md == 2 ? r->dp_flat : r->mesh, 0);
+  const char *names[3];
+  for (int i = 0; i < md; i++) names[i] = mesh_dim_name(r->mesh, i);
+  TRY(mesh_flatten(r->mesh, md, names, "all", &r->all));
+  TRY(plan_dp_mesh(p, r->mesh, &r->dp_mesh));
   r->dp_size = p->dp_replicate * p->dp_shard;
-  r->dp_rank = md == 2 ? mesh_coord(r->mesh, 0) * p->dp_shard + mesh_coord(r->mesh, 1)
-                       : mesh_coord(r->mesh, 0);
+  r->dp_rank = mesh_ndim(r->dp_mesh) == 2
+                   ? mesh_coord(r->dp_mesh, 0) * p->dp_shard + mesh_coord(r->dp_mesh, 1)
+                   : mesh_coord(r->dp_mesh, 0);
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.device = r->dev.type;
   lo.activation_checkpointing = p->activation_checkpointing;
   TRY(llama_new(&r->model, &p->model, &lo));
   if (!p->init_from[0]) TRY(llama_init_weights(r->model, p->model_seed));
-  TRY(plan_apply_fully_shard(p, r->model, r->mesh, r->groups, MAX_GROUPS, &r->n_groups));
+  TRY(plan_apply_tensor_parallel(p, r->model, r->mesh, &r->tp_mesh, &r->tp));
+  TRY(plan_apply_fully_shard(p, r->model, r->dp_mesh, r->groups, MAX_GROUPS, &r->n_groups));
   if (p->init_from[0]) { /* after sharding: each rank reads only its shards' rows */
     char w[PLAN_PATH_MAX + 32];
     snprintf(w, sizeof w, "%s/model.safetensors", p->init_from);
@@ -259,18 +263,45 @@ static comm_t comm_model(const run_t *r) {
       c.ar += A * 2.0 * (R - 1) * flat * (double)dtype_size(rd) / R;
     }
   }
+  /* tensor parallelism with the built-in Llama plan (README, "Tensor parallelism"): per
+   * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype */
+  int T = p->tp;
+  if (T > 1 && !p->tp_plan_given) {
+    const llama_config_t *mc = &p->model;
+    double es = (double)dtype_size(r->n_groups ? fsdp_param_dtype(r->groups[0]) : DTYPE_F32);
+    double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
+    double logits = (double)(p->batch_size * p->seq_len) * (double)mc->vocab_size / T;
+    double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
+    c.n_ag += (long long)A;
+    c.ag += A * (T - 1) * logits * es; /* the lm_head output made whole */
+    if (p->sequence_parallel) {
+      /* all-gather (n/T in) and reduce-scatter (n/T out) pairs: embedding, two prepare_input
+       * and two rowwise per block (forward and backward), lm_head input; norm-weight sums */
+      double pairs = 2 + 2 * L * (1 + fwd);
+      c.n_ag += (long long)(A * pairs);
+      c.n_rs += (long long)(A * pairs);
+      c.ag += A * pairs * (T - 1) * n / T * es;
+      c.rs += A * pairs * (T - 1) * n / T * es;
+      c.n_ar += (long long)(A * (2 * L + 1));
+      c.ar += A * (2 * L + 1) * (double)(2 * (T - 1) * (mc->dim * (int64_t)es) / T);
+    } else {
+      /* all-reduces of n: embedding and rowwise outputs (forward), prepare_input and lm_head
+       * inputs (backward) */
+      double k = 2 + 2 * L * (1 + fwd);
+      c.n_ar += (long long)(A * k);
+      c.ar += A * k * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T);
+    }
+  }
   return c;
 }
 
 static double counted_bytes(const run_t *r) {
   double b = 0;
-  pg_t *pgs[2] = {mesh_group(r->mesh, mesh_ndim(r->mesh) - 1),
-                  mesh_ndim(r->mesh) == 2 ? mesh_group(r->mesh, 0) : NULL};
-  for (int k = 0; k < 2; k++) {
-    if (pgs[k] == NULL) continue;
-    pg_counters_t c = pg_counters(pgs[k]);
+  for (int k = 0; k < mesh_ndim(r->mesh); k++) {
+    pg_t *pg = mesh_group(r->mesh, k);
+    pg_counters_t c = pg_counters(pg);
     for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
-    pg_reset_counters(pgs[k]);
+    pg_reset_counters(pg);
   }
   pg_t *pf[MAX_GROUPS];
   int npf = fsdp_post_forward_groups((fsdp_group_t *const *)r->groups, r->n_groups, pf);
@@ -287,9 +318,10 @@ static void dry_run(const run_t *r) {
   int W = p->dp_shard;
   if (world_rank() == 0) {
     printf(
-        "\nparameters (placements on mesh (%s), global shape, local shape of each dp_shard "
-        "rank):\n",
-        p->dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard");
+        "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "
+        "rank%s):\n",
+        p->dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard", p->tp > 1 ? ", tp" : "",
+        p->tp > 1 ? " at rank 0's tp coordinate" : "");
     for (int i = 0; i < r->n; i++) {
       const dtensor_t *v = r->ps[i]->value;
       char pl[64], gs[64] = "";
@@ -300,11 +332,17 @@ static void dry_run(const run_t *r) {
         snprintf(gs + strlen(gs), sizeof gs - strlen(gs), "%s%lld", d ? "x" : "",
                  (long long)shape[d]);
       printf("  %-44s %-22s %-12s", r->ps[i]->fqn, pl, gs);
+      const mesh_t *vm = dtensor_mesh(v);
+      int coord[MESH_MAX_DIMS], sd = mesh_dim_index(vm, "dp_shard");
+      for (int k = 0; k < mesh_ndim(vm); k++) coord[k] = mesh_coord(vm, k);
       for (int k = 0; k < W; k++) {
-        int64_t start, len;
-        chunk_range(shape[0], W, k, &start, &len);
-        printf(" %lld", (long long)len);
-        for (int d = 1; d < nd; d++) printf("x%lld", (long long)shape[d]);
+        int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
+        if (sd >= 0) coord[sd] = k;
+        if (dtensor_compute_box(vm, dtensor_placements(v), nd, shape, coord, local, off) !=
+            STATUS_OK)
+          break;
+        printf(" ");
+        for (int d = 0; d < nd; d++) printf("%s%lld", d ? "x" : "", (long long)local[d]);
       }
       printf("\n");
     }
@@ -376,14 +414,14 @@ static status_t train(run_t *r) {
     }
     double norm = 0, factor = lr_schedule_factor(&sched, s);
     if (st == STATUS_OK)
-      st = clip_grad_norm(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY, r->dp,
-                          &norm);
+      st = clip_grad_norm(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY,
+                          mesh_group(r->all, 0), &norm);
     if (st == STATUS_OK) st = optim_step(r->opt, factor);
     if (st == STATUS_OK) st = device_stream_sync(r->dev);
     if (st != STATUS_OK) break;
     double gl = 0;
     MPI_Allreduce(&loss, &gl, 1, MPI_DOUBLE, MPI_SUM, world_comm());
-    gl /= world_size(); /* tp ranks (none yet) would repeat the same loss */
+    gl /= world_size(); /* the ranks of one tp group hold the same loss */
     double dt = now() - t0;
     double tokens = (double)(p->batch_size * p->seq_len * p->grad_accum * r->dp_size);
     double tps = tokens / dt, comm = counted_bytes(r);
@@ -492,8 +530,11 @@ int main(int argc, char **argv) {
     free(r->ps);
     if (r->model) fsdp_free_all(llama_module(r->model));
     llama_free(r->model);
+    tp_free(r->tp);
     data_free(r->data);
-    mesh_free(r->dp_flat);
+    mesh_free(r->tp_mesh);
+    mesh_free(r->dp_mesh);
+    mesh_free(r->all);
     mesh_free(r->mesh);
     free(r);
   }

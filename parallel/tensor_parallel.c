@@ -1,0 +1,465 @@
+#include "parallel/tensor_parallel.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/kernels.h"
+#include "nn/ops.h"
+
+/* ---- names ---- */
+
+static const char *const style_names[TP_STYLE_COUNT] = {"colwise", "rowwise", "sequence_parallel",
+                                                        "prepare_input"};
+static const char *const layout_names[TP_LAYOUT_COUNT] = {"default", "replicate", "shard(1)",
+                                                          "shard(-1)", "replicate"};
+
+bool tp_style_parse(const char *name, tp_style_t *out) {
+  for (int i = 0; i < TP_STYLE_COUNT; i++)
+    if (strcmp(name, style_names[i]) == 0) {
+      *out = (tp_style_t)i;
+      return true;
+    }
+  return false;
+}
+
+const char *tp_style_name(tp_style_t s) {
+  return s >= 0 && s < TP_STYLE_COUNT ? style_names[s] : "?";
+}
+
+bool tp_layout_parse(const char *name, tp_layout_t *out) {
+  for (int i = TP_REPLICATE; i <= TP_SHARD_LAST; i++)
+    if (strcmp(name, layout_names[i]) == 0) {
+      *out = (tp_layout_t)i;
+      return true;
+    }
+  return false;
+}
+
+const char *tp_layout_name(tp_layout_t l) {
+  return l >= 0 && l < TP_LAYOUT_COUNT ? layout_names[l] : "?";
+}
+
+/* ---- the state of one wrapped module ---- */
+
+typedef struct tp_mod {
+  nn_module_t *m;
+  tp_style_t style;
+  tp_layout_t in, out; /* resolved: never TP_LAYOUT_DEFAULT */
+  bool embedding;
+  mesh_t *mesh;
+  nn_param_t *w;
+  int64_t first, vocab; /* rowwise embedding: the shard's rows of the vocabulary */
+  tensor_t stash;       /* sequence_parallel: the weight's gradient from earlier calls */
+} tp_mod_t;
+
+struct tp_plan {
+  tp_mod_t *mods;
+  int n;
+};
+
+/* ---- conversions: differentiable redistributions of activations ---- */
+
+/* A conversion moves the activation between placements on the 1-D tp mesh; its backward
+ * moves the gradient between the conjugate placements. */
+typedef enum conv {
+  CONV_COPY,          /* R -> R: nothing; backward P -> R */
+  CONV_GATHER_SEQ,    /* S(1) -> R; backward P -> S(1) */
+  CONV_SCATTER_SEQ,   /* R -> S(1); backward S(1) -> R */
+  CONV_GATHER_LAST,   /* S(-1) -> R; backward R -> S(-1) */
+  CONV_REDUCE,        /* P -> R; backward R -> R */
+  CONV_REDUCE_SCATTER /* P -> S(1); backward S(1) -> R */
+} conv_t;
+
+typedef enum pk { PK_R, PK_P, PK_SEQ, PK_LAST } pk_t;
+
+static const pk_t conv_fwd[][2] = {{PK_R, PK_R},    {PK_SEQ, PK_R}, {PK_R, PK_SEQ},
+                                   {PK_LAST, PK_R}, {PK_P, PK_R},   {PK_P, PK_SEQ}};
+static const pk_t conv_bwd[][2] = {{PK_P, PK_R},    {PK_P, PK_SEQ}, {PK_SEQ, PK_R},
+                                   {PK_R, PK_LAST}, {PK_R, PK_R},   {PK_SEQ, PK_R}};
+static const char *const conv_names[] = {"copy",       "gather(1)", "scatter(1)",
+                                         "gather(-1)", "reduce",    "reduce_scatter(1)"};
+
+static placement_t placement_of(pk_t k, int ndim) {
+  switch (k) {
+    case PK_P: return placement_partial(REDUCE_SUM);
+    case PK_SEQ: return placement_shard(1);
+    case PK_LAST: return placement_shard(ndim - 1);
+    default: return placement_replicate();
+  }
+}
+
+/* The global shape of a local tensor x held with placement k on W ranks. */
+static void global_of(const tensor_t *x, pk_t k, int W, int64_t *shape) {
+  memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
+  if (k == PK_SEQ) shape[1] *= W;
+  if (k == PK_LAST) shape[x->ndim - 1] *= W;
+}
+
+/* y = x moved from placement a to b on mesh (x local, y a new tensor). */
+static status_t move(mesh_t *mesh, const tensor_t *x, pk_t a, pk_t b, tensor_t *y) {
+  if (a == b || (a == PK_P && b == PK_R && mesh_size(mesh, 0) == 1)) return tensor_ref(y, x);
+  int64_t shape[TENSOR_MAX_DIMS];
+  global_of(x, a, mesh_size(mesh, 0), shape);
+  placement_t pa = placement_of(a, x->ndim), pb = placement_of(b, x->ndim);
+  dtensor_t *src = NULL, *dst = NULL;
+  TRY(dtensor_from_local(&src, x, mesh, &pa, x->ndim, shape));
+  status_t st = dtensor_redistribute(src, &pb, &dst);
+  if (st == STATUS_OK) st = tensor_ref(y, dtensor_local(dst));
+  dtensor_free(dst);
+  dtensor_free(src);
+  return st;
+}
+
+static status_t convert_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *x = n->in[0];
+  if (!x->requires_grad) return STATUS_OK;
+  conv_t c = (conv_t)n->ints[0];
+  tensor_t g;
+  TRY(move(n->user, &n->out->grad, conv_bwd[c][0], conv_bwd[c][1], &g));
+  return nn_accumulate_grad(x, &g);
+}
+
+/* Divisibility of the dimension a conversion splits. */
+static status_t check_split(const tp_mod_t *t, const tensor_t *x, conv_t c) {
+  int W = mesh_size(t->mesh, 0), d = -1;
+  if (c == CONV_SCATTER_SEQ || c == CONV_REDUCE_SCATTER) d = 1;
+  if (d < 0) return STATUS_OK;
+  if (x->ndim < 2 || x->shape[d] % W != 0)
+    return err_set(STATUS_ESHAPE,
+                   "tensor parallel: %s: the sequence length %lld is not divisible by tp=%d "
+                   "(sequence parallelism splits it evenly)",
+                   nn_module_fqn(t->m), (long long)(x->ndim >= 2 ? x->shape[1] : 0), W);
+  return STATUS_OK;
+}
+
+static status_t convert(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, conv_t c, tp_layout_t tag,
+                        nn_var_t **out) {
+  *out = NULL;
+  TRY(check_split(t, &x->value, c));
+  tensor_t y;
+  TRY(move(t->mesh, &x->value, conv_fwd[c][0], conv_fwd[c][1], &y));
+  TRY(nn_var_new(out, &y, x->requires_grad));
+  (*out)->layout = tag;
+  if (!nn_needs_grad(ctx, &x, 1, NULL)) return STATUS_OK;
+  nn_node_t n = {.backward = convert_backward,
+                 .name = conv_names[c],
+                 .in = {x},
+                 .out = *out,
+                 .user = t->mesh,
+                 .ints = {c, 0}};
+  return nn_record(ctx, &n);
+}
+
+static status_t unsupported(const tp_mod_t *t, const char *what, tp_layout_t from, tp_layout_t to) {
+  return err_set(STATUS_EUNSUPPORTED, "tensor parallel: %s (%s): %s from %s to %s is not supported",
+                 nn_module_fqn(t->m), tp_style_name(t->style), what, tp_layout_name(from),
+                 tp_layout_name(to));
+}
+
+/* The layout x arrives in: what an earlier conversion recorded, else the declared one. */
+static tp_layout_t arriving(const nn_var_t *x, tp_layout_t declared) {
+  return x->layout != TP_LAYOUT_DEFAULT ? (tp_layout_t)x->layout : declared;
+}
+
+/* An input made ready for a style: Replicate for colwise layers (reduced once in backward),
+ * Shard(1) for sequence-parallel norms, Shard(-1) for rowwise layers. *y is a new
+ * reference. */
+static status_t prepare(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, tp_layout_t want,
+                        nn_var_t **y) {
+  tp_layout_t from = arriving(x, t->in);
+  if (from == want || (want == TP_SHARD_LAST && from == TP_LAYOUT_DEFAULT)) {
+    *y = nn_var_ref(x);
+    return STATUS_OK;
+  }
+  if (want == TP_REPLICATE_REDUCED && from == TP_REPLICATE)
+    return convert(ctx, t, x, CONV_COPY, want, y);
+  if (want == TP_REPLICATE_REDUCED && from == TP_SHARD_SEQ)
+    return convert(ctx, t, x, CONV_GATHER_SEQ, want, y);
+  if (want == TP_SHARD_SEQ && (from == TP_REPLICATE || from == TP_REPLICATE_REDUCED))
+    return convert(ctx, t, x, CONV_SCATTER_SEQ, want, y);
+  return unsupported(t, "input", from, want);
+}
+
+/* A layer's own output (Shard(-1) or Partial) moved to the rule's output layout. */
+static status_t finish(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *y, bool partial,
+                       nn_var_t **out) {
+  if (partial && t->out == TP_REPLICATE) return convert(ctx, t, y, CONV_REDUCE, TP_REPLICATE, out);
+  if (partial && t->out == TP_SHARD_SEQ)
+    return convert(ctx, t, y, CONV_REDUCE_SCATTER, TP_SHARD_SEQ, out);
+  if (!partial && t->out == TP_SHARD_LAST) {
+    y->layout = TP_SHARD_LAST;
+    *out = nn_var_ref(y);
+    return STATUS_OK;
+  }
+  if (!partial && t->out == TP_REPLICATE)
+    return convert(ctx, t, y, CONV_GATHER_LAST, TP_REPLICATE, out);
+  if (!partial && t->out == TP_SHARD_SEQ) {
+    nn_var_t *r = NULL;
+    TRY(convert(ctx, t, y, CONV_GATHER_LAST, TP_REPLICATE, &r));
+    status_t st = convert(ctx, t, r, CONV_SCATTER_SEQ, TP_SHARD_SEQ, out);
+    nn_var_put(r);
+    return st;
+  }
+  return unsupported(t, "output", partial ? TP_LAYOUT_COUNT : TP_SHARD_LAST, t->out);
+}
+
+/* ---- forward wrappers ---- */
+
+static status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
+                        nn_forward_fn inner, void *user) {
+  const tp_mod_t *t = user;
+  nn_var_t *x = NULL, *y = NULL;
+  status_t st = STATUS_OK;
+  *out = NULL;
+  switch (t->style) {
+    case TP_PREPARE_INPUT:
+      TRY(prepare(ctx, t, in, TP_REPLICATE_REDUCED, &x));
+      st = inner(ctx, m, x, out);
+      break;
+    case TP_SEQUENCE_PARALLEL:
+      TRY(prepare(ctx, t, in, TP_SHARD_SEQ, &x));
+      st = inner(ctx, m, x, out);
+      if (st == STATUS_OK) (*out)->layout = TP_SHARD_SEQ;
+      break;
+    case TP_COLWISE:
+      if (t->embedding) { /* ids stay whole; each rank looks up its columns */
+        TRY_GOTO(st, inner(ctx, m, in, &y));
+      } else {
+        TRY(prepare(ctx, t, in, TP_REPLICATE_REDUCED, &x));
+        TRY_GOTO(st, inner(ctx, m, x, &y));
+      }
+      st = finish(ctx, t, y, false, out);
+      break;
+    case TP_ROWWISE:
+      if (t->embedding) {
+        TRY_GOTO(st, nn_embedding_shard(ctx, in, t->w, t->first, t->vocab, &y));
+      } else {
+        TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
+        TRY_GOTO(st, inner(ctx, m, x, &y));
+      }
+      st = finish(ctx, t, y, true, out);
+      break;
+    default: st = err_set(STATUS_EINTERNAL, "tensor parallel: bad style");
+  }
+cleanup:
+  nn_var_put(x);
+  nn_var_put(y);
+  if (st != STATUS_OK && *out) {
+    nn_var_put(*out);
+    *out = NULL;
+  }
+  return st;
+}
+
+/* Sequence-parallel norms: each rank's weight gradient covers its sequence shard, so each
+ * call's contribution is summed over tp (earlier calls' sums are set aside meanwhile). */
+static status_t sp_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
+  (void)ctx;
+  (void)m;
+  tp_mod_t *t = user;
+  nn_param_t *p = t->w;
+  bool has = p->compute_grad.storage != NULL;
+  if (kind == NN_HOOK_PRE_BACKWARD) {
+    tensor_free(&t->stash);
+    if (has) {
+      t->stash = p->compute_grad;
+      memset(&p->compute_grad, 0, sizeof p->compute_grad);
+    }
+    return STATUS_OK;
+  }
+  if (kind != NN_HOOK_POST_BACKWARD) return STATUS_OK;
+  status_t st = STATUS_OK;
+  if (has) {
+    tensor_t *g = &p->compute_grad;
+    st = pg_all_reduce(mesh_group(t->mesh, 0), g->data, g->data, (size_t)tensor_numel(g), g->dtype,
+                       REDUCE_SUM, NULL);
+    if (st == STATUS_OK && t->stash.storage != NULL) st = kernel_axpy(g, 1.0f, &t->stash);
+    tensor_free(&t->stash);
+  } else if (t->stash.storage != NULL) {
+    p->compute_grad = t->stash;
+    memset(&t->stash, 0, sizeof t->stash);
+  }
+  return st;
+}
+
+/* ---- applying a plan ---- */
+
+static bool is_local(const nn_param_t *p) {
+  const mesh_t *pm = dtensor_mesh(p->value);
+  return mesh_ndim(pm) == 1 && mesh_size(pm, 0) == 1 && !p->external;
+}
+
+/* p becomes a DTensor with placement pl on mesh; a parameter already placed there (a tied
+ * weight) must agree. */
+static status_t place(nn_param_t *p, mesh_t *mesh, placement_t pl, const char *module) {
+  if (dtensor_mesh(p->value) == mesh) {
+    if (placement_equal(dtensor_placements(p->value)[0], pl)) return STATUS_OK;
+    char a[32], b[32];
+    return err_set(STATUS_EINVAL,
+                   "tensor parallel: %s: parameter %s is already placed %s on tp; this style "
+                   "needs %s",
+                   module, p->fqn, placement_str(dtensor_placements(p->value)[0], a, sizeof a),
+                   placement_str(pl, b, sizeof b));
+  }
+  if (!is_local(p))
+    return err_set(STATUS_EINVAL, "tensor parallel: parameter %s is already distributed", p->fqn);
+  const tensor_t *full = dtensor_local(p->value);
+  int W = mesh_size(mesh, 0);
+  if (pl.kind == PLACEMENT_SHARD && full->shape[pl.dim] % W != 0)
+    return err_set(STATUS_ESHAPE,
+                   "tensor parallel: %s: parameter %s has %lld %s, not divisible by tp=%d "
+                   "(uneven tensor parallelism is not supported)",
+                   module, p->fqn, (long long)full->shape[pl.dim], pl.dim == 0 ? "rows" : "columns",
+                   W);
+  dtensor_t *dt;
+  TRY(dtensor_distribute(&dt, full, mesh, &pl, DTENSOR_ALL_RANKS));
+  return nn_param_set_value(p, dt);
+}
+
+static const char *kind_of(const nn_module_t *m) {
+  const char *k = nn_module_kind(m);
+  return k ? k : "container";
+}
+
+/* Resolves a rule's layouts and splits the module's weight. */
+static status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
+  const char *kind = kind_of(t->m), *fqn = nn_module_fqn(t->m);
+  tp_layout_t model = sp ? TP_SHARD_SEQ : TP_REPLICATE;
+  bool linear = strcmp(kind, "linear") == 0;
+  t->embedding = strcmp(kind, "embedding") == 0;
+  t->style = r->style;
+  t->w = nn_module_param_named(t->m, "weight");
+  placement_t pl = placement_replicate();
+  switch (r->style) {
+    case TP_COLWISE:
+    case TP_ROWWISE:
+      if (!linear && !t->embedding)
+        return err_set(STATUS_EINVAL,
+                       "tensor parallel: %s is a %s; %s applies to linear and embedding layers",
+                       fqn, kind, tp_style_name(r->style));
+      if (t->w == NULL || dtensor_ndim(t->w->value) != 2)
+        return err_set(STATUS_EINVAL, "tensor parallel: %s has no 2-D weight", fqn);
+      if (r->style == TP_COLWISE) {
+        pl = placement_shard(t->embedding ? 1 : 0);
+        t->in = TP_REPLICATE;
+        t->out = t->embedding ? model : TP_SHARD_LAST;
+      } else {
+        pl = placement_shard(t->embedding ? 0 : 1);
+        t->in = t->embedding ? TP_REPLICATE : TP_SHARD_LAST;
+        t->out = model;
+      }
+      break;
+    case TP_SEQUENCE_PARALLEL:
+      if (strcmp(kind, "rmsnorm") != 0 || t->w == NULL)
+        return err_set(STATUS_EINVAL,
+                       "tensor parallel: %s is a %s; sequence_parallel applies to norms", fqn,
+                       kind);
+      t->in = t->out = TP_SHARD_SEQ;
+      break;
+    case TP_PREPARE_INPUT:
+      t->in = model;
+      t->out = TP_REPLICATE_REDUCED;
+      t->w = NULL;
+      break;
+    default: return err_set(STATUS_EINVAL, "tensor parallel: %s: unknown style", fqn);
+  }
+  if (r->input != TP_LAYOUT_DEFAULT) t->in = r->input;
+  if (r->output != TP_LAYOUT_DEFAULT) {
+    if (r->style == TP_SEQUENCE_PARALLEL || r->style == TP_PREPARE_INPUT)
+      return err_set(STATUS_EINVAL, "tensor parallel: %s: %s has no output layout to choose", fqn,
+                     tp_style_name(r->style));
+    t->out = r->output;
+  }
+  if (t->w == NULL) return STATUS_OK;
+  TRY(place(t->w, t->mesh, pl, fqn));
+  if (r->style == TP_ROWWISE && t->embedding) {
+    int64_t off[2];
+    dtensor_offset(t->w->value, off);
+    t->first = off[0];
+    t->vocab = dtensor_shape(t->w->value)[0];
+  }
+  return STATUS_OK;
+}
+
+typedef struct walk {
+  const tp_rule_t *rules;
+  int n_rules;
+  bool sp;
+  int *hits;
+  tp_plan_t *plan;
+  mesh_t *mesh;
+} walk_t;
+
+static status_t visit(walk_t *w, nn_module_t *m) {
+  for (int i = 0; i < w->n_rules; i++) {
+    if (!nn_fqn_match(w->rules[i].pattern, nn_module_fqn(m))) continue;
+    w->hits[i]++;
+    if (w->rules[i].style == TP_SEQUENCE_PARALLEL && !w->sp) break; /* norms stay replicated */
+    tp_mod_t *t = &w->plan->mods[w->plan->n];
+    t->m = m;
+    t->mesh = w->mesh;
+    TRY(setup(t, &w->rules[i], w->sp));
+    w->plan->n++;
+    TRY(nn_module_wrap_forward(m, wrapped, t));
+    if (t->style == TP_SEQUENCE_PARALLEL) {
+      TRY(nn_module_add_hook(m, NN_HOOK_PRE_BACKWARD, sp_hook, t));
+      TRY(nn_module_add_hook(m, NN_HOOK_POST_BACKWARD, sp_hook, t));
+    }
+    break;
+  }
+  for (int i = 0; i < nn_module_num_children(m); i++) TRY(visit(w, nn_module_child(m, i)));
+  return STATUS_OK;
+}
+
+static int count_modules(const nn_module_t *m) {
+  int n = 1;
+  for (int i = 0; i < nn_module_num_children(m); i++) n += count_modules(nn_module_child(m, i));
+  return n;
+}
+
+status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules, int n,
+                         bool sequence_parallel, tp_plan_t **out) {
+  *out = NULL;
+  if (root == NULL || mesh == NULL || mesh_ndim(mesh) != 1 || (n > 0 && rules == NULL))
+    return err_set(STATUS_EINVAL, "tensor_parallel: a module, a 1-D mesh and rules are required");
+  tp_plan_t *plan = calloc(1, sizeof *plan);
+  int *hits = calloc((size_t)(n > 0 ? n : 1), sizeof(int));
+  status_t st = STATUS_OK;
+  if (plan == NULL || hits == NULL ||
+      (plan->mods = calloc((size_t)count_modules(root), sizeof(tp_mod_t))) == NULL)
+    TRY_GOTO(st, err_set(STATUS_ENOMEM, "tensor_parallel: out of host memory"));
+  walk_t w = {rules, n, sequence_parallel, hits, plan, mesh};
+  TRY_GOTO(st, visit(&w, root));
+  for (int i = 0; i < n; i++)
+    if (hits[i] == 0)
+      TRY_GOTO(st, err_set(STATUS_EINVAL,
+                           "tensor parallel: '%s' matches no module (module names look like "
+                           "model.layers.0.self_attn.q_proj, lm_head)",
+                           rules[i].pattern));
+  /* every other parameter: Replicate on tp */
+  nn_param_t **ps = NULL;
+  int np = 0;
+  TRY_GOTO(st, nn_named_parameters(root, &ps, &np));
+  for (int i = 0; i < np && st == STATUS_OK; i++)
+    if (dtensor_mesh(ps[i]->value) != mesh)
+      st = place(ps[i], mesh, placement_replicate(), nn_module_fqn(ps[i]->owner));
+  free(ps);
+  if (st != STATUS_OK) goto cleanup;
+  free(hits);
+  *out = plan;
+  return STATUS_OK;
+cleanup:
+  free(hits);
+  tp_free(plan);
+  return st;
+}
+
+void tp_free(tp_plan_t *tp) {
+  if (tp == NULL) return;
+  for (int i = 0; i < tp->n; i++) tensor_free(&tp->mods[i].stash);
+  free(tp->mods);
+  free(tp);
+}
+
+int tp_num_modules(const tp_plan_t *tp) { return tp ? tp->n : 0; }

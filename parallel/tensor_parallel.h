@@ -1,0 +1,106 @@
+/*
+ * Tensor parallelism: parallelize_module's styles on a 1-D `tp` mesh (DESIGN section 8).
+ *
+ * A plan maps module FQN patterns to styles. Applying it splits the matched layers'
+ * weights into DTensors on the tp mesh and wraps their forwards so that activations move
+ * between layouts with the collective each conversion needs, backward running the
+ * conjugate one:
+ *
+ *   style               weight (Linear | Embedding)  input -> output
+ *   colwise             Shard(0) | Shard(1)          Replicate -> Shard(-1) (Linear);
+ *                                                    ids -> the model layout (Embedding)
+ *   rowwise             Shard(1) | Shard(0) (vocab)  Shard(-1) | ids -> Partial, reduced to
+ *                                                    the model layout
+ *   sequence_parallel   Replicate (RMSNorm)          Shard(1) -> Shard(1); the weight's
+ *                                                    gradient is summed over tp
+ *   prepare_input       -                            the model layout -> Replicate, once for
+ *                                                    every colwise child
+ *
+ * The model layout is Replicate, or Shard(1) (the sequence) under sequence parallelism,
+ * where sequence_parallel norms run on sequence shards; without it they are left alone.
+ *
+ *   conversion          forward          backward
+ *   Replicate->Rep.     none             all-reduce      (colwise or prepare_input input)
+ *   Shard(1)->Rep.      all-gather       reduce-scatter
+ *   Replicate->Shard(1) local chunk      all-gather
+ *   Shard(-1)->Rep.     all-gather       local chunk     (a colwise output made whole)
+ *   Partial->Rep.       all-reduce       none            (rowwise output)
+ *   Partial->Shard(1)   reduce-scatter   all-gather      (rowwise output under sequence
+ *                                                         parallelism)
+ *
+ * An activation carries the layout its last conversion gave it (nn_var_t.layout), so a
+ * colwise layer after prepare_input does not reduce again. Attention derives its local head
+ * count from the local projection shapes. Every other parameter becomes Replicate on the tp
+ * mesh, so after tensor_parallel all parameters live on it, and fully_shard over the
+ * data-parallel mesh then places them on (dp..., tp).
+ *
+ *   tp_rule_t rules[] = {{"model.layers.*.self_attn.q_proj", TP_COLWISE}, ...};
+ *   tp_plan_t *tp;
+ *   TRY(tensor_parallel(llama_module(m), tp_mesh, rules, n, true, &tp));
+ *   ... fully_shard, train ...
+ *   tp_free(tp);                            // after the model
+ *
+ * Sizes must divide evenly: a split weight dimension, and the sequence under sequence
+ * parallelism (errors name the module).
+ */
+#ifndef FSDPC_PARALLEL_TENSOR_PARALLEL_H
+#define FSDPC_PARALLEL_TENSOR_PARALLEL_H
+
+#include "mesh/mesh.h"
+#include "nn/autograd.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum tp_style {
+  TP_COLWISE = 0,
+  TP_ROWWISE,
+  TP_SEQUENCE_PARALLEL,
+  TP_PREPARE_INPUT,
+  TP_STYLE_COUNT
+} tp_style_t;
+
+/* Activation layouts on the tp mesh (the values of nn_var_t.layout). */
+typedef enum tp_layout {
+  TP_LAYOUT_DEFAULT = 0, /* in a rule: the style's default; on a variable: none recorded */
+  TP_REPLICATE,          /* whole on every rank */
+  TP_SHARD_SEQ,          /* Shard(1): the sequence split */
+  TP_SHARD_LAST,         /* Shard(-1): the features split */
+  TP_REPLICATE_REDUCED,  /* whole, and its backward reduces the consumers' partial gradients */
+  TP_LAYOUT_COUNT
+} tp_layout_t;
+
+typedef struct tp_rule {
+  const char *pattern; /* module FQN glob (nn_fqn_match) */
+  tp_style_t style;
+  tp_layout_t input, output; /* TP_LAYOUT_DEFAULT: the style's */
+} tp_rule_t;
+
+typedef struct tp_plan tp_plan_t;
+
+/* "colwise" ... into the style; false when unknown. */
+bool tp_style_parse(const char *name, tp_style_t *out);
+const char *tp_style_name(tp_style_t s);
+/* "replicate", "shard(1)", "shard(-1)" into a layout; false when unknown. */
+bool tp_layout_parse(const char *name, tp_layout_t *out);
+const char *tp_layout_name(tp_layout_t l);
+
+/* Applies the rules (first match wins for a module) to the tree under root, whose
+ * parameters must all be whole (Replicate on a one-rank mesh) and the same on every rank.
+ * mesh is 1-D. Every pattern must match a module of a kind its style handles. Local: no
+ * communication. */
+status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules, int n,
+                         bool sequence_parallel, tp_plan_t **out);
+
+/* Frees the plan's state; call after the last forward or backward (NULL: no-op). */
+void tp_free(tp_plan_t *tp);
+
+/* The number of modules the plan applies a style to. */
+int tp_num_modules(const tp_plan_t *tp);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
