@@ -52,6 +52,20 @@ int plan_default_tp_rules(const tp_rule_t **rules) {
   return (int)(sizeof llama_plan / sizeof llama_plan[0]);
 }
 
+bool plan_tp_is_builtin(const plan_t *p) {
+  if (!p->tp_plan_given) return true;
+  const tp_rule_t *d;
+  int n = plan_default_tp_rules(&d);
+  if (p->n_tp_rules != n) return false;
+  for (int i = 0; i < n; i++) {
+    const plan_tp_rule_t *r = &p->tp_rules[i];
+    if (strcmp(r->pattern, d[i].pattern) != 0 || r->style != d[i].style || r->input != d[i].input ||
+        r->output != d[i].output)
+      return false;
+  }
+  return true;
+}
+
 status_t plan_apply_tensor_parallel(const plan_t *p, llama_t *m, const mesh_t *world,
                                     mesh_t **tp_mesh, tp_plan_t **out) {
   *out = NULL;
@@ -64,6 +78,13 @@ status_t plan_apply_tensor_parallel(const plan_t *p, llama_t *m, const mesh_t *w
     rules[i] = (tp_rule_t){p->tp_rules[i].pattern, p->tp_rules[i].style, p->tp_rules[i].input,
                            p->tp_rules[i].output};
   if (!p->tp_plan_given) n = plan_default_tp_rules(&use);
+  for (int i = 0; i < n; i++) /* the loss reads whole logits */
+    if (nn_fqn_match(use[i].pattern, "lm_head") && use[i].style == TP_COLWISE &&
+        use[i].output != TP_REPLICATE)
+      return err_set(STATUS_EINVAL,
+                     "%s: parallelize.tensor_parallel.plan.%s: the loss needs whole logits; "
+                     "write {style: colwise, output: replicate}",
+                     p->tp_plan_given ? p->tp_rules[i].where.text : p->source, use[i].pattern);
   TRY(mesh_slice(world, 1, (const char *[]){"tp"}, tp_mesh));
   status_t st = tensor_parallel(llama_module(m), *tp_mesh, use, n, p->sequence_parallel, out);
   if (st != STATUS_OK && p->tp_plan_given) { /* name the rule's place in the file */

@@ -25,6 +25,10 @@ status_t plan_dp_mesh(const plan_t *p, const mesh_t *world, mesh_t **out);
  * absent); returns the number of rules. */
 int plan_default_tp_rules(const tp_rule_t **rules);
 
+/* True when the plan's tensor-parallel rules are the built-in ones (absent, or written out
+ * in the same order). */
+bool plan_tp_is_builtin(const plan_t *p);
+
 /* Applies parallelize.tensor_parallel on the world mesh's "tp" dimension when mesh.tp > 1
  * (else leaves *tp_mesh and *out NULL): *tp_mesh is the caller's slice, to free after *out
  * (tp_free) and the model. Local. */

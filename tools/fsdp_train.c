@@ -266,7 +266,7 @@ static comm_t comm_model(const run_t *r) {
   /* tensor parallelism with the built-in Llama plan (README, "Tensor parallelism"): per
    * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype */
   int T = p->tp;
-  if (T > 1 && !p->tp_plan_given) {
+  if (T > 1 && plan_tp_is_builtin(p)) {
     const llama_config_t *mc = &p->model;
     double es = (double)dtype_size(r->n_groups ? fsdp_param_dtype(r->groups[0]) : DTYPE_F32);
     double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;

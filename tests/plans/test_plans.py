@@ -58,6 +58,8 @@ PLANS = [
     ("hsdp-int-reshard", 8, True),
     ("fsdp-grad-accum", 2, True),
     ("fsdp-bf16", 4, False),
+    ("tp", 2, True),
+    ("hsdp-tp", 8, True),
 ]
 
 
@@ -179,6 +181,11 @@ def errors():
     tmp = mkdtemp()
     data = os.path.join(ROOT, "data", "corpus.txt")
     base = BASE.replace("{data}", data)
+    tp_base = base.replace("dp_shard: -1", "dp_shard: 1\n  tp: 2").replace("n_kv_heads: 1",
+                                                                          "n_kv_heads: 2")
+    def tp_plan(rules):
+        return tp_base.replace("parallelize:\n",
+                               "parallelize:\n  tensor_parallel:\n    plan: {%s}\n" % rules)
     # (name, plan text or None for BASE, extra args, expected message regex)
     cases = [
         ("syntax error", "mesh: [1, 2\n", [], r"bad\d*\.yaml:\d+:\d+: not valid YAML"),
@@ -207,8 +214,21 @@ def errors():
          [], r"data\.batch_size: 99999999999999999999999 is out of range"),
         ("duplicate key", base + "data:\n  seq_len: 8\n", [],
          r"data: duplicate key \(first given at .*bad\d*\.yaml:14:1\)"),
-        ("tensor parallel not yet", base.replace("dp_shard: -1", "dp_shard: 1\n  tp: 2"), [],
-         r"mesh\.tp: tensor parallelism \(tp = 2\) is not supported yet"),
+        ("tp not dividing the key/value heads", tp_base.replace("n_kv_heads: 2", "n_kv_heads: 1"),
+         [], r"mesh\.tp: 2 does not divide model\.n_kv_heads=1"),
+        ("unknown tp style", tp_plan("lm_head: diagonal"), [],
+         r"tensor_parallel\.plan\.lm_head: unknown style 'diagonal'"),
+        ("unknown tp layout", tp_plan("lm_head: {style: colwise, output: sideways}"), [],
+         r"plan\.lm_head: output: expected replicate, shard\(1\) or shard\(-1\)"),
+        ("tp pattern matching nothing", tp_plan("model.blocks.*.mlp: prepare_input"), [],
+         r"tensor_parallel\.plan: tensor parallel: 'model\.blocks\.\*\.mlp' matches no module"),
+        ("tp style on the wrong layer", tp_plan("model.norm: colwise"), [],
+         r"tensor parallel: model\.norm is a rmsnorm; colwise applies to linear and embedding"),
+        ("lm_head logits left split", tp_plan("lm_head: colwise"), [],
+         r"plan\.lm_head: the loss needs whole logits"),
+        ("sequence not divisible by tp", tp_base.replace("seq_len: 16", "seq_len: 15").replace(
+            "parallelize:\n", "parallelize:\n  tensor_parallel:\n    sequence_parallel: true\n"),
+         [], r"data\.seq_len: 15 is not divisible by mesh\.tp=2"),
         ("unknown dtype", base.replace('units: ["model.layers.*"]',
                                        'units: ["model.layers.*"]\n    mp_policy: {param_dtype: f8}'),
          [], r"mp_policy\.param_dtype: expected f32, bf16 or f16, got 'f8'"),
