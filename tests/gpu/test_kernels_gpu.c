@@ -89,12 +89,25 @@ static int k_embedding(device_t dev, dtype_t dt, tensor_t *o) {
   rnd(&dy, dev, dt, 2, so, 5, 1);
   ok(tensor_zeros(&g, DTYPE_F32, dev, 2, st));
   ok(kernel_embedding_backward(&g, &dy, &id));
+  /* a vocabulary shard: rows [20, 50) of 61; other ids give zero rows and no gradient */
+  int64_t ss[2] = {30, 33};
+  tensor_t rows, shard, ys, gs;
+  ok(tensor_narrow(&rows, &table, 0, 20, 30));
+  ok(tensor_clone(&shard, &rows, dt, dev));
+  poisoned(&ys, dev, dt, 2, so);
+  ok(kernel_embedding_shard(&ys, &shard, &id, 20, 61));
+  ok(tensor_zeros(&gs, DTYPE_F32, dev, 2, ss));
+  ok(kernel_embedding_shard_backward(&gs, &dy, &id, 20, 61));
   out(&o[0], &y);
   out(&o[1], &g);
+  out(&o[2], &ys);
+  out(&o[3], &gs);
+  tensor_free(&rows);
+  tensor_free(&shard);
   tensor_free(&table);
   tensor_free(&id);
   tensor_free(&dy);
-  return 2;
+  return 4;
 }
 
 static int k_rmsnorm(device_t dev, dtype_t dt, tensor_t *o) {

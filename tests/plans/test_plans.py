@@ -8,6 +8,9 @@
                                                         from every rank, non-zero exit, fast
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT dry-run   --dry-run's estimates against a real
                                                         run's counters
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT checkpoint  saving, resuming under other plans
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT gpu       checkpoints of GPU shards (skips, 77,
+                                                        without a GPU)
 """
 import json
 import os
@@ -424,8 +427,37 @@ def checkpoints():
             print(p.stdout[-3000:], p.stderr[-2000:])
 
 
+def gpu():
+    """One rank on this machine's GPU: checkpoints of CUDA shards (and of shards offloaded to
+    the host) resume bit-identically."""
+    tmp = mkdtemp()
+    cfg = os.path.join(ROOT, "configs", "debug.yaml")
+    p, _ = run(1, [cfg, "--dry-run"])
+    if " on cuda" not in p.stdout:
+        print("no CUDA device: skipped")
+        sys.exit(77)
+    for offload in ("false", "true"):
+        a, b = os.path.join(tmp, "a" + offload), os.path.join(tmp, "b" + offload)
+        ma, mb = os.path.join(tmp, "a.jsonl"), os.path.join(tmp, "b.jsonl")
+        sets = ["--set", "parallelize.fully_shard.offload=" + offload, "--set",
+                "checkpoint.interval=5"]
+        p1, _ = run(1, [cfg, "--set", "train.steps=10", "--set", "checkpoint.dir=" + a,
+                        "--metrics", ma] + sets)
+        p2, _ = run(1, [cfg, "--set", "train.steps=5", "--set", "checkpoint.dir=" + b] + sets)
+        p3, _ = run(1, [cfg, "--set", "train.steps=10", "--set", "checkpoint.dir=" + b, "--set",
+                        "checkpoint.load=auto", "--metrics", mb] + sets)
+        ran = p1.returncode == p2.returncode == p3.returncode == 0
+        check(ran, "offload=%s: train, save and resume on the GPU" % offload)
+        if not ran:
+            print(p1.stderr[-2000:], p2.stderr[-2000:], p3.stderr[-2000:])
+            continue
+        la, lb = [r["loss"] for r in losses(ma)][5:], [r["loss"] for r in losses(mb)]
+        check(la == lb and len(lb) == 5,
+              "offload=%s: resumed losses bit-identical (%s vs %s)" % (offload, la[:2], lb[:2]))
+
+
 {"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run,
- "checkpoint": checkpoints}[MODE]()
+ "checkpoint": checkpoints, "gpu": gpu}[MODE]()
 for d in TEMPS:
     shutil.rmtree(d, ignore_errors=True)
 print("%d failure(s)" % len(failures))
