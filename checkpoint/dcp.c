@@ -21,15 +21,15 @@
 /* ---- save ---- */
 
 /* Whether this rank writes its shard of v: coordinate 0 on every dimension v is replicated
- * over. Partial and strided placements cannot be saved as boxes. */
+ * over. Every shard, strided ones included, is one box of the global tensor; Partial values
+ * are not boxes and cannot be saved. */
 static status_t writes_shard(const char *name, const dtensor_t *v, bool *out) {
   const mesh_t *m = dtensor_mesh(v);
   const placement_t *pl = dtensor_placements(v);
   *out = tensor_numel(dtensor_local(v)) > 0;
   for (int d = 0; d < mesh_ndim(m); d++) {
     char b[32];
-    if (pl[d].kind == PLACEMENT_PARTIAL ||
-        (pl[d].kind == PLACEMENT_SHARD && pl[d].split_factor > 1))
+    if (pl[d].kind == PLACEMENT_PARTIAL)
       return err_set(STATUS_EUNSUPPORTED,
                      "checkpoint: tensor '%s' has placement %s on mesh dimension %d; "
                      "redistribute it to Shard or Replicate before saving",

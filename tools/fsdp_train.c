@@ -210,6 +210,11 @@ static void header(const run_t *r) {
       "reduce %s%s\n",
       r->n_groups, p->n_units, reshard_str(p->reshard_after_forward, rb, sizeof rb),
       dt_str(p->param_dtype), dt_str(p->reduce_dtype), p->offload ? "; offload" : "");
+  if (r->tp)
+    printf("  tensor_parallel: %d modules on tp=%d (%s); sequence parallelism %s\n",
+           tp_num_modules(r->tp), p->tp,
+           plan_tp_is_builtin(p) ? "the built-in Llama plan" : "the plan's rules",
+           p->sequence_parallel ? "on" : "off");
   printf("  sharded parameters on rank 0: %s\n", mb);
   if (r->resumed_from[0])
     printf(

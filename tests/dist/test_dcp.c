@@ -1,6 +1,7 @@
 /*
  * Distributed checkpoints: tensors saved under one plan load under another (world-1
- * replicate, 1-D shard on either dimension, 2-D HSDP and (S(0), S(1))) exactly equal to
+ * replicate, 1-D shard on either dimension, 2-D HSDP, (S(0), S(1)) and the strided
+ * (SS(0), S(0)) of FSDP over tensor parallelism) exactly equal to
  * distributing the original directly; replicas are written once; each rank reads exactly
  * the bytes its shards need; bad folders and mismatches give errors naming the tensor.
  */
@@ -98,6 +99,7 @@ START_TEST(save_under_one_plan_load_under_another) {
       {"local", 2, {placement_replicate(), placement_replicate()}},
       {"R_S0", 1, {placement_replicate(), placement_shard(0)}},
       {"S0_S1", 1, {placement_shard(0), placement_shard(1)}},
+      {"SS0_S0", 1, {placement_strided_shard(0, W / 2), placement_shard(0)}}, /* FSDP over TP */
   };
   int np = (int)(sizeof plans / sizeof plans[0]), bad = 0, pairs = 0;
   for (int a = 0; a < np; a++) {
