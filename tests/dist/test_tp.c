@@ -3,8 +3,9 @@
  * (dp_replicate, dp_shard, tp) mesh given as the argument "RxSxT": every parameter's local
  * shard is the single-rank parameter's slice at the offset its DTensor reports; ten steps
  * with and without sequence parallelism, with and without gradient accumulation and
- * activation checkpointing, match the single-rank run (1e-5); the tp group's collectives of
- * every step are exactly the closed form below.
+ * activation checkpointing, and (dp_shard >= 4) with an integer reshard_after_forward, match
+ * the single-rank run (1e-5); the tp group's collectives of every step are exactly the closed
+ * form below.
  */
 #include <math.h>
 #include <stdio.h>
@@ -29,6 +30,7 @@ static void parse_mesh(void) {
 typedef struct variant {
   bool sp, ac;
   int accum;
+  int reshard; /* the blocks' reshard_after_forward (0: the default) */
 } variant_t;
 
 /* The tp group's collectives of one step, counted independently of the library: per
@@ -115,7 +117,9 @@ static void parity(const variant_t *v) {
   ok(tensor_parallel(llama_module(sh.m), tp, rules, nr, v->sp, &plan));
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = dp;
+  if (v->reshard) opt.reshard_after_forward = v->reshard;
   for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(sh.m, i), &opt, NULL));
+  opt.reshard_after_forward = FSDP_RESHARD_AUTO;
   ok(fully_shard(llama_module(sh.m), &opt, NULL));
   run_optim(&ref);
   run_optim(&sh);
@@ -175,18 +179,23 @@ static void parity(const variant_t *v) {
   mesh_free(world);
 }
 
-START_TEST(parity_replicated_activations) { parity(&(variant_t){false, false, 1}); }
+START_TEST(parity_replicated_activations) { parity(&(variant_t){false, false, 1, 0}); }
 END_TEST
 
-START_TEST(parity_sequence_parallel) { parity(&(variant_t){true, false, 1}); }
+START_TEST(parity_sequence_parallel) { parity(&(variant_t){true, false, 1, 0}); }
 END_TEST
 
-START_TEST(parity_accumulation) { parity(&(variant_t){false, false, 2}); }
+START_TEST(parity_accumulation) { parity(&(variant_t){false, false, 2, 0}); }
 END_TEST
 
 START_TEST(parity_sequence_parallel_accumulation_checkpointed) {
-  parity(&(variant_t){true, true, 2});
+  parity(&(variant_t){true, true, 2, 0});
 }
+END_TEST
+
+/* blocks keep a 1/2 slice after forward; their backward gathers run within pairs of dp_shard
+ * ranks, leaving the tp traffic unchanged */
+START_TEST(parity_sequence_parallel_int_reshard) { parity(&(variant_t){true, false, 1, 2}); }
 END_TEST
 
 /* Sizes tp cannot split are refused with the module's name, before anything runs. */
@@ -224,6 +233,7 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, parity_sequence_parallel);
     tcase_add_test(tc, parity_accumulation);
     tcase_add_test(tc, parity_sequence_parallel_accumulation_checkpointed);
+    if (S >= 4) tcase_add_test(tc, parity_sequence_parallel_int_reshard);
   } else {
     tcase_add_test(tc, uneven_split_is_refused);
   }
