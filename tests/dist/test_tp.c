@@ -30,7 +30,8 @@ static void parse_mesh(void) {
 typedef struct variant {
   bool sp, ac;
   int accum;
-  int reshard; /* the blocks' reshard_after_forward (0: the default) */
+  int reshard;        /* the blocks' reshard_after_forward (0: the default) */
+  bool colwise_embed; /* the embedding split by columns instead of by vocabulary */
 } variant_t;
 
 /* The tp group's collectives of one step, counted independently of the library: per
@@ -64,6 +65,20 @@ static pg_counters_t expected_tp(const variant_t *v, const llama_config_t *c, in
     uint64_t k = 1 + L * 2 * fwd + L * 2 + 1;
     e.calls[PG_ALL_REDUCE] += A * k;
     e.bytes[PG_ALL_REDUCE] += A * k * (2 * (W - 1) * n / W);
+  }
+  if (v->colwise_embed) {
+    /* the embedding's Shard(-1) output is gathered instead of its Partial one reduced: an
+     * all-gather of n / T forward (then a local chunk of the sequence under sequence
+     * parallelism, whose backward all-gathers it back) */
+    e.calls[PG_ALL_GATHER] += A;
+    e.bytes[PG_ALL_GATHER] += A * (W - 1) * n / W;
+    if (v->sp) {
+      e.calls[PG_REDUCE_SCATTER] -= A;
+      e.bytes[PG_REDUCE_SCATTER] -= A * (W - 1) * n / W;
+    } else {
+      e.calls[PG_ALL_REDUCE] -= A;
+      e.bytes[PG_ALL_REDUCE] -= A * (2 * (W - 1) * n / W);
+    }
   }
   return e;
 }
@@ -111,8 +126,11 @@ static void parity(const variant_t *v) {
   run_init(&ref, &cfg);
   run_init(&sh, &cfg);
   if (v->ac) llama_set_activation_checkpointing(sh.m, true);
-  const tp_rule_t *rules;
-  int nr = plan_default_tp_rules(&rules);
+  const tp_rule_t *builtin;
+  tp_rule_t rules[32];
+  int nr = plan_default_tp_rules(&builtin);
+  memcpy(rules, builtin, sizeof(tp_rule_t) * (size_t)nr);
+  if (v->colwise_embed) rules[0].style = TP_COLWISE; /* model.embed_tokens */
   tp_plan_t *plan;
   ok(tensor_parallel(llama_module(sh.m), tp, rules, nr, v->sp, &plan));
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
@@ -179,23 +197,33 @@ static void parity(const variant_t *v) {
   mesh_free(world);
 }
 
-START_TEST(parity_replicated_activations) { parity(&(variant_t){false, false, 1, 0}); }
+START_TEST(parity_replicated_activations) { parity(&(variant_t){.accum = 1}); }
 END_TEST
 
-START_TEST(parity_sequence_parallel) { parity(&(variant_t){true, false, 1, 0}); }
+START_TEST(parity_sequence_parallel) { parity(&(variant_t){.sp = true, .accum = 1}); }
 END_TEST
 
-START_TEST(parity_accumulation) { parity(&(variant_t){false, false, 2, 0}); }
+START_TEST(parity_accumulation) { parity(&(variant_t){.accum = 2}); }
 END_TEST
 
 START_TEST(parity_sequence_parallel_accumulation_checkpointed) {
-  parity(&(variant_t){true, true, 2, 0});
+  parity(&(variant_t){.sp = true, .ac = true, .accum = 2});
 }
 END_TEST
 
 /* blocks keep a 1/2 slice after forward; their backward gathers run within pairs of dp_shard
  * ranks, leaving the tp traffic unchanged */
-START_TEST(parity_sequence_parallel_int_reshard) { parity(&(variant_t){true, false, 1, 2}); }
+START_TEST(parity_colwise_embedding) { parity(&(variant_t){.accum = 1, .colwise_embed = true}); }
+END_TEST
+
+START_TEST(parity_colwise_embedding_sequence_parallel) {
+  parity(&(variant_t){.sp = true, .accum = 1, .colwise_embed = true});
+}
+END_TEST
+
+START_TEST(parity_sequence_parallel_int_reshard) {
+  parity(&(variant_t){.sp = true, .accum = 1, .reshard = 2});
+}
 END_TEST
 
 /* Sizes tp cannot split are refused with the module's name, before anything runs. */
@@ -233,6 +261,8 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, parity_sequence_parallel);
     tcase_add_test(tc, parity_accumulation);
     tcase_add_test(tc, parity_sequence_parallel_accumulation_checkpointed);
+    tcase_add_test(tc, parity_colwise_embedding);
+    tcase_add_test(tc, parity_colwise_embedding_sequence_parallel);
     if (S >= 4) tcase_add_test(tc, parity_sequence_parallel_int_reshard);
   } else {
     tcase_add_test(tc, uneven_split_is_refused);
