@@ -355,18 +355,105 @@ static status_t load_one(const char *dir, const folder_t *fo, const dcp_entry_t 
   return st;
 }
 
-status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
+struct dcp_reader {
+  char dir[DCP_PATH_MAX];
   folder_t fo;
-  TRY(folder_open(dir, &fo));
-  dcp_stats_t s = {0};
-  s.files = fo.n;
-  status_t st = STATUS_OK;
-  for (int i = 0; i < n && st == STATUS_OK; i++) st = load_one(dir, &fo, &entries[i], &s);
-  for (int i = 0; i < fo.n; i++) {
-    s.bytes_read += st_bytes_read(fo.f[i]);
-    s.header_bytes += st_header_bytes(fo.f[i]);
+  dcp_tensor_t *list;
+  int n_list;
+};
+
+status_t dcp_reader_open(const char *dir, dcp_reader_t **out) {
+  *out = NULL;
+  dcp_reader_t *r = calloc(1, sizeof *r);
+  if (r == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  snprintf(r->dir, sizeof r->dir, "%s", dir);
+  status_t st = folder_open(dir, &r->fo);
+  if (st != STATUS_OK) {
+    free(r);
+    return st;
   }
+  *out = r;
+  return STATUS_OK;
+}
+
+void dcp_reader_close(dcp_reader_t *r) {
+  if (r == NULL) return;
+  for (int i = 0; i < r->n_list; i++) free(r->list[i].name);
+  free(r->list);
+  folder_close(&r->fo);
+  free(r);
+}
+
+status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
+  dcp_stats_t s = {0};
+  s.files = r->fo.n;
+  uint64_t read0 = 0;
+  for (int i = 0; i < r->fo.n; i++) read0 += st_bytes_read(r->fo.f[i]);
+  status_t st = STATUS_OK;
+  for (int i = 0; i < n && st == STATUS_OK; i++) st = load_one(r->dir, &r->fo, &entries[i], &s);
+  for (int i = 0; i < r->fo.n; i++) {
+    s.bytes_read += st_bytes_read(r->fo.f[i]);
+    s.header_bytes += st_header_bytes(r->fo.f[i]);
+  }
+  s.bytes_read -= read0; /* header_bytes: every file's, parsed once at open */
   if (stats) *stats = s;
-  folder_close(&fo);
+  return st;
+}
+
+static int cmp_tensor(const void *a, const void *b) {
+  return strcmp(((const dcp_tensor_t *)a)->name, ((const dcp_tensor_t *)b)->name);
+}
+
+status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n) {
+  if (r->list == NULL) {
+    int cap = 0;
+    for (int i = 0; i < r->fo.n; i++) cap += st_num_tensors(r->fo.f[i]);
+    r->list = calloc((size_t)(cap ? cap : 1), sizeof *r->list);
+    if (r->list == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+    for (int i = 0; i < r->fo.n; i++)
+      for (int k = 0; k < st_num_tensors(r->fo.f[i]); k++) {
+        const st_info_t *t = st_tensor(r->fo.f[i], k);
+        dcp_tensor_t *e = NULL;
+        for (int j = 0; j < r->n_list && !e; j++)
+          if (strcmp(r->list[j].name, t->name) == 0) e = &r->list[j];
+        if (e == NULL) {
+          e = &r->list[r->n_list++];
+          if ((e->name = strdup(t->name)) == NULL)
+            return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+          e->dtype = t->dtype;
+          e->dtype_name = t->dtype_name;
+          e->ndim = t->ndim;
+        } else if (e->ndim != t->ndim || strcmp(e->dtype_name, t->dtype_name) != 0) {
+          return err_set(STATUS_EFORMAT,
+                         "%s: tensor '%s' is stored as %s with %d dimensions here and as %s "
+                         "with %d elsewhere",
+                         st_path(r->fo.f[i]), t->name, t->dtype_name, t->ndim, e->dtype_name,
+                         e->ndim);
+        }
+        chunk_t *c;
+        int nc;
+        TRY(chunks_of(&r->fo, t->name, &c, &nc));
+        for (int q = 0; q < nc; q++)
+          if (c[q].file == i && c[q].info == t)
+            for (int d = 0; d < t->ndim; d++) {
+              int64_t end = c[q].off[d] + t->shape[d];
+              if (end > e->shape[d]) e->shape[d] = end;
+            }
+        free(c);
+        e->chunks++;
+        e->bytes += t->end - t->begin;
+      }
+    qsort(r->list, (size_t)r->n_list, sizeof *r->list, cmp_tensor);
+  }
+  *out = r->list;
+  *n = r->n_list;
+  return STATUS_OK;
+}
+
+status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
+  dcp_reader_t *r;
+  TRY(dcp_reader_open(dir, &r));
+  status_t st = dcp_reader_load(r, entries, n, stats);
+  dcp_reader_close(r);
   return st;
 }

@@ -47,8 +47,8 @@ typedef struct dcp_stats {
  * shards (a shard replicated over mesh dimensions is written by the replica at coordinate 0
  * only; empty shards are skipped) into one file of a temporary folder, then rank 0 commits
  * it by renaming it to dir (fsync'd). A crash before the rename leaves no dir. Partial
- * placements are refused (strided shards, being boxes, are saved like any shard). Collective over comm, which spans every rank of the
- * entries' meshes. */
+ * placements are refused (strided shards, being boxes, are saved like any shard). Collective over
+ * comm, which spans every rank of the entries' meshes. */
 status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm);
 
 /* The steps of dcp_save, for checkpoints of several folders committed at once:
@@ -69,6 +69,28 @@ void dcp_remove_tree(const char *dir);
  * entry's dtype. Reads only the saved rows that intersect this rank's shards. Local (every
  * rank reads for itself). */
 status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
+
+/* A checkpoint folder kept open for several loads (its headers parsed once). */
+typedef struct dcp_reader dcp_reader_t;
+
+/* One saved tensor: its stored dtype, the global shape (largest offset + shape over its
+ * chunks), the number of chunks and their stored bytes. */
+typedef struct dcp_tensor {
+  char *name;
+  dtype_t dtype;          /* DTYPE_COUNT when the library cannot hold it */
+  const char *dtype_name; /* as stored: "F32", "BF16", ... */
+  int ndim;
+  int64_t shape[TENSOR_MAX_DIMS];
+  int chunks;
+  uint64_t bytes;
+} dcp_tensor_t;
+
+status_t dcp_reader_open(const char *dir, dcp_reader_t **out);
+void dcp_reader_close(dcp_reader_t *r);
+/* dcp_load on an open folder; stats count this call's reads. */
+status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
+/* Every tensor of the folder, sorted by name (owned by the reader). */
+status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n);
 
 #ifdef __cplusplus
 }

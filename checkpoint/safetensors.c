@@ -338,7 +338,11 @@ status_t st_read(st_file_t *f, const char *name, tensor_t *dst) {
 
 typedef struct wentry {
   char *name;
-  tensor_t t; /* contiguous */
+  tensor_t t;    /* contiguous; empty for a declared tensor (written by st_writer_write) */
+  bool declared; /* st_writer_declare: no data held */
+  dtype_t dtype;
+  int ndim;
+  int64_t shape[TENSOR_MAX_DIMS];
 } wentry_t;
 
 struct st_writer {
@@ -346,6 +350,10 @@ struct st_writer {
   int n, cap;
   meta_t *meta;
   int n_meta;
+  FILE *fp;   /* between st_writer_begin and st_writer_finish */
+  char *path; /* the file being written, and its temporary */
+  char *tmp;
+  int next; /* the entry st_writer_write expects */
 };
 
 status_t st_writer_new(st_writer_t **out) {
@@ -355,6 +363,12 @@ status_t st_writer_new(st_writer_t **out) {
 
 void st_writer_free(st_writer_t *w) {
   if (w == NULL) return;
+  if (w->fp) { /* begun, never finished: the file is abandoned */
+    fclose(w->fp);
+    remove(w->tmp);
+  }
+  free(w->path);
+  free(w->tmp);
   for (int i = 0; i < w->n; i++) {
     free(w->e[i].name);
     tensor_free(&w->e[i].t);
@@ -368,11 +382,16 @@ void st_writer_free(st_writer_t *w) {
   free(w);
 }
 
-status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t) {
+/* Appends an entry for name (checked), to be filled by the caller. */
+static status_t add_entry(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
+                          wentry_t **out) {
+  if (w->fp != NULL) return err_set(STATUS_EINVAL, "safetensors: tensors added after begin");
   if (name == NULL || name[0] == '\0' || strcmp(name, "__metadata__") == 0)
     return err_set(STATUS_EINVAL, "safetensors: invalid tensor name");
-  if (dtype_st_name(t->dtype) == NULL)
+  if (dtype_st_name(dtype) == NULL)
     return err_set(STATUS_EDTYPE, "safetensors: tensor '%s' has an unsupported dtype", name);
+  if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
+    return err_set(STATUS_ESHAPE, "safetensors: tensor '%s' has %d dimensions", name, ndim);
   for (int i = 0; i < w->n; i++)
     if (strcmp(w->e[i].name, name) == 0)
       return err_set(STATUS_EINVAL, "safetensors: tensor '%s' added twice", name);
@@ -386,12 +405,38 @@ status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t) {
   wentry_t *e = &w->e[w->n];
   memset(e, 0, sizeof *e);
   if ((e->name = strdup(name)) == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  e->dtype = dtype;
+  e->ndim = ndim;
+  *out = e;
+  return STATUS_OK;
+}
+
+status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t) {
+  wentry_t *e;
+  TRY(add_entry(w, name, t->dtype, t->ndim, &e));
+  memcpy(e->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
   status_t st =
       tensor_is_contiguous(t) ? tensor_ref(&e->t, t) : tensor_clone(&e->t, t, t->dtype, t->device);
   if (st != STATUS_OK) {
     free(e->name);
     return st;
   }
+  w->n++;
+  return STATUS_OK;
+}
+
+status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
+                           const int64_t *shape) {
+  wentry_t *e;
+  TRY(add_entry(w, name, dtype, ndim, &e));
+  for (int d = 0; d < ndim; d++) {
+    if (shape[d] < 0) {
+      free(e->name);
+      return err_set(STATUS_ESHAPE, "safetensors: tensor '%s' has a negative size", name);
+    }
+    e->shape[d] = shape[d];
+  }
+  e->declared = true;
   w->n++;
   return STATUS_OK;
 }
@@ -437,15 +482,18 @@ static status_t build_header(const st_writer_t *w, char **out, size_t *len) {
   }
   uint64_t pos = 0;
   for (int i = 0; i < w->n; i++) {
-    const tensor_t *t = &w->e[i].t;
-    cJSON *o = cJSON_AddObjectToObject(root, w->e[i].name);
+    const wentry_t *e = &w->e[i];
+    cJSON *o = cJSON_AddObjectToObject(root, e->name);
     if (o == NULL) break;
-    cJSON_AddStringToObject(o, "dtype", dtype_st_name(t->dtype));
+    cJSON_AddStringToObject(o, "dtype", dtype_st_name(e->dtype));
     cJSON *sh = cJSON_AddArrayToObject(o, "shape");
-    for (int d = 0; sh && d < t->ndim; d++)
-      cJSON_AddItemToArray(sh, raw_u64((uint64_t)t->shape[d]));
+    uint64_t numel = 1;
+    for (int d = 0; sh && d < e->ndim; d++) {
+      cJSON_AddItemToArray(sh, raw_u64((uint64_t)e->shape[d]));
+      numel *= (uint64_t)e->shape[d];
+    }
     cJSON *off = cJSON_AddArrayToObject(o, "data_offsets");
-    uint64_t end = pos + tensor_nbytes(t);
+    uint64_t end = pos + numel * dtype_size(e->dtype);
     if (off) {
       cJSON_AddItemToArray(off, raw_u64(pos));
       cJSON_AddItemToArray(off, raw_u64(end));
@@ -474,46 +522,87 @@ static status_t write_all(FILE *fp, const char *path, const void *p, size_t n) {
   return STATUS_OK;
 }
 
-status_t st_writer_save(st_writer_t *w, const char *path) {
-  char *header = NULL, *tmp = NULL;
+status_t st_writer_begin(st_writer_t *w, const char *path) {
+  if (w->fp != NULL) return err_set(STATUS_EINVAL, "safetensors: %s: already begun", w->path);
+  char *header = NULL;
   size_t hlen = 0;
   TRY(build_header(w, &header, &hlen));
   status_t st = STATUS_OK;
-  FILE *fp = NULL;
-  if ((tmp = malloc(strlen(path) + 5)) == NULL)
-    TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
-  sprintf(tmp, "%s.tmp", path);
-  if ((fp = fopen(tmp, "wb")) == NULL)
-    TRY_GOTO(st, err_set(STATUS_EIO, "%s: %s", tmp, strerror(errno)));
+  free(w->path);
+  free(w->tmp);
+  w->path = strdup(path);
+  w->tmp = malloc(strlen(path) + 5);
+  if (w->path == NULL || w->tmp == NULL) TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
+  sprintf(w->tmp, "%s.tmp", path);
+  if ((w->fp = fopen(w->tmp, "wb")) == NULL)
+    TRY_GOTO(st, err_set(STATUS_EIO, "%s: %s", w->tmp, strerror(errno)));
   unsigned char len8[8];
   for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
-  TRY_GOTO(st, write_all(fp, tmp, len8, 8));
-  TRY_GOTO(st, write_all(fp, tmp, header, hlen));
-  for (int i = 0; i < w->n; i++) {
-    const tensor_t *t = &w->e[i].t;
-    if (t->device.type == DEVICE_CPU) {
-      TRY_GOTO(st, write_all(fp, tmp, t->data, tensor_nbytes(t)));
-    } else {
-      tensor_t host;
-      TRY_GOTO(st, tensor_clone(&host, t, t->dtype, device_cpu()));
-      st = write_all(fp, tmp, host.data, tensor_nbytes(&host));
-      tensor_free(&host);
-      if (st != STATUS_OK) goto cleanup;
-    }
-  }
-  if (fflush(fp) != 0 || fsync(fileno(fp)) != 0)
-    TRY_GOTO(st, err_set(STATUS_EIO, "%s: flush failed: %s", tmp, strerror(errno)));
-  int rc = fclose(fp);
-  fp = NULL;
-  if (rc != 0) TRY_GOTO(st, err_set(STATUS_EIO, "%s: close failed", tmp));
-  if (rename(tmp, path) != 0)
-    TRY_GOTO(st, err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, path, strerror(errno)));
+  TRY_GOTO(st, write_all(w->fp, w->tmp, len8, 8));
+  TRY_GOTO(st, write_all(w->fp, w->tmp, header, hlen));
+  w->next = 0;
 cleanup:
-  if (fp) {
-    fclose(fp);
-    remove(tmp);
-  }
-  free(tmp);
   free(header);
+  if (st != STATUS_OK && w->fp) {
+    fclose(w->fp);
+    w->fp = NULL;
+    remove(w->tmp);
+  }
+  return st;
+}
+
+status_t st_writer_write(st_writer_t *w, const char *name, const tensor_t *t) {
+  if (w->fp == NULL) return err_set(STATUS_EINVAL, "safetensors: write before begin");
+  if (w->next >= w->n || strcmp(w->e[w->next].name, name) != 0)
+    return err_set(STATUS_EINVAL, "safetensors: %s: expected tensor '%s', got '%s'", w->path,
+                   w->next < w->n ? w->e[w->next].name : "(none)", name);
+  const wentry_t *e = &w->e[w->next];
+  if (t->dtype != e->dtype || t->ndim != e->ndim ||
+      memcmp(t->shape, e->shape, sizeof(int64_t) * (size_t)e->ndim) != 0)
+    return err_set(STATUS_ESHAPE, "safetensors: %s: tensor '%s' differs from its declaration",
+                   w->path, name);
+  status_t st = STATUS_OK;
+  if (t->device.type == DEVICE_CPU && tensor_is_contiguous(t)) {
+    st = write_all(w->fp, w->tmp, t->data, tensor_nbytes(t));
+  } else {
+    tensor_t host;
+    TRY(tensor_clone(&host, t, t->dtype, device_cpu()));
+    st = write_all(w->fp, w->tmp, host.data, tensor_nbytes(&host));
+    tensor_free(&host);
+  }
+  if (st == STATUS_OK) w->next++;
+  return st;
+}
+
+status_t st_writer_finish(st_writer_t *w) {
+  if (w->fp == NULL) return err_set(STATUS_EINVAL, "safetensors: finish before begin");
+  status_t st = STATUS_OK;
+  if (w->next != w->n)
+    st =
+        err_set(STATUS_EINVAL, "safetensors: %s: %d of %d tensors written", w->path, w->next, w->n);
+  else if (fflush(w->fp) != 0 || fsync(fileno(w->fp)) != 0)
+    st = err_set(STATUS_EIO, "%s: flush failed: %s", w->tmp, strerror(errno));
+  int rc = fclose(w->fp);
+  w->fp = NULL;
+  if (st == STATUS_OK && rc != 0) st = err_set(STATUS_EIO, "%s: close failed", w->tmp);
+  if (st == STATUS_OK && rename(w->tmp, w->path) != 0)
+    st = err_set(STATUS_EIO, "rename %s -> %s: %s", w->tmp, w->path, strerror(errno));
+  if (st != STATUS_OK) remove(w->tmp);
+  return st;
+}
+
+status_t st_writer_save(st_writer_t *w, const char *path) {
+  for (int i = 0; i < w->n; i++)
+    if (w->e[i].declared)
+      return err_set(STATUS_EINVAL, "safetensors: tensor '%s' was declared, not added",
+                     w->e[i].name);
+  TRY(st_writer_begin(w, path));
+  status_t st = STATUS_OK;
+  for (int i = 0; i < w->n && st == STATUS_OK; i++)
+    st = st_writer_write(w, w->e[i].name, &w->e[i].t);
+  if (st == STATUS_OK) return st_writer_finish(w);
+  fclose(w->fp);
+  w->fp = NULL;
+  remove(w->tmp);
   return st;
 }

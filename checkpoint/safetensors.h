@@ -85,6 +85,16 @@ status_t st_writer_set_metadata(st_writer_t *w, const char *key, const char *val
 /* Writes the file to path + ".tmp", flushes it to disk and renames it over path. */
 status_t st_writer_save(st_writer_t *w, const char *path);
 
+/* Streaming, for files larger than memory: declare every tensor (name, dtype, shape), begin
+ * (writes the header to path + ".tmp"), write each tensor in declaration order (any device,
+ * any layout), finish (flush, fsync, rename over path). A writer freed before finish removes
+ * its temporary file. */
+status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
+                           const int64_t *shape);
+status_t st_writer_begin(st_writer_t *w, const char *path);
+status_t st_writer_write(st_writer_t *w, const char *name, const tensor_t *t);
+status_t st_writer_finish(st_writer_t *w);
+
 #ifdef __cplusplus
 }
 #endif

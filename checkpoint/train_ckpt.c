@@ -152,7 +152,9 @@ status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, o
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
   dcp_stats_t a = {0}, b = {0};
   status_t st = dcp_load(model, e.model, n, &a);
-  if (st == STATUS_OK) st = dcp_load(optim, e.optim, 2 * n, &b);
+  struct stat sb;
+  bool weights_only = os == 0 && stat(optim, &sb) != 0; /* fsdp-ckpt import-hf */
+  if (st == STATUS_OK && !weights_only) st = dcp_load(optim, e.optim, 2 * n, &b);
   entries_free(&e);
   TRY(st);
   optim_set_steps(opt, os);

@@ -6,6 +6,8 @@
  *   DIR/model/shard-RRRRR.safetensors   the parameters by their Hugging Face names (dcp.h)
  *   DIR/optim/shard-RRRRR.safetensors   "NAME.exp_avg", "NAME.exp_avg_sq" (f32)
  *   DIR/train_state.json                {"step": N, "optim_steps": N, "saved_under": {...}}
+ *                                       (fsdp-train records the plan, mesh, global batch and
+ *                                       the model's Hugging Face config.json as "model")
  * Checkpoints of a run live in one folder as step-NNNNNNNN; the newest complete one is the one
  * to resume from.
  */
@@ -26,8 +28,9 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
                             int64_t step, const char *saved_under, MPI_Comm comm);
 
 /* Loads a checkpoint saved under any plan into params and opt (whose shards may be laid out
- * differently); *step receives the step it was saved after. stats (may be NULL) adds up both
- * folders' reads. Local. */
+ * differently); *step receives the step it was saved after. A checkpoint of weights only
+ * (optim_steps 0 and no optim folder, as fsdp-ckpt import-hf writes) leaves the optimizer
+ * fresh. stats (may be NULL) adds up both folders' reads. Local. */
 status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                             int64_t *step, dcp_stats_t *stats);
 

@@ -152,8 +152,14 @@ static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
 status_t llama_config_from_hf(const char *path, llama_config_t *out) {
   char *text = NULL;
   TRY(read_file(path, &text));
-  cJSON *o = cJSON_Parse(text);
+  status_t st = llama_config_from_hf_text(text, path, out);
   free(text);
+  return st;
+}
+
+status_t llama_config_from_hf_text(const char *text, const char *origin, llama_config_t *out) {
+  const char *path = origin;
+  cJSON *o = cJSON_Parse(text);
   if (o == NULL) return err_set(STATUS_EFORMAT, "%s: not valid JSON", path);
   llama_config_t c = LLAMA_CONFIG_INIT;
   status_t st = parse_hf(path, o, &c);
@@ -162,7 +168,8 @@ status_t llama_config_from_hf(const char *path, llama_config_t *out) {
   return st;
 }
 
-status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path) {
+status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out) {
+  *out = NULL;
   TRY(llama_config_check(c));
   cJSON *o = cJSON_CreateObject();
   if (o == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
@@ -187,9 +194,14 @@ status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *
                           dtype == DTYPE_BF16  ? "bfloat16"
                           : dtype == DTYPE_F16 ? "float16"
                                                : "float32");
-  char *text = cJSON_Print(o);
+  *out = cJSON_Print(o);
   cJSON_Delete(o);
-  if (text == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+}
+
+status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path) {
+  char *text;
+  TRY(llama_config_to_hf_text(c, dtype, &text));
   status_t st = STATUS_OK;
   FILE *f = fopen(path, "wb");
   if (f == NULL) {

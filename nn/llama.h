@@ -61,8 +61,14 @@ status_t llama_config_check(const llama_config_t *c);
  * (biases, rope scaling, another activation). Errors name the file and the key. */
 status_t llama_config_from_hf(const char *path, llama_config_t *out);
 
+/* The same from config.json's text; errors name origin. */
+status_t llama_config_from_hf_text(const char *text, const char *origin, llama_config_t *out);
+
 /* Writes the config as a Hugging Face LlamaForCausalLM config.json. */
 status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path);
+
+/* The same as text (*out, freed by the caller with free()). */
+status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out);
 
 /* Number of parameters (the lm_head counted only when untied). */
 int64_t llama_num_params(const llama_config_t *c);

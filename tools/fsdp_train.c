@@ -434,13 +434,17 @@ static status_t train(run_t *r) {
     peak_max = peak > peak_max ? peak : peak_max;
     if (s == r->start_step) first_loss = gl;
     if (p->ckpt_interval > 0 && (s + 1) % p->ckpt_interval == 0) {
-      char dir[PLAN_PATH_MAX + 32], under[1024];
+      char dir[PLAN_PATH_MAX + 32], under[8192], *model = NULL;
       ckpt_step_dir(p->ckpt_dir, s + 1, dir, sizeof dir);
+      dtype_t pdt = dtensor_local(r->ps[0]->value)->dtype;
+      st = llama_config_to_hf_text(&p->model, pdt, &model);
+      if (st != STATUS_OK) break;
       snprintf(under, sizeof under,
                "{\"plan\": \"%s\", \"world_size\": %d, \"dp_replicate\": %d, "
-               "\"dp_shard\": %d, \"tp\": %d, \"global_batch\": %lld}",
+               "\"dp_shard\": %d, \"tp\": %d, \"global_batch\": %lld, \"model\": %s}",
                p->source, world_size(), p->dp_replicate, p->dp_shard, p->tp,
-               (long long)(p->batch_size * p->grad_accum * r->dp_size));
+               (long long)(p->batch_size * p->grad_accum * r->dp_size), model);
+      free(model);
       if (lead) {
         struct stat sb;
         if (stat(p->ckpt_dir, &sb) != 0) mkdir(p->ckpt_dir, 0755);

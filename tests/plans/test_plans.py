@@ -9,6 +9,8 @@
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT dry-run   --dry-run's estimates against a real
                                                         run's counters
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT checkpoint  saving, resuming under other plans
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-tool fsdp-ckpt inspect, export-hf (read by an
+                                                        independent parser), import-hf
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT gpu       checkpoints of GPU shards (skips, 77,
                                                         without a GPU)
 """
@@ -460,9 +462,153 @@ def gpu():
         check(la == lb and len(lb) == 5,
               "offload=%s: resumed losses bit-identical (%s vs %s)" % (offload, la[:2], lb[:2]))
 
+def st_read(path):
+    """An independent safetensors reader: (header dict, data bytes)."""
+    import struct
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def hf_expected(cfg):
+    """Hugging Face LlamaForCausalLM tensor names and shapes for a config.json."""
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = d // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    want = {"model.embed_tokens.weight": [v, d], "model.norm.weight": [d]}
+    if not cfg.get("tie_word_embeddings"):
+        want["lm_head.weight"] = [v, d]
+    for i in range(cfg["num_hidden_layers"]):
+        p = "model.layers.%d." % i
+        want.update({p + "input_layernorm.weight": [d], p + "post_attention_layernorm.weight": [d],
+                     p + "self_attn.q_proj.weight": [d, d], p + "self_attn.k_proj.weight": [kv, d],
+                     p + "self_attn.v_proj.weight": [kv, d], p + "self_attn.o_proj.weight": [d, d],
+                     p + "mlp.gate_proj.weight": [f, d], p + "mlp.up_proj.weight": [f, d],
+                     p + "mlp.down_proj.weight": [d, f]})
+    return want
+
+
+def ckpt_tool():
+    """fsdp-ckpt inspect / export-hf / import-hf, checked by an independent reader."""
+    import struct
+    tool = os.path.join(os.path.dirname(EXE), "fsdp-ckpt")
+    tmp = mkdtemp()
+    ck = os.path.join(tmp, "ck")
+    p, _ = run(4, [os.path.join(ROOT, "configs", "fsdp.yaml"), "--set", "train.steps=3",
+                   "--set", "checkpoint.dir=" + ck, "--set", "checkpoint.interval=3"])
+    check(p.returncode == 0, "fsdp on 4 ranks saves a checkpoint")
+    step = os.path.join(ck, "step-00000003")
+    tool_run = lambda *a: subprocess.run([tool] + list(a), capture_output=True, text=True,
+                                         timeout=120)
+    p = tool_run("inspect", step)
+    check(p.returncode == 0 and "after step 3" in p.stdout and "fsdp.yaml" in p.stdout and
+          re.search(r"model\.layers\.1\.mlp\.down_proj\.weight\s+F32\s+64x160\s+4\s+40960",
+                    p.stdout) is not None and "optimizer state" in p.stdout,
+          "inspect lists the plan, tensors, dtypes, shapes, chunks and bytes")
+    # the checkpoint's values, assembled from its shard files by the saved offsets
+    saved = {}
+    mdir = os.path.join(step, "model")
+    for name in sorted(os.listdir(mdir)):
+        h, data = st_read(os.path.join(mdir, name))
+        info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
+        for k, t in h.items():
+            if k == "__metadata__":
+                continue
+            b, e = t["data_offsets"]
+            vals = struct.unpack("<%df" % ((e - b) // 4), data[b:e])
+            rows, cols = t["shape"][0], (t["shape"][1] if len(t["shape"]) > 1 else 1)
+            r0 = info[k]["saved_offsets"][0]
+            for r in range(rows):
+                saved.setdefault(k, {})[r0 + r] = vals[r * cols:(r + 1) * cols]
+    for dtype, shard_bytes in (("f32", None), ("bf16", "100000")):
+        out = os.path.join(tmp, "hf-" + dtype)
+        args = ["export-hf", step, out, "--dtype", dtype]
+        if shard_bytes:
+            args += ["--max-shard-bytes", shard_bytes]
+        p = tool_run(*args)
+        check(p.returncode == 0, "export-hf --dtype %s runs" % dtype)
+        if p.returncode != 0:
+            print(p.stderr)
+            continue
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+        want = hf_expected(cfg)
+        check(cfg["architectures"] == ["LlamaForCausalLM"] and cfg["hidden_size"] == 64 and
+              cfg["torch_dtype"] == ("float32" if dtype == "f32" else "bfloat16"),
+              "%s: config.json describes the model" % dtype)
+        files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+        if shard_bytes:
+            with open(os.path.join(out, "model.safetensors.index.json")) as f:
+                index = json.load(f)
+            check(len(files) > 1 and sorted(set(index["weight_map"].values())) == files and
+                  set(index["weight_map"]) == set(want),
+                  "%s: %d files and an index mapping every tensor" % (dtype, len(files)))
+        else:
+            check(files == ["model.safetensors"], "f32: one model.safetensors")
+        got, exact, total = {}, True, 0
+        for name in files:
+            h, data = st_read(os.path.join(out, name))
+            for k, t in h.items():
+                if k == "__metadata__":
+                    continue
+                got[k] = (t["dtype"], t["shape"])
+                b, e = t["data_offsets"]
+                total += e - b
+                if dtype == "f32":
+                    vals = struct.unpack("<%df" % ((e - b) // 4), data[b:e])
+                    cols = t["shape"][1] if len(t["shape"]) > 1 else 1
+                    exact = exact and all(vals[r * cols:(r + 1) * cols] == saved[k][r]
+                                          for r in range(t["shape"][0]))
+        st = "F32" if dtype == "f32" else "BF16"
+        check(got == {k: (st, v) for k, v in want.items()},
+              "%s: Hugging Face Llama names, shapes and dtype %s" % (dtype, st))
+        if dtype == "f32":
+            check(exact, "f32: every exported value equals the checkpoint's")
+    # round trip: import the export, load it under HSDP; the same first loss as the export
+    # read by model.init_from on one rank
+    imp = os.path.join(tmp, "imported")
+    p = tool_run("import-hf", os.path.join(tmp, "hf-f32"), imp)
+    check(p.returncode == 0 and os.path.exists(os.path.join(imp, "train_state.json")),
+          "import-hf writes a checkpoint")
+    ma, mb = os.path.join(tmp, "a.jsonl"), os.path.join(tmp, "b.jsonl")
+    pa, _ = run(4, [os.path.join(ROOT, "configs", "hsdp.yaml"), "--set", "train.steps=2",
+                    "--set", "checkpoint.load=" + imp, "--set", "data.batch_size=2",
+                    "--metrics", ma])
+    dbg = os.path.join(tmp, "debug-init.yaml")
+    with open(os.path.join(ROOT, "configs", "debug.yaml")) as f:
+        text = f.read()
+    text = re.sub(r"model:\n(  .*\n)+", "model:\n  init_from: %s\n" % os.path.join(tmp, "hf-f32"),
+                  text)
+    text = text.replace("path: ../data", "path: " + os.path.join(ROOT, "data"))
+    with open(dbg, "w") as f:
+        f.write(text)
+    pb, _ = run(1, [dbg, "--set", "train.steps=2", "--metrics", mb])
+    ok = pa.returncode == 0 and pb.returncode == 0
+    check(ok, "the imported checkpoint loads under hsdp, the export under model.init_from")
+    if ok:
+        la, lb = losses(ma)[0]["loss"], losses(mb)[0]["loss"]
+        check(abs(la - lb) <= 1e-5 * abs(lb) and "resumed from" in pa.stdout,
+              "imported under hsdp (2x2) and exported read on one rank: first loss %.7f vs %.7f"
+              % (la, lb))
+    else:
+        print(pa.stdout[-1500:], pa.stderr[-1500:], pb.stdout[-1500:], pb.stderr[-1500:])
+    # mistakes: a clear message and a non-zero exit
+    for args, want in [(["export-hf", os.path.join(tmp, "nowhere"), os.path.join(tmp, "x")],
+                        r"nowhere: not a folder"),
+                       (["export-hf", step, os.path.join(tmp, "hf-f32")], r"exists and is not empty"),
+                       (["export-hf", step, os.path.join(tmp, "y"), "--dtype", "i32"],
+                        r"--dtype: expected f32, bf16 or f16"),
+                       (["import-hf", tmp, os.path.join(tmp, "z")], r"config\.json"),
+                       (["import-hf", os.path.join(tmp, "hf-f32"), imp], r"already exists"),
+                       (["frobnicate", step], r"unknown command 'frobnicate'")]:
+        p = tool_run(*args)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None,
+              "fsdp-ckpt %s: exit %d, says /%s/" % (args[0], p.returncode, want))
+
 
 {"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run,
- "checkpoint": checkpoints, "gpu": gpu}[MODE]()
+ "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": ckpt_tool}[MODE]()
 for d in TEMPS:
     shutil.rmtree(d, ignore_errors=True)
 print("%d failure(s)" % len(failures))

@@ -1,0 +1,532 @@
+/*
+ * fsdp-ckpt: offline work on checkpoints, in one process.
+ *
+ *   fsdp-ckpt inspect DIR
+ *   fsdp-ckpt export-hf DIR OUT [--dtype f32|bf16|f16] [--max-shard-bytes N] [--config FILE]
+ *   fsdp-ckpt import-hf HFDIR OUT
+ *
+ * DIR is a training checkpoint (model/, optim/, train_state.json) or a folder of shard files.
+ * export-hf writes a Hugging Face folder (model.safetensors, or model-0000k-of-0000n.safetensors
+ * with model.safetensors.index.json, and config.json), streaming one tensor at a time so memory
+ * stays bounded by the largest tensor. import-hf turns a Hugging Face folder into a
+ * weights-only checkpoint that checkpoint.load resumes from (step 0, a fresh optimizer).
+ */
+#include <cJSON.h>
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "checkpoint/dcp.h"
+#include "checkpoint/safetensors.h"
+#include "mesh/world.h"
+#include "nn/llama.h"
+
+#define PATH_LEN 4096
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: fsdp-ckpt inspect DIR\n"
+          "       fsdp-ckpt export-hf DIR OUT [--dtype f32|bf16|f16] [--max-shard-bytes N] "
+          "[--config FILE]\n"
+          "       fsdp-ckpt import-hf HFDIR OUT\n");
+}
+
+static bool is_dir(const char *p) {
+  struct stat sb;
+  return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+static status_t read_text(const char *path, char **out) {
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return err_set(STATUS_EIO, "%s: %s", path, strerror(errno));
+  status_t st = STATUS_OK;
+  long n = -1;
+  if (fseek(f, 0, SEEK_END) == 0) n = ftell(f);
+  char *buf = NULL;
+  if (n < 0 || n > (1 << 26) || fseek(f, 0, SEEK_SET) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot read (or larger than 64 MiB)", path);
+  else if ((buf = malloc((size_t)n + 1)) == NULL)
+    st = err_set(STATUS_ENOMEM, "out of host memory");
+  else if (fread(buf, 1, (size_t)n, f) != (size_t)n)
+    st = err_set(STATUS_EIO, "%s: short read", path);
+  fclose(f);
+  if (st != STATUS_OK) {
+    free(buf);
+    return st;
+  }
+  buf[n] = 0;
+  *out = buf;
+  return STATUS_OK;
+}
+
+static status_t write_text(const char *path, const char *text) {
+  FILE *f = fopen(path, "wb");
+  status_t st = STATUS_OK;
+  if (f == NULL || fputs(text, f) < 0 || fputc('\n', f) == EOF || fflush(f) != 0 ||
+      fsync(fileno(f)) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot write: %s", path, strerror(errno));
+  if (f && fclose(f) != 0 && st == STATUS_OK) st = err_set(STATUS_EIO, "%s: close failed", path);
+  return st;
+}
+
+/* train_state.json of a training checkpoint, or NULL (a plain shard folder). */
+static status_t read_state(const char *dir, cJSON **out) {
+  char path[PATH_LEN];
+  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
+  *out = NULL;
+  if (access(path, F_OK) != 0) return STATUS_OK;
+  char *text;
+  TRY(read_text(path, &text));
+  *out = cJSON_Parse(text);
+  free(text);
+  return *out ? STATUS_OK : err_set(STATUS_EFORMAT, "%s: not valid JSON", path);
+}
+
+/* The folder of the model's shards: DIR/model in a training checkpoint, else DIR. */
+static void model_folder(const char *dir, char *out, size_t size) {
+  snprintf(out, size, "%.4000s/model", dir);
+  if (!is_dir(out)) snprintf(out, size, "%s", dir);
+}
+
+static void shape_text(int nd, const int64_t *s, char *buf, size_t n) {
+  size_t o = 0;
+  buf[0] = 0;
+  for (int d = 0; d < nd && o < n; d++)
+    o += (size_t)snprintf(buf + o, n - o, "%s%lld", d ? "x" : "", (long long)s[d]);
+  if (nd == 0) snprintf(buf, n, "scalar");
+}
+
+/* ---- inspect ---- */
+
+static status_t inspect_folder(const char *title, const char *dir) {
+  dcp_reader_t *r;
+  TRY(dcp_reader_open(dir, &r));
+  const dcp_tensor_t *t;
+  int n;
+  status_t st = dcp_reader_list(r, &t, &n);
+  if (st == STATUS_OK) {
+    uint64_t total = 0;
+    int files = 0;
+    printf("%s (%s):\n", title, dir);
+    printf("  %-52s %-6s %-14s %6s %12s\n", "tensor", "dtype", "shape", "chunks", "bytes");
+    for (int i = 0; i < n; i++) {
+      char sh[96];
+      shape_text(t[i].ndim, t[i].shape, sh, sizeof sh);
+      printf("  %-52s %-6s %-14s %6d %12llu\n", t[i].name, t[i].dtype_name, sh, t[i].chunks,
+             (unsigned long long)t[i].bytes);
+      total += t[i].bytes;
+      files = t[i].chunks > files ? t[i].chunks : files;
+    }
+    printf("  %d tensors, %llu bytes of tensor data\n", n, (unsigned long long)total);
+  }
+  dcp_reader_close(r);
+  return st;
+}
+
+static status_t inspect(const char *dir) {
+  if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  cJSON *state;
+  TRY(read_state(dir, &state));
+  if (state) {
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(state, "step");
+    const cJSON *u = cJSON_GetObjectItemCaseSensitive(state, "saved_under");
+    printf("checkpoint %s: after step %lld\n", dir,
+           cJSON_IsNumber(s) ? (long long)s->valuedouble : -1);
+    const cJSON *it;
+    cJSON_ArrayForEach(it, u) {
+      if (strcmp(it->string, "model") == 0) continue;
+      char *v = cJSON_PrintUnformatted(it);
+      printf("  saved under %s: %s\n", it->string, v ? v : "?");
+      free(v);
+    }
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(u, "model");
+    if (cJSON_IsObject(m)) {
+      char *v = cJSON_PrintUnformatted(m);
+      printf("  model config: %s\n", v ? v : "?");
+      free(v);
+    }
+  }
+  char model[PATH_LEN], optim[PATH_LEN];
+  model_folder(dir, model, sizeof model);
+  status_t st = inspect_folder("model", model);
+  snprintf(optim, sizeof optim, "%.4000s/optim", dir);
+  if (st == STATUS_OK && is_dir(optim)) st = inspect_folder("optimizer state", optim);
+  cJSON_Delete(state);
+  return st;
+}
+
+/* ---- export-hf ---- */
+
+/* Names in natural order: digit runs compare as numbers (layers.2 before layers.10). */
+static int natural_cmp(const char *a, const char *b) {
+  while (*a && *b) {
+    if (isdigit((unsigned char)*a) && isdigit((unsigned char)*b)) {
+      char *ea, *eb;
+      unsigned long long x = strtoull(a, &ea, 10), y = strtoull(b, &eb, 10);
+      if (x != y) return x < y ? -1 : 1;
+      a = ea;
+      b = eb;
+    } else {
+      if (*a != *b) return (unsigned char)*a - (unsigned char)*b;
+      a++;
+      b++;
+    }
+  }
+  return (unsigned char)*a - (unsigned char)*b;
+}
+
+static int cmp_by_name(const void *x, const void *y) {
+  return natural_cmp((*(const dcp_tensor_t *const *)x)->name,
+                     (*(const dcp_tensor_t *const *)y)->name);
+}
+
+typedef struct export_opts {
+  dtype_t dtype; /* DTYPE_COUNT: as stored */
+  uint64_t max_shard_bytes;
+  const char *config;
+} export_opts_t;
+
+/* config.json: --config, or the model config the checkpoint was saved with. */
+static status_t export_config(const char *dir, const export_opts_t *o, dtype_t dtype,
+                              const char *path) {
+  llama_config_t cfg;
+  if (o->config) {
+    TRY(llama_config_from_hf(o->config, &cfg));
+  } else {
+    cJSON *state;
+    TRY(read_state(dir, &state));
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(state, "saved_under"), "model");
+    char *text = cJSON_IsObject(m) ? cJSON_PrintUnformatted(m) : NULL;
+    cJSON_Delete(state);
+    if (text == NULL)
+      return err_set(STATUS_EINVAL,
+                     "%s: no model config recorded in train_state.json; give --config "
+                     "CONFIG.json",
+                     dir);
+    char origin[PATH_LEN];
+    snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir);
+    status_t st = llama_config_from_hf_text(text, origin, &cfg);
+    free(text);
+    TRY(st);
+  }
+  return llama_config_to_hf(&cfg, dtype, path);
+}
+
+/* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
+ * time. */
+static status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int first, int last,
+                            dtype_t want, const char *path, mesh_t *one) {
+  st_writer_t *w;
+  TRY(st_writer_new(&w));
+  status_t st = st_writer_set_metadata(w, "format", "pt");
+  for (int i = first; i < last && st == STATUS_OK; i++)
+    st = st_writer_declare(w, t[i]->name, want == DTYPE_COUNT ? t[i]->dtype : want, t[i]->ndim,
+                           t[i]->shape);
+  if (st == STATUS_OK) st = st_writer_begin(w, path);
+  placement_t rep = placement_replicate();
+  for (int i = first; i < last && st == STATUS_OK; i++) {
+    tensor_t full, conv = {0};
+    dtensor_t *dt = NULL;
+    st = tensor_init(&full, t[i]->dtype, device_cpu(), t[i]->ndim, t[i]->shape);
+    if (st != STATUS_OK) break;
+    st = dtensor_from_local(&dt, &full, one, &rep, t[i]->ndim, t[i]->shape);
+    dcp_entry_t e = {t[i]->name, dt};
+    if (st == STATUS_OK) st = dcp_reader_load(r, &e, 1, NULL);
+    const tensor_t *src = &full;
+    if (st == STATUS_OK && want != DTYPE_COUNT && want != full.dtype) {
+      st = tensor_clone(&conv, &full, want, device_cpu());
+      src = &conv;
+    }
+    if (st == STATUS_OK) st = st_writer_write(w, t[i]->name, src);
+    tensor_free(&conv);
+    dtensor_free(dt);
+    tensor_free(&full);
+  }
+  if (st == STATUS_OK) st = st_writer_finish(w);
+  st_writer_free(w);
+  return st;
+}
+
+static status_t export_hf(const char *dir, const char *out, const export_opts_t *o) {
+  char model[PATH_LEN];
+  if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  model_folder(dir, model, sizeof model);
+  if (is_dir(out) && rmdir(out) != 0)
+    return err_set(STATUS_EINVAL, "%s: exists and is not empty", out);
+  dcp_reader_t *r;
+  TRY(dcp_reader_open(model, &r));
+  const dcp_tensor_t *list;
+  int n;
+  const dcp_tensor_t **t = NULL;
+  mesh_t *one = NULL;
+  cJSON *index = NULL;
+  status_t st = dcp_reader_list(r, &list, &n);
+  if (st == STATUS_OK && (t = malloc(sizeof *t * (size_t)(n ? n : 1))) == NULL)
+    st = err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    t[i] = &list[i];
+    if (list[i].dtype == DTYPE_COUNT || !dtype_is_float(list[i].dtype))
+      st = err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s, not a float dtype", model,
+                   list[i].name, list[i].dtype_name);
+  }
+  if (st == STATUS_OK) qsort(t, (size_t)n, sizeof *t, cmp_by_name);
+  if (st == STATUS_OK) st = mesh_init_local(&one, "one", DEVICE_CPU);
+  if (st == STATUS_OK && mkdir(out, 0755) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot create: %s", out, strerror(errno));
+  /* files: consecutive tensors up to max_shard_bytes each (a larger tensor gets its own) */
+  int *start = st == STATUS_OK ? calloc((size_t)n + 2, sizeof(int)) : NULL;
+  int files = 0;
+  uint64_t total = 0, cur = 0;
+  if (st == STATUS_OK && start == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    size_t es = dtype_size(o->dtype == DTYPE_COUNT ? t[i]->dtype : o->dtype);
+    uint64_t b = (uint64_t)t[i]->bytes / dtype_size(t[i]->dtype) * es;
+    if (i == 0 || (cur > 0 && cur + b > o->max_shard_bytes)) {
+      start[files++] = i;
+      cur = 0;
+    }
+    cur += b;
+    total += b;
+  }
+  if (st == STATUS_OK && n > 0) start[files] = n;
+  if (st == STATUS_OK && files > 1) {
+    index = cJSON_CreateObject();
+    cJSON *meta = cJSON_AddObjectToObject(index, "metadata");
+    cJSON_AddNumberToObject(meta, "total_size", (double)total);
+    cJSON_AddObjectToObject(index, "weight_map");
+  }
+  for (int f = 0; f < files && st == STATUS_OK; f++) {
+    char name[64], path[PATH_LEN + 64];
+    if (files == 1)
+      snprintf(name, sizeof name, "model.safetensors");
+    else
+      snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", f + 1, files);
+    snprintf(path, sizeof path, "%.4000s/%s", out, name);
+    st = export_file(r, t, start[f], start[f + 1], o->dtype, path, one);
+    for (int i = start[f]; index && i < start[f + 1]; i++)
+      cJSON_AddStringToObject(cJSON_GetObjectItemCaseSensitive(index, "weight_map"), t[i]->name,
+                              name);
+    if (st == STATUS_OK) printf("wrote %s (%d tensors)\n", path, start[f + 1] - start[f]);
+  }
+  if (st == STATUS_OK && index) {
+    char path[PATH_LEN + 64], *text = cJSON_Print(index);
+    snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", out);
+    st = text ? write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
+    free(text);
+  }
+  if (st == STATUS_OK) {
+    char path[PATH_LEN + 64];
+    snprintf(path, sizeof path, "%.4000s/config.json", out);
+    dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
+    st = export_config(dir, o, cd, path);
+  }
+  if (st == STATUS_OK)
+    printf("exported %d tensors, %llu bytes, into %d file%s in %s\n", n, (unsigned long long)total,
+           files, files == 1 ? "" : "s", out);
+  cJSON_Delete(index);
+  free(start);
+  free(t);
+  mesh_free(one);
+  dcp_reader_close(r);
+  return st;
+}
+
+/* ---- import-hf ---- */
+
+static status_t copy_file(const char *from, const char *to) {
+  FILE *in = fopen(from, "rb"), *out = in ? fopen(to, "wb") : NULL;
+  status_t st = STATUS_OK;
+  if (in == NULL || out == NULL)
+    st = err_set(STATUS_EIO, "copy %s -> %s: %s", from, to, strerror(errno));
+  char buf[1 << 16];
+  size_t k;
+  while (st == STATUS_OK && (k = fread(buf, 1, sizeof buf, in)) > 0)
+    if (fwrite(buf, 1, k, out) != k) st = err_set(STATUS_EIO, "%s: write failed", to);
+  if (st == STATUS_OK && (ferror(in) || fflush(out) != 0 || fsync(fileno(out)) != 0))
+    st = err_set(STATUS_EIO, "copy %s -> %s failed", from, to);
+  if (in) fclose(in);
+  if (out && fclose(out) != 0 && st == STATUS_OK) st = err_set(STATUS_EIO, "%s: close failed", to);
+  return st;
+}
+
+/* The weight files of a Hugging Face folder: those the index names, else model.safetensors. */
+static status_t hf_files(const char *hf, char ***out, int *n) {
+  char path[PATH_LEN + 64];
+  snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", hf);
+  *out = NULL;
+  *n = 0;
+  char **names = calloc(1024, sizeof(char *));
+  if (names == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  status_t st = STATUS_OK;
+  if (access(path, F_OK) == 0) {
+    char *text = NULL;
+    st = read_text(path, &text);
+    cJSON *o = st == STATUS_OK ? cJSON_Parse(text) : NULL;
+    free(text);
+    const cJSON *wm = cJSON_GetObjectItemCaseSensitive(o, "weight_map"), *it;
+    if (st == STATUS_OK && !cJSON_IsObject(wm))
+      st = err_set(STATUS_EFORMAT, "%s: expected {\"weight_map\": {tensor: file}}", path);
+    cJSON_ArrayForEach(it, wm) {
+      if (st != STATUS_OK) break;
+      if (!cJSON_IsString(it) || strchr(it->valuestring, '/') != NULL) {
+        st = err_set(STATUS_EFORMAT, "%s: weight_map['%s'] is not a file name", path, it->string);
+        break;
+      }
+      bool seen = false;
+      for (int i = 0; i < *n && !seen; i++) seen = strcmp(names[i], it->valuestring) == 0;
+      if (seen) continue;
+      if (*n == 1024) {
+        st = err_set(STATUS_EFORMAT, "%s: more than 1024 files", path);
+        break;
+      }
+      if ((names[(*n)++] = strdup(it->valuestring)) == NULL)
+        st = err_set(STATUS_ENOMEM, "out of host memory");
+    }
+    cJSON_Delete(o);
+  } else if ((names[0] = strdup("model.safetensors")) == NULL) {
+    st = err_set(STATUS_ENOMEM, "out of host memory");
+  } else {
+    *n = 1;
+  }
+  *out = names;
+  return st;
+}
+
+static status_t import_hf(const char *hf, const char *out) {
+  char cfg_path[PATH_LEN + 64];
+  snprintf(cfg_path, sizeof cfg_path, "%.4000s/config.json", hf);
+  llama_config_t cfg;
+  TRY(llama_config_from_hf(cfg_path, &cfg));
+  struct stat sb;
+  if (stat(out, &sb) == 0) return err_set(STATUS_EINVAL, "%s: already exists", out);
+  char tmp[PATH_LEN + 8], model[PATH_LEN + 16];
+  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
+  dcp_remove_tree(tmp);
+  snprintf(model, sizeof model, "%s/model", tmp);
+  if (mkdir(tmp, 0755) != 0 || mkdir(model, 0755) != 0)
+    return err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  char **names;
+  int n;
+  status_t st = hf_files(hf, &names, &n);
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    char from[PATH_LEN + 300], to[PATH_LEN + 300];
+    snprintf(from, sizeof from, "%.4000s/%s", hf, names[i]);
+    snprintf(to, sizeof to, "%s/%s", model, names[i]);
+    st_file_t *f;
+    st = st_open(&f, from); /* validate before copying */
+    if (st == STATUS_OK) {
+      st_close(f);
+      st = copy_file(from, to);
+    }
+  }
+  /* every tensor once, with the shapes the config implies, is checked when a plan loads it */
+  dcp_reader_t *r = NULL;
+  const dcp_tensor_t *list;
+  int nt = 0;
+  if (st == STATUS_OK) st = dcp_reader_open(model, &r);
+  if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
+  char *config = NULL;
+  if (st == STATUS_OK) st = read_text(cfg_path, &config);
+  if (st == STATUS_OK) {
+    cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
+    cJSON_AddNumberToObject(state, "step", 0);
+    cJSON_AddNumberToObject(state, "optim_steps", 0);
+    cJSON_AddStringToObject(under, "imported_from", hf);
+    cJSON_AddItemToObject(under, "model", cJSON_Parse(config));
+    cJSON_AddItemToObject(state, "saved_under", under);
+    char *text = cJSON_Print(state), path[PATH_LEN + 64];
+    cJSON_Delete(state);
+    snprintf(path, sizeof path, "%s/train_state.json", tmp);
+    st = text ? write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
+    free(text);
+  }
+  if (st == STATUS_OK && rename(tmp, out) != 0)
+    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
+  if (st == STATUS_OK)
+    printf("imported %d tensors from %d file%s of %s into %s (step 0, no optimizer state)\n", nt, n,
+           n == 1 ? "" : "s", hf, out);
+  else
+    dcp_remove_tree(tmp);
+  free(config);
+  dcp_reader_close(r);
+  for (int i = 0; i < n; i++) free(names[i]);
+  free(names);
+  return st;
+}
+
+/* ---- main ---- */
+
+static status_t run(int argc, char **argv) {
+  if (argc < 3) return err_set(STATUS_EINVAL, "missing a command and its folders");
+  const char *cmd = argv[1];
+  if (strcmp(cmd, "inspect") == 0) {
+    if (argc != 3) return err_set(STATUS_EINVAL, "inspect takes one folder");
+    return inspect(argv[2]);
+  }
+  if (strcmp(cmd, "import-hf") == 0) {
+    if (argc != 4) return err_set(STATUS_EINVAL, "import-hf takes HFDIR OUT");
+    return import_hf(argv[2], argv[3]);
+  }
+  if (strcmp(cmd, "export-hf") == 0) {
+    export_opts_t o = {.dtype = DTYPE_COUNT, .max_shard_bytes = 5000000000ull, .config = NULL};
+    const char *pos[2] = {NULL, NULL};
+    int np = 0;
+    for (int i = 2; i < argc; i++) {
+      const char *a = argv[i];
+      if (strcmp(a, "--dtype") == 0 || strcmp(a, "--max-shard-bytes") == 0 ||
+          strcmp(a, "--config") == 0) {
+        if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
+        const char *v = argv[++i];
+        if (a[2] == 'd') {
+          if (dtype_parse(v, &o.dtype) != STATUS_OK || !dtype_is_float(o.dtype))
+            return err_set(STATUS_EINVAL, "--dtype: expected f32, bf16 or f16, got '%s'", v);
+        } else if (a[2] == 'm') {
+          char *end;
+          errno = 0;
+          unsigned long long b = strtoull(v, &end, 10);
+          if (errno || *end || b == 0 || v[0] == '-')
+            return err_set(STATUS_EINVAL,
+                           "--max-shard-bytes: expected a positive integer, got '%s'", v);
+          o.max_shard_bytes = b;
+        } else {
+          o.config = v;
+        }
+      } else if (a[0] == '-') {
+        return err_set(STATUS_EINVAL, "unknown option '%s'", a);
+      } else if (np < 2) {
+        pos[np++] = a;
+      } else {
+        return err_set(STATUS_EINVAL, "export-hf takes DIR OUT, got a third folder '%s'", a);
+      }
+    }
+    if (np != 2) return err_set(STATUS_EINVAL, "export-hf takes DIR OUT");
+    return export_hf(pos[0], pos[1], &o);
+  }
+  return err_set(STATUS_EINVAL, "unknown command '%s' (inspect, export-hf, import-hf)", cmd);
+}
+
+int main(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      usage(stdout);
+      return 0;
+    }
+  if (world_init(&argc, &argv) != STATUS_OK) {
+    fprintf(stderr, "fsdp-ckpt: %s\n", err_detail());
+    return 1;
+  }
+  status_t st = run(argc, argv);
+  if (st != STATUS_OK) {
+    fprintf(stderr, "fsdp-ckpt: %s\n", err_detail());
+    if (strncmp(err_detail(), "missing a command", 17) == 0 ||
+        strncmp(err_detail(), "unknown command", 15) == 0)
+      usage(stderr);
+  }
+  world_finalize();
+  return st == STATUS_OK ? 0 : 1;
+}
