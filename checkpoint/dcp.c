@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "checkpoint/safetensors.h"
 #include "dtensor/placement.h"
@@ -63,7 +64,28 @@ void dcp_remove_tree(const char *dir) {
   rmdir(dir);
 }
 
-/* The file this rank writes: its shards and their offsets. */
+/* CRC-32 (zlib) of a contiguous tensor's bytes, wherever it lives. */
+static status_t crc_of(const tensor_t *t, uint32_t *out) {
+  tensor_t host = {0};
+  const tensor_t *src = t;
+  if (t->device.type != DEVICE_CPU || !tensor_is_contiguous(t)) {
+    TRY(tensor_clone(&host, t, t->dtype, device_cpu()));
+    src = &host;
+  }
+  uLong c = crc32(0L, Z_NULL, 0);
+  const unsigned char *p = src->data;
+  for (size_t left = tensor_nbytes(src); left > 0;) { /* crc32 takes a uInt length */
+    uInt k = left > (1u << 30) ? (1u << 30) : (uInt)left;
+    c = crc32(c, p, k);
+    p += k;
+    left -= k;
+  }
+  tensor_free(&host);
+  *out = (uint32_t)c;
+  return STATUS_OK;
+}
+
+/* The file this rank writes: its shards, their offsets and checksums. */
 static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, int rank) {
   st_writer_t *w = NULL;
   cJSON *info = cJSON_CreateObject();
@@ -88,8 +110,13 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
       break;
     }
     cJSON_AddItemToObject(item, "saved_offsets", offsets);
+    uint32_t crc = 0;
+    st = crc_of(dtensor_local(v), &crc);
+    char hex[16];
+    snprintf(hex, sizeof hex, "%08x", crc);
+    cJSON_AddStringToObject(item, "crc32", hex);
     cJSON_AddItemToObject(info, entries[i].name, item);
-    st = st_writer_add(w, entries[i].name, dtensor_local(v));
+    if (st == STATUS_OK) st = st_writer_add(w, entries[i].name, dtensor_local(v));
     count++;
   }
   if (st == STATUS_OK && count > 0) {
@@ -179,6 +206,8 @@ typedef struct chunk {
   int file;
   int64_t off[TENSOR_MAX_DIMS];
   const st_info_t *info;
+  bool has_crc;
+  uint32_t crc;
 } chunk_t;
 
 typedef struct folder {
@@ -281,11 +310,42 @@ static status_t chunks_of(const folder_t *fo, const char *name, chunk_t **out, i
       }
       c[k].off[d] = v ? (int64_t)v->valuedouble : 0;
     }
+    const cJSON *crc = e ? cJSON_GetObjectItemCaseSensitive(e, "crc32") : NULL;
+    if (crc != NULL) {
+      char *end = NULL;
+      unsigned long x = cJSON_IsString(crc) ? strtoul(crc->valuestring, &end, 16) : 0;
+      if (end == NULL || *end != 0 || end == crc->valuestring || x > 0xfffffffful) {
+        free(c);
+        return err_set(STATUS_EFORMAT, "%s: tensor '%s': crc32 is not 8 hex digits",
+                       st_path(fo->f[i]), name);
+      }
+      c[k].has_crc = true;
+      c[k].crc = (uint32_t)x;
+    }
     k++;
   }
   *out = c;
   *count = k;
   return STATUS_OK;
+}
+
+/* Reads a whole saved chunk into dst (its shape), checking its bytes against the chunk's
+ * checksum first. */
+static status_t read_verified(st_file_t *f, const char *name, const chunk_t *c, tensor_t *dst) {
+  const st_info_t *t = c->info;
+  tensor_t raw;
+  TRY(tensor_init(&raw, t->dtype, device_cpu(), t->ndim, t->shape));
+  status_t st = st_read_raw(f, name, raw.data, tensor_nbytes(&raw));
+  uint32_t crc = 0;
+  if (st == STATUS_OK) st = crc_of(&raw, &crc);
+  if (st == STATUS_OK && crc != c->crc)
+    st = err_set(STATUS_EFORMAT,
+                 "%s: tensor '%s': checksum mismatch (stored crc32 %08x, data %08x): the file "
+                 "is corrupt",
+                 st_path(f), name, c->crc, crc);
+  if (st == STATUS_OK) st = tensor_copy(dst, &raw);
+  tensor_free(&raw);
+  return st;
 }
 
 static status_t load_one(const char *dir, const folder_t *fo, const dcp_entry_t *e,
@@ -309,9 +369,12 @@ static status_t load_one(const char *dir, const folder_t *fo, const dcp_entry_t 
       int64_t end = c[k].off[d] + c[k].info->shape[d];
       saved[d] = end > saved[d] ? end : saved[d];
     }
-    if (st == STATUS_OK && c[k].info->dtype == DTYPE_COUNT)
-      st = err_set(STATUS_EDTYPE, "%s: tensor '%s' has dtype %s", st_path(fo->f[c[k].file]),
-                   e->name, c[k].info->dtype_name);
+    if (st == STATUS_OK &&
+        (c[k].info->dtype == DTYPE_COUNT ||
+         dtype_is_float(c[k].info->dtype) != dtype_is_float(dtensor_local(v)->dtype)))
+      st = err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s; the model's is %s",
+                   st_path(fo->f[c[k].file]), e->name, c[k].info->dtype_name,
+                   dtype_name(dtensor_local(v)->dtype));
   }
   if (st == STATUS_OK && memcmp(saved, gshape, sizeof(int64_t) * (size_t)nd) != 0)
     st = err_set(STATUS_ESHAPE,
@@ -339,9 +402,15 @@ static status_t load_one(const char *dir, const folder_t *fo, const dcp_entry_t 
       tensor_free(&dst);
       dst = next;
     }
-    int64_t src[TENSOR_MAX_DIMS];
-    for (int d = 0; d < nd; d++) src[d] = lo[d] - c[k].off[d];
-    if (st == STATUS_OK) st = st_read_box(fo->f[c[k].file], e->name, src, &dst);
+    int64_t src[TENSOR_MAX_DIMS], whole = 1;
+    for (int d = 0; d < nd; d++) {
+      src[d] = lo[d] - c[k].off[d];
+      whole *= c[k].info->shape[d];
+    }
+    if (st == STATUS_OK && c[k].has_crc && vol == whole)
+      st = read_verified(fo->f[c[k].file], e->name, &c[k], &dst);
+    else if (st == STATUS_OK)
+      st = st_read_box(fo->f[c[k].file], e->name, src, &dst);
     tensor_free(&dst);
     covered += vol;
     if (s) s->bytes_needed += (uint64_t)vol * c[k].info->elem_size;

@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential meson ninja-build pkg-config
-  check libyaml-dev libcjson-dev
+  check libyaml-dev libcjson-dev zlib1g-dev
   libopenmpi-dev openmpi-bin
   libopenblas-dev
 )

@@ -11,6 +11,7 @@
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT checkpoint  saving, resuming under other plans
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-tool fsdp-ckpt inspect, export-hf (read by an
                                                         independent parser), import-hf
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-corrupt damaged checkpoints: named errors
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT gpu       checkpoints of GPU shards (skips, 77,
                                                         without a GPU)
 """
@@ -386,12 +387,14 @@ def checkpoints():
     t = os.path.join(tmp, "t")
     train(8, "hsdp-tp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + t,
                          "checkpoint.interval=5"])
-    for n, name, batch, src in [(1, "debug", 24, s), (4, "hsdp", 6, s), (3, "fsdp", 8, s),
-                                (8, "hsdp-int-reshard", 3, s), (2, "tp", 24, s),
-                                (8, "hsdp-tp", 6, s), (4, "fsdp", 6, t), (1, "debug", 24, t)]:
+    for n, name, batch, src, extra in [
+            (1, "debug", 24, s, []), (4, "hsdp", 6, s, []), (3, "fsdp", 8, s, []),
+            (8, "hsdp-int-reshard", 3, s, []), (2, "tp", 24, s, []), (8, "hsdp-tp", 6, s, []),
+            (4, "hsdp-tp", 12, s, ["mesh.dp_replicate=1"]),  # tp=2 x dp_shard=2
+            (4, "fsdp", 6, t, []), (1, "debug", 24, t, [])]:
         m = os.path.join(tmp, "x%d.jsonl" % len(os.listdir(tmp)))  # a new file per run
         p = train(n, name, ["train.steps=10", "data.batch_size=%d" % batch,
-                            "checkpoint.load=" + os.path.join(src, "step-00000005")], m)
+                            "checkpoint.load=" + os.path.join(src, "step-00000005")] + extra, m)
         got = [r["loss"] for r in losses(m)] if os.path.exists(m) else []
         worst = max(abs(x - y) / abs(y) for x, y in zip(got, want)) if got else 1
         check(len(got) == 5 and worst <= 1e-5,
@@ -607,8 +610,90 @@ def ckpt_tool():
               "fsdp-ckpt %s: exit %d, says /%s/" % (args[0], p.returncode, want))
 
 
+def ckpt_corrupt():
+    """Damaged checkpoints given to fsdp-train's checkpoint.load: a message naming the file
+    (and the tensor where there is one), a non-zero exit on every rank, no crash."""
+    import struct
+    tmp = mkdtemp()
+    cfg = os.path.join(ROOT, "configs", "fsdp-grad-accum.yaml")
+    ck = os.path.join(tmp, "ck")
+    p, _ = run(2, [cfg, "--set", "train.steps=2", "--set", "checkpoint.dir=" + ck,
+                   "--set", "checkpoint.interval=2"])
+    check(p.returncode == 0, "fsdp-grad-accum on 2 ranks saves a checkpoint")
+    good = os.path.join(ck, "step-00000002")
+
+    def header_edit(edit):
+        def f(raw):
+            (n,) = struct.unpack("<Q", raw[:8])
+            h = json.loads(raw[8:8 + n])
+            edit(h)
+            text = json.dumps(h, separators=(",", ":")).encode()
+            assert len(text) <= n, "the edit must not grow the header"
+            return raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:]
+        return f
+
+    def rename(h):
+        h["model.norm.weighx"] = h.pop("model.norm.weight")
+        info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
+        info["model.norm.weighx"] = info.pop("model.norm.weight")
+        h["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info, separators=(",", ":"))
+
+    def reshape(h):  # same bytes, another shape: [80, 64] stored as [64, 80]
+        h["model.layers.0.mlp.up_proj.weight"]["shape"] = [64, 80]
+
+    def retype(h):  # same size, an integer dtype
+        h["model.layers.0.self_attn.q_proj.weight"]["dtype"] = "I32"
+
+    def flip(raw):
+        (n,) = struct.unpack("<Q", raw[:8])
+        h = json.loads(raw[8:8 + n])
+        b, e = h["model.layers.1.mlp.down_proj.weight"]["data_offsets"]
+        pos = 8 + n + (b + e) // 2
+        return raw[:pos] + bytes([raw[pos] ^ 0x10]) + raw[pos + 1:]
+
+    cases = [
+        ("truncated file", lambda raw: raw[:len(raw) // 2],
+         r"shard-00000\.safetensors: tensor '[^']+' ends at byte \d+, past the"),
+        ("flipped data byte", flip,
+         r"shard-00000\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight': "
+         r"checksum mismatch"),
+        ("malformed header JSON", lambda raw: raw[:8] + b"{]" + raw[10:],
+         r"shard-00000\.safetensors.*(JSON|header)"),
+        ("header length past the end", lambda raw: struct.pack("<Q", len(raw) * 4) + raw[8:],
+         r"shard-00000\.safetensors.*header"),
+        ("missing tensor", header_edit(rename), r"missing tensor 'model\.norm\.weight'|"
+         r"model\.norm\.weight.*cover"),
+        ("wrong shape", header_edit(reshape),
+         r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' was saved with shape"),
+        ("wrong dtype", header_edit(retype),
+         r"shard-00000\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.weight' "
+         r"is stored as I32"),
+    ]
+    for name, damage, want in cases:
+        bad = os.path.join(tmp, name.replace(" ", "-"))
+        shutil.copytree(good, bad)
+        path = os.path.join(bad, "model", "shard-00000.safetensors")
+        with open(path, "rb") as f:
+            raw = f.read()
+        with open(path, "wb") as f:
+            f.write(damage(raw))
+        try:
+            p, secs = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + bad],
+                          timeout=60)
+        except subprocess.TimeoutExpired:
+            check(False, "%s: finishes (timed out)" % name)
+            continue
+        said = [l for l in p.stderr.splitlines() if re.search(want, l)]
+        crashed = re.search(r"AddressSanitizer|runtime error|Segmentation|core dumped", p.stderr)
+        ok = p.returncode != 0 and said and not crashed and "[rank" in said[0]
+        check(ok, "%s: exit %d, a rank says /%s/" % (name, p.returncode, want))
+        if not ok:
+            print(p.stderr[-2000:])
+
+
 {"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run,
- "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": ckpt_tool}[MODE]()
+ "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": ckpt_tool,
+ "ckpt-corrupt": ckpt_corrupt}[MODE]()
 for d in TEMPS:
     shutil.rmtree(d, ignore_errors=True)
 print("%d failure(s)" % len(failures))
