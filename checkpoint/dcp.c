@@ -85,24 +85,17 @@ static status_t crc_of(const tensor_t *t, uint32_t *out) {
   return STATUS_OK;
 }
 
-/* The file this rank writes: its shards, their offsets and checksums. */
-static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, int rank) {
+status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n) {
   st_writer_t *w = NULL;
   cJSON *info = cJSON_CreateObject();
   char *text = NULL;
-  int count = 0;
   status_t st = info ? STATUS_OK : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   if (st == STATUS_OK) st = st_writer_new(&w);
   for (int i = 0; i < n && st == STATUS_OK; i++) {
-    bool mine;
-    st = writes_shard(entries[i].name, entries[i].value, &mine);
-    if (st != STATUS_OK || !mine) continue;
-    const dtensor_t *v = entries[i].value;
-    int64_t off[TENSOR_MAX_DIMS];
-    dtensor_offset(v, off);
+    const tensor_t *t = boxes[i].value;
     cJSON *offsets = cJSON_CreateArray(), *item = cJSON_CreateObject();
-    for (int d = 0; d < dtensor_ndim(v) && offsets; d++)
-      cJSON_AddItemToArray(offsets, cJSON_CreateNumber((double)off[d]));
+    for (int d = 0; d < t->ndim && offsets; d++)
+      cJSON_AddItemToArray(offsets, cJSON_CreateNumber((double)boxes[i].offset[d]));
     if (offsets == NULL || item == NULL) {
       cJSON_Delete(offsets);
       cJSON_Delete(item);
@@ -111,27 +104,46 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
     }
     cJSON_AddItemToObject(item, "saved_offsets", offsets);
     uint32_t crc = 0;
-    st = crc_of(dtensor_local(v), &crc);
+    st = crc_of(t, &crc);
     char hex[16];
     snprintf(hex, sizeof hex, "%08x", crc);
     cJSON_AddStringToObject(item, "crc32", hex);
-    cJSON_AddItemToObject(info, entries[i].name, item);
-    if (st == STATUS_OK) st = st_writer_add(w, entries[i].name, dtensor_local(v));
+    cJSON_AddItemToObject(info, boxes[i].name, item);
+    if (st == STATUS_OK) st = st_writer_add(w, boxes[i].name, t);
+  }
+  if (st == STATUS_OK && (text = cJSON_PrintUnformatted(info)) == NULL)
+    st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  if (st == STATUS_OK) st = st_writer_set_metadata(w, "DCP_SHARDING_INFO", text);
+  if (st == STATUS_OK) st = st_writer_set_metadata(w, "DCP_VERSION", DCP_VERSION);
+  if (st == STATUS_OK) st = st_writer_set_metadata(w, "format", "pt");
+  if (st == STATUS_OK) st = st_writer_save(w, path);
+  free(text);
+  cJSON_Delete(info);
+  st_writer_free(w);
+  return st;
+}
+
+/* The file this rank writes: its shards (a replica only at coordinate 0), none when empty. */
+static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, int rank) {
+  dcp_box_t *b = calloc((size_t)(n > 0 ? n : 1), sizeof *b);
+  if (b == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  int count = 0;
+  status_t st = STATUS_OK;
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    bool mine;
+    st = writes_shard(entries[i].name, entries[i].value, &mine);
+    if (st != STATUS_OK || !mine) continue;
+    b[count].name = entries[i].name;
+    b[count].value = dtensor_local(entries[i].value);
+    dtensor_offset(entries[i].value, b[count].offset);
     count++;
   }
   if (st == STATUS_OK && count > 0) {
     char path[DCP_JOIN_MAX];
     snprintf(path, sizeof path, "%.4010s/shard-%05d.safetensors", tmp, rank);
-    text = cJSON_PrintUnformatted(info);
-    if (text == NULL) st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-    if (st == STATUS_OK) st = st_writer_set_metadata(w, "DCP_SHARDING_INFO", text);
-    if (st == STATUS_OK) st = st_writer_set_metadata(w, "DCP_VERSION", DCP_VERSION);
-    if (st == STATUS_OK) st = st_writer_set_metadata(w, "format", "pt");
-    if (st == STATUS_OK) st = st_writer_save(w, path);
+    st = dcp_write_file(path, b, count);
   }
-  free(text);
-  cJSON_Delete(info);
-  st_writer_free(w);
+  free(b);
   return st;
 }
 
@@ -348,14 +360,15 @@ static status_t read_verified(st_file_t *f, const char *name, const chunk_t *c, 
   return st;
 }
 
-static status_t load_one(const char *dir, const folder_t *fo, const dcp_entry_t *e,
+/* Reads the box at global offset loff with local's shape of tensor name (global shape gshape)
+ * into local, from the saved chunks that intersect it. */
+static status_t load_box(const char *dir, const folder_t *fo, const char *name, int nd,
+                         const int64_t *gshape, const int64_t *loff, tensor_t *local,
                          dcp_stats_t *s) {
   chunk_t *c;
   int nc;
-  TRY(chunks_of(fo, e->name, &c, &nc));
-  const dtensor_t *v = e->value;
-  int nd = dtensor_ndim(v);
-  const int64_t *gshape = dtensor_shape(v);
+  TRY(chunks_of(fo, name, &c, &nc));
+  const dcp_entry_t one = {name, NULL}, *e = &one;
   status_t st = STATUS_OK;
   char a[96], b[96];
   if (nc == 0) st = err_set(STATUS_EFORMAT, "checkpoint %s: missing tensor '%s'", dir, e->name);
@@ -371,18 +384,16 @@ static status_t load_one(const char *dir, const folder_t *fo, const dcp_entry_t 
     }
     if (st == STATUS_OK &&
         (c[k].info->dtype == DTYPE_COUNT ||
-         dtype_is_float(c[k].info->dtype) != dtype_is_float(dtensor_local(v)->dtype)))
+         dtype_is_float(c[k].info->dtype) != dtype_is_float(local->dtype)))
       st = err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s; the model's is %s",
                    st_path(fo->f[c[k].file]), e->name, c[k].info->dtype_name,
-                   dtype_name(dtensor_local(v)->dtype));
+                   dtype_name(local->dtype));
   }
   if (st == STATUS_OK && memcmp(saved, gshape, sizeof(int64_t) * (size_t)nd) != 0)
     st = err_set(STATUS_ESHAPE,
                  "checkpoint %s: tensor '%s' was saved with shape %s, the model's is %s", dir,
                  e->name, shape_str(nd, saved, a, sizeof a), shape_str(nd, gshape, b, sizeof b));
-  const tensor_t *local = dtensor_local(v);
-  int64_t loff[TENSOR_MAX_DIMS], covered = 0;
-  dtensor_offset(v, loff);
+  int64_t covered = 0;
   for (int k = 0; k < nc && st == STATUS_OK; k++) {
     int64_t lo[TENSOR_MAX_DIMS], len[TENSOR_MAX_DIMS], vol = 1;
     for (int d = 0; d < nd; d++) {
@@ -424,6 +435,18 @@ static status_t load_one(const char *dir, const folder_t *fo, const dcp_entry_t 
   return st;
 }
 
+static status_t load_one(const char *dir, const folder_t *fo, const dcp_entry_t *e,
+                         dcp_stats_t *s) {
+  const dtensor_t *v = e->value;
+  int64_t loff[TENSOR_MAX_DIMS];
+  dtensor_offset(v, loff);
+  tensor_t local;
+  TRY(tensor_ref(&local, dtensor_local(v)));
+  status_t st = load_box(dir, fo, e->name, dtensor_ndim(v), dtensor_shape(v), loff, &local, s);
+  tensor_free(&local);
+  return st;
+}
+
 struct dcp_reader {
   char dir[DCP_PATH_MAX];
   folder_t fo;
@@ -451,6 +474,11 @@ void dcp_reader_close(dcp_reader_t *r) {
   free(r->list);
   folder_close(&r->fo);
   free(r);
+}
+
+status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
+                             const int64_t *global_shape, const int64_t *offset, tensor_t *dst) {
+  return load_box(r->dir, &r->fo, name, ndim, global_shape, offset, dst, NULL);
 }
 
 status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {

@@ -58,6 +58,16 @@ status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm c
 status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm);
 status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm);
 status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm);
+/* One shard file of chunks at given global offsets, with DCP_SHARDING_INFO (offsets and CRC-32
+ * of each chunk), DCP_VERSION and format metadata (for tools that write checkpoints of other
+ * plans offline). Local. */
+typedef struct dcp_box {
+  const char *name;
+  const tensor_t *value;
+  int64_t offset[TENSOR_MAX_DIMS];
+} dcp_box_t;
+status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n);
+
 /* Every rank's verdict on st: a failing rank keeps its own status and message, the others
  * get "WHAT: another rank failed". Collective over comm. */
 status_t dcp_agree(status_t st, MPI_Comm comm, const char *what);
@@ -89,6 +99,10 @@ status_t dcp_reader_open(const char *dir, dcp_reader_t **out);
 void dcp_reader_close(dcp_reader_t *r);
 /* dcp_load on an open folder; stats count this call's reads. */
 status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
+/* Reads the box of tensor name at offset with dst's shape (global shape given, as for a
+ * DTensor) into dst, any dtype and device. */
+status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
+                             const int64_t *global_shape, const int64_t *offset, tensor_t *dst);
 /* Every tensor of the folder, sorted by name (owned by the reader). */
 status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n);
 

@@ -1,5 +1,6 @@
 #include "parallel/tensor_parallel.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -317,52 +318,55 @@ static status_t place(nn_param_t *p, mesh_t *mesh, placement_t pl, const char *m
   return nn_param_set_value(p, dt);
 }
 
-static const char *kind_of(const nn_module_t *m) {
-  const char *k = nn_module_kind(m);
-  return k ? k : "container";
+status_t tp_weight_placement(tp_style_t style, const char *kind, bool sequence_parallel,
+                             placement_t *out) {
+  bool linear = kind && strcmp(kind, "linear") == 0, emb = kind && strcmp(kind, "embedding") == 0;
+  *out = placement_replicate();
+  switch (style) {
+    case TP_COLWISE:
+    case TP_ROWWISE:
+      if (!linear && !emb)
+        return err_set(STATUS_EINVAL, "%s applies to linear and embedding layers, not a %s",
+                       tp_style_name(style), kind ? kind : "container");
+      *out = placement_shard((style == TP_COLWISE) == emb ? 1 : 0);
+      return STATUS_OK;
+    case TP_SEQUENCE_PARALLEL:
+      if (kind == NULL || strcmp(kind, "rmsnorm") != 0)
+        return err_set(STATUS_EINVAL, "sequence_parallel applies to norms, not a %s",
+                       kind ? kind : "container");
+      (void)sequence_parallel; /* the weight stays whole either way */
+      return STATUS_OK;
+    case TP_PREPARE_INPUT: return STATUS_OK;
+    default: return err_set(STATUS_EINVAL, "unknown style");
+  }
 }
 
 /* Resolves a rule's layouts and splits the module's weight. */
 static status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
-  const char *kind = kind_of(t->m), *fqn = nn_module_fqn(t->m);
+  const char *kind = nn_module_kind(t->m), *fqn = nn_module_fqn(t->m);
   tp_layout_t model = sp ? TP_SHARD_SEQ : TP_REPLICATE;
-  bool linear = strcmp(kind, "linear") == 0;
-  t->embedding = strcmp(kind, "embedding") == 0;
+  t->embedding = kind && strcmp(kind, "embedding") == 0;
   t->style = r->style;
-  t->w = nn_module_param_named(t->m, "weight");
-  placement_t pl = placement_replicate();
+  t->w = r->style == TP_PREPARE_INPUT ? NULL : nn_module_param_named(t->m, "weight");
+  placement_t pl;
+  if (tp_weight_placement(r->style, kind, sp, &pl) != STATUS_OK) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s", err_detail());
+    return err_set(STATUS_EINVAL, "tensor parallel: %s: %s", fqn, msg);
+  }
+  if (t->w == NULL && r->style != TP_PREPARE_INPUT)
+    return err_set(STATUS_EINVAL, "tensor parallel: %s has no weight", fqn);
   switch (r->style) {
     case TP_COLWISE:
+      t->in = TP_REPLICATE;
+      t->out = t->embedding ? model : TP_SHARD_LAST;
+      break;
     case TP_ROWWISE:
-      if (!linear && !t->embedding)
-        return err_set(STATUS_EINVAL,
-                       "tensor parallel: %s is a %s; %s applies to linear and embedding layers",
-                       fqn, kind, tp_style_name(r->style));
-      if (t->w == NULL || dtensor_ndim(t->w->value) != 2)
-        return err_set(STATUS_EINVAL, "tensor parallel: %s has no 2-D weight", fqn);
-      if (r->style == TP_COLWISE) {
-        pl = placement_shard(t->embedding ? 1 : 0);
-        t->in = TP_REPLICATE;
-        t->out = t->embedding ? model : TP_SHARD_LAST;
-      } else {
-        pl = placement_shard(t->embedding ? 0 : 1);
-        t->in = t->embedding ? TP_REPLICATE : TP_SHARD_LAST;
-        t->out = model;
-      }
+      t->in = t->embedding ? TP_REPLICATE : TP_SHARD_LAST;
+      t->out = model;
       break;
-    case TP_SEQUENCE_PARALLEL:
-      if (strcmp(kind, "rmsnorm") != 0 || t->w == NULL)
-        return err_set(STATUS_EINVAL,
-                       "tensor parallel: %s is a %s; sequence_parallel applies to norms", fqn,
-                       kind);
-      t->in = t->out = TP_SHARD_SEQ;
-      break;
-    case TP_PREPARE_INPUT:
-      t->in = model;
-      t->out = TP_REPLICATE_REDUCED;
-      t->w = NULL;
-      break;
-    default: return err_set(STATUS_EINVAL, "tensor parallel: %s: unknown style", fqn);
+    case TP_SEQUENCE_PARALLEL: t->in = t->out = TP_SHARD_SEQ; break;
+    default: /* prepare_input */ t->in = model; t->out = TP_REPLICATE_REDUCED;
   }
   if (r->input != TP_LAYOUT_DEFAULT) t->in = r->input;
   if (r->output != TP_LAYOUT_DEFAULT) {

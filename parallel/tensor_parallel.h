@@ -86,6 +86,12 @@ const char *tp_style_name(tp_style_t s);
 bool tp_layout_parse(const char *name, tp_layout_t *out);
 const char *tp_layout_name(tp_layout_t l);
 
+/* The placement on tp of the weight of a layer of kind ("linear", "embedding", "rmsnorm", NULL
+ * for a container) under style: Shard(0) / Shard(1) as the table above, Replicate for norms
+ * and prepare_input. Errors when the style does not apply to the kind. */
+status_t tp_weight_placement(tp_style_t style, const char *kind, bool sequence_parallel,
+                             placement_t *out);
+
 /* Applies the rules (first match wins for a module) to the tree under root, whose
  * parameters must all be whole (Replicate on a one-rank mesh) and the same on every rank.
  * mesh is 1-D. Every pattern must match a module of a kind its style handles. Local: no

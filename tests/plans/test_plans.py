@@ -229,7 +229,8 @@ def errors():
         ("tp pattern matching nothing", tp_plan("model.blocks.*.mlp: prepare_input"), [],
          r"tensor_parallel\.plan: tensor parallel: 'model\.blocks\.\*\.mlp' matches no module"),
         ("tp style on the wrong layer", tp_plan("model.norm: colwise"), [],
-         r"tensor parallel: model\.norm is a rmsnorm; colwise applies to linear and embedding"),
+         r"tensor parallel: model\.norm: colwise applies to linear and embedding layers, not a "
+         r"rmsnorm"),
         ("lm_head logits left split", tp_plan("lm_head: colwise"), [],
          r"plan\.lm_head: the loss needs whole logits"),
         ("sequence not divisible by tp", tp_base.replace("seq_len: 16", "seq_len: 15").replace(
