@@ -52,6 +52,48 @@ int plan_default_tp_rules(const tp_rule_t **rules) {
   return (int)(sizeof llama_plan / sizeof llama_plan[0]);
 }
 
+/* The kind of a Llama layer from its FQN (the module tree of nn/llama.c). */
+static const char *llama_kind(const char *module) {
+  size_t n = strlen(module);
+  if (n >= 12 && strcmp(module + n - 12, "embed_tokens") == 0) return "embedding";
+  if (n >= 4 && strcmp(module + n - 4, "norm") == 0) return "rmsnorm";
+  return "linear";
+}
+
+status_t plan_param_placements(const plan_t *p, const char *fqn, int *mesh_ndim, int *mesh_shape,
+                               placement_t *pl) {
+  int md = 0;
+  if (p->dp_replicate > 1) {
+    mesh_shape[md] = p->dp_replicate;
+    pl[md++] = placement_replicate();
+  }
+  int shard = md;
+  mesh_shape[md] = p->dp_shard;
+  pl[md++] = placement_shard(0);
+  if (p->tp > 1) {
+    char module[PLAN_PATTERN_MAX * 4];
+    snprintf(module, sizeof module, "%s", fqn);
+    char *dot = strrchr(module, '.');
+    if (dot) *dot = 0;
+    const tp_rule_t *d;
+    int n = plan_default_tp_rules(&d);
+    placement_t tpl = placement_replicate();
+    for (int i = 0; i < (p->tp_plan_given ? p->n_tp_rules : n); i++) {
+      const char *pat = p->tp_plan_given ? p->tp_rules[i].pattern : d[i].pattern;
+      tp_style_t style = p->tp_plan_given ? p->tp_rules[i].style : d[i].style;
+      if (!nn_fqn_match(pat, module)) continue;
+      if (style == TP_SEQUENCE_PARALLEL && !p->sequence_parallel) break;
+      TRY(tp_weight_placement(style, llama_kind(module), p->sequence_parallel, &tpl));
+      break;
+    }
+    if (placement_is_shard(tpl, 0)) pl[shard] = placement_strided_shard(0, p->tp);
+    mesh_shape[md] = p->tp;
+    pl[md++] = tpl;
+  }
+  *mesh_ndim = md;
+  return STATUS_OK;
+}
+
 bool plan_tp_is_builtin(const plan_t *p) {
   if (!p->tp_plan_given) return true;
   const tp_rule_t *d;

@@ -25,6 +25,13 @@ status_t plan_dp_mesh(const plan_t *p, const mesh_t *world, mesh_t **out);
  * absent); returns the number of rules. */
 int plan_default_tp_rules(const tp_rule_t **rules);
 
+/* The world mesh's shape under a resolved plan (as plan_mesh lays it out) and the placements
+ * a training run gives the Llama parameter fqn on it: its tensor-parallel placement on "tp",
+ * Shard(0) over dp_shard (strided when tp also splits dim 0), Replicate over dp_replicate.
+ * Offline tools lay checkpoints out for a plan with it. Local. */
+status_t plan_param_placements(const plan_t *p, const char *fqn, int *mesh_ndim, int *mesh_shape,
+                               placement_t *pl);
+
 /* True when the plan's tensor-parallel rules are the built-in ones (absent, or written out
  * in the same order). */
 bool plan_tp_is_builtin(const plan_t *p);

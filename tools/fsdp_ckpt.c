@@ -4,12 +4,15 @@
  *   fsdp-ckpt inspect DIR
  *   fsdp-ckpt export-hf DIR OUT [--dtype f32|bf16|f16] [--max-shard-bytes N] [--config FILE]
  *   fsdp-ckpt import-hf HFDIR OUT
+ *   fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set key.path=value]...
  *
  * DIR is a training checkpoint (model/, optim/, train_state.json) or a folder of shard files.
  * export-hf writes a Hugging Face folder (model.safetensors, or model-0000k-of-0000n.safetensors
  * with model.safetensors.index.json, and config.json), streaming one tensor at a time so memory
  * stays bounded by the largest tensor. import-hf turns a Hugging Face folder into a
  * weights-only checkpoint that checkpoint.load resumes from (step 0, a fresh optimizer).
+ * reshard lays a training checkpoint out as a run under another plan would have saved it
+ * (one file per rank of that plan), reading each target shard's box once.
  */
 #include <cJSON.h>
 #include <ctype.h>
@@ -24,6 +27,7 @@
 #include "checkpoint/safetensors.h"
 #include "mesh/world.h"
 #include "nn/llama.h"
+#include "parallel/parallelize.h"
 
 #define PATH_LEN 4096
 
@@ -32,7 +36,8 @@ static void usage(FILE *f) {
           "usage: fsdp-ckpt inspect DIR\n"
           "       fsdp-ckpt export-hf DIR OUT [--dtype f32|bf16|f16] [--max-shard-bytes N] "
           "[--config FILE]\n"
-          "       fsdp-ckpt import-hf HFDIR OUT\n");
+          "       fsdp-ckpt import-hf HFDIR OUT\n"
+          "       fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set key.path=value]...\n");
 }
 
 static bool is_dir(const char *p) {
@@ -459,6 +464,147 @@ static status_t import_hf(const char *hf, const char *out) {
   return st;
 }
 
+/* ---- reshard ---- */
+
+/* The boxes target rank r saves of every tensor of folder (names suffixed for optimizer state:
+ * NAME.exp_avg takes NAME's placements), written as one file. */
+static status_t reshard_rank(const plan_t *p, dcp_reader_t *r, const char *out_folder, int rank,
+                             int *written) {
+  const dcp_tensor_t *t;
+  int n;
+  TRY(dcp_reader_list(r, &t, &n));
+  dcp_box_t *boxes = calloc((size_t)(n ? n : 1), sizeof *boxes);
+  tensor_t *held = calloc((size_t)(n ? n : 1), sizeof *held);
+  int nb = 0;
+  status_t st = boxes && held ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    char param[1024];
+    snprintf(param, sizeof param, "%s", t[i].name);
+    size_t l = strlen(param);
+    if (l > 8 && strcmp(param + l - 8, ".exp_avg") == 0) param[l - 8] = 0;
+    if (l > 11 && strcmp(param + l - 11, ".exp_avg_sq") == 0) param[l - 11] = 0;
+    int md, shape[MESH_MAX_DIMS], coord[MESH_MAX_DIMS];
+    placement_t pl[MESH_MAX_DIMS];
+    st = plan_param_placements(p, param, &md, shape, pl);
+    if (st == STATUS_OK) st = placements_check(t[i].ndim, md, shape, pl);
+    if (st != STATUS_OK) break;
+    bool mine = true;
+    for (int d = md - 1, q = rank; d >= 0; d--) {
+      coord[d] = q % shape[d];
+      q /= shape[d];
+      if (pl[d].kind == PLACEMENT_REPLICATE && coord[d] != 0) mine = false;
+    }
+    int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS], numel = 1;
+    placements_local_box(t[i].ndim, t[i].shape, md, shape, pl, coord, local, off);
+    for (int d = 0; d < t[i].ndim; d++) numel *= local[d];
+    if (!mine || numel == 0) continue;
+    st = tensor_init(&held[nb], t[i].dtype, device_cpu(), t[i].ndim, local);
+    if (st == STATUS_OK)
+      st = dcp_reader_read_box(r, t[i].name, t[i].ndim, t[i].shape, off, &held[nb]);
+    if (st != STATUS_OK) {
+      tensor_free(&held[nb]);
+      break;
+    }
+    boxes[nb].name = t[i].name;
+    boxes[nb].value = &held[nb];
+    memcpy(boxes[nb].offset, off, sizeof off);
+    nb++;
+  }
+  if (st == STATUS_OK && nb > 0) {
+    char path[PATH_LEN + 64];
+    snprintf(path, sizeof path, "%.4000s/shard-%05d.safetensors", out_folder, rank);
+    st = dcp_write_file(path, boxes, nb);
+    if (st == STATUS_OK) (*written)++;
+  }
+  for (int i = 0; i < nb; i++) tensor_free(&held[i]);
+  free(held);
+  free(boxes);
+  return st;
+}
+
+static status_t reshard(const char *dir, const char *config, const char *out, int world,
+                        const char *const *sets, int n_sets) {
+  plan_t p;
+  TRY(plan_load(&p, config, sets, n_sets));
+  if (world <= 0) {
+    if (p.dp_replicate < 0 || p.dp_shard < 0 || p.tp < 0)
+      return err_set(STATUS_EINVAL,
+                     "%s: mesh: a size of -1 takes the rest of the world; give --world N", config);
+    world = p.dp_replicate * p.dp_shard * p.tp;
+  }
+  TRY(plan_resolve(&p, world));
+  cJSON *state;
+  TRY(read_state(dir, &state));
+  if (state == NULL)
+    return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
+  status_t st = STATUS_OK;
+  cJSON *under = cJSON_GetObjectItemCaseSensitive(state, "saved_under");
+  const cJSON *m = cJSON_GetObjectItemCaseSensitive(under, "model");
+  if (cJSON_IsObject(m)) { /* the same model, or nothing would load */
+    char *text = cJSON_PrintUnformatted(m);
+    llama_config_t saved;
+    st = text ? llama_config_from_hf_text(text, dir, &saved)
+              : err_set(STATUS_ENOMEM, "out of host memory");
+    free(text);
+    if (st == STATUS_OK &&
+        (saved.dim != p.model.dim || saved.n_layers != p.model.n_layers ||
+         saved.n_heads != p.model.n_heads || saved.n_kv_heads != p.model.n_kv_heads ||
+         saved.ffn_dim != p.model.ffn_dim || saved.vocab_size != p.model.vocab_size ||
+         saved.tie_embeddings != p.model.tie_embeddings))
+      st = err_set(STATUS_EINVAL, "%s: the checkpoint's model differs from the model of %s", dir,
+                   config);
+  }
+  struct stat sb;
+  if (st == STATUS_OK && stat(out, &sb) == 0)
+    st = err_set(STATUS_EINVAL, "%s: already exists", out);
+  char tmp[PATH_LEN + 8];
+  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
+  dcp_remove_tree(tmp);
+  if (st == STATUS_OK && mkdir(tmp, 0755) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  int files = 0;
+  const char *subs[2] = {"model", "optim"};
+  for (int k = 0; k < 2 && st == STATUS_OK; k++) {
+    char from[PATH_LEN + 16], to[PATH_LEN + 32];
+    snprintf(from, sizeof from, "%.4000s/%s", dir, subs[k]);
+    snprintf(to, sizeof to, "%s/%s", tmp, subs[k]);
+    if (k == 1 && !is_dir(from)) break; /* weights only */
+    if (mkdir(to, 0755) != 0) {
+      st = err_set(STATUS_EIO, "%s: cannot create: %s", to, strerror(errno));
+      break;
+    }
+    dcp_reader_t *r;
+    st = dcp_reader_open(from, &r);
+    for (int rank = 0; rank < world && st == STATUS_OK; rank++)
+      st = reshard_rank(&p, r, to, rank, &files);
+    dcp_reader_close(r);
+  }
+  if (st == STATUS_OK) { /* the train state, now saved under the target plan */
+    cJSON *nu = cJSON_CreateObject();
+    cJSON_AddStringToObject(nu, "plan", config);
+    cJSON_AddNumberToObject(nu, "world_size", world);
+    cJSON_AddNumberToObject(nu, "dp_replicate", p.dp_replicate);
+    cJSON_AddNumberToObject(nu, "dp_shard", p.dp_shard);
+    cJSON_AddNumberToObject(nu, "tp", p.tp);
+    cJSON_AddStringToObject(nu, "resharded_from", dir);
+    if (cJSON_IsObject(m)) cJSON_AddItemToObject(nu, "model", cJSON_Duplicate(m, true));
+    cJSON_ReplaceItemInObjectCaseSensitive(state, "saved_under", nu);
+    char *text = cJSON_Print(state), path[PATH_LEN + 64];
+    snprintf(path, sizeof path, "%s/train_state.json", tmp);
+    st = text ? write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
+    free(text);
+  }
+  if (st == STATUS_OK && rename(tmp, out) != 0)
+    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
+  if (st == STATUS_OK)
+    printf("resharded %s for %d ranks (dp_replicate %d x dp_shard %d x tp %d): %d files in %s\n",
+           dir, world, p.dp_replicate, p.dp_shard, p.tp, files, out);
+  else
+    dcp_remove_tree(tmp);
+  cJSON_Delete(state);
+  return st;
+}
+
 /* ---- main ---- */
 
 static status_t run(int argc, char **argv) {
@@ -471,6 +617,36 @@ static status_t run(int argc, char **argv) {
   if (strcmp(cmd, "import-hf") == 0) {
     if (argc != 4) return err_set(STATUS_EINVAL, "import-hf takes HFDIR OUT");
     return import_hf(argv[2], argv[3]);
+  }
+  if (strcmp(cmd, "reshard") == 0) {
+    const char *pos[2] = {NULL, NULL}, *to = NULL, *sets[256];
+    int np = 0, ns = 0, world = 0;
+    for (int i = 2; i < argc; i++) {
+      const char *a = argv[i];
+      if (strcmp(a, "--to") == 0 || strcmp(a, "--world") == 0 || strcmp(a, "--set") == 0) {
+        if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
+        const char *v = argv[++i];
+        if (a[2] == 't') {
+          to = v;
+        } else if (a[2] == 'w') {
+          char *end;
+          long w = strtol(v, &end, 10);
+          if (*end || w < 1 || w > 1 << 20)
+            return err_set(STATUS_EINVAL, "--world: expected a positive integer, got '%s'", v);
+          world = (int)w;
+        } else if (ns < 256) {
+          sets[ns++] = v;
+        }
+      } else if (a[0] == '-') {
+        return err_set(STATUS_EINVAL, "unknown option '%s'", a);
+      } else if (np < 2) {
+        pos[np++] = a;
+      } else {
+        return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
+      }
+    }
+    if (np != 2 || to == NULL) return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
+    return reshard(pos[0], to, pos[1], world, sets, ns);
   }
   if (strcmp(cmd, "export-hf") == 0) {
     export_opts_t o = {.dtype = DTYPE_COUNT, .max_shard_bytes = 5000000000ull, .config = NULL};
@@ -507,7 +683,8 @@ static status_t run(int argc, char **argv) {
     if (np != 2) return err_set(STATUS_EINVAL, "export-hf takes DIR OUT");
     return export_hf(pos[0], pos[1], &o);
   }
-  return err_set(STATUS_EINVAL, "unknown command '%s' (inspect, export-hf, import-hf)", cmd);
+  return err_set(STATUS_EINVAL, "unknown command '%s' (inspect, export-hf, import-hf, reshard)",
+                 cmd);
 }
 
 int main(int argc, char **argv) {
