@@ -526,6 +526,73 @@ def hf_expected(cfg):
     return want
 
 
+def py_logits(folder, ids):
+    """Llama logits from a Hugging Face folder in plain Python (double precision), independent
+    of the project: config.json, model.safetensors (F32) and the LlamaForCausalLM math."""
+    import math
+    import struct
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    h, data = st_read(os.path.join(folder, "model.safetensors"))
+    W = {}
+    for k, t in h.items():
+        if k == "__metadata__":
+            continue
+        b, e = t["data_offsets"]
+        vals = struct.unpack("<%df" % ((e - b) // 4), data[b:e])
+        cols = t["shape"][1] if len(t["shape"]) > 1 else None
+        W[k] = [list(vals[r * cols:(r + 1) * cols]) for r in range(t["shape"][0])] if cols else list(vals)
+    D, H, KV = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd, eps, theta = D // H, c["rms_norm_eps"], c["rope_theta"]
+    mv = lambda M, x: [sum(a * b for a, b in zip(row, x)) for row in M]
+
+    def norm(x, w):
+        r = 1.0 / math.sqrt(sum(v * v for v in x) / len(x) + eps)
+        return [wi * v * r for wi, v in zip(w, x)]
+
+    def rope(x, t):
+        out = []
+        for hh in range(len(x) // hd):
+            v = x[hh * hd:(hh + 1) * hd]
+            half = hd // 2
+            rot = [-a for a in v[half:]] + v[:half]
+            for j in range(hd):
+                a = t * theta ** (-2.0 * (j % half) / hd)
+                out.append(v[j] * math.cos(a) + rot[j] * math.sin(a))
+        return out
+
+    xs = [list(W["model.embed_tokens.weight"][i]) for i in ids]
+    for L in range(c["num_hidden_layers"]):
+        p = "model.layers.%d." % L
+        n1 = [norm(x, W[p + "input_layernorm.weight"]) for x in xs]
+        q = [rope(mv(W[p + "self_attn.q_proj.weight"], x), t) for t, x in enumerate(n1)]
+        k = [rope(mv(W[p + "self_attn.k_proj.weight"], x), t) for t, x in enumerate(n1)]
+        v = [mv(W[p + "self_attn.v_proj.weight"], x) for x in n1]
+        att = []
+        for t in range(len(xs)):
+            o = []
+            for hh in range(H):
+                g = hh // (H // KV)
+                qs = q[t][hh * hd:(hh + 1) * hd]
+                sc = [sum(a * b for a, b in zip(qs, k[u][g * hd:(g + 1) * hd])) / math.sqrt(hd)
+                      for u in range(t + 1)]
+                m = max(sc)
+                ex = [math.exp(z - m) for z in sc]
+                tot = sum(ex)
+                o += [sum(ex[u] / tot * v[u][g * hd + j] for u in range(t + 1)) for j in range(hd)]
+            att.append(mv(W[p + "self_attn.o_proj.weight"], o))
+        xs = [[a + b for a, b in zip(x, y)] for x, y in zip(xs, att)]
+        n2 = [norm(x, W[p + "post_attention_layernorm.weight"]) for x in xs]
+        mlp = []
+        for x in n2:
+            gt, up = mv(W[p + "mlp.gate_proj.weight"], x), mv(W[p + "mlp.up_proj.weight"], x)
+            mlp.append(mv(W[p + "mlp.down_proj.weight"],
+                          [a / (1 + math.exp(-a)) * b for a, b in zip(gt, up)]))
+        xs = [[a + b for a, b in zip(x, y)] for x, y in zip(xs, mlp)]
+    head = W.get("lm_head.weight", W["model.embed_tokens.weight"])
+    return [mv(head, norm(x, W["model.norm.weight"])) for x in xs]
+
+
 def ckpt_tool():
     """fsdp-ckpt inspect / export-hf / import-hf, checked by an independent reader."""
     import struct
@@ -602,6 +669,21 @@ def ckpt_tool():
               "%s: Hugging Face Llama names, shapes and dtype %s" % (dtype, st))
         if dtype == "f32":
             check(exact, "f32: every exported value equals the checkpoint's")
+    # the exported weights' logits: the C model against an independent plain-Python Llama
+    ids = [72, 101, 108, 108, 111, 44, 32, 119]
+    p = subprocess.run([os.path.join(os.path.dirname(EXE), "..", "tests", "hf_logits"),
+                        os.path.join(tmp, "hf-f32")] + [str(i) for i in ids],
+                       capture_output=True, text=True, timeout=120)
+    if p.returncode == 0:
+        got = json.loads(p.stdout)["logits"]
+        want = py_logits(os.path.join(tmp, "hf-f32"), ids)
+        num = sum((a - b) ** 2 for ra, rb in zip(got, want) for a, b in zip(ra, rb))
+        den = sum(b * b for rb in want for b in rb)
+        rel = (num / den) ** 0.5
+        check(len(got) == len(ids) and rel <= 1e-5,
+              "the exported model's logits: C vs plain Python, relative L2 %.2e" % rel)
+    else:
+        check(False, "hf_logits runs on the export: " + p.stderr[-500:])
     # round trip: import the export, load it under HSDP; the same first loss as the export
     # read by model.init_from on one rank
     imp = os.path.join(tmp, "imported")

@@ -11,7 +11,13 @@ Outputs, for the untied and the tied-embedding variant, go next to this script:
   tiny[_tied]_config.json, tiny[_tied]_init.safetensors, tiny[_tied]_golden.safetensors.
 
 Needs torch (Debian: apt-get install python3-torch); CI does not run this script. Rerunning
-it reproduces the committed files byte for byte (fixed seeds, one CPU thread).
+it on one machine reproduces its files byte for byte (fixed seeds, one CPU thread); on another
+CPU the gradients may differ in the last bits (measured: up to 7e-8 absolute).
+
+  make_goldens.py logits HFDIR ID...   the logits of a Hugging Face folder (config.json and an
+                                       F32 model.safetensors, as fsdp-ckpt export-hf writes)
+                                       for one sequence, as JSON, for comparing with the C
+                                       model's (build/tests/hf_logits HFDIR ID...)
 """
 import json
 import math
@@ -282,9 +288,25 @@ def run(tied):
           " ".join(f"{v:.4f}" for v in losses))
 
 
+def logits(folder, ids):
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    model = CausalLM(c)
+    weights = load_safetensors(os.path.join(folder, "model.safetensors"))
+    if c.get("tie_word_embeddings"):
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    model.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        out = model(torch.tensor([ids], dtype=torch.int64))[0]
+    print(json.dumps({"logits": out.tolist()}))
+    return 0
+
+
 def main():
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    if len(sys.argv) > 2 and sys.argv[1] == "logits":
+        return logits(sys.argv[2], [int(a) for a in sys.argv[3:]])
     for tied in (False, True):
         run(tied)
     return 0
