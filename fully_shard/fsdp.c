@@ -1,8 +1,10 @@
 /* fully_shard: sharding parameters into groups, the hooks, prefetching and control. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fully_shard/fsdp_impl.h"
+#include "mesh/world.h"
 
 status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
   if (a->n == a->cap) {
@@ -171,6 +173,38 @@ cleanup:
 }
 
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
+static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
+
+/* The modules under m that no inner group claims (m itself excluded), into g->members (NULL:
+ * count only). */
+static int collect_members(fsdp_group_t *g, nn_module_t *m, bool count_only) {
+  int n = 0;
+  for (int i = 0; i < nn_module_num_children(m); i++) {
+    nn_module_t *c = nn_module_child(m, i);
+    if (fsdp_group_of(c) != NULL) continue; /* an inner unit: its own group */
+    if (!count_only) {
+      fsdp_member_t *mb = &g->members[g->n_members++];
+      memset(mb, 0, sizeof *mb);
+      mb->g = g;
+      mb->m = c;
+    }
+    n += 1 + collect_members(g, c, count_only);
+  }
+  return n;
+}
+
+static status_t install_members(fsdp_group_t *g) {
+  int n = 0;
+  for (int i = 0; i < g->n_modules; i++) n += collect_members(g, g->modules[i], true);
+  if (n == 0) return STATUS_OK;
+  if ((g->members = calloc((size_t)n, sizeof *g->members)) == NULL)
+    return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  for (int i = 0; i < g->n_modules; i++) collect_members(g, g->modules[i], false);
+  for (int i = 0; i < g->n_members; i++)
+    for (int k = 0; k < NN_HOOK_COUNT; k++)
+      TRY(nn_module_add_hook(g->members[i].m, k, member_hook, &g->members[i]));
+  return STATUS_OK;
+}
 
 /* Post-forward groups of an integer reshard, one per (shard group, N), shared by the groups
  * that use them and released with the last. */
@@ -240,6 +274,8 @@ static void group_free(fsdp_group_t *g) {
   tensor_free(&g->red_send);
   tensor_free(&g->red_recv);
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].padded);
+  for (int i = 0; i < g->n_members; i++) free(g->members[i].on_demand);
+  free(g->members);
   free(g->params);
   free(g->modules);
   mesh_free(g->param_mesh);
@@ -319,6 +355,7 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
   }
   free(l.p);
   if (st == STATUS_OK && N >= 2) st = post_forward_group(g, N);
+  if (st == STATUS_OK) st = install_members(g);
   for (int i = 0; i < n_modules; i++)
     for (int k = 0; k < NN_HOOK_COUNT && st == STATUS_OK; k++)
       st = nn_module_add_hook(ms[i], k, hook, g);
@@ -463,17 +500,25 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
   fsdp_group_t *g = user;
   lazy_init(g);
   switch (kind) {
-    case NN_HOOK_PRE_FORWARD: return pre_forward(ctx, g);
-    case NN_HOOK_POST_FORWARD: return post_forward(ctx, g);
+    case NN_HOOK_PRE_FORWARD: g->in_forward++; return pre_forward(ctx, g);
+    case NN_HOOK_POST_FORWARD: g->in_forward--; return post_forward(ctx, g);
     case NN_HOOK_PRE_BACKWARD:
-      if (g->is_root) g->bwd_pos = g->bwd_order.n;
+      if (g->is_root) {
+        g->bwd_pos = g->bwd_order.n;
+        g->in_backward = true;
+      }
       TRY(fsdp_unshard(g));
       return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
       fsdp_emit(g, "post_backward");
       status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK; /* else keep accumulating */
       if (g->reshard_after_backward) fsdp_reshard(g);
-      if (!g->is_root) return st;
+      if (!g->is_root) { /* a call whose backward runs after the root's has ended */
+        if (st == STATUS_OK && !g->root->in_backward && g->root->is_last_backward)
+          st = fsdp_finish_backward(g->root);
+        return st;
+      }
+      g->in_backward = false;
       /* end of backward: drop prefetches no backward consumed; on the last backward finish
        * the reductions, otherwise the next backward's first post-backward does */
       for (int i = 0; i < g->fwd_order.n; i++)
@@ -483,6 +528,96 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
     }
     default: return STATUS_OK;
   }
+}
+
+/* ---- modules called outside their unit's forward ---- */
+
+static status_t push_call(fsdp_member_t *mb, bool on_demand) {
+  if (mb->depth == mb->cap) {
+    int nc = mb->cap ? 2 * mb->cap : 4;
+    bool *p = realloc(mb->on_demand, sizeof(bool) * (size_t)nc);
+    if (p == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+    mb->on_demand = p;
+    mb->cap = nc;
+  }
+  mb->on_demand[mb->depth++] = on_demand;
+  return STATUS_OK;
+}
+
+static void warn_on_demand(nn_ctx_t *ctx, fsdp_member_t *mb) {
+  if (mb->registered || mb->warned) return;
+  mb->warned = true;
+  char path[1024];
+  nn_ctx_call_path(ctx, path, sizeof path);
+  const char *unit = nn_module_fqn(mb->g->module);
+  fprintf(stderr,
+          "fsdpc: warning: [rank %d] fully_shard: %s ran outside the forward of its unit '%s' "
+          "(call path: %s); the unit's parameters were all-gathered on demand, without "
+          "prefetch. Call the unit instead, or make %s an entry point with "
+          "fsdp_register_forward_method.\n",
+          world_rank(), nn_module_fqn(mb->m), unit[0] ? unit : "(root)", path,
+          nn_module_fqn(mb->m));
+}
+
+/* A member's call is on demand when none of its group's own modules is in its forward: the
+ * call then unshards the group, reshards after forward by the group's policy, and in backward
+ * unshards again and reduces its gradients, as a call of the unit would. */
+static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
+  (void)m;
+  fsdp_member_t *mb = user;
+  fsdp_group_t *g = mb->g;
+  lazy_init(g);
+  bool recomputing = nn_ctx_recomputing(ctx), rec = nn_ctx_recording(ctx) && !recomputing;
+  switch (kind) {
+    case NN_HOOK_PRE_FORWARD: {
+      bool od = g->in_forward == 0; /* nested calls inside an on-demand call count as inside */
+      if (recomputing) return od ? fsdp_unshard(g) : STATUS_OK;
+      if (rec) TRY(push_call(mb, od));
+      if (!od) return STATUS_OK;
+      warn_on_demand(ctx, mb);
+      mb->active = true;
+      g->in_forward++;
+      return fsdp_unshard(g);
+    }
+    case NN_HOOK_POST_FORWARD:
+      if (!mb->active) return STATUS_OK;
+      mb->active = false;
+      g->in_forward--;
+      if (!g->unsharded) return STATUS_OK;
+      if (g->reshard_after_forward == 1) fsdp_reshard(g);
+      if (g->reshard_after_forward >= 2) return fsdp_reshard_to_slice(g);
+      return STATUS_OK;
+    case NN_HOOK_PRE_BACKWARD:
+      if (mb->depth > 0 && mb->on_demand[mb->depth - 1]) return fsdp_unshard(g);
+      return STATUS_OK;
+    case NN_HOOK_POST_BACKWARD: {
+      if (mb->depth == 0 || !mb->on_demand[--mb->depth]) return STATUS_OK;
+      fsdp_emit(g, "post_backward");
+      status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK;
+      if (g->reshard_after_backward) fsdp_reshard(g);
+      /* outside the root's backward nothing else will finish this reduction */
+      if (st == STATUS_OK && !g->root->in_backward && g->root->is_last_backward)
+        st = fsdp_finish_backward(g->root);
+      return st;
+    }
+    default: return STATUS_OK;
+  }
+}
+
+status_t fsdp_register_forward_method(nn_module_t *m) {
+  if (fsdp_group_of(m) != NULL) return STATUS_OK; /* a unit's own calls are regular */
+  for (nn_module_t *a = nn_module_parent(m); a != NULL; a = nn_module_parent(a)) {
+    fsdp_group_t *g = fsdp_group_of(a);
+    if (g == NULL) continue;
+    for (int i = 0; i < g->n_members; i++)
+      if (g->members[i].m == m) {
+        g->members[i].registered = true;
+        return STATUS_OK;
+      }
+  }
+  return err_set(STATUS_EINVAL,
+                 "fsdp_register_forward_method: '%s' is not inside a fully-sharded unit",
+                 nn_module_fqn(m));
 }
 
 static status_t set_list(fsdp_group_t ***list, int *n, bool *explicit_, fsdp_group_t *const *gs,

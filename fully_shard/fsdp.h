@@ -128,6 +128,17 @@ void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user);
 /* The FQN of the group's module ("" for the model's root). */
 const char *fsdp_group_name(const fsdp_group_t *g);
 
+/* Modules called outside their unit's forward. A module inside a unit's subtree (a child
+ * called directly by a parent, or by user code) finds the unit sharded: the call unshards the
+ * group on demand (collective over the group's ranks), reshards after forward by the unit's
+ * policy, unshards again for its backward and reduces the gradients it produced there, as a
+ * call of the unit would; prefetch does not apply. The first such call of a module prints a
+ * warning naming the module, its unit and the call path. Registering the module as an entry
+ * point makes these regular calls without the warning. A method of a module (code computing
+ * with its parameters other than its forward) runs as a regular hooked call through
+ * nn_call_with(ctx, module, fn, ...). Every rank must take the same calls. Local. */
+status_t fsdp_register_forward_method(nn_module_t *m);
+
 /* Frees every group installed under root (restoring nothing: the parameters stay sharded). */
 void fsdp_free_all(nn_module_t *root);
 

@@ -31,6 +31,18 @@ typedef struct fsdp_streams {
   event_t *reduced;
 } fsdp_streams_t;
 
+/* A module inside a group's subtree that is not one of the group's own modules (nor inside an
+ * inner group): called outside the unit's forward, it unshards the group on demand. */
+typedef struct fsdp_member {
+  struct fsdp_group *g;
+  nn_module_t *m;
+  bool registered; /* an entry point (fsdp_register_forward_method): no warning */
+  bool warned;
+  bool *on_demand; /* per recorded call, in forward order: was it on demand */
+  int depth, cap;
+  bool active; /* a call of this module is in its forward, on demand */
+} fsdp_member_t;
+
 typedef struct gvec {
   fsdp_group_t **v;
   int n, cap;
@@ -43,6 +55,10 @@ struct fsdp_group {
   fsdp_param_t *params;
   int n;
   int64_t flat; /* elements per rank in the all-gather buffer */
+  fsdp_member_t *members; /* the modules of the subtrees that are not groups' own */
+  int n_members;
+  int in_forward;   /* the group's own modules' forward calls in progress */
+  bool in_backward; /* root only: between its pre- and post-backward */
   mesh_t *mesh;
   mesh_t *param_mesh;      /* (dp..., tp) of tensor-parallel parameters, or NULL; owned */
   pg_t *shard, *replicate; /* replicate: NULL without HSDP */

@@ -1,5 +1,6 @@
 #include "nn/autograd.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,6 +24,8 @@ struct nn_ctx {
   bool grad_enabled;
   int suspended; /* > 0 inside the forward of a checkpointed call */
   bool recomputing;
+  nn_module_t **calls; /* the module calls in progress, outermost first */
+  int n_calls, cap_calls;
 };
 
 static bool present(const tensor_t *t) { return t->storage != NULL || t->ndim > 0; }
@@ -81,6 +84,7 @@ void nn_ctx_free(nn_ctx_t *ctx) {
   if (ctx == NULL) return;
   nn_ctx_clear(ctx);
   free(ctx->tape.e);
+  free(ctx->calls);
   free(ctx);
 }
 
@@ -157,26 +161,34 @@ status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g) {
 
 /* ---- calls ---- */
 
+/* m's forward (or fn instead, for nn_call_with). */
+static status_t run_body(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                         nn_var_t **out) {
+  return fn ? fn(ctx, m, in, out) : nn_module_run_forward(ctx, m, in, out);
+}
+
 /* enter marker, forward, exit marker, with the forward hooks around them. */
-static status_t call_recorded(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static status_t call_recorded(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                              nn_var_t **out) {
   bool rec = nn_ctx_recording(ctx);
   TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
   if (rec) TRY(push_marker(ctx, ENTRY_ENTER, m));
-  TRY(nn_module_run_forward(ctx, m, in, out));
+  TRY(run_body(ctx, m, fn, in, out));
   if (rec) TRY(push_marker(ctx, ENTRY_EXIT, m));
   return nn_module_run_hooks(ctx, m, NN_HOOK_POST_FORWARD);
 }
 
-status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static status_t call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                     nn_var_t **out) {
   *out = NULL;
-  if (nn_module_forward(m) == NULL)
+  if (fn == NULL && nn_module_forward(m) == NULL)
     return err_set(STATUS_EINVAL, "module '%s' has no forward", nn_module_fqn(m));
-  if (!nn_module_checkpoint(m) || !nn_ctx_recording(ctx)) return call_recorded(ctx, m, in, out);
+  if (!nn_module_checkpoint(m) || !nn_ctx_recording(ctx)) return call_recorded(ctx, m, fn, in, out);
 
   /* Activation checkpointing: run forward unrecorded and keep only the call's input. */
   TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
   ctx->suspended++;
-  status_t st = nn_module_run_forward(ctx, m, in, out);
+  status_t st = run_body(ctx, m, fn, in, out);
   ctx->suspended--;
   TRY(st);
   (*out)->requires_grad = true;
@@ -184,8 +196,46 @@ status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   e.node.in[0] = nn_var_ref(in);
   e.node.out = nn_var_ref(*out);
   e.node.name = "checkpoint";
+  e.node.user = (void *)fn;
   TRY(push(ctx, &e));
   return nn_module_run_hooks(ctx, m, NN_HOOK_POST_FORWARD);
+}
+
+/* call() with m on the stack of calls in progress. */
+static status_t tracked(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                        nn_var_t **out) {
+  if (ctx->n_calls == ctx->cap_calls) {
+    int nc = ctx->cap_calls ? 2 * ctx->cap_calls : 16;
+    nn_module_t **p = realloc(ctx->calls, sizeof(nn_module_t *) * (size_t)nc);
+    if (p == NULL) return err_set(STATUS_ENOMEM, "autograd: out of host memory");
+    ctx->calls = p;
+    ctx->cap_calls = nc;
+  }
+  ctx->calls[ctx->n_calls++] = m;
+  status_t st = call(ctx, m, fn, in, out);
+  ctx->n_calls--;
+  return st;
+}
+
+status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  return tracked(ctx, m, NULL, in, out);
+}
+
+status_t nn_call_with(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                      nn_var_t **out) {
+  if (fn == NULL) return err_set(STATUS_EINVAL, "nn_call_with: no function");
+  return tracked(ctx, m, fn, in, out);
+}
+
+void nn_ctx_call_path(const nn_ctx_t *ctx, char *buf, size_t size) {
+  size_t o = 0;
+  if (size == 0) return;
+  buf[0] = 0;
+  for (int i = 0; i < ctx->n_calls && o + 1 < size; i++) {
+    const char *f = nn_module_fqn(ctx->calls[i]);
+    o += (size_t)snprintf(buf + o, size - o, "%s%s", i ? " > " : "", f[0] ? f : "(root)");
+  }
+  if (ctx->n_calls == 0) snprintf(buf, size, "(top level)");
 }
 
 /* ---- backward ---- */
@@ -207,7 +257,7 @@ static status_t backward_checkpoint(nn_ctx_t *ctx, entry_t *e) {
   tape_t outer = ctx->tape;
   memset(&ctx->tape, 0, sizeof ctx->tape);
   ctx->recomputing = true;
-  st = call_recorded(ctx, e->module, in2, &out2);
+  st = call_recorded(ctx, e->module, (nn_forward_fn)e->node.user, in2, &out2);
   ctx->recomputing = false;
   tape_t sub = ctx->tape;
   ctx->tape = outer;

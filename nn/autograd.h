@@ -60,6 +60,15 @@ bool nn_ctx_recomputing(const nn_ctx_t *ctx);
  * checkpointing when m asks for it), post-forward hooks. *out is the caller's reference. */
 status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out);
 
+/* A regular call of m (hooks, tape, activation checkpointing) that runs fn instead of m's
+ * forward: another entry point of the module, as a method of a PyTorch module registered
+ * with fully_shard. */
+status_t nn_call_with(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                      nn_var_t **out);
+
+/* The module calls in progress, outermost first ("(root) > model > lm_head"), into buf. */
+void nn_ctx_call_path(const nn_ctx_t *ctx, char *buf, size_t size);
+
 /* Seeds d(loss)/d(loss) = 1 (loss has one element), runs backward over the whole tape and
  * clears it. Parameter gradients accumulate into compute_grad. */
 status_t nn_backward(nn_ctx_t *ctx, nn_var_t *loss);

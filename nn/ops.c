@@ -29,6 +29,12 @@ static status_t finish(nn_ctx_t *ctx, nn_node_t *node, bool needs, tensor_t *val
 }
 
 static status_t check_param(const char *op, const nn_param_t *p) {
+  if (p != NULL && p->external && p->compute.storage == NULL)
+    return err_set(STATUS_EINVAL,
+                   "%s: parameter %s is sharded (fully_shard) and no call of its module is "
+                   "running: compute with it inside a call of its module (nn_call, or "
+                   "nn_call_with for a method other than forward)",
+                   op, p->fqn ? p->fqn : "(unnamed)");
   if (p == NULL || p->compute.storage == NULL)
     return err_set(STATUS_EINVAL, "%s: parameter %s has no unsharded value to compute with", op,
                    p && p->fqn ? p->fqn : "(unnamed)");

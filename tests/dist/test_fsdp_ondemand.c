@@ -1,0 +1,239 @@
+/*
+ * Modules of a fully-sharded model used the way real models use them (argument "fsdp" or
+ * "hsdp"): a parent that calls children of sharded units directly (model.embed_tokens of the
+ * root's group, model.layers.1.mlp of layer 1's) and a method of a sharded head run through
+ * nn_call_with. Ten steps match the single-rank run; unregistered direct calls warn once per
+ * module, registered ones never, with the same all-gathers and reductions; a parameter's
+ * full_tensor() mid-training equals the single-rank parameter; a method run outside any call
+ * of the sharded head, and replacing a sharded parameter by hand, are refused with messages
+ * naming the parameter.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "nn/ops.h"
+#include "tests/dist/fsdp_common.h"
+
+#define STEPS 10
+
+/* The head's method: half its logits (not its forward). */
+static status_t half_logits(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  nn_var_t *y = NULL;
+  TRY(nn_linear(ctx, in, nn_module_param_named(m, "weight"), &y));
+  status_t st = nn_scale(ctx, y, 0.5, out);
+  nn_var_put(y);
+  return st;
+}
+
+/* aux = head.half_logits(layers[1].mlp(embed_tokens(ids))); logits = model(ids); loss =
+ * CE(logits) + CE(aux). */
+static double step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t s) {
+  nn_module_t *root = llama_module(m);
+  tensor_t in_h, tg_h, in, tg;
+  ok(data_batch(d, spec, s, 0, &in_h, &tg_h));
+  device_t dev = mesh_device(llama_local_mesh(m));
+  ok(tensor_clone(&in, &in_h, DTYPE_I64, dev));
+  ok(tensor_clone(&tg, &tg_h, DTYPE_I64, dev));
+  nn_ctx_t *ctx;
+  nn_var_t *ids, *logits, *e, *x, *aux, *l1, *l2, *loss;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_var_new(&ids, &in, false));
+  /* the auxiliary path first: its backward runs after the model's has finished */
+  ok(nn_call(ctx, nn_module_find(root, "model.embed_tokens"), ids, &e));
+  ok(nn_call(ctx, nn_module_find(root, "model.layers.1.mlp"), e, &x));
+  ok(nn_call_with(ctx, nn_module_find(root, "lm_head"), half_logits, x, &aux));
+  ok(nn_call(ctx, root, ids, &logits));
+  ok(nn_cross_entropy(ctx, logits, &tg, &l1, NULL));
+  ok(nn_cross_entropy(ctx, aux, &tg, &l2, NULL));
+  ok(nn_add(ctx, l1, l2, &loss));
+  double v;
+  ok(nn_var_scalar(loss, &v));
+  ok(nn_backward(ctx, loss));
+  nn_var_t *vars[] = {ids, logits, e, x, aux, l1, l2, loss};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) nn_var_put(vars[i]);
+  nn_ctx_free(ctx);
+  tensor_free(&in);
+  tensor_free(&tg);
+  tensor_free(&in_h);
+  tensor_free(&tg_h);
+  return v;
+}
+
+typedef struct counts {
+  int unshard, post_backward;
+} counts_t;
+
+static fsdp_group_t *layer1;
+
+static void count_events(const char *event, const fsdp_group_t *g, void *user) {
+  counts_t *c = user;
+  if (g != layer1) return;
+  if (strcmp(event, "unshard") == 0) c->unshard++;
+  if (strcmp(event, "post_backward") == 0) c->post_backward++;
+}
+
+/* Runs the ten steps; *warnings receives the lines of this rank's on-demand warnings. */
+static void train(bool registered, int *warnings, counts_t *per_step) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  int md = mesh_ndim(mesh), W = world_size();
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  const int B = 2;
+  data_spec_t gspec = {.batch_size = B * W, .seq_len = 16, .grad_accum = 1, .dp_size = 1};
+  int dp_rank = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
+                        : mesh_coord(mesh, 0);
+  data_spec_t lspec = {
+      .batch_size = B, .seq_len = 16, .grad_accum = 1, .dp_size = W, .dp_rank = dp_rank};
+  run_t ref, sh;
+  run_init(&ref, &cfg);
+  run_init(&sh, &cfg);
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  nn_module_t *root = llama_module(sh.m);
+  for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(sh.m, i), &opt, NULL));
+  ok(fully_shard(nn_module_find(root, "lm_head"), &opt, NULL));
+  ok(fully_shard(root, &opt, NULL));
+  layer1 = fsdp_group_of(llama_layer(sh.m, 1));
+  if (registered) {
+    ok(fsdp_register_forward_method(nn_module_find(root, "model.embed_tokens")));
+    ok(fsdp_register_forward_method(nn_module_find(root, "model.layers.1.mlp")));
+  }
+  ck_assert_int_eq(fsdp_register_forward_method(root) == STATUS_OK, 1); /* a unit: a no-op */
+  counts_t c = {0};
+  fsdp_set_event_hook(root, count_events, &c);
+  run_optim(&ref);
+  run_optim(&sh);
+  mesh_t *flat = NULL;
+  const char *names[] = {"dp_replicate", "dp_shard"};
+  if (md == 2) ok(mesh_flatten(mesh, 2, names, "dp", &flat));
+  pg_t *dp = mesh_group(md == 2 ? flat : mesh, 0);
+  /* this rank's stderr into a file, to count the warnings */
+  char errpath[64];
+  snprintf(errpath, sizeof errpath, "/tmp/fsdpc-ondemand-%d-%d.txt", (int)getpid(), world_rank());
+  fflush(stderr);
+  int saved = dup(2);
+  FILE *capture = fopen(errpath, "w+");
+  ck_assert_ptr_nonnull(capture);
+  dup2(fileno(capture), 2);
+  int bad = 0;
+  for (int s = 0; s < STEPS; s++) {
+    optim_zero_grad(ref.opt);
+    optim_zero_grad(sh.opt);
+    c = (counts_t){0};
+    double lref = step(ref.m, d, &gspec, s), lsh = step(sh.m, d, &lspec, s), lsum = 0;
+    *per_step = c;
+    MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
+    lsh = lsum / W;
+    if (fabs(lsh - lref) > 1e-5 * fabs(lref)) {
+      bad++;
+      if (world_rank() == 0) printf("step %d: sharded loss %.8f, single rank %.8f\n", s, lsh, lref);
+    }
+    ok(clip_grad_norm(ref.ps, ref.n, 1.0, NULL, NULL));
+    ok(clip_grad_norm(sh.ps, sh.n, 1.0, dp, NULL));
+    ok(optim_step(ref.opt, 1.0));
+    ok(optim_step(sh.opt, 1.0));
+    if (s == STEPS / 2) { /* user code reading a sharded parameter */
+      nn_param_t *p = nn_param_find(root, "model.layers.0.mlp.up_proj.weight");
+      nn_param_t *q = nn_param_find(llama_module(ref.m), "model.layers.0.mlp.up_proj.weight");
+      tensor_t full;
+      ok(dtensor_full_tensor(p->value, &full));
+      double e = test_rel_l2(&full, dtensor_local(q->value));
+      if (!(e <= 1e-5)) {
+        bad++;
+        printf("rank %d: full_tensor differs from the single-rank parameter by %.3g\n",
+               world_rank(), e);
+      }
+      tensor_free(&full);
+    }
+  }
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  rewind(capture);
+  char line[2048];
+  *warnings = 0;
+  while (fgets(line, sizeof line, capture))
+    if (strstr(line, "ran outside the forward of its unit")) {
+      (*warnings)++;
+      if (world_rank() == 0) printf("%s", line);
+    }
+  fclose(capture);
+  remove(errpath);
+  bad += compare_shards(&ref, &sh, false, 2e-5);
+  /* a method run outside any call of the sharded head is refused, naming the parameter */
+  {
+    nn_ctx_t *ctx;
+    nn_var_t *x, *y = NULL;
+    tensor_t t;
+    int64_t shape[2] = {2, cfg.dim};
+    ok(tensor_zeros(&t, DTYPE_F32, mesh_device(mesh), 2, shape));
+    ok(nn_ctx_new(&ctx));
+    ok(nn_var_new(&x, &t, false));
+    status_t mst = half_logits(ctx, nn_module_find(root, "lm_head"), x, &y);
+    if (mst == STATUS_OK || strstr(err_detail(), "lm_head.weight is sharded") == NULL ||
+        strstr(err_detail(), "nn_call_with") == NULL)
+      bad++;
+    nn_var_put(y);
+    nn_var_put(x);
+    nn_ctx_free(ctx);
+  }
+  /* replacing a sharded parameter by hand is refused */
+  nn_param_t *p = nn_param_find(root, "model.norm.weight");
+  dtensor_t *dt;
+  ok(dtensor_from_local(&dt, dtensor_local(p->value), dtensor_mesh(p->value),
+                        dtensor_placements(p->value), dtensor_ndim(p->value),
+                        dtensor_shape(p->value)));
+  status_t st = nn_param_set_value(p, dt);
+  if (st == STATUS_OK || strstr(err_detail(), "managed by fully_shard") == NULL) bad++;
+  expect_all(bad == 0, "%d mismatches", bad);
+  for (run_t *r = &ref; r; r = r == &ref ? &sh : NULL) {
+    optim_free(r->opt);
+    free(r->ps);
+  }
+  fsdp_free_all(root);
+  llama_free(ref.m);
+  llama_free(sh.m);
+  data_free(d);
+  mesh_free(flat);
+  mesh_free(mesh);
+}
+
+START_TEST(direct_calls_warn_once_per_module) {
+  int warnings;
+  counts_t c;
+  train(false, &warnings, &c);
+  /* model.embed_tokens and model.layers.1.mlp, once each over ten steps */
+  expect_all(warnings == 2, "%d on-demand warnings on rank %d, expected 2", warnings, world_rank());
+  /* layer 1: its own call gathers in forward and backward, so does the direct call of its
+   * mlp; each reduces once */
+  expect_all(c.unshard == (world_size() > 1 ? 4 : 0) && c.post_backward == 2,
+             "layer 1 per step: %d all-gathers, %d reductions", c.unshard, c.post_backward);
+}
+END_TEST
+
+START_TEST(registered_entry_points_are_regular_calls) {
+  int warnings;
+  counts_t c;
+  train(true, &warnings, &c);
+  expect_all(warnings == 0, "%d warnings with the entry points registered", warnings);
+  expect_all(c.unshard == (world_size() > 1 ? 4 : 0) && c.post_backward == 2,
+             "layer 1 per step: %d all-gathers, %d reductions", c.unshard, c.post_backward);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("fsdp_ondemand");
+  TCase *tc = tcase_create("ondemand");
+  tcase_set_timeout(tc, 600);
+  tcase_add_test(tc, direct_calls_warn_once_per_module);
+  tcase_add_test(tc, registered_entry_points_are_regular_calls);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
