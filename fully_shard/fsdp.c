@@ -485,14 +485,32 @@ static status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   return forward_prefetch(g);
 }
 
-static status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
-  /* inside a checkpointed call's recomputation the parameters are needed next */
-  if (nn_ctx_recomputing(ctx)) return STATUS_OK;
-  TRY(gvec_push(&g->root->bwd_order, g));
+/* After a call's forward: free the unsharded parameters as reshard_after_forward says. */
+static status_t reshard_after_forward(fsdp_group_t *g) {
   if (!g->unsharded) return STATUS_OK;
   if (g->reshard_after_forward == 1) fsdp_reshard(g);
   if (g->reshard_after_forward >= 2) return fsdp_reshard_to_slice(g);
   return STATUS_OK;
+}
+
+/* After a call's backward: reduce the gradients it produced (unless accumulating without
+ * sync) and reshard. A call whose backward runs after the root's backward has ended (a call
+ * made before the root's forward) finishes the reduction at once: nothing later would. The
+ * root's own post-backward runs inside its backward and finishes its reductions itself. */
+static status_t reduce_after_backward(fsdp_group_t *g) {
+  fsdp_emit(g, "post_backward");
+  status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK; /* else keep accumulating */
+  if (g->reshard_after_backward) fsdp_reshard(g);
+  if (st == STATUS_OK && !g->root->in_backward && g->root->is_last_backward)
+    st = fsdp_finish_backward(g->root);
+  return st;
+}
+
+static status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
+  /* inside a checkpointed call's recomputation the parameters are needed next */
+  if (nn_ctx_recomputing(ctx)) return STATUS_OK;
+  TRY(gvec_push(&g->root->bwd_order, g));
+  return reshard_after_forward(g);
 }
 
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
@@ -510,14 +528,8 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
       TRY(fsdp_unshard(g));
       return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
-      fsdp_emit(g, "post_backward");
-      status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK; /* else keep accumulating */
-      if (g->reshard_after_backward) fsdp_reshard(g);
-      if (!g->is_root) { /* a call whose backward runs after the root's has ended */
-        if (st == STATUS_OK && !g->root->in_backward && g->root->is_last_backward)
-          st = fsdp_finish_backward(g->root);
-        return st;
-      }
+      status_t st = reduce_after_backward(g);
+      if (!g->is_root) return st;
       g->in_backward = false;
       /* end of backward: drop prefetches no backward consumed; on the last backward finish
        * the reductions, otherwise the next backward's first post-backward does */
@@ -583,22 +595,13 @@ static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, 
       if (!mb->active) return STATUS_OK;
       mb->active = false;
       g->in_forward--;
-      if (!g->unsharded) return STATUS_OK;
-      if (g->reshard_after_forward == 1) fsdp_reshard(g);
-      if (g->reshard_after_forward >= 2) return fsdp_reshard_to_slice(g);
-      return STATUS_OK;
+      return reshard_after_forward(g);
     case NN_HOOK_PRE_BACKWARD:
       if (mb->depth > 0 && mb->on_demand[mb->depth - 1]) return fsdp_unshard(g);
       return STATUS_OK;
     case NN_HOOK_POST_BACKWARD: {
       if (mb->depth == 0 || !mb->on_demand[--mb->depth]) return STATUS_OK;
-      fsdp_emit(g, "post_backward");
-      status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK;
-      if (g->reshard_after_backward) fsdp_reshard(g);
-      /* outside the root's backward nothing else will finish this reduction */
-      if (st == STATUS_OK && !g->root->in_backward && g->root->is_last_backward)
-        st = fsdp_finish_backward(g->root);
-      return st;
+      return reduce_after_backward(g);
     }
     default: return STATUS_OK;
   }
