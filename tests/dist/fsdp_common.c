@@ -106,3 +106,17 @@ double fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t ste
   ok(llama_micro_step(m, d, spec, step, micro, &v));
   return v;
 }
+
+int check_counts(int step, const char *what, const pg_counters_t *got, const pg_counters_t *want) {
+  int bad = 0;
+  for (int k = 0; k < PG_KIND_COUNT; k++)
+    if (got->calls[k] != want->calls[k] || got->bytes[k] != want->bytes[k]) {
+      bad++;
+      if (world_rank() == 0)
+        printf("step %d, %s group: %s %llu calls (%llu B), expected %llu (%llu B)\n", step, what,
+               pg_kind_name(k), (unsigned long long)got->calls[k],
+               (unsigned long long)got->bytes[k], (unsigned long long)want->calls[k],
+               (unsigned long long)want->bytes[k]);
+    }
+  return bad;
+}

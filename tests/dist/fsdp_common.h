@@ -35,6 +35,10 @@ void run_optim(run_t *r);
  * more than tol relative to the whole single-rank tensor's L2 norm; prints each. */
 int compare_shards(const run_t *ref, const run_t *sh, bool grads, double tol);
 
+/* Counts the collective kinds whose calls or bytes differ from want, printing each (rank 0)
+ * as "step S, WHAT group: ...". */
+int check_counts(int step, const char *what, const pg_counters_t *got, const pg_counters_t *want);
+
 /* Forward, loss scaled by 1/grad_accum, backward of one micro-batch; returns the loss. */
 double fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro);
 

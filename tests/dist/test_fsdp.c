@@ -125,21 +125,6 @@ static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_group
   }
 }
 
-static int check_counts(int step, const char *what, const pg_counters_t *got,
-                        const pg_counters_t *want) {
-  int bad = 0;
-  for (int k = 0; k < PG_KIND_COUNT; k++)
-    if (got->calls[k] != want->calls[k] || got->bytes[k] != want->bytes[k]) {
-      bad++;
-      if (world_rank() == 0)
-        printf("step %d, %s group: %s %llu calls (%llu B), expected %llu (%llu B)\n", step, what,
-               pg_kind_name(k), (unsigned long long)got->calls[k],
-               (unsigned long long)got->bytes[k], (unsigned long long)want->calls[k],
-               (unsigned long long)want->bytes[k]);
-    }
-  return bad;
-}
-
 static void parity(const plan_t *pl) {
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));

@@ -83,20 +83,6 @@ static pg_counters_t expected_tp(const variant_t *v, const llama_config_t *c, in
   return e;
 }
 
-static int check_counts(int step, const pg_counters_t *got, const pg_counters_t *want) {
-  int bad = 0;
-  for (int k = 0; k < PG_KIND_COUNT; k++)
-    if (got->calls[k] != want->calls[k] || got->bytes[k] != want->bytes[k]) {
-      bad++;
-      if (world_rank() == 0)
-        printf("step %d, tp group: %s %llu calls (%llu B), expected %llu (%llu B)\n", step,
-               pg_kind_name(k), (unsigned long long)got->calls[k],
-               (unsigned long long)got->bytes[k], (unsigned long long)want->calls[k],
-               (unsigned long long)want->bytes[k]);
-    }
-  return bad;
-}
-
 static void parity(const variant_t *v) {
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
@@ -166,7 +152,7 @@ static void parity(const variant_t *v) {
       lsh += fwd_bwd(sh.m, d, &lspec, s, m) / v->accum;
     }
     pg_counters_t got = pg_counters(tp_pg);
-    bad += check_counts(s, &got, &want);
+    bad += check_counts(s, "tp", &got, &want);
     MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
     lsh = lsum / world_size();
     if (fabs(lsh - lref) > 1e-5 * fabs(lref)) {
