@@ -60,6 +60,16 @@ static const char *llama_kind(const char *module) {
   return "linear";
 }
 
+/* The tensor-parallel rules in effect: the plan's (converted into buf) or the built-in ones. */
+static int rules_of(const plan_t *p, tp_rule_t *buf, const tp_rule_t **out) {
+  if (!p->tp_plan_given) return plan_default_tp_rules(out);
+  for (int i = 0; i < p->n_tp_rules; i++)
+    buf[i] = (tp_rule_t){p->tp_rules[i].pattern, p->tp_rules[i].style, p->tp_rules[i].input,
+                         p->tp_rules[i].output};
+  *out = buf;
+  return p->n_tp_rules;
+}
+
 status_t plan_param_placements(const plan_t *p, const char *fqn, int *mesh_ndim, int *mesh_shape,
                                placement_t *pl) {
   int md = 0;
@@ -75,17 +85,12 @@ status_t plan_param_placements(const plan_t *p, const char *fqn, int *mesh_ndim,
     snprintf(module, sizeof module, "%s", fqn);
     char *dot = strrchr(module, '.');
     if (dot) *dot = 0;
-    const tp_rule_t *d;
-    int n = plan_default_tp_rules(&d);
+    tp_rule_t buf[PLAN_MAX_TP_RULES];
+    const tp_rule_t *rules;
+    int n = rules_of(p, buf, &rules), i = tp_rule_index(rules, n, module);
     placement_t tpl = placement_replicate();
-    for (int i = 0; i < (p->tp_plan_given ? p->n_tp_rules : n); i++) {
-      const char *pat = p->tp_plan_given ? p->tp_rules[i].pattern : d[i].pattern;
-      tp_style_t style = p->tp_plan_given ? p->tp_rules[i].style : d[i].style;
-      if (!nn_fqn_match(pat, module)) continue;
-      if (style == TP_SEQUENCE_PARALLEL && !p->sequence_parallel) break;
-      TRY(tp_weight_placement(style, llama_kind(module), p->sequence_parallel, &tpl));
-      break;
-    }
+    if (i >= 0 && tp_rule_applies(&rules[i], p->sequence_parallel))
+      TRY(tp_weight_placement(rules[i].style, llama_kind(module), &tpl));
     if (placement_is_shard(tpl, 0)) pl[shard] = placement_strided_shard(0, p->tp);
     mesh_shape[md] = p->tp;
     pl[md++] = tpl;
@@ -113,13 +118,9 @@ status_t plan_apply_tensor_parallel(const plan_t *p, llama_t *m, const mesh_t *w
   *out = NULL;
   *tp_mesh = NULL;
   if (p->tp <= 1) return STATUS_OK;
-  tp_rule_t rules[PLAN_MAX_TP_RULES];
-  const tp_rule_t *use = rules;
-  int n = p->n_tp_rules;
-  for (int i = 0; i < n; i++)
-    rules[i] = (tp_rule_t){p->tp_rules[i].pattern, p->tp_rules[i].style, p->tp_rules[i].input,
-                           p->tp_rules[i].output};
-  if (!p->tp_plan_given) n = plan_default_tp_rules(&use);
+  tp_rule_t buf[PLAN_MAX_TP_RULES];
+  const tp_rule_t *use;
+  int n = rules_of(p, buf, &use);
   for (int i = 0; i < n; i++) /* the loss reads whole logits */
     if (nn_fqn_match(use[i].pattern, "lm_head") && use[i].style == TP_COLWISE &&
         use[i].output != TP_REPLICATE)

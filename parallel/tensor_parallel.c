@@ -318,8 +318,17 @@ static status_t place(nn_param_t *p, mesh_t *mesh, placement_t pl, const char *m
   return nn_param_set_value(p, dt);
 }
 
-status_t tp_weight_placement(tp_style_t style, const char *kind, bool sequence_parallel,
-                             placement_t *out) {
+int tp_rule_index(const tp_rule_t *rules, int n, const char *fqn) {
+  for (int i = 0; i < n; i++)
+    if (nn_fqn_match(rules[i].pattern, fqn)) return i;
+  return -1;
+}
+
+bool tp_rule_applies(const tp_rule_t *rule, bool sequence_parallel) {
+  return rule->style != TP_SEQUENCE_PARALLEL || sequence_parallel; /* else norms stay whole */
+}
+
+status_t tp_weight_placement(tp_style_t style, const char *kind, placement_t *out) {
   bool linear = kind && strcmp(kind, "linear") == 0, emb = kind && strcmp(kind, "embedding") == 0;
   *out = placement_replicate();
   switch (style) {
@@ -334,7 +343,6 @@ status_t tp_weight_placement(tp_style_t style, const char *kind, bool sequence_p
       if (kind == NULL || strcmp(kind, "rmsnorm") != 0)
         return err_set(STATUS_EINVAL, "sequence_parallel applies to norms, not a %s",
                        kind ? kind : "container");
-      (void)sequence_parallel; /* the weight stays whole either way */
       return STATUS_OK;
     case TP_PREPARE_INPUT: return STATUS_OK;
     default: return err_set(STATUS_EINVAL, "unknown style");
@@ -349,7 +357,7 @@ static status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
   t->style = r->style;
   t->w = r->style == TP_PREPARE_INPUT ? NULL : nn_module_param_named(t->m, "weight");
   placement_t pl;
-  if (tp_weight_placement(r->style, kind, sp, &pl) != STATUS_OK) {
+  if (tp_weight_placement(r->style, kind, &pl) != STATUS_OK) {
     char msg[256];
     snprintf(msg, sizeof msg, "%s", err_detail());
     return err_set(STATUS_EINVAL, "tensor parallel: %s: %s", fqn, msg);
@@ -396,10 +404,9 @@ typedef struct walk {
 } walk_t;
 
 static status_t visit(walk_t *w, nn_module_t *m) {
-  for (int i = 0; i < w->n_rules; i++) {
-    if (!nn_fqn_match(w->rules[i].pattern, nn_module_fqn(m))) continue;
-    w->hits[i]++;
-    if (w->rules[i].style == TP_SEQUENCE_PARALLEL && !w->sp) break; /* norms stay replicated */
+  int i = tp_rule_index(w->rules, w->n_rules, nn_module_fqn(m));
+  if (i >= 0) w->hits[i]++;
+  if (i >= 0 && tp_rule_applies(&w->rules[i], w->sp)) {
     tp_mod_t *t = &w->plan->mods[w->plan->n];
     t->m = m;
     t->mesh = w->mesh;
@@ -410,7 +417,6 @@ static status_t visit(walk_t *w, nn_module_t *m) {
       TRY(nn_module_add_hook(m, NN_HOOK_PRE_BACKWARD, sp_hook, t));
       TRY(nn_module_add_hook(m, NN_HOOK_POST_BACKWARD, sp_hook, t));
     }
-    break;
   }
   for (int i = 0; i < nn_module_num_children(m); i++) TRY(visit(w, nn_module_child(m, i)));
   return STATUS_OK;

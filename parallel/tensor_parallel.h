@@ -89,8 +89,13 @@ const char *tp_layout_name(tp_layout_t l);
 /* The placement on tp of the weight of a layer of kind ("linear", "embedding", "rmsnorm", NULL
  * for a container) under style: Shard(0) / Shard(1) as the table above, Replicate for norms
  * and prepare_input. Errors when the style does not apply to the kind. */
-status_t tp_weight_placement(tp_style_t style, const char *kind, bool sequence_parallel,
-                             placement_t *out);
+status_t tp_weight_placement(tp_style_t style, const char *kind, placement_t *out);
+
+/* The rule a module of this FQN takes: the index of the first rule whose pattern matches, or
+ * -1. A matched rule changes the module only when tp_rule_applies (sequence_parallel rules
+ * need sequence parallelism). */
+int tp_rule_index(const tp_rule_t *rules, int n, const char *fqn);
+bool tp_rule_applies(const tp_rule_t *rule, bool sequence_parallel);
 
 /* Applies the rules (first match wins for a module) to the tree under root, whose
  * parameters must all be whole (Replicate on a one-rank mesh) and the same on every rank.
