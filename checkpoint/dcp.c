@@ -382,9 +382,8 @@ static status_t load_box(const char *dir, const folder_t *fo, const char *name, 
       int64_t end = c[k].off[d] + c[k].info->shape[d];
       saved[d] = end > saved[d] ? end : saved[d];
     }
-    if (st == STATUS_OK &&
-        (c[k].info->dtype == DTYPE_COUNT ||
-         dtype_is_float(c[k].info->dtype) != dtype_is_float(local->dtype)))
+    if (st == STATUS_OK && (c[k].info->dtype == DTYPE_COUNT ||
+                            dtype_is_float(c[k].info->dtype) != dtype_is_float(local->dtype)))
       st = err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s; the model's is %s",
                    st_path(fo->f[c[k].file]), e->name, c[k].info->dtype_name,
                    dtype_name(local->dtype));
@@ -510,35 +509,41 @@ status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n) {
     for (int i = 0; i < r->fo.n; i++)
       for (int k = 0; k < st_num_tensors(r->fo.f[i]); k++) {
         const st_info_t *t = st_tensor(r->fo.f[i], k);
-        dcp_tensor_t *e = NULL;
-        for (int j = 0; j < r->n_list && !e; j++)
-          if (strcmp(r->list[j].name, t->name) == 0) e = &r->list[j];
-        if (e == NULL) {
-          e = &r->list[r->n_list++];
-          if ((e->name = strdup(t->name)) == NULL)
-            return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-          e->dtype = t->dtype;
-          e->dtype_name = t->dtype_name;
-          e->ndim = t->ndim;
-        } else if (e->ndim != t->ndim || strcmp(e->dtype_name, t->dtype_name) != 0) {
-          return err_set(STATUS_EFORMAT,
-                         "%s: tensor '%s' is stored as %s with %d dimensions here and as %s "
-                         "with %d elsewhere",
-                         st_path(r->fo.f[i]), t->name, t->dtype_name, t->ndim, e->dtype_name,
-                         e->ndim);
-        }
+        bool seen = false;
+        for (int j = 0; j < r->n_list && !seen; j++) seen = strcmp(r->list[j].name, t->name) == 0;
+        if (seen) continue;
+        /* a new name: fold all its chunks, in every file, at once */
+        dcp_tensor_t *e = &r->list[r->n_list];
         chunk_t *c;
         int nc;
         TRY(chunks_of(&r->fo, t->name, &c, &nc));
-        for (int q = 0; q < nc; q++)
-          if (c[q].file == i && c[q].info == t)
-            for (int d = 0; d < t->ndim; d++) {
-              int64_t end = c[q].off[d] + t->shape[d];
-              if (end > e->shape[d]) e->shape[d] = end;
-            }
+        status_t st = STATUS_OK;
+        if ((e->name = strdup(t->name)) == NULL)
+          st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+        else
+          r->n_list++;
+        e->dtype = t->dtype;
+        e->dtype_name = t->dtype_name;
+        e->ndim = t->ndim;
+        for (int q = 0; q < nc && st == STATUS_OK; q++) {
+          const st_info_t *ci = c[q].info;
+          if (ci->ndim != t->ndim || strcmp(ci->dtype_name, t->dtype_name) != 0) {
+            st = err_set(STATUS_EFORMAT,
+                         "%s: tensor '%s' is stored as %s with %d dimensions here and as %s "
+                         "with %d elsewhere",
+                         st_path(r->fo.f[c[q].file]), t->name, ci->dtype_name, ci->ndim,
+                         t->dtype_name, t->ndim);
+            break;
+          }
+          for (int d = 0; d < t->ndim; d++) {
+            int64_t end = c[q].off[d] + ci->shape[d];
+            if (end > e->shape[d]) e->shape[d] = end;
+          }
+          e->chunks++;
+          e->bytes += ci->end - ci->begin;
+        }
         free(c);
-        e->chunks++;
-        e->bytes += t->end - t->begin;
+        TRY(st);
       }
     qsort(r->list, (size_t)r->n_list, sizeof *r->list, cmp_tensor);
   }
