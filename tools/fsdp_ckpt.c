@@ -78,6 +78,21 @@ static status_t write_text(const char *path, const char *text) {
   return st;
 }
 
+/* Completes a checkpoint written into tmp: its train_state.json, then the rename to out. On
+ * any failure (st included) tmp is removed. */
+static status_t commit_checkpoint(status_t st, const cJSON *state, const char *tmp,
+                                  const char *out) {
+  char *text = st == STATUS_OK ? cJSON_Print(state) : NULL, path[PATH_LEN + 64];
+  if (st == STATUS_OK && text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
+  if (st == STATUS_OK) st = write_text(path, text);
+  free(text);
+  if (st == STATUS_OK && rename(tmp, out) != 0)
+    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
+  if (st != STATUS_OK) dcp_remove_tree(tmp);
+  return st;
+}
+
 /* train_state.json of a training checkpoint, or NULL (a plain shard folder). */
 static status_t read_state(const char *dir, cJSON **out) {
   char path[PATH_LEN];
@@ -437,26 +452,17 @@ static status_t import_hf(const char *hf, const char *out) {
   if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
   char *config = NULL;
   if (st == STATUS_OK) st = read_text(cfg_path, &config);
-  if (st == STATUS_OK) {
-    cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
-    cJSON_AddNumberToObject(state, "step", 0);
-    cJSON_AddNumberToObject(state, "optim_steps", 0);
-    cJSON_AddStringToObject(under, "imported_from", hf);
-    cJSON_AddItemToObject(under, "model", cJSON_Parse(config));
-    cJSON_AddItemToObject(state, "saved_under", under);
-    char *text = cJSON_Print(state), path[PATH_LEN + 64];
-    cJSON_Delete(state);
-    snprintf(path, sizeof path, "%s/train_state.json", tmp);
-    st = text ? write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
-    free(text);
-  }
-  if (st == STATUS_OK && rename(tmp, out) != 0)
-    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
+  cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
+  cJSON_AddNumberToObject(state, "step", 0);
+  cJSON_AddNumberToObject(state, "optim_steps", 0);
+  cJSON_AddStringToObject(under, "imported_from", hf);
+  if (config) cJSON_AddItemToObject(under, "model", cJSON_Parse(config));
+  cJSON_AddItemToObject(state, "saved_under", under);
+  st = commit_checkpoint(st, state, tmp, out);
+  cJSON_Delete(state);
   if (st == STATUS_OK)
     printf("imported %d tensors from %d file%s of %s into %s (step 0, no optimizer state)\n", nt, n,
            n == 1 ? "" : "s", hf, out);
-  else
-    dcp_remove_tree(tmp);
   free(config);
   dcp_reader_close(r);
   for (int i = 0; i < n; i++) free(names[i]);
@@ -589,18 +595,11 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
     cJSON_AddStringToObject(nu, "resharded_from", dir);
     if (cJSON_IsObject(m)) cJSON_AddItemToObject(nu, "model", cJSON_Duplicate(m, true));
     cJSON_ReplaceItemInObjectCaseSensitive(state, "saved_under", nu);
-    char *text = cJSON_Print(state), path[PATH_LEN + 64];
-    snprintf(path, sizeof path, "%s/train_state.json", tmp);
-    st = text ? write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
-    free(text);
   }
-  if (st == STATUS_OK && rename(tmp, out) != 0)
-    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
+  st = commit_checkpoint(st, state, tmp, out);
   if (st == STATUS_OK)
     printf("resharded %s for %d ranks (dp_replicate %d x dp_shard %d x tp %d): %d files in %s\n",
            dir, world, p.dp_replicate, p.dp_shard, p.tp, files, out);
-  else
-    dcp_remove_tree(tmp);
   cJSON_Delete(state);
   return st;
 }
