@@ -35,7 +35,8 @@ extern "C" {
   X(EMESH, -12, "invalid device mesh")            \
   X(EPLACEMENT, -13, "invalid placement")         \
   X(EUNSUPPORTED, -14, "operation not supported") \
-  X(EINTERNAL, -15, "internal error")
+  X(EINTERNAL, -15, "internal error")             \
+  X(ETIMEOUT, -16, "timed out")
 
 typedef enum status {
 #define STATUS_ENUM_(name, value, msg) STATUS_##name = (value),

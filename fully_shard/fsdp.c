@@ -132,6 +132,8 @@ static status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, mesh_t **me
   return STATUS_OK;
 }
 
+static const nn_param_guard_t on_demand_guard;
+
 /* Replaces p's value with its sharded DTensor: dim 0 of its local tensor (the whole
  * parameter, or its tensor-parallel shard) chunked over the group's shard dimension. */
 static status_t shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
@@ -165,6 +167,9 @@ static status_t shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   dtensor_free(p->value);
   p->value = dt;
   p->external = true;
+  p->guard = &on_demand_guard;
+  p->guard_state = fp;
+  fp->g = g;
 cleanup:
   tensor_free(&src);
   tensor_free(&dst);
@@ -175,35 +180,86 @@ cleanup:
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
 static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
 
-/* The modules under m that no inner group claims (m itself excluded), into g->members (NULL:
- * count only). */
+/* The modules under m that no inner group claims (m itself excluded), appended to g->members
+ * unless counting only. */
 static int collect_members(fsdp_group_t *g, nn_module_t *m, bool count_only) {
   int n = 0;
   for (int i = 0; i < nn_module_num_children(m); i++) {
     nn_module_t *c = nn_module_child(m, i);
     if (fsdp_group_of(c) != NULL) continue; /* an inner unit: its own group */
-    if (!count_only) {
-      fsdp_member_t *mb = &g->members[g->n_members++];
-      memset(mb, 0, sizeof *mb);
-      mb->g = g;
-      mb->m = c;
-    }
+    if (!count_only) g->members[g->n_members++] = (fsdp_member_t){.g = g, .m = c};
     n += 1 + collect_members(g, c, count_only);
   }
   return n;
 }
 
+/* The members: the group's own modules, then the others, which get the on-demand hook. */
 static status_t install_members(fsdp_group_t *g) {
-  int n = 0;
-  for (int i = 0; i < g->n_modules; i++) n += collect_members(g, g->modules[i], true);
-  if (n == 0) return STATUS_OK;
-  if ((g->members = calloc((size_t)n, sizeof *g->members)) == NULL)
+  size_t n = (size_t)g->n_modules;
+  for (int i = 0; i < g->n_modules; i++) n += (size_t)collect_members(g, g->modules[i], true);
+  if ((g->members = calloc(n, sizeof *g->members)) == NULL)
     return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  for (int i = 0; i < g->n_modules; i++)
+    g->members[g->n_members++] = (fsdp_member_t){.g = g, .m = g->modules[i], .unit = true};
   for (int i = 0; i < g->n_modules; i++) collect_members(g, g->modules[i], false);
-  for (int i = 0; i < g->n_members; i++)
+  for (int i = g->n_modules; i < g->n_members; i++)
     for (int k = 0; k < NN_HOOK_COUNT; k++)
       TRY(nn_module_add_hook(g->members[i].m, k, member_hook, &g->members[i]));
   return STATUS_OK;
+}
+
+/* The member for module m (the group's first module when m is not one of its members). */
+static fsdp_member_t *member_of(fsdp_group_t *g, const nn_module_t *m) {
+  for (int i = 0; i < g->n_members; i++)
+    if (g->members[i].m == m) return &g->members[i];
+  return &g->members[0];
+}
+
+/* Communicators for agreeing on on-demand unshards, one duplicate per process group, shared by
+ * the groups that use it and freed with the last. */
+typedef struct agree_entry {
+  pg_t *pg;
+  MPI_Comm comm;
+  int users;
+  struct agree_entry *next;
+} agree_entry_t;
+static agree_entry_t *agree_entries;
+
+/* Collective over pg the first time for each pg (every rank makes the same calls). */
+static status_t agree_comm(pg_t *pg, MPI_Comm *out) {
+  *out = MPI_COMM_NULL;
+  if (pg == NULL || pg_size(pg) == 1) return STATUS_OK;
+  for (agree_entry_t *e = agree_entries; e != NULL; e = e->next)
+    if (e->pg == pg) {
+      e->users++;
+      *out = e->comm;
+      return STATUS_OK;
+    }
+  agree_entry_t *e = calloc(1, sizeof *e);
+  if (e == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  if (MPI_Comm_dup(pg_comm(pg), &e->comm) != MPI_SUCCESS) {
+    free(e);
+    return err_set(STATUS_EMPI, "fully_shard: MPI_Comm_dup failed");
+  }
+  MPI_Comm_set_errhandler(e->comm, MPI_ERRORS_RETURN);
+  *e = (agree_entry_t){pg, e->comm, 1, agree_entries};
+  agree_entries = e;
+  *out = e->comm;
+  return STATUS_OK;
+}
+
+static void agree_comm_release(MPI_Comm *comm) {
+  for (agree_entry_t **p = &agree_entries; *p != NULL && *comm != MPI_COMM_NULL; p = &(*p)->next) {
+    agree_entry_t *e = *p;
+    if (e->comm != *comm) continue;
+    if (--e->users == 0) {
+      MPI_Comm_free(&e->comm);
+      *p = e->next;
+      free(e);
+    }
+    break;
+  }
+  *comm = MPI_COMM_NULL;
 }
 
 /* Post-forward groups of an integer reshard, one per (shard group, N), shared by the groups
@@ -273,7 +329,12 @@ static void group_free(fsdp_group_t *g) {
   event_free(g->copied);
   tensor_free(&g->red_send);
   tensor_free(&g->red_recv);
-  for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].padded);
+  for (int i = 0; i < g->n; i++) {
+    tensor_free(&g->params[i].padded);
+    if (g->params[i].p != NULL && g->params[i].p->guard_state == &g->params[i])
+      g->params[i].p->guard = NULL, g->params[i].p->guard_state = NULL;
+  }
+  for (int k = 0; k < 2; k++) agree_comm_release(&g->agree[k]);
   for (int i = 0; i < g->n_members; i++) free(g->members[i].on_demand);
   free(g->members);
   free(g->params);
@@ -354,6 +415,9 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
     }
   }
   free(l.p);
+  g->agree[0] = g->agree[1] = MPI_COMM_NULL;
+  if (st == STATUS_OK) st = agree_comm(g->shard, &g->agree[0]);
+  if (st == STATUS_OK) st = agree_comm(g->replicate, &g->agree[1]);
   if (st == STATUS_OK && N >= 2) st = post_forward_group(g, N);
   if (st == STATUS_OK) st = install_members(g);
   for (int i = 0; i < n_modules; i++)
@@ -556,19 +620,93 @@ static status_t push_call(fsdp_member_t *mb, bool on_demand) {
   return STATUS_OK;
 }
 
-static void warn_on_demand(nn_ctx_t *ctx, fsdp_member_t *mb) {
-  if (mb->registered || mb->warned) return;
+static const char *unit_name(const fsdp_group_t *g) {
+  const char *u = nn_module_fqn(g->module);
+  return u[0] ? u : "(root)";
+}
+
+/* What ran on demand: the member's module (its call), or an operation on one of its
+ * parameters. */
+static void describe(const fsdp_member_t *mb, const char *op, const nn_param_t *p, char *buf,
+                     size_t size) {
+  const char *name = nn_module_fqn(mb->m);
+  if (p == NULL)
+    snprintf(buf, size, "%s", name[0] ? name : "(root)");
+  else
+    snprintf(buf, size, "%s on parameter %s of module %s", op, p->fqn, name[0] ? name : "(root)");
+}
+
+/* The first on-demand use of a member's module, once per module and rank: what ran, its unit
+ * and the call path. */
+static void warn_on_demand(nn_ctx_t *ctx, fsdp_member_t *mb, const char *what, bool call) {
+  if ((call && mb->registered) || mb->warned) return;
   mb->warned = true;
   char path[1024];
   nn_ctx_call_path(ctx, path, sizeof path);
-  const char *unit = nn_module_fqn(mb->g->module);
   fprintf(stderr,
           "fsdpc: warning: [rank %d] fully_shard: %s ran outside the forward of its unit '%s' "
           "(call path: %s); the unit's parameters were all-gathered on demand, without "
-          "prefetch. Call the unit instead, or make %s an entry point with "
-          "fsdp_register_forward_method.\n",
-          world_rank(), nn_module_fqn(mb->m), unit[0] ? unit : "(root)", path,
-          nn_module_fqn(mb->m));
+          "prefetch. Call the unit instead, or %s.\n",
+          world_rank(), what, unit_name(mb->g), path,
+          call ? "make the module an entry point with fsdp_register_forward_method"
+               : "run the code using the parameter as a call of its module with nn_call_with");
+}
+
+/* A 63-bit FNV-1a hash of a module's name. */
+static int64_t name_hash(const char *s) {
+  uint64_t h = 1469598103934665603ull;
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return (int64_t)(h >> 1);
+}
+
+/* An agreement's buffer whose collective never completed (the job was stopped: one at most),
+ * kept reachable because MPI may still own it. */
+static int64_t *orphan;
+
+/* Every rank of the group takes the on-demand path of a member together (what: its
+ * description): an all-reduce of the module's name over the shard and the replicate ranks. A
+ * rank whose partners do not join in time stops the job, naming it. */
+static status_t agree_on_demand(const fsdp_member_t *mb, const char *what) {
+  TRY(world_check());
+  fsdp_group_t *g = mb->g;
+  int64_t h = name_hash(nn_module_fqn(mb->m));
+  for (int k = 0; k < 2; k++) {
+    if (g->agree[k] == MPI_COMM_NULL) continue;
+    int64_t *buf = malloc(4 * sizeof *buf);
+    if (buf == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+    buf[0] = h;
+    buf[1] = -h;
+    MPI_Request req;
+    status_t st = STATUS_OK;
+    if (MPI_Iallreduce(buf, buf + 2, 2, MPI_INT64_T, MPI_MAX, g->agree[k], &req) != MPI_SUCCESS)
+      st = err_set(STATUS_EMPI, "fully_shard: MPI_Iallreduce (on-demand agreement) failed");
+    bool late = false;
+    if (st == STATUS_OK)
+      st = world_wait_for(&req, g->opt.on_demand_timeout, "MPI_Iallreduce (on-demand agreement)",
+                          &late);
+    if (st == STATUS_OK && late) {
+      orphan = buf;
+      return world_stop(err_set(
+          STATUS_ETIMEOUT,
+          "fully_shard: %s ran outside the forward of its unit '%s' on rank %d, and the other "
+          "ranks of the unit's %s group did not take that on-demand unshard within %g s; it is "
+          "collective: make the same call on every rank, or call the unit",
+          what, unit_name(g), world_rank(), k ? "replicate" : "shard", g->opt.on_demand_timeout));
+    }
+    bool same = buf[2] == h && buf[3] == -h;
+    if (world_check() == STATUS_OK)
+      free(buf); /* completed, or failed before it started */
+    else
+      orphan = buf;
+    TRY(st);
+    if (!same)
+      return err_set(STATUS_EINVAL,
+                     "fully_shard: the ranks of unit '%s' took different on-demand unshards "
+                     "(%s on rank %d, another module on another rank); every rank must make "
+                     "the same calls",
+                     unit_name(g), what, world_rank());
+  }
+  return STATUS_OK;
 }
 
 /* A member's call is on demand when none of its group's own modules is in its forward: the
@@ -586,7 +724,10 @@ static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, 
       if (recomputing) return od ? fsdp_unshard(g) : STATUS_OK;
       if (rec) TRY(push_call(mb, od));
       if (!od) return STATUS_OK;
-      warn_on_demand(ctx, mb);
+      char what[512];
+      describe(mb, NULL, NULL, what, sizeof what);
+      TRY(agree_on_demand(mb, what));
+      warn_on_demand(ctx, mb, what, true);
       mb->active = true;
       g->in_forward++;
       return fsdp_unshard(g);
@@ -606,6 +747,43 @@ static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, 
     default: return STATUS_OK;
   }
 }
+
+/* Operations on a sharded parameter while no call of its group runs: the operation is an
+ * on-demand call of the module owning the parameter (nn_param_begin). */
+static bool guard_ready(const nn_param_t *p) {
+  return ((const fsdp_param_t *)p->guard_state)->g->in_forward > 0;
+}
+
+static status_t guard_enter(nn_ctx_t *ctx, nn_param_t *p, const char *op) {
+  fsdp_group_t *g = ((fsdp_param_t *)p->guard_state)->g;
+  lazy_init(g);
+  if (!nn_ctx_recomputing(ctx)) {
+    fsdp_member_t *mb = member_of(g, p->owner);
+    char what[512];
+    describe(mb, op, p, what, sizeof what);
+    TRY(agree_on_demand(mb, what));
+    warn_on_demand(ctx, mb, what, false);
+  }
+  return fsdp_unshard(g);
+}
+
+static status_t guard_leave(nn_ctx_t *ctx, nn_param_t *p) {
+  (void)ctx;
+  return reshard_after_forward(((fsdp_param_t *)p->guard_state)->g);
+}
+
+static status_t guard_pre_backward(nn_ctx_t *ctx, nn_param_t *p) {
+  (void)ctx;
+  return fsdp_unshard(((fsdp_param_t *)p->guard_state)->g);
+}
+
+static status_t guard_post_backward(nn_ctx_t *ctx, nn_param_t *p) {
+  (void)ctx;
+  return reduce_after_backward(((fsdp_param_t *)p->guard_state)->g);
+}
+
+static const nn_param_guard_t on_demand_guard = {guard_ready, guard_enter, guard_leave,
+                                                 guard_pre_backward, guard_post_backward};
 
 status_t fsdp_register_forward_method(nn_module_t *m) {
   if (fsdp_group_of(m) != NULL) return STATUS_OK; /* a unit's own calls are regular */

@@ -49,12 +49,18 @@ typedef struct fsdp_options {
   int n_ignored;
   bool offload; /* CUDA mesh: sharded parameters and gradients live in host memory, so the
                    optimizer and clipping run on the host; no effect on a CPU mesh */
+  double on_demand_timeout; /* seconds the ranks of a group wait for each other to take an
+                               on-demand unshard before the job is stopped (see
+                               fsdp_register_forward_method) */
 } fsdp_options_t;
+
+#define FSDP_ON_DEMAND_TIMEOUT_DEFAULT 600.0
 
 #define FSDP_OPTIONS_INIT                                                                 \
   {                                                                                       \
     .mesh = NULL, .reshard_after_forward = FSDP_RESHARD_AUTO, .param_dtype = DTYPE_COUNT, \
-    .reduce_dtype = DTYPE_COUNT, .ignored = NULL, .n_ignored = 0, .offload = false        \
+    .reduce_dtype = DTYPE_COUNT, .ignored = NULL, .n_ignored = 0, .offload = false,       \
+    .on_demand_timeout = FSDP_ON_DEMAND_TIMEOUT_DEFAULT                                   \
   }
 
 typedef struct fsdp_group fsdp_group_t;
@@ -65,8 +71,9 @@ typedef void (*fsdp_event_fn)(const char *event, const fsdp_group_t *g, void *us
 
 /* Shards the unclaimed parameters of m's subtree (each must be whole on this rank, at least
  * 1-D) and installs the hooks. *out, if not NULL, receives the group (owned by m's ext slot
- * until fsdp_free_all). Local, except with an integer reshard_after_forward, which creates
- * the post-forward group: then collective over the mesh's shard dimension. */
+ * until fsdp_free_all). Collective over the mesh (it creates the communicators on which the
+ * ranks agree on on-demand unshards, and with an integer reshard_after_forward the
+ * post-forward group). */
 status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out);
 
 /* One group over several modules (for example [embed_tokens, lm_head] sharing a tied
@@ -128,15 +135,23 @@ void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user);
 /* The FQN of the group's module ("" for the model's root). */
 const char *fsdp_group_name(const fsdp_group_t *g);
 
-/* Modules called outside their unit's forward. A module inside a unit's subtree (a child
- * called directly by a parent, or by user code) finds the unit sharded: the call unshards the
- * group on demand (collective over the group's ranks), reshards after forward by the unit's
- * policy, unshards again for its backward and reduces the gradients it produced there, as a
- * call of the unit would; prefetch does not apply. The first such call of a module prints a
- * warning naming the module, its unit and the call path. Registering the module as an entry
- * point makes these regular calls without the warning. A method of a module (code computing
- * with its parameters other than its forward) runs as a regular hooked call through
- * nn_call_with(ctx, module, fn, ...). Every rank must take the same calls. Local. */
+/* Modules and parameters used outside their unit's forward.
+ *
+ * A module inside a unit's subtree called directly (by a parent, or by user code) finds the
+ * unit sharded: the call unshards the group on demand (collective over the group's ranks),
+ * reshards after forward by the unit's policy, unshards again for its backward and reduces
+ * the gradients it produced there, as a call of the unit would; prefetch does not apply.
+ * An operation on a sharded parameter while no call of its group runs (a method of a module
+ * computing with its parameters, called directly) does the same around that one operation.
+ * The first such use of a module prints a warning naming the module, its unit and the call
+ * path. Registering a module as an entry point makes its calls regular, without the
+ * warning; a method runs as a regular hooked call through nn_call_with(ctx, module, fn, ...).
+ *
+ * Every rank must take the same on-demand paths. Before each, the ranks of the group agree
+ * on it (a small all-reduce on a communicator of its own): a rank whose partners do not join
+ * within on_demand_timeout seconds stops the job (world_stop), so that every rank fails with
+ * an error naming the module instead of hanging; ranks that take different modules' paths
+ * fail at once. On NCCL the ranks blocked in a device collective are not reached. Local. */
 status_t fsdp_register_forward_method(nn_module_t *m);
 
 /* Frees every group installed under root (restoring nothing: the parameters stay sharded). */

@@ -9,13 +9,14 @@
 
 typedef struct fsdp_param {
   nn_param_t *p;
-  int64_t n0;      /* rows of the unsharded tensor */
+  struct fsdp_group *g;
+  int64_t n0; /* rows of the unsharded tensor */
   int ndim;
   int64_t shape[TENSOR_MAX_DIMS]; /* the unsharded tensor: the whole parameter, or its
                                      tensor-parallel shard */
-  int64_t rows;    /* padded rows per rank: ceil(n0 / W) */
-  int64_t row;     /* elements per row */
-  int64_t offset;  /* in the flat all-gather buffer of one rank, elements */
+  int64_t rows;                   /* padded rows per rank: ceil(n0 / W) */
+  int64_t row;                    /* elements per row */
+  int64_t offset;                 /* in the flat all-gather buffer of one rank, elements */
   tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype; on the host
                       when offloaded */
   bool reducing;   /* its gradient is in the group's reduction in flight */
@@ -31,11 +32,13 @@ typedef struct fsdp_streams {
   event_t *reduced;
 } fsdp_streams_t;
 
-/* A module inside a group's subtree that is not one of the group's own modules (nor inside an
- * inner group): called outside the unit's forward, it unshards the group on demand. */
+/* A module of a group: one of its own modules (unit), or a module inside its subtree and not
+ * inside an inner group, which called outside the unit's forward unshards the group on
+ * demand. */
 typedef struct fsdp_member {
   struct fsdp_group *g;
   nn_module_t *m;
+  bool unit;       /* one of the group's own modules (its calls are the unit's) */
   bool registered; /* an entry point (fsdp_register_forward_method): no warning */
   bool warned;
   bool *on_demand; /* per recorded call, in forward order: was it on demand */
@@ -54,14 +57,16 @@ struct fsdp_group {
   int n_modules;
   fsdp_param_t *params;
   int n;
-  int64_t flat; /* elements per rank in the all-gather buffer */
-  fsdp_member_t *members; /* the modules of the subtrees that are not groups' own */
+  int64_t flat;           /* elements per rank in the all-gather buffer */
+  fsdp_member_t *members; /* the group's own modules, then the other modules of its subtrees */
   int n_members;
   int in_forward;   /* the group's own modules' forward calls in progress */
   bool in_backward; /* root only: between its pre- and post-backward */
   mesh_t *mesh;
   mesh_t *param_mesh;      /* (dp..., tp) of tensor-parallel parameters, or NULL; owned */
   pg_t *shard, *replicate; /* replicate: NULL without HSDP */
+  MPI_Comm agree[2];       /* duplicates of the shard and replicate communicators for agreeing on
+                              on-demand unshards (MPI_COMM_NULL: a group of one rank, or no HSDP) */
   int W, rank;
   fsdp_options_t opt;
   dtype_t param_dtype, reduce_dtype;

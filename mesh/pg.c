@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "mesh/pg_impl.h"
+#include "mesh/world.h"
 
 const char *pg_kind_name(pg_kind_t kind) {
   static const char *const names[PG_KIND_COUNT] = {
@@ -74,6 +75,7 @@ void pg_reset_counters(pg_t *pg) { pg->counters = (pg_counters_t){{0}, {0}}; }
 static status_t check_call(const pg_t *pg, const char *what, dtype_t dt, size_t count,
                            size_t total_count) {
   if (pg == NULL) return err_set(STATUS_EINVAL, "%s: group is NULL", what);
+  TRY(world_check());
   if (dtype_size(dt) == 0) return err_set(STATUS_EDTYPE, "%s: invalid dtype %d", what, (int)dt);
   if (total_count > (size_t)INT_MAX || count > (size_t)INT_MAX)
     return err_set(STATUS_EINVAL, "%s: %zu elements exceed the per-call limit of %d", what,
@@ -183,6 +185,7 @@ status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root, p
 status_t pg_barrier(pg_t *pg, pg_work_t **work) {
   if (work) *work = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "barrier: group is NULL");
+  TRY(world_check());
   pg_work_t *w = NULL;
   status_t st = pg->ops->barrier(pg, &w);
   if (st == STATUS_OK) count_call(pg, PG_BARRIER, 0);

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "mesh/pg_impl.h"
+#include "mesh/world.h"
 
 typedef struct mpi_work {
   pg_work_t base;
@@ -87,7 +88,7 @@ static MPI_Op mpi_op(dtype_t dt, reduce_op_t op) {
 
 static status_t mpi_complete(pg_work_t *base) {
   mpi_work_t *w = (mpi_work_t *)base;
-  status_t st = pg_mpi_status(MPI_Wait(&w->req, MPI_STATUS_IGNORE), w->what);
+  status_t st = world_wait(&w->req, w->what);
   if (st == STATUS_OK && w->avg_buf != NULL) {
     for (size_t i = 0; i < w->avg_count; i++)
       dtype_store(w->dt, w->avg_buf, i, dtype_load(w->dt, w->avg_buf, i) / w->divisor);

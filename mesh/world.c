@@ -3,11 +3,34 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "mesh/pg_impl.h"
 
 static int we_initialised;
 static int local_rank = -1;
+
+/* The stop channel: a receive from any rank, posted at start-up on a communicator of its own. */
+enum { STOP_TAG = 1 };
+typedef struct stop_msg {
+  int status, rank;
+  char text[1016];
+} stop_msg_t;
+static MPI_Comm stop_comm = MPI_COMM_NULL;
+static MPI_Request stop_req = MPI_REQUEST_NULL;
+static stop_msg_t stop_in, stop_out;
+static bool stopped;
+static status_t stop_status;
+static char stop_reason[sizeof stop_in.text + 32];
+
+static status_t stop_channel_open(void) {
+  if (stop_comm != MPI_COMM_NULL) return STATUS_OK;
+  TRY(pg_mpi_status(MPI_Comm_dup(MPI_COMM_WORLD, &stop_comm), "MPI_Comm_dup"));
+  MPI_Comm_set_errhandler(stop_comm, MPI_ERRORS_RETURN);
+  return pg_mpi_status(MPI_Irecv(&stop_in, (int)sizeof stop_in, MPI_BYTE, MPI_ANY_SOURCE, STOP_TAG,
+                                 stop_comm, &stop_req),
+                       "MPI_Irecv (stop channel)");
+}
 
 static int env_int(const char *name, int *out) {
   const char *v = getenv(name);
@@ -38,12 +61,16 @@ status_t world_init(int *argc, char ***argv) {
     MPI_Comm_rank(node, &local_rank);
     MPI_Comm_free(&node);
   }
-  return STATUS_OK;
+  return stop_channel_open();
 }
 
 void world_finalize(void) {
   int done = 0;
   MPI_Finalized(&done);
+  if (!done && stop_req != MPI_REQUEST_NULL) {
+    MPI_Cancel(&stop_req);
+    MPI_Wait(&stop_req, MPI_STATUS_IGNORE);
+  }
   if (we_initialised && !done) MPI_Finalize();
 }
 
@@ -77,8 +104,10 @@ status_t comm_agree(MPI_Comm comm, status_t st) {
     int rank;
   } mine = {st == STATUS_OK ? 1 : 0, rank}, worst;
   /* MINLOC over (ok flag, rank): the lowest failing rank if any failed. */
-  int rc = MPI_Allreduce(&mine, &worst, 1, MPI_2INT, MPI_MINLOC, comm);
-  if (rc != MPI_SUCCESS) return pg_mpi_status(rc, "MPI_Allreduce (agreement)");
+  MPI_Request req;
+  TRY(pg_mpi_status(MPI_Iallreduce(&mine, &worst, 1, MPI_2INT, MPI_MINLOC, comm, &req),
+                    "MPI_Iallreduce (agreement)"));
+  TRY(world_wait(&req, "MPI_Iallreduce (agreement)"));
   if (worst.code == 1) return STATUS_OK;
   struct {
     int status;
@@ -89,8 +118,82 @@ status_t comm_agree(MPI_Comm comm, status_t st) {
     msg.status = st;
     snprintf(msg.text, sizeof msg.text, "%s", err_detail());
   }
-  rc = MPI_Bcast(&msg, (int)sizeof msg, MPI_BYTE, worst.rank, comm);
-  if (rc != MPI_SUCCESS) return pg_mpi_status(rc, "MPI_Bcast (agreement)");
+  TRY(pg_mpi_status(MPI_Ibcast(&msg, (int)sizeof msg, MPI_BYTE, worst.rank, comm, &req),
+                    "MPI_Ibcast (agreement)"));
+  TRY(world_wait(&req, "MPI_Ibcast (agreement)"));
   if (rank == worst.rank) return st;
   return err_set((status_t)msg.status, "rank %d: %s", worst.rank, msg.text);
+}
+
+/* ---- stopping ---- */
+
+static status_t stopped_error(void) { return err_set(stop_status, "%s", stop_reason); }
+
+static status_t take_stop(void) {
+  stopped = true;
+  stop_status = stop_in.status < 0 ? (status_t)stop_in.status : STATUS_EINTERNAL;
+  stop_in.text[sizeof stop_in.text - 1] = 0;
+  snprintf(stop_reason, sizeof stop_reason, "rank %d: %s", stop_in.rank, stop_in.text);
+  return stopped_error();
+}
+
+status_t world_check(void) {
+  if (!stopped && stop_req != MPI_REQUEST_NULL) { /* a stop that arrived meanwhile */
+    int got = 0;
+    if (MPI_Test(&stop_req, &got, MPI_STATUS_IGNORE) == MPI_SUCCESS && got) return take_stop();
+  }
+  return stopped ? stopped_error() : STATUS_OK;
+}
+
+status_t world_wait(MPI_Request *req, const char *what) {
+  if (stopped) return stopped_error();
+  if (stop_req == MPI_REQUEST_NULL) return pg_mpi_status(MPI_Wait(req, MPI_STATUS_IGNORE), what);
+  MPI_Request rs[2] = {*req, stop_req};
+  int idx = MPI_UNDEFINED;
+  int rc = MPI_Waitany(2, rs, &idx, MPI_STATUS_IGNORE);
+  *req = rs[0];
+  stop_req = rs[1];
+  if (rc != MPI_SUCCESS) return pg_mpi_status(rc, what);
+  return idx == 1 ? take_stop() : STATUS_OK;
+}
+
+status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool *timed_out) {
+  *timed_out = false;
+  if (stopped) return stopped_error();
+  double end = MPI_Wtime() + seconds;
+  for (;;) {
+    MPI_Request rs[2] = {*req, stop_req};
+    int idx = MPI_UNDEFINED, done = 0;
+    int rc = MPI_Testany(2, rs, &idx, &done, MPI_STATUS_IGNORE);
+    *req = rs[0];
+    stop_req = rs[1];
+    if (rc != MPI_SUCCESS) return pg_mpi_status(rc, what);
+    if (done) return idx == 1 ? take_stop() : STATUS_OK;
+    if (MPI_Wtime() >= end) {
+      *timed_out = true;
+      return STATUS_OK;
+    }
+    struct timespec nap = {0, 100000}; /* 0.1 ms: leave the core to ranks sharing it */
+    nanosleep(&nap, NULL);
+  }
+}
+
+status_t world_stop(status_t st) {
+  if (stopped) return st;
+  stopped = true;
+  stop_status = st;
+  snprintf(stop_reason, sizeof stop_reason, "%s", err_detail());
+  if (stop_comm == MPI_COMM_NULL) return st;
+  memset(&stop_out, 0, sizeof stop_out);
+  stop_out.status = st;
+  stop_out.rank = world_rank();
+  memcpy(stop_out.text, stop_reason, sizeof stop_out.text - 1);
+  for (int r = 0; r < world_size(); r++) {
+    if (r == stop_out.rank) continue;
+    MPI_Request sent;
+    if (MPI_Isend(&stop_out, (int)sizeof stop_out, MPI_BYTE, r, STOP_TAG, stop_comm, &sent) ==
+        MPI_SUCCESS)
+      MPI_Request_free(&sent); /* small: delivered eagerly, the buffer stays */
+  }
+  return st;
 }

@@ -15,6 +15,7 @@
 #define FSDPC_MESH_WORLD_H
 
 #include <mpi.h>
+#include <stdbool.h>
 
 #include "base/device.h"
 #include "base/status.h"
@@ -43,6 +44,31 @@ device_t world_device(void);
  * becomes this rank's detail text, prefixed with "rank R: " on other ranks. Use it wherever
  * only some ranks could detect a problem, so that all ranks stop together. */
 status_t comm_agree(MPI_Comm comm, status_t st);
+
+/* ---- stopping a job that would hang ----
+ *
+ * When a rank finds that the others will never join a collective it waits for (only some
+ * ranks took a collective path), it stops the job with world_stop(): every rank's library
+ * waits (MPI collectives, agreements) then fail with that rank's message instead of hanging,
+ * and so does every later wait. Each rank reports the error itself and exits non-zero. The
+ * channel exists once world_init has run; it does not reach a rank blocked outside the
+ * library's waits (a CUDA stream waiting on an NCCL kernel). */
+
+/* Completes req (an MPI request of any kind); fails with the stopping rank's message if the
+ * job is stopped first or was stopped already. */
+status_t world_wait(MPI_Request *req, const char *what);
+
+/* world_wait with a limit: *timed_out (then STATUS_OK is returned and req left pending)
+ * when req has not completed within seconds. */
+status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool *timed_out);
+
+/* Records err_detail() as the reason, sends it to every other rank and returns st with the
+ * detail unchanged. Later waits on this rank fail with the same reason. */
+status_t world_stop(status_t st);
+
+/* STATUS_OK, or the stop's error once this rank stopped the job or learnt of another rank's
+ * stop (collectives check it before they start). */
+status_t world_check(void);
 
 #ifdef __cplusplus
 }

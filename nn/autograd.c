@@ -6,12 +6,20 @@
 
 #include "base/kernels.h"
 
-typedef enum entry_kind { ENTRY_OP, ENTRY_ENTER, ENTRY_EXIT, ENTRY_CHECKPOINT } entry_kind_t;
+typedef enum entry_kind {
+  ENTRY_OP,
+  ENTRY_ENTER,
+  ENTRY_EXIT,
+  ENTRY_CHECKPOINT,
+  ENTRY_USE_ENTER, /* an operation's implicit call for its parameter (node.param) */
+  ENTRY_USE_EXIT
+} entry_kind_t;
 
 typedef struct entry {
   entry_kind_t kind;
   nn_module_t *module; /* ENTER, EXIT, CHECKPOINT */
-  nn_node_t node;      /* OP; for CHECKPOINT, in[0] and out are the call's input and output */
+  nn_node_t node;      /* OP; for CHECKPOINT, in[0] and out are the call's input and output;
+                          for USE_*, param */
 } entry_t;
 
 typedef struct tape {
@@ -131,6 +139,39 @@ status_t nn_record(nn_ctx_t *ctx, const nn_node_t *node) {
     return STATUS_OK;
   }
   return push(ctx, &e);
+}
+
+status_t nn_param_begin(nn_ctx_t *ctx, const char *op, nn_param_t *p, bool *implicit) {
+  *implicit = false;
+  if (p != NULL && p->guard != NULL && !p->guard->ready(p)) {
+    TRY(p->guard->enter(ctx, p, op));
+    *implicit = true;
+    entry_t e = {.kind = ENTRY_USE_ENTER, .node = {.param = p}};
+    status_t st = nn_ctx_recording(ctx) ? push(ctx, &e) : STATUS_OK;
+    if (st != STATUS_OK) {
+      p->guard->leave(ctx, p);
+      return st;
+    }
+  }
+  if (p == NULL || p->compute.storage == NULL)
+    return nn_param_end(ctx, p, *implicit,
+                        err_set(STATUS_EINVAL, "%s: parameter %s has no value to compute with", op,
+                                p && p->fqn ? p->fqn : "(unnamed)"));
+  return STATUS_OK;
+}
+
+status_t nn_param_end(nn_ctx_t *ctx, nn_param_t *p, bool implicit, status_t st) {
+  if (!implicit) return st;
+  tape_t *t = &ctx->tape;
+  status_t st2 = STATUS_OK;
+  if (t->n > 0 && t->e[t->n - 1].kind == ENTRY_USE_ENTER && t->e[t->n - 1].node.param == p) {
+    t->n--; /* nothing recorded in between: no backward to prepare for */
+  } else if (nn_ctx_recording(ctx)) {
+    entry_t e = {.kind = ENTRY_USE_EXIT, .node = {.param = p}};
+    st2 = push(ctx, &e);
+  }
+  status_t st3 = p->guard->leave(ctx, p);
+  return st != STATUS_OK ? st : st2 != STATUS_OK ? st2 : st3;
 }
 
 status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g) {
@@ -292,6 +333,8 @@ static status_t walk(nn_ctx_t *ctx, tape_t *t) {
       case ENTRY_EXIT: st = nn_module_run_hooks(ctx, e->module, NN_HOOK_PRE_BACKWARD); break;
       case ENTRY_ENTER: st = nn_module_run_hooks(ctx, e->module, NN_HOOK_POST_BACKWARD); break;
       case ENTRY_CHECKPOINT: st = backward_checkpoint(ctx, e); break;
+      case ENTRY_USE_EXIT: st = e->node.param->guard->pre_backward(ctx, e->node.param); break;
+      case ENTRY_USE_ENTER: st = e->node.param->guard->post_backward(ctx, e->node.param); break;
     }
     node_release(&t->e[t->n - 1].node);
     t->n--;

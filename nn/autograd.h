@@ -111,6 +111,14 @@ bool nn_needs_grad(const nn_ctx_t *ctx, nn_var_t *const *in, int n_in, const nn_
  * ownership of node->saved (also on failure). */
 status_t nn_record(nn_ctx_t *ctx, const nn_node_t *node);
 
+/* Brackets an operation that reads parameter p (NULL: no parameter): nn_param_begin fails
+ * when p has no value to compute with, and when p's guard finds no call providing the value
+ * running, makes the operation an implicit call (the guard's enter, a tape marker; *implicit
+ * set). nn_param_end closes it (marker, the guard's leave) and returns st, or the closing's
+ * failure when st is OK. */
+status_t nn_param_begin(nn_ctx_t *ctx, const char *op, nn_param_t *p, bool *implicit);
+status_t nn_param_end(nn_ctx_t *ctx, nn_param_t *p, bool implicit, status_t st);
+
 /* Adds g into v's gradient; takes over g (moved in when v has no gradient yet). */
 status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g);
 

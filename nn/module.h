@@ -39,7 +39,21 @@ typedef struct nn_module nn_module_t;
 typedef struct nn_ctx nn_ctx_t;
 typedef struct nn_var nn_var_t;
 
-typedef struct nn_param {
+typedef struct nn_param nn_param_t;
+
+/* How an external parameter becomes usable by an operation that runs while no call that
+ * provides its value is (fully_shard: a use outside any call of the parameter's unit, which
+ * then gathers it on demand). The operation runs as an implicit call: enter before it, leave
+ * after it, and in backward pre_backward before its gradient and post_backward after. */
+typedef struct nn_param_guard {
+  bool (*ready)(const nn_param_t *p); /* a call providing p's value is running */
+  status_t (*enter)(nn_ctx_t *ctx, nn_param_t *p, const char *op);
+  status_t (*leave)(nn_ctx_t *ctx, nn_param_t *p);
+  status_t (*pre_backward)(nn_ctx_t *ctx, nn_param_t *p);
+  status_t (*post_backward)(nn_ctx_t *ctx, nn_param_t *p);
+} nn_param_guard_t;
+
+struct nn_param {
   char *name;            /* local name ("weight"); owned */
   char *fqn;             /* set by nn_module_finalize; owned */
   nn_module_t *owner;    /* the module that added it */
@@ -49,7 +63,9 @@ typedef struct nn_param {
   tensor_t compute_grad; /* gradient of compute, accumulated by backward */
   bool requires_grad;
   bool external; /* compute and compute_grad are managed by hooks, not by the module tree */
-} nn_param_t;
+  const nn_param_guard_t *guard; /* an external parameter's guard, or NULL */
+  void *guard_state;             /* the guard's state for this parameter; not owned */
+};
 
 /* The body of a module: reads in, returns a new variable in *out (the caller's reference).
  * Called through nn_call(), never directly, so that hooks and the tape see the call. */

@@ -28,19 +28,6 @@ static status_t finish(nn_ctx_t *ctx, nn_node_t *node, bool needs, tensor_t *val
   return st;
 }
 
-static status_t check_param(const char *op, const nn_param_t *p) {
-  if (p != NULL && p->external && p->compute.storage == NULL)
-    return err_set(STATUS_EINVAL,
-                   "%s: parameter %s is sharded (fully_shard) and no call of its module is "
-                   "running: compute with it inside a call of its module (nn_call, or "
-                   "nn_call_with for a method other than forward)",
-                   op, p->fqn ? p->fqn : "(unnamed)");
-  if (p == NULL || p->compute.storage == NULL)
-    return err_set(STATUS_EINVAL, "%s: parameter %s has no unsharded value to compute with", op,
-                   p && p->fqn ? p->fqn : "(unnamed)");
-  return STATUS_OK;
-}
-
 /* ---- linear ---- */
 
 static status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
@@ -70,9 +57,7 @@ static status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return STATUS_OK;
 }
 
-status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
-  *out = NULL;
-  TRY(check_param("nn_linear", w));
+static status_t linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
   const tensor_t *W = &w->compute;
   if (W->ndim != 2 || x->value.ndim < 1 || x->value.shape[x->value.ndim - 1] != W->shape[1]) {
     char a[96], b[96];
@@ -94,6 +79,13 @@ status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
   return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
 }
 
+status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
+  *out = NULL;
+  bool implicit;
+  TRY(nn_param_begin(ctx, "nn_linear", w, &implicit));
+  return nn_param_end(ctx, w, implicit, linear(ctx, x, w, out));
+}
+
 /* ---- embedding ---- */
 
 static status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
@@ -111,16 +103,15 @@ static status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **out) {
-  return nn_embedding_shard(ctx, ids, w, 0, w->compute.ndim == 2 ? w->compute.shape[0] : 0, out);
+  return nn_embedding_shard(ctx, ids, w, 0, -1, out); /* -1: every row of the table */
 }
 
-status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
-                            int64_t vocab, nn_var_t **out) {
-  *out = NULL;
-  TRY(check_param("nn_embedding", w));
+static status_t embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first, int64_t vocab,
+                          nn_var_t **out) {
   const tensor_t *W = &w->compute;
   if (W->ndim != 2 || ids->value.ndim + 1 > TENSOR_MAX_DIMS)
     return err_set(STATUS_ESHAPE, "nn_embedding (%s): weight must be [V, D]", w->fqn);
+  if (vocab < 0) vocab = W->shape[0];
   int64_t shape[TENSOR_MAX_DIMS];
   memcpy(shape, ids->value.shape, sizeof(int64_t) * (size_t)ids->value.ndim);
   shape[ids->value.ndim] = W->shape[1];
@@ -137,6 +128,14 @@ status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t
                  .param = w,
                  .ints = {first, vocab}};
   return finish(ctx, &n, nn_needs_grad(ctx, NULL, 0, w), &y, out);
+}
+
+status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
+                            int64_t vocab, nn_var_t **out) {
+  *out = NULL;
+  bool implicit;
+  TRY(nn_param_begin(ctx, "nn_embedding", w, &implicit));
+  return nn_param_end(ctx, w, implicit, embedding(ctx, ids, w, first, vocab, out));
 }
 
 /* ---- RMSNorm ---- */
@@ -158,9 +157,7 @@ static status_t rmsnorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return st;
 }
 
-status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out) {
-  *out = NULL;
-  TRY(check_param("nn_rmsnorm", w));
+static status_t rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out) {
   int64_t D = x->value.ndim ? x->value.shape[x->value.ndim - 1] : 1;
   int64_t rows = D ? tensor_numel(&x->value) / D : 0;
   tensor_t y, rstd;
@@ -175,6 +172,13 @@ status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_va
   nn_node_t n = {
       .backward = rmsnorm_backward, .name = "rmsnorm", .in = {x}, .param = w, .saved = {rstd}};
   return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
+}
+
+status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out) {
+  *out = NULL;
+  bool implicit;
+  TRY(nn_param_begin(ctx, "nn_rmsnorm", w, &implicit));
+  return nn_param_end(ctx, w, implicit, rmsnorm(ctx, x, w, eps, out));
 }
 
 /* ---- RoPE ---- */

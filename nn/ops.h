@@ -24,7 +24,7 @@ status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **ou
 
 /* The same on a vocabulary shard: w holds rows [first, first + V) of `vocab` ids; ids outside
  * the shard give zero rows and no gradient (a row-wise tensor-parallel embedding, whose
- * outputs are summed over the shards). */
+ * outputs are summed over the shards). vocab < 0 means V (the whole table). */
 status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
                             int64_t vocab, nn_var_t **out);
 /* RMSNorm over the last dimension with weight w [D], computed in fp32. */
