@@ -6,7 +6,8 @@
  * uses warn once per module; registered (the children as entry points, the method run through
  * nn_call_with) they never warn and gather and reduce as often; a parameter's full_tensor()
  * mid-training equals the single-rank parameter; replacing a sharded parameter by hand is
- * refused.
+ * refused. The same path inside the model's own forward (a parent using its children) holds
+ * the same way.
  */
 #include <math.h>
 #include <stdio.h>
@@ -31,10 +32,42 @@ static status_t half_logits(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_
   return st;
 }
 
-/* aux = head.half_logits(layers[1].mlp(embed_tokens(ids))); logits = model(ids); loss =
- * CE(logits) + CE(aux). The method runs as a call of the head when registered, else directly. */
+/* Where the step uses the children and the method: from the top level before the model's
+ * forward (their backward runs after the model's has ended), unregistered or registered (the
+ * children as entry points, the method through nn_call_with); or inside the model's own
+ * forward, unregistered. */
+typedef enum step_mode { OUTSIDE, REGISTERED, INSIDE } step_mode_t;
+
+/* aux = head.half_logits(layers[1].mlp(embed_tokens(ids))) */
+static status_t aux_path(nn_ctx_t *ctx, nn_module_t *root, nn_var_t *ids, bool registered,
+                         nn_var_t **aux) {
+  nn_var_t *e = NULL, *x = NULL;
+  nn_module_t *head = nn_module_find(root, "lm_head");
+  status_t st = nn_call(ctx, nn_module_find(root, "model.embed_tokens"), ids, &e);
+  if (st == STATUS_OK) st = nn_call(ctx, nn_module_find(root, "model.layers.1.mlp"), e, &x);
+  if (st == STATUS_OK)
+    st = registered ? nn_call_with(ctx, head, half_logits, x, aux) : half_logits(ctx, head, x, aux);
+  nn_var_put(x);
+  nn_var_put(e);
+  return st;
+}
+
+/* The model's forward as a parent that uses its children directly: model(ids) + aux. */
+static status_t forward_with_aux(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
+                                 nn_forward_fn inner, void *user) {
+  (void)user;
+  nn_var_t *aux = NULL, *logits = NULL;
+  status_t st = aux_path(ctx, m, in, false, &aux);
+  if (st == STATUS_OK) st = inner(ctx, m, in, &logits);
+  if (st == STATUS_OK) st = nn_add(ctx, logits, aux, out);
+  nn_var_put(logits);
+  nn_var_put(aux);
+  return st;
+}
+
+/* OUTSIDE, REGISTERED: loss = CE(model(ids)) + CE(aux); INSIDE: loss = CE(model(ids) + aux). */
 static double step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t s,
-                   bool registered) {
+                   step_mode_t mode) {
   nn_module_t *root = llama_module(m);
   tensor_t in_h, tg_h, in, tg;
   ok(data_batch(d, spec, s, 0, &in_h, &tg_h));
@@ -42,22 +75,22 @@ static double step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t
   ok(tensor_clone(&in, &in_h, DTYPE_I64, dev));
   ok(tensor_clone(&tg, &tg_h, DTYPE_I64, dev));
   nn_ctx_t *ctx;
-  nn_var_t *ids, *logits, *e, *x, *aux, *l1, *l2, *loss;
+  nn_var_t *ids, *logits, *aux = NULL, *l1, *l2 = NULL, *loss;
   ok(nn_ctx_new(&ctx));
   ok(nn_var_new(&ids, &in, false));
-  /* the auxiliary path first: its backward runs after the model's has finished */
-  ok(nn_call(ctx, nn_module_find(root, "model.embed_tokens"), ids, &e));
-  ok(nn_call(ctx, nn_module_find(root, "model.layers.1.mlp"), e, &x));
-  nn_module_t *head = nn_module_find(root, "lm_head");
-  ok(registered ? nn_call_with(ctx, head, half_logits, x, &aux) : half_logits(ctx, head, x, &aux));
+  if (mode != INSIDE) ok(aux_path(ctx, root, ids, mode == REGISTERED, &aux));
   ok(nn_call(ctx, root, ids, &logits));
   ok(nn_cross_entropy(ctx, logits, &tg, &l1, NULL));
-  ok(nn_cross_entropy(ctx, aux, &tg, &l2, NULL));
-  ok(nn_add(ctx, l1, l2, &loss));
+  if (mode != INSIDE) {
+    ok(nn_cross_entropy(ctx, aux, &tg, &l2, NULL));
+    ok(nn_add(ctx, l1, l2, &loss));
+  } else {
+    loss = nn_var_ref(l1);
+  }
   double v;
   ok(nn_var_scalar(loss, &v));
   ok(nn_backward(ctx, loss));
-  nn_var_t *vars[] = {ids, logits, e, x, aux, l1, l2, loss};
+  nn_var_t *vars[] = {ids, logits, aux, l1, l2, loss};
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) nn_var_put(vars[i]);
   nn_ctx_free(ctx);
   tensor_free(&in);
@@ -85,7 +118,7 @@ static void count_events(const char *event, const fsdp_group_t *g, void *user) {
 
 /* Runs the ten steps; *warnings receives the number of this rank's on-demand warnings, each
  * naming one of the three modules used directly. */
-static void train(bool registered, int *warnings, counts_t *per_step) {
+static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   mesh_t *mesh = dp_mesh();
@@ -109,7 +142,10 @@ static void train(bool registered, int *warnings, counts_t *per_step) {
   ok(fully_shard(root, &opt, NULL));
   watched[0] = fsdp_group_of(llama_layer(sh.m, 1));
   watched[1] = fsdp_group_of(nn_module_find(root, "lm_head"));
-  if (registered) {
+  if (mode == INSIDE)
+    for (run_t *r = &ref; r; r = r == &ref ? &sh : NULL)
+      ok(nn_module_wrap_forward(llama_module(r->m), forward_with_aux, NULL));
+  if (mode == REGISTERED) {
     ok(fsdp_register_forward_method(nn_module_find(root, "model.embed_tokens")));
     ok(fsdp_register_forward_method(nn_module_find(root, "model.layers.1.mlp")));
   }
@@ -135,7 +171,8 @@ static void train(bool registered, int *warnings, counts_t *per_step) {
     optim_zero_grad(ref.opt);
     optim_zero_grad(sh.opt);
     c = (counts_t){0};
-    double lref = step(ref.m, d, &gspec, s, false), lsh = step(sh.m, d, &lspec, s, registered);
+    double lref = step(ref.m, d, &gspec, s, mode == INSIDE ? INSIDE : OUTSIDE);
+    double lsh = step(sh.m, d, &lspec, s, mode);
     double lsum = 0;
     *per_step = c;
     MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
@@ -246,7 +283,7 @@ static void expect_regular_counts(const counts_t *c) {
 START_TEST(direct_uses_warn_once_per_module) {
   int warnings;
   counts_t c;
-  train(false, &warnings, &c);
+  train(OUTSIDE, &warnings, &c);
   /* model.embed_tokens, model.layers.1.mlp and lm_head's method, once each over ten steps */
   expect_all(warnings == 3, "on-demand warnings on rank %d: %d, expected one for each of 3",
              world_rank(), warnings);
@@ -257,8 +294,20 @@ END_TEST
 START_TEST(registered_entry_points_are_regular_calls) {
   int warnings;
   counts_t c;
-  train(true, &warnings, &c);
+  train(REGISTERED, &warnings, &c);
   expect_all(warnings == 0, "%d warnings with the entry points registered", warnings);
+  expect_regular_counts(&c);
+}
+END_TEST
+
+START_TEST(parent_forward_uses_children_directly) {
+  int warnings;
+  counts_t c;
+  train(INSIDE, &warnings, &c);
+  /* inside the model's forward its own embed_tokens is a regular use; layers.1.mlp and the
+   * head's method are on demand */
+  expect_all(warnings == 2, "on-demand warnings on rank %d: %d, expected one for each of 2",
+             world_rank(), warnings);
   expect_regular_counts(&c);
 }
 END_TEST
@@ -269,6 +318,7 @@ static Suite *make_suite(void) {
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, direct_uses_warn_once_per_module);
   tcase_add_test(tc, registered_entry_points_are_regular_calls);
+  tcase_add_test(tc, parent_forward_uses_children_directly);
   suite_add_tcase(s, tc);
   return s;
 }
