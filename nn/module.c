@@ -145,7 +145,10 @@ cleanup:
 status_t nn_param_set_value(nn_param_t *p, dtensor_t *value) {
   if (p->external) {
     dtensor_free(value);
-    return err_set(STATUS_EINVAL, "parameter %s is managed by fully_shard", p->fqn);
+    return err_set(STATUS_EINVAL,
+                   "nn_param_set_value: parameter %s is managed by fully_shard (write a new "
+                   "value into it with nn_param_copy_full)",
+                   p->fqn);
   }
   tensor_t c;
   status_t st = tensor_ref(&c, dtensor_local(value));
@@ -331,6 +334,35 @@ status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g) {
   if (st == STATUS_OK) st = kernel_axpy(&dst, 1.0f, &src);
   tensor_free(&src);
   tensor_free(&dst);
+  return st;
+}
+
+status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full) {
+  const dtensor_t *v = p->value;
+  int nd = dtensor_ndim(v);
+  if (full == NULL || full->ndim != nd ||
+      memcmp(full->shape, dtensor_shape(v), sizeof(int64_t) * (size_t)nd) != 0) {
+    char a[96], b[96];
+    return err_set(STATUS_ESHAPE, "nn_param_copy_full: parameter %s is %s, the value %s", p->fqn,
+                   shape_str(nd, dtensor_shape(v), a, sizeof a),
+                   full ? shape_str(full->ndim, full->shape, b, sizeof b) : "missing");
+  }
+  if (!dtype_is_float(full->dtype))
+    return err_set(STATUS_EDTYPE, "nn_param_copy_full: parameter %s takes a float value, not %s",
+                   p->fqn, dtype_name(full->dtype));
+  if (p->external && p->compute.storage != NULL)
+    return err_set(STATUS_EINVAL,
+                   "nn_param_copy_full: parameter %s is gathered by fully_shard for a step in "
+                   "progress; write it between steps",
+                   p->fqn);
+  int64_t off[TENSOR_MAX_DIMS];
+  dtensor_offset(v, off);
+  tensor_t src, dst;
+  TRY(tensor_narrow_box(&src, full, off, dtensor_local(v)->shape));
+  status_t st = tensor_ref(&dst, dtensor_local(v));
+  if (st == STATUS_OK) st = tensor_copy(&dst, &src);
+  tensor_free(&dst);
+  tensor_free(&src);
   return st;
 }
 

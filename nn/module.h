@@ -150,8 +150,14 @@ status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g);
 
 /* Replaces p's value (p takes ownership, also on failure): drops the gradient and points
  * compute at the new local tensor. For layers that redistribute parameters (tensor
- * parallelism); not for a parameter fully_shard manages. */
+ * parallelism); refused for a parameter fully_shard manages (use nn_param_copy_full). */
 status_t nn_param_set_value(nn_param_t *p, dtensor_t *value);
+
+/* Writes a whole value into p, sharded or not (as torch's param.copy_ under no_grad): every
+ * rank passes the same full tensor (p's global shape, any float dtype, any device) and keeps
+ * the part its placements give it. Gradient and optimizer state are left alone. Refused while
+ * fully_shard has p gathered for a step in progress: write between steps. Local. */
+status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full);
 
 /* Drops p's gradient (grad and compute_grad). */
 void nn_param_zero_grad(nn_param_t *p);

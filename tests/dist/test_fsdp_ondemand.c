@@ -5,9 +5,10 @@
  * (lm_head) directly, outside any call of it. Ten steps match the single-rank run; the direct
  * uses warn once per module; registered (the children as entry points, the method run through
  * nn_call_with) they never warn and gather and reduce as often; a parameter's full_tensor()
- * mid-training equals the single-rank parameter; replacing a sharded parameter by hand is
- * refused. The same path inside the model's own forward (a parent using its children) holds
- * the same way.
+ * mid-training equals the single-rank parameter, and a whole value written into it with
+ * nn_param_copy_full lands in both runs alike; replacing a sharded parameter by hand, a value
+ * of the wrong shape and a write while a step has it gathered are refused. The same path inside the
+ * model's own forward (a parent using its children) holds the same way.
  */
 #include <math.h>
 #include <stdio.h>
@@ -15,6 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/kernels.h"
 #include "nn/ops.h"
 #include "tests/dist/fsdp_common.h"
 
@@ -196,6 +198,18 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
         printf("rank %d: full_tensor differs from the single-rank parameter by %.3g\n",
                world_rank(), e);
       }
+      /* and writing one: a new whole value (half the old, in bf16) into both runs; the
+       * losses after it keep matching, and the sharded one reads back exactly */
+      tensor_t half, back;
+      ok(tensor_clone(&half, &full, DTYPE_BF16, full.device));
+      ok(kernel_scale(&half, 0.5f));
+      ok(nn_param_copy_full(p, &half));
+      ok(nn_param_copy_full(q, &half));
+      ok(dtensor_full_tensor(p->value, &back));
+      if (test_rel_l2(&back, &half) != 0.0 || test_rel_l2(dtensor_local(q->value), &half) != 0.0)
+        bad++;
+      tensor_free(&back);
+      tensor_free(&half);
       tensor_free(&full);
     }
   }
@@ -255,7 +269,33 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
                         dtensor_placements(p->value), dtensor_ndim(p->value),
                         dtensor_shape(p->value)));
   status_t st = nn_param_set_value(p, dt);
-  if (st == STATUS_OK || strstr(err_detail(), "managed by fully_shard") == NULL) bad++;
+  if (st == STATUS_OK || strstr(err_detail(), "nn_param_copy_full") == NULL) bad++;
+  /* ... as is writing a whole value of the wrong shape, or while the step gathered it (the
+   * root keeps its parameters gathered from forward to backward) */
+  {
+    tensor_t wrong;
+    int64_t n = cfg.dim + 1;
+    ok(tensor_zeros(&wrong, DTYPE_F32, mesh_device(mesh), 1, &n));
+    st = nn_param_copy_full(p, &wrong);
+    if (st != STATUS_ESHAPE || strstr(err_detail(), "model.norm.weight") == NULL) bad++;
+    tensor_free(&wrong);
+    nn_ctx_t *ctx;
+    nn_var_t *ids, *logits;
+    tensor_t t;
+    int64_t shape[2] = {1, 4};
+    ok(tensor_zeros(&t, DTYPE_I64, mesh_device(mesh), 2, shape));
+    ok(nn_ctx_new(&ctx));
+    ok(nn_var_new(&ids, &t, false));
+    ok(nn_call(ctx, root, ids, &logits));
+    tensor_t full;
+    ok(dtensor_full_tensor(p->value, &full));
+    st = nn_param_copy_full(p, &full);
+    if (st == STATUS_OK || strstr(err_detail(), "between steps") == NULL) bad++;
+    tensor_free(&full);
+    nn_var_put(logits);
+    nn_var_put(ids);
+    nn_ctx_free(ctx);
+  }
   expect_all(bad == 0, "%d mismatches", bad);
   for (run_t *r = &ref; r; r = r == &ref ? &sh : NULL) {
     optim_free(r->opt);
