@@ -147,6 +147,7 @@ status_t world_check(void) {
 
 status_t world_wait(MPI_Request *req, const char *what) {
   if (stopped) return stopped_error();
+  if (*req == MPI_REQUEST_NULL) return STATUS_OK; /* nothing to wait for */
   if (stop_req == MPI_REQUEST_NULL) return pg_mpi_status(MPI_Wait(req, MPI_STATUS_IGNORE), what);
   MPI_Request rs[2] = {*req, stop_req};
   int idx = MPI_UNDEFINED;
@@ -160,6 +161,7 @@ status_t world_wait(MPI_Request *req, const char *what) {
 status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool *timed_out) {
   *timed_out = false;
   if (stopped) return stopped_error();
+  if (*req == MPI_REQUEST_NULL) return STATUS_OK;
   double end = MPI_Wtime() + seconds;
   for (;;) {
     MPI_Request rs[2] = {*req, stop_req};
