@@ -64,7 +64,20 @@ void dcp_remove_tree(const char *dir) {
   rmdir(dir);
 }
 
-/* CRC-32 (zlib) of a contiguous tensor's bytes, wherever it lives. */
+/* CRC-32 (zlib) of bytes in host memory. */
+static uint32_t crc_bytes(const void *data, size_t bytes) {
+  uLong c = crc32(0L, Z_NULL, 0);
+  const unsigned char *p = data;
+  for (size_t left = bytes; left > 0;) { /* crc32 takes a uInt length */
+    uInt k = left > (1u << 30) ? (1u << 30) : (uInt)left;
+    c = crc32(c, p, k);
+    p += k;
+    left -= k;
+  }
+  return (uint32_t)c;
+}
+
+/* CRC-32 of a contiguous tensor's bytes, wherever it lives. */
 static status_t crc_of(const tensor_t *t, uint32_t *out) {
   tensor_t host = {0};
   const tensor_t *src = t;
@@ -72,16 +85,8 @@ static status_t crc_of(const tensor_t *t, uint32_t *out) {
     TRY(tensor_clone(&host, t, t->dtype, device_cpu()));
     src = &host;
   }
-  uLong c = crc32(0L, Z_NULL, 0);
-  const unsigned char *p = src->data;
-  for (size_t left = tensor_nbytes(src); left > 0;) { /* crc32 takes a uInt length */
-    uInt k = left > (1u << 30) ? (1u << 30) : (uInt)left;
-    c = crc32(c, p, k);
-    p += k;
-    left -= k;
-  }
+  *out = crc_bytes(src->data, tensor_nbytes(src));
   tensor_free(&host);
-  *out = (uint32_t)c;
   return STATUS_OK;
 }
 
@@ -341,6 +346,16 @@ static status_t chunks_of(const folder_t *fo, const char *name, chunk_t **out, i
   return STATUS_OK;
 }
 
+/* Checks the stored bytes of a chunk (just read into data) against its checksum. */
+static status_t check_crc(st_file_t *f, const char *name, const chunk_t *c, const void *data) {
+  uint32_t crc = crc_bytes(data, (size_t)(c->info->end - c->info->begin));
+  if (crc == c->crc) return STATUS_OK;
+  return err_set(STATUS_EFORMAT,
+                 "%s: tensor '%s': checksum mismatch (stored crc32 %08x, data %08x): the file "
+                 "is corrupt",
+                 st_path(f), name, c->crc, crc);
+}
+
 /* Reads a whole saved chunk into dst (its shape), checking its bytes against the chunk's
  * checksum first. */
 static status_t read_verified(st_file_t *f, const char *name, const chunk_t *c, tensor_t *dst) {
@@ -348,13 +363,7 @@ static status_t read_verified(st_file_t *f, const char *name, const chunk_t *c, 
   tensor_t raw;
   TRY(tensor_init(&raw, t->dtype, device_cpu(), t->ndim, t->shape));
   status_t st = st_read_raw(f, name, raw.data, tensor_nbytes(&raw));
-  uint32_t crc = 0;
-  if (st == STATUS_OK) st = crc_of(&raw, &crc);
-  if (st == STATUS_OK && crc != c->crc)
-    st = err_set(STATUS_EFORMAT,
-                 "%s: tensor '%s': checksum mismatch (stored crc32 %08x, data %08x): the file "
-                 "is corrupt",
-                 st_path(f), name, c->crc, crc);
+  if (st == STATUS_OK) st = check_crc(f, name, c, raw.data);
   if (st == STATUS_OK) st = tensor_copy(dst, &raw);
   tensor_free(&raw);
   return st;
@@ -493,6 +502,34 @@ status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp
   }
   s.bytes_read -= read0; /* header_bytes: every file's, parsed once at open */
   if (stats) *stats = s;
+  return st;
+}
+
+status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked) {
+  chunk_t *c;
+  int nc;
+  *checked = *unchecked = 0;
+  TRY(chunks_of(&r->fo, name, &c, &nc));
+  status_t st =
+      nc == 0 ? err_set(STATUS_EFORMAT, "checkpoint %s: no tensor '%s'", r->dir, name) : STATUS_OK;
+  for (int k = 0; k < nc && st == STATUS_OK; k++) {
+    if (!c[k].has_crc) {
+      (*unchecked)++;
+      continue;
+    }
+    size_t bytes = (size_t)(c[k].info->end - c[k].info->begin);
+    void *buf = malloc(bytes ? bytes : 1);
+    if (buf == NULL) {
+      st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory for %zu bytes", bytes);
+      break;
+    }
+    st_file_t *f = r->fo.f[c[k].file];
+    st = st_read_raw(f, name, buf, bytes);
+    if (st == STATUS_OK) st = check_crc(f, name, &c[k], buf);
+    if (st == STATUS_OK) (*checked)++;
+    free(buf);
+  }
+  free(c);
   return st;
 }
 

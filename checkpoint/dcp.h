@@ -103,6 +103,10 @@ status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp
  * DTensor) into dst, any dtype and device. */
 status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
                              const int64_t *global_shape, const int64_t *offset, tensor_t *dst);
+/* Reads every saved chunk of tensor name whole, one at a time, and checks its bytes against
+ * its CRC-32: *checked counts the chunks that passed, *unchecked those saved without one.
+ * The first mismatch fails, naming the file and the tensor. */
+status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked);
 /* Every tensor of the folder, sorted by name (owned by the reader). */
 status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n);
 

@@ -11,7 +11,8 @@
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT checkpoint  saving, resuming under other plans
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-tool fsdp-ckpt inspect, export-hf (read by an
                                                         independent parser), import-hf
-  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-corrupt damaged checkpoints: named errors
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-corrupt damaged checkpoints: named errors,
+                                                           and fsdp-ckpt verify
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT gpu       checkpoints of GPU shards (skips, 77,
                                                         without a GPU)
 """
@@ -805,6 +806,19 @@ def ckpt_corrupt():
         check(ok, "%s: exit %d, a rank says /%s/" % (name, p.returncode, want))
         if not ok:
             print(p.stderr[-2000:])
+    # fsdp-ckpt verify reads every chunk whole: the good checkpoint passes, the flipped byte is
+    # named (a resharding load, which reads only the rows it needs, would not see it)
+    tool = os.path.join(os.path.dirname(EXE), "fsdp-ckpt")
+    p = subprocess.run([tool, "verify", good], capture_output=True, text=True, timeout=120)
+    check(p.returncode == 0 and re.search(r"(\d+) chunks match their checksums, 0 saved without "
+                                          r"one, 0 tensors damaged", p.stdout) is not None,
+          "verify passes the good checkpoint (model and optimizer state)")
+    p = subprocess.run([tool, "verify", os.path.join(tmp, "flipped-data-byte")],
+                       capture_output=True, text=True, timeout=120)
+    check(p.returncode != 0 and re.search(
+        r"shard-00000\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight': "
+        r"checksum mismatch", p.stderr) is not None and "1 tensors damaged" in p.stdout,
+          "verify names the flipped tensor and exits non-zero")
 
 
 {"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run,
