@@ -1,8 +1,12 @@
 #include "checkpoint/hf_weights.h"
 
+#include <cJSON.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "base/file.h"
 #include "checkpoint/safetensors.h"
 
 static status_t load_one(st_file_t *f, nn_param_t *p) {
@@ -27,28 +31,119 @@ static status_t load_one(st_file_t *f, nn_param_t *p) {
   return st;
 }
 
-status_t ckpt_load_weights(nn_module_t *root, const char *path) {
+/* Loads every parameter from the first of files[0..nf) that holds it; fails on a parameter in
+ * none (naming where) or in two, and on a tensor that is not a parameter. */
+static status_t load_from(nn_module_t *root, st_file_t *const *files, int nf, const char *where) {
   nn_param_t **ps = NULL;
   int n = 0;
-  st_file_t *f = NULL;
+  TRY(nn_named_parameters(root, &ps, &n));
   status_t st = STATUS_OK;
-  TRY_GOTO(st, nn_named_parameters(root, &ps, &n));
-  TRY_GOTO(st, st_open(&f, path));
-  for (int i = 0; i < n; i++) TRY_GOTO(st, load_one(f, ps[i]));
-  for (int i = 0; i < st_num_tensors(f); i++) {
-    const char *name = st_tensor(f, i)->name;
-    bool known = false;
-    for (int j = 0; j < n && !known; j++) known = strcmp(ps[j]->fqn, name) == 0;
-    if (!known)
-      TRY_GOTO(st, err_set(STATUS_EFORMAT,
-                           "%s: unexpected tensor '%s' (not a parameter of the "
-                           "model)",
-                           path, name));
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    int at = -1;
+    for (int k = 0; k < nf && st == STATUS_OK; k++) {
+      if (st_find(files[k], ps[i]->fqn) == NULL) continue;
+      if (at >= 0)
+        st = err_set(STATUS_EFORMAT, "tensor '%s' is in both %s and %s", ps[i]->fqn,
+                     st_path(files[at]), st_path(files[k]));
+      at = k;
+    }
+    if (st == STATUS_OK && at < 0)
+      st = err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", where, ps[i]->fqn);
+    if (st == STATUS_OK) st = load_one(files[at], ps[i]);
   }
-cleanup:
-  st_close(f);
+  for (int k = 0; k < nf && st == STATUS_OK; k++)
+    for (int i = 0; i < st_num_tensors(files[k]) && st == STATUS_OK; i++) {
+      const char *name = st_tensor(files[k], i)->name;
+      bool known = false;
+      for (int j = 0; j < n && !known; j++) known = strcmp(ps[j]->fqn, name) == 0;
+      if (!known)
+        st = err_set(STATUS_EFORMAT, "%s: unexpected tensor '%s' (not a parameter of the model)",
+                     st_path(files[k]), name);
+    }
   free(ps);
   return st;
+}
+
+status_t ckpt_load_weights(nn_module_t *root, const char *path) {
+  st_file_t *f = NULL;
+  TRY(st_open(&f, path));
+  status_t st = load_from(root, &f, 1, path);
+  st_close(f);
+  return st;
+}
+
+status_t ckpt_load_hf(nn_module_t *root, const char *dir) {
+  char **names;
+  int n;
+  TRY(hf_weight_files(dir, &names, &n));
+  st_file_t **files = calloc((size_t)(n ? n : 1), sizeof *files);
+  status_t st = files ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    char path[4400];
+    snprintf(path, sizeof path, "%.4000s/%.255s", dir, names[i]);
+    st = st_open(&files[i], path);
+  }
+  if (st == STATUS_OK) st = load_from(root, files, n, dir);
+  for (int i = 0; files && i < n; i++) st_close(files[i]);
+  free(files);
+  hf_weight_files_free(names, n);
+  return st;
+}
+
+status_t hf_weight_files(const char *dir, char ***out, int *n) {
+  enum { MAX_FILES = 4096 };
+  char path[4400];
+  snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", dir);
+  *out = NULL;
+  *n = 0;
+  char **names = calloc(MAX_FILES, sizeof(char *));
+  if (names == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  status_t st = STATUS_OK;
+  if (access(path, F_OK) == 0) {
+    char *text = NULL;
+    st = file_read_text(path, FILE_TEXT_MAX, &text);
+    cJSON *o = st == STATUS_OK ? cJSON_Parse(text) : NULL;
+    free(text);
+    const cJSON *wm = cJSON_GetObjectItemCaseSensitive(o, "weight_map"), *it;
+    if (st == STATUS_OK && !cJSON_IsObject(wm))
+      st = err_set(STATUS_EFORMAT, "%s: expected {\"weight_map\": {tensor: file}}", path);
+    cJSON_ArrayForEach(it, wm) {
+      if (st != STATUS_OK) break;
+      if (!cJSON_IsString(it) || strchr(it->valuestring, '/') != NULL ||
+          strcmp(it->valuestring, "..") == 0) {
+        st = err_set(STATUS_EFORMAT, "%s: weight_map['%s'] is not a file name", path, it->string);
+        break;
+      }
+      bool seen = false;
+      for (int i = 0; i < *n && !seen; i++) seen = strcmp(names[i], it->valuestring) == 0;
+      if (seen) continue;
+      if (*n == MAX_FILES) {
+        st = err_set(STATUS_EFORMAT, "%s: more than %d files", path, MAX_FILES);
+        break;
+      }
+      if ((names[(*n)++] = strdup(it->valuestring)) == NULL)
+        st = err_set(STATUS_ENOMEM, "out of host memory");
+    }
+    if (st == STATUS_OK && *n == 0) st = err_set(STATUS_EFORMAT, "%s: names no file", path);
+    cJSON_Delete(o);
+  } else if ((names[0] = strdup("model.safetensors")) == NULL) {
+    st = err_set(STATUS_ENOMEM, "out of host memory");
+  } else {
+    *n = 1;
+  }
+  if (st != STATUS_OK) {
+    hf_weight_files_free(names, *n);
+    *n = 0;
+    return st;
+  }
+  *out = names;
+  return STATUS_OK;
+}
+
+void hf_weight_files_free(char **names, int n) {
+  if (names == NULL) return;
+  for (int i = 0; i < n; i++) free(names[i]);
+  free(names);
 }
 
 status_t ckpt_save_weights(nn_module_t *root, const char *path) {

@@ -10,6 +10,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/file.h"
+
 #define PATH_LEN 4400
 
 /* Entries of the model (names) and of the optimizer ("name.exp_avg", ...). */
@@ -82,11 +84,7 @@ static status_t write_state(const char *tmp, int64_t step, int64_t optim_steps,
   if (text == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   char path[PATH_LEN];
   snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
-  FILE *f = fopen(path, "w");
-  status_t st = STATUS_OK;
-  if (f == NULL || fputs(text, f) < 0 || fflush(f) != 0 || fsync(fileno(f)) != 0)
-    st = err_set(STATUS_EIO, "checkpoint: cannot write %s: %s", path, strerror(errno));
-  if (f) fclose(f);
+  status_t st = file_write_text(path, text);
   free(text);
   return st;
 }
@@ -120,14 +118,10 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
 static status_t read_state(const char *dir, int64_t *step, int64_t *optim_steps) {
   char path[PATH_LEN];
   snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
-  FILE *f = fopen(path, "rb");
-  if (f == NULL)
-    return err_set(STATUS_EIO, "checkpoint: cannot read %s: %s", path, strerror(errno));
-  char buf[65536];
-  size_t len = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[len] = 0;
-  cJSON *o = cJSON_Parse(buf);
+  char *text;
+  TRY(file_read_text(path, FILE_TEXT_MAX, &text));
+  cJSON *o = cJSON_Parse(text);
+  free(text);
   const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
   const cJSON *os = cJSON_GetObjectItemCaseSensitive(o, "optim_steps");
   status_t st = STATUS_OK;

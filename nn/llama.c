@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/file.h"
 #include "nn/init.h"
 #include "nn/ops.h"
 
@@ -53,30 +54,6 @@ int64_t llama_num_params(const llama_config_t *c) {
   int64_t hd = c->dim / c->n_heads, kv = c->n_kv_heads * hd;
   int64_t layer = 2 * c->dim + 2 * c->dim * c->dim + 2 * kv * c->dim + 3 * c->dim * c->ffn_dim;
   return c->vocab_size * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + c->dim;
-}
-
-static status_t read_file(const char *path, char **out) {
-  FILE *f = fopen(path, "rb");
-  if (f == NULL) return err_set(STATUS_EIO, "%s: %s", path, strerror(errno));
-  status_t st = STATUS_OK;
-  char *buf = NULL;
-  long n = -1;
-  if (fseek(f, 0, SEEK_END) == 0) n = ftell(f);
-  if (n < 0 || n > (1 << 24) || fseek(f, 0, SEEK_SET) != 0) {
-    st = err_set(STATUS_EIO, "%s: cannot read (or larger than 16 MiB)", path);
-  } else if ((buf = malloc((size_t)n + 1)) == NULL) {
-    st = err_set(STATUS_ENOMEM, "%s: out of host memory", path);
-  } else if (fread(buf, 1, (size_t)n, f) != (size_t)n) {
-    st = err_set(STATUS_EIO, "%s: short read", path);
-  }
-  fclose(f);
-  if (st != STATUS_OK) {
-    free(buf);
-    return st;
-  }
-  buf[n] = '\0';
-  *out = buf;
-  return STATUS_OK;
 }
 
 /* Reads an optional integer key; errors name the file and the key. */
@@ -151,7 +128,7 @@ static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
 
 status_t llama_config_from_hf(const char *path, llama_config_t *out) {
   char *text = NULL;
-  TRY(read_file(path, &text));
+  TRY(file_read_text(path, (size_t)1 << 24, &text));
   status_t st = llama_config_from_hf_text(text, path, out);
   free(text);
   return st;
@@ -202,16 +179,7 @@ status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **
 status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path) {
   char *text;
   TRY(llama_config_to_hf_text(c, dtype, &text));
-  status_t st = STATUS_OK;
-  FILE *f = fopen(path, "wb");
-  if (f == NULL) {
-    st = err_set(STATUS_EIO, "%s: %s", path, strerror(errno));
-  } else {
-    size_t n = strlen(text);
-    if (fwrite(text, 1, n, f) != n || fputc('\n', f) == EOF)
-      st = err_set(STATUS_EIO, "%s: write failed", path);
-    if (fclose(f) != 0 && st == STATUS_OK) st = err_set(STATUS_EIO, "%s: close failed", path);
-  }
+  status_t st = file_write_text(path, text);
   free(text);
   return st;
 }

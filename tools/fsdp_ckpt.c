@@ -23,7 +23,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/file.h"
 #include "checkpoint/dcp.h"
+#include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"
 #include "mesh/world.h"
 #include "nn/llama.h"
@@ -46,39 +48,6 @@ static bool is_dir(const char *p) {
   return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
 }
 
-static status_t read_text(const char *path, char **out) {
-  FILE *f = fopen(path, "rb");
-  if (f == NULL) return err_set(STATUS_EIO, "%s: %s", path, strerror(errno));
-  status_t st = STATUS_OK;
-  long n = -1;
-  if (fseek(f, 0, SEEK_END) == 0) n = ftell(f);
-  char *buf = NULL;
-  if (n < 0 || n > (1 << 26) || fseek(f, 0, SEEK_SET) != 0)
-    st = err_set(STATUS_EIO, "%s: cannot read (or larger than 64 MiB)", path);
-  else if ((buf = malloc((size_t)n + 1)) == NULL)
-    st = err_set(STATUS_ENOMEM, "out of host memory");
-  else if (fread(buf, 1, (size_t)n, f) != (size_t)n)
-    st = err_set(STATUS_EIO, "%s: short read", path);
-  fclose(f);
-  if (st != STATUS_OK) {
-    free(buf);
-    return st;
-  }
-  buf[n] = 0;
-  *out = buf;
-  return STATUS_OK;
-}
-
-static status_t write_text(const char *path, const char *text) {
-  FILE *f = fopen(path, "wb");
-  status_t st = STATUS_OK;
-  if (f == NULL || fputs(text, f) < 0 || fputc('\n', f) == EOF || fflush(f) != 0 ||
-      fsync(fileno(f)) != 0)
-    st = err_set(STATUS_EIO, "%s: cannot write: %s", path, strerror(errno));
-  if (f && fclose(f) != 0 && st == STATUS_OK) st = err_set(STATUS_EIO, "%s: close failed", path);
-  return st;
-}
-
 /* Completes a checkpoint written into tmp: its train_state.json, then the rename to out. On
  * any failure (st included) tmp is removed. */
 static status_t commit_checkpoint(status_t st, const cJSON *state, const char *tmp,
@@ -86,7 +55,7 @@ static status_t commit_checkpoint(status_t st, const cJSON *state, const char *t
   char *text = st == STATUS_OK ? cJSON_Print(state) : NULL, path[PATH_LEN + 64];
   if (st == STATUS_OK && text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
   snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
-  if (st == STATUS_OK) st = write_text(path, text);
+  if (st == STATUS_OK) st = file_write_text(path, text);
   free(text);
   if (st == STATUS_OK && rename(tmp, out) != 0)
     st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
@@ -101,7 +70,7 @@ static status_t read_state(const char *dir, cJSON **out) {
   *out = NULL;
   if (access(path, F_OK) != 0) return STATUS_OK;
   char *text;
-  TRY(read_text(path, &text));
+  TRY(file_read_text(path, FILE_TEXT_MAX, &text));
   *out = cJSON_Parse(text);
   free(text);
   return *out ? STATUS_OK : err_set(STATUS_EFORMAT, "%s: not valid JSON", path);
@@ -379,7 +348,7 @@ static status_t export_hf(const char *dir, const char *out, const export_opts_t 
   if (st == STATUS_OK && index) {
     char path[PATH_LEN + 64], *text = cJSON_Print(index);
     snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", out);
-    st = text ? write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
+    st = text ? file_write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
     free(text);
   }
   if (st == STATUS_OK) {
@@ -417,49 +386,6 @@ static status_t copy_file(const char *from, const char *to) {
   return st;
 }
 
-/* The weight files of a Hugging Face folder: those the index names, else model.safetensors. */
-static status_t hf_files(const char *hf, char ***out, int *n) {
-  char path[PATH_LEN + 64];
-  snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", hf);
-  *out = NULL;
-  *n = 0;
-  char **names = calloc(1024, sizeof(char *));
-  if (names == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  status_t st = STATUS_OK;
-  if (access(path, F_OK) == 0) {
-    char *text = NULL;
-    st = read_text(path, &text);
-    cJSON *o = st == STATUS_OK ? cJSON_Parse(text) : NULL;
-    free(text);
-    const cJSON *wm = cJSON_GetObjectItemCaseSensitive(o, "weight_map"), *it;
-    if (st == STATUS_OK && !cJSON_IsObject(wm))
-      st = err_set(STATUS_EFORMAT, "%s: expected {\"weight_map\": {tensor: file}}", path);
-    cJSON_ArrayForEach(it, wm) {
-      if (st != STATUS_OK) break;
-      if (!cJSON_IsString(it) || strchr(it->valuestring, '/') != NULL) {
-        st = err_set(STATUS_EFORMAT, "%s: weight_map['%s'] is not a file name", path, it->string);
-        break;
-      }
-      bool seen = false;
-      for (int i = 0; i < *n && !seen; i++) seen = strcmp(names[i], it->valuestring) == 0;
-      if (seen) continue;
-      if (*n == 1024) {
-        st = err_set(STATUS_EFORMAT, "%s: more than 1024 files", path);
-        break;
-      }
-      if ((names[(*n)++] = strdup(it->valuestring)) == NULL)
-        st = err_set(STATUS_ENOMEM, "out of host memory");
-    }
-    cJSON_Delete(o);
-  } else if ((names[0] = strdup("model.safetensors")) == NULL) {
-    st = err_set(STATUS_ENOMEM, "out of host memory");
-  } else {
-    *n = 1;
-  }
-  *out = names;
-  return st;
-}
-
 static status_t import_hf(const char *hf, const char *out) {
   char cfg_path[PATH_LEN + 64];
   snprintf(cfg_path, sizeof cfg_path, "%.4000s/config.json", hf);
@@ -475,7 +401,7 @@ static status_t import_hf(const char *hf, const char *out) {
     return err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
   char **names;
   int n;
-  status_t st = hf_files(hf, &names, &n);
+  status_t st = hf_weight_files(hf, &names, &n);
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     char from[PATH_LEN + 300], to[PATH_LEN + 300];
     snprintf(from, sizeof from, "%.4000s/%s", hf, names[i]);
@@ -494,7 +420,7 @@ static status_t import_hf(const char *hf, const char *out) {
   if (st == STATUS_OK) st = dcp_reader_open(model, &r);
   if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
   char *config = NULL;
-  if (st == STATUS_OK) st = read_text(cfg_path, &config);
+  if (st == STATUS_OK) st = file_read_text(cfg_path, FILE_TEXT_MAX, &config);
   cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
   cJSON_AddNumberToObject(state, "step", 0);
   cJSON_AddNumberToObject(state, "optim_steps", 0);
@@ -508,8 +434,7 @@ static status_t import_hf(const char *hf, const char *out) {
            n == 1 ? "" : "s", hf, out);
   free(config);
   dcp_reader_close(r);
-  for (int i = 0; i < n; i++) free(names[i]);
-  free(names);
+  hf_weight_files_free(names, n);
   return st;
 }
 

@@ -147,11 +147,8 @@ static status_t build(run_t *r) {
   if (!p->init_from[0]) TRY(llama_init_weights(r->model, p->model_seed));
   TRY(plan_apply_tensor_parallel(p, r->model, r->mesh, &r->tp_mesh, &r->tp));
   TRY(plan_apply_fully_shard(p, r->model, r->dp_mesh, r->groups, MAX_GROUPS, &r->n_groups));
-  if (p->init_from[0]) { /* after sharding: each rank reads only its shards' rows */
-    char w[PLAN_PATH_MAX + 32];
-    snprintf(w, sizeof w, "%s/model.safetensors", p->init_from);
-    TRY(ckpt_load_weights(llama_module(r->model), w));
-  }
+  if (p->init_from[0]) /* after sharding: each rank reads only its shards' rows */
+    TRY(ckpt_load_hf(llama_module(r->model), p->init_from));
   TRY(nn_named_parameters(llama_module(r->model), &r->ps, &r->n));
   TRY(optim_new(&r->opt, r->ps, r->n, &p->optim));
   if (p->ckpt_load[0]) {

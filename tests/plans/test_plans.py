@@ -713,6 +713,52 @@ def ckpt_tool():
               % (la, lb))
     else:
         print(pa.stdout[-1500:], pa.stderr[-1500:], pb.stdout[-1500:], pb.stderr[-1500:])
+    # a multi-file Hugging Face folder (the bf16 export: three files and an index) read by
+    # model.init_from under FSDP on 2 ranks: the same first loss as its import-hf checkpoint
+    # loaded under hsdp
+    imp16 = os.path.join(tmp, "imported-bf16")
+    p = tool_run("import-hf", os.path.join(tmp, "hf-bf16"), imp16)
+    mc, md = os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "d.jsonl")
+    pc, _ = run(4, [os.path.join(ROOT, "configs", "hsdp.yaml"), "--set", "train.steps=2",
+                    "--set", "checkpoint.load=" + imp16, "--set", "data.batch_size=2",
+                    "--metrics", mc])
+    dbg16 = os.path.join(tmp, "fsdp-init-bf16.yaml")
+    with open(dbg16, "w") as f:
+        f.write(text.replace(os.path.join(tmp, "hf-f32"), os.path.join(tmp, "hf-bf16"))
+                .replace("dp_shard: 1", "dp_shard: 2"))
+    pd, _ = run(2, [dbg16, "--set", "train.steps=2", "--set", "data.batch_size=4",
+                    "--metrics", md])
+    ok = p.returncode == 0 and pc.returncode == 0 and pd.returncode == 0
+    check(ok, "model.init_from reads a Hugging Face folder of three files and an index")
+    if ok:
+        lc, ld = losses(mc)[0]["loss"], losses(md)[0]["loss"]
+        check(abs(lc - ld) <= 1e-5 * abs(lc),
+              "bf16 export: imported under hsdp %.7f, init_from on 2 ranks %.7f" % (lc, ld))
+    else:
+        print(p.stderr[-1500:], pc.stderr[-1500:], pd.stderr[-1500:])
+    # broken Hugging Face folders under model.init_from: a file the index names is missing; a
+    # tensor in two files
+    hf16 = os.path.join(tmp, "hf-bf16")
+    shards = sorted(f for f in os.listdir(hf16) if f.endswith(".safetensors"))
+    lacking, twice = os.path.join(tmp, "hf-lacking"), os.path.join(tmp, "hf-twice")
+    shutil.copytree(hf16, lacking)
+    os.remove(os.path.join(lacking, shards[1]))
+    shutil.copytree(hf16, twice)
+    with open(os.path.join(twice, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    extra = "extra.safetensors"
+    shutil.copy(os.path.join(twice, shards[0]), os.path.join(twice, extra))
+    index["weight_map"]["zz.extra"] = extra  # names the copy: its tensors are then in two files
+    with open(os.path.join(twice, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    for folder, want in [(lacking, re.escape(shards[1])), (twice, r"is in both .*" + extra +
+                                                           r"|is in both .*" + shards[0])]:
+        bad_cfg = os.path.join(tmp, "init-broken.yaml")
+        with open(bad_cfg, "w") as f:
+            f.write(text.replace(os.path.join(tmp, "hf-f32"), folder))
+        p, _ = run(1, [bad_cfg, "--set", "train.steps=1"], timeout=60)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None,
+              "init_from %s: exit %d, says /%s/" % (os.path.basename(folder), p.returncode, want))
     # mistakes: a clear message and a non-zero exit
     for args, want in [(["export-hf", os.path.join(tmp, "nowhere"), os.path.join(tmp, "x")],
                         r"nowhere: not a folder"),
