@@ -15,6 +15,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "dtensor/placement.h"
+#include "mesh/world.h"
 
 #define DCP_PATH_MAX 4096
 #define DCP_JOIN_MAX (DCP_PATH_MAX + 320) /* a folder path plus a file name */
@@ -531,6 +532,29 @@ status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int 
   }
   free(c);
   return st;
+}
+
+status_t dcp_verify(const char *dir, MPI_Comm comm, int64_t *chunks) {
+  int rank, size;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  dcp_reader_t *r = NULL;
+  const dcp_tensor_t *t = NULL;
+  int n = 0;
+  long long mine = 0, all = 0;
+  status_t st = dcp_reader_open(dir, &r);
+  if (st == STATUS_OK) st = dcp_reader_list(r, &t, &n);
+  for (int i = rank; i < n && st == STATUS_OK; i += size) {
+    int ok = 0, none = 0;
+    st = dcp_reader_verify(r, t[i].name, &ok, &none);
+    mine += ok;
+  }
+  dcp_reader_close(r);
+  TRY(comm_agree(comm, st));
+  if (MPI_Allreduce(&mine, &all, 1, MPI_LONG_LONG, MPI_SUM, comm) != MPI_SUCCESS)
+    return err_set(STATUS_EMPI, "checkpoint %s: MPI_Allreduce (verify) failed", dir);
+  if (chunks) *chunks = all;
+  return STATUS_OK;
 }
 
 static int cmp_tensor(const void *a, const void *b) {

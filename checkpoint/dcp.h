@@ -107,6 +107,12 @@ status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
  * its CRC-32: *checked counts the chunks that passed, *unchecked those saved without one.
  * The first mismatch fails, naming the file and the tensor. */
 status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked);
+/* dcp_reader_verify over a whole folder, split over comm's ranks (the i-th tensor in name
+ * order on rank i % size), so that the folder is read once in all. Collective: every rank
+ * fails, naming the first damaged tensor, when any is; *chunks (may be NULL) receives the
+ * number of chunks checked over all ranks. */
+status_t dcp_verify(const char *dir, MPI_Comm comm, int64_t *chunks);
+
 /* Every tensor of the folder, sorted by name (owned by the reader). */
 status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n);
 

@@ -162,6 +162,18 @@ status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, o
   return STATUS_OK;
 }
 
+status_t ckpt_verify_training(const char *dir, MPI_Comm comm, int64_t *chunks) {
+  char model[PATH_LEN], optim[PATH_LEN];
+  snprintf(model, sizeof model, "%.4000s/model", dir);
+  snprintf(optim, sizeof optim, "%.4000s/optim", dir);
+  int64_t a = 0, b = 0;
+  TRY(dcp_verify(model, comm, &a));
+  struct stat sb;
+  if (stat(optim, &sb) == 0) TRY(dcp_verify(optim, comm, &b)); /* absent: weights only */
+  if (chunks) *chunks = a + b;
+  return STATUS_OK;
+}
+
 void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
   snprintf(out, size, "%s/step-%08" PRId64, root, step);
 }

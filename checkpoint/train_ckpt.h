@@ -34,6 +34,12 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
 status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                             int64_t *step, dcp_stats_t *stats);
 
+/* Checks every chunk of the checkpoint's model and optimizer state against its CRC-32, the
+ * tensors split over comm's ranks (dcp_verify): what a load under another plan, which reads
+ * only the rows it needs, cannot do itself. Collective over comm; *chunks (may be NULL)
+ * receives the number checked. */
+status_t ckpt_verify_training(const char *dir, MPI_Comm comm, int64_t *chunks);
+
 /* The newest complete checkpoint (step-NNNNNNNN with a train_state.json) in root into out;
  * *found false when there is none (or root does not exist). Local. */
 status_t ckpt_latest(const char *root, char *out, size_t size, bool *found);

@@ -576,7 +576,7 @@ static status_t read_rest(ctx_t *c, int root) {
   static const char *const data_keys[] = {"path",       "format",     "seq_len",
                                           "batch_size", "grad_accum", NULL};
   static const char *const train_keys[] = {"steps", "seed", "activation_checkpointing", NULL};
-  static const char *const ckpt_keys[] = {"dir", "interval", "keep", "load", NULL};
+  static const char *const ckpt_keys[] = {"dir", "interval", "keep", "load", "verify", NULL};
   static const char *const log_keys[] = {"metrics", "interval", NULL};
   plan_t *p = c->p;
   const int64_t big = (int64_t)1 << 40;
@@ -617,6 +617,7 @@ static status_t read_rest(ctx_t *c, int root) {
     strcpy(p->ckpt_load, "auto");
   else
     TRY(get_path(c, m, "checkpoint", "load", p->ckpt_load));
+  TRY(get_bool(c, m, "checkpoint", "verify", &p->ckpt_verify));
   TRY(section(c, root, "log", log_keys, &m));
   TRY(get_path(c, m, "log", "metrics", p->metrics));
   TRY(get_int(c, m, "log", "interval", 1, big, &p->log_interval));

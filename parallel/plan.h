@@ -94,6 +94,7 @@ typedef struct plan {
   /* checkpoint */
   char ckpt_dir[PLAN_PATH_MAX], ckpt_load[PLAN_PATH_MAX];
   int64_t ckpt_interval, ckpt_keep;
+  bool ckpt_verify; /* check every chunk's CRC-32 before loading */
   plan_where_t ckpt_where;
   /* log */
   char metrics[PLAN_PATH_MAX];

@@ -125,6 +125,7 @@ typedef struct run {
   int64_t start_step; /* steps already taken (resumed from a checkpoint) */
   char resumed_from[PLAN_PATH_MAX + 32];
   dcp_stats_t load_stats;
+  int64_t verified; /* chunks checked against their checksums before loading (-1: not asked) */
 } run_t;
 
 static status_t build(run_t *r) {
@@ -157,6 +158,9 @@ static status_t build(run_t *r) {
       TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, &found));
     else
       snprintf(r->resumed_from, sizeof r->resumed_from, "%s", p->ckpt_load);
+    r->verified = -1;
+    if (found && p->ckpt_verify)
+      TRY(ckpt_verify_training(r->resumed_from, world_comm(), &r->verified));
     if (found)
       TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
     else
@@ -220,7 +224,9 @@ static void header(const run_t *r) {
         r->resumed_from, (long long)r->start_step, (unsigned long long)r->load_stats.bytes_read,
         (unsigned long long)r->load_stats.bytes_needed,
         (unsigned long long)r->load_stats.header_bytes, r->load_stats.files);
-  else if (p->ckpt_load[0])
+  if (r->resumed_from[0] && r->verified >= 0)
+    printf("  checkpoint.verify: %lld chunks match their checksums\n", (long long)r->verified);
+  else if (p->ckpt_load[0] && !r->resumed_from[0])
     printf("  no checkpoint in %s yet: starting from step 0\n", p->ckpt_dir);
   printf(
       "  data: %s, %lld samples x %lld tokens per rank, grad_accum %lld (global batch %lld "

@@ -865,6 +865,22 @@ def ckpt_corrupt():
         r"shard-00000\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight': "
         r"checksum mismatch", p.stderr) is not None and "1 tensors damaged" in p.stdout,
           "verify names the flipped tensor and exits non-zero")
+    # checkpoint.verify: a load under another plan (4 ranks: partial chunks, unchecked by the
+    # load itself) checks every chunk first, the tensors split over the ranks
+    p, _ = run(4, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + good,
+                   "--set", "checkpoint.verify=true"], timeout=120)
+    m = re.search(r"checkpoint\.verify: (\d+) chunks match their checksums", p.stdout)
+    check(p.returncode == 0 and m is not None and int(m.group(1)) > 0,
+          "checkpoint.verify passes the good checkpoint on 4 ranks")
+    p, _ = run(4, [cfg, "--set", "train.steps=3", "--set",
+                   "checkpoint.load=" + os.path.join(tmp, "flipped-data-byte"),
+                   "--set", "checkpoint.verify=true"], timeout=120)
+    said = [l for l in p.stderr.splitlines()
+            if re.search(r"model\.layers\.1\.mlp\.down_proj\.weight': checksum mismatch", l)]
+    ranks = {m.group(1) for m in (re.search(r"\[rank (\d+)\]", l) for l in said) if m}
+    check(p.returncode != 0 and ranks == {"0", "1", "2", "3"},
+          "checkpoint.verify stops a resharding load of the flipped byte on every rank (%s)"
+          % sorted(ranks))
 
 
 {"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run,
