@@ -693,12 +693,15 @@ static status_t agree_on_demand(const fsdp_member_t *mb, const char *what) {
           "collective: make the same call on every rank, or call the unit",
           what, unit_name(g), world_rank(), k ? "replicate" : "shard", g->opt.on_demand_timeout));
     }
+    if (st != STATUS_OK) { /* failed to start (buf is free), or the job was stopped meanwhile */
+      if (world_check() == STATUS_OK)
+        free(buf);
+      else
+        orphan = buf;
+      return st;
+    }
     bool same = buf[2] == h && buf[3] == -h;
-    if (world_check() == STATUS_OK)
-      free(buf); /* completed, or failed before it started */
-    else
-      orphan = buf;
-    TRY(st);
+    free(buf);
     if (!same)
       return err_set(STATUS_EINVAL,
                      "fully_shard: the ranks of unit '%s' took different on-demand unshards "
