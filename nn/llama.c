@@ -50,6 +50,27 @@ status_t llama_config_check(const llama_config_t *c) {
   return STATUS_OK;
 }
 
+bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, char *why,
+                              size_t size) {
+  const struct {
+    const char *name;
+    int64_t x, y;
+  } f[] = {{"dim", a->dim, b->dim},
+           {"n_layers", a->n_layers, b->n_layers},
+           {"n_heads", a->n_heads, b->n_heads},
+           {"n_kv_heads", a->n_kv_heads, b->n_kv_heads},
+           {"ffn_dim", a->ffn_dim, b->ffn_dim},
+           {"vocab_size", a->vocab_size, b->vocab_size},
+           {"tie_embeddings", a->tie_embeddings, b->tie_embeddings}};
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+    if (f[i].x != f[i].y) {
+      if (why)
+        snprintf(why, size, "%s %lld vs %lld", f[i].name, (long long)f[i].x, (long long)f[i].y);
+      return false;
+    }
+  return true;
+}
+
 int64_t llama_num_params(const llama_config_t *c) {
   int64_t hd = c->dim / c->n_heads, kv = c->n_kv_heads * hd;
   int64_t layer = 2 * c->dim + 2 * c->dim * c->dim + 2 * kv * c->dim + 3 * c->dim * c->ffn_dim;

@@ -73,6 +73,12 @@ status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **
 /* Number of parameters (the lm_head counted only when untied). */
 int64_t llama_num_params(const llama_config_t *c);
 
+/* True when a and b give the same parameters (names and shapes: every field but
+ * max_seq_len, rope_theta and norm_eps); otherwise why (if not NULL) receives the first
+ * difference, as "n_layers 2 vs 4". */
+bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, char *why,
+                              size_t size);
+
 typedef struct llama_options {
   dtype_t dtype;                 /* parameter dtype */
   device_type_t device;          /* where parameters live (this rank's device) */

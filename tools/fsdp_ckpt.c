@@ -520,13 +520,12 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
     st = text ? llama_config_from_hf_text(text, dir, &saved)
               : err_set(STATUS_ENOMEM, "out of host memory");
     free(text);
-    if (st == STATUS_OK &&
-        (saved.dim != p.model.dim || saved.n_layers != p.model.n_layers ||
-         saved.n_heads != p.model.n_heads || saved.n_kv_heads != p.model.n_kv_heads ||
-         saved.ffn_dim != p.model.ffn_dim || saved.vocab_size != p.model.vocab_size ||
-         saved.tie_embeddings != p.model.tie_embeddings))
-      st = err_set(STATUS_EINVAL, "%s: the checkpoint's model differs from the model of %s", dir,
-                   config);
+    char why[128];
+    if (st == STATUS_OK && !llama_config_same_params(&saved, &p.model, why, sizeof why))
+      st = err_set(STATUS_EINVAL,
+                   "%s: the checkpoint's model differs from the model of %s (%s: saved vs "
+                   "planned)",
+                   dir, config, why);
   }
   struct stat sb;
   if (st == STATUS_OK && stat(out, &sb) == 0)

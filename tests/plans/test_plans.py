@@ -439,6 +439,12 @@ def checkpoints():
         check(len(got) == 5 and worst <= 1e-5 and bool(rd) and rd.group(1) == rd.group(2),
               "resharded offline for %s on %d: losses match the uninterrupted run (worst %.2e), "
               "rank 0 reads exactly what it needs" % (name, n, worst))
+    # a plan with another model: refused, naming the first difference
+    p = subprocess.run([tool, "reshard", os.path.join(s, "step-00000005"), "--to", cfg("debug"),
+                        os.path.join(tmp, "rs-other"), "--set", "model.n_layers=3"],
+                       capture_output=True, text=True)
+    check(p.returncode != 0 and "differs from the model of" in p.stderr and
+          "n_layers 2 vs 3" in p.stderr, "reshard to another model names the difference")
     # 3. keep: only the newest checkpoints stay
     k = os.path.join(tmp, "k")
     train(2, "fsdp-grad-accum", ["train.steps=6", "checkpoint.dir=" + k, "checkpoint.interval=2",
