@@ -724,13 +724,19 @@ static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, 
   switch (kind) {
     case NN_HOOK_PRE_FORWARD: {
       bool od = g->in_forward == 0; /* nested calls inside an on-demand call count as inside */
-      if (recomputing) return od ? fsdp_unshard(g) : STATUS_OK;
-      if (rec) TRY(push_call(mb, od));
-      if (!od) return STATUS_OK;
-      char what[512];
-      describe(mb, NULL, NULL, what, sizeof what);
-      TRY(agree_on_demand(mb, what));
-      warn_on_demand(ctx, mb, what, true);
+      if (!od) {
+        if (rec) TRY(push_call(mb, false));
+        return STATUS_OK;
+      }
+      /* the recomputation of an activation-checkpointed call in backward (whether or not the
+       * call was on demand): the group's operations inside it are provided for, as in forward */
+      if (!recomputing) {
+        if (rec) TRY(push_call(mb, true));
+        char what[512];
+        describe(mb, NULL, NULL, what, sizeof what);
+        TRY(agree_on_demand(mb, what));
+        warn_on_demand(ctx, mb, what, true);
+      }
       mb->active = true;
       g->in_forward++;
       return fsdp_unshard(g);
@@ -739,7 +745,8 @@ static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, 
       if (!mb->active) return STATUS_OK;
       mb->active = false;
       g->in_forward--;
-      return reshard_after_forward(g);
+      /* a recomputation's backward comes next: keep the parameters */
+      return recomputing ? STATUS_OK : reshard_after_forward(g);
     case NN_HOOK_PRE_BACKWARD:
       if (mb->depth > 0 && mb->on_demand[mb->depth - 1]) return fsdp_unshard(g);
       return STATUS_OK;

@@ -144,9 +144,11 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
   ok(fully_shard(root, &opt, NULL));
   watched[0] = fsdp_group_of(llama_layer(sh.m, 1));
   watched[1] = fsdp_group_of(nn_module_find(root, "lm_head"));
-  if (mode == INSIDE)
-    for (run_t *r = &ref; r; r = r == &ref ? &sh : NULL)
+  if (mode == INSIDE) /* with layers.1.mlp under activation checkpointing as well */
+    for (run_t *r = &ref; r; r = r == &ref ? &sh : NULL) {
       ok(nn_module_wrap_forward(llama_module(r->m), forward_with_aux, NULL));
+      nn_module_set_checkpoint(nn_module_find(llama_module(r->m), "model.layers.1.mlp"), true);
+    }
   if (mode == REGISTERED) {
     ok(fsdp_register_forward_method(nn_module_find(root, "model.embed_tokens")));
     ok(fsdp_register_forward_method(nn_module_find(root, "model.layers.1.mlp")));
