@@ -347,9 +347,12 @@ static status_t chunks_of(const folder_t *fo, const char *name, chunk_t **out, i
   return STATUS_OK;
 }
 
-/* Checks the stored bytes of a chunk (just read into data) against its checksum. */
-static status_t check_crc(st_file_t *f, const char *name, const chunk_t *c, const void *data) {
-  uint32_t crc = crc_bytes(data, (size_t)(c->info->end - c->info->begin));
+/* Reads the stored bytes of a whole chunk into data (room for them) and checks them against
+ * the chunk's checksum. */
+static status_t read_checked(st_file_t *f, const char *name, const chunk_t *c, void *data) {
+  size_t bytes = (size_t)(c->info->end - c->info->begin);
+  TRY(st_read_raw(f, name, data, bytes));
+  uint32_t crc = crc_bytes(data, bytes);
   if (crc == c->crc) return STATUS_OK;
   return err_set(STATUS_EFORMAT,
                  "%s: tensor '%s': checksum mismatch (stored crc32 %08x, data %08x): the file "
@@ -363,8 +366,7 @@ static status_t read_verified(st_file_t *f, const char *name, const chunk_t *c, 
   const st_info_t *t = c->info;
   tensor_t raw;
   TRY(tensor_init(&raw, t->dtype, device_cpu(), t->ndim, t->shape));
-  status_t st = st_read_raw(f, name, raw.data, tensor_nbytes(&raw));
-  if (st == STATUS_OK) st = check_crc(f, name, c, raw.data);
+  status_t st = read_checked(f, name, c, raw.data);
   if (st == STATUS_OK) st = tensor_copy(dst, &raw);
   tensor_free(&raw);
   return st;
@@ -524,9 +526,7 @@ status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int 
       st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory for %zu bytes", bytes);
       break;
     }
-    st_file_t *f = r->fo.f[c[k].file];
-    st = st_read_raw(f, name, buf, bytes);
-    if (st == STATUS_OK) st = check_crc(f, name, &c[k], buf);
+    st = read_checked(r->fo.f[c[k].file], name, &c[k], buf);
     if (st == STATUS_OK) (*checked)++;
     free(buf);
   }

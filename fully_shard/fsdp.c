@@ -200,7 +200,7 @@ static status_t install_members(fsdp_group_t *g) {
   if ((g->members = calloc(n, sizeof *g->members)) == NULL)
     return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
   for (int i = 0; i < g->n_modules; i++)
-    g->members[g->n_members++] = (fsdp_member_t){.g = g, .m = g->modules[i], .unit = true};
+    g->members[g->n_members++] = (fsdp_member_t){.g = g, .m = g->modules[i]};
   for (int i = 0; i < g->n_modules; i++) collect_members(g, g->modules[i], false);
   for (int i = g->n_modules; i < g->n_members; i++)
     for (int k = 0; k < NN_HOOK_COUNT; k++)
@@ -208,11 +208,17 @@ static status_t install_members(fsdp_group_t *g) {
   return STATUS_OK;
 }
 
-/* The member for module m (the group's first module when m is not one of its members). */
-static fsdp_member_t *member_of(fsdp_group_t *g, const nn_module_t *m) {
+/* The member for module m, or NULL. */
+static fsdp_member_t *find_member(fsdp_group_t *g, const nn_module_t *m) {
   for (int i = 0; i < g->n_members; i++)
     if (g->members[i].m == m) return &g->members[i];
-  return &g->members[0];
+  return NULL;
+}
+
+/* The member for module m (the group's first module when m is not one of its members). */
+static fsdp_member_t *member_of(fsdp_group_t *g, const nn_module_t *m) {
+  fsdp_member_t *mb = find_member(g, m);
+  return mb ? mb : &g->members[0];
 }
 
 /* Communicators for agreeing on on-demand unshards, one duplicate per process group, shared by
@@ -760,12 +766,14 @@ static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, 
 
 /* Operations on a sharded parameter while no call of its group runs: the operation is an
  * on-demand call of the module owning the parameter (nn_param_begin). */
-static bool guard_ready(const nn_param_t *p) {
-  return ((const fsdp_param_t *)p->guard_state)->g->in_forward > 0;
+static fsdp_group_t *group_of_param(const nn_param_t *p) {
+  return ((const fsdp_param_t *)p->guard_state)->g;
 }
 
+static bool guard_ready(const nn_param_t *p) { return group_of_param(p)->in_forward > 0; }
+
 static status_t guard_enter(nn_ctx_t *ctx, nn_param_t *p, const char *op) {
-  fsdp_group_t *g = ((fsdp_param_t *)p->guard_state)->g;
+  fsdp_group_t *g = group_of_param(p);
   lazy_init(g);
   if (!nn_ctx_recomputing(ctx)) {
     fsdp_member_t *mb = member_of(g, p->owner);
@@ -779,17 +787,17 @@ static status_t guard_enter(nn_ctx_t *ctx, nn_param_t *p, const char *op) {
 
 static status_t guard_leave(nn_ctx_t *ctx, nn_param_t *p) {
   (void)ctx;
-  return reshard_after_forward(((fsdp_param_t *)p->guard_state)->g);
+  return reshard_after_forward(group_of_param(p));
 }
 
 static status_t guard_pre_backward(nn_ctx_t *ctx, nn_param_t *p) {
   (void)ctx;
-  return fsdp_unshard(((fsdp_param_t *)p->guard_state)->g);
+  return fsdp_unshard(group_of_param(p));
 }
 
 static status_t guard_post_backward(nn_ctx_t *ctx, nn_param_t *p) {
   (void)ctx;
-  return reduce_after_backward(((fsdp_param_t *)p->guard_state)->g);
+  return reduce_after_backward(group_of_param(p));
 }
 
 static const nn_param_guard_t on_demand_guard = {guard_ready, guard_enter, guard_leave,
@@ -799,12 +807,11 @@ status_t fsdp_register_forward_method(nn_module_t *m) {
   if (fsdp_group_of(m) != NULL) return STATUS_OK; /* a unit's own calls are regular */
   for (nn_module_t *a = nn_module_parent(m); a != NULL; a = nn_module_parent(a)) {
     fsdp_group_t *g = fsdp_group_of(a);
-    if (g == NULL) continue;
-    for (int i = 0; i < g->n_members; i++)
-      if (g->members[i].m == m) {
-        g->members[i].registered = true;
-        return STATUS_OK;
-      }
+    fsdp_member_t *mb = g ? find_member(g, m) : NULL;
+    if (mb != NULL) {
+      mb->registered = true;
+      return STATUS_OK;
+    }
   }
   return err_set(STATUS_EINVAL,
                  "fsdp_register_forward_method: '%s' is not inside a fully-sharded unit",

@@ -38,7 +38,6 @@ typedef struct fsdp_streams {
 typedef struct fsdp_member {
   struct fsdp_group *g;
   nn_module_t *m;
-  bool unit;       /* one of the group's own modules (its calls are the unit's) */
   bool registered; /* an entry point (fsdp_register_forward_method): no warning */
   bool warned;
   bool *on_demand; /* per recorded call, in forward order: was it on demand */

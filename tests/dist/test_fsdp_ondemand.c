@@ -311,47 +311,33 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
   mesh_free(mesh);
 }
 
-/* Layer 1: its own call gathers in forward and in backward, so does the direct call of its
- * mlp, and each reduces once; the head likewise for the root's call of it and for its
- * method. */
-static void expect_regular_counts(const counts_t *c) {
+/* Trains in mode: every rank prints `want` on-demand warnings, and per step layer 1 and the
+ * head gather and reduce as a regular unit call does. Layer 1: its own call gathers in
+ * forward and in backward, so does the direct call of its mlp, and each reduces once; the head
+ * likewise for the root's call of it and for its method. */
+static void expect_mode(step_mode_t mode, int want) {
+  int warnings;
+  counts_t c;
+  train(mode, &warnings, &c);
+  expect_all(warnings == want, "on-demand warnings on rank %d: %d, expected %d", world_rank(),
+             warnings, want);
   int g = world_size() > 1 ? 4 : 0;
   for (int i = 0; i < 2; i++)
-    expect_all(c->unshard[i] == g && c->post_backward[i] == 2,
+    expect_all(c.unshard[i] == g && c.post_backward[i] == 2,
                "%s per step: %d all-gathers, %d reductions (expected %d, 2)",
-               i ? "lm_head" : "layer 1", c->unshard[i], c->post_backward[i], g);
+               i ? "lm_head" : "layer 1", c.unshard[i], c.post_backward[i], g);
 }
 
-START_TEST(direct_uses_warn_once_per_module) {
-  int warnings;
-  counts_t c;
-  train(OUTSIDE, &warnings, &c);
-  /* model.embed_tokens, model.layers.1.mlp and lm_head's method, once each over ten steps */
-  expect_all(warnings == 3, "on-demand warnings on rank %d: %d, expected one for each of 3",
-             world_rank(), warnings);
-  expect_regular_counts(&c);
-}
+/* model.embed_tokens, model.layers.1.mlp and lm_head's method, once each over ten steps */
+START_TEST(direct_uses_warn_once_per_module) { expect_mode(OUTSIDE, 3); }
 END_TEST
 
-START_TEST(registered_entry_points_are_regular_calls) {
-  int warnings;
-  counts_t c;
-  train(REGISTERED, &warnings, &c);
-  expect_all(warnings == 0, "%d warnings with the entry points registered", warnings);
-  expect_regular_counts(&c);
-}
+START_TEST(registered_entry_points_are_regular_calls) { expect_mode(REGISTERED, 0); }
 END_TEST
 
-START_TEST(parent_forward_uses_children_directly) {
-  int warnings;
-  counts_t c;
-  train(INSIDE, &warnings, &c);
-  /* inside the model's forward its own embed_tokens is a regular use; layers.1.mlp and the
-   * head's method are on demand */
-  expect_all(warnings == 2, "on-demand warnings on rank %d: %d, expected one for each of 2",
-             world_rank(), warnings);
-  expect_regular_counts(&c);
-}
+/* inside the model's forward its own embed_tokens is a regular use; layers.1.mlp and the
+ * head's method are on demand */
+START_TEST(parent_forward_uses_children_directly) { expect_mode(INSIDE, 2); }
 END_TEST
 
 static Suite *make_suite(void) {

@@ -27,6 +27,7 @@ import tempfile
 import time
 
 EXE, MPIRUN, ROOT, MODE = sys.argv[1:5]
+TOOL = os.path.join(os.path.dirname(EXE), "fsdp-ckpt")
 MPI_ARGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
 STEPS = 10
 failures = []
@@ -408,7 +409,6 @@ def checkpoints():
               "%s on %d: rank 0 reads exactly the bytes it needs" % (name, n))
     # 2b. offline: fsdp-ckpt reshard lays the fsdp checkpoint out as hsdp-tp and debug would
     # save it; the result has a live save's files, shapes and offsets, and resumes exactly
-    tool = os.path.join(os.path.dirname(EXE), "fsdp-ckpt")
 
     def layout(folder):
         out = {}
@@ -421,7 +421,7 @@ def checkpoints():
 
     for n, name, batch in [(8, "hsdp-tp", 6), (1, "debug", 24)]:
         rs = os.path.join(tmp, "rs-" + name)
-        p = subprocess.run([tool, "reshard", os.path.join(s, "step-00000005"), "--to", cfg(name), rs,
+        p = subprocess.run([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg(name), rs,
                             "--set", "data.batch_size=%d" % batch], capture_output=True, text=True)
         check(p.returncode == 0, "fsdp-ckpt reshard to %s runs" % name)
         if p.returncode != 0:
@@ -440,7 +440,7 @@ def checkpoints():
               "resharded offline for %s on %d: losses match the uninterrupted run (worst %.2e), "
               "rank 0 reads exactly what it needs" % (name, n, worst))
     # a plan with another model: refused, naming the first difference
-    p = subprocess.run([tool, "reshard", os.path.join(s, "step-00000005"), "--to", cfg("debug"),
+    p = subprocess.run([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg("debug"),
                         os.path.join(tmp, "rs-other"), "--set", "model.n_layers=3"],
                        capture_output=True, text=True)
     check(p.returncode != 0 and "differs from the model of" in p.stderr and
@@ -603,14 +603,13 @@ def py_logits(folder, ids):
 def ckpt_tool():
     """fsdp-ckpt inspect / export-hf / import-hf, checked by an independent reader."""
     import struct
-    tool = os.path.join(os.path.dirname(EXE), "fsdp-ckpt")
     tmp = mkdtemp()
     ck = os.path.join(tmp, "ck")
     p, _ = run(4, [os.path.join(ROOT, "configs", "fsdp.yaml"), "--set", "train.steps=3",
                    "--set", "checkpoint.dir=" + ck, "--set", "checkpoint.interval=3"])
     check(p.returncode == 0, "fsdp on 4 ranks saves a checkpoint")
     step = os.path.join(ck, "step-00000003")
-    tool_run = lambda *a: subprocess.run([tool] + list(a), capture_output=True, text=True,
+    tool_run = lambda *a: subprocess.run([TOOL] + list(a), capture_output=True, text=True,
                                          timeout=120)
     p = tool_run("inspect", step)
     check(p.returncode == 0 and "after step 3" in p.stdout and "fsdp.yaml" in p.stdout and
@@ -860,12 +859,11 @@ def ckpt_corrupt():
             print(p.stderr[-2000:])
     # fsdp-ckpt verify reads every chunk whole: the good checkpoint passes, the flipped byte is
     # named (a resharding load, which reads only the rows it needs, would not see it)
-    tool = os.path.join(os.path.dirname(EXE), "fsdp-ckpt")
-    p = subprocess.run([tool, "verify", good], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([TOOL, "verify", good], capture_output=True, text=True, timeout=120)
     check(p.returncode == 0 and re.search(r"(\d+) chunks match their checksums, 0 saved without "
                                           r"one, 0 tensors damaged", p.stdout) is not None,
           "verify passes the good checkpoint (model and optimizer state)")
-    p = subprocess.run([tool, "verify", os.path.join(tmp, "flipped-data-byte")],
+    p = subprocess.run([TOOL, "verify", os.path.join(tmp, "flipped-data-byte")],
                        capture_output=True, text=True, timeout=120)
     check(p.returncode != 0 and re.search(
         r"shard-00000\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight': "
