@@ -14,6 +14,11 @@ static status_t check_common(const char *fn, const tensor_t *const *ts, int n,
                              const kernel_ops_t **ops) {
   for (int i = 0; i < n; i++) {
     if (ts[i] == NULL) return err_set(STATUS_EINVAL, "%s: argument %d is NULL", fn, i);
+    if (tensor_is_meta(ts[i]))
+      return err_set(STATUS_EINVAL,
+                     "%s: argument %d is a meta tensor without memory (allocate a deferred "
+                     "model's shards with nn_module_materialize first)",
+                     fn, i);
     if (!tensor_is_contiguous(ts[i]))
       return err_set(STATUS_EINVAL, "%s: argument %d is not contiguous", fn, i);
     if (!device_equal(ts[i]->device, ts[0]->device)) {

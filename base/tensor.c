@@ -105,6 +105,25 @@ status_t tensor_init(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const i
   return STATUS_OK;
 }
 
+status_t tensor_meta(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+  if (t == NULL) return err_set(STATUS_EINVAL, "tensor_meta: t is NULL");
+  memset(t, 0, sizeof *t);
+  if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
+  TRY(check_shape(ndim, shape));
+  set_layout(t, dtype, dev, ndim, shape);
+  t->meta = true;
+  return STATUS_OK;
+}
+
+/* The error for an element access of a meta tensor. */
+static status_t meta_error(const char *what, const tensor_t *t) {
+  char a[96];
+  return err_set(STATUS_EINVAL,
+                 "%s: a meta tensor %s has no memory (a model built for deferred "
+                 "initialisation: allocate its shards with nn_module_materialize first)",
+                 what, shape_str(t->ndim, t->shape, a, sizeof a));
+}
+
 status_t tensor_zeros(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
   TRY(tensor_init(t, dtype, dev, ndim, shape));
   status_t st = tensor_fill(t, 0.0);
@@ -113,6 +132,7 @@ status_t tensor_zeros(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const 
 }
 
 status_t tensor_clone(tensor_t *out, const tensor_t *src, dtype_t dtype, device_t dev) {
+  if (src->meta) return tensor_meta(out, dtype, dev, src->ndim, src->shape);
   TRY(tensor_init(out, dtype, dev, src->ndim, src->shape));
   status_t st = tensor_copy(out, src);
   if (st != STATUS_OK) tensor_free(out);
@@ -169,6 +189,7 @@ status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t
                    shape_str(src->ndim, src->shape, a, sizeof a));
   tensor_t v;
   set_layout(&v, src->dtype, src->device, ndim, shape);
+  v.meta = src->meta;
   v.data = src->data;
   v.storage = src->storage;
   if (v.storage) v.storage->refcount++;
@@ -190,7 +211,7 @@ status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t star
   if (tensor_numel(&v) == 0) {
     v.data = NULL;
     v.storage = NULL;
-  } else {
+  } else if (!v.meta) {
     v.data = (char *)src->data + start * src->stride[dim] * (int64_t)dtype_size(src->dtype);
     if (v.storage) v.storage->refcount++;
   }
@@ -234,6 +255,7 @@ status_t tensor_copy(tensor_t *dst, const tensor_t *src) {
                    shape_str(dst->ndim, dst->shape, a, sizeof a),
                    shape_str(src->ndim, src->shape, b, sizeof b));
   if (tensor_numel(dst) == 0) return STATUS_OK;
+  if (dst->meta || src->meta) return meta_error("copy", dst->meta ? dst : src);
   if (device_equal(dst->device, src->device)) {
     copy_desc_t d;
     desc_from(&d, dst, src);
@@ -265,6 +287,7 @@ cleanup:
 
 status_t tensor_fill(tensor_t *t, double value) {
   if (tensor_numel(t) == 0) return STATUS_OK;
+  if (t->meta) return meta_error("fill", t);
   uint64_t pattern = 0;
   dtype_store(t->dtype, &pattern, 0, value);
   size_t esz = dtype_size(t->dtype);
@@ -282,6 +305,7 @@ status_t tensor_fill(tensor_t *t, double value) {
 status_t tensor_equal(const tensor_t *a, const tensor_t *b, bool *equal) {
   *equal = false;
   if (a->dtype != b->dtype || !tensor_same_shape(a, b)) return STATUS_OK;
+  if (tensor_numel(a) > 0 && (a->meta || b->meta)) return meta_error("equal", a->meta ? a : b);
   status_t st = STATUS_OK;
   tensor_t ha = {0}, hb = {0};
   TRY_GOTO(st, tensor_clone(&ha, a, a->dtype, device_cpu()));

@@ -42,17 +42,25 @@ typedef struct tensor {
   int ndim;                        /* 0 for a scalar (one element) */
   int64_t shape[TENSOR_MAX_DIMS];  /* elements per dimension */
   int64_t stride[TENSOR_MAX_DIMS]; /* in elements */
-  void *data;                      /* first element; NULL when numel == 0 */
-  tensor_storage_t *storage;       /* shared by views; NULL for an empty tensor */
+  void *data;                      /* first element; NULL when numel == 0 or meta */
+  tensor_storage_t *storage;       /* shared by views; NULL for an empty or meta tensor */
+  bool meta;                       /* shape and dtype only, no memory (deferred init) */
 } tensor_t;
 
 /* Allocates an uninitialised contiguous tensor. Caller frees with tensor_free. */
 status_t tensor_init(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape);
 
+/* A meta tensor: dtype, device and shape, but no memory (as PyTorch's device "meta"). Views,
+ * narrows, references and clones of it are meta too; anything that reads or writes elements
+ * (copies, fills, kernels, collectives) refuses it. Models built for deferred
+ * initialisation hold their parameters this way until their shards are allocated. */
+status_t tensor_meta(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape);
+static inline bool tensor_is_meta(const tensor_t *t) { return t->meta; }
+
 /* Same, filled with zeros. */
 status_t tensor_zeros(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape);
 
-/* A contiguous copy of src on dev in dtype. Caller frees out. */
+/* A contiguous copy of src on dev in dtype (a meta tensor for a meta src). Caller frees out. */
 status_t tensor_clone(tensor_t *out, const tensor_t *src, dtype_t dtype, device_t dev);
 
 /* Wraps caller-owned memory without taking ownership; tensor_free() on it releases nothing

@@ -25,7 +25,7 @@ int main(int argc, char **argv) {
   for (int k = 0; k < 2; k++) {
     opt.activation_checkpointing = k == 1;
     BENCH_TRY(llama_new(&m[k], &cfg, &opt));
-    BENCH_TRY(llama_init_weights(m[k], 7));
+    bench_init(m[k], 7);
     device_t dev = mesh_device(llama_local_mesh(m[k]));
     size_t base = mem_stats(dev).current;
     mem_reset_peak(dev);

@@ -42,7 +42,7 @@ static inline int bench_flag(int argc, char **argv, const char *name) {
 }
 
 /* The model config (--config, default def_config) and options (--device cpu|cuda,
- * --dtype f32|bf16|f16, --ac). */
+ * --dtype f32|bf16|f16, --ac); the model is built deferred (bench_init after sharding). */
 static inline void bench_model(int argc, char **argv, const char *def_config, llama_config_t *cfg,
                                llama_options_t *opt) {
   BENCH_TRY(llama_config_from_hf(bench_opt(argc, argv, "--config", def_config), cfg));
@@ -55,6 +55,13 @@ static inline void bench_model(int argc, char **argv, const char *def_config, ll
   opt->device = strcmp(dev, "cuda") == 0 ? DEVICE_CUDA : DEVICE_CPU;
   BENCH_TRY(dtype_parse(bench_opt(argc, argv, "--dtype", "f32"), &opt->dtype));
   opt->activation_checkpointing = bench_flag(argc, argv, "--ac");
+  opt->deferred = true;
+}
+
+/* Deferred initialisation's second half: memory for this rank's shards, then the init. */
+static inline void bench_init(llama_t *m, uint64_t seed) {
+  BENCH_TRY(nn_module_materialize(llama_module(m)));
+  BENCH_TRY(llama_init_weights(m, seed));
 }
 
 /* Forward, loss and backward of one micro-batch; returns the loss. */

@@ -44,8 +44,7 @@ int main(int argc, char **argv) {
                       .dp_size = W,
                       .dp_rank = dp_rank};
   llama_t *m;
-  BENCH_TRY(llama_new(&m, &cfg, &lopt));
-  BENCH_TRY(llama_init_weights(m, 1));
+  BENCH_TRY(llama_new(&m, &cfg, &lopt)); /* deferred: memory for the shards only */
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
   opt.reshard_after_forward = reshard;
@@ -58,6 +57,7 @@ int main(int argc, char **argv) {
     BENCH_TRY(fully_shard(llama_layer(m, i), &opt, &groups[i]));
   opt.reshard_after_forward = FSDP_RESHARD_AUTO;
   BENCH_TRY(fully_shard(llama_module(m), &opt, &groups[cfg.n_layers]));
+  bench_init(m, 1);
   pg_t **post = calloc((size_t)ng, sizeof *post); /* each post-forward group once */
   int npost = fsdp_post_forward_groups(groups, ng, post);
   nn_param_t **ps;

@@ -27,7 +27,7 @@ int main(int argc, char **argv) {
   bench_model(argc, argv, SOURCE_ROOT "/configs/llama-tiny.json", &cfg, &opt);
   llama_t *m;
   BENCH_TRY(llama_new(&m, &cfg, &opt));
-  BENCH_TRY(llama_init_weights(m, 1234));
+  bench_init(m, 1234);
   data_t *d;
   BENCH_TRY(data_open(&d, data_path, DATA_BYTES));
   if (data_max_token(d) >= cfg.vocab_size) {

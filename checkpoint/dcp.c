@@ -80,6 +80,10 @@ static uint32_t crc_bytes(const void *data, size_t bytes) {
 
 /* CRC-32 of a contiguous tensor's bytes, wherever it lives. */
 static status_t crc_of(const tensor_t *t, uint32_t *out) {
+  if (tensor_is_meta(t))
+    return err_set(STATUS_EINVAL,
+                   "checkpoint: a meta tensor has no data to save (allocate and initialise "
+                   "the model first)");
   tensor_t host = {0};
   const tensor_t *src = t;
   if (t->device.type != DEVICE_CPU || !tensor_is_contiguous(t)) {
@@ -364,6 +368,8 @@ static status_t read_checked(st_file_t *f, const char *name, const chunk_t *c, v
  * checksum first. */
 static status_t read_verified(st_file_t *f, const char *name, const chunk_t *c, tensor_t *dst) {
   const st_info_t *t = c->info;
+  if (dst->device.type == DEVICE_CPU && dst->dtype == t->dtype && tensor_is_contiguous(dst))
+    return read_checked(f, name, c, dst->data); /* straight into place */
   tensor_t raw;
   TRY(tensor_init(&raw, t->dtype, device_cpu(), t->ndim, t->shape));
   status_t st = read_checked(f, name, c, raw.data);
@@ -377,6 +383,12 @@ static status_t read_verified(st_file_t *f, const char *name, const chunk_t *c, 
 static status_t load_box(const char *dir, const folder_t *fo, const char *name, int nd,
                          const int64_t *gshape, const int64_t *loff, tensor_t *local,
                          dcp_stats_t *s) {
+  if (tensor_is_meta(local))
+    return err_set(STATUS_EINVAL,
+                   "checkpoint %s: tensor '%s': the destination is a meta tensor without "
+                   "memory (allocate a deferred model's shards with nn_module_materialize "
+                   "before loading)",
+                   dir, name);
   chunk_t *c;
   int nc;
   TRY(chunks_of(fo, name, &c, &nc));

@@ -33,7 +33,15 @@ static void entries_free(entries_t *e) {
   free(e->names);
 }
 
-static status_t entries_make(nn_param_t *const *params, int n, optim_t *opt, entries_t *e) {
+/* What the optimizer entries are for. */
+typedef enum entries_mode {
+  ENTRIES_SAVE,       /* the optimizer's state (zero when it has none yet) */
+  ENTRIES_LOAD,       /* state to overwrite (allocated uninitialised when absent) */
+  ENTRIES_MODEL_ONLY, /* no optimizer entries */
+} entries_mode_t;
+
+static status_t entries_make(nn_param_t *const *params, int n, optim_t *opt, entries_mode_t mode,
+                             entries_t *e) {
   memset(e, 0, sizeof *e);
   e->n = n;
   e->model = calloc((size_t)n + 1, sizeof *e->model);
@@ -47,7 +55,10 @@ static status_t entries_make(nn_param_t *const *params, int n, optim_t *opt, ent
   for (int i = 0; i < n; i++) {
     const char *name = params[i]->fqn;
     e->model[i] = (dcp_entry_t){name, params[i]->value};
-    status_t st = optim_state(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1]);
+    if (mode == ENTRIES_MODEL_ONLY) continue;
+    status_t st = mode == ENTRIES_SAVE
+                      ? optim_state(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1])
+                      : optim_state_for_load(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1]);
     for (int k = 0; k < 2 && st == STATUS_OK; k++) {
       size_t l = strlen(name) + 16;
       if ((e->names[2 * i + k] = malloc(l)) == NULL) {
@@ -94,7 +105,7 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
   int rank;
   MPI_Comm_rank(comm, &rank);
   entries_t e;
-  TRY(entries_make(params, n, opt, &e));
+  TRY(entries_make(params, n, opt, ENTRIES_SAVE, &e));
   char tmp[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
   status_t st = dcp_prepare(dir, tmp, sizeof tmp, comm);
   if (st == STATUS_OK) {
@@ -139,15 +150,15 @@ status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, o
                             int64_t *step, dcp_stats_t *stats) {
   int64_t s = 0, os = 0;
   TRY(read_state(dir, &s, &os));
-  entries_t e;
-  TRY(entries_make(params, n, opt, &e));
   char model[PATH_LEN], optim[PATH_LEN];
   snprintf(model, sizeof model, "%.4000s/model", dir);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
-  dcp_stats_t a = {0}, b = {0};
-  status_t st = dcp_load(model, e.model, n, &a);
   struct stat sb;
   bool weights_only = os == 0 && stat(optim, &sb) != 0; /* fsdp-ckpt import-hf */
+  entries_t e;
+  TRY(entries_make(params, n, opt, weights_only ? ENTRIES_MODEL_ONLY : ENTRIES_LOAD, &e));
+  dcp_stats_t a = {0}, b = {0};
+  status_t st = dcp_load(model, e.model, n, &a);
   if (st == STATUS_OK && !weights_only) st = dcp_load(optim, e.optim, 2 * n, &b);
   entries_free(&e);
   TRY(st);

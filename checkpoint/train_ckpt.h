@@ -30,7 +30,10 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
 /* Loads a checkpoint saved under any plan into params and opt (whose shards may be laid out
  * differently); *step receives the step it was saved after. A checkpoint of weights only
  * (optim_steps 0 and no optim folder, as fsdp-ckpt import-hf writes) leaves the optimizer
- * fresh. stats (may be NULL) adds up both folders' reads. Local. */
+ * fresh. Every element of the parameters and of the optimizer state is overwritten (the
+ * moments of parameters that had none are allocated without zero-filling), so a deferred
+ * model needs only nn_module_materialize before it, no initialisation. stats (may be NULL)
+ * adds up both folders' reads. Local. */
 status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                             int64_t *step, dcp_stats_t *stats);
 

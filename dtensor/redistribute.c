@@ -377,6 +377,9 @@ status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dten
   int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
   TRY(placements_check(src->ndim, n, shape, dst));
+  if (tensor_is_meta(&src->local))
+    return err_set(STATUS_EINVAL,
+                   "dtensor_redistribute: the DTensor is meta (no memory; allocate it first)");
   if (!device_equal(src->local.device, mesh_device(mesh))) {
     char a[16], b[16];
     return err_set(STATUS_EINVAL,

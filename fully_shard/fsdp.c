@@ -153,13 +153,19 @@ static status_t shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   placement_t pl[MESH_MAX_DIMS];
   mesh_t *mesh;
   TRY(sharded_layout(g, p, &mesh, pl));
-  TRY(tensor_zeros(&fp->padded, full->dtype, g->offload ? device_cpu() : full->device, nd, shape));
+  device_t dev = g->offload ? device_cpu() : full->device;
+  if (tensor_is_meta(full)) /* deferred: memory comes with nn_module_materialize */
+    TRY(tensor_meta(&fp->padded, full->dtype, dev, nd, shape));
+  else
+    TRY(tensor_zeros(&fp->padded, full->dtype, dev, nd, shape));
   tensor_t src = {0}, dst = {0}, local = {0};
   status_t st = STATUS_OK;
   dtensor_t *dt = NULL;
-  TRY_GOTO(st, tensor_narrow(&src, full, 0, start, len));
   TRY_GOTO(st, tensor_narrow(&dst, &fp->padded, 0, 0, len));
-  TRY_GOTO(st, tensor_copy(&dst, &src));
+  if (!tensor_is_meta(full)) {
+    TRY_GOTO(st, tensor_narrow(&src, full, 0, start, len));
+    TRY_GOTO(st, tensor_copy(&dst, &src));
+  }
   TRY_GOTO(st, tensor_ref(&local, &dst));
   TRY_GOTO(st, dtensor_from_local(&dt, &local, mesh, pl, nd, global));
   tensor_free(&p->compute);
@@ -173,6 +179,37 @@ static status_t shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
 cleanup:
   tensor_free(&src);
   tensor_free(&dst);
+  tensor_free(&local);
+  return st;
+}
+
+/* The guard's materialize: the padded shard of a meta parameter gets memory, uninitialised
+ * except its padding rows (zero: they travel in the all-gather and the reduce-scatter). */
+static status_t materialize_param(nn_param_t *p) {
+  fsdp_param_t *fp = p->guard_state;
+  if (!tensor_is_meta(&fp->padded)) return STATUS_OK;
+  fsdp_group_t *g = fp->g;
+  int64_t start, len;
+  chunk_range(fp->n0, g->W, g->rank, &start, &len);
+  const tensor_t *meta = &fp->padded;
+  tensor_t padded = {0}, pad = {0}, local = {0};
+  dtensor_t *dt = NULL;
+  status_t st = STATUS_OK;
+  TRY_GOTO(st, tensor_init(&padded, meta->dtype, meta->device, meta->ndim, meta->shape));
+  TRY_GOTO(st, tensor_narrow(&pad, &padded, 0, len, fp->rows - len));
+  TRY_GOTO(st, tensor_fill(&pad, 0.0));
+  TRY_GOTO(st, tensor_narrow(&local, &padded, 0, 0, len));
+  const dtensor_t *v = p->value;
+  TRY_GOTO(st, dtensor_from_local(&dt, &local, dtensor_mesh(v), dtensor_placements(v),
+                                  dtensor_ndim(v), dtensor_shape(v)));
+  dtensor_free(p->value);
+  p->value = dt;
+  tensor_free(&fp->padded);
+  fp->padded = padded;
+  memset(&padded, 0, sizeof padded);
+cleanup:
+  tensor_free(&padded);
+  tensor_free(&pad);
   tensor_free(&local);
   return st;
 }
@@ -800,8 +837,14 @@ static status_t guard_post_backward(nn_ctx_t *ctx, nn_param_t *p) {
   return reduce_after_backward(group_of_param(p));
 }
 
-static const nn_param_guard_t on_demand_guard = {guard_ready, guard_enter, guard_leave,
-                                                 guard_pre_backward, guard_post_backward};
+static const nn_param_guard_t on_demand_guard = {
+    .ready = guard_ready,
+    .enter = guard_enter,
+    .leave = guard_leave,
+    .pre_backward = guard_pre_backward,
+    .post_backward = guard_post_backward,
+    .materialize = materialize_param,
+};
 
 status_t fsdp_register_forward_method(nn_module_t *m) {
   if (fsdp_group_of(m) != NULL) return STATUS_OK; /* a unit's own calls are regular */

@@ -85,6 +85,13 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
     g->unsharded = true;
     return STATUS_OK;
   }
+  for (int i = 0; i < g->n; i++)
+    if (tensor_is_meta(&g->params[i].padded))
+      return err_set(STATUS_EINVAL,
+                     "fully_shard: parameter %s has no memory yet (the model was built for "
+                     "deferred initialisation): call nn_module_materialize and initialise it "
+                     "before the first forward",
+                     g->params[i].p->fqn);
   device_t dev = mesh_device(g->mesh);
   if (g->streams != NULL && g->copied == NULL) TRY(event_new(dev, &g->copied));
   /* copy-in reads shards the optimizer may just have written on the compute stream; offloaded

@@ -153,6 +153,12 @@ status_t nn_param_begin(nn_ctx_t *ctx, const char *op, nn_param_t *p, bool *impl
       return st;
     }
   }
+  if (p != NULL && tensor_is_meta(&p->compute))
+    return nn_param_end(ctx, p, *implicit,
+                        err_set(STATUS_EINVAL,
+                                "%s: parameter %s is meta (built for deferred initialisation): "
+                                "allocate it with nn_module_materialize and initialise it first",
+                                op, p->fqn ? p->fqn : "(unnamed)"));
   if (p == NULL || p->compute.storage == NULL)
     return nn_param_end(ctx, p, *implicit,
                         err_set(STATUS_EINVAL, "%s: parameter %s has no value to compute with", op,

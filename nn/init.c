@@ -36,6 +36,10 @@ static double normal_elem(uint64_t key, uint64_t index, double mean, double std)
   return mean + std * (sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2));
 }
 
+static double uniform_elem(uint64_t key, uint64_t index, double lo, double hi) {
+  return lo + (hi - lo) * (1.0 - uniform(key, index)); /* uniform() is in (0, 1] */
+}
+
 static double constant_elem(uint64_t key, uint64_t index, double value, double unused) {
   (void)key, (void)index, (void)unused;
   return value;
@@ -45,9 +49,8 @@ static double constant_elem(uint64_t key, uint64_t index, double value, double u
 static status_t fill_local(nn_param_t *p, elem_fn fn, uint64_t key, double a, double b) {
   const dtensor_t *dt = p->value;
   const placement_t *pl = dtensor_placements(dt);
-  for (int i = 0; i < mesh_ndim(dtensor_mesh(dt)); i++)
-    if (pl[i].kind == PLACEMENT_PARTIAL ||
-        (pl[i].kind == PLACEMENT_SHARD && pl[i].split_factor > 1))
+  for (int i = 0; i < mesh_ndim(dtensor_mesh(dt)); i++) /* a (strided) shard is one box */
+    if (pl[i].kind == PLACEMENT_PARTIAL)
       return err_set(STATUS_EPLACEMENT, "init of %s: only Shard and Replicate placements",
                      p->fqn ? p->fqn : p->name);
   const tensor_t *local = dtensor_local(dt);
@@ -84,6 +87,13 @@ status_t nn_init_normal(nn_param_t *p, uint64_t seed, double mean, double std) {
   if (p == NULL || p->fqn == NULL)
     return err_set(STATUS_EINVAL, "nn_init_normal: parameter has no FQN (finalize the module)");
   return fill_local(p, normal_elem, name_key(seed, p->fqn), mean, std);
+}
+
+status_t nn_init_uniform(nn_param_t *p, uint64_t seed, double lo, double hi) {
+  if (p == NULL || p->fqn == NULL)
+    return err_set(STATUS_EINVAL, "nn_init_uniform: parameter has no FQN (finalize the module)");
+  if (!(lo <= hi)) return err_set(STATUS_EINVAL, "nn_init_uniform: need lo <= hi");
+  return fill_local(p, uniform_elem, name_key(seed, p->fqn), lo, hi);
 }
 
 status_t nn_init_constant(nn_param_t *p, double value) {

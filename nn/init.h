@@ -21,8 +21,14 @@ extern "C" {
 double nn_init_normal_value(uint64_t seed, const char *name, uint64_t index);
 
 /* Fills the local shard of p->value with mean + std * nn_init_normal_value(seed, fqn, i) for
- * each global index i. Placements must be Shard or Replicate. Local. */
+ * each global index i. Placements must be Shard (strided shards included: each is one box of
+ * the global tensor) or Replicate. Local. */
 status_t nn_init_normal(nn_param_t *p, uint64_t seed, double mean, double std);
+
+/* Fills the local shard of p->value with lo + (hi - lo) * u, u uniform in [0, 1) drawn for
+ * each global index as above (the default init of PyTorch's Linear: lo = -hi =
+ * -1/sqrt(in_features)). Local. */
+status_t nn_init_uniform(nn_param_t *p, uint64_t seed, double lo, double hi);
 
 /* Fills the local shard of p->value with value. */
 status_t nn_init_constant(nn_param_t *p, double value);

@@ -339,7 +339,10 @@ static status_t add_weight(builder_t *b, nn_module_t *m, int64_t rows, int64_t c
   int nd = cols > 0 ? 2 : 1;
   tensor_t t;
   device_t dev = mesh_device(b->L->mesh);
-  TRY(tensor_zeros(&t, b->opt->dtype, dev, nd, shape));
+  if (b->opt->deferred)
+    TRY(tensor_meta(&t, b->opt->dtype, dev, nd, shape));
+  else
+    TRY(tensor_zeros(&t, b->opt->dtype, dev, nd, shape));
   dtensor_t *dt = NULL;
   placement_t rep = placement_replicate();
   status_t st = dtensor_from_local(&dt, &t, b->L->mesh, &rep, nd, shape);

@@ -8,6 +8,11 @@
  *   llama_options_t opt = LLAMA_OPTIONS_INIT;
  *   TRY(llama_new(&model, &cfg, &opt));          // parameters on a one-rank mesh
  *   TRY(llama_init_weights(model, 1234));        // plan-independent init
+ *
+ * Deferred initialisation (a model larger than one rank): opt.deferred = true builds meta
+ * parameters; apply tensor parallelism and fully_shard, then
+ *   TRY(nn_module_materialize(llama_module(model)));   // memory for this rank's shards only
+ *   TRY(llama_init_weights(model, 1234));              // or ckpt_load_hf, a checkpoint load
  *   TRY(nn_call(ctx, llama_module(model), ids, &logits));   // ids: I32/I64 [B, T]
  *   llama_free(model);
  *
@@ -83,19 +88,23 @@ typedef struct llama_options {
   dtype_t dtype;                 /* parameter dtype */
   device_type_t device;          /* where parameters live (this rank's device) */
   bool activation_checkpointing; /* per transformer block */
+  bool deferred; /* parameters are meta (shapes only, no memory) until nn_module_materialize */
 } llama_options_t;
 
 #define LLAMA_OPTIONS_INIT \
-  { .dtype = DTYPE_F32, .device = DEVICE_CPU, .activation_checkpointing = false }
+  { .dtype = DTYPE_F32, .device = DEVICE_CPU, .activation_checkpointing = false, .deferred = false }
 
 typedef struct llama llama_t;
 
-/* Builds the module tree with uninitialised parameters, each Replicate on a one-rank mesh
- * owned by the model. Local. */
+/* Builds the module tree with zero parameters, each Replicate on a one-rank mesh owned by the
+ * model; with opt->deferred the parameters are meta instead, so that a model larger than
+ * one rank can be built, parallelised (tensor_parallel, fully_shard) and then given memory
+ * for its shards only (nn_module_materialize) before llama_init_weights or a load. Local. */
 status_t llama_new(llama_t **out, const llama_config_t *cfg, const llama_options_t *opt);
 void llama_free(llama_t *m);
 
-/* Linear and embedding weights ~ N(0, 0.02), norm weights = 1 (init.h). Local. */
+/* Linear and embedding weights ~ N(0, 0.02), norm weights = 1 (init.h), each rank filling its
+ * local shards: the same global values under every plan. Local. */
 status_t llama_init_weights(llama_t *m, uint64_t seed);
 
 nn_module_t *llama_module(const llama_t *m);

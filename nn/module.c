@@ -366,6 +366,43 @@ status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full) {
   return st;
 }
 
+bool nn_param_is_meta(const nn_param_t *p) { return tensor_is_meta(dtensor_local(p->value)); }
+
+/* A meta parameter that no guard manages: a plain tensor of its local shape, same placements. */
+static status_t materialize_plain(nn_param_t *p) {
+  const dtensor_t *v = p->value;
+  const tensor_t *l = dtensor_local(v);
+  tensor_t t;
+  TRY(tensor_init(&t, l->dtype, l->device, l->ndim, l->shape));
+  dtensor_t *dt = NULL;
+  status_t st = dtensor_from_local(&dt, &t, dtensor_mesh(v), dtensor_placements(v),
+                                   dtensor_ndim(v), dtensor_shape(v));
+  tensor_free(&t);
+  TRY(st);
+  return nn_param_set_value(p, dt);
+}
+
+status_t nn_module_materialize(nn_module_t *root) {
+  if (root == NULL) return err_set(STATUS_EINVAL, "nn_module_materialize: NULL module");
+  nn_param_t **ps;
+  int n;
+  TRY(nn_named_parameters(root, &ps, &n));
+  status_t st = STATUS_OK;
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    nn_param_t *p = ps[i];
+    if (!nn_param_is_meta(p)) continue;
+    if (p->guard != NULL && p->guard->materialize != NULL)
+      st = p->guard->materialize(p);
+    else if (p->external)
+      st = err_set(STATUS_EINVAL, "nn_module_materialize: parameter %s is managed by hooks that "
+                   "cannot allocate it", p->fqn);
+    else
+      st = materialize_plain(p);
+  }
+  free(ps);
+  return st;
+}
+
 void nn_param_zero_grad(nn_param_t *p) {
   tensor_free(&p->compute_grad);
   dtensor_free(p->grad);

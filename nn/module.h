@@ -51,6 +51,8 @@ typedef struct nn_param_guard {
   status_t (*leave)(nn_ctx_t *ctx, nn_param_t *p);
   status_t (*pre_backward)(nn_ctx_t *ctx, nn_param_t *p);
   status_t (*post_backward)(nn_ctx_t *ctx, nn_param_t *p);
+  /* allocates the memory of p's local shard when p is meta (nn_module_materialize) */
+  status_t (*materialize)(nn_param_t *p);
 } nn_param_guard_t;
 
 struct nn_param {
@@ -158,6 +160,20 @@ status_t nn_param_set_value(nn_param_t *p, dtensor_t *value);
  * the part its placements give it. Gradient and optimizer state are left alone. Refused while
  * fully_shard has p gathered for a step in progress: write between steps. Local. */
 status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full);
+
+/* True when p has no memory yet: a model built for deferred initialisation (its DTensor's
+ * local tensor is meta). */
+bool nn_param_is_meta(const nn_param_t *p);
+
+/* Deferred initialisation, the second half: allocates the memory of every meta parameter
+ * under root, each rank only its local shard (under fully_shard its zero-padded shard, under
+ * tensor parallelism its tensor-parallel shard, otherwise the whole tensor), on the device
+ * the parameter was declared for. The values are uninitialised (as torch's to_empty):
+ * initialise them next (nn_init_* or a model's init function, ckpt_load_hf, a checkpoint
+ * load). Parameters that have memory are left alone. Build the model meta, apply tensor
+ * parallelism and fully_shard, then materialize: no rank ever holds a whole parameter its
+ * plan does not give it. Local. */
+status_t nn_module_materialize(nn_module_t *root);
 
 /* Drops p's gradient (grad and compute_grad). */
 void nn_param_zero_grad(nn_param_t *p);

@@ -81,20 +81,29 @@ void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_dec
 int64_t optim_steps(const optim_t *o) { return o->steps; }
 void optim_set_steps(optim_t *o, int64_t steps) { o->steps = steps; }
 
-static status_t slot_ready(slot_t *s) {
+/* The moments of a slot, created on first use: zero, or uninitialised when a load is about to
+ * overwrite them. */
+static status_t slot_ready(slot_t *s, bool zero) {
   if (s->ready) return STATUS_OK;
   const tensor_t *local = dtensor_local(s->p->value);
-  TRY(tensor_zeros(&s->m, DTYPE_F32, local->device, local->ndim, local->shape));
-  TRY(tensor_zeros(&s->v, DTYPE_F32, local->device, local->ndim, local->shape));
+  status_t (*make)(tensor_t *, dtype_t, device_t, int, const int64_t *) =
+      zero ? tensor_zeros : tensor_init;
+  TRY(make(&s->m, DTYPE_F32, local->device, local->ndim, local->shape));
+  status_t st = make(&s->v, DTYPE_F32, local->device, local->ndim, local->shape);
+  if (st != STATUS_OK) {
+    tensor_free(&s->m);
+    return st;
+  }
   s->ready = true;
   return STATUS_OK;
 }
 
-status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
+static status_t state_of(optim_t *o, int i, bool zero, dtensor_t **exp_avg,
+                         dtensor_t **exp_avg_sq) {
   *exp_avg = *exp_avg_sq = NULL;
   if (i < 0 || i >= o->n) return err_set(STATUS_EINVAL, "optim_state: no parameter %d", i);
   slot_t *s = &o->slots[i];
-  TRY(slot_ready(s));
+  TRY(slot_ready(s, zero));
   const dtensor_t *v = s->p->value;
   TRY(dtensor_from_local(exp_avg, &s->m, dtensor_mesh(v), dtensor_placements(v), dtensor_ndim(v),
                          dtensor_shape(v)));
@@ -107,13 +116,21 @@ status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg
   return st;
 }
 
+status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
+  return state_of(o, i, true, exp_avg, exp_avg_sq);
+}
+
+status_t optim_state_for_load(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
+  return state_of(o, i, false, exp_avg, exp_avg_sq);
+}
+
 status_t optim_step(optim_t *o, double lr_factor) {
   o->steps++;
   for (int i = 0; i < o->n; i++) {
     slot_t *s = &o->slots[i];
     if (s->p->grad == NULL || !s->p->requires_grad) continue;
     const tensor_t *local = dtensor_local(s->p->value);
-    TRY(slot_ready(s));
+    TRY(slot_ready(s, true));
     adamw_args_t a = {.lr = s->lr * lr_factor,
                       .beta1 = o->cfg.beta1,
                       .beta2 = o->cfg.beta2,

@@ -65,6 +65,9 @@ int64_t optim_steps(const optim_t *o);
  * DTensors sharing the optimizer's memory, with the parameter's mesh and placements: for
  * checkpoints. The caller frees the DTensors; the optimizer keeps the memory. */
 status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq);
+/* The same for a load that overwrites every element: a parameter without state gets moments
+ * allocated uninitialised instead of zero-filled. */
+status_t optim_state_for_load(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq);
 /* Sets the number of steps taken (bias correction continues from there), for resuming. */
 void optim_set_steps(optim_t *o, int64_t steps);
 

@@ -43,6 +43,7 @@ void plan_defaults(plan_t *p) {
   p->model.norm_eps = 1e-5;
   p->model.tie_embeddings = false;
   p->model_seed = 0;
+  p->deferred_init = true;
   p->reshard_after_forward = FSDP_RESHARD_AUTO;
   p->param_dtype = p->reduce_dtype = DTYPE_COUNT;
   p->optim = (adamw_config_t)ADAMW_CONFIG_INIT;
@@ -354,7 +355,7 @@ static status_t read_model(ctx_t *c, int root) {
   static const char *const keys[] = {"dim",      "n_layers",       "n_heads",     "n_kv_heads",
                                      "ffn_dim",  "vocab_size",     "max_seq_len", "rope_theta",
                                      "norm_eps", "tie_embeddings", "seed",        "init_from",
-                                     NULL};
+                                     "deferred_init", NULL};
   int m;
   TRY(section(c, root, "model", keys, &m));
   if (m == 0) return STATUS_OK;
@@ -364,6 +365,7 @@ static status_t read_model(ctx_t *c, int root) {
   TRY(get_int(c, m, "model", "seed", 0, INT64_MAX, &s));
   if (find(c, m, "seed")) seed = (uint64_t)s;
   p->model_seed = seed;
+  TRY(get_bool(c, m, "model", "deferred_init", &p->deferred_init));
   TRY(get_path(c, m, "model", "init_from", p->init_from));
   if (p->init_from[0]) {
     for (int i = 0; keys[i] && strcmp(keys[i], "seed") != 0; i++)

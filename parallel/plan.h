@@ -63,6 +63,7 @@ typedef struct plan {
   llama_config_t model;
   char init_from[PLAN_PATH_MAX]; /* a Hugging Face folder, or "" */
   uint64_t model_seed;
+  bool deferred_init; /* build meta, parallelise, then allocate and fill only local shards */
   /* parallelize.fully_shard */
   plan_unit_t units[PLAN_MAX_UNITS];
   int n_units;

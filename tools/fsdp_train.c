@@ -144,27 +144,37 @@ static status_t build(run_t *r) {
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.device = r->dev.type;
   lo.activation_checkpointing = p->activation_checkpointing;
-  TRY(llama_new(&r->model, &p->model, &lo));
-  if (!p->init_from[0]) TRY(llama_init_weights(r->model, p->model_seed));
-  TRY(plan_apply_tensor_parallel(p, r->model, r->mesh, &r->tp_mesh, &r->tp));
-  TRY(plan_apply_fully_shard(p, r->model, r->dp_mesh, r->groups, MAX_GROUPS, &r->n_groups));
-  if (p->init_from[0]) /* after sharding: each rank reads only its shards' rows */
-    TRY(ckpt_load_hf(llama_module(r->model), p->init_from));
-  TRY(nn_named_parameters(llama_module(r->model), &r->ps, &r->n));
-  TRY(optim_new(&r->opt, r->ps, r->n, &p->optim));
+  lo.deferred = p->deferred_init;
+  bool resume = false; /* a checkpoint to load: it overwrites every parameter */
   if (p->ckpt_load[0]) {
-    bool found = true;
+    resume = true;
     if (strcmp(p->ckpt_load, "auto") == 0)
-      TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, &found));
+      TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, &resume));
     else
       snprintf(r->resumed_from, sizeof r->resumed_from, "%s", p->ckpt_load);
+  }
+  /* deferred: meta parameters, parallelised, then memory for this rank's shards only and
+   * values from the init, the Hugging Face folder or the checkpoint; eager: whole
+   * parameters initialised on every rank, then split */
+  TRY(llama_new(&r->model, &p->model, &lo));
+  nn_module_t *root = llama_module(r->model);
+  if (!lo.deferred && !p->init_from[0]) TRY(llama_init_weights(r->model, p->model_seed));
+  TRY(plan_apply_tensor_parallel(p, r->model, r->mesh, &r->tp_mesh, &r->tp));
+  TRY(plan_apply_fully_shard(p, r->model, r->dp_mesh, r->groups, MAX_GROUPS, &r->n_groups));
+  TRY(nn_module_materialize(root));
+  if (lo.deferred && !p->init_from[0] && !resume)
+    TRY(llama_init_weights(r->model, p->model_seed));
+  if (p->init_from[0]) /* after sharding: each rank reads only its shards' rows */
+    TRY(ckpt_load_hf(root, p->init_from));
+  TRY(nn_named_parameters(root, &r->ps, &r->n));
+  TRY(optim_new(&r->opt, r->ps, r->n, &p->optim));
+  if (resume) {
     r->verified = -1;
-    if (found && p->ckpt_verify)
+    if (p->ckpt_verify)
       TRY(ckpt_verify_training(r->resumed_from, world_comm(), &r->verified));
-    if (found)
-      TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
-    else
-      r->resumed_from[0] = 0;
+    TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
+  } else {
+    r->resumed_from[0] = 0;
   }
   if (!r->args.dry_run) {
     TRY(data_open(&r->data, p->data_path, p->data_format));

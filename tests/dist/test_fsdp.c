@@ -428,6 +428,72 @@ START_TEST(memory_within_budget) {
 }
 END_TEST
 
+/* Deferred initialisation: building the model meta and sharding it allocates nothing;
+ * nn_module_materialize allocates exactly this rank's padded shards and never more at any
+ * moment; the initialised shards equal, bit for bit, those of the model built whole,
+ * initialised and then sharded; one step of both gives the same loss. */
+START_TEST(deferred_init_allocates_only_shards) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  cfg.vocab_size = 250; /* uneven chunks: padding rows on the last ranks */
+  mesh_t *mesh = dp_mesh();
+  device_t dev = test_offload() ? device_cpu() : mesh_device(mesh);
+  llama_t *ms[2];
+  fsdp_group_t *groups[2][8];
+  size_t built = 0, materialized = 0, peak = 0, shards = 0;
+  for (int k = 0; k < 2; k++) { /* 0: deferred, 1: eager */
+    llama_options_t o = LLAMA_OPTIONS_INIT;
+    o.device = test_device_type();
+    o.deferred = k == 0;
+    size_t c0 = mem_stats(dev).current;
+    mem_reset_peak(dev);
+    ok(llama_new(&ms[k], &cfg, &o));
+    if (k == 1) ok(llama_init_weights(ms[k], 99));
+    fsdp_options_t opt = FSDP_OPTIONS_INIT;
+    opt.mesh = mesh;
+    opt.offload = test_offload();
+    for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(ms[k], i), &opt, &groups[k][i]));
+    ok(fully_shard(llama_module(ms[k]), &opt, &groups[k][cfg.n_layers]));
+    if (k == 1) continue;
+    built = mem_stats(dev).peak - c0;
+    ok(nn_module_materialize(llama_module(ms[k])));
+    materialized = mem_stats(dev).current - c0;
+    peak = mem_stats(dev).peak - c0;
+    for (int i = 0; i <= cfg.n_layers; i++) shards += (size_t)fsdp_flat_numel(groups[k][i]) * 4;
+    ok(llama_init_weights(ms[k], 99));
+  }
+  if (world_rank() == 0)
+    printf("deferred build: %zu B before materialize, %zu B after (peak %zu), shards %zu B\n",
+           built, materialized, peak, shards);
+  int bad = built != 0 || materialized != shards || peak != shards;
+  nn_param_t **pa, **pb;
+  int na, nb;
+  ok(nn_named_parameters(llama_module(ms[0]), &pa, &na));
+  ok(nn_named_parameters(llama_module(ms[1]), &pb, &nb));
+  for (int i = 0; i < na && na == nb; i++) {
+    bool eq;
+    ok(tensor_equal(dtensor_local(pa[i]->value), dtensor_local(pb[i]->value), &eq));
+    if (!eq) printf("rank %d: %s differs\n", world_rank(), pa[i]->fqn);
+    bad += !eq;
+  }
+  free(pa);
+  free(pb);
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  data_spec_t spec = {.batch_size = 2, .seq_len = 16, .grad_accum = 1, .dp_size = 1};
+  double l0 = fwd_bwd(ms[0], d, &spec, 0, 0), l1 = fwd_bwd(ms[1], d, &spec, 0, 0);
+  bad += l0 != l1;
+  expect_all(bad == 0 && na == nb,
+             "a deferred build allocates only the shards and initialises them as the eager one");
+  for (int k = 0; k < 2; k++) {
+    fsdp_free_all(llama_module(ms[k]));
+    llama_free(ms[k]);
+  }
+  data_free(d);
+  mesh_free(mesh);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("fsdp");
   TCase *tc = tcase_create("fsdp");
@@ -443,6 +509,7 @@ static Suite *make_suite(void) {
       tcase_add_test(tc, training_parity_mixed_precision);
       tcase_add_test(tc, training_parity_accumulation_no_sync);
       tcase_add_test(tc, training_parity_accumulation_last_backward);
+      tcase_add_test(tc, deferred_init_allocates_only_shards);
     }
     suite_add_tcase(s, tc);
     return s;
@@ -463,6 +530,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_parity_int_reshard);
   tcase_add_test(tc, int_reshard_invalid_is_refused);
   tcase_add_test(tc, memory_within_budget);
+  tcase_add_test(tc, deferred_init_allocates_only_shards);
   suite_add_tcase(s, tc);
   return s;
 }

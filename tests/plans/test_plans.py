@@ -76,12 +76,19 @@ def configs():
     ref = None
     for name, n, fp32 in PLANS:
         metrics = os.path.join(tmp, name + ".jsonl")
-        p, _ = run(n, [os.path.join(ROOT, "configs", name + ".yaml"), "--set",
-                       "train.steps=%d" % STEPS, "--metrics", metrics])
+        eager = os.path.join(tmp, name + "-eager.jsonl")
+        yaml = os.path.join(ROOT, "configs", name + ".yaml")
+        p, _ = run(n, [yaml, "--set", "train.steps=%d" % STEPS, "--metrics", metrics])
         check(p.returncode == 0, "%s on %d ranks runs" % (name, n))
         if p.returncode != 0:
             print(p.stdout[-2000:], p.stderr[-2000:])
             continue
+        # the default builds the model deferred; the eager build must train bit-identically
+        q, _ = run(n, [yaml, "--set", "train.steps=%d" % STEPS, "--set",
+                       "model.deferred_init=false", "--metrics", eager])
+        check(q.returncode == 0 and [r["loss"] for r in losses(eager)] ==
+              [r["loss"] for r in losses(metrics)],
+              "%s: deferred and eager initialisation give bit-identical losses" % name)
         m = losses(metrics)
         check(len(m) == STEPS and [r["step"] for r in m] == list(range(1, STEPS + 1)),
               "%s: one metrics line per step" % name)
@@ -156,6 +163,10 @@ def pytorch():
         print(p.stdout[-2000:], p.stderr[-2000:])
         return
     got = [r["loss"] for r in losses(metrics)]
+    eager = os.path.join(tmp, "eager.jsonl")
+    q, _ = run(2, [plan, "--metrics", eager, "--set", "model.deferred_init=false"])
+    check(q.returncode == 0 and [r["loss"] for r in losses(eager)] == got,
+          "model.init_from: deferred and eager initialisation give bit-identical losses")
     want = golden_losses()
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     check(len(got) == len(want) == 10 and worst <= 1e-5,

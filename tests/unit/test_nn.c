@@ -378,6 +378,49 @@ START_TEST(hf_config_parse_and_errors) {
 }
 END_TEST
 
+/* A model built deferred holds no parameter memory; a forward before nn_module_materialize is
+ * refused naming the parameter and the remedy; once materialized and initialised it computes
+ * exactly the logits of the model built whole. */
+START_TEST(deferred_model_materializes) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  llama_options_t o = LLAMA_OPTIONS_INIT;
+  size_t before = mem_stats(device_cpu()).current;
+  llama_t *m[2];
+  o.deferred = true;
+  ok(llama_new(&m[0], &cfg, &o));
+  ck_assert_uint_eq(mem_stats(device_cpu()).current, before);
+  o.deferred = false;
+  ok(llama_new(&m[1], &cfg, &o));
+  ok(llama_init_weights(m[1], 5));
+  tensor_t ids;
+  ok(tensor_init(&ids, DTYPE_I64, device_cpu(), 2, (int64_t[]){1, 6}));
+  for (int i = 0; i < 6; i++) ((int64_t *)ids.data)[i] = 7 * i + 1;
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *in, *out[2] = {NULL, NULL};
+  ok(nn_var_new(&in, &ids, false));
+  ck_assert_int_eq(nn_call(ctx, llama_module(m[0]), in, &out[0]), STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "model.embed_tokens.weight is meta") != NULL);
+  ck_assert(strstr(err_detail(), "nn_module_materialize") != NULL);
+  nn_ctx_clear(ctx);
+  before = mem_stats(device_cpu()).current;
+  ok(nn_module_materialize(llama_module(m[0])));
+  ck_assert_uint_eq(mem_stats(device_cpu()).current - before, (size_t)llama_num_params(&cfg) * 4);
+  ok(llama_init_weights(m[0], 5));
+  for (int k = 0; k < 2; k++) ok(nn_call(ctx, llama_module(m[k]), in, &out[k]));
+  bool eq;
+  ok(tensor_equal(&out[0]->value, &out[1]->value, &eq));
+  ck_assert(eq);
+  for (int k = 0; k < 2; k++) {
+    nn_var_put(out[k]);
+    llama_free(m[k]);
+  }
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("nn");
   TCase *tc = tcase_create("nn");
@@ -389,6 +432,7 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, lr_schedule_values);
     tcase_add_test(tc, adamw_matches_formula_and_groups);
     tcase_add_test(tc, hf_config_parse_and_errors);
+    tcase_add_test(tc, deferred_model_materializes);
   }
   tcase_add_test(tc, init_is_plan_independent);
   suite_add_tcase(s, tc);

@@ -1,5 +1,6 @@
 #include <string.h>
 
+#include "base/kernels.h"
 #include "base/tensor.h"
 #include "tests/harness.h"
 
@@ -211,6 +212,45 @@ START_TEST(tensor_wrap_does_not_free) {
 }
 END_TEST
 
+/* A meta tensor has a layout and no memory: views, narrows and clones stay meta and allocate
+ * nothing; copies, fills, comparisons and kernels refuse it, naming the remedy. */
+START_TEST(tensor_meta_has_layout_without_memory) {
+  device_t cpu = device_cpu();
+  size_t before = mem_stats(cpu).current;
+  tensor_t m, v, n, c, real;
+  int64_t shape[2] = {6, 4}, flat = 24;
+  ck_assert_int_eq(tensor_meta(&m, DTYPE_BF16, cpu, 2, shape), STATUS_OK);
+  ck_assert(tensor_is_meta(&m));
+  ck_assert_ptr_null(m.data);
+  ck_assert_int_eq(m.stride[0], 4);
+  ck_assert_uint_eq(tensor_nbytes(&m), 48);
+  ck_assert_int_eq(tensor_view(&v, &m, 1, &flat), STATUS_OK);
+  ck_assert_int_eq(tensor_narrow(&n, &m, 0, 2, 3), STATUS_OK);
+  ck_assert_int_eq(tensor_clone(&c, &n, DTYPE_F32, cpu), STATUS_OK);
+  ck_assert(tensor_is_meta(&v) && tensor_is_meta(&n) && tensor_is_meta(&c));
+  ck_assert_ptr_null(n.data);
+  ck_assert_int_eq(c.dtype, DTYPE_F32);
+  ck_assert_int_eq(c.shape[0], 3);
+  ck_assert_uint_eq(mem_stats(cpu).current, before);
+  ck_assert_int_eq(tensor_init(&real, DTYPE_F32, cpu, 2, (int64_t[]){3, 4}), STATUS_OK);
+  ck_assert_int_eq(tensor_copy(&real, &c), STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "meta tensor") != NULL);
+  ck_assert(strstr(err_detail(), "nn_module_materialize") != NULL);
+  ck_assert_int_eq(tensor_copy(&c, &real), STATUS_EINVAL);
+  ck_assert_int_eq(tensor_fill(&m, 1.0), STATUS_EINVAL);
+  bool eq;
+  ck_assert_int_eq(tensor_equal(&c, &real, &eq), STATUS_EINVAL);
+  ck_assert_int_eq(kernel_scale(&c, 2.0f), STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "meta tensor") != NULL);
+  tensor_free(&real);
+  tensor_free(&c);
+  tensor_free(&n);
+  tensor_free(&v);
+  tensor_free(&m);
+  ck_assert_uint_eq(mem_stats(cpu).current, before);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("tensor");
   TCase *tc = tcase_create("core");
@@ -227,6 +267,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_equal_compares_bits);
   tcase_add_test(tc, mem_stats_track_current_and_peak);
   tcase_add_test(tc, tensor_wrap_does_not_free);
+  tcase_add_test(tc, tensor_meta_has_layout_without_memory);
   suite_add_tcase(s, tc);
   return s;
 }
