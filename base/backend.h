@@ -6,6 +6,7 @@
 #ifndef FSDPC_BASE_BACKEND_H
 #define FSDPC_BASE_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -34,8 +35,9 @@ typedef struct copy_desc {
 
 typedef struct backend {
   const char *name;
-  status_t (*alloc)(int index, size_t bytes, void **out);
-  void (*free)(int index, void *ptr);
+  /* zeroed: the memory must read as zeros; free gets the same bytes and zeroed */
+  status_t (*alloc)(int index, size_t bytes, bool zeroed, void **out);
+  void (*free)(int index, void *ptr, size_t bytes, bool zeroed);
   status_t (*copy)(int index, const copy_desc_t *desc);
   /* Sets n elements at ptr to the bit pattern `pattern` of elem_size bytes. */
   status_t (*fill)(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern);

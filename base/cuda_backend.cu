@@ -138,7 +138,7 @@ extern "C" void cuda_stream_set_current(int index, stream_t *s) { current_stream
 
 static cudaStream_t raw_stream(int index) { return cuda_stream_current(index)->s; }
 
-static status_t cuda_alloc(int index, size_t bytes, void **out) {
+static status_t cuda_alloc(int index, size_t bytes, bool zeroed, void **out) {
   CUDA_TRY(cudaSetDevice(index));
   cudaError_t e = cudaMallocAsync(out, bytes, raw_stream(index));
   if (e != cudaSuccess) {
@@ -147,10 +147,17 @@ static status_t cuda_alloc(int index, size_t bytes, void **out) {
                    "cudaMallocAsync of %zu bytes on cuda:%d: %s", bytes, index,
                    cudaGetErrorString(e));
   }
+  if (zeroed && (e = cudaMemsetAsync(*out, 0, bytes, raw_stream(index))) != cudaSuccess) {
+    cudaFreeAsync(*out, raw_stream(index));
+    return err_set(STATUS_ECUDA, "cudaMemsetAsync of %zu bytes on cuda:%d: %s", bytes, index,
+                   cudaGetErrorString(e));
+  }
   return STATUS_OK;
 }
 
-static void cuda_free(int index, void *ptr) {
+static void cuda_free(int index, void *ptr, size_t bytes, bool zeroed) {
+  (void)bytes;
+  (void)zeroed;
   cudaSetDevice(index);
   cudaFreeAsync(ptr, raw_stream(index));
 }

@@ -63,21 +63,31 @@ static const backend_t *backend_of(device_t dev) {
   return dev.type == DEVICE_CUDA ? cuda_backend() : cpu_backend();
 }
 
-status_t device_alloc(device_t dev, size_t bytes, void **out) {
+static status_t alloc_as(device_t dev, size_t bytes, bool zeroed, void **out) {
   if (out == NULL) return err_set(STATUS_EINVAL, "device_alloc: out is NULL");
   *out = NULL;
   TRY(device_check(dev));
   if (bytes == 0) return STATUS_OK;
-  TRY(backend_of(dev)->alloc(dev.index, bytes, out));
+  TRY(backend_of(dev)->alloc(dev.index, bytes, zeroed, out));
   mem_account_add(mem_slot(dev), bytes);
   return STATUS_OK;
 }
 
-void device_free(device_t dev, void *ptr, size_t bytes) {
+static void free_as(device_t dev, void *ptr, size_t bytes, bool zeroed) {
   if (ptr == NULL) return;
-  backend_of(dev)->free(dev.index, ptr);
+  backend_of(dev)->free(dev.index, ptr, bytes, zeroed);
   atomic_fetch_sub(&mem_current[mem_slot(dev)], bytes);
 }
+
+status_t device_alloc(device_t dev, size_t bytes, void **out) {
+  return alloc_as(dev, bytes, false, out);
+}
+void device_free(device_t dev, void *ptr, size_t bytes) { free_as(dev, ptr, bytes, false); }
+
+status_t device_alloc_zeroed(device_t dev, size_t bytes, void **out) {
+  return alloc_as(dev, bytes, true, out);
+}
+void device_free_zeroed(device_t dev, void *ptr, size_t bytes) { free_as(dev, ptr, bytes, true); }
 
 status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
                        size_t bytes) {

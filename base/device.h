@@ -63,6 +63,11 @@ status_t device_alloc(device_t dev, size_t bytes, void **out);
  * device_free(dev, NULL, 0) is a no-op. */
 void device_free(device_t dev, void *ptr, size_t bytes);
 
+/* device_alloc of zero-filled memory (on the host, blocks of 1 MiB or more come zeroed from
+ * the operating system, outside the malloc heap). Release it with device_free_zeroed. */
+status_t device_alloc_zeroed(device_t dev, size_t bytes, void **out);
+void device_free_zeroed(device_t dev, void *ptr, size_t bytes);
+
 /* Copies bytes between any two devices (host<->device, device<->device). Blocks until the
  * data is usable by the host when dst is the host; otherwise ordered on the current stream. */
 status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,

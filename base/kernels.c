@@ -165,9 +165,10 @@ status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_ou
                                          grad_table->ndim == 2 ? grad_table->shape[0] : 0);
 }
 
-static status_t check_rows_stat(const char *fn, const tensor_t *stat, int64_t rows) {
-  TRY(check_dtype(fn, "rstd", stat, DTYPE_F32));
-  if (tensor_numel(stat) != rows) return shape_error(fn, "rstd", stat, "one element per row");
+static status_t check_rows_stat(const char *fn, const char *what, const tensor_t *stat,
+                                int64_t rows) {
+  TRY(check_dtype(fn, what, stat, DTYPE_F32));
+  if (tensor_numel(stat) != rows) return shape_error(fn, what, stat, "one element per row");
   return STATUS_OK;
 }
 
@@ -180,7 +181,7 @@ status_t kernel_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const 
   TRY(check_same_shape("kernel_rmsnorm", NT(out, x)));
   if (w->ndim != 1 || w->shape[0] != last_dim(x))
     return shape_error("kernel_rmsnorm", "w", w, "[D] with D the last dimension of x");
-  TRY(check_rows_stat("kernel_rmsnorm", rstd, rows_of(x)));
+  TRY(check_rows_stat("kernel_rmsnorm", "rstd", rstd, rows_of(x)));
   return ops->rmsnorm(out, rstd, x, w, eps);
 }
 
@@ -195,7 +196,7 @@ status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
   TRY(check_same_shape("kernel_rmsnorm_backward", NT(w, dw)));
   if (w->ndim != 1 || w->shape[0] != last_dim(x))
     return shape_error("kernel_rmsnorm_backward", "w", w, "[D] with D the last dimension of x");
-  TRY(check_rows_stat("kernel_rmsnorm_backward", rstd, rows_of(x)));
+  TRY(check_rows_stat("kernel_rmsnorm_backward", "rstd", rstd, rows_of(x)));
   return ops->rmsnorm_backward(dx, dw, dy, x, w, rstd);
 }
 
@@ -271,6 +272,97 @@ status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t
   TRY(check_float_same("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
   TRY(check_same_shape("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
   return ops->silu_mul_backward(dgate, dup, dout, gate, up);
+}
+
+static status_t check_act(const char *fn, kernel_act_t act) {
+  if (act < 0 || act >= KERNEL_ACT_COUNT)
+    return err_set(STATUS_EINVAL, "%s: unknown activation %d", fn, (int)act);
+  return STATUS_OK;
+}
+
+status_t kernel_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_activation", NT(out, x), &ops));
+  TRY(check_float_same("kernel_activation", NT(out, x)));
+  TRY(check_same_shape("kernel_activation", NT(out, x)));
+  TRY(check_act("kernel_activation", act));
+  return ops->activation(out, x, act);
+}
+
+status_t kernel_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
+                                    kernel_act_t act) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_activation_backward", NT(dx, dy, x), &ops));
+  TRY(check_float_same("kernel_activation_backward", NT(dx, dy, x)));
+  TRY(check_same_shape("kernel_activation_backward", NT(dx, dy, x)));
+  TRY(check_act("kernel_activation_backward", act));
+  return ops->activation_backward(dx, dy, x, act);
+}
+
+/* b is [D] with D the last dimension of x. */
+static status_t check_row_vector(const char *fn, const char *what, const tensor_t *b,
+                                 const tensor_t *x) {
+  if (b->ndim != 1 || b->shape[0] != last_dim(x))
+    return shape_error(fn, what, b, "[D] with D the last dimension of x");
+  return STATUS_OK;
+}
+
+status_t kernel_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_bias_add", NT(out, x, b), &ops));
+  TRY(check_float_same("kernel_bias_add", NT(out, x, b)));
+  TRY(check_same_shape("kernel_bias_add", NT(out, x)));
+  TRY(check_row_vector("kernel_bias_add", "b", b, x));
+  if (tensor_numel(x) == 0) return STATUS_OK;
+  return ops->bias_add(out, x, b);
+}
+
+status_t kernel_bias_backward(tensor_t *db, const tensor_t *dy) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_bias_backward", NT(db, dy), &ops));
+  TRY(check_float("kernel_bias_backward", "db", db));
+  TRY(check_float("kernel_bias_backward", "dy", dy));
+  TRY(check_row_vector("kernel_bias_backward", "db", db, dy));
+  if (tensor_numel(dy) == 0) return STATUS_OK;
+  return ops->bias_backward(db, dy);
+}
+
+status_t kernel_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
+                          const tensor_t *w, const tensor_t *b, float eps) {
+  const kernel_ops_t *ops;
+  TRY(check_common("kernel_layernorm", NT(out, mean, rstd, x, w), &ops));
+  if (b != NULL) TRY(check_common("kernel_layernorm", NT(x, b), &ops));
+  TRY(check_float_same("kernel_layernorm", NT(out, x)));
+  TRY(check_float("kernel_layernorm", "w", w));
+  if (b != NULL) TRY(check_float("kernel_layernorm", "b", b));
+  TRY(check_same_shape("kernel_layernorm", NT(out, x)));
+  TRY(check_row_vector("kernel_layernorm", "w", w, x));
+  if (b != NULL) TRY(check_row_vector("kernel_layernorm", "b", b, x));
+  TRY(check_rows_stat("kernel_layernorm", "mean", mean, rows_of(x)));
+  TRY(check_rows_stat("kernel_layernorm", "rstd", rstd, rows_of(x)));
+  if (tensor_numel(x) == 0) return STATUS_OK;
+  return ops->layernorm(out, mean, rstd, x, w, b, eps);
+}
+
+status_t kernel_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
+                                   const tensor_t *x, const tensor_t *w, const tensor_t *mean,
+                                   const tensor_t *rstd) {
+  const kernel_ops_t *ops;
+  const char *fn = "kernel_layernorm_backward";
+  TRY(check_common(fn, NT(dx, dw, dy, x, w, mean, rstd), &ops));
+  if (db != NULL) TRY(check_common(fn, NT(x, db), &ops));
+  TRY(check_float_same(fn, NT(dx, dy, x)));
+  TRY(check_float(fn, "w", w));
+  TRY(check_float(fn, "dw", dw));
+  if (db != NULL) TRY(check_float(fn, "db", db));
+  TRY(check_same_shape(fn, NT(dx, dy, x)));
+  TRY(check_same_shape(fn, NT(w, dw)));
+  TRY(check_row_vector(fn, "w", w, x));
+  if (db != NULL) TRY(check_row_vector(fn, "db", db, x));
+  TRY(check_rows_stat(fn, "mean", mean, rows_of(x)));
+  TRY(check_rows_stat(fn, "rstd", rstd, rows_of(x)));
+  if (tensor_numel(x) == 0) return STATUS_OK;
+  return ops->layernorm_backward(dx, dw, db, dy, x, w, mean, rstd);
 }
 
 status_t kernel_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {

@@ -83,6 +83,35 @@ status_t kernel_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up
 status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
                                   const tensor_t *gate, const tensor_t *up);
 
+/* Pointwise activations: ReLU max(x, 0); GELU x * Phi(x) = x/2 * (1 + erf(x / sqrt(2))) (the
+ * exact form, PyTorch's default); SiLU x * sigmoid(x). */
+typedef enum kernel_act { KERNEL_ACT_RELU, KERNEL_ACT_GELU, KERNEL_ACT_SILU, KERNEL_ACT_COUNT } kernel_act_t;
+
+/* out = act(x) (out may be x). */
+status_t kernel_activation(tensor_t *out, const tensor_t *x, kernel_act_t act);
+
+/* Writes dx = dy * act'(x) (dx may alias dy; ReLU's derivative at 0 is 0, as PyTorch's). */
+status_t kernel_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
+                                    kernel_act_t act);
+
+/* out[r, :] = x[r, :] + b for every row r of x [..., D], b [D] (out may be x). */
+status_t kernel_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b);
+
+/* db += the sum over rows of dy [..., D], in row order (db [D] may be F32 while dy is
+ * narrower). */
+status_t kernel_bias_backward(tensor_t *db, const tensor_t *dy);
+
+/* LayerNorm over the last dimension (PyTorch's): mean and rstd = 1/sqrt(var + eps) of each row
+ * (biased variance; F32, one per row), out = (x - mean) * rstd * w + b, rounded once; b may be
+ * NULL (no bias). Writes out, mean and rstd. */
+status_t kernel_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
+                          const tensor_t *w, const tensor_t *b, float eps);
+
+/* Writes dx, accumulates dw and db (db may be NULL; both may be F32). */
+status_t kernel_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
+                                   const tensor_t *x, const tensor_t *w, const tensor_t *mean,
+                                   const tensor_t *rstd);
+
 /* out = a + b (out may alias a or b). */
 status_t kernel_add(tensor_t *out, const tensor_t *a, const tensor_t *b);
 

@@ -415,6 +415,162 @@ static status_t cpu_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tens
   return STATUS_OK;
 }
 
+/* ---- activations, bias, LayerNorm ---- */
+
+static float act_value(kernel_act_t act, float x) {
+  switch (act) {
+    case KERNEL_ACT_RELU: return x > 0.0f ? x : 0.0f;
+    case KERNEL_ACT_GELU: return 0.5f * x * (1.0f + erff(x * (float)M_SQRT1_2));
+    default: return x * silu_sig(x);
+  }
+}
+
+static float act_derivative(kernel_act_t act, float x) {
+  switch (act) {
+    case KERNEL_ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
+    case KERNEL_ACT_GELU: /* Phi(x) + x * phi(x) */
+      return 0.5f * (1.0f + erff(x * (float)M_SQRT1_2)) +
+             x * (float)(0.5 * M_2_SQRTPI * M_SQRT1_2) * expf(-0.5f * x * x);
+    default: {
+      float s = silu_sig(x);
+      return s * (1.0f + x * (1.0f - s));
+    }
+  }
+}
+
+static status_t cpu_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
+  int64_t n = tensor_numel(out);
+  for (int64_t i = 0; i < n; i++)
+    dtype_store(out->dtype, out->data, (size_t)i,
+                act_value(act, (float)dtype_load(x->dtype, x->data, (size_t)i)));
+  return STATUS_OK;
+}
+
+static status_t cpu_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
+                                        kernel_act_t act) {
+  int64_t n = tensor_numel(dx);
+  for (int64_t i = 0; i < n; i++) {
+    float g = (float)dtype_load(dy->dtype, dy->data, (size_t)i);
+    float v = (float)dtype_load(x->dtype, x->data, (size_t)i);
+    dtype_store(dx->dtype, dx->data, (size_t)i, g * act_derivative(act, v));
+  }
+  return STATUS_OK;
+}
+
+static status_t cpu_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / D;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t j = 0; j < D; j++) {
+      size_t e = (size_t)(r * D + j);
+      dtype_store(out->dtype, out->data, e,
+                  (float)dtype_load(x->dtype, x->data, e) +
+                      (float)dtype_load(b->dtype, b->data, (size_t)j));
+    }
+  return STATUS_OK;
+}
+
+static status_t cpu_bias_backward(tensor_t *db, const tensor_t *dy) {
+  int64_t D = last_dim(dy), rows = tensor_numel(dy) / D;
+  fbuf_t fdb, fdy;
+  TRY(fbuf_out(&fdb, db, true));
+  status_t st = fbuf_in(&fdy, dy);
+  if (st != STATUS_OK) {
+    fbuf_release(&fdb);
+    return st;
+  }
+  for (int64_t j = 0; j < D; j++) { /* rows in order, as the CUDA twin */
+    float acc = 0;
+    for (int64_t r = 0; r < rows; r++) acc += fdy.p[r * D + j];
+    fdb.p[j] += acc;
+  }
+  fbuf_commit(&fdb, db);
+  fbuf_release(&fdy);
+  return STATUS_OK;
+}
+
+static status_t cpu_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
+                              const tensor_t *w, const tensor_t *b, float eps) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / D;
+  fbuf_t fx, fw, fb = {0}, fo;
+  fbuf_t *bufs[] = {&fx, &fw, &fb, &fo};
+  int got = 0;
+  status_t st = fbuf_in(&fx, x);
+  if (st == STATUS_OK && ++got) st = fbuf_in(&fw, w);
+  if (st == STATUS_OK && ++got && b != NULL) st = fbuf_in(&fb, b);
+  if (st == STATUS_OK && ++got) st = fbuf_out(&fo, out, false);
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) fbuf_release(bufs[i]);
+    return st;
+  }
+  float *mu = mean->data, *r = rstd->data;
+  for (int64_t i = 0; i < rows; i++) {
+    const float *xi = fx.p + i * D;
+    double s = 0, ss = 0;
+    for (int64_t j = 0; j < D; j++) s += xi[j];
+    mu[i] = (float)(s / (double)D);
+    for (int64_t j = 0; j < D; j++) ss += (double)(xi[j] - mu[i]) * (xi[j] - mu[i]);
+    r[i] = 1.0f / sqrtf((float)(ss / (double)D) + eps);
+    for (int64_t j = 0; j < D; j++)
+      fo.p[i * D + j] = (xi[j] - mu[i]) * r[i] * fw.p[j] + (b ? fb.p[j] : 0.0f);
+  }
+  fbuf_commit(&fo, out);
+  fbuf_release(&fx);
+  fbuf_release(&fw);
+  fbuf_release(&fb);
+  return STATUS_OK;
+}
+
+static status_t cpu_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db,
+                                       const tensor_t *dy, const tensor_t *x, const tensor_t *w,
+                                       const tensor_t *mean, const tensor_t *rstd) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / D;
+  fbuf_t fdx, fdw, fdb = {0}, fdy, fx, fw;
+  fbuf_t *bufs[] = {&fdx, &fdw, &fdb, &fdy, &fx, &fw};
+  int got = 0;
+  status_t st = fbuf_out(&fdx, dx, false);
+  if (st == STATUS_OK && ++got) st = fbuf_out(&fdw, dw, true);
+  if (st == STATUS_OK && ++got && db != NULL) st = fbuf_out(&fdb, db, true);
+  if (st == STATUS_OK && ++got) st = fbuf_in(&fdy, dy);
+  if (st == STATUS_OK && ++got) st = fbuf_in(&fx, x);
+  if (st == STATUS_OK && ++got) st = fbuf_in(&fw, w);
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) fbuf_release(bufs[i]);
+    return st;
+  }
+  const float *mu = mean->data, *r = rstd->data;
+  for (int64_t i = 0; i < rows; i++) {
+    const float *xi = fx.p + i * D, *dyi = fdy.p + i * D;
+    double a = 0, c = 0; /* sums of g and of g * xhat, g = dy * w */
+    for (int64_t j = 0; j < D; j++) {
+      float g = dyi[j] * fw.p[j], xh = (xi[j] - mu[i]) * r[i];
+      a += g;
+      c += (double)g * xh;
+    }
+    float ma = (float)(a / (double)D), mc = (float)(c / (double)D);
+    for (int64_t j = 0; j < D; j++) {
+      float g = dyi[j] * fw.p[j], xh = (xi[j] - mu[i]) * r[i];
+      fdx.p[i * D + j] = r[i] * (g - ma - xh * mc);
+    }
+  }
+  for (int64_t j = 0; j < D; j++) { /* rows in order, as the CUDA twin */
+    float sw = 0, sb = 0;
+    for (int64_t i = 0; i < rows; i++) {
+      float g = fdy.p[i * D + j];
+      sw += g * ((fx.p[i * D + j] - mu[i]) * r[i]);
+      sb += g;
+    }
+    fdw.p[j] += sw;
+    if (db != NULL) fdb.p[j] += sb;
+  }
+  fbuf_commit(&fdx, dx);
+  fbuf_commit(&fdw, dw);
+  if (db != NULL) fbuf_commit(&fdb, db);
+  fbuf_release(&fdy);
+  fbuf_release(&fx);
+  fbuf_release(&fw);
+  return STATUS_OK;
+}
+
 static status_t cpu_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
   int64_t n = tensor_numel(out);
   if (out->dtype == DTYPE_F32) {
@@ -565,6 +721,12 @@ static const kernel_ops_t ops = {
     .attention_backward = cpu_attention_backward,
     .silu_mul = cpu_silu_mul,
     .silu_mul_backward = cpu_silu_mul_backward,
+    .activation = cpu_activation,
+    .activation_backward = cpu_activation_backward,
+    .bias_add = cpu_bias_add,
+    .bias_backward = cpu_bias_backward,
+    .layernorm = cpu_layernorm,
+    .layernorm_backward = cpu_layernorm_backward,
     .add = cpu_add,
     .axpy = cpu_axpy,
     .scale = cpu_scale,

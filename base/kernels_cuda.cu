@@ -8,8 +8,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "base/cuda_check.h"
 #include "base/kernels_impl.h"
@@ -270,6 +273,111 @@ __global__ static void cast_kernel(void *dst, int dt, const float *src, int64_t 
   GRID_STRIDE(e, n) stf(dt, dst, e, src[e]);
 }
 
+__device__ static float act_value(int act, float x) {
+  switch (act) {
+    case KERNEL_ACT_RELU: return x > 0.0f ? x : 0.0f;
+    case KERNEL_ACT_GELU: return 0.5f * x * (1.0f + erff(x * (float)M_SQRT1_2));
+    default: return x / (1.0f + expf(-x));
+  }
+}
+
+__device__ static float act_derivative(int act, float x) {
+  switch (act) {
+    case KERNEL_ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
+    case KERNEL_ACT_GELU: /* Phi(x) + x * phi(x) */
+      return 0.5f * (1.0f + erff(x * (float)M_SQRT1_2)) +
+             x * (float)(0.5 * M_2_SQRTPI * M_SQRT1_2) * expf(-0.5f * x * x);
+    default: {
+      float s = 1.0f / (1.0f + expf(-x));
+      return s * (1.0f + x * (1.0f - s));
+    }
+  }
+}
+
+__global__ static void activation_kernel(void *out, const void *x, int dt, int act, int64_t n) {
+  GRID_STRIDE(i, n) stf(dt, out, i, act_value(act, ldf(dt, x, i)));
+}
+
+__global__ static void activation_backward_kernel(void *dx, const void *dy, const void *x, int dt,
+                                                  int act, int64_t n) {
+  GRID_STRIDE(i, n) stf(dt, dx, i, ldf(dt, dy, i) * act_derivative(act, ldf(dt, x, i)));
+}
+
+__global__ static void bias_add_kernel(void *out, const void *x, const void *b, int dt, int64_t n,
+                                       int64_t D) {
+  GRID_STRIDE(i, n) stf(dt, out, i, ldf(dt, x, i) + ldf(dt, b, i % D));
+}
+
+/* One thread per column, summing over rows in order: deterministic, as the CPU twin. */
+__global__ static void bias_backward_kernel(void *db, int bdt, const void *dy, int ydt,
+                                            int64_t rows, int64_t D) {
+  GRID_STRIDE(j, D) {
+    float s = 0;
+    for (int64_t i = 0; i < rows; i++) s += ldf(ydt, dy, i * D + j);
+    stf(bdt, db, j, ldf(bdt, db, j) + s);
+  }
+}
+
+/* One block per row: mean, then the variance about it, then the normalised row. */
+__global__ static void layernorm_kernel(void *out, float *mean, float *rstd, const void *x, int xdt,
+                                        const void *w, int wdt, const void *b, int bdt, int64_t D,
+                                        float eps) {
+  int64_t row = blockIdx.x;
+  float s = 0;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) s += ldf(xdt, x, row * D + j);
+  float mu = block_reduce<false>(s) / (float)D, ss = 0;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+    float d = ldf(xdt, x, row * D + j) - mu;
+    ss += d * d;
+  }
+  float r = rsqrtf(block_reduce<false>(ss) / (float)D + eps);
+  if (threadIdx.x == 0) {
+    mean[row] = mu;
+    rstd[row] = r;
+  }
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+    float v = (ldf(xdt, x, row * D + j) - mu) * r * ldf(wdt, w, j);
+    stf(xdt, out, row * D + j, b ? v + ldf(bdt, b, j) : v);
+  }
+}
+
+__global__ static void layernorm_backward_dx_kernel(void *dx, const void *dy, const void *x,
+                                                    int xdt, const void *w, int wdt,
+                                                    const float *mean, const float *rstd,
+                                                    int64_t D) {
+  int64_t row = blockIdx.x;
+  float mu = mean[row], r = rstd[row], a = 0, c = 0;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+    int64_t e = row * D + j;
+    float g = ldf(xdt, dy, e) * ldf(wdt, w, j), xh = (ldf(xdt, x, e) - mu) * r;
+    a += g;
+    c += g * xh;
+  }
+  float ma = block_reduce<false>(a) / (float)D, mc = block_reduce<false>(c) / (float)D;
+  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+    int64_t e = row * D + j;
+    float g = ldf(xdt, dy, e) * ldf(wdt, w, j), xh = (ldf(xdt, x, e) - mu) * r;
+    stf(xdt, dx, e, r * (g - ma - xh * mc));
+  }
+}
+
+/* One thread per column, summing over rows in order: deterministic. */
+__global__ static void layernorm_backward_dwb_kernel(void *dw, int wdt, void *db, int bdt,
+                                                     const void *dy, const void *x, int xdt,
+                                                     const float *mean, const float *rstd,
+                                                     int64_t rows, int64_t D) {
+  GRID_STRIDE(j, D) {
+    float sw = 0, sb = 0;
+    for (int64_t i = 0; i < rows; i++) {
+      float g = ldf(xdt, dy, i * D + j);
+      sw += g * ((ldf(xdt, x, i * D + j) - mean[i]) * rstd[i]);
+      sb += g;
+    }
+    stf(wdt, dw, j, ldf(wdt, dw, j) + sw);
+    if (db) stf(bdt, db, j, ldf(bdt, db, j) + sb);
+  }
+}
+
 __global__ static void silu_mul_kernel(void *out, const void *gate, const void *up, int dt,
                                        int64_t n) {
   GRID_STRIDE(e, n) {
@@ -425,21 +533,56 @@ static status_t flag_finish(flag_t *f, status_t launch, const char *fmt, const c
 static const char kIndexRange[] = "%s: an index is outside [0, %lld)";
 static const char kTargetRange[] = "%s: a target is >= the vocabulary size %lld";
 
+/* cuBLAS is loaded on the first matrix product, not linked: merely loading it (with
+ * cuBLASLt) costs every process about 210 MB of resident memory, which CPU-only runs of a
+ * CUDA-enabled build should not pay. The loader's usual search finds it (the library's and
+ * program's run path, LD_LIBRARY_PATH, the system's cache). */
+static struct {
+  decltype(&cublasCreate_v2) create;
+  decltype(&cublasSetStream_v2) set_stream;
+  cublasStatus_t (*gemm)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                         const void *, const void *, cudaDataType, int, const void *,
+                         cudaDataType, int, const void *, void *, cudaDataType, int,
+                         cublasComputeType_t, cublasGemmAlgo_t);
+  char error[256];
+} cublas;
+static pthread_once_t cublas_once = PTHREAD_ONCE_INIT;
+
+#define CUBLAS_SONAME "libcublas.so." CUBLAS_STR(CUBLAS_VER_MAJOR)
+#define CUBLAS_STR(x) CUBLAS_STR2(x)
+#define CUBLAS_STR2(x) #x
+
+static void cublas_load(void) {
+  void *lib = dlopen(CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    snprintf(cublas.error, sizeof cublas.error, "cannot load %s: %s", CUBLAS_SONAME, dlerror());
+    return;
+  }
+  cublas.create = (decltype(cublas.create))dlsym(lib, "cublasCreate_v2");
+  cublas.set_stream = (decltype(cublas.set_stream))dlsym(lib, "cublasSetStream_v2");
+  cublas.gemm = (decltype(cublas.gemm))dlsym(lib, "cublasGemmEx");
+  if (!cublas.create || !cublas.set_stream || !cublas.gemm)
+    snprintf(cublas.error, sizeof cublas.error, "%s lacks cublasCreate_v2, cublasSetStream_v2 "
+             "or cublasGemmEx", CUBLAS_SONAME);
+}
+
 static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
                             bool trans_b, float alpha, float beta, const matmul_dims_t *d) {
   static __thread cublasHandle_t handles[DEVICE_MAX_CUDA];
+  pthread_once(&cublas_once, cublas_load);
+  if (cublas.error[0]) return err_set(STATUS_ECUBLAS, "%s", cublas.error);
   int dev = out->device.index;
   CUDA_TRY(cudaSetDevice(dev));
-  if (handles[dev] == NULL && cublasCreate(&handles[dev]) != CUBLAS_STATUS_SUCCESS)
+  if (handles[dev] == NULL && cublas.create(&handles[dev]) != CUBLAS_STATUS_SUCCESS)
     return err_set(STATUS_ECUBLAS, "cublasCreate failed on cuda:%d", dev);
   cublasHandle_t h = handles[dev];
-  if (cublasSetStream(h, stream_of(out)) != CUBLAS_STATUS_SUCCESS)
+  if (cublas.set_stream(h, stream_of(out)) != CUBLAS_STATUS_SUCCESS)
     return err_set(STATUS_ECUBLAS, "cublasSetStream failed");
   cudaDataType_t t = out->dtype == DTYPE_BF16  ? CUDA_R_16BF
                      : out->dtype == DTYPE_F16 ? CUDA_R_16F
                                                : CUDA_R_32F;
   /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T. */
-  cublasStatus_t s = cublasGemmEx(
+  cublasStatus_t s = cublas.gemm(
       h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)d->n,
       (int)d->m, (int)d->k, &alpha, b->data, t, (int)d->ldb, a->data, t, (int)d->lda, &beta,
       out->data, t, (int)d->n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
@@ -586,6 +729,61 @@ static status_t cuda_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const ten
   return launched("kernel_silu_mul_backward");
 }
 
+static status_t cuda_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
+  int64_t n = tensor_numel(out);
+  if (n == 0) return STATUS_OK;
+  activation_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, x->data, out->dtype,
+                                                                (int)act, n);
+  return launched("kernel_activation");
+}
+
+static status_t cuda_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
+                                         kernel_act_t act) {
+  int64_t n = tensor_numel(dx);
+  if (n == 0) return STATUS_OK;
+  activation_backward_kernel<<<grid_for(n), kBlock, 0, stream_of(dx)>>>(
+      dx->data, dy->data, x->data, dx->dtype, (int)act, n);
+  return launched("kernel_activation_backward");
+}
+
+static status_t cuda_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
+  int64_t n = tensor_numel(out);
+  bias_add_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, x->data, b->data,
+                                                              out->dtype, n, last_dim(x));
+  return launched("kernel_bias_add");
+}
+
+static status_t cuda_bias_backward(tensor_t *db, const tensor_t *dy) {
+  int64_t D = last_dim(dy), rows = tensor_numel(dy) / D;
+  bias_backward_kernel<<<grid_for(D), kBlock, 0, stream_of(dy)>>>(db->data, db->dtype, dy->data,
+                                                                  dy->dtype, rows, D);
+  return launched("kernel_bias_backward");
+}
+
+static status_t cuda_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
+                               const tensor_t *w, const tensor_t *b, float eps) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / D;
+  layernorm_kernel<<<(unsigned)rows, kBlock, 0, stream_of(x)>>>(
+      out->data, (float *)mean->data, (float *)rstd->data, x->data, x->dtype, w->data, w->dtype,
+      b ? b->data : NULL, b ? b->dtype : DTYPE_F32, D, eps);
+  return launched("kernel_layernorm");
+}
+
+static status_t cuda_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db,
+                                        const tensor_t *dy, const tensor_t *x, const tensor_t *w,
+                                        const tensor_t *mean, const tensor_t *rstd) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / D;
+  cudaStream_t s = stream_of(x);
+  layernorm_backward_dx_kernel<<<(unsigned)rows, kBlock, 0, s>>>(
+      dx->data, dy->data, x->data, x->dtype, w->data, w->dtype, (const float *)mean->data,
+      (const float *)rstd->data, D);
+  TRY(launched("kernel_layernorm_backward"));
+  layernorm_backward_dwb_kernel<<<grid_for(D), kBlock, 0, s>>>(
+      dw->data, dw->dtype, db ? db->data : NULL, db ? db->dtype : DTYPE_F32, dy->data, x->data,
+      x->dtype, (const float *)mean->data, (const float *)rstd->data, rows, D);
+  return launched("kernel_layernorm_backward");
+}
+
 static status_t cuda_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
   int64_t n = tensor_numel(out);
   if (n == 0) return STATUS_OK;
@@ -678,6 +876,12 @@ static const kernel_ops_t ops = {
     /* .attention_backward = */ cuda_attention_backward,
     /* .silu_mul = */ cuda_silu_mul,
     /* .silu_mul_backward = */ cuda_silu_mul_backward,
+    /* .activation = */ cuda_activation,
+    /* .activation_backward = */ cuda_activation_backward,
+    /* .bias_add = */ cuda_bias_add,
+    /* .bias_backward = */ cuda_bias_backward,
+    /* .layernorm = */ cuda_layernorm,
+    /* .layernorm_backward = */ cuda_layernorm_backward,
     /* .add = */ cuda_add,
     /* .axpy = */ cuda_axpy,
     /* .scale = */ cuda_scale,

@@ -40,6 +40,17 @@ typedef struct kernel_ops {
   status_t (*silu_mul)(tensor_t *out, const tensor_t *gate, const tensor_t *up);
   status_t (*silu_mul_backward)(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
                                 const tensor_t *gate, const tensor_t *up);
+  status_t (*activation)(tensor_t *out, const tensor_t *x, kernel_act_t act);
+  status_t (*activation_backward)(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
+                                  kernel_act_t act);
+  status_t (*bias_add)(tensor_t *out, const tensor_t *x, const tensor_t *b);
+  status_t (*bias_backward)(tensor_t *db, const tensor_t *dy);
+  /* b and db may be NULL */
+  status_t (*layernorm)(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
+                        const tensor_t *w, const tensor_t *b, float eps);
+  status_t (*layernorm_backward)(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
+                                 const tensor_t *x, const tensor_t *w, const tensor_t *mean,
+                                 const tensor_t *rstd);
   status_t (*add)(tensor_t *out, const tensor_t *a, const tensor_t *b);
   status_t (*axpy)(tensor_t *y, float alpha, const tensor_t *x);
   status_t (*scale)(tensor_t *x, float alpha);

@@ -8,7 +8,8 @@
 
 struct tensor_storage {
   int refcount;
-  int owned; /* 0 for tensor_wrap: the memory belongs to the caller */
+  int owned;  /* 0 for tensor_wrap: the memory belongs to the caller */
+  bool zeroed; /* from device_alloc_zeroed */
   device_t device;
   void *ptr;
   size_t bytes;
@@ -79,7 +80,9 @@ static void set_layout(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const
   }
 }
 
-status_t tensor_init(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+/* A contiguous tensor, its memory zero-filled when zeroed. */
+static status_t tensor_alloc(tensor_t *t, dtype_t dtype, device_t dev, int ndim,
+                             const int64_t *shape, bool zeroed) {
   if (t == NULL) return err_set(STATUS_EINVAL, "tensor_init: t is NULL");
   memset(t, 0, sizeof *t);
   if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
@@ -90,7 +93,7 @@ status_t tensor_init(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const i
   if (bytes == 0) return STATUS_OK;
   tensor_storage_t *s = calloc(1, sizeof *s);
   if (s == NULL) return err_set(STATUS_ENOMEM, "tensor_init: out of host memory");
-  status_t st = device_alloc(dev, bytes, &s->ptr);
+  status_t st = zeroed ? device_alloc_zeroed(dev, bytes, &s->ptr) : device_alloc(dev, bytes, &s->ptr);
   if (st != STATUS_OK) {
     free(s);
     memset(t, 0, sizeof *t);
@@ -98,11 +101,16 @@ status_t tensor_init(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const i
   }
   s->refcount = 1;
   s->owned = 1;
+  s->zeroed = zeroed;
   s->device = dev;
   s->bytes = bytes;
   t->storage = s;
   t->data = s->ptr;
   return STATUS_OK;
+}
+
+status_t tensor_init(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+  return tensor_alloc(t, dtype, dev, ndim, shape, false);
 }
 
 status_t tensor_meta(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
@@ -125,10 +133,7 @@ static status_t meta_error(const char *what, const tensor_t *t) {
 }
 
 status_t tensor_zeros(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
-  TRY(tensor_init(t, dtype, dev, ndim, shape));
-  status_t st = tensor_fill(t, 0.0);
-  if (st != STATUS_OK) tensor_free(t);
-  return st;
+  return tensor_alloc(t, dtype, dev, ndim, shape, true);
 }
 
 status_t tensor_clone(tensor_t *out, const tensor_t *src, dtype_t dtype, device_t dev) {
@@ -163,7 +168,8 @@ void tensor_free(tensor_t *t) {
   if (t == NULL) return;
   tensor_storage_t *s = t->storage;
   if (s != NULL && --s->refcount == 0) {
-    if (s->owned) device_free(s->device, s->ptr, s->bytes);
+    if (s->owned && s->zeroed) device_free_zeroed(s->device, s->ptr, s->bytes);
+    if (s->owned && !s->zeroed) device_free(s->device, s->ptr, s->bytes);
     free(s);
   }
   memset(t, 0, sizeof *t);

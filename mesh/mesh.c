@@ -1,5 +1,6 @@
 #include "mesh/mesh.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -259,6 +260,20 @@ status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_ty
   }
   *out = m;
   return STATUS_OK;
+}
+
+status_t mesh_local_shared(device_type_t device_type, mesh_t **out) {
+  static mesh_t *shared[2];
+  static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+  *out = NULL;
+  if (device_type != DEVICE_CPU && device_type != DEVICE_CUDA)
+    return err_set(STATUS_EINVAL, "mesh_local_shared: unknown device type %d", (int)device_type);
+  status_t st = STATUS_OK;
+  pthread_mutex_lock(&lock);
+  if (shared[device_type] == NULL) st = mesh_init_local(&shared[device_type], "local", device_type);
+  *out = shared[device_type];
+  pthread_mutex_unlock(&lock);
+  return st;
 }
 
 /* Indices of the named dimensions, which must be distinct and in mesh order. */

@@ -46,6 +46,11 @@ status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *
  * an unsharded parameter is Replicate on such a mesh. Local; no communication. */
 status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_type);
 
+/* The library's one-rank mesh on this rank's device of the given type, named "local", made on
+ * first use and shared by every caller until the process ends (the caller never frees it): the
+ * mesh of parameters that are not distributed (nn/layers.h builds them on it). Local. */
+status_t mesh_local_shared(device_type_t device_type, mesh_t **out);
+
 /* Releases a mesh; its groups go when no slice or flattened mesh uses them. NULL is a no-op. */
 void mesh_free(mesh_t *mesh);
 

@@ -1,6 +1,7 @@
 #include "nn/module.h"
 
 #include <fnmatch.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,6 +18,7 @@ struct nn_module {
   nn_module_t *parent;
   nn_forward_fn forward;
   void *impl;
+  void (*impl_free)(void *); /* owned impl, or NULL */
   nn_module_t **children;
   int n_children, cap_children;
   nn_param_t **params; /* owned and shared */
@@ -46,6 +48,17 @@ static status_t check_name(const char *what, const char *name) {
   if (name == NULL) return err_set(STATUS_EINVAL, "%s name is NULL", what);
   if (strchr(name, '.') != NULL)
     return err_set(STATUS_EINVAL, "%s name '%s' contains a dot", what, name);
+  return STATUS_OK;
+}
+
+status_t nn_module_new_owned(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl,
+                             void (*impl_free)(void *)) {
+  status_t st = nn_module_new(out, name, forward, impl);
+  if (st != STATUS_OK) {
+    if (impl_free) impl_free(impl);
+    return st;
+  }
+  (*out)->impl_free = impl_free;
   return STATUS_OK;
 }
 
@@ -79,6 +92,7 @@ void nn_module_free(nn_module_t *m) {
   for (int i = 0; i < m->n_params; i++)
     if (m->owns[i]) param_free(m->params[i]);
   for (int k = 0; k < NN_HOOK_COUNT; k++) free(m->hooks[k]);
+  if (m->impl_free) m->impl_free(m->impl);
   free(m->children);
   free(m->params);
   free(m->owns);
@@ -258,6 +272,23 @@ nn_param_t *nn_module_param_named(const nn_module_t *m, const char *name) {
   for (int i = 0; i < m->n_params; i++)
     if (strcmp(m->params[i]->name, name) == 0) return m->params[i];
   return NULL;
+}
+
+static void names_into(const nn_module_t *m, char *buf, size_t size, int *left) {
+  for (int i = 0; i < m->n_children && *left > 0; i++) {
+    const nn_module_t *c = m->children[i];
+    size_t l = strlen(buf);
+    snprintf(buf + l, size - l, "%s%s", l ? ", " : "", nn_module_fqn(c));
+    (*left)--;
+    names_into(c, buf, size, left);
+  }
+}
+
+const char *nn_module_names(const nn_module_t *root, int max, char *buf, size_t size) {
+  if (size == 0) return buf;
+  buf[0] = 0;
+  names_into(root, buf, size, &max);
+  return buf;
 }
 
 nn_module_t *nn_module_find(nn_module_t *root, const char *fqn) {

@@ -89,6 +89,11 @@ typedef status_t (*nn_hook_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kin
  * NULL for a pure container. impl is the module's private data, not owned. */
 status_t nn_module_new(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl);
 
+/* The same with impl owned by the module: nn_module_free calls impl_free(impl) (also when
+ * this call fails). */
+status_t nn_module_new_owned(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl,
+                             void (*impl_free)(void *));
+
 /* Frees m, its children and the parameters it owns. NULL is a no-op. */
 void nn_module_free(nn_module_t *m);
 
@@ -134,6 +139,10 @@ nn_param_t *nn_module_param_named(const nn_module_t *m, const char *name);
 /* Glob match of an FQN, with '*' and '?' staying inside one dot-separated name
  * ("model.layers.*" matches each block, not its children). */
 bool nn_fqn_match(const char *pattern, const char *fqn);
+
+/* The first max module FQNs under root (pre-order, root excluded), comma-separated, into buf:
+ * for messages about a pattern that matches no module. Returns buf. */
+const char *nn_module_names(const nn_module_t *root, int max, char *buf, size_t size);
 
 /* The module with this FQN under root ("" is root), or NULL. */
 nn_module_t *nn_module_find(nn_module_t *root, const char *fqn);

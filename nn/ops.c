@@ -4,29 +4,7 @@
 #include <string.h>
 
 #include "base/kernels.h"
-
-/* ---- helpers ---- */
-
-static status_t alloc_like(tensor_t *t, const tensor_t *like) {
-  return tensor_init(t, like->dtype, like->device, like->ndim, like->shape);
-}
-
-static status_t zeros_like(tensor_t *t, const tensor_t *like) {
-  return tensor_zeros(t, like->dtype, like->device, like->ndim, like->shape);
-}
-
-/* Wraps a computed value as the output variable and records node when a gradient is
- * needed. Releases value and node's saved tensors on failure. */
-static status_t finish(nn_ctx_t *ctx, nn_node_t *node, bool needs, tensor_t *value,
-                       nn_var_t **out) {
-  status_t st = nn_var_new(out, value, needs);
-  if (st == STATUS_OK && needs) {
-    node->out = *out;
-    return nn_record(ctx, node);
-  }
-  for (int i = 0; i < NN_NODE_MAX_SAVED; i++) tensor_free(&node->saved[i]);
-  return st;
-}
+#include "nn/ops_impl.h"
 
 /* ---- linear ---- */
 
@@ -36,7 +14,7 @@ static status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   const tensor_t *dy = &n->out->grad, *w = &n->param->compute;
   if (x->requires_grad) {
     tensor_t dx;
-    TRY(alloc_like(&dx, &x->value));
+    TRY(ops_alloc_like(&dx, &x->value));
     status_t st = kernel_matmul(&dx, dy, false, w, false, 1.0f, 0.0f);
     if (st != STATUS_OK) {
       tensor_free(&dx);
@@ -46,7 +24,7 @@ static status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   }
   if (n->param->requires_grad) {
     tensor_t dw;
-    TRY(alloc_like(&dw, w));
+    TRY(ops_alloc_like(&dw, w));
     status_t st = kernel_matmul(&dw, dy, true, &x->value, false, 1.0f, 0.0f);
     if (st != STATUS_OK) {
       tensor_free(&dw);
@@ -76,7 +54,7 @@ static status_t linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out
     return st;
   }
   nn_node_t n = {.backward = linear_backward, .name = "linear", .in = {x}, .param = w};
-  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
 }
 
 status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
@@ -92,7 +70,7 @@ static status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   if (!n->param->requires_grad) return STATUS_OK;
   tensor_t dw;
-  TRY(zeros_like(&dw, &n->param->compute));
+  TRY(ops_zeros_like(&dw, &n->param->compute));
   status_t st =
       kernel_embedding_shard_backward(&dw, &n->out->grad, &n->in[0]->value, n->ints[0], n->ints[1]);
   if (st != STATUS_OK) {
@@ -127,7 +105,7 @@ static status_t embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t f
                  .in = {ids},
                  .param = w,
                  .ints = {first, vocab}};
-  return finish(ctx, &n, nn_needs_grad(ctx, NULL, 0, w), &y, out);
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, NULL, 0, w), &y, out);
 }
 
 status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
@@ -144,8 +122,8 @@ static status_t rmsnorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   tensor_t dx, dw;
-  TRY(alloc_like(&dx, &x->value));
-  status_t st = zeros_like(&dw, &n->param->compute);
+  TRY(ops_alloc_like(&dx, &x->value));
+  status_t st = ops_zeros_like(&dw, &n->param->compute);
   if (st == STATUS_OK) {
     st = kernel_rmsnorm_backward(&dx, &dw, &n->out->grad, &x->value, &n->param->compute,
                                  &n->saved[0]);
@@ -161,7 +139,7 @@ static status_t rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, n
   int64_t D = x->value.ndim ? x->value.shape[x->value.ndim - 1] : 1;
   int64_t rows = D ? tensor_numel(&x->value) / D : 0;
   tensor_t y, rstd;
-  TRY(alloc_like(&y, &x->value));
+  TRY(ops_alloc_like(&y, &x->value));
   status_t st = tensor_init(&rstd, DTYPE_F32, x->value.device, 1, &rows);
   if (st == STATUS_OK) st = kernel_rmsnorm(&y, &rstd, &x->value, &w->compute, (float)eps);
   if (st != STATUS_OK) {
@@ -171,7 +149,7 @@ static status_t rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, n
   }
   nn_node_t n = {
       .backward = rmsnorm_backward, .name = "rmsnorm", .in = {x}, .param = w, .saved = {rstd}};
-  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
 }
 
 status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out) {
@@ -187,7 +165,7 @@ static status_t rope_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   if (!n->in[0]->requires_grad) return STATUS_OK;
   tensor_t dx;
-  TRY(alloc_like(&dx, &n->out->grad));
+  TRY(ops_alloc_like(&dx, &n->out->grad));
   status_t st = kernel_rope(&dx, &n->out->grad, n->scalar, 0, true);
   if (st != STATUS_OK) {
     tensor_free(&dx);
@@ -199,14 +177,14 @@ static status_t rope_backward(nn_ctx_t *ctx, nn_node_t *n) {
 status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, double theta, nn_var_t **out) {
   *out = NULL;
   tensor_t y;
-  TRY(alloc_like(&y, &x->value));
+  TRY(ops_alloc_like(&y, &x->value));
   status_t st = kernel_rope(&y, &x->value, theta, 0, false);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
   }
   nn_node_t n = {.backward = rope_backward, .name = "rope", .in = {x}, .scalar = theta};
-  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
 }
 
 /* ---- attention ---- */
@@ -215,9 +193,9 @@ static status_t attention_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *q = n->in[0], *k = n->in[1], *v = n->in[2];
   tensor_t d[3] = {{0}};
-  status_t st = alloc_like(&d[0], &q->value);
-  if (st == STATUS_OK) st = alloc_like(&d[1], &k->value);
-  if (st == STATUS_OK) st = alloc_like(&d[2], &v->value);
+  status_t st = ops_alloc_like(&d[0], &q->value);
+  if (st == STATUS_OK) st = ops_alloc_like(&d[1], &k->value);
+  if (st == STATUS_OK) st = ops_alloc_like(&d[2], &v->value);
   if (st == STATUS_OK)
     st = kernel_attention_backward(&d[0], &d[1], &d[2], &n->out->grad, &q->value, &k->value,
                                    &v->value, &n->out->value, &n->saved[0]);
@@ -232,7 +210,7 @@ status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_v
   if (q->value.ndim != 4) return err_set(STATUS_ESHAPE, "nn_attention: q must be [B, T, H, Dh]");
   int64_t lshape[3] = {q->value.shape[0], q->value.shape[2], q->value.shape[1]};
   tensor_t y, lse;
-  TRY(alloc_like(&y, &q->value));
+  TRY(ops_alloc_like(&y, &q->value));
   status_t st = tensor_init(&lse, DTYPE_F32, q->value.device, 3, lshape);
   if (st == STATUS_OK) st = kernel_attention(&y, &lse, &q->value, &k->value, &v->value);
   if (st != STATUS_OK) {
@@ -243,7 +221,7 @@ status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_v
   nn_var_t *in[3] = {q, k, v};
   nn_node_t n = {
       .backward = attention_backward, .name = "attention", .in = {q, k, v}, .saved = {lse}};
-  return finish(ctx, &n, nn_needs_grad(ctx, in, 3, NULL), &y, out);
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, in, 3, NULL), &y, out);
 }
 
 /* ---- element-wise ---- */
@@ -251,8 +229,8 @@ status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_v
 static status_t silu_mul_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   tensor_t dg, du;
-  TRY(alloc_like(&dg, &n->in[0]->value));
-  status_t st = alloc_like(&du, &n->in[1]->value);
+  TRY(ops_alloc_like(&dg, &n->in[0]->value));
+  status_t st = ops_alloc_like(&du, &n->in[1]->value);
   if (st == STATUS_OK) {
     st = kernel_silu_mul_backward(&dg, &du, &n->out->grad, &n->in[0]->value, &n->in[1]->value);
     if (st == STATUS_OK && n->in[0]->requires_grad) st = nn_accumulate_grad(n->in[0], &dg);
@@ -266,7 +244,7 @@ static status_t silu_mul_backward(nn_ctx_t *ctx, nn_node_t *n) {
 status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out) {
   *out = NULL;
   tensor_t y;
-  TRY(alloc_like(&y, &gate->value));
+  TRY(ops_alloc_like(&y, &gate->value));
   status_t st = kernel_silu_mul(&y, &gate->value, &up->value);
   if (st != STATUS_OK) {
     tensor_free(&y);
@@ -274,7 +252,7 @@ status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out
   }
   nn_var_t *in[2] = {gate, up};
   nn_node_t n = {.backward = silu_mul_backward, .name = "silu_mul", .in = {gate, up}};
-  return finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &y, out);
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &y, out);
 }
 
 /* Passes the incoming gradient (times scalar) to every input that wants one. */
@@ -311,7 +289,7 @@ static status_t pass_backward(nn_ctx_t *ctx, nn_node_t *n) {
 status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out) {
   *out = NULL;
   tensor_t y;
-  TRY(alloc_like(&y, &a->value));
+  TRY(ops_alloc_like(&y, &a->value));
   status_t st = kernel_add(&y, &a->value, &b->value);
   if (st != STATUS_OK) {
     tensor_free(&y);
@@ -319,7 +297,7 @@ status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out) {
   }
   nn_var_t *in[2] = {a, b};
   nn_node_t n = {.backward = pass_backward, .name = "add", .in = {a, b}, .scalar = 1.0};
-  return finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &y, out);
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &y, out);
 }
 
 status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out) {
@@ -332,7 +310,7 @@ status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out) {
     return st;
   }
   nn_node_t n = {.backward = pass_backward, .name = "scale", .in = {x}, .scalar = alpha};
-  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
 }
 
 status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_var_t **out) {
@@ -340,38 +318,22 @@ status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_
   tensor_t y;
   TRY(tensor_view(&y, &x->value, ndim, shape));
   nn_node_t n = {.backward = pass_backward, .name = "view", .in = {x}, .scalar = 1.0};
-  return finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
 }
 
 /* ---- loss ---- */
 
 /* The value of a one-element tensor on the host (blocks). */
-static status_t scalar_of(const tensor_t *t, double *out) {
-  if (tensor_numel(t) != 1)
-    return err_set(STATUS_EINVAL, "expected one element, got %lld", (long long)tensor_numel(t));
-  float f;
-  tensor_t h;
-  int64_t one = 1;
-  TRY(tensor_wrap(&h, &f, DTYPE_F32, device_cpu(), 1, &one));
-  tensor_t src;
-  TRY(tensor_view(&src, t, 1, &one));
-  status_t st = tensor_copy(&h, &src);
-  tensor_free(&src);
-  tensor_free(&h);
-  *out = f;
-  return st;
-}
-
-status_t nn_var_scalar(const nn_var_t *v, double *out) { return scalar_of(&v->value, out); }
+status_t nn_var_scalar(const nn_var_t *v, double *out) { return ops_scalar_of(&v->value, out); }
 
 static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   double dloss;
-  TRY(scalar_of(&n->out->grad, &dloss));
+  TRY(ops_scalar_of(&n->out->grad, &dloss));
   nn_var_t *logits = n->in[0];
   if (!logits->requires_grad) return STATUS_OK;
   tensor_t d;
-  TRY(alloc_like(&d, &logits->value));
+  TRY(ops_alloc_like(&d, &logits->value));
   status_t st =
       kernel_cross_entropy_backward(&d, &logits->value, &n->saved[0], (float)(dloss / n->scalar));
   if (st != STATUS_OK) {
@@ -420,5 +382,5 @@ status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targe
                     .in = {logits},
                     .saved = {targets_ref},
                     .scalar = (double)count};
-  return finish(ctx, &node, nn_needs_grad(ctx, &logits, 1, NULL), &loss, out);
+  return ops_finish(ctx, &node, nn_needs_grad(ctx, &logits, 1, NULL), &loss, out);
 }

@@ -10,6 +10,7 @@
 #ifndef FSDPC_NN_OPS_H
 #define FSDPC_NN_OPS_H
 
+#include "base/kernels.h"
 #include "nn/autograd.h"
 
 #ifdef __cplusplus
@@ -36,6 +37,17 @@ status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, double theta, nn_var_t **out);
 /* Causal grouped-query attention: q [B, T, H, Dh], k and v [B, T, Hkv, Dh]. */
 status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_var_t **out);
 
+/* y[..., D] = x[..., D] + b with b [D] (a parameter). */
+status_t nn_bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **out);
+
+/* act(x) elementwise: KERNEL_ACT_RELU, KERNEL_ACT_GELU (exact, erf form), KERNEL_ACT_SILU. */
+status_t nn_activation(nn_ctx_t *ctx, nn_var_t *x, kernel_act_t act, nn_var_t **out);
+
+/* LayerNorm over the last dimension (PyTorch's: biased variance, eps inside the square root)
+ * with weight w [D] and bias b [D] (b may be NULL), computed in fp32. */
+status_t nn_layernorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_param_t *b, double eps,
+                      nn_var_t **out);
+
 /* silu(gate) * up. */
 status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out);
 
@@ -53,6 +65,11 @@ status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_
  * if not NULL, receives the number of counted targets. Blocks to read the losses. */
 status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets, nn_var_t **out,
                           int64_t *n_tokens);
+
+/* Mean squared error mean((pred - target)^2) over every element (target: a tensor of pred's
+ * shape, any float dtype, on pred's device); *out is an F32 scalar variable. Blocks to read
+ * the sum. */
+status_t nn_mse_loss(nn_ctx_t *ctx, nn_var_t *pred, const tensor_t *target, nn_var_t **out);
 
 /* The value of a one-element variable on the host (blocks). */
 status_t nn_var_scalar(const nn_var_t *v, double *out);

@@ -4,174 +4,101 @@
 #include <stdlib.h>
 #include <string.h>
 
-status_t plan_mesh(const plan_t *p, device_type_t dev, mesh_t **out) {
-  int shape[3], n = 0;
-  const char *names[3];
-  if (p->dp_replicate > 1) {
-    shape[n] = p->dp_replicate;
-    names[n++] = "dp_replicate";
-  }
-  shape[n] = p->dp_shard;
-  names[n++] = "dp_shard";
-  if (p->tp > 1) {
-    shape[n] = p->tp;
-    names[n++] = "tp";
-  }
-  return mesh_init(out, n, shape, names, dev);
-}
-
-status_t plan_dp_mesh(const plan_t *p, const mesh_t *world, mesh_t **out) {
-  const char *names[2] = {"dp_replicate", "dp_shard"};
-  int n = p->dp_replicate > 1 ? 2 : 1;
-  return mesh_slice(world, n, names + 2 - n, out);
-}
-
-/* The Llama plan of TorchTitan: attention and MLP inputs split by column and outputs by
- * row, the vocabulary split in the embedding and lm_head (whose output is made whole for the
- * loss), norms on sequence shards under sequence parallelism. */
-static const tp_rule_t llama_plan[] = {
-    {"model.embed_tokens", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.input_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn.q_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn.k_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn.v_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn.o_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.post_attention_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT,
-     TP_LAYOUT_DEFAULT},
-    {"model.layers.*.mlp", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.mlp.gate_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.mlp.up_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.mlp.down_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.norm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"lm_head", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_REPLICATE},
+struct parallel {
+  nn_module_t *root;
+  mesh_t *mesh, *dp_mesh, *tp_mesh, *all;
+  tp_plan_t *tp;
+  fsdp_group_t **groups;
+  int n_groups, cap_groups;
+  int dp_rank, dp_size;
 };
 
-int plan_default_tp_rules(const tp_rule_t **rules) {
-  *rules = llama_plan;
-  return (int)(sizeof llama_plan / sizeof llama_plan[0]);
-}
+mesh_t *parallel_mesh(const parallel_t *par) { return par->mesh; }
+mesh_t *parallel_dp_mesh(const parallel_t *par) { return par->dp_mesh; }
+mesh_t *parallel_tp_mesh(const parallel_t *par) { return par->tp_mesh; }
+pg_t *parallel_all_group(const parallel_t *par) { return mesh_group(par->all, 0); }
+int parallel_dp_rank(const parallel_t *par) { return par->dp_rank; }
+int parallel_dp_size(const parallel_t *par) { return par->dp_size; }
+int parallel_num_groups(const parallel_t *par) { return par->n_groups; }
+fsdp_group_t *const *parallel_groups(const parallel_t *par) { return par->groups; }
+const tp_plan_t *parallel_tp(const parallel_t *par) { return par->tp; }
 
-/* The kind of a Llama layer from its FQN (the module tree of nn/llama.c). */
-static const char *llama_kind(const char *module) {
-  size_t n = strlen(module);
-  if (n >= 12 && strcmp(module + n - 12, "embed_tokens") == 0) return "embedding";
-  if (n >= 4 && strcmp(module + n - 4, "norm") == 0) return "rmsnorm";
-  return "linear";
-}
+/* ---- meshes ---- */
 
-/* The tensor-parallel rules in effect: the plan's (converted into buf) or the built-in ones. */
-static int rules_of(const plan_t *p, tp_rule_t *buf, const tp_rule_t **out) {
-  if (!p->tp_plan_given) return plan_default_tp_rules(out);
-  for (int i = 0; i < p->n_tp_rules; i++)
-    buf[i] = (tp_rule_t){p->tp_rules[i].pattern, p->tp_rules[i].style, p->tp_rules[i].input,
-                         p->tp_rules[i].output};
-  *out = buf;
-  return p->n_tp_rules;
-}
-
-status_t plan_param_placements(const plan_t *p, const char *fqn, int *mesh_ndim, int *mesh_shape,
-                               placement_t *pl) {
-  int md = 0;
-  if (p->dp_replicate > 1) {
-    mesh_shape[md] = p->dp_replicate;
-    pl[md++] = placement_replicate();
+static status_t make_meshes(parallel_t *par, const parallel_plan_t *pp, device_type_t dev) {
+  int shape[3], n = 0;
+  const char *names[3];
+  if (pp->dp_replicate > 1) {
+    shape[n] = pp->dp_replicate;
+    names[n++] = "dp_replicate";
   }
-  int shard = md;
-  mesh_shape[md] = p->dp_shard;
-  pl[md++] = placement_shard(0);
-  if (p->tp > 1) {
-    char module[PLAN_PATTERN_MAX * 4];
-    snprintf(module, sizeof module, "%s", fqn);
-    char *dot = strrchr(module, '.');
-    if (dot) *dot = 0;
-    tp_rule_t buf[PLAN_MAX_TP_RULES];
-    const tp_rule_t *rules;
-    int n = rules_of(p, buf, &rules), i = tp_rule_index(rules, n, module);
-    placement_t tpl = placement_replicate();
-    if (i >= 0 && tp_rule_applies(&rules[i], p->sequence_parallel))
-      TRY(tp_weight_placement(rules[i].style, llama_kind(module), &tpl));
-    if (placement_is_shard(tpl, 0)) pl[shard] = placement_strided_shard(0, p->tp);
-    mesh_shape[md] = p->tp;
-    pl[md++] = tpl;
+  shape[n] = pp->dp_shard;
+  names[n++] = "dp_shard";
+  if (pp->tp > 1) {
+    shape[n] = pp->tp;
+    names[n++] = "tp";
   }
-  *mesh_ndim = md;
+  TRY(mesh_init(&par->mesh, n, shape, names, dev));
+  TRY(mesh_flatten(par->mesh, n, names, "all", &par->all));
+  int nd = pp->dp_replicate > 1 ? 2 : 1;
+  TRY(mesh_slice(par->mesh, nd, names, &par->dp_mesh));
+  if (pp->tp > 1) TRY(mesh_slice(par->mesh, 1, (const char *[]){"tp"}, &par->tp_mesh));
+  par->dp_size = pp->dp_replicate * pp->dp_shard;
+  par->dp_rank = nd == 2 ? mesh_coord(par->dp_mesh, 0) * pp->dp_shard + mesh_coord(par->dp_mesh, 1)
+                         : mesh_coord(par->dp_mesh, 0);
   return STATUS_OK;
 }
 
-bool plan_tp_is_builtin(const plan_t *p) {
-  if (!p->tp_plan_given) return true;
-  const tp_rule_t *d;
-  int n = plan_default_tp_rules(&d);
-  if (p->n_tp_rules != n) return false;
-  for (int i = 0; i < n; i++) {
-    const plan_tp_rule_t *r = &p->tp_rules[i];
-    if (strcmp(r->pattern, d[i].pattern) != 0 || r->style != d[i].style || r->input != d[i].input ||
-        r->output != d[i].output)
-      return false;
-  }
-  return true;
-}
+/* ---- tensor parallelism ---- */
 
-status_t plan_apply_tensor_parallel(const plan_t *p, llama_t *m, const mesh_t *world,
-                                    mesh_t **tp_mesh, tp_plan_t **out) {
-  *out = NULL;
-  *tp_mesh = NULL;
-  if (p->tp <= 1) return STATUS_OK;
-  tp_rule_t buf[PLAN_MAX_TP_RULES];
-  const tp_rule_t *use;
-  int n = rules_of(p, buf, &use);
-  for (int i = 0; i < n; i++) /* the loss reads whole logits */
-    if (nn_fqn_match(use[i].pattern, "lm_head") && use[i].style == TP_COLWISE &&
-        use[i].output != TP_REPLICATE)
-      return err_set(STATUS_EINVAL,
-                     "%s: parallelize.tensor_parallel.plan.%s: the loss needs whole logits; "
-                     "write {style: colwise, output: replicate}",
-                     p->tp_plan_given ? p->tp_rules[i].where.text : p->source, use[i].pattern);
-  TRY(mesh_slice(world, 1, (const char *[]){"tp"}, tp_mesh));
-  status_t st = tensor_parallel(llama_module(m), *tp_mesh, use, n, p->sequence_parallel, out);
-  if (st != STATUS_OK && p->tp_plan_given) { /* name the rule's place in the file */
+static status_t apply_tp(parallel_t *par, const parallel_plan_t *pp) {
+  if (pp->tp <= 1) return STATUS_OK;
+  tp_rule_t rules[PLAN_MAX_TP_RULES];
+  int n = parallel_plan_tp_rules(pp, rules);
+  status_t st = tensor_parallel(par->root, par->tp_mesh, rules, n, pp->sequence_parallel, &par->tp);
+  if (st != STATUS_OK) { /* name the rules' place in the file and the tree's modules */
     char msg[512];
     snprintf(msg, sizeof msg, "%s", err_detail());
-    st = err_set(st, "%s: parallelize.tensor_parallel.plan: %s", p->tp_where.text, msg);
+    return err_set(st, "%s: parallelize.tensor_parallel.plan: %s", pp->tp_where.text, msg);
   }
-  if (st != STATUS_OK) {
-    mesh_free(*tp_mesh);
-    *tp_mesh = NULL;
-  }
-  return st;
-}
-
-typedef struct walk {
-  const plan_t *p;
-  nn_module_t *root;
-  mesh_t *mesh;
-  fsdp_group_t **groups;
-  int max, n;
-} walk_t;
-
-static status_t shard_unit(walk_t *w, nn_module_t *mod, const plan_unit_t *u) {
-  fsdp_options_t o = FSDP_OPTIONS_INIT;
-  o.mesh = w->mesh;
-  o.offload = w->p->offload;
-  o.reshard_after_forward = u ? u->reshard_after_forward : FSDP_RESHARD_AUTO;
-  o.param_dtype = u ? u->param_dtype : w->p->param_dtype;
-  o.reduce_dtype = u ? u->reduce_dtype : w->p->reduce_dtype;
-  fsdp_group_t *g;
-  TRY(fully_shard(mod, &o, &g));
-  if (w->groups && w->n < w->max) w->groups[w->n] = g;
-  w->n++;
   return STATUS_OK;
 }
 
-/* Post-order: children (inner modules) before their parent. */
-static status_t visit(walk_t *w, nn_module_t *mod) {
-  for (int i = 0; i < nn_module_num_children(mod); i++) TRY(visit(w, nn_module_child(mod, i)));
-  if (mod == w->root) return STATUS_OK;
-  for (int u = 0; u < w->p->n_units; u++)
-    if (nn_fqn_match(w->p->units[u].pattern, nn_module_fqn(mod))) {
-      return shard_unit(w, mod, &w->p->units[u]);
-    }
+/* ---- fully_shard ---- */
+
+static status_t push_group(parallel_t *par, fsdp_group_t *g) {
+  if (par->n_groups == par->cap_groups) {
+    int nc = par->cap_groups ? 2 * par->cap_groups : 16;
+    fsdp_group_t **v = realloc(par->groups, sizeof *v * (size_t)nc);
+    if (v == NULL) return err_set(STATUS_ENOMEM, "parallelize: out of host memory");
+    par->groups = v;
+    par->cap_groups = nc;
+  }
+  par->groups[par->n_groups++] = g;
+  return STATUS_OK;
+}
+
+static status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
+                           const plan_unit_t *u) {
+  fsdp_options_t o = FSDP_OPTIONS_INIT;
+  o.mesh = par->dp_mesh;
+  o.offload = pp->offload;
+  o.reshard_after_forward = u ? u->reshard_after_forward : FSDP_RESHARD_AUTO;
+  o.param_dtype = u ? u->param_dtype : pp->param_dtype;
+  o.reduce_dtype = u ? u->reduce_dtype : pp->reduce_dtype;
+  fsdp_group_t *g;
+  TRY(fully_shard(mod, &o, &g));
+  return push_group(par, g);
+}
+
+/* Post-order: children (inner modules) before their parent; the first matching unit wins. */
+static status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod) {
+  for (int i = 0; i < nn_module_num_children(mod); i++)
+    TRY(visit(par, pp, nn_module_child(mod, i)));
+  if (mod == par->root) return STATUS_OK;
+  for (int u = 0; u < pp->n_units; u++)
+    if (nn_fqn_match(pp->units[u].pattern, nn_module_fqn(mod)))
+      return shard_unit(par, pp, mod, &pp->units[u]);
   return STATUS_OK;
 }
 
@@ -182,18 +109,87 @@ static int count_matches(const nn_module_t *root, const nn_module_t *mod, const 
   return n;
 }
 
-status_t plan_apply_fully_shard(const plan_t *p, llama_t *m, mesh_t *mesh, fsdp_group_t **groups,
-                                int max, int *n) {
-  walk_t w = {.p = p, .root = llama_module(m), .mesh = mesh, .groups = groups, .max = max};
+static status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
   /* check every pattern first: nothing is sharded when one matches no module */
-  for (int u = 0; u < p->n_units; u++)
-    if (count_matches(w.root, w.root, p->units[u].pattern) == 0)
+  for (int u = 0; u < pp->n_units; u++)
+    if (count_matches(par->root, par->root, pp->units[u].pattern) == 0) {
+      char names[256];
       return err_set(STATUS_EINVAL,
-                     "%s: parallelize.fully_shard.units[%d]: '%s' matches no module (module "
-                     "names look like model.layers.0, model.layers.0.mlp, lm_head)",
-                     p->units[u].where.text, u, p->units[u].pattern);
-  TRY(visit(&w, w.root));
-  TRY(shard_unit(&w, w.root, NULL));
-  if (n) *n = w.n;
+                     "%s: parallelize.fully_shard.units[%d]: '%s' matches no module (modules "
+                     "here: %s, ...)",
+                     pp->units[u].where.text, u, pp->units[u].pattern,
+                     nn_module_names(par->root, 6, names, sizeof names));
+    }
+  TRY(visit(par, pp, par->root));
+  return shard_unit(par, pp, par->root, NULL);
+}
+
+status_t parallel_apply(parallel_t **out, nn_module_t *root, const parallel_plan_t *pp,
+                        device_type_t dev) {
+  *out = NULL;
+  if (root == NULL || pp == NULL)
+    return err_set(STATUS_EINVAL, "parallel_apply: a module tree and a plan are required");
+  if (pp->dp_replicate < 1 || pp->dp_shard < 1 || pp->tp < 1)
+    return err_set(STATUS_EINVAL,
+                   "parallel_apply: the plan's mesh has a size of -1 (call parallel_plan_resolve "
+                   "first)");
+  parallel_t *par = calloc(1, sizeof *par);
+  if (par == NULL) return err_set(STATUS_ENOMEM, "parallelize: out of host memory");
+  par->root = root;
+  status_t st = make_meshes(par, pp, dev);
+  if (st == STATUS_OK) st = apply_tp(par, pp);
+  if (st == STATUS_OK) st = apply_fsdp(par, pp);
+  if (st != STATUS_OK) {
+    parallel_free(par);
+    return st;
+  }
+  *out = par;
+  return STATUS_OK;
+}
+
+void parallel_free(parallel_t *par) {
+  if (par == NULL) return;
+  if (par->n_groups > 0) fsdp_free_all(par->root);
+  tp_free(par->tp);
+  free(par->groups);
+  mesh_free(par->tp_mesh);
+  mesh_free(par->dp_mesh);
+  mesh_free(par->all);
+  mesh_free(par->mesh);
+  free(par);
+}
+
+/* ---- offline placements ---- */
+
+status_t parallel_param_placements(const parallel_plan_t *pp, const nn_module_t *root,
+                                   const char *fqn, int *mesh_ndim, int *mesh_shape,
+                                   placement_t *pl) {
+  int md = 0;
+  if (pp->dp_replicate > 1) {
+    mesh_shape[md] = pp->dp_replicate;
+    pl[md++] = placement_replicate();
+  }
+  int shard = md;
+  mesh_shape[md] = pp->dp_shard;
+  pl[md++] = placement_shard(0);
+  if (pp->tp > 1) {
+    char module[PLAN_PATTERN_MAX * 4];
+    snprintf(module, sizeof module, "%s", fqn);
+    char *dot = strrchr(module, '.');
+    if (dot) *dot = 0;
+    tp_rule_t rules[PLAN_MAX_TP_RULES];
+    int n = parallel_plan_tp_rules(pp, rules), i = tp_rule_index(rules, n, module);
+    placement_t tpl = placement_replicate();
+    if (i >= 0 && tp_rule_applies(&rules[i], pp->sequence_parallel)) {
+      nn_module_t *m = nn_module_find((nn_module_t *)root, dot ? module : "");
+      if (m == NULL)
+        return err_set(STATUS_EINVAL, "parameter %s: the model has no module '%s'", fqn, module);
+      TRY(tp_param_placement(rules[i].style, nn_module_kind(m), dot ? dot + 1 : fqn, &tpl));
+    }
+    if (placement_is_shard(tpl, 0)) pl[shard] = placement_strided_shard(0, pp->tp);
+    mesh_shape[md] = pp->tp;
+    pl[md++] = tpl;
+  }
+  *mesh_ndim = md;
   return STATUS_OK;
 }

@@ -1,54 +1,74 @@
 /*
- * Turning a resolved plan into a parallel model: the world mesh, tensor parallelism on its
- * "tp" dimension, then fully_shard over the data-parallel dimensions and the plan's units.
+ * Applying a parallelism plan (parallel_plan.h) to any module tree: the world mesh
+ * ((dp_replicate,) dp_shard(, tp)), tensor parallelism on its "tp" dimension by the plan's
+ * rules (each matched module's declared kind says how to split it: nn_module_kind), then
+ * fully_shard over the data-parallel dimensions, the plan's units first (inner ones first) and
+ * the root last.
+ *
+ *   parallel_plan_t pp;
+ *   TRY(parallel_plan_load(&pp, "plan.yaml", NULL, 0));
+ *   TRY(parallel_plan_resolve(&pp, world_size()));
+ *   parallel_t *par;
+ *   TRY(parallel_apply(&par, model, &pp, DEVICE_CPU));   // model built deferred, or whole
+ *   TRY(nn_module_materialize(model));                     // deferred: this rank's shards
+ *   ... initialise, train; clip with parallel_all_group(par) ...
+ *   parallel_free(par);                                    // then free the model
  */
 #ifndef FSDPC_PARALLEL_PARALLELIZE_H
 #define FSDPC_PARALLEL_PARALLELIZE_H
 
 #include "fully_shard/fsdp.h"
-#include "parallel/plan.h"
+#include "parallel/parallel_plan.h"
 #include "parallel/tensor_parallel.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* The world mesh of a resolved plan on this rank's device of type dev: ("dp_replicate",)
- * "dp_shard"(, "tp"), dp_replicate only when > 1 and tp only when > 1. Collective. */
-status_t plan_mesh(const plan_t *p, device_type_t dev, mesh_t **out);
+typedef struct parallel parallel_t;
 
-/* The data-parallel part of the world mesh (a slice: "dp_shard", or ("dp_replicate",
- * "dp_shard")), which fully_shard shards over. Local. */
-status_t plan_dp_mesh(const plan_t *p, const mesh_t *world, mesh_t **out);
+/* Applies a resolved plan to the module tree under root (finalized; its parameters whole or
+ * meta, the same on every rank) on this rank's device of type dev. Every unit pattern must
+ * match a module and every tensor-parallel rule a module of a kind its style handles (errors
+ * name the plan's line and list module names of the tree); on failure root may be partly
+ * parallelised and should be freed. *out is freed with parallel_free. Collective over the
+ * world (it creates the meshes). */
+status_t parallel_apply(parallel_t **out, nn_module_t *root, const parallel_plan_t *pp,
+                        device_type_t dev);
 
-/* The built-in Llama tensor-parallel plan (used when parallelize.tensor_parallel.plan is
- * absent); returns the number of rules. */
-int plan_default_tp_rules(const tp_rule_t **rules);
+/* Detaches fully_shard from the model (fsdp_free_all), frees the tensor-parallel state and the
+ * meshes. Call it after the last step and before freeing the model, which may be freed
+ * afterwards only. NULL is a no-op. Local. */
+void parallel_free(parallel_t *par);
 
-/* The world mesh's shape under a resolved plan (as plan_mesh lays it out) and the placements
- * a training run gives the Llama parameter fqn on it: its tensor-parallel placement on "tp",
- * Shard(0) over dp_shard (strided when tp also splits dim 0), Replicate over dp_replicate.
- * Offline tools lay checkpoints out for a plan with it. Local. */
-status_t plan_param_placements(const plan_t *p, const char *fqn, int *mesh_ndim, int *mesh_shape,
-                               placement_t *pl);
+/* The world mesh: ("dp_replicate",) "dp_shard"(, "tp"), dp_replicate only when > 1 and tp only
+ * when > 1. */
+mesh_t *parallel_mesh(const parallel_t *par);
+/* Its data-parallel part ("dp_shard", or ("dp_replicate", "dp_shard")), which fully_shard
+ * shards over. */
+mesh_t *parallel_dp_mesh(const parallel_t *par);
+/* Its "tp" slice, or NULL without tensor parallelism. */
+mesh_t *parallel_tp_mesh(const parallel_t *par);
+/* A group of every rank (gradient-norm sums, losses). */
+pg_t *parallel_all_group(const parallel_t *par);
+/* This rank's data-parallel index (flattened over dp_replicate x dp_shard) and their number:
+ * the data order's dp_rank and dp_size (the ranks of one tp group share them). */
+int parallel_dp_rank(const parallel_t *par);
+int parallel_dp_size(const parallel_t *par);
+/* The fully_shard groups in the order applied (the root's last). */
+int parallel_num_groups(const parallel_t *par);
+fsdp_group_t *const *parallel_groups(const parallel_t *par);
+/* The tensor-parallel state, or NULL. */
+const tp_plan_t *parallel_tp(const parallel_t *par);
 
-/* True when the plan's tensor-parallel rules are the built-in ones (absent, or written out
- * in the same order). */
-bool plan_tp_is_builtin(const plan_t *p);
-
-/* Applies parallelize.tensor_parallel on the world mesh's "tp" dimension when mesh.tp > 1
- * (else leaves *tp_mesh and *out NULL): *tp_mesh is the caller's slice, to free after *out
- * (tp_free) and the model. Local. */
-status_t plan_apply_tensor_parallel(const plan_t *p, llama_t *m, const mesh_t *world,
-                                    mesh_t **tp_mesh, tp_plan_t **out);
-
-/* Applies parallelize.fully_shard: every module whose FQN matches a unit's pattern (a glob
- * whose * and ? stay within one dot-separated name; the first unit that matches wins) becomes one
- * group, inner modules first, then the root with the section's settings. A pattern that matches no
- * module is an error naming the unit. groups (may be NULL) receives up to max groups in the order
- * applied, *n their count. Local, except integer reshards (collective over the shard dimension). */
-status_t plan_apply_fully_shard(const plan_t *p, llama_t *m, mesh_t *mesh, fsdp_group_t **groups,
-                                int max, int *n);
+/* The world mesh's shape under a resolved plan (as parallel_apply lays it out) and the
+ * placements a training run gives parameter fqn of the module tree under root (its module
+ * kinds are what count; a meta model serves): its tensor-parallel placement on "tp", Shard(0)
+ * over dp_shard (strided when tp also splits dim 0), Replicate over dp_replicate. Offline
+ * tools lay checkpoints out for a plan with it. Local. */
+status_t parallel_param_placements(const parallel_plan_t *pp, const nn_module_t *root,
+                                   const char *fqn, int *mesh_ndim, int *mesh_shape,
+                                   placement_t *pl);
 
 #ifdef __cplusplus
 }

@@ -14,6 +14,7 @@
 #include <yaml.h>
 
 #include "fully_shard/fsdp.h"
+#include "parallel/llama_plan.h"
 
 #define MAX_SETS 256
 
@@ -26,11 +27,18 @@ typedef struct ctx {
   char dir[PLAN_PATH_MAX]; /* the file's folder, for relative paths */
 } ctx_t;
 
+void parallel_plan_defaults(parallel_plan_t *pp) {
+  memset(pp, 0, sizeof *pp);
+  pp->dp_replicate = 1;
+  pp->dp_shard = -1;
+  pp->tp = 1;
+  pp->reshard_after_forward = FSDP_RESHARD_AUTO;
+  pp->param_dtype = pp->reduce_dtype = DTYPE_COUNT;
+}
+
 void plan_defaults(plan_t *p) {
   memset(p, 0, sizeof *p);
-  p->dp_replicate = 1;
-  p->dp_shard = -1;
-  p->tp = 1;
+  parallel_plan_defaults(&p->par);
   /* model: the small Llama of configs/llama-small.json */
   p->model = (llama_config_t)LLAMA_CONFIG_INIT;
   p->model.dim = 256;
@@ -44,8 +52,6 @@ void plan_defaults(plan_t *p) {
   p->model.tie_embeddings = false;
   p->model_seed = 0;
   p->deferred_init = true;
-  p->reshard_after_forward = FSDP_RESHARD_AUTO;
-  p->param_dtype = p->reduce_dtype = DTYPE_COUNT;
   p->optim = (adamw_config_t)ADAMW_CONFIG_INIT;
   p->optim.lr = 3e-4;
   p->optim.weight_decay = 0.1;
@@ -339,14 +345,14 @@ static status_t read_mesh(ctx_t *c, int root) {
   int m;
   TRY(section(c, root, "mesh", keys, &m));
   if (m == 0) {
-    snprintf(c->p->mesh_where.text, sizeof c->p->mesh_where.text, "%s", c->p->source);
+    snprintf(c->p->par.mesh_where.text, sizeof c->p->par.mesh_where.text, "%s", c->p->source);
     return STATUS_OK;
   }
-  where_of(c, m, &c->p->mesh_where);
-  TRY(get_size(c, m, "mesh", "dp_replicate", &c->p->dp_replicate));
-  TRY(get_size(c, m, "mesh", "dp_shard", &c->p->dp_shard));
-  TRY(get_size(c, m, "mesh", "tp", &c->p->tp));
-  int unknown = (c->p->dp_replicate < 0) + (c->p->dp_shard < 0) + (c->p->tp < 0);
+  where_of(c, m, &c->p->par.mesh_where);
+  TRY(get_size(c, m, "mesh", "dp_replicate", &c->p->par.dp_replicate));
+  TRY(get_size(c, m, "mesh", "dp_shard", &c->p->par.dp_shard));
+  TRY(get_size(c, m, "mesh", "tp", &c->p->par.tp));
+  int unknown = (c->p->par.dp_replicate < 0) + (c->p->par.dp_shard < 0) + (c->p->par.tp < 0);
   if (unknown > 1) return fail(c, m, "mesh", "at most one size may be -1");
   return STATUS_OK;
 }
@@ -413,16 +419,16 @@ static status_t read_units(ctx_t *c, int fs) {
   if (is_null(c, v)) return STATUS_OK;
   yaml_node_t *n = node(c, v);
   if (n->type != YAML_SEQUENCE_NODE) return fail(c, v, path, "expected a list of module patterns");
-  p->n_units = 0;
+  p->par.n_units = 0;
   for (yaml_node_item_t *it = n->data.sequence.items.start; it < n->data.sequence.items.top; it++) {
-    if (p->n_units == PLAN_MAX_UNITS)
+    if (p->par.n_units == PLAN_MAX_UNITS)
       return fail(c, *it, path, "more than %d units", PLAN_MAX_UNITS);
-    plan_unit_t *u = &p->units[p->n_units];
+    plan_unit_t *u = &p->par.units[p->par.n_units];
     char upath[256];
-    snprintf(upath, sizeof upath, "%s[%d]", path, p->n_units);
-    u->reshard_after_forward = p->reshard_after_forward;
-    u->param_dtype = p->param_dtype;
-    u->reduce_dtype = p->reduce_dtype;
+    snprintf(upath, sizeof upath, "%s[%d]", path, p->par.n_units);
+    u->reshard_after_forward = p->par.reshard_after_forward;
+    u->param_dtype = p->par.param_dtype;
+    u->reduce_dtype = p->par.reduce_dtype;
     where_of(c, *it, &u->where);
     const char *s = scalar(c, *it);
     if (s == NULL) { /* {match: PATTERN, reshard_after_forward: ..., mp_policy: ...} */
@@ -440,7 +446,7 @@ static status_t read_units(ctx_t *c, int fs) {
     if (strlen(s) >= PLAN_PATTERN_MAX)
       return fail(c, *it, upath, "pattern longer than %d characters", PLAN_PATTERN_MAX - 1);
     strcpy(u->pattern, s);
-    p->n_units++;
+    p->par.n_units++;
   }
   return STATUS_OK;
 }
@@ -465,22 +471,22 @@ static status_t read_tp(ctx_t *c, int tp) {
   if (node(c, tp)->type != YAML_MAPPING_NODE)
     return fail(c, tp, path, "expected a mapping with plan and sequence_parallel");
   TRY(check_keys(c, tp, path, keys));
-  where_of(c, tp, &p->tp_where);
-  TRY(get_bool(c, tp, path, "sequence_parallel", &p->sequence_parallel));
+  where_of(c, tp, &p->par.tp_where);
+  TRY(get_bool(c, tp, path, "sequence_parallel", &p->par.sequence_parallel));
   int pl = find(c, tp, "plan");
   if (is_null(c, pl)) return STATUS_OK;
   const char *ppath = "parallelize.tensor_parallel.plan";
   yaml_node_t *n = node(c, pl);
   if (n->type != YAML_MAPPING_NODE)
     return fail(c, pl, ppath, "expected a mapping of module pattern: style");
-  p->tp_plan_given = true;
+  p->par.tp_plan_given = true;
   for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
     const char *k = scalar(c, a->key);
-    if (p->n_tp_rules == PLAN_MAX_TP_RULES)
+    if (p->par.n_tp_rules == PLAN_MAX_TP_RULES)
       return fail(c, a->key, ppath, "more than %d rules", PLAN_MAX_TP_RULES);
     if (k == NULL || strlen(k) >= PLAN_PATTERN_MAX)
       return fail(c, a->key, ppath, "expected module pattern: style");
-    plan_tp_rule_t *r = &p->tp_rules[p->n_tp_rules];
+    plan_tp_rule_t *r = &p->par.tp_rules[p->par.n_tp_rules];
     memset(r, 0, sizeof *r);
     char rpath[PLAN_PATTERN_MAX + 64];
     snprintf(rpath, sizeof rpath, "%s.%s", ppath, k);
@@ -499,7 +505,7 @@ static status_t read_tp(ctx_t *c, int tp) {
                   s ? s : "");
     strcpy(r->pattern, k);
     where_of(c, a->key, &r->where);
-    p->n_tp_rules++;
+    p->par.n_tp_rules++;
   }
   return STATUS_OK;
 }
@@ -515,14 +521,14 @@ static status_t read_parallelize(ctx_t *c, int root) {
   if (!is_null(c, fs)) {
     const char *path = "parallelize.fully_shard";
     TRY(check_keys(c, fs, path, fs_keys));
-    where_of(c, fs, &p->fsdp_where);
-    TRY(get_reshard(c, fs, path, &p->reshard_after_forward));
-    TRY(read_mp(c, fs, path, &p->param_dtype, &p->reduce_dtype));
-    TRY(get_bool(c, fs, path, "offload", &p->offload));
-    for (int i = 0; i < p->n_units; i++) { /* the defaults units take */
-      p->units[i].reshard_after_forward = p->reshard_after_forward;
-      p->units[i].param_dtype = p->param_dtype;
-      p->units[i].reduce_dtype = p->reduce_dtype;
+    where_of(c, fs, &p->par.fsdp_where);
+    TRY(get_reshard(c, fs, path, &p->par.reshard_after_forward));
+    TRY(read_mp(c, fs, path, &p->par.param_dtype, &p->par.reduce_dtype));
+    TRY(get_bool(c, fs, path, "offload", &p->par.offload));
+    for (int i = 0; i < p->par.n_units; i++) { /* the defaults units take */
+      p->par.units[i].reshard_after_forward = p->par.reshard_after_forward;
+      p->par.units[i].param_dtype = p->par.param_dtype;
+      p->par.units[i].reduce_dtype = p->par.reduce_dtype;
     }
     TRY(read_units(c, fs));
   }
@@ -701,12 +707,16 @@ static status_t parse_file(ctx_t *c, const char *path) {
   return st;
 }
 
-status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets) {
+/* Reads the file into p: every section, or (parallel_only) mesh and parallelize alone. */
+static status_t load(plan_t *p, const char *path, const char *const *sets, int n_sets,
+                     bool parallel_only) {
   plan_defaults(p);
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(p->source, path);
-  plan_where_t *ws[] = {&p->mesh_where, &p->fsdp_where, &p->data_where, &p->ckpt_where};
-  for (int i = 0; i < 4; i++) snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
+  strcpy(p->par.source, path);
+  plan_where_t *ws[] = {&p->par.mesh_where, &p->par.fsdp_where, &p->par.tp_where, &p->data_where,
+                        &p->ckpt_where};
+  for (int i = 0; i < 5; i++) snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   ctx_t *c = calloc(1, sizeof *c);
   if (c == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
   c->p = p;
@@ -719,32 +729,98 @@ status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_s
   }
   int root = yaml_document_get_root_node(&c->doc) ? 1 : 0;
   if (root == 0 || is_null(c, root)) {
-    st = err_set(STATUS_EFORMAT,
-                 "%s: the plan is empty (expected a mapping of sections: mesh, "
-                 "model, parallelize, optim, schedule, data, train, checkpoint, log)",
-                 path);
+    st = err_set(STATUS_EFORMAT, "%s: the plan is empty (expected a mapping of sections: %s)", path,
+                 parallel_only ? "mesh, parallelize"
+                               : "mesh, model, parallelize, optim, schedule, data, train, "
+                                 "checkpoint, log");
   } else if (node(c, root)->type != YAML_MAPPING_NODE) {
-    st = fail(c, root, "(top level)", "expected a mapping of sections (mesh, model, ...)");
+    st = fail(c, root, "(top level)", "expected a mapping of sections (mesh, %s...)",
+              parallel_only ? "parallelize" : "model, ");
   }
   c->set_base = (int)(c->doc.nodes.top - c->doc.nodes.start) + 1;
   for (int i = 0; i < n_sets && st == STATUS_OK; i++) st = apply_set(c, root, sets[i]);
   static const char *const top[] = {"mesh", "model", "parallelize", "optim", "schedule",
                                     "data", "train", "checkpoint",  "log",   NULL};
-  if (st == STATUS_OK) st = check_keys(c, root, "", top);
+  static const char *const top_parallel[] = {"mesh", "parallelize", NULL};
+  if (st == STATUS_OK) st = check_keys(c, root, "", parallel_only ? top_parallel : top);
   if (st == STATUS_OK) st = read_mesh(c, root);
-  if (st == STATUS_OK) st = read_model(c, root);
+  if (st == STATUS_OK && !parallel_only) st = read_model(c, root);
   if (st == STATUS_OK) st = read_parallelize(c, root);
-  if (st == STATUS_OK) st = read_optim(c, root);
-  if (st == STATUS_OK) st = read_rest(c, root);
+  if (st == STATUS_OK && !parallel_only) st = read_optim(c, root);
+  if (st == STATUS_OK && !parallel_only) st = read_rest(c, root);
+  /* fsdp-train's model is the Llama: without rules of its own, a plan splits it by the
+   * built-in ones */
+  if (st == STATUS_OK && !parallel_only && !p->par.tp_plan_given)
+    st = llama_plan_fill_tp_rules(&p->par);
   yaml_document_delete(&c->doc);
   free(c);
   return st;
 }
 
+status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets) {
+  return load(p, path, sets, n_sets, false);
+}
+
+status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
+                            int n_sets) {
+  plan_t *p = malloc(sizeof *p);
+  if (p == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
+  status_t st = load(p, path, sets, n_sets, true);
+  if (st == STATUS_OK) *pp = p->par;
+  free(p);
+  return st;
+}
+
+status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {
+  if (pp->n_units == PLAN_MAX_UNITS)
+    return err_set(STATUS_EINVAL, "parallel plan: more than %d units", PLAN_MAX_UNITS);
+  if (pattern == NULL || pattern[0] == 0 || strlen(pattern) >= PLAN_PATTERN_MAX)
+    return err_set(STATUS_EINVAL, "parallel plan: a unit pattern must have 1 to %d characters",
+                   PLAN_PATTERN_MAX - 1);
+  plan_unit_t *u = &pp->units[pp->n_units++];
+  memset(u, 0, sizeof *u);
+  strcpy(u->pattern, pattern);
+  u->reshard_after_forward = pp->reshard_after_forward;
+  u->param_dtype = pp->param_dtype;
+  u->reduce_dtype = pp->reduce_dtype;
+  snprintf(u->where.text, sizeof u->where.text, "units[%d]", pp->n_units - 1);
+  return STATUS_OK;
+}
+
+status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
+                                   tp_layout_t input, tp_layout_t output) {
+  if (pp->n_tp_rules == PLAN_MAX_TP_RULES)
+    return err_set(STATUS_EINVAL, "parallel plan: more than %d tensor-parallel rules",
+                   PLAN_MAX_TP_RULES);
+  if (pattern == NULL || pattern[0] == 0 || strlen(pattern) >= PLAN_PATTERN_MAX)
+    return err_set(STATUS_EINVAL, "parallel plan: a rule pattern must have 1 to %d characters",
+                   PLAN_PATTERN_MAX - 1);
+  if (style < 0 || style >= TP_STYLE_COUNT || input < 0 || input >= TP_LAYOUT_COUNT ||
+      output < 0 || output >= TP_LAYOUT_COUNT)
+    return err_set(STATUS_EINVAL, "parallel plan: rule '%s' has an unknown style or layout",
+                   pattern);
+  plan_tp_rule_t *r = &pp->tp_rules[pp->n_tp_rules++];
+  memset(r, 0, sizeof *r);
+  strcpy(r->pattern, pattern);
+  r->style = style;
+  r->input = input;
+  r->output = output;
+  snprintf(r->where.text, sizeof r->where.text, "tensor_parallel.plan.%s", pattern);
+  pp->tp_plan_given = true;
+  return STATUS_OK;
+}
+
+int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out) {
+  for (int i = 0; i < pp->n_tp_rules; i++)
+    out[i] = (tp_rule_t){pp->tp_rules[i].pattern, pp->tp_rules[i].style, pp->tp_rules[i].input,
+                         pp->tp_rules[i].output};
+  return pp->n_tp_rules;
+}
+
 /* ---- resolve ---- */
 
-status_t plan_resolve(plan_t *p, int world) {
-  int *sizes[3] = {&p->dp_replicate, &p->dp_shard, &p->tp};
+status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
+  int *sizes[3] = {&pp->dp_replicate, &pp->dp_shard, &pp->tp};
   static const char *names[3] = {"dp_replicate", "dp_shard", "tp"};
   long long known = 1;
   int rest = -1;
@@ -759,15 +835,35 @@ status_t plan_resolve(plan_t *p, int world) {
       return err_set(STATUS_EMESH,
                      "%s: mesh: the world has %d ranks, which mesh sizes of product %lld do not "
                      "divide (mesh.%s = -1 takes the rest)",
-                     p->mesh_where.text, world, known, names[rest]);
+                     pp->mesh_where.text, world, known, names[rest]);
     *sizes[rest] = (int)(world / known);
   } else if (known != world) {
     return err_set(STATUS_EMESH,
                    "%s: mesh: dp_replicate x dp_shard x tp = %d x %d x %d = %lld, but the world "
                    "has %d ranks",
-                   p->mesh_where.text, p->dp_replicate, p->dp_shard, p->tp, known, world);
+                   pp->mesh_where.text, pp->dp_replicate, pp->dp_shard, pp->tp, known, world);
   }
-  if (p->tp > 1) {
+  for (int i = 0; i <= pp->n_units; i++) {
+    int N = i < pp->n_units ? pp->units[i].reshard_after_forward : pp->reshard_after_forward;
+    const char *w = i < pp->n_units ? pp->units[i].where.text : pp->fsdp_where.text;
+    if (N >= 2 && (N >= pp->dp_shard || pp->dp_shard % N != 0))
+      return err_set(STATUS_EINVAL,
+                     "%s: parallelize.fully_shard.reshard_after_forward: %d does not divide "
+                     "mesh.dp_shard=%d into groups of 1 < N < %d ranks",
+                     w, N, pp->dp_shard, pp->dp_shard);
+  }
+  if (pp->tp > 1 && pp->n_tp_rules == 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: parallelize.tensor_parallel.plan: mesh.tp is %d, but no rule says which "
+                   "modules to split (PATTERN: colwise | rowwise | sequence_parallel | "
+                   "prepare_input)",
+                   pp->tp_where.text, pp->tp);
+  return STATUS_OK;
+}
+
+status_t plan_resolve(plan_t *p, int world) {
+  TRY(parallel_plan_resolve(&p->par, world));
+  if (p->par.tp > 1) {
     const struct {
       const char *key;
       int64_t v;
@@ -777,26 +873,17 @@ status_t plan_resolve(plan_t *p, int world) {
                  {"ffn_dim", p->model.ffn_dim, "an equal slice of the MLP"},
                  {"vocab_size", p->model.vocab_size, "an equal slice of the vocabulary"}};
     for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
-      if (split[i].v % p->tp != 0)
+      if (split[i].v % p->par.tp != 0)
         return err_set(STATUS_EINVAL,
                        "%s: mesh.tp: %d does not divide model.%s=%lld (each tensor-parallel "
                        "rank needs %s)",
-                       p->mesh_where.text, p->tp, split[i].key, (long long)split[i].v,
+                       p->par.mesh_where.text, p->par.tp, split[i].key, (long long)split[i].v,
                        split[i].why);
-    if (p->sequence_parallel && p->seq_len % p->tp != 0)
+    if (p->par.sequence_parallel && p->seq_len % p->par.tp != 0)
       return err_set(STATUS_EINVAL,
                      "%s: data.seq_len: %lld is not divisible by mesh.tp=%d (sequence "
                      "parallelism splits the sequence evenly)",
-                     p->data_where.text, (long long)p->seq_len, p->tp);
-  }
-  for (int i = 0; i <= p->n_units; i++) {
-    int N = i < p->n_units ? p->units[i].reshard_after_forward : p->reshard_after_forward;
-    const char *w = i < p->n_units ? p->units[i].where.text : p->fsdp_where.text;
-    if (N >= 2 && (N >= p->dp_shard || p->dp_shard % N != 0))
-      return err_set(STATUS_EINVAL,
-                     "%s: parallelize.fully_shard.reshard_after_forward: %d does not divide "
-                     "mesh.dp_shard=%d into groups of 1 < N < %d ranks",
-                     w, N, p->dp_shard, p->dp_shard);
+                     p->data_where.text, (long long)p->seq_len, p->par.tp);
   }
   if (p->data_path[0] == 0)
     return err_set(STATUS_EINVAL, "%s: data.path: missing (the token file to train on)", p->source);

@@ -1,5 +1,7 @@
 /*
- * Parallelism plans: the YAML file a user writes, read into plain C structs. The core never
+ * fsdp-train's job: the YAML file of a training run read into plain C structs: the
+ * parallelism plan (mesh, parallelize; parallel_plan.h, usable with any model) and the job
+ * (model, optim, schedule, data, train, checkpoint, log; the built-in Llama). The core never
  * sees YAML; a program can fill plan_t in code (start from plan_defaults) and get the same
  * behaviour.
  *
@@ -19,64 +21,20 @@
 #include "nn/data.h"
 #include "nn/llama.h"
 #include "nn/optim.h"
-#include "parallel/tensor_parallel.h"
+#include "parallel/parallel_plan.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define PLAN_MAX_UNITS 32
-#define PLAN_MAX_TP_RULES 32
-#define PLAN_PATH_MAX 512
-#define PLAN_PATTERN_MAX 128
-
-/* Where a value came from, for errors found after parsing (a unit matching nothing). */
-typedef struct plan_where {
-  char text[PLAN_PATH_MAX + 64]; /* "file:line:col" or "--set key=value" */
-} plan_where_t;
-
-/* One fully_shard unit: the modules whose FQN matches pattern (fnmatch), each its own group,
- * applied bottom-up; the root is implied. Settings default to the section's. */
-typedef struct plan_unit {
-  char pattern[PLAN_PATTERN_MAX];
-  int reshard_after_forward; /* FSDP_RESHARD_AUTO, 0, 1 or N */
-  dtype_t param_dtype;       /* DTYPE_COUNT: the parameter's own */
-  dtype_t reduce_dtype;      /* DTYPE_COUNT: param_dtype */
-  plan_where_t where;
-} plan_unit_t;
-
-/* One tensor-parallel rule: modules matching pattern get a style (layouts: TP_LAYOUT_DEFAULT
- * for the style's own). */
-typedef struct plan_tp_rule {
-  char pattern[PLAN_PATTERN_MAX];
-  tp_style_t style;
-  tp_layout_t input, output;
-  plan_where_t where;
-} plan_tp_rule_t;
-
 typedef struct plan {
   char source[PLAN_PATH_MAX]; /* the YAML file */
-  /* mesh: sizes, -1 = the rest of the world (at most one) */
-  int dp_replicate, dp_shard, tp;
-  plan_where_t mesh_where;
+  parallel_plan_t par;        /* mesh and parallelize */
   /* model */
   llama_config_t model;
   char init_from[PLAN_PATH_MAX]; /* a Hugging Face folder, or "" */
   uint64_t model_seed;
   bool deferred_init; /* build meta, parallelise, then allocate and fill only local shards */
-  /* parallelize.fully_shard */
-  plan_unit_t units[PLAN_MAX_UNITS];
-  int n_units;
-  int reshard_after_forward; /* default for units; the root keeps FSDP_RESHARD_AUTO */
-  dtype_t param_dtype, reduce_dtype;
-  bool offload;
-  plan_where_t fsdp_where;
-  /* parallelize.tensor_parallel: the rules of `plan` (the built-in Llama plan when absent) */
-  plan_tp_rule_t tp_rules[PLAN_MAX_TP_RULES];
-  int n_tp_rules;
-  bool tp_plan_given;
-  bool sequence_parallel;
-  plan_where_t tp_where;
   /* optim, schedule */
   adamw_config_t optim;
   char group_patterns[ADAMW_MAX_GROUPS][PLAN_PATTERN_MAX]; /* storage of optim.groups[].pattern */

@@ -48,9 +48,14 @@ typedef struct tp_mod {
   tp_layout_t in, out; /* resolved: never TP_LAYOUT_DEFAULT */
   bool embedding;
   mesh_t *mesh;
-  nn_param_t *w;
+  nn_param_t *w, *b;    /* the weight, and the bias (or NULL) */
   int64_t first, vocab; /* rowwise embedding: the shard's rows of the vocabulary */
-  tensor_t stash;       /* sequence_parallel: the weight's gradient from earlier calls */
+  nn_param_t *sum[2];   /* parameters whose gradient each rank computes from its sequence
+                           shard, summed over tp after each call: a sequence-parallel norm's
+                           weight and bias, the bias of a rowwise linear under sequence
+                           parallelism */
+  int n_sum;
+  tensor_t stash[2]; /* their gradients from earlier calls */
 } tp_mod_t;
 
 struct tp_plan {
@@ -235,6 +240,15 @@ static status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **
     case TP_ROWWISE:
       if (t->embedding) {
         TRY_GOTO(st, nn_embedding_shard(ctx, in, t->w, t->first, t->vocab, &y));
+      } else if (t->b != NULL) { /* the bias is added once, to the reduced output */
+        TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
+        TRY_GOTO(st, nn_linear(ctx, x, t->w, &y));
+        nn_var_t *r = NULL;
+        TRY_GOTO(st, finish(ctx, t, y, true, &r));
+        st = nn_bias_add(ctx, r, t->b, out);
+        if (st == STATUS_OK) (*out)->layout = r->layout;
+        nn_var_put(r);
+        break;
       } else {
         TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
         TRY_GOTO(st, inner(ctx, m, x, &y));
@@ -253,33 +267,37 @@ cleanup:
   return st;
 }
 
-/* Sequence-parallel norms: each rank's weight gradient covers its sequence shard, so each
- * call's contribution is summed over tp (earlier calls' sums are set aside meanwhile). */
-static status_t sp_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
+/* Gradients computed from sequence shards (a sequence-parallel norm's weight and bias, a
+ * rowwise bias under sequence parallelism): each call's contribution is summed over tp
+ * (earlier calls' sums are set aside meanwhile). */
+static status_t sum_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
   (void)ctx;
   (void)m;
   tp_mod_t *t = user;
-  nn_param_t *p = t->w;
-  bool has = p->compute_grad.storage != NULL;
-  if (kind == NN_HOOK_PRE_BACKWARD) {
-    tensor_free(&t->stash);
-    if (has) {
-      t->stash = p->compute_grad;
-      memset(&p->compute_grad, 0, sizeof p->compute_grad);
-    }
-    return STATUS_OK;
-  }
-  if (kind != NN_HOOK_POST_BACKWARD) return STATUS_OK;
   status_t st = STATUS_OK;
-  if (has) {
-    tensor_t *g = &p->compute_grad;
-    st = pg_all_reduce(mesh_group(t->mesh, 0), g->data, g->data, (size_t)tensor_numel(g), g->dtype,
-                       REDUCE_SUM, NULL);
-    if (st == STATUS_OK && t->stash.storage != NULL) st = kernel_axpy(g, 1.0f, &t->stash);
-    tensor_free(&t->stash);
-  } else if (t->stash.storage != NULL) {
-    p->compute_grad = t->stash;
-    memset(&t->stash, 0, sizeof t->stash);
+  for (int k = 0; k < t->n_sum && st == STATUS_OK; k++) {
+    nn_param_t *p = t->sum[k];
+    tensor_t *stash = &t->stash[k];
+    bool has = p->compute_grad.storage != NULL;
+    if (kind == NN_HOOK_PRE_BACKWARD) {
+      tensor_free(stash);
+      if (has) {
+        *stash = p->compute_grad;
+        memset(&p->compute_grad, 0, sizeof p->compute_grad);
+      }
+      continue;
+    }
+    if (kind != NN_HOOK_POST_BACKWARD) continue;
+    if (has) {
+      tensor_t *g = &p->compute_grad;
+      st = pg_all_reduce(mesh_group(t->mesh, 0), g->data, g->data, (size_t)tensor_numel(g),
+                         g->dtype, REDUCE_SUM, NULL);
+      if (st == STATUS_OK && stash->storage != NULL) st = kernel_axpy(g, 1.0f, stash);
+      tensor_free(stash);
+    } else if (stash->storage != NULL) {
+      p->compute_grad = *stash;
+      memset(stash, 0, sizeof *stash);
+    }
   }
   return st;
 }
@@ -328,8 +346,14 @@ bool tp_rule_applies(const tp_rule_t *rule, bool sequence_parallel) {
   return rule->style != TP_SEQUENCE_PARALLEL || sequence_parallel; /* else norms stay whole */
 }
 
-status_t tp_weight_placement(tp_style_t style, const char *kind, placement_t *out) {
+static bool is_norm(const char *kind) {
+  return kind && (strcmp(kind, "rmsnorm") == 0 || strcmp(kind, "layernorm") == 0);
+}
+
+status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
+                            placement_t *out) {
   bool linear = kind && strcmp(kind, "linear") == 0, emb = kind && strcmp(kind, "embedding") == 0;
+  bool bias = param && strcmp(param, "bias") == 0;
   *out = placement_replicate();
   switch (style) {
     case TP_COLWISE:
@@ -337,10 +361,15 @@ status_t tp_weight_placement(tp_style_t style, const char *kind, placement_t *ou
       if (!linear && !emb)
         return err_set(STATUS_EINVAL, "%s applies to linear and embedding layers, not a %s",
                        tp_style_name(style), kind ? kind : "container");
-      *out = placement_shard((style == TP_COLWISE) == emb ? 1 : 0);
+      if (bias && emb)
+        return err_set(STATUS_EINVAL, "%s: an embedding with a bias is not supported",
+                       tp_style_name(style));
+      /* a colwise bias follows the output features; a rowwise one is added whole */
+      if (bias) *out = style == TP_COLWISE ? placement_shard(0) : placement_replicate();
+      if (!bias) *out = placement_shard((style == TP_COLWISE) == emb ? 1 : 0);
       return STATUS_OK;
     case TP_SEQUENCE_PARALLEL:
-      if (kind == NULL || strcmp(kind, "rmsnorm") != 0)
+      if (!is_norm(kind))
         return err_set(STATUS_EINVAL, "sequence_parallel applies to norms, not a %s",
                        kind ? kind : "container");
       return STATUS_OK;
@@ -349,20 +378,24 @@ status_t tp_weight_placement(tp_style_t style, const char *kind, placement_t *ou
   }
 }
 
-/* Resolves a rule's layouts and splits the module's weight. */
+/* Resolves a rule's layouts and splits the module's weight and bias. */
 static status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
   const char *kind = nn_module_kind(t->m), *fqn = nn_module_fqn(t->m);
   tp_layout_t model = sp ? TP_SHARD_SEQ : TP_REPLICATE;
   t->embedding = kind && strcmp(kind, "embedding") == 0;
   t->style = r->style;
-  t->w = r->style == TP_PREPARE_INPUT ? NULL : nn_module_param_named(t->m, "weight");
-  placement_t pl;
-  if (tp_weight_placement(r->style, kind, &pl) != STATUS_OK) {
+  bool has_params = r->style != TP_PREPARE_INPUT;
+  t->w = has_params ? nn_module_param_named(t->m, "weight") : NULL;
+  t->b = has_params ? nn_module_param_named(t->m, "bias") : NULL;
+  placement_t pl, bpl = placement_replicate();
+  status_t st = tp_param_placement(r->style, kind, "weight", &pl);
+  if (st == STATUS_OK && t->b != NULL) st = tp_param_placement(r->style, kind, "bias", &bpl);
+  if (st != STATUS_OK) {
     char msg[256];
     snprintf(msg, sizeof msg, "%s", err_detail());
     return err_set(STATUS_EINVAL, "tensor parallel: %s: %s", fqn, msg);
   }
-  if (t->w == NULL && r->style != TP_PREPARE_INPUT)
+  if (t->w == NULL && has_params)
     return err_set(STATUS_EINVAL, "tensor parallel: %s has no weight", fqn);
   switch (r->style) {
     case TP_COLWISE:
@@ -385,12 +418,18 @@ static status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
   }
   if (t->w == NULL) return STATUS_OK;
   TRY(place(t->w, t->mesh, pl, fqn));
+  if (t->b != NULL) TRY(place(t->b, t->mesh, bpl, fqn));
   if (r->style == TP_ROWWISE && t->embedding) {
     int64_t off[2];
     dtensor_offset(t->w->value, off);
     t->first = off[0];
     t->vocab = dtensor_shape(t->w->value)[0];
   }
+  if (r->style == TP_SEQUENCE_PARALLEL) {
+    t->sum[t->n_sum++] = t->w;
+    if (t->b != NULL) t->sum[t->n_sum++] = t->b;
+  }
+  if (r->style == TP_ROWWISE && t->b != NULL && t->out == TP_SHARD_SEQ) t->sum[t->n_sum++] = t->b;
   return STATUS_OK;
 }
 
@@ -413,9 +452,9 @@ static status_t visit(walk_t *w, nn_module_t *m) {
     TRY(setup(t, &w->rules[i], w->sp));
     w->plan->n++;
     TRY(nn_module_wrap_forward(m, wrapped, t));
-    if (t->style == TP_SEQUENCE_PARALLEL) {
-      TRY(nn_module_add_hook(m, NN_HOOK_PRE_BACKWARD, sp_hook, t));
-      TRY(nn_module_add_hook(m, NN_HOOK_POST_BACKWARD, sp_hook, t));
+    if (t->n_sum > 0) {
+      TRY(nn_module_add_hook(m, NN_HOOK_PRE_BACKWARD, sum_hook, t));
+      TRY(nn_module_add_hook(m, NN_HOOK_POST_BACKWARD, sum_hook, t));
     }
   }
   for (int i = 0; i < nn_module_num_children(m); i++) TRY(visit(w, nn_module_child(m, i)));
@@ -442,11 +481,12 @@ status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules
   walk_t w = {rules, n, sequence_parallel, hits, plan, mesh};
   TRY_GOTO(st, visit(&w, root));
   for (int i = 0; i < n; i++)
-    if (hits[i] == 0)
+    if (hits[i] == 0) {
+      char names[256];
       TRY_GOTO(st, err_set(STATUS_EINVAL,
-                           "tensor parallel: '%s' matches no module (module names look like "
-                           "model.layers.0.self_attn.q_proj, lm_head)",
-                           rules[i].pattern));
+                           "tensor parallel: '%s' matches no module (modules here: %s, ...)",
+                           rules[i].pattern, nn_module_names(root, 6, names, sizeof names)));
+    }
   /* every other parameter: Replicate on tp */
   nn_param_t **ps = NULL;
   int np = 0;
@@ -467,7 +507,8 @@ cleanup:
 
 void tp_free(tp_plan_t *tp) {
   if (tp == NULL) return;
-  for (int i = 0; i < tp->n; i++) tensor_free(&tp->mods[i].stash);
+  for (int i = 0; i < tp->n; i++)
+    for (int k = 0; k < 2; k++) tensor_free(&tp->mods[i].stash[k]);
   free(tp->mods);
   free(tp);
 }

@@ -11,13 +11,16 @@
  *                                                    ids -> the model layout (Embedding)
  *   rowwise             Shard(1) | Shard(0) (vocab)  Shard(-1) | ids -> Partial, reduced to
  *                                                    the model layout
- *   sequence_parallel   Replicate (RMSNorm)          Shard(1) -> Shard(1); the weight's
- *                                                    gradient is summed over tp
+ *   sequence_parallel   Replicate (RMSNorm,          Shard(1) -> Shard(1); the weight's
+ *                       LayerNorm)                   (and bias's) gradient is summed over tp
  *   prepare_input       -                            the model layout -> Replicate, once for
  *                                                    every colwise child
  *
  * The model layout is Replicate, or Shard(1) (the sequence) under sequence parallelism,
  * where sequence_parallel norms run on sequence shards; without it they are left alone.
+ * A linear layer's bias (parameter "bias") is split with its output features under colwise
+ * and added once, after the reduction, under rowwise. The style reads what a module is from
+ * its declared kind (nn_module_kind), never from its name.
  *
  *   conversion          forward          backward
  *   Replicate->Rep.     none             all-reduce      (colwise or prepare_input input)
@@ -86,10 +89,13 @@ const char *tp_style_name(tp_style_t s);
 bool tp_layout_parse(const char *name, tp_layout_t *out);
 const char *tp_layout_name(tp_layout_t l);
 
-/* The placement on tp of the weight of a layer of kind ("linear", "embedding", "rmsnorm", NULL
- * for a container) under style: Shard(0) / Shard(1) as the table above, Replicate for norms
+/* The placement on tp of parameter param ("weight" or "bias") of a layer of kind ("linear",
+ * "embedding", "rmsnorm", "layernorm", NULL for a container) under style: weights Shard(0) /
+ * Shard(1) as the table above; a colwise linear's bias Shard(0) (it follows the output
+ * features), a rowwise one's Replicate (added once, to the reduced output); Replicate for norms
  * and prepare_input. Errors when the style does not apply to the kind. */
-status_t tp_weight_placement(tp_style_t style, const char *kind, placement_t *out);
+status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
+                            placement_t *out);
 
 /* The rule a module of this FQN takes: the index of the first rule whose pattern matches, or
  * -1. A matched rule changes the module only when tp_rule_applies (sequence_parallel rules

@@ -30,6 +30,7 @@
 #include "mesh/world.h"
 #include "nn/llama.h"
 #include "parallel/parallelize.h"
+#include "parallel/plan.h"
 
 #define PATH_LEN 4096
 
@@ -442,8 +443,8 @@ static status_t import_hf(const char *hf, const char *out) {
 
 /* The boxes target rank r saves of every tensor of folder (names suffixed for optimizer state:
  * NAME.exp_avg takes NAME's placements), written as one file. */
-static status_t reshard_rank(const plan_t *p, dcp_reader_t *r, const char *out_folder, int rank,
-                             int *written) {
+static status_t reshard_rank(const plan_t *p, const nn_module_t *model, dcp_reader_t *r,
+                             const char *out_folder, int rank, int *written) {
   const dcp_tensor_t *t;
   int n;
   TRY(dcp_reader_list(r, &t, &n));
@@ -459,7 +460,7 @@ static status_t reshard_rank(const plan_t *p, dcp_reader_t *r, const char *out_f
     if (l > 11 && strcmp(param + l - 11, ".exp_avg_sq") == 0) param[l - 11] = 0;
     int md, shape[MESH_MAX_DIMS], coord[MESH_MAX_DIMS];
     placement_t pl[MESH_MAX_DIMS];
-    st = plan_param_placements(p, param, &md, shape, pl);
+    st = parallel_param_placements(&p->par, model, param, &md, shape, pl);
     if (st == STATUS_OK) st = placements_check(t[i].ndim, md, shape, pl);
     if (st != STATUS_OK) break;
     bool mine = true;
@@ -501,10 +502,10 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
   plan_t p;
   TRY(plan_load(&p, config, sets, n_sets));
   if (world <= 0) {
-    if (p.dp_replicate < 0 || p.dp_shard < 0 || p.tp < 0)
+    if (p.par.dp_replicate < 0 || p.par.dp_shard < 0 || p.par.tp < 0)
       return err_set(STATUS_EINVAL,
                      "%s: mesh: a size of -1 takes the rest of the world; give --world N", config);
-    world = p.dp_replicate * p.dp_shard * p.tp;
+    world = p.par.dp_replicate * p.par.dp_shard * p.par.tp;
   }
   TRY(plan_resolve(&p, world));
   cJSON *state;
@@ -535,6 +536,11 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
   dcp_remove_tree(tmp);
   if (st == STATUS_OK && mkdir(tmp, 0755) != 0)
     st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  /* the plan's placements follow the model's module kinds: a meta model has them, no memory */
+  llama_options_t lo = LLAMA_OPTIONS_INIT;
+  lo.deferred = true;
+  llama_t *model = NULL;
+  if (st == STATUS_OK) st = llama_new(&model, &p.model, &lo);
   int files = 0;
   const char *subs[2] = {"model", "optim"};
   for (int k = 0; k < 2 && st == STATUS_OK; k++) {
@@ -549,16 +555,17 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
     dcp_reader_t *r;
     st = dcp_reader_open(from, &r);
     for (int rank = 0; rank < world && st == STATUS_OK; rank++)
-      st = reshard_rank(&p, r, to, rank, &files);
+      st = reshard_rank(&p, llama_module(model), r, to, rank, &files);
     dcp_reader_close(r);
   }
+  llama_free(model);
   if (st == STATUS_OK) { /* the train state, now saved under the target plan */
     cJSON *nu = cJSON_CreateObject();
     cJSON_AddStringToObject(nu, "plan", config);
     cJSON_AddNumberToObject(nu, "world_size", world);
-    cJSON_AddNumberToObject(nu, "dp_replicate", p.dp_replicate);
-    cJSON_AddNumberToObject(nu, "dp_shard", p.dp_shard);
-    cJSON_AddNumberToObject(nu, "tp", p.tp);
+    cJSON_AddNumberToObject(nu, "dp_replicate", p.par.dp_replicate);
+    cJSON_AddNumberToObject(nu, "dp_shard", p.par.dp_shard);
+    cJSON_AddNumberToObject(nu, "tp", p.par.tp);
     cJSON_AddStringToObject(nu, "resharded_from", dir);
     if (cJSON_IsObject(m)) cJSON_AddItemToObject(nu, "model", cJSON_Duplicate(m, true));
     cJSON_ReplaceItemInObjectCaseSensitive(state, "saved_under", nu);
@@ -566,7 +573,7 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
   st = commit_checkpoint(st, state, tmp, out);
   if (st == STATUS_OK)
     printf("resharded %s for %d ranks (dp_replicate %d x dp_shard %d x tp %d): %d files in %s\n",
-           dir, world, p.dp_replicate, p.dp_shard, p.tp, files, out);
+           dir, world, p.par.dp_replicate, p.par.dp_shard, p.par.tp, files, out);
   cJSON_Delete(state);
   return st;
 }

@@ -22,9 +22,9 @@
 #include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"
 #include "nn/train.h"
+#include "parallel/llama_plan.h"
 #include "parallel/parallelize.h"
-
-#define MAX_GROUPS 1024
+#include "parallel/plan.h"
 
 typedef struct args {
   const char *config;
@@ -108,14 +108,13 @@ static void mib(char *buf, size_t n, double bytes) {
 typedef struct run {
   plan_t plan;
   args_t args;
+  parallel_t *par; /* the plan applied to the model; the rest is borrowed from it */
   mesh_t *mesh;    /* the world: (dp_replicate,) dp_shard(, tp) */
-  mesh_t *dp_mesh; /* its data-parallel slice, which fully_shard shards over */
-  mesh_t *tp_mesh; /* its tp slice, or NULL */
-  mesh_t *all;     /* every rank as one dimension (gradient clipping) */
-  tp_plan_t *tp;
-  llama_t *model;
-  fsdp_group_t *groups[MAX_GROUPS];
+  pg_t *all;       /* every rank (gradient clipping) */
+  const tp_plan_t *tp;
+  fsdp_group_t *const *groups;
   int n_groups;
+  llama_t *model;
   nn_param_t **ps;
   int n;
   optim_t *opt;
@@ -130,19 +129,9 @@ typedef struct run {
 
 static status_t build(run_t *r) {
   plan_t *p = &r->plan;
-  TRY(plan_mesh(p, world_device().type, &r->mesh));
-  r->dev = mesh_device(r->mesh);
-  int md = mesh_ndim(r->mesh);
-  const char *names[3];
-  for (int i = 0; i < md; i++) names[i] = mesh_dim_name(r->mesh, i);
-  TRY(mesh_flatten(r->mesh, md, names, "all", &r->all));
-  TRY(plan_dp_mesh(p, r->mesh, &r->dp_mesh));
-  r->dp_size = p->dp_replicate * p->dp_shard;
-  r->dp_rank = mesh_ndim(r->dp_mesh) == 2
-                   ? mesh_coord(r->dp_mesh, 0) * p->dp_shard + mesh_coord(r->dp_mesh, 1)
-                   : mesh_coord(r->dp_mesh, 0);
+  TRY(llama_plan_check(&p->par));
   llama_options_t lo = LLAMA_OPTIONS_INIT;
-  lo.device = r->dev.type;
+  lo.device = world_device().type;
   lo.activation_checkpointing = p->activation_checkpointing;
   lo.deferred = p->deferred_init;
   bool resume = false; /* a checkpoint to load: it overwrites every parameter */
@@ -159,8 +148,15 @@ static status_t build(run_t *r) {
   TRY(llama_new(&r->model, &p->model, &lo));
   nn_module_t *root = llama_module(r->model);
   if (!lo.deferred && !p->init_from[0]) TRY(llama_init_weights(r->model, p->model_seed));
-  TRY(plan_apply_tensor_parallel(p, r->model, r->mesh, &r->tp_mesh, &r->tp));
-  TRY(plan_apply_fully_shard(p, r->model, r->dp_mesh, r->groups, MAX_GROUPS, &r->n_groups));
+  TRY(parallel_apply(&r->par, root, &p->par, lo.device));
+  r->mesh = parallel_mesh(r->par);
+  r->dev = mesh_device(r->mesh);
+  r->all = parallel_all_group(r->par);
+  r->tp = parallel_tp(r->par);
+  r->groups = parallel_groups(r->par);
+  r->n_groups = parallel_num_groups(r->par);
+  r->dp_size = parallel_dp_size(r->par);
+  r->dp_rank = parallel_dp_rank(r->par);
   TRY(nn_module_materialize(root));
   if (lo.deferred && !p->init_from[0] && !resume)
     TRY(llama_init_weights(r->model, p->model_seed));
@@ -209,7 +205,7 @@ static void header(const run_t *r) {
   mib(mb, sizeof mb, sharded_param_bytes(r));
   printf("fsdp-train: %s\n", p->source);
   printf("  world %d ranks on %s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n", world_size(),
-         dev, p->dp_replicate, p->dp_shard, p->tp, p->dp_replicate > 1 ? "HSDP" : "FSDP");
+         dev, p->par.dp_replicate, p->par.dp_shard, p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
   printf(
       "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
       "%lld parameters\n",
@@ -219,13 +215,13 @@ static void header(const run_t *r) {
   printf(
       "  fully_shard: %d groups (%d units + root); reshard_after_forward %s; param %s, "
       "reduce %s%s\n",
-      r->n_groups, p->n_units, reshard_str(p->reshard_after_forward, rb, sizeof rb),
-      dt_str(p->param_dtype), dt_str(p->reduce_dtype), p->offload ? "; offload" : "");
+      r->n_groups, p->par.n_units, reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
+      dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), p->par.offload ? "; offload" : "");
   if (r->tp)
     printf("  tensor_parallel: %d modules on tp=%d (%s); sequence parallelism %s\n",
-           tp_num_modules(r->tp), p->tp,
-           plan_tp_is_builtin(p) ? "the built-in Llama plan" : "the plan's rules",
-           p->sequence_parallel ? "on" : "off");
+           tp_num_modules(r->tp), p->par.tp,
+           llama_plan_tp_is_builtin(&p->par) ? "the built-in Llama plan" : "the plan's rules",
+           p->par.sequence_parallel ? "on" : "off");
   printf("  sharded parameters on rank 0: %s\n", mb);
   if (r->resumed_from[0])
     printf(
@@ -257,7 +253,7 @@ typedef struct comm {
 static comm_t comm_model(const run_t *r) {
   comm_t c = {0};
   const plan_t *p = &r->plan;
-  int W = p->dp_shard, R = p->dp_replicate;
+  int W = p->par.dp_shard, R = p->par.dp_replicate;
   double A = (double)p->grad_accum;
   for (int i = 0; i < r->n_groups; i++) {
     const fsdp_group_t *g = r->groups[i];
@@ -283,8 +279,8 @@ static comm_t comm_model(const run_t *r) {
   }
   /* tensor parallelism with the built-in Llama plan (README, "Tensor parallelism"): per
    * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype */
-  int T = p->tp;
-  if (T > 1 && plan_tp_is_builtin(p)) {
+  int T = p->par.tp;
+  if (T > 1 && llama_plan_tp_is_builtin(&p->par)) {
     const llama_config_t *mc = &p->model;
     double es = (double)dtype_size(r->n_groups ? fsdp_param_dtype(r->groups[0]) : DTYPE_F32);
     double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
@@ -292,7 +288,7 @@ static comm_t comm_model(const run_t *r) {
     double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
     c.n_ag += (long long)A;
     c.ag += A * (T - 1) * logits * es; /* the lm_head output made whole */
-    if (p->sequence_parallel) {
+    if (p->par.sequence_parallel) {
       /* all-gather (n/T in) and reduce-scatter (n/T out) pairs: embedding, two prepare_input
        * and two rowwise per block (forward and backward), lm_head input; norm-weight sums */
       double pairs = 2 + 2 * L * (1 + fwd);
@@ -321,25 +317,26 @@ static double counted_bytes(const run_t *r) {
     for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
     pg_reset_counters(pg);
   }
-  pg_t *pf[MAX_GROUPS];
-  int npf = fsdp_post_forward_groups((fsdp_group_t *const *)r->groups, r->n_groups, pf);
+  pg_t **pf = calloc((size_t)r->n_groups + 1, sizeof *pf);
+  int npf = pf ? fsdp_post_forward_groups(r->groups, r->n_groups, pf) : 0;
   for (int i = 0; i < npf; i++) {
     pg_counters_t c = pg_counters(pf[i]);
     for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
     pg_reset_counters(pf[i]);
   }
+  free(pf);
   return b;
 }
 
 static void dry_run(const run_t *r) {
   const plan_t *p = &r->plan;
-  int W = p->dp_shard;
+  int W = p->par.dp_shard;
   if (world_rank() == 0) {
     printf(
         "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "
         "rank%s):\n",
-        p->dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard", p->tp > 1 ? ", tp" : "",
-        p->tp > 1 ? " at rank 0's tp coordinate" : "");
+        p->par.dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard", p->par.tp > 1 ? ", tp" : "",
+        p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
     for (int i = 0; i < r->n; i++) {
       const dtensor_t *v = r->ps[i]->value;
       char pl[64], gs[64] = "";
@@ -380,6 +377,7 @@ static void dry_run(const run_t *r) {
         "largest unsharded unit %s; total %s plus activations\n",
         a, a, b2, c, d);
     printf("state_bytes %.0f\n", 4 * pb);
+    printf("largest_unit_bytes %.0f\n", largest);
     comm_t m = comm_model(r);
     printf(
         "communication per step and rank (DESIGN 11): all-gather %lld calls %.0f B, "
@@ -433,7 +431,7 @@ static status_t train(run_t *r) {
     double norm = 0, factor = lr_schedule_factor(&sched, s);
     if (st == STATUS_OK)
       st = clip_grad_norm(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY,
-                          mesh_group(r->all, 0), &norm);
+                          r->all, &norm);
     if (st == STATUS_OK) st = optim_step(r->opt, factor);
     if (st == STATUS_OK) st = device_stream_sync(r->dev);
     if (st != STATUS_OK) break;
@@ -455,7 +453,7 @@ static status_t train(run_t *r) {
       snprintf(under, sizeof under,
                "{\"plan\": \"%s\", \"world_size\": %d, \"dp_replicate\": %d, "
                "\"dp_shard\": %d, \"tp\": %d, \"global_batch\": %lld, \"model\": %s}",
-               p->source, world_size(), p->dp_replicate, p->dp_shard, p->tp,
+               p->source, world_size(), p->par.dp_replicate, p->par.dp_shard, p->par.tp,
                (long long)(p->batch_size * p->grad_accum * r->dp_size), model);
       free(model);
       if (lead) {
@@ -550,14 +548,9 @@ int main(int argc, char **argv) {
   if (r) {
     optim_free(r->opt);
     free(r->ps);
-    if (r->model) fsdp_free_all(llama_module(r->model));
+    parallel_free(r->par);
     llama_free(r->model);
-    tp_free(r->tp);
     data_free(r->data);
-    mesh_free(r->tp_mesh);
-    mesh_free(r->dp_mesh);
-    mesh_free(r->all);
-    mesh_free(r->mesh);
     free(r);
   }
   world_finalize();

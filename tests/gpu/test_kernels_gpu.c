@@ -12,7 +12,7 @@
 #include "base/kernels.h"
 #include "tests/harness.h"
 
-#define MAX_T 6
+#define MAX_T 8
 
 static void ok(status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
@@ -240,6 +240,59 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
   return 4;
 }
 
+static int k_activations(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t s[2] = {29, 71};
+  tensor_t x, dy;
+  rnd(&x, dev, dt, 2, s, 21, 4);
+  rnd(&dy, dev, dt, 2, s, 22, 1);
+  for (int a = 0; a < KERNEL_ACT_COUNT; a++) {
+    tensor_t y, dx;
+    poisoned(&y, dev, dt, 2, s);
+    poisoned(&dx, dev, dt, 2, s);
+    ok(kernel_activation(&y, &x, (kernel_act_t)a));
+    ok(kernel_activation_backward(&dx, &dy, &x, (kernel_act_t)a));
+    out(&o[2 * a], &y);
+    out(&o[2 * a + 1], &dx);
+  }
+  tensor_free(&x);
+  tensor_free(&dy);
+  return 2 * KERNEL_ACT_COUNT;
+}
+
+static int k_bias_layernorm(device_t dev, dtype_t dt, tensor_t *o) {
+  int64_t sx[2] = {37, 333}, D = 333, rows = 37;
+  tensor_t x, w, b, y, db, mean, rstd, dy, dx, dw, db2, y2;
+  rnd(&x, dev, dt, 2, sx, 23, 2);
+  rnd(&w, dev, dt, 1, &D, 24, 1);
+  rnd(&b, dev, dt, 1, &D, 25, 1);
+  poisoned(&y, dev, dt, 2, sx);
+  ok(kernel_bias_add(&y, &x, &b));
+  rnd(&dy, dev, dt, 2, sx, 26, 1);
+  ok(tensor_zeros(&db, DTYPE_F32, dev, 1, &D));
+  ok(kernel_bias_backward(&db, &dy));
+  poisoned(&y2, dev, dt, 2, sx);
+  poisoned(&mean, dev, DTYPE_F32, 1, &rows);
+  poisoned(&rstd, dev, DTYPE_F32, 1, &rows);
+  ok(kernel_layernorm(&y2, &mean, &rstd, &x, &w, &b, 1e-5f));
+  poisoned(&dx, dev, dt, 2, sx);
+  ok(tensor_zeros(&dw, DTYPE_F32, dev, 1, &D));
+  ok(tensor_zeros(&db2, DTYPE_F32, dev, 1, &D));
+  ok(kernel_layernorm_backward(&dx, &dw, &db2, &dy, &x, &w, &mean, &rstd));
+  out(&o[0], &y);
+  out(&o[1], &db);
+  out(&o[2], &y2);
+  out(&o[3], &mean);
+  out(&o[4], &rstd);
+  out(&o[5], &dx);
+  out(&o[6], &dw);
+  out(&o[7], &db2);
+  tensor_free(&x);
+  tensor_free(&w);
+  tensor_free(&b);
+  tensor_free(&dy);
+  return 8;
+}
+
 static const kcase_t cases[] = {
     {"matmul", k_matmul},
     {"embedding", k_embedding},
@@ -249,6 +302,8 @@ static const kcase_t cases[] = {
     {"silu_mul/add/scale/axpy", k_elementwise},
     {"cross_entropy", k_cross_entropy},
     {"adamw/sum_squares", k_adamw_sumsq},
+    {"relu/gelu/silu", k_activations},
+    {"bias/layernorm", k_bias_layernorm},
 };
 
 START_TEST(cuda_kernel_matches_cpu) {

@@ -12,6 +12,7 @@
 
 #include "nn/data.h"
 #include "nn/init.h"
+#include "nn/layers.h"
 #include "nn/llama.h"
 #include "nn/ops.h"
 #include "nn/optim.h"
@@ -421,6 +422,94 @@ START_TEST(deferred_model_materializes) {
 }
 END_TEST
 
+/* The layers: PyTorch's names, shapes and kinds; PyTorch's default init (bounds and moments);
+ * a deferred model holds no memory until materialized; a sequential forward is its children
+ * in order; bad sizes are refused naming the layer. */
+START_TEST(layers_build_init_and_forward) {
+  nn_layer_options_t lo = NN_LAYER_OPTIONS_INIT;
+  nn_module_t *root, *fc, *emb, *ln;
+  ok(nn_sequential_new(NULL, "", &root));
+  ok(nn_linear_new(root, "fc", 100, 300, true, &lo, &fc));
+  ok(nn_activation_new(root, "act", KERNEL_ACT_GELU, NULL));
+  ok(nn_layernorm_new(root, "ln", 300, 1e-5, true, &lo, &ln));
+  ok(nn_embedding_new(NULL, "emb", 50, 40, &lo, &emb));
+  ok(nn_module_add_child(root, emb));
+  ok(nn_module_finalize(root));
+  ck_assert_str_eq(nn_module_kind(fc), "linear");
+  ck_assert_str_eq(nn_module_kind(ln), "layernorm");
+  ck_assert_str_eq(nn_module_kind(emb), "embedding");
+  nn_param_t *w = nn_param_find(root, "fc.weight"), *b = nn_param_find(root, "fc.bias");
+  ck_assert(w && b && nn_param_find(root, "ln.bias") && nn_param_find(root, "emb.weight"));
+  ck_assert(dtensor_shape(w->value)[0] == 300 && dtensor_shape(w->value)[1] == 100);
+  ck_assert_int_eq(nn_linear_new(root, "bad", 0, 3, false, &lo, NULL), STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "layer 'bad': in_features") != NULL);
+  ck_assert_int_eq(nn_module_num_children(root), 4);
+  ok(nn_module_reset_parameters(root, 3));
+  double bound = 1.0 / sqrt(100.0), s = 0, s2 = 0, mx = 0;
+  const float *wv = dtensor_local(w->value)->data;
+  for (int i = 0; i < 30000; i++) {
+    s += wv[i];
+    s2 += (double)wv[i] * wv[i];
+    mx = fabs(wv[i]) > mx ? fabs(wv[i]) : mx;
+  }
+  ck_assert(mx <= bound && mx > 0.99 * bound);          /* U(-1/sqrt(in), 1/sqrt(in)) */
+  ck_assert(fabs(s / 30000) < 0.01 * bound);
+  ck_assert(fabs(s2 / 30000 / (bound * bound / 3) - 1) < 0.03);
+  const float *lw = dtensor_local(nn_param_find(root, "ln.weight")->value)->data;
+  const float *lb = dtensor_local(nn_param_find(root, "ln.bias")->value)->data;
+  ck_assert(lw[0] == 1.0f && lw[299] == 1.0f && lb[0] == 0.0f && lb[299] == 0.0f);
+  const float *ev = dtensor_local(nn_param_find(root, "emb.weight")->value)->data;
+  double e2 = 0;
+  for (int i = 0; i < 2000; i++) e2 += (double)ev[i] * ev[i];
+  ck_assert(fabs(e2 / 2000 - 1) < 0.1); /* N(0, 1) */
+  /* the sequential forward: fc, GELU, LayerNorm in order */
+  int64_t xs[2] = {3, 100};
+  tensor_t x;
+  ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, xs));
+  test_rng_t rng = {5};
+  test_fill_uniform(&x, &rng, 1.0);
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  nn_ctx_set_grad_enabled(ctx, false);
+  nn_var_t *in, *a, *g, *n1, *want, *got;
+  ok(nn_var_new(&in, &x, false));
+  nn_module_t *seq;
+  ok(nn_sequential_new(NULL, "", &seq));
+  ok(nn_module_finalize(seq));
+  ok(nn_call(ctx, fc, in, &a));
+  ok(nn_activation(ctx, a, KERNEL_ACT_GELU, &g));
+  ok(nn_layernorm(ctx, g, nn_param_find(root, "ln.weight"), nn_param_find(root, "ln.bias"), 1e-5, &want));
+  nn_module_t *emb_child = nn_module_child(root, 3);
+  ck_assert_ptr_eq(emb_child, emb);
+  /* run the root without the embedding (its input is ids): a sequential of the first three */
+  ok(nn_call(ctx, seq, in, &n1)); /* an empty sequential is the identity */
+  ck_assert_ptr_eq(n1, in);
+  nn_var_put(n1);
+  nn_module_t *three;
+  ok(nn_sequential_new(NULL, "", &three));
+  nn_layer_options_t d = NN_LAYER_OPTIONS_INIT;
+  d.deferred = true;
+  size_t before = mem_stats(device_cpu()).current;
+  ok(nn_linear_new(three, "fc", 100, 300, true, &d, NULL));
+  ok(nn_activation_new(three, "act", KERNEL_ACT_GELU, NULL));
+  ok(nn_layernorm_new(three, "ln", 300, 1e-5, true, &d, NULL));
+  ok(nn_module_finalize(three));
+  ck_assert_uint_eq(mem_stats(device_cpu()).current, before); /* deferred: no memory */
+  ok(nn_module_materialize(three));
+  ok(nn_module_reset_parameters(three, 3)); /* same names and seed: the same values */
+  ok(nn_call(ctx, three, in, &got));
+  bool eq;
+  ok(tensor_equal(&got->value, &want->value, &eq));
+  ck_assert(eq);
+  nn_var_t *vs[] = {in, a, g, want, got};
+  for (int i = 0; i < 5; i++) nn_var_put(vs[i]);
+  nn_ctx_free(ctx);
+  nn_module_free(three);
+  nn_module_free(seq);
+  nn_module_free(root);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("nn");
   TCase *tc = tcase_create("nn");
@@ -433,6 +522,7 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, adamw_matches_formula_and_groups);
     tcase_add_test(tc, hf_config_parse_and_errors);
     tcase_add_test(tc, deferred_model_materializes);
+    tcase_add_test(tc, layers_build_init_and_forward);
   }
   tcase_add_test(tc, init_is_plan_independent);
   suite_add_tcase(s, tc);

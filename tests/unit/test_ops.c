@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/kernels.h"
 #include "nn/ops.h"
 #include "tests/harness.h"
 
@@ -194,6 +195,40 @@ static status_t b_cross_entropy(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn
   return nn_cross_entropy(ctx, in[0], &in[1]->value, out, NULL);
 }
 
+static status_t b_bias_add(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  return nn_bias_add(ctx, in[0], p[0], out);
+}
+
+static status_t b_gelu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  return nn_activation(ctx, in[0], KERNEL_ACT_GELU, out);
+}
+
+static status_t b_silu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  return nn_activation(ctx, in[0], KERNEL_ACT_SILU, out);
+}
+
+static status_t b_layernorm(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  return nn_layernorm(ctx, in[0], p[0], p[1], 1e-5, out);
+}
+
+static status_t b_layernorm_no_bias(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
+                                    nn_var_t **out) {
+  return nn_layernorm(ctx, in[0], p[0], NULL, 1e-5, out);
+}
+
+/* mean((x - t)^2) against a fixed target t = 0.1 * (i mod 7) - 0.3. */
+static status_t b_mse(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  tensor_t t;
+  TRY(tensor_init(&t, DTYPE_F32, device_cpu(), in[0]->value.ndim, in[0]->value.shape));
+  for (int64_t i = 0; i < tensor_numel(&t); i++) ((float *)t.data)[i] = 0.1f * (float)(i % 7) - 0.3f;
+  status_t st = nn_mse_loss(ctx, in[0], &t, out);
+  tensor_free(&t);
+  return st;
+}
+
 static void fill_ids(tensor_t *t, int i) {
   (void)i;
   int64_t *v = t->data;
@@ -224,6 +259,12 @@ static const fd_case_t cases[] = {
      NULL},
     {"silu_mul", 2, {2, 2}, {{3, 7}, {3, 7}}, {true, true}, 0, {0}, {{0}}, b_silu_mul, NULL},
     {"add_scale_view", 1, {2}, {{3, 4}}, {true}, 0, {0}, {{0}}, b_add_scale_view, NULL},
+    {"bias_add", 1, {3}, {{2, 3, 5}}, {true}, 1, {1}, {{5}}, b_bias_add, NULL},
+    {"gelu", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_gelu, NULL},
+    {"silu", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_silu, NULL},
+    {"layernorm", 1, {2}, {{3, 8}}, {true}, 2, {1, 1}, {{8}, {8}}, b_layernorm, NULL},
+    {"layernorm_no_bias", 1, {2}, {{3, 8}}, {true}, 1, {1}, {{8}}, b_layernorm_no_bias, NULL},
+    {"mse_loss", 1, {2}, {{3, 5}}, {true}, 0, {0}, {{0}}, b_mse, NULL},
     {"cross_entropy",
      2,
      {2, 1},
@@ -237,6 +278,104 @@ static const fd_case_t cases[] = {
 };
 
 START_TEST(backward_matches_finite_differences) { run_case(&cases[_i]); }
+END_TEST
+
+/* Activation values against values computed independently (Python's math.erf and exp): the
+ * exact GELU x/2 (1 + erf(x / sqrt 2)) as PyTorch's default, SiLU, ReLU; and GELU's
+ * derivative through the backward kernel. */
+START_TEST(activations_match_reference_values) {
+  static const double xs[7] = {-3.0, -1.5, -0.5, 0.0, 0.25, 1.0, 2.5};
+  static const double gelu[7] = {-0.00404969409489031, -0.10021080190328713,
+                                 -0.15426876936299344, 0.0, 0.14967658142073093,
+                                 0.8413447460685429,   2.4844758366855597};
+  static const double silu[7] = {-0.14227761953270035, -0.2736382857095345, -0.1887703343990727,
+                                 0.0, 0.14054412522144952, 0.7310585786300049,
+                                 2.3103545499468914};
+  static const double dgelu[7] = {-0.011945647204183918, -0.12746919222997954,
+                                  0.13250487534383712,   0.5,
+                                  0.695373354883636,     1.0833154705876864,
+                                  1.037611085908145};
+  int64_t n = 7;
+  tensor_t x, y, one, d;
+  ok(tensor_init(&x, DTYPE_F32, device_cpu(), 1, &n));
+  ok(tensor_init(&y, DTYPE_F32, device_cpu(), 1, &n));
+  ok(tensor_init(&d, DTYPE_F32, device_cpu(), 1, &n));
+  ok(tensor_init(&one, DTYPE_F32, device_cpu(), 1, &n));
+  ok(tensor_fill(&one, 1.0));
+  for (int i = 0; i < 7; i++) ((float *)x.data)[i] = (float)xs[i];
+  const double *want[3] = {NULL, gelu, silu};
+  for (int a = 0; a < KERNEL_ACT_COUNT; a++) {
+    ok(kernel_activation(&y, &x, (kernel_act_t)a));
+    for (int i = 0; i < 7; i++) {
+      double w = a == KERNEL_ACT_RELU ? (xs[i] > 0 ? xs[i] : 0) : want[a][i];
+      ck_assert_msg(fabs(((float *)y.data)[i] - w) <= 1e-6 * (1 + fabs(w)), "act %d at %g: %.9g, want %.9g",
+                    a, xs[i], ((float *)y.data)[i], w);
+    }
+  }
+  ok(kernel_activation_backward(&d, &one, &x, KERNEL_ACT_GELU));
+  for (int i = 0; i < 7; i++)
+    ck_assert_msg(fabs(((float *)d.data)[i] - dgelu[i]) <= 1e-6, "gelu'(%g): %.9g, want %.9g",
+                  xs[i], ((float *)d.data)[i], dgelu[i]);
+  ok(kernel_activation_backward(&d, &one, &x, KERNEL_ACT_RELU));
+  ck_assert(((float *)d.data)[3] == 0.0f && ((float *)d.data)[5] == 1.0f); /* relu'(0) = 0 */
+  tensor_free(&x);
+  tensor_free(&y);
+  tensor_free(&d);
+  tensor_free(&one);
+}
+END_TEST
+
+/* LayerNorm's forward against a double-precision reference of PyTorch's formula (biased
+ * variance, eps inside the root), with and without bias; MSE against its definition. */
+START_TEST(layernorm_and_mse_match_reference) {
+  int64_t shape[2] = {3, 10}, D = 10, rows = 3;
+  tensor_t x, w, b, y, mean, rstd;
+  test_rng_t rng = {77};
+  ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, shape));
+  ok(tensor_init(&w, DTYPE_F32, device_cpu(), 1, &D));
+  ok(tensor_init(&b, DTYPE_F32, device_cpu(), 1, &D));
+  ok(tensor_init(&y, DTYPE_F32, device_cpu(), 2, shape));
+  ok(tensor_init(&mean, DTYPE_F32, device_cpu(), 1, &rows));
+  ok(tensor_init(&rstd, DTYPE_F32, device_cpu(), 1, &rows));
+  test_fill_uniform(&x, &rng, 3.0);
+  test_fill_uniform(&w, &rng, 1.0);
+  test_fill_uniform(&b, &rng, 1.0);
+  const float *X = x.data, *W = w.data, *B = b.data;
+  for (int with_bias = 0; with_bias < 2; with_bias++) {
+    ok(kernel_layernorm(&y, &mean, &rstd, &x, &w, with_bias ? &b : NULL, 1e-5f));
+    for (int r = 0; r < 3; r++) {
+      double mu = 0, var = 0;
+      for (int j = 0; j < D; j++) mu += X[r * D + j] / (double)D;
+      for (int j = 0; j < D; j++) var += (X[r * D + j] - mu) * (X[r * D + j] - mu) / (double)D;
+      for (int j = 0; j < D; j++) {
+        double want = (X[r * D + j] - mu) / sqrt(var + 1e-5) * W[j] + (with_bias ? B[j] : 0);
+        double got = ((float *)y.data)[r * D + j];
+        ck_assert_msg(fabs(got - want) <= 1e-5 * (1 + fabs(want)), "layernorm [%d,%d]: %.8g, want %.8g",
+                      r, j, got, want);
+      }
+    }
+  }
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *p, *loss;
+  tensor_t px, target;
+  ok(tensor_clone(&px, &x, DTYPE_F32, device_cpu()));
+  ok(tensor_clone(&target, &y, DTYPE_F32, device_cpu()));
+  ok(nn_var_new(&p, &px, true));
+  ok(nn_mse_loss(ctx, p, &target, &loss));
+  double want = 0, got;
+  for (int i = 0; i < 30; i++) {
+    double e = X[i] - ((float *)target.data)[i];
+    want += e * e / 30.0;
+  }
+  ok(nn_var_scalar(loss, &got));
+  ck_assert_msg(fabs(got - want) <= 1e-6 * want, "mse %.9g, want %.9g", got, want);
+  nn_var_put(loss);
+  nn_var_put(p);
+  nn_ctx_free(ctx);
+  tensor_t *ts[] = {&x, &w, &b, &y, &mean, &rstd, &target};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) tensor_free(ts[i]);
+}
 END_TEST
 
 /* The tape records module calls and drops everything after backward. */
@@ -264,6 +403,8 @@ static Suite *make_suite(void) {
   tcase_add_loop_test(tc, backward_matches_finite_differences, 0,
                       (int)(sizeof cases / sizeof cases[0]));
   tcase_add_test(tc, no_grad_records_nothing);
+  tcase_add_test(tc, activations_match_reference_values);
+  tcase_add_test(tc, layernorm_and_mse_match_reference);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -1,0 +1,70 @@
+#include "parallel/llama_plan.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "nn/module.h"
+
+/* The Llama plan of TorchTitan, by the module names of nn/llama.c. */
+static const tp_rule_t llama_plan[] = {
+    {"model.embed_tokens", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.input_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn.q_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn.k_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn.v_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn.o_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.post_attention_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT,
+     TP_LAYOUT_DEFAULT},
+    {"model.layers.*.mlp", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.mlp.gate_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.mlp.up_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.mlp.down_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.norm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"lm_head", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_REPLICATE},
+};
+
+int llama_plan_tp_rules(const tp_rule_t **rules) {
+  *rules = llama_plan;
+  return (int)(sizeof llama_plan / sizeof llama_plan[0]);
+}
+
+status_t llama_plan_fill_tp_rules(parallel_plan_t *pp) {
+  const tp_rule_t *r;
+  int n = llama_plan_tp_rules(&r);
+  pp->n_tp_rules = 0;
+  for (int i = 0; i < n; i++)
+    TRY(parallel_plan_add_tp_rule(pp, r[i].pattern, r[i].style, r[i].input, r[i].output));
+  for (int i = 0; i < n; i++)
+    snprintf(pp->tp_rules[i].where.text, sizeof pp->tp_rules[i].where.text,
+             "%s: the built-in Llama plan", pp->source);
+  pp->tp_plan_given = false;
+  return STATUS_OK;
+}
+
+bool llama_plan_tp_is_builtin(const parallel_plan_t *pp) {
+  if (!pp->tp_plan_given) return true;
+  const tp_rule_t *d;
+  int n = llama_plan_tp_rules(&d);
+  if (pp->n_tp_rules != n) return false;
+  for (int i = 0; i < n; i++) {
+    const plan_tp_rule_t *r = &pp->tp_rules[i];
+    if (strcmp(r->pattern, d[i].pattern) != 0 || r->style != d[i].style || r->input != d[i].input ||
+        r->output != d[i].output)
+      return false;
+  }
+  return true;
+}
+
+status_t llama_plan_check(const parallel_plan_t *pp) {
+  if (pp->tp <= 1) return STATUS_OK;
+  for (int i = 0; i < pp->n_tp_rules; i++) {
+    const plan_tp_rule_t *r = &pp->tp_rules[i];
+    if (nn_fqn_match(r->pattern, "lm_head") && r->style == TP_COLWISE && r->output != TP_REPLICATE)
+      return err_set(STATUS_EINVAL,
+                     "%s: parallelize.tensor_parallel.plan.%s: the loss needs whole logits; "
+                     "write {style: colwise, output: replicate}",
+                     r->where.text, r->pattern);
+  }
+  return STATUS_OK;
+}

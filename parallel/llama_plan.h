@@ -1,0 +1,37 @@
+/*
+ * The built-in Llama's parallelism: TorchTitan's tensor-parallel plan for its module names,
+ * which fsdp-train uses when a plan gives no rules, and the checks a plan must pass for it.
+ *
+ *   parallel_plan_t *pp = &plan.par;
+ *   if (!pp->tp_plan_given) TRY(llama_plan_fill_tp_rules(pp));
+ *   TRY(llama_plan_check(pp));
+ */
+#ifndef FSDPC_PARALLEL_LLAMA_PLAN_H
+#define FSDPC_PARALLEL_LLAMA_PLAN_H
+
+#include "parallel/parallel_plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The built-in rules (attention and MLP inputs split by column and outputs by row, the
+ * vocabulary split in the embedding and lm_head, whose output is made whole for the loss;
+ * norms on sequence shards under sequence parallelism); returns their number. */
+int llama_plan_tp_rules(const tp_rule_t **rules);
+
+/* Puts the built-in rules into pp (tp_plan_given stays false). */
+status_t llama_plan_fill_tp_rules(parallel_plan_t *pp);
+
+/* True when pp's rules are the built-in ones (not given, or written out in the same order). */
+bool llama_plan_tp_is_builtin(const parallel_plan_t *pp);
+
+/* What training the Llama needs of a plan: with tp > 1 the loss reads whole logits, so a
+ * colwise lm_head must output replicate. Errors name the rule's place. */
+status_t llama_plan_check(const parallel_plan_t *pp);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,112 @@
+/*
+ * Parallelism plans: how any module tree is parallelised, read from the `mesh` and
+ * `parallelize` sections of a YAML file into plain C structs (or filled in code, starting
+ * from parallel_plan_defaults). Nothing here knows a model: units and tensor-parallel rules
+ * are FQN globs matched against whatever module tree the plan is applied to (parallelize.h).
+ *
+ *   parallel_plan_t pp;
+ *   TRY(parallel_plan_load(&pp, "my_plan.yaml", NULL, 0));   // mesh + parallelize only
+ *   TRY(parallel_plan_resolve(&pp, world_size()));           // -1 sizes, reshard divisors
+ *
+ *   # my_plan.yaml
+ *   mesh: {dp_shard: -1, tp: 2}
+ *   parallelize:
+ *     fully_shard:
+ *       units: ["layers.*"]
+ *       reshard_after_forward: true
+ *     tensor_parallel:
+ *       plan: {"layers.*.fc1": colwise, "layers.*.fc2": rowwise}
+ *
+ * Errors name the place and the key ("my_plan.yaml:7:9: parallelize.fully_shard.units: ...");
+ * a value given by --set is named "--set key=value" instead of a file position.
+ */
+#ifndef FSDPC_PARALLEL_PARALLEL_PLAN_H
+#define FSDPC_PARALLEL_PARALLEL_PLAN_H
+
+#include "base/dtype.h"
+#include "parallel/tensor_parallel.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PLAN_MAX_UNITS 32
+#define PLAN_MAX_TP_RULES 32
+#define PLAN_PATH_MAX 512
+#define PLAN_PATTERN_MAX 128
+
+/* Where a value came from, for errors found after parsing (a unit matching nothing). */
+typedef struct plan_where {
+  char text[PLAN_PATH_MAX + 64]; /* "file:line:col" or "--set key=value" */
+} plan_where_t;
+
+/* One fully_shard unit: the modules whose FQN matches pattern (fnmatch), each its own group,
+ * applied bottom-up; the root is implied. Settings default to the section's. */
+typedef struct plan_unit {
+  char pattern[PLAN_PATTERN_MAX];
+  int reshard_after_forward; /* FSDP_RESHARD_AUTO, 0, 1 or N */
+  dtype_t param_dtype;       /* DTYPE_COUNT: the parameter's own */
+  dtype_t reduce_dtype;      /* DTYPE_COUNT: param_dtype */
+  plan_where_t where;
+} plan_unit_t;
+
+/* One tensor-parallel rule: modules matching pattern get a style (layouts: TP_LAYOUT_DEFAULT
+ * for the style's own). */
+typedef struct plan_tp_rule {
+  char pattern[PLAN_PATTERN_MAX];
+  tp_style_t style;
+  tp_layout_t input, output;
+  plan_where_t where;
+} plan_tp_rule_t;
+
+typedef struct parallel_plan {
+  char source[PLAN_PATH_MAX]; /* the YAML file, or "" when filled in code */
+  /* mesh: sizes, -1 = the rest of the world (at most one) */
+  int dp_replicate, dp_shard, tp;
+  plan_where_t mesh_where;
+  /* parallelize.fully_shard */
+  plan_unit_t units[PLAN_MAX_UNITS];
+  int n_units;
+  int reshard_after_forward; /* default for units; the root keeps FSDP_RESHARD_AUTO */
+  dtype_t param_dtype, reduce_dtype;
+  bool offload;
+  plan_where_t fsdp_where;
+  /* parallelize.tensor_parallel: the rules of `plan` (first match wins) */
+  plan_tp_rule_t tp_rules[PLAN_MAX_TP_RULES];
+  int n_tp_rules;
+  bool tp_plan_given; /* the rules came from the file or code (not a model's defaults) */
+  bool sequence_parallel;
+  plan_where_t tp_where;
+} parallel_plan_t;
+
+/* The defaults: mesh dp_replicate 1, dp_shard -1, tp 1; no units (the root alone is one
+ * group); reshard_after_forward auto; the parameters' own dtypes; no tensor-parallel rules. */
+void parallel_plan_defaults(parallel_plan_t *pp);
+
+/* Reads the `mesh` and `parallelize` sections of a YAML file (any other top-level key is an
+ * error) and applies sets ("key.path=value", scalars only) on top. Checks syntax, keys
+ * (unknown ones get a did-you-mean), types and ranges. Local. */
+status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
+                            int n_sets);
+
+/* Resolves a -1 mesh size against the world size and checks what needs it: the mesh product,
+ * integer reshards dividing dp_shard, tensor-parallel rules present when tp > 1. Local
+ * (every rank reaches the same verdict). */
+status_t parallel_plan_resolve(parallel_plan_t *pp, int world_size);
+
+/* Appends a tensor-parallel rule given in code. */
+status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
+                                   tp_layout_t input, tp_layout_t output);
+
+/* Adds a fully_shard unit given in code, with the section's settings. */
+status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern);
+
+/* The plan's tensor-parallel rules as tensor_parallel() takes them (pointing into pp); returns
+ * their number. out has room for PLAN_MAX_TP_RULES. */
+int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
