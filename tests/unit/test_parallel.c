@@ -1,0 +1,105 @@
+/*
+ * Parallelism plans filled in code and applied to a model of the general layers on one rank:
+ * units and rules added by function, resolution against the world, the groups parallel_apply
+ * makes (the matching modules inner first, the root last) and the placements it reports
+ * offline for a tensor-parallel plan, taken from the model's module kinds.
+ */
+#include <string.h>
+
+#include "nn/layers.h"
+#include "parallel/parallelize.h"
+#include "tests/harness.h"
+
+static void ok(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
+
+static nn_module_t *mlp(void) {
+  nn_layer_options_t lo = NN_LAYER_OPTIONS_INIT;
+  lo.deferred = true;
+  nn_module_t *m;
+  ok(nn_sequential_new(NULL, "", &m));
+  ok(nn_linear_new(m, "fc1", 8, 12, true, &lo, NULL));
+  ok(nn_activation_new(m, "act", KERNEL_ACT_RELU, NULL));
+  ok(nn_linear_new(m, "fc2", 12, 8, true, &lo, NULL));
+  ok(nn_layernorm_new(m, "norm", 8, 1e-5, true, &lo, NULL));
+  ok(nn_module_finalize(m));
+  return m;
+}
+
+START_TEST(plan_in_code_applies_to_any_model) {
+  parallel_plan_t pp;
+  parallel_plan_defaults(&pp);
+  ok(parallel_plan_add_unit(&pp, "fc*"));
+  ck_assert_int_eq(parallel_plan_add_unit(&pp, ""), STATUS_EINVAL);
+  ok(parallel_plan_resolve(&pp, 1));
+  ck_assert_int_eq(pp.dp_shard, 1);
+  nn_module_t *m = mlp();
+  parallel_t *par;
+  ok(parallel_apply(&par, m, &pp, DEVICE_CPU));
+  ck_assert_int_eq(parallel_num_groups(par), 3); /* fc1, fc2, the root (act has no params) */
+  ck_assert_str_eq(fsdp_group_name(parallel_groups(par)[0]), "fc1");
+  ck_assert_str_eq(fsdp_group_name(parallel_groups(par)[2]), "");
+  ck_assert_int_eq(parallel_dp_size(par), 1);
+  ck_assert_ptr_null(parallel_tp_mesh(par));
+  ok(nn_module_materialize(m));
+  ok(nn_module_reset_parameters(m, 1));
+  parallel_free(par);
+  nn_module_free(m);
+  /* a unit matching nothing names the module names of the model */
+  parallel_plan_defaults(&pp);
+  ok(parallel_plan_add_unit(&pp, "layers.*"));
+  ok(parallel_plan_resolve(&pp, 1));
+  m = mlp();
+  ck_assert_int_eq(parallel_apply(&par, m, &pp, DEVICE_CPU), STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "modules here: fc1, act, fc2, norm") != NULL);
+  nn_module_free(m);
+}
+END_TEST
+
+/* Offline placements for a 2 x 2 (dp_shard x tp) plan, by kind: a colwise linear's weight
+ * and bias split on tp (dp strided over them), a rowwise one's weight by columns and its bias
+ * whole, a sequence-parallel LayerNorm whole; rules are needed when tp > 1. */
+START_TEST(placements_follow_module_kinds) {
+  parallel_plan_t pp;
+  parallel_plan_defaults(&pp);
+  pp.tp = 2;
+  ck_assert_int_eq(parallel_plan_resolve(&pp, 4), STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "no rule says which modules to split") != NULL);
+  ok(parallel_plan_add_tp_rule(&pp, "fc1", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
+  ok(parallel_plan_add_tp_rule(&pp, "fc2", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
+  ok(parallel_plan_add_tp_rule(&pp, "norm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT,
+                               TP_LAYOUT_DEFAULT));
+  pp.sequence_parallel = true;
+  ok(parallel_plan_resolve(&pp, 4));
+  ck_assert_int_eq(pp.dp_shard, 2);
+  nn_module_t *m = mlp();
+  const struct {
+    const char *fqn, *want;
+  } cases[] = {{"fc1.weight", "(SS(0,2), S(0))"}, {"fc1.bias", "(SS(0,2), S(0))"},
+               {"fc2.weight", "(S(0), S(1))"},    {"fc2.bias", "(S(0), R)"},
+               {"norm.weight", "(S(0), R)"},      {"norm.bias", "(S(0), R)"}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int md, shape[MESH_MAX_DIMS];
+    placement_t pl[MESH_MAX_DIMS];
+    ok(parallel_param_placements(&pp, m, cases[i].fqn, &md, shape, pl));
+    char buf[64];
+    placements_str(md, pl, buf, sizeof buf);
+    ck_assert_msg(strcmp(buf, cases[i].want) == 0, "%s: %s, want %s", cases[i].fqn, buf,
+                  cases[i].want);
+    ck_assert(md == 2 && shape[0] == 2 && shape[1] == 2);
+  }
+  nn_module_free(m);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("parallel");
+  TCase *tc = tcase_create("parallel");
+  tcase_add_test(tc, plan_in_code_applies_to_any_model);
+  tcase_add_test(tc, placements_follow_module_kinds);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
