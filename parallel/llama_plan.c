@@ -35,9 +35,9 @@ status_t llama_plan_fill_tp_rules(parallel_plan_t *pp) {
   pp->n_tp_rules = 0;
   for (int i = 0; i < n; i++)
     TRY(parallel_plan_add_tp_rule(pp, r[i].pattern, r[i].style, r[i].input, r[i].output));
-  for (int i = 0; i < n; i++)
-    snprintf(pp->tp_rules[i].where.text, sizeof pp->tp_rules[i].where.text,
-             "%s: the built-in Llama plan", pp->source);
+  plan_where_t builtin;
+  snprintf(builtin.text, sizeof builtin.text, "%s: the built-in Llama plan", pp->source);
+  for (int i = 0; i < n; i++) pp->tp_rules[i].where = builtin;
   pp->tp_plan_given = false;
   return STATUS_OK;
 }

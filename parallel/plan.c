@@ -109,7 +109,8 @@ static bool is_null(ctx_t *c, int i) {
 }
 
 static void join(char *out, size_t size, const char *prefix, const char *key) {
-  snprintf(out, size, "%s%s%s", prefix, prefix[0] ? "." : "", key);
+  int n = snprintf(out, size, "%s%s%s", prefix, prefix[0] ? "." : "", key);
+  if (n < 0 || (size_t)n >= size) out[size - 1] = 0; /* a very long key path is cut */
 }
 
 static size_t edit_distance(const char *a, const char *b) {

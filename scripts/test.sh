@@ -17,11 +17,15 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 if [ $sanitize -eq 1 ]; then
   dir=build-san
-  opts=(-Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled -Dbuildtype=debug)
+  # -O1: what the sanitizers' authors recommend; several times faster than -O0
+  opts=(-Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled -Dbuildtype=debug
+        -Doptimization=1)
 else
   dir=build
   opts=()
 fi
+# CI treats every compiler warning as an error; a user's build does not
+if [ -n "${CI:-}" ]; then opts+=(-Dwerror=true); fi
 if [ ! -f "$dir/build.ninja" ]; then
   meson setup "$dir" "${opts[@]}"
 fi

@@ -32,7 +32,7 @@ START_TEST(shards_are_chunks) {
     placement_t rep = placement_replicate();
     ok(dtensor_from_local(&d, &t, local, &rep, nd, shapes[i]));
     tensor_free(&t);
-    char name[8];
+    char name[16];
     snprintf(name, sizeof name, "p%d", i);
     ok(nn_module_add_param(root, name, d, true, NULL));
   }
@@ -43,7 +43,7 @@ START_TEST(shards_are_chunks) {
   int md = mesh_ndim(mesh), W = mesh_size(mesh, md - 1), r = mesh_coord(mesh, md - 1);
   int bad = 0;
   for (int i = 0; i < 5; i++) {
-    char name[8];
+    char name[16];
     snprintf(name, sizeof name, "p%d", i);
     nn_param_t *p = nn_param_find(root, name);
     const tensor_t *l = dtensor_local(p->value);

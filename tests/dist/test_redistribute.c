@@ -21,6 +21,7 @@
 static int g_ndim;
 static int g_shape[MESH_MAX_DIMS];
 static int g_shapes_per_ndim = 12;
+static int g_sample = 1; /* check every g_sample-th pair (sanitized builds) */
 
 static mesh_t *make_mesh(void) {
   const char *names[3] = {"m0", "m1", "m2"};
@@ -89,6 +90,7 @@ START_TEST(redistribute_matches_distribute_for_every_pair) {
         if (st != STATUS_OK || !same(&full, &X)) failures++;
         tensor_free(&full);
         for (int q = 0; q < nt && A != NULL; q++) {
+          if (g_sample > 1 && (p + q) % g_sample != 0) continue; /* every q for some p */
           dtensor_t *B = NULL, *C = NULL;
           st = dtensor_redistribute(A, tuples[q], &B);
           if (st == STATUS_OK) st = dtensor_distribute(&C, &X, mesh, tuples[q], DTENSOR_ALL_RANKS);
@@ -121,8 +123,9 @@ START_TEST(redistribute_matches_distribute_for_every_pair) {
   }
   if (world_rank() == 0) {
     char m[64];
-    printf("redistribute on mesh %s: %ld placement pairs checked\n", mesh_str(mesh, m, sizeof m),
-           cases);
+    printf("redistribute on mesh %s: %ld placement pairs checked%s\n",
+           mesh_str(mesh, m, sizeof m), cases,
+           g_sample > 1 ? " (a fixed sample: sanitized build)" : "");
   }
   expect_all(failures == 0, "%ld of %ld redistributions differ", failures, cases);
   mesh_free(mesh);
@@ -250,5 +253,6 @@ int main(int argc, char **argv) {
     if (*p == 'x') p++;
   }
   if (argc > 2) g_shapes_per_ndim = atoi(argv[2]);
+  if (getenv("FSDPC_TEST_SANITIZED") != NULL) g_sample = 4;
   return harness_main(argc, argv, make_suite);
 }

@@ -120,12 +120,12 @@ static void run_case(const fd_case_t *c) {
   nn_var_put(y);
   for (int i = 0; i < c->n_in; i++) {
     if (!c->in_grad[i]) continue;
-    char what[16];
+    char what[24];
     snprintf(what, sizeof what, "input%d", i);
     check_tensor(c, what, ctx, in, pp, &r, &in[i]->value, &in[i]->grad, &rng);
   }
   for (int i = 0; i < c->n_params; i++) {
-    char what[16];
+    char what[24];
     snprintf(what, sizeof what, "param%d", i);
     check_tensor(c, what, ctx, in, pp, &r, &params[i].compute, &params[i].compute_grad, &rng);
   }
