@@ -703,8 +703,8 @@ static int64_t name_hash(const char *s) {
 }
 
 /* An agreement's buffer whose collective never completed (the job was stopped: one at most),
- * kept reachable because MPI may still own it. */
-static int64_t *orphan;
+ * kept reachable because MPI may still own it (volatile: a store the compiler cannot drop). */
+static int64_t *volatile orphan;
 
 /* Every rank of the group takes the on-demand path of a member together (what: its
  * description): an all-reduce of the module's name over the shard and the replicate ranks. A
