@@ -1,15 +1,44 @@
 #include "base/file.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+status_t file_open_regular(const char *path, const char *what, FILE **out) {
+  *out = NULL;
+  /* O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one */
+  const char *sep = what ? " " : "";
+  what = what ? what : "";
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return err_set(STATUS_EIO, "%s%s%s: %s", what, sep, path, strerror(errno));
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    const char *kind = S_ISDIR(sb.st_mode)    ? "a folder"
+                       : S_ISFIFO(sb.st_mode) ? "a FIFO"
+                       : S_ISSOCK(sb.st_mode) ? "a socket"
+                                              : "a device or special file";
+    close(fd);
+    return err_set(STATUS_EIO, "%s%s%s: is %s, not a regular file", what, sep, path, kind);
+  }
+  int flags = fcntl(fd, F_GETFL);
+  FILE *f = NULL;
+  if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 || (f = fdopen(fd, "rb")) == NULL) {
+    int e = errno;
+    close(fd);
+    return err_set(STATUS_EIO, "%s%s%s: %s", what, sep, path, strerror(e));
+  }
+  *out = f;
+  return STATUS_OK;
+}
 
 status_t file_read_text(const char *path, size_t max_bytes, char **out) {
   *out = NULL;
-  FILE *f = fopen(path, "rb");
-  if (f == NULL) return err_set(STATUS_EIO, "%s: %s", path, strerror(errno));
+  FILE *f;
+  TRY(file_open_regular(path, NULL, &f));
   status_t st = STATUS_OK;
   char *buf = NULL;
   long n = -1;

@@ -11,6 +11,7 @@
 #define FSDPC_BASE_FILE_H
 
 #include <stddef.h>
+#include <stdio.h>
 
 #include "base/status.h"
 
@@ -20,6 +21,10 @@ extern "C" {
 
 /* The largest text file the library reads whole (64 MiB). */
 #define FILE_TEXT_MAX ((size_t)1 << 26)
+
+/* Opens path for reading if it is a regular file: a FIFO, a device or a folder is refused at
+ * once (never blocks in open). Errors read "WHAT PATH: reason" (what may be NULL). */
+status_t file_open_regular(const char *path, const char *what, FILE **out);
 
 /* Reads the whole file into *out (NUL-terminated, freed by the caller); files longer than
  * max_bytes are refused. */

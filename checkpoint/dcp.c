@@ -159,7 +159,8 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
 
 status_t dcp_agree(status_t st, MPI_Comm comm, const char *what) {
   int bad = st != STATUS_OK, any = 0;
-  MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, comm);
+  status_t got = world_allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, comm, "MPI_Allreduce (checkpoint)");
+  if (got != STATUS_OK) return bad ? st : got;
   if (any && !bad) return err_set(STATUS_EIO, "%s: another rank failed", what);
   return st;
 }
@@ -218,8 +219,12 @@ status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm) {
 status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm) {
   char tmp[DCP_JOIN_MAX];
   TRY(dcp_prepare(dir, tmp, sizeof tmp, comm));
-  TRY(dcp_write(tmp, entries, n, comm));
-  return dcp_commit(tmp, dir, comm);
+  status_t st = dcp_write(tmp, entries, n, comm);
+  if (st == STATUS_OK) st = dcp_commit(tmp, dir, comm);
+  int rank;
+  MPI_Comm_rank(comm, &rank);
+  if (st != STATUS_OK && rank == 0) dcp_remove_tree(tmp); /* all ranks agreed: none writes */
+  return st;
 }
 
 /* ---- load ---- */
@@ -235,6 +240,8 @@ typedef struct chunk {
 typedef struct folder {
   st_file_t **f;
   cJSON **sharding; /* per file: DCP_SHARDING_INFO, or NULL */
+  cJSON ***entries; /* per file: the entries of sharding, sorted by name */
+  int *n_entries;
   int n;
 } folder_t;
 
@@ -242,13 +249,54 @@ static void folder_close(folder_t *fo) {
   for (int i = 0; i < fo->n; i++) {
     st_close(fo->f[i]);
     cJSON_Delete(fo->sharding[i]);
+    if (fo->entries) free(fo->entries[i]);
   }
   free(fo->f);
   free(fo->sharding);
+  free(fo->entries);
+  free(fo->n_entries);
 }
 
 static int cmp_str(const void *a, const void *b) {
   return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static int cmp_entry(const void *a, const void *b) {
+  return strcmp((*(cJSON *const *)a)->string, (*(cJSON *const *)b)->string);
+}
+
+/* Indexes file i's sharding entries by name (cJSON's own lookup is a linear walk). */
+static status_t index_entries(folder_t *fo, int i) {
+  const cJSON *info = fo->sharding[i];
+  int n = 0;
+  if (!cJSON_IsObject(info))
+    return err_set(STATUS_EFORMAT, "%s: DCP_SHARDING_INFO is not a JSON object", st_path(fo->f[i]));
+  for (const cJSON *e = info->child; e; e = e->next) n++;
+  if ((fo->entries[i] = malloc(sizeof(cJSON *) * (size_t)(n ? n : 1))) == NULL)
+    return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  n = 0;
+  for (cJSON *e = info->child; e; e = e->next) fo->entries[i][n++] = e;
+  qsort(fo->entries[i], (size_t)n, sizeof(cJSON *), cmp_entry);
+  fo->n_entries[i] = n;
+  for (int k = 1; k < n; k++)
+    if (strcmp(fo->entries[i][k - 1]->string, fo->entries[i][k]->string) == 0)
+      return err_set(STATUS_EFORMAT, "%s: DCP_SHARDING_INFO names tensor '%s' twice",
+                     st_path(fo->f[i]), fo->entries[i][k]->string);
+  return STATUS_OK;
+}
+
+/* File i's sharding entry for name, or NULL. */
+static const cJSON *find_entry(const folder_t *fo, int i, const char *name) {
+  int lo = 0, hi = fo->sharding[i] ? fo->n_entries[i] : 0;
+  while (lo < hi) {
+    int mid = lo + (hi - lo) / 2, c = strcmp(fo->entries[i][mid]->string, name);
+    if (c == 0) return fo->entries[i][mid];
+    if (c < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return NULL;
 }
 
 static status_t folder_open(const char *dir, folder_t *fo) {
@@ -284,7 +332,10 @@ static status_t folder_open(const char *dir, folder_t *fo) {
     qsort(names, (size_t)n, sizeof(char *), cmp_str);
     fo->f = calloc((size_t)n, sizeof *fo->f);
     fo->sharding = calloc((size_t)n, sizeof *fo->sharding);
-    if (fo->f == NULL || fo->sharding == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+    fo->entries = calloc((size_t)n, sizeof *fo->entries);
+    fo->n_entries = calloc((size_t)n, sizeof *fo->n_entries);
+    if (fo->f == NULL || fo->sharding == NULL || fo->entries == NULL || fo->n_entries == NULL)
+      st = err_set(STATUS_ENOMEM, "out of host memory");
   }
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     char path[DCP_JOIN_MAX];
@@ -295,6 +346,8 @@ static status_t folder_open(const char *dir, folder_t *fo) {
     const char *info = st_metadata(fo->f[i], "DCP_SHARDING_INFO");
     if (info != NULL && (fo->sharding[i] = cJSON_Parse(info)) == NULL)
       st = err_set(STATUS_EFORMAT, "%s: DCP_SHARDING_INFO is not valid JSON", path);
+    else if (info != NULL)
+      st = index_entries(fo, i);
   }
   for (int i = 0; i < n; i++) free(names[i]);
   free(names);
@@ -314,8 +367,7 @@ static status_t chunks_of(const folder_t *fo, const char *name, chunk_t **out, i
     if (t == NULL) continue;
     c[k].file = i;
     c[k].info = t;
-    const cJSON *e =
-        fo->sharding[i] ? cJSON_GetObjectItemCaseSensitive(fo->sharding[i], name) : NULL;
+    const cJSON *e = find_entry(fo, i, name);
     const cJSON *offs = e ? cJSON_GetObjectItemCaseSensitive(e, "saved_offsets") : NULL;
     if (e != NULL && (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != t->ndim)) {
       free(c);
@@ -563,62 +615,73 @@ status_t dcp_verify(const char *dir, MPI_Comm comm, int64_t *chunks) {
   }
   dcp_reader_close(r);
   TRY(comm_agree(comm, st));
-  if (MPI_Allreduce(&mine, &all, 1, MPI_LONG_LONG, MPI_SUM, comm) != MPI_SUCCESS)
-    return err_set(STATUS_EMPI, "checkpoint %s: MPI_Allreduce (verify) failed", dir);
+  TRY(world_allreduce(&mine, &all, 1, MPI_LONG_LONG, MPI_SUM, comm, "MPI_Allreduce (verify)"));
   if (chunks) *chunks = all;
   return STATUS_OK;
 }
 
-static int cmp_tensor(const void *a, const void *b) {
-  return strcmp(((const dcp_tensor_t *)a)->name, ((const dcp_tensor_t *)b)->name);
+/* Folds every chunk of the tensor called name into e. */
+static status_t fold_tensor(dcp_reader_t *r, const char *name, dcp_tensor_t *e) {
+  chunk_t *c;
+  int nc;
+  TRY(chunks_of(&r->fo, name, &c, &nc));
+  const st_info_t *t = c[0].info;
+  status_t st = STATUS_OK;
+  if ((e->name = strdup(name)) == NULL) st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  e->dtype = t->dtype;
+  e->dtype_name = t->dtype_name;
+  e->ndim = t->ndim;
+  for (int q = 0; q < nc && st == STATUS_OK; q++) {
+    const st_info_t *ci = c[q].info;
+    if (ci->ndim != t->ndim || strcmp(ci->dtype_name, t->dtype_name) != 0) {
+      st = err_set(STATUS_EFORMAT,
+                   "%s: tensor '%s' is stored as %s with %d dimensions here and as %s with %d "
+                   "elsewhere",
+                   st_path(r->fo.f[c[q].file]), name, ci->dtype_name, ci->ndim, t->dtype_name,
+                   t->ndim);
+      break;
+    }
+    for (int d = 0; d < t->ndim; d++) {
+      int64_t end = c[q].off[d] + ci->shape[d];
+      if (end > e->shape[d]) e->shape[d] = end;
+    }
+    e->chunks++;
+    e->bytes += ci->end - ci->begin;
+  }
+  free(c);
+  return st;
 }
 
 status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n) {
   if (r->list == NULL) {
-    int cap = 0;
-    for (int i = 0; i < r->fo.n; i++) cap += st_num_tensors(r->fo.f[i]);
-    r->list = calloc((size_t)(cap ? cap : 1), sizeof *r->list);
-    if (r->list == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+    int total = 0;
+    for (int i = 0; i < r->fo.n; i++) total += st_num_tensors(r->fo.f[i]);
+    /* every name of every file, sorted: each distinct name once, in name order */
+    const char **names = malloc(sizeof(char *) * (size_t)(total ? total : 1));
+    r->list = calloc((size_t)(total ? total : 1), sizeof *r->list);
+    if (names == NULL || r->list == NULL) {
+      free(names);
+      return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+    }
+    int k = 0;
     for (int i = 0; i < r->fo.n; i++)
-      for (int k = 0; k < st_num_tensors(r->fo.f[i]); k++) {
-        const st_info_t *t = st_tensor(r->fo.f[i], k);
-        bool seen = false;
-        for (int j = 0; j < r->n_list && !seen; j++) seen = strcmp(r->list[j].name, t->name) == 0;
-        if (seen) continue;
-        /* a new name: fold all its chunks, in every file, at once */
-        dcp_tensor_t *e = &r->list[r->n_list];
-        chunk_t *c;
-        int nc;
-        TRY(chunks_of(&r->fo, t->name, &c, &nc));
-        status_t st = STATUS_OK;
-        if ((e->name = strdup(t->name)) == NULL)
-          st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-        else
-          r->n_list++;
-        e->dtype = t->dtype;
-        e->dtype_name = t->dtype_name;
-        e->ndim = t->ndim;
-        for (int q = 0; q < nc && st == STATUS_OK; q++) {
-          const st_info_t *ci = c[q].info;
-          if (ci->ndim != t->ndim || strcmp(ci->dtype_name, t->dtype_name) != 0) {
-            st = err_set(STATUS_EFORMAT,
-                         "%s: tensor '%s' is stored as %s with %d dimensions here and as %s "
-                         "with %d elsewhere",
-                         st_path(r->fo.f[c[q].file]), t->name, ci->dtype_name, ci->ndim,
-                         t->dtype_name, t->ndim);
-            break;
-          }
-          for (int d = 0; d < t->ndim; d++) {
-            int64_t end = c[q].off[d] + ci->shape[d];
-            if (end > e->shape[d]) e->shape[d] = end;
-          }
-          e->chunks++;
-          e->bytes += ci->end - ci->begin;
-        }
-        free(c);
-        TRY(st);
-      }
-    qsort(r->list, (size_t)r->n_list, sizeof *r->list, cmp_tensor);
+      for (int j = 0; j < st_num_tensors(r->fo.f[i]); j++)
+        names[k++] = st_tensor(r->fo.f[i], j)->name;
+    qsort(names, (size_t)total, sizeof(char *), cmp_str);
+    status_t st = STATUS_OK;
+    for (int i = 0; i < total && st == STATUS_OK; i++) {
+      if (i > 0 && strcmp(names[i], names[i - 1]) == 0) continue;
+      st = fold_tensor(r, names[i], &r->list[r->n_list]);
+      if (r->list[r->n_list].name != NULL) r->n_list++;
+    }
+    free(names);
+    if (st != STATUS_OK) { /* a later call fails again instead of listing part of the folder */
+      for (int i = 0; i < r->n_list; i++) free(r->list[i].name);
+      free(r->list);
+      r->list = NULL;
+      r->n_list = 0;
+      return st;
+    }
   }
   *out = r->list;
   *n = r->n_list;

@@ -46,9 +46,10 @@ typedef struct dcp_stats {
 /* Saves the entries into folder dir, which must not exist: every rank writes its local
  * shards (a shard replicated over mesh dimensions is written by the replica at coordinate 0
  * only; empty shards are skipped) into one file of a temporary folder, then rank 0 commits
- * it by renaming it to dir (fsync'd). A crash before the rename leaves no dir. Partial
- * placements are refused (strided shards, being boxes, are saved like any shard). Collective over
- * comm, which spans every rank of the entries' meshes. */
+ * it by renaming it to dir (fsync'd). A crash before the rename leaves no dir; a failed
+ * save (a full disk) removes its temporary folder. Partial placements are refused (strided
+ * shards, being boxes, are saved like any shard). Collective over comm, which spans every
+ * rank of the entries' meshes. */
 status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm);
 
 /* The steps of dcp_save, for checkpoints of several folders committed at once:

@@ -8,6 +8,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/file.h"
+
 /* ---- dtypes ---- */
 
 static const struct {
@@ -46,6 +48,7 @@ struct st_file {
   uint64_t data_start, data_size;
   st_info_t *t;
   int n;
+  int *by_name; /* indexes into t, sorted by name */
   meta_t *meta;
   int n_meta;
   uint64_t bytes_read; /* tensor data read so far */
@@ -62,6 +65,7 @@ void st_close(st_file_t *f) {
     free(f->meta[i].value);
   }
   free(f->t);
+  free(f->by_name);
   free(f->meta);
   free(f->path);
   free(f);
@@ -71,6 +75,14 @@ static int cmp_begin(const void *a, const void *b) {
   const st_info_t *x = a, *y = b;
   if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
   return x->end < y->end ? -1 : x->end > y->end;
+}
+
+/* qsort has no context argument: the file whose index is being sorted (one parse at a time
+ * per thread). */
+static _Thread_local const st_file_t *g_sort_file;
+
+static int cmp_name_index(const void *a, const void *b) {
+  return strcmp(g_sort_file->t[*(const int *)a].name, g_sort_file->t[*(const int *)b].name);
 }
 
 static status_t parse_u64(const cJSON *v, uint64_t *out) {
@@ -99,8 +111,8 @@ static status_t parse_entry(st_file_t *f, const cJSON *item, st_info_t *t) {
   t->elem_size = kDtypes[di].size;
   t->ndim = cJSON_GetArraySize(sh);
   if (t->ndim > ST_MAX_DIMS)
-    return err_set(STATUS_EFORMAT, "%s: tensor '%s' has %d dimensions (at most %d)", p, nm, t->ndim,
-                   ST_MAX_DIMS);
+    return err_set(STATUS_EFORMAT, "%s: tensor '%s' has %d dimensions; at most %d are supported",
+                   p, nm, t->ndim, ST_MAX_DIMS);
   double numel = 1;
   for (int d = 0; d < t->ndim; d++) {
     uint64_t v;
@@ -161,13 +173,19 @@ static status_t parse_header(st_file_t *f, const char *text) {
       TRY_GOTO(st, parse_metadata(f, it));
       continue;
     }
-    for (int j = 0; j < f->n; j++)
-      if (strcmp(f->t[j].name, it->string) == 0)
-        TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: tensor '%s' appears twice", f->path, it->string));
     TRY_GOTO(st, parse_entry(f, it, &f->t[f->n]));
     f->n++;
   }
   qsort(f->t, (size_t)f->n, sizeof(st_info_t), cmp_begin);
+  if ((f->by_name = malloc(sizeof(int) * (size_t)(f->n ? f->n : 1))) == NULL)
+    TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
+  for (int i = 0; i < f->n; i++) f->by_name[i] = i;
+  g_sort_file = f;
+  qsort(f->by_name, (size_t)f->n, sizeof(int), cmp_name_index);
+  for (int i = 1; i < f->n; i++)
+    if (strcmp(f->t[f->by_name[i - 1]].name, f->t[f->by_name[i]].name) == 0)
+      TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: tensor '%s' appears twice", f->path,
+                           f->t[f->by_name[i]].name));
   uint64_t pos = 0;
   for (int i = 0; i < f->n; i++) {
     if (f->t[i].begin != pos)
@@ -197,8 +215,7 @@ status_t st_open(st_file_t **out, const char *path) {
   }
   status_t st = STATUS_OK;
   char *text = NULL;
-  if ((f->fp = fopen(path, "rb")) == NULL)
-    TRY_GOTO(st, err_set(STATUS_EIO, "%s: %s", path, strerror(errno)));
+  TRY_GOTO(st, file_open_regular(path, NULL, &f->fp));
   unsigned char len8[8];
   if (fread(len8, 1, 8, f->fp) != 8)
     TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: shorter than the 8-byte header length", path));
@@ -239,8 +256,15 @@ int st_num_tensors(const st_file_t *f) { return f->n; }
 const st_info_t *st_tensor(const st_file_t *f, int i) { return &f->t[i]; }
 
 const st_info_t *st_find(const st_file_t *f, const char *name) {
-  for (int i = 0; i < f->n; i++)
-    if (strcmp(f->t[i].name, name) == 0) return &f->t[i];
+  int lo = 0, hi = f->n;
+  while (lo < hi) {
+    int mid = lo + (hi - lo) / 2, c = strcmp(f->t[f->by_name[mid]].name, name);
+    if (c == 0) return &f->t[f->by_name[mid]];
+    if (c < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
   return NULL;
 }
 

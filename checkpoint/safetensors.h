@@ -5,8 +5,9 @@
  *
  * The reader validates everything before use: header size (at most 100 MB), JSON shape,
  * known dtype names, non-negative shapes, offsets inside the file, size = numel x element
- * size, the buffer fully covered without gaps or overlaps, unique names. Errors name the file
- * and the tensor.
+ * size, the buffer fully covered without gaps or overlaps, unique names, at most
+ * TENSOR_MAX_DIMS dimensions. Only regular files are opened. Parsing and lookups by name take
+ * O(n log n) in the number of tensors. Errors name the file and the tensor.
  *
  *   st_file_t *f;
  *   TRY(st_open(&f, "model.safetensors"));
@@ -32,7 +33,8 @@
 extern "C" {
 #endif
 
-#define ST_MAX_DIMS 8
+/* Dimensions are bounded in one place, the tensors' own: a file declaring more is refused. */
+#define ST_MAX_DIMS TENSOR_MAX_DIMS
 #define ST_MAX_HEADER (100u * 1000u * 1000u)
 
 typedef struct st_info {

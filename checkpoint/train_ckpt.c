@@ -108,6 +108,7 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
   TRY(entries_make(params, n, opt, ENTRIES_SAVE, &e));
   char tmp[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
   status_t st = dcp_prepare(dir, tmp, sizeof tmp, comm);
+  bool prepared = st == STATUS_OK;
   if (st == STATUS_OK) {
     snprintf(model, sizeof model, "%.4000s/model", tmp);
     snprintf(optim, sizeof optim, "%.4000s/optim", tmp);
@@ -122,6 +123,8 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
   if (st == STATUS_OK) st = dcp_write(model, e.model, n, comm);
   if (st == STATUS_OK) st = dcp_write(optim, e.optim, 2 * n, comm);
   if (st == STATUS_OK) st = dcp_commit(tmp, dir, comm);
+  /* every rank has agreed on the failure, so no rank still writes: free the space it took */
+  if (st != STATUS_OK && prepared && rank == 0) dcp_remove_tree(tmp);
   entries_free(&e);
   return st;
 }
@@ -189,10 +192,14 @@ void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
   snprintf(out, size, "%s/step-%08" PRId64, root, step);
 }
 
-/* Complete checkpoints under root, sorted by step (ascending). */
-static status_t list_steps(const char *root, int64_t **steps, int *n) {
+/* Complete checkpoints under root, sorted by step (ascending); the newest incomplete folder
+ * into *partial (step -1 when none): a step-N without train_state.json, or step-N.tmp. */
+static status_t list_steps(const char *root, int64_t **steps, int *n, int64_t *partial,
+                           bool *partial_tmp) {
   *steps = NULL;
   *n = 0;
+  *partial = -1;
+  *partial_tmp = false;
   DIR *d = opendir(root);
   if (d == NULL) return STATUS_OK;
   int cap = 0;
@@ -201,10 +208,18 @@ static status_t list_steps(const char *root, int64_t **steps, int *n) {
   while ((e = readdir(d)) != NULL) {
     long long s;
     char tail;
-    if (sscanf(e->d_name, "step-%lld%c", &s, &tail) != 1 || s < 0) continue;
+    int got = sscanf(e->d_name, "step-%lld%c", &s, &tail);
+    bool is_tmp = got == 2 && strcmp(e->d_name + strlen(e->d_name) - 4, ".tmp") == 0;
+    if ((got != 1 && !is_tmp) || s < 0) continue;
     char state[PATH_LEN];
     snprintf(state, sizeof state, "%.4000s/%.255s/train_state.json", root, e->d_name);
-    if (access(state, R_OK) != 0) continue; /* not a complete checkpoint */
+    if (is_tmp || access(state, R_OK) != 0) { /* not a complete checkpoint */
+      if (s > *partial || (s == *partial && !is_tmp)) {
+        *partial = s;
+        *partial_tmp = is_tmp;
+      }
+      continue;
+    }
     if (*n == cap) {
       cap = cap ? 2 * cap : 16;
       int64_t *ns = realloc(*steps, sizeof(int64_t) * (size_t)cap);
@@ -226,21 +241,31 @@ static status_t list_steps(const char *root, int64_t **steps, int *n) {
   return st;
 }
 
-status_t ckpt_latest(const char *root, char *out, size_t size, bool *found) {
-  int64_t *steps;
+status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
+                     size_t skipped_size) {
+  int64_t *steps, partial;
   int n;
-  TRY(list_steps(root, &steps, &n));
+  bool tmp;
+  TRY(list_steps(root, &steps, &n, &partial, &tmp));
   *found = n > 0;
   if (n > 0) ckpt_step_dir(root, steps[n - 1], out, size);
+  if (skipped_size > 0) skipped[0] = 0;
+  if (skipped_size > 0 && partial >= 0 && (n == 0 || partial > steps[n - 1])) {
+    char dir[PATH_LEN];
+    ckpt_step_dir(root, partial, dir, sizeof dir);
+    snprintf(skipped, skipped_size, "%s%s (%s)", dir, tmp ? ".tmp" : "",
+             tmp ? "a save that did not finish" : "no train_state.json: not a complete checkpoint");
+  }
   free(steps);
   return STATUS_OK;
 }
 
 status_t ckpt_prune(const char *root, int keep) {
   if (keep <= 0) return STATUS_OK;
-  int64_t *steps;
+  int64_t *steps, partial;
   int n;
-  TRY(list_steps(root, &steps, &n));
+  bool tmp;
+  TRY(list_steps(root, &steps, &n, &partial, &tmp));
   for (int i = 0; i < n - keep; i++) {
     char dir[PATH_LEN];
     ckpt_step_dir(root, steps[i], dir, sizeof dir);

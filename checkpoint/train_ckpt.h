@@ -44,8 +44,10 @@ status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, o
 status_t ckpt_verify_training(const char *dir, MPI_Comm comm, int64_t *chunks);
 
 /* The newest complete checkpoint (step-NNNNNNNN with a train_state.json) in root into out;
- * *found false when there is none (or root does not exist). Local. */
-status_t ckpt_latest(const char *root, char *out, size_t size, bool *found);
+ * *found false when there is none (or root does not exist). A newer folder that is not a
+ * complete checkpoint is described in skipped (its path and why; "" when none). Local. */
+status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
+                     size_t skipped_size);
 
 /* The folder of the checkpoint after step under root: root/step-NNNNNNNN. */
 void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size);

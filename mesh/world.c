@@ -1,5 +1,6 @@
 #include "mesh/world.h"
 
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,12 +15,13 @@ static int local_rank = -1;
 enum { STOP_TAG = 1 };
 typedef struct stop_msg {
   int status, rank;
-  char text[1016];
+  int unanswered; /* a rank stopped answering: MPI_Finalize would wait for it forever */
+  char text[1012];
 } stop_msg_t;
 static MPI_Comm stop_comm = MPI_COMM_NULL;
 static MPI_Request stop_req = MPI_REQUEST_NULL;
 static stop_msg_t stop_in, stop_out;
-static bool stopped;
+static bool stopped, unanswered;
 static status_t stop_status;
 static char stop_reason[sizeof stop_in.text + 32];
 
@@ -67,6 +69,16 @@ status_t world_init(int *argc, char ***argv) {
 void world_finalize(void) {
   int done = 0;
   MPI_Finalized(&done);
+  if (unanswered) {
+    /* a rank stopped answering: finalizing would wait for it. Leave without: the launcher
+     * ends the job (the silent rank included) when this process exits non-zero, after the
+     * other ranks, which learnt of the stop, have had a moment to report it. */
+    fflush(stdout);
+    fflush(stderr);
+    struct timespec moment = {0, 500000000};
+    nanosleep(&moment, NULL);
+    return;
+  }
   if (!done && stop_req != MPI_REQUEST_NULL) {
     MPI_Cancel(&stop_req);
     MPI_Wait(&stop_req, MPI_STATUS_IGNORE);
@@ -133,6 +145,7 @@ static status_t take_stop(void) {
   stopped = true;
   stop_status = stop_in.status < 0 ? (status_t)stop_in.status : STATUS_EINTERNAL;
   stop_in.text[sizeof stop_in.text - 1] = 0;
+  unanswered = unanswered || stop_in.unanswered;
   snprintf(stop_reason, sizeof stop_reason, "rank %d: %s", stop_in.rank, stop_in.text);
   return stopped_error();
 }
@@ -145,9 +158,26 @@ status_t world_check(void) {
   return stopped ? stopped_error() : STATUS_OK;
 }
 
+static double watchdog_s = WORLD_DEFAULT_TIMEOUT_S;
+
+void world_set_timeout(double seconds) { watchdog_s = seconds > 0 ? seconds : 0; }
+double world_timeout(void) { return watchdog_s; }
+
 status_t world_wait(MPI_Request *req, const char *what) {
   if (stopped) return stopped_error();
   if (*req == MPI_REQUEST_NULL) return STATUS_OK; /* nothing to wait for */
+  if (watchdog_s > 0) {
+    bool late = false;
+    TRY(world_wait_for(req, watchdog_s, what, &late));
+    if (!late) return STATUS_OK;
+    /* the others learn it through the stop channel; a rank blocked elsewhere is ended by the
+     * launcher when this one exits non-zero */
+    unanswered = true;
+    return world_stop(err_set(STATUS_EMPI,
+                              "%s has not completed in %g s: another rank stopped answering "
+                              "(hung, stopped or far slower); stopping the job",
+                              what, watchdog_s));
+  }
   if (stop_req == MPI_REQUEST_NULL) return pg_mpi_status(MPI_Wait(req, MPI_STATUS_IGNORE), what);
   MPI_Request rs[2] = {*req, stop_req};
   int idx = MPI_UNDEFINED;
@@ -162,7 +192,7 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
   *timed_out = false;
   if (stopped) return stopped_error();
   if (*req == MPI_REQUEST_NULL) return STATUS_OK;
-  double end = MPI_Wtime() + seconds;
+  double start = MPI_Wtime(), end = start + seconds;
   for (;;) {
     MPI_Request rs[2] = {*req, stop_req};
     int idx = MPI_UNDEFINED, done = 0;
@@ -175,9 +205,26 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
       *timed_out = true;
       return STATUS_OK;
     }
-    struct timespec nap = {0, 100000}; /* 0.1 ms: leave the core to ranks sharing it */
-    nanosleep(&nap, NULL);
+    if (MPI_Wtime() - start < 1e-4) { /* short waits: poll */
+      sched_yield();
+    } else {
+      struct timespec nap = {0, 100000}; /* 0.1 ms: leave the core to ranks sharing it */
+      nanosleep(&nap, NULL);
+    }
   }
+}
+
+status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type, MPI_Op op,
+                         MPI_Comm comm, const char *what) {
+  MPI_Request req;
+  TRY(pg_mpi_status(MPI_Iallreduce(send, recv, count, type, op, comm, &req), what));
+  return world_wait(&req, what);
+}
+
+status_t world_barrier(MPI_Comm comm, const char *what) {
+  MPI_Request req;
+  TRY(pg_mpi_status(MPI_Ibarrier(comm, &req), what));
+  return world_wait(&req, what);
 }
 
 status_t world_stop(status_t st) {
@@ -189,6 +236,7 @@ status_t world_stop(status_t st) {
   memset(&stop_out, 0, sizeof stop_out);
   stop_out.status = st;
   stop_out.rank = world_rank();
+  stop_out.unanswered = unanswered;
   memcpy(stop_out.text, stop_reason, sizeof stop_out.text - 1);
   for (int r = 0; r < world_size(); r++) {
     if (r == stop_out.rank) continue;

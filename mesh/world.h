@@ -62,6 +62,20 @@ status_t world_wait(MPI_Request *req, const char *what);
  * when req has not completed within seconds. */
 status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool *timed_out);
 
+/* The watchdog: a library wait (a collective, an agreement) that has not completed within
+ * this many seconds stops the job, naming the wait, on the rank that waited (and, through the
+ * stop channel, every rank waiting in the library); 0 waits forever. Default
+ * WORLD_DEFAULT_TIMEOUT_S (10 minutes, as PyTorch's process groups). Per process; set it on
+ * every rank. It does not cover NCCL kernels (the CUDA stream waits on them). */
+#define WORLD_DEFAULT_TIMEOUT_S 600.0
+void world_set_timeout(double seconds);
+double world_timeout(void);
+
+/* MPI_Allreduce and MPI_Barrier through world_wait: stop-aware and under the watchdog. */
+status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type, MPI_Op op,
+                         MPI_Comm comm, const char *what);
+status_t world_barrier(MPI_Comm comm, const char *what);
+
 /* Records err_detail() as the reason, sends it to every other rank and returns st with the
  * detail unchanged. Later waits on this rank fail with the same reason. */
 status_t world_stop(status_t st);

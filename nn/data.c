@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/file.h"
+
 struct data {
   uint16_t *tokens;
   int64_t n;
@@ -13,8 +15,8 @@ struct data {
 
 status_t data_open(data_t **out, const char *path, data_format_t format) {
   *out = NULL;
-  FILE *f = fopen(path, "rb");
-  if (f == NULL) return err_set(STATUS_EIO, "data file %s: %s", path, strerror(errno));
+  FILE *f;
+  TRY(file_open_regular(path, "data file", &f));
   status_t st = STATUS_OK;
   unsigned char *raw = NULL;
   data_t *d = NULL;

@@ -7,11 +7,7 @@
 #include <string.h>
 
 #include "base/kernels.h"
-
-static status_t pg_mpi_check(int rc) {
-  return rc == MPI_SUCCESS ? STATUS_OK
-                           : err_set(STATUS_EMPI, "clip_grad_norm: MPI_Allreduce failed");
-}
+#include "mesh/world.h"
 
 typedef struct slot {
   nn_param_t *p;
@@ -56,6 +52,21 @@ status_t optim_new(optim_t **out, nn_param_t *const *params, int n, const adamw_
       if (cfg->groups[g].lr >= 0) s->lr = cfg->groups[g].lr;
       if (cfg->groups[g].weight_decay >= 0) s->weight_decay = cfg->groups[g].weight_decay;
       break;
+    }
+  }
+  /* as for fully_shard units: a group that matches nothing is a mistake, not a no-op */
+  for (int g = 0; g < cfg->n_groups; g++) {
+    const char *pat = cfg->groups[g].pattern;
+    bool hit = pat == NULL;
+    for (int i = 0; i < n && !hit; i++)
+      hit = fnmatch(pat, params[i]->fqn ? params[i]->fqn : params[i]->name, 0) == 0;
+    if (!hit) {
+      const char *first = n > 0 ? (params[0]->fqn ? params[0]->fqn : params[0]->name) : "none";
+      free(o->slots);
+      free(o);
+      return err_set(STATUS_EINVAL,
+                     "optim.param_groups: '%s' matches no parameter (parameters here: %s, ...)",
+                     pat, first);
     }
   }
   for (int g = 0; g < cfg->n_groups; g++) o->cfg.groups[g].pattern = NULL; /* not kept */
@@ -176,7 +187,8 @@ status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t 
   if (group != NULL) {
     /* one double over the group's host communicator: exact, and not a data collective */
     double sum = 0;
-    TRY(pg_mpi_check(MPI_Allreduce(&total, &sum, 1, MPI_DOUBLE, MPI_SUM, pg_comm(group))));
+    TRY(world_allreduce(&total, &sum, 1, MPI_DOUBLE, MPI_SUM, pg_comm(group),
+                        "clip_grad_norm: MPI_Allreduce"));
     total = sum;
   }
   double nrm = sqrt(total);

@@ -13,7 +13,9 @@
 #include <unistd.h>
 #include <yaml.h>
 
+#include "base/file.h"
 #include "fully_shard/fsdp.h"
+#include "mesh/world.h"
 #include "parallel/llama_plan.h"
 
 #define MAX_SETS 256
@@ -64,6 +66,7 @@ void plan_defaults(plan_t *p) {
   p->batch_size = 8;
   p->grad_accum = 1;
   p->steps = 100;
+  p->comm_timeout_s = WORLD_DEFAULT_TIMEOUT_S;
   p->seed = 0;
   p->ckpt_keep = 0;
   p->log_interval = 10;
@@ -566,6 +569,9 @@ static status_t read_optim(ctx_t *c, int root) {
       return fail(c, a->key, "optim.param_groups", "expected an FQN pattern as the key");
     if (o->n_groups == ADAMW_MAX_GROUPS)
       return fail(c, a->key, "optim.param_groups", "more than %d groups", ADAMW_MAX_GROUPS);
+    for (int q = 0; q < o->n_groups; q++)
+      if (strcmp(p->group_patterns[q], k) == 0)
+        return fail(c, a->key, "optim.param_groups", "'%s' appears twice", k);
     char path[300];
     snprintf(path, sizeof path, "optim.param_groups.%s", k);
     TRY(check_keys(c, a->value, path, gkeys));
@@ -584,7 +590,8 @@ static status_t read_rest(ctx_t *c, int root) {
   static const char *const sched_keys[] = {"warmup_steps", "min_lr_ratio", NULL};
   static const char *const data_keys[] = {"path",       "format",     "seq_len",
                                           "batch_size", "grad_accum", NULL};
-  static const char *const train_keys[] = {"steps", "seed", "activation_checkpointing", NULL};
+  static const char *const train_keys[] = {"steps",     "seed",           "activation_checkpointing",
+                                           "nonfinite", "comm_timeout_s", NULL};
   static const char *const ckpt_keys[] = {"dir", "interval", "keep", "load", "verify", NULL};
   static const char *const log_keys[] = {"metrics", "interval", NULL};
   plan_t *p = c->p;
@@ -616,6 +623,16 @@ static status_t read_rest(ctx_t *c, int root) {
   TRY(get_int(c, m, "train", "seed", 0, INT64_MAX, &seed));
   if (seed >= 0) p->seed = (uint64_t)seed;
   TRY(get_bool(c, m, "train", "activation_checkpointing", &p->activation_checkpointing));
+  TRY(get_float(c, m, "train", "comm_timeout_s", 0, 1e9, false, &p->comm_timeout_s));
+  int nf = find(c, m, "nonfinite");
+  if (!is_null(c, nf)) {
+    const char *s;
+    TRY(want_scalar(c, nf, "train.nonfinite", "stop or skip", &s));
+    if (strcmp(s, "stop") == 0 || strcmp(s, "skip") == 0)
+      p->skip_nonfinite = s[1] == 'k';
+    else
+      return fail(c, nf, "train.nonfinite", "expected stop or skip, got '%s'", s);
+  }
   TRY(section(c, root, "checkpoint", ckpt_keys, &m));
   if (m) where_of(c, m, &p->ckpt_where);
   TRY(get_path(c, m, "checkpoint", "dir", p->ckpt_dir));
@@ -689,13 +706,56 @@ static status_t apply_set(ctx_t *c, int root, const char *set) {
 
 /* ---- load ---- */
 
-static status_t parse_file(ctx_t *c, const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (f == NULL) return err_set(STATUS_EIO, "%s: cannot open the plan: %s", path, strerror(errno));
+/* Plans are small: a plan larger than this, or nested deeper, is refused before libyaml reads
+ * loads it (libyaml's time grows with the square of the flow nesting depth). */
+#define PLAN_MAX_BYTES ((size_t)1 << 20)
+#define PLAN_MAX_DEPTH 64
+
+/* Checks the nesting depth with libyaml's event parser, which stops at the first collection
+ * too deep (its lookahead is bounded), before the document loader builds anything. */
+static status_t check_depth(const char *path, const char *text, size_t len) {
   yaml_parser_t parser;
   yaml_parser_initialize(&parser);
-  yaml_parser_set_input_file(&parser, f);
+  yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
   status_t st = STATUS_OK;
+  int depth = 0;
+  for (bool done = false; !done && st == STATUS_OK;) {
+    yaml_event_t ev;
+    if (!yaml_parser_parse(&parser, &ev)) break; /* the loader reports syntax errors */
+    if (ev.type == YAML_SEQUENCE_START_EVENT || ev.type == YAML_MAPPING_START_EVENT) {
+      if (++depth > PLAN_MAX_DEPTH)
+        st = err_set(STATUS_EFORMAT, "%s:%zu:%zu: collections nested more than %d deep", path,
+                     ev.start_mark.line + 1, ev.start_mark.column + 1, PLAN_MAX_DEPTH);
+    } else if (ev.type == YAML_SEQUENCE_END_EVENT || ev.type == YAML_MAPPING_END_EVENT) {
+      depth--;
+    }
+    done = ev.type == YAML_STREAM_END_EVENT;
+    yaml_event_delete(&ev);
+  }
+  yaml_parser_delete(&parser);
+  return st;
+}
+
+static status_t parse_file(ctx_t *c, const char *path) {
+  FILE *f;
+  TRY(file_open_regular(path, "cannot open the plan", &f));
+  long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+  fclose(f);
+  char *text;
+  TRY(file_read_text(path, PLAN_MAX_BYTES, &text));
+  size_t len = strlen(text);
+  status_t st = STATUS_OK;
+  if (size >= 0 && (size_t)size != len)
+    st = err_set(STATUS_EFORMAT, "%s:1:1: not valid YAML: the file holds a NUL byte (binary?)",
+                 path);
+  if (st == STATUS_OK) st = check_depth(path, text, len);
+  if (st != STATUS_OK) {
+    free(text);
+    return st;
+  }
+  yaml_parser_t parser;
+  yaml_parser_initialize(&parser);
+  yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
   if (!yaml_parser_load(&parser, &c->doc)) {
     st = err_set(STATUS_EFORMAT, "%s:%zu:%zu: not valid YAML: %s%s%s", path,
                  parser.problem_mark.line + 1, parser.problem_mark.column + 1,
@@ -704,7 +764,7 @@ static status_t parse_file(ctx_t *c, const char *path) {
     memset(&c->doc, 0, sizeof c->doc);
   }
   yaml_parser_delete(&parser);
-  fclose(f);
+  free(text);
   return st;
 }
 

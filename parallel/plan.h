@@ -50,6 +50,8 @@ typedef struct plan {
   int64_t steps;
   uint64_t seed;
   bool activation_checkpointing;
+  bool skip_nonfinite; /* a step with a non-finite loss or gradient norm: skipped, not fatal */
+  double comm_timeout_s; /* the collective watchdog (world_set_timeout); 0: none */
   /* checkpoint */
   char ckpt_dir[PLAN_PATH_MAX], ckpt_load[PLAN_PATH_MAX];
   int64_t ckpt_interval, ckpt_keep;

@@ -372,9 +372,9 @@ static status_t export_hf(const char *dir, const char *out, const export_opts_t 
 /* ---- import-hf ---- */
 
 static status_t copy_file(const char *from, const char *to) {
-  FILE *in = fopen(from, "rb"), *out = in ? fopen(to, "wb") : NULL;
-  status_t st = STATUS_OK;
-  if (in == NULL || out == NULL)
+  FILE *in = NULL, *out = NULL;
+  status_t st = file_open_regular(from, "copy", &in);
+  if (st == STATUS_OK && (out = fopen(to, "wb")) == NULL)
     st = err_set(STATUS_EIO, "copy %s -> %s: %s", from, to, strerror(errno));
   char buf[1 << 16];
   size_t k;

@@ -75,7 +75,9 @@ static status_t parse_args(int argc, char **argv, args_t *a) {
 /* Every rank learns whether any rank failed; each failing rank prints its own message. */
 static bool agree(status_t st) {
   int bad = st != STATUS_OK, any = 0;
-  MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world_comm());
+  if (world_allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world_comm(), "MPI_Allreduce (agreement)") !=
+      STATUS_OK)
+    bad = any = 1; /* the watchdog or a stop: err_detail() says which */
   if (bad)
     fprintf(stderr, "fsdp-train: [rank %d] %s\n", world_rank(), err_detail());
   else if (any)
@@ -137,9 +139,13 @@ static status_t build(run_t *r) {
   bool resume = false; /* a checkpoint to load: it overwrites every parameter */
   if (p->ckpt_load[0]) {
     resume = true;
-    if (strcmp(p->ckpt_load, "auto") == 0)
-      TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, &resume));
-    else
+    if (strcmp(p->ckpt_load, "auto") == 0) {
+      char skipped[sizeof r->resumed_from + 128];
+      TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, &resume, skipped,
+                      sizeof skipped));
+      if (skipped[0] && world_rank() == 0)
+        fprintf(stderr, "fsdp-train: checkpoint.load=auto: skipped the newer %s\n", skipped);
+    } else
       snprintf(r->resumed_from, sizeof r->resumed_from, "%s", p->ckpt_load);
   }
   /* deferred: meta parameters, parallelised, then memory for this rank's shards only and
@@ -404,8 +410,9 @@ static status_t train(run_t *r) {
   bool lead = world_rank() == 0, tty = lead && !launched && isatty(fileno(stdout));
   int bad = 0;
   if (lead && mpath[0] && (mf = fopen(mpath, "w")) == NULL) bad = 1;
-  MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, world_comm());
-  if (bad) return err_set(STATUS_EIO, "cannot write the metrics file '%s'", mpath);
+  int any = 0;
+  TRY(world_allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world_comm(), "MPI_Allreduce (metrics)"));
+  if (any) return err_set(STATUS_EIO, "cannot write the metrics file '%s'", mpath);
   if (r->start_step >= p->steps) {
     if (lead)
       printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
@@ -432,12 +439,28 @@ static status_t train(run_t *r) {
     if (st == STATUS_OK)
       st = clip_grad_norm(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY,
                           r->all, &norm);
-    if (st == STATUS_OK) st = optim_step(r->opt, factor);
-    if (st == STATUS_OK) st = device_stream_sync(r->dev);
     if (st != STATUS_OK) break;
     double gl = 0;
-    MPI_Allreduce(&loss, &gl, 1, MPI_DOUBLE, MPI_SUM, world_comm());
+    st = world_allreduce(&loss, &gl, 1, MPI_DOUBLE, MPI_SUM, world_comm(), "MPI_Allreduce (loss)");
+    if (st != STATUS_OK) break;
     gl /= world_size(); /* the ranks of one tp group hold the same loss */
+    /* the same verdict on every rank: gl and norm are reduced over the world */
+    bool finite = isfinite(gl) && isfinite(norm);
+    if (!finite && !p->skip_nonfinite) {
+      st = err_set(STATUS_EINVAL,
+                   "step %lld: the loss is %g and the gradient norm %g; stopping before the "
+                   "optimizer applies the step, so the weights and the last checkpoint stay "
+                   "finite (lower optim.lr, set optim.clip_grad_norm, or set train.nonfinite: "
+                   "skip to skip such steps)",
+                   (long long)s + 1, gl, norm);
+      break;
+    }
+    if (!finite && lead)
+      fprintf(stderr, "fsdp-train: step %lld: the loss is %g and the gradient norm %g; the step "
+                      "is skipped (train.nonfinite: skip)\n", (long long)s + 1, gl, norm);
+    if (finite) st = optim_step(r->opt, factor);
+    if (st == STATUS_OK) st = device_stream_sync(r->dev);
+    if (st != STATUS_OK) break;
     double dt = now() - t0;
     double tokens = (double)(p->batch_size * p->seq_len * p->grad_accum * r->dp_size);
     double tps = tokens / dt, comm = counted_bytes(r);
@@ -460,8 +483,9 @@ static status_t train(run_t *r) {
         struct stat sb;
         if (stat(p->ckpt_dir, &sb) != 0) mkdir(p->ckpt_dir, 0755);
       }
-      MPI_Barrier(world_comm());
-      st = ckpt_save_training(dir, r->ps, r->n, r->opt, s + 1, under, world_comm());
+      st = world_barrier(world_comm(), "MPI_Barrier (checkpoint folder)");
+      if (st == STATUS_OK)
+        st = ckpt_save_training(dir, r->ps, r->n, r->opt, s + 1, under, world_comm());
       if (st != STATUS_OK) break;
       if (lead) ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
       if (lead) printf("saved %s\n", dir);
@@ -532,6 +556,7 @@ int main(int argc, char **argv) {
   if (st != STATUS_OK && world_rank() == 0) usage(stderr);
   if (st == STATUS_OK) st = plan_load(&r->plan, r->args.config, r->args.sets, r->args.n_sets);
   if (st == STATUS_OK) st = plan_resolve(&r->plan, world_size());
+  if (st == STATUS_OK) world_set_timeout(r->plan.comm_timeout_s);
   int rc = 1;
   if (agree(st)) {
     st = build(r);

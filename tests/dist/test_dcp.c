@@ -5,9 +5,11 @@
  * distributing the original directly; replicas are written once; each rank reads exactly
  * the bytes its shards need; bad folders and mismatches give errors naming the tensor.
  */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -217,12 +219,46 @@ START_TEST(errors_name_the_tensor) {
 }
 END_TEST
 
+/* A save that fails on some rank (its file cannot grow: the error a full disk gives) fails on
+ * every rank and leaves neither the checkpoint nor its temporary folder behind. */
+START_TEST(failed_save_removes_its_temporary_folder) {
+  int W = world_size();
+  make_root();
+  mesh_t *mesh;
+  const char *n1[] = {"w"};
+  ok(mesh_init(&mesh, 1, &W, n1, DEVICE_CPU));
+  placement_t pl[2] = {placement_shard(0), placement_replicate()};
+  dcp_entry_t e[NT];
+  dtensor_t *d[NT];
+  make(mesh, pl, false, e, d);
+  char dir[400], tmp[420];
+  snprintf(dir, sizeof dir, "%s/full", root);
+  snprintf(tmp, sizeof tmp, "%s.tmp", dir);
+  struct rlimit old, small;
+  ck_assert_int_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+  small = old;
+  small.rlim_cur = world_rank() == W - 1 ? 64 : old.rlim_cur; /* the last rank's disk is full */
+  signal(SIGXFSZ, SIG_IGN);
+  ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &small), 0);
+  status_t st = dcp_save(dir, e, NT, world_comm());
+  ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
+  ck_assert_msg(st != STATUS_OK, "a save that cannot write its files fails on every rank");
+  MPI_Barrier(world_comm());
+  ck_assert_msg(access(dir, F_OK) != 0 && access(tmp, F_OK) != 0,
+                "the failed save left %s or %s", dir, tmp);
+  free_all(d);
+  mesh_free(mesh);
+  remove_root();
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("dcp");
   TCase *tc = tcase_create("dcp");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, save_under_one_plan_load_under_another);
   tcase_add_test(tc, errors_name_the_tensor);
+  tcase_add_test(tc, failed_save_removes_its_temporary_folder);
   suite_add_tcase(s, tc);
   return s;
 }

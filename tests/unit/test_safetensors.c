@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "checkpoint/hf_weights.h"
@@ -144,6 +145,18 @@ START_TEST(malformed_files_are_refused) {
   ck_assert_int_eq(st_open(&f, path), STATUS_EFORMAT);
   remove(path);
   ck_assert_int_eq(st_open(&f, "/nonexistent/x.safetensors"), STATUS_EIO);
+  /* more dimensions than tensors hold: refused by the reader, for every caller */
+  expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,2],\"data_offsets\":[0,8]}}",
+                 8, "6 dimensions; at most 5");
+  /* a FIFO (no writer) or a folder: refused at once, never waited on */
+  char fifo[128];
+  snprintf(fifo, sizeof fifo, "/tmp/fsdpc_st_%d_fifo", (int)getpid());
+  ck_assert_int_eq(mkfifo(fifo, 0600), 0);
+  ck_assert_int_eq(st_open(&f, fifo), STATUS_EIO);
+  ck_assert_msg(strstr(err_detail(), "is a FIFO, not a regular file"), "%s", err_detail());
+  remove(fifo);
+  ck_assert_int_eq(st_open(&f, "/tmp"), STATUS_EIO);
+  ck_assert_msg(strstr(err_detail(), "is a folder"), "%s", err_detail());
 }
 END_TEST
 
