@@ -9,10 +9,20 @@
  *                                 stored shape the local chunk's shape
  *   __metadata__ of each file:    "DCP_SHARDING_INFO": {"name": {"saved_offsets": [..]}, ...}
  *                                 (each chunk's global offset), "DCP_VERSION": "1.0",
- *                                 "format": "pt"
+ *                                 "format": "pt", and "FSDPC_INTEGRITY": the folder's file
+ *                                 list, a 64-bit hash (XXH3) of every block of B bytes
+ *                                 (default 1 MiB) of every chunk, and a hash of the header
+ *                                 (names, dtypes, shapes, data and saved offsets, block hashes)
  * A reader takes every *.safetensors file directly in DIR; a tensor's global shape is the
  * largest offset + shape over its chunks. A tensor without sharding info is a whole tensor at
  * offset 0, so plain Hugging Face weight files load the same way.
+ *
+ * Integrity: opening a folder checks every header against its hash, that every file lists the
+ * same files and exactly those present, and that each tensor's chunks tile it (no overlap, no
+ * gap). Every read, whole chunk or part, reads and checks the blocks it touches. A folder whose
+ * files carry no integrity record (written by another tool) is read unchecked
+ * (dcp_reader_checks says so); one record missing among others is an error. Folders of earlier
+ * versions, with a CRC-32 per chunk in DCP_SHARDING_INFO, are checked chunk by chunk.
  *
  *   dcp_entry_t e[] = {{"model.norm.weight", norm->value}, ...};
  *   TRY(dcp_save("ckpt/step-100", e, n, world_comm()));
@@ -36,12 +46,22 @@ typedef struct dcp_entry {
   dtensor_t *value;
 } dcp_entry_t;
 
+#define DCP_BLOCK_BYTES_DEFAULT ((uint64_t)1 << 20)
+
 typedef struct dcp_stats {
-  uint64_t bytes_read;   /* tensor data read from the files by this rank */
+  uint64_t bytes_read;   /* tensor data read from the files by this rank: the blocks its
+                          * shards touch (the bytes it needs, when the folder is unchecked) */
   uint64_t header_bytes; /* length fields and headers of the files this rank opened */
   uint64_t bytes_needed; /* this rank's shards, in the stored dtypes */
   int files;             /* files in the folder */
+  bool unchecked;        /* the folder has no checksums (written by another tool) */
 } dcp_stats_t;
+
+/* The block size of the checksums of files saved from now on in this process (a multiple of
+ * 64 bytes, at most 1 GiB; default DCP_BLOCK_BYTES_DEFAULT): a partial read reads and checks
+ * whole blocks. Not thread-safe; call it before saving. */
+status_t dcp_set_block_bytes(uint64_t bytes);
+uint64_t dcp_block_bytes(void);
 
 /* Saves the entries into folder dir, which must not exist: every rank writes its local
  * shards (a shard replicated over mesh dimensions is written by the replica at coordinate 0
@@ -59,15 +79,23 @@ status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm c
 status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm);
 status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm);
 status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm);
-/* One shard file of chunks at given global offsets, with DCP_SHARDING_INFO (offsets and CRC-32
- * of each chunk), DCP_VERSION and format metadata (for tools that write checkpoints of other
- * plans offline). Local. */
+/* One shard file of chunks at given global offsets, with DCP_SHARDING_INFO, DCP_VERSION,
+ * format and FSDPC_INTEGRITY metadata (for tools that write checkpoints of other plans
+ * offline). Every file of a folder records the folder's files and the save's id, so that a
+ * reader notices a file missing, added, or taken from another save. Local. */
 typedef struct dcp_box {
   const char *name;
   const tensor_t *value;
   int64_t offset[TENSOR_MAX_DIMS];
 } dcp_box_t;
-status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n);
+typedef struct dcp_folder {
+  const char *const *files; /* the name (no folder) of every file the folder will hold */
+  int n_files;
+  uint64_t save_id; /* the same for every file of the folder: dcp_new_save_id() */
+} dcp_folder_t;
+status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const dcp_folder_t *folder);
+/* An id for one save: from the clock and the process, different between saves. */
+uint64_t dcp_new_save_id(void);
 
 /* Every rank's verdict on st: a failing rank keeps its own status and message, the others
  * get "WHAT: another rank failed". Collective over comm. */
@@ -81,8 +109,15 @@ void dcp_remove_tree(const char *dir);
  * rank reads for itself). */
 status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
 
-/* A checkpoint folder kept open for several loads (its headers parsed once). */
+/* A checkpoint folder kept open for several loads (its headers parsed and checked once). */
 typedef struct dcp_reader dcp_reader_t;
+
+/* How a folder's bytes are checked. */
+typedef enum dcp_checks {
+  DCP_CHECKS_BLOCKS, /* integrity records: headers, file list, every block */
+  DCP_CHECKS_CHUNKS, /* an earlier version's CRC-32 per chunk (a part reads its whole chunk) */
+  DCP_CHECKS_NONE,   /* no checksums: written by another tool */
+} dcp_checks_t;
 
 /* One saved tensor: its stored dtype, the global shape (largest offset + shape over its
  * chunks), the number of chunks and their stored bytes. */
@@ -96,17 +131,21 @@ typedef struct dcp_tensor {
   uint64_t bytes;
 } dcp_tensor_t;
 
+/* Opens folder dir: parses every file's header and checks the integrity records and the
+ * tiling of every tensor (errors name the file and the tensor). */
 status_t dcp_reader_open(const char *dir, dcp_reader_t **out);
 void dcp_reader_close(dcp_reader_t *r);
+/* The folder's checks, and (may be NULL) the block size of the first file. */
+dcp_checks_t dcp_reader_checks(const dcp_reader_t *r, uint64_t *block_bytes);
 /* dcp_load on an open folder; stats count this call's reads. */
 status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
 /* Reads the box of tensor name at offset with dst's shape (global shape given, as for a
  * DTensor) into dst, any dtype and device. */
 status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
                              const int64_t *global_shape, const int64_t *offset, tensor_t *dst);
-/* Reads every saved chunk of tensor name whole, one at a time, and checks its bytes against
- * its CRC-32: *checked counts the chunks that passed, *unchecked those saved without one.
- * The first mismatch fails, naming the file and the tensor. */
+/* Reads every block of every saved chunk of tensor name and checks it: *checked counts the
+ * chunks that passed, *unchecked those of a folder without checksums. The first mismatch
+ * fails, naming the file, the tensor and the block. */
 status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked);
 /* dcp_reader_verify over a whole folder, split over comm's ranks (the i-th tensor in name
  * order on rank i % size), so that the folder is read once in all. Collective: every rank
@@ -114,7 +153,7 @@ status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int 
  * number of chunks checked over all ranks. */
 status_t dcp_verify(const char *dir, MPI_Comm comm, int64_t *chunks);
 
-/* Every tensor of the folder, sorted by name (owned by the reader). */
+/* Every tensor of the folder, sorted by name (owned by the reader; never fails). */
 status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n);
 
 #ifdef __cplusplus

@@ -36,6 +36,8 @@ static const char *dtype_st_name(dtype_t dt) {
   return NULL;
 }
 
+const char *st_dtype_name(dtype_t dtype) { return dtype_st_name(dtype); }
+
 /* ---- reader ---- */
 
 typedef struct meta {
@@ -299,6 +301,16 @@ status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes) {
     return err_set(STATUS_ESHAPE, "%s: tensor '%s' has %llu bytes, buffer has %zu", f->path, name,
                    (unsigned long long)(t->end - t->begin), bytes);
   return read_at(f, name, t->begin, buf, bytes);
+}
+
+status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes) {
+  const st_info_t *t;
+  TRY(find_or_fail(f, name, &t));
+  if (pos > t->end - t->begin || bytes > t->end - t->begin - pos)
+    return err_set(STATUS_EINVAL, "%s: bytes %llu..%llu are outside tensor '%s' (%llu bytes)",
+                   f->path, (unsigned long long)pos, (unsigned long long)(pos + bytes), name,
+                   (unsigned long long)(t->end - t->begin));
+  return read_at(f, name, t->begin + pos, buf, bytes);
 }
 
 status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tensor_t *dst) {

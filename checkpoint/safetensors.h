@@ -75,6 +75,11 @@ uint64_t st_header_bytes(const st_file_t *f);
 
 /* Reads the raw bytes of tensor name (bytes must equal its size). */
 status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes);
+/* Reads bytes [pos, pos + bytes) of tensor name's stored data (inside it). */
+status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes);
+
+/* The stored name of a dtype ("F32", "BF16", ...), or NULL. */
+const char *st_dtype_name(dtype_t dtype);
 
 typedef struct st_writer st_writer_t;
 

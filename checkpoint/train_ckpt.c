@@ -172,6 +172,7 @@ status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, o
     stats->header_bytes = a.header_bytes + b.header_bytes;
     stats->bytes_needed = a.bytes_needed + b.bytes_needed;
     stats->files = a.files + b.files;
+    stats->unchecked = a.unchecked || b.unchecked;
   }
   return STATUS_OK;
 }

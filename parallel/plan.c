@@ -69,6 +69,7 @@ void plan_defaults(plan_t *p) {
   p->comm_timeout_s = WORLD_DEFAULT_TIMEOUT_S;
   p->seed = 0;
   p->ckpt_keep = 0;
+  p->ckpt_block_bytes = (int64_t)1 << 20;
   p->log_interval = 10;
 }
 
@@ -592,7 +593,8 @@ static status_t read_rest(ctx_t *c, int root) {
                                           "batch_size", "grad_accum", NULL};
   static const char *const train_keys[] = {"steps",     "seed",           "activation_checkpointing",
                                            "nonfinite", "comm_timeout_s", NULL};
-  static const char *const ckpt_keys[] = {"dir", "interval", "keep", "load", "verify", NULL};
+  static const char *const ckpt_keys[] = {"dir",    "interval",    "keep",
+                                         "load",   "verify",      "block_bytes", NULL};
   static const char *const log_keys[] = {"metrics", "interval", NULL};
   plan_t *p = c->p;
   const int64_t big = (int64_t)1 << 40;
@@ -644,6 +646,10 @@ static status_t read_rest(ctx_t *c, int root) {
   else
     TRY(get_path(c, m, "checkpoint", "load", p->ckpt_load));
   TRY(get_bool(c, m, "checkpoint", "verify", &p->ckpt_verify));
+  TRY(get_int(c, m, "checkpoint", "block_bytes", 64, (int64_t)1 << 30, &p->ckpt_block_bytes));
+  if (p->ckpt_block_bytes % 64 != 0)
+    return fail(c, find(c, m, "block_bytes"), "checkpoint.block_bytes",
+                "expected a multiple of 64, got %lld", (long long)p->ckpt_block_bytes);
   TRY(section(c, root, "log", log_keys, &m));
   TRY(get_path(c, m, "log", "metrics", p->metrics));
   TRY(get_int(c, m, "log", "interval", 1, big, &p->log_interval));

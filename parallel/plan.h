@@ -55,7 +55,8 @@ typedef struct plan {
   /* checkpoint */
   char ckpt_dir[PLAN_PATH_MAX], ckpt_load[PLAN_PATH_MAX];
   int64_t ckpt_interval, ckpt_keep;
-  bool ckpt_verify; /* check every chunk's CRC-32 before loading */
+  bool ckpt_verify;         /* check every block of the checkpoint before loading */
+  int64_t ckpt_block_bytes; /* the block size of the checksums of saved files */
   plan_where_t ckpt_where;
   /* log */
   char metrics[PLAN_PATH_MAX];

@@ -11,7 +11,7 @@ root="$top/.deps/root"
 packages=(
   meson ninja-build pkg-config
   check libsubunit0 libsubunit-dev
-  libyaml-0-2 libyaml-dev libcjson1 libcjson-dev zlib1g zlib1g-dev
+  libyaml-0-2 libyaml-dev libcjson1 libcjson-dev zlib1g zlib1g-dev libxxhash0 libxxhash-dev
   libopenmpi-dev libopenmpi3 openmpi-bin openmpi-common
   libpmix2 libhwloc15 libevent-core-2.1-7 libevent-pthreads-2.1-7 libfabric1 libucx0
   libpsm2-2 libpsm-infinipath1 libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200

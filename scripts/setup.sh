@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential meson ninja-build pkg-config
-  check libyaml-dev libcjson-dev zlib1g-dev
+  check libyaml-dev libcjson-dev zlib1g-dev libxxhash-dev
   libopenmpi-dev openmpi-bin
   libopenblas-dev
 )

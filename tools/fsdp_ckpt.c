@@ -93,6 +93,30 @@ static void shape_text(int nd, const int64_t *s, char *buf, size_t n) {
 
 /* ---- inspect ---- */
 
+/* A folder without checksums is read as it is: say so, once per folder. */
+static void say_unchecked(const dcp_reader_t *r, const char *dir) {
+  if (dcp_reader_checks(r, NULL) == DCP_CHECKS_NONE)
+    printf("%s has no checksums (written by another tool): what is read from it is unchecked\n",
+           dir);
+}
+
+/* What the reader checks in the folder, in words. */
+static void checks_text(const dcp_reader_t *r, char *out, size_t size) {
+  uint64_t block = 0;
+  switch (dcp_reader_checks(r, &block)) {
+    case DCP_CHECKS_BLOCKS:
+      snprintf(out, size,
+               "checksums on every %llu-byte block; headers, file list and tiling checked",
+               (unsigned long long)block);
+      break;
+    case DCP_CHECKS_CHUNKS:
+      snprintf(out, size, "a CRC-32 per chunk (an earlier version's files); headers unchecked");
+      break;
+    default:
+      snprintf(out, size, "no checksums (written by another tool): its bytes cannot be checked");
+  }
+}
+
 static status_t inspect_folder(const char *title, const char *dir) {
   dcp_reader_t *r;
   TRY(dcp_reader_open(dir, &r));
@@ -112,7 +136,9 @@ static status_t inspect_folder(const char *title, const char *dir) {
       total += t[i].bytes;
       files = t[i].chunks > files ? t[i].chunks : files;
     }
-    printf("  %d tensors, %llu bytes of tensor data\n", n, (unsigned long long)total);
+    char how[160];
+    checks_text(r, how, sizeof how);
+    printf("  %d tensors, %llu bytes of tensor data; %s\n", n, (unsigned long long)total, how);
   }
   dcp_reader_close(r);
   return st;
@@ -160,6 +186,9 @@ static status_t verify_folder(const char *dir, int *checked, int *unchecked, int
   const dcp_tensor_t *t;
   int n;
   status_t st = dcp_reader_list(r, &t, &n);
+  char how[160];
+  checks_text(r, how, sizeof how);
+  printf("%s: %s\n", dir, how);
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     int ok = 0, none = 0;
     status_t vs = dcp_reader_verify(r, t[i].name, &ok, &none);
@@ -175,8 +204,8 @@ static status_t verify_folder(const char *dir, int *checked, int *unchecked, int
   return st;
 }
 
-/* Reads the whole checkpoint (model and optimizer state) once and checks every chunk's CRC-32:
- * what a resharding load, which reads only the rows it needs, does not do. */
+/* Opens the whole checkpoint (model and optimizer state: headers, file lists, tiling) and reads
+ * every block once, checking it: what a load checks of the blocks it reads, over all of them. */
 static status_t verify(const char *dir) {
   if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   char model[PATH_LEN], optim[PATH_LEN];
@@ -291,8 +320,13 @@ static status_t export_hf(const char *dir, const char *out, const export_opts_t 
   model_folder(dir, model, sizeof model);
   if (is_dir(out) && rmdir(out) != 0)
     return err_set(STATUS_EINVAL, "%s: exists and is not empty", out);
+  /* written as OUT.tmp, renamed when complete: a failure (a damaged block) leaves no OUT */
+  char tmp[PATH_LEN + 8];
+  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
+  dcp_remove_tree(tmp);
   dcp_reader_t *r;
   TRY(dcp_reader_open(model, &r));
+  say_unchecked(r, model);
   const dcp_tensor_t *list;
   int n;
   const dcp_tensor_t **t = NULL;
@@ -309,8 +343,14 @@ static status_t export_hf(const char *dir, const char *out, const export_opts_t 
   }
   if (st == STATUS_OK) qsort(t, (size_t)n, sizeof *t, cmp_by_name);
   if (st == STATUS_OK) st = mesh_init_local(&one, "one", DEVICE_CPU);
-  if (st == STATUS_OK && mkdir(out, 0755) != 0)
-    st = err_set(STATUS_EIO, "%s: cannot create: %s", out, strerror(errno));
+  if (st == STATUS_OK && mkdir(tmp, 0755) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  if (st == STATUS_OK) { /* first: the config may be missing, before any tensor is written */
+    char path[PATH_LEN + 64];
+    snprintf(path, sizeof path, "%.4000s/config.json", tmp);
+    dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
+    st = export_config(dir, o, cd, path);
+  }
   /* files: consecutive tensors up to max_shard_bytes each (a larger tensor gets its own) */
   int *start = st == STATUS_OK ? calloc((size_t)n + 2, sizeof(int)) : NULL;
   int files = 0;
@@ -339,25 +379,22 @@ static status_t export_hf(const char *dir, const char *out, const export_opts_t 
       snprintf(name, sizeof name, "model.safetensors");
     else
       snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", f + 1, files);
-    snprintf(path, sizeof path, "%.4000s/%s", out, name);
+    snprintf(path, sizeof path, "%.4000s/%s", tmp, name);
     st = export_file(r, t, start[f], start[f + 1], o->dtype, path, one);
     for (int i = start[f]; index && i < start[f + 1]; i++)
       cJSON_AddStringToObject(cJSON_GetObjectItemCaseSensitive(index, "weight_map"), t[i]->name,
                               name);
-    if (st == STATUS_OK) printf("wrote %s (%d tensors)\n", path, start[f + 1] - start[f]);
+    if (st == STATUS_OK) printf("wrote %s/%s (%d tensors)\n", out, name, start[f + 1] - start[f]);
   }
   if (st == STATUS_OK && index) {
     char path[PATH_LEN + 64], *text = cJSON_Print(index);
-    snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", out);
+    snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", tmp);
     st = text ? file_write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
     free(text);
   }
-  if (st == STATUS_OK) {
-    char path[PATH_LEN + 64];
-    snprintf(path, sizeof path, "%.4000s/config.json", out);
-    dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
-    st = export_config(dir, o, cd, path);
-  }
+  if (st == STATUS_OK && rename(tmp, out) != 0)
+    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
+  if (st != STATUS_OK) dcp_remove_tree(tmp);
   if (st == STATUS_OK)
     printf("exported %d tensors, %llu bytes, into %d file%s in %s\n", n, (unsigned long long)total,
            files, files == 1 ? "" : "s", out);
@@ -442,9 +479,11 @@ static status_t import_hf(const char *hf, const char *out) {
 /* ---- reshard ---- */
 
 /* The boxes target rank r saves of every tensor of folder (names suffixed for optimizer state:
- * NAME.exp_avg takes NAME's placements), written as one file. */
+ * NAME.exp_avg takes NAME's placements), written as one file of the folder's files (NULL:
+ * only counted into *boxes_out). */
 static status_t reshard_rank(const plan_t *p, const nn_module_t *model, dcp_reader_t *r,
-                             const char *out_folder, int rank, int *written) {
+                             const char *out_folder, int rank, const char *const *files,
+                             int n_files, uint64_t save_id, int *boxes_out) {
   const dcp_tensor_t *t;
   int n;
   TRY(dcp_reader_list(r, &t, &n));
@@ -473,6 +512,10 @@ static status_t reshard_rank(const plan_t *p, const nn_module_t *model, dcp_read
     placements_local_box(t[i].ndim, t[i].shape, md, shape, pl, coord, local, off);
     for (int d = 0; d < t[i].ndim; d++) numel *= local[d];
     if (!mine || numel == 0) continue;
+    if (files == NULL) {
+      nb++;
+      continue;
+    }
     st = tensor_init(&held[nb], t[i].dtype, device_cpu(), t[i].ndim, local);
     if (st == STATUS_OK)
       st = dcp_reader_read_box(r, t[i].name, t[i].ndim, t[i].shape, off, &held[nb]);
@@ -485,15 +528,52 @@ static status_t reshard_rank(const plan_t *p, const nn_module_t *model, dcp_read
     memcpy(boxes[nb].offset, off, sizeof off);
     nb++;
   }
-  if (st == STATUS_OK && nb > 0) {
+  if (st == STATUS_OK && files != NULL && nb > 0) {
     char path[PATH_LEN + 64];
     snprintf(path, sizeof path, "%.4000s/shard-%05d.safetensors", out_folder, rank);
-    st = dcp_write_file(path, boxes, nb);
-    if (st == STATUS_OK) (*written)++;
+    dcp_folder_t folder = {files, n_files, save_id};
+    st = dcp_write_file(path, boxes, nb, &folder);
   }
-  for (int i = 0; i < nb; i++) tensor_free(&held[i]);
+  *boxes_out = nb;
+  for (int i = 0; files && i < nb; i++) tensor_free(&held[i]);
   free(held);
   free(boxes);
+  return st;
+}
+
+/* One folder (model or optimizer state) laid out for the target plan's world ranks: the
+ * files of the ranks that hold a box, each listing them all. */
+static status_t reshard_folder(const plan_t *p, const nn_module_t *model, const char *from,
+                               const char *to, int world, int *files_out) {
+  dcp_reader_t *r;
+  TRY(dcp_reader_open(from, &r));
+  say_unchecked(r, from);
+  char **files = calloc((size_t)world, sizeof(char *));
+  int *holds = calloc((size_t)world, sizeof(int)), n_files = 0;
+  status_t st = files && holds ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  for (int rank = 0; rank < world && st == STATUS_OK; rank++) {
+    st = reshard_rank(p, model, r, to, rank, NULL, 0, 0, &holds[rank]);
+    if (st == STATUS_OK && holds[rank] > 0) {
+      if ((files[n_files] = malloc(32)) == NULL) {
+        st = err_set(STATUS_ENOMEM, "out of host memory");
+        break;
+      }
+      snprintf(files[n_files++], 32, "shard-%05d.safetensors", rank);
+    }
+  }
+  uint64_t save_id = dcp_new_save_id(), block = 0;
+  if (dcp_reader_checks(r, &block) == DCP_CHECKS_BLOCKS && st == STATUS_OK)
+    st = dcp_set_block_bytes(block); /* the source's block size */
+  for (int rank = 0; rank < world && st == STATUS_OK; rank++) {
+    int nb = 0;
+    if (holds[rank] > 0)
+      st = reshard_rank(p, model, r, to, rank, (const char *const *)files, n_files, save_id, &nb);
+  }
+  if (st == STATUS_OK) *files_out += n_files;
+  for (int i = 0; i < n_files; i++) free(files[i]);
+  free(files);
+  free(holds);
+  dcp_reader_close(r);
   return st;
 }
 
@@ -552,11 +632,7 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
       st = err_set(STATUS_EIO, "%s: cannot create: %s", to, strerror(errno));
       break;
     }
-    dcp_reader_t *r;
-    st = dcp_reader_open(from, &r);
-    for (int rank = 0; rank < world && st == STATUS_OK; rank++)
-      st = reshard_rank(&p, llama_module(model), r, to, rank, &files);
-    dcp_reader_close(r);
+    st = reshard_folder(&p, llama_module(model), from, to, world, &files);
   }
   llama_free(model);
   if (st == STATUS_OK) { /* the train state, now saved under the target plan */

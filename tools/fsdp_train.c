@@ -236,6 +236,9 @@ static void header(const run_t *r) {
         r->resumed_from, (long long)r->start_step, (unsigned long long)r->load_stats.bytes_read,
         (unsigned long long)r->load_stats.bytes_needed,
         (unsigned long long)r->load_stats.header_bytes, r->load_stats.files);
+  if (r->resumed_from[0] && r->load_stats.unchecked)
+    printf("  %s has no checksums (written by another tool): what was read is unchecked\n",
+           r->resumed_from);
   if (r->resumed_from[0] && r->verified >= 0)
     printf("  checkpoint.verify: %lld chunks match their checksums\n", (long long)r->verified);
   else if (p->ckpt_load[0] && !r->resumed_from[0])
@@ -557,6 +560,7 @@ int main(int argc, char **argv) {
   if (st == STATUS_OK) st = plan_load(&r->plan, r->args.config, r->args.sets, r->args.n_sets);
   if (st == STATUS_OK) st = plan_resolve(&r->plan, world_size());
   if (st == STATUS_OK) world_set_timeout(r->plan.comm_timeout_s);
+  if (st == STATUS_OK) st = dcp_set_block_bytes((uint64_t)r->plan.ckpt_block_bytes);
   int rc = 1;
   if (agree(st)) {
     st = build(r);

@@ -3,8 +3,11 @@
  * replicate, 1-D shard on either dimension, 2-D HSDP, (S(0), S(1)) and the strided
  * (SS(0), S(0)) of FSDP over tensor parallelism) exactly equal to
  * distributing the original directly; replicas are written once; each rank reads exactly
- * the bytes its shards need; bad folders and mismatches give errors naming the tensor.
+ * the checksum blocks its shards touch; a damaged block fails exactly the loads that touch
+ * it; bad folders and mismatches give errors naming the tensor.
  */
+#include <cJSON.h>
+#include <dirent.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,6 +82,63 @@ static void remove_root(void) {
   }
 }
 
+
+/* Block size of the checksums in these tests: small, so that chunks span many blocks. */
+#define BLOCK 64
+
+/* The bytes a load of entries e reads from folder dir, worked out from the files' own
+ * headers: for every saved chunk that meets a rank's box, the whole chunk when the box covers
+ * it, else the BLOCK-sized blocks from the one holding the box's first byte in the chunk to
+ * the one holding its last. */
+static uint64_t touched_bytes(const char *dir, const dcp_entry_t *e, int n) {
+  uint64_t total = 0;
+  DIR *d = opendir(dir);
+  ck_assert_ptr_nonnull(d);
+  struct dirent *de;
+  while ((de = readdir(d)) != NULL) {
+    if (strstr(de->d_name, ".safetensors") == NULL) continue;
+    char path[700];
+    snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+    st_file_t *f;
+    ok(st_open(&f, path));
+    cJSON *info = cJSON_Parse(st_metadata(f, "DCP_SHARDING_INFO"));
+    for (int i = 0; i < n; i++) {
+      const st_info_t *t = st_find(f, e[i].name);
+      if (t == NULL) continue;
+      const cJSON *offs =
+          cJSON_GetObjectItem(cJSON_GetObjectItem(info, e[i].name), "saved_offsets");
+      const tensor_t *local = dtensor_local(e[i].value);
+      int64_t want[2], lo[2], hi[2], vol = 1, whole = 1;
+      dtensor_offset(e[i].value, want);
+      for (int k = 0; k < t->ndim; k++) {
+        int64_t s0 = (int64_t)cJSON_GetArrayItem(offs, k)->valuedouble;
+        lo[k] = s0 > want[k] ? s0 : want[k];
+        hi[k] = s0 + t->shape[k] < want[k] + local->shape[k] ? s0 + t->shape[k]
+                                                             : want[k] + local->shape[k];
+        vol *= hi[k] > lo[k] ? hi[k] - lo[k] : 0;
+        whole *= t->shape[k];
+        lo[k] -= s0; /* inside the chunk */
+        hi[k] -= s0;
+      }
+      uint64_t size = t->end - t->begin;
+      if (vol == 0) continue;
+      if (vol == whole) {
+        total += size;
+        continue;
+      }
+      int64_t cols = t->ndim == 2 ? t->shape[1] : 1;
+      uint64_t first = (uint64_t)(lo[0] * cols + (t->ndim == 2 ? lo[1] : 0)) * t->elem_size;
+      uint64_t last = (uint64_t)((hi[0] - 1) * cols + (t->ndim == 2 ? hi[1] : 1)) * t->elem_size;
+      uint64_t a = first / BLOCK * BLOCK, b = (last + BLOCK - 1) / BLOCK * BLOCK;
+      total += (b < size ? b : size) - a;
+    }
+    cJSON_Delete(info);
+    st_close(f);
+  }
+  closedir(d);
+  return total;
+}
+
 typedef struct plan {
   const char *name;
   int mesh; /* 0: world 1-D, 1: 2-D (2, W/2), 2: this rank alone */
@@ -88,6 +148,7 @@ typedef struct plan {
 START_TEST(save_under_one_plan_load_under_another) {
   int W = world_size();
   make_root();
+  ok(dcp_set_block_bytes(BLOCK));
   mesh_t *meshes[3] = {NULL, NULL, NULL};
   const char *n1[] = {"w"}, *n2[] = {"r", "s"};
   ok(mesh_init(&meshes[0], 1, &W, n1, DEVICE_CPU));
@@ -155,10 +216,12 @@ START_TEST(save_under_one_plan_load_under_another) {
           printf("saved %s, loaded %s: %s differs\n", plans[a].name, plans[b].name, names[i]);
         }
       }
-      if (s.bytes_read != s.bytes_needed) {
+      uint64_t touched = touched_bytes(dir, eg, NT);
+      if (s.bytes_read != touched || s.bytes_needed > touched || s.unchecked) {
         bad++;
-        printf("saved %s, loaded %s: read %llu bytes, needed %llu\n", plans[a].name, plans[b].name,
-               (unsigned long long)s.bytes_read, (unsigned long long)s.bytes_needed);
+        printf("saved %s, loaded %s: read %llu bytes, the blocks touched hold %llu, needed %llu\n",
+               plans[a].name, plans[b].name, (unsigned long long)s.bytes_read,
+               (unsigned long long)touched, (unsigned long long)s.bytes_needed);
       }
       free_all(got);
       free_all(want);
@@ -168,6 +231,76 @@ START_TEST(save_under_one_plan_load_under_another) {
   if (world_rank() == 0) printf("%d save/load plan pairs checked on %d ranks\n", pairs, W);
   expect_all(bad == 0, "%d checkpoint mismatches", bad);
   for (int k = 0; k < 3; k++) mesh_free(meshes[k]);
+  ok(dcp_set_block_bytes(DCP_BLOCK_BYTES_DEFAULT));
+  remove_root();
+}
+END_TEST
+
+/* One flipped byte in a replicated tensor saved whole (one chunk, rank 0's file): a load that
+ * shards its rows fails on exactly the ranks whose rows touch the damaged block, naming the
+ * block; the others load correct values; dcp_verify fails on every rank. */
+START_TEST(partial_reads_check_the_blocks_they_touch) {
+  int W = world_size();
+  make_root();
+  ok(dcp_set_block_bytes(BLOCK));
+  mesh_t *mesh;
+  const char *n1[] = {"w"};
+  ok(mesh_init(&mesh, 1, &W, n1, DEVICE_CPU));
+  placement_t rep[2] = {placement_replicate(), placement_replicate()};
+  placement_t s0[2] = {placement_shard(0), placement_replicate()};
+  dcp_entry_t e[NT], eg[NT], ew[NT];
+  dtensor_t *d[NT], *got[NT], *want[NT];
+  make(mesh, rep, false, e, d);
+  char dir[400];
+  snprintf(dir, sizeof dir, "%s/whole", root);
+  ok(dcp_save(dir, e, NT, world_comm()));
+  free_all(d);
+  const uint64_t pos = 200; /* a.weight's byte 200: row 3 of 16 rows of 60 bytes, block 4 */
+  if (world_rank() == 0) {
+    char path[500];
+    snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
+    st_file_t *f;
+    ok(st_open(&f, path));
+    long at = (long)(st_header_bytes(f) + st_find(f, "a.weight")->begin + pos);
+    st_close(f);
+    FILE *fp = fopen(path, "r+b");
+    ck_assert_ptr_nonnull(fp);
+    ck_assert_int_eq(fseek(fp, at, SEEK_SET), 0);
+    int c = fgetc(fp);
+    ck_assert_int_eq(fseek(fp, at, SEEK_SET), 0);
+    fputc(c ^ 0x10, fp);
+    fclose(fp);
+  }
+  MPI_Barrier(world_comm());
+  make(mesh, s0, true, eg, got);
+  make(mesh, s0, false, ew, want);
+  int64_t off[2];
+  dtensor_offset(got[0], off);
+  int64_t rows = dtensor_local(got[0])->shape[0], row_bytes = 15 * 4;
+  uint64_t a = (uint64_t)(off[0] * row_bytes) / BLOCK, b = (uint64_t)((off[0] + rows) * row_bytes);
+  bool touches = rows > 0 && pos / BLOCK >= a && pos / BLOCK < (b + BLOCK - 1) / BLOCK;
+  status_t st = dcp_load(dir, eg, 1, NULL);
+  int bad = 0;
+  if (touches && (st != STATUS_EFORMAT ||
+                  !strstr(err_detail(), "tensor 'a.weight': checksum mismatch in block 4 of 15"))) {
+    bad++;
+    printf("rank %d: rows %lld+%lld touch the damage; load: %s\n", world_rank(),
+           (long long)off[0], (long long)rows, st ? err_detail() : "ok");
+  }
+  bool eq = false;
+  if (!touches) ok(tensor_equal(dtensor_local(got[0]), dtensor_local(want[0]), &eq));
+  if (!touches && (st != STATUS_OK || !eq)) {
+    bad++;
+    printf("rank %d: rows %lld+%lld miss the damage; load %s, values %s\n", world_rank(),
+           (long long)off[0], (long long)rows, st ? err_detail() : "ok", eq ? "equal" : "differ");
+  }
+  st = dcp_verify(dir, world_comm(), NULL);
+  if (st == STATUS_OK) bad++;
+  expect_all(bad == 0, "%d wrong outcomes of loading a damaged block", bad);
+  free_all(got);
+  free_all(want);
+  mesh_free(mesh);
+  ok(dcp_set_block_bytes(DCP_BLOCK_BYTES_DEFAULT));
   remove_root();
 }
 END_TEST
@@ -257,6 +390,7 @@ static Suite *make_suite(void) {
   TCase *tc = tcase_create("dcp");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, save_under_one_plan_load_under_another);
+  tcase_add_test(tc, partial_reads_check_the_blocks_they_touch);
   tcase_add_test(tc, errors_name_the_tensor);
   tcase_add_test(tc, failed_save_removes_its_temporary_folder);
   suite_add_tcase(s, tc);

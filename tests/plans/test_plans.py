@@ -11,8 +11,13 @@
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT checkpoint  saving, resuming under other plans
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-tool fsdp-ckpt inspect, export-hf (read by an
                                                         independent parser), import-hf
-  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-corrupt damaged checkpoints: named errors,
-                                                           and fsdp-ckpt verify
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-corrupt damaged checkpoints given to
+                                                           fsdp-train: named errors; hostile
+                                                           headers, non-finite steps, load:
+                                                           auto, the watchdog, verify
+  test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT ckpt-damage  the damage table: every damage x
+                                                           resume on 1 and 3 ranks and every
+                                                           fsdp-ckpt command that reads it
   test_plans.py FSDP_TRAIN MPIRUN SOURCE_ROOT gpu       checkpoints of GPU shards (skips, 77,
                                                         without a GPU)
 """
@@ -36,8 +41,10 @@ TEMPS = []
 # allocations are matched against the suppressions); the modes that run fsdp-train's
 # ordinary paths many times skip it, those of bad input and damaged files (errors,
 # ckpt-corrupt) keep it, as do the library's C suites.
+# The damage table (ckpt-damage) runs ~110 processes: it keeps ASan and UBSan, not the leak
+# check (ckpt-corrupt and the C suites check the same error paths for leaks).
 if os.environ.get("FSDPC_TEST_SANITIZED") and MODE in ("configs", "dry-run", "checkpoint",
-                                                       "ckpt-tool"):
+                                                       "ckpt-tool", "ckpt-damage"):
     os.environ["ASAN_OPTIONS"] = os.environ.get("ASAN_OPTIONS", "") + ":detect_leaks=0"
 
 
@@ -47,8 +54,8 @@ def mkdtemp():
     return d
 
 
-def run(n, args, timeout=300):
-    cmd = [MPIRUN] + MPI_ARGS + ["-n", str(n), EXE] + args
+def run(n, args, timeout=300, mpi_args=()):
+    cmd = [MPIRUN] + MPI_ARGS + list(mpi_args) + ["-n", str(n), EXE] + args
     t = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return p, time.time() - t
@@ -424,12 +431,26 @@ def checkpoints():
     ref = os.path.join(tmp, "ref.jsonl")
     train(1, "debug", ["train.steps=10", "data.batch_size=24"], ref)
     want = [r["loss"] for r in losses(ref)][5:]
+    # checksum blocks of 64 bytes: a load under another plan reads the blocks its rows touch
     s = os.path.join(tmp, "s")
     train(4, "fsdp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + s,
-                      "checkpoint.interval=5"])
+                      "checkpoint.interval=5", "checkpoint.block_bytes=64"])
     t = os.path.join(tmp, "t")
     train(8, "hsdp-tp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + t,
-                         "checkpoint.interval=5"])
+                         "checkpoint.interval=5", "checkpoint.block_bytes=64"])
+
+    def stored(folder):  # the tensor bytes of a checkpoint (model and optimizer state)
+        return sum(len(st_read(os.path.join(folder, sub, f))[1])
+                   for sub in ("model", "optim") for f in os.listdir(os.path.join(folder, sub)))
+
+    def reads_touched_blocks(p, folder, n):
+        """rank 0 read at least the bytes it needs; on one rank, everything; on several, less
+        than the whole checkpoint (test_dcp checks the exact blocks)"""
+        rd = re.search(r"read (\d+) bytes of tensor data, needing (\d+)", p.stdout)
+        read, need = (int(rd.group(1)), int(rd.group(2))) if rd else (0, -1)
+        total = stored(folder)
+        return need <= read and (read == total if n == 1 else read < total), (read, need, total)
+
     for n, name, batch, src, extra in [
             (1, "debug", 24, s, []), (4, "hsdp", 6, s, []), (3, "fsdp", 8, s, []),
             (8, "hsdp-int-reshard", 3, s, []), (2, "tp", 24, s, []), (8, "hsdp-tp", 6, s, []),
@@ -444,9 +465,9 @@ def checkpoints():
               "saved by %s, resumed by %s on %d: losses match the uninterrupted run "
               "(worst %.2e)" % ("hsdp-tp on 8 ranks" if src == t else "fsdp on 4 ranks", name, n,
                                 worst))
-        rd = re.search(r"read (\d+) bytes of tensor data, needing (\d+)", p.stdout)
-        check(bool(rd) and rd.group(1) == rd.group(2),
-              "%s on %d: rank 0 reads exactly the bytes it needs" % (name, n))
+        good, (read, need, total) = reads_touched_blocks(p, os.path.join(src, "step-00000005"), n)
+        check(good, "%s on %d: rank 0 reads the 64-byte blocks its shards touch: %d bytes, "
+              "needing %d, of %d saved" % (name, n, read, need, total))
     # 2b. offline: fsdp-ckpt reshard lays the fsdp checkpoint out as hsdp-tp and debug would
     # save it; the result has a live save's files, shapes and offsets, and resumes exactly
 
@@ -478,7 +499,7 @@ def checkpoints():
                        r"(\d+) files", p.stdout)
         check(len(got) == 5 and worst <= 1e-5 and bool(rd) and rd.group(1) == rd.group(2),
               "resharded offline for %s on %d: losses match the uninterrupted run (worst %.2e), "
-              "rank 0 reads exactly what it needs" % (name, n, worst))
+              "rank 0 reads exactly its own chunks" % (name, n, worst))
     # a plan with another model: refused, naming the first difference
     p = subprocess.run([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg("debug"),
                         os.path.join(tmp, "rs-other"), "--set", "model.n_layers=3"],
@@ -840,25 +861,6 @@ def ckpt_corrupt():
             return struct.pack("<Q", len(text)) + text + raw[8 + n:]
         return f
 
-    def rename(h):
-        h["model.norm.weighx"] = h.pop("model.norm.weight")
-        info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
-        info["model.norm.weighx"] = info.pop("model.norm.weight")
-        h["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info, separators=(",", ":"))
-
-    def reshape(h):  # same bytes, another shape: [80, 64] stored as [64, 80]
-        h["model.layers.0.mlp.up_proj.weight"]["shape"] = [64, 80]
-
-    def retype(h):  # same size, an integer dtype
-        h["model.layers.0.self_attn.q_proj.weight"]["dtype"] = "I32"
-
-    def six_dims(h):  # the reader's bound on dimensions: a 6-D chunk once wrote out of bounds
-        name = "model.layers.0.mlp.up_proj.weight"
-        h[name]["shape"] = [1, 1, 1, 1] + h[name]["shape"]
-        info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
-        info[name]["saved_offsets"] = [0, 0, 0, 0] + info[name]["saved_offsets"]
-        h["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info, separators=(",", ":"))
-
     def flip(raw):
         (n,) = struct.unpack("<Q", raw[:8])
         h = json.loads(raw[8:8 + n])
@@ -866,6 +868,8 @@ def ckpt_corrupt():
         pos = 8 + n + (b + e) // 2
         return raw[:pos] + bytes([raw[pos] ^ 0x10]) + raw[pos + 1:]
 
+    # (the damage table, mode ckpt-damage, runs every damage through every command; these
+    # few run with the sanitizers' leak check too)
     cases = [
         ("truncated file", lambda raw: raw[:len(raw) // 2],
          r"shard-00000\.safetensors: tensor '[^']+' ends at byte \d+, past the"),
@@ -874,18 +878,9 @@ def ckpt_corrupt():
          r"checksum mismatch"),
         ("malformed header JSON", lambda raw: raw[:8] + b"{]" + raw[10:],
          r"shard-00000\.safetensors.*(JSON|header)"),
-        ("header length past the end", lambda raw: struct.pack("<Q", len(raw) * 4) + raw[8:],
-         r"shard-00000\.safetensors.*header"),
-        ("missing tensor", header_edit(rename), r"missing tensor 'model\.norm\.weight'|"
-         r"model\.norm\.weight.*cover"),
-        ("wrong shape", header_edit(reshape),
-         r"tensor 'model\.layers\.0\.mlp\.up_proj\.weight' was saved with shape"),
-        ("a chunk declared 6-D", header_edit(six_dims),
-         r"shard-00000\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' has 6 "
-         r"dimensions; at most 5 are supported"),
-        ("wrong dtype", header_edit(retype),
-         r"shard-00000\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.weight' "
-         r"is stored as I32"),
+        ("a shape changed", header_edit(
+            lambda h: h["model.layers.0.mlp.up_proj.weight"].__setitem__("shape", [64, 80])),
+         r"shard-00000\.safetensors: the header does not match its checksum"),
     ]
     for name, damage, want in cases:
         bad = os.path.join(tmp, name.replace(" ", "-"))
@@ -907,9 +902,16 @@ def ckpt_corrupt():
         check(ok, "%s: exit %d, a rank says /%s/" % (name, p.returncode, want))
         if not ok:
             print(p.stderr[-2000:])
-    # a shard header with 100,000 extra tensors: parsed in O(n log n), the load goes on
+    # a shard header with 100,000 extra tensors: parsed in O(n log n), the load goes on (the
+    # folder's integrity records removed, as another tool would write it: read unchecked)
     many = os.path.join(tmp, "many-tensors")
     shutil.copytree(good, many)
+    for f in os.listdir(os.path.join(many, "model")):
+        path = os.path.join(many, "model", f)
+        with open(path, "rb") as x:
+            raw = x.read()
+        with open(path, "wb") as x:
+            x.write(header_edit(lambda h: h["__metadata__"].pop("FSDPC_INTEGRITY"))(raw))
     path = os.path.join(many, "model", "shard-00000.safetensors")
     with open(path, "rb") as f:
         raw = f.read()
@@ -924,8 +926,9 @@ def ckpt_corrupt():
         f.write(struct.pack("<Q", len(text)) + text + data + b"\0" * 400000)
     p, secs = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + many],
                   timeout=120)
-    check(p.returncode == 0 and secs < 60,
-          "a shard of 100,000 tensors loads in %.1f s (exit %d)" % (secs, p.returncode))
+    check(p.returncode == 0 and secs < 60 and "has no checksums (written by another tool)" in p.stdout,
+          "a shard of 100,000 tensors loads in %.1f s, unchecked and said so (exit %d)"
+          % (secs, p.returncode))
     # a non-finite step stops the run before the optimizer applies it: the checkpoints on disk
     # stay finite (keep: 1 never prunes the last finite one for a broken one) and resume
     nf = os.path.join(tmp, "nonfinite")
@@ -1022,9 +1025,233 @@ def ckpt_corrupt():
           % sorted(ranks))
 
 
+def ckpt_damage():
+    """The damage table: each damage of a 2-rank checkpoint given to a resume on 1 and on 3
+    ranks and to every fsdp-ckpt command that reads a checkpoint. Each outcome is one of:
+    refused (non-zero exit, the expected message naming the file, no output left behind),
+    ok (the command does not read what was damaged, or the folder declares no checksums and
+    says so), or wrong: a crash, a hang, or an exit 0 where the damage should be refused."""
+    import struct
+    tmp = mkdtemp()
+    cfg = os.path.join(ROOT, "configs", "fsdp-grad-accum.yaml")
+    ck = os.path.join(tmp, "ck")
+    p, _ = run(2, [cfg, "--set", "train.steps=4", "--set", "checkpoint.dir=" + ck,
+                   "--set", "checkpoint.interval=2"])
+    check(p.returncode == 0, "fsdp-grad-accum on 2 ranks saves checkpoints after steps 2 and 4")
+    good, later = os.path.join(ck, "step-00000002"), os.path.join(ck, "step-00000004")
+
+    def model_file(folder, k=0):
+        return os.path.join(folder, "model", "shard-%05d.safetensors" % k)
+
+    def edit_raw(path, f):
+        with open(path, "rb") as x:
+            raw = x.read()
+        with open(path, "wb") as x:
+            x.write(f(raw))
+
+    def edit_header(path, f):
+        def g(raw):
+            (n,) = struct.unpack("<Q", raw[:8])
+            h = json.loads(raw[8:8 + n])
+            f(h)
+            text = json.dumps(h, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)  # data offsets count from the header's end
+            return struct.pack("<Q", len(text)) + text + raw[8 + n:]
+        edit_raw(path, g)
+
+    def sharding(h, f):  # edits DCP_SHARDING_INFO in place
+        info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
+        f(info)
+        h["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info, separators=(",", ":"))
+
+    def integrity(h, f):
+        rec = json.loads(h["__metadata__"]["FSDPC_INTEGRITY"])
+        f(rec)
+        h["__metadata__"]["FSDPC_INTEGRITY"] = json.dumps(rec, separators=(",", ":"))
+
+    def strip(folder):  # what another tool would have written: no integrity records
+        for f in os.listdir(os.path.join(folder, "model")):
+            edit_header(os.path.join(folder, "model", f),
+                        lambda h: h["__metadata__"].pop("FSDPC_INTEGRITY"))
+
+    def flip(path, name="model.layers.1.mlp.down_proj.weight"):
+        def f(raw):
+            (n,) = struct.unpack("<Q", raw[:8])
+            b, e = json.loads(raw[8:8 + n])[name]["data_offsets"]
+            pos = 8 + n + (b + e) // 2
+            return raw[:pos] + bytes([raw[pos] ^ 0x10]) + raw[pos + 1:]
+        edit_raw(path, f)
+
+    def rename(h):
+        h["model.norm.weighx"] = h.pop("model.norm.weight")
+        sharding(h, lambda i: i.__setitem__("model.norm.weighx", i.pop("model.norm.weight")))
+
+    def reshape(h):  # same bytes, another shape: [80, 64] stored as [64, 80]
+        h["model.layers.0.mlp.up_proj.weight"]["shape"] = [64, 80]
+
+    def retype(h):  # same size, an integer dtype
+        h["model.layers.0.self_attn.q_proj.weight"]["dtype"] = "I32"
+
+    def six_dims(h):  # the reader's bound on dimensions: a 6-D chunk once wrote out of bounds
+        name = "model.layers.0.mlp.up_proj.weight"
+        h[name]["shape"] = [1, 1, 1, 1] + h[name]["shape"]
+        sharding(h, lambda i: i[name].__setitem__("saved_offsets",
+                                                  [0, 0, 0, 0] + i[name]["saved_offsets"]))
+
+    def onto_other(h):  # rank 1's chunk of the embedding declared at rank 0's offsets
+        sharding(h, lambda i: i["model.embed_tokens.weight"].__setitem__("saved_offsets", [0, 0]))
+
+    def block_hash(rec):
+        rec["blocks"] = ("0" if rec["blocks"][0] != "0" else "1") + rec["blocks"][1:]
+
+    def drop_record(h):
+        h["__metadata__"].pop("FSDPC_INTEGRITY")
+
+    def legacy(folder, drop=None):  # an earlier version's files: a CRC-32 per chunk, no record
+        import zlib
+        for f in os.listdir(os.path.join(folder, "model")):
+            path = os.path.join(folder, "model", f)
+            with open(path, "rb") as x:
+                raw = x.read()
+            (n,) = struct.unpack("<Q", raw[:8])
+            h, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+            h["__metadata__"].pop("FSDPC_INTEGRITY")
+
+            def crcs(info):
+                for k, v in h.items():
+                    if k != "__metadata__" and k != drop:
+                        b, e = v["data_offsets"]
+                        info[k]["crc32"] = "%08x" % zlib.crc32(data[b:e])
+            sharding(h, crcs)
+            edit_header(path, lambda g: g.update(h))
+
+    m0, m1 = (lambda d: model_file(d, 0)), (lambda d: model_file(d, 1))
+    header_sum = r"shard-0000%d\.safetensors: the header does not match its checksum"
+    ALL = ("resume-1", "resume-3", "inspect", "verify", "export-hf", "reshard")
+    READERS = ("resume-1", "resume-3", "verify", "export-hf", "reshard")  # they read the data
+    cases = [  # (damage, how, message, the operations that must refuse it)
+        ("truncated file", lambda d: edit_raw(m0(d), lambda raw: raw[:len(raw) // 2]),
+         r"shard-00000\.safetensors: tensor '[^']+' ends at byte \d+, past the", ALL),
+        ("flipped data byte", lambda d: flip(m0(d)),
+         r"shard-00000\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight': "
+         r"checksum mismatch in block 1 of 1", READERS),
+        ("malformed header JSON", lambda d: edit_raw(m0(d), lambda raw: raw[:8] + b"{]" + raw[10:]),
+         r"shard-00000\.safetensors.*(JSON|header)", ALL),
+        ("header length past the end",
+         lambda d: edit_raw(m0(d), lambda raw: struct.pack("<Q", len(raw) * 4) + raw[8:]),
+         r"shard-00000\.safetensors.*header", ALL),
+        ("tensor renamed", lambda d: edit_header(m0(d), rename), header_sum % 0, ALL),
+        ("shape changed", lambda d: edit_header(m0(d), reshape), header_sum % 0, ALL),
+        ("dtype changed", lambda d: edit_header(m0(d), retype), header_sum % 0, ALL),
+        ("a chunk declared 6-D", lambda d: edit_header(m0(d), six_dims),
+         r"shard-00000\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' has 6 "
+         r"dimensions; at most 5 are supported", ALL),
+        ("saved_offsets moved onto another chunk's", lambda d: edit_header(m1(d), onto_other),
+         header_sum % 1, ALL),
+        ("a block checksum changed",
+         lambda d: edit_header(m0(d), lambda h: integrity(h, block_hash)), header_sum % 0, ALL),
+        ("integrity record removed", lambda d: edit_header(m0(d), drop_record),
+         r"shard-00000\.safetensors has no FSDPC_INTEGRITY record while "
+         r"shard-00001\.safetensors has one", ALL),
+        ("record removed and a byte flipped",
+         lambda d: (edit_header(m0(d), drop_record), flip(m0(d))),
+         r"shard-00000\.safetensors has no FSDPC_INTEGRITY record", ALL),
+        ("shard file deleted", lambda d: os.remove(m1(d)),
+         r"shard-00001\.safetensors is missing \(the checkpoint's files list it\)", ALL),
+        ("a file added", lambda d: shutil.copy(m0(d), model_file(d, 2)),
+         r"shard-00002\.safetensors is not one of the files this checkpoint lists", ALL),
+        ("a file of another save", lambda d: shutil.copy(m1(later), m1(d)),
+         r"shard-00000\.safetensors and shard-00001\.safetensors belong to different saves",
+         ALL),
+        ("no records (another tool's folder), shape changed",
+         lambda d: (strip(d), edit_header(m0(d), reshape)),
+         r"the chunks of tensor 'model\.layers\.0\.mlp\.up_proj\.weight' hold \d+ elements, "
+         r"its shape \[160,80\] has 12800", ALL),
+        ("no records, saved_offsets moved onto another chunk's",
+         lambda d: (strip(d), edit_header(m1(d), onto_other)),
+         r"the chunks of tensor 'model\.embed_tokens\.weight' hold 16384 elements, its shape "
+         r"\[128,64\] has 8192", ALL),
+        ("an earlier version's files (CRC-32s), a byte flipped",
+         lambda d: (legacy(d), flip(m0(d))),
+         r"shard-00000\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight': "
+         r"checksum mismatch in block 1 of 1", READERS),
+        ("an earlier version's files, a CRC-32 removed",
+         lambda d: legacy(d, drop="model.norm.weight"),
+         r"tensor 'model\.norm\.weight' has no crc32 while the other chunks of the folder",
+         ALL),
+        ("no records, a byte flipped: read unchecked, said once",
+         lambda d: (strip(d), flip(m0(d))), r"no checksums \(written by another tool\)", ()),
+    ]
+    # a job that fails is ended at once (the default waits 2 s for ranks that have exited)
+    fast = ["--mca", "odls_base_sigkill_timeout", "0"]
+    def one(k, op):
+        """(outcome, what to report) of operation op on damage k"""
+        name, _, want, refuse = cases[k]
+        bad = os.path.join(tmp, "case-%02d" % k)
+        out = os.path.join(tmp, "out-%02d-%s" % (k, op))
+        try:
+            if op.startswith("resume"):
+                p, _ = run(int(op[-1]), [cfg, "--set", "train.steps=3", "--set",
+                                         "checkpoint.load=" + bad], timeout=120, mpi_args=fast)
+            else:
+                args = {"inspect": [bad], "verify": [bad], "export-hf": [bad, out],
+                        "reshard": [bad, "--to", cfg, out, "--world", "3"]}[op]
+                p = subprocess.run([TOOL, op] + args, capture_output=True, text=True,
+                                   timeout=120)
+        except subprocess.TimeoutExpired:
+            return "hang", "%s / %s: finishes (timed out)" % (name, op), ""
+        crashed = p.returncode < 0 or re.search(
+            r"AddressSanitizer|runtime error|Segmentation|core dumped|signal \d+", p.stderr)
+        said = re.search(want, p.stderr + p.stdout) is not None
+        left = os.path.exists(out) or os.path.exists(out + ".tmp")
+        if crashed:
+            outcome = "crash"
+        elif op in refuse:
+            outcome = ("refused" if p.returncode != 0 and said and not left and
+                       (not op.startswith("resume") or "[rank" in p.stderr) else
+                       "silent" if p.returncode == 0 else "other")
+        elif not refuse:  # a folder without checksums: read unchecked, and said once
+            outcome = ("ok" if p.returncode == 0 and
+                       len(re.findall(want, p.stdout + p.stderr)) == 1 else "other")
+        else:  # the damage is outside what op reads (inspect reads no tensor data)
+            outcome = "ok" if p.returncode == 0 else "other"
+        what = "%s / %s: %s (exit %d; expected %s /%s/)" % (
+            name, op, outcome, p.returncode, "refused with" if op in refuse else "ok", want)
+        return outcome, what, "" if outcome in ("refused", "ok") else p.stdout[-1500:] + \
+            p.stderr[-1500:]
+
+    for k, (name, damage, _, _) in enumerate(cases):
+        bad = os.path.join(tmp, "case-%02d" % k)
+        shutil.copytree(good, bad)
+        damage(bad)
+    import concurrent.futures  # mostly launch latency: three at a time on two cores
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda kop: one(*kop),
+                                [(k, op) for k in range(len(cases)) for op in ALL]))
+    counts = {"refused": 0, "ok": 0, "crash": 0, "hang": 0, "silent": 0, "other": 0}
+    rows = []
+    for k, (name, _, _, _) in enumerate(cases):
+        row = []
+        for j, op in enumerate(ALL):
+            outcome, what, detail = results[k * len(ALL) + j]
+            counts[outcome] += 1
+            row.append(outcome)
+            check(outcome in ("refused", "ok"), what)
+            if detail:
+                print(detail)
+        rows.append((name, row))
+    print("\n%-52s %s" % ("damage", " ".join("%-9s" % op for op in ALL)))
+    for name, row in rows:
+        print("%-52s %s" % (name[:52], " ".join("%-9s" % x for x in row)))
+    print("damage table: %d damages x %d operations: %d refused, %d ok, %d crashes, %d hangs, "
+          "%d silent-wrong, %d other" % (len(cases), len(ALL), counts["refused"], counts["ok"],
+                                         counts["crash"], counts["hang"], counts["silent"],
+                                         counts["other"]))
+
+
 {"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run,
  "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": ckpt_tool,
- "ckpt-corrupt": ckpt_corrupt}[MODE]()
+ "ckpt-corrupt": ckpt_corrupt, "ckpt-damage": ckpt_damage}[MODE]()
 for d in TEMPS:
     shutil.rmtree(d, ignore_errors=True)
 print("%d failure(s)" % len(failures))

@@ -1,0 +1,68 @@
+/*
+ * Integrity records of checkpoint shard files (internal to checkpoint/).
+ *
+ * Every shard file written by dcp_save / dcp_write_file carries, in its __metadata__, the key
+ * FSDPC_INTEGRITY: a JSON object
+ *   {"version": 1, "hash": "xxh3-64", "block_bytes": B,
+ *    "files": ["shard-00000.safetensors", ...],     every file of the folder
+ *    "save": "<16 hex digits>",                     the same in every file of one save
+ *    "blocks": "<16 hex digits per block>",         each tensor's data in blocks of B bytes
+ *                                                   (the last one shorter), tensors in data
+ *                                                   order
+ *    "header": "<16 hex digits>"}                   the hash of the file's canonical header
+ * The canonical header is a text built from the parsed values (not the header's bytes, so
+ * JSON spacing does not matter): the version, B, the file list, then per tensor in data
+ * order its name, stored dtype, shape, data offsets and saved_offsets, then the block hashes
+ * (and the save's id).
+ * Changing any value a load depends on changes it.
+ */
+#ifndef FSDPC_CHECKPOINT_DCP_INTEGRITY_H
+#define FSDPC_CHECKPOINT_DCP_INTEGRITY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/status.h"
+#include "base/tensor.h"
+
+#define DCP_INTEGRITY_KEY "FSDPC_INTEGRITY"
+#define DCP_INTEGRITY_VERSION 1
+#define DCP_BLOCK_BYTES_MIN ((uint64_t)64) /* block sizes are multiples of it */
+#define DCP_BLOCK_BYTES_MAX ((uint64_t)1 << 30)
+
+/* One tensor of a file as its header declares it. */
+typedef struct dcp_hdr_tensor {
+  const char *name;
+  const char *dtype_name; /* as stored: "F32", ... */
+  int ndim;
+  const int64_t *shape;
+  uint64_t begin, end;    /* data offsets */
+  const int64_t *offsets; /* saved_offsets (ndim of them); NULL when the file has none */
+} dcp_hdr_tensor_t;
+
+typedef struct dcp_integrity {
+  uint64_t block_bytes;
+  char **files; /* names (no folder) */
+  int n_files;
+  uint64_t save_id;
+  uint64_t *hashes; /* every tensor's blocks, tensors in data order */
+  uint64_t n_hashes;
+  uint64_t header;
+} dcp_integrity_t;
+
+/* The blocks that hold bytes bytes: ceil(bytes / block). */
+uint64_t dcp_blocks_of(uint64_t bytes, uint64_t block);
+/* The hash of one block's bytes. */
+uint64_t dcp_block_hash(const void *data, size_t bytes);
+/* The hash of the canonical header of n tensors (in data order) with its block size, files
+ * and block hashes. */
+status_t dcp_integrity_header_hash(const dcp_integrity_t *it, const dcp_hdr_tensor_t *t, int n,
+                                   uint64_t *out);
+/* The metadata value of it (caller frees). */
+status_t dcp_integrity_format(const dcp_integrity_t *it, char **out);
+/* Parses a metadata value of file path into out (freed with dcp_integrity_free, also on
+ * failure). The block hashes are checked against nothing here: see dcp_integrity_header_hash. */
+status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t *out);
+void dcp_integrity_free(dcp_integrity_t *it);
+
+#endif
