@@ -221,7 +221,8 @@ static void shard_name(int rank, char *out, size_t size) {
 /* Writes this rank's file into folder tmp, listing the files of every rank that writes one
  * and the save's id: a hash of every file's contents, so that the same save repeated gives
  * the same bytes and two different saves different ids. Collective over comm. */
-static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, MPI_Comm comm) {
+static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, MPI_Comm comm,
+                             uint64_t *save_id) {
   int rank, size;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
@@ -246,6 +247,8 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
                                                "MPI_Allreduce (checkpoint files)")
                              : STATUS_ENOMEM;
   if (st == STATUS_OK) st = got;
+  uint64_t id = all ? dcp_block_hash(all, sizeof(uint64_t) * 2 * (size_t)size) : 0;
+  if (save_id) *save_id = id;
   for (int r = 0; r < size && st == STATUS_OK; r++) {
     if (!all[2 * r]) continue;
     if ((files[n_files] = malloc(32)) == NULL) {
@@ -255,8 +258,7 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
     shard_name(r, files[n_files++], 32);
   }
   if (st == STATUS_OK && count > 0) {
-    dcp_folder_t folder = {(const char *const *)files, n_files,
-                           dcp_block_hash(all, sizeof(uint64_t) * 2 * (size_t)size)};
+    dcp_folder_t folder = {(const char *const *)files, n_files, id};
     st = pending_seal(&p, &folder);
     char path[DCP_JOIN_MAX], name[32];
     shard_name(rank, name, sizeof name);
@@ -301,8 +303,9 @@ status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm) {
   return dcp_agree(st, comm, dir);
 }
 
-status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm) {
-  return dcp_agree(write_shards(folder, entries, n, comm), comm, folder);
+status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm,
+                   uint64_t *save_id) {
+  return dcp_agree(write_shards(folder, entries, n, comm, save_id), comm, folder);
 }
 
 status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm) {
@@ -332,7 +335,7 @@ status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm) {
 status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm) {
   char tmp[DCP_JOIN_MAX];
   TRY(dcp_prepare(dir, tmp, sizeof tmp, comm));
-  status_t st = dcp_write(tmp, entries, n, comm);
+  status_t st = dcp_write(tmp, entries, n, comm, NULL);
   if (st == STATUS_OK) st = dcp_commit(tmp, dir, comm);
   int rank;
   MPI_Comm_rank(comm, &rank);

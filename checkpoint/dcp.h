@@ -74,10 +74,12 @@ status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm c
 
 /* The steps of dcp_save, for checkpoints of several folders committed at once:
  * dcp_prepare checks that dir does not exist and creates the temporary folder (its path into
- * tmp, size >= 4096); dcp_write writes every rank's file into an existing folder; dcp_commit
+ * tmp, size >= 4096); dcp_write writes every rank's file into an existing folder (the save's
+ * id, recorded in every file, into *save_id when not NULL); dcp_commit
  * renames tmp to dir. Each is collective over comm and gives every rank the same verdict. */
 status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm);
-status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm);
+status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm,
+                   uint64_t *save_id);
 status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm);
 /* One shard file of chunks at given global offsets, with DCP_SHARDING_INFO, DCP_VERSION,
  * format and FSDPC_INTEGRITY metadata (for tools that write checkpoints of other plans
@@ -137,6 +139,8 @@ status_t dcp_reader_open(const char *dir, dcp_reader_t **out);
 void dcp_reader_close(dcp_reader_t *r);
 /* The folder's checks, and (may be NULL) the block size of the first file. */
 dcp_checks_t dcp_reader_checks(const dcp_reader_t *r, uint64_t *block_bytes);
+/* The id of the save that wrote the folder (false when its files carry no integrity record). */
+bool dcp_reader_save_id(const dcp_reader_t *r, uint64_t *id);
 /* dcp_load on an open folder; stats count this call's reads. */
 status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
 /* Reads the box of tensor name at offset with dst's shape (global shape given, as for a

@@ -508,6 +508,12 @@ dcp_checks_t dcp_reader_checks(const dcp_reader_t *r, uint64_t *block_bytes) {
   return r->checks;
 }
 
+bool dcp_reader_save_id(const dcp_reader_t *r, uint64_t *id) {
+  if (r->checks != DCP_CHECKS_BLOCKS) return false;
+  *id = r->files[0].it.save_id;
+  return true;
+}
+
 status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n) {
   *out = r->list;
   *n = r->n_list;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "base/file.h"
+#include "checkpoint/dcp_integrity.h"
 
 #define PATH_LEN 4400
 
@@ -82,21 +83,62 @@ static status_t make_dir(const char *path) {
   return STATUS_OK;
 }
 
+/* The hash of a train state: its compact JSON without the "integrity" member. */
+static status_t state_hash(const cJSON *state, uint64_t *out) {
+  cJSON *copy = cJSON_Duplicate(state, true);
+  if (copy) cJSON_DeleteItemFromObjectCaseSensitive(copy, "integrity");
+  char *text = copy ? cJSON_PrintUnformatted(copy) : NULL;
+  cJSON_Delete(copy);
+  if (text == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  *out = dcp_block_hash(text, strlen(text));
+  free(text);
+  return STATUS_OK;
+}
+
+status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
+                         char **out) {
+  *out = NULL;
+  cJSON *o = cJSON_Parse(text);
+  if (!cJSON_IsObject(o)) {
+    cJSON_Delete(o);
+    return err_set(STATUS_EINVAL, "checkpoint: a train state is not a JSON object");
+  }
+  cJSON_DeleteItemFromObjectCaseSensitive(o, "integrity");
+  uint64_t h = 0;
+  status_t st = state_hash(o, &h);
+  char hex[3][17];
+  snprintf(hex[0], 17, "%016" PRIx64, model_id);
+  snprintf(hex[1], 17, "%016" PRIx64, optim_id ? *optim_id : 0);
+  snprintf(hex[2], 17, "%016" PRIx64, h);
+  cJSON *it = st == STATUS_OK ? cJSON_AddObjectToObject(o, "integrity") : NULL;
+  if (it) {
+    cJSON_AddStringToObject(it, "model", hex[0]);
+    if (optim_id) cJSON_AddStringToObject(it, "optim", hex[1]);
+    cJSON_AddStringToObject(it, "state", hex[2]);
+  }
+  if (st == STATUS_OK && (it == NULL || (*out = cJSON_Print(o)) == NULL))
+    st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  cJSON_Delete(o);
+  return st;
+}
+
 static status_t write_state(const char *tmp, int64_t step, int64_t optim_steps,
-                            const char *saved_under) {
+                            const char *saved_under, uint64_t model_id, uint64_t optim_id) {
   cJSON *o = cJSON_CreateObject();
   if (o == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   cJSON_AddNumberToObject(o, "step", (double)step);
   cJSON_AddNumberToObject(o, "optim_steps", (double)optim_steps);
   cJSON *under = saved_under ? cJSON_Parse(saved_under) : NULL;
   if (under) cJSON_AddItemToObject(o, "saved_under", under);
-  char *text = cJSON_Print(o);
+  char *text = cJSON_PrintUnformatted(o), *sealed = NULL;
   cJSON_Delete(o);
   if (text == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  status_t st = ckpt_state_seal(text, model_id, &optim_id, &sealed);
+  free(text);
   char path[PATH_LEN];
   snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
-  status_t st = file_write_text(path, text);
-  free(text);
+  if (st == STATUS_OK) st = file_write_text(path, sealed);
+  free(sealed);
   return st;
 }
 
@@ -116,12 +158,17 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
     if (rank == 0) {
       mine = make_dir(model);
       if (mine == STATUS_OK) mine = make_dir(optim);
-      if (mine == STATUS_OK) mine = write_state(tmp, step, optim_steps(opt), saved_under);
     }
     st = dcp_agree(mine, comm, dir);
   }
-  if (st == STATUS_OK) st = dcp_write(model, e.model, n, comm);
-  if (st == STATUS_OK) st = dcp_write(optim, e.optim, 2 * n, comm);
+  uint64_t model_id = 0, optim_id = 0; /* recorded in the train state: no folder swaps */
+  if (st == STATUS_OK) st = dcp_write(model, e.model, n, comm, &model_id);
+  if (st == STATUS_OK) st = dcp_write(optim, e.optim, 2 * n, comm, &optim_id);
+  if (st == STATUS_OK) {
+    status_t mine = STATUS_OK;
+    if (rank == 0) mine = write_state(tmp, step, optim_steps(opt), saved_under, model_id, optim_id);
+    st = dcp_agree(mine, comm, dir);
+  }
   if (st == STATUS_OK) st = dcp_commit(tmp, dir, comm);
   /* every rank has agreed on the failure, so no rank still writes: free the space it took */
   if (st != STATUS_OK && prepared && rank == 0) dcp_remove_tree(tmp);
@@ -149,10 +196,80 @@ static status_t read_state(const char *dir, int64_t *step, int64_t *optim_steps)
   return st;
 }
 
+/* 16 hex digits of member key of o into *out; false when absent or malformed. */
+static bool hex_member(const cJSON *o, const char *key, uint64_t *out) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (!cJSON_IsString(v) || strlen(v->valuestring) != 16) return false;
+  char *end;
+  *out = (uint64_t)strtoull(v->valuestring, &end, 16);
+  return *end == 0;
+}
+
+/* The save id of a folder (*has false when it has no integrity records or does not exist). */
+static status_t folder_id(const char *dir, bool *exists, bool *has, uint64_t *id) {
+  struct stat sb;
+  *has = false;
+  *exists = stat(dir, &sb) == 0;
+  if (!*exists) return STATUS_OK;
+  dcp_reader_t *r;
+  TRY(dcp_reader_open(dir, &r));
+  *has = dcp_reader_save_id(r, id);
+  dcp_reader_close(r);
+  return STATUS_OK;
+}
+
+status_t ckpt_check_state(const char *dir) {
+  char path[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
+  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
+  snprintf(model, sizeof model, "%.4000s/model", dir);
+  snprintf(optim, sizeof optim, "%.4000s/optim", dir);
+  char *text;
+  TRY(file_read_text(path, FILE_TEXT_MAX, &text));
+  cJSON *o = cJSON_Parse(text);
+  free(text);
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, "integrity");
+  bool m_exists, m_has, o_exists, o_has;
+  uint64_t m_id = 0, o_id = 0, want = 0, want_m = 0, want_o = 0, h = 0;
+  status_t st = cJSON_IsObject(o) ? STATUS_OK
+                                  : err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
+  if (st == STATUS_OK) st = folder_id(model, &m_exists, &m_has, &m_id);
+  if (st == STATUS_OK) st = folder_id(optim, &o_exists, &o_has, &o_id);
+  if (st == STATUS_OK && it == NULL && (m_has || o_has))
+    st = err_set(STATUS_EFORMAT,
+                 "%s has no integrity record while the files of %s/ have one: it was removed, or "
+                 "the file belongs to another checkpoint",
+                 path, m_has ? "model" : "optim");
+  if (st == STATUS_OK && it != NULL) {
+    if (!hex_member(it, "state", &want) || !hex_member(it, "model", &want_m) ||
+        (st = state_hash(o, &h)) != STATUS_OK || h != want)
+      st = st != STATUS_OK ? st
+                           : err_set(STATUS_EFORMAT,
+                                     "%s does not match its checksum (a step, a setting or a "
+                                     "folder's id was changed): the checkpoint is corrupt",
+                                     path);
+  }
+  if (st == STATUS_OK && it != NULL) {
+    bool wants_optim = hex_member(it, "optim", &want_o);
+    if (!m_has || m_id != want_m)
+      st = err_set(STATUS_EFORMAT,
+                   "%s was not written by the save that wrote %s (a folder of another "
+                   "checkpoint?)",
+                   model, path);
+    else if (wants_optim != o_has || (wants_optim && o_id != want_o))
+      st = err_set(STATUS_EFORMAT,
+                   "%s was not written by the save that wrote %s (a folder of another "
+                   "checkpoint, or one removed?)",
+                   optim, path);
+  }
+  cJSON_Delete(o);
+  return st;
+}
+
 status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                             int64_t *step, dcp_stats_t *stats) {
   int64_t s = 0, os = 0;
   TRY(read_state(dir, &s, &os));
+  TRY(ckpt_check_state(dir));
   char model[PATH_LEN], optim[PATH_LEN];
   snprintf(model, sizeof model, "%.4000s/model", dir);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
@@ -182,6 +299,7 @@ status_t ckpt_verify_training(const char *dir, MPI_Comm comm, int64_t *chunks) {
   snprintf(model, sizeof model, "%.4000s/model", dir);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
   int64_t a = 0, b = 0;
+  TRY(dcp_agree(ckpt_check_state(dir), comm, dir));
   TRY(dcp_verify(model, comm, &a));
   struct stat sb;
   if (stat(optim, &sb) == 0) TRY(dcp_verify(optim, comm, &b)); /* absent: weights only */

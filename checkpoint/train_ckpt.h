@@ -33,14 +33,27 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
  * fresh. Every element of the parameters and of the optimizer state is overwritten (the
  * moments of parameters that had none are allocated without zero-filling), so a deferred
  * model needs only nn_module_materialize before it, no initialisation. stats (may be NULL)
- * adds up both folders' reads. Local. */
+ * adds up both folders' reads. The train state is checked first (ckpt_check_state). Local. */
 status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                             int64_t *step, dcp_stats_t *stats);
 
-/* Checks every chunk of the checkpoint's model and optimizer state against its CRC-32, the
- * tensors split over comm's ranks (dcp_verify): what a load under another plan, which reads
- * only the rows it needs, cannot do itself. Collective over comm; *chunks (may be NULL)
- * receives the number checked. */
+/* Checks train_state.json against the integrity record it carries ({"integrity": {"model":
+ * id, "optim": id, "state": hash}}: the ids of the saves that wrote model/ and optim/, and a
+ * hash of the rest of the state), and that the folders are those saves' (their headers are
+ * opened and checked, no tensor data read). A state without a record passes only when its
+ * folders carry none either (an earlier version's or another tool's). Local. */
+status_t ckpt_check_state(const char *dir);
+
+/* Adds (or replaces) the integrity record of a train state given as JSON text: model_id and
+ * optim_id (NULL: weights only) are the ids of the saves of its folders (dcp_write). The
+ * sealed text into *out (caller frees). For tools that write checkpoints. */
+status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
+                         char **out);
+
+/* Checks the train state (ckpt_check_state), then reads and checks every block of every chunk
+ * of the checkpoint's model and optimizer state, the tensors split over comm's ranks
+ * (dcp_verify): a load checks only the blocks it reads.
+ * Collective over comm; *chunks (may be NULL) receives the number of chunks checked. */
 status_t ckpt_verify_training(const char *dir, MPI_Comm comm, int64_t *chunks);
 
 /* The newest complete checkpoint (step-NNNNNNNN with a train_state.json) in root into out;

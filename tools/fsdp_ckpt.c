@@ -27,6 +27,7 @@
 #include "checkpoint/dcp.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"
 #include "nn/llama.h"
 #include "parallel/parallelize.h"
@@ -49,12 +50,19 @@ static bool is_dir(const char *p) {
   return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
 }
 
-/* Completes a checkpoint written into tmp: its train_state.json, then the rename to out. On
- * any failure (st included) tmp is removed. */
-static status_t commit_checkpoint(status_t st, const cJSON *state, const char *tmp,
-                                  const char *out) {
+/* Completes a checkpoint written into tmp: its train_state.json (sealed with the ids of the
+ * saves of its folders when model_id is given), then the rename to out. On any failure (st
+ * included) tmp is removed. */
+static status_t commit_checkpoint(status_t st, const cJSON *state, const uint64_t *model_id,
+                                  const uint64_t *optim_id, const char *tmp, const char *out) {
   char *text = st == STATUS_OK ? cJSON_Print(state) : NULL, path[PATH_LEN + 64];
   if (st == STATUS_OK && text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  if (st == STATUS_OK && model_id) { /* the folders' ids and the state's hash */
+    char *sealed = NULL;
+    st = ckpt_state_seal(text, *model_id, optim_id, &sealed);
+    free(text);
+    text = sealed;
+  }
   snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
   if (st == STATUS_OK) st = file_write_text(path, text);
   free(text);
@@ -75,6 +83,14 @@ static status_t read_state(const char *dir, cJSON **out) {
   *out = cJSON_Parse(text);
   free(text);
   return *out ? STATUS_OK : err_set(STATUS_EFORMAT, "%s: not valid JSON", path);
+}
+
+/* A training checkpoint's train_state.json against its record and its folders; nothing for a
+ * plain shard folder. */
+static status_t check_state(const char *dir) {
+  char path[PATH_LEN];
+  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
+  return access(path, F_OK) == 0 ? ckpt_check_state(dir) : STATUS_OK;
 }
 
 /* The folder of the model's shards: DIR/model in a training checkpoint, else DIR. */
@@ -146,6 +162,7 @@ static status_t inspect_folder(const char *title, const char *dir) {
 
 static status_t inspect(const char *dir) {
   if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  TRY(check_state(dir));
   cJSON *state;
   TRY(read_state(dir, &state));
   if (state) {
@@ -208,6 +225,7 @@ static status_t verify_folder(const char *dir, int *checked, int *unchecked, int
  * every block once, checking it: what a load checks of the blocks it reads, over all of them. */
 static status_t verify(const char *dir) {
   if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  TRY(check_state(dir));
   char model[PATH_LEN], optim[PATH_LEN];
   model_folder(dir, model, sizeof model);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
@@ -317,6 +335,7 @@ static status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int f
 static status_t export_hf(const char *dir, const char *out, const export_opts_t *o) {
   char model[PATH_LEN];
   if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  TRY(check_state(dir));
   model_folder(dir, model, sizeof model);
   if (is_dir(out) && rmdir(out) != 0)
     return err_set(STATUS_EINVAL, "%s: exists and is not empty", out);
@@ -465,7 +484,7 @@ static status_t import_hf(const char *hf, const char *out) {
   cJSON_AddStringToObject(under, "imported_from", hf);
   if (config) cJSON_AddItemToObject(under, "model", cJSON_Parse(config));
   cJSON_AddItemToObject(state, "saved_under", under);
-  st = commit_checkpoint(st, state, tmp, out);
+  st = commit_checkpoint(st, state, NULL, NULL, tmp, out); /* the files carry no records */
   cJSON_Delete(state);
   if (st == STATUS_OK)
     printf("imported %d tensors from %d file%s of %s into %s (step 0, no optimizer state)\n", nt, n,
@@ -544,7 +563,7 @@ static status_t reshard_rank(const plan_t *p, const nn_module_t *model, dcp_read
 /* One folder (model or optimizer state) laid out for the target plan's world ranks: the
  * files of the ranks that hold a box, each listing them all. */
 static status_t reshard_folder(const plan_t *p, const nn_module_t *model, const char *from,
-                               const char *to, int world, int *files_out) {
+                               const char *to, int world, int *files_out, uint64_t *id_out) {
   dcp_reader_t *r;
   TRY(dcp_reader_open(from, &r));
   say_unchecked(r, from);
@@ -570,6 +589,7 @@ static status_t reshard_folder(const plan_t *p, const nn_module_t *model, const 
       st = reshard_rank(p, model, r, to, rank, (const char *const *)files, n_files, save_id, &nb);
   }
   if (st == STATUS_OK) *files_out += n_files;
+  *id_out = save_id;
   for (int i = 0; i < n_files; i++) free(files[i]);
   free(files);
   free(holds);
@@ -592,6 +612,11 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
   TRY(read_state(dir, &state));
   if (state == NULL)
     return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
+  status_t checked = ckpt_check_state(dir);
+  if (checked != STATUS_OK) {
+    cJSON_Delete(state);
+    return checked;
+  }
   status_t st = STATUS_OK;
   cJSON *under = cJSON_GetObjectItemCaseSensitive(state, "saved_under");
   const cJSON *m = cJSON_GetObjectItemCaseSensitive(under, "model");
@@ -622,6 +647,8 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
   llama_t *model = NULL;
   if (st == STATUS_OK) st = llama_new(&model, &p.model, &lo);
   int files = 0;
+  uint64_t ids[2] = {0, 0};
+  bool has_optim = false;
   const char *subs[2] = {"model", "optim"};
   for (int k = 0; k < 2 && st == STATUS_OK; k++) {
     char from[PATH_LEN + 16], to[PATH_LEN + 32];
@@ -632,7 +659,8 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
       st = err_set(STATUS_EIO, "%s: cannot create: %s", to, strerror(errno));
       break;
     }
-    st = reshard_folder(&p, llama_module(model), from, to, world, &files);
+    st = reshard_folder(&p, llama_module(model), from, to, world, &files, &ids[k]);
+    has_optim = k == 1 && st == STATUS_OK;
   }
   llama_free(model);
   if (st == STATUS_OK) { /* the train state, now saved under the target plan */
@@ -646,7 +674,7 @@ static status_t reshard(const char *dir, const char *config, const char *out, in
     if (cJSON_IsObject(m)) cJSON_AddItemToObject(nu, "model", cJSON_Duplicate(m, true));
     cJSON_ReplaceItemInObjectCaseSensitive(state, "saved_under", nu);
   }
-  st = commit_checkpoint(st, state, tmp, out);
+  st = commit_checkpoint(st, state, &ids[0], has_optim ? &ids[1] : NULL, tmp, out);
   if (st == STATUS_OK)
     printf("resharded %s for %d ranks (dp_replicate %d x dp_shard %d x tp %d): %d files in %s\n",
            dir, world, p.par.dp_replicate, p.par.dp_shard, p.par.tp, files, out);
