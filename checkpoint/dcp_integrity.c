@@ -12,11 +12,18 @@
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h> /* the widest vector unit the CPU has (AVX2, AVX-512) */
+#endif
 
 uint64_t dcp_blocks_of(uint64_t bytes, uint64_t block) { return (bytes + block - 1) / block; }
 
 uint64_t dcp_block_hash(const void *data, size_t bytes) {
+#if defined(__x86_64__)
+  return (uint64_t)XXH3_64bits_dispatch(data, bytes); /* the same value, several times faster */
+#else
   return (uint64_t)XXH3_64bits(data, bytes);
+#endif
 }
 
 uint64_t dcp_new_save_id(void) {
