@@ -125,7 +125,7 @@ static uint64_t read_tree_hashed(const char *dir, char *buf, size_t size, bool h
   while ((e = readdir(d)) != NULL) {
     if (e->d_name[0] == '.') continue;
     char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    snprintf(path, sizeof path, "%.3800s/%.255s", dir, e->d_name);
     struct stat sb;
     if (stat(path, &sb) != 0) continue;
     if (S_ISDIR(sb.st_mode)) {
