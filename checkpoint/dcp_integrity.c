@@ -123,8 +123,8 @@ cleanup:
   return st;
 }
 
-/* 16 hex digits into *out. */
-static bool parse_hex64(const char *s, uint64_t *out) {
+/* 16 hex digits into *out (see dcp_integrity.h). */
+bool dcp_parse_hex64(const char *s, uint64_t *out) {
   uint64_t v = 0;
   for (int i = 0; i < 16; i++) {
     char ch = s[i];
@@ -171,8 +171,8 @@ status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t
       (uint64_t)b->valuedouble % DCP_BLOCK_BYTES_MIN != 0 ||
       !cJSON_IsArray(f) || !cJSON_IsString(bl) || strlen(bl->valuestring) % 16 != 0 ||
       !cJSON_IsString(hd) || strlen(hd->valuestring) != 16 ||
-      !parse_hex64(hd->valuestring, &out->header) || !cJSON_IsString(sv) ||
-      strlen(sv->valuestring) != 16 || !parse_hex64(sv->valuestring, &out->save_id)) {
+      !dcp_parse_hex64(hd->valuestring, &out->header) || !cJSON_IsString(sv) ||
+      strlen(sv->valuestring) != 16 || !dcp_parse_hex64(sv->valuestring, &out->save_id)) {
     st = err_set(STATUS_EFORMAT,
                  "%s: %s lacks block_bytes (a multiple of %llu up to %llu), files, save, "
                  "blocks or header, or one of them is malformed",
@@ -202,7 +202,7 @@ status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t
     out->n_files++;
   }
   for (uint64_t k = 0; k < out->n_hashes; k++)
-    if (!parse_hex64(bl->valuestring + 16 * k, &out->hashes[k])) {
+    if (!dcp_parse_hex64(bl->valuestring + 16 * k, &out->hashes[k])) {
       st = err_set(STATUS_EFORMAT, "%s: %s: blocks holds something other than hex digits", path,
                    DCP_INTEGRITY_KEY);
       goto cleanup;

@@ -19,6 +19,7 @@
 #ifndef FSDPC_CHECKPOINT_DCP_INTEGRITY_H
 #define FSDPC_CHECKPOINT_DCP_INTEGRITY_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -52,6 +53,8 @@ typedef struct dcp_integrity {
 
 /* The blocks that hold bytes bytes: ceil(bytes / block). */
 uint64_t dcp_blocks_of(uint64_t bytes, uint64_t block);
+/* 16 lowercase hex digits at s (as the records write them) into *out; false otherwise. */
+bool dcp_parse_hex64(const char *s, uint64_t *out);
 /* The hash of one block's bytes. */
 uint64_t dcp_block_hash(const void *data, size_t bytes);
 /* The hash of the canonical header of n tensors (in data order) with its block size, files

@@ -38,7 +38,6 @@ typedef struct rfile {
 
 typedef struct chunk {
   int file;
-  int index; /* the tensor's position in its file (data order) */
   const st_info_t *info;
   int64_t off[TENSOR_MAX_DIMS];
   uint64_t block;       /* bytes per checked block; 0: not checked */
@@ -102,17 +101,15 @@ static status_t index_entries(rfile_t *rf) {
   return STATUS_OK;
 }
 
+static int cmp_name_entry(const void *name, const void *e) {
+  return strcmp(name, (*(cJSON *const *)e)->string);
+}
+
 static const cJSON *find_entry(const rfile_t *rf, const char *name) {
-  int lo = 0, hi = rf->n_entries;
-  while (lo < hi) {
-    int mid = lo + (hi - lo) / 2, c = strcmp(rf->entries[mid]->string, name);
-    if (c == 0) return rf->entries[mid];
-    if (c < 0)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return NULL;
+  cJSON *const *e = rf->n_entries ? bsearch(name, rf->entries, (size_t)rf->n_entries,
+                                            sizeof(cJSON *), cmp_name_entry)
+                                  : NULL;
+  return e ? *e : NULL;
 }
 
 /* Tensor i's saved_offsets and legacy crc32 from the sharding info. */
@@ -343,7 +340,6 @@ static void fill_chunk(const dcp_reader_t *r, int file, int index, chunk_t *c) {
   const rfile_t *rf = &r->files[file];
   const st_info_t *t = st_tensor(rf->f, index);
   c->file = file;
-  c->index = index;
   c->info = t;
   memcpy(c->off, rf->offs[index], sizeof c->off);
   if (r->checks == DCP_CHECKS_BLOCKS) {
@@ -520,18 +516,16 @@ status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n) {
   return STATUS_OK;
 }
 
+static int cmp_name_tensor(const void *name, const void *t) {
+  return strcmp(name, ((const dcp_tensor_t *)t)->name);
+}
+
 /* Tensor name's index in the table, or -1. */
 static int find_tensor(const dcp_reader_t *r, const char *name) {
-  int lo = 0, hi = r->n_list;
-  while (lo < hi) {
-    int mid = lo + (hi - lo) / 2, c = strcmp(r->list[mid].name, name);
-    if (c == 0) return mid;
-    if (c < 0)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return -1;
+  const dcp_tensor_t *t = r->n_list ? bsearch(name, r->list, (size_t)r->n_list,
+                                              sizeof(dcp_tensor_t), cmp_name_tensor)
+                                    : NULL;
+  return t ? (int)(t - r->list) : -1;
 }
 
 /* ---- checked reads ---- */

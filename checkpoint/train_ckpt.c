@@ -176,111 +176,131 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
   return st;
 }
 
-static status_t read_state(const char *dir, int64_t *step, int64_t *optim_steps) {
-  char path[PATH_LEN];
-  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
+/* train_state.json of checkpoint dir, parsed (caller deletes); its path into path. */
+static status_t load_state(const char *dir, char *path, size_t size, cJSON **out) {
+  snprintf(path, size, "%.4000s/train_state.json", dir);
   char *text;
   TRY(file_read_text(path, FILE_TEXT_MAX, &text));
-  cJSON *o = cJSON_Parse(text);
+  *out = cJSON_Parse(text);
   free(text);
+  if (cJSON_IsObject(*out)) return STATUS_OK;
+  cJSON_Delete(*out);
+  *out = NULL;
+  return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
+}
+
+static status_t state_steps(const char *path, const cJSON *o, int64_t *step, int64_t *optim_steps) {
   const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
   const cJSON *os = cJSON_GetObjectItemCaseSensitive(o, "optim_steps");
-  status_t st = STATUS_OK;
   if (!cJSON_IsNumber(s) || !cJSON_IsNumber(os) || s->valuedouble < 0 || os->valuedouble < 0)
-    st = err_set(STATUS_EFORMAT, "%s: expected {\"step\": N, \"optim_steps\": N, ...}", path);
-  else {
-    *step = (int64_t)s->valuedouble;
-    *optim_steps = (int64_t)os->valuedouble;
-  }
-  cJSON_Delete(o);
-  return st;
+    return err_set(STATUS_EFORMAT, "%s: expected {\"step\": N, \"optim_steps\": N, ...}", path);
+  *step = (int64_t)s->valuedouble;
+  *optim_steps = (int64_t)os->valuedouble;
+  return STATUS_OK;
 }
 
 /* 16 hex digits of member key of o into *out; false when absent or malformed. */
 static bool hex_member(const cJSON *o, const char *key, uint64_t *out) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-  if (!cJSON_IsString(v) || strlen(v->valuestring) != 16) return false;
-  char *end;
-  *out = (uint64_t)strtoull(v->valuestring, &end, 16);
-  return *end == 0;
+  return cJSON_IsString(v) && strlen(v->valuestring) == 16 && dcp_parse_hex64(v->valuestring, out);
 }
 
-/* The save id of a folder (*has false when it has no integrity records or does not exist). */
-static status_t folder_id(const char *dir, bool *exists, bool *has, uint64_t *id) {
-  struct stat sb;
-  *has = false;
-  *exists = stat(dir, &sb) == 0;
-  if (!*exists) return STATUS_OK;
-  dcp_reader_t *r;
-  TRY(dcp_reader_open(dir, &r));
-  *has = dcp_reader_save_id(r, id);
-  dcp_reader_close(r);
-  return STATUS_OK;
-}
-
-status_t ckpt_check_state(const char *dir) {
-  char path[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
-  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
-  snprintf(model, sizeof model, "%.4000s/model", dir);
-  snprintf(optim, sizeof optim, "%.4000s/optim", dir);
-  char *text;
-  TRY(file_read_text(path, FILE_TEXT_MAX, &text));
-  cJSON *o = cJSON_Parse(text);
-  free(text);
+/* The state o (read from path) against its integrity record and the folders' readers (NULL:
+ * the folder does not exist). */
+static status_t check_state(const char *path, const char *model, const char *optim,
+                            const cJSON *o, const dcp_reader_t *rm, const dcp_reader_t *ro) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, "integrity");
-  bool m_exists, m_has, o_exists, o_has;
   uint64_t m_id = 0, o_id = 0, want = 0, want_m = 0, want_o = 0, h = 0;
-  status_t st = cJSON_IsObject(o) ? STATUS_OK
-                                  : err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
-  if (st == STATUS_OK) st = folder_id(model, &m_exists, &m_has, &m_id);
-  if (st == STATUS_OK) st = folder_id(optim, &o_exists, &o_has, &o_id);
-  if (st == STATUS_OK && it == NULL && (m_has || o_has))
-    st = err_set(STATUS_EFORMAT,
-                 "%s has no integrity record while the files of %s/ have one: it was removed, or "
-                 "the file belongs to another checkpoint",
-                 path, m_has ? "model" : "optim");
-  if (st == STATUS_OK && it != NULL) {
-    if (!hex_member(it, "state", &want) || !hex_member(it, "model", &want_m) ||
-        (st = state_hash(o, &h)) != STATUS_OK || h != want)
-      st = st != STATUS_OK ? st
-                           : err_set(STATUS_EFORMAT,
-                                     "%s does not match its checksum (a step, a setting or a "
-                                     "folder's id was changed): the checkpoint is corrupt",
-                                     path);
+  bool m_has = rm && dcp_reader_save_id(rm, &m_id), o_has = ro && dcp_reader_save_id(ro, &o_id);
+  if (it == NULL) {
+    if (m_has || o_has)
+      return err_set(STATUS_EFORMAT,
+                     "%s has no integrity record while the files of %s/ have one: it was "
+                     "removed, or the file belongs to another checkpoint",
+                     path, m_has ? "model" : "optim");
+    return STATUS_OK; /* an earlier version's or another tool's checkpoint */
   }
-  if (st == STATUS_OK && it != NULL) {
-    bool wants_optim = hex_member(it, "optim", &want_o);
-    if (!m_has || m_id != want_m)
-      st = err_set(STATUS_EFORMAT,
+  bool sealed = hex_member(it, "state", &want) && hex_member(it, "model", &want_m);
+  if (sealed) TRY(state_hash(o, &h));
+  if (!sealed || h != want)
+    return err_set(STATUS_EFORMAT,
+                   "%s does not match its checksum (a step, a setting or a folder's id was "
+                   "changed): the checkpoint is corrupt",
+                   path);
+  bool wants_optim = hex_member(it, "optim", &want_o);
+  if (!m_has || m_id != want_m)
+    return err_set(STATUS_EFORMAT,
                    "%s was not written by the save that wrote %s (a folder of another "
                    "checkpoint?)",
                    model, path);
-    else if (wants_optim != o_has || (wants_optim && o_id != want_o))
-      st = err_set(STATUS_EFORMAT,
+  if (wants_optim != o_has || (wants_optim && o_id != want_o))
+    return err_set(STATUS_EFORMAT,
                    "%s was not written by the save that wrote %s (a folder of another "
                    "checkpoint, or one removed?)",
                    optim, path);
-  }
-  cJSON_Delete(o);
+  return STATUS_OK;
+}
+
+/* Opens folder dir, or leaves *r NULL when it does not exist. */
+static status_t open_if_any(const char *dir, dcp_reader_t **r) {
+  struct stat sb;
+  *r = NULL;
+  return stat(dir, &sb) == 0 ? dcp_reader_open(dir, r) : STATUS_OK;
+}
+
+/* A checkpoint opened: its state parsed and checked, its folders' readers (optim NULL when
+ * absent). */
+typedef struct opened {
+  char path[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
+  cJSON *state;
+  dcp_reader_t *rm, *ro;
+} opened_t;
+
+static void opened_close(opened_t *c) {
+  cJSON_Delete(c->state);
+  dcp_reader_close(c->rm);
+  dcp_reader_close(c->ro);
+}
+
+static status_t opened_open(const char *dir, opened_t *c) {
+  memset(c, 0, sizeof *c);
+  snprintf(c->model, sizeof c->model, "%.4000s/model", dir);
+  snprintf(c->optim, sizeof c->optim, "%.4000s/optim", dir);
+  status_t st = load_state(dir, c->path, sizeof c->path, &c->state);
+  if (st == STATUS_OK) st = open_if_any(c->model, &c->rm);
+  if (st == STATUS_OK) st = open_if_any(c->optim, &c->ro);
+  if (st == STATUS_OK) st = check_state(c->path, c->model, c->optim, c->state, c->rm, c->ro);
+  if (st != STATUS_OK) opened_close(c);
   return st;
+}
+
+status_t ckpt_check_state(const char *dir) {
+  opened_t c;
+  TRY(opened_open(dir, &c));
+  opened_close(&c);
+  return STATUS_OK;
 }
 
 status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                             int64_t *step, dcp_stats_t *stats) {
+  opened_t c;
   int64_t s = 0, os = 0;
-  TRY(read_state(dir, &s, &os));
-  TRY(ckpt_check_state(dir));
-  char model[PATH_LEN], optim[PATH_LEN];
-  snprintf(model, sizeof model, "%.4000s/model", dir);
-  snprintf(optim, sizeof optim, "%.4000s/optim", dir);
-  struct stat sb;
-  bool weights_only = os == 0 && stat(optim, &sb) != 0; /* fsdp-ckpt import-hf */
-  entries_t e;
-  TRY(entries_make(params, n, opt, weights_only ? ENTRIES_MODEL_ONLY : ENTRIES_LOAD, &e));
+  TRY(opened_open(dir, &c));
+  status_t st = state_steps(c.path, c.state, &s, &os);
+  if (st == STATUS_OK && c.rm == NULL)
+    st = err_set(STATUS_EFORMAT, "checkpoint %s: no model folder", dir);
+  bool weights_only = os == 0 && c.ro == NULL; /* fsdp-ckpt import-hf */
+  if (st == STATUS_OK && !weights_only && c.ro == NULL)
+    st = err_set(STATUS_EFORMAT, "checkpoint %s: no optim folder, yet %lld optimizer steps",
+                 dir, (long long)os);
+  entries_t e = {0};
   dcp_stats_t a = {0}, b = {0};
-  status_t st = dcp_load(model, e.model, n, &a);
-  if (st == STATUS_OK && !weights_only) st = dcp_load(optim, e.optim, 2 * n, &b);
+  if (st == STATUS_OK)
+    st = entries_make(params, n, opt, weights_only ? ENTRIES_MODEL_ONLY : ENTRIES_LOAD, &e);
+  if (st == STATUS_OK) st = dcp_reader_load(c.rm, e.model, n, &a);
+  if (st == STATUS_OK && !weights_only) st = dcp_reader_load(c.ro, e.optim, 2 * n, &b);
   entries_free(&e);
+  opened_close(&c);
   TRY(st);
   optim_set_steps(opt, os);
   *step = s;

@@ -567,6 +567,49 @@ def gpu():
         check(la == lb and len(lb) == 5,
               "offload=%s: resumed losses bit-identical (%s vs %s)" % (offload, la[:2], lb[:2]))
 
+def header_edit(edit):
+    """raw bytes of a safetensors file -> the same file with edit applied to its header dict"""
+    import struct
+
+    def f(raw):
+        (n,) = struct.unpack("<Q", raw[:8])
+        h = json.loads(raw[8:8 + n])
+        edit(h)
+        text = json.dumps(h, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # data offsets count from the header's end
+        return struct.pack("<Q", len(text)) + text + raw[8 + n:]
+    return f
+
+
+def edit_file(path, f):
+    with open(path, "rb") as x:
+        raw = x.read()
+    with open(path, "wb") as x:
+        x.write(f(raw))
+
+
+def edit_header(path, edit):
+    edit_file(path, header_edit(edit))
+
+
+def edit_state(folder, f):
+    path = os.path.join(folder, "train_state.json")
+    with open(path) as x:
+        state = json.load(x)
+    f(state)
+    with open(path, "w") as x:
+        json.dump(state, x, indent=2)
+
+
+def strip_records(folder):
+    """a checkpoint as another tool would have written it: no integrity records"""
+    edit_state(folder, lambda st: st.pop("integrity"))
+    for sub in ("model", "optim"):
+        for f in os.listdir(os.path.join(folder, sub)):
+            edit_header(os.path.join(folder, sub, f),
+                        lambda h: h["__metadata__"].pop("FSDPC_INTEGRITY"))
+
+
 def st_read(path):
     """An independent safetensors reader: (header dict, data bytes)."""
     import struct
@@ -851,16 +894,6 @@ def ckpt_corrupt():
     check(p.returncode == 0, "fsdp-grad-accum on 2 ranks saves a checkpoint")
     good = os.path.join(ck, "step-00000002")
 
-    def header_edit(edit):
-        def f(raw):
-            (n,) = struct.unpack("<Q", raw[:8])
-            h = json.loads(raw[8:8 + n])
-            edit(h)
-            text = json.dumps(h, separators=(",", ":")).encode()
-            text += b" " * (-len(text) % 8)  # data offsets count from the header's end
-            return struct.pack("<Q", len(text)) + text + raw[8 + n:]
-        return f
-
     def flip(raw):
         (n,) = struct.unpack("<Q", raw[:8])
         h = json.loads(raw[8:8 + n])
@@ -906,17 +939,7 @@ def ckpt_corrupt():
     # folder's integrity records removed, as another tool would write it: read unchecked)
     many = os.path.join(tmp, "many-tensors")
     shutil.copytree(good, many)
-    with open(os.path.join(many, "train_state.json")) as x:
-        state = json.load(x)
-    state.pop("integrity")
-    with open(os.path.join(many, "train_state.json"), "w") as x:
-        json.dump(state, x)
-    for path in [os.path.join(many, sub, f) for sub in ("model", "optim")
-                 for f in os.listdir(os.path.join(many, sub))]:
-        with open(path, "rb") as x:
-            raw = x.read()
-        with open(path, "wb") as x:
-            x.write(header_edit(lambda h: h["__metadata__"].pop("FSDPC_INTEGRITY"))(raw))
+    strip_records(many)
     path = os.path.join(many, "model", "shard-00000.safetensors")
     with open(path, "rb") as f:
         raw = f.read()
@@ -1048,22 +1071,6 @@ def ckpt_damage():
     def model_file(folder, k=0):
         return os.path.join(folder, "model", "shard-%05d.safetensors" % k)
 
-    def edit_raw(path, f):
-        with open(path, "rb") as x:
-            raw = x.read()
-        with open(path, "wb") as x:
-            x.write(f(raw))
-
-    def edit_header(path, f):
-        def g(raw):
-            (n,) = struct.unpack("<Q", raw[:8])
-            h = json.loads(raw[8:8 + n])
-            f(h)
-            text = json.dumps(h, separators=(",", ":")).encode()
-            text += b" " * (-len(text) % 8)  # data offsets count from the header's end
-            return struct.pack("<Q", len(text)) + text + raw[8 + n:]
-        edit_raw(path, g)
-
     def sharding(h, f):  # edits DCP_SHARDING_INFO in place
         info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
         f(info)
@@ -1074,22 +1081,13 @@ def ckpt_damage():
         f(rec)
         h["__metadata__"]["FSDPC_INTEGRITY"] = json.dumps(rec, separators=(",", ":"))
 
-    def strip(folder):  # what another tool would have written: no integrity records
-        edit_state(folder, lambda st: st.pop("integrity"))
-        for f in os.listdir(os.path.join(folder, "optim")):
-            edit_header(os.path.join(folder, "optim", f),
-                        lambda h: h["__metadata__"].pop("FSDPC_INTEGRITY"))
-        for f in os.listdir(os.path.join(folder, "model")):
-            edit_header(os.path.join(folder, "model", f),
-                        lambda h: h["__metadata__"].pop("FSDPC_INTEGRITY"))
-
     def flip(path, name="model.layers.1.mlp.down_proj.weight"):
         def f(raw):
             (n,) = struct.unpack("<Q", raw[:8])
             b, e = json.loads(raw[8:8 + n])[name]["data_offsets"]
             pos = 8 + n + (b + e) // 2
             return raw[:pos] + bytes([raw[pos] ^ 0x10]) + raw[pos + 1:]
-        edit_raw(path, f)
+        edit_file(path, f)
 
     def rename(h):
         h["model.norm.weighx"] = h.pop("model.norm.weight")
@@ -1135,14 +1133,6 @@ def ckpt_damage():
             sharding(h, crcs)
             edit_header(path, lambda g: g.update(h))
 
-    def edit_state(folder, f):
-        path = os.path.join(folder, "train_state.json")
-        with open(path) as x:
-            state = json.load(x)
-        f(state)
-        with open(path, "w") as x:
-            json.dump(state, x, indent=2)
-
     def swap_folder(folder, sub):  # the whole folder of the later save
         shutil.rmtree(os.path.join(folder, sub))
         shutil.copytree(os.path.join(later, sub), os.path.join(folder, sub))
@@ -1152,15 +1142,15 @@ def ckpt_damage():
     ALL = ("resume-1", "resume-3", "inspect", "verify", "export-hf", "reshard")
     READERS = ("resume-1", "resume-3", "verify", "export-hf", "reshard")  # they read the data
     cases = [  # (damage, how, message, the operations that must refuse it)
-        ("truncated file", lambda d: edit_raw(m0(d), lambda raw: raw[:len(raw) // 2]),
+        ("truncated file", lambda d: edit_file(m0(d), lambda raw: raw[:len(raw) // 2]),
          r"shard-00000\.safetensors: tensor '[^']+' ends at byte \d+, past the", ALL),
         ("flipped data byte", lambda d: flip(m0(d)),
          r"shard-00000\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight': "
          r"checksum mismatch in block 1 of 1", READERS),
-        ("malformed header JSON", lambda d: edit_raw(m0(d), lambda raw: raw[:8] + b"{]" + raw[10:]),
+        ("malformed header JSON", lambda d: edit_file(m0(d), lambda raw: raw[:8] + b"{]" + raw[10:]),
          r"shard-00000\.safetensors.*(JSON|header)", ALL),
         ("header length past the end",
-         lambda d: edit_raw(m0(d), lambda raw: struct.pack("<Q", len(raw) * 4) + raw[8:]),
+         lambda d: edit_file(m0(d), lambda raw: struct.pack("<Q", len(raw) * 4) + raw[8:]),
          r"shard-00000\.safetensors.*header", ALL),
         ("tensor renamed", lambda d: edit_header(m0(d), rename), header_sum % 0, ALL),
         ("shape changed", lambda d: edit_header(m0(d), reshape), header_sum % 0, ALL),
@@ -1186,11 +1176,11 @@ def ckpt_damage():
          r"shard-00000\.safetensors and shard-00001\.safetensors belong to different saves",
          ALL),
         ("no records (another tool's folder), shape changed",
-         lambda d: (strip(d), edit_header(m0(d), reshape)),
+         lambda d: (strip_records(d), edit_header(m0(d), reshape)),
          r"the chunks of tensor 'model\.layers\.0\.mlp\.up_proj\.weight' hold \d+ elements, "
          r"its shape \[160,80\] has 12800", ALL),
         ("no records, saved_offsets moved onto another chunk's",
-         lambda d: (strip(d), edit_header(m1(d), onto_other)),
+         lambda d: (strip_records(d), edit_header(m1(d), onto_other)),
          r"the chunks of tensor 'model\.embed_tokens\.weight' hold 16384 elements, its shape "
          r"\[128,64\] has 8192", ALL),
         ("train_state.json: the step changed",
@@ -1212,7 +1202,7 @@ def ckpt_damage():
          r"tensor 'model\.norm\.weight' has no crc32 while the other chunks of the folder",
          ALL),
         ("no records, a byte flipped: read unchecked, said once",
-         lambda d: (strip(d), flip(m0(d))), r"no checksums \(written by another tool\)", ()),
+         lambda d: (strip_records(d), flip(m0(d))), r"no checksums \(written by another tool\)", ()),
     ]
     # a job that fails is ended at once (the default waits 2 s for ranks that have exited)
     fast = ["--mca", "odls_base_sigkill_timeout", "0"]
