@@ -72,7 +72,10 @@ START_TEST(redistribute_matches_distribute_for_every_pair) {
   for (int tensor_ndim = 1; tensor_ndim <= 3; tensor_ndim++) {
     int nt = all_tuples(tensor_ndim, tuples);
     /* (ndim+2)^(2*mesh_ndim) pairs per shape: fewer shapes where that is large */
-    int nshapes = nt * nt > 10000 ? 3 : nt * nt < 100 ? 4 * g_shapes_per_ndim : g_shapes_per_ndim;
+    int nshapes = nt * nt > 10000  ? 2
+                  : nt * nt > 1000 ? g_shapes_per_ndim / 2
+                  : nt * nt < 100  ? 4 * g_shapes_per_ndim
+                                   : g_shapes_per_ndim;
     for (int s = 0; s < nshapes; s++) {
       int64_t shape[3];
       for (int d = 0; d < tensor_ndim; d++) /* small dims (below the mesh size) and odd ones */
