@@ -71,3 +71,82 @@ status_t file_write_text(const char *path, const char *text) {
   if (f && fclose(f) != 0 && st == STATUS_OK) st = err_set(STATUS_EIO, "%s: close failed", path);
   return st;
 }
+
+#define DIRS_PATH_MAX 4096
+
+static status_t dirs_error(const char *what, const char *path, const char *reason) {
+  return err_set(STATUS_EIO, "%s%s'%s': %s", what ? what : "", what ? " " : "", path, reason);
+}
+
+/* Whether the existing entry at path is a folder this process may write into. */
+static status_t writable_folder(const char *what, const char *path, const char *shown) {
+  struct stat sb;
+  if (stat(path, &sb) != 0) return dirs_error(what, shown, strerror(errno));
+  if (!S_ISDIR(sb.st_mode)) {
+    char why[DIRS_PATH_MAX + 40];
+    snprintf(why, sizeof why, "'%s' is not a folder", path);
+    return dirs_error(what, shown, why);
+  }
+  if (access(path, W_OK | X_OK) != 0) {
+    char why[DIRS_PATH_MAX + 80];
+    snprintf(why, sizeof why, "cannot write into '%s': %s", path, strerror(errno));
+    return dirs_error(what, shown, why);
+  }
+  return STATUS_OK;
+}
+
+status_t file_make_dirs(const char *path, const char *what) {
+  char buf[DIRS_PATH_MAX];
+  size_t n = strlen(path);
+  if (n == 0 || n >= sizeof buf) return dirs_error(what, path, "empty or too long a path");
+  memcpy(buf, path, n + 1);
+  for (size_t i = 1; i <= n; i++) {
+    if (buf[i] != '/' && buf[i] != 0) continue;
+    char c = buf[i];
+    buf[i] = 0;
+    struct stat sb;
+    char why[DIRS_PATH_MAX + 80];
+    if (mkdir(buf, 0755) == 0) {
+      buf[i] = c;
+      continue;
+    }
+    if (errno != EEXIST) {
+      snprintf(why, sizeof why, "cannot create '%s': %s", buf, strerror(errno));
+      return dirs_error(what, path, why);
+    }
+    if (stat(buf, &sb) == 0 && !S_ISDIR(sb.st_mode)) {
+      snprintf(why, sizeof why, "'%s' is not a folder", buf);
+      return dirs_error(what, path, why);
+    }
+    buf[i] = c;
+  }
+  return writable_folder(what, path, path);
+}
+
+status_t file_check_dirs(const char *path, const char *what) {
+  char buf[DIRS_PATH_MAX];
+  size_t n = strlen(path);
+  if (n == 0 || n >= sizeof buf) return dirs_error(what, path, "empty or too long a path");
+  memcpy(buf, path, n + 1);
+  for (;;) { /* up to the nearest entry that exists */
+    struct stat sb;
+    if (stat(buf, &sb) == 0) return writable_folder(what, buf, path);
+    if ((errno != ENOENT && errno != ENOTDIR) || strcmp(buf, ".") == 0 || strcmp(buf, "/") == 0) {
+      char why[DIRS_PATH_MAX + 80];
+      snprintf(why, sizeof why, "'%s': %s", buf, strerror(errno));
+      return dirs_error(what, path, why);
+    }
+    char *slash = strrchr(buf, '/');
+    while (slash != NULL && slash > buf && slash[1] == 0) { /* trailing slashes */
+      *slash = 0;
+      slash = strrchr(buf, '/');
+    }
+    if (slash == NULL) {
+      snprintf(buf, sizeof buf, ".");
+    } else if (slash == buf) {
+      buf[1] = 0; /* "/" */
+    } else {
+      *slash = 0;
+    }
+  }
+}

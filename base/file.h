@@ -33,6 +33,14 @@ status_t file_read_text(const char *path, size_t max_bytes, char **out);
 /* Writes text and a newline to path (created or truncated) and syncs it to storage. */
 status_t file_write_text(const char *path, const char *text);
 
+/* Creates folder path with its missing parents (as mkdir -p; an existing folder is fine) and
+ * checks that it is writable. Errors read "WHAT 'PATH': reason" (what may be NULL). */
+status_t file_make_dirs(const char *path, const char *what);
+
+/* Checks, creating nothing, that folder path could be written: it is a writable folder, or its
+ * nearest existing ancestor is. Errors as file_make_dirs's. */
+status_t file_check_dirs(const char *path, const char *what);
+
 #ifdef __cplusplus
 }
 #endif

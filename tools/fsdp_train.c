@@ -10,14 +10,15 @@
  * estimates without training. Bad input is reported by every rank, with a non-zero exit.
  */
 #include <cJSON.h>
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "base/file.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"
@@ -396,6 +397,73 @@ static void dry_run(const run_t *r) {
   }
 }
 
+/* Every rank learns whether rank 0 could write the metrics file (err: its errno, or 0). */
+static status_t metrics_agree(const char *path, int err) {
+  int any = 0;
+  TRY(world_allreduce(&err, &any, 1, MPI_INT, MPI_MAX, world_comm(), "MPI_Allreduce (metrics)"));
+  if (any)
+    return err_set(STATUS_EIO, "cannot write the metrics file '%s': %s", path, strerror(any));
+  return STATUS_OK;
+}
+
+/* Opens the metrics file (rank 0) for a run starting after step start: a fresh run starts it
+ * anew; a resumed run keeps the lines up to its step (later ones belong to the run it
+ * replaces), rewritten through PATH.tmp and a rename, and appends. NULL with errno set on
+ * failure. */
+static FILE *metrics_open(const char *path, int64_t start) {
+  if (start == 0) return fopen(path, "w");
+  FILE *in = fopen(path, "r");
+  if (in == NULL) return errno == ENOENT ? fopen(path, "w") : NULL;
+  char tmp[PLAN_PATH_MAX + 8];
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE *out = fopen(tmp, "w");
+  char *line = NULL;
+  size_t cap = 0;
+  while (out != NULL && getline(&line, &cap, in) > 0) {
+    cJSON *o = cJSON_Parse(line);
+    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
+    if (!cJSON_IsNumber(step) || step->valuedouble <= (double)start) fputs(line, out);
+    cJSON_Delete(o);
+  }
+  free(line);
+  bool ok = out != NULL && !ferror(in) && fflush(out) == 0 && !ferror(out);
+  fclose(in);
+  if (out != NULL && fclose(out) != 0) ok = false;
+  if (!ok || rename(tmp, path) != 0) {
+    int e = errno;
+    unlink(tmp);
+    errno = e;
+    return NULL;
+  }
+  return fopen(path, "a");
+}
+
+/* The plan a checkpoint is saved under, as train_state.json's saved_under (caller frees). */
+static status_t saved_under(const run_t *r, char **out) {
+  const plan_t *p = &r->plan;
+  char *model_text = NULL;
+  TRY(llama_config_to_hf_text(&p->model, dtensor_local(r->ps[0]->value)->dtype, &model_text));
+  cJSON *model = cJSON_Parse(model_text), *o = cJSON_CreateObject();
+  free(model_text);
+  char *text = NULL;
+  if (model != NULL && o != NULL && cJSON_AddStringToObject(o, "plan", p->source) &&
+      cJSON_AddNumberToObject(o, "world_size", world_size()) &&
+      cJSON_AddNumberToObject(o, "dp_replicate", p->par.dp_replicate) &&
+      cJSON_AddNumberToObject(o, "dp_shard", p->par.dp_shard) &&
+      cJSON_AddNumberToObject(o, "tp", p->par.tp) &&
+      cJSON_AddNumberToObject(o, "global_batch",
+                              (double)(p->batch_size * p->grad_accum * r->dp_size)) &&
+      cJSON_AddItemToObject(o, "model", model)) {
+    model = NULL; /* o owns it */
+    text = cJSON_PrintUnformatted(o);
+  }
+  cJSON_Delete(model);
+  cJSON_Delete(o);
+  if (text == NULL) return err_set(STATUS_ENOMEM, "out of host memory (train_state.json)");
+  *out = text;
+  return STATUS_OK;
+}
+
 static status_t train(run_t *r) {
   const plan_t *p = &r->plan;
   data_spec_t spec = {.batch_size = p->batch_size,
@@ -411,18 +479,15 @@ static status_t train(run_t *r) {
    * its own output is redirected, so under a launcher the bar stays off */
   bool launched = getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("SLURM_PROCID");
   bool lead = world_rank() == 0, tty = lead && !launched && isatty(fileno(stdout));
-  int bad = 0;
-  if (lead && mpath[0] && (mf = fopen(mpath, "w")) == NULL) bad = 1;
-  int any = 0;
-  TRY(world_allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world_comm(), "MPI_Allreduce (metrics)"));
-  if (any) return err_set(STATUS_EIO, "cannot write the metrics file '%s'", mpath);
-  if (r->start_step >= p->steps) {
+  if (r->start_step >= p->steps) { /* before the metrics file is touched */
     if (lead)
       printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
              (long long)r->start_step, (long long)p->steps);
-    if (mf) fclose(mf);
     return STATUS_OK;
   }
+  int bad = 0;
+  if (lead && mpath[0] && (mf = metrics_open(mpath, r->start_step)) == NULL) bad = errno;
+  TRY(metrics_agree(mpath, bad));
   nn_module_t *root = llama_module(r->model);
   double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0;
   size_t peak_max = 0;
@@ -471,31 +536,18 @@ static status_t train(run_t *r) {
     peak_max = peak > peak_max ? peak : peak_max;
     if (s == r->start_step) first_loss = gl;
     if (p->ckpt_interval > 0 && (s + 1) % p->ckpt_interval == 0) {
-      char dir[PLAN_PATH_MAX + 32], under[8192], *model = NULL;
+      char dir[PLAN_PATH_MAX + 32], *under = NULL;
       ckpt_step_dir(p->ckpt_dir, s + 1, dir, sizeof dir);
-      dtype_t pdt = dtensor_local(r->ps[0]->value)->dtype;
-      st = llama_config_to_hf_text(&p->model, pdt, &model);
-      if (st != STATUS_OK) break;
-      snprintf(under, sizeof under,
-               "{\"plan\": \"%s\", \"world_size\": %d, \"dp_replicate\": %d, "
-               "\"dp_shard\": %d, \"tp\": %d, \"global_batch\": %lld, \"model\": %s}",
-               p->source, world_size(), p->par.dp_replicate, p->par.dp_shard, p->par.tp,
-               (long long)(p->batch_size * p->grad_accum * r->dp_size), model);
-      free(model);
-      if (lead) {
-        struct stat sb;
-        if (stat(p->ckpt_dir, &sb) != 0) mkdir(p->ckpt_dir, 0755);
-      }
-      st = world_barrier(world_comm(), "MPI_Barrier (checkpoint folder)");
+      st = saved_under(r, &under);
       if (st == STATUS_OK)
         st = ckpt_save_training(dir, r->ps, r->n, r->opt, s + 1, under, world_comm());
+      free(under);
       if (st != STATUS_OK) break;
       if (lead) ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
       if (lead) printf("saved %s\n", dir);
     }
     last_loss = gl;
     tok_sum += tokens;
-    if (!lead) continue;
     if (mf) {
       cJSON *o = cJSON_CreateObject();
       cJSON_AddNumberToObject(o, "step", (double)(s + 1));
@@ -508,11 +560,13 @@ static status_t train(run_t *r) {
       cJSON_AddNumberToObject(o, "state_bytes", (double)state);
       cJSON_AddNumberToObject(o, "step_time_s", dt);
       char *line = cJSON_PrintUnformatted(o);
-      if (line) fprintf(mf, "%s\n", line);
-      fflush(mf);
+      if (line == NULL || fprintf(mf, "%s\n", line) < 0 || fflush(mf) != 0)
+        bad = errno ? errno : EIO;
       free(line);
       cJSON_Delete(o);
     }
+    if (mpath[0] && (st = metrics_agree(mpath, bad)) != STATUS_OK) break; /* a full disk */
+    if (!lead) continue;
     bool show = s == 0 || s + 1 == p->steps || (s + 1) % p->log_interval == 0;
     double elapsed = now() - t_start, eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
     char pm[32];
@@ -531,7 +585,11 @@ static status_t train(run_t *r) {
     }
     fflush(stdout);
   }
-  if (mf) fclose(mf);
+  if (mf != NULL && fclose(mf) != 0) bad = errno ? errno : EIO;
+  if (mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
+    status_t ms = metrics_agree(mpath, bad);
+    if (st == STATUS_OK) st = ms;
+  }
   if (st == STATUS_OK && lead) {
     double total = now() - t_start;
     char pm[32];
@@ -561,6 +619,9 @@ int main(int argc, char **argv) {
   if (st == STATUS_OK) st = plan_resolve(&r->plan, world_size());
   if (st == STATUS_OK) world_set_timeout(r->plan.comm_timeout_s);
   if (st == STATUS_OK) st = dcp_set_block_bytes((uint64_t)r->plan.ckpt_block_bytes);
+  if (st == STATUS_OK && r->plan.ckpt_dir[0] && r->plan.ckpt_interval > 0) /* before training */
+    st = r->args.dry_run ? file_check_dirs(r->plan.ckpt_dir, "checkpoint.dir")
+                         : file_make_dirs(r->plan.ckpt_dir, "checkpoint.dir");
   int rc = 1;
   if (agree(st)) {
     st = build(r);

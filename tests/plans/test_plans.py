@@ -33,16 +33,18 @@ import time
 
 EXE, MPIRUN, ROOT, MODE = sys.argv[1:5]
 TOOL = os.path.join(os.path.dirname(EXE), "fsdp-ckpt")
-MPI_ARGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
+MPI_ARGS = ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+            # a failed job ends at once (by default mpirun waits 2 s for ranks that have exited)
+            "--mca", "odls_base_sigkill_timeout", "0"]
 STEPS = 10
 failures = []
 TEMPS = []
-# Sanitized builds: LeakSanitizer's exit-time check costs ~3 s per process (OpenMPI's own
-# allocations are matched against the suppressions); the modes that run fsdp-train's
-# ordinary paths many times skip it, those of bad input and damaged files (errors,
-# ckpt-corrupt) keep it, as do the library's C suites.
-# The damage table (ckpt-damage) runs ~110 processes: it keeps ASan and UBSan, not the leak
-# check (ckpt-corrupt and the C suites check the same error paths for leaks).
+# Sanitized builds: LeakSanitizer's check costs ~0.3 s of CPU per process (world_finalize
+# runs it before MPI_Finalize); the modes that run fsdp-train's ordinary paths many times skip
+# it, those of bad input and damaged files (errors, ckpt-corrupt) keep it, as do the library's
+# C suites. The damage table (ckpt-damage) runs ~110 processes: it keeps ASan and UBSan, not
+# the leak check (ckpt-corrupt and the C suites check the same error paths for leaks). Every
+# sanitizer report in a program's output fails the mode (sh below).
 if os.environ.get("FSDPC_TEST_SANITIZED") and MODE in ("configs", "dry-run", "checkpoint",
                                                        "ckpt-tool", "ckpt-damage"):
     os.environ["ASAN_OPTIONS"] = os.environ.get("ASAN_OPTIONS", "") + ":detect_leaks=0"
@@ -54,10 +56,23 @@ def mkdtemp():
     return d
 
 
+SANITIZER_REPORT = re.compile(r"ERROR: (Leak|Address)Sanitizer|runtime error:")
+
+
+def sh(cmd, timeout):
+    """Runs cmd capturing its output; a sanitizer's report in it is a failure."""
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if SANITIZER_REPORT.search(p.stderr):
+        check(False, "%s: ends without a sanitizer report" %
+              " ".join(os.path.basename(c) for c in cmd))
+        print(p.stderr[-3000:])
+    return p
+
+
 def run(n, args, timeout=300, mpi_args=()):
     cmd = [MPIRUN] + MPI_ARGS + list(mpi_args) + ["-n", str(n), EXE] + args
     t = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    p = sh(cmd, timeout)
     return p, time.time() - t
 
 
@@ -427,6 +442,69 @@ def checkpoints():
                     open(os.path.join(b, "step-00000010", sub, f), "rb") as y:
                 same = same and x.read() == y.read()
     check(same, "the step-10 checkpoints of both runs are byte-identical")
+    # 1b. the metrics file of a resumed run: lines up to the checkpoint's step kept, the rest
+    # rewritten; a run with nothing to train leaves it as it is; a write error stops the run
+    with open(ma) as f:
+        before = f.read()
+    p = train(4, "fsdp", ["train.steps=10", "checkpoint.load=" + os.path.join(a, "step-00000010")],
+              ma)
+    with open(ma) as f:
+        check(f.read() == before and "nothing to train" in p.stdout,
+              "a run with nothing to train leaves the metrics file as it is")
+    with open(ma, "a") as f:
+        f.write(before.splitlines()[-1] + "\n")  # a line past the end, as a longer run leaves
+    train(4, "fsdp", ["train.steps=10", "checkpoint.load=" + os.path.join(a, "step-00000005")],
+          ma)
+    m = losses(ma)
+    check([r["step"] for r in m] == list(range(1, 11)) and
+          [r["loss"] for r in m] == [json.loads(l)["loss"] for l in before.splitlines()],
+          "a resumed run keeps the metrics of steps 1-5 and rewrites 6-10 (steps %s)"
+          % [r["step"] for r in m])
+    # 1c. checkpoint.dir: missing parents created before training; one that cannot be a
+    # folder refused before the first step, --dry-run included (which creates nothing); a plan
+    # path with a quote in it is recorded as given (export-hf then needs no --config)
+    deep = os.path.join(tmp, "deep", "er", "ckpt")
+    odd = os.path.join(tmp, 'we"ird plan.yaml')
+    with open(cfg("fsdp")) as f, open(odd, "w") as g:  # the data path made absolute
+        g.write(f.read().replace("../data/", os.path.join(ROOT, "data") + "/"))
+    p, _ = run(2, [odd, "--set", "train.steps=2", "--set", "checkpoint.interval=2", "--set",
+                   "checkpoint.dir=" + deep, "--dry-run"])
+    check(p.returncode == 0 and not os.path.exists(os.path.join(tmp, "deep")),
+          "--dry-run with a checkpoint.dir to be created creates nothing")
+    train(2, "fsdp", ["train.steps=2", "checkpoint.interval=2", "checkpoint.dir=" + deep])
+    check(os.path.isdir(os.path.join(deep, "step-00000002")),
+          "checkpoint.dir's missing parents are created")
+    shutil.rmtree(os.path.join(tmp, "deep"), ignore_errors=True)
+    os.makedirs(os.path.dirname(deep), exist_ok=True)  # what follows does not depend on it
+    p, _ = run(2, [odd, "--set", "train.steps=2", "--set", "checkpoint.interval=2", "--set",
+                   "checkpoint.dir=" + deep])
+    try:
+        with open(os.path.join(deep, "step-00000002", "train_state.json")) as f:
+            under = json.load(f).get("saved_under", {})
+    except (OSError, ValueError):
+        under = {}
+    check(p.returncode == 0 and under.get("plan") == odd and under.get("world_size") == 2,
+          "a plan path with a quote is recorded as given (%r)" % under.get("plan"))
+    out = os.path.join(tmp, "odd-hf")
+    p = sh([TOOL, "export-hf", os.path.join(deep, "step-00000002"), out], timeout=300)
+    check(p.returncode == 0 and os.path.exists(os.path.join(out, "config.json")),
+          "export-hf of its checkpoint finds the model in train_state.json")
+    blocked = os.path.join(tmp, "a-file")
+    with open(blocked, "w") as f:
+        f.write("x")
+    for extra in ([], ["--dry-run"]):
+        p, _ = run(2, [cfg("fsdp"), "--set", "checkpoint.interval=2", "--set",
+                       "checkpoint.dir=" + os.path.join(blocked, "ckpt")] + extra)
+        check(p.returncode != 0 and "step " not in p.stdout and all(
+            re.search(r"\[rank %d\] checkpoint\.dir '.*a-file/ckpt': .*'.*a-file' is not a "
+                      r"folder" % k, p.stderr) for k in (0, 1)),
+              "checkpoint.dir under a file: every rank refuses it before training %s(exit %d)"
+              % (" ".join(extra) + " " if extra else "", p.returncode))
+    p, _ = run(2, [cfg("fsdp"), "--set", "train.steps=3", "--metrics", "/dev/full"])
+    check(p.returncode != 0 and all(
+        re.search(r"\[rank %d\].*cannot write the metrics file '/dev/full': No space left" % k,
+                  p.stderr) for k in (0, 1)),
+          "metrics on a full disk: every rank stops naming the file (exit %d)" % p.returncode)
     # 2. resume under other plans: global batch 24 everywhere
     ref = os.path.join(tmp, "ref.jsonl")
     train(1, "debug", ["train.steps=10", "data.batch_size=24"], ref)
@@ -482,8 +560,8 @@ def checkpoints():
 
     for n, name, batch in [(8, "hsdp-tp", 6), (1, "debug", 24)]:
         rs = os.path.join(tmp, "rs-" + name)
-        p = subprocess.run([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg(name), rs,
-                            "--set", "data.batch_size=%d" % batch], capture_output=True, text=True)
+        p = sh([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg(name), rs,
+                "--set", "data.batch_size=%d" % batch], timeout=300)
         check(p.returncode == 0, "fsdp-ckpt reshard to %s runs" % name)
         if p.returncode != 0:
             print(p.stderr)
@@ -501,9 +579,8 @@ def checkpoints():
               "resharded offline for %s on %d: losses match the uninterrupted run (worst %.2e), "
               "rank 0 reads exactly its own chunks" % (name, n, worst))
     # a plan with another model: refused, naming the first difference
-    p = subprocess.run([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg("debug"),
-                        os.path.join(tmp, "rs-other"), "--set", "model.n_layers=3"],
-                       capture_output=True, text=True)
+    p = sh([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg("debug"),
+            os.path.join(tmp, "rs-other"), "--set", "model.n_layers=3"], timeout=300)
     check(p.returncode != 0 and "differs from the model of" in p.stderr and
           "n_layers 2 vs 3" in p.stderr, "reshard to another model names the difference")
     # 3. keep: only the newest checkpoints stay
@@ -713,8 +790,7 @@ def ckpt_tool():
                    "--set", "checkpoint.dir=" + ck, "--set", "checkpoint.interval=3"])
     check(p.returncode == 0, "fsdp on 4 ranks saves a checkpoint")
     step = os.path.join(ck, "step-00000003")
-    tool_run = lambda *a: subprocess.run([TOOL] + list(a), capture_output=True, text=True,
-                                         timeout=120)
+    tool_run = lambda *a: sh([TOOL] + list(a), timeout=120)
     p = tool_run("inspect", step)
     check(p.returncode == 0 and "after step 3" in p.stdout and "fsdp.yaml" in p.stdout and
           re.search(r"model\.layers\.1\.mlp\.down_proj\.weight\s+F32\s+64x160\s+4\s+40960",
@@ -781,9 +857,8 @@ def ckpt_tool():
             check(exact, "f32: every exported value equals the checkpoint's")
     # the exported weights' logits: the C model against an independent plain-Python Llama
     ids = [72, 101, 108, 108, 111, 44, 32, 119]
-    p = subprocess.run([os.path.join(os.path.dirname(EXE), "..", "tests", "hf_logits"),
-                        os.path.join(tmp, "hf-f32")] + [str(i) for i in ids],
-                       capture_output=True, text=True, timeout=120)
+    p = sh([os.path.join(os.path.dirname(EXE), "..", "tests", "hf_logits"),
+            os.path.join(tmp, "hf-f32")] + [str(i) for i in ids], timeout=120)
     if p.returncode == 0:
         got = json.loads(p.stdout)["logits"]
         want = py_logits(os.path.join(tmp, "hf-f32"), ids)
@@ -1025,12 +1100,11 @@ def ckpt_corrupt():
           "watchdog (%s)" % ("%.1f" % secs if secs else "never", sorted(said)))
     # fsdp-ckpt verify reads every chunk whole: the good checkpoint passes, the flipped byte is
     # named (a resharding load, which reads only the rows it needs, would not see it)
-    p = subprocess.run([TOOL, "verify", good], capture_output=True, text=True, timeout=120)
+    p = sh([TOOL, "verify", good], timeout=120)
     check(p.returncode == 0 and re.search(r"(\d+) chunks match their checksums, 0 saved without "
                                           r"one, 0 tensors damaged", p.stdout) is not None,
           "verify passes the good checkpoint (model and optimizer state)")
-    p = subprocess.run([TOOL, "verify", os.path.join(tmp, "flipped-data-byte")],
-                       capture_output=True, text=True, timeout=120)
+    p = sh([TOOL, "verify", os.path.join(tmp, "flipped-data-byte")], timeout=120)
     check(p.returncode != 0 and re.search(
         r"shard-00000\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight': "
         r"checksum mismatch", p.stderr) is not None and "1 tensors damaged" in p.stdout,
@@ -1204,8 +1278,6 @@ def ckpt_damage():
         ("no records, a byte flipped: read unchecked, said once",
          lambda d: (strip_records(d), flip(m0(d))), r"no checksums \(written by another tool\)", ()),
     ]
-    # a job that fails is ended at once (the default waits 2 s for ranks that have exited)
-    fast = ["--mca", "odls_base_sigkill_timeout", "0"]
     def one(k, op):
         """(outcome, what to report) of operation op on damage k"""
         name, _, want, refuse = cases[k]
@@ -1214,12 +1286,11 @@ def ckpt_damage():
         try:
             if op.startswith("resume"):
                 p, _ = run(int(op[-1]), [cfg, "--set", "train.steps=3", "--set",
-                                         "checkpoint.load=" + bad], timeout=120, mpi_args=fast)
+                                         "checkpoint.load=" + bad], timeout=120)
             else:
                 args = {"inspect": [bad], "verify": [bad], "export-hf": [bad, out],
                         "reshard": [bad, "--to", cfg, out, "--world", "3"]}[op]
-                p = subprocess.run([TOOL, op] + args, capture_output=True, text=True,
-                                   timeout=120)
+                p = sh([TOOL, op] + args, timeout=120)
         except subprocess.TimeoutExpired:
             return "hang", "%s / %s: finishes (timed out)" % (name, op), ""
         crashed = p.returncode < 0 or re.search(
