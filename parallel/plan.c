@@ -910,14 +910,19 @@ status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                    "has %d ranks",
                    pp->mesh_where.text, pp->dp_replicate, pp->dp_shard, pp->tp, known, world);
   }
-  for (int i = 0; i <= pp->n_units; i++) {
-    int N = i < pp->n_units ? pp->units[i].reshard_after_forward : pp->reshard_after_forward;
-    const char *w = i < pp->n_units ? pp->units[i].where.text : pp->fsdp_where.text;
+  for (int i = -1; i < pp->n_units; i++) { /* the section's value, then the units' own */
+    int N = i >= 0 ? pp->units[i].reshard_after_forward : pp->reshard_after_forward;
+    if (i >= 0 && N == pp->reshard_after_forward) continue; /* inherited, or the same */
+    const char *w = i >= 0 ? pp->units[i].where.text : pp->fsdp_where.text;
+    char key[64] = "parallelize.fully_shard.reshard_after_forward";
+    if (i >= 0)
+      snprintf(key, sizeof key, "parallelize.fully_shard.units[%d].reshard_after_forward", i);
     if (N >= 2 && (N >= pp->dp_shard || pp->dp_shard % N != 0))
       return err_set(STATUS_EINVAL,
-                     "%s: parallelize.fully_shard.reshard_after_forward: %d does not divide "
-                     "mesh.dp_shard=%d into groups of 1 < N < %d ranks",
-                     w, N, pp->dp_shard, pp->dp_shard);
+                     "%s: %s: %d %s mesh.dp_shard=%d (an integer N keeps parameters sharded "
+                     "over groups of N ranks after forward: 1 < N < dp_shard, dividing it)",
+                     w, key, N, N >= pp->dp_shard ? "is not below" : "does not divide",
+                     pp->dp_shard);
   }
   if (pp->tp > 1 && pp->n_tp_rules == 0)
     return err_set(STATUS_EINVAL,

@@ -128,11 +128,51 @@ typedef struct run {
   char resumed_from[PLAN_PATH_MAX + 32];
   dcp_stats_t load_stats;
   int64_t verified; /* chunks checked against their checksums before loading (-1: not asked) */
+  int64_t saved_batch; /* the global batch the resumed checkpoint was saved with; 0: unknown */
 } run_t;
+
+/* The token file, checked against the model and the sample length (a dry run too: it must
+ * refuse what the run would). */
+static status_t open_data(run_t *r) {
+  const plan_t *p = &r->plan;
+  TRY(data_open(&r->data, p->data_path, p->data_format));
+  if (data_max_token(r->data) >= p->model.vocab_size)
+    return err_set(STATUS_EINVAL,
+                   "%s: data.path: token id %lld in '%s' is outside "
+                   "model.vocab_size=%lld",
+                   p->data_where.text, (long long)data_max_token(r->data), p->data_path,
+                   (long long)p->model.vocab_size);
+  int64_t need = p->seq_len + 1;
+  if (data_num_tokens(r->data) < need)
+    return err_set(STATUS_EINVAL,
+                   "%s: data.path: '%s' has %lld tokens, fewer than one sample "
+                   "of data.seq_len + 1 = %lld",
+                   p->data_where.text, p->data_path, (long long)data_num_tokens(r->data),
+                   (long long)need);
+  return STATUS_OK;
+}
+
+/* The global batch recorded in dir's train_state.json (saved_under), or 0. */
+static int64_t saved_global_batch(const char *dir) {
+  char path[PLAN_PATH_MAX + 64], *text = NULL;
+  snprintf(path, sizeof path, "%s/train_state.json", dir);
+  if (file_read_text(path, FILE_TEXT_MAX, &text) != STATUS_OK) {
+    err_clear();
+    return 0;
+  }
+  cJSON *o = cJSON_Parse(text);
+  free(text);
+  const cJSON *b = cJSON_GetObjectItemCaseSensitive(
+      cJSON_GetObjectItemCaseSensitive(o, "saved_under"), "global_batch");
+  int64_t n = cJSON_IsNumber(b) && b->valuedouble > 0 ? (int64_t)b->valuedouble : 0;
+  cJSON_Delete(o);
+  return n;
+}
 
 static status_t build(run_t *r) {
   plan_t *p = &r->plan;
   TRY(llama_plan_check(&p->par));
+  TRY(open_data(r)); /* before the model: a bad file fails at once */
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.device = world_device().type;
   lo.activation_checkpointing = p->activation_checkpointing;
@@ -176,24 +216,9 @@ static status_t build(run_t *r) {
     if (p->ckpt_verify)
       TRY(ckpt_verify_training(r->resumed_from, world_comm(), &r->verified));
     TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
+    r->saved_batch = saved_global_batch(r->resumed_from);
   } else {
     r->resumed_from[0] = 0;
-  }
-  if (!r->args.dry_run) {
-    TRY(data_open(&r->data, p->data_path, p->data_format));
-    if (data_max_token(r->data) >= p->model.vocab_size)
-      return err_set(STATUS_EINVAL,
-                     "%s: data.path: token id %lld in '%s' is outside "
-                     "model.vocab_size=%lld",
-                     p->data_where.text, (long long)data_max_token(r->data), p->data_path,
-                     (long long)p->model.vocab_size);
-    int64_t need = p->seq_len + 1;
-    if (data_num_tokens(r->data) < need)
-      return err_set(STATUS_EINVAL,
-                     "%s: data.path: '%s' has %lld tokens, fewer than one sample "
-                     "of data.seq_len + 1 = %lld",
-                     p->data_where.text, p->data_path, (long long)data_num_tokens(r->data),
-                     (long long)need);
   }
   return STATUS_OK;
 }
@@ -211,8 +236,9 @@ static void header(const run_t *r) {
   device_str(r->dev, dev, sizeof dev);
   mib(mb, sizeof mb, sharded_param_bytes(r));
   printf("fsdp-train: %s\n", p->source);
-  printf("  world %d ranks on %s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n", world_size(),
-         dev, p->par.dp_replicate, p->par.dp_shard, p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
+  printf("  world %d rank%s on %s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
+         world_size(), world_size() == 1 ? "" : "s", dev, p->par.dp_replicate, p->par.dp_shard,
+         p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
   printf(
       "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
       "%lld parameters\n",
@@ -222,7 +248,7 @@ static void header(const run_t *r) {
   printf(
       "  fully_shard: %d groups (%d units + root); reshard_after_forward %s; param %s, "
       "reduce %s%s\n",
-      r->n_groups, p->par.n_units, reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
+      r->n_groups, r->n_groups - 1, reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
       dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), p->par.offload ? "; offload" : "");
   if (r->tp)
     printf("  tensor_parallel: %d modules on tp=%d (%s); sequence parallelism %s\n",
@@ -240,15 +266,26 @@ static void header(const run_t *r) {
   if (r->resumed_from[0] && r->load_stats.unchecked)
     printf("  %s has no checksums (written by another tool): what was read is unchecked\n",
            r->resumed_from);
-  if (r->resumed_from[0] && r->verified >= 0)
-    printf("  checkpoint.verify: %lld chunks match their checksums\n", (long long)r->verified);
+  if (r->resumed_from[0] && r->verified >= 0 && r->load_stats.unchecked)
+    printf("  checkpoint.verify: nothing to verify (the files carry no checksums)\n");
+  else if (r->resumed_from[0] && r->verified >= 0)
+    printf("  checkpoint.verify: %lld chunks read whole, every block matches its checksum\n",
+           (long long)r->verified);
   else if (p->ckpt_load[0] && !r->resumed_from[0])
     printf("  no checkpoint in %s yet: starting from step 0\n", p->ckpt_dir);
   printf(
       "  data: %s, %lld samples x %lld tokens per rank, grad_accum %lld (global batch %lld "
-      "samples); %lld steps\n",
+      "samples); %lld step%s\n",
       p->data_path, (long long)p->batch_size, (long long)p->seq_len, (long long)p->grad_accum,
-      (long long)(p->batch_size * p->grad_accum * r->dp_size), (long long)p->steps);
+      (long long)(p->batch_size * p->grad_accum * r->dp_size), (long long)p->steps,
+      p->steps == 1 ? "" : "s");
+  if (r->saved_batch > 0 && r->saved_batch != p->batch_size * p->grad_accum * r->dp_size)
+    fprintf(stderr,
+            "fsdp-train: warning: %s was saved with a global batch of %lld samples, this run "
+            "takes %lld: the data order and the learning-rate schedule go on by step, so "
+            "samples are skipped or repeated\n",
+            r->resumed_from, (long long)r->saved_batch,
+            (long long)(p->batch_size * p->grad_accum * r->dp_size));
   fflush(stdout);
 }
 

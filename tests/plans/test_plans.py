@@ -235,6 +235,9 @@ def errors():
     def tp_plan(rules):
         return tp_base.replace("parallelize:\n",
                                "parallelize:\n  tensor_parallel:\n    plan: {%s}\n" % rules)
+    odd = os.path.join(tmp, "odd.bin")
+    with open(odd, "wb") as f:
+        f.write(b"\x01\x02\x03")
     # (name, plan text or None for BASE, extra args, expected message regex)
     cases = [
         ("syntax error", "mesh: [1, 2\n", [], r"bad\d*\.yaml:\d+:\d+: not valid YAML"),
@@ -252,7 +255,12 @@ def errors():
          r"mesh: dp_replicate x dp_shard x tp = 1 x 3 x 1 = 3, but the world has 2 ranks"),
         ("integer reshard not dividing dp_shard", base.replace(
             'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    reshard_after_forward: 3'),
-         [], r"reshard_after_forward: 3 does not divide mesh\.dp_shard=2"),
+         [], r"fully_shard\.reshard_after_forward: 3 is not below mesh\.dp_shard=2"),
+        ("a unit's integer reshard not dividing dp_shard", base.replace(
+            'units: ["model.layers.*"]',
+            'units: [{match: "model.layers.*", reshard_after_forward: 3}]'),
+         [], r"fully_shard\.units\[0\]\.reshard_after_forward: 3 is not below "
+             r"mesh\.dp_shard=2"),
         ("missing data file", base.replace(data, "/nonexistent/tokens.bin"), [],
          r"data\.path: cannot read '/nonexistent/tokens\.bin'"),
         ("unit pattern matching nothing", base.replace('"model.layers.*"', '"model.blocks.*"'),
@@ -325,6 +333,12 @@ def errors():
          "    \"*norm*\": {lr: 0.2}\n", [], r"optim\.param_groups: '\*norm\*' appears twice"),
         ("unknown train.nonfinite", base.replace("  steps: 2", "  steps: 2\n  nonfinite: ignore"), [],
          r"train\.nonfinite: expected stop or skip, got 'ignore'"),
+        # --dry-run refuses what the run would
+        ("--dry-run, u16 tokens in an odd-sized file",
+         base.replace(data, odd).replace("  seq_len: 16", "  format: u16\n  seq_len: 16"),
+         ["--dry-run"], r"data file .*odd\.bin: 3 bytes is not a whole number of uint16 tokens"),
+        ("--dry-run, tokens outside the vocabulary", base.replace("vocab_size: 256", "vocab_size: 50"),
+         ["--dry-run"], r"token id \d+ .* is outside model\.vocab_size=50"),
     ]
     os.mkfifo(os.path.join(tmp, "fifo.yaml"))
     def one(k):
@@ -1113,9 +1127,29 @@ def ckpt_corrupt():
     # load itself) checks every chunk first, the tensors split over the ranks
     p, _ = run(4, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + good,
                    "--set", "checkpoint.verify=true"], timeout=120)
-    m = re.search(r"checkpoint\.verify: (\d+) chunks match their checksums", p.stdout)
+    m = re.search(r"checkpoint\.verify: (\d+) chunks read whole, every block matches its "
+                  r"checksum", p.stdout)
     check(p.returncode == 0 and m is not None and int(m.group(1)) > 0,
           "checkpoint.verify passes the good checkpoint on 4 ranks")
+    # the header's counts; a resume under another global batch is said; checkpoint.verify on
+    # files without checksums says there is nothing to verify
+    p, _ = run(1, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + good,
+                   "--set", "mesh.dp_shard=1", "--set", "data.batch_size=3"], timeout=120)
+    check(p.returncode == 0 and "world 1 rank on" in p.stdout and re.search(
+        r"fully_shard: 3 groups \(2 units \+ root\)", p.stdout) is not None,
+          "the header counts one rank and 3 groups: 2 layer units and the root")
+    m = re.search(r"warning: \S+ was saved with a global batch of (\d+) samples, this run takes "
+                  r"(\d+)", p.stderr)
+    check(m is not None and m.group(2) == "12" and m.group(1) != "12",
+          "a resume under another global batch says so (%s)" % str(m.groups() if m else None))
+    bare = os.path.join(tmp, "no-records")
+    shutil.copytree(good, bare)
+    strip_records(bare)
+    p, _ = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + bare,
+                   "--set", "checkpoint.verify=true"], timeout=120)
+    check(p.returncode == 0 and "checkpoint.verify: nothing to verify (the files carry no "
+          "checksums)" in p.stdout, "checkpoint.verify on files without checksums says so")
+    check("global batch" not in p.stderr, "a resume under the saved global batch: no warning")
     p, _ = run(4, [cfg, "--set", "train.steps=3", "--set",
                    "checkpoint.load=" + os.path.join(tmp, "flipped-data-byte"),
                    "--set", "checkpoint.verify=true"], timeout=120)
