@@ -26,3 +26,9 @@ status_t err_set(status_t st, const char *fmt, ...) {
 }
 
 void err_clear(void) { detail_text[0] = '\0'; }
+
+#ifndef FSDPC_VERSION
+#define FSDPC_VERSION "unknown"
+#endif
+
+const char *fsdpc_version(void) { return FSDPC_VERSION; }

@@ -47,6 +47,9 @@ typedef enum status {
 /* Static text for a status code; never NULL. */
 const char *status_str(status_t st);
 
+/* The library's version, "MAJOR.MINOR.PATCH" (what every program's --version prints). */
+const char *fsdpc_version(void);
+
 /* Detail text of the last error recorded on this thread ("" if none). Valid until the next
  * err_set() on this thread. */
 const char *err_detail(void);

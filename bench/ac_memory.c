@@ -8,10 +8,20 @@
 #include "bench/bench_util.h"
 #include "mesh/world.h"
 
+static const bench_option_t OPTIONS[] = {
+    BENCH_MODEL_OPTIONS,
+    {"--batch", "N", "samples per step (default 4)"},
+    {"--seq", "N", "tokens per sample (default 128)"},
+    {NULL, NULL, NULL}};
+
 int main(int argc, char **argv) {
   BENCH_TRY(world_init(&argc, &argv));
-  data_spec_t spec = {.batch_size = atoll(bench_opt(argc, argv, "--batch", "4")),
-                      .seq_len = atoll(bench_opt(argc, argv, "--seq", "128")),
+  bench_args(argc, argv,
+             "Peak memory of a training step of a Llama with and without activation "
+             "checkpointing.",
+             OPTIONS);
+  data_spec_t spec = {.batch_size = bench_int(argc, argv, "--batch", 4, 1, 1 << 20),
+                      .seq_len = bench_int(argc, argv, "--seq", 128, 1, 1 << 24),
                       .grad_accum = 1,
                       .dp_size = 1};
   llama_config_t cfg;

@@ -2,11 +2,14 @@
 #ifndef FSDPC_BENCH_UTIL_H
 #define FSDPC_BENCH_UTIL_H
 
+#include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "mesh/world.h"
 #include "nn/data.h"
 #include "nn/llama.h"
 #include "nn/ops.h"
@@ -28,11 +31,105 @@ static inline double bench_now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* One option of a benchmark: "--name" taking a value (shown as metavar) or a flag (NULL). */
+typedef struct bench_option {
+  const char *name, *metavar, *help;
+} bench_option_t;
+
+/* The options bench_model reads, which every benchmark takes. */
+#define BENCH_MODEL_OPTIONS                                                  \
+  {"--config", "PATH", "the model's Hugging Face config.json"},              \
+      {"--device", "cpu|cuda", "where the model runs (default cpu)"},       \
+      {"--dtype", "f32|bf16|f16", "the parameters' dtype (default f32)"}, \
+      {"--ac", NULL, "activation checkpointing"}
+
+static inline const char *bench_prog(char **argv) {
+  const char *slash = strrchr(argv[0], '/');
+  return slash ? slash + 1 : argv[0];
+}
+
+/* Leaves with status rc after rank 0 printed (or every rank, for an error) what was said. */
+static inline void bench_leave(int rc) {
+  fflush(stdout);
+  fflush(stderr);
+  if (rc == 0) world_finalize();
+  exit(rc);
+}
+
+/* Checks the command line against opts (ended by {NULL}): --help prints what the program
+ * does and its options, --version the library's version, both exiting 0; an unknown option,
+ * a missing value or a stray argument is an error on every rank (exit 2). Call it first,
+ * after world_init. */
+static inline void bench_args(int argc, char **argv, const char *what,
+                              const bench_option_t *opts) {
+  const char *prog = bench_prog(argv);
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      if (world_rank() == 0) {
+        printf("usage: %s [OPTION]...\n%s\n\n", prog, what);
+        for (const bench_option_t *o = opts; o->name; o++)
+          printf("  %s%s%-*s %s\n", o->name, o->metavar ? " " : "",
+                 (int)(24 - strlen(o->name) - (o->metavar ? 1 : 0)), o->metavar ? o->metavar : "",
+                 o->help);
+        printf("  %-24s %s\n  %-24s %s\n", "--help", "this text", "--version",
+               "the version");
+      }
+      bench_leave(0);
+    }
+    if (strcmp(a, "--version") == 0) {
+      if (world_rank() == 0) printf("%s (fsdpc) %s\n", prog, fsdpc_version());
+      bench_leave(0);
+    }
+    const bench_option_t *o = opts;
+    while (o->name && strcmp(o->name, a) != 0) o++;
+    if (o->name == NULL) {
+      fprintf(stderr, "%s: %s '%s' (--help lists the options)\n", prog,
+              a[0] == '-' ? "unknown option" : "unexpected argument", a);
+      bench_leave(2);
+    }
+    if (o->metavar && ++i >= argc) {
+      fprintf(stderr, "%s: %s needs a value (%s)\n", prog, a, o->metavar);
+      bench_leave(2);
+    }
+  }
+}
+
 /* "--name value" lookup; returns def when absent. */
 static inline const char *bench_opt(int argc, char **argv, const char *name, const char *def) {
   for (int i = 1; i + 1 < argc; i++)
     if (strcmp(argv[i], name) == 0) return argv[i + 1];
   return def;
+}
+
+/* Integer option name, def when absent: the whole value must be a number in [lo, hi]. */
+static inline int64_t bench_int(int argc, char **argv, const char *name, int64_t def, int64_t lo,
+                                int64_t hi) {
+  const char *v = bench_opt(argc, argv, name, NULL);
+  if (v == NULL) return def;
+  char *end;
+  errno = 0;
+  long long x = strtoll(v, &end, 10);
+  if (errno != 0 || end == v || *end != 0 || x < lo || x > hi) {
+    fprintf(stderr, "%s: %s: expected an integer from %lld to %lld, got '%s'\n",
+            bench_prog(argv), name, (long long)lo, (long long)hi, v);
+    bench_leave(2);
+  }
+  return (int64_t)x;
+}
+
+/* Real option name, def when absent: the whole value must be a finite number > 0. */
+static inline double bench_positive(int argc, char **argv, const char *name, double def) {
+  const char *v = bench_opt(argc, argv, name, NULL);
+  if (v == NULL) return def;
+  char *end;
+  errno = 0;
+  double x = strtod(v, &end);
+  if (errno != 0 || end == v || *end != 0 || !isfinite(x) || x <= 0) {
+    fprintf(stderr, "%s: %s: expected a positive number, got '%s'\n", bench_prog(argv), name, v);
+    bench_leave(2);
+  }
+  return x;
 }
 
 static inline int bench_flag(int argc, char **argv, const char *name) {
@@ -49,8 +146,8 @@ static inline void bench_model(int argc, char **argv, const char *def_config, ll
   *opt = (llama_options_t)LLAMA_OPTIONS_INIT;
   const char *dev = bench_opt(argc, argv, "--device", "cpu");
   if (strcmp(dev, "cpu") != 0 && strcmp(dev, "cuda") != 0) {
-    fprintf(stderr, "--device must be cpu or cuda, got '%s'\n", dev);
-    exit(2);
+    fprintf(stderr, "%s: --device: expected cpu or cuda, got '%s'\n", bench_prog(argv), dev);
+    bench_leave(2);
   }
   opt->device = strcmp(dev, "cuda") == 0 ? DEVICE_CUDA : DEVICE_CPU;
   BENCH_TRY(dtype_parse(bench_opt(argc, argv, "--dtype", "f32"), &opt->dtype));

@@ -196,13 +196,23 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+static const bench_option_t OPTIONS[] = {
+    BENCH_MODEL_OPTIONS,
+    {"--dir", "DIR", "an existing checkpoint to read (default: one written to a temporary "
+                     "folder)"},
+    {"--reps", "N", "interleaved repetitions, the median printed (default 3)"},
+    {NULL, NULL, NULL}};
+
 int main(int argc, char **argv) {
   BENCH_TRY(world_init(&argc, &argv));
+  bench_args(argc, argv,
+             "A one-rank resume of a training checkpoint against a plain read of its files, "
+             "with and without checksums.",
+             OPTIONS);
   llama_config_t cfg;
   llama_options_t unused;
   bench_model(argc, argv, SOURCE_ROOT "/configs/llama-100m.json", &cfg, &unused);
-  int reps = atoi(bench_opt(argc, argv, "--reps", "3"));
-  if (reps < 1 || reps > 64) reps = 3;
+  int reps = (int)bench_int(argc, argv, "--reps", 3, 1, 64);
   const char *given = bench_opt(argc, argv, "--dir", NULL);
   char tmp[] = "/tmp/fsdpc-ckpt-load-XXXXXX", dir[4200];
   if (given == NULL) {

@@ -15,18 +15,48 @@
 
 static uint64_t sum_kind(pg_t *pg, pg_kind_t k) { return pg ? pg_counters(pg).bytes[k] : 0; }
 
+static const bench_option_t OPTIONS[] = {
+    BENCH_MODEL_OPTIONS,
+    {"--hsdp", "R", "replicate over R groups of W/R ranks (default 1: FSDP)"},
+    {"--reshard", "auto|true|false|N", "reshard_after_forward of the layers (default auto)"},
+    {"--param-dtype", "f32|bf16|f16", "all-gather and compute dtype (default f32)"},
+    {"--steps", "N", "steps to time (default 5)"},
+    {"--batch", "N", "samples per rank (default 2)"},
+    {"--seq", "N", "tokens per sample (default 128)"},
+    {"--offload", NULL, "sharded state on the host (CUDA)"},
+    {NULL, NULL, NULL}};
+
+/* --reshard: auto, true, false or an integer N >= 2. */
+static int reshard_arg(int argc, char **argv) {
+  const char *rs = bench_opt(argc, argv, "--reshard", "auto");
+  if (strcmp(rs, "auto") == 0) return FSDP_RESHARD_AUTO;
+  if (strcmp(rs, "true") == 0) return 1;
+  if (strcmp(rs, "false") == 0) return 0;
+  char *end;
+  long n = strtol(rs, &end, 10);
+  if (end == rs || *end != 0 || n < 0 || n > (1 << 20)) {
+    fprintf(stderr, "%s: --reshard: expected auto, true, false or an integer N, got '%s'\n",
+            bench_prog(argv), rs);
+    bench_leave(2);
+  }
+  return (int)n;
+}
+
 int main(int argc, char **argv) {
   BENCH_TRY(world_init(&argc, &argv));
+  bench_args(argc, argv,
+             "Times FSDP training steps of a Llama and prints the communication and peak memory "
+             "per step, measured and from the closed form.",
+             OPTIONS);
   int rank = world_rank(), W = world_size();
   llama_config_t cfg;
   llama_options_t lopt;
   bench_model(argc, argv, SOURCE_ROOT "/configs/llama-small.json", &cfg, &lopt);
-  int R = atoi(bench_opt(argc, argv, "--hsdp", "1"));
-  const char *rs = bench_opt(argc, argv, "--reshard", "auto");
-  int reshard = strcmp(rs, "auto") == 0 ? FSDP_RESHARD_AUTO : atoi(rs);
+  int R = (int)bench_int(argc, argv, "--hsdp", 1, 1, W);
+  int reshard = reshard_arg(argc, argv);
   dtype_t pdt;
   BENCH_TRY(dtype_parse(bench_opt(argc, argv, "--param-dtype", "f32"), &pdt));
-  int64_t steps = atoll(bench_opt(argc, argv, "--steps", "5"));
+  int64_t steps = bench_int(argc, argv, "--steps", 5, 1, 1000000);
   mesh_t *mesh;
   if (R > 1) {
     int shape[2] = {R, -1};
@@ -38,8 +68,8 @@ int main(int argc, char **argv) {
   }
   int md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1);
   int dp_rank = md == 2 ? mesh_coord(mesh, 0) * Ws + mesh_coord(mesh, 1) : mesh_coord(mesh, 0);
-  data_spec_t spec = {.batch_size = atoll(bench_opt(argc, argv, "--batch", "2")),
-                      .seq_len = atoll(bench_opt(argc, argv, "--seq", "128")),
+  data_spec_t spec = {.batch_size = bench_int(argc, argv, "--batch", 2, 1, 1 << 20),
+                      .seq_len = bench_int(argc, argv, "--seq", 128, 1, 1 << 24),
                       .grad_accum = 1,
                       .dp_size = W,
                       .dp_rank = dp_rank};
@@ -86,7 +116,8 @@ int main(int argc, char **argv) {
     printf(
         "llama %lld params, %lld layers; mesh %s x %d; reshard %s; param %s, reduce %s; "
         "batch %lld x %lld per rank\n",
-        (long long)P, (long long)cfg.n_layers, R > 1 ? "hsdp" : "fsdp", W, rs, dtype_name(pdt),
+        (long long)P, (long long)cfg.n_layers, R > 1 ? "hsdp" : "fsdp", W,
+        bench_opt(argc, argv, "--reshard", "auto"), dtype_name(pdt),
         dtype_name(lopt.dtype), (long long)spec.batch_size, (long long)spec.seq_len);
   for (int64_t s = 0; s < steps; s++) {
     pg_reset_counters(shard);

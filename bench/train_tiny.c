@@ -12,14 +12,27 @@
 #include "mesh/world.h"
 #include "nn/optim.h"
 
+static const bench_option_t OPTIONS[] = {
+    BENCH_MODEL_OPTIONS,
+    {"--data", "PATH", "token file, one byte per token (default data/corpus.txt)"},
+    {"--steps", "N", "training steps (default 300)"},
+    {"--every", "N", "steps between printed losses (default 25)"},
+    {"--batch", "N", "samples per step (default 8)"},
+    {"--seq", "N", "tokens per sample (default 64)"},
+    {"--accum", "N", "micro-batches per step (default 1)"},
+    {"--lr", "X", "peak learning rate (default 3e-3)"},
+    {NULL, NULL, NULL}};
+
 int main(int argc, char **argv) {
   BENCH_TRY(world_init(&argc, &argv));
+  bench_args(argc, argv, "Trains a small Llama on one rank and prints its loss curve and tokens/s.",
+             OPTIONS);
   const char *data_path = bench_opt(argc, argv, "--data", SOURCE_ROOT "/data/corpus.txt");
-  int64_t steps = atoll(bench_opt(argc, argv, "--steps", "300"));
-  int64_t every = atoll(bench_opt(argc, argv, "--every", "25"));
-  data_spec_t spec = {.batch_size = atoll(bench_opt(argc, argv, "--batch", "8")),
-                      .seq_len = atoll(bench_opt(argc, argv, "--seq", "64")),
-                      .grad_accum = atoll(bench_opt(argc, argv, "--accum", "1")),
+  int64_t steps = bench_int(argc, argv, "--steps", 300, 1, 100000000);
+  int64_t every = bench_int(argc, argv, "--every", 25, 1, 100000000);
+  data_spec_t spec = {.batch_size = bench_int(argc, argv, "--batch", 8, 1, 1 << 20),
+                      .seq_len = bench_int(argc, argv, "--seq", 64, 1, 1 << 24),
+                      .grad_accum = bench_int(argc, argv, "--accum", 1, 1, 1 << 20),
                       .dp_size = 1,
                       .dp_rank = 0};
   llama_config_t cfg;
@@ -39,7 +52,7 @@ int main(int argc, char **argv) {
   int n;
   BENCH_TRY(nn_named_parameters(llama_module(m), &ps, &n));
   adamw_config_t acfg = ADAMW_CONFIG_INIT;
-  acfg.lr = atof(bench_opt(argc, argv, "--lr", "3e-3"));
+  acfg.lr = bench_positive(argc, argv, "--lr", 3e-3);
   acfg.beta2 = 0.95;
   acfg.weight_decay = 0.1;
   acfg.groups[acfg.n_groups++] = (adamw_group_t){"*norm*", -1, 0.0};

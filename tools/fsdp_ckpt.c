@@ -42,7 +42,8 @@ static void usage(FILE *f) {
           "       fsdp-ckpt export-hf DIR OUT [--dtype f32|bf16|f16] [--max-shard-bytes N] "
           "[--config FILE]\n"
           "       fsdp-ckpt import-hf HFDIR OUT\n"
-          "       fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set key.path=value]...\n");
+          "       fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set key.path=value]...\n"
+          "       fsdp-ckpt --help | --version\n");
 }
 
 static bool is_dir(const char *p) {
@@ -772,6 +773,9 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++)
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       usage(stdout);
+      return 0;
+    } else if (strcmp(argv[i], "--version") == 0) {
+      printf("fsdp-ckpt (fsdpc) %s\n", fsdpc_version());
       return 0;
     }
   if (world_init(&argc, &argv) != STATUS_OK) {

@@ -83,6 +83,21 @@ static status_t run(void) {
 }
 
 int main(int argc, char **argv) {
+  for (int i = 1; i < argc; i++) { /* before MPI starts: no mesh is needed to answer these */
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      printf("usage: mpirun -n 4 fsdp-demo\n"
+             "  distributes a tensor over a 2x2 mesh and moves it through several placements,\n"
+             "  checking each step against the directly distributed tensor\n"
+             "       fsdp-demo --help | --version\n");
+      return 0;
+    }
+    if (strcmp(argv[i], "--version") == 0) {
+      printf("fsdp-demo (fsdpc) %s\n", fsdpc_version());
+      return 0;
+    }
+    fprintf(stderr, "fsdp-demo: unknown argument '%s' (it takes none; --help)\n", argv[i]);
+    return 2;
+  }
   if (world_init(&argc, &argv) != STATUS_OK) {
     fprintf(stderr, "fsdp-demo: %s\n", err_detail());
     return 1;

@@ -39,6 +39,7 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: fsdp-train CONFIG.yaml [--set key.path=value]... [--metrics PATH] "
           "[--dry-run]\n"
+          "       fsdp-train --help | --version\n"
           "  under mpirun -n N for N ranks; the plan's mesh must multiply to N\n");
 }
 
@@ -644,8 +645,11 @@ int main(int argc, char **argv) {
     return 1;
   }
   for (int i = 1; i < argc; i++)
-    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-      if (world_rank() == 0) usage(stdout);
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0 ||
+        strcmp(argv[i], "--version") == 0) {
+      bool version = strcmp(argv[i], "--version") == 0;
+      if (world_rank() == 0 && version) printf("fsdp-train (fsdpc) %s\n", fsdpc_version());
+      if (world_rank() == 0 && !version) usage(stdout);
       world_finalize();
       return 0;
     }

@@ -371,6 +371,39 @@ def errors():
         if not good:
             print(p.stderr[-1500:])
     check(len(cases) >= 20, "%d malformed inputs" % len(cases))
+    # every program: --help and --version answer at once; a wrong flag or value is an error
+    build = os.path.join(os.path.dirname(EXE), "..")
+    tool = lambda name: os.path.join(build, "tools", name)
+    bench = lambda name: os.path.join(build, "bench", name)
+    version = r"\(fsdpc\) \d+\.\d+\.\d+"
+    for argv, ok, want in [
+            ([EXE, "--version"], True, version), ([EXE, "--help"], True, r"usage: fsdp-train"),
+            ([EXE, "--stpes", "5"], False, r"unknown option '--stpes'"),
+            ([TOOL, "--version"], True, version), ([TOOL, "--help"], True, r"usage: fsdp-ckpt"),
+            ([tool("fsdp-demo"), "--help"], True, r"usage: mpirun -n 4 fsdp-demo"),
+            ([tool("fsdp-demo"), "--version"], True, version),
+            ([tool("fsdp-demo"), "extra"], False, r"unknown argument 'extra'"),
+            ([bench("bench-train-tiny"), "--help"], True, r"usage: bench-train-tiny .*\n.*loss "
+             r"curve(.|\n)*--steps N"),
+            ([bench("bench-train-tiny"), "--version"], True, version),
+            ([bench("bench-train-tiny"), "--steps", "abc"], False,
+             r"--steps: expected an integer from 1 to \d+, got 'abc'"),
+            ([bench("bench-train-tiny"), "--stpes", "5"], False, r"unknown option '--stpes'"),
+            ([bench("bench-train-tiny"), "--lr", "-1"], False, r"--lr: expected a positive number"),
+            ([bench("bench-fsdp-step"), "--reshard", "banana"], False,
+             r"--reshard: expected auto, true, false or an integer N, got 'banana'"),
+            ([bench("bench-fsdp-step"), "--help"], True, r"--reshard auto\|true\|false\|N"),
+            ([bench("bench-ac-memory"), "--batch"], False, r"--batch needs a value"),
+            ([bench("bench-ckpt-load"), "--reps", "0"], False,
+             r"--reps: expected an integer from 1 to 64, got '0'"),
+            ([bench("bench-ckpt-load"), "stray"], False, r"unexpected argument 'stray'")]:
+        p = sh(argv, timeout=60)
+        out = p.stdout + p.stderr
+        good = (p.returncode == 0) == ok and re.search(want, out) is not None
+        check(good, "%s: exit %d, says /%s/" % (" ".join([os.path.basename(argv[0])] + argv[1:]),
+                                                 p.returncode, want))
+        if not good:
+            print(out[-1000:])
 
 
 def dry_run():
