@@ -101,6 +101,49 @@ static status_t json_refuse(const char *path, const cJSON *o, const char *key, c
   return err_set(STATUS_EUNSUPPORTED, "%s: '%s' is set, but %s", path, key, why);
 }
 
+/* The rotary embedding's parameters: transformers 4 writes rope_theta at the top level (and
+ * rope_scaling for the scaled variants), transformers 5 rope_parameters {rope_theta,
+ * rope_type}. Only the plain rotation is implemented: any other type is refused, naming the
+ * key, rather than read as the plain one. */
+static status_t parse_rope(const char *path, const cJSON *o, llama_config_t *c) {
+  double top = -1;
+  TRY(json_num(path, o, "rope_theta", &top));
+  if (top != -1) c->rope_theta = top;
+  static const char *const keys[] = {"rope_scaling", "rope_parameters"};
+  for (int k = 0; k < 2; k++) {
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, keys[k]);
+    if (r == NULL || cJSON_IsNull(r) || cJSON_IsFalse(r)) continue;
+    if (!cJSON_IsObject(r))
+      return err_set(STATUS_EFORMAT, "%s: '%s' must be an object", path, keys[k]);
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(r, "rope_type");
+    const char *tkey = "rope_type";
+    if (t == NULL) { /* the older spelling */
+      t = cJSON_GetObjectItemCaseSensitive(r, "type");
+      tkey = "type";
+    }
+    if (!cJSON_IsString(t))
+      return err_set(STATUS_EUNSUPPORTED,
+                     "%s: '%s' has no rope_type: its rotary embedding is unknown", path, keys[k]);
+    if (strcmp(t->valuestring, "default") != 0)
+      return err_set(STATUS_EUNSUPPORTED,
+                     "%s: '%s.%s' is '%s': only the default rotary embedding is implemented "
+                     "(no llama3, linear, dynamic or yarn scaling)",
+                     path, keys[k], tkey, t->valuestring);
+    double theta = -1;
+    char key[40];
+    snprintf(key, sizeof key, "%s.rope_theta", keys[k]);
+    const cJSON *th = cJSON_GetObjectItemCaseSensitive(r, "rope_theta");
+    if (th != NULL && !cJSON_IsNumber(th))
+      return err_set(STATUS_EFORMAT, "%s: '%s' must be a number", path, key);
+    if (th != NULL) theta = th->valuedouble;
+    if (theta != -1 && top != -1 && theta != top)
+      return err_set(STATUS_EFORMAT, "%s: 'rope_theta' is %g but '%s' is %g", path, top, key,
+                     theta);
+    if (theta != -1) c->rope_theta = theta;
+  }
+  return STATUS_OK;
+}
+
 static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   if (!cJSON_IsObject(o)) return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
   const char *required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -114,7 +157,6 @@ static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   const cJSON *act = cJSON_GetObjectItemCaseSensitive(o, "hidden_act");
   if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
     return err_set(STATUS_EUNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
-  TRY(json_refuse(path, o, "rope_scaling", "rope scaling is not implemented"));
   TRY(json_refuse(path, o, "attention_bias", "the model has no biases"));
   TRY(json_refuse(path, o, "mlp_bias", "the model has no biases"));
   TRY(json_int(path, o, "hidden_size", &c->dim));
@@ -125,7 +167,7 @@ static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   TRY(json_int(path, o, "intermediate_size", &c->ffn_dim));
   TRY(json_int(path, o, "vocab_size", &c->vocab_size));
   TRY(json_int(path, o, "max_position_embeddings", &c->max_seq_len));
-  TRY(json_num(path, o, "rope_theta", &c->rope_theta));
+  TRY(parse_rope(path, o, c));
   TRY(json_num(path, o, "rms_norm_eps", &c->norm_eps));
   const cJSON *tie = cJSON_GetObjectItemCaseSensitive(o, "tie_word_embeddings");
   if (tie && !cJSON_IsNull(tie)) {

@@ -256,6 +256,56 @@ START_TEST(checkpointing_bit_identical) {
 }
 END_TEST
 
+/* transformers 4 writes rope_theta at the top level, transformers 5 inside rope_parameters;
+ * both give the same model. Scaled variants (llama3, in either form) are refused by name. */
+START_TEST(config_forms_of_transformers_4_and_5) {
+  const char *base = "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "
+                     "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, "
+                     "\"intermediate_size\": 160, \"vocab_size\": 256, "
+                     "\"max_position_embeddings\": 128%s}";
+  const struct {
+    const char *extra;
+    double theta;     /* expected; 0: refused */
+    const char *said; /* in the refusal */
+  } cases[] = {
+      {"", 10000.0, NULL},
+      {", \"rope_theta\": 500000.0", 500000.0, NULL},
+      {", \"rope_theta\": 500000.0, \"rope_scaling\": null", 500000.0, NULL},
+      {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}", 500000.0,
+       NULL},
+      {", \"rope_theta\": 500000.0, \"rope_parameters\": {\"rope_theta\": 500000.0, "
+       "\"rope_type\": \"default\"}",
+       500000.0, NULL},
+      {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"llama3\", "
+       "\"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+       "\"original_max_position_embeddings\": 8192}",
+       0, "'rope_parameters.rope_type' is 'llama3': only the default rotary embedding"},
+      {", \"rope_theta\": 500000.0, \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}",
+       0, "'rope_scaling.rope_type' is 'llama3'"},
+      {", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}", 0,
+       "'rope_scaling.type' is 'linear'"},
+      {", \"rope_scaling\": {\"factor\": 2.0}", 0, "'rope_scaling' has no rope_type"},
+      {", \"rope_theta\": 10000.0, \"rope_parameters\": {\"rope_theta\": 500000.0, "
+       "\"rope_type\": \"default\"}",
+       0, "'rope_theta' is 10000 but 'rope_parameters.rope_theta' is 500000"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char text[1024];
+    snprintf(text, sizeof text, base, cases[i].extra);
+    llama_config_t c;
+    status_t st = llama_config_from_hf_text(text, "config.json", &c);
+    if (cases[i].theta > 0) {
+      ck_assert_msg(st == STATUS_OK, "case %zu: %s", i, err_detail());
+      ck_assert_msg(c.rope_theta == cases[i].theta, "case %zu: rope_theta %g", i, c.rope_theta);
+    } else {
+      ck_assert_msg(st != STATUS_OK && strstr(err_detail(), cases[i].said),
+                    "case %zu: expected a refusal saying \"%s\", got %s", i, cases[i].said,
+                    st == STATUS_OK ? "success" : err_detail());
+    }
+  }
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("llama");
   TCase *tc = tcase_create("golden");
@@ -283,6 +333,8 @@ static Suite *make_suite(void) {
   if (mode.dtype == DTYPE_F32) tcase_add_test(tc, checkpointing_bit_identical);
   tcase_add_test(tc, training_untied);
   tcase_add_test(tc, training_tied);
+  if (mode.device == DEVICE_CPU && mode.dtype == DTYPE_F32)
+    tcase_add_test(tc, config_forms_of_transformers_4_and_5);
   suite_add_tcase(s, tc);
   return s;
 }
