@@ -470,7 +470,10 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
     group_free(g);
     return st;
   }
-  for (int i = 0; i < n_modules; i++) nn_module_set_ext(ms[i], g);
+  for (int i = 0; i < n_modules; i++) {
+    nn_module_set_ext(ms[i], g);
+    if (g->n > 0) nn_module_set_cast(ms[i], g->param_dtype, opt->output_dtype); /* boundary */
+  }
   if (out) *out = g;
   return STATUS_OK;
 }
@@ -479,7 +482,10 @@ static void free_all(nn_module_t *m) {
   fsdp_group_t *g = fsdp_group_of(m);
   if (g != NULL) {
     fsdp_reshard(g);
-    for (int i = 0; i < g->n_modules; i++) nn_module_set_ext(g->modules[i], NULL);
+    for (int i = 0; i < g->n_modules; i++) {
+      nn_module_set_ext(g->modules[i], NULL);
+      nn_module_set_cast(g->modules[i], DTYPE_COUNT, DTYPE_COUNT);
+    }
     group_free(g);
   }
   for (int i = 0; i < nn_module_num_children(m); i++) free_all(nn_module_child(m, i));

@@ -45,6 +45,10 @@ typedef struct fsdp_options {
   int reshard_after_forward;  /* FSDP_RESHARD_AUTO, 0, 1 or N (see above) */
   dtype_t param_dtype;        /* all-gather and compute dtype; DTYPE_COUNT: the parameter's */
   dtype_t reduce_dtype;       /* gradient reduction dtype; DTYPE_COUNT: param_dtype */
+  dtype_t output_dtype;       /* the modules' floating-point outputs are cast to it; DTYPE_COUNT:
+                                 f32 when their input was f32 and the compute dtype is narrower,
+                                 else left in the compute dtype. Floating-point inputs are cast
+                                 to the compute dtype (param_dtype or the parameters' own). */
   nn_param_t *const *ignored; /* parameters left alone: not sharded, not reduced */
   int n_ignored;
   bool offload; /* CUDA mesh: sharded parameters and gradients live in host memory, so the
@@ -59,7 +63,8 @@ typedef struct fsdp_options {
 #define FSDP_OPTIONS_INIT                                                                 \
   {                                                                                       \
     .mesh = NULL, .reshard_after_forward = FSDP_RESHARD_AUTO, .param_dtype = DTYPE_COUNT, \
-    .reduce_dtype = DTYPE_COUNT, .ignored = NULL, .n_ignored = 0, .offload = false,       \
+    .reduce_dtype = DTYPE_COUNT, .output_dtype = DTYPE_COUNT, .ignored = NULL,            \
+    .n_ignored = 0, .offload = false,                                                     \
     .on_demand_timeout = FSDP_ON_DEMAND_TIMEOUT_DEFAULT                                   \
   }
 

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "base/kernels.h"
+#include "nn/ops.h" /* nn_cast, for the casts at a module's boundary */
 
 typedef enum entry_kind {
   ENTRY_OP,
@@ -248,6 +249,28 @@ static status_t call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *
   return nn_module_run_hooks(ctx, m, NN_HOOK_POST_FORWARD);
 }
 
+/* call() with the casts at m's boundary (nn_module_set_cast). */
+static status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                          nn_var_t **out) {
+  dtype_t cin, cout;
+  nn_module_cast(m, &cin, &cout);
+  dtype_t given = in ? in->value.dtype : DTYPE_COUNT;
+  if (cin == DTYPE_COUNT || in == NULL || !dtype_is_float(given)) return call(ctx, m, fn, in, out);
+  if (cout == DTYPE_COUNT && given == DTYPE_F32 && cin != DTYPE_F32) cout = DTYPE_F32;
+  nn_var_t *x = NULL, *y = NULL;
+  *out = NULL;
+  TRY(nn_cast(ctx, in, cin, &x));
+  status_t st = call(ctx, m, fn, x, &y);
+  nn_var_put(x);
+  if (st != STATUS_OK || cout == DTYPE_COUNT || !dtype_is_float(y->value.dtype)) {
+    *out = y;
+    return st;
+  }
+  st = nn_cast(ctx, y, cout, out);
+  nn_var_put(y);
+  return st;
+}
+
 /* call() with m on the stack of calls in progress. */
 static status_t tracked(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
                         nn_var_t **out) {
@@ -259,7 +282,7 @@ static status_t tracked(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_
     ctx->cap_calls = nc;
   }
   ctx->calls[ctx->n_calls++] = m;
-  status_t st = call(ctx, m, fn, in, out);
+  status_t st = cast_call(ctx, m, fn, in, out);
   ctx->n_calls--;
   return st;
 }

@@ -27,6 +27,7 @@ struct nn_module {
   hook_t *hooks[NN_HOOK_COUNT];
   int n_hooks[NN_HOOK_COUNT];
   bool checkpoint;
+  dtype_t cast_in, cast_out; /* DTYPE_COUNT: none (see nn_module_set_cast) */
   void *ext;
   nn_wrap_fn wrap;
   void *wrap_user;
@@ -72,6 +73,7 @@ status_t nn_module_new(nn_module_t **out, const char *name, nn_forward_fn forwar
   }
   m->forward = forward;
   m->impl = impl;
+  m->cast_in = m->cast_out = DTYPE_COUNT;
   *out = m;
   return STATUS_OK;
 }
@@ -247,6 +249,14 @@ status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_v
 }
 
 void nn_module_set_checkpoint(nn_module_t *m, bool enabled) { m->checkpoint = enabled; }
+void nn_module_set_cast(nn_module_t *m, dtype_t in, dtype_t out) {
+  m->cast_in = in;
+  m->cast_out = out;
+}
+void nn_module_cast(const nn_module_t *m, dtype_t *in, dtype_t *out) {
+  *in = m->cast_in;
+  *out = m->cast_out;
+}
 void nn_module_set_kind(nn_module_t *m, const char *kind) { m->kind = kind; }
 const char *nn_module_kind(const nn_module_t *m) { return m->kind; }
 void nn_module_set_ext(nn_module_t *m, void *ext) { m->ext = ext; }

@@ -120,6 +120,14 @@ status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, 
 void nn_module_set_checkpoint(nn_module_t *m, bool enabled);
 bool nn_module_checkpoint(const nn_module_t *m);
 
+/* Casts at m's boundary (fully_shard's mixed precision): a floating-point input of another
+ * dtype is cast to in before m's forward (its gradient back in backward); the output is cast
+ * to out, or, with out DTYPE_COUNT, to f32 when the input was f32 and in is narrower (a
+ * narrower unit inside a wider model returns what it was given; a wider unit keeps its
+ * precision). in DTYPE_COUNT: no casts. */
+void nn_module_set_cast(nn_module_t *m, dtype_t in, dtype_t out);
+void nn_module_cast(const nn_module_t *m, dtype_t *in, dtype_t *out);
+
 const char *nn_module_name(const nn_module_t *m);
 /* "" for the root; valid after nn_module_finalize. */
 const char *nn_module_fqn(const nn_module_t *m);

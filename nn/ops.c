@@ -313,6 +313,27 @@ status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out) {
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
 }
 
+static status_t cast_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *x = n->in[0];
+  if (!x->requires_grad) return STATUS_OK;
+  tensor_t g;
+  TRY(tensor_clone(&g, &n->out->grad, x->value.dtype, x->value.device));
+  return nn_accumulate_grad(x, &g);
+}
+
+status_t nn_cast(nn_ctx_t *ctx, nn_var_t *x, dtype_t dtype, nn_var_t **out) {
+  *out = NULL;
+  if (x->value.dtype == dtype) {
+    *out = nn_var_ref(x);
+    return STATUS_OK;
+  }
+  tensor_t y;
+  TRY(tensor_clone(&y, &x->value, dtype, x->value.device));
+  nn_node_t n = {.backward = cast_backward, .name = "cast", .in = {x}};
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
+}
+
 status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_var_t **out) {
   *out = NULL;
   tensor_t y;

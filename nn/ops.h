@@ -57,6 +57,9 @@ status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out);
 /* alpha * x. */
 status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out);
 
+/* x in dtype (a new reference to x when it already is); the gradient flows back in x's. */
+status_t nn_cast(nn_ctx_t *ctx, nn_var_t *x, dtype_t dtype, nn_var_t **out);
+
 /* x seen with another shape of the same number of elements (no copy). */
 status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_var_t **out);
 

@@ -47,6 +47,7 @@ typedef struct plan_unit {
   int reshard_after_forward; /* FSDP_RESHARD_AUTO, 0, 1 or N */
   dtype_t param_dtype;       /* DTYPE_COUNT: the parameter's own */
   dtype_t reduce_dtype;      /* DTYPE_COUNT: param_dtype */
+  dtype_t output_dtype;      /* DTYPE_COUNT: fully_shard's default (fsdp_options_t) */
   plan_where_t where;
 } plan_unit_t;
 
@@ -68,7 +69,7 @@ typedef struct parallel_plan {
   plan_unit_t units[PLAN_MAX_UNITS];
   int n_units;
   int reshard_after_forward; /* default for units; the root keeps FSDP_RESHARD_AUTO */
-  dtype_t param_dtype, reduce_dtype;
+  dtype_t param_dtype, reduce_dtype, output_dtype;
   bool offload;
   plan_where_t fsdp_where;
   /* parallelize.tensor_parallel: the rules of `plan` (first match wins) */

@@ -86,6 +86,7 @@ static status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module
   o.reshard_after_forward = u ? u->reshard_after_forward : FSDP_RESHARD_AUTO;
   o.param_dtype = u ? u->param_dtype : pp->param_dtype;
   o.reduce_dtype = u ? u->reduce_dtype : pp->reduce_dtype;
+  o.output_dtype = u ? u->output_dtype : pp->output_dtype;
   fsdp_group_t *g;
   TRY(fully_shard(mod, &o, &g));
   return push_group(par, g);
@@ -109,6 +110,30 @@ static int count_matches(const nn_module_t *root, const nn_module_t *mod, const 
   return n;
 }
 
+/* The index of the first unit pattern matching mod, or -1. */
+static int first_unit(const parallel_plan_t *pp, const nn_module_t *mod) {
+  for (int u = 0; u < pp->n_units; u++)
+    if (nn_fqn_match(pp->units[u].pattern, nn_module_fqn(mod))) return u;
+  return -1;
+}
+
+/* A module under mod (not the root) whose first matching pattern is not u while u matches it:
+ * the earlier pattern's index, or -1 when u takes a module of its own. */
+static int shadowed_by(const nn_module_t *root, const nn_module_t *mod, const parallel_plan_t *pp,
+                       int u, bool *owns) {
+  int by = -1;
+  if (mod != root && nn_fqn_match(pp->units[u].pattern, nn_module_fqn(mod))) {
+    int f = first_unit(pp, mod);
+    if (f == u) *owns = true;
+    else by = f;
+  }
+  for (int i = 0; i < nn_module_num_children(mod); i++) {
+    int b = shadowed_by(root, nn_module_child(mod, i), pp, u, owns);
+    if (by < 0) by = b;
+  }
+  return by;
+}
+
 static status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
   /* check every pattern first: nothing is sharded when one matches no module */
   for (int u = 0; u < pp->n_units; u++)
@@ -120,6 +145,16 @@ static status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
                      pp->units[u].where.text, u, pp->units[u].pattern,
                      nn_module_names(par->root, 6, names, sizeof names));
     }
+  for (int u = 0; u < pp->n_units; u++) { /* an item that would take nothing is a mistake */
+    bool owns = false;
+    int by = shadowed_by(par->root, par->root, pp, u, &owns);
+    if (!owns)
+      return err_set(STATUS_EINVAL,
+                     "%s: parallelize.fully_shard.units[%d]: every module '%s' matches is taken "
+                     "by the earlier units[%d] '%s' (the first matching item wins: put the more "
+                     "specific one first)",
+                     pp->units[u].where.text, u, pp->units[u].pattern, by, pp->units[by].pattern);
+  }
   TRY(visit(par, pp, par->root));
   return shard_unit(par, pp, par->root, NULL);
 }

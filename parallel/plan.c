@@ -35,7 +35,7 @@ void parallel_plan_defaults(parallel_plan_t *pp) {
   pp->dp_shard = -1;
   pp->tp = 1;
   pp->reshard_after_forward = FSDP_RESHARD_AUTO;
-  pp->param_dtype = pp->reduce_dtype = DTYPE_COUNT;
+  pp->param_dtype = pp->reduce_dtype = pp->output_dtype = DTYPE_COUNT;
 }
 
 void plan_defaults(plan_t *p) {
@@ -407,14 +407,22 @@ static status_t read_model(ctx_t *c, int root) {
   return STATUS_OK;
 }
 
-static status_t read_mp(ctx_t *c, int map, const char *prefix, dtype_t *pdt, dtype_t *rdt) {
-  static const char *const keys[] = {"param_dtype", "reduce_dtype", NULL};
+/* mp_policy {param_dtype, reduce_dtype, output_dtype} under map into dt[0..2] (given keys). */
+static status_t read_mp(ctx_t *c, int map, const char *prefix, dtype_t dt[3]) {
+  static const char *const keys[] = {"param_dtype", "reduce_dtype", "output_dtype", NULL};
   char path[256];
   int v = lookup(c, map, prefix, "mp_policy", path);
   if (v == 0) return STATUS_OK;
   TRY(check_keys(c, v, path, keys));
-  TRY(get_dtype(c, v, path, "param_dtype", pdt));
-  return get_dtype(c, v, path, "reduce_dtype", rdt);
+  for (int k = 0; k < 3; k++) TRY(get_dtype(c, v, path, keys[k], &dt[k]));
+  return STATUS_OK;
+}
+
+static void unit_defaults(const parallel_plan_t *pp, plan_unit_t *u) {
+  u->reshard_after_forward = pp->reshard_after_forward;
+  u->param_dtype = pp->param_dtype;
+  u->reduce_dtype = pp->reduce_dtype;
+  u->output_dtype = pp->output_dtype;
 }
 
 static status_t read_units(ctx_t *c, int fs) {
@@ -431,9 +439,7 @@ static status_t read_units(ctx_t *c, int fs) {
     plan_unit_t *u = &p->par.units[p->par.n_units];
     char upath[256];
     snprintf(upath, sizeof upath, "%s[%d]", path, p->par.n_units);
-    u->reshard_after_forward = p->par.reshard_after_forward;
-    u->param_dtype = p->par.param_dtype;
-    u->reduce_dtype = p->par.reduce_dtype;
+    unit_defaults(&p->par, u);
     where_of(c, *it, &u->where);
     const char *s = scalar(c, *it);
     if (s == NULL) { /* {match: PATTERN, reshard_after_forward: ..., mp_policy: ...} */
@@ -445,7 +451,11 @@ static status_t read_units(ctx_t *c, int fs) {
       if (is_null(c, m)) return fail(c, *it, mpath, "missing: the module pattern of this unit");
       TRY(want_scalar(c, m, mpath, "a module pattern", &s));
       TRY(get_reshard(c, *it, upath, &u->reshard_after_forward));
-      TRY(read_mp(c, *it, upath, &u->param_dtype, &u->reduce_dtype));
+      dtype_t dt[3] = {u->param_dtype, u->reduce_dtype, u->output_dtype};
+      TRY(read_mp(c, *it, upath, dt));
+      u->param_dtype = dt[0];
+      u->reduce_dtype = dt[1];
+      u->output_dtype = dt[2];
     }
     if (s[0] == 0) return fail(c, *it, upath, "empty module pattern");
     if (strlen(s) >= PLAN_PATTERN_MAX)
@@ -528,13 +538,13 @@ static status_t read_parallelize(ctx_t *c, int root) {
     TRY(check_keys(c, fs, path, fs_keys));
     where_of(c, fs, &p->par.fsdp_where);
     TRY(get_reshard(c, fs, path, &p->par.reshard_after_forward));
-    TRY(read_mp(c, fs, path, &p->par.param_dtype, &p->par.reduce_dtype));
+    dtype_t dt[3] = {p->par.param_dtype, p->par.reduce_dtype, p->par.output_dtype};
+    TRY(read_mp(c, fs, path, dt));
+    p->par.param_dtype = dt[0];
+    p->par.reduce_dtype = dt[1];
+    p->par.output_dtype = dt[2];
     TRY(get_bool(c, fs, path, "offload", &p->par.offload));
-    for (int i = 0; i < p->par.n_units; i++) { /* the defaults units take */
-      p->par.units[i].reshard_after_forward = p->par.reshard_after_forward;
-      p->par.units[i].param_dtype = p->par.param_dtype;
-      p->par.units[i].reduce_dtype = p->par.reduce_dtype;
-    }
+    for (int i = 0; i < p->par.n_units; i++) unit_defaults(&p->par, &p->par.units[i]);
     TRY(read_units(c, fs));
   }
   int tp = m ? find(c, m, "tensor_parallel") : 0;
@@ -847,9 +857,7 @@ status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {
   plan_unit_t *u = &pp->units[pp->n_units++];
   memset(u, 0, sizeof *u);
   strcpy(u->pattern, pattern);
-  u->reshard_after_forward = pp->reshard_after_forward;
-  u->param_dtype = pp->param_dtype;
-  u->reduce_dtype = pp->reduce_dtype;
+  unit_defaults(pp, u);
   snprintf(u->where.text, sizeof u->where.text, "units[%d]", pp->n_units - 1);
   return STATUS_OK;
 }

@@ -409,6 +409,20 @@ static void dry_run(const run_t *r) {
       }
       printf("\n");
     }
+    printf("\nunits (fully_shard groups): floating-point inputs are cast to the compute dtype; "
+           "output auto = the compute dtype, or f32 when the input was f32\n");
+    for (int i = 0; i < r->n_groups; i++) {
+      const fsdp_group_t *g = r->groups[i];
+      const char *name = fsdp_group_name(g);
+      dtype_t cin = DTYPE_COUNT, cout = DTYPE_COUNT;
+      nn_module_t *m = name[0] ? nn_module_find(llama_module(r->model), name) : NULL;
+      if (m) nn_module_cast(m, &cin, &cout);
+      char rb[16];
+      printf("  %-28s compute %-4s  reduce %-4s  output %-4s  reshard_after_forward %s\n",
+             name[0] ? name : "(root)", dtype_name(fsdp_param_dtype(g)),
+             dtype_name(fsdp_reduce_dtype(g)), cout != DTYPE_COUNT ? dtype_name(cout) : "auto",
+             reshard_str(fsdp_reshard_after_forward(g), rb, sizeof rb));
+    }
     double pb = sharded_param_bytes(r), largest = 0;
     for (int i = 0; i < r->n_groups; i++) {
       double b = (double)fsdp_flat_numel(r->groups[i]) * W *

@@ -133,6 +133,37 @@ def configs():
             tol = 1e-5 if fp32 else 2e-3
             check(worst <= tol, "%s: losses match debug.yaml within %g (worst %.2e)"
                   % (name, tol, worst))
+    # per-unit mixed precision, both directions, on 4 ranks: the units compute in the dtypes
+    # the plan gives them (--dry-run's units), the losses stay within bf16 noise of the f32
+    # run and differ from it (the overrides take effect)
+    with open(os.path.join(ROOT, "configs", "fsdp.yaml")) as f:
+        text = f.read().replace("../data/", os.path.join(ROOT, "data") + "/")
+    units = 'units: ["model.layers.*"]'
+    mixed = [
+        ("bf16, lm_head f32", units.replace(']', ', {match: lm_head, mp_policy: {param_dtype: '
+                                                 'f32}}]') +
+         "\n    mp_policy: {param_dtype: bf16, reduce_dtype: f32}",
+         {"model.layers.0": "bf16", "model.layers.1": "bf16", "lm_head": "f32", "(root)": "bf16"}),
+        ("f32, model.layers.1 bf16", 'units: [{match: "model.layers.1", mp_policy: '
+                                     '{param_dtype: bf16}}, "model.layers.*"]',
+         {"model.layers.0": "f32", "model.layers.1": "bf16", "(root)": "f32"})]
+    for k, (what, rule, want) in enumerate(mixed):
+        plan = os.path.join(tmp, "mixed-%d.yaml" % k)
+        with open(plan, "w") as f:
+            f.write(text.replace(units, rule))
+        p, _ = run(4, [plan, "--dry-run"])
+        got = dict(re.findall(r"^  (\S+) +compute (\w+) ", p.stdout, re.M))
+        check(p.returncode == 0 and got == want,
+              "%s: the units compute in %s (--dry-run: %s)" % (what, want, got))
+        metrics = os.path.join(tmp, "mixed-%d.jsonl" % k)
+        p, _ = run(4, [plan, "--set", "train.steps=%d" % STEPS, "--metrics", metrics])
+        m = [r["loss"] for r in losses(metrics)] if p.returncode == 0 else []
+        worst = max(abs(a - b) / abs(b) for a, b in zip(m, ref)) if m and ref else 1
+        check(len(m) == STEPS and 0 < worst <= 2e-3,
+              "%s: trains on 4 ranks, losses within 2e-3 of debug.yaml's and not equal (worst "
+              "%.2e)" % (what, worst))
+        if p.returncode != 0:
+            print(p.stderr[-2000:])
 
 
 PYTORCH_PLAN = """\

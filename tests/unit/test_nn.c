@@ -151,6 +151,85 @@ START_TEST(hooks_fire_in_call_order) {
 }
 END_TEST
 
+/* nn_cast and the casts at a module's boundary (what fully_shard's mixed precision uses). */
+static dtype_t seen_inside;
+
+static status_t double_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  (void)m;
+  seen_inside = in->value.dtype;
+  return nn_scale(ctx, in, 2.0, out);
+}
+
+START_TEST(casts_at_a_module_boundary) {
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  int64_t shape[1] = {4};
+  tensor_t t;
+  ok(tensor_init(&t, DTYPE_F32, device_cpu(), 1, shape));
+  ok(tensor_fill(&t, 1.5));
+  nn_var_t *x, *y, *z;
+  ok(nn_var_new(&x, &t, true));
+  ok(nn_cast(ctx, x, DTYPE_F32, &y)); /* the same dtype: the same variable */
+  ck_assert_ptr_eq(y, x);
+  nn_var_put(y);
+  ok(nn_cast(ctx, x, DTYPE_BF16, &y)); /* f32 -> bf16 -> (x2) -> f32, gradient back in f32 */
+  ck_assert_int_eq(y->value.dtype, DTYPE_BF16);
+  ok(nn_scale(ctx, y, 2.0, &z));
+  nn_var_t *w;
+  ok(nn_cast(ctx, z, DTYPE_F32, &w));
+  tensor_t g;
+  ok(tensor_init(&g, DTYPE_F32, device_cpu(), 1, shape));
+  ok(tensor_fill(&g, 1.0));
+  ok(nn_backward_grad(ctx, w, &g));
+  ck_assert_int_eq(x->grad.dtype, DTYPE_F32);
+  for (int i = 0; i < 4; i++) {
+    ck_assert_float_eq(((const float *)w->value.data)[i], 3.0f);
+    ck_assert_float_eq(((const float *)x->grad.data)[i], 2.0f);
+  }
+  nn_ctx_clear(ctx);
+  nn_var_put(w);
+  nn_var_put(z);
+  nn_var_put(y);
+  /* a module's boundary: inputs to its compute dtype; the output back to f32 when it came in
+   * f32 and the module is narrower, or to the dtype asked for; a wider module keeps its own */
+  nn_module_t *m;
+  ok(nn_module_new(&m, "", double_fwd, NULL));
+  ok(nn_module_finalize(m));
+  const struct {
+    dtype_t in, cin, cout, inside, out;
+  } cases[] = {{DTYPE_F32, DTYPE_BF16, DTYPE_COUNT, DTYPE_BF16, DTYPE_F32},
+               {DTYPE_F32, DTYPE_BF16, DTYPE_BF16, DTYPE_BF16, DTYPE_BF16},
+               {DTYPE_BF16, DTYPE_F32, DTYPE_COUNT, DTYPE_F32, DTYPE_F32},
+               {DTYPE_BF16, DTYPE_BF16, DTYPE_COUNT, DTYPE_BF16, DTYPE_BF16},
+               {DTYPE_F32, DTYPE_COUNT, DTYPE_COUNT, DTYPE_F32, DTYPE_F32}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    tensor_t v;
+    ok(tensor_init(&v, cases[k].in, device_cpu(), 1, shape));
+    ok(tensor_fill(&v, 1.5));
+    nn_var_t *a, *b;
+    ok(nn_var_new(&a, &v, true));
+    nn_module_set_cast(m, cases[k].cin, cases[k].cout);
+    ok(nn_call(ctx, m, a, &b));
+    ck_assert_msg(seen_inside == cases[k].inside && b->value.dtype == cases[k].out,
+                  "case %zu: inside %s, out %s", k, dtype_name(seen_inside),
+                  dtype_name(b->value.dtype));
+    tensor_t gb;
+    ok(tensor_init(&gb, b->value.dtype, device_cpu(), 1, shape));
+    ok(tensor_fill(&gb, 1.0));
+    ok(nn_backward_grad(ctx, b, &gb));
+    double g0 = dtype_load(a->grad.dtype, a->grad.data, 0);
+    ck_assert_msg(a->grad.dtype == cases[k].in && g0 == 2.0, "case %zu: gradient %s %g", k,
+                  dtype_name(a->grad.dtype), g0);
+    nn_ctx_clear(ctx);
+    nn_var_put(b);
+    nn_var_put(a);
+  }
+  nn_module_free(m);
+  nn_var_put(x);
+  nn_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- init ---- */
 
 START_TEST(init_is_plan_independent) {
@@ -516,6 +595,7 @@ static Suite *make_suite(void) {
   if (world_size() == 1) {
     tcase_add_test(tc, module_fqns_and_shared_parameters);
     tcase_add_test(tc, hooks_fire_in_call_order);
+  tcase_add_test(tc, casts_at_a_module_boundary);
     tcase_add_test(tc, init_normal_statistics);
     tcase_add_test(tc, data_order_and_dp_split);
     tcase_add_test(tc, lr_schedule_values);
