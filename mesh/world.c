@@ -21,7 +21,7 @@
 #endif
 
 static int we_initialised;
-static int local_rank = -1;
+static int local_rank = -1, local_size = -1;
 
 /* The stop channel: a receive from any rank, posted at start-up on a communicator of its own. */
 enum { STOP_TAG = 1 };
@@ -66,13 +66,16 @@ status_t world_init(int *argc, char ***argv) {
     we_initialised = 1;
   }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-  if (!env_int("OMPI_COMM_WORLD_LOCAL_RANK", &local_rank) &&
-      !env_int("MPI_LOCALRANKID", &local_rank) && !env_int("SLURM_LOCALID", &local_rank)) {
+  bool known = (env_int("OMPI_COMM_WORLD_LOCAL_RANK", &local_rank) &&
+                env_int("OMPI_COMM_WORLD_LOCAL_SIZE", &local_size)) ||
+               (env_int("MPI_LOCALRANKID", &local_rank) && env_int("MPI_LOCALNRANKS", &local_size));
+  if (!known) { /* the ranks sharing this node's memory */
     MPI_Comm node;
     TRY(pg_mpi_status(
         MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
         "MPI_Comm_split_type"));
     MPI_Comm_rank(node, &local_rank);
+    MPI_Comm_size(node, &local_size);
     MPI_Comm_free(&node);
   }
   return stop_channel_open();
@@ -118,6 +121,7 @@ int world_size(void) {
 }
 
 int world_local_rank(void) { return local_rank < 0 ? 0 : local_rank; }
+int world_local_size(void) { return local_size < 1 ? 1 : local_size; }
 
 MPI_Comm world_comm(void) { return MPI_COMM_WORLD; }
 

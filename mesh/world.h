@@ -36,6 +36,8 @@ void world_finalize(void);
 int world_rank(void);
 int world_size(void);
 int world_local_rank(void);
+/* The number of ranks on this node (1 before world_init). */
+int world_local_size(void);
 MPI_Comm world_comm(void);
 
 /* cuda:(local_rank % count) when CUDA devices are present, else the CPU. */

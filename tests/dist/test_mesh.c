@@ -30,6 +30,9 @@ START_TEST(mesh_1d_infers_world_size) {
   ck_assert_int_eq(mesh_coord(m, 0), world_rank());
   ck_assert_int_eq(pg_size(mesh_group(m, 0)), world_size());
   ck_assert_int_eq(mesh_numel(m), world_size());
+  /* the tests run on one node: every rank is local, each with its own local rank */
+  ck_assert_int_eq(world_local_size(), world_size());
+  ck_assert_int_eq(world_local_rank(), world_rank());
   mesh_free(m);
 }
 END_TEST

@@ -45,6 +45,10 @@ TEMPS = []
 # C suites. The damage table (ckpt-damage) runs ~110 processes: it keeps ASan and UBSan, not
 # the leak check (ckpt-corrupt and the C suites check the same error paths for leaks). Every
 # sanitizer report in a program's output fails the mode (sh below).
+# The CPU modes run on the CPU on a GPU machine too (fsdp-train takes the GPUs it sees, one per
+# rank: these modes start up to 8 ranks); the gpu mode keeps them.
+if MODE != "gpu":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 if os.environ.get("FSDPC_TEST_SANITIZED") and MODE in ("configs", "dry-run", "checkpoint",
                                                        "ckpt-tool", "ckpt-damage"):
     os.environ["ASAN_OPTIONS"] = os.environ.get("ASAN_OPTIONS", "") + ":detect_leaks=0"
