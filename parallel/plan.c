@@ -694,7 +694,35 @@ static status_t apply_set(ctx_t *c, int root, const char *set) {
     if (node(c, cur)->type != YAML_MAPPING_NODE)
       return err_set(STATUS_EFORMAT, "--set %s: '%s' is inside a value that is not a mapping", set,
                      part);
+    long index = -1; /* NAME[INDEX]: an item of the list NAME */
+    char *br = strchr(part, '[');
+    if (br != NULL) {
+      char *end;
+      index = strtol(br + 1, &end, 10);
+      if (end == br + 1 || strcmp(end, "]") != 0 || index < 0 || br == part)
+        return err_set(STATUS_EFORMAT, "--set %s: '%s': expected NAME[INDEX] (INDEX from 0)",
+                       set, part);
+      *br = 0;
+    }
     int v = find(c, cur, part);
+    if (index >= 0) {
+      yaml_node_t *seq = v ? node(c, v) : NULL;
+      if (seq == NULL || seq->type != YAML_SEQUENCE_NODE)
+        return err_set(STATUS_EFORMAT, "--set %s: '%s' is not a list in the plan", set, part);
+      long n = (long)(seq->data.sequence.items.top - seq->data.sequence.items.start);
+      if (index >= n)
+        return err_set(STATUS_EFORMAT, "--set %s: '%s' has %ld item%s (from 0)", set, part, n,
+                       n == 1 ? "" : "s");
+      yaml_node_item_t *item = &seq->data.sequence.items.start[index];
+      if (last) { /* replace the item */
+        int val = add_scalar(c, eq + 1, set);
+        if (!val) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+        *item = val;
+        return STATUS_OK;
+      }
+      cur = *item;
+      continue;
+    }
     if (last) { /* replace the value given in the file, or add the key */
       int val = add_scalar(c, eq + 1, set);
       if (!val) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);

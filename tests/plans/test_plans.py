@@ -168,6 +168,24 @@ def configs():
               "%.2e)" % (what, worst))
         if p.returncode != 0:
             print(p.stderr[-2000:])
+    # --set reaches list items: NAME[INDEX], replaced whole or entered
+    plan = os.path.join(tmp, "mixed-0.yaml")
+    for sets, want in [
+            (["parallelize.fully_shard.units[1].mp_policy.param_dtype=f16"],
+             {"model.layers.0": "bf16", "model.layers.1": "bf16", "lm_head": "f16",
+              "(root)": "bf16"}),
+            (["parallelize.fully_shard.units[0]=model.layers.1"],
+             {"model.layers.1": "bf16", "lm_head": "f32", "(root)": "bf16"})]:
+        p, _ = run(1, [plan, "--dry-run", "--set", "mesh.dp_shard=1"] +
+                   [x for kv in sets for x in ("--set", kv)])
+        got = dict(re.findall(r"^  (\S+) +compute (\w+) ", p.stdout, re.M))
+        check(p.returncode == 0 and got == want, "--set %s: units %s" % (" ".join(sets), got))
+    for kv, want in [("parallelize.fully_shard.units[2]=x", r"'units' has 2 items \(from 0\)"),
+                     ("model[0]=1", r"'model' is not a list in the plan"),
+                     ("parallelize.fully_shard.units[x]=1", r"expected NAME\[INDEX\]")]:
+        p, _ = run(1, [plan, "--dry-run", "--set", "mesh.dp_shard=1", "--set", kv])
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None,
+              "--set %s is refused: /%s/" % (kv, want))
 
 
 PYTORCH_PLAN = """\
