@@ -43,6 +43,11 @@ def main():
     if ref is None:
         return 1
     check(ref[-1] < 0.5 * ref[0], "the loss goes down (%.4f -> %.4f)" % (ref[0], ref[-1]))
+    # README's program run alone, without a launcher (one process, MPI as a singleton)
+    p = subprocess.run([fsdp, str(STEPS)], capture_output=True, text=True, timeout=240)
+    alone = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", p.stdout, re.M)]
+    check(p.returncode == 0 and alone == ref,
+          "mlp-fsdp alone (no mpirun) prints the same %d losses" % STEPS)
     runs = [("mlp-fsdp", 2, [fsdp, str(STEPS)]), ("mlp-fsdp", 4, [fsdp, str(STEPS)])]
     for name, n in [("mlp_fsdp", 4), ("mlp_tp", 2), ("mlp_tp", 4), ("mlp_hsdp_tp", 8)]:
         runs.append(("mlp-plan " + name + ".yaml", n,
