@@ -114,6 +114,13 @@ int world_rank(void) {
   return r;
 }
 
+int world_started_size(void) {
+  int up = 0, down = 0;
+  MPI_Initialized(&up);
+  MPI_Finalized(&down);
+  return up && !down ? world_size() : 0;
+}
+
 int world_size(void) {
   int s = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &s);

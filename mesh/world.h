@@ -35,6 +35,8 @@ void world_finalize(void);
 
 int world_rank(void);
 int world_size(void);
+/* world_size() once MPI runs, 0 before world_init or after world_finalize. */
+int world_started_size(void);
 int world_local_rank(void);
 /* The number of ranks on this node (1 before world_init). */
 int world_local_size(void);

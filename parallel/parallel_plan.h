@@ -60,6 +60,9 @@ typedef struct plan_tp_rule {
   plan_where_t where;
 } plan_tp_rule_t;
 
+/* dp_shard of HYBRID_SHARD without mesh sizes: the job's ranks per node, found at resolve. */
+#define PLAN_SIZE_NODE (-2)
+
 typedef struct parallel_plan {
   char source[PLAN_PATH_MAX]; /* the YAML file, or "" when filled in code */
   /* mesh: sizes, -1 = the rest of the world (at most one) */
@@ -72,6 +75,7 @@ typedef struct parallel_plan {
   dtype_t param_dtype, reduce_dtype, output_dtype;
   bool offload;
   plan_where_t fsdp_where;
+  char strategy[24]; /* sharding_strategy (or zero_stage's equivalent) as given; "" if none */
   /* parallelize.tensor_parallel: the rules of `plan` (first match wins) */
   plan_tp_rule_t tp_rules[PLAN_MAX_TP_RULES];
   int n_tp_rules;

@@ -525,9 +525,84 @@ static status_t read_tp(ctx_t *c, int tp) {
   return STATUS_OK;
 }
 
+/* sharding_strategy (FSDP1's names, as Accelerate writes them) or zero_stage (DeepSpeed's):
+ * aliases of the mesh's data-parallel sizes and reshard_after_forward. A key also given that
+ * says otherwise is an error naming both. */
+static status_t read_strategy(ctx_t *c, int root, int fs) {
+  static const struct {
+    const char *name;
+    int reshard;
+    char mesh; /* 's': shard over all ranks, 'h': shard within a node and replicate, 'r':
+                  replicate only */
+  } table[] = {{"FULL_SHARD", 1, 's'},   {"SHARD_GRAD_OP", 0, 's'},
+               {"HYBRID_SHARD", 1, 'h'}, {"_HYBRID_SHARD_ZERO2", 0, 'h'},
+               {"NO_SHARD", 0, 'r'}};
+  parallel_plan_t *pp = &c->p->par;
+  const char *prefix = "parallelize.fully_shard";
+  char spath[256], zpath[256];
+  int s = lookup(c, fs, prefix, "sharding_strategy", spath);
+  int z = lookup(c, fs, prefix, "zero_stage", zpath);
+  if (s == 0 && z == 0) return STATUS_OK;
+  if (s != 0 && z != 0)
+    return fail(c, z, zpath, "give sharding_strategy or zero_stage, not both");
+  int k = -1;
+  const char *said = s ? spath : zpath;
+  if (s != 0) {
+    const char *name;
+    TRY(want_scalar(c, s, spath, "a sharding strategy", &name));
+    for (int i = 0; i < 5; i++)
+      if (strcmp(name, table[i].name) == 0) k = i;
+    if (k < 0)
+      return fail(c, s, spath,
+                  "expected FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, _HYBRID_SHARD_ZERO2 or "
+                  "NO_SHARD, got '%s'",
+                  name);
+  } else {
+    const char *v;
+    TRY(want_scalar(c, z, zpath, "2 or 3", &v));
+    if (strcmp(v, "3") == 0) k = 0;
+    if (strcmp(v, "2") == 0) k = 1;
+    if (k < 0)
+      return fail(c, z, zpath,
+                  "expected 3 (parameters, gradients and optimizer state sharded: FULL_SHARD) or "
+                  "2 (parameters kept whole from forward to backward: SHARD_GRAD_OP), got '%s'",
+                  v);
+  }
+  snprintf(pp->strategy, sizeof pp->strategy, "%s", table[k].name);
+  int r = find(c, fs, "reshard_after_forward");
+  if (!is_null(c, r) && pp->reshard_after_forward != table[k].reshard)
+    return fail(c, r, "parallelize.fully_shard.reshard_after_forward",
+                "disagrees with %s = %s (which means reshard_after_forward %s): give one",
+                said, table[k].name, table[k].reshard ? "true" : "false");
+  pp->reshard_after_forward = table[k].reshard;
+  int m = find(c, root, "mesh");
+  int rep = is_null(c, m) ? 0 : find(c, m, "dp_replicate");
+  int shard = is_null(c, m) ? 0 : find(c, m, "dp_shard");
+  rep = is_null(c, rep) ? 0 : rep;
+  shard = is_null(c, shard) ? 0 : shard;
+  if (table[k].mesh == 's') {
+    if (rep && pp->dp_replicate != 1)
+      return fail(c, rep, "mesh.dp_replicate",
+                  "%d disagrees with %s = %s (shards over every data-parallel rank): give one",
+                  pp->dp_replicate, said, table[k].name);
+  } else if (table[k].mesh == 'r') {
+    if (shard && pp->dp_shard != 1 && pp->dp_shard != -1) /* -1: the rest, here none */
+      return fail(c, shard, "mesh.dp_shard",
+                  "%d disagrees with %s = %s (replicates, shards nothing): give one",
+                  pp->dp_shard, said, table[k].name);
+    pp->dp_shard = 1;
+    if (!rep) pp->dp_replicate = pp->tp < 0 ? 1 : -1;
+  } else if (!rep) { /* hybrid: shard within a node (unless sized), replicate across nodes */
+    if (pp->dp_shard < 0) pp->dp_shard = PLAN_SIZE_NODE;
+    pp->dp_replicate = pp->tp < 0 ? 1 : -1;
+  }
+  return STATUS_OK;
+}
+
 static status_t read_parallelize(ctx_t *c, int root) {
   static const char *const keys[] = {"fully_shard", "tensor_parallel", NULL};
-  static const char *const fs_keys[] = {"units", "reshard_after_forward", "mp_policy", "offload",
+  static const char *const fs_keys[] = {"units",   "reshard_after_forward", "mp_policy",
+                                        "offload", "sharding_strategy",     "zero_stage",
                                         NULL};
   plan_t *p = c->p;
   int m;
@@ -544,6 +619,7 @@ static status_t read_parallelize(ctx_t *c, int root) {
     p->par.reduce_dtype = dt[1];
     p->par.output_dtype = dt[2];
     TRY(get_bool(c, fs, path, "offload", &p->par.offload));
+    TRY(read_strategy(c, root, fs));
     for (int i = 0; i < p->par.n_units; i++) unit_defaults(&p->par, &p->par.units[i]);
     TRY(read_units(c, fs));
   }
@@ -923,6 +999,16 @@ int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out) {
 /* ---- resolve ---- */
 
 status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
+  if (pp->dp_shard == PLAN_SIZE_NODE) { /* HYBRID_SHARD: the ranks of a node */
+    if (world_started_size() != world)
+      return err_set(STATUS_EINVAL,
+                     "%s: sharding_strategy %s shards within a node, but a world of %d ranks is "
+                     "not this job, whose nodes it could count: give mesh.dp_shard (the ranks "
+                     "per node)",
+                     pp->fsdp_where.text, pp->strategy, world);
+    pp->dp_shard = world_local_size();
+    if (pp->tp > 1 && pp->dp_shard % pp->tp == 0) pp->dp_shard /= pp->tp;
+  }
   int *sizes[3] = {&pp->dp_replicate, &pp->dp_shard, &pp->tp};
   static const char *names[3] = {"dp_replicate", "dp_shard", "tp"};
   long long known = 1;

@@ -247,9 +247,11 @@ static void header(const run_t *r) {
       (long long)p->model.n_kv_heads, (long long)p->model.ffn_dim, (long long)p->model.vocab_size,
       p->model.tie_embeddings ? "tied" : "untied", (long long)llama_num_params(&p->model));
   printf(
-      "  fully_shard: %d groups (%d units + root); reshard_after_forward %s; param %s, "
+      "  fully_shard: %d groups (%d units + root); %s%s%sreshard_after_forward %s; param %s, "
       "reduce %s%s\n",
-      r->n_groups, r->n_groups - 1, reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
+      r->n_groups, r->n_groups - 1, p->par.strategy[0] ? "sharding_strategy " : "",
+      p->par.strategy, p->par.strategy[0] ? ": " : "",
+      reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
       dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), p->par.offload ? "; offload" : "");
   if (r->tp)
     printf("  tensor_parallel: %d modules on tp=%d (%s); sequence parallelism %s\n",

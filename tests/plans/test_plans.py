@@ -168,6 +168,30 @@ def configs():
               "%.2e)" % (what, worst))
         if p.returncode != 0:
             print(p.stderr[-2000:])
+    # sharding_strategy / zero_stage (Accelerate's and DeepSpeed's words): the mesh and
+    # reshard_after_forward they stand for, training as one rank does
+    fsdp_yaml = os.path.join(ROOT, "configs", "fsdp.yaml")
+    for strategy, mesh, reshard in [
+            ("sharding_strategy=FULL_SHARD", "1 x dp_shard=4", "true"),
+            ("sharding_strategy=SHARD_GRAD_OP", "1 x dp_shard=4", "false"),
+            ("zero_stage=3", "1 x dp_shard=4", "true"),
+            ("sharding_strategy=NO_SHARD", "4 x dp_shard=1", "false"),
+            ("sharding_strategy=HYBRID_SHARD", "1 x dp_shard=4", "true"),  # one node
+            ("sharding_strategy=_HYBRID_SHARD_ZERO2 mesh.dp_shard=2", "2 x dp_shard=2", "false")]:
+        sets = ["--set", "train.steps=%d" % STEPS]
+        for kv in strategy.split():
+            sets += ["--set", kv if kv.startswith("mesh.") else "parallelize.fully_shard." + kv]
+        metrics = os.path.join(tmp, "strategy.jsonl")
+        p, _ = run(4, [fsdp_yaml, "--metrics", metrics] + sets)
+        m = [r["loss"] for r in losses(metrics)] if p.returncode == 0 else []
+        worst = max(abs(a - b) / abs(b) for a, b in zip(m, ref)) if m and ref else 1
+        check(len(m) == STEPS and worst <= 1e-5 and
+              "mesh dp_replicate=%s" % mesh in p.stdout and
+              "reshard_after_forward %s;" % reshard in p.stdout,
+              "%s on 4 ranks: mesh dp_replicate=%s, reshard_after_forward %s, the single-rank "
+              "losses within 1e-5 (worst %.2e)" % (strategy, mesh, reshard, worst))
+        if p.returncode != 0:
+            print(p.stderr[-1500:])
     # --set reaches list items: NAME[INDEX], replaced whole or entered
     plan = os.path.join(tmp, "mixed-0.yaml")
     for sets, want in [
@@ -384,6 +408,26 @@ def errors():
          "{lr: 0.1}\n", [], r"optim\.param_groups: 'model\.nope\.\*' matches no parameter"),
         ("param group given twice", base + "optim:\n  param_groups:\n    \"*norm*\": {lr: 0.1}\n"
          "    \"*norm*\": {lr: 0.2}\n", [], r"optim\.param_groups: '\*norm\*' appears twice"),
+        ("unknown sharding_strategy", None, ["--set", "parallelize.fully_shard.sharding_strategy="
+                                                      "FULLY"],
+         r"sharding_strategy: expected FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, "
+         r"_HYBRID_SHARD_ZERO2 or NO_SHARD, got 'FULLY'"),
+        ("zero_stage 1", None, ["--set", "parallelize.fully_shard.zero_stage=1"],
+         r"zero_stage: expected 3 \(.*FULL_SHARD\) or 2 \(.*SHARD_GRAD_OP\), got '1'"),
+        ("sharding_strategy and zero_stage", None,
+         ["--set", "parallelize.fully_shard.zero_stage=3", "--set",
+          "parallelize.fully_shard.sharding_strategy=FULL_SHARD"],
+         r"give sharding_strategy or zero_stage, not both"),
+        ("sharding_strategy against reshard_after_forward", None,
+         ["--set", "parallelize.fully_shard.sharding_strategy=SHARD_GRAD_OP", "--set",
+          "parallelize.fully_shard.reshard_after_forward=true"],
+         r"reshard_after_forward: disagrees with parallelize\.fully_shard\.sharding_strategy = "
+         r"SHARD_GRAD_OP \(which means reshard_after_forward false\): give one"),
+        ("sharding_strategy against the mesh", None,
+         ["--set", "parallelize.fully_shard.sharding_strategy=NO_SHARD", "--set",
+          "mesh.dp_shard=2"],
+         r"mesh\.dp_shard: 2 disagrees with parallelize\.fully_shard\.sharding_strategy = "
+         r"NO_SHARD"),
         ("unknown train.nonfinite", base.replace("  steps: 2", "  steps: 2\n  nonfinite: ignore"), [],
          r"train\.nonfinite: expected stop or skip, got 'ignore'"),
         # --dry-run refuses what the run would
