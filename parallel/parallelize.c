@@ -92,15 +92,20 @@ static status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module
   return push_group(par, g);
 }
 
+/* The index of the first unit pattern matching mod, or -1. */
+static int first_unit(const parallel_plan_t *pp, const nn_module_t *mod) {
+  for (int u = 0; u < pp->n_units; u++)
+    if (nn_fqn_match(pp->units[u].pattern, nn_module_fqn(mod))) return u;
+  return -1;
+}
+
 /* Post-order: children (inner modules) before their parent; the first matching unit wins. */
 static status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod) {
   for (int i = 0; i < nn_module_num_children(mod); i++)
     TRY(visit(par, pp, nn_module_child(mod, i)));
   if (mod == par->root) return STATUS_OK;
-  for (int u = 0; u < pp->n_units; u++)
-    if (nn_fqn_match(pp->units[u].pattern, nn_module_fqn(mod)))
-      return shard_unit(par, pp, mod, &pp->units[u]);
-  return STATUS_OK;
+  int u = first_unit(pp, mod);
+  return u >= 0 ? shard_unit(par, pp, mod, &pp->units[u]) : STATUS_OK;
 }
 
 static int count_matches(const nn_module_t *root, const nn_module_t *mod, const char *pattern) {
@@ -108,13 +113,6 @@ static int count_matches(const nn_module_t *root, const nn_module_t *mod, const 
   for (int i = 0; i < nn_module_num_children(mod); i++)
     n += count_matches(root, nn_module_child(mod, i), pattern);
   return n;
-}
-
-/* The index of the first unit pattern matching mod, or -1. */
-static int first_unit(const parallel_plan_t *pp, const nn_module_t *mod) {
-  for (int u = 0; u < pp->n_units; u++)
-    if (nn_fqn_match(pp->units[u].pattern, nn_module_fqn(mod))) return u;
-  return -1;
 }
 
 /* A module under mod (not the root) whose first matching pattern is not u while u matches it:

@@ -231,7 +231,7 @@ static status_t get_size(ctx_t *c, int map, const char *prefix, const char *key,
   char path[256];
   int v = lookup(c, map, prefix, key, path);
   if (v == 0) return STATUS_OK;
-  int64_t x;
+  int64_t x = 0; /* set by parse_int (gcc -O3 cannot tell) */
   TRY(parse_int(c, v, path, -1, 1 << 20, &x));
   if (x == 0) return fail(c, v, path, "a mesh size must be positive, or -1 for the rest");
   *out = (int)x;
@@ -569,25 +569,24 @@ static status_t read_strategy(ctx_t *c, int root, int fs) {
                   v);
   }
   snprintf(pp->strategy, sizeof pp->strategy, "%s", table[k].name);
-  int r = find(c, fs, "reshard_after_forward");
-  if (!is_null(c, r) && pp->reshard_after_forward != table[k].reshard)
-    return fail(c, r, "parallelize.fully_shard.reshard_after_forward",
+  char rpath[256], reppath[256], shardpath[256];
+  int r = lookup(c, fs, prefix, "reshard_after_forward", rpath);
+  if (r != 0 && pp->reshard_after_forward != table[k].reshard)
+    return fail(c, r, rpath,
                 "disagrees with %s = %s (which means reshard_after_forward %s): give one",
                 said, table[k].name, table[k].reshard ? "true" : "false");
   pp->reshard_after_forward = table[k].reshard;
-  int m = find(c, root, "mesh");
-  int rep = is_null(c, m) ? 0 : find(c, m, "dp_replicate");
-  int shard = is_null(c, m) ? 0 : find(c, m, "dp_shard");
-  rep = is_null(c, rep) ? 0 : rep;
-  shard = is_null(c, shard) ? 0 : shard;
+  int m = find(c, root, "mesh"); /* the sizes given explicitly (0: absent or null) */
+  int rep = lookup(c, m, "mesh", "dp_replicate", reppath);
+  int shard = lookup(c, m, "mesh", "dp_shard", shardpath);
   if (table[k].mesh == 's') {
     if (rep && pp->dp_replicate != 1)
-      return fail(c, rep, "mesh.dp_replicate",
+      return fail(c, rep, reppath,
                   "%d disagrees with %s = %s (shards over every data-parallel rank): give one",
                   pp->dp_replicate, said, table[k].name);
   } else if (table[k].mesh == 'r') {
     if (shard && pp->dp_shard != 1 && pp->dp_shard != -1) /* -1: the rest, here none */
-      return fail(c, shard, "mesh.dp_shard",
+      return fail(c, shard, shardpath,
                   "%d disagrees with %s = %s (replicates, shards nothing): give one",
                   pp->dp_shard, said, table[k].name);
     pp->dp_shard = 1;

@@ -170,6 +170,11 @@ static int64_t saved_global_batch(const char *dir) {
   return n;
 }
 
+/* Samples per optimizer step over the data-parallel ranks. */
+static int64_t global_batch(const run_t *r) {
+  return r->plan.batch_size * r->plan.grad_accum * r->dp_size;
+}
+
 static status_t build(run_t *r) {
   plan_t *p = &r->plan;
   TRY(llama_plan_check(&p->par));
@@ -280,15 +285,14 @@ static void header(const run_t *r) {
       "  data: %s, %lld samples x %lld tokens per rank, grad_accum %lld (global batch %lld "
       "samples); %lld step%s\n",
       p->data_path, (long long)p->batch_size, (long long)p->seq_len, (long long)p->grad_accum,
-      (long long)(p->batch_size * p->grad_accum * r->dp_size), (long long)p->steps,
+      (long long)global_batch(r), (long long)p->steps,
       p->steps == 1 ? "" : "s");
-  if (r->saved_batch > 0 && r->saved_batch != p->batch_size * p->grad_accum * r->dp_size)
+  if (r->saved_batch > 0 && r->saved_batch != global_batch(r))
     fprintf(stderr,
             "fsdp-train: warning: %s was saved with a global batch of %lld samples, this run "
             "takes %lld: the data order and the learning-rate schedule go on by step, so "
             "samples are skipped or repeated\n",
-            r->resumed_from, (long long)r->saved_batch,
-            (long long)(p->batch_size * p->grad_accum * r->dp_size));
+            r->resumed_from, (long long)r->saved_batch, (long long)global_batch(r));
   fflush(stdout);
 }
 
@@ -505,8 +509,7 @@ static status_t saved_under(const run_t *r, char **out) {
       cJSON_AddNumberToObject(o, "dp_replicate", p->par.dp_replicate) &&
       cJSON_AddNumberToObject(o, "dp_shard", p->par.dp_shard) &&
       cJSON_AddNumberToObject(o, "tp", p->par.tp) &&
-      cJSON_AddNumberToObject(o, "global_batch",
-                              (double)(p->batch_size * p->grad_accum * r->dp_size)) &&
+      cJSON_AddNumberToObject(o, "global_batch", (double)global_batch(r)) &&
       cJSON_AddItemToObject(o, "model", model)) {
     model = NULL; /* o owns it */
     text = cJSON_PrintUnformatted(o);
@@ -584,7 +587,7 @@ static status_t train(run_t *r) {
     if (st == STATUS_OK) st = device_stream_sync(r->dev);
     if (st != STATUS_OK) break;
     double dt = now() - t0;
-    double tokens = (double)(p->batch_size * p->seq_len * p->grad_accum * r->dp_size);
+    double tokens = (double)(global_batch(r) * p->seq_len);
     double tps = tokens / dt, comm = counted_bytes(r);
     size_t peak = mem_stats(r->dev).peak, state = mem_stats(r->dev).current;
     peak_max = peak > peak_max ? peak : peak_max;
