@@ -2,6 +2,7 @@
 #include "base/kernels.h"
 
 #include <stddef.h>
+#include <stdio.h>
 
 #include "base/kernels_impl.h"
 
@@ -200,7 +201,31 @@ status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
   return ops->rmsnorm_backward(dx, dw, dy, x, w, rstd);
 }
 
-status_t kernel_rope(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
+status_t rope_check(const rope_t *r) {
+  if (!(r->theta > 0))
+    return err_set(STATUS_EINVAL, "rope_theta must be positive, got %g", r->theta);
+  if (r->scaling == ROPE_DEFAULT) return STATUS_OK;
+  if (r->scaling != ROPE_LINEAR && r->scaling != ROPE_LLAMA3)
+    return err_set(STATUS_EINVAL, "unknown rotary embedding scaling %d", (int)r->scaling);
+  if (!(r->factor > 0) || !isfinite(r->factor))
+    return err_set(STATUS_EINVAL, "the rotary embedding's factor must be positive, got %g",
+                   r->factor);
+  if (r->scaling == ROPE_LINEAR) return STATUS_OK;
+  if (!(r->original_max_pos > 0) || !isfinite(r->original_max_pos))
+    return err_set(STATUS_EINVAL,
+                   "llama3 rope scaling: original_max_position_embeddings must be "
+                   "positive, got %g",
+                   r->original_max_pos);
+  if (!(r->low_freq_factor > 0) || !(r->high_freq_factor > r->low_freq_factor) ||
+      !isfinite(r->high_freq_factor))
+    return err_set(STATUS_EINVAL,
+                   "llama3 rope scaling: need 0 < low_freq_factor < high_freq_factor, got %g "
+                   "and %g",
+                   r->low_freq_factor, r->high_freq_factor);
+  return STATUS_OK;
+}
+
+status_t kernel_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
                      bool inverse) {
   const kernel_ops_t *ops;
   TRY(check_common("kernel_rope", NT(out, x), &ops));
@@ -208,8 +233,12 @@ status_t kernel_rope(tensor_t *out, const tensor_t *x, double theta, int64_t pos
   TRY(check_same_shape("kernel_rope", NT(out, x)));
   if (x->ndim != 4 || x->shape[3] % 2 != 0)
     return shape_error("kernel_rope", "x", x, "[B, T, H, Dh] with Dh even");
-  if (!(theta > 0)) return err_set(STATUS_EINVAL, "kernel_rope: theta must be positive");
-  return ops->rope(out, x, theta, pos_offset, inverse);
+  if (rope_check(rope) != STATUS_OK) {
+    char why[256];
+    snprintf(why, sizeof why, "%s", err_detail());
+    return err_set(STATUS_EINVAL, "kernel_rope: %s", why);
+  }
+  return ops->rope(out, x, rope, pos_offset, inverse);
 }
 
 static status_t check_qkv(const char *fn, const tensor_t *q, const tensor_t *k, const tensor_t *v) {

@@ -20,6 +20,7 @@
 #ifndef FSDPC_BASE_KERNELS_H
 #define FSDPC_BASE_KERNELS_H
 
+#include <math.h>
 #include <stdbool.h>
 
 #include "base/tensor.h"
@@ -59,10 +60,51 @@ status_t kernel_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const 
 status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
                                  const tensor_t *w, const tensor_t *rstd);
 
+/* The rotary embedding's frequencies, as Hugging Face's rope types define them: pair i of a
+ * head of size Dh turns by inv_freq(i) = theta^(-2i/Dh) radians per position (ROPE_DEFAULT),
+ * that divided by factor (ROPE_LINEAR), or llama3's frequency-dependent scaling (ROPE_LLAMA3):
+ * with wavelength w = 2 pi / inv_freq and L = original_max_pos, frequencies with
+ * w < L / high_freq_factor keep their value, those with w > L / low_freq_factor are divided by
+ * factor, and those between are interpolated: s = (L / w - low_freq_factor) /
+ * (high_freq_factor - low_freq_factor), inv_freq * ((1 - s) / factor + s). */
+typedef enum rope_scaling { ROPE_DEFAULT, ROPE_LINEAR, ROPE_LLAMA3 } rope_scaling_t;
+
+typedef struct rope {
+  double theta;
+  rope_scaling_t scaling;
+  double factor;                            /* ROPE_LINEAR and ROPE_LLAMA3 */
+  double low_freq_factor, high_freq_factor; /* ROPE_LLAMA3 */
+  double original_max_pos;                  /* ROPE_LLAMA3: original_max_position_embeddings */
+} rope_t;
+
+/* Checks a rope_t: theta positive; for the scaled types a positive factor; for llama3 a
+ * positive original_max_pos and 0 < low_freq_factor < high_freq_factor. Errors name the
+ * Hugging Face key. */
+status_t rope_check(const rope_t *r);
+
+#ifdef __CUDACC__
+#define ROPE_HOST_DEVICE __host__ __device__
+#else
+#define ROPE_HOST_DEVICE
+#endif
+
+/* inv_freq(i) for pair i of a head of size dh; one definition for the host and the device. */
+static inline ROPE_HOST_DEVICE double rope_inv_freq(const rope_t *r, int64_t i, int64_t dh) {
+  double f = pow(r->theta, -2.0 * (double)i / (double)dh);
+  if (r->scaling == ROPE_LINEAR) return f / r->factor;
+  if (r->scaling != ROPE_LLAMA3) return f;
+  double wavelen = 6.283185307179586 / f;
+  if (wavelen < r->original_max_pos / r->high_freq_factor) return f;
+  if (wavelen > r->original_max_pos / r->low_freq_factor) return f / r->factor;
+  double s = (r->original_max_pos / wavelen - r->low_freq_factor) /
+             (r->high_freq_factor - r->low_freq_factor);
+  return f * ((1 - s) / r->factor + s);
+}
+
 /* Rotary embedding with the rotate_half convention on x [B, T, H, Dh] (Dh even): for pair
- * (i, i + Dh/2) at position t + pos_offset, angle = pos * theta^(-2i/Dh). inverse rotates by
- * -angle, which is the backward of the forward rotation. out may be x (in place). */
-status_t kernel_rope(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
+ * (i, i + Dh/2) at position t + pos_offset, angle = pos * rope_inv_freq(rope, i, Dh). inverse
+ * rotates by -angle, which is the backward of the forward rotation. out may be x (in place). */
+status_t kernel_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
                      bool inverse);
 
 /* Causal softmax attention with grouped-query heads: q [B, T, H, Dh], k and v [B, T, Hkv, Dh],
@@ -85,7 +127,12 @@ status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t
 
 /* Pointwise activations: ReLU max(x, 0); GELU x * Phi(x) = x/2 * (1 + erf(x / sqrt(2))) (the
  * exact form, PyTorch's default); SiLU x * sigmoid(x). */
-typedef enum kernel_act { KERNEL_ACT_RELU, KERNEL_ACT_GELU, KERNEL_ACT_SILU, KERNEL_ACT_COUNT } kernel_act_t;
+typedef enum kernel_act {
+  KERNEL_ACT_RELU,
+  KERNEL_ACT_GELU,
+  KERNEL_ACT_SILU,
+  KERNEL_ACT_COUNT
+} kernel_act_t;
 
 /* out = act(x) (out may be x). */
 status_t kernel_activation(tensor_t *out, const tensor_t *x, kernel_act_t act);

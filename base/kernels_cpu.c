@@ -223,7 +223,7 @@ static status_t cpu_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t 
 
 /* ---- RoPE ---- */
 
-static status_t cpu_rope(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
+static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
                          bool inverse) {
   int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], half = Dh / 2;
   fbuf_t fx, fo;
@@ -241,7 +241,7 @@ static status_t cpu_rope(tensor_t *out, const tensor_t *x, double theta, int64_t
   }
   for (int64_t t = 0; t < T; t++) {
     for (int64_t i = 0; i < half; i++) {
-      double ang = (double)(t + pos_offset) * pow(theta, -2.0 * (double)i / (double)Dh);
+      double ang = (double)(t + pos_offset) * rope_inv_freq(rope, i, Dh);
       cs[2 * i] = (float)cos(ang);
       cs[2 * i + 1] = inverse ? -(float)sin(ang) : (float)sin(ang);
     }

@@ -155,12 +155,12 @@ __global__ static void rmsnorm_backward_dw_kernel(void *dw, int wdt, const void 
 }
 
 __global__ static void rope_kernel(void *out, const void *x, int dt, int64_t B, int64_t T,
-                                   int64_t H, int64_t Dh, double theta, int64_t pos_offset,
+                                   int64_t H, int64_t Dh, rope_t rope, int64_t pos_offset,
                                    float sign) {
   int64_t half = Dh / 2;
   GRID_STRIDE(e, B * T * H * half) {
     int64_t i = e % half, row = e / half, t = (row / H) % T;
-    double ang = (double)(t + pos_offset) * pow(theta, -2.0 * (double)i / (double)Dh);
+    double ang = (double)(t + pos_offset) * rope_inv_freq(&rope, i, Dh);
     float c = (float)cos(ang), s = sign * (float)sin(ang);
     int64_t base = row * Dh;
     float x1 = ldf(dt, x, base + i), x2 = ldf(dt, x, base + i + half);
@@ -646,13 +646,13 @@ static status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t
   return launched("kernel_rmsnorm_backward");
 }
 
-static status_t cuda_rope(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
-                          bool inverse) {
+static status_t cuda_rope(tensor_t *out, const tensor_t *x, const rope_t *rope,
+                          int64_t pos_offset, bool inverse) {
   int64_t n = tensor_numel(x) / 2;
   if (n == 0) return STATUS_OK;
   rope_kernel<<<grid_for(n), kBlock, 0, stream_of(x)>>>(out->data, x->data, x->dtype, x->shape[0],
                                                         x->shape[1], x->shape[2], x->shape[3],
-                                                        theta, pos_offset, inverse ? -1.0f : 1.0f);
+                                                        *rope, pos_offset, inverse ? -1.0f : 1.0f);
   return launched("kernel_rope");
 }
 

@@ -30,7 +30,7 @@ typedef struct kernel_ops {
                       float eps);
   status_t (*rmsnorm_backward)(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
                                const tensor_t *w, const tensor_t *rstd);
-  status_t (*rope)(tensor_t *out, const tensor_t *x, double theta, int64_t pos_offset,
+  status_t (*rope)(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
                    bool inverse);
   status_t (*attention)(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
                         const tensor_t *v);

@@ -45,8 +45,13 @@ status_t llama_config_check(const llama_config_t *c) {
                    "model config: num_attention_heads %lld is not a multiple of "
                    "num_key_value_heads %lld",
                    (long long)c->n_heads, (long long)c->n_kv_heads);
-  if (!(c->rope_theta > 0) || !(c->norm_eps > 0))
-    return err_set(STATUS_EINVAL, "model config: rope_theta and rms_norm_eps must be positive");
+  if (!(c->norm_eps > 0))
+    return err_set(STATUS_EINVAL, "model config: rms_norm_eps must be positive");
+  if (rope_check(&c->rope) != STATUS_OK) {
+    char why[256];
+    snprintf(why, sizeof why, "%s", err_detail());
+    return err_set(STATUS_EINVAL, "model config: %s", why);
+  }
   return STATUS_OK;
 }
 
@@ -101,15 +106,32 @@ static status_t json_refuse(const char *path, const cJSON *o, const char *key, c
   return err_set(STATUS_EUNSUPPORTED, "%s: '%s' is set, but %s", path, key, why);
 }
 
-/* The rotary embedding's parameters: transformers 4 writes rope_theta at the top level (and
- * rope_scaling for the scaled variants), transformers 5 rope_parameters {rope_theta,
- * rope_type}. Only the plain rotation is implemented: any other type is refused, naming the
- * key, rather than read as the plain one. */
-static status_t parse_rope(const char *path, const cJSON *o, llama_config_t *c) {
+/* A number in a rope section; required ones missing are an error naming the key. */
+static status_t rope_num(const char *path, const char *section, const cJSON *r, const char *key,
+                         double *v) {
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(r, key);
+  if (it == NULL || cJSON_IsNull(it))
+    return err_set(STATUS_EFORMAT, "%s: '%s' has no '%s'", path, section, key);
+  if (!cJSON_IsNumber(it))
+    return err_set(STATUS_EFORMAT, "%s: '%s.%s' must be a number", path, section, key);
+  *v = it->valuedouble;
+  return STATUS_OK;
+}
+
+/* The rotary embedding: transformers 4 writes rope_theta at the top level and rope_scaling
+ * {rope_type (or type), factor, ...} for the scaled variants; transformers 5 writes
+ * rope_parameters {rope_theta, rope_type, ...}. The default, linear and llama3 types are
+ * implemented; any other is refused, naming the key, rather than read as one of them. */
+static status_t parse_rope(const char *path, const cJSON *o, rope_t *rope) {
   double top = -1;
   TRY(json_num(path, o, "rope_theta", &top));
-  if (top != -1) c->rope_theta = top;
+  if (top != -1) rope->theta = top;
   static const char *const keys[] = {"rope_scaling", "rope_parameters"};
+  static const struct {
+    const char *name;
+    rope_scaling_t scaling;
+  } types[] = {{"default", ROPE_DEFAULT}, {"linear", ROPE_LINEAR}, {"llama3", ROPE_LLAMA3}};
+  const char *typed = NULL; /* the section that set the type */
   for (int k = 0; k < 2; k++) {
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, keys[k]);
     if (r == NULL || cJSON_IsNull(r) || cJSON_IsFalse(r)) continue;
@@ -124,11 +146,24 @@ static status_t parse_rope(const char *path, const cJSON *o, llama_config_t *c) 
     if (!cJSON_IsString(t))
       return err_set(STATUS_EUNSUPPORTED,
                      "%s: '%s' has no rope_type: its rotary embedding is unknown", path, keys[k]);
-    if (strcmp(t->valuestring, "default") != 0)
+    size_t i = 0;
+    while (i < sizeof types / sizeof types[0] && strcmp(t->valuestring, types[i].name) != 0) i++;
+    if (i == sizeof types / sizeof types[0])
       return err_set(STATUS_EUNSUPPORTED,
-                     "%s: '%s.%s' is '%s': only the default rotary embedding is implemented "
-                     "(no llama3, linear, dynamic or yarn scaling)",
+                     "%s: '%s.%s' is '%s': the rotary embeddings implemented are default, linear "
+                     "and llama3 (no dynamic, yarn or longrope scaling)",
                      path, keys[k], tkey, t->valuestring);
+    if (typed != NULL && types[i].scaling != rope->scaling)
+      return err_set(STATUS_EFORMAT, "%s: '%s' and '%s' give different rope types", path, typed,
+                     keys[k]);
+    typed = keys[k];
+    rope->scaling = types[i].scaling;
+    if (rope->scaling != ROPE_DEFAULT) TRY(rope_num(path, keys[k], r, "factor", &rope->factor));
+    if (rope->scaling == ROPE_LLAMA3) {
+      TRY(rope_num(path, keys[k], r, "low_freq_factor", &rope->low_freq_factor));
+      TRY(rope_num(path, keys[k], r, "high_freq_factor", &rope->high_freq_factor));
+      TRY(rope_num(path, keys[k], r, "original_max_position_embeddings", &rope->original_max_pos));
+    }
     double theta = -1;
     char key[40];
     snprintf(key, sizeof key, "%s.rope_theta", keys[k]);
@@ -139,7 +174,7 @@ static status_t parse_rope(const char *path, const cJSON *o, llama_config_t *c) 
     if (theta != -1 && top != -1 && theta != top)
       return err_set(STATUS_EFORMAT, "%s: 'rope_theta' is %g but '%s' is %g", path, top, key,
                      theta);
-    if (theta != -1) c->rope_theta = theta;
+    if (theta != -1) rope->theta = theta;
   }
   return STATUS_OK;
 }
@@ -167,7 +202,7 @@ static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   TRY(json_int(path, o, "intermediate_size", &c->ffn_dim));
   TRY(json_int(path, o, "vocab_size", &c->vocab_size));
   TRY(json_int(path, o, "max_position_embeddings", &c->max_seq_len));
-  TRY(parse_rope(path, o, c));
+  TRY(parse_rope(path, o, &c->rope));
   TRY(json_num(path, o, "rms_norm_eps", &c->norm_eps));
   const cJSON *tie = cJSON_GetObjectItemCaseSensitive(o, "tie_word_embeddings");
   if (tie && !cJSON_IsNull(tie)) {
@@ -225,7 +260,22 @@ status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **
   cJSON_AddNumberToObject(o, "intermediate_size", (double)c->ffn_dim);
   cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
   cJSON_AddNumberToObject(o, "max_position_embeddings", (double)c->max_seq_len);
-  cJSON_AddNumberToObject(o, "rope_theta", c->rope_theta);
+  cJSON_AddNumberToObject(o, "rope_theta", c->rope.theta);
+  if (c->rope.scaling != ROPE_DEFAULT) { /* the form both transformers 4 and 5 read */
+    cJSON *r = cJSON_AddObjectToObject(o, "rope_scaling");
+    if (r == NULL) {
+      cJSON_Delete(o);
+      return err_set(STATUS_ENOMEM, "out of host memory");
+    }
+    bool llama3 = c->rope.scaling == ROPE_LLAMA3;
+    cJSON_AddStringToObject(r, "rope_type", llama3 ? "llama3" : "linear");
+    cJSON_AddNumberToObject(r, "factor", c->rope.factor);
+    if (llama3) {
+      cJSON_AddNumberToObject(r, "low_freq_factor", c->rope.low_freq_factor);
+      cJSON_AddNumberToObject(r, "high_freq_factor", c->rope.high_freq_factor);
+      cJSON_AddNumberToObject(r, "original_max_position_embeddings", c->rope.original_max_pos);
+    }
+  }
   cJSON_AddNumberToObject(o, "rms_norm_eps", c->norm_eps);
   cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
   cJSON_AddBoolToObject(o, "attention_bias", 0);
@@ -292,8 +342,8 @@ static status_t attention_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, n
   TRY_GOTO(st, split_heads(ctx, q, hd, &q4));
   TRY_GOTO(st, split_heads(ctx, k, hd, &k4));
   TRY_GOTO(st, split_heads(ctx, v, hd, &v4));
-  TRY_GOTO(st, nn_rope(ctx, q4, c->rope_theta, &qr));
-  TRY_GOTO(st, nn_rope(ctx, k4, c->rope_theta, &kr));
+  TRY_GOTO(st, nn_rope(ctx, q4, &c->rope, &qr));
+  TRY_GOTO(st, nn_rope(ctx, k4, &c->rope, &kr));
   TRY_GOTO(st, nn_attention(ctx, qr, kr, v4, &a));
   int64_t shape[3] = {in->value.shape[0], in->value.shape[1], q->value.shape[2]};
   TRY_GOTO(st, nn_view(ctx, a, 3, shape, &a3));

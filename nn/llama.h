@@ -29,6 +29,7 @@
 
 #include <stdint.h>
 
+#include "base/kernels.h"
 #include "nn/autograd.h"
 
 #ifdef __cplusplus
@@ -43,33 +44,37 @@ typedef struct llama_config {
   int64_t ffn_dim;     /* intermediate_size */
   int64_t vocab_size;  /* vocab_size */
   int64_t max_seq_len; /* max_position_embeddings */
-  double rope_theta;
+  rope_t rope;         /* rope_theta, and rope_scaling or rope_parameters */
   double norm_eps;     /* rms_norm_eps */
   bool tie_embeddings; /* tie_word_embeddings */
 } llama_config_t;
 
 /* Hugging Face's LlamaConfig defaults for what a config.json may leave out. */
-#define LLAMA_CONFIG_INIT                                                              \
-  {                                                                                    \
-    .dim = 4096, .n_layers = 32, .n_heads = 32, .n_kv_heads = 32, .ffn_dim = 11008,    \
-    .vocab_size = 32000, .max_seq_len = 2048, .rope_theta = 10000.0, .norm_eps = 1e-6, \
-    .tie_embeddings = false                                                            \
+#define LLAMA_CONFIG_INIT                                                               \
+  {                                                                                     \
+    .dim = 4096, .n_layers = 32, .n_heads = 32, .n_kv_heads = 32, .ffn_dim = 11008,     \
+    .vocab_size = 32000, .max_seq_len = 2048,                                           \
+    .rope = {.theta = 10000.0, .scaling = ROPE_DEFAULT, .factor = 1}, .norm_eps = 1e-6, \
+    .tie_embeddings = false                                                             \
   }
 
 /* Checks sizes: all positive, dim divisible by n_heads with an even head size, n_heads a
- * multiple of n_kv_heads. */
+ * multiple of n_kv_heads; and the rotary embedding (rope_check). */
 status_t llama_config_check(const llama_config_t *c);
 
 /* Reads a Hugging Face config.json (hidden_size, num_hidden_layers, num_attention_heads,
- * num_key_value_heads, intermediate_size, vocab_size, rope_theta, rms_norm_eps,
- * tie_word_embeddings, max_position_embeddings); refuses features the model does not have
- * (biases, rope scaling, another activation). Errors name the file and the key. */
+ * num_key_value_heads, intermediate_size, vocab_size, rms_norm_eps, tie_word_embeddings,
+ * max_position_embeddings, and the rotary embedding as transformers 4 writes it, rope_theta
+ * and rope_scaling, or as transformers 5 does, rope_parameters); refuses features the model
+ * does not have (biases, rope types other than default, linear and llama3, another
+ * activation). Errors name the file and the key. */
 status_t llama_config_from_hf(const char *path, llama_config_t *out);
 
 /* The same from config.json's text; errors name origin. */
 status_t llama_config_from_hf_text(const char *text, const char *origin, llama_config_t *out);
 
-/* Writes the config as a Hugging Face LlamaForCausalLM config.json. */
+/* Writes the config as a Hugging Face LlamaForCausalLM config.json (a scaled rotary
+ * embedding as rope_scaling, which transformers 4 and 5 both read). */
 status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path);
 
 /* The same as text (*out, freed by the caller with free()). */
@@ -79,7 +84,7 @@ status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **
 int64_t llama_num_params(const llama_config_t *c);
 
 /* True when a and b give the same parameters (names and shapes: every field but
- * max_seq_len, rope_theta and norm_eps); otherwise why (if not NULL) receives the first
+ * max_seq_len, rope and norm_eps); otherwise why (if not NULL) receives the first
  * difference, as "n_layers 2 vs 4". */
 bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, char *why,
                               size_t size);

@@ -166,7 +166,7 @@ static status_t rope_backward(nn_ctx_t *ctx, nn_node_t *n) {
   if (!n->in[0]->requires_grad) return STATUS_OK;
   tensor_t dx;
   TRY(ops_alloc_like(&dx, &n->out->grad));
-  status_t st = kernel_rope(&dx, &n->out->grad, n->scalar, 0, true);
+  status_t st = kernel_rope(&dx, &n->out->grad, n->user, 0, true);
   if (st != STATUS_OK) {
     tensor_free(&dx);
     return st;
@@ -174,16 +174,16 @@ static status_t rope_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_accumulate_grad(n->in[0], &dx);
 }
 
-status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, double theta, nn_var_t **out) {
+status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, const rope_t *rope, nn_var_t **out) {
   *out = NULL;
   tensor_t y;
   TRY(ops_alloc_like(&y, &x->value));
-  status_t st = kernel_rope(&y, &x->value, theta, 0, false);
+  status_t st = kernel_rope(&y, &x->value, rope, 0, false);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
   }
-  nn_node_t n = {.backward = rope_backward, .name = "rope", .in = {x}, .scalar = theta};
+  nn_node_t n = {.backward = rope_backward, .name = "rope", .in = {x}, .user = (void *)rope};
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
 }
 

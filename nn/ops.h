@@ -31,8 +31,9 @@ status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t
 /* RMSNorm over the last dimension with weight w [D], computed in fp32. */
 status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out);
 
-/* Rotary embedding (rotate_half) of x [B, T, H, Dh] at positions 0..T-1. */
-status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, double theta, nn_var_t **out);
+/* Rotary embedding (rotate_half) of x [B, T, H, Dh] at positions 0..T-1 with rope's
+ * frequencies; rope must stay valid until the backward has run (a model's config). */
+status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, const rope_t *rope, nn_var_t **out);
 
 /* Causal grouped-query attention: q [B, T, H, Dh], k and v [B, T, Hkv, Dh]. */
 status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_var_t **out);

@@ -400,7 +400,7 @@ static status_t read_model(ctx_t *c, int root) {
   TRY(get_int(c, m, "model", "ffn_dim", 1, big, &mc->ffn_dim));
   TRY(get_int(c, m, "model", "vocab_size", 1, big, &mc->vocab_size));
   TRY(get_int(c, m, "model", "max_seq_len", 1, big, &mc->max_seq_len));
-  TRY(get_float(c, m, "model", "rope_theta", 0, 1e12, true, &mc->rope_theta));
+  TRY(get_float(c, m, "model", "rope_theta", 0, 1e12, true, &mc->rope.theta));
   TRY(get_float(c, m, "model", "norm_eps", 0, 1, true, &mc->norm_eps));
   TRY(get_bool(c, m, "model", "tie_embeddings", &mc->tie_embeddings));
   if (llama_config_check(mc) != STATUS_OK) return fail(c, m, "model", "%s", err_detail());

@@ -138,8 +138,15 @@ static int k_rope(device_t dev, dtype_t dt, tensor_t *o) {
   rnd(&x, dev, dt, 4, s, 9, 1);
   poisoned(&y, dev, dt, 4, s);
   poisoned(&z, dev, dt, 4, s);
-  ok(kernel_rope(&y, &x, 10000.0, 3, false));
-  ok(kernel_rope(&z, &x, 500000.0, 0, true));
+  rope_t plain = {.theta = 10000.0, .scaling = ROPE_DEFAULT, .factor = 1};
+  rope_t llama3 = {.theta = 500000.0,
+                   .scaling = ROPE_LLAMA3,
+                   .factor = 8,
+                   .low_freq_factor = 1,
+                   .high_freq_factor = 4,
+                   .original_max_pos = 64};
+  ok(kernel_rope(&y, &x, &plain, 3, false));
+  ok(kernel_rope(&z, &x, &llama3, 0, true));
   out(&o[0], &y);
   out(&o[1], &z);
   tensor_free(&x);

@@ -7,8 +7,15 @@ runs on the project's corpus with the project's data order:
   - one forward and backward on step 0's batch: logits, loss, every parameter's gradient;
   - STEPS AdamW steps (parameter groups, gradient clipping, warmup + cosine schedule):
     the per-step losses.
-Outputs, for the untied and the tied-embedding variant, go next to this script:
-  tiny[_tied]_config.json, tiny[_tied]_init.safetensors, tiny[_tied]_golden.safetensors.
+Outputs go next to this script, TAG_config.json, TAG_init.safetensors (or the init of another
+variant, named in the golden's metadata "init") and TAG_golden.safetensors, for these variants:
+  tiny         untied embeddings, rope_theta 1e4 at the top level (transformers 4's form)
+  tiny_tied    tied embeddings
+  tiny_v5      rope_parameters {rope_theta 5e5, rope_type default}, transformers 5's form
+  tiny_llama3  rope_theta 5e5 and llama3 rope scaling in rope_scaling (transformers 4's form);
+               tiny_llama3_v5_config.json holds the same model in rope_parameters (5's form)
+and llama31_inv_freq.json: the rotary frequencies of Llama 3.1 8B's config (head_dim 128), as
+transformers' llama3 rope type defines them.
 
 Needs torch (Debian: apt-get install python3-torch); CI does not run this script. Rerunning
 it on one machine reproduces its files byte for byte (fixed seeds, one CPU thread); on another
@@ -97,9 +104,38 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(var + self.eps)).to(x.dtype)
 
 
-def rope_tables(seq, head_dim, theta):
+def rope_params(c):
+    """The rotary embedding's parameters from either config form: transformers 4 (rope_theta at
+    the top level, rope_scaling for scaled types) or transformers 5 (rope_parameters)."""
+    p = dict(c.get("rope_scaling") or {})
+    p.update(c.get("rope_parameters") or {})
+    p.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    p.setdefault("rope_type", p.get("type", "default"))
+    return p
+
+
+def inv_freqs(p, head_dim):
+    """Hugging Face's rope types: default, linear and llama3 (in float64)."""
     i = torch.arange(0, head_dim, 2, dtype=torch.float64)
-    inv_freq = theta ** (-i / head_dim)
+    inv_freq = p["rope_theta"] ** (-i / head_dim)
+    kind = p["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / p["factor"]
+    assert kind == "llama3", kind
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(seq, head_dim, params):
+    inv_freq = inv_freqs(params, head_dim)
     ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().float(), ang.sin().float()
@@ -115,7 +151,7 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
         self.hd = c["hidden_size"] // self.h
-        self.theta = c["rope_theta"]
+        self.rope = rope_params(c)
         d = c["hidden_size"]
         self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
         self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
@@ -127,7 +163,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        cos, sin = rope_tables(T, self.hd, self.theta)
+        cos, sin = rope_tables(T, self.hd, self.rope)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         rep = self.h // self.kv
@@ -233,25 +269,43 @@ def param_groups(model):
 
 # ---------------------------------------------------------------- main
 
-def run(tied):
-    tag = "tiny_tied" if tied else "tiny"
-    cfg = dict(CONFIG, tie_word_embeddings=tied, model_type="llama", hidden_act="silu",
-               architectures=["LlamaForCausalLM"])
+LLAMA3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)
+VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (None: a new one)
+    ("tiny", {}, False, None),
+    ("tiny_tied", {}, True, None),
+    ("tiny_v5", dict(rope_theta=None,
+                     rope_parameters=dict(rope_theta=500000.0, rope_type="default")), False, "tiny"),
+    ("tiny_llama3", dict(rope_theta=500000.0, max_position_embeddings=512,
+                         rope_scaling=dict(LLAMA3, rope_type="llama3")), False, "tiny"),
+]
+
+
+def write_config(tag, cfg):
     with open(os.path.join(HERE, tag + "_config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
 
+
+def run(tag, changes, tied, init_tag):
+    cfg = dict(CONFIG, tie_word_embeddings=tied, model_type="llama", hidden_act="silu",
+               architectures=["LlamaForCausalLM"])
+    cfg.update(changes)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    write_config(tag, cfg)
+
     torch.manual_seed(SEED + tied)
     model = CausalLM(cfg)
-    init = {}
-    for name, p in model.named_parameters():  # shared parameters appear once
-        if name.endswith("norm.weight"):
-            init[name] = 1.0 + 0.1 * torch.randn(p.shape)
-        else:
-            init[name] = 0.02 * torch.randn(p.shape)
-    init_path = os.path.join(HERE, tag + "_init.safetensors")
-    save_safetensors(init_path, init, {"format": "pt"})
-    loaded = load_safetensors(init_path)
+    if init_tag is None:
+        init = {}
+        for name, p in model.named_parameters():  # shared parameters appear once
+            if name.endswith("norm.weight"):
+                init[name] = 1.0 + 0.1 * torch.randn(p.shape)
+            else:
+                init[name] = 0.02 * torch.randn(p.shape)
+        init_tag = tag
+        save_safetensors(os.path.join(HERE, tag + "_init.safetensors"), init, {"format": "pt"})
+    loaded = load_safetensors(os.path.join(HERE, init_tag + "_init.safetensors"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(loaded[name])
@@ -283,9 +337,26 @@ def run(tied):
     golden["train_losses"] = torch.tensor(losses, dtype=torch.float32)
     meta = {"batch_size": str(BATCH), "seq_len": str(SEQ), "steps": str(STEPS),
             "torch_version": torch.__version__}
+    if init_tag != tag:
+        meta["init"] = init_tag + "_init.safetensors"
     save_safetensors(os.path.join(HERE, tag + "_golden.safetensors"), golden, meta)
     print(f"{tag}: loss {golden['loss'].item():.6f}, losses " +
           " ".join(f"{v:.4f}" for v in losses))
+    return cfg
+
+
+def write_rope_references(llama3_cfg):
+    """The same llama3 model in transformers 5's form, and Llama 3.1 8B's frequencies."""
+    v5 = {k: v for k, v in llama3_cfg.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = dict(rope_params(llama3_cfg))
+    write_config("tiny_llama3_v5", v5)
+    rope = dict(rope_theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=8192)
+    out = {"rope_parameters": rope, "head_dim": 128,
+           "inv_freq": [float(v) for v in inv_freqs(rope, 128)]}
+    with open(os.path.join(HERE, "llama31_inv_freq.json"), "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
 
 
 def logits(folder, ids):
@@ -307,8 +378,8 @@ def main():
     torch.use_deterministic_algorithms(True)
     if len(sys.argv) > 2 and sys.argv[1] == "logits":
         return logits(sys.argv[2], [int(a) for a in sys.argv[3:]])
-    for tied in (False, True):
-        run(tied)
+    cfgs = {tag: run(tag, changes, tied, init) for tag, changes, tied, init in VARIANTS}
+    write_rope_references(cfgs["tiny_llama3"])
     return 0
 
 

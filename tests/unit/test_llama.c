@@ -2,7 +2,8 @@
  * The C Llama against golden values from an independent PyTorch model
  * (tests/reference/make_goldens.py): logits, loss and every gradient of one step, and the
  * losses of ten AdamW steps with parameter groups, clipping and the schedule; untied and tied
- * embeddings, with and without activation checkpointing.
+ * embeddings, with and without activation checkpointing; the rotary embedding of both
+ * transformers config forms, llama3 scaling included.
  *
  * Run with argument "cuda" (the GPU suite) the same checks run on the GPU in fp32, and a bf16
  * variant with the wider tolerances documented in README.md.
@@ -12,6 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cJSON.h>
+
+#include "base/file.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"
 #include "nn/data.h"
@@ -40,10 +44,20 @@ static void path_of(char *buf, size_t n, const char *tag, const char *what) {
   snprintf(buf, n, REF "%s_%s", tag, what);
 }
 
-static llama_t *load_model(const char *tag, bool ac) {
+static st_file_t *open_golden(const char *tag) {
+  char path[512];
+  path_of(path, sizeof path, tag, "golden.safetensors");
+  st_file_t *f;
+  ok(st_open(&f, path));
+  return f;
+}
+
+/* The model of config CONFIG_config.json with the initial weights golden TAG was made from:
+ * the file its metadata "init" names, else TAG_init.safetensors. */
+static llama_t *load_model(const char *config, const char *tag, bool ac) {
   char path[512];
   llama_config_t cfg;
-  path_of(path, sizeof path, tag, "config.json");
+  path_of(path, sizeof path, config, "config.json");
   ok(llama_config_from_hf(path, &cfg));
   llama_options_t opt = LLAMA_OPTIONS_INIT;
   opt.device = mode.device;
@@ -51,17 +65,15 @@ static llama_t *load_model(const char *tag, bool ac) {
   opt.activation_checkpointing = ac;
   llama_t *m;
   ok(llama_new(&m, &cfg, &opt));
-  path_of(path, sizeof path, tag, "init.safetensors");
+  st_file_t *g = open_golden(tag);
+  const char *init = st_metadata(g, "init");
+  if (init != NULL)
+    snprintf(path, sizeof path, REF "%s", init);
+  else
+    path_of(path, sizeof path, tag, "init.safetensors");
+  st_close(g);
   ok(ckpt_load_weights(llama_module(m), path));
   return m;
-}
-
-static st_file_t *open_golden(const char *tag) {
-  char path[512];
-  path_of(path, sizeof path, tag, "golden.safetensors");
-  st_file_t *f;
-  ok(st_open(&f, path));
-  return f;
 }
 
 /* A golden tensor on the host as f32. */
@@ -102,8 +114,9 @@ static void step_fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, i
   tensor_free(&tg_h);
 }
 
-static void check_step0(const char *tag, bool ac) {
-  llama_t *m = load_model(tag, ac);
+/* Step 0 of the model of CONFIG_config.json against golden TAG. */
+static void check_step0(const char *config, const char *tag, bool ac) {
+  llama_t *m = load_model(config, tag, ac);
   st_file_t *g = open_golden(tag);
   data_t *d;
   ok(data_open(&d, CORPUS, DATA_BYTES));
@@ -139,7 +152,7 @@ static void check_step0(const char *tag, bool ac) {
     tensor_free(&ref);
   }
   if (getenv("FSDPC_TEST_VERBOSE"))
-    printf("%s%s: loss %.8f (torch %.8f), worst gradient relative L2 %.3g\n", tag,
+    printf("%s%s: loss %.8f (torch %.8f), worst gradient relative L2 %.3g\n", config,
            ac ? " (checkpointed)" : "", loss, want, worst_grad);
   free(ps);
   tensor_free(&logits);
@@ -149,18 +162,28 @@ static void check_step0(const char *tag, bool ac) {
   llama_free(m);
 }
 
-START_TEST(forward_backward_untied) { check_step0("tiny", false); }
+START_TEST(forward_backward_untied) { check_step0("tiny", "tiny", false); }
 END_TEST
-START_TEST(forward_backward_tied) { check_step0("tiny_tied", false); }
+START_TEST(forward_backward_tied) { check_step0("tiny_tied", "tiny_tied", false); }
 END_TEST
 START_TEST(forward_backward_checkpointed) {
-  check_step0("tiny", true);
-  check_step0("tiny_tied", true);
+  check_step0("tiny", "tiny", true);
+  check_step0("tiny_tied", "tiny_tied", true);
 }
 END_TEST
 
-static void train(const char *tag, bool ac, double *losses) {
-  llama_t *m = load_model(tag, ac);
+/* The rotary embeddings of transformers 5's config form (theta 5e5 in rope_parameters) and
+ * llama3 scaling in both forms (its step-0 q/k gradients differ from theta 5e5 unscaled by
+ * ~25%, its logits by 2.6e-3 relative L2). */
+START_TEST(forward_backward_rope_variants) {
+  check_step0("tiny_v5", "tiny_v5", false);
+  check_step0("tiny_llama3", "tiny_llama3", false);
+  check_step0("tiny_llama3_v5", "tiny_llama3", false);
+}
+END_TEST
+
+static void train(const char *config, const char *tag, bool ac, double *losses) {
+  llama_t *m = load_model(config, tag, ac);
   st_file_t *g = open_golden(tag);
   data_t *d;
   ok(data_open(&d, CORPUS, DATA_BYTES));
@@ -193,9 +216,9 @@ static void train(const char *tag, bool ac, double *losses) {
   llama_free(m);
 }
 
-static void check_training(const char *tag) {
+static void check_training(const char *config, const char *tag) {
   double losses[STEPS];
-  train(tag, false, losses);
+  train(config, tag, false, losses);
   st_file_t *g = open_golden(tag);
   tensor_t ref;
   golden(g, "train_losses", &ref);
@@ -203,7 +226,7 @@ static void check_training(const char *tag) {
   for (int s = 0; s < STEPS; s++) {
     double want = ((float *)ref.data)[s];
     if (getenv("FSDPC_TEST_VERBOSE"))
-      printf("%s step %d: loss %.7f torch %.7f rel %.2g\n", tag, s, losses[s], want,
+      printf("%s step %d: loss %.7f torch %.7f rel %.2g\n", config, s, losses[s], want,
              fabs(losses[s] - want) / want);
     ck_assert_msg(fabs(losses[s] - want) <= mode.tol_losses * fabs(want),
                   "%s step %d: loss %.8f, torch %.8f", tag, s, losses[s], want);
@@ -213,9 +236,15 @@ static void check_training(const char *tag) {
   st_close(g);
 }
 
-START_TEST(training_untied) { check_training("tiny"); }
+START_TEST(training_untied) { check_training("tiny", "tiny"); }
 END_TEST
-START_TEST(training_tied) { check_training("tiny_tied"); }
+START_TEST(training_tied) { check_training("tiny_tied", "tiny_tied"); }
+END_TEST
+START_TEST(training_rope_variants) {
+  check_training("tiny_v5", "tiny_v5");
+  check_training("tiny_llama3", "tiny_llama3");
+  check_training("tiny_llama3_v5", "tiny_llama3");
+}
 END_TEST
 
 /* Activation checkpointing changes no number: bit-identical gradients, lower peak memory. */
@@ -227,7 +256,7 @@ START_TEST(checkpointing_bit_identical) {
   ok(data_open(&d, CORPUS, DATA_BYTES));
   data_spec_t spec = {.batch_size = 2, .seq_len = 32, .grad_accum = 1, .dp_size = 1};
   for (int k = 0; k < 2; k++) {
-    m[k] = load_model("tiny", k == 1);
+    m[k] = load_model("tiny", "tiny", k == 1);
     nn_ctx_t *ctx;
     ok(nn_ctx_new(&ctx));
     size_t base = mem_stats(dev).current;
@@ -256,53 +285,130 @@ START_TEST(checkpointing_bit_identical) {
 }
 END_TEST
 
-/* transformers 4 writes rope_theta at the top level, transformers 5 inside rope_parameters;
- * both give the same model. Scaled variants (llama3, in either form) are refused by name. */
+/* transformers 4 writes rope_theta at the top level and scaling in rope_scaling, transformers
+ * 5 both in rope_parameters; both give the same model. Types not implemented are refused by
+ * name, as are incomplete or contradictory sections. */
 START_TEST(config_forms_of_transformers_4_and_5) {
   const char *base = "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "
                      "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, "
                      "\"intermediate_size\": 160, \"vocab_size\": 256, "
                      "\"max_position_embeddings\": 128%s}";
+#define L3 "\"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+  const rope_t plain4 = {1e4, ROPE_DEFAULT, 1, 0, 0, 0}, plain5 = {5e5, ROPE_DEFAULT, 1, 0, 0, 0},
+               llama3 = {5e5, ROPE_LLAMA3, 8, 1, 4, 8192}, linear = {1e4, ROPE_LINEAR, 2, 0, 0, 0};
   const struct {
     const char *extra;
-    double theta;     /* expected; 0: refused */
-    const char *said; /* in the refusal */
+    const rope_t *want; /* NULL: refused */
+    const char *said;   /* in the refusal */
   } cases[] = {
-      {"", 10000.0, NULL},
-      {", \"rope_theta\": 500000.0", 500000.0, NULL},
-      {", \"rope_theta\": 500000.0, \"rope_scaling\": null", 500000.0, NULL},
-      {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}", 500000.0,
+      {"", &plain4, NULL},
+      {", \"rope_theta\": 500000.0", &plain5, NULL},
+      {", \"rope_theta\": 500000.0, \"rope_scaling\": null", &plain5, NULL},
+      {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}", &plain5,
        NULL},
       {", \"rope_theta\": 500000.0, \"rope_parameters\": {\"rope_theta\": 500000.0, "
        "\"rope_type\": \"default\"}",
-       500000.0, NULL},
-      {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"llama3\", "
-       "\"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+       &plain5, NULL},
+      {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"llama3\", " L3
        "\"original_max_position_embeddings\": 8192}",
-       0, "'rope_parameters.rope_type' is 'llama3': only the default rotary embedding"},
+       &llama3, NULL},
+      {", \"rope_theta\": 500000.0, \"rope_scaling\": {\"rope_type\": \"llama3\", " L3
+       "\"original_max_position_embeddings\": 8192}",
+       &llama3, NULL},
+      {", \"rope_theta\": 500000.0, \"rope_scaling\": {\"type\": \"llama3\", " L3
+       "\"original_max_position_embeddings\": 8192}, \"rope_parameters\": {\"rope_theta\": "
+       "500000.0, \"rope_type\": \"llama3\", " L3 "\"original_max_position_embeddings\": 8192}",
+       &llama3, NULL},
+      {", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}", &linear, NULL},
       {", \"rope_theta\": 500000.0, \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}",
-       0, "'rope_scaling.rope_type' is 'llama3'"},
-      {", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}", 0,
-       "'rope_scaling.type' is 'linear'"},
-      {", \"rope_scaling\": {\"factor\": 2.0}", 0, "'rope_scaling' has no rope_type"},
+       NULL, "'rope_scaling' has no 'low_freq_factor'"},
+      {", \"rope_parameters\": {\"rope_type\": \"llama3\", " L3
+       "\"original_max_position_embeddings\": \"8k\"}",
+       NULL, "'rope_parameters.original_max_position_embeddings' must be a number"},
+      {", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 4, "
+       "\"high_freq_factor\": 4, \"original_max_position_embeddings\": 8192}",
+       NULL, "need 0 < low_freq_factor < high_freq_factor"},
+      {", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 0}", NULL,
+       "factor must be positive"},
+      {", \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}", NULL,
+       "'rope_scaling.type' is 'dynamic': the rotary embeddings implemented are default, linear "
+       "and llama3"},
+      {", \"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4.0}", NULL,
+       "'rope_parameters.rope_type' is 'yarn'"},
+      {", \"rope_scaling\": {\"factor\": 2.0}", NULL, "'rope_scaling' has no rope_type"},
+      {", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}, \"rope_parameters\": "
+       "{\"rope_type\": \"default\"}",
+       NULL, "'rope_scaling' and 'rope_parameters' give different rope types"},
       {", \"rope_theta\": 10000.0, \"rope_parameters\": {\"rope_theta\": 500000.0, "
        "\"rope_type\": \"default\"}",
-       0, "'rope_theta' is 10000 but 'rope_parameters.rope_theta' is 500000"},
+       NULL, "'rope_theta' is 10000 but 'rope_parameters.rope_theta' is 500000"},
   };
+#undef L3
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char text[1024];
     snprintf(text, sizeof text, base, cases[i].extra);
     llama_config_t c;
     status_t st = llama_config_from_hf_text(text, "config.json", &c);
-    if (cases[i].theta > 0) {
-      ck_assert_msg(st == STATUS_OK, "case %zu: %s", i, err_detail());
-      ck_assert_msg(c.rope_theta == cases[i].theta, "case %zu: rope_theta %g", i, c.rope_theta);
-    } else {
+    if (cases[i].want == NULL) {
       ck_assert_msg(st != STATUS_OK && strstr(err_detail(), cases[i].said),
                     "case %zu: expected a refusal saying \"%s\", got %s", i, cases[i].said,
                     st == STATUS_OK ? "success" : err_detail());
+      continue;
+    }
+    ck_assert_msg(st == STATUS_OK, "case %zu: %s", i, err_detail());
+    const rope_t *w = cases[i].want;
+    for (int round = 0; round < 2; round++) { /* as read, then written and read back */
+      const rope_t *r = &c.rope;
+      ck_assert_msg(r->theta == w->theta && r->scaling == w->scaling && r->factor == w->factor,
+                    "case %zu round %d: theta %g scaling %d factor %g", i, round, r->theta,
+                    (int)r->scaling, r->factor);
+      if (w->scaling == ROPE_LLAMA3)
+        ck_assert_msg(r->low_freq_factor == w->low_freq_factor &&
+                          r->high_freq_factor == w->high_freq_factor &&
+                          r->original_max_pos == w->original_max_pos,
+                      "case %zu round %d: llama3 parameters", i, round);
+      char *out;
+      ok(llama_config_to_hf_text(&c, DTYPE_F32, &out));
+      ok(llama_config_from_hf_text(out, "written", &c));
+      free(out);
     }
   }
+}
+END_TEST
+
+/* Llama 3.1 8B's rotary frequencies (head_dim 128, theta 5e5, llama3 scaling factor 8 over
+ * 8192 positions: 64 pairs over all three regimes) equal torch's from transformers' formula. */
+START_TEST(llama3_frequencies_of_llama31) {
+  char *text;
+  ok(file_read_text(REF "llama31_inv_freq.json", 1 << 20, &text));
+  cJSON *ref = cJSON_Parse(text);
+  free(text);
+  ck_assert_ptr_nonnull(ref);
+  char *rope = cJSON_PrintUnformatted(cJSON_GetObjectItem(ref, "rope_parameters"));
+  char config[1024];
+  snprintf(config, sizeof config,
+           "{\"model_type\": \"llama\", \"hidden_size\": 4096, \"num_hidden_layers\": 32, "
+           "\"num_attention_heads\": 32, \"num_key_value_heads\": 8, \"intermediate_size\": "
+           "14336, \"vocab_size\": 128256, \"max_position_embeddings\": 131072, "
+           "\"rope_parameters\": %s}",
+           rope);
+  free(rope);
+  llama_config_t c;
+  ok(llama_config_from_hf_text(config, "llama-3.1-8b", &c));
+  ck_assert_int_eq(c.dim / c.n_heads, cJSON_GetObjectItem(ref, "head_dim")->valueint);
+  const cJSON *want = cJSON_GetObjectItem(ref, "inv_freq");
+  ck_assert_int_eq(cJSON_GetArraySize(want), 64);
+  int kept = 0, divided = 0;
+  for (int i = 0; i < 64; i++) {
+    double w = cJSON_GetArrayItem(want, i)->valuedouble, got = rope_inv_freq(&c.rope, i, 128);
+    double plain = pow(5e5, -2.0 * i / 128);
+    ck_assert_msg(fabs(got - w) <= 1e-12 * w, "pair %d: inv_freq %.17g, torch %.17g", i, got, w);
+    kept += got == plain;
+    divided += fabs(got - plain / 8) <= 1e-15 * plain;
+  }
+  ck_assert_msg(kept > 0 && divided > 0 && kept + divided < 64,
+                "the reference covers every regime: %d kept, %d divided", kept, divided);
+  cJSON_Delete(ref);
 }
 END_TEST
 
@@ -333,8 +439,12 @@ static Suite *make_suite(void) {
   if (mode.dtype == DTYPE_F32) tcase_add_test(tc, checkpointing_bit_identical);
   tcase_add_test(tc, training_untied);
   tcase_add_test(tc, training_tied);
-  if (mode.device == DEVICE_CPU && mode.dtype == DTYPE_F32)
+  tcase_add_test(tc, forward_backward_rope_variants);
+  tcase_add_test(tc, training_rope_variants);
+  if (mode.device == DEVICE_CPU && mode.dtype == DTYPE_F32) {
     tcase_add_test(tc, config_forms_of_transformers_4_and_5);
+    tcase_add_test(tc, llama3_frequencies_of_llama31);
+  }
   suite_add_tcase(s, tc);
   return s;
 }

@@ -437,6 +437,12 @@ START_TEST(hf_config_parse_and_errors) {
                 "{\"hidden_size\": 64, \"num_hidden_layers\": 1, "
                 "\"num_attention_heads\": 4, \"intermediate_size\": 8, "
                 "\"vocab_size\": 10, \"rope_scaling\": {\"type\": \"linear\"}}");
+  ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EFORMAT);
+  ck_assert(strstr(err_detail(), "'rope_scaling' has no 'factor'") != NULL);
+  p = write_tmp("cfg.json",
+                "{\"hidden_size\": 64, \"num_hidden_layers\": 1, "
+                "\"num_attention_heads\": 4, \"intermediate_size\": 8, "
+                "\"vocab_size\": 10, \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2}}");
   ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EUNSUPPORTED);
   p = write_tmp("cfg.json", "{\"hidden_size\": \"64\"");
   ck_assert_int_eq(llama_config_from_hf(p, &c), STATUS_EFORMAT);
@@ -451,7 +457,7 @@ START_TEST(hf_config_parse_and_errors) {
   ck_assert(c.dim == back.dim && c.n_layers == back.n_layers && c.n_heads == back.n_heads &&
             c.n_kv_heads == back.n_kv_heads && c.ffn_dim == back.ffn_dim &&
             c.vocab_size == back.vocab_size && c.max_seq_len == back.max_seq_len &&
-            c.rope_theta == back.rope_theta && c.norm_eps == back.norm_eps &&
+            c.rope.theta == back.rope.theta && c.norm_eps == back.norm_eps &&
             c.tie_embeddings == back.tie_embeddings);
   remove(out);
   remove(p);

@@ -163,7 +163,17 @@ static status_t b_rmsnorm(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t
 
 static status_t b_rope(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
-  return nn_rope(ctx, in[0], 10000.0, out);
+  static const rope_t rope = {.theta = 10000.0, .scaling = ROPE_DEFAULT, .factor = 1};
+  return nn_rope(ctx, in[0], &rope, out);
+}
+
+/* llama3 scaling with one pair in each regime (wavelengths 6.3, 499 and 39,000 positions). */
+static status_t b_rope_llama3(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  static const rope_t rope = {.theta = 500000.0, .scaling = ROPE_LLAMA3, .factor = 8,
+                              .low_freq_factor = 1, .high_freq_factor = 4,
+                              .original_max_pos = 1024};
+  return nn_rope(ctx, in[0], &rope, out);
 }
 
 static status_t b_attention(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
@@ -247,6 +257,7 @@ static const fd_case_t cases[] = {
     {"embedding", 1, {2}, {{2, 3}}, {false}, 1, {2}, {{7, 5}}, b_embedding, fill_ids},
     {"rmsnorm", 1, {2}, {{3, 8}}, {true}, 1, {1}, {{8}}, b_rmsnorm, NULL},
     {"rope", 1, {4}, {{2, 5, 3, 6}}, {true}, 0, {0}, {{0}}, b_rope, NULL},
+    {"rope_llama3", 1, {4}, {{2, 5, 3, 6}}, {true}, 0, {0}, {{0}}, b_rope_llama3, NULL},
     {"attention",
      3,
      {4, 4, 4},
