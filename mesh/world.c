@@ -167,6 +167,75 @@ status_t comm_agree(MPI_Comm comm, status_t st) {
   return err_set((status_t)msg.status, "rank %d: %s", worst.rank, msg.text);
 }
 
+/* "0-3,5,7-8": the ranks whose entry in msgs (size entries of n bytes) equals msgs[first]. */
+static void rank_list(char *out, size_t cap, const char *msgs, size_t n, int size, int first,
+                      bool *done) {
+  size_t len = 0;
+  out[0] = '\0';
+  for (int r = first; r < size; r++) {
+    if (done[r] || strcmp(msgs + (size_t)r * n, msgs + (size_t)first * n) != 0) continue;
+    int end = r;
+    while (end + 1 < size && !done[end + 1] &&
+           strcmp(msgs + (size_t)(end + 1) * n, msgs + (size_t)first * n) == 0)
+      end++;
+    for (int k = r; k <= end; k++) done[k] = true;
+    int w = end == r       ? snprintf(out + len, cap - len, "%s%d", len ? "," : "", r)
+            : end == r + 1 ? snprintf(out + len, cap - len, "%s%d,%d", len ? "," : "", r, end)
+                           : snprintf(out + len, cap - len, "%s%d-%d", len ? "," : "", r, end);
+    if (w < 0 || (size_t)w >= cap - len) break; /* a very long list ends short */
+    len += (size_t)w;
+    r = end;
+  }
+}
+
+bool world_agree_report(status_t st, const char *prog) {
+  enum { N = 1024 }; /* message bytes per rank */
+  int size = world_size(), rank = world_rank();
+  char *all = rank == 0 ? malloc((size_t)size * N) : NULL;
+  bool *done = rank == 0 ? calloc((size_t)size, sizeof *done) : NULL;
+  int mine[2] = {st != STATUS_OK, rank == 0 && (all == NULL || done == NULL)}, any[2] = {0, 0};
+  if (world_allreduce(mine, any, 2, MPI_INT, MPI_MAX, world_comm(), "MPI_Allreduce (agreement)") !=
+      STATUS_OK) {
+    fprintf(stderr, "%s: [rank %d] %s\n", prog, rank, err_detail()); /* the stop's reason */
+    free(all);
+    free(done);
+    return false;
+  }
+  if (any[0] == 0 || any[1] != 0) { /* nothing failed, or rank 0 cannot collect: each says */
+    if (mine[0]) fprintf(stderr, "%s: [rank %d] %s\n", prog, rank, err_detail());
+    free(all);
+    free(done);
+    return any[0] == 0;
+  }
+  char text[N];
+  memset(text, 0, sizeof text);
+  if (mine[0]) snprintf(text, sizeof text, "%s", err_detail());
+  MPI_Request req;
+  status_t gs =
+      pg_mpi_status(MPI_Igather(text, N, MPI_CHAR, all, N, MPI_CHAR, 0, world_comm(), &req),
+                    "MPI_Igather (error messages)");
+  if (gs == STATUS_OK) gs = world_wait(&req, "MPI_Igather (error messages)");
+  if (gs != STATUS_OK) {
+    if (mine[0]) fprintf(stderr, "%s: [rank %d] %s\n", prog, rank, text);
+  } else if (rank == 0) {
+    char ranks[256];
+    for (int pass = 0; pass < 2; pass++) /* the failures first, then the others */
+      for (int r = 0; r < size; r++) {
+        const char *m = all + (size_t)r * N;
+        if (done[r] || (pass == 0) != (m[0] != '\0')) continue;
+        rank_list(ranks, sizeof ranks, all, N, size, r, done);
+        bool one = strchr(ranks, ',') == NULL && strchr(ranks, '-') == NULL;
+        fprintf(stderr, "%s: [rank%s %s] %s\n", prog, one ? "" : "s", ranks,
+                m[0] ? m : "stopping: another rank failed");
+      }
+  }
+  /* no rank exits before rank 0 has printed: mpirun ends the job at the first failed exit */
+  if (gs == STATUS_OK) (void)world_barrier(world_comm(), "MPI_Barrier (error messages)");
+  free(all);
+  free(done);
+  return false;
+}
+
 /* ---- stopping ---- */
 
 static status_t stopped_error(void) { return err_set(stop_status, "%s", stop_reason); }

@@ -51,6 +51,14 @@ device_t world_device(void);
  * only some ranks could detect a problem, so that all ranks stop together. */
 status_t comm_agree(MPI_Comm comm, status_t st);
 
+/* Ends a phase of a program: every rank learns whether any rank failed (returns true when
+ * none did). Then rank 0 prints each distinct failure message once, naming the ranks that
+ * gave it: "PROG: [rank 2] MESSAGE", "PROG: [ranks 0-3] MESSAGE" or "[ranks 0,2]", and the
+ * ranks that did not fail as "PROG: [ranks 1,3] stopping: another rank failed". When the
+ * agreement itself fails (a stopped job, the watchdog) every failing rank prints its own
+ * message in the same form. Collective over the world. */
+bool world_agree_report(status_t st, const char *prog);
+
 /* ---- stopping a job that would hang ----
  *
  * When a rank finds that the others will never join a collective it waits for (only some

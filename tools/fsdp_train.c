@@ -74,18 +74,7 @@ static status_t parse_args(int argc, char **argv, args_t *a) {
   return STATUS_OK;
 }
 
-/* Every rank learns whether any rank failed; each failing rank prints its own message. */
-static bool agree(status_t st) {
-  int bad = st != STATUS_OK, any = 0;
-  if (world_allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world_comm(), "MPI_Allreduce (agreement)") !=
-      STATUS_OK)
-    bad = any = 1; /* the watchdog or a stop: err_detail() says which */
-  if (bad)
-    fprintf(stderr, "fsdp-train: [rank %d] %s\n", world_rank(), err_detail());
-  else if (any)
-    fprintf(stderr, "fsdp-train: [rank %d] stopping: another rank failed\n", world_rank());
-  return any == 0;
-}
+static bool agree(status_t st) { return world_agree_report(st, "fsdp-train"); }
 
 static double now(void) {
   struct timespec t;

@@ -1,7 +1,9 @@
 /* DeviceMesh under mpirun: layout, per-dimension groups, slicing, flattening, errors. */
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "mesh/mesh.h"
 #include "tests/harness.h"
@@ -147,6 +149,70 @@ START_TEST(mesh_cuda_without_device_fails_on_every_rank) {
 }
 END_TEST
 
+/* world_agree_report on this rank with status st and message msg; returns what this rank
+ * printed to stderr (caller frees) and the verdict in *ok. */
+static char *report(status_t st, const char *msg, bool *ok) {
+  char path[64];
+  snprintf(path, sizeof path, "/tmp/fsdpc_report_%d_%d", (int)getpid(), world_rank());
+  fflush(stderr);
+  int saved = dup(2), fd = open(path, O_CREAT | O_TRUNC | O_RDWR, 0600);
+  ck_assert(saved >= 0 && fd >= 0);
+  dup2(fd, 2);
+  if (st != STATUS_OK) err_set(st, "%s", msg);
+  *ok = world_agree_report(st, "t");
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  char *text = calloc(4096, 1);
+  ck_assert(pread(fd, text, 4095, 0) >= 0);
+  close(fd);
+  unlink(path);
+  return text;
+}
+
+/* Rank 0 prints each distinct failure once with the ranks that gave it; the other ranks print
+ * nothing; every rank gets the verdict. */
+START_TEST(agree_report_prints_each_message_once_with_its_ranks) {
+  int W = world_size(), r = world_rank();
+  bool ok = false;
+  char *said = report(STATUS_OK, NULL, &ok);
+  expect_all(ok && said[0] == '\0', "all passed: true and silent, got \"%s\"", said);
+  free(said);
+
+  static const char *const halves[9] = {
+      [1] = "t: [rank 0] first half\n",
+      [2] = "t: [rank 0] first half\nt: [rank 1] stopping: another rank failed\n",
+      [3] = "t: [rank 0] first half\nt: [ranks 1,2] stopping: another rank failed\n",
+      [4] = "t: [ranks 0,1] first half\nt: [ranks 2,3] stopping: another rank failed\n",
+      [6] = "t: [ranks 0-2] first half\nt: [ranks 3-5] stopping: another rank failed\n",
+      [8] = "t: [ranks 0-3] first half\nt: [ranks 4-7] stopping: another rank failed\n"};
+  ck_assert(W <= 8 && halves[W] != NULL);
+  int half = W / 2 > 0 ? W / 2 : 1;
+  said = report(r < half ? STATUS_EINVAL : STATUS_OK, "first half", &ok);
+  const char *want = r == 0 ? halves[W] : "";
+  expect_all(!ok && strcmp(said, want) == 0, "rank %d printed \"%s\", expected \"%s\"", r,
+             said, want);
+  free(said);
+
+  static const char *const thirds[9] = {
+      [1] = "t: [rank 0] message A\n",
+      [2] = "t: [rank 0] message A\nt: [rank 1] message B\n",
+      [3] = "t: [rank 0] message A\nt: [rank 1] message B\n"
+            "t: [rank 2] stopping: another rank failed\n",
+      [4] = "t: [ranks 0,3] message A\nt: [rank 1] message B\n"
+            "t: [rank 2] stopping: another rank failed\n",
+      [6] = "t: [ranks 0,3] message A\nt: [ranks 1,4] message B\n"
+            "t: [ranks 2,5] stopping: another rank failed\n",
+      [8] = "t: [ranks 0,3,6] message A\nt: [ranks 1,4,7] message B\n"
+            "t: [ranks 2,5] stopping: another rank failed\n"};
+  said = report(r % 3 == 2 ? STATUS_OK : STATUS_EINVAL, r % 3 ? "message B" : "message A", &ok);
+  want = r == 0 ? thirds[W] : "";
+  expect_all(!ok && strcmp(said, want) == 0, "rank %d printed \"%s\", expected \"%s\"", r,
+             said, want);
+  free(said);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("mesh");
   TCase *tc = tcase_create("mpi");
@@ -156,6 +222,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, mesh_flatten_makes_row_major_group);
   tcase_add_test(tc, mesh_size_mismatch_fails_on_every_rank);
   tcase_add_test(tc, mesh_cuda_without_device_fails_on_every_rank);
+  tcase_add_test(tc, agree_report_prints_each_message_once_with_its_ranks);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -80,6 +80,27 @@ def run(n, args, timeout=300, mpi_args=()):
     return p, time.time() - t
 
 
+RANKS = r"\[ranks? ([\d,\-]+)\]"  # "[rank 2]", "[ranks 0-3]", "[ranks 0,2,5-7]"
+
+
+def rank_set(spec):
+    out = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out.update(str(k) for k in range(int(a), int(b or a) + 1))
+    return out
+
+
+def ranks_saying(text, pattern):
+    """The ranks that the lines of text matching pattern name."""
+    out = set()
+    for line in text.splitlines():
+        m = re.search(RANKS, line)
+        if m and re.search(pattern, line):
+            out |= rank_set(m.group(1))
+    return out
+
+
 def check(ok, what):
     print(("ok    " if ok else "FAIL  ") + what, flush=True)
     if not ok:
@@ -472,10 +493,12 @@ def errors():
         if p is None:
             check(False, "%s: finishes (timed out)" % name)
             continue
-        lines = [l for l in p.stderr.splitlines() if re.search(want, l)]
-        both = any("[rank 0]" in l for l in lines) and any("[rank 1]" in l for l in lines)
-        good = p.returncode != 0 and both and secs < 30
-        check(good, "%s: exit %d in %.1fs, both ranks say /%s/" % (name, p.returncode, secs, want))
+        # the same error on both ranks: printed once, naming both
+        once = len([l for l in p.stderr.splitlines() if re.search(want, l)]) == 1
+        both = ranks_saying(p.stderr, want) == {"0", "1"}
+        good = p.returncode != 0 and both and once and secs < 30
+        check(good, "%s: exit %d in %.1fs, said once for both ranks /%s/"
+              % (name, p.returncode, secs, want))
         if not good:
             print(p.stderr[-1500:])
     check(len(cases) >= 20, "%d malformed inputs" % len(cases))
@@ -650,15 +673,14 @@ def checkpoints():
     for extra in ([], ["--dry-run"]):
         p, _ = run(2, [cfg("fsdp"), "--set", "checkpoint.interval=2", "--set",
                        "checkpoint.dir=" + os.path.join(blocked, "ckpt")] + extra)
-        check(p.returncode != 0 and "step " not in p.stdout and all(
-            re.search(r"\[rank %d\] checkpoint\.dir '.*a-file/ckpt': .*'.*a-file' is not a "
-                      r"folder" % k, p.stderr) for k in (0, 1)),
+        check(p.returncode != 0 and "step " not in p.stdout and ranks_saying(
+            p.stderr, r"checkpoint\.dir '.*a-file/ckpt': .*'.*a-file' is not a folder") ==
+              {"0", "1"},
               "checkpoint.dir under a file: every rank refuses it before training %s(exit %d)"
               % (" ".join(extra) + " " if extra else "", p.returncode))
     p, _ = run(2, [cfg("fsdp"), "--set", "train.steps=3", "--metrics", "/dev/full"])
-    check(p.returncode != 0 and all(
-        re.search(r"\[rank %d\].*cannot write the metrics file '/dev/full': No space left" % k,
-                  p.stderr) for k in (0, 1)),
+    check(p.returncode != 0 and ranks_saying(
+        p.stderr, r"cannot write the metrics file '/dev/full': No space left") == {"0", "1"},
           "metrics on a full disk: every rank stops naming the file (exit %d)" % p.returncode)
     # 2. resume under other plans: global batch 24 everywhere
     ref = os.path.join(tmp, "ref.jsonl")
@@ -1161,7 +1183,7 @@ def ckpt_corrupt():
             continue
         said = [l for l in p.stderr.splitlines() if re.search(want, l)]
         crashed = re.search(r"AddressSanitizer|runtime error|Segmentation|core dumped", p.stderr)
-        ok = p.returncode != 0 and said and not crashed and "[rank" in said[0]
+        ok = p.returncode != 0 and said and not crashed and re.search(RANKS, said[0])
         check(ok, "%s: exit %d, a rank says /%s/" % (name, p.returncode, want))
         if not ok:
             print(p.stderr[-2000:])
@@ -1193,11 +1215,11 @@ def ckpt_corrupt():
     p, _ = run(2, [cfg, "--set", "optim.lr=1000", "--set", "train.steps=40", "--set",
                    "checkpoint.dir=" + nf, "--set", "checkpoint.interval=2", "--set",
                    "checkpoint.keep=1"], timeout=120)
-    said = re.findall(r"\[rank (\d)\] step (\d+): the loss is \S+ and the gradient norm \S+; "
+    said = re.findall(RANKS + r" step (\d+): the loss is \S+ and the gradient norm \S+; "
                       r"stopping before the optimizer applies the step", p.stderr)
     left = sorted(os.listdir(nf)) if os.path.isdir(nf) else []
     bad_step = int(said[0][1]) if said else 0
-    check(p.returncode != 0 and {r for r, _ in said} == {"0", "1"} and
+    check(p.returncode != 0 and set().union(*[rank_set(r) for r, _ in said]) == {"0", "1"} and
           left == ["step-%08d" % ((bad_step - 1) // 2 * 2)],
           "optim.lr=1000: both ranks stop at the first non-finite step (%d), the newest "
           "checkpoint before it is kept (%s)" % (bad_step, left))
@@ -1248,8 +1270,7 @@ def ckpt_corrupt():
         err = proc.stderr.read()
         secs = None
     kill_session(proc.pid)
-    said = {m for m in re.findall(r"\[rank (\d)\] .*has not completed in 3 s: another rank "
-                                  r"stopped answering", err)}
+    said = ranks_saying(err, r"has not completed in 3 s: another rank stopped answering")
     check(secs is not None and secs < 30 and proc.returncode != 0 and {"0", "1"} <= said,
           "a rank stopped with SIGSTOP: the job ends in %s s, the waiting ranks name the "
           "watchdog (%s)" % ("%.1f" % secs if secs else "never", sorted(said)))
@@ -1294,9 +1315,8 @@ def ckpt_corrupt():
     p, _ = run(4, [cfg, "--set", "train.steps=3", "--set",
                    "checkpoint.load=" + os.path.join(tmp, "flipped-data-byte"),
                    "--set", "checkpoint.verify=true"], timeout=120)
-    said = [l for l in p.stderr.splitlines()
-            if re.search(r"model\.layers\.1\.mlp\.down_proj\.weight': checksum mismatch", l)]
-    ranks = {m.group(1) for m in (re.search(r"\[rank (\d+)\]", l) for l in said) if m}
+    ranks = ranks_saying(p.stderr,
+                         r"model\.layers\.1\.mlp\.down_proj\.weight': checksum mismatch")
     check(p.returncode != 0 and ranks == {"0", "1", "2", "3"},
           "checkpoint.verify stops a resharding load of the flipped byte on every rank (%s)"
           % sorted(ranks))
@@ -1476,7 +1496,7 @@ def ckpt_damage():
             outcome = "crash"
         elif op in refuse:
             outcome = ("refused" if p.returncode != 0 and said and not left and
-                       (not op.startswith("resume") or "[rank" in p.stderr) else
+                       (not op.startswith("resume") or re.search(RANKS, p.stderr)) else
                        "silent" if p.returncode == 0 else "other")
         elif not refuse:  # folders without checksums: read unchecked, said once (per folder)
             said = len(re.findall(want, p.stdout + p.stderr))
