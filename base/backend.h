@@ -46,6 +46,16 @@ typedef struct backend {
 
 const backend_t *cpu_backend(void);
 
+/* Host memory of the CPU backend, also for the CPU kernels' scratch buffers (not counted by
+ * mem_stats): blocks of 64 KiB and more are cached when freed and reused for the same size
+ * (see cpu_backend.c). cpu_host_free takes the size given to cpu_host_alloc. */
+void *cpu_host_alloc(size_t bytes, bool zeroed);
+void cpu_host_free(void *p, size_t bytes);
+/* Blocks the cache has taken from the operating system so far (a steady training step takes
+ * none), and giving every cached block back (the peak restarts from the live bytes). */
+size_t cpu_host_os_allocs(void);
+void cpu_host_empty_cache(void);
+
 /* NULL when the library was built without CUDA. */
 const backend_t *cuda_backend(void);
 

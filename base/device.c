@@ -34,6 +34,12 @@ void mem_reset_peak(device_t dev) {
   if (slot >= 0) atomic_store(&mem_peak[slot], atomic_load(&mem_current[slot]));
 }
 
+size_t mem_os_allocs(device_t dev) { return dev.type == DEVICE_CPU ? cpu_host_os_allocs() : 0; }
+
+void mem_empty_cache(device_t dev) {
+  if (dev.type == DEVICE_CPU) cpu_host_empty_cache();
+}
+
 const char *device_str(device_t dev, char *buf, size_t size) {
   if (dev.type == DEVICE_CPU)
     snprintf(buf, size, "cpu");

@@ -88,6 +88,15 @@ mem_stats_t mem_stats(device_t dev);
 /* Sets peak to the current value. */
 void mem_reset_peak(device_t dev);
 
+/* Host memory is cached: freed blocks of 64 KiB and more are kept and handed out again for
+ * the same size, live plus cached bytes staying under 1.25 times their peak (CUDA memory
+ * comes from CUDA's own pool allocator). mem_os_allocs counts the blocks the CPU cache has
+ * taken from the operating system (a steady training step takes none; 0 for CUDA devices);
+ * mem_empty_cache gives the cached blocks back and restarts the peak the bound follows from
+ * the live bytes (CPU; a no-op for CUDA). */
+size_t mem_os_allocs(device_t dev);
+void mem_empty_cache(device_t dev);
+
 /* ---- streams and events (CUDA; NULL handles on the CPU) ---- */
 
 typedef struct stream stream_t;

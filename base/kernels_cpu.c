@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/backend.h"
 #include "base/kernels_impl.h"
 
 /* ---- fp32 views of tensors of any float dtype ---- */
@@ -22,7 +23,7 @@ typedef struct fbuf {
 static status_t fbuf_alloc(fbuf_t *b, int64_t n) {
   b->n = n;
   b->owned = true;
-  b->p = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+  b->p = cpu_host_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1), false);
   if (b->p == NULL)
     return err_set(STATUS_ENOMEM, "kernels: out of host memory for %lld floats", (long long)n);
   return STATUS_OK;
@@ -46,17 +47,16 @@ static status_t fbuf_out(fbuf_t *b, tensor_t *t, bool load) {
   return fbuf_alloc(b, tensor_numel(t));
 }
 
+static void fbuf_release(fbuf_t *b) {
+  if (b->owned) cpu_host_free(b->p, sizeof(float) * (size_t)(b->n > 0 ? b->n : 1));
+  b->p = NULL;
+}
+
 /* Stores an output buffer back into t (rounding once) and releases it. */
 static void fbuf_commit(fbuf_t *b, tensor_t *t) {
   if (b->owned)
     for (int64_t i = 0; i < b->n; i++) dtype_store(t->dtype, t->data, (size_t)i, b->p[i]);
-  if (b->owned) free(b->p);
-  b->p = NULL;
-}
-
-static void fbuf_release(fbuf_t *b) {
-  if (b->owned) free(b->p);
-  b->p = NULL;
+  fbuf_release(b);
 }
 
 /* Value of x rounded to dtype dt, as float. */
@@ -276,19 +276,40 @@ static attn_dims_t attn_dims(const tensor_t *q, const tensor_t *k) {
   return d;
 }
 
-static float dotf(const float *a, const float *b, int64_t n) {
-  float s = 0;
-  for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-  return s;
+/* Attention through BLAS, per (batch, head) and block of ATTN_ROWS query rows: the block's
+ * scores against the keys up to its last row are one GEMM (only the diagonal block computes
+ * masked entries), the softmax runs over each row, and the outputs are GEMMs again. The
+ * backward recomputes the probabilities from the saved log-sum-exp (one exp per score, as
+ * flash attention does) and forms dq, dk and dv with GEMMs; dk and dv accumulate over the
+ * query heads of their group and the row blocks. */
+enum { ATTN_ROWS = 128 };
+
+static float *attn_scratch(int64_t floats) {
+  return cpu_host_alloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1), false);
+}
+static void attn_scratch_free(float *p, int64_t floats) {
+  cpu_host_free(p, sizeof(float) * (size_t)(floats > 0 ? floats : 1));
+}
+
+/* Row r of block rows [i0, i1): P[r, 0..i] = exp(S[r, j] - lse) for the causal keys j <= i,
+ * zero beyond; S (the scaled scores) is read from and P written to p (ld n). */
+static void attn_probs(float *p, int64_t n, int64_t i0, int64_t i1, const float *lse) {
+  for (int64_t i = i0; i < i1; i++) {
+    float *row = p + (i - i0) * n, l = lse[i];
+    for (int64_t j = 0; j <= i; j++) row[j] = expf(row[j] - l);
+    for (int64_t j = i + 1; j < n; j++) row[j] = 0.0f;
+  }
 }
 
 static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
                               const tensor_t *v) {
+  pthread_once(&blas_once, blas_threads_default);
   attn_dims_t d = attn_dims(q, k);
+  int64_t rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS, ldq = d.H * d.Dh, ldk = d.Hkv * d.Dh;
   fbuf_t fq, fk, fv, fo;
   fbuf_t *bufs[] = {&fq, &fk, &fv, &fo};
   int got = 0;
-  float *s = malloc(sizeof(float) * (size_t)d.T);
+  float *s = attn_scratch(rows * d.T);
   status_t st = s ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention: out of host memory");
   if (st == STATUS_OK) st = fbuf_in(&fq, q);
   if (st == STATUS_OK && ++got) st = fbuf_in(&fk, k);
@@ -296,34 +317,34 @@ static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, c
   if (st == STATUS_OK && ++got) st = fbuf_out(&fo, out, false);
   if (st != STATUS_OK) {
     for (int i = 0; i < got; i++) fbuf_release(bufs[i]);
-    free(s);
+    if (s) attn_scratch_free(s, rows * d.T);
     return st;
   }
   float *L = lse->data;
   for (int64_t b = 0; b < d.B; b++)
     for (int64_t h = 0; h < d.H; h++) {
-      int64_t g = h / d.rep;
-      for (int64_t i = 0; i < d.T; i++) {
-        const float *qi = fq.p + ((b * d.T + i) * d.H + h) * d.Dh;
-        float m = -INFINITY;
-        for (int64_t j = 0; j <= i; j++) {
-          s[j] = d.scale * dotf(qi, fk.p + ((b * d.T + j) * d.Hkv + g) * d.Dh, d.Dh);
-          if (s[j] > m) m = s[j];
+      const float *Q = fq.p + (b * d.T * d.H + h) * d.Dh;
+      const float *K = fk.p + (b * d.T * d.Hkv + h / d.rep) * d.Dh;
+      const float *V = fv.p + (b * d.T * d.Hkv + h / d.rep) * d.Dh;
+      float *O = fo.p + (b * d.T * d.H + h) * d.Dh, *Lbh = L + (b * d.H + h) * d.T;
+      for (int64_t i0 = 0; i0 < d.T; i0 += rows) {
+        int64_t i1 = i0 + rows < d.T ? i0 + rows : d.T, n = i1; /* keys 0..i1-1 */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(i1 - i0), (int)n, (int)d.Dh,
+                    d.scale, Q + i0 * ldq, (int)ldq, K, (int)ldk, 0.0f, s, (int)n);
+        for (int64_t i = i0; i < i1; i++) {
+          const float *row = s + (i - i0) * n;
+          float m = -INFINITY;
+          for (int64_t j = 0; j <= i; j++) m = row[j] > m ? row[j] : m;
+          double l = 0;
+          for (int64_t j = 0; j <= i; j++) l += expf(row[j] - m);
+          Lbh[i] = m + (float)log(l);
         }
-        double l = 0;
-        for (int64_t j = 0; j <= i; j++) l += exp((double)(s[j] - m));
-        float lse_i = m + (float)log(l);
-        L[(b * d.H + h) * d.T + i] = lse_i;
-        float *oi = fo.p + ((b * d.T + i) * d.H + h) * d.Dh;
-        for (int64_t c = 0; c < d.Dh; c++) oi[c] = 0;
-        for (int64_t j = 0; j <= i; j++) {
-          float p = expf(s[j] - lse_i);
-          const float *vj = fv.p + ((b * d.T + j) * d.Hkv + g) * d.Dh;
-          for (int64_t c = 0; c < d.Dh; c++) oi[c] += p * vj[c];
-        }
+        attn_probs(s, n, i0, i1, Lbh);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(i1 - i0), (int)d.Dh, (int)n,
+                    1.0f, s, (int)n, V, (int)ldk, 0.0f, O + i0 * ldq, (int)ldq);
       }
     }
-  free(s);
+  attn_scratch_free(s, rows * d.T);
   fbuf_release(&fq);
   fbuf_release(&fk);
   fbuf_release(&fv);
@@ -335,63 +356,89 @@ static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
                                        const tensor_t *dout, const tensor_t *q, const tensor_t *k,
                                        const tensor_t *v, const tensor_t *out,
                                        const tensor_t *lse) {
+  pthread_once(&blas_once, blas_threads_default);
   attn_dims_t d = attn_dims(q, k);
+  int64_t rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS, ldq = d.H * d.Dh, ldk = d.Hkv * d.Dh;
   fbuf_t b_[8];
   const tensor_t *ins[] = {dout, q, k, v, out};
+  tensor_t *outs[] = {dq, dk, dv};
   int got = 0;
-  status_t st = STATUS_OK;
+  float *p = attn_scratch(2 * rows * d.T), *dp = p ? p + rows * d.T : NULL;
+  status_t st =
+      p ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention_backward: out of host memory");
   for (int i = 0; i < 5 && st == STATUS_OK; i++)
     if ((st = fbuf_in(&b_[got], ins[i])) == STATUS_OK) got++;
-  tensor_t *outs[] = {dq, dk, dv};
-  for (int i = 0; i < 3 && st == STATUS_OK; i++) {
-    /* dk and dv accumulate over query rows: start from zeros */
-    if ((st = fbuf_alloc(&b_[got], tensor_numel(outs[i]))) == STATUS_OK) {
-      memset(b_[got].p, 0, sizeof(float) * (size_t)b_[got].n);
-      got++;
-    }
-  }
+  for (int i = 0; i < 3 && st == STATUS_OK; i++)
+    if ((st = fbuf_out(&b_[got], outs[i], false)) == STATUS_OK) got++;
   if (st != STATUS_OK) {
     for (int i = 0; i < got; i++) fbuf_release(&b_[i]);
+    if (p) attn_scratch_free(p, 2 * rows * d.T);
     return st;
   }
   const float *fdo = b_[0].p, *fq = b_[1].p, *fk = b_[2].p, *fv = b_[3].p, *fo = b_[4].p;
   float *fdq = b_[5].p, *fdk = b_[6].p, *fdv = b_[7].p;
+  memset(fdk, 0, sizeof(float) * (size_t)b_[6].n); /* accumulated over heads and blocks */
+  memset(fdv, 0, sizeof(float) * (size_t)b_[7].n);
   const float *L = lse->data;
   for (int64_t b = 0; b < d.B; b++)
     for (int64_t h = 0; h < d.H; h++) {
-      int64_t g = h / d.rep;
-      for (int64_t i = 0; i < d.T; i++) {
-        int64_t qi = ((b * d.T + i) * d.H + h) * d.Dh;
-        float Di = dotf(fdo + qi, fo + qi, d.Dh);
-        float lse_i = L[(b * d.H + h) * d.T + i];
-        for (int64_t j = 0; j <= i; j++) {
-          int64_t kj = ((b * d.T + j) * d.Hkv + g) * d.Dh;
-          float p = expf(d.scale * dotf(fq + qi, fk + kj, d.Dh) - lse_i);
-          float dp = dotf(fdo + qi, fv + kj, d.Dh);
-          float ds = p * (dp - Di) * d.scale;
-          for (int64_t c = 0; c < d.Dh; c++) {
-            fdq[qi + c] += ds * fk[kj + c];
-            fdk[kj + c] += ds * fq[qi + c];
-            fdv[kj + c] += p * fdo[qi + c];
-          }
+      int64_t qo = (b * d.T * d.H + h) * d.Dh, ko = (b * d.T * d.Hkv + h / d.rep) * d.Dh;
+      const float *Lbh = L + (b * d.H + h) * d.T;
+      for (int64_t i0 = 0; i0 < d.T; i0 += rows) {
+        int64_t i1 = i0 + rows < d.T ? i0 + rows : d.T, n = i1, m = i1 - i0;
+        const float *Q = fq + qo + i0 * ldq, *dO = fdo + qo + i0 * ldq, *O = fo + qo + i0 * ldq;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n, (int)d.Dh, d.scale, Q,
+                    (int)ldq, fk + ko, (int)ldk, 0.0f, p, (int)n);
+        attn_probs(p, n, i0, i1, Lbh);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n, (int)d.Dh, 1.0f, dO,
+                    (int)ldq, fv + ko, (int)ldk, 0.0f, dp, (int)n);
+        for (int64_t i = i0; i < i1; i++) { /* dS = P * (dP - rowsum(dO * O)) * scale */
+          const float *doi = dO + (i - i0) * ldq, *oi = O + (i - i0) * ldq;
+          float Di = 0;
+          for (int64_t c = 0; c < d.Dh; c++) Di += doi[c] * oi[c];
+          const float *pi = p + (i - i0) * n;
+          float *dsi = dp + (i - i0) * n;
+          for (int64_t j = 0; j <= i; j++) dsi[j] = pi[j] * (dsi[j] - Di) * d.scale;
+          for (int64_t j = i + 1; j < n; j++) dsi[j] = 0.0f;
         }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)d.Dh, (int)n, 1.0f, dp,
+                    (int)n, fk + ko, (int)ldk, 0.0f, fdq + qo + i0 * ldq, (int)ldq);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)d.Dh, (int)m, 1.0f, dp,
+                    (int)n, Q, (int)ldq, 1.0f, fdk + ko, (int)ldk);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)d.Dh, (int)m, 1.0f, p,
+                    (int)n, dO, (int)ldq, 1.0f, fdv + ko, (int)ldk);
       }
     }
+  attn_scratch_free(p, 2 * rows * d.T);
   for (int i = 0; i < 5; i++) fbuf_release(&b_[i]);
-  for (int i = 0; i < 3; i++) {
-    for (int64_t j = 0; j < b_[5 + i].n; j++)
-      dtype_store(outs[i]->dtype, outs[i]->data, (size_t)j, b_[5 + i].p[j]);
-    free(b_[5 + i].p);
-  }
+  for (int i = 0; i < 3; i++) fbuf_commit(&b_[5 + i], outs[i]);
   return STATUS_OK;
 }
 
 /* ---- element-wise ---- */
 
-static float silu_sig(float g) { return 1.0f / (1.0f + expf(-g)); }
+/* Element-wise kernels have a loop over plain floats for the all-F32 case (the compiler
+ * vectorises it) and a generic loop through dtype_load/dtype_store for the others; both
+ * compute the same fp32 expression. */
+static bool all_f32(const tensor_t *const *t, int n) {
+  for (int i = 0; i < n; i++)
+    if (t[i]->dtype != DTYPE_F32) return false;
+  return true;
+}
+#define ALL_F32(...)                              \
+  all_f32((const tensor_t *const[]){__VA_ARGS__}, \
+          (int)(sizeof((const tensor_t *const[]){__VA_ARGS__}) / sizeof(const tensor_t *)))
+
+static inline float silu_sig(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 static status_t cpu_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
   int64_t n = tensor_numel(out);
+  if (ALL_F32(out, gate, up)) {
+    const float *pg = gate->data, *pu = up->data;
+    float *po = out->data;
+    for (int64_t i = 0; i < n; i++) po[i] = pg[i] * silu_sig(pg[i]) * pu[i];
+    return STATUS_OK;
+  }
   for (int64_t i = 0; i < n; i++) {
     float g = (float)dtype_load(gate->dtype, gate->data, (size_t)i);
     float u = (float)dtype_load(up->dtype, up->data, (size_t)i);
@@ -404,6 +451,16 @@ static status_t cpu_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t
 static status_t cpu_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
                                       const tensor_t *gate, const tensor_t *up) {
   int64_t n = tensor_numel(dout);
+  if (ALL_F32(dgate, dup, dout, gate, up)) {
+    const float *pg = gate->data, *pu = up->data, *pd = dout->data;
+    float *dg = dgate->data, *du = dup->data;
+    for (int64_t i = 0; i < n; i++) {
+      float g = pg[i], s = silu_sig(g), dy = pd[i];
+      du[i] = dy * (g * s);
+      dg[i] = dy * pu[i] * (s * (1.0f + g * (1.0f - s)));
+    }
+    return STATUS_OK;
+  }
   for (int64_t i = 0; i < n; i++) {
     float g = (float)dtype_load(gate->dtype, gate->data, (size_t)i);
     float u = (float)dtype_load(up->dtype, up->data, (size_t)i);
@@ -606,6 +663,11 @@ static status_t cpu_axpy(tensor_t *y, float alpha, const tensor_t *x) {
 
 static status_t cpu_scale(tensor_t *x, float alpha) {
   int64_t n = tensor_numel(x);
+  if (x->dtype == DTYPE_F32) {
+    float *px = x->data;
+    for (int64_t i = 0; i < n; i++) px[i] *= alpha;
+    return STATUS_OK;
+  }
   for (int64_t i = 0; i < n; i++)
     dtype_store(x->dtype, x->data, (size_t)i,
                 alpha * (float)dtype_load(x->dtype, x->data, (size_t)i));
@@ -686,6 +748,18 @@ static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t 
   float step_size = (float)(a->lr / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)a->eps;
   float *pm = m->data, *pv = v->data;
   int64_t n = tensor_numel(p);
+  if (ALL_F32(p, g)) {
+    float *pp = p->data;
+    const float *pg = g->data;
+    for (int64_t i = 0; i < n; i++) {
+      float gi = pg[i];
+      pm[i] += one_minus_b1 * (gi - pm[i]);
+      pv[i] = pv[i] * b2 + one_minus_b2 * gi * gi;
+      float denom = sqrtf(pv[i]) / bc2_sqrt + eps;
+      pp[i] = pp[i] * decay + (-step_size * pm[i]) / denom;
+    }
+    return STATUS_OK;
+  }
   for (int64_t i = 0; i < n; i++) {
     float pi = (float)dtype_load(p->dtype, p->data, (size_t)i);
     float gi = (float)dtype_load(g->dtype, g->data, (size_t)i);
@@ -702,6 +776,12 @@ static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t 
 static status_t cpu_sum_squares(const tensor_t *x, double *out) {
   int64_t n = tensor_numel(x);
   double s = 0;
+  if (x->dtype == DTYPE_F32) {
+    const float *px = x->data;
+    for (int64_t i = 0; i < n; i++) s += (double)px[i] * px[i];
+    *out = s;
+    return STATUS_OK;
+  }
   for (int64_t i = 0; i < n; i++) {
     double e = dtype_load(x->dtype, x->data, (size_t)i);
     s += e * e;

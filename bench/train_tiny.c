@@ -69,7 +69,9 @@ int main(int argc, char **argv) {
   printf("%6s %10s %10s %12s\n", "step", "loss", "grad_norm", "tokens/s");
   double t0 = bench_now(), window = t0, first = 0, last = 0, avg = 0;
   int64_t tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum;
+  size_t os_allocs = 0; /* host blocks of 64 KiB and more taken from the system after step 2 */
   for (int64_t s = 0; s < steps; s++) {
+    if (s == 2) os_allocs = mem_os_allocs(device_cpu());
     optim_zero_grad(o);
     double loss = 0;
     for (int64_t k = 0; k < spec.grad_accum; k++)
@@ -92,6 +94,9 @@ int main(int argc, char **argv) {
   double total = bench_now() - t0;
   printf("loss %.4f -> %.4f (smoothed %.4f); %.0f tokens/s over %lld steps (%.1f s)\n", first, last,
          avg, (double)(steps * tokens_per_step) / total, (long long)steps, total);
+  if (steps > 2)
+    printf("host blocks of 64 KiB or more taken from the system after step 2: %zu\n",
+           mem_os_allocs(device_cpu()) - os_allocs);
   optim_free(o);
   free(ps);
   data_free(d);

@@ -202,12 +202,19 @@ static void train(const char *config, const char *tag, bool ac, double *losses) 
   ok(optim_new(&opt, ps, n, &cfg));
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));
+  size_t os_allocs = 0;
   for (int s = 0; s < STEPS; s++) {
+    if (s == 2) os_allocs = mem_os_allocs(device_cpu());
     optim_zero_grad(opt);
     step_fwd_bwd(m, d, &spec, s, ctx, NULL, &losses[s]);
     ok(clip_grad_norm(ps, n, 1.0, NULL, NULL));
     ok(optim_step(opt, lr_schedule_factor(&sched, s)));
   }
+  /* after two steps, host buffers of 64 KiB and more all come from the cache */
+  ck_assert_msg(
+      mode.device != DEVICE_CPU || (os_allocs > 0 && mem_os_allocs(device_cpu()) == os_allocs),
+      "steps 3-%d took %zu blocks from the operating system", STEPS,
+      mem_os_allocs(device_cpu()) - os_allocs);
   nn_ctx_free(ctx);
   optim_free(opt);
   free(ps);
@@ -289,10 +296,11 @@ END_TEST
  * 5 both in rope_parameters; both give the same model. Types not implemented are refused by
  * name, as are incomplete or contradictory sections. */
 START_TEST(config_forms_of_transformers_4_and_5) {
-  const char *base = "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "
-                     "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, "
-                     "\"intermediate_size\": 160, \"vocab_size\": 256, "
-                     "\"max_position_embeddings\": 128%s}";
+  const char *base =
+      "{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "
+      "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, "
+      "\"intermediate_size\": 160, \"vocab_size\": 256, "
+      "\"max_position_embeddings\": 128%s}";
 #define L3 "\"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
   const rope_t plain4 = {1e4, ROPE_DEFAULT, 1, 0, 0, 0}, plain5 = {5e5, ROPE_DEFAULT, 1, 0, 0, 0},
                llama3 = {5e5, ROPE_LLAMA3, 8, 1, 4, 8192}, linear = {1e4, ROPE_LINEAR, 2, 0, 0, 0};

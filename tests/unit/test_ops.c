@@ -408,12 +408,118 @@ START_TEST(no_grad_records_nothing) {
 }
 END_TEST
 
+/* Causal grouped-query attention in double precision, straight from the definition:
+ * forward out and lse, and the gradients of sum(r * out). */
+static void attention_reference(const float *q, const float *k, const float *v, const float *r,
+                                int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t Dh,
+                                double *out, double *lse, double *dq, double *dk, double *dv) {
+  int64_t rep = H / Hkv;
+  double scale = 1.0 / sqrt((double)Dh), *p = malloc(sizeof(double) * (size_t)T);
+  memset(dq, 0, sizeof(double) * (size_t)(B * T * H * Dh));
+  memset(dk, 0, sizeof(double) * (size_t)(B * T * Hkv * Dh));
+  memset(dv, 0, sizeof(double) * (size_t)(B * T * Hkv * Dh));
+#define QI(b, t, h) ((((b) * T + (t)) * H + (h)) * Dh)
+#define KI(b, t, g) ((((b) * T + (t)) * Hkv + (g)) * Dh)
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t i = 0; i < T; i++) {
+        int64_t g = h / rep;
+        double m = -INFINITY, l = 0;
+        for (int64_t j = 0; j <= i; j++) {
+          double sc = 0;
+          for (int64_t c = 0; c < Dh; c++) sc += (double)q[QI(b, i, h) + c] * k[KI(b, j, g) + c];
+          p[j] = sc * scale;
+          m = p[j] > m ? p[j] : m;
+        }
+        for (int64_t j = 0; j <= i; j++) l += exp(p[j] - m);
+        lse[(b * H + h) * T + i] = m + log(l);
+        for (int64_t j = 0; j <= i; j++) p[j] = exp(p[j] - m) / l;
+        double D = 0; /* sum_c r * out = sum_j p_j dp_j */
+        for (int64_t c = 0; c < Dh; c++) {
+          double o = 0;
+          for (int64_t j = 0; j <= i; j++) o += p[j] * v[KI(b, j, g) + c];
+          out[QI(b, i, h) + c] = o;
+          D += o * r[QI(b, i, h) + c];
+        }
+        for (int64_t j = 0; j <= i; j++) {
+          double dp = 0;
+          for (int64_t c = 0; c < Dh; c++) dp += (double)r[QI(b, i, h) + c] * v[KI(b, j, g) + c];
+          double ds = p[j] * (dp - D) * scale;
+          for (int64_t c = 0; c < Dh; c++) {
+            dq[QI(b, i, h) + c] += ds * k[KI(b, j, g) + c];
+            dk[KI(b, j, g) + c] += ds * q[QI(b, i, h) + c];
+            dv[KI(b, j, g) + c] += p[j] * r[QI(b, i, h) + c];
+          }
+        }
+      }
+#undef QI
+#undef KI
+  free(p);
+}
+
+static double rel_err(const tensor_t *t, const double *ref) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < tensor_numel(t); i++) {
+    double x = ((const float *)t->data)[i] - ref[i];
+    num += x * x;
+    den += ref[i] * ref[i];
+  }
+  return sqrt(num / (den > 0 ? den : 1));
+}
+
+/* The attention kernels against the definition at sequence lengths around their row-block
+ * size (one partial block, exact blocks, blocks plus a remainder) with grouped-query heads. */
+START_TEST(attention_matches_definition) {
+  const int64_t Ts[] = {1, 5, 128, 300}, B = 2, H = 4, Hkv = 2, Dh = 8;
+  for (size_t t = 0; t < sizeof Ts / sizeof Ts[0]; t++) {
+    int64_t T = Ts[t], sq[4] = {B, T, H, Dh}, sk[4] = {B, T, Hkv, Dh}, sl[3] = {B, H, T};
+    tensor_t q, k, v, r, out, lse, dq, dk, dv;
+    tensor_t *all[] = {&q, &k, &v, &r, &out, &lse, &dq, &dk, &dv};
+    ok(tensor_init(&q, DTYPE_F32, device_cpu(), 4, sq));
+    ok(tensor_init(&k, DTYPE_F32, device_cpu(), 4, sk));
+    ok(tensor_init(&v, DTYPE_F32, device_cpu(), 4, sk));
+    ok(tensor_init(&r, DTYPE_F32, device_cpu(), 4, sq));
+    ok(tensor_init(&out, DTYPE_F32, device_cpu(), 4, sq));
+    ok(tensor_init(&lse, DTYPE_F32, device_cpu(), 3, sl));
+    ok(tensor_init(&dq, DTYPE_F32, device_cpu(), 4, sq));
+    ok(tensor_init(&dk, DTYPE_F32, device_cpu(), 4, sk));
+    ok(tensor_init(&dv, DTYPE_F32, device_cpu(), 4, sk));
+    uint64_t x = 88172645463325252ull + (uint64_t)T;
+    for (int i = 0; i < 4; i++)
+      for (int64_t e = 0; e < tensor_numel(all[i]); e++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        ((float *)all[i]->data)[e] = (float)((double)(x >> 11) / 9007199254740992.0 * 4 - 2);
+      }
+    ok(kernel_attention(&out, &lse, &q, &k, &v));
+    ok(kernel_attention_backward(&dq, &dk, &dv, &r, &q, &k, &v, &out, &lse));
+    size_t nq = (size_t)tensor_numel(&q), nk = (size_t)tensor_numel(&k);
+    double *ro = malloc(sizeof(double) * nq), *rl = malloc(sizeof(double) * (size_t)(B * H * T)),
+           *rq = malloc(sizeof(double) * nq), *rk = malloc(sizeof(double) * nk),
+           *rv = malloc(sizeof(double) * nk);
+    attention_reference(q.data, k.data, v.data, r.data, B, T, H, Hkv, Dh, ro, rl, rq, rk, rv);
+    const struct {
+      const char *name;
+      const tensor_t *t;
+      const double *ref;
+    } cmp[] = {{"out", &out, ro}, {"lse", &lse, rl}, {"dq", &dq, rq}, {"dk", &dk, rk},
+               {"dv", &dv, rv}};
+    for (size_t c = 0; c < sizeof cmp / sizeof cmp[0]; c++) {
+      double e = rel_err(cmp[c].t, cmp[c].ref);
+      ck_assert_msg(e < 2e-6, "T %lld %s: relative L2 error %.3g", (long long)T, cmp[c].name, e);
+    }
+    free(ro), free(rl), free(rq), free(rk), free(rv);
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
+  }
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("ops");
   TCase *tc = tcase_create("finite_differences");
   tcase_add_loop_test(tc, backward_matches_finite_differences, 0,
                       (int)(sizeof cases / sizeof cases[0]));
   tcase_add_test(tc, no_grad_records_nothing);
+  tcase_add_test(tc, attention_matches_definition);
   tcase_add_test(tc, activations_match_reference_values);
   tcase_add_test(tc, layernorm_and_mse_match_reference);
   suite_add_tcase(s, tc);
