@@ -1,11 +1,14 @@
 /*
  * Single-process training of a small Llama on the bundled corpus: prints the loss curve and
- * tokens per second.
+ * tokens per second, the host blocks the steps after the second took from the system, and
+ * (on the CPU in f32) the model's FLOP rate after step 0 against plain cblas_sgemm on the
+ * step's linear shapes.
  *
  *   bench-train-tiny [--config configs/llama-tiny.json] [--data data/corpus.txt]
  *                    [--steps 300] [--batch 8] [--seq 64] [--accum 1] [--lr 3e-3]
  *                    [--device cpu|cuda] [--dtype f32|bf16] [--ac] [--every 25]
  */
+#include <cblas.h>
 #include <math.h>
 
 #include "bench/bench_util.h"
@@ -22,6 +25,46 @@ static const bench_option_t OPTIONS[] = {
     {"--accum", "N", "micro-batches per step (default 1)"},
     {"--lr", "X", "peak learning rate (default 3e-3)"},
     {NULL, NULL, NULL}};
+
+/* GFLOP/s of plain cblas_sgemm on the matrix products of a step's linear layers (forward
+ * x W^T, backward dy W and dy^T x, M = tokens), best of three per shape: what the model's
+ * FLOP rate is measured against. */
+static double sgemm_reference(const llama_config_t *c, int64_t M) {
+  int64_t hd = c->dim / c->n_heads, kv = c->n_kv_heads * hd;
+  const int64_t shapes[][3] = {/* in, out, count per step */
+                               {c->dim, c->dim, 2 * c->n_layers},
+                               {c->dim, kv, 2 * c->n_layers},
+                               {c->dim, c->ffn_dim, 2 * c->n_layers},
+                               {c->ffn_dim, c->dim, c->n_layers},
+                               {c->dim, c->vocab_size, 1}};
+  double flops = 0, secs = 0;
+  for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+    int64_t in = shapes[k][0], out = shapes[k][1];
+    float *x = calloc((size_t)(M * in), sizeof(float)), *w = calloc((size_t)(out * in), 4),
+          *y = calloc((size_t)(M * out), sizeof(float));
+    if (x == NULL || w == NULL || y == NULL) exit(1);
+    for (int64_t i = 0; i < M * in; i++) x[i] = (float)(i % 7) * 0.1f;
+    for (int64_t i = 0; i < out * in; i++) w[i] = (float)(i % 5) * 0.1f;
+    double best = INFINITY;
+    for (int rep = 0; rep < 3; rep++) {
+      double t = bench_now();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)out, (int)in, 1, x,
+                  (int)in, w, (int)in, 0, y, (int)out);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)in, (int)out, 1, y,
+                  (int)out, w, (int)in, 0, x, (int)in);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)out, (int)in, (int)M, 1, y,
+                  (int)out, x, (int)in, 0, w, (int)in);
+      t = bench_now() - t;
+      best = t < best ? t : best;
+    }
+    flops += 6.0 * (double)(M * in * out) * (double)shapes[k][2];
+    secs += best * (double)shapes[k][2];
+    free(x);
+    free(w);
+    free(y);
+  }
+  return flops / secs / 1e9;
+}
 
 int main(int argc, char **argv) {
   BENCH_TRY(world_init(&argc, &argv));
@@ -67,7 +110,7 @@ int main(int argc, char **argv) {
       opt.device == DEVICE_CUDA ? "cuda" : "cpu", dtype_name(opt.dtype),
       opt.activation_checkpointing ? ", activation checkpointing" : "");
   printf("%6s %10s %10s %12s\n", "step", "loss", "grad_norm", "tokens/s");
-  double t0 = bench_now(), window = t0, first = 0, last = 0, avg = 0;
+  double t0 = bench_now(), window = t0, first = 0, last = 0, avg = 0, after_first = 0;
   int64_t tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum;
   size_t os_allocs = 0; /* host blocks of 64 KiB and more taken from the system after step 2 */
   for (int64_t s = 0; s < steps; s++) {
@@ -79,7 +122,11 @@ int main(int argc, char **argv) {
     double norm;
     BENCH_TRY(clip_grad_norm(ps, n, 1.0, NULL, &norm));
     BENCH_TRY(optim_step(o, lr_schedule_factor(&sched, s)));
-    if (s == 0) first = loss;
+    if (s == 0) {
+      first = loss;
+      BENCH_TRY(device_stream_sync(mesh_device(llama_local_mesh(m))));
+      after_first = bench_now();
+    }
     avg = s == 0 ? loss : 0.9 * avg + 0.1 * loss;
     last = loss;
     if ((s + 1) % every == 0 || s == 0 || s + 1 == steps) {
@@ -91,12 +138,25 @@ int main(int argc, char **argv) {
       window = now;
     }
   }
-  double total = bench_now() - t0;
+  double t_end = bench_now(), total = t_end - t0;
   printf("loss %.4f -> %.4f (smoothed %.4f); %.0f tokens/s over %lld steps (%.1f s)\n", first, last,
          avg, (double)(steps * tokens_per_step) / total, (long long)steps, total);
   if (steps > 2)
     printf("host blocks of 64 KiB or more taken from the system after step 2: %zu\n",
            mem_os_allocs(device_cpu()) - os_allocs);
+  if (opt.device == DEVICE_CPU && opt.dtype == DTYPE_F32) {
+    /* model FLOPs per token: 6 per linear weight, 12 L D T for attention (PaLM's count) */
+    int64_t linear = llama_num_params(&cfg) - cfg.vocab_size * cfg.dim * !cfg.tie_embeddings -
+                     (2 * cfg.n_layers + 1) * cfg.dim;
+    double per_token = 6.0 * (double)linear +
+                       12.0 * (double)(cfg.n_layers * cfg.dim * spec.seq_len);
+    double rate = /* after the first step, which allocates and warms up */
+        per_token * (double)((steps - 1) * tokens_per_step) / (t_end - after_first) / 1e9;
+    double ref = sgemm_reference(&cfg, spec.batch_size * spec.seq_len);
+    printf("model %.1f GFLOP/s after step 0 (%.2f GFLOP a step); sgemm on the step's linear "
+           "shapes %.1f GFLOP/s: %.0f%%\n",
+           rate, per_token * (double)tokens_per_step / 1e9, ref, 100 * rate / ref);
+  }
   optim_free(o);
   free(ps);
   data_free(d);
