@@ -8,6 +8,7 @@ packages=(
   check libyaml-dev libcjson-dev zlib1g-dev libxxhash-dev
   libopenmpi-dev openmpi-bin
   libopenblas-dev
+  librsvg2-bin  # tests: fsdp-plot's SVG rendered by a real renderer
 )
 
 missing=()

@@ -5,7 +5,8 @@
  *       [--dry-run]
  *
  * Prints a header (world, mesh, plan, parameters, per-rank sharded bytes), a line per logged
- * step and a summary; --metrics (or log.metrics) writes one JSON object per step from rank 0.
+ * step and a summary; --metrics (or log.metrics) writes one JSON object per step from rank 0,
+ * and --plot draws that file as SVG at the end (as fsdp-plot does).
  * --dry-run builds the sharded model and prints placements, shapes, memory and communication
  * estimates without training. Bad input is reported by every rank, with a non-zero exit.
  */
@@ -26,19 +27,21 @@
 #include "parallel/llama_plan.h"
 #include "parallel/parallelize.h"
 #include "parallel/plan.h"
+#include "tools/plot.h"
 
 typedef struct args {
   const char *config;
   const char *sets[256];
   int n_sets;
   const char *metrics;
+  const char *plot; /* --plot: the metrics drawn as SVG at the end */
   bool dry_run;
 } args_t;
 
 static void usage(FILE *f) {
   fprintf(f,
           "usage: fsdp-train CONFIG.yaml [--set key.path=value]... [--metrics PATH] "
-          "[--dry-run]\n"
+          "[--plot OUT.svg] [--dry-run]\n"
           "       fsdp-train --help | --version\n"
           "  under mpirun -n N for N ranks; the plan's mesh must multiply to N\n");
 }
@@ -47,11 +50,13 @@ static status_t parse_args(int argc, char **argv, args_t *a) {
   memset(a, 0, sizeof *a);
   for (int i = 1; i < argc; i++) {
     const char *s = argv[i];
-    if (strcmp(s, "--set") == 0 || strcmp(s, "--metrics") == 0) {
+    if (strcmp(s, "--set") == 0 || strcmp(s, "--metrics") == 0 || strcmp(s, "--plot") == 0) {
       if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", s);
       if (s[2] == 's') {
         if (a->n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set options");
         a->sets[a->n_sets++] = argv[++i];
+      } else if (s[2] == 'p') {
+        a->plot = argv[++i];
       } else {
         a->metrics = argv[++i];
       }
@@ -60,6 +65,8 @@ static status_t parse_args(int argc, char **argv, args_t *a) {
       a->sets[a->n_sets++] = s + 6;
     } else if (strncmp(s, "--metrics=", 10) == 0) {
       a->metrics = s + 10;
+    } else if (strncmp(s, "--plot=", 7) == 0) {
+      a->plot = s + 7;
     } else if (strcmp(s, "--dry-run") == 0) {
       a->dry_run = true;
     } else if (s[0] == '-' && s[1] != 0) {
@@ -636,6 +643,9 @@ static status_t train(run_t *r) {
     status_t ms = metrics_agree(mpath, bad);
     if (st == STATUS_OK) st = ms;
   }
+  if (st == STATUS_OK && lead && r->args.plot != NULL &&
+      (st = plot_metrics(&mpath, 1, r->args.plot)) == STATUS_OK)
+    printf("plot: %s\n", r->args.plot);
   if (st == STATUS_OK && lead) {
     double total = now() - t_start;
     char pm[32];
@@ -666,6 +676,9 @@ int main(int argc, char **argv) {
   if (st != STATUS_OK && world_rank() == 0) usage(stderr);
   if (st == STATUS_OK) st = plan_load(&r->plan, r->args.config, r->args.sets, r->args.n_sets);
   if (st == STATUS_OK) st = plan_resolve(&r->plan, world_size());
+  if (st == STATUS_OK && r->args.plot != NULL && r->args.metrics == NULL && !r->plan.metrics[0])
+    st = err_set(STATUS_EINVAL, "--plot draws the metrics file: give --metrics PATH or "
+                                "log.metrics in the plan");
   if (st == STATUS_OK) world_set_timeout(r->plan.comm_timeout_s);
   if (st == STATUS_OK) st = dcp_set_block_bytes((uint64_t)r->plan.ckpt_block_bytes);
   if (st == STATUS_OK && r->plan.ckpt_dir[0] && r->plan.ckpt_interval > 0) /* before training */

@@ -527,7 +527,13 @@ def errors():
             ([bench("bench-ac-memory"), "--batch"], False, r"--batch needs a value"),
             ([bench("bench-ckpt-load"), "--reps", "0"], False,
              r"--reps: expected an integer from 1 to 64, got '0'"),
-            ([bench("bench-ckpt-load"), "stray"], False, r"unexpected argument 'stray'")]:
+            ([bench("bench-ckpt-load"), "stray"], False, r"unexpected argument 'stray'"),
+            ([tool("fsdp-plot"), "--help"], True, r"usage: fsdp-plot METRICS.jsonl\.\.\. -o"),
+            ([tool("fsdp-plot"), "--version"], True, version),
+            ([tool("fsdp-plot"), "--bins", "3"], False, r"unknown option '--bins'"),
+            ([tool("fsdp-plot"), "m.jsonl"], False, r"no -o OUT.svg given"),
+            ([EXE, os.path.join(ROOT, "configs", "debug.yaml"), "--plot", "x.svg"], False,
+             r"--plot draws the metrics file: give --metrics PATH or log.metrics")]:
         p = sh(argv, timeout=60)
         out = p.stdout + p.stderr
         good = (p.returncode == 0) == ok and re.search(want, out) is not None
@@ -535,6 +541,87 @@ def errors():
                                                  p.returncode, want))
         if not good:
             print(out[-1000:])
+
+
+def plots():
+    """fsdp-plot and fsdp-train --plot: the SVG parses, has a panel per metric with a line per
+    run through every step (a gap where a loss is null), a legend naming the files; rendered
+    to PNG where rsvg-convert is installed; bad files are refused naming file and line."""
+    import xml.etree.ElementTree as ET
+    tmp = mkdtemp()
+    plot = os.path.join(os.path.dirname(EXE), "fsdp-plot")
+    debug = os.path.join(ROOT, "configs", "debug.yaml")
+    a, b = os.path.join(tmp, "a.jsonl"), os.path.join(tmp, "b & c.jsonl")
+    p, _ = run(1, [debug, "--set", "train.steps=12", "--metrics", a, "--plot",
+                   os.path.join(tmp, "a.svg")])
+    q, _ = run(1, [debug, "--set", "train.steps=8", "--set", "optim.lr=1e-3", "--metrics", b])
+    check(p.returncode == 0 and q.returncode == 0 and "plot: " in p.stdout,
+          "fsdp-train --plot writes the picture at the end")
+    with open(b) as f:  # a step whose loss is null (non-finite) leaves a gap
+        rows = [json.loads(l) for l in f]
+    rows[3]["loss"] = None
+    with open(b, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    out = os.path.join(tmp, "runs.svg")
+    r = sh([plot, a, b, "-o", out], timeout=60)
+    ns = "{http://www.w3.org/2000/svg}"
+
+    def lines(svg):
+        root = ET.parse(svg).getroot()
+        panels = {g.get("id"): g for g in root.iter(ns + "g") if g.get("class") == "panel"}
+        runs = {k: [[len(pl.get("points").split()) for pl in g.iter(ns + "polyline")
+                     if pl.get("class") == "run%d" % i] for i in range(2)]
+                for k, g in panels.items()}
+        legend = [t.text for g in root.iter(ns + "g") if g.get("class") == "legend"
+                  for t in g.iter(ns + "text")]
+        return root, runs, legend
+
+    ok = r.returncode == 0 and os.path.exists(out) and not os.path.exists(out + ".tmp")
+    check(ok, "fsdp-plot of two runs writes an SVG (exit %d)" % r.returncode)
+    if ok:
+        root, runs, legend = lines(out)
+        want = {"loss": [[12], [3, 4]], "lr": [[12], [8]], "grad_norm": [[12], [8]],
+                "tokens_per_s": [[12], [8]]}
+        check(root.tag == ns + "svg" and runs == want,
+              "the SVG parses: four panels, run 1 through 12 steps, run 2 through 8 with a gap "
+              "at the null loss (%s)" % runs)
+        check(legend == [a + " (12 steps)", b + " (8 steps)"],
+              "the legend names each run's file (escaped): %s" % legend)
+        first, last = [list(map(float, pt.split(",")))
+                       for pt in next(pl for g in root.iter(ns + "g") if g.get("id") == "loss"
+                                      for pl in g.iter(ns + "polyline")).get("points").split()
+                       [::11]]
+        check(last[1] > first[1], "the falling loss is drawn falling (y %.1f -> %.1f)"
+              % (first[1], last[1]))
+    single = os.path.join(tmp, "a.svg")
+    if os.path.exists(single):
+        _, runs, legend = lines(single)
+        check(runs["loss"] == [[12], []] and len(legend) == 1,
+              "fsdp-train --plot draws its own metrics file (%s)" % runs["loss"])
+    rsvg = shutil.which("rsvg-convert")
+    if rsvg and ok:
+        png = os.path.join(tmp, "runs.png")
+        c = sh([rsvg, out, "-o", png], timeout=60)
+        with open(png, "rb") as f:
+            head = f.read(8)
+        check(c.returncode == 0 and head == b"\x89PNG\r\n\x1a\n",
+              "rsvg-convert renders the SVG to PNG")
+    bad = os.path.join(tmp, "bad.jsonl")
+    with open(bad, "w") as f:
+        f.write('{"step": 1, "loss": 2.0}\nnot json\n')
+    empty = os.path.join(tmp, "empty.jsonl")
+    open(empty, "w").close()
+    nostep = os.path.join(tmp, "nostep.jsonl")
+    with open(nostep, "w") as f:
+        f.write('{"loss": 2.0}\n')
+    for args, want in [([a, os.path.join(tmp, "missing.jsonl")], r"missing\.jsonl"),
+                       ([bad], r"bad\.jsonl:2: not a JSON object"),
+                       ([empty], r"empty\.jsonl: no steps in it"),
+                       ([nostep], r"nostep\.jsonl:1: no number 'step'")]:
+        e = sh([plot] + args + ["-o", os.path.join(tmp, "x.svg")], timeout=60)
+        check(e.returncode != 0 and re.search(want, e.stderr) is not None and
+              not os.path.exists(os.path.join(tmp, "x.svg")),
+              "fsdp-plot refuses it: /%s/ (exit %d)" % (want, e.returncode))
 
 
 def dry_run():
@@ -1538,7 +1625,7 @@ def ckpt_damage():
                                          counts["other"]))
 
 
-{"configs": lambda: (configs(), pytorch()), "errors": errors, "dry-run": dry_run,
+{"configs": lambda: (configs(), pytorch(), plots()), "errors": errors, "dry-run": dry_run,
  "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": ckpt_tool,
  "ckpt-corrupt": ckpt_corrupt, "ckpt-damage": ckpt_damage}[MODE]()
 for d in TEMPS:

@@ -1,0 +1,218 @@
+#include "tools/plot.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/file.h"
+
+enum { N_PANELS = 4 };
+static const char *const KEYS[N_PANELS] = {"loss", "lr", "grad_norm", "tokens_per_s"};
+static const char *const TITLES[N_PANELS] = {"loss", "learning rate", "gradient norm", "tokens/s"};
+static const char *const COLOURS[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                                      "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
+enum { N_COLOURS = sizeof COLOURS / sizeof COLOURS[0] };
+
+typedef struct run {
+  const char *name;
+  double *step, *v[N_PANELS]; /* NAN where a value is null or absent */
+  int64_t n, cap;
+} run_t;
+
+static status_t push(run_t *r, double step, const double *v) {
+  if (r->n == r->cap) {
+    int64_t cap = r->cap ? 2 * r->cap : 256;
+    double *p[1 + N_PANELS] = {r->step, r->v[0], r->v[1], r->v[2], r->v[3]};
+    for (int k = 0; k < 1 + N_PANELS; k++) {
+      double *q = realloc(p[k], sizeof(double) * (size_t)cap);
+      if (q == NULL) return err_set(STATUS_ENOMEM, "fsdp-plot: out of host memory");
+      p[k] = q;
+      if (k == 0)
+        r->step = q;
+      else
+        r->v[k - 1] = q;
+    }
+    r->cap = cap;
+  }
+  r->step[r->n] = step;
+  for (int k = 0; k < N_PANELS; k++) r->v[k][r->n] = v[k];
+  r->n++;
+  return STATUS_OK;
+}
+
+static status_t read_run(const char *path, run_t *r) {
+  char *text;
+  TRY(file_read_text(path, (size_t)1 << 30, &text));
+  status_t st = STATUS_OK;
+  int line = 0;
+  for (char *s = text, *next; s != NULL && *s && st == STATUS_OK; s = next) {
+    line++;
+    next = strchr(s, '\n');
+    if (next != NULL) *next++ = '\0';
+    if (strspn(s, " \t\r") == strlen(s)) continue;
+    cJSON *o = cJSON_Parse(s);
+    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
+    if (!cJSON_IsObject(o)) {
+      st = err_set(STATUS_EFORMAT, "%s:%d: not a JSON object", path, line);
+    } else if (!cJSON_IsNumber(step)) {
+      st = err_set(STATUS_EFORMAT, "%s:%d: no number 'step' (not a metrics file?)", path, line);
+    } else {
+      double v[N_PANELS];
+      for (int k = 0; k < N_PANELS; k++) {
+        const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, KEYS[k]);
+        v[k] = cJSON_IsNumber(it) && isfinite(it->valuedouble) ? it->valuedouble : NAN;
+      }
+      st = push(r, step->valuedouble, v);
+    }
+    cJSON_Delete(o);
+  }
+  free(text);
+  if (st == STATUS_OK && r->n == 0)
+    st = err_set(STATUS_EFORMAT, "%s: no steps in it (an empty metrics file)", path);
+  return st;
+}
+
+/* A tick spacing of 1, 2 or 5 times a power of ten giving about `target` ticks. */
+static double tick_step(double range, int target) {
+  double raw = range / target, mag = pow(10, floor(log10(raw))), f = raw / mag;
+  return (f < 1.5 ? 1 : f < 3.5 ? 2 : f < 7.5 ? 5 : 10) * mag;
+}
+
+static void xml_text(FILE *f, const char *s) {
+  for (; *s; s++) switch (*s) {
+      case '&': fputs("&amp;", f); break;
+      case '<': fputs("&lt;", f); break;
+      case '>': fputs("&gt;", f); break;
+      case '"': fputs("&quot;", f); break;
+      default: fputc(*s, f);
+    }
+}
+
+enum { PANEL_W = 480, PANEL_H = 300, LEFT = 72, RIGHT = 16, TOP = 28, BOTTOM = 40 };
+
+static void panel(FILE *f, const run_t *runs, int n, int k, double ox, double oy) {
+  double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
+  for (int r = 0; r < n; r++)
+    for (int64_t i = 0; i < runs[r].n; i++) {
+      x0 = fmin(x0, runs[r].step[i]);
+      x1 = fmax(x1, runs[r].step[i]);
+      if (isnan(runs[r].v[k][i])) continue;
+      y0 = fmin(y0, runs[r].v[k][i]);
+      y1 = fmax(y1, runs[r].v[k][i]);
+    }
+  double w = PANEL_W - LEFT - RIGHT, h = PANEL_H - TOP - BOTTOM, px = ox + LEFT, py = oy + TOP;
+  fprintf(f, "<g class=\"panel\" id=\"%s\">\n", KEYS[k]);
+  fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-weight=\"bold\">%s</text>\n",
+          px + w / 2, oy + 18, TITLES[k]);
+  fprintf(f,
+          "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
+          "stroke=\"#444\"/>\n",
+          px, py, w, h);
+  if (!(y0 <= y1)) {
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">no values</text>\n</g>\n",
+            px + w / 2, py + h / 2);
+    return;
+  }
+  if (x1 == x0) x1 = x0 + 1;
+  double pad = y1 > y0 ? 0.05 * (y1 - y0) : (y0 != 0 ? 0.05 * fabs(y0) : 1);
+  y0 -= pad;
+  y1 += pad;
+  /* grid and tick labels */
+  double ys = tick_step(y1 - y0, 5), xs = tick_step(x1 - x0, 6);
+  for (double t = ceil(y0 / ys) * ys; t <= y1; t += ys) {
+    double y = py + h - (t - y0) / (y1 - y0) * h;
+    fprintf(f,
+            "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+            "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.6g</text>\n",
+            px, y, px + w, y, px - 6, y + 4, fabs(t) < ys * 1e-9 ? 0.0 : t);
+  }
+  for (double t = ceil(x0 / xs) * xs; t <= x1; t += xs) {
+    double x = px + (t - x0) / (x1 - x0) * w;
+    fprintf(f,
+            "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+            "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.6g</text>\n",
+            x, py, x, py + h, x, py + h + 16, t);
+  }
+  fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">step</text>\n", px + w / 2,
+          py + h + 34);
+  /* one polyline per run and stretch of values (a gap where a value is missing) */
+  for (int r = 0; r < n; r++) {
+    bool open = false;
+    for (int64_t i = 0; i <= runs[r].n; i++) {
+      bool have = i < runs[r].n && !isnan(runs[r].v[k][i]);
+      if (have && !open)
+        fprintf(f,
+                "<polyline class=\"run%d\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\" "
+                "points=\"",
+                r, COLOURS[r % N_COLOURS]);
+      if (have)
+        fprintf(f, "%s%.2f,%.2f", open ? " " : "", px + (runs[r].step[i] - x0) / (x1 - x0) * w,
+                py + h - (runs[r].v[k][i] - y0) / (y1 - y0) * h);
+      if (!have && open) fputs("\"/>\n", f);
+      open = have;
+    }
+  }
+  fputs("</g>\n", f);
+}
+
+static status_t write_svg(const run_t *runs, int n, const char *out) {
+  char tmp[4096];
+  if (snprintf(tmp, sizeof tmp, "%s.tmp", out) >= (int)sizeof tmp)
+    return err_set(STATUS_EINVAL, "fsdp-plot: output path too long");
+  FILE *f = fopen(tmp, "w");
+  if (f == NULL) return err_set(STATUS_EIO, "cannot write '%s': %s", tmp, strerror(errno));
+  int legend = 12 + 18 * n, width = 2 * PANEL_W, height = legend + 2 * PANEL_H;
+  fprintf(f,
+          "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+          "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+          "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n"
+          "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n<g class=\"legend\">\n",
+          width, height, width, height);
+  for (int r = 0; r < n; r++) {
+    double y = 16 + 18.0 * r;
+    fprintf(f,
+            "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"%s\" "
+            "stroke-width=\"3\"/><text x=\"%d\" y=\"%.1f\">",
+            LEFT, y - 4, LEFT + 24, y - 4, COLOURS[r % N_COLOURS], LEFT + 32, y);
+    xml_text(f, runs[r].name);
+    fprintf(f, " (%lld steps)</text>\n", (long long)runs[r].n);
+  }
+  fputs("</g>\n", f);
+  for (int k = 0; k < N_PANELS; k++)
+    panel(f, runs, n, k, (k % 2) * PANEL_W, legend + (k / 2) * PANEL_H);
+  fputs("</svg>\n", f);
+  bool bad = ferror(f) != 0;
+  if (fclose(f) != 0 || bad) {
+    int e = errno;
+    remove(tmp);
+    return err_set(STATUS_EIO, "cannot write '%s': %s", tmp, strerror(e));
+  }
+  if (rename(tmp, out) != 0) {
+    int e = errno;
+    remove(tmp);
+    return err_set(STATUS_EIO, "cannot rename '%s' to '%s': %s", tmp, out, strerror(e));
+  }
+  return STATUS_OK;
+}
+
+status_t plot_metrics(const char *const *paths, int n, const char *out) {
+  if (n < 1) return err_set(STATUS_EINVAL, "fsdp-plot: no metrics file given");
+  run_t *runs = calloc((size_t)n, sizeof *runs);
+  if (runs == NULL) return err_set(STATUS_ENOMEM, "fsdp-plot: out of host memory");
+  status_t st = STATUS_OK;
+  for (int r = 0; r < n && st == STATUS_OK; r++) {
+    runs[r].name = paths[r];
+    st = read_run(paths[r], &runs[r]);
+  }
+  if (st == STATUS_OK) st = write_svg(runs, n, out);
+  for (int r = 0; r < n; r++) {
+    free(runs[r].step);
+    for (int k = 0; k < N_PANELS; k++) free(runs[r].v[k]);
+  }
+  free(runs);
+  return st;
+}
