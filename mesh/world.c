@@ -167,6 +167,30 @@ status_t comm_agree(MPI_Comm comm, status_t st) {
   return err_set((status_t)msg.status, "rank %d: %s", worst.rank, msg.text);
 }
 
+status_t world_check_launch(void) {
+  static const struct {
+    const char *var, *launcher, *instead;
+  } envs[] = {{"WORLD_SIZE", "torchrun or another PyTorch launcher",
+               "mpirun -n %ld PROGRAM ... (the ranks are MPI processes)"},
+              {"SLURM_STEP_NUM_TASKS", "srun without an MPI plugin",
+               "srun --mpi=pmix -n %ld PROGRAM ..., or mpirun inside the allocation"}};
+  for (size_t i = 0; i < sizeof envs / sizeof envs[0]; i++) {
+    const char *v = getenv(envs[i].var);
+    char *end;
+    long n = v ? strtol(v, &end, 10) : 0;
+    /* a singleton MPI world only: mpirun of fewer ranks inside a larger allocation is fine */
+    if (v == NULL || *end != '\0' || n <= 1 || world_size() != 1) continue;
+    char how[128];
+    snprintf(how, sizeof how, envs[i].instead, n);
+    return err_set(STATUS_EINVAL,
+                   "%s=%ld says %ld processes were started, but this one's MPI world has %d "
+                   "rank%s (%s?): each would train alone; launch with %s",
+                   envs[i].var, n, n, world_size(), world_size() == 1 ? "" : "s",
+                   envs[i].launcher, how);
+  }
+  return STATUS_OK;
+}
+
 /* "0-3,5,7-8": the ranks whose entry in msgs (size entries of n bytes) equals msgs[first]. */
 static void rank_list(char *out, size_t cap, const char *msgs, size_t n, int size, int first,
                       bool *done) {

@@ -38,6 +38,12 @@ int world_size(void);
 /* world_size() once MPI runs, 0 before world_init or after world_finalize. */
 int world_started_size(void);
 int world_local_rank(void);
+/* Fails when the environment says this process was started as one of several (torchrun's
+ * WORLD_SIZE, the tasks of a Slurm step, SLURM_STEP_NUM_TASKS) but it is alone in its MPI
+ * world: N processes that would each train alone, overwriting each other's files. The error
+ * says how to launch. */
+status_t world_check_launch(void);
+
 /* The number of ranks on this node (1 before world_init). */
 int world_local_size(void);
 MPI_Comm world_comm(void);

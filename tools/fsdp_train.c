@@ -674,6 +674,7 @@ int main(int argc, char **argv) {
   run_t *r = calloc(1, sizeof *r);
   status_t st = r ? parse_args(argc, argv, &r->args) : STATUS_ENOMEM;
   if (st != STATUS_OK && world_rank() == 0) usage(stderr);
+  if (st == STATUS_OK) st = world_check_launch();
   if (st == STATUS_OK) st = plan_load(&r->plan, r->args.config, r->args.sets, r->args.n_sets);
   if (st == STATUS_OK) st = plan_resolve(&r->plan, world_size());
   if (st == STATUS_OK && r->args.plot != NULL && r->args.metrics == NULL && !r->plan.metrics[0])

@@ -63,9 +63,10 @@ def mkdtemp():
 SANITIZER_REPORT = re.compile(r"ERROR: (Leak|Address)Sanitizer|runtime error:")
 
 
-def sh(cmd, timeout):
+def sh(cmd, timeout, env=None):
     """Runs cmd capturing its output; a sanitizer's report in it is a failure."""
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, **env) if env else None)
     if SANITIZER_REPORT.search(p.stderr):
         check(False, "%s: ends without a sanitizer report" %
               " ".join(os.path.basename(c) for c in cmd))
@@ -541,6 +542,22 @@ def errors():
                                                  p.returncode, want))
         if not good:
             print(out[-1000:])
+    # started by torchrun or a plain srun, each process would be alone: refused, saying how
+    debug = os.path.join(ROOT, "configs", "debug.yaml")
+    for env, want in [({"WORLD_SIZE": "4", "RANK": "2"},
+                       r"WORLD_SIZE=4 says 4 processes were started, but this one's MPI world "
+                       r"has 1 rank \(torchrun.*launch with mpirun -n 4"),
+                      ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"},
+                       r"SLURM_STEP_NUM_TASKS=2 .*\(srun without an MPI plugin\?\).*"
+                       r"srun --mpi=pmix -n 2"),
+                      ({"WORLD_SIZE": "1"}, None)]:
+        p = sh([EXE, debug, "--set", "train.steps=1"], timeout=60, env=env)
+        good = p.returncode == 0 if want is None else (
+            p.returncode != 0 and re.search(want, p.stderr) is not None and "step" not in p.stdout)
+        check(good, "fsdp-train alone with %s: %s (exit %d)" % (
+            env, "trains" if want is None else "refused, /%s/" % want, p.returncode))
+        if not good:
+            print(p.stdout[-500:], p.stderr[-1000:])
 
 
 def plots():
