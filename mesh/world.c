@@ -185,8 +185,8 @@ status_t world_check_launch(void) {
     return err_set(STATUS_EINVAL,
                    "%s=%ld says %ld processes were started, but this one's MPI world has %d "
                    "rank%s (%s?): each would train alone; launch with %s",
-                   envs[i].var, n, n, world_size(), world_size() == 1 ? "" : "s",
-                   envs[i].launcher, how);
+                   envs[i].var, n, n, world_size(), world_size() == 1 ? "" : "s", envs[i].launcher,
+                   how);
   }
   return STATUS_OK;
 }

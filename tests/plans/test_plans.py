@@ -529,6 +529,10 @@ def errors():
             ([bench("bench-ckpt-load"), "--reps", "0"], False,
              r"--reps: expected an integer from 1 to 64, got '0'"),
             ([bench("bench-ckpt-load"), "stray"], False, r"unexpected argument 'stray'"),
+            ([tool("fsdp-plan"), "--help"], True, r"usage: fsdp-plan convert"),
+            ([tool("fsdp-plan"), "--version"], True, version),
+            ([tool("fsdp-plan"), "convert", "a.yaml", "--to", "x"], False,
+             r"unknown option '--to'"),
             ([tool("fsdp-plot"), "--help"], True, r"usage: fsdp-plot METRICS.jsonl\.\.\. -o"),
             ([tool("fsdp-plot"), "--version"], True, version),
             ([tool("fsdp-plot"), "--bins", "3"], False, r"unknown option '--bins'"),
@@ -639,6 +643,99 @@ def plots():
         check(e.returncode != 0 and re.search(want, e.stderr) is not None and
               not os.path.exists(os.path.join(tmp, "x.svg")),
               "fsdp-plot refuses it: /%s/ (exit %d)" % (want, e.returncode))
+
+
+CONVERT_MODEL = """\
+model:
+  dim: 32
+  n_layers: 2
+  n_heads: 2
+  n_kv_heads: 1
+  ffn_dim: 64
+  vocab_size: 256
+  max_seq_len: 64
+"""
+
+# each example config of tests/convert and the plan written by hand that it stands for
+CONVERTED = [
+    ("accelerate-fsdp.yaml", 4, """\
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+    reshard_after_forward: true
+    mp_policy: {param_dtype: bf16, reduce_dtype: f32}
+""", ["sharding_strategy: FULL_SHARD", "fsdp_sync_module_states: no equivalent"]),
+    ("accelerate-fsdp2-zero2.yaml", 4, """\
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+    reshard_after_forward: false
+""", ["reshard_after_forward: false", "fsdp_version: fully_shard here is FSDP2"]),
+    ("deepspeed-zero3.json", 4, """\
+parallelize:
+  fully_shard:
+    reshard_after_forward: true
+optim: {lr: 0.002, beta1: 0.9, beta2: 0.95, eps: 1.0e-8, weight_decay: 0.05,
+        clip_grad_norm: 0.5}
+schedule: {warmup_steps: 2, min_lr_ratio: 0.2}
+data: {batch_size: 2, grad_accum: 2}
+train: {steps: 8}
+""", ["zero_stage: 3", "stage3_prefetch_bucket_size: a bucket or overlap knob"]),
+    ("deepspeed-zero3-hpz.json", 4, """\
+parallelize:
+  fully_shard:
+    reshard_after_forward: 2
+""", ["reshard_after_forward: 2", "train_micro_batch_size_per_gpu: 'auto'",
+      "offload_optimizer: device 'nvme'"]),
+]
+
+
+def converts():
+    """fsdp-plan convert: each example Accelerate and DeepSpeed config, with a model added,
+    trains exactly as the plan written by hand for it (losses and per-step communication
+    bytes equal), and its output lists what it left out."""
+    tmp = mkdtemp()
+    tool = os.path.join(os.path.dirname(EXE), "fsdp-plan")
+    sets = ["--set", "data.path=" + os.path.join(ROOT, "data", "corpus.txt"),
+            "--set", "data.seq_len=16"]
+    for name, n, hand, said in CONVERTED:
+        src = os.path.join(ROOT, "tests", "convert", name)
+        out = os.path.join(tmp, name + ".plan.yaml")
+        p = sh([tool, "convert", src, "-o", out], timeout=60)
+        text = open(out).read() if p.returncode == 0 else ""
+        check(p.returncode == 0 and all(w in text for w in said),
+              "fsdp-plan convert %s: exit %d, writes %s" % (name, p.returncode, said))
+        if p.returncode != 0:
+            print(p.stderr[-1000:])
+            continue
+        with open(out, "a") as f:
+            f.write(CONVERT_MODEL)
+        mine = os.path.join(tmp, name + ".hand.yaml")
+        with open(mine, "w") as f:
+            f.write(CONVERT_MODEL + hand)
+        got = {}
+        for tag, plan in (("converted", out), ("hand", mine)):
+            own = text if tag == "converted" else hand
+            extra = [] if "train:" in own else ["--set", "train.steps=4"]
+            if not re.search(r"batch_size: \d", own):
+                extra += ["--set", "data.batch_size=2"]
+            metrics = os.path.join(tmp, "%s.%s.jsonl" % (name, tag))
+            q, _ = run(n, [plan, "--metrics", metrics] + sets + extra)
+            got[tag] = [(r["loss"], r["comm_bytes"]) for r in losses(metrics)] \
+                if q.returncode == 0 else None
+            if q.returncode != 0:
+                print(q.stdout[-1000:], q.stderr[-1500:])
+        check(got["converted"] and got["converted"] == got["hand"],
+              "%s converted trains as the hand-written plan on %d ranks: %d steps, equal losses "
+              "and communication bytes" % (name, n, len(got["converted"] or [])))
+    for args, want in [(["convert", os.path.join(ROOT, "configs", "debug.yaml")],
+                        r"neither an Accelerate config .* nor a DeepSpeed config"),
+                       (["convert", os.path.join(tmp, "none.json")], r"none\.json"),
+                       (["convert"], r"convert needs a config file"),
+                       (["merge", "x"], r"unknown command")]:
+        e = sh([tool] + args, timeout=60)
+        check(e.returncode != 0 and re.search(want, e.stderr) is not None,
+              "fsdp-plan %s: refused, /%s/" % (" ".join(os.path.basename(a) for a in args), want))
 
 
 def dry_run():
@@ -1642,7 +1739,7 @@ def ckpt_damage():
                                          counts["other"]))
 
 
-{"configs": lambda: (configs(), pytorch(), plots()), "errors": errors, "dry-run": dry_run,
+{"configs": lambda: (configs(), pytorch(), plots(), converts()), "errors": errors, "dry-run": dry_run,
  "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": ckpt_tool,
  "ckpt-corrupt": ckpt_corrupt, "ckpt-damage": ckpt_damage}[MODE]()
 for d in TEMPS:
