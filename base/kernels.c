@@ -2,7 +2,6 @@
 #include "base/kernels.h"
 
 #include <stddef.h>
-#include <stdio.h>
 
 #include "base/kernels_impl.h"
 
@@ -233,11 +232,7 @@ status_t kernel_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64
   TRY(check_same_shape("kernel_rope", NT(out, x)));
   if (x->ndim != 4 || x->shape[3] % 2 != 0)
     return shape_error("kernel_rope", "x", x, "[B, T, H, Dh] with Dh even");
-  if (rope_check(rope) != STATUS_OK) {
-    char why[256];
-    snprintf(why, sizeof why, "%s", err_detail());
-    return err_set(STATUS_EINVAL, "kernel_rope: %s", why);
-  }
+  if (rope_check(rope) != STATUS_OK) return err_prefix(STATUS_EINVAL, "kernel_rope");
   return ops->rope(out, x, rope, pos_offset, inverse);
 }
 

@@ -2,6 +2,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 static _Thread_local char detail_text[1024];
 
@@ -22,6 +23,18 @@ status_t err_set(status_t st, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(detail_text, sizeof detail_text, fmt, ap);
   va_end(ap);
+  return st;
+}
+
+status_t err_prefix(status_t st, const char *fmt, ...) {
+  char old[sizeof detail_text];
+  memcpy(old, detail_text, sizeof old);
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(detail_text, sizeof detail_text, fmt, ap);
+  va_end(ap);
+  if (n >= 0 && (size_t)n < sizeof detail_text)
+    snprintf(detail_text + n, sizeof detail_text - (size_t)n, ": %s", old);
   return st;
 }
 

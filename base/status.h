@@ -58,6 +58,11 @@ const char *err_detail(void);
  *   return err_set(STATUS_ESHAPE, "shape %s ...", ...); */
 status_t err_set(status_t st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* Puts a formatted prefix and ": " before the current detail text and returns st, so that
+ * a caller adds where a failure happened:
+ *   if (st != STATUS_OK) return err_prefix(st, "AdamW step of %s", fqn); */
+status_t err_prefix(status_t st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 /* Clears the detail text. */
 void err_clear(void);
 

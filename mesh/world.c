@@ -191,10 +191,12 @@ status_t world_check_launch(void) {
   return STATUS_OK;
 }
 
-/* "0-3,5,7-8": the ranks whose entry in msgs (size entries of n bytes) equals msgs[first]. */
-static void rank_list(char *out, size_t cap, const char *msgs, size_t n, int size, int first,
-                      bool *done) {
+/* "0-3,5,7-8": the ranks whose entry in msgs (size entries of n bytes) equals msgs[first];
+ * returns how many. */
+static int rank_list(char *out, size_t cap, const char *msgs, size_t n, int size, int first,
+                     bool *done) {
   size_t len = 0;
+  int count = 0;
   out[0] = '\0';
   for (int r = first; r < size; r++) {
     if (done[r] || strcmp(msgs + (size_t)r * n, msgs + (size_t)first * n) != 0) continue;
@@ -203,6 +205,7 @@ static void rank_list(char *out, size_t cap, const char *msgs, size_t n, int siz
            strcmp(msgs + (size_t)(end + 1) * n, msgs + (size_t)first * n) == 0)
       end++;
     for (int k = r; k <= end; k++) done[k] = true;
+    count += end - r + 1;
     int w = end == r       ? snprintf(out + len, cap - len, "%s%d", len ? "," : "", r)
             : end == r + 1 ? snprintf(out + len, cap - len, "%s%d,%d", len ? "," : "", r, end)
                            : snprintf(out + len, cap - len, "%s%d-%d", len ? "," : "", r, end);
@@ -210,6 +213,7 @@ static void rank_list(char *out, size_t cap, const char *msgs, size_t n, int siz
     len += (size_t)w;
     r = end;
   }
+  return count;
 }
 
 bool world_agree_report(status_t st, const char *prog) {
@@ -247,9 +251,8 @@ bool world_agree_report(status_t st, const char *prog) {
       for (int r = 0; r < size; r++) {
         const char *m = all + (size_t)r * N;
         if (done[r] || (pass == 0) != (m[0] != '\0')) continue;
-        rank_list(ranks, sizeof ranks, all, N, size, r, done);
-        bool one = strchr(ranks, ',') == NULL && strchr(ranks, '-') == NULL;
-        fprintf(stderr, "%s: [rank%s %s] %s\n", prog, one ? "" : "s", ranks,
+        int count = rank_list(ranks, sizeof ranks, all, N, size, r, done);
+        fprintf(stderr, "%s: [rank%s %s] %s\n", prog, count == 1 ? "" : "s", ranks,
                 m[0] ? m : "stopping: another rank failed");
       }
   }

@@ -47,11 +47,7 @@ status_t llama_config_check(const llama_config_t *c) {
                    (long long)c->n_heads, (long long)c->n_kv_heads);
   if (!(c->norm_eps > 0))
     return err_set(STATUS_EINVAL, "model config: rms_norm_eps must be positive");
-  if (rope_check(&c->rope) != STATUS_OK) {
-    char why[256];
-    snprintf(why, sizeof why, "%s", err_detail());
-    return err_set(STATUS_EINVAL, "model config: %s", why);
-  }
+  if (rope_check(&c->rope) != STATUS_OK) return err_prefix(STATUS_EINVAL, "model config");
   return STATUS_OK;
 }
 
@@ -216,12 +212,7 @@ static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
     return err_set(STATUS_EUNSUPPORTED, "%s: head_dim %lld differs from hidden_size / heads", path,
                    (long long)head_dim);
   status_t st = llama_config_check(c);
-  if (st != STATUS_OK) {
-    char msg[512];
-    snprintf(msg, sizeof msg, "%s", err_detail());
-    return err_set(st, "%s: %s", path, msg);
-  }
-  return STATUS_OK;
+  return st == STATUS_OK ? st : err_prefix(st, "%s", path);
 }
 
 status_t llama_config_from_hf(const char *path, llama_config_t *out) {

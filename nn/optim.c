@@ -152,11 +152,7 @@ status_t optim_step(optim_t *o, double lr_factor) {
     TRY(tensor_ref(&p, local));
     status_t st = kernel_adamw(&p, dtensor_local(s->p->grad), &s->m, &s->v, &a);
     tensor_free(&p);
-    if (st != STATUS_OK) {
-      char msg[512];
-      snprintf(msg, sizeof msg, "%s", err_detail());
-      return err_set(st, "AdamW step of %s: %s", s->p->fqn, msg);
-    }
+    if (st != STATUS_OK) return err_prefix(st, "AdamW step of %s", s->p->fqn);
   }
   return STATUS_OK;
 }

@@ -56,11 +56,8 @@ static status_t apply_tp(parallel_t *par, const parallel_plan_t *pp) {
   tp_rule_t rules[PLAN_MAX_TP_RULES];
   int n = parallel_plan_tp_rules(pp, rules);
   status_t st = tensor_parallel(par->root, par->tp_mesh, rules, n, pp->sequence_parallel, &par->tp);
-  if (st != STATUS_OK) { /* name the rules' place in the file and the tree's modules */
-    char msg[512];
-    snprintf(msg, sizeof msg, "%s", err_detail());
-    return err_set(st, "%s: parallelize.tensor_parallel.plan: %s", pp->tp_where.text, msg);
-  }
+  if (st != STATUS_OK) /* name the rules' place in the file and the tree's modules */
+    return err_prefix(st, "%s: parallelize.tensor_parallel.plan", pp->tp_where.text);
   return STATUS_OK;
 }
 

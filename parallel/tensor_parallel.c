@@ -390,11 +390,7 @@ static status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
   placement_t pl, bpl = placement_replicate();
   status_t st = tp_param_placement(r->style, kind, "weight", &pl);
   if (st == STATUS_OK && t->b != NULL) st = tp_param_placement(r->style, kind, "bias", &bpl);
-  if (st != STATUS_OK) {
-    char msg[256];
-    snprintf(msg, sizeof msg, "%s", err_detail());
-    return err_set(STATUS_EINVAL, "tensor parallel: %s: %s", fqn, msg);
-  }
+  if (st != STATUS_OK) return err_prefix(STATUS_EINVAL, "tensor parallel: %s", fqn);
   if (t->w == NULL && has_params)
     return err_set(STATUS_EINVAL, "tensor parallel: %s has no weight", fqn);
   switch (r->style) {

@@ -645,16 +645,7 @@ def plots():
               "fsdp-plot refuses it: /%s/ (exit %d)" % (want, e.returncode))
 
 
-CONVERT_MODEL = """\
-model:
-  dim: 32
-  n_layers: 2
-  n_heads: 2
-  n_kv_heads: 1
-  ffn_dim: 64
-  vocab_size: 256
-  max_seq_len: 64
-"""
+CONVERT_MODEL = "model:" + BASE.split("model:")[1].split("parallelize:")[0]  # BASE's model
 
 # each example config of tests/convert and the plan written by hand that it stands for
 CONVERTED = [

@@ -242,6 +242,17 @@ START_TEST(host_cache_reuses_blocks_and_zeroes_them) {
 }
 END_TEST
 
+/* err_prefix puts where a failure happened before its detail, keeping the status. */
+START_TEST(err_prefix_keeps_the_detail) {
+  ck_assert_int_eq(err_set(STATUS_ESHAPE, "x has shape [3]"), STATUS_ESHAPE);
+  ck_assert_int_eq(err_prefix(STATUS_EINVAL, "layer %d", 7), STATUS_EINVAL);
+  ck_assert_str_eq(err_detail(), "layer 7: x has shape [3]");
+  err_clear();
+  err_prefix(STATUS_EINVAL, "outer");
+  ck_assert_str_eq(err_detail(), "outer: ");
+}
+END_TEST
+
 START_TEST(tensor_wrap_does_not_free) {
   float buf[6] = {1, 2, 3, 4, 5, 6};
   tensor_t t, v;
@@ -311,6 +322,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_equal_compares_bits);
   tcase_add_test(tc, mem_stats_track_current_and_peak);
   tcase_add_test(tc, host_cache_reuses_blocks_and_zeroes_them);
+  tcase_add_test(tc, err_prefix_keeps_the_detail);
   tcase_add_test(tc, tensor_wrap_does_not_free);
   tcase_add_test(tc, tensor_meta_has_layout_without_memory);
   suite_add_tcase(s, tc);
