@@ -33,8 +33,11 @@ status_t err_prefix(status_t st, const char *fmt, ...) {
   va_start(ap, fmt);
   int n = vsnprintf(detail_text, sizeof detail_text, fmt, ap);
   va_end(ap);
-  if (n >= 0 && (size_t)n < sizeof detail_text)
-    snprintf(detail_text + n, sizeof detail_text - (size_t)n, ": %s", old);
+  if (n < 0) n = 0;
+  size_t len = (size_t)n < sizeof detail_text ? (size_t)n : sizeof detail_text - 1;
+  for (const char *s = ": "; *s && len + 1 < sizeof detail_text; s++) detail_text[len++] = *s;
+  for (const char *s = old; *s && len + 1 < sizeof detail_text; s++) detail_text[len++] = *s;
+  detail_text[len] = '\0'; /* a prefix and detail too long for the buffer end short */
   return st;
 }
 
