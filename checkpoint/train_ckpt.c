@@ -122,6 +122,20 @@ status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *op
   return st;
 }
 
+status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_text,
+                           const uint64_t *model_id, const uint64_t *optim_id) {
+  char *sealed = NULL, path[PATH_LEN];
+  status_t st = STATUS_OK;
+  if (model_id) st = ckpt_state_seal(state_text, *model_id, optim_id, &sealed);
+  snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
+  if (st == STATUS_OK) st = file_write_text(path, sealed ? sealed : state_text);
+  free(sealed);
+  if (st == STATUS_OK && rename(tmp, out) != 0)
+    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
+  if (st != STATUS_OK) dcp_remove_tree(tmp);
+  return st;
+}
+
 static status_t write_state(const char *tmp, int64_t step, int64_t optim_steps,
                             const char *saved_under, uint64_t model_id, uint64_t optim_id) {
   cJSON *o = cJSON_CreateObject();

@@ -50,6 +50,13 @@ status_t ckpt_check_state(const char *dir);
 status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
                          char **out);
 
+/* Completes a checkpoint written into folder tmp: its train_state.json from state_text
+ * (sealed with the ids of the saves of its folders when model_id is given, ckpt_state_seal),
+ * then the rename of tmp to out. On failure tmp is removed. For tools that write
+ * checkpoints. Local. */
+status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_text,
+                           const uint64_t *model_id, const uint64_t *optim_id);
+
 /* Checks the train state (ckpt_check_state), then reads and checks every block of every chunk
  * of the checkpoint's model and optimizer state, the tensors split over comm's ranks
  * (dcp_verify): a load checks only the blocks it reads.

@@ -191,8 +191,8 @@ void parallel_free(parallel_t *par) {
 
 /* ---- offline placements ---- */
 
-status_t parallel_param_placements(const parallel_plan_t *pp, const nn_module_t *root,
-                                   const char *fqn, int *mesh_ndim, int *mesh_shape,
+status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
+                                   const char *kind, int *mesh_ndim, int *mesh_shape,
                                    placement_t *pl) {
   int md = 0;
   if (pp->dp_replicate > 1) {
@@ -208,13 +208,17 @@ status_t parallel_param_placements(const parallel_plan_t *pp, const nn_module_t 
     char *dot = strrchr(module, '.');
     if (dot) *dot = 0;
     tp_rule_t rules[PLAN_MAX_TP_RULES];
-    int n = parallel_plan_tp_rules(pp, rules), i = tp_rule_index(rules, n, module);
+    int n = parallel_plan_tp_rules(pp, rules), i = tp_rule_index(rules, n, dot ? module : "");
     placement_t tpl = placement_replicate();
     if (i >= 0 && tp_rule_applies(&rules[i], pp->sequence_parallel)) {
-      nn_module_t *m = nn_module_find((nn_module_t *)root, dot ? module : "");
-      if (m == NULL)
-        return err_set(STATUS_EINVAL, "parameter %s: the model has no module '%s'", fqn, module);
-      TRY(tp_param_placement(rules[i].style, nn_module_kind(m), dot ? dot + 1 : fqn, &tpl));
+      if (kind == NULL)
+        return err_set(STATUS_EINVAL,
+                       "parameter %s: tensor-parallel rule '%s' matches module '%s', whose kind "
+                       "is not known",
+                       fqn, rules[i].pattern, dot ? module : "");
+      status_t st = tp_param_placement(rules[i].style, kind, dot ? dot + 1 : fqn, &tpl);
+      if (st != STATUS_OK)
+        return err_prefix(st, "parameter %s (tensor-parallel rule '%s')", fqn, rules[i].pattern);
     }
     if (placement_is_shard(tpl, 0)) pl[shard] = placement_strided_shard(0, pp->tp);
     mesh_shape[md] = pp->tp;

@@ -62,12 +62,14 @@ fsdp_group_t *const *parallel_groups(const parallel_t *par);
 const tp_plan_t *parallel_tp(const parallel_t *par);
 
 /* The world mesh's shape under a resolved plan (as parallel_apply lays it out) and the
- * placements a training run gives parameter fqn of the module tree under root (its module
- * kinds are what count; a meta model serves): its tensor-parallel placement on "tp", Shard(0)
- * over dp_shard (strided when tp also splits dim 0), Replicate over dp_replicate. Offline
- * tools lay checkpoints out for a plan with it. Local. */
-status_t parallel_param_placements(const parallel_plan_t *pp, const nn_module_t *root,
-                                   const char *fqn, int *mesh_ndim, int *mesh_shape,
+ * placements a training run gives parameter fqn: its tensor-parallel placement on "tp",
+ * Shard(0) over dp_shard (strided when tp also splits dim 0), Replicate over dp_replicate.
+ * kind is the kind of the module holding the parameter (nn_module_kind: "linear",
+ * "embedding", a norm's; NULL when not known), needed only where a tensor-parallel rule
+ * matches that module (the module's FQN is fqn without its last component). Offline tools
+ * lay checkpoints out for a plan with it, with or without a model. Local. */
+status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
+                                   const char *kind, int *mesh_ndim, int *mesh_shape,
                                    placement_t *pl);
 
 #ifdef __cplusplus

@@ -5,6 +5,7 @@
  *   fsdp-ckpt export-hf DIR OUT [--dtype f32|bf16|f16] [--max-shard-bytes N] [--config FILE]
  *   fsdp-ckpt import-hf HFDIR OUT
  *   fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set key.path=value]...
+ *                     [--embedding GLOB]...
  *
  * DIR is a training checkpoint (model/, optim/, train_state.json) or a folder of shard files.
  * export-hf writes a Hugging Face folder (model.safetensors, or model-0000k-of-0000n.safetensors
@@ -12,7 +13,8 @@
  * stays bounded by the largest tensor. import-hf turns a Hugging Face folder into a
  * weights-only checkpoint that checkpoint.load resumes from (step 0, a fresh optimizer).
  * reshard lays a training checkpoint out as a run under another plan would have saved it
- * (one file per rank of that plan), reading each target shard's box once.
+ * (one file per rank of that plan), reading each target shard's box once. All of them work on
+ * checkpoints of any model: names and shapes come from the files.
  */
 #include <cJSON.h>
 #include <ctype.h>
@@ -24,6 +26,7 @@
 #include <unistd.h>
 
 #include "base/file.h"
+#include "checkpoint/ckpt_reshard.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"
@@ -43,34 +46,13 @@ static void usage(FILE *f) {
           "[--config FILE]\n"
           "       fsdp-ckpt import-hf HFDIR OUT\n"
           "       fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set key.path=value]...\n"
+          "                 [--embedding GLOB]...\n"
           "       fsdp-ckpt --help | --version\n");
 }
 
 static bool is_dir(const char *p) {
   struct stat sb;
   return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
-}
-
-/* Completes a checkpoint written into tmp: its train_state.json (sealed with the ids of the
- * saves of its folders when model_id is given), then the rename to out. On any failure (st
- * included) tmp is removed. */
-static status_t commit_checkpoint(status_t st, const cJSON *state, const uint64_t *model_id,
-                                  const uint64_t *optim_id, const char *tmp, const char *out) {
-  char *text = st == STATUS_OK ? cJSON_Print(state) : NULL, path[PATH_LEN + 64];
-  if (st == STATUS_OK && text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
-  if (st == STATUS_OK && model_id) { /* the folders' ids and the state's hash */
-    char *sealed = NULL;
-    st = ckpt_state_seal(text, *model_id, optim_id, &sealed);
-    free(text);
-    text = sealed;
-  }
-  snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
-  if (st == STATUS_OK) st = file_write_text(path, text);
-  free(text);
-  if (st == STATUS_OK && rename(tmp, out) != 0)
-    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
-  if (st != STATUS_OK) dcp_remove_tree(tmp);
-  return st;
 }
 
 /* train_state.json of a training checkpoint, or NULL (a plain shard folder). */
@@ -84,6 +66,19 @@ static status_t read_state(const char *dir, cJSON **out) {
   *out = cJSON_Parse(text);
   free(text);
   return *out ? STATUS_OK : err_set(STATUS_EFORMAT, "%s: not valid JSON", path);
+}
+
+/* The model config a training checkpoint records (saved_under.model), or NULL. */
+static const cJSON *recorded_model(const cJSON *state) {
+  const cJSON *m = cJSON_GetObjectItemCaseSensitive(
+      cJSON_GetObjectItemCaseSensitive(state, "saved_under"), "model");
+  return cJSON_IsObject(m) ? m : NULL;
+}
+
+/* Whether a Hugging Face config is the built-in Llama's (model_type "llama"). */
+static bool is_llama(const cJSON *config) {
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(config, "model_type");
+  return cJSON_IsString(t) && strcmp(t->valuestring, "llama") == 0;
 }
 
 /* A training checkpoint's train_state.json against its record and its folders; nothing for a
@@ -271,31 +266,63 @@ typedef struct export_opts {
   const char *config;
 } export_opts_t;
 
+/* A Hugging Face config of any model written as config.json with torch_dtype set to dtype;
+ * the built-in Llama's (model_type "llama") is checked and written in its normal form. origin
+ * names where the config came from. */
+static status_t write_config(const cJSON *config, const char *origin, dtype_t dtype,
+                             const char *path) {
+  if (!cJSON_IsObject(config))
+    return err_set(STATUS_EFORMAT, "%s: a model config is not a JSON object", origin);
+  if (is_llama(config)) {
+    char *text = cJSON_PrintUnformatted(config);
+    llama_config_t cfg;
+    status_t st = text ? llama_config_from_hf_text(text, origin, &cfg)
+                       : err_set(STATUS_ENOMEM, "out of host memory");
+    free(text);
+    TRY(st);
+    return llama_config_to_hf(&cfg, dtype, path);
+  }
+  cJSON *c = cJSON_Duplicate(config, true);
+  const char *names[] = {[DTYPE_F32] = "float32", [DTYPE_BF16] = "bfloat16",
+                         [DTYPE_F16] = "float16"};
+  const char *name = (size_t)dtype < sizeof names / sizeof names[0] ? names[dtype] : NULL;
+  if (c && name) {
+    cJSON_DeleteItemFromObjectCaseSensitive(c, "torch_dtype");
+    cJSON_AddStringToObject(c, "torch_dtype", name);
+  }
+  char *text = c ? cJSON_Print(c) : NULL;
+  cJSON_Delete(c);
+  status_t st = text ? file_write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
+  free(text);
+  return st;
+}
+
 /* config.json: --config, or the model config the checkpoint was saved with. */
 static status_t export_config(const char *dir, const export_opts_t *o, dtype_t dtype,
                               const char *path) {
-  llama_config_t cfg;
+  char *text = NULL, origin[PATH_LEN];
+  cJSON *state = NULL, *given = NULL;
+  const cJSON *config = NULL;
   if (o->config) {
-    TRY(llama_config_from_hf(o->config, &cfg));
-  } else {
-    cJSON *state;
-    TRY(read_state(dir, &state));
-    const cJSON *m = cJSON_GetObjectItemCaseSensitive(
-        cJSON_GetObjectItemCaseSensitive(state, "saved_under"), "model");
-    char *text = cJSON_IsObject(m) ? cJSON_PrintUnformatted(m) : NULL;
-    cJSON_Delete(state);
-    if (text == NULL)
-      return err_set(STATUS_EINVAL,
-                     "%s: no model config recorded in train_state.json; give --config "
-                     "CONFIG.json",
-                     dir);
-    char origin[PATH_LEN];
-    snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir);
-    status_t st = llama_config_from_hf_text(text, origin, &cfg);
+    TRY(file_read_text(o->config, FILE_TEXT_MAX, &text));
+    given = cJSON_Parse(text);
     free(text);
-    TRY(st);
+    if (given == NULL) return err_set(STATUS_EFORMAT, "%s: not valid JSON", o->config);
+    config = given;
+    snprintf(origin, sizeof origin, "%s", o->config);
+  } else {
+    TRY(read_state(dir, &state));
+    config = recorded_model(state);
+    snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir);
   }
-  return llama_config_to_hf(&cfg, dtype, path);
+  status_t st = config ? write_config(config, origin, dtype, path)
+                       : err_set(STATUS_EINVAL,
+                                 "%s: no model config recorded in train_state.json; give "
+                                 "--config CONFIG.json",
+                                 dir);
+  cJSON_Delete(given);
+  cJSON_Delete(state);
+  return st;
 }
 
 /* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
@@ -444,22 +471,36 @@ static status_t copy_file(const char *from, const char *to) {
   return st;
 }
 
+/* import-hf: the built-in Llama's config (model_type "llama") is checked as a plan would
+ * read it; any other model's is kept as it is, for export-hf to write back. */
 static status_t import_hf(const char *hf, const char *out) {
-  char cfg_path[PATH_LEN + 64];
+  char cfg_path[PATH_LEN + 64], *config = NULL;
   snprintf(cfg_path, sizeof cfg_path, "%.4000s/config.json", hf);
-  llama_config_t cfg;
-  TRY(llama_config_from_hf(cfg_path, &cfg));
+  TRY(file_read_text(cfg_path, FILE_TEXT_MAX, &config));
+  cJSON *cfg = cJSON_Parse(config);
+  free(config);
+  status_t st = cJSON_IsObject(cfg) ? STATUS_OK
+                                    : err_set(STATUS_EFORMAT, "%s: not a JSON object", cfg_path);
+  llama_config_t lc;
+  if (st == STATUS_OK && is_llama(cfg)) st = llama_config_from_hf(cfg_path, &lc);
   struct stat sb;
-  if (stat(out, &sb) == 0) return err_set(STATUS_EINVAL, "%s: already exists", out);
+  if (st == STATUS_OK && stat(out, &sb) == 0)
+    st = err_set(STATUS_EINVAL, "%s: already exists", out);
   char tmp[PATH_LEN + 8], model[PATH_LEN + 16];
   snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
-  dcp_remove_tree(tmp);
   snprintf(model, sizeof model, "%s/model", tmp);
-  if (mkdir(tmp, 0755) != 0 || mkdir(model, 0755) != 0)
-    return err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
-  char **names;
-  int n;
-  status_t st = hf_weight_files(hf, &names, &n);
+  if (st == STATUS_OK) {
+    dcp_remove_tree(tmp);
+    if (mkdir(tmp, 0755) != 0 || mkdir(model, 0755) != 0)
+      st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  }
+  if (st != STATUS_OK) {
+    cJSON_Delete(cfg);
+    return st;
+  }
+  char **names = NULL;
+  int n = 0;
+  st = hf_weight_files(hf, &names, &n);
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     char from[PATH_LEN + 300], to[PATH_LEN + 300];
     snprintf(from, sizeof from, "%.4000s/%s", hf, names[i]);
@@ -471,26 +512,29 @@ static status_t import_hf(const char *hf, const char *out) {
       st = copy_file(from, to);
     }
   }
-  /* every tensor once, with the shapes the config implies, is checked when a plan loads it */
+  /* every tensor once; the shapes a plan's model implies are checked when it loads them */
   dcp_reader_t *r = NULL;
   const dcp_tensor_t *list;
   int nt = 0;
   if (st == STATUS_OK) st = dcp_reader_open(model, &r);
   if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
-  char *config = NULL;
-  if (st == STATUS_OK) st = file_read_text(cfg_path, FILE_TEXT_MAX, &config);
   cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
   cJSON_AddNumberToObject(state, "step", 0);
   cJSON_AddNumberToObject(state, "optim_steps", 0);
   cJSON_AddStringToObject(under, "imported_from", hf);
-  if (config) cJSON_AddItemToObject(under, "model", cJSON_Parse(config));
+  cJSON_AddItemToObject(under, "model", cfg);
   cJSON_AddItemToObject(state, "saved_under", under);
-  st = commit_checkpoint(st, state, NULL, NULL, tmp, out); /* the files carry no records */
+  char *text = st == STATUS_OK ? cJSON_Print(state) : NULL;
+  if (st == STATUS_OK && text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  if (st == STATUS_OK)
+    st = ckpt_commit_state(tmp, out, text, NULL, NULL); /* the files carry no records */
+  else
+    dcp_remove_tree(tmp);
+  free(text);
   cJSON_Delete(state);
   if (st == STATUS_OK)
     printf("imported %d tensors from %d file%s of %s into %s (step 0, no optimizer state)\n", nt, n,
            n == 1 ? "" : "s", hf, out);
-  free(config);
   dcp_reader_close(r);
   hf_weight_files_free(names, n);
   return st;
@@ -498,187 +542,133 @@ static status_t import_hf(const char *hf, const char *out) {
 
 /* ---- reshard ---- */
 
-/* The boxes target rank r saves of every tensor of folder (names suffixed for optimizer state:
- * NAME.exp_avg takes NAME's placements), written as one file of the folder's files (NULL:
- * only counted into *boxes_out). */
-static status_t reshard_rank(const plan_t *p, const nn_module_t *model, dcp_reader_t *r,
-                             const char *out_folder, int rank, const char *const *files,
-                             int n_files, uint64_t save_id, int *boxes_out) {
-  const dcp_tensor_t *t;
-  int n;
-  TRY(dcp_reader_list(r, &t, &n));
-  dcp_box_t *boxes = calloc((size_t)(n ? n : 1), sizeof *boxes);
-  tensor_t *held = calloc((size_t)(n ? n : 1), sizeof *held);
-  int nb = 0;
-  status_t st = boxes && held ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
-  for (int i = 0; i < n && st == STATUS_OK; i++) {
-    char param[1024];
-    snprintf(param, sizeof param, "%s", t[i].name);
-    size_t l = strlen(param);
-    if (l > 8 && strcmp(param + l - 8, ".exp_avg") == 0) param[l - 8] = 0;
-    if (l > 11 && strcmp(param + l - 11, ".exp_avg_sq") == 0) param[l - 11] = 0;
-    int md, shape[MESH_MAX_DIMS], coord[MESH_MAX_DIMS];
-    placement_t pl[MESH_MAX_DIMS];
-    st = parallel_param_placements(&p->par, model, param, &md, shape, pl);
-    if (st == STATUS_OK) st = placements_check(t[i].ndim, md, shape, pl);
-    if (st != STATUS_OK) break;
-    bool mine = true;
-    for (int d = md - 1, q = rank; d >= 0; d--) {
-      coord[d] = q % shape[d];
-      q /= shape[d];
-      if (pl[d].kind == PLACEMENT_REPLICATE && coord[d] != 0) mine = false;
-    }
-    int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS], numel = 1;
-    placements_local_box(t[i].ndim, t[i].shape, md, shape, pl, coord, local, off);
-    for (int d = 0; d < t[i].ndim; d++) numel *= local[d];
-    if (!mine || numel == 0) continue;
-    if (files == NULL) {
-      nb++;
-      continue;
-    }
-    st = tensor_init(&held[nb], t[i].dtype, device_cpu(), t[i].ndim, local);
-    if (st == STATUS_OK)
-      st = dcp_reader_read_box(r, t[i].name, t[i].ndim, t[i].shape, off, &held[nb]);
-    if (st != STATUS_OK) {
-      tensor_free(&held[nb]);
-      break;
-    }
-    boxes[nb].name = t[i].name;
-    boxes[nb].value = &held[nb];
-    memcpy(boxes[nb].offset, off, sizeof off);
-    nb++;
+/* Module kinds for the target plan's tensor-parallel rules: the built-in Llama's (a meta
+ * model) when the checkpoint holds one, else from names and shapes: modules matching an
+ * --embedding glob (by default those whose last name contains "embed", and GPT-2's wte/wpe)
+ * are embeddings, other 2-D weights and biases linear layers, 1-D weights norms. */
+typedef struct kinds {
+  const nn_module_t *model;
+  const char *const *embeddings;
+  int n_embeddings;
+  const plan_t *plan;
+} kinds_t;
+
+static bool embedding_named(const kinds_t *k, const char *module) {
+  if (k->n_embeddings > 0) {
+    for (int i = 0; i < k->n_embeddings; i++)
+      if (nn_fqn_match(k->embeddings[i], module)) return true;
+    return false;
   }
-  if (st == STATUS_OK && files != NULL && nb > 0) {
-    char path[PATH_LEN + 64];
-    snprintf(path, sizeof path, "%.4000s/shard-%05d.safetensors", out_folder, rank);
-    dcp_folder_t folder = {files, n_files, save_id};
-    st = dcp_write_file(path, boxes, nb, &folder);
-  }
-  *boxes_out = nb;
-  for (int i = 0; files && i < nb; i++) tensor_free(&held[i]);
-  free(held);
-  free(boxes);
-  return st;
+  const char *leaf = strrchr(module, '.');
+  leaf = leaf ? leaf + 1 : module;
+  return strstr(leaf, "embed") != NULL || strcmp(leaf, "wte") == 0 || strcmp(leaf, "wpe") == 0;
 }
 
-/* One folder (model or optimizer state) laid out for the target plan's world ranks: the
- * files of the ranks that hold a box, each listing them all. */
-static status_t reshard_folder(const plan_t *p, const nn_module_t *model, const char *from,
-                               const char *to, int world, int *files_out, uint64_t *id_out) {
-  dcp_reader_t *r;
-  TRY(dcp_reader_open(from, &r));
-  say_unchecked(r, from);
-  char **files = calloc((size_t)world, sizeof(char *));
-  int *holds = calloc((size_t)world, sizeof(int)), n_files = 0;
-  status_t st = files && holds ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
-  for (int rank = 0; rank < world && st == STATUS_OK; rank++) {
-    st = reshard_rank(p, model, r, to, rank, NULL, 0, 0, &holds[rank]);
-    if (st == STATUS_OK && holds[rank] > 0) {
-      if ((files[n_files] = malloc(32)) == NULL) {
-        st = err_set(STATUS_ENOMEM, "out of host memory");
-        break;
-      }
-      snprintf(files[n_files++], 32, "shard-%05d.safetensors", rank);
-    }
+static status_t target_placements(void *ctx, const char *param, int ndim, int *mesh_ndim,
+                                   int *mesh_shape, placement_t *pl) {
+  const kinds_t *k = ctx;
+  char module[1024];
+  snprintf(module, sizeof module, "%s", param);
+  char *dot = strrchr(module, '.');
+  if (dot) *dot = 0; else module[0] = 0;
+  const char *leaf = dot ? dot + 1 : param, *kind;
+  if (k->model) {
+    const nn_module_t *m = nn_module_find((nn_module_t *)k->model, module);
+    if (m == NULL)
+      return err_set(STATUS_EINVAL, "parameter %s: the model has no module '%s'", param, module);
+    kind = nn_module_kind(m);
+  } else if (embedding_named(k, module)) {
+    kind = "embedding";
+  } else if (ndim == 2 || strcmp(leaf, "bias") == 0) {
+    kind = "linear";
+  } else {
+    kind = ndim == 1 ? "layernorm" : "module";
   }
-  uint64_t save_id = dcp_new_save_id(), block = 0;
-  if (dcp_reader_checks(r, &block) == DCP_CHECKS_BLOCKS && st == STATUS_OK)
-    st = dcp_set_block_bytes(block); /* the source's block size */
-  for (int rank = 0; rank < world && st == STATUS_OK; rank++) {
-    int nb = 0;
-    if (holds[rank] > 0)
-      st = reshard_rank(p, model, r, to, rank, (const char *const *)files, n_files, save_id, &nb);
-  }
-  if (st == STATUS_OK) *files_out += n_files;
-  *id_out = save_id;
-  for (int i = 0; i < n_files; i++) free(files[i]);
-  free(files);
-  free(holds);
-  dcp_reader_close(r);
-  return st;
+  return parallel_param_placements(&k->plan->par, param, kind, mesh_ndim, mesh_shape, pl);
 }
 
-static status_t reshard(const char *dir, const char *config, const char *out, int world,
-                        const char *const *sets, int n_sets) {
+/* Prints, for each folder of a checkpoint, that what is read from it is unchecked. */
+static void say_unchecked_folders(const char *dir) {
+  const char *subs[2] = {"model", "optim"};
+  for (int k = 0; k < 2; k++) {
+    char path[PATH_LEN + 16];
+    snprintf(path, sizeof path, "%.4000s/%s", dir, subs[k]);
+    dcp_reader_t *r;
+    if (is_dir(path) && dcp_reader_open(path, &r) == STATUS_OK) {
+      say_unchecked(r, path);
+      dcp_reader_close(r);
+    }
+  }
+}
+
+typedef struct reshard_opts {
+  const char *config;
+  int world;
+  const char *const *sets;
+  int n_sets;
+  const char *const *embeddings;
+  int n_embeddings;
+} reshard_opts_t;
+
+static status_t reshard(const char *dir, const char *out, const reshard_opts_t *o) {
   plan_t p;
-  TRY(plan_load(&p, config, sets, n_sets));
+  TRY(plan_load(&p, o->config, o->sets, o->n_sets));
+  int world = o->world;
   if (world <= 0) {
     if (p.par.dp_replicate < 0 || p.par.dp_shard < 0 || p.par.tp < 0)
       return err_set(STATUS_EINVAL,
-                     "%s: mesh: a size of -1 takes the rest of the world; give --world N", config);
+                     "%s: mesh: a size of -1 takes the rest of the world; give --world N",
+                     o->config);
     world = p.par.dp_replicate * p.par.dp_shard * p.par.tp;
   }
-  TRY(plan_resolve(&p, world));
+  if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   cJSON *state;
   TRY(read_state(dir, &state));
   if (state == NULL)
     return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
-  status_t checked = ckpt_check_state(dir);
-  if (checked != STATUS_OK) {
-    cJSON_Delete(state);
-    return checked;
-  }
-  status_t st = STATUS_OK;
-  cJSON *under = cJSON_GetObjectItemCaseSensitive(state, "saved_under");
-  const cJSON *m = cJSON_GetObjectItemCaseSensitive(under, "model");
-  if (cJSON_IsObject(m)) { /* the same model, or nothing would load */
-    char *text = cJSON_PrintUnformatted(m);
+  const cJSON *m = recorded_model(state);
+  bool llama = m && is_llama(m);
+  /* the built-in Llama: the plan's model must be the checkpoint's, or nothing would load;
+   * any other model: the plan's mesh and parallelize sections alone */
+  status_t st = llama ? plan_resolve(&p, world) : parallel_plan_resolve(&p.par, world);
+  if (st == STATUS_OK && llama) {
+    char *text = cJSON_PrintUnformatted(m), why[128];
     llama_config_t saved;
     st = text ? llama_config_from_hf_text(text, dir, &saved)
               : err_set(STATUS_ENOMEM, "out of host memory");
     free(text);
-    char why[128];
     if (st == STATUS_OK && !llama_config_same_params(&saved, &p.model, why, sizeof why))
       st = err_set(STATUS_EINVAL,
                    "%s: the checkpoint's model differs from the model of %s (%s: saved vs "
                    "planned)",
-                   dir, config, why);
+                   dir, o->config, why);
   }
-  struct stat sb;
-  if (st == STATUS_OK && stat(out, &sb) == 0)
-    st = err_set(STATUS_EINVAL, "%s: already exists", out);
-  char tmp[PATH_LEN + 8];
-  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
-  dcp_remove_tree(tmp);
-  if (st == STATUS_OK && mkdir(tmp, 0755) != 0)
-    st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
-  /* the plan's placements follow the model's module kinds: a meta model has them, no memory */
+  /* the Llama's module kinds come from a meta model: no memory */
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.deferred = true;
   llama_t *model = NULL;
-  if (st == STATUS_OK) st = llama_new(&model, &p.model, &lo);
+  if (st == STATUS_OK && llama) st = llama_new(&model, &p.model, &lo);
+  kinds_t kinds = {model ? llama_module(model) : NULL, o->embeddings, o->n_embeddings, &p};
+  cJSON *nu = cJSON_CreateObject();
+  cJSON_AddStringToObject(nu, "plan", o->config);
+  cJSON_AddNumberToObject(nu, "world_size", world);
+  cJSON_AddNumberToObject(nu, "dp_replicate", p.par.dp_replicate);
+  cJSON_AddNumberToObject(nu, "dp_shard", p.par.dp_shard);
+  cJSON_AddNumberToObject(nu, "tp", p.par.tp);
+  cJSON_AddStringToObject(nu, "resharded_from", dir);
+  if (m) cJSON_AddItemToObject(nu, "model", cJSON_Duplicate(m, true));
+  char *under = cJSON_PrintUnformatted(nu);
+  if (st == STATUS_OK && under == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
   int files = 0;
-  uint64_t ids[2] = {0, 0};
-  bool has_optim = false;
-  const char *subs[2] = {"model", "optim"};
-  for (int k = 0; k < 2 && st == STATUS_OK; k++) {
-    char from[PATH_LEN + 16], to[PATH_LEN + 32];
-    snprintf(from, sizeof from, "%.4000s/%s", dir, subs[k]);
-    snprintf(to, sizeof to, "%s/%s", tmp, subs[k]);
-    if (k == 1 && !is_dir(from)) break; /* weights only */
-    if (mkdir(to, 0755) != 0) {
-      st = err_set(STATUS_EIO, "%s: cannot create: %s", to, strerror(errno));
-      break;
-    }
-    st = reshard_folder(&p, llama_module(model), from, to, world, &files, &ids[k]);
-    has_optim = k == 1 && st == STATUS_OK;
-  }
-  llama_free(model);
-  if (st == STATUS_OK) { /* the train state, now saved under the target plan */
-    cJSON *nu = cJSON_CreateObject();
-    cJSON_AddStringToObject(nu, "plan", config);
-    cJSON_AddNumberToObject(nu, "world_size", world);
-    cJSON_AddNumberToObject(nu, "dp_replicate", p.par.dp_replicate);
-    cJSON_AddNumberToObject(nu, "dp_shard", p.par.dp_shard);
-    cJSON_AddNumberToObject(nu, "tp", p.par.tp);
-    cJSON_AddStringToObject(nu, "resharded_from", dir);
-    if (cJSON_IsObject(m)) cJSON_AddItemToObject(nu, "model", cJSON_Duplicate(m, true));
-    cJSON_ReplaceItemInObjectCaseSensitive(state, "saved_under", nu);
-  }
-  st = commit_checkpoint(st, state, &ids[0], has_optim ? &ids[1] : NULL, tmp, out);
+  if (st == STATUS_OK) say_unchecked_folders(dir);
+  if (st == STATUS_OK)
+    st = ckpt_reshard_training(dir, out, world, target_placements, &kinds, under, &files);
   if (st == STATUS_OK)
     printf("resharded %s for %d ranks (dp_replicate %d x dp_shard %d x tp %d): %d files in %s\n",
            dir, world, p.par.dp_replicate, p.par.dp_shard, p.par.tp, files, out);
+  free(under);
+  cJSON_Delete(nu);
+  llama_free(model);
   cJSON_Delete(state);
   return st;
 }
@@ -701,23 +691,29 @@ static status_t run(int argc, char **argv) {
     return import_hf(argv[2], argv[3]);
   }
   if (strcmp(cmd, "reshard") == 0) {
-    const char *pos[2] = {NULL, NULL}, *to = NULL, *sets[256];
-    int np = 0, ns = 0, world = 0;
+    const char *pos[2] = {NULL, NULL}, *sets[256], *embeddings[256];
+    reshard_opts_t o = {.config = NULL, .sets = sets, .embeddings = embeddings};
+    int np = 0;
     for (int i = 2; i < argc; i++) {
       const char *a = argv[i];
-      if (strcmp(a, "--to") == 0 || strcmp(a, "--world") == 0 || strcmp(a, "--set") == 0) {
+      if (strcmp(a, "--to") == 0 || strcmp(a, "--world") == 0 || strcmp(a, "--set") == 0 ||
+          strcmp(a, "--embedding") == 0) {
         if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
         const char *v = argv[++i];
         if (a[2] == 't') {
-          to = v;
+          o.config = v;
         } else if (a[2] == 'w') {
           char *end;
           long w = strtol(v, &end, 10);
           if (*end || w < 1 || w > 1 << 20)
             return err_set(STATUS_EINVAL, "--world: expected a positive integer, got '%s'", v);
-          world = (int)w;
-        } else if (ns < 256) {
-          sets[ns++] = v;
+          o.world = (int)w;
+        } else if (a[2] == 'e') {
+          if (o.n_embeddings == 256) return err_set(STATUS_EINVAL, "more than 256 --embedding");
+          embeddings[o.n_embeddings++] = v;
+        } else {
+          if (o.n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set");
+          sets[o.n_sets++] = v;
         }
       } else if (a[0] == '-') {
         return err_set(STATUS_EINVAL, "unknown option '%s'", a);
@@ -727,8 +723,9 @@ static status_t run(int argc, char **argv) {
         return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
       }
     }
-    if (np != 2 || to == NULL) return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
-    return reshard(pos[0], to, pos[1], world, sets, ns);
+    if (np != 2 || o.config == NULL)
+      return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
+    return reshard(pos[0], pos[1], &o);
   }
   if (strcmp(cmd, "export-hf") == 0) {
     export_opts_t o = {.dtype = DTYPE_COUNT, .max_shard_bytes = 5000000000ull, .config = NULL};

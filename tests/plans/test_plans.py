@@ -1325,6 +1325,181 @@ def ckpt_tool():
         check(p.returncode != 0 and re.search(want, p.stderr) is not None,
               "fsdp-ckpt %s: exit %d, says /%s/" % (args[0], p.returncode, want))
 
+def gpt2_folder(path):
+    """A GPT-2-style Hugging Face folder (Conv1D weights, biases, tied-free lm head absent) with
+    odd sizes, f32 and one f16 tensor, written by hand: {name: (dtype, shape, bytes)}."""
+    import random
+    import struct
+    rnd = random.Random(7)
+    d, ff, vocab, pos = 24, 96, 50, 13
+    shapes = {"transformer.wte.weight": [vocab, d], "transformer.wpe.weight": [pos, d],
+              "transformer.ln_f.weight": [d], "transformer.ln_f.bias": [d]}
+    for i in range(2):
+        h = "transformer.h.%d." % i
+        shapes.update({h + "ln_1.weight": [d], h + "ln_1.bias": [d],
+                       h + "attn.c_attn.weight": [d, 3 * d], h + "attn.c_attn.bias": [3 * d],
+                       h + "attn.c_proj.weight": [d, d], h + "attn.c_proj.bias": [d],
+                       h + "ln_2.weight": [d], h + "ln_2.bias": [d],
+                       h + "mlp.c_fc.weight": [d, ff], h + "mlp.c_fc.bias": [ff],
+                       h + "mlp.c_proj.weight": [ff, d], h + "mlp.c_proj.bias": [d]})
+    tensors, header, data = {}, {}, b""
+    for name in sorted(shapes):
+        n = 1
+        for x in shapes[name]:
+            n *= x
+        dt = "F16" if name == "transformer.wpe.weight" else "F32"
+        raw = struct.pack("<%d%s" % (n, "e" if dt == "F16" else "f"),
+                          *[rnd.uniform(-1, 1) for _ in range(n)])
+        tensors[name] = (dt, shapes[name], raw)
+        header[name] = {"dtype": dt, "shape": shapes[name],
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    header["__metadata__"] = {"format": "pt"}
+    hj = json.dumps(header).encode()
+    hj += b" " * (-len(hj) % 8)
+    os.makedirs(path)
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(hj)) + hj + data)
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": d,
+              "n_layer": 2, "n_head": 2, "vocab_size": vocab, "n_positions": pos,
+              "torch_dtype": "float32"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return tensors, config
+
+
+def assemble(folder):
+    """A shard folder's tensors put together from their chunks by saved_offsets: {name: (dtype,
+    shape, bytes)}, every element written exactly once (asserted), and {file: {name: chunk
+    shape}}."""
+    sizes = {"F32": 4, "F16": 2, "BF16": 2}
+    parts, out = {}, {}
+    for fname in sorted(os.listdir(folder)):
+        h, data = st_read(os.path.join(folder, fname))
+        info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
+        for k, t in h.items():
+            if k == "__metadata__":
+                continue
+            b, e = t["data_offsets"]
+            parts.setdefault(k, []).append((t, info[k], data[b:e]))
+    layout = {}
+    for k, chunks in parts.items():
+        gshape = chunks[0][1]["global_shape"] if "global_shape" in chunks[0][1] else None
+        if gshape is None:  # the extent: the largest offset + size per dim
+            gshape = [max(c[1]["saved_offsets"][i] + c[0]["shape"][i] for c in chunks)
+                      for i in range(len(chunks[0][0]["shape"]))]
+        es = sizes[chunks[0][0]["dtype"]]
+        cols = gshape[1] if len(gshape) > 1 else 1
+        buf, seen = bytearray(es * (gshape[0] if gshape else 1) * cols), set()
+        for t, inf, raw in chunks:
+            r0 = inf["saved_offsets"][0] if gshape else 0
+            c0 = inf["saved_offsets"][1] if len(gshape) > 1 else 0
+            rows = t["shape"][0] if gshape else 1
+            w = t["shape"][1] if len(gshape) > 1 else 1
+            for r in range(rows):
+                for c in range(w):
+                    at = (r0 + r) * cols + c0 + c
+                    assert at not in seen, "%s: element %d twice" % (k, at)
+                    seen.add(at)
+                    buf[at * es:(at + 1) * es] = raw[(r * w + c) * es:(r * w + c + 1) * es]
+        assert len(seen) == len(buf) // es, "%s: %d of %d elements" % (k, len(seen), len(buf) // es)
+        out[k] = (chunks[0][0]["dtype"], gshape, bytes(buf))
+    for fname in sorted(os.listdir(folder)):
+        h, _ = st_read(os.path.join(folder, fname))
+        layout[fname] = {k: t["shape"] for k, t in h.items() if k != "__metadata__"}
+    return out, layout
+
+
+def ckpt_any_model():
+    """fsdp-ckpt on a model it does not know (GPT-2 names, biases, Conv1D shapes, odd sizes, an
+    f16 tensor): import-hf, reshard 4 -> 2x2 (dp_shard x tp, colwise/rowwise rules on its
+    layers and embedding) -> 1 with no model config, each layout assembled by an independent
+    reader and the boxes of the tp plan checked, export-hf back bit for bit."""
+    tmp = mkdtemp()
+    tool_run = lambda *a: sh([TOOL] + list(a), timeout=120)
+    hf = os.path.join(tmp, "gpt2")
+    tensors, config = gpt2_folder(hf)
+    ck0 = os.path.join(tmp, "ck0")
+    p = tool_run("import-hf", hf, ck0)
+    check(p.returncode == 0 and "imported 28 tensors" in p.stdout,
+          "import-hf takes a GPT-2 folder: %s" % (p.stdout + p.stderr).strip()[-300:])
+    plans = {"fsdp4": "mesh: {dp_shard: 4}\nparallelize:\n  fully_shard:\n"
+                      "    units: [\"transformer.h.*\"]\n",
+             "tp2x2": "mesh: {dp_shard: 2, tp: 2}\nparallelize:\n  fully_shard:\n"
+                      "    units: [\"transformer.h.*\"]\n  tensor_parallel:\n    plan:\n"
+                      "      \"transformer.h.*.mlp.c_fc\": colwise\n"
+                      "      \"transformer.h.*.mlp.c_proj\": rowwise\n"
+                      "      \"transformer.wte\": colwise\n",
+             "one": "mesh: {dp_shard: 1}\n"}
+    for name, text in plans.items():
+        with open(os.path.join(tmp, name + ".yaml"), "w") as f:
+            f.write(text)
+    src, layouts = ck0, {}
+    for name, files in (("fsdp4", 4), ("tp2x2", 4), ("one", 1)):
+        dst = os.path.join(tmp, "ck-" + name)
+        p = tool_run("reshard", src, "--to", os.path.join(tmp, name + ".yaml"), dst)
+        ok = p.returncode == 0 and "%d files" % files in p.stdout
+        check(ok, "reshard %s -> %s: %s" % (os.path.basename(src), name,
+                                            (p.stdout + p.stderr).strip()[-300:]))
+        if not ok:
+            return
+        got, layouts[name] = assemble(os.path.join(dst, "model"))
+        same = got.keys() == tensors.keys() and all(
+            got[k][0] == tensors[k][0] and got[k][1] == tensors[k][1] and got[k][2] == tensors[k][2]
+            for k in tensors)
+        check(same and len(layouts[name]) == files,
+              "%s: %d files whose chunks put together are the original tensors bit for bit"
+              % (name, len(layouts[name])))
+        p = tool_run("verify", dst)
+        check(p.returncode == 0 and "0 tensors damaged" in p.stdout, "verify %s" % name)
+        src = dst
+    # the boxes: fsdp4 splits rows 13,13,13,11 (wte's 50) and 6 each (ln's 24); tp2x2 splits a
+    # colwise linear's rows on tp then (strided) on dp, a rowwise one's columns on tp and rows
+    # on dp, the colwise embedding's columns on tp and rows on dp, a rowwise bias on dp only
+    want = {"fsdp4": {"transformer.wte.weight": [[13, 24], [13, 24], [13, 24], [11, 24]],
+                      "transformer.ln_f.bias": [[6]] * 4},
+            "tp2x2": {"transformer.h.0.mlp.c_fc.weight": [[6, 96]] * 4,
+                      "transformer.h.0.mlp.c_fc.bias": [[24]] * 4,
+                      "transformer.h.1.mlp.c_proj.weight": [[48, 12]] * 4,
+                      "transformer.h.1.mlp.c_proj.bias": [[12], None, [12], None],
+                      "transformer.wte.weight": [[25, 12]] * 4,
+                      "transformer.h.0.attn.c_attn.weight": [[12, 72], None, [12, 72], None]}}
+    for plan, boxes in want.items():
+        files = sorted(layouts[plan])
+        for t, shapes in boxes.items():
+            have = [layouts[plan][f].get(t) for f in files]
+            check(have == shapes, "%s: %s per rank %s (want %s)" % (plan, t, have, shapes))
+    # back to Hugging Face: the same bytes, the same config but torch_dtype
+    out = os.path.join(tmp, "hf-out")
+    p = tool_run("export-hf", os.path.join(tmp, "ck-one"), out)
+    ok = p.returncode == 0
+    if ok:
+        h, data = st_read(os.path.join(out, "model.safetensors"))
+        same = set(k for k in h if k != "__metadata__") == set(tensors) and all(
+            h[k]["dtype"] == tensors[k][0] and h[k]["shape"] == tensors[k][1] and
+            data[h[k]["data_offsets"][0]:h[k]["data_offsets"][1]] == tensors[k][2]
+            for k in tensors)
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+        ok = same and cfg == config
+    check(ok, "export-hf after 4 -> 2x2 -> 1: every tensor and config.json as imported, bit "
+              "for bit")
+    # what cannot be placed says why, and writes nothing
+    bad = os.path.join(tmp, "bad.yaml")
+    with open(bad, "w") as f:
+        f.write(plans["tp2x2"].replace("mlp.c_fc\": colwise", "ln_1\": colwise"))
+    for extra, plan, want in [(["--embedding", "transformer.h.*.mlp.c_fc"], "tp2x2",
+                               r"mlp\.c_fc.*an embedding with a bias is not supported"),
+                              ([], "bad", r"ln_1.*colwise applies to linear and embedding layers, "
+                                          r"not a layernorm")]:
+        p = tool_run("reshard", os.path.join(tmp, "ck-fsdp4"), "--to",
+                     os.path.join(tmp, plan + ".yaml"), os.path.join(tmp, "never"), *extra)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None and
+              not os.path.exists(os.path.join(tmp, "never")) and
+              not os.path.exists(os.path.join(tmp, "never.tmp")),
+              "reshard %s %s: exit %d, says /%s/ (%s)" % (plan, " ".join(extra), p.returncode,
+                                                         want, p.stderr.strip()[-200:]))
+
 
 def ckpt_corrupt():
     """Damaged checkpoints given to fsdp-train's checkpoint.load: a message naming the file
@@ -1731,7 +1906,7 @@ def ckpt_damage():
 
 
 {"configs": lambda: (configs(), pytorch(), plots(), converts()), "errors": errors, "dry-run": dry_run,
- "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": ckpt_tool,
+ "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": lambda: (ckpt_tool(), ckpt_any_model()),
  "ckpt-corrupt": ckpt_corrupt, "ckpt-damage": ckpt_damage}[MODE]()
 for d in TEMPS:
     shutil.rmtree(d, ignore_errors=True)

@@ -4,6 +4,7 @@
  * makes (the matching modules inner first, the root last) and the placements it reports
  * offline for a tensor-parallel plan, taken from the model's module kinds.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "nn/layers.h"
@@ -82,13 +83,24 @@ START_TEST(placements_follow_module_kinds) {
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     int md, shape[MESH_MAX_DIMS];
     placement_t pl[MESH_MAX_DIMS];
-    ok(parallel_param_placements(&pp, m, cases[i].fqn, &md, shape, pl));
+    char module[32];
+    snprintf(module, sizeof module, "%s", cases[i].fqn);
+    *strrchr(module, '.') = 0;
+    ok(parallel_param_placements(&pp, cases[i].fqn, nn_module_kind(nn_module_find(m, module)),
+                                 &md, shape, pl));
     char buf[64];
     placements_str(md, pl, buf, sizeof buf);
     ck_assert_msg(strcmp(buf, cases[i].want) == 0, "%s: %s, want %s", cases[i].fqn, buf,
                   cases[i].want);
     ck_assert(md == 2 && shape[0] == 2 && shape[1] == 2);
   }
+  /* a rule on a module of unknown kind cannot place its parameters */
+  int md, shape[MESH_MAX_DIMS];
+  placement_t pl[MESH_MAX_DIMS];
+  ck_assert_int_eq(parallel_param_placements(&pp, "fc1.weight", NULL, &md, shape, pl),
+                   STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "rule 'fc1' matches module 'fc1', whose kind is not known"));
+  ok(parallel_param_placements(&pp, "other.weight", NULL, &md, shape, pl));
   nn_module_free(m);
 }
 END_TEST

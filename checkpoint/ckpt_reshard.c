@@ -1,0 +1,201 @@
+#include "checkpoint/ckpt_reshard.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base/file.h"
+#include "checkpoint/dcp.h"
+#include "checkpoint/train_ckpt.h"
+
+#define PATH_LEN 4400
+
+typedef struct target {
+  int world;
+  ckpt_placements_fn placements;
+  void *ctx;
+} target_t;
+
+/* The parameter a tensor of a folder belongs to: NAME for NAME.exp_avg / NAME.exp_avg_sq. */
+static void param_of(const char *name, char *out, size_t size) {
+  snprintf(out, size, "%s", name);
+  size_t l = strlen(out);
+  if (l > 8 && strcmp(out + l - 8, ".exp_avg") == 0) out[l - 8] = 0;
+  if (l > 11 && strcmp(out + l - 11, ".exp_avg_sq") == 0) out[l - 11] = 0;
+}
+
+/* Rank rank's box of tensor t: *mine false when the rank holds none (a replica other than the
+ * first, or an empty chunk). */
+static status_t rank_box(const target_t *tg, const dcp_tensor_t *t, int rank, bool *mine,
+                         int64_t *local, int64_t *off) {
+  char param[1024];
+  param_of(t->name, param, sizeof param);
+  int md = 0, shape[MESH_MAX_DIMS], coord[MESH_MAX_DIMS];
+  placement_t pl[MESH_MAX_DIMS];
+  TRY(tg->placements(tg->ctx, param, t->ndim, &md, shape, pl));
+  TRY(placements_check(t->ndim, md, shape, pl));
+  int size = 1;
+  for (int d = 0; d < md; d++) size *= shape[d];
+  if (size != tg->world)
+    return err_set(STATUS_EINVAL, "%s: placed on a mesh of %d ranks, not %d", t->name, size,
+                   tg->world);
+  *mine = true;
+  for (int d = md - 1, q = rank; d >= 0; d--) {
+    coord[d] = q % shape[d];
+    q /= shape[d];
+    if (pl[d].kind == PLACEMENT_REPLICATE && coord[d] != 0) *mine = false;
+  }
+  placements_local_box(t->ndim, t->shape, md, shape, pl, coord, local, off);
+  for (int d = 0; d < t->ndim; d++)
+    if (local[d] == 0) *mine = false;
+  return STATUS_OK;
+}
+
+/* The boxes rank rank saves of every tensor of the folder r reads, written as one file of
+ * the folder's files (files NULL: only counted into *held_out). */
+static status_t reshard_rank(const target_t *tg, dcp_reader_t *r, const char *out_folder,
+                             int rank, const dcp_folder_t *folder, int *held_out) {
+  const dcp_tensor_t *t;
+  int n;
+  TRY(dcp_reader_list(r, &t, &n));
+  dcp_box_t *boxes = calloc((size_t)(n ? n : 1), sizeof *boxes);
+  tensor_t *held = calloc((size_t)(n ? n : 1), sizeof *held);
+  int nb = 0;
+  status_t st = boxes && held ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
+    bool mine = false;
+    st = rank_box(tg, &t[i], rank, &mine, local, off);
+    if (st != STATUS_OK || !mine) continue;
+    if (folder == NULL) {
+      nb++;
+      continue;
+    }
+    st = tensor_init(&held[nb], t[i].dtype, device_cpu(), t[i].ndim, local);
+    if (st == STATUS_OK)
+      st = dcp_reader_read_box(r, t[i].name, t[i].ndim, t[i].shape, off, &held[nb]);
+    if (st != STATUS_OK) {
+      tensor_free(&held[nb]);
+      break;
+    }
+    boxes[nb].name = t[i].name;
+    boxes[nb].value = &held[nb];
+    memcpy(boxes[nb].offset, off, sizeof off);
+    nb++;
+  }
+  if (st == STATUS_OK && folder != NULL && nb > 0) {
+    char path[PATH_LEN + 64];
+    snprintf(path, sizeof path, "%.4000s/shard-%05d.safetensors", out_folder, rank);
+    st = dcp_write_file(path, boxes, nb, folder);
+  }
+  *held_out = nb;
+  for (int i = 0; folder && i < nb; i++) tensor_free(&held[i]);
+  free(held);
+  free(boxes);
+  return st;
+}
+
+/* One folder (model or optimizer state) laid out for the target's ranks: the files of the
+ * ranks that hold a box, each listing them all, with the source's block size. */
+static status_t reshard_folder(const target_t *tg, const char *from, const char *to,
+                               int *files_out, uint64_t *id_out) {
+  dcp_reader_t *r;
+  TRY(dcp_reader_open(from, &r));
+  char **files = calloc((size_t)tg->world, sizeof(char *));
+  int *holds = calloc((size_t)tg->world, sizeof(int)), n_files = 0;
+  status_t st = files && holds ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  for (int rank = 0; rank < tg->world && st == STATUS_OK; rank++) {
+    st = reshard_rank(tg, r, to, rank, NULL, &holds[rank]);
+    if (st == STATUS_OK && holds[rank] > 0) {
+      if ((files[n_files] = malloc(32)) == NULL) {
+        st = err_set(STATUS_ENOMEM, "out of host memory");
+        break;
+      }
+      snprintf(files[n_files++], 32, "shard-%05d.safetensors", rank);
+    }
+  }
+  uint64_t block = 0;
+  dcp_folder_t folder = {(const char *const *)files, n_files, dcp_new_save_id()};
+  if (st == STATUS_OK && dcp_reader_checks(r, &block) == DCP_CHECKS_BLOCKS)
+    st = dcp_set_block_bytes(block);
+  if (st == STATUS_OK && mkdir(to, 0755) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot create: %s", to, strerror(errno));
+  for (int rank = 0; rank < tg->world && st == STATUS_OK; rank++) {
+    int nb = 0;
+    if (holds[rank] > 0) st = reshard_rank(tg, r, to, rank, &folder, &nb);
+  }
+  if (st == STATUS_OK) *files_out += n_files;
+  *id_out = folder.save_id;
+  for (int i = 0; i < n_files; i++) free(files[i]);
+  free(files);
+  free(holds);
+  dcp_reader_close(r);
+  return st;
+}
+
+static bool is_dir(const char *p) {
+  struct stat sb;
+  return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+status_t ckpt_reshard_training(const char *dir, const char *out, int world,
+                               ckpt_placements_fn placements, void *ctx,
+                               const char *saved_under, int *files) {
+  if (world < 1) return err_set(STATUS_EINVAL, "reshard: world size %d", world);
+  char path[PATH_LEN], *text = NULL;
+  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
+  if (access(path, F_OK) != 0)
+    return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
+  TRY(ckpt_check_state(dir));
+  TRY(file_read_text(path, FILE_TEXT_MAX, &text));
+  cJSON *state = cJSON_Parse(text), *under = saved_under ? cJSON_Parse(saved_under) : NULL;
+  free(text);
+  status_t st = STATUS_OK;
+  if (!cJSON_IsObject(state))
+    st = err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
+  else if (saved_under && !cJSON_IsObject(under))
+    st = err_set(STATUS_EINVAL, "reshard: saved_under is not a JSON object");
+  if (st == STATUS_OK && under) {
+    cJSON_DeleteItemFromObjectCaseSensitive(state, "saved_under");
+    cJSON_AddItemToObject(state, "saved_under", under);
+    under = NULL;
+  }
+  cJSON_Delete(under);
+  struct stat sb;
+  if (st == STATUS_OK && stat(out, &sb) == 0)
+    st = err_set(STATUS_EINVAL, "%s: already exists", out);
+  char tmp[PATH_LEN];
+  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
+  if (st == STATUS_OK) dcp_remove_tree(tmp);
+  bool made = false;
+  if (st == STATUS_OK && mkdir(tmp, 0755) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  made = st == STATUS_OK;
+  target_t tg = {world, placements, ctx};
+  int n_files = 0;
+  uint64_t ids[2] = {0, 0};
+  bool has_optim = false;
+  const char *subs[2] = {"model", "optim"};
+  for (int k = 0; k < 2 && st == STATUS_OK; k++) {
+    char from[PATH_LEN + 16], to[PATH_LEN + 16];
+    snprintf(from, sizeof from, "%.4000s/%s", dir, subs[k]);
+    snprintf(to, sizeof to, "%.4000s/%s", tmp, subs[k]);
+    if (k == 1 && !is_dir(from)) break; /* weights only */
+    st = reshard_folder(&tg, from, to, &n_files, &ids[k]);
+    has_optim = k == 1 && st == STATUS_OK;
+  }
+  char *state_text = st == STATUS_OK ? cJSON_Print(state) : NULL;
+  if (st == STATUS_OK && state_text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  if (st == STATUS_OK)
+    st = ckpt_commit_state(tmp, out, state_text, &ids[0], has_optim ? &ids[1] : NULL);
+  else if (made)
+    dcp_remove_tree(tmp);
+  free(state_text);
+  cJSON_Delete(state);
+  if (st == STATUS_OK && files) *files = n_files;
+  return st;
+}
