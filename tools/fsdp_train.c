@@ -2,13 +2,14 @@
  * fsdp-train: trains the Llama under a YAML parallelism plan.
  *
  *   mpirun -n 4 fsdp-train configs/fsdp.yaml [--set key.path=value]... [--metrics PATH]
- *       [--dry-run]
+ *       [--dry-run [-v]]
  *
  * Prints a header (world, mesh, plan, parameters, per-rank sharded bytes), a line per logged
  * step and a summary; --metrics (or log.metrics) writes one JSON object per step from rank 0,
  * and --plot draws that file as SVG at the end (as fsdp-plot does).
- * --dry-run builds the sharded model and prints placements, shapes, memory and communication
- * estimates without training. Bad input is reported by every rank, with a non-zero exit.
+ * --dry-run builds the sharded model meta (no parameter memory) and prints placements, shapes,
+ * the peak memory of a step and its communication without training; -v adds a table of the
+ * fully_shard units. Bad input is reported by every rank, with a non-zero exit.
  */
 #include <cJSON.h>
 #include <errno.h>
@@ -24,6 +25,7 @@
 #include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"
 #include "nn/train.h"
+#include "parallel/llama_memory.h"
 #include "parallel/llama_plan.h"
 #include "parallel/parallelize.h"
 #include "parallel/plan.h"
@@ -36,12 +38,13 @@ typedef struct args {
   const char *metrics;
   const char *plot; /* --plot: the metrics drawn as SVG at the end */
   bool dry_run;
+  bool verbose; /* -v with --dry-run: the per-unit table */
 } args_t;
 
 static void usage(FILE *f) {
   fprintf(f,
           "usage: fsdp-train CONFIG.yaml [--set key.path=value]... [--metrics PATH] "
-          "[--plot OUT.svg] [--dry-run]\n"
+          "[--plot OUT.svg] [--dry-run [-v]]\n"
           "       fsdp-train --help | --version\n"
           "  under mpirun -n N for N ranks; the plan's mesh must multiply to N\n");
 }
@@ -69,6 +72,8 @@ static status_t parse_args(int argc, char **argv, args_t *a) {
       a->plot = s + 7;
     } else if (strcmp(s, "--dry-run") == 0) {
       a->dry_run = true;
+    } else if (strcmp(s, "-v") == 0 || strcmp(s, "--verbose") == 0) {
+      a->verbose = true;
     } else if (s[0] == '-' && s[1] != 0) {
       return err_set(STATUS_EINVAL, "unknown option '%s'", s);
     } else if (a->config == NULL) {
@@ -78,6 +83,7 @@ static status_t parse_args(int argc, char **argv, args_t *a) {
     }
   }
   if (a->config == NULL) return err_set(STATUS_EINVAL, "no plan file given");
+  if (a->verbose && !a->dry_run) return err_set(STATUS_EINVAL, "-v goes with --dry-run");
   return STATUS_OK;
 }
 
@@ -178,7 +184,7 @@ static status_t build(run_t *r) {
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.device = world_device().type;
   lo.activation_checkpointing = p->activation_checkpointing;
-  lo.deferred = p->deferred_init;
+  lo.deferred = p->deferred_init || r->args.dry_run; /* a dry run allocates no parameter */
   bool resume = false; /* a checkpoint to load: it overwrites every parameter */
   if (p->ckpt_load[0]) {
     resume = true;
@@ -206,6 +212,11 @@ static status_t build(run_t *r) {
   r->n_groups = parallel_num_groups(r->par);
   r->dp_size = parallel_dp_size(r->par);
   r->dp_rank = parallel_dp_rank(r->par);
+  if (r->args.dry_run) { /* the meta model has every placement and shape */
+    TRY(nn_named_parameters(root, &r->ps, &r->n));
+    if (!resume) r->resumed_from[0] = 0;
+    return resume ? ckpt_check_state(r->resumed_from) : STATUS_OK;
+  }
   TRY(nn_module_materialize(root));
   if (lo.deferred && !p->init_from[0] && !resume)
     TRY(llama_init_weights(r->model, p->model_seed));
@@ -378,6 +389,31 @@ static double counted_bytes(const run_t *r) {
   return b;
 }
 
+/* --dry-run -v: each fully_shard unit's parameters, elements (gathered, padded, on this
+ * rank's tp coordinate), bytes per rank of its shards (in the parameters' dtype) and bytes
+ * gathered (in its compute dtype). */
+static void unit_table(const run_t *r) {
+  int W = r->plan.par.dp_shard;
+  size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
+  printf("\nunits (fully_shard groups, the root last):\n");
+  printf("  %-28s %7s %14s %14s %14s\n", "unit", "params", "elements", "sharded B", "gathered B");
+  double tot[3] = {0, 0, 0};
+  int params = 0;
+  for (int i = 0; i < r->n_groups; i++) {
+    const fsdp_group_t *g = r->groups[i];
+    const char *name = fsdp_group_name(g);
+    double flat = (double)fsdp_flat_numel(g), row[3];
+    row[0] = flat * W;
+    row[1] = flat * (double)own;
+    row[2] = flat * W * (double)dtype_size(fsdp_param_dtype(g));
+    printf("  %-28s %7d %14.0f %14.0f %14.0f\n", name[0] ? name : "(root)", fsdp_num_params(g),
+           row[0], row[1], row[2]);
+    for (int k = 0; k < 3; k++) tot[k] += row[k];
+    params += fsdp_num_params(g);
+  }
+  printf("  %-28s %7d %14.0f %14.0f %14.0f\n", "total", params, tot[0], tot[1], tot[2]);
+}
+
 static void dry_run(const run_t *r) {
   const plan_t *p = &r->plan;
   int W = p->par.dp_shard;
@@ -431,17 +467,35 @@ static void dry_run(const run_t *r) {
                  (double)dtype_size(fsdp_param_dtype(r->groups[i]));
       largest = b > largest ? b : largest;
     }
-    char a[32], b2[32], c[32], d[32];
+    if (r->args.verbose) unit_table(r);
+    llama_memory_t est, other;
+    plan_t flip = *p; /* the other activation-checkpointing setting, for comparison */
+    flip.activation_checkpointing = !p->activation_checkpointing;
+    size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
+    if (llama_memory_estimate(p, r->groups, r->n_groups, pb, own, &est) != STATUS_OK ||
+        llama_memory_estimate(&flip, r->groups, r->n_groups, pb, own, &other) != STATUS_OK) {
+      printf("memory estimate: %s\n", err_detail());
+      return;
+    }
+    char a[32], b2[32], c[32], pk[32], ac[32], ga[32], fl[32], st[32], ot[32];
     mib(a, sizeof a, pb);
     mib(b2, sizeof b2, 2 * pb);
     mib(c, sizeof c, largest);
-    mib(d, sizeof d, 4 * pb + largest);
-    printf(
-        "\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
-        "largest unsharded unit %s; total %s plus activations\n",
-        a, a, b2, c, d);
+    mib(pk, sizeof pk, est.peak);
+    mib(st, sizeof st, est.state);
+    mib(ac, sizeof ac, est.activations);
+    mib(ga, sizeof ga, est.gathered);
+    mib(fl, sizeof fl, est.in_flight);
+    mib(ot, sizeof ot, other.peak);
+    printf("\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
+           "largest unsharded unit %s\n",
+           a, a, b2, c);
+    printf("  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
+           "flight %s; %s activation checkpointing: %s\n",
+           pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
     printf("state_bytes %.0f\n", 4 * pb);
     printf("largest_unit_bytes %.0f\n", largest);
+    printf("peak_bytes %.0f\n", est.peak);
     comm_t m = comm_model(r);
     printf(
         "communication per step and rank (DESIGN 11): all-gather %lld calls %.0f B, "

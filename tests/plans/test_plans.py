@@ -411,6 +411,7 @@ def errors():
         ("top level not a mapping", "- mesh\n- model\n", [], r"expected a mapping of sections"),
         ("missing plan file", "MISSING", [], r"cannot open the plan .*missing\.yaml: No such file"),
         ("unknown option", None, ["--frobnicate"], r"unknown option '--frobnicate'"),
+        ("-v without --dry-run", None, ["-v"], r"-v goes with --dry-run"),
         ("vocabulary smaller than the data", base.replace("vocab_size: 256", "vocab_size: 50"), [],
          r"token id \d+ .* is outside model\.vocab_size=50"),
         ("two sizes of -1", base.replace("dp_shard: -1", "dp_shard: -1\n  dp_replicate: -1"), [],
@@ -730,28 +731,72 @@ def converts():
 
 
 def dry_run():
+    """--dry-run against real steps: communication bytes exactly, the state within 10%, the
+    peak of a step (peak_mem_bytes, the largest of three steps) within 15% with and without
+    activation checkpointing; -v's unit table adds up; a model far larger than the machine's
+    memory would allow per process is estimated without allocating it."""
+    import resource
     tmp = mkdtemp()
+    worst = 0.0
     for name, n, _ in PLANS:
         plan = os.path.join(ROOT, "configs", name + ".yaml")
-        p, _ = run(n, [plan, "--dry-run"])
-        check(p.returncode == 0, "%s: --dry-run runs" % name)
-        est_comm = re.search(r"^comm_bytes (\d+)$", p.stdout, re.M)
-        est_state = re.search(r"^state_bytes (\d+)$", p.stdout, re.M)
-        check(bool(est_comm and est_state), "%s: --dry-run prints its estimates" % name)
-        check("placements" in p.stdout and "model.layers.0.mlp.up_proj.weight" in p.stdout,
-              "%s: --dry-run lists every parameter's placements and shapes" % name)
-        if not (est_comm and est_state):
-            continue
-        metrics = os.path.join(tmp, name + ".jsonl")
-        p, _ = run(n, [plan, "--set", "train.steps=2", "--metrics", metrics])
-        m = losses(metrics)
-        got_comm, got_state = m[-1]["comm_bytes"], m[-1]["state_bytes"]
-        want_comm, want_state = int(est_comm.group(1)), int(est_state.group(1))
-        check(got_comm == want_comm, "%s: communication %d B per step, estimated %d B"
-              % (name, got_comm, want_comm))
-        check(abs(got_state - want_state) <= 0.1 * want_state,
-              "%s: memory held after a step %d B, estimated %d B (10%%)"
-              % (name, got_state, want_state))
+        for ac in ("false", "true"):
+            sets = ["--set", "train.activation_checkpointing=" + ac]
+            p, _ = run(n, [plan, "--dry-run", "-v"] + sets)
+            check(p.returncode == 0, "%s (checkpointing %s): --dry-run -v runs" % (name, ac))
+            est_comm = re.search(r"^comm_bytes (\d+)$", p.stdout, re.M)
+            est_state = re.search(r"^state_bytes (\d+)$", p.stdout, re.M)
+            est_peak = re.search(r"^peak_bytes (\d+)$", p.stdout, re.M)
+            ok = bool(est_comm and est_state and est_peak)
+            check(ok, "%s: --dry-run prints its estimates" % name)
+            if ac == "false":
+                check("placements" in p.stdout and
+                      "model.layers.0.mlp.up_proj.weight" in p.stdout,
+                      "%s: --dry-run lists every parameter's placements and shapes" % name)
+                # the unit table: a row per unit, the root last, columns adding up to the total
+                rows = re.findall(r"^  (\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", p.stdout, re.M)
+                units = [r for r in rows if r[0] != "total"]
+                total = [r for r in rows if r[0] == "total"]
+                sums = [sum(int(r[k]) for r in units) for k in range(1, 5)]
+                check(len(units) == 3 and units[-1][0] == "(root)" and len(total) == 1 and
+                      sums == [int(x) for x in total[0][1:]] and sums[0] == 21 and
+                      int(total[0][3]) * 4 == int(est_state.group(1)),
+                      "%s: -v lists the units (%s), their columns add up to the total and the "
+                      "sharded bytes to a quarter of state_bytes" % (name, [r[0] for r in units]))
+            if not ok:
+                continue
+            metrics = os.path.join(tmp, "%s-%s.jsonl" % (name, ac))
+            p, _ = run(n, [plan, "--set", "train.steps=3", "--metrics", metrics] + sets)
+            m = losses(metrics)
+            if not m:
+                check(False, "%s: the real run writes metrics" % name)
+                continue
+            peak = max(r["peak_mem_bytes"] for r in m)
+            want_peak = int(est_peak.group(1))
+            worst = max(worst, abs(want_peak - peak) / peak)
+            check(abs(want_peak - peak) <= 0.15 * peak,
+                  "%s, activation checkpointing %s: a step's peak %d B, estimated %d B (%+.1f%%)"
+                  % (name, ac, peak, want_peak, 100.0 * (want_peak - peak) / peak))
+            if ac == "true":
+                continue
+            got_comm, got_state = m[-1]["comm_bytes"], m[-1]["state_bytes"]
+            want_comm, want_state = int(est_comm.group(1)), int(est_state.group(1))
+            check(got_comm == want_comm, "%s: communication %d B per step, estimated %d B"
+                  % (name, got_comm, want_comm))
+            check(abs(got_state - want_state) <= 0.1 * want_state,
+                  "%s: memory held after a step %d B, estimated %d B (10%%)"
+                  % (name, got_state, want_state))
+    print("dry-run peak estimates: worst error %.1f%% over %d runs" % (100 * worst, 2 * len(PLANS)))
+    # a 520M-parameter model (2 GB in f32) on one rank: the dry run builds it meta
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    p, _ = run(1, [os.path.join(ROOT, "configs", "llama-520m.yaml"), "--dry-run"])
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB, the largest child
+    est_state = re.search(r"^state_bytes (\d+)$", p.stdout, re.M)
+    model = int(est_state.group(1)) // 4 if est_state else 0  # the f32 parameters' bytes
+    check(p.returncode == 0 and model > 2e9 and rss * 1024 < model / 4,
+          "--dry-run of llama-520m on one rank: %d MB of parameters, at most %d MB resident "
+          "(children so far %d MB)" % (model // 1000000, rss * 1024 // 1000000,
+                                       before * 1024 // 1000000))
 
 
 def kill_session(sid):

@@ -1,0 +1,128 @@
+#include "parallel/llama_memory.h"
+
+#include <string.h>
+
+/* The units as the estimate sees them: the root's and the largest other unit's gathered bytes
+ * (compute dtype), that unit's gradient in the reduce dtype, and what the other units keep
+ * gathered after their forward (all of it when reshard_after_forward is false, 1/N of it when
+ * N). */
+typedef struct units {
+  double root, root_reduce, unit, unit_reduce, unit_shard, kept_largest, kept_all;
+  dtype_t root_dtype, unit_dtype;
+} units_t;
+
+/* own: bytes per element of the parameters' shards. */
+static void sum_units(fsdp_group_t *const *groups, int n, int dp_shard, size_t own,
+                      units_t *u) {
+  memset(u, 0, sizeof *u);
+  u->root_dtype = u->unit_dtype = DTYPE_F32;
+  for (int i = 0; i < n; i++) {
+    double flat = (double)fsdp_flat_numel(groups[i]), numel = flat * dp_shard;
+    dtype_t pd = fsdp_param_dtype(groups[i]);
+    double bytes = numel * (double)dtype_size(pd);
+    double reduce = numel * (double)dtype_size(fsdp_reduce_dtype(groups[i]));
+    if (fsdp_group_name(groups[i])[0] == 0) {
+      u->root = bytes;
+      u->root_reduce = reduce;
+      u->root_dtype = pd;
+      continue;
+    }
+    int raf = fsdp_reshard_after_forward(groups[i]);
+    double kept = raf == 0 ? bytes : raf >= 2 ? bytes / raf : 0;
+    u->kept_all += kept;
+    if (bytes > u->unit) {
+      u->unit = bytes;
+      u->unit_reduce = reduce;
+      u->unit_shard = flat * (double)own;
+      u->unit_dtype = pd;
+      u->kept_largest = kept;
+    }
+  }
+  if (u->unit == 0) u->unit_dtype = u->root_dtype;
+}
+
+/* One moment of the step, by kind. */
+static llama_memory_t moment(const char *at, double state, double act, double gathered,
+                             double in_flight) {
+  return (llama_memory_t){state, act, gathered, in_flight, state + act + gathered + in_flight,
+                          at};
+}
+
+status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int n,
+                               double sharded_param_bytes, size_t param_size,
+                               llama_memory_t *out) {
+  const llama_config_t *c = &p->model;
+  const parallel_plan_t *pp = &p->par;
+  if (pp->dp_shard < 1 || pp->dp_replicate < 1 || pp->tp < 1)
+    return err_set(STATUS_EINVAL, "memory estimate: the plan's mesh is not resolved");
+  units_t u;
+  sum_units(groups, n, pp->dp_shard, param_size, &u);
+  double t = (double)pp->tp, sh = (double)pp->dp_shard, L = (double)c->n_layers;
+  double D = (double)c->dim, F = (double)c->ffn_dim, V = (double)c->vocab_size;
+  double H = (double)c->n_heads, KVD = (double)(c->n_kv_heads * (c->dim / c->n_heads));
+  double B = (double)p->batch_size, T = (double)p->seq_len, N = B * T;
+  bool tp = pp->tp > 1, sp = tp && pp->sequence_parallel, ac = p->activation_checkpointing;
+  bool dp = pp->dp_shard * pp->dp_replicate > 1, accum = p->grad_accum > 1;
+  double ea = (double)dtype_size(u.unit_dtype), er = (double)dtype_size(u.root_dtype);
+  double Ns = sp ? N / t : N; /* tokens of a rank between blocks */
+
+  /* what one block's tape keeps: its norms' and residual adds' outputs, q, o, attention and
+   * the down projection (D wide), k, v and the rotated k (KV wide), gate, up and their
+   * SwiGLU (F wide), two norms' inverse RMS and the attention's log-sum-exp in f32. Under
+   * tensor parallelism heads and F split over tp and the rowwise outputs are whole before
+   * their reduction; sequence parallelism puts norms and adds on sequence shards and keeps
+   * the gathered inputs of the column-split projections too */
+  double block;
+  if (sp)
+    block = ea * (4 * N * D + 6 * Ns * D + 3 * N * D / t + 3 * N * KVD / t + 3 * N * F / t) +
+            2 * Ns * 4 + B * (H / t) * T * 4;
+  else if (tp)
+    block = ea * (8 * N * D + 3 * N * D / t + 3 * N * KVD / t + 3 * N * F / t) + 2 * N * 4 +
+            B * (H / t) * T * 4;
+  else
+    block = ea * (9 * N * D + 3 * N * KVD + 3 * N * F) + 2 * N * 4 + B * H * T * 4;
+  double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
+  double ids = 4 * N * 8;     /* input ids and labels, and their copies */
+  double emb = tp ? er * (N * D + Ns * D) : er * N * D;
+  double logits = er * N * V / t + (tp ? er * N * V : 0); /* local, and made whole */
+  /* after the loss's backward: the whole logits, the lm_head's and final norm's gradients
+   * and the gradient flowing into the blocks */
+  double resid = er * N * V + er * V * D / t + er * Ns * D + 2 * er * D;
+  double state = 3 * sharded_param_bytes + (accum ? sharded_param_bytes : 0);
+  /* with accumulation the root's reduction of the previous micro-batch finishes during the
+   * next backward: its whole gradients and the reduced shard */
+  double root_pending = accum && dp ? u.root + u.root_reduce / sh : 0;
+  /* backward gathers the next unit ahead (a unit kept whole after forward needs none) */
+  double ahead = u.kept_largest == u.unit ? 0 : u.unit;
+  double kept = u.kept_all - u.kept_largest; /* what the blocks before the last keep */
+
+  /* 1: the loss's backward: every block's tape, the final norm's output (and its gathered
+   * copy under sequence parallelism), the logits, their gradient and its local slice, the
+   * last unit being gathered for backward */
+  *out = moment("the loss's backward", state, ids + emb + L * (ac ? out_b : block),
+                u.root + ahead + kept,
+                er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + logits + er * N * V +
+                    (tp ? er * N * V / t : 0) + root_pending);
+  /* 2: a block's backward, inside its MLP: the tape of the blocks before it and its own
+   * (less its output and the down projection's, already used; checkpointing recomputes it
+   * first), its parameters and the next unit's being gathered, its MLP's input gradients;
+   * below the last block, the gradients of the block after it being reduced (whole in the
+   * reduce dtype, and the reduced shard) and the shards of those reduced before */
+  double mlp = ac ? (tp ? ea * (2 * N * D + Ns * D) : ea * (3 * N * F + F * D))
+                  : ea * (3 * N * F / t + F * D / t);
+  double own = ac ? (tp ? block : block - out_b) : block - 2 * out_b;
+  for (int64_t i = c->n_layers - 1; i >= 0; i--) {
+    bool last = i == c->n_layers - 1;
+    if (!last && !(dp && u.unit > 0)) break; /* nothing reduces: the last block peaks */
+    double before = (double)i, after = L - 1 - before;
+    llama_memory_t m = moment(
+        last ? "the last block's backward"
+             : "a block's backward while the next block's gradients reduce",
+        state + (after > 1 ? (after - 1) * u.unit_shard : 0),
+        ids + emb + (ac ? (before + 1) * out_b : before * block) + own,
+        u.root + u.unit + (i > 0 ? ahead : 0) + (before > 0 ? kept * before / (L - 1) : 0),
+        resid + mlp + root_pending + (last ? 0 : u.unit_reduce * (1 + 1 / sh)));
+    if (m.peak > out->peak) *out = m;
+  }
+  return STATUS_OK;
+}
