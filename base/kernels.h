@@ -177,10 +177,13 @@ status_t kernel_cross_entropy(tensor_t *losses, const tensor_t *logits, const te
 status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
                                        const tensor_t *targets, float scale);
 
-/* One torch.optim.AdamW update of p with gradient g and F32 moments m, v (all same numel). */
+/* One torch.optim.AdamW update of p with gradient g and F32 moments m, v (all same numel).
+ * grad_scale multiplies each gradient element (as an F32 product) before the update, as a
+ * separate kernel_scale of an F32 g would (clipping folded into the pass); 0 means 1. */
 typedef struct adamw_args {
   double lr, beta1, beta2, eps, weight_decay; /* as torch's Python floats */
   int64_t step;                               /* 1-based: the step being taken */
+  float grad_scale;
 } adamw_args_t;
 status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
                       const adamw_args_t *args);

@@ -750,6 +750,7 @@ static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t 
   float one_minus_b2 = (float)(1.0 - a->beta2);
   double bc1 = 1.0 - pow(a->beta1, (double)a->step), bc2 = 1.0 - pow(a->beta2, (double)a->step);
   float step_size = (float)(a->lr / bc1), bc2_sqrt = (float)sqrt(bc2), eps = (float)a->eps;
+  float gs = a->grad_scale != 0 ? a->grad_scale : 1.0f; /* x * 1 is x exactly */
   float *pm = m->data, *pv = v->data;
   int64_t n = tensor_numel(p);
   if (ALL_F32(p, g)) {
@@ -757,7 +758,7 @@ static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t 
     const float *pg = g->data;
 #pragma omp simd /* vectorised at -O2 as well (-fopenmp-simd): the same IEEE operations */
     for (int64_t i = 0; i < n; i++) {
-      float gi = pg[i];
+      float gi = pg[i] * gs;
       pm[i] += one_minus_b1 * (gi - pm[i]);
       pv[i] = pv[i] * b2 + one_minus_b2 * gi * gi;
       float denom = sqrtf(pv[i]) / bc2_sqrt + eps;
@@ -767,7 +768,7 @@ static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t 
   }
   for (int64_t i = 0; i < n; i++) {
     float pi = (float)dtype_load(p->dtype, p->data, (size_t)i);
-    float gi = (float)dtype_load(g->dtype, g->data, (size_t)i);
+    float gi = (float)dtype_load(g->dtype, g->data, (size_t)i) * gs;
     pi *= decay;
     pm[i] += one_minus_b1 * (gi - pm[i]);
     pv[i] = pv[i] * b2 + one_minus_b2 * gi * gi;

@@ -456,13 +456,13 @@ __global__ static void cross_entropy_backward_kernel(void *dlogits, const void *
 }
 
 struct adamw_consts {
-  float decay, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps;
+  float decay, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps, grad_scale;
 };
 
 __global__ static void adamw_kernel(void *p, int pdt, const void *g, int gdt, float *m, float *v,
                                     adamw_consts a, int64_t n) {
   GRID_STRIDE(e, n) {
-    float pi = ldf(pdt, p, e) * a.decay, gi = ldf(gdt, g, e);
+    float pi = ldf(pdt, p, e) * a.decay, gi = __fmul_rn(ldf(gdt, g, e), a.grad_scale);
     m[e] += a.one_minus_b1 * (gi - m[e]);
     v[e] = v[e] * a.b2 + a.one_minus_b2 * gi * gi;
     float denom = sqrtf(v[e]) / a.bc2_sqrt + a.eps;
@@ -841,7 +841,8 @@ static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t
                     (float)(1.0 - a->beta2),
                     (float)(a->lr / bc1),
                     (float)sqrt(bc2),
-                    (float)a->eps};
+                    (float)a->eps,
+                    a->grad_scale != 0 ? a->grad_scale : 1.0f};
   adamw_kernel<<<grid_for(n), kBlock, 0, stream_of(p)>>>(p->data, p->dtype, g->data, g->dtype,
                                                          (float *)m->data, (float *)v->data, c, n);
   return launched("kernel_adamw");

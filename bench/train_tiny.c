@@ -120,8 +120,9 @@ int main(int argc, char **argv) {
     for (int64_t k = 0; k < spec.grad_accum; k++)
       loss += bench_fwd_bwd(m, d, &spec, s, k) / (double)spec.grad_accum;
     double norm;
-    BENCH_TRY(clip_grad_norm(ps, n, 1.0, NULL, &norm));
-    BENCH_TRY(optim_step(o, lr_schedule_factor(&sched, s)));
+    float coef; /* clipping inside the AdamW pass, as fsdp-train does */
+    BENCH_TRY(clip_grad_coef(ps, n, 1.0, NULL, &norm, &coef));
+    BENCH_TRY(optim_step_scaled(o, lr_schedule_factor(&sched, s), coef));
     if (s == 0) {
       first = loss;
       BENCH_TRY(device_stream_sync(mesh_device(llama_local_mesh(m))));

@@ -135,7 +135,12 @@ status_t optim_state_for_load(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t 
   return state_of(o, i, false, exp_avg, exp_avg_sq);
 }
 
-status_t optim_step(optim_t *o, double lr_factor) {
+status_t optim_step(optim_t *o, double lr_factor) { return optim_step_scaled(o, lr_factor, 1); }
+
+status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale) {
+  if (!(grad_scale > 0) || !isfinite(grad_scale))
+    return err_set(STATUS_EINVAL, "AdamW step: gradient scale %g is not a positive number",
+                   (double)grad_scale);
   o->steps++;
   for (int i = 0; i < o->n; i++) {
     slot_t *s = &o->slots[i];
@@ -147,10 +152,18 @@ status_t optim_step(optim_t *o, double lr_factor) {
                       .beta2 = o->cfg.beta2,
                       .eps = o->cfg.eps,
                       .weight_decay = s->weight_decay,
-                      .step = o->steps};
-    tensor_t p;
+                      .step = o->steps,
+                      .grad_scale = grad_scale};
+    tensor_t p, g;
     TRY(tensor_ref(&p, local));
-    status_t st = kernel_adamw(&p, dtensor_local(s->p->grad), &s->m, &s->v, &a);
+    status_t st = tensor_ref(&g, dtensor_local(s->p->grad));
+    /* a narrower gradient is scaled in its own dtype first, as clip_grad_norm would */
+    if (st == STATUS_OK && grad_scale != 1 && g.dtype != DTYPE_F32) {
+      st = kernel_scale(&g, grad_scale);
+      a.grad_scale = 1;
+    }
+    if (st == STATUS_OK) st = kernel_adamw(&p, &g, &s->m, &s->v, &a);
+    tensor_free(&g);
     tensor_free(&p);
     if (st != STATUS_OK) return err_prefix(st, "AdamW step of %s", s->p->fqn);
   }
@@ -171,8 +184,8 @@ static bool counts_here(const dtensor_t *g) {
   return true;
 }
 
-status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,
-                        double *norm) {
+status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t *group,
+                        double *norm, float *coef) {
   double total = 0;
   for (int i = 0; i < n; i++) {
     if (params[i]->grad == NULL || !counts_here(params[i]->grad)) continue;
@@ -190,7 +203,15 @@ status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t 
   double nrm = sqrt(total);
   if (norm) *norm = nrm;
   if (!(max_norm > 0)) return err_set(STATUS_EINVAL, "clip_grad_norm: max_norm must be positive");
-  float coef = (float)(max_norm / (nrm + 1e-6));
+  float c = (float)(max_norm / (nrm + 1e-6));
+  *coef = c < 1.0f || isnan(c) ? c : 1.0f; /* a NaN norm gives a NaN factor, as torch's */
+  return STATUS_OK;
+}
+
+status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,
+                        double *norm) {
+  float coef;
+  TRY(clip_grad_coef(params, n, max_norm, group, norm, &coef));
   if (coef >= 1.0f) return STATUS_OK;
   for (int i = 0; i < n; i++) {
     if (params[i]->grad == NULL) continue;

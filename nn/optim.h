@@ -1,6 +1,6 @@
 /*
  * AdamW with per-parameter groups, gradient clipping and the learning-rate schedule, exactly
- * as DESIGN section 10 (torch.optim.AdamW, torch.nn.utils.clip_grad_norm_, warmup + cosine).
+ * as docs/design.md section 10 (torch.optim.AdamW, torch.nn.utils.clip_grad_norm_, warmup + cosine).
  *
  *   adamw_config_t cfg = ADAMW_CONFIG_INIT;
  *   cfg.lr = 3e-3;
@@ -55,6 +55,11 @@ void optim_free(optim_t *o);
  * lr_factor (the schedule's factor). Parameters without a gradient are skipped, as torch does. */
 status_t optim_step(optim_t *o, double lr_factor);
 
+/* optim_step as if every gradient had first been multiplied by grad_scale (> 0; clip_grad_coef's
+ * factor), bit for bit, with the scaling done inside the update's pass instead of a pass of its
+ * own; the gradients keep their values. */
+status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale);
+
 /* The lr and weight decay a parameter gets (after group matching). */
 void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_decay);
 
@@ -81,6 +86,12 @@ void optim_zero_grad(optim_t *o);
  * norm before clipping. Collective over group. */
 status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,
                         double *norm);
+
+/* The norm as clip_grad_norm computes it and the factor it would scale the gradients by
+ * (min(1, max_norm / (norm + 1e-6)) as an F32), without scaling them: give the factor to
+ * optim_step_scaled. Collective over group. */
+status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t *group,
+                        double *norm, float *coef);
 
 /* Warmup then cosine decay to a floor: for step s of total steps S with W warmup steps and
  * floor ratio r, f = (s+1)/W if s < W, else r + (1-r) * 0.5 * (1 + cos(pi * (s-W) / max(1, S-W))).

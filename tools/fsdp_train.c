@@ -303,7 +303,7 @@ static void header(const run_t *r) {
   fflush(stdout);
 }
 
-/* Communication of one step by the closed form of DESIGN section 11: per group and
+/* Communication of one step by the closed form of docs/design.md section 11: per group and
  * micro-batch, an all-gather in forward and, when the group reshards, one in backward (within
  * the post-forward group for an integer reshard); one reduce-scatter; one HSDP all-reduce. */
 typedef struct comm {
@@ -498,7 +498,7 @@ static void dry_run(const run_t *r) {
     printf("peak_bytes %.0f\n", est.peak);
     comm_t m = comm_model(r);
     printf(
-        "communication per step and rank (DESIGN 11): all-gather %lld calls %.0f B, "
+        "communication per step and rank (docs/design.md section 11): all-gather %lld calls %.0f B, "
         "reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
         m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar);
     printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
@@ -611,9 +611,10 @@ static status_t train(run_t *r) {
       loss += l / (double)p->grad_accum;
     }
     double norm = 0, factor = lr_schedule_factor(&sched, s);
+    float coef = 1; /* clipping, applied inside the optimizer's pass */
     if (st == STATUS_OK)
-      st = clip_grad_norm(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY,
-                          r->all, &norm);
+      st = clip_grad_coef(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY,
+                          r->all, &norm, &coef);
     if (st != STATUS_OK) break;
     double gl = 0;
     st = world_allreduce(&loss, &gl, 1, MPI_DOUBLE, MPI_SUM, world_comm(), "MPI_Allreduce (loss)");
@@ -633,7 +634,7 @@ static status_t train(run_t *r) {
     if (!finite && lead)
       fprintf(stderr, "fsdp-train: step %lld: the loss is %g and the gradient norm %g; the step "
                       "is skipped (train.nonfinite: skip)\n", (long long)s + 1, gl, norm);
-    if (finite) st = optim_step(r->opt, factor);
+    if (finite) st = optim_step_scaled(r->opt, factor, coef);
     if (st == STATUS_OK) st = device_stream_sync(r->dev);
     if (st != STATUS_OK) break;
     double dt = now() - t0;

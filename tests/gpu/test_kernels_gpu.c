@@ -230,8 +230,13 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
   ok(tensor_zeros(&m, DTYPE_F32, dev, 1, &n));
   ok(tensor_zeros(&v, DTYPE_F32, dev, 1, &n));
   for (int step = 1; step <= 3; step++) {
-    adamw_args_t a = {
-        .lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = step};
+    adamw_args_t a = {.lr = 1e-2,
+                      .beta1 = 0.9,
+                      .beta2 = 0.95,
+                      .eps = 1e-8,
+                      .weight_decay = 0.1,
+                      .step = step,
+                      .grad_scale = step == 2 ? 0.375f : 0}; /* clipping folded in, once */
     ok(kernel_adamw(&p, &g, &m, &v, &a));
   }
   double ss;

@@ -408,6 +408,83 @@ START_TEST(adamw_matches_formula_and_groups) {
 }
 END_TEST
 
+/* Clipping folded into AdamW (clip_grad_coef + optim_step_scaled) gives the parameters and
+ * moments of clip_grad_norm + optim_step bit for bit, for an F32 and a BF16 parameter, with
+ * and without clipping taking effect. */
+static dtensor_t *filled(mesh_t *mesh, dtype_t dt, int64_t n, uint32_t seed) {
+  tensor_t t;
+  ok(tensor_init(&t, dt, device_cpu(), 1, &n));
+  for (int64_t i = 0; i < n; i++) {
+    seed = seed * 1664525u + 1013904223u;
+    dtype_store(dt, t.data, (size_t)i, ((double)(seed >> 8) / 16777216.0 - 0.5) * 3);
+  }
+  dtensor_t *d;
+  placement_t rep = placement_replicate();
+  ok(dtensor_from_local(&d, &t, mesh, &rep, 1, &n));
+  tensor_free(&t);
+  return d;
+}
+
+START_TEST(clipping_folded_into_adamw_is_bit_identical) {
+  mesh_t *mesh = local_mesh();
+  const dtype_t dts[2] = {DTYPE_F32, DTYPE_BF16};
+  const int64_t n = 1001;
+  nn_module_t *m[2];
+  nn_param_t *ps[2][2];
+  optim_t *o[2];
+  adamw_config_t cfg = ADAMW_CONFIG_INIT;
+  cfg.lr = 0.01;
+  cfg.weight_decay = 0.1;
+  for (int run = 0; run < 2; run++) {
+    ok(nn_module_new(&m[run], "", NULL, NULL));
+    for (int k = 0; k < 2; k++)
+      ok(nn_module_add_param(m[run], k ? "b" : "a", filled(mesh, dts[k], n, 7u + (unsigned)k),
+                             true, &ps[run][k]));
+    ok(nn_module_finalize(m[run]));
+    ok(optim_new(&o[run], ps[run], 2, &cfg));
+  }
+  const double max_norm[3] = {5.0, 1e9, 0.25}; /* clipped, not clipped, clipped hard */
+  for (int step = 0; step < 3; step++) {
+    for (int run = 0; run < 2; run++)
+      for (int k = 0; k < 2; k++) {
+        dtensor_t *g = filled(mesh, dts[k], n, 100u * (unsigned)step + (unsigned)k);
+        tensor_t copy;
+        ok(tensor_clone(&copy, dtensor_local(g), dts[k], device_cpu()));
+        nn_param_zero_grad(ps[run][k]);
+        ok(nn_param_accumulate_grad(ps[run][k], &copy)); /* released by it */
+        dtensor_free(g);
+      }
+    double na, nb;
+    float coef;
+    ok(clip_grad_norm(ps[0], 2, max_norm[step], NULL, &na));
+    ok(optim_step(o[0], 0.5));
+    ok(clip_grad_coef(ps[1], 2, max_norm[step], NULL, &nb, &coef));
+    ck_assert(na == nb && (step == 1 ? coef == 1.0f : coef < 1.0f));
+    ok(optim_step_scaled(o[1], 0.5, coef));
+  }
+  for (int k = 0; k < 2; k++) {
+    const tensor_t *a = dtensor_local(ps[0][k]->value), *b = dtensor_local(ps[1][k]->value);
+    ck_assert_msg(memcmp(a->data, b->data, tensor_nbytes(a)) == 0, "parameter %d differs", k);
+    dtensor_t *ma, *va, *mb, *vb;
+    ok(optim_state(o[0], k, &ma, &va));
+    ok(optim_state(o[1], k, &mb, &vb));
+    ck_assert(memcmp(dtensor_local(ma)->data, dtensor_local(mb)->data, 4 * n) == 0);
+    ck_assert(memcmp(dtensor_local(va)->data, dtensor_local(vb)->data, 4 * n) == 0);
+    dtensor_free(ma);
+    dtensor_free(va);
+    dtensor_free(mb);
+    dtensor_free(vb);
+  }
+  ck_assert_int_eq(optim_step_scaled(o[1], 0.5, 0.0f), STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "gradient scale 0 is not a positive number") != NULL);
+  for (int run = 0; run < 2; run++) {
+    optim_free(o[run]);
+    nn_module_free(m[run]);
+  }
+  mesh_free(mesh);
+}
+END_TEST
+
 /* ---- Hugging Face config ---- */
 
 static const char *write_tmp(const char *name, const char *text) {
@@ -606,6 +683,7 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, data_order_and_dp_split);
     tcase_add_test(tc, lr_schedule_values);
     tcase_add_test(tc, adamw_matches_formula_and_groups);
+  tcase_add_test(tc, clipping_folded_into_adamw_is_bit_identical);
     tcase_add_test(tc, hf_config_parse_and_errors);
     tcase_add_test(tc, deferred_model_materializes);
     tcase_add_test(tc, layers_build_init_and_forward);
