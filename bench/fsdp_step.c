@@ -1,6 +1,6 @@
 /*
  * FSDP training steps of a Llama under a plan: per-step communication bytes measured and
- * analytic (DESIGN section 11), peak memory measured and budgeted (DESIGN section 7), step
+ * analytic (docs/design.md section 11), peak memory measured and budgeted (docs/design.md section 7), step
  * time. Figures, not assertions.
  *
  *   mpirun -n 4 bench-fsdp-step [--config configs/llama-small.json] [--hsdp R]

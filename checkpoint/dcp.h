@@ -1,5 +1,5 @@
 /*
- * Distributed checkpoints of DTensors (DESIGN section 9): every rank saves its own shards, no
+ * Distributed checkpoints of DTensors (docs/design.md section 9): every rank saves its own shards, no
  * gather; a load under any other plan reads, on each rank, only the saved bytes its shards
  * need.
  *

@@ -1,5 +1,5 @@
 /*
- * The token stream and the global batch order (DESIGN section 10).
+ * The token stream and the global batch order (docs/design.md section 10).
  *
  * A data file is a flat token sequence: the bytes of a text file (vocabulary 256), or
  * little-endian uint16 tokens. For step s, micro-step m of grad_accum, global micro-batch

@@ -1,6 +1,6 @@
 /*
  * The reference model: Llama with the math of Hugging Face's LlamaForCausalLM and its
- * parameter names (DESIGN section 10).
+ * parameter names (docs/design.md section 10).
  *
  *   llama_config_t cfg;
  *   llama_t *model;
