@@ -1,7 +1,7 @@
 /*
  * FSDP training steps of a Llama under a plan: per-step communication bytes measured and
- * analytic (docs/design.md section 11), peak memory measured and budgeted (docs/design.md section 7), step
- * time. Figures, not assertions.
+ * analytic (docs/design.md section 11), peak memory measured and budgeted (docs/design.md
+ * section 7), step time. Figures, not assertions.
  *
  *   mpirun -n 4 bench-fsdp-step [--config configs/llama-small.json] [--hsdp R]
  *       [--reshard auto|0|1|N] [--param-dtype f32|bf16] [--steps 5] [--batch 2] [--seq 128]

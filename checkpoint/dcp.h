@@ -1,7 +1,7 @@
 /*
- * Distributed checkpoints of DTensors (docs/design.md section 9): every rank saves its own shards, no
- * gather; a load under any other plan reads, on each rank, only the saved bytes its shards
- * need.
+ * Distributed checkpoints of DTensors (docs/design.md section 9): every rank saves its own
+ * shards, no gather; a load under any other plan reads, on each rank, only the saved bytes
+ * its shards need.
  *
  * Layout of a checkpoint folder (PyTorch DCP's Hugging Face storage layout):
  *   DIR/shard-RRRRR.safetensors   one file per rank that holds a shard to save (RRRRR: the

@@ -25,7 +25,7 @@
 #include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"
 #include "nn/train.h"
-#include "parallel/llama_memory.h"
+#include "parallel/llama_cost.h"
 #include "parallel/llama_plan.h"
 #include "parallel/parallelize.h"
 #include "parallel/plan.h"
@@ -303,73 +303,6 @@ static void header(const run_t *r) {
   fflush(stdout);
 }
 
-/* Communication of one step by the closed form of docs/design.md section 11: per group and
- * micro-batch, an all-gather in forward and, when the group reshards, one in backward (within
- * the post-forward group for an integer reshard); one reduce-scatter; one HSDP all-reduce. */
-typedef struct comm {
-  double ag, rs, ar;          /* bytes */
-  long long n_ag, n_rs, n_ar; /* calls */
-} comm_t;
-
-static comm_t comm_model(const run_t *r) {
-  comm_t c = {0};
-  const plan_t *p = &r->plan;
-  int W = p->par.dp_shard, R = p->par.dp_replicate;
-  double A = (double)p->grad_accum;
-  for (int i = 0; i < r->n_groups; i++) {
-    const fsdp_group_t *g = r->groups[i];
-    bool root = i == r->n_groups - 1;
-    int rs = root ? 0 : fsdp_reshard_after_forward(g); /* the root keeps its parameters */
-    if (rs == FSDP_RESHARD_AUTO) rs = 1;
-    const dtype_t pd = fsdp_param_dtype(g), rd = fsdp_reduce_dtype(g);
-    double flat = (double)fsdp_flat_numel(g);
-    if (W > 1) {
-      c.n_ag += (long long)A * (rs == 1 ? 2 : 1);
-      c.ag += A * (rs == 1 ? 2 : 1) * (W - 1) * flat * (double)dtype_size(pd);
-      if (rs >= 2) {
-        c.n_ag += (long long)A;
-        c.ag += A * (rs - 1) * flat * W / rs * (double)dtype_size(pd);
-      }
-      c.n_rs += (long long)A;
-      c.rs += A * (W - 1) * flat * (double)dtype_size(rd);
-    }
-    if (R > 1) {
-      c.n_ar += (long long)A;
-      c.ar += A * 2.0 * (R - 1) * flat * (double)dtype_size(rd) / R;
-    }
-  }
-  /* tensor parallelism with the built-in Llama plan (README, "Tensor parallelism"): per
-   * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype */
-  int T = p->par.tp;
-  if (T > 1 && llama_plan_tp_is_builtin(&p->par)) {
-    const llama_config_t *mc = &p->model;
-    double es = (double)dtype_size(r->n_groups ? fsdp_param_dtype(r->groups[0]) : DTYPE_F32);
-    double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
-    double logits = (double)(p->batch_size * p->seq_len) * (double)mc->vocab_size / T;
-    double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
-    c.n_ag += (long long)A;
-    c.ag += A * (T - 1) * logits * es; /* the lm_head output made whole */
-    if (p->par.sequence_parallel) {
-      /* all-gather (n/T in) and reduce-scatter (n/T out) pairs: embedding, two prepare_input
-       * and two rowwise per block (forward and backward), lm_head input; norm-weight sums */
-      double pairs = 2 + 2 * L * (1 + fwd);
-      c.n_ag += (long long)(A * pairs);
-      c.n_rs += (long long)(A * pairs);
-      c.ag += A * pairs * (T - 1) * n / T * es;
-      c.rs += A * pairs * (T - 1) * n / T * es;
-      c.n_ar += (long long)(A * (2 * L + 1));
-      c.ar += A * (2 * L + 1) * (double)(2 * (T - 1) * (mc->dim * (int64_t)es) / T);
-    } else {
-      /* all-reduces of n: embedding and rowwise outputs (forward), prepare_input and lm_head
-       * inputs (backward) */
-      double k = 2 + 2 * L * (1 + fwd);
-      c.n_ar += (long long)(A * k);
-      c.ar += A * k * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T);
-    }
-  }
-  return c;
-}
-
 static double counted_bytes(const run_t *r) {
   double b = 0;
   for (int k = 0; k < mesh_ndim(r->mesh); k++) {
@@ -496,10 +429,10 @@ static void dry_run(const run_t *r) {
     printf("state_bytes %.0f\n", 4 * pb);
     printf("largest_unit_bytes %.0f\n", largest);
     printf("peak_bytes %.0f\n", est.peak);
-    comm_t m = comm_model(r);
+    llama_comm_t m = llama_comm_estimate(p, r->groups, r->n_groups);
     printf(
-        "communication per step and rank (docs/design.md section 11): all-gather %lld calls %.0f B, "
-        "reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
+        "communication per step and rank (docs/design.md section 11): all-gather %lld calls "
+        "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
         m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar);
     printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
   }

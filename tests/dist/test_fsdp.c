@@ -2,10 +2,10 @@
  * fully_shard against the single-rank model: shards equal the chunk-rule slices, training
  * with FSDP (or HSDP with argument "hsdp[:R]") matches the unsharded run step for step for
  * every plan, the collectives per step are exactly one all-gather per unshard and one
- * reduce-scatter (and for HSDP one all-reduce) per group with the bytes of docs/design.md section 11,
- * and forward memory stays within the budget of docs/design.md section 7. With argument "cuda" or
- * "cuda:offload" (world size 1, the GPU suite) the parity plans run on the GPU against the
- * single-rank model on the GPU.
+ * reduce-scatter (and for HSDP one all-reduce) per group with the bytes of docs/design.md
+ * section 11, and forward memory stays within the budget of docs/design.md section 7. With
+ * argument "cuda" or "cuda:offload" (world size 1, the GPU suite) the parity plans run on the
+ * GPU against the single-rank model on the GPU.
  */
 #include <math.h>
 #include <stdio.h>

@@ -212,9 +212,10 @@ START_TEST(ignored_parameter_and_divide_factor) {
 }
 END_TEST
 
-/* Memory (docs/design.md section 7): with reshard_after_forward, forward ends holding the sharded state, the
- * root's gathered parameters and the activations, and never more than a few unsharded
- * groups on top; the activations are measured on the unsharded model with the same batch. */
+/* Memory (docs/design.md section 7): with reshard_after_forward, forward ends holding the
+ * sharded state, the root's gathered parameters and the activations, and never more than a
+ * few unsharded groups on top; the activations are measured on the unsharded model with the
+ * same batch. */
 /* ---- order of unshard / reshard / post-backward events ---- */
 
 static char event_log[2048];

@@ -1,4 +1,5 @@
-#include "parallel/llama_memory.h"
+#include "parallel/llama_cost.h"
+#include "parallel/llama_plan.h"
 
 #include <string.h>
 
@@ -126,3 +127,64 @@ status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int
   }
   return STATUS_OK;
 }
+
+/* ---- communication ---- */
+
+llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, int n) {
+  llama_comm_t c = {0};
+  int W = p->par.dp_shard, R = p->par.dp_replicate;
+  double A = (double)p->grad_accum;
+  for (int i = 0; i < n; i++) {
+    const fsdp_group_t *g = groups[i];
+    bool root = fsdp_group_name(g)[0] == 0;
+    int rs = root ? 0 : fsdp_reshard_after_forward(g); /* the root keeps its parameters */
+    if (rs == FSDP_RESHARD_AUTO) rs = 1;
+    const dtype_t pd = fsdp_param_dtype(g), rd = fsdp_reduce_dtype(g);
+    double flat = (double)fsdp_flat_numel(g);
+    if (W > 1) {
+      c.n_ag += (long long)A * (rs == 1 ? 2 : 1);
+      c.ag += A * (rs == 1 ? 2 : 1) * (W - 1) * flat * (double)dtype_size(pd);
+      if (rs >= 2) {
+        c.n_ag += (long long)A;
+        c.ag += A * (rs - 1) * flat * W / rs * (double)dtype_size(pd);
+      }
+      c.n_rs += (long long)A;
+      c.rs += A * (W - 1) * flat * (double)dtype_size(rd);
+    }
+    if (R > 1) {
+      c.n_ar += (long long)A;
+      c.ar += A * 2.0 * (R - 1) * flat * (double)dtype_size(rd) / R;
+    }
+  }
+  /* tensor parallelism with the built-in Llama plan (the README's "Tensor parallelism"): per
+   * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype */
+  int T = p->par.tp;
+  if (T > 1 && llama_plan_tp_is_builtin(&p->par)) {
+    const llama_config_t *mc = &p->model;
+    double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
+    double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
+    double logits = (double)(p->batch_size * p->seq_len) * (double)mc->vocab_size / T;
+    double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
+    c.n_ag += (long long)A;
+    c.ag += A * (T - 1) * logits * es; /* the lm_head output made whole */
+    if (p->par.sequence_parallel) {
+      /* all-gather (n/T in) and reduce-scatter (n/T out) pairs: embedding, two prepare_input
+       * and two rowwise per block (forward and backward), lm_head input; norm-weight sums */
+      double pairs = 2 + 2 * L * (1 + fwd);
+      c.n_ag += (long long)(A * pairs);
+      c.n_rs += (long long)(A * pairs);
+      c.ag += A * pairs * (T - 1) * n / T * es;
+      c.rs += A * pairs * (T - 1) * n / T * es;
+      c.n_ar += (long long)(A * (2 * L + 1));
+      c.ar += A * (2 * L + 1) * (double)(2 * (T - 1) * (mc->dim * (int64_t)es) / T);
+    } else {
+      /* all-reduces of n: embedding and rowwise outputs (forward), prepare_input and lm_head
+       * inputs (backward) */
+      double k = 2 + 2 * L * (1 + fwd);
+      c.n_ar += (long long)(A * k);
+      c.ar += A * k * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T);
+    }
+  }
+  return c;
+}
+

@@ -1,9 +1,11 @@
 /*
- * What a training step of the built-in Llama holds per rank under a plan, computed from the
- * plan and the sharded (possibly meta) model's fully_shard groups, without running it: the
- * sharded state, the activations saved for backward, the units gathered and what is in flight
- * (logits, gradients being computed, reductions not yet finished) at the moment the step
- * peaks. fsdp-train --dry-run prints it; a real step's peak_mem_bytes is what it estimates.
+ * What a training step of the built-in Llama costs per rank under a plan, computed from the
+ * plan and the sharded (possibly meta) model's fully_shard groups without running it: the
+ * bytes it sends (llama_comm_estimate, the closed form of docs/design.md section 11) and what
+ * it holds at its peak (llama_memory_estimate: the sharded state, the activations saved for
+ * backward, the units gathered and what is in flight: logits, gradients being computed,
+ * reductions not yet finished). fsdp-train --dry-run prints both; a real step's process-group
+ * counters and peak_mem_bytes are what they estimate.
  *
  *   llama_memory_t m;
  *   TRY(llama_memory_estimate(&plan, groups, n_groups, sharded_param_bytes, 4, &m));
@@ -16,8 +18,8 @@
  * parameters are gathered while it runs forward and again for backward, its gradients made
  * whole, then reduced while the next unit's backward runs.
  */
-#ifndef FSDPC_PARALLEL_LLAMA_MEMORY_H
-#define FSDPC_PARALLEL_LLAMA_MEMORY_H
+#ifndef FSDPC_PARALLEL_LLAMA_COST_H
+#define FSDPC_PARALLEL_LLAMA_COST_H
 
 #include "fully_shard/fsdp.h"
 #include "parallel/plan.h"
@@ -43,6 +45,19 @@ typedef struct llama_memory {
 status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int n,
                                double sharded_param_bytes, size_t param_size,
                                llama_memory_t *out);
+
+/* Collectives of one step (all micro-batches) on this rank: calls, and bytes sent as the
+ * process groups count them. */
+typedef struct llama_comm {
+  double ag, rs, ar;          /* all-gather, reduce-scatter, all-reduce bytes */
+  long long n_ag, n_rs, n_ar; /* calls */
+} llama_comm_t;
+
+/* Per unit and micro-batch: an all-gather in forward and, when the unit reshards, one in
+ * backward (within the post-forward group for an integer reshard); one reduce-scatter; under
+ * HSDP one all-reduce over the replicas. Tensor parallelism with the built-in Llama rules adds
+ * its activations' collectives. groups[0..n) as for llama_memory_estimate. Local. */
+llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, int n);
 
 #ifdef __cplusplus
 }
