@@ -122,6 +122,14 @@ status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *op
   return st;
 }
 
+status_t ckpt_state_text(const char *dir, char **out) {
+  char path[PATH_LEN];
+  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
+  *out = NULL;
+  if (access(path, F_OK) != 0) return STATUS_OK;
+  return file_read_text(path, FILE_TEXT_MAX, out);
+}
+
 status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_text,
                            const uint64_t *model_id, const uint64_t *optim_id) {
   char *sealed = NULL, path[PATH_LEN];

@@ -50,6 +50,10 @@ status_t ckpt_check_state(const char *dir);
 status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
                          char **out);
 
+/* A training checkpoint's train_state.json as text into *out (the caller frees it); NULL when
+ * dir has none (a plain shard folder). Read only: ckpt_check_state checks it. Local. */
+status_t ckpt_state_text(const char *dir, char **out);
+
 /* Completes a checkpoint written into folder tmp: its train_state.json from state_text
  * (sealed with the ids of the saves of its folders when model_id is given, ckpt_state_seal),
  * then the rename of tmp to out. On failure tmp is removed. For tools that write

@@ -1,0 +1,380 @@
+#include "checkpoint/hf_convert.h"
+
+#include <cJSON.h>
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base/file.h"
+#include "checkpoint/dcp.h"
+#include "checkpoint/hf_weights.h"
+#include "checkpoint/safetensors.h"
+#include "checkpoint/train_ckpt.h"
+#include "nn/llama.h"
+
+#define PATH_LEN 4096
+
+static bool is_dir(const char *p) {
+  struct stat sb;
+  return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+/* train_state.json of a training checkpoint, or NULL (a plain shard folder). */
+static status_t read_state(const char *dir, cJSON **out) {
+  char *text;
+  TRY(ckpt_state_text(dir, &text));
+  *out = text ? cJSON_Parse(text) : NULL;
+  bool bad = text && *out == NULL;
+  free(text);
+  return bad ? err_set(STATUS_EFORMAT, "%s/train_state.json: not valid JSON", dir) : STATUS_OK;
+}
+
+/* The model config a training checkpoint records (saved_under.model), or NULL. */
+static const cJSON *recorded_model(const cJSON *state) {
+  const cJSON *m = cJSON_GetObjectItemCaseSensitive(
+      cJSON_GetObjectItemCaseSensitive(state, "saved_under"), "model");
+  return cJSON_IsObject(m) ? m : NULL;
+}
+
+static bool is_llama(const cJSON *config) {
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(config, "model_type");
+  return cJSON_IsString(t) && strcmp(t->valuestring, "llama") == 0;
+}
+
+bool hf_config_is_llama(const char *json) {
+  cJSON *o = json ? cJSON_Parse(json) : NULL;
+  bool yes = is_llama(o);
+  cJSON_Delete(o);
+  return yes;
+}
+
+status_t ckpt_recorded_config(const char *dir, char **out) {
+  *out = NULL;
+  cJSON *state;
+  TRY(read_state(dir, &state));
+  const cJSON *m = recorded_model(state);
+  if (m && (*out = cJSON_PrintUnformatted(m)) == NULL) {
+    cJSON_Delete(state);
+    return err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  cJSON_Delete(state);
+  return STATUS_OK;
+}
+
+/* ---- export ---- */
+
+/* Names in natural order: digit runs compare as numbers (layers.2 before layers.10). */
+static int natural_cmp(const char *a, const char *b) {
+  while (*a && *b) {
+    if (isdigit((unsigned char)*a) && isdigit((unsigned char)*b)) {
+      char *ea, *eb;
+      unsigned long long x = strtoull(a, &ea, 10), y = strtoull(b, &eb, 10);
+      if (x != y) return x < y ? -1 : 1;
+      a = ea;
+      b = eb;
+    } else {
+      if (*a != *b) return (unsigned char)*a - (unsigned char)*b;
+      a++;
+      b++;
+    }
+  }
+  return (unsigned char)*a - (unsigned char)*b;
+}
+
+static int cmp_by_name(const void *x, const void *y) {
+  return natural_cmp((*(const dcp_tensor_t *const *)x)->name,
+                     (*(const dcp_tensor_t *const *)y)->name);
+}
+
+/* A Hugging Face config of any model written as config.json with torch_dtype set to dtype;
+ * the built-in Llama's (model_type "llama") is checked and written in its normal form. origin
+ * names where the config came from. */
+static status_t write_config(const cJSON *config, const char *origin, dtype_t dtype,
+                             const char *path) {
+  if (!cJSON_IsObject(config))
+    return err_set(STATUS_EFORMAT, "%s: a model config is not a JSON object", origin);
+  if (is_llama(config)) {
+    char *text = cJSON_PrintUnformatted(config);
+    llama_config_t cfg;
+    status_t st = text ? llama_config_from_hf_text(text, origin, &cfg)
+                       : err_set(STATUS_ENOMEM, "out of host memory");
+    free(text);
+    TRY(st);
+    return llama_config_to_hf(&cfg, dtype, path);
+  }
+  cJSON *c = cJSON_Duplicate(config, true);
+  const char *names[] = {[DTYPE_F32] = "float32", [DTYPE_BF16] = "bfloat16",
+                         [DTYPE_F16] = "float16"};
+  const char *name = (size_t)dtype < sizeof names / sizeof names[0] ? names[dtype] : NULL;
+  if (c && name) {
+    cJSON_DeleteItemFromObjectCaseSensitive(c, "torch_dtype");
+    cJSON_AddStringToObject(c, "torch_dtype", name);
+  }
+  char *text = c ? cJSON_Print(c) : NULL;
+  cJSON_Delete(c);
+  status_t st = text ? file_write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
+  free(text);
+  return st;
+}
+
+/* config.json: --config, or the model config the checkpoint was saved with. */
+static status_t export_config(const char *dir, const hf_export_opts_t *o, dtype_t dtype,
+                              const char *path) {
+  char *text = NULL, origin[PATH_LEN];
+  cJSON *state = NULL, *given = NULL;
+  const cJSON *config = NULL;
+  if (o->config) {
+    TRY(file_read_text(o->config, FILE_TEXT_MAX, &text));
+    given = cJSON_Parse(text);
+    free(text);
+    if (given == NULL) return err_set(STATUS_EFORMAT, "%s: not valid JSON", o->config);
+    config = given;
+    snprintf(origin, sizeof origin, "%s", o->config);
+  } else {
+    TRY(read_state(dir, &state));
+    config = recorded_model(state);
+    snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir);
+  }
+  status_t st = config ? write_config(config, origin, dtype, path)
+                       : err_set(STATUS_EINVAL,
+                                 "%s: no model config recorded in train_state.json; give "
+                                 "--config CONFIG.json",
+                                 dir);
+  cJSON_Delete(given);
+  cJSON_Delete(state);
+  return st;
+}
+
+/* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
+ * time. */
+static status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int first, int last,
+                            dtype_t want, const char *path, mesh_t *one) {
+  st_writer_t *w;
+  TRY(st_writer_new(&w));
+  status_t st = st_writer_set_metadata(w, "format", "pt");
+  for (int i = first; i < last && st == STATUS_OK; i++)
+    st = st_writer_declare(w, t[i]->name, want == DTYPE_COUNT ? t[i]->dtype : want, t[i]->ndim,
+                           t[i]->shape);
+  if (st == STATUS_OK) st = st_writer_begin(w, path);
+  placement_t rep = placement_replicate();
+  for (int i = first; i < last && st == STATUS_OK; i++) {
+    tensor_t full, conv = {0};
+    dtensor_t *dt = NULL;
+    st = tensor_init(&full, t[i]->dtype, device_cpu(), t[i]->ndim, t[i]->shape);
+    if (st != STATUS_OK) break;
+    st = dtensor_from_local(&dt, &full, one, &rep, t[i]->ndim, t[i]->shape);
+    dcp_entry_t e = {t[i]->name, dt};
+    if (st == STATUS_OK) st = dcp_reader_load(r, &e, 1, NULL);
+    const tensor_t *src = &full;
+    if (st == STATUS_OK && want != DTYPE_COUNT && want != full.dtype) {
+      st = tensor_clone(&conv, &full, want, device_cpu());
+      src = &conv;
+    }
+    if (st == STATUS_OK) st = st_writer_write(w, t[i]->name, src);
+    tensor_free(&conv);
+    dtensor_free(dt);
+    tensor_free(&full);
+  }
+  if (st == STATUS_OK) st = st_writer_finish(w);
+  st_writer_free(w);
+  return st;
+}
+
+status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t *o,
+                        hf_report_t *report) {
+  hf_report_t rep_local;
+  hf_report_t *rep = report ? report : &rep_local;
+  memset(rep, 0, sizeof *rep);
+  char model[PATH_LEN], state[PATH_LEN];
+  if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  snprintf(state, sizeof state, "%.4000s/train_state.json", dir);
+  if (access(state, F_OK) == 0) TRY(ckpt_check_state(dir));
+  /* the model's shards: DIR/model in a training checkpoint, else DIR */
+  snprintf(model, sizeof model, "%.4000s/model", dir);
+  if (!is_dir(model)) snprintf(model, sizeof model, "%s", dir);
+  if (is_dir(out) && rmdir(out) != 0)
+    return err_set(STATUS_EINVAL, "%s: exists and is not empty", out);
+  /* written as OUT.tmp, renamed when complete: a failure (a damaged block) leaves no OUT */
+  char tmp[PATH_LEN + 8];
+  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
+  dcp_remove_tree(tmp);
+  dcp_reader_t *r;
+  TRY(dcp_reader_open(model, &r));
+  rep->unchecked = dcp_reader_checks(r, NULL) == DCP_CHECKS_NONE;
+  const dcp_tensor_t *list;
+  int n;
+  const dcp_tensor_t **t = NULL;
+  mesh_t *one = NULL;
+  cJSON *index = NULL;
+  status_t st = dcp_reader_list(r, &list, &n);
+  if (st == STATUS_OK && (t = malloc(sizeof *t * (size_t)(n ? n : 1))) == NULL)
+    st = err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    t[i] = &list[i];
+    if (list[i].dtype == DTYPE_COUNT || !dtype_is_float(list[i].dtype))
+      st = err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s, not a float dtype", model,
+                   list[i].name, list[i].dtype_name);
+  }
+  if (st == STATUS_OK) qsort(t, (size_t)n, sizeof *t, cmp_by_name);
+  if (st == STATUS_OK) st = mesh_init_local(&one, "one", DEVICE_CPU);
+  if (st == STATUS_OK && mkdir(tmp, 0755) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  if (st == STATUS_OK) { /* first: the config may be missing, before any tensor is written */
+    char path[PATH_LEN + 64];
+    snprintf(path, sizeof path, "%.4000s/config.json", tmp);
+    dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
+    st = export_config(dir, o, cd, path);
+  }
+  /* files: consecutive tensors up to max_shard_bytes each (a larger tensor gets its own) */
+  int *start = st == STATUS_OK ? calloc((size_t)n + 2, sizeof(int)) : NULL;
+  int files = 0;
+  uint64_t total = 0, cur = 0;
+  if (st == STATUS_OK && start == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    size_t es = dtype_size(o->dtype == DTYPE_COUNT ? t[i]->dtype : o->dtype);
+    uint64_t b = (uint64_t)t[i]->bytes / dtype_size(t[i]->dtype) * es;
+    if (i == 0 || (cur > 0 && cur + b > o->max_shard_bytes)) {
+      start[files++] = i;
+      cur = 0;
+    }
+    cur += b;
+    total += b;
+  }
+  if (st == STATUS_OK && n > 0) start[files] = n;
+  if (st == STATUS_OK && files > 1) {
+    index = cJSON_CreateObject();
+    cJSON *meta = cJSON_AddObjectToObject(index, "metadata");
+    cJSON_AddNumberToObject(meta, "total_size", (double)total);
+    cJSON_AddObjectToObject(index, "weight_map");
+  }
+  for (int f = 0; f < files && st == STATUS_OK; f++) {
+    char name[64], path[PATH_LEN + 64];
+    if (files == 1)
+      snprintf(name, sizeof name, "model.safetensors");
+    else
+      snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", f + 1, files);
+    snprintf(path, sizeof path, "%.4000s/%s", tmp, name);
+    st = export_file(r, t, start[f], start[f + 1], o->dtype, path, one);
+    for (int i = start[f]; index && i < start[f + 1]; i++)
+      cJSON_AddStringToObject(cJSON_GetObjectItemCaseSensitive(index, "weight_map"), t[i]->name,
+                              name);
+  }
+  if (st == STATUS_OK && index) {
+    char path[PATH_LEN + 64], *text = cJSON_Print(index);
+    snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", tmp);
+    st = text ? file_write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
+    free(text);
+  }
+  if (st == STATUS_OK && rename(tmp, out) != 0)
+    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
+  if (st != STATUS_OK) dcp_remove_tree(tmp);
+  if (st == STATUS_OK) {
+    rep->tensors = n;
+    rep->files = files;
+    rep->bytes = total;
+  }
+  cJSON_Delete(index);
+  free(start);
+  free(t);
+  mesh_free(one);
+  dcp_reader_close(r);
+  return st;
+}
+
+/* ---- import ---- */
+
+static status_t copy_file(const char *from, const char *to) {
+  FILE *in = NULL, *out = NULL;
+  status_t st = file_open_regular(from, "copy", &in);
+  if (st == STATUS_OK && (out = fopen(to, "wb")) == NULL)
+    st = err_set(STATUS_EIO, "copy %s -> %s: %s", from, to, strerror(errno));
+  char buf[1 << 16];
+  size_t k;
+  while (st == STATUS_OK && (k = fread(buf, 1, sizeof buf, in)) > 0)
+    if (fwrite(buf, 1, k, out) != k) st = err_set(STATUS_EIO, "%s: write failed", to);
+  if (st == STATUS_OK && (ferror(in) || fflush(out) != 0 || fsync(fileno(out)) != 0))
+    st = err_set(STATUS_EIO, "copy %s -> %s failed", from, to);
+  if (in) fclose(in);
+  if (out && fclose(out) != 0 && st == STATUS_OK) st = err_set(STATUS_EIO, "%s: close failed", to);
+  return st;
+}
+
+/* The built-in Llama's config (model_type "llama") is checked as a plan would read it; any
+ * other model's is kept as it is, for the export to write back. */
+status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
+  hf_report_t rep_local;
+  hf_report_t *rep = report ? report : &rep_local;
+  memset(rep, 0, sizeof *rep);
+  char cfg_path[PATH_LEN + 64], *config = NULL;
+  snprintf(cfg_path, sizeof cfg_path, "%.4000s/config.json", hf);
+  TRY(file_read_text(cfg_path, FILE_TEXT_MAX, &config));
+  cJSON *cfg = cJSON_Parse(config);
+  free(config);
+  status_t st = cJSON_IsObject(cfg) ? STATUS_OK
+                                    : err_set(STATUS_EFORMAT, "%s: not a JSON object", cfg_path);
+  llama_config_t lc;
+  if (st == STATUS_OK && is_llama(cfg)) st = llama_config_from_hf(cfg_path, &lc);
+  struct stat sb;
+  if (st == STATUS_OK && stat(out, &sb) == 0)
+    st = err_set(STATUS_EINVAL, "%s: already exists", out);
+  char tmp[PATH_LEN + 8], model[PATH_LEN + 16];
+  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
+  snprintf(model, sizeof model, "%s/model", tmp);
+  if (st == STATUS_OK) {
+    dcp_remove_tree(tmp);
+    if (mkdir(tmp, 0755) != 0 || mkdir(model, 0755) != 0)
+      st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  }
+  if (st != STATUS_OK) {
+    cJSON_Delete(cfg);
+    return st;
+  }
+  char **names = NULL;
+  int n = 0;
+  st = hf_weight_files(hf, &names, &n);
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    char from[PATH_LEN + 300], to[PATH_LEN + 300];
+    snprintf(from, sizeof from, "%.4000s/%s", hf, names[i]);
+    snprintf(to, sizeof to, "%s/%s", model, names[i]);
+    st_file_t *f;
+    st = st_open(&f, from); /* validate before copying */
+    if (st == STATUS_OK) {
+      st_close(f);
+      st = copy_file(from, to);
+    }
+  }
+  /* every tensor once; the shapes a plan's model implies are checked when it loads them */
+  dcp_reader_t *r = NULL;
+  const dcp_tensor_t *list;
+  int nt = 0;
+  if (st == STATUS_OK) st = dcp_reader_open(model, &r);
+  if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
+  cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
+  cJSON_AddNumberToObject(state, "step", 0);
+  cJSON_AddNumberToObject(state, "optim_steps", 0);
+  cJSON_AddStringToObject(under, "imported_from", hf);
+  cJSON_AddItemToObject(under, "model", cfg);
+  cJSON_AddItemToObject(state, "saved_under", under);
+  char *text = st == STATUS_OK ? cJSON_Print(state) : NULL;
+  if (st == STATUS_OK && text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  if (st == STATUS_OK)
+    st = ckpt_commit_state(tmp, out, text, NULL, NULL); /* the files carry no records */
+  else
+    dcp_remove_tree(tmp);
+  free(text);
+  cJSON_Delete(state);
+  if (st == STATUS_OK) {
+    rep->tensors = nt;
+    rep->files = n;
+    for (int i = 0; i < nt; i++) rep->bytes += list[i].bytes;
+    rep->unchecked = true; /* Hugging Face files carry no checksums */
+  }
+  dcp_reader_close(r);
+  hf_weight_files_free(names, n);
+  return st;
+}
+
