@@ -99,6 +99,11 @@ status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *c
  * (every rank reaches the same verdict). */
 status_t parallel_plan_resolve(parallel_plan_t *pp, int world_size);
 
+/* Refuses YAML text (len bytes) with collections nested deeper than max_depth, naming
+ * origin:line:col, before anything loads it: libyaml's loader takes time growing with the
+ * square of the nesting depth. Local. */
+status_t plan_yaml_check_depth(const char *origin, const char *text, size_t len, int max_depth);
+
 /* Appends a tensor-parallel rule given in code. */
 status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
                                    tp_layout_t input, tp_layout_t output);

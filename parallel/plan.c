@@ -832,7 +832,7 @@ static status_t apply_set(ctx_t *c, int root, const char *set) {
 
 /* Checks the nesting depth with libyaml's event parser, which stops at the first collection
  * too deep (its lookahead is bounded), before the document loader builds anything. */
-static status_t check_depth(const char *path, const char *text, size_t len) {
+status_t plan_yaml_check_depth(const char *path, const char *text, size_t len, int max_depth) {
   yaml_parser_t parser;
   yaml_parser_initialize(&parser);
   yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
@@ -842,9 +842,9 @@ static status_t check_depth(const char *path, const char *text, size_t len) {
     yaml_event_t ev;
     if (!yaml_parser_parse(&parser, &ev)) break; /* the loader reports syntax errors */
     if (ev.type == YAML_SEQUENCE_START_EVENT || ev.type == YAML_MAPPING_START_EVENT) {
-      if (++depth > PLAN_MAX_DEPTH)
+      if (++depth > max_depth)
         st = err_set(STATUS_EFORMAT, "%s:%zu:%zu: collections nested more than %d deep", path,
-                     ev.start_mark.line + 1, ev.start_mark.column + 1, PLAN_MAX_DEPTH);
+                     ev.start_mark.line + 1, ev.start_mark.column + 1, max_depth);
     } else if (ev.type == YAML_SEQUENCE_END_EVENT || ev.type == YAML_MAPPING_END_EVENT) {
       depth--;
     }
@@ -867,7 +867,7 @@ static status_t parse_file(ctx_t *c, const char *path) {
   if (size >= 0 && (size_t)size != len)
     st = err_set(STATUS_EFORMAT, "%s:1:1: not valid YAML: the file holds a NUL byte (binary?)",
                  path);
-  if (st == STATUS_OK) st = check_depth(path, text, len);
+  if (st == STATUS_OK) st = plan_yaml_check_depth(path, text, len, PLAN_MAX_DEPTH);
   if (st != STATUS_OK) {
     free(text);
     return st;

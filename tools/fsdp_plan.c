@@ -24,6 +24,7 @@
 
 #include "base/file.h"
 #include "base/status.h"
+#include "parallel/parallel_plan.h"
 
 /* ---- input: YAML through libyaml, as a cJSON tree with every scalar a string ---- */
 
@@ -56,7 +57,7 @@ static status_t read_config(const char *path, cJSON **out) {
   if (*s == '{') {
     *out = cJSON_Parse(text);
     if (*out == NULL) st = err_set(STATUS_EFORMAT, "%s: not valid JSON", path);
-  } else {
+  } else if ((st = plan_yaml_check_depth(path, text, strlen(text), 64)) == STATUS_OK) {
     yaml_parser_t p;
     yaml_document_t d;
     yaml_parser_initialize(&p);
@@ -398,8 +399,33 @@ static const char *const LAUNCHER_KEYS[] = {"compute_environment",
                                             "downcast_bf16",
                                             NULL};
 
+/* The settings that hold settings must be mappings: one given as a scalar or a list would
+ * otherwise be read as absent. prefix names where c is ("deepspeed_config." or ""). */
+static status_t check_sections(const cJSON *c, const char *path, const char *prefix) {
+  static const char *const sections[] = {"fsdp_config", "deepspeed_config", "zero_optimization",
+                                         "bf16", "fp16", "optimizer", "scheduler", NULL};
+  static const char *const inner[] = {"offload_optimizer", "offload_param", "params", NULL};
+  for (int i = 0; sections[i]; i++) {
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(c, sections[i]);
+    if (s == NULL || cJSON_IsNull(s)) continue;
+    if (!cJSON_IsObject(s))
+      return err_set(STATUS_EFORMAT, "%s: %s%s: expected a mapping of settings", path, prefix,
+                     sections[i]);
+    for (int k = 0; inner[k]; k++) {
+      const cJSON *t = cJSON_GetObjectItemCaseSensitive(s, inner[k]);
+      if (t != NULL && !cJSON_IsNull(t) && !cJSON_IsObject(t))
+        return err_set(STATUS_EFORMAT, "%s: %s%s.%s: expected a mapping of settings", path,
+                       prefix, sections[i], inner[k]);
+    }
+    if (strcmp(sections[i], "deepspeed_config") == 0)
+      TRY(check_sections(s, path, "deepspeed_config."));
+  }
+  return STATUS_OK;
+}
+
 static status_t convert(const cJSON *c, const char *path, out_t *o, char *kind, size_t n) {
   char b[160];
+  TRY(check_sections(c, path, ""));
   const char *dt = text_of(cJSON_GetObjectItemCaseSensitive(c, "distributed_type"), b, sizeof b);
   if (dt == NULL) {
     if (!cJSON_GetObjectItemCaseSensitive(c, "zero_optimization") &&

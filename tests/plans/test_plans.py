@@ -720,7 +720,32 @@ def converts():
         check(got["converted"] and got["converted"] == got["hand"],
               "%s converted trains as the hand-written plan on %d ranks: %d steps, equal losses "
               "and communication bytes" % (name, n, len(got["converted"] or [])))
-    for args, want in [(["convert", os.path.join(ROOT, "configs", "debug.yaml")],
+    # hostile and mistyped configs: a deep nesting refused at once, a section given as a
+    # scalar or a list named instead of read as absent
+    deep = os.path.join(tmp, "deep.yaml")
+    with open(deep, "w") as f:
+        f.write("a: " + "[" * 400000 + "]" * 400000 + "\n")
+    typed = {"ds-scalar.json": '{"zero_optimization": 3, "train_micro_batch_size_per_gpu": 2}',
+             "ds-offload.json": '{"zero_optimization": {"stage": 3, "offload_param": "cpu"}}',
+             "acc-list.yaml": "distributed_type: FSDP\nfsdp_config: [FULL_SHARD]\n",
+             "acc-ds.yaml": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  bf16: true\n"}
+    for name, text in typed.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    t0 = time.time()
+    e = sh([tool, "convert", deep], timeout=60)
+    check(e.returncode != 0 and "collections nested more than 64 deep" in e.stderr and
+          time.time() - t0 < 10, "fsdp-plan convert of 400000 nested lists: refused in %.1f s"
+          % (time.time() - t0))
+    for args, want in [(["convert", os.path.join(tmp, "ds-scalar.json")],
+                        r"zero_optimization: expected a mapping of settings"),
+                       (["convert", os.path.join(tmp, "ds-offload.json")],
+                        r"zero_optimization\.offload_param: expected a mapping of settings"),
+                       (["convert", os.path.join(tmp, "acc-list.yaml")],
+                        r"fsdp_config: expected a mapping of settings"),
+                       (["convert", os.path.join(tmp, "acc-ds.yaml")],
+                        r"deepspeed_config\.bf16: expected a mapping of settings"),
+                       (["convert", os.path.join(ROOT, "configs", "debug.yaml")],
                         r"neither an Accelerate config .* nor a DeepSpeed config"),
                        (["convert", os.path.join(tmp, "none.json")], r"none\.json"),
                        (["convert"], r"convert needs a config file"),
