@@ -1,4 +1,7 @@
-/* fully_shard: sharding parameters into groups, the hooks, prefetching and control. */
+/* fully_shard: a group's life (creation, teardown), its hooks (the unshard / reshard / reduce
+ * state machine of a step), prefetching and control. Sharding one parameter is in
+ * fsdp_param.c, modules called outside their unit in fsdp_on_demand.c, the data path in
+ * fsdp_comm.c. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,272 +41,7 @@ int fsdp_post_forward_groups(fsdp_group_t *const *groups, int n, pg_t **out) {
 }
 dtype_t fsdp_reduce_dtype(const fsdp_group_t *g) { return g->reduce_dtype; }
 
-/* ---- sharding ---- */
-
-typedef struct plist {
-  nn_param_t **p;
-  int n, cap;
-} plist_t;
-
-static bool ignored(const fsdp_options_t *opt, const nn_param_t *p) {
-  for (int i = 0; i < opt->n_ignored; i++)
-    if (opt->ignored[i] == p) return true;
-  return false;
-}
-
-static status_t collect(const nn_module_t *m, const fsdp_options_t *opt, plist_t *l) {
-  for (int i = 0; i < nn_module_num_params(m); i++) {
-    nn_param_t *p = nn_module_param(m, i);
-    if (p->external || ignored(opt, p)) continue; /* claimed by an inner call, or ignored */
-    bool seen = false;
-    for (int j = 0; j < l->n && !seen; j++) seen = l->p[j] == p;
-    if (seen) continue;
-    if (l->n == l->cap) {
-      int nc = l->cap ? 2 * l->cap : 16;
-      nn_param_t **np = realloc(l->p, sizeof(nn_param_t *) * (size_t)nc);
-      if (np == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-      l->p = np;
-      l->cap = nc;
-    }
-    l->p[l->n++] = p;
-  }
-  for (int i = 0; i < nn_module_num_children(m); i++) TRY(collect(nn_module_child(m, i), opt, l));
-  return STATUS_OK;
-}
-
-/* The tensor-parallel mesh p already lives on (1-D, of the same world mesh as the group's),
- * or NULL for a whole parameter. */
-static mesh_t *tp_mesh_of(const nn_param_t *p) {
-  mesh_t *pm = dtensor_mesh(p->value);
-  return mesh_ndim(pm) == 1 && mesh_size(pm, 0) == 1 ? NULL : pm;
-}
-
-static status_t check_param(const nn_param_t *p, const mesh_t *mesh) {
-  const dtensor_t *v = p->value;
-  const mesh_t *pm = dtensor_mesh(v);
-  const placement_t *pl = dtensor_placements(v);
-  if (tp_mesh_of(p) != NULL) {
-    if (mesh_ndim(pm) != 1 || !mesh_same_root(pm, mesh) || pl[0].kind == PLACEMENT_PARTIAL ||
-        mesh_ndim(mesh) + 1 > MESH_MAX_DIMS)
-      return err_set(STATUS_EINVAL,
-                     "fully_shard: parameter %s is already distributed (only a Shard or "
-                     "Replicate DTensor on one tensor-parallel dimension of the same world "
-                     "mesh composes with fully_shard)",
-                     p->fqn);
-  } else if (pl[0].kind != PLACEMENT_REPLICATE) {
-    return err_set(STATUS_EINVAL, "fully_shard: parameter %s is already distributed", p->fqn);
-  }
-  if (dtensor_ndim(v) < 1)
-    return err_set(STATUS_ESHAPE,
-                   "fully_shard: parameter %s is a scalar; sharding needs at "
-                   "least one dimension",
-                   p->fqn);
-  if (!device_equal(dtensor_local(v)->device, mesh_device(mesh))) {
-    char a[16], b[16];
-    return err_set(STATUS_EINVAL, "fully_shard: parameter %s is on %s, the mesh on %s", p->fqn,
-                   device_str(dtensor_local(v)->device, a, sizeof a),
-                   device_str(mesh_device(mesh), b, sizeof b));
-  }
-  return STATUS_OK;
-}
-
-/* The mesh and placements of p's sharded DTensor: Shard(0) over the group's shard dimension
- * ((Replicate, Shard(0)) for HSDP); a tensor-parallel parameter lives on (dp..., tp) with its
- * tp placement last, the dp shard strided when tp also shards dimension 0 (dp chunks the tp
- * shard). */
-static status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, mesh_t **mesh,
-                               placement_t *pl) {
-  int md = mesh_ndim(g->mesh);
-  mesh_t *tp = tp_mesh_of(p);
-  for (int i = 0; i < md - 1; i++) pl[i] = placement_replicate();
-  pl[md - 1] = placement_shard(0);
-  *mesh = g->mesh;
-  if (tp == NULL) return STATUS_OK;
-  placement_t tpl = dtensor_placements(p->value)[0];
-  if (placement_is_shard(tpl, 0)) pl[md - 1] = placement_strided_shard(0, mesh_size(tp, 0));
-  pl[md] = tpl;
-  if (g->param_mesh == NULL) TRY(mesh_concat(g->mesh, tp, &g->param_mesh));
-  if (mesh_group(g->param_mesh, md) != mesh_group(tp, 0))
-    return err_set(STATUS_EINVAL,
-                   "fully_shard: the parameters of one group live on different tensor-parallel "
-                   "meshes (%s)",
-                   p->fqn);
-  *mesh = g->param_mesh;
-  return STATUS_OK;
-}
-
-static const nn_param_guard_t on_demand_guard;
-
-/* Replaces p's value with its sharded DTensor: dim 0 of its local tensor (the whole
- * parameter, or its tensor-parallel shard) chunked over the group's shard dimension. */
-static status_t shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
-  nn_param_t *p = fp->p;
-  const tensor_t *full = dtensor_local(p->value);
-  int nd = full->ndim;
-  fp->n0 = full->shape[0];
-  fp->ndim = nd;
-  memcpy(fp->shape, full->shape, sizeof(int64_t) * (size_t)nd);
-  fp->rows = chunk_size(fp->n0, g->W);
-  fp->row = fp->n0 ? tensor_numel(full) / fp->n0 : 0;
-  int64_t start, len, shape[TENSOR_MAX_DIMS], global[TENSOR_MAX_DIMS];
-  chunk_range(fp->n0, g->W, g->rank, &start, &len);
-  memcpy(shape, full->shape, sizeof shape);
-  memcpy(global, dtensor_shape(p->value), sizeof(int64_t) * (size_t)nd);
-  shape[0] = fp->rows;
-  placement_t pl[MESH_MAX_DIMS];
-  mesh_t *mesh;
-  TRY(sharded_layout(g, p, &mesh, pl));
-  device_t dev = g->offload ? device_cpu() : full->device;
-  if (tensor_is_meta(full)) /* deferred: memory comes with nn_module_materialize */
-    TRY(tensor_meta(&fp->padded, full->dtype, dev, nd, shape));
-  else
-    TRY(tensor_zeros(&fp->padded, full->dtype, dev, nd, shape));
-  tensor_t src = {0}, dst = {0}, local = {0};
-  status_t st = STATUS_OK;
-  dtensor_t *dt = NULL;
-  TRY_GOTO(st, tensor_narrow(&dst, &fp->padded, 0, 0, len));
-  if (!tensor_is_meta(full)) {
-    TRY_GOTO(st, tensor_narrow(&src, full, 0, start, len));
-    TRY_GOTO(st, tensor_copy(&dst, &src));
-  }
-  TRY_GOTO(st, tensor_ref(&local, &dst));
-  TRY_GOTO(st, dtensor_from_local(&dt, &local, mesh, pl, nd, global));
-  tensor_free(&p->compute);
-  nn_param_zero_grad(p);
-  dtensor_free(p->value);
-  p->value = dt;
-  p->external = true;
-  p->guard = &on_demand_guard;
-  p->guard_state = fp;
-  fp->g = g;
-cleanup:
-  tensor_free(&src);
-  tensor_free(&dst);
-  tensor_free(&local);
-  return st;
-}
-
-/* The guard's materialize: the padded shard of a meta parameter gets memory, uninitialised
- * except its padding rows (zero: they travel in the all-gather and the reduce-scatter). */
-static status_t materialize_param(nn_param_t *p) {
-  fsdp_param_t *fp = p->guard_state;
-  if (!tensor_is_meta(&fp->padded)) return STATUS_OK;
-  fsdp_group_t *g = fp->g;
-  int64_t start, len;
-  chunk_range(fp->n0, g->W, g->rank, &start, &len);
-  const tensor_t *meta = &fp->padded;
-  tensor_t padded = {0}, pad = {0}, local = {0};
-  dtensor_t *dt = NULL;
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, tensor_init(&padded, meta->dtype, meta->device, meta->ndim, meta->shape));
-  TRY_GOTO(st, tensor_narrow(&pad, &padded, 0, len, fp->rows - len));
-  TRY_GOTO(st, tensor_fill(&pad, 0.0));
-  TRY_GOTO(st, tensor_narrow(&local, &padded, 0, 0, len));
-  const dtensor_t *v = p->value;
-  TRY_GOTO(st, dtensor_from_local(&dt, &local, dtensor_mesh(v), dtensor_placements(v),
-                                  dtensor_ndim(v), dtensor_shape(v)));
-  dtensor_free(p->value);
-  p->value = dt;
-  tensor_free(&fp->padded);
-  fp->padded = padded;
-  memset(&padded, 0, sizeof padded);
-cleanup:
-  tensor_free(&padded);
-  tensor_free(&pad);
-  tensor_free(&local);
-  return st;
-}
-
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
-static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
-
-/* The modules under m that no inner group claims (m itself excluded), appended to g->members
- * unless counting only. */
-static int collect_members(fsdp_group_t *g, nn_module_t *m, bool count_only) {
-  int n = 0;
-  for (int i = 0; i < nn_module_num_children(m); i++) {
-    nn_module_t *c = nn_module_child(m, i);
-    if (fsdp_group_of(c) != NULL) continue; /* an inner unit: its own group */
-    if (!count_only) g->members[g->n_members++] = (fsdp_member_t){.g = g, .m = c};
-    n += 1 + collect_members(g, c, count_only);
-  }
-  return n;
-}
-
-/* The members: the group's own modules, then the others, which get the on-demand hook. */
-static status_t install_members(fsdp_group_t *g) {
-  size_t n = (size_t)g->n_modules;
-  for (int i = 0; i < g->n_modules; i++) n += (size_t)collect_members(g, g->modules[i], true);
-  if ((g->members = calloc(n, sizeof *g->members)) == NULL)
-    return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-  for (int i = 0; i < g->n_modules; i++)
-    g->members[g->n_members++] = (fsdp_member_t){.g = g, .m = g->modules[i]};
-  for (int i = 0; i < g->n_modules; i++) collect_members(g, g->modules[i], false);
-  for (int i = g->n_modules; i < g->n_members; i++)
-    for (int k = 0; k < NN_HOOK_COUNT; k++)
-      TRY(nn_module_add_hook(g->members[i].m, k, member_hook, &g->members[i]));
-  return STATUS_OK;
-}
-
-/* The member for module m, or NULL. */
-static fsdp_member_t *find_member(fsdp_group_t *g, const nn_module_t *m) {
-  for (int i = 0; i < g->n_members; i++)
-    if (g->members[i].m == m) return &g->members[i];
-  return NULL;
-}
-
-/* The member for module m (the group's first module when m is not one of its members). */
-static fsdp_member_t *member_of(fsdp_group_t *g, const nn_module_t *m) {
-  fsdp_member_t *mb = find_member(g, m);
-  return mb ? mb : &g->members[0];
-}
-
-/* Communicators for agreeing on on-demand unshards, one duplicate per process group, shared by
- * the groups that use it and freed with the last. */
-typedef struct agree_entry {
-  pg_t *pg;
-  MPI_Comm comm;
-  int users;
-  struct agree_entry *next;
-} agree_entry_t;
-static agree_entry_t *agree_entries;
-
-/* Collective over pg the first time for each pg (every rank makes the same calls). */
-static status_t agree_comm(pg_t *pg, MPI_Comm *out) {
-  *out = MPI_COMM_NULL;
-  if (pg == NULL || pg_size(pg) == 1) return STATUS_OK;
-  for (agree_entry_t *e = agree_entries; e != NULL; e = e->next)
-    if (e->pg == pg) {
-      e->users++;
-      *out = e->comm;
-      return STATUS_OK;
-    }
-  agree_entry_t *e = calloc(1, sizeof *e);
-  if (e == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-  if (MPI_Comm_dup(pg_comm(pg), &e->comm) != MPI_SUCCESS) {
-    free(e);
-    return err_set(STATUS_EMPI, "fully_shard: MPI_Comm_dup failed");
-  }
-  MPI_Comm_set_errhandler(e->comm, MPI_ERRORS_RETURN);
-  *e = (agree_entry_t){pg, e->comm, 1, agree_entries};
-  agree_entries = e;
-  *out = e->comm;
-  return STATUS_OK;
-}
-
-static void agree_comm_release(MPI_Comm *comm) {
-  for (agree_entry_t **p = &agree_entries; *p != NULL && *comm != MPI_COMM_NULL; p = &(*p)->next) {
-    agree_entry_t *e = *p;
-    if (e->comm != *comm) continue;
-    if (--e->users == 0) {
-      MPI_Comm_free(&e->comm);
-      *p = e->next;
-      free(e);
-    }
-    break;
-  }
-  *comm = MPI_COMM_NULL;
-}
 
 /* Post-forward groups of an integer reshard, one per (shard group, N), shared by the groups
  * that use them and released with the last. */
@@ -377,7 +115,7 @@ static void group_free(fsdp_group_t *g) {
     if (g->params[i].p != NULL && g->params[i].p->guard_state == &g->params[i])
       g->params[i].p->guard = NULL, g->params[i].p->guard_state = NULL;
   }
-  for (int k = 0; k < 2; k++) agree_comm_release(&g->agree[k]);
+  for (int k = 0; k < 2; k++) fsdp_agree_comm_release(&g->agree[k]);
   for (int i = 0; i < g->n_members; i++) free(g->members[i].on_demand);
   free(g->members);
   free(g->params);
@@ -413,10 +151,10 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
                    "fully_shard: reshard_after_forward %d is not valid for a shard group of %d "
                    "ranks (use true, false, or an integer N with 1 < N < %d dividing %d)",
                    N, W, W, W);
-  plist_t l = {0};
+  fsdp_plist_t l = {0};
   status_t st = STATUS_OK;
-  for (int i = 0; i < n_modules && st == STATUS_OK; i++) st = collect(ms[i], opt, &l);
-  for (int i = 0; i < l.n && st == STATUS_OK; i++) st = check_param(l.p[i], opt->mesh);
+  for (int i = 0; i < n_modules && st == STATUS_OK; i++) st = fsdp_collect_params(ms[i], opt, &l);
+  for (int i = 0; i < l.n && st == STATUS_OK; i++) st = fsdp_check_param(l.p[i], opt->mesh);
   fsdp_group_t *g = NULL;
   if (st == STATUS_OK && (g = calloc(1, sizeof *g)) == NULL)
     st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
@@ -450,7 +188,7 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
       g->param_dtype = opt->param_dtype == DTYPE_COUNT ? dt : opt->param_dtype;
       g->reduce_dtype = opt->reduce_dtype == DTYPE_COUNT ? g->param_dtype : opt->reduce_dtype;
     }
-    st = shard_param(g, fp);
+    st = fsdp_shard_param(g, fp);
     if (st == STATUS_OK) {
       fp->offset = g->flat;
       g->flat += fp->rows * fp->row;
@@ -459,10 +197,10 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
   }
   free(l.p);
   g->agree[0] = g->agree[1] = MPI_COMM_NULL;
-  if (st == STATUS_OK) st = agree_comm(g->shard, &g->agree[0]);
-  if (st == STATUS_OK) st = agree_comm(g->replicate, &g->agree[1]);
+  if (st == STATUS_OK) st = fsdp_agree_comm(g->shard, &g->agree[0]);
+  if (st == STATUS_OK) st = fsdp_agree_comm(g->replicate, &g->agree[1]);
   if (st == STATUS_OK && N >= 2) st = post_forward_group(g, N);
-  if (st == STATUS_OK) st = install_members(g);
+  if (st == STATUS_OK) st = fsdp_install_members(g);
   for (int i = 0; i < n_modules; i++)
     for (int k = 0; k < NN_HOOK_COUNT && st == STATUS_OK; k++)
       st = nn_module_add_hook(ms[i], k, hook, g);
@@ -544,7 +282,7 @@ void fsdp_set_is_last_backward(nn_module_t *root, bool last) {
 
 /* ---- hooks ---- */
 
-static void lazy_init(fsdp_group_t *g) {
+void fsdp_lazy_init(fsdp_group_t *g) {
   if (g->initialised) return;
   g->initialised = true;
   g->root = g; /* the outermost group above any of this group's modules */
@@ -598,19 +336,17 @@ static status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   return forward_prefetch(g);
 }
 
-/* After a call's forward: free the unsharded parameters as reshard_after_forward says. */
-static status_t reshard_after_forward(fsdp_group_t *g) {
+status_t fsdp_after_forward(fsdp_group_t *g) {
   if (!g->unsharded) return STATUS_OK;
   if (g->reshard_after_forward == 1) fsdp_reshard(g);
   if (g->reshard_after_forward >= 2) return fsdp_reshard_to_slice(g);
   return STATUS_OK;
 }
 
-/* After a call's backward: reduce the gradients it produced (unless accumulating without
- * sync) and reshard. A call whose backward runs after the root's backward has ended (a call
- * made before the root's forward) finishes the reduction at once: nothing later would. The
- * root's own post-backward runs inside its backward and finishes its reductions itself. */
-static status_t reduce_after_backward(fsdp_group_t *g) {
+/* A call whose backward runs after the root's backward has ended (a call made before the
+ * root's forward) finishes the reduction at once: nothing later would. The root's own
+ * post-backward runs inside its backward and finishes its reductions itself. */
+status_t fsdp_after_backward(fsdp_group_t *g) {
   fsdp_emit(g, "post_backward");
   status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK; /* else keep accumulating */
   if (g->reshard_after_backward) fsdp_reshard(g);
@@ -623,13 +359,13 @@ static status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   /* inside a checkpointed call's recomputation the parameters are needed next */
   if (nn_ctx_recomputing(ctx)) return STATUS_OK;
   TRY(gvec_push(&g->root->bwd_order, g));
-  return reshard_after_forward(g);
+  return fsdp_after_forward(g);
 }
 
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
   (void)m;
   fsdp_group_t *g = user;
-  lazy_init(g);
+  fsdp_lazy_init(g);
   switch (kind) {
     case NN_HOOK_PRE_FORWARD: g->in_forward++; return pre_forward(ctx, g);
     case NN_HOOK_POST_FORWARD: g->in_forward--; return post_forward(ctx, g);
@@ -641,7 +377,7 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
       TRY(fsdp_unshard(g));
       return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
-      status_t st = reduce_after_backward(g);
+      status_t st = fsdp_after_backward(g);
       if (!g->is_root) return st;
       g->in_backward = false;
       /* end of backward: drop prefetches no backward consumed; on the last backward finish
@@ -653,218 +389,6 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
     }
     default: return STATUS_OK;
   }
-}
-
-/* ---- modules called outside their unit's forward ---- */
-
-static status_t push_call(fsdp_member_t *mb, bool on_demand) {
-  if (mb->depth == mb->cap) {
-    int nc = mb->cap ? 2 * mb->cap : 4;
-    bool *p = realloc(mb->on_demand, sizeof(bool) * (size_t)nc);
-    if (p == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-    mb->on_demand = p;
-    mb->cap = nc;
-  }
-  mb->on_demand[mb->depth++] = on_demand;
-  return STATUS_OK;
-}
-
-static const char *unit_name(const fsdp_group_t *g) {
-  const char *u = nn_module_fqn(g->module);
-  return u[0] ? u : "(root)";
-}
-
-/* What ran on demand: the member's module (its call), or an operation on one of its
- * parameters. */
-static void describe(const fsdp_member_t *mb, const char *op, const nn_param_t *p, char *buf,
-                     size_t size) {
-  const char *name = nn_module_fqn(mb->m);
-  if (p == NULL)
-    snprintf(buf, size, "%s", name[0] ? name : "(root)");
-  else
-    snprintf(buf, size, "%s on parameter %s of module %s", op, p->fqn, name[0] ? name : "(root)");
-}
-
-/* The first on-demand use of a member's module, once per module and rank: what ran, its unit
- * and the call path. */
-static void warn_on_demand(nn_ctx_t *ctx, fsdp_member_t *mb, const char *what, bool call) {
-  if ((call && mb->registered) || mb->warned) return;
-  mb->warned = true;
-  char path[1024];
-  nn_ctx_call_path(ctx, path, sizeof path);
-  fprintf(stderr,
-          "fsdpc: warning: [rank %d] fully_shard: %s ran outside the forward of its unit '%s' "
-          "(call path: %s); the unit's parameters were all-gathered on demand, without "
-          "prefetch. Call the unit instead, or %s.\n",
-          world_rank(), what, unit_name(mb->g), path,
-          call ? "make the module an entry point with fsdp_register_forward_method"
-               : "run the code using the parameter as a call of its module with nn_call_with");
-}
-
-/* A 63-bit FNV-1a hash of a module's name. */
-static int64_t name_hash(const char *s) {
-  uint64_t h = 1469598103934665603ull;
-  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return (int64_t)(h >> 1);
-}
-
-/* An agreement's buffer whose collective never completed (the job was stopped: one at most),
- * kept reachable because MPI may still own it (volatile: a store the compiler cannot drop). */
-static int64_t *volatile orphan;
-
-/* Every rank of the group takes the on-demand path of a member together (what: its
- * description): an all-reduce of the module's name over the shard and the replicate ranks. A
- * rank whose partners do not join in time stops the job, naming it. */
-static status_t agree_on_demand(const fsdp_member_t *mb, const char *what) {
-  TRY(world_check());
-  fsdp_group_t *g = mb->g;
-  int64_t h = name_hash(nn_module_fqn(mb->m));
-  for (int k = 0; k < 2; k++) {
-    if (g->agree[k] == MPI_COMM_NULL) continue;
-    int64_t *buf = malloc(4 * sizeof *buf);
-    if (buf == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-    buf[0] = h;
-    buf[1] = -h;
-    MPI_Request req;
-    status_t st = STATUS_OK;
-    if (MPI_Iallreduce(buf, buf + 2, 2, MPI_INT64_T, MPI_MAX, g->agree[k], &req) != MPI_SUCCESS)
-      st = err_set(STATUS_EMPI, "fully_shard: MPI_Iallreduce (on-demand agreement) failed");
-    bool late = false;
-    if (st == STATUS_OK)
-      st = world_wait_for(&req, g->opt.on_demand_timeout, "MPI_Iallreduce (on-demand agreement)",
-                          &late);
-    if (st == STATUS_OK && late) {
-      orphan = buf;
-      return world_stop(err_set(
-          STATUS_ETIMEOUT,
-          "fully_shard: %s ran outside the forward of its unit '%s' on rank %d, and the other "
-          "ranks of the unit's %s group did not take that on-demand unshard within %g s; it is "
-          "collective: make the same call on every rank, or call the unit",
-          what, unit_name(g), world_rank(), k ? "replicate" : "shard", g->opt.on_demand_timeout));
-    }
-    if (st != STATUS_OK) { /* failed to start (buf is free), or the job was stopped meanwhile */
-      if (world_check() == STATUS_OK)
-        free(buf);
-      else
-        orphan = buf;
-      return st;
-    }
-    bool same = buf[2] == h && buf[3] == -h;
-    free(buf);
-    if (!same)
-      return err_set(STATUS_EINVAL,
-                     "fully_shard: the ranks of unit '%s' took different on-demand unshards "
-                     "(%s on rank %d, another module on another rank); every rank must make "
-                     "the same calls",
-                     unit_name(g), what, world_rank());
-  }
-  return STATUS_OK;
-}
-
-/* A member's call is on demand when none of its group's own modules is in its forward: the
- * call then unshards the group, reshards after forward by the group's policy, and in backward
- * unshards again and reduces its gradients, as a call of the unit would. */
-static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
-  (void)m;
-  fsdp_member_t *mb = user;
-  fsdp_group_t *g = mb->g;
-  lazy_init(g);
-  bool recomputing = nn_ctx_recomputing(ctx), rec = nn_ctx_recording(ctx) && !recomputing;
-  switch (kind) {
-    case NN_HOOK_PRE_FORWARD: {
-      bool od = g->in_forward == 0; /* nested calls inside an on-demand call count as inside */
-      if (!od) {
-        if (rec) TRY(push_call(mb, false));
-        return STATUS_OK;
-      }
-      /* the recomputation of an activation-checkpointed call in backward (whether or not the
-       * call was on demand): the group's operations inside it are provided for, as in forward */
-      if (!recomputing) {
-        if (rec) TRY(push_call(mb, true));
-        char what[512];
-        describe(mb, NULL, NULL, what, sizeof what);
-        TRY(agree_on_demand(mb, what));
-        warn_on_demand(ctx, mb, what, true);
-      }
-      mb->active = true;
-      g->in_forward++;
-      return fsdp_unshard(g);
-    }
-    case NN_HOOK_POST_FORWARD:
-      if (!mb->active) return STATUS_OK;
-      mb->active = false;
-      g->in_forward--;
-      /* a recomputation's backward comes next: keep the parameters */
-      return recomputing ? STATUS_OK : reshard_after_forward(g);
-    case NN_HOOK_PRE_BACKWARD:
-      if (mb->depth > 0 && mb->on_demand[mb->depth - 1]) return fsdp_unshard(g);
-      return STATUS_OK;
-    case NN_HOOK_POST_BACKWARD: {
-      if (mb->depth == 0 || !mb->on_demand[--mb->depth]) return STATUS_OK;
-      return reduce_after_backward(g);
-    }
-    default: return STATUS_OK;
-  }
-}
-
-/* Operations on a sharded parameter while no call of its group runs: the operation is an
- * on-demand call of the module owning the parameter (nn_param_begin). */
-static fsdp_group_t *group_of_param(const nn_param_t *p) {
-  return ((const fsdp_param_t *)p->guard_state)->g;
-}
-
-static bool guard_ready(const nn_param_t *p) { return group_of_param(p)->in_forward > 0; }
-
-static status_t guard_enter(nn_ctx_t *ctx, nn_param_t *p, const char *op) {
-  fsdp_group_t *g = group_of_param(p);
-  lazy_init(g);
-  if (!nn_ctx_recomputing(ctx)) {
-    fsdp_member_t *mb = member_of(g, p->owner);
-    char what[512];
-    describe(mb, op, p, what, sizeof what);
-    TRY(agree_on_demand(mb, what));
-    warn_on_demand(ctx, mb, what, false);
-  }
-  return fsdp_unshard(g);
-}
-
-static status_t guard_leave(nn_ctx_t *ctx, nn_param_t *p) {
-  (void)ctx;
-  return reshard_after_forward(group_of_param(p));
-}
-
-static status_t guard_pre_backward(nn_ctx_t *ctx, nn_param_t *p) {
-  (void)ctx;
-  return fsdp_unshard(group_of_param(p));
-}
-
-static status_t guard_post_backward(nn_ctx_t *ctx, nn_param_t *p) {
-  (void)ctx;
-  return reduce_after_backward(group_of_param(p));
-}
-
-static const nn_param_guard_t on_demand_guard = {
-    .ready = guard_ready,
-    .enter = guard_enter,
-    .leave = guard_leave,
-    .pre_backward = guard_pre_backward,
-    .post_backward = guard_post_backward,
-    .materialize = materialize_param,
-};
-
-status_t fsdp_register_forward_method(nn_module_t *m) {
-  if (fsdp_group_of(m) != NULL) return STATUS_OK; /* a unit's own calls are regular */
-  for (nn_module_t *a = nn_module_parent(m); a != NULL; a = nn_module_parent(a)) {
-    fsdp_group_t *g = fsdp_group_of(a);
-    fsdp_member_t *mb = g ? find_member(g, m) : NULL;
-    if (mb != NULL) {
-      mb->registered = true;
-      return STATUS_OK;
-    }
-  }
-  return err_set(STATUS_EINVAL,
-                 "fsdp_register_forward_method: '%s' is not inside a fully-sharded unit",
-                 nn_module_fqn(m));
 }
 
 static status_t set_list(fsdp_group_t ***list, int *n, bool *explicit_, fsdp_group_t *const *gs,

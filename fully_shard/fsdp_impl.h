@@ -1,6 +1,8 @@
 /*
- * Private state of fully_shard, shared by fsdp.c (sharding, hooks, prefetch, control) and
- * fsdp_comm.c (the unshard and gradient-reduction data path). Not installed.
+ * Private state of fully_shard, shared by fsdp.c (a group's life, its hooks, prefetch,
+ * control), fsdp_param.c (one parameter's sharded storage), fsdp_on_demand.c (modules called
+ * outside their unit) and fsdp_comm.c (the unshard and gradient-reduction data path). Not
+ * installed.
  */
 #ifndef FSDPC_FULLY_SHARD_FSDP_IMPL_H
 #define FSDPC_FULLY_SHARD_FSDP_IMPL_H
@@ -100,6 +102,52 @@ struct fsdp_group {
   int n_fwd_prefetch, n_bwd_prefetch;
   bool fwd_explicit, bwd_explicit;
 };
+
+/* ---- fsdp.c: the group's state machine ---- */
+
+/* Finds the group's root and resolves an auto reshard policy, on the first hook. */
+void fsdp_lazy_init(fsdp_group_t *g);
+/* After a call's forward: frees the unsharded parameters as reshard_after_forward says. */
+status_t fsdp_after_forward(fsdp_group_t *g);
+/* After a call's backward: reduces the gradients it produced (unless accumulating without
+ * sync) and reshards. */
+status_t fsdp_after_backward(fsdp_group_t *g);
+
+/* ---- fsdp_param.c: one parameter ---- */
+
+typedef struct fsdp_plist {
+  nn_param_t **p;
+  int n, cap;
+} fsdp_plist_t;
+
+/* Appends the parameters under m that no inner call claimed and opt does not ignore (each
+ * once). */
+status_t fsdp_collect_params(const nn_module_t *m, const fsdp_options_t *opt, fsdp_plist_t *l);
+/* Whether p can be sharded over mesh: whole (or a Shard/Replicate tensor-parallel DTensor of
+ * the same world mesh), at least 1-D, on the mesh's device. */
+status_t fsdp_check_param(const nn_param_t *p, const mesh_t *mesh);
+/* Replaces fp->p's value with its sharded DTensor: dim 0 of its local tensor (the whole
+ * parameter, or its tensor-parallel shard) chunked over the group's shard dimension, in
+ * zero-padded storage (meta for a deferred parameter); installs the on-demand guard. */
+status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp);
+/* The guard's materialize: the padded shard of a meta parameter gets memory, uninitialised
+ * except its padding rows (zero: they travel in the all-gather and the reduce-scatter). */
+status_t fsdp_materialize_param(nn_param_t *p);
+
+/* ---- fsdp_on_demand.c: modules called outside their unit ---- */
+
+/* The guard of every sharded parameter (operations outside any call of its group). */
+extern const nn_param_guard_t fsdp_on_demand_guard;
+/* The members: the group's own modules, then the others under them (not inside an inner
+ * group), which get the on-demand hook. */
+status_t fsdp_install_members(fsdp_group_t *g);
+/* A duplicate of pg's communicator for agreeing on on-demand unshards, shared by the groups
+ * that use it (MPI_COMM_NULL for a group of one rank or none); collective over pg the first
+ * time for each pg. Released with fsdp_agree_comm_release, freed with its last user. */
+status_t fsdp_agree_comm(pg_t *pg, MPI_Comm *out);
+void fsdp_agree_comm_release(MPI_Comm *comm);
+
+/* ---- fsdp_comm.c: the data path ---- */
 
 /* The side streams of dev (NULL on the CPU), created on first use and kept. */
 status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out);
