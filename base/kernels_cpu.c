@@ -1,16 +1,53 @@
 /*
  * CPU twin of the compute kernels: OpenBLAS for matrix products, plain C elsewhere.
  * Values are read into fp32 (converted copies for bf16/f16 storage), computed in fp32 with
- * double-precision reductions where a row is summed, and rounded once when stored.
+ * double-precision reductions where a row is summed (norms: fp32 lanes per 256 elements, the
+ * blocks in double), and rounded once when stored.
  */
 #include <cblas.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/backend.h"
 #include "base/kernels_impl.h"
+
+/* Element-wise kernels built twice with GCC, for the baseline x86-64 (4 lanes) and for AVX2
+ * (8 lanes), the copy chosen when the library loads (an ifunc): the same IEEE operations
+ * either way (no FMA contraction), so the same bits on every machine. Not for reductions,
+ * whose lane count would change their order. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define WIDE __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE
+#endif
+
+/* e^x in fp32 with the operations a loop can vectorise (glibc's expf is a call per element):
+ * x = n ln2 + r with n rounded to nearest (by the 1.5 * 2^23 shift) and ln2 in two parts,
+ * e^r by Cephes' degree-6 polynomial on |r| <= ln2/2, times 2^n built in the exponent bits:
+ * within 1 ulp of e^x (0.97 measured over [-87, 88]). Inputs are clamped to [-87.3, 88.37],
+ * so the extremes give about 1.2e-38 and 2.4e38 instead of 0 and infinity (enough for softmax
+ * and sigmoid); NaN stays NaN. */
+static inline float exp_f32(float x) {
+  float c = x < -87.3f ? -87.3f : x > 88.37f ? 88.37f : x;
+  float t = c * 1.44269504088896341f;
+  float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+  float r = c - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return x == x ? p * scale : x;
+}
 
 /* ---- fp32 views of tensors of any float dtype ---- */
 
@@ -160,6 +197,34 @@ static status_t cpu_embedding_backward(tensor_t *grad_table, const tensor_t *gra
 
 /* ---- RMSNorm ---- */
 
+/* Sums of products for norms: fp32 lanes over blocks of 256 elements (vectorised), the
+ * blocks added in double. sum a*b, and sum a*b*c. */
+enum { SUM_BLOCK = 256 };
+
+static double dot_f32(const float *a, const float *b, int64_t n) {
+  double s = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {
+    int64_t i1 = i0 + SUM_BLOCK < n ? i0 + SUM_BLOCK : n;
+    float acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = i0; i < i1; i++) acc += a[i] * b[i];
+    s += acc;
+  }
+  return s;
+}
+
+static double dot3_f32(const float *a, const float *b, const float *c, int64_t n) {
+  double s = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {
+    int64_t i1 = i0 + SUM_BLOCK < n ? i0 + SUM_BLOCK : n;
+    float acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = i0; i < i1; i++) acc += a[i] * b[i] * c[i];
+    s += acc;
+  }
+  return s;
+}
+
 static status_t cpu_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
                             float eps) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
@@ -175,11 +240,15 @@ static status_t cpu_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, co
   float *r = rstd->data;
   for (int64_t i = 0; i < rows; i++) {
     const float *xi = fx.p + i * D;
-    double ss = 0;
-    for (int64_t j = 0; j < D; j++) ss += (double)xi[j] * xi[j];
-    float var = (float)(ss / (double)D);
-    r[i] = 1.0f / sqrtf(var + eps);
-    for (int64_t j = 0; j < D; j++) fo.p[i * D + j] = fw.p[j] * round_to(x->dtype, xi[j] * r[i]);
+    float var = (float)(dot_f32(xi, xi, D) / (double)D), ri = 1.0f / sqrtf(var + eps);
+    float *oi = fo.p + i * D;
+    r[i] = ri;
+    if (x->dtype == DTYPE_F32) {
+#pragma omp simd
+      for (int64_t j = 0; j < D; j++) oi[j] = fw.p[j] * (xi[j] * ri);
+    } else {
+      for (int64_t j = 0; j < D; j++) oi[j] = fw.p[j] * round_to(x->dtype, xi[j] * ri);
+    }
   }
   fbuf_commit(&fo, out);
   fbuf_release(&fx);
@@ -205,12 +274,12 @@ static status_t cpu_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t 
   const float *r = rstd->data;
   for (int64_t i = 0; i < rows; i++) {
     const float *xi = fx.p + i * D, *dyi = fdy.p + i * D;
-    double dot = 0; /* sum_j dy_j w_j x_j */
-    for (int64_t j = 0; j < D; j++) dot += (double)dyi[j] * fw.p[j] * xi[j];
-    float c = (float)(dot / (double)D) * r[i] * r[i];
+    float ri = r[i], c = (float)(dot3_f32(dyi, fw.p, xi, D) / (double)D) * ri * ri;
+    float *dxi = fdx.p + i * D, *dw = fdw.p;
+#pragma omp simd
     for (int64_t j = 0; j < D; j++) {
-      fdx.p[i * D + j] = r[i] * (dyi[j] * fw.p[j] - xi[j] * c);
-      fdw.p[j] += dyi[j] * (xi[j] * r[i]);
+      dxi[j] = ri * (dyi[j] * fw.p[j] - xi[j] * c);
+      dw[j] += dyi[j] * (xi[j] * ri);
     }
   }
   fbuf_commit(&fdx, dx);
@@ -223,8 +292,8 @@ static status_t cpu_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t 
 
 /* ---- RoPE ---- */
 
-static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
-                         bool inverse) {
+WIDE static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope,
+                              int64_t pos_offset, bool inverse) {
   int64_t B = x->shape[0], T = x->shape[1], H = x->shape[2], Dh = x->shape[3], half = Dh / 2;
   fbuf_t fx, fo;
   TRY(fbuf_in(&fx, x));
@@ -293,16 +362,17 @@ static void attn_scratch_free(float *p, int64_t floats) {
 
 /* Row r of block rows [i0, i1): P[r, 0..i] = exp(S[r, j] - lse) for the causal keys j <= i,
  * zero beyond; S (the scaled scores) is read from and P written to p (ld n). */
-static void attn_probs(float *p, int64_t n, int64_t i0, int64_t i1, const float *lse) {
+WIDE static void attn_probs(float *p, int64_t n, int64_t i0, int64_t i1, const float *lse) {
   for (int64_t i = i0; i < i1; i++) {
     float *row = p + (i - i0) * n, l = lse[i];
-    for (int64_t j = 0; j <= i; j++) row[j] = expf(row[j] - l);
+#pragma omp simd
+    for (int64_t j = 0; j <= i; j++) row[j] = exp_f32(row[j] - l);
     for (int64_t j = i + 1; j < n; j++) row[j] = 0.0f;
   }
 }
 
-static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
-                              const tensor_t *v) {
+WIDE static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q,
+                                   const tensor_t *k, const tensor_t *v) {
   pthread_once(&blas_once, blas_threads_default);
   attn_dims_t d = attn_dims(q, k);
   int64_t rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS, ldq = d.H * d.Dh, ldk = d.Hkv * d.Dh;
@@ -331,15 +401,19 @@ static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, c
         int64_t i1 = i0 + rows < d.T ? i0 + rows : d.T, n = i1; /* keys 0..i1-1 */
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(i1 - i0), (int)n, (int)d.Dh,
                     d.scale, Q + i0 * ldq, (int)ldq, K, (int)ldk, 0.0f, s, (int)n);
-        for (int64_t i = i0; i < i1; i++) {
-          const float *row = s + (i - i0) * n;
-          float m = -INFINITY;
+        for (int64_t i = i0; i < i1; i++) { /* one exponential per score */
+          float *row = s + (i - i0) * n, m = -INFINITY;
           for (int64_t j = 0; j <= i; j++) m = row[j] > m ? row[j] : m;
+#pragma omp simd
+          for (int64_t j = 0; j <= i; j++) row[j] = exp_f32(row[j] - m);
           double l = 0;
-          for (int64_t j = 0; j <= i; j++) l += expf(row[j] - m);
+          for (int64_t j = 0; j <= i; j++) l += row[j];
           Lbh[i] = m + (float)log(l);
+          float inv = (float)(1.0 / l);
+#pragma omp simd
+          for (int64_t j = 0; j <= i; j++) row[j] *= inv;
+          for (int64_t j = i + 1; j < n; j++) row[j] = 0.0f;
         }
-        attn_probs(s, n, i0, i1, Lbh);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(i1 - i0), (int)d.Dh, (int)n,
                     1.0f, s, (int)n, V, (int)ldk, 0.0f, O + i0 * ldq, (int)ldq);
       }
@@ -352,10 +426,10 @@ static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, c
   return STATUS_OK;
 }
 
-static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
-                                       const tensor_t *dout, const tensor_t *q, const tensor_t *k,
-                                       const tensor_t *v, const tensor_t *out,
-                                       const tensor_t *lse) {
+WIDE static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
+                                            const tensor_t *dout, const tensor_t *q,
+                                            const tensor_t *k, const tensor_t *v,
+                                            const tensor_t *out, const tensor_t *lse) {
   pthread_once(&blas_once, blas_threads_default);
   attn_dims_t d = attn_dims(q, k);
   int64_t rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS, ldq = d.H * d.Dh, ldk = d.Hkv * d.Dh;
@@ -429,13 +503,14 @@ static bool all_f32(const tensor_t *const *t, int n) {
   all_f32((const tensor_t *const[]){__VA_ARGS__}, \
           (int)(sizeof((const tensor_t *const[]){__VA_ARGS__}) / sizeof(const tensor_t *)))
 
-static inline float silu_sig(float g) { return 1.0f / (1.0f + expf(-g)); }
+static inline float silu_sig(float g) { return 1.0f / (1.0f + exp_f32(-g)); }
 
-static status_t cpu_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
+WIDE static status_t cpu_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
   int64_t n = tensor_numel(out);
   if (ALL_F32(out, gate, up)) {
     const float *pg = gate->data, *pu = up->data;
     float *po = out->data;
+#pragma omp simd
     for (int64_t i = 0; i < n; i++) po[i] = pg[i] * silu_sig(pg[i]) * pu[i];
     return STATUS_OK;
   }
@@ -448,12 +523,13 @@ static status_t cpu_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t
   return STATUS_OK;
 }
 
-static status_t cpu_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
-                                      const tensor_t *gate, const tensor_t *up) {
+WIDE static status_t cpu_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
+                                           const tensor_t *gate, const tensor_t *up) {
   int64_t n = tensor_numel(dout);
   if (ALL_F32(dgate, dup, dout, gate, up)) {
     const float *pg = gate->data, *pu = up->data, *pd = dout->data;
     float *dg = dgate->data, *du = dup->data;
+#pragma omp simd
     for (int64_t i = 0; i < n; i++) {
       float g = pg[i], s = silu_sig(g), dy = pd[i];
       du[i] = dy * (g * s);
@@ -577,9 +653,9 @@ static status_t cpu_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, con
   return STATUS_OK;
 }
 
-static status_t cpu_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db,
-                                       const tensor_t *dy, const tensor_t *x, const tensor_t *w,
-                                       const tensor_t *mean, const tensor_t *rstd) {
+static status_t cpu_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
+                                       const tensor_t *x, const tensor_t *w, const tensor_t *mean,
+                                       const tensor_t *rstd) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
   fbuf_t fdx, fdw, fdb = {0}, fdy, fx, fw;
   fbuf_t *bufs[] = {&fdx, &fdw, &fdb, &fdy, &fx, &fw};
@@ -628,11 +704,12 @@ static status_t cpu_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db,
   return STATUS_OK;
 }
 
-static status_t cpu_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
+WIDE static status_t cpu_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
   int64_t n = tensor_numel(out);
   if (out->dtype == DTYPE_F32) {
     const float *pa = a->data, *pb = b->data;
     float *po = out->data;
+#pragma omp simd
     for (int64_t i = 0; i < n; i++) po[i] = pa[i] + pb[i];
     return STATUS_OK;
   }
@@ -643,15 +720,18 @@ static status_t cpu_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
   return STATUS_OK;
 }
 
-static status_t cpu_axpy(tensor_t *y, float alpha, const tensor_t *x) {
+WIDE static status_t cpu_axpy(tensor_t *y, float alpha, const tensor_t *x) {
   int64_t n = tensor_numel(y);
   if (y->dtype == DTYPE_F32 && x->dtype == DTYPE_F32) {
     float *py = y->data;
     const float *px = x->data;
-    if (alpha == 1.0f)
+    if (alpha == 1.0f) {
+#pragma omp simd
       for (int64_t i = 0; i < n; i++) py[i] += px[i];
-    else
+    } else {
+#pragma omp simd
       for (int64_t i = 0; i < n; i++) py[i] += alpha * px[i];
+    }
     return STATUS_OK;
   }
   for (int64_t i = 0; i < n; i++)
@@ -661,10 +741,11 @@ static status_t cpu_axpy(tensor_t *y, float alpha, const tensor_t *x) {
   return STATUS_OK;
 }
 
-static status_t cpu_scale(tensor_t *x, float alpha) {
+WIDE static status_t cpu_scale(tensor_t *x, float alpha) {
   int64_t n = tensor_numel(x);
   if (x->dtype == DTYPE_F32) {
     float *px = x->data;
+#pragma omp simd
     for (int64_t i = 0; i < n; i++) px[i] *= alpha;
     return STATUS_OK;
   }
@@ -743,8 +824,8 @@ static status_t cpu_cross_entropy_backward(tensor_t *dlogits, const tensor_t *lo
 
 /* ---- optimizer and reductions ---- */
 
-static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                          const adamw_args_t *a) {
+WIDE static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                               const adamw_args_t *a) {
   float decay = (float)(1.0 - a->lr * a->weight_decay);
   float one_minus_b1 = (float)(1.0 - a->beta1), b2 = (float)a->beta2;
   float one_minus_b2 = (float)(1.0 - a->beta2);
@@ -782,10 +863,8 @@ static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t 
 static status_t cpu_sum_squares(const tensor_t *x, double *out) {
   int64_t n = tensor_numel(x);
   double s = 0;
-  if (x->dtype == DTYPE_F32) {
-    const float *px = x->data;
-    for (int64_t i = 0; i < n; i++) s += (double)px[i] * px[i];
-    *out = s;
+  if (x->dtype == DTYPE_F32) { /* fp32 lanes per block, double across blocks */
+    *out = dot_f32(x->data, x->data, n);
     return STATUS_OK;
   }
   for (int64_t i = 0; i < n; i++) {
