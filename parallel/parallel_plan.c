@@ -1,0 +1,362 @@
+/* Parallelism plans: the mesh and parallelize sections read from YAML, filled in code, and
+ * resolved against the world size. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fully_shard/fsdp.h"
+#include "mesh/world.h"
+#include "parallel/plan_reader.h"
+
+void parallel_plan_defaults(parallel_plan_t *pp) {
+  memset(pp, 0, sizeof *pp);
+  pp->dp_replicate = 1;
+  pp->dp_shard = -1;
+  pp->tp = 1;
+  pp->reshard_after_forward = FSDP_RESHARD_AUTO;
+  pp->param_dtype = pp->reduce_dtype = pp->output_dtype = DTYPE_COUNT;
+}
+
+status_t pp_read_mesh(plan_ctx_t *c, int root) {
+  static const char *const keys[] = {"dp_replicate", "dp_shard", "tp", NULL};
+  int m;
+  TRY(pr_section(c, root, "mesh", keys, &m));
+  if (m == 0) {
+    snprintf(c->p->par.mesh_where.text, sizeof c->p->par.mesh_where.text, "%s", c->p->source);
+    return STATUS_OK;
+  }
+  pr_where_of(c, m, &c->p->par.mesh_where);
+  TRY(pr_get_size(c, m, "mesh", "dp_replicate", &c->p->par.dp_replicate));
+  TRY(pr_get_size(c, m, "mesh", "dp_shard", &c->p->par.dp_shard));
+  TRY(pr_get_size(c, m, "mesh", "tp", &c->p->par.tp));
+  int unknown = (c->p->par.dp_replicate < 0) + (c->p->par.dp_shard < 0) + (c->p->par.tp < 0);
+  if (unknown > 1) return pr_fail(c, m, "mesh", "at most one size may be -1");
+  return STATUS_OK;
+}
+
+static status_t read_mp(plan_ctx_t *c, int map, const char *prefix, dtype_t dt[3]) {
+  static const char *const keys[] = {"param_dtype", "reduce_dtype", "output_dtype", NULL};
+  char path[256];
+  int v = pr_lookup(c, map, prefix, "mp_policy", path);
+  if (v == 0) return STATUS_OK;
+  TRY(pr_check_keys(c, v, path, keys));
+  for (int k = 0; k < 3; k++) TRY(pr_get_dtype(c, v, path, keys[k], &dt[k]));
+  return STATUS_OK;
+}
+
+static void unit_defaults(const parallel_plan_t *pp, plan_unit_t *u) {
+  u->reshard_after_forward = pp->reshard_after_forward;
+  u->param_dtype = pp->param_dtype;
+  u->reduce_dtype = pp->reduce_dtype;
+  u->output_dtype = pp->output_dtype;
+}
+
+static status_t read_units(plan_ctx_t *c, int fs) {
+  plan_t *p = c->p;
+  const char *path = "parallelize.fully_shard.units";
+  int v = pr_find(c, fs, "units");
+  if (pr_is_null(c, v)) return STATUS_OK;
+  yaml_node_t *n = pr_node(c, v);
+  if (n->type != YAML_SEQUENCE_NODE)
+    return pr_fail(c, v, path, "expected a list of module patterns");
+  p->par.n_units = 0;
+  for (yaml_node_item_t *it = n->data.sequence.items.start; it < n->data.sequence.items.top; it++) {
+    if (p->par.n_units == PLAN_MAX_UNITS)
+      return pr_fail(c, *it, path, "more than %d units", PLAN_MAX_UNITS);
+    plan_unit_t *u = &p->par.units[p->par.n_units];
+    char upath[256];
+    snprintf(upath, sizeof upath, "%s[%d]", path, p->par.n_units);
+    unit_defaults(&p->par, u);
+    pr_where_of(c, *it, &u->where);
+    const char *s = pr_scalar(c, *it);
+    if (s == NULL) { /* {match: PATTERN, reshard_after_forward: ..., mp_policy: ...} */
+      static const char *const keys[] = {"match", "reshard_after_forward", "mp_policy", NULL};
+      TRY(pr_check_keys(c, *it, upath, keys));
+      int m = pr_find(c, *it, "match");
+      char mpath[300];
+      snprintf(mpath, sizeof mpath, "%s.match", upath);
+      if (pr_is_null(c, m))
+        return pr_fail(c, *it, mpath, "missing: the module pattern of this unit");
+      TRY(pr_want_scalar(c, m, mpath, "a module pattern", &s));
+      TRY(pr_get_reshard(c, *it, upath, &u->reshard_after_forward));
+      dtype_t dt[3] = {u->param_dtype, u->reduce_dtype, u->output_dtype};
+      TRY(read_mp(c, *it, upath, dt));
+      u->param_dtype = dt[0];
+      u->reduce_dtype = dt[1];
+      u->output_dtype = dt[2];
+    }
+    if (s[0] == 0) return pr_fail(c, *it, upath, "empty module pattern");
+    if (strlen(s) >= PLAN_PATTERN_MAX)
+      return pr_fail(c, *it, upath, "pattern longer than %d characters", PLAN_PATTERN_MAX - 1);
+    strcpy(u->pattern, s);
+    p->par.n_units++;
+  }
+  return STATUS_OK;
+}
+
+static status_t read_tp_layout(plan_ctx_t *c, int map, const char *path, const char *key,
+                               tp_layout_t *out) {
+  int v = pr_find(c, map, key);
+  if (pr_is_null(c, v)) return STATUS_OK;
+  const char *s = pr_scalar(c, v);
+  if (s == NULL || !tp_layout_parse(s, out))
+    return pr_fail(c, v, path, "%s: expected replicate, shard(1) or shard(-1)", key);
+  return STATUS_OK;
+}
+
+/* tensor_parallel: {plan: {PATTERN: STYLE | {style: STYLE, input: L, output: L}},
+ * sequence_parallel: bool} */
+static status_t read_tp(plan_ctx_t *c, int tp) {
+  static const char *const keys[] = {"plan", "sequence_parallel", NULL};
+  static const char *const rkeys[] = {"style", "input", "output", NULL};
+  plan_t *p = c->p;
+  const char *path = "parallelize.tensor_parallel";
+  if (pr_node(c, tp)->type != YAML_MAPPING_NODE)
+    return pr_fail(c, tp, path, "expected a mapping with plan and sequence_parallel");
+  TRY(pr_check_keys(c, tp, path, keys));
+  pr_where_of(c, tp, &p->par.tp_where);
+  TRY(pr_get_bool(c, tp, path, "sequence_parallel", &p->par.sequence_parallel));
+  int pl = pr_find(c, tp, "plan");
+  if (pr_is_null(c, pl)) return STATUS_OK;
+  const char *ppath = "parallelize.tensor_parallel.plan";
+  yaml_node_t *n = pr_node(c, pl);
+  if (n->type != YAML_MAPPING_NODE)
+    return pr_fail(c, pl, ppath, "expected a mapping of module pattern: style");
+  p->par.tp_plan_given = true;
+  for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
+    const char *k = pr_scalar(c, a->key);
+    if (p->par.n_tp_rules == PLAN_MAX_TP_RULES)
+      return pr_fail(c, a->key, ppath, "more than %d rules", PLAN_MAX_TP_RULES);
+    if (k == NULL || strlen(k) >= PLAN_PATTERN_MAX)
+      return pr_fail(c, a->key, ppath, "expected module pattern: style");
+    plan_tp_rule_t *r = &p->par.tp_rules[p->par.n_tp_rules];
+    memset(r, 0, sizeof *r);
+    char rpath[PLAN_PATTERN_MAX + 64];
+    snprintf(rpath, sizeof rpath, "%s.%s", ppath, k);
+    int sv = a->value;
+    if (pr_node(c, a->value)->type == YAML_MAPPING_NODE) {
+      TRY(pr_check_keys(c, a->value, rpath, rkeys));
+      sv = pr_find(c, a->value, "style");
+      if (sv == 0) return pr_fail(c, a->value, rpath, "style: missing");
+      TRY(read_tp_layout(c, a->value, rpath, "input", &r->input));
+      TRY(read_tp_layout(c, a->value, rpath, "output", &r->output));
+    }
+    const char *s = pr_scalar(c, sv);
+    if (s == NULL || !tp_style_parse(s, &r->style))
+      return pr_fail(c, sv, rpath,
+                     "unknown style '%s' (colwise, rowwise, sequence_parallel, prepare_input)",
+                     s ? s : "");
+    strcpy(r->pattern, k);
+    pr_where_of(c, a->key, &r->where);
+    p->par.n_tp_rules++;
+  }
+  return STATUS_OK;
+}
+
+/* sharding_strategy (FSDP1's names, as Accelerate writes them) or zero_stage (DeepSpeed's):
+ * aliases of the mesh's data-parallel sizes and reshard_after_forward. A key also given that
+ * says otherwise is an error naming both. */
+static status_t read_strategy(plan_ctx_t *c, int root, int fs) {
+  static const struct {
+    const char *name;
+    int reshard;
+    char mesh; /* 's': shard over all ranks, 'h': shard within a node and replicate, 'r':
+                  replicate only */
+  } table[] = {{"FULL_SHARD", 1, 's'},
+               {"SHARD_GRAD_OP", 0, 's'},
+               {"HYBRID_SHARD", 1, 'h'},
+               {"_HYBRID_SHARD_ZERO2", 0, 'h'},
+               {"NO_SHARD", 0, 'r'}};
+  parallel_plan_t *pp = &c->p->par;
+  const char *prefix = "parallelize.fully_shard";
+  char spath[256], zpath[256];
+  int s = pr_lookup(c, fs, prefix, "sharding_strategy", spath);
+  int z = pr_lookup(c, fs, prefix, "zero_stage", zpath);
+  if (s == 0 && z == 0) return STATUS_OK;
+  if (s != 0 && z != 0)
+    return pr_fail(c, z, zpath, "give sharding_strategy or zero_stage, not both");
+  int k = -1;
+  const char *said = s ? spath : zpath;
+  if (s != 0) {
+    const char *name;
+    TRY(pr_want_scalar(c, s, spath, "a sharding strategy", &name));
+    for (int i = 0; i < 5; i++)
+      if (strcmp(name, table[i].name) == 0) k = i;
+    if (k < 0)
+      return pr_fail(c, s, spath,
+                     "expected FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, _HYBRID_SHARD_ZERO2 or "
+                     "NO_SHARD, got '%s'",
+                     name);
+  } else {
+    const char *v;
+    TRY(pr_want_scalar(c, z, zpath, "2 or 3", &v));
+    if (strcmp(v, "3") == 0) k = 0;
+    if (strcmp(v, "2") == 0) k = 1;
+    if (k < 0)
+      return pr_fail(
+          c, z, zpath,
+          "expected 3 (parameters, gradients and optimizer state sharded: FULL_SHARD) or "
+          "2 (parameters kept whole from forward to backward: SHARD_GRAD_OP), got '%s'",
+          v);
+  }
+  snprintf(pp->strategy, sizeof pp->strategy, "%s", table[k].name);
+  char rpath[256], reppath[256], shardpath[256];
+  int r = pr_lookup(c, fs, prefix, "reshard_after_forward", rpath);
+  if (r != 0 && pp->reshard_after_forward != table[k].reshard)
+    return pr_fail(c, r, rpath,
+                   "disagrees with %s = %s (which means reshard_after_forward %s): give one", said,
+                   table[k].name, table[k].reshard ? "true" : "false");
+  pp->reshard_after_forward = table[k].reshard;
+  int m = pr_find(c, root, "mesh"); /* the sizes given explicitly (0: absent or null) */
+  int rep = pr_lookup(c, m, "mesh", "dp_replicate", reppath);
+  int shard = pr_lookup(c, m, "mesh", "dp_shard", shardpath);
+  if (table[k].mesh == 's') {
+    if (rep && pp->dp_replicate != 1)
+      return pr_fail(c, rep, reppath,
+                     "%d disagrees with %s = %s (shards over every data-parallel rank): give one",
+                     pp->dp_replicate, said, table[k].name);
+  } else if (table[k].mesh == 'r') {
+    if (shard && pp->dp_shard != 1 && pp->dp_shard != -1) /* -1: the rest, here none */
+      return pr_fail(c, shard, shardpath,
+                     "%d disagrees with %s = %s (replicates, shards nothing): give one",
+                     pp->dp_shard, said, table[k].name);
+    pp->dp_shard = 1;
+    if (!rep) pp->dp_replicate = pp->tp < 0 ? 1 : -1;
+  } else if (!rep) { /* hybrid: shard within a node (unless sized), replicate across nodes */
+    if (pp->dp_shard < 0) pp->dp_shard = PLAN_SIZE_NODE;
+    pp->dp_replicate = pp->tp < 0 ? 1 : -1;
+  }
+  return STATUS_OK;
+}
+
+status_t pp_read_parallelize(plan_ctx_t *c, int root) {
+  static const char *const keys[] = {"fully_shard", "tensor_parallel", NULL};
+  static const char *const fs_keys[] = {"units",   "reshard_after_forward", "mp_policy",
+                                        "offload", "sharding_strategy",     "zero_stage",
+                                        NULL};
+  plan_t *p = c->p;
+  int m;
+  TRY(pr_section(c, root, "parallelize", keys, &m));
+  int fs = m ? pr_find(c, m, "fully_shard") : 0;
+  if (!pr_is_null(c, fs)) {
+    const char *path = "parallelize.fully_shard";
+    TRY(pr_check_keys(c, fs, path, fs_keys));
+    pr_where_of(c, fs, &p->par.fsdp_where);
+    TRY(pr_get_reshard(c, fs, path, &p->par.reshard_after_forward));
+    dtype_t dt[3] = {p->par.param_dtype, p->par.reduce_dtype, p->par.output_dtype};
+    TRY(read_mp(c, fs, path, dt));
+    p->par.param_dtype = dt[0];
+    p->par.reduce_dtype = dt[1];
+    p->par.output_dtype = dt[2];
+    TRY(pr_get_bool(c, fs, path, "offload", &p->par.offload));
+    TRY(read_strategy(c, root, fs));
+    for (int i = 0; i < p->par.n_units; i++) unit_defaults(&p->par, &p->par.units[i]);
+    TRY(read_units(c, fs));
+  }
+  int tp = m ? pr_find(c, m, "tensor_parallel") : 0;
+  if (!pr_is_null(c, tp)) TRY(read_tp(c, tp));
+  return STATUS_OK;
+}
+
+status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {
+  if (pp->n_units == PLAN_MAX_UNITS)
+    return err_set(STATUS_EINVAL, "parallel plan: more than %d units", PLAN_MAX_UNITS);
+  if (pattern == NULL || pattern[0] == 0 || strlen(pattern) >= PLAN_PATTERN_MAX)
+    return err_set(STATUS_EINVAL, "parallel plan: a unit pattern must have 1 to %d characters",
+                   PLAN_PATTERN_MAX - 1);
+  plan_unit_t *u = &pp->units[pp->n_units++];
+  memset(u, 0, sizeof *u);
+  strcpy(u->pattern, pattern);
+  unit_defaults(pp, u);
+  snprintf(u->where.text, sizeof u->where.text, "units[%d]", pp->n_units - 1);
+  return STATUS_OK;
+}
+
+status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
+                                   tp_layout_t input, tp_layout_t output) {
+  if (pp->n_tp_rules == PLAN_MAX_TP_RULES)
+    return err_set(STATUS_EINVAL, "parallel plan: more than %d tensor-parallel rules",
+                   PLAN_MAX_TP_RULES);
+  if (pattern == NULL || pattern[0] == 0 || strlen(pattern) >= PLAN_PATTERN_MAX)
+    return err_set(STATUS_EINVAL, "parallel plan: a rule pattern must have 1 to %d characters",
+                   PLAN_PATTERN_MAX - 1);
+  if (style < 0 || style >= TP_STYLE_COUNT || input < 0 || input >= TP_LAYOUT_COUNT || output < 0 ||
+      output >= TP_LAYOUT_COUNT)
+    return err_set(STATUS_EINVAL, "parallel plan: rule '%s' has an unknown style or layout",
+                   pattern);
+  plan_tp_rule_t *r = &pp->tp_rules[pp->n_tp_rules++];
+  memset(r, 0, sizeof *r);
+  strcpy(r->pattern, pattern);
+  r->style = style;
+  r->input = input;
+  r->output = output;
+  snprintf(r->where.text, sizeof r->where.text, "tensor_parallel.plan.%s", pattern);
+  pp->tp_plan_given = true;
+  return STATUS_OK;
+}
+
+int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out) {
+  for (int i = 0; i < pp->n_tp_rules; i++)
+    out[i] = (tp_rule_t){pp->tp_rules[i].pattern, pp->tp_rules[i].style, pp->tp_rules[i].input,
+                         pp->tp_rules[i].output};
+  return pp->n_tp_rules;
+}
+
+/* ---- resolve ---- */
+
+status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
+  if (pp->dp_shard == PLAN_SIZE_NODE) { /* HYBRID_SHARD: the ranks of a node */
+    if (world_started_size() != world)
+      return err_set(STATUS_EINVAL,
+                     "%s: sharding_strategy %s shards within a node, but a world of %d ranks is "
+                     "not this job, whose nodes it could count: give mesh.dp_shard (the ranks "
+                     "per node)",
+                     pp->fsdp_where.text, pp->strategy, world);
+    pp->dp_shard = world_local_size();
+    if (pp->tp > 1 && pp->dp_shard % pp->tp == 0) pp->dp_shard /= pp->tp;
+  }
+  int *sizes[3] = {&pp->dp_replicate, &pp->dp_shard, &pp->tp};
+  static const char *names[3] = {"dp_replicate", "dp_shard", "tp"};
+  long long known = 1;
+  int rest = -1;
+  for (int i = 0; i < 3; i++) {
+    if (*sizes[i] < 0)
+      rest = i;
+    else
+      known *= *sizes[i];
+  }
+  if (rest >= 0) {
+    if (known > world || world % known != 0)
+      return err_set(STATUS_EMESH,
+                     "%s: mesh: the world has %d ranks, which mesh sizes of product %lld do not "
+                     "divide (mesh.%s = -1 takes the rest)",
+                     pp->mesh_where.text, world, known, names[rest]);
+    *sizes[rest] = (int)(world / known);
+  } else if (known != world) {
+    return err_set(STATUS_EMESH,
+                   "%s: mesh: dp_replicate x dp_shard x tp = %d x %d x %d = %lld, but the world "
+                   "has %d ranks",
+                   pp->mesh_where.text, pp->dp_replicate, pp->dp_shard, pp->tp, known, world);
+  }
+  for (int i = -1; i < pp->n_units; i++) { /* the section's value, then the units' own */
+    int N = i >= 0 ? pp->units[i].reshard_after_forward : pp->reshard_after_forward;
+    if (i >= 0 && N == pp->reshard_after_forward) continue; /* inherited, or the same */
+    const char *w = i >= 0 ? pp->units[i].where.text : pp->fsdp_where.text;
+    char key[64] = "parallelize.fully_shard.reshard_after_forward";
+    if (i >= 0)
+      snprintf(key, sizeof key, "parallelize.fully_shard.units[%d].reshard_after_forward", i);
+    if (N >= 2 && (N >= pp->dp_shard || pp->dp_shard % N != 0))
+      return err_set(STATUS_EINVAL,
+                     "%s: %s: %d %s mesh.dp_shard=%d (an integer N keeps parameters sharded "
+                     "over groups of N ranks after forward: 1 < N < dp_shard, dividing it)",
+                     w, key, N, N >= pp->dp_shard ? "is not below" : "does not divide",
+                     pp->dp_shard);
+  }
+  if (pp->tp > 1 && pp->n_tp_rules == 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: parallelize.tensor_parallel.plan: mesh.tp is %d, but no rule says which "
+                   "modules to split (PATTERN: colwise | rowwise | sequence_parallel | "
+                   "prepare_input)",
+                   pp->tp_where.text, pp->tp);
+  return STATUS_OK;
+}

@@ -1,0 +1,429 @@
+/* The YAML reader of plans: places, key checks, typed values, --set, loading a file. */
+#include "parallel/plan_reader.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base/file.h"
+#include "fully_shard/fsdp.h"
+
+/* ---- nodes, places, errors ---- */
+
+yaml_node_t *pr_node(plan_ctx_t *c, int i) { return i ? yaml_document_get_node(&c->doc, i) : NULL; }
+
+void pr_where_of(plan_ctx_t *c, int i, plan_where_t *w) {
+  if (i >= c->set_base && i - c->set_base < c->n_set_nodes) {
+    snprintf(w->text, sizeof w->text, "--set %s", c->set_of[i - c->set_base]);
+    return;
+  }
+  yaml_node_t *n = pr_node(c, i);
+  snprintf(w->text, sizeof w->text, "%s:%zu:%zu", c->p->source, n ? n->start_mark.line + 1 : 1,
+           n ? n->start_mark.column + 1 : 1);
+}
+
+status_t pr_fail(plan_ctx_t *c, int i, const char *path, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  plan_where_t w;
+  pr_where_of(c, i, &w);
+  return err_set(STATUS_EFORMAT, "%s: %s: %s", w.text, path, msg);
+}
+
+const char *pr_scalar(plan_ctx_t *c, int i) {
+  yaml_node_t *n = pr_node(c, i);
+  return n && n->type == YAML_SCALAR_NODE ? (const char *)n->data.scalar.value : NULL;
+}
+
+/* An absent value: no node, or a plain empty / null scalar. */
+bool pr_is_null(plan_ctx_t *c, int i) {
+  yaml_node_t *n = pr_node(c, i);
+  if (n == NULL) return true;
+  if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE) return false;
+  const char *s = (const char *)n->data.scalar.value;
+  return s[0] == 0 || strcmp(s, "~") == 0 || strcasecmp(s, "null") == 0;
+}
+
+void pr_join(char *out, size_t size, const char *prefix, const char *key) {
+  int n = snprintf(out, size, "%s%s%s", prefix, prefix[0] ? "." : "", key);
+  if (n < 0 || (size_t)n >= size) out[size - 1] = 0; /* a very long key path is cut */
+}
+
+static size_t edit_distance(const char *a, const char *b) {
+  size_t la = strlen(a), lb = strlen(b), row[64];
+  if (lb >= 63 || la >= 63) return 99;
+  for (size_t j = 0; j <= lb; j++) row[j] = j;
+  for (size_t i = 1; i <= la; i++) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= lb; j++) {
+      size_t up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+      if (up + 1 < best) best = up + 1;
+      if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+      diag = up;
+      row[j] = best;
+    }
+  }
+  return row[lb];
+}
+
+/* Checks that i is a mapping of scalar keys from keys (NULL-terminated), without duplicates. */
+status_t pr_check_keys(plan_ctx_t *c, int i, const char *path, const char *const *keys) {
+  yaml_node_t *n = pr_node(c, i);
+  if (n->type != YAML_MAPPING_NODE)
+    return pr_fail(c, i, path, "expected a mapping of keys (%s, ...)", keys[0]);
+  for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
+    const char *k = pr_scalar(c, a->key);
+    if (k == NULL) return pr_fail(c, a->key, path, "keys must be plain names");
+    char full[256];
+    pr_join(full, sizeof full, path, k);
+    bool known = false;
+    const char *near = NULL;
+    size_t best = 3;
+    for (int j = 0; keys[j]; j++) {
+      if (strcmp(keys[j], k) == 0) known = true;
+      size_t d = edit_distance(keys[j], k);
+      if (d < best) {
+        best = d;
+        near = keys[j];
+      }
+    }
+    if (!known) {
+      char list[256] = "";
+      for (int j = 0; keys[j]; j++) {
+        strncat(list, j ? ", " : "", sizeof list - strlen(list) - 1);
+        strncat(list, keys[j], sizeof list - strlen(list) - 1);
+      }
+      if (near) return pr_fail(c, a->key, full, "unknown key; did you mean '%s'?", near);
+      return pr_fail(c, a->key, full, "unknown key (expected one of: %s)", list);
+    }
+    for (yaml_node_pair_t *b = n->data.mapping.pairs.start; b < a; b++)
+      if (strcmp(pr_scalar(c, b->key) ? pr_scalar(c, b->key) : "", k) == 0) {
+        plan_where_t w;
+        pr_where_of(c, b->key, &w);
+        return pr_fail(c, a->key, full, "duplicate key (first given at %s)", w.text);
+      }
+  }
+  return STATUS_OK;
+}
+
+/* The value node of key in mapping i (the last one, so --set wins), or 0. */
+int pr_find(plan_ctx_t *c, int i, const char *key) {
+  yaml_node_t *n = pr_node(c, i);
+  if (n == NULL || n->type != YAML_MAPPING_NODE) return 0;
+  int v = 0;
+  for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
+    const char *k = pr_scalar(c, a->key);
+    if (k && strcmp(k, key) == 0) v = a->value;
+  }
+  return v;
+}
+
+/* ---- typed values ---- */
+
+/* The value node of key in mapping map, with its key path in path[256]; 0 when the key is
+ * absent or null (the default stays). */
+int pr_lookup(plan_ctx_t *c, int map, const char *prefix, const char *key, char *path) {
+  int v = pr_find(c, map, key);
+  if (pr_is_null(c, v)) return 0;
+  pr_join(path, 256, prefix, key);
+  return v;
+}
+
+status_t pr_want_scalar(plan_ctx_t *c, int v, const char *path, const char *what, const char **s) {
+  *s = pr_scalar(c, v);
+  if (*s == NULL)
+    return pr_fail(c, v, path, "expected %s, got a %s", what,
+                   pr_node(c, v)->type == YAML_MAPPING_NODE ? "mapping" : "list");
+  return STATUS_OK;
+}
+
+status_t pr_parse_int(plan_ctx_t *c, int v, const char *path, int64_t lo, int64_t hi,
+                      int64_t *out) {
+  const char *s;
+  TRY(pr_want_scalar(c, v, path, "an integer", &s));
+  char *end;
+  errno = 0;
+  long long x = strtoll(s, &end, 10);
+  if (end == s || *end != 0) return pr_fail(c, v, path, "expected an integer, got '%s'", s);
+  if (errno == ERANGE || x < lo || x > hi)
+    return pr_fail(c, v, path, "%s is out of range [%lld, %lld]", s, (long long)lo, (long long)hi);
+  *out = x;
+  return STATUS_OK;
+}
+
+status_t pr_get_int(plan_ctx_t *c, int map, const char *prefix, const char *key, int64_t lo,
+                    int64_t hi, int64_t *out) {
+  char path[256];
+  int v = pr_lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
+  return pr_parse_int(c, v, path, lo, hi, out);
+}
+
+status_t pr_get_size(plan_ctx_t *c, int map, const char *prefix, const char *key, int *out) {
+  char path[256];
+  int v = pr_lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
+  int64_t x = 0; /* set by parse_int (gcc -O3 cannot tell) */
+  TRY(pr_parse_int(c, v, path, -1, 1 << 20, &x));
+  if (x == 0) return pr_fail(c, v, path, "a mesh size must be positive, or -1 for the rest");
+  *out = (int)x;
+  return STATUS_OK;
+}
+
+status_t pr_get_float(plan_ctx_t *c, int map, const char *prefix, const char *key, double lo,
+                      double hi, bool open_lo, double *out) {
+  char path[256];
+  int v = pr_lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
+  const char *s;
+  TRY(pr_want_scalar(c, v, path, "a number", &s));
+  char *end;
+  errno = 0;
+  double x = strtod(s, &end);
+  if (end == s || *end != 0) return pr_fail(c, v, path, "expected a number, got '%s'", s);
+  if (errno == ERANGE || !isfinite(x) || x < lo || x > hi || (open_lo && x == lo))
+    return pr_fail(c, v, path, "%s is out of range %s%g, %g]", s, open_lo ? "(" : "[", lo, hi);
+  *out = x;
+  return STATUS_OK;
+}
+
+status_t pr_parse_bool(plan_ctx_t *c, int v, const char *path, bool *out) {
+  const char *s;
+  TRY(pr_want_scalar(c, v, path, "true or false", &s));
+  if (strcasecmp(s, "true") == 0)
+    *out = true;
+  else if (strcasecmp(s, "false") == 0)
+    *out = false;
+  else
+    return pr_fail(c, v, path, "expected true or false, got '%s'", s);
+  return STATUS_OK;
+}
+
+status_t pr_get_bool(plan_ctx_t *c, int map, const char *prefix, const char *key, bool *out) {
+  char path[256];
+  int v = pr_lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
+  return pr_parse_bool(c, v, path, out);
+}
+
+status_t pr_get_str(plan_ctx_t *c, int map, const char *prefix, const char *key, char *out,
+                    size_t size) {
+  char path[256];
+  int v = pr_lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
+  const char *s;
+  TRY(pr_want_scalar(c, v, path, "a string", &s));
+  if (strlen(s) >= size) return pr_fail(c, v, path, "longer than %zu characters", size - 1);
+  strcpy(out, s);
+  return STATUS_OK;
+}
+
+/* A path: relative ones from the file are taken from the file's folder. */
+status_t pr_get_path(plan_ctx_t *c, int map, const char *prefix, const char *key, char *out) {
+  char path[256];
+  int v = pr_lookup(c, map, prefix, key, path);
+  TRY(pr_get_str(c, map, prefix, key, out, PLAN_PATH_MAX));
+  if (v == 0 || out[0] == '/' || v >= c->set_base || c->dir[0] == 0) return STATUS_OK;
+  char joined[2 * PLAN_PATH_MAX];
+  snprintf(joined, sizeof joined, "%s/%s", c->dir, out);
+  if (strlen(joined) >= PLAN_PATH_MAX) return pr_fail(c, v, path, "the path is too long");
+  strcpy(out, joined);
+  return STATUS_OK;
+}
+
+status_t pr_get_dtype(plan_ctx_t *c, int map, const char *prefix, const char *key, dtype_t *out) {
+  char path[256];
+  int v = pr_lookup(c, map, prefix, key, path);
+  if (v == 0) return STATUS_OK;
+  const char *s;
+  TRY(pr_want_scalar(c, v, path, "a dtype", &s));
+  dtype_t dt;
+  if (dtype_parse(s, &dt) != STATUS_OK || !dtype_is_float(dt))
+    return pr_fail(c, v, path, "expected f32, bf16 or f16, got '%s'", s);
+  *out = dt;
+  return STATUS_OK;
+}
+
+/* true | false | integer N >= 2 (0 and 1 mean false and true). */
+status_t pr_get_reshard(plan_ctx_t *c, int map, const char *prefix, int *out) {
+  char path[256];
+  int v = pr_lookup(c, map, prefix, "reshard_after_forward", path);
+  if (v == 0) return STATUS_OK;
+  const char *s;
+  TRY(pr_want_scalar(c, v, path, "true, false or an integer", &s));
+  if (strcasecmp(s, "true") == 0 || strcasecmp(s, "false") == 0) {
+    *out = strcasecmp(s, "true") == 0;
+    return STATUS_OK;
+  }
+  char *end;
+  errno = 0;
+  long long x = strtoll(s, &end, 10);
+  if (end == s || *end != 0)
+    return pr_fail(c, v, path, "expected true, false or an integer, got '%s'", s);
+  if (errno == ERANGE || x < 0 || x > (1 << 20))
+    return pr_fail(c, v, path, "%s is out of range (an integer N >= 2, or true / false)", s);
+  *out = (int)x;
+  return STATUS_OK;
+}
+
+/* ---- sections ---- */
+
+status_t pr_section(plan_ctx_t *c, int root, const char *key, const char *const *keys, int *out) {
+  *out = pr_find(c, root, key);
+  if (pr_is_null(c, *out)) {
+    *out = 0;
+    return STATUS_OK;
+  }
+  return pr_check_keys(c, *out, key, keys);
+}
+
+/* ---- --set ---- */
+
+static int add_scalar(plan_ctx_t *c, const char *s, const char *set) {
+  int i = yaml_document_add_scalar(&c->doc, NULL, (yaml_char_t *)s, (int)strlen(s),
+                                   YAML_PLAIN_SCALAR_STYLE);
+  if (i && i - c->set_base < MAX_SETS) {
+    c->set_of[i - c->set_base] = set;
+    if (i - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = i - c->set_base + 1;
+  }
+  return i;
+}
+
+status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
+  const char *eq = strchr(set, '=');
+  if (eq == NULL || eq == set)
+    return err_set(STATUS_EFORMAT, "--set %s: expected key.path=value", set);
+  char key[256];
+  size_t kl = (size_t)(eq - set);
+  if (kl >= sizeof key) return err_set(STATUS_EFORMAT, "--set %s: key path too long", set);
+  memcpy(key, set, kl);
+  key[kl] = 0;
+  int cur = root;
+  char *save = NULL;
+  for (char *part = strtok_r(key, ".", &save); part; part = strtok_r(NULL, ".", &save)) {
+    bool last = save == NULL || *save == 0;
+    if (pr_node(c, cur)->type != YAML_MAPPING_NODE)
+      return err_set(STATUS_EFORMAT, "--set %s: '%s' is inside a value that is not a mapping", set,
+                     part);
+    long index = -1; /* NAME[INDEX]: an item of the list NAME */
+    char *br = strchr(part, '[');
+    if (br != NULL) {
+      char *end;
+      index = strtol(br + 1, &end, 10);
+      if (end == br + 1 || strcmp(end, "]") != 0 || index < 0 || br == part)
+        return err_set(STATUS_EFORMAT, "--set %s: '%s': expected NAME[INDEX] (INDEX from 0)", set,
+                       part);
+      *br = 0;
+    }
+    int v = pr_find(c, cur, part);
+    if (index >= 0) {
+      yaml_node_t *seq = v ? pr_node(c, v) : NULL;
+      if (seq == NULL || seq->type != YAML_SEQUENCE_NODE)
+        return err_set(STATUS_EFORMAT, "--set %s: '%s' is not a list in the plan", set, part);
+      long n = (long)(seq->data.sequence.items.top - seq->data.sequence.items.start);
+      if (index >= n)
+        return err_set(STATUS_EFORMAT, "--set %s: '%s' has %ld item%s (from 0)", set, part, n,
+                       n == 1 ? "" : "s");
+      yaml_node_item_t *item = &seq->data.sequence.items.start[index];
+      if (last) { /* replace the item */
+        int val = add_scalar(c, eq + 1, set);
+        if (!val) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+        *item = val;
+        return STATUS_OK;
+      }
+      cur = *item;
+      continue;
+    }
+    if (last) { /* replace the value given in the file, or add the key */
+      int val = add_scalar(c, eq + 1, set);
+      if (!val) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+      yaml_node_t *m = pr_node(c, cur);
+      for (yaml_node_pair_t *a = m->data.mapping.pairs.start; a < m->data.mapping.pairs.top; a++)
+        if (pr_scalar(c, a->key) && strcmp(pr_scalar(c, a->key), part) == 0) a->value = val;
+      if (v != 0) return STATUS_OK;
+      int k = add_scalar(c, part, set);
+      if (!k || !yaml_document_append_mapping_pair(&c->doc, cur, k, val))
+        return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+      return STATUS_OK;
+    }
+    if (v == 0 || pr_is_null(c, v)) {
+      v = yaml_document_add_mapping(&c->doc, NULL, YAML_BLOCK_MAPPING_STYLE);
+      int k = add_scalar(c, part, set);
+      if (v && v - c->set_base < MAX_SETS) c->set_of[v - c->set_base] = set;
+      if (v && v - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = v - c->set_base + 1;
+      if (!v || !k || !yaml_document_append_mapping_pair(&c->doc, cur, k, v))
+        return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+    }
+    cur = v;
+  }
+  return err_set(STATUS_EFORMAT, "--set %s: empty key path", set);
+}
+
+/* ---- load ---- */
+
+/* Checks the nesting depth with libyaml's event parser, which stops at the first collection
+ * too deep (its lookahead is bounded), before the document loader builds anything. */
+status_t plan_yaml_check_depth(const char *path, const char *text, size_t len, int max_depth) {
+  yaml_parser_t parser;
+  yaml_parser_initialize(&parser);
+  yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
+  status_t st = STATUS_OK;
+  int depth = 0;
+  for (bool done = false; !done && st == STATUS_OK;) {
+    yaml_event_t ev;
+    if (!yaml_parser_parse(&parser, &ev)) break; /* the loader reports syntax errors */
+    if (ev.type == YAML_SEQUENCE_START_EVENT || ev.type == YAML_MAPPING_START_EVENT) {
+      if (++depth > max_depth)
+        st = err_set(STATUS_EFORMAT, "%s:%zu:%zu: collections nested more than %d deep", path,
+                     ev.start_mark.line + 1, ev.start_mark.column + 1, max_depth);
+    } else if (ev.type == YAML_SEQUENCE_END_EVENT || ev.type == YAML_MAPPING_END_EVENT) {
+      depth--;
+    }
+    done = ev.type == YAML_STREAM_END_EVENT;
+    yaml_event_delete(&ev);
+  }
+  yaml_parser_delete(&parser);
+  return st;
+}
+
+status_t pr_parse_file(plan_ctx_t *c, const char *path) {
+  FILE *f;
+  TRY(file_open_regular(path, "cannot open the plan", &f));
+  long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+  fclose(f);
+  char *text;
+  TRY(file_read_text(path, PLAN_MAX_BYTES, &text));
+  size_t len = strlen(text);
+  status_t st = STATUS_OK;
+  if (size >= 0 && (size_t)size != len)
+    st = err_set(STATUS_EFORMAT, "%s:1:1: not valid YAML: the file holds a NUL byte (binary?)",
+                 path);
+  if (st == STATUS_OK) st = plan_yaml_check_depth(path, text, len, PLAN_MAX_DEPTH);
+  if (st != STATUS_OK) {
+    free(text);
+    return st;
+  }
+  yaml_parser_t parser;
+  yaml_parser_initialize(&parser);
+  yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
+  if (!yaml_parser_load(&parser, &c->doc)) {
+    st = err_set(STATUS_EFORMAT, "%s:%zu:%zu: not valid YAML: %s%s%s", path,
+                 parser.problem_mark.line + 1, parser.problem_mark.column + 1,
+                 parser.problem ? parser.problem : "syntax error", parser.context ? " " : "",
+                 parser.context ? parser.context : "");
+    memset(&c->doc, 0, sizeof c->doc);
+  }
+  yaml_parser_delete(&parser);
+  free(text);
+  return st;
+}

@@ -1,0 +1,61 @@
+/*
+ * The YAML reader behind plan_load and parallel_plan_load (libyaml's document API): places
+ * for errors ("file:line:col: key.path: message", or "--set key=value"), key checks with
+ * did-you-mean, typed values with ranges, --set overrides. Shared by parallel/plan.c (the job
+ * sections) and parallel/parallel_plan.c (mesh and parallelize). Not installed.
+ */
+#ifndef FSDPC_PARALLEL_PLAN_READER_H
+#define FSDPC_PARALLEL_PLAN_READER_H
+
+#include <yaml.h>
+
+#include "parallel/plan.h"
+
+#define MAX_SETS 256
+
+typedef struct plan_ctx {
+  plan_t *p;
+  yaml_document_t doc;
+  int set_base;                 /* nodes from this index on were made by --set */
+  const char *set_of[MAX_SETS]; /* the --set text of node set_base + i */
+  int n_set_nodes;
+  char dir[PLAN_PATH_MAX]; /* the file's folder, for relative paths */
+} plan_ctx_t;
+
+/* Plans are small: a plan larger than this, or nested deeper, is refused before libyaml
+ * loads it (libyaml's time grows with the square of the flow nesting depth). */
+#define PLAN_MAX_BYTES ((size_t)1 << 20)
+#define PLAN_MAX_DEPTH 64
+
+yaml_node_t *pr_node(plan_ctx_t *c, int i);
+void pr_where_of(plan_ctx_t *c, int i, plan_where_t *w);
+status_t pr_fail(plan_ctx_t *c, int i, const char *path, const char *fmt, ...);
+const char *pr_scalar(plan_ctx_t *c, int i);
+bool pr_is_null(plan_ctx_t *c, int i);
+void pr_join(char *out, size_t size, const char *prefix, const char *key);
+status_t pr_check_keys(plan_ctx_t *c, int i, const char *path, const char *const *keys);
+int pr_find(plan_ctx_t *c, int i, const char *key);
+int pr_lookup(plan_ctx_t *c, int map, const char *prefix, const char *key, char *path);
+status_t pr_want_scalar(plan_ctx_t *c, int v, const char *path, const char *what, const char **s);
+status_t pr_parse_int(plan_ctx_t *c, int v, const char *path, int64_t lo, int64_t hi, int64_t *out);
+status_t pr_get_int(plan_ctx_t *c, int map, const char *prefix, const char *key, int64_t lo,
+                    int64_t hi, int64_t *out);
+status_t pr_get_size(plan_ctx_t *c, int map, const char *prefix, const char *key, int *out);
+status_t pr_get_float(plan_ctx_t *c, int map, const char *prefix, const char *key, double lo,
+                      double hi, bool open_lo, double *out);
+status_t pr_parse_bool(plan_ctx_t *c, int v, const char *path, bool *out);
+status_t pr_get_bool(plan_ctx_t *c, int map, const char *prefix, const char *key, bool *out);
+status_t pr_get_str(plan_ctx_t *c, int map, const char *prefix, const char *key, char *out,
+                    size_t size);
+status_t pr_get_path(plan_ctx_t *c, int map, const char *prefix, const char *key, char *out);
+status_t pr_get_dtype(plan_ctx_t *c, int map, const char *prefix, const char *key, dtype_t *out);
+status_t pr_get_reshard(plan_ctx_t *c, int map, const char *prefix, int *out);
+status_t pr_section(plan_ctx_t *c, int root, const char *key, const char *const *keys, int *out);
+status_t pr_apply_set(plan_ctx_t *c, int root, const char *set);
+status_t pr_parse_file(plan_ctx_t *c, const char *path);
+
+/* parallel_plan.c: the mesh and parallelize sections into c->p->par. */
+status_t pp_read_mesh(plan_ctx_t *c, int root);
+status_t pp_read_parallelize(plan_ctx_t *c, int root);
+
+#endif
