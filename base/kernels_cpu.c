@@ -1,8 +1,8 @@
 /*
  * CPU twin of the compute kernels: OpenBLAS for matrix products, plain C elsewhere.
  * Values are read into fp32 (converted copies for bf16/f16 storage), computed in fp32 with
- * double-precision reductions where a row is summed (norms: fp32 lanes per 256 elements, the
- * blocks in double), and rounded once when stored.
+ * double-precision reductions where a row is summed (the gradient norm: fp32 lanes per 256
+ * elements, the blocks in double), and rounded once when stored.
  */
 #include <cblas.h>
 #include <math.h>
@@ -197,34 +197,6 @@ static status_t cpu_embedding_backward(tensor_t *grad_table, const tensor_t *gra
 
 /* ---- RMSNorm ---- */
 
-/* Sums of products for norms: fp32 lanes over blocks of 256 elements (vectorised), the
- * blocks added in double. sum a*b, and sum a*b*c. */
-enum { SUM_BLOCK = 256 };
-
-static double dot_f32(const float *a, const float *b, int64_t n) {
-  double s = 0;
-  for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {
-    int64_t i1 = i0 + SUM_BLOCK < n ? i0 + SUM_BLOCK : n;
-    float acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = i0; i < i1; i++) acc += a[i] * b[i];
-    s += acc;
-  }
-  return s;
-}
-
-static double dot3_f32(const float *a, const float *b, const float *c, int64_t n) {
-  double s = 0;
-  for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {
-    int64_t i1 = i0 + SUM_BLOCK < n ? i0 + SUM_BLOCK : n;
-    float acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = i0; i < i1; i++) acc += a[i] * b[i] * c[i];
-    s += acc;
-  }
-  return s;
-}
-
 static status_t cpu_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
                             float eps) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
@@ -240,7 +212,9 @@ static status_t cpu_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, co
   float *r = rstd->data;
   for (int64_t i = 0; i < rows; i++) {
     const float *xi = fx.p + i * D;
-    float var = (float)(dot_f32(xi, xi, D) / (double)D), ri = 1.0f / sqrtf(var + eps);
+    double ss = 0;
+    for (int64_t j = 0; j < D; j++) ss += (double)xi[j] * xi[j];
+    float var = (float)(ss / (double)D), ri = 1.0f / sqrtf(var + eps);
     float *oi = fo.p + i * D;
     r[i] = ri;
     if (x->dtype == DTYPE_F32) {
@@ -274,7 +248,9 @@ static status_t cpu_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t 
   const float *r = rstd->data;
   for (int64_t i = 0; i < rows; i++) {
     const float *xi = fx.p + i * D, *dyi = fdy.p + i * D;
-    float ri = r[i], c = (float)(dot3_f32(dyi, fw.p, xi, D) / (double)D) * ri * ri;
+    double dot = 0; /* sum_j dy_j w_j x_j */
+    for (int64_t j = 0; j < D; j++) dot += (double)dyi[j] * fw.p[j] * xi[j];
+    float ri = r[i], c = (float)(dot / (double)D) * ri * ri;
     float *dxi = fdx.p + i * D, *dw = fdw.p;
 #pragma omp simd
     for (int64_t j = 0; j < D; j++) {
@@ -401,19 +377,17 @@ WIDE static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t 
         int64_t i1 = i0 + rows < d.T ? i0 + rows : d.T, n = i1; /* keys 0..i1-1 */
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(i1 - i0), (int)n, (int)d.Dh,
                     d.scale, Q + i0 * ldq, (int)ldq, K, (int)ldk, 0.0f, s, (int)n);
-        for (int64_t i = i0; i < i1; i++) { /* one exponential per score */
-          float *row = s + (i - i0) * n, m = -INFINITY;
+        /* the probabilities from the log-sum-exp, as backward recomputes them: the same
+         * values in both passes */
+        for (int64_t i = i0; i < i1; i++) {
+          const float *row = s + (i - i0) * n;
+          float m = -INFINITY;
           for (int64_t j = 0; j <= i; j++) m = row[j] > m ? row[j] : m;
-#pragma omp simd
-          for (int64_t j = 0; j <= i; j++) row[j] = exp_f32(row[j] - m);
           double l = 0;
-          for (int64_t j = 0; j <= i; j++) l += row[j];
+          for (int64_t j = 0; j <= i; j++) l += exp_f32(row[j] - m);
           Lbh[i] = m + (float)log(l);
-          float inv = (float)(1.0 / l);
-#pragma omp simd
-          for (int64_t j = 0; j <= i; j++) row[j] *= inv;
-          for (int64_t j = i + 1; j < n; j++) row[j] = 0.0f;
         }
+        attn_probs(s, n, i0, i1, Lbh);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(i1 - i0), (int)d.Dh, (int)n,
                     1.0f, s, (int)n, V, (int)ldk, 0.0f, O + i0 * ldq, (int)ldq);
       }
@@ -858,6 +832,22 @@ WIDE static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tens
     dtype_store(p->dtype, p->data, (size_t)i, pi);
   }
   return STATUS_OK;
+}
+
+/* sum a*b in fp32 lanes over blocks of 256 elements (vectorised), the blocks added in double:
+ * the gradient norm. */
+enum { SUM_BLOCK = 256 };
+
+static double dot_f32(const float *a, const float *b, int64_t n) {
+  double s = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {
+    int64_t i1 = i0 + SUM_BLOCK < n ? i0 + SUM_BLOCK : n;
+    float acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = i0; i < i1; i++) acc += a[i] * b[i];
+    s += acc;
+  }
+  return s;
 }
 
 static status_t cpu_sum_squares(const tensor_t *x, double *out) {
