@@ -1235,21 +1235,12 @@ def ckpt_tool():
           re.search(r"model\.layers\.1\.mlp\.down_proj\.weight\s+F32\s+64x160\s+4\s+40960",
                     p.stdout) is not None and "optimizer state" in p.stdout,
           "inspect lists the plan, tensors, dtypes, shapes, chunks and bytes")
-    # the checkpoint's values, assembled from its shard files by the saved offsets
+    # the checkpoint's values, assembled from its shard files by the saved offsets, by row
     saved = {}
-    mdir = os.path.join(step, "model")
-    for name in sorted(os.listdir(mdir)):
-        h, data = st_read(os.path.join(mdir, name))
-        info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
-        for k, t in h.items():
-            if k == "__metadata__":
-                continue
-            b, e = t["data_offsets"]
-            vals = struct.unpack("<%df" % ((e - b) // 4), data[b:e])
-            rows, cols = t["shape"][0], (t["shape"][1] if len(t["shape"]) > 1 else 1)
-            r0 = info[k]["saved_offsets"][0]
-            for r in range(rows):
-                saved.setdefault(k, {})[r0 + r] = vals[r * cols:(r + 1) * cols]
+    for k, (_, shape, raw) in assemble(os.path.join(step, "model"))[0].items():
+        vals = struct.unpack("<%df" % (len(raw) // 4), raw)
+        cols = shape[1] if len(shape) > 1 else 1
+        saved[k] = {r: vals[r * cols:(r + 1) * cols] for r in range(shape[0])}
     for dtype, shard_bytes in (("f32", None), ("bf16", "100000")):
         out = os.path.join(tmp, "hf-" + dtype)
         args = ["export-hf", step, out, "--dtype", dtype]
