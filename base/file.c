@@ -150,3 +150,8 @@ status_t file_check_dirs(const char *path, const char *what) {
     }
   }
 }
+
+bool file_is_dir(const char *path) {
+  struct stat sb;
+  return stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
+}

@@ -10,6 +10,7 @@
 #ifndef FSDPC_BASE_FILE_H
 #define FSDPC_BASE_FILE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 
@@ -32,6 +33,9 @@ status_t file_read_text(const char *path, size_t max_bytes, char **out);
 
 /* Writes text and a newline to path (created or truncated) and syncs it to storage. */
 status_t file_write_text(const char *path, const char *text);
+
+/* Whether path names a folder (following links). */
+bool file_is_dir(const char *path);
 
 /* Creates folder path with its missing parents (as mkdir -p; an existing folder is fine) and
  * checks that it is writable. Errors read "WHAT 'PATH': reason" (what may be NULL). */

@@ -137,11 +137,6 @@ static status_t reshard_folder(const target_t *tg, const char *from, const char 
   return st;
 }
 
-static bool is_dir(const char *p) {
-  struct stat sb;
-  return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
-}
-
 status_t ckpt_reshard_training(const char *dir, const char *out, int world,
                                ckpt_placements_fn placements, void *ctx,
                                const char *saved_under, int *files) {
@@ -184,7 +179,7 @@ status_t ckpt_reshard_training(const char *dir, const char *out, int world,
     char from[PATH_LEN + 16], to[PATH_LEN + 16];
     snprintf(from, sizeof from, "%.4000s/%s", dir, subs[k]);
     snprintf(to, sizeof to, "%.4000s/%s", tmp, subs[k]);
-    if (k == 1 && !is_dir(from)) break; /* weights only */
+    if (k == 1 && !file_is_dir(from)) break; /* weights only */
     st = reshard_folder(&tg, from, to, &n_files, &ids[k]);
     has_optim = k == 1 && st == STATUS_OK;
   }

@@ -18,11 +18,6 @@
 
 #define PATH_LEN 4096
 
-static bool is_dir(const char *p) {
-  struct stat sb;
-  return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
-}
-
 /* train_state.json of a training checkpoint, or NULL (a plain shard folder). */
 static status_t read_state(const char *dir, cJSON **out) {
   char *text;
@@ -190,13 +185,13 @@ status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t
   hf_report_t *rep = report ? report : &rep_local;
   memset(rep, 0, sizeof *rep);
   char model[PATH_LEN], state[PATH_LEN];
-  if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   snprintf(state, sizeof state, "%.4000s/train_state.json", dir);
   if (access(state, F_OK) == 0) TRY(ckpt_check_state(dir));
   /* the model's shards: DIR/model in a training checkpoint, else DIR */
   snprintf(model, sizeof model, "%.4000s/model", dir);
-  if (!is_dir(model)) snprintf(model, sizeof model, "%s", dir);
-  if (is_dir(out) && rmdir(out) != 0)
+  if (!file_is_dir(model)) snprintf(model, sizeof model, "%s", dir);
+  if (file_is_dir(out) && rmdir(out) != 0)
     return err_set(STATUS_EINVAL, "%s: exists and is not empty", out);
   /* written as OUT.tmp, renamed when complete: a failure (a damaged block) leaves no OUT */
   char tmp[PATH_LEN + 8];

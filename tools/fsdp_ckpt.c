@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/file.h"
 #include "checkpoint/ckpt_reshard.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/hf_convert.h"
@@ -47,11 +48,6 @@ static void usage(FILE *f) {
           "       fsdp-ckpt --help | --version\n");
 }
 
-static bool is_dir(const char *p) {
-  struct stat sb;
-  return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
-}
-
 /* A training checkpoint's train_state.json against its record and its folders; nothing for a
  * plain shard folder. */
 static status_t check_state(const char *dir) {
@@ -63,7 +59,7 @@ static status_t check_state(const char *dir) {
 /* The folder of the model's shards: DIR/model in a training checkpoint, else DIR. */
 static void model_folder(const char *dir, char *out, size_t size) {
   snprintf(out, size, "%.4000s/model", dir);
-  if (!is_dir(out)) snprintf(out, size, "%s", dir);
+  if (!file_is_dir(out)) snprintf(out, size, "%s", dir);
 }
 
 static void shape_text(int nd, const int64_t *s, char *buf, size_t n) {
@@ -128,7 +124,7 @@ static status_t inspect_folder(const char *title, const char *dir) {
 }
 
 static status_t inspect(const char *dir) {
-  if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   TRY(check_state(dir)); /* a train state that passes is valid JSON */
   char *text;
   TRY(ckpt_state_text(dir, &text));
@@ -157,7 +153,7 @@ static status_t inspect(const char *dir) {
   model_folder(dir, model, sizeof model);
   status_t st = inspect_folder("model", model);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
-  if (st == STATUS_OK && is_dir(optim)) st = inspect_folder("optimizer state", optim);
+  if (st == STATUS_OK && file_is_dir(optim)) st = inspect_folder("optimizer state", optim);
   cJSON_Delete(state);
   return st;
 }
@@ -193,14 +189,14 @@ static status_t verify_folder(const char *dir, int *checked, int *unchecked, int
 /* Opens the whole checkpoint (model and optimizer state: headers, file lists, tiling) and reads
  * every block once, checking it: what a load checks of the blocks it reads, over all of them. */
 static status_t verify(const char *dir) {
-  if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   TRY(check_state(dir));
   char model[PATH_LEN], optim[PATH_LEN];
   model_folder(dir, model, sizeof model);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
   int checked = 0, unchecked = 0, damaged = 0;
   TRY(verify_folder(model, &checked, &unchecked, &damaged));
-  if (is_dir(optim)) TRY(verify_folder(optim, &checked, &unchecked, &damaged));
+  if (file_is_dir(optim)) TRY(verify_folder(optim, &checked, &unchecked, &damaged));
   printf("%s: %d chunks match their checksums, %d saved without one, %d tensors damaged\n", dir,
          checked, unchecked, damaged);
   if (damaged > 0)
@@ -286,7 +282,7 @@ static void say_unchecked_folders(const char *dir) {
     char path[PATH_LEN + 16];
     snprintf(path, sizeof path, "%.4000s/%s", dir, subs[k]);
     dcp_reader_t *r;
-    if (is_dir(path) && dcp_reader_open(path, &r) == STATUS_OK) {
+    if (file_is_dir(path) && dcp_reader_open(path, &r) == STATUS_OK) {
       say_unchecked(r, path);
       dcp_reader_close(r);
     }
@@ -313,7 +309,7 @@ static status_t reshard(const char *dir, const char *out, const reshard_opts_t *
                      o->config);
     world = p.par.dp_replicate * p.par.dp_shard * p.par.tp;
   }
-  if (!is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   char state[PATH_LEN + 32], *config = NULL;
   snprintf(state, sizeof state, "%s/train_state.json", dir);
   if (access(state, F_OK) != 0)
