@@ -7,14 +7,18 @@
  * deferred initialisation), (d) the deferred resume from a copy of the checkpoint without
  * checksums (the files another tool would write: the same bytes, no integrity records), and
  * (e) a resharding-style read of the first quarter of every tensor's rows from both, the
- * blocks it touches checked or not, and (f) the plain read again in 1 MiB blocks, each hashed.
- * Prints median times, the bytes each read, the ratios and the cost of the always-on block
- * checks.
+ * blocks it touches checked or not, (f) the plain read again in 1 MiB blocks, each hashed, and
+ * (g) the checked and unchecked resumes from storage (the files' pages dropped from the page
+ * cache first). Prints median times, the bytes each read, the ratios and the cost of the
+ * always-on block checks. A load hashes its blocks on a helper thread when the process may
+ * use more than one CPU (run it under `taskset -c 0` to see the cost on one).
  *
  *   bench-ckpt-load [--config configs/llama-100m.json] [--dir DIR] [--reps 3]
  * Without --dir the checkpoint goes to a temporary folder, removed at the end.
  */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include <dirent.h>
+#include <sched.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -114,10 +118,17 @@ static uint64_t read_quarters(const char *dir) {
 
 static uint64_t g_hash_sink;
 
-/* Reads every regular file under dir (two levels) with read(2), in pieces of size bytes,
- * hashing each piece read when hash is set (what the block checks add to a read); returns the
- * bytes read. */
-static uint64_t read_tree_hashed(const char *dir, char *buf, size_t size, bool hash) {
+/* What each file of a tree gets: with hash, a read in pieces of size bytes, each piece hashed
+ * (what the block checks add to a read); with drop, its pages dropped from the page cache (the
+ * next read comes from storage). */
+typedef struct walk {
+  char *buf;
+  size_t size;
+  bool hash, drop;
+} walk_t;
+
+/* Reads (or drops) every regular file under dir (two levels); returns the bytes read. */
+static uint64_t walk_tree(const char *dir, const walk_t *w) {
   uint64_t total = 0;
   DIR *d = opendir(dir);
   if (d == NULL) return 0;
@@ -129,15 +140,19 @@ static uint64_t read_tree_hashed(const char *dir, char *buf, size_t size, bool h
     struct stat sb;
     if (stat(path, &sb) != 0) continue;
     if (S_ISDIR(sb.st_mode)) {
-      total += read_tree_hashed(path, buf, size, hash);
+      total += walk_tree(path, w);
       continue;
     }
     int fd = open(path, O_RDONLY);
     if (fd < 0) continue;
     ssize_t n;
-    while ((n = read(fd, buf, size)) > 0) {
-      total += (uint64_t)n;
-      if (hash) g_hash_sink ^= dcp_block_hash(buf, (size_t)n);
+    if (w->drop) { /* written pages must reach the storage before they can be dropped */
+      if (fdatasync(fd) != 0 || posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) != 0) perror(path);
+    } else {
+      while ((n = read(fd, w->buf, w->size)) > 0) {
+        total += (uint64_t)n;
+        if (w->hash) g_hash_sink ^= dcp_block_hash(w->buf, (size_t)n);
+      }
     }
     close(fd);
   }
@@ -146,7 +161,7 @@ static uint64_t read_tree_hashed(const char *dir, char *buf, size_t size, bool h
 }
 
 static uint64_t read_tree(const char *dir, char *buf, size_t size) {
-  return read_tree_hashed(dir, buf, size, false);
+  return walk_tree(dir, &(walk_t){buf, size, false, false});
 }
 
 typedef struct built {
@@ -238,7 +253,7 @@ int main(int argc, char **argv) {
   uint64_t file_bytes = read_tree(dir, buf, bufsize); /* warms the page cache */
   read_tree(plain, buf, bufsize);
   double t_read[64], t_deferred[64], t_eager[64], t_plain[64], t_part[64], t_part_plain[64];
-  double t_hashed[64];
+  double t_hashed[64], t_cold[64], t_cold_plain[64];
   dcp_stats_t stats = {0}, plain_stats = {0};
   uint64_t part_bytes = 0;
   for (int r = 0; r < reps; r++) {
@@ -246,10 +261,11 @@ int main(int argc, char **argv) {
     read_tree(dir, buf, bufsize);
     t_read[r] = bench_now() - t0;
     t0 = bench_now();
-    read_tree_hashed(dir, buf, (size_t)dcp_block_bytes(), true);
+    walk_tree(dir, &(walk_t){buf, (size_t)dcp_block_bytes(), true, false});
     t_hashed[r] = bench_now() - t0;
     for (int j = 0; j < 2; j++) { /* checked and unchecked back to back, alternating first */
       int k = (j + r) % 2;         /* 1: the checked files, 0: those without checksums */
+      read_tree(k ? dir : plain, buf, bufsize); /* each load after a read of its own files */
       t0 = bench_now();
       built_t b;
       build(&b, &cfg, true);
@@ -259,8 +275,21 @@ int main(int argc, char **argv) {
       (k ? t_deferred : t_plain)[r] = bench_now() - t0;
       unbuild(&b);
     }
+    for (int j = 0; j < 2; j++) { /* the same from storage: both trees' pages dropped first */
+      int k = (j + r) % 2;
+      walk_tree(dir, &(walk_t){.drop = true});
+      walk_tree(plain, &(walk_t){.drop = true});
+      t0 = bench_now();
+      built_t b;
+      build(&b, &cfg, true);
+      int64_t step;
+      BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step, NULL));
+      (k ? t_cold : t_cold_plain)[r] = bench_now() - t0;
+      unbuild(&b);
+    }
     for (int j = 0; j < 2; j++) { /* a quarter of the rows, the same way */
       int k = (j + r) % 2;
+      read_tree(k ? dir : plain, buf, bufsize);
       t0 = bench_now();
       part_bytes = read_quarters(k ? dir : plain);
       (k ? t_part : t_part_plain)[r] = bench_now() - t0;
@@ -293,9 +322,18 @@ int main(int argc, char **argv) {
          "alone is at most %.3f s, %.1f%% of the checked resume\n",
          (unsigned long long)block, th, (double)file_bytes / 1e6 / th, th - tr,
          100.0 * (th - tr) / td);
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  printf("this process may use %d CPU%s: the loads hash their blocks %s\n", ncpu,
+         ncpu > 1 ? "s" : "", ncpu > 1 ? "on a helper thread" : "on the reading thread");
   printf("block checks (XXH3-64 per %llu-byte block, always on): the deferred resume takes "
          "%.3f s checked, %.3f s from the same files without checksums: %+.1f%%\n",
          (unsigned long long)block, td, tp, 100.0 * (td - tp) / tp);
+  double tc = median(t_cold, reps), tcp = median(t_cold_plain, reps);
+  printf("the same from storage (the files' pages dropped from the page cache first): %.3f s "
+         "checked, %.3f s without checksums: %+.1f%%\n",
+         tc, tcp, 100.0 * (tc - tcp) / tcp);
   printf("a quarter of every tensor's rows (a rank of a 4-way plan, %.1f MB): %.3f s checked "
          "(the blocks it touches), %.3f s unchecked: %+.1f%%\n",
          (double)part_bytes / 1e6, tq, tqp, 100.0 * (tq - tqp) / tqp);

@@ -68,4 +68,18 @@ status_t dcp_integrity_format(const dcp_integrity_t *it, char **out);
 status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t *out);
 void dcp_integrity_free(dcp_integrity_t *it);
 
+/* Compares blocks with their recorded hashes: on a helper thread when the process may use more
+ * than one CPU (the caller reads on meanwhile), else at once on the caller. Pushed bytes must
+ * stay in place until dcp_checker_wait returns. */
+typedef struct dcp_checker dcp_checker_t;
+status_t dcp_checker_new(dcp_checker_t **out);
+/* Queues bytes bytes at data: blocks of block bytes (the last one shorter) whose hashes should
+ * be expect[first], expect[first + 1], ...; who names their owner in the verdict. */
+void dcp_checker_push(dcp_checker_t *c, const void *data, size_t bytes, size_t block,
+                      const uint64_t *expect, uint64_t first, const void *who);
+/* Waits for every queued block: true when all matched since the last wait, else false with
+ * the first mismatch found (its owner and block index). */
+bool dcp_checker_wait(dcp_checker_t *c, const void **who, uint64_t *block);
+void dcp_checker_free(dcp_checker_t *c);
+
 #endif

@@ -17,8 +17,12 @@
 
 #define DCP_PATH_MAX 4096
 #define DCP_JOIN_MAX (DCP_PATH_MAX + 320)
-/* A partial read checks and copies this many bytes of rows at a time (at least one row). */
-#define READ_GROUP_BYTES ((uint64_t)16 << 20)
+/* Reads go this many bytes at a time; a checked read's are whole blocks (at least one), each
+ * piece handed to the checker as it arrives and hashed while the next is read. */
+#define READ_JOB_BYTES ((uint64_t)16 << 20)
+/* A partial read checks and copies this many bytes of rows at a time (at least one row), and
+ * verify reads a chunk this many bytes at a time (whole blocks). */
+#define READ_GROUP_BYTES (4 * READ_JOB_BYTES)
 #define MAX_OFFSET 9007199254740992.0 /* 2^53: offsets JSON numbers hold exactly */
 
 typedef struct rfile {
@@ -55,6 +59,7 @@ struct dcp_reader {
   int n_list;
   chunk_t *chunks; /* tensor i's: chunks[first[i] .. first[i + 1]) */
   int *first;
+  dcp_checker_t *checker; /* hashes the blocks a read has just brought in */
 };
 
 static status_t oom(void) { return err_set(STATUS_ENOMEM, "checkpoint: out of host memory"); }
@@ -480,6 +485,7 @@ status_t dcp_reader_open(const char *dir, dcp_reader_t **out) {
   free(names);
   if (st == STATUS_OK) st = decide_checks(r);
   if (st == STATUS_OK) st = build_table(r);
+  if (st == STATUS_OK) st = dcp_checker_new(&r->checker);
   if (st != STATUS_OK) {
     dcp_reader_close(r);
     return st;
@@ -496,6 +502,7 @@ void dcp_reader_close(dcp_reader_t *r) {
   free(r->list);
   free(r->chunks);
   free(r->first);
+  dcp_checker_free(r->checker);
   free(r);
 }
 
@@ -530,35 +537,72 @@ static int find_tensor(const dcp_reader_t *r, const char *name) {
 
 /* ---- checked reads ---- */
 
-/* Reads bytes [lo, hi) of chunk c into buf, checking every block they span: lo is at a block's
- * start, hi at a block's end or the chunk's. */
+static status_t mismatch(const rfile_t *rf, const char *name, uint64_t size, uint64_t B,
+                         uint64_t b) {
+  uint64_t pos = b * B, end = pos + B < size ? pos + B : size;
+  return err_set(STATUS_EFORMAT,
+                 "%s: tensor '%s': checksum mismatch in block %llu of %llu (bytes %llu to %llu "
+                 "of the chunk): the file is corrupt",
+                 st_path(rf->f), name, (unsigned long long)b + 1,
+                 (unsigned long long)dcp_blocks_of(size, B), (unsigned long long)pos,
+                 (unsigned long long)end);
+}
+
+/* Reads bytes [lo, hi) of chunk c into buf, queueing every block they span for its check (see
+ * checks_done): lo is at a block's start, hi at a block's end or the chunk's. */
 static status_t read_blocks(const dcp_reader_t *r, const chunk_t *c, uint64_t lo, uint64_t hi,
                             void *buf) {
   rfile_t *rf = &r->files[c->file];
   const char *name = c->info->name;
   uint64_t size = c->info->end - c->info->begin, B = c->block;
-  if (B == 0) return st_read_bytes(rf->f, name, lo, buf, (size_t)(hi - lo));
-  for (uint64_t pos = lo; pos < hi; pos += B) {
-    uint64_t n = hi - pos < B ? hi - pos : B, b = pos / B;
-    char *p = (char *)buf + (pos - lo);
-    TRY(st_read_bytes(rf->f, name, pos, p, (size_t)n));
-    bool ok;
-    if (c->hash != NULL) {
-      ok = dcp_block_hash(p, (size_t)n) == c->hash[b];
-    } else { /* a legacy CRC-32 of the whole chunk, read in one piece */
-      uLong x = crc32(0L, Z_NULL, 0);
-      for (uint64_t o = 0; o < n; o += 1u << 30)
-        x = crc32(x, (const Bytef *)p + o, (uInt)(n - o < (1u << 30) ? n - o : (1u << 30)));
-      ok = (uint32_t)x == c->crc;
-    }
-    if (!ok)
-      return err_set(STATUS_EFORMAT,
-                     "%s: tensor '%s': checksum mismatch in block %llu of %llu (bytes %llu to "
-                     "%llu of the chunk): the file is corrupt",
-                     st_path(rf->f), name, (unsigned long long)b + 1,
-                     (unsigned long long)dcp_blocks_of(size, B), (unsigned long long)pos,
-                     (unsigned long long)(pos + n));
+  if (B == 0) { /* nothing to check: still in pieces (one very large read is slower) */
+    for (uint64_t pos = lo; pos < hi; pos += READ_JOB_BYTES)
+      TRY(st_read_bytes(rf->f, name, pos, (char *)buf + (pos - lo),
+                        (size_t)(hi - pos < READ_JOB_BYTES ? hi - pos : READ_JOB_BYTES)));
+    return STATUS_OK;
   }
+  if (c->hash == NULL) { /* a legacy CRC-32 of the whole chunk, read in one piece */
+    TRY(st_read_bytes(rf->f, name, lo, buf, (size_t)(hi - lo)));
+    uLong x = crc32(0L, Z_NULL, 0);
+    for (uint64_t o = 0; o < hi - lo; o += 1u << 30)
+      x = crc32(x, (const Bytef *)buf + o,
+                (uInt)(hi - lo - o < (1u << 30) ? hi - lo - o : (1u << 30)));
+    return (uint32_t)x == c->crc ? STATUS_OK : mismatch(rf, name, size, B, 0);
+  }
+  uint64_t step = B < READ_JOB_BYTES ? READ_JOB_BYTES / B * B : B;
+  status_t st = STATUS_OK;
+  for (uint64_t pos = lo; pos < hi && st == STATUS_OK; pos += step) {
+    uint64_t n = hi - pos < step ? hi - pos : step;
+    char *p = (char *)buf + (pos - lo);
+    st = st_read_bytes(rf->f, name, pos, p, (size_t)n);
+    if (st == STATUS_OK) dcp_checker_push(r->checker, p, (size_t)n, (size_t)B, c->hash, pos / B, c);
+  }
+  return st;
+}
+
+/* Waits for the checks of every block read so far: st, or the first mismatch when st is OK.
+ * Bytes a read brought in are trusted (copied out, converted, returned) only after this. */
+static status_t checks_done(const dcp_reader_t *r, status_t st) {
+  const void *who = NULL;
+  uint64_t b = 0;
+  if (dcp_checker_wait(r->checker, &who, &b) || st != STATUS_OK) return st;
+  const chunk_t *c = who;
+  return mismatch(&r->files[c->file], c->info->name, c->info->end - c->info->begin, c->block, b);
+}
+
+/* read_blocks, then the checks of what it read: the bytes are the caller's to use after this.
+ * A range of one piece is hashed by this thread right after its read (the caller would only
+ * wait for the helper). */
+static status_t read_checked(const dcp_reader_t *r, const chunk_t *c, uint64_t lo, uint64_t hi,
+                             void *buf) {
+  if (c->hash == NULL || hi - lo > READ_JOB_BYTES) return checks_done(r, read_blocks(r, c, lo, hi, buf));
+  rfile_t *rf = &r->files[c->file];
+  uint64_t size = c->info->end - c->info->begin, B = c->block;
+  TRY(st_read_bytes(rf->f, c->info->name, lo, buf, (size_t)(hi - lo)));
+  for (uint64_t pos = lo; pos < hi; pos += B)
+    if (dcp_block_hash((char *)buf + (pos - lo), (size_t)(hi - pos < B ? hi - pos : B)) !=
+        c->hash[pos / B])
+      return mismatch(rf, c->info->name, size, B, pos / B);
   return STATUS_OK;
 }
 
@@ -570,7 +614,7 @@ static status_t read_whole(const dcp_reader_t *r, const chunk_t *c, tensor_t *ds
     return read_blocks(r, c, 0, size, dst->data); /* straight into place */
   tensor_t raw;
   TRY(tensor_init(&raw, t->dtype, device_cpu(), t->ndim, t->shape));
-  status_t st = read_blocks(r, c, 0, size, raw.data);
+  status_t st = read_checked(r, c, 0, size, raw.data);
   if (st == STATUS_OK) st = tensor_copy(dst, &raw);
   tensor_free(&raw);
   return st;
@@ -582,20 +626,19 @@ static status_t read_whole(const dcp_reader_t *r, const chunk_t *c, tensor_t *ds
 static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t *src,
                           tensor_t *dst) {
   const st_info_t *t = c->info;
-  rfile_t *rf = &r->files[c->file];
-  if (c->block == 0) return st_read_box(rf->f, t->name, src, dst); /* nothing to check */
   int nd = t->ndim;
-  if (c->hash == NULL) { /* one CRC for the chunk: read it whole, then take the box */
+  if (c->block != 0 && c->hash == NULL) { /* one CRC for the chunk: read it whole, then the box */
     tensor_t whole, box = {0};
     TRY(tensor_init(&whole, t->dtype, device_cpu(), nd, t->shape));
-    status_t st = read_whole(r, c, &whole);
+    status_t st = checks_done(r, read_whole(r, c, &whole));
     if (st == STATUS_OK) st = tensor_narrow_box(&box, &whole, src, dst->shape);
     if (st == STATUS_OK) st = tensor_copy(dst, &box);
     tensor_free(&box);
     tensor_free(&whole);
     return st;
   }
-  uint64_t es = t->elem_size, size = t->end - t->begin, B = c->block, row = es;
+  /* B: the unit reads start and end on (unchecked: any byte) */
+  uint64_t es = t->elem_size, size = t->end - t->begin, B = c->block ? c->block : 1, row = es;
   for (int d = 1; d < nd; d++) row *= (uint64_t)t->shape[d];
   uint64_t first = 0, last = 0, stride = es; /* the box's bytes within one row */
   for (int d = nd - 1; d >= 1; d--) {
@@ -616,7 +659,7 @@ static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t
     uint64_t hi = dcp_blocks_of(base + (uint64_t)(n - 1) * row + last, B) * B;
     if (hi > size) hi = size;
     uint64_t start = lo < base ? lo : base; /* buf holds the chunk's bytes from start */
-    st = read_blocks(r, c, lo, hi, buf + (lo - start));
+    st = read_checked(r, c, lo, hi, buf + (lo - start));
     int64_t shape[TENSOR_MAX_DIMS], boff[TENSOR_MAX_DIMS] = {0}, bshape[TENSOR_MAX_DIMS];
     for (int d = 0; d < nd; d++) {
       shape[d] = d == 0 ? n : t->shape[d];
@@ -700,7 +743,7 @@ static status_t load_box(const dcp_reader_t *r, const char *name, int nd, const 
 
 status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
                              const int64_t *global_shape, const int64_t *offset, tensor_t *dst) {
-  return load_box(r, name, ndim, global_shape, offset, dst, NULL);
+  return checks_done(r, load_box(r, name, ndim, global_shape, offset, dst, NULL));
 }
 
 status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
@@ -720,6 +763,7 @@ status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp
       st = load_box(r, entries[i].name, dtensor_ndim(v), dtensor_shape(v), loff, &local, &s);
     tensor_free(&local);
   }
+  st = checks_done(r, st); /* straight-into-place reads are checked by now */
   for (int i = 0; i < r->n_files; i++) {
     s.bytes_read += st_bytes_read(r->files[i].f);
     s.header_bytes += st_header_bytes(r->files[i].f);
@@ -751,12 +795,13 @@ status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int 
       continue;
     }
     uint64_t size = c[k].info->end - c[k].info->begin, B = c[k].block;
-    uint64_t piece = size < B ? size : B;
+    uint64_t step = c[k].hash && B <= READ_GROUP_BYTES / 2 ? READ_GROUP_BYTES / B * B : B;
+    uint64_t piece = size < step ? size : step;
     void *buf = malloc(piece ? (size_t)piece : 1);
     if (buf == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory for %llu bytes",
                                     (unsigned long long)piece);
-    for (uint64_t pos = 0; pos < size && st == STATUS_OK; pos += B)
-      st = read_blocks(r, &c[k], pos, pos + (size - pos < B ? size - pos : B), buf);
+    for (uint64_t pos = 0; pos < size && st == STATUS_OK; pos += step)
+      st = read_checked(r, &c[k], pos, pos + (size - pos < step ? size - pos : step), buf);
     free(buf);
     if (st == STATUS_OK) (*checked)++;
   }

@@ -507,7 +507,9 @@ static cJSON *raw_u64(uint64_t v) {
   return cJSON_CreateRaw(buf);
 }
 
-/* The header JSON, padded with spaces to a multiple of 8 bytes. */
+/* The header JSON, padded with spaces so that the data starts 64 bytes aligned in the file
+ * (8-byte length + header: a multiple of 64): a read of a tensor into 64-byte-aligned memory
+ * then copies whole cache lines. */
 static status_t build_header(const st_writer_t *w, char **out, size_t *len) {
   cJSON *root = cJSON_CreateObject();
   if (root == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
@@ -539,7 +541,7 @@ static status_t build_header(const st_writer_t *w, char **out, size_t *len) {
   char *text = cJSON_PrintUnformatted(root);
   cJSON_Delete(root);
   if (text == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  size_t n = strlen(text), padded = (n + 7) & ~(size_t)7;
+  size_t n = strlen(text), padded = ((n + 8 + 63) & ~(size_t)63) - 8;
   char *buf = realloc(text, padded + 1);
   if (buf == NULL) {
     free(text);

@@ -2,9 +2,11 @@
  * Distributed checkpoints: tensors saved under one plan load under another (world-1
  * replicate, 1-D shard on either dimension, 2-D HSDP, (S(0), S(1)) and the strided
  * (SS(0), S(0)) of FSDP over tensor parallelism) exactly equal to
- * distributing the original directly; replicas are written once; each rank reads exactly
- * the checksum blocks its shards touch; a damaged block fails exactly the loads that touch
- * it; bad folders and mismatches give errors naming the tensor.
+ * distributing the original directly, from the files as saved and from a copy without
+ * checksums; replicas are written once; each rank reads exactly the checksum blocks its
+ * shards touch (without checksums: the bytes from the first its box needs to the last); a
+ * damaged block fails exactly the loads that touch it, small blocks or large chunks hashed
+ * while the next bytes are read; bad folders and mismatches give errors naming the tensor.
  */
 #include <cJSON.h>
 #include <dirent.h>
@@ -17,6 +19,7 @@
 #include <unistd.h>
 
 #include "checkpoint/dcp.h"
+#include "checkpoint/dcp_integrity.h"
 #include "checkpoint/safetensors.h"
 #include "tests/harness.h"
 
@@ -88,9 +91,10 @@ static void remove_root(void) {
 
 /* The bytes a load of entries e reads from folder dir, worked out from the files' own
  * headers: for every saved chunk that meets a rank's box, the whole chunk when the box covers
- * it, else the BLOCK-sized blocks from the one holding the box's first byte in the chunk to
- * the one holding its last. */
-static uint64_t touched_bytes(const char *dir, const dcp_entry_t *e, int n) {
+ * it, else the blocks of block bytes from the one holding the box's first byte in the chunk to
+ * the one holding its last (block 1 for files without checksums: the bytes from the first to
+ * the last). */
+static uint64_t touched_bytes(const char *dir, const dcp_entry_t *e, int n, uint64_t block) {
   uint64_t total = 0;
   DIR *d = opendir(dir);
   ck_assert_ptr_nonnull(d);
@@ -129,7 +133,7 @@ static uint64_t touched_bytes(const char *dir, const dcp_entry_t *e, int n) {
       int64_t cols = t->ndim == 2 ? t->shape[1] : 1;
       uint64_t first = (uint64_t)(lo[0] * cols + (t->ndim == 2 ? lo[1] : 0)) * t->elem_size;
       uint64_t last = (uint64_t)((hi[0] - 1) * cols + (t->ndim == 2 ? hi[1] : 1)) * t->elem_size;
-      uint64_t a = first / BLOCK * BLOCK, b = (last + BLOCK - 1) / BLOCK * BLOCK;
+      uint64_t a = first / block * block, b = (last + block - 1) / block * block;
       total += (b < size ? b : size) - a;
     }
     cJSON_Delete(info);
@@ -137,6 +141,45 @@ static uint64_t touched_bytes(const char *dir, const dcp_entry_t *e, int n) {
   }
   closedir(d);
   return total;
+}
+
+/* Copies the shard files of folder from into a new folder to without their integrity records,
+ * as another tool would write them. */
+static void copy_without_records(const char *from, const char *to) {
+  ck_assert_int_eq(mkdir(to, 0755), 0);
+  DIR *d = opendir(from);
+  ck_assert_ptr_nonnull(d);
+  struct dirent *de;
+  while ((de = readdir(d)) != NULL) {
+    if (strstr(de->d_name, ".safetensors") == NULL) continue;
+    char a[700], b[700];
+    snprintf(a, sizeof a, "%s/%s", from, de->d_name);
+    snprintf(b, sizeof b, "%s/%s", to, de->d_name);
+    st_file_t *f;
+    st_writer_t *w;
+    ok(st_open(&f, a));
+    ok(st_writer_new(&w));
+    const char *keys[] = {"DCP_SHARDING_INFO", "DCP_VERSION", "format"};
+    for (int k = 0; k < 3; k++)
+      if (st_metadata(f, keys[k])) ok(st_writer_set_metadata(w, keys[k], st_metadata(f, keys[k])));
+    for (int i = 0; i < st_num_tensors(f); i++) {
+      const st_info_t *t = st_tensor(f, i);
+      ok(st_writer_declare(w, t->name, t->dtype, t->ndim, t->shape));
+    }
+    ok(st_writer_begin(w, b));
+    for (int i = 0; i < st_num_tensors(f); i++) {
+      const st_info_t *t = st_tensor(f, i);
+      tensor_t x;
+      ok(tensor_init(&x, t->dtype, device_cpu(), t->ndim, t->shape));
+      ok(st_read(f, t->name, &x));
+      ok(st_writer_write(w, t->name, &x));
+      tensor_free(&x);
+    }
+    ok(st_writer_finish(w));
+    st_writer_free(w);
+    st_close(f);
+  }
+  closedir(d);
 }
 
 typedef struct plan {
@@ -200,6 +243,10 @@ START_TEST(save_under_one_plan_load_under_another) {
           printf("%s: %s stored %lld elements\n", plans[a].name, names[i], (long long)stored[i]);
         }
     }
+    char plain[420]; /* the same files without their integrity records */
+    snprintf(plain, sizeof plain, "%s.plain", dir);
+    if (world_rank() == 0) copy_without_records(dir, plain);
+    MPI_Barrier(world_comm());
     for (int b = 0; b < np; b++) {
       if (plans[b].mesh == 1 && !two_d) continue;
       dtensor_t *got[NT], *want[NT];
@@ -216,12 +263,31 @@ START_TEST(save_under_one_plan_load_under_another) {
           printf("saved %s, loaded %s: %s differs\n", plans[a].name, plans[b].name, names[i]);
         }
       }
-      uint64_t touched = touched_bytes(dir, eg, NT);
+      uint64_t touched = touched_bytes(dir, eg, NT, BLOCK);
       if (s.bytes_read != touched || s.bytes_needed > touched || s.unchecked) {
         bad++;
         printf("saved %s, loaded %s: read %llu bytes, the blocks touched hold %llu, needed %llu\n",
                plans[a].name, plans[b].name, (unsigned long long)s.bytes_read,
                (unsigned long long)touched, (unsigned long long)s.bytes_needed);
+      }
+      free_all(got);
+      make(meshes[plans[b].mesh], plans[b].pl, true, eg, got);
+      ok(dcp_load(plain, eg, NT, &s)); /* the same bytes without checksums */
+      for (int i = 0; i < NT; i++) {
+        bool eq = false;
+        ok(tensor_equal(dtensor_local(got[i]), dtensor_local(want[i]), &eq));
+        if (!eq) {
+          bad++;
+          printf("saved %s without checksums, loaded %s: %s differs\n", plans[a].name,
+                 plans[b].name, names[i]);
+        }
+      }
+      touched = touched_bytes(plain, eg, NT, 1);
+      if (s.bytes_read != touched || s.bytes_needed > touched || !s.unchecked) {
+        bad++;
+        printf("saved %s without checksums, loaded %s: read %llu bytes, the boxes span %llu\n",
+               plans[a].name, plans[b].name, (unsigned long long)s.bytes_read,
+               (unsigned long long)touched);
       }
       free_all(got);
       free_all(want);
@@ -299,6 +365,139 @@ START_TEST(partial_reads_check_the_blocks_they_touch) {
   expect_all(bad == 0, "%d wrong outcomes of loading a damaged block", bad);
   free_all(got);
   free_all(want);
+  mesh_free(mesh);
+  ok(dcp_set_block_bytes(DCP_BLOCK_BYTES_DEFAULT));
+  remove_root();
+}
+END_TEST
+
+/* The checker on its own: jobs of 256 KiB (handed to the helper thread when there is a second
+ * CPU), the first mismatch named, the verdict reset by each wait. */
+START_TEST(checker_names_the_first_bad_block) {
+  enum { JOBS = 24, PER = 4 };
+  const size_t B = (size_t)64 << 10;
+  char *data = malloc(JOBS * PER * B);
+  uint64_t expect[JOBS * PER];
+  ck_assert_ptr_nonnull(data);
+  for (size_t k = 0; k < JOBS * PER * B; k++) data[k] = (char)(k * 2654435761u >> 13);
+  for (int b = 0; b < JOBS * PER; b++) expect[b] = dcp_block_hash(data + (size_t)b * B, B);
+  dcp_checker_t *c;
+  ok(dcp_checker_new(&c));
+  const void *who = NULL;
+  uint64_t block = 0;
+  for (int round = 0; round < 3; round++) {
+    int bad_a = round == 0 ? 41 : -1, bad_b = round == 0 ? 70 : -1;
+    if (bad_a >= 0) data[(size_t)bad_a * B + 5] ^= 1;
+    if (bad_b >= 0) data[(size_t)bad_b * B + B - 1] ^= 1;
+    for (int j = 0; j < JOBS; j++)
+      dcp_checker_push(c, data + (size_t)j * PER * B, PER * B, B, expect, (uint64_t)j * PER,
+                       &expect[j]);
+    bool all = dcp_checker_wait(c, &who, &block);
+    if (round == 0) {
+      ck_assert_msg(!all, "two damaged blocks went unnoticed");
+      ck_assert_ptr_eq(who, &expect[bad_a / PER]);
+      ck_assert_int_eq(block, bad_a);
+      data[(size_t)bad_a * B + 5] ^= 1; /* repaired for the next rounds */
+      data[(size_t)bad_b * B + B - 1] ^= 1;
+    } else {
+      ck_assert_msg(all, "round %d: intact blocks reported (block %llu)", round,
+                    (unsigned long long)block);
+    }
+  }
+  dcp_checker_free(c);
+  free(data);
+}
+END_TEST
+
+/* A tensor of 128 blocks of 64 KiB, two of them damaged: every load that touches one fails
+ * naming the first it touches (the blocks are hashed while the next ones are read), the others
+ * load exact values. */
+START_TEST(large_chunks_are_checked_while_read) {
+  int W = world_size();
+  make_root();
+  const uint64_t B = (uint64_t)64 << 10;
+  ok(dcp_set_block_bytes(B));
+  mesh_t *mesh;
+  const char *n1[] = {"w"};
+  ok(mesh_init(&mesh, 1, &W, n1, DEVICE_CPU));
+  const int64_t shape[2] = {2048, 1024}; /* 8 MiB of f32 */
+  tensor_t full;
+  ok(tensor_init(&full, DTYPE_F32, device_cpu(), 2, shape));
+  for (int64_t k = 0; k < tensor_numel(&full); k++) ((float *)full.data)[k] = (float)(k % 9973);
+  placement_t rep = placement_replicate(), s0 = placement_shard(0);
+  dtensor_t *d;
+  ok(dtensor_distribute(&d, &full, mesh, &rep, DTENSOR_ALL_RANKS));
+  char dir[400];
+  snprintf(dir, sizeof dir, "%s/large", root);
+  ok(dcp_save(dir, &(dcp_entry_t){"big", d}, 1, world_comm()));
+  dtensor_free(d);
+  const uint64_t damaged[2] = {77, 100};
+  if (world_rank() == 0) {
+    char path[500];
+    snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
+    st_file_t *f;
+    ok(st_open(&f, path));
+    long at = (long)(st_header_bytes(f) + st_find(f, "big")->begin);
+    st_close(f);
+    FILE *fp = fopen(path, "r+b");
+    ck_assert_ptr_nonnull(fp);
+    for (int k = 0; k < 2; k++) {
+      long pos = at + (long)(damaged[k] * B + 1000 * (uint64_t)k);
+      ck_assert_int_eq(fseek(fp, pos, SEEK_SET), 0);
+      int c = fgetc(fp);
+      ck_assert_int_eq(fseek(fp, pos, SEEK_SET), 0);
+      fputc(c ^ 0x40, fp);
+    }
+    fclose(fp);
+  }
+  MPI_Barrier(world_comm());
+  int bad = 0;
+  for (int layout = 0; layout < 2; layout++) {
+    tensor_t zero;
+    ok(tensor_init(&zero, DTYPE_F32, device_cpu(), 2, shape));
+    ok(tensor_fill(&zero, 0));
+    ok(dtensor_distribute(&d, &zero, mesh, layout ? &s0 : &rep, DTENSOR_ALL_RANKS));
+    tensor_free(&zero);
+    int64_t off[2];
+    dtensor_offset(d, off);
+    const tensor_t *local = dtensor_local(d);
+    uint64_t row = (uint64_t)shape[1] * 4, lo = (uint64_t)off[0] * row / B;
+    uint64_t hi = ((uint64_t)(off[0] + local->shape[0]) * row + B - 1) / B;
+    int64_t first = -1; /* the first damaged block the rank's rows touch */
+    for (int k = 1; k >= 0; k--)
+      if (local->shape[0] > 0 && damaged[k] >= lo && damaged[k] < hi) first = (int64_t)damaged[k];
+    status_t st = dcp_load(dir, &(dcp_entry_t){"big", d}, 1, NULL);
+    char want[96];
+    snprintf(want, sizeof want, "tensor 'big': checksum mismatch in block %lld of 128",
+             (long long)first + 1);
+    if (first >= 0 && (st != STATUS_EFORMAT || !strstr(err_detail(), want))) {
+      bad++;
+      printf("rank %d, layout %d: expected \"%s\", got %s\n", world_rank(), layout, want,
+             st ? err_detail() : "success");
+    }
+    if (first < 0) {
+      tensor_t box = {0};
+      bool eq = false;
+      ok(tensor_narrow(&box, &full, 0, off[0], local->shape[0]));
+      if (st == STATUS_OK) ok(tensor_equal(local, &box, &eq));
+      tensor_free(&box);
+      if (!eq) {
+        bad++;
+        printf("rank %d, layout %d: rows %lld+%lld miss the damage; load %s, values %s\n",
+               world_rank(), layout, (long long)off[0], (long long)local->shape[0],
+               st ? err_detail() : "ok", eq ? "equal" : "differ");
+      }
+    }
+    dtensor_free(d);
+  }
+  int64_t chunks = 0;
+  status_t st = dcp_verify(dir, world_comm(), &chunks);
+  if (st != STATUS_EFORMAT || !strstr(err_detail(), "checksum mismatch in block 78 of 128")) {
+    bad++;
+    printf("rank %d: verify: %s\n", world_rank(), st ? err_detail() : "passed");
+  }
+  expect_all(bad == 0, "%d wrong outcomes of loading a large damaged chunk", bad);
+  tensor_free(&full);
   mesh_free(mesh);
   ok(dcp_set_block_bytes(DCP_BLOCK_BYTES_DEFAULT));
   remove_root();
@@ -391,6 +590,8 @@ static Suite *make_suite(void) {
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, save_under_one_plan_load_under_another);
   tcase_add_test(tc, partial_reads_check_the_blocks_they_touch);
+  tcase_add_test(tc, checker_names_the_first_bad_block);
+  tcase_add_test(tc, large_chunks_are_checked_while_read);
   tcase_add_test(tc, errors_name_the_tensor);
   tcase_add_test(tc, failed_save_removes_its_temporary_folder);
   suite_add_tcase(s, tc);

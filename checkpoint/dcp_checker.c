@@ -1,0 +1,151 @@
+/*
+ * Block checks off the reading thread: while a load reads block k + 1 into place, a helper
+ * thread hashes block k and compares it with the record. A check costs the reading thread a
+ * queue push; the wall time of a checked load is that of an unchecked one when the process may
+ * use a second CPU. With one CPU (a rank bound to one core) the blocks are hashed at once, on
+ * the caller, as before.
+ */
+#define _GNU_SOURCE /* sched_getaffinity */
+#include "checkpoint/dcp_integrity.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+
+#define QUEUE 16                           /* blocks pushed and not yet hashed, at most */
+#define INLINE_BYTES ((size_t)128 << 10) /* smaller blocks: hashed at once, no hand-over */
+
+typedef struct job {
+  const char *data;
+  size_t bytes, block;
+  const uint64_t *expect;
+  uint64_t first;
+  const void *who;
+} job_t;
+
+struct dcp_checker {
+  bool threaded;
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t work, done; /* work: a job or the stop came; done: a job was finished */
+  job_t queue[QUEUE];
+  uint64_t head, tail; /* jobs queue[head % QUEUE] .. queue[tail % QUEUE] wait; head: next */
+  uint64_t busy;       /* jobs taken and not finished (0 or 1) */
+  bool stop;
+  bool bad; /* the first block found not to match: */
+  const void *bad_who;
+  uint64_t bad_block;
+};
+
+/* The index (from j.first) of j's first block that does not match, or UINT64_MAX. */
+static uint64_t check(const job_t *j) {
+  for (size_t o = 0, b = 0; o < j->bytes; o += j->block, b++) {
+    size_t n = j->bytes - o < j->block ? j->bytes - o : j->block;
+    if (dcp_block_hash(j->data + o, n) != j->expect[b]) return j->first + b;
+  }
+  return UINT64_MAX;
+}
+
+static void record(dcp_checker_t *c, const job_t *j, uint64_t bad) {
+  if (bad != UINT64_MAX && !c->bad) {
+    c->bad = true;
+    c->bad_who = j->who;
+    c->bad_block = bad;
+  }
+}
+
+static void *run(void *arg) {
+  dcp_checker_t *c = arg;
+  pthread_mutex_lock(&c->mu);
+  for (;;) {
+    while (c->head == c->tail && !c->stop) pthread_cond_wait(&c->work, &c->mu);
+    if (c->head == c->tail) break; /* stopped, nothing left */
+    job_t j = c->queue[c->head % QUEUE];
+    c->head++;
+    c->busy = 1;
+    pthread_mutex_unlock(&c->mu);
+    uint64_t bad = check(&j);
+    pthread_mutex_lock(&c->mu);
+    record(c, &j, bad);
+    c->busy = 0;
+    pthread_cond_broadcast(&c->done);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return NULL;
+}
+
+/* Whether this thread may run on more than one CPU. */
+static bool several_cpus(void) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  return sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 1;
+}
+
+status_t dcp_checker_new(dcp_checker_t **out) {
+  dcp_checker_t *c = calloc(1, sizeof *c);
+  if (c == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  if (several_cpus() && pthread_mutex_init(&c->mu, NULL) == 0) {
+    if (pthread_cond_init(&c->work, NULL) == 0) {
+      if (pthread_cond_init(&c->done, NULL) == 0) {
+        if (pthread_create(&c->thread, NULL, run, c) == 0) {
+          c->threaded = true;
+          *out = c;
+          return STATUS_OK;
+        }
+        pthread_cond_destroy(&c->done);
+      }
+      pthread_cond_destroy(&c->work);
+    }
+    pthread_mutex_destroy(&c->mu);
+  }
+  *out = c; /* no helper: every block hashed by the caller */
+  return STATUS_OK;
+}
+
+void dcp_checker_push(dcp_checker_t *c, const void *data, size_t bytes, size_t block,
+                      const uint64_t *expect, uint64_t first, const void *who) {
+  job_t j = {data, bytes, block, expect + first, first, who};
+  if (!c->threaded || bytes < INLINE_BYTES) {
+    uint64_t bad = check(&j);
+    if (c->threaded) pthread_mutex_lock(&c->mu);
+    record(c, &j, bad);
+    if (c->threaded) pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  pthread_mutex_lock(&c->mu);
+  while (c->tail - c->head == QUEUE) pthread_cond_wait(&c->done, &c->mu);
+  c->queue[c->tail % QUEUE] = j;
+  c->tail++;
+  pthread_cond_signal(&c->work);
+  pthread_mutex_unlock(&c->mu);
+}
+
+bool dcp_checker_wait(dcp_checker_t *c, const void **who, uint64_t *block) {
+  if (c->threaded) {
+    pthread_mutex_lock(&c->mu);
+    while (c->head != c->tail || c->busy) pthread_cond_wait(&c->done, &c->mu);
+  }
+  bool ok = !c->bad;
+  if (!ok) {
+    *who = c->bad_who;
+    *block = c->bad_block;
+  }
+  c->bad = false;
+  if (c->threaded) pthread_mutex_unlock(&c->mu);
+  return ok;
+}
+
+void dcp_checker_free(dcp_checker_t *c) {
+  if (c == NULL) return;
+  if (c->threaded) {
+    pthread_mutex_lock(&c->mu);
+    c->stop = true;
+    pthread_cond_signal(&c->work);
+    pthread_mutex_unlock(&c->mu);
+    pthread_join(c->thread, NULL);
+    pthread_cond_destroy(&c->done);
+    pthread_cond_destroy(&c->work);
+    pthread_mutex_destroy(&c->mu);
+  }
+  free(c);
+}
