@@ -42,6 +42,22 @@ typedef struct backend {
   /* Sets n elements at ptr to the bit pattern `pattern` of elem_size bytes. */
   status_t (*fill)(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern);
   status_t (*stream_sync)(int index);
+  /* Devices with streams and events (NULL on the CPU, whose streams and events are NULL). */
+  int (*device_count)(void);
+  /* bytes between any two devices of the kind (or one of them the host); ordered on the
+   * current stream, and usable by the host on return when dst is the host */
+  status_t (*memcpy)(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+                     size_t bytes);
+  stream_t *(*stream_current)(int index);
+  void (*stream_set_current)(int index, stream_t *s);
+  status_t (*stream_new)(int index, stream_t **out);
+  void (*stream_free)(stream_t *s);
+  status_t (*stream_wait_event)(stream_t *s, event_t *e);
+  status_t (*stream_synchronize)(stream_t *s);
+  status_t (*event_new)(int index, event_t **out);
+  void (*event_free)(event_t *e);
+  status_t (*event_record)(event_t *e, stream_t *s);
+  status_t (*event_synchronize)(event_t *e);
 } backend_t;
 
 const backend_t *cpu_backend(void);
@@ -59,19 +75,6 @@ void cpu_host_empty_cache(void);
 /* NULL when the library was built without CUDA. */
 const backend_t *cuda_backend(void);
 
-/* ---- CUDA-only entry points used by device.c; defined by cuda_backend.cu ---- */
-int cuda_device_count(void);
-status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src, size_t bytes);
-stream_t *cuda_stream_current(int index);
-void cuda_stream_set_current(int index, stream_t *s);
-status_t cuda_stream_new(int index, stream_t **out);
-void cuda_stream_free(stream_t *s);
-status_t cuda_stream_wait_event(stream_t *s, event_t *e);
-status_t cuda_stream_synchronize(stream_t *s);
-status_t cuda_event_new(int index, event_t **out);
-void cuda_event_free(event_t *e);
-status_t cuda_event_record(event_t *e, stream_t *s);
-status_t cuda_event_synchronize(event_t *e);
 
 #ifdef __cplusplus
 }

@@ -108,7 +108,7 @@ static int grid_for(int64_t n, int block) {
   return g < 1 ? 1 : (int)g;
 }
 
-extern "C" int cuda_device_count(void) {
+static int cuda_device_count(void) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     cudaGetLastError(); /* no driver (error 35) or no device: zero devices */
@@ -117,7 +117,7 @@ extern "C" int cuda_device_count(void) {
   return n;
 }
 
-extern "C" stream_t *cuda_stream_current(int index) {
+static stream_t *cuda_stream_current(int index) {
   if (current_streams[index] != NULL) return current_streams[index];
   pthread_mutex_lock(&lib_stream_lock);
   if (!lib_stream_ready[index]) {
@@ -134,7 +134,7 @@ extern "C" stream_t *cuda_stream_current(int index) {
   return &lib_streams[index];
 }
 
-extern "C" void cuda_stream_set_current(int index, stream_t *s) { current_streams[index] = s; }
+static void cuda_stream_set_current(int index, stream_t *s) { current_streams[index] = s; }
 
 static cudaStream_t raw_stream(int index) { return cuda_stream_current(index)->s; }
 
@@ -206,7 +206,7 @@ static status_t cuda_stream_sync_dev(int index) {
   return STATUS_OK;
 }
 
-extern "C" status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+static status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
                                 size_t bytes) {
   int index = dst_dev.type == DEVICE_CUDA ? dst_dev.index : src_dev.index;
   CUDA_TRY(cudaSetDevice(index));
@@ -220,7 +220,7 @@ extern "C" status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, c
   return STATUS_OK;
 }
 
-extern "C" status_t cuda_stream_new(int index, stream_t **out) {
+static status_t cuda_stream_new(int index, stream_t **out) {
   stream_t *s = (stream_t *)calloc(1, sizeof *s);
   if (s == NULL) return err_set(STATUS_ENOMEM, "stream_new: out of host memory");
   s->device = index;
@@ -234,22 +234,22 @@ extern "C" status_t cuda_stream_new(int index, stream_t **out) {
   return STATUS_OK;
 }
 
-extern "C" void cuda_stream_free(stream_t *s) {
+static void cuda_stream_free(stream_t *s) {
   cudaStreamDestroy(s->s);
   free(s);
 }
 
-extern "C" status_t cuda_stream_wait_event(stream_t *s, event_t *e) {
+static status_t cuda_stream_wait_event(stream_t *s, event_t *e) {
   CUDA_TRY(cudaStreamWaitEvent(s->s, e->e, 0));
   return STATUS_OK;
 }
 
-extern "C" status_t cuda_stream_synchronize(stream_t *s) {
+static status_t cuda_stream_synchronize(stream_t *s) {
   CUDA_TRY(cudaStreamSynchronize(s->s));
   return STATUS_OK;
 }
 
-extern "C" status_t cuda_event_new(int index, event_t **out) {
+static status_t cuda_event_new(int index, event_t **out) {
   event_t *ev = (event_t *)calloc(1, sizeof *ev);
   if (ev == NULL) return err_set(STATUS_ENOMEM, "event_new: out of host memory");
   ev->device = index;
@@ -263,17 +263,17 @@ extern "C" status_t cuda_event_new(int index, event_t **out) {
   return STATUS_OK;
 }
 
-extern "C" void cuda_event_free(event_t *e) {
+static void cuda_event_free(event_t *e) {
   cudaEventDestroy(e->e);
   free(e);
 }
 
-extern "C" status_t cuda_event_record(event_t *e, stream_t *s) {
+static status_t cuda_event_record(event_t *e, stream_t *s) {
   CUDA_TRY(cudaEventRecord(e->e, s->s));
   return STATUS_OK;
 }
 
-extern "C" status_t cuda_event_synchronize(event_t *e) {
+static status_t cuda_event_synchronize(event_t *e) {
   CUDA_TRY(cudaEventSynchronize(e->e));
   return STATUS_OK;
 }
@@ -285,6 +285,18 @@ static const backend_t cuda_table = {
     /* .copy = */ cuda_copy,
     /* .fill = */ cuda_fill,
     /* .stream_sync = */ cuda_stream_sync_dev,
+    /* .device_count = */ cuda_device_count,
+    /* .memcpy = */ cuda_memcpy,
+    /* .stream_current = */ cuda_stream_current,
+    /* .stream_set_current = */ cuda_stream_set_current,
+    /* .stream_new = */ cuda_stream_new,
+    /* .stream_free = */ cuda_stream_free,
+    /* .stream_wait_event = */ cuda_stream_wait_event,
+    /* .stream_synchronize = */ cuda_stream_synchronize,
+    /* .event_new = */ cuda_event_new,
+    /* .event_free = */ cuda_event_free,
+    /* .event_record = */ cuda_event_record,
+    /* .event_synchronize = */ cuda_event_synchronize,
 };
 
 extern "C" const backend_t *cuda_backend(void) { return &cuda_table; }

@@ -50,7 +50,7 @@ const char *device_str(device_t dev, char *buf, size_t size) {
 
 int device_cuda_compiled(void) { return cuda_backend() != NULL; }
 
-int device_cuda_count(void) { return cuda_backend() ? cuda_device_count() : 0; }
+int device_cuda_count(void) { return cuda_backend() ? cuda_backend()->device_count() : 0; }
 
 status_t device_check(device_t dev) {
   if (dev.type == DEVICE_CPU) return STATUS_OK;
@@ -105,7 +105,7 @@ status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void
   }
   TRY(device_check(dst_dev));
   TRY(device_check(src_dev));
-  return cuda_memcpy(dst_dev, dst, src_dev, src, bytes);
+  return cuda_backend()->memcpy(dst_dev, dst, src_dev, src, bytes);
 }
 
 status_t device_stream_sync(device_t dev) {
@@ -115,46 +115,49 @@ status_t device_stream_sync(device_t dev) {
 
 stream_t *stream_current(device_t dev) {
   if (dev.type != DEVICE_CUDA || !device_cuda_compiled()) return NULL;
-  return cuda_stream_current(dev.index);
+  return cuda_backend()->stream_current(dev.index);
 }
 
 void stream_set_current(device_t dev, stream_t *s) {
-  if (dev.type == DEVICE_CUDA && device_cuda_compiled()) cuda_stream_set_current(dev.index, s);
+  if (dev.type == DEVICE_CUDA && device_cuda_compiled())
+    cuda_backend()->stream_set_current(dev.index, s);
 }
 
 status_t stream_new(device_t dev, stream_t **out) {
   *out = NULL;
   TRY(device_check(dev));
   if (dev.type == DEVICE_CPU) return STATUS_OK;
-  return cuda_stream_new(dev.index, out);
+  return backend_of(dev)->stream_new(dev.index, out);
 }
 
 void stream_free(stream_t *s) {
-  if (s != NULL) cuda_stream_free(s);
+  if (s != NULL) cuda_backend()->stream_free(s); /* only CUDA makes streams */
 }
 
 status_t stream_wait_event(stream_t *s, event_t *e) {
   if (s == NULL || e == NULL) return STATUS_OK;
-  return cuda_stream_wait_event(s, e);
+  return cuda_backend()->stream_wait_event(s, e);
 }
 
 status_t stream_synchronize(stream_t *s) {
-  return s == NULL ? STATUS_OK : cuda_stream_synchronize(s);
+  return s == NULL ? STATUS_OK : cuda_backend()->stream_synchronize(s);
 }
 
 status_t event_new(device_t dev, event_t **out) {
   *out = NULL;
   TRY(device_check(dev));
   if (dev.type == DEVICE_CPU) return STATUS_OK;
-  return cuda_event_new(dev.index, out);
+  return backend_of(dev)->event_new(dev.index, out);
 }
 
 void event_free(event_t *e) {
-  if (e != NULL) cuda_event_free(e);
+  if (e != NULL) cuda_backend()->event_free(e);
 }
 
 status_t event_record(event_t *e, stream_t *s) {
-  return e == NULL ? STATUS_OK : cuda_event_record(e, s);
+  return e == NULL ? STATUS_OK : cuda_backend()->event_record(e, s);
 }
 
-status_t event_synchronize(event_t *e) { return e == NULL ? STATUS_OK : cuda_event_synchronize(e); }
+status_t event_synchronize(event_t *e) {
+  return e == NULL ? STATUS_OK : cuda_backend()->event_synchronize(e);
+}
