@@ -239,7 +239,7 @@ int main(int argc, char **argv) {
     built_t b;
     build(&b, &cfg, false);
     zero_moments(&b);
-    BENCH_TRY(ckpt_save_training(dir, b.ps, b.n, b.opt, 1, NULL, world_comm()));
+    BENCH_TRY(ckpt_save_training(dir, b.ps, b.n, b.opt, 1, NULL, world_pg()));
     unbuild(&b);
   } else {
     snprintf(dir, sizeof dir, "%s", given);

@@ -104,7 +104,7 @@ int main(int argc, char **argv) {
     const char *names[] = {"dp_replicate", "dp_shard"};
     BENCH_TRY(mesh_flatten(mesh, 2, names, "dp", &flat));
   }
-  pg_t *world_pg = mesh_group(md == 2 ? flat : mesh, 0);
+  pg_t *all_ranks = mesh_group(md == 2 ? flat : mesh, 0);
   size_t pbytes = dtype_size(pdt), rbytes = dtype_size(lopt.dtype);
   double P = (double)llama_num_params(&cfg), largest = 0;
   for (int i = 0; i < ng; i++) {
@@ -127,10 +127,10 @@ int main(int argc, char **argv) {
     size_t base = mem_stats(dev).current, host_base = mem_stats(device_cpu()).current;
     mem_reset_peak(dev);
     mem_reset_peak(device_cpu());
-    MPI_Barrier(world_comm());
+    BENCH_TRY(pg_barrier(world_pg(), NULL));
     double t0 = bench_now();
     bench_fwd_bwd(m, d, &spec, s, 0);
-    BENCH_TRY(clip_grad_norm(ps, n, 1.0, world_pg, NULL));
+    BENCH_TRY(clip_grad_norm(ps, n, 1.0, all_ranks, NULL));
     BENCH_TRY(optim_step(o, 1.0));
     BENCH_TRY(device_stream_sync(dev));
     double dt = bench_now() - t0;

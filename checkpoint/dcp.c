@@ -15,7 +15,6 @@
 #include "checkpoint/dcp_integrity.h"
 #include "checkpoint/safetensors.h"
 #include "dtensor/placement.h"
-#include "mesh/world.h"
 
 #define DCP_PATH_MAX 4096
 #define DCP_JOIN_MAX (DCP_PATH_MAX + 320) /* a folder path plus a file name */
@@ -220,14 +219,12 @@ static void shard_name(int rank, char *out, size_t size) {
 
 /* Writes this rank's file into folder tmp, listing the files of every rank that writes one
  * and the save's id: a hash of every file's contents, so that the same save repeated gives
- * the same bytes and two different saves different ids. Collective over comm. */
-static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, MPI_Comm comm,
+ * the same bytes and two different saves different ids. Collective over pg. */
+static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, pg_t *pg,
                              uint64_t *save_id) {
-  int rank, size;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
+  int rank = pg_rank(pg), size = pg_size(pg);
   dcp_box_t *b = calloc((size_t)(n > 0 ? n : 1), sizeof *b);
-  uint64_t *mine = calloc(2 * (size_t)size, sizeof(uint64_t));
+  uint64_t *mine = calloc(2, sizeof(uint64_t));
   uint64_t *all = calloc(2 * (size_t)size, sizeof(uint64_t));
   char **files = calloc((size_t)size, sizeof(char *));
   int count = 0, n_files = 0;
@@ -238,14 +235,12 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
   if (st == STATUS_OK && count > 0) st = pending_hash(b, count, &p);
   if (st == STATUS_OK && count > 0) st = pending_seal(&p, &(dcp_folder_t){NULL, 0, 0});
   if (st == STATUS_OK && count > 0) {
-    mine[2 * rank] = 1;
-    mine[2 * rank + 1] = p.it.header; /* this file's contents */
+    mine[0] = 1;
+    mine[1] = p.it.header; /* this file's contents */
   }
   /* every rank learns which ranks write and what; a rank that failed takes part (and says so
    * after) */
-  status_t got = mine && all ? world_allreduce(mine, all, 2 * size, MPI_UINT64_T, MPI_BOR, comm,
-                                               "MPI_Allreduce (checkpoint files)")
-                             : STATUS_ENOMEM;
+  status_t got = mine && all ? pg_host_all_gather(pg, mine, all, 2, PG_HOST_I64) : STATUS_ENOMEM;
   if (st == STATUS_OK) st = got;
   uint64_t id = all ? dcp_block_hash(all, sizeof(uint64_t) * 2 * (size_t)size) : 0;
   if (save_id) *save_id = id;
@@ -274,17 +269,16 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
   return st;
 }
 
-status_t dcp_agree(status_t st, MPI_Comm comm, const char *what) {
-  int bad = st != STATUS_OK, any = 0;
-  status_t got = world_allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, comm, "MPI_Allreduce (checkpoint)");
+status_t dcp_agree(status_t st, pg_t *pg, const char *what) {
+  int32_t bad = st != STATUS_OK, any = 0;
+  status_t got = pg_host_all_reduce(pg, &bad, &any, 1, PG_HOST_I32, REDUCE_MAX);
   if (got != STATUS_OK) return bad ? st : got;
   if (any && !bad) return err_set(STATUS_EIO, "%s: another rank failed", what);
   return st;
 }
 
-status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm) {
-  int rank;
-  MPI_Comm_rank(comm, &rank);
+status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
+  int rank = pg_rank(pg);
   status_t st = STATUS_OK;
   if (strlen(dir) + 8 >= DCP_PATH_MAX || size < DCP_PATH_MAX)
     st = err_set(STATUS_EINVAL, "checkpoint: path too long");
@@ -300,17 +294,16 @@ status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm) {
         st = err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
     }
   }
-  return dcp_agree(st, comm, dir);
+  return dcp_agree(st, pg, dir);
 }
 
-status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm,
+status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, pg_t *pg,
                    uint64_t *save_id) {
-  return dcp_agree(write_shards(folder, entries, n, comm, save_id), comm, folder);
+  return dcp_agree(write_shards(folder, entries, n, pg, save_id), pg, folder);
 }
 
-status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm) {
-  int rank;
-  MPI_Comm_rank(comm, &rank);
+status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
+  int rank = pg_rank(pg);
   status_t st = STATUS_OK;
   if (rank == 0) { /* the folder's entries, then the rename, reach the disk */
     st = fsync_path(tmp);
@@ -329,16 +322,15 @@ status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm) {
       st = fsync_path(parent);
     }
   }
-  return dcp_agree(st, comm, dir);
+  return dcp_agree(st, pg, dir);
 }
 
-status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm) {
+status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg) {
   char tmp[DCP_JOIN_MAX];
-  TRY(dcp_prepare(dir, tmp, sizeof tmp, comm));
-  status_t st = dcp_write(tmp, entries, n, comm, NULL);
-  if (st == STATUS_OK) st = dcp_commit(tmp, dir, comm);
-  int rank;
-  MPI_Comm_rank(comm, &rank);
+  TRY(dcp_prepare(dir, tmp, sizeof tmp, pg));
+  status_t st = dcp_write(tmp, entries, n, pg, NULL);
+  if (st == STATUS_OK) st = dcp_commit(tmp, dir, pg);
+  int rank = pg_rank(pg);
   if (st != STATUS_OK && rank == 0) dcp_remove_tree(tmp); /* all ranks agreed: none writes */
   return st;
 }

@@ -25,15 +25,14 @@
  * versions, with a CRC-32 per chunk in DCP_SHARDING_INFO, are checked chunk by chunk.
  *
  *   dcp_entry_t e[] = {{"model.norm.weight", norm->value}, ...};
- *   TRY(dcp_save("ckpt/step-100", e, n, world_comm()));
+ *   TRY(dcp_save("ckpt/step-100", e, n, world_pg()));
  *   TRY(dcp_load("ckpt/step-100", e, n, NULL));     // any placements, any mesh
  */
 #ifndef FSDPC_CHECKPOINT_DCP_H
 #define FSDPC_CHECKPOINT_DCP_H
 
-#include <mpi.h>
-
 #include "dtensor/dtensor.h"
+#include "mesh/pg.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -68,19 +67,19 @@ uint64_t dcp_block_bytes(void);
  * only; empty shards are skipped) into one file of a temporary folder, then rank 0 commits
  * it by renaming it to dir (fsync'd). A crash before the rename leaves no dir; a failed
  * save (a full disk) removes its temporary folder. Partial placements are refused (strided
- * shards, being boxes, are saved like any shard). Collective over comm, which spans every
- * rank of the entries' meshes. */
-status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, MPI_Comm comm);
+ * shards, being boxes, are saved like any shard). Collective over pg (world_pg(), or any group
+ * that spans every rank of the entries' meshes). */
+status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg);
 
 /* The steps of dcp_save, for checkpoints of several folders committed at once:
  * dcp_prepare checks that dir does not exist and creates the temporary folder (its path into
  * tmp, size >= 4096); dcp_write writes every rank's file into an existing folder (the save's
  * id, recorded in every file, into *save_id when not NULL); dcp_commit
- * renames tmp to dir. Each is collective over comm and gives every rank the same verdict. */
-status_t dcp_prepare(const char *dir, char *tmp, size_t size, MPI_Comm comm);
-status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, MPI_Comm comm,
+ * renames tmp to dir. Each is collective over pg and gives every rank the same verdict. */
+status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg);
+status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, pg_t *pg,
                    uint64_t *save_id);
-status_t dcp_commit(const char *tmp, const char *dir, MPI_Comm comm);
+status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg);
 /* One shard file of chunks at given global offsets, with DCP_SHARDING_INFO, DCP_VERSION,
  * format and FSDPC_INTEGRITY metadata (for tools that write checkpoints of other plans
  * offline). Every file of a folder records the folder's files and the save's id, so that a
@@ -100,8 +99,8 @@ status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const d
 uint64_t dcp_new_save_id(void);
 
 /* Every rank's verdict on st: a failing rank keeps its own status and message, the others
- * get "WHAT: another rank failed". Collective over comm. */
-status_t dcp_agree(status_t st, MPI_Comm comm, const char *what);
+ * get "WHAT: another rank failed". Collective over pg. */
+status_t dcp_agree(status_t st, pg_t *pg, const char *what);
 /* Removes a folder and everything in it (two levels). Local. */
 void dcp_remove_tree(const char *dir);
 
@@ -151,11 +150,11 @@ status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
  * chunks that passed, *unchecked those of a folder without checksums. The first mismatch
  * fails, naming the file, the tensor and the block. */
 status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked);
-/* dcp_reader_verify over a whole folder, split over comm's ranks (the i-th tensor in name
+/* dcp_reader_verify over a whole folder, split over pg's ranks (the i-th tensor in name
  * order on rank i % size), so that the folder is read once in all. Collective: every rank
  * fails, naming the first damaged tensor, when any is; *chunks (may be NULL) receives the
  * number of chunks checked over all ranks. */
-status_t dcp_verify(const char *dir, MPI_Comm comm, int64_t *chunks);
+status_t dcp_verify(const char *dir, pg_t *pg, int64_t *chunks);
 
 /* Every tensor of the folder, sorted by name (owned by the reader; never fails). */
 status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n);

@@ -165,13 +165,12 @@ static status_t write_state(const char *tmp, int64_t step, int64_t optim_steps,
 }
 
 status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
-                            int64_t step, const char *saved_under, MPI_Comm comm) {
-  int rank;
-  MPI_Comm_rank(comm, &rank);
+                            int64_t step, const char *saved_under, pg_t *pg) {
+  int rank = pg_rank(pg);
   entries_t e;
   TRY(entries_make(params, n, opt, ENTRIES_SAVE, &e));
   char tmp[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
-  status_t st = dcp_prepare(dir, tmp, sizeof tmp, comm);
+  status_t st = dcp_prepare(dir, tmp, sizeof tmp, pg);
   bool prepared = st == STATUS_OK;
   if (st == STATUS_OK) {
     snprintf(model, sizeof model, "%.4000s/model", tmp);
@@ -181,17 +180,17 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
       mine = make_dir(model);
       if (mine == STATUS_OK) mine = make_dir(optim);
     }
-    st = dcp_agree(mine, comm, dir);
+    st = dcp_agree(mine, pg, dir);
   }
   uint64_t model_id = 0, optim_id = 0; /* recorded in the train state: no folder swaps */
-  if (st == STATUS_OK) st = dcp_write(model, e.model, n, comm, &model_id);
-  if (st == STATUS_OK) st = dcp_write(optim, e.optim, 2 * n, comm, &optim_id);
+  if (st == STATUS_OK) st = dcp_write(model, e.model, n, pg, &model_id);
+  if (st == STATUS_OK) st = dcp_write(optim, e.optim, 2 * n, pg, &optim_id);
   if (st == STATUS_OK) {
     status_t mine = STATUS_OK;
     if (rank == 0) mine = write_state(tmp, step, optim_steps(opt), saved_under, model_id, optim_id);
-    st = dcp_agree(mine, comm, dir);
+    st = dcp_agree(mine, pg, dir);
   }
-  if (st == STATUS_OK) st = dcp_commit(tmp, dir, comm);
+  if (st == STATUS_OK) st = dcp_commit(tmp, dir, pg);
   /* every rank has agreed on the failure, so no rank still writes: free the space it took */
   if (st != STATUS_OK && prepared && rank == 0) dcp_remove_tree(tmp);
   entries_free(&e);
@@ -336,15 +335,15 @@ status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, o
   return STATUS_OK;
 }
 
-status_t ckpt_verify_training(const char *dir, MPI_Comm comm, int64_t *chunks) {
+status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks) {
   char model[PATH_LEN], optim[PATH_LEN];
   snprintf(model, sizeof model, "%.4000s/model", dir);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
   int64_t a = 0, b = 0;
-  TRY(dcp_agree(ckpt_check_state(dir), comm, dir));
-  TRY(dcp_verify(model, comm, &a));
+  TRY(dcp_agree(ckpt_check_state(dir), pg, dir));
+  TRY(dcp_verify(model, pg, &a));
   struct stat sb;
-  if (stat(optim, &sb) == 0) TRY(dcp_verify(optim, comm, &b)); /* absent: weights only */
+  if (stat(optim, &sb) == 0) TRY(dcp_verify(optim, pg, &b)); /* absent: weights only */
   if (chunks) *chunks = a + b;
   return STATUS_OK;
 }

@@ -23,9 +23,9 @@ extern "C" {
 
 /* Saves params (the optimizer's, in its order), the optimizer state and the step into dir
  * (which must not exist). saved_under: a JSON object describing the plan (stored as given),
- * or NULL. Collective over comm. */
+ * or NULL. Collective over pg. */
 status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
-                            int64_t step, const char *saved_under, MPI_Comm comm);
+                            int64_t step, const char *saved_under, pg_t *pg);
 
 /* Loads a checkpoint saved under any plan into params and opt (whose shards may be laid out
  * differently); *step receives the step it was saved after. A checkpoint of weights only
@@ -62,10 +62,10 @@ status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_t
                            const uint64_t *model_id, const uint64_t *optim_id);
 
 /* Checks the train state (ckpt_check_state), then reads and checks every block of every chunk
- * of the checkpoint's model and optimizer state, the tensors split over comm's ranks
+ * of the checkpoint's model and optimizer state, the tensors split over pg's ranks
  * (dcp_verify): a load checks only the blocks it reads.
- * Collective over comm; *chunks (may be NULL) receives the number of chunks checked. */
-status_t ckpt_verify_training(const char *dir, MPI_Comm comm, int64_t *chunks);
+ * Collective over pg; *chunks (may be NULL) receives the number of chunks checked. */
+status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks);
 
 /* The newest complete checkpoint (step-NNNNNNNN with a train_state.json) in root into out;
  * *found false when there is none (or root does not exist). A newer folder that is not a

@@ -102,8 +102,7 @@ static status_t train(int steps) {
   }
   optim_free(opt);
   free(ps);
-  if (model) fsdp_free_all(model);
-  nn_module_free(model);
+  nn_module_free(model); /* its fully_shard groups too */
   mesh_free(mesh);
   return st;
 }

@@ -1,25 +1,13 @@
 /* fully_shard: a group's life (creation, teardown), its hooks (the unshard / reshard / reduce
- * state machine of a step), prefetching and control. Sharding one parameter is in
- * fsdp_param.c, modules called outside their unit in fsdp_on_demand.c, the data path in
- * fsdp_comm.c. */
+ * state machine of a step), prefetching and control. The root's per-step context is in
+ * fsdp_state.c, sharding one parameter in fsdp_param.c, modules called outside their unit in
+ * fsdp_on_demand.c, the data path in fsdp_comm.c. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fully_shard/fsdp_impl.h"
 #include "mesh/world.h"
-
-status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
-  if (a->n == a->cap) {
-    int nc = a->cap ? 2 * a->cap : 16;
-    fsdp_group_t **v = realloc(a->v, sizeof(fsdp_group_t *) * (size_t)nc);
-    if (v == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-    a->v = v;
-    a->cap = nc;
-  }
-  a->v[a->n++] = g;
-  return STATUS_OK;
-}
 
 fsdp_group_t *fsdp_group_of(const nn_module_t *m) { return nn_module_ext(m); }
 bool fsdp_is_unsharded(const fsdp_group_t *g) { return g->unsharded; }
@@ -63,15 +51,7 @@ static status_t post_forward_group(fsdp_group_t *g, int N) {
     }
   pf_entry_t *e = calloc(1, sizeof *e);
   if (e == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-  MPI_Comm sub;
-  if (MPI_Comm_split(pg_comm(g->shard), g->rank / N, g->rank % N, &sub) != MPI_SUCCESS) {
-    free(e);
-    return err_set(STATUS_EMPI, "fully_shard: MPI_Comm_split failed");
-  }
-  device_t dev = mesh_device(g->mesh);
-  status_t st =
-      dev.type == DEVICE_CUDA ? pg_new_nccl(sub, dev.index, &e->pf) : pg_new_mpi(sub, &e->pf);
-  MPI_Comm_free(&sub);
+  status_t st = pg_split(g->shard, g->rank / N, g->rank % N, &e->pf);
   if (st != STATUS_OK) {
     free(e);
     return st;
@@ -101,9 +81,7 @@ static void group_free(fsdp_group_t *g) {
   tensor_free(&g->partial);
   tensor_free(&g->post_forward_slice);
   tensor_free(&g->gather);
-  free(g->fwd_order.v);
-  free(g->prev_fwd_order.v);
-  free(g->bwd_order.v);
+  fsdp_state_free(&g->state);
   free(g->fwd_prefetch);
   free(g->bwd_prefetch);
   post_forward_release(g);
@@ -115,13 +93,24 @@ static void group_free(fsdp_group_t *g) {
     if (g->params[i].p != NULL && g->params[i].p->guard_state == &g->params[i])
       g->params[i].p->guard = NULL, g->params[i].p->guard_state = NULL;
   }
-  for (int k = 0; k < 2; k++) fsdp_agree_comm_release(&g->agree[k]);
+  for (int k = 0; k < 2; k++) fsdp_agree_group_release(&g->agree[k]);
   for (int i = 0; i < g->n_members; i++) free(g->members[i].on_demand);
   free(g->members);
   free(g->params);
   free(g->modules);
   mesh_free(g->param_mesh);
+  mesh_free(g->mesh);
   free(g);
+}
+
+/* A module of a sharded model is being freed: every group of the model goes first, before
+ * any of its parameters (the groups of one model share the root's per-step state, so they go
+ * together). */
+static void free_with_model(nn_module_t *m, void *ext) {
+  (void)ext;
+  nn_module_t *top = m;
+  while (nn_module_parent(top) != NULL) top = nn_module_parent(top);
+  fsdp_free_all(top);
 }
 
 status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out) {
@@ -170,7 +159,7 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
   g->module = ms[0];
   memcpy(g->modules, ms, sizeof(nn_module_t *) * (size_t)n_modules);
   g->n_modules = n_modules;
-  g->mesh = opt->mesh;
+  g->mesh = mesh_retain(opt->mesh); /* the group may outlive its creator's mesh reference */
   g->opt = *opt;
   g->shard = mesh_group(opt->mesh, md - 1);
   g->replicate = md == 2 ? mesh_group(opt->mesh, 0) : NULL;
@@ -196,9 +185,9 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
     }
   }
   free(l.p);
-  g->agree[0] = g->agree[1] = MPI_COMM_NULL;
-  if (st == STATUS_OK) st = fsdp_agree_comm(g->shard, &g->agree[0]);
-  if (st == STATUS_OK) st = fsdp_agree_comm(g->replicate, &g->agree[1]);
+  g->agree[0] = g->agree[1] = NULL;
+  if (st == STATUS_OK) st = fsdp_agree_group(g->shard, &g->agree[0]);
+  if (st == STATUS_OK) st = fsdp_agree_group(g->replicate, &g->agree[1]);
   if (st == STATUS_OK && N >= 2) st = post_forward_group(g, N);
   if (st == STATUS_OK) st = fsdp_install_members(g);
   for (int i = 0; i < n_modules; i++)
@@ -209,7 +198,7 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
     return st;
   }
   for (int i = 0; i < n_modules; i++) {
-    nn_module_set_ext(ms[i], g);
+    nn_module_set_ext(ms[i], g, free_with_model);
     if (g->n > 0) nn_module_set_cast(ms[i], g->param_dtype, opt->output_dtype); /* boundary */
   }
   if (out) *out = g;
@@ -221,7 +210,7 @@ static void free_all(nn_module_t *m) {
   if (g != NULL) {
     fsdp_reshard(g);
     for (int i = 0; i < g->n_modules; i++) {
-      nn_module_set_ext(g->modules[i], NULL);
+      nn_module_set_ext(g->modules[i], NULL, NULL);
       nn_module_set_cast(g->modules[i], DTYPE_COUNT, DTYPE_COUNT);
     }
     group_free(g);
@@ -232,7 +221,7 @@ static void free_all(nn_module_t *m) {
 /* Drops reductions still in flight (after a backward that was not the last). */
 static void drop_reductions(nn_module_t *m) {
   fsdp_group_t *g = fsdp_group_of(m);
-  if (g != NULL && g->reducing != NULL) fsdp_reduce_drop(g->reducing);
+  if (g != NULL && g->state.reducing != NULL) fsdp_reduce_drop(g->state.reducing);
   for (int i = 0; i < nn_module_num_children(m); i++) drop_reductions(nn_module_child(m, i));
 }
 
@@ -295,45 +284,31 @@ void fsdp_lazy_init(fsdp_group_t *g) {
 
 /* The group to prefetch in forward: explicit list, else the group that followed this call
  * in the last iteration's forward order. */
-static status_t forward_prefetch(fsdp_group_t *g) {
+static status_t forward_prefetch(fsdp_group_t *g, fsdp_group_t *next) {
   if (g->fwd_explicit) {
     for (int i = 0; i < g->n_fwd_prefetch; i++) TRY(fsdp_unshard_start(g->fwd_prefetch[i]));
     return STATUS_OK;
   }
-  const gvec_t *prev = &g->root->prev_fwd_order;
-  int pos = g->root->fwd_order.n - 1;
-  if (pos + 1 < prev->n && prev->v[pos] == g) return fsdp_unshard_start(prev->v[pos + 1]);
-  return STATUS_OK;
+  return next ? fsdp_unshard_start(next) : STATUS_OK;
 }
 
 /* The group to prefetch in backward: explicit list, else the call before this one in
  * post-forward order (the next to run backward). */
 static status_t backward_prefetch(fsdp_group_t *g) {
-  fsdp_group_t *root = g->root;
-  int i = root->bwd_pos - 1;
-  while (i >= 0 && root->bwd_order.v[i] != g) i--;
-  if (i >= 0) root->bwd_pos = i;
+  fsdp_group_t *next = fsdp_state_pre_backward(&g->root->state, g);
   if (g->bwd_explicit) {
     for (int k = 0; k < g->n_bwd_prefetch; k++) TRY(fsdp_unshard_start(g->bwd_prefetch[k]));
     return STATUS_OK;
   }
-  if (i > 0) return fsdp_unshard_start(root->bwd_order.v[i - 1]);
-  return STATUS_OK;
+  return next ? fsdp_unshard_start(next) : STATUS_OK;
 }
 
 static status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   if (nn_ctx_recomputing(ctx)) return fsdp_unshard(g); /* no orders, no prefetch */
-  fsdp_group_t *root = g->root;
-  if (g->is_root) { /* a new iteration: the forward order just recorded becomes the last one */
-    gvec_t t = root->prev_fwd_order;
-    root->prev_fwd_order = root->fwd_order;
-    root->fwd_order = t;
-    root->fwd_order.n = 0;
-    root->bwd_order.n = 0;
-  }
-  TRY(gvec_push(&root->fwd_order, g));
+  fsdp_group_t *next;
+  TRY(fsdp_state_pre_forward(&g->root->state, g, &next));
   TRY(fsdp_unshard(g));
-  return forward_prefetch(g);
+  return forward_prefetch(g, next);
 }
 
 status_t fsdp_after_forward(fsdp_group_t *g) {
@@ -350,7 +325,7 @@ status_t fsdp_after_backward(fsdp_group_t *g) {
   fsdp_emit(g, "post_backward");
   status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK; /* else keep accumulating */
   if (g->reshard_after_backward) fsdp_reshard(g);
-  if (st == STATUS_OK && !g->root->in_backward && g->root->is_last_backward)
+  if (st == STATUS_OK && !g->root->state.in_backward && g->root->is_last_backward)
     st = fsdp_finish_backward(g->root);
   return st;
 }
@@ -358,7 +333,7 @@ status_t fsdp_after_backward(fsdp_group_t *g) {
 static status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   /* inside a checkpointed call's recomputation the parameters are needed next */
   if (nn_ctx_recomputing(ctx)) return STATUS_OK;
-  TRY(gvec_push(&g->root->bwd_order, g));
+  TRY(fsdp_state_post_forward(&g->root->state, g));
   return fsdp_after_forward(g);
 }
 
@@ -370,20 +345,15 @@ static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *u
     case NN_HOOK_PRE_FORWARD: g->in_forward++; return pre_forward(ctx, g);
     case NN_HOOK_POST_FORWARD: g->in_forward--; return post_forward(ctx, g);
     case NN_HOOK_PRE_BACKWARD:
-      if (g->is_root) {
-        g->bwd_pos = g->bwd_order.n;
-        g->in_backward = true;
-      }
+      if (g->is_root) fsdp_state_backward_begins(&g->state);
       TRY(fsdp_unshard(g));
       return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
       status_t st = fsdp_after_backward(g);
       if (!g->is_root) return st;
-      g->in_backward = false;
       /* end of backward: drop prefetches no backward consumed; on the last backward finish
        * the reductions, otherwise the next backward's first post-backward does */
-      for (int i = 0; i < g->fwd_order.n; i++)
-        if (g->fwd_order.v[i]->gathering) fsdp_reshard(g->fwd_order.v[i]);
+      fsdp_state_backward_ends(&g->state);
       if (st == STATUS_OK && g->is_last_backward) st = fsdp_finish_backward(g);
       return st;
     }

@@ -19,7 +19,7 @@
  *   for (i = 0; i < n_layers; i++) TRY(fully_shard(llama_layer(model, i), &opt, NULL));
  *   TRY(fully_shard(llama_module(model), &opt, &root));
  *   ... nn_call / nn_backward as usual; optimizer and clipping act on the shards ...
- *   fsdp_free_all(llama_module(model));            // before the model is freed
+ *   llama_free(model);                             // frees the groups too
  *
  * Every rank of the mesh must apply the same calls to the same model; the hooks are
  * collective over the mesh.
@@ -159,7 +159,10 @@ const char *fsdp_group_name(const fsdp_group_t *g);
  * fail at once. On NCCL the ranks blocked in a device collective are not reached. Local. */
 status_t fsdp_register_forward_method(nn_module_t *m);
 
-/* Frees every group installed under root (restoring nothing: the parameters stay sharded). */
+/* Frees every group installed under root (restoring nothing: the parameters stay sharded).
+ * Freeing a module of a sharded model does this for the whole model first (the groups are
+ * the modules' extension, nn_module_set_ext), so it is needed only to drop the groups of a
+ * model that lives on. A group keeps its mesh (mesh_retain) until it is freed. */
 void fsdp_free_all(nn_module_t *root);
 
 #ifdef __cplusplus

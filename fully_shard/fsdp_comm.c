@@ -274,7 +274,7 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
     st = tensor_ref(&g->red_recv, &g->red_send);
   }
   g->red_flat = flat;
-  g->root->reducing = g;
+  g->root->state.reducing = g;
   side_exit(dev, reduce_stream(g), prev);
   if (st != STATUS_OK) fsdp_reduce_drop(g);
   return st;
@@ -286,7 +286,7 @@ void fsdp_reduce_drop(fsdp_group_t *g) {
   tensor_free(&g->red_send);
   tensor_free(&g->red_recv);
   g->red_flat = 0;
-  if (g->root != NULL && g->root->reducing == g) g->root->reducing = NULL;
+  if (g->root != NULL && g->root->state.reducing == g) g->root->state.reducing = NULL;
 }
 
 /* HSDP: all-reduces recv over the replicate group, or parks it (sums it into the partial
@@ -312,9 +312,9 @@ static status_t replicate_reduce(fsdp_group_t *g, tensor_t *recv, reduce_op_t op
 }
 
 status_t fsdp_reduce_finish(fsdp_group_t *root) {
-  fsdp_group_t *g = root->reducing;
+  fsdp_group_t *g = root->state.reducing;
   if (g == NULL) return STATUS_OK;
-  root->reducing = NULL;
+  root->state.reducing = NULL;
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
   status_t st = side_enter(g, dev, reduce_stream(g), false, &prev);

@@ -1,8 +1,8 @@
 /*
  * Private state of fully_shard, shared by fsdp.c (a group's life, its hooks, prefetch,
- * control), fsdp_param.c (one parameter's sharded storage), fsdp_on_demand.c (modules called
- * outside their unit) and fsdp_comm.c (the unshard and gradient-reduction data path). Not
- * installed.
+ * control), fsdp_state.c (the root's per-step context: orders, backward's place), fsdp_param.c
+ * (one parameter's sharded storage), fsdp_on_demand.c (modules called outside their unit) and
+ * fsdp_comm.c (the unshard and gradient-reduction data path). Not installed.
  */
 #ifndef FSDPC_FULLY_SHARD_FSDP_IMPL_H
 #define FSDPC_FULLY_SHARD_FSDP_IMPL_H
@@ -52,6 +52,17 @@ typedef struct gvec {
   int n, cap;
 } gvec_t;
 
+/* The per-step context of a model under fully_shard, kept by its root group (fsdp_state.c):
+ * the order the groups ran forward in, this step's and the last one's (forward prefetching
+ * follows the last), the post-forward order that backward walks in reverse and backward's
+ * place in it, and the group whose gradient reduction is in flight. */
+typedef struct fsdp_state {
+  gvec_t fwd_order, prev_fwd_order, bwd_order;
+  int bwd_pos;
+  bool in_backward;       /* between the root's pre- and post-backward */
+  fsdp_group_t *reducing; /* the group whose reduction is in flight */
+} fsdp_state_t;
+
 struct fsdp_group {
   nn_module_t *module;   /* the first module (names the group) */
   nn_module_t **modules; /* every module of the group (a list forms one group) */
@@ -61,13 +72,12 @@ struct fsdp_group {
   int64_t flat;           /* elements per rank in the all-gather buffer */
   fsdp_member_t *members; /* the group's own modules, then the other modules of its subtrees */
   int n_members;
-  int in_forward;   /* the group's own modules' forward calls in progress */
-  bool in_backward; /* root only: between its pre- and post-backward */
+  int in_forward; /* the group's own modules' forward calls in progress */
   mesh_t *mesh;
   mesh_t *param_mesh;      /* (dp..., tp) of tensor-parallel parameters, or NULL; owned */
   pg_t *shard, *replicate; /* replicate: NULL without HSDP */
-  MPI_Comm agree[2];       /* duplicates of the shard and replicate communicators for agreeing on
-                              on-demand unshards (MPI_COMM_NULL: a group of one rank, or no HSDP) */
+  pg_t *agree[2];          /* host groups of the shard and replicate ranks for agreeing on
+                              on-demand unshards (NULL: a group of one rank, or no HSDP) */
   int W, rank;
   fsdp_options_t opt;
   dtype_t param_dtype, reduce_dtype;
@@ -91,17 +101,31 @@ struct fsdp_group {
   pg_work_t *red_work;
   fsdp_event_fn on_event;
   void *on_event_user;
-  fsdp_group_t *root; /* found on the first forward */
-  /* root only: pre-forward order of this and of the last iteration, post-forward order of
-   * this one (backward runs it in reverse), and where backward is in it */
-  gvec_t fwd_order, prev_fwd_order, bwd_order;
-  int bwd_pos;
-  fsdp_group_t *reducing; /* root only: the group whose reduction is in flight */
-  bool is_last_backward;  /* root only: finish reductions at the end of backward */
+  fsdp_group_t *root;    /* found on the first forward */
+  fsdp_state_t state;    /* root only: the model's per-step context */
+  bool is_last_backward; /* the root's: finish reductions at the end of backward */
   fsdp_group_t **fwd_prefetch, **bwd_prefetch; /* explicit lists */
   int n_fwd_prefetch, n_bwd_prefetch;
   bool fwd_explicit, bwd_explicit;
 };
+
+/* ---- fsdp_state.c: the root's per-step context ---- */
+
+/* Appends g to a. */
+status_t gvec_push(gvec_t *a, fsdp_group_t *g);
+void fsdp_state_free(fsdp_state_t *s);
+/* g's pre-forward (outside recomputation); the root's starts a new step, whose forward order
+ * replaces the last one. Returns the group that followed g in the last step's forward
+ * (what to prefetch), or NULL. */
+status_t fsdp_state_pre_forward(fsdp_state_t *s, fsdp_group_t *g, fsdp_group_t **next);
+/* g's post-forward (outside recomputation): backward will run g before what came earlier. */
+status_t fsdp_state_post_forward(fsdp_state_t *s, fsdp_group_t *g);
+/* The root's pre-backward: backward starts at the end of the post-forward order. */
+void fsdp_state_backward_begins(fsdp_state_t *s);
+/* g's pre-backward: the group to run backward after g (what to prefetch), or NULL. */
+fsdp_group_t *fsdp_state_pre_backward(fsdp_state_t *s, const fsdp_group_t *g);
+/* The root's post-backward: reshards the groups prefetched for a backward that did not come. */
+void fsdp_state_backward_ends(fsdp_state_t *s);
 
 /* ---- fsdp.c: the group's state machine ---- */
 
@@ -141,18 +165,16 @@ extern const nn_param_guard_t fsdp_on_demand_guard;
 /* The members: the group's own modules, then the others under them (not inside an inner
  * group), which get the on-demand hook. */
 status_t fsdp_install_members(fsdp_group_t *g);
-/* A duplicate of pg's communicator for agreeing on on-demand unshards, shared by the groups
- * that use it (MPI_COMM_NULL for a group of one rank or none); collective over pg the first
- * time for each pg. Released with fsdp_agree_comm_release, freed with its last user. */
-status_t fsdp_agree_comm(pg_t *pg, MPI_Comm *out);
-void fsdp_agree_comm_release(MPI_Comm *comm);
+/* A host group of pg's ranks for agreeing on on-demand unshards, shared by the groups that use
+ * it (NULL for a group of one rank or none); collective over pg the first time for each pg.
+ * Released with fsdp_agree_group_release, freed with its last user. */
+status_t fsdp_agree_group(pg_t *pg, pg_t **out);
+void fsdp_agree_group_release(pg_t **agree);
 
 /* ---- fsdp_comm.c: the data path ---- */
 
 /* The side streams of dev (NULL on the CPU), created on first use and kept. */
 status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out);
-/* Appends g to a. */
-status_t gvec_push(gvec_t *a, fsdp_group_t *g);
 
 /* Reports a data-path event to the group's observer. */
 void fsdp_emit(fsdp_group_t *g, const char *event);

@@ -51,50 +51,50 @@ static fsdp_member_t *member_of(fsdp_group_t *g, const nn_module_t *m) {
   return mb ? mb : &g->members[0];
 }
 
-/* Communicators for agreeing on on-demand unshards, one duplicate per process group, shared by
- * the groups that use it and freed with the last. */
+/* Host groups for agreeing on on-demand unshards, one per process group, shared by the groups
+ * that use it and freed with the last. */
 typedef struct agree_entry {
   pg_t *pg;
-  MPI_Comm comm;
+  pg_t *agree;
   int users;
   struct agree_entry *next;
 } agree_entry_t;
 static agree_entry_t *agree_entries;
 
-status_t fsdp_agree_comm(pg_t *pg, MPI_Comm *out) {
-  *out = MPI_COMM_NULL;
+status_t fsdp_agree_group(pg_t *pg, pg_t **out) {
+  *out = NULL;
   if (pg == NULL || pg_size(pg) == 1) return STATUS_OK;
   for (agree_entry_t *e = agree_entries; e != NULL; e = e->next)
     if (e->pg == pg) {
       e->users++;
-      *out = e->comm;
+      *out = e->agree;
       return STATUS_OK;
     }
   agree_entry_t *e = calloc(1, sizeof *e);
   if (e == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-  if (MPI_Comm_dup(pg_comm(pg), &e->comm) != MPI_SUCCESS) {
+  status_t st = pg_new_host(pg, &e->agree);
+  if (st != STATUS_OK) {
     free(e);
-    return err_set(STATUS_EMPI, "fully_shard: MPI_Comm_dup failed");
+    return st;
   }
-  MPI_Comm_set_errhandler(e->comm, MPI_ERRORS_RETURN);
-  *e = (agree_entry_t){pg, e->comm, 1, agree_entries};
+  *e = (agree_entry_t){pg, e->agree, 1, agree_entries};
   agree_entries = e;
-  *out = e->comm;
+  *out = e->agree;
   return STATUS_OK;
 }
 
-void fsdp_agree_comm_release(MPI_Comm *comm) {
-  for (agree_entry_t **p = &agree_entries; *p != NULL && *comm != MPI_COMM_NULL; p = &(*p)->next) {
+void fsdp_agree_group_release(pg_t **agree) {
+  for (agree_entry_t **p = &agree_entries; *p != NULL && *agree != NULL; p = &(*p)->next) {
     agree_entry_t *e = *p;
-    if (e->comm != *comm) continue;
+    if (e->agree != *agree) continue;
     if (--e->users == 0) {
-      MPI_Comm_free(&e->comm);
+      pg_release(e->agree);
       *p = e->next;
       free(e);
     }
     break;
   }
-  *comm = MPI_COMM_NULL;
+  *agree = NULL;
 }
 
 static status_t push_call(fsdp_member_t *mb, bool on_demand) {
@@ -160,19 +160,14 @@ static status_t agree_on_demand(const fsdp_member_t *mb, const char *what) {
   fsdp_group_t *g = mb->g;
   int64_t h = name_hash(nn_module_fqn(mb->m));
   for (int k = 0; k < 2; k++) {
-    if (g->agree[k] == MPI_COMM_NULL) continue;
+    if (g->agree[k] == NULL) continue;
     int64_t *buf = malloc(4 * sizeof *buf);
     if (buf == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
     buf[0] = h;
     buf[1] = -h;
-    MPI_Request req;
-    status_t st = STATUS_OK;
-    if (MPI_Iallreduce(buf, buf + 2, 2, MPI_INT64_T, MPI_MAX, g->agree[k], &req) != MPI_SUCCESS)
-      st = err_set(STATUS_EMPI, "fully_shard: MPI_Iallreduce (on-demand agreement) failed");
     bool late = false;
-    if (st == STATUS_OK)
-      st = world_wait_for(&req, g->opt.on_demand_timeout, "MPI_Iallreduce (on-demand agreement)",
-                          &late);
+    status_t st = pg_host_all_reduce_within(g->agree[k], buf, buf + 2, 2, PG_HOST_I64, REDUCE_MAX,
+                                            g->opt.on_demand_timeout, &late);
     if (st == STATUS_OK && late) {
       orphan = buf;
       return world_stop(err_set(

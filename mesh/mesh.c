@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "mesh/pg_impl.h"
-#include "mesh/world.h"
+#include "mesh/world_impl.h"
 
 /* The world-level mesh every slice and flattening refers back to. */
 typedef struct mesh_root {
@@ -19,6 +19,7 @@ typedef struct mesh_root {
 } mesh_root_t;
 
 struct mesh {
+  int refs; /* mesh_free calls still to come */
   mesh_root_t *root;
   int ndim;
   int shape[MESH_MAX_DIMS];
@@ -36,8 +37,13 @@ static void root_release(mesh_root_t *root) {
   free(root);
 }
 
+mesh_t *mesh_retain(mesh_t *mesh) {
+  if (mesh != NULL) mesh->refs++;
+  return mesh;
+}
+
 void mesh_free(mesh_t *mesh) {
-  if (mesh == NULL) return;
+  if (mesh == NULL || --mesh->refs > 0) return;
   for (int i = 0; i < mesh->ndim; i++) pg_release(mesh->groups[i]);
   root_release(mesh->root);
   free(mesh->ranks);
@@ -136,6 +142,7 @@ static status_t resolve_shape(int ndim, const int *shape, const char *const *nam
 static status_t new_mesh(mesh_root_t *root, mesh_t **out) {
   mesh_t *m = calloc(1, sizeof *m);
   if (m == NULL) return err_set(STATUS_ENOMEM, "mesh: out of host memory");
+  m->refs = 1;
   m->root = root;
   root->refcount++;
   *out = m;
@@ -181,7 +188,7 @@ status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *
                    "a device per rank: start at most %d rank%s per node (or hide the devices "
                    "with CUDA_VISIBLE_DEVICES= to run on the CPU)",
                    world_local_size(), gpus, gpus == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s");
-    TRY(comm_agree(world_comm(), st));
+    TRY(comm_agree(MPI_COMM_WORLD, st));
   }
 
   mesh_root_t *root = calloc(1, sizeof *root);
@@ -190,7 +197,7 @@ status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *
   root->device = dev;
   memcpy(root->shape, sizes, sizeof(int) * (size_t)ndim);
   root_unravel(root, world_rank(), root->coord);
-  status_t st = pg_mpi_status(MPI_Comm_dup(world_comm(), &root->comm), "MPI_Comm_dup");
+  status_t st = pg_mpi_status(MPI_Comm_dup(MPI_COMM_WORLD, &root->comm), "MPI_Comm_dup");
   if (st != STATUS_OK) {
     free(root);
     return st;
@@ -211,7 +218,7 @@ status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *
   }
   for (int i = 0; i < ndim && st == STATUS_OK; i++) st = split_group(root, 1u << i, &m->groups[i]);
   if (st == STATUS_OK) st = fill_ranks(m);
-  st = comm_agree(world_comm(), st);
+  st = comm_agree(MPI_COMM_WORLD, st);
   if (st != STATUS_OK) {
     mesh_free(m);
     return st;

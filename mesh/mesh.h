@@ -51,8 +51,12 @@ status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_ty
  * mesh of parameters that are not distributed (nn/layers.h builds them on it). Local. */
 status_t mesh_local_shared(device_type_t device_type, mesh_t **out);
 
-/* Releases a mesh; its groups go when no slice or flattened mesh uses them. NULL is a no-op. */
+/* Releases a mesh (once for its creation and once per mesh_retain); its groups go when no
+ * slice or flattened mesh uses them. NULL is a no-op. */
 void mesh_free(mesh_t *mesh);
+/* Keeps mesh alive until a matching mesh_free (for objects that outlive their creator's
+ * reference, such as a fully_shard group). Returns mesh. */
+mesh_t *mesh_retain(mesh_t *mesh);
 
 /* A submesh of the named dimensions (in the parent's order), sharing the parent's groups.
  * Local: no communication. */

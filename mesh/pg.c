@@ -5,7 +5,7 @@
 #include <stdlib.h>
 
 #include "mesh/pg_impl.h"
-#include "mesh/world.h"
+#include "mesh/world_impl.h"
 
 const char *pg_kind_name(pg_kind_t kind) {
   static const char *const names[PG_KIND_COUNT] = {
@@ -67,7 +67,6 @@ void pg_release(pg_t *pg) {
 int pg_rank(const pg_t *pg) { return pg->rank; }
 int pg_size(const pg_t *pg) { return pg->size; }
 device_t pg_device(const pg_t *pg) { return pg->device; }
-MPI_Comm pg_comm(const pg_t *pg) { return pg->comm; }
 const char *pg_backend_name(const pg_t *pg) { return pg->ops->name; }
 pg_counters_t pg_counters(const pg_t *pg) { return pg->counters; }
 void pg_reset_counters(pg_t *pg) { pg->counters = (pg_counters_t){{0}, {0}}; }

@@ -1,10 +1,13 @@
 /*
  * Process groups: one interface for collectives, two backends.
  *
- *   MPI  (host buffers):   pg_new_mpi(comm)         -- every build
- *   NCCL (device buffers): pg_new_nccl(comm, device) -- CUDA builds; the NCCL unique id is
- *                          broadcast over `comm`, which also stays available for host-side
- *                          agreement (pg_comm()).
+ *   MPI  (host buffers):   every build
+ *   NCCL (device buffers): CUDA builds
+ *
+ * Groups come from a device mesh (mesh_group), from the world (world_pg: every rank, host), or
+ * from another group (pg_split, pg_new_host). Every group, whatever its backend, also has a
+ * host channel for small values (agreements, counts, losses): pg_host_all_reduce,
+ * pg_host_all_gather, pg_agree.
  *
  * Every collective is collective over the group's ranks (all must call it, in the same
  * order), counts in elements (never bytes), and comes in two forms: work == NULL blocks
@@ -27,7 +30,7 @@
 #ifndef FSDPC_MESH_PG_H
 #define FSDPC_MESH_PG_H
 
-#include <mpi.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -62,13 +65,13 @@ typedef struct pg_work pg_work_t;
 const char *pg_kind_name(pg_kind_t kind);
 const char *reduce_op_name(reduce_op_t op);
 
-/* Creates an MPI group over the ranks of comm (duplicated; the caller keeps comm).
- * Collective over comm. Free with pg_release. */
-status_t pg_new_mpi(MPI_Comm comm, pg_t **out);
+/* A new group of the ranks of pg that pass the same color (>= 0), ordered by key (ties by
+ * rank in pg): the same backend and device as pg. Collective over pg. Free with pg_release. */
+status_t pg_split(pg_t *pg, int color, int key, pg_t **out);
 
-/* Creates an NCCL group over the ranks of comm using CUDA device `device` on this rank.
- * Collective over comm. STATUS_ENODEV without CUDA support or device. */
-status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out);
+/* A host (MPI) group of pg's ranks with a channel of its own: exchanges on it never mix with
+ * pg's. Collective over pg. Free with pg_release. */
+status_t pg_new_host(pg_t *pg, pg_t **out);
 
 /* Reference counting: a group may be shared by several meshes. pg_release(NULL) is a no-op. */
 pg_t *pg_retain(pg_t *pg);
@@ -78,8 +81,6 @@ int pg_rank(const pg_t *pg);
 int pg_size(const pg_t *pg);
 /* Where the group's buffers must live: the host for MPI, a CUDA device for NCCL. */
 device_t pg_device(const pg_t *pg);
-/* The group's MPI communicator (for host-side agreement); owned by the group. */
-MPI_Comm pg_comm(const pg_t *pg);
 const char *pg_backend_name(const pg_t *pg);
 
 pg_counters_t pg_counters(const pg_t *pg);
@@ -111,6 +112,33 @@ status_t pg_barrier(pg_t *pg, pg_work_t **work);
 
 /* Completes and frees a handle (see above). pg_wait(NULL) is a no-op. */
 status_t pg_wait(pg_work_t *work);
+
+/* ---- the host channel of any group ----
+ *
+ * Small values on host memory over the group's ranks, whatever its backend; blocking. Like
+ * every library wait, they fail with the stopping rank's message once the job is stopped
+ * (world_stop) and stop the job when the watchdog expires (world_set_timeout). Not counted in
+ * pg_counters. */
+typedef enum pg_host_type { PG_HOST_I32 = 0, PG_HOST_I64, PG_HOST_F64, PG_HOST_BYTE } pg_host_type_t;
+
+/* recv = the sum or maximum (REDUCE_SUM, REDUCE_MAX; not for PG_HOST_BYTE) of send over the
+ * group; send == recv is in place. */
+status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
+                            pg_host_type_t type, reduce_op_t op);
+/* pg_host_all_reduce that gives up after seconds: then *timed_out, STATUS_OK, and send and
+ * recv stay owned by the collective for good (never free or reuse them). */
+status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int count,
+                                   pg_host_type_t type, reduce_op_t op, double seconds,
+                                   bool *timed_out);
+/* recv[r*count .. (r+1)*count) = send of rank r. */
+status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
+                            pg_host_type_t type);
+
+/* Agreement on an outcome: STATUS_OK when every rank of the group passed OK; otherwise the
+ * status of the lowest failing rank, whose detail text (err_detail()) becomes this rank's,
+ * prefixed with "rank R: " on the other ranks (R: its rank in the world). Use it wherever
+ * only some ranks could detect a problem, so that all ranks stop together. */
+status_t pg_agree(pg_t *pg, status_t st);
 
 #ifdef __cplusplus
 }

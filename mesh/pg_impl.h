@@ -1,11 +1,21 @@
 /*
- * Private interface table between pg.c and its backends (pg_mpi.c, pg_nccl.c). pg.c checks
- * arguments and keeps the counters; a backend only moves data.
+ * Private to mesh/: the interface table between pg.c and its backends (pg_mpi.c, pg_nccl.c)
+ * and the MPI side of groups. pg.c checks arguments and keeps the counters; a backend only
+ * moves data.
  */
 #ifndef FSDPC_MESH_PG_IMPL_H
 #define FSDPC_MESH_PG_IMPL_H
 
+#include <mpi.h>
+
 #include "mesh/pg.h"
+
+/* An MPI group over the ranks of comm (duplicated; the caller keeps comm). Collective over
+ * comm. */
+status_t pg_new_mpi(MPI_Comm comm, pg_t **out);
+/* An NCCL group over the ranks of comm using CUDA device `device` on this rank (the NCCL id
+ * travels over comm). Collective over comm. STATUS_ENODEV without CUDA support or device. */
+status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out);
 
 typedef struct pg_ops {
   const char *name;

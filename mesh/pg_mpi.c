@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "mesh/pg_impl.h"
-#include "mesh/world.h"
+#include "mesh/world_impl.h"
 
 typedef struct mpi_work {
   pg_work_t base;

@@ -1,5 +1,5 @@
 /* pg_new_nccl for builds without CUDA: NCCL groups are not available. */
-#include "mesh/pg.h"
+#include "mesh/pg_impl.h"
 
 status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
   (void)comm;

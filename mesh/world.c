@@ -1,4 +1,4 @@
-#include "mesh/world.h"
+#include "mesh/world_impl.h"
 
 #include <sched.h>
 #include <stdio.h>
@@ -21,6 +21,11 @@
 #endif
 
 static int we_initialised;
+static pg_t *world_group; /* every rank, host */
+
+static status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,
+                                MPI_Op op, MPI_Comm comm, const char *what);
+static status_t world_barrier(MPI_Comm comm, const char *what);
 static int local_rank = -1, local_size = -1;
 
 /* The stop channel: a receive from any rank, posted at start-up on a communicator of its own. */
@@ -78,6 +83,7 @@ status_t world_init(int *argc, char ***argv) {
     MPI_Comm_size(node, &local_size);
     MPI_Comm_free(&node);
   }
+  if (world_group == NULL) TRY(pg_new_mpi(MPI_COMM_WORLD, &world_group));
   return stop_channel_open();
 }
 
@@ -93,6 +99,10 @@ void world_finalize(void) {
     struct timespec moment = {0, 500000000};
     nanosleep(&moment, NULL);
     return;
+  }
+  if (!done) {
+    pg_release(world_group);
+    world_group = NULL;
   }
   if (!done && stop_req != MPI_REQUEST_NULL) {
     MPI_Cancel(&stop_req);
@@ -130,7 +140,7 @@ int world_size(void) {
 int world_local_rank(void) { return local_rank < 0 ? 0 : local_rank; }
 int world_local_size(void) { return local_size < 1 ? 1 : local_size; }
 
-MPI_Comm world_comm(void) { return MPI_COMM_WORLD; }
+pg_t *world_pg(void) { return world_group; }
 
 device_t world_device(void) {
   int n = device_cuda_count();
@@ -152,19 +162,20 @@ status_t comm_agree(MPI_Comm comm, status_t st) {
   TRY(world_wait(&req, "MPI_Iallreduce (agreement)"));
   if (worst.code == 1) return STATUS_OK;
   struct {
-    int status;
+    int status, world_rank;
     char text[1000];
   } msg;
   memset(&msg, 0, sizeof msg);
   if (rank == worst.rank) {
     msg.status = st;
+    msg.world_rank = world_rank();
     snprintf(msg.text, sizeof msg.text, "%s", err_detail());
   }
   TRY(pg_mpi_status(MPI_Ibcast(&msg, (int)sizeof msg, MPI_BYTE, worst.rank, comm, &req),
                     "MPI_Ibcast (agreement)"));
   TRY(world_wait(&req, "MPI_Ibcast (agreement)"));
   if (rank == worst.rank) return st;
-  return err_set((status_t)msg.status, "rank %d: %s", worst.rank, msg.text);
+  return err_set((status_t)msg.status, "rank %d: %s", msg.world_rank, msg.text);
 }
 
 status_t world_check_launch(void) {
@@ -222,7 +233,7 @@ bool world_agree_report(status_t st, const char *prog) {
   char *all = rank == 0 ? malloc((size_t)size * N) : NULL;
   bool *done = rank == 0 ? calloc((size_t)size, sizeof *done) : NULL;
   int mine[2] = {st != STATUS_OK, rank == 0 && (all == NULL || done == NULL)}, any[2] = {0, 0};
-  if (world_allreduce(mine, any, 2, MPI_INT, MPI_MAX, world_comm(), "MPI_Allreduce (agreement)") !=
+  if (world_allreduce(mine, any, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD, "MPI_Allreduce (agreement)") !=
       STATUS_OK) {
     fprintf(stderr, "%s: [rank %d] %s\n", prog, rank, err_detail()); /* the stop's reason */
     free(all);
@@ -240,7 +251,7 @@ bool world_agree_report(status_t st, const char *prog) {
   if (mine[0]) snprintf(text, sizeof text, "%s", err_detail());
   MPI_Request req;
   status_t gs =
-      pg_mpi_status(MPI_Igather(text, N, MPI_CHAR, all, N, MPI_CHAR, 0, world_comm(), &req),
+      pg_mpi_status(MPI_Igather(text, N, MPI_CHAR, all, N, MPI_CHAR, 0, MPI_COMM_WORLD, &req),
                     "MPI_Igather (error messages)");
   if (gs == STATUS_OK) gs = world_wait(&req, "MPI_Igather (error messages)");
   if (gs != STATUS_OK) {
@@ -257,7 +268,7 @@ bool world_agree_report(status_t st, const char *prog) {
       }
   }
   /* no rank exits before rank 0 has printed: mpirun ends the job at the first failed exit */
-  if (gs == STATUS_OK) (void)world_barrier(world_comm(), "MPI_Barrier (error messages)");
+  if (gs == STATUS_OK) (void)world_barrier(MPI_COMM_WORLD, "MPI_Barrier (error messages)");
   free(all);
   free(done);
   return false;
@@ -340,14 +351,14 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
   }
 }
 
-status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type, MPI_Op op,
-                         MPI_Comm comm, const char *what) {
+static status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,
+                                MPI_Op op, MPI_Comm comm, const char *what) {
   MPI_Request req;
   TRY(pg_mpi_status(MPI_Iallreduce(send, recv, count, type, op, comm, &req), what));
   return world_wait(&req, what);
 }
 
-status_t world_barrier(MPI_Comm comm, const char *what) {
+static status_t world_barrier(MPI_Comm comm, const char *what) {
   MPI_Request req;
   TRY(pg_mpi_status(MPI_Ibarrier(comm, &req), what));
   return world_wait(&req, what);

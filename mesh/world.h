@@ -14,11 +14,11 @@
 #ifndef FSDPC_MESH_WORLD_H
 #define FSDPC_MESH_WORLD_H
 
-#include <mpi.h>
 #include <stdbool.h>
 
 #include "base/device.h"
 #include "base/status.h"
+#include "mesh/pg.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -46,16 +46,13 @@ status_t world_check_launch(void);
 
 /* The number of ranks on this node (1 before world_init). */
 int world_local_size(void);
-MPI_Comm world_comm(void);
+/* A host group of every rank of the world (for agreements, counts and small host values: the
+ * checkpoint functions take it), owned by the world: pg_retain it to keep it past
+ * world_finalize. NULL before world_init. */
+pg_t *world_pg(void);
 
 /* cuda:(local_rank % count) when CUDA devices are present, else the CPU. */
 device_t world_device(void);
-
-/* Agreement on an outcome: collective over comm. Returns STATUS_OK when every rank passed
- * OK; otherwise the status of the lowest failing rank, whose detail text (err_detail())
- * becomes this rank's detail text, prefixed with "rank R: " on other ranks. Use it wherever
- * only some ranks could detect a problem, so that all ranks stop together. */
-status_t comm_agree(MPI_Comm comm, status_t st);
 
 /* Ends a phase of a program: every rank learns whether any rank failed (returns true when
  * none did). Then rank 0 prints each distinct failure message once, naming the ranks that
@@ -74,14 +71,6 @@ bool world_agree_report(status_t st, const char *prog);
  * channel exists once world_init has run; it does not reach a rank blocked outside the
  * library's waits (a CUDA stream waiting on an NCCL kernel). */
 
-/* Completes req (an MPI request of any kind); fails with the stopping rank's message if the
- * job is stopped first or was stopped already. */
-status_t world_wait(MPI_Request *req, const char *what);
-
-/* world_wait with a limit: *timed_out (then STATUS_OK is returned and req left pending)
- * when req has not completed within seconds. */
-status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool *timed_out);
-
 /* The watchdog: a library wait (a collective, an agreement) that has not completed within
  * this many seconds stops the job, naming the wait, on the rank that waited (and, through the
  * stop channel, every rank waiting in the library); 0 waits forever. Default
@@ -90,11 +79,6 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
 #define WORLD_DEFAULT_TIMEOUT_S 600.0
 void world_set_timeout(double seconds);
 double world_timeout(void);
-
-/* MPI_Allreduce and MPI_Barrier through world_wait: stop-aware and under the watchdog. */
-status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type, MPI_Op op,
-                         MPI_Comm comm, const char *what);
-status_t world_barrier(MPI_Comm comm, const char *what);
 
 /* Records err_detail() as the reason, sends it to every other rank and returns st with the
  * detail unchanged. Later waits on this rank fail with the same reason. */

@@ -29,6 +29,7 @@ struct nn_module {
   bool checkpoint;
   dtype_t cast_in, cast_out; /* DTYPE_COUNT: none (see nn_module_set_cast) */
   void *ext;
+  nn_ext_free_fn free_ext;
   nn_wrap_fn wrap;
   void *wrap_user;
   const char *kind;
@@ -90,6 +91,7 @@ static void param_free(nn_param_t *p) {
 
 void nn_module_free(nn_module_t *m) {
   if (m == NULL) return;
+  if (m->ext != NULL && m->free_ext != NULL) m->free_ext(m, m->ext); /* may clear other slots */
   for (int i = 0; i < m->n_children; i++) nn_module_free(m->children[i]);
   for (int i = 0; i < m->n_params; i++)
     if (m->owns[i]) param_free(m->params[i]);
@@ -259,7 +261,10 @@ void nn_module_cast(const nn_module_t *m, dtype_t *in, dtype_t *out) {
 }
 void nn_module_set_kind(nn_module_t *m, const char *kind) { m->kind = kind; }
 const char *nn_module_kind(const nn_module_t *m) { return m->kind; }
-void nn_module_set_ext(nn_module_t *m, void *ext) { m->ext = ext; }
+void nn_module_set_ext(nn_module_t *m, void *ext, nn_ext_free_fn free_ext) {
+  m->ext = ext;
+  m->free_ext = ext != NULL ? free_ext : NULL;
+}
 void *nn_module_ext(const nn_module_t *m) { return m->ext; }
 bool nn_module_checkpoint(const nn_module_t *m) { return m->checkpoint; }
 const char *nn_module_name(const nn_module_t *m) { return m->name; }

@@ -200,9 +200,13 @@ void nn_param_zero_grad(nn_param_t *p);
 void nn_module_set_kind(nn_module_t *m, const char *kind);
 const char *nn_module_kind(const nn_module_t *m);
 
-/* One slot of extension state per module (fully_shard keeps its parameter group here);
- * not owned by the module. */
-void nn_module_set_ext(nn_module_t *m, void *ext);
+/* One slot of extension state per module (fully_shard keeps its parameter group here). When
+ * nn_module_free reaches a module whose slot is set, it first calls free_ext(m, ext) (if not
+ * NULL), before freeing anything of m, its children included: the extension goes with the
+ * model, whatever order the owner's other frees come in. free_ext may clear the slot of other
+ * modules (nn_module_set_ext(other, NULL, NULL)). */
+typedef void (*nn_ext_free_fn)(nn_module_t *m, void *ext);
+void nn_module_set_ext(nn_module_t *m, void *ext, nn_ext_free_fn free_ext);
 void *nn_module_ext(const nn_module_t *m);
 
 /* A wrapper around a module's forward (tensor parallelism converts the input and output

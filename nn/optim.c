@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "base/kernels.h"
-#include "mesh/world.h"
+#include "mesh/pg.h"
 
 typedef struct slot {
   nn_param_t *p;
@@ -194,11 +194,8 @@ status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t 
     total += s;
   }
   if (group != NULL) {
-    /* one double over the group's host communicator: exact, and not a data collective */
-    double sum = 0;
-    TRY(world_allreduce(&total, &sum, 1, MPI_DOUBLE, MPI_SUM, pg_comm(group),
-                        "clip_grad_norm: MPI_Allreduce"));
-    total = sum;
+    /* one double over the group's host channel: exact, and not a data collective */
+    TRY(pg_host_all_reduce(group, &total, &total, 1, PG_HOST_F64, REDUCE_SUM));
   }
   double nrm = sqrt(total);
   if (norm) *norm = nrm;

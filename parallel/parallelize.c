@@ -179,7 +179,6 @@ status_t parallel_apply(parallel_t **out, nn_module_t *root, const parallel_plan
 
 void parallel_free(parallel_t *par) {
   if (par == NULL) return;
-  if (par->n_groups > 0) fsdp_free_all(par->root);
   tp_free(par->tp);
   free(par->groups);
   mesh_free(par->tp_mesh);

@@ -12,7 +12,7 @@
  *   TRY(parallel_apply(&par, model, &pp, DEVICE_CPU));   // model built deferred, or whole
  *   TRY(nn_module_materialize(model));                     // deferred: this rank's shards
  *   ... initialise, train; clip with parallel_all_group(par) ...
- *   parallel_free(par);                                    // then free the model
+ *   parallel_free(par); llama_free(model);                 // in either order
  */
 #ifndef FSDPC_PARALLEL_PARALLELIZE_H
 #define FSDPC_PARALLEL_PARALLELIZE_H
@@ -36,9 +36,9 @@ typedef struct parallel parallel_t;
 status_t parallel_apply(parallel_t **out, nn_module_t *root, const parallel_plan_t *pp,
                         device_type_t dev);
 
-/* Detaches fully_shard from the model (fsdp_free_all), frees the tensor-parallel state and the
- * meshes. Call it after the last step and before freeing the model, which may be freed
- * afterwards only. NULL is a no-op. Local. */
+/* Frees the tensor-parallel state and releases the meshes, after the last step; the model's
+ * fully_shard groups go with the model (they keep the meshes they use until then), so the
+ * model and par may be freed in either order. NULL is a no-op. Local. */
 void parallel_free(parallel_t *par);
 
 /* The world mesh: ("dp_replicate",) "dp_shard"(, "tp"), dp_replicate only when > 1 and tp only

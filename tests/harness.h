@@ -11,6 +11,7 @@
 #define FSDPC_TESTS_HARNESS_H
 
 #include <check.h>
+#include <mpi.h> /* the tests use MPI directly to coordinate their ranks */
 #include <stdbool.h>
 
 #include "base/tensor.h"

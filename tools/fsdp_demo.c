@@ -69,13 +69,19 @@ static status_t run(void) {
              placements_str(2, steps[k], pl, sizeof pl), world_rank(),
              shape_str(local->ndim, local->shape, ls, sizeof ls),
              shape_str(2, off, os, sizeof os), same ? "ok" : "MISMATCH");
-    char *all = world_rank() == 0 ? malloc((size_t)world_size() * LINE_MAX_LEN) : NULL;
-    MPI_Gather(line, LINE_MAX_LEN, MPI_CHAR, all, LINE_MAX_LEN, MPI_CHAR, 0, world_comm());
-    for (int r = 0; all != NULL && r < world_size(); r++) printf("%s\n", all + r * LINE_MAX_LEN);
+    char *all = malloc((size_t)world_size() * LINE_MAX_LEN);
+    if (all == NULL) {
+      st = err_set(STATUS_ENOMEM, "out of host memory");
+      break;
+    }
+    st = pg_host_all_gather(world_pg(), line, all, LINE_MAX_LEN, PG_HOST_BYTE);
+    for (int r = 0; st == STATUS_OK && world_rank() == 0 && r < world_size(); r++)
+      printf("%s\n", all + r * LINE_MAX_LEN);
     free(all);
+    if (st != STATUS_OK) break;
     if (!same) st = err_set(STATUS_EINTERNAL, "step %d does not match distribute()", k);
   }
-  st = comm_agree(world_comm(), st);
+  st = pg_agree(world_pg(), st);
   dtensor_free(cur);
   tensor_free(&full);
   mesh_free(mesh);

@@ -29,17 +29,9 @@
 #include "parallel/llama_plan.h"
 #include "parallel/parallelize.h"
 #include "parallel/plan.h"
+#include "tools/fsdp_train.h"
 #include "tools/plot.h"
 
-typedef struct args {
-  const char *config;
-  const char *sets[256];
-  int n_sets;
-  const char *metrics;
-  const char *plot; /* --plot: the metrics drawn as SVG at the end */
-  bool dry_run;
-  bool verbose; /* -v with --dry-run: the per-unit table */
-} args_t;
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -95,44 +87,6 @@ static double now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static const char *reshard_str(int r, char *buf, size_t n) {
-  if (r == FSDP_RESHARD_AUTO) return "auto";
-  if (r == 0 || r == 1) return r ? "true" : "false";
-  snprintf(buf, n, "%d", r);
-  return buf;
-}
-
-static const char *dt_str(dtype_t d) { return d == DTYPE_COUNT ? "own" : dtype_name(d); }
-
-static void mib(char *buf, size_t n, double bytes) {
-  if (bytes >= 1073741824.0)
-    snprintf(buf, n, "%.2f GiB", bytes / 1073741824.0);
-  else
-    snprintf(buf, n, "%.2f MiB", bytes / 1048576.0);
-}
-
-typedef struct run {
-  plan_t plan;
-  args_t args;
-  parallel_t *par; /* the plan applied to the model; the rest is borrowed from it */
-  mesh_t *mesh;    /* the world: (dp_replicate,) dp_shard(, tp) */
-  pg_t *all;       /* every rank (gradient clipping) */
-  const tp_plan_t *tp;
-  fsdp_group_t *const *groups;
-  int n_groups;
-  llama_t *model;
-  nn_param_t **ps;
-  int n;
-  optim_t *opt;
-  data_t *data;
-  device_t dev;
-  int dp_size, dp_rank;
-  int64_t start_step; /* steps already taken (resumed from a checkpoint) */
-  char resumed_from[PLAN_PATH_MAX + 32];
-  dcp_stats_t load_stats;
-  int64_t verified; /* chunks checked against their checksums before loading (-1: not asked) */
-  int64_t saved_batch; /* the global batch the resumed checkpoint was saved with; 0: unknown */
-} run_t;
 
 /* The token file, checked against the model and the sample length (a dry run too: it must
  * refuse what the run would). */
@@ -173,10 +127,6 @@ static int64_t saved_global_batch(const char *dir) {
 }
 
 /* Samples per optimizer step over the data-parallel ranks. */
-static int64_t global_batch(const run_t *r) {
-  return r->plan.batch_size * r->plan.grad_accum * r->dp_size;
-}
-
 static status_t build(run_t *r) {
   plan_t *p = &r->plan;
   TRY(llama_plan_check(&p->par));
@@ -227,7 +177,7 @@ static status_t build(run_t *r) {
   if (resume) {
     r->verified = -1;
     if (p->ckpt_verify)
-      TRY(ckpt_verify_training(r->resumed_from, world_comm(), &r->verified));
+      TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
     TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
     r->saved_batch = saved_global_batch(r->resumed_from);
   } else {
@@ -236,212 +186,10 @@ static status_t build(run_t *r) {
   return STATUS_OK;
 }
 
-/* Per-rank bytes of the sharded parameters (padded storage included). */
-static double sharded_param_bytes(const run_t *r) {
-  double b = 0;
-  for (int i = 0; i < r->n; i++) b += (double)tensor_nbytes(dtensor_local(r->ps[i]->value));
-  return b;
-}
-
-static void header(const run_t *r) {
-  const plan_t *p = &r->plan;
-  char dev[16], rb[16], mb[32];
-  device_str(r->dev, dev, sizeof dev);
-  mib(mb, sizeof mb, sharded_param_bytes(r));
-  printf("fsdp-train: %s\n", p->source);
-  printf("  world %d rank%s on %s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
-         world_size(), world_size() == 1 ? "" : "s", dev, p->par.dp_replicate, p->par.dp_shard,
-         p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
-  printf(
-      "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
-      "%lld parameters\n",
-      (long long)p->model.dim, (long long)p->model.n_layers, (long long)p->model.n_heads,
-      (long long)p->model.n_kv_heads, (long long)p->model.ffn_dim, (long long)p->model.vocab_size,
-      p->model.tie_embeddings ? "tied" : "untied", (long long)llama_num_params(&p->model));
-  printf(
-      "  fully_shard: %d groups (%d units + root); %s%s%sreshard_after_forward %s; param %s, "
-      "reduce %s%s\n",
-      r->n_groups, r->n_groups - 1, p->par.strategy[0] ? "sharding_strategy " : "",
-      p->par.strategy, p->par.strategy[0] ? ": " : "",
-      reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
-      dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), p->par.offload ? "; offload" : "");
-  if (r->tp)
-    printf("  tensor_parallel: %d modules on tp=%d (%s); sequence parallelism %s\n",
-           tp_num_modules(r->tp), p->par.tp,
-           llama_plan_tp_is_builtin(&p->par) ? "the built-in Llama plan" : "the plan's rules",
-           p->par.sequence_parallel ? "on" : "off");
-  printf("  sharded parameters on rank 0: %s\n", mb);
-  if (r->resumed_from[0])
-    printf(
-        "  resumed from %s after step %lld (rank 0 read %llu bytes of tensor data, needing "
-        "%llu, plus %llu header bytes of %d files)\n",
-        r->resumed_from, (long long)r->start_step, (unsigned long long)r->load_stats.bytes_read,
-        (unsigned long long)r->load_stats.bytes_needed,
-        (unsigned long long)r->load_stats.header_bytes, r->load_stats.files);
-  if (r->resumed_from[0] && r->load_stats.unchecked)
-    printf("  %s has no checksums (written by another tool): what was read is unchecked\n",
-           r->resumed_from);
-  if (r->resumed_from[0] && r->verified >= 0 && r->load_stats.unchecked)
-    printf("  checkpoint.verify: nothing to verify (the files carry no checksums)\n");
-  else if (r->resumed_from[0] && r->verified >= 0)
-    printf("  checkpoint.verify: %lld chunks read whole, every block matches its checksum\n",
-           (long long)r->verified);
-  else if (p->ckpt_load[0] && !r->resumed_from[0])
-    printf("  no checkpoint in %s yet: starting from step 0\n", p->ckpt_dir);
-  printf(
-      "  data: %s, %lld samples x %lld tokens per rank, grad_accum %lld (global batch %lld "
-      "samples); %lld step%s\n",
-      p->data_path, (long long)p->batch_size, (long long)p->seq_len, (long long)p->grad_accum,
-      (long long)global_batch(r), (long long)p->steps,
-      p->steps == 1 ? "" : "s");
-  if (r->saved_batch > 0 && r->saved_batch != global_batch(r))
-    fprintf(stderr,
-            "fsdp-train: warning: %s was saved with a global batch of %lld samples, this run "
-            "takes %lld: the data order and the learning-rate schedule go on by step, so "
-            "samples are skipped or repeated\n",
-            r->resumed_from, (long long)r->saved_batch, (long long)global_batch(r));
-  fflush(stdout);
-}
-
-static double counted_bytes(const run_t *r) {
-  double b = 0;
-  for (int k = 0; k < mesh_ndim(r->mesh); k++) {
-    pg_t *pg = mesh_group(r->mesh, k);
-    pg_counters_t c = pg_counters(pg);
-    for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
-    pg_reset_counters(pg);
-  }
-  pg_t **pf = calloc((size_t)r->n_groups + 1, sizeof *pf);
-  int npf = pf ? fsdp_post_forward_groups(r->groups, r->n_groups, pf) : 0;
-  for (int i = 0; i < npf; i++) {
-    pg_counters_t c = pg_counters(pf[i]);
-    for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
-    pg_reset_counters(pf[i]);
-  }
-  free(pf);
-  return b;
-}
-
-/* --dry-run -v: each fully_shard unit's parameters, elements (gathered, padded, on this
- * rank's tp coordinate), bytes per rank of its shards (in the parameters' dtype) and bytes
- * gathered (in its compute dtype). */
-static void unit_table(const run_t *r) {
-  int W = r->plan.par.dp_shard;
-  size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
-  printf("\nunits (fully_shard groups, the root last):\n");
-  printf("  %-28s %7s %14s %14s %14s\n", "unit", "params", "elements", "sharded B", "gathered B");
-  double tot[3] = {0, 0, 0};
-  int params = 0;
-  for (int i = 0; i < r->n_groups; i++) {
-    const fsdp_group_t *g = r->groups[i];
-    const char *name = fsdp_group_name(g);
-    double flat = (double)fsdp_flat_numel(g), row[3];
-    row[0] = flat * W;
-    row[1] = flat * (double)own;
-    row[2] = flat * W * (double)dtype_size(fsdp_param_dtype(g));
-    printf("  %-28s %7d %14.0f %14.0f %14.0f\n", name[0] ? name : "(root)", fsdp_num_params(g),
-           row[0], row[1], row[2]);
-    for (int k = 0; k < 3; k++) tot[k] += row[k];
-    params += fsdp_num_params(g);
-  }
-  printf("  %-28s %7d %14.0f %14.0f %14.0f\n", "total", params, tot[0], tot[1], tot[2]);
-}
-
-static void dry_run(const run_t *r) {
-  const plan_t *p = &r->plan;
-  int W = p->par.dp_shard;
-  if (world_rank() == 0) {
-    printf(
-        "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "
-        "rank%s):\n",
-        p->par.dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard", p->par.tp > 1 ? ", tp" : "",
-        p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
-    for (int i = 0; i < r->n; i++) {
-      const dtensor_t *v = r->ps[i]->value;
-      char pl[64], gs[64] = "";
-      const int64_t *shape = dtensor_shape(v);
-      int nd = dtensor_ndim(v);
-      placements_str(mesh_ndim(dtensor_mesh(v)), dtensor_placements(v), pl, sizeof pl);
-      for (int d = 0; d < nd; d++)
-        snprintf(gs + strlen(gs), sizeof gs - strlen(gs), "%s%lld", d ? "x" : "",
-                 (long long)shape[d]);
-      printf("  %-44s %-22s %-12s", r->ps[i]->fqn, pl, gs);
-      const mesh_t *vm = dtensor_mesh(v);
-      int coord[MESH_MAX_DIMS], sd = mesh_dim_index(vm, "dp_shard");
-      for (int k = 0; k < mesh_ndim(vm); k++) coord[k] = mesh_coord(vm, k);
-      for (int k = 0; k < W; k++) {
-        int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
-        if (sd >= 0) coord[sd] = k;
-        if (dtensor_compute_box(vm, dtensor_placements(v), nd, shape, coord, local, off) !=
-            STATUS_OK)
-          break;
-        printf(" ");
-        for (int d = 0; d < nd; d++) printf("%s%lld", d ? "x" : "", (long long)local[d]);
-      }
-      printf("\n");
-    }
-    printf("\nunits (fully_shard groups): floating-point inputs are cast to the compute dtype; "
-           "output auto = the compute dtype, or f32 when the input was f32\n");
-    for (int i = 0; i < r->n_groups; i++) {
-      const fsdp_group_t *g = r->groups[i];
-      const char *name = fsdp_group_name(g);
-      dtype_t cin = DTYPE_COUNT, cout = DTYPE_COUNT;
-      nn_module_t *m = name[0] ? nn_module_find(llama_module(r->model), name) : NULL;
-      if (m) nn_module_cast(m, &cin, &cout);
-      char rb[16];
-      printf("  %-28s compute %-4s  reduce %-4s  output %-4s  reshard_after_forward %s\n",
-             name[0] ? name : "(root)", dtype_name(fsdp_param_dtype(g)),
-             dtype_name(fsdp_reduce_dtype(g)), cout != DTYPE_COUNT ? dtype_name(cout) : "auto",
-             reshard_str(fsdp_reshard_after_forward(g), rb, sizeof rb));
-    }
-    double pb = sharded_param_bytes(r), largest = 0;
-    for (int i = 0; i < r->n_groups; i++) {
-      double b = (double)fsdp_flat_numel(r->groups[i]) * W *
-                 (double)dtype_size(fsdp_param_dtype(r->groups[i]));
-      largest = b > largest ? b : largest;
-    }
-    if (r->args.verbose) unit_table(r);
-    llama_memory_t est, other;
-    plan_t flip = *p; /* the other activation-checkpointing setting, for comparison */
-    flip.activation_checkpointing = !p->activation_checkpointing;
-    size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
-    if (llama_memory_estimate(p, r->groups, r->n_groups, pb, own, &est) != STATUS_OK ||
-        llama_memory_estimate(&flip, r->groups, r->n_groups, pb, own, &other) != STATUS_OK) {
-      printf("memory estimate: %s\n", err_detail());
-      return;
-    }
-    char a[32], b2[32], c[32], pk[32], ac[32], ga[32], fl[32], st[32], ot[32];
-    mib(a, sizeof a, pb);
-    mib(b2, sizeof b2, 2 * pb);
-    mib(c, sizeof c, largest);
-    mib(pk, sizeof pk, est.peak);
-    mib(st, sizeof st, est.state);
-    mib(ac, sizeof ac, est.activations);
-    mib(ga, sizeof ga, est.gathered);
-    mib(fl, sizeof fl, est.in_flight);
-    mib(ot, sizeof ot, other.peak);
-    printf("\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
-           "largest unsharded unit %s\n",
-           a, a, b2, c);
-    printf("  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
-           "flight %s; %s activation checkpointing: %s\n",
-           pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
-    printf("state_bytes %.0f\n", 4 * pb);
-    printf("largest_unit_bytes %.0f\n", largest);
-    printf("peak_bytes %.0f\n", est.peak);
-    llama_comm_t m = llama_comm_estimate(p, r->groups, r->n_groups);
-    printf(
-        "communication per step and rank (docs/design.md section 11): all-gather %lld calls "
-        "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
-        m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar);
-    printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
-  }
-}
-
 /* Every rank learns whether rank 0 could write the metrics file (err: its errno, or 0). */
 static status_t metrics_agree(const char *path, int err) {
   int any = 0;
-  TRY(world_allreduce(&err, &any, 1, MPI_INT, MPI_MAX, world_comm(), "MPI_Allreduce (metrics)"));
+  TRY(pg_host_all_reduce(world_pg(), &err, &any, 1, PG_HOST_I32, REDUCE_MAX));
   if (any)
     return err_set(STATUS_EIO, "cannot write the metrics file '%s': %s", path, strerror(any));
   return STATUS_OK;
@@ -492,7 +240,7 @@ static status_t saved_under(const run_t *r, char **out) {
       cJSON_AddNumberToObject(o, "dp_replicate", p->par.dp_replicate) &&
       cJSON_AddNumberToObject(o, "dp_shard", p->par.dp_shard) &&
       cJSON_AddNumberToObject(o, "tp", p->par.tp) &&
-      cJSON_AddNumberToObject(o, "global_batch", (double)global_batch(r)) &&
+      cJSON_AddNumberToObject(o, "global_batch", (double)train_global_batch(r)) &&
       cJSON_AddItemToObject(o, "model", model)) {
     model = NULL; /* o owns it */
     text = cJSON_PrintUnformatted(o);
@@ -532,7 +280,7 @@ static status_t train(run_t *r) {
   double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0;
   size_t peak_max = 0;
   status_t st = STATUS_OK;
-  counted_bytes(r); /* reset */
+  train_counted_bytes(r); /* reset */
   for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK; s++) {
     double t0 = now(), loss = 0;
     mem_reset_peak(r->dev);
@@ -550,7 +298,7 @@ static status_t train(run_t *r) {
                           r->all, &norm, &coef);
     if (st != STATUS_OK) break;
     double gl = 0;
-    st = world_allreduce(&loss, &gl, 1, MPI_DOUBLE, MPI_SUM, world_comm(), "MPI_Allreduce (loss)");
+    st = pg_host_all_reduce(world_pg(), &loss, &gl, 1, PG_HOST_F64, REDUCE_SUM);
     if (st != STATUS_OK) break;
     gl /= world_size(); /* the ranks of one tp group hold the same loss */
     /* the same verdict on every rank: gl and norm are reduced over the world */
@@ -571,8 +319,8 @@ static status_t train(run_t *r) {
     if (st == STATUS_OK) st = device_stream_sync(r->dev);
     if (st != STATUS_OK) break;
     double dt = now() - t0;
-    double tokens = (double)(global_batch(r) * p->seq_len);
-    double tps = tokens / dt, comm = counted_bytes(r);
+    double tokens = (double)(train_global_batch(r) * p->seq_len);
+    double tps = tokens / dt, comm = train_counted_bytes(r);
     size_t peak = mem_stats(r->dev).peak, state = mem_stats(r->dev).current;
     peak_max = peak > peak_max ? peak : peak_max;
     if (s == r->start_step) first_loss = gl;
@@ -581,7 +329,7 @@ static status_t train(run_t *r) {
       ckpt_step_dir(p->ckpt_dir, s + 1, dir, sizeof dir);
       st = saved_under(r, &under);
       if (st == STATUS_OK)
-        st = ckpt_save_training(dir, r->ps, r->n, r->opt, s + 1, under, world_comm());
+        st = ckpt_save_training(dir, r->ps, r->n, r->opt, s + 1, under, world_pg());
       free(under);
       if (st != STATUS_OK) break;
       if (lead) ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
@@ -611,7 +359,7 @@ static status_t train(run_t *r) {
     bool show = s == 0 || s + 1 == p->steps || (s + 1) % p->log_interval == 0;
     double elapsed = now() - t_start, eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
     char pm[32];
-    mib(pm, sizeof pm, (double)peak);
+    train_mib(pm, sizeof pm, (double)peak);
     if (show) {
       printf(
           "%sstep %5lld/%lld  loss %.6f  lr %.3e  grad_norm %.4f  %.0f tok/s  peak %s  "
@@ -637,7 +385,7 @@ static status_t train(run_t *r) {
   if (st == STATUS_OK && lead) {
     double total = now() - t_start;
     char pm[32];
-    mib(pm, sizeof pm, (double)peak_max);
+    train_mib(pm, sizeof pm, (double)peak_max);
     printf("done: %lld steps in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s\n",
            (long long)(p->steps - r->start_step), total, first_loss, last_loss, tok_sum / total,
            pm);
@@ -677,9 +425,9 @@ int main(int argc, char **argv) {
   if (agree(st)) {
     st = build(r);
     if (agree(st)) {
-      if (world_rank() == 0) header(r);
+      if (world_rank() == 0) train_header(r);
       if (r->args.dry_run) {
-        dry_run(r);
+        train_dry_run(r);
         rc = 0;
       } else if (agree(train(r))) {
         rc = 0;

@@ -1,8 +1,8 @@
 /*
  * Every collective of the MPI backend against closed-form results, in every dtype, with
  * counts of 0, 1, 7 and 1001 (not multiples of the world size), in place and not,
- * blocking and asynchronous; the group counters against their formulas. Run under mpirun
- * at several world sizes. Values are small integers, exact in every dtype.
+ * blocking and asynchronous; the group counters against their formulas; the host channel
+ * and the groups made from a group. Run under mpirun at several world sizes. Values are small integers, exact in every dtype.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -16,9 +16,10 @@ static const size_t counts[] = {0, 1, 7, 1001};
 #define NDT (sizeof all_dtypes / sizeof all_dtypes[0])
 #define NCOUNTS (sizeof counts / sizeof counts[0])
 
-static pg_t *world_pg(void) {
+/* A fresh host group of every rank (its counters start at zero). */
+static pg_t *new_world_group(void) {
   pg_t *pg = NULL;
-  ck_assert_int_eq(pg_new_mpi(MPI_COMM_WORLD, &pg), STATUS_OK);
+  ck_assert_int_eq(pg_new_host(world_pg(), &pg), STATUS_OK);
   return pg;
 }
 
@@ -38,7 +39,7 @@ static int mismatches(dtype_t dt, const void *got, const double *want, size_t n,
 }
 
 START_TEST(all_gather_every_dtype_and_count) {
-  pg_t *pg = world_pg();
+  pg_t *pg = new_world_group();
   int W = pg_size(pg), r = pg_rank(pg), bad = 0;
   for (size_t di = 0; di < NDT; di++)
     for (size_t ci = 0; ci < NCOUNTS; ci++)
@@ -67,7 +68,7 @@ START_TEST(all_gather_every_dtype_and_count) {
 END_TEST
 
 START_TEST(reduce_scatter_sum_avg_max) {
-  pg_t *pg = world_pg();
+  pg_t *pg = new_world_group();
   int W = pg_size(pg), r = pg_rank(pg), bad = 0;
   for (size_t di = 0; di < NDT; di++)
     for (size_t ci = 0; ci < NCOUNTS; ci++)
@@ -100,7 +101,7 @@ START_TEST(reduce_scatter_sum_avg_max) {
 END_TEST
 
 START_TEST(all_reduce_sum_avg_max_in_and_out_of_place) {
-  pg_t *pg = world_pg();
+  pg_t *pg = new_world_group();
   int W = pg_size(pg), r = pg_rank(pg), bad = 0;
   for (size_t di = 0; di < NDT; di++)
     for (size_t ci = 0; ci < NCOUNTS; ci++)
@@ -134,7 +135,7 @@ START_TEST(all_reduce_sum_avg_max_in_and_out_of_place) {
 END_TEST
 
 START_TEST(all_to_all_every_dtype_and_count) {
-  pg_t *pg = world_pg();
+  pg_t *pg = new_world_group();
   int W = pg_size(pg), r = pg_rank(pg), bad = 0;
   for (size_t di = 0; di < NDT; di++)
     for (size_t ci = 0; ci < NCOUNTS; ci++) {
@@ -159,7 +160,7 @@ START_TEST(all_to_all_every_dtype_and_count) {
 END_TEST
 
 START_TEST(broadcast_from_every_root) {
-  pg_t *pg = world_pg();
+  pg_t *pg = new_world_group();
   int W = pg_size(pg), r = pg_rank(pg), bad = 0;
   for (size_t di = 0; di < NDT; di++)
     for (int root = 0; root < W; root++) {
@@ -181,7 +182,7 @@ START_TEST(broadcast_from_every_root) {
 END_TEST
 
 START_TEST(async_collectives_overlap_then_wait) {
-  pg_t *pg = world_pg();
+  pg_t *pg = new_world_group();
   int W = pg_size(pg), r = pg_rank(pg), bad = 0;
   float ag_in[3] = {(float)r, (float)r + 1, (float)r + 2}, *ag_out = calloc(3 * W, sizeof(float));
   float ar[4] = {1, 2, 3, (float)r};
@@ -201,7 +202,7 @@ START_TEST(async_collectives_overlap_then_wait) {
 END_TEST
 
 START_TEST(pg_counters_match_formulas) {
-  pg_t *pg = world_pg();
+  pg_t *pg = new_world_group();
   uint64_t W = (uint64_t)pg_size(pg);
   pg_reset_counters(pg);
   float *a = calloc(1000 * W, sizeof(float)), *b = calloc(1000 * W, sizeof(float));
@@ -235,7 +236,7 @@ START_TEST(pg_counters_match_formulas) {
 END_TEST
 
 START_TEST(pg_rejects_bad_arguments_locally) {
-  pg_t *pg = world_pg();
+  pg_t *pg = new_world_group();
   int32_t x[4] = {0};
   ck_assert_int_eq(pg_all_reduce(pg, x, x, 4, DTYPE_I32, REDUCE_AVG, NULL), STATUS_EDTYPE);
   ck_assert_int_eq(pg_all_to_all(pg, x, x, 1, DTYPE_I32, NULL), STATUS_EINVAL);
@@ -248,13 +249,65 @@ START_TEST(pg_rejects_bad_arguments_locally) {
 }
 END_TEST
 
-START_TEST(comm_agree_reports_the_failing_rank_everywhere) {
+START_TEST(pg_agree_reports_the_failing_rank_everywhere) {
   int r = world_rank(), W = world_size();
   status_t st = r == W - 1 ? err_set(STATUS_ESHAPE, "bad shape on the last rank") : STATUS_OK;
-  status_t agreed = comm_agree(MPI_COMM_WORLD, st);
+  status_t agreed = pg_agree(world_pg(), st);
   ck_assert_int_eq(agreed, STATUS_ESHAPE);
   ck_assert_ptr_nonnull(strstr(err_detail(), "bad shape on the last rank"));
-  ck_assert_int_eq(comm_agree(MPI_COMM_WORLD, STATUS_OK), STATUS_OK);
+  ck_assert_int_eq(pg_agree(world_pg(), STATUS_OK), STATUS_OK);
+}
+END_TEST
+
+/* The host channel of a group against closed forms (sums and maxima of rank-dependent values
+ * in every host type, an all-gather of bytes, a timed all-reduce that completes), its refusal
+ * of what it cannot do, and the groups made from a group: pg_split by parity (sizes, ranks,
+ * a collective inside each half) and pg_new_host (its own counters). */
+START_TEST(host_channel_and_groups_from_groups) {
+  int r = world_rank(), W = world_size(), bad = 0;
+  pg_t *w = world_pg();
+  int32_t i32[2] = {r + 1, -r}, o32[2];
+  int64_t i64[2] = {(int64_t)r << 33, r}, o64[2];
+  double f64[2] = {0.5 * r, -1.0 * r};
+  if (pg_host_all_reduce(w, i32, o32, 2, PG_HOST_I32, REDUCE_SUM) != STATUS_OK ||
+      o32[0] != W * (W + 1) / 2 || o32[1] != -W * (W - 1) / 2)
+    bad++;
+  if (pg_host_all_reduce(w, i64, o64, 2, PG_HOST_I64, REDUCE_MAX) != STATUS_OK ||
+      o64[0] != (int64_t)(W - 1) << 33 || o64[1] != W - 1)
+    bad++;
+  if (pg_host_all_reduce(w, f64, f64, 2, PG_HOST_F64, REDUCE_SUM) != STATUS_OK || /* in place */
+      f64[0] != 0.25 * W * (W - 1) || f64[1] != -0.5 * W * (W - 1))
+    bad++;
+  bool late = true;
+  if (pg_host_all_reduce_within(w, i64, o64, 2, PG_HOST_I64, REDUCE_SUM, 60.0, &late) !=
+          STATUS_OK ||
+      late || o64[1] != (int64_t)W * (W - 1) / 2)
+    bad++;
+  char mine[3] = {(char)('a' + r), (char)r, 'z'}, *all = malloc(3 * (size_t)W);
+  ck_assert_ptr_nonnull(all);
+  if (pg_host_all_gather(w, mine, all, 3, PG_HOST_BYTE) != STATUS_OK) bad++;
+  for (int k = 0; k < W; k++)
+    if (all[3 * k] != 'a' + k || all[3 * k + 1] != k || all[3 * k + 2] != 'z') bad++;
+  free(all);
+  /* refused on every rank alike, before any communication */
+  if (pg_host_all_reduce(w, mine, o32, 3, PG_HOST_BYTE, REDUCE_SUM) != STATUS_EINVAL) bad++;
+  if (pg_host_all_reduce(w, i32, o32, 2, PG_HOST_I32, REDUCE_AVG) != STATUS_EINVAL) bad++;
+  if (pg_host_all_reduce(w, i32, o32, -1, PG_HOST_I32, REDUCE_SUM) != STATUS_EINVAL) bad++;
+  pg_t *half, *host;
+  ck_assert_int_eq(pg_split(w, r % 2, W - r, &half), STATUS_OK); /* key: reversed order */
+  int n = (W + 1 - r % 2) / 2, want_rank = (n - 1) - r / 2;
+  if (pg_size(half) != n || pg_rank(half) != want_rank) bad++;
+  int32_t one = 1, count = 0;
+  if (pg_all_reduce(half, &one, &count, 1, DTYPE_I32, REDUCE_SUM, NULL) != STATUS_OK ||
+      count != n)
+    bad++;
+  ck_assert_int_eq(pg_split(w, -1, 0, &host), STATUS_EINVAL);
+  ck_assert_int_eq(pg_new_host(half, &host), STATUS_OK);
+  if (pg_size(host) != n || pg_rank(host) != pg_rank(half) || pg_counters(host).calls[PG_ALL_REDUCE])
+    bad++;
+  pg_release(host);
+  pg_release(half);
+  expect_all(bad == 0, "%d host-channel or split results differ from their closed forms", bad);
 }
 END_TEST
 
@@ -269,7 +322,8 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, async_collectives_overlap_then_wait);
   tcase_add_test(tc, pg_counters_match_formulas);
   tcase_add_test(tc, pg_rejects_bad_arguments_locally);
-  tcase_add_test(tc, comm_agree_reports_the_failing_rank_everywhere);
+  tcase_add_test(tc, pg_agree_reports_the_failing_rank_everywhere);
+  tcase_add_test(tc, host_channel_and_groups_from_groups);
   suite_add_tcase(s, tc);
   return s;
 }

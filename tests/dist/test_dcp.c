@@ -73,11 +73,11 @@ static void make_root(void) {
     snprintf(root, sizeof root, "/tmp/fsdpc-dcp-XXXXXX");
     ck_assert_ptr_nonnull(mkdtemp(root));
   }
-  MPI_Bcast(root, sizeof root, MPI_CHAR, 0, world_comm());
+  MPI_Bcast(root, sizeof root, MPI_CHAR, 0, MPI_COMM_WORLD);
 }
 
 static void remove_root(void) {
-  MPI_Barrier(world_comm());
+  MPI_Barrier(MPI_COMM_WORLD);
   if (world_rank() == 0) {
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
@@ -85,6 +85,23 @@ static void remove_root(void) {
   }
 }
 
+
+/* Flips the bits mask of byte pos of tensor name's data in rank 0's file of folder dir. */
+static void flip_data_byte(const char *dir, const char *name, uint64_t pos, int mask) {
+  char path[500];
+  snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
+  st_file_t *f;
+  ok(st_open(&f, path));
+  long at = (long)(st_header_bytes(f) + st_find(f, name)->begin + pos);
+  st_close(f);
+  FILE *fp = fopen(path, "r+b");
+  ck_assert_ptr_nonnull(fp);
+  ck_assert_int_eq(fseek(fp, at, SEEK_SET), 0);
+  int c = fgetc(fp);
+  ck_assert_int_eq(fseek(fp, at, SEEK_SET), 0);
+  fputc(c ^ mask, fp);
+  fclose(fp);
+}
 
 /* Block size of the checksums in these tests: small, so that chunks span many blocks. */
 #define BLOCK 64
@@ -216,7 +233,7 @@ START_TEST(save_under_one_plan_load_under_another) {
     dcp_entry_t e[NT];
     dtensor_t *d[NT];
     make(meshes[plans[a].mesh], plans[a].pl, false, e, d);
-    ok(dcp_save(dir, e, NT, world_comm()));
+    ok(dcp_save(dir, e, NT, world_pg()));
     free_all(d);
     /* replicas written once: the files hold every element exactly once */
     if (world_rank() == 0) {
@@ -246,7 +263,7 @@ START_TEST(save_under_one_plan_load_under_another) {
     char plain[420]; /* the same files without their integrity records */
     snprintf(plain, sizeof plain, "%s.plain", dir);
     if (world_rank() == 0) copy_without_records(dir, plain);
-    MPI_Barrier(world_comm());
+    MPI_Barrier(MPI_COMM_WORLD);
     for (int b = 0; b < np; b++) {
       if (plans[b].mesh == 1 && !two_d) continue;
       dtensor_t *got[NT], *want[NT];
@@ -319,25 +336,11 @@ START_TEST(partial_reads_check_the_blocks_they_touch) {
   make(mesh, rep, false, e, d);
   char dir[400];
   snprintf(dir, sizeof dir, "%s/whole", root);
-  ok(dcp_save(dir, e, NT, world_comm()));
+  ok(dcp_save(dir, e, NT, world_pg()));
   free_all(d);
   const uint64_t pos = 200; /* a.weight's byte 200: row 3 of 16 rows of 60 bytes, block 4 */
-  if (world_rank() == 0) {
-    char path[500];
-    snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
-    st_file_t *f;
-    ok(st_open(&f, path));
-    long at = (long)(st_header_bytes(f) + st_find(f, "a.weight")->begin + pos);
-    st_close(f);
-    FILE *fp = fopen(path, "r+b");
-    ck_assert_ptr_nonnull(fp);
-    ck_assert_int_eq(fseek(fp, at, SEEK_SET), 0);
-    int c = fgetc(fp);
-    ck_assert_int_eq(fseek(fp, at, SEEK_SET), 0);
-    fputc(c ^ 0x10, fp);
-    fclose(fp);
-  }
-  MPI_Barrier(world_comm());
+  if (world_rank() == 0) flip_data_byte(dir, "a.weight", pos, 0x10);
+  MPI_Barrier(MPI_COMM_WORLD);
   make(mesh, s0, true, eg, got);
   make(mesh, s0, false, ew, want);
   int64_t off[2];
@@ -360,7 +363,7 @@ START_TEST(partial_reads_check_the_blocks_they_touch) {
     printf("rank %d: rows %lld+%lld miss the damage; load %s, values %s\n", world_rank(),
            (long long)off[0], (long long)rows, st ? err_detail() : "ok", eq ? "equal" : "differ");
   }
-  st = dcp_verify(dir, world_comm(), NULL);
+  st = dcp_verify(dir, world_pg(), NULL);
   if (st == STATUS_OK) bad++;
   expect_all(bad == 0, "%d wrong outcomes of loading a damaged block", bad);
   free_all(got);
@@ -429,28 +432,12 @@ START_TEST(large_chunks_are_checked_while_read) {
   ok(dtensor_distribute(&d, &full, mesh, &rep, DTENSOR_ALL_RANKS));
   char dir[400];
   snprintf(dir, sizeof dir, "%s/large", root);
-  ok(dcp_save(dir, &(dcp_entry_t){"big", d}, 1, world_comm()));
+  ok(dcp_save(dir, &(dcp_entry_t){"big", d}, 1, world_pg()));
   dtensor_free(d);
   const uint64_t damaged[2] = {77, 100};
-  if (world_rank() == 0) {
-    char path[500];
-    snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
-    st_file_t *f;
-    ok(st_open(&f, path));
-    long at = (long)(st_header_bytes(f) + st_find(f, "big")->begin);
-    st_close(f);
-    FILE *fp = fopen(path, "r+b");
-    ck_assert_ptr_nonnull(fp);
-    for (int k = 0; k < 2; k++) {
-      long pos = at + (long)(damaged[k] * B + 1000 * (uint64_t)k);
-      ck_assert_int_eq(fseek(fp, pos, SEEK_SET), 0);
-      int c = fgetc(fp);
-      ck_assert_int_eq(fseek(fp, pos, SEEK_SET), 0);
-      fputc(c ^ 0x40, fp);
-    }
-    fclose(fp);
-  }
-  MPI_Barrier(world_comm());
+  if (world_rank() == 0)
+    for (int k = 0; k < 2; k++) flip_data_byte(dir, "big", damaged[k] * B + 1000 * (uint64_t)k, 0x40);
+  MPI_Barrier(MPI_COMM_WORLD);
   int bad = 0;
   for (int layout = 0; layout < 2; layout++) {
     tensor_t zero;
@@ -491,7 +478,7 @@ START_TEST(large_chunks_are_checked_while_read) {
     dtensor_free(d);
   }
   int64_t chunks = 0;
-  status_t st = dcp_verify(dir, world_comm(), &chunks);
+  status_t st = dcp_verify(dir, world_pg(), &chunks);
   if (st != STATUS_EFORMAT || !strstr(err_detail(), "checksum mismatch in block 78 of 128")) {
     bad++;
     printf("rank %d: verify: %s\n", world_rank(), st ? err_detail() : "passed");
@@ -524,13 +511,13 @@ START_TEST(errors_name_the_tensor) {
     fputs("partial", f);
     fclose(f);
   }
-  MPI_Barrier(world_comm());
+  MPI_Barrier(MPI_COMM_WORLD);
   status_t st = dcp_load(stale, e, NT, NULL);
   ck_assert_int_ne(st, STATUS_OK); /* the partial file is not a checkpoint */
-  ok(dcp_save(dir, e, NT, world_comm()));
+  ok(dcp_save(dir, e, NT, world_pg()));
   ck_assert_int_ne(access(stale, F_OK), 0);
   /* saving over an existing checkpoint is refused on every rank */
-  st = dcp_save(dir, e, NT, world_comm());
+  st = dcp_save(dir, e, NT, world_pg());
   ck_assert_int_ne(st, STATUS_OK);
   ck_assert_msg(strstr(err_detail(), "already exists") || strstr(err_detail(), "another rank"),
                 "%s", err_detail());
@@ -572,10 +559,10 @@ START_TEST(failed_save_removes_its_temporary_folder) {
   small.rlim_cur = world_rank() == W - 1 ? 64 : old.rlim_cur; /* the last rank's disk is full */
   signal(SIGXFSZ, SIG_IGN);
   ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &small), 0);
-  status_t st = dcp_save(dir, e, NT, world_comm());
+  status_t st = dcp_save(dir, e, NT, world_pg());
   ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
   ck_assert_msg(st != STATUS_OK, "a save that cannot write its files fails on every rank");
-  MPI_Barrier(world_comm());
+  MPI_Barrier(MPI_COMM_WORLD);
   ck_assert_msg(access(dir, F_OK) != 0 && access(tmp, F_OK) != 0,
                 "the failed save left %s or %s", dir, tmp);
   free_all(d);

@@ -241,7 +241,7 @@ static void parity(const plan_t *pl) {
       if (rep_pg) bad += check_counts(s, "replicate", &got_r, &want_r);
       bad += check_counts(s, "post-forward", &got_p, &want_p);
     }
-    MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
+    MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     lsh = lsum / W;
     if (fabs(lsh - lref) > tol * fabs(lref)) {
       bad++;

@@ -179,7 +179,7 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
     double lsh = step(sh.m, d, &lspec, s, mode);
     double lsum = 0;
     *per_step = c;
-    MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, world_comm());
+    MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     lsh = lsum / W;
     if (fabs(lsh - lref) > 1e-5 * fabs(lref)) {
       bad++;

@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
-"""The layer rule: a library folder includes project headers only from itself and the folders
-below it (docs/design.md section 2).
+"""The layer rule and the communication boundary (docs/design.md section 2):
 
-  check_layers.py SOURCE_ROOT
+- a library folder includes project headers only from itself and the folders below it;
+- the headers `meson install` puts in place include no MPI, NCCL or CUDA header and no project
+  header that is not installed with them (BUILD_ROOT: the build folder to install from, into a
+  temporary folder);
+- no source outside mesh/ (the library, the tools, the benchmarks, the examples) names an MPI
+  or NCCL function, type or constant: communication goes through pg_t and mesh_t.
 
-Prints every include that breaks the rule with its file and line; exits 1 if there is one.
+  check_layers.py SOURCE_ROOT [BUILD_ROOT [MESON]]
+
+Prints every violation with its file and line; exits 1 if there is one.
 """
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 # folder -> the folders it may include from (itself included)
 BELOW = {
@@ -44,15 +52,110 @@ def scan(root):
     return bad
 
 
+VENDOR = re.compile(r"^(mpi|nccl|cuda|cuda_runtime|cuda_runtime_api|cublas\w*|cudnn\w*)\.h$")
+# outside mesh/: no MPI or NCCL name (comments and strings aside)
+COMM_NAME = re.compile(r"\b(MPI_\w+|PMPI_\w+|nccl[A-Z]\w*)")
+COMM_FREE = sorted(BELOW) + ["tools", "bench", "examples"]
+
+
+def code_only(text):
+    """text with C comments and string literals blanked (line breaks kept)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        if text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append(re.sub(r"[^\n]", " ", text[i:j]))
+            i = j
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+        elif text[i] in "\"'":
+            q, j = text[i], i + 1
+            while j < n and text[j] != q and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            out.append(" " * (min(j + 1, n) - i))
+            i = j + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def scan_comm(root):
+    bad, files = [], 0
+    for folder in COMM_FREE:
+        d = os.path.join(root, folder)
+        if folder == "mesh" or not os.path.isdir(d):
+            continue
+        for dirpath, _, names in os.walk(d):
+            for name in sorted(names):
+                if not name.endswith((".c", ".h", ".cu")):
+                    continue
+                files += 1
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    text = code_only(f.read())
+                for n, line in enumerate(text.split("\n"), 1):
+                    m = COMM_NAME.search(line)
+                    if m:
+                        bad.append("%s:%d: names %s outside mesh/ (use pg_t / mesh_t)"
+                                   % (os.path.relpath(path, root), n, m.group(1)))
+    return bad, files
+
+
+def scan_installed(build, meson):
+    """Installs the headers into a temporary folder and checks what they include."""
+    bad = []
+    with tempfile.TemporaryDirectory() as tmp:
+        p = subprocess.run([meson, "install", "-C", build, "--destdir", tmp, "--no-rebuild",
+                            "--tags", "devel"], capture_output=True, text=True)
+        if p.returncode != 0:
+            return ["meson install failed: " + (p.stderr or p.stdout)[-2000:]], 0
+        headers = {}
+        for dirpath, _, names in os.walk(tmp):
+            for name in names:
+                if name.endswith(".h"):
+                    full = os.path.join(dirpath, name)
+                    i = full.find(os.sep + "fsdpc" + os.sep)
+                    if i >= 0:
+                        headers[full[i + len("/fsdpc/"):]] = full
+        for rel, full in sorted(headers.items()):
+            with open(full, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    m = INCLUDE.match(line)
+                    if not m:
+                        continue
+                    inc = m.group(1)
+                    if VENDOR.match(os.path.basename(inc)):
+                        bad.append("installed %s:%d: includes %s" % (rel, n, inc))
+                    elif "/" in inc and inc.split("/")[0] in BELOW and inc not in headers:
+                        bad.append("installed %s:%d: includes %s, which is not installed"
+                                   % (rel, n, inc))
+    return bad, len(headers)
+
+
 def main():
     root = sys.argv[1]
     bad = scan(root)
-    for b in bad:
-        print(b)
     files = sum(1 for f in BELOW for n in os.listdir(os.path.join(root, f))
                 if n.endswith((".c", ".h", ".cu")))
     print("layer rule: %d files of %d folders, %d includes against it" % (files, len(BELOW),
                                                                           len(bad)))
+    comm, comm_files = scan_comm(root)
+    print("communication: %d files outside mesh/, %d MPI or NCCL names in them"
+          % (comm_files, len(comm)))
+    bad += comm
+    if len(sys.argv) > 2:
+        inst, n = scan_installed(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "meson")
+        print("installed headers: %d, %d vendor or private includes" % (n, len(inst)))
+        bad += inst
+        if n == 0 and not inst:
+            bad.append("meson install put no header in place")
+    for b in bad:
+        print(b)
     return 1 if bad else 0
 
 

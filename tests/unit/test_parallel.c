@@ -2,12 +2,15 @@
  * Parallelism plans filled in code and applied to a model of the general layers on one rank:
  * units and rules added by function, resolution against the world, the groups parallel_apply
  * makes (the matching modules inner first, the root last) and the placements it reports
- * offline for a tensor-parallel plan, taken from the model's module kinds.
+ * offline for a tensor-parallel plan, taken from the model's module kinds; the model and the
+ * plan's state freed in either order.
  */
 #include <stdio.h>
 #include <string.h>
 
+#include "nn/autograd.h"
 #include "nn/layers.h"
+#include "nn/ops.h"
 #include "parallel/parallelize.h"
 #include "tests/harness.h"
 
@@ -55,6 +58,54 @@ START_TEST(plan_in_code_applies_to_any_model) {
   ck_assert_int_eq(parallel_apply(&par, m, &pp, DEVICE_CPU), STATUS_EINVAL);
   ck_assert(strstr(err_detail(), "modules here: fc1, act, fc2, norm") != NULL);
   nn_module_free(m);
+}
+END_TEST
+
+/* The model and the plan's state are freed in either order, after a step that left
+ * gradients and fully_shard's buffers behind: the groups go with the model (nn_module_free
+ * runs their slot's destructor), the meshes with their last user, and every byte is given
+ * back. (ASan builds also catch any use after free.) */
+START_TEST(model_and_plan_free_in_either_order) {
+  for (int order = 0; order < 2; order++) {
+    size_t before = mem_stats(device_cpu()).current;
+    parallel_plan_t pp;
+    parallel_plan_defaults(&pp);
+    ok(parallel_plan_add_unit(&pp, "fc*"));
+    ok(parallel_plan_resolve(&pp, 1));
+    nn_module_t *m = mlp();
+    parallel_t *par;
+    ok(parallel_apply(&par, m, &pp, DEVICE_CPU));
+    ok(nn_module_materialize(m));
+    ok(nn_module_reset_parameters(m, 1));
+    nn_ctx_t *ctx;
+    ok(nn_ctx_new(&ctx));
+    tensor_t x, target;
+    ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, (int64_t[]){4, 8}));
+    ok(tensor_fill(&x, 0.5));
+    ok(tensor_init(&target, DTYPE_F32, device_cpu(), 2, (int64_t[]){4, 8}));
+    ok(tensor_fill(&target, 0.25));
+    nn_var_t *in, *out, *loss;
+    ok(nn_var_new(&in, &x, false));
+    ok(nn_call(ctx, m, in, &out));
+    ok(nn_mse_loss(ctx, out, &target, &loss));
+    ok(nn_backward(ctx, loss));
+    nn_var_put(loss);
+    nn_var_put(out);
+    nn_var_put(in);
+    nn_ctx_free(ctx);
+    tensor_free(&target);
+    ck_assert_uint_gt(mem_stats(device_cpu()).current, before);
+    if (order == 0) {
+      nn_module_free(m);
+      parallel_free(par);
+    } else {
+      parallel_free(par);
+      nn_module_free(m);
+    }
+    ck_assert_msg(mem_stats(device_cpu()).current == before,
+                  "order %d: %zu bytes still allocated after freeing the model and the plan",
+                  order, mem_stats(device_cpu()).current - before);
+  }
 }
 END_TEST
 
@@ -109,6 +160,7 @@ static Suite *make_suite(void) {
   Suite *s = suite_create("parallel");
   TCase *tc = tcase_create("parallel");
   tcase_add_test(tc, plan_in_code_applies_to_any_model);
+  tcase_add_test(tc, model_and_plan_free_in_either_order);
   tcase_add_test(tc, placements_follow_module_kinds);
   suite_add_tcase(s, tc);
   return s;

@@ -1,0 +1,63 @@
+/* The per-step context of a model under fully_shard, kept by its root group: the orders the
+ * groups run in, which drive prefetching, backward's place in them, and (fsdp_comm.c) the
+ * reduction in flight. */
+#include <stdlib.h>
+
+#include "fully_shard/fsdp_impl.h"
+
+status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
+  if (a->n == a->cap) {
+    int nc = a->cap ? 2 * a->cap : 16;
+    fsdp_group_t **v = realloc(a->v, sizeof(fsdp_group_t *) * (size_t)nc);
+    if (v == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+    a->v = v;
+    a->cap = nc;
+  }
+  a->v[a->n++] = g;
+  return STATUS_OK;
+}
+
+void fsdp_state_free(fsdp_state_t *s) {
+  free(s->fwd_order.v);
+  free(s->prev_fwd_order.v);
+  free(s->bwd_order.v);
+  *s = (fsdp_state_t){0};
+}
+
+status_t fsdp_state_pre_forward(fsdp_state_t *s, fsdp_group_t *g, fsdp_group_t **next) {
+  *next = NULL;
+  if (g->is_root) { /* a new step: the forward order just recorded becomes the last one */
+    gvec_t t = s->prev_fwd_order;
+    s->prev_fwd_order = s->fwd_order;
+    s->fwd_order = t;
+    s->fwd_order.n = 0;
+    s->bwd_order.n = 0;
+  }
+  TRY(gvec_push(&s->fwd_order, g));
+  const gvec_t *prev = &s->prev_fwd_order;
+  int pos = s->fwd_order.n - 1;
+  if (pos + 1 < prev->n && prev->v[pos] == g) *next = prev->v[pos + 1];
+  return STATUS_OK;
+}
+
+status_t fsdp_state_post_forward(fsdp_state_t *s, fsdp_group_t *g) {
+  return gvec_push(&s->bwd_order, g);
+}
+
+void fsdp_state_backward_begins(fsdp_state_t *s) {
+  s->bwd_pos = s->bwd_order.n;
+  s->in_backward = true;
+}
+
+fsdp_group_t *fsdp_state_pre_backward(fsdp_state_t *s, const fsdp_group_t *g) {
+  int i = s->bwd_pos - 1;
+  while (i >= 0 && s->bwd_order.v[i] != g) i--;
+  if (i >= 0) s->bwd_pos = i;
+  return i > 0 ? s->bwd_order.v[i - 1] : NULL;
+}
+
+void fsdp_state_backward_ends(fsdp_state_t *s) {
+  s->in_backward = false;
+  for (int i = 0; i < s->fwd_order.n; i++)
+    if (s->fwd_order.v[i]->gathering) fsdp_reshard(s->fwd_order.v[i]);
+}

@@ -1,0 +1,99 @@
+/*
+ * The host channel of every group (its MPI communicator, whatever the backend moves data
+ * with), and new groups made from a group.
+ */
+#include "mesh/pg_impl.h"
+#include "mesh/world_impl.h"
+
+static const char *const TYPE_NAMES[] = {"i32", "i64", "f64", "byte"};
+
+static status_t host_args(pg_t *pg, int count, pg_host_type_t type, const char *what) {
+  if (pg == NULL) return err_set(STATUS_EINVAL, "%s: no process group", what);
+  if (count < 0) return err_set(STATUS_EINVAL, "%s: negative count %d", what, count);
+  if ((int)type < 0 || type > PG_HOST_BYTE)
+    return err_set(STATUS_EINVAL, "%s: unknown host type %d", what, (int)type);
+  return STATUS_OK;
+}
+
+static MPI_Datatype host_type(pg_host_type_t type) {
+  switch (type) {
+    case PG_HOST_I32: return MPI_INT32_T;
+    case PG_HOST_I64: return MPI_INT64_T;
+    case PG_HOST_F64: return MPI_DOUBLE;
+    default: return MPI_BYTE;
+  }
+}
+
+static status_t host_op(pg_host_type_t type, reduce_op_t op, MPI_Op *out, const char *what) {
+  if (type == PG_HOST_BYTE || (op != REDUCE_SUM && op != REDUCE_MAX))
+    return err_set(STATUS_EINVAL, "%s: %s of %s values is not supported (sum or max of i32, i64, "
+                   "f64)", what, reduce_op_name(op), TYPE_NAMES[type]);
+  *out = op == REDUCE_MAX ? MPI_MAX : MPI_SUM;
+  return STATUS_OK;
+}
+
+/* Starts the all-reduce into *req. */
+static status_t start_all_reduce(pg_t *pg, const void *send, void *recv, int count,
+                                 pg_host_type_t type, reduce_op_t op, MPI_Request *req,
+                                 const char *what) {
+  TRY(host_args(pg, count, type, what));
+  MPI_Op mop = MPI_SUM;
+  TRY(host_op(type, op, &mop, what));
+  TRY(world_check());
+  return pg_mpi_status(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, count,
+                                      host_type(type), mop, pg->comm, req),
+                       what);
+}
+
+status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
+                            pg_host_type_t type, reduce_op_t op) {
+  const char *what = "MPI_Iallreduce (host)";
+  MPI_Request req;
+  TRY(start_all_reduce(pg, send, recv, count, type, op, &req, what));
+  return world_wait(&req, what);
+}
+
+status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int count,
+                                   pg_host_type_t type, reduce_op_t op, double seconds,
+                                   bool *timed_out) {
+  const char *what = "MPI_Iallreduce (host, timed)";
+  *timed_out = false;
+  MPI_Request req;
+  TRY(start_all_reduce(pg, send, recv, count, type, op, &req, what));
+  return world_wait_for(&req, seconds, what, timed_out); /* late: req stays pending */
+}
+
+status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
+                            pg_host_type_t type) {
+  const char *what = "MPI_Iallgather (host)";
+  TRY(host_args(pg, count, type, what));
+  TRY(world_check());
+  MPI_Request req;
+  TRY(pg_mpi_status(MPI_Iallgather(send, count, host_type(type), recv, count, host_type(type),
+                                   pg->comm, &req),
+                    what));
+  return world_wait(&req, what);
+}
+
+status_t pg_agree(pg_t *pg, status_t st) {
+  if (pg == NULL) return err_set(STATUS_EINVAL, "pg_agree: no process group");
+  return comm_agree(pg->comm, st);
+}
+
+status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
+  *out = NULL;
+  if (pg == NULL) return err_set(STATUS_EINVAL, "pg_split: no process group");
+  if (color < 0) return err_set(STATUS_EINVAL, "pg_split: color %d is negative", color);
+  MPI_Comm sub;
+  TRY(pg_mpi_status(MPI_Comm_split(pg->comm, color, key, &sub), "MPI_Comm_split"));
+  status_t st = pg->device.type == DEVICE_CUDA ? pg_new_nccl(sub, pg->device.index, out)
+                                               : pg_new_mpi(sub, out);
+  MPI_Comm_free(&sub);
+  return st;
+}
+
+status_t pg_new_host(pg_t *pg, pg_t **out) {
+  *out = NULL;
+  if (pg == NULL) return err_set(STATUS_EINVAL, "pg_new_host: no process group");
+  return pg_new_mpi(pg->comm, out);
+}

@@ -1,0 +1,280 @@
+/* The Llama's configuration: checks, parameter count, and Hugging Face config.json read and
+ * written (RoPE scaling included). */
+#include "nn/llama.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/file.h"
+
+status_t llama_config_check(const llama_config_t *c) {
+  const struct {
+    const char *name;
+    int64_t v;
+  } pos[] = {{"hidden_size", c->dim},
+             {"num_hidden_layers", c->n_layers},
+             {"num_attention_heads", c->n_heads},
+             {"num_key_value_heads", c->n_kv_heads},
+             {"intermediate_size", c->ffn_dim},
+             {"vocab_size", c->vocab_size},
+             {"max_position_embeddings", c->max_seq_len}};
+  for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
+    if (pos[i].v <= 0 || pos[i].v > (int64_t)1 << 40)
+      return err_set(STATUS_EINVAL, "model config: %s must be a positive size, got %lld",
+                     pos[i].name, (long long)pos[i].v);
+  if (c->dim % c->n_heads != 0 || (c->dim / c->n_heads) % 2 != 0)
+    return err_set(STATUS_EINVAL,
+                   "model config: hidden_size %lld must be num_attention_heads %lld times an "
+                   "even head size",
+                   (long long)c->dim, (long long)c->n_heads);
+  if (c->n_heads % c->n_kv_heads != 0)
+    return err_set(STATUS_EINVAL,
+                   "model config: num_attention_heads %lld is not a multiple of "
+                   "num_key_value_heads %lld",
+                   (long long)c->n_heads, (long long)c->n_kv_heads);
+  if (!(c->norm_eps > 0))
+    return err_set(STATUS_EINVAL, "model config: rms_norm_eps must be positive");
+  if (rope_check(&c->rope) != STATUS_OK) return err_prefix(STATUS_EINVAL, "model config");
+  return STATUS_OK;
+}
+
+bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, char *why,
+                              size_t size) {
+  const struct {
+    const char *name;
+    int64_t x, y;
+  } f[] = {{"dim", a->dim, b->dim},
+           {"n_layers", a->n_layers, b->n_layers},
+           {"n_heads", a->n_heads, b->n_heads},
+           {"n_kv_heads", a->n_kv_heads, b->n_kv_heads},
+           {"ffn_dim", a->ffn_dim, b->ffn_dim},
+           {"vocab_size", a->vocab_size, b->vocab_size},
+           {"tie_embeddings", a->tie_embeddings, b->tie_embeddings}};
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+    if (f[i].x != f[i].y) {
+      if (why)
+        snprintf(why, size, "%s %lld vs %lld", f[i].name, (long long)f[i].x, (long long)f[i].y);
+      return false;
+    }
+  return true;
+}
+
+int64_t llama_num_params(const llama_config_t *c) {
+  int64_t hd = c->dim / c->n_heads, kv = c->n_kv_heads * hd;
+  int64_t layer = 2 * c->dim + 2 * c->dim * c->dim + 2 * kv * c->dim + 3 * c->dim * c->ffn_dim;
+  return c->vocab_size * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + c->dim;
+}
+
+/* Reads an optional integer key; errors name the file and the key. */
+static status_t json_int(const char *path, const cJSON *o, const char *key, int64_t *v) {
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (it == NULL || cJSON_IsNull(it)) return STATUS_OK;
+  if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble))
+    return err_set(STATUS_EFORMAT, "%s: '%s' must be an integer", path, key);
+  *v = (int64_t)it->valuedouble;
+  return STATUS_OK;
+}
+
+static status_t json_num(const char *path, const cJSON *o, const char *key, double *v) {
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (it == NULL || cJSON_IsNull(it)) return STATUS_OK;
+  if (!cJSON_IsNumber(it)) return err_set(STATUS_EFORMAT, "%s: '%s' must be a number", path, key);
+  *v = it->valuedouble;
+  return STATUS_OK;
+}
+
+static status_t json_refuse(const char *path, const cJSON *o, const char *key, const char *why) {
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (it == NULL || cJSON_IsNull(it) || cJSON_IsFalse(it)) return STATUS_OK;
+  return err_set(STATUS_EUNSUPPORTED, "%s: '%s' is set, but %s", path, key, why);
+}
+
+/* A number in a rope section; required ones missing are an error naming the key. */
+static status_t rope_num(const char *path, const char *section, const cJSON *r, const char *key,
+                         double *v) {
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(r, key);
+  if (it == NULL || cJSON_IsNull(it))
+    return err_set(STATUS_EFORMAT, "%s: '%s' has no '%s'", path, section, key);
+  if (!cJSON_IsNumber(it))
+    return err_set(STATUS_EFORMAT, "%s: '%s.%s' must be a number", path, section, key);
+  *v = it->valuedouble;
+  return STATUS_OK;
+}
+
+/* The rotary embedding: transformers 4 writes rope_theta at the top level and rope_scaling
+ * {rope_type (or type), factor, ...} for the scaled variants; transformers 5 writes
+ * rope_parameters {rope_theta, rope_type, ...}. The default, linear and llama3 types are
+ * implemented; any other is refused, naming the key, rather than read as one of them. */
+static status_t parse_rope(const char *path, const cJSON *o, rope_t *rope) {
+  double top = -1;
+  TRY(json_num(path, o, "rope_theta", &top));
+  if (top != -1) rope->theta = top;
+  static const char *const keys[] = {"rope_scaling", "rope_parameters"};
+  static const struct {
+    const char *name;
+    rope_scaling_t scaling;
+  } types[] = {{"default", ROPE_DEFAULT}, {"linear", ROPE_LINEAR}, {"llama3", ROPE_LLAMA3}};
+  const char *typed = NULL; /* the section that set the type */
+  for (int k = 0; k < 2; k++) {
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, keys[k]);
+    if (r == NULL || cJSON_IsNull(r) || cJSON_IsFalse(r)) continue;
+    if (!cJSON_IsObject(r))
+      return err_set(STATUS_EFORMAT, "%s: '%s' must be an object", path, keys[k]);
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(r, "rope_type");
+    const char *tkey = "rope_type";
+    if (t == NULL) { /* the older spelling */
+      t = cJSON_GetObjectItemCaseSensitive(r, "type");
+      tkey = "type";
+    }
+    if (!cJSON_IsString(t))
+      return err_set(STATUS_EUNSUPPORTED,
+                     "%s: '%s' has no rope_type: its rotary embedding is unknown", path, keys[k]);
+    size_t i = 0;
+    while (i < sizeof types / sizeof types[0] && strcmp(t->valuestring, types[i].name) != 0) i++;
+    if (i == sizeof types / sizeof types[0])
+      return err_set(STATUS_EUNSUPPORTED,
+                     "%s: '%s.%s' is '%s': the rotary embeddings implemented are default, linear "
+                     "and llama3 (no dynamic, yarn or longrope scaling)",
+                     path, keys[k], tkey, t->valuestring);
+    if (typed != NULL && types[i].scaling != rope->scaling)
+      return err_set(STATUS_EFORMAT, "%s: '%s' and '%s' give different rope types", path, typed,
+                     keys[k]);
+    typed = keys[k];
+    rope->scaling = types[i].scaling;
+    if (rope->scaling != ROPE_DEFAULT) TRY(rope_num(path, keys[k], r, "factor", &rope->factor));
+    if (rope->scaling == ROPE_LLAMA3) {
+      TRY(rope_num(path, keys[k], r, "low_freq_factor", &rope->low_freq_factor));
+      TRY(rope_num(path, keys[k], r, "high_freq_factor", &rope->high_freq_factor));
+      TRY(rope_num(path, keys[k], r, "original_max_position_embeddings", &rope->original_max_pos));
+    }
+    double theta = -1;
+    char key[40];
+    snprintf(key, sizeof key, "%s.rope_theta", keys[k]);
+    const cJSON *th = cJSON_GetObjectItemCaseSensitive(r, "rope_theta");
+    if (th != NULL && !cJSON_IsNumber(th))
+      return err_set(STATUS_EFORMAT, "%s: '%s' must be a number", path, key);
+    if (th != NULL) theta = th->valuedouble;
+    if (theta != -1 && top != -1 && theta != top)
+      return err_set(STATUS_EFORMAT, "%s: 'rope_theta' is %g but '%s' is %g", path, top, key,
+                     theta);
+    if (theta != -1) rope->theta = theta;
+  }
+  return STATUS_OK;
+}
+
+static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
+  if (!cJSON_IsObject(o)) return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
+  const char *required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
+                            "intermediate_size", "vocab_size"};
+  for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
+    if (cJSON_GetObjectItemCaseSensitive(o, required[i]) == NULL)
+      return err_set(STATUS_EFORMAT, "%s: missing '%s'", path, required[i]);
+  const cJSON *mt = cJSON_GetObjectItemCaseSensitive(o, "model_type");
+  if (mt && (!cJSON_IsString(mt) || strcmp(mt->valuestring, "llama") != 0))
+    return err_set(STATUS_EUNSUPPORTED, "%s: model_type must be \"llama\"", path);
+  const cJSON *act = cJSON_GetObjectItemCaseSensitive(o, "hidden_act");
+  if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
+    return err_set(STATUS_EUNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
+  TRY(json_refuse(path, o, "attention_bias", "the model has no biases"));
+  TRY(json_refuse(path, o, "mlp_bias", "the model has no biases"));
+  TRY(json_int(path, o, "hidden_size", &c->dim));
+  TRY(json_int(path, o, "num_hidden_layers", &c->n_layers));
+  TRY(json_int(path, o, "num_attention_heads", &c->n_heads));
+  c->n_kv_heads = c->n_heads;
+  TRY(json_int(path, o, "num_key_value_heads", &c->n_kv_heads));
+  TRY(json_int(path, o, "intermediate_size", &c->ffn_dim));
+  TRY(json_int(path, o, "vocab_size", &c->vocab_size));
+  TRY(json_int(path, o, "max_position_embeddings", &c->max_seq_len));
+  TRY(parse_rope(path, o, &c->rope));
+  TRY(json_num(path, o, "rms_norm_eps", &c->norm_eps));
+  const cJSON *tie = cJSON_GetObjectItemCaseSensitive(o, "tie_word_embeddings");
+  if (tie && !cJSON_IsNull(tie)) {
+    if (!cJSON_IsBool(tie))
+      return err_set(STATUS_EFORMAT, "%s: 'tie_word_embeddings' must be true or false", path);
+    c->tie_embeddings = cJSON_IsTrue(tie);
+  }
+  int64_t head_dim = -1;
+  TRY(json_int(path, o, "head_dim", &head_dim));
+  if (head_dim != -1 && c->n_heads > 0 && head_dim * c->n_heads != c->dim)
+    return err_set(STATUS_EUNSUPPORTED, "%s: head_dim %lld differs from hidden_size / heads", path,
+                   (long long)head_dim);
+  status_t st = llama_config_check(c);
+  return st == STATUS_OK ? st : err_prefix(st, "%s", path);
+}
+
+status_t llama_config_from_hf(const char *path, llama_config_t *out) {
+  char *text = NULL;
+  TRY(file_read_text(path, (size_t)1 << 24, &text));
+  status_t st = llama_config_from_hf_text(text, path, out);
+  free(text);
+  return st;
+}
+
+status_t llama_config_from_hf_text(const char *text, const char *origin, llama_config_t *out) {
+  const char *path = origin;
+  cJSON *o = cJSON_Parse(text);
+  if (o == NULL) return err_set(STATUS_EFORMAT, "%s: not valid JSON", path);
+  llama_config_t c = LLAMA_CONFIG_INIT;
+  status_t st = parse_hf(path, o, &c);
+  cJSON_Delete(o);
+  if (st == STATUS_OK) *out = c;
+  return st;
+}
+
+status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out) {
+  *out = NULL;
+  TRY(llama_config_check(c));
+  cJSON *o = cJSON_CreateObject();
+  if (o == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
+  if (arch) cJSON_AddItemToArray(arch, cJSON_CreateString("LlamaForCausalLM"));
+  cJSON_AddStringToObject(o, "model_type", "llama");
+  cJSON_AddStringToObject(o, "hidden_act", "silu");
+  cJSON_AddNumberToObject(o, "hidden_size", (double)c->dim);
+  cJSON_AddNumberToObject(o, "num_hidden_layers", (double)c->n_layers);
+  cJSON_AddNumberToObject(o, "num_attention_heads", (double)c->n_heads);
+  cJSON_AddNumberToObject(o, "num_key_value_heads", (double)c->n_kv_heads);
+  cJSON_AddNumberToObject(o, "head_dim", (double)(c->dim / c->n_heads));
+  cJSON_AddNumberToObject(o, "intermediate_size", (double)c->ffn_dim);
+  cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
+  cJSON_AddNumberToObject(o, "max_position_embeddings", (double)c->max_seq_len);
+  cJSON_AddNumberToObject(o, "rope_theta", c->rope.theta);
+  if (c->rope.scaling != ROPE_DEFAULT) { /* the form both transformers 4 and 5 read */
+    cJSON *r = cJSON_AddObjectToObject(o, "rope_scaling");
+    if (r == NULL) {
+      cJSON_Delete(o);
+      return err_set(STATUS_ENOMEM, "out of host memory");
+    }
+    bool llama3 = c->rope.scaling == ROPE_LLAMA3;
+    cJSON_AddStringToObject(r, "rope_type", llama3 ? "llama3" : "linear");
+    cJSON_AddNumberToObject(r, "factor", c->rope.factor);
+    if (llama3) {
+      cJSON_AddNumberToObject(r, "low_freq_factor", c->rope.low_freq_factor);
+      cJSON_AddNumberToObject(r, "high_freq_factor", c->rope.high_freq_factor);
+      cJSON_AddNumberToObject(r, "original_max_position_embeddings", c->rope.original_max_pos);
+    }
+  }
+  cJSON_AddNumberToObject(o, "rms_norm_eps", c->norm_eps);
+  cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
+  cJSON_AddBoolToObject(o, "attention_bias", 0);
+  cJSON_AddBoolToObject(o, "mlp_bias", 0);
+  cJSON_AddStringToObject(o, "torch_dtype",
+                          dtype == DTYPE_BF16  ? "bfloat16"
+                          : dtype == DTYPE_F16 ? "float16"
+                                               : "float32");
+  *out = cJSON_Print(o);
+  cJSON_Delete(o);
+  return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+}
+
+status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path) {
+  char *text;
+  TRY(llama_config_to_hf_text(c, dtype, &text));
+  status_t st = file_write_text(path, text);
+  free(text);
+  return st;
+}

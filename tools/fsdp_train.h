@@ -1,0 +1,60 @@
+/* fsdp-train's own pieces shared by its files: the arguments, the run, and the report (the
+ * header, the dry run) printed from them. */
+#ifndef FSDPC_TOOLS_FSDP_TRAIN_H
+#define FSDPC_TOOLS_FSDP_TRAIN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "checkpoint/dcp.h"
+#include "nn/train.h"
+#include "parallel/parallelize.h"
+#include "parallel/plan.h"
+
+typedef struct args {
+  const char *config;
+  const char *sets[256];
+  int n_sets;
+  const char *metrics;
+  const char *plot; /* --plot: the metrics drawn as SVG at the end */
+  bool dry_run;
+  bool verbose; /* -v with --dry-run: the per-unit table */
+} args_t;
+
+typedef struct run {
+  plan_t plan;
+  args_t args;
+  parallel_t *par; /* the plan applied to the model; the rest is borrowed from it */
+  mesh_t *mesh;    /* the world: (dp_replicate,) dp_shard(, tp) */
+  pg_t *all;       /* every rank (gradient clipping) */
+  const tp_plan_t *tp;
+  fsdp_group_t *const *groups;
+  int n_groups;
+  llama_t *model;
+  nn_param_t **ps;
+  int n;
+  optim_t *opt;
+  data_t *data;
+  device_t dev;
+  int dp_size, dp_rank;
+  int64_t start_step; /* steps already taken (resumed from a checkpoint) */
+  char resumed_from[PLAN_PATH_MAX + 32];
+  dcp_stats_t load_stats;
+  int64_t verified; /* chunks checked against their checksums before loading (-1: not asked) */
+  int64_t saved_batch; /* the global batch the resumed checkpoint was saved with; 0: unknown */
+} run_t;
+
+/* Samples per optimizer step over all ranks. */
+static inline int64_t train_global_batch(const run_t *r) {
+  return r->plan.batch_size * r->plan.grad_accum * r->dp_size;
+}
+/* The bytes this rank's groups sent since the last call (the counters are reset). */
+double train_counted_bytes(const run_t *r);
+/* bytes as "12.34 MiB" or "1.23 GiB" */
+void train_mib(char *buf, size_t n, double bytes);
+/* The header every run prints first (rank 0). */
+void train_header(const run_t *r);
+/* --dry-run's report: placements, shapes, memory and communication of one step (rank 0). */
+void train_dry_run(const run_t *r);
+
+#endif

@@ -1,0 +1,388 @@
+/* fsdp-plan convert's translation: Accelerate and DeepSpeed settings as plan keys, and the
+ * settings with no equivalent, with the reason. */
+#include "tools/plan_convert.h"
+
+#include <ctype.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+const char *plan_text_of(const cJSON *it, char *buf, size_t n) {
+  if (it == NULL || cJSON_IsNull(it)) return NULL;
+  if (cJSON_IsString(it)) return it->valuestring;
+  if (cJSON_IsBool(it)) return cJSON_IsTrue(it) ? "true" : "false";
+  if (cJSON_IsNumber(it)) {
+    snprintf(buf, n, "%.15g", it->valuedouble);
+    return buf;
+  }
+  return "(a structure)";
+}
+
+static bool truthy(const char *v) {
+  return v && (strcasecmp(v, "true") == 0 || strcmp(v, "1") == 0 || strcasecmp(v, "yes") == 0);
+}
+
+/* ---- output: plan keys by section, and the settings left out ---- */
+
+
+
+static void put(out_t *o, const char *section, const char *key, const char *value, const char *from,
+                ...) {
+  if (o->n_keys == MAX_KEYS) return;
+  entry_t *e = &o->keys[o->n_keys++];
+  snprintf(e->section, sizeof e->section, "%s", section);
+  snprintf(e->key, sizeof e->key, "%s", key);
+  snprintf(e->value, sizeof e->value, "%s", value);
+  va_list ap;
+  va_start(ap, from);
+  vsnprintf(e->from, sizeof e->from, from, ap);
+  va_end(ap);
+}
+
+static void leave(out_t *o, const char *setting, const char *why, ...) {
+  if (o->n_left == MAX_KEYS) return;
+  entry_t *e = &o->left[o->n_left++];
+  snprintf(e->key, sizeof e->key, "%s", setting);
+  va_list ap;
+  va_start(ap, why);
+  vsnprintf(e->from, sizeof e->from, why, ap);
+  va_end(ap);
+}
+
+static bool is_auto(const char *v) { return v && strcmp(v, "auto") == 0; }
+
+/* A number setting into section.key; "auto" (filled in by the HF Trainer) is left out. */
+static void number(out_t *o, const cJSON *src, const char *name, const char *shown,
+                   const char *section, const char *key) {
+  char b[64];
+  const char *v = plan_text_of(cJSON_GetObjectItemCaseSensitive(src, name), b, sizeof b);
+  if (v == NULL) return;
+  if (is_auto(v)) {
+    leave(o, shown, "'auto': taken from the training script there; give %s.%s here", section, key);
+    return;
+  }
+  char *end;
+  strtod(v, &end);
+  if (*end != '\0' || end == v) {
+    leave(o, shown, "'%s' is not a number", v);
+    return;
+  }
+  put(o, section, key, v, "%s", shown);
+}
+
+static void precision(out_t *o, const char *v, const char *from) {
+  if (v == NULL || strcasecmp(v, "no") == 0 || strcasecmp(v, "fp32") == 0) return;
+  const char *dt = strcasecmp(v, "bf16") == 0 ? "bf16" : strcasecmp(v, "fp16") == 0 ? "f16" : NULL;
+  if (dt == NULL) {
+    leave(o, from, "'%s' has no equivalent (bf16, fp16 or no)", v);
+    return;
+  }
+  put(o, "parallelize.fully_shard.mp_policy", "param_dtype", dt, "%s: %s", from, v);
+  put(o, "parallelize.fully_shard.mp_policy", "reduce_dtype", "f32",
+      "%s: %s (gradients reduced in f32)", from, v);
+}
+
+/* ---- DeepSpeed: a ds_config.json, or Accelerate's deepspeed_config section ---- */
+
+static void zero(out_t *o, const char *stage, const char *from, long hpz) {
+  if (stage == NULL) return;
+  if (hpz > 1 && strcmp(stage, "3") == 0) {
+    char n[24];
+    snprintf(n, sizeof n, "%ld", hpz);
+    put(o, "parallelize.fully_shard", "reshard_after_forward", n,
+        "%s 3 with zero_hpz_partition_size %ld: parameters re-gathered within groups of %ld "
+        "ranks for the backward",
+        from, hpz, hpz);
+  } else if (strcmp(stage, "3") == 0 || strcmp(stage, "2") == 0) {
+    put(o, "parallelize.fully_shard", "zero_stage", stage, "%s %s", from, stage);
+  } else if (strcmp(stage, "0") == 0) {
+    put(o, "parallelize.fully_shard", "sharding_strategy", "NO_SHARD", "%s 0 (data parallel)",
+        from);
+  } else {
+    leave(o, from, "stage %s shards only the optimizer state; the nearest plan is zero_stage: 2",
+          stage);
+  }
+}
+
+static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
+  char b[64], name[96];
+  static const char *const done[] = {"zero_optimization",
+                                     "train_micro_batch_size_per_gpu",
+                                     "gradient_accumulation_steps",
+                                     "gradient_clipping",
+                                     "bf16",
+                                     "fp16",
+                                     "optimizer",
+                                     "scheduler",
+                                     "train_batch_size",
+                                     "zero_stage",
+                                     "offload_optimizer_device",
+                                     "offload_param_device",
+                                     "zero3_init_flag",
+                                     NULL};
+  const cJSON *z = cJSON_GetObjectItemCaseSensitive(c, "zero_optimization");
+  long hpz = 0;
+  const char *hv =
+      plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "zero_hpz_partition_size"), b, sizeof b);
+  if (hv) hpz = strtol(hv, NULL, 10);
+  char sb[64];
+  snprintf(name, sizeof name, "%szero_optimization.stage", prefix);
+  zero(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "stage"), sb, sizeof sb), name, hpz);
+  snprintf(name, sizeof name, "%szero_stage", prefix);
+  zero(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "zero_stage"), sb, sizeof sb), name, 0);
+  for (const cJSON *it = z ? z->child : NULL; it; it = it->next) {
+    if (strcmp(it->string, "stage") == 0 || strcmp(it->string, "zero_hpz_partition_size") == 0)
+      continue;
+    snprintf(name, sizeof name, "%szero_optimization.%s", prefix, it->string);
+    if (strcmp(it->string, "offload_optimizer") == 0 || strcmp(it->string, "offload_param") == 0) {
+      const char *dev = plan_text_of(cJSON_GetObjectItemCaseSensitive(it, "device"), b, sizeof b);
+      if (dev && strcmp(dev, "cpu") == 0)
+        put(o, "parallelize.fully_shard", "offload", "true",
+            "%s.device cpu (CUDA: sharded parameters, gradients and optimizer on the host)", name);
+      else if (dev && strcmp(dev, "none") != 0)
+        leave(o, name, "device '%s': only the host (cpu) is an offload target", dev);
+    } else {
+      leave(o, name, "a bucket or overlap knob: communication here is one collective per unit");
+    }
+  }
+  for (int k = 0; k < 2; k++) {
+    const char *key = k ? "offload_param_device" : "offload_optimizer_device";
+    const char *dev = plan_text_of(cJSON_GetObjectItemCaseSensitive(c, key), b, sizeof b);
+    snprintf(name, sizeof name, "%s%s", prefix, key);
+    if (dev && strcmp(dev, "cpu") == 0)
+      put(o, "parallelize.fully_shard", "offload", "true", "%s cpu", name);
+    else if (dev && strcmp(dev, "none") != 0)
+      leave(o, name, "device '%s': only the host (cpu) is an offload target", dev);
+  }
+  snprintf(name, sizeof name, "%strain_micro_batch_size_per_gpu", prefix);
+  number(o, c, "train_micro_batch_size_per_gpu", name, "data", "batch_size");
+  snprintf(name, sizeof name, "%sgradient_accumulation_steps", prefix);
+  number(o, c, "gradient_accumulation_steps", name, "data", "grad_accum");
+  snprintf(name, sizeof name, "%sgradient_clipping", prefix);
+  number(o, c, "gradient_clipping", name, "optim", "clip_grad_norm");
+  if (cJSON_GetObjectItemCaseSensitive(c, "train_batch_size"))
+    leave(o, "train_batch_size",
+          "follows from data.batch_size x grad_accum x the data-parallel ranks");
+  if (truthy(plan_text_of(
+          cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "bf16"), "enabled"),
+          b, sizeof b)))
+    precision(o, "bf16", "bf16.enabled");
+  if (truthy(plan_text_of(
+          cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "fp16"), "enabled"),
+          b, sizeof b))) {
+    precision(o, "fp16", "fp16.enabled");
+    leave(o, "fp16 loss scaling", "none here; bf16 needs none");
+  }
+  const cJSON *opt = cJSON_GetObjectItemCaseSensitive(c, "optimizer");
+  if (opt) {
+    const char *type = plan_text_of(cJSON_GetObjectItemCaseSensitive(opt, "type"), b, sizeof b);
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(opt, "params");
+    if (type && strcasecmp(type, "AdamW") != 0 && strcasecmp(type, "Adam") != 0) {
+      leave(o, "optimizer.type", "'%s': the optimizer here is AdamW", type);
+    } else {
+      number(o, p, "lr", "optimizer.params.lr", "optim", "lr");
+      number(o, p, "eps", "optimizer.params.eps", "optim", "eps");
+      number(o, p, "weight_decay", "optimizer.params.weight_decay", "optim", "weight_decay");
+      const cJSON *betas = cJSON_GetObjectItemCaseSensitive(p, "betas");
+      if (cJSON_GetArraySize(betas) == 2) {
+        cJSON *b1 = cJSON_GetArrayItem(betas, 0), *b2 = cJSON_GetArrayItem(betas, 1);
+        char v[64];
+        if (cJSON_IsNumber(b1) && cJSON_IsNumber(b2)) {
+          snprintf(v, sizeof v, "%.15g", b1->valuedouble);
+          put(o, "optim", "beta1", v, "optimizer.params.betas[0]");
+          snprintf(v, sizeof v, "%.15g", b2->valuedouble);
+          put(o, "optim", "beta2", v, "optimizer.params.betas[1]");
+        } else {
+          leave(o, "optimizer.params.betas", "not two numbers ('auto'?): give optim.beta1/beta2");
+        }
+      }
+    }
+  }
+  const cJSON *sch = cJSON_GetObjectItemCaseSensitive(c, "scheduler");
+  if (sch) {
+    const char *type = plan_text_of(cJSON_GetObjectItemCaseSensitive(sch, "type"), b, sizeof b);
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(sch, "params");
+    number(o, p, "warmup_num_steps", "scheduler.params.warmup_num_steps", "schedule",
+           "warmup_steps");
+    if (type && strcmp(type, "WarmupCosineLR") == 0) {
+      number(o, p, "total_num_steps", "scheduler.params.total_num_steps", "train", "steps");
+      number(o, p, "cos_min_ratio", "scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio");
+    } else {
+      leave(o, "scheduler.type", "'%s': the schedule here is linear warmup then cosine decay",
+            type ? type : "?");
+    }
+  }
+  for (const cJSON *it = c->child; it; it = it->next) {
+    bool known = false;
+    for (int k = 0; done[k] && !known; k++) known = strcmp(it->string, done[k]) == 0;
+    if (strcmp(it->string, "zero3_init_flag") == 0 && truthy(plan_text_of(it, b, sizeof b)))
+      leave(o, "zero3_init_flag", "already the default: model.deferred_init builds shards only");
+    if (!known && *prefix == '\0')
+      leave(o, it->string, "no equivalent here (logging, tuning or an engine feature)");
+    else if (!known)
+      leave(o, it->string, "no equivalent in a plan");
+  }
+}
+
+/* ---- Accelerate ---- */
+
+static const char *strategy_name(const char *v) {
+  static const char *const by_number[] = {NULL,       "FULL_SHARD",   "SHARD_GRAD_OP",
+                                          "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"};
+  if (v == NULL) return NULL;
+  if (v[0] >= '1' && v[0] <= '5' && v[1] == '\0') return by_number[v[0] - '0'];
+  if (strcmp(v, "HYBRID_SHARD_ZERO2") == 0) return "_HYBRID_SHARD_ZERO2";
+  static const char *const names[] = {"FULL_SHARD",   "SHARD_GRAD_OP",       "NO_SHARD",
+                                      "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", NULL};
+  for (int i = 0; names[i]; i++)
+    if (strcmp(v, names[i]) == 0) return names[i];
+  return NULL;
+}
+
+static void accelerate_fsdp(out_t *o, const cJSON *f) {
+  char b[160];
+  for (const cJSON *it = f ? f->child : NULL; it; it = it->next) {
+    const char *k = it->string, *v = plan_text_of(it, b, sizeof b);
+    char from[120];
+    snprintf(from, sizeof from, "fsdp_config.%s", k);
+    if (strcmp(k, "fsdp_sharding_strategy") == 0 ||
+        (strcmp(k, "fsdp_reshard_after_forward") == 0 && strategy_name(v))) {
+      const char *s = strategy_name(v);
+      if (s)
+        put(o, "parallelize.fully_shard", "sharding_strategy", s, "%s: %s", from, v);
+      else
+        leave(o, from, "'%s' is not a sharding strategy", v ? v : "");
+    } else if (strcmp(k, "fsdp_reshard_after_forward") == 0) {
+      put(o, "parallelize.fully_shard", "reshard_after_forward", truthy(v) ? "true" : "false",
+          "%s: %s", from, v);
+    } else if (strcmp(k, "fsdp_auto_wrap_policy") == 0) {
+      if (v && strcmp(v, "TRANSFORMER_BASED_WRAP") == 0) {
+        const char *cls = plan_text_of(
+            cJSON_GetObjectItemCaseSensitive(f, "fsdp_transformer_layer_cls_to_wrap"), b, sizeof b);
+        if (cls && strstr(cls, "LlamaDecoderLayer"))
+          put(o, "parallelize.fully_shard", "units", "[\"model.layers.*\"]",
+              "%s with LlamaDecoderLayer: one unit per decoder layer", from);
+        else
+          leave(o, from,
+                "wraps '%s': units are FQN patterns; the built-in Llama's layers are "
+                "\"model.layers.*\"",
+                cls ? cls : "?");
+      } else if (v && strcmp(v, "NO_WRAP") == 0) {
+        put(o, "parallelize.fully_shard", "units", "[]", "%s: the root unit only", from);
+      } else {
+        leave(o, from, "'%s': units are FQN patterns (\"model.layers.*\")", v ? v : "");
+      }
+    } else if (strcmp(k, "fsdp_transformer_layer_cls_to_wrap") == 0) {
+      /* read with the wrap policy */
+    } else if (strcmp(k, "fsdp_offload_params") == 0) {
+      if (truthy(v))
+        put(o, "parallelize.fully_shard", "offload", "true",
+            "%s (CUDA: sharded parameters, gradients and optimizer on the host)", from);
+    } else if (strcmp(k, "fsdp_activation_checkpointing") == 0) {
+      if (truthy(v)) put(o, "train", "activation_checkpointing", "true", "%s", from);
+    } else if (strcmp(k, "fsdp_cpu_ram_efficient_loading") == 0) {
+      leave(o, from, "already the default: model.deferred_init builds only each rank's shards");
+    } else if (strcmp(k, "fsdp_state_dict_type") == 0) {
+      leave(o, from,
+            "checkpoints are always sharded (PyTorch DCP layout); fsdp-ckpt export-hf "
+            "writes a full copy");
+    } else if (strcmp(k, "fsdp_version") == 0) {
+      leave(o, from, "fully_shard here is FSDP2 (per-parameter sharding, DTensor placements)");
+    } else if (strcmp(k, "fsdp_backward_prefetch") == 0 ||
+               strcmp(k, "fsdp_forward_prefetch") == 0) {
+      leave(o, from, "prefetching is on: the next unit is gathered while one computes");
+    } else {
+      leave(o, from, "no equivalent here");
+    }
+  }
+}
+
+static const char *const LAUNCHER_KEYS[] = {"compute_environment",
+                                            "machine_rank",
+                                            "main_training_function",
+                                            "num_machines",
+                                            "num_processes",
+                                            "rdzv_backend",
+                                            "same_network",
+                                            "main_process_ip",
+                                            "main_process_port",
+                                            "gpu_ids",
+                                            "use_cpu",
+                                            "debug",
+                                            "enable_cpu_affinity",
+                                            "tpu_env",
+                                            "tpu_use_cluster",
+                                            "tpu_use_sudo",
+                                            "downcast_bf16",
+                                            NULL};
+
+/* The settings that hold settings must be mappings: one given as a scalar or a list would
+ * otherwise be read as absent. prefix names where c is ("deepspeed_config." or ""). */
+static status_t check_sections(const cJSON *c, const char *path, const char *prefix) {
+  static const char *const sections[] = {"fsdp_config", "deepspeed_config", "zero_optimization",
+                                         "bf16", "fp16", "optimizer", "scheduler", NULL};
+  static const char *const inner[] = {"offload_optimizer", "offload_param", "params", NULL};
+  for (int i = 0; sections[i]; i++) {
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(c, sections[i]);
+    if (s == NULL || cJSON_IsNull(s)) continue;
+    if (!cJSON_IsObject(s))
+      return err_set(STATUS_EFORMAT, "%s: %s%s: expected a mapping of settings", path, prefix,
+                     sections[i]);
+    for (int k = 0; inner[k]; k++) {
+      const cJSON *t = cJSON_GetObjectItemCaseSensitive(s, inner[k]);
+      if (t != NULL && !cJSON_IsNull(t) && !cJSON_IsObject(t))
+        return err_set(STATUS_EFORMAT, "%s: %s%s.%s: expected a mapping of settings", path,
+                       prefix, sections[i], inner[k]);
+    }
+    if (strcmp(sections[i], "deepspeed_config") == 0)
+      TRY(check_sections(s, path, "deepspeed_config."));
+  }
+  return STATUS_OK;
+}
+
+status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *kind, size_t n) {
+  char b[160];
+  TRY(check_sections(c, path, ""));
+  const char *dt = plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "distributed_type"), b, sizeof b);
+  if (dt == NULL) {
+    if (!cJSON_GetObjectItemCaseSensitive(c, "zero_optimization") &&
+        !cJSON_GetObjectItemCaseSensitive(c, "train_micro_batch_size_per_gpu") &&
+        !cJSON_GetObjectItemCaseSensitive(c, "train_batch_size"))
+      return err_set(STATUS_EFORMAT,
+                     "%s: neither an Accelerate config (no distributed_type) nor a DeepSpeed "
+                     "config (no zero_optimization or batch size)",
+                     path);
+    snprintf(kind, n, "a DeepSpeed config");
+    deepspeed(o, c, "");
+    return STATUS_OK;
+  }
+  snprintf(kind, n, "an Accelerate config (distributed_type: %s)", dt);
+  if (strcmp(dt, "FSDP") == 0) {
+    accelerate_fsdp(o, cJSON_GetObjectItemCaseSensitive(c, "fsdp_config"));
+  } else if (strcmp(dt, "DEEPSPEED") == 0) {
+    deepspeed(o, cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config"), "deepspeed_config.");
+  } else if (strcmp(dt, "MULTI_GPU") == 0 || strcmp(dt, "MULTI_CPU") == 0 ||
+             strcmp(dt, "NO") == 0) {
+    put(o, "parallelize.fully_shard", "sharding_strategy", "NO_SHARD",
+        "distributed_type: %s (replicated, gradients all-reduced)", dt);
+  } else {
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: distributed_type '%s' has no equivalent (FSDP, "
+                   "DEEPSPEED, MULTI_GPU, MULTI_CPU or NO)",
+                   path, dt);
+  }
+  char pb[64];
+  precision(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "mixed_precision"), pb, sizeof pb),
+            "mixed_precision");
+  for (const cJSON *it = c->child; it; it = it->next) {
+    const char *k = it->string;
+    bool launcher = false;
+    for (int i = 0; LAUNCHER_KEYS[i] && !launcher; i++) launcher = strcmp(k, LAUNCHER_KEYS[i]) == 0;
+    if (launcher || strcmp(k, "distributed_type") == 0 || strcmp(k, "mixed_precision") == 0 ||
+        strcmp(k, "fsdp_config") == 0 || strcmp(k, "deepspeed_config") == 0)
+      continue;
+    leave(o, k, "no equivalent here");
+  }
+  return STATUS_OK;
+}

@@ -1,0 +1,229 @@
+/* fsdp-train's report: the header of a run and --dry-run's placements, memory estimate and
+ * communication. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "parallel/llama_cost.h"
+#include "mesh/world.h"
+#include "parallel/llama_plan.h"
+#include "tools/fsdp_train.h"
+
+static const char *reshard_str(int r, char *buf, size_t n) {
+  if (r == FSDP_RESHARD_AUTO) return "auto";
+  if (r == 0 || r == 1) return r ? "true" : "false";
+  snprintf(buf, n, "%d", r);
+  return buf;
+}
+
+static const char *dt_str(dtype_t d) { return d == DTYPE_COUNT ? "own" : dtype_name(d); }
+
+void train_mib(char *buf, size_t n, double bytes) {
+  if (bytes >= 1073741824.0)
+    snprintf(buf, n, "%.2f GiB", bytes / 1073741824.0);
+  else
+    snprintf(buf, n, "%.2f MiB", bytes / 1048576.0);
+}
+
+/* Per-rank bytes of the sharded parameters (padded storage included). */
+static double sharded_param_bytes(const run_t *r) {
+  double b = 0;
+  for (int i = 0; i < r->n; i++) b += (double)tensor_nbytes(dtensor_local(r->ps[i]->value));
+  return b;
+}
+
+void train_header(const run_t *r) {
+  const plan_t *p = &r->plan;
+  char dev[16], rb[16], mb[32];
+  device_str(r->dev, dev, sizeof dev);
+  train_mib(mb, sizeof mb, sharded_param_bytes(r));
+  printf("fsdp-train: %s\n", p->source);
+  printf("  world %d rank%s on %s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
+         world_size(), world_size() == 1 ? "" : "s", dev, p->par.dp_replicate, p->par.dp_shard,
+         p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
+  printf(
+      "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
+      "%lld parameters\n",
+      (long long)p->model.dim, (long long)p->model.n_layers, (long long)p->model.n_heads,
+      (long long)p->model.n_kv_heads, (long long)p->model.ffn_dim, (long long)p->model.vocab_size,
+      p->model.tie_embeddings ? "tied" : "untied", (long long)llama_num_params(&p->model));
+  printf(
+      "  fully_shard: %d groups (%d units + root); %s%s%sreshard_after_forward %s; param %s, "
+      "reduce %s%s\n",
+      r->n_groups, r->n_groups - 1, p->par.strategy[0] ? "sharding_strategy " : "",
+      p->par.strategy, p->par.strategy[0] ? ": " : "",
+      reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
+      dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), p->par.offload ? "; offload" : "");
+  if (r->tp)
+    printf("  tensor_parallel: %d modules on tp=%d (%s); sequence parallelism %s\n",
+           tp_num_modules(r->tp), p->par.tp,
+           llama_plan_tp_is_builtin(&p->par) ? "the built-in Llama plan" : "the plan's rules",
+           p->par.sequence_parallel ? "on" : "off");
+  printf("  sharded parameters on rank 0: %s\n", mb);
+  if (r->resumed_from[0])
+    printf(
+        "  resumed from %s after step %lld (rank 0 read %llu bytes of tensor data, needing "
+        "%llu, plus %llu header bytes of %d files)\n",
+        r->resumed_from, (long long)r->start_step, (unsigned long long)r->load_stats.bytes_read,
+        (unsigned long long)r->load_stats.bytes_needed,
+        (unsigned long long)r->load_stats.header_bytes, r->load_stats.files);
+  if (r->resumed_from[0] && r->load_stats.unchecked)
+    printf("  %s has no checksums (written by another tool): what was read is unchecked\n",
+           r->resumed_from);
+  if (r->resumed_from[0] && r->verified >= 0 && r->load_stats.unchecked)
+    printf("  checkpoint.verify: nothing to verify (the files carry no checksums)\n");
+  else if (r->resumed_from[0] && r->verified >= 0)
+    printf("  checkpoint.verify: %lld chunks read whole, every block matches its checksum\n",
+           (long long)r->verified);
+  else if (p->ckpt_load[0] && !r->resumed_from[0])
+    printf("  no checkpoint in %s yet: starting from step 0\n", p->ckpt_dir);
+  printf(
+      "  data: %s, %lld samples x %lld tokens per rank, grad_accum %lld (global batch %lld "
+      "samples); %lld step%s\n",
+      p->data_path, (long long)p->batch_size, (long long)p->seq_len, (long long)p->grad_accum,
+      (long long)train_global_batch(r), (long long)p->steps,
+      p->steps == 1 ? "" : "s");
+  if (r->saved_batch > 0 && r->saved_batch != train_global_batch(r))
+    fprintf(stderr,
+            "fsdp-train: warning: %s was saved with a global batch of %lld samples, this run "
+            "takes %lld: the data order and the learning-rate schedule go on by step, so "
+            "samples are skipped or repeated\n",
+            r->resumed_from, (long long)r->saved_batch, (long long)train_global_batch(r));
+  fflush(stdout);
+}
+
+double train_counted_bytes(const run_t *r) {
+  double b = 0;
+  for (int k = 0; k < mesh_ndim(r->mesh); k++) {
+    pg_t *pg = mesh_group(r->mesh, k);
+    pg_counters_t c = pg_counters(pg);
+    for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
+    pg_reset_counters(pg);
+  }
+  pg_t **pf = calloc((size_t)r->n_groups + 1, sizeof *pf);
+  int npf = pf ? fsdp_post_forward_groups(r->groups, r->n_groups, pf) : 0;
+  for (int i = 0; i < npf; i++) {
+    pg_counters_t c = pg_counters(pf[i]);
+    for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
+    pg_reset_counters(pf[i]);
+  }
+  free(pf);
+  return b;
+}
+
+/* --dry-run -v: each fully_shard unit's parameters, elements (gathered, padded, on this
+ * rank's tp coordinate), bytes per rank of its shards (in the parameters' dtype) and bytes
+ * gathered (in its compute dtype). */
+static void unit_table(const run_t *r) {
+  int W = r->plan.par.dp_shard;
+  size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
+  printf("\nunits (fully_shard groups, the root last):\n");
+  printf("  %-28s %7s %14s %14s %14s\n", "unit", "params", "elements", "sharded B", "gathered B");
+  double tot[3] = {0, 0, 0};
+  int params = 0;
+  for (int i = 0; i < r->n_groups; i++) {
+    const fsdp_group_t *g = r->groups[i];
+    const char *name = fsdp_group_name(g);
+    double flat = (double)fsdp_flat_numel(g), row[3];
+    row[0] = flat * W;
+    row[1] = flat * (double)own;
+    row[2] = flat * W * (double)dtype_size(fsdp_param_dtype(g));
+    printf("  %-28s %7d %14.0f %14.0f %14.0f\n", name[0] ? name : "(root)", fsdp_num_params(g),
+           row[0], row[1], row[2]);
+    for (int k = 0; k < 3; k++) tot[k] += row[k];
+    params += fsdp_num_params(g);
+  }
+  printf("  %-28s %7d %14.0f %14.0f %14.0f\n", "total", params, tot[0], tot[1], tot[2]);
+}
+
+void train_dry_run(const run_t *r) {
+  const plan_t *p = &r->plan;
+  int W = p->par.dp_shard;
+  if (world_rank() == 0) {
+    printf(
+        "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "
+        "rank%s):\n",
+        p->par.dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard", p->par.tp > 1 ? ", tp" : "",
+        p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
+    for (int i = 0; i < r->n; i++) {
+      const dtensor_t *v = r->ps[i]->value;
+      char pl[64], gs[64] = "";
+      const int64_t *shape = dtensor_shape(v);
+      int nd = dtensor_ndim(v);
+      placements_str(mesh_ndim(dtensor_mesh(v)), dtensor_placements(v), pl, sizeof pl);
+      for (int d = 0; d < nd; d++)
+        snprintf(gs + strlen(gs), sizeof gs - strlen(gs), "%s%lld", d ? "x" : "",
+                 (long long)shape[d]);
+      printf("  %-44s %-22s %-12s", r->ps[i]->fqn, pl, gs);
+      const mesh_t *vm = dtensor_mesh(v);
+      int coord[MESH_MAX_DIMS], sd = mesh_dim_index(vm, "dp_shard");
+      for (int k = 0; k < mesh_ndim(vm); k++) coord[k] = mesh_coord(vm, k);
+      for (int k = 0; k < W; k++) {
+        int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
+        if (sd >= 0) coord[sd] = k;
+        if (dtensor_compute_box(vm, dtensor_placements(v), nd, shape, coord, local, off) !=
+            STATUS_OK)
+          break;
+        printf(" ");
+        for (int d = 0; d < nd; d++) printf("%s%lld", d ? "x" : "", (long long)local[d]);
+      }
+      printf("\n");
+    }
+    printf("\nunits (fully_shard groups): floating-point inputs are cast to the compute dtype; "
+           "output auto = the compute dtype, or f32 when the input was f32\n");
+    for (int i = 0; i < r->n_groups; i++) {
+      const fsdp_group_t *g = r->groups[i];
+      const char *name = fsdp_group_name(g);
+      dtype_t cin = DTYPE_COUNT, cout = DTYPE_COUNT;
+      nn_module_t *m = name[0] ? nn_module_find(llama_module(r->model), name) : NULL;
+      if (m) nn_module_cast(m, &cin, &cout);
+      char rb[16];
+      printf("  %-28s compute %-4s  reduce %-4s  output %-4s  reshard_after_forward %s\n",
+             name[0] ? name : "(root)", dtype_name(fsdp_param_dtype(g)),
+             dtype_name(fsdp_reduce_dtype(g)), cout != DTYPE_COUNT ? dtype_name(cout) : "auto",
+             reshard_str(fsdp_reshard_after_forward(g), rb, sizeof rb));
+    }
+    double pb = sharded_param_bytes(r), largest = 0;
+    for (int i = 0; i < r->n_groups; i++) {
+      double b = (double)fsdp_flat_numel(r->groups[i]) * W *
+                 (double)dtype_size(fsdp_param_dtype(r->groups[i]));
+      largest = b > largest ? b : largest;
+    }
+    if (r->args.verbose) unit_table(r);
+    llama_memory_t est, other;
+    plan_t flip = *p; /* the other activation-checkpointing setting, for comparison */
+    flip.activation_checkpointing = !p->activation_checkpointing;
+    size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
+    if (llama_memory_estimate(p, r->groups, r->n_groups, pb, own, &est) != STATUS_OK ||
+        llama_memory_estimate(&flip, r->groups, r->n_groups, pb, own, &other) != STATUS_OK) {
+      printf("memory estimate: %s\n", err_detail());
+      return;
+    }
+    char a[32], b2[32], c[32], pk[32], ac[32], ga[32], fl[32], st[32], ot[32];
+    train_mib(a, sizeof a, pb);
+    train_mib(b2, sizeof b2, 2 * pb);
+    train_mib(c, sizeof c, largest);
+    train_mib(pk, sizeof pk, est.peak);
+    train_mib(st, sizeof st, est.state);
+    train_mib(ac, sizeof ac, est.activations);
+    train_mib(ga, sizeof ga, est.gathered);
+    train_mib(fl, sizeof fl, est.in_flight);
+    train_mib(ot, sizeof ot, other.peak);
+    printf("\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
+           "largest unsharded unit %s\n",
+           a, a, b2, c);
+    printf("  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
+           "flight %s; %s activation checkpointing: %s\n",
+           pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
+    printf("state_bytes %.0f\n", 4 * pb);
+    printf("largest_unit_bytes %.0f\n", largest);
+    printf("peak_bytes %.0f\n", est.peak);
+    llama_comm_t m = llama_comm_estimate(p, r->groups, r->n_groups);
+    printf(
+        "communication per step and rank (docs/design.md section 11): all-gather %lld calls "
+        "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
+        m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar);
+    printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
+  }
+}
