@@ -1,6 +1,6 @@
 /*
- * Block checks off the reading thread: while a load reads block k + 1 into place, a helper
- * thread hashes block k and compares it with the record. A check costs the reading thread a
+ * Block checks off the reading thread: while a load reads piece k + 1 into place, a helper
+ * thread hashes the blocks of piece k and compares them with the record. A check costs the reading thread a
  * queue push; the wall time of a checked load is that of an unchecked one when the process may
  * use a second CPU. With one CPU (a rank bound to one core) the blocks are hashed at once, on
  * the caller, as before.
@@ -12,8 +12,8 @@
 #include <sched.h>
 #include <stdlib.h>
 
-#define QUEUE 16                           /* blocks pushed and not yet hashed, at most */
-#define INLINE_BYTES ((size_t)128 << 10) /* smaller blocks: hashed at once, no hand-over */
+#define QUEUE 16                         /* pieces pushed and not yet hashed, at most */
+#define INLINE_BYTES ((size_t)128 << 10) /* smaller pieces: hashed at once, no hand-over */
 
 typedef struct job {
   const char *data;
@@ -37,13 +37,8 @@ struct dcp_checker {
   uint64_t bad_block;
 };
 
-/* The index (from j.first) of j's first block that does not match, or UINT64_MAX. */
 static uint64_t check(const job_t *j) {
-  for (size_t o = 0, b = 0; o < j->bytes; o += j->block, b++) {
-    size_t n = j->bytes - o < j->block ? j->bytes - o : j->block;
-    if (dcp_block_hash(j->data + o, n) != j->expect[b]) return j->first + b;
-  }
-  return UINT64_MAX;
+  return dcp_first_bad_block(j->data, j->bytes, j->block, j->expect, j->first);
 }
 
 static void record(dcp_checker_t *c, const job_t *j, uint64_t bad) {
@@ -104,7 +99,7 @@ status_t dcp_checker_new(dcp_checker_t **out) {
 
 void dcp_checker_push(dcp_checker_t *c, const void *data, size_t bytes, size_t block,
                       const uint64_t *expect, uint64_t first, const void *who) {
-  job_t j = {data, bytes, block, expect + first, first, who};
+  job_t j = {data, bytes, block, expect, first, who};
   if (!c->threaded || bytes < INLINE_BYTES) {
     uint64_t bad = check(&j);
     if (c->threaded) pthread_mutex_lock(&c->mu);

@@ -26,6 +26,14 @@ uint64_t dcp_block_hash(const void *data, size_t bytes) {
 #endif
 }
 
+uint64_t dcp_first_bad_block(const void *data, size_t bytes, size_t block,
+                             const uint64_t *expect, uint64_t first) {
+  for (size_t o = 0, b = first; o < bytes; o += block, b++)
+    if (dcp_block_hash((const char *)data + o, bytes - o < block ? bytes - o : block) != expect[b])
+      return b;
+  return UINT64_MAX;
+}
+
 uint64_t dcp_new_save_id(void) {
   static unsigned counter;
   struct timespec ts;

@@ -57,6 +57,11 @@ uint64_t dcp_blocks_of(uint64_t bytes, uint64_t block);
 bool dcp_parse_hex64(const char *s, uint64_t *out);
 /* The hash of one block's bytes. */
 uint64_t dcp_block_hash(const void *data, size_t bytes);
+/* Checks bytes bytes at data, blocks of block bytes (the last one shorter) whose hashes
+ * should be expect[first], expect[first + 1], ...: the index of the first block that does
+ * not match, or UINT64_MAX when all do. */
+uint64_t dcp_first_bad_block(const void *data, size_t bytes, size_t block,
+                             const uint64_t *expect, uint64_t first);
 /* The hash of the canonical header of n tensors (in data order) with its block size, files
  * and block hashes. */
 status_t dcp_integrity_header_hash(const dcp_integrity_t *it, const dcp_hdr_tensor_t *t, int n,

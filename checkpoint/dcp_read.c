@@ -79,11 +79,8 @@ static status_t read_checked(const dcp_reader_t *r, const chunk_t *c, uint64_t l
   rfile_t *rf = &r->files[c->file];
   uint64_t size = c->info->end - c->info->begin, B = c->block;
   TRY(st_read_bytes(rf->f, c->info->name, lo, buf, (size_t)(hi - lo)));
-  for (uint64_t pos = lo; pos < hi; pos += B)
-    if (dcp_block_hash((char *)buf + (pos - lo), (size_t)(hi - pos < B ? hi - pos : B)) !=
-        c->hash[pos / B])
-      return mismatch(rf, c->info->name, size, B, pos / B);
-  return STATUS_OK;
+  uint64_t bad = dcp_first_bad_block(buf, (size_t)(hi - lo), (size_t)B, c->hash, lo / B);
+  return bad == UINT64_MAX ? STATUS_OK : mismatch(rf, c->info->name, size, B, bad);
 }
 
 /* Reads a whole chunk into dst (its shape), every block checked. */
