@@ -76,17 +76,13 @@ static status_t reshard_rank(const target_t *tg, dcp_reader_t *r, const char *ou
       continue;
     }
     st = tensor_init(&held[nb], t[i].dtype, device_cpu(), t[i].ndim, local);
-    if (st == STATUS_OK)
-      st = dcp_reader_read_box(r, t[i].name, t[i].ndim, t[i].shape, off, &held[nb]);
-    if (st != STATUS_OK) {
-      tensor_free(&held[nb]);
-      break;
-    }
+    if (st != STATUS_OK) break;
     boxes[nb].name = t[i].name;
     boxes[nb].value = &held[nb];
     memcpy(boxes[nb].offset, off, sizeof off);
     nb++;
   }
+  if (st == STATUS_OK && folder != NULL) st = dcp_reader_read_boxes(r, boxes, nb);
   if (st == STATUS_OK && folder != NULL && nb > 0) {
     char path[PATH_LEN + 64];
     snprintf(path, sizeof path, "%.4000s/shard-%05d.safetensors", out_folder, rank);

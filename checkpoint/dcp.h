@@ -146,6 +146,10 @@ status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp
  * DTensor) into dst, any dtype and device. */
 status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
                              const int64_t *global_shape, const int64_t *offset, tensor_t *dst);
+/* Reads n boxes of the folder's tensors, each at its offset with its value's shape, into the
+ * values' memory (any dtype and device); the saved global shapes apply. The blocks read for
+ * one box are checked while the next is read: prefer this to one read_box per box. */
+status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, int n);
 /* Reads every block of every saved chunk of tensor name and checks it: *checked counts the
  * chunks that passed, *unchecked those of a folder without checksums. The first mismatch
  * fails, naming the file, the tensor and the block. */

@@ -97,8 +97,42 @@ static status_t read_whole(const dcp_reader_t *r, const chunk_t *c, tensor_t *ds
   return st;
 }
 
+/* The whole blocks of chunk c inside its bytes [a, b): [*lo, *hi), the chunk's last block
+ * counted whole when b is the chunk's end; false when there is none. */
+static bool whole_blocks(const chunk_t *c, uint64_t a, uint64_t b, uint64_t *lo, uint64_t *hi) {
+  uint64_t size = c->info->end - c->info->begin, B = c->block ? c->block : 1;
+  *lo = dcp_blocks_of(a, B) * B;
+  *hi = b == size ? size : b / B * B;
+  return *lo < *hi;
+}
+
+/* Reads bytes [a, b) of chunk c (whole rows, at least one whole block: see whole_blocks) into
+ * dst: the whole blocks straight into place, checked like a whole chunk's (see read_blocks),
+ * the partly covered first and last blocks through a block-sized buffer, checked before their
+ * bytes are copied. */
+static status_t read_rows(const dcp_reader_t *r, const chunk_t *c, uint64_t a, uint64_t b,
+                          char *dst) {
+  uint64_t size = c->info->end - c->info->begin, B = c->block ? c->block : 1, in_lo, in_hi;
+  whole_blocks(c, a, b, &in_lo, &in_hi);
+  char *edge = a < in_lo || b > in_hi ? malloc((size_t)B) : NULL;
+  if ((a < in_lo || b > in_hi) && edge == NULL) return oom();
+  status_t st = STATUS_OK;
+  if (a < in_lo) {
+    st = read_checked(r, c, in_lo - B, in_lo, edge);
+    if (st == STATUS_OK) memcpy(dst, edge + (a - (in_lo - B)), (size_t)(in_lo - a));
+  }
+  if (st == STATUS_OK) st = read_blocks(r, c, in_lo, in_hi, dst + (in_lo - a));
+  if (st == STATUS_OK && b > in_hi) {
+    st = read_checked(r, c, in_hi, in_hi + B < size ? in_hi + B : size, edge);
+    if (st == STATUS_OK) memcpy(dst + (in_hi - a), edge, (size_t)(b - in_hi));
+  }
+  free(edge);
+  return st;
+}
+
 /* Reads the box at src (inside chunk c) with dst's shape into dst, checking every block the
- * box touches: rows along dimension 0 in groups of about READ_GROUP_BYTES, each group's
+ * box touches. Whole rows into a destination laid out like the chunk go through read_rows;
+ * other boxes along dimension 0 in groups of about READ_GROUP_BYTES of rows, each group's
  * blocks read and checked, then its part of the box copied out. */
 static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t *src,
                           tensor_t *dst) {
@@ -124,6 +158,12 @@ static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t
     stride *= (uint64_t)t->shape[d];
   }
   last += es;
+  bool whole_rows = dst->device.type == DEVICE_CPU && dst->dtype == t->dtype &&
+                    tensor_is_contiguous(dst);
+  for (int d = 1; d < nd; d++)
+    whole_rows = whole_rows && src[d] == 0 && dst->shape[d] == t->shape[d];
+  uint64_t a = (uint64_t)src[0] * row, b = a + (uint64_t)dst->shape[0] * row, lo, hi;
+  if (whole_rows && whole_blocks(c, a, b, &lo, &hi)) return read_rows(r, c, a, b, dst->data);
   int64_t rows = dst->shape[0], per = row >= READ_GROUP_BYTES ? 1 : (int64_t)(READ_GROUP_BYTES / row);
   if (per > rows) per = rows;
   char *buf = malloc((size_t)((uint64_t)per * row + 2 * B));
@@ -160,7 +200,7 @@ static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t
 /* Reads the box at global offset loff with local's shape of tensor name (global shape gshape)
  * into local, from the saved chunks that intersect it. */
 static status_t load_box(const dcp_reader_t *r, const char *name, int nd, const int64_t *gshape,
-                         const int64_t *loff, tensor_t *local, dcp_stats_t *s) {
+                         const int64_t *loff, const tensor_t *local, dcp_stats_t *s) {
   if (tensor_is_meta(local))
     return err_set(STATUS_EINVAL,
                    "checkpoint %s: tensor '%s': the destination is a meta tensor without "
@@ -221,6 +261,17 @@ static status_t load_box(const dcp_reader_t *r, const char *name, int nd, const 
 status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
                              const int64_t *global_shape, const int64_t *offset, tensor_t *dst) {
   return checks_done(r, load_box(r, name, ndim, global_shape, offset, dst, NULL));
+}
+
+status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, int n) {
+  status_t st = STATUS_OK;
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    int ti = dcp_find_tensor(r, boxes[i].name);
+    const tensor_t *v = boxes[i].value;
+    st = load_box(r, boxes[i].name, v->ndim, ti < 0 ? v->shape : r->list[ti].shape,
+                  boxes[i].offset, v, NULL);
+  }
+  return checks_done(r, st); /* the checks of one box ran while the next was read */
 }
 
 status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
