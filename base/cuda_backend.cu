@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "base/backend.h"
@@ -141,18 +142,16 @@ static cudaStream_t raw_stream(int index) { return cuda_stream_current(index)->s
 static status_t cuda_alloc(int index, size_t bytes, bool zeroed, void **out) {
   CUDA_TRY(cudaSetDevice(index));
   cudaError_t e = cudaMallocAsync(out, bytes, raw_stream(index));
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return err_set(e == cudaErrorMemoryAllocation ? STATUS_ENOMEM : STATUS_ECUDA,
-                   "cudaMallocAsync of %zu bytes on cuda:%d: %s", bytes, index,
-                   cudaGetErrorString(e));
+  const char *what = "cudaMallocAsync";
+  if (e == cudaSuccess && zeroed) {
+    e = cudaMemsetAsync(*out, 0, bytes, raw_stream(index));
+    what = "cudaMemsetAsync";
+    if (e != cudaSuccess) cudaFreeAsync(*out, raw_stream(index));
   }
-  if (zeroed && (e = cudaMemsetAsync(*out, 0, bytes, raw_stream(index))) != cudaSuccess) {
-    cudaFreeAsync(*out, raw_stream(index));
-    return err_set(STATUS_ECUDA, "cudaMemsetAsync of %zu bytes on cuda:%d: %s", bytes, index,
-                   cudaGetErrorString(e));
-  }
-  return STATUS_OK;
+  if (e == cudaSuccess) return STATUS_OK;
+  char where[96]; /* formatted only on failure: this is every device allocation's path */
+  snprintf(where, sizeof where, "%s of %zu bytes on cuda:%d", what, bytes, index);
+  return cuda_status(e, where);
 }
 
 static void cuda_free(int index, void *ptr, size_t bytes, bool zeroed) {
@@ -226,9 +225,12 @@ static status_t cuda_stream_new(int index, stream_t **out) {
   s->device = index;
   cudaError_t e = cudaSetDevice(index);
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->s, cudaStreamNonBlocking);
-  if (e != cudaSuccess) {
+  char what[48];
+  snprintf(what, sizeof what, "stream_new on cuda:%d", index);
+  status_t st = cuda_status(e, what);
+  if (st != STATUS_OK) {
     free(s);
-    return err_set(STATUS_ECUDA, "stream_new on cuda:%d: %s", index, cudaGetErrorString(e));
+    return st;
   }
   *out = s;
   return STATUS_OK;
@@ -255,9 +257,12 @@ static status_t cuda_event_new(int index, event_t **out) {
   ev->device = index;
   cudaError_t e = cudaSetDevice(index);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev->e, cudaEventDisableTiming);
-  if (e != cudaSuccess) {
+  char what[48];
+  snprintf(what, sizeof what, "event_new on cuda:%d", index);
+  status_t st = cuda_status(e, what);
+  if (st != STATUS_OK) {
     free(ev);
-    return err_set(STATUS_ECUDA, "event_new on cuda:%d: %s", index, cudaGetErrorString(e));
+    return st;
   }
   *out = ev;
   return STATUS_OK;

@@ -1,5 +1,5 @@
 /*
- * Maps CUDA runtime and cuBLAS errors into status_t. Private; used by .cu files and by
+ * Maps CUDA runtime errors into status_t. Private; used by .cu files and by
  * host-side C files compiled against the CUDA headers.
  */
 #ifndef FSDPC_BASE_CUDA_CHECK_H
@@ -9,12 +9,20 @@
 
 #include "base/status.h"
 
-#define CUDA_TRY(call)                                                         \
-  do {                                                                         \
-    cudaError_t cuda_err_ = (call);                                            \
-    if (cuda_err_ != cudaSuccess)                                              \
-      return err_set(STATUS_ECUDA, "%s:%d: %s: %s", __FILE__, __LINE__, #call, \
-                     cudaGetErrorString(cuda_err_));                           \
-  } while (0)
+/* The status of a CUDA runtime result: STATUS_OK; STATUS_ENOMEM for a failed allocation;
+ * otherwise STATUS_ECUDA, the detail "WHAT: the runtime's text". Clears the runtime's last
+ * error (a non-sticky error must not fail the next check). Every CUDA runtime result the
+ * library checks goes through here. */
+static inline status_t cuda_status(cudaError_t e, const char *what) {
+  if (e == cudaSuccess) return STATUS_OK;
+  (void)cudaGetLastError();
+  return err_set(e == cudaErrorMemoryAllocation ? STATUS_ENOMEM : STATUS_ECUDA, "%s: %s", what,
+                 cudaGetErrorString(e));
+}
+
+#define CUDA_STR2_(x) #x
+#define CUDA_STR_(x) CUDA_STR2_(x)
+/* Returns from the caller when call fails, naming the call and where it is. */
+#define CUDA_TRY(call) TRY(cuda_status((call), __FILE__ ":" CUDA_STR_(__LINE__) ": " #call))
 
 #endif

@@ -494,12 +494,7 @@ static cudaStream_t stream_of(const tensor_t *t) {
   return cuda_stream_raw(stream_current(t->device));
 }
 
-static status_t launched(const char *what) {
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return err_set(STATUS_ECUDA, "%s: launch failed: %s", what, cudaGetErrorString(e));
-  return STATUS_OK;
-}
+static status_t launched(const char *what) { return cuda_status(cudaGetLastError(), what); }
 
 /* A device int flag for index checks, read back after the kernel (a blocking read). */
 typedef struct flag {
@@ -510,9 +505,9 @@ typedef struct flag {
 static status_t flag_new(flag_t *f, device_t dev) {
   f->dev = dev;
   TRY(device_alloc(dev, sizeof(int), (void **)&f->p));
-  status_t st = STATUS_OK;
-  if (cudaMemsetAsync(f->p, 0, sizeof(int), cuda_stream_raw(stream_current(dev))) != cudaSuccess)
-    st = err_set(STATUS_ECUDA, "cudaMemsetAsync failed");
+  status_t st = cuda_status(
+      cudaMemsetAsync(f->p, 0, sizeof(int), cuda_stream_raw(stream_current(dev))),
+      "cudaMemsetAsync (index check flag)");
   if (st != STATUS_OK) device_free(dev, f->p, sizeof(int));
   return st;
 }
@@ -548,6 +543,14 @@ static struct {
 } cublas;
 static pthread_once_t cublas_once = PTHREAD_ONCE_INIT;
 
+/* The status of a cuBLAS result: STATUS_OK; STATUS_ENOMEM when cuBLAS could not allocate;
+ * otherwise STATUS_ECUBLAS, "WHAT: cuBLAS status N". */
+static status_t cublas_status(cublasStatus_t s, const char *what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return STATUS_OK;
+  return err_set(s == CUBLAS_STATUS_ALLOC_FAILED ? STATUS_ENOMEM : STATUS_ECUBLAS,
+                 "%s: cuBLAS status %d", what, (int)s);
+}
+
 #define CUBLAS_SONAME "libcublas.so." CUBLAS_STR(CUBLAS_VER_MAJOR)
 #define CUBLAS_STR(x) CUBLAS_STR2(x)
 #define CUBLAS_STR2(x) #x
@@ -573,11 +576,9 @@ static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, cons
   if (cublas.error[0]) return err_set(STATUS_ECUBLAS, "%s", cublas.error);
   int dev = out->device.index;
   CUDA_TRY(cudaSetDevice(dev));
-  if (handles[dev] == NULL && cublas.create(&handles[dev]) != CUBLAS_STATUS_SUCCESS)
-    return err_set(STATUS_ECUBLAS, "cublasCreate failed on cuda:%d", dev);
+  if (handles[dev] == NULL) TRY(cublas_status(cublas.create(&handles[dev]), "cublasCreate"));
   cublasHandle_t h = handles[dev];
-  if (cublas.set_stream(h, stream_of(out)) != CUBLAS_STATUS_SUCCESS)
-    return err_set(STATUS_ECUBLAS, "cublasSetStream failed");
+  TRY(cublas_status(cublas.set_stream(h, stream_of(out)), "cublasSetStream"));
   cudaDataType_t t = out->dtype == DTYPE_BF16  ? CUDA_R_16BF
                      : out->dtype == DTYPE_F16 ? CUDA_R_16F
                                                : CUDA_R_32F;
@@ -586,10 +587,11 @@ static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, cons
       h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)d->n,
       (int)d->m, (int)d->k, &alpha, b->data, t, (int)d->ldb, a->data, t, (int)d->lda, &beta,
       out->data, t, (int)d->n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  if (s != CUBLAS_STATUS_SUCCESS)
-    return err_set(STATUS_ECUBLAS, "cublasGemmEx (m=%lld n=%lld k=%lld) failed with status %d",
-                   (long long)d->m, (long long)d->n, (long long)d->k, (int)s);
-  return STATUS_OK;
+  if (s == CUBLAS_STATUS_SUCCESS) return STATUS_OK;
+  char what[96];
+  snprintf(what, sizeof what, "cublasGemmEx (m=%lld n=%lld k=%lld)", (long long)d->m,
+           (long long)d->n, (long long)d->k);
+  return cublas_status(s, what);
 }
 
 static status_t cuda_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids,
@@ -853,9 +855,8 @@ static status_t cuda_sum_squares(const tensor_t *x, double *out) {
   double *acc;
   TRY(device_alloc(x->device, sizeof(double), (void **)&acc));
   cudaStream_t s = stream_of(x);
-  status_t st = STATUS_OK;
-  if (cudaMemsetAsync(acc, 0, sizeof(double), s) != cudaSuccess)
-    st = err_set(STATUS_ECUDA, "cudaMemsetAsync failed");
+  status_t st = cuda_status(cudaMemsetAsync(acc, 0, sizeof(double), s),
+                            "cudaMemsetAsync (sum of squares)");
   if (st == STATUS_OK) {
     int grid = grid_for(n) < 1024 ? grid_for(n) : 1024;
     sum_squares_kernel<<<grid, kBlock, 0, s>>>(acc, x->data, x->dtype, n);

@@ -269,14 +269,6 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
   return st;
 }
 
-status_t dcp_agree(status_t st, pg_t *pg, const char *what) {
-  int32_t bad = st != STATUS_OK, any = 0;
-  status_t got = pg_host_all_reduce(pg, &bad, &any, 1, PG_HOST_I32, REDUCE_MAX);
-  if (got != STATUS_OK) return bad ? st : got;
-  if (any && !bad) return err_set(STATUS_EIO, "%s: another rank failed", what);
-  return st;
-}
-
 status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
   int rank = pg_rank(pg);
   status_t st = STATUS_OK;
@@ -294,12 +286,12 @@ status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
         st = err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
     }
   }
-  return dcp_agree(st, pg, dir);
+  return pg_agree(pg, st);
 }
 
 status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, pg_t *pg,
                    uint64_t *save_id) {
-  return dcp_agree(write_shards(folder, entries, n, pg, save_id), pg, folder);
+  return pg_agree(pg, write_shards(folder, entries, n, pg, save_id));
 }
 
 status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
@@ -322,7 +314,7 @@ status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
       st = fsync_path(parent);
     }
   }
-  return dcp_agree(st, pg, dir);
+  return pg_agree(pg, st);
 }
 
 status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg) {

@@ -98,9 +98,6 @@ status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const d
 /* An id for one save: from the clock and the process, different between saves. */
 uint64_t dcp_new_save_id(void);
 
-/* Every rank's verdict on st: a failing rank keeps its own status and message, the others
- * get "WHAT: another rank failed". Collective over pg. */
-status_t dcp_agree(status_t st, pg_t *pg, const char *what);
 /* Removes a folder and everything in it (two levels). Local. */
 void dcp_remove_tree(const char *dir);
 

@@ -180,7 +180,7 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
       mine = make_dir(model);
       if (mine == STATUS_OK) mine = make_dir(optim);
     }
-    st = dcp_agree(mine, pg, dir);
+    st = pg_agree(pg, mine);
   }
   uint64_t model_id = 0, optim_id = 0; /* recorded in the train state: no folder swaps */
   if (st == STATUS_OK) st = dcp_write(model, e.model, n, pg, &model_id);
@@ -188,7 +188,7 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
   if (st == STATUS_OK) {
     status_t mine = STATUS_OK;
     if (rank == 0) mine = write_state(tmp, step, optim_steps(opt), saved_under, model_id, optim_id);
-    st = dcp_agree(mine, pg, dir);
+    st = pg_agree(pg, mine);
   }
   if (st == STATUS_OK) st = dcp_commit(tmp, dir, pg);
   /* every rank has agreed on the failure, so no rank still writes: free the space it took */
@@ -340,7 +340,7 @@ status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks) {
   snprintf(model, sizeof model, "%.4000s/model", dir);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
   int64_t a = 0, b = 0;
-  TRY(dcp_agree(ckpt_check_state(dir), pg, dir));
+  TRY(pg_agree(pg, ckpt_check_state(dir)));
   TRY(dcp_verify(model, pg, &a));
   struct stat sb;
   if (stat(optim, &sb) == 0) TRY(dcp_verify(optim, pg, &b)); /* absent: weights only */

@@ -78,6 +78,8 @@ static void post_forward_release(fsdp_group_t *g) {
 
 static void group_free(fsdp_group_t *g) {
   if (g == NULL) return;
+  for (int i = 0; i < g->n_modules; i++) nn_module_remove_hooks(g->modules[i], g);
+  for (int i = 0; i < g->n_members; i++) nn_module_remove_hooks(g->members[i].m, &g->members[i]);
   tensor_free(&g->partial);
   tensor_free(&g->post_forward_slice);
   tensor_free(&g->gather);

@@ -134,10 +134,11 @@ status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int c
 status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
                             pg_host_type_t type);
 
-/* Agreement on an outcome: STATUS_OK when every rank of the group passed OK; otherwise the
- * status of the lowest failing rank, whose detail text (err_detail()) becomes this rank's,
- * prefixed with "rank R: " on the other ranks (R: its rank in the world). Use it wherever
- * only some ranks could detect a problem, so that all ranks stop together. */
+/* Agreement on an outcome: STATUS_OK when every rank of the group passed OK; otherwise a
+ * failing rank keeps its own status and detail, and every other rank gets the status of the
+ * lowest failing rank and its detail text prefixed with "rank R: " (R: its rank in the
+ * world). Use it wherever only some ranks could detect a problem, so that all ranks stop
+ * together and each names the problem; it ends early when the job is stopping (world.h). */
 status_t pg_agree(pg_t *pg, status_t st);
 
 #ifdef __cplusplus

@@ -7,6 +7,7 @@
  */
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,13 +16,14 @@
 
 cudaStream_t cuda_stream_raw(stream_t *s);
 
-#define NCCL_TRY(call)                                                         \
-  do {                                                                         \
-    ncclResult_t nccl_rc_ = (call);                                            \
-    if (nccl_rc_ != ncclSuccess)                                               \
-      return err_set(STATUS_ENCCL, "%s:%d: %s: %s", __FILE__, __LINE__, #call, \
-                     ncclGetErrorString(nccl_rc_));                            \
-  } while (0)
+/* The status of an NCCL result: STATUS_OK, or STATUS_ENCCL with "WHAT: NCCL's text". Every
+ * NCCL result the library checks goes through here. */
+static status_t nccl_status(ncclResult_t rc, const char *what) {
+  if (rc == ncclSuccess) return STATUS_OK;
+  return err_set(STATUS_ENCCL, "%s: %s", what, ncclGetErrorString(rc));
+}
+
+#define NCCL_TRY(call) TRY(nccl_status((call), __FILE__ ":" CUDA_STR_(__LINE__) ": " #call))
 
 typedef struct nccl_state {
   ncclComm_t comm;
@@ -43,8 +45,7 @@ static status_t nccl_complete(pg_work_t *base) {
     e = cudaStreamWaitEvent(cuda_stream_raw(stream_current(device_cuda(w->device))), w->done, 0);
   cudaEventDestroy(w->done);
   free(w);
-  if (e != cudaSuccess) return err_set(STATUS_ECUDA, "pg_wait: %s", cudaGetErrorString(e));
-  return STATUS_OK;
+  return cuda_status(e, "pg_wait");
 }
 
 /* Orders the communication stream after the caller's current stream. */
@@ -56,8 +57,7 @@ static status_t begin(pg_t *pg) {
   cudaError_t e = cudaEventRecord(ready, caller);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(state(pg)->stream, ready, 0);
   cudaEventDestroy(ready);
-  if (e != cudaSuccess) return err_set(STATUS_ECUDA, "nccl begin: %s", cudaGetErrorString(e));
-  return STATUS_OK;
+  return cuda_status(e, "nccl begin");
 }
 
 /* Records completion on the communication stream and hands out the handle. */
@@ -68,9 +68,10 @@ static status_t end(pg_t *pg, pg_work_t **work) {
   w->device = pg->device.index;
   cudaError_t e = cudaEventCreateWithFlags(&w->done, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventRecord(w->done, state(pg)->stream);
-  if (e != cudaSuccess) {
+  status_t st = cuda_status(e, "nccl end");
+  if (st != STATUS_OK) {
     free(w);
-    return err_set(STATUS_ECUDA, "nccl end: %s", cudaGetErrorString(e));
+    return st;
   }
   *work = &w->base;
   return STATUS_OK;
@@ -179,16 +180,16 @@ status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
   if (pg->rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
     memset(&id, 0, sizeof id); /* every rank still joins the broadcast; init then fails */
   TRY_GOTO(st, pg_mpi_status(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, pg->comm), "MPI_Bcast"));
-  if (cudaSetDevice(device) != cudaSuccess ||
-      cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking) != cudaSuccess) {
-    st = err_set(STATUS_ECUDA, "nccl: cannot create a stream on cuda:%d", device);
-    goto cleanup;
-  }
-  ncclResult_t rc = ncclCommInitRank(&s->comm, pg->size, id, pg->rank);
-  if (rc != ncclSuccess) {
+  char what[96];
+  snprintf(what, sizeof what, "nccl: a stream on cuda:%d", device);
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
+  TRY_GOTO(st, cuda_status(e, what));
+  snprintf(what, sizeof what, "ncclCommInitRank (rank %d of %d on cuda:%d)", pg->rank, pg->size,
+           device);
+  st = nccl_status(ncclCommInitRank(&s->comm, pg->size, id, pg->rank), what);
+  if (st != STATUS_OK) {
     s->comm = NULL;
-    st = err_set(STATUS_ENCCL, "ncclCommInitRank (rank %d of %d on cuda:%d): %s", pg->rank,
-                 pg->size, device, ncclGetErrorString(rc));
     goto cleanup;
   }
   *out = pg;

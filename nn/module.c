@@ -231,6 +231,19 @@ status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, 
   return STATUS_OK;
 }
 
+int nn_module_num_hooks(const nn_module_t *m, nn_hook_kind_t kind) {
+  return m != NULL && kind >= 0 && kind < NN_HOOK_COUNT ? m->n_hooks[kind] : 0;
+}
+
+void nn_module_remove_hooks(nn_module_t *m, const void *user) {
+  for (int k = 0; m != NULL && k < NN_HOOK_COUNT; k++) {
+    int kept = 0;
+    for (int i = 0; i < m->n_hooks[k]; i++)
+      if (m->hooks[k][i].user != user) m->hooks[k][kept++] = m->hooks[k][i];
+    m->n_hooks[k] = kept;
+  }
+}
+
 status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind) {
   for (int i = 0; i < m->n_hooks[kind]; i++)
     TRY(m->hooks[kind][i].fn(ctx, m, kind, m->hooks[kind][i].user));

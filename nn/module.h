@@ -114,6 +114,10 @@ status_t nn_module_finalize(nn_module_t *root);
 
 /* Registers a hook; hooks of one kind run in registration order. */
 status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, void *user);
+/* How many hooks of one kind m has. */
+int nn_module_num_hooks(const nn_module_t *m, nn_hook_kind_t kind);
+/* Removes every hook of m registered with this user pointer (of every kind). */
+void nn_module_remove_hooks(nn_module_t *m, const void *user);
 
 /* Selects activation checkpointing for every call of m: forward keeps only m's input, and
  * backward recomputes m's forward before differentiating it. */

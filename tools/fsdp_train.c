@@ -188,11 +188,9 @@ static status_t build(run_t *r) {
 
 /* Every rank learns whether rank 0 could write the metrics file (err: its errno, or 0). */
 static status_t metrics_agree(const char *path, int err) {
-  int any = 0;
-  TRY(pg_host_all_reduce(world_pg(), &err, &any, 1, PG_HOST_I32, REDUCE_MAX));
-  if (any)
-    return err_set(STATUS_EIO, "cannot write the metrics file '%s': %s", path, strerror(any));
-  return STATUS_OK;
+  status_t st = STATUS_OK;
+  if (err) st = err_set(STATUS_EIO, "cannot write the metrics file '%s': %s", path, strerror(err));
+  return pg_agree(world_pg(), st);
 }
 
 /* Opens the metrics file (rank 0) for a run starting after step start: a fresh run starts it

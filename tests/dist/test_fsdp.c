@@ -68,7 +68,11 @@ START_TEST(shards_are_chunks) {
   ck_assert_int_eq(fully_shard(s, &opt, NULL), STATUS_ESHAPE);
   ck_assert(strstr(err_detail(), "scale") != NULL);
   nn_module_free(s);
+  /* the groups of a model that lives on go with their hooks */
+  for (int k = 0; k < NN_HOOK_COUNT; k++) ck_assert_int_eq(nn_module_num_hooks(root, k), 1);
   fsdp_free_all(root);
+  for (int k = 0; k < NN_HOOK_COUNT; k++) ck_assert_int_eq(nn_module_num_hooks(root, k), 0);
+  ck_assert_ptr_null(fsdp_group_of(root));
   nn_module_free(root);
   mesh_free(local);
   mesh_free(mesh);

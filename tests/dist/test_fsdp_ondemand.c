@@ -24,6 +24,14 @@
 
 /* The head's method (not its forward): logits of an input scaled up to the size of a
  * normalised hidden state, halved. */
+/* The hooks of every module of a tree. */
+static int hooks_under(const nn_module_t *m) {
+  int n = 0;
+  for (int k = 0; k < NN_HOOK_COUNT; k++) n += nn_module_num_hooks(m, k);
+  for (int i = 0; i < nn_module_num_children(m); i++) n += hooks_under(nn_module_child(m, i));
+  return n;
+}
+
 static status_t half_logits(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   nn_var_t *x = NULL, *y = NULL;
   TRY(nn_scale(ctx, in, 100.0, &x));
@@ -304,6 +312,8 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
     free(r->ps);
   }
   fsdp_free_all(root);
+  int left = hooks_under(root); /* the on-demand hooks of member modules go too */
+  ck_assert_int_eq(left, 0);
   llama_free(ref.m);
   llama_free(sh.m);
   data_free(d);
