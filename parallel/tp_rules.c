@@ -1,0 +1,81 @@
+/* Tensor-parallel styles and layouts by name, the rule a module matches, and where each style
+ * puts a layer's parameters: the declarative half of tensor_parallel (tensor_parallel.c
+ * applies it to a model). */
+#include "parallel/tensor_parallel.h"
+
+#include <string.h>
+
+/* ---- names ---- */
+
+static const char *const style_names[TP_STYLE_COUNT] = {"colwise", "rowwise", "sequence_parallel",
+                                                        "prepare_input"};
+static const char *const layout_names[TP_LAYOUT_COUNT] = {"default", "replicate", "shard(1)",
+                                                          "shard(-1)", "replicate"};
+
+bool tp_style_parse(const char *name, tp_style_t *out) {
+  for (int i = 0; i < TP_STYLE_COUNT; i++)
+    if (strcmp(name, style_names[i]) == 0) {
+      *out = (tp_style_t)i;
+      return true;
+    }
+  return false;
+}
+
+const char *tp_style_name(tp_style_t s) {
+  return s >= 0 && s < TP_STYLE_COUNT ? style_names[s] : "?";
+}
+
+bool tp_layout_parse(const char *name, tp_layout_t *out) {
+  for (int i = TP_REPLICATE; i <= TP_SHARD_LAST; i++)
+    if (strcmp(name, layout_names[i]) == 0) {
+      *out = (tp_layout_t)i;
+      return true;
+    }
+  return false;
+}
+
+const char *tp_layout_name(tp_layout_t l) {
+  return l >= 0 && l < TP_LAYOUT_COUNT ? layout_names[l] : "?";
+}
+
+int tp_rule_index(const tp_rule_t *rules, int n, const char *fqn) {
+  for (int i = 0; i < n; i++)
+    if (nn_fqn_match(rules[i].pattern, fqn)) return i;
+  return -1;
+}
+
+bool tp_rule_applies(const tp_rule_t *rule, bool sequence_parallel) {
+  return rule->style != TP_SEQUENCE_PARALLEL || sequence_parallel; /* else norms stay whole */
+}
+
+static bool is_norm(const char *kind) {
+  return kind && (strcmp(kind, "rmsnorm") == 0 || strcmp(kind, "layernorm") == 0);
+}
+
+status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
+                            placement_t *out) {
+  bool linear = kind && strcmp(kind, "linear") == 0, emb = kind && strcmp(kind, "embedding") == 0;
+  bool bias = param && strcmp(param, "bias") == 0;
+  *out = placement_replicate();
+  switch (style) {
+    case TP_COLWISE:
+    case TP_ROWWISE:
+      if (!linear && !emb)
+        return err_set(STATUS_EINVAL, "%s applies to linear and embedding layers, not a %s",
+                       tp_style_name(style), kind ? kind : "container");
+      if (bias && emb)
+        return err_set(STATUS_EINVAL, "%s: an embedding with a bias is not supported",
+                       tp_style_name(style));
+      /* a colwise bias follows the output features; a rowwise one is added whole */
+      if (bias) *out = style == TP_COLWISE ? placement_shard(0) : placement_replicate();
+      if (!bias) *out = placement_shard((style == TP_COLWISE) == emb ? 1 : 0);
+      return STATUS_OK;
+    case TP_SEQUENCE_PARALLEL:
+      if (!is_norm(kind))
+        return err_set(STATUS_EINVAL, "sequence_parallel applies to norms, not a %s",
+                       kind ? kind : "container");
+      return STATUS_OK;
+    case TP_PREPARE_INPUT: return STATUS_OK;
+    default: return err_set(STATUS_EINVAL, "unknown style");
+  }
+}
