@@ -5,7 +5,7 @@
  *   NCCL (device buffers): CUDA builds
  *
  * Groups come from a device mesh (mesh_group), from the world (world_pg: every rank, host), or
- * from another group (pg_split, pg_new_host). Every group, whatever its backend, also has a
+ * from another group (pg_split, pg_dup, pg_new_host). Every group, whatever its backend, also has a
  * host channel for small values (agreements, counts, losses): pg_host_all_reduce,
  * pg_host_all_gather, pg_agree.
  *
@@ -68,6 +68,11 @@ const char *reduce_op_name(reduce_op_t op);
 /* A new group of the ranks of pg that pass the same color (>= 0), ordered by key (ties by
  * rank in pg): the same backend and device as pg. Collective over pg. Free with pg_release. */
 status_t pg_split(pg_t *pg, int color, int key, pg_t **out);
+
+/* A group of the same ranks in the same order, backend and device as pg, with communicators
+ * of its own: its collectives never mix with pg's (a library's private copy of a caller's
+ * group). Collective over pg. Free with pg_release. */
+status_t pg_dup(pg_t *pg, pg_t **out);
 
 /* A host (MPI) group of pg's ranks with a channel of its own: exchanges on it never mix with
  * pg's. Collective over pg. Free with pg_release. */

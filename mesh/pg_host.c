@@ -92,6 +92,12 @@ status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
   return st;
 }
 
+status_t pg_dup(pg_t *pg, pg_t **out) {
+  *out = NULL;
+  if (pg == NULL) return err_set(STATUS_EINVAL, "pg_dup: no process group");
+  return pg_split(pg, 0, pg_rank(pg), out);
+}
+
 status_t pg_new_host(pg_t *pg, pg_t **out) {
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_new_host: no process group");

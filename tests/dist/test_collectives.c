@@ -306,8 +306,20 @@ START_TEST(host_channel_and_groups_from_groups) {
   if (pg_size(host) != n || pg_rank(host) != pg_rank(half) || pg_counters(host).calls[PG_ALL_REDUCE])
     bad++;
   pg_release(host);
+  pg_t *dup; /* the same ranks in the same order; its counters and traffic its own */
+  ck_assert_int_eq(pg_dup(half, &dup), STATUS_OK);
+  if (pg_size(dup) != n || pg_rank(dup) != pg_rank(half) || pg_counters(dup).calls[PG_ALL_REDUCE])
+    bad++;
+  int32_t ranks[8] = {0}, me = pg_rank(half);
+  if (pg_all_gather(dup, &me, ranks, 1, DTYPE_I32, NULL) != STATUS_OK) bad++;
+  for (int k = 0; k < n && k < 8; k++)
+    if (ranks[k] != k) bad++;
+  if (pg_counters(half).calls[PG_ALL_GATHER] != 0 || pg_counters(dup).calls[PG_ALL_GATHER] != 1)
+    bad++;
+  pg_release(dup);
   pg_release(half);
-  expect_all(bad == 0, "%d host-channel or split results differ from their closed forms", bad);
+  expect_all(bad == 0, "%d host-channel, split or dup results differ from their closed forms",
+             bad);
 }
 END_TEST
 
