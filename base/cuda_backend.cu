@@ -225,12 +225,11 @@ static status_t cuda_stream_new(int index, stream_t **out) {
   s->device = index;
   cudaError_t e = cudaSetDevice(index);
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->s, cudaStreamNonBlocking);
-  char what[48];
-  snprintf(what, sizeof what, "stream_new on cuda:%d", index);
-  status_t st = cuda_status(e, what);
-  if (st != STATUS_OK) {
+  if (e != cudaSuccess) {
     free(s);
-    return st;
+    char what[48];
+    snprintf(what, sizeof what, "stream_new on cuda:%d", index);
+    return cuda_status(e, what);
   }
   *out = s;
   return STATUS_OK;
@@ -257,12 +256,11 @@ static status_t cuda_event_new(int index, event_t **out) {
   ev->device = index;
   cudaError_t e = cudaSetDevice(index);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev->e, cudaEventDisableTiming);
-  char what[48];
-  snprintf(what, sizeof what, "event_new on cuda:%d", index);
-  status_t st = cuda_status(e, what);
-  if (st != STATUS_OK) {
+  if (e != cudaSuccess) {
     free(ev);
-    return st;
+    char what[48];
+    snprintf(what, sizeof what, "event_new on cuda:%d", index);
+    return cuda_status(e, what);
   }
   *out = ev;
   return STATUS_OK;

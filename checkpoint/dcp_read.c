@@ -162,8 +162,8 @@ static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t
                     tensor_is_contiguous(dst);
   for (int d = 1; d < nd; d++)
     whole_rows = whole_rows && src[d] == 0 && dst->shape[d] == t->shape[d];
-  uint64_t a = (uint64_t)src[0] * row, b = a + (uint64_t)dst->shape[0] * row, lo, hi;
-  if (whole_rows && whole_blocks(c, a, b, &lo, &hi)) return read_rows(r, c, a, b, dst->data);
+  uint64_t a = (uint64_t)src[0] * row, b = a + (uint64_t)dst->shape[0] * row, in_lo, in_hi;
+  if (whole_rows && whole_blocks(c, a, b, &in_lo, &in_hi)) return read_rows(r, c, a, b, dst->data);
   int64_t rows = dst->shape[0], per = row >= READ_GROUP_BYTES ? 1 : (int64_t)(READ_GROUP_BYTES / row);
   if (per > rows) per = rows;
   char *buf = malloc((size_t)((uint64_t)per * row + 2 * B));
