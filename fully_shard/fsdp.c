@@ -31,48 +31,17 @@ dtype_t fsdp_reduce_dtype(const fsdp_group_t *g) { return g->reduce_dtype; }
 
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
 
-/* Post-forward groups of an integer reshard, one per (shard group, N), shared by the groups
- * that use them and released with the last. */
-typedef struct pf_entry {
-  pg_t *shard, *pf;
-  int N, users;
-  struct pf_entry *next;
-} pf_entry_t;
-static pf_entry_t *pf_entries;
-
-/* ranks.view(-1, N): the N consecutive ranks of the shard group holding this one. Collective
- * over the shard group the first time for each (group, N); every rank makes the same calls. */
+/* ranks.view(-1, N): the N consecutive ranks of the shard group holding this one, kept with
+ * the shard group (so groups of the same shard group and N share it). Collective over the
+ * shard group the first time for each N; every rank makes the same calls. */
 static status_t post_forward_group(fsdp_group_t *g, int N) {
-  for (pf_entry_t *e = pf_entries; e != NULL; e = e->next)
-    if (e->shard == g->shard && e->N == N) {
-      e->users++;
-      g->post_forward = e->pf;
-      return STATUS_OK;
-    }
-  pf_entry_t *e = calloc(1, sizeof *e);
-  if (e == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-  status_t st = pg_split(g->shard, g->rank / N, g->rank % N, &e->pf);
-  if (st != STATUS_OK) {
-    free(e);
-    return st;
-  }
-  *e = (pf_entry_t){g->shard, e->pf, N, 1, pf_entries};
-  pf_entries = e;
-  g->post_forward = e->pf;
+  TRY(pg_consecutive(g->shard, N, &g->post_forward));
+  pg_retain(g->post_forward);
   return STATUS_OK;
 }
 
 static void post_forward_release(fsdp_group_t *g) {
-  for (pf_entry_t **p = &pf_entries; *p != NULL; p = &(*p)->next) {
-    pf_entry_t *e = *p;
-    if (e->pf != g->post_forward) continue;
-    if (--e->users == 0) {
-      pg_release(e->pf);
-      *p = e->next;
-      free(e);
-    }
-    break;
-  }
+  pg_release(g->post_forward);
   g->post_forward = NULL;
 }
 

@@ -165,9 +165,9 @@ extern const nn_param_guard_t fsdp_on_demand_guard;
 /* The members: the group's own modules, then the others under them (not inside an inner
  * group), which get the on-demand hook. */
 status_t fsdp_install_members(fsdp_group_t *g);
-/* A host group of pg's ranks for agreeing on on-demand unshards, shared by the groups that use
- * it (NULL for a group of one rank or none); collective over pg the first time for each pg.
- * Released with fsdp_agree_group_release, freed with its last user. */
+/* The host group for agreeing on on-demand unshards over pg: pg's side channel, retained (NULL
+ * for a group of one rank or none); collective over pg the first time for each pg. Released
+ * with fsdp_agree_group_release. */
 status_t fsdp_agree_group(pg_t *pg, pg_t **out);
 void fsdp_agree_group_release(pg_t **agree);
 

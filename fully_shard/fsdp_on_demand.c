@@ -51,49 +51,18 @@ static fsdp_member_t *member_of(fsdp_group_t *g, const nn_module_t *m) {
   return mb ? mb : &g->members[0];
 }
 
-/* Host groups for agreeing on on-demand unshards, one per process group, shared by the groups
- * that use it and freed with the last. */
-typedef struct agree_entry {
-  pg_t *pg;
-  pg_t *agree;
-  int users;
-  struct agree_entry *next;
-} agree_entry_t;
-static agree_entry_t *agree_entries;
-
+/* The group agreeing on on-demand unshards over pg: pg's side channel (its timed exchanges,
+ * which a rank may give up on, never mix with pg's traffic), kept until the group is freed. */
 status_t fsdp_agree_group(pg_t *pg, pg_t **out) {
   *out = NULL;
   if (pg == NULL || pg_size(pg) == 1) return STATUS_OK;
-  for (agree_entry_t *e = agree_entries; e != NULL; e = e->next)
-    if (e->pg == pg) {
-      e->users++;
-      *out = e->agree;
-      return STATUS_OK;
-    }
-  agree_entry_t *e = calloc(1, sizeof *e);
-  if (e == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-  status_t st = pg_new_host(pg, &e->agree);
-  if (st != STATUS_OK) {
-    free(e);
-    return st;
-  }
-  *e = (agree_entry_t){pg, e->agree, 1, agree_entries};
-  agree_entries = e;
-  *out = e->agree;
+  TRY(pg_side_channel(pg, out));
+  pg_retain(*out);
   return STATUS_OK;
 }
 
 void fsdp_agree_group_release(pg_t **agree) {
-  for (agree_entry_t **p = &agree_entries; *p != NULL && *agree != NULL; p = &(*p)->next) {
-    agree_entry_t *e = *p;
-    if (e->agree != *agree) continue;
-    if (--e->users == 0) {
-      pg_release(e->agree);
-      *p = e->next;
-      free(e);
-    }
-    break;
-  }
+  pg_release(*agree);
   *agree = NULL;
 }
 

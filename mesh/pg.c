@@ -59,6 +59,11 @@ pg_t *pg_retain(pg_t *pg) {
 
 void pg_release(pg_t *pg) {
   if (pg == NULL || --pg->refcount > 0) return;
+  for (pg_kept_t *k = pg->kept, *next; k != NULL; k = next) {
+    next = k->next;
+    pg_release(k->g);
+    free(k);
+  }
   if (pg->ops->destroy) pg->ops->destroy(pg);
   MPI_Comm_free(&pg->comm);
   free(pg);

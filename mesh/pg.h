@@ -78,6 +78,18 @@ status_t pg_dup(pg_t *pg, pg_t **out);
  * pg's. Collective over pg. Free with pg_release. */
 status_t pg_new_host(pg_t *pg, pg_t **out);
 
+/* pg's side channel: a host group of its ranks kept with pg, for exchanges that must never
+ * mix with pg's own or with other users' (a timed agreement that may be given up and left
+ * pending, as fully_shard's on-demand agreement). Made on the first call, which is then
+ * collective over pg; later calls return the same group at once. Owned by pg (pg_retain it
+ * to keep it longer). */
+status_t pg_side_channel(pg_t *pg, pg_t **out);
+
+/* The group of the n consecutive ranks of pg that holds this rank (ranks.view(-1, n)'s row; n
+ * divides pg's size), with pg's backend and device: made on the first call for each n (then
+ * collective over pg), kept with pg and returned again by later calls. Owned by pg. */
+status_t pg_consecutive(pg_t *pg, int n, pg_t **out);
+
 /* Reference counting: a group may be shared by several meshes. pg_release(NULL) is a no-op. */
 pg_t *pg_retain(pg_t *pg);
 void pg_release(pg_t *pg);

@@ -2,6 +2,8 @@
  * The host channel of every group (its MPI communicator, whatever the backend moves data
  * with), and new groups made from a group.
  */
+#include <stdlib.h>
+
 #include "mesh/pg_impl.h"
 #include "mesh/world_impl.h"
 
@@ -96,6 +98,42 @@ status_t pg_dup(pg_t *pg, pg_t **out) {
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_dup: no process group");
   return pg_split(pg, 0, pg_rank(pg), out);
+}
+
+/* The group kept with pg under n (see pg_kept_t), made on the first call for n. */
+static status_t kept(pg_t *pg, int n, pg_t **out) {
+  for (pg_kept_t *k = pg->kept; k != NULL; k = k->next)
+    if (k->n == n) {
+      *out = k->g;
+      return STATUS_OK;
+    }
+  pg_kept_t *k = calloc(1, sizeof *k);
+  if (k == NULL) return err_set(STATUS_ENOMEM, "process group: out of host memory");
+  status_t st = n == 0 ? pg_new_host(pg, &k->g) : pg_split(pg, pg->rank / n, pg->rank % n, &k->g);
+  if (st != STATUS_OK) {
+    free(k);
+    return st;
+  }
+  k->n = n;
+  k->next = pg->kept;
+  pg->kept = k;
+  *out = k->g;
+  return STATUS_OK;
+}
+
+status_t pg_side_channel(pg_t *pg, pg_t **out) {
+  *out = NULL;
+  if (pg == NULL) return err_set(STATUS_EINVAL, "pg_side_channel: no process group");
+  return kept(pg, 0, out);
+}
+
+status_t pg_consecutive(pg_t *pg, int n, pg_t **out) {
+  *out = NULL;
+  if (pg == NULL) return err_set(STATUS_EINVAL, "pg_consecutive: no process group");
+  if (n < 1 || pg->size % n != 0)
+    return err_set(STATUS_EINVAL, "pg_consecutive: %d does not divide the group's %d ranks", n,
+                   pg->size);
+  return kept(pg, n, out);
 }
 
 status_t pg_new_host(pg_t *pg, pg_t **out) {

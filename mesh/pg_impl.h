@@ -41,7 +41,15 @@ struct pg {
   MPI_Comm comm; /* a duplicate owned by the group, errors returned, not fatal */
   pg_counters_t counters;
   void *impl; /* backend state */
+  struct pg_kept *kept; /* groups made from this one and kept with it (pg_side_channel,
+                          * pg_consecutive); released with it */
 };
+
+typedef struct pg_kept {
+  int n; /* 0: the side channel; N > 0: pg_consecutive(pg, N) */
+  pg_t *g;
+  struct pg_kept *next;
+} pg_kept_t;
 
 /* Every backend's handle starts with this header; pg_wait calls complete(), which also
  * frees the handle. */

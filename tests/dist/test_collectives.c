@@ -317,6 +317,26 @@ START_TEST(host_channel_and_groups_from_groups) {
   if (pg_counters(half).calls[PG_ALL_GATHER] != 0 || pg_counters(dup).calls[PG_ALL_GATHER] != 1)
     bad++;
   pg_release(dup);
+  pg_t *side, *again; /* the side channel: made once, kept with the group, its traffic its own */
+  ck_assert_int_eq(pg_side_channel(half, &side), STATUS_OK);
+  ck_assert_int_eq(pg_side_channel(half, &again), STATUS_OK);
+  if (side != again || pg_size(side) != n || pg_rank(side) != pg_rank(half)) bad++;
+  int32_t got = 0;
+  if (pg_host_all_reduce(side, &one, &got, 1, PG_HOST_I32, REDUCE_SUM) != STATUS_OK || got != n)
+    bad++;
+  if (pg_counters(half).calls[PG_ALL_GATHER] != 0) bad++;
+  pg_t *pairs, *pairs2; /* half's ranks two by two (when its size is even) */
+  if (n % 2 == 0) {
+    ck_assert_int_eq(pg_consecutive(half, 2, &pairs), STATUS_OK);
+    ck_assert_int_eq(pg_consecutive(half, 2, &pairs2), STATUS_OK);
+    int32_t sum = 0, mine_rank = pg_rank(half), first = mine_rank - mine_rank % 2;
+    if (pairs != pairs2 || pg_size(pairs) != 2 || pg_rank(pairs) != mine_rank % 2) bad++;
+    if (pg_host_all_reduce(pairs, &mine_rank, &sum, 1, PG_HOST_I32, REDUCE_SUM) != STATUS_OK ||
+        sum != 2 * first + 1) /* the pair's ranks in half: first and first + 1 */
+      bad++;
+  } else if (pg_consecutive(half, 2, &pairs) != STATUS_EINVAL) {
+    bad++;
+  }
   pg_release(half);
   expect_all(bad == 0, "%d host-channel, split or dup results differ from their closed forms",
              bad);
