@@ -5,15 +5,18 @@
  * allocated and the checkpoint loaded into it (what fsdp-train does), (c) the model is built
  * and initialised eagerly, the optimizer state zero-filled, then loaded (the path before
  * deferred initialisation), (d) the deferred resume from a copy of the checkpoint without
- * checksums (the files another tool would write: the same bytes, no integrity records), and
- * (e) a resharding-style read of the first quarter of every tensor's rows from both, the
- * blocks it touches checked or not, (f) the plain read again in 1 MiB blocks, each hashed, and
- * (g) the checked and unchecked resumes from storage (the files' pages dropped from the page
- * cache first). Prints median times, the bytes each read, the ratios and the cost of the
- * always-on block checks. A load hashes its blocks on a helper thread when the process may
- * use more than one CPU (run it under `taskset -c 0` to see the cost on one).
+ * checksums (the files another tool would write: the same bytes, no integrity records), (e) a
+ * resharding-style read of the first quarter of every tensor's rows from both, the blocks it
+ * touches checked or not, (f) the plain read again in blocks of the checksums' size, each
+ * hashed, (g) the checked and unchecked resumes from storage (the files' pages dropped from
+ * the page cache first), and (h) each resume repeated into the memory it just filled (reads and checks
+ * without the allocation). Prints median times, the bytes each read, the ratios and the cost of
+ * the always-on block checks with the spread of the paired ratios. A load hashes its blocks on
+ * a helper thread when the process may use more than one CPU (run it under `taskset -c 0` to
+ * see the cost on one).
  *
  *   bench-ckpt-load [--config configs/llama-100m.json] [--dir DIR] [--reps 3]
+ *                   [--block-bytes 262144]
  * Without --dir the checkpoint goes to a temporary folder, removed at the end.
  */
 #define _GNU_SOURCE /* sched_getaffinity */
@@ -89,15 +92,19 @@ static void copy_checkpoint_unchecked(const char *dir, const char *to) {
 }
 
 /* Reads the first quarter of the rows of every tensor of dir's model and optimizer state, as
- * a rank of a 4-way plan would: returns the bytes read. */
-static uint64_t read_quarters(const char *dir) {
+ * a rank of a 4-way plan would, into memory allocated and touched before: returns the bytes
+ * read, the seconds the opens and reads took in *secs. */
+static uint64_t read_quarters(const char *dir, double *secs) {
   const char *subs[] = {"model", "optim"};
   uint64_t total = 0;
+  *secs = 0;
   for (int k = 0; k < 2; k++) {
     char folder[4400];
     snprintf(folder, sizeof folder, "%.4000s/%s", dir, subs[k]);
+    double t0 = bench_now();
     dcp_reader_t *r;
     BENCH_TRY(dcp_reader_open(folder, &r));
+    *secs += bench_now() - t0;
     const dcp_tensor_t *t;
     int n;
     BENCH_TRY(dcp_reader_list(r, &t, &n));
@@ -109,19 +116,25 @@ static uint64_t read_quarters(const char *dir) {
       memcpy(shape, t[i].shape, sizeof shape);
       if (t[i].ndim > 0) shape[0] = (shape[0] + 3) / 4;
       BENCH_TRY(tensor_init(&x[i], t[i].dtype, device_cpu(), t[i].ndim, shape));
+      memset(x[i].data, 1, tensor_nbytes(&x[i]));
       boxes[i] = (dcp_box_t){.name = t[i].name, .value = &x[i]};
       total += tensor_nbytes(&x[i]);
     }
+    t0 = bench_now();
     BENCH_TRY(dcp_reader_read_boxes(r, boxes, n)); /* what a resharding load reads */
+    dcp_reader_close(r);
+    *secs += bench_now() - t0;
     for (int i = 0; i < n; i++) tensor_free(&x[i]);
     free(boxes);
     free(x);
-    dcp_reader_close(r);
   }
   return total;
 }
 
 static uint64_t g_hash_sink;
+
+/* The eager resume (seconds each) runs in the first repetitions only. */
+#define EAGER_REPS 3
 
 /* What each file of a tree gets: with hash, a read in pieces of size bytes, each piece hashed
  * (what the block checks add to a read); with drop, its pages dropped from the page cache (the
@@ -219,19 +232,33 @@ static double median(const double *x, int n) { /* x is left in its order (pairs 
 }
 
 /* The checked-over-unchecked cost: the median of the repetitions' paired ratios (a check and
- * its unchecked twin ran back to back, so machine noise mostly cancels), in percent. */
-static double paired_cost(const double *checked, const double *unchecked, int n) {
+ * its unchecked twin ran back to back, so machine noise mostly cancels), in percent, written
+ * with the ratios' quartiles (their spread: this machine's noise). */
+static const char *paired_cost(const double *checked, const double *unchecked, int n) {
+  static char out[4][128];
+  static int next;
   double q[64];
   for (int i = 0; i < n; i++) q[i] = checked[i] / unchecked[i];
-  return 100.0 * (median(q, n) - 1.0);
+  qsort(q, (size_t)n, sizeof *q, cmp);
+  double best = checked[0], best_un = unchecked[0];
+  for (int i = 1; i < n; i++) {
+    best = checked[i] < best ? checked[i] : best;
+    best_un = unchecked[i] < best_un ? unchecked[i] : best_un;
+  }
+  char *o = out[next++ % 4];
+  snprintf(o, sizeof out[0], "%+.1f%% (quartiles %+.1f%%, %+.1f%%; fastest %+.1f%%)",
+           100.0 * (median(q, n) - 1.0), 100.0 * (q[n / 4] - 1.0),
+           100.0 * (q[(3 * n) / 4] - 1.0), 100.0 * (best / best_un - 1.0));
+  return o;
 }
-
 
 static const bench_option_t OPTIONS[] = {
     BENCH_MODEL_OPTIONS,
     {"--dir", "DIR", "an existing checkpoint to read (default: one written to a temporary "
                      "folder)"},
     {"--reps", "N", "interleaved repetitions, the median printed (default 3)"},
+    {"--block-bytes", "B", "the checksums' block size of the checkpoint written (default "
+                           "262144)"},
     {NULL, NULL, NULL}};
 
 int main(int argc, char **argv) {
@@ -245,6 +272,9 @@ int main(int argc, char **argv) {
   bench_model(argc, argv, SOURCE_ROOT "/configs/llama-100m.json", &cfg, &unused);
   int reps = (int)bench_int(argc, argv, "--reps", 3, 1, 64);
   const char *given = bench_opt(argc, argv, "--dir", NULL);
+  BENCH_TRY(dcp_set_block_bytes((uint64_t)bench_int(argc, argv, "--block-bytes",
+                                                    (int64_t)DCP_BLOCK_BYTES_DEFAULT, 64,
+                                                    (int64_t)DCP_BLOCK_BYTES_MAX)));
   char tmp[] = "/tmp/fsdpc-ckpt-load-XXXXXX", dir[4200];
   if (given == NULL) {
     if (mkdtemp(tmp) == NULL) {
@@ -269,7 +299,7 @@ int main(int argc, char **argv) {
   uint64_t file_bytes = read_tree(dir, buf, bufsize); /* warms the page cache */
   read_tree(plain, buf, bufsize);
   double t_read[64], t_deferred[64], t_eager[64], t_plain[64], t_part[64], t_part_plain[64];
-  double t_hashed[64], t_cold[64], t_cold_plain[64];
+  double t_hashed[64], t_cold[64], t_cold_plain[64], t_again[64], t_again_plain[64];
   dcp_stats_t stats = {0}, plain_stats = {0};
   uint64_t part_bytes = 0;
   for (int r = 0; r < reps; r++) {
@@ -289,6 +319,9 @@ int main(int argc, char **argv) {
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step,
                                    k ? &stats : &plain_stats));
       (k ? t_deferred : t_plain)[r] = bench_now() - t0;
+      t0 = bench_now(); /* again into the same memory: the reads and checks alone */
+      BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step, NULL));
+      (k ? t_again : t_again_plain)[r] = bench_now() - t0;
       unbuild(&b);
     }
     for (int j = 0; j < 2; j++) { /* the same from storage: both trees' pages dropped first */
@@ -306,10 +339,9 @@ int main(int argc, char **argv) {
     for (int j = 0; j < 2; j++) { /* a quarter of the rows, the same way */
       int k = (j + r) % 2;
       read_tree(k ? dir : plain, buf, bufsize);
-      t0 = bench_now();
-      part_bytes = read_quarters(k ? dir : plain);
-      (k ? t_part : t_part_plain)[r] = bench_now() - t0;
+      part_bytes = read_quarters(k ? dir : plain, &(k ? t_part : t_part_plain)[r]);
     }
+    if (r >= EAGER_REPS) continue;
     t0 = bench_now();
     built_t b;
     build(&b, &cfg, false);
@@ -319,7 +351,7 @@ int main(int argc, char **argv) {
     t_eager[r] = bench_now() - t0;
     unbuild(&b);
   }
-  double tr = median(t_read, reps), td = median(t_deferred, reps), te = median(t_eager, reps);
+  double tr = median(t_read, reps), td = median(t_deferred, reps), te = median(t_eager, reps < EAGER_REPS ? reps : EAGER_REPS);
   double tp = median(t_plain, reps), tq = median(t_part, reps), tqp = median(t_part_plain, reps);
   printf("checkpoint %s: %lld parameters, %.1f MB in its files\n", dir,
          (long long)llama_num_params(&cfg), (double)file_bytes / 1e6);
@@ -344,17 +376,22 @@ int main(int argc, char **argv) {
   printf("this process may use %d CPU%s: the loads hash their blocks %s\n", ncpu,
          ncpu > 1 ? "s" : "", ncpu > 1 ? "on a helper thread" : "on the reading thread");
   printf("block checks (XXH3-64 per %llu-byte block, always on): the deferred resume takes "
-         "%.3f s checked, %.3f s from the same files without checksums: %+.1f%%\n",
+         "%.3f s checked, %.3f s from the same files without checksums: %s\n",
          (unsigned long long)block, td, tp, paired_cost(t_deferred, t_plain, reps));
+  printf("the same load again into the model's memory (reads and checks, no allocation): "
+         "%.3f s checked, %.3f s without checksums: %s\n",
+         median(t_again, reps), median(t_again_plain, reps),
+         paired_cost(t_again, t_again_plain, reps));
   double tc = median(t_cold, reps), tcp = median(t_cold_plain, reps);
   printf("the same from storage (the files' pages dropped from the page cache first): %.3f s "
-         "checked, %.3f s without checksums: %+.1f%%\n",
+         "checked, %.3f s without checksums: %s\n",
          tc, tcp, paired_cost(t_cold, t_cold_plain, reps));
-  printf("a quarter of every tensor's rows (a rank of a 4-way plan, %.1f MB): %.3f s checked "
-         "(the blocks it touches), %.3f s unchecked: %+.1f%%\n",
+  printf("a quarter of every tensor's rows (a rank of a 4-way plan, %.1f MB, into memory in use): %.3f s checked "
+         "(the blocks it touches), %.3f s unchecked: %s\n",
          (double)part_bytes / 1e6, tq, tqp, paired_cost(t_part, t_part_plain, reps));
-  printf("(times: medians of %d interleaved repetitions; costs: medians of the repetitions' "
-         "checked/unchecked ratios)\n", reps);
+  printf("(times: medians of %d interleaved repetitions, the eager resume's of the first %d; "
+         "costs: medians of the repetitions' checked/unchecked ratios)\n",
+         reps, reps < EAGER_REPS ? reps : EAGER_REPS);
   free(buf);
   dcp_remove_tree(plain);
   if (given == NULL) {

@@ -45,7 +45,9 @@ typedef struct dcp_entry {
   dtensor_t *value;
 } dcp_entry_t;
 
-#define DCP_BLOCK_BYTES_DEFAULT ((uint64_t)1 << 20)
+/* 256 KiB: a load under another plan reads at most two blocks more than the rows it needs
+ * per chunk, and the record is 16 hex digits per block (64 KB per GB of data). */
+#define DCP_BLOCK_BYTES_DEFAULT ((uint64_t)256 << 10)
 
 typedef struct dcp_stats {
   uint64_t bytes_read;   /* tensor data read from the files by this rank: the blocks its

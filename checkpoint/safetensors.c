@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* preadv2, RWF_NOWAIT */
 #include "checkpoint/safetensors.h"
 
 #include <cJSON.h>
@@ -6,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "base/file.h"
@@ -311,6 +313,21 @@ status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, 
                    f->path, (unsigned long long)pos, (unsigned long long)(pos + bytes), name,
                    (unsigned long long)(t->end - t->begin));
   return read_at(f, name, t->begin + pos, buf, bytes);
+}
+
+bool st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes) {
+#ifdef RWF_NOWAIT
+  const st_info_t *t = st_find(f, name);
+  if (t == NULL || pos > t->end - t->begin || bytes > t->end - t->begin - pos) return false;
+  struct iovec v = {buf, bytes};
+  ssize_t n = preadv2(fileno(f->fp), &v, 1, (off_t)(f->data_start + t->begin + pos), RWF_NOWAIT);
+  if (n < 0 || (size_t)n != bytes) return false; /* EAGAIN: not cached; EOPNOTSUPP: cannot tell */
+  f->bytes_read += bytes;
+  return true;
+#else
+  (void)f, (void)name, (void)pos, (void)buf, (void)bytes;
+  return false;
+#endif
 }
 
 status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tensor_t *dst) {

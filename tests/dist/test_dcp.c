@@ -10,6 +10,7 @@
  */
 #include <cJSON.h>
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -101,6 +102,29 @@ static void flip_data_byte(const char *dir, const char *name, uint64_t pos, int 
   ck_assert_int_eq(fseek(fp, at, SEEK_SET), 0);
   fputc(c ^ mask, fp);
   fclose(fp);
+}
+
+/* Whether bytes [0, bytes) of tensor name in rank 0's file of folder dir read as cached
+ * (st_read_cached); with drop, after the file's pages were dropped from the page cache (written
+ * back first), so that the next reads come from storage. Rank 0 alone, before others read. */
+static bool pages_cached(const char *dir, const char *name, size_t bytes, bool drop) {
+  char path[500];
+  snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
+  if (drop) {
+    int fd = open(path, O_RDONLY);
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(fdatasync(fd), 0);
+    ck_assert_int_eq(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    close(fd);
+  }
+  st_file_t *f;
+  ok(st_open(&f, path));
+  char *buf = malloc(bytes);
+  ck_assert_ptr_nonnull(buf);
+  bool cached = st_read_cached(f, name, 0, buf, bytes);
+  free(buf);
+  st_close(f);
+  return cached;
 }
 
 /* Block size of the checksums in these tests: small, so that chunks span many blocks. */
@@ -414,7 +438,8 @@ END_TEST
 
 /* A tensor of 128 blocks of 64 KiB, two of them damaged: every load that touches one fails
  * naming the first it touches (the blocks are hashed while the next ones are read), the others
- * load exact values. */
+ * load exact values; from the page cache (read in small pieces) and from storage (pieces as
+ * large as a read job). */
 START_TEST(large_chunks_are_checked_while_read) {
   int W = world_size();
   make_root();
@@ -439,7 +464,15 @@ START_TEST(large_chunks_are_checked_while_read) {
     for (int k = 0; k < 2; k++) flip_data_byte(dir, "big", damaged[k] * B + 1000 * (uint64_t)k, 0x40);
   MPI_Barrier(MPI_COMM_WORLD);
   int bad = 0;
-  for (int layout = 0; layout < 2; layout++) {
+  for (int pass = 0; pass < 4; pass++) { /* both layouts, warm, then from storage */
+    int layout = pass % 2;
+    /* the reads must be the ones each pass is for: pieces from the cache, then from storage */
+    if ((pass == 0 || pass == 2) && world_rank() == 0 &&
+        pages_cached(dir, "big", (size_t)B * 4, pass == 2) != (pass == 0)) {
+      bad++;
+      printf("pass %d: the shard's pages are %s\n", pass, pass ? "still cached" : "not cached");
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
     tensor_t zero;
     ok(tensor_init(&zero, DTYPE_F32, device_cpu(), 2, shape));
     ok(tensor_fill(&zero, 0));
@@ -459,7 +492,7 @@ START_TEST(large_chunks_are_checked_while_read) {
              (long long)first + 1);
     if (first >= 0 && (st != STATUS_EFORMAT || !strstr(err_detail(), want))) {
       bad++;
-      printf("rank %d, layout %d: expected \"%s\", got %s\n", world_rank(), layout, want,
+      printf("rank %d, pass %d: expected \"%s\", got %s\n", world_rank(), pass, want,
              st ? err_detail() : "success");
     }
     if (first < 0) {
@@ -470,8 +503,8 @@ START_TEST(large_chunks_are_checked_while_read) {
       tensor_free(&box);
       if (!eq) {
         bad++;
-        printf("rank %d, layout %d: rows %lld+%lld miss the damage; load %s, values %s\n",
-               world_rank(), layout, (long long)off[0], (long long)local->shape[0],
+        printf("rank %d, pass %d: rows %lld+%lld miss the damage; load %s, values %s\n",
+               world_rank(), pass, (long long)off[0], (long long)local->shape[0],
                st ? err_detail() : "ok", eq ? "equal" : "differ");
       }
     }
