@@ -58,7 +58,8 @@ static status_t read_blocks(const dcp_reader_t *r, const chunk_t *c, uint64_t lo
   for (uint64_t pos = lo, n; pos < hi && st == STATUS_OK; pos += n) {
     char *p = (char *)buf + (pos - lo);
     n = hi - pos < small ? hi - pos : small;
-    if (!st_read_cached(rf->f, name, pos, p, (size_t)n)) {
+    n = st_read_cached(rf->f, name, pos, p, (size_t)n, (size_t)B); /* the cached whole blocks */
+    if (n == 0) { /* the next block is not cached: a job's worth from storage */
       n = hi - pos < step ? hi - pos : step;
       st = st_read_bytes(rf->f, name, pos, p, (size_t)n);
     }

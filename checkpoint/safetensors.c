@@ -315,18 +315,20 @@ status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, 
   return read_at(f, name, t->begin + pos, buf, bytes);
 }
 
-bool st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes) {
+size_t st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes,
+                      size_t unit) {
 #ifdef RWF_NOWAIT
   const st_info_t *t = st_find(f, name);
-  if (t == NULL || pos > t->end - t->begin || bytes > t->end - t->begin - pos) return false;
+  if (t == NULL || pos > t->end - t->begin || bytes > t->end - t->begin - pos) return 0;
   struct iovec v = {buf, bytes};
   ssize_t n = preadv2(fileno(f->fp), &v, 1, (off_t)(f->data_start + t->begin + pos), RWF_NOWAIT);
-  if (n < 0 || (size_t)n != bytes) return false; /* EAGAIN: not cached; EOPNOTSUPP: cannot tell */
-  f->bytes_read += bytes;
-  return true;
+  if (n <= 0 || unit == 0) return 0; /* EAGAIN: not cached; EOPNOTSUPP: cannot tell */
+  size_t kept = (size_t)n == bytes ? bytes : (size_t)n / unit * unit;
+  f->bytes_read += kept;
+  return kept;
 #else
-  (void)f, (void)name, (void)pos, (void)buf, (void)bytes;
-  return false;
+  (void)f, (void)name, (void)pos, (void)buf, (void)bytes, (void)unit;
+  return 0;
 #endif
 }
 

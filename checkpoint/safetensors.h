@@ -77,10 +77,12 @@ uint64_t st_header_bytes(const st_file_t *f);
 status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes);
 /* Reads bytes [pos, pos + bytes) of tensor name's stored data (inside it). */
 status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes);
-/* st_read_bytes when every byte is in the page cache already: true when it read them all (the
- * bytes then are the file's); false, with buf's contents unspecified, when some would have to
- * come from storage or the system cannot tell (read them with st_read_bytes). */
-bool st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes);
+/* st_read_bytes of the bytes already in the page cache, without waiting for storage: how many
+ * of the first bytes it read, all of them or a multiple of unit (0 when fewer than unit were
+ * cached, or the system cannot tell; read the rest with st_read_bytes). Only those count as
+ * read. */
+size_t st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes,
+                      size_t unit);
 
 /* The stored name of a dtype ("F32", "BF16", ...), or NULL. */
 const char *st_dtype_name(dtype_t dtype);

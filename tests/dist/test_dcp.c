@@ -121,7 +121,7 @@ static bool pages_cached(const char *dir, const char *name, size_t bytes, bool d
   ok(st_open(&f, path));
   char *buf = malloc(bytes);
   ck_assert_ptr_nonnull(buf);
-  bool cached = st_read_cached(f, name, 0, buf, bytes);
+  bool cached = st_read_cached(f, name, 0, buf, bytes, 64) == bytes;
   free(buf);
   st_close(f);
   return cached;
