@@ -11,7 +11,7 @@
  *                                 (each chunk's global offset), "DCP_VERSION": "1.0",
  *                                 "format": "pt", and "FSDPC_INTEGRITY": the folder's file
  *                                 list, a 64-bit hash (XXH3) of every block of B bytes
- *                                 (default 1 MiB) of every chunk, and a hash of the header
+ *                                 (default 256 KiB) of every chunk, and a hash of the header
  *                                 (names, dtypes, shapes, data and saved offsets, block hashes)
  * A reader takes every *.safetensors file directly in DIR; a tensor's global shape is the
  * largest offset + shape over its chunks. A tensor without sharding info is a whole tensor at
