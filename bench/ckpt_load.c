@@ -17,7 +17,9 @@
  *
  *   bench-ckpt-load [--config configs/llama-100m.json] [--dir DIR] [--reps 3]
  *                   [--block-bytes 262144]
- * Without --dir the checkpoint goes to a temporary folder, removed at the end.
+ * Without --dir the checkpoint goes to a temporary folder, removed at the end. Under
+ * `mpirun -n W` (W > 1) it writes a W-way FSDP checkpoint instead and times each rank's resume
+ * of it, checked and unchecked, against each rank reading its own files (see sharded).
  */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <dirent.h>
@@ -34,6 +36,7 @@
 #include "checkpoint/dcp_integrity.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/train_ckpt.h"
+#include "fully_shard/fsdp.h"
 #include "mesh/world.h"
 
 /* Copies one shard file without its integrity record, streaming one tensor at a time. */
@@ -189,14 +192,22 @@ typedef struct built {
   optim_t *opt;
 } built_t;
 
-static void build(built_t *b, const llama_config_t *cfg, bool deferred) {
+/* The model and its AdamW state; with a mesh, fully_shard per layer and root over it (as
+ * fsdp-train's FSDP plans), before the deferred model gets memory. */
+static void build(built_t *b, const llama_config_t *cfg, bool deferred, mesh_t *mesh) {
   llama_options_t o = LLAMA_OPTIONS_INIT;
   o.deferred = deferred;
   BENCH_TRY(llama_new(&b->m, cfg, &o));
+  if (!deferred) BENCH_TRY(llama_init_weights(b->m, 1));
+  if (mesh) {
+    fsdp_options_t f = FSDP_OPTIONS_INIT;
+    f.mesh = mesh;
+    fsdp_group_t *g;
+    for (int i = 0; i < cfg->n_layers; i++) BENCH_TRY(fully_shard(llama_layer(b->m, i), &f, &g));
+    BENCH_TRY(fully_shard(llama_module(b->m), &f, &g));
+  }
   if (deferred)
     BENCH_TRY(nn_module_materialize(llama_module(b->m)));
-  else
-    BENCH_TRY(llama_init_weights(b->m, 1));
   BENCH_TRY(nn_named_parameters(llama_module(b->m), &b->ps, &b->n));
   adamw_config_t a = ADAMW_CONFIG_INIT;
   BENCH_TRY(optim_new(&b->opt, b->ps, b->n, &a));
@@ -252,6 +263,113 @@ static const char *paired_cost(const double *checked, const double *unchecked, i
   return o;
 }
 
+/* Seconds since t0 on the slowest rank (a job waits for it). */
+static double slowest(double t0) {
+  double t = bench_now() - t0;
+  BENCH_TRY(pg_host_all_reduce(world_pg(), &t, &t, 1, PG_HOST_F64, REDUCE_MAX));
+  return t;
+}
+
+static void barrier(void) {
+  int x = 0;
+  BENCH_TRY(pg_host_all_reduce(world_pg(), &x, &x, 1, PG_HOST_I32, REDUCE_SUM));
+}
+
+/* Reads this rank's own files of checkpoint dir (model/ and optim/ shard-RRRRR); the bytes. */
+static uint64_t read_own(const char *dir, char *buf, size_t size) {
+  uint64_t total = 0;
+  const char *subs[] = {"model", "optim"};
+  for (int k = 0; k < 2; k++) {
+    char path[4400];
+    snprintf(path, sizeof path, "%.4000s/%s/shard-%05d.safetensors", dir, subs[k], world_rank());
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) {
+      perror(path);
+      bench_leave(1);
+    }
+    ssize_t n;
+    while ((n = read(fd, buf, size)) > 0) total += (uint64_t)n;
+    close(fd);
+  }
+  return total;
+}
+
+/* With W > 1 ranks: a W-way FSDP checkpoint (fully_shard per layer and root, saved by the W
+ * ranks), each rank's resume (deferred build, shard, memory for its shards, load its own
+ * chunks) from it and from a copy without checksums, against each rank reading its own files
+ * from the page cache; the slowest rank's times, medians over the repetitions. */
+static void sharded(const llama_config_t *cfg, int reps) {
+  int W = world_size();
+  mesh_t *mesh;
+  const char *names[] = {"dp_shard"};
+  BENCH_TRY(mesh_init(&mesh, 1, &W, names, DEVICE_CPU));
+  char tmp[] = "/tmp/fsdpc-ckpt-load-XXXXXX", dir[256] = {0}, plain[300];
+  if (world_rank() == 0) {
+    if (mkdtemp(tmp) == NULL) {
+      perror("mkdtemp");
+      bench_leave(1);
+    }
+    snprintf(dir, sizeof dir, "%s/step-00000001", tmp);
+  }
+  char *all = malloc(sizeof dir * (size_t)W);
+  if (all == NULL) bench_leave(1);
+  BENCH_TRY(pg_host_all_gather(world_pg(), dir, all, (int)sizeof dir, PG_HOST_BYTE));
+  memcpy(dir, all, sizeof dir); /* rank 0's */
+  free(all);
+  snprintf(plain, sizeof plain, "%s.unchecked", dir);
+  built_t b;
+  build(&b, cfg, false, mesh);
+  zero_moments(&b);
+  BENCH_TRY(ckpt_save_training(dir, b.ps, b.n, b.opt, 1, NULL, world_pg()));
+  unbuild(&b);
+  if (world_rank() == 0) copy_checkpoint_unchecked(dir, plain);
+  barrier();
+  size_t size = (size_t)8 << 20;
+  char *buf = malloc(size);
+  if (buf == NULL) bench_leave(1);
+  double t_read[64], t_load[64], t_plain[64];
+  uint64_t own = 0, total = 0;
+  for (int r = 0; r < reps; r++) {
+    barrier();
+    double t0 = bench_now();
+    own = read_own(dir, buf, size);
+    t_read[r] = slowest(t0);
+    for (int j = 0; j < 2; j++) { /* checked and unchecked back to back, alternating first */
+      int k = (j + r) % 2;
+      read_own(k ? dir : plain, buf, size);
+      barrier();
+      t0 = bench_now();
+      build(&b, cfg, true, mesh);
+      int64_t step;
+      BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step, NULL));
+      (k ? t_load : t_plain)[r] = slowest(t0);
+      unbuild(&b);
+    }
+  }
+  BENCH_TRY(pg_host_all_reduce(world_pg(), &own, &total, 1, PG_HOST_I64, REDUCE_SUM));
+  double tr = median(t_read, reps), tl = median(t_load, reps);
+  if (world_rank() == 0) {
+    printf("checkpoint %s: %lld parameters, %d ranks (FSDP: fully_shard per layer and root), "
+           "%.1f MB in their files, %.1f MB per rank\n",
+           dir, (long long)llama_num_params(cfg), W, (double)total / 1e6,
+           (double)total / 1e6 / W);
+    printf("each rank reading its own files (page cache): %.3f s (the slowest rank)\n", tr);
+    printf("resume, deferred (build, shard, memory for the shards, load), the slowest rank: "
+           "%.3f s: %.2fx the read\n", tl, tl / tr);
+    printf("block checks: %.3f s checked, %.3f s from the same files without checksums: %s\n",
+           tl, median(t_plain, reps), paired_cost(t_load, t_plain, reps));
+    printf("(times: medians of %d interleaved repetitions of the slowest rank's)\n", reps);
+  }
+  free(buf);
+  barrier();
+  if (world_rank() == 0) {
+    dcp_remove_tree(plain);
+    dcp_remove_tree(dir);
+    rmdir(tmp);
+  }
+  mesh_free(mesh);
+}
+
 static const bench_option_t OPTIONS[] = {
     BENCH_MODEL_OPTIONS,
     {"--dir", "DIR", "an existing checkpoint to read (default: one written to a temporary "
@@ -264,8 +382,8 @@ static const bench_option_t OPTIONS[] = {
 int main(int argc, char **argv) {
   BENCH_TRY(world_init(&argc, &argv));
   bench_args(argc, argv,
-             "A one-rank resume of a training checkpoint against a plain read of its files, "
-             "with and without checksums.",
+             "A resume of a training checkpoint against a plain read of its files, with and "
+             "without checksums: on one rank, or on each of W ranks under mpirun -n W.",
              OPTIONS);
   llama_config_t cfg;
   llama_options_t unused;
@@ -275,6 +393,16 @@ int main(int argc, char **argv) {
   BENCH_TRY(dcp_set_block_bytes((uint64_t)bench_int(argc, argv, "--block-bytes",
                                                     (int64_t)DCP_BLOCK_BYTES_DEFAULT, 64,
                                                     (int64_t)DCP_BLOCK_BYTES_MAX)));
+  if (world_size() > 1) {
+    if (given) {
+      fprintf(stderr, "%s: --dir is for one rank; with %d ranks the checkpoint is written by "
+                      "them\n", bench_prog(argv), world_size());
+      bench_leave(2);
+    }
+    sharded(&cfg, reps);
+    world_finalize();
+    return 0;
+  }
   char tmp[] = "/tmp/fsdpc-ckpt-load-XXXXXX", dir[4200];
   if (given == NULL) {
     if (mkdtemp(tmp) == NULL) {
@@ -283,7 +411,7 @@ int main(int argc, char **argv) {
     }
     snprintf(dir, sizeof dir, "%s/step-00000001", tmp);
     built_t b;
-    build(&b, &cfg, false);
+    build(&b, &cfg, false, NULL);
     zero_moments(&b);
     BENCH_TRY(ckpt_save_training(dir, b.ps, b.n, b.opt, 1, NULL, world_pg()));
     unbuild(&b);
@@ -314,7 +442,7 @@ int main(int argc, char **argv) {
       read_tree(k ? dir : plain, buf, bufsize); /* each load after a read of its own files */
       t0 = bench_now();
       built_t b;
-      build(&b, &cfg, true);
+      build(&b, &cfg, true, NULL);
       int64_t step;
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step,
                                    k ? &stats : &plain_stats));
@@ -330,7 +458,7 @@ int main(int argc, char **argv) {
       walk_tree(plain, &(walk_t){.drop = true});
       t0 = bench_now();
       built_t b;
-      build(&b, &cfg, true);
+      build(&b, &cfg, true, NULL);
       int64_t step;
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step, NULL));
       (k ? t_cold : t_cold_plain)[r] = bench_now() - t0;
@@ -344,7 +472,7 @@ int main(int argc, char **argv) {
     if (r >= EAGER_REPS) continue;
     t0 = bench_now();
     built_t b;
-    build(&b, &cfg, false);
+    build(&b, &cfg, false, NULL);
     zero_moments(&b);
     int64_t step;
     BENCH_TRY(ckpt_load_training(dir, b.ps, b.n, b.opt, &step, &stats));
