@@ -97,6 +97,8 @@ status_t dcp_checker_new(dcp_checker_t **out) {
   return STATUS_OK;
 }
 
+bool dcp_checker_threaded(const dcp_checker_t *c) { return c->threaded; }
+
 void dcp_checker_push(dcp_checker_t *c, const void *data, size_t bytes, size_t block,
                       const uint64_t *expect, uint64_t first, const void *who) {
   job_t j = {data, bytes, block, expect, first, who};

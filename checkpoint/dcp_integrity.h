@@ -78,6 +78,8 @@ void dcp_integrity_free(dcp_integrity_t *it);
  * stay in place until dcp_checker_wait returns. */
 typedef struct dcp_checker dcp_checker_t;
 status_t dcp_checker_new(dcp_checker_t **out);
+/* Whether the blocks are hashed on the helper thread (else at once, by dcp_checker_push). */
+bool dcp_checker_threaded(const dcp_checker_t *c);
 /* Queues bytes bytes at data: blocks of block bytes (the last one shorter) whose hashes should
  * be expect[first], expect[first + 1], ...; who names their owner in the verdict. */
 void dcp_checker_push(dcp_checker_t *c, const void *data, size_t bytes, size_t block,

@@ -14,6 +14,9 @@
 /* Bytes already in the page cache are read this many at a time (whole blocks, at least one): the
  * checker then hashes them while they are still in the CPU's caches. */
 #define READ_CACHED_BYTES ((uint64_t)2 << 20)
+/* The same when the reading thread hashes them itself (no helper): pieces that stay in its own
+ * cache until they are hashed. */
+#define READ_CACHED_INLINE ((uint64_t)256 << 10)
 /* A partial read checks and copies this many bytes of rows at a time (at least one row), and
  * verify reads a chunk this many bytes at a time (whole blocks). */
 #define READ_GROUP_BYTES (4 * READ_JOB_BYTES)
@@ -53,7 +56,8 @@ static status_t read_blocks(const dcp_reader_t *r, const chunk_t *c, uint64_t lo
     return (uint32_t)x == c->crc ? STATUS_OK : mismatch(rf, name, size, B, 0);
   }
   uint64_t step = B < READ_JOB_BYTES ? READ_JOB_BYTES / B * B : B;
-  uint64_t small = B < READ_CACHED_BYTES ? READ_CACHED_BYTES / B * B : B;
+  uint64_t cached = dcp_checker_threaded(r->checker) ? READ_CACHED_BYTES : READ_CACHED_INLINE;
+  uint64_t small = B < cached ? cached / B * B : B;
   status_t st = STATUS_OK;
   for (uint64_t pos = lo, n; pos < hi && st == STATUS_OK; pos += n) {
     char *p = (char *)buf + (pos - lo);
