@@ -9,11 +9,11 @@
  * resharding-style read of the first quarter of every tensor's rows from both, the blocks it
  * touches checked or not, (f) the plain read again in blocks of the checksums' size, each
  * hashed, (g) the checked and unchecked resumes from storage (the files' pages dropped from
- * the page cache first), and (h) each resume repeated into the memory it just filled (reads and checks
- * without the allocation). Prints median times, the bytes each read, the ratios and the cost of
- * the always-on block checks with the spread of the paired ratios. A load hashes its blocks on
- * a helper thread when the process may use more than one CPU (run it under `taskset -c 0` to
- * see the cost on one).
+ * the page cache first), and (h) each resume repeated into the memory it just filled (reads
+ * and checks without the allocation). Prints median times, the bytes each read, the ratios and
+ * the cost of the always-on block checks with the spread of the paired ratios. A load hashes
+ * its blocks on a helper thread when the process may use more than one CPU (run it under
+ * `taskset -c 0` to see the cost on one).
  *
  *   bench-ckpt-load [--config configs/llama-100m.json] [--dir DIR] [--reps 3]
  *                   [--block-bytes 262144]
@@ -148,6 +148,22 @@ typedef struct walk {
   bool hash, drop;
 } walk_t;
 
+/* Reads (or drops) the open file fd at path, then closes it; returns the bytes read. */
+static uint64_t walk_fd(int fd, const char *path, const walk_t *w) {
+  uint64_t total = 0;
+  ssize_t n;
+  if (w->drop) { /* written pages must reach the storage before they can be dropped */
+    if (fdatasync(fd) != 0 || posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) != 0) perror(path);
+  } else {
+    while ((n = read(fd, w->buf, w->size)) > 0) {
+      total += (uint64_t)n;
+      if (w->hash) g_hash_sink ^= dcp_block_hash(w->buf, (size_t)n);
+    }
+  }
+  close(fd);
+  return total;
+}
+
 /* Reads (or drops) every regular file under dir (two levels); returns the bytes read. */
 static uint64_t walk_tree(const char *dir, const walk_t *w) {
   uint64_t total = 0;
@@ -166,16 +182,7 @@ static uint64_t walk_tree(const char *dir, const walk_t *w) {
     }
     int fd = open(path, O_RDONLY);
     if (fd < 0) continue;
-    ssize_t n;
-    if (w->drop) { /* written pages must reach the storage before they can be dropped */
-      if (fdatasync(fd) != 0 || posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) != 0) perror(path);
-    } else {
-      while ((n = read(fd, w->buf, w->size)) > 0) {
-        total += (uint64_t)n;
-        if (w->hash) g_hash_sink ^= dcp_block_hash(w->buf, (size_t)n);
-      }
-    }
-    close(fd);
+    total += walk_fd(fd, path, w);
   }
   closedir(d);
   return total;
@@ -287,9 +294,7 @@ static uint64_t read_own(const char *dir, char *buf, size_t size) {
       perror(path);
       bench_leave(1);
     }
-    ssize_t n;
-    while ((n = read(fd, buf, size)) > 0) total += (uint64_t)n;
-    close(fd);
+    total += walk_fd(fd, path, &(walk_t){buf, size, false, false});
   }
   return total;
 }

@@ -114,7 +114,8 @@ static bool pages_cached(const char *dir, const char *name, size_t bytes, bool d
   snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
   st_file_t *f;
   ok(st_open(&f, path));
-  uint64_t size = st_find(f, name)->end - st_find(f, name)->begin;
+  const st_info_t *t = st_find(f, name);
+  uint64_t size = t->end - t->begin;
   ck_assert_uint_ge(size, bytes);
   char *buf = malloc(bytes);
   ck_assert_ptr_nonnull(buf);
