@@ -191,6 +191,17 @@ status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
 /* *out = sum of x^2 in double precision (blocks until the value is on the host). */
 status_t kernel_sum_squares(const tensor_t *x, double *out);
 
+/* Threads of the CPU kernels: one unless OMP_NUM_THREADS asks for more (in a build with
+ * OpenMP). With more, each kernel splits its work into one share per thread, computing every
+ * value as on one thread, so the results are the same bits for any count; a matrix product is
+ * split by rows of its output, each share computed by OpenBLAS on one thread, whose rounding may
+ * depend on the share's shape: deterministic for a given count, within ~1e-6 across counts (the
+ * same bits on OpenBLAS's Haswell and Zen kernels). On one kernel thread OPENBLAS_NUM_THREADS,
+ * if set, still threads the matrix products alone. kernel_set_cpu_threads changes the count for
+ * the process (n >= 1; above 1 needs OpenMP). */
+int kernel_cpu_threads(void);
+status_t kernel_set_cpu_threads(int n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -11,6 +11,7 @@
 #include <cblas.h>
 #include <math.h>
 
+#include "base/kernels.h"
 #include "bench/bench_util.h"
 #include "mesh/world.h"
 #include "nn/optim.h"
@@ -104,11 +105,11 @@ int main(int argc, char **argv) {
   BENCH_TRY(optim_new(&o, ps, n, &acfg));
   printf(
       "model: %lld parameters, %lld layers, dim %lld; batch %lld x %lld tokens, accum %lld, "
-      "%s %s%s\n",
+      "%s %s%s; %d CPU kernel thread(s)\n",
       (long long)llama_num_params(&cfg), (long long)cfg.n_layers, (long long)cfg.dim,
       (long long)spec.batch_size, (long long)spec.seq_len, (long long)spec.grad_accum,
       opt.device == DEVICE_CUDA ? "cuda" : "cpu", dtype_name(opt.dtype),
-      opt.activation_checkpointing ? ", activation checkpointing" : "");
+      opt.activation_checkpointing ? ", activation checkpointing" : "", kernel_cpu_threads());
   printf("%6s %10s %10s %12s\n", "step", "loss", "grad_norm", "tokens/s");
   double t0 = bench_now(), window = t0, first = 0, last = 0, avg = 0, after_first = 0;
   int64_t tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum;
@@ -155,8 +156,9 @@ int main(int argc, char **argv) {
         per_token * (double)((steps - 1) * tokens_per_step) / (t_end - after_first) / 1e9;
     double ref = sgemm_reference(&cfg, spec.batch_size * spec.seq_len);
     printf("model %.1f GFLOP/s after step 0 (%.2f GFLOP a step); sgemm on the step's linear "
-           "shapes %.1f GFLOP/s: %.0f%%\n",
-           rate, per_token * (double)tokens_per_step / 1e9, ref, 100 * rate / ref);
+           "shapes %.1f GFLOP/s%s: %.0f%%\n",
+           rate, per_token * (double)tokens_per_step / 1e9, ref,
+           kernel_cpu_threads() > 1 ? " (one thread)" : "", 100 * rate / ref);
   }
   optim_free(o);
   free(ps);

@@ -1,0 +1,107 @@
+/*
+ * Private to the CPU kernels (base/kernels_cpu*.c): fp32 views of tensors of any float dtype,
+ * an exponential the compiler can vectorise, and the split of a kernel's work over the kernel
+ * threads (kernel_cpu_threads). kernels_cpu.c holds the threads, the matrix products and the
+ * embedding; kernels_cpu_attention.c RoPE and attention; kernels_cpu_rows.c the kernels that
+ * reduce rows (RMSNorm, LayerNorm, cross-entropy); kernels_cpu_pointwise.c the element-wise
+ * kernels, AdamW and the sum of squares.
+ */
+#ifndef FSDPC_BASE_KERNELS_CPU_H
+#define FSDPC_BASE_KERNELS_CPU_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "base/kernels_impl.h"
+
+/* Element-wise kernels built twice with GCC, for the baseline x86-64 (4 lanes) and for AVX2
+ * (8 lanes), the copy chosen when the library loads (an ifunc): the same IEEE operations
+ * either way (no FMA contraction), so the same bits on every machine. Not for reductions,
+ * whose lane count would change their order. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define WIDE __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE
+#endif
+
+/* e^x in fp32 with the operations a loop can vectorise (glibc's expf is a call per element):
+ * x = n ln2 + r with n rounded to nearest (by the 1.5 * 2^23 shift) and ln2 in two parts,
+ * e^r by Cephes' degree-6 polynomial on |r| <= ln2/2, times 2^n built in the exponent bits:
+ * within 1 ulp of e^x (0.97 measured over [-87, 88]). Inputs are clamped to [-87.3, 88.37],
+ * so the extremes give about 1.2e-38 and 2.4e38 instead of 0 and infinity (enough for softmax
+ * and sigmoid); NaN stays NaN. */
+static inline float exp_f32(float x) {
+  float c = x < -87.3f ? -87.3f : x > 88.37f ? 88.37f : x;
+  float t = c * 1.44269504088896341f;
+  float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+  float r = c - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return x == x ? p * scale : x;
+}
+
+/* ---- fp32 views of tensors of any float dtype ---- */
+
+typedef struct fbuf {
+  float *p;
+  int64_t n;
+  bool owned; /* a converted copy that must be stored back (outputs) and freed */
+} fbuf_t;
+
+/* Read access: F32 tensors are used in place, others converted. */
+status_t cpu_fbuf_in(fbuf_t *b, const tensor_t *t);
+/* Write access; with load the current values are read first (for accumulation). */
+status_t cpu_fbuf_out(fbuf_t *b, tensor_t *t, bool load);
+void cpu_fbuf_release(fbuf_t *b);
+/* Stores an output buffer back into t (rounding once) and releases it. */
+void cpu_fbuf_commit(fbuf_t *b, tensor_t *t);
+
+/* Value of x rounded to dtype dt, as float. */
+static inline float round_to(dtype_t dt, float x) {
+  switch (dt) {
+    case DTYPE_BF16: return bf16_to_f32(f32_to_bf16(x));
+    case DTYPE_F16: return f16_to_f32(f32_to_f16(x));
+    default: return x;
+  }
+}
+
+static inline int64_t index_at(const tensor_t *t, int64_t i) {
+  return t->dtype == DTYPE_I32 ? ((const int32_t *)t->data)[i] : ((const int64_t *)t->data)[i];
+}
+
+static inline int64_t last_dim(const tensor_t *t) {
+  return t->ndim == 0 ? 1 : t->shape[t->ndim - 1];
+}
+
+/* ---- threads ---- */
+
+enum {
+  GEMM_GRAIN = 1 << 18, /* multiply-adds per thread, at least */
+  ELEM_GRAIN = 1 << 14, /* elements (or element-sized steps) per thread, at least */
+};
+
+/* A share of a kernel's work: items [i0, i1), the share's number t < kernel_cpu_threads(). */
+typedef void share_fn(const void *ctx, int t, int64_t i0, int64_t i1);
+
+/* fn over [0, n) in one share per thread, each a whole number of `align` items but the last,
+ * on as many threads as give each at least `grain` units of work, where one item is `work`
+ * units; on one thread, fn(ctx, 0, 0, n). */
+void cpu_for_shares(int64_t n, int64_t work, int64_t grain, int64_t align, share_fn *fn,
+                    const void *ctx);
+
+/* Fill their kernels into the CPU's table. */
+void cpu_attention_kernels(kernel_ops_t *ops);
+void cpu_row_kernels(kernel_ops_t *ops);
+void cpu_pointwise_kernels(kernel_ops_t *ops);
+
+#endif

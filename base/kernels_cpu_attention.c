@@ -1,0 +1,286 @@
+/* CPU kernels of rotary embedding and attention (see kernels_cpu.h). */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/backend.h"
+#include "base/kernels_cpu.h"
+
+/* ---- RoPE ---- */
+
+typedef struct rope_args {
+  int64_t B, T, H, Dh, pos_offset;
+  bool inverse;
+  const rope_t *rope;
+  const float *x;
+  float *out, *cs; /* cs: Dh floats per share */
+} rope_args_t;
+
+/* Positions [t0, t1). */
+WIDE static void rope_share(const void *ctx, int share, int64_t t0, int64_t t1) {
+  const rope_args_t *a = ctx;
+  int64_t Dh = a->Dh, half = Dh / 2;
+  float *cs = a->cs + share * Dh;
+  for (int64_t t = t0; t < t1; t++) {
+    for (int64_t i = 0; i < half; i++) {
+      double ang = (double)(t + a->pos_offset) * rope_inv_freq(a->rope, i, Dh);
+      cs[2 * i] = (float)cos(ang);
+      cs[2 * i + 1] = a->inverse ? -(float)sin(ang) : (float)sin(ang);
+    }
+    for (int64_t b = 0; b < a->B; b++)
+      for (int64_t h = 0; h < a->H; h++) {
+        int64_t base = ((b * a->T + t) * a->H + h) * Dh;
+        const float *x = a->x + base;
+        float *o = a->out + base;
+        for (int64_t i = 0; i < half; i++) {
+          float x1 = x[i], x2 = x[i + half];
+          float c = cs[2 * i], s = cs[2 * i + 1];
+          o[i] = x1 * c - x2 * s;
+          o[i + half] = x2 * c + x1 * s;
+        }
+      }
+  }
+}
+
+static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
+                         bool inverse) {
+  rope_args_t a = {.B = x->shape[0],
+                   .T = x->shape[1],
+                   .H = x->shape[2],
+                   .Dh = x->shape[3],
+                   .pos_offset = pos_offset,
+                   .inverse = inverse,
+                   .rope = rope};
+  int64_t cs_floats = kernel_cpu_threads() * (a.Dh > 0 ? a.Dh : 1);
+  fbuf_t fx, fo;
+  TRY(cpu_fbuf_in(&fx, x));
+  status_t st = cpu_fbuf_out(&fo, out, false); /* f32: in place, so out may be x */
+  if (st != STATUS_OK) {
+    cpu_fbuf_release(&fx);
+    return st;
+  }
+  a.cs = malloc(sizeof(float) * (size_t)cs_floats);
+  if (a.cs == NULL) {
+    cpu_fbuf_release(&fx);
+    cpu_fbuf_release(&fo);
+    return err_set(STATUS_ENOMEM, "kernel_rope: out of host memory");
+  }
+  a.x = fx.p;
+  a.out = fo.p;
+  cpu_for_shares(a.T, a.B * a.H * a.Dh, ELEM_GRAIN, 1, rope_share, &a);
+  free(a.cs);
+  cpu_fbuf_release(&fx);
+  cpu_fbuf_commit(&fo, out);
+  return STATUS_OK;
+}
+
+/* ---- attention ---- */
+
+typedef struct attn_dims {
+  int64_t B, T, H, Hkv, Dh, rep;
+  float scale;
+} attn_dims_t;
+
+static attn_dims_t attn_dims(const tensor_t *q, const tensor_t *k) {
+  attn_dims_t d = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0, 0};
+  d.rep = d.H / d.Hkv;
+  d.scale = 1.0f / sqrtf((float)d.Dh);
+  return d;
+}
+
+/* Attention through BLAS, per (batch, head) and block of ATTN_ROWS query rows: the block's
+ * scores against the keys up to its last row are one GEMM (only the diagonal block computes
+ * masked entries), the softmax runs over each row, and the outputs are GEMMs again. The
+ * backward recomputes the probabilities from the saved log-sum-exp (one exp per score, as
+ * flash attention does) and forms dq, dk and dv with GEMMs; dk and dv accumulate over the
+ * query heads of their group and the row blocks. */
+enum { ATTN_ROWS = 128 };
+
+static float *attn_scratch(int64_t floats) {
+  return cpu_host_alloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1), false);
+}
+static void attn_scratch_free(float *p, int64_t floats) {
+  cpu_host_free(p, sizeof(float) * (size_t)(floats > 0 ? floats : 1));
+}
+
+/* Row r of block rows [i0, i1): P[r, 0..i] = exp(S[r, j] - lse) for the causal keys j <= i,
+ * zero beyond; S (the scaled scores) is read from and P written to p (ld n). */
+WIDE static void attn_probs(float *p, int64_t n, int64_t i0, int64_t i1, const float *lse) {
+  for (int64_t i = i0; i < i1; i++) {
+    float *row = p + (i - i0) * n, l = lse[i];
+#pragma omp simd
+    for (int64_t j = 0; j <= i; j++) row[j] = exp_f32(row[j] - l);
+    for (int64_t j = i + 1; j < n; j++) row[j] = 0.0f;
+  }
+}
+
+typedef struct attn_args {
+  attn_dims_t d;
+  int64_t rows, ldq, ldk, scratch; /* scratch: floats per share */
+  const float *q, *k, *v, *o, *dout;
+  float *out, *lse, *dq, *dk, *dv, *s;
+  const float *lse_in;
+} attn_args_t;
+
+/* Forward of the (batch, head) pairs [i0, i1). */
+WIDE static void attn_forward_share(const void *ctx, int t, int64_t i0, int64_t i1) {
+  const attn_args_t *a = ctx;
+  const attn_dims_t d = a->d;
+  int64_t rows = a->rows, ldq = a->ldq, ldk = a->ldk;
+  float *s = a->s + t * a->scratch;
+  for (int64_t bh = i0; bh < i1; bh++) {
+    int64_t b = bh / d.H, h = bh % d.H;
+    const float *Q = a->q + (b * d.T * d.H + h) * d.Dh;
+    const float *K = a->k + (b * d.T * d.Hkv + h / d.rep) * d.Dh;
+    const float *V = a->v + (b * d.T * d.Hkv + h / d.rep) * d.Dh;
+    float *O = a->out + (b * d.T * d.H + h) * d.Dh, *Lbh = a->lse + bh * d.T;
+    for (int64_t r0 = 0; r0 < d.T; r0 += rows) {
+      int64_t r1 = r0 + rows < d.T ? r0 + rows : d.T, n = r1; /* keys 0..r1-1 */
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(r1 - r0), (int)n, (int)d.Dh,
+                  d.scale, Q + r0 * ldq, (int)ldq, K, (int)ldk, 0.0f, s, (int)n);
+      /* the probabilities from the log-sum-exp, as backward recomputes them: the same
+       * values in both passes */
+      for (int64_t i = r0; i < r1; i++) {
+        const float *row = s + (i - r0) * n;
+        float m = -INFINITY;
+        for (int64_t j = 0; j <= i; j++) m = row[j] > m ? row[j] : m;
+        double l = 0;
+        for (int64_t j = 0; j <= i; j++) l += exp_f32(row[j] - m);
+        Lbh[i] = m + (float)log(l);
+      }
+      attn_probs(s, n, r0, r1, Lbh);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(r1 - r0), (int)d.Dh, (int)n,
+                  1.0f, s, (int)n, V, (int)ldk, 0.0f, O + r0 * ldq, (int)ldq);
+    }
+  }
+}
+
+static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
+                              const tensor_t *v) {
+  attn_dims_t d = attn_dims(q, k);
+  int nt = kernel_cpu_threads();
+  attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
+  a.ldq = d.H * d.Dh;
+  a.ldk = d.Hkv * d.Dh;
+  a.scratch = a.rows * d.T;
+  fbuf_t fq, fk, fv, fo;
+  fbuf_t *bufs[] = {&fq, &fk, &fv, &fo};
+  int got = 0;
+  float *s = attn_scratch(nt * a.scratch);
+  status_t st = s ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention: out of host memory");
+  if (st == STATUS_OK) st = cpu_fbuf_in(&fq, q);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fk, k);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fv, v);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fo, out, false);
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) cpu_fbuf_release(bufs[i]);
+    if (s) attn_scratch_free(s, nt * a.scratch);
+    return st;
+  }
+  a.q = fq.p;
+  a.k = fk.p;
+  a.v = fv.p;
+  a.out = fo.p;
+  a.lse = lse->data;
+  a.s = s;
+  cpu_for_shares(d.B * d.H, d.T * d.T * d.Dh, GEMM_GRAIN, 1, attn_forward_share, &a);
+  attn_scratch_free(s, nt * a.scratch);
+  cpu_fbuf_release(&fq);
+  cpu_fbuf_release(&fk);
+  cpu_fbuf_release(&fv);
+  cpu_fbuf_commit(&fo, out);
+  return STATUS_OK;
+}
+
+/* Backward of the (batch, key-value head) pairs [i0, i1): each owns its rows of dk and dv,
+ * summed over the group's query heads in order. */
+WIDE static void attn_backward_share(const void *ctx, int t, int64_t i0, int64_t i1) {
+  const attn_args_t *a = ctx;
+  const attn_dims_t d = a->d;
+  int64_t rows = a->rows, ldq = a->ldq, ldk = a->ldk;
+  float *p = a->s + t * a->scratch, *dp = p + rows * d.T;
+  for (int64_t bg = i0; bg < i1; bg++) {
+    int64_t b = bg / d.Hkv, h0 = bg % d.Hkv * d.rep;
+    for (int64_t h = h0; h < h0 + d.rep; h++) {
+      int64_t qo = (b * d.T * d.H + h) * d.Dh, ko = (b * d.T * d.Hkv + h / d.rep) * d.Dh;
+      const float *Lbh = a->lse_in + (b * d.H + h) * d.T;
+      for (int64_t r0 = 0; r0 < d.T; r0 += rows) {
+        int64_t r1 = r0 + rows < d.T ? r0 + rows : d.T, n = r1, m = r1 - r0;
+        const float *Q = a->q + qo + r0 * ldq, *dO = a->dout + qo + r0 * ldq,
+                    *O = a->o + qo + r0 * ldq;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n, (int)d.Dh, d.scale, Q,
+                    (int)ldq, a->k + ko, (int)ldk, 0.0f, p, (int)n);
+        attn_probs(p, n, r0, r1, Lbh);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n, (int)d.Dh, 1.0f, dO,
+                    (int)ldq, a->v + ko, (int)ldk, 0.0f, dp, (int)n);
+        for (int64_t i = r0; i < r1; i++) { /* dS = P * (dP - rowsum(dO * O)) * scale */
+          const float *doi = dO + (i - r0) * ldq, *oi = O + (i - r0) * ldq;
+          float Di = 0;
+          for (int64_t c = 0; c < d.Dh; c++) Di += doi[c] * oi[c];
+          const float *pi = p + (i - r0) * n;
+          float *dsi = dp + (i - r0) * n;
+          for (int64_t j = 0; j <= i; j++) dsi[j] = pi[j] * (dsi[j] - Di) * d.scale;
+          for (int64_t j = i + 1; j < n; j++) dsi[j] = 0.0f;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)d.Dh, (int)n, 1.0f, dp,
+                    (int)n, a->k + ko, (int)ldk, 0.0f, a->dq + qo + r0 * ldq, (int)ldq);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)d.Dh, (int)m, 1.0f, dp,
+                    (int)n, Q, (int)ldq, 1.0f, a->dk + ko, (int)ldk);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)d.Dh, (int)m, 1.0f, p,
+                    (int)n, dO, (int)ldq, 1.0f, a->dv + ko, (int)ldk);
+      }
+    }
+  }
+}
+
+static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
+                                       const tensor_t *dout, const tensor_t *q, const tensor_t *k,
+                                       const tensor_t *v, const tensor_t *out,
+                                       const tensor_t *lse) {
+  attn_dims_t d = attn_dims(q, k);
+  int nt = kernel_cpu_threads();
+  attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
+  a.ldq = d.H * d.Dh;
+  a.ldk = d.Hkv * d.Dh;
+  a.scratch = 2 * a.rows * d.T;
+  fbuf_t b_[8];
+  const tensor_t *ins[] = {dout, q, k, v, out};
+  tensor_t *outs[] = {dq, dk, dv};
+  int got = 0;
+  float *p = attn_scratch(nt * a.scratch);
+  status_t st =
+      p ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention_backward: out of host memory");
+  for (int i = 0; i < 5 && st == STATUS_OK; i++)
+    if ((st = cpu_fbuf_in(&b_[got], ins[i])) == STATUS_OK) got++;
+  for (int i = 0; i < 3 && st == STATUS_OK; i++)
+    if ((st = cpu_fbuf_out(&b_[got], outs[i], false)) == STATUS_OK) got++;
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) cpu_fbuf_release(&b_[i]);
+    if (p) attn_scratch_free(p, nt * a.scratch);
+    return st;
+  }
+  a.dout = b_[0].p;
+  a.q = b_[1].p;
+  a.k = b_[2].p;
+  a.v = b_[3].p;
+  a.o = b_[4].p;
+  a.dq = b_[5].p;
+  a.dk = b_[6].p;
+  a.dv = b_[7].p;
+  a.lse_in = lse->data;
+  a.s = p;
+  memset(a.dk, 0, sizeof(float) * (size_t)b_[6].n); /* accumulated over heads and blocks */
+  memset(a.dv, 0, sizeof(float) * (size_t)b_[7].n);
+  cpu_for_shares(d.B * d.Hkv, d.rep * d.T * d.T * d.Dh, GEMM_GRAIN, 1, attn_backward_share, &a);
+  attn_scratch_free(p, nt * a.scratch);
+  for (int i = 0; i < 5; i++) cpu_fbuf_release(&b_[i]);
+  for (int i = 0; i < 3; i++) cpu_fbuf_commit(&b_[5 + i], outs[i]);
+  return STATUS_OK;
+}
+
+void cpu_attention_kernels(kernel_ops_t *ops) {
+  ops->rope = cpu_rope;
+  ops->attention = cpu_attention;
+  ops->attention_backward = cpu_attention_backward;
+}
