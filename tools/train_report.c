@@ -1,12 +1,16 @@
 /* fsdp-train's report: the header of a run and --dry-run's placements, memory estimate and
  * communication. */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include <math.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-#include "parallel/llama_cost.h"
+#include "base/kernels.h"
 #include "mesh/world.h"
+#include "parallel/llama_cost.h"
 #include "parallel/llama_plan.h"
 #include "tools/fsdp_train.h"
 
@@ -33,15 +37,39 @@ static double sharded_param_bytes(const run_t *r) {
   return b;
 }
 
+/* Kernel threads beyond the CPUs this rank may use, or the node's ranks' threads beyond its
+ * CPUs: idle threads wait by spinning, so each step is then several times slower. */
+static void warn_oversubscribed(void) {
+  int threads = kernel_cpu_threads(), local = world_local_size();
+  cpu_set_t set;
+  int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : threads;
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  if (threads > mine)
+    printf(
+        "  warning: %d kernel threads (OMP_NUM_THREADS) but rank 0 may run on %d CPU%s "
+        "(its launcher's binding): steps will be several times slower\n",
+        threads, mine, mine == 1 ? "" : "s");
+  else if (online > 0 && (long)threads * local > online)
+    printf(
+        "  warning: %d ranks x %d kernel threads (OMP_NUM_THREADS) on a node of %ld CPUs: "
+        "steps will be several times slower\n",
+        local, threads, online);
+}
+
 void train_header(const run_t *r) {
   const plan_t *p = &r->plan;
   char dev[16], rb[16], mb[32];
   device_str(r->dev, dev, sizeof dev);
   train_mib(mb, sizeof mb, sharded_param_bytes(r));
   printf("fsdp-train: %s\n", p->source);
-  printf("  world %d rank%s on %s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
-         world_size(), world_size() == 1 ? "" : "s", dev, p->par.dp_replicate, p->par.dp_shard,
-         p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
+  char threads[48] = "";
+  if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) /* OMP_NUM_THREADS */
+    snprintf(threads, sizeof threads, ", %d kernel threads%s", kernel_cpu_threads(),
+             world_size() == 1 ? "" : " each");
+  printf("  world %d rank%s on %s%s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
+         world_size(), world_size() == 1 ? "" : "s", dev, threads, p->par.dp_replicate,
+         p->par.dp_shard, p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
+  if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) warn_oversubscribed();
   printf(
       "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
       "%lld parameters\n",
@@ -51,9 +79,8 @@ void train_header(const run_t *r) {
   printf(
       "  fully_shard: %d groups (%d units + root); %s%s%sreshard_after_forward %s; param %s, "
       "reduce %s%s\n",
-      r->n_groups, r->n_groups - 1, p->par.strategy[0] ? "sharding_strategy " : "",
-      p->par.strategy, p->par.strategy[0] ? ": " : "",
-      reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
+      r->n_groups, r->n_groups - 1, p->par.strategy[0] ? "sharding_strategy " : "", p->par.strategy,
+      p->par.strategy[0] ? ": " : "", reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
       dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), p->par.offload ? "; offload" : "");
   if (r->tp)
     printf("  tensor_parallel: %d modules on tp=%d (%s); sequence parallelism %s\n",
@@ -82,8 +109,7 @@ void train_header(const run_t *r) {
       "  data: %s, %lld samples x %lld tokens per rank, grad_accum %lld (global batch %lld "
       "samples); %lld step%s\n",
       p->data_path, (long long)p->batch_size, (long long)p->seq_len, (long long)p->grad_accum,
-      (long long)train_global_batch(r), (long long)p->steps,
-      p->steps == 1 ? "" : "s");
+      (long long)train_global_batch(r), (long long)p->steps, p->steps == 1 ? "" : "s");
   if (r->saved_batch > 0 && r->saved_batch != train_global_batch(r))
     fprintf(stderr,
             "fsdp-train: warning: %s was saved with a global batch of %lld samples, this run "
@@ -144,8 +170,8 @@ void train_dry_run(const run_t *r) {
     printf(
         "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "
         "rank%s):\n",
-        p->par.dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard", p->par.tp > 1 ? ", tp" : "",
-        p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
+        p->par.dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard",
+        p->par.tp > 1 ? ", tp" : "", p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
     for (int i = 0; i < r->n; i++) {
       const dtensor_t *v = r->ps[i]->value;
       char pl[64], gs[64] = "";
@@ -170,8 +196,9 @@ void train_dry_run(const run_t *r) {
       }
       printf("\n");
     }
-    printf("\nunits (fully_shard groups): floating-point inputs are cast to the compute dtype; "
-           "output auto = the compute dtype, or f32 when the input was f32\n");
+    printf(
+        "\nunits (fully_shard groups): floating-point inputs are cast to the compute dtype; "
+        "output auto = the compute dtype, or f32 when the input was f32\n");
     for (int i = 0; i < r->n_groups; i++) {
       const fsdp_group_t *g = r->groups[i];
       const char *name = fsdp_group_name(g);
@@ -210,12 +237,14 @@ void train_dry_run(const run_t *r) {
     train_mib(ga, sizeof ga, est.gathered);
     train_mib(fl, sizeof fl, est.in_flight);
     train_mib(ot, sizeof ot, other.peak);
-    printf("\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
-           "largest unsharded unit %s\n",
-           a, a, b2, c);
-    printf("  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
-           "flight %s; %s activation checkpointing: %s\n",
-           pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
+    printf(
+        "\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
+        "largest unsharded unit %s\n",
+        a, a, b2, c);
+    printf(
+        "  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
+        "flight %s; %s activation checkpointing: %s\n",
+        pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
     printf("state_bytes %.0f\n", 4 * pb);
     printf("largest_unit_bytes %.0f\n", largest);
     printf("peak_bytes %.0f\n", est.peak);

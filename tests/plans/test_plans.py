@@ -563,6 +563,15 @@ def errors():
             env, "trains" if want is None else "refused, /%s/" % want, p.returncode))
         if not good:
             print(p.stdout[-500:], p.stderr[-1000:])
+    # more kernel threads than the CPUs the process may run on: trains, warning that steps slow
+    for threads in ["2", "1"]:
+        p = sh(["taskset", "-c", "0", EXE, debug, "--set", "train.steps=1"], timeout=60,
+               env={"OMP_NUM_THREADS": threads})
+        warned = re.search(r"warning: 2 kernel threads \(OMP_NUM_THREADS\) but rank 0 may run "
+                           r"on 1 CPU", p.stdout) is not None
+        check(p.returncode == 0 and warned == (threads == "2"),
+              "OMP_NUM_THREADS=%s on one CPU: trains, %s (exit %d)" % (
+                  threads, "warns" if threads == "2" else "no warning", p.returncode))
 
 
 def plots():
