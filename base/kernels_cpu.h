@@ -83,6 +83,17 @@ static inline int64_t last_dim(const tensor_t *t) {
   return t->ndim == 0 ? 1 : t->shape[t->ndim - 1];
 }
 
+/* ---- sums in a fixed order ----
+ * Vectorised, in fp32 lanes over blocks of SUM_BLOCK elements, the blocks' sums added in double:
+ * the order depends on n only. Defined in kernels_cpu_pointwise.c, outside the AVX2 copies
+ * (WIDE), whose wider lanes would change it: call them, never inline them into a WIDE kernel. */
+enum { SUM_BLOCK = 256 };
+
+/* The sum of a[i] b[i] c[i] over i < n, or of a[i] b[i] when c is NULL. */
+double cpu_sum_products(const float *a, const float *b, const float *c, int64_t n);
+/* The sum of exp_f32(x[i] - shift) over i < n. */
+double cpu_sum_exp(const float *x, int64_t n, float shift);
+
 /* ---- threads ---- */
 
 enum {

@@ -145,9 +145,7 @@ WIDE static void attn_forward_share(const void *ctx, int t, int64_t i0, int64_t 
         const float *row = s + (i - r0) * n;
         float m = -INFINITY;
         for (int64_t j = 0; j <= i; j++) m = row[j] > m ? row[j] : m;
-        double l = 0;
-        for (int64_t j = 0; j <= i; j++) l += exp_f32(row[j] - m);
-        Lbh[i] = m + (float)log(l);
+        Lbh[i] = m + (float)log(cpu_sum_exp(row, i + 1, m));
       }
       attn_probs(s, n, r0, r1, Lbh);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(r1 - r0), (int)d.Dh, (int)n,
@@ -163,7 +161,7 @@ static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, c
   attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
   a.ldq = d.H * d.Dh;
   a.ldk = d.Hkv * d.Dh;
-  a.scratch = a.rows * d.T;
+  a.scratch = (a.rows * d.T + 15) / 16 * 16; /* each share's scratch starts 64-byte aligned */
   fbuf_t fq, fk, fv, fo;
   fbuf_t *bufs[] = {&fq, &fk, &fv, &fo};
   int got = 0;
@@ -199,7 +197,7 @@ WIDE static void attn_backward_share(const void *ctx, int t, int64_t i0, int64_t
   const attn_args_t *a = ctx;
   const attn_dims_t d = a->d;
   int64_t rows = a->rows, ldq = a->ldq, ldk = a->ldk;
-  float *p = a->s + t * a->scratch, *dp = p + rows * d.T;
+  float *p = a->s + t * a->scratch, *dp = p + a->scratch / 2;
   for (int64_t bg = i0; bg < i1; bg++) {
     int64_t b = bg / d.Hkv, h0 = bg % d.Hkv * d.rep;
     for (int64_t h = h0; h < h0 + d.rep; h++) {
@@ -243,7 +241,7 @@ static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
   attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
   a.ldq = d.H * d.Dh;
   a.ldk = d.Hkv * d.Dh;
-  a.scratch = 2 * a.rows * d.T;
+  a.scratch = 2 * ((a.rows * d.T + 15) / 16 * 16); /* P and dP, each 64-byte aligned */
   fbuf_t b_[8];
   const tensor_t *ins[] = {dout, q, k, v, out};
   tensor_t *outs[] = {dq, dk, dv};

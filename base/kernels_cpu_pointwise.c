@@ -297,10 +297,40 @@ static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t 
   return STATUS_OK;
 }
 
-/* sum a*b in fp32 lanes over blocks of 256 elements (vectorised), the blocks added in double:
- * the gradient norm. */
-enum { SUM_BLOCK = 256 };
+double cpu_sum_products(const float *a, const float *b, const float *c, int64_t n) {
+  double s = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {
+    int64_t m = n - i0 < SUM_BLOCK ? n - i0 : SUM_BLOCK;
+    const float *x = a + i0, *y = b + i0;
+    float acc = 0;
+    if (c == NULL) {
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < m; i++) acc += x[i] * y[i];
+    } else {
+      const float *z = c + i0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < m; i++) acc += x[i] * y[i] * z[i];
+    }
+    s += acc;
+  }
+  return s;
+}
 
+double cpu_sum_exp(const float *x, int64_t n, float shift) {
+  double s = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {
+    int64_t m = n - i0 < SUM_BLOCK ? n - i0 : SUM_BLOCK;
+    const float *y = x + i0;
+    float acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < m; i++) acc += exp_f32(y[i] - shift);
+    s += acc;
+  }
+  return s;
+}
+
+/* The gradient norm: cpu_sum_products over windows of blocks, the blocks' sums formed in
+ * parallel when threads allow and added in order. */
 typedef struct dot_args {
   const float *a, *b;
   int64_t n, first; /* the window's first block */
@@ -310,16 +340,12 @@ typedef struct dot_args {
 static void dot_share(const void *ctx, int t, int64_t b0, int64_t b1) {
   const dot_args_t *d = ctx;
   (void)t;
-  for (int64_t blk = b0; blk < b1; blk++) {
+  for (int64_t blk = b0; blk < b1; blk++) { /* one block: its fp32 sum, exactly */
     int64_t i0 = (d->first + blk) * SUM_BLOCK, i1 = i0 + SUM_BLOCK < d->n ? i0 + SUM_BLOCK : d->n;
-    float acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = i0; i < i1; i++) acc += d->a[i] * d->b[i];
-    d->part[blk] = acc;
+    d->part[blk] = (float)cpu_sum_products(d->a + i0, d->b + i0, NULL, i1 - i0);
   }
 }
 
-/* The blocks' sums are formed in windows (in parallel when threads allow) and added in order. */
 static double dot_f32(const float *a, const float *b, int64_t n) {
   enum { WINDOW = 4096 };
   float part[WINDOW];

@@ -21,9 +21,8 @@ static void rmsnorm_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   (void)t;
   for (int64_t i = i0; i < i1; i++) {
     const float *xi = a->x + i * D, *w = a->w;
-    double ss = 0;
-    for (int64_t j = 0; j < D; j++) ss += (double)xi[j] * xi[j];
-    float var = (float)(ss / (double)D), ri = 1.0f / sqrtf(var + a->eps);
+    float var = (float)(cpu_sum_products(xi, xi, NULL, D) / (double)D),
+          ri = 1.0f / sqrtf(var + a->eps);
     float *oi = a->out + i * D;
     a->rstd[i] = ri;
     if (a->dt == DTYPE_F32) {
@@ -70,8 +69,7 @@ static void rmsnorm_dx_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   (void)t;
   for (int64_t i = i0; i < i1; i++) {
     const float *xi = a->x + i * D, *dyi = a->dy + i * D;
-    double dot = 0; /* sum_j dy_j w_j x_j */
-    for (int64_t j = 0; j < D; j++) dot += (double)dyi[j] * w[j] * xi[j];
+    double dot = cpu_sum_products(dyi, w, xi, D); /* sum_j dy_j w_j x_j */
     float ri = a->rstd_in[i], c = (float)(dot / (double)D) * ri * ri;
     float *dxi = a->dx + i * D;
 #pragma omp simd

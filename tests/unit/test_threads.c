@@ -45,12 +45,12 @@ static void ids(tensor_t *t, int64_t n, int64_t below, int64_t ignored_every) {
         ignored_every > 0 && i % ignored_every == 0 ? -100 : (int64_t)(uniform() * (double)below);
 }
 
-enum { MAX_OUT = 40 };
+enum { MAX_OUT = 48 };
 
 /* Inputs shared by both runs. */
 typedef struct inputs {
-  tensor_t a, b, bt, x, w, q, k, v, dout, gate, up, gate16, up16, logits, targets, table_ids,
-      grad_rows, p, g, p16;
+  tensor_t a, b, bt, x, w, q, k, v, dout, q2, k2, v2, dout2, gate, up, gate16, up16, logits,
+      targets, table_ids, grad_rows, p, g, p16;
   rope_t rope;
 } inputs_t;
 
@@ -67,6 +67,11 @@ static void make_inputs(inputs_t *in) {
   filled(&in->k, DTYPE_F32, 4, ks, -2, 2);
   filled(&in->v, DTYPE_F32, 4, ks, -2, 2);
   filled(&in->dout, DTYPE_F32, 4, qs, -1, 1);
+  int64_t q2[4] = {4, 45, 4, 24}, k2[4] = {4, 45, 1, 24}; /* one odd block, groups of 4 */
+  filled(&in->q2, DTYPE_F32, 4, q2, -2, 2);
+  filled(&in->k2, DTYPE_F32, 4, k2, -2, 2);
+  filled(&in->v2, DTYPE_F32, 4, k2, -2, 2);
+  filled(&in->dout2, DTYPE_F32, 4, q2, -1, 1);
   filled(&in->gate, DTYPE_F32, 1, el, -6, 6);
   filled(&in->up, DTYPE_F32, 1, el, -2, 2);
   filled(&in->gate16, DTYPE_BF16, 1, el, -6, 6);
@@ -82,10 +87,11 @@ static void make_inputs(inputs_t *in) {
 }
 
 static void free_inputs(inputs_t *in) {
-  tensor_t *all[] = {&in->a,         &in->b,         &in->bt,   &in->x,      &in->w,
-                     &in->q,         &in->k,         &in->v,    &in->dout,   &in->gate,
-                     &in->up,        &in->gate16,    &in->up16, &in->logits, &in->targets,
-                     &in->table_ids, &in->grad_rows, &in->p,    &in->g,      &in->p16};
+  tensor_t *all[] = {&in->a,         &in->b,    &in->bt,     &in->x,       &in->w,
+                     &in->q,         &in->k,    &in->v,      &in->dout,    &in->q2,
+                     &in->k2,        &in->v2,   &in->dout2,  &in->gate,    &in->up,
+                     &in->gate16,    &in->up16, &in->logits, &in->targets, &in->table_ids,
+                     &in->grad_rows, &in->p,    &in->g,      &in->p16};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
 }
 
@@ -135,13 +141,16 @@ static void run_kernels(const inputs_t *in, outputs_t *o) {
   tensor_t *rq = out_new(o, "rope", DTYPE_F32, 4, in->q.shape);
   ok(kernel_rope(rq, &in->q, &in->rope, 3, false));
 
-  int64_t ls[3] = {in->q.shape[0], in->q.shape[2], in->q.shape[1]};
-  tensor_t *att = out_new(o, "attention", DTYPE_F32, 4, in->q.shape);
-  tensor_t *lse = out_new(o, "lse", DTYPE_F32, 3, ls);
-  ok(kernel_attention(att, lse, &in->q, &in->k, &in->v));
-  ok(kernel_attention_backward(
-      out_new(o, "dq", DTYPE_F32, 4, in->q.shape), out_new(o, "dk", DTYPE_F32, 4, in->k.shape),
-      out_new(o, "dv", DTYPE_F32, 4, in->v.shape), &in->dout, &in->q, &in->k, &in->v, att, lse));
+  for (int c = 0; c < 2; c++) {
+    const tensor_t *q = c ? &in->q2 : &in->q, *k = c ? &in->k2 : &in->k, *v = c ? &in->v2 : &in->v;
+    int64_t ls[3] = {q->shape[0], q->shape[2], q->shape[1]};
+    tensor_t *att = out_new(o, "attention", DTYPE_F32, 4, q->shape);
+    tensor_t *lse = out_new(o, "lse", DTYPE_F32, 3, ls);
+    ok(kernel_attention(att, lse, q, k, v));
+    ok(kernel_attention_backward(
+        out_new(o, "dq", DTYPE_F32, 4, q->shape), out_new(o, "dk", DTYPE_F32, 4, k->shape),
+        out_new(o, "dv", DTYPE_F32, 4, v->shape), c ? &in->dout2 : &in->dout, q, k, v, att, lse));
+  }
 
   const int64_t *el = in->gate.shape;
   ok(kernel_silu_mul(out_new(o, "silu_mul", DTYPE_F32, 1, el), &in->gate, &in->up));
