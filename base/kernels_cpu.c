@@ -1,9 +1,9 @@
 /*
  * CPU twin of the compute kernels: OpenBLAS for matrix products, plain C elsewhere (the other
  * kernels in kernels_cpu_*.c, their shared parts in kernels_cpu.h). Values are read into fp32
- * (converted copies for bf16/f16 storage), computed in fp32 with double-precision reductions
- * where a row is summed (the gradient norm: fp32 lanes per 256 elements, the blocks in double),
- * and rounded once when stored. This file is the only one built with OpenMP: its parallel
+ * (converted copies for bf16/f16 storage), computed in fp32, and rounded once when stored.
+ * Row sums run in fp32 lanes over blocks of 256 elements, the blocks added in double (RMSNorm,
+ * attention's log-sum-exp, the gradient norm), or in double (LayerNorm, cross-entropy). This file is the only one built with OpenMP: its parallel
  * region (cpu_for_shares) runs every kernel's shares.
  */
 #include <cblas.h>
