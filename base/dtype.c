@@ -57,14 +57,14 @@ static float bits_f32(uint32_t u) {
   return f;
 }
 
-uint16_t f32_to_bf16(float f) {
-  uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep sign and top payload, force quiet */
-    return (uint16_t)((u >> 16) | 0x0040u);
-  uint32_t lsb = (u >> 16) & 1u;
-  u += 0x7fffu + lsb; /* round to nearest even; overflow carries into inf */
-  return (uint16_t)(u >> 16);
+/* Written without branches, so that loops over it vectorise. */
+static inline uint16_t bf16_of_bits(uint32_t u) {
+  uint32_t nan = (u >> 16) | 0x0040u; /* NaN: keep sign and top payload, force quiet */
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* to nearest even; overflow: inf */
+  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
+
+uint16_t f32_to_bf16(float f) { return bf16_of_bits(f32_bits(f)); }
 
 float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
@@ -136,5 +136,43 @@ void dtype_store(dtype_t dt, void *buf, size_t i, double v) {
       ((int64_t *)buf)[i] = saturate(v, -9223372036854775808.0, 9223372036854774784.0);
       break;
     default: break;
+  }
+}
+
+void dtype_to_f32(dtype_t dt, const void *src, float *dst, size_t n) {
+  switch (dt) {
+    case DTYPE_F32: memcpy(dst, src, n * sizeof(float)); break;
+    case DTYPE_BF16: {
+      const uint16_t *h = src;
+#pragma omp simd
+      for (size_t i = 0; i < n; i++) dst[i] = bits_f32((uint32_t)h[i] << 16);
+      break;
+    }
+    case DTYPE_F16: {
+      const uint16_t *h = src;
+      for (size_t i = 0; i < n; i++) dst[i] = f16_to_f32(h[i]);
+      break;
+    }
+    default:
+      for (size_t i = 0; i < n; i++) dst[i] = (float)dtype_load(dt, src, i);
+  }
+}
+
+void dtype_from_f32(dtype_t dt, const float *src, void *dst, size_t n) {
+  switch (dt) {
+    case DTYPE_F32: memcpy(dst, src, n * sizeof(float)); break;
+    case DTYPE_BF16: {
+      uint16_t *h = dst;
+#pragma omp simd
+      for (size_t i = 0; i < n; i++) h[i] = bf16_of_bits(f32_bits(src[i]));
+      break;
+    }
+    case DTYPE_F16: {
+      uint16_t *h = dst;
+      for (size_t i = 0; i < n; i++) h[i] = f32_to_f16(src[i]);
+      break;
+    }
+    default:
+      for (size_t i = 0; i < n; i++) dtype_store(dt, dst, i, src[i]);
   }
 }

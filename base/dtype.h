@@ -54,6 +54,11 @@ double dtype_load(dtype_t dt, const void *buf, size_t i);
  * toward zero and saturate at the type's range; NaN becomes 0 for integers. */
 void dtype_store(dtype_t dt, void *buf, size_t i, double v);
 
+/* n elements of a buffer of type dt as f32 (exact for the float dtypes), and n f32 values
+ * written as type dt (rounded as dtype_store does): typed loops, vectorised for bf16. */
+void dtype_to_f32(dtype_t dt, const void *src, float *dst, size_t n);
+void dtype_from_f32(dtype_t dt, const float *src, void *dst, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

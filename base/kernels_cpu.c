@@ -3,8 +3,9 @@
  * kernels in kernels_cpu_*.c, their shared parts in kernels_cpu.h). Values are read into fp32
  * (converted copies for bf16/f16 storage), computed in fp32, and rounded once when stored.
  * Row sums run in fp32 lanes over blocks of 256 elements, the blocks added in double (RMSNorm,
- * attention's log-sum-exp, the gradient norm), or in double (LayerNorm, cross-entropy). This file is the only one built with OpenMP: its parallel
- * region (cpu_for_shares) runs every kernel's shares.
+ * attention's log-sum-exp, the gradient norm), or in double (LayerNorm, cross-entropy). This file
+ * is the only one built with OpenMP: its parallel region (cpu_for_shares) runs every kernel's
+ * shares.
  */
 #include <cblas.h>
 #include <pthread.h>
@@ -111,7 +112,7 @@ status_t cpu_fbuf_in(fbuf_t *b, const tensor_t *t) {
     return STATUS_OK;
   }
   TRY(fbuf_alloc(b, n));
-  for (int64_t i = 0; i < n; i++) b->p[i] = (float)dtype_load(t->dtype, t->data, (size_t)i);
+  dtype_to_f32(t->dtype, t->data, b->p, (size_t)n);
   return STATUS_OK;
 }
 
@@ -126,8 +127,7 @@ void cpu_fbuf_release(fbuf_t *b) {
 }
 
 void cpu_fbuf_commit(fbuf_t *b, tensor_t *t) {
-  if (b->owned)
-    for (int64_t i = 0; i < b->n; i++) dtype_store(t->dtype, t->data, (size_t)i, b->p[i]);
+  if (b->owned) dtype_from_f32(t->dtype, b->p, t->data, (size_t)b->n);
   cpu_fbuf_release(b);
 }
 

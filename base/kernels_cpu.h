@@ -75,6 +75,14 @@ static inline float round_to(dtype_t dt, float x) {
   }
 }
 
+/* Element i of t's buffer. */
+static inline void *elem_at(const tensor_t *t, int64_t i) {
+  return (char *)t->data + (size_t)i * dtype_size(t->dtype);
+}
+
+/* Elements converted at a time by the kernels' loops for other dtypes than F32. */
+enum { TILE = 512 };
+
 static inline int64_t index_at(const tensor_t *t, int64_t i) {
   return t->dtype == DTYPE_I32 ? ((const int32_t *)t->data)[i] : ((const int64_t *)t->data)[i];
 }

@@ -7,8 +7,8 @@
 /* ---- element-wise ---- */
 
 /* Element-wise kernels have a loop over plain floats for the all-F32 case (the compiler
- * vectorises it) and a generic loop through dtype_load/dtype_store for the others; both
- * compute the same fp32 expression. */
+ * vectorises it) and, for the others, the same fp32 expression over tiles of TILE elements
+ * converted to fp32 and back (dtype_to_f32, dtype_from_f32). */
 static bool all_f32(const tensor_t *const *t, int n) {
   for (int i = 0; i < n; i++)
     if (t[i]->dtype != DTYPE_F32) return false;
@@ -43,11 +43,13 @@ WIDE static void silu_mul_share(const void *ctx, int t, int64_t i0, int64_t i1) 
     for (int64_t i = i0; i < i1; i++) po[i] = pg[i] * silu_sig(pg[i]) * pu[i];
     return;
   }
-  for (int64_t i = i0; i < i1; i++) {
-    float g = (float)dtype_load(e->a->dtype, e->a->data, (size_t)i);
-    float u = (float)dtype_load(e->b->dtype, e->b->data, (size_t)i);
-    float a = round_to(e->o->dtype, g * silu_sig(g));
-    dtype_store(e->o->dtype, e->o->data, (size_t)i, a * u);
+  for (int64_t k = i0; k < i1; k += TILE) {
+    size_t m = (size_t)(i1 - k < TILE ? i1 - k : TILE);
+    float g[TILE], u[TILE], o[TILE];
+    dtype_to_f32(e->a->dtype, elem_at(e->a, k), g, m);
+    dtype_to_f32(e->b->dtype, elem_at(e->b, k), u, m);
+    for (size_t i = 0; i < m; i++) o[i] = round_to(e->o->dtype, g[i] * silu_sig(g[i])) * u[i];
+    dtype_from_f32(e->o->dtype, o, elem_at(e->o, k), m);
   }
 }
 
@@ -72,13 +74,19 @@ WIDE static void silu_mul_backward_share(const void *ctx, int t, int64_t i0, int
     }
     return;
   }
-  for (int64_t i = i0; i < i1; i++) {
-    float dy = (float)dtype_load(e->a->dtype, e->a->data, (size_t)i);
-    float g = (float)dtype_load(e->b->dtype, e->b->data, (size_t)i);
-    float u = (float)dtype_load(e->c->dtype, e->c->data, (size_t)i);
-    float s = silu_sig(g);
-    dtype_store(e->o2->dtype, e->o2->data, (size_t)i, dy * (g * s));
-    dtype_store(e->o->dtype, e->o->data, (size_t)i, dy * u * (s * (1.0f + g * (1.0f - s))));
+  for (int64_t k = i0; k < i1; k += TILE) {
+    size_t m = (size_t)(i1 - k < TILE ? i1 - k : TILE);
+    float dy[TILE], g[TILE], u[TILE], dg[TILE], du[TILE];
+    dtype_to_f32(e->a->dtype, elem_at(e->a, k), dy, m);
+    dtype_to_f32(e->b->dtype, elem_at(e->b, k), g, m);
+    dtype_to_f32(e->c->dtype, elem_at(e->c, k), u, m);
+    for (size_t i = 0; i < m; i++) {
+      float s = silu_sig(g[i]);
+      du[i] = dy[i] * (g[i] * s);
+      dg[i] = dy[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+    }
+    dtype_from_f32(e->o2->dtype, du, elem_at(e->o2, k), m);
+    dtype_from_f32(e->o->dtype, dg, elem_at(e->o, k), m);
   }
 }
 
@@ -177,10 +185,14 @@ WIDE static void add_share(const void *ctx, int t, int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) po[i] = pa[i] + pb[i];
     return;
   }
-  for (int64_t i = i0; i < i1; i++)
-    dtype_store(e->o->dtype, e->o->data, (size_t)i,
-                (float)dtype_load(e->a->dtype, e->a->data, (size_t)i) +
-                    (float)dtype_load(e->b->dtype, e->b->data, (size_t)i));
+  for (int64_t k = i0; k < i1; k += TILE) {
+    size_t m = (size_t)(i1 - k < TILE ? i1 - k : TILE);
+    float a[TILE], b[TILE];
+    dtype_to_f32(e->a->dtype, elem_at(e->a, k), a, m);
+    dtype_to_f32(e->b->dtype, elem_at(e->b, k), b, m);
+    for (size_t i = 0; i < m; i++) a[i] += b[i];
+    dtype_from_f32(e->o->dtype, a, elem_at(e->o, k), m);
+  }
 }
 
 static status_t cpu_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
@@ -205,10 +217,14 @@ WIDE static void axpy_share(const void *ctx, int t, int64_t i0, int64_t i1) {
     }
     return;
   }
-  for (int64_t i = i0; i < i1; i++)
-    dtype_store(e->o->dtype, e->o->data, (size_t)i,
-                (float)dtype_load(e->o->dtype, e->o->data, (size_t)i) +
-                    alpha * (float)dtype_load(e->a->dtype, e->a->data, (size_t)i));
+  for (int64_t k = i0; k < i1; k += TILE) {
+    size_t m = (size_t)(i1 - k < TILE ? i1 - k : TILE);
+    float y[TILE], x[TILE];
+    dtype_to_f32(e->o->dtype, elem_at(e->o, k), y, m);
+    dtype_to_f32(e->a->dtype, elem_at(e->a, k), x, m);
+    for (size_t i = 0; i < m; i++) y[i] = y[i] + alpha * x[i];
+    dtype_from_f32(e->o->dtype, y, elem_at(e->o, k), m);
+  }
 }
 
 static status_t cpu_axpy(tensor_t *y, float alpha, const tensor_t *x) {
@@ -226,9 +242,13 @@ WIDE static void scale_share(const void *ctx, int t, int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) px[i] *= alpha;
     return;
   }
-  for (int64_t i = i0; i < i1; i++)
-    dtype_store(e->o->dtype, e->o->data, (size_t)i,
-                alpha * (float)dtype_load(e->o->dtype, e->o->data, (size_t)i));
+  for (int64_t k = i0; k < i1; k += TILE) {
+    size_t m = (size_t)(i1 - k < TILE ? i1 - k : TILE);
+    float x[TILE];
+    dtype_to_f32(e->o->dtype, elem_at(e->o, k), x, m);
+    for (size_t i = 0; i < m; i++) x[i] = alpha * x[i];
+    dtype_from_f32(e->o->dtype, x, elem_at(e->o, k), m);
+  }
 }
 
 static status_t cpu_scale(tensor_t *x, float alpha) {
@@ -264,15 +284,19 @@ WIDE static void adamw_share(const void *ctx, int t, int64_t i0, int64_t i1) {
     }
     return;
   }
-  for (int64_t i = i0; i < i1; i++) {
-    float pi = (float)dtype_load(a->p->dtype, a->p->data, (size_t)i);
-    float gi = (float)dtype_load(a->g->dtype, a->g->data, (size_t)i) * gs;
-    pi *= decay;
-    pm[i] += one_minus_b1 * (gi - pm[i]);
-    pv[i] = pv[i] * b2 + one_minus_b2 * gi * gi;
-    float denom = sqrtf(pv[i]) / bc2_sqrt + eps;
-    pi += (-step_size * pm[i]) / denom;
-    dtype_store(a->p->dtype, a->p->data, (size_t)i, pi);
+  for (int64_t k = i0; k < i1; k += TILE) {
+    size_t n = (size_t)(i1 - k < TILE ? i1 - k : TILE);
+    float p[TILE], g[TILE], *m = pm + k, *v = pv + k;
+    dtype_to_f32(a->p->dtype, elem_at(a->p, k), p, n);
+    dtype_to_f32(a->g->dtype, elem_at(a->g, k), g, n);
+    for (size_t i = 0; i < n; i++) {
+      float gi = g[i] * gs;
+      m[i] += one_minus_b1 * (gi - m[i]);
+      v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
+      float denom = sqrtf(v[i]) / bc2_sqrt + eps;
+      p[i] = p[i] * decay + (-step_size * m[i]) / denom;
+    }
+    dtype_from_f32(a->p->dtype, p, elem_at(a->p, k), n);
   }
 }
 
@@ -367,9 +391,11 @@ static status_t cpu_sum_squares(const tensor_t *x, double *out) {
     *out = dot_f32(x->data, x->data, n);
     return STATUS_OK;
   }
-  for (int64_t i = 0; i < n; i++) {
-    double e = dtype_load(x->dtype, x->data, (size_t)i);
-    s += e * e;
+  for (int64_t k = 0; k < n; k += TILE) { /* in double, in order */
+    size_t m = (size_t)(n - k < TILE ? n - k : TILE);
+    float e[TILE];
+    dtype_to_f32(x->dtype, elem_at(x, k), e, m);
+    for (size_t i = 0; i < m; i++) s += (double)e[i] * e[i];
   }
   *out = s;
   return STATUS_OK;
