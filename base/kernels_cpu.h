@@ -99,6 +99,9 @@ enum { SUM_BLOCK = 256 };
 
 /* The sum of a[i] b[i] c[i] over i < n, or of a[i] b[i] when c is NULL. */
 double cpu_sum_products(const float *a, const float *b, const float *c, int64_t n);
+/* The same in double lanes, products in double: for sums whose rounding noise a run must not
+ * amplify (RMSNorm's, which FSDP's parity with one rank depends on). */
+double cpu_sum_products_f64(const float *a, const float *b, const float *c, int64_t n);
 /* The sum of exp_f32(x[i] - shift) over i < n. */
 double cpu_sum_exp(const float *x, int64_t n, float shift);
 

@@ -340,6 +340,18 @@ double cpu_sum_products(const float *a, const float *b, const float *c, int64_t 
   return s;
 }
 
+double cpu_sum_products_f64(const float *a, const float *b, const float *c, int64_t n) {
+  double s = 0;
+  if (c == NULL) {
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += (double)a[i] * b[i];
+  } else {
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += (double)a[i] * b[i] * c[i];
+  }
+  return s;
+}
+
 double cpu_sum_exp(const float *x, int64_t n, float shift) {
   double s = 0;
   for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {

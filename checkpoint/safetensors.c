@@ -305,10 +305,15 @@ status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes) {
   return read_at(f, name, t->begin, buf, bytes);
 }
 
+/* Bytes [pos, pos + bytes) of tensor t's data lie inside it. */
+static bool in_tensor(const st_info_t *t, uint64_t pos, size_t bytes) {
+  return pos <= t->end - t->begin && bytes <= t->end - t->begin - pos;
+}
+
 status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes) {
   const st_info_t *t;
   TRY(find_or_fail(f, name, &t));
-  if (pos > t->end - t->begin || bytes > t->end - t->begin - pos)
+  if (!in_tensor(t, pos, bytes))
     return err_set(STATUS_EINVAL, "%s: bytes %llu..%llu are outside tensor '%s' (%llu bytes)",
                    f->path, (unsigned long long)pos, (unsigned long long)(pos + bytes), name,
                    (unsigned long long)(t->end - t->begin));
@@ -319,7 +324,7 @@ size_t st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, s
                       size_t unit) {
 #ifdef RWF_NOWAIT
   const st_info_t *t = st_find(f, name);
-  if (t == NULL || pos > t->end - t->begin || bytes > t->end - t->begin - pos) return 0;
+  if (t == NULL || !in_tensor(t, pos, bytes)) return 0;
   struct iovec v = {buf, bytes};
   ssize_t n = preadv2(fileno(f->fp), &v, 1, (off_t)(f->data_start + t->begin + pos), RWF_NOWAIT);
   if (n <= 0 || unit == 0) return 0; /* EAGAIN: not cached; EOPNOTSUPP: cannot tell */
