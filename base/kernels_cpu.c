@@ -2,10 +2,10 @@
  * CPU twin of the compute kernels: OpenBLAS for matrix products, plain C elsewhere (the other
  * kernels in kernels_cpu_*.c, their shared parts in kernels_cpu.h). Values are read into fp32
  * (converted copies for bf16/f16 storage), computed in fp32, and rounded once when stored.
- * Row sums run in fp32 lanes over blocks of 256 elements, the blocks added in double (RMSNorm,
- * attention's log-sum-exp, the gradient norm), or in double (LayerNorm, cross-entropy). This file
- * is the only one built with OpenMP: its parallel region (cpu_for_shares) runs every kernel's
- * shares.
+ * Row sums accumulate in double (vectorised for RMSNorm and attention's log-sum-exp); the
+ * gradient norm in fp32 lanes over blocks of 256 elements, the blocks added in double. This
+ * file is the only one built with OpenMP: its parallel region (cpu_for_shares) runs every
+ * kernel's shares.
  */
 #include <cblas.h>
 #include <pthread.h>

@@ -354,14 +354,8 @@ double cpu_sum_products_f64(const float *a, const float *b, const float *c, int6
 
 double cpu_sum_exp(const float *x, int64_t n, float shift) {
   double s = 0;
-  for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {
-    int64_t m = n - i0 < SUM_BLOCK ? n - i0 : SUM_BLOCK;
-    const float *y = x + i0;
-    float acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < m; i++) acc += exp_f32(y[i] - shift);
-    s += acc;
-  }
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; i++) s += (double)exp_f32(x[i] - shift);
   return s;
 }
 
