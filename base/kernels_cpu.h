@@ -91,20 +91,15 @@ static inline int64_t last_dim(const tensor_t *t) {
   return t->ndim == 0 ? 1 : t->shape[t->ndim - 1];
 }
 
-/* ---- sums in a fixed order ----
- * Vectorised sums whose order depends on n only. Defined in kernels_cpu_pointwise.c, outside
- * the AVX2 copies (WIDE), whose wider lanes would change it: call them, never inline them into
- * a WIDE kernel. Sums over a row that feed the rest of the step accumulate in double: fp32
- * rounding noise there turns the last-bit differences between an FSDP run and the one-rank run
- * (matrix products of other batch sizes) into parameter differences above 1e-5 in ten steps. */
-enum { SUM_BLOCK = 256 };
+/* ---- row sums ----
+ * Vectorised in double lanes (defined in kernels_cpu_pointwise.c, outside the AVX2 copies):
+ * fp32 rounding noise in these sums would turn the last-bit differences between an FSDP run
+ * and the one-rank run (matrix products of other batch sizes) into parameter differences above
+ * 1e-5 in ten steps. */
 
-/* The sum of a[i] b[i] c[i] over i < n, or of a[i] b[i] when c is NULL, in fp32 lanes over
- * blocks of SUM_BLOCK elements, the blocks' sums added in double (the gradient norm). */
+/* The sum of a[i] b[i] c[i] over i < n, or of a[i] b[i] when c is NULL, products in double. */
 double cpu_sum_products(const float *a, const float *b, const float *c, int64_t n);
-/* The same in double lanes with products in double (RMSNorm). */
-double cpu_sum_products_f64(const float *a, const float *b, const float *c, int64_t n);
-/* The sum of exp_f32(x[i] - shift) over i < n, in double lanes (attention's log-sum-exp). */
+/* The sum of exp_f32(x[i] - shift) over i < n (attention's log-sum-exp). */
 double cpu_sum_exp(const float *x, int64_t n, float shift);
 
 /* ---- threads ---- */

@@ -264,39 +264,38 @@ typedef struct adamw_share_args {
   float decay, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps, gs;
 } adamw_share_args_t;
 
-WIDE static void adamw_share(const void *ctx, int t, int64_t i0, int64_t i1) {
-  const adamw_share_args_t *a = ctx;
+/* The update of n elements of p from g, with moments m and v, all fp32. */
+static inline void adamw_f32(const adamw_share_args_t *a, float *p, const float *g, float *m,
+                             float *v, int64_t n) {
   float decay = a->decay, one_minus_b1 = a->one_minus_b1, b2 = a->b2;
   float one_minus_b2 = a->one_minus_b2, step_size = a->step_size, bc2_sqrt = a->bc2_sqrt;
   float eps = a->eps, gs = a->gs;
+#pragma omp simd /* vectorised at -O2 as well (-fopenmp-simd): the same IEEE operations */
+  for (int64_t i = 0; i < n; i++) {
+    float gi = g[i] * gs;
+    m[i] += one_minus_b1 * (gi - m[i]);
+    v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
+    float denom = sqrtf(v[i]) / bc2_sqrt + eps;
+    p[i] = p[i] * decay + (-step_size * m[i]) / denom;
+  }
+}
+
+WIDE static void adamw_share(const void *ctx, int t, int64_t i0, int64_t i1) {
+  const adamw_share_args_t *a = ctx;
   float *pm = a->m->data, *pv = a->v->data;
   (void)t;
   if (ALL_F32(a->p, a->g)) {
-    float *pp = a->p->data;
-    const float *pg = a->g->data;
-#pragma omp simd /* vectorised at -O2 as well (-fopenmp-simd): the same IEEE operations */
-    for (int64_t i = i0; i < i1; i++) {
-      float gi = pg[i] * gs;
-      pm[i] += one_minus_b1 * (gi - pm[i]);
-      pv[i] = pv[i] * b2 + one_minus_b2 * gi * gi;
-      float denom = sqrtf(pv[i]) / bc2_sqrt + eps;
-      pp[i] = pp[i] * decay + (-step_size * pm[i]) / denom;
-    }
+    adamw_f32(a, (float *)a->p->data + i0, (const float *)a->g->data + i0, pm + i0, pv + i0,
+              i1 - i0);
     return;
   }
   for (int64_t k = i0; k < i1; k += TILE) {
-    size_t n = (size_t)(i1 - k < TILE ? i1 - k : TILE);
-    float p[TILE], g[TILE], *m = pm + k, *v = pv + k;
-    dtype_to_f32(a->p->dtype, elem_at(a->p, k), p, n);
-    dtype_to_f32(a->g->dtype, elem_at(a->g, k), g, n);
-    for (size_t i = 0; i < n; i++) {
-      float gi = g[i] * gs;
-      m[i] += one_minus_b1 * (gi - m[i]);
-      v[i] = v[i] * b2 + one_minus_b2 * gi * gi;
-      float denom = sqrtf(v[i]) / bc2_sqrt + eps;
-      p[i] = p[i] * decay + (-step_size * m[i]) / denom;
-    }
-    dtype_from_f32(a->p->dtype, p, elem_at(a->p, k), n);
+    int64_t n = i1 - k < TILE ? i1 - k : TILE;
+    float p[TILE], g[TILE];
+    dtype_to_f32(a->p->dtype, elem_at(a->p, k), p, (size_t)n);
+    dtype_to_f32(a->g->dtype, elem_at(a->g, k), g, (size_t)n);
+    adamw_f32(a, p, g, pm + k, pv + k, n);
+    dtype_from_f32(a->p->dtype, p, elem_at(a->p, k), (size_t)n);
   }
 }
 
@@ -323,25 +322,6 @@ static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t 
 
 double cpu_sum_products(const float *a, const float *b, const float *c, int64_t n) {
   double s = 0;
-  for (int64_t i0 = 0; i0 < n; i0 += SUM_BLOCK) {
-    int64_t m = n - i0 < SUM_BLOCK ? n - i0 : SUM_BLOCK;
-    const float *x = a + i0, *y = b + i0;
-    float acc = 0;
-    if (c == NULL) {
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < m; i++) acc += x[i] * y[i];
-    } else {
-      const float *z = c + i0;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < m; i++) acc += x[i] * y[i] * z[i];
-    }
-    s += acc;
-  }
-  return s;
-}
-
-double cpu_sum_products_f64(const float *a, const float *b, const float *c, int64_t n) {
-  double s = 0;
   if (c == NULL) {
 #pragma omp simd reduction(+ : s)
     for (int64_t i = 0; i < n; i++) s += (double)a[i] * b[i];
@@ -359,8 +339,20 @@ double cpu_sum_exp(const float *x, int64_t n, float shift) {
   return s;
 }
 
-/* The gradient norm: cpu_sum_products over windows of blocks, the blocks' sums formed in
- * parallel when threads allow and added in order. */
+/* The gradient norm: sums of a[i] b[i] in fp32 lanes over blocks of SUM_BLOCK elements, formed
+ * over windows of blocks (in parallel when threads allow), the blocks' sums added in double in
+ * order. Not in a WIDE kernel, whose wider lanes would change the order. */
+enum { SUM_BLOCK = 256 };
+
+/* One block's sum; a function of its own, so that its vector code (and with it the order of
+ * the sum) is the same wherever it is called from. */
+__attribute__((noinline)) static float block_sum(const float *x, const float *y, int64_t m) {
+  float acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < m; i++) acc += x[i] * y[i];
+  return acc;
+}
+
 typedef struct dot_args {
   const float *a, *b;
   int64_t n, first; /* the window's first block */
@@ -370,9 +362,9 @@ typedef struct dot_args {
 static void dot_share(const void *ctx, int t, int64_t b0, int64_t b1) {
   const dot_args_t *d = ctx;
   (void)t;
-  for (int64_t blk = b0; blk < b1; blk++) { /* one block: its fp32 sum, exactly */
+  for (int64_t blk = b0; blk < b1; blk++) {
     int64_t i0 = (d->first + blk) * SUM_BLOCK, i1 = i0 + SUM_BLOCK < d->n ? i0 + SUM_BLOCK : d->n;
-    d->part[blk] = (float)cpu_sum_products(d->a + i0, d->b + i0, NULL, i1 - i0);
+    d->part[blk] = block_sum(d->a + i0, d->b + i0, i1 - i0);
   }
 }
 

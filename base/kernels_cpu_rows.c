@@ -21,7 +21,7 @@ static void rmsnorm_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   (void)t;
   for (int64_t i = i0; i < i1; i++) {
     const float *xi = a->x + i * D, *w = a->w;
-    float var = (float)(cpu_sum_products_f64(xi, xi, NULL, D) / (double)D),
+    float var = (float)(cpu_sum_products(xi, xi, NULL, D) / (double)D),
           ri = 1.0f / sqrtf(var + a->eps);
     float *oi = a->out + i * D;
     a->rstd[i] = ri;
@@ -69,7 +69,7 @@ static void rmsnorm_dx_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   (void)t;
   for (int64_t i = i0; i < i1; i++) {
     const float *xi = a->x + i * D, *dyi = a->dy + i * D;
-    double dot = cpu_sum_products_f64(dyi, w, xi, D); /* sum_j dy_j w_j x_j */
+    double dot = cpu_sum_products(dyi, w, xi, D); /* sum_j dy_j w_j x_j */
     float ri = a->rstd_in[i], c = (float)(dot / (double)D) * ri * ri;
     float *dxi = a->dx + i * D;
 #pragma omp simd
