@@ -52,6 +52,53 @@ int device_cuda_compiled(void) { return cuda_backend() != NULL; }
 
 int device_cuda_count(void) { return cuda_backend() ? cuda_backend()->device_count() : 0; }
 
+static const char *const want_names[] = {"auto", "cpu", "cuda"};
+
+int device_want_parse(const char *s, device_want_t *out) {
+  for (int i = 0; i < 3; i++)
+    if (s != NULL && strcmp(s, want_names[i]) == 0) {
+      *out = (device_want_t)i;
+      return 1;
+    }
+  return 0;
+}
+
+const char *device_want_name(device_want_t w) {
+  return w >= DEVICE_WANT_AUTO && w <= DEVICE_WANT_CUDA ? want_names[w] : "?";
+}
+
+status_t device_choose(device_want_t want, int gpus, int local_ranks, device_type_t *out, char *why,
+                       size_t why_size) {
+  if (why != NULL && why_size > 0) why[0] = 0;
+  *out = DEVICE_CPU;
+  if (want == DEVICE_WANT_CPU) return STATUS_OK;
+  if (want != DEVICE_WANT_AUTO && want != DEVICE_WANT_CUDA)
+    return err_set(STATUS_EINVAL, "device_choose: unknown choice %d", (int)want);
+  if (local_ranks < 1) local_ranks = 1;
+  const char *s = gpus == 1 ? "" : "s", *rs = local_ranks == 1 ? "" : "s";
+  if (gpus >= local_ranks) {
+    *out = DEVICE_CUDA;
+    return STATUS_OK;
+  }
+  if (want == DEVICE_WANT_AUTO) {
+    if (gpus > 0 && why != NULL)
+      snprintf(why, why_size,
+               "%d rank%s run on this node, which has %d CUDA device%s (one per rank is needed): "
+               "running on the CPU; start at most %d rank%s per node to use them",
+               local_ranks, rs, gpus, s, gpus, s);
+    return STATUS_OK;
+  }
+  if (gpus <= 0)
+    return err_set(STATUS_ENODEV, "%s: ask for the CPU (cpu), or for auto",
+                   device_cuda_compiled() ? "this rank sees no CUDA device (no GPU, no driver, or "
+                                            "CUDA_VISIBLE_DEVICES hides them)"
+                                          : "the library was built without CUDA");
+  return err_set(STATUS_ENODEV,
+                 "%d rank%s run on this node, which has %d CUDA device%s; NCCL needs one per "
+                 "rank: start at most %d rank%s per node, or ask for the CPU (cpu)",
+                 local_ranks, rs, gpus, s, gpus, s);
+}
+
 status_t device_check(device_t dev) {
   if (dev.type == DEVICE_CPU) return STATUS_OK;
   if (dev.type != DEVICE_CUDA) return err_set(STATUS_EINVAL, "unknown device type %d", dev.type);

@@ -52,6 +52,25 @@ int device_cuda_compiled(void);
 /* Number of usable CUDA devices: 0 without CUDA support, without a driver or without a GPU. */
 int device_cuda_count(void);
 
+/* Which device a program asks for: the CPU, CUDA, or CUDA where every rank of the node has a
+ * device of its own (NCCL refuses two ranks on one device). */
+typedef enum device_want { DEVICE_WANT_AUTO = 0, DEVICE_WANT_CPU, DEVICE_WANT_CUDA } device_want_t;
+
+/* "auto", "cpu" or "cuda" into *out; false for anything else. */
+int device_want_parse(const char *s, device_want_t *out);
+const char *device_want_name(device_want_t w);
+
+/* The device type of a rank that sees gpus CUDA devices and shares its node with local_ranks
+ * ranks (itself included), under want:
+ *   cpu:  the CPU;
+ *   auto: CUDA when gpus >= local_ranks > 0, else the CPU; when devices were seen but are too
+ *         few, why (why_size bytes, may be NULL) says so, else why is "";
+ *   cuda: CUDA when gpus >= local_ranks > 0, else STATUS_ENODEV naming the counts and the way
+ *         out.
+ * Local: no device or MPI call (world_choose_device applies it to the running job). */
+status_t device_choose(device_want_t want, int gpus, int local_ranks, device_type_t *out, char *why,
+                       size_t why_size);
+
 /* Checks that dev exists (the CPU always does). */
 status_t device_check(device_t dev);
 

@@ -148,6 +148,30 @@ device_t world_device(void) {
   return device_cuda(world_local_rank() % n);
 }
 
+status_t world_choose_device(device_want_t want, device_t *out, char *why, size_t why_size) {
+  device_type_t type;
+  *out = device_cpu();
+  int gpus = want == DEVICE_WANT_CPU ? 0 : device_cuda_count();
+  status_t st = device_choose(want, gpus, world_local_size(), &type, why, why_size);
+  /* each rank keeps its own message when all failed (one line in a report); else the
+   * others learn the failing one's */
+  int ok[2] = {st == STATUS_OK, st != STATUS_OK}, min[2];
+  TRY(world_allreduce(ok, min, 2, MPI_INT, MPI_MIN, MPI_COMM_WORLD,
+                      "MPI_Allreduce (device choice)"));
+  if (min[1] == 1) return st;
+  TRY(comm_agree(MPI_COMM_WORLD, st));
+  /* auto: one mesh device type for the whole job, the CPU when any node falls short */
+  int mine = type == DEVICE_CUDA, all = 0;
+  TRY(world_allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD,
+                      "MPI_Allreduce (device choice)"));
+  if (mine && !all && why != NULL)
+    snprintf(why, why_size,
+             "another node has fewer CUDA devices than ranks (one per rank is needed): every "
+             "rank runs on the CPU");
+  if (all) *out = world_device();
+  return STATUS_OK;
+}
+
 status_t comm_agree(MPI_Comm comm, status_t st) {
   int rank = 0;
   MPI_Comm_rank(comm, &rank);

@@ -54,6 +54,13 @@ pg_t *world_pg(void);
 /* cuda:(local_rank % count) when CUDA devices are present, else the CPU. */
 device_t world_device(void);
 
+/* device_choose (base/device.h) with this rank's device count and world_local_size(), agreed
+ * over the world: when one rank fails (cuda asked for where a node falls short), every rank
+ * fails with its message ("rank R: ..."); under auto, every rank takes the CPU when any rank
+ * would. *out: world_device() for CUDA, else the CPU; why as device_choose's, or saying that
+ * another node fell short. Collective over the world. */
+status_t world_choose_device(device_want_t want, device_t *out, char *why, size_t why_size);
+
 /* Ends a phase of a program: every rank learns whether any rank failed (returns true when
  * none did). Then rank 0 prints each distinct failure message once, naming the ranks that
  * gave it: "PROG: [rank 2] MESSAGE", "PROG: [ranks 0-3] MESSAGE" or "[ranks 0,2]", and the

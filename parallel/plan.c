@@ -147,7 +147,7 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const data_keys[] = {"path",       "format",     "seq_len",
                                           "batch_size", "grad_accum", NULL};
   static const char *const train_keys[] = {
-      "steps", "seed", "activation_checkpointing", "nonfinite", "comm_timeout_s", NULL};
+      "steps", "seed", "activation_checkpointing", "device", "nonfinite", "comm_timeout_s", NULL};
   static const char *const ckpt_keys[] = {"dir",    "interval",    "keep", "load",
                                           "verify", "block_bytes", NULL};
   static const char *const log_keys[] = {"metrics", "interval", NULL};
@@ -181,6 +181,13 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   if (seed >= 0) p->seed = (uint64_t)seed;
   TRY(pr_get_bool(c, m, "train", "activation_checkpointing", &p->activation_checkpointing));
   TRY(pr_get_float(c, m, "train", "comm_timeout_s", 0, 1e9, false, &p->comm_timeout_s));
+  int dv = pr_find(c, m, "device");
+  if (!pr_is_null(c, dv)) {
+    const char *s;
+    TRY(pr_want_scalar(c, dv, "train.device", "auto, cpu or cuda", &s));
+    if (!device_want_parse(s, &p->device))
+      return pr_fail(c, dv, "train.device", "expected auto, cpu or cuda, got '%s'", s);
+  }
   int nf = pr_find(c, m, "nonfinite");
   if (!pr_is_null(c, nf)) {
     const char *s;

@@ -50,6 +50,7 @@ typedef struct plan {
   int64_t steps;
   uint64_t seed;
   bool activation_checkpointing;
+  device_want_t device; /* auto (default), cpu or cuda */
   bool skip_nonfinite; /* a step with a non-finite loss or gradient norm: skipped, not fatal */
   double comm_timeout_s; /* the collective watchdog (world_set_timeout); 0: none */
   /* checkpoint */

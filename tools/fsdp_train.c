@@ -129,10 +129,14 @@ static int64_t saved_global_batch(const char *dir) {
 /* Samples per optimizer step over the data-parallel ranks. */
 static status_t build(run_t *r) {
   plan_t *p = &r->plan;
+  device_t dev; /* first: collective, and every rank arrives here */
+  status_t st = world_choose_device(p->device, &dev, r->device_note, sizeof r->device_note);
+  if (st != STATUS_OK)
+    return err_prefix(st, "%s: train.device: %s", p->source, device_want_name(p->device));
   TRY(llama_plan_check(&p->par));
   TRY(open_data(r)); /* before the model: a bad file fails at once */
   llama_options_t lo = LLAMA_OPTIONS_INIT;
-  lo.device = world_device().type;
+  lo.device = dev.type;
   lo.activation_checkpointing = p->activation_checkpointing;
   lo.deferred = p->deferred_init || r->args.dry_run; /* a dry run allocates no parameter */
   bool resume = false; /* a checkpoint to load: it overwrites every parameter */

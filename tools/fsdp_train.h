@@ -36,6 +36,7 @@ typedef struct run {
   optim_t *opt;
   data_t *data;
   device_t dev;
+  char device_note[320]; /* why train.device auto took the CPU beside CUDA devices, or "" */
   int dp_size, dp_rank;
   int64_t start_step; /* steps already taken (resumed from a checkpoint) */
   char resumed_from[PLAN_PATH_MAX + 32];

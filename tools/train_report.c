@@ -69,6 +69,7 @@ void train_header(const run_t *r) {
   printf("  world %d rank%s on %s%s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
          world_size(), world_size() == 1 ? "" : "s", dev, threads, p->par.dp_replicate,
          p->par.dp_shard, p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
+  if (r->device_note[0]) printf("  train.device auto: %s\n", r->device_note);
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) warn_oversubscribed();
   printf(
       "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "

@@ -464,6 +464,12 @@ def errors():
          r"NO_SHARD"),
         ("unknown train.nonfinite", base.replace("  steps: 2", "  steps: 2\n  nonfinite: ignore"), [],
          r"train\.nonfinite: expected stop or skip, got 'ignore'"),
+        ("unknown train.device", None, ["--set", "train.device=gpu"],
+         r"--set train\.device=gpu: train\.device: expected auto, cpu or cuda, got 'gpu'"),
+        # the CPU modes hide the devices (CUDA_VISIBLE_DEVICES above)
+        ("train.device cuda without a device", None, ["--set", "train.device=cuda"],
+         r"train\.device: cuda: (this rank sees no CUDA device .*|the library was built without "
+         r"CUDA): ask for the CPU \(cpu\), or for auto"),
         # --dry-run refuses what the run would
         ("--dry-run, u16 tokens in an odd-sized file",
          base.replace(data, odd).replace("  seq_len: 16", "  format: u16\n  seq_len: 16"),
@@ -1073,6 +1079,22 @@ def gpu():
     if " on cuda" not in p.stdout:
         print("no CUDA device: skipped")
         sys.exit(77)
+    # train.device with one device visible: auto takes it for one rank, the CPU for two (NCCL
+    # needs a device per rank), cuda refuses two ranks on every rank
+    one = {"CUDA_VISIBLE_DEVICES": "0"}
+    for n, dev, ok, want in [(1, "auto", True, r"world 1 rank on cuda:0"),
+                             (1, "cpu", True, r"world 1 rank on cpu"),
+                             (2, "auto", True, r"world 2 ranks on cpu.*\n  train\.device auto: 2 "
+                              r"ranks run on this node, which has 1 CUDA device"),
+                             (2, "cuda", False, r"\[ranks 0,1\] .*train\.device: cuda: 2 ranks run "
+                              r"on this node, which has 1 CUDA device; NCCL needs one per rank")]:
+        p = sh([MPIRUN] + MPI_ARGS + ["-n", str(n), EXE, cfg, "--dry-run", "--set",
+                                      "mesh.dp_shard=%d" % n, "--set", "train.device=" + dev],
+               60, env=one)
+        text = p.stdout if ok else p.stderr
+        check((p.returncode == 0) == ok and re.search(want, text) is not None,
+              "train.device=%s on %d rank%s, one device: exit %d /%s/" %
+              (dev, n, "s" if n > 1 else "", p.returncode, want))
     for offload in ("false", "true"):
         a, b = os.path.join(tmp, "a" + offload), os.path.join(tmp, "b" + offload)
         ma, mb = os.path.join(tmp, "a.jsonl"), os.path.join(tmp, "b.jsonl")

@@ -43,6 +43,55 @@ START_TEST(tensor_init_cuda_without_device_is_enodev) {
 }
 END_TEST
 
+/* auto, cpu and cuda against the node's devices and ranks: each row's device, or its error and
+ * the counts it names. */
+START_TEST(device_choice_by_devices_and_ranks) {
+  static const struct {
+    device_want_t want;
+    int gpus, ranks;
+    status_t st;
+    device_type_t type;
+    const char *says; /* in why (auto) or the error (cuda); NULL: why is empty */
+  } rows[] = {
+      {DEVICE_WANT_CPU, 8, 1, STATUS_OK, DEVICE_CPU, NULL},
+      {DEVICE_WANT_CPU, 0, 4, STATUS_OK, DEVICE_CPU, NULL},
+      {DEVICE_WANT_AUTO, 0, 1, STATUS_OK, DEVICE_CPU, NULL},
+      {DEVICE_WANT_AUTO, 0, 8, STATUS_OK, DEVICE_CPU, NULL},
+      {DEVICE_WANT_AUTO, 1, 1, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_AUTO, 8, 8, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_AUTO, 8, 2, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_AUTO, 1, 4, STATUS_OK, DEVICE_CPU,
+       "4 ranks run on this node, which has 1 CUDA device (one per rank is needed): running on "
+       "the CPU; start at most 1 rank per node"},
+      {DEVICE_WANT_AUTO, 2, 3, STATUS_OK, DEVICE_CPU, "which has 2 CUDA devices"},
+      {DEVICE_WANT_CUDA, 1, 1, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_CUDA, 4, 4, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_CUDA, 1, 4, STATUS_ENODEV, DEVICE_CPU,
+       "4 ranks run on this node, which has 1 CUDA device; NCCL needs one per rank: start at "
+       "most 1 rank per node, or ask for the CPU (cpu)"},
+      {DEVICE_WANT_CUDA, 0, 1, STATUS_ENODEV, DEVICE_CPU, "ask for the CPU (cpu), or for auto"},
+  };
+  for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+    device_type_t type = (device_type_t)-1;
+    char why[256] = "x";
+    err_clear();
+    status_t st = device_choose(rows[i].want, rows[i].gpus, rows[i].ranks, &type, why, sizeof why);
+    ck_assert_msg(st == rows[i].st, "row %zu: status %d", i, (int)st);
+    if (st == STATUS_OK) ck_assert_msg(type == rows[i].type, "row %zu: type %d", i, (int)type);
+    const char *text = st == STATUS_OK ? why : err_detail();
+    if (rows[i].says == NULL)
+      ck_assert_msg(why[0] == 0, "row %zu: why '%s'", i, why);
+    else
+      ck_assert_msg(strstr(text, rows[i].says) != NULL, "row %zu: '%s'", i, text);
+  }
+  device_want_t w;
+  ck_assert(device_want_parse("cuda", &w) && w == DEVICE_WANT_CUDA);
+  ck_assert(device_want_parse("auto", &w) && w == DEVICE_WANT_AUTO);
+  ck_assert(!device_want_parse("gpu", &w) && !device_want_parse("CPU", &w));
+  ck_assert_str_eq(device_want_name(DEVICE_WANT_CPU), "cpu");
+}
+END_TEST
+
 START_TEST(tensor_scalar_and_empty) {
   tensor_t s, e;
   ck_assert_int_eq(tensor_init(&s, DTYPE_I64, device_cpu(), 0, NULL), STATUS_OK);
@@ -312,6 +361,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_init_contiguous_layout);
   tcase_add_test(tc, tensor_init_rejects_bad_shapes);
   tcase_add_test(tc, tensor_init_cuda_without_device_is_enodev);
+  tcase_add_test(tc, device_choice_by_devices_and_ranks);
   tcase_add_test(tc, tensor_scalar_and_empty);
   tcase_add_test(tc, tensor_view_checks_numel);
   tcase_add_test(tc, tensor_narrow_inner_dim_copies_strided);
