@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""PyTorch FSDP2 training of a Llama config: the peer that bench/vs_torch_gpu.py runs beside
+fsdp-train.
+
+  torch_fsdp2.py --config configs/llama-100m.json --data TOKENS.u16 [--batch 8] [--seq 1024]
+                 [--steps 30] [--warmup 5] [--param-dtype bf16] [--reduce-dtype f32]
+                 [--lr 3e-4] [--device cuda|cpu] [--no-fsdp]
+
+The model is the Llama of a Hugging Face config (RMSNorm, rotary embedding with rotate_half,
+grouped-query attention through torch's scaled_dot_product_attention with is_causal, SwiGLU,
+untied or tied head), as PyTorch users write it. It is trained the way TorchTitan does:
+fully_shard on every decoder layer, then on the root, with
+MixedPrecisionPolicy(param_dtype, reduce_dtype); AdamW (betas 0.9/0.95, weight decay 0.1, none
+on the norms); gradient clipping at 1.0; the loss in f32. A batch is `batch` windows of `seq`
+tokens (plus the next one) from the little-endian uint16 token file. One process is a world
+of size 1 (NCCL on the GPU); under torchrun each rank takes its own windows.
+
+Prints one JSON line (rank 0): the median tokens/s of the job over the steps after the warmup
+ones, the peak memory torch's allocator held, the first and last loss, the device and the
+versions. --device cpu --no-fsdp trains the same model eagerly on the CPU (to check this
+script where no GPU is).
+"""
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def attention(q, k, v):
+    """Causal attention of q [B, H, T, D] over k, v [B, Hkv, T, D]."""
+    sdpa = getattr(F, "scaled_dot_product_attention", None)
+    if sdpa is not None and q.shape[1] == k.shape[1]:
+        return sdpa(q, k, v, is_causal=True)
+    if sdpa is not None:
+        try:
+            return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        except TypeError:  # torch < 2.5
+            pass
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if sdpa is not None:
+        return sdpa(q, k, v, is_causal=True)
+    T = q.shape[2]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s + torch.full((T, T), float("-inf"), device=q.device).triu(1)
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        d = c["hidden_size"]
+        self.h, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
+        self.hd = d // self.h
+        self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
+        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = attention(q, k, v).transpose(1, 2).reshape(B, T, self.h * self.hd)
+        return self.o_proj(o)
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        d, f = c["hidden_size"], c["intermediate_size"]
+        self.input_layernorm = RMSNorm(d, c["rms_norm_eps"])
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(d, c["rms_norm_eps"])
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        y = self.post_attention_layernorm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+
+
+class Llama(nn.Module):
+    def __init__(self, c, seq):
+        super().__init__()
+        d, hd = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
+        self.embed_tokens = nn.Embedding(c["vocab_size"], d)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c["num_hidden_layers"]))
+        self.norm = RMSNorm(d, c["rms_norm_eps"])
+        self.lm_head = nn.Linear(d, c["vocab_size"], bias=False)
+        if c.get("tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+        theta = c.get("rope_theta", 10000.0)
+        inv = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
+        ang = torch.cat([ang, ang], dim=-1)
+        self.register_buffer("cos", ang.cos().float(), persistent=False)
+        self.register_buffer("sin", ang.sin().float(), persistent=False)
+
+    def forward(self, ids):
+        h = self.embed_tokens(ids)
+        for layer in self.layers:
+            h = layer(h, self.cos, self.sin)
+        return self.lm_head(self.norm(h))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="a Hugging Face Llama config.json")
+    ap.add_argument("--data", required=True, help="little-endian uint16 token file")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5, help="steps not timed")
+    ap.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="f32")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--no-fsdp", action="store_true", help="eager, without fully_shard")
+    a = ap.parse_args()
+    if a.steps <= a.warmup or a.warmup < 0 or a.batch < 1 or a.seq < 1:
+        ap.error("need batch, seq >= 1 and steps > warmup >= 0")
+    with open(a.config) as f:
+        cfg = json.load(f)
+    cuda = a.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("torch_fsdp2.py: torch sees no CUDA device")
+
+    import torch.distributed as dist
+    if not a.no_fsdp:
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                     ("LOCAL_RANK", "0")):
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank() if not a.no_fsdp else 0
+    world = dist.get_world_size() if not a.no_fsdp else 1
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    torch.manual_seed(0)
+    if hasattr(torch, "set_default_device"):  # torch >= 2.0: built where it trains
+        with dev:
+            model = Llama(cfg, a.seq)
+    else:
+        model = Llama(cfg, a.seq).to(dev)
+    for n, p in model.named_parameters():
+        if "norm" not in n:
+            nn.init.normal_(p, std=0.02)
+    if not a.no_fsdp:
+        fully_shard = None
+        for where in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+            try:  # the first from torch 2.6 on; old torch fails in several ways
+                m = __import__(where, fromlist=["fully_shard", "MixedPrecisionPolicy"])
+                fully_shard, MixedPrecisionPolicy = m.fully_shard, m.MixedPrecisionPolicy
+                break
+            except Exception as e:  # noqa: BLE001
+                why = e
+        if fully_shard is None:
+            sys.exit("torch_fsdp2.py: torch %s has no FSDP2 fully_shard (torch >= 2.4 has "
+                     "it): %s" % (torch.__version__, why))
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[a.param_dtype],
+                                  reduce_dtype=DTYPES[a.reduce_dtype])
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    elif a.param_dtype != "f32":
+        model.to(DTYPES[a.param_dtype])
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=a.lr,
+                            betas=(0.9, 0.95))
+
+    raw = open(a.data, "rb").read()
+    tokens = torch.frombuffer(bytearray(raw), dtype=torch.int16).to(torch.int64) & 0xFFFF
+    span = len(tokens) - a.seq - 1
+    if span <= 0:
+        sys.exit("torch_fsdp2.py: %s holds fewer than seq + 1 tokens" % a.data)
+    if int(tokens.max()) >= cfg["vocab_size"]:
+        sys.exit("torch_fsdp2.py: a token of %s is outside the vocabulary" % a.data)
+    tokens = tokens.to(dev)
+    V = cfg["vocab_size"]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    rates, losses = [], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for s in range(a.steps):
+        sync()
+        t = time.perf_counter()
+        starts = [((s * world + rank) * a.batch + b) * a.seq % span for b in range(a.batch)]
+        x = torch.stack([tokens[i:i + a.seq] for i in starts])
+        y = torch.stack([tokens[i + 1:i + a.seq + 1] for i in starts])
+        loss = F.cross_entropy(model(x).float().view(-1, V), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # waits for the step
+        sync()
+        if s >= a.warmup:
+            rates.append(world * a.batch * a.seq / (time.perf_counter() - t))
+    out = {"tokens_per_s": statistics.median(rates), "steps_timed": len(rates),
+           "peak_mem_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+           "first_loss": losses[0], "last_loss": losses[-1],
+           "params": sum(p.numel() for p in model.parameters()),
+           "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "torch": torch.__version__, "world": world, "fsdp": not a.no_fsdp}
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+    if not a.no_fsdp:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""fsdp-train against PyTorch FSDP2 on one GPU: the same Llama, batch, mixed precision and
+optimizer, one after the other.
+
+  vs_torch_gpu.py [--exe build/tools/fsdp-train] [--config configs/llama-100m.json]
+                  [--batch 8] [--seq 1024] [--steps 30] [--warmup 5] [--param-dtype bf16]
+                  [--reduce-dtype f32] [--python PYTHON] [--peak-tflops X] [--keep DIR]
+
+Both sides train the config's Llama (a Hugging Face config.json) at world size 1 on the first
+visible GPU: fully_shard on every decoder layer and on the root with the same mixed-precision
+policy (param_dtype, reduce_dtype), AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1, none on
+the norms), clipping at 1.0, windows of the same random token file. fsdp-train runs a plan
+written from the config (train.device: cuda; its metrics file gives each step's tokens/s and
+the accounting layer's peak bytes); torch runs bench/torch_fsdp2.py with PYTHON (default: this
+interpreter). Printed for each: the median tokens/s of the steps after the warmup ones, MFU
+(6 x parameters x tokens/s over the GPU's dense bf16 peak: 989 TFLOP/s for H100 SXM and H200,
+or --peak-tflops), peak memory and the first and last loss; then fsdpc's ratio to torch.
+
+Without a CUDA device (or with an fsdp-train built without CUDA) it says so and exits 0; where
+PYTHON has no torch it prints fsdpc's figures alone.
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEAKS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
+         ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0)]  # dense bf16 TFLOP/s
+KEYS = [("hidden_size", "dim"), ("num_hidden_layers", "n_layers"),
+        ("num_attention_heads", "n_heads"), ("num_key_value_heads", "n_kv_heads"),
+        ("intermediate_size", "ffn_dim"), ("vocab_size", "vocab_size"),
+        ("max_position_embeddings", "max_seq_len"), ("rope_theta", "rope_theta"),
+        ("rms_norm_eps", "norm_eps")]
+
+
+def plan_text(cfg, a, data):
+    model = "\n".join("  %s: %s" % (ours, json.dumps(cfg[theirs]))
+                      for theirs, ours in KEYS if theirs in cfg)
+    tied = "true" if cfg.get("tie_word_embeddings", False) else "false"
+    return """mesh:
+  dp_shard: 1
+model:
+%s
+  tie_embeddings: %s
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+    mp_policy: {param_dtype: %s, reduce_dtype: %s}
+optim:
+  lr: 3.0e-4
+  weight_decay: 0.1
+  beta2: 0.95
+  clip_grad_norm: 1.0
+  param_groups:
+    "*norm*": {weight_decay: 0.0}
+data:
+  path: %s
+  format: u16
+  seq_len: %d
+  batch_size: %d
+train:
+  steps: %d
+  device: cuda
+log:
+  interval: %d
+""" % (model, tied, a.param_dtype, a.reduce_dtype, data, a.seq, a.batch, a.steps, a.steps)
+
+
+def params_of(cfg):
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    h, kv, L = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    hd = d // h
+    layer = d * (h * hd) * 2 + d * (kv * hd) * 2 + 3 * d * f + 2 * d
+    return v * d * (1 if cfg.get("tie_word_embeddings", False) else 2) + L * layer + d
+
+
+def gpu_name():
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                           capture_output=True, text=True, timeout=30)
+        return p.stdout.strip() if p.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def peak_tflops(name, given):
+    if given:
+        return given
+    for key, tf in PEAKS:
+        if key in name:
+            return tf
+    return 0.0
+
+
+def run_fsdpc(a, plan, metrics):
+    p = subprocess.run([a.exe, plan, "--metrics", metrics], capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit("fsdp-train failed (exit %d):\n%s%s" % (p.returncode, p.stdout[-2000:],
+                                                          p.stderr[-3000:]))
+    rows = [json.loads(line) for line in open(metrics) if line.strip()]
+    timed = [r["tokens_per_s"] for r in rows if r["step"] > a.warmup]
+    return {"tokens_per_s": statistics.median(timed),
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in rows),
+            "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"]}
+
+
+def run_torch(a, data):
+    try:
+        subprocess.run([a.python, "-c", "import torch"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None, "%s has no torch" % a.python
+    p = subprocess.run([a.python, os.path.join(ROOT, "bench", "torch_fsdp2.py"), "--config",
+                        a.config, "--data", data, "--batch", str(a.batch), "--seq", str(a.seq),
+                        "--steps", str(a.steps), "--warmup", str(a.warmup), "--param-dtype",
+                        a.param_dtype, "--reduce-dtype", a.reduce_dtype],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit("torch_fsdp2.py failed (exit %d):\n%s" % (p.returncode, p.stderr[-3000:]))
+    return json.loads(p.stdout.strip().splitlines()[-1]), None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--exe", default=os.path.join(ROOT, "build", "tools", "fsdp-train"))
+    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "llama-100m.json"))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--param-dtype", choices=["f32", "bf16", "f16"], default="bf16")
+    ap.add_argument("--reduce-dtype", choices=["f32", "bf16", "f16"], default="f32")
+    ap.add_argument("--python", default=sys.executable, help="the Python that has torch")
+    ap.add_argument("--peak-tflops", type=float, default=0.0)
+    ap.add_argument("--keep", help="write the plan, tokens and metrics here and keep them")
+    a = ap.parse_args()
+    if a.steps <= a.warmup or a.warmup < 0 or a.batch < 1 or a.seq < 1:
+        ap.error("need --batch, --seq >= 1 and --steps > --warmup >= 0")
+    if not os.access(a.exe, os.X_OK):
+        sys.exit("vs_torch_gpu.py: %s is not a program (build first, or give --exe)" % a.exe)
+    with open(a.config) as f:
+        cfg = json.load(f)
+    work = a.keep or tempfile.mkdtemp(prefix="fsdpc-vs-torch-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        data = os.path.join(work, "tokens.u16")
+        n = max(1 << 20, 2 * a.batch * (a.seq + 1))
+        rng = random.Random(0)
+        with open(data, "wb") as f:
+            f.write(struct.pack("<%dH" % n, *(rng.randrange(cfg["vocab_size"]) for _ in range(n))))
+        plan = os.path.join(work, "plan.yaml")
+        with open(plan, "w") as f:
+            f.write(plan_text(cfg, a, data))
+        p = subprocess.run([a.exe, plan, "--dry-run"], capture_output=True, text=True)
+        if p.returncode != 0 and "train.device: cuda:" in p.stderr:
+            why = p.stderr.strip().splitlines()[0].split("train.device: cuda: ", 1)[-1]
+            print("vs_torch_gpu.py: no GPU to compare on (%s)" % why.split(": ask for")[0])
+            return 0
+        if p.returncode != 0:
+            sys.exit("fsdp-train --dry-run failed:\n" + p.stderr[-3000:])
+        ours = run_fsdpc(a, plan, os.path.join(work, "metrics.jsonl"))
+        theirs, why = run_torch(a, data)
+        name = gpu_name() or (theirs or {}).get("device", "")
+        peak = peak_tflops(name, a.peak_tflops)
+        nparams = params_of(cfg)
+        print("%s; %s, %s parameters, batch %d x %d, param %s, reduce %s; median of steps "
+              "%d-%d" % (name or "GPU", os.path.basename(a.config), "{:,}".format(nparams),
+                         a.batch, a.seq, a.param_dtype, a.reduce_dtype, a.warmup + 1, a.steps))
+        print("%-22s %12s %7s %12s %20s" % ("", "tokens/s", "MFU", "peak memory", "loss"))
+        sides = [("fsdpc fsdp-train", ours)]
+        if theirs:
+            sides.append(("torch %s FSDP2" % theirs["torch"], theirs))
+        for label, r in sides:
+            mfu = ("%6.2f%%" % (100 * 6 * nparams * r["tokens_per_s"] / (peak * 1e12))
+                   if peak else "     ?")
+            print("%-22s %12.0f %7s %9.2f GiB %9.4f -> %.4f" % (
+                label, r["tokens_per_s"], mfu, r["peak_mem_bytes"] / 2 ** 30, r["first_loss"],
+                r["last_loss"]))
+        if theirs:
+            print("fsdpc / torch FSDP2: %.3fx tokens/s" % (ours["tokens_per_s"] /
+                                                           theirs["tokens_per_s"]))
+        else:
+            print("torch: not run (%s)" % why)
+        if not peak:
+            print("MFU: unknown peak for '%s' (give --peak-tflops)" % name)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
