@@ -1,77 +1,16 @@
 /*
  * CUDA twin of the compute kernels: cuBLAS (fp32 compute) for matrix products, CUDA kernels
- * elsewhere. Same semantics as kernels_cpu.c; values are computed in fp32 and rounded once
- * when stored. Kernels first, then launchers; every launcher runs on the current stream of
+ * elsewhere (attention: kernels_cuda_attention.cu). Same semantics as kernels_cpu.c; values
+ * are computed in fp32 and rounded once when stored. Kernels first, then launchers; every launcher runs on the current stream of
  * its device and checks cudaGetLastError().
  */
-#include <cublas_v2.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 #include <dlfcn.h>
-#include <math.h>
 #include <pthread.h>
-#include <stdint.h>
 #include <stdio.h>
 
-#include "base/cuda_check.h"
-#include "base/kernels_impl.h"
-
-extern "C" cudaStream_t cuda_stream_raw(stream_t *s);
+#include "base/kernels_cuda.h"
 
 /* ======================= kernels ======================= */
-
-__device__ static float ldf(int dt, const void *p, int64_t i) {
-  switch (dt) {
-    case DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
-    case DTYPE_F16: return __half2float(((const __half *)p)[i]);
-    default: return ((const float *)p)[i];
-  }
-}
-
-__device__ static void stf(int dt, void *p, int64_t i, float v) {
-  switch (dt) {
-    case DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); break;
-    case DTYPE_F16: ((__half *)p)[i] = __float2half_rn(v); break;
-    default: ((float *)p)[i] = v;
-  }
-}
-
-__device__ static float rnd(int dt, float v) {
-  switch (dt) {
-    case DTYPE_BF16: return __bfloat162float(__float2bfloat16_rn(v));
-    case DTYPE_F16: return __half2float(__float2half_rn(v));
-    default: return v;
-  }
-}
-
-__device__ static int64_t ldi(int dt, const void *p, int64_t i) {
-  return dt == DTYPE_I32 ? ((const int32_t *)p)[i] : ((const int64_t *)p)[i];
-}
-
-#define GRID_STRIDE(i, n)                                                   \
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
-       i += (int64_t)gridDim.x * blockDim.x)
-
-/* Sum or max over the block; every thread gets the result. blockDim.x is a multiple of 32. */
-template <bool kMax>
-__device__ static float block_reduce(float v) {
-  __shared__ float part[32];
-  for (int o = 16; o > 0; o >>= 1) {
-    float w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = kMax ? fmaxf(v, w) : v + w;
-  }
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (lane == 0) part[warp] = v;
-  __syncthreads();
-  v = lane < nw ? part[lane] : (kMax ? -INFINITY : 0.0f);
-  for (int o = 16; o > 0; o >>= 1) {
-    float w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = kMax ? fmaxf(v, w) : v + w;
-  }
-  return v;
-}
 
 /* table holds rows [first, first + V) of a vocabulary of `vocab` ids; others give zeros */
 __global__ static void embedding_kernel(void *out, const void *table, int tdt, const void *ids,
@@ -167,110 +106,6 @@ __global__ static void rope_kernel(void *out, const void *x, int dt, int64_t B, 
     stf(dt, out, base + i, x1 * c - x2 * s);
     stf(dt, out, base + i + half, x2 * c + x1 * s);
   }
-}
-
-struct attn_dims {
-  int64_t B, T, H, Hkv, Dh, rep;
-  float scale;
-};
-
-__device__ static float dot_rows(int dt, const void *a, int64_t ia, const void *b, int64_t ib,
-                                 int64_t n) {
-  float s = 0;
-  for (int64_t c = 0; c < n; c++) s += ldf(dt, a, ia + c) * ldf(dt, b, ib + c);
-  return s;
-}
-
-/* One block per (b, h, i) query row; scores in shared memory (T floats). */
-__global__ static void attention_kernel(void *out, float *lse, const void *q, const void *k,
-                                        const void *v, int dt, attn_dims d) {
-  extern __shared__ float s[];
-  int64_t i = blockIdx.x % d.T, bh = blockIdx.x / d.T, h = bh % d.H, b = bh / d.H;
-  int64_t g = h / d.rep, qi = ((b * d.T + i) * d.H + h) * d.Dh;
-  float m = -INFINITY;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) {
-    s[j] = d.scale * dot_rows(dt, q, qi, k, ((b * d.T + j) * d.Hkv + g) * d.Dh, d.Dh);
-    m = fmaxf(m, s[j]);
-  }
-  m = block_reduce<true>(m);
-  float l = 0;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) l += expf(s[j] - m);
-  l = block_reduce<false>(l);
-  float L = m + logf(l);
-  if (threadIdx.x == 0) lse[bh * d.T + i] = L;
-  __syncthreads();
-  for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x) {
-    float acc = 0;
-    for (int64_t j = 0; j <= i; j++)
-      acc += expf(s[j] - L) * ldf(dt, v, ((b * d.T + j) * d.Hkv + g) * d.Dh + c);
-    stf(dt, out, qi + c, acc);
-  }
-}
-
-/* One block per query row: writes dq and the row's delta = dout . out. */
-__global__ static void attention_backward_dq_kernel(void *dq, float *delta, const void *dout,
-                                                    const void *q, const void *k, const void *v,
-                                                    const void *o, const float *lse, int dt,
-                                                    attn_dims d) {
-  extern __shared__ float ds[];
-  int64_t i = blockIdx.x % d.T, bh = blockIdx.x / d.T, h = bh % d.H, b = bh / d.H;
-  int64_t g = h / d.rep, qi = ((b * d.T + i) * d.H + h) * d.Dh;
-  float Di = 0;
-  for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x)
-    Di += ldf(dt, dout, qi + c) * ldf(dt, o, qi + c);
-  Di = block_reduce<false>(Di);
-  if (threadIdx.x == 0) delta[bh * d.T + i] = Di;
-  float L = lse[bh * d.T + i];
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) {
-    int64_t kj = ((b * d.T + j) * d.Hkv + g) * d.Dh;
-    float p = expf(d.scale * dot_rows(dt, q, qi, k, kj, d.Dh) - L);
-    ds[j] = p * (dot_rows(dt, dout, qi, v, kj, d.Dh) - Di) * d.scale;
-  }
-  __syncthreads();
-  for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x) {
-    float acc = 0;
-    for (int64_t j = 0; j <= i; j++)
-      acc += ds[j] * ldf(dt, k, ((b * d.T + j) * d.Hkv + g) * d.Dh + c);
-    stf(dt, dq, qi + c, acc);
-  }
-}
-
-/*
- * One block per key row (b, kv head g, j): sums over the query rows i >= j of every head in
- * the group, in a fixed order, so dk and dv need no atomics and are deterministic.
- */
-__global__ static void attention_backward_dkv_kernel(float *dk, float *dv, const void *dout,
-                                                     const void *q, const void *k, const void *v,
-                                                     const float *lse, const float *delta, int dt,
-                                                     attn_dims d) {
-  extern __shared__ float sm[];
-  float *p = sm, *ds = sm + d.T;
-  int64_t j = blockIdx.x % d.T, bg = blockIdx.x / d.T, g = bg % d.Hkv, b = bg / d.Hkv;
-  int64_t kj = ((b * d.T + j) * d.Hkv + g) * d.Dh;
-  for (int64_t h = g * d.rep; h < (g + 1) * d.rep; h++) {
-    int64_t bh = b * d.H + h;
-    for (int64_t i = j + threadIdx.x; i < d.T; i += blockDim.x) {
-      int64_t qi = ((b * d.T + i) * d.H + h) * d.Dh;
-      p[i] = expf(d.scale * dot_rows(dt, q, qi, k, kj, d.Dh) - lse[bh * d.T + i]);
-      ds[i] = p[i] * (dot_rows(dt, dout, qi, v, kj, d.Dh) - delta[bh * d.T + i]) * d.scale;
-    }
-    __syncthreads();
-    for (int64_t c = threadIdx.x; c < d.Dh; c += blockDim.x) {
-      float ak = 0, av = 0;
-      for (int64_t i = j; i < d.T; i++) {
-        int64_t qc = ((b * d.T + i) * d.H + h) * d.Dh + c;
-        ak += ds[i] * ldf(dt, q, qc);
-        av += p[i] * ldf(dt, dout, qc);
-      }
-      dk[kj + c] += ak;
-      dv[kj + c] += av;
-    }
-    __syncthreads();
-  }
-}
-
-__global__ static void cast_kernel(void *dst, int dt, const float *src, int64_t n) {
-  GRID_STRIDE(e, n) stf(dt, dst, e, src[e]);
 }
 
 __device__ static float act_value(int act, float x) {
@@ -482,20 +317,6 @@ __global__ static void sum_squares_kernel(double *out, const void *x, int dt, in
 
 /* ======================= launchers ======================= */
 
-static const int kBlock = 256;
-
-static int grid_for(int64_t n) {
-  int64_t g = (n + kBlock - 1) / kBlock;
-  if (g > 65535) g = 65535;
-  return g < 1 ? 1 : (int)g;
-}
-
-static cudaStream_t stream_of(const tensor_t *t) {
-  return cuda_stream_raw(stream_current(t->device));
-}
-
-static status_t launched(const char *what) { return cuda_status(cudaGetLastError(), what); }
-
 /* A device int flag for index checks, read back after the kernel (a blocking read). */
 typedef struct flag {
   device_t dev;
@@ -539,13 +360,16 @@ static struct {
                          const void *, const void *, cudaDataType, int, const void *,
                          cudaDataType, int, const void *, void *, cudaDataType, int,
                          cublasComputeType_t, cublasGemmAlgo_t);
+  cublasStatus_t (*gemm_batched)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int,
+                                 int, const void *, const void *const[], cudaDataType, int,
+                                 const void *const[], cudaDataType, int, const void *,
+                                 void *const[], cudaDataType, int, int, cublasComputeType_t,
+                                 cublasGemmAlgo_t);
   char error[256];
 } cublas;
 static pthread_once_t cublas_once = PTHREAD_ONCE_INIT;
 
-/* The status of a cuBLAS result: STATUS_OK; STATUS_ENOMEM when cuBLAS could not allocate;
- * otherwise STATUS_ECUBLAS, "WHAT: cuBLAS status N". */
-static status_t cublas_status(cublasStatus_t s, const char *what) {
+status_t cublas_status(cublasStatus_t s, const char *what) {
   if (s == CUBLAS_STATUS_SUCCESS) return STATUS_OK;
   return err_set(s == CUBLAS_STATUS_ALLOC_FAILED ? STATUS_ENOMEM : STATUS_ECUBLAS,
                  "%s: cuBLAS status %d", what, (int)s);
@@ -564,24 +388,46 @@ static void cublas_load(void) {
   cublas.create = (decltype(cublas.create))dlsym(lib, "cublasCreate_v2");
   cublas.set_stream = (decltype(cublas.set_stream))dlsym(lib, "cublasSetStream_v2");
   cublas.gemm = (decltype(cublas.gemm))dlsym(lib, "cublasGemmEx");
-  if (!cublas.create || !cublas.set_stream || !cublas.gemm)
-    snprintf(cublas.error, sizeof cublas.error, "%s lacks cublasCreate_v2, cublasSetStream_v2 "
-             "or cublasGemmEx", CUBLAS_SONAME);
+  cublas.gemm_batched = (decltype(cublas.gemm_batched))dlsym(lib, "cublasGemmBatchedEx");
+  if (!cublas.create || !cublas.set_stream || !cublas.gemm || !cublas.gemm_batched)
+    snprintf(cublas.error, sizeof cublas.error, "%s lacks cublasCreate_v2, cublasSetStream_v2, "
+             "cublasGemmEx or cublasGemmBatchedEx", CUBLAS_SONAME);
+}
+
+status_t cuda_blas_handle(int dev, cudaStream_t s, cublasHandle_t *out) {
+  static __thread cublasHandle_t handles[DEVICE_MAX_CUDA];
+  pthread_once(&cublas_once, cublas_load);
+  if (cublas.error[0]) return err_set(STATUS_ECUBLAS, "%s", cublas.error);
+  CUDA_TRY(cudaSetDevice(dev));
+  if (handles[dev] == NULL) TRY(cublas_status(cublas.create(&handles[dev]), "cublasCreate"));
+  TRY(cublas_status(cublas.set_stream(handles[dev], s), "cublasSetStream"));
+  *out = handles[dev];
+  return STATUS_OK;
+}
+
+cublasStatus_t cuda_blas_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                              int n, int k, const void *alpha, const void *a, cudaDataType_t at,
+                              int lda, const void *b, cudaDataType_t bt, int ldb, const void *beta,
+                              void *c, cudaDataType_t ct, int ldc) {
+  return cublas.gemm(h, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc,
+                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+cublasStatus_t cuda_blas_gemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
+                                      int m, int n, int k, const void *alpha,
+                                      const void *const a[], cudaDataType_t at, int lda,
+                                      const void *const b[], cudaDataType_t bt, int ldb,
+                                      const void *beta, void *const c[], cudaDataType_t ct,
+                                      int ldc, int count) {
+  return cublas.gemm_batched(h, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc,
+                             count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
 static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
                             bool trans_b, float alpha, float beta, const matmul_dims_t *d) {
-  static __thread cublasHandle_t handles[DEVICE_MAX_CUDA];
-  pthread_once(&cublas_once, cublas_load);
-  if (cublas.error[0]) return err_set(STATUS_ECUBLAS, "%s", cublas.error);
-  int dev = out->device.index;
-  CUDA_TRY(cudaSetDevice(dev));
-  if (handles[dev] == NULL) TRY(cublas_status(cublas.create(&handles[dev]), "cublasCreate"));
-  cublasHandle_t h = handles[dev];
-  TRY(cublas_status(cublas.set_stream(h, stream_of(out)), "cublasSetStream"));
-  cudaDataType_t t = out->dtype == DTYPE_BF16  ? CUDA_R_16BF
-                     : out->dtype == DTYPE_F16 ? CUDA_R_16F
-                                               : CUDA_R_32F;
+  cublasHandle_t h;
+  TRY(cuda_blas_handle(out->device.index, stream_of(out), &h));
+  cudaDataType_t t = cuda_dtype(out->dtype);
   /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T. */
   cublasStatus_t s = cublas.gemm(
       h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)d->n,
@@ -656,62 +502,6 @@ static status_t cuda_rope(tensor_t *out, const tensor_t *x, const rope_t *rope,
                                                         x->shape[1], x->shape[2], x->shape[3],
                                                         *rope, pos_offset, inverse ? -1.0f : 1.0f);
   return launched("kernel_rope");
-}
-
-static attn_dims attn_dims_of(const tensor_t *q, const tensor_t *k) {
-  attn_dims d = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0, 0};
-  d.rep = d.H / d.Hkv;
-  d.scale = 1.0f / sqrtf((float)d.Dh);
-  return d;
-}
-
-static status_t attn_smem(const attn_dims &d, int per_row, size_t *bytes) {
-  *bytes = sizeof(float) * (size_t)d.T * (size_t)per_row;
-  if (*bytes > 48 * 1024)
-    return err_set(STATUS_EUNSUPPORTED,
-                   "attention on CUDA supports sequences up to %d tokens, "
-                   "got %lld",
-                   48 * 1024 / (int)sizeof(float) / per_row, (long long)d.T);
-  return STATUS_OK;
-}
-
-static status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
-                               const tensor_t *v) {
-  attn_dims d = attn_dims_of(q, k);
-  size_t smem;
-  TRY(attn_smem(d, 1, &smem));
-  attention_kernel<<<(unsigned)(d.B * d.H * d.T), 128, smem, stream_of(q)>>>(
-      out->data, (float *)lse->data, q->data, k->data, v->data, q->dtype, d);
-  return launched("kernel_attention");
-}
-
-static status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
-                                        const tensor_t *dout, const tensor_t *q, const tensor_t *k,
-                                        const tensor_t *v, const tensor_t *out,
-                                        const tensor_t *lse) {
-  attn_dims d = attn_dims_of(q, k);
-  size_t smem;
-  TRY(attn_smem(d, 2, &smem));
-  int64_t nk = tensor_numel(k), nrow = d.B * d.H * d.T;
-  tensor_t acc;
-  int64_t shape[1] = {2 * nk + nrow};
-  TRY(tensor_zeros(&acc, DTYPE_F32, k->device, 1, shape));
-  float *fdk = (float *)acc.data, *fdv = fdk + nk, *delta = fdv + nk;
-  cudaStream_t s = stream_of(q);
-  attention_backward_dq_kernel<<<(unsigned)nrow, 128, smem / 2, s>>>(
-      dq->data, delta, dout->data, q->data, k->data, v->data, out->data, (const float *)lse->data,
-      q->dtype, d);
-  attention_backward_dkv_kernel<<<(unsigned)(d.B * d.Hkv * d.T), 128, smem, s>>>(
-      fdk, fdv, dout->data, q->data, k->data, v->data, (const float *)lse->data, delta, q->dtype,
-      d);
-  status_t st = launched("kernel_attention_backward");
-  if (st == STATUS_OK) {
-    cast_kernel<<<grid_for(nk), kBlock, 0, s>>>(dk->data, dk->dtype, fdk, nk);
-    cast_kernel<<<grid_for(nk), kBlock, 0, s>>>(dv->data, dv->dtype, fdv, nk);
-    st = launched("kernel_attention_backward");
-  }
-  tensor_free(&acc);
-  return st;
 }
 
 static status_t cuda_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {

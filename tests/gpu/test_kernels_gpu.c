@@ -153,8 +153,10 @@ static int k_rope(device_t dev, dtype_t dt, tensor_t *o) {
   return 2;
 }
 
-static int k_attention(device_t dev, dtype_t dt, tensor_t *o) {
-  int64_t sq[4] = {2, 19, 6, 10}, sk[4] = {2, 19, 2, 10}, sl[3] = {2, 6, 19};
+/* Attention of q [B, T, H, Dh] over k and v [B, T, Hkv, Dh]: out, lse, dq, dk, dv. */
+static int attention_case(device_t dev, dtype_t dt, tensor_t *o, int64_t B, int64_t T, int64_t H,
+                          int64_t Hkv, int64_t Dh) {
+  int64_t sq[4] = {B, T, H, Dh}, sk[4] = {B, T, Hkv, Dh}, sl[3] = {B, H, T};
   tensor_t q, k, v, y, lse, dy, dq, dk, dv;
   rnd(&q, dev, dt, 4, sq, 10, 1);
   rnd(&k, dev, dt, 4, sk, 11, 1);
@@ -177,6 +179,16 @@ static int k_attention(device_t dev, dtype_t dt, tensor_t *o) {
   tensor_free(&v);
   tensor_free(&dy);
   return 5;
+}
+
+/* Odd sizes: every product of the CUDA plan runs one entry at a time (unaligned operands). */
+static int k_attention(device_t dev, dtype_t dt, tensor_t *o) {
+  return attention_case(dev, dt, o, 2, 19, 6, 2, 10);
+}
+
+/* Sizes whose operands are 16-byte aligned: batched products over pointer arrays. */
+static int k_attention_batched(device_t dev, dtype_t dt, tensor_t *o) {
+  return attention_case(dev, dt, o, 2, 136, 8, 2, 64);
 }
 
 static int k_elementwise(device_t dev, dtype_t dt, tensor_t *o) {
@@ -311,6 +323,7 @@ static const kcase_t cases[] = {
     {"rmsnorm", k_rmsnorm},
     {"rope", k_rope},
     {"attention", k_attention},
+    {"attention (batched)", k_attention_batched},
     {"silu_mul/add/scale/axpy", k_elementwise},
     {"cross_entropy", k_cross_entropy},
     {"adamw/sum_squares", k_adamw_sumsq},

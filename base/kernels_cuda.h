@@ -1,0 +1,125 @@
+/*
+ * Private to the CUDA kernels (base/kernels_cuda*.cu): element loads and stores of any float
+ * dtype, block reductions, launch helpers and the run-time loaded cuBLAS. kernels_cuda.cu
+ * holds the matrix products and the kernels of every op but attention;
+ * kernels_cuda_attention.cu runs the attention plan of base/attention_gemm.h.
+ */
+#ifndef FSDPC_BASE_KERNELS_CUDA_H
+#define FSDPC_BASE_KERNELS_CUDA_H
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "base/cuda_check.h"
+#include "base/kernels_impl.h"
+
+extern "C" cudaStream_t cuda_stream_raw(stream_t *s);
+
+/* ---- device helpers ---- */
+
+static __device__ inline float ldf(int dt, const void *p, int64_t i) {
+  switch (dt) {
+    case DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    case DTYPE_F16: return __half2float(((const __half *)p)[i]);
+    default: return ((const float *)p)[i];
+  }
+}
+
+static __device__ inline void stf(int dt, void *p, int64_t i, float v) {
+  switch (dt) {
+    case DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); break;
+    case DTYPE_F16: ((__half *)p)[i] = __float2half_rn(v); break;
+    default: ((float *)p)[i] = v;
+  }
+}
+
+static __device__ inline float rnd(int dt, float v) {
+  switch (dt) {
+    case DTYPE_BF16: return __bfloat162float(__float2bfloat16_rn(v));
+    case DTYPE_F16: return __half2float(__float2half_rn(v));
+    default: return v;
+  }
+}
+
+static __device__ inline int64_t ldi(int dt, const void *p, int64_t i) {
+  return dt == DTYPE_I32 ? ((const int32_t *)p)[i] : ((const int64_t *)p)[i];
+}
+
+#define GRID_STRIDE(i, n)                                                   \
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
+       i += (int64_t)gridDim.x * blockDim.x)
+
+/* Sum or max over the block; every thread gets the result. blockDim.x is a multiple of 32. */
+template <bool kMax>
+static __device__ inline float block_reduce(float v) {
+  __shared__ float part[32];
+  for (int o = 16; o > 0; o >>= 1) {
+    float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, w) : v + w;
+  }
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  v = lane < nw ? part[lane] : (kMax ? -INFINITY : 0.0f);
+  for (int o = 16; o > 0; o >>= 1) {
+    float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, w) : v + w;
+  }
+  return v;
+}
+
+/* ---- launch helpers ---- */
+
+static const int kBlock = 256;
+
+static inline int grid_for(int64_t n) {
+  int64_t g = (n + kBlock - 1) / kBlock;
+  if (g > 65535) g = 65535;
+  return g < 1 ? 1 : (int)g;
+}
+
+static inline cudaStream_t stream_of(const tensor_t *t) {
+  return cuda_stream_raw(stream_current(t->device));
+}
+
+static inline status_t launched(const char *what) { return cuda_status(cudaGetLastError(), what); }
+
+/* ---- cuBLAS, loaded on first use (kernels_cuda.cu) ---- */
+
+/* The cuBLAS handle of device dev for this thread, bound to stream s. */
+status_t cuda_blas_handle(int dev, cudaStream_t s, cublasHandle_t *out);
+
+/* cublasGemmEx and cublasGemmBatchedEx through the loaded library (F32 compute, the default
+ * algorithm). */
+cublasStatus_t cuda_blas_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                              int n, int k, const void *alpha, const void *a, cudaDataType_t at,
+                              int lda, const void *b, cudaDataType_t bt, int ldb, const void *beta,
+                              void *c, cudaDataType_t ct, int ldc);
+cublasStatus_t cuda_blas_gemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
+                                      int m, int n, int k, const void *alpha,
+                                      const void *const a[], cudaDataType_t at, int lda,
+                                      const void *const b[], cudaDataType_t bt, int ldb,
+                                      const void *beta, void *const c[], cudaDataType_t ct,
+                                      int ldc, int count);
+
+/* The status of a cuBLAS result: STATUS_OK; STATUS_ENOMEM when cuBLAS could not allocate;
+ * otherwise STATUS_ECUBLAS, "WHAT: cuBLAS status N". */
+status_t cublas_status(cublasStatus_t s, const char *what);
+
+static inline cudaDataType_t cuda_dtype(dtype_t dt) {
+  return dt == DTYPE_BF16 ? CUDA_R_16BF : dt == DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+/* The attention kernels of kernels_cuda_attention.cu. */
+status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
+                        const tensor_t *v);
+status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
+                                 const tensor_t *q, const tensor_t *k, const tensor_t *v,
+                                 const tensor_t *out, const tensor_t *lse);
+
+#endif

@@ -1,0 +1,179 @@
+/*
+ * CUDA attention: the batched-GEMM plan of base/attention_gemm.h, its products on cuBLAS
+ * (tensor cores for bf16/f16, F32 accumulation), its row passes as one block per score row.
+ * A call whose operands are all 16-byte aligned (head dims and sequence lengths of the usual
+ * multiples) is one cublasGemmBatchedEx over device pointer arrays built by a small kernel;
+ * other shapes run one cublasGemmEx per entry, which checks alignment itself.
+ */
+#include <stdio.h>
+
+#include "base/attention_gemm.h"
+#include "base/kernels_cuda.h"
+
+/* Scratch a chunk of (batch, kv head) pairs may take. */
+static const size_t kAttnScratch = (size_t)256 << 20;
+
+typedef struct cuda_attn {
+  int dev;
+  cudaStream_t stream;
+  cublasHandle_t blas;
+} cuda_attn_t;
+
+/* ---- kernels ---- */
+
+/* Pointers of entry e to its A, B and C at ptrs[e], ptrs[n + e], ptrs[2 n + e]. */
+__global__ static void attn_ptrs_kernel(const void **ptrs, attn_shape_t s, attn_batch_t bt,
+                                        int64_t n, attn_mat_t a, attn_mat_t b, attn_mat_t c,
+                                        int esa, int esb, int esc) {
+  GRID_STRIDE(e, n) {
+    int64_t bb, h, g;
+    attn_entry(&s, &bt, e, &bb, &h, &g);
+    ptrs[e] = (const char *)a.base + attn_offset(&s, a.layout, e, bb, h, g) * esa;
+    ptrs[n + e] = (const char *)b.base + attn_offset(&s, b.layout, e, bb, h, g) * esb;
+    ptrs[2 * n + e] = (const char *)c.base + attn_offset(&s, c.layout, e, bb, h, g) * esc;
+  }
+}
+
+/* One block per score row (entry e, query i): lse_i and the causal probabilities. */
+__global__ static void attn_probs_kernel(attn_shape_t s, attn_batch_t bt, const float *S,
+                                         float *lse, void *p, int pdt) {
+  int64_t row = blockIdx.x, e = row / s.T, i = row % s.T, b, h, g;
+  attn_entry(&s, &bt, e, &b, &h, &g);
+  const float *srow = S + row * s.T;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, srow[j]);
+  m = block_reduce<true>(m);
+  float l = 0;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) l += expf(srow[j] - m);
+  l = block_reduce<false>(l);
+  float L = m + logf(l);
+  if (threadIdx.x == 0) lse[(b * s.H + h) * s.T + i] = L;
+  for (int64_t j = threadIdx.x; j < s.T; j += blockDim.x)
+    stf(pdt, p, row * s.T + j, j <= i ? expf(srow[j] - L) : 0.0f);
+}
+
+/* One block per score row: P again from the forward's lse, D_i = dO_i . O_i and
+ * dS = P (dP - D_i) scale. */
+__global__ static void attn_dscores_kernel(attn_shape_t s, attn_batch_t bt, const float *S,
+                                           const float *dP, const float *lse, const void *dout,
+                                           const void *out, int dt, void *p, void *ds) {
+  int64_t row = blockIdx.x, e = row / s.T, i = row % s.T, b, h, g;
+  attn_entry(&s, &bt, e, &b, &h, &g);
+  int64_t qi = attn_offset(&s, ATTN_HEADS, e, b, h, g) + i * s.H * s.Dh;
+  float D = 0;
+  for (int64_t c = threadIdx.x; c < s.Dh; c += blockDim.x)
+    D += ldf(dt, dout, qi + c) * ldf(dt, out, qi + c);
+  D = block_reduce<false>(D);
+  float L = lse[(b * s.H + h) * s.T + i];
+  const float *srow = S + row * s.T, *dprow = dP + row * s.T;
+  for (int64_t j = threadIdx.x; j < s.T; j += blockDim.x) {
+    float pv = j <= i ? expf(srow[j] - L) : 0.0f;
+    stf(dt, p, row * s.T + j, pv);
+    stf(dt, ds, row * s.T + j, j <= i ? pv * (dprow[j] - D) * s.scale : 0.0f);
+  }
+}
+
+/* ---- the executor ---- */
+
+/* Whether every entry's matrix of m starts 16-byte aligned. */
+static bool aligned16(const attn_shape_t *s, attn_mat_t m) {
+  int64_t stride = m.layout == ATTN_SCRATCH ? s->T * s->T : s->Dh;
+  return (uintptr_t)m.base % 16 == 0 && stride * (int64_t)dtype_size(m.dtype) % 16 == 0;
+}
+
+static status_t attn_gemm_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                               const attn_gemm_t *g) {
+  cuda_attn_t *c = (cuda_attn_t *)ctx;
+  int64_t n = attn_entries(s, bt);
+  if (n == 0) return STATUS_OK;
+  cublasOperation_t ta = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cudaDataType_t at = cuda_dtype(g->a.dtype), bt_ = cuda_dtype(g->b.dtype),
+                 ct = cuda_dtype(g->c.dtype);
+  int esa = (int)dtype_size(g->a.dtype), esb = (int)dtype_size(g->b.dtype),
+      esc = (int)dtype_size(g->c.dtype);
+  char what[128];
+  snprintf(what, sizeof what, "attention GEMM (m=%lld n=%lld k=%lld, %lld entries)",
+           (long long)g->m, (long long)g->n, (long long)g->k, (long long)n);
+  if (!aligned16(s, g->a) || !aligned16(s, g->b) || !aligned16(s, g->c)) {
+    for (int64_t e = 0; e < n; e++) { /* one product per entry */
+      int64_t b, h, kv;
+      attn_entry(s, bt, e, &b, &h, &kv);
+      const char *pa = (const char *)g->a.base + attn_offset(s, g->a.layout, e, b, h, kv) * esa;
+      const char *pb = (const char *)g->b.base + attn_offset(s, g->b.layout, e, b, h, kv) * esb;
+      char *pc = (char *)g->c.base + attn_offset(s, g->c.layout, e, b, h, kv) * esc;
+      TRY(cublas_status(cuda_blas_gemm(c->blas, ta, tb, (int)g->m, (int)g->n, (int)g->k,
+                                       &g->alpha, pa, at, (int)g->lda, pb, bt_, (int)g->ldb,
+                                       &g->beta, pc, ct, (int)g->ldc),
+                        what));
+    }
+    return STATUS_OK;
+  }
+  device_t dev = device_cuda(c->dev);
+  size_t bytes = 3 * (size_t)n * sizeof(void *);
+  const void **ptrs;
+  TRY(device_alloc(dev, bytes, (void **)&ptrs));
+  attn_ptrs_kernel<<<grid_for(n), kBlock, 0, c->stream>>>(ptrs, *s, *bt, n, g->a, g->b, g->c,
+                                                          esa, esb, esc);
+  status_t st = launched("kernel_attention (operand pointers)");
+  if (st == STATUS_OK)
+    st = cublas_status(
+        cuda_blas_gemm_batched(c->blas, ta, tb, (int)g->m, (int)g->n, (int)g->k, &g->alpha,
+                               ptrs, at, (int)g->lda, ptrs + n, bt_, (int)g->ldb, &g->beta,
+                               (void *const *)(ptrs + 2 * n), ct, (int)g->ldc, (int)n),
+        what);
+  device_free(dev, ptrs, bytes); /* stream-ordered: after the product */
+  return st;
+}
+
+static int row_threads(const attn_shape_t *s) { return s->T >= 512 ? 256 : s->T >= 128 ? 128 : 64; }
+
+static status_t attn_probs_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                                const float *S, float *lse, attn_mat_t p) {
+  cuda_attn_t *c = (cuda_attn_t *)ctx;
+  int64_t rows = attn_entries(s, bt) * s->T;
+  if (rows == 0) return STATUS_OK;
+  attn_probs_kernel<<<(unsigned)rows, row_threads(s), 0, c->stream>>>(*s, *bt, S, lse, p.base,
+                                                                       p.dtype);
+  return launched("kernel_attention (probabilities)");
+}
+
+static status_t attn_dscores_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                                  const float *S, const float *dP, const float *lse,
+                                  attn_mat_t dout, attn_mat_t out, attn_mat_t p, attn_mat_t ds) {
+  cuda_attn_t *c = (cuda_attn_t *)ctx;
+  int64_t rows = attn_entries(s, bt) * s->T;
+  if (rows == 0) return STATUS_OK;
+  attn_dscores_kernel<<<(unsigned)rows, row_threads(s), 0, c->stream>>>(
+      *s, *bt, S, dP, lse, dout.base, out.base, dout.dtype, p.base, ds.base);
+  return launched("kernel_attention_backward (score gradients)");
+}
+
+static status_t exec_for(const tensor_t *q, cuda_attn_t *c, attn_exec_t *x) {
+  c->dev = q->device.index;
+  c->stream = stream_of(q);
+  TRY(cuda_blas_handle(c->dev, c->stream, &c->blas));
+  *x = attn_exec_t{c, attn_gemm_cuda, attn_probs_cuda, attn_dscores_cuda, q->device,
+                   kAttnScratch};
+  return STATUS_OK;
+}
+
+status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
+                        const tensor_t *v) {
+  cuda_attn_t c;
+  attn_exec_t x;
+  TRY(exec_for(q, &c, &x));
+  attn_shape_t s = attn_shape_of(q->shape, k->shape);
+  return attn_gemm_forward(&x, &s, q->dtype, out->data, (float *)lse->data, q->data, k->data,
+                           v->data);
+}
+
+status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
+                                 const tensor_t *q, const tensor_t *k, const tensor_t *v,
+                                 const tensor_t *out, const tensor_t *lse) {
+  cuda_attn_t c;
+  attn_exec_t x;
+  TRY(exec_for(q, &c, &x));
+  attn_shape_t s = attn_shape_of(q->shape, k->shape);
+  return attn_gemm_backward(&x, &s, q->dtype, dq->data, dk->data, dv->data, dout->data, q->data,
+                            k->data, v->data, out->data, (const float *)lse->data);
+}
