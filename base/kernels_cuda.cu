@@ -81,14 +81,26 @@ __global__ static void rmsnorm_backward_dx_kernel(void *dx, const void *dy, cons
   }
 }
 
-/* One thread per column, summing over rows in order: deterministic. */
-__global__ static void rmsnorm_backward_dw_kernel(void *dw, int wdt, const void *dy, const void *x,
-                                                  int xdt, const float *rstd, int64_t rows,
-                                                  int64_t D) {
+/* dw in two passes, in a fixed order (deterministic) and with a thread per (column, block of
+ * rows) rather than one per column: partial[c][j] sums rows [c per, (c + 1) per) of column
+ * j in order, then dw[j] adds the partial sums in block order. */
+__global__ static void rmsnorm_dw_partial_kernel(float *partial, const void *dy, const void *x,
+                                                 int xdt, const float *rstd, int64_t rows,
+                                                 int64_t D, int64_t per) {
+  int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, c = blockIdx.y;
+  if (j >= D) return;
+  int64_t i1 = (c + 1) * per < rows ? (c + 1) * per : rows;
+  float s = 0;
+  for (int64_t i = c * per; i < i1; i++)
+    s += ldf(xdt, dy, i * D + j) * (ldf(xdt, x, i * D + j) * rstd[i]);
+  partial[c * D + j] = s;
+}
+
+__global__ static void rmsnorm_dw_sum_kernel(void *dw, int wdt, const float *partial,
+                                             int64_t blocks, int64_t D) {
   GRID_STRIDE(j, D) {
     float s = 0;
-    for (int64_t i = 0; i < rows; i++)
-      s += ldf(xdt, dy, i * D + j) * (ldf(xdt, x, i * D + j) * rstd[i]);
+    for (int64_t c = 0; c < blocks; c++) s += partial[c * D + j];
     stf(wdt, dw, j, ldf(wdt, dw, j) + s);
   }
 }
@@ -489,9 +501,20 @@ static status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t
   rmsnorm_backward_dx_kernel<<<(unsigned)rows, kBlock, 0, s>>>(
       dx->data, dy->data, x->data, x->dtype, w->data, w->dtype, (const float *)rstd->data, D);
   TRY(launched("kernel_rmsnorm_backward"));
-  rmsnorm_backward_dw_kernel<<<grid_for(D), kBlock, 0, s>>>(
-      dw->data, dw->dtype, dy->data, x->data, x->dtype, (const float *)rstd->data, rows, D);
-  return launched("kernel_rmsnorm_backward");
+  int64_t per = rows / 65535 + 1 > 64 ? rows / 65535 + 1 : 64, blocks = (rows + per - 1) / per;
+  size_t bytes = sizeof(float) * (size_t)(blocks * D);
+  float *partial;
+  TRY(device_alloc(x->device, bytes, (void **)&partial));
+  dim3 grid((unsigned)((D + kBlock - 1) / kBlock), (unsigned)blocks);
+  rmsnorm_dw_partial_kernel<<<grid, kBlock, 0, s>>>(partial, dy->data, x->data, x->dtype,
+                                                    (const float *)rstd->data, rows, D, per);
+  status_t st = launched("kernel_rmsnorm_backward");
+  if (st == STATUS_OK) {
+    rmsnorm_dw_sum_kernel<<<grid_for(D), kBlock, 0, s>>>(dw->data, dw->dtype, partial, blocks, D);
+    st = launched("kernel_rmsnorm_backward");
+  }
+  device_free(x->device, partial, bytes); /* stream-ordered: after the kernels */
+  return st;
 }
 
 static status_t cuda_rope(tensor_t *out, const tensor_t *x, const rope_t *rope,

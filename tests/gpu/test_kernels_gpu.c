@@ -111,7 +111,7 @@ static int k_embedding(device_t dev, dtype_t dt, tensor_t *o) {
 }
 
 static int k_rmsnorm(device_t dev, dtype_t dt, tensor_t *o) {
-  int64_t sx[2] = {37, 333}, sw = 333, rows = 37;
+  int64_t sx[2] = {170, 333}, sw = 333, rows = 170; /* dw: three blocks of rows */
   tensor_t x, w, y, r, dy, dx, dw;
   rnd(&x, dev, dt, 2, sx, 6, 2);
   rnd(&w, dev, dt, 1, &sw, 7, 1);
