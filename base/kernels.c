@@ -468,3 +468,19 @@ status_t kernel_sum_squares(const tensor_t *x, double *out) {
   if (tensor_numel(x) == 0) return STATUS_OK;
   return ops->sum_squares(x, out);
 }
+
+status_t kernel_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
+  const char *fn = "kernel_sum_squares_many";
+  const kernel_ops_t *ops;
+  if (n < 0 || (n > 0 && (xs == NULL || out == NULL)))
+    return err_set(STATUS_EINVAL, "%s: %d tensors, xs or out NULL", fn, n);
+  if (n == 0) return STATUS_OK;
+  TRY(check_common(fn, xs, n, &ops));
+  for (int i = 0; i < n; i++) TRY(check_float(fn, "x", xs[i]));
+  if (ops->sum_squares_many != NULL) return ops->sum_squares_many(xs, n, out);
+  for (int i = 0; i < n; i++) {
+    out[i] = 0;
+    if (tensor_numel(xs[i]) > 0) TRY(ops->sum_squares(xs[i], &out[i]));
+  }
+  return STATUS_OK;
+}

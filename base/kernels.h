@@ -191,6 +191,10 @@ status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
 /* *out = sum of x^2 in double precision (blocks until the value is on the host). */
 status_t kernel_sum_squares(const tensor_t *x, double *out);
 
+/* out[i] = kernel_sum_squares of xs[i] for n tensors on one device, the same bits; on a GPU
+ * with one read back for all of them (and no atomics: the same bits on every run). */
+status_t kernel_sum_squares_many(const tensor_t *const *xs, int n, double *out);
+
 /* Threads of the CPU kernels: one unless OMP_NUM_THREADS asks for more (in a build with
  * OpenMP). With more, each kernel splits its work into one share per thread, computing every
  * value as on one thread, so the results are the same bits for any count; a matrix product is

@@ -1,8 +1,8 @@
 /*
  * CUDA twin of the compute kernels: cuBLAS (fp32 compute) for matrix products, CUDA kernels
  * elsewhere (attention: kernels_cuda_attention.cu). Same semantics as kernels_cpu.c; values
- * are computed in fp32 and rounded once when stored. Kernels first, then launchers; every launcher runs on the current stream of
- * its device and checks cudaGetLastError().
+ * are computed in fp32 and rounded once when stored. Kernels first, then launchers; every
+ * launcher runs on the current stream of its device and checks cudaGetLastError().
  */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -317,14 +317,28 @@ __global__ static void adamw_kernel(void *p, int pdt, const void *g, int gdt, fl
   }
 }
 
-__global__ static void sum_squares_kernel(double *out, const void *x, int dt, int64_t n) {
+/* Sums of squares without atomics: block b of a tensor's launch writes its float partial to
+ * partial[b] (at most kSsqBlocks blocks), then one thread per tensor adds its partials in
+ * block order in double. */
+static const int kSsqBlocks = 1024;
+
+__global__ static void sum_squares_partial_kernel(float *partial, const void *x, int dt,
+                                                  int64_t n) {
   float s = 0;
   GRID_STRIDE(e, n) {
     float v = ldf(dt, x, e);
     s += v * v;
   }
   s = block_reduce<false>(s);
-  if (threadIdx.x == 0) atomicAdd(out, (double)s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ static void sum_squares_total_kernel(double *out, const float *partial, int n) {
+  GRID_STRIDE(t, n) {
+    double s = 0;
+    for (int b = 0; b < kSsqBlocks; b++) s += partial[t * kSsqBlocks + b];
+    out[t] = s;
+  }
 }
 
 /* ======================= launchers ======================= */
@@ -663,21 +677,36 @@ static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t
   return launched("kernel_adamw");
 }
 
-static status_t cuda_sum_squares(const tensor_t *x, double *out) {
-  int64_t n = tensor_numel(x);
-  double *acc;
-  TRY(device_alloc(x->device, sizeof(double), (void **)&acc));
-  cudaStream_t s = stream_of(x);
-  status_t st = cuda_status(cudaMemsetAsync(acc, 0, sizeof(double), s),
-                            "cudaMemsetAsync (sum of squares)");
-  if (st == STATUS_OK) {
-    int grid = grid_for(n) < 1024 ? grid_for(n) : 1024;
-    sum_squares_kernel<<<grid, kBlock, 0, s>>>(acc, x->data, x->dtype, n);
+static status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
+  device_t dev = xs[0]->device;
+  cudaStream_t s = stream_of(xs[0]);
+  size_t pbytes = sizeof(float) * (size_t)n * kSsqBlocks, bytes = pbytes + sizeof(double) * n;
+  char *buf;
+  TRY(device_alloc(dev, bytes, (void **)&buf));
+  float *partial = (float *)buf;
+  double *sums = (double *)(buf + pbytes); /* pbytes is a multiple of 4 KiB */
+  /* unused partials stay zero (adding them changes no bit) */
+  status_t st =
+      cuda_status(cudaMemsetAsync(partial, 0, pbytes, s), "cudaMemsetAsync (sum of squares)");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    int64_t m = tensor_numel(xs[i]);
+    int grid = grid_for(m) < kSsqBlocks ? grid_for(m) : kSsqBlocks;
+    if (m > 0)
+      sum_squares_partial_kernel<<<grid, kBlock, 0, s>>>(partial + (size_t)i * kSsqBlocks,
+                                                         xs[i]->data, xs[i]->dtype, m);
     st = launched("kernel_sum_squares");
   }
-  if (st == STATUS_OK) st = device_memcpy(device_cpu(), out, x->device, acc, sizeof(double));
-  device_free(x->device, acc, sizeof(double));
+  if (st == STATUS_OK) {
+    sum_squares_total_kernel<<<grid_for(n), kBlock, 0, s>>>(sums, partial, n);
+    st = launched("kernel_sum_squares");
+  }
+  if (st == STATUS_OK) st = device_memcpy(device_cpu(), out, dev, sums, sizeof(double) * n);
+  device_free(dev, buf, bytes);
   return st;
+}
+
+static status_t cuda_sum_squares(const tensor_t *x, double *out) {
+  return cuda_sum_squares_many(&x, 1, out);
 }
 
 static const kernel_ops_t ops = {
@@ -704,6 +733,7 @@ static const kernel_ops_t ops = {
     /* .cross_entropy_backward = */ cuda_cross_entropy_backward,
     /* .adamw = */ cuda_adamw,
     /* .sum_squares = */ cuda_sum_squares,
+    /* .sum_squares_many = */ cuda_sum_squares_many,
 };
 
 extern "C" const kernel_ops_t *cuda_kernels(void) { return &ops; }

@@ -60,6 +60,8 @@ typedef struct kernel_ops {
   status_t (*adamw)(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
                     const adamw_args_t *args);
   status_t (*sum_squares)(const tensor_t *x, double *out);
+  /* NULL: sum_squares on each (the tensors arrive checked, n > 0) */
+  status_t (*sum_squares_many)(const tensor_t *const *xs, int n, double *out);
 } kernel_ops_t;
 
 const kernel_ops_t *cpu_kernels(void);

@@ -187,12 +187,23 @@ static bool counts_here(const dtensor_t *g) {
 status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t *group,
                         double *norm, float *coef) {
   double total = 0;
-  for (int i = 0; i < n; i++) {
-    if (params[i]->grad == NULL || !counts_here(params[i]->grad)) continue;
-    double s;
-    TRY(kernel_sum_squares(dtensor_local(params[i]->grad), &s));
-    total += s;
+  const tensor_t **gs = malloc(sizeof *gs * (size_t)(n > 0 ? n : 1));
+  double *ss = malloc(sizeof *ss * (size_t)(n > 0 ? n : 1));
+  int m = 0;
+  for (int i = 0; i < n; i++)
+    if (params[i]->grad != NULL && counts_here(params[i]->grad))
+      gs[m++] = dtensor_local(params[i]->grad);
+  status_t st = gs && ss ? STATUS_OK : err_set(STATUS_ENOMEM, "clip_grad_norm: out of host memory");
+  /* runs of gradients on one device at a time (one read back each on a GPU) */
+  for (int a = 0, b; a < m && st == STATUS_OK; a = b) {
+    for (b = a + 1; b < m && device_equal(gs[b]->device, gs[a]->device); b++) {
+    }
+    st = kernel_sum_squares_many(gs + a, b - a, ss + a);
   }
+  for (int i = 0; i < m && st == STATUS_OK; i++) total += ss[i]; /* in parameter order */
+  free(gs);
+  free(ss);
+  TRY(st);
   if (group != NULL) {
     /* one double over the group's host channel: exact, and not a data collective */
     TRY(pg_host_all_reduce(group, &total, &total, 1, PG_HOST_F64, REDUCE_SUM));

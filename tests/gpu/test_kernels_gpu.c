@@ -235,7 +235,7 @@ static int k_cross_entropy(device_t dev, dtype_t dt, tensor_t *o) {
 }
 
 static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
-  int64_t n = 1001, one = 1;
+  int64_t n = 1001;
   tensor_t p, g, m, v;
   rnd(&p, dev, dt, 1, &n, 19, 1);
   rnd(&g, dev, dt, 1, &n, 20, 1);
@@ -251,16 +251,25 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
                       .grad_scale = step == 2 ? 0.375f : 0}; /* clipping folded in, once */
     ok(kernel_adamw(&p, &g, &m, &v, &a));
   }
-  double ss;
+  double ss, many[3];
   ok(kernel_sum_squares(&g, &ss));
+  int64_t none = 0;
+  tensor_t empty;
+  ok(tensor_init(&empty, dt, dev, 1, &none));
+  const tensor_t *xs[3] = {&p, &empty, &g}; /* one read back; the single call's bits */
+  ok(kernel_sum_squares_many(xs, 3, many));
+  ck_assert(many[2] == ss && many[1] == 0.0);
   tensor_t s;
-  ok(tensor_init(&s, DTYPE_F32, device_cpu(), 1, &one));
+  int64_t two = 2;
+  ok(tensor_init(&s, DTYPE_F32, device_cpu(), 1, &two));
   ((float *)s.data)[0] = (float)ss;
+  ((float *)s.data)[1] = (float)many[0];
   out(&o[0], &p);
   out(&o[1], &m);
   out(&o[2], &v);
   o[3] = s;
   tensor_free(&g);
+  tensor_free(&empty);
   return 4;
 }
 

@@ -78,7 +78,8 @@ static status_t host_dscores(void *ctx, const attn_shape_t *s, const attn_batch_
     for (int64_t i = 0; i < s->T; i++) {
       const float *o = at(s, out, e, b, h, g) + i * s->H * s->Dh,
                   *d = at(s, dout, e, b, h, g) + i * s->H * s->Dh;
-      float D = 0, *prow = at(s, p, e, b, h, g) + i * s->T, *drow = at(s, ds, e, b, h, g) + i * s->T;
+      float D = 0, *prow = at(s, p, e, b, h, g) + i * s->T;
+      float *drow = at(s, ds, e, b, h, g) + i * s->T;
       for (int64_t c = 0; c < s->Dh; c++) D += d[c] * o[c];
       probs_row(s, S + (e * s->T + i) * s->T, i, prow, &lse[(b * s->H + h) * s->T + i]);
       const float *dprow = dP + (e * s->T + i) * s->T;

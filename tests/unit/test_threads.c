@@ -194,6 +194,12 @@ static void run_kernels(const inputs_t *in, outputs_t *o) {
   }
   ok(kernel_sum_squares(&in->gate, &o->sums[0]));
   ok(kernel_sum_squares(&in->p, &o->sums[1]));
+  double both[2]; /* the gradient norm's call: the same bits as one call each */
+  const tensor_t *xs[2] = {&in->gate, &in->p};
+  ok(kernel_sum_squares_many(xs, 2, both));
+  ck_assert(both[0] == o->sums[0] && both[1] == o->sums[1]);
+  ck_assert_int_eq(kernel_sum_squares_many(NULL, 2, both), STATUS_EINVAL);
+  ok(kernel_sum_squares_many(NULL, 0, NULL));
 }
 
 static void free_outputs(outputs_t *o) {
