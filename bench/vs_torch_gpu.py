@@ -15,6 +15,9 @@ the accounting layer's peak bytes); torch runs bench/torch_fsdp2.py with PYTHON 
 interpreter). Printed for each: the median tokens/s of the steps after the warmup ones, MFU
 (6 x parameters x tokens/s over the GPU's dense bf16 peak: 989 TFLOP/s for H100 SXM and H200,
 or --peak-tflops), peak memory and the first and last loss; then fsdpc's ratio to torch.
+Then attention alone: bench-attention against torch's scaled_dot_product_attention at B=8,
+T=1024, 16 heads of 128, causal, bf16 (median forward and forward + backward times, and the
+ratio of the latter).
 
 Without a CUDA device (or with an fsdp-train built without CUDA) it says so and exits 0; where
 PYTHON has no torch it prints fsdpc's figures alone.
@@ -126,6 +129,61 @@ def run_torch(a, data):
     return json.loads(p.stdout.strip().splitlines()[-1]), None
 
 
+TORCH_ATTENTION = r"""
+import json, sys, time
+import torch
+import torch.nn.functional as F
+B, T, H, D, reps = (int(a) for a in sys.argv[1:6])
+g = torch.Generator(device="cuda").manual_seed(0)
+q, k, v, dy = (torch.rand(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g) * 2 - 1
+               for _ in range(4))
+for t in (q, k, v):
+    t.requires_grad_(True)
+fwd, both = [], []
+for r in range(reps + 2):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    y.backward(dy)
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    if r >= 2:
+        fwd.append(t1 - t0)
+        both.append(t2 - t0)
+fwd.sort()
+both.sort()
+print(json.dumps({"forward_ms": 1e3 * fwd[len(fwd) // 2],
+                  "forward_backward_ms": 1e3 * both[len(both) // 2]}))
+"""
+
+
+def attention(a):
+    """bench-attention and torch's scaled_dot_product_attention at B=8, T=1024, 16 heads of
+    128, causal, bf16: the median forward and forward + backward times of each."""
+    shape = ["8", "1024", "16", "128", "20"]
+    p = subprocess.run([a.attention_exe, "--device", "cuda", "--dtype", "bf16", "--batch",
+                        shape[0], "--seq", shape[1], "--heads", shape[2], "--head-dim", shape[3],
+                        "--reps", shape[4]], capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit("bench-attention failed:\n" + p.stderr[-3000:])
+    ours = json.loads(p.stdout.strip().splitlines()[-1])
+    theirs = None
+    t = subprocess.run([a.python, "-c", TORCH_ATTENTION] + shape, capture_output=True, text=True)
+    if t.returncode == 0:
+        theirs = json.loads(t.stdout.strip().splitlines()[-1])
+    print("attention 8 x 1024, 16 heads of 128, causal, bf16: fsdpc forward %.3f ms, "
+          "forward + backward %.3f ms" % (ours["forward_ms"], ours["forward_backward_ms"]))
+    if theirs:
+        print("  torch scaled_dot_product_attention: forward %.3f ms, forward + backward %.3f ms;"
+              " fsdpc / torch time: %.2fx" % (theirs["forward_ms"], theirs["forward_backward_ms"],
+                                             ours["forward_backward_ms"] /
+                                             theirs["forward_backward_ms"]))
+    else:
+        print("  torch: not run (%s)" % (t.stderr.strip().splitlines() or ["no output"])[-1])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--exe", default=os.path.join(ROOT, "build", "tools", "fsdp-train"))
@@ -139,7 +197,11 @@ def main():
     ap.add_argument("--python", default=sys.executable, help="the Python that has torch")
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--keep", help="write the plan, tokens and metrics here and keep them")
+    ap.add_argument("--attention-exe", help="bench-attention (default: beside --exe's build)")
     a = ap.parse_args()
+    if a.attention_exe is None:
+        a.attention_exe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(a.exe))),
+                                       "bench", "bench-attention")
     if a.steps <= a.warmup or a.warmup < 0 or a.batch < 1 or a.seq < 1:
         ap.error("need --batch, --seq >= 1 and --steps > --warmup >= 0")
     if not os.access(a.exe, os.X_OK):
@@ -189,6 +251,10 @@ def main():
             print("torch: not run (%s)" % why)
         if not peak:
             print("MFU: unknown peak for '%s' (give --peak-tflops)" % name)
+        if os.access(a.attention_exe, os.X_OK):
+            attention(a)
+        else:
+            print("attention: %s not found (give --attention-exe)" % a.attention_exe)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
