@@ -1,8 +1,10 @@
 #include "base/device.h"
 
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "base/backend.h"
 
@@ -38,6 +40,39 @@ size_t mem_os_allocs(device_t dev) { return dev.type == DEVICE_CPU ? cpu_host_os
 
 void mem_empty_cache(device_t dev) {
   if (dev.type == DEVICE_CPU) cpu_host_empty_cache();
+}
+
+static device_wait_hook_t _Atomic wait_hook;
+
+void device_set_wait_hook(device_wait_hook_t hook) { atomic_store(&wait_hook, hook); }
+device_wait_hook_t device_wait_hook(void) { return atomic_load(&wait_hook); }
+
+static double seconds_now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const char *what) {
+  double start = seconds_now(), next_ask = 1e-3;
+  for (;;) {
+    status_t st = STATUS_OK;
+    int r = ready(ctx, &st);
+    if (r > 0) return STATUS_OK;
+    if (r < 0) return st != STATUS_OK ? st : err_set(STATUS_EINTERNAL, "%s failed", what);
+    double waited = seconds_now() - start;
+    device_wait_hook_t hook = atomic_load(&wait_hook);
+    if (hook != NULL && waited >= next_ask) {
+      TRY(hook(what, waited));
+      next_ask = waited + 1e-3;
+    }
+    if (waited < 1e-3) { /* short waits (most): poll */
+      sched_yield();
+    } else {
+      struct timespec nap = {0, 20000}; /* 20 us */
+      nanosleep(&nap, NULL);
+    }
+  }
 }
 
 const char *device_str(device_t dev, char *buf, size_t size) {

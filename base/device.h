@@ -95,6 +95,23 @@ status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void
 /* Waits until all work queued on the current stream of dev is done (no-op on the CPU). */
 status_t device_stream_sync(device_t dev);
 
+/* ---- host waits for device work ----
+ *
+ * A host wait for device work (device_stream_sync, a copy to the host, stream_synchronize,
+ * event_synchronize) polls rather than blocks, and about every millisecond asks the wait
+ * hook, when one is set, whether to go on: a status other than STATUS_OK ends the wait with
+ * that status (the work stays queued). The world (mesh/world.h) sets the hook: it ends a wait
+ * once the job is stopped or the wait outlasts the collective watchdog, aborting the NCCL
+ * communicators first, so that a collective a rank will never join cannot hang the others. */
+typedef status_t (*device_wait_hook_t)(const char *what, double waited_s);
+void device_set_wait_hook(device_wait_hook_t hook);
+device_wait_hook_t device_wait_hook(void);
+
+/* Calls ready(ctx, &st) until it returns 1 (done), or -1 (failed: returns st), asking the
+ * wait hook between polls (what names the wait; waited_s counts from the first poll). The
+ * loop of every host wait above. */
+status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const char *what);
+
 /* ---- memory accounting ---- */
 
 typedef struct mem_stats {

@@ -4,9 +4,16 @@
  * first makes the communication stream wait on an event recorded on the caller's current
  * stream, runs there, and records a completion event; pg_wait() makes the caller's current
  * stream wait on that event. No device-wide synchronisation.
+ *
+ * Communicators are non-blocking (NCCL's config.blocking = 0): a call that answers
+ * ncclInProgress is polled to its end through device_poll, so the world's wait hook can end
+ * it; pg_nccl_abort_all() aborts every live communicator (the hook calls it when the job
+ * stops), which ends their kernels, so that no host wait stays blocked behind them.
  */
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,7 +35,67 @@ static status_t nccl_status(ncclResult_t rc, const char *what) {
 typedef struct nccl_state {
   ncclComm_t comm;
   cudaStream_t stream;
+  bool aborted;                 /* by pg_nccl_abort_all: comm is gone */
+  struct nccl_state *prev, *next; /* the live communicators */
 } nccl_state_t;
+
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static nccl_state_t *live;
+
+static void live_add(nccl_state_t *s) {
+  pthread_mutex_lock(&live_lock);
+  s->next = live;
+  if (live) live->prev = s;
+  live = s;
+  pthread_mutex_unlock(&live_lock);
+}
+
+/* Removes s (when listed) and tells whether it was aborted. */
+static bool live_remove(nccl_state_t *s) {
+  pthread_mutex_lock(&live_lock);
+  if (s->prev) s->prev->next = s->next;
+  else if (live == s) live = s->next;
+  if (s->next) s->next->prev = s->prev;
+  s->prev = s->next = NULL;
+  bool aborted = s->aborted;
+  pthread_mutex_unlock(&live_lock);
+  return aborted;
+}
+
+void pg_nccl_abort_all(void) {
+  pthread_mutex_lock(&live_lock);
+  for (nccl_state_t *s = live; s; s = s->next)
+    if (!s->aborted && s->comm) {
+      ncclCommAbort(s->comm);
+      s->aborted = true;
+    }
+  pthread_mutex_unlock(&live_lock);
+}
+
+/* ncclCommGetAsyncError as a device_poll condition: 1 once the communicator's last call has
+ * finished, -1 when it failed. */
+static int comm_settled(void *ctx, status_t *st) {
+  nccl_state_t *s = ctx;
+  ncclResult_t state = ncclSuccess, rc = ncclCommGetAsyncError(s->comm, &state);
+  if (rc != ncclSuccess) state = rc;
+  if (state == ncclInProgress) return 0;
+  if (state == ncclSuccess) return 1;
+  *st = nccl_status(state, "ncclCommGetAsyncError");
+  return -1;
+}
+
+/* Polls s's communicator until its last call has finished. */
+static status_t poll_settled(nccl_state_t *s, const char *what) {
+  status_t st = device_poll(comm_settled, s, what);
+  return st == STATUS_OK ? STATUS_OK : err_prefix(st, "%s", what);
+}
+
+/* The result rc of a call on s's communicator, polled to its end when still in progress. */
+static status_t settle(nccl_state_t *s, ncclResult_t rc, const char *what) {
+  if (rc == ncclSuccess) return STATUS_OK;
+  if (rc != ncclInProgress) return nccl_status(rc, what);
+  return poll_settled(s, what);
+}
 
 typedef struct nccl_work {
   pg_work_t base;
@@ -50,6 +117,9 @@ static status_t nccl_complete(pg_work_t *base) {
 
 /* Orders the communication stream after the caller's current stream. */
 static status_t begin(pg_t *pg) {
+  if (state(pg)->aborted)
+    return err_set(STATUS_ENCCL, "the NCCL communicator of this group was aborted (the job is "
+                                 "stopping)");
   CUDA_TRY(cudaSetDevice(pg->device.index));
   cudaEvent_t ready;
   CUDA_TRY(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
@@ -95,23 +165,29 @@ static ncclRedOp_t nccl_op(reduce_op_t op) {
 static status_t nccl_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
                                 pg_work_t **work) {
   TRY(begin(pg));
-  NCCL_TRY(ncclAllGather(send, recv, count, nccl_type(dt), state(pg)->comm, state(pg)->stream));
+  TRY(settle(state(pg),
+             ncclAllGather(send, recv, count, nccl_type(dt), state(pg)->comm, state(pg)->stream),
+             "ncclAllGather"));
   return end(pg, work);
 }
 
 static status_t nccl_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
                                     dtype_t dt, reduce_op_t op, pg_work_t **work) {
   TRY(begin(pg));
-  NCCL_TRY(ncclReduceScatter(send, recv, recv_count, nccl_type(dt), nccl_op(op), state(pg)->comm,
-                             state(pg)->stream));
+  TRY(settle(state(pg),
+             ncclReduceScatter(send, recv, recv_count, nccl_type(dt), nccl_op(op),
+                               state(pg)->comm, state(pg)->stream),
+             "ncclReduceScatter"));
   return end(pg, work);
 }
 
 static status_t nccl_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
                                 reduce_op_t op, pg_work_t **work) {
   TRY(begin(pg));
-  NCCL_TRY(ncclAllReduce(send, recv, count, nccl_type(dt), nccl_op(op), state(pg)->comm,
-                         state(pg)->stream));
+  TRY(settle(state(pg),
+             ncclAllReduce(send, recv, count, nccl_type(dt), nccl_op(op), state(pg)->comm,
+                           state(pg)->stream),
+             "ncclAllReduce"));
   return end(pg, work);
 }
 
@@ -126,14 +202,17 @@ static status_t nccl_all_to_all(pg_t *pg, const void *send, void *recv, size_t c
     ncclRecv((char *)recv + peer * block, count, nccl_type(dt), peer, state(pg)->comm,
              state(pg)->stream);
   }
-  NCCL_TRY(ncclGroupEnd());
+  TRY(settle(state(pg), ncclGroupEnd(), "ncclGroupEnd (all-to-all)"));
   return end(pg, work);
 }
 
 static status_t nccl_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                                pg_work_t **work) {
   TRY(begin(pg));
-  NCCL_TRY(ncclBroadcast(buf, buf, count, nccl_type(dt), root, state(pg)->comm, state(pg)->stream));
+  TRY(settle(state(pg),
+             ncclBroadcast(buf, buf, count, nccl_type(dt), root, state(pg)->comm,
+                           state(pg)->stream),
+             "ncclBroadcast"));
   return end(pg, work);
 }
 
@@ -148,7 +227,8 @@ static void nccl_destroy(pg_t *pg) {
   nccl_state_t *s = state(pg);
   if (s == NULL) return;
   cudaSetDevice(pg->device.index);
-  if (s->comm) ncclCommDestroy(s->comm);
+  bool aborted = live_remove(s);
+  if (s->comm && !aborted) ncclCommDestroy(s->comm);
   if (s->stream) cudaStreamDestroy(s->stream);
   free(s);
 }
@@ -187,11 +267,17 @@ status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
   TRY_GOTO(st, cuda_status(e, what));
   snprintf(what, sizeof what, "ncclCommInitRank (rank %d of %d on cuda:%d)", pg->rank, pg->size,
            device);
-  st = nccl_status(ncclCommInitRank(&s->comm, pg->size, id, pg->rank), what);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0; /* polled: a peer that never joins cannot block this rank for good */
+  ncclResult_t rc = ncclCommInitRankConfig(&s->comm, pg->size, id, pg->rank, &config);
+  /* the communicator is usable once ncclCommGetAsyncError no longer says ncclInProgress */
+  st = rc == ncclSuccess || rc == ncclInProgress ? poll_settled(s, what) : nccl_status(rc, what);
   if (st != STATUS_OK) {
+    if (s->comm) ncclCommAbort(s->comm);
     s->comm = NULL;
     goto cleanup;
   }
+  live_add(s);
   *out = pg;
   return STATUS_OK;
 cleanup:

@@ -1,5 +1,6 @@
 #include "mesh/world_impl.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +40,8 @@ static MPI_Comm stop_comm = MPI_COMM_NULL;
 static MPI_Request stop_req = MPI_REQUEST_NULL;
 static stop_msg_t stop_in, stop_out;
 static bool stopped, unanswered;
+static pthread_t main_thread; /* the thread that started MPI (MPI_THREAD_FUNNELED) */
+static status_t device_wait_check(const char *what, double waited);
 static status_t stop_status;
 static char stop_reason[sizeof stop_in.text + 32];
 
@@ -84,10 +87,13 @@ status_t world_init(int *argc, char ***argv) {
     MPI_Comm_free(&node);
   }
   if (world_group == NULL) TRY(pg_new_mpi(MPI_COMM_WORLD, &world_group));
+  main_thread = pthread_self();
+  device_set_wait_hook(device_wait_check);
   return stop_channel_open();
 }
 
 void world_finalize(void) {
+  device_set_wait_hook(NULL);
   int done = 0;
   MPI_Finalized(&done);
   if (unanswered) {
@@ -373,6 +379,23 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
       nanosleep(&nap, NULL);
     }
   }
+}
+
+/* The wait hook of host waits for device work (base/device.h): a stop ends them, as does a
+ * wait longer than the watchdog (which stops the job); the NCCL communicators are aborted
+ * first, so that the device work a wait may be behind ends too. */
+static status_t device_wait_check(const char *what, double waited) {
+  if (!pthread_equal(pthread_self(), main_thread)) return STATUS_OK; /* MPI: this thread only */
+  status_t st = world_check();
+  if (st == STATUS_OK && watchdog_s > 0 && waited > watchdog_s) {
+    unanswered = true;
+    st = world_stop(err_set(STATUS_ETIMEOUT,
+                            "%s (device work) has not completed in %g s: another rank stopped "
+                            "answering (hung, stopped or far slower); stopping the job",
+                            what, watchdog_s));
+  }
+  if (st != STATUS_OK) pg_nccl_abort_all();
+  return st;
 }
 
 static status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,

@@ -75,14 +75,16 @@ bool world_agree_report(status_t st, const char *prog);
  * ranks took a collective path), it stops the job with world_stop(): every rank's library
  * waits (MPI collectives, agreements) then fail with that rank's message instead of hanging,
  * and so does every later wait. Each rank reports the error itself and exits non-zero. The
- * channel exists once world_init has run; it does not reach a rank blocked outside the
- * library's waits (a CUDA stream waiting on an NCCL kernel). */
+ * channel exists once world_init has run. Host waits for device work poll (base/device.h):
+ * world_init sets their hook, which ends them once the job is stopped, aborting the NCCL
+ * communicators first so that a device collective a rank will never join ends too. */
 
 /* The watchdog: a library wait (a collective, an agreement) that has not completed within
  * this many seconds stops the job, naming the wait, on the rank that waited (and, through the
  * stop channel, every rank waiting in the library); 0 waits forever. Default
  * WORLD_DEFAULT_TIMEOUT_S (10 minutes, as PyTorch's process groups). Per process; set it on
- * every rank. It does not cover NCCL kernels (the CUDA stream waits on them). */
+ * every rank. It covers host waits for device work too (a stream behind an NCCL collective),
+ * with the NCCL communicators aborted. */
 #define WORLD_DEFAULT_TIMEOUT_S 600.0
 void world_set_timeout(double seconds);
 double world_timeout(void);

@@ -92,6 +92,47 @@ START_TEST(device_choice_by_devices_and_ranks) {
 }
 END_TEST
 
+/* device_poll, the loop of every host wait for device work: done, failed, or ended by the
+ * wait hook. */
+typedef struct poll_state {
+  int polls, ready_at; /* ready_at < 0: never; 0: fails */
+} poll_state_t;
+
+static int fake_ready(void *ctx, status_t *st) {
+  poll_state_t *p = ctx;
+  p->polls++;
+  if (p->ready_at == 0) {
+    *st = err_set(STATUS_ECUDA, "the device failed");
+    return -1;
+  }
+  return p->ready_at > 0 && p->polls >= p->ready_at;
+}
+
+static double hook_waited;
+static status_t give_up_after_5ms(const char *what, double waited) {
+  hook_waited = waited;
+  if (waited < 5e-3) return STATUS_OK;
+  return err_set(STATUS_ETIMEOUT, "%s: given up after %.3f s", what, waited);
+}
+
+START_TEST(device_poll_ends_by_ready_failure_or_hook) {
+  device_wait_hook_t saved = device_wait_hook();
+  device_set_wait_hook(NULL);
+  poll_state_t p = {0, 40};
+  ck_assert_int_eq(device_poll(fake_ready, &p, "forty polls"), STATUS_OK);
+  ck_assert_int_eq(p.polls, 40);
+  p = (poll_state_t){0, 0};
+  ck_assert_int_eq(device_poll(fake_ready, &p, "a failing wait"), STATUS_ECUDA);
+  ck_assert_str_eq(err_detail(), "the device failed");
+  device_set_wait_hook(give_up_after_5ms);
+  p = (poll_state_t){0, -1};
+  ck_assert_int_eq(device_poll(fake_ready, &p, "a wait that never ends"), STATUS_ETIMEOUT);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "a wait that never ends: given up after"));
+  ck_assert(hook_waited >= 5e-3 && hook_waited < 1.0);
+  device_set_wait_hook(saved);
+}
+END_TEST
+
 START_TEST(tensor_scalar_and_empty) {
   tensor_t s, e;
   ck_assert_int_eq(tensor_init(&s, DTYPE_I64, device_cpu(), 0, NULL), STATUS_OK);
@@ -362,6 +403,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_init_rejects_bad_shapes);
   tcase_add_test(tc, tensor_init_cuda_without_device_is_enodev);
   tcase_add_test(tc, device_choice_by_devices_and_ranks);
+  tcase_add_test(tc, device_poll_ends_by_ready_failure_or_hook);
   tcase_add_test(tc, tensor_scalar_and_empty);
   tcase_add_test(tc, tensor_view_checks_numel);
   tcase_add_test(tc, tensor_narrow_inner_dim_copies_strided);
