@@ -1,9 +1,154 @@
-/* Argument checks of the compute kernels, then dispatch to the device's backend. */
+/* Argument checks of the compute kernels, then dispatch to the device's backend, timed when
+ * profiling is on. */
 #include "base/kernels.h"
 
+#include <pthread.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
 #include "base/kernels_impl.h"
+
+/* ---- profiling ----
+ * Per kernel name: calls and seconds. On the CPU a call is timed on the wall clock around
+ * it; on a backend with timers (CUDA: events on the call's stream) the timer is kept pending
+ * and read when the report is made (or when too many are pending). */
+
+enum { PROF_NAMES = 48, PROF_PENDING = 4096 };
+
+static struct {
+  pthread_mutex_t lock;
+  int on; /* -1: not read from FSDPC_PROFILE yet */
+  struct {
+    const char *name;
+    int64_t calls;
+    double seconds;
+  } k[PROF_NAMES];
+  int n;
+  struct {
+    const char *name;
+    const kernel_ops_t *ops;
+    void *timer;
+  } pending[PROF_PENDING];
+  int n_pending;
+} prof = {.lock = PTHREAD_MUTEX_INITIALIZER, .on = -1};
+
+static double wall_now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+bool kernel_profile_enabled(void) {
+  if (prof.on < 0) {
+    const char *e = getenv("FSDPC_PROFILE");
+    prof.on = e != NULL && e[0] != 0 && strcmp(e, "0") != 0;
+  }
+  return prof.on > 0;
+}
+
+void kernel_profile_enable(bool on) { prof.on = on; }
+
+/* Adds seconds to name's row (the lock held). */
+static void prof_add(const char *name, int64_t calls, double seconds) {
+  int i = 0;
+  while (i < prof.n && strcmp(prof.k[i].name, name) != 0) i++;
+  if (i == prof.n) {
+    if (prof.n == PROF_NAMES) return;
+    prof.k[prof.n++].name = name;
+  }
+  prof.k[i].calls += calls;
+  prof.k[i].seconds += seconds;
+}
+
+/* Reads every pending timer (waits for its work; the lock held). */
+static status_t prof_settle(void) {
+  status_t st = STATUS_OK;
+  for (int i = 0; i < prof.n_pending; i++) {
+    double s = 0;
+    status_t r = prof.pending[i].ops->timer_read(prof.pending[i].timer, &s);
+    if (r == STATUS_OK) prof_add(prof.pending[i].name, 1, s);
+    if (st == STATUS_OK) st = r;
+  }
+  prof.n_pending = 0;
+  return st;
+}
+
+typedef struct prof_call {
+  const kernel_ops_t *ops;
+  void *timer;
+  double t0;
+} prof_call_t;
+
+static void prof_begin(prof_call_t *c, const kernel_ops_t *ops, const tensor_t *t) {
+  c->ops = ops;
+  c->timer = ops->timer_start ? ops->timer_start(t->device) : NULL;
+  c->t0 = wall_now();
+}
+
+static status_t prof_end(prof_call_t *c, const char *name, status_t st) {
+  double t1 = wall_now();
+  pthread_mutex_lock(&prof.lock);
+  if (c->timer == NULL) {
+    prof_add(name, 1, t1 - c->t0);
+  } else {
+    c->ops->timer_stop(c->timer);
+    if (prof.n_pending == PROF_PENDING) prof_settle();
+    prof.pending[prof.n_pending].name = name;
+    prof.pending[prof.n_pending].ops = c->ops;
+    prof.pending[prof.n_pending++].timer = c->timer;
+  }
+  pthread_mutex_unlock(&prof.lock);
+  return st;
+}
+
+/* Returns call's status; times it (on dev's timer, else the wall clock) when profiling. */
+#define DISPATCH(name, dev, call)             \
+  do {                                        \
+    if (!kernel_profile_enabled()) return (call); \
+    prof_call_t pc_;                          \
+    prof_begin(&pc_, ops, (dev));             \
+    return prof_end(&pc_, (name), (call));    \
+  } while (0)
+
+void kernel_profile_reset(void) {
+  pthread_mutex_lock(&prof.lock);
+  prof_settle();
+  prof.n = 0;
+  pthread_mutex_unlock(&prof.lock);
+}
+
+static int by_time(const void *a, const void *b) {
+  double x = ((const double *)a)[0], y = ((const double *)b)[0];
+  return x < y ? 1 : x > y ? -1 : 0;
+}
+
+status_t kernel_profile_report(FILE *out, double *total_seconds) {
+  pthread_mutex_lock(&prof.lock);
+  status_t st = prof_settle();
+  double rows[PROF_NAMES][2], total = 0; /* seconds, index */
+  for (int i = 0; i < prof.n; i++) {
+    rows[i][0] = prof.k[i].seconds;
+    rows[i][1] = i;
+    total += prof.k[i].seconds;
+  }
+  qsort(rows, (size_t)prof.n, sizeof rows[0], by_time);
+  if (out != NULL) {
+    fprintf(out, "%-24s %9s %12s %11s %7s\n", "kernel", "calls", "total ms", "ms/call", "share");
+    for (int r = 0; r < prof.n; r++) {
+      int i = (int)rows[r][1];
+      fprintf(out, "%-24s %9lld %12.3f %11.4f %6.1f%%\n", prof.k[i].name,
+              (long long)prof.k[i].calls, 1e3 * prof.k[i].seconds,
+              1e3 * prof.k[i].seconds / (double)(prof.k[i].calls ? prof.k[i].calls : 1),
+              total > 0 ? 100 * prof.k[i].seconds / total : 0.0);
+    }
+    fprintf(out, "%-24s %9s %12.3f\n", "all kernels", "", 1e3 * total);
+  }
+  if (total_seconds) *total_seconds = total;
+  pthread_mutex_unlock(&prof.lock);
+  return st;
+}
 
 #define NT(...)                        \
   ((const tensor_t *[]){__VA_ARGS__}), \
@@ -117,7 +262,7 @@ status_t kernel_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const ten
   if (d.m > INT32_MAX || d.n > INT32_MAX || d.k > INT32_MAX)
     return err_set(STATUS_EUNSUPPORTED, "kernel_matmul: dimensions beyond 2^31-1");
   if (d.m == 0 || d.n == 0) return STATUS_OK;
-  return ops->matmul(out, a, trans_a, b, trans_b, alpha, beta, &d);
+  DISPATCH("matmul", out, ops->matmul(out, a, trans_a, b, trans_b, alpha, beta, &d));
 }
 
 status_t kernel_embedding_shard(tensor_t *out, const tensor_t *table, const tensor_t *ids,
@@ -133,7 +278,7 @@ status_t kernel_embedding_shard(tensor_t *out, const tensor_t *table, const tens
     return err_set(STATUS_EINVAL,
                    "kernel_embedding: rows [%lld, %lld) outside a vocabulary of %lld",
                    (long long)first, (long long)(first + table->shape[0]), (long long)vocab);
-  return ops->embedding(out, table, ids, first, vocab);
+  DISPATCH("embedding", out, ops->embedding(out, table, ids, first, vocab));
 }
 
 status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *grad_out,
@@ -152,7 +297,8 @@ status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *g
     return err_set(STATUS_EINVAL,
                    "kernel_embedding_backward: rows [%lld, %lld) outside a vocabulary of %lld",
                    (long long)first, (long long)(first + grad_table->shape[0]), (long long)vocab);
-  return ops->embedding_backward(grad_table, grad_out, ids, first, vocab);
+  DISPATCH("embedding_backward", grad_table,
+           ops->embedding_backward(grad_table, grad_out, ids, first, vocab));
 }
 
 status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
@@ -182,7 +328,7 @@ status_t kernel_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const 
   if (w->ndim != 1 || w->shape[0] != last_dim(x))
     return shape_error("kernel_rmsnorm", "w", w, "[D] with D the last dimension of x");
   TRY(check_rows_stat("kernel_rmsnorm", "rstd", rstd, rows_of(x)));
-  return ops->rmsnorm(out, rstd, x, w, eps);
+  DISPATCH("rmsnorm", out, ops->rmsnorm(out, rstd, x, w, eps));
 }
 
 status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
@@ -197,7 +343,7 @@ status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
   if (w->ndim != 1 || w->shape[0] != last_dim(x))
     return shape_error("kernel_rmsnorm_backward", "w", w, "[D] with D the last dimension of x");
   TRY(check_rows_stat("kernel_rmsnorm_backward", "rstd", rstd, rows_of(x)));
-  return ops->rmsnorm_backward(dx, dw, dy, x, w, rstd);
+  DISPATCH("rmsnorm_backward", dx, ops->rmsnorm_backward(dx, dw, dy, x, w, rstd));
 }
 
 status_t rope_check(const rope_t *r) {
@@ -233,7 +379,7 @@ status_t kernel_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64
   if (x->ndim != 4 || x->shape[3] % 2 != 0)
     return shape_error("kernel_rope", "x", x, "[B, T, H, Dh] with Dh even");
   if (rope_check(rope) != STATUS_OK) return err_prefix(STATUS_EINVAL, "kernel_rope");
-  return ops->rope(out, x, rope, pos_offset, inverse);
+  DISPATCH("rope", out, ops->rope(out, x, rope, pos_offset, inverse));
 }
 
 static status_t check_qkv(const char *fn, const tensor_t *q, const tensor_t *k, const tensor_t *v) {
@@ -263,7 +409,7 @@ status_t kernel_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const
   TRY(check_same_shape(fn, NT(out, q)));
   TRY(check_lse(fn, lse, q));
   if (tensor_numel(q) == 0) return STATUS_OK;
-  return ops->attention(out, lse, q, k, v);
+  DISPATCH("attention", out, ops->attention(out, lse, q, k, v));
 }
 
 status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
@@ -278,7 +424,8 @@ status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, con
   TRY(check_same_shape(fn, NT(dk, dv, k)));
   TRY(check_lse(fn, lse, q));
   if (tensor_numel(q) == 0) return STATUS_OK;
-  return ops->attention_backward(dq, dk, dv, dout, q, k, v, out, lse);
+  DISPATCH("attention_backward", dq,
+           ops->attention_backward(dq, dk, dv, dout, q, k, v, out, lse));
 }
 
 status_t kernel_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
@@ -286,7 +433,7 @@ status_t kernel_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up
   TRY(check_common("kernel_silu_mul", NT(out, gate, up), &ops));
   TRY(check_float_same("kernel_silu_mul", NT(out, gate, up)));
   TRY(check_same_shape("kernel_silu_mul", NT(out, gate, up)));
-  return ops->silu_mul(out, gate, up);
+  DISPATCH("silu_mul", out, ops->silu_mul(out, gate, up));
 }
 
 status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
@@ -295,7 +442,7 @@ status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t
   TRY(check_common("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up), &ops));
   TRY(check_float_same("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
   TRY(check_same_shape("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
-  return ops->silu_mul_backward(dgate, dup, dout, gate, up);
+  DISPATCH("silu_mul_backward", dgate, ops->silu_mul_backward(dgate, dup, dout, gate, up));
 }
 
 static status_t check_act(const char *fn, kernel_act_t act) {
@@ -310,7 +457,7 @@ status_t kernel_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
   TRY(check_float_same("kernel_activation", NT(out, x)));
   TRY(check_same_shape("kernel_activation", NT(out, x)));
   TRY(check_act("kernel_activation", act));
-  return ops->activation(out, x, act);
+  DISPATCH("activation", out, ops->activation(out, x, act));
 }
 
 status_t kernel_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
@@ -320,7 +467,7 @@ status_t kernel_activation_backward(tensor_t *dx, const tensor_t *dy, const tens
   TRY(check_float_same("kernel_activation_backward", NT(dx, dy, x)));
   TRY(check_same_shape("kernel_activation_backward", NT(dx, dy, x)));
   TRY(check_act("kernel_activation_backward", act));
-  return ops->activation_backward(dx, dy, x, act);
+  DISPATCH("activation_backward", dx, ops->activation_backward(dx, dy, x, act));
 }
 
 /* b is [D] with D the last dimension of x. */
@@ -338,7 +485,7 @@ status_t kernel_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
   TRY(check_same_shape("kernel_bias_add", NT(out, x)));
   TRY(check_row_vector("kernel_bias_add", "b", b, x));
   if (tensor_numel(x) == 0) return STATUS_OK;
-  return ops->bias_add(out, x, b);
+  DISPATCH("bias_add", out, ops->bias_add(out, x, b));
 }
 
 status_t kernel_bias_backward(tensor_t *db, const tensor_t *dy) {
@@ -348,7 +495,7 @@ status_t kernel_bias_backward(tensor_t *db, const tensor_t *dy) {
   TRY(check_float("kernel_bias_backward", "dy", dy));
   TRY(check_row_vector("kernel_bias_backward", "db", db, dy));
   if (tensor_numel(dy) == 0) return STATUS_OK;
-  return ops->bias_backward(db, dy);
+  DISPATCH("bias_backward", db, ops->bias_backward(db, dy));
 }
 
 status_t kernel_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
@@ -365,7 +512,7 @@ status_t kernel_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const t
   TRY(check_rows_stat("kernel_layernorm", "mean", mean, rows_of(x)));
   TRY(check_rows_stat("kernel_layernorm", "rstd", rstd, rows_of(x)));
   if (tensor_numel(x) == 0) return STATUS_OK;
-  return ops->layernorm(out, mean, rstd, x, w, b, eps);
+  DISPATCH("layernorm", out, ops->layernorm(out, mean, rstd, x, w, b, eps));
 }
 
 status_t kernel_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
@@ -386,7 +533,8 @@ status_t kernel_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, con
   TRY(check_rows_stat(fn, "mean", mean, rows_of(x)));
   TRY(check_rows_stat(fn, "rstd", rstd, rows_of(x)));
   if (tensor_numel(x) == 0) return STATUS_OK;
-  return ops->layernorm_backward(dx, dw, db, dy, x, w, mean, rstd);
+  DISPATCH("layernorm_backward", dx,
+           ops->layernorm_backward(dx, dw, db, dy, x, w, mean, rstd));
 }
 
 status_t kernel_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
@@ -394,7 +542,7 @@ status_t kernel_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
   TRY(check_common("kernel_add", NT(out, a, b), &ops));
   TRY(check_float_same("kernel_add", NT(out, a, b)));
   TRY(check_same_shape("kernel_add", NT(out, a, b)));
-  return ops->add(out, a, b);
+  DISPATCH("add", out, ops->add(out, a, b));
 }
 
 status_t kernel_axpy(tensor_t *y, float alpha, const tensor_t *x) {
@@ -403,14 +551,14 @@ status_t kernel_axpy(tensor_t *y, float alpha, const tensor_t *x) {
   TRY(check_float("kernel_axpy", "y", y));
   TRY(check_float("kernel_axpy", "x", x));
   TRY(check_same_shape("kernel_axpy", NT(y, x)));
-  return ops->axpy(y, alpha, x);
+  DISPATCH("axpy", y, ops->axpy(y, alpha, x));
 }
 
 status_t kernel_scale(tensor_t *x, float alpha) {
   const kernel_ops_t *ops;
   TRY(check_common("kernel_scale", NT(x), &ops));
   TRY(check_float("kernel_scale", "x", x));
-  return ops->scale(x, alpha);
+  DISPATCH("scale", x, ops->scale(x, alpha));
 }
 
 static status_t check_ce(const char *fn, const tensor_t *logits, const tensor_t *targets) {
@@ -429,7 +577,7 @@ status_t kernel_cross_entropy(tensor_t *losses, const tensor_t *logits, const te
   TRY(check_dtype(fn, "losses", losses, DTYPE_F32));
   if (tensor_numel(losses) != tensor_numel(targets))
     return shape_error(fn, "losses", losses, "one element per target");
-  return ops->cross_entropy(losses, logits, targets);
+  DISPATCH("cross_entropy", losses, ops->cross_entropy(losses, logits, targets));
 }
 
 status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
@@ -440,7 +588,8 @@ status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits
   TRY(check_ce(fn, logits, targets));
   TRY(check_float_same(fn, NT(dlogits, logits)));
   TRY(check_same_shape(fn, NT(dlogits, logits)));
-  return ops->cross_entropy_backward(dlogits, logits, targets, scale);
+  DISPATCH("cross_entropy_backward", dlogits,
+           ops->cross_entropy_backward(dlogits, logits, targets, scale));
 }
 
 status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
@@ -456,7 +605,7 @@ status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
       tensor_numel(v) != tensor_numel(p))
     return err_set(STATUS_ESHAPE, "%s: p, g, m and v must have the same number of elements", fn);
   if (args == NULL || args->step < 1) return err_set(STATUS_EINVAL, "%s: step must be >= 1", fn);
-  return ops->adamw(p, g, m, v, args);
+  DISPATCH("adamw", p, ops->adamw(p, g, m, v, args));
 }
 
 status_t kernel_sum_squares(const tensor_t *x, double *out) {
@@ -466,7 +615,16 @@ status_t kernel_sum_squares(const tensor_t *x, double *out) {
   TRY(check_float("kernel_sum_squares", "x", x));
   *out = 0;
   if (tensor_numel(x) == 0) return STATUS_OK;
-  return ops->sum_squares(x, out);
+  DISPATCH("sum_squares", x, ops->sum_squares(x, out));
+}
+
+static status_t sum_squares_each(const kernel_ops_t *ops, const tensor_t *const *xs, int n,
+                                 double *out) {
+  for (int i = 0; i < n; i++) {
+    out[i] = 0;
+    if (tensor_numel(xs[i]) > 0) TRY(ops->sum_squares(xs[i], &out[i]));
+  }
+  return STATUS_OK;
 }
 
 status_t kernel_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
@@ -477,10 +635,7 @@ status_t kernel_sum_squares_many(const tensor_t *const *xs, int n, double *out) 
   if (n == 0) return STATUS_OK;
   TRY(check_common(fn, xs, n, &ops));
   for (int i = 0; i < n; i++) TRY(check_float(fn, "x", xs[i]));
-  if (ops->sum_squares_many != NULL) return ops->sum_squares_many(xs, n, out);
-  for (int i = 0; i < n; i++) {
-    out[i] = 0;
-    if (tensor_numel(xs[i]) > 0) TRY(ops->sum_squares(xs[i], &out[i]));
-  }
-  return STATUS_OK;
+  DISPATCH("sum_squares", xs[0],
+           ops->sum_squares_many ? ops->sum_squares_many(xs, n, out)
+                                 : sum_squares_each(ops, xs, n, out));
 }

@@ -22,6 +22,7 @@
 
 #include <math.h>
 #include <stdbool.h>
+#include <stdio.h>
 
 #include "base/tensor.h"
 
@@ -205,6 +206,18 @@ status_t kernel_sum_squares_many(const tensor_t *const *xs, int n, double *out);
  * the process (n >= 1; above 1 needs OpenMP). */
 int kernel_cpu_threads(void);
 status_t kernel_set_cpu_threads(int n);
+
+/* Kernel profiling: with FSDPC_PROFILE=1 in the environment (or kernel_profile_enable), every
+ * kernel call is timed under its name (matmul, attention, rmsnorm_backward, ...): on a GPU
+ * the device time between events recorded around it on its stream, on the CPU the wall time
+ * of the call. kernel_profile_report prints calls, total and per-call milliseconds and each
+ * kernel's share, slowest first, to out (when not NULL; waiting for pending device timers)
+ * and gives the total in *total_seconds (when not NULL); kernel_profile_reset starts over.
+ * Off, a kernel call costs one branch more. */
+bool kernel_profile_enabled(void);
+void kernel_profile_enable(bool on);
+void kernel_profile_reset(void);
+status_t kernel_profile_report(FILE *out, double *total_seconds);
 
 #ifdef __cplusplus
 }

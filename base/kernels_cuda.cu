@@ -709,6 +709,51 @@ static status_t cuda_sum_squares(const tensor_t *x, double *out) {
   return cuda_sum_squares_many(&x, 1, out);
 }
 
+/* Profiling timers: two timing events on the call's stream. */
+typedef struct cuda_timer {
+  cudaEvent_t start, stop;
+  cudaStream_t stream;
+} cuda_timer_t;
+
+static void *cuda_timer_start(device_t dev) {
+  cuda_timer_t *t = (cuda_timer_t *)calloc(1, sizeof *t);
+  if (t == NULL) return NULL;
+  t->stream = cuda_stream_raw(stream_current(dev));
+  if (cudaEventCreate(&t->start) != cudaSuccess) {
+    free(t);
+    return NULL;
+  }
+  if (cudaEventCreate(&t->stop) != cudaSuccess) {
+    cudaEventDestroy(t->start);
+    free(t);
+    return NULL;
+  }
+  if (cudaEventRecord(t->start, t->stream) != cudaSuccess) {
+    cudaEventDestroy(t->start);
+    cudaEventDestroy(t->stop);
+    free(t);
+    return NULL;
+  }
+  return t;
+}
+
+static void cuda_timer_stop(void *timer) {
+  cuda_timer_t *t = (cuda_timer_t *)timer;
+  cudaEventRecord(t->stop, t->stream);
+}
+
+static status_t cuda_timer_read(void *timer, double *seconds) {
+  cuda_timer_t *t = (cuda_timer_t *)timer;
+  float ms = 0;
+  cudaError_t e = cudaEventSynchronize(t->stop);
+  if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, t->start, t->stop);
+  cudaEventDestroy(t->start);
+  cudaEventDestroy(t->stop);
+  free(t);
+  *seconds = 1e-3 * ms;
+  return cuda_status(e, "kernel profile timer");
+}
+
 static const kernel_ops_t ops = {
     /* .matmul = */ cuda_matmul,
     /* .embedding = */ cuda_embedding,
@@ -734,6 +779,9 @@ static const kernel_ops_t ops = {
     /* .adamw = */ cuda_adamw,
     /* .sum_squares = */ cuda_sum_squares,
     /* .sum_squares_many = */ cuda_sum_squares_many,
+    /* .timer_start = */ cuda_timer_start,
+    /* .timer_stop = */ cuda_timer_stop,
+    /* .timer_read = */ cuda_timer_read,
 };
 
 extern "C" const kernel_ops_t *cuda_kernels(void) { return &ops; }

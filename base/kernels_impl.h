@@ -62,6 +62,11 @@ typedef struct kernel_ops {
   status_t (*sum_squares)(const tensor_t *x, double *out);
   /* NULL: sum_squares on each (the tensors arrive checked, n > 0) */
   status_t (*sum_squares_many)(const tensor_t *const *xs, int n, double *out);
+  /* Device timers for profiling (NULL: the wall clock): start on dev's current stream (NULL
+   * when none could be made), stop after the call, read later (waits, then frees). */
+  void *(*timer_start)(device_t dev);
+  void (*timer_stop)(void *timer);
+  status_t (*timer_read)(void *timer, double *seconds);
 } kernel_ops_t;
 
 const kernel_ops_t *cpu_kernels(void);

@@ -160,6 +160,12 @@ int main(int argc, char **argv) {
            rate, per_token * (double)tokens_per_step / 1e9, ref,
            kernel_cpu_threads() > 1 ? " (one thread)" : "", 100 * rate / ref);
   }
+  if (kernel_profile_enabled()) { /* FSDPC_PROFILE=1 */
+    double k = 0;
+    printf("\nkernels of all %lld steps (FSDPC_PROFILE):\n", (long long)steps);
+    BENCH_TRY(kernel_profile_report(stdout, &k));
+    printf("kernels %.3f s of %.3f s\n", k, total);
+  }
   optim_free(o);
   free(ps);
   data_free(d);

@@ -391,6 +391,12 @@ static status_t train(run_t *r) {
     printf("done: %lld steps in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s\n",
            (long long)(p->steps - r->start_step), total, first_loss, last_loss, tok_sum / total,
            pm);
+    if (kernel_profile_enabled()) { /* FSDPC_PROFILE=1: rank 0's kernels */
+      double k = 0;
+      printf("kernels of rank 0 over the run (FSDPC_PROFILE):\n");
+      st = kernel_profile_report(stdout, &k);
+      printf("kernels %.3f s of %.1f s\n", k, total);
+    }
   }
   return st;
 }

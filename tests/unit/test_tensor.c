@@ -1,3 +1,5 @@
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/kernels.h"
@@ -130,6 +132,44 @@ START_TEST(device_poll_ends_by_ready_failure_or_hook) {
   ck_assert_ptr_nonnull(strstr(err_detail(), "a wait that never ends: given up after"));
   ck_assert(hook_waited >= 5e-3 && hook_waited < 1.0);
   device_set_wait_hook(saved);
+}
+END_TEST
+
+/* FSDPC_PROFILE's table: a row per kernel name with its calls, only while profiling is on. */
+START_TEST(kernel_profile_counts_calls_per_kernel) {
+  int64_t n = 1000;
+  tensor_t a, b;
+  ck_assert_int_eq(tensor_init(&a, DTYPE_F32, device_cpu(), 1, &n), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&b, DTYPE_F32, device_cpu(), 1, &n), STATUS_OK);
+  ck_assert_int_eq(tensor_fill(&a, 1.0), STATUS_OK);
+  ck_assert_int_eq(tensor_fill(&b, 2.0), STATUS_OK);
+  kernel_profile_enable(true);
+  kernel_profile_reset();
+  for (int i = 0; i < 3; i++) ck_assert_int_eq(kernel_add(&a, &a, &b), STATUS_OK);
+  ck_assert_int_eq(kernel_scale(&a, 0.5f), STATUS_OK);
+  kernel_profile_enable(false);
+  ck_assert_int_eq(kernel_add(&a, &a, &b), STATUS_OK); /* not counted */
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  double total = -1;
+  ck_assert_int_eq(kernel_profile_report(f, &total), STATUS_OK);
+  fclose(f);
+  long long adds = -1, scales = -1;
+  for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+    if (strncmp(line, "add ", 4) == 0) sscanf(line + 4, "%lld", &adds);
+    if (strncmp(line, "scale ", 6) == 0) sscanf(line + 6, "%lld", &scales);
+  }
+  ck_assert_int_eq(adds, 3);
+  ck_assert_int_eq(scales, 1);
+  ck_assert(total >= 0 && total < 10);
+  free(text);
+  kernel_profile_reset();
+  ck_assert_int_eq(kernel_profile_report(NULL, &total), STATUS_OK);
+  ck_assert(total == 0);
+  ck_assert_float_eq(((float *)a.data)[0], 5.5f); /* (1 + 2 + 2 + 2) / 2 + 2: all calls ran */
+  tensor_free(&a);
+  tensor_free(&b);
 }
 END_TEST
 
@@ -404,6 +444,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_init_cuda_without_device_is_enodev);
   tcase_add_test(tc, device_choice_by_devices_and_ranks);
   tcase_add_test(tc, device_poll_ends_by_ready_failure_or_hook);
+  tcase_add_test(tc, kernel_profile_counts_calls_per_kernel);
   tcase_add_test(tc, tensor_scalar_and_empty);
   tcase_add_test(tc, tensor_view_checks_numel);
   tcase_add_test(tc, tensor_narrow_inner_dim_copies_strided);
