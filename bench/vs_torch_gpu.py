@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""fsdp-train against PyTorch FSDP2 on one GPU: the same Llama, batch, mixed precision and
-optimizer, one after the other.
+"""fsdp-train against PyTorch FSDP2 on one GPU, one after the other.
+
+Both train the same Llama, batch, mixed precision and optimizer.
 
   vs_torch_gpu.py [--exe build/tools/fsdp-train] [--config configs/llama-100m.json]
                   [--batch 8] [--seq 1024] [--steps 30] [--warmup 5] [--param-dtype bf16]
                   [--reduce-dtype f32] [--python PYTHON] [--peak-tflops X] [--keep DIR]
+                  [--profile]
 
 Both sides train the config's Llama (a Hugging Face config.json) at world size 1 on the first
 visible GPU: fully_shard on every decoder layer and on the root with the same mixed-precision
@@ -15,6 +17,8 @@ the accounting layer's peak bytes); torch runs bench/torch_fsdp2.py with PYTHON 
 interpreter). Printed for each: the median tokens/s of the steps after the warmup ones, MFU
 (6 x parameters x tokens/s over the GPU's dense bf16 peak: 989 TFLOP/s for H100 SXM and H200,
 or --peak-tflops), peak memory and the first and last loss; then fsdpc's ratio to torch.
+With --profile fsdp-train runs under FSDPC_PROFILE=1 and its kernel table (device time per
+kernel, summed over the run) is printed first (the timers add a little to its tokens/s).
 Then attention alone: bench-attention against torch's scaled_dot_product_attention at B=8,
 T=1024, 16 heads of 128, causal, bf16 (median forward and forward + backward times, and the
 ratio of the latter).
@@ -103,10 +107,15 @@ def peak_tflops(name, given):
 
 
 def run_fsdpc(a, plan, metrics):
-    p = subprocess.run([a.exe, plan, "--metrics", metrics], capture_output=True, text=True)
+    env = dict(os.environ, FSDPC_PROFILE="1") if a.profile else None
+    p = subprocess.run([a.exe, plan, "--metrics", metrics], capture_output=True, text=True,
+                       env=env)
     if p.returncode != 0:
         sys.exit("fsdp-train failed (exit %d):\n%s%s" % (p.returncode, p.stdout[-2000:],
                                                           p.stderr[-3000:]))
+    if a.profile:  # the kernel table fsdp-train ends with
+        table = p.stdout[p.stdout.find("kernels of rank 0"):]
+        print(table.rstrip() + "\n")
     rows = [json.loads(line) for line in open(metrics) if line.strip()]
     timed = [r["tokens_per_s"] for r in rows if r["step"] > a.warmup]
     return {"tokens_per_s": statistics.median(timed),
@@ -198,6 +207,8 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--keep", help="write the plan, tokens and metrics here and keep them")
     ap.add_argument("--attention-exe", help="bench-attention (default: beside --exe's build)")
+    ap.add_argument("--profile", action="store_true",
+                    help="run fsdp-train with FSDPC_PROFILE=1 and print its kernel table")
     a = ap.parse_args()
     if a.attention_exe is None:
         a.attention_exe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(a.exe))),

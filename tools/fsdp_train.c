@@ -395,7 +395,7 @@ static status_t train(run_t *r) {
       double k = 0;
       printf("kernels of rank 0 over the run (FSDPC_PROFILE):\n");
       st = kernel_profile_report(stdout, &k);
-      printf("kernels %.3f s of %.1f s\n", k, total);
+      printf("kernels %.3f s of %.3f s\n", k, total);
     }
   }
   return st;
