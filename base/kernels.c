@@ -23,13 +23,14 @@ static struct {
   struct {
     const char *name;
     int64_t calls;
-    double seconds;
+    double seconds, bytes;
   } k[PROF_NAMES];
   int n;
   struct {
     const char *name;
     const kernel_ops_t *ops;
     void *timer;
+    double bytes;
   } pending[PROF_PENDING];
   int n_pending;
 } prof = {.lock = PTHREAD_MUTEX_INITIALIZER, .on = -1};
@@ -50,16 +51,20 @@ bool kernel_profile_enabled(void) {
 
 void kernel_profile_enable(bool on) { prof.on = on; }
 
-/* Adds seconds to name's row (the lock held). */
-static void prof_add(const char *name, int64_t calls, double seconds) {
+/* Adds a call of seconds moving bytes to name's row (the lock held). */
+static void prof_add(const char *name, double seconds, double bytes) {
   int i = 0;
   while (i < prof.n && strcmp(prof.k[i].name, name) != 0) i++;
   if (i == prof.n) {
     if (prof.n == PROF_NAMES) return;
-    prof.k[prof.n++].name = name;
+    prof.k[prof.n].name = name;
+    prof.k[prof.n].calls = 0;
+    prof.k[prof.n].seconds = prof.k[prof.n].bytes = 0;
+    prof.n++;
   }
-  prof.k[i].calls += calls;
+  prof.k[i].calls++;
   prof.k[i].seconds += seconds;
+  prof.k[i].bytes += bytes;
 }
 
 /* Reads every pending timer (waits for its work; the lock held). */
@@ -68,48 +73,44 @@ static status_t prof_settle(void) {
   for (int i = 0; i < prof.n_pending; i++) {
     double s = 0;
     status_t r = prof.pending[i].ops->timer_read(prof.pending[i].timer, &s);
-    if (r == STATUS_OK) prof_add(prof.pending[i].name, 1, s);
+    if (r == STATUS_OK) prof_add(prof.pending[i].name, s, prof.pending[i].bytes);
     if (st == STATUS_OK) st = r;
   }
   prof.n_pending = 0;
   return st;
 }
 
-typedef struct prof_call {
-  const kernel_ops_t *ops;
-  void *timer;
-  double t0;
-} prof_call_t;
-
-static void prof_begin(prof_call_t *c, const kernel_ops_t *ops, const tensor_t *t) {
-  c->ops = ops;
-  c->timer = ops->timer_start ? ops->timer_start(t->device) : NULL;
+void kernel_prof_begin(kernel_prof_t *c, device_t dev) {
+  c->ops = dev.type == DEVICE_CUDA ? cuda_kernels() : cpu_kernels();
+  c->timer = c->ops && c->ops->timer_start ? c->ops->timer_start(dev) : NULL;
   c->t0 = wall_now();
 }
 
-static status_t prof_end(prof_call_t *c, const char *name, status_t st) {
+status_t kernel_prof_end(kernel_prof_t *c, const char *name, double bytes, status_t st) {
   double t1 = wall_now();
   pthread_mutex_lock(&prof.lock);
   if (c->timer == NULL) {
-    prof_add(name, 1, t1 - c->t0);
+    prof_add(name, t1 - c->t0, bytes);
   } else {
     c->ops->timer_stop(c->timer);
     if (prof.n_pending == PROF_PENDING) prof_settle();
     prof.pending[prof.n_pending].name = name;
     prof.pending[prof.n_pending].ops = c->ops;
+    prof.pending[prof.n_pending].bytes = bytes;
     prof.pending[prof.n_pending++].timer = c->timer;
   }
   pthread_mutex_unlock(&prof.lock);
   return st;
 }
 
-/* Returns call's status; times it (on dev's timer, else the wall clock) when profiling. */
-#define DISPATCH(name, dev, call)             \
-  do {                                        \
-    if (!kernel_profile_enabled()) return (call); \
-    prof_call_t pc_;                          \
-    prof_begin(&pc_, ops, (dev));             \
-    return prof_end(&pc_, (name), (call));    \
+/* Returns call's status; times it (on the device's timer, else the wall clock) when
+ * profiling. */
+#define DISPATCH(name, t, call)                       \
+  do {                                                \
+    if (!kernel_profile_enabled()) return (call);     \
+    kernel_prof_t pc_;                                \
+    kernel_prof_begin(&pc_, (t)->device);             \
+    return kernel_prof_end(&pc_, (name), 0, (call));  \
   } while (0)
 
 void kernel_profile_reset(void) {
@@ -135,15 +136,20 @@ status_t kernel_profile_report(FILE *out, double *total_seconds) {
   }
   qsort(rows, (size_t)prof.n, sizeof rows[0], by_time);
   if (out != NULL) {
-    fprintf(out, "%-24s %9s %12s %11s %7s\n", "kernel", "calls", "total ms", "ms/call", "share");
+    fprintf(out, "%-24s %9s %12s %11s %7s %9s\n", "kernel", "calls", "total ms", "ms/call",
+            "share", "GB/s");
     for (int r = 0; r < prof.n; r++) {
       int i = (int)rows[r][1];
-      fprintf(out, "%-24s %9lld %12.3f %11.4f %6.1f%%\n", prof.k[i].name,
+      char rate[16] = "";
+      if (prof.k[i].bytes > 0 && prof.k[i].seconds > 0)
+        snprintf(rate, sizeof rate, "%.1f", prof.k[i].bytes / prof.k[i].seconds / 1e9);
+      fprintf(out, "%-24s %9lld %12.3f %11.4f %6.1f%%", prof.k[i].name,
               (long long)prof.k[i].calls, 1e3 * prof.k[i].seconds,
               1e3 * prof.k[i].seconds / (double)(prof.k[i].calls ? prof.k[i].calls : 1),
               total > 0 ? 100 * prof.k[i].seconds / total : 0.0);
+      fprintf(out, rate[0] ? " %9s\n" : "\n", rate);
     }
-    fprintf(out, "%-24s %9s %12.3f\n", "all kernels", "", 1e3 * total);
+    fprintf(out, "%-24s %9s %12.3f\n", "all", "", 1e3 * total);
   }
   if (total_seconds) *total_seconds = total;
   pthread_mutex_unlock(&prof.lock);

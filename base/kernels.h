@@ -208,12 +208,13 @@ int kernel_cpu_threads(void);
 status_t kernel_set_cpu_threads(int n);
 
 /* Kernel profiling: with FSDPC_PROFILE=1 in the environment (or kernel_profile_enable), every
- * kernel call is timed under its name (matmul, attention, rmsnorm_backward, ...): on a GPU
- * the device time between events recorded around it on its stream, on the CPU the wall time
- * of the call. kernel_profile_report prints calls, total and per-call milliseconds and each
- * kernel's share, slowest first, to out (when not NULL; waiting for pending device timers)
- * and gives the total in *total_seconds (when not NULL); kernel_profile_reset starts over.
- * Off, a kernel call costs one branch more. */
+ * kernel call is timed under its name (matmul, attention, rmsnorm_backward, ...), and so is
+ * every tensor_copy within one device ("copy", or "copy (cast)" between dtypes, with the
+ * bytes read and written): on a GPU the device time between events recorded around it on
+ * its stream, on the CPU the wall time of the call. kernel_profile_report prints calls, total
+ * and per-call milliseconds, each row's share and, for copies, GB/s, slowest first, to out
+ * (when not NULL; waiting for pending device timers) and gives the total in *total_seconds
+ * (when not NULL); kernel_profile_reset starts over. Off, a call costs one branch more. */
 bool kernel_profile_enabled(void);
 void kernel_profile_enable(bool on);
 void kernel_profile_reset(void);

@@ -71,6 +71,17 @@ typedef struct kernel_ops {
 
 const kernel_ops_t *cpu_kernels(void);
 
+/* A timed call for the profile of base/kernels.h (kernel_profile_enabled() first): begin
+ * before the work on dev, end after it with its name (a string that outlives the process's
+ * profile) and the bytes it read and wrote (0: not a copy); returns st. */
+typedef struct kernel_prof {
+  const kernel_ops_t *ops;
+  void *timer;
+  double t0;
+} kernel_prof_t;
+void kernel_prof_begin(kernel_prof_t *c, device_t dev);
+status_t kernel_prof_end(kernel_prof_t *c, const char *name, double bytes, status_t st);
+
 /* NULL when the library was built without CUDA. */
 const kernel_ops_t *cuda_kernels(void);
 

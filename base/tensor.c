@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "base/backend.h"
+#include "base/kernels_impl.h"
 
 struct tensor_storage {
   int refcount;
@@ -265,7 +266,13 @@ status_t tensor_copy(tensor_t *dst, const tensor_t *src) {
   if (device_equal(dst->device, src->device)) {
     copy_desc_t d;
     desc_from(&d, dst, src);
-    return backend_of(dst->device)->copy(dst->device.index, &d);
+    if (!kernel_profile_enabled()) return backend_of(dst->device)->copy(dst->device.index, &d);
+    kernel_prof_t pc; /* a copy on one device: the bytes read and written */
+    kernel_prof_begin(&pc, dst->device);
+    double bytes = (double)tensor_numel(dst) *
+                   (double)(dtype_size(dst->dtype) + dtype_size(src->dtype));
+    return kernel_prof_end(&pc, src->dtype == dst->dtype ? "copy" : "copy (cast)", bytes,
+                           backend_of(dst->device)->copy(dst->device.index, &d));
   }
   /* Across devices: make a contiguous source in the destination dtype, move the bytes,
    * then scatter into the destination layout if it is strided. */

@@ -147,6 +147,8 @@ START_TEST(kernel_profile_counts_calls_per_kernel) {
   kernel_profile_reset();
   for (int i = 0; i < 3; i++) ck_assert_int_eq(kernel_add(&a, &a, &b), STATUS_OK);
   ck_assert_int_eq(kernel_scale(&a, 0.5f), STATUS_OK);
+  ck_assert_int_eq(tensor_copy(&b, &a), STATUS_OK); /* a copy: 8000 bytes moved */
+  ck_assert_int_eq(tensor_copy(&a, &b), STATUS_OK);
   kernel_profile_enable(false);
   ck_assert_int_eq(kernel_add(&a, &a, &b), STATUS_OK); /* not counted */
   char *text = NULL;
@@ -155,19 +157,26 @@ START_TEST(kernel_profile_counts_calls_per_kernel) {
   double total = -1;
   ck_assert_int_eq(kernel_profile_report(f, &total), STATUS_OK);
   fclose(f);
-  long long adds = -1, scales = -1;
+  long long adds = -1, scales = -1, copies = -1;
+  double ms, per, share, gbs = -1;
   for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
     if (strncmp(line, "add ", 4) == 0) sscanf(line + 4, "%lld", &adds);
     if (strncmp(line, "scale ", 6) == 0) sscanf(line + 6, "%lld", &scales);
+    if (strncmp(line, "copy ", 5) == 0)
+      ck_assert_int_eq(sscanf(line + 5, "%lld %lf %lf %lf%% %lf", &copies, &ms, &per, &share, &gbs),
+                       5);
   }
   ck_assert_int_eq(adds, 3);
   ck_assert_int_eq(scales, 1);
+  ck_assert_int_eq(copies, 2);
+  ck_assert(gbs > 0);
   ck_assert(total >= 0 && total < 10);
   free(text);
   kernel_profile_reset();
   ck_assert_int_eq(kernel_profile_report(NULL, &total), STATUS_OK);
   ck_assert(total == 0);
-  ck_assert_float_eq(((float *)a.data)[0], 5.5f); /* (1 + 2 + 2 + 2) / 2 + 2: all calls ran */
+  ck_assert_float_eq(((float *)a.data)[0], 7.0f); /* (1 + 2 + 2 + 2) / 2, copied, doubled */
+  ck_assert_float_eq(((float *)b.data)[0], 3.5f);
   tensor_free(&a);
   tensor_free(&b);
 }
