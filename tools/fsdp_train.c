@@ -279,12 +279,15 @@ static status_t train(run_t *r) {
   if (lead && mpath[0] && (mf = metrics_open(mpath, r->start_step)) == NULL) bad = errno;
   TRY(metrics_agree(mpath, bad));
   nn_module_t *root = llama_module(r->model);
-  double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0;
+  double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0, t_profile = 0;
   size_t peak_max = 0;
   status_t st = STATUS_OK;
   train_counted_bytes(r); /* reset */
   for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK; s++) {
     double t0 = now(), loss = 0;
+    /* the profile covers the steps after the first (allocation and warm-up) */
+    if (s == r->start_step + 1 && kernel_profile_enabled()) kernel_profile_reset();
+    if (s == r->start_step + 1) t_profile = t0;
     mem_reset_peak(r->dev);
     optim_zero_grad(r->opt);
     for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++) {
@@ -391,11 +394,12 @@ static status_t train(run_t *r) {
     printf("done: %lld steps in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s\n",
            (long long)(p->steps - r->start_step), total, first_loss, last_loss, tok_sum / total,
            pm);
-    if (kernel_profile_enabled()) { /* FSDPC_PROFILE=1: rank 0's kernels */
-      double k = 0;
-      printf("kernels of rank 0 over the run (FSDPC_PROFILE):\n");
+    if (kernel_profile_enabled() && t_profile > 0) { /* FSDPC_PROFILE=1: rank 0's kernels */
+      double k = 0, span = now() - t_profile;
+      printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n",
+             (long long)r->start_step + 2, (long long)p->steps);
       st = kernel_profile_report(stdout, &k);
-      printf("kernels %.3f s of %.3f s\n", k, total);
+      printf("kernels %.3f s of %.3f s\n", k, span);
     }
   }
   return st;
