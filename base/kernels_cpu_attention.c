@@ -89,13 +89,12 @@ static attn_dims_t attn_dims(const tensor_t *q, const tensor_t *k) {
   return d;
 }
 
-/* Attention through BLAS, per (batch, key-value head) pair and block of ATTN_ROWS query rows:
- * the rows of the group's query heads are gathered into one matrix (head by head), so that
- * their scores against the keys up to the block's last row are one GEMM (only the diagonal
- * block computes masked entries); the softmax runs over each row, and the outputs are one GEMM
- * again. The backward recomputes the probabilities from the saved log-sum-exp (one exp per
- * score, as flash attention does) and forms dq, dk and dv with GEMMs over the group's rows:
- * dk and dv sum over the group's heads and the row blocks. */
+/* Attention through BLAS, per (batch, head) and block of ATTN_ROWS query rows: the block's
+ * scores against the keys up to its last row are one GEMM (only the diagonal block computes
+ * masked entries), the softmax runs over each row, and the outputs are GEMMs again. The
+ * backward recomputes the probabilities from the saved log-sum-exp (one exp per score, as
+ * flash attention does) and forms dq, dk and dv with GEMMs; dk and dv accumulate over the
+ * query heads of their group and the row blocks. */
 enum { ATTN_ROWS = 128 };
 
 static float *attn_scratch(int64_t floats) {
@@ -118,69 +117,39 @@ WIDE static void attn_probs(float *p, int64_t n, int64_t i0, int64_t i1, const f
 
 typedef struct attn_args {
   attn_dims_t d;
-  int64_t rows, ldk, scratch; /* scratch: floats per share */
+  int64_t rows, ldq, ldk, scratch; /* scratch: floats per share */
   const float *q, *k, *v, *o, *dout;
   float *out, *lse, *dq, *dk, *dv, *s;
   const float *lse_in;
 } attn_args_t;
 
-/* Rows [r0, r1) of each query head of group g in batch b, between x ([B, T, H, Dh]) and the
- * packed matrix ([rep * m, Dh], head by head): gathered from x into packed, or (x NULL)
- * scattered from packed into out. */
-static void attn_pack(const attn_dims_t *d, int64_t b, int64_t g, int64_t r0, int64_t r1,
-                      const float *x, float *packed, float *out) {
-  int64_t m = r1 - r0;
-  size_t bytes = sizeof(float) * (size_t)d->Dh;
-  for (int64_t r = 0; r < d->rep; r++)
-    for (int64_t i = r0; i < r1; i++) {
-      int64_t at = ((b * d->T + i) * d->H + g * d->rep + r) * d->Dh;
-      float *row = packed + (r * m + i - r0) * d->Dh;
-      if (x != NULL)
-        memcpy(row, x + at, bytes);
-      else
-        memcpy(out + at, row, bytes);
-    }
-}
-
-/* Floats of a packed matrix (rep x rows rows of Dh) and of a score matrix (rep x rows rows of
- * T), each rounded up to 64 bytes. */
-static int64_t attn_packed_floats(const attn_dims_t *d, int64_t rows) {
-  return (d->rep * rows * d->Dh + 15) / 16 * 16;
-}
-static int64_t attn_score_floats(const attn_dims_t *d, int64_t rows) {
-  return (d->rep * rows * d->T + 15) / 16 * 16;
-}
-
-/* Forward of the (batch, key-value head) pairs [i0, i1). */
+/* Forward of the (batch, head) pairs [i0, i1). */
 WIDE static void attn_forward_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   const attn_args_t *a = ctx;
   const attn_dims_t d = a->d;
-  int64_t rows = a->rows, ldk = a->ldk, pk = attn_packed_floats(&d, rows);
-  float *qg = a->s + t * a->scratch, *og = qg + pk, *s = og + pk;
-  for (int64_t bg = i0; bg < i1; bg++) {
-    int64_t b = bg / d.Hkv, g = bg % d.Hkv;
-    const float *K = a->k + (b * d.T * d.Hkv + g) * d.Dh;
-    const float *V = a->v + (b * d.T * d.Hkv + g) * d.Dh;
+  int64_t rows = a->rows, ldq = a->ldq, ldk = a->ldk;
+  float *s = a->s + t * a->scratch;
+  for (int64_t bh = i0; bh < i1; bh++) {
+    int64_t b = bh / d.H, h = bh % d.H;
+    const float *Q = a->q + (b * d.T * d.H + h) * d.Dh;
+    const float *K = a->k + (b * d.T * d.Hkv + h / d.rep) * d.Dh;
+    const float *V = a->v + (b * d.T * d.Hkv + h / d.rep) * d.Dh;
+    float *O = a->out + (b * d.T * d.H + h) * d.Dh, *Lbh = a->lse + bh * d.T;
     for (int64_t r0 = 0; r0 < d.T; r0 += rows) {
-      int64_t r1 = r0 + rows < d.T ? r0 + rows : d.T, n = r1, m = r1 - r0; /* keys 0..r1-1 */
-      attn_pack(&d, b, g, r0, r1, a->q, qg, NULL);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(d.rep * m), (int)n, (int)d.Dh,
-                  d.scale, qg, (int)d.Dh, K, (int)ldk, 0.0f, s, (int)n);
-      for (int64_t r = 0; r < d.rep; r++) {
-        float *sr = s + r * m * n, *Lbh = a->lse + (b * d.H + g * d.rep + r) * d.T;
-        /* the probabilities from the log-sum-exp, as backward recomputes them: the same
-         * values in both passes */
-        for (int64_t i = r0; i < r1; i++) {
-          const float *row = sr + (i - r0) * n;
-          float mx = -INFINITY;
-          for (int64_t j = 0; j <= i; j++) mx = row[j] > mx ? row[j] : mx;
-          Lbh[i] = mx + (float)log(cpu_sum_exp(row, i + 1, mx));
-        }
-        attn_probs(sr, n, r0, r1, Lbh);
+      int64_t r1 = r0 + rows < d.T ? r0 + rows : d.T, n = r1; /* keys 0..r1-1 */
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(r1 - r0), (int)n, (int)d.Dh,
+                  d.scale, Q + r0 * ldq, (int)ldq, K, (int)ldk, 0.0f, s, (int)n);
+      /* the probabilities from the log-sum-exp, as backward recomputes them: the same
+       * values in both passes */
+      for (int64_t i = r0; i < r1; i++) {
+        const float *row = s + (i - r0) * n;
+        float m = -INFINITY;
+        for (int64_t j = 0; j <= i; j++) m = row[j] > m ? row[j] : m;
+        Lbh[i] = m + (float)log(cpu_sum_exp(row, i + 1, m));
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(d.rep * m), (int)d.Dh, (int)n,
-                  1.0f, s, (int)n, V, (int)ldk, 0.0f, og, (int)d.Dh);
-      attn_pack(&d, b, g, r0, r1, NULL, og, a->out);
+      attn_probs(s, n, r0, r1, Lbh);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(r1 - r0), (int)d.Dh, (int)n,
+                  1.0f, s, (int)n, V, (int)ldk, 0.0f, O + r0 * ldq, (int)ldq);
     }
   }
 }
@@ -190,9 +159,9 @@ static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, c
   attn_dims_t d = attn_dims(q, k);
   int nt = kernel_cpu_threads();
   attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
+  a.ldq = d.H * d.Dh;
   a.ldk = d.Hkv * d.Dh;
-  /* the group's Q and O, its scores */
-  a.scratch = 2 * attn_packed_floats(&d, a.rows) + attn_score_floats(&d, a.rows);
+  a.scratch = (a.rows * d.T + 15) / 16 * 16; /* each share's scratch starts 64-byte aligned */
   fbuf_t fq, fk, fv, fo;
   fbuf_t *bufs[] = {&fq, &fk, &fv, &fo};
   int got = 0;
@@ -213,7 +182,7 @@ static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, c
   a.out = fo.p;
   a.lse = lse->data;
   a.s = s;
-  cpu_for_shares(d.B * d.Hkv, d.rep * d.T * d.T * d.Dh, GEMM_GRAIN, 1, attn_forward_share, &a);
+  cpu_for_shares(d.B * d.H, d.T * d.T * d.Dh, GEMM_GRAIN, 1, attn_forward_share, &a);
   attn_scratch_free(s, nt * a.scratch);
   cpu_fbuf_release(&fq);
   cpu_fbuf_release(&fk);
@@ -223,45 +192,42 @@ static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, c
 }
 
 /* Backward of the (batch, key-value head) pairs [i0, i1): each owns its rows of dk and dv,
- * summed over the group's query heads and the row blocks. */
+ * summed over the group's query heads in order. */
 WIDE static void attn_backward_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   const attn_args_t *a = ctx;
   const attn_dims_t d = a->d;
-  int64_t rows = a->rows, ldk = a->ldk;
-  int64_t pk = attn_packed_floats(&d, rows), sc = attn_score_floats(&d, rows);
-  float *qg = a->s + t * a->scratch, *dog = qg + pk, *og = dog + pk, *dqg = og + pk;
-  float *p = dqg + pk, *dp = p + sc;
+  int64_t rows = a->rows, ldq = a->ldq, ldk = a->ldk;
+  float *p = a->s + t * a->scratch, *dp = p + a->scratch / 2;
   for (int64_t bg = i0; bg < i1; bg++) {
-    int64_t b = bg / d.Hkv, g = bg % d.Hkv, ko = (b * d.T * d.Hkv + g) * d.Dh;
-    for (int64_t r0 = 0; r0 < d.T; r0 += rows) {
-      int64_t r1 = r0 + rows < d.T ? r0 + rows : d.T, n = r1, m = r1 - r0, M = d.rep * m;
-      attn_pack(&d, b, g, r0, r1, a->q, qg, NULL);
-      attn_pack(&d, b, g, r0, r1, a->dout, dog, NULL);
-      attn_pack(&d, b, g, r0, r1, a->o, og, NULL);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)n, (int)d.Dh, d.scale,
-                  qg, (int)d.Dh, a->k + ko, (int)ldk, 0.0f, p, (int)n);
-      for (int64_t r = 0; r < d.rep; r++)
-        attn_probs(p + r * m * n, n, r0, r1, a->lse_in + (b * d.H + g * d.rep + r) * d.T);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)n, (int)d.Dh, 1.0f, dog,
-                  (int)d.Dh, a->v + ko, (int)ldk, 0.0f, dp, (int)n);
-      for (int64_t r = 0; r < d.rep; r++)
+    int64_t b = bg / d.Hkv, h0 = bg % d.Hkv * d.rep;
+    for (int64_t h = h0; h < h0 + d.rep; h++) {
+      int64_t qo = (b * d.T * d.H + h) * d.Dh, ko = (b * d.T * d.Hkv + h / d.rep) * d.Dh;
+      const float *Lbh = a->lse_in + (b * d.H + h) * d.T;
+      for (int64_t r0 = 0; r0 < d.T; r0 += rows) {
+        int64_t r1 = r0 + rows < d.T ? r0 + rows : d.T, n = r1, m = r1 - r0;
+        const float *Q = a->q + qo + r0 * ldq, *dO = a->dout + qo + r0 * ldq,
+                    *O = a->o + qo + r0 * ldq;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n, (int)d.Dh, d.scale, Q,
+                    (int)ldq, a->k + ko, (int)ldk, 0.0f, p, (int)n);
+        attn_probs(p, n, r0, r1, Lbh);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n, (int)d.Dh, 1.0f, dO,
+                    (int)ldq, a->v + ko, (int)ldk, 0.0f, dp, (int)n);
         for (int64_t i = r0; i < r1; i++) { /* dS = P * (dP - rowsum(dO * O)) * scale */
-          int64_t row = r * m + i - r0;
-          const float *doi = dog + row * d.Dh, *oi = og + row * d.Dh;
+          const float *doi = dO + (i - r0) * ldq, *oi = O + (i - r0) * ldq;
           float Di = 0;
           for (int64_t c = 0; c < d.Dh; c++) Di += doi[c] * oi[c];
-          const float *pi = p + row * n;
-          float *dsi = dp + row * n;
+          const float *pi = p + (i - r0) * n;
+          float *dsi = dp + (i - r0) * n;
           for (int64_t j = 0; j <= i; j++) dsi[j] = pi[j] * (dsi[j] - Di) * d.scale;
           for (int64_t j = i + 1; j < n; j++) dsi[j] = 0.0f;
         }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)d.Dh, (int)n, 1.0f, dp,
-                  (int)n, a->k + ko, (int)ldk, 0.0f, dqg, (int)d.Dh);
-      attn_pack(&d, b, g, r0, r1, NULL, dqg, a->dq);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)d.Dh, (int)M, 1.0f, dp,
-                  (int)n, qg, (int)d.Dh, 1.0f, a->dk + ko, (int)ldk);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)d.Dh, (int)M, 1.0f, p,
-                  (int)n, dog, (int)d.Dh, 1.0f, a->dv + ko, (int)ldk);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)m, (int)d.Dh, (int)n, 1.0f, dp,
+                    (int)n, a->k + ko, (int)ldk, 0.0f, a->dq + qo + r0 * ldq, (int)ldq);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)d.Dh, (int)m, 1.0f, dp,
+                    (int)n, Q, (int)ldq, 1.0f, a->dk + ko, (int)ldk);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)d.Dh, (int)m, 1.0f, p,
+                    (int)n, dO, (int)ldq, 1.0f, a->dv + ko, (int)ldk);
+      }
     }
   }
 }
@@ -273,9 +239,9 @@ static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
   attn_dims_t d = attn_dims(q, k);
   int nt = kernel_cpu_threads();
   attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
+  a.ldq = d.H * d.Dh;
   a.ldk = d.Hkv * d.Dh;
-  /* the group's Q, dO, O and dQ; P and dP */
-  a.scratch = 4 * attn_packed_floats(&d, a.rows) + 2 * attn_score_floats(&d, a.rows);
+  a.scratch = 2 * ((a.rows * d.T + 15) / 16 * 16); /* P and dP, each 64-byte aligned */
   fbuf_t b_[8];
   const tensor_t *ins[] = {dout, q, k, v, out};
   tensor_t *outs[] = {dq, dk, dv};
