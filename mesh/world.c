@@ -159,22 +159,20 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
   *out = device_cpu();
   int gpus = want == DEVICE_WANT_CPU ? 0 : device_cuda_count();
   status_t st = device_choose(want, gpus, world_local_size(), &type, why, why_size);
-  /* each rank keeps its own message when all failed (one line in a report); else the
-   * others learn the failing one's */
-  int ok[2] = {st == STATUS_OK, st != STATUS_OK}, min[2];
-  TRY(world_allreduce(ok, min, 2, MPI_INT, MPI_MIN, MPI_COMM_WORLD,
+  /* one reduction: whether every rank chose, whether every rank failed, whether every rank
+   * chose CUDA */
+  int mine[3] = {st == STATUS_OK, st != STATUS_OK, st == STATUS_OK && type == DEVICE_CUDA};
+  int all[3];
+  TRY(world_allreduce(mine, all, 3, MPI_INT, MPI_MIN, MPI_COMM_WORLD,
                       "MPI_Allreduce (device choice)"));
-  if (min[1] == 1) return st;
-  TRY(comm_agree(MPI_COMM_WORLD, st));
+  if (all[1]) return st; /* each rank keeps its own message (one line in a report) */
+  if (!all[0]) return comm_agree(MPI_COMM_WORLD, st); /* the others learn the failing one's */
   /* auto: one mesh device type for the whole job, the CPU when any node falls short */
-  int mine = type == DEVICE_CUDA, all = 0;
-  TRY(world_allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD,
-                      "MPI_Allreduce (device choice)"));
-  if (mine && !all && why != NULL)
+  if (mine[2] && !all[2] && why != NULL)
     snprintf(why, why_size,
              "another node has fewer CUDA devices than ranks (one per rank is needed): every "
              "rank runs on the CPU");
-  if (all) *out = world_device();
+  if (all[2]) *out = world_device();
   return STATUS_OK;
 }
 
