@@ -202,26 +202,22 @@ static status_t cuda_fill(int index, void *ptr, size_t elem_size, size_t n, uint
 
 /* Host waits poll (device_poll): a stream or event not done yet is cudaErrorNotReady, which
  * the runtime also records as its last error; it is cleared, as it is no failure. */
-static int stream_done(void *ctx, status_t *st) {
-  cudaError_t e = cudaStreamQuery(*(cudaStream_t *)ctx);
+static int query_done(cudaError_t e, const char *what, status_t *st) {
   if (e == cudaSuccess) return 1;
   if (e == cudaErrorNotReady) {
     (void)cudaGetLastError();
     return 0;
   }
-  *st = cuda_status(e, "cudaStreamQuery");
+  *st = cuda_status(e, what);
   return -1;
 }
 
+static int stream_done(void *ctx, status_t *st) {
+  return query_done(cudaStreamQuery(*(cudaStream_t *)ctx), "cudaStreamQuery", st);
+}
+
 static int event_done(void *ctx, status_t *st) {
-  cudaError_t e = cudaEventQuery(*(cudaEvent_t *)ctx);
-  if (e == cudaSuccess) return 1;
-  if (e == cudaErrorNotReady) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  *st = cuda_status(e, "cudaEventQuery");
-  return -1;
+  return query_done(cudaEventQuery(*(cudaEvent_t *)ctx), "cudaEventQuery", st);
 }
 
 static status_t wait_stream(cudaStream_t s, const char *what) {

@@ -11,7 +11,7 @@
 #include "base/kernels_impl.h"
 
 /* ---- profiling ----
- * Per kernel name: calls and seconds. On the CPU a call is timed on the wall clock around
+ * Per name: calls, seconds and (copies) bytes. On the CPU a call is timed on the wall clock around
  * it; on a backend with timers (CUDA: events on the call's stream) the timer is kept pending
  * and read when the report is made (or when too many are pending). */
 
