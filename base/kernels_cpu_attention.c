@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/attention_gemm.h"
 #include "base/backend.h"
 #include "base/kernels_cpu.h"
 
@@ -77,18 +78,6 @@ static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, i
 
 /* ---- attention ---- */
 
-typedef struct attn_dims {
-  int64_t B, T, H, Hkv, Dh, rep;
-  float scale;
-} attn_dims_t;
-
-static attn_dims_t attn_dims(const tensor_t *q, const tensor_t *k) {
-  attn_dims_t d = {q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], 0, 0};
-  d.rep = d.H / d.Hkv;
-  d.scale = 1.0f / sqrtf((float)d.Dh);
-  return d;
-}
-
 /* Attention through BLAS, per (batch, head) and block of ATTN_ROWS query rows: the block's
  * scores against the keys up to its last row are one GEMM (only the diagonal block computes
  * masked entries), the softmax runs over each row, and the outputs are GEMMs again. The
@@ -116,7 +105,7 @@ WIDE static void attn_probs(float *p, int64_t n, int64_t i0, int64_t i1, const f
 }
 
 typedef struct attn_args {
-  attn_dims_t d;
+  attn_shape_t d;
   int64_t rows, ldq, ldk, scratch; /* scratch: floats per share */
   const float *q, *k, *v, *o, *dout;
   float *out, *lse, *dq, *dk, *dv, *s;
@@ -126,7 +115,7 @@ typedef struct attn_args {
 /* Forward of the (batch, head) pairs [i0, i1). */
 WIDE static void attn_forward_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   const attn_args_t *a = ctx;
-  const attn_dims_t d = a->d;
+  const attn_shape_t d = a->d;
   int64_t rows = a->rows, ldq = a->ldq, ldk = a->ldk;
   float *s = a->s + t * a->scratch;
   for (int64_t bh = i0; bh < i1; bh++) {
@@ -156,7 +145,7 @@ WIDE static void attn_forward_share(const void *ctx, int t, int64_t i0, int64_t 
 
 static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
                               const tensor_t *v) {
-  attn_dims_t d = attn_dims(q, k);
+  attn_shape_t d = attn_shape_of(q->shape, k->shape);
   int nt = kernel_cpu_threads();
   attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
   a.ldq = d.H * d.Dh;
@@ -195,7 +184,7 @@ static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, c
  * summed over the group's query heads in order. */
 WIDE static void attn_backward_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   const attn_args_t *a = ctx;
-  const attn_dims_t d = a->d;
+  const attn_shape_t d = a->d;
   int64_t rows = a->rows, ldq = a->ldq, ldk = a->ldk;
   float *p = a->s + t * a->scratch, *dp = p + a->scratch / 2;
   for (int64_t bg = i0; bg < i1; bg++) {
@@ -236,7 +225,7 @@ static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
                                        const tensor_t *dout, const tensor_t *q, const tensor_t *k,
                                        const tensor_t *v, const tensor_t *out,
                                        const tensor_t *lse) {
-  attn_dims_t d = attn_dims(q, k);
+  attn_shape_t d = attn_shape_of(q->shape, k->shape);
   int nt = kernel_cpu_threads();
   attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
   a.ldq = d.H * d.Dh;
