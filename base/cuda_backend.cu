@@ -200,32 +200,8 @@ static status_t cuda_fill(int index, void *ptr, size_t elem_size, size_t n, uint
   return STATUS_OK;
 }
 
-/* Host waits poll (device_poll): a stream or event not done yet is cudaErrorNotReady, which
- * the runtime also records as its last error; it is cleared, as it is no failure. */
-static int query_done(cudaError_t e, const char *what, status_t *st) {
-  if (e == cudaSuccess) return 1;
-  if (e == cudaErrorNotReady) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  *st = cuda_status(e, what);
-  return -1;
-}
-
-static int stream_done(void *ctx, status_t *st) {
-  return query_done(cudaStreamQuery(*(cudaStream_t *)ctx), "cudaStreamQuery", st);
-}
-
-static int event_done(void *ctx, status_t *st) {
-  return query_done(cudaEventQuery(*(cudaEvent_t *)ctx), "cudaEventQuery", st);
-}
-
-static status_t wait_stream(cudaStream_t s, const char *what) {
-  return device_poll(stream_done, &s, what);
-}
-
 static status_t cuda_stream_sync_dev(int index) {
-  return wait_stream(raw_stream(index), "device_stream_sync");
+  return cuda_wait_stream(raw_stream(index), "device_stream_sync");
 }
 
 static status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
@@ -238,7 +214,7 @@ static status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const
   else
     CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
   if (dst_dev.type == DEVICE_CPU || src_dev.type == DEVICE_CPU)
-    TRY(wait_stream(s, "a copy to or from the host")); /* the caller uses the host memory next */
+    TRY(cuda_wait_stream(s, "a copy to or from the host")); /* the caller uses the host memory next */
   return STATUS_OK;
 }
 
@@ -269,7 +245,7 @@ static status_t cuda_stream_wait_event(stream_t *s, event_t *e) {
 }
 
 static status_t cuda_stream_synchronize(stream_t *s) {
-  return wait_stream(s->s, "stream_synchronize");
+  return cuda_wait_stream(s->s, "stream_synchronize");
 }
 
 static status_t cuda_event_new(int index, event_t **out) {
@@ -299,7 +275,7 @@ static status_t cuda_event_record(event_t *e, stream_t *s) {
 }
 
 static status_t cuda_event_synchronize(event_t *e) {
-  return device_poll(event_done, &e->e, "event_synchronize");
+  return cuda_wait_event(e->e, "event_synchronize");
 }
 
 static const backend_t cuda_table = {

@@ -1,12 +1,14 @@
 /*
- * Maps CUDA runtime errors into status_t. Private; used by .cu files and by
- * host-side C files compiled against the CUDA headers.
+ * Maps CUDA runtime errors into status_t; host waits for streams and events through
+ * device_poll. Private; used by .cu files and by host-side C files compiled against the CUDA
+ * headers.
  */
 #ifndef FSDPC_BASE_CUDA_CHECK_H
 #define FSDPC_BASE_CUDA_CHECK_H
 
 #include <cuda_runtime.h>
 
+#include "base/device.h"
 #include "base/status.h"
 
 /* The status of a CUDA runtime result: STATUS_OK; STATUS_ENOMEM for a failed allocation;
@@ -24,5 +26,34 @@ static inline status_t cuda_status(cudaError_t e, const char *what) {
 #define CUDA_STR_(x) CUDA_STR2_(x)
 /* Returns from the caller when call fails, naming the call and where it is. */
 #define CUDA_TRY(call) TRY(cuda_status((call), __FILE__ ":" CUDA_STR_(__LINE__) ": " #call))
+
+/* Host waits poll (device_poll): a stream or event not done yet is cudaErrorNotReady, which
+ * the runtime also records as its last error; it is cleared, as it is no failure. */
+static inline int cuda_query_done(cudaError_t e, const char *what, status_t *st) {
+  if (e == cudaSuccess) return 1;
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  *st = cuda_status(e, what);
+  return -1;
+}
+
+static inline int cuda_stream_done(void *ctx, status_t *st) {
+  return cuda_query_done(cudaStreamQuery(*(cudaStream_t *)ctx), "cudaStreamQuery", st);
+}
+
+static inline int cuda_event_done(void *ctx, status_t *st) {
+  return cuda_query_done(cudaEventQuery(*(cudaEvent_t *)ctx), "cudaEventQuery", st);
+}
+
+/* Waits for the work queued on s, or before e was recorded, through device_poll. */
+static inline status_t cuda_wait_stream(cudaStream_t s, const char *what) {
+  return device_poll(cuda_stream_done, &s, what);
+}
+
+static inline status_t cuda_wait_event(cudaEvent_t e, const char *what) {
+  return device_poll(cuda_event_done, &e, what);
+}
 
 #endif

@@ -745,13 +745,14 @@ static void cuda_timer_stop(void *timer) {
 static status_t cuda_timer_read(void *timer, double *seconds) {
   cuda_timer_t *t = (cuda_timer_t *)timer;
   float ms = 0;
-  cudaError_t e = cudaEventSynchronize(t->stop);
-  if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, t->start, t->stop);
+  status_t st = cuda_wait_event(t->stop, "kernel profile timer");
+  if (st == STATUS_OK)
+    st = cuda_status(cudaEventElapsedTime(&ms, t->start, t->stop), "kernel profile timer");
   cudaEventDestroy(t->start);
   cudaEventDestroy(t->stop);
   free(t);
   *seconds = 1e-3 * ms;
-  return cuda_status(e, "kernel profile timer");
+  return st;
 }
 
 static const kernel_ops_t ops = {
