@@ -128,6 +128,14 @@ static stream_t *cuda_stream_current(int index) {
     lib_streams[index].device = index;
     if (cudaStreamCreateWithFlags(&lib_streams[index].s, cudaStreamNonBlocking) != cudaSuccess)
       lib_streams[index].s = 0; /* fall back to the legacy stream; errors surface later */
+    /* device memory comes from the device's stream-ordered pool (cudaMallocAsync), which by
+     * default hands every free byte back to the driver at each synchronisation: a step's
+     * buffers would then be mapped afresh every step. The pool keeps what it has instead. */
+    cudaMemPool_t pool;
+    uint64_t keep = UINT64_MAX;
+    if (cudaDeviceGetDefaultMemPool(&pool, index) != cudaSuccess ||
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess)
+      cudaGetLastError(); /* advice only: allocations still work, at the default's cost */
     cudaSetDevice(prev);
     lib_stream_ready[index] = 1;
   }
