@@ -33,6 +33,33 @@ typedef struct copy_desc {
   dtype_t src_dtype;
 } copy_desc_t;
 
+/* Merges dimensions that are contiguous in both views and drops size-1 dimensions, so that
+ * the common cases reach a plain memory copy. Returns the new ndim (>= 1). */
+static inline int copy_desc_coalesce(copy_desc_t *d) {
+  int n = 0;
+  for (int i = 0; i < d->ndim; i++) {
+    if (d->shape[i] == 1) continue;
+    if (n > 0 && d->dst_stride[n - 1] == d->dst_stride[i] * d->shape[i] &&
+        d->src_stride[n - 1] == d->src_stride[i] * d->shape[i]) {
+      d->shape[n - 1] *= d->shape[i];
+      d->dst_stride[n - 1] = d->dst_stride[i];
+      d->src_stride[n - 1] = d->src_stride[i];
+      continue;
+    }
+    d->shape[n] = d->shape[i];
+    d->dst_stride[n] = d->dst_stride[i];
+    d->src_stride[n] = d->src_stride[i];
+    n++;
+  }
+  if (n == 0) {
+    d->shape[0] = 1;
+    d->dst_stride[0] = d->src_stride[0] = 1;
+    n = 1;
+  }
+  d->ndim = n;
+  return n;
+}
+
 typedef struct backend {
   const char *name;
   /* zeroed: the memory must read as zeros; free gets the same bytes and zeroed */

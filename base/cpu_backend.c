@@ -195,39 +195,12 @@ static void cpu_free(int index, void *ptr, size_t bytes, bool zeroed) {
   cpu_host_free(ptr, bytes);
 }
 
-/* Merges dimensions that are contiguous in both views and drops size-1 dimensions, so that
- * the common cases reach the memcpy path. Returns the new ndim (>= 1). */
-static int coalesce(copy_desc_t *d) {
-  int n = 0;
-  for (int i = 0; i < d->ndim; i++) {
-    if (d->shape[i] == 1) continue;
-    if (n > 0 && d->dst_stride[n - 1] == d->dst_stride[i] * d->shape[i] &&
-        d->src_stride[n - 1] == d->src_stride[i] * d->shape[i]) {
-      d->shape[n - 1] *= d->shape[i];
-      d->dst_stride[n - 1] = d->dst_stride[i];
-      d->src_stride[n - 1] = d->src_stride[i];
-      continue;
-    }
-    d->shape[n] = d->shape[i];
-    d->dst_stride[n] = d->dst_stride[i];
-    d->src_stride[n] = d->src_stride[i];
-    n++;
-  }
-  if (n == 0) {
-    d->shape[0] = 1;
-    d->dst_stride[0] = d->src_stride[0] = 1;
-    n = 1;
-  }
-  d->ndim = n;
-  return n;
-}
-
 static status_t cpu_copy(int index, const copy_desc_t *desc) {
   (void)index;
   copy_desc_t d = *desc;
   for (int i = 0; i < d.ndim; i++)
     if (d.shape[i] == 0) return STATUS_OK;
-  int nd = coalesce(&d);
+  int nd = copy_desc_coalesce(&d);
   size_t dsz = dtype_size(d.dst_dtype), ssz = dtype_size(d.src_dtype);
   int same = d.dst_dtype == d.src_dtype;
   int rows_contig = same && d.dst_stride[nd - 1] == 1 && d.src_stride[nd - 1] == 1;

@@ -71,11 +71,16 @@ __global__ static void copy_kernel(copy_args a, void *dst, int dst_dt, const voi
   for (int64_t lin = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; lin < n;
        lin += (int64_t)gridDim.x * blockDim.x) {
     int64_t rest = lin, doff = 0, soff = 0;
-    for (int d = a.ndim - 1; d >= 0; d--) {
-      int64_t k = rest % a.shape[d];
-      rest /= a.shape[d];
-      doff += k * a.dst_stride[d];
-      soff += k * a.src_stride[d];
+    if (a.ndim == 1) { /* coalesced (a cast of a whole tensor): no divisions */
+      doff = lin * a.dst_stride[0];
+      soff = lin * a.src_stride[0];
+    } else {
+      for (int d = a.ndim - 1; d >= 0; d--) {
+        int64_t k = rest % a.shape[d];
+        rest /= a.shape[d];
+        doff += k * a.dst_stride[d];
+        soff += k * a.src_stride[d];
+      }
     }
     if (dst_dt == src_dt) {
       switch (elem_size) {
@@ -169,21 +174,39 @@ static void cuda_free(int index, void *ptr, size_t bytes, bool zeroed) {
   cudaFreeAsync(ptr, raw_stream(index));
 }
 
-static status_t cuda_copy(int index, const copy_desc_t *d) {
+/* Copies within one device. Same-dtype copies whose rows are contiguous go to the runtime's
+ * copies (1-D, or 2-D with row pitches), which run at the device's copy bandwidth; casts and
+ * other layouts go through copy_kernel. */
+static status_t cuda_copy(int index, const copy_desc_t *desc) {
+  copy_desc_t d = *desc;
   int64_t n = 1;
-  copy_args a;
-  a.ndim = d->ndim;
-  for (int i = 0; i < d->ndim; i++) {
-    n *= d->shape[i];
-    a.shape[i] = d->shape[i];
-    a.dst_stride[i] = d->dst_stride[i];
-    a.src_stride[i] = d->src_stride[i];
-  }
+  for (int i = 0; i < d.ndim; i++) n *= d.shape[i];
   if (n == 0) return STATUS_OK;
+  int nd = copy_desc_coalesce(&d);
   CUDA_TRY(cudaSetDevice(index));
+  cudaStream_t s = raw_stream(index);
+  size_t esz = dtype_size(d.src_dtype);
+  if (d.dst_dtype == d.src_dtype && d.dst_stride[nd - 1] == 1 && d.src_stride[nd - 1] == 1) {
+    size_t row = (size_t)d.shape[nd - 1] * esz;
+    if (nd == 1)
+      return cuda_status(cudaMemcpyAsync(d.dst, d.src, row, cudaMemcpyDeviceToDevice, s),
+                         "cudaMemcpyAsync (device to device)");
+    if (nd == 2 && d.dst_stride[0] >= d.shape[1] && d.src_stride[0] >= d.shape[1])
+      return cuda_status(cudaMemcpy2DAsync(d.dst, (size_t)d.dst_stride[0] * esz, d.src,
+                                           (size_t)d.src_stride[0] * esz, row,
+                                           (size_t)d.shape[0], cudaMemcpyDeviceToDevice, s),
+                         "cudaMemcpy2DAsync (device to device)");
+  }
+  copy_args a;
+  a.ndim = nd;
+  for (int i = 0; i < nd; i++) {
+    a.shape[i] = d.shape[i];
+    a.dst_stride[i] = d.dst_stride[i];
+    a.src_stride[i] = d.src_stride[i];
+  }
   const int block = 256;
-  copy_kernel<<<grid_for(n, block), block, 0, raw_stream(index)>>>(
-      a, d->dst, d->dst_dtype, d->src, d->src_dtype, (int)dtype_size(d->src_dtype), n);
+  copy_kernel<<<grid_for(n, block), block, 0, s>>>(a, d.dst, d.dst_dtype, d.src, d.src_dtype,
+                                                   (int)esz, n);
   CUDA_TRY(cudaGetLastError());
   return STATUS_OK;
 }

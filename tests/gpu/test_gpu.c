@@ -71,6 +71,59 @@ START_TEST(cuda_copy_and_cast_match_cpu) {
 }
 END_TEST
 
+/* Same-dtype copies of boxes of a 3-D tensor on the device: whole rows (one copy after the
+ * dimensions merge), row ranges with pitches (2-D copies) and boxes that stay 3-D (the copy
+ * kernel), for 2-, 4- and 8-byte elements, against the same boxes copied on the host. */
+START_TEST(cuda_box_copies_match_cpu) {
+  static const int64_t shape[3] = {5, 9, 67};
+  static const int64_t boxes[][2][3] = {
+      {{1, 0, 0}, {3, 9, 67}},  /* rows of dim 0: contiguous */
+      {{0, 2, 0}, {5, 6, 67}},  /* rows of dim 1: pitched */
+      {{2, 0, 3}, {2, 9, 60}},  /* narrowed last dim: pitched rows */
+      {{0, 1, 5}, {5, 7, 31}},  /* dims 1 and 2 narrowed: 3-D */
+      {{4, 8, 66}, {1, 1, 1}},  /* one element */
+  };
+  static const dtype_t dts[] = {DTYPE_BF16, DTYPE_F32, DTYPE_I64};
+  tensor_t base;
+  ck_assert_int_eq(tensor_init(&base, DTYPE_F32, device_cpu(), 3, shape), STATUS_OK);
+  random_f32(&base, 7);
+  int bad = 0;
+  for (size_t t = 0; t < sizeof dts / sizeof dts[0]; t++) {
+    tensor_t host, dev;
+    ck_assert_int_eq(tensor_clone(&host, &base, dts[t], device_cpu()), STATUS_OK);
+    ck_assert_int_eq(tensor_clone(&dev, &host, dts[t], gpu()), STATUS_OK);
+    for (size_t b = 0; b < sizeof boxes / sizeof boxes[0]; b++) {
+      tensor_t hv, dv, want, got, back, into, into_back, iv, expect, ev;
+      ck_assert_int_eq(tensor_narrow_box(&hv, &host, boxes[b][0], boxes[b][1]), STATUS_OK);
+      ck_assert_int_eq(tensor_narrow_box(&dv, &dev, boxes[b][0], boxes[b][1]), STATUS_OK);
+      ck_assert_int_eq(tensor_clone(&want, &hv, dts[t], device_cpu()), STATUS_OK);
+      ck_assert_int_eq(tensor_clone(&got, &dv, dts[t], gpu()), STATUS_OK); /* box -> dense */
+      ck_assert_int_eq(tensor_clone(&back, &got, dts[t], device_cpu()), STATUS_OK);
+      /* dense -> box, into a poisoned tensor: the box holds the values, the rest the poison */
+      ck_assert_int_eq(tensor_init(&into, dts[t], gpu(), 3, shape), STATUS_OK);
+      ck_assert_int_eq(tensor_init(&expect, dts[t], device_cpu(), 3, shape), STATUS_OK);
+      ck_assert_int_eq(tensor_fill(&into, -3), STATUS_OK);
+      ck_assert_int_eq(tensor_fill(&expect, -3), STATUS_OK);
+      ck_assert_int_eq(tensor_narrow_box(&iv, &into, boxes[b][0], boxes[b][1]), STATUS_OK);
+      ck_assert_int_eq(tensor_narrow_box(&ev, &expect, boxes[b][0], boxes[b][1]), STATUS_OK);
+      ck_assert_int_eq(tensor_copy(&iv, &got), STATUS_OK);
+      ck_assert_int_eq(tensor_copy(&ev, &want), STATUS_OK);
+      ck_assert_int_eq(tensor_clone(&into_back, &into, dts[t], device_cpu()), STATUS_OK);
+      if (!same(&back, &want) || !same(&into_back, &expect)) {
+        fprintf(stderr, "%s box %zu copies differ from the host's\n", dtype_name(dts[t]), b);
+        bad++;
+      }
+      tensor_t *all[] = {&hv, &dv, &want, &got, &back, &into, &into_back, &iv, &expect, &ev};
+      for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) tensor_free(all[k]);
+    }
+    tensor_free(&host);
+    tensor_free(&dev);
+  }
+  tensor_free(&base);
+  ck_assert_msg(bad == 0, "%d CUDA box copies differ from the CPU", bad);
+}
+END_TEST
+
 START_TEST(cuda_fill_and_memory_accounting) {
   mem_stats_t before = mem_stats(gpu());
   int64_t shape[1] = {1000003};
@@ -172,6 +225,7 @@ static Suite *make_suite(void) {
   TCase *tc = tcase_create("cuda");
   tcase_set_timeout(tc, 0);
   tcase_add_test(tc, cuda_copy_and_cast_match_cpu);
+  tcase_add_test(tc, cuda_box_copies_match_cpu);
   tcase_add_test(tc, cuda_fill_and_memory_accounting);
   tcase_add_test(tc, nccl_collectives_closed_form);
   tcase_add_test(tc, dtensor_redistribute_on_device);
