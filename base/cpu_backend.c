@@ -195,6 +195,22 @@ static void cpu_free(int index, void *ptr, size_t bytes, bool zeroed) {
   cpu_host_free(ptr, bytes);
 }
 
+/* n contiguous elements of float dtype st at src written as float dtype dt at dst. */
+static void cast_row(dtype_t dt, void *dst, dtype_t st, const void *src, int64_t n) {
+  if (st == DTYPE_F32) {
+    dtype_from_f32(dt, src, dst, (size_t)n);
+  } else if (dt == DTYPE_F32) {
+    dtype_to_f32(st, src, dst, (size_t)n);
+  } else { /* between two 16-bit dtypes: through f32, a tile at a time */
+    float tile[512];
+    for (int64_t i = 0; i < n; i += 512) {
+      size_t k = (size_t)(n - i < 512 ? n - i : 512);
+      dtype_to_f32(st, (const char *)src + i * 2, tile, k);
+      dtype_from_f32(dt, tile, (char *)dst + i * 2, k);
+    }
+  }
+}
+
 static status_t cpu_copy(int index, const copy_desc_t *desc) {
   (void)index;
   copy_desc_t d = *desc;
@@ -203,7 +219,11 @@ static status_t cpu_copy(int index, const copy_desc_t *desc) {
   int nd = copy_desc_coalesce(&d);
   size_t dsz = dtype_size(d.dst_dtype), ssz = dtype_size(d.src_dtype);
   int same = d.dst_dtype == d.src_dtype;
-  int rows_contig = same && d.dst_stride[nd - 1] == 1 && d.src_stride[nd - 1] == 1;
+  int unit = d.dst_stride[nd - 1] == 1 && d.src_stride[nd - 1] == 1;
+  int rows_contig = same && unit;
+  /* casts between float dtypes of whole rows: the typed conversions (the same values as
+   * dtype_store of dtype_load, element by element) */
+  int rows_cast = !same && unit && dtype_is_float(d.dst_dtype) && dtype_is_float(d.src_dtype);
   int64_t inner = d.shape[nd - 1];
   int64_t outer = 1;
   for (int i = 0; i < nd - 1; i++) outer *= d.shape[i];
@@ -219,6 +239,8 @@ static status_t cpu_copy(int index, const copy_desc_t *desc) {
     const char *src = (const char *)d.src + soff * (int64_t)ssz;
     if (rows_contig) {
       memcpy(dst, src, (size_t)inner * dsz);
+    } else if (rows_cast) {
+      cast_row(d.dst_dtype, dst, d.src_dtype, src, inner);
     } else if (same) {
       for (int64_t k = 0; k < inner; k++)
         memcpy(dst + k * d.dst_stride[nd - 1] * (int64_t)dsz,

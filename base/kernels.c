@@ -120,6 +120,19 @@ void kernel_profile_reset(void) {
   pthread_mutex_unlock(&prof.lock);
 }
 
+bool kernel_profile_get(const char *name, kernel_profile_row_t *out) {
+  pthread_mutex_lock(&prof.lock);
+  prof_settle();
+  bool found = false;
+  for (int i = 0; i < prof.n && !found; i++)
+    if (strcmp(prof.k[i].name, name) == 0) {
+      *out = (kernel_profile_row_t){prof.k[i].calls, prof.k[i].seconds, prof.k[i].bytes};
+      found = true;
+    }
+  pthread_mutex_unlock(&prof.lock);
+  return found;
+}
+
 static int by_time(const void *a, const void *b) {
   double x = ((const double *)a)[0], y = ((const double *)b)[0];
   return x < y ? 1 : x > y ? -1 : 0;

@@ -220,6 +220,14 @@ void kernel_profile_enable(bool on);
 void kernel_profile_reset(void);
 status_t kernel_profile_report(FILE *out, double *total_seconds);
 
+/* One name's totals since the last reset (device timers settled first): false when the name
+ * has none. */
+typedef struct kernel_profile_row {
+  int64_t calls;
+  double seconds, bytes; /* bytes: copies only */
+} kernel_profile_row_t;
+bool kernel_profile_get(const char *name, kernel_profile_row_t *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,7 +1,9 @@
 /*
  * FSDP training steps of a Llama under a plan: per-step communication bytes measured and
  * analytic (docs/design.md section 11), peak memory measured and budgeted (docs/design.md
- * section 7), step time. Figures, not assertions.
+ * section 7), step time, and the speed of FSDP's copies within the device (copy-in with its
+ * cast, copy-out, reduce-scatter packing) in one more, profiled, step against a plain copy of
+ * 64 MiB on that device. Figures, not assertions.
  *
  *   mpirun -n 4 bench-fsdp-step [--config configs/llama-small.json] [--hsdp R]
  *       [--reshard auto|0|1|N] [--param-dtype f32|bf16] [--steps 5] [--batch 2] [--seq 128]
@@ -40,6 +42,34 @@ static int reshard_arg(int argc, char **argv) {
     bench_leave(2);
   }
   return (int)n;
+}
+
+/* GB/s of the profiled copies named name since the last reset; 0 when there were none. */
+static double copy_rate(const char *name, int64_t *calls) {
+  kernel_profile_row_t r = {0, 0, 0};
+  *calls = kernel_profile_get(name, &r) ? r.calls : 0;
+  return r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0;
+}
+
+/* The device's own copy bandwidth: GB/s (bytes read and written) of copies of 64 MiB
+ * between two tensors on dev, the fastest of five after one to warm up. */
+static double device_copy_rate(device_t dev) {
+  int64_t n = 16 << 20;
+  tensor_t a, b;
+  BENCH_TRY(tensor_init(&a, DTYPE_F32, dev, 1, &n));
+  BENCH_TRY(tensor_init(&b, DTYPE_F32, dev, 1, &n));
+  BENCH_TRY(tensor_fill(&a, 1.5));
+  double best = 0;
+  for (int i = 0; i < 6; i++) {
+    kernel_profile_reset();
+    BENCH_TRY(tensor_copy(&b, &a));
+    int64_t calls;
+    double r = copy_rate("copy", &calls);
+    if (i > 0 && r > best) best = r;
+  }
+  tensor_free(&a);
+  tensor_free(&b);
+  return best;
 }
 
 int main(int argc, char **argv) {
@@ -153,6 +183,30 @@ int main(int argc, char **argv) {
     if (rank == 0 && opt.offload)
       printf("        host: peak %.2f MiB (resident %.2f MiB)\n",
              mem_stats(device_cpu()).peak / 1048576.0, host_base / 1048576.0);
+  }
+  /* FSDP's own copies (copy-in with its cast, copy-out, reduce-scatter packing) in one more
+   * step, profiled, against the device's copy bandwidth */
+  bool was_on = kernel_profile_enabled();
+  kernel_profile_enable(true);
+  double dev_rate = device_copy_rate(dev);
+  kernel_profile_reset();
+  optim_zero_grad(o);
+  bench_fwd_bwd(m, d, &spec, steps, 0);
+  BENCH_TRY(clip_grad_norm(ps, n, 1.0, all_ranks, NULL));
+  BENCH_TRY(optim_step(o, 1.0));
+  BENCH_TRY(device_stream_sync(dev));
+  int64_t nc, ncast;
+  double rc = copy_rate("copy", &nc), rcast = copy_rate("copy (cast)", &ncast);
+  kernel_profile_reset();
+  kernel_profile_enable(was_on);
+  if (rank == 0) {
+    printf("copies within the device in a step (profiled; a copy of 64 MiB runs at %.1f GB/s "
+           "read + written):\n", dev_rate);
+    printf("  same dtype: %lld copies at %.1f GB/s, %.0f%% of it\n", (long long)nc, rc,
+           dev_rate > 0 ? 100 * rc / dev_rate : 0.0);
+    if (ncast > 0)
+      printf("  casts:      %lld copies at %.1f GB/s, %.0f%% of it\n", (long long)ncast, rcast,
+             dev_rate > 0 ? 100 * rcast / dev_rate : 0.0);
   }
   if (rank == 0)
     printf(

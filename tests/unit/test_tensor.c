@@ -172,7 +172,13 @@ START_TEST(kernel_profile_counts_calls_per_kernel) {
   ck_assert(gbs > 0);
   ck_assert(total >= 0 && total < 10);
   free(text);
+  kernel_profile_row_t row;
+  ck_assert(kernel_profile_get("copy", &row));
+  ck_assert_int_eq(row.calls, 2);
+  ck_assert(row.bytes == 16000.0 && row.seconds > 0);
+  ck_assert(!kernel_profile_get("copy (cast)", &row));
   kernel_profile_reset();
+  ck_assert(!kernel_profile_get("copy", &row));
   ck_assert_int_eq(kernel_profile_report(NULL, &total), STATUS_OK);
   ck_assert(total == 0);
   ck_assert_float_eq(((float *)a.data)[0], 7.0f); /* (1 + 2 + 2 + 2) / 2, copied, doubled */
@@ -285,6 +291,71 @@ START_TEST(tensor_copy_casts_with_rounding) {
   tensor_free(&a);
   tensor_free(&b);
   tensor_free(&c);
+}
+END_TEST
+
+/* Copies between every pair of float dtypes, of whole tensors and of narrowed rows, hold
+ * element by element what dtype_store(dtype_load) gives (the same bits, between equal dtypes):
+ * NaNs (signalling too), infinities, subnormals, ties and values beyond f16's range included. */
+/* Element i of src (dtype st) as dtype dt into *want; zero when !in. */
+static void expect_cast(dtype_t dt, uint64_t *want, dtype_t st, const void *src, int64_t i,
+                        bool in) {
+  if (!in)
+    dtype_store(dt, want, 0, 0.0);
+  else if (dt == st)
+    memcpy(want, (const char *)src + i * (int64_t)dtype_size(st), dtype_size(st));
+  else
+    dtype_store(dt, want, 0, dtype_load(st, src, (size_t)i));
+}
+
+START_TEST(tensor_copy_casts_rows_like_dtype_store) {
+  static const dtype_t fl[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16};
+  static const uint32_t special[] = {0x7fc00000u, 0x7f800001u, 0xff800000u, 0x7f800000u,
+                                     0x00000001u, 0x80400000u, 0x3f808000u, 0x3f818000u,
+                                     0x477ff000u, 0xc77fefffu, 0x33800000u, 0x387fe000u};
+  int64_t shape[2] = {7, 1100}; /* rows longer than a conversion tile of 512 */
+  tensor_t src32;
+  ck_assert_int_eq(tensor_init(&src32, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  test_rng_t rng = {77};
+  uint32_t *bits = src32.data;
+  for (int64_t i = 0; i < tensor_numel(&src32); i++)
+    bits[i] = i % 97 < 12 ? special[i % 97] : (uint32_t)test_rng_next(&rng);
+  int bad = 0;
+  for (int a = 0; a < 3; a++)
+    for (int b = 0; b < 3; b++) {
+      tensor_t src, dst, sv, dv;
+      ck_assert_int_eq(tensor_clone(&src, &src32, fl[a], device_cpu()), STATUS_OK);
+      ck_assert_int_eq(tensor_init(&dst, fl[b], device_cpu(), 2, shape), STATUS_OK);
+      ck_assert_int_eq(tensor_fill(&dst, 0), STATUS_OK);
+      ck_assert_int_eq(tensor_copy(&dst, &src), STATUS_OK); /* whole rows */
+      for (int64_t i = 0; i < tensor_numel(&src); i++) {
+        uint64_t want = 0, got = 0;
+        expect_cast(fl[b], &want, fl[a], src.data, i, true);
+        memcpy(&got, (char *)dst.data + i * (int64_t)dtype_size(fl[b]), dtype_size(fl[b]));
+        bad += want != got;
+      }
+      /* rows 1..5, columns 3..1000 of src into the same box of dst: pitched rows */
+      int64_t off[2] = {1, 3}, box[2] = {5, 998};
+      ck_assert_int_eq(tensor_fill(&dst, 0), STATUS_OK);
+      ck_assert_int_eq(tensor_narrow_box(&sv, &src, off, box), STATUS_OK);
+      ck_assert_int_eq(tensor_narrow_box(&dv, &dst, off, box), STATUS_OK);
+      ck_assert_int_eq(tensor_copy(&dv, &sv), STATUS_OK);
+      for (int64_t r = 0; r < shape[0]; r++)
+        for (int64_t c = 0; c < shape[1]; c++) {
+          int64_t i = r * shape[1] + c;
+          bool in = r >= 1 && r < 6 && c >= 3 && c < 1001;
+          uint64_t want = 0, got = 0;
+          expect_cast(fl[b], &want, fl[a], src.data, i, in);
+          memcpy(&got, (char *)dst.data + i * (int64_t)dtype_size(fl[b]), dtype_size(fl[b]));
+          bad += want != got;
+        }
+      tensor_free(&sv);
+      tensor_free(&dv);
+      tensor_free(&src);
+      tensor_free(&dst);
+    }
+  tensor_free(&src32);
+  ck_assert_msg(bad == 0, "%d elements differ from dtype_store(dtype_load)", bad);
 }
 END_TEST
 
@@ -460,6 +531,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_narrow_box_views_a_box);
   tcase_add_test(tc, tensor_copy_into_strided_destination);
   tcase_add_test(tc, tensor_copy_casts_with_rounding);
+  tcase_add_test(tc, tensor_copy_casts_rows_like_dtype_store);
   tcase_add_test(tc, tensor_fill_strided_view);
   tcase_add_test(tc, tensor_equal_compares_bits);
   tcase_add_test(tc, mem_stats_track_current_and_peak);
