@@ -4,6 +4,7 @@
  * are computed in fp32 and rounded once when stored. Kernels first, then launchers; every
  * launcher runs on the current stream of its device and checks cudaGetLastError().
  */
+#include <cub/device/device_radix_sort.cuh>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -28,26 +29,35 @@ __global__ static void embedding_kernel(void *out, const void *table, int tdt, c
 }
 
 /*
- * Deterministic scatter-add: thread (column c, vocabulary slice y) walks the tokens in order and
- * adds those whose id falls in its slice, so each gradient element sums in token order.
+ * Deterministic scatter-add through a stable sort: each token's row of the table (its id
+ * less first, or V when the id falls outside this shard) is sorted with the token's index
+ * (stable: equal rows keep token order); then the first position of each row's run adds the
+ * run's gradients to the row, column by column, in token order, in f32 from the row's value,
+ * rounded once (the CPU kernel's order and rounding).
  */
-__global__ static void embedding_backward_kernel(void *gt, int gdt, const void *go, int odt,
-                                                 const void *ids, int idt, int64_t n, int64_t D,
-                                                 int64_t V, int64_t first, int64_t vocab,
-                                                 int64_t slice, int *bad) {
-  int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  int64_t lo = blockIdx.y * slice, hi = lo + slice < V ? lo + slice : V;
-  if (c >= D) return;
-  for (int64_t t = 0; t < n; t++) {
+__global__ static void embedding_rows_kernel(int *rows, int *tokens, const void *ids, int idt,
+                                             int64_t n, int64_t V, int64_t first, int64_t vocab,
+                                             int *bad) {
+  GRID_STRIDE(t, n) {
     int64_t id = ldi(idt, ids, t);
-    if (id < 0 || id >= vocab) {
-      if (blockIdx.y == 0) *bad = 1;
-      continue;
-    }
+    if (id < 0 || id >= vocab) *bad = 1;
     id -= first;
-    if (id < lo || id >= hi) continue;
-    int64_t e = id * D + c;
-    stf(gdt, gt, e, ldf(gdt, gt, e) + ldf(odt, go, t * D + c));
+    rows[t] = id < 0 || id >= V ? (int)V : (int)id;
+    tokens[t] = (int)t;
+  }
+}
+
+__global__ static void embedding_runs_kernel(void *gt, int gdt, const void *go, int odt,
+                                             const int *rows, const int *tokens, int64_t n,
+                                             int64_t D, int64_t V) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    int r = rows[i];
+    if (r >= V || (i > 0 && rows[i - 1] == r)) continue; /* not a run's first position */
+    for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
+      float s = ldf(gdt, gt, r * D + c);
+      for (int64_t k = i; k < n && rows[k] == r; k++) s += ldf(odt, go, tokens[k] * D + c);
+      stf(gdt, gt, r * D + c, s);
+    }
   }
 }
 
@@ -481,19 +491,46 @@ static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *gr
                                         const tensor_t *ids, int64_t first, int64_t vocab) {
   int64_t n = tensor_numel(ids), D = grad_table->shape[1], V = grad_table->shape[0];
   if (n * D == 0) return STATUS_OK;
+  if (n > INT32_MAX || V >= INT32_MAX)
+    return err_set(STATUS_EINVAL, "kernel_embedding_backward: %lld tokens or %lld rows: at most "
+                   "2^31 - 1 each on CUDA", (long long)n, (long long)V);
+  device_t dev = grad_table->device;
+  cudaStream_t s = stream_of(grad_table);
+  int end_bit = 1; /* sort keys are rows 0..V: enough bits for V */
+  while (end_bit < 31 && ((int64_t)1 << end_bit) <= V) end_bit++;
+  size_t sort_bytes = 0;
+  CUDA_TRY(cub::DeviceRadixSort::SortPairs(NULL, sort_bytes, (const int *)NULL, (int *)NULL,
+                                           (const int *)NULL, (int *)NULL, (int)n, 0, end_bit,
+                                           s));
+  size_t keys = sizeof(int) * (size_t)n, part = (keys + 255) / 256 * 256;
+  size_t bytes = 4 * part + sort_bytes;
+  char *buf;
+  TRY(device_alloc(dev, bytes, (void **)&buf));
+  int *rows = (int *)buf, *tokens = (int *)(buf + part), *rows_sorted = (int *)(buf + 2 * part),
+      *tokens_sorted = (int *)(buf + 3 * part);
   flag_t f;
-  TRY(flag_new(&f, grad_table->device));
-  /* about two waves of threads on a large GPU: columns x vocabulary slices */
-  int64_t cols = (D + kBlock - 1) / kBlock, slices = (256 * 1024 / kBlock + cols - 1) / cols;
-  if (slices > V) slices = V;
-  if (slices > 65535) slices = 65535;
-  if (slices < 1) slices = 1;
-  dim3 grid((unsigned)cols, (unsigned)slices);
-  embedding_backward_kernel<<<grid, kBlock, 0, stream_of(grad_table)>>>(
-      grad_table->data, grad_table->dtype, grad_out->data, grad_out->dtype, ids->data, ids->dtype,
-      n, D, V, first, vocab, (V + slices - 1) / slices, f.p);
-  return flag_finish(&f, launched("kernel_embedding_backward"), kIndexRange,
-                     "kernel_embedding_backward", vocab);
+  status_t st = flag_new(&f, dev);
+  if (st != STATUS_OK) {
+    device_free(dev, buf, bytes);
+    return st;
+  }
+  embedding_rows_kernel<<<grid_for(n), kBlock, 0, s>>>(rows, tokens, ids->data, ids->dtype, n, V,
+                                                       first, vocab, f.p);
+  st = launched("kernel_embedding_backward");
+  if (st == STATUS_OK)
+    st = cuda_status(cub::DeviceRadixSort::SortPairs(buf + 4 * part, sort_bytes, rows,
+                                                     rows_sorted, tokens, tokens_sorted, (int)n,
+                                                     0, end_bit, s),
+                     "kernel_embedding_backward: cub::DeviceRadixSort::SortPairs");
+  if (st == STATUS_OK) {
+    int blocks = n < 65535 ? (int)n : 65535;
+    embedding_runs_kernel<<<blocks, kBlock, 0, s>>>(grad_table->data, grad_table->dtype,
+                                                    grad_out->data, grad_out->dtype, rows_sorted,
+                                                    tokens_sorted, n, D, V);
+    st = launched("kernel_embedding_backward");
+  }
+  device_free(dev, buf, bytes); /* stream-ordered: after the kernels */
+  return flag_finish(&f, st, kIndexRange, "kernel_embedding_backward", vocab);
 }
 
 static int64_t last_dim(const tensor_t *t) { return t->ndim == 0 ? 1 : t->shape[t->ndim - 1]; }
