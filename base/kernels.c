@@ -611,11 +611,9 @@ status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits
            ops->cross_entropy_backward(dlogits, logits, targets, scale));
 }
 
-status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                      const adamw_args_t *args) {
-  const char *fn = "kernel_adamw";
-  const kernel_ops_t *ops;
-  TRY(check_common(fn, NT(p, g, m, v), &ops));
+static status_t adamw_check(const char *fn, tensor_t *p, const tensor_t *g, tensor_t *m,
+                            tensor_t *v, const adamw_args_t *args, const kernel_ops_t **ops) {
+  TRY(check_common(fn, NT(p, g, m, v), ops));
   TRY(check_float(fn, "p", p));
   TRY(check_float(fn, "g", g));
   TRY(check_dtype(fn, "m", m, DTYPE_F32));
@@ -624,7 +622,46 @@ status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
       tensor_numel(v) != tensor_numel(p))
     return err_set(STATUS_ESHAPE, "%s: p, g, m and v must have the same number of elements", fn);
   if (args == NULL || args->step < 1) return err_set(STATUS_EINVAL, "%s: step must be >= 1", fn);
+  return STATUS_OK;
+}
+
+status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                      const adamw_args_t *args) {
+  const kernel_ops_t *ops;
+  TRY(adamw_check("kernel_adamw", p, g, m, v, args, &ops));
   DISPATCH("adamw", p, ops->adamw(p, g, m, v, args));
+}
+
+static status_t adamw_each(const kernel_ops_t *ops, const adamw_item_t *items, int n) {
+  for (int i = 0; i < n; i++)
+    TRY(ops->adamw(items[i].p, items[i].g, items[i].m, items[i].v, &items[i].args));
+  return STATUS_OK;
+}
+
+status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed) {
+  const kernel_ops_t *ops = NULL;
+  if (failed) *failed = -1;
+  if (n < 0 || (n > 0 && items == NULL))
+    return err_set(STATUS_EINVAL, "kernel_adamw_many: %d items, items NULL", n);
+  for (int i = 0; i < n; i++) {
+    const kernel_ops_t *o;
+    status_t st = adamw_check("kernel_adamw_many", items[i].p, items[i].g, items[i].m,
+                              items[i].v, &items[i].args, &o);
+    if (st == STATUS_OK && i > 0 && !device_equal(items[i].p->device, items[0].p->device)) {
+      char a[32], b[32];
+      st = err_set(STATUS_EINVAL, "kernel_adamw_many: items on %s and %s (one device per call)",
+                   device_str(items[0].p->device, a, sizeof a),
+                   device_str(items[i].p->device, b, sizeof b));
+    }
+    if (st != STATUS_OK) {
+      if (failed) *failed = i;
+      return st;
+    }
+    ops = o;
+  }
+  if (n == 0) return STATUS_OK;
+  DISPATCH("adamw", items[0].p,
+           ops->adamw_many ? ops->adamw_many(items, n) : adamw_each(ops, items, n));
 }
 
 status_t kernel_sum_squares(const tensor_t *x, double *out) {

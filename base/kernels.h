@@ -189,6 +189,18 @@ typedef struct adamw_args {
 status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
                       const adamw_args_t *args);
 
+/* kernel_adamw of n parameters at once, each with its own arguments, all on one device: the
+ * same bits as n calls, on a GPU in one launch per few dozen parameters. Every item is checked
+ * before any is updated; when an item fails its check, *failed (when not NULL) is its index,
+ * else -1. */
+typedef struct adamw_item {
+  tensor_t *p;
+  const tensor_t *g;
+  tensor_t *m, *v;
+  adamw_args_t args;
+} adamw_item_t;
+status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed);
+
 /* *out = sum of x^2 in double precision (blocks until the value is on the host). */
 status_t kernel_sum_squares(const tensor_t *x, double *out);
 

@@ -316,14 +316,40 @@ struct adamw_consts {
   float decay, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps, grad_scale;
 };
 
-__global__ static void adamw_kernel(void *p, int pdt, const void *g, int gdt, float *m, float *v,
-                                    adamw_consts a, int64_t n) {
-  GRID_STRIDE(e, n) {
-    float pi = ldf(pdt, p, e) * a.decay, gi = __fmul_rn(ldf(gdt, g, e), a.grad_scale);
+/* Many parameters' AdamW in one launch (the table is the kernel's argument: no copy to the
+ * device). Entry i has blocks [first_block, next entry's first_block); each block strides
+ * over its entry's elements. The arithmetic is kernel_adamw's, element by element. */
+enum { kAdamwTable = 36 }; /* entries per launch: the table stays under 4 KB of arguments */
+
+struct adamw_entry {
+  void *p;
+  const void *g;
+  float *m, *v;
+  int64_t n, first_block;
+  int pdt, gdt;
+  adamw_consts c;
+};
+
+struct adamw_table {
+  int count;
+  adamw_entry e[kAdamwTable];
+};
+static_assert(sizeof(adamw_table) <= 4096, "a kernel's arguments: at most 4 KB");
+
+__global__ static void adamw_many_kernel(adamw_table t) {
+  int i = 0;
+  while (i + 1 < t.count && blockIdx.x >= t.e[i + 1].first_block) i++;
+  const adamw_entry &x = t.e[i];
+  int64_t b = blockIdx.x - x.first_block,
+          nb = (i + 1 < t.count ? t.e[i + 1].first_block : (int64_t)gridDim.x) - x.first_block;
+  const adamw_consts &a = x.c;
+  for (int64_t e = b * blockDim.x + threadIdx.x; e < x.n; e += nb * blockDim.x) {
+    float pi = ldf(x.pdt, x.p, e) * a.decay, gi = __fmul_rn(ldf(x.gdt, x.g, e), a.grad_scale);
+    float *m = x.m, *v = x.v;
     m[e] += a.one_minus_b1 * (gi - m[e]);
     v[e] = v[e] * a.b2 + a.one_minus_b2 * gi * gi;
     float denom = sqrtf(v[e]) / a.bc2_sqrt + a.eps;
-    stf(pdt, p, e, pi + (-a.step_size * m[e]) / denom);
+    stf(x.pdt, x.p, e, pi + (-a.step_size * m[e]) / denom);
   }
 }
 
@@ -696,10 +722,7 @@ static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *l
                      "kernel_cross_entropy_backward", V);
 }
 
-static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                           const adamw_args_t *a) {
-  int64_t n = tensor_numel(p);
-  if (n == 0) return STATUS_OK;
+static adamw_consts adamw_consts_of(const adamw_args_t *a) {
   double bc1 = 1.0 - pow(a->beta1, (double)a->step), bc2 = 1.0 - pow(a->beta2, (double)a->step);
   adamw_consts c = {(float)(1.0 - a->lr * a->weight_decay),
                     (float)(1.0 - a->beta1),
@@ -709,9 +732,43 @@ static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t
                     (float)sqrt(bc2),
                     (float)a->eps,
                     a->grad_scale != 0 ? a->grad_scale : 1.0f};
-  adamw_kernel<<<grid_for(n), kBlock, 0, stream_of(p)>>>(p->data, p->dtype, g->data, g->dtype,
-                                                         (float *)m->data, (float *)v->data, c, n);
-  return launched("kernel_adamw");
+  return c;
+}
+
+static status_t cuda_adamw_many(const adamw_item_t *items, int n) {
+  cudaStream_t s = stream_of(items[0].p);
+  for (int i0 = 0; i0 < n;) {
+    adamw_table t;
+    t.count = 0;
+    int64_t blocks = 0;
+    for (; i0 < n && t.count < kAdamwTable; i0++) {
+      const adamw_item_t *it = &items[i0];
+      int64_t numel = tensor_numel(it->p);
+      if (numel == 0) continue;
+      adamw_entry &e = t.e[t.count++];
+      e.p = it->p->data;
+      e.g = it->g->data;
+      e.m = (float *)it->m->data;
+      e.v = (float *)it->v->data;
+      e.n = numel;
+      e.first_block = blocks;
+      e.pdt = it->p->dtype;
+      e.gdt = it->g->dtype;
+      e.c = adamw_consts_of(&it->args);
+      int64_t nb = (numel + kBlock - 1) / kBlock;
+      blocks += nb < 1024 ? nb : 1024;
+    }
+    if (t.count == 0) break;
+    adamw_many_kernel<<<(unsigned)blocks, kBlock, 0, s>>>(t);
+    TRY(launched("kernel_adamw"));
+  }
+  return STATUS_OK;
+}
+
+static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                           const adamw_args_t *a) {
+  adamw_item_t it = {p, g, m, v, *a};
+  return cuda_adamw_many(&it, 1);
 }
 
 static status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
@@ -815,6 +872,7 @@ static const kernel_ops_t ops = {
     /* .cross_entropy = */ cuda_cross_entropy,
     /* .cross_entropy_backward = */ cuda_cross_entropy_backward,
     /* .adamw = */ cuda_adamw,
+    /* .adamw_many = */ cuda_adamw_many,
     /* .sum_squares = */ cuda_sum_squares,
     /* .sum_squares_many = */ cuda_sum_squares_many,
     /* .timer_start = */ cuda_timer_start,

@@ -59,6 +59,8 @@ typedef struct kernel_ops {
                                      const tensor_t *targets, float scale);
   status_t (*adamw)(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
                     const adamw_args_t *args);
+  /* NULL: adamw on each (the items arrive checked, n > 0) */
+  status_t (*adamw_many)(const adamw_item_t *items, int n);
   status_t (*sum_squares)(const tensor_t *x, double *out);
   /* NULL: sum_squares on each (the tensors arrive checked, n > 0) */
   status_t (*sum_squares_many)(const tensor_t *const *xs, int n, double *out);

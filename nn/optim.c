@@ -142,11 +142,21 @@ status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale) {
     return err_set(STATUS_EINVAL, "AdamW step: gradient scale %g is not a positive number",
                    (double)grad_scale);
   o->steps++;
-  for (int i = 0; i < o->n; i++) {
+  /* the updates of every parameter, in runs on one device (one call each: a few launches on a
+   * GPU); a narrower gradient is scaled in its own dtype first, as clip_grad_norm would */
+  adamw_item_t *items = malloc(sizeof *items * (size_t)(o->n > 0 ? o->n : 1));
+  int *slot_of = malloc(sizeof *slot_of * (size_t)(o->n > 0 ? o->n : 1));
+  tensor_t *refs = calloc((size_t)(o->n > 0 ? 2 * o->n : 1), sizeof *refs);
+  status_t st = items && slot_of && refs ? STATUS_OK
+                                        : err_set(STATUS_ENOMEM, "AdamW step: out of host memory");
+  int m = 0;
+  for (int i = 0; i < o->n && st == STATUS_OK; i++) {
     slot_t *s = &o->slots[i];
     if (s->p->grad == NULL || !s->p->requires_grad) continue;
-    const tensor_t *local = dtensor_local(s->p->value);
-    TRY(slot_ready(s, true));
+    tensor_t *p = &refs[2 * m], *g = &refs[2 * m + 1];
+    st = slot_ready(s, true);
+    if (st == STATUS_OK) st = tensor_ref(p, dtensor_local(s->p->value));
+    if (st == STATUS_OK) st = tensor_ref(g, dtensor_local(s->p->grad));
     adamw_args_t a = {.lr = s->lr * lr_factor,
                       .beta1 = o->cfg.beta1,
                       .beta2 = o->cfg.beta2,
@@ -154,20 +164,32 @@ status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale) {
                       .weight_decay = s->weight_decay,
                       .step = o->steps,
                       .grad_scale = grad_scale};
-    tensor_t p, g;
-    TRY(tensor_ref(&p, local));
-    status_t st = tensor_ref(&g, dtensor_local(s->p->grad));
-    /* a narrower gradient is scaled in its own dtype first, as clip_grad_norm would */
-    if (st == STATUS_OK && grad_scale != 1 && g.dtype != DTYPE_F32) {
-      st = kernel_scale(&g, grad_scale);
+    if (st == STATUS_OK && grad_scale != 1 && g->dtype != DTYPE_F32) {
+      st = kernel_scale(g, grad_scale);
       a.grad_scale = 1;
     }
-    if (st == STATUS_OK) st = kernel_adamw(&p, &g, &s->m, &s->v, &a);
-    tensor_free(&g);
-    tensor_free(&p);
-    if (st != STATUS_OK) return err_prefix(st, "AdamW step of %s", s->p->fqn);
+    if (st != STATUS_OK) {
+      st = err_prefix(st, "AdamW step of %s", s->p->fqn);
+      m++; /* its references are freed below */
+      break;
+    }
+    items[m] = (adamw_item_t){p, g, &s->m, &s->v, a};
+    slot_of[m++] = i;
   }
-  return STATUS_OK;
+  for (int a = 0, b; a < m && st == STATUS_OK; a = b) {
+    for (b = a + 1; b < m && device_equal(items[b].p->device, items[a].p->device); b++) {
+    }
+    int failed = -1;
+    st = kernel_adamw_many(items + a, b - a, &failed);
+    if (st != STATUS_OK)
+      st = err_prefix(st, "AdamW step of %s",
+                      failed >= 0 ? o->slots[slot_of[a + failed]].p->fqn : "the parameters");
+  }
+  for (int i = 0; i < 2 * m && refs; i++) tensor_free(&refs[i]);
+  free(items);
+  free(slot_of);
+  free(refs);
+  return st;
 }
 
 void optim_zero_grad(optim_t *o) {

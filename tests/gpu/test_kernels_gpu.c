@@ -289,7 +289,56 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
   o[3] = s;
   tensor_free(&g);
   tensor_free(&empty);
-  return 4;
+  /* kernel_adamw_many: 40 parameters (more than one launch's table on a GPU; sizes from 0 to
+   * 1184, f32 and dt parameters, each its own learning rate), two steps; the same bits as
+   * kernel_adamw on each, and the parameters' sums of squares against the other device */
+  enum { K = 40 };
+  tensor_t P[2][K], G[K], M[2][K], V[2][K];
+  adamw_item_t items[K];
+  for (int k = 0; k < K; k++) {
+    int64_t nk = k * 37 % 1200;
+    dtype_t pk = k % 3 ? dt : DTYPE_F32;
+    for (int c = 0; c < 2; c++) {
+      rnd(&P[c][k], dev, pk, 1, &nk, 30 + k, 1);
+      ok(tensor_zeros(&M[c][k], DTYPE_F32, dev, 1, &nk));
+      ok(tensor_zeros(&V[c][k], DTYPE_F32, dev, 1, &nk));
+    }
+    rnd(&G[k], dev, dt, 1, &nk, 80 + k, 1);
+  }
+  for (int step = 1; step <= 2; step++) {
+    for (int k = 0; k < K; k++) {
+      adamw_args_t a = {.lr = 1e-3 * (1 + k % 7), .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+                        .weight_decay = k % 2 ? 0.1 : 0, .step = step,
+                        .grad_scale = step == 2 ? 0.5f : 0};
+      items[k] = (adamw_item_t){&P[0][k], &G[k], &M[0][k], &V[0][k], a};
+      ok(kernel_adamw(&P[1][k], &G[k], &M[1][k], &V[1][k], &a));
+    }
+    int failed = 7;
+    ok(kernel_adamw_many(items, K, &failed));
+    ck_assert_int_eq(failed, -1);
+  }
+  int64_t kk = K;
+  tensor_t sums;
+  ok(tensor_init(&sums, DTYPE_F32, device_cpu(), 1, &kk));
+  for (int k = 0; k < K; k++) {
+    bool same_p = false, same_m = false, same_v = false;
+    ok(tensor_equal(&P[0][k], &P[1][k], &same_p));
+    ok(tensor_equal(&M[0][k], &M[1][k], &same_m));
+    ok(tensor_equal(&V[0][k], &V[1][k], &same_v));
+    ck_assert_msg(same_p && same_m && same_v, "kernel_adamw_many item %d: not kernel_adamw's bits",
+                  k);
+    double sq;
+    ok(kernel_sum_squares(&P[0][k], &sq));
+    ((float *)sums.data)[k] = (float)sq;
+    for (int c = 0; c < 2; c++) {
+      tensor_free(&P[c][k]);
+      tensor_free(&M[c][k]);
+      tensor_free(&V[c][k]);
+    }
+    tensor_free(&G[k]);
+  }
+  o[4] = sums;
+  return 5;
 }
 
 static int k_activations(device_t dev, dtype_t dt, tensor_t *o) {

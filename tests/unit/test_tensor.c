@@ -359,6 +359,56 @@ START_TEST(tensor_copy_casts_rows_like_dtype_store) {
 }
 END_TEST
 
+/* kernel_adamw_many: checks every item before updating any (naming the failing one), then
+ * gives each item kernel_adamw's bits. */
+START_TEST(kernel_adamw_many_checks_all_then_updates_each) {
+  int64_t n[3] = {5, 0, 9}, wrong = 4;
+  tensor_t p[2][3], g[3], m[2][3], v[2][3], bad;
+  adamw_item_t items[3];
+  for (int k = 0; k < 3; k++) {
+    for (int c = 0; c < 2; c++) {
+      ck_assert_int_eq(tensor_init(&p[c][k], k == 2 ? DTYPE_BF16 : DTYPE_F32, device_cpu(), 1,
+                                   &n[k]), STATUS_OK);
+      ck_assert_int_eq(tensor_fill(&p[c][k], 0.5 + k), STATUS_OK);
+      ck_assert_int_eq(tensor_zeros(&m[c][k], DTYPE_F32, device_cpu(), 1, &n[k]), STATUS_OK);
+      ck_assert_int_eq(tensor_zeros(&v[c][k], DTYPE_F32, device_cpu(), 1, &n[k]), STATUS_OK);
+    }
+    ck_assert_int_eq(tensor_init(&g[k], DTYPE_F32, device_cpu(), 1, &n[k]), STATUS_OK);
+    ck_assert_int_eq(tensor_fill(&g[k], 0.25 - k), STATUS_OK);
+    adamw_args_t a = {.lr = 0.01 * (k + 1), .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+                      .weight_decay = 0.1, .step = 1};
+    items[k] = (adamw_item_t){&p[0][k], &g[k], &m[0][k], &v[0][k], a};
+  }
+  ck_assert_int_eq(tensor_zeros(&bad, DTYPE_F32, device_cpu(), 1, &wrong), STATUS_OK);
+  items[2].v = &bad;
+  int failed = -7;
+  ck_assert_int_eq(kernel_adamw_many(items, 3, &failed), STATUS_ESHAPE);
+  ck_assert_int_eq(failed, 2);
+  ck_assert_float_eq(((float *)p[0][0].data)[0], 0.5f); /* item 0 untouched */
+  items[2].v = &v[0][2];
+  ck_assert_int_eq(kernel_adamw_many(items, 3, &failed), STATUS_OK);
+  ck_assert_int_eq(failed, -1);
+  for (int k = 0; k < 3; k++) {
+    ck_assert_int_eq(kernel_adamw(&p[1][k], &g[k], &m[1][k], &v[1][k], &items[k].args), STATUS_OK);
+    bool eq = false;
+    ck_assert_int_eq(tensor_equal(&p[0][k], &p[1][k], &eq), STATUS_OK);
+    ck_assert(eq);
+    ck_assert_int_eq(tensor_equal(&m[0][k], &m[1][k], &eq), STATUS_OK);
+    ck_assert(eq);
+  }
+  ck_assert(((float *)p[0][0].data)[0] != 0.5f);
+  for (int k = 0; k < 3; k++) {
+    for (int c = 0; c < 2; c++) {
+      tensor_free(&p[c][k]);
+      tensor_free(&m[c][k]);
+      tensor_free(&v[c][k]);
+    }
+    tensor_free(&g[k]);
+  }
+  tensor_free(&bad);
+}
+END_TEST
+
 START_TEST(tensor_fill_strided_view) {
   tensor_t t, col;
   int64_t shape[2] = {3, 3};
@@ -532,6 +582,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_copy_into_strided_destination);
   tcase_add_test(tc, tensor_copy_casts_with_rounding);
   tcase_add_test(tc, tensor_copy_casts_rows_like_dtype_store);
+  tcase_add_test(tc, kernel_adamw_many_checks_all_then_updates_each);
   tcase_add_test(tc, tensor_fill_strided_view);
   tcase_add_test(tc, tensor_equal_compares_bits);
   tcase_add_test(tc, mem_stats_track_current_and_peak);
