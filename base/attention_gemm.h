@@ -15,7 +15,12 @@
  *   backward, one query head r of each group at a time (dk and dv of a pair are summed over
  *   its group's heads in order, without two entries of one call writing the same rows):
  *     S = scale Q K^T, dP = dO V^T (F32)      dscores: P, dS = P (dP - rowsum(dO O)) scale
- *     dQ = dS K,  dK (+)= dS^T Q,  dV (+)= P^T dO   (dK and dV in F32, cast at the end)
+ *     dQ = dS K,  dK += dS^T Q,  dV += P^T dO   (dK and dV in F32 from zero, cast at the end)
+ *
+ * Causal blocks: each pass runs per block of query rows [r0, r1) (the executor's block_rows),
+ * against keys [0, r1) only, so the products and row passes skip most of the masked upper
+ * triangle (with 8 blocks, 56% of the full square is computed); dK and dV then add one block's
+ * share after another.
  *
  * In the executor's terms every product is column-major (cuBLAS's): a row-major matrix of
  * R rows and row stride ld is a column-major matrix of R columns with leading dimension ld.
@@ -84,7 +89,14 @@ typedef struct attn_mat {
   void *base;
   dtype_t dtype;
   attn_layout_t layout;
+  int64_t off; /* elements after each entry's first: where a block of rows starts */
 } attn_mat_t;
+
+/* Entry e's first element of m (its layout's offset plus m's own). */
+static inline ATTN_HD int64_t attn_at(const attn_shape_t *s, const attn_mat_t *m, int64_t e,
+                                      int64_t b, int64_t h, int64_t g) {
+  return attn_offset(s, m->layout, e, b, h, g) + m->off;
+}
 
 /* One batched product: for every entry, C = alpha op(A) op(B) + beta C, column-major, op(A)
  * m x k, op(B) k x n, C m x n; A and B of one dtype, C of that dtype or F32; F32 compute. */
@@ -99,18 +111,20 @@ typedef struct attn_gemm {
 typedef struct attn_exec {
   void *ctx;
   status_t (*gemm)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, const attn_gemm_t *g);
-  /* For each entry's row i: lse_i = log sum_{j <= i} exp(S_ij) (written to lse at (b H + h) T
-   * + i); P_ij = exp(S_ij - lse_i) for j <= i, 0 after, in p's dtype (ATTN_SCRATCH). */
-  status_t (*probs)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, const float *S,
-                    float *lse, attn_mat_t p);
-  /* For each entry's row i with lse_i given: P as probs; D_i = sum_c dO_ic O_ic over the
+  /* For each entry's rows r0 <= i < r1 (row i of a T x T matrix at i T, T apart), columns
+   * j < r1: lse_i = log sum_{j <= i} exp(S_ij) (written to lse at (b H + h) T + i);
+   * P_ij = exp(S_ij - lse_i) for j <= i, 0 after, in p's dtype (ATTN_SCRATCH). */
+  status_t (*probs)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, int64_t r0,
+                    int64_t r1, const float *S, float *lse, attn_mat_t p);
+  /* For the same rows and columns, lse_i given: P as probs; D_i = sum_c dO_ic O_ic over the
    * entry's rows of dout and out (ATTN_HEADS); dS_ij = P_ij (dP_ij - D_i) scale for j <= i, 0
    * after; P and dS in their dtypes (ATTN_SCRATCH). */
-  status_t (*dscores)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, const float *S,
-                      const float *dP, const float *lse, attn_mat_t dout, attn_mat_t out,
-                      attn_mat_t p, attn_mat_t ds);
+  status_t (*dscores)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, int64_t r0,
+                      int64_t r1, const float *S, const float *dP, const float *lse,
+                      attn_mat_t dout, attn_mat_t out, attn_mat_t p, attn_mat_t ds);
   device_t device;     /* scratch comes from device_alloc here; casts run here */
   size_t scratch_max;  /* bytes of scratch a chunk may take (at least one pair's) */
+  int64_t block_rows;  /* query rows per causal block (0 or >= T: one block) */
 } attn_exec_t;
 
 attn_shape_t attn_shape_of(const int64_t *q_shape, const int64_t *k_shape);

@@ -10,8 +10,10 @@
 #include "base/attention_gemm.h"
 #include "base/kernels_cuda.h"
 
-/* Scratch a chunk of (batch, kv head) pairs may take. */
+/* Scratch a chunk of (batch, kv head) pairs may take, and query rows per causal block (a
+ * multiple of 8, so that blocks of 16-bit scores stay 16-byte aligned). */
 static const size_t kAttnScratch = (size_t)256 << 20;
+static const int64_t kAttnBlockRows = 128;
 
 typedef struct cuda_attn {
   int dev;
@@ -28,16 +30,18 @@ __global__ static void attn_ptrs_kernel(const void **ptrs, attn_shape_t s, attn_
   GRID_STRIDE(e, n) {
     int64_t bb, h, g;
     attn_entry(&s, &bt, e, &bb, &h, &g);
-    ptrs[e] = (const char *)a.base + attn_offset(&s, a.layout, e, bb, h, g) * esa;
-    ptrs[n + e] = (const char *)b.base + attn_offset(&s, b.layout, e, bb, h, g) * esb;
-    ptrs[2 * n + e] = (const char *)c.base + attn_offset(&s, c.layout, e, bb, h, g) * esc;
+    ptrs[e] = (const char *)a.base + attn_at(&s, &a, e, bb, h, g) * esa;
+    ptrs[n + e] = (const char *)b.base + attn_at(&s, &b, e, bb, h, g) * esb;
+    ptrs[2 * n + e] = (const char *)c.base + attn_at(&s, &c, e, bb, h, g) * esc;
   }
 }
 
-/* One block per score row (entry e, query i): lse_i and the causal probabilities. */
-__global__ static void attn_probs_kernel(attn_shape_t s, attn_batch_t bt, const float *S,
-                                         float *lse, void *p, int pdt) {
-  int64_t row = blockIdx.x, e = row / s.T, i = row % s.T, b, h, g;
+/* One block per score row (entry e, query i in [r0, r1)): lse_i and the causal
+ * probabilities of keys [0, r1). */
+__global__ static void attn_probs_kernel(attn_shape_t s, attn_batch_t bt, int64_t r0, int64_t r1,
+                                         const float *S, float *lse, void *p, int pdt) {
+  int64_t e = blockIdx.x / (r1 - r0), i = r0 + blockIdx.x % (r1 - r0), b, h, g;
+  int64_t row = e * s.T + i;
   attn_entry(&s, &bt, e, &b, &h, &g);
   const float *srow = S + row * s.T;
   float m = -INFINITY;
@@ -48,16 +52,18 @@ __global__ static void attn_probs_kernel(attn_shape_t s, attn_batch_t bt, const 
   l = block_reduce<false>(l);
   float L = m + logf(l);
   if (threadIdx.x == 0) lse[(b * s.H + h) * s.T + i] = L;
-  for (int64_t j = threadIdx.x; j < s.T; j += blockDim.x)
+  for (int64_t j = threadIdx.x; j < r1; j += blockDim.x)
     stf(pdt, p, row * s.T + j, j <= i ? expf(srow[j] - L) : 0.0f);
 }
 
 /* One block per score row: P again from the forward's lse, D_i = dO_i . O_i and
  * dS = P (dP - D_i) scale. */
-__global__ static void attn_dscores_kernel(attn_shape_t s, attn_batch_t bt, const float *S,
-                                           const float *dP, const float *lse, const void *dout,
-                                           const void *out, int dt, void *p, void *ds) {
-  int64_t row = blockIdx.x, e = row / s.T, i = row % s.T, b, h, g;
+__global__ static void attn_dscores_kernel(attn_shape_t s, attn_batch_t bt, int64_t r0,
+                                           int64_t r1, const float *S, const float *dP,
+                                           const float *lse, const void *dout, const void *out,
+                                           int dt, void *p, void *ds) {
+  int64_t e = blockIdx.x / (r1 - r0), i = r0 + blockIdx.x % (r1 - r0), b, h, g;
+  int64_t row = e * s.T + i;
   attn_entry(&s, &bt, e, &b, &h, &g);
   int64_t qi = attn_offset(&s, ATTN_HEADS, e, b, h, g) + i * s.H * s.Dh;
   float D = 0;
@@ -66,7 +72,7 @@ __global__ static void attn_dscores_kernel(attn_shape_t s, attn_batch_t bt, cons
   D = block_reduce<false>(D);
   float L = lse[(b * s.H + h) * s.T + i];
   const float *srow = S + row * s.T, *dprow = dP + row * s.T;
-  for (int64_t j = threadIdx.x; j < s.T; j += blockDim.x) {
+  for (int64_t j = threadIdx.x; j < r1; j += blockDim.x) {
     float pv = j <= i ? expf(srow[j] - L) : 0.0f;
     stf(dt, p, row * s.T + j, pv);
     stf(dt, ds, row * s.T + j, j <= i ? pv * (dprow[j] - D) * s.scale : 0.0f);
@@ -77,8 +83,8 @@ __global__ static void attn_dscores_kernel(attn_shape_t s, attn_batch_t bt, cons
 
 /* Whether every entry's matrix of m starts 16-byte aligned. */
 static bool aligned16(const attn_shape_t *s, attn_mat_t m) {
-  int64_t stride = m.layout == ATTN_SCRATCH ? s->T * s->T : s->Dh;
-  return (uintptr_t)m.base % 16 == 0 && stride * (int64_t)dtype_size(m.dtype) % 16 == 0;
+  int64_t stride = m.layout == ATTN_SCRATCH ? s->T * s->T : s->Dh, es = dtype_size(m.dtype);
+  return (uintptr_t)m.base % 16 == 0 && stride * es % 16 == 0 && m.off * es % 16 == 0;
 }
 
 static status_t attn_gemm_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
@@ -98,9 +104,9 @@ static status_t attn_gemm_cuda(void *ctx, const attn_shape_t *s, const attn_batc
     for (int64_t e = 0; e < n; e++) { /* one product per entry */
       int64_t b, h, kv;
       attn_entry(s, bt, e, &b, &h, &kv);
-      const char *pa = (const char *)g->a.base + attn_offset(s, g->a.layout, e, b, h, kv) * esa;
-      const char *pb = (const char *)g->b.base + attn_offset(s, g->b.layout, e, b, h, kv) * esb;
-      char *pc = (char *)g->c.base + attn_offset(s, g->c.layout, e, b, h, kv) * esc;
+      const char *pa = (const char *)g->a.base + attn_at(s, &g->a, e, b, h, kv) * esa;
+      const char *pb = (const char *)g->b.base + attn_at(s, &g->b, e, b, h, kv) * esb;
+      char *pc = (char *)g->c.base + attn_at(s, &g->c, e, b, h, kv) * esc;
       TRY(cublas_status(cuda_blas_gemm(c->blas, ta, tb, (int)g->m, (int)g->n, (int)g->k,
                                        &g->alpha, pa, at, (int)g->lda, pb, bt_, (int)g->ldb,
                                        &g->beta, pc, ct, (int)g->ldc),
@@ -128,23 +134,25 @@ static status_t attn_gemm_cuda(void *ctx, const attn_shape_t *s, const attn_batc
 static int row_threads(const attn_shape_t *s) { return s->T >= 512 ? 256 : s->T >= 128 ? 128 : 64; }
 
 static status_t attn_probs_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
-                                const float *S, float *lse, attn_mat_t p) {
+                                int64_t r0, int64_t r1, const float *S, float *lse,
+                                attn_mat_t p) {
   cuda_attn_t *c = (cuda_attn_t *)ctx;
-  int64_t rows = attn_entries(s, bt) * s->T;
+  int64_t rows = attn_entries(s, bt) * (r1 - r0);
   if (rows == 0) return STATUS_OK;
-  attn_probs_kernel<<<(unsigned)rows, row_threads(s), 0, c->stream>>>(*s, *bt, S, lse, p.base,
-                                                                       p.dtype);
+  attn_probs_kernel<<<(unsigned)rows, row_threads(s), 0, c->stream>>>(*s, *bt, r0, r1, S, lse,
+                                                                       p.base, p.dtype);
   return launched("kernel_attention (probabilities)");
 }
 
 static status_t attn_dscores_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
-                                  const float *S, const float *dP, const float *lse,
-                                  attn_mat_t dout, attn_mat_t out, attn_mat_t p, attn_mat_t ds) {
+                                  int64_t r0, int64_t r1, const float *S, const float *dP,
+                                  const float *lse, attn_mat_t dout, attn_mat_t out,
+                                  attn_mat_t p, attn_mat_t ds) {
   cuda_attn_t *c = (cuda_attn_t *)ctx;
-  int64_t rows = attn_entries(s, bt) * s->T;
+  int64_t rows = attn_entries(s, bt) * (r1 - r0);
   if (rows == 0) return STATUS_OK;
   attn_dscores_kernel<<<(unsigned)rows, row_threads(s), 0, c->stream>>>(
-      *s, *bt, S, dP, lse, dout.base, out.base, dout.dtype, p.base, ds.base);
+      *s, *bt, r0, r1, S, dP, lse, dout.base, out.base, dout.dtype, p.base, ds.base);
   return launched("kernel_attention_backward (score gradients)");
 }
 
@@ -153,7 +161,7 @@ static status_t exec_for(const tensor_t *q, cuda_attn_t *c, attn_exec_t *x) {
   c->stream = stream_of(q);
   TRY(cuda_blas_handle(c->dev, c->stream, &c->blas));
   *x = attn_exec_t{c, attn_gemm_cuda, attn_probs_cuda, attn_dscores_cuda, q->device,
-                   kAttnScratch};
+                   kAttnScratch, kAttnBlockRows};
   return STATUS_OK;
 }
 

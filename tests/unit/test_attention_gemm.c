@@ -3,8 +3,9 @@
  * cuBLAS) run by a host executor: every product as column-major cblas_sgemm calls on the
  * entry's operands, the row passes as loops. Its outputs must match the CPU attention
  * kernels (a different algorithm: row blocks per head) in f32, with chunks of one pair, of
- * several and of all, for grouped-query, multi-query and one-head-per-kv-head shapes. A wrong
- * offset, transpose, leading dimension, scale or accumulation in the plan fails here.
+ * several and of all, causal blocks of the whole sequence, of 7 and of 3 query rows, for
+ * grouped-query, multi-query and one-head-per-kv-head shapes. A wrong offset, transpose,
+ * leading dimension, scale or accumulation in the plan fails here.
  */
 #include <cblas.h>
 #include <math.h>
@@ -25,7 +26,7 @@ typedef struct host_exec {
 static float *at(const attn_shape_t *s, attn_mat_t m, int64_t e, int64_t b, int64_t h,
                  int64_t g) {
   ck_assert_int_eq(m.dtype, DTYPE_F32);
-  return (float *)m.base + attn_offset(s, m.layout, e, b, h, g);
+  return (float *)m.base + attn_at(s, &m, e, b, h, g);
 }
 
 static status_t host_gemm(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
@@ -44,46 +45,47 @@ static status_t host_gemm(void *ctx, const attn_shape_t *s, const attn_batch_t *
   return STATUS_OK;
 }
 
-/* lse_i and the causal probabilities of entry e's row i of S into prow. */
-static float probs_row(const attn_shape_t *s, const float *srow, int64_t i, float *prow,
+/* lse_i and the causal probabilities of entry e's row i of S into prow, columns [0, n). */
+static float probs_row(const float *srow, int64_t i, int64_t n, float *prow,
                        const float *given_lse) {
   double m = -INFINITY, l = 0;
   for (int64_t j = 0; j <= i; j++) m = srow[j] > m ? srow[j] : m;
   for (int64_t j = 0; j <= i; j++) l += exp(srow[j] - m);
   float L = given_lse ? *given_lse : (float)(m + log(l));
-  for (int64_t j = 0; j < s->T; j++) prow[j] = j <= i ? expf(srow[j] - L) : 0.0f;
+  for (int64_t j = 0; j < n; j++) prow[j] = j <= i ? expf(srow[j] - L) : 0.0f;
   return L;
 }
 
-static status_t host_probs(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
-                           const float *S, float *lse, attn_mat_t p) {
+static status_t host_probs(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, int64_t r0,
+                           int64_t r1, const float *S, float *lse, attn_mat_t p) {
   (void)ctx;
   for (int64_t e = 0; e < attn_entries(s, bt); e++) {
     int64_t b, h, g;
     attn_entry(s, bt, e, &b, &h, &g);
-    for (int64_t i = 0; i < s->T; i++)
+    for (int64_t i = r0; i < r1; i++)
       lse[(b * s->H + h) * s->T + i] =
-          probs_row(s, S + (e * s->T + i) * s->T, i, at(s, p, e, b, h, g) + i * s->T, NULL);
+          probs_row(S + (e * s->T + i) * s->T, i, r1, at(s, p, e, b, h, g) + i * s->T, NULL);
   }
   return STATUS_OK;
 }
 
 static status_t host_dscores(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
-                             const float *S, const float *dP, const float *lse, attn_mat_t dout,
-                             attn_mat_t out, attn_mat_t p, attn_mat_t ds) {
+                             int64_t r0, int64_t r1, const float *S, const float *dP,
+                             const float *lse, attn_mat_t dout, attn_mat_t out, attn_mat_t p,
+                             attn_mat_t ds) {
   (void)ctx;
   for (int64_t e = 0; e < attn_entries(s, bt); e++) {
     int64_t b, h, g;
     attn_entry(s, bt, e, &b, &h, &g);
-    for (int64_t i = 0; i < s->T; i++) {
+    for (int64_t i = r0; i < r1; i++) {
       const float *o = at(s, out, e, b, h, g) + i * s->H * s->Dh,
                   *d = at(s, dout, e, b, h, g) + i * s->H * s->Dh;
       float D = 0, *prow = at(s, p, e, b, h, g) + i * s->T;
       float *drow = at(s, ds, e, b, h, g) + i * s->T;
       for (int64_t c = 0; c < s->Dh; c++) D += d[c] * o[c];
-      probs_row(s, S + (e * s->T + i) * s->T, i, prow, &lse[(b * s->H + h) * s->T + i]);
+      probs_row(S + (e * s->T + i) * s->T, i, r1, prow, &lse[(b * s->H + h) * s->T + i]);
       const float *dprow = dP + (e * s->T + i) * s->T;
-      for (int64_t j = 0; j < s->T; j++) drow[j] = j <= i ? prow[j] * (dprow[j] - D) * s->scale : 0;
+      for (int64_t j = 0; j < r1; j++) drow[j] = j <= i ? prow[j] * (dprow[j] - D) * s->scale : 0;
     }
   }
   return STATUS_OK;
@@ -139,8 +141,11 @@ START_TEST(gemm_plan_matches_cpu_attention) {
 
   attn_shape_t s = attn_shape_of(sq, sk);
   host_exec_t hx = {0, 0};
+  /* causal blocks of query rows: one block (the whole sequence), blocks of 7 and of 3 */
+  int64_t br = _i % 3 == 0 ? 0 : _i % 3 == 1 ? 7 : 3;
   attn_exec_t x = {.ctx = &hx, .gemm = host_gemm, .probs = host_probs, .dscores = host_dscores,
-                   .device = device_cpu(), .scratch_max = budget(_i % 3, &s)};
+                   .device = device_cpu(), .scratch_max = budget(_i % 3, &s), .block_rows = br};
+  int64_t nb = br > 0 && br < s.T ? (s.T + br - 1) / br : 1;
   poisoned(&y2, 4, sq);
   poisoned(&lse2, 3, sl);
   poisoned(&dq2, 4, sq);
@@ -152,19 +157,20 @@ START_TEST(gemm_plan_matches_cpu_attention) {
   int64_t bwd = chunks_of(pairs, x.scratch_max, (size_t)(TT * 16));
   ck_assert(_i % 3 != 0 || (fwd == pairs && bwd == pairs)); /* a pair per chunk */
   ck_assert(_i % 3 != 2 || (fwd == 1 && bwd == 1));         /* one chunk */
-  ck_assert_int_eq(hx.gemms, 2 * fwd);          /* S and O per chunk */
-  ck_assert_int_eq(hx.entries, 2 * s.B * s.H);  /* every (batch, head) twice */
+  ck_assert_int_eq(hx.gemms, 2 * fwd * nb);          /* S and O per chunk and block */
+  ck_assert_int_eq(hx.entries, 2 * s.B * s.H * nb);  /* every (batch, head) twice a block */
   ok(attn_gemm_backward(&x, &s, DTYPE_F32, dq2.data, dk2.data, dv2.data, dy.data, q.data, k.data,
                         v.data, y.data, lse.data));
-  ck_assert_int_eq(hx.gemms, 2 * fwd + 5 * bwd * s.rep);
-  ck_assert_int_eq(hx.entries, 2 * s.B * s.H + 5 * s.B * s.H);
+  ck_assert_int_eq(hx.gemms, (2 * fwd + 5 * bwd * s.rep) * nb);
+  ck_assert_int_eq(hx.entries, (2 * s.B * s.H + 5 * s.B * s.H) * nb);
 
   const tensor_t *got[] = {&y2, &lse2, &dq2, &dk2, &dv2}, *want[] = {&y, &lse, &dq, &dk, &dv};
   const char *names[] = {"out", "lse", "dq", "dk", "dv"};
   for (int i = 0; i < 5; i++) {
     double e = test_rel_l2(got[i], want[i]);
-    ck_assert_msg(e <= 2e-6, "shape %d, budget %d: %s: relative error %.3g against the CPU kernel",
-                  si, _i % 3, names[i], e);
+    ck_assert_msg(e <= 2e-6,
+                  "shape %d, budget %d, blocks of %lld rows: %s: relative error %.3g against the "
+                  "CPU kernel", si, _i % 3, (long long)br, names[i], e);
   }
   tensor_t *all[] = {&q, &k, &v, &dy, &y, &lse, &dq, &dk, &dv, &y2, &lse2, &dq2, &dk2, &dv2};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
