@@ -191,7 +191,9 @@ static status_t cuda_copy(int index, const copy_desc_t *desc) {
     if (nd == 1)
       return cuda_status(cudaMemcpyAsync(d.dst, d.src, row, cudaMemcpyDeviceToDevice, s),
                          "cudaMemcpyAsync (device to device)");
-    if (nd == 2 && d.dst_stride[0] >= d.shape[1] && d.src_stride[0] >= d.shape[1])
+    size_t pitch_max = (size_t)1 << 31; /* the runtime's limit on a 2-D copy's pitches */
+    if (nd == 2 && d.dst_stride[0] >= d.shape[1] && d.src_stride[0] >= d.shape[1] &&
+        (size_t)d.dst_stride[0] * esz < pitch_max && (size_t)d.src_stride[0] * esz < pitch_max)
       return cuda_status(cudaMemcpy2DAsync(d.dst, (size_t)d.dst_stride[0] * esz, d.src,
                                            (size_t)d.src_stride[0] * esz, row,
                                            (size_t)d.shape[0], cudaMemcpyDeviceToDevice, s),
