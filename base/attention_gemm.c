@@ -40,8 +40,8 @@ static status_t scores(const attn_exec_t *x, const attn_shape_t *s, const attn_b
                        int64_t ldy, float alpha, float *out) {
   attn_gemm_t g = {.ta = true, .tb = false, .m = r1, .n = r1 - r0, .k = s->Dh, .lda = ldy,
                    .ldb = ldx, .ldc = s->T, .alpha = alpha, .beta = 0.0f, .a = Y,
-                   .b = from(X, r0 * ldx), .c = mat(out, DTYPE_F32, ATTN_SCRATCH)};
-  g.c.off = r0 * s->T;
+                   .b = from(X, r0 * ldx),
+                   .c = from(mat(out, DTYPE_F32, ATTN_SCRATCH), r0 * s->T)};
   return x->gemm(x->ctx, s, bt, &g);
 }
 

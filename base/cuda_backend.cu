@@ -247,7 +247,8 @@ static status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const
   else
     CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
   if (dst_dev.type == DEVICE_CPU || src_dev.type == DEVICE_CPU)
-    TRY(cuda_wait_stream(s, "a copy to or from the host")); /* the caller uses the host memory next */
+    /* the caller uses the host memory next */
+    TRY(cuda_wait_stream(s, "a copy to or from the host"));
   return STATUS_OK;
 }
 

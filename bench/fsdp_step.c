@@ -44,6 +44,15 @@ static int reshard_arg(int argc, char **argv) {
   return (int)n;
 }
 
+/* Step s: forward, backward, clipping and the optimizer, until the device is done. */
+static void train_step(llama_t *m, data_t *d, const data_spec_t *spec, int64_t s, nn_param_t **ps,
+                       int n, pg_t *all_ranks, optim_t *o, device_t dev) {
+  bench_fwd_bwd(m, d, spec, s, 0);
+  BENCH_TRY(clip_grad_norm(ps, n, 1.0, all_ranks, NULL));
+  BENCH_TRY(optim_step(o, 1.0));
+  BENCH_TRY(device_stream_sync(dev));
+}
+
 /* GB/s of the profiled copies named name since the last reset; 0 when there were none. */
 static double copy_rate(const char *name, int64_t *calls) {
   kernel_profile_row_t r = {0, 0, 0};
@@ -159,10 +168,7 @@ int main(int argc, char **argv) {
     mem_reset_peak(device_cpu());
     BENCH_TRY(pg_barrier(world_pg(), NULL));
     double t0 = bench_now();
-    bench_fwd_bwd(m, d, &spec, s, 0);
-    BENCH_TRY(clip_grad_norm(ps, n, 1.0, all_ranks, NULL));
-    BENCH_TRY(optim_step(o, 1.0));
-    BENCH_TRY(device_stream_sync(dev));
+    train_step(m, d, &spec, s, ps, n, all_ranks, o, dev);
     double dt = bench_now() - t0;
     uint64_t ag = sum_kind(shard, PG_ALL_GATHER), rsb = sum_kind(shard, PG_REDUCE_SCATTER);
     uint64_t ar = sum_kind(rep, PG_ALL_REDUCE);
@@ -191,10 +197,7 @@ int main(int argc, char **argv) {
   double dev_rate = device_copy_rate(dev);
   kernel_profile_reset();
   optim_zero_grad(o);
-  bench_fwd_bwd(m, d, &spec, steps, 0);
-  BENCH_TRY(clip_grad_norm(ps, n, 1.0, all_ranks, NULL));
-  BENCH_TRY(optim_step(o, 1.0));
-  BENCH_TRY(device_stream_sync(dev));
+  train_step(m, d, &spec, steps, ps, n, all_ranks, o, dev);
   int64_t nc, ncast;
   double rc = copy_rate("copy", &nc), rcast = copy_rate("copy (cast)", &ncast);
   kernel_profile_reset();
