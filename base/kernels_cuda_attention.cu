@@ -1,5 +1,7 @@
 /*
- * CUDA attention: the batched-GEMM plan of base/attention_gemm.h, its products on cuBLAS
+ * CUDA attention: cuDNN's fused flash attention where it runs the call (base/cudnn_sdpa.h:
+ * bf16/f16, head dims that are multiples of 8); otherwise, and for f32, the batched-GEMM plan
+ * of base/attention_gemm.h, its products on cuBLAS
  * (tensor cores for bf16/f16, F32 accumulation), its row passes as one block per score row.
  * A call whose operands are all 16-byte aligned (head dims and sequence lengths of the usual
  * multiples) is one cublasGemmBatchedEx over device pointer arrays built by a small kernel;
@@ -8,6 +10,7 @@
 #include <stdio.h>
 
 #include "base/attention_gemm.h"
+#include "base/cudnn_sdpa.h"
 #include "base/kernels_cuda.h"
 
 /* Scratch a chunk of (batch, kv head) pairs may take, and query rows per causal block (a
@@ -171,6 +174,10 @@ status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const t
   attn_exec_t x;
   TRY(exec_for(q, &c, &x));
   attn_shape_t s = attn_shape_of(q->shape, k->shape);
+  bool fused;
+  TRY(cudnn_sdpa_forward(c.dev, c.stream, &s, q->dtype, out->data, (float *)lse->data, q->data,
+                         k->data, v->data, &fused));
+  if (fused) return STATUS_OK;
   return attn_gemm_forward(&x, &s, q->dtype, out->data, (float *)lse->data, q->data, k->data,
                            v->data);
 }
@@ -182,6 +189,11 @@ status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const
   attn_exec_t x;
   TRY(exec_for(q, &c, &x));
   attn_shape_t s = attn_shape_of(q->shape, k->shape);
+  bool fused;
+  TRY(cudnn_sdpa_backward(c.dev, c.stream, &s, q->dtype, dq->data, dk->data, dv->data,
+                          dout->data, q->data, k->data, v->data, out->data,
+                          (const float *)lse->data, &fused));
+  if (fused) return STATUS_OK;
   return attn_gemm_backward(&x, &s, q->dtype, dq->data, dk->data, dv->data, dout->data, q->data,
                             k->data, v->data, out->data, (const float *)lse->data);
 }

@@ -110,6 +110,13 @@ int main(int argc, char **argv) {
       both[r] = t2 - t0;
     }
   }
+  if (dev.type == DEVICE_CUDA) {
+    int64_t fused = kernel_attention_fused_runs();
+    if (fused > 0)
+      printf("path: cuDNN fused attention (%lld calls)\n", (long long)fused);
+    else
+      printf("path: batched cuBLAS products (%s)\n", kernel_attention_fused_note());
+  }
   qsort(fwd, (size_t)reps, sizeof(double), cmp_double);
   qsort(both, (size_t)reps, sizeof(double), cmp_double);
   double f = fwd[reps / 2], fb = both[reps / 2];

@@ -177,13 +177,17 @@ def attention(a):
                         "--reps", shape[4]], capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit("bench-attention failed:\n" + p.stderr[-3000:])
-    ours = json.loads(p.stdout.strip().splitlines()[-1])
+    lines = p.stdout.strip().splitlines()
+    ours = json.loads(lines[-1])
+    path = [l for l in lines if l.startswith("path: ")]
     theirs = None
     t = subprocess.run([a.python, "-c", TORCH_ATTENTION] + shape, capture_output=True, text=True)
     if t.returncode == 0:
         theirs = json.loads(t.stdout.strip().splitlines()[-1])
     print("attention 8 x 1024, 16 heads of 128, causal, bf16: fsdpc forward %.3f ms, "
           "forward + backward %.3f ms" % (ours["forward_ms"], ours["forward_backward_ms"]))
+    if path:
+        print("  fsdpc " + path[0])
     if theirs:
         print("  torch scaled_dot_product_attention: forward %.3f ms, forward + backward %.3f ms;"
               " fsdpc / torch time: %.2fx" % (theirs["forward_ms"], theirs["forward_backward_ms"],

@@ -21,9 +21,19 @@ if ! ls /usr/local/cuda/lib64/libnccl.so >/dev/null 2>&1; then
     export LD_LIBRARY_PATH="$top/.deps/nccl/lib:${LD_LIBRARY_PATH:-}"
   fi
 fi
+# cuDNN's headers (fused attention): with the CUDA toolkit, or from the nvidia-cudnn wheel; the
+# library is loaded at run time, from the loader's path
+cudnn_opt=()
+if ! ls /usr/local/cuda/include/cudnn_graph.h >/dev/null 2>&1; then
+  wheel="$(python3 -c 'import nvidia.cudnn, os; print(list(nvidia.cudnn.__path__)[0])' 2>/dev/null)"
+  if [ -n "$wheel" ] && [ -f "$wheel/include/cudnn_graph.h" ]; then
+    cudnn_opt=(-Dcudnn_dir="$wheel")
+    export LD_LIBRARY_PATH="$wheel/lib:${LD_LIBRARY_PATH:-}"
+  fi
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if [ ! -f build-gpu/build.ninja ]; then
-  meson setup build-gpu -Dcuda=enabled "${nccl_opt[@]}" >build-gpu.log 2>&1 ||
+  meson setup build-gpu -Dcuda=enabled "${nccl_opt[@]}" "${cudnn_opt[@]}" >build-gpu.log 2>&1 ||
     { cat build-gpu.log; exit 1; }
 fi
 ninja -C build-gpu >>build-gpu.log 2>&1 || { tail -60 build-gpu.log; exit 1; }

@@ -400,6 +400,10 @@ static status_t train(run_t *r) {
              (long long)r->start_step + 2, (long long)p->steps);
       st = kernel_profile_report(stdout, &k);
       printf("kernels %.3f s of %.3f s\n", k, span);
+      if (kernel_attention_fused_runs() > 0)
+        printf("attention: cuDNN fused, %lld calls\n", (long long)kernel_attention_fused_runs());
+      else if (r->dev.type == DEVICE_CUDA)
+        printf("attention: batched cuBLAS products (%s)\n", kernel_attention_fused_note());
     }
   }
   return st;

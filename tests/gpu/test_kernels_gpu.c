@@ -13,7 +13,7 @@
 #include "base/kernels.h"
 #include "tests/harness.h"
 
-#define MAX_T 8
+#define MAX_T 10
 
 static void ok(status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
@@ -172,9 +172,14 @@ static int k_rope(device_t dev, dtype_t dt, tensor_t *o) {
   return 2;
 }
 
-/* Attention of q [B, T, H, Dh] over k and v [B, T, Hkv, Dh]: out, lse, dq, dk, dv. */
+/* Attention of q [B, T, H, Dh] over k and v [B, T, Hkv, Dh]: out, lse, dq, dk, dv. On the
+ * device, fused says whether cuDNN's fused attention is to run it: the case fails when it should
+ * and did not (with cuDNN's reason), or did when it should not. */
 static int attention_case(device_t dev, dtype_t dt, tensor_t *o, int64_t B, int64_t T, int64_t H,
-                          int64_t Hkv, int64_t Dh) {
+                          int64_t Hkv, int64_t Dh, bool fused) {
+  bool on_device = dev.type == DEVICE_CUDA;
+  if (on_device) kernel_attention_set_fused(fused);
+  int64_t runs = kernel_attention_fused_runs();
   int64_t sq[4] = {B, T, H, Dh}, sk[4] = {B, T, Hkv, Dh}, sl[3] = {B, H, T};
   tensor_t q, k, v, y, lse, dy, dq, dk, dv;
   rnd(&q, dev, dt, 4, sq, 10, 1);
@@ -188,6 +193,14 @@ static int attention_case(device_t dev, dtype_t dt, tensor_t *o, int64_t B, int6
   poisoned(&dk, dev, dt, 4, sk);
   poisoned(&dv, dev, dt, 4, sk);
   ok(kernel_attention_backward(&dq, &dk, &dv, &dy, &q, &k, &v, &y, &lse));
+  if (on_device) {
+    bool want = fused && dt != DTYPE_F32;
+    int64_t ran = kernel_attention_fused_runs() - runs;
+    kernel_attention_set_fused(true);
+    ck_assert_msg(ran == (want ? 2 : 0), "%s: cuDNN ran %lld of 2 calls, %s expected: %s",
+                  dtype_name(dt), (long long)ran, want ? "both" : "none",
+                  kernel_attention_fused_note());
+  }
   out(&o[0], &y);
   out(&o[1], &lse);
   out(&o[2], &dq);
@@ -202,12 +215,19 @@ static int attention_case(device_t dev, dtype_t dt, tensor_t *o, int64_t B, int6
 
 /* Odd sizes: every product of the CUDA plan runs one entry at a time (unaligned operands). */
 static int k_attention(device_t dev, dtype_t dt, tensor_t *o) {
-  return attention_case(dev, dt, o, 2, 19, 6, 2, 10);
+  return attention_case(dev, dt, o, 2, 19, 6, 2, 10, false);
 }
 
 /* Sizes whose operands are 16-byte aligned: batched products over pointer arrays. */
 static int k_attention_batched(device_t dev, dtype_t dt, tensor_t *o) {
-  return attention_case(dev, dt, o, 2, 136, 8, 2, 64);
+  return attention_case(dev, dt, o, 2, 136, 8, 2, 64, false);
+}
+
+/* cuDNN's fused attention (bf16; f32 takes the batched products): grouped heads of 128, a
+ * length off the 64-row tiles, and multi-head with one kv head per query head. */
+static int k_attention_cudnn(device_t dev, dtype_t dt, tensor_t *o) {
+  int n = attention_case(dev, dt, o, 2, 200, 8, 2, 128, true);
+  return n + attention_case(dev, dt, o + n, 1, 64, 4, 4, 64, true);
 }
 
 static int k_elementwise(device_t dev, dtype_t dt, tensor_t *o) {
@@ -401,6 +421,7 @@ static const kcase_t cases[] = {
     {"rope", k_rope, 0},
     {"attention", k_attention, 0},
     {"attention (batched)", k_attention_batched, 0},
+    {"attention (cuDNN)", k_attention_cudnn, 0},
     {"silu_mul/add/scale/axpy", k_elementwise, 0},
     {"cross_entropy", k_cross_entropy, 0},
     {"adamw/sum_squares", k_adamw_sumsq, 0},
