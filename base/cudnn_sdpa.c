@@ -65,8 +65,8 @@ static void note_set(const char *fmt, ...) {
   va_end(ap);
 }
 
-/* Draws the forward or backward graph of a in g and finalizes it and a heuristics descriptor
- * over it (the handle h may be NULL: then cuDNN checks the graph without a device). */
+/* Draws the forward or backward graph of a in g and finalizes it (the handle h may be NULL:
+ * then cuDNN checks the graph without a device). */
 static cudnnBackendDescriptor_t graph_build(gb_t *g, const attn_shape_t *a, dtype_t dt,
                                             int backward, cudnnHandle_t h) {
   sdpa_graph_draw(g, a, dt, backward);
@@ -76,19 +76,23 @@ static cudnnBackendDescriptor_t graph_build(gb_t *g, const attn_shape_t *a, dtyp
   if (h != NULL && graph != NULL) /* deprecated in cuDNN 9: read where still needed */
     (void)cudnn_fn.set_attr(graph, kGraphHandle, CUDNN_TYPE_HANDLE, 1, &h);
   gb_finalize(g, graph, "graph");
+  return graph;
+}
+
+/* A finalized heuristics query of mode over graph. */
+static cudnnBackendDescriptor_t heuristics(gb_t *g, cudnnBackendDescriptor_t graph,
+                                           cudnnBackendHeurMode_t mode) {
   cudnnBackendDescriptor_t heur = gb_new(g, CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "heuristics");
-  cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
   gb_link(g, heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph, "heuristics");
   gb_set(g, heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, "heuristics");
   gb_finalize(g, heur, "heuristics");
   return heur;
 }
 
-/* Builds p's graph, asks cuDNN's heuristics for engine configurations and keeps the first
- * that finalizes as an execution plan. On failure p->ok stays false and the note says why. */
-static void plan_build(plan_t *p, cudnnHandle_t h, const attn_shape_t *a) {
-  gb_t *g = &p->g;
-  cudnnBackendDescriptor_t heur = graph_build(g, a, p->key.dt, p->key.backward, h);
+/* The first of (at most 8) engine configurations heur offers that finalizes as an execution
+ * plan, or NULL (then *last is the last refusal). */
+static cudnnBackendDescriptor_t first_plan(gb_t *g, cudnnBackendDescriptor_t heur, cudnnHandle_t h,
+                                           cudnnStatus_t *last) {
   int64_t n = 0;
   if (g->st == CUDNN_STATUS_SUCCESS) {
     cudnnStatus_t st = cudnn_fn.get_attr(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS,
@@ -103,17 +107,30 @@ static void plan_build(plan_t *p, cudnnHandle_t h, const attn_shape_t *a) {
                                          CUDNN_TYPE_BACKEND_DESCRIPTOR, n, &n, cfg);
     if (st != CUDNN_STATUS_SUCCESS) gb_fail(g, st, "heuristics results");
   }
-  cudnnStatus_t last = CUDNN_STATUS_NOT_SUPPORTED;
-  for (int64_t i = 0; i < n && g->st == CUDNN_STATUS_SUCCESS && p->exec == NULL; i++) {
+  for (int64_t i = 0; i < n && g->st == CUDNN_STATUS_SUCCESS; i++) {
     cudnnBackendDescriptor_t plan = gb_new(g, CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, "plan");
     gb_link(g, plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg[i], "plan");
     if (g->st != CUDNN_STATUS_SUCCESS) break;
     (void)cudnn_fn.set_attr(plan, kPlanHandle, CUDNN_TYPE_HANDLE, 1, &h); /* as the graph's */
-    last = cudnn_fn.finalize(plan);
-    if (last == CUDNN_STATUS_SUCCESS) p->exec = plan;
+    *last = cudnn_fn.finalize(plan);
+    if (*last == CUDNN_STATUS_SUCCESS) return plan;
   }
+  return NULL;
+}
+
+/* Builds p's graph, asks cuDNN's heuristics (mode A, then the fallback list) for engine
+ * configurations and keeps the first that finalizes as an execution plan. On failure p->ok
+ * stays false and the note says why. */
+static void plan_build(plan_t *p, cudnnHandle_t h, const attn_shape_t *a) {
+  gb_t *g = &p->g;
+  cudnnBackendDescriptor_t graph = graph_build(g, a, p->key.dt, p->key.backward, h);
+  cudnnBackendHeurMode_t modes[2] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
+  cudnnStatus_t last = CUDNN_STATUS_NOT_SUPPORTED;
+  for (int i = 0; i < 2 && p->exec == NULL && g->st == CUDNN_STATUS_SUCCESS; i++)
+    p->exec = first_plan(g, heuristics(g, graph, modes[i]), h, &last);
   if (g->st == CUDNN_STATUS_SUCCESS && p->exec == NULL) gb_fail(g, last, "execution plan");
   if (g->st == CUDNN_STATUS_SUCCESS) {
+    int64_t n = 0;
     cudnnStatus_t st = cudnn_fn.get_attr(p->exec, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
                                          CUDNN_TYPE_INT64, 1, &n, &p->workspace);
     if (st != CUDNN_STATUS_SUCCESS) gb_fail(g, st, "workspace size");
@@ -272,7 +289,7 @@ status_t cudnn_sdpa_check_graph(const attn_shape_t *s, dtype_t dt, bool backward
   if (load_error[0]) return err_set(STATUS_ENODEV, "%s", load_error);
   gb_t *g = calloc(1, sizeof *g);
   if (g == NULL) return err_set(STATUS_ENOMEM, "cuDNN attention graph check");
-  graph_build(g, s, dt, backward, NULL);
+  heuristics(g, graph_build(g, s, dt, backward, NULL), CUDNN_HEUR_MODE_A);
   status_t st = STATUS_OK;
   if (g->st != CUDNN_STATUS_SUCCESS) {
     char detail[256] = "";

@@ -35,7 +35,7 @@ extern cudnn_fns_t cudnn_fn;
 const char *cudnn_load(void);
 
 /* A graph being built: every call records the first failure and then does nothing. */
-#define GB_MAX_DESC 128
+#define GB_MAX_DESC 160
 #define GB_MAX_OPS 48
 
 typedef struct gb {
