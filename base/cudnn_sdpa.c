@@ -46,10 +46,11 @@ static struct {
   cudnnHandle_t handle[DEVICE_MAX_CUDA];
   plan_t plans[PLAN_SLOTS];
   int next_slot;
-  int enabled; /* 1 on, 0 off, -1 not yet read from FSDPC_CUDNN_ATTENTION */
+  bool enabled; /* kernel_attention_set_fused */
+  int env_off;  /* FSDPC_CUDNN_ATTENTION=0; -1 until read */
   int64_t runs;
   char note[512];
-} cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .enabled = -1};
+} cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .enabled = true, .env_off = -1};
 
 static bool key_eq(const plan_key_t *a, const plan_key_t *b) {
   return a->dev == b->dev && a->backward == b->backward && a->dt == b->dt && a->B == b->B &&
@@ -169,14 +170,13 @@ static size_t round256(size_t n) { return (n + 255) & ~(size_t)255; }
 /* Whether cuDNN can be asked to run this call at all; if not, the note says why (lock held). */
 static bool eligible(const char *load_error, const attn_shape_t *a, dtype_t dt, int n,
                      void *const *ptr) {
-  if (cache.enabled < 0) {
+  if (cache.env_off < 0) {
     const char *env = getenv("FSDPC_CUDNN_ATTENTION");
-    cache.enabled = env == NULL || strcmp(env, "0") != 0;
+    cache.env_off = env != NULL && strcmp(env, "0") == 0;
   }
-  if (!cache.enabled) {
-    note_set(
-        "cuDNN attention is turned off (FSDPC_CUDNN_ATTENTION=0 or "
-        "kernel_attention_set_fused)");
+  if (cache.env_off || !cache.enabled) {
+    note_set("cuDNN attention is turned off (%s)",
+             cache.env_off ? "FSDPC_CUDNN_ATTENTION=0" : "kernel_attention_set_fused(false)");
     return false;
   }
   if (load_error[0]) {

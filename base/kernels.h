@@ -121,11 +121,12 @@ status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, con
 
 /* On CUDA devices attention runs cuDNN's fused flash attention when libcudnn.so.9 loads and
  * takes the call (bf16 or f16, head dim a multiple of 8 up to 256), and batched cuBLAS products
- * otherwise (f32 among them). FSDPC_CUDNN_ATTENTION=0 in the environment, or
- * kernel_attention_set_fused(false), keeps to the latter, whose backward gives the same bits on
- * every run (cuDNN's adds dq's shares with atomics). kernel_attention_fused_runs counts the calls
- * (forward and backward) that ran cuDNN in this process; kernel_attention_fused_note says why the
- * last call that could not, did not ("" when none has). Without CUDA: 0, and a note saying so. */
+ * otherwise (f32 among them). FSDPC_CUDNN_ATTENTION=0 in the environment (whatever
+ * kernel_attention_set_fused says), or kernel_attention_set_fused(false), keeps to the latter,
+ * whose backward gives the same bits on every run (cuDNN's adds dq's shares with atomics).
+ * kernel_attention_fused_runs counts the calls (forward and backward) that ran cuDNN in this
+ * process; kernel_attention_fused_note says why the last call that could not, did not ("" when none
+ * has). Without CUDA: 0, and a note saying so. */
 void kernel_attention_set_fused(bool on);
 int64_t kernel_attention_fused_runs(void);
 const char *kernel_attention_fused_note(void);

@@ -146,8 +146,9 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const sched_keys[] = {"warmup_steps", "min_lr_ratio", NULL};
   static const char *const data_keys[] = {"path",       "format",     "seq_len",
                                           "batch_size", "grad_accum", NULL};
-  static const char *const train_keys[] = {
-      "steps", "seed", "activation_checkpointing", "device", "nonfinite", "comm_timeout_s", NULL};
+  static const char *const train_keys[] = {"steps",         "seed",      "activation_checkpointing",
+                                           "device",        "nonfinite", "comm_timeout_s",
+                                           "deterministic", NULL};
   static const char *const ckpt_keys[] = {"dir",    "interval",    "keep", "load",
                                           "verify", "block_bytes", NULL};
   static const char *const log_keys[] = {"metrics", "interval", NULL};
@@ -181,6 +182,7 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   if (seed >= 0) p->seed = (uint64_t)seed;
   TRY(pr_get_bool(c, m, "train", "activation_checkpointing", &p->activation_checkpointing));
   TRY(pr_get_float(c, m, "train", "comm_timeout_s", 0, 1e9, false, &p->comm_timeout_s));
+  TRY(pr_get_bool(c, m, "train", "deterministic", &p->deterministic));
   int dv = pr_find(c, m, "device");
   if (!pr_is_null(c, dv)) {
     const char *s;

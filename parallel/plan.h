@@ -53,6 +53,7 @@ typedef struct plan {
   device_want_t device; /* auto (default), cpu or cuda */
   bool skip_nonfinite; /* a step with a non-finite loss or gradient norm: skipped, not fatal */
   double comm_timeout_s; /* the collective watchdog (world_set_timeout); 0: none */
+  bool deterministic;    /* the same bits on every run: CUDA attention without cuDNN's atomics */
   /* checkpoint */
   char ckpt_dir[PLAN_PATH_MAX], ckpt_load[PLAN_PATH_MAX];
   int64_t ckpt_interval, ckpt_keep;

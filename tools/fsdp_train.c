@@ -134,6 +134,7 @@ static status_t build(run_t *r) {
   if (st != STATUS_OK)
     return err_prefix(st, "%s: train.device: %s", p->source, device_want_name(p->device));
   TRY(llama_plan_check(&p->par));
+  kernel_attention_set_fused(!p->deterministic);
   TRY(open_data(r)); /* before the model: a bad file fails at once */
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.device = dev.type;

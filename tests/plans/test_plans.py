@@ -464,6 +464,8 @@ def errors():
          r"NO_SHARD"),
         ("unknown train.nonfinite", base.replace("  steps: 2", "  steps: 2\n  nonfinite: ignore"), [],
          r"train\.nonfinite: expected stop or skip, got 'ignore'"),
+        ("train.deterministic not a boolean", None, ["--set", "train.deterministic=yes"],
+         r"--set train\.deterministic=yes: train\.deterministic: expected true or false, got 'yes'"),
         ("unknown train.device", None, ["--set", "train.device=gpu"],
          r"--set train\.device=gpu: train\.device: expected auto, cpu or cuda, got 'gpu'"),
         # the CPU modes hide the devices (CUDA_VISIBLE_DEVICES above)
@@ -1095,6 +1097,25 @@ def gpu():
         check((p.returncode == 0) == ok and re.search(want, text) is not None,
               "train.device=%s on %d rank%s, one device: exit %d /%s/" %
               (dev, n, "s" if n > 1 else "", p.returncode, want))
+    # bf16 attention: cuDNN's fused kernels by default (FSDPC_PROFILE's summary counts their
+    # calls); with train.deterministic, batched products, and two runs give the same losses
+    bf16 = ["--set", "parallelize.fully_shard.mp_policy.param_dtype=bf16", "--set",
+            "train.steps=6"]
+    runs = []
+    for det in ("false", "true", "true"):
+        m = os.path.join(tmp, "det%d.jsonl" % len(runs))
+        p = sh([MPIRUN] + MPI_ARGS + ["-n", "1", EXE, cfg, "--set", "train.deterministic=" + det,
+                                      "--metrics", m] + bf16, 300, env={"FSDPC_PROFILE": "1"})
+        want = ("attention: batched cuBLAS products (train.deterministic" if det == "true" else
+                "attention: cuDNN fused, ")
+        check(p.returncode == 0 and want in p.stdout,
+              "bf16 on the GPU, train.deterministic=%s: runs, and says '%s'" % (det, want))
+        if p.returncode != 0 or want not in p.stdout:
+            print(p.stdout[-1500:], p.stderr[-1500:])
+        runs.append([r["loss"] for r in losses(m)] if p.returncode == 0 else [])
+    check(len(runs[1]) == 6 and runs[1] == runs[2],
+          "train.deterministic: two bf16 runs, the same losses bit for bit (%s vs %s)" %
+          (runs[1][:2], runs[2][:2]))
     for offload in ("false", "true"):
         a, b = os.path.join(tmp, "a" + offload), os.path.join(tmp, "b" + offload)
         ma, mb = os.path.join(tmp, "a.jsonl"), os.path.join(tmp, "b.jsonl")
