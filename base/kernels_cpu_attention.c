@@ -1,6 +1,8 @@
 /* CPU kernels of rotary embedding and attention (see kernels_cpu.h). */
 #include <cblas.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,25 +12,60 @@
 
 /* ---- RoPE ---- */
 
+/* The cos and sin of every (position, pair) angle, pos * rope_inv_freq, for the positions
+ * [p0, p0 + T) of one call (Dh floats per position, cos and sin interleaved). The angles depend
+ * on nothing else, so the table of the last call is kept and serves the next calls of the same
+ * positions (every layer's q and k, forward and backward) without a cos, sin or pow. */
+typedef struct rope_table {
+  rope_t rope;
+  int64_t Dh, p0, T;
+  float *cs;
+} rope_table_t;
+
+static rope_table_t rope_cache; /* under rope_lock for the whole of a kernel call */
+static pthread_mutex_t rope_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static bool rope_same(const rope_t *a, const rope_t *b) {
+  return a->theta == b->theta && a->scaling == b->scaling && a->factor == b->factor &&
+         a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
+         a->original_max_pos == b->original_max_pos;
+}
+
+/* The table of rope, Dh and positions [p0, p0 + T), built unless the last call's serves. */
+static const float *rope_table(const rope_t *rope, int64_t Dh, int64_t p0, int64_t T) {
+  rope_table_t *c = &rope_cache;
+  if (c->cs != NULL && c->Dh == Dh && c->p0 == p0 && c->T == T && rope_same(&c->rope, rope))
+    return c->cs;
+  free(c->cs);
+  memset(c, 0, sizeof *c);
+  float *cs = malloc(sizeof(float) * (size_t)(T * Dh > 0 ? T * Dh : 1));
+  if (cs == NULL) return NULL;
+  int64_t half = Dh / 2;
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t i = 0; i < half; i++) {
+      double ang = (double)(t + p0) * rope_inv_freq(rope, i, Dh);
+      cs[t * Dh + 2 * i] = (float)cos(ang);
+      cs[t * Dh + 2 * i + 1] = (float)sin(ang);
+    }
+  *c = (rope_table_t){*rope, Dh, p0, T, cs};
+  return cs;
+}
+
 typedef struct rope_args {
-  int64_t B, T, H, Dh, pos_offset;
+  int64_t B, T, H, Dh;
   bool inverse;
-  const rope_t *rope;
-  const float *x;
-  float *out, *cs; /* cs: Dh floats per share */
+  const float *x, *cs;
+  float *out;
 } rope_args_t;
 
 /* Positions [t0, t1). */
 WIDE static void rope_share(const void *ctx, int share, int64_t t0, int64_t t1) {
+  (void)share;
   const rope_args_t *a = ctx;
   int64_t Dh = a->Dh, half = Dh / 2;
-  float *cs = a->cs + share * Dh;
+  float sign = a->inverse ? -1.0f : 1.0f; /* rotating back: sin(-angle) */
   for (int64_t t = t0; t < t1; t++) {
-    for (int64_t i = 0; i < half; i++) {
-      double ang = (double)(t + a->pos_offset) * rope_inv_freq(a->rope, i, Dh);
-      cs[2 * i] = (float)cos(ang);
-      cs[2 * i + 1] = a->inverse ? -(float)sin(ang) : (float)sin(ang);
-    }
+    const float *cs = a->cs + t * Dh;
     for (int64_t b = 0; b < a->B; b++)
       for (int64_t h = 0; h < a->H; h++) {
         int64_t base = ((b * a->T + t) * a->H + h) * Dh;
@@ -36,7 +73,7 @@ WIDE static void rope_share(const void *ctx, int share, int64_t t0, int64_t t1) 
         float *o = a->out + base;
         for (int64_t i = 0; i < half; i++) {
           float x1 = x[i], x2 = x[i + half];
-          float c = cs[2 * i], s = cs[2 * i + 1];
+          float c = cs[2 * i], s = sign * cs[2 * i + 1];
           o[i] = x1 * c - x2 * s;
           o[i + half] = x2 * c + x1 * s;
         }
@@ -46,14 +83,8 @@ WIDE static void rope_share(const void *ctx, int share, int64_t t0, int64_t t1) 
 
 static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
                          bool inverse) {
-  rope_args_t a = {.B = x->shape[0],
-                   .T = x->shape[1],
-                   .H = x->shape[2],
-                   .Dh = x->shape[3],
-                   .pos_offset = pos_offset,
-                   .inverse = inverse,
-                   .rope = rope};
-  int64_t cs_floats = kernel_cpu_threads() * (a.Dh > 0 ? a.Dh : 1);
+  rope_args_t a = {
+      .B = x->shape[0], .T = x->shape[1], .H = x->shape[2], .Dh = x->shape[3], .inverse = inverse};
   fbuf_t fx, fo;
   TRY(cpu_fbuf_in(&fx, x));
   status_t st = cpu_fbuf_out(&fo, out, false); /* f32: in place, so out may be x */
@@ -61,8 +92,10 @@ static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, i
     cpu_fbuf_release(&fx);
     return st;
   }
-  a.cs = malloc(sizeof(float) * (size_t)cs_floats);
+  pthread_mutex_lock(&rope_lock);
+  a.cs = rope_table(rope, a.Dh, pos_offset, a.T);
   if (a.cs == NULL) {
+    pthread_mutex_unlock(&rope_lock);
     cpu_fbuf_release(&fx);
     cpu_fbuf_release(&fo);
     return err_set(STATUS_ENOMEM, "kernel_rope: out of host memory");
@@ -70,7 +103,7 @@ static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, i
   a.x = fx.p;
   a.out = fo.p;
   cpu_for_shares(a.T, a.B * a.H * a.Dh, ELEM_GRAIN, 1, rope_share, &a);
-  free(a.cs);
+  pthread_mutex_unlock(&rope_lock);
   cpu_fbuf_release(&fx);
   cpu_fbuf_commit(&fo, out);
   return STATUS_OK;

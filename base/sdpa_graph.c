@@ -321,7 +321,7 @@ static void graph_backward(gb_t *g, const attn_shape_t *a, cudnnDataType_t io) {
   cudnnBackendDescriptor_t one = gb_tensor(g, UID_ONE, f32, s.scalar, kByValue, "one");
   cudnnBackendDescriptor_t lowest = gb_tensor(g, UID_LOWEST, f32, s.scalar, kByValue, "lowest");
 
-  /* D = rowsum(dO O) */
+  /* D = rowsum(dO O); the virtual product takes the strides cuDNN's own frontend gives it */
   shape4_t prod = s.heads;
   prod.str[0] = a->H * a->T * a->Dh;
   prod.str[1] = a->T * a->Dh;

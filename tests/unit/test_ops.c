@@ -513,6 +513,45 @@ START_TEST(attention_matches_definition) {
 }
 END_TEST
 
+/* RoPE's definition, element for element and bit for bit, over calls that change the rope,
+ * the positions and the direction (the kernel keeps the last call's cos/sin table). */
+START_TEST(rope_matches_definition_across_calls) {
+  const rope_t plain = {1e4, ROPE_DEFAULT, 1, 0, 0, 0}, plain5 = {5e5, ROPE_DEFAULT, 1, 0, 0, 0},
+               llama3 = {5e5, ROPE_LLAMA3, 8, 1, 4, 64};
+  const struct {
+    const rope_t *rope;
+    int64_t p0;
+    bool inverse;
+  } calls[] = {{&plain, 0, false}, {&plain5, 0, false}, {&llama3, 0, false}, {&plain, 0, true},
+               {&plain, 7, false}, {&plain, 7, false},  {&llama3, 7, true},  {&plain, 0, false}};
+  int64_t B = 2, T = 5, H = 3, Dh = 8, shape[4] = {B, T, H, Dh}, half = Dh / 2;
+  tensor_t x, y;
+  ok(tensor_init(&x, DTYPE_F32, device_cpu(), 4, shape));
+  ok(tensor_init(&y, DTYPE_F32, device_cpu(), 4, shape));
+  float *xd = x.data;
+  for (int64_t e = 0; e < tensor_numel(&x); e++) xd[e] = (float)((e * 37 % 101) - 50) / 16.0f;
+  for (size_t c = 0; c < sizeof calls / sizeof calls[0]; c++) {
+    ok(kernel_rope(&y, &x, calls[c].rope, calls[c].p0, calls[c].inverse));
+    const float *yd = y.data;
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t i = 0; i < half; i++) {
+        double ang = (double)(t + calls[c].p0) * rope_inv_freq(calls[c].rope, i, Dh);
+        float co = (float)cos(ang), si = calls[c].inverse ? -(float)sin(ang) : (float)sin(ang);
+        for (int64_t bh = 0; bh < B * H; bh++) {
+          int64_t base = ((bh / H * T + t) * H + bh % H) * Dh;
+          float x1 = xd[base + i], x2 = xd[base + i + half];
+          ck_assert_msg(
+              yd[base + i] == x1 * co - x2 * si && yd[base + i + half] == x2 * co + x1 * si,
+              "call %zu, position %lld, pair %lld: not the definition", c, (long long)t,
+              (long long)i);
+        }
+      }
+  }
+  tensor_free(&x);
+  tensor_free(&y);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("ops");
   TCase *tc = tcase_create("finite_differences");
@@ -522,6 +561,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, attention_matches_definition);
   tcase_add_test(tc, activations_match_reference_values);
   tcase_add_test(tc, layernorm_and_mse_match_reference);
+  tcase_add_test(tc, rope_matches_definition_across_calls);
   suite_add_tcase(s, tc);
   return s;
 }
