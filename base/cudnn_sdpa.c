@@ -168,8 +168,7 @@ static plan_t *plan_get(const plan_key_t *key, const attn_shape_t *a, cudnnHandl
 static size_t round256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 /* Whether cuDNN can be asked to run this call at all; if not, the note says why (lock held). */
-static bool eligible(const char *load_error, const attn_shape_t *a, dtype_t dt, int n,
-                     void *const *ptr) {
+static bool eligible(const attn_shape_t *a, dtype_t dt, int n, void *const *ptr) {
   if (cache.env_off < 0) {
     const char *env = getenv("FSDPC_CUDNN_ATTENTION");
     cache.env_off = env != NULL && strcmp(env, "0") == 0;
@@ -177,10 +176,6 @@ static bool eligible(const char *load_error, const attn_shape_t *a, dtype_t dt, 
   if (cache.env_off || !cache.enabled) {
     note_set("cuDNN attention is turned off (%s)",
              cache.env_off ? "FSDPC_CUDNN_ATTENTION=0" : "kernel_attention_set_fused(false)");
-    return false;
-  }
-  if (load_error[0]) {
-    note_set("%s", load_error);
     return false;
   }
   if ((dt != DTYPE_BF16 && dt != DTYPE_F16) || a->Dh % 8 != 0 || a->Dh > 256) {
@@ -195,6 +190,11 @@ static bool eligible(const char *load_error, const attn_shape_t *a, dtype_t dt, 
       note_set("cuDNN attention takes operands on 16-byte boundaries");
       return false;
     }
+  const char *load_error = cudnn_load(); /* only for calls it could run */
+  if (load_error[0]) {
+    note_set("%s", load_error);
+    return false;
+  }
   return true;
 }
 
@@ -242,10 +242,9 @@ static status_t execute(cudnnHandle_t h, const plan_t *p, void *stream, int m, c
 static status_t run(int dev, void *stream, const attn_shape_t *a, dtype_t dt, int backward, int n,
                     const int64_t *uid, void *const *ptr, bool *ran) {
   *ran = false;
-  const char *load_error = cudnn_load();
   pthread_mutex_lock(&cache.lock);
   plan_key_t key = {dev, backward, dt, a->B, a->T, a->H, a->Hkv, a->Dh};
-  cudnnHandle_t h = eligible(load_error, a, dt, n, ptr) ? handle_of(dev) : NULL;
+  cudnnHandle_t h = eligible(a, dt, n, ptr) ? handle_of(dev) : NULL;
   plan_t *p = h != NULL ? plan_get(&key, a, h) : NULL;
   if (p == NULL) {
     pthread_mutex_unlock(&cache.lock);
