@@ -147,6 +147,18 @@ static void gb_add_op(gb_t *g, cudnnBackendDescriptor_t op) {
   g->ops[g->nops++] = op;
 }
 
+/* A finalized operation of type over the descriptors d[i] set as attributes name[i] (NULL
+ * ones left out), appended to the graph's operations. */
+static void gb_operation(gb_t *g, cudnnBackendDescriptorType_t type, int n,
+                         const cudnnBackendAttributeName_t *name, const cudnnBackendDescriptor_t *d,
+                         const char *what) {
+  cudnnBackendDescriptor_t op = gb_new(g, type, what);
+  for (int i = 0; i < n; i++)
+    if (d[i] != NULL) gb_link(g, op, name[i], d[i], what);
+  gb_finalize(g, op, what);
+  gb_add_op(g, op);
+}
+
 /* y = mode(x[, b[, t]]), computed in prec; axis >= 0 for GEN_INDEX. */
 static void gb_pointwise(gb_t *g, cudnnPointwiseMode_t mode, cudnnDataType_t prec, int64_t axis,
                          cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
@@ -156,14 +168,12 @@ static void gb_pointwise(gb_t *g, cudnnPointwiseMode_t mode, cudnnDataType_t pre
   gb_set(g, pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &prec, what);
   if (axis >= 0) gb_set(g, pw, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis, what);
   gb_finalize(g, pw, what);
-  cudnnBackendDescriptor_t op = gb_new(g, CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x, what);
-  if (b != NULL) gb_link(g, op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b, what);
-  if (t != NULL) gb_link(g, op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y, what);
-  gb_finalize(g, op, what);
-  gb_add_op(g, op);
+  const cudnnBackendAttributeName_t name[5] = {
+      CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, CUDNN_ATTR_OPERATION_POINTWISE_XDESC,
+      CUDNN_ATTR_OPERATION_POINTWISE_BDESC, CUDNN_ATTR_OPERATION_POINTWISE_TDESC,
+      CUDNN_ATTR_OPERATION_POINTWISE_YDESC};
+  const cudnnBackendDescriptor_t d[5] = {pw, x, b, t, y};
+  gb_operation(g, CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, 5, name, d, what);
 }
 
 /* c = a b over the last two dims (batch dims broadcast: Hkv heads against H), F32 compute. */
@@ -173,16 +183,15 @@ static void gb_matmul(gb_t *g, cudnnBackendDescriptor_t a, cudnnBackendDescripto
   cudnnBackendDescriptor_t mm = gb_new(g, CUDNN_BACKEND_MATMUL_DESCRIPTOR, what);
   gb_set(g, mm, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp, what);
   gb_finalize(g, mm, what);
-  cudnnBackendDescriptor_t op = gb_new(g, CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, a, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_MATMUL_DESC, mm, what);
-  gb_finalize(g, op, what);
-  gb_add_op(g, op);
+  const cudnnBackendAttributeName_t name[4] = {
+      CUDNN_ATTR_OPERATION_MATMUL_ADESC, CUDNN_ATTR_OPERATION_MATMUL_BDESC,
+      CUDNN_ATTR_OPERATION_MATMUL_CDESC, CUDNN_ATTR_OPERATION_MATMUL_DESC};
+  const cudnnBackendDescriptor_t d[4] = {a, b, c, mm};
+  gb_operation(g, CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, 4, name, d, what);
 }
 
-/* y = reduce(x) over the dims where y has extent 1 and x does not. */
+/* y = reduce(x) over the dims where y has extent 1 and x does not, or over the groups of x's
+ * extent that y's divides. */
 static void gb_reduce(gb_t *g, cudnnReduceTensorOp_t mode, cudnnBackendDescriptor_t x,
                       cudnnBackendDescriptor_t y, const char *what) {
   cudnnDataType_t comp = CUDNN_DATA_FLOAT;
@@ -190,22 +199,20 @@ static void gb_reduce(gb_t *g, cudnnReduceTensorOp_t mode, cudnnBackendDescripto
   gb_set(g, red, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode, what);
   gb_set(g, red, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp, what);
   gb_finalize(g, red, what);
-  cudnnBackendDescriptor_t op = gb_new(g, CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, red, what);
-  gb_finalize(g, op, what);
-  gb_add_op(g, op);
+  const cudnnBackendAttributeName_t name[3] = {CUDNN_ATTR_OPERATION_REDUCTION_XDESC,
+                                               CUDNN_ATTR_OPERATION_REDUCTION_YDESC,
+                                               CUDNN_ATTR_OPERATION_REDUCTION_DESC};
+  const cudnnBackendDescriptor_t d[3] = {x, y, red};
+  gb_operation(g, CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, 3, name, d, what);
 }
 
 /* y = x seen with y's dims and strides (here: a transpose of the last two dims). */
 static void gb_reshape(gb_t *g, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y,
                        const char *what) {
-  cudnnBackendDescriptor_t op = gb_new(g, CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x, what);
-  gb_link(g, op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y, what);
-  gb_finalize(g, op, what);
-  gb_add_op(g, op);
+  const cudnnBackendAttributeName_t name[2] = {CUDNN_ATTR_OPERATION_RESHAPE_XDESC,
+                                               CUDNN_ATTR_OPERATION_RESHAPE_YDESC};
+  const cudnnBackendDescriptor_t d[2] = {x, y};
+  gb_operation(g, CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, 2, name, d, what);
 }
 
 /* ---- the two graphs ---- */
