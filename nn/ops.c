@@ -353,10 +353,17 @@ static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   TRY(ops_scalar_of(&n->out->grad, &dloss));
   nn_var_t *logits = n->in[0];
   if (!logits->requires_grad) return STATUS_OK;
+  float scale = (float)(dloss / n->scalar);
   tensor_t d;
+  if (n->ints[0] && !nn_var_has_grad(logits) && tensor_is_contiguous(&logits->value)) {
+    /* consumed: each row's gradient is written over its logits, which are read first */
+    TRY(kernel_cross_entropy_backward(&logits->value, &logits->value, &n->saved[0], scale));
+    d = logits->value;
+    memset(&logits->value, 0, sizeof logits->value);
+    return nn_accumulate_grad(logits, &d);
+  }
   TRY(ops_alloc_like(&d, &logits->value));
-  status_t st =
-      kernel_cross_entropy_backward(&d, &logits->value, &n->saved[0], (float)(dloss / n->scalar));
+  status_t st = kernel_cross_entropy_backward(&d, &logits->value, &n->saved[0], scale);
   if (st != STATUS_OK) {
     tensor_free(&d);
     return st;
@@ -364,8 +371,8 @@ static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_accumulate_grad(logits, &d);
 }
 
-status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets, nn_var_t **out,
-                          int64_t *n_tokens) {
+static status_t cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets,
+                              bool consume, nn_var_t **out, int64_t *n_tokens) {
   *out = NULL;
   int64_t n = tensor_numel(targets);
   tensor_t losses, host_losses = {0}, host_targets = {0}, targets_ref = {0}, loss = {0};
@@ -402,6 +409,17 @@ status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targe
                     .name = "cross_entropy",
                     .in = {logits},
                     .saved = {targets_ref},
-                    .scalar = (double)count};
+                    .scalar = (double)count,
+                    .ints = {consume}};
   return ops_finish(ctx, &node, nn_needs_grad(ctx, &logits, 1, NULL), &loss, out);
+}
+
+status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets, nn_var_t **out,
+                          int64_t *n_tokens) {
+  return cross_entropy(ctx, logits, targets, false, out, n_tokens);
+}
+
+status_t nn_cross_entropy_consume(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets,
+                                  nn_var_t **out, int64_t *n_tokens) {
+  return cross_entropy(ctx, logits, targets, true, out, n_tokens);
 }

@@ -70,6 +70,13 @@ status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_
 status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets, nn_var_t **out,
                           int64_t *n_tokens);
 
+/* nn_cross_entropy whose backward writes the logits' gradient over their value, which the
+ * gradient then owns: one logits-sized buffer instead of two, and none left once the gradient
+ * has been used. After the backward, logits holds no value (nothing may read it); with a
+ * gradient already present, or a strided value, it falls back to a buffer of its own. */
+status_t nn_cross_entropy_consume(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets,
+                                  nn_var_t **out, int64_t *n_tokens);
+
 /* Mean squared error mean((pred - target)^2) over every element (target: a tensor of pred's
  * shape, any float dtype, on pred's device); *out is an F32 scalar variable. Blocks to read
  * the sum. */

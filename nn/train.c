@@ -15,7 +15,7 @@ status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, 
   TRY_GOTO(st, nn_ctx_new(&ctx));
   TRY_GOTO(st, nn_var_new(&ids, &in, false));
   TRY_GOTO(st, nn_call(ctx, llama_module(m), ids, &logits));
-  TRY_GOTO(st, nn_cross_entropy(ctx, logits, &tg, &l, NULL));
+  TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &l, NULL));
   TRY_GOTO(st, nn_var_scalar(l, loss));
   TRY_GOTO(st, nn_scale(ctx, l, 1.0 / (double)spec->grad_accum, &scaled));
   TRY_GOTO(st, nn_backward(ctx, scaled));

@@ -88,7 +88,7 @@ status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int
   double logits = er * N * V / t + (tp ? er * N * V : 0); /* local, and made whole */
   /* after the loss's backward: the whole logits, the lm_head's and final norm's gradients
    * and the gradient flowing into the blocks */
-  double resid = er * N * V + er * V * D / t + er * Ns * D + 2 * er * D;
+  double resid = er * V * D / t + er * Ns * D + 2 * er * D;
   double state = 3 * sharded_param_bytes + (accum ? sharded_param_bytes : 0);
   /* with accumulation the root's reduction of the previous micro-batch finishes during the
    * next backward: its whole gradients and the reduced shard */
@@ -102,8 +102,17 @@ status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int
    * last unit being gathered for backward */
   *out = moment("the loss's backward", state, ids + emb + L * (ac ? out_b : block),
                 u.root + ahead + kept,
-                er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + logits + er * N * V +
-                    (tp ? er * N * V / t : 0) + root_pending);
+                er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + logits + (tp ? er * N * V / t : 0) +
+                    root_pending);
+  /* 1b: under tensor parallelism, the logits made whole at the forward's end: the local
+   * logits and their copy sent, the gathered blocks and their reordering into whole rows */
+  if (tp) {
+    llama_memory_t m = moment("the logits made whole", state, ids + emb + L * (ac ? out_b : block),
+                              u.root + kept,
+                              er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + 2 * er * N * V / t +
+                                  2 * er * N * V + root_pending);
+    if (m.peak > out->peak) *out = m;
+  }
   /* 2: a block's backward, inside its MLP: the tape of the blocks before it and its own
    * (less its output and the down projection's, already used; checkpointing recomputes it
    * first), its parameters and the next unit's being gathered, its MLP's input gradients;

@@ -552,6 +552,48 @@ START_TEST(rope_matches_definition_across_calls) {
 }
 END_TEST
 
+/* The consuming cross-entropy: the same loss and gradient bits as nn_cross_entropy, the
+ * gradient written over the logits (no logits-sized buffer during its backward), no value
+ * left in the logits afterwards. */
+START_TEST(cross_entropy_consume_reuses_the_logits) {
+  int64_t N = 6, V = 1000, shape[2] = {N, V};
+  tensor_t t, host_t;
+  ok(tensor_init(&host_t, DTYPE_I64, device_cpu(), 1, &N));
+  for (int64_t r = 0; r < N; r++) ((int64_t *)host_t.data)[r] = r == 2 ? -100 : r * 137 % V;
+  ok(tensor_clone(&t, &host_t, DTYPE_I64, device_cpu()));
+  nn_var_t *logits[2], *loss[2];
+  size_t grew[2];
+  for (int c = 0; c < 2; c++) {
+    tensor_t x;
+    ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, shape));
+    for (int64_t e = 0; e < N * V; e++) ((float *)x.data)[e] = (float)((e * 7919) % 613) / 97.0f;
+    ok(nn_var_new(&logits[c], &x, true));
+    nn_ctx_t *ctx;
+    ok(nn_ctx_new(&ctx));
+    ok(c ? nn_cross_entropy_consume(ctx, logits[c], &t, &loss[c], NULL)
+         : nn_cross_entropy(ctx, logits[c], &t, &loss[c], NULL));
+    size_t before = mem_stats(device_cpu()).current;
+    mem_reset_peak(device_cpu());
+    ok(nn_backward(ctx, loss[c]));
+    grew[c] = mem_stats(device_cpu()).peak - before;
+    nn_ctx_free(ctx);
+  }
+  size_t bytes = (size_t)(N * V) * sizeof(float);
+  ck_assert_msg(grew[0] >= bytes && grew[1] < bytes / 4,
+                "backward allocated %zu B, consuming %zu B, logits %zu B", grew[0], grew[1], bytes);
+  bool same;
+  ok(tensor_equal(&loss[0]->value, &loss[1]->value, &same));
+  ck_assert_msg(same, "the losses differ");
+  ok(tensor_equal(&logits[0]->grad, &logits[1]->grad, &same));
+  ck_assert_msg(same, "the gradients differ");
+  ck_assert_msg(logits[0]->value.storage != NULL && logits[1]->value.storage == NULL,
+                "the consumed logits still hold a value, or the others lost theirs");
+  for (int c = 0; c < 2; c++) nn_var_put(loss[c]), nn_var_put(logits[c]);
+  tensor_free(&t);
+  tensor_free(&host_t);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("ops");
   TCase *tc = tcase_create("finite_differences");
@@ -562,6 +604,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, activations_match_reference_values);
   tcase_add_test(tc, layernorm_and_mse_match_reference);
   tcase_add_test(tc, rope_matches_definition_across_calls);
+  tcase_add_test(tc, cross_entropy_consume_reuses_the_logits);
   suite_add_tcase(s, tc);
   return s;
 }
