@@ -185,6 +185,10 @@ static bool eligible(const attn_shape_t *a, dtype_t dt, int n, void *const *ptr)
         dtype_name(dt), (long long)a->Dh);
     return false;
   }
+  if (a->B * a->T * a->H == 0) {
+    note_set("cuDNN attention takes no empty call");
+    return false;
+  }
   for (int i = 0; i < n; i++)
     if ((uintptr_t)ptr[i] % 16 != 0) {
       note_set("cuDNN attention takes operands on 16-byte boundaries");
