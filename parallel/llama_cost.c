@@ -86,8 +86,9 @@ status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int
   double ids = 4 * N * 8;     /* input ids and labels, and their copies */
   double emb = tp ? er * (N * D + Ns * D) : er * N * D;
   double logits = er * N * V / t + (tp ? er * N * V : 0); /* local, and made whole */
-  /* after the loss's backward: the whole logits, the lm_head's and final norm's gradients
-   * and the gradient flowing into the blocks */
+  /* after the loss's backward: the lm_head's and final norm's gradients and the gradient
+   * flowing into the blocks (the logits' memory, their gradient since the loss's backward,
+   * is freed once the lm_head has used it) */
   double resid = er * V * D / t + er * Ns * D + 2 * er * D;
   double state = 3 * sharded_param_bytes + (accum ? sharded_param_bytes : 0);
   /* with accumulation the root's reduction of the previous micro-batch finishes during the
@@ -98,8 +99,8 @@ status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int
   double kept = u.kept_all - u.kept_largest; /* what the blocks before the last keep */
 
   /* 1: the loss's backward: every block's tape, the final norm's output (and its gathered
-   * copy under sequence parallelism), the logits, their gradient and its local slice, the
-   * last unit being gathered for backward */
+   * copy under sequence parallelism), the logits (their gradient written over the whole ones)
+   * and the gradient's local slice, the last unit being gathered for backward */
   *out = moment("the loss's backward", state, ids + emb + L * (ac ? out_b : block),
                 u.root + ahead + kept,
                 er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + logits + (tp ? er * N * V / t : 0) +
