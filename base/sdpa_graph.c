@@ -215,6 +215,33 @@ static void gb_reshape(gb_t *g, cudnnBackendDescriptor_t x, cudnnBackendDescript
   gb_operation(g, CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, 2, name, d, what);
 }
 
+/* mode(x[, b]) computed in F32 into a new virtual tensor of dtype dt and shape s. */
+static cudnnBackendDescriptor_t gb_apply(gb_t *g, cudnnPointwiseMode_t mode,
+                                         cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
+                                         cudnnDataType_t dt, shape4_t s, const char *what) {
+  cudnnBackendDescriptor_t y = gb_virtual(g, dt, s);
+  gb_pointwise(g, mode, CUDNN_DATA_FLOAT, -1, x, b, NULL, y, what);
+  return y;
+}
+
+/* a b into a new virtual F32 tensor of shape s. */
+static cudnnBackendDescriptor_t gb_product(gb_t *g, cudnnBackendDescriptor_t a,
+                                           cudnnBackendDescriptor_t b, shape4_t s,
+                                           const char *what) {
+  cudnnBackendDescriptor_t c = gb_virtual(g, CUDNN_DATA_FLOAT, s);
+  gb_matmul(g, a, b, c, what);
+  return c;
+}
+
+/* reduce(x) into a new virtual F32 tensor of shape s. */
+static cudnnBackendDescriptor_t gb_reduced(gb_t *g, cudnnReduceTensorOp_t mode,
+                                           cudnnBackendDescriptor_t x, shape4_t s,
+                                           const char *what) {
+  cudnnBackendDescriptor_t y = gb_virtual(g, CUDNN_DATA_FLOAT, s);
+  gb_reduce(g, mode, x, y, what);
+  return y;
+}
+
 /* ---- the two graphs ---- */
 
 typedef struct shapes {
@@ -276,24 +303,20 @@ static void graph_forward(gb_t *g, const attn_shape_t *a, cudnnDataType_t io) {
   cudnnBackendDescriptor_t scale = gb_tensor(g, UID_SCALE, f32, s.scalar, kByValue, "scale");
   cudnnBackendDescriptor_t lowest = gb_tensor(g, UID_LOWEST, f32, s.scalar, kByValue, "lowest");
 
-  cudnnBackendDescriptor_t sc = gb_virtual(g, f32, s.scores);
-  gb_matmul(g, q, kt, sc, "Q K^T");
-  cudnnBackendDescriptor_t scaled = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_MUL, f32, -1, sc, scale, NULL, scaled, "scale");
+  cudnnBackendDescriptor_t sc = gb_product(g, q, kt, s.scores, "Q K^T");
+  cudnnBackendDescriptor_t scaled =
+      gb_apply(g, CUDNN_POINTWISE_MUL, sc, scale, f32, s.scores, "scale");
   cudnnBackendDescriptor_t masked = gb_causal(g, &s, scaled, lowest);
-  cudnnBackendDescriptor_t mx = gb_virtual(g, f32, s.rows);
-  gb_reduce(g, CUDNN_REDUCE_TENSOR_MAX, masked, mx, "row max");
-  cudnnBackendDescriptor_t centered = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_SUB, f32, -1, masked, mx, NULL, centered, "minus max");
-  cudnnBackendDescriptor_t e = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_EXP, f32, -1, centered, NULL, NULL, e, "exp");
-  cudnnBackendDescriptor_t sum = gb_virtual(g, f32, s.rows);
-  gb_reduce(g, CUDNN_REDUCE_TENSOR_ADD, e, sum, "row sum");
-  cudnnBackendDescriptor_t logsum = gb_virtual(g, f32, s.rows);
-  gb_pointwise(g, CUDNN_POINTWISE_LOG, f32, -1, sum, NULL, NULL, logsum, "log");
+  cudnnBackendDescriptor_t mx = gb_reduced(g, CUDNN_REDUCE_TENSOR_MAX, masked, s.rows, "row max");
+  cudnnBackendDescriptor_t centered =
+      gb_apply(g, CUDNN_POINTWISE_SUB, masked, mx, f32, s.scores, "minus max");
+  cudnnBackendDescriptor_t e =
+      gb_apply(g, CUDNN_POINTWISE_EXP, centered, NULL, f32, s.scores, "exp");
+  cudnnBackendDescriptor_t sum = gb_reduced(g, CUDNN_REDUCE_TENSOR_ADD, e, s.rows, "row sum");
+  cudnnBackendDescriptor_t logsum = gb_apply(g, CUDNN_POINTWISE_LOG, sum, NULL, f32, s.rows, "log");
   gb_pointwise(g, CUDNN_POINTWISE_ADD, f32, -1, mx, logsum, NULL, lse, "lse");
-  cudnnBackendDescriptor_t p = gb_virtual(g, io, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_DIV, f32, -1, e, sum, NULL, p, "probabilities");
+  cudnnBackendDescriptor_t p =
+      gb_apply(g, CUDNN_POINTWISE_DIV, e, sum, io, s.scores, "probabilities");
   gb_matmul(g, p, v, o, "P V");
 }
 
@@ -332,22 +355,19 @@ static void graph_backward(gb_t *g, const attn_shape_t *a, cudnnDataType_t io) {
   shape4_t prod = s.heads;
   prod.str[0] = a->H * a->T * a->Dh;
   prod.str[1] = a->T * a->Dh;
-  cudnnBackendDescriptor_t dOO = gb_virtual(g, f32, prod);
-  gb_pointwise(g, CUDNN_POINTWISE_MUL, f32, -1, dout, o, NULL, dOO, "dO O");
-  cudnnBackendDescriptor_t dsum = gb_virtual(g, f32, s.rows);
-  gb_reduce(g, CUDNN_REDUCE_TENSOR_ADD, dOO, dsum, "rowsum dO O");
+  cudnnBackendDescriptor_t dOO = gb_apply(g, CUDNN_POINTWISE_MUL, dout, o, f32, prod, "dO O");
+  cudnnBackendDescriptor_t dsum =
+      gb_reduced(g, CUDNN_REDUCE_TENSOR_ADD, dOO, s.rows, "rowsum dO O");
   gb_pointwise(g, CUDNN_POINTWISE_MUL, f32, -1, dsum, one, NULL, rowdot, "row dots");
 
   /* P = exp(scale Q K^T - lse), masked */
-  cudnnBackendDescriptor_t sc = gb_virtual(g, f32, s.scores);
-  gb_matmul(g, q, kt, sc, "Q K^T");
-  cudnnBackendDescriptor_t scaled = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_MUL, f32, -1, sc, scale, NULL, scaled, "scale");
-  cudnnBackendDescriptor_t centered = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_SUB, f32, -1, scaled, lse, NULL, centered, "minus lse");
+  cudnnBackendDescriptor_t sc = gb_product(g, q, kt, s.scores, "Q K^T");
+  cudnnBackendDescriptor_t scaled =
+      gb_apply(g, CUDNN_POINTWISE_MUL, sc, scale, f32, s.scores, "scale");
+  cudnnBackendDescriptor_t centered =
+      gb_apply(g, CUDNN_POINTWISE_SUB, scaled, lse, f32, s.scores, "minus lse");
   cudnnBackendDescriptor_t masked = gb_causal(g, &s, centered, lowest);
-  cudnnBackendDescriptor_t p = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_EXP, f32, -1, masked, NULL, NULL, p, "exp");
+  cudnnBackendDescriptor_t p = gb_apply(g, CUDNN_POINTWISE_EXP, masked, NULL, f32, s.scores, "exp");
 
   /* dV = P^T dO */
   cudnnBackendDescriptor_t pt = gb_virtual(g, io, s.scores_t);
@@ -355,16 +375,14 @@ static void graph_backward(gb_t *g, const attn_shape_t *a, cudnnDataType_t io) {
   gb_matmul_grouped(g, a, &s, io, pt, dout, dv, "P^T dO");
 
   /* dS = (dO V^T - D) P scale */
-  cudnnBackendDescriptor_t dp = gb_virtual(g, f32, s.scores);
-  gb_matmul(g, dout, vt, dp, "dO V^T");
-  cudnnBackendDescriptor_t dp1 = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_MUL, f32, -1, dp, one, NULL, dp1, "dP");
-  cudnnBackendDescriptor_t dp2 = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_SUB, f32, -1, dp1, rowdot, NULL, dp2, "dP - D");
-  cudnnBackendDescriptor_t ds0 = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_MUL, f32, -1, dp2, p, NULL, ds0, "(dP - D) P");
-  cudnnBackendDescriptor_t ds = gb_virtual(g, f32, s.scores);
-  gb_pointwise(g, CUDNN_POINTWISE_MUL, f32, -1, ds0, scale, NULL, ds, "dS scale");
+  cudnnBackendDescriptor_t dp = gb_product(g, dout, vt, s.scores, "dO V^T");
+  cudnnBackendDescriptor_t dp1 = gb_apply(g, CUDNN_POINTWISE_MUL, dp, one, f32, s.scores, "dP");
+  cudnnBackendDescriptor_t dp2 =
+      gb_apply(g, CUDNN_POINTWISE_SUB, dp1, rowdot, f32, s.scores, "dP - D");
+  cudnnBackendDescriptor_t ds0 =
+      gb_apply(g, CUDNN_POINTWISE_MUL, dp2, p, f32, s.scores, "(dP - D) P");
+  cudnnBackendDescriptor_t ds =
+      gb_apply(g, CUDNN_POINTWISE_MUL, ds0, scale, f32, s.scores, "dS scale");
 
   /* dK = dS^T Q */
   cudnnBackendDescriptor_t dst = gb_virtual(g, io, s.scores_t);
