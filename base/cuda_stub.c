@@ -7,5 +7,6 @@ const backend_t *cuda_backend(void) { return NULL; }
 const kernel_ops_t *cuda_kernels(void) { return NULL; }
 
 void kernel_attention_set_fused(bool on) { (void)on; }
+const char *kernel_attention_fused_off(void) { return "built without CUDA"; }
 int64_t kernel_attention_fused_runs(void) { return 0; }
 const char *kernel_attention_fused_note(void) { return "built without CUDA"; }

@@ -168,14 +168,20 @@ static plan_t *plan_get(const plan_key_t *key, const attn_shape_t *a, cudnnHandl
 static size_t round256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 /* Whether cuDNN can be asked to run this call at all; if not, the note says why (lock held). */
-static bool eligible(const attn_shape_t *a, dtype_t dt, int n, void *const *ptr) {
+/* Who turned the fused path off: "" when no one has (lock held). */
+static const char *turned_off_by(void) {
   if (cache.env_off < 0) {
     const char *env = getenv("FSDPC_CUDNN_ATTENTION");
     cache.env_off = env != NULL && strcmp(env, "0") == 0;
   }
-  if (cache.env_off || !cache.enabled) {
-    note_set("cuDNN attention is turned off (%s)",
-             cache.env_off ? "FSDPC_CUDNN_ATTENTION=0" : "kernel_attention_set_fused(false)");
+  if (cache.env_off) return "FSDPC_CUDNN_ATTENTION=0";
+  return cache.enabled ? "" : "kernel_attention_set_fused(false)";
+}
+
+static bool eligible(const attn_shape_t *a, dtype_t dt, int n, void *const *ptr) {
+  const char *off = turned_off_by();
+  if (off[0]) {
+    note_set("cuDNN attention is turned off (%s)", off);
     return false;
   }
   if ((dt != DTYPE_BF16 && dt != DTYPE_F16) || a->Dh % 8 != 0 || a->Dh > 256) {
@@ -328,6 +334,13 @@ void kernel_attention_set_fused(bool on) {
   pthread_mutex_unlock(&cache.lock);
 }
 
+const char *kernel_attention_fused_off(void) {
+  pthread_mutex_lock(&cache.lock);
+  const char *off = turned_off_by();
+  pthread_mutex_unlock(&cache.lock);
+  return off;
+}
+
 int64_t kernel_attention_fused_runs(void) {
   pthread_mutex_lock(&cache.lock);
   int64_t n = cache.runs;
@@ -368,10 +381,12 @@ status_t cudnn_sdpa_check_graph(const attn_shape_t *s, dtype_t dt, bool backward
 
 void kernel_attention_set_fused(bool on) { (void)on; }
 
+static const char kNoCudnn[] = "built without cuDNN (no cudnn_graph.h; see the cudnn_dir option)";
+
+const char *kernel_attention_fused_off(void) { return kNoCudnn; }
+
 int64_t kernel_attention_fused_runs(void) { return 0; }
 
-const char *kernel_attention_fused_note(void) {
-  return "built without cuDNN (no cudnn_graph.h; see the cudnn_dir option)";
-}
+const char *kernel_attention_fused_note(void) { return kNoCudnn; }
 
 #endif

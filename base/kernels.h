@@ -126,8 +126,11 @@ status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, con
  * whose backward gives the same bits on every run (cuDNN's adds dq's shares with atomics).
  * kernel_attention_fused_runs counts the calls (forward and backward) that ran cuDNN in this
  * process; kernel_attention_fused_note says why the last call that could not, did not ("" when none
- * has). Without CUDA: 0, and a note saying so. */
+ * has). Without CUDA: 0, and a note saying so. kernel_attention_fused_off says what keeps every
+ * call off cuDNN ("FSDPC_CUDNN_ATTENTION=0", "kernel_attention_set_fused(false)", a build
+ * without cuDNN or CUDA), "" when nothing does. */
 void kernel_attention_set_fused(bool on);
+const char *kernel_attention_fused_off(void);
 int64_t kernel_attention_fused_runs(void);
 const char *kernel_attention_fused_note(void);
 

@@ -70,12 +70,16 @@ void train_header(const run_t *r) {
          world_size(), world_size() == 1 ? "" : "s", dev, threads, p->par.dp_replicate,
          p->par.dp_shard, p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
   if (r->device_note[0]) printf("  train.device auto: %s\n", r->device_note);
-  if (r->dev.type == DEVICE_CUDA)
-    printf("  attention: %s\n", p->deterministic
-                                   ? "batched cuBLAS products (train.deterministic: the same bits "
-                                     "on every run)"
-                                   : "cuDNN's fused kernels for bf16/f16 where cuDNN takes the "
-                                     "shape, else batched cuBLAS products");
+  if (r->dev.type == DEVICE_CUDA && p->deterministic)
+    printf(
+        "  attention: batched cuBLAS products (train.deterministic: the same bits on every "
+        "run)\n");
+  else if (r->dev.type == DEVICE_CUDA && kernel_attention_fused_off()[0])
+    printf("  attention: batched cuBLAS products (%s)\n", kernel_attention_fused_off());
+  else if (r->dev.type == DEVICE_CUDA)
+    printf(
+        "  attention: cuDNN's fused kernels for bf16/f16 where cuDNN takes the shape, else "
+        "batched cuBLAS products\n");
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) warn_oversubscribed();
   printf(
       "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "

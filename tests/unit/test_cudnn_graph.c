@@ -5,9 +5,13 @@
  * kv head, at the training shapes of the benchmark configs and at odd ones. What only a device
  * can tell (an engine that runs the graph, the results) is the GPU suite's: kernels-gpu
  * compares the fused path with the CPU kernels. Skips (77) where libcudnn.so.9 cannot be
- * loaded.
+ * loaded. Also: kernel_attention_fused_off names what keeps attention off cuDNN.
  */
+#include <stdlib.h>
+#include <string.h>
+
 #include "base/cudnn_sdpa.h"
+#include "base/kernels.h"
 #include "tests/harness.h"
 
 typedef struct gcase {
@@ -40,6 +44,23 @@ START_TEST(cudnn_takes_the_attention_graphs) {
 }
 END_TEST
 
+/* What keeps every call off cuDNN, as fsdp-train's header reports it. */
+START_TEST(the_switch_names_what_keeps_attention_off) {
+#ifdef FSDPC_HAVE_CUDNN
+  const char *env = getenv("FSDPC_CUDNN_ATTENTION");
+  const char *base = env != NULL && strcmp(env, "0") == 0 ? "FSDPC_CUDNN_ATTENTION=0" : "";
+  ck_assert_str_eq(kernel_attention_fused_off(), base);
+  kernel_attention_set_fused(false);
+  ck_assert_str_eq(kernel_attention_fused_off(),
+                   base[0] ? base : "kernel_attention_set_fused(false)");
+  kernel_attention_set_fused(true);
+  ck_assert_str_eq(kernel_attention_fused_off(), base);
+#else
+  ck_assert_ptr_nonnull(strstr(kernel_attention_fused_off(), "built without"));
+#endif
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("cudnn_graph");
   TCase *tc = tcase_create("graphs");
@@ -52,6 +73,9 @@ static Suite *make_suite(void) {
     tcase_add_loop_test(tc, cudnn_takes_the_attention_graphs, 0, 4 * n);
   }
   suite_add_tcase(s, tc);
+  TCase *sw = tcase_create("switch");
+  tcase_add_test(sw, the_switch_names_what_keeps_attention_off);
+  suite_add_tcase(s, sw);
   return s;
 }
 
