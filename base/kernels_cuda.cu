@@ -130,6 +130,102 @@ __global__ static void rope_kernel(void *out, const void *x, int dt, int64_t B, 
   }
 }
 
+/* ---- element-wise maps ---- */
+
+/* 16 bytes of elements of T: what one thread moves at a time in a map. */
+template <typename T>
+struct alignas(16) pack16 {
+  T v[16 / sizeof(T)];
+};
+
+template <int NI, int NO>
+struct map_ptrs {
+  const void *in[NI];
+  void *out[NO];
+};
+
+/*
+ * NI inputs and NO outputs of one storage type T, element by element: op.apply<T>(x, y) reads
+ * x[0, NI) and writes y[0, NO) for one element, in f32. The first nvec * W elements (W = 16 /
+ * sizeof(T)) go W at a time, each operand in one 16-byte load or store (the launcher sets nvec
+ * to 0 unless every pointer is 16-byte aligned); the rest one at a time. An output may alias
+ * an input: each element is read, then written, by one thread.
+ */
+template <typename T, int NI, int NO, typename Op>
+__global__ static void map_kernel(map_ptrs<NI, NO> p, int64_t n, int64_t nvec, Op op) {
+  const int W = 16 / sizeof(T);
+  GRID_STRIDE(v, nvec) {
+    pack16<T> in[NI], o[NO];
+#pragma unroll
+    for (int i = 0; i < NI; i++) in[i] = ((const pack16<T> *)p.in[i])[v];
+#pragma unroll
+    for (int j = 0; j < W; j++) {
+      float x[NI], y[NO];
+#pragma unroll
+      for (int i = 0; i < NI; i++) x[i] = tof(in[i].v[j]);
+      op.template apply<T>(x, y);
+#pragma unroll
+      for (int k = 0; k < NO; k++) o[k].v[j] = fromf<T>(y[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < NO; k++) ((pack16<T> *)p.out[k])[v] = o[k];
+  }
+  GRID_STRIDE(r, n - nvec * W) {
+    int64_t e = nvec * W + r;
+    float x[NI], y[NO];
+#pragma unroll
+    for (int i = 0; i < NI; i++) x[i] = tof(((const T *)p.in[i])[e]);
+    op.template apply<T>(x, y);
+#pragma unroll
+    for (int k = 0; k < NO; k++) ((T *)p.out[k])[e] = fromf<T>(y[k]);
+  }
+}
+
+/* out = a + b */
+struct op_add {
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = x[0] + x[1];
+  }
+};
+
+/* x = alpha x */
+struct op_scale {
+  float alpha;
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = alpha * x[0];
+  }
+};
+
+/* y = y + alpha x (inputs y, x) */
+struct op_axpy {
+  float alpha;
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = x[0] + alpha * x[1];
+  }
+};
+
+/* out = silu(gate) * up, silu's value rounded to T first (inputs gate, up) */
+struct op_silu_mul {
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    float g = x[0], sg = 1.0f / (1.0f + expf(-g));
+    y[0] = round_to<T>(g * sg) * x[1];
+  }
+};
+
+/* dgate, dup from dout, gate, up */
+struct op_silu_mul_backward {
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    float dy = x[0], g = x[1], u = x[2], s = 1.0f / (1.0f + expf(-g));
+    y[1] = dy * (g * s);
+    y[0] = dy * u * (s * (1.0f + g * (1.0f - s)));
+  }
+};
+
 __device__ static float act_value(int act, float x) {
   switch (act) {
     case KERNEL_ACT_RELU: return x > 0.0f ? x : 0.0f;
@@ -151,14 +247,23 @@ __device__ static float act_derivative(int act, float x) {
   }
 }
 
-__global__ static void activation_kernel(void *out, const void *x, int dt, int act, int64_t n) {
-  GRID_STRIDE(i, n) stf(dt, out, i, act_value(act, ldf(dt, x, i)));
-}
+/* out = act(x) */
+struct op_activation {
+  int act;
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = act_value(act, x[0]);
+  }
+};
 
-__global__ static void activation_backward_kernel(void *dx, const void *dy, const void *x, int dt,
-                                                  int act, int64_t n) {
-  GRID_STRIDE(i, n) stf(dt, dx, i, ldf(dt, dy, i) * act_derivative(act, ldf(dt, x, i)));
-}
+/* dx = dy act'(x) (inputs dy, x) */
+struct op_activation_backward {
+  int act;
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = x[0] * act_derivative(act, x[1]);
+  }
+};
 
 __global__ static void bias_add_kernel(void *out, const void *x, const void *b, int dt, int64_t n,
                                        int64_t D) {
@@ -235,51 +340,40 @@ __global__ static void layernorm_backward_dwb_kernel(void *dw, int wdt, void *db
   }
 }
 
-__global__ static void silu_mul_kernel(void *out, const void *gate, const void *up, int dt,
-                                       int64_t n) {
-  GRID_STRIDE(e, n) {
-    float g = ldf(dt, gate, e), sg = 1.0f / (1.0f + expf(-g));
-    stf(dt, out, e, rnd(dt, g * sg) * ldf(dt, up, e));
-  }
-}
-
-__global__ static void silu_mul_backward_kernel(void *dgate, void *dup, const void *dout,
-                                                const void *gate, const void *up, int dt,
-                                                int64_t n) {
-  GRID_STRIDE(e, n) {
-    float g = ldf(dt, gate, e), u = ldf(dt, up, e), dy = ldf(dt, dout, e);
-    float s = 1.0f / (1.0f + expf(-g));
-    stf(dt, dup, e, dy * (g * s));
-    stf(dt, dgate, e, dy * u * (s * (1.0f + g * (1.0f - s))));
-  }
-}
-
-__global__ static void add_kernel(void *out, const void *a, const void *b, int dt, int64_t n) {
-  GRID_STRIDE(e, n) stf(dt, out, e, ldf(dt, a, e) + ldf(dt, b, e));
-}
-
+/* y += alpha x where x is narrower than y (the same dtypes take op_axpy's map) */
 __global__ static void axpy_kernel(void *y, int ydt, float alpha, const void *x, int xdt,
                                    int64_t n) {
   GRID_STRIDE(e, n) stf(ydt, y, e, ldf(ydt, y, e) + alpha * ldf(xdt, x, e));
 }
 
-__global__ static void scale_kernel(void *x, int dt, float alpha, int64_t n) {
-  GRID_STRIDE(e, n) stf(dt, x, e, alpha * ldf(dt, x, e));
+/* f(j, x_j) for every column j of one row of V values of T, shared among the block's threads:
+ * 16 bytes at a time from a row on a 16-byte boundary, the columns past the last whole 16
+ * bytes (or every column of another row) one at a time. */
+template <typename T, typename F>
+__device__ static void row_each(const T *row, int64_t V, F f) {
+  const int W = 16 / sizeof(T);
+  int64_t nvec = (uintptr_t)row % 16 == 0 ? V / W : 0;
+  for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+    pack16<T> p = ((const pack16<T> *)row)[c];
+#pragma unroll
+    for (int j = 0; j < W; j++) f(c * W + j, tof(p.v[j]));
+  }
+  for (int64_t j = nvec * W + threadIdx.x; j < V; j += blockDim.x) f(j, tof(row[j]));
 }
 
 /* log-sum-exp of one row, computed by the whole block. */
-__device__ static float block_row_lse(const void *x, int dt, int64_t base, int64_t V) {
-  float m = -INFINITY;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, ldf(dt, x, base + j));
+template <typename T>
+__device__ static float block_row_lse(const T *row, int64_t V) {
+  float m = -INFINITY, s = 0;
+  row_each(row, V, [&](int64_t, float x) { m = fmaxf(m, x); });
   m = block_reduce<true>(m);
-  float s = 0;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(ldf(dt, x, base + j) - m);
-  s = block_reduce<false>(s);
-  return m + logf(s);
+  row_each(row, V, [&](int64_t, float x) { s += expf(x - m); });
+  return m + logf(block_reduce<false>(s));
 }
 
-__global__ static void cross_entropy_kernel(float *losses, const void *logits, int dt,
-                                            const void *targets, int tdt, int64_t V, int *bad) {
+template <typename T>
+__global__ static void cross_entropy_kernel(float *losses, const T *logits, const void *targets,
+                                            int tdt, int64_t V, int *bad) {
   int64_t r = blockIdx.x, t = ldi(tdt, targets, r);
   if (t >= V) {
     if (threadIdx.x == 0) *bad = 1;
@@ -289,11 +383,13 @@ __global__ static void cross_entropy_kernel(float *losses, const void *logits, i
     if (threadIdx.x == 0) losses[r] = 0.0f;
     return;
   }
-  float L = block_row_lse(logits, dt, r * V, V);
-  if (threadIdx.x == 0) losses[r] = L - ldf(dt, logits, r * V + t);
+  float L = block_row_lse(logits + r * V, V);
+  if (threadIdx.x == 0) losses[r] = L - tof(logits[r * V + t]);
 }
 
-__global__ static void cross_entropy_backward_kernel(void *dlogits, const void *logits, int dt,
+/* dlogits may be logits (each value is read, then written, by one thread). */
+template <typename T>
+__global__ static void cross_entropy_backward_kernel(T *dlogits, const T *logits,
                                                      const void *targets, int tdt, int64_t V,
                                                      float scale, int *bad) {
   int64_t r = blockIdx.x, t = ldi(tdt, targets, r);
@@ -301,15 +397,24 @@ __global__ static void cross_entropy_backward_kernel(void *dlogits, const void *
     if (threadIdx.x == 0) *bad = 1;
     return;
   }
-  if (t < 0) {
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) stf(dt, dlogits, r * V + j, 0.0f);
-    return;
+  const T *x = logits + r * V;
+  T *d = dlogits + r * V;
+  const int W = 16 / sizeof(T);
+  bool vec = ((uintptr_t)x | (uintptr_t)d) % 16 == 0;
+  int64_t nvec = vec ? V / W : 0;
+  float L = t < 0 ? 0.0f : block_row_lse(x, V);
+  /* zero for an ignored row, else scale (softmax - onehot) */
+  auto grad = [&](int64_t j, float v) {
+    float g = t < 0 ? 0.0f : scale * expf(v - L);
+    return j == t ? g - scale : g;
+  };
+  for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+    pack16<T> p = ((const pack16<T> *)x)[c];
+#pragma unroll
+    for (int j = 0; j < W; j++) p.v[j] = fromf<T>(grad(c * W + j, tof(p.v[j])));
+    ((pack16<T> *)d)[c] = p;
   }
-  float L = block_row_lse(logits, dt, r * V, V);
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    float g = scale * expf(ldf(dt, logits, r * V + j) - L);
-    stf(dt, dlogits, r * V + j, j == t ? g - scale : g);
-  }
+  for (int64_t j = nvec * W + threadIdx.x; j < V; j += blockDim.x) d[j] = fromf<T>(grad(j, tof(x[j])));
 }
 
 struct adamw_consts {
@@ -502,6 +607,28 @@ static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, cons
   return cublas_status(s, what);
 }
 
+/* Runs op over the n = numel(like) elements of the operands in and out, all of like's dtype, on
+ * like's device and stream. */
+template <int NI, int NO, typename Op>
+static status_t map_launch(const tensor_t *like, const void *const (&in)[NI],
+                           void *const (&out)[NO], Op op, const char *what) {
+  int64_t n = tensor_numel(like);
+  if (n == 0) return STATUS_OK;
+  map_ptrs<NI, NO> p;
+  uintptr_t bits = 0;
+  for (int i = 0; i < NI; i++) bits |= (uintptr_t)(p.in[i] = in[i]);
+  for (int k = 0; k < NO; k++) bits |= (uintptr_t)(p.out[k] = out[k]);
+  int64_t W = 16 / (int64_t)dtype_size(like->dtype), nvec = bits % 16 == 0 ? n / W : 0;
+  int grid = grid_for(nvec > n - nvec * W ? nvec : n - nvec * W);
+  cudaStream_t s = stream_of(like);
+  switch (like->dtype) {
+    case DTYPE_BF16: map_kernel<__nv_bfloat16><<<grid, kBlock, 0, s>>>(p, n, nvec, op); break;
+    case DTYPE_F16: map_kernel<__half><<<grid, kBlock, 0, s>>>(p, n, nvec, op); break;
+    default: map_kernel<float><<<grid, kBlock, 0, s>>>(p, n, nvec, op);
+  }
+  return launched(what);
+}
+
 static status_t cuda_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids,
                                int64_t first, int64_t vocab) {
   int64_t n = tensor_numel(ids), D = table->shape[1], V = table->shape[0];
@@ -605,37 +732,29 @@ static status_t cuda_rope(tensor_t *out, const tensor_t *x, const rope_t *rope,
 }
 
 static status_t cuda_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
-  int64_t n = tensor_numel(out);
-  if (n == 0) return STATUS_OK;
-  silu_mul_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, gate->data, up->data,
-                                                              out->dtype, n);
-  return launched("kernel_silu_mul");
+  const void *const in[2] = {gate->data, up->data};
+  void *const o[1] = {out->data};
+  return map_launch(out, in, o, op_silu_mul{}, "kernel_silu_mul");
 }
 
 static status_t cuda_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
                                        const tensor_t *gate, const tensor_t *up) {
-  int64_t n = tensor_numel(dout);
-  if (n == 0) return STATUS_OK;
-  silu_mul_backward_kernel<<<grid_for(n), kBlock, 0, stream_of(dout)>>>(
-      dgate->data, dup->data, dout->data, gate->data, up->data, dout->dtype, n);
-  return launched("kernel_silu_mul_backward");
+  const void *const in[3] = {dout->data, gate->data, up->data};
+  void *const o[2] = {dgate->data, dup->data};
+  return map_launch(dout, in, o, op_silu_mul_backward{}, "kernel_silu_mul_backward");
 }
 
 static status_t cuda_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
-  int64_t n = tensor_numel(out);
-  if (n == 0) return STATUS_OK;
-  activation_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, x->data, out->dtype,
-                                                                (int)act, n);
-  return launched("kernel_activation");
+  const void *const in[1] = {x->data};
+  void *const o[1] = {out->data};
+  return map_launch(out, in, o, op_activation{(int)act}, "kernel_activation");
 }
 
 static status_t cuda_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
                                          kernel_act_t act) {
-  int64_t n = tensor_numel(dx);
-  if (n == 0) return STATUS_OK;
-  activation_backward_kernel<<<grid_for(n), kBlock, 0, stream_of(dx)>>>(
-      dx->data, dy->data, x->data, dx->dtype, (int)act, n);
-  return launched("kernel_activation_backward");
+  const void *const in[2] = {dy->data, x->data};
+  void *const o[1] = {dx->data};
+  return map_launch(dx, in, o, op_activation_backward{(int)act}, "kernel_activation_backward");
 }
 
 static status_t cuda_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
@@ -677,26 +796,28 @@ static status_t cuda_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db
 }
 
 static status_t cuda_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
-  int64_t n = tensor_numel(out);
-  if (n == 0) return STATUS_OK;
-  add_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, a->data, b->data, out->dtype,
-                                                         n);
-  return launched("kernel_add");
+  const void *const in[2] = {a->data, b->data};
+  void *const o[1] = {out->data};
+  return map_launch(out, in, o, op_add{}, "kernel_add");
 }
 
 static status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x) {
   int64_t n = tensor_numel(y);
   if (n == 0) return STATUS_OK;
+  if (y->dtype == x->dtype) {
+    const void *const in[2] = {y->data, x->data};
+    void *const o[1] = {y->data};
+    return map_launch(y, in, o, op_axpy{alpha}, "kernel_axpy");
+  }
   axpy_kernel<<<grid_for(n), kBlock, 0, stream_of(y)>>>(y->data, y->dtype, alpha, x->data, x->dtype,
                                                         n);
   return launched("kernel_axpy");
 }
 
 static status_t cuda_scale(tensor_t *x, float alpha) {
-  int64_t n = tensor_numel(x);
-  if (n == 0) return STATUS_OK;
-  scale_kernel<<<grid_for(n), kBlock, 0, stream_of(x)>>>(x->data, x->dtype, alpha, n);
-  return launched("kernel_scale");
+  const void *const in[1] = {x->data};
+  void *const o[1] = {x->data};
+  return map_launch(x, in, o, op_scale{alpha}, "kernel_scale");
 }
 
 static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
@@ -705,9 +826,32 @@ static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
   if (N == 0) return STATUS_OK;
   flag_t f;
   TRY(flag_new(&f, logits->device));
-  cross_entropy_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
-      (float *)losses->data, logits->data, logits->dtype, targets->data, targets->dtype, V, f.p);
+  cudaStream_t s = stream_of(logits);
+  float *l = (float *)losses->data;
+  const void *tg = targets->data;
+  int tdt = targets->dtype;
+  switch (logits->dtype) {
+    case DTYPE_BF16:
+      cross_entropy_kernel<<<(unsigned)N, kBlock, 0, s>>>(
+          l, (const __nv_bfloat16 *)logits->data, tg, tdt, V, f.p);
+      break;
+    case DTYPE_F16:
+      cross_entropy_kernel<<<(unsigned)N, kBlock, 0, s>>>(l, (const __half *)logits->data, tg,
+                                                          tdt, V, f.p);
+      break;
+    default:
+      cross_entropy_kernel<<<(unsigned)N, kBlock, 0, s>>>(l, (const float *)logits->data, tg,
+                                                          tdt, V, f.p);
+  }
   return flag_finish(&f, launched("kernel_cross_entropy"), kTargetRange, "kernel_cross_entropy", V);
+}
+
+template <typename T>
+static void cross_entropy_backward_launch(tensor_t *dlogits, const tensor_t *logits,
+                                          const tensor_t *targets, float scale, int *bad) {
+  int64_t V = last_dim(logits), N = tensor_numel(targets);
+  cross_entropy_backward_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
+      (T *)dlogits->data, (const T *)logits->data, targets->data, targets->dtype, V, scale, bad);
 }
 
 static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
@@ -716,8 +860,13 @@ static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *l
   if (N == 0) return STATUS_OK;
   flag_t f;
   TRY(flag_new(&f, logits->device));
-  cross_entropy_backward_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
-      dlogits->data, logits->data, logits->dtype, targets->data, targets->dtype, V, scale, f.p);
+  switch (logits->dtype) {
+    case DTYPE_BF16:
+      cross_entropy_backward_launch<__nv_bfloat16>(dlogits, logits, targets, scale, f.p);
+      break;
+    case DTYPE_F16: cross_entropy_backward_launch<__half>(dlogits, logits, targets, scale, f.p); break;
+    default: cross_entropy_backward_launch<float>(dlogits, logits, targets, scale, f.p);
+  }
   return flag_finish(&f, launched("kernel_cross_entropy_backward"), kTargetRange,
                      "kernel_cross_entropy_backward", V);
 }

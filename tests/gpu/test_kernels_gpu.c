@@ -248,15 +248,28 @@ static int k_elementwise(device_t dev, dtype_t dt, tensor_t *o) {
   ok(kernel_scale(&sum, -0.75f));
   rnd(&acc, dev, DTYPE_F32, 2, s, 17, 1);
   ok(kernel_axpy(&acc, 0.3f, &g));
+  /* views one row in (operands off 16-byte boundaries go element by element), in place, and
+   * axpy within one dtype */
+  int64_t sv[2] = {40, 67};
+  tensor_t gv, uv, yv;
+  ok(tensor_narrow(&gv, &g, 0, 1, 40));
+  ok(tensor_narrow(&uv, &u, 0, 1, 40));
+  poisoned(&yv, dev, dt, 2, sv);
+  ok(kernel_silu_mul(&yv, &gv, &uv));
+  ok(kernel_add(&yv, &yv, &gv));
+  ok(kernel_axpy(&dy, 0.5f, &u));
   out(&o[0], &y);
   out(&o[1], &dg);
   out(&o[2], &du);
   out(&o[3], &sum);
   out(&o[4], &acc);
+  out(&o[5], &yv);
+  out(&o[6], &dy);
+  tensor_free(&gv);
+  tensor_free(&uv);
   tensor_free(&g);
   tensor_free(&u);
-  tensor_free(&dy);
-  return 5;
+  return 7;
 }
 
 static int k_cross_entropy(device_t dev, dtype_t dt, tensor_t *o) {
