@@ -132,12 +132,6 @@ __global__ static void rope_kernel(void *out, const void *x, int dt, int64_t B, 
 
 /* ---- element-wise maps ---- */
 
-/* 16 bytes of elements of T: what one thread moves at a time in a map. */
-template <typename T>
-struct alignas(16) pack16 {
-  T v[16 / sizeof(T)];
-};
-
 template <int NI, int NO>
 struct map_ptrs {
   const void *in[NI];
@@ -155,9 +149,9 @@ template <typename T, int NI, int NO, typename Op>
 __global__ static void map_kernel(map_ptrs<NI, NO> p, int64_t n, int64_t nvec, Op op) {
   const int W = 16 / sizeof(T);
   GRID_STRIDE(v, nvec) {
-    pack16<T> in[NI], o[NO];
+    pack<T> in[NI], o[NO];
 #pragma unroll
-    for (int i = 0; i < NI; i++) in[i] = ((const pack16<T> *)p.in[i])[v];
+    for (int i = 0; i < NI; i++) in[i] = ((const pack<T> *)p.in[i])[v];
 #pragma unroll
     for (int j = 0; j < W; j++) {
       float x[NI], y[NO];
@@ -168,7 +162,7 @@ __global__ static void map_kernel(map_ptrs<NI, NO> p, int64_t n, int64_t nvec, O
       for (int k = 0; k < NO; k++) o[k].v[j] = fromf<T>(y[k]);
     }
 #pragma unroll
-    for (int k = 0; k < NO; k++) ((pack16<T> *)p.out[k])[v] = o[k];
+    for (int k = 0; k < NO; k++) ((pack<T> *)p.out[k])[v] = o[k];
   }
   GRID_STRIDE(r, n - nvec * W) {
     int64_t e = nvec * W + r;
@@ -354,7 +348,7 @@ __device__ static void row_each(const T *row, int64_t V, F f) {
   const int W = 16 / sizeof(T);
   int64_t nvec = (uintptr_t)row % 16 == 0 ? V / W : 0;
   for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-    pack16<T> p = ((const pack16<T> *)row)[c];
+    pack<T> p = ((const pack<T> *)row)[c];
 #pragma unroll
     for (int j = 0; j < W; j++) f(c * W + j, tof(p.v[j]));
   }
@@ -409,12 +403,13 @@ __global__ static void cross_entropy_backward_kernel(T *dlogits, const T *logits
     return j == t ? g - scale : g;
   };
   for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-    pack16<T> p = ((const pack16<T> *)x)[c];
+    pack<T> p = ((const pack<T> *)x)[c];
 #pragma unroll
     for (int j = 0; j < W; j++) p.v[j] = fromf<T>(grad(c * W + j, tof(p.v[j])));
-    ((pack16<T> *)d)[c] = p;
+    ((pack<T> *)d)[c] = p;
   }
-  for (int64_t j = nvec * W + threadIdx.x; j < V; j += blockDim.x) d[j] = fromf<T>(grad(j, tof(x[j])));
+  for (int64_t j = nvec * W + threadIdx.x; j < V; j += blockDim.x)
+    d[j] = fromf<T>(grad(j, tof(x[j])));
 }
 
 struct adamw_consts {
@@ -607,6 +602,16 @@ static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, cons
   return cublas_status(s, what);
 }
 
+/* f(T()) with T the storage type of the float dtype dt. */
+template <typename F>
+static void with_float_type(int dt, F f) {
+  switch (dt) {
+    case DTYPE_BF16: f(__nv_bfloat16()); break;
+    case DTYPE_F16: f(__half()); break;
+    default: f(float());
+  }
+}
+
 /* Runs op over the n = numel(like) elements of the operands in and out, all of like's dtype, on
  * like's device and stream. */
 template <int NI, int NO, typename Op>
@@ -621,11 +626,8 @@ static status_t map_launch(const tensor_t *like, const void *const (&in)[NI],
   int64_t W = 16 / (int64_t)dtype_size(like->dtype), nvec = bits % 16 == 0 ? n / W : 0;
   int grid = grid_for(nvec > n - nvec * W ? nvec : n - nvec * W);
   cudaStream_t s = stream_of(like);
-  switch (like->dtype) {
-    case DTYPE_BF16: map_kernel<__nv_bfloat16><<<grid, kBlock, 0, s>>>(p, n, nvec, op); break;
-    case DTYPE_F16: map_kernel<__half><<<grid, kBlock, 0, s>>>(p, n, nvec, op); break;
-    default: map_kernel<float><<<grid, kBlock, 0, s>>>(p, n, nvec, op);
-  }
+  with_float_type(like->dtype,
+                  [&](auto t) { map_kernel<decltype(t)><<<grid, kBlock, 0, s>>>(p, n, nvec, op); });
   return launched(what);
 }
 
@@ -826,32 +828,12 @@ static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
   if (N == 0) return STATUS_OK;
   flag_t f;
   TRY(flag_new(&f, logits->device));
-  cudaStream_t s = stream_of(logits);
-  float *l = (float *)losses->data;
-  const void *tg = targets->data;
-  int tdt = targets->dtype;
-  switch (logits->dtype) {
-    case DTYPE_BF16:
-      cross_entropy_kernel<<<(unsigned)N, kBlock, 0, s>>>(
-          l, (const __nv_bfloat16 *)logits->data, tg, tdt, V, f.p);
-      break;
-    case DTYPE_F16:
-      cross_entropy_kernel<<<(unsigned)N, kBlock, 0, s>>>(l, (const __half *)logits->data, tg,
-                                                          tdt, V, f.p);
-      break;
-    default:
-      cross_entropy_kernel<<<(unsigned)N, kBlock, 0, s>>>(l, (const float *)logits->data, tg,
-                                                          tdt, V, f.p);
-  }
+  with_float_type(logits->dtype, [&](auto t) {
+    cross_entropy_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
+        (float *)losses->data, (const decltype(t) *)logits->data, targets->data, targets->dtype, V,
+        f.p);
+  });
   return flag_finish(&f, launched("kernel_cross_entropy"), kTargetRange, "kernel_cross_entropy", V);
-}
-
-template <typename T>
-static void cross_entropy_backward_launch(tensor_t *dlogits, const tensor_t *logits,
-                                          const tensor_t *targets, float scale, int *bad) {
-  int64_t V = last_dim(logits), N = tensor_numel(targets);
-  cross_entropy_backward_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
-      (T *)dlogits->data, (const T *)logits->data, targets->data, targets->dtype, V, scale, bad);
 }
 
 static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
@@ -860,13 +842,11 @@ static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *l
   if (N == 0) return STATUS_OK;
   flag_t f;
   TRY(flag_new(&f, logits->device));
-  switch (logits->dtype) {
-    case DTYPE_BF16:
-      cross_entropy_backward_launch<__nv_bfloat16>(dlogits, logits, targets, scale, f.p);
-      break;
-    case DTYPE_F16: cross_entropy_backward_launch<__half>(dlogits, logits, targets, scale, f.p); break;
-    default: cross_entropy_backward_launch<float>(dlogits, logits, targets, scale, f.p);
-  }
+  with_float_type(logits->dtype, [&](auto t) {
+    using T = decltype(t);
+    cross_entropy_backward_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
+        (T *)dlogits->data, (const T *)logits->data, targets->data, targets->dtype, V, scale, f.p);
+  });
   return flag_finish(&f, launched("kernel_cross_entropy_backward"), kTargetRange,
                      "kernel_cross_entropy_backward", V);
 }

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "base/cuda_check.h"
+#include "base/cuda_elem.h"
 #include "base/kernels_impl.h"
 
 extern "C" cudaStream_t cuda_stream_raw(stream_t *s);
@@ -47,33 +48,6 @@ static __device__ inline float rnd(int dt, float v) {
 
 static __device__ inline int64_t ldi(int dt, const void *p, int64_t i) {
   return dt == DTYPE_I32 ? ((const int32_t *)p)[i] : ((const int64_t *)p)[i];
-}
-
-/* Typed loads and stores: the element-wise maps below are instantiated per storage type, so
- * their inner loops convert without a per-element switch. Same conversions as ldf and stf. */
-static __device__ inline float tof(float v) { return v; }
-static __device__ inline float tof(__nv_bfloat16 v) { return __bfloat162float(v); }
-static __device__ inline float tof(__half v) { return __half2float(v); }
-
-template <typename T>
-static __device__ inline T fromf(float v);
-template <>
-__device__ inline float fromf<float>(float v) {
-  return v;
-}
-template <>
-__device__ inline __nv_bfloat16 fromf<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ inline __half fromf<__half>(float v) {
-  return __float2half_rn(v);
-}
-
-/* v rounded to T and back: what storing v in T and loading it again gives. */
-template <typename T>
-static __device__ inline float round_to(float v) {
-  return tof(fromf<T>(v));
 }
 
 #define GRID_STRIDE(i, n)                                                   \

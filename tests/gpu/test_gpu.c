@@ -45,6 +45,28 @@ START_TEST(cuda_copy_and_cast_match_cpu) {
                 (long long)tensor_numel(&host));
         bad++;
       }
+      /* between the float dtypes on the device: whole tensors, and from one row in (off the
+       * vector casts' alignment) */
+      for (size_t e = 0; e < 3 && d < 3; e++) {
+        if (e == d) continue;
+        for (int from_row = 0; from_row < 2 && from_row < sizes[s][0]; from_row++) {
+          tensor_t gv, wv, want2, got2;
+          int64_t rows = sizes[s][0] - from_row;
+          ck_assert_int_eq(tensor_narrow(&gv, &got, 0, from_row, rows), STATUS_OK);
+          ck_assert_int_eq(tensor_narrow(&wv, &want, 0, from_row, rows), STATUS_OK);
+          ck_assert_int_eq(tensor_clone(&want2, &wv, dts[e], device_cpu()), STATUS_OK);
+          ck_assert_int_eq(tensor_clone(&got2, &gv, dts[e], gpu()), STATUS_OK);
+          if (!same(&got2, &want2)) {
+            fprintf(stderr, "cast %s -> %s differs for size %lld from row %d\n", dtype_name(dts[d]),
+                    dtype_name(dts[e]), (long long)tensor_numel(&wv), from_row);
+            bad++;
+          }
+          tensor_free(&gv);
+          tensor_free(&wv);
+          tensor_free(&want2);
+          tensor_free(&got2);
+        }
+      }
       tensor_free(&want);
       tensor_free(&got);
       tensor_free(&back);
