@@ -453,20 +453,40 @@ __global__ static void adamw_many_kernel(adamw_table t) {
   }
 }
 
-/* Sums of squares without atomics: block b of a tensor's launch writes its float partial to
- * partial[b] (at most kSsqBlocks blocks), then one thread per tensor adds its partials in
- * block order in double. */
+/* Sums of squares without atomics: block b of a tensor's nb blocks (at most kSsqBlocks)
+ * strides over its elements nb blocks apart and writes its float partial to the tensor's
+ * partial[b]; then one thread per tensor adds its partials in block order in double. Many
+ * tensors' blocks go in one launch, each block finding its tensor in the table (its argument,
+ * as adamw_many_kernel's); a tensor's partials are the same whatever else the launch holds. */
 static const int kSsqBlocks = 1024;
+enum { kSsqTable = 120 }; /* tensors per launch: the table stays under 4 KB of arguments */
 
-__global__ static void sum_squares_partial_kernel(float *partial, const void *x, int dt,
-                                                  int64_t n) {
+struct ssq_entry {
+  const void *x;
+  int64_t n;
+  int first_block, dt;
+  float *partial; /* its kSsqBlocks partials */
+};
+
+struct ssq_table {
+  int count;
+  ssq_entry e[kSsqTable];
+};
+static_assert(sizeof(ssq_table) <= 4096, "a kernel's arguments: at most 4 KB");
+
+__global__ static void sum_squares_many_kernel(ssq_table t) {
+  int i = 0;
+  while (i + 1 < t.count && (int)blockIdx.x >= t.e[i + 1].first_block) i++;
+  const ssq_entry &x = t.e[i];
+  int64_t b = blockIdx.x - x.first_block,
+          nb = (i + 1 < t.count ? t.e[i + 1].first_block : (int)gridDim.x) - x.first_block;
   float s = 0;
-  GRID_STRIDE(e, n) {
-    float v = ldf(dt, x, e);
+  for (int64_t e = b * blockDim.x + threadIdx.x; e < x.n; e += nb * blockDim.x) {
+    float v = ldf(x.dt, x.x, e);
     s += v * v;
   }
   s = block_reduce<false>(s);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+  if (threadIdx.x == 0) x.partial[b] = s;
 }
 
 __global__ static void sum_squares_total_kernel(double *out, const float *partial, int n) {
@@ -911,12 +931,23 @@ static status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *
   /* unused partials stay zero (adding them changes no bit) */
   status_t st =
       cuda_status(cudaMemsetAsync(partial, 0, pbytes, s), "cudaMemsetAsync (sum of squares)");
-  for (int i = 0; i < n && st == STATUS_OK; i++) {
-    int64_t m = tensor_numel(xs[i]);
-    int grid = grid_for(m) < kSsqBlocks ? grid_for(m) : kSsqBlocks;
-    if (m > 0)
-      sum_squares_partial_kernel<<<grid, kBlock, 0, s>>>(partial + (size_t)i * kSsqBlocks,
-                                                         xs[i]->data, xs[i]->dtype, m);
+  for (int i0 = 0; i0 < n && st == STATUS_OK;) {
+    ssq_table t;
+    t.count = 0;
+    int blocks = 0;
+    for (; i0 < n && t.count < kSsqTable; i0++) {
+      int64_t m = tensor_numel(xs[i0]);
+      if (m == 0) continue;
+      ssq_entry &e = t.e[t.count++];
+      e.x = xs[i0]->data;
+      e.n = m;
+      e.first_block = blocks;
+      e.dt = xs[i0]->dtype;
+      e.partial = partial + (size_t)i0 * kSsqBlocks;
+      blocks += grid_for(m) < kSsqBlocks ? grid_for(m) : kSsqBlocks;
+    }
+    if (t.count == 0) break;
+    sum_squares_many_kernel<<<(unsigned)blocks, kBlock, 0, s>>>(t);
     st = launched("kernel_sum_squares");
   }
   if (st == STATUS_OK) {
