@@ -61,48 +61,124 @@ __global__ static void embedding_runs_kernel(void *gt, int gdt, const void *go, 
   }
 }
 
-__global__ static void rmsnorm_kernel(void *out, float *rstd, const void *x, int xdt, const void *w,
-                                      int wdt, int64_t D, float eps) {
-  int64_t row = blockIdx.x;
-  float ss = 0;
-  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
-    float v = ldf(xdt, x, row * D + j);
-    ss += v * v;
+/* ---- rows in chunks ---- */
+
+/*
+ * A row of V elements of T in chunks of W = 16 / sizeof(T): chunk c holds the elements of
+ * [c W, c W + W) below V. When every row the kernel touches starts on a 16-byte boundary (vec),
+ * a whole chunk is one aligned pack; otherwise, and for a last partial chunk, it goes element
+ * by element, the places past V reading as fill. A block's threads take chunks threadIdx.x,
+ * threadIdx.x + blockDim.x, ...
+ */
+template <typename T>
+struct chunks {
+  static const int W = 16 / sizeof(T);
+
+  static __device__ int64_t count(int64_t V) { return (V + W - 1) / W; }
+
+  static __device__ void load(const T *row, int64_t c, int64_t V, bool vec, float fill, float *v) {
+    if (vec && (c + 1) * W <= V) {
+      pack<T> p = ((const pack<T> *)row)[c];
+#pragma unroll
+      for (int j = 0; j < W; j++) v[j] = tof(p.v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < W; j++) v[j] = c * W + j < V ? tof(row[c * W + j]) : fill;
+    }
+  }
+
+  static __device__ void store(T *row, int64_t c, int64_t V, bool vec, const float *v) {
+    if (vec && (c + 1) * W <= V) {
+      pack<T> p;
+#pragma unroll
+      for (int j = 0; j < W; j++) p.v[j] = fromf<T>(v[j]);
+      ((pack<T> *)row)[c] = p;
+    } else {
+#pragma unroll
+      for (int j = 0; j < W; j++)
+        if (c * W + j < V) row[c * W + j] = fromf<T>(v[j]);
+    }
+  }
+};
+
+static __device__ inline bool aligned16(const void *a, const void *b, const void *c = NULL) {
+  return ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) % 16 == 0;
+}
+
+/* Threads for a block per row of D elements of dt: one per chunk, a multiple of 32, at most
+ * kBlock. */
+static inline int row_threads(int64_t D, int dt) {
+  int64_t W = 16 / (int64_t)dtype_size((dtype_t)dt), n = (D + W - 1) / W, t = (n + 31) / 32 * 32;
+  return t < 32 ? 32 : t > kBlock ? kBlock : (int)t;
+}
+
+template <typename T>
+__global__ static void rmsnorm_kernel(T *out, float *rstd, const T *x, const void *w, int wdt,
+                                      int64_t D, float eps) {
+  typedef chunks<T> C;
+  const T *xr = x + blockIdx.x * D;
+  T *yr = out + blockIdx.x * D;
+  bool vec = aligned16(xr, yr);
+  float ss = 0, v[C::W];
+  for (int64_t c = threadIdx.x; c < C::count(D); c += blockDim.x) {
+    C::load(xr, c, D, vec, 0.0f, v);
+#pragma unroll
+    for (int j = 0; j < C::W; j++) ss += v[j] * v[j];
   }
   ss = block_reduce<false>(ss);
   float r = rsqrtf(ss / (float)D + eps);
-  if (threadIdx.x == 0) rstd[row] = r;
-  for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
-    stf(xdt, out, row * D + j, ldf(wdt, w, j) * rnd(xdt, ldf(xdt, x, row * D + j) * r));
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+  for (int64_t c = threadIdx.x; c < C::count(D); c += blockDim.x) {
+    C::load(xr, c, D, vec, 0.0f, v);
+#pragma unroll
+    for (int j = 0; j < C::W; j++) {
+      int64_t e = c * C::W + j;
+      v[j] = e < D ? ldf(wdt, w, e) * round_to<T>(v[j] * r) : 0.0f;
+    }
+    C::store(yr, c, D, vec, v);
+  }
 }
 
-__global__ static void rmsnorm_backward_dx_kernel(void *dx, const void *dy, const void *x, int xdt,
-                                                  const void *w, int wdt, const float *rstd,
-                                                  int64_t D) {
-  int64_t row = blockIdx.x;
-  float r = rstd[row], dot = 0;
-  for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
-    dot += ldf(xdt, dy, row * D + j) * ldf(wdt, w, j) * ldf(xdt, x, row * D + j);
+template <typename T>
+__global__ static void rmsnorm_backward_dx_kernel(T *dx, const T *dy, const T *x, const void *w,
+                                                  int wdt, const float *rstd, int64_t D) {
+  typedef chunks<T> C;
+  int64_t off = blockIdx.x * D;
+  bool vec = aligned16(dx + off, dy + off, x + off);
+  float r = rstd[blockIdx.x], dot = 0, g[C::W], v[C::W];
+  for (int64_t c = threadIdx.x; c < C::count(D); c += blockDim.x) {
+    C::load(dy + off, c, D, vec, 0.0f, g);
+    C::load(x + off, c, D, vec, 0.0f, v);
+#pragma unroll
+    for (int j = 0; j < C::W; j++)
+      if (c * C::W + j < D) dot += g[j] * ldf(wdt, w, c * C::W + j) * v[j];
+  }
   dot = block_reduce<false>(dot);
-  float c = dot / (float)D * r * r;
-  for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
-    int64_t e = row * D + j;
-    stf(xdt, dx, e, r * (ldf(xdt, dy, e) * ldf(wdt, w, j) - ldf(xdt, x, e) * c));
+  float k = dot / (float)D * r * r;
+  for (int64_t c = threadIdx.x; c < C::count(D); c += blockDim.x) {
+    C::load(dy + off, c, D, vec, 0.0f, g);
+    C::load(x + off, c, D, vec, 0.0f, v);
+#pragma unroll
+    for (int j = 0; j < C::W; j++) {
+      int64_t e = c * C::W + j;
+      g[j] = e < D ? r * (g[j] * ldf(wdt, w, e) - v[j] * k) : 0.0f;
+    }
+    C::store(dx + off, c, D, vec, g);
   }
 }
 
 /* dw in two passes, in a fixed order (deterministic) and with a thread per (column, block of
  * rows) rather than one per column: partial[c][j] sums rows [c per, (c + 1) per) of column
  * j in order, then dw[j] adds the partial sums in block order. */
-__global__ static void rmsnorm_dw_partial_kernel(float *partial, const void *dy, const void *x,
-                                                 int xdt, const float *rstd, int64_t rows,
-                                                 int64_t D, int64_t per) {
+template <typename T>
+__global__ static void rmsnorm_dw_partial_kernel(float *partial, const T *dy, const T *x,
+                                                 const float *rstd, int64_t rows, int64_t D,
+                                                 int64_t per) {
   int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, c = blockIdx.y;
   if (j >= D) return;
   int64_t i1 = (c + 1) * per < rows ? (c + 1) * per : rows;
   float s = 0;
-  for (int64_t i = c * per; i < i1; i++)
-    s += ldf(xdt, dy, i * D + j) * (ldf(xdt, x, i * D + j) * rstd[i]);
+  for (int64_t i = c * per; i < i1; i++) s += tof(dy[i * D + j]) * (tof(x[i * D + j]) * rstd[i]);
   partial[c * D + j] = s;
 }
 
@@ -340,28 +416,22 @@ __global__ static void axpy_kernel(void *y, int ydt, float alpha, const void *x,
   GRID_STRIDE(e, n) stf(ydt, y, e, ldf(ydt, y, e) + alpha * ldf(xdt, x, e));
 }
 
-/* f(j, x_j) for every column j of one row of V values of T, shared among the block's threads:
- * 16 bytes at a time from a row on a 16-byte boundary, the columns past the last whole 16
- * bytes (or every column of another row) one at a time. */
-template <typename T, typename F>
-__device__ static void row_each(const T *row, int64_t V, F f) {
-  const int W = 16 / sizeof(T);
-  int64_t nvec = (uintptr_t)row % 16 == 0 ? V / W : 0;
-  for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-    pack<T> p = ((const pack<T> *)row)[c];
-#pragma unroll
-    for (int j = 0; j < W; j++) f(c * W + j, tof(p.v[j]));
-  }
-  for (int64_t j = nvec * W + threadIdx.x; j < V; j += blockDim.x) f(j, tof(row[j]));
-}
-
-/* log-sum-exp of one row, computed by the whole block. */
+/* log-sum-exp of one row of V values, computed by the whole block (vec: as chunks' load). */
 template <typename T>
-__device__ static float block_row_lse(const T *row, int64_t V) {
-  float m = -INFINITY, s = 0;
-  row_each(row, V, [&](int64_t, float x) { m = fmaxf(m, x); });
+__device__ static float block_row_lse(const T *row, int64_t V, bool vec) {
+  typedef chunks<T> C;
+  float m = -INFINITY, s = 0, v[C::W];
+  for (int64_t c = threadIdx.x; c < C::count(V); c += blockDim.x) {
+    C::load(row, c, V, vec, -INFINITY, v);
+#pragma unroll
+    for (int j = 0; j < C::W; j++) m = fmaxf(m, v[j]);
+  }
   m = block_reduce<true>(m);
-  row_each(row, V, [&](int64_t, float x) { s += expf(x - m); });
+  for (int64_t c = threadIdx.x; c < C::count(V); c += blockDim.x) {
+    C::load(row, c, V, vec, -INFINITY, v);
+#pragma unroll
+    for (int j = 0; j < C::W; j++) s += expf(v[j] - m);
+  }
   return m + logf(block_reduce<false>(s));
 }
 
@@ -377,8 +447,9 @@ __global__ static void cross_entropy_kernel(float *losses, const T *logits, cons
     if (threadIdx.x == 0) losses[r] = 0.0f;
     return;
   }
-  float L = block_row_lse(logits + r * V, V);
-  if (threadIdx.x == 0) losses[r] = L - tof(logits[r * V + t]);
+  const T *x = logits + r * V;
+  float L = block_row_lse(x, V, aligned16(x, x));
+  if (threadIdx.x == 0) losses[r] = L - tof(x[t]);
 }
 
 /* dlogits may be logits (each value is read, then written, by one thread). */
@@ -386,6 +457,7 @@ template <typename T>
 __global__ static void cross_entropy_backward_kernel(T *dlogits, const T *logits,
                                                      const void *targets, int tdt, int64_t V,
                                                      float scale, int *bad) {
+  typedef chunks<T> C;
   int64_t r = blockIdx.x, t = ldi(tdt, targets, r);
   if (t >= V) {
     if (threadIdx.x == 0) *bad = 1;
@@ -393,23 +465,17 @@ __global__ static void cross_entropy_backward_kernel(T *dlogits, const T *logits
   }
   const T *x = logits + r * V;
   T *d = dlogits + r * V;
-  const int W = 16 / sizeof(T);
-  bool vec = ((uintptr_t)x | (uintptr_t)d) % 16 == 0;
-  int64_t nvec = vec ? V / W : 0;
-  float L = t < 0 ? 0.0f : block_row_lse(x, V);
-  /* zero for an ignored row, else scale (softmax - onehot) */
-  auto grad = [&](int64_t j, float v) {
-    float g = t < 0 ? 0.0f : scale * expf(v - L);
-    return j == t ? g - scale : g;
-  };
-  for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
-    pack<T> p = ((const pack<T> *)x)[c];
+  bool vec = aligned16(x, d);
+  float L = t < 0 ? 0.0f : block_row_lse(x, V, vec), v[C::W];
+  for (int64_t c = threadIdx.x; c < C::count(V); c += blockDim.x) {
+    C::load(x, c, V, vec, 0.0f, v);
 #pragma unroll
-    for (int j = 0; j < W; j++) p.v[j] = fromf<T>(grad(c * W + j, tof(p.v[j])));
-    ((pack<T> *)d)[c] = p;
+    for (int j = 0; j < C::W; j++) { /* zero for an ignored row, else scale (softmax - onehot) */
+      float g = t < 0 ? 0.0f : scale * expf(v[j] - L);
+      v[j] = c * C::W + j == t ? g - scale : g;
+    }
+    C::store(d, c, V, vec, v);
   }
-  for (int64_t j = nvec * W + threadIdx.x; j < V; j += blockDim.x)
-    d[j] = fromf<T>(grad(j, tof(x[j])));
 }
 
 struct adamw_consts {
@@ -714,8 +780,11 @@ static status_t cuda_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, c
                              float eps) {
   int64_t D = last_dim(x), rows = D ? tensor_numel(x) / D : 0;
   if (rows == 0) return STATUS_OK;
-  rmsnorm_kernel<<<(unsigned)rows, kBlock, 0, stream_of(x)>>>(
-      out->data, (float *)rstd->data, x->data, x->dtype, w->data, w->dtype, D, eps);
+  with_float_type(x->dtype, [&](auto t) {
+    using T = decltype(t);
+    rmsnorm_kernel<<<(unsigned)rows, row_threads(D, x->dtype), 0, stream_of(x)>>>(
+        (T *)out->data, (float *)rstd->data, (const T *)x->data, w->data, w->dtype, D, eps);
+  });
   return launched("kernel_rmsnorm");
 }
 
@@ -724,16 +793,23 @@ static status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t
   int64_t D = last_dim(x), rows = D ? tensor_numel(x) / D : 0;
   if (rows == 0) return STATUS_OK;
   cudaStream_t s = stream_of(x);
-  rmsnorm_backward_dx_kernel<<<(unsigned)rows, kBlock, 0, s>>>(
-      dx->data, dy->data, x->data, x->dtype, w->data, w->dtype, (const float *)rstd->data, D);
+  const float *r = (const float *)rstd->data;
+  with_float_type(x->dtype, [&](auto t) {
+    using T = decltype(t);
+    rmsnorm_backward_dx_kernel<<<(unsigned)rows, row_threads(D, x->dtype), 0, s>>>(
+        (T *)dx->data, (const T *)dy->data, (const T *)x->data, w->data, w->dtype, r, D);
+  });
   TRY(launched("kernel_rmsnorm_backward"));
   int64_t per = rows / 65535 + 1 > 64 ? rows / 65535 + 1 : 64, blocks = (rows + per - 1) / per;
   size_t bytes = sizeof(float) * (size_t)(blocks * D);
   float *partial;
   TRY(device_alloc(x->device, bytes, (void **)&partial));
   dim3 grid((unsigned)((D + kBlock - 1) / kBlock), (unsigned)blocks);
-  rmsnorm_dw_partial_kernel<<<grid, kBlock, 0, s>>>(partial, dy->data, x->data, x->dtype,
-                                                    (const float *)rstd->data, rows, D, per);
+  with_float_type(x->dtype, [&](auto t) {
+    using T = decltype(t);
+    rmsnorm_dw_partial_kernel<<<grid, kBlock, 0, s>>>(partial, (const T *)dy->data,
+                                                      (const T *)x->data, r, rows, D, per);
+  });
   status_t st = launched("kernel_rmsnorm_backward");
   if (st == STATUS_OK) {
     rmsnorm_dw_sum_kernel<<<grid_for(D), kBlock, 0, s>>>(dw->data, dw->dtype, partial, blocks, D);

@@ -130,8 +130,10 @@ static int k_embedding(device_t dev, dtype_t dt, tensor_t *o) {
   return 6;
 }
 
-static int k_rmsnorm(device_t dev, dtype_t dt, tensor_t *o) {
-  int64_t sx[2] = {170, 333}, sw = 333, rows = 170; /* dw: three blocks of rows */
+/* RMSNorm forward and backward over rows of D (rows on 16-byte boundaries when D is a multiple
+ * of 8, else mostly not); outputs y, rstd, dx, dw. */
+static int rmsnorm_case(device_t dev, dtype_t dt, tensor_t *o, int64_t rows, int64_t D) {
+  int64_t sx[2] = {rows, D}, sw = D;
   tensor_t x, w, y, r, dy, dx, dw;
   rnd(&x, dev, dt, 2, sx, 6, 2);
   rnd(&w, dev, dt, 1, &sw, 7, 1);
@@ -150,6 +152,11 @@ static int k_rmsnorm(device_t dev, dtype_t dt, tensor_t *o) {
   tensor_free(&w);
   tensor_free(&dy);
   return 4;
+}
+
+static int k_rmsnorm(device_t dev, dtype_t dt, tensor_t *o) {
+  int n = rmsnorm_case(dev, dt, o, 170, 333); /* dw: three blocks of rows */
+  return n + rmsnorm_case(dev, dt, o + n, 9, 256);
 }
 
 static int k_rope(device_t dev, dtype_t dt, tensor_t *o) {
@@ -272,20 +279,27 @@ static int k_elementwise(device_t dev, dtype_t dt, tensor_t *o) {
   return 7;
 }
 
-static int k_cross_entropy(device_t dev, dtype_t dt, tensor_t *o) {
-  int64_t s[2] = {23, 301}, n = 23;
+/* Losses and logits' gradients of n rows of V logits (rows on 16-byte boundaries when V is a
+ * multiple of 8, else mostly not). */
+static int cross_entropy_case(device_t dev, dtype_t dt, tensor_t *o, int64_t n, int64_t V) {
+  int64_t s[2] = {n, V};
   tensor_t logits, tg, losses, d;
   rnd(&logits, dev, dt, 2, s, 18, 5);
-  ids(&tg, dev, 23, 301);
+  ids(&tg, dev, n, V);
   poisoned(&losses, dev, DTYPE_F32, 1, &n);
   ok(kernel_cross_entropy(&losses, &logits, &tg));
   poisoned(&d, dev, dt, 2, s);
-  ok(kernel_cross_entropy_backward(&d, &logits, &tg, 1.0f / 22));
+  ok(kernel_cross_entropy_backward(&d, &logits, &tg, 1.0f / (float)(n - 1)));
   out(&o[0], &losses);
   out(&o[1], &d);
   tensor_free(&logits);
   tensor_free(&tg);
   return 2;
+}
+
+static int k_cross_entropy(device_t dev, dtype_t dt, tensor_t *o) {
+  int n = cross_entropy_case(dev, dt, o, 23, 301);
+  return n + cross_entropy_case(dev, dt, o + n, 7, 304);
 }
 
 static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
