@@ -38,14 +38,6 @@ static __device__ inline void stf(int dt, void *p, int64_t i, float v) {
   }
 }
 
-static __device__ inline float rnd(int dt, float v) {
-  switch (dt) {
-    case DTYPE_BF16: return __bfloat162float(__float2bfloat16_rn(v));
-    case DTYPE_F16: return __half2float(__float2half_rn(v));
-    default: return v;
-  }
-}
-
 static __device__ inline int64_t ldi(int dt, const void *p, int64_t i) {
   return dt == DTYPE_I32 ? ((const int32_t *)p)[i] : ((const int64_t *)p)[i];
 }
