@@ -101,6 +101,8 @@ static inline int64_t last_dim(const tensor_t *t) {
 double cpu_sum_products(const float *a, const float *b, const float *c, int64_t n);
 /* The sum of exp_f32(x[i] - shift) over i < n (attention's log-sum-exp). */
 double cpu_sum_exp(const float *x, int64_t n, float shift);
+/* The largest of x[0..n), -INFINITY when n is 0 (NaNs are passed over). */
+float cpu_max(const float *x, int64_t n);
 
 /* ---- threads ---- */
 

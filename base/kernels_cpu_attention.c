@@ -165,8 +165,7 @@ WIDE static void attn_forward_share(const void *ctx, int t, int64_t i0, int64_t 
        * values in both passes */
       for (int64_t i = r0; i < r1; i++) {
         const float *row = s + (i - r0) * n;
-        float m = -INFINITY;
-        for (int64_t j = 0; j <= i; j++) m = row[j] > m ? row[j] : m;
+        float m = cpu_max(row, i + 1);
         Lbh[i] = m + (float)log(cpu_sum_exp(row, i + 1, m));
       }
       attn_probs(s, n, r0, r1, Lbh);

@@ -339,6 +339,13 @@ double cpu_sum_exp(const float *x, int64_t n, float shift) {
   return s;
 }
 
+float cpu_max(const float *x, int64_t n) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m; /* maxps: no call to fmaxf */
+  return m;
+}
+
 /* The gradient norm: sums of a[i] b[i] in fp32 lanes over blocks of SUM_BLOCK elements, formed
  * over windows of blocks (in parallel when threads allow), the blocks' sums added in double in
  * order. Not in a WIDE kernel, whose wider lanes would change the order. */

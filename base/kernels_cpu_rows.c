@@ -221,8 +221,7 @@ static status_t ce_target(const tensor_t *targets, int64_t r, int64_t V, int64_t
 
 /* log-sum-exp of a row: fp32 exponentials (as the CUDA twin), a double-precision sum. */
 static float row_lse(const float *x, int64_t V) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < V; j++) m = x[j] > m ? x[j] : m;
+  float m = cpu_max(x, V);
   double s = 0;
   for (int64_t j = 0; j < V; j++) s += expf(x[j] - m);
   return m + (float)log(s);
@@ -278,8 +277,7 @@ static void ce_backward_share(const void *ctx, int t, int64_t r0, int64_t r1) {
       memset(g, 0, sizeof(float) * (size_t)V);
       continue;
     }
-    float m = -INFINITY; /* softmax with one exponential per logit */
-    for (int64_t j = 0; j < V; j++) m = x[j] > m ? x[j] : m;
+    float m = cpu_max(x, V); /* softmax with one exponential per logit */
     double sum = 0;
     for (int64_t j = 0; j < V; j++) sum += (g[j] = expf(x[j] - m));
     float k = (float)(a->scale / sum);
