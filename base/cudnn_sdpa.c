@@ -220,7 +220,7 @@ static cudnnHandle_t handle_of(int dev) {
   return cache.handle[dev];
 }
 
-/* Enqueues plan p on stream with the uids and pointers of the call; a failure names the call. */
+/* Enqueues plan p on stream with the uids and pointers of the call; a refusal names the call. */
 static status_t execute(cudnnHandle_t h, const plan_t *p, void *stream, int m, const int64_t *uids,
                         void *const *ptrs, void *ws) {
   cudnnBackendDescriptor_t pack = NULL;
@@ -283,8 +283,14 @@ static status_t run(int dev, void *stream, const attn_shape_t *a, dtype_t dt, in
     st = cuda_status(cudaMemsetAsync(extra + rows, 0, dqacc, (cudaStream_t)stream),
                      "cudaMemsetAsync (attention dQ)");
   }
-  if (st == STATUS_OK) st = execute(h, p, stream, m, uids, ptrs, ws);
-  if (st == STATUS_OK) {
+  if (st == STATUS_OK && execute(h, p, stream, m, uids, ptrs, ws) != STATUS_OK) {
+    /* cuDNN refused to enqueue the plan it had built: the shape goes to the batched products
+     * from now on, and the note keeps why */
+    note_set("%s", err_detail());
+    gb_destroy(&p->g);
+    p->exec = NULL;
+    p->ok = false;
+  } else if (st == STATUS_OK) {
     cache.runs++;
     *ran = true;
   }

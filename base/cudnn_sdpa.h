@@ -7,9 +7,10 @@
  *
  * libcudnn.so.9 is loaded on the first call. The graphs are the ones cuDNN's fused attention
  * engines take (base/cudnn_sdpa.c draws them); an execution plan is built once per device,
- * shape, dtype and direction and kept, and so is a refusal. A call that cuDNN cannot run
- * returns STATUS_OK with *ran false, and the caller runs the batched-GEMM plan; the reason is
- * kept for kernel_attention_fused_note(). FSDPC_CUDNN_ATTENTION=0 in the environment, or
+ * shape, dtype and direction and kept, and so is a refusal (also one at launch: a plan cuDNN
+ * built but will not enqueue is dropped). A call that cuDNN cannot run returns STATUS_OK with
+ * *ran false, and the caller runs the batched-GEMM plan; the reason is kept for
+ * kernel_attention_fused_note(). FSDPC_CUDNN_ATTENTION=0 in the environment, or
  * kernel_attention_set_fused(false), turns the fused path off.
  *
  * Determinism: the forward gives the same bits on every run (activation-checkpointing
