@@ -112,32 +112,6 @@ __global__ static void cast_kernel(D *dst, const S *src, int64_t n, int64_t nvec
     dst[i] = fromf<D>(tof(src[i]));
 }
 
-template <typename D, typename S>
-static void cast_launch(void *dst, const void *src, int64_t n, cudaStream_t s) {
-  bool aligned = (uintptr_t)dst % (8 * sizeof(D)) == 0 && (uintptr_t)src % (8 * sizeof(S)) == 0;
-  int64_t nvec = aligned ? n / 8 : 0, work = nvec > n - 8 * nvec ? nvec : n - 8 * nvec;
-  int64_t grid = (work + 255) / 256;
-  cast_kernel<<<(unsigned)(grid > 65535 ? 65535
-                           : grid < 1   ? 1
-                                        : grid),
-                256, 0, s>>>((D *)dst, (const S *)src, n, nvec);
-}
-
-/* Launches cast_kernel for a cast between two float dtypes; false for any other pair. */
-static bool cast_contiguous(void *dst, int ddt, const void *src, int sdt, int64_t n,
-                            cudaStream_t s) {
-  switch (ddt * 8 + sdt) {
-    case DTYPE_BF16 * 8 + DTYPE_F32: cast_launch<__nv_bfloat16, float>(dst, src, n, s); break;
-    case DTYPE_F16 * 8 + DTYPE_F32: cast_launch<__half, float>(dst, src, n, s); break;
-    case DTYPE_F32 * 8 + DTYPE_BF16: cast_launch<float, __nv_bfloat16>(dst, src, n, s); break;
-    case DTYPE_F32 * 8 + DTYPE_F16: cast_launch<float, __half>(dst, src, n, s); break;
-    case DTYPE_BF16 * 8 + DTYPE_F16: cast_launch<__nv_bfloat16, __half>(dst, src, n, s); break;
-    case DTYPE_F16 * 8 + DTYPE_BF16: cast_launch<__half, __nv_bfloat16>(dst, src, n, s); break;
-    default: return false;
-  }
-  return true;
-}
-
 template <typename T>
 __global__ static void fill_kernel(T *p, T value, int64_t n) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
@@ -156,6 +130,28 @@ static int grid_for(int64_t n, int block) {
   int64_t g = (n + block - 1) / block;
   if (g > 65535) g = 65535;
   return g < 1 ? 1 : (int)g;
+}
+
+template <typename D, typename S>
+static void cast_launch(void *dst, const void *src, int64_t n, cudaStream_t s) {
+  bool aligned = (uintptr_t)dst % (8 * sizeof(D)) == 0 && (uintptr_t)src % (8 * sizeof(S)) == 0;
+  int64_t nvec = aligned ? n / 8 : 0, work = nvec > n - 8 * nvec ? nvec : n - 8 * nvec;
+  cast_kernel<<<grid_for(work, 256), 256, 0, s>>>((D *)dst, (const S *)src, n, nvec);
+}
+
+/* Launches cast_kernel for a cast between two float dtypes; false for any other pair. */
+static bool cast_contiguous(void *dst, int ddt, const void *src, int sdt, int64_t n,
+                            cudaStream_t s) {
+  switch (ddt * 8 + sdt) {
+    case DTYPE_BF16 * 8 + DTYPE_F32: cast_launch<__nv_bfloat16, float>(dst, src, n, s); break;
+    case DTYPE_F16 * 8 + DTYPE_F32: cast_launch<__half, float>(dst, src, n, s); break;
+    case DTYPE_F32 * 8 + DTYPE_BF16: cast_launch<float, __nv_bfloat16>(dst, src, n, s); break;
+    case DTYPE_F32 * 8 + DTYPE_F16: cast_launch<float, __half>(dst, src, n, s); break;
+    case DTYPE_BF16 * 8 + DTYPE_F16: cast_launch<__nv_bfloat16, __half>(dst, src, n, s); break;
+    case DTYPE_F16 * 8 + DTYPE_BF16: cast_launch<__half, __nv_bfloat16>(dst, src, n, s); break;
+    default: return false;
+  }
+  return true;
 }
 
 static int cuda_device_count(void) {

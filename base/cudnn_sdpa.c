@@ -167,7 +167,6 @@ static plan_t *plan_get(const plan_key_t *key, const attn_shape_t *a, cudnnHandl
 
 static size_t round256(size_t n) { return (n + 255) & ~(size_t)255; }
 
-/* Whether cuDNN can be asked to run this call at all; if not, the note says why (lock held). */
 /* Who turned the fused path off: "" when no one has (lock held). */
 static const char *turned_off_by(void) {
   if (cache.env_off < 0) {
@@ -178,6 +177,7 @@ static const char *turned_off_by(void) {
   return cache.enabled ? "" : "kernel_attention_set_fused(false)";
 }
 
+/* Whether cuDNN can be asked to run this call at all; if not, the note says why (lock held). */
 static bool eligible(const attn_shape_t *a, dtype_t dt, int n, void *const *ptr) {
   const char *off = turned_off_by();
   if (off[0]) {
