@@ -1,10 +1,12 @@
 /*
  * Every CUDA compute kernel against its CPU twin on the same random inputs: device outputs
  * are poisoned (NaN) first, sizes are not multiples of the block size, and each kernel runs in
- * f32 and bf16. Tolerances (relative L2 over each output): none where the CUDA kernel keeps the
- * CPU kernel's order and rounding (embedding); else 1e-5 in f32 (summation order
+ * f32, bf16 and f16. Tolerances (relative L2 over each output): none where the CUDA kernel keeps
+ * the CPU kernel's order and rounding (embedding); else 1e-5 in f32 (summation order
  * differs); 1e-2 in bf16 (one rounding of a differently ordered fp32 sum can move a bf16
- * value by one unit in the last place). Exits 77 (skip) without a CUDA device.
+ * value by one unit in the last place, 2^-8), 5e-3 in f16 (units eight times finer; the
+ * margin for attention's backward, whose dS = P (dP - D) cancels). Exits 77 (skip) without a
+ * CUDA device.
  */
 #include <math.h>
 #include <stdio.h>
@@ -459,9 +461,10 @@ static const kcase_t cases[] = {
 };
 
 START_TEST(cuda_kernel_matches_cpu) {
-  const kcase_t *c = &cases[_i / 2];
-  dtype_t dt = _i % 2 ? DTYPE_BF16 : DTYPE_F32;
-  double tol = c->exact ? 0 : dt == DTYPE_F32 ? 1e-5 : 1e-2;
+  static const dtype_t dts[3] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16};
+  const kcase_t *c = &cases[_i / 3];
+  dtype_t dt = dts[_i % 3];
+  double tol = c->exact ? 0 : dt == DTYPE_F32 ? 1e-5 : dt == DTYPE_F16 ? 5e-3 : 1e-2;
   tensor_t cpu[MAX_T], gpu[MAX_T];
   int n = c->run(device_cpu(), dt, cpu);
   ck_assert_int_eq(c->run(world_device(), dt, gpu), n);
@@ -481,7 +484,7 @@ static Suite *make_suite(void) {
   if (world_device().type != DEVICE_CUDA) {
     harness_skip("no CUDA device");
   } else {
-    tcase_add_loop_test(tc, cuda_kernel_matches_cpu, 0, 2 * (int)(sizeof cases / sizeof cases[0]));
+    tcase_add_loop_test(tc, cuda_kernel_matches_cpu, 0, 3 * (int)(sizeof cases / sizeof cases[0]));
   }
   suite_add_tcase(s, tc);
   return s;
