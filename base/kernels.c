@@ -104,14 +104,24 @@ status_t kernel_prof_end(kernel_prof_t *c, const char *name, double bytes, statu
 }
 
 /* Returns call's status; times it (on the device's timer, else the wall clock) when
- * profiling. */
-#define DISPATCH(name, t, call)                       \
-  do {                                                \
-    if (!kernel_profile_enabled()) return (call);     \
-    kernel_prof_t pc_;                                \
-    kernel_prof_begin(&pc_, (t)->device);             \
-    return kernel_prof_end(&pc_, (name), 0, (call));  \
+ * profiling, with bytes (evaluated only then) the least the call moves: 0 for the
+ * compute-bound kernels. */
+#define DISPATCH(name, t, bytes, call)                     \
+  do {                                                     \
+    if (!kernel_profile_enabled()) return (call);          \
+    kernel_prof_t pc_;                                     \
+    kernel_prof_begin(&pc_, (t)->device);                  \
+    return kernel_prof_end(&pc_, (name), (bytes), (call)); \
   } while (0)
+
+/* The bytes of ts[0..n) (NULL entries none): each operand read or written once, a tensor both
+ * read and written listed twice. */
+static double moved(const tensor_t *const *ts, int n) {
+  double b = 0;
+  for (int i = 0; i < n; i++)
+    if (ts[i] != NULL) b += (double)tensor_numel(ts[i]) * (double)dtype_size(ts[i]->dtype);
+  return b;
+}
 
 void kernel_profile_reset(void) {
   pthread_mutex_lock(&prof.lock);
@@ -281,7 +291,7 @@ status_t kernel_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const ten
   if (d.m > INT32_MAX || d.n > INT32_MAX || d.k > INT32_MAX)
     return err_set(STATUS_EUNSUPPORTED, "kernel_matmul: dimensions beyond 2^31-1");
   if (d.m == 0 || d.n == 0) return STATUS_OK;
-  DISPATCH("matmul", out, ops->matmul(out, a, trans_a, b, trans_b, alpha, beta, &d));
+  DISPATCH("matmul", out, 0, ops->matmul(out, a, trans_a, b, trans_b, alpha, beta, &d));
 }
 
 status_t kernel_embedding_shard(tensor_t *out, const tensor_t *table, const tensor_t *ids,
@@ -297,7 +307,8 @@ status_t kernel_embedding_shard(tensor_t *out, const tensor_t *table, const tens
     return err_set(STATUS_EINVAL,
                    "kernel_embedding: rows [%lld, %lld) outside a vocabulary of %lld",
                    (long long)first, (long long)(first + table->shape[0]), (long long)vocab);
-  DISPATCH("embedding", out, ops->embedding(out, table, ids, first, vocab));
+  DISPATCH("embedding", out, moved(NT(out, out, ids)),
+           ops->embedding(out, table, ids, first, vocab));
 }
 
 status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *grad_out,
@@ -316,7 +327,7 @@ status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *g
     return err_set(STATUS_EINVAL,
                    "kernel_embedding_backward: rows [%lld, %lld) outside a vocabulary of %lld",
                    (long long)first, (long long)(first + grad_table->shape[0]), (long long)vocab);
-  DISPATCH("embedding_backward", grad_table,
+  DISPATCH("embedding_backward", grad_table, 0,
            ops->embedding_backward(grad_table, grad_out, ids, first, vocab));
 }
 
@@ -347,7 +358,7 @@ status_t kernel_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const 
   if (w->ndim != 1 || w->shape[0] != last_dim(x))
     return shape_error("kernel_rmsnorm", "w", w, "[D] with D the last dimension of x");
   TRY(check_rows_stat("kernel_rmsnorm", "rstd", rstd, rows_of(x)));
-  DISPATCH("rmsnorm", out, ops->rmsnorm(out, rstd, x, w, eps));
+  DISPATCH("rmsnorm", out, moved(NT(x, out, w)), ops->rmsnorm(out, rstd, x, w, eps));
 }
 
 status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
@@ -362,7 +373,8 @@ status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
   if (w->ndim != 1 || w->shape[0] != last_dim(x))
     return shape_error("kernel_rmsnorm_backward", "w", w, "[D] with D the last dimension of x");
   TRY(check_rows_stat("kernel_rmsnorm_backward", "rstd", rstd, rows_of(x)));
-  DISPATCH("rmsnorm_backward", dx, ops->rmsnorm_backward(dx, dw, dy, x, w, rstd));
+  DISPATCH("rmsnorm_backward", dx, moved(NT(dy, x, dx, w, dw, dw)),
+           ops->rmsnorm_backward(dx, dw, dy, x, w, rstd));
 }
 
 status_t rope_check(const rope_t *r) {
@@ -398,7 +410,7 @@ status_t kernel_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64
   if (x->ndim != 4 || x->shape[3] % 2 != 0)
     return shape_error("kernel_rope", "x", x, "[B, T, H, Dh] with Dh even");
   if (rope_check(rope) != STATUS_OK) return err_prefix(STATUS_EINVAL, "kernel_rope");
-  DISPATCH("rope", out, ops->rope(out, x, rope, pos_offset, inverse));
+  DISPATCH("rope", out, moved(NT(x, out)), ops->rope(out, x, rope, pos_offset, inverse));
 }
 
 static status_t check_qkv(const char *fn, const tensor_t *q, const tensor_t *k, const tensor_t *v) {
@@ -428,7 +440,7 @@ status_t kernel_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const
   TRY(check_same_shape(fn, NT(out, q)));
   TRY(check_lse(fn, lse, q));
   if (tensor_numel(q) == 0) return STATUS_OK;
-  DISPATCH("attention", out, ops->attention(out, lse, q, k, v));
+  DISPATCH("attention", out, 0, ops->attention(out, lse, q, k, v));
 }
 
 status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
@@ -443,7 +455,7 @@ status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, con
   TRY(check_same_shape(fn, NT(dk, dv, k)));
   TRY(check_lse(fn, lse, q));
   if (tensor_numel(q) == 0) return STATUS_OK;
-  DISPATCH("attention_backward", dq,
+  DISPATCH("attention_backward", dq, 0,
            ops->attention_backward(dq, dk, dv, dout, q, k, v, out, lse));
 }
 
@@ -452,7 +464,7 @@ status_t kernel_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up
   TRY(check_common("kernel_silu_mul", NT(out, gate, up), &ops));
   TRY(check_float_same("kernel_silu_mul", NT(out, gate, up)));
   TRY(check_same_shape("kernel_silu_mul", NT(out, gate, up)));
-  DISPATCH("silu_mul", out, ops->silu_mul(out, gate, up));
+  DISPATCH("silu_mul", out, moved(NT(gate, up, out)), ops->silu_mul(out, gate, up));
 }
 
 status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
@@ -461,7 +473,8 @@ status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t
   TRY(check_common("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up), &ops));
   TRY(check_float_same("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
   TRY(check_same_shape("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
-  DISPATCH("silu_mul_backward", dgate, ops->silu_mul_backward(dgate, dup, dout, gate, up));
+  DISPATCH("silu_mul_backward", dgate, moved(NT(dout, gate, up, dgate, dup)),
+           ops->silu_mul_backward(dgate, dup, dout, gate, up));
 }
 
 static status_t check_act(const char *fn, kernel_act_t act) {
@@ -476,7 +489,7 @@ status_t kernel_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
   TRY(check_float_same("kernel_activation", NT(out, x)));
   TRY(check_same_shape("kernel_activation", NT(out, x)));
   TRY(check_act("kernel_activation", act));
-  DISPATCH("activation", out, ops->activation(out, x, act));
+  DISPATCH("activation", out, moved(NT(x, out)), ops->activation(out, x, act));
 }
 
 status_t kernel_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
@@ -486,7 +499,8 @@ status_t kernel_activation_backward(tensor_t *dx, const tensor_t *dy, const tens
   TRY(check_float_same("kernel_activation_backward", NT(dx, dy, x)));
   TRY(check_same_shape("kernel_activation_backward", NT(dx, dy, x)));
   TRY(check_act("kernel_activation_backward", act));
-  DISPATCH("activation_backward", dx, ops->activation_backward(dx, dy, x, act));
+  DISPATCH("activation_backward", dx, moved(NT(dy, x, dx)),
+           ops->activation_backward(dx, dy, x, act));
 }
 
 /* b is [D] with D the last dimension of x. */
@@ -504,7 +518,7 @@ status_t kernel_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
   TRY(check_same_shape("kernel_bias_add", NT(out, x)));
   TRY(check_row_vector("kernel_bias_add", "b", b, x));
   if (tensor_numel(x) == 0) return STATUS_OK;
-  DISPATCH("bias_add", out, ops->bias_add(out, x, b));
+  DISPATCH("bias_add", out, moved(NT(x, out, b)), ops->bias_add(out, x, b));
 }
 
 status_t kernel_bias_backward(tensor_t *db, const tensor_t *dy) {
@@ -514,7 +528,7 @@ status_t kernel_bias_backward(tensor_t *db, const tensor_t *dy) {
   TRY(check_float("kernel_bias_backward", "dy", dy));
   TRY(check_row_vector("kernel_bias_backward", "db", db, dy));
   if (tensor_numel(dy) == 0) return STATUS_OK;
-  DISPATCH("bias_backward", db, ops->bias_backward(db, dy));
+  DISPATCH("bias_backward", db, moved(NT(dy, db, db)), ops->bias_backward(db, dy));
 }
 
 status_t kernel_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
@@ -531,7 +545,8 @@ status_t kernel_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const t
   TRY(check_rows_stat("kernel_layernorm", "mean", mean, rows_of(x)));
   TRY(check_rows_stat("kernel_layernorm", "rstd", rstd, rows_of(x)));
   if (tensor_numel(x) == 0) return STATUS_OK;
-  DISPATCH("layernorm", out, ops->layernorm(out, mean, rstd, x, w, b, eps));
+  DISPATCH("layernorm", out, moved(NT(x, out, w, b)),
+           ops->layernorm(out, mean, rstd, x, w, b, eps));
 }
 
 status_t kernel_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
@@ -552,7 +567,7 @@ status_t kernel_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, con
   TRY(check_rows_stat(fn, "mean", mean, rows_of(x)));
   TRY(check_rows_stat(fn, "rstd", rstd, rows_of(x)));
   if (tensor_numel(x) == 0) return STATUS_OK;
-  DISPATCH("layernorm_backward", dx,
+  DISPATCH("layernorm_backward", dx, moved(NT(dy, x, dx, w, dw, dw, db, db)),
            ops->layernorm_backward(dx, dw, db, dy, x, w, mean, rstd));
 }
 
@@ -561,7 +576,7 @@ status_t kernel_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
   TRY(check_common("kernel_add", NT(out, a, b), &ops));
   TRY(check_float_same("kernel_add", NT(out, a, b)));
   TRY(check_same_shape("kernel_add", NT(out, a, b)));
-  DISPATCH("add", out, ops->add(out, a, b));
+  DISPATCH("add", out, moved(NT(a, b, out)), ops->add(out, a, b));
 }
 
 status_t kernel_axpy(tensor_t *y, float alpha, const tensor_t *x) {
@@ -570,14 +585,14 @@ status_t kernel_axpy(tensor_t *y, float alpha, const tensor_t *x) {
   TRY(check_float("kernel_axpy", "y", y));
   TRY(check_float("kernel_axpy", "x", x));
   TRY(check_same_shape("kernel_axpy", NT(y, x)));
-  DISPATCH("axpy", y, ops->axpy(y, alpha, x));
+  DISPATCH("axpy", y, moved(NT(y, y, x)), ops->axpy(y, alpha, x));
 }
 
 status_t kernel_scale(tensor_t *x, float alpha) {
   const kernel_ops_t *ops;
   TRY(check_common("kernel_scale", NT(x), &ops));
   TRY(check_float("kernel_scale", "x", x));
-  DISPATCH("scale", x, ops->scale(x, alpha));
+  DISPATCH("scale", x, moved(NT(x, x)), ops->scale(x, alpha));
 }
 
 static status_t check_ce(const char *fn, const tensor_t *logits, const tensor_t *targets) {
@@ -596,7 +611,8 @@ status_t kernel_cross_entropy(tensor_t *losses, const tensor_t *logits, const te
   TRY(check_dtype(fn, "losses", losses, DTYPE_F32));
   if (tensor_numel(losses) != tensor_numel(targets))
     return shape_error(fn, "losses", losses, "one element per target");
-  DISPATCH("cross_entropy", losses, ops->cross_entropy(losses, logits, targets));
+  DISPATCH("cross_entropy", losses, moved(NT(logits, targets, losses)),
+           ops->cross_entropy(losses, logits, targets));
 }
 
 status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
@@ -607,7 +623,7 @@ status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits
   TRY(check_ce(fn, logits, targets));
   TRY(check_float_same(fn, NT(dlogits, logits)));
   TRY(check_same_shape(fn, NT(dlogits, logits)));
-  DISPATCH("cross_entropy_backward", dlogits,
+  DISPATCH("cross_entropy_backward", dlogits, moved(NT(logits, dlogits, targets)),
            ops->cross_entropy_backward(dlogits, logits, targets, scale));
 }
 
@@ -629,13 +645,21 @@ status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
                       const adamw_args_t *args) {
   const kernel_ops_t *ops;
   TRY(adamw_check("kernel_adamw", p, g, m, v, args, &ops));
-  DISPATCH("adamw", p, ops->adamw(p, g, m, v, args));
+  DISPATCH("adamw", p, moved(NT(p, p, g, m, m, v, v)), ops->adamw(p, g, m, v, args));
 }
 
 static status_t adamw_each(const kernel_ops_t *ops, const adamw_item_t *items, int n) {
   for (int i = 0; i < n; i++)
     TRY(ops->adamw(items[i].p, items[i].g, items[i].m, items[i].v, &items[i].args));
   return STATUS_OK;
+}
+
+static double adamw_items_moved(const adamw_item_t *items, int n) {
+  double b = 0;
+  for (int i = 0; i < n; i++)
+    b += moved(
+        NT(items[i].p, items[i].p, items[i].g, items[i].m, items[i].m, items[i].v, items[i].v));
+  return b;
 }
 
 status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed) {
@@ -660,7 +684,7 @@ status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed) {
     ops = o;
   }
   if (n == 0) return STATUS_OK;
-  DISPATCH("adamw", items[0].p,
+  DISPATCH("adamw", items[0].p, adamw_items_moved(items, n),
            ops->adamw_many ? ops->adamw_many(items, n) : adamw_each(ops, items, n));
 }
 
@@ -671,7 +695,7 @@ status_t kernel_sum_squares(const tensor_t *x, double *out) {
   TRY(check_float("kernel_sum_squares", "x", x));
   *out = 0;
   if (tensor_numel(x) == 0) return STATUS_OK;
-  DISPATCH("sum_squares", x, ops->sum_squares(x, out));
+  DISPATCH("sum_squares", x, moved(NT(x)), ops->sum_squares(x, out));
 }
 
 static status_t sum_squares_each(const kernel_ops_t *ops, const tensor_t *const *xs, int n,
@@ -691,7 +715,7 @@ status_t kernel_sum_squares_many(const tensor_t *const *xs, int n, double *out) 
   if (n == 0) return STATUS_OK;
   TRY(check_common(fn, xs, n, &ops));
   for (int i = 0; i < n; i++) TRY(check_float(fn, "x", xs[i]));
-  DISPATCH("sum_squares", xs[0],
+  DISPATCH("sum_squares", xs[0], moved(xs, n),
            ops->sum_squares_many ? ops->sum_squares_many(xs, n, out)
                                  : sum_squares_each(ops, xs, n, out));
 }

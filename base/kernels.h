@@ -238,8 +238,11 @@ status_t kernel_set_cpu_threads(int n);
  * kernel call is timed under its name (matmul, attention, rmsnorm_backward, ...), and so is
  * every tensor_copy within one device ("copy", or "copy (cast)" between dtypes, with the
  * bytes read and written): on a GPU the device time between events recorded around it on
- * its stream, on the CPU the wall time of the call. kernel_profile_report prints calls, total
- * and per-call milliseconds, each row's share and, for copies, GB/s, slowest first, to out
+ * its stream, on the CPU the wall time of the call. The memory-bound kernels (all but the
+ * matrix products, attention and the embedding's backward) count the least bytes they move:
+ * every operand read or written once, one both read and written twice. kernel_profile_report
+ * prints calls, total and per-call milliseconds, each row's share and, where bytes were
+ * counted, GB/s, slowest first, to out
  * (when not NULL; waiting for pending device timers) and gives the total in *total_seconds
  * (when not NULL); kernel_profile_reset starts over. Off, a call costs one branch more. */
 bool kernel_profile_enabled(void);
@@ -251,7 +254,7 @@ status_t kernel_profile_report(FILE *out, double *total_seconds);
  * has none. */
 typedef struct kernel_profile_row {
   int64_t calls;
-  double seconds, bytes; /* bytes: copies only */
+  double seconds, bytes; /* bytes: copies and memory-bound kernels (0 for the others) */
 } kernel_profile_row_t;
 bool kernel_profile_get(const char *name, kernel_profile_row_t *out);
 

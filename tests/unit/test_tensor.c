@@ -135,7 +135,8 @@ START_TEST(device_poll_ends_by_ready_failure_or_hook) {
 }
 END_TEST
 
-/* FSDPC_PROFILE's table: a row per kernel name with its calls, only while profiling is on. */
+/* FSDPC_PROFILE's table: a row per kernel name with its calls and, for copies and the
+ * memory-bound kernels, the bytes they move, only while profiling is on. */
 START_TEST(kernel_profile_counts_calls_per_kernel) {
   int64_t n = 1000;
   tensor_t a, b;
@@ -177,6 +178,11 @@ START_TEST(kernel_profile_counts_calls_per_kernel) {
   ck_assert_int_eq(row.calls, 2);
   ck_assert(row.bytes == 16000.0 && row.seconds > 0);
   ck_assert(!kernel_profile_get("copy (cast)", &row));
+  /* a memory-bound kernel's least bytes: add reads two operands and writes one */
+  ck_assert(kernel_profile_get("add", &row));
+  ck_assert(row.calls == 3 && row.bytes == 3 * 12000.0);
+  ck_assert(kernel_profile_get("scale", &row));
+  ck_assert(row.bytes == 8000.0);
   kernel_profile_reset();
   ck_assert(!kernel_profile_get("copy", &row));
   ck_assert_int_eq(kernel_profile_report(NULL, &total), STATUS_OK);
