@@ -281,14 +281,16 @@ static status_t train(run_t *r) {
   TRY(metrics_agree(mpath, bad));
   nn_module_t *root = llama_module(r->model);
   double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0, t_profile = 0;
+  /* the profile leaves out the first two steps (allocation, first touch, warm-up), or only the
+   * first in runs of fewer than four */
+  int64_t profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
   size_t peak_max = 0;
   status_t st = STATUS_OK;
   train_counted_bytes(r); /* reset */
   for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK; s++) {
     double t0 = now(), loss = 0;
-    /* the profile covers the steps after the first (allocation and warm-up) */
-    if (s == r->start_step + 1 && kernel_profile_enabled()) kernel_profile_reset();
-    if (s == r->start_step + 1) t_profile = t0;
+    if (s == profile_from && kernel_profile_enabled()) kernel_profile_reset();
+    if (s == profile_from) t_profile = t0;
     mem_reset_peak(r->dev);
     optim_zero_grad(r->opt);
     for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++) {
@@ -397,8 +399,8 @@ static status_t train(run_t *r) {
            pm);
     if (kernel_profile_enabled() && t_profile > 0) { /* FSDPC_PROFILE=1: rank 0's kernels */
       double k = 0, span = now() - t_profile;
-      printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n",
-             (long long)r->start_step + 2, (long long)p->steps);
+      printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n", (long long)profile_from + 1,
+             (long long)p->steps);
       st = kernel_profile_report(stdout, &k);
       printf("kernels %.3f s of %.3f s\n", k, span);
       if (kernel_attention_fused_runs() > 0)
