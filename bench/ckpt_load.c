@@ -12,8 +12,9 @@
  * the page cache first), and (h) each resume repeated into the memory it just filled (reads
  * and checks without the allocation). Prints median times, the bytes each read, the ratios and
  * the cost of the always-on block checks with the spread of the paired ratios. A load hashes
- * its blocks on a helper thread when the process may use more than one CPU (run it under
- * `taskset -c 0` to see the cost on one).
+ * its blocks on a helper thread when the rank has a CPU to spare (more CPUs than ranks on the
+ * node, or a binding to several), else on the reading thread (run it under `taskset -c 0` to
+ * see the cost on one).
  *
  *   bench-ckpt-load [--config configs/llama-100m.json] [--dir DIR] [--reps 3]
  *                   [--block-bytes 262144]
@@ -303,6 +304,18 @@ static uint64_t read_own(const char *dir, char *buf, size_t size) {
  * ranks), each rank's resume (deferred build, shard, memory for its shards, load its own
  * chunks) from it and from a copy without checksums, against each rank reading its own files
  * from the page cache; the slowest rank's times, medians over the repetitions. */
+/* Where this rank's loads hash their blocks, and why. */
+static void print_hashing(void) {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  printf(
+      "this rank may use %d of the %ld CPUs, %d rank%s on the node: the loads hash their "
+      "blocks %s\n",
+      ncpu, sysconf(_SC_NPROCESSORS_ONLN), world_local_size(), world_local_size() == 1 ? "" : "s",
+      dcp_checker_spare_cpu() ? "on a helper thread" : "on the reading thread");
+}
+
 static void sharded(const llama_config_t *cfg, int reps) {
   int W = world_size();
   mesh_t *mesh;
@@ -361,6 +374,7 @@ static void sharded(const llama_config_t *cfg, int reps) {
     printf("each rank reading its own files (page cache): %.3f s (the slowest rank)\n", tr);
     printf("resume, deferred (build, shard, memory for the shards, load), the slowest rank: "
            "%.3f s: %.2fx the read\n", tl, tl / tr);
+    print_hashing();
     printf("block checks: %.3f s checked, %.3f s from the same files without checksums: %s\n",
            tl, median(t_plain, reps), paired_cost(t_load, t_plain, reps));
     printf("(times: medians of %d interleaved repetitions of the slowest rank's)\n", reps);
@@ -503,11 +517,7 @@ int main(int argc, char **argv) {
          "alone is at most %.3f s, %.1f%% of the checked resume\n",
          (unsigned long long)block, th, (double)file_bytes / 1e6 / th, th - tr,
          100.0 * (th - tr) / td);
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  printf("this process may use %d CPU%s: the loads hash their blocks %s\n", ncpu,
-         ncpu > 1 ? "s" : "", ncpu > 1 ? "on a helper thread" : "on the reading thread");
+  print_hashing();
   printf("block checks (XXH3-64 per %llu-byte block, always on): the deferred resume takes "
          "%.3f s checked, %.3f s from the same files without checksums: %s\n",
          (unsigned long long)block, td, tp, paired_cost(t_deferred, t_plain, reps));

@@ -1,16 +1,19 @@
 /*
  * Block checks off the reading thread: while a load reads piece k + 1 into place, a helper
- * thread hashes the blocks of piece k and compares them with the record. A check costs the reading thread a
- * queue push; the wall time of a checked load is that of an unchecked one when the process may
- * use a second CPU. With one CPU (a rank bound to one core) the blocks are hashed at once, on
- * the caller, as before.
+ * thread hashes the blocks of piece k and compares them with the record. A check costs the reading
+ * thread a queue push; the wall time of a checked load is that of an unchecked one when the rank
+ * has a CPU to spare (dcp_checker_spare_cpu). Without one (a rank bound to one core, or as many
+ * ranks on the node as CPUs) the blocks are hashed at once, on the caller, while they are in its
+ * caches: a helper would only take turns with the reading threads and hash from farther away.
  */
 #define _GNU_SOURCE /* sched_getaffinity */
-#include "checkpoint/dcp_integrity.h"
-
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <unistd.h>
+
+#include "checkpoint/dcp_integrity.h"
+#include "mesh/world.h"
 
 #define QUEUE 16                         /* pieces pushed and not yet hashed, at most */
 #define INLINE_BYTES ((size_t)128 << 10) /* smaller pieces: hashed at once, no hand-over */
@@ -69,17 +72,19 @@ static void *run(void *arg) {
   return NULL;
 }
 
-/* Whether this thread may run on more than one CPU. */
-static bool several_cpus(void) {
+bool dcp_checker_spare_cpu(void) {
   cpu_set_t set;
   CPU_ZERO(&set);
-  return sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 1;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return false;
+  long mine = CPU_COUNT(&set), online = sysconf(_SC_NPROCESSORS_ONLN);
+  if (mine < online) return mine > 1;
+  return mine > world_local_size();
 }
 
 status_t dcp_checker_new(dcp_checker_t **out) {
   dcp_checker_t *c = calloc(1, sizeof *c);
   if (c == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-  if (several_cpus() && pthread_mutex_init(&c->mu, NULL) == 0) {
+  if (dcp_checker_spare_cpu() && pthread_mutex_init(&c->mu, NULL) == 0) {
     if (pthread_cond_init(&c->work, NULL) == 0) {
       if (pthread_cond_init(&c->done, NULL) == 0) {
         if (pthread_create(&c->thread, NULL, run, c) == 0) {

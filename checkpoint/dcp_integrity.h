@@ -73,10 +73,14 @@ status_t dcp_integrity_format(const dcp_integrity_t *it, char **out);
 status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t *out);
 void dcp_integrity_free(dcp_integrity_t *it);
 
-/* Compares blocks with their recorded hashes: on a helper thread when the process may use more
- * than one CPU (the caller reads on meanwhile), else at once on the caller. Pushed bytes must
- * stay in place until dcp_checker_wait returns. */
+/* Compares blocks with their recorded hashes: on a helper thread when the rank has a CPU to
+ * spare (dcp_checker_spare_cpu; the caller reads on meanwhile), else at once on the caller.
+ * Pushed bytes must stay in place until dcp_checker_wait returns. */
 typedef struct dcp_checker dcp_checker_t;
+/* Whether a helper thread would find a CPU the node's ranks leave free: this thread is bound to
+ * more than one CPU but not to all of the node's (the launcher gave them to this rank), or it may
+ * run on all of them and they outnumber the ranks on the node (world_local_size). */
+bool dcp_checker_spare_cpu(void);
 status_t dcp_checker_new(dcp_checker_t **out);
 /* Whether the blocks are hashed on the helper thread (else at once, by dcp_checker_push). */
 bool dcp_checker_threaded(const dcp_checker_t *c);
