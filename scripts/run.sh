@@ -11,7 +11,7 @@ if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1
-[ -f build/build.ninja ] || meson setup build
+[ -f build/build.ninja ] || scripts/meson-setup.sh build
 ninja -C build
 mpirun --oversubscribe --bind-to none -n 4 build/tools/fsdp-train configs/fsdp.yaml
 mpirun --oversubscribe --bind-to none -n 4 build/tools/fsdp-demo

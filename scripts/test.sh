@@ -27,7 +27,7 @@ fi
 # CI treats every compiler warning as an error; a user's build does not
 if [ -n "${CI:-}" ]; then opts+=(-Dwerror=true); fi
 if [ ! -f "$dir/build.ninja" ]; then
-  meson setup "$dir" "${opts[@]}"
+  scripts/meson-setup.sh "$dir" "${opts[@]}"
 fi
 ninja -C "$dir"
 meson test -C "$dir" --print-errorlogs --num-processes 2 "$@"
