@@ -300,10 +300,6 @@ static uint64_t read_own(const char *dir, char *buf, size_t size) {
   return total;
 }
 
-/* With W > 1 ranks: a W-way FSDP checkpoint (fully_shard per layer and root, saved by the W
- * ranks), each rank's resume (deferred build, shard, memory for its shards, load its own
- * chunks) from it and from a copy without checksums, against each rank reading its own files
- * from the page cache; the slowest rank's times, medians over the repetitions. */
 /* Where this rank's loads hash their blocks, and why. */
 static void print_hashing(void) {
   cpu_set_t cpus;
@@ -316,6 +312,10 @@ static void print_hashing(void) {
       dcp_checker_spare_cpu() ? "on a helper thread" : "on the reading thread");
 }
 
+/* With W > 1 ranks: a W-way FSDP checkpoint (fully_shard per layer and root, saved by the W
+ * ranks), each rank's resume (deferred build, shard, memory for its shards, load its own
+ * chunks) from it and from a copy without checksums, against each rank reading its own files
+ * from the page cache; the slowest rank's times, medians over the repetitions. */
 static void sharded(const llama_config_t *cfg, int reps) {
   int W = world_size();
   mesh_t *mesh;

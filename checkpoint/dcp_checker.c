@@ -7,12 +7,13 @@
  * caches: a helper would only take turns with the reading threads and hash from farther away.
  */
 #define _GNU_SOURCE /* sched_getaffinity */
+#include "checkpoint/dcp_integrity.h"
+
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "checkpoint/dcp_integrity.h"
 #include "mesh/world.h"
 
 #define QUEUE 16                         /* pieces pushed and not yet hashed, at most */
