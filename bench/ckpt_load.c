@@ -2,19 +2,21 @@
  * A one-rank resume against a plain read of the same files: a training checkpoint (model and
  * AdamW state) is written once, then, interleaved and repeated, (a) every file of it is read
  * into a buffer with read(2) (warm page cache), (b) the model is built deferred, its memory
- * allocated and the checkpoint loaded into it (what fsdp-train does), (c) the model is built
- * and initialised eagerly, the optimizer state zero-filled, then loaded (the path before
- * deferred initialisation), (d) the deferred resume from a copy of the checkpoint without
- * checksums (the files another tool would write: the same bytes, no integrity records), (e) a
- * resharding-style read of the first quarter of every tensor's rows from both, the blocks it
- * touches checked or not, (f) the plain read again in blocks of the checksums' size, each
- * hashed, (g) the checked and unchecked resumes from storage (the files' pages dropped from
- * the page cache first), and (h) each resume repeated into the memory it just filled (reads
- * and checks without the allocation). Prints median times, the bytes each read, the ratios and
- * the cost of the always-on block checks with the spread of the paired ratios. A load hashes
- * its blocks on a helper thread when the rank has a CPU to spare (more CPUs than ranks on the
- * node, or a binding to several), else on the reading thread (run it under `taskset -c 0` to
- * see the cost on one).
+ * allocated and the checkpoint loaded into it, as fsdp-train does: in a new process of this
+ * program (all of its memory fresh from the system, as when fsdp-train resumes) and again in
+ * this one (its memory then mostly the blocks the previous repetition freed, which the host
+ * cache hands out again), (c) the model is built and initialised eagerly, the optimizer state
+ * zero-filled, then loaded (the path before deferred initialisation), (d) the deferred resume
+ * from a copy of the checkpoint without checksums (the files another tool would write: the same
+ * bytes, no integrity records), (e) a resharding-style read of the first quarter of every
+ * tensor's rows from both, the blocks it touches checked or not, (f) the plain read again in
+ * blocks of the checksums' size, each hashed, (g) the checked and unchecked resumes from
+ * storage (the files' pages dropped from the page cache first), and (h) each resume repeated
+ * into the memory it just filled (reads and checks without the allocation). Prints median
+ * times, the bytes each read, the ratios and the cost of the always-on block checks with the
+ * spread of the paired ratios. A load hashes its blocks on a helper thread when the rank has a
+ * CPU to spare (more CPUs than ranks on the node, or a binding to several), else on the reading
+ * thread (run it under `taskset -c 0` to see the cost on one).
  *
  *   bench-ckpt-load [--config configs/llama-100m.json] [--dir DIR] [--reps 3]
  *                   [--block-bytes 262144]
@@ -24,12 +26,14 @@
  */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <dirent.h>
-#include <sched.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "base/file.h"
@@ -227,6 +231,84 @@ static void unbuild(built_t *b) {
   llama_free(b->m);
 }
 
+/* The hidden first argument that makes this program a resume of its own (see fresh_resume). */
+#define FRESH_RESUME "--fresh-resume"
+
+/* `bench-ckpt-load --fresh-resume CONFIG DIR`: one deferred resume of DIR in this new process
+ * (one rank), the first thing it does after world_init; prints its seconds and the blocks it
+ * took from the system. All of its memory comes from the system, as in an `fsdp-train` that
+ * resumes. */
+static int fresh_resume(const char *config, const char *dir) {
+  int one = 1;
+  char *args[] = {"bench-ckpt-load", NULL}, **argv = args;
+  BENCH_TRY(world_init(&one, &argv));
+  llama_config_t cfg;
+  BENCH_TRY(llama_config_from_hf(config, &cfg));
+  struct rusage before, after;
+  getrusage(RUSAGE_SELF, &before);
+  double t0 = bench_now();
+  built_t b;
+  build(&b, &cfg, true, NULL);
+  int64_t step;
+  BENCH_TRY(ckpt_load_training(dir, b.ps, b.n, b.opt, &step, NULL));
+  double t = bench_now() - t0;
+  getrusage(RUSAGE_SELF, &after);
+  printf("%.9f %zu %ld\n", t, mem_os_allocs(device_cpu()), after.ru_minflt - before.ru_minflt);
+  unbuild(&b);
+  world_finalize();
+  return 0;
+}
+
+/* Whether mpirun started this process (a child would then take the job's identity); read
+ * before world_init, which sets some of these variables itself. */
+static bool g_launched;
+
+static bool under_launcher(void) {
+  return getenv("OMPI_COMM_WORLD_SIZE") != NULL || getenv("PMIX_RANK") != NULL ||
+         getenv("PMI_RANK") != NULL;
+}
+
+/* Runs fresh_resume of dir in a new process of this program; returns the seconds it took, the
+ * blocks it took from the system in *blocks and its page faults in *faults. */
+static double resume_in_new_process(const char *config, const char *dir, size_t *blocks,
+                                    long *faults) {
+  int fds[2];
+  if (pipe(fds) != 0) {
+    perror("pipe");
+    bench_leave(1);
+  }
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  if (pid < 0) {
+    perror("fork");
+    bench_leave(1);
+  }
+  if (pid == 0) {
+    dup2(fds[1], STDOUT_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    execl("/proc/self/exe", "bench-ckpt-load", FRESH_RESUME, config, dir, (char *)NULL);
+    perror("/proc/self/exe");
+    _exit(127);
+  }
+  close(fds[1]);
+  char line[128] = {0};
+  size_t got = 0;
+  ssize_t n;
+  while (got < sizeof line - 1 && (n = read(fds[0], line + got, sizeof line - 1 - got)) > 0)
+    got += (size_t)n;
+  close(fds[0]);
+  int status = 0;
+  double t;
+  if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0 ||
+      sscanf(line, "%lf %zu %ld", &t, blocks, faults) != 3) {
+    fprintf(stderr, "bench-ckpt-load: the resume in a new process failed (status %d)\n", status);
+    bench_leave(1);
+  }
+  return t;
+}
+
 /* The state before deferred initialisation: the eager build also zero-filled the moments the
  * load then overwrote. */
 static void zero_moments(built_t *b) {
@@ -250,6 +332,14 @@ static double median(const double *x, int n) { /* x is left in its order (pairs 
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* The k-th quartile (k = 1 or 3) of x, left in its order. */
+static double quartile(const double *x, int n, int k) {
+  double v[64];
+  memcpy(v, x, sizeof *v * (size_t)n);
+  qsort(v, (size_t)n, sizeof *v, cmp);
+  return v[(k * n) / 4 < n ? (k * n) / 4 : n - 1];
+}
+
 /* The checked-over-unchecked cost: the median of the repetitions' paired ratios (a check and
  * its unchecked twin ran back to back, so machine noise mostly cancels), in percent, written
  * with the ratios' quartiles (their spread: this machine's noise). */
@@ -258,7 +348,6 @@ static const char *paired_cost(const double *checked, const double *unchecked, i
   static int next;
   double q[64];
   for (int i = 0; i < n; i++) q[i] = checked[i] / unchecked[i];
-  qsort(q, (size_t)n, sizeof *q, cmp);
   double best = checked[0], best_un = unchecked[0];
   for (int i = 1; i < n; i++) {
     best = checked[i] < best ? checked[i] : best;
@@ -266,8 +355,8 @@ static const char *paired_cost(const double *checked, const double *unchecked, i
   }
   char *o = out[next++ % 4];
   snprintf(o, sizeof out[0], "%+.1f%% (quartiles %+.1f%%, %+.1f%%; fastest %+.1f%%)",
-           100.0 * (median(q, n) - 1.0), 100.0 * (q[n / 4] - 1.0),
-           100.0 * (q[(3 * n) / 4] - 1.0), 100.0 * (best / best_un - 1.0));
+           100.0 * (median(q, n) - 1.0), 100.0 * (quartile(q, n, 1) - 1.0),
+           100.0 * (quartile(q, n, 3) - 1.0), 100.0 * (best / best_un - 1.0));
   return o;
 }
 
@@ -347,6 +436,7 @@ static void sharded(const llama_config_t *cfg, int reps) {
   if (buf == NULL) bench_leave(1);
   double t_read[64], t_load[64], t_plain[64];
   uint64_t own = 0, total = 0;
+  size_t fresh = 0; /* blocks rank 0's last checked resume took from the system */
   for (int r = 0; r < reps; r++) {
     barrier();
     double t0 = bench_now();
@@ -356,11 +446,13 @@ static void sharded(const llama_config_t *cfg, int reps) {
       int k = (j + r) % 2;
       read_own(k ? dir : plain, buf, size);
       barrier();
+      size_t os0 = mem_os_allocs(device_cpu());
       t0 = bench_now();
       build(&b, cfg, true, mesh);
       int64_t step;
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step, NULL));
       (k ? t_load : t_plain)[r] = slowest(t0);
+      if (k) fresh = mem_os_allocs(device_cpu()) - os0;
       unbuild(&b);
     }
   }
@@ -372,8 +464,12 @@ static void sharded(const llama_config_t *cfg, int reps) {
            dir, (long long)llama_num_params(cfg), W, (double)total / 1e6,
            (double)total / 1e6 / W);
     printf("each rank reading its own files (page cache): %.3f s (the slowest rank)\n", tr);
-    printf("resume, deferred (build, shard, memory for the shards, load), the slowest rank: "
-           "%.3f s: %.2fx the read\n", tl, tl / tr);
+    printf(
+        "resume, deferred (build, shard, memory for the shards, load), repeated in these "
+        "processes (rank 0's took %zu blocks of 64 KiB or more from the system, the rest "
+        "the blocks an earlier load freed; a new process takes them all, see the one-rank "
+        "run), the slowest rank: %.3f s: %.2fx the read\n",
+        fresh, tl, tl / tr);
     print_hashing();
     printf("block checks: %.3f s checked, %.3f s from the same files without checksums: %s\n",
            tl, median(t_plain, reps), paired_cost(t_load, t_plain, reps));
@@ -399,6 +495,8 @@ static const bench_option_t OPTIONS[] = {
     {NULL, NULL, NULL}};
 
 int main(int argc, char **argv) {
+  if (argc == 4 && strcmp(argv[1], FRESH_RESUME) == 0) return fresh_resume(argv[2], argv[3]);
+  g_launched = under_launcher();
   BENCH_TRY(world_init(&argc, &argv));
   bench_args(argc, argv,
              "A resume of a training checkpoint against a plain read of its files, with and "
@@ -406,7 +504,8 @@ int main(int argc, char **argv) {
              OPTIONS);
   llama_config_t cfg;
   llama_options_t unused;
-  bench_model(argc, argv, SOURCE_ROOT "/configs/llama-100m.json", &cfg, &unused);
+  const char *config = bench_opt(argc, argv, "--config", SOURCE_ROOT "/configs/llama-100m.json");
+  bench_model(argc, argv, config, &cfg, &unused);
   int reps = (int)bench_int(argc, argv, "--reps", 3, 1, 64);
   const char *given = bench_opt(argc, argv, "--dir", NULL);
   BENCH_TRY(dcp_set_block_bytes((uint64_t)bench_int(argc, argv, "--block-bytes",
@@ -447,6 +546,10 @@ int main(int argc, char **argv) {
   read_tree(plain, buf, bufsize);
   double t_read[64], t_deferred[64], t_eager[64], t_plain[64], t_part[64], t_part_plain[64];
   double t_hashed[64], t_cold[64], t_cold_plain[64], t_again[64], t_again_plain[64];
+  double t_new[64], t_new_plain[64];
+  size_t warm_blocks = 0, new_blocks = 0; /* blocks a resume took from the system */
+  long new_faults = 0;
+  bool spawn = !g_launched; /* the resume in a new process */
   dcp_stats_t stats = {0}, plain_stats = {0};
   uint64_t part_bytes = 0;
   for (int r = 0; r < reps; r++) {
@@ -459,6 +562,7 @@ int main(int argc, char **argv) {
     for (int j = 0; j < 2; j++) { /* checked and unchecked back to back, alternating first */
       int k = (j + r) % 2;         /* 1: the checked files, 0: those without checksums */
       read_tree(k ? dir : plain, buf, bufsize); /* each load after a read of its own files */
+      size_t blocks = mem_os_allocs(device_cpu());
       t0 = bench_now();
       built_t b;
       build(&b, &cfg, true, NULL);
@@ -466,10 +570,17 @@ int main(int argc, char **argv) {
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step,
                                    k ? &stats : &plain_stats));
       (k ? t_deferred : t_plain)[r] = bench_now() - t0;
+      if (k) warm_blocks = mem_os_allocs(device_cpu()) - blocks;
       t0 = bench_now(); /* again into the same memory: the reads and checks alone */
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step, NULL));
       (k ? t_again : t_again_plain)[r] = bench_now() - t0;
       unbuild(&b);
+    }
+    for (int j = 0; spawn && j < 2; j++) { /* each in a process of its own */
+      int k = (j + r) % 2;
+      read_tree(k ? dir : plain, buf, bufsize);
+      (k ? t_new : t_new_plain)[r] =
+          resume_in_new_process(config, k ? dir : plain, &new_blocks, &new_faults);
     }
     for (int j = 0; j < 2; j++) { /* the same from storage: both trees' pages dropped first */
       int k = (j + r) % 2;
@@ -504,10 +615,24 @@ int main(int argc, char **argv) {
          (long long)llama_num_params(&cfg), (double)file_bytes / 1e6);
   printf("plain read of the files (page cache): %.3f s (%.0f MB/s)\n", tr,
          (double)file_bytes / 1e6 / tr);
-  printf("resume, deferred (materialize + load): %.3f s, %.1f MB of tensor data read "
-         "(%.1f MB needed, %.1f KB of headers): %.2fx the plain read\n",
-         td, (double)stats.bytes_read / 1e6, (double)stats.bytes_needed / 1e6,
-         (double)stats.header_bytes / 1e3, td / tr);
+  double tn = median(t_new, reps), tnp = median(t_new_plain, reps);
+  if (!spawn)
+    printf("resume in a new process: not timed under mpirun (run bench-ckpt-load alone)\n");
+  else
+    printf(
+        "resume in a new process, as fsdp-train resumes (deferred build, materialize, load; "
+        "its memory fresh from the system: %zu blocks of 64 KiB or more, %ld page faults): "
+        "%.3f s: %.2fx the plain read (quartiles %.2fx, %.2fx); %.3f s without checksums: "
+        "%.2fx\n",
+        new_blocks, new_faults, tn, tn / tr, quartile(t_new, reps, 1) / tr,
+        quartile(t_new, reps, 3) / tr, tnp, tnp / tr);
+  if (spawn) printf("block checks on it: %s\n", paired_cost(t_new, t_new_plain, reps));
+  printf(
+      "resume, deferred, repeated in this process (%zu of those blocks from the system, the "
+      "rest the blocks an earlier load freed): %.3f s, %.1f MB of tensor data read "
+      "(%.1f MB needed, %.1f KB of headers): %.2fx the plain read\n",
+      warm_blocks, td, (double)stats.bytes_read / 1e6, (double)stats.bytes_needed / 1e6,
+      (double)stats.header_bytes / 1e3, td / tr);
   printf("resume, eager (init + zero-filled moments + load): %.3f s: %.2fx the plain read, "
          "%.2fx the deferred resume\n",
          te, te / tr, te / td);
@@ -518,9 +643,10 @@ int main(int argc, char **argv) {
          (unsigned long long)block, th, (double)file_bytes / 1e6 / th, th - tr,
          100.0 * (th - tr) / td);
   print_hashing();
-  printf("block checks (XXH3-64 per %llu-byte block, always on): the deferred resume takes "
-         "%.3f s checked, %.3f s from the same files without checksums: %s\n",
-         (unsigned long long)block, td, tp, paired_cost(t_deferred, t_plain, reps));
+  printf(
+      "block checks (XXH3-64 per %llu-byte block, always on): the repeated resume takes "
+      "%.3f s checked, %.3f s from the same files without checksums: %s\n",
+      (unsigned long long)block, td, tp, paired_cost(t_deferred, t_plain, reps));
   printf("the same load again into the model's memory (reads and checks, no allocation): "
          "%.3f s checked, %.3f s without checksums: %s\n",
          median(t_again, reps), median(t_again_plain, reps),
