@@ -235,9 +235,9 @@ static void unbuild(built_t *b) {
 #define FRESH_RESUME "--fresh-resume"
 
 /* `bench-ckpt-load --fresh-resume CONFIG DIR`: one deferred resume of DIR in this new process
- * (one rank), the first thing it does after world_init; prints its seconds and the blocks it
- * took from the system. All of its memory comes from the system, as in an `fsdp-train` that
- * resumes. */
+ * (one rank), the first thing it does after world_init; prints its seconds, the blocks it took
+ * from the system and its page faults. All of its memory comes from the system, as in an
+ * `fsdp-train` that resumes. */
 static int fresh_resume(const char *config, const char *dir) {
   int one = 1;
   char *args[] = {"bench-ckpt-load", NULL}, **argv = args;
@@ -259,10 +259,8 @@ static int fresh_resume(const char *config, const char *dir) {
   return 0;
 }
 
-/* Whether mpirun started this process (a child would then take the job's identity); read
- * before world_init, which sets some of these variables itself. */
-static bool g_launched;
-
+/* Whether mpirun started this process (a child would then take the job's identity); to be
+ * asked before world_init, which sets some of these variables itself. */
 static bool under_launcher(void) {
   return getenv("OMPI_COMM_WORLD_SIZE") != NULL || getenv("PMIX_RANK") != NULL ||
          getenv("PMI_RANK") != NULL;
@@ -325,20 +323,17 @@ static int cmp(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-static double median(const double *x, int n) { /* x is left in its order (pairs stay paired) */
-  double v[64];
-  memcpy(v, x, sizeof *v * (size_t)n);
-  qsort(v, (size_t)n, sizeof *v, cmp);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/* The k-th quartile (k = 1 or 3) of x, left in its order. */
+/* The k-th quartile of x (k = 1, 2 or 3; 2 is the median), x left in its order (pairs stay
+ * paired). */
 static double quartile(const double *x, int n, int k) {
   double v[64];
   memcpy(v, x, sizeof *v * (size_t)n);
   qsort(v, (size_t)n, sizeof *v, cmp);
-  return v[(k * n) / 4 < n ? (k * n) / 4 : n - 1];
+  if (k == 2) return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  return v[(k * n) / 4];
 }
+
+static double median(const double *x, int n) { return quartile(x, n, 2); }
 
 /* The checked-over-unchecked cost: the median of the repetitions' paired ratios (a check and
  * its unchecked twin ran back to back, so machine noise mostly cancels), in percent, written
@@ -496,7 +491,7 @@ static const bench_option_t OPTIONS[] = {
 
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], FRESH_RESUME) == 0) return fresh_resume(argv[2], argv[3]);
-  g_launched = under_launcher();
+  bool spawn = !under_launcher(); /* the resume in a new process */
   BENCH_TRY(world_init(&argc, &argv));
   bench_args(argc, argv,
              "A resume of a training checkpoint against a plain read of its files, with and "
@@ -549,7 +544,6 @@ int main(int argc, char **argv) {
   double t_new[64], t_new_plain[64];
   size_t warm_blocks = 0, new_blocks = 0; /* blocks a resume took from the system */
   long new_faults = 0;
-  bool spawn = !g_launched; /* the resume in a new process */
   dcp_stats_t stats = {0}, plain_stats = {0};
   uint64_t part_bytes = 0;
   for (int r = 0; r < reps; r++) {
