@@ -609,10 +609,8 @@ int main(int argc, char **argv) {
          (long long)llama_num_params(&cfg), (double)file_bytes / 1e6);
   printf("plain read of the files (page cache): %.3f s (%.0f MB/s)\n", tr,
          (double)file_bytes / 1e6 / tr);
-  double tn = median(t_new, reps), tnp = median(t_new_plain, reps);
-  if (!spawn)
-    printf("resume in a new process: not timed under mpirun (run bench-ckpt-load alone)\n");
-  else
+  if (spawn) {
+    double tn = median(t_new, reps), tnp = median(t_new_plain, reps);
     printf(
         "resume in a new process, as fsdp-train resumes (deferred build, materialize, load; "
         "its memory fresh from the system: %zu blocks of 64 KiB or more, %ld page faults): "
@@ -620,10 +618,13 @@ int main(int argc, char **argv) {
         "%.2fx\n",
         new_blocks, new_faults, tn, tn / tr, quartile(t_new, reps, 1) / tr,
         quartile(t_new, reps, 3) / tr, tnp, tnp / tr);
-  if (spawn) printf("block checks on it: %s\n", paired_cost(t_new, t_new_plain, reps));
+    printf("block checks on it: %s\n", paired_cost(t_new, t_new_plain, reps));
+  } else {
+    printf("resume in a new process: not timed under mpirun (run bench-ckpt-load alone)\n");
+  }
   printf(
-      "resume, deferred, repeated in this process (%zu of those blocks from the system, the "
-      "rest the blocks an earlier load freed): %.3f s, %.1f MB of tensor data read "
+      "resume, deferred, repeated in this process (%zu blocks of 64 KiB or more from the "
+      "system, the rest the blocks an earlier load freed): %.3f s, %.1f MB of tensor data read "
       "(%.1f MB needed, %.1f KB of headers): %.2fx the plain read\n",
       warm_blocks, td, (double)stats.bytes_read / 1e6, (double)stats.bytes_needed / 1e6,
       (double)stats.header_bytes / 1e3, td / tr);
