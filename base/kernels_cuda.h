@@ -1,8 +1,10 @@
 /*
  * Private to the CUDA kernels (base/kernels_cuda*.cu): element loads and stores of any float
- * dtype, block reductions, launch helpers and the run-time loaded cuBLAS. kernels_cuda.cu
- * holds the matrix products and the kernels of every op but attention;
- * kernels_cuda_attention.cu runs the attention plan of base/attention_gemm.h.
+ * dtype, block reductions, launch helpers, the run-time loaded cuBLAS and the launchers each
+ * file gives the kernel table. kernels_cuda.cu holds the matrix products, the embedding, RoPE
+ * and the table; kernels_cuda_rows.cu the norms and cross-entropy; kernels_cuda_pointwise.cu
+ * the element-wise maps, AdamW and sums of squares; kernels_cuda_attention.cu runs the
+ * attention plan of base/attention_gemm.h.
  */
 #ifndef FSDPC_BASE_KERNELS_CUDA_H
 #define FSDPC_BASE_KERNELS_CUDA_H
@@ -82,6 +84,32 @@ static inline cudaStream_t stream_of(const tensor_t *t) {
 
 static inline status_t launched(const char *what) { return cuda_status(cudaGetLastError(), what); }
 
+/* f(T()) with T the storage type of the float dtype dt. */
+template <typename F>
+static void with_float_type(int dt, F f) {
+  switch (dt) {
+    case DTYPE_BF16: f(__nv_bfloat16()); break;
+    case DTYPE_F16: f(__half()); break;
+    default: f(float());
+  }
+}
+
+static inline int64_t last_dim(const tensor_t *t) {
+  return t->ndim == 0 ? 1 : t->shape[t->ndim - 1];
+}
+
+/* A device int flag for index checks, read back after the kernel (a blocking read). */
+typedef struct flag {
+  device_t dev;
+  int *p;
+} flag_t;
+
+/* A new flag, cleared on dev's current stream. */
+status_t flag_new(flag_t *f, device_t dev);
+/* Frees the flag after the kernel that may set it; returns the launch status, else the read's,
+ * else an EINVAL built from fmt (one %s for what, one %lld for limit) when the flag was set. */
+status_t flag_finish(flag_t *f, status_t launch, const char *fmt, const char *what, int64_t limit);
+
 /* ---- cuBLAS, loaded on first use (kernels_cuda.cu) ---- */
 
 /* The cuBLAS handle of device dev for this thread, bound to stream s. */
@@ -94,11 +122,10 @@ cublasStatus_t cuda_blas_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOper
                               int lda, const void *b, cudaDataType_t bt, int ldb, const void *beta,
                               void *c, cudaDataType_t ct, int ldc);
 cublasStatus_t cuda_blas_gemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
-                                      int m, int n, int k, const void *alpha,
-                                      const void *const a[], cudaDataType_t at, int lda,
-                                      const void *const b[], cudaDataType_t bt, int ldb,
-                                      const void *beta, void *const c[], cudaDataType_t ct,
-                                      int ldc, int count);
+                                      int m, int n, int k, const void *alpha, const void *const a[],
+                                      cudaDataType_t at, int lda, const void *const b[],
+                                      cudaDataType_t bt, int ldb, const void *beta, void *const c[],
+                                      cudaDataType_t ct, int ldc, int count);
 
 /* The status of a cuBLAS result: STATUS_OK; STATUS_ENOMEM when cuBLAS could not allocate;
  * otherwise STATUS_ECUBLAS, "WHAT: cuBLAS status N". */
@@ -107,6 +134,38 @@ status_t cublas_status(cublasStatus_t s, const char *what);
 static inline cudaDataType_t cuda_dtype(dtype_t dt) {
   return dt == DTYPE_BF16 ? CUDA_R_16BF : dt == DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
 }
+
+/* The launchers of kernels_cuda_rows.cu. */
+status_t cuda_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
+                      float eps);
+status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
+                               const tensor_t *w, const tensor_t *rstd);
+status_t cuda_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
+                        const tensor_t *w, const tensor_t *b, float eps);
+status_t cuda_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
+                                 const tensor_t *x, const tensor_t *w, const tensor_t *mean,
+                                 const tensor_t *rstd);
+status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits, const tensor_t *targets);
+status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
+                                     const tensor_t *targets, float scale);
+
+/* The launchers of kernels_cuda_pointwise.cu. */
+status_t cuda_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up);
+status_t cuda_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
+                                const tensor_t *gate, const tensor_t *up);
+status_t cuda_activation(tensor_t *out, const tensor_t *x, kernel_act_t act);
+status_t cuda_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
+                                  kernel_act_t act);
+status_t cuda_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b);
+status_t cuda_bias_backward(tensor_t *db, const tensor_t *dy);
+status_t cuda_add(tensor_t *out, const tensor_t *a, const tensor_t *b);
+status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x);
+status_t cuda_scale(tensor_t *x, float alpha);
+status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                    const adamw_args_t *a);
+status_t cuda_adamw_many(const adamw_item_t *items, int n);
+status_t cuda_sum_squares(const tensor_t *x, double *out);
+status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *out);
 
 /* The attention kernels of kernels_cuda_attention.cu. */
 status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
