@@ -92,15 +92,17 @@ static inline int64_t last_dim(const tensor_t *t) {
 }
 
 /* ---- row sums ----
- * Vectorised in double lanes (defined in kernels_cpu_pointwise.c, outside the AVX2 copies):
- * fp32 rounding noise in these sums would turn the last-bit differences between an FSDP run
- * and the one-rank run (matrix products of other batch sizes) into parameter differences above
- * 1e-5 in ten steps. */
+ * In double (defined in kernels_cpu_pointwise.c): fp32 rounding noise in these sums would
+ * turn the last-bit differences between an FSDP run and the one-rank run (matrix products of
+ * other batch sizes) into parameter differences above 1e-5 in ten steps. */
 
-/* The sum of a[i] b[i] c[i] over i < n, or of a[i] b[i] when c is NULL, products in double. */
+/* The sum of a[i] b[i] c[i] over i < n, or of a[i] b[i] when c is NULL, products in double
+ * (outside the AVX2 copies: the lane count sets the order). */
 double cpu_sum_products(const float *a, const float *b, const float *c, int64_t n);
-/* The sum of exp_f32(x[i] - shift) over i < n (attention's log-sum-exp). */
-double cpu_sum_exp(const float *x, int64_t n, float shift);
+/* The sum of exp_f32(x[i] - shift) over i < n, each exponential also stored in e[i] unless e
+ * is NULL (e may be x): softmax and log-sum-exp with one exponential per value. Summed in 8
+ * double lanes of a fixed order, so the bits are the same for every vector width. */
+double cpu_exp_sum(float *e, const float *x, int64_t n, float shift);
 /* The largest of x[0..n), -INFINITY when n is 0 (NaNs are passed over). */
 float cpu_max(const float *x, int64_t n);
 

@@ -137,6 +137,21 @@ WIDE static void attn_probs(float *p, int64_t n, int64_t i0, int64_t i1, const f
   }
 }
 
+/* Rows [i0, i1) of the block, as attn_probs, from the scores alone: P[r, j] = e_j / l with
+ * e_j = exp(S[r, j] - max) and l their sum, one exponential per score; lse[i] = max + log(l).
+ * Backward's exp(S - lse) differs from these in the last bits at most. */
+WIDE static void attn_softmax(float *p, int64_t n, int64_t i0, int64_t i1, float *lse) {
+  for (int64_t i = i0; i < i1; i++) {
+    float *row = p + (i - i0) * n, m = cpu_max(row, i + 1);
+    double l = cpu_exp_sum(row, row, i + 1, m);
+    float inv = (float)(1.0 / l);
+    lse[i] = m + (float)log(l);
+#pragma omp simd
+    for (int64_t j = 0; j <= i; j++) row[j] *= inv;
+    for (int64_t j = i + 1; j < n; j++) row[j] = 0.0f;
+  }
+}
+
 typedef struct attn_args {
   attn_shape_t d;
   int64_t rows, ldq, ldk, scratch; /* scratch: floats per share */
@@ -161,14 +176,7 @@ WIDE static void attn_forward_share(const void *ctx, int t, int64_t i0, int64_t 
       int64_t r1 = r0 + rows < d.T ? r0 + rows : d.T, n = r1; /* keys 0..r1-1 */
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(r1 - r0), (int)n, (int)d.Dh,
                   d.scale, Q + r0 * ldq, (int)ldq, K, (int)ldk, 0.0f, s, (int)n);
-      /* the probabilities from the log-sum-exp, as backward recomputes them: the same
-       * values in both passes */
-      for (int64_t i = r0; i < r1; i++) {
-        const float *row = s + (i - r0) * n;
-        float m = cpu_max(row, i + 1);
-        Lbh[i] = m + (float)log(cpu_sum_exp(row, i + 1, m));
-      }
-      attn_probs(s, n, r0, r1, Lbh);
+      attn_softmax(s, n, r0, r1, Lbh);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(r1 - r0), (int)d.Dh, (int)n,
                   1.0f, s, (int)n, V, (int)ldk, 0.0f, O + r0 * ldq, (int)ldq);
     }

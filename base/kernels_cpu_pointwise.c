@@ -332,11 +332,28 @@ double cpu_sum_products(const float *a, const float *b, const float *c, int64_t 
   return s;
 }
 
-double cpu_sum_exp(const float *x, int64_t n, float shift) {
-  double s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; i++) s += (double)exp_f32(x[i] - shift);
-  return s;
+/* Lanes of cpu_exp_sum: lane l sums the values l, l + EXP_LANES, ... in order. */
+enum { EXP_LANES = 8 };
+
+WIDE double cpu_exp_sum(float *e, const float *x, int64_t n, float shift) {
+  double lane[EXP_LANES] = {0};
+  int64_t i = 0;
+  if (e != NULL) {
+    for (; i + EXP_LANES <= n; i += EXP_LANES) {
+#pragma omp simd
+      for (int l = 0; l < EXP_LANES; l++) lane[l] += (e[i + l] = exp_f32(x[i + l] - shift));
+    }
+    for (int l = 0; i < n; i++, l++) lane[l] += (e[i] = exp_f32(x[i] - shift));
+  } else {
+    for (; i + EXP_LANES <= n; i += EXP_LANES) {
+#pragma omp simd
+      for (int l = 0; l < EXP_LANES; l++) lane[l] += exp_f32(x[i + l] - shift);
+    }
+    for (int l = 0; i < n; i++, l++) lane[l] += exp_f32(x[i] - shift);
+  }
+  for (int w = EXP_LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+  return lane[0];
 }
 
 float cpu_max(const float *x, int64_t n) {

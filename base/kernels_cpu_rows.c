@@ -222,9 +222,7 @@ static status_t ce_target(const tensor_t *targets, int64_t r, int64_t V, int64_t
 /* log-sum-exp of a row: fp32 exponentials (as the CUDA twin), a double-precision sum. */
 static float row_lse(const float *x, int64_t V) {
   float m = cpu_max(x, V);
-  double s = 0;
-  for (int64_t j = 0; j < V; j++) s += expf(x[j] - m);
-  return m + (float)log(s);
+  return m + (float)log(cpu_exp_sum(NULL, x, V, m));
 }
 
 static status_t ce_targets(const tensor_t *targets, int64_t V) {
@@ -278,8 +276,7 @@ static void ce_backward_share(const void *ctx, int t, int64_t r0, int64_t r1) {
       continue;
     }
     float m = cpu_max(x, V); /* softmax with one exponential per logit */
-    double sum = 0;
-    for (int64_t j = 0; j < V; j++) sum += (g[j] = expf(x[j] - m));
+    double sum = cpu_exp_sum(g, x, V, m);
     float k = (float)(a->scale / sum);
     for (int64_t j = 0; j < V; j++) g[j] *= k;
     g[tr] -= a->scale;
