@@ -47,7 +47,7 @@ void plan_defaults(plan_t *p) {
   p->comm_timeout_s = WORLD_DEFAULT_TIMEOUT_S;
   p->seed = 0;
   p->ckpt_keep = 0;
-  p->ckpt_block_bytes = (int64_t)256 << 10; /* DCP_BLOCK_BYTES_DEFAULT */
+  p->ckpt_block_bytes = (int64_t)256 << 10; /* checkpoint/dcp.h's (test_parallel checks) */
   p->log_interval = 10;
 }
 

@@ -8,10 +8,12 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "checkpoint/dcp.h"
 #include "nn/autograd.h"
 #include "nn/layers.h"
 #include "nn/ops.h"
 #include "parallel/parallelize.h"
+#include "parallel/plan.h"
 #include "tests/harness.h"
 
 static void ok(status_t st) {
@@ -156,12 +158,22 @@ START_TEST(placements_follow_module_kinds) {
 }
 END_TEST
 
+/* The job plan's defaults that stand for another folder's: checkpoint.block_bytes is the
+ * checkpoint library's block size (parallel/ cannot include checkpoint/). */
+START_TEST(plan_defaults_match_the_libraries) {
+  plan_t p;
+  plan_defaults(&p);
+  ck_assert_int_eq(p.ckpt_block_bytes, (int64_t)DCP_BLOCK_BYTES_DEFAULT);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("parallel");
   TCase *tc = tcase_create("parallel");
   tcase_add_test(tc, plan_in_code_applies_to_any_model);
   tcase_add_test(tc, model_and_plan_free_in_either_order);
   tcase_add_test(tc, placements_follow_module_kinds);
+  tcase_add_test(tc, plan_defaults_match_the_libraries);
   suite_add_tcase(s, tc);
   return s;
 }
