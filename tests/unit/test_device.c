@@ -1,0 +1,239 @@
+/*
+ * The device layer under the tensors: the choice of device for every count of devices and
+ * ranks, the poll loop of host waits for device work, memory accounting and the host block
+ * cache, and the kernel profile.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/kernels.h"
+#include "base/tensor.h"
+#include "tests/harness.h"
+
+/* auto, cpu and cuda against the node's devices and ranks: each row's device, or its error and
+ * the counts it names. */
+START_TEST(device_choice_by_devices_and_ranks) {
+  static const struct {
+    device_want_t want;
+    int gpus, ranks;
+    status_t st;
+    device_type_t type;
+    const char *says; /* in why (auto) or the error (cuda); NULL: why is empty */
+  } rows[] = {
+      {DEVICE_WANT_CPU, 8, 1, STATUS_OK, DEVICE_CPU, NULL},
+      {DEVICE_WANT_CPU, 0, 4, STATUS_OK, DEVICE_CPU, NULL},
+      {DEVICE_WANT_AUTO, 0, 1, STATUS_OK, DEVICE_CPU, NULL},
+      {DEVICE_WANT_AUTO, 0, 8, STATUS_OK, DEVICE_CPU, NULL},
+      {DEVICE_WANT_AUTO, 1, 1, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_AUTO, 8, 8, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_AUTO, 8, 2, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_AUTO, 1, 4, STATUS_OK, DEVICE_CPU,
+       "4 ranks run on this node, which has 1 CUDA device (one per rank is needed): running on "
+       "the CPU; start at most 1 rank per node"},
+      {DEVICE_WANT_AUTO, 2, 3, STATUS_OK, DEVICE_CPU, "which has 2 CUDA devices"},
+      {DEVICE_WANT_CUDA, 1, 1, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_CUDA, 4, 4, STATUS_OK, DEVICE_CUDA, NULL},
+      {DEVICE_WANT_CUDA, 1, 4, STATUS_ENODEV, DEVICE_CPU,
+       "4 ranks run on this node, which has 1 CUDA device; NCCL needs one per rank: start at "
+       "most 1 rank per node, or ask for the CPU (cpu)"},
+      {DEVICE_WANT_CUDA, 0, 1, STATUS_ENODEV, DEVICE_CPU, "ask for the CPU (cpu), or for auto"},
+  };
+  for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+    device_type_t type = (device_type_t)-1;
+    char why[256] = "x";
+    err_clear();
+    status_t st = device_choose(rows[i].want, rows[i].gpus, rows[i].ranks, &type, why, sizeof why);
+    ck_assert_msg(st == rows[i].st, "row %zu: status %d", i, (int)st);
+    if (st == STATUS_OK) ck_assert_msg(type == rows[i].type, "row %zu: type %d", i, (int)type);
+    const char *text = st == STATUS_OK ? why : err_detail();
+    if (rows[i].says == NULL)
+      ck_assert_msg(why[0] == 0, "row %zu: why '%s'", i, why);
+    else
+      ck_assert_msg(strstr(text, rows[i].says) != NULL, "row %zu: '%s'", i, text);
+  }
+  device_want_t w;
+  ck_assert(device_want_parse("cuda", &w) && w == DEVICE_WANT_CUDA);
+  ck_assert(device_want_parse("auto", &w) && w == DEVICE_WANT_AUTO);
+  ck_assert(!device_want_parse("gpu", &w) && !device_want_parse("CPU", &w));
+  ck_assert_str_eq(device_want_name(DEVICE_WANT_CPU), "cpu");
+}
+END_TEST
+
+/* device_poll, the loop of every host wait for device work: done, failed, or ended by the
+ * wait hook. */
+typedef struct poll_state {
+  int polls, ready_at; /* ready_at < 0: never; 0: fails */
+} poll_state_t;
+
+static int fake_ready(void *ctx, status_t *st) {
+  poll_state_t *p = ctx;
+  p->polls++;
+  if (p->ready_at == 0) {
+    *st = err_set(STATUS_ECUDA, "the device failed");
+    return -1;
+  }
+  return p->ready_at > 0 && p->polls >= p->ready_at;
+}
+
+static double hook_waited;
+static status_t give_up_after_5ms(const char *what, double waited) {
+  hook_waited = waited;
+  if (waited < 5e-3) return STATUS_OK;
+  return err_set(STATUS_ETIMEOUT, "%s: given up after %.3f s", what, waited);
+}
+
+START_TEST(device_poll_ends_by_ready_failure_or_hook) {
+  device_wait_hook_t saved = device_wait_hook();
+  device_set_wait_hook(NULL);
+  poll_state_t p = {0, 40};
+  ck_assert_int_eq(device_poll(fake_ready, &p, "forty polls"), STATUS_OK);
+  ck_assert_int_eq(p.polls, 40);
+  p = (poll_state_t){0, 0};
+  ck_assert_int_eq(device_poll(fake_ready, &p, "a failing wait"), STATUS_ECUDA);
+  ck_assert_str_eq(err_detail(), "the device failed");
+  device_set_wait_hook(give_up_after_5ms);
+  p = (poll_state_t){0, -1};
+  ck_assert_int_eq(device_poll(fake_ready, &p, "a wait that never ends"), STATUS_ETIMEOUT);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "a wait that never ends: given up after"));
+  ck_assert(hook_waited >= 5e-3 && hook_waited < 1.0);
+  device_set_wait_hook(saved);
+}
+END_TEST
+
+/* FSDPC_PROFILE's table: a row per kernel name with its calls and, for copies and the
+ * memory-bound kernels, the bytes they move, only while profiling is on. */
+START_TEST(kernel_profile_counts_calls_per_kernel) {
+  int64_t n = 1000;
+  tensor_t a, b;
+  ck_assert_int_eq(tensor_init(&a, DTYPE_F32, device_cpu(), 1, &n), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&b, DTYPE_F32, device_cpu(), 1, &n), STATUS_OK);
+  ck_assert_int_eq(tensor_fill(&a, 1.0), STATUS_OK);
+  ck_assert_int_eq(tensor_fill(&b, 2.0), STATUS_OK);
+  kernel_profile_enable(true);
+  kernel_profile_reset();
+  for (int i = 0; i < 3; i++) ck_assert_int_eq(kernel_add(&a, &a, &b), STATUS_OK);
+  ck_assert_int_eq(kernel_scale(&a, 0.5f), STATUS_OK);
+  ck_assert_int_eq(tensor_copy(&b, &a), STATUS_OK); /* a copy: 8000 bytes moved */
+  ck_assert_int_eq(tensor_copy(&a, &b), STATUS_OK);
+  kernel_profile_enable(false);
+  ck_assert_int_eq(kernel_add(&a, &a, &b), STATUS_OK); /* not counted */
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  double total = -1;
+  ck_assert_int_eq(kernel_profile_report(f, &total), STATUS_OK);
+  fclose(f);
+  long long adds = -1, scales = -1, copies = -1;
+  double ms, per, share, gbs = -1;
+  for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+    if (strncmp(line, "add ", 4) == 0) sscanf(line + 4, "%lld", &adds);
+    if (strncmp(line, "scale ", 6) == 0) sscanf(line + 6, "%lld", &scales);
+    if (strncmp(line, "copy ", 5) == 0)
+      ck_assert_int_eq(sscanf(line + 5, "%lld %lf %lf %lf%% %lf", &copies, &ms, &per, &share, &gbs),
+                       5);
+  }
+  ck_assert_int_eq(adds, 3);
+  ck_assert_int_eq(scales, 1);
+  ck_assert_int_eq(copies, 2);
+  ck_assert(gbs > 0);
+  ck_assert(total >= 0 && total < 10);
+  free(text);
+  kernel_profile_row_t row;
+  ck_assert(kernel_profile_get("copy", &row));
+  ck_assert_int_eq(row.calls, 2);
+  ck_assert(row.bytes == 16000.0 && row.seconds > 0);
+  ck_assert(!kernel_profile_get("copy (cast)", &row));
+  /* a memory-bound kernel's least bytes: add reads two operands and writes one */
+  ck_assert(kernel_profile_get("add", &row));
+  ck_assert(row.calls == 3 && row.bytes == 3 * 12000.0);
+  ck_assert(kernel_profile_get("scale", &row));
+  ck_assert(row.bytes == 8000.0);
+  kernel_profile_reset();
+  ck_assert(!kernel_profile_get("copy", &row));
+  ck_assert_int_eq(kernel_profile_report(NULL, &total), STATUS_OK);
+  ck_assert(total == 0);
+  ck_assert_float_eq(((float *)a.data)[0], 7.0f); /* (1 + 2 + 2 + 2) / 2, copied, doubled */
+  ck_assert_float_eq(((float *)b.data)[0], 3.5f);
+  tensor_free(&a);
+  tensor_free(&b);
+}
+END_TEST
+
+START_TEST(mem_stats_track_current_and_peak) {
+  mem_reset_peak(device_cpu());
+  mem_stats_t base = mem_stats(device_cpu());
+  tensor_t a, b;
+  int64_t s1[1] = {1000}, s2[1] = {500};
+  ck_assert_int_eq(tensor_init(&a, DTYPE_F32, device_cpu(), 1, s1), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&b, DTYPE_I64, device_cpu(), 1, s2), STATUS_OK);
+  mem_stats_t now = mem_stats(device_cpu());
+  ck_assert_uint_eq(now.current - base.current, 4000 + 4000);
+  tensor_free(&a);
+  now = mem_stats(device_cpu());
+  ck_assert_uint_eq(now.current - base.current, 4000);
+  ck_assert_uint_eq(now.peak - base.current, 8000);
+  mem_reset_peak(device_cpu());
+  ck_assert_uint_eq(mem_stats(device_cpu()).peak, now.current);
+  tensor_free(&b);
+  ck_assert_uint_eq(mem_stats(device_cpu()).current, base.current);
+}
+END_TEST
+
+/* Freed host blocks of 64 KiB and more are reused for the same size without asking the
+ * system again, and a zeroed request is zeroed even when its block comes back dirty; the
+ * cache stays under 1.25 times the peak of live bytes. */
+START_TEST(host_cache_reuses_blocks_and_zeroes_them) {
+  device_t cpu = device_cpu();
+  mem_empty_cache(cpu);
+  const size_t sizes[] = {(size_t)64 << 10, (size_t)300 << 10, (size_t)5 << 20};
+  for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+    size_t n = sizes[k];
+    unsigned char *p;
+    ck_assert_int_eq(device_alloc(cpu, n, (void **)&p), STATUS_OK);
+    memset(p, 0xAB, n);
+    device_free(cpu, p, n);
+    size_t before = mem_os_allocs(cpu);
+    ck_assert_int_eq(device_alloc_zeroed(cpu, n, (void **)&p), STATUS_OK);
+    ck_assert_uint_eq(mem_os_allocs(cpu), before); /* from the cache */
+    size_t nonzero = 0;
+    for (size_t i = 0; i < n; i++) nonzero += p[i] != 0;
+    ck_assert_msg(nonzero == 0, "%zu-byte zeroed block from the cache: %zu bytes not zero", n,
+                  nonzero);
+    device_free_zeroed(cpu, p, n);
+  }
+  /* four 2 MiB blocks freed and asked for again come from the cache (peak 8 MiB) */
+  mem_empty_cache(cpu);
+  const size_t MiB = (size_t)1 << 20;
+  void *b[4], *big;
+  size_t before = mem_os_allocs(cpu);
+  for (int i = 0; i < 4; i++) ck_assert_int_eq(device_alloc(cpu, 2 * MiB, &b[i]), STATUS_OK);
+  for (int i = 0; i < 4; i++) device_free(cpu, b[i], 2 * MiB);
+  for (int i = 0; i < 4; i++) ck_assert_int_eq(device_alloc(cpu, 2 * MiB, &b[i]), STATUS_OK);
+  ck_assert_uint_eq(mem_os_allocs(cpu), before + 4);
+  for (int i = 0; i < 4; i++) device_free(cpu, b[i], 2 * MiB);
+  /* a 6 MiB request misses: 6 live + 8 cached would pass 1.25 x 8, so the two oldest 2 MiB
+   * blocks go back; asking for four 2 MiB blocks then finds two, and the 6 MiB block is
+   * released for the third (6 + 6 > 10): 1 + 2 blocks from the system */
+  ck_assert_int_eq(device_alloc(cpu, 6 * MiB, &big), STATUS_OK);
+  device_free(cpu, big, 6 * MiB);
+  for (int i = 0; i < 4; i++) ck_assert_int_eq(device_alloc(cpu, 2 * MiB, &b[i]), STATUS_OK);
+  ck_assert_uint_eq(mem_os_allocs(cpu), before + 4 + 3);
+  for (int i = 0; i < 4; i++) device_free(cpu, b[i], 2 * MiB);
+  mem_empty_cache(cpu);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("device");
+  TCase *tc = tcase_create("device");
+  tcase_add_test(tc, device_choice_by_devices_and_ranks);
+  tcase_add_test(tc, device_poll_ends_by_ready_failure_or_hook);
+  tcase_add_test(tc, kernel_profile_counts_calls_per_kernel);
+  tcase_add_test(tc, mem_stats_track_current_and_peak);
+  tcase_add_test(tc, host_cache_reuses_blocks_and_zeroes_them);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
