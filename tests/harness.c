@@ -17,6 +17,27 @@ int all_ranks(int ok) {
   return out;
 }
 
+static void must(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
+
+mesh_t *test_local_mesh(void) {
+  mesh_t *m;
+  must(mesh_init_local(&m, "local", DEVICE_CPU));
+  return m;
+}
+
+dtensor_t *test_replicated(mesh_t *mesh, int ndim, const int64_t *shape, double fill) {
+  tensor_t t;
+  must(tensor_init(&t, DTYPE_F32, device_cpu(), ndim, shape));
+  must(tensor_fill(&t, fill));
+  dtensor_t *d;
+  placement_t rep = placement_replicate();
+  must(dtensor_from_local(&d, &t, mesh, &rep, ndim, shape));
+  tensor_free(&t);
+  return d;
+}
+
 unsigned long long test_rng_next(test_rng_t *r) { /* splitmix64 */
   unsigned long long z = (r->s += 0x9e3779b97f4a7c15ULL);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;

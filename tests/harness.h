@@ -15,6 +15,8 @@
 #include <stdbool.h>
 
 #include "base/tensor.h"
+#include "dtensor/dtensor.h"
+#include "mesh/mesh.h"
 #include "mesh/world.h"
 
 /* Initialises the world, runs the suite, combines the ranks' verdicts, finalises. */
@@ -46,6 +48,12 @@ void test_fill_uniform(tensor_t *t, test_rng_t *r, double scale);
 /* ||a - ref||_2 / ||ref||_2 over two float tensors of the same shape (any devices);
  * fails the test when the comparison itself cannot run. */
 double test_rel_l2(const tensor_t *a, const tensor_t *ref);
+
+/* A mesh of this process alone, on the CPU (caller frees). */
+mesh_t *test_local_mesh(void);
+
+/* An F32 DTensor of shape[0..ndim), every element fill, replicated on mesh (caller frees). */
+dtensor_t *test_replicated(mesh_t *mesh, int ndim, const int64_t *shape, double fill);
 
 /* The process's arguments after MPI's, for suites that take a mode ("cuda"). */
 int test_argc(void);

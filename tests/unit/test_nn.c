@@ -21,23 +21,6 @@ static void ok(status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
-static mesh_t *local_mesh(void) {
-  mesh_t *m;
-  ok(mesh_init_local(&m, "local", DEVICE_CPU));
-  return m;
-}
-
-static dtensor_t *replicated(mesh_t *mesh, int ndim, const int64_t *shape, double fill) {
-  tensor_t t;
-  ok(tensor_init(&t, DTYPE_F32, device_cpu(), ndim, shape));
-  ok(tensor_fill(&t, fill));
-  dtensor_t *d;
-  placement_t rep = placement_replicate();
-  ok(dtensor_from_local(&d, &t, mesh, &rep, ndim, shape));
-  tensor_free(&t);
-  return d;
-}
-
 /* ---- hooks ---- */
 
 static char hook_log[512];
@@ -76,7 +59,7 @@ static nn_module_t *tiny_tree(mesh_t *mesh) {
   ok(nn_module_add_child(root, b));
   nn_param_t *w;
   int64_t shape[2] = {3, 3};
-  ok(nn_module_add_param(a, "weight", replicated(mesh, 2, shape, 0.5), true, &w));
+  ok(nn_module_add_param(a, "weight", test_replicated(mesh, 2, shape, 0.5), true, &w));
   ok(nn_module_share_param(b, w));
   ok(nn_module_finalize(root));
   nn_module_t *ms[] = {root, a, b};
@@ -86,7 +69,7 @@ static nn_module_t *tiny_tree(mesh_t *mesh) {
 }
 
 START_TEST(module_fqns_and_shared_parameters) {
-  mesh_t *mesh = local_mesh();
+  mesh_t *mesh = test_local_mesh();
   nn_module_t *root = tiny_tree(mesh);
   nn_param_t **ps;
   int n;
@@ -109,7 +92,7 @@ START_TEST(module_fqns_and_shared_parameters) {
 END_TEST
 
 START_TEST(hooks_fire_in_call_order) {
-  mesh_t *mesh = local_mesh();
+  mesh_t *mesh = test_local_mesh();
   nn_module_t *root = tiny_tree(mesh);
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));

@@ -13,23 +13,6 @@ static void ok(status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
-static mesh_t *local_mesh(void) {
-  mesh_t *m;
-  ok(mesh_init_local(&m, "local", DEVICE_CPU));
-  return m;
-}
-
-static dtensor_t *replicated(mesh_t *mesh, int ndim, const int64_t *shape, double fill) {
-  tensor_t t;
-  ok(tensor_init(&t, DTYPE_F32, device_cpu(), ndim, shape));
-  ok(tensor_fill(&t, fill));
-  dtensor_t *d;
-  placement_t rep = placement_replicate();
-  ok(dtensor_from_local(&d, &t, mesh, &rep, ndim, shape));
-  tensor_free(&t);
-  return d;
-}
-
 START_TEST(lr_schedule_values) {
   lr_schedule_t s = {.warmup_steps = 3, .total_steps = 10, .min_ratio = 0.1};
   ck_assert_double_eq_tol(lr_schedule_factor(&s, 0), 1.0 / 3, 1e-15);
@@ -42,13 +25,13 @@ START_TEST(lr_schedule_values) {
 END_TEST
 
 START_TEST(adamw_matches_formula_and_groups) {
-  mesh_t *mesh = local_mesh();
+  mesh_t *mesh = test_local_mesh();
   nn_module_t *m;
   ok(nn_module_new(&m, "", NULL, NULL));
   int64_t n3 = 3;
   nn_param_t *w, *nw;
-  ok(nn_module_add_param(m, "weight", replicated(mesh, 1, &n3, 1.0), true, &w));
-  ok(nn_module_add_param(m, "norm", replicated(mesh, 1, &n3, 1.0), true, &nw));
+  ok(nn_module_add_param(m, "weight", test_replicated(mesh, 1, &n3, 1.0), true, &w));
+  ok(nn_module_add_param(m, "norm", test_replicated(mesh, 1, &n3, 1.0), true, &nw));
   ok(nn_module_finalize(m));
   nn_param_t *ps[] = {w, nw};
   adamw_config_t cfg = ADAMW_CONFIG_INIT;
@@ -114,7 +97,7 @@ static dtensor_t *filled(mesh_t *mesh, dtype_t dt, int64_t n, uint32_t seed) {
 }
 
 START_TEST(clipping_folded_into_adamw_is_bit_identical) {
-  mesh_t *mesh = local_mesh();
+  mesh_t *mesh = test_local_mesh();
   const dtype_t dts[2] = {DTYPE_F32, DTYPE_BF16};
   const int64_t n = 1001;
   nn_module_t *m[2];
