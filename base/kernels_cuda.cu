@@ -308,35 +308,23 @@ static status_t cuda_timer_read(void *timer, double *seconds) {
   return st;
 }
 
-static const kernel_ops_t ops = {
-    /* .matmul = */ cuda_matmul,
-    /* .embedding = */ cuda_embedding,
-    /* .embedding_backward = */ cuda_embedding_backward,
-    /* .rmsnorm = */ cuda_rmsnorm,
-    /* .rmsnorm_backward = */ cuda_rmsnorm_backward,
-    /* .rope = */ cuda_rope,
-    /* .attention = */ cuda_attention,
-    /* .attention_backward = */ cuda_attention_backward,
-    /* .silu_mul = */ cuda_silu_mul,
-    /* .silu_mul_backward = */ cuda_silu_mul_backward,
-    /* .activation = */ cuda_activation,
-    /* .activation_backward = */ cuda_activation_backward,
-    /* .bias_add = */ cuda_bias_add,
-    /* .bias_backward = */ cuda_bias_backward,
-    /* .layernorm = */ cuda_layernorm,
-    /* .layernorm_backward = */ cuda_layernorm_backward,
-    /* .add = */ cuda_add,
-    /* .axpy = */ cuda_axpy,
-    /* .scale = */ cuda_scale,
-    /* .cross_entropy = */ cuda_cross_entropy,
-    /* .cross_entropy_backward = */ cuda_cross_entropy_backward,
-    /* .adamw = */ cuda_adamw,
-    /* .adamw_many = */ cuda_adamw_many,
-    /* .sum_squares = */ cuda_sum_squares,
-    /* .sum_squares_many = */ cuda_sum_squares_many,
-    /* .timer_start = */ cuda_timer_start,
-    /* .timer_stop = */ cuda_timer_stop,
-    /* .timer_read = */ cuda_timer_read,
-};
+static kernel_ops_t ops;
+static pthread_once_t ops_once = PTHREAD_ONCE_INIT;
 
-extern "C" const kernel_ops_t *cuda_kernels(void) { return &ops; }
+static void ops_init(void) {
+  ops.matmul = cuda_matmul;
+  ops.embedding = cuda_embedding;
+  ops.embedding_backward = cuda_embedding_backward;
+  ops.rope = cuda_rope;
+  cuda_attention_kernels(&ops);
+  cuda_row_kernels(&ops);
+  cuda_pointwise_kernels(&ops);
+  ops.timer_start = cuda_timer_start;
+  ops.timer_stop = cuda_timer_stop;
+  ops.timer_read = cuda_timer_read;
+}
+
+extern "C" const kernel_ops_t *cuda_kernels(void) {
+  pthread_once(&ops_once, ops_init);
+  return &ops;
+}

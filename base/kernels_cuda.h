@@ -1,10 +1,10 @@
 /*
  * Private to the CUDA kernels (base/kernels_cuda*.cu): element loads and stores of any float
- * dtype, block reductions, launch helpers, the run-time loaded cuBLAS and the launchers each
- * file gives the kernel table. kernels_cuda.cu holds the matrix products, the embedding, RoPE
- * and the table; kernels_cuda_rows.cu the norms and cross-entropy; kernels_cuda_pointwise.cu
- * the element-wise maps, AdamW and sums of squares; kernels_cuda_attention.cu runs the
- * attention plan of base/attention_gemm.h.
+ * dtype, block reductions, launch helpers, the run-time loaded cuBLAS, and the function by which
+ * each file fills its launchers into the kernel table. kernels_cuda.cu holds the matrix
+ * products, the embedding, RoPE and the table; kernels_cuda_rows.cu the norms and
+ * cross-entropy; kernels_cuda_pointwise.cu the element-wise maps, AdamW and sums of squares;
+ * kernels_cuda_attention.cu runs the attention plan of base/attention_gemm.h.
  */
 #ifndef FSDPC_BASE_KERNELS_CUDA_H
 #define FSDPC_BASE_KERNELS_CUDA_H
@@ -135,43 +135,9 @@ static inline cudaDataType_t cuda_dtype(dtype_t dt) {
   return dt == DTYPE_BF16 ? CUDA_R_16BF : dt == DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
 }
 
-/* The launchers of kernels_cuda_rows.cu. */
-status_t cuda_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
-                      float eps);
-status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
-                               const tensor_t *w, const tensor_t *rstd);
-status_t cuda_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
-                        const tensor_t *w, const tensor_t *b, float eps);
-status_t cuda_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
-                                 const tensor_t *x, const tensor_t *w, const tensor_t *mean,
-                                 const tensor_t *rstd);
-status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits, const tensor_t *targets);
-status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
-                                     const tensor_t *targets, float scale);
-
-/* The launchers of kernels_cuda_pointwise.cu. */
-status_t cuda_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up);
-status_t cuda_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
-                                const tensor_t *gate, const tensor_t *up);
-status_t cuda_activation(tensor_t *out, const tensor_t *x, kernel_act_t act);
-status_t cuda_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
-                                  kernel_act_t act);
-status_t cuda_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b);
-status_t cuda_bias_backward(tensor_t *db, const tensor_t *dy);
-status_t cuda_add(tensor_t *out, const tensor_t *a, const tensor_t *b);
-status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x);
-status_t cuda_scale(tensor_t *x, float alpha);
-status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                    const adamw_args_t *a);
-status_t cuda_adamw_many(const adamw_item_t *items, int n);
-status_t cuda_sum_squares(const tensor_t *x, double *out);
-status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *out);
-
-/* The attention kernels of kernels_cuda_attention.cu. */
-status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
-                        const tensor_t *v);
-status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
-                                 const tensor_t *q, const tensor_t *k, const tensor_t *v,
-                                 const tensor_t *out, const tensor_t *lse);
+/* Fill their launchers into the CUDA kernel table (kernels_cuda.cu). */
+void cuda_row_kernels(kernel_ops_t *ops);
+void cuda_pointwise_kernels(kernel_ops_t *ops);
+void cuda_attention_kernels(kernel_ops_t *ops);
 
 #endif

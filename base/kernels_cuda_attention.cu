@@ -168,8 +168,8 @@ static status_t exec_for(const tensor_t *q, cuda_attn_t *c, attn_exec_t *x) {
   return STATUS_OK;
 }
 
-status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
-                        const tensor_t *v) {
+static status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
+                               const tensor_t *v) {
   cuda_attn_t c;
   attn_exec_t x;
   TRY(exec_for(q, &c, &x));
@@ -182,9 +182,10 @@ status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const t
                            v->data);
 }
 
-status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
-                                 const tensor_t *q, const tensor_t *k, const tensor_t *v,
-                                 const tensor_t *out, const tensor_t *lse) {
+static status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
+                                        const tensor_t *dout, const tensor_t *q, const tensor_t *k,
+                                        const tensor_t *v, const tensor_t *out,
+                                        const tensor_t *lse) {
   cuda_attn_t c;
   attn_exec_t x;
   TRY(exec_for(q, &c, &x));
@@ -196,4 +197,9 @@ status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const
   if (fused) return STATUS_OK;
   return attn_gemm_backward(&x, &s, q->dtype, dq->data, dk->data, dv->data, dout->data, q->data,
                             k->data, v->data, out->data, (const float *)lse->data);
+}
+
+void cuda_attention_kernels(kernel_ops_t *ops) {
+  ops->attention = cuda_attention;
+  ops->attention_backward = cuda_attention_backward;
 }

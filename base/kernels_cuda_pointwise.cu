@@ -269,53 +269,53 @@ static status_t map_launch(const tensor_t *like, const void *const (&in)[NI],
   return launched(what);
 }
 
-status_t cuda_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
+static status_t cuda_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
   const void *const in[2] = {gate->data, up->data};
   void *const o[1] = {out->data};
   return map_launch(out, in, o, op_silu_mul{}, "kernel_silu_mul");
 }
 
-status_t cuda_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
-                                const tensor_t *gate, const tensor_t *up) {
+static status_t cuda_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
+                                       const tensor_t *gate, const tensor_t *up) {
   const void *const in[3] = {dout->data, gate->data, up->data};
   void *const o[2] = {dgate->data, dup->data};
   return map_launch(dout, in, o, op_silu_mul_backward{}, "kernel_silu_mul_backward");
 }
 
-status_t cuda_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
+static status_t cuda_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
   const void *const in[1] = {x->data};
   void *const o[1] = {out->data};
   return map_launch(out, in, o, op_activation{(int)act}, "kernel_activation");
 }
 
-status_t cuda_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
-                                  kernel_act_t act) {
+static status_t cuda_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
+                                         kernel_act_t act) {
   const void *const in[2] = {dy->data, x->data};
   void *const o[1] = {dx->data};
   return map_launch(dx, in, o, op_activation_backward{(int)act}, "kernel_activation_backward");
 }
 
-status_t cuda_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
+static status_t cuda_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
   int64_t n = tensor_numel(out);
   bias_add_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, x->data, b->data,
                                                               out->dtype, n, last_dim(x));
   return launched("kernel_bias_add");
 }
 
-status_t cuda_bias_backward(tensor_t *db, const tensor_t *dy) {
+static status_t cuda_bias_backward(tensor_t *db, const tensor_t *dy) {
   int64_t D = last_dim(dy), rows = tensor_numel(dy) / D;
   bias_backward_kernel<<<grid_for(D), kBlock, 0, stream_of(dy)>>>(db->data, db->dtype, dy->data,
                                                                   dy->dtype, rows, D);
   return launched("kernel_bias_backward");
 }
 
-status_t cuda_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
+static status_t cuda_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
   const void *const in[2] = {a->data, b->data};
   void *const o[1] = {out->data};
   return map_launch(out, in, o, op_add{}, "kernel_add");
 }
 
-status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x) {
+static status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x) {
   int64_t n = tensor_numel(y);
   if (n == 0) return STATUS_OK;
   if (y->dtype == x->dtype) {
@@ -328,7 +328,7 @@ status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x) {
   return launched("kernel_axpy");
 }
 
-status_t cuda_scale(tensor_t *x, float alpha) {
+static status_t cuda_scale(tensor_t *x, float alpha) {
   const void *const in[1] = {x->data};
   void *const o[1] = {x->data};
   return map_launch(x, in, o, op_scale{alpha}, "kernel_scale");
@@ -347,7 +347,7 @@ static adamw_consts adamw_consts_of(const adamw_args_t *a) {
   return c;
 }
 
-status_t cuda_adamw_many(const adamw_item_t *items, int n) {
+static status_t cuda_adamw_many(const adamw_item_t *items, int n) {
   cudaStream_t s = stream_of(items[0].p);
   for (int i0 = 0; i0 < n;) {
     adamw_table t;
@@ -377,13 +377,13 @@ status_t cuda_adamw_many(const adamw_item_t *items, int n) {
   return STATUS_OK;
 }
 
-status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                    const adamw_args_t *a) {
+static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                           const adamw_args_t *a) {
   adamw_item_t it = {p, g, m, v, *a};
   return cuda_adamw_many(&it, 1);
 }
 
-status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
+static status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
   device_t dev = xs[0]->device;
   cudaStream_t s = stream_of(xs[0]);
   size_t pbytes = sizeof(float) * (size_t)n * kSsqBlocks, bytes = pbytes + sizeof(double) * n;
@@ -422,6 +422,22 @@ status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
   return st;
 }
 
-status_t cuda_sum_squares(const tensor_t *x, double *out) {
+static status_t cuda_sum_squares(const tensor_t *x, double *out) {
   return cuda_sum_squares_many(&x, 1, out);
+}
+
+void cuda_pointwise_kernels(kernel_ops_t *ops) {
+  ops->silu_mul = cuda_silu_mul;
+  ops->silu_mul_backward = cuda_silu_mul_backward;
+  ops->activation = cuda_activation;
+  ops->activation_backward = cuda_activation_backward;
+  ops->bias_add = cuda_bias_add;
+  ops->bias_backward = cuda_bias_backward;
+  ops->add = cuda_add;
+  ops->axpy = cuda_axpy;
+  ops->scale = cuda_scale;
+  ops->adamw = cuda_adamw;
+  ops->adamw_many = cuda_adamw_many;
+  ops->sum_squares = cuda_sum_squares;
+  ops->sum_squares_many = cuda_sum_squares_many;
 }

@@ -263,8 +263,8 @@ __global__ static void cross_entropy_backward_kernel(T *dlogits, const T *logits
 
 static const char kTargetRange[] = "%s: a target is >= the vocabulary size %lld";
 
-status_t cuda_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
-                      float eps) {
+static status_t cuda_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
+                             float eps) {
   int64_t D = last_dim(x), rows = D ? tensor_numel(x) / D : 0;
   if (rows == 0) return STATUS_OK;
   with_float_type(x->dtype, [&](auto t) {
@@ -275,8 +275,8 @@ status_t cuda_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const te
   return launched("kernel_rmsnorm");
 }
 
-status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
-                               const tensor_t *w, const tensor_t *rstd) {
+static status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
+                                      const tensor_t *x, const tensor_t *w, const tensor_t *rstd) {
   int64_t D = last_dim(x), rows = D ? tensor_numel(x) / D : 0;
   if (rows == 0) return STATUS_OK;
   cudaStream_t s = stream_of(x);
@@ -306,8 +306,8 @@ status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, c
   return st;
 }
 
-status_t cuda_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
-                        const tensor_t *w, const tensor_t *b, float eps) {
+static status_t cuda_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
+                               const tensor_t *w, const tensor_t *b, float eps) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
   layernorm_kernel<<<(unsigned)rows, kBlock, 0, stream_of(x)>>>(
       out->data, (float *)mean->data, (float *)rstd->data, x->data, x->dtype, w->data, w->dtype,
@@ -315,9 +315,9 @@ status_t cuda_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const ten
   return launched("kernel_layernorm");
 }
 
-status_t cuda_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
-                                 const tensor_t *x, const tensor_t *w, const tensor_t *mean,
-                                 const tensor_t *rstd) {
+static status_t cuda_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db,
+                                        const tensor_t *dy, const tensor_t *x, const tensor_t *w,
+                                        const tensor_t *mean, const tensor_t *rstd) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
   cudaStream_t s = stream_of(x);
   layernorm_backward_dx_kernel<<<(unsigned)rows, kBlock, 0, s>>>(
@@ -330,7 +330,8 @@ status_t cuda_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const
   return launched("kernel_layernorm_backward");
 }
 
-status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits, const tensor_t *targets) {
+static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
+                                   const tensor_t *targets) {
   int64_t V = last_dim(logits), N = tensor_numel(targets);
   if (N == 0) return STATUS_OK;
   flag_t f;
@@ -343,8 +344,8 @@ status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits, const tens
   return flag_finish(&f, launched("kernel_cross_entropy"), kTargetRange, "kernel_cross_entropy", V);
 }
 
-status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
-                                     const tensor_t *targets, float scale) {
+static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
+                                            const tensor_t *targets, float scale) {
   int64_t V = last_dim(logits), N = tensor_numel(targets);
   if (N == 0) return STATUS_OK;
   flag_t f;
@@ -356,4 +357,13 @@ status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
   });
   return flag_finish(&f, launched("kernel_cross_entropy_backward"), kTargetRange,
                      "kernel_cross_entropy_backward", V);
+}
+
+void cuda_row_kernels(kernel_ops_t *ops) {
+  ops->rmsnorm = cuda_rmsnorm;
+  ops->rmsnorm_backward = cuda_rmsnorm_backward;
+  ops->layernorm = cuda_layernorm;
+  ops->layernorm_backward = cuda_layernorm_backward;
+  ops->cross_entropy = cuda_cross_entropy;
+  ops->cross_entropy_backward = cuda_cross_entropy_backward;
 }
