@@ -1,11 +1,15 @@
 /*
  * A one-rank resume against a plain read of the same files: a training checkpoint (model and
  * AdamW state) is written once, then, interleaved and repeated, (a) every file of it is read
- * into a buffer with read(2) (warm page cache), (b) the model is built deferred, its memory
+ * with read(2) from the warm page cache, end to end into memory of the files' size (memory in
+ * use: each byte lands in its own place, as a load puts it; the reference of the ratios), and
+ * in 8 MiB pieces into one buffer (which stays in the CPU's caches, so that read moves half
+ * the bytes through memory that a load must), (b) the model is built deferred, its memory
  * allocated and the checkpoint loaded into it, as fsdp-train does: in a new process of this
- * program (all of its memory fresh from the system, as when fsdp-train resumes) and again in
- * this one (its memory then mostly the blocks the previous repetition freed, which the host
- * cache hands out again), (c) the model is built and initialised eagerly, the optimizer state
+ * program (all of its memory fresh from the system, as when fsdp-train resumes; against the
+ * plain read in a new process into memory fresh from the system) and again in this one (its
+ * memory then mostly the blocks the previous repetition freed, which the host cache hands out
+ * again), (c) the model is built and initialised eagerly, the optimizer state
  * zero-filled, then loaded (the path before deferred initialisation), (d) the deferred resume
  * from a copy of the checkpoint without checksums (the files another tool would write: the same
  * bytes, no integrity records), (e) a resharding-style read of the first quarter of every
@@ -144,26 +148,39 @@ static uint64_t g_hash_sink;
 /* The eager resume (seconds each) runs in the first repetitions only. */
 #define EAGER_REPS 3
 
-/* What each file of a tree gets: with hash, a read in pieces of size bytes, each piece hashed
- * (what the block checks add to a read); with drop, its pages dropped from the page cache (the
- * next read comes from storage). */
+/* The plain reads' piece: each read(2) asks for this many bytes. */
+#define PLAIN_PIECE ((size_t)8 << 20)
+
+/* What each file of a tree gets: a read in pieces of size bytes into buf, each piece in the same
+ * place (the destination stays in the CPU's caches); with at, the files laid end to end from
+ * buf + *at on instead, each byte in its own place of memory of size bytes, as a load puts
+ * them (*at advances), in pieces of PLAIN_PIECE; with hash, each piece hashed (what the block
+ * checks add to a read); with drop, its pages dropped from the page cache (the next read comes
+ * from storage). */
 typedef struct walk {
   char *buf;
   size_t size;
   bool hash, drop;
+  uint64_t *at;
 } walk_t;
 
 /* Reads (or drops) the open file fd at path, then closes it; returns the bytes read. */
 static uint64_t walk_fd(int fd, const char *path, const walk_t *w) {
   uint64_t total = 0;
-  ssize_t n;
   if (w->drop) { /* written pages must reach the storage before they can be dropped */
     if (fdatasync(fd) != 0 || posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) != 0) perror(path);
-  } else {
-    while ((n = read(fd, w->buf, w->size)) > 0) {
-      total += (uint64_t)n;
-      if (w->hash) g_hash_sink ^= dcp_block_hash(w->buf, (size_t)n);
-    }
+    close(fd);
+    return 0;
+  }
+  for (;;) {
+    char *dst = w->at ? w->buf + *w->at : w->buf;
+    size_t want = w->size;
+    if (w->at) want = w->size - *w->at < PLAIN_PIECE ? w->size - *w->at : PLAIN_PIECE;
+    ssize_t n = want > 0 ? read(fd, dst, want) : 0;
+    if (n <= 0) break;
+    total += (uint64_t)n;
+    if (w->at) *w->at += (uint64_t)n;
+    if (w->hash) g_hash_sink ^= dcp_block_hash(dst, (size_t)n);
   }
   close(fd);
   return total;
@@ -194,7 +211,21 @@ static uint64_t walk_tree(const char *dir, const walk_t *w) {
 }
 
 static uint64_t read_tree(const char *dir, char *buf, size_t size) {
-  return walk_tree(dir, &(walk_t){buf, size, false, false});
+  return walk_tree(dir, &(walk_t){buf, size, false, false, NULL});
+}
+
+/* Reads every file under dir into mem (size bytes), end to end. */
+static uint64_t read_tree_into(const char *dir, char *mem, size_t size) {
+  uint64_t at = 0;
+  return walk_tree(dir, &(walk_t){mem, size, false, false, &at});
+}
+
+/* size bytes from the host allocator, as a load's large tensors get them, touched. */
+static char *memory_in_use(size_t size) {
+  void *p;
+  BENCH_TRY(device_alloc(device_cpu(), size, &p));
+  memset(p, 1, size);
+  return p;
 }
 
 typedef struct built {
@@ -231,30 +262,66 @@ static void unbuild(built_t *b) {
   llama_free(b->m);
 }
 
-/* The hidden first argument that makes this program a resume of its own (see fresh_resume). */
+/* The hidden first arguments that make this program a resume, or a plain read, of its own
+ * (see fresh_resume and fresh_read). */
 #define FRESH_RESUME "--fresh-resume"
+#define FRESH_READ "--fresh-read"
 
-/* `bench-ckpt-load --fresh-resume CONFIG DIR`: one deferred resume of DIR in this new process
- * (one rank), the first thing it does after world_init; prints its seconds, the blocks it took
- * from the system and its page faults. All of its memory comes from the system, as in an
- * `fsdp-train` that resumes. */
-static int fresh_resume(const char *config, const char *dir) {
+/* What a timed piece of work in a new process printed: its seconds, the blocks it took from
+ * the system and its page faults. */
+typedef struct fresh {
+  double secs;
+  size_t blocks;
+  long faults;
+} fresh_t;
+
+static void fresh_print(double t0, const struct rusage *before) {
+  double t = bench_now() - t0;
+  struct rusage after;
+  getrusage(RUSAGE_SELF, &after);
+  printf("%.9f %zu %ld\n", t, mem_os_allocs(device_cpu()), after.ru_minflt - before->ru_minflt);
+}
+
+static void fresh_init(void) {
   int one = 1;
   char *args[] = {"bench-ckpt-load", NULL}, **argv = args;
   BENCH_TRY(world_init(&one, &argv));
+}
+
+/* `bench-ckpt-load --fresh-resume CONFIG DIR`: one deferred resume of DIR in this new process
+ * (one rank), the first thing it does after world_init. All of its memory comes from the
+ * system, as in an `fsdp-train` that resumes. */
+static int fresh_resume(const char *config, const char *dir) {
+  fresh_init();
   llama_config_t cfg;
   BENCH_TRY(llama_config_from_hf(config, &cfg));
-  struct rusage before, after;
+  struct rusage before;
   getrusage(RUSAGE_SELF, &before);
   double t0 = bench_now();
   built_t b;
   build(&b, &cfg, true, NULL);
   int64_t step;
   BENCH_TRY(ckpt_load_training(dir, b.ps, b.n, b.opt, &step, NULL));
-  double t = bench_now() - t0;
-  getrusage(RUSAGE_SELF, &after);
-  printf("%.9f %zu %ld\n", t, mem_os_allocs(device_cpu()), after.ru_minflt - before.ru_minflt);
+  fresh_print(t0, &before);
   unbuild(&b);
+  world_finalize();
+  return 0;
+}
+
+/* `bench-ckpt-load --fresh-read DIR BYTES`: the plain read of DIR's files (BYTES in all) in
+ * this new process, into memory of their size fresh from the system (one block of the host
+ * allocator, which maps large blocks as a load's large tensors get them). */
+static int fresh_read(const char *dir, const char *bytes) {
+  fresh_init();
+  size_t size = (size_t)strtoull(bytes, NULL, 10);
+  struct rusage before;
+  getrusage(RUSAGE_SELF, &before);
+  double t0 = bench_now();
+  void *mem;
+  BENCH_TRY(device_alloc(device_cpu(), size, &mem));
+  read_tree_into(dir, mem, size);
+  fresh_print(t0, &before);
+  device_free(device_cpu(), mem, size);
   world_finalize();
   return 0;
 }
@@ -266,10 +333,9 @@ static bool under_launcher(void) {
          getenv("PMI_RANK") != NULL;
 }
 
-/* Runs fresh_resume of dir in a new process of this program; returns the seconds it took, the
- * blocks it took from the system in *blocks and its page faults in *faults. */
-static double resume_in_new_process(const char *config, const char *dir, size_t *blocks,
-                                    long *faults) {
+/* Runs this program as `bench-ckpt-load MODE A B` (fresh_resume or fresh_read) in a new
+ * process; returns what it measured. */
+static fresh_t in_new_process(const char *mode, const char *a, const char *b) {
   int fds[2];
   if (pipe(fds) != 0) {
     perror("pipe");
@@ -286,7 +352,7 @@ static double resume_in_new_process(const char *config, const char *dir, size_t 
     dup2(fds[1], STDOUT_FILENO);
     close(fds[0]);
     close(fds[1]);
-    execl("/proc/self/exe", "bench-ckpt-load", FRESH_RESUME, config, dir, (char *)NULL);
+    execl("/proc/self/exe", "bench-ckpt-load", mode, a, b, (char *)NULL);
     perror("/proc/self/exe");
     _exit(127);
   }
@@ -298,13 +364,13 @@ static double resume_in_new_process(const char *config, const char *dir, size_t 
     got += (size_t)n;
   close(fds[0]);
   int status = 0;
-  double t;
+  fresh_t f;
   if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0 ||
-      sscanf(line, "%lf %zu %ld", &t, blocks, faults) != 3) {
-    fprintf(stderr, "bench-ckpt-load: the resume in a new process failed (status %d)\n", status);
+      sscanf(line, "%lf %zu %ld", &f.secs, &f.blocks, &f.faults) != 3) {
+    fprintf(stderr, "bench-ckpt-load %s: the new process failed (status %d)\n", mode, status);
     bench_leave(1);
   }
-  return t;
+  return f;
 }
 
 /* The state before deferred initialisation: the eager build also zero-filled the moments the
@@ -335,14 +401,31 @@ static double quartile(const double *x, int n, int k) {
 
 static double median(const double *x, int n) { return quartile(x, n, 2); }
 
-/* The checked-over-unchecked cost: the median of the repetitions' paired ratios (a check and
- * its unchecked twin ran back to back, so machine noise mostly cancels), in percent, written
- * with the ratios' quartiles (their spread: this machine's noise). */
+/* The ratios a[i] / b[i] of n paired repetitions (run back to back, so machine noise mostly
+ * cancels) into q; returns their median. */
+static double ratios(const double *a, const double *b, int n, double *q) {
+  for (int i = 0; i < n; i++) q[i] = a[i] / b[i];
+  return median(q, n);
+}
+
+/* The median of the paired ratios a / b, written with their quartiles (their spread: this
+ * machine's noise). */
+static const char *paired_ratio(const double *a, const double *b, int n) {
+  static char out[4][96];
+  static int next;
+  double q[64], m = ratios(a, b, n, q);
+  char *o = out[next++ % 4];
+  snprintf(o, sizeof out[0], "%.2fx (paired; quartiles %.2fx, %.2fx)", m, quartile(q, n, 1),
+           quartile(q, n, 3));
+  return o;
+}
+
+/* The checked-over-unchecked cost: the median of the repetitions' paired ratios, in percent,
+ * written with the ratios' quartiles and the fastest runs' ratio. */
 static const char *paired_cost(const double *checked, const double *unchecked, int n) {
   static char out[4][128];
   static int next;
-  double q[64];
-  for (int i = 0; i < n; i++) q[i] = checked[i] / unchecked[i];
+  double q[64], m = ratios(checked, unchecked, n, q);
   double best = checked[0], best_un = unchecked[0];
   for (int i = 1; i < n; i++) {
     best = checked[i] < best ? checked[i] : best;
@@ -350,8 +433,8 @@ static const char *paired_cost(const double *checked, const double *unchecked, i
   }
   char *o = out[next++ % 4];
   snprintf(o, sizeof out[0], "%+.1f%% (quartiles %+.1f%%, %+.1f%%; fastest %+.1f%%)",
-           100.0 * (median(q, n) - 1.0), 100.0 * (quartile(q, n, 1) - 1.0),
-           100.0 * (quartile(q, n, 3) - 1.0), 100.0 * (best / best_un - 1.0));
+           100.0 * (m - 1.0), 100.0 * (quartile(q, n, 1) - 1.0), 100.0 * (quartile(q, n, 3) - 1.0),
+           100.0 * (best / best_un - 1.0));
   return o;
 }
 
@@ -367,8 +450,9 @@ static void barrier(void) {
   BENCH_TRY(pg_host_all_reduce(world_pg(), &x, &x, 1, PG_HOST_I32, REDUCE_SUM));
 }
 
-/* Reads this rank's own files of checkpoint dir (model/ and optim/ shard-RRRRR); the bytes. */
-static uint64_t read_own(const char *dir, char *buf, size_t size) {
+/* Reads this rank's own files of checkpoint dir (model/ and optim/ shard-RRRRR) as w says
+ * (buf and size: w's; at: NULL, or where to put them end to end); the bytes. */
+static uint64_t read_own(const char *dir, char *buf, size_t size, uint64_t *at) {
   uint64_t total = 0;
   const char *subs[] = {"model", "optim"};
   for (int k = 0; k < 2; k++) {
@@ -379,7 +463,7 @@ static uint64_t read_own(const char *dir, char *buf, size_t size) {
       perror(path);
       bench_leave(1);
     }
-    total += walk_fd(fd, path, &(walk_t){buf, size, false, false});
+    total += walk_fd(fd, path, &(walk_t){buf, size, false, false, at});
   }
   return total;
 }
@@ -426,20 +510,25 @@ static void sharded(const llama_config_t *cfg, int reps) {
   unbuild(&b);
   if (world_rank() == 0) copy_checkpoint_unchecked(dir, plain);
   barrier();
-  size_t size = (size_t)8 << 20;
-  char *buf = malloc(size);
+  char *buf = malloc(PLAIN_PIECE);
   if (buf == NULL) bench_leave(1);
-  double t_read[64], t_load[64], t_plain[64];
-  uint64_t own = 0, total = 0;
+  uint64_t own = read_own(dir, buf, PLAIN_PIECE, NULL), total = 0, at;
+  char *mem = memory_in_use(own);
+  double t_read[64], t_into[64], t_load[64], t_plain[64];
   size_t fresh = 0; /* blocks rank 0's last checked resume took from the system */
   for (int r = 0; r < reps; r++) {
     barrier();
     double t0 = bench_now();
-    own = read_own(dir, buf, size);
+    read_own(dir, buf, PLAIN_PIECE, NULL);
     t_read[r] = slowest(t0);
+    barrier();
+    at = 0;
+    t0 = bench_now();
+    read_own(dir, mem, own, &at);
+    t_into[r] = slowest(t0);
     for (int j = 0; j < 2; j++) { /* checked and unchecked back to back, alternating first */
       int k = (j + r) % 2;
-      read_own(k ? dir : plain, buf, size);
+      read_own(k ? dir : plain, buf, PLAIN_PIECE, NULL);
       barrier();
       size_t os0 = mem_os_allocs(device_cpu());
       t0 = bench_now();
@@ -452,24 +541,30 @@ static void sharded(const llama_config_t *cfg, int reps) {
     }
   }
   BENCH_TRY(pg_host_all_reduce(world_pg(), &own, &total, 1, PG_HOST_I64, REDUCE_SUM));
-  double tr = median(t_read, reps), tl = median(t_load, reps);
+  double tr = median(t_read, reps), ti = median(t_into, reps), tl = median(t_load, reps);
   if (world_rank() == 0) {
     printf("checkpoint %s: %lld parameters, %d ranks (FSDP: fully_shard per layer and root), "
            "%.1f MB in their files, %.1f MB per rank\n",
            dir, (long long)llama_num_params(cfg), W, (double)total / 1e6,
            (double)total / 1e6 / W);
-    printf("each rank reading its own files (page cache): %.3f s (the slowest rank)\n", tr);
+    printf(
+        "each rank reading its own files (page cache), the slowest rank: %.3f s into "
+        "memory of their size (memory in use, each byte in its own place, as a load puts "
+        "it); %.3f s in %zu MiB pieces into one buffer (which stays in the CPU's caches)\n",
+        ti, tr, PLAIN_PIECE >> 20);
     printf(
         "resume, deferred (build, shard, memory for the shards, load), repeated in these "
         "processes (rank 0's took %zu blocks of 64 KiB or more from the system, the rest "
         "the blocks an earlier load freed; a new process takes them all, see the one-rank "
-        "run), the slowest rank: %.3f s: %.2fx the read\n",
-        fresh, tl, tl / tr);
+        "run), the slowest rank: %.3f s: %s of the read into memory (%.2fx the read into "
+        "one buffer)\n",
+        fresh, tl, paired_ratio(t_load, t_into, reps), tl / tr);
     print_hashing();
     printf("block checks: %.3f s checked, %.3f s from the same files without checksums: %s\n",
            tl, median(t_plain, reps), paired_cost(t_load, t_plain, reps));
     printf("(times: medians of %d interleaved repetitions of the slowest rank's)\n", reps);
   }
+  device_free(device_cpu(), mem, own);
   free(buf);
   barrier();
   if (world_rank() == 0) {
@@ -491,7 +586,8 @@ static const bench_option_t OPTIONS[] = {
 
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], FRESH_RESUME) == 0) return fresh_resume(argv[2], argv[3]);
-  bool spawn = !under_launcher(); /* the resume in a new process */
+  if (argc == 4 && strcmp(argv[1], FRESH_READ) == 0) return fresh_read(argv[2], argv[3]);
+  bool spawn = !under_launcher(); /* the resume and read in new processes */
   BENCH_TRY(world_init(&argc, &argv));
   bench_args(argc, argv,
              "A resume of a training checkpoint against a plain read of its files, with and "
@@ -531,7 +627,7 @@ int main(int argc, char **argv) {
   } else {
     snprintf(dir, sizeof dir, "%s", given);
   }
-  size_t bufsize = (size_t)8 << 20;
+  size_t bufsize = PLAIN_PIECE;
   char *buf = malloc(bufsize);
   if (buf == NULL) return 1;
   char plain[4400];
@@ -539,11 +635,13 @@ int main(int argc, char **argv) {
   copy_checkpoint_unchecked(dir, plain);
   uint64_t file_bytes = read_tree(dir, buf, bufsize); /* warms the page cache */
   read_tree(plain, buf, bufsize);
-  double t_read[64], t_deferred[64], t_eager[64], t_plain[64], t_part[64], t_part_plain[64];
-  double t_hashed[64], t_cold[64], t_cold_plain[64], t_again[64], t_again_plain[64];
-  double t_new[64], t_new_plain[64];
-  size_t warm_blocks = 0, new_blocks = 0; /* blocks a resume took from the system */
-  long new_faults = 0;
+  char *mem = memory_in_use(file_bytes), bytes_arg[32];
+  snprintf(bytes_arg, sizeof bytes_arg, "%llu", (unsigned long long)file_bytes);
+  double t_read[64], t_into[64], t_deferred[64], t_eager[64], t_plain[64], t_part[64];
+  double t_part_plain[64], t_hashed[64], t_cold[64], t_cold_plain[64], t_again[64];
+  double t_again_plain[64], t_new[64], t_new_plain[64], t_new_read[64];
+  size_t warm_blocks = 0;
+  fresh_t resume_new = {0}, read_new = {0}; /* the last ones' blocks and faults */
   dcp_stats_t stats = {0}, plain_stats = {0};
   uint64_t part_bytes = 0;
   for (int r = 0; r < reps; r++) {
@@ -551,7 +649,10 @@ int main(int argc, char **argv) {
     read_tree(dir, buf, bufsize);
     t_read[r] = bench_now() - t0;
     t0 = bench_now();
-    walk_tree(dir, &(walk_t){buf, (size_t)dcp_block_bytes(), true, false});
+    read_tree_into(dir, mem, file_bytes);
+    t_into[r] = bench_now() - t0;
+    t0 = bench_now();
+    walk_tree(dir, &(walk_t){buf, (size_t)dcp_block_bytes(), true, false, NULL});
     t_hashed[r] = bench_now() - t0;
     for (int j = 0; j < 2; j++) { /* checked and unchecked back to back, alternating first */
       int k = (j + r) % 2;         /* 1: the checked files, 0: those without checksums */
@@ -570,11 +671,17 @@ int main(int argc, char **argv) {
       (k ? t_again : t_again_plain)[r] = bench_now() - t0;
       unbuild(&b);
     }
-    for (int j = 0; spawn && j < 2; j++) { /* each in a process of its own */
-      int k = (j + r) % 2;
+    for (int j = 0; spawn && j < 3; j++) { /* each in a process of its own */
+      int k = (j + r) % 3;                 /* 2: the plain read */
       read_tree(k ? dir : plain, buf, bufsize);
-      (k ? t_new : t_new_plain)[r] =
-          resume_in_new_process(config, k ? dir : plain, &new_blocks, &new_faults);
+      if (k == 2) {
+        read_new = in_new_process(FRESH_READ, dir, bytes_arg);
+        t_new_read[r] = read_new.secs;
+      } else {
+        fresh_t f = in_new_process(FRESH_RESUME, config, k ? dir : plain);
+        (k ? t_new : t_new_plain)[r] = f.secs;
+        if (k) resume_new = f;
+      }
     }
     for (int j = 0; j < 2; j++) { /* the same from storage: both trees' pages dropped first */
       int k = (j + r) % 2;
@@ -603,49 +710,63 @@ int main(int argc, char **argv) {
     t_eager[r] = bench_now() - t0;
     unbuild(&b);
   }
-  double tr = median(t_read, reps), td = median(t_deferred, reps), te = median(t_eager, reps < EAGER_REPS ? reps : EAGER_REPS);
+  double tr = median(t_read, reps), ti = median(t_into, reps), td = median(t_deferred, reps);
+  double te = median(t_eager, reps < EAGER_REPS ? reps : EAGER_REPS);
   double tp = median(t_plain, reps), tq = median(t_part, reps), tqp = median(t_part_plain, reps);
   printf("checkpoint %s: %lld parameters, %.1f MB in its files\n", dir,
          (long long)llama_num_params(&cfg), (double)file_bytes / 1e6);
-  printf("plain read of the files (page cache): %.3f s (%.0f MB/s)\n", tr,
-         (double)file_bytes / 1e6 / tr);
+  printf(
+      "plain read of the files from the page cache: %.3f s (%.0f MB/s) into memory of their "
+      "size (memory in use, each byte in its own place, as a load puts it); %.3f s (%.0f "
+      "MB/s) in %zu MiB pieces into one buffer (which stays in the CPU's caches)\n",
+      ti, (double)file_bytes / 1e6 / ti, tr, (double)file_bytes / 1e6 / tr, PLAIN_PIECE >> 20);
   if (spawn) {
     double tn = median(t_new, reps), tnp = median(t_new_plain, reps);
+    double tnr = median(t_new_read, reps);
     printf(
         "resume in a new process, as fsdp-train resumes (deferred build, materialize, load; "
         "its memory fresh from the system: %zu blocks of 64 KiB or more, %ld page faults): "
-        "%.3f s: %.2fx the plain read (quartiles %.2fx, %.2fx); %.3f s without checksums: "
-        "%.2fx\n",
-        new_blocks, new_faults, tn, tn / tr, quartile(t_new, reps, 1) / tr,
-        quartile(t_new, reps, 3) / tr, tnp, tnp / tr);
-    printf("block checks on it: %s\n", paired_cost(t_new, t_new_plain, reps));
+        "%.3f s (quartiles %.3f s, %.3f s); %.3f s without checksums\n",
+        resume_new.blocks, resume_new.faults, tn, quartile(t_new, reps, 1),
+        quartile(t_new, reps, 3), tnp);
+    printf(
+        "plain read in a new process into memory fresh from the system (one block of the "
+        "host allocator, %ld page faults): %.3f s (quartiles %.3f s, %.3f s); the resume "
+        "%s of it\n",
+        read_new.faults, tnr, quartile(t_new_read, reps, 1), quartile(t_new_read, reps, 3),
+        paired_ratio(t_new, t_new_read, reps));
+    printf("block checks on the new-process resume: %s\n", paired_cost(t_new, t_new_plain, reps));
   } else {
     printf("resume in a new process: not timed under mpirun (run bench-ckpt-load alone)\n");
   }
   printf(
       "resume, deferred, repeated in this process (%zu blocks of 64 KiB or more from the "
       "system, the rest the blocks an earlier load freed): %.3f s, %.1f MB of tensor data read "
-      "(%.1f MB needed, %.1f KB of headers): %.2fx the plain read\n",
+      "(%.1f MB needed, %.1f KB of headers): %s of the read into memory (%.2fx the read into "
+      "one buffer)\n",
       warm_blocks, td, (double)stats.bytes_read / 1e6, (double)stats.bytes_needed / 1e6,
-      (double)stats.header_bytes / 1e3, td / tr);
-  printf("resume, eager (init + zero-filled moments + load): %.3f s: %.2fx the plain read, "
-         "%.2fx the deferred resume\n",
-         te, te / tr, te / td);
+      (double)stats.header_bytes / 1e3, paired_ratio(t_deferred, t_into, reps), td / tr);
+  printf(
+      "resume, eager (init + zero-filled moments + load): %.3f s: %.2fx the read into "
+      "memory, %.2fx the deferred resume\n",
+      te, te / ti, te / td);
   uint64_t block = dcp_block_bytes();
   double th = median(t_hashed, reps);
-  printf("the same files read in %llu-byte blocks, each hashed: %.3f s (%.0f MB/s): the hashing "
-         "alone is at most %.3f s, %.1f%% of the checked resume\n",
-         (unsigned long long)block, th, (double)file_bytes / 1e6 / th, th - tr,
-         100.0 * (th - tr) / td);
+  printf(
+      "the same files read in %llu-byte blocks into one buffer, each hashed: %.3f s (%.0f "
+      "MB/s): the hashing alone is at most %.3f s, %.1f%% of the checked resume\n",
+      (unsigned long long)block, th, (double)file_bytes / 1e6 / th, th - tr,
+      100.0 * (th - tr) / td);
   print_hashing();
   printf(
       "block checks (XXH3-64 per %llu-byte block, always on): the repeated resume takes "
       "%.3f s checked, %.3f s from the same files without checksums: %s\n",
       (unsigned long long)block, td, tp, paired_cost(t_deferred, t_plain, reps));
-  printf("the same load again into the model's memory (reads and checks, no allocation): "
-         "%.3f s checked, %.3f s without checksums: %s\n",
-         median(t_again, reps), median(t_again_plain, reps),
-         paired_cost(t_again, t_again_plain, reps));
+  printf(
+      "the same load again into the model's memory (reads and checks, no allocation): "
+      "%.3f s checked (%s of the read into memory), %.3f s without checksums: %s\n",
+      median(t_again, reps), paired_ratio(t_again, t_into, reps), median(t_again_plain, reps),
+      paired_cost(t_again, t_again_plain, reps));
   double tc = median(t_cold, reps), tcp = median(t_cold_plain, reps);
   printf("the same from storage (the files' pages dropped from the page cache first): %.3f s "
          "checked, %.3f s without checksums: %s\n",
@@ -656,6 +777,7 @@ int main(int argc, char **argv) {
   printf("(times: medians of %d interleaved repetitions, the eager resume's of the first %d; "
          "costs: medians of the repetitions' checked/unchecked ratios)\n",
          reps, reps < EAGER_REPS ? reps : EAGER_REPS);
+  device_free(device_cpu(), mem, file_bytes);
   free(buf);
   dcp_remove_tree(plain);
   if (given == NULL) {
