@@ -22,11 +22,6 @@ static const bench_option_t OPTIONS[] = {
     {"--reps", "N", "timed repetitions (default 20)"},
     {NULL, NULL, NULL}};
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 /* FLOP/s in TFLOP/s, or GFLOP/s below one TFLOP/s. */
 static const char *rate(double flops, char *buf, size_t n) {
   if (flops >= 1e12)
@@ -117,9 +112,7 @@ int main(int argc, char **argv) {
     else
       printf("path: batched cuBLAS products (%s)\n", kernel_attention_fused_note());
   }
-  qsort(fwd, (size_t)reps, sizeof(double), cmp_double);
-  qsort(both, (size_t)reps, sizeof(double), cmp_double);
-  double f = fwd[reps / 2], fb = both[reps / 2];
+  double f = bench_median(fwd, reps), fb = bench_median(both, reps);
   double flop = 2.0 * (double)(B * H) * (double)T * (double)T * (double)Dh; /* causal fwd */
   char rf[32], rfb[32];
   printf("attention %lld x %lld tokens, %lld/%lld heads of %lld, %s on %s: forward %.3f ms "

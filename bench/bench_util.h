@@ -56,6 +56,27 @@ static inline void bench_leave(int rc) {
   exit(rc);
 }
 
+static inline int bench_cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* The k-th quartile of the n > 0 values x (k = 1, 2 or 3; 2: the median, the mean of the middle
+ * two for even n); x keeps its order (paired timings stay paired). */
+static inline double bench_quartile(const double *x, int n, int k) {
+  double *v = malloc(sizeof *v * (size_t)n);
+  if (v == NULL) bench_leave(1);
+  memcpy(v, x, sizeof *v * (size_t)n);
+  qsort(v, (size_t)n, sizeof *v, bench_cmp_double);
+  double q = k == 2 && n % 2 == 0 ? 0.5 * (v[n / 2 - 1] + v[n / 2])
+             : k == 2             ? v[n / 2]
+                                  : v[(k * n) / 4];
+  free(v);
+  return q;
+}
+
+static inline double bench_median(const double *x, int n) { return bench_quartile(x, n, 2); }
+
 /* Checks the command line against opts (ended by {NULL}): --help prints what the program
  * does and its options, --version the library's version, both exiting 0; an unknown option,
  * a missing value or a stray argument is an error on every rank (exit 2). Call it first,
