@@ -15,12 +15,12 @@
 
 #include "base/kernels_impl.h"
 
-/* Element-wise kernels built twice with GCC, for the baseline x86-64 (4 lanes) and for AVX2
- * (8 lanes), the copy chosen when the library loads (an ifunc): the same IEEE operations
- * either way (no FMA contraction), so the same bits on every machine. Not for reductions,
- * whose lane count would change their order. */
+/* Element-wise kernels built three times with GCC, for the baseline x86-64 (4 lanes), AVX2
+ * (8 lanes) and AVX-512 (16 lanes), the copy chosen when the library loads (an ifunc): the
+ * same IEEE operations in each (no FMA contraction: -ffp-contract=off), so the same bits on
+ * every machine. Not for reductions, whose lane count would change their order. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define WIDE __attribute__((target_clones("avx2", "default")))
+#define WIDE __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define WIDE
 #endif
@@ -97,7 +97,7 @@ static inline int64_t last_dim(const tensor_t *t) {
  * other batch sizes) into parameter differences above 1e-5 in ten steps. */
 
 /* The sum of a[i] b[i] c[i] over i < n, or of a[i] b[i] when c is NULL, products in double
- * (outside the AVX2 copies: the lane count sets the order). */
+ * (outside the vector copies: the lane count sets the order). */
 double cpu_sum_products(const float *a, const float *b, const float *c, int64_t n);
 /* The sum of exp_f32(x[i] - shift) over i < n, each exponential also stored in e[i] unless e
  * is NULL (e may be x): softmax and log-sum-exp with one exponential per value. Summed in 8
