@@ -18,7 +18,8 @@
 /* Element-wise kernels built three times with GCC, for the baseline x86-64 (4 lanes), AVX2
  * (8 lanes) and AVX-512 (16 lanes), the copy chosen when the library loads (an ifunc): the
  * same IEEE operations in each (no FMA contraction: -ffp-contract=off), so the same bits on
- * every machine. Not for reductions, whose lane count would change their order. */
+ * every machine. Not for reductions, whose lane count would change their order, unless their
+ * lanes are explicit (cpu_lane_sum). */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define WIDE __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -105,6 +106,25 @@ double cpu_sum_products(const float *a, const float *b, const float *c, int64_t 
 double cpu_exp_sum(float *e, const float *x, int64_t n, float shift);
 /* The largest of x[0..n), -INFINITY when n is 0 (NaNs are passed over). */
 float cpu_max(const float *x, int64_t n);
+
+/* Lanes of cpu_exp_sum and cpu_lane_sum: lane l adds the values l, l + EXP_LANES, ... in order,
+ * then the lanes are added pairwise. */
+enum { EXP_LANES = 8 };
+
+/* The sum of x[0..n) in double, in cpu_exp_sum's order: the sum it returns for the same
+ * exponentials (zeros after them change nothing). Inline, for the kernels' vector copies. */
+static inline double cpu_lane_sum(const float *x, int64_t n) {
+  double lane[EXP_LANES] = {0};
+  int64_t i = 0;
+  for (; i + EXP_LANES <= n; i += EXP_LANES) {
+#pragma omp simd
+    for (int l = 0; l < EXP_LANES; l++) lane[l] += x[i + l];
+  }
+  for (int l = 0; i < n; i++, l++) lane[l] += x[i];
+  for (int w = EXP_LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+  return lane[0];
+}
 
 /* ---- threads ---- */
 

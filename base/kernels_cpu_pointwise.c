@@ -332,9 +332,6 @@ double cpu_sum_products(const float *a, const float *b, const float *c, int64_t 
   return s;
 }
 
-/* Lanes of cpu_exp_sum: lane l sums the values l, l + EXP_LANES, ... in order. */
-enum { EXP_LANES = 8 };
-
 WIDE double cpu_exp_sum(float *e, const float *x, int64_t n, float shift) {
   double lane[EXP_LANES] = {0};
   int64_t i = 0;
