@@ -192,6 +192,14 @@ status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g) {
   return st;
 }
 
+tensor_t *nn_grad_to_add_into(nn_var_t *v) {
+  tensor_t *g = &v->grad, *x = &v->value;
+  if (!present(g) || g->dtype != x->dtype || !device_equal(g->device, x->device) ||
+      g->ndim != x->ndim || memcmp(g->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) != 0)
+    return NULL;
+  return g;
+}
+
 status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g) {
   status_t st = STATUS_OK;
   if (present(&p->compute_grad)) {
