@@ -153,6 +153,19 @@ static status_t b_linear_twice(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_
   return st;
 }
 
+/* One input read by two weights, as q and k read theirs: the second product's dx is added
+ * into the gradient the first formed. */
+static status_t b_linear_shared_input(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
+                                      nn_var_t **out) {
+  nn_var_t *a, *b = NULL;
+  TRY(nn_linear(ctx, in[0], p[0], &a));
+  status_t st = nn_linear(ctx, in[0], p[1], &b);
+  if (st == STATUS_OK) st = nn_add(ctx, a, b, out);
+  nn_var_put(a);
+  if (b) nn_var_put(b);
+  return st;
+}
+
 static status_t b_embedding(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   return nn_embedding(ctx, in[0], p[0], out);
 }
@@ -254,6 +267,16 @@ static void fill_targets(tensor_t *t, int i) {
 static const fd_case_t cases[] = {
     {"linear", 1, {3}, {{2, 3, 5}}, {true}, 1, {2}, {{4, 5}}, b_linear, NULL},
     {"linear_twice", 1, {2}, {{3, 5}}, {true}, 1, {2}, {{5, 5}}, b_linear_twice, NULL},
+    {"linear_shared_input",
+     1,
+     {3},
+     {{2, 3, 5}},
+     {true},
+     2,
+     {2, 2},
+     {{4, 5}, {4, 5}},
+     b_linear_shared_input,
+     NULL},
     {"embedding", 1, {2}, {{2, 3}}, {false}, 1, {2}, {{7, 5}}, b_embedding, fill_ids},
     {"rmsnorm", 1, {2}, {{3, 8}}, {true}, 1, {1}, {{8}}, b_rmsnorm, NULL},
     {"rope", 1, {4}, {{2, 5, 3, 6}}, {true}, 0, {0}, {{0}}, b_rope, NULL},
