@@ -182,6 +182,8 @@ status_t tensor_ref(tensor_t *out, const tensor_t *src) {
   return STATUS_OK;
 }
 
+bool tensor_shared(const tensor_t *t) { return t->storage != NULL && t->storage->refcount > 1; }
+
 status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t *shape) {
   TRY(check_shape(ndim, shape));
   char a[96], b[96];

@@ -84,6 +84,10 @@ status_t tensor_narrow_box(tensor_t *out, const tensor_t *src, const int64_t *of
 /* Another reference to the same elements (same shape and strides). */
 status_t tensor_ref(tensor_t *out, const tensor_t *src);
 
+/* Whether another tensor holds t's storage too (a reference or a view): writing t's elements
+ * in place then changes what that one reads. */
+bool tensor_shared(const tensor_t *t);
+
 /* Copies src into dst element-wise: same shape, any dtypes (converted as dtype_store),
  * any devices, any strides. Blocks until dst is readable by the host when dst is on the
  * host; otherwise ordered on the current stream. */

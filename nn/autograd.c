@@ -181,23 +181,40 @@ status_t nn_param_end(nn_ctx_t *ctx, nn_param_t *p, bool implicit, status_t st) 
   return st != STATUS_OK ? st : st2 != STATUS_OK ? st2 : st3;
 }
 
+/* Makes v's gradient v's alone before something is added into it in place: a gradient handed
+ * on by reference (an add passes its output's gradient to both inputs, a recomputed call's
+ * input shares the original's) may be another variable's too, whose backward has yet to read
+ * it. */
+static status_t own_grad(nn_var_t *v) {
+  if (!tensor_shared(&v->grad)) return STATUS_OK;
+  tensor_t c;
+  TRY(tensor_clone(&c, &v->grad, v->grad.dtype, v->grad.device));
+  tensor_free(&v->grad);
+  v->grad = c;
+  return STATUS_OK;
+}
+
 status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g) {
   if (!present(&v->grad)) {
     v->grad = *g;
     memset(g, 0, sizeof *g);
     return STATUS_OK;
   }
-  status_t st = kernel_axpy(&v->grad, 1.0f, g);
+  status_t st = own_grad(v);
+  if (st == STATUS_OK) st = kernel_axpy(&v->grad, 1.0f, g);
   tensor_free(g);
   return st;
 }
 
-tensor_t *nn_grad_to_add_into(nn_var_t *v) {
+status_t nn_grad_to_add_into(nn_var_t *v, tensor_t **into) {
   tensor_t *g = &v->grad, *x = &v->value;
+  *into = NULL;
   if (!present(g) || g->dtype != x->dtype || !device_equal(g->device, x->device) ||
       g->ndim != x->ndim || memcmp(g->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) != 0)
-    return NULL;
-  return g;
+    return STATUS_OK;
+  TRY(own_grad(v));
+  *into = g;
+  return STATUS_OK;
 }
 
 status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g) {
@@ -321,7 +338,8 @@ void nn_ctx_call_path(const nn_ctx_t *ctx, char *buf, size_t size) {
 static status_t walk(nn_ctx_t *ctx, tape_t *t);
 
 /* Recomputes a checkpointed call on its own tape and differentiates it. The recomputed
- * input shares the original input's gradient buffer, so accumulation happens in the same
+ * input starts from the original input's gradient (a reference; the first addition makes it
+ * its own copy, see own_grad) and hands the sum back, so accumulation happens in the same
  * order as without checkpointing and the numbers are bit-identical. */
 static status_t backward_checkpoint(nn_ctx_t *ctx, entry_t *e) {
   nn_var_t *in = e->node.in[0], *out = e->node.out, *in2 = NULL, *out2 = NULL;
@@ -346,7 +364,8 @@ static status_t backward_checkpoint(nn_ctx_t *ctx, entry_t *e) {
   }
   tape_release(&sub, 0);
   free(sub.e);
-  if (st == STATUS_OK && nn_var_has_grad(in2) && !nn_var_has_grad(in)) {
+  if (st == STATUS_OK && nn_var_has_grad(in2)) { /* in place, or a copy made in2's own */
+    tensor_free(&in->grad);
     in->grad = in2->grad;
     memset(&in2->grad, 0, sizeof in2->grad);
   }

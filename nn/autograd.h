@@ -122,10 +122,11 @@ status_t nn_param_end(nn_ctx_t *ctx, nn_param_t *p, bool implicit, status_t st);
 /* Adds g into v's gradient; takes over g (moved in when v has no gradient yet). */
 status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g);
 
-/* v's gradient when an earlier use of v has formed it, of v's dtype, device and shape: an
- * operation may then add its share into it directly (a matrix product with beta 1) instead
- * of forming the share apart for nn_accumulate_grad; NULL otherwise. */
-tensor_t *nn_grad_to_add_into(nn_var_t *v);
+/* *into: v's gradient when an earlier use of v has formed it, of v's dtype, device and
+ * shape, made v's alone (copied if another variable shares it): an operation may then add its
+ * share into it directly (a matrix product with beta 1) instead of forming the share apart for
+ * nn_accumulate_grad. NULL otherwise. */
+status_t nn_grad_to_add_into(nn_var_t *v, tensor_t **into);
 
 /* Adds g into p's compute_grad (allocating it first); g is released. */
 status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g);

@@ -12,7 +12,8 @@ static status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   const tensor_t *dy = &n->out->grad, *w = &n->param->compute;
-  tensor_t *into = x->requires_grad ? nn_grad_to_add_into(x) : NULL;
+  tensor_t *into = NULL;
+  if (x->requires_grad) TRY(nn_grad_to_add_into(x, &into));
   if (into != NULL) { /* x feeds several products (q, k and v; gate and up): add in place */
     TRY(kernel_matmul(into, dy, false, w, false, 1.0f, 1.0f));
   } else if (x->requires_grad) {

@@ -166,6 +166,21 @@ static status_t b_linear_shared_input(nn_ctx_t *ctx, nn_var_t **in, nn_param_t *
   return st;
 }
 
+/* x + linear(u) + rmsnorm(x), with the product recorded before x's use by the norm: the sum's
+ * gradient reaches x, the product and the norm, and the norm's dx is added into x's gradient
+ * before the product's backward reads its own. */
+static status_t b_shared_grad(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  nn_var_t *a, *b = NULL, *h = NULL;
+  TRY(nn_linear(ctx, in[1], p[0], &a));
+  status_t st = nn_rmsnorm(ctx, in[0], p[1], 1e-5, &b);
+  if (st == STATUS_OK) st = nn_add(ctx, in[0], a, &h);
+  if (st == STATUS_OK) st = nn_add(ctx, h, b, out);
+  nn_var_put(a);
+  if (b) nn_var_put(b);
+  if (h) nn_var_put(h);
+  return st;
+}
+
 static status_t b_embedding(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   return nn_embedding(ctx, in[0], p[0], out);
 }
@@ -276,6 +291,16 @@ static const fd_case_t cases[] = {
      {2, 2},
      {{4, 5}, {4, 5}},
      b_linear_shared_input,
+     NULL},
+    {"shared_grad",
+     2,
+     {2, 2},
+     {{3, 4}, {3, 5}},
+     {true, true},
+     2,
+     {2, 1},
+     {{4, 5}, {4}},
+     b_shared_grad,
      NULL},
     {"embedding", 1, {2}, {{2, 3}}, {false}, 1, {2}, {{7, 5}}, b_embedding, fill_ids},
     {"rmsnorm", 1, {2}, {{3, 8}}, {true}, 1, {1}, {{8}}, b_rmsnorm, NULL},
