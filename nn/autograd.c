@@ -210,7 +210,7 @@ status_t nn_grad_to_add_into(nn_var_t *v, tensor_t **into) {
   tensor_t *g = &v->grad, *x = &v->value;
   *into = NULL;
   if (!present(g) || g->dtype != x->dtype || !device_equal(g->device, x->device) ||
-      g->ndim != x->ndim || memcmp(g->shape, x->shape, sizeof(int64_t) * (size_t)x->ndim) != 0)
+      !tensor_same_shape(g, x))
     return STATUS_OK;
   TRY(own_grad(v));
   *into = g;
