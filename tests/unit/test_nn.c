@@ -133,6 +133,62 @@ START_TEST(hooks_fire_in_call_order) {
 }
 END_TEST
 
+/* root: a(x) + x, so that x's gradient is formed (by the add, shared with a's output's) before
+ * a's backward adds its share: under activation checkpointing too. */
+static status_t residual_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  nn_var_t *h;
+  TRY(nn_call(ctx, nn_module_child_named(m, "a"), in, &h));
+  status_t st = nn_add(ctx, h, in, out);
+  nn_var_put(h);
+  return st;
+}
+
+/* x's and W's gradients of y = x W^T + x with dy = 1 (x = 1..6 as 2 x 3, W = 0.5): dx = 2.5
+ * everywhere, dW[i][j] = x[0][j] + x[1][j]; the same bits with a checkpointed. */
+START_TEST(checkpointed_input_used_after) {
+  mesh_t *mesh = test_local_mesh();
+  float got[2][6 + 9];
+  for (int ac = 0; ac < 2; ac++) {
+    nn_module_t *root, *a;
+    ok(nn_module_new(&root, "", residual_fwd, NULL));
+    ok(nn_module_new(&a, "a", lin_fwd, NULL));
+    ok(nn_module_add_child(root, a));
+    nn_param_t *w;
+    int64_t wshape[2] = {3, 3}, shape[2] = {2, 3};
+    ok(nn_module_add_param(a, "weight", test_replicated(mesh, 2, wshape, 0.5), true, &w));
+    ok(nn_module_finalize(root));
+    nn_module_set_checkpoint(a, ac == 1);
+    nn_ctx_t *ctx;
+    ok(nn_ctx_new(&ctx));
+    tensor_t t, g;
+    ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape));
+    for (int i = 0; i < 6; i++) ((float *)t.data)[i] = (float)(i + 1);
+    ok(tensor_init(&g, DTYPE_F32, device_cpu(), 2, shape));
+    ok(tensor_fill(&g, 1.0));
+    nn_var_t *x, *y;
+    ok(nn_var_new(&x, &t, true));
+    ok(nn_call(ctx, root, x, &y));
+    ok(nn_backward_grad(ctx, y, &g));
+    ck_assert(nn_var_has_grad(x));
+    memcpy(got[ac], x->grad.data, 6 * sizeof(float));
+    memcpy(got[ac] + 6, dtensor_local(w->grad)->data, 9 * sizeof(float));
+    for (int i = 0; i < 6; i++)
+      ck_assert_msg(got[ac][i] == 2.5f, "dx[%d] = %g%s", i, got[ac][i],
+                    ac ? " (checkpointed)" : "");
+    for (int i = 0; i < 9; i++)
+      ck_assert_msg(got[ac][6 + i] == (float)(5 + 2 * (i % 3)), "dW[%d] = %g%s", i, got[ac][6 + i],
+                    ac ? " (checkpointed)" : "");
+    nn_ctx_clear(ctx);
+    nn_var_put(y);
+    nn_var_put(x);
+    nn_ctx_free(ctx);
+    nn_module_free(root);
+  }
+  ck_assert_int_eq(memcmp(got[0], got[1], sizeof got[0]), 0);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* nn_cast and the casts at a module's boundary (what fully_shard's mixed precision uses). */
 static dtype_t seen_inside;
 
@@ -515,6 +571,7 @@ static Suite *make_suite(void) {
   if (world_size() == 1) {
     tcase_add_test(tc, module_fqns_and_shared_parameters);
     tcase_add_test(tc, hooks_fire_in_call_order);
+    tcase_add_test(tc, checkpointed_input_used_after);
     tcase_add_test(tc, casts_at_a_module_boundary);
     tcase_add_test(tc, init_normal_statistics);
     tcase_add_test(tc, data_order_and_dp_split);
