@@ -143,10 +143,10 @@ static inline int64_t row_cover(int64_t i, int64_t n) {
   return c < n ? c : n;
 }
 
-/* The largest of row[0..i] (keys [0, c)). */
-static inline float row_max(const float *row, int64_t i, int64_t c) {
+/* The largest of row[0..i], of a row of n keys. */
+static inline float row_max(const float *row, int64_t i, int64_t n) {
   float m[ROW_CHUNK];
-  int64_t j0 = 0;
+  int64_t c = row_cover(i, n), j0 = 0;
   for (int l = 0; l < ROW_CHUNK; l++) m[l] = -INFINITY;
   for (; j0 + ROW_CHUNK <= c; j0 += ROW_CHUNK) {
 #pragma omp simd
@@ -184,7 +184,7 @@ WIDE static void attn_probs(float *p, int64_t n, int64_t i0, int64_t i1, const f
 WIDE static void attn_softmax(float *p, int64_t n, int64_t i0, int64_t i1, float *lse) {
   float mx[ATTN_ROWS];
   double sum[ATTN_ROWS];
-  for (int64_t i = i0; i < i1; i++) mx[i - i0] = row_max(p + (i - i0) * n, i, row_cover(i, n));
+  for (int64_t i = i0; i < i1; i++) mx[i - i0] = row_max(p + (i - i0) * n, i, n);
   for (int64_t i = i0; i < i1; i++) {
     float *row = p + (i - i0) * n;
     row_exp(row, i, n, mx[i - i0]);
