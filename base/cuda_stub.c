@@ -10,3 +10,8 @@ void kernel_attention_set_fused(bool on) { (void)on; }
 const char *kernel_attention_fused_off(void) { return "built without CUDA"; }
 int64_t kernel_attention_fused_runs(void) { return 0; }
 const char *kernel_attention_fused_note(void) { return "built without CUDA"; }
+
+void kernel_matmul_set_lt(bool on) { (void)on; }
+const char *kernel_matmul_lt_off(void) { return "built without CUDA"; }
+int64_t kernel_matmul_lt_runs(void) { return 0; }
+const char *kernel_matmul_lt_note(void) { return "built without CUDA"; }

@@ -119,6 +119,19 @@ status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, con
                                    const tensor_t *q, const tensor_t *k, const tensor_t *v,
                                    const tensor_t *out, const tensor_t *lse);
 
+/* On CUDA devices matrix products run cuBLASLt with an algorithm chosen once per shape (and
+ * operand alignment) and kept, so a shape gives the same bits on every run; a product cuBLASLt
+ * refuses runs cublasGemmEx. FSDPC_CUBLASLT=0 in the environment (whatever kernel_matmul_set_lt
+ * says), or kernel_matmul_set_lt(false), keeps to the latter. kernel_matmul_lt_runs counts the
+ * products that ran cuBLASLt in this process; kernel_matmul_lt_note says why the last one that
+ * could not, did not ("" when none has). kernel_matmul_lt_off says what keeps every product off
+ * cuBLASLt ("FSDPC_CUBLASLT=0", "kernel_matmul_set_lt(false)", a build without CUDA), "" when
+ * nothing does. */
+void kernel_matmul_set_lt(bool on);
+const char *kernel_matmul_lt_off(void);
+int64_t kernel_matmul_lt_runs(void);
+const char *kernel_matmul_lt_note(void);
+
 /* On CUDA devices attention runs cuDNN's fused flash attention when libcudnn.so.9 loads and
  * takes the call (bf16 or f16, head dim a multiple of 8 up to 256), and batched cuBLAS products
  * otherwise (f32 among them). FSDPC_CUDNN_ATTENTION=0 in the environment (whatever

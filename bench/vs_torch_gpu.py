@@ -21,7 +21,9 @@ With --profile fsdp-train runs under FSDPC_PROFILE=1 and its kernel table (devic
 kernel, summed over the run) is printed first (the timers add a little to its tokens/s).
 Then attention alone: bench-attention against torch's scaled_dot_product_attention at B=8,
 T=1024, 16 heads of 128, causal, bf16 (median forward and forward + backward times, and the
-ratio of the latter).
+ratio of the latter). Then the step's matrix products alone: bench-matmul over the config's
+linear layers at batch x seq tokens in param_dtype, cuBLASLt against cublasGemmEx (its table,
+and a step's products in milliseconds on each path).
 
 Without a CUDA device (or with an fsdp-train built without CUDA) it says so and exits 0; where
 PYTHON has no torch it prints fsdpc's figures alone.
@@ -197,6 +199,16 @@ def attention(a):
         print("  torch: not run (%s)" % (t.stderr.strip().splitlines() or ["no output"])[-1])
 
 
+def matmul(a):
+    """bench-matmul over the config's linear layers, cuBLASLt against cublasGemmEx."""
+    p = subprocess.run([a.matmul_exe, "--device", "cuda", "--config", a.config, "--dtype",
+                        a.param_dtype, "--tokens", str(a.batch * a.seq)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit("bench-matmul failed:\n" + p.stderr[-3000:])
+    print("\n".join(l for l in p.stdout.strip().splitlines() if not l.startswith("{")))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--exe", default=os.path.join(ROOT, "build", "tools", "fsdp-train"))
@@ -211,12 +223,13 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--keep", help="write the plan, tokens and metrics here and keep them")
     ap.add_argument("--attention-exe", help="bench-attention (default: beside --exe's build)")
+    ap.add_argument("--matmul-exe", help="bench-matmul (default: beside --exe's build)")
     ap.add_argument("--profile", action="store_true",
                     help="run fsdp-train with FSDPC_PROFILE=1 and print its kernel table")
     a = ap.parse_args()
-    if a.attention_exe is None:
-        a.attention_exe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(a.exe))),
-                                       "bench", "bench-attention")
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(a.exe))), "bench")
+    a.attention_exe = a.attention_exe or os.path.join(bench_dir, "bench-attention")
+    a.matmul_exe = a.matmul_exe or os.path.join(bench_dir, "bench-matmul")
     if a.steps <= a.warmup or a.warmup < 0 or a.batch < 1 or a.seq < 1:
         ap.error("need --batch, --seq >= 1 and --steps > --warmup >= 0")
     if not os.access(a.exe, os.X_OK):
@@ -270,6 +283,10 @@ def main():
             attention(a)
         else:
             print("attention: %s not found (give --attention-exe)" % a.attention_exe)
+        if os.access(a.matmul_exe, os.X_OK):
+            matmul(a)
+        else:
+            print("matrix products: %s not found (give --matmul-exe)" % a.matmul_exe)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

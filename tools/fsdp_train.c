@@ -407,6 +407,11 @@ static status_t train(run_t *r) {
         printf("attention: cuDNN fused, %lld calls\n", (long long)kernel_attention_fused_runs());
       else if (r->dev.type == DEVICE_CUDA)
         printf("attention: batched cuBLAS products (%s)\n", kernel_attention_fused_note());
+      if (r->dev.type == DEVICE_CUDA) {
+        const char *note = kernel_matmul_lt_note();
+        printf("matrix products: cuBLASLt %lld calls%s%s\n", (long long)kernel_matmul_lt_runs(),
+               note[0] ? "; the last that took cublasGemmEx: " : "", note);
+      }
     }
   }
   return st;

@@ -59,22 +59,64 @@ static void out(tensor_t *dst, tensor_t *t) {
   tensor_free(t);
 }
 
-static int k_matmul(device_t dev, dtype_t dt, tensor_t *o) {
-  int64_t sa[2] = {37, 53}, sb[2] = {29, 53}, so[2] = {37, 29};
-  tensor_t a, b, c;
+/* c = 0.5 a b^T + c (into values already there), then d = a^T c; outputs c and d. */
+static void matmul_pair(device_t dev, dtype_t dt, tensor_t *o, int64_t M, int64_t N, int64_t K) {
+  int64_t sa[2] = {M, K}, sb[2] = {N, K}, sc[2] = {M, N}, sd[2] = {K, N};
+  tensor_t a, b, c, d;
   rnd(&a, dev, dt, 2, sa, 1, 1);
   rnd(&b, dev, dt, 2, sb, 2, 1);
-  rnd(&c, dev, dt, 2, so, 3, 1);
-  ok(kernel_matmul(&c, &a, false, &b, true, 0.5f, 1.0f)); /* accumulate into random c */
-  tensor_t d;
-  int64_t sd[2] = {53, 29};
+  rnd(&c, dev, dt, 2, sc, 3, 1);
+  ok(kernel_matmul(&c, &a, false, &b, true, 0.5f, 1.0f));
   poisoned(&d, dev, dt, 2, sd);
   ok(kernel_matmul(&d, &a, true, &c, false, 1.0f, 0.0f));
   out(&o[0], &c);
   out(&o[1], &d);
   tensor_free(&a);
   tensor_free(&b);
-  return 2;
+}
+
+/* The pair at sizes that are multiples of 8, then at odd sizes, then e = a b^T with a a view
+ * one row into a matrix (off 16-byte boundaries). On the device, lt says whether cuBLASLt is to
+ * run them: the case fails when it should and did not run both products of even size (with
+ * cuBLASLt's reason), or ran any product when it should not. The others may take
+ * cublasGemmEx. */
+static int matmul_case(device_t dev, dtype_t dt, tensor_t *o, bool lt) {
+  bool on_device = dev.type == DEVICE_CUDA;
+  if (on_device) kernel_matmul_set_lt(lt);
+  int64_t runs = kernel_matmul_lt_runs();
+  matmul_pair(dev, dt, o, 40, 32, 64);
+  int64_t even = kernel_matmul_lt_runs() - runs;
+  matmul_pair(dev, dt, o + 2, 37, 29, 53);
+  int64_t sa[2] = {37, 53}, sb[2] = {29, 53}, se[2] = {36, 29};
+  tensor_t a, b, rows, e;
+  rnd(&a, dev, dt, 2, sa, 4, 1);
+  rnd(&b, dev, dt, 2, sb, 5, 1);
+  ok(tensor_narrow(&rows, &a, 0, 1, 36)); /* starts one row (53 elements) in */
+  poisoned(&e, dev, dt, 2, se);
+  ok(kernel_matmul(&e, &rows, false, &b, true, 1.0f, 0.0f));
+  if (on_device) {
+    const char *env = getenv("FSDPC_CUBLASLT");
+    bool want = lt && !(env != NULL && strcmp(env, "0") == 0);
+    int64_t all = kernel_matmul_lt_runs() - runs;
+    kernel_matmul_set_lt(true);
+    ck_assert_msg(want ? even == 2 : all == 0,
+                  "%s: cuBLASLt ran %lld of 2 products of even size (%lld of 5 in all), %s "
+                  "expected: %s",
+                  dtype_name(dt), (long long)even, (long long)all, want ? "both" : "none",
+                  kernel_matmul_lt_note());
+  }
+  out(&o[4], &e);
+  tensor_free(&rows);
+  tensor_free(&a);
+  tensor_free(&b);
+  return 5;
+}
+
+static int k_matmul(device_t dev, dtype_t dt, tensor_t *o) { return matmul_case(dev, dt, o, true); }
+
+/* The same products through cublasGemmEx. */
+static int k_matmul_gemmex(device_t dev, dtype_t dt, tensor_t *o) {
+  return matmul_case(dev, dt, o, false);
 }
 
 static int k_embedding(device_t dev, dtype_t dt, tensor_t *o) {
@@ -358,8 +400,12 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
   }
   for (int step = 1; step <= 2; step++) {
     for (int k = 0; k < K; k++) {
-      adamw_args_t a = {.lr = 1e-3 * (1 + k % 7), .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
-                        .weight_decay = k % 2 ? 0.1 : 0, .step = step,
+      adamw_args_t a = {.lr = 1e-3 * (1 + k % 7),
+                        .beta1 = 0.9,
+                        .beta2 = 0.95,
+                        .eps = 1e-8,
+                        .weight_decay = k % 2 ? 0.1 : 0,
+                        .step = step,
                         .grad_scale = step == 2 ? 0.5f : 0};
       items[k] = (adamw_item_t){&P[0][k], &G[k], &M[0][k], &V[0][k], a};
       ok(kernel_adamw(&P[1][k], &G[k], &M[1][k], &V[1][k], &a));
@@ -447,6 +493,7 @@ static int k_bias_layernorm(device_t dev, dtype_t dt, tensor_t *o) {
 
 static const kcase_t cases[] = {
     {"matmul", k_matmul, 0},
+    {"matmul (cublasGemmEx)", k_matmul_gemmex, 0},
     {"embedding", k_embedding, 1},
     {"rmsnorm", k_rmsnorm, 0},
     {"rope", k_rope, 0},

@@ -1,0 +1,344 @@
+/*
+ * cuBLASLt matrix products (see cublas_lt.h): descriptors and an algorithm chosen once per
+ * key and kept with their refusals; each call enqueues one cublasLtMatmul with a workspace from
+ * the device pool.
+ */
+#include "base/cublas_lt.h"
+
+#include <cublasLt.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/cuda_check.h"
+#include "base/device.h"
+#include "base/kernels.h"
+
+/* cuBLASLt is loaded, not linked, for the reason cuBLAS is (base/kernels_cuda.cu): CPU-only
+ * runs of a CUDA build should not pay for its resident memory. */
+static struct {
+  __typeof__(&cublasLtCreate) create;
+  __typeof__(&cublasLtMatmulDescCreate) desc_create;
+  __typeof__(&cublasLtMatmulDescSetAttribute) desc_set;
+  __typeof__(&cublasLtMatmulDescDestroy) desc_destroy;
+  __typeof__(&cublasLtMatrixLayoutCreate) layout_create;
+  __typeof__(&cublasLtMatrixLayoutDestroy) layout_destroy;
+  __typeof__(&cublasLtMatmulPreferenceCreate) pref_create;
+  __typeof__(&cublasLtMatmulPreferenceSetAttribute) pref_set;
+  __typeof__(&cublasLtMatmulPreferenceDestroy) pref_destroy;
+  __typeof__(&cublasLtMatmulAlgoGetHeuristic) heuristic;
+  __typeof__(&cublasLtMatmul) matmul;
+  __typeof__(&cublasLtGetStatusName) status_name;
+  char error[256];
+} lt;
+static pthread_once_t lt_once = PTHREAD_ONCE_INIT;
+
+#define LT_STR2(x) #x
+#define LT_STR(x) LT_STR2(x)
+#define LT_SONAME "libcublasLt.so." LT_STR(CUBLAS_VER_MAJOR)
+
+static void lt_load(void) {
+  void *lib = dlopen(LT_SONAME, RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    snprintf(lt.error, sizeof lt.error, "cannot load %s: %s", LT_SONAME, dlerror());
+    return;
+  }
+  struct {
+    void **fn;
+    const char *name;
+  } syms[] = {
+      {(void **)&lt.create, "cublasLtCreate"},
+      {(void **)&lt.desc_create, "cublasLtMatmulDescCreate"},
+      {(void **)&lt.desc_set, "cublasLtMatmulDescSetAttribute"},
+      {(void **)&lt.desc_destroy, "cublasLtMatmulDescDestroy"},
+      {(void **)&lt.layout_create, "cublasLtMatrixLayoutCreate"},
+      {(void **)&lt.layout_destroy, "cublasLtMatrixLayoutDestroy"},
+      {(void **)&lt.pref_create, "cublasLtMatmulPreferenceCreate"},
+      {(void **)&lt.pref_set, "cublasLtMatmulPreferenceSetAttribute"},
+      {(void **)&lt.pref_destroy, "cublasLtMatmulPreferenceDestroy"},
+      {(void **)&lt.heuristic, "cublasLtMatmulAlgoGetHeuristic"},
+      {(void **)&lt.matmul, "cublasLtMatmul"},
+      {(void **)&lt.status_name, "cublasLtGetStatusName"},
+  };
+  for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
+    *syms[i].fn = dlsym(lib, syms[i].name);
+    if (*syms[i].fn == NULL) {
+      snprintf(lt.error, sizeof lt.error, "%s lacks %s", LT_SONAME, syms[i].name);
+      return;
+    }
+  }
+}
+
+/* ---- plans, built once per key ---- */
+
+/* What the choice of algorithm depends on; align_* are the operands' address alignments
+ * (powers of two, at most 16 bytes): an algorithm chosen for aligned operands may not run on
+ * others. Capped at 16, what the vector loads need, so that fresh buffers (256-byte aligned)
+ * and views 16 bytes in share an algorithm: a recomputed product runs as the original did
+ * wherever its operands were put. */
+typedef struct plan_key {
+  int dev;
+  dtype_t dt;
+  bool trans_a, trans_b;
+  int64_t m, n, k, lda, ldb, ldd;
+  int align_a, align_b, align_d;
+} plan_key_t;
+
+typedef struct plan {
+  plan_key_t key;
+  bool used, ok;
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t la, lb, ld;
+  cublasLtMatmulAlgo_t algo;
+  size_t workspace;
+} plan_t;
+
+#define PLAN_SLOTS 128
+/* the workspace the heuristics may plan for: what cuBLAS advises for Hopper */
+#define MAX_WORKSPACE ((uint64_t)32 << 20)
+
+static struct {
+  pthread_mutex_t lock;
+  cublasLtHandle_t handle[DEVICE_MAX_CUDA];
+  plan_t plans[PLAN_SLOTS];
+  int next_slot;
+  bool enabled; /* kernel_matmul_set_lt */
+  int env_off;  /* FSDPC_CUBLASLT=0; -1 until read */
+  int64_t runs;
+  char note[512];
+} cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .enabled = true, .env_off = -1};
+
+static bool key_eq(const plan_key_t *a, const plan_key_t *b) {
+  return a->dev == b->dev && a->dt == b->dt && a->trans_a == b->trans_a &&
+         a->trans_b == b->trans_b && a->m == b->m && a->n == b->n && a->k == b->k &&
+         a->lda == b->lda && a->ldb == b->ldb && a->ldd == b->ldd && a->align_a == b->align_a &&
+         a->align_b == b->align_b && a->align_d == b->align_d;
+}
+
+/* Why the last call that could not run cuBLASLt did not (the cache's lock held). */
+static void note_set(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void note_set(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(cache.note, sizeof cache.note, fmt, ap);
+  va_end(ap);
+}
+
+static int alignment(const void *p) {
+  int a = 16;
+  while (a > 1 && (uintptr_t)p % (uintptr_t)a != 0) a /= 2;
+  return a;
+}
+
+static cudaDataType_t data_type(dtype_t dt) {
+  return dt == DTYPE_BF16 ? CUDA_R_16BF : dt == DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+static void plan_destroy(plan_t *p) {
+  if (p->desc != NULL) lt.desc_destroy(p->desc);
+  if (p->la != NULL) lt.layout_destroy(p->la);
+  if (p->lb != NULL) lt.layout_destroy(p->lb);
+  if (p->ld != NULL) lt.layout_destroy(p->ld);
+  p->desc = NULL, p->la = p->lb = p->ld = NULL;
+  p->ok = false;
+}
+
+/* Describes p's product and keeps the algorithm the heuristics rank first. On failure p->ok
+ * stays false and the note says why. */
+static void plan_build(plan_t *p, cublasLtHandle_t h) {
+  const plan_key_t *k = &p->key;
+  cudaDataType_t t = data_type(k->dt);
+  cublasOperation_t ta = k->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t tb = k->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const char *step = "cublasLtMatmulDescCreate";
+  cublasStatus_t s = lt.desc_create(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  if (s == CUBLAS_STATUS_SUCCESS) {
+    step = "cublasLtMatmulDescSetAttribute";
+    s = lt.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+  }
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = lt.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+  /* layouts as stored: op(A) is m x k, so A is k x m when transposed */
+  if (s == CUBLAS_STATUS_SUCCESS) {
+    step = "cublasLtMatrixLayoutCreate";
+    s = lt.layout_create(&p->la, t, (uint64_t)(k->trans_a ? k->k : k->m),
+                         (uint64_t)(k->trans_a ? k->m : k->k), k->lda);
+  }
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = lt.layout_create(&p->lb, t, (uint64_t)(k->trans_b ? k->n : k->k),
+                         (uint64_t)(k->trans_b ? k->k : k->n), k->ldb);
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = lt.layout_create(&p->ld, t, (uint64_t)k->m, (uint64_t)k->n, k->ldd);
+  cublasLtMatmulPreference_t pref = NULL;
+  if (s == CUBLAS_STATUS_SUCCESS) {
+    step = "cublasLtMatmulPreference";
+    s = lt.pref_create(&pref);
+  }
+  uint64_t ws = MAX_WORKSPACE;
+  uint32_t align[3] = {(uint32_t)k->align_a, (uint32_t)k->align_b, (uint32_t)k->align_d};
+  const struct {
+    cublasLtMatmulPreferenceAttributes_t attr;
+    const void *value;
+    size_t size;
+  } prefs[] = {
+      {CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align[0], sizeof align[0]},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align[1], sizeof align[1]},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align[2], sizeof align[2]}, /* C is D */
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[2], sizeof align[2]},
+  };
+  for (size_t i = 0; i < sizeof prefs / sizeof prefs[0] && s == CUBLAS_STATUS_SUCCESS; i++)
+    s = lt.pref_set(pref, prefs[i].attr, prefs[i].value, prefs[i].size);
+  cublasLtMatmulHeuristicResult_t best;
+  int found = 0;
+  if (s == CUBLAS_STATUS_SUCCESS) {
+    step = "cublasLtMatmulAlgoGetHeuristic";
+    s = lt.heuristic(h, p->desc, p->la, p->lb, p->ld, p->ld, pref, 1, &best, &found);
+  }
+  if (pref != NULL) lt.pref_destroy(pref);
+  if (s == CUBLAS_STATUS_SUCCESS && (found < 1 || best.state != CUBLAS_STATUS_SUCCESS)) {
+    step = "cublasLtMatmulAlgoGetHeuristic (no algorithm)";
+    s = found < 1 ? CUBLAS_STATUS_NOT_SUPPORTED : best.state;
+  }
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    note_set(
+        "cuBLASLt refused %s m=%lld n=%lld k=%lld%s%s (column-major; alignments %d/%d/%d) at %s: "
+        "%s",
+        dtype_name(k->dt), (long long)k->m, (long long)k->n, (long long)k->k,
+        k->trans_a ? " A^T" : "", k->trans_b ? " B^T" : "", k->align_a, k->align_b, k->align_d,
+        step, lt.status_name(s));
+    plan_destroy(p);
+    return;
+  }
+  p->algo = best.algo;
+  p->workspace = best.workspaceSize;
+  p->ok = true;
+}
+
+/* The plan of key (built on first use), or NULL when cuBLASLt cannot run it (note set). */
+static plan_t *plan_get(const plan_key_t *key, cublasLtHandle_t h) {
+  for (int i = 0; i < PLAN_SLOTS; i++)
+    if (cache.plans[i].used && key_eq(&cache.plans[i].key, key))
+      return cache.plans[i].ok ? &cache.plans[i] : NULL;
+  plan_t *p = &cache.plans[cache.next_slot];
+  cache.next_slot = (cache.next_slot + 1) % PLAN_SLOTS;
+  if (p->used) plan_destroy(p); /* the oldest key makes room */
+  memset(p, 0, sizeof *p);
+  p->used = true;
+  p->key = *key;
+  plan_build(p, h);
+  return p->ok ? p : NULL;
+}
+
+/* Who turned the path off: "" when no one has (lock held). */
+static const char *turned_off_by(void) {
+  if (cache.env_off < 0) {
+    const char *env = getenv("FSDPC_CUBLASLT");
+    cache.env_off = env != NULL && strcmp(env, "0") == 0;
+  }
+  if (cache.env_off) return "FSDPC_CUBLASLT=0";
+  return cache.enabled ? "" : "kernel_matmul_set_lt(false)";
+}
+
+/* The handle of dev, created on first use, or NULL (note set; lock held). */
+static cublasLtHandle_t handle_of(int dev) {
+  pthread_once(&lt_once, lt_load);
+  if (lt.error[0]) {
+    note_set("%s", lt.error);
+    return NULL;
+  }
+  if (cache.handle[dev] == NULL) {
+    cublasStatus_t s = cudaSetDevice(dev) == cudaSuccess ? lt.create(&cache.handle[dev])
+                                                         : CUBLAS_STATUS_NOT_INITIALIZED;
+    if (s != CUBLAS_STATUS_SUCCESS) {
+      (void)cudaGetLastError();
+      cache.handle[dev] = NULL;
+      note_set("cublasLtCreate on cuda:%d: %s", dev, lt.status_name(s));
+    }
+  }
+  return cache.handle[dev];
+}
+
+status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const void *b, float beta,
+                          void *d, bool *ran) {
+  *ran = false;
+  if (g->m == 0 || g->n == 0 || g->k == 0) return STATUS_OK; /* cublasGemmEx's to do */
+  pthread_mutex_lock(&cache.lock);
+  const char *off = turned_off_by();
+  if (off[0]) {
+    note_set("cuBLASLt is turned off (%s)", off);
+    pthread_mutex_unlock(&cache.lock);
+    return STATUS_OK;
+  }
+  plan_key_t key = {.dev = g->dev,
+                    .dt = g->dt,
+                    .trans_a = g->trans_a,
+                    .trans_b = g->trans_b,
+                    .m = g->m,
+                    .n = g->n,
+                    .k = g->k,
+                    .lda = g->lda,
+                    .ldb = g->ldb,
+                    .ldd = g->ldd,
+                    .align_a = alignment(a),
+                    .align_b = alignment(b),
+                    .align_d = alignment(d)};
+  cublasLtHandle_t h = handle_of(g->dev);
+  plan_t *p = h != NULL ? plan_get(&key, h) : NULL;
+  if (p == NULL) {
+    pthread_mutex_unlock(&cache.lock);
+    return STATUS_OK;
+  }
+  device_t dev = device_cuda(g->dev);
+  void *ws = NULL;
+  size_t ws_bytes = p->workspace;
+  status_t st = ws_bytes > 0 ? device_alloc(dev, ws_bytes, &ws) : STATUS_OK;
+  if (st == STATUS_OK) {
+    cublasStatus_t s = lt.matmul(h, p->desc, &alpha, a, p->la, b, p->lb, &beta, d, p->ld, d, p->ld,
+                                 &p->algo, ws, ws_bytes, (cudaStream_t)g->stream);
+    if (s == CUBLAS_STATUS_SUCCESS) {
+      cache.runs++;
+      *ran = true;
+    } else {
+      /* refused at launch: the key goes to cublasGemmEx from now on, and the note says why */
+      (void)cudaGetLastError();
+      note_set("cublasLtMatmul %s m=%lld n=%lld k=%lld: %s", dtype_name(g->dt), (long long)g->m,
+               (long long)g->n, (long long)g->k, lt.status_name(s));
+      plan_destroy(p);
+    }
+  }
+  pthread_mutex_unlock(&cache.lock);
+  if (ws != NULL) device_free(dev, ws, ws_bytes); /* stream-ordered: after the product */
+  return st;
+}
+
+void kernel_matmul_set_lt(bool on) {
+  pthread_mutex_lock(&cache.lock);
+  cache.enabled = on;
+  pthread_mutex_unlock(&cache.lock);
+}
+
+const char *kernel_matmul_lt_off(void) {
+  pthread_mutex_lock(&cache.lock);
+  const char *off = turned_off_by();
+  pthread_mutex_unlock(&cache.lock);
+  return off;
+}
+
+int64_t kernel_matmul_lt_runs(void) {
+  pthread_mutex_lock(&cache.lock);
+  int64_t n = cache.runs;
+  pthread_mutex_unlock(&cache.lock);
+  return n;
+}
+
+const char *kernel_matmul_lt_note(void) {
+  static __thread char copy[sizeof cache.note];
+  pthread_mutex_lock(&cache.lock);
+  memcpy(copy, cache.note, sizeof copy);
+  pthread_mutex_unlock(&cache.lock);
+  return copy;
+}

@@ -1,0 +1,43 @@
+/*
+ * cuBLASLt matrix products for the CUDA backend (internal to base/). One call is
+ * D = alpha * op(A) op(B) + beta * D in cuBLAS's column-major terms, A, B and D of one float
+ * dtype (bf16, f16 or f32), fp32 compute and scale (f32 operands stay fp32: no TF32).
+ *
+ * libcublasLt.so is loaded on the first call. For each device, dtype, transposes, sizes,
+ * leading dimensions and operand alignment the algorithm cuBLASLt's heuristics rank first is
+ * chosen once and kept, so one shape always runs one algorithm: the same bits on every run
+ * (activation-checkpointing recomputation included), whatever else the device runs at the
+ * time. A refusal is kept too. A call cuBLASLt cannot run returns STATUS_OK with *ran false,
+ * and the caller runs cublasGemmEx; the reason is kept for kernel_matmul_lt_note().
+ * FSDPC_CUBLASLT=0 in the environment, or kernel_matmul_set_lt(false), turns this path off.
+ */
+#ifndef FSDPC_BASE_CUBLAS_LT_H
+#define FSDPC_BASE_CUBLAS_LT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "base/dtype.h"
+#include "base/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lt_gemm {
+  int dev;      /* the current device */
+  void *stream; /* the cudaStream_t every operand is ordered on */
+  dtype_t dt;
+  bool trans_a, trans_b;
+  int64_t m, n, k; /* op(A) is m x k, op(B) k x n, D m x n */
+  int64_t lda, ldb, ldd;
+} lt_gemm_t;
+
+status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const void *b, float beta,
+                          void *d, bool *ran);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
