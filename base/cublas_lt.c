@@ -8,13 +8,13 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/cuda_check.h"
 #include "base/device.h"
+#include "base/fast_path.h"
 #include "base/kernels.h"
 
 /* cuBLASLt is loaded, not linked, for the reason cuBLAS is (base/kernels_cuda.cu): CPU-only
@@ -101,30 +101,20 @@ typedef struct plan {
 #define MAX_WORKSPACE ((uint64_t)32 << 20)
 
 static struct {
-  pthread_mutex_t lock;
+  fast_path_t path; /* its lock guards the whole cache */
   cublasLtHandle_t handle[DEVICE_MAX_CUDA];
   plan_t plans[PLAN_SLOTS];
   int next_slot;
-  bool enabled; /* kernel_matmul_set_lt */
-  int env_off;  /* FSDPC_CUBLASLT=0; -1 until read */
-  int64_t runs;
-  char note[512];
-} cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .enabled = true, .env_off = -1};
+} cache = {.path = FAST_PATH_INIT("FSDPC_CUBLASLT", "kernel_matmul_set_lt(false)")};
+
+/* Why the last call that could not take the path did not (the cache's lock held). */
+#define note_set(...) fast_path_note(&cache.path, __VA_ARGS__)
 
 static bool key_eq(const plan_key_t *a, const plan_key_t *b) {
   return a->dev == b->dev && a->dt == b->dt && a->trans_a == b->trans_a &&
          a->trans_b == b->trans_b && a->m == b->m && a->n == b->n && a->k == b->k &&
          a->lda == b->lda && a->ldb == b->ldb && a->ldd == b->ldd && a->align_a == b->align_a &&
          a->align_b == b->align_b && a->align_d == b->align_d;
-}
-
-/* Why the last call that could not run cuBLASLt did not (the cache's lock held). */
-static void note_set(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void note_set(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(cache.note, sizeof cache.note, fmt, ap);
-  va_end(ap);
 }
 
 static int alignment(const void *p) {
@@ -233,16 +223,6 @@ static plan_t *plan_get(const plan_key_t *key, cublasLtHandle_t h) {
   return p->ok ? p : NULL;
 }
 
-/* Who turned the path off: "" when no one has (lock held). */
-static const char *turned_off_by(void) {
-  if (cache.env_off < 0) {
-    const char *env = getenv("FSDPC_CUBLASLT");
-    cache.env_off = env != NULL && strcmp(env, "0") == 0;
-  }
-  if (cache.env_off) return "FSDPC_CUBLASLT=0";
-  return cache.enabled ? "" : "kernel_matmul_set_lt(false)";
-}
-
 /* The handle of dev, created on first use, or NULL (note set; lock held). */
 static cublasLtHandle_t handle_of(int dev) {
   pthread_once(&lt_once, lt_load);
@@ -266,11 +246,11 @@ status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const 
                           void *d, bool *ran) {
   *ran = false;
   if (g->m == 0 || g->n == 0 || g->k == 0) return STATUS_OK; /* cublasGemmEx's to do */
-  pthread_mutex_lock(&cache.lock);
-  const char *off = turned_off_by();
+  pthread_mutex_lock(&cache.path.lock);
+  const char *off = fast_path_off_locked(&cache.path);
   if (off[0]) {
     note_set("cuBLASLt is turned off (%s)", off);
-    pthread_mutex_unlock(&cache.lock);
+    pthread_mutex_unlock(&cache.path.lock);
     return STATUS_OK;
   }
   plan_key_t key = {.dev = g->dev,
@@ -289,7 +269,7 @@ status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const 
   cublasLtHandle_t h = handle_of(g->dev);
   plan_t *p = h != NULL ? plan_get(&key, h) : NULL;
   if (p == NULL) {
-    pthread_mutex_unlock(&cache.lock);
+    pthread_mutex_unlock(&cache.path.lock);
     return STATUS_OK;
   }
   device_t dev = device_cuda(g->dev);
@@ -300,7 +280,7 @@ status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const 
     cublasStatus_t s = lt.matmul(h, p->desc, &alpha, a, p->la, b, p->lb, &beta, d, p->ld, d, p->ld,
                                  &p->algo, ws, ws_bytes, (cudaStream_t)g->stream);
     if (s == CUBLAS_STATUS_SUCCESS) {
-      cache.runs++;
+      cache.path.runs++;
       *ran = true;
     } else {
       /* refused at launch: the key goes to cublasGemmEx from now on, and the note says why */
@@ -310,35 +290,19 @@ status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const 
       plan_destroy(p);
     }
   }
-  pthread_mutex_unlock(&cache.lock);
+  pthread_mutex_unlock(&cache.path.lock);
   if (ws != NULL) device_free(dev, ws, ws_bytes); /* stream-ordered: after the product */
   return st;
 }
 
-void kernel_matmul_set_lt(bool on) {
-  pthread_mutex_lock(&cache.lock);
-  cache.enabled = on;
-  pthread_mutex_unlock(&cache.lock);
-}
+void kernel_matmul_set_lt(bool on) { fast_path_set(&cache.path, on); }
 
-const char *kernel_matmul_lt_off(void) {
-  pthread_mutex_lock(&cache.lock);
-  const char *off = turned_off_by();
-  pthread_mutex_unlock(&cache.lock);
-  return off;
-}
+const char *kernel_matmul_lt_off(void) { return fast_path_off(&cache.path); }
 
-int64_t kernel_matmul_lt_runs(void) {
-  pthread_mutex_lock(&cache.lock);
-  int64_t n = cache.runs;
-  pthread_mutex_unlock(&cache.lock);
-  return n;
-}
+int64_t kernel_matmul_lt_runs(void) { return fast_path_runs(&cache.path); }
 
 const char *kernel_matmul_lt_note(void) {
-  static __thread char copy[sizeof cache.note];
-  pthread_mutex_lock(&cache.lock);
-  memcpy(copy, cache.note, sizeof copy);
-  pthread_mutex_unlock(&cache.lock);
+  static __thread char copy[sizeof cache.path.note];
+  fast_path_note_copy(&cache.path, copy, sizeof copy);
   return copy;
 }

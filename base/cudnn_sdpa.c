@@ -6,12 +6,12 @@
 #include "base/cudnn_sdpa.h"
 
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/device.h"
+#include "base/fast_path.h"
 #include "base/kernels.h"
 
 #ifdef FSDPC_HAVE_CUDNN
@@ -42,28 +42,18 @@ typedef struct plan {
 #define PLAN_SLOTS 16
 
 static struct {
-  pthread_mutex_t lock;
+  fast_path_t path; /* its lock guards the whole cache */
   cudnnHandle_t handle[DEVICE_MAX_CUDA];
   plan_t plans[PLAN_SLOTS];
   int next_slot;
-  bool enabled; /* kernel_attention_set_fused */
-  int env_off;  /* FSDPC_CUDNN_ATTENTION=0; -1 until read */
-  int64_t runs;
-  char note[512];
-} cache = {.lock = PTHREAD_MUTEX_INITIALIZER, .enabled = true, .env_off = -1};
+} cache = {.path = FAST_PATH_INIT("FSDPC_CUDNN_ATTENTION", "kernel_attention_set_fused(false)")};
+
+/* Why the last call that could not take the path did not (the cache's lock held). */
+#define note_set(...) fast_path_note(&cache.path, __VA_ARGS__)
 
 static bool key_eq(const plan_key_t *a, const plan_key_t *b) {
   return a->dev == b->dev && a->backward == b->backward && a->dt == b->dt && a->B == b->B &&
          a->T == b->T && a->H == b->H && a->Hkv == b->Hkv && a->Dh == b->Dh;
-}
-
-/* Why the last call that could not run cuDNN did not (the cache's lock held). */
-static void note_set(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void note_set(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(cache.note, sizeof cache.note, fmt, ap);
-  va_end(ap);
 }
 
 /* Draws the forward or backward graph of a in g and finalizes it (the handle h may be NULL:
@@ -167,19 +157,9 @@ static plan_t *plan_get(const plan_key_t *key, const attn_shape_t *a, cudnnHandl
 
 static size_t round256(size_t n) { return (n + 255) & ~(size_t)255; }
 
-/* Who turned the fused path off: "" when no one has (lock held). */
-static const char *turned_off_by(void) {
-  if (cache.env_off < 0) {
-    const char *env = getenv("FSDPC_CUDNN_ATTENTION");
-    cache.env_off = env != NULL && strcmp(env, "0") == 0;
-  }
-  if (cache.env_off) return "FSDPC_CUDNN_ATTENTION=0";
-  return cache.enabled ? "" : "kernel_attention_set_fused(false)";
-}
-
 /* Whether cuDNN can be asked to run this call at all; if not, the note says why (lock held). */
 static bool eligible(const attn_shape_t *a, dtype_t dt, int n, void *const *ptr) {
-  const char *off = turned_off_by();
+  const char *off = fast_path_off_locked(&cache.path);
   if (off[0]) {
     note_set("cuDNN attention is turned off (%s)", off);
     return false;
@@ -252,12 +232,12 @@ static status_t execute(cudnnHandle_t h, const plan_t *p, void *stream, int m, c
 static status_t run(int dev, void *stream, const attn_shape_t *a, dtype_t dt, int backward, int n,
                     const int64_t *uid, void *const *ptr, bool *ran) {
   *ran = false;
-  pthread_mutex_lock(&cache.lock);
+  pthread_mutex_lock(&cache.path.lock);
   plan_key_t key = {dev, backward, dt, a->B, a->T, a->H, a->Hkv, a->Dh};
   cudnnHandle_t h = eligible(a, dt, n, ptr) ? handle_of(dev) : NULL;
   plan_t *p = h != NULL ? plan_get(&key, a, h) : NULL;
   if (p == NULL) {
-    pthread_mutex_unlock(&cache.lock);
+    pthread_mutex_unlock(&cache.path.lock);
     return STATUS_OK;
   }
   /* workspace: cuDNN's, then the backward's row dots and F32 dQ */
@@ -291,10 +271,10 @@ static status_t run(int dev, void *stream, const attn_shape_t *a, dtype_t dt, in
     p->exec = NULL;
     p->ok = false;
   } else if (st == STATUS_OK) {
-    cache.runs++;
+    cache.path.runs++;
     *ran = true;
   }
-  pthread_mutex_unlock(&cache.lock);
+  pthread_mutex_unlock(&cache.path.lock);
   if (ws != NULL) device_free(d, ws, ws_bytes); /* stream-ordered: after the plan's kernels */
   return st;
 }
@@ -334,31 +314,15 @@ status_t cudnn_sdpa_backward(int dev, void *stream, const attn_shape_t *s, dtype
   return run(dev, stream, s, dt, 1, 9, uid, ptr, ran);
 }
 
-void kernel_attention_set_fused(bool on) {
-  pthread_mutex_lock(&cache.lock);
-  cache.enabled = on;
-  pthread_mutex_unlock(&cache.lock);
-}
+void kernel_attention_set_fused(bool on) { fast_path_set(&cache.path, on); }
 
-const char *kernel_attention_fused_off(void) {
-  pthread_mutex_lock(&cache.lock);
-  const char *off = turned_off_by();
-  pthread_mutex_unlock(&cache.lock);
-  return off;
-}
+const char *kernel_attention_fused_off(void) { return fast_path_off(&cache.path); }
 
-int64_t kernel_attention_fused_runs(void) {
-  pthread_mutex_lock(&cache.lock);
-  int64_t n = cache.runs;
-  pthread_mutex_unlock(&cache.lock);
-  return n;
-}
+int64_t kernel_attention_fused_runs(void) { return fast_path_runs(&cache.path); }
 
 const char *kernel_attention_fused_note(void) {
-  static __thread char copy[sizeof cache.note];
-  pthread_mutex_lock(&cache.lock);
-  memcpy(copy, cache.note, sizeof copy);
-  pthread_mutex_unlock(&cache.lock);
+  static __thread char copy[sizeof cache.path.note];
+  fast_path_note_copy(&cache.path, copy, sizeof copy);
   return copy;
 }
 

@@ -50,23 +50,9 @@ int main(int argc, char **argv) {
   }
   bench_args(argc, argv, "Times causal attention, forward and forward + backward, on one device.",
              OPTIONS);
-  const char *prog = bench_prog(argv), *dev_s = bench_opt(argc, argv, "--device", "cpu");
-  if (strcmp(dev_s, "cpu") != 0 && strcmp(dev_s, "cuda") != 0) {
-    fprintf(stderr, "%s: --device: expected cpu or cuda, got '%s'\n", prog, dev_s);
-    bench_leave(2);
-  }
-  bool cuda = strcmp(dev_s, "cuda") == 0;
-  device_t dev = cuda ? device_cuda(0) : device_cpu();
-  if (cuda && device_check(dev) != STATUS_OK) {
-    printf("%s: no CUDA device (%s): nothing to time\n", prog, err_detail());
-    bench_leave(0);
-  }
-  const char *dt_s = bench_opt(argc, argv, "--dtype", cuda ? "bf16" : "f32");
+  const char *prog = bench_prog(argv);
   dtype_t dt;
-  if (dtype_parse(dt_s, &dt) != STATUS_OK || !dtype_is_float(dt)) {
-    fprintf(stderr, "%s: --dtype: expected f32, bf16 or f16, got '%s'\n", prog, dt_s);
-    bench_leave(2);
-  }
+  device_t dev = bench_device_dtype(argc, argv, &dt);
   int64_t B = bench_int(argc, argv, "--batch", 8, 1, 1 << 16);
   int64_t T = bench_int(argc, argv, "--seq", 1024, 1, 1 << 20);
   int64_t H = bench_int(argc, argv, "--heads", 16, 1, 1 << 12);
@@ -115,11 +101,12 @@ int main(int argc, char **argv) {
   double f = bench_median(fwd, reps), fb = bench_median(both, reps);
   double flop = 2.0 * (double)(B * H) * (double)T * (double)T * (double)Dh; /* causal fwd */
   char rf[32], rfb[32];
-  printf("attention %lld x %lld tokens, %lld/%lld heads of %lld, %s on %s: forward %.3f ms "
-         "(%s), forward + backward %.3f ms (%s); median of %d\n",
-         (long long)B, (long long)T, (long long)H, (long long)Hkv, (long long)Dh, dtype_name(dt),
-         dev_s, 1e3 * f, rate(flop / f, rf, sizeof rf), 1e3 * fb,
-         rate(3.5 * flop / fb, rfb, sizeof rfb), reps);
+  printf(
+      "attention %lld x %lld tokens, %lld/%lld heads of %lld, %s on %s: forward %.3f ms "
+      "(%s), forward + backward %.3f ms (%s); median of %d\n",
+      (long long)B, (long long)T, (long long)H, (long long)Hkv, (long long)Dh, dtype_name(dt),
+      dev.type == DEVICE_CUDA ? "cuda" : "cpu", 1e3 * f, rate(flop / f, rf, sizeof rf), 1e3 * fb,
+      rate(3.5 * flop / fb, rfb, sizeof rfb), reps);
   printf("{\"forward_ms\": %.6f, \"forward_backward_ms\": %.6f}\n", 1e3 * f, 1e3 * fb);
   tensor_t *all[] = {&q, &k, &v, &dy, &y, &lse, &dq, &dk, &dv};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);

@@ -159,6 +159,29 @@ static inline int bench_flag(int argc, char **argv, const char *name) {
   return 0;
 }
 
+/* A kernel benchmark's --device cpu|cuda (default cpu) and --dtype f32|bf16|f16 (default bf16
+ * on cuda, f32 on cpu). Without a CUDA device it says there is nothing to time and leaves
+ * with 0; bad values leave with 2. */
+static inline device_t bench_device_dtype(int argc, char **argv, dtype_t *dt) {
+  const char *prog = bench_prog(argv), *dev_s = bench_opt(argc, argv, "--device", "cpu");
+  if (strcmp(dev_s, "cpu") != 0 && strcmp(dev_s, "cuda") != 0) {
+    fprintf(stderr, "%s: --device: expected cpu or cuda, got '%s'\n", prog, dev_s);
+    bench_leave(2);
+  }
+  bool cuda = strcmp(dev_s, "cuda") == 0;
+  device_t dev = cuda ? device_cuda(0) : device_cpu();
+  if (cuda && device_check(dev) != STATUS_OK) {
+    printf("%s: no CUDA device (%s): nothing to time\n", prog, err_detail());
+    bench_leave(0);
+  }
+  const char *dt_s = bench_opt(argc, argv, "--dtype", cuda ? "bf16" : "f32");
+  if (dtype_parse(dt_s, dt) != STATUS_OK || !dtype_is_float(*dt)) {
+    fprintf(stderr, "%s: --dtype: expected f32, bf16 or f16, got '%s'\n", prog, dt_s);
+    bench_leave(2);
+  }
+  return dev;
+}
+
 /* The model config (--config, default def_config) and options (--device cpu|cuda,
  * --dtype f32|bf16|f16, --ac); the model is built deferred (bench_init after sharding). */
 static inline void bench_model(int argc, char **argv, const char *def_config, llama_config_t *cfg,

@@ -73,23 +73,9 @@ int main(int argc, char **argv) {
     return 1;
   }
   bench_args(argc, argv, "Times the matrix products of a Llama step, shape by shape.", OPTIONS);
-  const char *prog = bench_prog(argv), *dev_s = bench_opt(argc, argv, "--device", "cpu");
-  if (strcmp(dev_s, "cpu") != 0 && strcmp(dev_s, "cuda") != 0) {
-    fprintf(stderr, "%s: --device: expected cpu or cuda, got '%s'\n", prog, dev_s);
-    bench_leave(2);
-  }
-  bool cuda = strcmp(dev_s, "cuda") == 0;
-  device_t dev = cuda ? device_cuda(0) : device_cpu();
-  if (cuda && device_check(dev) != STATUS_OK) {
-    printf("%s: no CUDA device (%s): nothing to time\n", prog, err_detail());
-    bench_leave(0);
-  }
-  const char *dt_s = bench_opt(argc, argv, "--dtype", cuda ? "bf16" : "f32");
   dtype_t dt;
-  if (dtype_parse(dt_s, &dt) != STATUS_OK || !dtype_is_float(dt)) {
-    fprintf(stderr, "%s: --dtype: expected f32, bf16 or f16, got '%s'\n", prog, dt_s);
-    bench_leave(2);
-  }
+  device_t dev = bench_device_dtype(argc, argv, &dt);
+  bool cuda = dev.type == DEVICE_CUDA;
   llama_config_t c;
   BENCH_TRY(llama_config_from_hf(
       bench_opt(argc, argv, "--config", SOURCE_ROOT "/configs/llama-100m.json"), &c));
@@ -107,7 +93,7 @@ int main(int argc, char **argv) {
   if (times == NULL) bench_leave(1);
   double step[2] = {0, 0}, step_flop = 0;
   printf("matrix products of %s over %lld tokens, %s on %s, median of %d\n", "a Llama step",
-         (long long)N, dtype_name(dt), dev_s, reps);
+         (long long)N, dtype_name(dt), cuda ? "cuda" : "cpu", reps);
   if (cuda)
     printf("%-10s %-11s %16s %22s %22s %7s\n", "linear", "product", "m x n x k", "cuBLASLt",
            "cublasGemmEx", "Lt x");

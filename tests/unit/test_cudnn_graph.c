@@ -5,7 +5,8 @@
  * kv head, at the training shapes of the benchmark configs and at odd ones. What only a device
  * can tell (an engine that runs the graph, the results) is the GPU suite's: kernels-gpu
  * compares the fused path with the CPU kernels. Skips (77) where libcudnn.so.9 cannot be
- * loaded. Also: kernel_attention_fused_off names what keeps attention off cuDNN.
+ * loaded. Also: kernel_attention_fused_off and kernel_matmul_lt_off name what keeps attention
+ * off cuDNN and matrix products off cuBLASLt.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -61,6 +62,19 @@ START_TEST(the_switch_names_what_keeps_attention_off) {
 }
 END_TEST
 
+/* The same for cuBLASLt (no product runs it without a device). */
+START_TEST(the_switch_names_what_keeps_products_off_cublaslt) {
+  const char *env = getenv("FSDPC_CUBLASLT");
+  const char *base = env != NULL && strcmp(env, "0") == 0 ? "FSDPC_CUBLASLT=0" : "";
+  ck_assert_str_eq(kernel_matmul_lt_off(), base);
+  kernel_matmul_set_lt(false);
+  ck_assert_str_eq(kernel_matmul_lt_off(), base[0] ? base : "kernel_matmul_set_lt(false)");
+  kernel_matmul_set_lt(true);
+  ck_assert_str_eq(kernel_matmul_lt_off(), base);
+  ck_assert_int_eq(kernel_matmul_lt_runs(), 0);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("cudnn_graph");
   TCase *tc = tcase_create("graphs");
@@ -75,6 +89,7 @@ static Suite *make_suite(void) {
   suite_add_tcase(s, tc);
   TCase *sw = tcase_create("switch");
   tcase_add_test(sw, the_switch_names_what_keeps_attention_off);
+  tcase_add_test(sw, the_switch_names_what_keeps_products_off_cublaslt);
   suite_add_tcase(s, sw);
   return s;
 }
