@@ -1,10 +1,10 @@
 /*
- * CUDA twin of the compute kernels: cuBLAS (fp32 compute) for matrix products, the embedding
- * and RoPE here, the other ops in kernels_cuda_rows.cu (row-wise: norms, cross-entropy),
- * kernels_cuda_pointwise.cu (element-wise maps, AdamW, sums of squares) and
- * kernels_cuda_attention.cu. Same semantics as the CPU kernels; values are computed in fp32
- * and rounded once when stored. Kernels first, then launchers; every launcher runs on the
- * current stream of its device and checks cudaGetLastError().
+ * CUDA twin of the compute kernels: matrix products (cuBLASLt through base/cublas_lt.c, else
+ * cuBLAS; fp32 compute), the embedding and RoPE here, the other ops in kernels_cuda_rows.cu
+ * (row-wise: norms, cross-entropy), kernels_cuda_pointwise.cu (element-wise maps, AdamW, sums
+ * of squares) and kernels_cuda_attention.cu. Same semantics as the CPU kernels; values are
+ * computed in fp32 and rounded once when stored. Kernels first, then launchers; every launcher
+ * runs on the current stream of its device and checks cudaGetLastError().
  */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -104,10 +104,10 @@ status_t flag_finish(flag_t *f, status_t launch, const char *fmt, const char *wh
 
 static const char kIndexRange[] = "%s: an index is outside [0, %lld)";
 
-/* cuBLAS is loaded on the first matrix product, not linked: merely loading it (with
- * cuBLASLt) costs every process about 210 MB of resident memory, which CPU-only runs of a
- * CUDA-enabled build should not pay. The loader's usual search finds it (the library's and
- * program's run path, LD_LIBRARY_PATH, the system's cache). */
+/* cuBLAS is loaded on first use (a product cuBLASLt refuses, attention's batched products), not
+ * linked: merely loading it (with cuBLASLt) costs every process about 210 MB of resident
+ * memory, which CPU-only runs of a CUDA-enabled build should not pay. The loader's usual search
+ * finds it (the library's and program's run path, LD_LIBRARY_PATH, the system's cache). */
 static struct {
   decltype(&cublasCreate_v2) create;
   decltype(&cublasSetStream_v2) set_stream;
