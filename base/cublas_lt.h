@@ -10,6 +10,12 @@
  * time. A refusal is kept too. A call cuBLASLt cannot run returns STATUS_OK with *ran false,
  * and the caller runs cublasGemmEx; the reason is kept for kernel_matmul_lt_note().
  * FSDPC_CUBLASLT=0 in the environment, or kernel_matmul_set_lt(false), turns this path off.
+ *
+ *   lt_gemm_t g = {.dev = 0, .stream = s, .dt = DTYPE_BF16, .trans_a = true, .m = N, .n = M,
+ *                  .k = K, .lda = K, .ldb = K, .ldd = N};
+ *   bool ran;
+ *   TRY(cublas_lt_matmul(&g, 1.0f, a, b, 0.0f, d, &ran));
+ *   if (!ran) ...  // cublasGemmEx with the same arguments
  */
 #ifndef FSDPC_BASE_CUBLAS_LT_H
 #define FSDPC_BASE_CUBLAS_LT_H

@@ -4,6 +4,13 @@
  * (base/cudnn_sdpa.c). The path is on unless NAME=0 is in the environment or code turned it
  * off; runs counts the calls that took it; the note keeps why the last call that could not,
  * did not. The lock also guards the owner's caches.
+ *
+ *   static fast_path_t path = FAST_PATH_INIT("FSDPC_X", "kernel_x_set_fast(false)");
+ *   pthread_mutex_lock(&path.lock);
+ *   const char *off = fast_path_off_locked(&path);
+ *   if (off[0]) fast_path_note(&path, "turned off (%s)", off);
+ *   else if (run_it() == STATUS_OK) path.runs++;
+ *   pthread_mutex_unlock(&path.lock);
  */
 #ifndef FSDPC_BASE_FAST_PATH_H
 #define FSDPC_BASE_FAST_PATH_H
