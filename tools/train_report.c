@@ -80,6 +80,8 @@ void train_header(const run_t *r) {
     printf(
         "  attention: cuDNN's fused kernels for bf16/f16 where cuDNN takes the shape, else "
         "batched cuBLAS products\n");
+  if (r->dev.type == DEVICE_CUDA && kernel_matmul_lt_off()[0])
+    printf("  matrix products: cublasGemmEx (%s)\n", kernel_matmul_lt_off());
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) warn_oversubscribed();
   printf(
       "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
