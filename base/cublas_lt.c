@@ -72,6 +72,31 @@ static void lt_load(void) {
   }
 }
 
+/* ---- the product in cuBLAS's terms ---- */
+
+lt_gemm_t cublas_lt_of_row_major(int dev, void *stream, dtype_t dt, bool trans_a, bool trans_b,
+                                 const matmul_dims_t *d) {
+  return (lt_gemm_t){.dev = dev,
+                     .stream = stream,
+                     .dt = dt,
+                     .trans_a = trans_b,
+                     .trans_b = trans_a,
+                     .m = d->n,
+                     .n = d->m,
+                     .k = d->k,
+                     .lda = d->ldb,
+                     .ldb = d->lda,
+                     .ldd = d->n};
+}
+
+void cublas_lt_layouts(const lt_gemm_t *g, lt_layout_t out[3]) {
+  out[0] = (lt_layout_t){(uint64_t)(g->trans_a ? g->k : g->m), (uint64_t)(g->trans_a ? g->m : g->k),
+                         g->lda};
+  out[1] = (lt_layout_t){(uint64_t)(g->trans_b ? g->n : g->k), (uint64_t)(g->trans_b ? g->k : g->n),
+                         g->ldb};
+  out[2] = (lt_layout_t){(uint64_t)g->m, (uint64_t)g->n, g->ldd};
+}
+
 /* ---- plans, built once per key ---- */
 
 /* What the choice of algorithm depends on; align_* are the operands' address alignments
@@ -151,17 +176,20 @@ static void plan_build(plan_t *p, cublasLtHandle_t h) {
   }
   if (s == CUBLAS_STATUS_SUCCESS)
     s = lt.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
-  /* layouts as stored: op(A) is m x k, so A is k x m when transposed */
-  if (s == CUBLAS_STATUS_SUCCESS) {
-    step = "cublasLtMatrixLayoutCreate";
-    s = lt.layout_create(&p->la, t, (uint64_t)(k->trans_a ? k->k : k->m),
-                         (uint64_t)(k->trans_a ? k->m : k->k), k->lda);
-  }
-  if (s == CUBLAS_STATUS_SUCCESS)
-    s = lt.layout_create(&p->lb, t, (uint64_t)(k->trans_b ? k->n : k->k),
-                         (uint64_t)(k->trans_b ? k->k : k->n), k->ldb);
-  if (s == CUBLAS_STATUS_SUCCESS)
-    s = lt.layout_create(&p->ld, t, (uint64_t)k->m, (uint64_t)k->n, k->ldd);
+  lt_gemm_t g = {.trans_a = k->trans_a,
+                 .trans_b = k->trans_b,
+                 .m = k->m,
+                 .n = k->n,
+                 .k = k->k,
+                 .lda = k->lda,
+                 .ldb = k->ldb,
+                 .ldd = k->ldd};
+  lt_layout_t l[3];
+  cublas_lt_layouts(&g, l);
+  cublasLtMatrixLayout_t *made[3] = {&p->la, &p->lb, &p->ld};
+  if (s == CUBLAS_STATUS_SUCCESS) step = "cublasLtMatrixLayoutCreate";
+  for (int i = 0; i < 3 && s == CUBLAS_STATUS_SUCCESS; i++)
+    s = lt.layout_create(made[i], t, l[i].rows, l[i].cols, l[i].ld);
   cublasLtMatmulPreference_t pref = NULL;
   if (s == CUBLAS_STATUS_SUCCESS) {
     step = "cublasLtMatmulPreference";

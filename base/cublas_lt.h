@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "base/dtype.h"
+#include "base/kernels_impl.h"
 #include "base/status.h"
 
 #ifdef __cplusplus
@@ -41,6 +42,20 @@ typedef struct lt_gemm {
 
 status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const void *b, float beta,
                           void *d, bool *ran);
+
+/* The product kernel_matmul checked (row-major out = alpha op(a) op(b) + beta out, sizes d) in
+ * cuBLAS's column-major terms: out^T = op(b)^T op(a)^T, so cuBLAS's A is b and its B is a. */
+lt_gemm_t cublas_lt_of_row_major(int dev, void *stream, dtype_t dt, bool trans_a, bool trans_b,
+                                 const matmul_dims_t *d);
+
+/* How the layouts describe A, B and D as stored (column-major rows x cols, leading dimension
+ * ld): op(A) is m x k, so A is k x m when transposed; likewise B; D is m x n. */
+typedef struct lt_layout {
+  uint64_t rows, cols;
+  int64_t ld;
+} lt_layout_t;
+
+void cublas_lt_layouts(const lt_gemm_t *g, lt_layout_t out[3]);
 
 #ifdef __cplusplus
 }

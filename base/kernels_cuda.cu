@@ -181,18 +181,8 @@ cublasStatus_t cuda_blas_gemm_batched(cublasHandle_t h, cublasOperation_t ta, cu
 
 static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
                             bool trans_b, float alpha, float beta, const matmul_dims_t *d) {
-  /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T. */
-  lt_gemm_t g = {.dev = out->device.index,
-                 .stream = stream_of(out),
-                 .dt = out->dtype,
-                 .trans_a = trans_b,
-                 .trans_b = trans_a,
-                 .m = d->n,
-                 .n = d->m,
-                 .k = d->k,
-                 .lda = d->ldb,
-                 .ldb = d->lda,
-                 .ldd = d->n};
+  lt_gemm_t g =
+      cublas_lt_of_row_major(out->device.index, stream_of(out), out->dtype, trans_a, trans_b, d);
   bool ran;
   CUDA_TRY(cudaSetDevice(out->device.index));
   TRY(cublas_lt_matmul(&g, alpha, b->data, a->data, beta, out->data, &ran));
@@ -200,6 +190,7 @@ static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, cons
   cublasHandle_t h;
   TRY(cuda_blas_handle(out->device.index, stream_of(out), &h));
   cudaDataType_t t = cuda_dtype(out->dtype);
+  /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T. */
   cublasStatus_t s = cublas.gemm(
       h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)d->n,
       (int)d->m, (int)d->k, &alpha, b->data, t, (int)d->ldb, a->data, t, (int)d->lda, &beta,
