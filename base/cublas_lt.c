@@ -105,10 +105,7 @@ void cublas_lt_layouts(const lt_gemm_t *g, lt_layout_t out[3]) {
  * and views 16 bytes in share an algorithm: a recomputed product runs as the original did
  * wherever its operands were put. */
 typedef struct plan_key {
-  int dev;
-  dtype_t dt;
-  bool trans_a, trans_b;
-  int64_t m, n, k, lda, ldb, ldd;
+  lt_gemm_t g; /* its stream NULL: a plan serves every stream */
   int align_a, align_b, align_d;
 } plan_key_t;
 
@@ -136,9 +133,10 @@ static struct {
 #define note_set(...) fast_path_note(&cache.path, __VA_ARGS__)
 
 static bool key_eq(const plan_key_t *a, const plan_key_t *b) {
-  return a->dev == b->dev && a->dt == b->dt && a->trans_a == b->trans_a &&
-         a->trans_b == b->trans_b && a->m == b->m && a->n == b->n && a->k == b->k &&
-         a->lda == b->lda && a->ldb == b->ldb && a->ldd == b->ldd && a->align_a == b->align_a &&
+  const lt_gemm_t *x = &a->g, *y = &b->g;
+  return x->dev == y->dev && x->dt == y->dt && x->trans_a == y->trans_a &&
+         x->trans_b == y->trans_b && x->m == y->m && x->n == y->n && x->k == y->k &&
+         x->lda == y->lda && x->ldb == y->ldb && x->ldd == y->ldd && a->align_a == b->align_a &&
          a->align_b == b->align_b && a->align_d == b->align_d;
 }
 
@@ -165,9 +163,10 @@ static void plan_destroy(plan_t *p) {
  * stays false and the note says why. */
 static void plan_build(plan_t *p, cublasLtHandle_t h) {
   const plan_key_t *k = &p->key;
-  cudaDataType_t t = data_type(k->dt);
-  cublasOperation_t ta = k->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  cublasOperation_t tb = k->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const lt_gemm_t *g = &k->g;
+  cudaDataType_t t = data_type(g->dt);
+  cublasOperation_t ta = g->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t tb = g->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const char *step = "cublasLtMatmulDescCreate";
   cublasStatus_t s = lt.desc_create(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
   if (s == CUBLAS_STATUS_SUCCESS) {
@@ -176,16 +175,8 @@ static void plan_build(plan_t *p, cublasLtHandle_t h) {
   }
   if (s == CUBLAS_STATUS_SUCCESS)
     s = lt.desc_set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
-  lt_gemm_t g = {.trans_a = k->trans_a,
-                 .trans_b = k->trans_b,
-                 .m = k->m,
-                 .n = k->n,
-                 .k = k->k,
-                 .lda = k->lda,
-                 .ldb = k->ldb,
-                 .ldd = k->ldd};
   lt_layout_t l[3];
-  cublas_lt_layouts(&g, l);
+  cublas_lt_layouts(g, l);
   cublasLtMatrixLayout_t *made[3] = {&p->la, &p->lb, &p->ld};
   if (s == CUBLAS_STATUS_SUCCESS) step = "cublasLtMatrixLayoutCreate";
   for (int i = 0; i < 3 && s == CUBLAS_STATUS_SUCCESS; i++)
@@ -225,8 +216,8 @@ static void plan_build(plan_t *p, cublasLtHandle_t h) {
     note_set(
         "cuBLASLt refused %s m=%lld n=%lld k=%lld%s%s (column-major; alignments %d/%d/%d) at %s: "
         "%s",
-        dtype_name(k->dt), (long long)k->m, (long long)k->n, (long long)k->k,
-        k->trans_a ? " A^T" : "", k->trans_b ? " B^T" : "", k->align_a, k->align_b, k->align_d,
+        dtype_name(g->dt), (long long)g->m, (long long)g->n, (long long)g->k,
+        g->trans_a ? " A^T" : "", g->trans_b ? " B^T" : "", k->align_a, k->align_b, k->align_d,
         step, lt.status_name(s));
     plan_destroy(p);
     return;
@@ -281,19 +272,9 @@ status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const 
     pthread_mutex_unlock(&cache.path.lock);
     return STATUS_OK;
   }
-  plan_key_t key = {.dev = g->dev,
-                    .dt = g->dt,
-                    .trans_a = g->trans_a,
-                    .trans_b = g->trans_b,
-                    .m = g->m,
-                    .n = g->n,
-                    .k = g->k,
-                    .lda = g->lda,
-                    .ldb = g->ldb,
-                    .ldd = g->ldd,
-                    .align_a = alignment(a),
-                    .align_b = alignment(b),
-                    .align_d = alignment(d)};
+  plan_key_t key = {
+      .g = *g, .align_a = alignment(a), .align_b = alignment(b), .align_d = alignment(d)};
+  key.g.stream = NULL;
   cublasLtHandle_t h = handle_of(g->dev);
   plan_t *p = h != NULL ? plan_get(&key, h) : NULL;
   if (p == NULL) {
