@@ -400,12 +400,8 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
   }
   for (int step = 1; step <= 2; step++) {
     for (int k = 0; k < K; k++) {
-      adamw_args_t a = {.lr = 1e-3 * (1 + k % 7),
-                        .beta1 = 0.9,
-                        .beta2 = 0.95,
-                        .eps = 1e-8,
-                        .weight_decay = k % 2 ? 0.1 : 0,
-                        .step = step,
+      adamw_args_t a = {.lr = 1e-3 * (1 + k % 7), .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8,
+                        .weight_decay = k % 2 ? 0.1 : 0, .step = step,
                         .grad_scale = step == 2 ? 0.5f : 0};
       items[k] = (adamw_item_t){&P[0][k], &G[k], &M[0][k], &V[0][k], a};
       ok(kernel_adamw(&P[1][k], &G[k], &M[1][k], &V[1][k], &a));
