@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# A GPU machine's work in one command: build with CUDA (scripts/device-run.sh), then the named
+# stages in order, each under its own time limit and all under one budget, each one's output
+# kept in $OUT/STAGE.log (OUT defaults to /tmp/fsdpc-session), then a summary of what ran.
+#   bash scripts/device-session.sh [STAGE]...      default: suites compare fsdp-step
+# Stages:
+#   suites        the GPU suites (meson test --suite gpu)
+#   compare       bench/vs_torch_gpu.py on configs/llama-100m.json, 8 x 1024, bf16/f32, with
+#                 the kernel profile (then attention and the matrix products alone)
+#   compare-0.9b  the same on configs/llama-0.9b.json, without the profile
+#   tests         every suite (meson test)
+#   fsdp-step     bench-fsdp-step on llama-100m at 8 x 1024, bf16
+# SESSION_BUDGET_S (default 570) bounds the whole command: a stage that could not end in what
+# is left is skipped and said to be. The exit status is 1 when a stage failed or was stopped.
+# PYTHON is the interpreter with torch (default /opt/torch/.venv/bin/python, else python3).
+# Needs .deps/ from `scripts/device-deps.sh fetch` where the machine lacks the build
+# dependencies.
+set -uo pipefail
+top="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$top" || exit 1
+start=$(date +%s)
+budget=${SESSION_BUDGET_S:-570}
+out=${OUT:-/tmp/fsdpc-session}
+mkdir -p "$out"
+python=${PYTHON:-/opt/torch/.venv/bin/python}
+[ -x "$python" ] || python=python3
+export PYTHONUNBUFFERED=1
+if [ $# -eq 0 ]; then set -- suites compare fsdp-step; fi
+for s in "$@"; do
+  case "$s" in
+    suites | compare | compare-0.9b | tests | fsdp-step) ;;
+    *)
+      echo "device-session: unknown stage '$s' (suites, compare, compare-0.9b, tests, fsdp-step)" >&2
+      exit 2
+      ;;
+  esac
+done
+if ! nvidia-smi >/dev/null 2>&1; then
+  echo "device-session: no GPU here (nvidia-smi fails): nothing to do"
+  exit 0
+fi
+source scripts/device-env.sh # the stages need the build's libraries and tools too
+set -uo pipefail
+
+summary=()
+failed=0
+# run NAME LIMIT_S COMMAND...: the command under its limit, or skipped when the budget is short
+run() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((budget - ($(date +%s) - start)))
+  if [ "$left" -lt 30 ]; then
+    summary+=("$name: skipped (${left} s of the budget left)")
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0
+  t0=$(date +%s)
+  echo "=== $name (limit ${limit} s)"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  local note="rc $rc"
+  [ "$rc" -eq 124 ] && note="stopped at its limit of ${limit} s"
+  [ "$rc" -ne 0 ] && failed=1
+  summary+=("$name: $note after $(($(date +%s) - t0)) s ($out/$name.log)")
+}
+
+run build 300 bash scripts/device-run.sh --build-only
+if [ ! -x build-gpu/tools/fsdp-train ]; then
+  printf '%s\n' "${summary[@]}"
+  exit 1
+fi
+vs=(bench/vs_torch_gpu.py --exe build-gpu/tools/fsdp-train --python "$python")
+for s in "$@"; do
+  case "$s" in
+    suites) run suites 300 meson test -C build-gpu --suite gpu --print-errorlogs ;;
+    compare) run compare 300 "$python" "${vs[@]}" --profile ;;
+    compare-0.9b) run compare-0.9b 400 "$python" "${vs[@]}" --config configs/llama-0.9b.json ;;
+    tests) run tests 540 meson test -C build-gpu --print-errorlogs ;;
+    fsdp-step)
+      run fsdp-step 180 build-gpu/bench/bench-fsdp-step --device cuda --param-dtype bf16 \
+        --config configs/llama-100m.json --batch 8 --seq 1024 --steps 3
+      ;;
+  esac
+done
+[ -f build-gpu/meson-logs/testlog.txt ] && cp build-gpu/meson-logs/testlog.txt "$out/"
+echo "=== summary ($(($(date +%s) - start)) s of a ${budget} s budget)"
+printf '%s\n' "${summary[@]}"
+exit "$failed"
