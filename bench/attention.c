@@ -22,27 +22,6 @@ static const bench_option_t OPTIONS[] = {
     {"--reps", "N", "timed repetitions (default 20)"},
     {NULL, NULL, NULL}};
 
-/* FLOP/s in TFLOP/s, or GFLOP/s below one TFLOP/s. */
-static const char *rate(double flops, char *buf, size_t n) {
-  if (flops >= 1e12)
-    snprintf(buf, n, "%.1f TFLOP/s", flops / 1e12);
-  else
-    snprintf(buf, n, "%.1f GFLOP/s", flops / 1e9);
-  return buf;
-}
-
-static void rnd(tensor_t *t, dtype_t dt, device_t dev, const int64_t *shape, uint64_t seed) {
-  tensor_t h;
-  BENCH_TRY(tensor_init(&h, DTYPE_F32, device_cpu(), 4, shape));
-  float *p = h.data;
-  for (int64_t i = 0; i < tensor_numel(&h); i++) { /* a small LCG: inputs in [-1, 1) */
-    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-    p[i] = (float)((double)(seed >> 11) / 9007199254740992.0 * 2 - 1);
-  }
-  BENCH_TRY(tensor_clone(t, &h, dt, dev));
-  tensor_free(&h);
-}
-
 int main(int argc, char **argv) {
   if (world_init(&argc, &argv) != STATUS_OK) {
     fprintf(stderr, "bench-attention: %s\n", err_detail());
@@ -66,10 +45,10 @@ int main(int argc, char **argv) {
   }
   int64_t sq[4] = {B, T, H, Dh}, sk[4] = {B, T, Hkv, Dh}, sl[3] = {B, H, T};
   tensor_t q, k, v, dy, y, lse, dq, dk, dv;
-  rnd(&q, dt, dev, sq, 1);
-  rnd(&k, dt, dev, sk, 2);
-  rnd(&v, dt, dev, sk, 3);
-  rnd(&dy, dt, dev, sq, 4);
+  bench_random(&q, dt, dev, 4, sq, 1);
+  bench_random(&k, dt, dev, 4, sk, 2);
+  bench_random(&v, dt, dev, 4, sk, 3);
+  bench_random(&dy, dt, dev, 4, sq, 4);
   BENCH_TRY(tensor_init(&y, dt, dev, 4, sq));
   BENCH_TRY(tensor_init(&lse, DTYPE_F32, dev, 3, sl));
   BENCH_TRY(tensor_init(&dq, dt, dev, 4, sq));
@@ -105,8 +84,8 @@ int main(int argc, char **argv) {
       "attention %lld x %lld tokens, %lld/%lld heads of %lld, %s on %s: forward %.3f ms "
       "(%s), forward + backward %.3f ms (%s); median of %d\n",
       (long long)B, (long long)T, (long long)H, (long long)Hkv, (long long)Dh, dtype_name(dt),
-      dev.type == DEVICE_CUDA ? "cuda" : "cpu", 1e3 * f, rate(flop / f, rf, sizeof rf), 1e3 * fb,
-      rate(3.5 * flop / fb, rfb, sizeof rfb), reps);
+      dev.type == DEVICE_CUDA ? "cuda" : "cpu", 1e3 * f, bench_rate(flop / f, rf, sizeof rf),
+      1e3 * fb, bench_rate(3.5 * flop / fb, rfb, sizeof rfb), reps);
   printf("{\"forward_ms\": %.6f, \"forward_backward_ms\": %.6f}\n", 1e3 * f, 1e3 * fb);
   tensor_t *all[] = {&q, &k, &v, &dy, &y, &lse, &dq, &dk, &dv};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);

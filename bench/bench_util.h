@@ -159,6 +159,30 @@ static inline int bench_flag(int argc, char **argv, const char *name) {
   return 0;
 }
 
+/* A tensor of dt on dev with values in [-1, 1) from a small LCG seeded with seed (the same
+ * values on every device). */
+static inline void bench_random(tensor_t *t, dtype_t dt, device_t dev, int ndim,
+                                const int64_t *shape, uint64_t seed) {
+  tensor_t h;
+  BENCH_TRY(tensor_init(&h, DTYPE_F32, device_cpu(), ndim, shape));
+  float *p = h.data;
+  for (int64_t i = 0; i < tensor_numel(&h); i++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    p[i] = (float)((double)(seed >> 11) / 9007199254740992.0 * 2 - 1);
+  }
+  BENCH_TRY(tensor_clone(t, &h, dt, dev));
+  tensor_free(&h);
+}
+
+/* flops per second as "X TFLOP/s", or "X GFLOP/s" below one TFLOP/s, into buf. */
+static inline const char *bench_rate(double flops, char *buf, size_t n) {
+  if (flops >= 1e12)
+    snprintf(buf, n, "%.1f TFLOP/s", flops / 1e12);
+  else
+    snprintf(buf, n, "%.1f GFLOP/s", flops / 1e9);
+  return buf;
+}
+
 /* A kernel benchmark's --device cpu|cuda (default cpu) and --dtype f32|bf16|f16 (default bf16
  * on cuda, f32 on cpu). Without a CUDA device it says there is nothing to time and leaves
  * with 0; bad values leave with 2. */

@@ -25,19 +25,6 @@ typedef struct layer {
   int64_t out, in, per_step; /* how many linears of this shape a step runs */
 } layer_t;
 
-static void rnd(tensor_t *t, dtype_t dt, device_t dev, int64_t rows, int64_t cols, uint64_t seed) {
-  int64_t shape[2] = {rows, cols};
-  tensor_t h;
-  BENCH_TRY(tensor_init(&h, DTYPE_F32, device_cpu(), 2, shape));
-  float *p = h.data;
-  for (int64_t i = 0; i < rows * cols; i++) { /* a small LCG: inputs in [-1, 1) */
-    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-    p[i] = (float)((double)(seed >> 11) / 9007199254740992.0 * 2 - 1);
-  }
-  BENCH_TRY(tensor_clone(t, &h, dt, dev));
-  tensor_free(&h);
-}
-
 /* Median seconds of one product, per path (paths: 2 on CUDA, cuBLASLt then cublasGemmEx,
  * taken in turn; 1 on the CPU). */
 static void time_product(device_t dev, int paths, int reps, double *times, double *med,
@@ -57,13 +44,10 @@ static void time_product(device_t dev, int paths, int reps, double *times, doubl
 
 static double tflops(double flop, double s) { return s > 0 ? flop / s / 1e12 : 0; }
 
-/* "T ms R", R in TFLOP/s, or GFLOP/s below one TFLOP/s. */
+/* "T ms R": the time and the rate of flop in it. */
 static const char *cell(double flop, double s, char *buf, size_t n) {
-  double r = tflops(flop, s);
-  if (r >= 1)
-    snprintf(buf, n, "%.3f ms %6.1f TF/s", 1e3 * s, r);
-  else
-    snprintf(buf, n, "%.3f ms %6.1f GF/s", 1e3 * s, 1e3 * r);
+  char r[32];
+  snprintf(buf, n, "%.3f ms %s", 1e3 * s, bench_rate(flop / s, r, sizeof r));
   return buf;
 }
 
@@ -92,8 +76,8 @@ int main(int argc, char **argv) {
   double *times = calloc((size_t)(2 * reps), sizeof(double));
   if (times == NULL) bench_leave(1);
   double step[2] = {0, 0}, step_flop = 0;
-  printf("matrix products of %s over %lld tokens, %s on %s, median of %d\n", "a Llama step",
-         (long long)N, dtype_name(dt), cuda ? "cuda" : "cpu", reps);
+  printf("matrix products of a Llama step over %lld tokens, %s on %s, median of %d\n", (long long)N,
+         dtype_name(dt), cuda ? "cuda" : "cpu", reps);
   if (cuda)
     printf("%-10s %-11s %16s %22s %22s %7s\n", "linear", "product", "m x n x k", "cuBLASLt",
            "cublasGemmEx", "Lt x");
@@ -102,10 +86,10 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < sizeof layers / sizeof layers[0]; i++) {
     const layer_t *l = &layers[i];
     tensor_t x, w, dy, y, dx, dw;
-    rnd(&x, dt, dev, N, l->in, 1);
-    rnd(&w, dt, dev, l->out, l->in, 2);
-    rnd(&dy, dt, dev, N, l->out, 3);
     int64_t sy[2] = {N, l->out}, sx[2] = {N, l->in}, sw[2] = {l->out, l->in};
+    bench_random(&x, dt, dev, 2, sx, 1);
+    bench_random(&w, dt, dev, 2, sw, 2);
+    bench_random(&dy, dt, dev, 2, sy, 3);
     BENCH_TRY(tensor_init(&y, dt, dev, 2, sy));
     BENCH_TRY(tensor_init(&dx, dt, dev, 2, sx));
     BENCH_TRY(tensor_init(&dw, dt, dev, 2, sw));
@@ -117,7 +101,7 @@ int main(int argc, char **argv) {
       if (kind == 0) time_product(dev, paths, reps, times, med, &y, &x, false, &w, true);
       if (kind == 1) time_product(dev, paths, reps, times, med, &dx, &dy, false, &w, false);
       if (kind == 2) time_product(dev, paths, reps, times, med, &dw, &dy, true, &x, false);
-      char dims[48], col[2][32];
+      char dims[48], col[2][64];
       snprintf(dims, sizeof dims, "%lldx%lldx%lld", (long long)m, (long long)n, (long long)k);
       for (int p = 0; p < paths; p++) {
         cell(flop, med[p], col[p], sizeof col[p]);
