@@ -1,9 +1,9 @@
 /*
- * The switch, run count and note of an optional faster path of a CUDA kernel (internal to
- * base/): cuBLASLt for matrix products (base/cublas_lt.c), cuDNN's fused attention
- * (base/cudnn_sdpa.c). The path is on unless NAME=0 is in the environment or code turned it
- * off; runs counts the calls that took it; the note keeps why the last call that could not,
- * did not. The lock also guards the owner's caches.
+ * The switch, run count and note of an optional faster path (internal to the library):
+ * cuBLASLt for matrix products (base/cublas_lt.c), cuDNN's fused attention (base/cudnn_sdpa.c),
+ * fully_shard's one-rank path (fully_shard/fsdp_comm.c). The path is on unless NAME=0 is in
+ * the environment or code turned it off; runs counts the calls that took it; the note keeps
+ * why the last call that could not, did not. The lock also guards the owner's caches.
  *
  *   static fast_path_t path = FAST_PATH_INIT("FSDPC_X", "kernel_x_set_fast(false)");
  *   pthread_mutex_lock(&path.lock);

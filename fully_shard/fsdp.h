@@ -135,6 +135,15 @@ void fsdp_set_gradient_divide_factor(nn_module_t *root, double factor);
 status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
 status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
 
+/* The one-rank path: a group of one rank (W = 1) whose shards live where it computes needs no
+ * gather, so unshard views each shard as the unsharded tensor (or casts it once into
+ * param_dtype) and the reduction adds the gradients into the sharded ones without packing
+ * them: the same values as the flat buffer, with two copies of the group fewer per unshard.
+ * On by default; FSDPC_FSDP_ONE_RANK=0 in the environment, or fsdp_set_one_rank_path(false),
+ * keeps such groups on the flat-buffer path (to compare, or to measure its copies on one
+ * device). Process-wide; an unshard or reduction in flight ends on the path it started on. */
+void fsdp_set_one_rank_path(bool on);
+
 /* Installs an event observer on every group under root (NULL removes it). */
 void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user);
 /* The FQN of the group's module ("" for the model's root). */

@@ -1,5 +1,6 @@
 /* fully_shard's data path: unshard (copy-in, all-gather, copy-out), reshard, and the
- * post-backward reduce-scatter / all-reduce of gradients.
+ * post-backward reduce-scatter / all-reduce of gradients; and the one-rank path, which has
+ * nothing to gather or add up and skips the flat buffers.
  *
  * On CUDA, copy-in runs on the device's copy-in stream and reductions on its reduce stream;
  * each waits for the compute stream by an event recorded where the work is issued, and the
@@ -11,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/fast_path.h"
 #include "base/kernels.h"
 #include "fully_shard/fsdp_impl.h"
 
@@ -73,6 +75,22 @@ static stream_t *reduce_stream(const fsdp_group_t *g) {
 
 /* ---- unshard / reshard ---- */
 
+/* The one-rank path (fsdp.h): one rank with its shards where it computes. Its shard is the
+ * whole tensor (W = 1 leaves no padding rows), so unshard views it, or casts it once into
+ * param_dtype, without the flat buffer and its two copies. */
+static fast_path_t one_rank =
+    FAST_PATH_INIT("FSDPC_FSDP_ONE_RANK", "fsdp_set_one_rank_path(false)");
+
+void fsdp_set_one_rank_path(bool on) { fast_path_set(&one_rank, on); }
+
+static bool one_rank_group(const fsdp_group_t *g) {
+  return g->W == 1 && !g->offload && fast_path_off(&one_rank)[0] == '\0';
+}
+
+static bool local_unshard(const fsdp_group_t *g) {
+  return one_rank_group(g) && g->post_forward_slice.storage == NULL;
+}
+
 void fsdp_emit(fsdp_group_t *g, const char *event) {
   if (g->on_event) g->on_event(event, g, g->on_event_user);
 }
@@ -92,6 +110,11 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
                      "deferred initialisation): call nn_module_materialize and initialise it "
                      "before the first forward",
                      g->params[i].p->fqn);
+  if (local_unshard(g)) { /* nothing to gather: fsdp_unshard_wait makes the tensors */
+    g->gathering = g->gather_local = true;
+    fsdp_emit(g, "unshard");
+    return STATUS_OK;
+  }
   device_t dev = mesh_device(g->mesh);
   if (g->streams != NULL && g->copied == NULL) TRY(event_new(dev, &g->copied));
   /* copy-in reads shards the optimizer may just have written on the compute stream; offloaded
@@ -140,7 +163,7 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
 static status_t gather_wait(fsdp_group_t *g) {
   status_t st = pg_wait(g->pending);
   g->pending = NULL;
-  g->gathering = false;
+  g->gathering = g->gather_local = false;
   if (g->copied != NULL) {
     status_t s2 = stream_wait_event(stream_current(mesh_device(g->mesh)), g->copied);
     if (st == STATUS_OK) st = s2;
@@ -168,19 +191,40 @@ static status_t chunk_copy(const fsdp_param_t *fp, int W, int r, tensor_t *full,
   return st;
 }
 
+/* fp's unsharded tensor from the gathered buffer: every rank's rows copied out. */
+static status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *full) {
+  TRY(tensor_init(full, g->param_dtype, mesh_device(g->mesh), fp->ndim, fp->shape));
+  status_t st = STATUS_OK;
+  for (int r = 0; r < g->W && st == STATUS_OK; r++)
+    st = chunk_copy(fp, g->W, r, full, &g->gather, r * g->flat + fp->offset, false);
+  return st;
+}
+
+/* fp's unsharded tensor under local_unshard: its shard, viewed, or cast into param_dtype. */
+static status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *full) {
+  tensor_t shard;
+  TRY(tensor_view(&shard, &fp->padded, fp->ndim, fp->shape));
+  if (shard.dtype == g->param_dtype) {
+    *full = shard;
+    return STATUS_OK;
+  }
+  status_t st = tensor_init(full, g->param_dtype, shard.device, fp->ndim, fp->shape);
+  if (st == STATUS_OK) st = tensor_copy(full, &shard);
+  tensor_free(&shard);
+  return st;
+}
+
 /* Completes a started gather: waits, then copies rank r's rows of each parameter out into
- * the unsharded tensors. */
+ * the unsharded tensors (on the one-rank path: views or casts each shard). */
 status_t fsdp_unshard_wait(fsdp_group_t *g) {
   if (!g->gathering) return STATUS_OK;
+  bool local = g->gather_local;
   status_t st = gather_wait(g);
   tensor_free(&g->post_forward_slice);
-  device_t dev = mesh_device(g->mesh);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
-    tensor_t full;
-    if ((st = tensor_init(&full, g->param_dtype, dev, fp->ndim, fp->shape)) != STATUS_OK) break;
-    for (int r = 0; r < g->W && st == STATUS_OK; r++)
-      st = chunk_copy(fp, g->W, r, &full, &g->gather, r * g->flat + fp->offset, false);
+    tensor_t full = {0};
+    st = local ? local_full(g, fp, &full) : gathered_full(g, fp, &full);
     if (st == STATUS_OK) {
       tensor_free(&fp->p->compute);
       fp->p->compute = full;
@@ -239,6 +283,27 @@ static bool has_grad(const nn_param_t *p) {
   return p->requires_grad && (p->compute_grad.storage != NULL || p->compute_grad.ndim > 0);
 }
 
+/* Whether a gradient of dtype dt reaches reduce_dtype without rounding. */
+static bool exact_in(dtype_t dt, dtype_t reduce_dtype) {
+  return dt == reduce_dtype || reduce_dtype == DTYPE_F32;
+}
+
+/* One rank, no replicas, shards where it computes, the plain average (of one), and contiguous
+ * gradients that reduce_dtype holds exactly: the reduction has nothing to add up, so it holds the
+ * gradients themselves, and fsdp_reduce_finish adds them into the sharded gradients with no
+ * packed buffer; the same values as the packed path. */
+static bool local_reduce(const fsdp_group_t *g) {
+  if (!one_rank_group(g) || g->divide_factor > 0) return false;
+  if (g->replicate != NULL && pg_size(g->replicate) > 1) return false;
+  for (int i = 0; i < g->n; i++) {
+    const tensor_t *grad = &g->params[i].p->compute_grad;
+    if (g->params[i].reducing &&
+        (!exact_in(grad->dtype, g->reduce_dtype) || !tensor_is_contiguous(grad)))
+      return false;
+  }
+  return true;
+}
+
 status_t fsdp_reduce_start(fsdp_group_t *g) {
   TRY(fsdp_reduce_finish(g->root));
   int64_t flat = 0;
@@ -248,6 +313,18 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
     if (fp->reducing) flat += fp->rows * fp->row;
   }
   if (flat == 0) return STATUS_OK;
+  if (local_reduce(g)) {
+    for (int i = 0; i < g->n; i++) {
+      fsdp_param_t *fp = &g->params[i];
+      if (!fp->reducing) continue;
+      fp->held = fp->p->compute_grad; /* moved: backward starts the next one afresh */
+      memset(&fp->p->compute_grad, 0, sizeof fp->p->compute_grad);
+    }
+    g->red_local = true;
+    g->red_flat = flat;
+    g->root->state.reducing = g;
+    return STATUS_OK;
+  }
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
   TRY(side_enter(g, dev, reduce_stream(g), true, &prev)); /* after the gradients are computed */
@@ -285,6 +362,8 @@ void fsdp_reduce_drop(fsdp_group_t *g) {
   g->red_work = NULL;
   tensor_free(&g->red_send);
   tensor_free(&g->red_recv);
+  for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].held);
+  g->red_local = false;
   g->red_flat = 0;
   if (g->root != NULL && g->root->state.reducing == g) g->root->state.reducing = NULL;
 }
@@ -311,10 +390,25 @@ static status_t replicate_reduce(fsdp_group_t *g, tensor_t *recv, reduce_op_t op
                        op, NULL);
 }
 
+/* Finishes a reduction of the one-rank path: each held gradient added into its sharded
+ * gradient, on the current stream (the one that computed it). */
+static status_t reduce_finish_local(fsdp_group_t *g) {
+  status_t st = STATUS_OK;
+  for (int i = 0; i < g->n; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    if (fp->reducing && st == STATUS_OK) st = nn_param_accumulate_local_grad(fp->p, &fp->held);
+    tensor_free(&fp->held);
+  }
+  g->red_local = false;
+  g->red_flat = 0;
+  return st;
+}
+
 status_t fsdp_reduce_finish(fsdp_group_t *root) {
   fsdp_group_t *g = root->state.reducing;
   if (g == NULL) return STATUS_OK;
   root->state.reducing = NULL;
+  if (g->red_local) return reduce_finish_local(g);
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
   status_t st = side_enter(g, dev, reduce_stream(g), false, &prev);

@@ -22,6 +22,7 @@ typedef struct fsdp_param {
   tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype; on the host
                       when offloaded */
   bool reducing;   /* its gradient is in the group's reduction in flight */
+  tensor_t held;   /* that gradient itself, on the one-rank path (fsdp_comm.c) */
 } fsdp_param_t;
 
 /* Side streams of one CUDA device, shared by every group on it (all NULL on the CPU):
@@ -89,6 +90,7 @@ struct fsdp_group {
   tensor_t partial;            /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
   double divide_factor;        /* > 0: sum / factor instead of the average */
   tensor_t gather;             /* the all-gather buffer while gathering */
+  bool gather_local;           /* gathering on the one-rank path: no buffer (fsdp_comm.c) */
   pg_work_t *pending;          /* its collective */
   event_t *copied;             /* copy-in done (CUDA) */
   bool gathering;
@@ -99,6 +101,7 @@ struct fsdp_group {
   tensor_t red_send, red_recv;
   int64_t red_flat;
   pg_work_t *red_work;
+  bool red_local; /* the reduction in flight holds the gradients themselves (one-rank path) */
   fsdp_event_fn on_event;
   void *on_event_user;
   fsdp_group_t *root;    /* found on the first forward */

@@ -1,8 +1,8 @@
 /*
  * fully_shard's control surface: parameter state after forward and backward for each reshard
- * policy and by hand, a module called twice, ignored parameters, the gradient divide factor,
- * and the order of unshard / reshard / post-backward events with default and explicit
- * prefetching.
+ * policy and by hand, unshard's copies and values, a module called twice, ignored parameters, the
+ * gradient divide factor, and the order of unshard / reshard / post-backward events with default
+ * and explicit prefetching.
  */
 #include <math.h>
 #include <stdio.h>
@@ -59,6 +59,145 @@ START_TEST(parameter_state_after_forward_and_backward) {
     fsdp_free_all(llama_module(m));
     llama_free(m);
   }
+  data_free(d);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* Unshard's copies and values, own dtype and bf16: every rank's rows of the unsharded tensor
+ * are its shard in param_dtype, bit for bit. One rank (its shard is the whole tensor) takes a
+ * view of its shard, or casts it once, and copies nothing else; more ranks, or one rank with
+ * the one-rank path off, copy each shard in (cast to param_dtype), gather, and copy each
+ * non-empty chunk out. */
+START_TEST(unshard_copies_and_values) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  int W = mesh_size(mesh, mesh_ndim(mesh) - 1); /* the shard dimension */
+  for (int k = 0; k < 4; k++) {
+    bool bf16 = k & 1, one_rank_path = k<2, flat = W> 1 || !one_rank_path;
+    fsdp_set_one_rank_path(one_rank_path);
+    llama_t *m;
+    ok(llama_new(&m, &cfg, NULL));
+    fsdp_options_t opt = FSDP_OPTIONS_INIT;
+    opt.mesh = mesh;
+    if (bf16) opt.param_dtype = DTYPE_BF16;
+    fsdp_group_t *layer;
+    ok(fully_shard(llama_layer(m, 0), &opt, &layer));
+    ok(fully_shard(llama_module(m), &opt, NULL));
+    nn_param_t **ps;
+    int n;
+    ok(nn_named_parameters(llama_layer(m, 0), &ps, &n));
+    ck_assert_int_eq(n, fsdp_num_params(layer));
+    int64_t chunks = 0; /* the non-empty chunks of the chunk rule */
+    for (int i = 0; i < n; i++)
+      for (int r = 0; r < W; r++) {
+        int64_t off, len;
+        chunk_range(dtensor_shape(ps[i]->value)[0], W, r, &off, &len);
+        chunks += len > 0;
+      }
+    kernel_profile_reset();
+    kernel_profile_enable(true);
+    ok(fsdp_unshard(layer));
+    kernel_profile_row_t same = {0}, cast = {0};
+    kernel_profile_get("copy", &same);
+    kernel_profile_get("copy (cast)", &cast);
+    kernel_profile_enable(false);
+    kernel_profile_reset();
+    ck_assert_int_eq(cast.calls, bf16 ? n : 0);
+    ck_assert_int_eq(same.calls, flat ? (bf16 ? 0 : n) + chunks : 0);
+    int bad = 0;
+    for (int i = 0; i < n; i++) {
+      const tensor_t *local = dtensor_local(ps[i]->value);
+      tensor_t *full = &ps[i]->compute, mine, want;
+      int64_t off[TENSOR_MAX_DIMS];
+      dtensor_offset(ps[i]->value, off);
+      ok(tensor_narrow(&mine, full, 0, off[0], local->shape[0]));
+      ok(tensor_clone(&want, local, full->dtype, device_cpu()));
+      ck_assert(tensor_is_contiguous(&mine) && full->dtype == (bf16 ? DTYPE_BF16 : DTYPE_F32));
+      if (tensor_numel(&want) > 0 &&
+          memcmp(mine.data, want.data, (size_t)tensor_numel(&want) * dtype_size(want.dtype)))
+        bad++;
+      /* the one-rank path in its own dtype: the unsharded tensor is the shard's memory */
+      if ((full->data == local->data) != (!flat && !bf16)) bad++;
+      tensor_free(&mine);
+      tensor_free(&want);
+    }
+    expect_all(bad == 0, "unshard (%s, one-rank path %s): %d parameters wrong",
+               bf16 ? "bf16" : "own dtype", one_rank_path ? "on" : "off", bad);
+    fsdp_reshard(layer);
+    ck_assert(ps[0]->compute.storage == NULL);
+    free(ps);
+    fsdp_free_all(llama_module(m));
+    llama_free(m);
+  }
+  fsdp_set_one_rank_path(true);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* Counts the parameters whose local shards (values, or gradients) of a and b differ in any
+ * bit, or where one has a gradient and the other not. */
+static int shards_differ(const run_t *a, const run_t *b, bool grads) {
+  int bad = 0;
+  for (int i = 0; i < a->n; i++) {
+    const dtensor_t *x = grads ? a->ps[i]->grad : a->ps[i]->value;
+    const dtensor_t *y = grads ? b->ps[i]->grad : b->ps[i]->value;
+    if (x == NULL || y == NULL) {
+      bad += x != y;
+      continue;
+    }
+    tensor_t hx, hy;
+    ok(tensor_clone(&hx, dtensor_local(x), dtensor_local(x)->dtype, device_cpu()));
+    ok(tensor_clone(&hy, dtensor_local(y), dtensor_local(y)->dtype, device_cpu()));
+    size_t bytes = (size_t)tensor_numel(&hx) * dtype_size(hx.dtype);
+    bad += !tensor_same_shape(&hx, &hy) || hx.dtype != hy.dtype ||
+           (bytes > 0 && memcmp(hx.data, hy.data, bytes) != 0);
+    tensor_free(&hx);
+    tensor_free(&hy);
+  }
+  return bad;
+}
+
+/* One training step on the one-rank path and on the flat-buffer path, in f32 and with bf16
+ * parameters: the same gradients after two micro-batches (the first ending without waiting
+ * for its reductions) and the same parameters after the optimizer step, bit for bit. More
+ * ranks take the flat path both times. */
+START_TEST(one_rank_path_trains_as_flat_path) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  data_spec_t spec = {.batch_size = 2, .seq_len = 16, .grad_accum = 2, .dp_size = 1};
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    run_t r[2];
+    for (int k = 0; k < 2; k++) {
+      fsdp_set_one_rank_path(k == 0);
+      run_init(&r[k], &cfg);
+      fsdp_options_t opt = FSDP_OPTIONS_INIT;
+      opt.mesh = mesh;
+      if (bf16) opt.param_dtype = DTYPE_BF16, opt.reduce_dtype = DTYPE_F32;
+      for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(r[k].m, i), &opt, NULL));
+      ok(fully_shard(llama_module(r[k].m), &opt, NULL));
+      run_optim(&r[k]);
+      for (int micro = 0; micro < 2; micro++) {
+        fsdp_set_is_last_backward(llama_module(r[k].m), micro == 1);
+        fwd_bwd(r[k].m, d, &spec, 0, micro);
+      }
+    }
+    int bad = shards_differ(&r[0], &r[1], true);
+    for (int k = 0; k < 2; k++) ok(optim_step(r[k].opt, 1.0));
+    bad += shards_differ(&r[0], &r[1], false);
+    expect_all(bad == 0, "%s: %d shards differ between the paths", bf16 ? "bf16" : "f32", bad);
+    for (int k = 0; k < 2; k++) {
+      optim_free(r[k].opt);
+      free(r[k].ps);
+      fsdp_free_all(llama_module(r[k].m));
+      llama_free(r[k].m);
+    }
+  }
+  fsdp_set_one_rank_path(true);
   data_free(d);
   mesh_free(mesh);
 }
@@ -326,6 +465,8 @@ static Suite *make_suite(void) {
   TCase *tc = tcase_create("fsdp_control");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, parameter_state_after_forward_and_backward);
+  tcase_add_test(tc, unshard_copies_and_values);
+  tcase_add_test(tc, one_rank_path_trains_as_flat_path);
   tcase_add_test(tc, module_called_twice);
   tcase_add_test(tc, ignored_parameter_and_divide_factor);
   tcase_add_test(tc, event_order_default);
