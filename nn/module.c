@@ -378,21 +378,24 @@ status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n) {
 
 status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g) {
   const tensor_t *local = dtensor_local(p->value);
-  if (p->grad == NULL) {
-    tensor_t z;
-    TRY(tensor_zeros(&z, local->dtype, local->device, local->ndim, local->shape));
-    status_t st =
-        dtensor_from_local(&p->grad, &z, dtensor_mesh(p->value), dtensor_placements(p->value),
-                           dtensor_ndim(p->value), dtensor_shape(p->value));
-    tensor_free(&z);
-    TRY(st);
+  tensor_t src;
+  TRY(tensor_view(&src, g, local->ndim, local->shape));
+  status_t st;
+  if (p->grad == NULL) { /* the first: a copy in the parameter's dtype, not zeros plus g */
+    tensor_t first;
+    st = tensor_clone(&first, &src, local->dtype, local->device);
+    if (st == STATUS_OK)
+      st = dtensor_from_local(&p->grad, &first, dtensor_mesh(p->value),
+                              dtensor_placements(p->value), dtensor_ndim(p->value),
+                              dtensor_shape(p->value));
+    tensor_free(&first);
+  } else {
+    tensor_t dst;
+    st = tensor_ref(&dst, dtensor_local(p->grad));
+    if (st == STATUS_OK) st = kernel_axpy(&dst, 1.0f, &src);
+    tensor_free(&dst);
   }
-  tensor_t dst, src;
-  TRY(tensor_ref(&dst, dtensor_local(p->grad)));
-  status_t st = tensor_view(&src, g, local->ndim, local->shape);
-  if (st == STATUS_OK) st = kernel_axpy(&dst, 1.0f, &src);
   tensor_free(&src);
-  tensor_free(&dst);
   return st;
 }
 

@@ -166,9 +166,9 @@ status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n);
 /* The parameter with this FQN under root, or NULL. */
 nn_param_t *nn_param_find(nn_module_t *root, const char *fqn);
 
-/* Adds g (the elements of p's local shard, any float dtype) into p->grad, which is created
- * zero-filled on first use with p->value's mesh, placements and dtype. g is not kept (used
- * by fully_shard to accumulate reduced shards). */
+/* Adds g (the elements of p's local shard, any float dtype) into p->grad, which the first
+ * call creates as a copy of g in p->value's dtype, with its mesh and placements. g is not
+ * kept (used by fully_shard to accumulate reduced shards). */
 status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g);
 
 /* Replaces p's value (p takes ownership, also on failure): drops the gradient and points
