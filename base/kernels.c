@@ -249,6 +249,21 @@ status_t rope_check(const rope_t *r) {
   return STATUS_OK;
 }
 
+void rope_fill_table(const rope_t *r, int64_t Dh, int64_t p0, int64_t T, float *cs) {
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t i = 0; i < Dh / 2; i++) {
+      double ang = (double)(t + p0) * rope_inv_freq(r, i, Dh);
+      cs[t * Dh + 2 * i] = (float)cos(ang);
+      cs[t * Dh + 2 * i + 1] = (float)sin(ang);
+    }
+}
+
+bool rope_equal(const rope_t *a, const rope_t *b) {
+  return a->theta == b->theta && a->scaling == b->scaling && a->factor == b->factor &&
+         a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
+         a->original_max_pos == b->original_max_pos;
+}
+
 status_t kernel_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
                      bool inverse) {
   const kernel_ops_t *ops;

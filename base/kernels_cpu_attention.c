@@ -12,10 +12,10 @@
 
 /* ---- RoPE ---- */
 
-/* The cos and sin of every (position, pair) angle, pos * rope_inv_freq, for the positions
- * [p0, p0 + T) of one call (Dh floats per position, cos and sin interleaved). The angles depend
- * on nothing else, so the table of the last call is kept and serves the next calls of the same
- * positions (every layer's q and k, forward and backward) without a cos, sin or pow. */
+/* The cos and sin of every (position, pair) angle of one call's positions (rope_fill_table).
+ * The angles depend on nothing else, so the table of the last call is kept and serves the next
+ * calls of the same positions (every layer's q and k, forward and backward) without a cos,
+ * sin or pow. */
 typedef struct rope_table {
   rope_t rope;
   int64_t Dh, p0, T;
@@ -25,28 +25,16 @@ typedef struct rope_table {
 static rope_table_t rope_cache; /* under rope_lock for the whole of a kernel call */
 static pthread_mutex_t rope_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static bool rope_same(const rope_t *a, const rope_t *b) {
-  return a->theta == b->theta && a->scaling == b->scaling && a->factor == b->factor &&
-         a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
-         a->original_max_pos == b->original_max_pos;
-}
-
 /* The table of rope, Dh and positions [p0, p0 + T), built unless the last call's serves. */
 static const float *rope_table(const rope_t *rope, int64_t Dh, int64_t p0, int64_t T) {
   rope_table_t *c = &rope_cache;
-  if (c->cs != NULL && c->Dh == Dh && c->p0 == p0 && c->T == T && rope_same(&c->rope, rope))
+  if (c->cs != NULL && c->Dh == Dh && c->p0 == p0 && c->T == T && rope_equal(&c->rope, rope))
     return c->cs;
   free(c->cs);
   memset(c, 0, sizeof *c);
   float *cs = malloc(sizeof(float) * (size_t)(T * Dh > 0 ? T * Dh : 1));
   if (cs == NULL) return NULL;
-  int64_t half = Dh / 2;
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t i = 0; i < half; i++) {
-      double ang = (double)(t + p0) * rope_inv_freq(rope, i, Dh);
-      cs[t * Dh + 2 * i] = (float)cos(ang);
-      cs[t * Dh + 2 * i + 1] = (float)sin(ang);
-    }
+  rope_fill_table(rope, Dh, p0, T, cs);
   *c = (rope_table_t){*rope, Dh, p0, T, cs};
   return cs;
 }

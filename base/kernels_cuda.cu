@@ -65,18 +65,20 @@ __global__ static void embedding_runs_kernel(void *gt, int gdt, const void *go, 
   }
 }
 
-__global__ static void rope_kernel(void *out, const void *x, int dt, int64_t B, int64_t T,
-                                   int64_t H, int64_t Dh, rope_t rope, int64_t pos_offset,
-                                   float sign) {
+/* RoPE from the table of rope_fill_table: one thread per pair (i, i + Dh/2) of a row. The
+ * products and sums round one by one (no FMA), as the CPU kernel's do: the same bits. out may
+ * be x (each pair is read, then written, by one thread). */
+template <typename T>
+__global__ static void rope_kernel(T *out, const T *x, const float *cs, int64_t n, int64_t Tn,
+                                   int64_t H, int64_t Dh, float sign) {
   int64_t half = Dh / 2;
-  GRID_STRIDE(e, B * T * H * half) {
-    int64_t i = e % half, row = e / half, t = (row / H) % T;
-    double ang = (double)(t + pos_offset) * rope_inv_freq(&rope, i, Dh);
-    float c = (float)cos(ang), s = sign * (float)sin(ang);
+  GRID_STRIDE(e, n) {
+    int64_t i = e % half, row = e / half, t = (row / H) % Tn;
+    float c = cs[t * Dh + 2 * i], s = sign * cs[t * Dh + 2 * i + 1];
     int64_t base = row * Dh;
-    float x1 = ldf(dt, x, base + i), x2 = ldf(dt, x, base + i + half);
-    stf(dt, out, base + i, x1 * c - x2 * s);
-    stf(dt, out, base + i + half, x2 * c + x1 * s);
+    float x1 = tof(x[base + i]), x2 = tof(x[base + i + half]);
+    out[base + i] = fromf<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    out[base + i + half] = fromf<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
   }
 }
 
@@ -259,14 +261,64 @@ static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *gr
   return flag_finish(&f, st, kIndexRange, "kernel_embedding_backward", vocab);
 }
 
+/* The RoPE table of the last call on each device (rope_fill_table, built on the host and
+ * copied over once): the next calls of the same positions (every layer's q and k, forward and
+ * backward) read it instead of computing a pow, cos and sin in double per pair. */
+typedef struct rope_dev_table {
+  rope_t rope;
+  int64_t Dh, p0, T;
+  float *cs;
+  size_t bytes;
+} rope_dev_table_t;
+
+static pthread_mutex_t rope_lock = PTHREAD_MUTEX_INITIALIZER; /* held for a whole call */
+static rope_dev_table_t rope_tables[DEVICE_MAX_CUDA];
+
+static status_t rope_table_on(device_t dev, const rope_t *rope, int64_t Dh, int64_t p0, int64_t T,
+                              const float **out) {
+  rope_dev_table_t *c = &rope_tables[dev.index];
+  if (c->cs != NULL && c->Dh == Dh && c->p0 == p0 && c->T == T && rope_equal(&c->rope, rope)) {
+    *out = c->cs;
+    return STATUS_OK;
+  }
+  size_t bytes = sizeof(float) * (size_t)(T * Dh);
+  float *host = (float *)malloc(bytes);
+  if (host == NULL) return err_set(STATUS_ENOMEM, "kernel_rope: out of host memory");
+  rope_fill_table(rope, Dh, p0, T, host);
+  void *d = NULL;
+  status_t st = device_alloc(dev, bytes, &d);
+  if (st == STATUS_OK) st = device_memcpy(dev, d, device_cpu(), host, bytes); /* waits */
+  free(host);
+  if (st != STATUS_OK) {
+    if (d != NULL) device_free(dev, d, bytes);
+    return st;
+  }
+  if (c->cs != NULL) device_free(dev, c->cs, c->bytes); /* stream-ordered: after its readers */
+  *c = (rope_dev_table_t){*rope, Dh, p0, T, (float *)d, bytes};
+  *out = c->cs;
+  return STATUS_OK;
+}
+
 static status_t cuda_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
                           bool inverse) {
   int64_t n = tensor_numel(x) / 2;
   if (n == 0) return STATUS_OK;
-  rope_kernel<<<grid_for(n), kBlock, 0, stream_of(x)>>>(out->data, x->data, x->dtype, x->shape[0],
-                                                        x->shape[1], x->shape[2], x->shape[3],
-                                                        *rope, pos_offset, inverse ? -1.0f : 1.0f);
-  return launched("kernel_rope");
+  if (x->device.index < 0 || x->device.index >= DEVICE_MAX_CUDA)
+    return err_set(STATUS_ENODEV, "kernel_rope: no CUDA device %d", x->device.index);
+  int64_t T = x->shape[1], H = x->shape[2], Dh = x->shape[3];
+  pthread_mutex_lock(&rope_lock);
+  const float *cs = NULL;
+  status_t st = rope_table_on(x->device, rope, Dh, pos_offset, T, &cs);
+  if (st == STATUS_OK) {
+    with_float_type(x->dtype, [&](auto t) {
+      using E = decltype(t);
+      rope_kernel<E><<<grid_for(n), kBlock, 0, stream_of(x)>>>(
+          (E *)out->data, (const E *)x->data, cs, n, T, H, Dh, inverse ? -1.0f : 1.0f);
+    });
+    st = launched("kernel_rope");
+  }
+  pthread_mutex_unlock(&rope_lock);
+  return st;
 }
 
 /* Profiling timers: two timing events on the call's stream. */

@@ -73,6 +73,13 @@ typedef struct kernel_ops {
 
 const kernel_ops_t *cpu_kernels(void);
 
+/* The table both backends compute RoPE from: for positions [p0, p0 + T) and heads of Dh,
+ * cs[t * Dh + 2i] and cs[t * Dh + 2i + 1] are the cosine and sine of the angle
+ * (p0 + t) * rope_inv_freq(r, i, Dh), computed in double and rounded to float. */
+void rope_fill_table(const rope_t *r, int64_t Dh, int64_t p0, int64_t T, float *cs);
+/* Whether two rope_t describe the same angles. */
+bool rope_equal(const rope_t *a, const rope_t *b);
+
 /* A timed call for the profile of base/kernels.h (kernel_profile_enabled() first): begin
  * before the work on dev, end after it with its name (a string that outlives the process's
  * profile) and the bytes it read and wrote (0: not a copy); returns st. */
