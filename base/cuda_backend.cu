@@ -75,8 +75,11 @@ __global__ static void copy_kernel(copy_args a, void *dst, int dst_dt, const voi
     if (a.ndim == 1) { /* coalesced (a cast of a whole tensor): no divisions */
       doff = lin * a.dst_stride[0];
       soff = lin * a.src_stride[0];
-    } else {
-      for (int d = a.ndim - 1; d >= 0; d--) {
+    } else { /* unrolled: constant indices keep the arguments out of local memory */
+#pragma unroll
+      for (int j = 0; j < BACKEND_MAX_DIMS; j++) {
+        int d = BACKEND_MAX_DIMS - 1 - j;
+        if (d >= a.ndim) continue;
         int64_t k = rest % a.shape[d];
         rest /= a.shape[d];
         doff += k * a.dst_stride[d];
