@@ -1,19 +1,24 @@
 #include "parallel/llama_cost.h"
-#include "parallel/llama_plan.h"
 
 #include <string.h>
 
-/* The units as the estimate sees them: the root's and the largest other unit's gathered bytes
- * (compute dtype), that unit's gradient in the reduce dtype, and what the other units keep
- * gathered after their forward (all of it when reshard_after_forward is false, 1/N of it when
- * N). */
+#include "parallel/llama_plan.h"
+
+/* The units as the estimate sees them: the root's and the largest other unit's unsharded
+ * bytes (compute dtype) and what gathering them allocates (root_gathered, unit_gathered:
+ * nothing where shard groups of one rank use their shards as the unsharded tensors), that
+ * unit's gradient in the reduce dtype, and what the other units keep gathered after their
+ * forward (all of it when reshard_after_forward is false, 1/N of it when N). */
 typedef struct units {
   double root, root_reduce, unit, unit_reduce, unit_shard, kept_largest, kept_all;
+  double root_gathered, unit_gathered;
   dtype_t root_dtype, unit_dtype;
 } units_t;
 
-/* own: bytes per element of the parameters' shards. */
-static void sum_units(fsdp_group_t *const *groups, int n, int dp_shard, size_t own,
+/* own: bytes per element of the parameters' shards; one_rank: shard groups of one rank with
+ * their shards on the device (fully_shard's one-rank path: a unit in the shards' dtype is
+ * gathered without memory). */
+static void sum_units(fsdp_group_t *const *groups, int n, int dp_shard, size_t own, bool one_rank,
                       units_t *u) {
   memset(u, 0, sizeof *u);
   u->root_dtype = u->unit_dtype = DTYPE_F32;
@@ -21,18 +26,21 @@ static void sum_units(fsdp_group_t *const *groups, int n, int dp_shard, size_t o
     double flat = (double)fsdp_flat_numel(groups[i]), numel = flat * dp_shard;
     dtype_t pd = fsdp_param_dtype(groups[i]);
     double bytes = numel * (double)dtype_size(pd);
+    double gathered = one_rank && dtype_size(pd) == own ? 0 : bytes;
     double reduce = numel * (double)dtype_size(fsdp_reduce_dtype(groups[i]));
     if (fsdp_group_name(groups[i])[0] == 0) {
       u->root = bytes;
+      u->root_gathered = gathered;
       u->root_reduce = reduce;
       u->root_dtype = pd;
       continue;
     }
     int raf = fsdp_reshard_after_forward(groups[i]);
-    double kept = raf == 0 ? bytes : raf >= 2 ? bytes / raf : 0;
+    double kept = raf == 0 ? gathered : raf >= 2 ? gathered / raf : 0;
     u->kept_all += kept;
     if (bytes > u->unit) {
       u->unit = bytes;
+      u->unit_gathered = gathered;
       u->unit_reduce = reduce;
       u->unit_shard = flat * (double)own;
       u->unit_dtype = pd;
@@ -45,19 +53,17 @@ static void sum_units(fsdp_group_t *const *groups, int n, int dp_shard, size_t o
 /* One moment of the step, by kind. */
 static llama_memory_t moment(const char *at, double state, double act, double gathered,
                              double in_flight) {
-  return (llama_memory_t){state, act, gathered, in_flight, state + act + gathered + in_flight,
-                          at};
+  return (llama_memory_t){state, act, gathered, in_flight, state + act + gathered + in_flight, at};
 }
 
 status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int n,
-                               double sharded_param_bytes, size_t param_size,
-                               llama_memory_t *out) {
+                               double sharded_param_bytes, size_t param_size, llama_memory_t *out) {
   const llama_config_t *c = &p->model;
   const parallel_plan_t *pp = &p->par;
   if (pp->dp_shard < 1 || pp->dp_replicate < 1 || pp->tp < 1)
     return err_set(STATUS_EINVAL, "memory estimate: the plan's mesh is not resolved");
   units_t u;
-  sum_units(groups, n, pp->dp_shard, param_size, &u);
+  sum_units(groups, n, pp->dp_shard, param_size, pp->dp_shard == 1 && !pp->offload, &u);
   double t = (double)pp->tp, sh = (double)pp->dp_shard, L = (double)c->n_layers;
   double D = (double)c->dim, F = (double)c->ffn_dim, V = (double)c->vocab_size;
   double H = (double)c->n_heads, KVD = (double)(c->n_kv_heads * (c->dim / c->n_heads));
@@ -95,21 +101,21 @@ status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int
    * next backward: its whole gradients and the reduced shard */
   double root_pending = accum && dp ? u.root + u.root_reduce / sh : 0;
   /* backward gathers the next unit ahead (a unit kept whole after forward needs none) */
-  double ahead = u.kept_largest == u.unit ? 0 : u.unit;
+  double ahead = u.kept_largest == u.unit_gathered ? 0 : u.unit_gathered;
   double kept = u.kept_all - u.kept_largest; /* what the blocks before the last keep */
 
   /* 1: the loss's backward: every block's tape, the final norm's output (and its gathered
    * copy under sequence parallelism), the logits (their gradient written over the whole ones)
    * and the gradient's local slice, the last unit being gathered for backward */
   *out = moment("the loss's backward", state, ids + emb + L * (ac ? out_b : block),
-                u.root + ahead + kept,
+                u.root_gathered + ahead + kept,
                 er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + logits + (tp ? er * N * V / t : 0) +
                     root_pending);
   /* 1b: under tensor parallelism, the logits made whole at the forward's end: the local
    * logits and their copy sent, the gathered blocks and their reordering into whole rows */
   if (tp) {
     llama_memory_t m = moment("the logits made whole", state, ids + emb + L * (ac ? out_b : block),
-                              u.root + kept,
+                              u.root_gathered + kept,
                               er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + 2 * er * N * V / t +
                                   2 * er * N * V + root_pending);
     if (m.peak > out->peak) *out = m;
@@ -126,13 +132,16 @@ status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int
     bool last = i == c->n_layers - 1;
     if (!last && !(dp && u.unit > 0)) break; /* nothing reduces: the last block peaks */
     double before = (double)i, after = L - 1 - before;
-    llama_memory_t m = moment(
-        last ? "the last block's backward"
-             : "a block's backward while the next block's gradients reduce",
-        state + (after > 1 ? (after - 1) * u.unit_shard : 0),
-        ids + emb + (ac ? (before + 1) * out_b : before * block) + own,
-        u.root + u.unit + (i > 0 ? ahead : 0) + (before > 0 ? kept * before / (L - 1) : 0),
-        resid + mlp + root_pending + (last ? 0 : u.unit_reduce * (1 + 1 / sh)));
+    llama_memory_t m =
+        moment(last ? "the last block's backward"
+                    : "a block's backward while the next block's gradients reduce",
+               state + (after > 1 ? (after - 1) * u.unit_shard : 0),
+               ids + emb + (ac ? (before + 1) * out_b : before * block) + own,
+               u.root_gathered + u.unit_gathered + (i > 0 ? ahead : 0) +
+                   (before > 0 ? kept * before / (L - 1) : 0),
+               /* the reduction: its input whole, and its output shard (the input itself when
+                * shard groups have one rank) */
+               resid + mlp + root_pending + (last ? 0 : u.unit_reduce * (sh > 1 ? 1 + 1 / sh : 1)));
     if (m.peak > out->peak) *out = m;
   }
   return STATUS_OK;
@@ -197,4 +206,3 @@ llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, i
   }
   return c;
 }
-
