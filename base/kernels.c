@@ -249,19 +249,22 @@ status_t rope_check(const rope_t *r) {
   return STATUS_OK;
 }
 
-void rope_fill_table(const rope_t *r, int64_t Dh, int64_t p0, int64_t T, float *cs) {
-  for (int64_t t = 0; t < T; t++)
+bool rope_key_equal(const rope_key_t *a, const rope_key_t *b) {
+  const rope_t *x = &a->rope, *y = &b->rope;
+  return a->Dh == b->Dh && a->p0 == b->p0 && a->T == b->T && x->theta == y->theta &&
+         x->scaling == y->scaling && x->factor == y->factor &&
+         x->low_freq_factor == y->low_freq_factor && x->high_freq_factor == y->high_freq_factor &&
+         x->original_max_pos == y->original_max_pos;
+}
+
+void rope_fill_table(const rope_key_t *k, float *cs) {
+  int64_t Dh = k->Dh;
+  for (int64_t t = 0; t < k->T; t++)
     for (int64_t i = 0; i < Dh / 2; i++) {
-      double ang = (double)(t + p0) * rope_inv_freq(r, i, Dh);
+      double ang = (double)(t + k->p0) * rope_inv_freq(&k->rope, i, Dh);
       cs[t * Dh + 2 * i] = (float)cos(ang);
       cs[t * Dh + 2 * i + 1] = (float)sin(ang);
     }
-}
-
-bool rope_equal(const rope_t *a, const rope_t *b) {
-  return a->theta == b->theta && a->scaling == b->scaling && a->factor == b->factor &&
-         a->low_freq_factor == b->low_freq_factor && a->high_freq_factor == b->high_freq_factor &&
-         a->original_max_pos == b->original_max_pos;
 }
 
 status_t kernel_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,

@@ -17,25 +17,24 @@
  * calls of the same positions (every layer's q and k, forward and backward) without a cos,
  * sin or pow. */
 typedef struct rope_table {
-  rope_t rope;
-  int64_t Dh, p0, T;
+  rope_key_t key;
   float *cs;
 } rope_table_t;
 
 static rope_table_t rope_cache; /* under rope_lock for the whole of a kernel call */
 static pthread_mutex_t rope_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* The table of rope, Dh and positions [p0, p0 + T), built unless the last call's serves. */
-static const float *rope_table(const rope_t *rope, int64_t Dh, int64_t p0, int64_t T) {
+/* The table of key, built unless the last call's serves. */
+static const float *rope_table(const rope_key_t *key) {
   rope_table_t *c = &rope_cache;
-  if (c->cs != NULL && c->Dh == Dh && c->p0 == p0 && c->T == T && rope_equal(&c->rope, rope))
-    return c->cs;
+  if (c->cs != NULL && rope_key_equal(&c->key, key)) return c->cs;
   free(c->cs);
   memset(c, 0, sizeof *c);
-  float *cs = malloc(sizeof(float) * (size_t)(T * Dh > 0 ? T * Dh : 1));
+  int64_t n = key->T * key->Dh;
+  float *cs = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
   if (cs == NULL) return NULL;
-  rope_fill_table(rope, Dh, p0, T, cs);
-  *c = (rope_table_t){*rope, Dh, p0, T, cs};
+  rope_fill_table(key, cs);
+  *c = (rope_table_t){*key, cs};
   return cs;
 }
 
@@ -81,7 +80,7 @@ static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, i
     return st;
   }
   pthread_mutex_lock(&rope_lock);
-  a.cs = rope_table(rope, a.Dh, pos_offset, a.T);
+  a.cs = rope_table(&(rope_key_t){*rope, a.Dh, pos_offset, a.T});
   if (a.cs == NULL) {
     pthread_mutex_unlock(&rope_lock);
     cpu_fbuf_release(&fx);

@@ -265,8 +265,7 @@ static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *gr
  * copied over once): the next calls of the same positions (every layer's q and k, forward and
  * backward) read it instead of computing a pow, cos and sin in double per pair. */
 typedef struct rope_dev_table {
-  rope_t rope;
-  int64_t Dh, p0, T;
+  rope_key_t key;
   float *cs;
   size_t bytes;
 } rope_dev_table_t;
@@ -274,17 +273,16 @@ typedef struct rope_dev_table {
 static pthread_mutex_t rope_lock = PTHREAD_MUTEX_INITIALIZER; /* held for a whole call */
 static rope_dev_table_t rope_tables[DEVICE_MAX_CUDA];
 
-static status_t rope_table_on(device_t dev, const rope_t *rope, int64_t Dh, int64_t p0, int64_t T,
-                              const float **out) {
+static status_t rope_table_on(device_t dev, const rope_key_t *key, const float **out) {
   rope_dev_table_t *c = &rope_tables[dev.index];
-  if (c->cs != NULL && c->Dh == Dh && c->p0 == p0 && c->T == T && rope_equal(&c->rope, rope)) {
+  if (c->cs != NULL && rope_key_equal(&c->key, key)) {
     *out = c->cs;
     return STATUS_OK;
   }
-  size_t bytes = sizeof(float) * (size_t)(T * Dh);
+  size_t bytes = sizeof(float) * (size_t)(key->T * key->Dh);
   float *host = (float *)malloc(bytes);
   if (host == NULL) return err_set(STATUS_ENOMEM, "kernel_rope: out of host memory");
-  rope_fill_table(rope, Dh, p0, T, host);
+  rope_fill_table(key, host);
   void *d = NULL;
   status_t st = device_alloc(dev, bytes, &d);
   if (st == STATUS_OK) st = device_memcpy(dev, d, device_cpu(), host, bytes); /* waits */
@@ -294,7 +292,7 @@ static status_t rope_table_on(device_t dev, const rope_t *rope, int64_t Dh, int6
     return st;
   }
   if (c->cs != NULL) device_free(dev, c->cs, c->bytes); /* stream-ordered: after its readers */
-  *c = (rope_dev_table_t){*rope, Dh, p0, T, (float *)d, bytes};
+  *c = (rope_dev_table_t){*key, (float *)d, bytes};
   *out = c->cs;
   return STATUS_OK;
 }
@@ -308,7 +306,8 @@ static status_t cuda_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, 
   int64_t T = x->shape[1], H = x->shape[2], Dh = x->shape[3];
   pthread_mutex_lock(&rope_lock);
   const float *cs = NULL;
-  status_t st = rope_table_on(x->device, rope, Dh, pos_offset, T, &cs);
+  rope_key_t key = {*rope, Dh, pos_offset, T};
+  status_t st = rope_table_on(x->device, &key, &cs);
   if (st == STATUS_OK) {
     with_float_type(x->dtype, [&](auto t) {
       using E = decltype(t);

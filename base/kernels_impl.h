@@ -73,12 +73,19 @@ typedef struct kernel_ops {
 
 const kernel_ops_t *cpu_kernels(void);
 
-/* The table both backends compute RoPE from: for positions [p0, p0 + T) and heads of Dh,
- * cs[t * Dh + 2i] and cs[t * Dh + 2i + 1] are the cosine and sine of the angle
- * (p0 + t) * rope_inv_freq(r, i, Dh), computed in double and rounded to float. */
-void rope_fill_table(const rope_t *r, int64_t Dh, int64_t p0, int64_t T, float *cs);
-/* Whether two rope_t describe the same angles. */
-bool rope_equal(const rope_t *a, const rope_t *b);
+/* What a RoPE table depends on: the rotary embedding, the head size and positions
+ * [p0, p0 + T). Both backends keep the table of their last call under its key. */
+typedef struct rope_key {
+  rope_t rope;
+  int64_t Dh, p0, T;
+} rope_key_t;
+
+/* Whether two keys give the same table. */
+bool rope_key_equal(const rope_key_t *a, const rope_key_t *b);
+/* The table both backends compute RoPE from (T * Dh floats): cs[t * Dh + 2i] and
+ * cs[t * Dh + 2i + 1] are the cosine and sine of the angle (p0 + t) * rope_inv_freq(rope, i,
+ * Dh), computed in double and rounded to float. */
+void rope_fill_table(const rope_key_t *k, float *cs);
 
 /* A timed call for the profile of base/kernels.h (kernel_profile_enabled() first): begin
  * before the work on dev, end after it with its name (a string that outlives the process's
