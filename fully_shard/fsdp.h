@@ -141,9 +141,10 @@ status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups
  * them: the same values as the flat buffer, with two copies of the group fewer per unshard.
  * In the shards' own dtype the unsharded tensors share the shards' memory, so an update of
  * the shards while the group stays unsharded (reshard_after_backward false across an
- * optimizer step) is seen by them. On by default; FSDPC_FSDP_ONE_RANK=0 in the environment, or fsdp_set_one_rank_path(false),
- * keeps such groups on the flat-buffer path (to compare, or to measure its copies on one
- * device). Process-wide; an unshard or reduction in flight ends on the path it started on. */
+ * optimizer step) is seen by them. On by default; FSDPC_FSDP_ONE_RANK=0 in the environment,
+ * or fsdp_set_one_rank_path(false), keeps such groups on the flat-buffer path (to compare, or
+ * to measure its copies on one device). Process-wide; an unshard or reduction in flight ends
+ * on the path it started on. */
 void fsdp_set_one_rank_path(bool on);
 
 /* Installs an event observer on every group under root (NULL removes it). */

@@ -321,7 +321,6 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
       memset(&fp->p->compute_grad, 0, sizeof fp->p->compute_grad);
     }
     g->red_local = true;
-    g->red_flat = flat;
     g->root->state.reducing = g;
     return STATUS_OK;
   }
@@ -400,7 +399,6 @@ static status_t reduce_finish_local(fsdp_group_t *g) {
     tensor_free(&fp->held);
   }
   g->red_local = false;
-  g->red_flat = 0;
   return st;
 }
 
