@@ -210,7 +210,7 @@ status_t comm_agree(MPI_Comm comm, status_t st) {
   TRY(pg_mpi_status(MPI_Ibcast(&msg, (int)sizeof msg, MPI_BYTE, worst.rank, comm, &req),
                     "MPI_Ibcast (agreement)"));
   TRY(world_wait(&req, "MPI_Ibcast (agreement)"));
-  if (rank == worst.rank) return st;
+  if (st != STATUS_OK) return st; /* a failing rank keeps its own */
   return err_set((status_t)msg.status, "rank %d: %s", msg.world_rank, msg.text);
 }
 

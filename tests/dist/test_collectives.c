@@ -256,6 +256,17 @@ START_TEST(pg_agree_reports_the_failing_rank_everywhere) {
   ck_assert_int_eq(agreed, STATUS_ESHAPE);
   ck_assert_ptr_nonnull(strstr(err_detail(), "bad shape on the last rank"));
   ck_assert_int_eq(pg_agree(world_pg(), STATUS_OK), STATUS_OK);
+  if (W < 3) return;
+  /* two failing ranks each keep their own; the others learn the lower one's */
+  st = r == 1       ? err_set(STATUS_EIO, "no file on rank 1")
+       : r == W - 1 ? err_set(STATUS_ESHAPE, "bad shape on the last rank")
+                    : STATUS_OK;
+  agreed = pg_agree(world_pg(), st);
+  const char *want = r == W - 1 ? "bad shape on the last rank"
+                     : r == 1   ? "no file on rank 1"
+                                : "rank 1: no file on rank 1";
+  ck_assert_int_eq(agreed, r == W - 1 ? STATUS_ESHAPE : STATUS_EIO);
+  ck_assert_msg(strcmp(err_detail(), want) == 0, "rank %d: '%s'", r, err_detail());
 }
 END_TEST
 
