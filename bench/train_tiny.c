@@ -87,9 +87,11 @@ int main(int argc, char **argv) {
   bench_init(m, 1234);
   data_t *d;
   BENCH_TRY(data_open(&d, data_path, DATA_BYTES));
-  if (data_max_token(d) >= cfg.vocab_size) {
-    fprintf(stderr, "%s: token %lld outside the vocabulary of %lld\n", data_path,
-            (long long)data_max_token(d), (long long)cfg.vocab_size);
+  int64_t top;
+  BENCH_TRY(data_max_token(d, 0, data_num_tokens(d), &top));
+  if (top >= cfg.vocab_size) {
+    fprintf(stderr, "%s: token %lld outside the vocabulary of %lld\n", data_path, (long long)top,
+            (long long)cfg.vocab_size);
     return 1;
   }
   nn_param_t **ps;

@@ -2,8 +2,12 @@
  * The token stream and the global batch order (docs/design.md section 10).
  *
  * A data file is a flat token sequence: the bytes of a text file (vocabulary 256), or
- * little-endian uint16 tokens. For step s, micro-step m of grad_accum, global micro-batch
- * G = dp_size * batch_size, sample j in [0, G) starts at
+ * little-endian uint16 or uint32 tokens (uint32 for vocabularies beyond 65,536, such as Llama
+ * 3's). The file is not loaded: each batch reads its samples from it, so a file of any size
+ * costs a rank no memory beyond its batch.
+ *
+ * For step s, micro-step m of grad_accum, global micro-batch G = dp_size * batch_size,
+ * sample j in [0, G) starts at
  *   ((s * grad_accum + m) * G + j) * seq_len  mod  (N - seq_len - 1);
  * its inputs are seq_len tokens from there and its targets the same shifted by one.
  * Data-parallel rank d takes samples [d * batch_size, (d + 1) * batch_size), so every plan
@@ -26,7 +30,7 @@
 extern "C" {
 #endif
 
-typedef enum data_format { DATA_BYTES, DATA_U16 } data_format_t;
+typedef enum data_format { DATA_BYTES, DATA_U16, DATA_U32 } data_format_t;
 
 typedef struct data data_t;
 
@@ -38,20 +42,24 @@ typedef struct data_spec {
   int64_t dp_rank;
 } data_spec_t;
 
-/* Reads the whole token file into memory. Errors name the file. */
+/* Opens the token file (a regular file whose size is a whole number of tokens), reading none
+ * of it; it stays open until data_free. Errors name the file. */
 status_t data_open(data_t **out, const char *path, data_format_t format);
 void data_free(data_t *d);
 
 int64_t data_num_tokens(const data_t *d);
-/* The largest token id in the file (to check against the vocabulary). */
-int64_t data_max_token(const data_t *d);
+/* *max = the largest id among tokens [begin, end) of the file (-1 when the range is empty),
+ * read once in 1 MiB pieces: to check against the vocabulary, each of several ranks can take
+ * a part of the file. */
+status_t data_max_token(const data_t *d, int64_t begin, int64_t end, int64_t *max);
 
 /* Start of sample j of micro-step m of step s (global sample index; see above). */
 int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
                           int64_t j);
 
 /* This rank's inputs and targets for (step, micro): new I64 [batch_size, seq_len] host
- * tensors the caller frees. */
+ * tensors the caller frees, read from the file (an error names it when it cannot be read, or
+ * has become shorter). Several threads may read one data_t at once. */
 status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
                     tensor_t *inputs, tensor_t *targets);
 

@@ -164,13 +164,15 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   int f = pr_find(c, m, "format");
   if (!pr_is_null(c, f)) {
     const char *s;
-    TRY(pr_want_scalar(c, f, "data.format", "text or u16", &s));
+    TRY(pr_want_scalar(c, f, "data.format", "text, u16 or u32", &s));
     if (strcmp(s, "text") == 0)
       p->data_format = DATA_BYTES;
     else if (strcmp(s, "u16") == 0)
       p->data_format = DATA_U16;
+    else if (strcmp(s, "u32") == 0)
+      p->data_format = DATA_U32;
     else
-      return pr_fail(c, f, "data.format", "expected text or u16, got '%s'", s);
+      return pr_fail(c, f, "data.format", "expected text, u16 or u32, got '%s'", s);
   }
   TRY(pr_get_int(c, m, "data", "seq_len", 1, (int64_t)1 << 24, &p->seq_len));
   TRY(pr_get_int(c, m, "data", "batch_size", 1, (int64_t)1 << 24, &p->batch_size));

@@ -89,15 +89,24 @@ static double now(void) {
 
 
 /* The token file, checked against the model and the sample length (a dry run too: it must
- * refuse what the run would). */
+ * refuse what the run would). Every rank reads its part of the file for the vocabulary check
+ * (a rank reads 1/world of it) and all agree: one verdict and one message on every rank.
+ * Collective over the world. */
 static status_t open_data(run_t *r) {
   const plan_t *p = &r->plan;
-  TRY(data_open(&r->data, p->data_path, p->data_format));
-  if (data_max_token(r->data) >= p->model.vocab_size)
+  int64_t top = -1;
+  status_t st = data_open(&r->data, p->data_path, p->data_format);
+  if (st == STATUS_OK) {
+    __int128 n = data_num_tokens(r->data), k = world_rank(), w = world_size();
+    st = data_max_token(r->data, (int64_t)(n * k / w), (int64_t)(n * (k + 1) / w), &top);
+  }
+  TRY(pg_agree(world_pg(), st));
+  TRY(pg_host_all_reduce(world_pg(), &top, &top, 1, PG_HOST_I64, REDUCE_MAX));
+  if (top >= p->model.vocab_size)
     return err_set(STATUS_EINVAL,
                    "%s: data.path: token id %lld in '%s' is outside "
                    "model.vocab_size=%lld",
-                   p->data_where.text, (long long)data_max_token(r->data), p->data_path,
+                   p->data_where.text, (long long)top, p->data_path,
                    (long long)p->model.vocab_size);
   int64_t need = p->seq_len + 1;
   if (data_num_tokens(r->data) < need)

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -348,6 +349,13 @@ def errors():
     odd = os.path.join(tmp, "odd.bin")
     with open(odd, "wb") as f:
         f.write(b"\x01\x02\x03")
+    # the corpus as uint16 tokens with one id past the vocabulary at the very end: only the
+    # rank that checks the file's last part finds it, and both ranks must say it
+    late = os.path.join(tmp, "late.u16")
+    with open(data, "rb") as f:
+        corpus = f.read()
+    with open(late, "wb") as f:
+        f.write(struct.pack("<%dH" % (len(corpus) + 1), *(list(corpus) + [300])))
     # (name, plan text or None for BASE, extra args, expected message regex)
     cases = [
         ("syntax error", "mesh: [1, 2\n", [], r"bad\d*\.yaml:\d+:\d+: not valid YAML"),
@@ -414,12 +422,15 @@ def errors():
         ("-v without --dry-run", None, ["-v"], r"-v goes with --dry-run"),
         ("vocabulary smaller than the data", base.replace("vocab_size: 256", "vocab_size: 50"), [],
          r"token id \d+ .* is outside model\.vocab_size=50"),
+        ("a token past the vocabulary at the end of the file",
+         base.replace(data, late).replace("  seq_len: 16", "  format: u16\n  seq_len: 16"), [],
+         r"token id 300 in '.*late\.u16' is outside model\.vocab_size=256"),
         ("two sizes of -1", base.replace("dp_shard: -1", "dp_shard: -1\n  dp_replicate: -1"), [],
          r"mesh: at most one size may be -1"),
         ("sequence longer than the model's", base.replace("seq_len: 16", "seq_len: 128"), [],
          r"data\.seq_len: 128 exceeds model\.max_seq_len=64"),
         ("unknown data format", base.replace("  seq_len: 16", "  format: csv\n  seq_len: 16"), [],
-         r"data\.format: expected text or u16, got 'csv'"),
+         r"data\.format: expected text, u16 or u32, got 'csv'"),
         ("units not a list", base.replace('units: ["model.layers.*"]', 'units: "model.layers.*"'),
          [], r"units: expected a list of module patterns"),
         ("checkpoint.load not a checkpoint", base + "checkpoint:\n  load: /nonexistent/step-5\n", [],
@@ -512,6 +523,23 @@ def errors():
         if not good:
             print(p.stderr[-1500:])
     check(len(cases) >= 20, "%d malformed inputs" % len(cases))
+    # the same tokens as text, uint16 and uint32 train the same model
+    got = {}
+    for fmt, width in (("text", 0), ("u16", 2), ("u32", 4)):
+        path = data
+        if width:
+            path = os.path.join(tmp, "corpus." + fmt)
+            with open(path, "wb") as f:
+                f.write(struct.pack("<%d%s" % (len(corpus), "H" if width == 2 else "I"), *corpus))
+        plan = os.path.join(tmp, "format-%s.yaml" % fmt)
+        with open(plan, "w") as f:
+            f.write(base.replace(data, path).replace("  seq_len: 16",
+                                                     "  format: %s\n  seq_len: 16" % fmt))
+        metrics = os.path.join(tmp, "format-%s.jsonl" % fmt)
+        p, _ = run(2, [plan, "--metrics", metrics])
+        got[fmt] = [r["loss"] for r in losses(metrics)] if p.returncode == 0 else p.stderr[-500:]
+    check(len(got["text"]) == 2 and got["text"] == got["u16"] == got["u32"],
+          "data.format text, u16 and u32 of the same tokens give bit-identical losses (%s)" % got)
     # every program: --help and --version answer at once; a wrong flag or value is an error
     build = os.path.join(os.path.dirname(EXE), "..")
     tool = lambda name: os.path.join(build, "tools", name)

@@ -1,8 +1,8 @@
 /*
  * The module layer around the model: module tree and FQNs, hook order with a module called
  * twice and a shared parameter, plan-independent init (also on sharded meshes when run under
- * mpirun), the data order, Hugging Face config parsing, deferred models and the layers
- * (the optimizer: test_optim.c).
+ * mpirun), Hugging Face config parsing, deferred models and the layers (the optimizer:
+ * test_optim.c; the data order: test_data.c).
  */
 #include <math.h>
 #include <stdio.h>
@@ -10,7 +10,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "nn/data.h"
 #include "nn/init.h"
 #include "nn/layers.h"
 #include "nn/llama.h"
@@ -321,63 +320,6 @@ START_TEST(init_normal_statistics) {
 }
 END_TEST
 
-/* ---- data order ---- */
-
-START_TEST(data_order_and_dp_split) {
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
-  int64_t N = data_num_tokens(d);
-  data_spec_t g = {.batch_size = 4, .seq_len = 16, .grad_accum = 2, .dp_size = 1, .dp_rank = 0};
-  ck_assert_int_eq(data_sample_start(d, &g, 3, 1, 2), ((3 * 2 + 1) * 4 + 2) * 16 % (N - 17));
-  tensor_t gi, gt;
-  ok(data_batch(d, &g, 3, 1, &gi, &gt));
-  const int64_t *all = gi.data, *allt = gt.data;
-  for (int r = 0; r < 2; r++) { /* two dp ranks of batch 2 see the same global batch */
-    data_spec_t s = {.batch_size = 2, .seq_len = 16, .grad_accum = 2, .dp_size = 2, .dp_rank = r};
-    tensor_t in, tg;
-    ok(data_batch(d, &s, 3, 1, &in, &tg));
-    ck_assert_int_eq(memcmp(in.data, all + r * 2 * 16, 2 * 16 * sizeof(int64_t)), 0);
-    const int64_t *a = in.data, *t = tg.data;
-    for (int k = 0; k + 1 < 16; k++) ck_assert_int_eq(t[k], a[k + 1]); /* shifted by one */
-    ck_assert_int_eq(memcmp(tg.data, allt + r * 2 * 16, 2 * 16 * sizeof(int64_t)), 0);
-    tensor_free(&in);
-    tensor_free(&tg);
-  }
-  data_spec_t bad = g;
-  bad.dp_rank = 1;
-  ck_assert_int_eq(data_batch(d, &bad, 0, 0, &gi, &gt), STATUS_EINVAL);
-  tensor_free(&gi);
-  tensor_free(&gt);
-  data_free(d);
-  ck_assert_int_eq(data_open(&d, "/nonexistent/tokens.bin", DATA_U16), STATUS_EIO);
-  /* uint16 tokens, little-endian */
-  char path[256];
-  snprintf(path, sizeof path, "/tmp/fsdpc_test_%d_tokens.bin", (int)getpid());
-  FILE *fp = fopen(path, "wb");
-  for (int i = 0; i < 40; i++) {
-    unsigned v = 1000u + 517u * (unsigned)i;
-    fputc((int)(v & 0xff), fp);
-    fputc((int)(v >> 8), fp);
-  }
-  fclose(fp);
-  ok(data_open(&d, path, DATA_U16));
-  ck_assert_int_eq(data_num_tokens(d), 40);
-  ck_assert_int_eq(data_max_token(d), 1000 + 517 * 39);
-  data_spec_t u = {.batch_size = 1, .seq_len = 4, .grad_accum = 1, .dp_size = 1};
-  ok(data_batch(d, &u, 2, 0, &gi, &gt)); /* starts at 2 * 4 = 8 */
-  ck_assert_int_eq(((int64_t *)gi.data)[0], 1000 + 517 * 8);
-  ck_assert_int_eq(((int64_t *)gt.data)[3], 1000 + 517 * 12);
-  tensor_free(&gi);
-  tensor_free(&gt);
-  data_free(d);
-  fp = fopen(path, "ab");
-  fputc(1, fp); /* an odd byte count is not a uint16 file */
-  fclose(fp);
-  ck_assert_int_eq(data_open(&d, path, DATA_U16), STATUS_EFORMAT);
-  remove(path);
-}
-END_TEST
-
 /* ---- Hugging Face config ---- */
 
 static const char *write_tmp(const char *name, const char *text) {
@@ -574,7 +516,6 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, checkpointed_input_used_after);
     tcase_add_test(tc, casts_at_a_module_boundary);
     tcase_add_test(tc, init_normal_statistics);
-    tcase_add_test(tc, data_order_and_dp_split);
     tcase_add_test(tc, hf_config_parse_and_errors);
     tcase_add_test(tc, deferred_model_materializes);
     tcase_add_test(tc, layers_build_init_and_forward);

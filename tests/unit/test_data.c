@@ -1,0 +1,193 @@
+/*
+ * The token file and the data order: the global batch split over data-parallel ranks, the
+ * three formats, range checks, and files read where a batch needs them (a file far larger
+ * than what the test may take in memory).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "nn/data.h"
+#include "tests/harness.h"
+
+static void ok(status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
+
+/* A file of the n tokens v(i) = base + step * i, little-endian of width w; its path in path. */
+static void write_tokens(char *path, size_t size, const char *tag, int w, int n, unsigned base,
+                         unsigned step) {
+  snprintf(path, size, "/tmp/fsdpc_test_%d_%s", (int)getpid(), tag);
+  FILE *fp = fopen(path, "wb");
+  ck_assert_ptr_nonnull(fp);
+  for (int i = 0; i < n; i++) {
+    unsigned v = base + step * (unsigned)i;
+    for (int b = 0; b < w; b++) fputc((int)((v >> (8 * b)) & 0xff), fp);
+  }
+  fclose(fp);
+}
+
+static long max_rss_kib(void) {
+  struct rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss;
+}
+
+/* The order of samples, the split over data-parallel ranks and uint16 tokens. */
+START_TEST(data_order_and_dp_split) {
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  int64_t N = data_num_tokens(d);
+  data_spec_t g = {.batch_size = 4, .seq_len = 16, .grad_accum = 2, .dp_size = 1, .dp_rank = 0};
+  ck_assert_int_eq(data_sample_start(d, &g, 3, 1, 2), ((3 * 2 + 1) * 4 + 2) * 16 % (N - 17));
+  tensor_t gi, gt;
+  ok(data_batch(d, &g, 3, 1, &gi, &gt));
+  const int64_t *all = gi.data, *allt = gt.data;
+  for (int r = 0; r < 2; r++) { /* two dp ranks of batch 2 see the same global batch */
+    data_spec_t s = {.batch_size = 2, .seq_len = 16, .grad_accum = 2, .dp_size = 2, .dp_rank = r};
+    tensor_t in, tg;
+    ok(data_batch(d, &s, 3, 1, &in, &tg));
+    ck_assert_int_eq(memcmp(in.data, all + r * 2 * 16, 2 * 16 * sizeof(int64_t)), 0);
+    const int64_t *a = in.data, *t = tg.data;
+    for (int k = 0; k + 1 < 16; k++) ck_assert_int_eq(t[k], a[k + 1]); /* shifted by one */
+    ck_assert_int_eq(memcmp(tg.data, allt + r * 2 * 16, 2 * 16 * sizeof(int64_t)), 0);
+    tensor_free(&in);
+    tensor_free(&tg);
+  }
+  data_spec_t bad = g;
+  bad.dp_rank = 1;
+  ck_assert_int_eq(data_batch(d, &bad, 0, 0, &gi, &gt), STATUS_EINVAL);
+  tensor_free(&gi);
+  tensor_free(&gt);
+  data_free(d);
+  ck_assert_int_eq(data_open(&d, "/nonexistent/tokens.bin", DATA_U16), STATUS_EIO);
+  /* uint16 tokens, little-endian */
+  char path[256];
+  snprintf(path, sizeof path, "/tmp/fsdpc_test_%d_tokens.bin", (int)getpid());
+  FILE *fp = fopen(path, "wb");
+  for (int i = 0; i < 40; i++) {
+    unsigned v = 1000u + 517u * (unsigned)i;
+    fputc((int)(v & 0xff), fp);
+    fputc((int)(v >> 8), fp);
+  }
+  fclose(fp);
+  ok(data_open(&d, path, DATA_U16));
+  ck_assert_int_eq(data_num_tokens(d), 40);
+  int64_t top;
+  ok(data_max_token(d, 0, 40, &top));
+  ck_assert_int_eq(top, 1000 + 517 * 39);
+  data_spec_t u = {.batch_size = 1, .seq_len = 4, .grad_accum = 1, .dp_size = 1};
+  ok(data_batch(d, &u, 2, 0, &gi, &gt)); /* starts at 2 * 4 = 8 */
+  ck_assert_int_eq(((int64_t *)gi.data)[0], 1000 + 517 * 8);
+  ck_assert_int_eq(((int64_t *)gt.data)[3], 1000 + 517 * 12);
+  tensor_free(&gi);
+  tensor_free(&gt);
+  data_free(d);
+  fp = fopen(path, "ab");
+  fputc(1, fp); /* an odd byte count is not a uint16 file */
+  fclose(fp);
+  ck_assert_int_eq(data_open(&d, path, DATA_U16), STATUS_EFORMAT);
+  remove(path);
+}
+END_TEST
+
+/* uint32 tokens (ids past 65,535, as a Llama 3 vocabulary has), and the largest id of a range. */
+START_TEST(u32_tokens_and_ranges) {
+  char path[256];
+  write_tokens(path, sizeof path, "tokens.u32", 4, 40, 70000u, 100003u);
+  data_t *d;
+  ok(data_open(&d, path, DATA_U32));
+  ck_assert_int_eq(data_num_tokens(d), 40);
+  int64_t top;
+  ok(data_max_token(d, 0, 40, &top));
+  ck_assert_int_eq(top, 70000 + 100003 * 39);
+  ok(data_max_token(d, 3, 10, &top));
+  ck_assert_int_eq(top, 70000 + 100003 * 9);
+  ok(data_max_token(d, 5, 5, &top));
+  ck_assert_int_eq(top, -1);
+  ck_assert_int_eq(data_max_token(d, 0, 41, &top), STATUS_EINVAL);
+  ck_assert_int_eq(data_max_token(d, -1, 3, &top), STATUS_EINVAL);
+  tensor_t in, tg;
+  data_spec_t u = {.batch_size = 2, .seq_len = 4, .grad_accum = 1, .dp_size = 1};
+  ok(data_batch(d, &u, 1, 0, &in, &tg)); /* samples at 8 and 12 */
+  for (int b = 0; b < 2; b++)
+    for (int t = 0; t < 4; t++) {
+      ck_assert_int_eq(((int64_t *)in.data)[b * 4 + t], 70000 + 100003 * (8 + 4 * b + t));
+      ck_assert_int_eq(((int64_t *)tg.data)[b * 4 + t], 70000 + 100003 * (9 + 4 * b + t));
+    }
+  tensor_free(&in);
+  tensor_free(&tg);
+  data_free(d);
+  FILE *fp = fopen(path, "ab");
+  fputc(1, fp);
+  fputc(2, fp); /* 162 bytes: a whole number of uint16 tokens, not of uint32 ones */
+  fclose(fp);
+  ck_assert_int_eq(data_open(&d, path, DATA_U32), STATUS_EFORMAT);
+  ck_assert_msg(strstr(err_detail(), "162 bytes is not a whole number of uint32 tokens") != NULL,
+                "%s", err_detail());
+  ok(data_open(&d, path, DATA_U16));
+  ck_assert_int_eq(data_num_tokens(d), 81);
+  data_free(d);
+  remove(path);
+}
+END_TEST
+
+/* A 6 GiB token file (sparse: it takes no disk) is opened and read without being loaded: a
+ * batch at its far end reads what was written there, and the process grows by far less than
+ * the file. A file that shrinks under an open reader gives an error naming it. */
+START_TEST(files_are_read_where_needed) {
+  char path[256];
+  snprintf(path, sizeof path, "/tmp/fsdpc_test_%d_big.u16", (int)getpid());
+  FILE *fp = fopen(path, "wb");
+  ck_assert_ptr_nonnull(fp);
+  const int64_t bytes = (int64_t)6 << 30, n = bytes / 2;
+  ck_assert_int_eq(ftruncate(fileno(fp), (off_t)bytes), 0);
+  data_spec_t u = {.batch_size = 1, .seq_len = 4, .grad_accum = 1, .dp_size = 1};
+  int64_t step = (n - 5 - 1) / 4, at = step * 4; /* the last sample start before the wrap */
+  unsigned char tail[10];
+  for (int i = 0; i < 5; i++) tail[2 * i] = (unsigned char)(201 + i), tail[2 * i + 1] = 0x9c;
+  ck_assert_int_eq(pwrite(fileno(fp), tail, sizeof tail, (off_t)(at * 2)), (ssize_t)sizeof tail);
+  fclose(fp);
+
+  long before = max_rss_kib();
+  data_t *d;
+  ok(data_open(&d, path, DATA_U16));
+  ck_assert_int_eq(data_num_tokens(d), n);
+  ck_assert_int_eq(data_sample_start(d, &u, step, 0, 0), at);
+  tensor_t in, tg;
+  ok(data_batch(d, &u, step, 0, &in, &tg));
+  for (int t = 0; t < 4; t++) {
+    ck_assert_int_eq(((int64_t *)in.data)[t], 0x9c00 + 201 + t);
+    ck_assert_int_eq(((int64_t *)tg.data)[t], 0x9c00 + 202 + t);
+  }
+  tensor_free(&in);
+  tensor_free(&tg);
+  int64_t top;
+  ok(data_max_token(d, n - (1 << 20), n, &top));
+  ck_assert_int_eq(top, 0x9c00 + 205);
+  long grew = max_rss_kib() - before;
+  ck_assert_msg(grew < 64 * 1024, "reading a 6 GiB file grew the process by %ld KiB", grew);
+
+  ck_assert_int_eq(truncate(path, (off_t)(at * 2)), 0); /* the sample's tokens are gone */
+  ck_assert_int_eq(data_batch(d, &u, step, 0, &in, &tg), STATUS_EIO);
+  ck_assert_msg(strstr(err_detail(), path) != NULL &&
+                    strstr(err_detail(), "shorter than when it was opened") != NULL,
+                "%s", err_detail());
+  data_free(d);
+  remove(path);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("data");
+  TCase *tc = tcase_create("data");
+  tcase_add_test(tc, data_order_and_dp_split);
+  tcase_add_test(tc, u32_tokens_and_ranges);
+  tcase_add_test(tc, files_are_read_where_needed);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
