@@ -135,7 +135,8 @@ static int64_t saved_global_batch(const char *dir) {
   return n;
 }
 
-/* Samples per optimizer step over the data-parallel ranks. */
+/* The device, the data, the model with its plan applied (only a meta model for a dry run),
+ * its values and the optimizer, or the checkpoint to resume. Collective over the world. */
 static status_t build(run_t *r) {
   plan_t *p = &r->plan;
   device_t dev; /* first: collective, and every rank arrives here */
@@ -181,13 +182,16 @@ static status_t build(run_t *r) {
     if (!resume) r->resumed_from[0] = 0;
     return resume ? ckpt_check_state(r->resumed_from) : STATUS_OK;
   }
-  TRY(nn_module_materialize(root));
-  if (lo.deferred && !p->init_from[0] && !resume)
-    TRY(llama_init_weights(r->model, p->model_seed));
-  if (p->init_from[0]) /* after sharding: each rank reads only its shards' rows */
-    TRY(ckpt_load_hf(root, p->init_from));
-  TRY(nn_named_parameters(root, &r->ps, &r->n));
-  TRY(optim_new(&r->opt, r->ps, r->n, &p->optim));
+  /* memory and the Hugging Face files may fail on one rank alone: every rank learns of it
+   * before the checkpoint's collectives (or the end of the build) */
+  st = nn_module_materialize(root);
+  if (st == STATUS_OK && lo.deferred && !p->init_from[0] && !resume)
+    st = llama_init_weights(r->model, p->model_seed);
+  if (st == STATUS_OK && p->init_from[0]) /* after sharding: each rank reads its shards' rows */
+    st = ckpt_load_hf(root, p->init_from);
+  if (st == STATUS_OK) st = nn_named_parameters(root, &r->ps, &r->n);
+  if (st == STATUS_OK) st = optim_new(&r->opt, r->ps, r->n, &p->optim);
+  TRY(pg_agree(world_pg(), st));
   if (resume) {
     r->verified = -1;
     if (p->ckpt_verify)
@@ -295,6 +299,7 @@ static status_t train(run_t *r) {
   int64_t profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
   size_t peak_max = 0;
   status_t st = STATUS_OK;
+  bool agreed = false; /* st is a failure every rank met alike */
   train_counted_bytes(r); /* reset */
   for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK; s++) {
     double t0 = now(), loss = 0;
@@ -327,6 +332,7 @@ static status_t train(run_t *r) {
                    "finite (lower optim.lr, set optim.clip_grad_norm, or set train.nonfinite: "
                    "skip to skip such steps)",
                    (long long)s + 1, gl, norm);
+      agreed = true;
       break;
     }
     if (!finite && lead)
@@ -345,8 +351,10 @@ static status_t train(run_t *r) {
       char dir[PLAN_PATH_MAX + 32], *under = NULL;
       ckpt_step_dir(p->ckpt_dir, s + 1, dir, sizeof dir);
       st = saved_under(r, &under);
-      if (st == STATUS_OK)
+      if (st == STATUS_OK) { /* agreed over the ranks */
         st = ckpt_save_training(dir, r->ps, r->n, r->opt, s + 1, under, world_pg());
+        agreed = st != STATUS_OK;
+      }
       free(under);
       if (st != STATUS_OK) break;
       if (lead) ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
@@ -371,7 +379,10 @@ static status_t train(run_t *r) {
       free(line);
       cJSON_Delete(o);
     }
-    if (mpath[0] && (st = metrics_agree(mpath, bad)) != STATUS_OK) break; /* a full disk */
+    if (mpath[0] && (st = metrics_agree(mpath, bad)) != STATUS_OK) { /* a full disk */
+      agreed = true;
+      break;
+    }
     if (!lead) continue;
     bool show = s == 0 || s + 1 == p->steps || (s + 1) % p->log_interval == 0;
     double elapsed = now() - t_start, eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
@@ -391,6 +402,9 @@ static status_t train(run_t *r) {
     }
     fflush(stdout);
   }
+  /* a failure this rank may have met alone (memory, the data file, a device) stops the others
+   * at once, where they would wait for it in the step's collectives until the watchdog */
+  if (st != STATUS_OK && !agreed) world_stop(st);
   if (mf != NULL && fclose(mf) != 0) bad = errno ? errno : EIO;
   if (mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
     status_t ms = metrics_agree(mpath, bad);

@@ -540,6 +540,49 @@ def errors():
         got[fmt] = [r["loss"] for r in losses(metrics)] if p.returncode == 0 else p.stderr[-500:]
     check(len(got["text"]) == 2 and got["text"] == got["u16"] == got["u32"],
           "data.format text, u16 and u32 of the same tokens give bit-identical losses (%s)" % got)
+    # one rank fails alone mid-run (its samples are cut from the token file): the other is
+    # stopped at once instead of waiting in the step's collectives until the watchdog, and
+    # both name the file
+    big = os.path.join(tmp, "big.txt")
+    with open(big, "wb") as f:
+        f.write(corpus * 64)  # no wrap-around for 150,000 steps
+    plan = os.path.join(tmp, "shrink.yaml")
+    with open(plan, "w") as f:
+        f.write(base.replace(data, big).replace("steps: 2", "steps: 1000000") +
+                "log:\n  interval: 1\n")
+    cmd = [MPIRUN] + MPI_ARGS + ["-n", "2", EXE, plan]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    import threading
+    steps = []
+
+    def read_steps():
+        for line in proc.stdout:
+            m = re.match(r"step\s+(\d+)/", line)
+            if m:
+                steps.append(int(m.group(1)))
+    threading.Thread(target=read_steps, daemon=True).start()
+    t = time.time()
+    while not steps and time.time() - t < 120:
+        time.sleep(0.05)
+    # step s (from 0) reads tokens 64 s .. 64 s + 32 on rank 0 and 64 s + 32 .. 64 s + 64 on
+    # rank 1 (batch 2 x 16 per rank): at 64 s + 40 bytes, rank 1 alone fails at step s
+    fail = (steps[-1] if steps else 0) + 3000
+    os.truncate(big, 64 * fail + 40)
+    t = time.time()
+    try:
+        err = proc.stderr.read() if proc.wait(timeout=120) is not None else ""
+        secs = time.time() - t
+    except subprocess.TimeoutExpired:
+        err, secs = "", None
+    kill_session(proc.pid)
+    said = ranks_saying(err, r"data file .*big\.txt: cannot read tokens \d+-\d+: the file is "
+                             r"shorter than when it was opened")
+    check(secs is not None and secs < 60 and proc.returncode != 0 and said == {"0", "1"},
+          "a token file cut mid-run fails one rank: the job ends in %s s (the watchdog: 600 s), "
+          "both ranks name the file (%s)" % ("%.1f" % secs if secs else "never", sorted(said)))
+    if said != {"0", "1"}:
+        print(err[-1500:])
     # every program: --help and --version answer at once; a wrong flag or value is an error
     build = os.path.join(os.path.dirname(EXE), "..")
     tool = lambda name: os.path.join(build, "tools", name)
