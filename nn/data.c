@@ -1,6 +1,8 @@
 #include "nn/data.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <glob.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,82 +11,183 @@
 
 #include "base/file.h"
 
-/* The file stays open for the run and is read where a batch or a check needs it: no rank holds
- * more of it than a batch, and ranks on one node share the operating system's page cache. */
+/* One file of the stream: tokens [first, first + n) of it, at byte base of the file. */
+typedef struct dfile {
+  char *path;
+  int width; /* bytes per token */
+  off_t base;
+  int64_t first, n;
+} dfile_t;
+
+/* The files are read where a batch or a check needs them (opened for that read: a stream of
+ * thousands of files holds no descriptors): no rank holds more of them than a batch, and ranks
+ * on one node share the operating system's page cache. */
 struct data {
-  FILE *f;
-  char *path; /* for messages */
-  int width;  /* bytes per token */
+  dfile_t *files;
+  int nf;
   int64_t n;
 };
+
+/* llm.c's token files: 256 little-endian int32s (magic, version, token count, zeros), then the
+ * tokens. */
+enum { kLlmcHeader = 1024, kLlmcMagicU16 = 20240520, kLlmcMagicU32 = 20240801 };
 
 static int width_of(data_format_t format) {
   switch (format) {
     case DATA_BYTES: return 1;
     case DATA_U16: return 2;
     case DATA_U32: return 4;
+    case DATA_LLMC: return 0; /* from each file's header */
   }
+  return -1;
+}
+
+static int32_t le32(const unsigned char *b) {
+  return (int32_t)((uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
+                   (uint32_t)b[3] << 24);
+}
+
+/* Reads bytes [at, at + n) of f's open descriptor fd into buf; tokens [first, first + count)
+ * of the stream name them in errors (count 0: the header). */
+static status_t read_bytes(const dfile_t *f, int fd, off_t at, size_t n, unsigned char *buf,
+                           int64_t first, int64_t count) {
+  for (size_t got = 0; got < n;) {
+    ssize_t r = pread(fd, buf + got, n - got, at + (off_t)got);
+    if (r < 0 && errno == EINTR) continue;
+    const char *why = r < 0 ? strerror(errno) : "the file is shorter than when it was opened";
+    if (r <= 0 && count == 0)
+      return err_set(STATUS_EIO, "data file %s: cannot read its header: %s", f->path, why);
+    if (r <= 0)
+      return err_set(STATUS_EIO, "data file %s: cannot read tokens %lld-%lld: %s", f->path,
+                     (long long)first, (long long)(first + count - 1), why);
+    got += (size_t)r;
+  }
+  return STATUS_OK;
+}
+
+/* Opens path as the stream's file f of the given width (0: from its llm.c header); f->first is
+ * set by the caller. */
+static status_t file_open(dfile_t *f, const char *path, int width) {
+  memset(f, 0, sizeof *f);
+  FILE *fp;
+  TRY(file_open_regular(path, "data file", &fp));
+  status_t st = STATUS_OK;
+  struct stat sb;
+  if ((f->path = strdup(path)) == NULL)
+    st = err_set(STATUS_ENOMEM, "data file %s: out of host memory", path);
+  else if (fstat(fileno(fp), &sb) != 0)
+    st = err_set(STATUS_EIO, "data file %s: %s", path, strerror(errno));
+  if (st == STATUS_OK && width == 0) { /* llm.c's header */
+    unsigned char h[12];
+    int64_t count = 0;
+    if (sb.st_size < kLlmcHeader)
+      st = err_set(STATUS_EFORMAT,
+                   "data file %s: %lld bytes cannot hold llm.c's header of %d bytes (is it a "
+                   "file of raw tokens? see data.format)",
+                   path, (long long)sb.st_size, kLlmcHeader);
+    else if ((st = read_bytes(f, fileno(fp), 0, sizeof h, h, 0, 0)) == STATUS_OK) {
+      int32_t magic = le32(h), version = le32(h + 4);
+      count = le32(h + 8);
+      if (magic == kLlmcMagicU16 && version == 1)
+        width = 2;
+      else if (magic == kLlmcMagicU32 && version == 7)
+        width = 4;
+      else
+        st = err_set(STATUS_EFORMAT,
+                     "data file %s: not an llm.c token file (magic %d, version %d; expected "
+                     "%d and 1 for uint16 tokens, or %d and 7 for uint32)",
+                     path, (int)magic, (int)version, kLlmcMagicU16, kLlmcMagicU32);
+    }
+    if (st == STATUS_OK && (count < 0 || sb.st_size != kLlmcHeader + count * width))
+      st = err_set(STATUS_EFORMAT,
+                   "data file %s: its header says %lld tokens of %d bytes, but %lld bytes "
+                   "follow the header",
+                   path, (long long)count, width, (long long)(sb.st_size - kLlmcHeader));
+    f->base = kLlmcHeader;
+  } else if (st == STATUS_OK && sb.st_size % width != 0) {
+    st = err_set(STATUS_EFORMAT, "data file %s: %lld bytes is not a whole number of uint%d tokens",
+                 path, (long long)sb.st_size, 8 * width);
+  }
+  fclose(fp);
+  if (st != STATUS_OK) {
+    free(f->path);
+    f->path = NULL;
+    return st;
+  }
+  f->width = width;
+  f->n = (sb.st_size - f->base) / width;
+  return STATUS_OK;
+}
+
+/* Glob's error callback: a folder it cannot read is not an error here (no match is). */
+static int glob_skip(const char *path, int err) {
+  (void)path, (void)err;
   return 0;
 }
 
 status_t data_open(data_t **out, const char *path, data_format_t format) {
   *out = NULL;
   int width = width_of(format);
-  if (width == 0)
+  if (width < 0)
     return err_set(STATUS_EINVAL, "data file %s: unknown format %d", path, (int)format);
-  FILE *f;
-  TRY(file_open_regular(path, "data file", &f));
-  struct stat sb;
-  if (fstat(fileno(f), &sb) != 0) {
-    int e = errno;
-    fclose(f);
-    return err_set(STATUS_EIO, "data file %s: %s", path, strerror(e));
-  }
-  if (sb.st_size % width != 0) {
-    fclose(f);
-    return err_set(STATUS_EFORMAT,
-                   "data file %s: %lld bytes is not a whole number of uint%d tokens", path,
-                   (long long)sb.st_size, 8 * width);
+  glob_t g = {0};
+  const char *one[1] = {path};
+  char *const *paths = (char *const *)one;
+  size_t n = 1;
+  if (strpbrk(path, "*?[") != NULL) { /* a pattern: its matches in sorted order */
+    int rc = glob(path, 0, glob_skip, &g);
+    if (rc != 0) {
+      globfree(&g);
+      return err_set(rc == GLOB_NOSPACE ? STATUS_ENOMEM : STATUS_EIO, "data files %s: %s", path,
+                     rc == GLOB_NOMATCH   ? "the pattern matches no file"
+                     : rc == GLOB_NOSPACE ? "out of host memory"
+                                          : "cannot list the folders it names");
+    }
+    paths = g.gl_pathv;
+    n = g.gl_pathc;
   }
   data_t *d = calloc(1, sizeof *d);
-  char *copy = strdup(path);
-  if (d == NULL || copy == NULL) {
-    free(d);
-    free(copy);
-    fclose(f);
-    return err_set(STATUS_ENOMEM, "data file %s: out of host memory", path);
+  status_t st = STATUS_OK;
+  if (d == NULL || (d->files = calloc(n, sizeof *d->files)) == NULL)
+    st = err_set(STATUS_ENOMEM, "data file %s: out of host memory", path);
+  for (size_t i = 0; i < n && st == STATUS_OK; i++) {
+    st = file_open(&d->files[i], paths[i], width);
+    if (st != STATUS_OK) break;
+    d->files[i].first = d->n;
+    d->n += d->files[i].n;
+    d->nf++;
   }
-  d->f = f;
-  d->path = copy;
-  d->width = width;
-  d->n = sb.st_size / width;
+  globfree(&g);
+  if (st != STATUS_OK) {
+    data_free(d);
+    return st;
+  }
   *out = d;
   return STATUS_OK;
 }
 
 void data_free(data_t *d) {
   if (d == NULL) return;
-  fclose(d->f);
-  free(d->path);
+  for (int i = 0; i < d->nf; i++) free(d->files[i].path);
+  free(d->files);
   free(d);
 }
 
 int64_t data_num_tokens(const data_t *d) { return d->n; }
 
-/* Reads bytes [at, at + n) of the file into buf; tokens [first, first + count) name them in
- * errors. */
-static status_t read_bytes(const data_t *d, off_t at, size_t n, unsigned char *buf, int64_t first,
-                           int64_t count) {
-  for (size_t got = 0; got < n;) {
-    ssize_t r = pread(fileno(d->f), buf + got, n - got, at + (off_t)got);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0)
-      return err_set(STATUS_EIO, "data file %s: cannot read tokens %lld-%lld: %s", d->path,
-                     (long long)first, (long long)(first + count - 1),
-                     r < 0 ? strerror(errno) : "the file is shorter than when it was opened");
-    got += (size_t)r;
+int data_num_files(const data_t *d) { return d->nf; }
+
+/* The file holding token i (0 <= i < d->n): the last whose first token is at or before i. */
+static const dfile_t *file_of(const data_t *d, int64_t i) {
+  int lo = 0, hi = d->nf - 1;
+  while (lo < hi) {
+    int mid = lo + (hi - lo + 1) / 2;
+    if (d->files[mid].first <= i)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
-  return STATUS_OK;
+  return &d->files[lo];
 }
 
 /* Token i of buf, little-endian of width w. */
@@ -123,36 +226,59 @@ static int64_t max_of(const unsigned char *buf, int w, int64_t k) {
   return m;
 }
 
+/* Visits tokens [i0, i0 + count) of the stream in pieces of at most cap bytes, each within one
+ * file: fn(ctx, buf, width, k, offset of the piece in the range). */
+typedef void piece_fn(void *ctx, const unsigned char *buf, int w, int64_t k, int64_t at);
+
+static status_t visit(const data_t *d, int64_t i0, int64_t count, unsigned char *buf, size_t cap,
+                      piece_fn *fn, void *ctx) {
+  status_t st = STATUS_OK;
+  for (int64_t done = 0; done < count && st == STATUS_OK;) { /* one file at a time */
+    const dfile_t *f = file_of(d, i0 + done);
+    int64_t end = f->first + f->n < i0 + count ? f->first + f->n : i0 + count;
+    int fd = open(f->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+      return err_set(STATUS_EIO, "data file %s: cannot open it again: %s", f->path,
+                     strerror(errno));
+    for (int64_t per = (int64_t)cap / f->width; i0 + done < end && st == STATUS_OK;) {
+      int64_t i = i0 + done, k = end - i < per ? end - i : per;
+      st = read_bytes(f, fd, f->base + (off_t)((i - f->first) * f->width), (size_t)(k * f->width),
+                      buf, i, k);
+      if (st == STATUS_OK) fn(ctx, buf, f->width, k, done);
+      done += k;
+    }
+    close(fd);
+  }
+  return st;
+}
+
+static void decode_piece(void *ctx, const unsigned char *buf, int w, int64_t k, int64_t at) {
+  int64_t *out = (int64_t *)ctx + at;
+  for (int64_t i = 0; i < k; i++) out[i] = token_at(buf, w, i);
+}
+
+static void max_piece(void *ctx, const unsigned char *buf, int w, int64_t k, int64_t at) {
+  (void)at;
+  int64_t *m = ctx, v = max_of(buf, w, k);
+  *m = v > *m ? v : *m;
+}
+
 /* Reads tokens [i0, i0 + count) into out. */
 static status_t read_tokens(const data_t *d, int64_t i0, int64_t count, int64_t *out) {
   unsigned char buf[1 << 14];
-  int64_t per = (int64_t)sizeof buf / d->width;
-  for (int64_t done = 0; done < count;) {
-    int64_t k = count - done < per ? count - done : per;
-    TRY(read_bytes(d, (off_t)((i0 + done) * d->width), (size_t)(k * d->width), buf, i0 + done, k));
-    for (int64_t i = 0; i < k; i++) out[done + i] = token_at(buf, d->width, i);
-    done += k;
-  }
-  return STATUS_OK;
+  return visit(d, i0, count, buf, sizeof buf, decode_piece, out);
 }
 
 status_t data_max_token(const data_t *d, int64_t begin, int64_t end, int64_t *max) {
   *max = -1;
   if (begin < 0 || end > d->n || begin > end)
-    return err_set(STATUS_EINVAL, "data file %s: tokens [%lld, %lld) outside [0, %lld)", d->path,
-                   (long long)begin, (long long)end, (long long)d->n);
+    return err_set(STATUS_EINVAL, "data: tokens [%lld, %lld) outside [0, %lld)", (long long)begin,
+                   (long long)end, (long long)d->n);
   enum { kChunk = 1 << 20 }; /* bytes read at a time */
   unsigned char *buf = malloc(kChunk);
-  if (buf == NULL) return err_set(STATUS_ENOMEM, "data file %s: out of host memory", d->path);
-  int w = d->width;
-  int64_t per = kChunk / w, m = -1;
-  status_t st = STATUS_OK;
-  for (int64_t i = begin; i < end && st == STATUS_OK; i += per) {
-    int64_t k = end - i < per ? end - i : per;
-    st = read_bytes(d, (off_t)(i * w), (size_t)(k * w), buf, i, k);
-    int64_t v = st == STATUS_OK ? max_of(buf, w, k) : -1;
-    m = v > m ? v : m;
-  }
+  if (buf == NULL) return err_set(STATUS_ENOMEM, "data: out of host memory");
+  int64_t m = -1;
+  status_t st = visit(d, begin, end - begin, buf, kChunk, max_piece, &m);
   free(buf);
   if (st == STATUS_OK) *max = m;
   return st;

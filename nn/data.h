@@ -1,9 +1,11 @@
 /*
  * The token stream and the global batch order (docs/design.md section 10).
  *
- * A data file is a flat token sequence: the bytes of a text file (vocabulary 256), or
- * little-endian uint16 or uint32 tokens (uint32 for vocabularies beyond 65,536, such as Llama
- * 3's). The file is not loaded: each batch reads its samples from it, so a file of any size
+ * The token stream is one file, or the files a glob pattern matches in sorted order, one after
+ * the other. A file holds the bytes of a text (vocabulary 256), or little-endian uint16 or
+ * uint32 tokens (uint32 for vocabularies beyond 65,536, such as Llama 3's), or is one of
+ * llm.c's token files (a 1024-byte header giving the token width and count, then the tokens).
+ * The files are not loaded: each batch reads its samples from them, so a stream of any size
  * costs a rank no memory beyond its batch.
  *
  * For step s, micro-step m of grad_accum, global micro-batch G = dp_size * batch_size,
@@ -30,7 +32,7 @@
 extern "C" {
 #endif
 
-typedef enum data_format { DATA_BYTES, DATA_U16, DATA_U32 } data_format_t;
+typedef enum data_format { DATA_BYTES, DATA_U16, DATA_U32, DATA_LLMC } data_format_t;
 
 typedef struct data data_t;
 
@@ -42,12 +44,14 @@ typedef struct data_spec {
   int64_t dp_rank;
 } data_spec_t;
 
-/* Opens the token file (a regular file whose size is a whole number of tokens), reading none
- * of it; it stays open until data_free. Errors name the file. */
+/* Opens the token file path, or every file the pattern path matches (when it has *, ? or [),
+ * reading only llm.c's headers; they stay open until data_free. Each must be a regular file of
+ * a whole number of tokens (llm.c's: as many as its header says). Errors name the file. */
 status_t data_open(data_t **out, const char *path, data_format_t format);
 void data_free(data_t *d);
 
 int64_t data_num_tokens(const data_t *d);
+int data_num_files(const data_t *d);
 /* *max = the largest id among tokens [begin, end) of the file (-1 when the range is empty),
  * read once in 1 MiB pieces: to check against the vocabulary, each of several ranks can take
  * a part of the file. */

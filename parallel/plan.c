@@ -164,15 +164,17 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   int f = pr_find(c, m, "format");
   if (!pr_is_null(c, f)) {
     const char *s;
-    TRY(pr_want_scalar(c, f, "data.format", "text, u16 or u32", &s));
+    TRY(pr_want_scalar(c, f, "data.format", "text, u16, u32 or llmc", &s));
     if (strcmp(s, "text") == 0)
       p->data_format = DATA_BYTES;
     else if (strcmp(s, "u16") == 0)
       p->data_format = DATA_U16;
     else if (strcmp(s, "u32") == 0)
       p->data_format = DATA_U32;
+    else if (strcmp(s, "llmc") == 0)
+      p->data_format = DATA_LLMC;
     else
-      return pr_fail(c, f, "data.format", "expected text, u16 or u32, got '%s'", s);
+      return pr_fail(c, f, "data.format", "expected text, u16, u32 or llmc, got '%s'", s);
   }
   TRY(pr_get_int(c, m, "data", "seq_len", 1, (int64_t)1 << 24, &p->seq_len));
   TRY(pr_get_int(c, m, "data", "batch_size", 1, (int64_t)1 << 24, &p->batch_size));
@@ -316,7 +318,8 @@ status_t plan_resolve(plan_t *p, int world) {
     return err_set(STATUS_EINVAL, "%s: data.path: missing (the token file to train on)", p->source);
   struct stat sb;
   errno = 0;
-  if (stat(p->data_path, &sb) != 0 || !S_ISREG(sb.st_mode))
+  bool pattern = strpbrk(p->data_path, "*?[") != NULL; /* its files are checked when opened */
+  if (!pattern && (stat(p->data_path, &sb) != 0 || !S_ISREG(sb.st_mode)))
     return err_set(STATUS_EIO, "%s: data.path: cannot read '%s': %s", p->data_where.text,
                    p->data_path, errno ? strerror(errno) : "not a regular file");
   if (p->seq_len > p->model.max_seq_len)

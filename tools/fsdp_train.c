@@ -96,6 +96,7 @@ static status_t open_data(run_t *r) {
   const plan_t *p = &r->plan;
   int64_t top = -1;
   status_t st = data_open(&r->data, p->data_path, p->data_format);
+  if (st != STATUS_OK) st = err_prefix(st, "%s: data.path", p->data_where.text);
   if (st == STATUS_OK) {
     __int128 n = data_num_tokens(r->data), k = world_rank(), w = world_size();
     st = data_max_token(r->data, (int64_t)(n * k / w), (int64_t)(n * (k + 1) / w), &top);

@@ -118,10 +118,14 @@ void train_header(const run_t *r) {
            (long long)r->verified);
   else if (p->ckpt_load[0] && !r->resumed_from[0])
     printf("  no checkpoint in %s yet: starting from step 0\n", p->ckpt_dir);
+  char files[32] = "";
+  if (data_num_files(r->data) > 1)
+    snprintf(files, sizeof files, " in %d files", data_num_files(r->data));
   printf(
-      "  data: %s, %lld samples x %lld tokens per rank, grad_accum %lld (global batch %lld "
-      "samples); %lld step%s\n",
-      p->data_path, (long long)p->batch_size, (long long)p->seq_len, (long long)p->grad_accum,
+      "  data: %s (%lld tokens%s), %lld samples x %lld tokens per rank, grad_accum %lld "
+      "(global batch %lld samples); %lld step%s\n",
+      p->data_path, (long long)data_num_tokens(r->data), files, (long long)p->batch_size,
+      (long long)p->seq_len, (long long)p->grad_accum,
       (long long)train_global_batch(r), (long long)p->steps, p->steps == 1 ? "" : "s");
   if (r->saved_batch > 0 && r->saved_batch != train_global_batch(r))
     fprintf(stderr,

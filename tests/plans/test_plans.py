@@ -430,7 +430,7 @@ def errors():
         ("sequence longer than the model's", base.replace("seq_len: 16", "seq_len: 128"), [],
          r"data\.seq_len: 128 exceeds model\.max_seq_len=64"),
         ("unknown data format", base.replace("  seq_len: 16", "  format: csv\n  seq_len: 16"), [],
-         r"data\.format: expected text, u16 or u32, got 'csv'"),
+         r"data\.format: expected text, u16, u32 or llmc, got 'csv'"),
         ("units not a list", base.replace('units: ["model.layers.*"]', 'units: "model.layers.*"'),
          [], r"units: expected a list of module patterns"),
         ("checkpoint.load not a checkpoint", base + "checkpoint:\n  load: /nonexistent/step-5\n", [],
@@ -523,14 +523,24 @@ def errors():
         if not good:
             print(p.stderr[-1500:])
     check(len(cases) >= 20, "%d malformed inputs" % len(cases))
-    # the same tokens as text, uint16 and uint32 train the same model
+    # the same tokens as text, uint16, uint32 and llm.c's files (three shards by a pattern,
+    # uint16 and uint32 ones mixed) train the same model
     got = {}
-    for fmt, width in (("text", 0), ("u16", 2), ("u32", 4)):
+    for fmt, width in (("text", 0), ("u16", 2), ("u32", 4), ("llmc", 0)):
         path = data
         if width:
             path = os.path.join(tmp, "corpus." + fmt)
             with open(path, "wb") as f:
                 f.write(struct.pack("<%d%s" % (len(corpus), "H" if width == 2 else "I"), *corpus))
+        if fmt == "llmc":
+            path = os.path.join(tmp, "shard_*.bin")
+            cut = [0, 40, 100, len(corpus)]  # the two steps read tokens 0-128: all three
+            for k in range(3):
+                part = corpus[cut[k]:cut[k + 1]]
+                magic, version, code = (20240801, 7, "I") if k == 1 else (20240520, 1, "H")
+                with open(os.path.join(tmp, "shard_%d.bin" % k), "wb") as f:
+                    f.write(struct.pack("<256i", magic, version, len(part), *([0] * 253)))
+                    f.write(struct.pack("<%d%s" % (len(part), code), *part))
         plan = os.path.join(tmp, "format-%s.yaml" % fmt)
         with open(plan, "w") as f:
             f.write(base.replace(data, path).replace("  seq_len: 16",
@@ -538,8 +548,9 @@ def errors():
         metrics = os.path.join(tmp, "format-%s.jsonl" % fmt)
         p, _ = run(2, [plan, "--metrics", metrics])
         got[fmt] = [r["loss"] for r in losses(metrics)] if p.returncode == 0 else p.stderr[-500:]
-    check(len(got["text"]) == 2 and got["text"] == got["u16"] == got["u32"],
-          "data.format text, u16 and u32 of the same tokens give bit-identical losses (%s)" % got)
+    check(len(got["text"]) == 2 and got["text"] == got["u16"] == got["u32"] == got["llmc"],
+          "data.format text, u16, u32 and llmc (three files by a pattern) of the same tokens "
+          "give bit-identical losses (%s)" % got)
     # one rank fails alone mid-run (its samples are cut from the token file): the other is
     # stopped at once instead of waiting in the step's collectives until the watchdog, and
     # both name the file

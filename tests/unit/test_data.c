@@ -1,12 +1,14 @@
 /*
- * The token file and the data order: the global batch split over data-parallel ranks, the
- * three formats, range checks, and files read where a batch needs them (a file far larger
- * than what the test may take in memory).
+ * The token stream and the data order: the global batch split over data-parallel ranks, the
+ * formats (raw tokens of three widths, llm.c's files), several files by pattern, range checks,
+ * and files read where a batch needs them (a file far larger than what the test may take in
+ * memory).
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "nn/data.h"
@@ -134,6 +136,79 @@ START_TEST(u32_tokens_and_ranges) {
 }
 END_TEST
 
+/* An llm.c token file of n tokens v(i) = base + step * i: magic, version and count in its
+ * 1024-byte header (count_shift added to the count: a header that lies), then the tokens. */
+static void write_llmc(char *path, size_t size, const char *tag, int w, int n, unsigned base,
+                       unsigned step, int count_shift) {
+  snprintf(path, size, "/tmp/fsdpc_test_%d_%s", (int)getpid(), tag);
+  FILE *fp = fopen(path, "wb");
+  ck_assert_ptr_nonnull(fp);
+  int32_t h[256] = {w == 2 ? 20240520 : 20240801, w == 2 ? 1 : 7, n + count_shift};
+  for (int i = 0; i < 256; i++)
+    for (int b = 0; b < 4; b++) fputc((int)(((uint32_t)h[i] >> (8 * b)) & 0xff), fp);
+  for (int i = 0; i < n; i++) {
+    unsigned v = base + step * (unsigned)i;
+    for (int b = 0; b < w; b++) fputc((int)((v >> (8 * b)) & 0xff), fp);
+  }
+  fclose(fp);
+}
+
+/* A glob pattern's files in sorted order make one stream, whatever their widths (llm.c's files
+ * of uint16 and uint32 tokens); a sample across two files reads both; refusals name the file. */
+START_TEST(several_files_and_llmc_headers) {
+  char a[256], b[256], c[256], pattern[256];
+  write_llmc(a, sizeof a, "shard_0.bin", 2, 10, 100, 1, 0);     /* 100 .. 109 */
+  write_llmc(b, sizeof b, "shard_1.bin", 4, 6, 70000, 1000, 0); /* 70000 .. 75000 */
+  write_llmc(c, sizeof c, "shard_2.bin", 2, 0, 0, 0, 0);        /* empty */
+  snprintf(pattern, sizeof pattern, "/tmp/fsdpc_test_%d_shard_*.bin", (int)getpid());
+  data_t *d;
+  ok(data_open(&d, pattern, DATA_LLMC));
+  ck_assert_int_eq(data_num_files(d), 3);
+  ck_assert_int_eq(data_num_tokens(d), 16);
+  int64_t top;
+  ok(data_max_token(d, 0, 10, &top));
+  ck_assert_int_eq(top, 109);
+  ok(data_max_token(d, 5, 16, &top));
+  ck_assert_int_eq(top, 75000);
+  tensor_t in, tg;
+  data_spec_t u = {.batch_size = 1, .seq_len = 4, .grad_accum = 1, .dp_size = 1};
+  ok(data_batch(d, &u, 2, 0, &in, &tg)); /* tokens 8 .. 12: two of a, three of b */
+  const int64_t want[5] = {108, 109, 70000, 71000, 72000};
+  for (int t = 0; t < 4; t++) {
+    ck_assert_int_eq(((int64_t *)in.data)[t], want[t]);
+    ck_assert_int_eq(((int64_t *)tg.data)[t], want[t + 1]);
+  }
+  tensor_free(&in);
+  tensor_free(&tg);
+  data_free(d);
+
+  /* refusals: each names the file */
+  ck_assert_int_eq(data_open(&d, a, DATA_U16), STATUS_OK); /* read raw, the header is tokens */
+  ck_assert_int_eq(data_num_tokens(d), 512 + 10);
+  data_free(d);
+  write_llmc(c, sizeof c, "shard_2.bin", 2, 5, 0, 0, 1); /* says 6 tokens, holds 5 */
+  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EFORMAT);
+  ck_assert_msg(strstr(err_detail(), c) && strstr(err_detail(), "header says 6 tokens of 2 bytes"),
+                "%s", err_detail());
+  write_tokens(c, sizeof c, "shard_2.bin", 2, 600, 1, 1); /* raw tokens, no header */
+  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EFORMAT);
+  ck_assert_msg(strstr(err_detail(), "not an llm.c token file") != NULL, "%s", err_detail());
+  write_tokens(c, sizeof c, "shard_2.bin", 1, 100, 1, 1); /* shorter than a header */
+  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EFORMAT);
+  ck_assert_msg(strstr(err_detail(), "cannot hold llm.c's header") != NULL, "%s", err_detail());
+  remove(c);
+  snprintf(c, sizeof c, "/tmp/fsdpc_test_%d_shard_2.bin", (int)getpid());
+  ck_assert_int_eq(mkdir(c, 0700), 0); /* a folder among the matches */
+  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EIO);
+  ck_assert_msg(strstr(err_detail(), "is a folder") != NULL, "%s", err_detail());
+  rmdir(c);
+  remove(a);
+  remove(b);
+  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EIO);
+  ck_assert_msg(strstr(err_detail(), "the pattern matches no file") != NULL, "%s", err_detail());
+}
+END_TEST
+
 /* A 6 GiB token file (sparse: it takes no disk) is opened and read without being loaded: a
  * batch at its far end reads what was written there, and the process grows by far less than
  * the file. A file that shrinks under an open reader gives an error naming it. */
@@ -185,6 +260,7 @@ static Suite *make_suite(void) {
   TCase *tc = tcase_create("data");
   tcase_add_test(tc, data_order_and_dp_split);
   tcase_add_test(tc, u32_tokens_and_ranges);
+  tcase_add_test(tc, several_files_and_llmc_headers);
   tcase_add_test(tc, files_are_read_where_needed);
   suite_add_tcase(s, tc);
   return s;
