@@ -2,8 +2,9 @@
 
 #include "nn/ops.h"
 
-status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
-                          int64_t micro, double *loss) {
+/* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum. */
+static status_t run_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
+                          int64_t micro, bool grad, double *loss) {
   tensor_t in_h = {0}, tg_h = {0}, in = {0}, tg = {0};
   nn_ctx_t *ctx = NULL;
   nn_var_t *ids = NULL, *logits = NULL, *l = NULL, *scaled = NULL;
@@ -13,12 +14,15 @@ status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, 
   TRY_GOTO(st, tensor_clone(&in, &in_h, DTYPE_I64, dev));
   TRY_GOTO(st, tensor_clone(&tg, &tg_h, DTYPE_I64, dev));
   TRY_GOTO(st, nn_ctx_new(&ctx));
+  nn_ctx_set_grad_enabled(ctx, grad);
   TRY_GOTO(st, nn_var_new(&ids, &in, false));
   TRY_GOTO(st, nn_call(ctx, llama_module(m), ids, &logits));
   TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &l, NULL));
   TRY_GOTO(st, nn_var_scalar(l, loss));
-  TRY_GOTO(st, nn_scale(ctx, l, 1.0 / (double)spec->grad_accum, &scaled));
-  TRY_GOTO(st, nn_backward(ctx, scaled));
+  if (grad) {
+    TRY_GOTO(st, nn_scale(ctx, l, 1.0 / (double)spec->grad_accum, &scaled));
+    TRY_GOTO(st, nn_backward(ctx, scaled));
+  }
 cleanup:
   nn_var_put(scaled);
   nn_var_put(l);
@@ -30,4 +34,16 @@ cleanup:
   tensor_free(&in_h);
   tensor_free(&tg_h);
   return st;
+}
+
+status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
+                          int64_t micro, double *loss) {
+  return run_batch(m, d, spec, step, micro, true, loss);
+}
+
+status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t b,
+                          double *loss) {
+  data_spec_t one = *spec;
+  one.grad_accum = 1;
+  return run_batch(m, d, &one, b, 0, false, loss);
 }

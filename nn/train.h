@@ -1,7 +1,8 @@
 /*
  * One training micro-step of the Llama: the batch of (step, micro) onto the model's device,
  * forward, mean token cross-entropy, backward of loss / grad_accum. Gradients accumulate into
- * the parameters (or, under fully_shard, are reduced by its hooks).
+ * the parameters (or, under fully_shard, are reduced by its hooks). And one evaluation batch:
+ * the same forward and loss without gradients.
  */
 #ifndef FSDPC_NN_TRAIN_H
 #define FSDPC_NN_TRAIN_H
@@ -16,6 +17,13 @@ extern "C" {
 /* *loss receives the mean loss over this rank's tokens of the micro-batch (unscaled). */
 status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
                           int64_t micro, double *loss);
+
+/* *loss receives the mean loss over this rank's tokens of evaluation batch b of d (the samples
+ * step b would train on with grad_accum 1): a forward that records nothing and computes no
+ * gradient. Under fully_shard each unit gathers and reshards as in training, the root keeps
+ * its parameters gathered as after a training forward (fsdp_reshard releases them). */
+status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t b,
+                          double *loss);
 
 #ifdef __cplusplus
 }

@@ -43,6 +43,7 @@ void plan_defaults(plan_t *p) {
   p->seq_len = 128;
   p->batch_size = 8;
   p->grad_accum = 1;
+  p->eval_batches = 8;
   p->steps = 100;
   p->comm_timeout_s = WORLD_DEFAULT_TIMEOUT_S;
   p->seed = 0;
@@ -142,6 +143,26 @@ static status_t read_optim(plan_ctx_t *c, int root) {
   return STATUS_OK;
 }
 
+/* SECTION.format into *out (and *given), when the section has it. */
+static status_t read_format(plan_ctx_t *c, int m, const char *section, data_format_t *out,
+                            bool *given) {
+  static const char *const names[] = {
+      [DATA_BYTES] = "text", [DATA_U16] = "u16", [DATA_U32] = "u32", [DATA_LLMC] = "llmc"};
+  int f = pr_find(c, m, "format");
+  if (pr_is_null(c, f)) return STATUS_OK;
+  char key[64];
+  snprintf(key, sizeof key, "%s.format", section);
+  const char *s;
+  TRY(pr_want_scalar(c, f, key, "text, u16, u32 or llmc", &s));
+  for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
+    if (strcmp(s, names[i]) == 0) {
+      *out = (data_format_t)i;
+      if (given) *given = true;
+      return STATUS_OK;
+    }
+  return pr_fail(c, f, key, "expected text, u16, u32 or llmc, got '%s'", s);
+}
+
 static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const sched_keys[] = {"warmup_steps", "min_lr_ratio", NULL};
   static const char *const data_keys[] = {"path",       "format",     "seq_len",
@@ -152,6 +173,7 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const ckpt_keys[] = {"dir",    "interval",    "keep", "load",
                                           "verify", "block_bytes", NULL};
   static const char *const log_keys[] = {"metrics", "interval", NULL};
+  static const char *const eval_keys[] = {"path", "format", "interval", "batches", NULL};
   plan_t *p = c->p;
   const int64_t big = (int64_t)1 << 40;
   int m;
@@ -161,24 +183,18 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   TRY(pr_section(c, root, "data", data_keys, &m));
   if (m) pr_where_of(c, m, &p->data_where);
   TRY(pr_get_path(c, m, "data", "path", p->data_path));
-  int f = pr_find(c, m, "format");
-  if (!pr_is_null(c, f)) {
-    const char *s;
-    TRY(pr_want_scalar(c, f, "data.format", "text, u16, u32 or llmc", &s));
-    if (strcmp(s, "text") == 0)
-      p->data_format = DATA_BYTES;
-    else if (strcmp(s, "u16") == 0)
-      p->data_format = DATA_U16;
-    else if (strcmp(s, "u32") == 0)
-      p->data_format = DATA_U32;
-    else if (strcmp(s, "llmc") == 0)
-      p->data_format = DATA_LLMC;
-    else
-      return pr_fail(c, f, "data.format", "expected text, u16, u32 or llmc, got '%s'", s);
-  }
+  TRY(read_format(c, m, "data", &p->data_format, NULL));
   TRY(pr_get_int(c, m, "data", "seq_len", 1, (int64_t)1 << 24, &p->seq_len));
   TRY(pr_get_int(c, m, "data", "batch_size", 1, (int64_t)1 << 24, &p->batch_size));
   TRY(pr_get_int(c, m, "data", "grad_accum", 1, (int64_t)1 << 20, &p->grad_accum));
+  TRY(pr_section(c, root, "eval", eval_keys, &m));
+  if (m) pr_where_of(c, m, &p->eval_where);
+  TRY(pr_get_path(c, m, "eval", "path", p->eval_path));
+  bool eval_format = false;
+  TRY(read_format(c, m, "eval", &p->eval_format, &eval_format));
+  if (!eval_format) p->eval_format = p->data_format;
+  TRY(pr_get_int(c, m, "eval", "interval", 0, big, &p->eval_interval));
+  TRY(pr_get_int(c, m, "eval", "batches", 1, (int64_t)1 << 20, &p->eval_batches));
   TRY(pr_section(c, root, "train", train_keys, &m));
   TRY(pr_get_int(c, m, "train", "steps", 1, big, &p->steps));
   int64_t seed = -1;
@@ -231,9 +247,10 @@ static status_t load(plan_t *p, const char *path, const char *const *sets, int n
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(p->source, path);
   strcpy(p->par.source, path);
-  plan_where_t *ws[] = {&p->par.mesh_where, &p->par.fsdp_where, &p->par.tp_where, &p->data_where,
-                        &p->ckpt_where};
-  for (int i = 0; i < 5; i++) snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
+  plan_where_t *ws[] = {&p->par.mesh_where, &p->par.fsdp_where, &p->par.tp_where,
+                        &p->data_where,     &p->eval_where,     &p->ckpt_where};
+  for (int i = 0; i < (int)(sizeof ws / sizeof ws[0]); i++)
+    snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   plan_ctx_t *c = calloc(1, sizeof *c);
   if (c == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
   c->p = p;
@@ -248,16 +265,16 @@ static status_t load(plan_t *p, const char *path, const char *const *sets, int n
   if (root == 0 || pr_is_null(c, root)) {
     st = err_set(STATUS_EFORMAT, "%s: the plan is empty (expected a mapping of sections: %s)", path,
                  parallel_only ? "mesh, parallelize"
-                               : "mesh, model, parallelize, optim, schedule, data, train, "
-                                 "checkpoint, log");
+                               : "mesh, model, parallelize, optim, schedule, data, eval, "
+                                 "train, checkpoint, log");
   } else if (pr_node(c, root)->type != YAML_MAPPING_NODE) {
     st = pr_fail(c, root, "(top level)", "expected a mapping of sections (mesh, %s...)",
                  parallel_only ? "parallelize" : "model, ");
   }
   c->set_base = (int)(c->doc.nodes.top - c->doc.nodes.start) + 1;
   for (int i = 0; i < n_sets && st == STATUS_OK; i++) st = pr_apply_set(c, root, sets[i]);
-  static const char *const top[] = {"mesh", "model", "parallelize", "optim", "schedule",
-                                    "data", "train", "checkpoint",  "log",   NULL};
+  static const char *const top[] = {"mesh", "model", "parallelize", "optim", "schedule", "data",
+                                    "eval", "train", "checkpoint",  "log",   NULL};
   static const char *const top_parallel[] = {"mesh", "parallelize", NULL};
   if (st == STATUS_OK) st = pr_check_keys(c, root, "", parallel_only ? top_parallel : top);
   if (st == STATUS_OK) st = pp_read_mesh(c, root);
@@ -290,6 +307,17 @@ status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *c
 
 /* ---- resolve ---- */
 
+/* A token file that exists and is a regular file, or a pattern (its files are checked when the
+ * stream is opened). */
+static status_t check_path(const char *path, const plan_where_t *where, const char *key) {
+  struct stat sb;
+  errno = 0;
+  if (strpbrk(path, "*?[") == NULL && (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)))
+    return err_set(STATUS_EIO, "%s: %s: cannot read '%s': %s", where->text, key, path,
+                   errno ? strerror(errno) : "not a regular file");
+  return STATUS_OK;
+}
+
 status_t plan_resolve(plan_t *p, int world) {
   TRY(parallel_plan_resolve(&p->par, world));
   if (p->par.tp > 1) {
@@ -316,12 +344,11 @@ status_t plan_resolve(plan_t *p, int world) {
   }
   if (p->data_path[0] == 0)
     return err_set(STATUS_EINVAL, "%s: data.path: missing (the token file to train on)", p->source);
-  struct stat sb;
-  errno = 0;
-  bool pattern = strpbrk(p->data_path, "*?[") != NULL; /* its files are checked when opened */
-  if (!pattern && (stat(p->data_path, &sb) != 0 || !S_ISREG(sb.st_mode)))
-    return err_set(STATUS_EIO, "%s: data.path: cannot read '%s': %s", p->data_where.text,
-                   p->data_path, errno ? strerror(errno) : "not a regular file");
+  TRY(check_path(p->data_path, &p->data_where, "data.path"));
+  if (p->eval_path[0]) TRY(check_path(p->eval_path, &p->eval_where, "eval.path"));
+  if (p->eval_interval > 0 && !p->eval_path[0])
+    return err_set(STATUS_EINVAL, "%s: eval.interval: %lld needs eval.path (the token file to "
+                   "evaluate on)", p->eval_where.text, (long long)p->eval_interval);
   if (p->seq_len > p->model.max_seq_len)
     return err_set(STATUS_EINVAL, "%s: data.seq_len: %lld exceeds model.max_seq_len=%lld",
                    p->data_where.text, (long long)p->seq_len, (long long)p->model.max_seq_len);

@@ -46,6 +46,12 @@ typedef struct plan {
   data_format_t data_format;
   int64_t seq_len, batch_size, grad_accum;
   plan_where_t data_where;
+  /* eval: the loss on held-out tokens, without gradients */
+  char eval_path[PLAN_PATH_MAX]; /* "": no evaluation */
+  data_format_t eval_format;     /* data_format unless given */
+  int64_t eval_interval;         /* after every that many steps (0: after the last only) */
+  int64_t eval_batches;          /* global micro-batches per evaluation */
+  plan_where_t eval_where;
   /* train */
   int64_t steps;
   uint64_t seed;

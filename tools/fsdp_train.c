@@ -88,34 +88,57 @@ static double now(void) {
 }
 
 
-/* The token file, checked against the model and the sample length (a dry run too: it must
- * refuse what the run would). Every rank reads its part of the file for the vocabulary check
- * (a rank reads 1/world of it) and all agree: one verdict and one message on every rank.
- * Collective over the world. */
-static status_t open_data(run_t *r) {
+/* A token stream (data.path or eval.path: key, at where), checked against the model and the
+ * sample length (a dry run too: it must refuse what the run would). Every rank reads its part
+ * of the stream for the vocabulary check (1/world of it) and all agree: one verdict and one
+ * message on every rank. Collective over the world. */
+static status_t open_tokens(const run_t *r, const char *path, data_format_t format,
+                            const plan_where_t *where, const char *key, data_t **out) {
   const plan_t *p = &r->plan;
   int64_t top = -1;
-  status_t st = data_open(&r->data, p->data_path, p->data_format);
-  if (st != STATUS_OK) st = err_prefix(st, "%s: data.path", p->data_where.text);
+  status_t st = data_open(out, path, format);
+  if (st != STATUS_OK) st = err_prefix(st, "%s: %s", where->text, key);
   if (st == STATUS_OK) {
-    __int128 n = data_num_tokens(r->data), k = world_rank(), w = world_size();
-    st = data_max_token(r->data, (int64_t)(n * k / w), (int64_t)(n * (k + 1) / w), &top);
+    __int128 n = data_num_tokens(*out), k = world_rank(), w = world_size();
+    st = data_max_token(*out, (int64_t)(n * k / w), (int64_t)(n * (k + 1) / w), &top);
   }
   TRY(pg_agree(world_pg(), st));
   TRY(pg_host_all_reduce(world_pg(), &top, &top, 1, PG_HOST_I64, REDUCE_MAX));
   if (top >= p->model.vocab_size)
-    return err_set(STATUS_EINVAL,
-                   "%s: data.path: token id %lld in '%s' is outside "
-                   "model.vocab_size=%lld",
-                   p->data_where.text, (long long)top, p->data_path,
-                   (long long)p->model.vocab_size);
+    return err_set(STATUS_EINVAL, "%s: %s: token id %lld in '%s' is outside model.vocab_size=%lld",
+                   where->text, key, (long long)top, path, (long long)p->model.vocab_size);
   int64_t need = p->seq_len + 1;
-  if (data_num_tokens(r->data) < need)
+  if (data_num_tokens(*out) < need)
     return err_set(STATUS_EINVAL,
-                   "%s: data.path: '%s' has %lld tokens, fewer than one sample "
-                   "of data.seq_len + 1 = %lld",
-                   p->data_where.text, p->data_path, (long long)data_num_tokens(r->data),
-                   (long long)need);
+                   "%s: %s: '%s' has %lld tokens, fewer than one sample of data.seq_len + 1 = "
+                   "%lld",
+                   where->text, key, path, (long long)data_num_tokens(*out), (long long)need);
+  return STATUS_OK;
+}
+
+static status_t open_data(run_t *r) {
+  const plan_t *p = &r->plan;
+  TRY(open_tokens(r, p->data_path, p->data_format, &p->data_where, "data.path", &r->data));
+  if (!p->eval_path[0]) return STATUS_OK;
+  return open_tokens(r, p->eval_path, p->eval_format, &p->eval_where, "eval.path", &r->eval);
+}
+
+/* The mean loss over eval.batches global batches of eval.path (the same batches every time),
+ * without gradients; then every unit's parameters are released (the root keeps them gathered
+ * after a forward, for the backward that would follow). Collective over the world. */
+static status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
+  double sum = 0, l = 0;
+  status_t st = STATUS_OK;
+  for (int64_t b = 0; b < r->plan.eval_batches && st == STATUS_OK; b++) {
+    st = llama_eval_batch(r->model, r->eval, spec, b, &l);
+    sum += l;
+  }
+  for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);
+  if (st != STATUS_OK) return world_stop(st); /* the others would wait in the forward */
+  double all = 0;
+  TRY(pg_host_all_reduce(world_pg(), &sum, &all, 1, PG_HOST_F64, REDUCE_SUM));
+  /* every rank's tokens count the same; the ranks of one tp group hold the same loss */
+  *loss = all / (double)world_size() / (double)r->plan.eval_batches;
   return STATUS_OK;
 }
 
@@ -300,7 +323,7 @@ static status_t train(run_t *r) {
   int64_t profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
   size_t peak_max = 0;
   status_t st = STATUS_OK;
-  bool agreed = false; /* st is a failure every rank met alike */
+  bool agreed = false;    /* st is a failure every rank met alike */
   train_counted_bytes(r); /* reset */
   for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK; s++) {
     double t0 = now(), loss = 0;
@@ -361,6 +384,15 @@ static status_t train(run_t *r) {
       if (lead) ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
       if (lead) printf("saved %s\n", dir);
     }
+    /* evaluation: after every eval.interval steps and after the last */
+    double eval_loss = 0;
+    bool eval_now = r->eval != NULL && ((p->eval_interval > 0 && (s + 1) % p->eval_interval == 0) ||
+                                        s + 1 == p->steps);
+    if (eval_now) {
+      st = evaluate(r, &spec, &eval_loss);
+      train_counted_bytes(r); /* its collectives are not the next step's */
+      if (st != STATUS_OK) break;
+    }
     last_loss = gl;
     tok_sum += tokens;
     if (mf) {
@@ -374,6 +406,7 @@ static status_t train(run_t *r) {
       cJSON_AddNumberToObject(o, "comm_bytes", comm);
       cJSON_AddNumberToObject(o, "state_bytes", (double)state);
       cJSON_AddNumberToObject(o, "step_time_s", dt);
+      if (eval_now) cJSON_AddNumberToObject(o, "eval_loss", eval_loss);
       char *line = cJSON_PrintUnformatted(o);
       if (line == NULL || fprintf(mf, "%s\n", line) < 0 || fflush(mf) != 0)
         bad = errno ? errno : EIO;
@@ -401,6 +434,10 @@ static status_t train(run_t *r) {
              "##############################", w - done, "", (long long)(s + 1),
              (long long)p->steps, gl, tps, eta);
     }
+    if (eval_now)
+      printf("%seval after step %lld: loss %.6f (perplexity %.2f) over %lld batches of %s\n",
+             tty && !show ? "\r\033[K" : "", (long long)(s + 1), eval_loss, exp(eval_loss),
+             (long long)p->eval_batches, p->eval_path);
     fflush(stdout);
   }
   /* a failure this rank may have met alone (memory, the data file, a device) stops the others
@@ -488,6 +525,7 @@ int main(int argc, char **argv) {
     parallel_free(r->par);
     llama_free(r->model);
     data_free(r->data);
+    data_free(r->eval);
     free(r);
   }
   world_finalize();

@@ -35,6 +35,7 @@ typedef struct run {
   int n;
   optim_t *opt;
   data_t *data;
+  data_t *eval; /* eval.path's tokens, or NULL */
   device_t dev;
   char device_note[320]; /* why train.device auto took the CPU beside CUDA devices, or "" */
   int dp_size, dp_rank;

@@ -125,8 +125,15 @@ void train_header(const run_t *r) {
       "  data: %s (%lld tokens%s), %lld samples x %lld tokens per rank, grad_accum %lld "
       "(global batch %lld samples); %lld step%s\n",
       p->data_path, (long long)data_num_tokens(r->data), files, (long long)p->batch_size,
-      (long long)p->seq_len, (long long)p->grad_accum,
-      (long long)train_global_batch(r), (long long)p->steps, p->steps == 1 ? "" : "s");
+      (long long)p->seq_len, (long long)p->grad_accum, (long long)train_global_batch(r),
+      (long long)p->steps, p->steps == 1 ? "" : "s");
+  if (r->eval != NULL) {
+    char every[64] = "";
+    if (p->eval_interval > 0)
+      snprintf(every, sizeof every, "every %lld steps and ", (long long)p->eval_interval);
+    printf("  eval: %s (%lld tokens), %lld global batches %safter the last step\n", p->eval_path,
+           (long long)data_num_tokens(r->eval), (long long)p->eval_batches, every);
+  }
   if (r->saved_batch > 0 && r->saved_batch != train_global_batch(r))
     fprintf(stderr,
             "fsdp-train: warning: %s was saved with a global batch of %lld samples, this run "

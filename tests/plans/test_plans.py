@@ -337,6 +337,58 @@ train:
 """
 
 
+def evaluation():
+    """eval.path: the loss on held-out tokens is the same under every plan, leaves training
+    bit-identical, and with frozen weights equals the mean of the training losses of the same
+    batches."""
+    tmp = mkdtemp()
+    data = os.path.join(ROOT, "data", "corpus.txt")
+    base = BASE.replace("{data}", data).replace("n_kv_heads: 1", "n_kv_heads: 2").replace(
+        "steps: 2", "steps: 7") + "eval:\n  path: %s\n  interval: 3\n  batches: 4\n" % data
+
+    def train(name, extra):
+        plan = os.path.join(tmp, "eval.yaml")
+        with open(plan, "w") as f:
+            f.write(base)
+        metrics = os.path.join(tmp, name + ".jsonl")
+        p, _ = run(2, [plan, "--metrics", metrics] + extra)
+        if p.returncode != 0:
+            print(p.stdout[-1500:], p.stderr[-1500:])
+            return None, None, ""
+        rows = losses(metrics)
+        return ([r["loss"] for r in rows], [(r["step"], r["eval_loss"]) for r in rows
+                                             if "eval_loss" in r], p.stdout)
+    fsdp, ev, out = train("fsdp", [])
+    check(ev is not None and [k for k, _ in ev] == [3, 6, 7] and
+          len(re.findall(r"eval after step \d+: loss \d\.\d{6} \(perplexity", out)) == 3,
+          "eval.interval 3 over 7 steps evaluates after steps 3, 6 and 7 (%s)" % ev)
+    plain, _, _ = train("plain", ["--set", "eval.path=", "--set", "eval.interval=0"])
+    check(fsdp is not None and fsdp == plain,
+          "training losses with evaluation are bit-identical to those without")
+    worst = 0.0
+    for name, extra in [("hsdp", ["--set", "mesh.dp_shard=1", "--set", "mesh.dp_replicate=2"]),
+                        ("tp", ["--set", "mesh.dp_shard=1", "--set", "mesh.tp=2", "--set",
+                                "data.batch_size=4"]),  # the tp ranks share one batch
+                        ("zero2", ["--set", "parallelize.fully_shard.reshard_after_forward=false"]),
+                        ("ac", ["--set", "train.activation_checkpointing=true"])]:
+        _, other, _ = train(name, extra)
+        if other is None or ev is None or len(other) != len(ev):
+            worst = float("inf")
+            continue
+        worst = max([worst] + [abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(other, ev)])
+    check(worst <= 1e-5, "HSDP, TP, reshard_after_forward false and activation checkpointing "
+          "give FSDP's evaluation losses within 1e-5 (worst %.2e)" % worst)
+    # with weights that cannot move, evaluation of the training file's first four batches is
+    # the mean of the first four training losses
+    frozen, fe, _ = train("frozen", ["--set", "optim.lr=1e-30", "--set", "train.steps=4",
+                                     "--set", "eval.interval=0"])
+    want = sum(frozen) / 4 if frozen else float("nan")
+    got = fe[-1][1] if fe else float("nan")
+    check(fe is not None and len(fe) == 1 and abs(got - want) <= 1e-6 * abs(want),
+          "frozen weights: the evaluation loss %.7f is the mean of the training losses %.7f" %
+          (got, want))
+
+
 def errors():
     tmp = mkdtemp()
     data = os.path.join(ROOT, "data", "corpus.txt")
@@ -425,6 +477,15 @@ def errors():
         ("a token past the vocabulary at the end of the file",
          base.replace(data, late).replace("  seq_len: 16", "  format: u16\n  seq_len: 16"), [],
          r"token id 300 in '.*late\.u16' is outside model\.vocab_size=256"),
+        ("eval.interval without eval.path", base + "eval:\n  interval: 5\n", [],
+         r"eval\.interval: 5 needs eval\.path"),
+        ("missing eval file", base + "eval:\n  path: /nonexistent/val.bin\n", [],
+         r"eval\.path: cannot read '/nonexistent/val\.bin'"),
+        ("eval tokens outside the vocabulary",
+         base + "eval:\n  path: %s\n  format: u16\n" % late, [],
+         r"eval\.path: token id 300 in '.*late\.u16' is outside model\.vocab_size=256"),
+        ("no eval batches", base + "eval:\n  path: %s\n  batches: 0\n" % data, [],
+         r"eval\.batches: 0 is out of range"),
         ("two sizes of -1", base.replace("dp_shard: -1", "dp_shard: -1\n  dp_replicate: -1"), [],
          r"mesh: at most one size may be -1"),
         ("sequence longer than the model's", base.replace("seq_len: 16", "seq_len: 128"), [],
@@ -2100,7 +2161,7 @@ def ckpt_damage():
                                          counts["other"]))
 
 
-{"configs": lambda: (configs(), pytorch(), plots(), converts()), "errors": errors, "dry-run": dry_run,
+{"configs": lambda: (configs(), pytorch(), plots(), converts(), evaluation()), "errors": errors, "dry-run": dry_run,
  "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": lambda: (ckpt_tool(), ckpt_any_model()),
  "ckpt-corrupt": ckpt_corrupt, "ckpt-damage": ckpt_damage}[MODE]()
 for d in TEMPS:
