@@ -10,24 +10,26 @@
 
 #include "base/file.h"
 
-enum { N_PANELS = 4 };
-static const char *const KEYS[N_PANELS] = {"loss", "lr", "grad_norm", "tokens_per_s"};
-static const char *const TITLES[N_PANELS] = {"loss", "learning rate", "gradient norm", "tokens/s"};
+enum { N_PANELS = 4, N_SERIES = 5, EVAL = 4 }; /* a series per panel, and the evaluations */
+static const char *const KEYS[N_SERIES] = {"loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"};
+static const char *const TITLES[N_PANELS] = {"loss (dots: evaluation)", "learning rate",
+                                             "gradient norm", "tokens/s"};
 static const char *const COLOURS[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
                                       "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
 enum { N_COLOURS = sizeof COLOURS / sizeof COLOURS[0] };
 
 typedef struct run {
   const char *name;
-  double *step, *v[N_PANELS]; /* NAN where a value is null or absent */
+  double *step, *v[N_SERIES]; /* NAN where a value is null or absent */
   int64_t n, cap;
 } run_t;
 
 static status_t push(run_t *r, double step, const double *v) {
   if (r->n == r->cap) {
     int64_t cap = r->cap ? 2 * r->cap : 256;
-    double *p[1 + N_PANELS] = {r->step, r->v[0], r->v[1], r->v[2], r->v[3]};
-    for (int k = 0; k < 1 + N_PANELS; k++) {
+    double *p[1 + N_SERIES] = {r->step};
+    for (int k = 0; k < N_SERIES; k++) p[1 + k] = r->v[k];
+    for (int k = 0; k < 1 + N_SERIES; k++) {
       double *q = realloc(p[k], sizeof(double) * (size_t)cap);
       if (q == NULL) return err_set(STATUS_ENOMEM, "fsdp-plot: out of host memory");
       p[k] = q;
@@ -39,7 +41,7 @@ static status_t push(run_t *r, double step, const double *v) {
     r->cap = cap;
   }
   r->step[r->n] = step;
-  for (int k = 0; k < N_PANELS; k++) r->v[k][r->n] = v[k];
+  for (int k = 0; k < N_SERIES; k++) r->v[k][r->n] = v[k];
   r->n++;
   return STATUS_OK;
 }
@@ -61,8 +63,8 @@ static status_t read_run(const char *path, run_t *r) {
     } else if (!cJSON_IsNumber(step)) {
       st = err_set(STATUS_EFORMAT, "%s:%d: no number 'step' (not a metrics file?)", path, line);
     } else {
-      double v[N_PANELS];
-      for (int k = 0; k < N_PANELS; k++) {
+      double v[N_SERIES];
+      for (int k = 0; k < N_SERIES; k++) {
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, KEYS[k]);
         v[k] = cJSON_IsNumber(it) && isfinite(it->valuedouble) ? it->valuedouble : NAN;
       }
@@ -94,15 +96,16 @@ static void xml_text(FILE *f, const char *s) {
 
 enum { PANEL_W = 480, PANEL_H = 300, LEFT = 72, RIGHT = 16, TOP = 28, BOTTOM = 40 };
 
+/* Panel k: series k as lines; the loss panel also has the evaluations, as dots. */
 static void panel(FILE *f, const run_t *runs, int n, int k, double ox, double oy) {
   double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
   for (int r = 0; r < n; r++)
     for (int64_t i = 0; i < runs[r].n; i++) {
       x0 = fmin(x0, runs[r].step[i]);
       x1 = fmax(x1, runs[r].step[i]);
-      if (isnan(runs[r].v[k][i])) continue;
-      y0 = fmin(y0, runs[r].v[k][i]);
-      y1 = fmax(y1, runs[r].v[k][i]);
+      double v[2] = {runs[r].v[k][i], k == 0 ? runs[r].v[EVAL][i] : NAN};
+      for (int j = 0; j < 2; j++)
+        if (!isnan(v[j])) y0 = fmin(y0, v[j]), y1 = fmax(y1, v[j]);
     }
   double w = PANEL_W - LEFT - RIGHT, h = PANEL_H - TOP - BOTTOM, px = ox + LEFT, py = oy + TOP;
   fprintf(f, "<g class=\"panel\" id=\"%s\">\n", KEYS[k]);
@@ -155,6 +158,13 @@ static void panel(FILE *f, const run_t *runs, int n, int k, double ox, double oy
       if (!have && open) fputs("\"/>\n", f);
       open = have;
     }
+    for (int64_t i = 0; k == 0 && i < runs[r].n; i++)
+      if (!isnan(runs[r].v[EVAL][i]))
+        fprintf(f,
+                "<circle class=\"eval%d\" cx=\"%.2f\" cy=\"%.2f\" r=\"4\" fill=\"white\" "
+                "stroke=\"%s\" stroke-width=\"2\"/>\n",
+                r, px + (runs[r].step[i] - x0) / (x1 - x0) * w,
+                py + h - (runs[r].v[EVAL][i] - y0) / (y1 - y0) * h, COLOURS[r % N_COLOURS]);
   }
   fputs("</g>\n", f);
 }
@@ -211,7 +221,7 @@ status_t plot_metrics(const char *const *paths, int n, const char *out) {
   if (st == STATUS_OK) st = write_svg(runs, n, out);
   for (int r = 0; r < n; r++) {
     free(runs[r].step);
-    for (int k = 0; k < N_PANELS; k++) free(runs[r].v[k]);
+    for (int k = 0; k < N_SERIES; k++) free(runs[r].v[k]);
   }
   free(runs);
   return st;

@@ -742,6 +742,8 @@ def plots():
     with open(b) as f:  # a step whose loss is null (non-finite) leaves a gap
         rows = [json.loads(l) for l in f]
     rows[3]["loss"] = None
+    rows[5]["eval_loss"] = rows[5]["loss"] - 0.5  # two evaluations, one below the run's losses
+    rows[7]["eval_loss"] = rows[7]["loss"]
     with open(b, "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
     out = os.path.join(tmp, "runs.svg")
@@ -775,6 +777,16 @@ def plots():
                        [::11]]
         check(last[1] > first[1], "the falling loss is drawn falling (y %.1f -> %.1f)"
               % (first[1], last[1]))
+        dots = [(float(c.get("cx")), float(c.get("cy"))) for g in root.iter(ns + "g")
+                if g.get("id") == "loss" for c in g.iter(ns + "circle")
+                if c.get("class") == "eval1"]
+        ys = [float(pt.split(",")[1]) for g in root.iter(ns + "g") if g.get("id") == "loss"
+              for pl in g.iter(ns + "polyline") if pl.get("class") == "run1"
+              for pt in pl.get("points").split()]
+        check(len(dots) == 2 and dots[0][0] < dots[1][0] and dots[0][1] > max(ys) and
+              [c for g in root.iter(ns + "g") if g.get("id") != "loss"
+               for c in g.iter(ns + "circle")] == [],
+              "evaluations are dots in the loss panel alone, inside its range (%s)" % dots)
     single = os.path.join(tmp, "a.svg")
     if os.path.exists(single):
         _, runs, legend = lines(single)
