@@ -347,8 +347,9 @@ status_t plan_resolve(plan_t *p, int world) {
   TRY(check_path(p->data_path, &p->data_where, "data.path"));
   if (p->eval_path[0]) TRY(check_path(p->eval_path, &p->eval_where, "eval.path"));
   if (p->eval_interval > 0 && !p->eval_path[0])
-    return err_set(STATUS_EINVAL, "%s: eval.interval: %lld needs eval.path (the token file to "
-                   "evaluate on)", p->eval_where.text, (long long)p->eval_interval);
+    return err_set(STATUS_EINVAL,
+                   "%s: eval.interval: %lld needs eval.path (the token file to evaluate on)",
+                   p->eval_where.text, (long long)p->eval_interval);
   if (p->seq_len > p->model.max_seq_len)
     return err_set(STATUS_EINVAL, "%s: data.seq_len: %lld exceeds model.max_seq_len=%lld",
                    p->data_where.text, (long long)p->seq_len, (long long)p->model.max_seq_len);

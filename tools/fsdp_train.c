@@ -189,9 +189,13 @@ static status_t build(run_t *r) {
   /* deferred: meta parameters, parallelised, then memory for this rank's shards only and
    * values from the init, the Hugging Face folder or the checkpoint; eager: whole
    * parameters initialised on every rank, then split */
-  TRY(llama_new(&r->model, &p->model, &lo));
+  st = llama_new(&r->model, &p->model, &lo);
+  if (st == STATUS_OK && !lo.deferred && !p->init_from[0])
+    st = llama_init_weights(r->model, p->model_seed);
+  /* memory may fail on one rank alone: every rank learns of it before parallel_apply's
+   * collectives */
+  TRY(pg_agree(world_pg(), st));
   nn_module_t *root = llama_module(r->model);
-  if (!lo.deferred && !p->init_from[0]) TRY(llama_init_weights(r->model, p->model_seed));
   TRY(parallel_apply(&r->par, root, &p->par, lo.device));
   r->mesh = parallel_mesh(r->par);
   r->dev = mesh_device(r->mesh);
