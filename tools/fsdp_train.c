@@ -87,7 +87,6 @@ static double now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-
 /* A token stream (data.path or eval.path: key, at where), checked against the model and the
  * sample length (a dry run too: it must refuse what the run would). Every rank reads its part
  * of the stream for the vocabulary check (1/world of it) and all agree: one verdict and one
