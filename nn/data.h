@@ -11,9 +11,13 @@
  * For step s, micro-step m of grad_accum, global micro-batch G = dp_size * batch_size,
  * sample j in [0, G) starts at
  *   ((s * grad_accum + m) * G + j) * seq_len  mod  (N - seq_len - 1);
- * its inputs are seq_len tokens from there and its targets the same shifted by one.
- * Data-parallel rank d takes samples [d * batch_size, (d + 1) * batch_size), so every plan
- * trains on the same global batch.
+ * its inputs are seq_len tokens from there and its targets the same shifted by one. With
+ * shuffle, the global sample index g = (s * grad_accum + m) * G + j instead picks a window of
+ * the stream's W = (N - 1) / seq_len windows of seq_len + 1 tokens that start every seq_len
+ * tokens: epoch e = g / W visits them all, window g mod W of it being the one a permutation
+ * drawn from (seed, e) puts there. Data-parallel rank d takes samples
+ * [d * batch_size, (d + 1) * batch_size), so every plan trains on the same global batch, and
+ * a resumed run on the same samples.
  *
  *   data_t *d;
  *   TRY(data_open(&d, "corpus.txt", DATA_BYTES));
@@ -24,6 +28,7 @@
 #ifndef FSDPC_NN_DATA_H
 #define FSDPC_NN_DATA_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "base/tensor.h"
@@ -42,6 +47,8 @@ typedef struct data_spec {
   int64_t grad_accum;
   int64_t dp_size;
   int64_t dp_rank;
+  bool shuffle;  /* the windows of each epoch in an order drawn from seed (see above) */
+  uint64_t seed; /* with shuffle */
 } data_spec_t;
 
 /* Opens the token file path, or every file the pattern path matches (when it has *, ? or [),

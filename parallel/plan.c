@@ -165,8 +165,8 @@ static status_t read_format(plan_ctx_t *c, int m, const char *section, data_form
 
 static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const sched_keys[] = {"warmup_steps", "min_lr_ratio", NULL};
-  static const char *const data_keys[] = {"path",       "format",     "seq_len",
-                                          "batch_size", "grad_accum", NULL};
+  static const char *const data_keys[] = {"path",       "format",  "seq_len", "batch_size",
+                                          "grad_accum", "shuffle", NULL};
   static const char *const train_keys[] = {"steps",         "seed",      "activation_checkpointing",
                                            "device",        "nonfinite", "comm_timeout_s",
                                            "deterministic", NULL};
@@ -187,6 +187,7 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   TRY(pr_get_int(c, m, "data", "seq_len", 1, (int64_t)1 << 24, &p->seq_len));
   TRY(pr_get_int(c, m, "data", "batch_size", 1, (int64_t)1 << 24, &p->batch_size));
   TRY(pr_get_int(c, m, "data", "grad_accum", 1, (int64_t)1 << 20, &p->grad_accum));
+  TRY(pr_get_bool(c, m, "data", "shuffle", &p->shuffle));
   TRY(pr_section(c, root, "eval", eval_keys, &m));
   if (m) pr_where_of(c, m, &p->eval_where);
   TRY(pr_get_path(c, m, "eval", "path", p->eval_path));

@@ -45,6 +45,7 @@ typedef struct plan {
   char data_path[PLAN_PATH_MAX];
   data_format_t data_format;
   int64_t seq_len, batch_size, grad_accum;
+  bool shuffle; /* each epoch's windows in an order drawn from train.seed */
   plan_where_t data_where;
   /* eval: the loss on held-out tokens, without gradients */
   char eval_path[PLAN_PATH_MAX]; /* "": no evaluation */
@@ -54,7 +55,7 @@ typedef struct plan {
   plan_where_t eval_where;
   /* train */
   int64_t steps;
-  uint64_t seed;
+  uint64_t seed; /* data.shuffle's order */
   bool activation_checkpointing;
   device_want_t device; /* auto (default), cpu or cuda */
   bool skip_nonfinite; /* a step with a non-finite loss or gradient norm: skipped, not fatal */

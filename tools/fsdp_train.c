@@ -301,7 +301,9 @@ static status_t train(run_t *r) {
                       .seq_len = p->seq_len,
                       .grad_accum = p->grad_accum,
                       .dp_size = r->dp_size,
-                      .dp_rank = r->dp_rank};
+                      .dp_rank = r->dp_rank,
+                      .shuffle = p->shuffle,
+                      .seed = p->seed};
   lr_schedule_t sched = {
       .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
   const char *mpath = r->args.metrics ? r->args.metrics : p->metrics;

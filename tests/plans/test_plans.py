@@ -389,6 +389,47 @@ def evaluation():
           (got, want))
 
 
+def shuffling():
+    """data.shuffle: plans agree on the shuffled order, the seed changes it, a resumed run
+    continues it bit for bit."""
+    tmp = mkdtemp()
+    data = os.path.join(ROOT, "data", "corpus.txt")
+    base = BASE.replace("{data}", data).replace("n_kv_heads: 1", "n_kv_heads: 2").replace(
+        "steps: 2", "steps: 6").replace("  batch_size: 2", "  batch_size: 2\n  shuffle: true")
+    plan = os.path.join(tmp, "shuffle.yaml")
+    with open(plan, "w") as f:
+        f.write(base)
+
+    def train(name, extra):
+        metrics = os.path.join(tmp, name + ".jsonl")
+        p, _ = run(2, [plan, "--metrics", metrics] + extra)
+        if p.returncode != 0:
+            print(p.stdout[-1500:], p.stderr[-1500:])
+            return None
+        return [r["loss"] for r in losses(metrics)]
+    fsdp = train("fsdp", [])
+    plain = train("plain", ["--set", "data.shuffle=false"])
+    seed = train("seed", ["--set", "train.seed=1"])
+    check(fsdp is not None and plain is not None and seed is not None and fsdp != plain and
+          fsdp != seed, "data.shuffle trains on another order than the plain one, and "
+          "train.seed changes it")
+    worst = 0.0
+    for name, extra in [("hsdp", ["--set", "mesh.dp_shard=1", "--set", "mesh.dp_replicate=2"]),
+                        ("tp", ["--set", "mesh.dp_shard=1", "--set", "mesh.tp=2", "--set",
+                                "data.batch_size=4"])]:
+        other = train(name, extra)
+        worst = max(worst, float("inf") if other is None or fsdp is None or
+                    len(other) != len(fsdp) else
+                    max(abs(a - b) / abs(b) for a, b in zip(other, fsdp)))
+    check(worst <= 1e-5, "HSDP and TP train FSDP's shuffled losses within 1e-5 (worst %.2e)"
+          % worst)
+    ck = os.path.join(tmp, "ck")
+    saved = train("saved", ["--set", "checkpoint.dir=" + ck, "--set", "checkpoint.interval=3"])
+    rest = train("rest", ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000003")])
+    check(saved == fsdp and rest is not None and rest[-3:] == fsdp[3:],
+          "a shuffled run resumed after step 3 trains steps 4-6 bit-identically")
+
+
 def errors():
     tmp = mkdtemp()
     data = os.path.join(ROOT, "data", "corpus.txt")
@@ -2173,7 +2214,7 @@ def ckpt_damage():
                                          counts["other"]))
 
 
-{"configs": lambda: (configs(), pytorch(), plots(), converts(), evaluation()), "errors": errors, "dry-run": dry_run,
+{"configs": lambda: (configs(), pytorch(), plots(), converts(), evaluation(), shuffling()), "errors": errors, "dry-run": dry_run,
  "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": lambda: (ckpt_tool(), ckpt_any_model()),
  "ckpt-corrupt": ckpt_corrupt, "ckpt-damage": ckpt_damage}[MODE]()
 for d in TEMPS:

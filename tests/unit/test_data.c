@@ -209,6 +209,84 @@ START_TEST(several_files_and_llmc_headers) {
 }
 END_TEST
 
+/* data.shuffle: every epoch visits each window once, in an order fixed by the seed and the
+ * epoch; the data-parallel ranks split the same global batch; starts stay whole windows. */
+START_TEST(shuffled_epochs) {
+  char path[256];
+  write_tokens(path, sizeof path, "shuffle.u16", 2, 1 + 7 * 8, 0, 1); /* 8 windows of 7 + 1 */
+  data_t *d;
+  ok(data_open(&d, path, DATA_U16));
+  data_spec_t g = {.batch_size = 4, .seq_len = 7, .grad_accum = 1, .dp_size = 1};
+  g.shuffle = true;
+  g.seed = 5;
+  int64_t first[8], orders_differ = 0;
+  for (int64_t e = 0; e < 3; e++) { /* three epochs of two steps of four */
+    int seen[8] = {0};
+    for (int64_t k = 0; k < 8; k++) {
+      int64_t s = data_sample_start(d, &g, (8 * e + k) / 4, 0, k % 4);
+      ck_assert_int_eq(s % 7, 0);
+      ck_assert(s >= 0 && s / 7 < 8);
+      seen[s / 7]++;
+      if (e == 0) first[k] = s;
+      orders_differ += e > 0 && s != first[k];
+    }
+    for (int w = 0; w < 8; w++) ck_assert_int_eq(seen[w], 1);
+  }
+  ck_assert(orders_differ > 0); /* the epochs are in different orders */
+  int same = 0, unshuffled = 0;
+  data_spec_t other = g;
+  other.seed = 6;
+  for (int64_t k = 0; k < 8; k++) {
+    same += data_sample_start(d, &other, k / 4, 0, k % 4) == first[k];
+    unshuffled += first[k] == 7 * k;
+  }
+  ck_assert(same < 8 && unshuffled < 8);
+  /* two data-parallel ranks of batch 2 read the global batch of four */
+  tensor_t all_in, all_tg;
+  ok(data_batch(d, &g, 1, 0, &all_in, &all_tg));
+  for (int r = 0; r < 2; r++) {
+    data_spec_t s = g;
+    s.batch_size = 2, s.dp_size = 2, s.dp_rank = r;
+    tensor_t in, tg;
+    ok(data_batch(d, &s, 1, 0, &in, &tg));
+    ck_assert_int_eq(memcmp(in.data, (int64_t *)all_in.data + r * 14, 14 * sizeof(int64_t)), 0);
+    ck_assert_int_eq(memcmp(tg.data, (int64_t *)all_tg.data + r * 14, 14 * sizeof(int64_t)), 0);
+    tensor_free(&in);
+    tensor_free(&tg);
+  }
+  for (int k = 0; k < 4; k++) /* the tokens are their positions: a window from its start */
+    for (int t = 0; t < 7; t++) {
+      int64_t s = data_sample_start(d, &g, 1, 0, k);
+      ck_assert_int_eq(((int64_t *)all_in.data)[k * 7 + t], s + t);
+      ck_assert_int_eq(((int64_t *)all_tg.data)[k * 7 + t], s + t + 1);
+    }
+  tensor_free(&all_in);
+  tensor_free(&all_tg);
+  data_free(d);
+  remove(path);
+  /* one window, and more: each epoch is a permutation of them all */
+  const int sizes[] = {1, 3, 17, 1000, 4097};
+  for (int i = 0; i < 5; i++) {
+    int n = sizes[i];
+    write_tokens(path, sizeof path, "windows.txt", 1, 1 + 5 * n, 0, 1);
+    ok(data_open(&d, path, DATA_BYTES));
+    data_spec_t one = {.batch_size = 1, .seq_len = 5, .grad_accum = 1, .dp_size = 1};
+    one.shuffle = true;
+    one.seed = 11;
+    int *seen = calloc((size_t)n, sizeof *seen);
+    for (int64_t step = n; step < 2 * n; step++) { /* the second epoch */
+      int64_t s = data_sample_start(d, &one, step, 0, 0);
+      ck_assert(s % 5 == 0 && s >= 0 && s / 5 < n);
+      seen[s / 5]++;
+    }
+    for (int w = 0; w < n; w++) ck_assert_int_eq(seen[w], 1);
+    free(seen);
+    data_free(d);
+    remove(path);
+  }
+}
+END_TEST
+
 /* A 6 GiB token file (sparse: it takes no disk) is opened and read without being loaded: a
  * batch at its far end reads what was written there, and the process grows by far less than
  * the file. A file that shrinks under an open reader gives an error naming it. */
@@ -261,6 +339,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, data_order_and_dp_split);
   tcase_add_test(tc, u32_tokens_and_ranges);
   tcase_add_test(tc, several_files_and_llmc_headers);
+  tcase_add_test(tc, shuffled_epochs);
   tcase_add_test(tc, files_are_read_where_needed);
   suite_add_tcase(s, tc);
   return s;
