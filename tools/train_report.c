@@ -133,6 +133,11 @@ void train_header(const run_t *r) {
       snprintf(every, sizeof every, "every %lld steps and ", (long long)p->eval_interval);
     printf("  eval: %s (%lld tokens), %lld global batches %safter the last step\n", p->eval_path,
            (long long)data_num_tokens(r->eval), (long long)p->eval_batches, every);
+    double reads =
+        (double)p->eval_batches * (double)(p->batch_size * r->dp_size) * (double)p->seq_len;
+    if (reads > (double)data_num_tokens(r->eval))
+      printf("  eval: note: its batches read %.0f tokens, more than it holds: samples repeat\n",
+             reads);
   }
   if (r->saved_batch > 0 && r->saved_batch != train_global_batch(r))
     fprintf(stderr,
