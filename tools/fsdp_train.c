@@ -158,6 +158,12 @@ static int64_t saved_global_batch(const char *dir) {
   return n;
 }
 
+/* Rank 0's line for an evaluation after step (prefix: to clear a progress bar). */
+static void eval_line(const run_t *r, int64_t step, double loss, const char *prefix) {
+  printf("%seval after step %lld: loss %.6f (perplexity %.2f) over %lld batches of %s\n", prefix,
+         (long long)step, loss, exp(loss), (long long)r->plan.eval_batches, r->plan.eval_path);
+}
+
 /* The device, the data, the model with its plan applied (only a meta model for a dry run),
  * its values and the optimizer, or the checkpoint to resume. Collective over the world. */
 static status_t build(run_t *r) {
@@ -316,6 +322,9 @@ static status_t train(run_t *r) {
     if (lead)
       printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
              (long long)r->start_step, (long long)p->steps);
+    double eval_loss; /* a checkpoint's evaluation: resume it with train.steps at its step */
+    if (r->eval != NULL) TRY(evaluate(r, &spec, &eval_loss));
+    if (r->eval != NULL && lead) eval_line(r, r->start_step, eval_loss, "");
     return STATUS_OK;
   }
   int bad = 0;
@@ -439,10 +448,7 @@ static status_t train(run_t *r) {
              "##############################", w - done, "", (long long)(s + 1),
              (long long)p->steps, gl, tps, eta);
     }
-    if (eval_now)
-      printf("%seval after step %lld: loss %.6f (perplexity %.2f) over %lld batches of %s\n",
-             tty && !show ? "\r\033[K" : "", (long long)(s + 1), eval_loss, exp(eval_loss),
-             (long long)p->eval_batches, p->eval_path);
+    if (eval_now) eval_line(r, s + 1, eval_loss, tty && !show ? "\r\033[K" : "");
     fflush(stdout);
   }
   /* a failure this rank may have met alone (memory, the data file, a device) stops the others

@@ -358,10 +358,18 @@ def evaluation():
         rows = losses(metrics)
         return ([r["loss"] for r in rows], [(r["step"], r["eval_loss"]) for r in rows
                                              if "eval_loss" in r], p.stdout)
-    fsdp, ev, out = train("fsdp", [])
+    ck = os.path.join(tmp, "ck")
+    fsdp, ev, out = train("fsdp", ["--set", "checkpoint.dir=" + ck, "--set",
+                                   "checkpoint.interval=7"])
     check(ev is not None and [k for k, _ in ev] == [3, 6, 7] and
           len(re.findall(r"eval after step \d+: loss \d\.\d{6} \(perplexity", out)) == 3,
           "eval.interval 3 over 7 steps evaluates after steps 3, 6 and 7 (%s)" % ev)
+    # a checkpoint evaluated: resumed with nothing left to train
+    plan = os.path.join(tmp, "eval.yaml")
+    p, _ = run(2, [plan, "--set", "checkpoint.load=" + os.path.join(ck, "step-00000007")])
+    want = "eval after step 7: loss %.6f" % ev[-1][1] if ev else "?"
+    check(p.returncode == 0 and "nothing to train" in p.stdout and want in p.stdout,
+          "a checkpoint resumed with nothing to train is evaluated: '%s'" % want)
     plain, _, _ = train("plain", ["--set", "eval.path=", "--set", "eval.interval=0"])
     check(fsdp is not None and fsdp == plain,
           "training losses with evaluation are bit-identical to those without")
