@@ -176,3 +176,16 @@ void dtype_from_f32(dtype_t dt, const float *src, void *dst, size_t n) {
       for (size_t i = 0; i < n; i++) dtype_store(dt, dst, i, src[i]);
   }
 }
+
+void dtype_round_f32(dtype_t dt, float *x, size_t n) {
+  switch (dt) {
+    case DTYPE_BF16:
+#pragma omp simd
+      for (size_t i = 0; i < n; i++) x[i] = bits_f32((uint32_t)bf16_of_bits(f32_bits(x[i])) << 16);
+      break;
+    case DTYPE_F16:
+      for (size_t i = 0; i < n; i++) x[i] = f16_to_f32(f32_to_f16(x[i]));
+      break;
+    default: break;
+  }
+}

@@ -58,6 +58,9 @@ void dtype_store(dtype_t dt, void *buf, size_t i, double v);
  * written as type dt (rounded as dtype_store does): typed loops, vectorised for bf16. */
 void dtype_to_f32(dtype_t dt, const void *src, float *dst, size_t n);
 void dtype_from_f32(dtype_t dt, const float *src, void *dst, size_t n);
+/* x[i] = x[i] stored as type dt and loaded again, for i < n (float dtypes; f32: unchanged):
+ * vectorised for bf16. */
+void dtype_round_f32(dtype_t dt, float *x, size_t n);
 
 #ifdef __cplusplus
 }

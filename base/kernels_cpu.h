@@ -67,15 +67,6 @@ void cpu_fbuf_release(fbuf_t *b);
 /* Stores an output buffer back into t (rounding once) and releases it. */
 void cpu_fbuf_commit(fbuf_t *b, tensor_t *t);
 
-/* Value of x rounded to dtype dt, as float. */
-static inline float round_to(dtype_t dt, float x) {
-  switch (dt) {
-    case DTYPE_BF16: return bf16_to_f32(f32_to_bf16(x));
-    case DTYPE_F16: return f16_to_f32(f32_to_f16(x));
-    default: return x;
-  }
-}
-
 /* Element i of t's buffer. */
 static inline void *elem_at(const tensor_t *t, int64_t i) {
   return (char *)t->data + (size_t)i * dtype_size(t->dtype);

@@ -48,7 +48,11 @@ WIDE static void silu_mul_share(const void *ctx, int t, int64_t i0, int64_t i1) 
     float g[TILE], u[TILE], o[TILE];
     dtype_to_f32(e->a->dtype, elem_at(e->a, k), g, m);
     dtype_to_f32(e->b->dtype, elem_at(e->b, k), u, m);
-    for (size_t i = 0; i < m; i++) o[i] = round_to(e->o->dtype, g[i] * silu_sig(g[i])) * u[i];
+#pragma omp simd
+    for (size_t i = 0; i < m; i++) o[i] = g[i] * silu_sig(g[i]);
+    dtype_round_f32(e->o->dtype, o, m); /* silu's value in the output dtype, as torch's */
+#pragma omp simd
+    for (size_t i = 0; i < m; i++) o[i] *= u[i];
     dtype_from_f32(e->o->dtype, o, elem_at(e->o, k), m);
   }
 }
@@ -80,6 +84,7 @@ WIDE static void silu_mul_backward_share(const void *ctx, int t, int64_t i0, int
     dtype_to_f32(e->a->dtype, elem_at(e->a, k), dy, m);
     dtype_to_f32(e->b->dtype, elem_at(e->b, k), g, m);
     dtype_to_f32(e->c->dtype, elem_at(e->c, k), u, m);
+#pragma omp simd
     for (size_t i = 0; i < m; i++) {
       float s = silu_sig(g[i]);
       du[i] = dy[i] * (g[i] * s);

@@ -28,8 +28,12 @@ static void rmsnorm_share(const void *ctx, int t, int64_t i0, int64_t i1) {
     if (a->dt == DTYPE_F32) {
 #pragma omp simd
       for (int64_t j = 0; j < D; j++) oi[j] = w[j] * (xi[j] * ri);
-    } else {
-      for (int64_t j = 0; j < D; j++) oi[j] = w[j] * round_to(a->dt, xi[j] * ri);
+    } else { /* the normalised row rounded to the dtype, then scaled */
+#pragma omp simd
+      for (int64_t j = 0; j < D; j++) oi[j] = xi[j] * ri;
+      dtype_round_f32(a->dt, oi, (size_t)D);
+#pragma omp simd
+      for (int64_t j = 0; j < D; j++) oi[j] *= w[j];
     }
   }
 }

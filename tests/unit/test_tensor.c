@@ -222,6 +222,35 @@ START_TEST(tensor_copy_casts_rows_like_dtype_store) {
 }
 END_TEST
 
+/* dtype_round_f32 gives what storing each value in the dtype and loading it gives (specials,
+ * ties, subnormals and random bits; more than a vector's worth). */
+START_TEST(dtype_round_f32_is_store_then_load) {
+  static const uint32_t special[] = {0x7fc00000u, 0x7f800001u, 0xff800000u, 0x7f800000u,
+                                     0x00000001u, 0x80400000u, 0x3f808000u, 0x3f818000u,
+                                     0x477ff000u, 0xc77fefffu, 0x33800000u, 0x387fe000u};
+  enum { N = 1000 };
+  static const dtype_t dts[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16};
+  test_rng_t rng = {5};
+  uint32_t bits[N];
+  for (int i = 0; i < N; i++) bits[i] = i < 12 ? special[i] : (uint32_t)test_rng_next(&rng);
+  int bad = 0;
+  for (int d = 0; d < 3; d++) {
+    float x[N];
+    memcpy(x, bits, sizeof x);
+    dtype_round_f32(dts[d], x, N);
+    for (int i = 0; i < N; i++) {
+      float v;
+      memcpy(&v, &bits[i], sizeof v);
+      char stored[4];
+      dtype_store(dts[d], stored, 0, v);
+      float want = (float)dtype_load(dts[d], stored, 0);
+      bad += memcmp(&want, &x[i], sizeof want) != 0 && !(want != want && x[i] != x[i]);
+    }
+  }
+  ck_assert_msg(bad == 0, "%d values differ from a store and a load", bad);
+}
+END_TEST
+
 /* kernel_adamw_many: checks every item before updating any (naming the failing one), then
  * gives each item kernel_adamw's bits. */
 START_TEST(kernel_adamw_many_checks_all_then_updates_each) {
@@ -378,6 +407,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_copy_into_strided_destination);
   tcase_add_test(tc, tensor_copy_casts_with_rounding);
   tcase_add_test(tc, tensor_copy_casts_rows_like_dtype_store);
+  tcase_add_test(tc, dtype_round_f32_is_store_then_load);
   tcase_add_test(tc, kernel_adamw_many_checks_all_then_updates_each);
   tcase_add_test(tc, tensor_fill_strided_view);
   tcase_add_test(tc, tensor_equal_compares_bits);
