@@ -337,6 +337,15 @@ train:
 """
 
 
+def metrics_of(plan, metrics, extra):
+    """fsdp-train of plan on 2 ranks: its metrics rows and stdout, or None (said) on failure."""
+    p, _ = run(2, [plan, "--metrics", metrics] + extra)
+    if p.returncode != 0:
+        print(p.stdout[-1500:], p.stderr[-1500:])
+        return None, p.stdout
+    return losses(metrics), p.stdout
+
+
 def evaluation():
     """eval.path: the loss on held-out tokens is the same under every plan, leaves training
     bit-identical, and with frozen weights equals the mean of the training losses of the same
@@ -346,18 +355,16 @@ def evaluation():
     base = BASE.replace("{data}", data).replace("n_kv_heads: 1", "n_kv_heads: 2").replace(
         "steps: 2", "steps: 7") + "eval:\n  path: %s\n  interval: 3\n  batches: 4\n" % data
 
+    plan = os.path.join(tmp, "eval.yaml")
+    with open(plan, "w") as f:
+        f.write(base)
+
     def train(name, extra):
-        plan = os.path.join(tmp, "eval.yaml")
-        with open(plan, "w") as f:
-            f.write(base)
-        metrics = os.path.join(tmp, name + ".jsonl")
-        p, _ = run(2, [plan, "--metrics", metrics] + extra)
-        if p.returncode != 0:
-            print(p.stdout[-1500:], p.stderr[-1500:])
+        rows, out = metrics_of(plan, os.path.join(tmp, name + ".jsonl"), extra)
+        if rows is None:
             return None, None, ""
-        rows = losses(metrics)
         return ([r["loss"] for r in rows], [(r["step"], r["eval_loss"]) for r in rows
-                                             if "eval_loss" in r], p.stdout)
+                                             if "eval_loss" in r], out)
     ck = os.path.join(tmp, "ck")
     fsdp, ev, out = train("fsdp", ["--set", "checkpoint.dir=" + ck, "--set",
                                    "checkpoint.interval=7"])
@@ -365,7 +372,6 @@ def evaluation():
           len(re.findall(r"eval after step \d+: loss \d\.\d{6} \(perplexity", out)) == 3,
           "eval.interval 3 over 7 steps evaluates after steps 3, 6 and 7 (%s)" % ev)
     # a checkpoint evaluated: resumed with nothing left to train
-    plan = os.path.join(tmp, "eval.yaml")
     p, _ = run(2, [plan, "--set", "checkpoint.load=" + os.path.join(ck, "step-00000007")])
     want = "eval after step 7: loss %.6f" % ev[-1][1] if ev else "?"
     check(p.returncode == 0 and "nothing to train" in p.stdout and want in p.stdout,
@@ -409,12 +415,8 @@ def shuffling():
         f.write(base)
 
     def train(name, extra):
-        metrics = os.path.join(tmp, name + ".jsonl")
-        p, _ = run(2, [plan, "--metrics", metrics] + extra)
-        if p.returncode != 0:
-            print(p.stdout[-1500:], p.stderr[-1500:])
-            return None
-        return [r["loss"] for r in losses(metrics)]
+        rows, _ = metrics_of(plan, os.path.join(tmp, name + ".jsonl"), extra)
+        return None if rows is None else [r["loss"] for r in rows]
     fsdp = train("fsdp", [])
     plain = train("plain", ["--set", "data.shuffle=false"])
     seed = train("seed", ["--set", "train.seed=1"])
