@@ -317,6 +317,7 @@ int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step
   int64_t G = spec->dp_size * spec->batch_size;
   /* in 128 bits, so that long runs cannot overflow the product */
   __int128 g = (__int128)(step * spec->grad_accum + micro) * G + j;
+  if (d->n < spec->seq_len + 2) return 0; /* no whole sample: data_batch says so */
   if (spec->shuffle) { /* windows of seq_len + 1 tokens every seq_len, each epoch in its order */
     int64_t windows = (d->n - 1) / spec->seq_len, epoch = (int64_t)(g / windows);
     uint64_t key = mix64(spec->seed ^ mix64((uint64_t)epoch));

@@ -64,7 +64,8 @@ int data_num_files(const data_t *d);
  * a part of the file. */
 status_t data_max_token(const data_t *d, int64_t begin, int64_t end, int64_t *max);
 
-/* Start of sample j of micro-step m of step s (global sample index; see above). */
+/* Start of sample j of micro-step m of step s (global sample index; see above); 0 when the
+ * stream cannot hold one sample (data_batch refuses it). */
 int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
                           int64_t j);
 

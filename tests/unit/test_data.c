@@ -264,6 +264,17 @@ START_TEST(shuffled_epochs) {
   tensor_free(&all_tg);
   data_free(d);
   remove(path);
+  /* a stream too short for one sample: no start (and no division by zero), refused batches */
+  write_tokens(path, sizeof path, "short.txt", 1, 8, 0, 1);
+  ok(data_open(&d, path, DATA_BYTES));
+  for (int k = 0; k < 2; k++) {
+    data_spec_t s = g;
+    s.shuffle = k == 1;
+    ck_assert_int_eq(data_sample_start(d, &s, 3, 0, 1), 0);
+    ck_assert_int_eq(data_batch(d, &s, 3, 0, &all_in, &all_tg), STATUS_EINVAL);
+  }
+  data_free(d);
+  remove(path);
   /* one window, and more: each epoch is a permutation of them all */
   const int sizes[] = {1, 3, 17, 1000, 4097};
   for (int i = 0; i < 5; i++) {
