@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "base/file.h"
+#include "base/mix.h"
 
 /* One file of the stream: tokens [first, first + n) of it, at byte base of the file. */
 typedef struct dfile {
@@ -284,14 +285,6 @@ status_t data_max_token(const data_t *d, int64_t begin, int64_t end, int64_t *ma
   return st;
 }
 
-/* splitmix64's finaliser: a bijection of 64-bit words that mixes every bit into every bit. */
-static uint64_t mix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 /* x's place in a permutation of [0, n) chosen by key: four Feistel rounds on the smallest
  * domain of 4^h >= n elements (a bijection of it), repeated until the value falls in [0, n)
  * (which keeps it a bijection of [0, n); the domain is under 4 n, so under four tries are
@@ -303,7 +296,7 @@ static int64_t permute(int64_t x, int64_t n, uint64_t key) {
   do {
     uint64_t l = v >> h, r = v & mask;
     for (uint64_t round = 0; round < 4; round++) {
-      uint64_t t = l ^ (mix64(key ^ (round << 60) ^ r) & mask);
+      uint64_t t = l ^ (splitmix64(key ^ (round << 60) ^ r) & mask);
       l = r;
       r = t;
     }
@@ -320,7 +313,7 @@ int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step
   if (d->n < spec->seq_len + 2) return 0; /* no whole sample: data_batch says so */
   if (spec->shuffle) { /* windows of seq_len + 1 tokens every seq_len, each epoch in its order */
     int64_t windows = (d->n - 1) / spec->seq_len, epoch = (int64_t)(g / windows);
-    uint64_t key = mix64(spec->seed ^ mix64((uint64_t)epoch));
+    uint64_t key = splitmix64(spec->seed ^ splitmix64((uint64_t)epoch));
     return permute((int64_t)(g % windows), windows, key) * spec->seq_len;
   }
   int64_t span = d->n - spec->seq_len - 1;

@@ -3,12 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-/* SplitMix64's finaliser: a bijective 64-bit mix. */
-static uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+#include "base/mix.h"
 
 static uint64_t name_key(uint64_t seed, const char *name) {
   uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
