@@ -126,6 +126,8 @@ static int glob_skip(const char *path, int err) {
   return 0;
 }
 
+bool data_is_pattern(const char *path) { return strpbrk(path, "*?[") != NULL; }
+
 status_t data_open(data_t **out, const char *path, data_format_t format) {
   *out = NULL;
   int width = width_of(format);
@@ -135,7 +137,7 @@ status_t data_open(data_t **out, const char *path, data_format_t format) {
   const char *one[1] = {path};
   char *const *paths = (char *const *)one;
   size_t n = 1;
-  if (strpbrk(path, "*?[") != NULL) { /* a pattern: its matches in sorted order */
+  if (data_is_pattern(path)) { /* its matches in sorted order */
     int rc = glob(path, 0, glob_skip, &g);
     if (rc != 0) {
       globfree(&g);

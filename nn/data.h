@@ -55,6 +55,8 @@ typedef struct data_spec {
  * reading only llm.c's headers; they stay open until data_free. Each must be a regular file of
  * a whole number of tokens (llm.c's: as many as its header says). Errors name the file. */
 status_t data_open(data_t **out, const char *path, data_format_t format);
+/* Whether data_open takes path as a pattern (it has *, ? or [). */
+bool data_is_pattern(const char *path);
 void data_free(data_t *d);
 
 int64_t data_num_tokens(const data_t *d);

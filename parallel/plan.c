@@ -313,7 +313,7 @@ status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *c
 static status_t check_path(const char *path, const plan_where_t *where, const char *key) {
   struct stat sb;
   errno = 0;
-  if (strpbrk(path, "*?[") == NULL && (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)))
+  if (!data_is_pattern(path) && (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)))
     return err_set(STATUS_EIO, "%s: %s: cannot read '%s': %s", where->text, key, path,
                    errno ? strerror(errno) : "not a regular file");
   return STATUS_OK;
