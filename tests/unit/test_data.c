@@ -18,16 +18,27 @@ static void ok(status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
-/* A file of the n tokens v(i) = base + step * i, little-endian of width w; its path in path. */
-static void write_tokens(char *path, size_t size, const char *tag, int w, int n, unsigned base,
-                         unsigned step) {
+/* A new file of this process named by tag (its path into path), open for writing. */
+static FILE *new_file(char *path, size_t size, const char *tag) {
   snprintf(path, size, "/tmp/fsdpc_test_%d_%s", (int)getpid(), tag);
   FILE *fp = fopen(path, "wb");
   ck_assert_ptr_nonnull(fp);
+  return fp;
+}
+
+/* The n tokens v(i) = base + step * i, little-endian of width w. */
+static void put_tokens(FILE *fp, int w, int n, unsigned base, unsigned step) {
   for (int i = 0; i < n; i++) {
     unsigned v = base + step * (unsigned)i;
     for (int b = 0; b < w; b++) fputc((int)((v >> (8 * b)) & 0xff), fp);
   }
+}
+
+/* A file of the n tokens v(i) = base + step * i, little-endian of width w; its path in path. */
+static void write_tokens(char *path, size_t size, const char *tag, int w, int n, unsigned base,
+                         unsigned step) {
+  FILE *fp = new_file(path, size, tag);
+  put_tokens(fp, w, n, base, step);
   fclose(fp);
 }
 
@@ -67,14 +78,7 @@ START_TEST(data_order_and_dp_split) {
   ck_assert_int_eq(data_open(&d, "/nonexistent/tokens.bin", DATA_U16), STATUS_EIO);
   /* uint16 tokens, little-endian */
   char path[256];
-  snprintf(path, sizeof path, "/tmp/fsdpc_test_%d_tokens.bin", (int)getpid());
-  FILE *fp = fopen(path, "wb");
-  for (int i = 0; i < 40; i++) {
-    unsigned v = 1000u + 517u * (unsigned)i;
-    fputc((int)(v & 0xff), fp);
-    fputc((int)(v >> 8), fp);
-  }
-  fclose(fp);
+  write_tokens(path, sizeof path, "tokens.bin", 2, 40, 1000, 517);
   ok(data_open(&d, path, DATA_U16));
   ck_assert_int_eq(data_num_tokens(d), 40);
   int64_t top;
@@ -87,7 +91,7 @@ START_TEST(data_order_and_dp_split) {
   tensor_free(&gi);
   tensor_free(&gt);
   data_free(d);
-  fp = fopen(path, "ab");
+  FILE *fp = fopen(path, "ab");
   fputc(1, fp); /* an odd byte count is not a uint16 file */
   fclose(fp);
   ck_assert_int_eq(data_open(&d, path, DATA_U16), STATUS_EFORMAT);
@@ -140,16 +144,10 @@ END_TEST
  * 1024-byte header (count_shift added to the count: a header that lies), then the tokens. */
 static void write_llmc(char *path, size_t size, const char *tag, int w, int n, unsigned base,
                        unsigned step, int count_shift) {
-  snprintf(path, size, "/tmp/fsdpc_test_%d_%s", (int)getpid(), tag);
-  FILE *fp = fopen(path, "wb");
-  ck_assert_ptr_nonnull(fp);
+  FILE *fp = new_file(path, size, tag);
   int32_t h[256] = {w == 2 ? 20240520 : 20240801, w == 2 ? 1 : 7, n + count_shift};
-  for (int i = 0; i < 256; i++)
-    for (int b = 0; b < 4; b++) fputc((int)(((uint32_t)h[i] >> (8 * b)) & 0xff), fp);
-  for (int i = 0; i < n; i++) {
-    unsigned v = base + step * (unsigned)i;
-    for (int b = 0; b < w; b++) fputc((int)((v >> (8 * b)) & 0xff), fp);
-  }
+  for (int i = 0; i < 256; i++) put_tokens(fp, 4, 1, (unsigned)h[i], 0);
+  put_tokens(fp, w, n, base, step);
   fclose(fp);
 }
 
@@ -303,9 +301,7 @@ END_TEST
  * the file. A file that shrinks under an open reader gives an error naming it. */
 START_TEST(files_are_read_where_needed) {
   char path[256];
-  snprintf(path, sizeof path, "/tmp/fsdpc_test_%d_big.u16", (int)getpid());
-  FILE *fp = fopen(path, "wb");
-  ck_assert_ptr_nonnull(fp);
+  FILE *fp = new_file(path, sizeof path, "big.u16");
   const int64_t bytes = (int64_t)6 << 30, n = bytes / 2;
   ck_assert_int_eq(ftruncate(fileno(fp), (off_t)bytes), 0);
   data_spec_t u = {.batch_size = 1, .seq_len = 4, .grad_accum = 1, .dp_size = 1};
