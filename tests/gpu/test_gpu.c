@@ -3,13 +3,21 @@
  * poisoned first, sizes that are not multiples of the block size), NCCL groups against
  * closed-form results, and DTensor redistribution on device memory. Exits 77 (skip) when no
  * CUDA device is present. Runs at any world size as long as each rank has its own GPU.
+ * test_gpu abort: a wait for device work behind an NCCL collective that never completes ends
+ * by the watchdog, which aborts the communicator (it stops the job, so it runs alone).
  */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "dtensor/dtensor.h"
 #include "tests/harness.h"
+#ifdef FSDPC_TEST_CUDA
+#include <cuda_runtime.h>
+cudaStream_t cuda_stream_raw(stream_t *s); /* base/cuda_backend.cu */
+#endif
 
 static device_t gpu(void) { return world_device(); }
 
@@ -242,10 +250,72 @@ START_TEST(dtensor_redistribute_on_device) {
 }
 END_TEST
 
+#ifdef FSDPC_TEST_CUDA
+static atomic_int holding;
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Runs on the stream and holds it until holding is cleared, 10 s at most (so that a failed
+ * assertion cannot leave the process unable to end): device work that does not complete. */
+static void CUDART_CB hold_stream(void *arg) {
+  (void)arg;
+  struct timespec nap = {0, 1000000};
+  double end = now_s() + 10;
+  while (atomic_load(&holding) && now_s() < end) nanosleep(&nap, NULL);
+}
+
+/* Device work queued behind an NCCL collective never completes: the host's wait for it polls,
+ * the watchdog stops the job and aborts the communicator without waiting for that work, and
+ * the group then refuses new work by name. (A stand-in for a peer that never joins, which one
+ * GPU cannot have; the CPU twin is test_device_wait. The stream is held after the collective:
+ * held before it, NCCL's enqueue or its abort waits for the held stream and the process hangs,
+ * as seen with NCCL 2.28 on an H200; a missing peer cannot hold the caller's stream.) */
+START_TEST(nccl_abort_ends_a_stuck_wait) {
+  mesh_t *mesh = NULL;
+  ck_assert_int_eq(mesh_init(&mesh, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA),
+                   STATUS_OK);
+  pg_t *pg = mesh_group(mesh, 0);
+  ck_assert_str_eq(pg_backend_name(pg), "nccl");
+  int64_t n = 1001;
+  tensor_t x;
+  ck_assert_int_eq(tensor_zeros(&x, DTYPE_F32, gpu(), 1, &n), STATUS_OK);
+  pg_work_t *w = NULL;
+  ck_assert_int_eq(pg_all_reduce(pg, x.data, x.data, (size_t)n, DTYPE_F32, REDUCE_SUM, &w),
+                   STATUS_OK);
+  ck_assert_int_eq(pg_wait(w), STATUS_OK); /* stream-ordered: returns at once */
+  atomic_store(&holding, 1);
+  cudaStream_t s = cuda_stream_raw(stream_current(gpu()));
+  ck_assert_int_eq(cudaLaunchHostFunc(s, hold_stream, NULL), cudaSuccess);
+  world_set_timeout(0.5);
+  double t = now_s();
+  status_t st = device_stream_sync(gpu());
+  double took = now_s() - t;
+  ck_assert_int_eq(st, STATUS_ETIMEOUT);
+  ck_assert_msg(strstr(err_detail(), "has not completed in 0.5 s") != NULL, "%s", err_detail());
+  ck_assert_msg(took >= 0.5 && took < 5, "the wait and the abort took %.2f s", took);
+  st = pg_all_reduce(pg, x.data, x.data, (size_t)n, DTYPE_F32, REDUCE_SUM, NULL);
+  ck_assert_int_eq(st, STATUS_ENCCL);
+  ck_assert_msg(strstr(err_detail(), "aborted") != NULL, "%s", err_detail());
+  atomic_store(&holding, 0);
+}
+END_TEST
+#endif
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("gpu");
   TCase *tc = tcase_create("cuda");
   tcase_set_timeout(tc, 0);
+#ifdef FSDPC_TEST_CUDA
+  if (test_argc() > 1 && strcmp(test_argv()[1], "abort") == 0) {
+    tcase_add_test(tc, nccl_abort_ends_a_stuck_wait);
+    suite_add_tcase(s, tc);
+    return s;
+  }
+#endif
   tcase_add_test(tc, cuda_copy_and_cast_match_cpu);
   tcase_add_test(tc, cuda_box_copies_match_cpu);
   tcase_add_test(tc, cuda_fill_and_memory_accounting);
