@@ -66,6 +66,9 @@ typedef struct backend {
   status_t (*alloc)(int index, size_t bytes, bool zeroed, void **out);
   void (*free)(int index, void *ptr, size_t bytes, bool zeroed);
   status_t (*copy)(int index, const copy_desc_t *desc);
+  /* n copies that do not overlap, as copy does each, in as few launches as the backend can
+   * (NULL: copy one by one) */
+  status_t (*copy_many)(int index, const copy_desc_t *descs, int n);
   /* Sets n elements at ptr to the bit pattern `pattern` of elem_size bytes. */
   status_t (*fill)(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern);
   status_t (*stream_sync)(int index);

@@ -115,6 +115,89 @@ __global__ static void cast_kernel(D *dst, const S *src, int64_t n, int64_t nvec
     dst[i] = fromf<D>(tof(src[i]));
 }
 
+/* Many contiguous copies in one launch (tensor_copy_many): entry i owns the blocks from its
+ * first_block to the next entry's; a same-dtype entry moves 16-byte words where both ends
+ * allow (elements otherwise), a cast between float dtypes converts eight elements at a time
+ * as cast_kernel does (the same rounding). */
+enum { kCopyTable = 120 }; /* entries per launch: the table stays under 4 KB of arguments */
+
+struct copy_entry {
+  void *dst;
+  const void *src;
+  int64_t n; /* elements */
+  int first_block;
+  int8_t dst_dt, src_dt, elem_size;
+};
+
+struct copy_table {
+  int count;
+  copy_entry e[kCopyTable];
+};
+static_assert(sizeof(copy_table) <= 4096, "a kernel's arguments: at most 4 KB");
+
+template <typename D, typename S>
+__device__ static void cast_range(void *dst, const void *src, int64_t n, int64_t first,
+                                  int64_t step) {
+  bool aligned = (uintptr_t)dst % (8 * sizeof(D)) == 0 && (uintptr_t)src % (8 * sizeof(S)) == 0;
+  int64_t nvec = aligned ? n / 8 : 0;
+  for (int64_t v = first; v < nvec; v += step) {
+    pack<S, 8> a = ((const pack<S, 8> *)src)[v];
+    pack<D, 8> b;
+#pragma unroll
+    for (int j = 0; j < 8; j++) b.v[j] = fromf<D>(tof(a.v[j]));
+    ((pack<D, 8> *)dst)[v] = b;
+  }
+  for (int64_t i = nvec * 8 + first; i < n; i += step)
+    ((D *)dst)[i] = fromf<D>(tof(((const S *)src)[i]));
+}
+
+__global__ static void copy_many_kernel(copy_table t) {
+  int i = 0;
+  while (i + 1 < t.count && (int)blockIdx.x >= t.e[i + 1].first_block) i++;
+  const copy_entry &x = t.e[i];
+  int64_t nb = (i + 1 < t.count ? t.e[i + 1].first_block : (int)gridDim.x) - x.first_block;
+  int64_t first = (blockIdx.x - x.first_block) * (int64_t)blockDim.x + threadIdx.x;
+  int64_t step = nb * blockDim.x;
+  if (x.dst_dt == x.src_dt) {
+    int64_t bytes = x.n * x.elem_size;
+    const char *s = (const char *)x.src;
+    char *d = (char *)x.dst;
+    if (((uintptr_t)s | (uintptr_t)d) % 16 == 0) {
+      int64_t nvec = bytes / 16;
+      for (int64_t v = first; v < nvec; v += step) ((uint4 *)d)[v] = ((const uint4 *)s)[v];
+      for (int64_t k = nvec * 16 + first; k < bytes; k += step) d[k] = s[k];
+      return;
+    }
+    for (int64_t e = first; e < x.n; e += step) /* off the vectors' alignment: element-wise */
+      switch (x.elem_size) {
+        case 2: ((uint16_t *)d)[e] = ((const uint16_t *)s)[e]; break;
+        case 4: ((uint32_t *)d)[e] = ((const uint32_t *)s)[e]; break;
+        case 8: ((uint64_t *)d)[e] = ((const uint64_t *)s)[e]; break;
+      }
+    return;
+  }
+  switch (x.dst_dt * 8 + x.src_dt) {
+    case DTYPE_BF16 * 8 + DTYPE_F32:
+      cast_range<__nv_bfloat16, float>(x.dst, x.src, x.n, first, step);
+      break;
+    case DTYPE_F16 * 8 + DTYPE_F32:
+      cast_range<__half, float>(x.dst, x.src, x.n, first, step);
+      break;
+    case DTYPE_F32 * 8 + DTYPE_BF16:
+      cast_range<float, __nv_bfloat16>(x.dst, x.src, x.n, first, step);
+      break;
+    case DTYPE_F32 * 8 + DTYPE_F16:
+      cast_range<float, __half>(x.dst, x.src, x.n, first, step);
+      break;
+    case DTYPE_BF16 * 8 + DTYPE_F16:
+      cast_range<__nv_bfloat16, __half>(x.dst, x.src, x.n, first, step);
+      break;
+    case DTYPE_F16 * 8 + DTYPE_BF16:
+      cast_range<__half, __nv_bfloat16>(x.dst, x.src, x.n, first, step);
+      break;
+  }
+}
+
 template <typename T>
 __global__ static void fill_kernel(T *p, T value, int64_t n) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
@@ -261,6 +344,54 @@ static status_t cuda_copy(int index, const copy_desc_t *desc) {
   return STATUS_OK;
 }
 
+static bool float_dtype(dtype_t dt) {
+  return dt == DTYPE_F32 || dt == DTYPE_BF16 || dt == DTYPE_F16;
+}
+
+/* The contiguous copies (same dtype, or between float dtypes) of descs in launches of up to
+ * kCopyTable, each given blocks by its size (1024 at most); any other one by cuda_copy. */
+static status_t cuda_copy_many(int index, const copy_desc_t *descs, int n) {
+  CUDA_TRY(cudaSetDevice(index));
+  cudaStream_t s = raw_stream(index);
+  copy_table t;
+  t.count = 0;
+  int64_t blocks = 0;
+  for (int i = 0; i <= n; i++) {
+    if (i == n || t.count == kCopyTable) { /* launch what the table holds */
+      if (t.count > 0) {
+        copy_many_kernel<<<(unsigned)blocks, 256, 0, s>>>(t);
+        CUDA_TRY(cudaGetLastError());
+      }
+      t.count = 0;
+      blocks = 0;
+      if (i == n) break;
+    }
+    copy_desc_t d = descs[i];
+    int64_t numel = 1;
+    for (int k = 0; k < d.ndim; k++) numel *= d.shape[k];
+    if (numel == 0) continue;
+    int nd = copy_desc_coalesce(&d);
+    bool same = d.dst_dtype == d.src_dtype;
+    if (nd != 1 || d.dst_stride[0] != 1 || d.src_stride[0] != 1 ||
+        !(same || (float_dtype(d.dst_dtype) && float_dtype(d.src_dtype)))) {
+      TRY(cuda_copy(index, &descs[i]));
+      continue;
+    }
+    copy_entry &e = t.e[t.count++];
+    e.dst = d.dst;
+    e.src = d.src;
+    e.n = numel;
+    e.first_block = (int)blocks;
+    e.dst_dt = (int8_t)d.dst_dtype;
+    e.src_dt = (int8_t)d.src_dtype;
+    e.elem_size = (int8_t)dtype_size(d.src_dtype);
+    int64_t units = same ? numel * e.elem_size / 16 : numel / 8; /* one per thread */
+    int64_t nb = (units + 255) / 256;
+    blocks += nb < 1 ? 1 : nb > 1024 ? 1024 : nb;
+  }
+  return STATUS_OK;
+}
+
 static status_t cuda_fill(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern) {
   if (n == 0) return STATUS_OK;
   CUDA_TRY(cudaSetDevice(index));
@@ -365,6 +496,7 @@ static const backend_t cuda_table = {
     /* .alloc = */ cuda_alloc,
     /* .free = */ cuda_free,
     /* .copy = */ cuda_copy,
+    /* .copy_many = */ cuda_copy_many,
     /* .fill = */ cuda_fill,
     /* .stream_sync = */ cuda_stream_sync_dev,
     /* .device_count = */ cuda_device_count,

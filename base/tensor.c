@@ -300,6 +300,51 @@ cleanup:
   return st;
 }
 
+status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n) {
+  if (n < 0) return err_set(STATUS_EINVAL, "copy: %d pairs", n);
+  if (n == 0) return STATUS_OK;
+  device_t dev = dst[0].device;
+  bool together = backend_of(dev)->copy_many != NULL && n > 1;
+  for (int i = 0; i < n; i++) {
+    char a[96], b[96];
+    if (!tensor_same_shape(&dst[i], &src[i]))
+      return err_set(STATUS_ESHAPE,
+                     "copy: pair %d of %d: destination shape %s differs from source shape %s", i, n,
+                     shape_str(dst[i].ndim, dst[i].shape, a, sizeof a),
+                     shape_str(src[i].ndim, src[i].shape, b, sizeof b));
+    if (tensor_numel(&dst[i]) > 0 && (dst[i].meta || src[i].meta))
+      return meta_error("copy", dst[i].meta ? &dst[i] : &src[i]);
+    together = together && device_equal(dst[i].device, dev) && device_equal(src[i].device, dev);
+  }
+  if (!together) {
+    for (int i = 0; i < n; i++) TRY(tensor_copy(&dst[i], &src[i]));
+    return STATUS_OK;
+  }
+  copy_desc_t *d = malloc(sizeof *d * (size_t)n);
+  if (d == NULL) return err_set(STATUS_ENOMEM, "copy: out of host memory for %d pairs", n);
+  int m = 0;
+  double bytes = 0; /* read and written */
+  for (int i = 0; i < n; i++) {
+    if (tensor_numel(&dst[i]) == 0) continue;
+    desc_from(&d[m++], &dst[i], &src[i]);
+    bytes += (double)tensor_numel(&dst[i]) *
+             (double)(dtype_size(dst[i].dtype) + dtype_size(src[i].dtype));
+  }
+  const backend_t *be = backend_of(dev);
+  status_t st;
+  if (m == 0) {
+    st = STATUS_OK;
+  } else if (!kernel_profile_enabled()) {
+    st = be->copy_many(dev.index, d, m);
+  } else {
+    kernel_prof_t pc;
+    kernel_prof_begin(&pc, dev);
+    st = kernel_prof_end(&pc, "copy (batched)", bytes, be->copy_many(dev.index, d, m));
+  }
+  free(d);
+  return st;
+}
+
 status_t tensor_fill(tensor_t *t, double value) {
   if (tensor_numel(t) == 0) return STATUS_OK;
   if (t->meta) return meta_error("fill", t);

@@ -93,6 +93,13 @@ bool tensor_shared(const tensor_t *t);
  * host; otherwise ordered on the current stream. */
 status_t tensor_copy(tensor_t *dst, const tensor_t *src);
 
+/* tensor_copy(&dst[i], &src[i]) for i < n, the destinations apart from each other and from
+ * the sources. Where every pair is on one device the copies go to the device together: on
+ * CUDA, the contiguous ones (same dtype, or a cast between float dtypes) in one launch, which
+ * moves many small tensors at the device's copy bandwidth rather than at one launch each
+ * (FSDP's copy-in, copy-out and gradient packing). Profiled as "copy (batched)". */
+status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n);
+
 /* Sets every element to value (converted to the dtype as dtype_store does). */
 status_t tensor_fill(tensor_t *t, double value);
 

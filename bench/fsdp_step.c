@@ -1,9 +1,9 @@
 /*
  * FSDP training steps of a Llama under a plan: per-step communication bytes measured and
  * analytic (docs/design.md section 11), peak memory measured and budgeted (docs/design.md
- * section 7), step time, and the speed of FSDP's copies within the device (copy-in with its
- * cast, copy-out, reduce-scatter packing) in one more, profiled, step against a plain copy of
- * 64 MiB on that device. Figures, not assertions.
+ * section 7), step time, and the speed of the copies within the device (FSDP's copy-in with its
+ * cast, copy-out and reduce-scatter packing, batched on a GPU; the others one by one) in one
+ * more, profiled, step against a plain copy of 64 MiB on that device. Figures, not assertions.
  *
  *   mpirun -n 4 bench-fsdp-step [--config configs/llama-small.json] [--hsdp R]
  *       [--reshard auto|0|1|N] [--param-dtype f32|bf16] [--steps 5] [--batch 2] [--seq 128]
@@ -201,8 +201,9 @@ int main(int argc, char **argv) {
   if (one_rank) fsdp_set_one_rank_path(false);
   train_step(m, d, &spec, steps, ps, n, all_ranks, o, dev);
   if (one_rank) fsdp_set_one_rank_path(true);
-  int64_t nc, ncast;
-  double rc = copy_rate("copy", &nc), rcast = copy_rate("copy (cast)", &ncast);
+  int64_t nc, ncast, nbatch;
+  double rc = copy_rate("copy", &nc), rcast = copy_rate("copy (cast)", &ncast),
+         rbatch = copy_rate("copy (batched)", &nbatch);
   kernel_profile_reset();
   kernel_profile_enable(was_on);
   if (rank == 0) {
@@ -213,11 +214,16 @@ int main(int argc, char **argv) {
         one_rank ? "; shard groups of one rank take the flat-buffer path for this step "
                    "(FSDPC_FSDP_ONE_RANK=0), whose copies the one-rank path skips"
                  : "");
-    printf("  same dtype: %lld copies at %.1f GB/s, %.0f%% of it\n", (long long)nc, rc,
+    if (nbatch > 0)
+      printf(
+          "  FSDP's copy-in, copy-out and packing, batched: %lld launches at %.1f GB/s, %.0f%% "
+          "of it\n",
+          (long long)nbatch, rbatch, dev_rate > 0 ? 100 * rbatch / dev_rate : 0.0);
+    printf("  one by one, same dtype: %lld copies at %.1f GB/s, %.0f%% of it\n", (long long)nc, rc,
            dev_rate > 0 ? 100 * rc / dev_rate : 0.0);
     if (ncast > 0)
-      printf("  casts:      %lld copies at %.1f GB/s, %.0f%% of it\n", (long long)ncast, rcast,
-             dev_rate > 0 ? 100 * rcast / dev_rate : 0.0);
+      printf("  one by one, casts:      %lld copies at %.1f GB/s, %.0f%% of it\n", (long long)ncast,
+             rcast, dev_rate > 0 ? 100 * rcast / dev_rate : 0.0);
   }
   if (rank == 0)
     printf(

@@ -95,6 +95,73 @@ void fsdp_emit(fsdp_group_t *g, const char *event) {
   if (g->on_event) g->on_event(event, g, g->on_event_user);
 }
 
+/* Copies gathered for one tensor_copy_many: FSDP's copy-in, copy-out and gradient packing
+ * each go to the device as one launch rather than one per parameter and rank. */
+typedef struct copies {
+  tensor_t *dst, *src;
+  int n, cap;
+} copies_t;
+
+static status_t copies_new(copies_t *c, int cap) {
+  memset(c, 0, sizeof *c);
+  if (cap < 1) cap = 1;
+  c->dst = calloc((size_t)cap, sizeof *c->dst);
+  c->src = calloc((size_t)cap, sizeof *c->src);
+  if (c->dst == NULL || c->src == NULL) {
+    free(c->dst);
+    free(c->src);
+    memset(c, 0, sizeof *c);
+    return err_set(STATUS_ENOMEM, "fully_shard: out of host memory for %d copies", cap);
+  }
+  c->cap = cap;
+  return STATUS_OK;
+}
+
+static void copies_free(copies_t *c) {
+  for (int i = 0; i < c->n; i++) {
+    tensor_free(&c->dst[i]);
+    tensor_free(&c->src[i]);
+  }
+  free(c->dst);
+  free(c->src);
+  memset(c, 0, sizeof *c);
+}
+
+/* Runs the gathered copies (when st is STATUS_OK) and frees the list; a zeroed list is
+ * empty. */
+static status_t copies_run(copies_t *c, status_t st) {
+  if (st == STATUS_OK) st = tensor_copy_many(c->dst, c->src, c->n);
+  copies_free(c);
+  return st;
+}
+
+/* Adds the copy of chunk r (of W, the chunk rule on dim 0) of the unsharded tensor full to or
+ * from a flat buffer, where its rows lie contiguously from element pos. Empty chunks add
+ * nothing. */
+static status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r, tensor_t *full,
+                          tensor_t *flat, int64_t pos, bool to_flat) {
+  int64_t start, len, shape[TENSOR_MAX_DIMS];
+  chunk_range(fp->n0, W, r, &start, &len);
+  if (len == 0) return STATUS_OK;
+  if (c->n == c->cap) return err_set(STATUS_EINVAL, "fully_shard: more copies than planned");
+  memcpy(shape, full->shape, sizeof shape);
+  shape[0] = len;
+  tensor_t rows = {0}, slot = {0}, slot_nd = {0};
+  status_t st = tensor_narrow(&rows, full, 0, start, len);
+  if (st == STATUS_OK) st = tensor_narrow(&slot, flat, 0, pos, len * fp->row);
+  if (st == STATUS_OK) st = tensor_view(&slot_nd, &slot, full->ndim, shape);
+  tensor_free(&slot);
+  if (st != STATUS_OK) {
+    tensor_free(&rows);
+    tensor_free(&slot_nd);
+    return st;
+  }
+  c->dst[c->n] = to_flat ? slot_nd : rows;
+  c->src[c->n] = to_flat ? rows : slot_nd;
+  c->n++;
+  return STATUS_OK;
+}
+
 /* Starts gathering the group: copy-in and a nonblocking all-gather (or, after an integer
  * reshard, the all-gather of the kept slices within the post-forward group). */
 status_t fsdp_unshard_start(fsdp_group_t *g) {
@@ -136,18 +203,16 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
                        g->param_dtype, &g->pending);
   } else {
     /* copy-in: this rank's padded shards, cast, into its block of the gather buffer */
+    copies_t c;
+    st = copies_new(&c, g->n);
     for (int i = 0; i < g->n && st == STATUS_OK; i++) {
       fsdp_param_t *fp = &g->params[i];
-      tensor_t slot, flat;
       int64_t n = fp->rows * fp->row;
-      if ((st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->flat + fp->offset, n)) !=
-          STATUS_OK)
-        break;
-      st = tensor_view(&flat, &fp->padded, 1, &n);
-      if (st == STATUS_OK) st = tensor_copy(&slot, &flat);
-      tensor_free(&flat);
-      tensor_free(&slot);
+      st = tensor_narrow(&c.dst[i], &g->gather, 0, g->rank * g->flat + fp->offset, n);
+      if (st == STATUS_OK) st = tensor_view(&c.src[i], &fp->padded, 1, &n);
+      c.n = i + 1;
     }
+    st = copies_run(&c, st);
     if (st == STATUS_OK && g->W > 1) {
       char *base = g->gather.data;
       st = pg_all_gather(g->shard, base + (size_t)(g->rank * g->flat) * dtype_size(g->param_dtype),
@@ -171,32 +236,13 @@ static status_t gather_wait(fsdp_group_t *g) {
   return st;
 }
 
-/* Copies chunk r (of W, the chunk rule on dim 0) of the unsharded tensor full to or from a
- * flat buffer, where its rows lie contiguously from element pos. Empty chunks copy nothing. */
-static status_t chunk_copy(const fsdp_param_t *fp, int W, int r, tensor_t *full, tensor_t *flat,
-                           int64_t pos, bool to_flat) {
-  int64_t start, len, shape[TENSOR_MAX_DIMS];
-  chunk_range(fp->n0, W, r, &start, &len);
-  if (len == 0) return STATUS_OK;
-  memcpy(shape, full->shape, sizeof shape);
-  shape[0] = len;
-  tensor_t rows = {0}, slot = {0}, slot_nd = {0};
-  status_t st = tensor_narrow(&rows, full, 0, start, len);
-  if (st == STATUS_OK) st = tensor_narrow(&slot, flat, 0, pos, len * fp->row);
-  if (st == STATUS_OK) st = tensor_view(&slot_nd, &slot, full->ndim, shape);
-  if (st == STATUS_OK) st = to_flat ? tensor_copy(&slot_nd, &rows) : tensor_copy(&rows, &slot_nd);
-  tensor_free(&rows);
-  tensor_free(&slot);
-  tensor_free(&slot_nd);
-  return st;
-}
-
-/* fp's unsharded tensor from the gathered buffer: every rank's rows copied out. */
-static status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *full) {
+/* fp's unsharded tensor from the gathered buffer: every rank's rows, added to c to copy out. */
+static status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *full,
+                              copies_t *c) {
   TRY(tensor_init(full, g->param_dtype, mesh_device(g->mesh), fp->ndim, fp->shape));
   status_t st = STATUS_OK;
   for (int r = 0; r < g->W && st == STATUS_OK; r++)
-    st = chunk_copy(fp, g->W, r, full, &g->gather, r * g->flat + fp->offset, false);
+    st = add_chunk(c, fp, g->W, r, full, &g->gather, r * g->flat + fp->offset, false);
   return st;
 }
 
@@ -221,10 +267,12 @@ status_t fsdp_unshard_wait(fsdp_group_t *g) {
   bool local = g->gather_local;
   status_t st = gather_wait(g);
   tensor_free(&g->post_forward_slice);
+  copies_t c = {0};
+  if (st == STATUS_OK && !local) st = copies_new(&c, g->n * g->W);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     tensor_t full = {0};
-    st = local ? local_full(g, fp, &full) : gathered_full(g, fp, &full);
+    st = local ? local_full(g, fp, &full) : gathered_full(g, fp, &full, &c);
     if (st == STATUS_OK) {
       tensor_free(&fp->p->compute);
       fp->p->compute = full;
@@ -232,6 +280,7 @@ status_t fsdp_unshard_wait(fsdp_group_t *g) {
       tensor_free(&full);
     }
   }
+  st = copies_run(&c, st);
   tensor_free(&g->gather);
   if (st == STATUS_OK) g->unsharded = true;
   return st;
@@ -262,13 +311,15 @@ status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
   int64_t count = (int64_t)per * g->flat;
   tensor_t slice;
   TRY(tensor_zeros(&slice, g->param_dtype, mesh_device(g->mesh), 1, &count));
-  status_t st = STATUS_OK;
+  copies_t c;
+  status_t st = copies_new(&c, g->n * per);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     for (int b = first; b < first + per && st == STATUS_OK; b++)
-      st = chunk_copy(fp, g->W, b, &fp->p->compute, &slice, (b - first) * g->flat + fp->offset,
-                      true);
+      st = add_chunk(&c, fp, g->W, b, &fp->p->compute, &slice, (b - first) * g->flat + fp->offset,
+                     true);
   }
+  st = copies_run(&c, st);
   fsdp_reshard(g);
   if (st == STATUS_OK)
     g->post_forward_slice = slice;
@@ -332,15 +383,19 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
   status_t st = tensor_zeros(&g->red_send, g->reduce_dtype, dev, 1, &total);
   /* rank-major pack: block r holds chunk r of every parameter, each padded to its rows; the
    * unsharded gradients are freed here, on the stream that read them last */
+  copies_t c = {0};
+  if (st == STATUS_OK) st = copies_new(&c, g->n * g->W);
   int64_t off = 0;
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     if (!fp->reducing) continue;
     for (int r = 0; r < g->W && st == STATUS_OK; r++)
-      st = chunk_copy(fp, g->W, r, &fp->p->compute_grad, &g->red_send, r * flat + off, true);
-    tensor_free(&fp->p->compute_grad);
+      st = add_chunk(&c, fp, g->W, r, &fp->p->compute_grad, &g->red_send, r * flat + off, true);
     off += fp->rows * fp->row;
   }
+  st = copies_run(&c, st);
+  for (int i = 0; i < g->n; i++)
+    if (g->params[i].reducing) tensor_free(&g->params[i].p->compute_grad);
   if (st == STATUS_OK && g->W > 1) {
     st = tensor_init(&g->red_recv, g->reduce_dtype, dev, 1, &flat);
     if (st == STATUS_OK)

@@ -154,6 +154,83 @@ START_TEST(cuda_box_copies_match_cpu) {
 }
 END_TEST
 
+/* tensor_copy_many on the device against tensor_copy on the host, pair by pair: more pairs
+ * than one launch takes, same-dtype copies and casts between every two float dtypes, an
+ * integer one and an integer-to-float cast (not batched), a strided destination, an empty
+ * pair, offsets off every vector alignment and lengths that are not multiples of 8. Each
+ * destination lies inside a poisoned buffer, so that a write past its end shows too. */
+START_TEST(cuda_copy_many_matches_cpu) {
+  enum { N = 150 };
+  static const dtype_t dts[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32};
+  int64_t total = 8192;
+  tensor_t host;
+  ck_assert_int_eq(tensor_init(&host, DTYPE_F32, device_cpu(), 1, &total), STATUS_OK);
+  random_f32(&host, 77);
+  tensor_t src_h[4], src_d[4];
+  for (int d = 0; d < 4; d++) {
+    ck_assert_int_eq(tensor_clone(&src_h[d], &host, dts[d], device_cpu()), STATUS_OK);
+    ck_assert_int_eq(tensor_clone(&src_d[d], &src_h[d], dts[d], gpu()), STATUS_OK);
+  }
+  tensor_t buf_h[N], buf_d[N], dst_h[N], dst_d[N], from_h[N], from_d[N];
+  for (int k = 0; k < N; k++) {
+    int sd = k % 4, dd = (k / 4) % 4;
+    if (dts[dd] == DTYPE_I32 && dts[sd] != DTYPE_I32) dd = sd; /* float to integer: not FSDP's */
+    int64_t len = k == 5 ? 0 : 1 + (k * 997) % 3001, at = (k * 37) % 500, pad = k % 3;
+    int64_t whole = len + pad + 3;
+    ck_assert_int_eq(tensor_init(&buf_h[k], dts[dd], device_cpu(), 1, &whole), STATUS_OK);
+    ck_assert_int_eq(tensor_fill(&buf_h[k], -7), STATUS_OK);
+    ck_assert_int_eq(tensor_clone(&buf_d[k], &buf_h[k], dts[dd], gpu()), STATUS_OK);
+    if (k % 13 == 1) { /* into every other element of the buffer: a strided destination */
+      int64_t half = len / 2, grid[2] = {half, 2}, col[2] = {half, 1};
+      tensor_t *bufs[2] = {&buf_h[k], &buf_d[k]}, *srcs[2] = {&src_h[sd], &src_d[sd]};
+      tensor_t *dsts[2] = {&dst_h[k], &dst_d[k]}, *froms[2] = {&from_h[k], &from_d[k]};
+      for (int side = 0; side < 2; side++) {
+        tensor_t seg, g2, part;
+        ck_assert_int_eq(tensor_narrow(&seg, bufs[side], 0, pad, 2 * half), STATUS_OK);
+        ck_assert_int_eq(tensor_view(&g2, &seg, 2, grid), STATUS_OK);
+        ck_assert_int_eq(tensor_narrow(dsts[side], &g2, 1, 1, 1), STATUS_OK);
+        ck_assert_int_eq(tensor_narrow(&part, srcs[side], 0, at, half), STATUS_OK);
+        ck_assert_int_eq(tensor_view(froms[side], &part, 2, col), STATUS_OK);
+        tensor_free(&seg);
+        tensor_free(&g2);
+        tensor_free(&part);
+      }
+    } else {
+      ck_assert_int_eq(tensor_narrow(&dst_h[k], &buf_h[k], 0, pad, len), STATUS_OK);
+      ck_assert_int_eq(tensor_narrow(&dst_d[k], &buf_d[k], 0, pad, len), STATUS_OK);
+      ck_assert_int_eq(tensor_narrow(&from_h[k], &src_h[sd], 0, at, len), STATUS_OK);
+      ck_assert_int_eq(tensor_narrow(&from_d[k], &src_d[sd], 0, at, len), STATUS_OK);
+    }
+  }
+  for (int k = 0; k < N; k++) ck_assert_int_eq(tensor_copy(&dst_h[k], &from_h[k]), STATUS_OK);
+  ck_assert_int_eq(tensor_copy_many(dst_d, from_d, N), STATUS_OK);
+  int bad = 0;
+  for (int k = 0; k < N; k++) {
+    tensor_t back;
+    ck_assert_int_eq(tensor_clone(&back, &buf_d[k], buf_d[k].dtype, device_cpu()), STATUS_OK);
+    if (!same(&back, &buf_h[k])) {
+      fprintf(stderr, "copy %d (%s -> %s, %lld elements) differs\n", k,
+              dtype_name(from_h[k].dtype), dtype_name(dst_h[k].dtype),
+              (long long)tensor_numel(&dst_h[k]));
+      bad++;
+    }
+    tensor_free(&back);
+    tensor_free(&buf_h[k]);
+    tensor_free(&buf_d[k]);
+    tensor_free(&dst_h[k]);
+    tensor_free(&dst_d[k]);
+    tensor_free(&from_h[k]);
+    tensor_free(&from_d[k]);
+  }
+  for (int d = 0; d < 4; d++) {
+    tensor_free(&src_h[d]);
+    tensor_free(&src_d[d]);
+  }
+  tensor_free(&host);
+  ck_assert_msg(bad == 0, "%d of %d batched copies differ from the CPU", bad, N);
+}
+END_TEST
+
 START_TEST(cuda_fill_and_memory_accounting) {
   mem_stats_t before = mem_stats(gpu());
   int64_t shape[1] = {1000003};
@@ -318,6 +395,7 @@ static Suite *make_suite(void) {
 #endif
   tcase_add_test(tc, cuda_copy_and_cast_match_cpu);
   tcase_add_test(tc, cuda_box_copies_match_cpu);
+  tcase_add_test(tc, cuda_copy_many_matches_cpu);
   tcase_add_test(tc, cuda_fill_and_memory_accounting);
   tcase_add_test(tc, nccl_collectives_closed_form);
   tcase_add_test(tc, dtensor_redistribute_on_device);

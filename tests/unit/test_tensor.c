@@ -1,6 +1,6 @@
 /*
  * Tensors: contiguous layout, bad shapes, scalars and empty tensors, views and boxes, copies
- * into strided destinations and casts with rounding, fill, bit equality, wrapped and meta
+ * into strided destinations and casts with rounding, many copies at once, fill, bit equality, wrapped and meta
  * tensors, error details, and the checks of the many-tensor AdamW (the device layer below:
  * test_device.c).
  */
@@ -132,6 +132,46 @@ START_TEST(tensor_copy_into_strided_destination) {
   tensor_free(&dst);
   tensor_free(&src);
   tensor_free(&t);
+}
+END_TEST
+
+/* tensor_copy_many: each pair as tensor_copy does it (a cast, a strided destination, an empty
+ * pair); a bad pair is named, and found before anything is copied. */
+START_TEST(tensor_copy_many_copies_each_pair_and_names_a_bad_one) {
+  int64_t n6 = 6, n0 = 0, shape[2] = {2, 3}, wide[2] = {2, 5};
+  tensor_t src[3], dst[3], want[3], wide_t;
+  ck_assert_int_eq(tensor_init(&src[0], DTYPE_F32, device_cpu(), 1, &n6), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&src[1], DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&src[2], DTYPE_F32, device_cpu(), 1, &n0), STATUS_OK);
+  iota(&src[0]);
+  iota(&src[1]);
+  for (int i = 0; i < 6; i++) f32(&src[0])[i] += 0.3f; /* rounds in bf16 */
+  ck_assert_int_eq(tensor_zeros(&dst[0], DTYPE_BF16, device_cpu(), 1, &n6), STATUS_OK);
+  ck_assert_int_eq(tensor_zeros(&wide_t, DTYPE_F32, device_cpu(), 2, wide), STATUS_OK);
+  ck_assert_int_eq(tensor_narrow(&dst[1], &wide_t, 1, 1, 3), STATUS_OK);
+  ck_assert_int_eq(tensor_init(&dst[2], DTYPE_F32, device_cpu(), 1, &n0), STATUS_OK);
+  ck_assert_int_eq(tensor_clone(&want[0], &src[0], DTYPE_BF16, device_cpu()), STATUS_OK);
+  ck_assert_int_eq(tensor_copy_many(dst, src, 3), STATUS_OK);
+  bool eq = false;
+  ck_assert_int_eq(tensor_equal(&dst[0], &want[0], &eq), STATUS_OK);
+  ck_assert(eq);
+  for (int r = 0; r < 2; r++)
+    for (int c = 0; c < 5; c++)
+      ck_assert(f32(&wide_t)[r * 5 + c] == (c >= 1 && c <= 3 ? (float)(r * 3 + c - 1) : 0.0f));
+  /* pair 1's shapes differ: refused by number, pair 0 left as it was */
+  ck_assert_int_eq(tensor_fill(&dst[0], 0), STATUS_OK);
+  tensor_t bad[3] = {dst[0], src[0], dst[2]};
+  ck_assert_int_eq(tensor_copy_many(bad, src, 3), STATUS_ESHAPE);
+  ck_assert_msg(strstr(err_detail(), "pair 1 of 3") != NULL, "%s", err_detail());
+  for (int i = 0; i < 6; i++) ck_assert(((uint16_t *)dst[0].data)[i] == 0);
+  ck_assert_int_eq(tensor_copy_many(dst, src, 0), STATUS_OK);
+  ck_assert_int_eq(tensor_copy_many(dst, src, -1), STATUS_EINVAL);
+  for (int i = 0; i < 3; i++) {
+    tensor_free(&src[i]);
+    tensor_free(&dst[i]);
+  }
+  tensor_free(&want[0]);
+  tensor_free(&wide_t);
 }
 END_TEST
 
@@ -402,6 +442,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensor_init_cuda_without_device_is_enodev);
   tcase_add_test(tc, tensor_scalar_and_empty);
   tcase_add_test(tc, tensor_view_checks_numel);
+  tcase_add_test(tc, tensor_copy_many_copies_each_pair_and_names_a_bad_one);
   tcase_add_test(tc, tensor_narrow_inner_dim_copies_strided);
   tcase_add_test(tc, tensor_narrow_box_views_a_box);
   tcase_add_test(tc, tensor_copy_into_strided_destination);
