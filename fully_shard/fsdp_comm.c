@@ -246,33 +246,41 @@ static status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t 
   return st;
 }
 
-/* fp's unsharded tensor under local_unshard: its shard, viewed, or cast into param_dtype. */
-static status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *full) {
+/* fp's unsharded tensor under local_unshard: its shard, viewed, or cast into param_dtype (the
+ * cast added to c). */
+static status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *full, copies_t *c) {
   tensor_t shard;
   TRY(tensor_view(&shard, &fp->padded, fp->ndim, fp->shape));
   if (shard.dtype == g->param_dtype) {
     *full = shard;
     return STATUS_OK;
   }
-  status_t st = tensor_init(full, g->param_dtype, shard.device, fp->ndim, fp->shape);
-  if (st == STATUS_OK) st = tensor_copy(full, &shard);
-  tensor_free(&shard);
-  return st;
+  status_t st =
+      c->n < c->cap ? STATUS_OK : err_set(STATUS_EINVAL, "fully_shard: more copies than planned");
+  if (st == STATUS_OK) st = tensor_init(full, g->param_dtype, shard.device, fp->ndim, fp->shape);
+  if (st == STATUS_OK) st = tensor_ref(&c->dst[c->n], full);
+  if (st != STATUS_OK) {
+    tensor_free(&shard);
+    return st;
+  }
+  c->src[c->n++] = shard;
+  return STATUS_OK;
 }
 
 /* Completes a started gather: waits, then copies rank r's rows of each parameter out into
- * the unsharded tensors (on the one-rank path: views or casts each shard). */
+ * the unsharded tensors (on the one-rank path: views or casts each shard), all in one
+ * tensor_copy_many. */
 status_t fsdp_unshard_wait(fsdp_group_t *g) {
   if (!g->gathering) return STATUS_OK;
   bool local = g->gather_local;
   status_t st = gather_wait(g);
   tensor_free(&g->post_forward_slice);
   copies_t c = {0};
-  if (st == STATUS_OK && !local) st = copies_new(&c, g->n * g->W);
+  if (st == STATUS_OK) st = copies_new(&c, local ? g->n : g->n * g->W);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     tensor_t full = {0};
-    st = local ? local_full(g, fp, &full) : gathered_full(g, fp, &full, &c);
+    st = local ? local_full(g, fp, &full, &c) : gathered_full(g, fp, &full, &c);
     if (st == STATUS_OK) {
       tensor_free(&fp->p->compute);
       fp->p->compute = full;
@@ -444,15 +452,33 @@ static status_t replicate_reduce(fsdp_group_t *g, tensor_t *recv, reduce_op_t op
                        op, NULL);
 }
 
+/* Adds grad, fp's reduced shard (any float dtype), into its sharded gradient: added now, or
+ * for the first gradient of a step, a new sharded gradient whose copy of grad goes into c (a
+ * group's first gradients are cast in one tensor_copy_many). */
+static status_t add_local_grad(copies_t *c, fsdp_param_t *fp, const tensor_t *grad) {
+  if (fp->p->grad != NULL) return nn_param_accumulate_local_grad(fp->p, grad);
+  if (c->n == c->cap) return err_set(STATUS_EINVAL, "fully_shard: more copies than planned");
+  const tensor_t *local = dtensor_local(fp->p->value);
+  tensor_t src;
+  TRY(tensor_view(&src, grad, local->ndim, local->shape));
+  status_t st = nn_param_new_local_grad(fp->p, &c->dst[c->n]);
+  if (st != STATUS_OK) {
+    tensor_free(&src);
+    return st;
+  }
+  c->src[c->n++] = src;
+  return STATUS_OK;
+}
+
 /* Finishes a reduction of the one-rank path: each held gradient added into its sharded
  * gradient, on the current stream (the one that computed it). */
 static status_t reduce_finish_local(fsdp_group_t *g) {
-  status_t st = STATUS_OK;
-  for (int i = 0; i < g->n; i++) {
-    fsdp_param_t *fp = &g->params[i];
-    if (fp->reducing && st == STATUS_OK) st = nn_param_accumulate_local_grad(fp->p, &fp->held);
-    tensor_free(&fp->held);
-  }
+  copies_t c;
+  status_t st = copies_new(&c, g->n);
+  for (int i = 0; i < g->n && st == STATUS_OK; i++)
+    if (g->params[i].reducing) st = add_local_grad(&c, &g->params[i], &g->params[i].held);
+  st = copies_run(&c, st);
+  for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].held);
   g->red_local = false;
   return st;
 }
@@ -482,16 +508,19 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
     st = tensor_clone(&host, &g->red_recv, g->reduce_dtype, device_cpu());
     red = &host;
   }
+  copies_t c = {0};
+  if (st == STATUS_OK && !parked) st = copies_new(&c, g->n);
   int64_t off = 0;
   for (int i = 0; i < g->n && st == STATUS_OK && !parked; i++) {
     fsdp_param_t *fp = &g->params[i];
     if (!fp->reducing) continue;
     tensor_t mine;
     st = tensor_narrow(&mine, red, 0, off, tensor_numel(dtensor_local(fp->p->value)));
-    if (st == STATUS_OK) st = nn_param_accumulate_local_grad(fp->p, &mine);
+    if (st == STATUS_OK) st = add_local_grad(&c, fp, &mine);
     tensor_free(&mine);
     off += fp->rows * fp->row;
   }
+  st = copies_run(&c, st);
   tensor_free(&host);
   tensor_free(&g->red_recv);
   g->red_flat = 0;

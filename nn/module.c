@@ -376,6 +376,21 @@ status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n) {
   return STATUS_OK;
 }
 
+status_t nn_param_new_local_grad(nn_param_t *p, tensor_t *local) {
+  memset(local, 0, sizeof *local);
+  if (p->grad != NULL)
+    return err_set(STATUS_EINVAL, "nn_param_new_local_grad: %s has a gradient already", p->fqn);
+  const tensor_t *v = dtensor_local(p->value);
+  tensor_t t;
+  TRY(tensor_init(&t, v->dtype, v->device, v->ndim, v->shape));
+  status_t st =
+      dtensor_from_local(&p->grad, &t, dtensor_mesh(p->value), dtensor_placements(p->value),
+                         dtensor_ndim(p->value), dtensor_shape(p->value));
+  if (st == STATUS_OK) st = tensor_ref(local, dtensor_local(p->grad));
+  tensor_free(&t);
+  return st;
+}
+
 status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g) {
   const tensor_t *local = dtensor_local(p->value);
   tensor_t src;
@@ -383,11 +398,8 @@ status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g) {
   status_t st;
   if (p->grad == NULL) { /* the first: a copy in the parameter's dtype, not zeros plus g */
     tensor_t first;
-    st = tensor_clone(&first, &src, local->dtype, local->device);
-    if (st == STATUS_OK)
-      st = dtensor_from_local(&p->grad, &first, dtensor_mesh(p->value),
-                              dtensor_placements(p->value), dtensor_ndim(p->value),
-                              dtensor_shape(p->value));
+    st = nn_param_new_local_grad(p, &first);
+    if (st == STATUS_OK) st = tensor_copy(&first, &src);
     tensor_free(&first);
   } else {
     tensor_t dst;

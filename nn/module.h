@@ -171,6 +171,11 @@ nn_param_t *nn_param_find(nn_module_t *root, const char *fqn);
  * kept (used by fully_shard to accumulate reduced shards). */
 status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g);
 
+/* Creates p->grad (p must have none) with p->value's local shape, dtype, device, mesh and
+ * placements, its elements not yet set, and gives *local a reference to its local tensor, for
+ * the caller to fill (fully_shard casts a group's first gradients in one copy). */
+status_t nn_param_new_local_grad(nn_param_t *p, tensor_t *local);
+
 /* Replaces p's value (p takes ownership, also on failure): drops the gradient and points
  * compute at the new local tensor. For layers that redistribute parameters (tensor
  * parallelism); refused for a parameter fully_shard manages (use nn_param_copy_full). */
