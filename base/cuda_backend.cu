@@ -98,21 +98,51 @@ __global__ static void copy_kernel(copy_args a, void *dst, int dst_dt, const voi
   }
 }
 
-/* A cast of n contiguous elements between float dtypes (copy_kernel's rounding): the first
- * nvec * 8 elements eight at a time, each thread loading and storing one aligned pack. */
+/* Whether a cast between float dtypes D and S from src to dst may go eight at a time. */
 template <typename D, typename S>
-__global__ static void cast_kernel(D *dst, const S *src, int64_t n, int64_t nvec) {
-  for (int64_t v = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; v < nvec;
-       v += (int64_t)gridDim.x * blockDim.x) {
+__host__ __device__ static bool cast_packs(const void *dst, const void *src) {
+  return (uintptr_t)dst % (8 * sizeof(D)) == 0 && (uintptr_t)src % (8 * sizeof(S)) == 0;
+}
+
+/* Elements [first, n) of a cast between float dtypes (copy_kernel's rounding), step apart:
+ * eight at a time where both ends are aligned for it, each thread loading and storing whole
+ * packs, the rest one by one. */
+template <typename D, typename S>
+__device__ static void cast_range(void *dst, const void *src, int64_t n, int64_t first,
+                                  int64_t step) {
+  int64_t nvec = cast_packs<D, S>(dst, src) ? n / 8 : 0;
+  for (int64_t v = first; v < nvec; v += step) {
     pack<S, 8> a = ((const pack<S, 8> *)src)[v];
     pack<D, 8> b;
 #pragma unroll
     for (int j = 0; j < 8; j++) b.v[j] = fromf<D>(tof(a.v[j]));
     ((pack<D, 8> *)dst)[v] = b;
   }
-  for (int64_t i = nvec * 8 + blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-       i += (int64_t)gridDim.x * blockDim.x)
-    dst[i] = fromf<D>(tof(src[i]));
+  for (int64_t i = nvec * 8 + first; i < n; i += step)
+    ((D *)dst)[i] = fromf<D>(tof(((const S *)src)[i]));
+}
+
+/* A cast of n contiguous elements between float dtypes, the grid striding over them. */
+template <typename D, typename S>
+__global__ static void cast_kernel(D *dst, const S *src, int64_t n) {
+  cast_range<D, S>(dst, src, n, blockIdx.x * (int64_t)blockDim.x + threadIdx.x,
+                   (int64_t)gridDim.x * blockDim.x);
+}
+
+/* Calls f(D(), S()) for a cast to D from S between two different float dtypes and returns
+ * true; false for any other pair. */
+#pragma nv_exec_check_disable
+template <typename F>
+__host__ __device__ static bool with_float_cast(int ddt, int sdt, F f) {
+  switch (ddt * 8 + sdt) {
+    case DTYPE_BF16 * 8 + DTYPE_F32: f(__nv_bfloat16(), float()); return true;
+    case DTYPE_F16 * 8 + DTYPE_F32: f(__half(), float()); return true;
+    case DTYPE_F32 * 8 + DTYPE_BF16: f(float(), __nv_bfloat16()); return true;
+    case DTYPE_F32 * 8 + DTYPE_F16: f(float(), __half()); return true;
+    case DTYPE_BF16 * 8 + DTYPE_F16: f(__nv_bfloat16(), __half()); return true;
+    case DTYPE_F16 * 8 + DTYPE_BF16: f(__half(), __nv_bfloat16()); return true;
+  }
+  return false;
 }
 
 /* Many contiguous copies in one launch (tensor_copy_many): entry i owns the blocks from its
@@ -134,22 +164,6 @@ struct copy_table {
   copy_entry e[kCopyTable];
 };
 static_assert(sizeof(copy_table) <= 4096, "a kernel's arguments: at most 4 KB");
-
-template <typename D, typename S>
-__device__ static void cast_range(void *dst, const void *src, int64_t n, int64_t first,
-                                  int64_t step) {
-  bool aligned = (uintptr_t)dst % (8 * sizeof(D)) == 0 && (uintptr_t)src % (8 * sizeof(S)) == 0;
-  int64_t nvec = aligned ? n / 8 : 0;
-  for (int64_t v = first; v < nvec; v += step) {
-    pack<S, 8> a = ((const pack<S, 8> *)src)[v];
-    pack<D, 8> b;
-#pragma unroll
-    for (int j = 0; j < 8; j++) b.v[j] = fromf<D>(tof(a.v[j]));
-    ((pack<D, 8> *)dst)[v] = b;
-  }
-  for (int64_t i = nvec * 8 + first; i < n; i += step)
-    ((D *)dst)[i] = fromf<D>(tof(((const S *)src)[i]));
-}
 
 __global__ static void copy_many_kernel(copy_table t) {
   int i = 0;
@@ -176,26 +190,9 @@ __global__ static void copy_many_kernel(copy_table t) {
       }
     return;
   }
-  switch (x.dst_dt * 8 + x.src_dt) {
-    case DTYPE_BF16 * 8 + DTYPE_F32:
-      cast_range<__nv_bfloat16, float>(x.dst, x.src, x.n, first, step);
-      break;
-    case DTYPE_F16 * 8 + DTYPE_F32:
-      cast_range<__half, float>(x.dst, x.src, x.n, first, step);
-      break;
-    case DTYPE_F32 * 8 + DTYPE_BF16:
-      cast_range<float, __nv_bfloat16>(x.dst, x.src, x.n, first, step);
-      break;
-    case DTYPE_F32 * 8 + DTYPE_F16:
-      cast_range<float, __half>(x.dst, x.src, x.n, first, step);
-      break;
-    case DTYPE_BF16 * 8 + DTYPE_F16:
-      cast_range<__nv_bfloat16, __half>(x.dst, x.src, x.n, first, step);
-      break;
-    case DTYPE_F16 * 8 + DTYPE_BF16:
-      cast_range<__half, __nv_bfloat16>(x.dst, x.src, x.n, first, step);
-      break;
-  }
+  with_float_cast(x.dst_dt, x.src_dt, [&](auto d, auto s) {
+    cast_range<decltype(d), decltype(s)>(x.dst, x.src, x.n, first, step);
+  });
 }
 
 template <typename T>
@@ -218,26 +215,16 @@ static int grid_for(int64_t n, int block) {
   return g < 1 ? 1 : (int)g;
 }
 
-template <typename D, typename S>
-static void cast_launch(void *dst, const void *src, int64_t n, cudaStream_t s) {
-  bool aligned = (uintptr_t)dst % (8 * sizeof(D)) == 0 && (uintptr_t)src % (8 * sizeof(S)) == 0;
-  int64_t nvec = aligned ? n / 8 : 0, work = nvec > n - 8 * nvec ? nvec : n - 8 * nvec;
-  cast_kernel<<<grid_for(work, 256), 256, 0, s>>>((D *)dst, (const S *)src, n, nvec);
-}
-
 /* Launches cast_kernel for a cast between two float dtypes; false for any other pair. */
 static bool cast_contiguous(void *dst, int ddt, const void *src, int sdt, int64_t n,
                             cudaStream_t s) {
-  switch (ddt * 8 + sdt) {
-    case DTYPE_BF16 * 8 + DTYPE_F32: cast_launch<__nv_bfloat16, float>(dst, src, n, s); break;
-    case DTYPE_F16 * 8 + DTYPE_F32: cast_launch<__half, float>(dst, src, n, s); break;
-    case DTYPE_F32 * 8 + DTYPE_BF16: cast_launch<float, __nv_bfloat16>(dst, src, n, s); break;
-    case DTYPE_F32 * 8 + DTYPE_F16: cast_launch<float, __half>(dst, src, n, s); break;
-    case DTYPE_BF16 * 8 + DTYPE_F16: cast_launch<__nv_bfloat16, __half>(dst, src, n, s); break;
-    case DTYPE_F16 * 8 + DTYPE_BF16: cast_launch<__half, __nv_bfloat16>(dst, src, n, s); break;
-    default: return false;
-  }
-  return true;
+  return with_float_cast(ddt, sdt, [&](auto d, auto from) {
+    using D = decltype(d);
+    using S = decltype(from);
+    int64_t nvec = cast_packs<D, S>(dst, src) ? n / 8 : 0,
+            work = nvec > n - 8 * nvec ? nvec : n - 8 * nvec;
+    cast_kernel<<<grid_for(work, 256), 256, 0, s>>>((D *)dst, (const S *)src, n);
+  });
 }
 
 static int cuda_device_count(void) {
