@@ -141,21 +141,32 @@ static status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
   return STATUS_OK;
 }
 
-/* The global batch recorded in dir's train_state.json (saved_under), or 0. */
-static int64_t saved_global_batch(const char *dir) {
+/* What dir's train_state.json (saved_under) records of the run that saved it: its global
+ * batch (0 when unknown) and its data order (train_data_order; "" when unknown). */
+static void read_saved_run(const char *dir, int64_t *batch, char *order, size_t n) {
   char path[PLAN_PATH_MAX + 64], *text = NULL;
+  *batch = 0;
+  order[0] = 0;
   snprintf(path, sizeof path, "%s/train_state.json", dir);
   if (file_read_text(path, FILE_TEXT_MAX, &text) != STATUS_OK) {
     err_clear();
-    return 0;
+    return;
   }
   cJSON *o = cJSON_Parse(text);
   free(text);
-  const cJSON *b = cJSON_GetObjectItemCaseSensitive(
-      cJSON_GetObjectItemCaseSensitive(o, "saved_under"), "global_batch");
-  int64_t n = cJSON_IsNumber(b) && b->valuedouble > 0 ? (int64_t)b->valuedouble : 0;
+  const cJSON *under = cJSON_GetObjectItemCaseSensitive(o, "saved_under");
+  const cJSON *b = cJSON_GetObjectItemCaseSensitive(under, "global_batch");
+  if (cJSON_IsNumber(b) && b->valuedouble > 0) *batch = (int64_t)b->valuedouble;
+  const cJSON *d = cJSON_GetObjectItemCaseSensitive(under, "data_order");
+  const cJSON *shuffle = cJSON_GetObjectItemCaseSensitive(d, "shuffle");
+  const cJSON *seed = cJSON_GetObjectItemCaseSensitive(d, "seed");
+  const cJSON *seq = cJSON_GetObjectItemCaseSensitive(d, "seq_len");
+  char *end = NULL;
+  unsigned long long s = cJSON_IsString(seed) ? strtoull(seed->valuestring, &end, 10) : 0;
+  if (cJSON_IsBool(shuffle) && end != NULL && end != seed->valuestring && *end == 0 &&
+      cJSON_IsNumber(seq) && seq->valuedouble >= 1)
+    train_data_order(cJSON_IsTrue(shuffle), s, (int64_t)seq->valuedouble, order, n);
   cJSON_Delete(o);
-  return n;
 }
 
 /* Rank 0's line for an evaluation after step (prefix: to clear a progress bar). */
@@ -230,7 +241,7 @@ static status_t build(run_t *r) {
     if (p->ckpt_verify)
       TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
     TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
-    r->saved_batch = saved_global_batch(r->resumed_from);
+    read_saved_run(r->resumed_from, &r->saved_batch, r->saved_order, sizeof r->saved_order);
   } else {
     r->resumed_from[0] = 0;
   }
@@ -281,15 +292,20 @@ static status_t saved_under(const run_t *r, char **out) {
   const plan_t *p = &r->plan;
   char *model_text = NULL;
   TRY(llama_config_to_hf_text(&p->model, dtensor_local(r->ps[0]->value)->dtype, &model_text));
-  cJSON *model = cJSON_Parse(model_text), *o = cJSON_CreateObject();
+  cJSON *model = cJSON_Parse(model_text), *o = cJSON_CreateObject(), *order = NULL;
   free(model_text);
-  char *text = NULL;
+  char *text = NULL, seed[24];
+  snprintf(seed, sizeof seed, "%llu", (unsigned long long)p->seed); /* exact, unlike a double */
   if (model != NULL && o != NULL && cJSON_AddStringToObject(o, "plan", p->source) &&
       cJSON_AddNumberToObject(o, "world_size", world_size()) &&
       cJSON_AddNumberToObject(o, "dp_replicate", p->par.dp_replicate) &&
       cJSON_AddNumberToObject(o, "dp_shard", p->par.dp_shard) &&
       cJSON_AddNumberToObject(o, "tp", p->par.tp) &&
       cJSON_AddNumberToObject(o, "global_batch", (double)train_global_batch(r)) &&
+      (order = cJSON_AddObjectToObject(o, "data_order")) != NULL &&
+      cJSON_AddBoolToObject(order, "shuffle", p->shuffle) &&
+      cJSON_AddStringToObject(order, "seed", seed) &&
+      cJSON_AddNumberToObject(order, "seq_len", (double)p->seq_len) &&
       cJSON_AddItemToObject(o, "model", model)) {
     model = NULL; /* o owns it */
     text = cJSON_PrintUnformatted(o);

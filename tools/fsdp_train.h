@@ -44,12 +44,17 @@ typedef struct run {
   dcp_stats_t load_stats;
   int64_t verified; /* chunks checked against their checksums before loading (-1: not asked) */
   int64_t saved_batch; /* the global batch the resumed checkpoint was saved with; 0: unknown */
+  /* train_data_order of the resumed checkpoint's run; "": unknown */
+  char saved_order[96];
 } run_t;
 
 /* Samples per optimizer step over all ranks. */
 static inline int64_t train_global_batch(const run_t *r) {
   return r->plan.batch_size * r->plan.grad_accum * r->dp_size;
 }
+/* How a run reads its training data, in words ("in file order, samples of 129 tokens", or
+ * "shuffled by train.seed 7, ..."): a resume under another order is warned of. */
+void train_data_order(bool shuffle, uint64_t seed, int64_t seq_len, char *buf, size_t n);
 /* The bytes this rank's groups sent since the last call (the counters are reset). */
 double train_counted_bytes(const run_t *r);
 /* bytes as "12.34 MiB" or "1.23 GiB" */

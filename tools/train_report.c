@@ -23,6 +23,14 @@ static const char *reshard_str(int r, char *buf, size_t n) {
 
 static const char *dt_str(dtype_t d) { return d == DTYPE_COUNT ? "own" : dtype_name(d); }
 
+void train_data_order(bool shuffle, uint64_t seed, int64_t seq_len, char *buf, size_t n) {
+  if (shuffle)
+    snprintf(buf, n, "shuffled by train.seed %llu, samples of %lld tokens",
+             (unsigned long long)seed, (long long)(seq_len + 1));
+  else
+    snprintf(buf, n, "in file order, samples of %lld tokens", (long long)(seq_len + 1));
+}
+
 void train_mib(char *buf, size_t n, double bytes) {
   if (bytes >= 1073741824.0)
     snprintf(buf, n, "%.2f GiB", bytes / 1073741824.0);
@@ -145,6 +153,13 @@ void train_header(const run_t *r) {
             "takes %lld: the data order and the learning-rate schedule go on by step, so "
             "samples are skipped or repeated\n",
             r->resumed_from, (long long)r->saved_batch, (long long)train_global_batch(r));
+  char order[sizeof r->saved_order];
+  train_data_order(p->shuffle, p->seed, p->seq_len, order, sizeof order);
+  if (r->saved_order[0] && strcmp(r->saved_order, order) != 0)
+    fprintf(stderr,
+            "fsdp-train: warning: %s was saved reading the data %s; this run reads it %s: from "
+            "here the samples follow this run's order, so some are skipped or repeated\n",
+            r->resumed_from, r->saved_order, order);
   fflush(stdout);
 }
 

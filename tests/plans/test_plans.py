@@ -1998,6 +1998,13 @@ def ckpt_corrupt():
     check(p.returncode == 0 and "checkpoint.verify: nothing to verify (the files carry no "
           "checksums)" in p.stdout, "checkpoint.verify on files without checksums says so")
     check("global batch" not in p.stderr, "a resume under the saved global batch: no warning")
+    check("reading the data" not in p.stderr, "a resume in the saved data order: no warning")
+    p, _ = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + good,
+                   "--set", "data.shuffle=true", "--set", "train.seed=7"], timeout=120)
+    check(p.returncode == 0 and re.search(
+        r"warning: \S+ was saved reading the data in file order, samples of (\d+) tokens; this "
+        r"run reads it shuffled by train\.seed 7, samples of \1 tokens", p.stderr) is not None,
+          "a resume under another data order says so")
     p, _ = run(4, [cfg, "--set", "train.steps=3", "--set",
                    "checkpoint.load=" + os.path.join(tmp, "flipped-data-byte"),
                    "--set", "checkpoint.verify=true"], timeout=120)
