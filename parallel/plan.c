@@ -173,7 +173,8 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const ckpt_keys[] = {"dir",    "interval",    "keep", "load",
                                           "verify", "block_bytes", NULL};
   static const char *const log_keys[] = {"metrics", "interval", NULL};
-  static const char *const eval_keys[] = {"path", "format", "interval", "batches", NULL};
+  static const char *const eval_keys[] = {"path",    "format",     "interval",
+                                          "batches", "batch_size", NULL};
   plan_t *p = c->p;
   const int64_t big = (int64_t)1 << 40;
   int m;
@@ -196,6 +197,8 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   if (!eval_format) p->eval_format = p->data_format;
   TRY(pr_get_int(c, m, "eval", "interval", 0, big, &p->eval_interval));
   TRY(pr_get_int(c, m, "eval", "batches", 1, (int64_t)1 << 20, &p->eval_batches));
+  p->eval_batch_size = p->batch_size;
+  TRY(pr_get_int(c, m, "eval", "batch_size", 1, (int64_t)1 << 24, &p->eval_batch_size));
   TRY(pr_section(c, root, "train", train_keys, &m));
   TRY(pr_get_int(c, m, "train", "steps", 1, big, &p->steps));
   int64_t seed = -1;

@@ -51,7 +51,8 @@ typedef struct plan {
   char eval_path[PLAN_PATH_MAX]; /* "": no evaluation */
   data_format_t eval_format;     /* data_format unless given */
   int64_t eval_interval;         /* after every that many steps (0: after the last only) */
-  int64_t eval_batches;          /* global micro-batches per evaluation */
+  int64_t eval_batches;          /* global batches per evaluation */
+  int64_t eval_batch_size;       /* samples per data-parallel rank (data.batch_size unless given) */
   plan_where_t eval_where;
   /* train */
   int64_t steps;

@@ -122,14 +122,18 @@ static status_t open_data(run_t *r) {
   return open_tokens(r, p->eval_path, p->eval_format, &p->eval_where, "eval.path", &r->eval);
 }
 
-/* The mean loss over eval.batches global batches of eval.path (the same batches every time),
- * without gradients; then every unit's parameters are released (the root keeps them gathered
- * after a forward, for the backward that would follow). Collective over the world. */
+/* The mean loss over eval.batches global batches of eval.batch_size samples a data-parallel
+ * rank, of eval.path (the same batches every time, in the training data's order), without
+ * gradients; then every unit's parameters are released (the root keeps them gathered after a
+ * forward, for the backward that would follow). Collective over the world. */
 static status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
   double sum = 0, l = 0;
   status_t st = STATUS_OK;
+  data_spec_t one = *spec;
+  one.batch_size = r->plan.eval_batch_size;
+  one.grad_accum = 1;
   for (int64_t b = 0; b < r->plan.eval_batches && st == STATUS_OK; b++) {
-    st = llama_eval_batch(r->model, r->eval, spec, b, &l);
+    st = llama_eval_batch(r->model, r->eval, &one, b, &l);
     sum += l;
   }
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);

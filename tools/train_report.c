@@ -139,10 +139,13 @@ void train_header(const run_t *r) {
     char every[64] = "";
     if (p->eval_interval > 0)
       snprintf(every, sizeof every, "every %lld steps and ", (long long)p->eval_interval);
-    printf("  eval: %s (%lld tokens), %lld global batches %safter the last step\n", p->eval_path,
-           (long long)data_num_tokens(r->eval), (long long)p->eval_batches, every);
+    printf(
+        "  eval: %s (%lld tokens), %lld global batches of %lld x %lld samples %safter the last "
+        "step\n",
+        p->eval_path, (long long)data_num_tokens(r->eval), (long long)p->eval_batches,
+        (long long)p->eval_batch_size, (long long)r->dp_size, every);
     double reads =
-        (double)p->eval_batches * (double)(p->batch_size * r->dp_size) * (double)p->seq_len;
+        (double)p->eval_batches * (double)(p->eval_batch_size * r->dp_size) * (double)p->seq_len;
     if (reads > (double)data_num_tokens(r->eval))
       printf("  eval: note: its batches read %.0f tokens, more than it holds: samples repeat\n",
              reads);

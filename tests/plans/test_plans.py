@@ -392,6 +392,14 @@ def evaluation():
         worst = max([worst] + [abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(other, ev)])
     check(worst <= 1e-5, "HSDP, TP, reshard_after_forward false and activation checkpointing "
           "give FSDP's evaluation losses within 1e-5 (worst %.2e)" % worst)
+    # eval.batch_size: two batches of twice the samples are the same samples as four of the
+    # training size (the data order is by sample), so the same mean; training is unchanged
+    wide, we, out = train("wide", ["--set", "eval.batch_size=4", "--set", "eval.batches=2"])
+    close = we is not None and ev is not None and len(we) == len(ev) and all(
+        abs(a[1] - b[1]) <= 1e-6 * abs(b[1]) for a, b in zip(we, ev))
+    check(close and wide == fsdp and "2 global batches of 4 x 2 samples" in out,
+          "eval.batch_size 4 over 2 batches gives the evaluation of 4 batches of 2 (%s, %s)"
+          % (we, ev))
     # with weights that cannot move, evaluation of the training file's first four batches is
     # the mean of the first four training losses
     frozen, fe, _ = train("frozen", ["--set", "optim.lr=1e-30", "--set", "train.steps=4",
