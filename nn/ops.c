@@ -259,7 +259,8 @@ status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out
   return ops_finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &y, out);
 }
 
-/* Passes the incoming gradient (times scalar) to every input that wants one. */
+/* Passes the incoming gradient (times scalar) to every input that wants one: by reference
+ * (viewed in the input's shape, for a view) when unscaled, a scaled copy otherwise. */
 static status_t pass_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   for (int i = 0; i < NN_NODE_MAX_IN && n->in[i]; i++) {
@@ -268,6 +269,8 @@ static status_t pass_backward(nn_ctx_t *ctx, nn_node_t *n) {
     tensor_t g;
     if (n->scalar == 1.0 && tensor_same_shape(&n->out->grad, &x->value)) {
       TRY(tensor_ref(&g, &n->out->grad));
+    } else if (n->scalar == 1.0 && tensor_is_contiguous(&n->out->grad)) {
+      TRY(tensor_view(&g, &n->out->grad, x->value.ndim, x->value.shape));
     } else {
       TRY(tensor_clone(&g, &n->out->grad, n->out->grad.dtype, n->out->grad.device));
       if (n->scalar != 1.0) {
