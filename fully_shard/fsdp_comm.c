@@ -96,24 +96,36 @@ void fsdp_emit(fsdp_group_t *g, const char *event) {
 }
 
 /* Copies gathered for one tensor_copy_many: FSDP's copy-in, copy-out and gradient packing
- * each go to the device as one launch rather than one per parameter and rank. */
+ * each go to the device as one launch rather than one per parameter and rank. A zeroed list
+ * is empty. */
 typedef struct copies {
   tensor_t *dst, *src;
   int n, cap;
 } copies_t;
 
-static status_t copies_new(copies_t *c, int cap) {
-  memset(c, 0, sizeof *c);
-  if (cap < 1) cap = 1;
-  c->dst = calloc((size_t)cap, sizeof *c->dst);
-  c->src = calloc((size_t)cap, sizeof *c->src);
-  if (c->dst == NULL || c->src == NULL) {
-    free(c->dst);
-    free(c->src);
-    memset(c, 0, sizeof *c);
-    return err_set(STATUS_ENOMEM, "fully_shard: out of host memory for %d copies", cap);
+/* When st is STATUS_OK, adds the copy of src into dst to c, which takes both tensors (the
+ * caller's are zeroed); otherwise, or when c cannot grow, frees them. Returns the status. */
+static status_t copies_add(copies_t *c, status_t st, tensor_t *dst, tensor_t *src) {
+  if (st == STATUS_OK && c->n == c->cap) {
+    int cap = c->cap ? 2 * c->cap : 16;
+    tensor_t *d = realloc(c->dst, sizeof *d * (size_t)cap);
+    if (d != NULL) c->dst = d;
+    tensor_t *s = d != NULL ? realloc(c->src, sizeof *s * (size_t)cap) : NULL;
+    if (s != NULL) c->src = s;
+    if (s == NULL)
+      st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory for %d copies", cap);
+    else
+      c->cap = cap;
   }
-  c->cap = cap;
+  if (st != STATUS_OK) {
+    tensor_free(dst);
+    tensor_free(src);
+    return st;
+  }
+  c->dst[c->n] = *dst;
+  c->src[c->n++] = *src;
+  memset(dst, 0, sizeof *dst);
+  memset(src, 0, sizeof *src);
   return STATUS_OK;
 }
 
@@ -127,8 +139,7 @@ static void copies_free(copies_t *c) {
   memset(c, 0, sizeof *c);
 }
 
-/* Runs the gathered copies (when st is STATUS_OK) and frees the list; a zeroed list is
- * empty. */
+/* Runs the gathered copies (when st is STATUS_OK) and frees the list. */
 static status_t copies_run(copies_t *c, status_t st) {
   if (st == STATUS_OK) st = tensor_copy_many(c->dst, c->src, c->n);
   copies_free(c);
@@ -143,7 +154,6 @@ static status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r, ten
   int64_t start, len, shape[TENSOR_MAX_DIMS];
   chunk_range(fp->n0, W, r, &start, &len);
   if (len == 0) return STATUS_OK;
-  if (c->n == c->cap) return err_set(STATUS_EINVAL, "fully_shard: more copies than planned");
   memcpy(shape, full->shape, sizeof shape);
   shape[0] = len;
   tensor_t rows = {0}, slot = {0}, slot_nd = {0};
@@ -151,15 +161,7 @@ static status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r, ten
   if (st == STATUS_OK) st = tensor_narrow(&slot, flat, 0, pos, len * fp->row);
   if (st == STATUS_OK) st = tensor_view(&slot_nd, &slot, full->ndim, shape);
   tensor_free(&slot);
-  if (st != STATUS_OK) {
-    tensor_free(&rows);
-    tensor_free(&slot_nd);
-    return st;
-  }
-  c->dst[c->n] = to_flat ? slot_nd : rows;
-  c->src[c->n] = to_flat ? rows : slot_nd;
-  c->n++;
-  return STATUS_OK;
+  return to_flat ? copies_add(c, st, &slot_nd, &rows) : copies_add(c, st, &rows, &slot_nd);
 }
 
 /* Starts gathering the group: copy-in and a nonblocking all-gather (or, after an integer
@@ -203,14 +205,14 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
                        g->param_dtype, &g->pending);
   } else {
     /* copy-in: this rank's padded shards, cast, into its block of the gather buffer */
-    copies_t c;
-    st = copies_new(&c, g->n);
+    copies_t c = {0};
     for (int i = 0; i < g->n && st == STATUS_OK; i++) {
       fsdp_param_t *fp = &g->params[i];
       int64_t n = fp->rows * fp->row;
-      st = tensor_narrow(&c.dst[i], &g->gather, 0, g->rank * g->flat + fp->offset, n);
-      if (st == STATUS_OK) st = tensor_view(&c.src[i], &fp->padded, 1, &n);
-      c.n = i + 1;
+      tensor_t slot = {0}, shard = {0};
+      st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->flat + fp->offset, n);
+      if (st == STATUS_OK) st = tensor_view(&shard, &fp->padded, 1, &n);
+      st = copies_add(&c, st, &slot, &shard);
     }
     st = copies_run(&c, st);
     if (st == STATUS_OK && g->W > 1) {
@@ -255,16 +257,10 @@ static status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *fu
     *full = shard;
     return STATUS_OK;
   }
-  status_t st =
-      c->n < c->cap ? STATUS_OK : err_set(STATUS_EINVAL, "fully_shard: more copies than planned");
-  if (st == STATUS_OK) st = tensor_init(full, g->param_dtype, shard.device, fp->ndim, fp->shape);
-  if (st == STATUS_OK) st = tensor_ref(&c->dst[c->n], full);
-  if (st != STATUS_OK) {
-    tensor_free(&shard);
-    return st;
-  }
-  c->src[c->n++] = shard;
-  return STATUS_OK;
+  tensor_t dst = {0};
+  status_t st = tensor_init(full, g->param_dtype, shard.device, fp->ndim, fp->shape);
+  if (st == STATUS_OK) st = tensor_ref(&dst, full);
+  return copies_add(c, st, &dst, &shard);
 }
 
 /* Completes a started gather: waits, then copies rank r's rows of each parameter out into
@@ -276,7 +272,6 @@ status_t fsdp_unshard_wait(fsdp_group_t *g) {
   status_t st = gather_wait(g);
   tensor_free(&g->post_forward_slice);
   copies_t c = {0};
-  if (st == STATUS_OK) st = copies_new(&c, local ? g->n : g->n * g->W);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     tensor_t full = {0};
@@ -319,8 +314,8 @@ status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
   int64_t count = (int64_t)per * g->flat;
   tensor_t slice;
   TRY(tensor_zeros(&slice, g->param_dtype, mesh_device(g->mesh), 1, &count));
-  copies_t c;
-  status_t st = copies_new(&c, g->n * per);
+  copies_t c = {0};
+  status_t st = STATUS_OK;
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     for (int b = first; b < first + per && st == STATUS_OK; b++)
@@ -392,7 +387,6 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
   /* rank-major pack: block r holds chunk r of every parameter, each padded to its rows; the
    * unsharded gradients are freed here, on the stream that read them last */
   copies_t c = {0};
-  if (st == STATUS_OK) st = copies_new(&c, g->n * g->W);
   int64_t off = 0;
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
@@ -457,24 +451,18 @@ static status_t replicate_reduce(fsdp_group_t *g, tensor_t *recv, reduce_op_t op
  * group's first gradients are cast in one tensor_copy_many). */
 static status_t add_local_grad(copies_t *c, fsdp_param_t *fp, const tensor_t *grad) {
   if (fp->p->grad != NULL) return nn_param_accumulate_local_grad(fp->p, grad);
-  if (c->n == c->cap) return err_set(STATUS_EINVAL, "fully_shard: more copies than planned");
   const tensor_t *local = dtensor_local(fp->p->value);
-  tensor_t src;
-  TRY(tensor_view(&src, grad, local->ndim, local->shape));
-  status_t st = nn_param_new_local_grad(fp->p, &c->dst[c->n]);
-  if (st != STATUS_OK) {
-    tensor_free(&src);
-    return st;
-  }
-  c->src[c->n++] = src;
-  return STATUS_OK;
+  tensor_t dst = {0}, src = {0};
+  status_t st = tensor_view(&src, grad, local->ndim, local->shape);
+  if (st == STATUS_OK) st = nn_param_new_local_grad(fp->p, &dst);
+  return copies_add(c, st, &dst, &src);
 }
 
 /* Finishes a reduction of the one-rank path: each held gradient added into its sharded
  * gradient, on the current stream (the one that computed it). */
 static status_t reduce_finish_local(fsdp_group_t *g) {
-  copies_t c;
-  status_t st = copies_new(&c, g->n);
+  copies_t c = {0};
+  status_t st = STATUS_OK;
   for (int i = 0; i < g->n && st == STATUS_OK; i++)
     if (g->params[i].reducing) st = add_local_grad(&c, &g->params[i], &g->params[i].held);
   st = copies_run(&c, st);
@@ -509,7 +497,6 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
     red = &host;
   }
   copies_t c = {0};
-  if (st == STATUS_OK && !parked) st = copies_new(&c, g->n);
   int64_t off = 0;
   for (int i = 0; i < g->n && st == STATUS_OK && !parked; i++) {
     fsdp_param_t *fp = &g->params[i];
