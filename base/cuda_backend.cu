@@ -166,12 +166,9 @@ struct copy_table {
 static_assert(sizeof(copy_table) <= 4096, "a kernel's arguments: at most 4 KB");
 
 __global__ static void copy_many_kernel(copy_table t) {
-  int i = 0;
-  while (i + 1 < t.count && (int)blockIdx.x >= t.e[i + 1].first_block) i++;
-  const copy_entry &x = t.e[i];
-  int64_t nb = (i + 1 < t.count ? t.e[i + 1].first_block : (int)gridDim.x) - x.first_block;
-  int64_t first = (blockIdx.x - x.first_block) * (int64_t)blockDim.x + threadIdx.x;
-  int64_t step = nb * blockDim.x;
+  int64_t b, nb;
+  const copy_entry &x = t.e[table_entry(t, &b, &nb)];
+  int64_t first = b * blockDim.x + threadIdx.x, step = nb * blockDim.x;
   if (x.dst_dt == x.src_dt) {
     int64_t bytes = x.n * x.elem_size;
     const char *s = (const char *)x.src;

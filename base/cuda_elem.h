@@ -1,7 +1,8 @@
 /*
  * Private to the CUDA sources of base/: typed loads and stores of the float dtypes, for kernels
- * instantiated per storage type (no per-element dtype switch in their loops). The conversions
- * are those of dtype_load and dtype_store: to f32 exactly, from f32 rounding to nearest even.
+ * instantiated per storage type (no per-element dtype switch in their loops), and the blocks of
+ * a many-tensor launch. The conversions are those of dtype_load and dtype_store: to f32
+ * exactly, from f32 rounding to nearest even.
  */
 #ifndef FSDPC_BASE_CUDA_ELEM_H
 #define FSDPC_BASE_CUDA_ELEM_H
@@ -39,5 +40,17 @@ template <typename T, int N = 16 / sizeof(T)>
 struct alignas(N * sizeof(T)) pack {
   T v[N];
 };
+
+/* The entry of a many-tensor table (entry i owns blocks [e[i].first_block, e[i + 1].first_block),
+ * the last one up to the grid's end) this block works on, and the block's place b among the
+ * entry's nb blocks. */
+template <typename Table>
+__device__ static int table_entry(const Table &t, int64_t *b, int64_t *nb) {
+  int i = 0;
+  while (i + 1 < t.count && (int64_t)blockIdx.x >= t.e[i + 1].first_block) i++;
+  *b = blockIdx.x - t.e[i].first_block;
+  *nb = (i + 1 < t.count ? t.e[i + 1].first_block : (int64_t)gridDim.x) - t.e[i].first_block;
+  return i;
+}
 
 #endif

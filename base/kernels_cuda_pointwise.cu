@@ -181,18 +181,6 @@ struct adamw_table {
 };
 static_assert(sizeof(adamw_table) <= 4096, "a kernel's arguments: at most 4 KB");
 
-/* The entry of a many-tensor table (entry i owns blocks [e[i].first_block, e[i + 1].first_block),
- * the last one up to the grid's end) this block works on, and the block's place b among the
- * entry's nb blocks. */
-template <typename Table>
-__device__ static int table_entry(const Table &t, int64_t *b, int64_t *nb) {
-  int i = 0;
-  while (i + 1 < t.count && (int64_t)blockIdx.x >= t.e[i + 1].first_block) i++;
-  *b = blockIdx.x - t.e[i].first_block;
-  *nb = (i + 1 < t.count ? t.e[i + 1].first_block : (int64_t)gridDim.x) - t.e[i].first_block;
-  return i;
-}
-
 __global__ static void adamw_many_kernel(adamw_table t) {
   int64_t b, nb;
   const adamw_entry &x = t.e[table_entry(t, &b, &nb)];
