@@ -304,7 +304,8 @@ status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n) {
   if (n < 0) return err_set(STATUS_EINVAL, "copy: %d pairs", n);
   if (n == 0) return STATUS_OK;
   device_t dev = dst[0].device;
-  bool together = backend_of(dev)->copy_many != NULL && n > 1;
+  const backend_t *be = backend_of(dev);
+  bool together = be->copy_many != NULL && n > 1;
   for (int i = 0; i < n; i++) {
     char a[96], b[96];
     if (!tensor_same_shape(&dst[i], &src[i]))
@@ -330,7 +331,6 @@ status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n) {
     bytes += (double)tensor_numel(&dst[i]) *
              (double)(dtype_size(dst[i].dtype) + dtype_size(src[i].dtype));
   }
-  const backend_t *be = backend_of(dev);
   status_t st;
   if (m == 0) {
     st = STATUS_OK;

@@ -130,8 +130,7 @@ static status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
   double sum = 0, l = 0;
   status_t st = STATUS_OK;
   data_spec_t one = *spec;
-  one.batch_size = r->plan.eval_batch_size;
-  one.grad_accum = 1;
+  one.batch_size = r->plan.eval_batch_size; /* llama_eval_batch takes one micro-batch */
   for (int64_t b = 0; b < r->plan.eval_batches && st == STATUS_OK; b++) {
     st = llama_eval_batch(r->model, r->eval, &one, b, &l);
     sum += l;
