@@ -147,14 +147,11 @@ static status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
 /* What dir's train_state.json (saved_under) records of the run that saved it: its global
  * batch (0 when unknown) and its data order (train_data_order; "" when unknown). */
 static void read_saved_run(const char *dir, int64_t *batch, char *order, size_t n) {
-  char path[PLAN_PATH_MAX + 64], *text = NULL;
+  char *text = NULL;
   *batch = 0;
   order[0] = 0;
-  snprintf(path, sizeof path, "%s/train_state.json", dir);
-  if (file_read_text(path, FILE_TEXT_MAX, &text) != STATUS_OK) {
-    err_clear();
-    return;
-  }
+  if (ckpt_state_text(dir, &text) != STATUS_OK) err_clear();
+  if (text == NULL) return;
   cJSON *o = cJSON_Parse(text);
   free(text);
   const cJSON *under = cJSON_GetObjectItemCaseSensitive(o, "saved_under");
