@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/kernels.h"
 #include "nn/ops.h"
 #include "tests/dist/fsdp_common.h"
 
@@ -502,6 +503,11 @@ static Suite *make_suite(void) {
     if (world_device().type != DEVICE_CUDA) {
       harness_skip("no CUDA device");
     } else {
+      /* cuDNN's attention backward adds dq with atomics: the reference and the sharded run
+       * would differ in last bits that ten bf16 steps grow past the tolerances. These tests
+       * compare FSDP's data path, so attention takes the deterministic plan (cuDNN's is checked
+       * against the CPU by kernels-gpu and llama-gpu). */
+      kernel_attention_set_fused(false);
       tcase_add_test(tc, training_parity_reshard);
       tcase_add_test(tc, training_parity_no_reshard_tied);
       tcase_add_test(tc, training_parity_checkpointed_frozen);
