@@ -11,6 +11,7 @@
  * With --offload (CUDA) the sharded state lives on the host; its memory is printed too.
  */
 #include "bench/bench_util.h"
+#include "dtensor/placement.h"
 #include "fully_shard/fsdp.h"
 #include "mesh/world.h"
 #include "nn/optim.h"
@@ -79,6 +80,159 @@ static double device_copy_rate(device_t dev) {
   tensor_free(&a);
   tensor_free(&b);
   return best;
+}
+
+static void out_of_memory(void) {
+  fprintf(stderr, "bench-fsdp-step: out of host memory\n");
+  exit(1);
+}
+
+/* A list of copies for tensor_copy_many; it owns its tensors. */
+typedef struct copy_list {
+  tensor_t *dst, *src;
+  int n, cap;
+  double bytes; /* read and written */
+} copy_list_t;
+
+/* Adds the copy of rows [start, start + len) of full (viewed as rows of `row` elements) to or
+ * from flat at element pos. */
+static void list_add(copy_list_t *l, tensor_t *full, tensor_t *flat, int64_t start, int64_t len,
+                     int64_t row, int64_t pos, bool to_flat) {
+  if (len == 0) return;
+  if (l->n == l->cap) {
+    l->cap = l->cap ? 2 * l->cap : 64;
+    l->dst = realloc(l->dst, sizeof *l->dst * (size_t)l->cap);
+    l->src = realloc(l->src, sizeof *l->src * (size_t)l->cap);
+    if (l->dst == NULL || l->src == NULL) out_of_memory();
+  }
+  int64_t shape[TENSOR_MAX_DIMS];
+  memcpy(shape, full->shape, sizeof shape);
+  shape[0] = len;
+  tensor_t rows, slot, slot_nd;
+  BENCH_TRY(tensor_narrow(&rows, full, 0, start, len));
+  BENCH_TRY(tensor_narrow(&slot, flat, 0, pos, len * row));
+  BENCH_TRY(tensor_view(&slot_nd, &slot, full->ndim, shape));
+  tensor_free(&slot);
+  l->dst[l->n] = to_flat ? slot_nd : rows;
+  l->src[l->n++] = to_flat ? rows : slot_nd;
+  l->bytes += (double)(len * row) * (double)(dtype_size(full->dtype) + dtype_size(flat->dtype));
+}
+
+static void list_free(copy_list_t *l) {
+  for (int i = 0; i < l->n; i++) {
+    tensor_free(&l->dst[i]);
+    tensor_free(&l->src[i]);
+  }
+  free(l->dst);
+  free(l->src);
+}
+
+enum { COPY_IN, COPY_OUT, COPY_PACK, COPY_KINDS };
+
+/* The copy lists fully_shard makes for one group of parameters ps[0..n) on rank 0 of W:
+ * copy-in (its shards, in their dtype sdt, cast into its block of the gather buffer in pdt),
+ * copy-out (every rank's rows out of the gather buffer into the unsharded parameters) and
+ * reduce-scatter packing (every rank's rows of the unsharded gradients, in pdt, into the send
+ * buffer in rdt), each padded to the chunk rule's rows. Buffers on dev. */
+static void group_lists(nn_param_t **ps, int n, int W, dtype_t sdt, dtype_t pdt, dtype_t rdt,
+                        device_t dev, copy_list_t *lists) {
+  int64_t flat = 0;
+  for (int i = 0; i < n; i++) {
+    const int64_t *shape = dtensor_shape(ps[i]->value);
+    int64_t row = 1;
+    for (int k = 1; k < dtensor_ndim(ps[i]->value); k++) row *= shape[k];
+    flat += chunk_size(shape[0], W) * row;
+  }
+  int64_t total = flat * W;
+  tensor_t gather, send;
+  BENCH_TRY(tensor_zeros(&gather, pdt, dev, 1, &total));
+  BENCH_TRY(tensor_zeros(&send, rdt, dev, 1, &total));
+  int64_t off = 0;
+  for (int i = 0; i < n; i++) {
+    int nd = dtensor_ndim(ps[i]->value);
+    const int64_t *shape = dtensor_shape(ps[i]->value);
+    int64_t row = 1;
+    for (int k = 1; k < nd; k++) row *= shape[k];
+    int64_t rows = chunk_size(shape[0], W), padded[TENSOR_MAX_DIMS];
+    memcpy(padded, shape, sizeof(int64_t) * (size_t)nd);
+    padded[0] = rows;
+    tensor_t shard, full, grad;
+    BENCH_TRY(tensor_zeros(&shard, sdt, dev, nd, padded));
+    BENCH_TRY(tensor_zeros(&full, pdt, dev, nd, shape));
+    BENCH_TRY(tensor_zeros(&grad, pdt, dev, nd, shape));
+    list_add(&lists[COPY_IN], &shard, &gather, 0, rows, row, off, true);
+    for (int r = 0; r < W; r++) {
+      int64_t start, len;
+      chunk_range(shape[0], W, r, &start, &len);
+      list_add(&lists[COPY_OUT], &full, &gather, start, len, row, r * flat + off, false);
+      list_add(&lists[COPY_PACK], &grad, &send, start, len, row, r * flat + off, true);
+    }
+    tensor_free(&shard);
+    tensor_free(&full);
+    tensor_free(&grad);
+    off += rows * row;
+  }
+  tensor_free(&gather);
+  tensor_free(&send);
+}
+
+/* FSDP's copy lists of the whole model (one group per decoder layer, one for the rest) run
+ * alone, each kind back to back over the groups, and their rate (bytes read and written per
+ * second, the best of five) against dev_rate. The step's own figure above runs them beside the
+ * compute they overlap; this one is the kernels'. */
+static void fsdp_copy_lists(nn_param_t **ps, int n, int W, dtype_t sdt, dtype_t pdt, dtype_t rdt,
+                            device_t dev, double dev_rate) {
+  nn_param_t **grp = malloc(sizeof *grp * (size_t)n);
+  copy_list_t *lists = calloc((size_t)COPY_KINDS * 65, sizeof *lists);
+  if (grp == NULL || lists == NULL) out_of_memory();
+  int ng = 0;
+  for (int layer = -1;; layer++) { /* -1: the parameters outside the decoder layers */
+    char prefix[48];
+    snprintf(prefix, sizeof prefix, "model.layers.%d.", layer);
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+      bool in_layer = strncmp(ps[i]->fqn, "model.layers.", 13) == 0;
+      if (layer < 0 ? !in_layer : strncmp(ps[i]->fqn, prefix, strlen(prefix)) == 0)
+        grp[k++] = ps[i];
+    }
+    if (k == 0 && layer >= 0) break;
+    if (ng == 65) {
+      fprintf(stderr, "bench-fsdp-step: the copy lists take 64 layers at most\n");
+      exit(1);
+    }
+    group_lists(grp, k, W, sdt, pdt, rdt, dev, &lists[COPY_KINDS * ng++]);
+  }
+  static const char *names[] = {"copy-in (shards cast into the gather buffer)",
+                                "copy-out (gather buffer into the parameters)",
+                                "packing (gradients into the reduce-scatter buffer)"};
+  double all_bytes = 0, all_s = 0;
+  for (int kind = 0; kind < COPY_KINDS; kind++) {
+    double bytes = 0, best = 1e30;
+    int launches = 0;
+    for (int g = 0; g < ng; g++) bytes += lists[COPY_KINDS * g + kind].bytes;
+    for (int rep = 0; rep < 6; rep++) {
+      BENCH_TRY(device_stream_sync(dev));
+      double t0 = bench_now();
+      for (int g = 0; g < ng; g++) {
+        copy_list_t *l = &lists[COPY_KINDS * g + kind];
+        BENCH_TRY(tensor_copy_many(l->dst, l->src, l->n));
+        launches += rep == 0;
+      }
+      BENCH_TRY(device_stream_sync(dev));
+      double t = bench_now() - t0;
+      if (rep > 0 && t < best) best = t; /* the first warms up */
+    }
+    all_bytes += bytes;
+    all_s += best;
+    printf("  %-52s %7.1f MB in %2d lists: %7.1f GB/s, %3.0f%% of it\n", names[kind], bytes / 1e6,
+           launches, bytes / best / 1e9, dev_rate > 0 ? 100 * bytes / best / 1e9 / dev_rate : 0);
+  }
+  printf("  %-52s %7.1f MB: %7.1f GB/s, %3.0f%% of it\n", "all three", all_bytes / 1e6,
+         all_bytes / all_s / 1e9, dev_rate > 0 ? 100 * all_bytes / all_s / 1e9 / dev_rate : 0);
+  for (int g = 0; g < ng; g++)
+    for (int kind = 0; kind < COPY_KINDS; kind++) list_free(&lists[COPY_KINDS * g + kind]);
+  free(lists);
+  free(grp);
 }
 
 int main(int argc, char **argv) {
@@ -216,14 +370,19 @@ int main(int argc, char **argv) {
                  : "");
     if (nbatch > 0)
       printf(
-          "  FSDP's copy-in, copy-out and packing, batched: %lld launches at %.1f GB/s, %.0f%% "
-          "of it\n",
+          "  FSDP's copy-in, copy-out and packing, batched, beside the compute they overlap: "
+          "%lld launches at %.1f GB/s, %.0f%% of it\n",
           (long long)nbatch, rbatch, dev_rate > 0 ? 100 * rbatch / dev_rate : 0.0);
     printf("  one by one, same dtype: %lld copies at %.1f GB/s, %.0f%% of it\n", (long long)nc, rc,
            dev_rate > 0 ? 100 * rc / dev_rate : 0.0);
     if (ncast > 0)
       printf("  one by one, casts:      %lld copies at %.1f GB/s, %.0f%% of it\n", (long long)ncast,
              rcast, dev_rate > 0 ? 100 * rcast / dev_rate : 0.0);
+  }
+  if (rank == 0) {
+    printf("FSDP's copy lists for this model on rank 0 of %d, alone (tensor_copy_many, %s):\n", Ws,
+           dev.type == DEVICE_CUDA ? "one launch a list" : "one copy at a time");
+    fsdp_copy_lists(ps, n, Ws, lopt.dtype, pdt, lopt.dtype, dev, dev_rate);
   }
   if (rank == 0)
     printf(
