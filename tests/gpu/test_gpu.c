@@ -351,8 +351,8 @@ static void CUDART_CB hold_stream(void *arg) {
  * the job's stop. (A stand-in for a peer that never joins, which one GPU cannot have; the CPU
  * twin is test_device_wait. NCCL's abort waits for the device's pending work, which a stuck
  * NCCL kernel ends when aborted but a held stream does not: the hold ends at its bound, which
- * the wait's time shows (3 s on an H200 with NCCL 2.28). The stream is held after the
- * collective: held before it, the collective's enqueue waits for it too.) */
+ * the wait's time shows (3 s on an H200 with NCCL 2.28); unbounded, the abort would wait for
+ * the hold and the hold for the test's end.) */
 START_TEST(nccl_abort_ends_a_stuck_wait) {
   mesh_t *mesh = NULL;
   ck_assert_int_eq(mesh_init(&mesh, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA),
