@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "base/file.h"
+#include "checkpoint/safetensors_meta.h"
 
 /* ---- dtypes ---- */
 
@@ -42,10 +43,6 @@ const char *st_dtype_name(dtype_t dtype) { return dtype_st_name(dtype); }
 
 /* ---- reader ---- */
 
-typedef struct meta {
-  char *key, *value;
-} meta_t;
-
 struct st_file {
   char *path;
   FILE *fp;
@@ -53,7 +50,7 @@ struct st_file {
   st_info_t *t;
   int n;
   int *by_name; /* indexes into t, sorted by name */
-  meta_t *meta;
+  st_meta_t *meta;
   int n_meta;
   uint64_t bytes_read; /* tensor data read so far */
 };
@@ -64,13 +61,9 @@ void st_close(st_file_t *f) {
   for (int i = 0; i < f->n; i++) {
     free((char *)f->t[i].name);
   }
-  for (int i = 0; i < f->n_meta; i++) {
-    free(f->meta[i].key);
-    free(f->meta[i].value);
-  }
+  st_meta_free(f->meta, f->n_meta);
   free(f->t);
   free(f->by_name);
-  free(f->meta);
   free(f->path);
   free(f);
 }
@@ -147,13 +140,13 @@ static status_t parse_metadata(st_file_t *f, const cJSON *m) {
   if (!cJSON_IsObject(m))
     return err_set(STATUS_EFORMAT, "%s: __metadata__ is not an object", f->path);
   int n = cJSON_GetArraySize(m);
-  if ((f->meta = calloc((size_t)(n ? n : 1), sizeof(meta_t))) == NULL)
+  if ((f->meta = calloc((size_t)(n ? n : 1), sizeof(st_meta_t))) == NULL)
     return err_set(STATUS_ENOMEM, "out of host memory");
   for (const cJSON *it = m->child; it; it = it->next) {
     if (!cJSON_IsString(it))
       return err_set(STATUS_EFORMAT, "%s: __metadata__ value of '%s' is not a string", f->path,
                      it->string);
-    meta_t *e = &f->meta[f->n_meta++];
+    st_meta_t *e = &f->meta[f->n_meta++];
     if ((e->key = strdup(it->string)) == NULL || (e->value = strdup(it->valuestring)) == NULL)
       return err_set(STATUS_ENOMEM, "out of host memory");
   }
@@ -273,9 +266,8 @@ const st_info_t *st_find(const st_file_t *f, const char *name) {
 }
 
 const char *st_metadata(const st_file_t *f, const char *key) {
-  for (int i = 0; i < f->n_meta; i++)
-    if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
-  return NULL;
+  int i = st_meta_find(f->meta, f->n_meta, key);
+  return i < 0 ? NULL : f->meta[i].value;
 }
 
 static status_t find_or_fail(st_file_t *f, const char *name, const st_info_t **out) {

@@ -10,10 +10,7 @@
 #include <unistd.h>
 
 #include "base/file.h"
-
-typedef struct meta {
-  char *key, *value;
-} meta_t;
+#include "checkpoint/safetensors_meta.h"
 
 typedef struct wentry {
   char *name;
@@ -27,7 +24,7 @@ typedef struct wentry {
 struct st_writer {
   wentry_t *e;
   int n, cap;
-  meta_t *meta;
+  st_meta_t *meta;
   int n_meta;
   FILE *fp;   /* between st_writer_begin and st_writer_finish */
   char *path; /* the file being written, and its temporary */
@@ -52,12 +49,8 @@ void st_writer_free(st_writer_t *w) {
     free(w->e[i].name);
     tensor_free(&w->e[i].t);
   }
-  for (int i = 0; i < w->n_meta; i++) {
-    free(w->meta[i].key);
-    free(w->meta[i].value);
-  }
   free(w->e);
-  free(w->meta);
+  st_meta_free(w->meta, w->n_meta);
   free(w);
 }
 
@@ -121,18 +114,18 @@ status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int 
 }
 
 status_t st_writer_set_metadata(st_writer_t *w, const char *key, const char *value) {
-  for (int i = 0; i < w->n_meta; i++)
-    if (strcmp(w->meta[i].key, key) == 0) {
-      char *v = strdup(value);
-      if (v == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-      free(w->meta[i].value);
-      w->meta[i].value = v;
-      return STATUS_OK;
-    }
-  meta_t *p = realloc(w->meta, sizeof(meta_t) * (size_t)(w->n_meta + 1));
+  int i = st_meta_find(w->meta, w->n_meta, key);
+  if (i >= 0) {
+    char *v = strdup(value);
+    if (v == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+    free(w->meta[i].value);
+    w->meta[i].value = v;
+    return STATUS_OK;
+  }
+  st_meta_t *p = realloc(w->meta, sizeof(st_meta_t) * (size_t)(w->n_meta + 1));
   if (p == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   w->meta = p;
-  meta_t *m = &w->meta[w->n_meta];
+  st_meta_t *m = &w->meta[w->n_meta];
   m->key = strdup(key);
   m->value = strdup(value);
   if (m->key == NULL || m->value == NULL) {
