@@ -200,9 +200,9 @@ static int rmsnorm_case(device_t dev, dtype_t dt, tensor_t *o, int64_t rows, int
   return 4;
 }
 
-/* The backward's dw: a block per row (170 rows), blocks of two or three rows (1,300 rows, more
- * than the 512 blocks), and rows too long for its sums in shared memory (12,300 columns: dw in
- * a pass of its own). */
+/* The backward's dw over blocks of 64 rows, the last one short (170 and 1,300 rows), a single
+ * short block (9 rows), and rows longer than a block's threads cover in one stride (12,300
+ * columns). */
 static int k_rmsnorm(device_t dev, dtype_t dt, tensor_t *o) {
   int n = rmsnorm_case(dev, dt, o, 170, 333);
   n += rmsnorm_case(dev, dt, o + n, 9, 256);
