@@ -179,7 +179,9 @@ static void group_lists(nn_param_t **ps, int n, int W, dtype_t sdt, dtype_t pdt,
 /* FSDP's copy lists of the whole model (one group per decoder layer, one for the rest) run
  * alone, each kind back to back over the groups, and their rate (bytes read and written per
  * second, the best of five) against dev_rate. The step's own figure above runs them beside the
- * compute they overlap; this one is the kernels'. */
+ * compute they overlap; this one is the kernels'. Timed on the host from a synchronised device
+ * to the end of the kind's last launch, so the launch latency counts against them (dev_rate's
+ * copy is timed by device events). */
 static void fsdp_copy_lists(nn_param_t **ps, int n, int W, dtype_t sdt, dtype_t pdt, dtype_t rdt,
                             device_t dev, double dev_rate) {
   nn_param_t **grp = malloc(sizeof *grp * (size_t)n);
