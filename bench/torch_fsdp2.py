@@ -4,12 +4,14 @@ fsdp-train.
 
   torch_fsdp2.py --config configs/llama-100m.json --data TOKENS.u16 [--batch 8] [--seq 1024]
                  [--steps 30] [--warmup 5] [--param-dtype bf16] [--reduce-dtype f32]
-                 [--lr 3e-4] [--device cuda|cpu] [--no-fsdp]
+                 [--lr 3e-4] [--device cuda|cpu] [--no-fsdp] [--compile]
 
 The model is the Llama of a Hugging Face config (RMSNorm, rotary embedding with rotate_half,
 grouped-query attention through torch's scaled_dot_product_attention with is_causal, SwiGLU,
 untied or tied head), as PyTorch users write it. It is trained the way TorchTitan does:
-fully_shard on every decoder layer, then on the root, with
+with --compile each decoder layer goes through torch.compile first (torch >= 2.0; the
+warmup steps then include the compilation), then fully_shard on every decoder layer, then on
+the root, with
 MixedPrecisionPolicy(param_dtype, reduce_dtype); AdamW (betas 0.9/0.95, weight decay 0.1, none
 on the norms); gradient clipping at 1.0; the loss in f32. A batch is `batch` windows of `seq`
 tokens (plus the next one) from the little-endian uint16 token file. One process is a world
@@ -156,9 +158,14 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--no-fsdp", action="store_true", help="eager, without fully_shard")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each decoder layer before fully_shard")
     a = ap.parse_args()
     if a.steps <= a.warmup or a.warmup < 0 or a.batch < 1 or a.seq < 1:
         ap.error("need batch, seq >= 1 and steps > warmup >= 0")
+    if a.compile and not hasattr(torch, "compile"):
+        sys.exit("torch_fsdp2.py: --compile needs torch.compile (torch >= 2.0); this is torch %s"
+                 % torch.__version__)
     with open(a.config) as f:
         cfg = json.load(f)
     cuda = a.device == "cuda"
@@ -187,6 +194,9 @@ def main():
     for n, p in model.named_parameters():
         if "norm" not in n:
             nn.init.normal_(p, std=0.02)
+    if a.compile:  # each block compiled alone, then wrapped: TorchTitan's order
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer)
     if not a.no_fsdp:
         fully_shard = None
         for where in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
@@ -249,7 +259,8 @@ def main():
            "first_loss": losses[0], "last_loss": losses[-1],
            "params": sum(p.numel() for p in model.parameters()),
            "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "torch": torch.__version__, "world": world, "fsdp": not a.no_fsdp}
+           "torch": torch.__version__, "world": world, "fsdp": not a.no_fsdp,
+           "compile": a.compile}
     if rank == 0:
         print(json.dumps(out), flush=True)
     if not a.no_fsdp:

@@ -6,7 +6,7 @@ Both train the same Llama, batch, mixed precision and optimizer.
   vs_torch_gpu.py [--exe build/tools/fsdp-train] [--config configs/llama-100m.json]
                   [--batch 8] [--seq 1024] [--steps 30] [--warmup 5] [--param-dtype bf16]
                   [--reduce-dtype f32] [--python PYTHON] [--peak-tflops X] [--keep DIR]
-                  [--profile]
+                  [--profile] [--torch-compile]
 
 Both sides train the config's Llama (a Hugging Face config.json) at world size 1 on the first
 visible GPU: fully_shard on every decoder layer and on the root with the same mixed-precision
@@ -17,7 +17,9 @@ the accounting layer's peak bytes); torch runs bench/torch_fsdp2.py with PYTHON 
 interpreter). Printed for each: the median tokens/s of the steps after the warmup ones, MFU
 (6 x parameters x tokens/s over the GPU's dense bf16 peak: 989 TFLOP/s for H100 SXM and H200,
 or --peak-tflops), peak memory and the first and last loss; then fsdpc's ratio to torch.
-With --profile fsdp-train runs under FSDPC_PROFILE=1 and its kernel table (device time per
+With --torch-compile torch also runs a second time with each decoder layer through
+torch.compile before fully_shard (TorchTitan's order), printed as a third row with fsdpc's ratio
+to it. With --profile fsdp-train runs under FSDPC_PROFILE=1 and its kernel table (device time per
 kernel, summed over the run) is printed first (the timers add a little to its tokens/s).
 Then attention alone: bench-attention against torch's scaled_dot_product_attention at B=8,
 T=1024, 16 heads of 128, causal, bf16 (median forward and forward + backward times, and the
@@ -125,7 +127,7 @@ def run_fsdpc(a, plan, metrics):
             "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"]}
 
 
-def run_torch(a, data):
+def run_torch(a, data, compile_layers=False):
     try:
         subprocess.run([a.python, "-c", "import torch"], check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError):
@@ -133,8 +135,12 @@ def run_torch(a, data):
     p = subprocess.run([a.python, os.path.join(ROOT, "bench", "torch_fsdp2.py"), "--config",
                         a.config, "--data", data, "--batch", str(a.batch), "--seq", str(a.seq),
                         "--steps", str(a.steps), "--warmup", str(a.warmup), "--param-dtype",
-                        a.param_dtype, "--reduce-dtype", a.reduce_dtype],
+                        a.param_dtype, "--reduce-dtype", a.reduce_dtype] +
+                       (["--compile"] if compile_layers else []),
                        capture_output=True, text=True)
+    if p.returncode != 0 and compile_layers:  # the plain run's figures still stand
+        return None, "torch_fsdp2.py --compile failed (exit %d): %s" % (
+            p.returncode, (p.stderr.strip().splitlines() or ["no output"])[-1])
     if p.returncode != 0:
         sys.exit("torch_fsdp2.py failed (exit %d):\n%s" % (p.returncode, p.stderr[-3000:]))
     return json.loads(p.stdout.strip().splitlines()[-1]), None
@@ -226,6 +232,8 @@ def main():
     ap.add_argument("--matmul-exe", help="bench-matmul (default: beside --exe's build)")
     ap.add_argument("--profile", action="store_true",
                     help="run fsdp-train with FSDPC_PROFILE=1 and print its kernel table")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="also run torch with torch.compile on each decoder layer")
     a = ap.parse_args()
     bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(a.exe))), "bench")
     a.attention_exe = a.attention_exe or os.path.join(bench_dir, "bench-attention")
@@ -256,6 +264,9 @@ def main():
             sys.exit("fsdp-train --dry-run failed:\n" + p.stderr[-3000:])
         ours = run_fsdpc(a, plan, os.path.join(work, "metrics.jsonl"))
         theirs, why = run_torch(a, data)
+        compiled, why_not = None, None
+        if theirs and a.torch_compile:
+            compiled, why_not = run_torch(a, data, True)
         name = gpu_name() or (theirs or {}).get("device", "")
         peak = peak_tflops(name, a.peak_tflops)
         nparams = params_of(cfg)
@@ -266,6 +277,8 @@ def main():
         sides = [("fsdpc fsdp-train", ours)]
         if theirs:
             sides.append(("torch %s FSDP2" % theirs["torch"], theirs))
+        if compiled:
+            sides.append(("  + torch.compile", compiled))
         for label, r in sides:
             mfu = ("%6.2f%%" % (100 * 6 * nparams * r["tokens_per_s"] / (peak * 1e12))
                    if peak else "     ?")
@@ -275,6 +288,11 @@ def main():
         if theirs:
             print("fsdpc / torch FSDP2: %.3fx tokens/s" % (ours["tokens_per_s"] /
                                                            theirs["tokens_per_s"]))
+        if compiled:
+            print("fsdpc / torch FSDP2 + torch.compile: %.3fx tokens/s" % (
+                ours["tokens_per_s"] / compiled["tokens_per_s"]))
+        elif why_not:
+            print("torch.compile: not run (%s)" % why_not)
         else:
             print("torch: not run (%s)" % why)
         if not peak:

@@ -8,6 +8,7 @@
 #   compare       bench/vs_torch_gpu.py on configs/llama-100m.json, 8 x 1024, bf16/f32, with
 #                 the kernel profile (then attention and the matrix products alone)
 #   compare-0.9b  the same on configs/llama-0.9b.json, without the profile
+#   compile-0.9b  compare-0.9b with torch also run under torch.compile (a third row)
 #   tests         every suite (meson test)
 #   fsdp-step     bench-fsdp-step on llama-100m at 8 x 1024, bf16
 # SESSION_BUDGET_S (default 570) bounds the whole command: a stage that could not end in what
@@ -28,9 +29,10 @@ export PYTHONUNBUFFERED=1
 if [ $# -eq 0 ]; then set -- suites compare fsdp-step; fi
 for s in "$@"; do
   case "$s" in
-    suites | compare | compare-0.9b | tests | fsdp-step) ;;
+    suites | compare | compare-0.9b | compile-0.9b | tests | fsdp-step) ;;
     *)
-      echo "device-session: unknown stage '$s' (suites, compare, compare-0.9b, tests, fsdp-step)" >&2
+      echo "device-session: unknown stage '$s' (suites, compare, compare-0.9b, compile-0.9b," \
+        "tests, fsdp-step)" >&2
       exit 2
       ;;
   esac
@@ -76,6 +78,9 @@ for s in "$@"; do
     suites) run suites 300 meson test -C build-gpu --suite gpu --print-errorlogs ;;
     compare) run compare 300 "$python" "${vs[@]}" --profile ;;
     compare-0.9b) run compare-0.9b 400 "$python" "${vs[@]}" --config configs/llama-0.9b.json ;;
+    compile-0.9b)
+      run compile-0.9b 540 "$python" "${vs[@]}" --config configs/llama-0.9b.json --torch-compile
+      ;;
     tests) run tests 540 meson test -C build-gpu --print-errorlogs ;;
     fsdp-step)
       run fsdp-step 180 build-gpu/bench/bench-fsdp-step --device cuda --param-dtype bf16 \
