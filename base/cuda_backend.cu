@@ -164,11 +164,7 @@ struct copy_entry {
   int8_t dst_dt, src_dt, elem_size;
 };
 
-struct copy_table {
-  int count;
-  copy_entry e[kCopyTable];
-};
-static_assert(sizeof(copy_table) <= 4096, "a kernel's arguments: at most 4 KB");
+typedef entry_table<copy_entry, kCopyTable> copy_table;
 
 __global__ static void copy_many_kernel(copy_table t) {
   int64_t b, nb;

@@ -41,11 +41,20 @@ struct alignas(N * sizeof(T)) pack {
   T v[N];
 };
 
+/* A many-tensor kernel's argument: count entries of up to N, each with its first_block, passed
+ * by value (table_entry checks that it fits a kernel's 4 KB of arguments). */
+template <typename Entry, int N>
+struct entry_table {
+  int count;
+  Entry e[N];
+};
+
 /* The entry of a many-tensor table (entry i owns blocks [e[i].first_block, e[i + 1].first_block),
  * the last one up to the grid's end) this block works on, and the block's place b among the
  * entry's nb blocks. */
 template <typename Table>
 __device__ static int table_entry(const Table &t, int64_t *b, int64_t *nb) {
+  static_assert(sizeof(Table) <= 4096, "a kernel's arguments: at most 4 KB");
   int i = 0;
   while (i + 1 < t.count && (int64_t)blockIdx.x >= t.e[i + 1].first_block) i++;
   *b = blockIdx.x - t.e[i].first_block;

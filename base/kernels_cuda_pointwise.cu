@@ -175,11 +175,7 @@ struct adamw_entry {
   adamw_consts c;
 };
 
-struct adamw_table {
-  int count;
-  adamw_entry e[kAdamwTable];
-};
-static_assert(sizeof(adamw_table) <= 4096, "a kernel's arguments: at most 4 KB");
+typedef entry_table<adamw_entry, kAdamwTable> adamw_table;
 
 __global__ static void adamw_many_kernel(adamw_table t) {
   int64_t b, nb;
@@ -215,11 +211,7 @@ struct ssq_entry {
   float *partial; /* its kSsqBlocks partials */
 };
 
-struct ssq_table {
-  int count;
-  ssq_entry e[kSsqTable];
-};
-static_assert(sizeof(ssq_table) <= 4096, "a kernel's arguments: at most 4 KB");
+typedef entry_table<ssq_entry, kSsqTable> ssq_table;
 
 __global__ static void sum_squares_many_kernel(ssq_table t) {
   int64_t b, nb;
