@@ -42,4 +42,13 @@ int check_counts(int step, const char *what, const pg_counters_t *got, const pg_
 /* Forward, loss scaled by 1/grad_accum, backward of one micro-batch; returns the loss. */
 double fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro);
 
+/* The single-rank reference's part of micro-step `micro`: the global micro-batch of the
+ * data-parallel spec `local`, taken as local->dp_size micro-batches of local->batch_size
+ * samples, the shapes each rank computes (tests/README.md, "Reference shapes"); returns their
+ * mean loss. The gradients then hold dp_size times the sharded run's: ref_average_grads
+ * divides them once the step's micro-steps are done. */
+double ref_fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *local, int64_t step,
+                   int64_t micro);
+void ref_average_grads(const run_t *r, int dp_size);
+
 #endif

@@ -140,7 +140,6 @@ static void parity(const plan_t *pl) {
   data_t *d;
   ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
   const int B = 2;
-  data_spec_t gspec = {.batch_size = B * W, .seq_len = 16, .grad_accum = pl->accum, .dp_size = 1};
   int dp_rank = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
                         : mesh_coord(mesh, 0);
   data_spec_t lspec = {
@@ -212,7 +211,7 @@ static void parity(const plan_t *pl) {
         fsdp_set_is_last_backward(llama_module(sh.m), last);
       else
         fsdp_set_requires_gradient_sync(llama_module(sh.m), last);
-      lref += fwd_bwd(ref.m, d, &gspec, s, m) / pl->accum;
+      lref += ref_fwd_bwd(ref.m, d, &lspec, s, m) / pl->accum;
       lsh += fwd_bwd(sh.m, d, &lspec, s, m) / pl->accum;
       if (pl->last_backward && m == 0) { /* the root's reduction (the last) is still in flight */
         if (root_param->grad != NULL || block_param->grad == NULL) bad++;
@@ -242,6 +241,7 @@ static void parity(const plan_t *pl) {
       if (rep_pg) bad += check_counts(s, "replicate", &got_r, &want_r);
       bad += check_counts(s, "post-forward", &got_p, &want_p);
     }
+    ref_average_grads(&ref, W);
     MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     lsh = lsum / W;
     if (fabs(lsh - lref) > tol * fabs(lref)) {

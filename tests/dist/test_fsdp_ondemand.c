@@ -8,7 +8,10 @@
  * mid-training equals the single-rank parameter, and a whole value written into it with
  * nn_param_copy_full lands in both runs alike; replacing a sharded parameter by hand, a value
  * of the wrong shape and a write while a step has it gathered are refused. The same path inside the
- * model's own forward (a parent using its children) holds the same way.
+ * model's own forward (a parent using its children) holds the same way. The single-rank
+ * reference takes each global batch as one micro-batch per data-parallel rank, with the
+ * ranks' shapes, so any BLAS kernel rounds both runs alike (tests/README.md, "Reference
+ * shapes").
  */
 #include <math.h>
 #include <stdio.h>
@@ -75,9 +78,11 @@ static status_t forward_with_aux(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn
   return st;
 }
 
-/* OUTSIDE, REGISTERED: loss = CE(model(ids)) + CE(aux); INSIDE: loss = CE(model(ids) + aux). */
+/* OUTSIDE, REGISTERED: loss = CE(model(ids)) + CE(aux); INSIDE: loss = CE(model(ids) + aux).
+ * The backward runs from the loss times scale (1/micro-batches when accumulating); returns the
+ * loss times scale. */
 static double step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t s,
-                   step_mode_t mode) {
+                   step_mode_t mode, double scale) {
   nn_module_t *root = llama_module(m);
   tensor_t in_h, tg_h, in, tg;
   ok(data_batch(d, spec, s, 0, &in_h, &tg_h));
@@ -97,10 +102,12 @@ static double step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t
   } else {
     loss = nn_var_ref(l1);
   }
+  nn_var_t *scaled;
+  ok(nn_scale(ctx, loss, scale, &scaled));
   double v;
-  ok(nn_var_scalar(loss, &v));
-  ok(nn_backward(ctx, loss));
-  nn_var_t *vars[] = {ids, logits, aux, l1, l2, loss};
+  ok(nn_var_scalar(scaled, &v));
+  ok(nn_backward(ctx, scaled));
+  nn_var_t *vars[] = {ids, logits, aux, l1, l2, loss, scaled};
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) nn_var_put(vars[i]);
   nn_ctx_free(ctx);
   tensor_free(&in);
@@ -136,7 +143,6 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
   data_t *d;
   ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
   const int B = 2;
-  data_spec_t gspec = {.batch_size = B * W, .seq_len = 16, .grad_accum = 1, .dp_size = 1};
   int dp_rank = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
                         : mesh_coord(mesh, 0);
   data_spec_t lspec = {
@@ -183,8 +189,15 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
     optim_zero_grad(ref.opt);
     optim_zero_grad(sh.opt);
     c = (counts_t){0};
-    double lref = step(ref.m, d, &gspec, s, mode == INSIDE ? INSIDE : OUTSIDE);
-    double lsh = step(sh.m, d, &lspec, s, mode);
+    /* the reference takes the global batch as W micro-batches of the ranks' shapes
+     * (tests/README.md, "Reference shapes") */
+    double lref = 0;
+    for (int k = 0; k < W; k++) {
+      data_spec_t kspec = lspec;
+      kspec.dp_rank = k;
+      lref += step(ref.m, d, &kspec, s, mode == INSIDE ? INSIDE : OUTSIDE, 1.0 / W);
+    }
+    double lsh = step(sh.m, d, &lspec, s, mode, 1.0);
     double lsum = 0;
     *per_step = c;
     MPI_Allreduce(&lsh, &lsum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
