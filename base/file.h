@@ -45,6 +45,42 @@ status_t file_make_dirs(const char *path, const char *what);
  * nearest existing ancestor is. Errors as file_make_dirs's. */
 status_t file_check_dirs(const char *path, const char *what);
 
+/* Removes path and, when it is a folder, everything under it, never following a symbolic
+ * link: a link is removed itself, not what it points to, and folders are walked through
+ * descriptors opened with O_NOFOLLOW, so nothing outside path is touched. Best effort: false
+ * when something could not be removed (a path that does not exist is no failure). */
+bool file_remove_tree(const char *path);
+
+/* Creates a fresh folder beside path, named "PATH.tmp-XXXXXX" (mkdtemp), for writing what
+ * will be renamed to path; its name into tmp. Nothing that exists is reused. */
+status_t file_make_temp_dir(const char *path, char *tmp, size_t size);
+
+/* Creates and opens for writing a fresh file beside path, "PATH.tmp-XXXXXX" (mkstemp); its
+ * name into tmp. */
+status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out);
+
+/* Writes text to path through a fresh file beside it, renamed over path when complete. */
+status_t file_replace_text(const char *path, const char *text);
+
+/* The inputs of a run, by device and inode: the files no output of the run may name. */
+typedef struct file_inputs file_inputs_t;
+
+status_t file_inputs_new(file_inputs_t **out);
+void file_inputs_free(file_inputs_t *in);
+/* Adds path (what: "the plan", "data.path", ...): a file, or every file under a folder
+ * (links inside it not followed). A path that does not exist adds nothing. */
+status_t file_inputs_add(file_inputs_t *in, const char *path, const char *what);
+
+/* Checks that the output file path may be written, before anything is: when it exists it is
+ * a regular file (a symbolic link, a folder, a FIFO or a device is refused) and none of the
+ * inputs (NULL: none); its folder exists and is writable. Errors read "WHAT 'PATH': reason". */
+status_t file_check_output(const char *path, const char *what, const file_inputs_t *in);
+
+/* The same for an output folder that is written whole and renamed into place: when path exists
+ * it is a folder, not a symbolic link (an empty one, where empty_ok, else refused); its parent
+ * exists and is writable. */
+status_t file_check_output_dir(const char *path, const char *what, bool empty_ok);
+
 #ifdef __cplusplus
 }
 #endif

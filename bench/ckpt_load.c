@@ -37,6 +37,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "base/file.h"
 #include "checkpoint/dcp_integrity.h"
 #include "checkpoint/train_ckpt.h"
 
@@ -364,9 +365,9 @@ int main(int argc, char **argv) {
          reps, reps < EAGER_REPS ? reps : EAGER_REPS);
   device_free(device_cpu(), mem, file_bytes);
   free(buf);
-  dcp_remove_tree(plain);
+  file_remove_tree(plain);
   if (given == NULL) {
-    dcp_remove_tree(dir);
+    file_remove_tree(dir);
     rmdir(tmp);
   }
   world_finalize();

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/file.h"
 #include "bench/ckpt_load.h"
 #include "checkpoint/train_ckpt.h"
 
@@ -97,8 +98,8 @@ void ckb_sharded(const llama_config_t *cfg, int reps) {
   free(buf);
   ckb_barrier();
   if (world_rank() == 0) {
-    dcp_remove_tree(plain);
-    dcp_remove_tree(dir);
+    file_remove_tree(plain);
+    file_remove_tree(dir);
     rmdir(tmp);
   }
   mesh_free(mesh);

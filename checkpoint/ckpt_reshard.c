@@ -156,16 +156,10 @@ status_t ckpt_reshard_training(const char *dir, const char *out, int world,
     under = NULL;
   }
   cJSON_Delete(under);
-  struct stat sb;
-  if (st == STATUS_OK && stat(out, &sb) == 0)
-    st = err_set(STATUS_EINVAL, "%s: already exists", out);
-  char tmp[PATH_LEN];
-  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
-  if (st == STATUS_OK) dcp_remove_tree(tmp);
-  bool made = false;
-  if (st == STATUS_OK && mkdir(tmp, 0755) != 0)
-    st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
-  made = st == STATUS_OK;
+  if (st == STATUS_OK) st = file_check_output_dir(out, "reshard: OUT", false);
+  char tmp[PATH_LEN + 16];
+  if (st == STATUS_OK) st = file_make_temp_dir(out, tmp, sizeof tmp);
+  bool made = st == STATUS_OK;
   target_t tg = {world, placements, ctx};
   int n_files = 0;
   uint64_t ids[2] = {0, 0};
@@ -184,7 +178,7 @@ status_t ckpt_reshard_training(const char *dir, const char *out, int world,
   if (st == STATUS_OK)
     st = ckpt_commit_state(tmp, out, state_text, &ids[0], has_optim ? &ids[1] : NULL);
   else if (made)
-    dcp_remove_tree(tmp);
+    file_remove_tree(tmp);
   free(state_text);
   cJSON_Delete(state);
   if (st == STATUS_OK && files) *files = n_files;

@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/file.h"
 #include "checkpoint/dcp_integrity.h"
 #include "checkpoint/safetensors.h"
 #include "dtensor/placement.h"
@@ -47,21 +48,6 @@ static status_t fsync_path(const char *path) {
   close(fd);
   if (rc != 0) return err_set(STATUS_EIO, "%s: fsync failed: %s", path, strerror(errno));
   return STATUS_OK;
-}
-
-/* Removes a folder of files and folders of files. */
-void dcp_remove_tree(const char *dir) {
-  DIR *d = opendir(dir);
-  if (d == NULL) return;
-  struct dirent *e;
-  char p[DCP_JOIN_MAX];
-  while ((e = readdir(d)) != NULL) {
-    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-    snprintf(p, sizeof p, "%.4000s/%.255s", dir, e->d_name);
-    if (unlink(p) != 0) dcp_remove_tree(p);
-  }
-  closedir(d);
-  rmdir(dir);
 }
 
 static uint64_t g_block_bytes = DCP_BLOCK_BYTES_DEFAULT;
@@ -278,10 +264,10 @@ status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
     snprintf(tmp, size, "%.4000s.tmp", dir);
   struct stat sb;
   if (rank == 0 && st == STATUS_OK) {
-    if (stat(dir, &sb) == 0) {
+    if (lstat(dir, &sb) == 0) {
       st = err_set(STATUS_EINVAL, "checkpoint: %s already exists", dir);
     } else {
-      dcp_remove_tree(tmp); /* left by a save that died before its commit */
+      file_remove_tree(tmp); /* left by a save that died before its commit (a link: itself) */
       if (mkdir(tmp, 0755) != 0)
         st = err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
     }
@@ -323,7 +309,7 @@ status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg) 
   status_t st = dcp_write(tmp, entries, n, pg, NULL);
   if (st == STATUS_OK) st = dcp_commit(tmp, dir, pg);
   int rank = pg_rank(pg);
-  if (st != STATUS_OK && rank == 0) dcp_remove_tree(tmp); /* all ranks agreed: none writes */
+  if (st != STATUS_OK && rank == 0) file_remove_tree(tmp); /* all ranks agreed: none writes */
   return st;
 }
 

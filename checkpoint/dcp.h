@@ -100,9 +100,6 @@ status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const d
 /* An id for one save: from the clock and the process, different between saves. */
 uint64_t dcp_new_save_id(void);
 
-/* Removes a folder and everything in it (two levels). Local. */
-void dcp_remove_tree(const char *dir);
-
 /* Loads every entry's local shard from folder dir, whatever plan saved it: the global shape
  * must match and the saved chunks must cover the shard; values are converted to the
  * entry's dtype. Reads only the saved rows that intersect this rank's shards. Local (every

@@ -191,12 +191,12 @@ status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t
   /* the model's shards: DIR/model in a training checkpoint, else DIR */
   snprintf(model, sizeof model, "%.4000s/model", dir);
   if (!file_is_dir(model)) snprintf(model, sizeof model, "%s", dir);
+  TRY(file_check_output_dir(out, "export-hf: OUT", true));
   if (file_is_dir(out) && rmdir(out) != 0)
     return err_set(STATUS_EINVAL, "%s: exists and is not empty", out);
-  /* written as OUT.tmp, renamed when complete: a failure (a damaged block) leaves no OUT */
-  char tmp[PATH_LEN + 8];
-  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
-  dcp_remove_tree(tmp);
+  /* written into a fresh OUT.tmp-XXXXXX, renamed when complete: a failure (a damaged block)
+   * leaves no OUT */
+  char tmp[PATH_LEN + 16] = "";
   dcp_reader_t *r;
   TRY(dcp_reader_open(model, &r));
   rep->unchecked = dcp_reader_checks(r, NULL) == DCP_CHECKS_NONE;
@@ -216,8 +216,7 @@ status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t
   }
   if (st == STATUS_OK) qsort(t, (size_t)n, sizeof *t, cmp_by_name);
   if (st == STATUS_OK) st = mesh_init_local(&one, "one", DEVICE_CPU);
-  if (st == STATUS_OK && mkdir(tmp, 0755) != 0)
-    st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  if (st == STATUS_OK) st = file_make_temp_dir(out, tmp, sizeof tmp);
   if (st == STATUS_OK) { /* first: the config may be missing, before any tensor is written */
     char path[PATH_LEN + 64];
     snprintf(path, sizeof path, "%.4000s/config.json", tmp);
@@ -266,7 +265,7 @@ status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t
   }
   if (st == STATUS_OK && rename(tmp, out) != 0)
     st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
-  if (st != STATUS_OK) dcp_remove_tree(tmp);
+  if (st != STATUS_OK) file_remove_tree(tmp);
   if (st == STATUS_OK) {
     rep->tensors = n;
     rep->files = files;
@@ -313,16 +312,13 @@ status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
                                     : err_set(STATUS_EFORMAT, "%s: not a JSON object", cfg_path);
   llama_config_t lc;
   if (st == STATUS_OK && is_llama(cfg)) st = llama_config_from_hf(cfg_path, &lc);
-  struct stat sb;
-  if (st == STATUS_OK && stat(out, &sb) == 0)
-    st = err_set(STATUS_EINVAL, "%s: already exists", out);
-  char tmp[PATH_LEN + 8], model[PATH_LEN + 16];
-  snprintf(tmp, sizeof tmp, "%.4000s.tmp", out);
+  if (st == STATUS_OK) st = file_check_output_dir(out, "import-hf: OUT", false);
+  char tmp[PATH_LEN + 16] = "", model[PATH_LEN + 32];
+  if (st == STATUS_OK) st = file_make_temp_dir(out, tmp, sizeof tmp);
   snprintf(model, sizeof model, "%s/model", tmp);
-  if (st == STATUS_OK) {
-    dcp_remove_tree(tmp);
-    if (mkdir(tmp, 0755) != 0 || mkdir(model, 0755) != 0)
-      st = err_set(STATUS_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  if (st == STATUS_OK && mkdir(model, 0755) != 0) {
+    st = err_set(STATUS_EIO, "%s: cannot create: %s", model, strerror(errno));
+    file_remove_tree(tmp);
   }
   if (st != STATUS_OK) {
     cJSON_Delete(cfg);
@@ -359,7 +355,7 @@ status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
   if (st == STATUS_OK)
     st = ckpt_commit_state(tmp, out, text, NULL, NULL); /* the files carry no records */
   else
-    dcp_remove_tree(tmp);
+    file_remove_tree(tmp);
   free(text);
   cJSON_Delete(state);
   if (st == STATUS_OK) {

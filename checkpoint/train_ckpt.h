@@ -76,8 +76,25 @@ status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char
 /* The folder of the checkpoint after step under root: root/step-NNNNNNNN. */
 void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size);
 
-/* Removes all but the newest keep complete checkpoints under root (keep <= 0: none). Local;
- * call it on one rank. */
+/* The step folders under root that a run from step `after` to step `upto` would pass over:
+ * complete checkpoints after `after`, and folders step-NNNNNNNN without a train_state.json in
+ * (after, upto] (unfinished saves, step-NNNNNNNN.tmp, not counted). Their number into *count
+ * and the newest step into *newest (-1 when none). Local. */
+status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count, int64_t *newest);
+
+/* Removes the unfinished saves under root (step-NNNNNNNN.tmp, left by a job that died while
+ * saving); *removed (may be NULL) receives how many. A symbolic link is removed itself, never
+ * what it points to. Local; call it on one rank, with no job saving into root. */
+status_t ckpt_remove_unfinished(const char *root, int *removed);
+
+/* Removes the step folders under root after step `after`, except step `keep` (-1: none);
+ * complete ones lose their train_state.json first, so a half-removed one is never taken for
+ * complete. Links are removed themselves. Local; call it on one rank. */
+status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed);
+
+/* Removes all but the newest keep complete checkpoints under root (keep <= 0: none); a
+ * checkpoint that is a symbolic link loses the link, never what it points to. Local; call it
+ * on one rank. */
 status_t ckpt_prune(const char *root, int keep);
 
 #ifdef __cplusplus

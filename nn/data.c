@@ -180,6 +180,8 @@ int64_t data_num_tokens(const data_t *d) { return d->n; }
 
 int data_num_files(const data_t *d) { return d->nf; }
 
+const char *data_file_path(const data_t *d, int i) { return d->files[i].path; }
+
 /* The file holding token i (0 <= i < d->n): the last whose first token is at or before i. */
 static const dfile_t *file_of(const data_t *d, int64_t i) {
   int lo = 0, hi = d->nf - 1;

@@ -4,9 +4,12 @@
 #include "parallel/plan.h"
 
 #include <errno.h>
+#include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -46,6 +49,9 @@ void plan_defaults(plan_t *p) {
   p->eval_batches = 8;
   p->steps = 100;
   p->comm_timeout_s = WORLD_DEFAULT_TIMEOUT_S;
+  p->signals[p->n_signals++] = SIGTERM; /* what Slurm, Kubernetes and torchrun send */
+  p->signals[p->n_signals++] = SIGINT;
+  p->signals[p->n_signals++] = SIGUSR1;
   p->seed = 0;
   p->ckpt_keep = 0;
   p->ckpt_block_bytes = (int64_t)256 << 10; /* checkpoint/dcp.h's (test_parallel checks) */
@@ -163,15 +169,120 @@ static status_t read_format(plan_ctx_t *c, int m, const char *section, data_form
   return pr_fail(c, f, key, "expected text, u16, u32 or llmc, got '%s'", s);
 }
 
+/* One signal's name (TERM, SIGTERM, term...) into *sig; false when not one fsdp-train takes. */
+static bool signal_named(const char *s, int *sig) {
+  static const struct {
+    const char *name;
+    int sig;
+  } known[] = {{"TERM", SIGTERM}, {"INT", SIGINT}, {"USR1", SIGUSR1},
+               {"USR2", SIGUSR2}, {"HUP", SIGHUP}, {"XCPU", SIGXCPU}};
+  if (strncasecmp(s, "SIG", 3) == 0) s += 3;
+  for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+    if (strcasecmp(s, known[i].name) == 0) {
+      *sig = known[i].sig;
+      return true;
+    }
+  return false;
+}
+
+/* train.signals: a list of names, a comma-separated string of them (as --set gives it), or
+ * [] / none for no handling. */
+static status_t read_signals(plan_ctx_t *c, int v, plan_t *p) {
+  if (pr_is_null(c, v)) return STATUS_OK;
+  const char *path = "train.signals";
+  char names[PLAN_MAX_SIGNALS + 1][16];
+  int n = 0;
+  yaml_node_t *node = pr_node(c, v);
+  if (node->type == YAML_SEQUENCE_NODE) {
+    for (yaml_node_item_t *it = node->data.sequence.items.start; it < node->data.sequence.items.top;
+         it++) {
+      const char *s;
+      TRY(pr_want_scalar(c, *it, path, "a signal name", &s));
+      if (n == PLAN_MAX_SIGNALS)
+        return pr_fail(c, v, path, "more than %d signals", PLAN_MAX_SIGNALS);
+      snprintf(names[n++], sizeof names[0], "%s", s);
+    }
+  } else {
+    const char *s;
+    TRY(pr_want_scalar(c, v, path, "a list of signal names", &s));
+    if (strcasecmp(s, "none") != 0 && strcmp(s, "[]") != 0)
+      for (const char *at = s; *at;) {
+        size_t len = strcspn(at, ", ");
+        if (len > 0 && n == PLAN_MAX_SIGNALS)
+          return pr_fail(c, v, path, "more than %d signals", PLAN_MAX_SIGNALS);
+        if (len > 0) snprintf(names[n++], sizeof names[0], "%.*s", (int)len, at);
+        at += len + (at[len] != 0);
+      }
+  }
+  p->n_signals = 0;
+  for (int i = 0; i < n; i++) {
+    int sig;
+    if (!signal_named(names[i], &sig))
+      return pr_fail(c, v, path, "'%s' is not one of TERM, INT, USR1, USR2, HUP, XCPU", names[i]);
+    for (int k = 0; k < p->n_signals; k++)
+      if (p->signals[k] == sig) return pr_fail(c, v, path, "'%s' is listed twice", names[i]);
+    p->signals[p->n_signals++] = sig;
+  }
+  return STATUS_OK;
+}
+
+/* train.time_limit: seconds, or [D-]HH:MM:SS / MM:SS as Slurm writes times; 0: none. */
+static status_t read_time_limit(plan_ctx_t *c, int v, double *out) {
+  if (pr_is_null(c, v)) return STATUS_OK;
+  const char *s, *path = "train.time_limit";
+  TRY(pr_want_scalar(c, v, path, "seconds or HH:MM:SS", &s));
+  double days = 0, part[3];
+  int n = 0;
+  const char *at = s;
+  char *end;
+  const char *dash = strchr(s, '-');
+  if (dash != NULL && strchr(s, ':') != NULL) {
+    errno = 0;
+    long d = strtol(s, &end, 10);
+    if (end != dash || d < 0 || errno)
+      return pr_fail(c, v, path, "expected seconds or [D-]HH:MM:SS, got '%s'", s);
+    days = (double)d;
+    at = dash + 1;
+  }
+  for (;;) {
+    errno = 0;
+    part[n] = strtod(at, &end);
+    if (end == at || errno || !isfinite(part[n]) || part[n] < 0 || *at == '-' || *at == '+')
+      return pr_fail(c, v, path, "expected seconds or [D-]HH:MM:SS, got '%s'", s);
+    n++;
+    if (*end == 0) break;
+    if (*end != ':' || n == 3)
+      return pr_fail(c, v, path, "expected seconds or [D-]HH:MM:SS, got '%s'", s);
+    at = end + 1;
+  }
+  if (days > 0 && n != 3) return pr_fail(c, v, path, "expected D-HH:MM:SS, got '%s'", s);
+  for (int i = 1; i < n; i++) /* minutes and seconds below 60, whole hours and minutes */
+    if (part[i] >= 60 || part[i - 1] != floor(part[i - 1]))
+      return pr_fail(c, v, path, "'%s' is not a time of [D-]HH:MM:SS", s);
+  double secs = n == 1   ? part[0]
+                : n == 2 ? part[0] * 60 + part[1] /* MM:SS */
+                         : days * 86400 + part[0] * 3600 + part[1] * 60 + part[2];
+  if (secs > 1e9) return pr_fail(c, v, path, "'%s' is more than 10^9 seconds", s);
+  *out = secs;
+  return STATUS_OK;
+}
+
 static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const sched_keys[] = {"warmup_steps", "min_lr_ratio", NULL};
   static const char *const data_keys[] = {"path",       "format",  "seq_len", "batch_size",
                                           "grad_accum", "shuffle", NULL};
-  static const char *const train_keys[] = {"steps",         "seed",      "activation_checkpointing",
-                                           "device",        "nonfinite", "comm_timeout_s",
-                                           "deterministic", NULL};
-  static const char *const ckpt_keys[] = {"dir",    "interval",    "keep", "load",
-                                          "verify", "block_bytes", NULL};
+  static const char *const train_keys[] = {"steps",
+                                           "seed",
+                                           "activation_checkpointing",
+                                           "device",
+                                           "nonfinite",
+                                           "comm_timeout_s",
+                                           "deterministic",
+                                           "signals",
+                                           "time_limit",
+                                           NULL};
+  static const char *const ckpt_keys[] = {"dir",    "interval",    "keep",      "load",
+                                          "verify", "block_bytes", "overwrite", NULL};
   static const char *const log_keys[] = {"metrics", "interval", NULL};
   static const char *const eval_keys[] = {"path",    "format",     "interval",
                                           "batches", "batch_size", NULL};
@@ -223,6 +334,8 @@ static status_t read_rest(plan_ctx_t *c, int root) {
     else
       return pr_fail(c, nf, "train.nonfinite", "expected stop or skip, got '%s'", s);
   }
+  TRY(read_signals(c, pr_find(c, m, "signals"), p));
+  TRY(read_time_limit(c, pr_find(c, m, "time_limit"), &p->time_limit_s));
   TRY(pr_section(c, root, "checkpoint", ckpt_keys, &m));
   if (m) pr_where_of(c, m, &p->ckpt_where);
   TRY(pr_get_path(c, m, "checkpoint", "dir", p->ckpt_dir));
@@ -234,6 +347,7 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   else
     TRY(pr_get_path(c, m, "checkpoint", "load", p->ckpt_load));
   TRY(pr_get_bool(c, m, "checkpoint", "verify", &p->ckpt_verify));
+  TRY(pr_get_bool(c, m, "checkpoint", "overwrite", &p->ckpt_overwrite));
   TRY(pr_get_int(c, m, "checkpoint", "block_bytes", 64, (int64_t)1 << 30, &p->ckpt_block_bytes));
   if (p->ckpt_block_bytes % 64 != 0)
     return pr_fail(c, pr_find(c, m, "block_bytes"), "checkpoint.block_bytes",
@@ -244,9 +358,76 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   return STATUS_OK;
 }
 
-/* Reads the file into p: every section, or (parallel_only) mesh and parallelize alone. */
+/* The settings text's lines: one per scalar ("key.path: value"; list items as key[k]). */
+typedef struct lines {
+  char **v;
+  int n, cap;
+} lines_t;
+
+static status_t add_line(lines_t *l, const char *key, const char *value) {
+  if (l->n == l->cap) {
+    int cap = l->cap ? 2 * l->cap : 64;
+    char **v = realloc(l->v, sizeof *v * (size_t)cap);
+    if (v == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
+    l->v = v;
+    l->cap = cap;
+  }
+  size_t n = strlen(key) + strlen(value) + 3;
+  if ((l->v[l->n] = malloc(n)) == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
+  snprintf(l->v[l->n++], n, "%s: %s", key, value);
+  return STATUS_OK;
+}
+
+static status_t settings_of(plan_ctx_t *c, int i, const char *prefix, lines_t *l, int depth) {
+  yaml_node_t *n = pr_node(c, i);
+  char key[1024];
+  if (n == NULL || depth > PLAN_MAX_DEPTH) return STATUS_OK;
+  if (n->type == YAML_SCALAR_NODE) return add_line(l, prefix, (const char *)n->data.scalar.value);
+  if (n->type == YAML_SEQUENCE_NODE) {
+    int k = 0;
+    for (yaml_node_item_t *it = n->data.sequence.items.start; it < n->data.sequence.items.top;
+         it++, k++) {
+      snprintf(key, sizeof key, "%.900s[%d]", prefix, k);
+      TRY(settings_of(c, *it, key, l, depth + 1));
+    }
+    return STATUS_OK;
+  }
+  for (yaml_node_pair_t *pr = n->data.mapping.pairs.start; pr < n->data.mapping.pairs.top; pr++) {
+    const char *k = pr_scalar(c, pr->key);
+    pr_join(key, sizeof key, prefix, k ? k : "?");
+    TRY(settings_of(c, pr->value, key, l, depth + 1));
+  }
+  return STATUS_OK;
+}
+
+static int cmp_lines(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* The sorted settings of the document (with --set applied) as one text (caller frees). */
+static status_t settings_text(plan_ctx_t *c, int root, char **out) {
+  lines_t l = {0};
+  status_t st = settings_of(c, root, "", &l, 0);
+  size_t total = 1;
+  for (int i = 0; i < l.n; i++) total += strlen(l.v[i]) + 1;
+  if (st == STATUS_OK) qsort(l.v, (size_t)l.n, sizeof *l.v, cmp_lines);
+  char *text = st == STATUS_OK ? malloc(total) : NULL;
+  if (st == STATUS_OK && text == NULL) st = err_set(STATUS_ENOMEM, "plan: out of host memory");
+  if (text != NULL) {
+    size_t at = 0;
+    for (int i = 0; i < l.n; i++) at += (size_t)sprintf(text + at, "%s\n", l.v[i]);
+    text[at] = 0;
+  }
+  for (int i = 0; i < l.n; i++) free(l.v[i]);
+  free(l.v);
+  *out = text;
+  return st;
+}
+
+/* Reads the file into p: every section, or (parallel_only) mesh and parallelize alone; with
+ * settings, also the settings text. */
 static status_t load(plan_t *p, const char *path, const char *const *sets, int n_sets,
-                     bool parallel_only) {
+                     bool parallel_only, char **settings) {
   plan_defaults(p);
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(p->source, path);
@@ -290,20 +471,27 @@ static status_t load(plan_t *p, const char *path, const char *const *sets, int n
    * built-in ones */
   if (st == STATUS_OK && !parallel_only && !p->par.tp_plan_given)
     st = llama_plan_fill_tp_rules(&p->par);
+  if (st == STATUS_OK && settings) st = settings_text(c, root, settings);
   yaml_document_delete(&c->doc);
   free(c);
   return st;
 }
 
 status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets) {
-  return load(p, path, sets, n_sets, false);
+  return load(p, path, sets, n_sets, false, NULL);
+}
+
+status_t plan_load_settings(plan_t *p, const char *path, const char *const *sets, int n_sets,
+                            char **settings) {
+  *settings = NULL;
+  return load(p, path, sets, n_sets, false, settings);
 }
 
 status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
                             int n_sets) {
   plan_t *p = malloc(sizeof *p);
   if (p == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
-  status_t st = load(p, path, sets, n_sets, true);
+  status_t st = load(p, path, sets, n_sets, true, NULL);
   if (st == STATUS_OK) *pp = p->par;
   free(p);
   return st;

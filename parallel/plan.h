@@ -27,6 +27,8 @@
 extern "C" {
 #endif
 
+#define PLAN_MAX_SIGNALS 8
+
 typedef struct plan {
   char source[PLAN_PATH_MAX]; /* the YAML file */
   parallel_plan_t par;        /* mesh and parallelize */
@@ -62,10 +64,14 @@ typedef struct plan {
   bool skip_nonfinite; /* a step with a non-finite loss or gradient norm: skipped, not fatal */
   double comm_timeout_s; /* the collective watchdog (world_set_timeout); 0: none */
   bool deterministic;    /* the same bits on every run: CUDA attention without cuDNN's atomics */
+  int signals[PLAN_MAX_SIGNALS]; /* train.signals: each ends the run at a step boundary, saved */
+  int n_signals;
+  double time_limit_s; /* train.time_limit: save and stop before this many seconds (0: none) */
   /* checkpoint */
   char ckpt_dir[PLAN_PATH_MAX], ckpt_load[PLAN_PATH_MAX];
   int64_t ckpt_interval, ckpt_keep;
   bool ckpt_verify;         /* check every block of the checkpoint before loading */
+  bool ckpt_overwrite; /* newer step folders than the run's start: removed after its first save */
   int64_t ckpt_block_bytes; /* the block size of the checksums of saved files */
   plan_where_t ckpt_where;
   /* log */
@@ -79,6 +85,12 @@ void plan_defaults(plan_t *p);
 /* Reads a YAML plan and applies sets ("key.path=value", scalars only) on top. Checks syntax,
  * keys (unknown ones get a did-you-mean), types and ranges. Local. */
 status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets);
+
+/* plan_load, and the plan's settings as text (caller frees): one "key.path: value" line per
+ * value of the file with the sets applied, sorted, list items as key[k]. Two runs whose texts
+ * are equal read the same plan. Local. */
+status_t plan_load_settings(plan_t *p, const char *path, const char *const *sets, int n_sets,
+                            char **settings);
 
 /* Resolves -1 mesh sizes against the world size and checks what needs it: the mesh product,
  * integer reshards dividing dp_shard, tensor-parallel sizes (heads, key/value heads, ffn_dim,

@@ -174,15 +174,21 @@ int main(int argc, char **argv) {
   cJSON *c = NULL;
   out_t *o = calloc(1, sizeof *o);
   char kind[160];
-  status_t st = o ? read_config(in, &c) : err_set(STATUS_ENOMEM, "out of host memory");
+  status_t st = o ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  if (st == STATUS_OK && outp) { /* before anything is read or written */
+    file_inputs_t *inputs = NULL;
+    st = file_inputs_new(&inputs);
+    if (st == STATUS_OK) st = file_inputs_add(inputs, in, "the config being converted");
+    if (st == STATUS_OK) st = file_check_output(outp, "-o", inputs);
+    file_inputs_free(inputs);
+  }
+  if (st == STATUS_OK) st = read_config(in, &c);
   if (st == STATUS_OK) st = plan_convert(c, in, o, kind, sizeof kind);
   if (st == STATUS_OK) {
     char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s.tmp", outp ? outp : "");
-    FILE *f = outp ? fopen(tmp, "w") : stdout;
-    if (f == NULL) {
-      st = err_set(STATUS_EIO, "cannot write '%s': %s", tmp, strerror(errno));
-    } else {
+    FILE *f = stdout;
+    if (outp) st = file_create_temp(outp, tmp, sizeof tmp, &f);
+    if (st == STATUS_OK) {
       write_plan(f, o, in, kind, c);
       bool bad = ferror(f) != 0;
       if (outp && (fclose(f) != 0 || bad || rename(tmp, outp) != 0)) {

@@ -11,12 +11,15 @@
  * the peak memory of a step and its communication without training; -v adds a table of the
  * fully_shard units. Bad input is reported by every rank, with a non-zero exit.
  */
+#include "tools/fsdp_train.h"
+
 #include <cJSON.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -29,9 +32,8 @@
 #include "parallel/llama_plan.h"
 #include "parallel/parallelize.h"
 #include "parallel/plan.h"
-#include "tools/fsdp_train.h"
 #include "tools/plot.h"
-
+#include "tools/train_ops.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -106,11 +108,11 @@ static status_t open_tokens(const run_t *r, const char *path, data_format_t form
   if (top >= p->model.vocab_size)
     return err_set(STATUS_EINVAL, "%s: %s: token id %lld in '%s' is outside model.vocab_size=%lld",
                    where->text, key, (long long)top, path, (long long)p->model.vocab_size);
-  int64_t need = p->seq_len + 1;
+  int64_t need = p->seq_len + 2; /* a sample and its targets, at one start of at least two */
   if (data_num_tokens(*out) < need)
     return err_set(STATUS_EINVAL,
-                   "%s: %s: '%s' has %lld tokens, fewer than one sample of data.seq_len + 1 = "
-                   "%lld",
+                   "%s: %s: '%s' has %lld tokens; a sample needs data.seq_len + 2 = %lld (its "
+                   "seq_len inputs, the targets one further, and a second start to draw from)",
                    where->text, key, path, (long long)data_num_tokens(*out), (long long)need);
   return STATUS_OK;
 }
@@ -175,6 +177,43 @@ static void eval_line(const run_t *r, int64_t step, double loss, const char *pre
          (long long)step, loss, exp(loss), (long long)r->plan.eval_batches, r->plan.eval_path);
 }
 
+/* What would fail later is refused now, on every rank, a dry run included: outputs that would
+ * replace an input, a checkpoint of another model, step folders the run would save over.
+ * Collective over the world. */
+static status_t check_before_training(run_t *r) {
+  const plan_t *p = &r->plan;
+  const char *metrics = r->args.metrics ? r->args.metrics : p->metrics;
+  status_t st = STATUS_OK;
+  if (world_rank() == 0) /* rank 0 writes them */
+    st = train_check_outputs(p, metrics, r->args.plot, r->data, r->eval, r->resumed_from);
+  if (st == STATUS_OK && r->resumed_from[0]) st = train_check_model(p, r->resumed_from);
+  TRY(pg_agree(world_pg(), st));
+  int64_t start = 0; /* the step the checkpoint was saved after (read again by the load) */
+  if (r->resumed_from[0]) st = train_checkpoint_step(r->resumed_from, &start);
+  TRY(pg_agree(world_pg(), st));
+  return train_check_step_folders(p, start);
+}
+
+/* Before anything is built: every rank runs the same plan, and checkpoint.dir is this job's
+ * alone (locked; the unfinished saves of a job that died there removed). A dry run only says
+ * whether another job holds the folder. Collective over the world. */
+static status_t start(run_t *r) {
+  const plan_t *p = &r->plan;
+  TRY(train_check_same_plan(r->settings));
+  if (!p->ckpt_dir[0]) return STATUS_OK;
+  if (r->args.dry_run) {
+    train_lock_note(p->ckpt_dir);
+    return STATUS_OK;
+  }
+  TRY(train_lock(p->ckpt_dir, p->source, &r->lock_fd));
+  int removed = 0;
+  status_t st = world_rank() == 0 ? ckpt_remove_unfinished(p->ckpt_dir, &removed) : STATUS_OK;
+  if (removed > 0)
+    fprintf(stderr, "fsdp-train: checkpoint.dir '%s': removed %d unfinished save%s (step-*.tmp)\n",
+            p->ckpt_dir, removed, removed == 1 ? "" : "s");
+  return pg_agree(world_pg(), st);
+}
+
 /* The device, the data, the model with its plan applied (only a meta model for a dry run),
  * its values and the optimizer, or the checkpoint to resume. Collective over the world. */
 static status_t build(run_t *r) {
@@ -221,9 +260,10 @@ static status_t build(run_t *r) {
   r->n_groups = parallel_num_groups(r->par);
   r->dp_size = parallel_dp_size(r->par);
   r->dp_rank = parallel_dp_rank(r->par);
+  if (!resume) r->resumed_from[0] = 0;
+  TRY(check_before_training(r));
   if (r->args.dry_run) { /* the meta model has every placement and shape */
     TRY(nn_named_parameters(root, &r->ps, &r->n));
-    if (!resume) r->resumed_from[0] = 0;
     return resume ? ckpt_check_state(r->resumed_from) : STATUS_OK;
   }
   /* memory and the Hugging Face files may fail on one rank alone: every rank learns of it
@@ -242,8 +282,6 @@ static status_t build(run_t *r) {
       TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
     TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
     read_saved_run(r->resumed_from, &r->saved_batch, r->saved_order, sizeof r->saved_order);
-  } else {
-    r->resumed_from[0] = 0;
   }
   return STATUS_OK;
 }
@@ -257,15 +295,19 @@ static status_t metrics_agree(const char *path, int err) {
 
 /* Opens the metrics file (rank 0) for a run starting after step start: a fresh run starts it
  * anew; a resumed run keeps the lines up to its step (later ones belong to the run it
- * replaces), rewritten through PATH.tmp and a rename, and appends. NULL with errno set on
- * failure. */
+ * replaces), rewritten through a fresh file beside it and a rename, and appends. NULL with errno
+ * set on failure. */
 static FILE *metrics_open(const char *path, int64_t start) {
   if (start == 0) return fopen(path, "w");
   FILE *in = fopen(path, "r");
   if (in == NULL) return errno == ENOENT ? fopen(path, "w") : NULL;
-  char tmp[PLAN_PATH_MAX + 8];
-  snprintf(tmp, sizeof tmp, "%s.tmp", path);
-  FILE *out = fopen(tmp, "w");
+  char tmp[PLAN_PATH_MAX + 16];
+  FILE *out = NULL;
+  if (file_create_temp(path, tmp, sizeof tmp, &out) != STATUS_OK) {
+    fclose(in);
+    errno = EIO;
+    return NULL;
+  }
   char *line = NULL;
   size_t cap = 0;
   while (out != NULL && getline(&line, &cap, in) > 0) {
@@ -317,6 +359,66 @@ static status_t saved_under(const run_t *r, char **out) {
   return STATUS_OK;
 }
 
+/* Saves the checkpoint after step into checkpoint.dir, then prunes to checkpoint.keep. Under
+ * checkpoint.overwrite, the first save replaces a folder of its step and then removes every
+ * step folder after the run's start (*replaced records that it did). Collective. */
+static status_t save_step(run_t *r, int64_t step, bool *replaced) {
+  const plan_t *p = &r->plan;
+  char dir[PLAN_PATH_MAX + 32], aside[PLAN_PATH_MAX + 64] = "", *under = NULL;
+  ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
+  bool lead = world_rank() == 0;
+  struct stat sb;
+  status_t st = STATUS_OK;
+  if (!*replaced && lead && lstat(dir, &sb) == 0) { /* moved aside until the new one commits */
+    snprintf(aside, sizeof aside, "%s.replaced-%ld", dir, (long)getpid());
+    if (rename(dir, aside) != 0)
+      st = err_set(STATUS_EIO, "checkpoint.overwrite: cannot move %s aside: %s", dir,
+                   strerror(errno));
+  }
+  TRY(pg_agree(world_pg(), st));
+  st = saved_under(r, &under);
+  TRY(pg_agree(world_pg(), st));
+  st = ckpt_save_training(dir, r->ps, r->n, r->opt, step, under, world_pg());
+  free(under);
+  if (st != STATUS_OK) {
+    if (aside[0]) rename(aside, dir); /* the old one back */
+    return st;
+  }
+  if (!*replaced && lead) {
+    int removed = 0;
+    if (aside[0]) file_remove_tree(aside);
+    if (ckpt_remove_newer(p->ckpt_dir, r->start_step, step, &removed) != STATUS_OK)
+      fprintf(stderr, "fsdp-train: checkpoint.overwrite: %s\n", err_detail());
+    if (removed > 0 || aside[0])
+      fprintf(stderr,
+              "fsdp-train: checkpoint.overwrite: replaced the step folders after step %lld "
+              "(%d removed%s)\n",
+              (long long)r->start_step, removed + (aside[0] != 0),
+              aside[0] ? ", one of them by this save" : "");
+  }
+  *replaced = true;
+  if (lead) ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
+  if (lead) printf("saved %s\n", dir);
+  return STATUS_OK;
+}
+
+/* Rank 0's line for a run stopped early at step (a signal or the time limit). */
+static void stopped_line(const run_t *r, const train_stop_t *stop, int64_t step, bool tty) {
+  const plan_t *p = &r->plan;
+  char why[128], dir[PLAN_PATH_MAX + 32], saved[PLAN_PATH_MAX + 96];
+  if (stop->signal)
+    snprintf(why, sizeof why, "interrupted by %s", train_signal_name(stop->signal));
+  else
+    snprintf(why, sizeof why, "stopped before train.time_limit (%.0f s)", p->time_limit_s);
+  ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
+  if (p->ckpt_dir[0])
+    snprintf(saved, sizeof saved, "saved %s (resume with checkpoint.load: auto)", dir);
+  else
+    snprintf(saved, sizeof saved, "nothing saved (no checkpoint.dir)");
+  printf("%s%s at step %lld; %s\n", tty ? "\r\033[K" : "", why, (long long)step, saved);
+  fflush(stdout);
+}
+
 static status_t train(run_t *r) {
   const plan_t *p = &r->plan;
   data_spec_t spec = {.batch_size = p->batch_size,
@@ -348,6 +450,9 @@ static status_t train(run_t *r) {
   TRY(metrics_agree(mpath, bad));
   nn_module_t *root = llama_module(r->model);
   double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0, t_profile = 0;
+  double step_max = 0, save_last = 0; /* the longest step and the last save, in seconds */
+  int64_t steps_done = 0;
+  bool replaced = !p->ckpt_overwrite; /* checkpoint.overwrite's newer folders removed */
   /* the profile leaves out the first two steps (allocation, first touch, warm-up), or only the
    * first in runs of fewer than four */
   int64_t profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
@@ -373,10 +478,19 @@ static status_t train(run_t *r) {
       st = clip_grad_coef(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY,
                           r->all, &norm, &coef);
     if (st != STATUS_OK) break;
-    double gl = 0;
-    st = pg_host_all_reduce(world_pg(), &loss, &gl, 1, PG_HOST_F64, REDUCE_SUM);
+    /* the loss, and whether to stop after this step (a signal, the time limit), in one sum */
+    double sums[2 + PLAN_MAX_SIGNALS], t = now();
+    double step_est = t - t0 > step_max ? t - t0 : step_max;
+    bool time_up =
+        p->time_limit_s > 0 &&
+        t - r->t_launch + step_est + (save_last > 0 ? save_last : step_est) > p->time_limit_s;
+    sums[0] = loss;
+    int nsums = 1 + train_stop_values(p, time_up, sums + 1);
+    st = pg_host_all_reduce(world_pg(), sums, sums, nsums, PG_HOST_F64, REDUCE_SUM);
     if (st != STATUS_OK) break;
-    gl /= world_size(); /* the ranks of one tp group hold the same loss */
+    double gl = sums[0] / world_size(); /* the ranks of one tp group hold the same loss */
+    train_stop_t stop = train_stop_of(p, sums + 1);
+    bool stopping = s + 1 < p->steps && (stop.signal != 0 || stop.time_limit);
     /* the same verdict on every rank: gl and norm are reduced over the world */
     bool finite = isfinite(gl) && isfinite(norm);
     if (!finite && !p->skip_nonfinite) {
@@ -401,23 +515,22 @@ static status_t train(run_t *r) {
     size_t peak = mem_stats(r->dev).peak, state = mem_stats(r->dev).current;
     peak_max = peak > peak_max ? peak : peak_max;
     if (s == r->start_step) first_loss = gl;
-    if (p->ckpt_interval > 0 && (s + 1) % p->ckpt_interval == 0) {
-      char dir[PLAN_PATH_MAX + 32], *under = NULL;
-      ckpt_step_dir(p->ckpt_dir, s + 1, dir, sizeof dir);
-      st = saved_under(r, &under);
-      if (st == STATUS_OK) { /* agreed over the ranks */
-        st = ckpt_save_training(dir, r->ps, r->n, r->opt, s + 1, under, world_pg());
-        agreed = st != STATUS_OK;
-      }
-      free(under);
+    step_max = dt > step_max ? dt : step_max;
+    /* every checkpoint.interval steps, the last step, and a step the run stops after */
+    bool save = p->ckpt_dir[0] && ((p->ckpt_interval > 0 && (s + 1) % p->ckpt_interval == 0) ||
+                                   s + 1 == p->steps || stopping);
+    if (save) {
+      double ts = now();
+      st = save_step(r, s + 1, &replaced);
+      agreed = st != STATUS_OK; /* agreed over the ranks */
       if (st != STATUS_OK) break;
-      if (lead) ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
-      if (lead) printf("saved %s\n", dir);
+      save_last = now() - ts;
     }
     /* evaluation: after every eval.interval steps and after the last */
     double eval_loss = 0;
-    bool eval_now = r->eval != NULL && ((p->eval_interval > 0 && (s + 1) % p->eval_interval == 0) ||
-                                        s + 1 == p->steps);
+    bool eval_now =
+        r->eval != NULL && !stopping &&
+        ((p->eval_interval > 0 && (s + 1) % p->eval_interval == 0) || s + 1 == p->steps);
     if (eval_now) {
       st = evaluate(r, &spec, &eval_loss);
       train_counted_bytes(r); /* its collectives are not the next step's */
@@ -445,6 +558,13 @@ static status_t train(run_t *r) {
     }
     if (mpath[0] && (st = metrics_agree(mpath, bad)) != STATUS_OK) { /* a full disk */
       agreed = true;
+      break;
+    }
+    steps_done = s + 1 - r->start_step;
+    if (stopping) {
+      r->stopped_by = stop.signal;
+      r->timed_out = stop.signal == 0;
+      if (lead) stopped_line(r, &stop, s + 1, tty);
       break;
     }
     if (!lead) continue;
@@ -483,8 +603,7 @@ static status_t train(run_t *r) {
     char pm[32];
     train_mib(pm, sizeof pm, (double)peak_max);
     printf("done: %lld steps in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s\n",
-           (long long)(p->steps - r->start_step), total, first_loss, last_loss, tok_sum / total,
-           pm);
+           (long long)steps_done, total, first_loss, last_loss, tok_sum / total, pm);
     if (kernel_profile_enabled() && t_profile > 0) { /* FSDPC_PROFILE=1: rank 0's kernels */
       double k = 0, span = now() - t_profile;
       printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n", (long long)profile_from + 1,
@@ -506,6 +625,7 @@ static status_t train(run_t *r) {
 }
 
 int main(int argc, char **argv) {
+  double t_launch = now();
   if (world_init(&argc, &argv) != STATUS_OK) {
     fprintf(stderr, "fsdp-train: %s\n", err_detail());
     return 1;
@@ -520,21 +640,25 @@ int main(int argc, char **argv) {
       return 0;
     }
   run_t *r = calloc(1, sizeof *r);
+  if (r) r->t_launch = t_launch;
   status_t st = r ? parse_args(argc, argv, &r->args) : STATUS_ENOMEM;
   if (st != STATUS_OK && world_rank() == 0) usage(stderr);
   if (st == STATUS_OK) st = world_check_launch();
-  if (st == STATUS_OK) st = plan_load(&r->plan, r->args.config, r->args.sets, r->args.n_sets);
+  if (st == STATUS_OK)
+    st = plan_load_settings(&r->plan, r->args.config, r->args.sets, r->args.n_sets, &r->settings);
   if (st == STATUS_OK) st = plan_resolve(&r->plan, world_size());
   if (st == STATUS_OK && r->args.plot != NULL && r->args.metrics == NULL && !r->plan.metrics[0])
     st = err_set(STATUS_EINVAL, "--plot draws the metrics file: give --metrics PATH or "
                                 "log.metrics in the plan");
   if (st == STATUS_OK) world_set_timeout(r->plan.comm_timeout_s);
   if (st == STATUS_OK) st = dcp_set_block_bytes((uint64_t)r->plan.ckpt_block_bytes);
-  if (st == STATUS_OK && r->plan.ckpt_dir[0] && r->plan.ckpt_interval > 0) /* before training */
+  if (st == STATUS_OK && r->plan.ckpt_dir[0]) /* before training */
     st = r->args.dry_run ? file_check_dirs(r->plan.ckpt_dir, "checkpoint.dir")
                          : file_make_dirs(r->plan.ckpt_dir, "checkpoint.dir");
+  if (st == STATUS_OK && !r->args.dry_run) st = train_signals_install(&r->plan);
   int rc = 1;
-  if (agree(st)) {
+  if (r) r->lock_fd = -1;
+  if (agree(st) && agree(start(r))) {
     st = build(r);
     if (agree(st)) {
       if (world_rank() == 0) train_header(r);
@@ -542,11 +666,13 @@ int main(int argc, char **argv) {
         train_dry_run(r);
         rc = 0;
       } else if (agree(train(r))) {
-        rc = 0;
+        rc = r->stopped_by || r->timed_out ? TRAIN_EXIT_INTERRUPTED : 0;
       }
     }
   }
   if (r) {
+    train_unlock(r->lock_fd);
+    free(r->settings);
     optim_free(r->opt);
     free(r->ps);
     parallel_free(r->par);

@@ -46,6 +46,11 @@ typedef struct run {
   int64_t saved_batch; /* the global batch the resumed checkpoint was saved with; 0: unknown */
   /* train_data_order of the resumed checkpoint's run; "": unknown */
   char saved_order[96];
+  char *settings;  /* the plan's settings text (plan_load_settings) */
+  int lock_fd;     /* checkpoint.dir's lock (rank 0), or -1 */
+  int stopped_by;  /* a signal stopped the run at a step boundary, or 0 */
+  bool timed_out;  /* train.time_limit stopped it */
+  double t_launch; /* when the process started (train.time_limit counts from it) */
 } run_t;
 
 /* Samples per optimizer step over all ranks. */

@@ -171,10 +171,8 @@ static void panel(FILE *f, const run_t *runs, int n, int k, double ox, double oy
 
 static status_t write_svg(const run_t *runs, int n, const char *out) {
   char tmp[4096];
-  if (snprintf(tmp, sizeof tmp, "%s.tmp", out) >= (int)sizeof tmp)
-    return err_set(STATUS_EINVAL, "fsdp-plot: output path too long");
-  FILE *f = fopen(tmp, "w");
-  if (f == NULL) return err_set(STATUS_EIO, "cannot write '%s': %s", tmp, strerror(errno));
+  FILE *f;
+  TRY(file_create_temp(out, tmp, sizeof tmp, &f));
   int legend = 12 + 18 * n, width = 2 * PANEL_W, height = legend + 2 * PANEL_H;
   fprintf(f,
           "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
@@ -213,7 +211,12 @@ status_t plot_metrics(const char *const *paths, int n, const char *out) {
   if (n < 1) return err_set(STATUS_EINVAL, "fsdp-plot: no metrics file given");
   run_t *runs = calloc((size_t)n, sizeof *runs);
   if (runs == NULL) return err_set(STATUS_ENOMEM, "fsdp-plot: out of host memory");
-  status_t st = STATUS_OK;
+  file_inputs_t *in = NULL; /* the output replaces none of them */
+  status_t st = file_inputs_new(&in);
+  for (int r = 0; r < n && st == STATUS_OK; r++)
+    st = file_inputs_add(in, paths[r], "the metrics file");
+  if (st == STATUS_OK) st = file_check_output(out, "-o", in);
+  file_inputs_free(in);
   for (int r = 0; r < n && st == STATUS_OK; r++) {
     runs[r].name = paths[r];
     st = read_run(paths[r], &runs[r]);

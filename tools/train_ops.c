@@ -1,0 +1,414 @@
+/* fsdp-train's operations around the training loop (train_ops.h). */
+#include "tools/train_ops.h"
+
+#include <cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "base/file.h"
+#include "checkpoint/train_ckpt.h"
+#include "mesh/world.h"
+
+/* ---- signals ---- */
+
+static volatile sig_atomic_t g_signal;
+
+static void on_signal(int sig) {
+  if (g_signal != 0) _exit(128 + sig); /* the second: at once, no checkpoint touched */
+  g_signal = sig;
+}
+
+status_t train_signals_install(const plan_t *p) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_signal;
+  sa.sa_flags = SA_RESTART; /* reads, writes and waits go on; the loop looks at the boundary */
+  sigemptyset(&sa.sa_mask);
+  for (int i = 0; i < p->n_signals; i++)
+    if (sigaction(p->signals[i], &sa, NULL) != 0)
+      return err_set(STATUS_EINVAL, "train.signals: cannot handle %s: %s",
+                     train_signal_name(p->signals[i]), strerror(errno));
+  return STATUS_OK;
+}
+
+int train_signal(void) { return g_signal; }
+
+const char *train_signal_name(int sig) {
+  switch (sig) {
+    case SIGTERM: return "SIGTERM";
+    case SIGINT: return "SIGINT";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGUSR2: return "SIGUSR2";
+    case SIGHUP: return "SIGHUP";
+    case SIGXCPU: return "SIGXCPU";
+    default: return "a signal";
+  }
+}
+
+int train_stop_values(const plan_t *p, bool time_up, double *out) {
+  out[0] = time_up ? 1 : 0;
+  for (int i = 0; i < p->n_signals; i++) out[1 + i] = g_signal == p->signals[i] ? 1 : 0;
+  return 1 + p->n_signals;
+}
+
+train_stop_t train_stop_of(const plan_t *p, const double *sums) {
+  train_stop_t s = {0, sums[0] > 0};
+  for (int i = 0; i < p->n_signals && s.signal == 0; i++)
+    if (sums[1 + i] > 0) s.signal = p->signals[i];
+  return s;
+}
+
+/* ---- the lock of checkpoint.dir ---- */
+
+#define LOCK_NAME "fsdp-train.lock"
+#define LOCK_TEXT_MAX 4096
+
+/* The holder's record, read from fd ("" when empty), as "pid P on host H since T (plan X)". */
+static void lock_record(int fd, char *out, size_t size, long *pid, char *host, size_t hsize) {
+  char text[LOCK_TEXT_MAX];
+  ssize_t n = pread(fd, text, sizeof text - 1, 0);
+  out[0] = host[0] = 0;
+  *pid = 0;
+  if (n <= 0) return;
+  text[n] = 0;
+  cJSON *o = cJSON_Parse(text);
+  const cJSON *jp = cJSON_GetObjectItemCaseSensitive(o, "pid");
+  const cJSON *jh = cJSON_GetObjectItemCaseSensitive(o, "host");
+  const cJSON *js = cJSON_GetObjectItemCaseSensitive(o, "started");
+  const cJSON *jl = cJSON_GetObjectItemCaseSensitive(o, "plan");
+  if (cJSON_IsNumber(jp) && cJSON_IsString(jh) && cJSON_IsString(js) && cJSON_IsString(jl)) {
+    *pid = (long)jp->valuedouble;
+    snprintf(host, hsize, "%s", jh->valuestring);
+    snprintf(out, size, "pid %ld on host %s since %s (plan %s)", *pid, jh->valuestring,
+             js->valuestring, jl->valuestring);
+  } else {
+    snprintf(out, size, "a record that is not fsdp-train's");
+  }
+  cJSON_Delete(o);
+}
+
+static status_t lock_write(int fd, const char *plan_path) {
+  char host[256] = "?", when[64];
+  gethostname(host, sizeof host - 1);
+  time_t t = time(NULL);
+  struct tm tm;
+  strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&t, &tm));
+  cJSON *o = cJSON_CreateObject();
+  char *text = NULL;
+  if (o && cJSON_AddStringToObject(o, "host", host) &&
+      cJSON_AddNumberToObject(o, "pid", (double)getpid()) &&
+      cJSON_AddStringToObject(o, "started", when) && cJSON_AddStringToObject(o, "plan", plan_path))
+    text = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  if (text == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  size_t n = strlen(text);
+  bool ok = ftruncate(fd, 0) == 0 && pwrite(fd, text, n, 0) == (ssize_t)n && fsync(fd) == 0;
+  free(text);
+  return ok ? STATUS_OK : err_set(STATUS_EIO, "cannot write the lock record: %s", strerror(errno));
+}
+
+static char g_lock_path[PLAN_PATH_MAX + 32]; /* the lock this process holds */
+
+/* Whether fd is still the file at path (a job that ended removed it, and another may have
+ * made a new one there since this process opened it). */
+static bool same_file(int fd, const char *path) {
+  struct stat a, b;
+  return fstat(fd, &a) == 0 && lstat(path, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+/* Rank 0's part of train_lock. */
+static status_t lock_dir(const char *dir, const char *plan_path, int *fd) {
+  char path[PLAN_PATH_MAX + 32], held[LOCK_TEXT_MAX + 64], host[256], me[256] = "";
+  snprintf(path, sizeof path, "%s/" LOCK_NAME, dir);
+  long pid;
+  int e = 0;
+  for (int tries = 0; tries < 100; tries++) {
+    *fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (*fd < 0)
+      return err_set(STATUS_EIO, "checkpoint.dir '%s': cannot open its lock %s: %s", dir, path,
+                     strerror(errno));
+    e = flock(*fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
+    if (e != 0 || same_file(*fd, path)) break;
+    close(*fd); /* locked a file its job removed as it ended: take the new one */
+    *fd = -1;
+  }
+  if (*fd < 0) return err_set(STATUS_EIO, "checkpoint.dir '%s': its lock keeps changing", dir);
+  if (e != 0) {
+    if (e == EWOULDBLOCK) {
+      lock_record(*fd, held, sizeof held, &pid, host, sizeof host);
+      close(*fd);
+      *fd = -1;
+      return err_set(STATUS_EINVAL,
+                     "checkpoint.dir '%s' is in use by another fsdp-train: %s. Two jobs in one "
+                     "folder overwrite each other's checkpoints: wait for it to end, or give "
+                     "this run another checkpoint.dir",
+                     dir, held[0] ? held : "(no record yet)");
+    }
+    /* a file system without locks (some parallel file systems mount without them) */
+    fprintf(stderr,
+            "fsdp-train: checkpoint.dir '%s': its file system takes no locks (%s); a second "
+            "job in the folder will not be detected\n",
+            dir, strerror(e));
+    close(*fd);
+    *fd = -1;
+    return STATUS_OK;
+  }
+  lock_record(*fd, held, sizeof held, &pid, host, sizeof host);
+  gethostname(me, sizeof me - 1);
+  if (held[0]) /* flock is released when its process ends: that process is gone */
+    fprintf(
+        stderr,
+        "fsdp-train: checkpoint.dir '%s': took over the lock of %s, which ended without "
+        "releasing it%s\n",
+        dir, held,
+        pid > 0 && strcmp(host, me) == 0 && kill((pid_t)pid, 0) != 0 ? " (no longer running)" : "");
+  snprintf(g_lock_path, sizeof g_lock_path, "%s", path);
+  return lock_write(*fd, plan_path);
+}
+
+status_t train_lock(const char *dir, const char *plan_path, int *fd) {
+  *fd = -1;
+  status_t st = world_rank() == 0 ? lock_dir(dir, plan_path, fd) : STATUS_OK;
+  return pg_agree(world_pg(), st);
+}
+
+void train_unlock(int fd) {
+  if (fd < 0) return;
+  if (same_file(fd, g_lock_path)) unlink(g_lock_path); /* while held: no job has it yet */
+  close(fd);
+}
+
+void train_lock_note(const char *dir) {
+  if (world_rank() != 0) return;
+  char path[PLAN_PATH_MAX + 32], held[LOCK_TEXT_MAX + 64], host[256];
+  snprintf(path, sizeof path, "%s/" LOCK_NAME, dir);
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return;
+  long pid;
+  if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    lock_record(fd, held, sizeof held, &pid, host, sizeof host);
+    fprintf(stderr,
+            "fsdp-train: note: checkpoint.dir '%s' is in use by another fsdp-train (%s): a run "
+            "would refuse to start until it ends\n",
+            dir, held[0] ? held : "no record yet");
+  }
+  close(fd);
+}
+
+/* ---- every rank's plan the same ---- */
+
+/* The value of key in text ("key: value" lines, as plan_load_settings writes), its length
+ * into *n; NULL when the key is absent. */
+static const char *value_of(const char *text, const char *key, size_t klen, int *n) {
+  for (const char *l = text; *l;) {
+    const char *end = strchr(l, '\n');
+    if (end == NULL) break;
+    if (strncmp(l, key, klen) == 0 && strncmp(l + klen, ": ", 2) == 0) {
+      *n = (int)(end - l - (ptrdiff_t)klen - 2);
+      return l + klen + 2;
+    }
+    l = end + 1;
+  }
+  return NULL;
+}
+
+/* "key: A here, B on rank 0" for the first few keys whose values differ. */
+static void describe_difference(const char *mine, const char *theirs, char *out, size_t size) {
+  size_t at = 0;
+  int shown = 0;
+  out[0] = 0;
+  for (int side = 0; side < 2 && shown < 4; side++) {
+    const char *text = side ? theirs : mine, *other = side ? mine : theirs;
+    for (const char *l = text; *l && shown < 4;) {
+      const char *end = strchr(l, '\n'), *colon = strstr(l, ": ");
+      if (end == NULL || colon == NULL || colon > end) break;
+      size_t klen = (size_t)(colon - l);
+      int n = (int)(end - colon - 2), m = 0;
+      const char *v = colon + 2, *w = value_of(other, l, klen, &m);
+      l = end + 1;
+      if (w && (side == 1 || (m == n && strncmp(v, w, (size_t)n) == 0))) continue;
+      const char *here = side ? w : v, *there = side ? v : w;
+      int nh = side ? m : n, nt = side ? n : m;
+      int k = snprintf(out + at, size - at, "%s%.*s: %.*s here, %.*s on rank 0", shown ? "; " : "",
+                       (int)klen, colon - klen, here ? nh : 7, here ? here : "not set",
+                       there ? nt : 7, there ? there : "not set");
+      if (k > 0 && (size_t)k < size - at) at += (size_t)k;
+      shown++;
+    }
+  }
+  if (shown == 0) snprintf(out, size, "the plans differ");
+}
+
+status_t train_check_same_plan(const char *settings) {
+  pg_t *pg = world_pg();
+  int n = world_size();
+  int64_t mine = (int64_t)XXH64(settings, strlen(settings), 0);
+  int64_t *all = malloc(sizeof *all * (size_t)n);
+  if (all == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  status_t st = pg_host_all_gather(pg, &mine, all, 1, PG_HOST_I64);
+  bool same = true;
+  for (int r = 0; st == STATUS_OK && r < n; r++) same &= all[r] == all[0];
+  free(all);
+  if (st != STATUS_OK || same) return st;
+  /* rank 0's text to every rank, in 4-byte words */
+  int64_t len = (int64_t)strlen(settings) + 1;
+  TRY(pg_host_all_reduce(pg, &len, &len, 1, PG_HOST_I64, REDUCE_MAX)); /* the longest */
+  int32_t *words = calloc((size_t)(len + 3) / 4, 4);
+  if (words == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  if (world_rank() == 0) memcpy(words, settings, strlen(settings) + 1);
+  st = pg_broadcast(pg, words, (size_t)(len + 3) / 4, DTYPE_I32, 0, NULL);
+  if (st == STATUS_OK && mine != (int64_t)XXH64(words, strlen((char *)words), 0)) {
+    char what[1024];
+    describe_difference(settings, (const char *)words, what, sizeof what);
+    st = err_set(STATUS_EINVAL,
+                 "this rank's plan differs from rank 0's (%s); every rank must start with the "
+                 "same plan file and --set options",
+                 what);
+  } else if (st == STATUS_OK) {
+    st = err_set(STATUS_EINVAL,
+                 "the plans of other ranks differ from this one (their lines name the keys)");
+  }
+  free(words);
+  return pg_agree(pg, st);
+}
+
+/* ---- checks before the first step ---- */
+
+status_t train_checkpoint_step(const char *ckpt, int64_t *step) {
+  char *text = NULL;
+  *step = 0;
+  TRY(ckpt_state_text(ckpt, &text));
+  cJSON *o = cJSON_Parse(text);
+  free(text);
+  const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
+  if (cJSON_IsNumber(s) && s->valuedouble >= 0) *step = (int64_t)s->valuedouble;
+  cJSON_Delete(o);
+  return STATUS_OK;
+}
+
+/* x in the fewest digits that read back as x ("1e-05", not "1.0000000000000001e-05"). */
+static void shortest(double x, char *buf, size_t n) {
+  if (x == floor(x) && fabs(x) < 1e15) {
+    snprintf(buf, n, "%.0f", x);
+    return;
+  }
+  for (int prec = 1; prec <= 17; prec++) {
+    snprintf(buf, n, "%.*g", prec, x);
+    if (strtod(buf, NULL) == x) return;
+  }
+}
+
+status_t train_check_model(const plan_t *p, const char *ckpt) {
+  char *text = NULL;
+  TRY(ckpt_state_text(ckpt, &text));
+  cJSON *o = cJSON_Parse(text);
+  free(text);
+  const cJSON *under = cJSON_GetObjectItemCaseSensitive(o, "saved_under");
+  const cJSON *model = cJSON_GetObjectItemCaseSensitive(under, "model");
+  char *mtext = cJSON_IsObject(model) ? cJSON_PrintUnformatted(model) : NULL;
+  cJSON_Delete(o);
+  if (mtext == NULL) return STATUS_OK; /* no record: the shapes are checked as it loads */
+  llama_config_t c = LLAMA_CONFIG_INIT;
+  status_t st = llama_config_from_hf_text(mtext, ckpt, &c);
+  free(mtext);
+  if (st != STATUS_OK) {
+    err_clear(); /* another model's record: not this comparison's to judge */
+    return STATUS_OK;
+  }
+  const llama_config_t *m = &p->model;
+  struct {
+    const char *key;
+    double saved, plan;
+  } keys[] = {
+      {"n_layers", (double)c.n_layers, (double)m->n_layers},
+      {"dim", (double)c.dim, (double)m->dim},
+      {"n_heads", (double)c.n_heads, (double)m->n_heads},
+      {"n_kv_heads", (double)c.n_kv_heads, (double)m->n_kv_heads},
+      {"ffn_dim", (double)c.ffn_dim, (double)m->ffn_dim},
+      {"vocab_size", (double)c.vocab_size, (double)m->vocab_size},
+      {"tie_embeddings", c.tie_embeddings, m->tie_embeddings},
+      {"rope_theta", c.rope.theta, m->rope.theta},
+      {"rope_scaling (type)", (double)c.rope.scaling, (double)m->rope.scaling},
+      {"rope_scaling (factor)", c.rope.factor, m->rope.factor},
+      {"norm_eps", c.norm_eps, m->norm_eps},
+  };
+  for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+    double a = keys[i].saved, b = keys[i].plan;
+    if (a == b || fabs(a - b) <= 1e-12 * fabs(b)) continue; /* a JSON round trip of a double */
+    char sa[32], sb[32];
+    bool flag = strcmp(keys[i].key, "tie_embeddings") == 0;
+    shortest(a, sa, sizeof sa);
+    shortest(b, sb, sizeof sb);
+    return err_set(STATUS_EINVAL,
+                   "checkpoint.load: '%s' was saved with model.%s = %s, the plan has %s: a "
+                   "checkpoint resumes only the model it was saved from (set the plan's "
+                   "model.%s to %s, or start from its weights with model.init_from after "
+                   "fsdp-ckpt export-hf)",
+                   ckpt, keys[i].key, flag ? (a ? "true" : "false") : sa,
+                   flag ? (b ? "true" : "false") : sb, keys[i].key,
+                   flag ? (a ? "true" : "false") : sa);
+  }
+  return STATUS_OK;
+}
+
+status_t train_check_step_folders(const plan_t *p, int64_t start) {
+  status_t st = STATUS_OK;
+  if (world_rank() == 0 && p->ckpt_dir[0] && !p->ckpt_overwrite) {
+    int count = 0;
+    int64_t newest = -1;
+    st = ckpt_newer(p->ckpt_dir, start, p->steps, &count, &newest);
+    char dir[PLAN_PATH_MAX + 32], state[PLAN_PATH_MAX + 64];
+    ckpt_step_dir(p->ckpt_dir, newest, dir, sizeof dir);
+    snprintf(state, sizeof state, "%s/train_state.json", dir);
+    bool complete = access(state, F_OK) == 0;
+    if (st == STATUS_OK && count > 0)
+      st = err_set(STATUS_EINVAL,
+                   "%s: checkpoint.dir '%s' holds %d step folder%s after step %lld, where this "
+                   "run starts (the newest: %s%s); the run would save over them. %s, give this "
+                   "run another checkpoint.dir, or set checkpoint.overwrite: true (the newer "
+                   "folders are removed once this run's first checkpoint is saved)",
+                   p->ckpt_where.text, p->ckpt_dir, count, count == 1 ? "" : "s", (long long)start,
+                   dir, complete ? "" : ", not a complete checkpoint",
+                   complete ? "Resume the newest with checkpoint.load: auto"
+                            : "Remove the folders that are no checkpoint");
+  }
+  return pg_agree(world_pg(), st);
+}
+
+status_t train_check_outputs(const plan_t *p, const char *metrics, const char *plot,
+                             const data_t *data, const data_t *eval, const char *resumed) {
+  file_inputs_t *in = NULL;
+  status_t st = file_inputs_new(&in);
+  if (st == STATUS_OK) st = file_inputs_add(in, p->source, "the plan");
+  for (int i = 0; data && i < data_num_files(data) && st == STATUS_OK; i++)
+    st = file_inputs_add(in, data_file_path(data, i), "data.path's file");
+  for (int i = 0; eval && i < data_num_files(eval) && st == STATUS_OK; i++)
+    st = file_inputs_add(in, data_file_path(eval, i), "eval.path's file");
+  if (st == STATUS_OK && p->init_from[0])
+    st = file_inputs_add(in, p->init_from, "a file of model.init_from");
+  if (st == STATUS_OK && resumed && resumed[0])
+    st = file_inputs_add(in, resumed, "a file of the checkpoint it resumes");
+  if (st == STATUS_OK && metrics && metrics[0]) {
+    st = file_check_output(metrics, "--metrics (or log.metrics)", in);
+    if (st == STATUS_OK) st = file_inputs_add(in, metrics, "the metrics file");
+  }
+  if (st == STATUS_OK && plot) {
+    st = file_check_output(plot, "--plot", in);
+    if (st == STATUS_OK && metrics && strcmp(plot, metrics) == 0)
+      st = err_set(STATUS_EINVAL, "--plot '%s' is the metrics file it draws; name another file",
+                   plot);
+  }
+  file_inputs_free(in);
+  return st;
+}
