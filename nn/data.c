@@ -324,6 +324,21 @@ int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step
   return (int64_t)(g * spec->seq_len % span);
 }
 
+/* Tokens [i0, i0 + n) of the stream, read into row, against the vocabulary. */
+static status_t check_ids(const data_t *d, int64_t i0, const int64_t *row, int64_t n,
+                          int64_t vocab) {
+  for (int64_t k = 0; k < n; k++) {
+    if (row[k] >= 0 && row[k] < vocab) continue;
+    const dfile_t *f = file_of(d, i0 + k);
+    return err_set(STATUS_EINVAL,
+                   "data file %s: the token at byte offset %lld has id %lld, outside the "
+                   "vocabulary of %lld",
+                   f->path, (long long)(f->base + (i0 + k - f->first) * f->width),
+                   (long long)row[k], (long long)vocab);
+  }
+  return STATUS_OK;
+}
+
 status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
                     tensor_t *inputs, tensor_t *targets) {
   if (spec->batch_size < 1 || spec->seq_len < 1 || spec->grad_accum < 1 || spec->dp_size < 1 ||
@@ -349,6 +364,7 @@ status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int6
   for (int64_t b = 0; b < spec->batch_size && st == STATUS_OK; b++) {
     int64_t s = data_sample_start(d, spec, step, micro, spec->dp_rank * spec->batch_size + b);
     st = read_tokens(d, s, L + 1, row);
+    if (st == STATUS_OK && spec->vocab_size > 0) st = check_ids(d, s, row, L + 1, spec->vocab_size);
     if (st != STATUS_OK) {
       tensor_free(inputs);
       tensor_free(targets);

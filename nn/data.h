@@ -49,6 +49,7 @@ typedef struct data_spec {
   int64_t dp_rank;
   bool shuffle;  /* the windows of each epoch in an order drawn from seed (see above) */
   uint64_t seed; /* with shuffle */
+  int64_t vocab_size; /* > 0: data_batch refuses a token id outside [0, vocab_size) */
 } data_spec_t;
 
 /* Opens the token file path, or every file the pattern path matches (when it has *, ? or [),
@@ -75,7 +76,10 @@ int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step
 
 /* This rank's inputs and targets for (step, micro): new I64 [batch_size, seq_len] host
  * tensors the caller frees, read from the file (an error names it when it cannot be read, or
- * has become shorter). Several threads may read one data_t at once. */
+ * has become shorter). With spec->vocab_size, every token read is checked against it: one
+ * outside is refused, naming the file and its byte offset (a check of the tokens a batch
+ * reads, so a stream of any size is never read whole for it). Several threads may read one
+ * data_t at once. */
 status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
                     tensor_t *inputs, tensor_t *targets);
 

@@ -89,25 +89,15 @@ static double now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* A token stream (data.path or eval.path: key, at where), checked against the model and the
- * sample length (a dry run too: it must refuse what the run would). Every rank reads its part
- * of the stream for the vocabulary check (1/world of it) and all agree: one verdict and one
- * message on every rank. Collective over the world. */
+/* A token stream (data.path or eval.path: key, at where), checked for one sample (a dry run
+ * too: it must refuse what the run would). Only the files' sizes and llm.c's headers are read:
+ * token ids are checked against the vocabulary where each batch reads them (data_batch), so
+ * a stream of any size starts at once. Local (every rank reaches the same verdict). */
 static status_t open_tokens(const run_t *r, const char *path, data_format_t format,
                             const plan_where_t *where, const char *key, data_t **out) {
   const plan_t *p = &r->plan;
-  int64_t top = -1;
   status_t st = data_open(out, path, format);
-  if (st != STATUS_OK) st = err_prefix(st, "%s: %s", where->text, key);
-  if (st == STATUS_OK) {
-    __int128 n = data_num_tokens(*out), k = world_rank(), w = world_size();
-    st = data_max_token(*out, (int64_t)(n * k / w), (int64_t)(n * (k + 1) / w), &top);
-  }
-  TRY(pg_agree(world_pg(), st));
-  TRY(pg_host_all_reduce(world_pg(), &top, &top, 1, PG_HOST_I64, REDUCE_MAX));
-  if (top >= p->model.vocab_size)
-    return err_set(STATUS_EINVAL, "%s: %s: token id %lld in '%s' is outside model.vocab_size=%lld",
-                   where->text, key, (long long)top, path, (long long)p->model.vocab_size);
+  if (st != STATUS_OK) return err_prefix(st, "%s: %s", where->text, key);
   int64_t need = p->seq_len + 2; /* a sample and its targets, at one start of at least two */
   if (data_num_tokens(*out) < need)
     return err_set(STATUS_EINVAL,
@@ -224,7 +214,7 @@ static status_t build(run_t *r) {
     return err_prefix(st, "%s: train.device: %s", p->source, device_want_name(p->device));
   TRY(llama_plan_check(&p->par));
   kernel_attention_set_fused(!p->deterministic);
-  TRY(open_data(r)); /* before the model: a bad file fails at once */
+  TRY(pg_agree(world_pg(), open_data(r))); /* before the model: a bad file fails at once */
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.device = dev.type;
   lo.activation_checkpointing = p->activation_checkpointing;
@@ -427,7 +417,8 @@ static status_t train(run_t *r) {
                       .dp_size = r->dp_size,
                       .dp_rank = r->dp_rank,
                       .shuffle = p->shuffle,
-                      .seed = p->seed};
+                      .seed = p->seed,
+                      .vocab_size = p->model.vocab_size};
   lr_schedule_t sched = {
       .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
   const char *mpath = r->args.metrics ? r->args.metrics : p->metrics;

@@ -99,7 +99,8 @@ START_TEST(data_order_and_dp_split) {
 }
 END_TEST
 
-/* uint32 tokens (ids past 65,535, as a Llama 3 vocabulary has), and the largest id of a range. */
+/* uint32 tokens (ids past 65,535, as a Llama 3 vocabulary has), the largest id of a range, and
+ * the vocabulary check of a batch. */
 START_TEST(u32_tokens_and_ranges) {
   char path[256];
   write_tokens(path, sizeof path, "tokens.u32", 4, 40, 70000u, 100003u);
@@ -123,6 +124,17 @@ START_TEST(u32_tokens_and_ranges) {
       ck_assert_int_eq(((int64_t *)in.data)[b * 4 + t], 70000 + 100003 * (8 + 4 * b + t));
       ck_assert_int_eq(((int64_t *)tg.data)[b * 4 + t], 70000 + 100003 * (9 + 4 * b + t));
     }
+  tensor_free(&in);
+  tensor_free(&tg);
+  /* with a vocabulary, each token a batch reads is checked: the first outside it is named by
+   * file and byte offset (token 9 of step 1's samples at 8 and 12: offset 36) */
+  u.vocab_size = 70000 + 100003 * 9;
+  ck_assert_int_eq(data_batch(d, &u, 1, 0, &in, &tg), STATUS_EINVAL);
+  ck_assert_msg(strstr(err_detail(), "tokens.u32: the token at byte offset 36 has id 970027, "
+                                     "outside the vocabulary of 970027") != NULL,
+                "%s", err_detail());
+  u.vocab_size = 70000 + 100003 * 17; /* step 1 reads tokens 8-16: all below it */
+  ok(data_batch(d, &u, 1, 0, &in, &tg));
   tensor_free(&in);
   tensor_free(&tg);
   data_free(d);
