@@ -184,8 +184,7 @@ status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const d
   return st;
 }
 
-/* The boxes of this rank's file: its shards (a replica only at coordinate 0), none empty. */
-static status_t shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int *count) {
+status_t dcp_shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int *count) {
   *count = 0;
   for (int i = 0; i < n; i++) {
     bool mine;
@@ -199,7 +198,7 @@ static status_t shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int
   return STATUS_OK;
 }
 
-static void shard_name(int rank, char *out, size_t size) {
+void dcp_shard_name(int rank, char *out, size_t size) {
   snprintf(out, size, "shard-%05d.safetensors", rank);
 }
 
@@ -217,7 +216,7 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
   pending_t p = {0};
   status_t st = b && mine && all && files ? STATUS_OK
                                           : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-  if (st == STATUS_OK) st = shard_boxes(entries, n, b, &count);
+  if (st == STATUS_OK) st = dcp_shard_boxes(entries, n, b, &count);
   if (st == STATUS_OK && count > 0) st = pending_hash(b, count, &p);
   if (st == STATUS_OK && count > 0) st = pending_seal(&p, &(dcp_folder_t){NULL, 0, 0});
   if (st == STATUS_OK && count > 0) {
@@ -236,13 +235,13 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
       st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
       break;
     }
-    shard_name(r, files[n_files++], 32);
+    dcp_shard_name(r, files[n_files++], 32);
   }
   if (st == STATUS_OK && count > 0) {
     dcp_folder_t folder = {(const char *const *)files, n_files, id};
     st = pending_seal(&p, &folder);
     char path[DCP_JOIN_MAX], name[32];
-    shard_name(rank, name, sizeof name);
+    dcp_shard_name(rank, name, sizeof name);
     snprintf(path, sizeof path, "%.4010s/%s", tmp, name);
     if (st == STATUS_OK) st = write_sealed(path, b, count, &p);
   }

@@ -100,6 +100,13 @@ status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const d
 /* An id for one save: from the clock and the process, different between saves. */
 uint64_t dcp_new_save_id(void);
 
+/* The boxes of this rank's file of a save of entries: its local shards (a shard replicated over
+ * mesh dimensions only at coordinate 0), none empty, at their global offsets, borrowing the
+ * entries' local tensors; b has room for n. *count receives how many. Local. */
+status_t dcp_shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int *count);
+/* The name of rank's file in a folder: "shard-RRRRR.safetensors". */
+void dcp_shard_name(int rank, char *out, size_t size);
+
 /* Loads every entry's local shard from folder dir, whatever plan saved it: the global shape
  * must match and the saved chunks must cover the shard; values are converted to the
  * entry's dtype. Reads only the saved rows that intersect this rank's shards. Local (every

@@ -1,7 +1,6 @@
 #include "checkpoint/train_ckpt.h"
 
 #include <cJSON.h>
-#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -12,18 +11,12 @@
 
 #include "base/file.h"
 #include "checkpoint/dcp_integrity.h"
+#include "checkpoint/train_ckpt_impl.h"
 
 #define PATH_LEN 4400
 
 /* Entries of the model (names) and of the optimizer ("name.exp_avg", ...). */
-typedef struct entries {
-  dcp_entry_t *model, *optim;
-  dtensor_t **owned; /* the optimizer-state DTensors */
-  char **names;
-  int n;
-} entries_t;
-
-static void entries_free(entries_t *e) {
+void ckpt_entries_free(ckpt_entries_t *e) {
   for (int i = 0; i < 2 * e->n; i++) {
     if (e->owned) dtensor_free(e->owned[i]);
     if (e->names) free(e->names[i]);
@@ -34,15 +27,8 @@ static void entries_free(entries_t *e) {
   free(e->names);
 }
 
-/* What the optimizer entries are for. */
-typedef enum entries_mode {
-  ENTRIES_SAVE,       /* the optimizer's state (zero when it has none yet) */
-  ENTRIES_LOAD,       /* state to overwrite (allocated uninitialised when absent) */
-  ENTRIES_MODEL_ONLY, /* no optimizer entries */
-} entries_mode_t;
-
-static status_t entries_make(nn_param_t *const *params, int n, optim_t *opt, entries_mode_t mode,
-                             entries_t *e) {
+status_t ckpt_entries_make(nn_param_t *const *params, int n, optim_t *opt, ckpt_entries_mode_t mode,
+                           ckpt_entries_t *e) {
   memset(e, 0, sizeof *e);
   e->n = n;
   e->model = calloc((size_t)n + 1, sizeof *e->model);
@@ -50,14 +36,14 @@ static status_t entries_make(nn_param_t *const *params, int n, optim_t *opt, ent
   e->owned = calloc(2 * (size_t)n + 1, sizeof *e->owned);
   e->names = calloc(2 * (size_t)n + 1, sizeof *e->names);
   if (!e->model || !e->optim || !e->owned || !e->names) {
-    entries_free(e);
+    ckpt_entries_free(e);
     return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   }
   for (int i = 0; i < n; i++) {
     const char *name = params[i]->fqn;
     e->model[i] = (dcp_entry_t){name, params[i]->value};
-    if (mode == ENTRIES_MODEL_ONLY) continue;
-    status_t st = mode == ENTRIES_SAVE
+    if (mode == CKPT_ENTRIES_MODEL_ONLY) continue;
+    status_t st = mode == CKPT_ENTRIES_SAVE
                       ? optim_state(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1])
                       : optim_state_for_load(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1]);
     for (int k = 0; k < 2 && st == STATUS_OK; k++) {
@@ -70,14 +56,14 @@ static status_t entries_make(nn_param_t *const *params, int n, optim_t *opt, ent
       e->optim[2 * i + k] = (dcp_entry_t){e->names[2 * i + k], e->owned[2 * i + k]};
     }
     if (st != STATUS_OK) {
-      entries_free(e);
+      ckpt_entries_free(e);
       return st;
     }
   }
   return STATUS_OK;
 }
 
-static status_t make_dir(const char *path) {
+status_t ckpt_make_dir(const char *path) {
   if (mkdir(path, 0755) != 0 && errno != EEXIST)
     return err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", path, strerror(errno));
   return STATUS_OK;
@@ -144,8 +130,8 @@ status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_t
   return st;
 }
 
-static status_t write_state(const char *tmp, int64_t step, int64_t optim_steps,
-                            const char *saved_under, uint64_t model_id, uint64_t optim_id) {
+status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_steps,
+                          const char *saved_under, uint64_t model_id, uint64_t optim_id) {
   cJSON *o = cJSON_CreateObject();
   if (o == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   cJSON_AddNumberToObject(o, "step", (double)step);
@@ -167,8 +153,8 @@ static status_t write_state(const char *tmp, int64_t step, int64_t optim_steps,
 status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                             int64_t step, const char *saved_under, pg_t *pg) {
   int rank = pg_rank(pg);
-  entries_t e;
-  TRY(entries_make(params, n, opt, ENTRIES_SAVE, &e));
+  ckpt_entries_t e;
+  TRY(ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &e));
   char tmp[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
   status_t st = dcp_prepare(dir, tmp, sizeof tmp, pg);
   bool prepared = st == STATUS_OK;
@@ -177,8 +163,8 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
     snprintf(optim, sizeof optim, "%.4000s/optim", tmp);
     status_t mine = STATUS_OK;
     if (rank == 0) {
-      mine = make_dir(model);
-      if (mine == STATUS_OK) mine = make_dir(optim);
+      mine = ckpt_make_dir(model);
+      if (mine == STATUS_OK) mine = ckpt_make_dir(optim);
     }
     st = pg_agree(pg, mine);
   }
@@ -187,13 +173,14 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
   if (st == STATUS_OK) st = dcp_write(optim, e.optim, 2 * n, pg, &optim_id);
   if (st == STATUS_OK) {
     status_t mine = STATUS_OK;
-    if (rank == 0) mine = write_state(tmp, step, optim_steps(opt), saved_under, model_id, optim_id);
+    if (rank == 0)
+      mine = ckpt_write_state(tmp, step, optim_steps(opt), saved_under, model_id, optim_id);
     st = pg_agree(pg, mine);
   }
   if (st == STATUS_OK) st = dcp_commit(tmp, dir, pg);
   /* every rank has agreed on the failure, so no rank still writes: free the space it took */
   if (st != STATUS_OK && prepared && rank == 0) file_remove_tree(tmp);
-  entries_free(&e);
+  ckpt_entries_free(&e);
   return st;
 }
 
@@ -314,13 +301,14 @@ status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, o
   if (st == STATUS_OK && !weights_only && c.ro == NULL)
     st = err_set(STATUS_EFORMAT, "checkpoint %s: no optim folder, yet %lld optimizer steps",
                  dir, (long long)os);
-  entries_t e = {0};
+  ckpt_entries_t e = {0};
   dcp_stats_t a = {0}, b = {0};
   if (st == STATUS_OK)
-    st = entries_make(params, n, opt, weights_only ? ENTRIES_MODEL_ONLY : ENTRIES_LOAD, &e);
+    st = ckpt_entries_make(params, n, opt,
+                           weights_only ? CKPT_ENTRIES_MODEL_ONLY : CKPT_ENTRIES_LOAD, &e);
   if (st == STATUS_OK) st = dcp_reader_load(c.rm, e.model, n, &a);
   if (st == STATUS_OK && !weights_only) st = dcp_reader_load(c.ro, e.optim, 2 * n, &b);
-  entries_free(&e);
+  ckpt_entries_free(&e);
   opened_close(&c);
   TRY(st);
   optim_set_steps(opt, os);
@@ -346,191 +334,4 @@ status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks) {
   if (stat(optim, &sb) == 0) TRY(dcp_verify(optim, pg, &b)); /* absent: weights only */
   if (chunks) *chunks = a + b;
   return STATUS_OK;
-}
-
-void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
-  snprintf(out, size, "%s/step-%08" PRId64, root, step);
-}
-
-/* Calls fn(ctx, name, step, kind) for each entry directly under root named step-NNNNNNNN
- * (STEP_COMPLETE with a train_state.json, else STEP_INCOMPLETE) or step-NNNNNNNN.tmp
- * (STEP_TMP), links included as entries; a root that does not exist has none. */
-typedef enum step_kind { STEP_COMPLETE, STEP_INCOMPLETE, STEP_TMP } step_kind_t;
-typedef status_t step_fn(void *ctx, const char *name, int64_t step, step_kind_t kind);
-
-static status_t scan_steps(const char *root, step_fn *fn, void *ctx) {
-  DIR *d = opendir(root);
-  if (d == NULL) return STATUS_OK;
-  struct dirent *e;
-  status_t st = STATUS_OK;
-  while (st == STATUS_OK && (e = readdir(d)) != NULL) {
-    long long s;
-    char tail;
-    int got = sscanf(e->d_name, "step-%lld%c", &s, &tail);
-    bool is_tmp = got == 2 && strcmp(e->d_name + strlen(e->d_name) - 4, ".tmp") == 0;
-    if ((got != 1 && !is_tmp) || s < 0) continue;
-    char state[PATH_LEN];
-    snprintf(state, sizeof state, "%.4000s/%.255s/train_state.json", root, e->d_name);
-    step_kind_t kind = is_tmp                     ? STEP_TMP
-                       : access(state, R_OK) == 0 ? STEP_COMPLETE
-                                                  : STEP_INCOMPLETE;
-    st = fn(ctx, e->d_name, s, kind);
-  }
-  closedir(d);
-  return st;
-}
-
-typedef struct steps {
-  int64_t *v;
-  int n, cap;
-  int64_t partial; /* the newest incomplete folder's step, -1 when none */
-  bool partial_tmp;
-} steps_t;
-
-static status_t collect_step(void *ctx, const char *name, int64_t s, step_kind_t kind) {
-  (void)name;
-  steps_t *l = ctx;
-  if (kind != STEP_COMPLETE) {
-    if (s > l->partial || (s == l->partial && kind == STEP_INCOMPLETE)) {
-      l->partial = s;
-      l->partial_tmp = kind == STEP_TMP;
-    }
-    return STATUS_OK;
-  }
-  if (l->n == l->cap) {
-    int cap = l->cap ? 2 * l->cap : 16;
-    int64_t *v = realloc(l->v, sizeof(int64_t) * (size_t)cap);
-    if (v == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-    l->v = v;
-    l->cap = cap;
-  }
-  l->v[l->n++] = s;
-  return STATUS_OK;
-}
-
-static int cmp_step(const void *a, const void *b) {
-  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-  return (x > y) - (x < y);
-}
-
-/* Complete checkpoints under root, sorted by step (ascending); the newest incomplete folder
- * into *partial (step -1 when none): a step-N without train_state.json, or step-N.tmp. */
-static status_t list_steps(const char *root, int64_t **steps, int *n, int64_t *partial,
-                           bool *partial_tmp) {
-  steps_t l = {.partial = -1};
-  status_t st = scan_steps(root, collect_step, &l);
-  if (st == STATUS_OK && l.n > 1) qsort(l.v, (size_t)l.n, sizeof *l.v, cmp_step);
-  *steps = l.v;
-  *n = l.n;
-  *partial = l.partial;
-  *partial_tmp = l.partial_tmp;
-  return st;
-}
-
-typedef struct newer {
-  int64_t after, upto, newest;
-  int count;
-} newer_t;
-
-static status_t count_newer(void *ctx, const char *name, int64_t s, step_kind_t kind) {
-  (void)name;
-  newer_t *w = ctx;
-  if (s > w->after && (kind == STEP_COMPLETE || (kind == STEP_INCOMPLETE && s <= w->upto))) {
-    w->count++;
-    w->newest = s > w->newest ? s : w->newest;
-  }
-  return STATUS_OK;
-}
-
-status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count, int64_t *newest) {
-  newer_t w = {after, upto, -1, 0};
-  TRY(scan_steps(root, count_newer, &w));
-  *count = w.count;
-  *newest = w.newest;
-  return STATUS_OK;
-}
-
-/* Removes root's entry `name`; a complete checkpoint loses its train_state.json first, so a
- * half-removed one is never taken for complete. */
-static status_t remove_entry(const char *root, const char *name, step_kind_t kind) {
-  char path[PATH_LEN];
-  snprintf(path, sizeof path, "%.4000s/%.255s", root, name);
-  struct stat sb;
-  if (kind == STEP_COMPLETE && lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
-    char state[PATH_LEN + 32];
-    snprintf(state, sizeof state, "%s/train_state.json", path);
-    unlink(state);
-  }
-  if (!file_remove_tree(path))
-    return err_set(STATUS_EIO, "checkpoint: cannot remove all of %s: %s", path, strerror(errno));
-  return STATUS_OK;
-}
-
-typedef enum removal_mode {
-  REMOVE_TMP,           /* the unfinished saves */
-  REMOVE_AFTER,         /* the step folders after `after`, but `keep` */
-  REMOVE_COMPLETE_UPTO, /* the complete checkpoints up to `after` */
-} removal_mode_t;
-
-typedef struct removal {
-  const char *root;
-  removal_mode_t mode;
-  int64_t after, keep; /* keep: a step folder to leave (-1: none) */
-  int removed;
-} removal_t;
-
-static status_t remove_step(void *ctx, const char *name, int64_t s, step_kind_t kind) {
-  removal_t *r = ctx;
-  bool take = r->mode == REMOVE_TMP     ? kind == STEP_TMP
-              : r->mode == REMOVE_AFTER ? kind != STEP_TMP && s > r->after && s != r->keep
-                                        : kind == STEP_COMPLETE && s <= r->after;
-  if (!take) return STATUS_OK;
-  TRY(remove_entry(r->root, name, kind));
-  r->removed++;
-  return STATUS_OK;
-}
-
-status_t ckpt_remove_unfinished(const char *root, int *removed) {
-  removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
-  status_t st = scan_steps(root, remove_step, &r);
-  if (removed) *removed = r.removed;
-  return st;
-}
-
-status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed) {
-  removal_t r = {.root = root, .mode = REMOVE_AFTER, .after = after, .keep = keep};
-  status_t st = scan_steps(root, remove_step, &r);
-  if (removed) *removed = r.removed;
-  return st;
-}
-
-status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
-                     size_t skipped_size) {
-  int64_t *steps, partial;
-  int n;
-  bool tmp;
-  TRY(list_steps(root, &steps, &n, &partial, &tmp));
-  *found = n > 0;
-  if (n > 0) ckpt_step_dir(root, steps[n - 1], out, size);
-  if (skipped_size > 0) skipped[0] = 0;
-  if (skipped_size > 0 && partial >= 0 && (n == 0 || partial > steps[n - 1])) {
-    char dir[PATH_LEN];
-    ckpt_step_dir(root, partial, dir, sizeof dir);
-    snprintf(skipped, skipped_size, "%s%s (%s)", dir, tmp ? ".tmp" : "",
-             tmp ? "a save that did not finish" : "no train_state.json: not a complete checkpoint");
-  }
-  free(steps);
-  return STATUS_OK;
-}
-
-status_t ckpt_prune(const char *root, int keep) {
-  if (keep <= 0) return STATUS_OK;
-  int64_t *steps, partial;
-  int n;
-  bool tmp;
-  TRY(list_steps(root, &steps, &n, &partial, &tmp));
-  removal_t r = {
-      .root = root, .mode = REMOVE_COMPLETE_UPTO, .after = n > keep ? steps[n - keep - 1] : -1};
-  free(steps);
-  return r.after < 0 ? STATUS_OK : scan_steps(root, remove_step, &r);
 }

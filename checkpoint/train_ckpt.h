@@ -27,6 +27,55 @@ extern "C" {
 status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                             int64_t step, const char *saved_under, pg_t *pg);
 
+/* ---- Asynchronous saves ----
+ *
+ * ckpt_save_training's work, split so that training goes on while the files are written:
+ * ckpt_async_start makes room for this rank's state in staging memory on the host (kept and
+ * reused from save to save: the state's size once more) and starts a thread that copies the
+ * state there (state on a device is copied before it returns), then hashes and writes this
+ * rank's files into DIR.tmp; ckpt_async_commit, once every rank's files are written, writes
+ * the train state and renames the folder into place. The folder, its integrity records and
+ * its atomic commit are those of a synchronous save, except the saves' ids: fresh ones drawn
+ * by rank 0, where a synchronous save derives them from the files' contents.
+ *
+ *   ckpt_async_t *a;
+ *   TRY(ckpt_async_new(&a));
+ *   TRY(ckpt_async_start(a, "ckpt/step-00000100", ps, n, opt, 100, NULL, pg));
+ *   ... forward, backward; ckpt_async_wait_staged(a) before the optimizer's step ...
+ *   ... training steps; at each, the ranks agree whether every ckpt_async_written(a) ...
+ *   TRY(ckpt_async_commit(a, pg, NULL));
+ *   ckpt_async_free(a);
+ */
+typedef struct ckpt_async ckpt_async_t;
+
+status_t ckpt_async_new(ckpt_async_t **out);
+/* Frees the staging memory; a save not committed is left as DIR.tmp (its writer joined). */
+void ckpt_async_free(ckpt_async_t *a);
+/* Starts a save of the state after step into dir (which must not exist): returns once the
+ * state is staged and the writer started; refused while another save is in flight. An error
+ * (a full disk while preparing, staging memory) leaves nothing behind. Collective over pg. */
+status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *params, int n,
+                          optim_t *opt, int64_t step, const char *saved_under, pg_t *pg);
+/* Waits until the writer has copied this rank's host state into staging memory (it does so
+ * first, while the caller goes on: a forward and backward read the state, the optimizer step
+ * changes it). Call it before anything changes the parameters or the optimizer state. Local. */
+void ckpt_async_wait_staged(ckpt_async_t *a);
+/* Whether a save is in flight (started, not committed). Local. */
+bool ckpt_async_pending(const ckpt_async_t *a);
+/* Whether this rank's writer has finished (its files written, or failed); true with no save in
+ * flight. Local, never blocks. */
+bool ckpt_async_written(const ckpt_async_t *a);
+/* Whether this rank's writer has failed (ckpt_async_commit then names the error). Local. */
+bool ckpt_async_failed(const ckpt_async_t *a);
+/* The folder of the save in flight ("" when none). */
+const char *ckpt_async_dir(const ckpt_async_t *a);
+/* Completes the save in flight: waits for this rank's writer, agrees on every rank's outcome
+ * (a writer's error, naming the file, on every rank), writes the train state and commits the
+ * folder; on failure the temporary folder is removed. *step (may be NULL) receives the save's
+ * step. Collective over pg: call it on every rank together (when all have written, to wait
+ * for none). */
+status_t ckpt_async_commit(ckpt_async_t *a, pg_t *pg, int64_t *step);
+
 /* Loads a checkpoint saved under any plan into params and opt (whose shards may be laid out
  * differently); *step receives the step it was saved after. A checkpoint of weights only
  * (optim_steps 0 and no optim folder, as fsdp-ckpt import-hf writes) leaves the optimizer

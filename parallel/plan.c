@@ -281,8 +281,8 @@ static status_t read_rest(plan_ctx_t *c, int root) {
                                            "signals",
                                            "time_limit",
                                            NULL};
-  static const char *const ckpt_keys[] = {"dir",    "interval",    "keep",      "load",
-                                          "verify", "block_bytes", "overwrite", NULL};
+  static const char *const ckpt_keys[] = {"dir",         "interval",  "keep",  "load", "verify",
+                                          "block_bytes", "overwrite", "async", NULL};
   static const char *const log_keys[] = {"metrics", "interval", NULL};
   static const char *const eval_keys[] = {"path",    "format",     "interval",
                                           "batches", "batch_size", NULL};
@@ -348,6 +348,7 @@ static status_t read_rest(plan_ctx_t *c, int root) {
     TRY(pr_get_path(c, m, "checkpoint", "load", p->ckpt_load));
   TRY(pr_get_bool(c, m, "checkpoint", "verify", &p->ckpt_verify));
   TRY(pr_get_bool(c, m, "checkpoint", "overwrite", &p->ckpt_overwrite));
+  TRY(pr_get_bool(c, m, "checkpoint", "async", &p->ckpt_async));
   TRY(pr_get_int(c, m, "checkpoint", "block_bytes", 64, (int64_t)1 << 30, &p->ckpt_block_bytes));
   if (p->ckpt_block_bytes % 64 != 0)
     return pr_fail(c, pr_find(c, m, "block_bytes"), "checkpoint.block_bytes",

@@ -72,6 +72,7 @@ typedef struct plan {
   int64_t ckpt_interval, ckpt_keep;
   bool ckpt_verify;         /* check every block of the checkpoint before loading */
   bool ckpt_overwrite; /* newer step folders than the run's start: removed after its first save */
+  bool ckpt_async;     /* saves staged in host memory and written while training goes on */
   int64_t ckpt_block_bytes; /* the block size of the checksums of saved files */
   plan_where_t ckpt_where;
   /* log */

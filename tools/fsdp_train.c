@@ -34,6 +34,7 @@
 #include "parallel/plan.h"
 #include "tools/plot.h"
 #include "tools/train_ops.h"
+#include "tools/train_save.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -349,49 +350,6 @@ static status_t saved_under(const run_t *r, char **out) {
   return STATUS_OK;
 }
 
-/* Saves the checkpoint after step into checkpoint.dir, then prunes to checkpoint.keep. Under
- * checkpoint.overwrite, the first save replaces a folder of its step and then removes every
- * step folder after the run's start (*replaced records that it did). Collective. */
-static status_t save_step(run_t *r, int64_t step, bool *replaced) {
-  const plan_t *p = &r->plan;
-  char dir[PLAN_PATH_MAX + 32], aside[PLAN_PATH_MAX + 64] = "", *under = NULL;
-  ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
-  bool lead = world_rank() == 0;
-  struct stat sb;
-  status_t st = STATUS_OK;
-  if (!*replaced && lead && lstat(dir, &sb) == 0) { /* moved aside until the new one commits */
-    snprintf(aside, sizeof aside, "%s.replaced-%ld", dir, (long)getpid());
-    if (rename(dir, aside) != 0)
-      st = err_set(STATUS_EIO, "checkpoint.overwrite: cannot move %s aside: %s", dir,
-                   strerror(errno));
-  }
-  TRY(pg_agree(world_pg(), st));
-  st = saved_under(r, &under);
-  TRY(pg_agree(world_pg(), st));
-  st = ckpt_save_training(dir, r->ps, r->n, r->opt, step, under, world_pg());
-  free(under);
-  if (st != STATUS_OK) {
-    if (aside[0]) rename(aside, dir); /* the old one back */
-    return st;
-  }
-  if (!*replaced && lead) {
-    int removed = 0;
-    if (aside[0]) file_remove_tree(aside);
-    if (ckpt_remove_newer(p->ckpt_dir, r->start_step, step, &removed) != STATUS_OK)
-      fprintf(stderr, "fsdp-train: checkpoint.overwrite: %s\n", err_detail());
-    if (removed > 0 || aside[0])
-      fprintf(stderr,
-              "fsdp-train: checkpoint.overwrite: replaced the step folders after step %lld "
-              "(%d removed%s)\n",
-              (long long)r->start_step, removed + (aside[0] != 0),
-              aside[0] ? ", one of them by this save" : "");
-  }
-  *replaced = true;
-  if (lead) ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
-  if (lead) printf("saved %s\n", dir);
-  return STATUS_OK;
-}
-
 /* Rank 0's line for a run stopped early at step (a signal or the time limit). */
 static void stopped_line(const run_t *r, const train_stop_t *stop, int64_t step, bool tty) {
   const plan_t *p = &r->plan;
@@ -441,9 +399,10 @@ static status_t train(run_t *r) {
   TRY(metrics_agree(mpath, bad));
   nn_module_t *root = llama_module(r->model);
   double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0, t_profile = 0;
-  double step_max = 0, save_last = 0; /* the longest step and the last save, in seconds */
+  double step_max = 0; /* the longest step, in seconds */
   int64_t steps_done = 0;
-  bool replaced = !p->ckpt_overwrite; /* checkpoint.overwrite's newer folders removed */
+  train_saver_t saver;
+  TRY(train_saver_init(&saver, r));
   /* the profile leaves out the first two steps (allocation, first touch, warm-up), or only the
    * first in runs of fewer than four */
   int64_t profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
@@ -456,6 +415,8 @@ static status_t train(run_t *r) {
     if (s == profile_from && kernel_profile_enabled()) kernel_profile_reset();
     if (s == profile_from) t_profile = t0;
     mem_reset_peak(r->dev);
+    saver.stall_s = 0;
+    saver.saved_step = -1;
     optim_zero_grad(r->opt);
     for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++) {
       fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
@@ -470,17 +431,18 @@ static status_t train(run_t *r) {
                           r->all, &norm, &coef);
     if (st != STATUS_OK) break;
     /* the loss, and whether to stop after this step (a signal, the time limit), in one sum */
-    double sums[2 + PLAN_MAX_SIGNALS], t = now();
+    double sums[4 + PLAN_MAX_SIGNALS], t = now();
     double step_est = t - t0 > step_max ? t - t0 : step_max;
     bool time_up =
         p->time_limit_s > 0 &&
-        t - r->t_launch + step_est + (save_last > 0 ? save_last : step_est) > p->time_limit_s;
+        t - r->t_launch + step_est + (saver.last_s > 0 ? saver.last_s : step_est) > p->time_limit_s;
     sums[0] = loss;
-    int nsums = 1 + train_stop_values(p, time_up, sums + 1);
+    train_save_values(&saver, sums + 1); /* an asynchronous save: written, failed */
+    int nsums = 3 + train_stop_values(p, time_up, sums + 3);
     st = pg_host_all_reduce(world_pg(), sums, sums, nsums, PG_HOST_F64, REDUCE_SUM);
     if (st != STATUS_OK) break;
     double gl = sums[0] / world_size(); /* the ranks of one tp group hold the same loss */
-    train_stop_t stop = train_stop_of(p, sums + 1);
+    train_stop_t stop = train_stop_of(p, sums + 3);
     bool stopping = s + 1 < p->steps && (stop.signal != 0 || stop.time_limit);
     /* the same verdict on every rank: gl and norm are reduced over the world */
     bool finite = isfinite(gl) && isfinite(norm);
@@ -497,6 +459,7 @@ static status_t train(run_t *r) {
     if (!finite && lead)
       fprintf(stderr, "fsdp-train: step %lld: the loss is %g and the gradient norm %g; the step "
                       "is skipped (train.nonfinite: skip)\n", (long long)s + 1, gl, norm);
+    train_save_wait_staged(&saver); /* the optimizer changes what a save in flight copies */
     if (finite) st = optim_step_scaled(r->opt, factor, coef);
     if (st == STATUS_OK) st = device_stream_sync(r->dev);
     if (st != STATUS_OK) break;
@@ -507,16 +470,20 @@ static status_t train(run_t *r) {
     peak_max = peak > peak_max ? peak : peak_max;
     if (s == r->start_step) first_loss = gl;
     step_max = dt > step_max ? dt : step_max;
-    /* every checkpoint.interval steps, the last step, and a step the run stops after */
+    /* an asynchronous save every rank has written commits here (one that failed stops the run,
+     * named); then a save every checkpoint.interval steps, of the last step, and of a step the
+     * run stops after (those two wait for their commit) */
+    st = train_save_poll(&saver, r, sums + 1);
     bool save = p->ckpt_dir[0] && ((p->ckpt_interval > 0 && (s + 1) % p->ckpt_interval == 0) ||
                                    s + 1 == p->steps || stopping);
-    if (save) {
-      double ts = now();
-      st = save_step(r, s + 1, &replaced);
-      agreed = st != STATUS_OK; /* agreed over the ranks */
-      if (st != STATUS_OK) break;
-      save_last = now() - ts;
+    if (st == STATUS_OK && save) {
+      char *under = NULL;
+      st = pg_agree(world_pg(), saved_under(r, &under));
+      if (st == STATUS_OK) st = train_save(&saver, r, s + 1, under, stopping || s + 1 == p->steps);
+      free(under);
     }
+    agreed = st != STATUS_OK; /* agreed over the ranks */
+    if (st != STATUS_OK) break;
     /* evaluation: after every eval.interval steps and after the last */
     double eval_loss = 0;
     bool eval_now =
@@ -541,6 +508,11 @@ static status_t train(run_t *r) {
       cJSON_AddNumberToObject(o, "state_bytes", (double)state);
       cJSON_AddNumberToObject(o, "step_time_s", dt);
       if (eval_now) cJSON_AddNumberToObject(o, "eval_loss", eval_loss);
+      if (saver.stall_s > 0) cJSON_AddNumberToObject(o, "ckpt_stall_s", saver.stall_s);
+      if (saver.saved_step >= 0) { /* a save committed during this step */
+        cJSON_AddNumberToObject(o, "ckpt_saved_step", (double)saver.saved_step);
+        cJSON_AddNumberToObject(o, "ckpt_save_s", saver.last_s);
+      }
       char *line = cJSON_PrintUnformatted(o);
       if (line == NULL || fprintf(mf, "%s\n", line) < 0 || fflush(mf) != 0)
         bad = errno ? errno : EIO;
@@ -581,6 +553,7 @@ static status_t train(run_t *r) {
   /* a failure this rank may have met alone (memory, the data file, a device) stops the others
    * at once, where they would wait for it in the step's collectives until the watchdog */
   if (st != STATUS_OK && !agreed) world_stop(st);
+  train_saver_free(&saver); /* a save in flight after a failure stays uncommitted */
   if (mf != NULL && fclose(mf) != 0) bad = errno ? errno : EIO;
   if (mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
     status_t ms = metrics_agree(mpath, bad);

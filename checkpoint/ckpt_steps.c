@@ -1,0 +1,203 @@
+/* The step folders of a run's checkpoint folder (train_ckpt.h): step-NNNNNNNN, complete or
+ * not, and the unfinished saves step-NNNNNNNN.tmp; finding the newest, counting, pruning and
+ * removing them without following links. */
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base/file.h"
+#include "checkpoint/train_ckpt.h"
+
+#define PATH_LEN 4400
+
+void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
+  snprintf(out, size, "%s/step-%08" PRId64, root, step);
+}
+
+/* Calls fn(ctx, name, step, kind) for each entry directly under root named step-NNNNNNNN
+ * (STEP_COMPLETE with a train_state.json, else STEP_INCOMPLETE) or step-NNNNNNNN.tmp
+ * (STEP_TMP), links included as entries; a root that does not exist has none. */
+typedef enum step_kind { STEP_COMPLETE, STEP_INCOMPLETE, STEP_TMP } step_kind_t;
+typedef status_t step_fn(void *ctx, const char *name, int64_t step, step_kind_t kind);
+
+static status_t scan_steps(const char *root, step_fn *fn, void *ctx) {
+  DIR *d = opendir(root);
+  if (d == NULL) return STATUS_OK;
+  struct dirent *e;
+  status_t st = STATUS_OK;
+  while (st == STATUS_OK && (e = readdir(d)) != NULL) {
+    long long s;
+    char tail;
+    int got = sscanf(e->d_name, "step-%lld%c", &s, &tail);
+    bool is_tmp = got == 2 && strcmp(e->d_name + strlen(e->d_name) - 4, ".tmp") == 0;
+    if ((got != 1 && !is_tmp) || s < 0) continue;
+    char state[PATH_LEN];
+    snprintf(state, sizeof state, "%.4000s/%.255s/train_state.json", root, e->d_name);
+    step_kind_t kind = is_tmp                     ? STEP_TMP
+                       : access(state, R_OK) == 0 ? STEP_COMPLETE
+                                                  : STEP_INCOMPLETE;
+    st = fn(ctx, e->d_name, s, kind);
+  }
+  closedir(d);
+  return st;
+}
+
+typedef struct steps {
+  int64_t *v;
+  int n, cap;
+  int64_t partial; /* the newest incomplete folder's step, -1 when none */
+  bool partial_tmp;
+} steps_t;
+
+static status_t collect_step(void *ctx, const char *name, int64_t s, step_kind_t kind) {
+  (void)name;
+  steps_t *l = ctx;
+  if (kind != STEP_COMPLETE) {
+    if (s > l->partial || (s == l->partial && kind == STEP_INCOMPLETE)) {
+      l->partial = s;
+      l->partial_tmp = kind == STEP_TMP;
+    }
+    return STATUS_OK;
+  }
+  if (l->n == l->cap) {
+    int cap = l->cap ? 2 * l->cap : 16;
+    int64_t *v = realloc(l->v, sizeof(int64_t) * (size_t)cap);
+    if (v == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+    l->v = v;
+    l->cap = cap;
+  }
+  l->v[l->n++] = s;
+  return STATUS_OK;
+}
+
+static int cmp_step(const void *a, const void *b) {
+  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* Complete checkpoints under root, sorted by step (ascending); the newest incomplete folder
+ * into *partial (step -1 when none): a step-N without train_state.json, or step-N.tmp. */
+static status_t list_steps(const char *root, int64_t **steps, int *n, int64_t *partial,
+                           bool *partial_tmp) {
+  steps_t l = {.partial = -1};
+  status_t st = scan_steps(root, collect_step, &l);
+  if (st == STATUS_OK && l.n > 1) qsort(l.v, (size_t)l.n, sizeof *l.v, cmp_step);
+  *steps = l.v;
+  *n = l.n;
+  *partial = l.partial;
+  *partial_tmp = l.partial_tmp;
+  return st;
+}
+
+typedef struct newer {
+  int64_t after, upto, newest;
+  int count;
+} newer_t;
+
+static status_t count_newer(void *ctx, const char *name, int64_t s, step_kind_t kind) {
+  (void)name;
+  newer_t *w = ctx;
+  if (s > w->after && (kind == STEP_COMPLETE || (kind == STEP_INCOMPLETE && s <= w->upto))) {
+    w->count++;
+    w->newest = s > w->newest ? s : w->newest;
+  }
+  return STATUS_OK;
+}
+
+status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count, int64_t *newest) {
+  newer_t w = {after, upto, -1, 0};
+  TRY(scan_steps(root, count_newer, &w));
+  *count = w.count;
+  *newest = w.newest;
+  return STATUS_OK;
+}
+
+/* Removes root's entry `name`; a complete checkpoint loses its train_state.json first, so a
+ * half-removed one is never taken for complete. */
+static status_t remove_entry(const char *root, const char *name, step_kind_t kind) {
+  char path[PATH_LEN];
+  snprintf(path, sizeof path, "%.4000s/%.255s", root, name);
+  struct stat sb;
+  if (kind == STEP_COMPLETE && lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+    char state[PATH_LEN + 32];
+    snprintf(state, sizeof state, "%s/train_state.json", path);
+    unlink(state);
+  }
+  if (!file_remove_tree(path))
+    return err_set(STATUS_EIO, "checkpoint: cannot remove all of %s: %s", path, strerror(errno));
+  return STATUS_OK;
+}
+
+typedef enum removal_mode {
+  REMOVE_TMP,           /* the unfinished saves */
+  REMOVE_AFTER,         /* the step folders after `after`, but `keep` */
+  REMOVE_COMPLETE_UPTO, /* the complete checkpoints up to `after` */
+} removal_mode_t;
+
+typedef struct removal {
+  const char *root;
+  removal_mode_t mode;
+  int64_t after, keep; /* keep: a step folder to leave (-1: none) */
+  int removed;
+} removal_t;
+
+static status_t remove_step(void *ctx, const char *name, int64_t s, step_kind_t kind) {
+  removal_t *r = ctx;
+  bool take = r->mode == REMOVE_TMP     ? kind == STEP_TMP
+              : r->mode == REMOVE_AFTER ? kind != STEP_TMP && s > r->after && s != r->keep
+                                        : kind == STEP_COMPLETE && s <= r->after;
+  if (!take) return STATUS_OK;
+  TRY(remove_entry(r->root, name, kind));
+  r->removed++;
+  return STATUS_OK;
+}
+
+status_t ckpt_remove_unfinished(const char *root, int *removed) {
+  removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
+  status_t st = scan_steps(root, remove_step, &r);
+  if (removed) *removed = r.removed;
+  return st;
+}
+
+status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed) {
+  removal_t r = {.root = root, .mode = REMOVE_AFTER, .after = after, .keep = keep};
+  status_t st = scan_steps(root, remove_step, &r);
+  if (removed) *removed = r.removed;
+  return st;
+}
+
+status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
+                     size_t skipped_size) {
+  int64_t *steps, partial;
+  int n;
+  bool tmp;
+  TRY(list_steps(root, &steps, &n, &partial, &tmp));
+  *found = n > 0;
+  if (n > 0) ckpt_step_dir(root, steps[n - 1], out, size);
+  if (skipped_size > 0) skipped[0] = 0;
+  if (skipped_size > 0 && partial >= 0 && (n == 0 || partial > steps[n - 1])) {
+    char dir[PATH_LEN];
+    ckpt_step_dir(root, partial, dir, sizeof dir);
+    snprintf(skipped, skipped_size, "%s%s (%s)", dir, tmp ? ".tmp" : "",
+             tmp ? "a save that did not finish" : "no train_state.json: not a complete checkpoint");
+  }
+  free(steps);
+  return STATUS_OK;
+}
+
+status_t ckpt_prune(const char *root, int keep) {
+  if (keep <= 0) return STATUS_OK;
+  int64_t *steps, partial;
+  int n;
+  bool tmp;
+  TRY(list_steps(root, &steps, &n, &partial, &tmp));
+  removal_t r = {
+      .root = root, .mode = REMOVE_COMPLETE_UPTO, .after = n > keep ? steps[n - keep - 1] : -1};
+  free(steps);
+  return r.after < 0 ? STATUS_OK : scan_steps(root, remove_step, &r);
+}

@@ -1,0 +1,145 @@
+/* fsdp-train's checkpoints during a run (train_save.h). */
+#include "tools/train_save.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/file.h"
+#include "checkpoint/train_ckpt.h"
+#include "mesh/world.h"
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+status_t train_saver_init(train_saver_t *sv, const run_t *r) {
+  memset(sv, 0, sizeof *sv);
+  sv->replaced = !r->plan.ckpt_overwrite;
+  sv->saved_step = -1;
+  return r->plan.ckpt_async ? ckpt_async_new(&sv->async) : STATUS_OK;
+}
+
+void train_saver_free(train_saver_t *sv) {
+  ckpt_async_free(
+      sv->async); /* an uncommitted save stays as step-N.tmp: the next start removes it */
+  sv->async = NULL;
+}
+
+/* Before the first save under checkpoint.overwrite: the folder of its step, if any, moved aside
+ * (rank 0) until the new one commits. Collective. */
+static status_t move_aside(train_saver_t *sv, const char *dir) {
+  struct stat sb;
+  status_t st = STATUS_OK;
+  sv->aside[0] = 0;
+  if (!sv->replaced && world_rank() == 0 && lstat(dir, &sb) == 0) {
+    snprintf(sv->aside, sizeof sv->aside, "%s.replaced-%ld", dir, (long)getpid());
+    if (rename(dir, sv->aside) != 0) {
+      st = err_set(STATUS_EIO, "checkpoint.overwrite: cannot move %s aside: %s", dir,
+                   strerror(errno));
+      sv->aside[0] = 0;
+    }
+  }
+  return pg_agree(world_pg(), st);
+}
+
+/* A save of dir failed: the folder moved aside for it comes back. */
+static void put_back(train_saver_t *sv, const char *dir) {
+  if (sv->aside[0] && rename(sv->aside, dir) != 0)
+    fprintf(stderr, "fsdp-train: checkpoint.overwrite: cannot put %s back as %s: %s\n", sv->aside,
+            dir, strerror(errno));
+  sv->aside[0] = 0;
+}
+
+/* After a save of step committed (rank 0): checkpoint.overwrite's newer folders removed (the
+ * first time), pruning to checkpoint.keep, and the line saying so. */
+static void committed(train_saver_t *sv, const run_t *r, int64_t step) {
+  const plan_t *p = &r->plan;
+  char dir[PLAN_PATH_MAX + 32];
+  ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
+  sv->last_s = now() - sv->started;
+  sv->saved_step = step;
+  if (world_rank() != 0) {
+    sv->replaced = true;
+    return;
+  }
+  if (!sv->replaced) {
+    int removed = 0;
+    bool aside = sv->aside[0] != 0;
+    if (aside) file_remove_tree(sv->aside);
+    if (ckpt_remove_newer(p->ckpt_dir, r->start_step, step, &removed) != STATUS_OK)
+      fprintf(stderr, "fsdp-train: checkpoint.overwrite: %s\n", err_detail());
+    if (removed > 0 || aside)
+      fprintf(stderr,
+              "fsdp-train: checkpoint.overwrite: replaced the step folders after step %lld (%d "
+              "removed%s)\n",
+              (long long)r->start_step, removed + aside, aside ? ", one of them by this save" : "");
+  }
+  sv->replaced = true;
+  sv->aside[0] = 0;
+  ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
+  printf("saved %s%s\n", dir, sv->async ? " (written in the background)" : "");
+  fflush(stdout);
+}
+
+status_t train_save_finish(train_saver_t *sv, const run_t *r) {
+  if (!ckpt_async_pending(sv->async)) return STATUS_OK;
+  double t0 = now();
+  char dir[PLAN_PATH_MAX + 32];
+  snprintf(dir, sizeof dir, "%s", ckpt_async_dir(sv->async));
+  int64_t step = 0;
+  status_t st = ckpt_async_commit(sv->async, world_pg(), &step);
+  if (st == STATUS_OK)
+    committed(sv, r, step);
+  else if (world_rank() == 0)
+    put_back(sv, dir);
+  sv->stall_s += now() - t0;
+  return st;
+}
+
+status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const char *under, bool wait) {
+  const plan_t *p = &r->plan;
+  TRY(train_save_finish(sv, r)); /* the previous save first */
+  double t0 = now();
+  char dir[PLAN_PATH_MAX + 32];
+  ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
+  status_t st = move_aside(sv, dir);
+  if (st != STATUS_OK) return st;
+  sv->started = t0;
+  if (sv->async)
+    st = ckpt_async_start(sv->async, dir, r->ps, r->n, r->opt, step, under, world_pg());
+  else
+    st = ckpt_save_training(dir, r->ps, r->n, r->opt, step, under, world_pg());
+  sv->stall_s += now() - t0;
+  if (st != STATUS_OK) {
+    if (world_rank() == 0) put_back(sv, dir);
+    return st;
+  }
+  if (!sv->async) {
+    committed(sv, r, step);
+    return STATUS_OK;
+  }
+  return wait ? train_save_finish(sv, r) : STATUS_OK;
+}
+
+void train_save_wait_staged(train_saver_t *sv) {
+  double t0 = now();
+  ckpt_async_wait_staged(sv->async);
+  sv->stall_s += now() - t0;
+}
+
+void train_save_values(const train_saver_t *sv, double *out) {
+  out[0] = ckpt_async_written(sv->async) ? 1 : 0;
+  out[1] = ckpt_async_failed(sv->async) ? 1 : 0;
+}
+
+status_t train_save_poll(train_saver_t *sv, const run_t *r, const double *sums) {
+  if (!ckpt_async_pending(sv->async)) return STATUS_OK;
+  if (sums[0] < world_size() && sums[1] == 0) return STATUS_OK; /* still writing */
+  return train_save_finish(sv, r);
+}
