@@ -153,6 +153,12 @@ static status_t new_mesh(mesh_root_t *root, mesh_t **out) {
  * row-major over the dimensions in mask. Collective over the root. */
 static status_t split_group(mesh_root_t *root, unsigned mask, pg_t **out) {
   unsigned others = ((1u << root->ndim) - 1) & ~mask;
+  if (world_planning()) { /* this rank's group of the planned world, its size and place */
+    int size = 1;
+    for (int i = 0; i < root->ndim; i++)
+      if (mask & (1u << i)) size *= root->shape[i];
+    return pg_new_planned(size, masked_index(root, root->coord, mask), root->device, out);
+  }
   MPI_Comm sub;
   TRY(pg_mpi_status(MPI_Comm_split(root->comm, masked_index(root, root->coord, others),
                                    masked_index(root, root->coord, mask), &sub),

@@ -52,6 +52,51 @@ status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out) 
   return STATUS_OK;
 }
 
+/* ---- groups of a planning world: no collective runs ---- */
+
+static status_t planned_refusal(pg_t *pg) {
+  return err_set(STATUS_EINVAL,
+                 "a group of a planning world (%d ranks, planned from one process) moves no data",
+                 pg->size);
+}
+static status_t planned_all_gather(pg_t *pg, const void *s, void *r, size_t n, dtype_t dt,
+                                   pg_work_t **w) {
+  (void)s, (void)r, (void)n, (void)dt, (void)w;
+  return planned_refusal(pg);
+}
+static status_t planned_reduce(pg_t *pg, const void *s, void *r, size_t n, dtype_t dt,
+                               reduce_op_t op, pg_work_t **w) {
+  (void)s, (void)r, (void)n, (void)dt, (void)op, (void)w;
+  return planned_refusal(pg);
+}
+static status_t planned_broadcast(pg_t *pg, void *b, size_t n, dtype_t dt, int root,
+                                  pg_work_t **w) {
+  (void)b, (void)n, (void)dt, (void)root, (void)w;
+  return planned_refusal(pg);
+}
+static status_t planned_barrier(pg_t *pg, pg_work_t **w) {
+  (void)w;
+  return planned_refusal(pg);
+}
+
+static const pg_ops_t planned_ops = {
+    .name = "planned",
+    .all_gather = planned_all_gather,
+    .reduce_scatter = planned_reduce,
+    .all_reduce = planned_reduce,
+    .all_to_all = planned_all_gather,
+    .broadcast = planned_broadcast,
+    .barrier = planned_barrier,
+};
+
+status_t pg_new_planned(int size, int rank, device_t dev, pg_t **out) {
+  TRY(pg_alloc(MPI_COMM_SELF, &planned_ops, dev, out));
+  (*out)->size = size;
+  (*out)->rank = rank;
+  (*out)->planned = true;
+  return STATUS_OK;
+}
+
 pg_t *pg_retain(pg_t *pg) {
   if (pg) pg->refcount++;
   return pg;

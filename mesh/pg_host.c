@@ -3,6 +3,7 @@
  * with), and new groups made from a group.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "mesh/pg_impl.h"
 #include "mesh/world_impl.h"
@@ -47,9 +48,25 @@ static status_t start_all_reduce(pg_t *pg, const void *send, void *recv, int cou
                        what);
 }
 
+/* A planning world's reduction: every rank brought send (a sum: size times it). */
+static status_t planned_all_reduce(pg_t *pg, const void *send, void *recv, int count,
+                                   pg_host_type_t type, reduce_op_t op, const char *what) {
+  TRY(host_args(pg, count, type, what));
+  MPI_Op mop;
+  TRY(host_op(type, op, &mop, what));
+  for (int i = 0; i < count; i++) {
+    double k = op == REDUCE_SUM ? (double)pg->size : 1;
+    if (type == PG_HOST_I32) ((int32_t *)recv)[i] = (int32_t)(((const int32_t *)send)[i] * k);
+    if (type == PG_HOST_I64) ((int64_t *)recv)[i] = (int64_t)(((const int64_t *)send)[i] * k);
+    if (type == PG_HOST_F64) ((double *)recv)[i] = ((const double *)send)[i] * k;
+  }
+  return STATUS_OK;
+}
+
 status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
                             pg_host_type_t type, reduce_op_t op) {
   const char *what = "MPI_Iallreduce (host)";
+  if (pg != NULL && pg->planned) return planned_all_reduce(pg, send, recv, count, type, op, what);
   MPI_Request req;
   TRY(start_all_reduce(pg, send, recv, count, type, op, &req, what));
   return world_wait(&req, what);
@@ -60,6 +77,7 @@ status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int c
                                    bool *timed_out) {
   const char *what = "MPI_Iallreduce (host, timed)";
   *timed_out = false;
+  if (pg != NULL && pg->planned) return planned_all_reduce(pg, send, recv, count, type, op, what);
   MPI_Request req;
   TRY(start_all_reduce(pg, send, recv, count, type, op, &req, what));
   return world_wait_for(&req, seconds, what, timed_out); /* late: req stays pending */
@@ -69,6 +87,11 @@ status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
                             pg_host_type_t type) {
   const char *what = "MPI_Iallgather (host)";
   TRY(host_args(pg, count, type, what));
+  if (pg->planned) { /* every rank brought send */
+    size_t bytes = (size_t)count * (type == PG_HOST_I32 ? 4 : type == PG_HOST_BYTE ? 1 : 8);
+    for (int r = 0; r < pg->size; r++) memcpy((char *)recv + (size_t)r * bytes, send, bytes);
+    return STATUS_OK;
+  }
   TRY(world_check());
   MPI_Request req;
   TRY(pg_mpi_status(MPI_Iallgather(send, count, host_type(type), recv, count, host_type(type),
@@ -86,6 +109,8 @@ status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_split: no process group");
   if (color < 0) return err_set(STATUS_EINVAL, "pg_split: color %d is negative", color);
+  if (pg->planned) /* the other ranks' colors are unknown */
+    return err_set(STATUS_EINVAL, "pg_split: a group of a planning world cannot be split");
   MPI_Comm sub;
   TRY(pg_mpi_status(MPI_Comm_split(pg->comm, color, key, &sub), "MPI_Comm_split"));
   status_t st = pg->device.type == DEVICE_CUDA ? pg_new_nccl(sub, pg->device.index, out)
@@ -97,6 +122,7 @@ status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
 status_t pg_dup(pg_t *pg, pg_t **out) {
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_dup: no process group");
+  if (pg->planned) return pg_new_planned(pg->size, pg->rank, pg->device, out);
   return pg_split(pg, 0, pg_rank(pg), out);
 }
 
@@ -109,7 +135,10 @@ static status_t kept(pg_t *pg, int n, pg_t **out) {
     }
   pg_kept_t *k = calloc(1, sizeof *k);
   if (k == NULL) return err_set(STATUS_ENOMEM, "process group: out of host memory");
-  status_t st = n == 0 ? pg_new_host(pg, &k->g) : pg_split(pg, pg->rank / n, pg->rank % n, &k->g);
+  status_t st = pg->planned ? pg_new_planned(n ? n : pg->size, n ? pg->rank % n : pg->rank,
+                                             n ? pg->device : device_cpu(), &k->g)
+                : n == 0 ? pg_new_host(pg, &k->g)
+                         : pg_split(pg, pg->rank / n, pg->rank % n, &k->g);
   if (st != STATUS_OK) {
     free(k);
     return st;
@@ -139,5 +168,6 @@ status_t pg_consecutive(pg_t *pg, int n, pg_t **out) {
 status_t pg_new_host(pg_t *pg, pg_t **out) {
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_new_host: no process group");
+  if (pg->planned) return pg_new_planned(pg->size, pg->rank, device_cpu(), out);
   return pg_new_mpi(pg->comm, out);
 }

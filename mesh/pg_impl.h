@@ -46,6 +46,8 @@ struct pg {
   void *impl; /* backend state */
   struct pg_kept *kept; /* groups made from this one and kept with it (pg_side_channel,
                           * pg_consecutive); released with it */
+  bool planned; /* a group of a planning world (world_plan_as): rank and size planned, comm this
+                 * process alone; host values act as if every rank brought this one's */
 };
 
 typedef struct pg_kept {
@@ -59,6 +61,11 @@ typedef struct pg_kept {
 struct pg_work {
   status_t (*complete)(pg_work_t *work);
 };
+
+/* A group of a planning world: size ranks, this process being rank; its collectives fail,
+ * saying that a plan moves no data, its host values act as if every rank brought this one's.
+ * Local. */
+status_t pg_new_planned(int size, int rank, device_t dev, pg_t **out);
 
 /* Maps an MPI return code into a status with the failing call named. */
 status_t pg_mpi_status(int rc, const char *what);

@@ -22,6 +22,7 @@
 #endif
 
 static int we_initialised;
+static int mpi_size(void);
 static pg_t *world_group; /* every rank, host */
 
 static status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,
@@ -145,10 +146,35 @@ int world_started_size(void) {
   return up && !down ? world_size() : 0;
 }
 
-int world_size(void) {
+static int planned_size; /* a planning world's size (world_plan_as), 0 otherwise */
+
+/* The processes that run: a planning world's one. */
+static int mpi_size(void) {
   int s = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &s);
   return s;
+}
+
+int world_size(void) { return planned_size > 0 ? planned_size : mpi_size(); }
+
+bool world_planning(void) { return planned_size > 0; }
+
+status_t world_plan_as(int n, int ranks_per_node) {
+  if (world_group == NULL) return err_set(STATUS_EINVAL, "world_plan_as: call world_init first");
+  if (mpi_size() != 1)
+    return err_set(STATUS_EINVAL, "a planning world is planned from one process; %d were started",
+                   mpi_size());
+  if (n < 1 || ranks_per_node < 1)
+    return err_set(STATUS_EINVAL, "a planning world needs at least one rank (%d, %d per node)", n,
+                   ranks_per_node);
+  pg_t *g;
+  TRY(pg_new_planned(n, 0, device_cpu(), &g));
+  pg_release(world_group);
+  world_group = g;
+  planned_size = n;
+  local_rank = 0;
+  local_size = ranks_per_node < n ? ranks_per_node : n;
+  return STATUS_OK;
 }
 
 int world_local_rank(void) { return local_rank < 0 ? 0 : local_rank; }
@@ -226,13 +252,13 @@ status_t world_check_launch(void) {
     char *end;
     long n = v ? strtol(v, &end, 10) : 0;
     /* a singleton MPI world only: mpirun of fewer ranks inside a larger allocation is fine */
-    if (v == NULL || *end != '\0' || n <= 1 || world_size() != 1) continue;
+    if (v == NULL || *end != '\0' || n <= 1 || mpi_size() != 1) continue;
     char how[128];
     snprintf(how, sizeof how, envs[i].instead, n);
     return err_set(STATUS_EINVAL,
                    "%s=%ld says %ld processes were started, but this one's MPI world has %d "
                    "rank%s (%s?): each would train alone; launch with %s",
-                   envs[i].var, n, n, world_size(), world_size() == 1 ? "" : "s", envs[i].launcher,
+                   envs[i].var, n, n, mpi_size(), mpi_size() == 1 ? "" : "s", envs[i].launcher,
                    how);
   }
   return STATUS_OK;
@@ -265,7 +291,7 @@ static int rank_list(char *out, size_t cap, const char *msgs, size_t n, int size
 
 bool world_agree_report(status_t st, const char *prog) {
   enum { N = 1024 }; /* message bytes per rank */
-  int size = world_size(), rank = world_rank();
+  int size = mpi_size(), rank = world_rank();
   char *all = rank == 0 ? malloc((size_t)size * N) : NULL;
   bool *done = rank == 0 ? calloc((size_t)size, sizeof *done) : NULL;
   int mine[2] = {st != STATUS_OK, rank == 0 && (all == NULL || done == NULL)}, any[2] = {0, 0};
@@ -428,7 +454,7 @@ status_t world_stop(status_t st) {
   stop_out.rank = world_rank();
   stop_out.unanswered = unanswered;
   memcpy(stop_out.text, stop_reason, sizeof stop_out.text - 1);
-  for (int r = 0; r < world_size(); r++) {
+  for (int r = 0; r < mpi_size(); r++) {
     if (r == stop_out.rank) continue;
     MPI_Request sent;
     if (MPI_Isend(&stop_out, (int)sizeof stop_out, MPI_BYTE, r, STOP_TAG, stop_comm, &sent) ==

@@ -44,6 +44,17 @@ int world_local_rank(void);
  * says how to launch. */
 status_t world_check_launch(void);
 
+/* A planning world: from here on this process plans as rank 0 of a world of n ranks,
+ * ranks_per_node of them on each node: world_size() says n and world_local_size()
+ * ranks_per_node (at most n). The groups of meshes made over it have that world's sizes and
+ * rank 0's places; they move no data (a collective on one fails, saying so), and their
+ * agreements and small host values act as if every rank brought this one's. For planning a
+ * job larger than the one running (fsdp-train --dry-run --world N). Call it after world_init,
+ * in a world of one process, before any mesh is made. Local. */
+status_t world_plan_as(int n, int ranks_per_node);
+/* Whether world_plan_as made this a planning world. */
+bool world_planning(void);
+
 /* The number of ranks on this node (1 before world_init). */
 int world_local_size(void);
 /* A host group of every rank of the world (for agreements, counts and small host values: the

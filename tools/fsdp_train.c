@@ -39,7 +39,8 @@
 static void usage(FILE *f) {
   fprintf(f,
           "usage: fsdp-train CONFIG.yaml [--set key.path=value]... [--metrics PATH] "
-          "[--plot OUT.svg] [--dry-run [-v]]\n"
+          "[--plot OUT.svg]\n"
+          "                  [--dry-run [-v] [--world N [--ranks-per-node M]]]\n"
           "       fsdp-train --help | --version\n"
           "  under mpirun -n N for N ranks; the plan's mesh must multiply to N\n");
 }
@@ -65,6 +66,15 @@ static status_t parse_args(int argc, char **argv, args_t *a) {
       a->metrics = s + 10;
     } else if (strncmp(s, "--plot=", 7) == 0) {
       a->plot = s + 7;
+    } else if (strcmp(s, "--world") == 0 || strcmp(s, "--ranks-per-node") == 0) {
+      int *dst = s[2] == 'w' ? &a->world : &a->ranks_per_node;
+      char *end = NULL;
+      long v = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
+      if (i + 1 >= argc || end == argv[i + 1] || *end != 0 || v < 1 || v > (1L << 20))
+        return err_set(STATUS_EINVAL, "%s: expected a number of ranks from 1 to %ld, got '%s'", s,
+                       1L << 20, i + 1 < argc ? argv[i + 1] : "");
+      *dst = (int)v;
+      i++;
     } else if (strcmp(s, "--dry-run") == 0) {
       a->dry_run = true;
     } else if (strcmp(s, "-v") == 0 || strcmp(s, "--verbose") == 0) {
@@ -79,6 +89,10 @@ static status_t parse_args(int argc, char **argv, args_t *a) {
   }
   if (a->config == NULL) return err_set(STATUS_EINVAL, "no plan file given");
   if (a->verbose && !a->dry_run) return err_set(STATUS_EINVAL, "-v goes with --dry-run");
+  if (a->world && !a->dry_run)
+    return err_set(STATUS_EINVAL, "--world plans a job without running it: it goes with --dry-run");
+  if (a->ranks_per_node && !a->world)
+    return err_set(STATUS_EINVAL, "--ranks-per-node goes with --world");
   return STATUS_OK;
 }
 
@@ -210,7 +224,11 @@ static status_t start(run_t *r) {
 static status_t build(run_t *r) {
   plan_t *p = &r->plan;
   device_t dev; /* first: collective, and every rank arrives here */
-  status_t st = world_choose_device(p->device, &dev, r->device_note, sizeof r->device_note);
+  status_t st = STATUS_OK;
+  if (world_planning()) /* a plan of a larger job: its meta model on the host type */
+    dev = device_cpu();
+  else
+    st = world_choose_device(p->device, &dev, r->device_note, sizeof r->device_note);
   if (st != STATUS_OK)
     return err_prefix(st, "%s: train.device: %s", p->source, device_want_name(p->device));
   TRY(llama_plan_check(&p->par));
@@ -608,6 +626,8 @@ int main(int argc, char **argv) {
   status_t st = r ? parse_args(argc, argv, &r->args) : STATUS_ENOMEM;
   if (st != STATUS_OK && world_rank() == 0) usage(stderr);
   if (st == STATUS_OK) st = world_check_launch();
+  if (st == STATUS_OK && r->args.world) /* before the plan resolves its mesh against the world */
+    st = world_plan_as(r->args.world, r->args.ranks_per_node ? r->args.ranks_per_node : 8);
   if (st == STATUS_OK)
     st = plan_load_settings(&r->plan, r->args.config, r->args.sets, r->args.n_sets, &r->settings);
   if (st == STATUS_OK) st = plan_resolve(&r->plan, world_size());

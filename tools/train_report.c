@@ -77,6 +77,9 @@ void train_header(const run_t *r) {
   printf("  world %d rank%s on %s%s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
          world_size(), world_size() == 1 ? "" : "s", dev, threads, p->par.dp_replicate,
          p->par.dp_shard, p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
+  if (world_planning())
+    printf("  planned from one process (--world %d, %d rank%s per node): rank 0's figures\n",
+           world_size(), world_local_size(), world_local_size() == 1 ? "" : "s");
   if (r->device_note[0]) printf("  train.device auto: %s\n", r->device_note);
   if (r->dev.type == DEVICE_CUDA && p->deterministic)
     printf(
@@ -232,14 +235,32 @@ void train_dry_run(const run_t *r) {
       const mesh_t *vm = dtensor_mesh(v);
       int coord[MESH_MAX_DIMS], sd = mesh_dim_index(vm, "dp_shard");
       for (int k = 0; k < mesh_ndim(vm); k++) coord[k] = mesh_coord(vm, k);
-      for (int k = 0; k < W; k++) {
+      /* each dp_shard rank's shape; beyond 16 ranks, a run of equal shapes once, with its
+       * ranks */
+      char prev[96] = "";
+      int from = 0;
+      for (int k = 0; k <= W; k++) {
         int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
+        char cur[96] = "";
         if (sd >= 0) coord[sd] = k;
-        if (dtensor_compute_box(vm, dtensor_placements(v), nd, shape, coord, local, off) !=
-            STATUS_OK)
+        if (k < W && dtensor_compute_box(vm, dtensor_placements(v), nd, shape, coord, local, off) !=
+                         STATUS_OK)
           break;
-        printf(" ");
-        for (int d = 0; d < nd; d++) printf("%s%lld", d ? "x" : "", (long long)local[d]);
+        for (int d = 0; k < W && d < nd; d++)
+          snprintf(cur + strlen(cur), sizeof cur - strlen(cur), "%s%lld", d ? "x" : "",
+                   (long long)local[d]);
+        if (W <= 16) {
+          if (k < W) printf(" %s", cur);
+          continue;
+        }
+        if (k > 0 && (k == W || strcmp(cur, prev) != 0)) {
+          if (k - 1 > from)
+            printf(" %s (ranks %d-%d)", prev, from, k - 1);
+          else
+            printf(" %s (rank %d)", prev, from);
+          from = k;
+        }
+        snprintf(prev, sizeof prev, "%s", cur);
       }
       printf("\n");
     }

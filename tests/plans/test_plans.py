@@ -1072,6 +1072,40 @@ def dry_run():
                   "%s: memory held after a step %d B, estimated %d B (10%%)"
                   % (name, got_state, want_state))
     print("dry-run peak estimates: worst error %.1f%% over %d runs" % (100 * worst, 2 * len(PLANS)))
+    # --world N from one process prints the memory and communication figures of a dry run
+    # under mpirun -n N (the placements too)
+    figures = re.compile(r"^(state_bytes|largest_unit_bytes|peak_bytes|comm_bytes|"
+                         r"communication per step.*|memory per rank.*|  a step peaks.*|"
+                         r"  model\.\S+ .*|  lm_head\S* .*)$", re.M)
+    for name, n in (("fsdp", 2), ("fsdp", 4), ("fsdp", 8), ("hsdp", 4), ("fsdp-bf16", 4),
+                    ("tp", 2), ("hsdp-int-reshard", 8), ("hsdp-tp", 8)):
+        plan = os.path.join(ROOT, "configs", name + ".yaml")
+        real, _ = run(n, [plan, "--dry-run"])
+        planned, _ = run(1, [plan, "--dry-run", "--world", str(n)])
+        a, b = figures.findall(real.stdout), figures.findall(planned.stdout)
+        check(real.returncode == 0 and planned.returncode == 0 and len(a) > 10 and a == b and
+              "planned from one process (--world %d" % n in planned.stdout,
+              "%s: --dry-run --world %d from one process gives the figures of mpirun -n %d "
+              "(%d lines)" % (name, n, n, len(a)))
+    t = time.time()
+    p, _ = run(1, [os.path.join(ROOT, "configs", "fsdp.yaml"), "--dry-run", "--world", "1024",
+                   "--ranks-per-node", "8", "--set", "mesh.dp_replicate=128", "--set",
+                   "mesh.dp_shard=8"], timeout=120)
+    check(p.returncode == 0 and re.search(r"^comm_bytes \d+$", p.stdout, re.M) and
+          "world 1024 ranks" in p.stdout and time.time() - t < 60,
+          "--dry-run --world 1024 (HSDP 128 x 8) runs from one process")
+    for args, want in ((["--world", "4"], r"--world plans a job without running it: it goes "
+                                          r"with --dry-run"),
+                       (["--dry-run", "--ranks-per-node", "2"], r"--ranks-per-node goes with "
+                                                                r"--world"),
+                       (["--dry-run", "--world", "0"], r"--world: expected a number of ranks")):
+        p, _ = run(1, [os.path.join(ROOT, "configs", "fsdp.yaml")] + args)
+        check(p.returncode != 0 and re.search(want, p.stderr), "%s: refused /%s/" %
+              (" ".join(args), want))
+    p, _ = run(2, [os.path.join(ROOT, "configs", "fsdp.yaml"), "--dry-run", "--world", "8"])
+    check(p.returncode != 0 and ranks_saying(p.stderr, r"a planning world is planned from one "
+                                             r"process; 2 were started") == {"0", "1"},
+          "--world under mpirun -n 2 is refused on both ranks")
     # a 520M-parameter model (2 GB in f32) on one rank: the dry run builds it meta
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     p, _ = run(1, [os.path.join(ROOT, "configs", "llama-520m.yaml"), "--dry-run"])
