@@ -10,6 +10,11 @@ packages=(
   libopenblas-dev
   librsvg2-bin  # tests: fsdp-plot's SVG rendered by a real renderer
 )
+# the one-node Slurm test (tests/slurm): in CI, or where FSDPC_SLURM=1 asks for it (the packages
+# bring system services, munge's among them, that a workstation may not want)
+if [ -n "${CI:-}" ] || [ "${FSDPC_SLURM:-}" = 1 ]; then
+  packages+=(slurmctld slurmd slurm-client munge)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
