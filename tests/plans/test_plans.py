@@ -2406,7 +2406,7 @@ def operations():
 
     # 2. signals and the time limit, on 4 ranks: a save at the step boundary, exit 75, and a
     # resume whose losses equal an uninterrupted run's bit for bit
-    S = 300
+    S = 200
     ref = os.path.join(tmp, "ref.jsonl")
     p, ref_secs = run(4, [cfg, "--set", "train.steps=%d" % S, "--metrics", ref])
     ref_losses = [r["loss"] for r in losses(ref)] if p.returncode == 0 else []
@@ -2489,19 +2489,19 @@ def operations():
     # asynchronous saves: the same training, checkpoints that verify and resume bit-identically
     ck, m = os.path.join(tmp, "ck-async"), os.path.join(tmp, "async.jsonl")
     p, _ = run(4, [cfg, "--set", "train.steps=%d" % S, "--set", "checkpoint.dir=" + ck, "--set",
-                   "checkpoint.interval=100", "--set", "checkpoint.async=true", "--metrics", m])
+                   "checkpoint.interval=50", "--set", "checkpoint.async=true", "--metrics", m])
     rows = losses(m) if p.returncode == 0 else []
     check(p.returncode == 0 and [r["loss"] for r in rows] == ref_losses and
-          saved(ck) == ["step-00000100", "step-00000200", "step-00000300"] and
+          saved(ck) == ["step-00000050", "step-00000100", "step-00000150", "step-00000200"] and
           all(sh([TOOL, "verify", os.path.join(ck, d)], timeout=120).returncode == 0
               for d in saved(ck)) and
-          [r["ckpt_saved_step"] for r in rows if "ckpt_saved_step" in r] == [100, 200, 300],
+          [r["ckpt_saved_step"] for r in rows if "ckpt_saved_step" in r] == [50, 100, 150, 200],
           "checkpoint.async: the losses of a run without saves, every checkpoint committed and "
           "verified (%s)" % saved(ck))
     m2 = os.path.join(tmp, "async-resumed.jsonl")
     p, _ = run(4, [cfg, "--set", "train.steps=%d" % S, "--set", "checkpoint.load=" +
-                   os.path.join(ck, "step-00000100"), "--metrics", m2])
-    check(p.returncode == 0 and [r["loss"] for r in losses(m2)] == ref_losses[100:],
+                   os.path.join(ck, "step-00000050"), "--metrics", m2])
+    check(p.returncode == 0 and [r["loss"] for r in losses(m2)] == ref_losses[50:],
           "an asynchronous checkpoint resumes with the losses of the uninterrupted run")
     # a write that fails in the background stops the run at a following step boundary on every
     # rank, naming the file: the ranks' files are limited to 16 MiB (mpirun's own are not), and

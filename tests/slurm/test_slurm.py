@@ -232,7 +232,7 @@ def wait_done(job, limit):
 
 def main():
     start_cluster()
-    steps = 400
+    steps = 200
     common = ["train.steps=%d" % steps, "log.interval=1", "checkpoint.load=auto"]
     # the uninterrupted run, as the reference
     job, out, ref = submit("plain", common + ["checkpoint.dir=" + os.path.join(TMP, "ck-plain")])
