@@ -231,9 +231,9 @@ static status_t read_strategy(plan_ctx_t *c, int root, int fs) {
 
 status_t pp_read_parallelize(plan_ctx_t *c, int root) {
   static const char *const keys[] = {"fully_shard", "tensor_parallel", NULL};
-  static const char *const fs_keys[] = {"units",   "reshard_after_forward", "mp_policy",
-                                        "offload", "sharding_strategy",     "zero_stage",
-                                        NULL};
+  static const char *const fs_keys[] = {
+      "units",      "reshard_after_forward", "mp_policy", "offload", "sharding_strategy",
+      "zero_stage", "min_unit_params",       NULL};
   plan_t *p = c->p;
   int m;
   TRY(pr_section(c, root, "parallelize", keys, &m));
@@ -249,6 +249,7 @@ status_t pp_read_parallelize(plan_ctx_t *c, int root) {
     p->par.reduce_dtype = dt[1];
     p->par.output_dtype = dt[2];
     TRY(pr_get_bool(c, fs, path, "offload", &p->par.offload));
+    TRY(pr_get_int(c, fs, path, "min_unit_params", 0, (int64_t)1 << 50, &p->par.min_unit_params));
     TRY(read_strategy(c, root, fs));
     for (int i = 0; i < p->par.n_units; i++) unit_defaults(&p->par, &p->par.units[i]);
     TRY(read_units(c, fs));

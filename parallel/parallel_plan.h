@@ -71,6 +71,10 @@ typedef struct parallel_plan {
   /* parallelize.fully_shard */
   plan_unit_t units[PLAN_MAX_UNITS];
   int n_units;
+  /* min_unit_params: a module no pattern names becomes a unit when the parameters under it
+   * that no inner unit took number at least this many (torch's size-based wrap policy,
+   * Accelerate's SIZE_BASED_WRAP); 0: off */
+  int64_t min_unit_params;
   int reshard_after_forward; /* default for units; the root keeps FSDP_RESHARD_AUTO */
   dtype_t param_dtype, reduce_dtype, output_dtype;
   bool offload;

@@ -96,13 +96,32 @@ static int first_unit(const parallel_plan_t *pp, const nn_module_t *mod) {
   return -1;
 }
 
-/* Post-order: children (inner modules) before their parent; the first matching unit wins. */
-static status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod) {
-  for (int i = 0; i < nn_module_num_children(mod); i++)
-    TRY(visit(par, pp, nn_module_child(mod, i)));
+static int64_t param_numel(const nn_param_t *p) {
+  int64_t n = 1;
+  for (int d = 0; d < dtensor_ndim(p->value); d++) n *= dtensor_shape(p->value)[d];
+  return n;
+}
+
+/* Post-order: children (inner modules) before their parent. A module becomes a unit by the
+ * first unit pattern matching it or, with min_unit_params, when the parameters under it that
+ * no inner unit took number at least that many; *left receives that number (0 for a unit). */
+static status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod, int64_t *left) {
+  int64_t n = 0, c;
+  for (int i = 0; i < nn_module_num_children(mod); i++) {
+    TRY(visit(par, pp, nn_module_child(mod, i), &c));
+    n += c;
+  }
+  for (int i = 0; i < nn_module_num_params(mod); i++) n += param_numel(nn_module_param(mod, i));
+  *left = n;
   if (mod == par->root) return STATUS_OK;
   int u = first_unit(pp, mod);
-  return u >= 0 ? shard_unit(par, pp, mod, &pp->units[u]) : STATUS_OK;
+  plan_unit_t sized = {.reshard_after_forward = pp->reshard_after_forward,
+                       .param_dtype = pp->param_dtype,
+                       .reduce_dtype = pp->reduce_dtype,
+                       .output_dtype = pp->output_dtype};
+  if (u < 0 && (pp->min_unit_params <= 0 || n < pp->min_unit_params)) return STATUS_OK;
+  *left = 0;
+  return shard_unit(par, pp, mod, u >= 0 ? &pp->units[u] : &sized);
 }
 
 static int count_matches(const nn_module_t *root, const nn_module_t *mod, const char *pattern) {
@@ -150,7 +169,8 @@ static status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
                      "specific one first)",
                      pp->units[u].where.text, u, pp->units[u].pattern, by, pp->units[by].pattern);
   }
-  TRY(visit(par, pp, par->root));
+  int64_t left;
+  TRY(visit(par, pp, par->root, &left));
   return shard_unit(par, pp, par->root, NULL);
 }
 

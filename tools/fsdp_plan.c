@@ -5,8 +5,10 @@
  *
  * Writes the plan keys the config's settings stand for, each with a comment naming the key it
  * came from, and lists at the end, as comments, every setting with no equivalent and why. The
- * model: and data: sections are the user's to add (a config of these tools names neither).
+ * model and the data path are the user's to add (a config of these tools names neither).
  * Mapping: FULL_SHARD = ZeRO-3 = reshard_after_forward true; SHARD_GRAD_OP = ZeRO-2 = false;
+ * ZeRO's module-by-module gathering = one unit per decoder layer; SIZE_BASED_WRAP =
+ * min_unit_params;
  * HYBRID_SHARD = shard within a node, replicate across; DeepSpeed's hpZ partition size N =
  * an integer reshard_after_forward N; mixed precision bf16/fp16 = mp_policy param_dtype
  * bf16/f16 with f32 reductions; micro-batch, accumulation, clipping, AdamW and the
@@ -20,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <yaml.h>
 
 #include "base/file.h"
@@ -29,35 +32,78 @@
 
 /* ---- input: YAML through libyaml, as a cJSON tree with every scalar a string ---- */
 
-static cJSON *yaml_to_json(yaml_document_t *d, yaml_node_t *n, int depth) {
-  if (n == NULL || depth > 64) return NULL;
+/* Values a YAML document may expand to: aliases repeat a node wherever they stand, and a few
+ * levels of them expand a small file into billions of values. */
+enum { YAML_VALUES_MAX = 100000 };
+
+static cJSON *yaml_to_json(yaml_document_t *d, yaml_node_t *n, int depth, long *budget) {
+  if (n == NULL || depth > 64 || --*budget < 0) return NULL;
   if (n->type == YAML_SCALAR_NODE) return cJSON_CreateString((const char *)n->data.scalar.value);
   if (n->type == YAML_SEQUENCE_NODE) {
     cJSON *a = cJSON_CreateArray();
-    for (yaml_node_item_t *i = n->data.sequence.items.start; a && i < n->data.sequence.items.top;
-         i++)
-      cJSON_AddItemToArray(a, yaml_to_json(d, yaml_document_get_node(d, *i), depth + 1));
+    for (yaml_node_item_t *i = n->data.sequence.items.start;
+         a && *budget >= 0 && i < n->data.sequence.items.top; i++)
+      cJSON_AddItemToArray(a, yaml_to_json(d, yaml_document_get_node(d, *i), depth + 1, budget));
     return a;
   }
   cJSON *o = cJSON_CreateObject();
-  for (yaml_node_pair_t *p = n->data.mapping.pairs.start; o && p < n->data.mapping.pairs.top; p++) {
+  for (yaml_node_pair_t *p = n->data.mapping.pairs.start;
+       o && *budget >= 0 && p < n->data.mapping.pairs.top; p++) {
     yaml_node_t *k = yaml_document_get_node(d, p->key);
     if (k == NULL || k->type != YAML_SCALAR_NODE) continue;
     cJSON_AddItemToObject(o, (const char *)k->data.scalar.value,
-                          yaml_to_json(d, yaml_document_get_node(d, p->value), depth + 1));
+                          yaml_to_json(d, yaml_document_get_node(d, p->value), depth + 1, budget));
   }
   return o;
 }
 
+/* A key given twice in one mapping: the last value is taken, as DeepSpeed (Python's json) and
+ * Accelerate (PyYAML) read it; each is said on stderr. */
+static void keep_last(cJSON *o, const char *path, const char *at) {
+  for (cJSON *it = o ? o->child : NULL; it != NULL;) {
+    cJSON *next = it->next;
+    char where[256];
+    snprintf(where, sizeof where, "%s%s%s", at, at[0] ? "." : "", it->string ? it->string : "");
+    if (cJSON_IsObject(it)) keep_last(it, path, where);
+    bool later = false;
+    for (cJSON *j = next; j != NULL && it->string && !later; j = j->next)
+      later = j->string && strcmp(j->string, it->string) == 0;
+    if (later) {
+      fprintf(stderr,
+              "fsdp-plan: warning: %s: %s is given more than once; the last value is taken (as "
+              "DeepSpeed and Accelerate read it)\n",
+              path, where);
+      cJSON_Delete(cJSON_DetachItemViaPointer(o, it));
+    }
+    it = next;
+  }
+}
+
 static status_t read_config(const char *path, cJSON **out) {
+  *out = NULL;
+  FILE *f;
+  TRY(file_open_regular(path, "cannot open the config", &f));
+  long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+  fclose(f);
   char *text;
   TRY(file_read_text(path, (size_t)1 << 20, &text));
+  if (size >= 0 && (size_t)size != strlen(text)) {
+    size_t at = strlen(text);
+    free(text);
+    return err_set(STATUS_EFORMAT, "%s: holds a NUL byte at offset %zu (a binary file?)", path, at);
+  }
   const char *s = text;
   while (isspace((unsigned char)*s)) s++;
   status_t st = STATUS_OK;
   if (*s == '{') {
-    *out = cJSON_Parse(text);
-    if (*out == NULL) st = err_set(STATUS_EFORMAT, "%s: not valid JSON", path);
+    const char *end = NULL;
+    *out = cJSON_ParseWithOpts(text, &end, true); /* nothing but spaces after the object */
+    if (*out == NULL) {
+      cJSON *first = cJSON_Parse(text); /* whether the first object alone is whole */
+      st = err_set(STATUS_EFORMAT, "%s: not valid JSON at byte %ld%s", path,
+                   end ? (long)(end - text) : 0L, first ? " (more after the object)" : "");
+      cJSON_Delete(first);
+    }
   } else if ((st = plan_yaml_check_depth(path, text, strlen(text), 64)) == STATUS_OK) {
     yaml_parser_t p;
     yaml_document_t d;
@@ -68,24 +114,75 @@ static status_t read_config(const char *path, cJSON **out) {
                    p.problem ? p.problem : "?");
     } else {
       yaml_node_t *root = yaml_document_get_root_node(&d);
-      *out = root && root->type == YAML_MAPPING_NODE ? yaml_to_json(&d, root, 0) : NULL;
-      if (*out == NULL) st = err_set(STATUS_EFORMAT, "%s: not a mapping of settings", path);
+      long budget = YAML_VALUES_MAX;
+      *out = root && root->type == YAML_MAPPING_NODE ? yaml_to_json(&d, root, 0, &budget) : NULL;
+      if (budget < 0)
+        st = err_set(STATUS_EFORMAT,
+                     "%s: expands to more than %d values (aliases repeating aliases?)", path,
+                     YAML_VALUES_MAX);
+      else if (*out == NULL)
+        st = err_set(STATUS_EFORMAT, "%s: not a mapping of settings", path);
+      yaml_document_t second;
+      if (st == STATUS_OK && yaml_parser_load(&p, &second)) { /* a second document: refused */
+        if (yaml_document_get_root_node(&second) != NULL)
+          st = err_set(STATUS_EFORMAT, "%s: holds more than one YAML document", path);
+        yaml_document_delete(&second);
+      }
       yaml_document_delete(&d);
     }
     yaml_parser_delete(&p);
   }
   free(text);
-  if (st == STATUS_OK && !cJSON_IsObject(*out)) {
-    cJSON_Delete(*out);
+  if (st == STATUS_OK && !cJSON_IsObject(*out))
     st = err_set(STATUS_EFORMAT, "%s: not an object of settings", path);
+  if (st != STATUS_OK) {
+    cJSON_Delete(*out);
+    *out = NULL;
+    return st;
   }
-  return st;
+  keep_last(*out, path, "");
+  return STATUS_OK;
+}
+
+/* An Accelerate config whose deepspeed_config names a deepspeed_config_file: that file's
+ * settings read into deepspeed_config, as Accelerate reads them (a relative path from the
+ * config's folder, else from the working directory); its path into file ("" when none). */
+static status_t read_deepspeed_file(const char *path, cJSON *c, char *file, size_t n) {
+  cJSON *ds = cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config");
+  const cJSON *name = cJSON_GetObjectItemCaseSensitive(ds, "deepspeed_config_file");
+  file[0] = 0;
+  if (!cJSON_IsString(name) || name->valuestring[0] == 0) return STATUS_OK;
+  const char *slash = strrchr(path, '/');
+  if (name->valuestring[0] != '/' && slash != NULL)
+    snprintf(file, n, "%.*s/%s", (int)(slash - path), path, name->valuestring);
+  if (file[0] == 0 || access(file, F_OK) != 0) snprintf(file, n, "%s", name->valuestring);
+  cJSON *inner = NULL;
+  status_t st = read_config(file, &inner);
+  if (st != STATUS_OK) return err_prefix(st, "%s: deepspeed_config.deepspeed_config_file", path);
+  cJSON_DeleteItemFromObjectCaseSensitive(ds, "deepspeed_config_file");
+  for (cJSON *it = inner->child; it != NULL;) {
+    cJSON *next = it->next;
+    if (cJSON_GetObjectItemCaseSensitive(ds, it->string) == NULL)
+      cJSON_AddItemToObject(ds, it->string, cJSON_DetachItemViaPointer(inner, it));
+    else
+      fprintf(stderr,
+              "fsdp-plan: warning: %s: %s is set both in the config and in %s; the config's value "
+              "is taken\n",
+              path, it->string, file);
+    it = next;
+  }
+  cJSON_Delete(inner);
+  return STATUS_OK;
 }
 
 static void write_plan(FILE *f, const out_t *o, const char *path, const char *kind,
-                       const cJSON *c) {
+                       const char *ds_file, const cJSON *c) {
   char b[64];
-  fprintf(f, "# fsdp-plan convert %s\n# from %s. Add your model: and data: sections", path, kind);
+  bool data = false; /* a data: section is written: only its path is the user's to add */
+  for (int i = 0; i < o->n_keys && !data; i++) data = strcmp(o->keys[i].section, "data") == 0;
+  fprintf(f, "# fsdp-plan convert %s\n# from %s%s%s. Add a model: section and %s", path, kind,
+          ds_file[0] ? " with its DeepSpeed config " : "", ds_file,
+          data ? "data.path (to the data: section below)" : "a data: section");
   const char *np = plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "num_processes"), b, sizeof b);
   if (np) fprintf(f, "; launch with mpirun -n %s (num_processes)", np);
   fputs(".\n", f);
@@ -173,7 +270,7 @@ int main(int argc, char **argv) {
   }
   cJSON *c = NULL;
   out_t *o = calloc(1, sizeof *o);
-  char kind[160];
+  char kind[160], ds_file[4200] = "";
   status_t st = o ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
   if (st == STATUS_OK && outp) { /* before anything is read or written */
     file_inputs_t *inputs = NULL;
@@ -183,13 +280,14 @@ int main(int argc, char **argv) {
     file_inputs_free(inputs);
   }
   if (st == STATUS_OK) st = read_config(in, &c);
+  if (st == STATUS_OK) st = read_deepspeed_file(in, c, ds_file, sizeof ds_file);
   if (st == STATUS_OK) st = plan_convert(c, in, o, kind, sizeof kind);
   if (st == STATUS_OK) {
     char tmp[4096];
     FILE *f = stdout;
     if (outp) st = file_create_temp(outp, tmp, sizeof tmp, &f);
     if (st == STATUS_OK) {
-      write_plan(f, o, in, kind, c);
+      write_plan(f, o, in, kind, ds_file, c);
       bool bad = ferror(f) != 0;
       if (outp && (fclose(f) != 0 || bad || rename(tmp, outp) != 0)) {
         st = err_set(STATUS_EIO, "cannot write '%s': %s", outp, strerror(errno));

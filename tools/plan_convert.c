@@ -85,6 +85,15 @@ static void precision(out_t *o, const char *v, const char *from) {
 
 /* ---- DeepSpeed: a ds_config.json, or Accelerate's deepspeed_config section ---- */
 
+/* The units DeepSpeed's ZeRO implies: it gathers parameters submodule by submodule as they run,
+ * never the whole model, so one unit per decoder layer (the built-in Llama's). */
+static void layer_units(out_t *o, const char *from) {
+  put(o, "parallelize.fully_shard", "units", "[\"model.layers.*\"]",
+      "%s: DeepSpeed gathers parameters module by module as they run; one unit per decoder "
+      "layer keeps one layer gathered at a time",
+      from);
+}
+
 static void zero(out_t *o, const char *stage, const char *from, long hpz) {
   if (stage == NULL) return;
   if (hpz > 1 && strcmp(stage, "3") == 0) {
@@ -94,14 +103,21 @@ static void zero(out_t *o, const char *stage, const char *from, long hpz) {
         "%s 3 with zero_hpz_partition_size %ld: parameters re-gathered within groups of %ld "
         "ranks for the backward",
         from, hpz, hpz);
+    layer_units(o, from);
   } else if (strcmp(stage, "3") == 0 || strcmp(stage, "2") == 0) {
     put(o, "parallelize.fully_shard", "zero_stage", stage, "%s %s", from, stage);
+    layer_units(o, from);
   } else if (strcmp(stage, "0") == 0) {
     put(o, "parallelize.fully_shard", "sharding_strategy", "NO_SHARD", "%s 0 (data parallel)",
         from);
+  } else if (strcmp(stage, "1") == 0) {
+    put(o, "parallelize.fully_shard", "zero_stage", "2",
+        "%s 1 shards the optimizer state only; the nearest plan also shards the gradients "
+        "(ZeRO-2), parameters kept gathered from forward to backward",
+        from);
+    layer_units(o, from);
   } else {
-    leave(o, from, "stage %s shards only the optimizer state; the nearest plan is zero_stage: 2",
-          stage);
+    leave(o, from, "stage '%s' is not a ZeRO stage (0, 1, 2 or 3)", stage);
   }
 }
 
@@ -120,12 +136,21 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
                                      "offload_optimizer_device",
                                      "offload_param_device",
                                      "zero3_init_flag",
+                                     "tensor_parallel",
                                      NULL};
   const cJSON *z = cJSON_GetObjectItemCaseSensitive(c, "zero_optimization");
   long hpz = 0;
   const char *hv =
       plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "zero_hpz_partition_size"), b, sizeof b);
-  if (hv) hpz = strtol(hv, NULL, 10);
+  if (hv) {
+    char *end;
+    double x = strtod(hv, &end);
+    snprintf(name, sizeof name, "%szero_optimization.zero_hpz_partition_size", prefix);
+    if (end == hv || *end != '\0' || x != (double)(long)x || x < 1 || x > 1e6)
+      leave(o, name, "'%s' is not a whole number of ranks", hv);
+    else
+      hpz = (long)x;
+  }
   char sb[64];
   snprintf(name, sizeof name, "%szero_optimization.stage", prefix);
   zero(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "stage"), sb, sizeof sb), name, hpz);
@@ -137,11 +162,26 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
     snprintf(name, sizeof name, "%szero_optimization.%s", prefix, it->string);
     if (strcmp(it->string, "offload_optimizer") == 0 || strcmp(it->string, "offload_param") == 0) {
       const char *dev = plan_text_of(cJSON_GetObjectItemCaseSensitive(it, "device"), b, sizeof b);
-      if (dev && strcmp(dev, "cpu") == 0)
+      const cJSON *other = cJSON_GetObjectItemCaseSensitive(
+          z, strcmp(it->string, "offload_param") == 0 ? "offload_optimizer" : "offload_param");
+      char ob[64];
+      const char *odev =
+          plan_text_of(cJSON_GetObjectItemCaseSensitive(other, "device"), ob, sizeof ob);
+      bool both = odev && strcmp(odev, "cpu") == 0;
+      if (dev && strcmp(dev, "cpu") == 0 && (both || strcmp(it->string, "offload_param") == 0))
         put(o, "parallelize.fully_shard", "offload", "true",
             "%s.device cpu (CUDA: sharded parameters, gradients and optimizer on the host)", name);
+      else if (dev && strcmp(dev, "cpu") == 0)
+        leave(o, name,
+              "device cpu for the optimizer alone: offload here moves the sharded parameters, "
+              "gradients and optimizer state together (parallelize.fully_shard.offload: true)");
       else if (dev && strcmp(dev, "none") != 0)
         leave(o, name, "device '%s': only the host (cpu) is an offload target", dev);
+    } else if (strcmp(it->string, "stage3_gather_16bit_weights_on_model_save") == 0 ||
+               strcmp(it->string, "gather_16bit_weights_on_model_save") == 0) {
+      leave(o, name,
+            "a save format: checkpoints here are sharded; fsdp-ckpt export-hf --dtype bf16 "
+            "writes whole 16-bit weights");
     } else {
       leave(o, name, "a bucket or overlap knob: communication here is one collective per unit");
     }
@@ -155,6 +195,20 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
     else if (dev && strcmp(dev, "none") != 0)
       leave(o, name, "device '%s': only the host (cpu) is an offload target", dev);
   }
+  const cJSON *tpc = cJSON_GetObjectItemCaseSensitive(c, "tensor_parallel");
+  const char *tps = plan_text_of(cJSON_GetObjectItemCaseSensitive(tpc, "autotp_size"), b, sizeof b);
+  if (tps) {
+    char *end;
+    double x = strtod(tps, &end);
+    snprintf(name, sizeof name, "%stensor_parallel.autotp_size", prefix);
+    if (end == tps || *end != '\0' || x != (double)(long)x || x < 1 || x > 1e6)
+      leave(o, name, "'%s' is not a whole number of ranks", tps);
+    else
+      put(o, "mesh", "tp", tps,
+          "%s: the built-in Llama's tensor-parallel plan over %s ranks (the data-parallel "
+          "sizes take the rest)",
+          name, tps);
+  }
   snprintf(name, sizeof name, "%strain_micro_batch_size_per_gpu", prefix);
   number(o, c, "train_micro_batch_size_per_gpu", name, "data", "batch_size");
   snprintf(name, sizeof name, "%sgradient_accumulation_steps", prefix);
@@ -164,15 +218,22 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
   if (cJSON_GetObjectItemCaseSensitive(c, "train_batch_size"))
     leave(o, "train_batch_size",
           "follows from data.batch_size x grad_accum x the data-parallel ranks");
-  if (truthy(plan_text_of(
-          cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "bf16"), "enabled"),
-          b, sizeof b)))
-    precision(o, "bf16", "bf16.enabled");
-  if (truthy(plan_text_of(
-          cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "fp16"), "enabled"),
-          b, sizeof b))) {
-    precision(o, "fp16", "fp16.enabled");
-    leave(o, "fp16 loss scaling", "none here; bf16 needs none");
+  for (int k = 0; k < 2; k++) { /* bf16, fp16: {"enabled": true | false | "auto"} */
+    const char *which = k ? "fp16" : "bf16";
+    const char *v = plan_text_of(
+        cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, which), "enabled"), b,
+        sizeof b);
+    snprintf(name, sizeof name, "%s%s.enabled", prefix, which);
+    if (is_auto(v) && *prefix) /* Accelerate fills it from its mixed_precision */
+      leave(o, name, "'auto': follows mixed_precision, translated above");
+    else if (is_auto(v))
+      leave(o, name,
+            "'auto': the Hugging Face Trainer fills it from its --%s flag; give "
+            "parallelize.fully_shard.mp_policy.param_dtype: %s here if the run uses %s",
+            which, k ? "f16" : "bf16", which);
+    else if (truthy(v))
+      precision(o, which, name);
+    if (k && truthy(v)) leave(o, "fp16 loss scaling", "none here; bf16 needs none");
   }
   const cJSON *opt = cJSON_GetObjectItemCaseSensitive(c, "optimizer");
   if (opt) {
@@ -196,6 +257,8 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
         } else {
           leave(o, "optimizer.params.betas", "not two numbers ('auto'?): give optim.beta1/beta2");
         }
+      } else if (betas != NULL) {
+        leave(o, "optimizer.params.betas", "not a pair of numbers: give optim.beta1/beta2");
       }
     }
   }
@@ -208,6 +271,16 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
     if (type && strcmp(type, "WarmupCosineLR") == 0) {
       number(o, p, "total_num_steps", "scheduler.params.total_num_steps", "train", "steps");
       number(o, p, "cos_min_ratio", "scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio");
+    } else if (type && strcmp(type, "WarmupLR") == 0) {
+      put(o, "schedule", "min_lr_ratio", "1.0",
+          "scheduler.type WarmupLR: the rate stays at optim.lr after the warmup (no decay)");
+      const char *wt =
+          plan_text_of(cJSON_GetObjectItemCaseSensitive(p, "warmup_type"), b, sizeof b);
+      if (wt == NULL || strcmp(wt, "linear") != 0)
+        leave(o, "scheduler.params.warmup_type",
+              "'%s': the warmup here is linear (DeepSpeed's default is log)", wt ? wt : "log");
+      if (cJSON_GetObjectItemCaseSensitive(p, "warmup_min_lr"))
+        leave(o, "scheduler.params.warmup_min_lr", "the warmup here starts from lr / warmup_steps");
     } else {
       leave(o, "scheduler.type", "'%s': the schedule here is linear warmup then cosine decay",
             type ? type : "?");
@@ -218,6 +291,13 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
     for (int k = 0; done[k] && !known; k++) known = strcmp(it->string, done[k]) == 0;
     if (strcmp(it->string, "zero3_init_flag") == 0 && truthy(plan_text_of(it, b, sizeof b)))
       leave(o, "zero3_init_flag", "already the default: model.deferred_init builds shards only");
+    if (strcmp(it->string, "zero3_save_16bit_model") == 0) {
+      snprintf(name, sizeof name, "%szero3_save_16bit_model", prefix);
+      leave(o, name,
+            "a save format: checkpoints here are sharded; fsdp-ckpt export-hf --dtype bf16 "
+            "writes whole 16-bit weights");
+      continue;
+    }
     if (!known && *prefix == '\0')
       leave(o, it->string, "no equivalent here (logging, tuning or an engine feature)");
     else if (!known)
@@ -240,6 +320,38 @@ static const char *strategy_name(const char *v) {
   return NULL;
 }
 
+/* fsdp_transformer_layer_cls_to_wrap: a class name, a comma-separated list of them, or a YAML
+ * list. LlamaDecoderLayer is the built-in Llama's layer; any other class is listed. */
+static void wrap_classes(out_t *o, const cJSON *cls, const char *from) {
+  char names[512] = "", b[160];
+  if (cJSON_IsArray(cls)) {
+    for (const cJSON *it = cls->child; it; it = it->next) {
+      const char *v = plan_text_of(it, b, sizeof b);
+      snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", names[0] ? "," : "",
+               v && cJSON_IsString(it) ? v : "?");
+    }
+  } else {
+    const char *v = plan_text_of(cls, b, sizeof b);
+    snprintf(names, sizeof names, "%s", v && cJSON_IsString(cls) ? v : "");
+  }
+  bool llama = false;
+  for (char *save = NULL, *name = strtok_r(names, ", ", &save); name;
+       name = strtok_r(NULL, ", ", &save)) {
+    if (strcmp(name, "LlamaDecoderLayer") == 0)
+      llama = true;
+    else
+      leave(o, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
+            "'%s': units are FQN patterns here; the built-in Llama's layers are "
+            "\"model.layers.*\"",
+            name);
+  }
+  if (llama)
+    put(o, "parallelize.fully_shard", "units", "[\"model.layers.*\"]",
+        "%s with LlamaDecoderLayer: one unit per decoder layer", from);
+  else if (!cJSON_IsArray(cls) && names[0] == 0)
+    leave(o, from, "TRANSFORMER_BASED_WRAP names no class (fsdp_transformer_layer_cls_to_wrap)");
+}
+
 static void accelerate_fsdp(out_t *o, const cJSON *f) {
   char b[160];
   for (const cJSON *it = f ? f->child : NULL; it; it = it->next) {
@@ -258,22 +370,33 @@ static void accelerate_fsdp(out_t *o, const cJSON *f) {
           "%s: %s", from, v);
     } else if (strcmp(k, "fsdp_auto_wrap_policy") == 0) {
       if (v && strcmp(v, "TRANSFORMER_BASED_WRAP") == 0) {
-        const char *cls = plan_text_of(
-            cJSON_GetObjectItemCaseSensitive(f, "fsdp_transformer_layer_cls_to_wrap"), b, sizeof b);
-        if (cls && strstr(cls, "LlamaDecoderLayer"))
-          put(o, "parallelize.fully_shard", "units", "[\"model.layers.*\"]",
-              "%s with LlamaDecoderLayer: one unit per decoder layer", from);
-        else
-          leave(o, from,
-                "wraps '%s': units are FQN patterns; the built-in Llama's layers are "
-                "\"model.layers.*\"",
-                cls ? cls : "?");
+        wrap_classes(o, cJSON_GetObjectItemCaseSensitive(f, "fsdp_transformer_layer_cls_to_wrap"),
+                     from);
       } else if (v && strcmp(v, "NO_WRAP") == 0) {
-        put(o, "parallelize.fully_shard", "units", "[]", "%s: the root unit only", from);
+        put(o, "parallelize.fully_shard", "units", "[]",
+            "%s: the root unit only: the whole model is gathered at once, so a rank's peak "
+            "holds all of it unsharded",
+            from);
+      } else if (v && strcmp(v, "SIZE_BASED_WRAP") == 0) {
+        const char *n =
+            plan_text_of(cJSON_GetObjectItemCaseSensitive(f, "fsdp_min_num_params"), b, sizeof b);
+        char *end = NULL;
+        double x = n ? strtod(n, &end) : 1e8; /* Accelerate's default */
+        char num[32];
+        if (n && (end == n || *end != '\0' || !(x >= 1) || x > 1e15)) {
+          leave(o, "fsdp_config.fsdp_min_num_params", "'%s' is not a number of parameters", n);
+        } else {
+          snprintf(num, sizeof num, "%.0f", x);
+          put(o, "parallelize.fully_shard", "min_unit_params", num,
+              "%s%s: a module becomes a unit when the parameters under it that no inner unit "
+              "took number at least %s (the dry run's -v lists the units)",
+              from, n ? " with fsdp_min_num_params" : " (fsdp_min_num_params' default)", num);
+        }
       } else {
         leave(o, from, "'%s': units are FQN patterns (\"model.layers.*\")", v ? v : "");
       }
-    } else if (strcmp(k, "fsdp_transformer_layer_cls_to_wrap") == 0) {
+    } else if (strcmp(k, "fsdp_transformer_layer_cls_to_wrap") == 0 ||
+               strcmp(k, "fsdp_min_num_params") == 0) {
       /* read with the wrap policy */
     } else if (strcmp(k, "fsdp_offload_params") == 0) {
       if (truthy(v))
@@ -375,12 +498,14 @@ status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *kind, si
   char pb[64];
   precision(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "mixed_precision"), pb, sizeof pb),
             "mixed_precision");
+  number(o, c, "gradient_accumulation_steps", "gradient_accumulation_steps", "data", "grad_accum");
   for (const cJSON *it = c->child; it; it = it->next) {
     const char *k = it->string;
     bool launcher = false;
     for (int i = 0; LAUNCHER_KEYS[i] && !launcher; i++) launcher = strcmp(k, LAUNCHER_KEYS[i]) == 0;
     if (launcher || strcmp(k, "distributed_type") == 0 || strcmp(k, "mixed_precision") == 0 ||
-        strcmp(k, "fsdp_config") == 0 || strcmp(k, "deepspeed_config") == 0)
+        strcmp(k, "fsdp_config") == 0 || strcmp(k, "deepspeed_config") == 0 ||
+        strcmp(k, "gradient_accumulation_steps") == 0)
       continue;
     leave(o, k, "no equivalent here");
   }

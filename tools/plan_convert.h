@@ -12,7 +12,7 @@
 /* plan keys by section, each with the setting it came from; and the settings left out, why */
 enum { MAX_KEYS = 64 };
 typedef struct entry {
-  char section[40], key[96], value[96], from[160];
+  char section[40], key[96], value[96], from[320];
 } entry_t;
 
 typedef struct out {

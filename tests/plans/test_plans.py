@@ -926,6 +926,7 @@ parallelize:
     ("deepspeed-zero3.json", 4, """\
 parallelize:
   fully_shard:
+    units: ["model.layers.*"]
     reshard_after_forward: true
 optim: {lr: 0.002, beta1: 0.9, beta2: 0.95, eps: 1.0e-8, weight_decay: 0.05,
         clip_grad_norm: 0.5}
@@ -936,10 +937,22 @@ train: {steps: 8}
     ("deepspeed-zero3-hpz.json", 4, """\
 parallelize:
   fully_shard:
+    units: ["model.layers.*"]
     reshard_after_forward: 2
 """, ["reshard_after_forward: 2", "train_micro_batch_size_per_gpu: 'auto'",
       "offload_optimizer: device 'nvme'"]),
+    ("accelerate-size-based.yaml", 4, """\
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+    reshard_after_forward: true
+""", ["min_unit_params: 9000", "sharding_strategy: FULL_SHARD"]),
 ]
+
+# a 7B-shaped Llama (Llama 2's sizes) for the dry runs of converted plans
+LLAMA_7B = ["--set", "model.dim=4096", "--set", "model.n_layers=32", "--set", "model.n_heads=32",
+            "--set", "model.n_kv_heads=32", "--set", "model.ffn_dim=11008", "--set",
+            "model.vocab_size=32000", "--set", "model.max_seq_len=4096"]
 
 
 def converts():
@@ -980,6 +993,23 @@ def converts():
         check(got["converted"] and got["converted"] == got["hand"],
               "%s converted trains as the hand-written plan on %d ranks: %d steps, equal losses "
               "and communication bytes" % (name, n, len(got["converted"] or [])))
+        # on a 7B-shaped model (planned for n ranks from one process), the converted plan's
+        # peak is the per-layer plan's, within 5%; a sized unit's threshold scales with it
+        seven = LLAMA_7B + ["--set", "data.seq_len=512", "--set", "data.batch_size=1"]
+        if "min_unit_params" in text:
+            seven += ["--set", "parallelize.fully_shard.min_unit_params=150000000"]
+        peaks = {}
+        for tag, plan in (("converted", out), ("hand", mine)):
+            q, _ = run(1, [plan, "--dry-run", "--world", str(n)] + sets + seven)
+            m = re.search(r"^peak_bytes (\d+)$", q.stdout, re.M)
+            peaks[tag] = int(m.group(1)) if m else None
+            if m is None:
+                print(q.stderr[-800:])
+        check(None not in peaks.values() and
+              abs(peaks["converted"] - peaks["hand"]) <= 0.05 * peaks["hand"],
+              "%s converted, on a 7B-shaped Llama at %d ranks: a dry-run peak of %.2f GiB, the "
+              "per-layer plan's %.2f GiB" % (name, n, (peaks["converted"] or 0) / 2**30,
+                                              (peaks["hand"] or 0) / 2**30))
     # hostile and mistyped configs: a deep nesting refused at once, a section given as a
     # scalar or a list named instead of read as absent
     deep = os.path.join(tmp, "deep.yaml")
@@ -1013,6 +1043,107 @@ def converts():
         e = sh([tool] + args, timeout=60)
         check(e.returncode != 0 and re.search(want, e.stderr) is not None,
               "fsdp-plan %s: refused, /%s/" % (" ".join(os.path.basename(a) for a in args), want))
+    converts_read_as_their_tools_do(tmp, tool)
+
+
+def converts_read_as_their_tools_do(tmp, tool):
+    """Settings converted as DeepSpeed and Accelerate mean them, or listed with the right
+    reason; files read as strictly as those tools read them."""
+    ds = os.path.join(tmp, "ds-file.json")
+    with open(ds, "w") as f:
+        f.write('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}')
+    bomb = "distributed_type: FSDP\na0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        "a%d: &a%d [%s]\n" % (i, i, ", ".join(["*a%d" % (i - 1)] * 10)) for i in range(1, 8))
+    # (name, file, text, regexes the plan (stdout) must hold, regexes it must not, stderr's)
+    cases = [
+        ("bf16 'auto' in a DeepSpeed config", "auto.json",
+         '{"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": "auto"}}',
+         [r"#   bf16\.enabled: 'auto': the Hugging Face Trainer fills it"],
+         [r"^\s+param_dtype:"], []),
+        ("an Accelerate config naming a deepspeed_config_file", "acc-dsfile.yaml",
+         "distributed_type: DEEPSPEED\nmixed_precision: bf16\ndeepspeed_config:\n"
+         "  deepspeed_config_file: ds-file.json\n",
+         [r"zero_stage: 3", r"batch_size: 2", r"with its DeepSpeed config \S*ds-file\.json"],
+         [], []),
+        ("tensor_parallel.autotp_size", "autotp.json",
+         '{"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}}',
+         [r"^  tp: 2  # tensor_parallel\.autotp_size"], [r"autotp_size: no equivalent"], []),
+        ("Accelerate's gradient_accumulation_steps", "acc-accum.yaml",
+         "distributed_type: FSDP\ngradient_accumulation_steps: 4\n",
+         [r"grad_accum: 4  # gradient_accumulation_steps"], [r"no equivalent"], []),
+        ("layer classes as a list", "acc-classes.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+         "  fsdp_transformer_layer_cls_to_wrap: [LlamaDecoderLayer, Embedding]\n",
+         [r'units: \["model\.layers\.\*"\]', r"'Embedding': units are FQN patterns"],
+         [r"a structure"], []),
+        ("layer classes as a comma list", "acc-comma.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+         "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer,GPT2Block\n",
+         [r'units: \["model\.layers\.\*"\]', r"'GPT2Block': units are FQN patterns"], [], []),
+        ("NO_WRAP", "acc-nowrap.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: NO_WRAP\n",
+         [r"units: \[\]  # .*the whole model is gathered at once"], [], []),
+        ("ZeRO-1", "zero1.json", '{"train_micro_batch_size_per_gpu": 2, '
+                                 '"zero_optimization": {"stage": 1}}',
+         [r"zero_stage: 2  # zero_optimization\.stage 1 shards the optimizer state only",
+          r'units: \["model\.layers\.\*"\]'], [], []),
+        ("optimizer-only offload", "offload-opt.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
+         '"offload_optimizer": {"device": "cpu"}}}',
+         [r"offload_optimizer: device cpu for the optimizer alone"], [r"^\s+offload: true"], []),
+        ("WarmupLR", "warmuplr.json", '{"train_micro_batch_size_per_gpu": 2, "scheduler": '
+                                      '{"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}',
+         [r"min_lr_ratio: 1\.0  # scheduler\.type WarmupLR", r"warmup_steps: 5"],
+         [r"linear warmup then cosine decay"], []),
+        ("stage3_gather_16bit_weights_on_model_save", "gather16.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
+         '"stage3_gather_16bit_weights_on_model_save": true}}',
+         [r"stage3_gather_16bit_weights_on_model_save: a save format.*export-hf"],
+         [r"bucket or overlap"], []),
+        ("a key given twice", "twice.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "stage": 3}}',
+         [r"zero_stage: 3"], [r"zero_stage: 2"],
+         [r"zero_optimization\.stage is given more than once; the last value is taken"]),
+        ("betas that are not numbers", "betas.json",
+         '{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": '
+         '{"lr": 0.001, "betas": "0.9"}}}',
+         [r"optimizer\.params\.betas: not a pair of numbers"], [], []),
+        ("a fractional hpZ size", "hpz.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
+         '"zero_hpz_partition_size": 2.5}}',
+         [r"zero_hpz_partition_size: '2\.5' is not a whole number of ranks"],
+         [r"reshard_after_forward: 2"], []),
+        ("a header that says what to add", "header.json",
+         '{"train_micro_batch_size_per_gpu": 2}',
+         [r"Add a model: section and data\.path"], [r"Add your model: and data: sections"], []),
+    ]
+    for name, fname, text, want, not_want, err_want in cases:
+        path = os.path.join(tmp, fname)
+        with open(path, "w") as f:
+            f.write(text)
+        e = sh([tool, "convert", path], timeout=60)
+        good = (e.returncode == 0 and all(re.search(w, e.stdout, re.M) for w in want) and
+                not any(re.search(w, e.stdout, re.M) for w in not_want) and
+                all(re.search(w, e.stderr) for w in err_want))
+        check(good, "fsdp-plan convert, %s: as its tool means it" % name)
+        if not good:
+            print(e.stdout[-1500:], e.stderr[-500:])
+    for name, fname, data, want in (
+            ("a second JSON object after the first", "two.json",
+             b'{"zero_optimization": {"stage": 3}} {"x": 1}', r"more after the object"),
+            ("trailing text", "trail.json", b'{"zero_optimization": {"stage": 3}} garbage',
+             r"not valid JSON at byte \d+"),
+            ("a NUL byte", "nul.json", b'{"zero_optimization": {"stage": 3}}\0{"x": 1}',
+             r"holds a NUL byte at offset 35"),
+            ("aliases expanding to 10^8 values", "bomb.yaml", bomb.encode(),
+             r"expands to more than 100000 values")):
+        path = os.path.join(tmp, fname)
+        with open(path, "wb") as f:
+            f.write(data)
+        t = time.time()
+        e = sh([tool, "convert", path], timeout=60)
+        check(e.returncode != 0 and re.search(want, e.stderr) and time.time() - t < 10,
+              "fsdp-plan convert, %s: refused /%s/" % (name, want))
 
 
 def dry_run():
