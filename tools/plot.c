@@ -46,9 +46,21 @@ static status_t push(run_t *r, double step, const double *v) {
   return STATUS_OK;
 }
 
+/* Values beyond this are drawn at it: the axes' arithmetic stays finite. */
+#define PLOT_LIMIT 1e300
+
+static double clamp(double v) {
+  return v > PLOT_LIMIT ? PLOT_LIMIT : v < -PLOT_LIMIT ? -PLOT_LIMIT : v;
+}
+
 static status_t read_run(const char *path, run_t *r) {
+  FILE *f;
+  TRY(file_open_regular(path, "cannot open the metrics file", &f));
+  long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+  fclose(f);
   char *text;
   TRY(file_read_text(path, (size_t)1 << 30, &text));
+  size_t len = strlen(text); /* before the lines are cut apart */
   status_t st = STATUS_OK;
   int line = 0;
   for (char *s = text, *next; s != NULL && *s && st == STATUS_OK; s = next) {
@@ -56,26 +68,38 @@ static status_t read_run(const char *path, run_t *r) {
     next = strchr(s, '\n');
     if (next != NULL) *next++ = '\0';
     if (strspn(s, " \t\r") == strlen(s)) continue;
-    cJSON *o = cJSON_Parse(s);
+    cJSON *o = cJSON_ParseWithOpts(s, NULL, true); /* one object a line, nothing after it */
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
     if (!cJSON_IsObject(o)) {
-      st = err_set(STATUS_EFORMAT, "%s:%d: not a JSON object", path, line);
-    } else if (!cJSON_IsNumber(step)) {
-      st = err_set(STATUS_EFORMAT, "%s:%d: no number 'step' (not a metrics file?)", path, line);
+      st = err_set(STATUS_EFORMAT, "%s:%d: not a JSON object (one a line)", path, line);
+    } else if (!cJSON_IsNumber(step) || !isfinite(step->valuedouble)) {
+      st = err_set(STATUS_EFORMAT, "%s:%d: no finite number 'step' (not a metrics file?)", path,
+                   line);
     } else {
       double v[N_SERIES];
       for (int k = 0; k < N_SERIES; k++) {
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, KEYS[k]);
-        v[k] = cJSON_IsNumber(it) && isfinite(it->valuedouble) ? it->valuedouble : NAN;
+        v[k] = cJSON_IsNumber(it) && isfinite(it->valuedouble) ? clamp(it->valuedouble) : NAN;
       }
-      st = push(r, step->valuedouble, v);
+      st = push(r, clamp(step->valuedouble), v);
     }
     cJSON_Delete(o);
   }
+  if (st == STATUS_OK && size >= 0 && (size_t)size != len)
+    st = err_set(STATUS_EFORMAT, "%s:%d: holds a NUL byte (not a metrics file?)", path, line + 1);
   free(text);
   if (st == STATUS_OK && r->n == 0)
     st = err_set(STATUS_EFORMAT, "%s: no steps in it (an empty metrics file)", path);
   return st;
+}
+
+/* An axis [*a, *b] wide enough to divide by and to tell its ends apart: a single value (or
+ * values within rounding of each other) gets a margin of its own size's precision. */
+static void widen(double *a, double *b) {
+  if (*b - *a > fmax(fabs(*a), fabs(*b)) * 1e-12) return;
+  double m = fmax(1, fmax(fabs(*a), fabs(*b)) * 1e-6);
+  *a -= m;
+  *b += m;
 }
 
 /* A tick spacing of 1, 2 or 5 times a power of ten giving about `target` ticks. */
@@ -84,14 +108,41 @@ static double tick_step(double range, int target) {
   return (f < 1.5 ? 1 : f < 3.5 ? 2 : f < 7.5 ? 5 : 10) * mag;
 }
 
-static void xml_text(FILE *f, const char *s) {
-  for (; *s; s++) switch (*s) {
+/* The length of the valid UTF-8 sequence at s (1 to 4 bytes), or 0 when it is not one. */
+static int utf8_length(const unsigned char *s) {
+  int n = s[0] < 0x80             ? 1
+          : (s[0] & 0xE0) == 0xC0 ? 2
+          : (s[0] & 0xF0) == 0xE0 ? 3
+          : (s[0] & 0xF8) == 0xF0 ? 4
+                                  : 0;
+  for (int i = 1; i < n; i++)
+    if ((s[i] & 0xC0) != 0x80) return 0;
+  if (n == 2 && s[0] < 0xC2) return 0; /* overlong */
+  if (n == 3 && ((s[0] == 0xE0 && s[1] < 0xA0) || (s[0] == 0xED && s[1] >= 0xA0))) return 0;
+  if (n == 4 && ((s[0] == 0xF0 && s[1] < 0x90) || s[0] > 0xF4 || (s[0] == 0xF4 && s[1] >= 0x90)))
+    return 0;
+  return n;
+}
+
+/* Text as XML character data: the markup characters escaped, control characters and bytes that
+ * are not UTF-8 shown as U+FFFD (XML allows neither). */
+static void xml_text(FILE *f, const char *text) {
+  for (const unsigned char *s = (const unsigned char *)text; *s;) {
+    int n = utf8_length(s);
+    if (n == 0 || (*s < 0x20 && *s != '\t')) {
+      fputs("\xEF\xBF\xBD", f);
+      s++;
+      continue;
+    }
+    switch (*s) {
       case '&': fputs("&amp;", f); break;
       case '<': fputs("&lt;", f); break;
       case '>': fputs("&gt;", f); break;
       case '"': fputs("&quot;", f); break;
-      default: fputc(*s, f);
+      default: fwrite(s, 1, (size_t)n, f);
     }
+    s += n;
+  }
 }
 
 enum { PANEL_W = 480, PANEL_H = 300, LEFT = 72, RIGHT = 16, TOP = 28, BOTTOM = 40 };
@@ -120,20 +171,22 @@ static void panel(FILE *f, const run_t *runs, int n, int k, double ox, double oy
             px + w / 2, py + h / 2);
     return;
   }
-  if (x1 == x0) x1 = x0 + 1;
+  widen(&x0, &x1);
   double pad = y1 > y0 ? 0.05 * (y1 - y0) : (y0 != 0 ? 0.05 * fabs(y0) : 1);
   y0 -= pad;
   y1 += pad;
-  /* grid and tick labels */
+  widen(&y0, &y1);
+  /* grid and tick labels: at most 50 a side, each at k times the spacing (a sum would stop
+   * moving where the spacing is below the values' precision) */
   double ys = tick_step(y1 - y0, 5), xs = tick_step(x1 - x0, 6);
-  for (double t = ceil(y0 / ys) * ys; t <= y1; t += ys) {
+  for (double k = ceil(y0 / ys), t = k * ys, n = 0; t <= y1 && n < 50; k++, n++, t = k * ys) {
     double y = py + h - (t - y0) / (y1 - y0) * h;
     fprintf(f,
             "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
             "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.6g</text>\n",
             px, y, px + w, y, px - 6, y + 4, fabs(t) < ys * 1e-9 ? 0.0 : t);
   }
-  for (double t = ceil(x0 / xs) * xs; t <= x1; t += xs) {
+  for (double k = ceil(x0 / xs), t = k * xs, n = 0; t <= x1 && n < 50; k++, n++, t = k * xs) {
     double x = px + (t - x0) / (x1 - x0) * w;
     fprintf(f,
             "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"

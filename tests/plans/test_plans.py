@@ -26,6 +26,7 @@
 """
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -896,14 +897,57 @@ def plots():
     nostep = os.path.join(tmp, "nostep.jsonl")
     with open(nostep, "w") as f:
         f.write('{"loss": 2.0}\n')
+    twice = os.path.join(tmp, "twice.jsonl")
+    with open(twice, "w") as f:
+        f.write('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0} {"step": 3, "loss": 0.5}\n')
+    nul = os.path.join(tmp, "nul.jsonl")
+    with open(nul, "wb") as f:
+        f.write(b'{"step": 1, "loss": 2.0}\n\0{"step": 2, "loss": 1.0}\n')
+    huge_step = os.path.join(tmp, "huge-step.jsonl")
+    with open(huge_step, "w") as f:
+        f.write('{"step": 1, "loss": 2.0}\n{"step": 1e400, "loss": 1.0}\n')
     for args, want in [([a, os.path.join(tmp, "missing.jsonl")], r"missing\.jsonl"),
                        ([bad], r"bad\.jsonl:2: not a JSON object"),
                        ([empty], r"empty\.jsonl: no steps in it"),
-                       ([nostep], r"nostep\.jsonl:1: no number 'step'")]:
+                       ([nostep], r"nostep\.jsonl:1: no finite number 'step'"),
+                       ([twice], r"twice\.jsonl:2: not a JSON object \(one a line\)"),
+                       ([nul], r"nul\.jsonl:2: holds a NUL byte"),
+                       ([huge_step], r"huge-step\.jsonl:2: no finite number 'step'")]:
         e = sh([plot] + args + ["-o", os.path.join(tmp, "x.svg")], timeout=60)
         check(e.returncode != 0 and re.search(want, e.stderr) is not None and
               not os.path.exists(os.path.join(tmp, "x.svg")),
               "fsdp-plot refuses it: /%s/ (exit %d)" % (want, e.returncode))
+    # any finite values, steps and names: a valid SVG, finite coordinates, done at once
+    import xml.etree.ElementTree as ET
+    odd = os.path.join(tmp, "odd\x01name\xff.jsonl".encode("utf-8", "surrogateescape").decode(
+        "utf-8", "surrogateescape"))
+    cases = {"close values": '{"step": 1, "loss": 1e17}\n{"step": 2, "loss": 1e17}\n'
+                             '{"step": 3, "loss": 100000000000000032}\n',
+             "steps at the ends of double": '{"step": -1e308, "loss": 1}\n'
+                                            '{"step": 1e308, "loss": 2}\n',
+             "one point at a huge step": '{"step": 1e300, "loss": -1e308, "lr": 1e-320}\n',
+             "a name of control bytes and invalid UTF-8": '{"step": 1, "loss": 2}\n'}
+    for name, text in cases.items():
+        path = odd if "name" in name else os.path.join(tmp, "case.jsonl")
+        with open(path.encode("utf-8", "surrogateescape"), "w") as f:
+            f.write(text)
+        svg = os.path.join(tmp, "case.svg")
+        t = time.time()
+        e = sh([plot, path.encode("utf-8", "surrogateescape"), "-o", svg], timeout=30)
+        size = os.path.getsize(svg) if os.path.exists(svg) else 0
+        try:
+            root = ET.parse(svg).getroot()
+            nums = [float(x) for el in root.iter() for k, v in el.attrib.items()
+                    if k in ("x", "y", "x1", "y1", "x2", "y2", "cx", "cy")
+                    for x in [v]] + [float(c) for el in root.iter() if el.get("points")
+                                     for p in el.get("points").split() for c in p.split(",")]
+            finite = all(math.isfinite(x) for x in nums)
+        except (ET.ParseError, ValueError) as exc:
+            finite = False
+            print(exc)
+        check(e.returncode == 0 and finite and size < 200000 and time.time() - t < 10,
+              "fsdp-plot of %s: a valid SVG with finite coordinates, %d bytes, %.1f s" %
+              (name, size, time.time() - t))
 
 
 CONVERT_MODEL = "model:" + BASE.split("model:")[1].split("parallelize:")[0]  # BASE's model
