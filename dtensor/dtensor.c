@@ -50,8 +50,21 @@ static status_t check_device(const tensor_t *t, const mesh_t *mesh, const char *
   return STATUS_OK;
 }
 
+/* The arguments every constructor takes: out, a tensor, a mesh, placements. */
+static status_t check_args(const char *what, void *out, const tensor_t *t, const mesh_t *mesh,
+                           const placement_t *pl) {
+  if (out == NULL) return err_set(STATUS_EINVAL, "%s: out is NULL", what);
+  if (t == NULL) return err_set(STATUS_EINVAL, "%s: the tensor is NULL", what);
+  if (mesh == NULL)
+    return err_set(STATUS_EINVAL, "%s: the mesh is NULL (did mesh_init fail?)", what);
+  if (pl == NULL) return err_set(STATUS_EINVAL, "%s: the placements are NULL", what);
+  return STATUS_OK;
+}
+
 status_t dtensor_from_local(dtensor_t **out, const tensor_t *local, mesh_t *mesh,
                             const placement_t *pl, int ndim, const int64_t *global_shape) {
+  TRY(check_args("dtensor_from_local", out, local, mesh, pl));
+  if (global_shape == NULL) return err_set(STATUS_EINVAL, "dtensor_from_local: the shape is NULL");
   *out = NULL;
   int coord[MESH_MAX_DIMS], shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, coord);
@@ -111,6 +124,7 @@ static status_t broadcast_over_mesh(mesh_t *mesh, const int *src, tensor_t *buf)
 
 status_t dtensor_distribute(dtensor_t **out, const tensor_t *full, mesh_t *mesh,
                             const placement_t *pl, int src_rank) {
+  TRY(check_args("dtensor_distribute", out, full, mesh, pl));
   *out = NULL;
   TRY(check_device(full, mesh, "dtensor_distribute", false));
   int shape[MESH_MAX_DIMS];
@@ -140,6 +154,8 @@ cleanup:
 }
 
 status_t dtensor_full_tensor(const dtensor_t *dt, tensor_t *out) {
+  if (dt == NULL || out == NULL)
+    return err_set(STATUS_EINVAL, "dtensor_full_tensor: %s is NULL", dt ? "out" : "the DTensor");
   placement_t rep[MESH_MAX_DIMS];
   for (int i = 0; i < mesh_ndim(dt->mesh); i++) rep[i] = placement_replicate();
   dtensor_t *r;

@@ -372,6 +372,11 @@ cleanup:
 }
 
 status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dtensor_t **out) {
+  if (src == NULL || dst == NULL || out == NULL)
+    return err_set(STATUS_EINVAL, "dtensor_redistribute: %s is NULL",
+                   out == NULL   ? "out"
+                   : src == NULL ? "the DTensor"
+                                 : "the placements");
   *out = NULL;
   mesh_t *mesh = src->mesh;
   int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS];

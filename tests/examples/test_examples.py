@@ -7,7 +7,8 @@ mlp-fsdp (an MLP of nn/layers.h, fully_shard per linear in code) on 1, 2 and 4 r
 mlp-plan (the same MLP, parallelised by YAML plans: fully_shard units; tensor parallelism,
 colwise then rowwise on its linears, under fully_shard; HSDP x TP) at the plans' world sizes:
 every run's losses equal the single-rank run's within 1e-5 relative, and the loss goes down.
-README's "Shard your own model" program is examples/mlp_fsdp.c, character for character.
+README's "Shard your own model" program is examples/mlp_fsdp.c, character for character, and its
+"Using the library" program examples/dtensor_basics.c (run on 2, 3 and 4 ranks).
 """
 import os
 import re
@@ -83,6 +84,26 @@ def main():
     source = open(os.path.join(ROOT, "examples", "mlp_fsdp.c")).read()
     check(m is not None and m.group(1) == source,
           "README's \"Shard your own model\" program is examples/mlp_fsdp.c")
+    # README's DTensor program is examples/dtensor_basics.c: every rank holds the whole tensor
+    # on 2 and 4 ranks; on 3 (not divisible by the mesh's 2 replicas) every rank names the
+    # error and exits non-zero, no crash
+    m = re.search(r"## Using the library\n\n```c\n(.*?)```", readme, re.S)
+    source = open(os.path.join(ROOT, "examples", "dtensor_basics.c")).read()
+    check(m is not None and m.group(1) == source,
+          "README's \"Using the library\" program is examples/dtensor_basics.c")
+    basics = os.path.join(EX, "dtensor-basics")
+    for n in (2, 3, 4):
+        p = subprocess.run([MPIRUN] + MPI_ARGS + ["-n", str(n), basics], capture_output=True,
+                           text=True, timeout=120)
+        whole = set(re.findall(r"^rank (\d+): 16 x 15$", p.stdout, re.M))
+        said = set(re.findall(r"^rank (\d+): invalid device mesh: .*world size 3 is not "
+                              r"divisible by 2", p.stderr, re.M))
+        want = {str(r) for r in range(n)}
+        check((p.returncode == 0 and whole == want) if n != 3 else
+              (p.returncode != 0 and said == want and "Segmentation" not in p.stderr),
+              "dtensor-basics on %d ranks: %s" % (n, "every rank says why the mesh cannot be "
+                                                  "made" if n == 3 else "every rank holds the "
+                                                  "whole tensor"))
     print("%d failure(s)" % len(failures))
     return 1 if failures else 0
 
