@@ -281,24 +281,90 @@ status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t
 
 /* ---- import ---- */
 
-static status_t copy_file(const char *from, const char *to) {
-  FILE *in = NULL, *out = NULL;
-  status_t st = file_open_regular(from, "copy", &in);
-  if (st == STATUS_OK && (out = fopen(to, "wb")) == NULL)
-    st = err_set(STATUS_EIO, "copy %s -> %s: %s", from, to, strerror(errno));
-  char buf[1 << 16];
-  size_t k;
-  while (st == STATUS_OK && (k = fread(buf, 1, sizeof buf, in)) > 0)
-    if (fwrite(buf, 1, k, out) != k) st = err_set(STATUS_EIO, "%s: write failed", to);
-  if (st == STATUS_OK && (ferror(in) || fflush(out) != 0 || fsync(fileno(out)) != 0))
-    st = err_set(STATUS_EIO, "copy %s -> %s failed", from, to);
-  if (in) fclose(in);
-  if (out && fclose(out) != 0 && st == STATUS_OK) st = err_set(STATUS_EIO, "%s: close failed", to);
+/* The tensors of a Llama folder against the model its config.json describes (a meta model
+ * built from it lists the parameters): every parameter present with its shape, nothing else. */
+static status_t check_llama_tensors(const char *hf, const llama_config_t *c,
+                                    const dcp_tensor_t *list, int nt) {
+  llama_options_t lo = LLAMA_OPTIONS_INIT;
+  lo.deferred = true; /* shapes only */
+  llama_t *m = NULL;
+  nn_param_t **ps = NULL;
+  int n = 0;
+  status_t st = llama_new(&m, c, &lo);
+  if (st == STATUS_OK) st = nn_named_parameters(llama_module(m), &ps, &n);
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    const dtensor_t *v = ps[i]->value;
+    int k = 0;
+    while (k < nt && strcmp(list[k].name, ps[i]->fqn) != 0) k++;
+    if (k == nt) {
+      st = err_set(STATUS_EFORMAT, "%s: no tensor '%s', which config.json's model has", hf,
+                   ps[i]->fqn);
+      break;
+    }
+    bool same = list[k].ndim == dtensor_ndim(v);
+    for (int d = 0; same && d < list[k].ndim; d++) same = list[k].shape[d] == dtensor_shape(v)[d];
+    if (!same) {
+      char a[96] = "", b[96] = "";
+      for (int d = 0; d < list[k].ndim; d++)
+        snprintf(a + strlen(a), sizeof a - strlen(a), "%s%lld", d ? ", " : "",
+                 (long long)list[k].shape[d]);
+      for (int d = 0; d < dtensor_ndim(v); d++)
+        snprintf(b + strlen(b), sizeof b - strlen(b), "%s%lld", d ? ", " : "",
+                 (long long)dtensor_shape(v)[d]);
+      st = err_set(STATUS_ESHAPE,
+                   "%s: tensor '%s' has shape [%s], but config.json's model needs [%s]", hf,
+                   ps[i]->fqn, a, b);
+    }
+  }
+  for (int k = 0; k < nt && st == STATUS_OK; k++) {
+    int i = 0;
+    while (i < n && strcmp(list[k].name, ps[i]->fqn) != 0) i++;
+    if (i == n)
+      st = err_set(STATUS_EFORMAT,
+                   "%s: tensor '%s' is no parameter of the model config.json "
+                   "describes",
+                   hf, list[k].name);
+  }
+  free(ps);
+  llama_free(m);
   return st;
 }
 
-/* The built-in Llama's config (model_type "llama") is checked as a plan would read it; any
- * other model's is kept as it is, for the export to write back. */
+/* Writes Hugging Face file `name` of folder hf into folder model under the same name, its
+ * tensors whole, with the integrity records of a save of its own (folder: every file's name,
+ * and the save's id). */
+static status_t rewrite_file(const char *hf, const char *name, const char *model,
+                             const dcp_folder_t *folder) {
+  char from[PATH_LEN + 300], to[PATH_LEN + 300];
+  snprintf(from, sizeof from, "%.4000s/%s", hf, name);
+  snprintf(to, sizeof to, "%.4000s/%s", model, name);
+  st_file_t *f;
+  TRY(st_open(&f, from));
+  int n = st_num_tensors(f);
+  dcp_box_t *boxes = calloc((size_t)(n > 0 ? n : 1), sizeof *boxes);
+  tensor_t *t = calloc((size_t)(n > 0 ? n : 1), sizeof *t);
+  status_t st = boxes && t ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    const st_info_t *info = st_tensor(f, i);
+    if (info->dtype == DTYPE_COUNT)
+      st = err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s, which is not read here", from,
+                   info->name, info->dtype_name);
+    if (st == STATUS_OK)
+      st = tensor_init(&t[i], info->dtype, device_cpu(), info->ndim, info->shape);
+    if (st == STATUS_OK) st = st_read(f, info->name, &t[i]);
+    boxes[i] = (dcp_box_t){info->name, &t[i], {0}};
+  }
+  if (st == STATUS_OK) st = dcp_write_file(to, boxes, n, folder);
+  for (int i = 0; t && i < n; i++) tensor_free(&t[i]);
+  free(t);
+  free(boxes);
+  st_close(f);
+  return st;
+}
+
+/* The built-in Llama's config (model_type "llama") is checked as a plan would read it, and
+ * every tensor against the model it describes; any other model's is kept as it is, for the
+ * export to write back. */
 status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
   hf_report_t rep_local;
   hf_report_t *rep = report ? report : &rep_local;
@@ -311,39 +377,28 @@ status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
   status_t st = cJSON_IsObject(cfg) ? STATUS_OK
                                     : err_set(STATUS_EFORMAT, "%s: not a JSON object", cfg_path);
   llama_config_t lc;
-  if (st == STATUS_OK && is_llama(cfg)) st = llama_config_from_hf(cfg_path, &lc);
+  bool llama = st == STATUS_OK && is_llama(cfg);
+  if (llama) st = llama_config_from_hf(cfg_path, &lc);
+  /* the source's tensors, read once for the checks (their files validated) */
+  dcp_reader_t *r = NULL;
+  const dcp_tensor_t *list = NULL;
+  int nt = 0;
+  if (st == STATUS_OK) st = dcp_reader_open(hf, &r);
+  if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
+  if (st == STATUS_OK && llama) st = check_llama_tensors(hf, &lc, list, nt);
   if (st == STATUS_OK) st = file_check_output_dir(out, "import-hf: OUT", false);
   char tmp[PATH_LEN + 16] = "", model[PATH_LEN + 32];
   if (st == STATUS_OK) st = file_make_temp_dir(out, tmp, sizeof tmp);
+  bool made = st == STATUS_OK;
   snprintf(model, sizeof model, "%s/model", tmp);
-  if (st == STATUS_OK && mkdir(model, 0755) != 0) {
+  if (st == STATUS_OK && mkdir(model, 0755) != 0)
     st = err_set(STATUS_EIO, "%s: cannot create: %s", model, strerror(errno));
-    file_remove_tree(tmp);
-  }
-  if (st != STATUS_OK) {
-    cJSON_Delete(cfg);
-    return st;
-  }
   char **names = NULL;
   int n = 0;
-  st = hf_weight_files(hf, &names, &n);
-  for (int i = 0; i < n && st == STATUS_OK; i++) {
-    char from[PATH_LEN + 300], to[PATH_LEN + 300];
-    snprintf(from, sizeof from, "%.4000s/%s", hf, names[i]);
-    snprintf(to, sizeof to, "%s/%s", model, names[i]);
-    st_file_t *f;
-    st = st_open(&f, from); /* validate before copying */
-    if (st == STATUS_OK) {
-      st_close(f);
-      st = copy_file(from, to);
-    }
-  }
-  /* every tensor once; the shapes a plan's model implies are checked when it loads them */
-  dcp_reader_t *r = NULL;
-  const dcp_tensor_t *list;
-  int nt = 0;
-  if (st == STATUS_OK) st = dcp_reader_open(model, &r);
-  if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
+  if (st == STATUS_OK) st = hf_weight_files(hf, &names, &n);
+  uint64_t id = dcp_new_save_id();
+  dcp_folder_t folder = {(const char *const *)names, n, id};
+  for (int i = 0; i < n && st == STATUS_OK; i++) st = rewrite_file(hf, names[i], model, &folder);
   cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
   cJSON_AddNumberToObject(state, "step", 0);
   cJSON_AddNumberToObject(state, "optim_steps", 0);
@@ -353,8 +408,8 @@ status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
   char *text = st == STATUS_OK ? cJSON_Print(state) : NULL;
   if (st == STATUS_OK && text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
   if (st == STATUS_OK)
-    st = ckpt_commit_state(tmp, out, text, NULL, NULL); /* the files carry no records */
-  else
+    st = ckpt_commit_state(tmp, out, text, &id, NULL); /* sealed: weights only */
+  else if (made)
     file_remove_tree(tmp);
   free(text);
   cJSON_Delete(state);
@@ -362,7 +417,6 @@ status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
     rep->tensors = nt;
     rep->files = n;
     for (int i = 0; i < nt; i++) rep->bytes += list[i].bytes;
-    rep->unchecked = true; /* Hugging Face files carry no checksums */
   }
   dcp_reader_close(r);
   hf_weight_files_free(names, n);

@@ -12,20 +12,22 @@
 #include "base/file.h"
 
 status_t llama_config_check(const llama_config_t *c) {
+  /* the limits of a plan's model: keys (parallel/plan.c), whichever way a config arrives */
+  const int64_t big = (int64_t)1 << 31;
   const struct {
     const char *name;
-    int64_t v;
-  } pos[] = {{"hidden_size", c->dim},
-             {"num_hidden_layers", c->n_layers},
-             {"num_attention_heads", c->n_heads},
-             {"num_key_value_heads", c->n_kv_heads},
-             {"intermediate_size", c->ffn_dim},
-             {"vocab_size", c->vocab_size},
-             {"max_position_embeddings", c->max_seq_len}};
+    int64_t v, max;
+  } pos[] = {{"hidden_size", c->dim, big},
+             {"num_hidden_layers", c->n_layers, 4096},
+             {"num_attention_heads", c->n_heads, 65536},
+             {"num_key_value_heads", c->n_kv_heads, 65536},
+             {"intermediate_size", c->ffn_dim, big},
+             {"vocab_size", c->vocab_size, big},
+             {"max_position_embeddings", c->max_seq_len, big}};
   for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
-    if (pos[i].v <= 0 || pos[i].v > (int64_t)1 << 40)
-      return err_set(STATUS_EINVAL, "model config: %s must be a positive size, got %lld",
-                     pos[i].name, (long long)pos[i].v);
+    if (pos[i].v <= 0 || pos[i].v > pos[i].max)
+      return err_set(STATUS_EINVAL, "model config: %s must be a size from 1 to %lld, got %lld",
+                     pos[i].name, (long long)pos[i].max, (long long)pos[i].v);
   if (c->dim % c->n_heads != 0 || (c->dim / c->n_heads) % 2 != 0)
     return err_set(STATUS_EINVAL,
                    "model config: hidden_size %lld must be num_attention_heads %lld times an "
@@ -214,12 +216,26 @@ status_t llama_config_from_hf(const char *path, llama_config_t *out) {
   return st;
 }
 
+/* A key given twice in one object of o (transformers would take the last; a config saying two
+ * things is refused), or STATUS_OK. */
+static status_t refuse_twice(const char *path, const cJSON *o) {
+  for (const cJSON *it = o ? o->child : NULL; it; it = it->next) {
+    for (const cJSON *j = it->next; j && it->string; j = j->next)
+      if (j->string && strcmp(j->string, it->string) == 0)
+        return err_set(STATUS_EFORMAT, "%s: '%s' is given twice", path, it->string);
+    if (cJSON_IsObject(it)) TRY(refuse_twice(path, it));
+  }
+  return STATUS_OK;
+}
+
 status_t llama_config_from_hf_text(const char *text, const char *origin, llama_config_t *out) {
   const char *path = origin;
-  cJSON *o = cJSON_Parse(text);
-  if (o == NULL) return err_set(STATUS_EFORMAT, "%s: not valid JSON", path);
+  const char *end = NULL;
+  cJSON *o = cJSON_ParseWithOpts(text, &end, true);
+  if (o == NULL) return err_set(STATUS_EFORMAT, "%s: not valid JSON (one object)", path);
   llama_config_t c = LLAMA_CONFIG_INIT;
-  status_t st = parse_hf(path, o, &c);
+  status_t st = refuse_twice(path, o);
+  if (st == STATUS_OK) st = parse_hf(path, o, &c);
   cJSON_Delete(o);
   if (st == STATUS_OK) *out = c;
   return st;

@@ -1890,6 +1890,76 @@ def ckpt_tool():
         p = tool_run(*args)
         check(p.returncode != 0 and re.search(want, p.stderr) is not None,
               "fsdp-ckpt %s: exit %d, says /%s/" % (args[0], p.returncode, want))
+    # import-hf checks config.json against a plan's limits and every tensor against the model it
+    # describes, before writing anything; model.init_from reads config.json the same way
+    src = os.path.join(tmp, "hf-f32")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg_text = f.read()
+    cfg = json.loads(cfg_text)
+    vocab, ffn = cfg["vocab_size"], cfg["intermediate_size"]
+
+    def variant(name, edit=None, raw=None, transpose=None):
+        folder = os.path.join(tmp, "hf-" + name)
+        shutil.copytree(src, folder)
+        if edit or raw:
+            c = dict(cfg)
+            if edit:
+                c.update(edit)
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                f.write(raw if raw else json.dumps(c))
+        if transpose:  # the same bytes declared with the shape's dimensions swapped
+            path = os.path.join(folder, "model.safetensors")
+            edit_header(path, lambda h: h[transpose].update(shape=h[transpose]["shape"][::-1]))
+        return folder
+    down = "model.layers.0.mlp.down_proj.weight"
+    for name, folder, want in (
+            ("vocab 2^40", variant("vocab", {"vocab_size": 2 ** 40}),
+             r"vocab_size must be a size from 1 to 2147483648, got 1099511627776"),
+            ("10^7 layers", variant("layers", {"num_hidden_layers": 10 ** 7}),
+             r"num_hidden_layers must be a size from 1 to 4096, got 10000000"),
+            ("ffn 2^31", variant("ffn", {"intermediate_size": 2 ** 31}),
+             r"tensor '%s' has shape \[%d, %d\], but config\.json's model needs \[%d, %d\]" % (
+                 "model.layers.0.mlp.gate_proj.weight", ffn, cfg["hidden_size"], 2 ** 31,
+                 cfg["hidden_size"])),
+            ("a transposed down_proj", variant("transposed", transpose=down),
+             r"tensor '%s' has shape \[%d, %d\], but config\.json's model needs \[%d, %d\]" % (
+                 down.replace(".", "\\."), ffn, cfg["hidden_size"], cfg["hidden_size"], ffn)),
+            ("vocab_size given twice", variant("twice-key", raw=cfg_text.replace(
+                '"vocab_size"', '"vocab_size": %d, "vocab_size"' % (vocab + 1), 1)),
+             r"'vocab_size' is given twice")):
+        out = os.path.join(tmp, "imp-" + os.path.basename(folder))
+        t = time.time()
+        p = tool_run("import-hf", folder, out)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None and
+              not os.path.exists(out) and not glob.glob(out + ".tmp*") and time.time() - t < 30,
+              "import-hf of a folder with %s: refused before writing /%s/" % (name, want[:60]))
+        if not re.search(want, p.stderr or ""):
+            print(p.stderr[-800:])
+        if name in ("10^7 layers", "vocab_size given twice"):
+            bad_cfg = os.path.join(tmp, "init-%s.yaml" % os.path.basename(folder))
+            with open(bad_cfg, "w") as f:
+                f.write(text.replace(src, folder))
+            t = time.time()
+            p, _ = run(1, [bad_cfg, "--set", "train.steps=1"], timeout=60)
+            check(p.returncode != 0 and re.search(want, p.stderr) is not None and
+                  time.time() - t < 30, "model.init_from with %s: refused at once" % name)
+    # an imported checkpoint is this project's: integrity records that verify, and catch a
+    # flipped byte
+    p = tool_run("inspect", imp)
+    check(p.returncode == 0 and "another tool" not in p.stdout + p.stderr and
+          tool_run("verify", imp).returncode == 0,
+          "an import-hf checkpoint carries integrity records and verifies")
+    flipped = os.path.join(tmp, "imported-flipped")
+    shutil.copytree(imp, flipped)
+    shard = os.path.join(flipped, "model", "model.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    p = tool_run("verify", flipped)
+    check(p.returncode != 0 and re.search(r"model\.safetensors", p.stdout + p.stderr),
+          "verify of an imported checkpoint with a flipped byte names the file")
 
 def gpt2_folder(path):
     """A GPT-2-style Hugging Face folder (Conv1D weights, biases, tied-free lm head absent) with
