@@ -21,7 +21,8 @@ void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
 
 /* Calls fn(ctx, name, step, kind) for each entry directly under root named step-NNNNNNNN
  * (STEP_COMPLETE with a train_state.json, else STEP_INCOMPLETE) or step-NNNNNNNN.tmp
- * (STEP_TMP), links included as entries; a root that does not exist has none. */
+ * (STEP_TMP), as ckpt_step_dir names them (step-6 is not one), links included as entries;
+ * a root that does not exist has none. */
 typedef enum step_kind { STEP_COMPLETE, STEP_INCOMPLETE, STEP_TMP } step_kind_t;
 typedef status_t step_fn(void *ctx, const char *name, int64_t step, step_kind_t kind);
 
@@ -36,6 +37,9 @@ static status_t scan_steps(const char *root, step_fn *fn, void *ctx) {
     int got = sscanf(e->d_name, "step-%lld%c", &s, &tail);
     bool is_tmp = got == 2 && strcmp(e->d_name + strlen(e->d_name) - 4, ".tmp") == 0;
     if ((got != 1 && !is_tmp) || s < 0) continue;
+    char canon[64]; /* only the names fsdp-train writes: step-6 or 20 digits are someone else's */
+    snprintf(canon, sizeof canon, "step-%08lld%s", s, is_tmp ? ".tmp" : "");
+    if (strcmp(canon, e->d_name) != 0) continue;
     char state[PATH_LEN];
     snprintf(state, sizeof state, "%.4000s/%.255s/train_state.json", root, e->d_name);
     step_kind_t kind = is_tmp                     ? STEP_TMP

@@ -108,6 +108,15 @@ static status_t file_open(dfile_t *f, const char *path, int width) {
   } else if (st == STATUS_OK && sb.st_size % width != 0) {
     st = err_set(STATUS_EFORMAT, "data file %s: %lld bytes is not a whole number of uint%d tokens",
                  path, (long long)sb.st_size, 8 * width);
+  } else if (st == STATUS_OK && sb.st_size >= kLlmcHeader) { /* raw tokens: not llm.c's file */
+    unsigned char h[8];
+    if ((st = read_bytes(f, fileno(fp), 0, sizeof h, h, 0, 0)) == STATUS_OK &&
+        ((le32(h) == kLlmcMagicU16 && le32(h + 4) == 1) ||
+         (le32(h) == kLlmcMagicU32 && le32(h + 4) == 7)))
+      st = err_set(STATUS_EFORMAT,
+                   "data file %s: starts with llm.c's header (magic %d): its tokens would be "
+                   "read with the header's bytes; give data.format: llmc",
+                   path, (int)le32(h));
   }
   fclose(fp);
   if (st != STATUS_OK) {
@@ -126,7 +135,10 @@ static int glob_skip(const char *path, int err) {
   return 0;
 }
 
-bool data_is_pattern(const char *path) { return strpbrk(path, "*?[") != NULL; }
+bool data_is_pattern(const char *path) {
+  struct stat sb; /* a file of that very name is itself, whatever its name holds */
+  return strpbrk(path, "*?[") != NULL && stat(path, &sb) != 0;
+}
 
 status_t data_open(data_t **out, const char *path, data_format_t format) {
   *out = NULL;

@@ -52,11 +52,13 @@ typedef struct data_spec {
   int64_t vocab_size; /* > 0: data_batch refuses a token id outside [0, vocab_size) */
 } data_spec_t;
 
-/* Opens the token file path, or every file the pattern path matches (when it has *, ? or [),
- * reading only llm.c's headers; they stay open until data_free. Each must be a regular file of
- * a whole number of tokens (llm.c's: as many as its header says). Errors name the file. */
+/* Opens the token file path, or every file the pattern path matches (when it has *, ? or [
+ * and no file has that very name), reading only llm.c's headers; they stay open until
+ * data_free. Each must be a regular file of a whole number of tokens (llm.c's: as many as its
+ * header says); a raw file that starts with llm.c's header is refused (its format is llmc).
+ * Errors name the file. */
 status_t data_open(data_t **out, const char *path, data_format_t format);
-/* Whether data_open takes path as a pattern (it has *, ? or [). */
+/* Whether data_open takes path as a pattern (it has *, ? or [, and names no file). */
 bool data_is_pattern(const char *path);
 void data_free(data_t *d);
 

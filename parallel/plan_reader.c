@@ -303,6 +303,10 @@ status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
   const char *eq = strchr(set, '=');
   if (eq == NULL || eq == set)
     return err_set(STATUS_EFORMAT, "--set %s: expected key.path=value", set);
+  if (eq[1] == 0) /* read as absent, it would keep the plan's value */
+    return err_set(STATUS_EFORMAT,
+                   "--set %s: no value after '=' (give one; null clears the key, to its default)",
+                   set);
   char key[256];
   size_t kl = (size_t)(eq - set);
   if (kl >= sizeof key) return err_set(STATUS_EFORMAT, "--set %s: key path too long", set);

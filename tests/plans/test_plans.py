@@ -467,8 +467,15 @@ def errors():
         f.write(b"\x01\x02\x03")
     with open(data, "rb") as f:
         corpus = f.read()
+    llmc_as_text = os.path.join(tmp, "llmc.bin")  # an llm.c token file under format: text
+    with open(llmc_as_text, "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, 600, *([0] * 253)) + bytes(1200))
     # (name, plan text or None for BASE, extra args, expected message regex)
     cases = [
+        ("--set with an empty value", None, ["--set", "data.seq_len="],
+         r"--set data\.seq_len=: no value after '='"),
+        ("an llm.c token file read as text", base.replace(data, llmc_as_text), [],
+         r"llmc\.bin: starts with llm\.c's header \(magic 20240520\).*data\.format: llmc"),
         ("syntax error", "mesh: [1, 2\n", [], r"bad\d*\.yaml:\d+:\d+: not valid YAML"),
         ("wrong type", base.replace("seq_len: 16", "seq_len: abc"), [],
          r"bad\d*\.yaml:16:12: data\.seq_len: expected an integer, got 'abc'"),
@@ -2876,6 +2883,25 @@ def operations():
         check(p.returncode != 0 and re.search(want, p.stderr) and time.time() - t < 30 and
               "MPI_ERR" not in p.stderr and not re.search(r"^step ", p.stdout, re.M),
               "ranks started with different %s: refused at once, naming the key" % name)
+
+    # folders named as fsdp-train never names them are not its checkpoints: load: auto passes
+    # them by; a data.path whose name holds [ but names a file is that file, not a pattern
+    kd = os.path.join(tmp, "ck-names")
+    run(1, [debug, "--set", "train.steps=2", "--set", "checkpoint.dir=" + kd])
+    os.makedirs(os.path.join(kd, "step-6"))
+    os.makedirs(os.path.join(kd, "step-123456789012345678901"))
+    p, _ = run(1, [debug, "--set", "train.steps=3", "--set", "checkpoint.dir=" + kd, "--set",
+                   "checkpoint.load=auto"])
+    check(p.returncode == 0 and "resumed from %s/step-00000002" % kd in p.stdout,
+          "load: auto passes by folders named step-6 and step-<21 digits>")
+    literal, other = os.path.join(tmp, "tok[1].bin"), os.path.join(tmp, "tok1.bin")
+    shutil.copy(data, literal)
+    with open(data, "rb") as f, open(other, "wb") as g:
+        g.write(f.read()[:5000])
+    p, _ = run(1, [debug, "--set", "train.steps=1", "--set", "data.path=" + literal])
+    check(p.returncode == 0 and re.search(r"data: \S*tok\[1\]\.bin \(160329 tokens\)",
+                                          p.stdout),
+          "data.path tok[1].bin names that file, not tok1.bin by a pattern")
 
     # 5. removals never follow links; outputs never replace inputs
     kd = os.path.join(tmp, "ck-keep")
