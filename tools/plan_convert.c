@@ -121,6 +121,15 @@ static void zero(out_t *o, const char *stage, const char *from, long hpz) {
   }
 }
 
+/* v as a number of ranks (a whole number from 1 to 10^6) into *out; false when it is not one. */
+static bool whole_ranks(const char *v, long *out) {
+  char *end;
+  double x = strtod(v, &end);
+  if (end == v || *end != '\0' || !(x >= 1 && x <= 1e6) || x != (double)(long)x) return false;
+  *out = (long)x;
+  return true;
+}
+
 static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
   char b[64], name[96];
   static const char *const done[] = {"zero_optimization",
@@ -142,15 +151,8 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
   long hpz = 0;
   const char *hv =
       plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "zero_hpz_partition_size"), b, sizeof b);
-  if (hv) {
-    char *end;
-    double x = strtod(hv, &end);
-    snprintf(name, sizeof name, "%szero_optimization.zero_hpz_partition_size", prefix);
-    if (end == hv || *end != '\0' || x != (double)(long)x || x < 1 || x > 1e6)
-      leave(o, name, "'%s' is not a whole number of ranks", hv);
-    else
-      hpz = (long)x;
-  }
+  snprintf(name, sizeof name, "%szero_optimization.zero_hpz_partition_size", prefix);
+  if (hv && !whole_ranks(hv, &hpz)) leave(o, name, "'%s' is not a whole number of ranks", hv);
   char sb[64];
   snprintf(name, sizeof name, "%szero_optimization.stage", prefix);
   zero(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "stage"), sb, sizeof sb), name, hpz);
@@ -197,18 +199,15 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
   }
   const cJSON *tpc = cJSON_GetObjectItemCaseSensitive(c, "tensor_parallel");
   const char *tps = plan_text_of(cJSON_GetObjectItemCaseSensitive(tpc, "autotp_size"), b, sizeof b);
-  if (tps) {
-    char *end;
-    double x = strtod(tps, &end);
-    snprintf(name, sizeof name, "%stensor_parallel.autotp_size", prefix);
-    if (end == tps || *end != '\0' || x != (double)(long)x || x < 1 || x > 1e6)
-      leave(o, name, "'%s' is not a whole number of ranks", tps);
-    else
-      put(o, "mesh", "tp", tps,
-          "%s: the built-in Llama's tensor-parallel plan over %s ranks (the data-parallel "
-          "sizes take the rest)",
-          name, tps);
-  }
+  long tp = 0;
+  snprintf(name, sizeof name, "%stensor_parallel.autotp_size", prefix);
+  if (tps && !whole_ranks(tps, &tp))
+    leave(o, name, "'%s' is not a whole number of ranks", tps);
+  else if (tps)
+    put(o, "mesh", "tp", tps,
+        "%s: the built-in Llama's tensor-parallel plan over %s ranks (the data-parallel sizes "
+        "take the rest)",
+        name, tps);
   snprintf(name, sizeof name, "%strain_micro_batch_size_per_gpu", prefix);
   number(o, c, "train_micro_batch_size_per_gpu", name, "data", "batch_size");
   snprintf(name, sizeof name, "%sgradient_accumulation_steps", prefix);
