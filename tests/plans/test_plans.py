@@ -2872,17 +2872,19 @@ def operations():
             ("model.n_layers", ["model.n_layers=2"], ["model.n_layers=3"],
              r"\[rank 1\] this rank's plan differs from rank 0's \(model\.n_layers: 3 here, 2 "
              r"on rank 0\)")):
-        cmd = [MPIRUN] + MPI_ARGS
-        for sets in (a_sets, b_sets):
-            cmd += ["-n", "1", EXE, cfg, "--set", "mesh.dp_shard=2"]
-            for kv in sets:
-                cmd += ["--set", kv]
-            cmd.append(":")
-        t = time.time()
-        p = sh(cmd[:-1], timeout=60)
-        check(p.returncode != 0 and re.search(want, p.stderr) and time.time() - t < 30 and
-              "MPI_ERR" not in p.stderr and not re.search(r"^step ", p.stdout, re.M),
-              "ranks started with different %s: refused at once, naming the key" % name)
+        for dry in ([], ["--dry-run"]):
+            cmd = [MPIRUN] + MPI_ARGS
+            for sets in (a_sets, b_sets):
+                cmd += ["-n", "1", EXE, cfg, "--set", "mesh.dp_shard=2"] + dry
+                for kv in sets:
+                    cmd += ["--set", kv]
+                cmd.append(":")
+            t = time.time()
+            p = sh(cmd[:-1], timeout=60)
+            check(p.returncode != 0 and re.search(want, p.stderr) and time.time() - t < 30 and
+                  "MPI_ERR" not in p.stderr and not re.search(r"^step ", p.stdout, re.M),
+                  "ranks started with different %s%s: refused at once, naming the key" %
+                  (name, " (--dry-run)" if dry else ""))
 
     # folders named as fsdp-train never names them are not its checkpoints: load: auto passes
     # them by; a data.path whose name holds [ but names a file is that file, not a pattern
