@@ -64,7 +64,8 @@ static status_t check_args(const char *what, void *out, const tensor_t *t, const
 status_t dtensor_from_local(dtensor_t **out, const tensor_t *local, mesh_t *mesh,
                             const placement_t *pl, int ndim, const int64_t *global_shape) {
   TRY(check_args("dtensor_from_local", out, local, mesh, pl));
-  if (global_shape == NULL) return err_set(STATUS_EINVAL, "dtensor_from_local: the shape is NULL");
+  if (global_shape == NULL && ndim > 0)
+    return err_set(STATUS_EINVAL, "dtensor_from_local: the shape is NULL");
   *out = NULL;
   int coord[MESH_MAX_DIMS], shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, coord);

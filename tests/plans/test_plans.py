@@ -381,7 +381,7 @@ def evaluation():
     want = "eval after step 7: loss %.6f" % ev[-1][1] if ev else "?"
     check(p.returncode == 0 and "nothing to train" in p.stdout and want in p.stdout,
           "a checkpoint resumed with nothing to train is evaluated: '%s'" % want)
-    plain, _, _ = train("plain", ["--set", "eval.path=", "--set", "eval.interval=0"])
+    plain, _, _ = train("plain", ["--set", "eval.path=null", "--set", "eval.interval=0"])
     check(fsdp is not None and fsdp == plain,
           "training losses with evaluation are bit-identical to those without")
     worst = 0.0
