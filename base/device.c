@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/args.h"
 #include "base/backend.h"
 
 /* Slot 0 is the host; slots 1.. are CUDA devices. */
@@ -54,6 +55,7 @@ static double seconds_now(void) {
 }
 
 status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const char *what) {
+  ARG_NONNULL(ready);
   double start = seconds_now(), next_ask = 1e-3;
   for (;;) {
     status_t st = STATUS_OK;
@@ -76,6 +78,7 @@ status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const cha
 }
 
 const char *device_str(device_t dev, char *buf, size_t size) {
+  if (buf == NULL || size == 0) return "";
   if (dev.type == DEVICE_CPU)
     snprintf(buf, size, "cpu");
   else
@@ -104,6 +107,7 @@ const char *device_want_name(device_want_t w) {
 
 status_t device_choose(device_want_t want, int gpus, int local_ranks, device_type_t *out, char *why,
                        size_t why_size) {
+  ARG_NONNULL(out);
   if (why != NULL && why_size > 0) why[0] = 0;
   *out = DEVICE_CPU;
   if (want == DEVICE_WANT_CPU) return STATUS_OK;
@@ -206,6 +210,7 @@ void stream_set_current(device_t dev, stream_t *s) {
 }
 
 status_t stream_new(device_t dev, stream_t **out) {
+  ARG_NONNULL(out);
   *out = NULL;
   TRY(device_check(dev));
   if (dev.type == DEVICE_CPU) return STATUS_OK;
@@ -226,6 +231,7 @@ status_t stream_synchronize(stream_t *s) {
 }
 
 status_t event_new(device_t dev, event_t **out) {
+  ARG_NONNULL(out);
   *out = NULL;
   TRY(device_check(dev));
   if (dev.type == DEVICE_CPU) return STATUS_OK;

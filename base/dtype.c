@@ -108,6 +108,7 @@ float f16_to_f32(uint16_t h) {
 }
 
 double dtype_load(dtype_t dt, const void *buf, size_t i) {
+  if (buf == NULL) return 0.0;
   switch (dt) {
     case DTYPE_F32: return ((const float *)buf)[i];
     case DTYPE_BF16: return bf16_to_f32(((const uint16_t *)buf)[i]);
@@ -126,6 +127,7 @@ static int64_t saturate(double v, double lo, double hi) {
 }
 
 void dtype_store(dtype_t dt, void *buf, size_t i, double v) {
+  if (buf == NULL) return;
   switch (dt) {
     case DTYPE_F32: ((float *)buf)[i] = (float)v; break;
     case DTYPE_BF16: ((uint16_t *)buf)[i] = f32_to_bf16((float)v); break;
@@ -140,6 +142,7 @@ void dtype_store(dtype_t dt, void *buf, size_t i, double v) {
 }
 
 void dtype_to_f32(dtype_t dt, const void *src, float *dst, size_t n) {
+  if (src == NULL || dst == NULL) return;
   switch (dt) {
     case DTYPE_F32: memcpy(dst, src, n * sizeof(float)); break;
     case DTYPE_BF16: {
@@ -159,6 +162,7 @@ void dtype_to_f32(dtype_t dt, const void *src, float *dst, size_t n) {
 }
 
 void dtype_from_f32(dtype_t dt, const float *src, void *dst, size_t n) {
+  if (src == NULL || dst == NULL) return;
   switch (dt) {
     case DTYPE_F32: memcpy(dst, src, n * sizeof(float)); break;
     case DTYPE_BF16: {

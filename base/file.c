@@ -9,7 +9,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/args.h"
+
 status_t file_open_regular(const char *path, const char *what, FILE **out) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(out);
   *out = NULL;
   /* O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one */
   const char *sep = what ? " " : "";
@@ -37,6 +41,8 @@ status_t file_open_regular(const char *path, const char *what, FILE **out) {
 }
 
 status_t file_read_text(const char *path, size_t max_bytes, char **out) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(out);
   *out = NULL;
   FILE *f;
   TRY(file_open_regular(path, NULL, &f));
@@ -64,6 +70,8 @@ status_t file_read_text(const char *path, size_t max_bytes, char **out) {
 }
 
 status_t file_write_text(const char *path, const char *text) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(text);
   FILE *f = fopen(path, "wb");
   status_t st = STATUS_OK;
   if (f == NULL || fputs(text, f) < 0 || fputc('\n', f) == EOF || fflush(f) != 0 ||
@@ -97,6 +105,7 @@ static status_t writable_folder(const char *what, const char *path, const char *
 }
 
 status_t file_make_dirs(const char *path, const char *what) {
+  ARG_NONNULL(path);
   char buf[DIRS_PATH_MAX];
   size_t n = strlen(path);
   if (n == 0 || n >= sizeof buf) return dirs_error(what, path, "empty or too long a path");
@@ -125,6 +134,7 @@ status_t file_make_dirs(const char *path, const char *what) {
 }
 
 status_t file_check_dirs(const char *path, const char *what) {
+  ARG_NONNULL(path);
   char buf[DIRS_PATH_MAX];
   size_t n = strlen(path);
   if (n == 0 || n >= sizeof buf) return dirs_error(what, path, "empty or too long a path");
@@ -154,7 +164,7 @@ status_t file_check_dirs(const char *path, const char *what) {
 
 bool file_is_dir(const char *path) {
   struct stat sb;
-  return stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
+  return path != NULL && stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
 }
 
 /* Empties the folder open at fd (owned: closed here), then nothing else. */
@@ -200,6 +210,8 @@ static status_t temp_name(const char *path, char *tmp, size_t size) {
 }
 
 status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(tmp);
   TRY(temp_name(path, tmp, size));
   if (mkdtemp(tmp) == NULL)
     return err_set(STATUS_EIO, "cannot create a folder beside '%s': %s", path, strerror(errno));
@@ -208,6 +220,9 @@ status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
 }
 
 status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(tmp);
+  ARG_NONNULL(out);
   *out = NULL;
   TRY(temp_name(path, tmp, size));
   int fd = mkstemp(tmp);
@@ -226,6 +241,8 @@ status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out) 
 }
 
 status_t file_replace_text(const char *path, const char *text) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(text);
   char tmp[DIRS_PATH_MAX + 16];
   FILE *f;
   TRY(file_create_temp(path, tmp, sizeof tmp, &f));
@@ -258,6 +275,7 @@ struct file_inputs {
 };
 
 status_t file_inputs_new(file_inputs_t **out) {
+  ARG_NONNULL(out);
   *out = calloc(1, sizeof **out);
   return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
 }
@@ -314,6 +332,8 @@ static status_t add_folder(file_inputs_t *in, const char *path, const char *what
 }
 
 status_t file_inputs_add(file_inputs_t *in, const char *path, const char *what) {
+  ARG_NONNULL(in);
+  ARG_NONNULL(path);
   struct stat sb;
   if (path == NULL || path[0] == 0 || stat(path, &sb) != 0) return STATUS_OK;
   if (S_ISDIR(sb.st_mode)) return add_folder(in, path, what, 4);
@@ -344,6 +364,7 @@ static const char *kind_of(mode_t m) {
 }
 
 status_t file_check_output(const char *path, const char *what, const file_inputs_t *in) {
+  ARG_NONNULL(path);
   what = what ? what : "output";
   struct stat sb;
   if (path[0] == 0) return dirs_error(what, path, "empty path");
@@ -380,6 +401,7 @@ static bool folder_empty(const char *path) {
 }
 
 status_t file_check_output_dir(const char *path, const char *what, bool empty_ok) {
+  ARG_NONNULL(path);
   what = what ? what : "output";
   struct stat sb;
   if (path[0] == 0) return dirs_error(what, path, "empty path");

@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/kernels_impl.h"
 
 /* Returns call's status; times it (on the device's timer, else the wall clock) when
@@ -180,11 +181,17 @@ status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *g
 }
 
 status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(table);
+  ARG_NONNULL(ids);
   return kernel_embedding_shard(out, table, ids, 0, table->ndim == 2 ? table->shape[0] : 0);
 }
 
 status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
                                    const tensor_t *ids) {
+  ARG_NONNULL(grad_table);
+  ARG_NONNULL(grad_out);
+  ARG_NONNULL(ids);
   return kernel_embedding_shard_backward(grad_table, grad_out, ids, 0,
                                          grad_table->ndim == 2 ? grad_table->shape[0] : 0);
 }
@@ -226,6 +233,7 @@ status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
 }
 
 status_t rope_check(const rope_t *r) {
+  ARG_NONNULL(r);
   if (!(r->theta > 0))
     return err_set(STATUS_EINVAL, "rope_theta must be positive, got %g", r->theta);
   if (r->scaling == ROPE_DEFAULT) return STATUS_OK;
@@ -529,6 +537,8 @@ static double adamw_items_moved(const adamw_item_t *items, int n) {
 }
 
 status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed) {
+  if (n > 0) ARG_NONNULL(items);
+  ARG_NONNULL(failed);
   const kernel_ops_t *ops = NULL;
   if (failed) *failed = -1;
   if (n < 0 || (n > 0 && items == NULL))

@@ -91,6 +91,7 @@ status_t rope_check(const rope_t *r);
 
 /* inv_freq(i) for pair i of a head of size dh; one definition for the host and the device. */
 static inline ROPE_HOST_DEVICE double rope_inv_freq(const rope_t *r, int64_t i, int64_t dh) {
+  if (r == NULL || dh <= 0) return 0.0;
   double f = pow(r->theta, -2.0 * (double)i / (double)dh);
   if (r->scaling == ROPE_LINEAR) return f / r->factor;
   if (r->scaling != ROPE_LLAMA3) return f;

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/args.h"
 #include "base/kernels.h"
 #include "base/kernels_impl.h"
 

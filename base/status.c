@@ -19,6 +19,7 @@ const char *status_str(status_t st) {
 const char *err_detail(void) { return detail_text; }
 
 status_t err_set(status_t st, const char *fmt, ...) {
+  if (fmt == NULL) return st; /* nothing to say: the detail text stays */
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(detail_text, sizeof detail_text, fmt, ap);
@@ -27,6 +28,7 @@ status_t err_set(status_t st, const char *fmt, ...) {
 }
 
 status_t err_prefix(status_t st, const char *fmt, ...) {
+  if (fmt == NULL) return st;
   char old[sizeof detail_text];
   memcpy(old, detail_text, sizeof old);
   va_list ap;

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/backend.h"
 #include "base/kernels_impl.h"
 
@@ -21,6 +22,8 @@ static const backend_t *backend_of(device_t dev) {
 }
 
 const char *shape_str(int ndim, const int64_t *shape, char *buf, size_t size) {
+  if (buf == NULL || size == 0) return "";
+  if (shape == NULL) ndim = 0;
   size_t off = 0;
   off += (size_t)snprintf(buf + off, size - off, "[");
   for (int i = 0; i < ndim && off < size; i++)
@@ -30,14 +33,19 @@ const char *shape_str(int ndim, const int64_t *shape, char *buf, size_t size) {
 }
 
 int64_t tensor_numel(const tensor_t *t) {
+  if (t == NULL) return 0;
   int64_t n = 1;
   for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
   return n;
 }
 
-size_t tensor_nbytes(const tensor_t *t) { return (size_t)tensor_numel(t) * dtype_size(t->dtype); }
+size_t tensor_nbytes(const tensor_t *t) {
+  if (t == NULL) return 0;
+  return (size_t)tensor_numel(t) * dtype_size(t->dtype);
+}
 
 bool tensor_is_contiguous(const tensor_t *t) {
+  if (t == NULL) return false;
   int64_t expect = 1;
   for (int i = t->ndim - 1; i >= 0; i--) {
     if (t->shape[i] != 1 && t->stride[i] != expect) return false;
@@ -47,6 +55,7 @@ bool tensor_is_contiguous(const tensor_t *t) {
 }
 
 bool tensor_same_shape(const tensor_t *a, const tensor_t *b) {
+  if (a == NULL || b == NULL) return false;
   if (a->ndim != b->ndim) return false;
   for (int i = 0; i < a->ndim; i++)
     if (a->shape[i] != b->shape[i]) return false;
@@ -138,6 +147,8 @@ status_t tensor_zeros(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const 
 }
 
 status_t tensor_clone(tensor_t *out, const tensor_t *src, dtype_t dtype, device_t dev) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(src);
   if (src->meta) return tensor_meta(out, dtype, dev, src->ndim, src->shape);
   TRY(tensor_init(out, dtype, dev, src->ndim, src->shape));
   status_t st = tensor_copy(out, src);
@@ -177,14 +188,22 @@ void tensor_free(tensor_t *t) {
 }
 
 status_t tensor_ref(tensor_t *out, const tensor_t *src) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(src);
   *out = *src;
   if (out->storage) out->storage->refcount++;
   return STATUS_OK;
 }
 
-bool tensor_shared(const tensor_t *t) { return t->storage != NULL && t->storage->refcount > 1; }
+bool tensor_shared(const tensor_t *t) {
+  if (t == NULL) return false;
+  return t->storage != NULL && t->storage->refcount > 1;
+}
 
 status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t *shape) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(src);
+  if (ndim > 0) ARG_NONNULL(shape);
   TRY(check_shape(ndim, shape));
   char a[96], b[96];
   int64_t n = 1;
@@ -207,6 +226,8 @@ status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t
 }
 
 status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t start, int64_t length) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(src);
   char a[96];
   if (dim < 0 || dim >= src->ndim)
     return err_set(STATUS_EINVAL, "narrow: dimension %d out of range for shape %s", dim,
@@ -230,6 +251,10 @@ status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t star
 
 status_t tensor_narrow_box(tensor_t *out, const tensor_t *src, const int64_t *offset,
                            const int64_t *shape) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(src);
+  ARG_NONNULL(offset);
+  ARG_NONNULL(shape);
   tensor_t box;
   TRY(tensor_ref(&box, src));
   for (int d = 0; d < src->ndim; d++) {
@@ -258,6 +283,8 @@ static void desc_from(copy_desc_t *d, const tensor_t *dst, const tensor_t *src) 
 }
 
 status_t tensor_copy(tensor_t *dst, const tensor_t *src) {
+  ARG_NONNULL(dst);
+  ARG_NONNULL(src);
   char a[96], b[96];
   if (!tensor_same_shape(dst, src))
     return err_set(STATUS_ESHAPE, "copy: destination shape %s differs from source shape %s",
@@ -301,6 +328,8 @@ cleanup:
 }
 
 status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n) {
+  if (n > 0) ARG_NONNULL(dst);
+  if (n > 0) ARG_NONNULL(src);
   if (n < 0) return err_set(STATUS_EINVAL, "copy: %d pairs", n);
   if (n == 0) return STATUS_OK;
   device_t dev = dst[0].device;
@@ -346,6 +375,7 @@ status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n) {
 }
 
 status_t tensor_fill(tensor_t *t, double value) {
+  ARG_NONNULL(t);
   if (tensor_numel(t) == 0) return STATUS_OK;
   if (t->meta) return meta_error("fill", t);
   uint64_t pattern = 0;
@@ -363,6 +393,9 @@ status_t tensor_fill(tensor_t *t, double value) {
 }
 
 status_t tensor_equal(const tensor_t *a, const tensor_t *b, bool *equal) {
+  ARG_NONNULL(a);
+  ARG_NONNULL(b);
+  ARG_NONNULL(equal);
   *equal = false;
   if (a->dtype != b->dtype || !tensor_same_shape(a, b)) return STATUS_OK;
   if (tensor_numel(a) > 0 && (a->meta || b->meta)) return meta_error("equal", a->meta ? a : b);

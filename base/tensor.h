@@ -55,7 +55,7 @@ status_t tensor_init(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const i
  * (copies, fills, kernels, collectives) refuses it. Models built for deferred
  * initialisation hold their parameters this way until their shards are allocated. */
 status_t tensor_meta(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape);
-static inline bool tensor_is_meta(const tensor_t *t) { return t->meta; }
+static inline bool tensor_is_meta(const tensor_t *t) { return t != NULL && t->meta; }
 
 /* Same, filled with zeros. */
 status_t tensor_zeros(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape);

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "checkpoint/train_ckpt_impl.h"
 
@@ -44,6 +45,7 @@ struct ckpt_async {
 };
 
 status_t ckpt_async_new(ckpt_async_t **out) {
+  ARG_NONNULL(out);
   *out = calloc(1, sizeof **out);
   if (*out == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   pthread_mutex_init(&(*out)->lock, NULL);
@@ -89,7 +91,10 @@ bool ckpt_async_failed(const ckpt_async_t *a) {
   return a != NULL && a->pending && atomic_load(&a->done) < 0;
 }
 
-const char *ckpt_async_dir(const ckpt_async_t *a) { return a->pending ? a->dir : ""; }
+const char *ckpt_async_dir(const ckpt_async_t *a) {
+  if (a == NULL) return "";
+  return a->pending ? a->dir : "";
+}
 
 /* Room for n staging slots (before any box points at one: the array may move). */
 static status_t reserve(ckpt_async_t *a, int n) {
@@ -218,6 +223,11 @@ static void release(ckpt_async_t *a) {
 
 status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *params, int n,
                           optim_t *opt, int64_t step, const char *saved_under, pg_t *pg) {
+  ARG_NONNULL(a);
+  ARG_NONNULL(dir);
+  if (n > 0) ARG_NONNULL(params);
+  ARG_NONNULL(opt);
+  ARG_NONNULL(pg);
   if (a->pending)
     return err_set(STATUS_EINVAL, "checkpoint: the save of %s is in flight: commit it first",
                    a->dir);
@@ -272,6 +282,9 @@ status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *p
 }
 
 status_t ckpt_async_commit(ckpt_async_t *a, pg_t *pg, int64_t *step) {
+  ARG_NONNULL(a);
+  ARG_NONNULL(pg);
+  ARG_NONNULL(step);
   if (!a->pending) return err_set(STATUS_EINVAL, "checkpoint: no save in flight");
   pthread_join(a->writer, NULL); /* written by now, where the caller waited for every rank */
   a->pending = false;

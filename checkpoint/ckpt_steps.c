@@ -10,12 +10,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "checkpoint/train_ckpt.h"
 
 #define PATH_LEN 4400
 
 void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
+  if (out == NULL || size == 0) return;
+  if (root == NULL) root = "";
   snprintf(out, size, "%s/step-%08" PRId64, root, step);
 }
 
@@ -114,6 +117,9 @@ static status_t count_newer(void *ctx, const char *name, int64_t s, step_kind_t 
 }
 
 status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count, int64_t *newest) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(count);
+  ARG_NONNULL(newest);
   newer_t w = {after, upto, -1, 0};
   TRY(scan_steps(root, count_newer, &w));
   *count = w.count;
@@ -162,6 +168,7 @@ static status_t remove_step(void *ctx, const char *name, int64_t s, step_kind_t 
 }
 
 status_t ckpt_remove_unfinished(const char *root, int *removed) {
+  ARG_NONNULL(root);
   removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
   status_t st = scan_steps(root, remove_step, &r);
   if (removed) *removed = r.removed;
@@ -169,6 +176,7 @@ status_t ckpt_remove_unfinished(const char *root, int *removed) {
 }
 
 status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed) {
+  ARG_NONNULL(root);
   removal_t r = {.root = root, .mode = REMOVE_AFTER, .after = after, .keep = keep};
   status_t st = scan_steps(root, remove_step, &r);
   if (removed) *removed = r.removed;
@@ -177,6 +185,10 @@ status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *r
 
 status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
                      size_t skipped_size) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(out);
+  ARG_NONNULL(found);
+  if (skipped == NULL) skipped_size = 0;
   int64_t *steps, partial;
   int n;
   bool tmp;
@@ -195,6 +207,7 @@ status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char
 }
 
 status_t ckpt_prune(const char *root, int keep) {
+  ARG_NONNULL(root);
   if (keep <= 0) return STATUS_OK;
   int64_t *steps, partial;
   int n;

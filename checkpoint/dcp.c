@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "checkpoint/dcp_integrity.h"
 #include "checkpoint/safetensors.h"
@@ -176,6 +177,9 @@ static status_t write_sealed(const char *path, const dcp_box_t *boxes, int n, co
 }
 
 status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const dcp_folder_t *folder) {
+  ARG_NONNULL(path);
+  if (n > 0) ARG_NONNULL(boxes);
+  ARG_NONNULL(folder);
   pending_t p;
   status_t st = pending_hash(boxes, n, &p);
   if (st == STATUS_OK) st = pending_seal(&p, folder);
@@ -185,6 +189,9 @@ status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const d
 }
 
 status_t dcp_shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int *count) {
+  if (n > 0) ARG_NONNULL(entries);
+  ARG_NONNULL(b);
+  ARG_NONNULL(count);
   *count = 0;
   for (int i = 0; i < n; i++) {
     bool mine;
@@ -199,6 +206,7 @@ status_t dcp_shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int *c
 }
 
 void dcp_shard_name(int rank, char *out, size_t size) {
+  if (out == NULL || size == 0) return;
   snprintf(out, size, "shard-%05d.safetensors", rank);
 }
 
@@ -255,6 +263,9 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
 }
 
 status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
+  ARG_NONNULL(dir);
+  ARG_NONNULL(tmp);
+  ARG_NONNULL(pg);
   int rank = pg_rank(pg);
   status_t st = STATUS_OK;
   if (strlen(dir) + 8 >= DCP_PATH_MAX || size < DCP_PATH_MAX)
@@ -276,10 +287,16 @@ status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
 
 status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, pg_t *pg,
                    uint64_t *save_id) {
+  ARG_NONNULL(folder);
+  if (n > 0) ARG_NONNULL(entries);
+  ARG_NONNULL(pg);
   return pg_agree(pg, write_shards(folder, entries, n, pg, save_id));
 }
 
 status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
+  ARG_NONNULL(tmp);
+  ARG_NONNULL(dir);
+  ARG_NONNULL(pg);
   int rank = pg_rank(pg);
   status_t st = STATUS_OK;
   if (rank == 0) { /* the folder's entries, then the rename, reach the disk */
@@ -303,6 +320,9 @@ status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
 }
 
 status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg) {
+  ARG_NONNULL(dir);
+  if (n > 0) ARG_NONNULL(entries);
+  ARG_NONNULL(pg);
   char tmp[DCP_JOIN_MAX];
   TRY(dcp_prepare(dir, tmp, sizeof tmp, pg));
   status_t st = dcp_write(tmp, entries, n, pg, NULL);

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "checkpoint/dcp_reader.h"
 
 static int cmp_str(const void *a, const void *b) {
@@ -269,6 +270,8 @@ static status_t build_table(dcp_reader_t *r) {
 }
 
 status_t dcp_reader_open(const char *dir, dcp_reader_t **out) {
+  ARG_NONNULL(dir);
+  ARG_NONNULL(out);
   *out = NULL;
   dcp_reader_t *r = calloc(1, sizeof *r);
   if (r == NULL) return oom();
@@ -311,17 +314,22 @@ void dcp_reader_close(dcp_reader_t *r) {
 }
 
 dcp_checks_t dcp_reader_checks(const dcp_reader_t *r, uint64_t *block_bytes) {
+  if (r == NULL) return (dcp_checks_t){0};
   if (block_bytes) *block_bytes = r->block_bytes;
   return r->checks;
 }
 
 bool dcp_reader_save_id(const dcp_reader_t *r, uint64_t *id) {
+  if (r == NULL || id == NULL) return false;
   if (r->checks != DCP_CHECKS_BLOCKS) return false;
   *id = r->files[0].it.save_id;
   return true;
 }
 
 status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n) {
+  ARG_NONNULL(r);
+  ARG_NONNULL(out);
+  ARG_NONNULL(n);
   *out = r->list;
   *n = r->n_list;
   return STATUS_OK;

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <zlib.h>
 
+#include "base/args.h"
 #include "checkpoint/dcp_reader.h"
 
 /* Reads go this many bytes at a time; a checked read's are whole blocks (at least one), each
@@ -272,10 +273,17 @@ static status_t load_box(const dcp_reader_t *r, const char *name, int nd, const 
 
 status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
                              const int64_t *global_shape, const int64_t *offset, tensor_t *dst) {
+  ARG_NONNULL(r);
+  ARG_NONNULL(name);
+  if (ndim > 0) ARG_NONNULL(global_shape);
+  if (ndim > 0) ARG_NONNULL(offset);
+  ARG_NONNULL(dst);
   return checks_done(r, load_box(r, name, ndim, global_shape, offset, dst, NULL));
 }
 
 status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, int n) {
+  ARG_NONNULL(r);
+  if (n > 0) ARG_NONNULL(boxes);
   status_t st = STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     int ti = dcp_find_tensor(r, boxes[i].name);
@@ -287,6 +295,8 @@ status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, int n) {
 }
 
 status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
+  ARG_NONNULL(r);
+  if (n > 0) ARG_NONNULL(entries);
   dcp_stats_t s = {0};
   s.files = r->n_files;
   s.unchecked = r->checks == DCP_CHECKS_NONE;
@@ -314,6 +324,8 @@ status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp
 }
 
 status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
+  ARG_NONNULL(dir);
+  if (n > 0) ARG_NONNULL(entries);
   dcp_reader_t *r;
   TRY(dcp_reader_open(dir, &r));
   status_t st = dcp_reader_load(r, entries, n, stats);
@@ -324,6 +336,10 @@ status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_
 /* ---- verify ---- */
 
 status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked) {
+  ARG_NONNULL(r);
+  ARG_NONNULL(name);
+  ARG_NONNULL(checked);
+  ARG_NONNULL(unchecked);
   *checked = *unchecked = 0;
   int ti = dcp_find_tensor(r, name);
   if (ti < 0) return err_set(STATUS_EFORMAT, "checkpoint %s: no tensor '%s'", r->dir, name);
@@ -349,6 +365,8 @@ status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int 
 }
 
 status_t dcp_verify(const char *dir, pg_t *pg, int64_t *chunks) {
+  ARG_NONNULL(dir);
+  ARG_NONNULL(pg);
   int rank = pg_rank(pg), size = pg_size(pg);
   dcp_reader_t *r = NULL;
   const dcp_tensor_t *t = NULL;

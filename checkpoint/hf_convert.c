@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/hf_weights.h"
@@ -48,6 +49,8 @@ bool hf_config_is_llama(const char *json) {
 }
 
 status_t ckpt_recorded_config(const char *dir, char **out) {
+  ARG_NONNULL(dir);
+  ARG_NONNULL(out);
   *out = NULL;
   cJSON *state;
   TRY(read_state(dir, &state));
@@ -181,6 +184,9 @@ static status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int f
 
 status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t *o,
                         hf_report_t *report) {
+  ARG_NONNULL(dir);
+  ARG_NONNULL(out);
+  ARG_NONNULL(o);
   hf_report_t rep_local;
   hf_report_t *rep = report ? report : &rep_local;
   memset(rep, 0, sizeof *rep);

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "checkpoint/safetensors.h"
 
@@ -65,6 +66,8 @@ static status_t load_from(nn_module_t *root, st_file_t *const *files, int nf, co
 }
 
 status_t ckpt_load_weights(nn_module_t *root, const char *path) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(path);
   st_file_t *f = NULL;
   TRY(st_open(&f, path));
   status_t st = load_from(root, &f, 1, path);
@@ -91,6 +94,9 @@ status_t ckpt_load_hf(nn_module_t *root, const char *dir) {
 }
 
 status_t hf_weight_files(const char *dir, char ***out, int *n) {
+  ARG_NONNULL(dir);
+  ARG_NONNULL(out);
+  ARG_NONNULL(n);
   enum { MAX_FILES = 4096 };
   char path[4400];
   snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", dir);
@@ -147,6 +153,8 @@ void hf_weight_files_free(char **names, int n) {
 }
 
 status_t ckpt_save_weights(nn_module_t *root, const char *path) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(path);
   nn_param_t **ps = NULL;
   int n = 0;
   st_writer_t *w = NULL;

@@ -10,6 +10,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "checkpoint/safetensors_meta.h"
 
@@ -204,6 +205,8 @@ cleanup:
 }
 
 status_t st_open(st_file_t **out, const char *path) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(path);
   *out = NULL;
   st_file_t *f = calloc(1, sizeof *f);
   if (f == NULL || (f->path = strdup(path)) == NULL) {
@@ -248,11 +251,21 @@ cleanup:
   return st;
 }
 
-const char *st_path(const st_file_t *f) { return f->path; }
-int st_num_tensors(const st_file_t *f) { return f->n; }
-const st_info_t *st_tensor(const st_file_t *f, int i) { return &f->t[i]; }
+const char *st_path(const st_file_t *f) {
+  if (f == NULL) return "(null)";
+  return f->path;
+}
+int st_num_tensors(const st_file_t *f) {
+  if (f == NULL) return 0;
+  return f->n;
+}
+const st_info_t *st_tensor(const st_file_t *f, int i) {
+  if (f == NULL || i < 0 || i >= f->n) return NULL;
+  return &f->t[i];
+}
 
 const st_info_t *st_find(const st_file_t *f, const char *name) {
+  if (f == NULL || name == NULL) return NULL;
   int lo = 0, hi = f->n;
   while (lo < hi) {
     int mid = lo + (hi - lo) / 2, c = strcmp(f->t[f->by_name[mid]].name, name);
@@ -266,6 +279,7 @@ const st_info_t *st_find(const st_file_t *f, const char *name) {
 }
 
 const char *st_metadata(const st_file_t *f, const char *key) {
+  if (f == NULL || key == NULL) return NULL;
   int i = st_meta_find(f->meta, f->n_meta, key);
   return i < 0 ? NULL : f->meta[i].value;
 }
@@ -285,10 +299,19 @@ static status_t read_at(st_file_t *f, const char *name, uint64_t pos, void *buf,
   return STATUS_OK;
 }
 
-uint64_t st_bytes_read(const st_file_t *f) { return f->bytes_read; }
-uint64_t st_header_bytes(const st_file_t *f) { return f->data_start; }
+uint64_t st_bytes_read(const st_file_t *f) {
+  if (f == NULL) return 0;
+  return f->bytes_read;
+}
+uint64_t st_header_bytes(const st_file_t *f) {
+  if (f == NULL) return 0;
+  return f->data_start;
+}
 
 status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes) {
+  ARG_NONNULL(f);
+  ARG_NONNULL(name);
+  if (bytes > 0) ARG_NONNULL(buf);
   const st_info_t *t;
   TRY(find_or_fail(f, name, &t));
   if (bytes != t->end - t->begin)
@@ -303,6 +326,9 @@ static bool in_tensor(const st_info_t *t, uint64_t pos, size_t bytes) {
 }
 
 status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes) {
+  ARG_NONNULL(f);
+  ARG_NONNULL(name);
+  if (bytes > 0) ARG_NONNULL(buf);
   const st_info_t *t;
   TRY(find_or_fail(f, name, &t));
   if (!in_tensor(t, pos, bytes))
@@ -314,6 +340,7 @@ status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, 
 
 size_t st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes,
                       size_t unit) {
+  if (f == NULL || name == NULL || buf == NULL) return 0;
 #ifdef RWF_NOWAIT
   const st_info_t *t = st_find(f, name);
   if (t == NULL || !in_tensor(t, pos, bytes)) return 0;
@@ -330,6 +357,10 @@ size_t st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, s
 }
 
 status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tensor_t *dst) {
+  ARG_NONNULL(f);
+  ARG_NONNULL(name);
+  ARG_NONNULL(offset);
+  ARG_NONNULL(dst);
   const st_info_t *t;
   TRY(find_or_fail(f, name, &t));
   if (t->dtype == DTYPE_COUNT)
@@ -372,6 +403,9 @@ status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tens
 }
 
 status_t st_read(st_file_t *f, const char *name, tensor_t *dst) {
+  ARG_NONNULL(f);
+  ARG_NONNULL(name);
+  ARG_NONNULL(dst);
   const st_info_t *t;
   TRY(find_or_fail(f, name, &t));
   bool same = t->ndim == dst->ndim;

@@ -55,7 +55,7 @@ void st_close(st_file_t *f);
 
 const char *st_path(const st_file_t *f);
 int st_num_tensors(const st_file_t *f);
-/* Tensor i in file order (sorted by offset). */
+/* Tensor i in file order (sorted by offset); NULL for i outside [0, st_num_tensors). */
 const st_info_t *st_tensor(const st_file_t *f, int i);
 const st_info_t *st_find(const st_file_t *f, const char *name);
 /* Value of a __metadata__ key, or NULL. */

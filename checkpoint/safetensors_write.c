@@ -1,7 +1,5 @@
 /* The safetensors writer: tensors declared, then written in order (streamed, one at a time),
  * behind a header whose data starts 64-byte aligned. */
-#include "checkpoint/safetensors.h"
-
 #include <cJSON.h>
 #include <errno.h>
 #include <stdio.h>
@@ -9,7 +7,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
+#include "checkpoint/safetensors.h"
 #include "checkpoint/safetensors_meta.h"
 
 typedef struct wentry {
@@ -33,6 +33,7 @@ struct st_writer {
 };
 
 status_t st_writer_new(st_writer_t **out) {
+  ARG_NONNULL(out);
   *out = calloc(1, sizeof(st_writer_t));
   return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
 }
@@ -84,6 +85,9 @@ static status_t add_entry(st_writer_t *w, const char *name, dtype_t dtype, int n
 }
 
 status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t) {
+  ARG_NONNULL(w);
+  ARG_NONNULL(name);
+  ARG_NONNULL(t);
   wentry_t *e = NULL;
   TRY(add_entry(w, name, t->dtype, t->ndim, &e));
   memcpy(e->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
@@ -99,6 +103,9 @@ status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t) {
 
 status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
                            const int64_t *shape) {
+  ARG_NONNULL(w);
+  ARG_NONNULL(name);
+  if (ndim > 0) ARG_NONNULL(shape);
   wentry_t *e = NULL;
   TRY(add_entry(w, name, dtype, ndim, &e));
   for (int d = 0; d < ndim; d++) {
@@ -114,6 +121,9 @@ status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int 
 }
 
 status_t st_writer_set_metadata(st_writer_t *w, const char *key, const char *value) {
+  ARG_NONNULL(w);
+  ARG_NONNULL(key);
+  ARG_NONNULL(value);
   int i = st_meta_find(w->meta, w->n_meta, key);
   if (i >= 0) {
     char *v = strdup(value);
@@ -197,6 +207,8 @@ static status_t write_all(FILE *fp, const char *path, const void *p, size_t n) {
 }
 
 status_t st_writer_begin(st_writer_t *w, const char *path) {
+  ARG_NONNULL(w);
+  ARG_NONNULL(path);
   if (w->fp != NULL) return err_set(STATUS_EINVAL, "safetensors: %s: already begun", w->path);
   char *header = NULL;
   size_t hlen = 0;
@@ -226,6 +238,9 @@ cleanup:
 }
 
 status_t st_writer_write(st_writer_t *w, const char *name, const tensor_t *t) {
+  ARG_NONNULL(w);
+  ARG_NONNULL(name);
+  ARG_NONNULL(t);
   if (w->fp == NULL) return err_set(STATUS_EINVAL, "safetensors: write before begin");
   if (w->next >= w->n || strcmp(w->e[w->next].name, name) != 0)
     return err_set(STATUS_EINVAL, "safetensors: %s: expected tensor '%s', got '%s'", w->path,
@@ -249,6 +264,7 @@ status_t st_writer_write(st_writer_t *w, const char *name, const tensor_t *t) {
 }
 
 status_t st_writer_finish(st_writer_t *w) {
+  ARG_NONNULL(w);
   if (w->fp == NULL) return err_set(STATUS_EINVAL, "safetensors: finish before begin");
   status_t st = STATUS_OK;
   if (w->next != w->n)
@@ -266,6 +282,8 @@ status_t st_writer_finish(st_writer_t *w) {
 }
 
 status_t st_writer_save(st_writer_t *w, const char *path) {
+  ARG_NONNULL(w);
+  ARG_NONNULL(path);
   for (int i = 0; i < w->n; i++)
     if (w->e[i].declared)
       return err_set(STATUS_EINVAL, "safetensors: tensor '%s' was declared, not added",

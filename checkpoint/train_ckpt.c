@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "checkpoint/dcp_integrity.h"
 #include "checkpoint/train_ckpt_impl.h"
@@ -83,6 +84,8 @@ static status_t state_hash(const cJSON *state, uint64_t *out) {
 
 status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
                          char **out) {
+  ARG_NONNULL(text);
+  ARG_NONNULL(out);
   *out = NULL;
   cJSON *o = cJSON_Parse(text);
   if (!cJSON_IsObject(o)) {
@@ -109,6 +112,8 @@ status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *op
 }
 
 status_t ckpt_state_text(const char *dir, char **out) {
+  ARG_NONNULL(dir);
+  ARG_NONNULL(out);
   char path[PATH_LEN];
   snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
   *out = NULL;
@@ -118,6 +123,9 @@ status_t ckpt_state_text(const char *dir, char **out) {
 
 status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_text,
                            const uint64_t *model_id, const uint64_t *optim_id) {
+  ARG_NONNULL(tmp);
+  ARG_NONNULL(out);
+  ARG_NONNULL(state_text);
   char *sealed = NULL, path[PATH_LEN];
   status_t st = STATUS_OK;
   if (model_id) st = ckpt_state_seal(state_text, *model_id, optim_id, &sealed);
@@ -152,6 +160,10 @@ status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_steps,
 
 status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                             int64_t step, const char *saved_under, pg_t *pg) {
+  ARG_NONNULL(dir);
+  if (n > 0) ARG_NONNULL(params);
+  ARG_NONNULL(opt);
+  ARG_NONNULL(pg);
   int rank = pg_rank(pg);
   ckpt_entries_t e;
   TRY(ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &e));

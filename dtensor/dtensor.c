@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "dtensor/dtensor_impl.h"
 
 void mesh_shape_coord(const mesh_t *mesh, int *shape, int *coord) {
@@ -15,6 +16,12 @@ void mesh_shape_coord(const mesh_t *mesh, int *shape, int *coord) {
 status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim,
                              const int64_t *global_shape, const int *coord, int64_t *local_shape,
                              int64_t *offset) {
+  ARG_NONNULL(mesh);
+  ARG_NONNULL(pl);
+  if (ndim > 0) ARG_NONNULL(global_shape);
+  ARG_NONNULL(coord);
+  if (ndim > 0) ARG_NONNULL(local_shape);
+  if (ndim > 0) ARG_NONNULL(offset);
   int shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
   if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
@@ -173,13 +180,20 @@ void dtensor_free(dtensor_t *dt) {
   free(dt);
 }
 
-const tensor_t *dtensor_local(const dtensor_t *dt) { return &dt->local; }
-mesh_t *dtensor_mesh(const dtensor_t *dt) { return dt->mesh; }
-int dtensor_ndim(const dtensor_t *dt) { return dt->ndim; }
-const int64_t *dtensor_shape(const dtensor_t *dt) { return dt->shape; }
-const placement_t *dtensor_placements(const dtensor_t *dt) { return dt->pl; }
+const tensor_t *dtensor_local(const dtensor_t *dt) { return dt ? &dt->local : NULL; }
+mesh_t *dtensor_mesh(const dtensor_t *dt) {
+  if (dt == NULL) return NULL;
+  return dt->mesh;
+}
+int dtensor_ndim(const dtensor_t *dt) {
+  if (dt == NULL) return 0;
+  return dt->ndim;
+}
+const int64_t *dtensor_shape(const dtensor_t *dt) { return dt ? dt->shape : NULL; }
+const placement_t *dtensor_placements(const dtensor_t *dt) { return dt ? dt->pl : NULL; }
 
 void dtensor_offset(const dtensor_t *dt, int64_t *offset) {
+  if (dt == NULL || offset == NULL) return;
   int coord[MESH_MAX_DIMS], shape[MESH_MAX_DIMS];
   int64_t local[TENSOR_MAX_DIMS];
   mesh_shape_coord(dt->mesh, shape, coord);

@@ -2,6 +2,8 @@
 
 #include <stdio.h>
 
+#include "base/args.h"
+
 bool placement_equal(placement_t a, placement_t b) {
   if (a.kind != b.kind) return false;
   if (a.kind == PLACEMENT_SHARD) return a.dim == b.dim && a.split_factor == b.split_factor;
@@ -10,6 +12,7 @@ bool placement_equal(placement_t a, placement_t b) {
 }
 
 const char *placement_str(placement_t p, char *buf, size_t size) {
+  if (buf == NULL || size == 0) return "";
   switch (p.kind) {
     case PLACEMENT_REPLICATE: snprintf(buf, size, "R"); break;
     case PLACEMENT_SHARD:
@@ -25,6 +28,8 @@ const char *placement_str(placement_t p, char *buf, size_t size) {
 }
 
 const char *placements_str(int n, const placement_t *pl, char *buf, size_t size) {
+  if (buf == NULL || size == 0) return "";
+  if (pl == NULL) n = 0;
   size_t off = (size_t)snprintf(buf, size, "(");
   for (int i = 0; i < n && off < size; i++) {
     char one[32];
@@ -38,6 +43,7 @@ const char *placements_str(int n, const placement_t *pl, char *buf, size_t size)
 int64_t chunk_size(int64_t n, int64_t w) { return n <= 0 ? 0 : (n + w - 1) / w; }
 
 void chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int64_t *length) {
+  if (offset == NULL || length == NULL) return;
   int64_t c = chunk_size(n, w);
   int64_t lo = r * c < n ? r * c : n;
   int64_t hi = (r + 1) * c < n ? (r + 1) * c : n;
@@ -47,6 +53,8 @@ void chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int64_t *leng
 
 status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
                           const placement_t *pl) {
+  ARG_NONNULL(mesh_shape);
+  ARG_NONNULL(pl);
   char buf[32];
   for (int i = 0; i < mesh_ndim; i++) {
     placement_t p = pl[i];

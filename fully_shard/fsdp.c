@@ -6,16 +6,38 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "fully_shard/fsdp_impl.h"
 #include "mesh/world.h"
 
-fsdp_group_t *fsdp_group_of(const nn_module_t *m) { return nn_module_ext(m); }
-bool fsdp_is_unsharded(const fsdp_group_t *g) { return g->unsharded; }
-int fsdp_reshard_after_forward(const fsdp_group_t *g) { return g->reshard_after_forward; }
-int fsdp_num_params(const fsdp_group_t *g) { return g->n; }
-int64_t fsdp_flat_numel(const fsdp_group_t *g) { return g->flat; }
-pg_t *fsdp_post_forward_group(const fsdp_group_t *g) { return g->post_forward; }
-dtype_t fsdp_param_dtype(const fsdp_group_t *g) { return g->param_dtype; }
+fsdp_group_t *fsdp_group_of(const nn_module_t *m) {
+  if (m == NULL) return NULL;
+  return nn_module_ext(m);
+}
+bool fsdp_is_unsharded(const fsdp_group_t *g) {
+  if (g == NULL) return false;
+  return g->unsharded;
+}
+int fsdp_reshard_after_forward(const fsdp_group_t *g) {
+  if (g == NULL) return 0;
+  return g->reshard_after_forward;
+}
+int fsdp_num_params(const fsdp_group_t *g) {
+  if (g == NULL) return 0;
+  return g->n;
+}
+int64_t fsdp_flat_numel(const fsdp_group_t *g) {
+  if (g == NULL) return 0;
+  return g->flat;
+}
+pg_t *fsdp_post_forward_group(const fsdp_group_t *g) {
+  if (g == NULL) return NULL;
+  return g->post_forward;
+}
+dtype_t fsdp_param_dtype(const fsdp_group_t *g) {
+  if (g == NULL) return DTYPE_F32;
+  return g->param_dtype;
+}
 
 int fsdp_post_forward_groups(fsdp_group_t *const *groups, int n, pg_t **out) {
   int k = 0;
@@ -27,7 +49,10 @@ int fsdp_post_forward_groups(fsdp_group_t *const *groups, int n, pg_t **out) {
   }
   return k;
 }
-dtype_t fsdp_reduce_dtype(const fsdp_group_t *g) { return g->reduce_dtype; }
+dtype_t fsdp_reduce_dtype(const fsdp_group_t *g) {
+  if (g == NULL) return DTYPE_F32;
+  return g->reduce_dtype;
+}
 
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
 
@@ -224,19 +249,24 @@ static void set_control(nn_module_t *m, control_t what, double value) {
 }
 
 void fsdp_set_gradient_divide_factor(nn_module_t *root, double factor) {
+  if (root == NULL) return;
   set_control(root, CONTROL_DIVIDE_FACTOR, factor > 0 ? factor : 0);
 }
 
 void fsdp_set_requires_gradient_sync(nn_module_t *root, bool sync) {
+  if (root == NULL) return;
   set_control(root, CONTROL_SYNC, sync);
 }
 void fsdp_set_requires_all_reduce(nn_module_t *root, bool all_reduce) {
+  if (root == NULL) return;
   set_control(root, CONTROL_ALL_REDUCE, all_reduce);
 }
 void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard) {
+  if (root == NULL) return;
   set_control(root, CONTROL_RESHARD_AFTER_BACKWARD, reshard);
 }
 void fsdp_set_is_last_backward(nn_module_t *root, bool last) {
+  if (root == NULL) return;
   set_control(root, CONTROL_LAST_BACKWARD, last);
 }
 
@@ -346,14 +376,17 @@ static status_t set_list(fsdp_group_t ***list, int *n, bool *explicit_, fsdp_gro
 }
 
 status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
+  ARG_NONNULL(g);
   return set_list(&g->fwd_prefetch, &g->n_fwd_prefetch, &g->fwd_explicit, groups, n);
 }
 
 status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
+  ARG_NONNULL(g);
   return set_list(&g->bwd_prefetch, &g->n_bwd_prefetch, &g->bwd_explicit, groups, n);
 }
 
 void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user) {
+  if (root == NULL) return;
   fsdp_group_t *g = fsdp_group_of(root);
   if (g != NULL) {
     g->on_event = fn;
@@ -363,4 +396,7 @@ void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user) {
     fsdp_set_event_hook(nn_module_child(root, i), fn, user);
 }
 
-const char *fsdp_group_name(const fsdp_group_t *g) { return nn_module_fqn(g->module); }
+const char *fsdp_group_name(const fsdp_group_t *g) {
+  if (g == NULL) return "(null)";
+  return nn_module_fqn(g->module);
+}

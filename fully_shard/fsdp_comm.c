@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/fast_path.h"
 #include "base/kernels.h"
 #include "fully_shard/fsdp_impl.h"
@@ -290,11 +291,13 @@ status_t fsdp_unshard_wait(fsdp_group_t *g) {
 }
 
 status_t fsdp_unshard(fsdp_group_t *g) {
+  ARG_NONNULL(g);
   TRY(fsdp_unshard_start(g));
   return fsdp_unshard_wait(g);
 }
 
 void fsdp_reshard(fsdp_group_t *g) {
+  if (g == NULL) return;
   if (g->gathering) { /* a prefetch nobody used: complete it, then drop it */
     gather_wait(g);
     tensor_free(&g->gather);

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "fully_shard/fsdp_impl.h"
 #include "mesh/world.h"
 
@@ -257,6 +258,7 @@ const nn_param_guard_t fsdp_on_demand_guard = {
 };
 
 status_t fsdp_register_forward_method(nn_module_t *m) {
+  ARG_NONNULL(m);
   if (fsdp_group_of(m) != NULL) return STATUS_OK; /* a unit's own calls are regular */
   for (nn_module_t *a = nn_module_parent(m); a != NULL; a = nn_module_parent(a)) {
     fsdp_group_t *g = fsdp_group_of(a);

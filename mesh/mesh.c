@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "mesh/pg_impl.h"
 #include "mesh/world_impl.h"
 
@@ -283,6 +284,7 @@ status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_ty
 }
 
 status_t mesh_local_shared(device_type_t device_type, mesh_t **out) {
+  ARG_NONNULL(out);
   static mesh_t *shared[2];
   static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
   *out = NULL;
@@ -317,6 +319,9 @@ static status_t lookup_dims(const mesh_t *mesh, int n, const char *const *names,
 }
 
 status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t **out) {
+  ARG_NONNULL(mesh);
+  if (n > 0) ARG_NONNULL(names);
+  ARG_NONNULL(out);
   *out = NULL;
   int idx[MESH_MAX_DIMS];
   TRY(lookup_dims(mesh, n, names, idx));
@@ -340,9 +345,15 @@ status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t 
   return STATUS_OK;
 }
 
-bool mesh_same_root(const mesh_t *a, const mesh_t *b) { return a->root == b->root; }
+bool mesh_same_root(const mesh_t *a, const mesh_t *b) {
+  if (a == NULL || b == NULL) return false;
+  return a->root == b->root;
+}
 
 status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out) {
+  ARG_NONNULL(a);
+  ARG_NONNULL(b);
+  ARG_NONNULL(out);
   *out = NULL;
   if (a->root != b->root)
     return err_set(STATUS_EMESH, "mesh_concat: the meshes come from different mesh_init calls");
@@ -379,6 +390,10 @@ status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out) {
 
 status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names, const char *new_name,
                       mesh_t **out) {
+  ARG_NONNULL(mesh);
+  if (n > 0) ARG_NONNULL(names);
+  ARG_NONNULL(new_name);
+  ARG_NONNULL(out);
   *out = NULL;
   int idx[MESH_MAX_DIMS];
   TRY(lookup_dims(mesh, n, names, idx));
@@ -403,22 +418,52 @@ status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names, const
   return STATUS_OK;
 }
 
-int mesh_ndim(const mesh_t *mesh) { return mesh->ndim; }
-int mesh_size(const mesh_t *mesh, int dim) { return mesh->shape[dim]; }
-int mesh_numel(const mesh_t *mesh) { return mesh->nranks; }
-int mesh_coord(const mesh_t *mesh, int dim) { return mesh->coord[dim]; }
-const char *mesh_dim_name(const mesh_t *mesh, int dim) { return mesh->names[dim]; }
-pg_t *mesh_group(const mesh_t *mesh, int dim) { return mesh->groups[dim]; }
-const int *mesh_ranks(const mesh_t *mesh) { return mesh->ranks; }
-device_t mesh_device(const mesh_t *mesh) { return mesh->root->device; }
+int mesh_ndim(const mesh_t *mesh) {
+  if (mesh == NULL) return 0;
+  return mesh->ndim;
+}
+/* A dimension's index, or -1 (no mesh, or out of range). */
+static int dim_of(const mesh_t *mesh, int dim) {
+  return mesh != NULL && dim >= 0 && dim < mesh->ndim ? dim : -1;
+}
+
+int mesh_size(const mesh_t *mesh, int dim) {
+  if (dim_of(mesh, dim) < 0) return 0;
+  return mesh->shape[dim];
+}
+int mesh_numel(const mesh_t *mesh) {
+  if (mesh == NULL) return 0;
+  return mesh->nranks;
+}
+int mesh_coord(const mesh_t *mesh, int dim) {
+  if (dim_of(mesh, dim) < 0) return -1;
+  return mesh->coord[dim];
+}
+const char *mesh_dim_name(const mesh_t *mesh, int dim) {
+  return dim_of(mesh, dim) < 0 ? NULL : mesh->names[dim];
+}
+pg_t *mesh_group(const mesh_t *mesh, int dim) {
+  if (dim_of(mesh, dim) < 0) return NULL;
+  return mesh->groups[dim];
+}
+const int *mesh_ranks(const mesh_t *mesh) {
+  if (mesh == NULL) return NULL;
+  return mesh->ranks;
+}
+device_t mesh_device(const mesh_t *mesh) {
+  if (mesh == NULL) return device_cpu();
+  return mesh->root->device;
+}
 
 int mesh_dim_index(const mesh_t *mesh, const char *name) {
+  if (mesh == NULL || name == NULL) return -1;
   for (int i = 0; i < mesh->ndim; i++)
     if (strcmp(mesh->names[i], name) == 0) return i;
   return -1;
 }
 
 void mesh_unravel(const mesh_t *mesh, int index, int *coord) {
+  if (mesh == NULL || coord == NULL) return;
   for (int i = mesh->ndim - 1; i >= 0; i--) {
     coord[i] = index % mesh->shape[i];
     index /= mesh->shape[i];
@@ -426,6 +471,7 @@ void mesh_unravel(const mesh_t *mesh, int index, int *coord) {
 }
 
 const char *mesh_str(const mesh_t *mesh, char *buf, size_t size) {
+  if (mesh == NULL || buf == NULL) return "(null)";
   size_t off = (size_t)snprintf(buf, size, "(");
   for (int i = 0; i < mesh->ndim && off < size; i++)
     off += (size_t)snprintf(buf + off, size - off, "%s%s=%d", i ? ", " : "", mesh->names[i],

@@ -76,6 +76,8 @@ bool mesh_same_root(const mesh_t *a, const mesh_t *b);
 status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names, const char *new_name,
                       mesh_t **out);
 
+/* The getters below are local; with a NULL mesh or a dim outside [0, mesh_ndim) they give 0
+ * (sizes, counts), -1 (coordinates, indices) or NULL. */
 int mesh_ndim(const mesh_t *mesh);
 int mesh_size(const mesh_t *mesh, int dim);
 /* Number of ranks in the mesh (product of the sizes). */

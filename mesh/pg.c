@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "base/args.h"
 #include "mesh/pg_impl.h"
 #include "mesh/world_impl.h"
 
@@ -114,12 +115,30 @@ void pg_release(pg_t *pg) {
   free(pg);
 }
 
-int pg_rank(const pg_t *pg) { return pg->rank; }
-int pg_size(const pg_t *pg) { return pg->size; }
-device_t pg_device(const pg_t *pg) { return pg->device; }
-const char *pg_backend_name(const pg_t *pg) { return pg->ops->name; }
-pg_counters_t pg_counters(const pg_t *pg) { return pg->counters; }
-void pg_reset_counters(pg_t *pg) { pg->counters = (pg_counters_t){{0}, {0}}; }
+int pg_rank(const pg_t *pg) {
+  if (pg == NULL) return 0;
+  return pg->rank;
+}
+int pg_size(const pg_t *pg) {
+  if (pg == NULL) return 0;
+  return pg->size;
+}
+device_t pg_device(const pg_t *pg) {
+  if (pg == NULL) return device_cpu();
+  return pg->device;
+}
+const char *pg_backend_name(const pg_t *pg) {
+  if (pg == NULL) return "(null)";
+  return pg->ops->name;
+}
+pg_counters_t pg_counters(const pg_t *pg) {
+  if (pg == NULL) return (pg_counters_t){0};
+  return pg->counters;
+}
+void pg_reset_counters(pg_t *pg) {
+  if (pg == NULL) return;
+  pg->counters = (pg_counters_t){{0}, {0}};
+}
 
 static status_t check_call(const pg_t *pg, const char *what, dtype_t dt, size_t count,
                            size_t total_count) {

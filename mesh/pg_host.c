@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "mesh/pg_impl.h"
 #include "mesh/world_impl.h"
 
@@ -66,6 +67,10 @@ static status_t planned_all_reduce(pg_t *pg, const void *send, void *recv, int c
 status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
                             pg_host_type_t type, reduce_op_t op) {
   const char *what = "MPI_Iallreduce (host)";
+  if (count > 0) {
+    ARG_NONNULL(send);
+    ARG_NONNULL(recv);
+  }
   if (pg != NULL && pg->planned) return planned_all_reduce(pg, send, recv, count, type, op, what);
   MPI_Request req;
   TRY(start_all_reduce(pg, send, recv, count, type, op, &req, what));
@@ -75,6 +80,12 @@ status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
 status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int count,
                                    pg_host_type_t type, reduce_op_t op, double seconds,
                                    bool *timed_out) {
+  ARG_NONNULL(pg);
+  ARG_NONNULL(timed_out);
+  if (count > 0) {
+    ARG_NONNULL(send);
+    ARG_NONNULL(recv);
+  }
   const char *what = "MPI_Iallreduce (host, timed)";
   *timed_out = false;
   if (pg != NULL && pg->planned) return planned_all_reduce(pg, send, recv, count, type, op, what);
@@ -86,6 +97,10 @@ status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int c
 status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
                             pg_host_type_t type) {
   const char *what = "MPI_Iallgather (host)";
+  if (count > 0) {
+    ARG_NONNULL(send);
+    ARG_NONNULL(recv);
+  }
   TRY(host_args(pg, count, type, what));
   if (pg->planned) { /* every rank brought send */
     size_t bytes = (size_t)count * (type == PG_HOST_I32 ? 4 : type == PG_HOST_BYTE ? 1 : 8);
@@ -106,6 +121,8 @@ status_t pg_agree(pg_t *pg, status_t st) {
 }
 
 status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
+  ARG_NONNULL(pg);
+  ARG_NONNULL(out);
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_split: no process group");
   if (color < 0) return err_set(STATUS_EINVAL, "pg_split: color %d is negative", color);
@@ -120,6 +137,8 @@ status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
 }
 
 status_t pg_dup(pg_t *pg, pg_t **out) {
+  ARG_NONNULL(pg);
+  ARG_NONNULL(out);
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_dup: no process group");
   if (pg->planned) return pg_new_planned(pg->size, pg->rank, pg->device, out);
@@ -151,12 +170,16 @@ static status_t kept(pg_t *pg, int n, pg_t **out) {
 }
 
 status_t pg_side_channel(pg_t *pg, pg_t **out) {
+  ARG_NONNULL(pg);
+  ARG_NONNULL(out);
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_side_channel: no process group");
   return kept(pg, 0, out);
 }
 
 status_t pg_consecutive(pg_t *pg, int n, pg_t **out) {
+  ARG_NONNULL(pg);
+  ARG_NONNULL(out);
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_consecutive: no process group");
   if (n < 1 || pg->size % n != 0)
@@ -166,6 +189,8 @@ status_t pg_consecutive(pg_t *pg, int n, pg_t **out) {
 }
 
 status_t pg_new_host(pg_t *pg, pg_t **out) {
+  ARG_NONNULL(pg);
+  ARG_NONNULL(out);
   *out = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_new_host: no process group");
   if (pg->planned) return pg_new_planned(pg->size, pg->rank, device_cpu(), out);

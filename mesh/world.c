@@ -1,5 +1,3 @@
-#include "mesh/world_impl.h"
-
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -7,7 +5,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/args.h"
 #include "mesh/pg_impl.h"
+#include "mesh/world_impl.h"
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
@@ -133,25 +133,29 @@ void world_finalize(void) {
   if (we_initialised && !done) MPI_Finalize();
 }
 
-int world_rank(void) {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
-int world_started_size(void) {
+/* MPI is started and not finished: before world_init and after world_finalize the process is
+ * a world of one, rank 0. */
+static bool mpi_running(void) {
   int up = 0, down = 0;
   MPI_Initialized(&up);
   MPI_Finalized(&down);
-  return up && !down ? world_size() : 0;
+  return up && !down;
 }
+
+int world_rank(void) {
+  int r = 0;
+  if (mpi_running()) MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+int world_started_size(void) { return mpi_running() ? world_size() : 0; }
 
 static int planned_size; /* a planning world's size (world_plan_as), 0 otherwise */
 
 /* The processes that run: a planning world's one. */
 static int mpi_size(void) {
   int s = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  if (mpi_running()) MPI_Comm_size(MPI_COMM_WORLD, &s);
   return s;
 }
 
@@ -189,6 +193,7 @@ device_t world_device(void) {
 }
 
 status_t world_choose_device(device_want_t want, device_t *out, char *why, size_t why_size) {
+  ARG_NONNULL(out);
   device_type_t type;
   *out = device_cpu();
   int gpus = want == DEVICE_WANT_CPU ? 0 : device_cuda_count();
@@ -291,6 +296,11 @@ static int rank_list(char *out, size_t cap, const char *msgs, size_t n, int size
 
 bool world_agree_report(status_t st, const char *prog) {
   enum { N = 1024 }; /* message bytes per rank */
+  if (prog == NULL) prog = "fsdpc";
+  if (!mpi_running()) { /* a world of one */
+    if (st != STATUS_OK) fprintf(stderr, "%s: %s\n", prog, err_detail());
+    return st == STATUS_OK;
+  }
   int size = mpi_size(), rank = world_rank();
   char *all = rank == 0 ? malloc((size_t)size * N) : NULL;
   bool *done = rank == 0 ? calloc((size_t)size, sizeof *done) : NULL;

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/kernels.h"
 #include "nn/ops.h" /* nn_cast, for the casts at a module's boundary */
 
@@ -40,6 +41,8 @@ struct nn_ctx {
 static bool present(const tensor_t *t) { return t->storage != NULL || t->ndim > 0; }
 
 status_t nn_var_new(nn_var_t **out, tensor_t *value, bool requires_grad) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(value);
   nn_var_t *v = calloc(1, sizeof *v);
   if (v == NULL) {
     tensor_free(value);
@@ -65,9 +68,13 @@ void nn_var_put(nn_var_t *v) {
   free(v);
 }
 
-bool nn_var_has_grad(const nn_var_t *v) { return present(&v->grad); }
+bool nn_var_has_grad(const nn_var_t *v) {
+  if (v == NULL) return false;
+  return present(&v->grad);
+}
 
 status_t nn_ctx_new(nn_ctx_t **out) {
+  ARG_NONNULL(out);
   nn_ctx_t *c = calloc(1, sizeof *c);
   if (c == NULL) return err_set(STATUS_ENOMEM, "autograd: out of host memory");
   c->grad_enabled = true;
@@ -87,7 +94,10 @@ static void tape_release(tape_t *t, int from) {
   t->n = from < t->n ? from : t->n;
 }
 
-void nn_ctx_clear(nn_ctx_t *ctx) { tape_release(&ctx->tape, 0); }
+void nn_ctx_clear(nn_ctx_t *ctx) {
+  if (ctx == NULL) return;
+  tape_release(&ctx->tape, 0);
+}
 
 void nn_ctx_free(nn_ctx_t *ctx) {
   if (ctx == NULL) return;
@@ -97,10 +107,22 @@ void nn_ctx_free(nn_ctx_t *ctx) {
   free(ctx);
 }
 
-void nn_ctx_set_grad_enabled(nn_ctx_t *ctx, bool enabled) { ctx->grad_enabled = enabled; }
-bool nn_ctx_recording(const nn_ctx_t *ctx) { return ctx->grad_enabled && ctx->suspended == 0; }
-bool nn_ctx_recomputing(const nn_ctx_t *ctx) { return ctx->recomputing; }
-int nn_ctx_tape_length(const nn_ctx_t *ctx) { return ctx->tape.n; }
+void nn_ctx_set_grad_enabled(nn_ctx_t *ctx, bool enabled) {
+  if (ctx == NULL) return;
+  ctx->grad_enabled = enabled;
+}
+bool nn_ctx_recording(const nn_ctx_t *ctx) {
+  if (ctx == NULL) return false;
+  return ctx->grad_enabled && ctx->suspended == 0;
+}
+bool nn_ctx_recomputing(const nn_ctx_t *ctx) {
+  if (ctx == NULL) return false;
+  return ctx->recomputing;
+}
+int nn_ctx_tape_length(const nn_ctx_t *ctx) {
+  if (ctx == NULL) return 0;
+  return ctx->tape.n;
+}
 
 /* Appends an entry; takes over e's references (released on failure). */
 static status_t push(nn_ctx_t *ctx, entry_t *e) {
@@ -125,6 +147,7 @@ static status_t push_marker(nn_ctx_t *ctx, entry_kind_t kind, nn_module_t *m) {
 }
 
 bool nn_needs_grad(const nn_ctx_t *ctx, nn_var_t *const *in, int n_in, const nn_param_t *p) {
+  if (ctx == NULL) return false;
   if (!nn_ctx_recording(ctx)) return false;
   for (int i = 0; i < n_in; i++)
     if (in[i] && in[i]->requires_grad) return true;
@@ -132,6 +155,8 @@ bool nn_needs_grad(const nn_ctx_t *ctx, nn_var_t *const *in, int n_in, const nn_
 }
 
 status_t nn_record(nn_ctx_t *ctx, const nn_node_t *node) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(node);
   entry_t e = {.kind = ENTRY_OP, .node = *node};
   for (int i = 0; i < NN_NODE_MAX_IN; i++) nn_var_ref(e.node.in[i]);
   nn_var_ref(e.node.out);
@@ -143,6 +168,8 @@ status_t nn_record(nn_ctx_t *ctx, const nn_node_t *node) {
 }
 
 status_t nn_param_begin(nn_ctx_t *ctx, const char *op, nn_param_t *p, bool *implicit) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(op);
   *implicit = false;
   if (p != NULL && p->guard != NULL && !p->guard->ready(p)) {
     TRY(p->guard->enter(ctx, p, op));
@@ -168,6 +195,7 @@ status_t nn_param_begin(nn_ctx_t *ctx, const char *op, nn_param_t *p, bool *impl
 }
 
 status_t nn_param_end(nn_ctx_t *ctx, nn_param_t *p, bool implicit, status_t st) {
+  ARG_NONNULL(ctx);
   if (!implicit) return st;
   tape_t *t = &ctx->tape;
   status_t st2 = STATUS_OK;
@@ -195,6 +223,8 @@ static status_t own_grad(nn_var_t *v) {
 }
 
 status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g) {
+  ARG_NONNULL(v);
+  ARG_NONNULL(g);
   if (!present(&v->grad)) {
     v->grad = *g;
     memset(g, 0, sizeof *g);
@@ -207,6 +237,8 @@ status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g) {
 }
 
 status_t nn_grad_to_add_into(nn_var_t *v, tensor_t **into) {
+  ARG_NONNULL(v);
+  ARG_NONNULL(into);
   tensor_t *g = &v->grad, *x = &v->value;
   *into = NULL;
   if (!present(g) || g->dtype != x->dtype || !device_equal(g->device, x->device) ||
@@ -218,6 +250,8 @@ status_t nn_grad_to_add_into(nn_var_t *v, tensor_t **into) {
 }
 
 status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(g);
   status_t st = STATUS_OK;
   if (present(&p->compute_grad)) {
     st = kernel_axpy(&p->compute_grad, 1.0f, g);
@@ -313,6 +347,10 @@ static status_t tracked(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_
 }
 
 status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(m);
+  ARG_NONNULL(in);
+  ARG_NONNULL(out);
   return tracked(ctx, m, NULL, in, out);
 }
 
@@ -324,8 +362,9 @@ status_t nn_call_with(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t 
 
 void nn_ctx_call_path(const nn_ctx_t *ctx, char *buf, size_t size) {
   size_t o = 0;
-  if (size == 0) return;
+  if (buf == NULL || size == 0) return;
   buf[0] = 0;
+  if (ctx == NULL) return;
   for (int i = 0; i < ctx->n_calls && o + 1 < size; i++) {
     const char *f = nn_module_fqn(ctx->calls[i]);
     o += (size_t)snprintf(buf + o, size - o, "%s%s", i ? " > " : "", f[0] ? f : "(root)");
@@ -399,6 +438,9 @@ static status_t walk(nn_ctx_t *ctx, tape_t *t) {
 }
 
 status_t nn_backward_grad(nn_ctx_t *ctx, nn_var_t *out, tensor_t *grad) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(out);
+  ARG_NONNULL(grad);
   status_t st = STATUS_OK;
   if (out == NULL || grad == NULL || !tensor_same_shape(&out->value, grad))
     st = err_set(STATUS_ESHAPE, "nn_backward_grad: gradient shape differs from the variable's");
@@ -410,6 +452,8 @@ status_t nn_backward_grad(nn_ctx_t *ctx, nn_var_t *out, tensor_t *grad) {
 }
 
 status_t nn_backward(nn_ctx_t *ctx, nn_var_t *loss) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(loss);
   if (loss == NULL || tensor_numel(&loss->value) != 1) {
     nn_ctx_clear(ctx);
     return err_set(STATUS_EINVAL, "nn_backward: the loss must have exactly one element");

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "base/mix.h"
 
@@ -136,11 +137,14 @@ static int glob_skip(const char *path, int err) {
 }
 
 bool data_is_pattern(const char *path) {
+  if (path == NULL) return false;
   struct stat sb; /* a file of that very name is itself, whatever its name holds */
   return strpbrk(path, "*?[") != NULL && stat(path, &sb) != 0;
 }
 
 status_t data_open(data_t **out, const char *path, data_format_t format) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(path);
   *out = NULL;
   int width = width_of(format);
   if (width < 0)
@@ -188,11 +192,20 @@ void data_free(data_t *d) {
   free(d);
 }
 
-int64_t data_num_tokens(const data_t *d) { return d->n; }
+int64_t data_num_tokens(const data_t *d) {
+  if (d == NULL) return 0;
+  return d->n;
+}
 
-int data_num_files(const data_t *d) { return d->nf; }
+int data_num_files(const data_t *d) {
+  if (d == NULL) return 0;
+  return d->nf;
+}
 
-const char *data_file_path(const data_t *d, int i) { return d->files[i].path; }
+const char *data_file_path(const data_t *d, int i) {
+  if (d == NULL || i < 0 || i >= d->nf) return NULL;
+  return d->files[i].path;
+}
 
 /* The file holding token i (0 <= i < d->n): the last whose first token is at or before i. */
 static const dfile_t *file_of(const data_t *d, int64_t i) {
@@ -287,6 +300,8 @@ static status_t read_tokens(const data_t *d, int64_t i0, int64_t count, int64_t 
 }
 
 status_t data_max_token(const data_t *d, int64_t begin, int64_t end, int64_t *max) {
+  ARG_NONNULL(d);
+  ARG_NONNULL(max);
   *max = -1;
   if (begin < 0 || end > d->n || begin > end)
     return err_set(STATUS_EINVAL, "data: tokens [%lld, %lld) outside [0, %lld)", (long long)begin,
@@ -323,6 +338,7 @@ static int64_t permute(int64_t x, int64_t n, uint64_t key) {
 
 int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
                           int64_t j) {
+  if (d == NULL || spec == NULL) return 0;
   int64_t G = spec->dp_size * spec->batch_size;
   /* in 128 bits, so that long runs cannot overflow the product */
   __int128 g = (__int128)(step * spec->grad_accum + micro) * G + j;
@@ -353,6 +369,10 @@ static status_t check_ids(const data_t *d, int64_t i0, const int64_t *row, int64
 
 status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
                     tensor_t *inputs, tensor_t *targets) {
+  ARG_NONNULL(d);
+  ARG_NONNULL(spec);
+  ARG_NONNULL(inputs);
+  ARG_NONNULL(targets);
   if (spec->batch_size < 1 || spec->seq_len < 1 || spec->grad_accum < 1 || spec->dp_size < 1 ||
       spec->dp_rank < 0 || spec->dp_rank >= spec->dp_size)
     return err_set(STATUS_EINVAL,

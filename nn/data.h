@@ -64,7 +64,7 @@ void data_free(data_t *d);
 
 int64_t data_num_tokens(const data_t *d);
 int data_num_files(const data_t *d);
-/* The path of file i of the stream (0 <= i < data_num_files), owned by d. */
+/* The path of file i of the stream (0 <= i < data_num_files; NULL otherwise), owned by d. */
 const char *data_file_path(const data_t *d, int i);
 /* *max = the largest id among tokens [begin, end) of the file (-1 when the range is empty),
  * read once in 1 MiB pieces: to check against the vocabulary, each of several ranks can take

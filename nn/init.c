@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "base/args.h"
 #include "base/mix.h"
 
 static uint64_t name_key(uint64_t seed, const char *name) {
@@ -19,6 +20,7 @@ static double uniform(uint64_t key, uint64_t c) {
 }
 
 double nn_init_normal_value(uint64_t seed, const char *name, uint64_t index) {
+  if (name == NULL) return 0;
   uint64_t key = name_key(seed, name);
   double u1 = uniform(key, 2 * index), u2 = uniform(key, 2 * index + 1);
   return sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2);

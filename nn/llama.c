@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "nn/init.h"
 #include "nn/ops.h"
@@ -231,6 +232,8 @@ static status_t build(builder_t *b) {
 }
 
 status_t llama_new(llama_t **out, const llama_config_t *cfg, const llama_options_t *opt) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(cfg);
   *out = NULL;
   llama_options_t defaults = LLAMA_OPTIONS_INIT;
   if (opt == NULL) opt = &defaults;
@@ -262,6 +265,7 @@ void llama_free(llama_t *m) {
 }
 
 status_t llama_init_weights(llama_t *m, uint64_t seed) {
+  ARG_NONNULL(m);
   nn_param_t **ps;
   int n;
   TRY(nn_named_parameters(m->root, &ps, &n));
@@ -275,11 +279,21 @@ status_t llama_init_weights(llama_t *m, uint64_t seed) {
   return st;
 }
 
-nn_module_t *llama_module(const llama_t *m) { return m->root; }
-const llama_config_t *llama_get_config(const llama_t *m) { return &m->cfg; }
-nn_module_t *llama_layer(const llama_t *m, int64_t i) { return m->layers[i]; }
-mesh_t *llama_local_mesh(const llama_t *m) { return m->mesh; }
+nn_module_t *llama_module(const llama_t *m) {
+  if (m == NULL) return NULL;
+  return m->root;
+}
+const llama_config_t *llama_get_config(const llama_t *m) { return m ? &m->cfg : NULL; }
+nn_module_t *llama_layer(const llama_t *m, int64_t i) {
+  if (m == NULL || i < 0 || i >= m->cfg.n_layers) return NULL;
+  return m->layers[i];
+}
+mesh_t *llama_local_mesh(const llama_t *m) {
+  if (m == NULL) return NULL;
+  return m->mesh;
+}
 
 void llama_set_activation_checkpointing(llama_t *m, bool enabled) {
+  if (m == NULL) return;
   for (int64_t i = 0; i < m->cfg.n_layers; i++) nn_module_set_checkpoint(m->layers[i], enabled);
 }

@@ -114,7 +114,7 @@ status_t llama_init_weights(llama_t *m, uint64_t seed);
 
 nn_module_t *llama_module(const llama_t *m);
 const llama_config_t *llama_get_config(const llama_t *m);
-/* The transformer block i (module "model.layers.i"). */
+/* The transformer block i (module "model.layers.i"); NULL for i outside [0, n_layers). */
 nn_module_t *llama_layer(const llama_t *m, int64_t i);
 /* The one-rank mesh the parameters were created on. */
 mesh_t *llama_local_mesh(const llama_t *m);

@@ -1,7 +1,5 @@
 /* The Llama's configuration: checks, parameter count, and Hugging Face config.json read and
  * written (RoPE scaling included). */
-#include "nn/llama.h"
-
 #include <cJSON.h>
 #include <errno.h>
 #include <math.h>
@@ -9,9 +7,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/file.h"
+#include "nn/llama.h"
 
 status_t llama_config_check(const llama_config_t *c) {
+  ARG_NONNULL(c);
   /* the limits of a plan's model: keys (parallel/plan.c), whichever way a config arrives */
   const int64_t big = (int64_t)1 << 31;
   const struct {
@@ -46,6 +47,7 @@ status_t llama_config_check(const llama_config_t *c) {
 
 bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, char *why,
                               size_t size) {
+  if (a == NULL || b == NULL) return 0;
   const struct {
     const char *name;
     int64_t x, y;
@@ -66,6 +68,7 @@ bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, 
 }
 
 int64_t llama_num_params(const llama_config_t *c) {
+  if (c == NULL) return 0;
   int64_t hd = c->dim / c->n_heads, kv = c->n_kv_heads * hd;
   int64_t layer = 2 * c->dim + 2 * c->dim * c->dim + 2 * kv * c->dim + 3 * c->dim * c->ffn_dim;
   return c->vocab_size * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + c->dim;
@@ -242,6 +245,8 @@ status_t llama_config_from_hf_text(const char *text, const char *origin, llama_c
 }
 
 status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out) {
+  ARG_NONNULL(c);
+  ARG_NONNULL(out);
   *out = NULL;
   TRY(llama_config_check(c));
   cJSON *o = cJSON_CreateObject();
@@ -288,6 +293,8 @@ status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **
 }
 
 status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path) {
+  ARG_NONNULL(c);
+  ARG_NONNULL(path);
   char *text;
   TRY(llama_config_to_hf_text(c, dtype, &text));
   status_t st = file_write_text(path, text);

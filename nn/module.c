@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/kernels.h"
 
 typedef struct hook {
@@ -55,6 +56,8 @@ static status_t check_name(const char *what, const char *name) {
 
 status_t nn_module_new_owned(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl,
                              void (*impl_free)(void *)) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(name);
   status_t st = nn_module_new(out, name, forward, impl);
   if (st != STATUS_OK) {
     if (impl_free) impl_free(impl);
@@ -65,6 +68,8 @@ status_t nn_module_new_owned(nn_module_t **out, const char *name, nn_forward_fn 
 }
 
 status_t nn_module_new(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(name);
   *out = NULL;
   TRY(check_name("module", name));
   nn_module_t *m = calloc(1, sizeof *m);
@@ -161,6 +166,8 @@ cleanup:
 }
 
 status_t nn_param_set_value(nn_param_t *p, dtensor_t *value) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(value);
   if (p->external) {
     dtensor_free(value);
     return err_set(STATUS_EINVAL,
@@ -245,12 +252,16 @@ void nn_module_remove_hooks(nn_module_t *m, const void *user) {
 }
 
 status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(m);
   for (int i = 0; i < m->n_hooks[kind]; i++)
     TRY(m->hooks[kind][i].fn(ctx, m, kind, m->hooks[kind][i].user));
   return STATUS_OK;
 }
 
 status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user) {
+  ARG_NONNULL(m);
+  ARG_NONNULL(fn);
   if (m->wrap != NULL)
     return err_set(STATUS_EINVAL, "module '%s' already has a forward wrapper", nn_module_fqn(m));
   m->wrap = fn;
@@ -259,44 +270,95 @@ status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user) {
 }
 
 status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(m);
+  ARG_NONNULL(in);
+  ARG_NONNULL(out);
   if (m->wrap) return m->wrap(ctx, m, in, out, m->forward, m->wrap_user);
   return m->forward(ctx, m, in, out);
 }
 
-void nn_module_set_checkpoint(nn_module_t *m, bool enabled) { m->checkpoint = enabled; }
+void nn_module_set_checkpoint(nn_module_t *m, bool enabled) {
+  if (m == NULL) return;
+  m->checkpoint = enabled;
+}
 void nn_module_set_cast(nn_module_t *m, dtype_t in, dtype_t out) {
+  if (m == NULL) return;
   m->cast_in = in;
   m->cast_out = out;
 }
 void nn_module_cast(const nn_module_t *m, dtype_t *in, dtype_t *out) {
+  if (m == NULL || in == NULL || out == NULL) return;
   *in = m->cast_in;
   *out = m->cast_out;
 }
-void nn_module_set_kind(nn_module_t *m, const char *kind) { m->kind = kind; }
-const char *nn_module_kind(const nn_module_t *m) { return m->kind; }
+void nn_module_set_kind(nn_module_t *m, const char *kind) {
+  if (m == NULL) return;
+  m->kind = kind;
+}
+const char *nn_module_kind(const nn_module_t *m) {
+  if (m == NULL) return NULL;
+  return m->kind;
+}
 void nn_module_set_ext(nn_module_t *m, void *ext, nn_ext_free_fn free_ext) {
+  if (m == NULL) return;
   m->ext = ext;
   m->free_ext = ext != NULL ? free_ext : NULL;
 }
-void *nn_module_ext(const nn_module_t *m) { return m->ext; }
-bool nn_module_checkpoint(const nn_module_t *m) { return m->checkpoint; }
-const char *nn_module_name(const nn_module_t *m) { return m->name; }
-const char *nn_module_fqn(const nn_module_t *m) { return m->fqn ? m->fqn : m->name; }
-nn_module_t *nn_module_parent(const nn_module_t *m) { return m->parent; }
-void *nn_module_impl(const nn_module_t *m) { return m->impl; }
-nn_forward_fn nn_module_forward(const nn_module_t *m) { return m->forward; }
-int nn_module_num_children(const nn_module_t *m) { return m->n_children; }
-nn_module_t *nn_module_child(const nn_module_t *m, int i) { return m->children[i]; }
-int nn_module_num_params(const nn_module_t *m) { return m->n_params; }
-nn_param_t *nn_module_param(const nn_module_t *m, int i) { return m->params[i]; }
+void *nn_module_ext(const nn_module_t *m) {
+  if (m == NULL) return NULL;
+  return m->ext;
+}
+bool nn_module_checkpoint(const nn_module_t *m) {
+  if (m == NULL) return false;
+  return m->checkpoint;
+}
+const char *nn_module_name(const nn_module_t *m) {
+  if (m == NULL) return "(null)";
+  return m->name;
+}
+const char *nn_module_fqn(const nn_module_t *m) {
+  if (m == NULL) return "(null)";
+  return m->fqn ? m->fqn : m->name;
+}
+nn_module_t *nn_module_parent(const nn_module_t *m) {
+  if (m == NULL) return NULL;
+  return m->parent;
+}
+void *nn_module_impl(const nn_module_t *m) {
+  if (m == NULL) return NULL;
+  return m->impl;
+}
+nn_forward_fn nn_module_forward(const nn_module_t *m) {
+  if (m == NULL) return NULL;
+  return m->forward;
+}
+int nn_module_num_children(const nn_module_t *m) {
+  if (m == NULL) return 0;
+  return m->n_children;
+}
+nn_module_t *nn_module_child(const nn_module_t *m, int i) {
+  if (m == NULL || i < 0 || i >= m->n_children) return NULL;
+  return m->children[i];
+}
+int nn_module_num_params(const nn_module_t *m) {
+  if (m == NULL) return 0;
+  return m->n_params;
+}
+nn_param_t *nn_module_param(const nn_module_t *m, int i) {
+  if (m == NULL || i < 0 || i >= m->n_params) return NULL;
+  return m->params[i];
+}
 
 nn_module_t *nn_module_child_named(const nn_module_t *m, const char *name) {
+  if (m == NULL || name == NULL) return NULL;
   for (int i = 0; i < m->n_children; i++)
     if (strcmp(m->children[i]->name, name) == 0) return m->children[i];
   return NULL;
 }
 
 nn_param_t *nn_module_param_named(const nn_module_t *m, const char *name) {
+  if (m == NULL || name == NULL) return NULL;
   for (int i = 0; i < m->n_params; i++)
     if (strcmp(m->params[i]->name, name) == 0) return m->params[i];
   return NULL;
@@ -313,9 +375,9 @@ static void names_into(const nn_module_t *m, char *buf, size_t size, int *left) 
 }
 
 const char *nn_module_names(const nn_module_t *root, int max, char *buf, size_t size) {
-  if (size == 0) return buf;
+  if (buf == NULL || size == 0) return "";
   buf[0] = 0;
-  names_into(root, buf, size, &max);
+  if (root != NULL) names_into(root, buf, size, &max);
   return buf;
 }
 
@@ -336,6 +398,7 @@ nn_module_t *nn_module_find(nn_module_t *root, const char *fqn) {
 }
 
 nn_param_t *nn_param_find(nn_module_t *root, const char *fqn) {
+  if (root == NULL || fqn == NULL) return NULL;
   const char *dot = strrchr(fqn, '.');
   if (dot == NULL) {
     nn_param_t *p = nn_module_param_named(root, fqn);
@@ -364,6 +427,9 @@ static status_t collect(const nn_module_t *m, nn_param_t ***arr, int *n, int *ca
 }
 
 status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n) {
+  ARG_NONNULL(m);
+  ARG_NONNULL(out);
+  ARG_NONNULL(n);
   nn_param_t **arr = NULL;
   int cnt = 0, cap = 0;
   status_t st = collect(m, &arr, &cnt, &cap);
@@ -377,6 +443,8 @@ status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n) {
 }
 
 status_t nn_param_new_local_grad(nn_param_t *p, tensor_t *local) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(local);
   memset(local, 0, sizeof *local);
   if (p->grad != NULL)
     return err_set(STATUS_EINVAL, "nn_param_new_local_grad: %s has a gradient already", p->fqn);
@@ -392,6 +460,8 @@ status_t nn_param_new_local_grad(nn_param_t *p, tensor_t *local) {
 }
 
 status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(g);
   const tensor_t *local = dtensor_local(p->value);
   tensor_t src;
   TRY(tensor_view(&src, g, local->ndim, local->shape));
@@ -412,6 +482,8 @@ status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g) {
 }
 
 status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(full);
   const dtensor_t *v = p->value;
   int nd = dtensor_ndim(v);
   if (full == NULL || full->ndim != nd ||
@@ -440,7 +512,10 @@ status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full) {
   return st;
 }
 
-bool nn_param_is_meta(const nn_param_t *p) { return tensor_is_meta(dtensor_local(p->value)); }
+bool nn_param_is_meta(const nn_param_t *p) {
+  if (p == NULL) return false;
+  return tensor_is_meta(dtensor_local(p->value));
+}
 
 /* A meta parameter that no guard manages: a plain tensor of its local shape, same placements. */
 static status_t materialize_plain(nn_param_t *p) {
@@ -478,12 +553,14 @@ status_t nn_module_materialize(nn_module_t *root) {
 }
 
 void nn_param_zero_grad(nn_param_t *p) {
+  if (p == NULL) return;
   tensor_free(&p->compute_grad);
   dtensor_free(p->grad);
   p->grad = NULL;
 }
 
 bool nn_fqn_match(const char *pattern, const char *fqn) {
+  if (pattern == NULL || fqn == NULL) return false;
   char pb[256], nb[1024];
   if (strlen(pattern) >= sizeof pb || strlen(fqn) >= sizeof nb) return false;
   strcpy(pb, pattern);

@@ -139,10 +139,12 @@ nn_module_t *nn_module_parent(const nn_module_t *m);
 void *nn_module_impl(const nn_module_t *m);
 nn_forward_fn nn_module_forward(const nn_module_t *m);
 int nn_module_num_children(const nn_module_t *m);
+/* Child i (0 <= i < nn_module_num_children; NULL otherwise). */
 nn_module_t *nn_module_child(const nn_module_t *m, int i);
 /* The child called name, or NULL. */
 nn_module_t *nn_module_child_named(const nn_module_t *m, const char *name);
-/* Parameters used by m itself (owned or shared), in registration order. */
+/* Parameters used by m itself (owned or shared), in registration order (NULL for an index out
+ * of range). */
 int nn_module_num_params(const nn_module_t *m);
 nn_param_t *nn_module_param(const nn_module_t *m, int i);
 /* The parameter of m (owned or shared) with local name name, or NULL. */

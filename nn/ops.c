@@ -3,6 +3,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/kernels.h"
 #include "nn/ops_impl.h"
 
@@ -62,6 +63,10 @@ static status_t linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out
 }
 
 status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(w);
+  ARG_NONNULL(out);
   *out = NULL;
   bool implicit;
   TRY(nn_param_begin(ctx, "nn_linear", w, &implicit));
@@ -85,6 +90,10 @@ static status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(ids);
+  ARG_NONNULL(w);
+  ARG_NONNULL(out);
   return nn_embedding_shard(ctx, ids, w, 0, -1, out); /* -1: every row of the table */
 }
 
@@ -114,6 +123,10 @@ static status_t embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t f
 
 status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
                             int64_t vocab, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(ids);
+  ARG_NONNULL(w);
+  ARG_NONNULL(out);
   *out = NULL;
   bool implicit;
   TRY(nn_param_begin(ctx, "nn_embedding", w, &implicit));
@@ -157,6 +170,10 @@ static status_t rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, n
 }
 
 status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(w);
+  ARG_NONNULL(out);
   *out = NULL;
   bool implicit;
   TRY(nn_param_begin(ctx, "nn_rmsnorm", w, &implicit));
@@ -179,6 +196,10 @@ static status_t rope_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, const rope_t *rope, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(rope);
+  ARG_NONNULL(out);
   *out = NULL;
   tensor_t y;
   TRY(ops_alloc_like(&y, &x->value));
@@ -210,6 +231,11 @@ static status_t attention_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(q);
+  ARG_NONNULL(k);
+  ARG_NONNULL(v);
+  ARG_NONNULL(out);
   *out = NULL;
   if (q->value.ndim != 4) return err_set(STATUS_ESHAPE, "nn_attention: q must be [B, T, H, Dh]");
   int64_t lshape[3] = {q->value.shape[0], q->value.shape[2], q->value.shape[1]};
@@ -246,6 +272,10 @@ static status_t silu_mul_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(gate);
+  ARG_NONNULL(up);
+  ARG_NONNULL(out);
   *out = NULL;
   tensor_t y;
   TRY(ops_alloc_like(&y, &gate->value));
@@ -294,6 +324,10 @@ static status_t pass_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(a);
+  ARG_NONNULL(b);
+  ARG_NONNULL(out);
   *out = NULL;
   tensor_t y;
   TRY(ops_alloc_like(&y, &a->value));
@@ -308,6 +342,9 @@ status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out) {
 }
 
 status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(out);
   *out = NULL;
   tensor_t y;
   TRY(tensor_clone(&y, &x->value, x->value.dtype, x->value.device));
@@ -330,6 +367,9 @@ static status_t cast_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_cast(nn_ctx_t *ctx, nn_var_t *x, dtype_t dtype, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(out);
   *out = NULL;
   if (x->value.dtype == dtype) {
     *out = nn_var_ref(x);
@@ -342,6 +382,10 @@ status_t nn_cast(nn_ctx_t *ctx, nn_var_t *x, dtype_t dtype, nn_var_t **out) {
 }
 
 status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  if (ndim > 0) ARG_NONNULL(shape);
+  ARG_NONNULL(out);
   *out = NULL;
   tensor_t y;
   TRY(tensor_view(&y, &x->value, ndim, shape));
@@ -352,7 +396,11 @@ status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_
 /* ---- loss ---- */
 
 /* The value of a one-element tensor on the host (blocks). */
-status_t nn_var_scalar(const nn_var_t *v, double *out) { return ops_scalar_of(&v->value, out); }
+status_t nn_var_scalar(const nn_var_t *v, double *out) {
+  ARG_NONNULL(v);
+  ARG_NONNULL(out);
+  return ops_scalar_of(&v->value, out);
+}
 
 static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
@@ -423,10 +471,18 @@ static status_t cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *t
 
 status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets, nn_var_t **out,
                           int64_t *n_tokens) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(logits);
+  ARG_NONNULL(targets);
+  ARG_NONNULL(out);
   return cross_entropy(ctx, logits, targets, false, out, n_tokens);
 }
 
 status_t nn_cross_entropy_consume(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets,
                                   nn_var_t **out, int64_t *n_tokens) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(logits);
+  ARG_NONNULL(targets);
+  ARG_NONNULL(out);
   return cross_entropy(ctx, logits, targets, true, out, n_tokens);
 }

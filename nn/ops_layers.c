@@ -2,6 +2,7 @@
  * squared error; and the helpers every operation file shares (ops_impl.h). */
 #include <string.h>
 
+#include "base/args.h"
 #include "base/kernels.h"
 #include "nn/ops_impl.h"
 
@@ -84,6 +85,10 @@ static status_t bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **o
 }
 
 status_t nn_bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(b);
+  ARG_NONNULL(out);
   *out = NULL;
   bool implicit;
   TRY(nn_param_begin(ctx, "nn_bias_add", b, &implicit));
@@ -109,6 +114,9 @@ static status_t activation_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_activation(nn_ctx_t *ctx, nn_var_t *x, kernel_act_t act, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(out);
   *out = NULL;
   if (act < 0 || act >= KERNEL_ACT_COUNT)
     return err_set(STATUS_EINVAL, "nn_activation: unknown activation %d", (int)act);
@@ -175,6 +183,10 @@ static status_t layernorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_param_t 
 
 status_t nn_layernorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_param_t *b, double eps,
                       nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(w);
+  ARG_NONNULL(out);
   *out = NULL;
   bool iw, ib = false;
   TRY(nn_param_begin(ctx, "nn_layernorm", w, &iw));
@@ -203,6 +215,10 @@ static status_t mse_backward(nn_ctx_t *ctx, nn_node_t *n) {
 }
 
 status_t nn_mse_loss(nn_ctx_t *ctx, nn_var_t *pred, const tensor_t *target, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(pred);
+  ARG_NONNULL(target);
+  ARG_NONNULL(out);
   *out = NULL;
   if (!tensor_same_shape(&pred->value, target)) {
     char a[96], b[96];

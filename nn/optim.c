@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/kernels.h"
 #include "mesh/pg.h"
 
@@ -24,6 +25,9 @@ struct optim {
 };
 
 status_t optim_new(optim_t **out, nn_param_t *const *params, int n, const adamw_config_t *cfg) {
+  ARG_NONNULL(out);
+  if (n > 0) ARG_NONNULL(params);
+  ARG_NONNULL(cfg);
   *out = NULL;
   if (cfg == NULL || n < 0 || (n > 0 && params == NULL))
     return err_set(STATUS_EINVAL, "optim_new: bad arguments");
@@ -85,12 +89,19 @@ void optim_free(optim_t *o) {
 }
 
 void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_decay) {
+  if (o == NULL || lr == NULL || weight_decay == NULL) return;
   *lr = o->slots[i].lr;
   *weight_decay = o->slots[i].weight_decay;
 }
 
-int64_t optim_steps(const optim_t *o) { return o->steps; }
-void optim_set_steps(optim_t *o, int64_t steps) { o->steps = steps; }
+int64_t optim_steps(const optim_t *o) {
+  if (o == NULL) return 0;
+  return o->steps;
+}
+void optim_set_steps(optim_t *o, int64_t steps) {
+  if (o == NULL) return;
+  o->steps = steps;
+}
 
 /* The moments of a slot, created on first use: zero, or uninitialised when a load is about to
  * overwrite them. */
@@ -128,14 +139,23 @@ static status_t state_of(optim_t *o, int i, bool zero, dtensor_t **exp_avg,
 }
 
 status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
+  ARG_NONNULL(o);
+  ARG_NONNULL(exp_avg);
+  ARG_NONNULL(exp_avg_sq);
   return state_of(o, i, true, exp_avg, exp_avg_sq);
 }
 
 status_t optim_state_for_load(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
+  ARG_NONNULL(o);
+  ARG_NONNULL(exp_avg);
+  ARG_NONNULL(exp_avg_sq);
   return state_of(o, i, false, exp_avg, exp_avg_sq);
 }
 
-status_t optim_step(optim_t *o, double lr_factor) { return optim_step_scaled(o, lr_factor, 1); }
+status_t optim_step(optim_t *o, double lr_factor) {
+  ARG_NONNULL(o);
+  return optim_step_scaled(o, lr_factor, 1);
+}
 
 status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale) {
   if (!(grad_scale > 0) || !isfinite(grad_scale))
@@ -193,6 +213,7 @@ status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale) {
 }
 
 void optim_zero_grad(optim_t *o) {
+  if (o == NULL) return;
   for (int i = 0; i < o->n; i++) nn_param_zero_grad(o->slots[i].p);
 }
 
@@ -255,6 +276,7 @@ status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t 
 }
 
 double lr_schedule_factor(const lr_schedule_t *s, int64_t step) {
+  if (s == NULL) return 0;
   if (s->warmup_steps > 0 && step < s->warmup_steps)
     return (double)(step + 1) / (double)s->warmup_steps;
   int64_t span = s->total_steps - s->warmup_steps;

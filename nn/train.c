@@ -1,5 +1,6 @@
 #include "nn/train.h"
 
+#include "base/args.h"
 #include "nn/ops.h"
 
 /* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum. */
@@ -38,11 +39,19 @@ cleanup:
 
 status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
                           int64_t micro, double *loss) {
+  ARG_NONNULL(m);
+  ARG_NONNULL(d);
+  ARG_NONNULL(spec);
+  ARG_NONNULL(loss);
   return run_batch(m, d, spec, step, micro, true, loss);
 }
 
 status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t b,
                           double *loss) {
+  ARG_NONNULL(m);
+  ARG_NONNULL(d);
+  ARG_NONNULL(spec);
+  ARG_NONNULL(loss);
   data_spec_t one = *spec;
   one.grad_accum = 1;
   return run_batch(m, d, &one, b, 0, false, loss);

@@ -2,6 +2,7 @@
 
 #include <string.h>
 
+#include "base/args.h"
 #include "parallel/llama_plan.h"
 
 /* The units as the estimate sees them: the root's and the largest other unit's unsharded
@@ -58,6 +59,9 @@ static llama_memory_t moment(const char *at, double state, double act, double ga
 
 status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int n,
                                double sharded_param_bytes, size_t param_size, llama_memory_t *out) {
+  ARG_NONNULL(p);
+  if (n > 0) ARG_NONNULL(groups);
+  ARG_NONNULL(out);
   const llama_config_t *c = &p->model;
   const parallel_plan_t *pp = &p->par;
   if (pp->dp_shard < 1 || pp->dp_replicate < 1 || pp->tp < 1)
@@ -150,6 +154,7 @@ status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int
 /* ---- communication ---- */
 
 llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, int n) {
+  if (p == NULL || groups == NULL) return (llama_comm_t){0};
   llama_comm_t c = {0};
   int W = p->par.dp_shard, R = p->par.dp_replicate;
   double A = (double)p->grad_accum;

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "nn/module.h"
 
 /* The Llama plan of TorchTitan, by the module names of nn/llama.c. */
@@ -25,11 +26,13 @@ static const tp_rule_t llama_plan[] = {
 };
 
 int llama_plan_tp_rules(const tp_rule_t **rules) {
+  if (rules == NULL) return 0;
   *rules = llama_plan;
   return (int)(sizeof llama_plan / sizeof llama_plan[0]);
 }
 
 status_t llama_plan_fill_tp_rules(parallel_plan_t *pp) {
+  ARG_NONNULL(pp);
   const tp_rule_t *r;
   int n = llama_plan_tp_rules(&r);
   pp->n_tp_rules = 0;
@@ -43,6 +46,7 @@ status_t llama_plan_fill_tp_rules(parallel_plan_t *pp) {
 }
 
 bool llama_plan_tp_is_builtin(const parallel_plan_t *pp) {
+  if (pp == NULL) return false;
   if (!pp->tp_plan_given) return true;
   const tp_rule_t *d;
   int n = llama_plan_tp_rules(&d);
@@ -57,6 +61,7 @@ bool llama_plan_tp_is_builtin(const parallel_plan_t *pp) {
 }
 
 status_t llama_plan_check(const parallel_plan_t *pp) {
+  ARG_NONNULL(pp);
   if (pp->tp <= 1) return STATUS_OK;
   for (int i = 0; i < pp->n_tp_rules; i++) {
     const plan_tp_rule_t *r = &pp->tp_rules[i];

@@ -4,11 +4,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "fully_shard/fsdp.h"
 #include "mesh/world.h"
 #include "parallel/plan_reader.h"
 
 void parallel_plan_defaults(parallel_plan_t *pp) {
+  if (pp == NULL) return;
   memset(pp, 0, sizeof *pp);
   pp->dp_replicate = 1;
   pp->dp_shard = -1;
@@ -25,7 +27,7 @@ status_t pp_read_mesh(plan_ctx_t *c, int root) {
     snprintf(c->p->par.mesh_where.text, sizeof c->p->par.mesh_where.text, "%s", c->p->source);
     return STATUS_OK;
   }
-  pr_where_of(c, m, &c->p->par.mesh_where);
+  pr_where_section(c, m, keys, &c->p->par.mesh_where);
   TRY(pr_get_size(c, m, "mesh", "dp_replicate", &c->p->par.dp_replicate));
   TRY(pr_get_size(c, m, "mesh", "dp_shard", &c->p->par.dp_shard));
   TRY(pr_get_size(c, m, "mesh", "tp", &c->p->par.tp));
@@ -241,7 +243,8 @@ status_t pp_read_parallelize(plan_ctx_t *c, int root) {
   if (!pr_is_null(c, fs)) {
     const char *path = "parallelize.fully_shard";
     TRY(pr_check_keys(c, fs, path, fs_keys));
-    pr_where_of(c, fs, &p->par.fsdp_where);
+    static const char *const later[] = {"reshard_after_forward", "sharding_strategy", NULL};
+    pr_where_section(c, fs, later, &p->par.fsdp_where);
     TRY(pr_get_reshard(c, fs, path, &p->par.reshard_after_forward));
     dtype_t dt[3] = {p->par.param_dtype, p->par.reduce_dtype, p->par.output_dtype};
     TRY(read_mp(c, fs, path, dt));
@@ -260,6 +263,8 @@ status_t pp_read_parallelize(plan_ctx_t *c, int root) {
 }
 
 status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {
+  ARG_NONNULL(pp);
+  ARG_NONNULL(pattern);
   if (pp->n_units == PLAN_MAX_UNITS)
     return err_set(STATUS_EINVAL, "parallel plan: more than %d units", PLAN_MAX_UNITS);
   if (pattern == NULL || pattern[0] == 0 || strlen(pattern) >= PLAN_PATTERN_MAX)
@@ -275,6 +280,8 @@ status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {
 
 status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
                                    tp_layout_t input, tp_layout_t output) {
+  ARG_NONNULL(pp);
+  ARG_NONNULL(pattern);
   if (pp->n_tp_rules == PLAN_MAX_TP_RULES)
     return err_set(STATUS_EINVAL, "parallel plan: more than %d tensor-parallel rules",
                    PLAN_MAX_TP_RULES);
@@ -297,6 +304,7 @@ status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_
 }
 
 int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out) {
+  if (pp == NULL || out == NULL) return 0;
   for (int i = 0; i < pp->n_tp_rules; i++)
     out[i] = (tp_rule_t){pp->tp_rules[i].pattern, pp->tp_rules[i].style, pp->tp_rules[i].input,
                          pp->tp_rules[i].output};
@@ -306,6 +314,7 @@ int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out) {
 /* ---- resolve ---- */
 
 status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
+  ARG_NONNULL(pp);
   if (pp->dp_shard == PLAN_SIZE_NODE) { /* HYBRID_SHARD: the ranks of a node */
     if (world_started_size() != world)
       return err_set(STATUS_EINVAL,
@@ -329,15 +338,16 @@ status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
   if (rest >= 0) {
     if (known > world || world % known != 0)
       return err_set(STATUS_EMESH,
-                     "%s: mesh: the world has %d ranks, which mesh sizes of product %lld do not "
+                     "%s: mesh: the world has %d rank%s, which mesh sizes of product %lld do not "
                      "divide (mesh.%s = -1 takes the rest)",
-                     pp->mesh_where.text, world, known, names[rest]);
+                     pp->mesh_where.text, world, world == 1 ? "" : "s", known, names[rest]);
     *sizes[rest] = (int)(world / known);
   } else if (known != world) {
     return err_set(STATUS_EMESH,
                    "%s: mesh: dp_replicate x dp_shard x tp = %d x %d x %d = %lld, but the world "
-                   "has %d ranks",
-                   pp->mesh_where.text, pp->dp_replicate, pp->dp_shard, pp->tp, known, world);
+                   "has %d rank%s",
+                   pp->mesh_where.text, pp->dp_replicate, pp->dp_shard, pp->tp, known, world,
+                   world == 1 ? "" : "s");
   }
   for (int i = -1; i < pp->n_units; i++) { /* the section's value, then the units' own */
     int N = i >= 0 ? pp->units[i].reshard_after_forward : pp->reshard_after_forward;

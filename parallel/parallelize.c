@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
+
 struct parallel {
   nn_module_t *root;
   mesh_t *mesh, *dp_mesh, *tp_mesh, *all;
@@ -13,15 +15,42 @@ struct parallel {
   int dp_rank, dp_size;
 };
 
-mesh_t *parallel_mesh(const parallel_t *par) { return par->mesh; }
-mesh_t *parallel_dp_mesh(const parallel_t *par) { return par->dp_mesh; }
-mesh_t *parallel_tp_mesh(const parallel_t *par) { return par->tp_mesh; }
-pg_t *parallel_all_group(const parallel_t *par) { return mesh_group(par->all, 0); }
-int parallel_dp_rank(const parallel_t *par) { return par->dp_rank; }
-int parallel_dp_size(const parallel_t *par) { return par->dp_size; }
-int parallel_num_groups(const parallel_t *par) { return par->n_groups; }
-fsdp_group_t *const *parallel_groups(const parallel_t *par) { return par->groups; }
-const tp_plan_t *parallel_tp(const parallel_t *par) { return par->tp; }
+mesh_t *parallel_mesh(const parallel_t *par) {
+  if (par == NULL) return NULL;
+  return par->mesh;
+}
+mesh_t *parallel_dp_mesh(const parallel_t *par) {
+  if (par == NULL) return NULL;
+  return par->dp_mesh;
+}
+mesh_t *parallel_tp_mesh(const parallel_t *par) {
+  if (par == NULL) return NULL;
+  return par->tp_mesh;
+}
+pg_t *parallel_all_group(const parallel_t *par) {
+  if (par == NULL) return NULL;
+  return mesh_group(par->all, 0);
+}
+int parallel_dp_rank(const parallel_t *par) {
+  if (par == NULL) return 0;
+  return par->dp_rank;
+}
+int parallel_dp_size(const parallel_t *par) {
+  if (par == NULL) return 0;
+  return par->dp_size;
+}
+int parallel_num_groups(const parallel_t *par) {
+  if (par == NULL) return 0;
+  return par->n_groups;
+}
+fsdp_group_t *const *parallel_groups(const parallel_t *par) {
+  if (par == NULL) return NULL;
+  return par->groups;
+}
+const tp_plan_t *parallel_tp(const parallel_t *par) {
+  if (par == NULL) return NULL;
+  return par->tp;
+}
 
 /* ---- meshes ---- */
 
@@ -176,6 +205,9 @@ static status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
 
 status_t parallel_apply(parallel_t **out, nn_module_t *root, const parallel_plan_t *pp,
                         device_type_t dev) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(root);
+  ARG_NONNULL(pp);
   *out = NULL;
   if (root == NULL || pp == NULL)
     return err_set(STATUS_EINVAL, "parallel_apply: a module tree and a plan are required");
@@ -213,6 +245,11 @@ void parallel_free(parallel_t *par) {
 status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
                                    const char *kind, int *mesh_ndim, int *mesh_shape,
                                    placement_t *pl) {
+  ARG_NONNULL(pp);
+  ARG_NONNULL(fqn);
+  ARG_NONNULL(mesh_ndim);
+  ARG_NONNULL(mesh_shape);
+  ARG_NONNULL(pl);
   int md = 0;
   if (pp->dp_replicate > 1) {
     mesh_shape[md] = pp->dp_replicate;

@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "fully_shard/fsdp.h"
 
@@ -26,6 +27,17 @@ void pr_where_of(plan_ctx_t *c, int i, plan_where_t *w) {
   yaml_node_t *n = pr_node(c, i);
   snprintf(w->text, sizeof w->text, "%s:%zu:%zu", c->p->source, n ? n->start_mark.line + 1 : 1,
            n ? n->start_mark.column + 1 : 1);
+}
+
+void pr_where_section(plan_ctx_t *c, int m, const char *const *keys, plan_where_t *w) {
+  for (int k = 0; keys[k]; k++) {
+    int v = pr_find(c, m, keys[k]);
+    if (v >= c->set_base && v - c->set_base < c->n_set_nodes && c->set_of[v - c->set_base]) {
+      pr_where_of(c, v, w);
+      return;
+    }
+  }
+  pr_where_of(c, m, w);
 }
 
 status_t pr_fail(plan_ctx_t *c, int i, const char *path, const char *fmt, ...) {
@@ -299,6 +311,30 @@ static int add_scalar(plan_ctx_t *c, const char *s, const char *set) {
   return i;
 }
 
+/* The next part of a --set key path at *pos: up to a '.' outside quotes; a part in double or
+ * single quotes ("*norm*", 'model.layers.0.*') is taken literally, dots included, then an
+ * optional [INDEX]. Returns the part (in place, quotes removed), NULL at the end; *bad is set
+ * for an unclosed quote. */
+static char *next_part(char **pos, bool *bad) {
+  char *p = *pos;
+  *bad = false;
+  if (p == NULL || *p == 0) return NULL;
+  char *start = p, *w = p;
+  if (*p == '"' || *p == '\'') {
+    char q = *p++;
+    while (*p && *p != q) *w++ = *p++;
+    if (*p != q) {
+      *bad = true;
+      return NULL;
+    }
+    p++;
+  }
+  while (*p && *p != '.') *w++ = *p++;
+  *pos = *p ? p + 1 : p;
+  *w = 0;
+  return start;
+}
+
 status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
   const char *eq = strchr(set, '=');
   if (eq == NULL || eq == set)
@@ -313,9 +349,10 @@ status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
   memcpy(key, set, kl);
   key[kl] = 0;
   int cur = root;
-  char *save = NULL;
-  for (char *part = strtok_r(key, ".", &save); part; part = strtok_r(NULL, ".", &save)) {
-    bool last = save == NULL || *save == 0;
+  char *pos = key;
+  bool bad = false;
+  for (char *part = next_part(&pos, &bad); part; part = next_part(&pos, &bad)) {
+    bool last = *pos == 0;
     if (pr_node(c, cur)->type != YAML_MAPPING_NODE)
       return err_set(STATUS_EFORMAT, "--set %s: '%s' is inside a value that is not a mapping", set,
                      part);
@@ -370,6 +407,7 @@ status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
     }
     cur = v;
   }
+  if (bad) return err_set(STATUS_EFORMAT, "--set %s: a quote in the key path is not closed", set);
   return err_set(STATUS_EFORMAT, "--set %s: empty key path", set);
 }
 
@@ -378,6 +416,8 @@ status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
 /* Checks the nesting depth with libyaml's event parser, which stops at the first collection
  * too deep (its lookahead is bounded), before the document loader builds anything. */
 status_t plan_yaml_check_depth(const char *path, const char *text, size_t len, int max_depth) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(text);
   yaml_parser_t parser;
   yaml_parser_initialize(&parser);
   yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);

@@ -29,6 +29,9 @@ typedef struct plan_ctx {
 
 yaml_node_t *pr_node(plan_ctx_t *c, int i);
 void pr_where_of(plan_ctx_t *c, int i, plan_where_t *w);
+/* Where a section's later checks point: the first of keys whose value came from --set
+ * ("--set mesh.tp=3"), else the section itself. */
+void pr_where_section(plan_ctx_t *c, int m, const char *const *keys, plan_where_t *w);
 status_t pr_fail(plan_ctx_t *c, int i, const char *path, const char *fmt, ...);
 const char *pr_scalar(plan_ctx_t *c, int i);
 bool pr_is_null(plan_ctx_t *c, int i);

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/args.h"
 #include "base/kernels.h"
 #include "nn/ops.h"
 
@@ -390,6 +391,10 @@ static int count_modules(const nn_module_t *m) {
 
 status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules, int n,
                          bool sequence_parallel, tp_plan_t **out) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(mesh);
+  if (n > 0) ARG_NONNULL(rules);
+  ARG_NONNULL(out);
   *out = NULL;
   if (root == NULL || mesh == NULL || mesh_ndim(mesh) != 1 || (n > 0 && rules == NULL))
     return err_set(STATUS_EINVAL, "tensor_parallel: a module, a 1-D mesh and rules are required");

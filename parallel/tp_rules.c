@@ -1,9 +1,10 @@
 /* Tensor-parallel styles and layouts by name, the rule a module matches, and where each style
  * puts a layer's parameters: the declarative half of tensor_parallel (tensor_parallel.c
  * applies it to a model). */
-#include "parallel/tensor_parallel.h"
-
 #include <string.h>
+
+#include "base/args.h"
+#include "parallel/tensor_parallel.h"
 
 /* ---- names ---- */
 
@@ -13,6 +14,7 @@ static const char *const layout_names[TP_LAYOUT_COUNT] = {"default", "replicate"
                                                           "shard(-1)", "replicate"};
 
 bool tp_style_parse(const char *name, tp_style_t *out) {
+  if (name == NULL || out == NULL) return false;
   for (int i = 0; i < TP_STYLE_COUNT; i++)
     if (strcmp(name, style_names[i]) == 0) {
       *out = (tp_style_t)i;
@@ -26,6 +28,7 @@ const char *tp_style_name(tp_style_t s) {
 }
 
 bool tp_layout_parse(const char *name, tp_layout_t *out) {
+  if (name == NULL || out == NULL) return false;
   for (int i = TP_REPLICATE; i <= TP_SHARD_LAST; i++)
     if (strcmp(name, layout_names[i]) == 0) {
       *out = (tp_layout_t)i;
@@ -45,6 +48,7 @@ int tp_rule_index(const tp_rule_t *rules, int n, const char *fqn) {
 }
 
 bool tp_rule_applies(const tp_rule_t *rule, bool sequence_parallel) {
+  if (rule == NULL) return false;
   return rule->style != TP_SEQUENCE_PARALLEL || sequence_parallel; /* else norms stay whole */
 }
 
@@ -54,6 +58,8 @@ static bool is_norm(const char *kind) {
 
 status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
                             placement_t *out) {
+  ARG_NONNULL(param);
+  ARG_NONNULL(out);
   bool linear = kind && strcmp(kind, "linear") == 0, emb = kind && strcmp(kind, "embedding") == 0;
   bool bias = param && strcmp(param, "bias") == 0;
   *out = placement_replicate();

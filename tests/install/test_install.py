@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""The installed library as an application uses it: `meson install` into a temporary folder,
+then examples/dtensor_basics.c compiled against the installed headers with the flags
+`pkg-config fsdpc` gives, linked twice (the shared library with `--libs`, the static archive
+with `--static --libs`), and both programs run on 2 ranks. Every -l of the static flags must
+name a library found in the -L folders or the linker's own (a CUDA build lists -lcudart).
+
+  test_install.py BUILD_DIR SOURCE_DIR MPIRUN
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+BUILD, ROOT, MPIRUN = sys.argv[1:4]
+failed = 0
+
+
+def check(ok, what):
+    global failed
+    print("%s %s" % ("ok  " if ok else "FAIL", what))
+    if not ok:
+        failed += 1
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
+
+
+def linker_dirs():
+    """The folders the linker searches without -L."""
+    p = run(["cc", "-print-search-dirs"])
+    m = re.search(r"^libraries: =(.*)$", p.stdout, re.M)
+    return [os.path.normpath(d) for d in m.group(1).split(":")] if m else []
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="fsdpc-install-")
+    try:
+        p = run(["meson", "install", "-C", BUILD, "--destdir", tmp, "--no-rebuild", "--quiet"])
+        check(p.returncode == 0, "meson install --destdir runs (%s)" % p.stderr.strip()[-300:])
+        if p.returncode != 0:
+            return
+        pcs = [os.path.join(d, f) for d, _, fs in os.walk(tmp) for f in fs if f == "fsdpc.pc"]
+        check(len(pcs) == 1, "one fsdpc.pc is installed")
+        if len(pcs) != 1:
+            return
+        prefix = re.search(r"^prefix=(.*)$", open(pcs[0]).read(), re.M).group(1)
+        env = dict(os.environ, PKG_CONFIG_PATH=os.path.dirname(pcs[0]))
+        define = ["--define-variable=prefix=" + tmp + prefix]
+
+        def flags(*what):
+            q = run(["pkg-config"] + define + list(what) + ["fsdpc"], env=env)
+            check(q.returncode == 0, "pkg-config %s fsdpc (%s)" % (" ".join(what), q.stderr.strip()))
+            return q.stdout.split()
+
+        cflags = flags("--cflags")
+        static = flags("--static", "--libs")
+        shared = flags("--libs")
+        dirs = [f[2:] for f in static if f.startswith("-L")] + linker_dirs()
+        for lib in [f[2:] for f in static if f.startswith("-l")]:
+            found = [d for d in dirs for ext in (".so", ".a")
+                     if os.path.exists(os.path.join(d, "lib%s%s" % (lib, ext)))]
+            check(bool(found), "pkg-config --static --libs: -l%s is in a folder it names or the "
+                  "linker's (%s)" % (lib, found[0] if found else "nowhere"))
+        src = os.path.join(ROOT, "examples", "dtensor_basics.c")
+        libdir = [f[2:] for f in shared if f.startswith("-L")][0]
+        archive = os.path.join(libdir, "libfsdpc.a")
+        check(os.path.exists(archive), "the static archive is installed beside the shared library")
+        exes = {}
+        for kind, libs in (("shared", shared),
+                           ("static", [archive if f == "-lfsdpc" else f for f in static])):
+            exe = os.path.join(tmp, "basics-" + kind)
+            # a sanitized build's library needs the sanitizers' runtimes in the program
+            san = ["-fsanitize=address,undefined"] if os.environ.get("FSDPC_TEST_SANITIZED") else []
+            q = run(["cc", "-o", exe, src] + san + cflags + libs)
+            check(q.returncode == 0, "examples/dtensor_basics.c compiles and links against the "
+                  "installed %s library (%s)" % (kind, q.stderr.strip()[-400:]))
+            if q.returncode == 0:
+                exes[kind] = exe
+        for kind, exe in exes.items():
+            q = run([MPIRUN, "--oversubscribe", "-n", "2", exe],
+                    env=dict(os.environ, LD_LIBRARY_PATH=libdir))
+            check(q.returncode == 0 and q.stdout.strip() != "",
+                  "the program linked against the %s library runs on 2 ranks (rc %d%s)"
+                  % (kind, q.returncode, (", " + q.stderr.strip()[-300:]) if q.returncode else ""))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+main()
+print("%s" % ("install: all checks passed" if failed == 0 else "install: %d failed" % failed))
+sys.exit(1 if failed else 0)
