@@ -3,6 +3,7 @@
  * reader of plan_reader.c, then resolved against the world size. */
 #include "parallel/plan.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
@@ -13,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/args.h"
 #include "base/file.h"
 #include "fully_shard/fsdp.h"
 #include "mesh/world.h"
@@ -20,6 +22,7 @@
 #include "parallel/plan_reader.h"
 
 void plan_defaults(plan_t *p) {
+  if (p == NULL) return;
   memset(p, 0, sizeof *p);
   parallel_plan_defaults(&p->par);
   /* model: the small Llama of configs/llama-small.json */
@@ -67,6 +70,10 @@ static status_t read_model(plan_ctx_t *c, int root) {
   TRY(pr_section(c, root, "model", keys, &m));
   if (m == 0) return STATUS_OK;
   plan_t *p = c->p;
+  for (int i = 0; keys[i]; i++)
+    if (strcmp(keys[i], "seed") != 0 && strcmp(keys[i], "deferred_init") != 0 &&
+        pr_find(c, m, keys[i]))
+      p->model_given = true;
   uint64_t seed = p->model_seed;
   int64_t s = 0;
   TRY(pr_get_int(c, m, "model", "seed", 0, INT64_MAX, &s));
@@ -75,12 +82,19 @@ static status_t read_model(plan_ctx_t *c, int root) {
   TRY(pr_get_bool(c, m, "model", "deferred_init", &p->deferred_init));
   TRY(pr_get_path(c, m, "model", "init_from", p->init_from));
   if (p->init_from[0]) {
+    char listed[256] = "";
+    int first = 0, n = 0;
     for (int i = 0; keys[i] && strcmp(keys[i], "seed") != 0; i++)
-      if (pr_find(c, m, keys[i]))
-        return pr_fail(c, pr_find(c, m, keys[i]), "model",
-                       "%s: the architecture comes from %s/config.json "
-                       "with model.init_from; remove model.%s",
-                       keys[i], p->init_from, keys[i]);
+      if (pr_find(c, m, keys[i])) {
+        size_t l = strlen(listed);
+        snprintf(listed + l, sizeof listed - l, "%smodel.%s", n++ ? ", " : "", keys[i]);
+        if (first == 0) first = pr_find(c, m, keys[i]);
+      }
+    if (n > 0)
+      return pr_fail(c, first, "model",
+                     "the architecture comes from %s/config.json with model.init_from; remove "
+                     "%s",
+                     p->init_from, listed);
     char cfg[PLAN_PATH_MAX + 16];
     snprintf(cfg, sizeof cfg, "%s/config.json", p->init_from);
     if (llama_config_from_hf(cfg, &p->model) != STATUS_OK)
@@ -269,8 +283,9 @@ static status_t read_time_limit(plan_ctx_t *c, int v, double *out) {
 
 static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const sched_keys[] = {"warmup_steps", "min_lr_ratio", NULL};
-  static const char *const data_keys[] = {"path",       "format",  "seq_len", "batch_size",
-                                          "grad_accum", "shuffle", NULL};
+  static const char *const data_keys[] = {"path",       "format",     "seq_len",
+                                          "batch_size", "grad_accum", "global_batch_size",
+                                          "shuffle",    NULL};
   static const char *const train_keys[] = {"steps",
                                            "seed",
                                            "activation_checkpointing",
@@ -293,12 +308,16 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   TRY(pr_get_int(c, m, "schedule", "warmup_steps", 0, big, &p->warmup_steps));
   TRY(pr_get_float(c, m, "schedule", "min_lr_ratio", 0, 1, false, &p->min_lr_ratio));
   TRY(pr_section(c, root, "data", data_keys, &m));
-  if (m) pr_where_of(c, m, &p->data_where);
+  static const char *const data_later[] = {"path", "seq_len", "global_batch_size", "batch_size",
+                                           NULL};
+  if (m) pr_where_section(c, m, data_later, &p->data_where);
   TRY(pr_get_path(c, m, "data", "path", p->data_path));
   TRY(read_format(c, m, "data", &p->data_format, NULL));
   TRY(pr_get_int(c, m, "data", "seq_len", 1, (int64_t)1 << 24, &p->seq_len));
   TRY(pr_get_int(c, m, "data", "batch_size", 1, (int64_t)1 << 24, &p->batch_size));
   TRY(pr_get_int(c, m, "data", "grad_accum", 1, (int64_t)1 << 20, &p->grad_accum));
+  p->grad_accum_given = m && !pr_is_null(c, pr_find(c, m, "grad_accum"));
+  TRY(pr_get_int(c, m, "data", "global_batch_size", 1, (int64_t)1 << 40, &p->global_batch_size));
   TRY(pr_get_bool(c, m, "data", "shuffle", &p->shuffle));
   TRY(pr_section(c, root, "eval", eval_keys, &m));
   if (m) pr_where_of(c, m, &p->eval_where);
@@ -479,17 +498,25 @@ static status_t load(plan_t *p, const char *path, const char *const *sets, int n
 }
 
 status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(path);
   return load(p, path, sets, n_sets, false, NULL);
 }
 
 status_t plan_load_settings(plan_t *p, const char *path, const char *const *sets, int n_sets,
                             char **settings) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(path);
+  if (n_sets > 0) ARG_NONNULL(sets);
+  ARG_NONNULL(settings);
   *settings = NULL;
   return load(p, path, sets, n_sets, false, settings);
 }
 
 status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
                             int n_sets) {
+  ARG_NONNULL(pp);
+  ARG_NONNULL(path);
   plan_t *p = malloc(sizeof *p);
   if (p == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
   status_t st = load(p, path, sets, n_sets, true, NULL);
@@ -511,30 +538,42 @@ static status_t check_path(const char *path, const plan_where_t *where, const ch
   return STATUS_OK;
 }
 
-status_t plan_resolve(plan_t *p, int world) {
-  TRY(parallel_plan_resolve(&p->par, world));
-  if (p->par.tp > 1) {
-    const struct {
-      const char *key;
-      int64_t v;
-      const char *why;
-    } split[] = {{"n_heads", p->model.n_heads, "whole attention heads"},
-                 {"n_kv_heads", p->model.n_kv_heads, "whole key/value heads"},
-                 {"ffn_dim", p->model.ffn_dim, "an equal slice of the MLP"},
-                 {"vocab_size", p->model.vocab_size, "an equal slice of the vocabulary"}};
-    for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
-      if (split[i].v % p->par.tp != 0)
-        return err_set(STATUS_EINVAL,
-                       "%s: mesh.tp: %d does not divide model.%s=%lld (each tensor-parallel "
-                       "rank needs %s)",
-                       p->par.mesh_where.text, p->par.tp, split[i].key, (long long)split[i].v,
-                       split[i].why);
-    if (p->par.sequence_parallel && p->seq_len % p->par.tp != 0)
-      return err_set(STATUS_EINVAL,
-                     "%s: data.seq_len: %lld is not divisible by mesh.tp=%d (sequence "
-                     "parallelism splits the sequence evenly)",
-                     p->data_where.text, (long long)p->seq_len, p->par.tp);
+/* What a checkpoint.load folder without train_state.json may be: a run's checkpoint.dir (its
+ * newest complete step-N named) or a Hugging Face folder. "" when neither. */
+static void load_hint(const char *dir, char *hint, size_t size) {
+  hint[0] = 0;
+  DIR *d = opendir(dir);
+  if (d == NULL) return;
+  char newest[256] = "";
+  long long best = -1;
+  for (struct dirent *e; (e = readdir(d)) != NULL;) {
+    long long step;
+    int end = 0;
+    if (sscanf(e->d_name, "step-%lld%n", &step, &end) != 1 || e->d_name[end] != 0 || step <= best)
+      continue;
+    char state[PLAN_PATH_MAX + 300];
+    snprintf(state, sizeof state, "%s/%s/train_state.json", dir, e->d_name);
+    if (access(state, R_OK) != 0) continue;
+    best = step;
+    snprintf(newest, sizeof newest, "%s", e->d_name);
   }
+  closedir(d);
+  char config[PLAN_PATH_MAX + 16];
+  snprintf(config, sizeof config, "%s/config.json", dir);
+  if (best >= 0)
+    snprintf(hint, size,
+             "; it is a run's checkpoint folder, the newest complete checkpoint %s/%s: name that, "
+             "or resume the newest with checkpoint.dir: %s and checkpoint.load: auto",
+             dir, newest, dir);
+  else if (access(config, R_OK) == 0)
+    snprintf(hint, size,
+             "; it is a Hugging Face folder (config.json): start from its weights with "
+             "model.init_from: %s, or convert it with fsdp-ckpt import-hf",
+             dir);
+}
+
+status_t plan_resolve(plan_t *p, int world) {
+  TRY(plan_resolve_model(p, world));
   if (p->data_path[0] == 0)
     return err_set(STATUS_EINVAL, "%s: data.path: missing (the token file to train on)", p->source);
   TRY(check_path(p->data_path, &p->data_where, "data.path"));
@@ -556,11 +595,68 @@ status_t plan_resolve(plan_t *p, int world) {
   if (p->ckpt_load[0] && strcmp(p->ckpt_load, "auto") != 0) {
     char state[PLAN_PATH_MAX + 32];
     snprintf(state, sizeof state, "%s/train_state.json", p->ckpt_load);
-    if (access(state, R_OK) != 0)
+    if (access(state, R_OK) != 0) {
+      char hint[3 * PLAN_PATH_MAX];
+      load_hint(p->ckpt_load, hint, sizeof hint);
       return err_set(STATUS_EIO,
                      "%s: checkpoint.load: '%s' is not a complete checkpoint (no "
-                     "train_state.json)",
-                     p->ckpt_where.text, p->ckpt_load);
+                     "train_state.json)%s",
+                     p->ckpt_where.text, p->ckpt_load, hint);
+    }
+  }
+  return STATUS_OK;
+}
+
+/* data.global_batch_size = batch_size x data-parallel ranks x grad_accum: checked when all
+ * three are given, grad_accum derived when it is not. */
+static status_t resolve_global_batch(plan_t *p) {
+  if (p->global_batch_size <= 0) return STATUS_OK;
+  int64_t dp = (int64_t)p->par.dp_replicate * p->par.dp_shard, per_micro = p->batch_size * dp;
+  if (p->grad_accum_given && per_micro * p->grad_accum != p->global_batch_size)
+    return err_set(STATUS_EINVAL,
+                   "%s: data.global_batch_size: %lld is not data.batch_size %lld x %lld "
+                   "data-parallel rank%s x data.grad_accum %lld = %lld (leave grad_accum out to "
+                   "derive it)",
+                   p->data_where.text, (long long)p->global_batch_size, (long long)p->batch_size,
+                   (long long)dp, dp == 1 ? "" : "s", (long long)p->grad_accum,
+                   (long long)(per_micro * p->grad_accum));
+  if (!p->grad_accum_given) {
+    if (p->global_batch_size % per_micro != 0)
+      return err_set(STATUS_EINVAL,
+                     "%s: data.global_batch_size: %lld is not a multiple of data.batch_size %lld x "
+                     "%lld data-parallel rank%s = %lld samples a micro-batch",
+                     p->data_where.text, (long long)p->global_batch_size, (long long)p->batch_size,
+                     (long long)dp, dp == 1 ? "" : "s", (long long)per_micro);
+    p->grad_accum = p->global_batch_size / per_micro;
+  }
+  return STATUS_OK;
+}
+
+status_t plan_resolve_model(plan_t *p, int world) {
+  ARG_NONNULL(p);
+  TRY(parallel_plan_resolve(&p->par, world));
+  TRY(resolve_global_batch(p));
+  if (p->par.tp > 1) {
+    const struct {
+      const char *key;
+      int64_t v;
+      const char *why;
+    } split[] = {{"n_heads", p->model.n_heads, "whole attention heads"},
+                 {"n_kv_heads", p->model.n_kv_heads, "whole key/value heads"},
+                 {"ffn_dim", p->model.ffn_dim, "an equal slice of the MLP"},
+                 {"vocab_size", p->model.vocab_size, "an equal slice of the vocabulary"}};
+    for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
+      if (split[i].v % p->par.tp != 0)
+        return err_set(STATUS_EINVAL,
+                       "%s: mesh.tp: %d does not divide model.%s=%lld (each tensor-parallel "
+                       "rank needs %s)",
+                       p->par.mesh_where.text, p->par.tp, split[i].key, (long long)split[i].v,
+                       split[i].why);
+    if (p->par.sequence_parallel && p->seq_len % p->par.tp != 0)
+      return err_set(STATUS_EINVAL,
+                     "%s: data.seq_len: %lld is not divisible by mesh.tp=%d (sequence "
+                     "parallelism splits the sequence evenly)",
+                     p->data_where.text, (long long)p->seq_len, p->par.tp);
   }
   return STATUS_OK;
 }

@@ -34,6 +34,7 @@ typedef struct plan {
   parallel_plan_t par;        /* mesh and parallelize */
   /* model */
   llama_config_t model;
+  bool model_given;              /* the plan states the architecture (model keys or init_from) */
   char init_from[PLAN_PATH_MAX]; /* a Hugging Face folder, or "" */
   uint64_t model_seed;
   bool deferred_init; /* build meta, parallelise, then allocate and fill only local shards */
@@ -47,6 +48,8 @@ typedef struct plan {
   char data_path[PLAN_PATH_MAX];
   data_format_t data_format;
   int64_t seq_len, batch_size, grad_accum;
+  int64_t global_batch_size; /* samples a step over all data-parallel ranks; 0: not stated */
+  bool grad_accum_given;     /* data.grad_accum in the plan (else derived from the global batch) */
   bool shuffle; /* each epoch's windows in an order drawn from train.seed */
   plan_where_t data_where;
   /* eval: the loss on held-out tokens, without gradients */
@@ -98,6 +101,10 @@ status_t plan_load_settings(plan_t *p, const char *path, const char *const *sets
  * vocab_size and, under sequence parallelism, data.seq_len divisible by tp), the data file.
  * Local (every rank reaches the same verdict). */
 status_t plan_resolve(plan_t *p, int world_size);
+
+/* plan_resolve's checks of the mesh and the model only: for a tool that lays out a model
+ * (fsdp-ckpt reshard) without training it. Local. */
+status_t plan_resolve_model(plan_t *p, int world_size);
 
 #ifdef __cplusplus
 }

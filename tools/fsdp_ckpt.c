@@ -17,6 +17,7 @@
  * checkpoints of any model: names and shapes come from the files.
  */
 #include <cJSON.h>
+#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -123,8 +124,71 @@ static status_t inspect_folder(const char *title, const char *dir) {
   return st;
 }
 
+static int by_name(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* A run's checkpoint.dir (step-N folders, no checkpoint of its own): lists its checkpoints,
+ * complete or not. *listed is false when dir holds no step folder. */
+static status_t inspect_run(const char *dir, bool *listed) {
+  *listed = false;
+  DIR *d = opendir(dir);
+  if (d == NULL) return err_set(STATUS_EIO, "%s: %s", dir, strerror(errno));
+  char **names = NULL;
+  int n = 0;
+  status_t st = STATUS_OK;
+  for (struct dirent *e; st == STATUS_OK && (e = readdir(d)) != NULL;) {
+    long long step;
+    int end = 0;
+    if (sscanf(e->d_name, "step-%lld%n", &step, &end) != 1 ||
+        (e->d_name[end] != 0 && strcmp(e->d_name + end, ".tmp") != 0))
+      continue;
+    char **grown = realloc(names, (size_t)(n + 1) * sizeof *names);
+    if (grown == NULL || (grown[n] = strdup(e->d_name)) == NULL) {
+      if (grown) names = grown;
+      st = err_set(STATUS_ENOMEM, "out of host memory");
+      break;
+    }
+    names = grown;
+    n++;
+  }
+  closedir(d);
+  if (st == STATUS_OK && n > 0) {
+    *listed = true;
+    qsort(names, (size_t)n, sizeof *names, by_name);
+    int complete = 0;
+    for (int i = 0; i < n; i++) {
+      char state[PATH_LEN + 300];
+      snprintf(state, sizeof state, "%.4000s/%s/train_state.json", dir, names[i]);
+      complete += access(state, F_OK) == 0;
+    }
+    printf("%s: a run's checkpoint folder, %d complete checkpoint%s:\n", dir, complete,
+           complete == 1 ? "" : "s");
+    for (int i = 0; i < n; i++) {
+      char state[PATH_LEN + 300];
+      snprintf(state, sizeof state, "%.4000s/%s/train_state.json", dir, names[i]);
+      bool tmp = strstr(names[i], ".tmp") != NULL;
+      printf("  %-24s %s\n", names[i],
+             access(state, F_OK) == 0 ? "complete"
+             : tmp                    ? "a save that did not finish (removed at the next start)"
+                                      : "not a complete checkpoint (no train_state.json)");
+    }
+    printf("inspect one of them: fsdp-ckpt inspect %s/STEP\n", dir);
+  }
+  for (int i = 0; i < n; i++) free(names[i]);
+  free(names);
+  return st;
+}
+
 static status_t inspect(const char *dir) {
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  char own[PATH_LEN + 32];
+  snprintf(own, sizeof own, "%.4000s/train_state.json", dir);
+  if (access(own, F_OK) != 0) {
+    bool listed;
+    TRY(inspect_run(dir, &listed));
+    if (listed) return STATUS_OK;
+  }
   TRY(check_state(dir)); /* a train state that passes is valid JSON */
   char *text;
   TRY(ckpt_state_text(dir, &text));
@@ -316,19 +380,24 @@ static status_t reshard(const char *dir, const char *out, const reshard_opts_t *
     return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
   TRY(ckpt_recorded_config(dir, &config));
   bool llama = config && hf_config_is_llama(config);
-  /* the built-in Llama: the plan's model must be the checkpoint's, or nothing would load;
-   * any other model: the plan's mesh and parallelize sections alone */
-  status_t st = llama ? plan_resolve(&p, world) : parallel_plan_resolve(&p.par, world);
-  if (st == STATUS_OK && llama) {
+  /* the built-in Llama: the checkpoint records its model; a plan that states one must state
+   * the same, or nothing would load. Any other model: the plan's mesh and parallelize
+   * sections alone. The data and training sections are not read. */
+  status_t st = STATUS_OK;
+  if (llama) {
     char why[128];
     llama_config_t saved;
     st = llama_config_from_hf_text(config, dir, &saved);
-    if (st == STATUS_OK && !llama_config_same_params(&saved, &p.model, why, sizeof why))
+    if (st == STATUS_OK && !p.model_given)
+      p.model = saved;
+    else if (st == STATUS_OK && !llama_config_same_params(&saved, &p.model, why, sizeof why))
       st = err_set(STATUS_EINVAL,
                    "%s: the checkpoint's model differs from the model of %s (%s: saved vs "
-                   "planned)",
+                   "planned; leave the model section out to take the checkpoint's)",
                    dir, o->config, why);
   }
+  if (st == STATUS_OK)
+    st = llama ? plan_resolve_model(&p, world) : parallel_plan_resolve(&p.par, world);
   /* the Llama's module kinds come from a meta model: no memory */
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.deferred = true;
@@ -350,8 +419,9 @@ static status_t reshard(const char *dir, const char *out, const reshard_opts_t *
   if (st == STATUS_OK)
     st = ckpt_reshard_training(dir, out, world, target_placements, &kinds, under, &files);
   if (st == STATUS_OK)
-    printf("resharded %s for %d ranks (dp_replicate %d x dp_shard %d x tp %d): %d files in %s\n",
-           dir, world, p.par.dp_replicate, p.par.dp_shard, p.par.tp, files, out);
+    printf("resharded %s for %d rank%s (dp_replicate %d x dp_shard %d x tp %d): %d file%s in %s\n",
+           dir, world, world == 1 ? "" : "s", p.par.dp_replicate, p.par.dp_shard, p.par.tp, files,
+           files == 1 ? "" : "s", out);
   free(under);
   cJSON_Delete(nu);
   llama_free(model);

@@ -584,8 +584,9 @@ static status_t train(run_t *r) {
     double total = now() - t_start;
     char pm[32];
     train_mib(pm, sizeof pm, (double)peak_max);
-    printf("done: %lld steps in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s\n",
-           (long long)steps_done, total, first_loss, last_loss, tok_sum / total, pm);
+    printf("done: %lld step%s in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s\n",
+           (long long)steps_done, steps_done == 1 ? "" : "s", total, first_loss, last_loss,
+           tok_sum / total, pm);
     if (kernel_profile_enabled() && t_profile > 0) { /* FSDPC_PROFILE=1: rank 0's kernels */
       double k = 0, span = now() - t_profile;
       printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n", (long long)profile_from + 1,

@@ -214,9 +214,8 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
   number(o, c, "gradient_accumulation_steps", name, "data", "grad_accum");
   snprintf(name, sizeof name, "%sgradient_clipping", prefix);
   number(o, c, "gradient_clipping", name, "optim", "clip_grad_norm");
-  if (cJSON_GetObjectItemCaseSensitive(c, "train_batch_size"))
-    leave(o, "train_batch_size",
-          "follows from data.batch_size x grad_accum x the data-parallel ranks");
+  snprintf(name, sizeof name, "%strain_batch_size", prefix);
+  number(o, c, "train_batch_size", name, "data", "global_batch_size");
   for (int k = 0; k < 2; k++) { /* bf16, fp16: {"enabled": true | false | "auto"} */
     const char *which = k ? "fp16" : "bf16";
     const char *v = plan_text_of(

@@ -64,6 +64,32 @@ static void warn_oversubscribed(void) {
         local, threads, online);
 }
 
+/* The optimizer, its schedule and its parameter groups in one line. */
+static void optim_line(const plan_t *p) {
+  const adamw_config_t *o = &p->optim;
+  char groups[512] = "";
+  size_t n = 0;
+  for (int i = 0; i < o->n_groups && n < sizeof groups; i++) {
+    const adamw_group_t *g = &o->groups[i];
+    int w = snprintf(groups + n, sizeof groups - n, "%s\"%s\"", i ? ", " : "; param_groups ",
+                     g->pattern);
+    if (w > 0 && (n += (size_t)w) < sizeof groups && g->lr >= 0)
+      if ((w = snprintf(groups + n, sizeof groups - n, " lr %g", g->lr)) > 0) n += (size_t)w;
+    if (n < sizeof groups && g->weight_decay >= 0)
+      if ((w = snprintf(groups + n, sizeof groups - n, " weight_decay %g", g->weight_decay)) > 0)
+        n += (size_t)w;
+  }
+  char clip[48] = "";
+  if (p->clip_grad_norm > 0) snprintf(clip, sizeof clip, ", clip_grad_norm %g", p->clip_grad_norm);
+  char decay[48] = "then constant";
+  if (p->min_lr_ratio < 1) snprintf(decay, sizeof decay, "cosine to %g x lr", p->min_lr_ratio);
+  printf(
+      "  optim: AdamW lr %g, betas (%g, %g), eps %g, weight_decay %g%s; warmup %lld step%s, "
+      "%s%s\n",
+      o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, clip, (long long)p->warmup_steps,
+      p->warmup_steps == 1 ? "" : "s", decay, groups);
+}
+
 void train_header(const run_t *r) {
   const plan_t *p = &r->plan;
   char dev[16], rb[16], mb[32];
@@ -95,17 +121,24 @@ void train_header(const run_t *r) {
     printf("  matrix products: cublasGemmEx (%s)\n", kernel_matmul_lt_off());
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) warn_oversubscribed();
   printf(
-      "  model: llama dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
-      "%lld parameters\n",
-      (long long)p->model.dim, (long long)p->model.n_layers, (long long)p->model.n_heads,
-      (long long)p->model.n_kv_heads, (long long)p->model.ffn_dim, (long long)p->model.vocab_size,
-      p->model.tie_embeddings ? "tied" : "untied", (long long)llama_num_params(&p->model));
+      "  model: llama dim %lld, %lld layer%s, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
+      "%lld parameters; activation checkpointing %s\n",
+      (long long)p->model.dim, (long long)p->model.n_layers, p->model.n_layers == 1 ? "" : "s",
+      (long long)p->model.n_heads, (long long)p->model.n_kv_heads, (long long)p->model.ffn_dim,
+      (long long)p->model.vocab_size, p->model.tie_embeddings ? "tied" : "untied",
+      (long long)llama_num_params(&p->model), p->activation_checkpointing ? "on" : "off");
+  const char *offload = !p->par.offload             ? ""
+                        : r->dev.type == DEVICE_CPU ? "; offload (no effect on the CPU: the state "
+                                                      "is in host memory already)"
+                                                    : "; offload (state in host memory)";
   printf(
-      "  fully_shard: %d groups (%d units + root); %s%s%sreshard_after_forward %s; param %s, "
+      "  fully_shard: %d group%s (%d unit%s + root); %s%s%sreshard_after_forward %s; param %s, "
       "reduce %s%s\n",
-      r->n_groups, r->n_groups - 1, p->par.strategy[0] ? "sharding_strategy " : "", p->par.strategy,
+      r->n_groups, r->n_groups == 1 ? "" : "s", r->n_groups - 1, r->n_groups == 2 ? "" : "s",
+      p->par.strategy[0] ? "sharding_strategy " : "", p->par.strategy,
       p->par.strategy[0] ? ": " : "", reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
-      dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), p->par.offload ? "; offload" : "");
+      dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), offload);
+  optim_line(p);
   if (r->tp)
     printf("  tensor_parallel: %d modules on tp=%d (%s); sequence parallelism %s\n",
            tp_num_modules(r->tp), p->par.tp,
@@ -138,6 +171,14 @@ void train_header(const run_t *r) {
       p->data_path, (long long)data_num_tokens(r->data), files, (long long)p->batch_size,
       (long long)p->seq_len, (long long)p->grad_accum, (long long)train_global_batch(r),
       (long long)p->steps, p->steps == 1 ? "" : "s");
+  double read = (double)(p->steps - r->start_step) * (double)train_global_batch(r) *
+                (double)p->seq_len,
+         held = (double)data_num_tokens(r->data);
+  if (held > 0 && read > 2 * held)
+    printf(
+        "  data: note: the run reads %.0f tokens, %.1f times the %.0f the data holds: each "
+        "sample is seen about %.0f times\n",
+        read, read / held, held, read / held);
   if (r->eval != NULL) {
     char every[64] = "";
     if (p->eval_interval > 0)

@@ -602,6 +602,33 @@ def errors():
         ("train.device cuda without a device", None, ["--set", "train.device=cuda"],
          r"train\.device: cuda: (this rank sees no CUDA device .*|the library was built without "
          r"CUDA): ask for the CPU \(cpu\), or for auto"),
+        # a value given by --set is named as given, not by a line of the file
+        ("--set mesh size against the world", None, ["--set", "mesh.dp_shard=3"],
+         r"--set mesh\.dp_shard=3: mesh: dp_replicate x dp_shard x tp = 1 x 3 x 1 = 3, but the "
+         r"world has 2 ranks"),
+        ("--set data.path missing", None, ["--set", "data.path=/nonexistent/t.bin"],
+         r"--set data\.path=/nonexistent/t\.bin: data\.path: cannot read"),
+        ("--set reshard_after_forward not dividing", None,
+         ["--set", "parallelize.fully_shard.reshard_after_forward=3"],
+         r"--set parallelize\.fully_shard\.reshard_after_forward=3: parallelize\.fully_shard\."
+         r"reshard_after_forward: 3 is not below mesh\.dp_shard=2"),
+        ("--set seq_len too long", None, ["--set", "data.seq_len=128"],
+         r"--set data\.seq_len=128: data\.seq_len: 128 exceeds model\.max_seq_len=64"),
+        ("--set key path with an open quote", None, ["--set", 'optim.param_groups."*norm*.lr=1'],
+         r"a quote in the key path is not closed"),
+        # model.init_from with architecture keys: all of them named at once
+        ("init_from with model keys", base.replace("  dim: 32", "  init_from: %s\n  dim: 32" % tmp),
+         [], r"model: the architecture comes from .*/config\.json with model\.init_from; remove "
+             r"model\.dim, model\.n_layers, model\.n_heads, model\.n_kv_heads, model\.ffn_dim, "
+             r"model\.vocab_size, model\.max_seq_len$"),
+        # data.global_batch_size states batch_size x data-parallel ranks x grad_accum
+        ("global batch not a multiple", None, ["--set", "data.global_batch_size=6"],
+         r"data\.global_batch_size: 6 is not a multiple of data\.batch_size 2 x 2 data-parallel "
+         r"ranks = 4 samples a micro-batch"),
+        ("global batch against grad_accum", None,
+         ["--set", "data.global_batch_size=8", "--set", "data.grad_accum=3"],
+         r"data\.global_batch_size: 8 is not data\.batch_size 2 x 2 data-parallel ranks x "
+         r"data\.grad_accum 3 = 12"),
         # --dry-run refuses what the run would
         ("--dry-run, u16 tokens in an odd-sized file",
          base.replace(data, odd).replace("  seq_len: 16", "  format: u16\n  seq_len: 16"),
@@ -1496,6 +1523,20 @@ def checkpoints():
         check(len(got) == 5 and worst <= 1e-5 and bool(rd) and rd.group(1) == rd.group(2),
               "resharded offline for %s on %d: losses match the uninterrupted run (worst %.2e), "
               "rank 0 reads exactly its own chunks" % (name, n, worst))
+    # a plan of only mesh: and parallelize: (no model, data or training): the checkpoint's
+    # recorded model is laid out as the full hsdp-tp plan lays it out
+    text = open(cfg("hsdp-tp")).read()
+    only = re.search(r"^mesh:\n(?:  .*\n)+", text, re.M).group(0) + \
+        re.search(r"^parallelize:\n(?:  .*\n)+", text, re.M).group(0)
+    bare = os.path.join(tmp, "mesh-only.yaml")
+    with open(bare, "w") as f:
+        f.write(only)
+    rs = os.path.join(tmp, "rs-mesh-only")
+    p = sh([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", bare, rs], timeout=300)
+    check(p.returncode == 0 and "model:" not in only and "data:" not in only and
+          layout(rs) == layout(os.path.join(t, "step-00000005")),
+          "reshard with a plan of only mesh: and parallelize: takes the checkpoint's model: the "
+          "layout of a live hsdp-tp save (%s)" % (p.stderr.strip()[-200:] or "ok"))
     # a plan with another model: refused, naming the first difference
     p = sh([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg("debug"),
             os.path.join(tmp, "rs-other"), "--set", "model.n_layers=3"], timeout=300)
@@ -2083,7 +2124,7 @@ def ckpt_any_model():
     for name, files in (("fsdp4", 4), ("tp2x2", 4), ("one", 1)):
         dst = os.path.join(tmp, "ck-" + name)
         p = tool_run("reshard", src, "--to", os.path.join(tmp, name + ".yaml"), dst)
-        ok = p.returncode == 0 and "%d files" % files in p.stdout
+        ok = p.returncode == 0 and "%d file%s" % (files, "" if files == 1 else "s") in p.stdout
         check(ok, "reshard %s -> %s: %s" % (os.path.basename(src), name,
                                             (p.stdout + p.stderr).strip()[-300:]))
         if not ok:
@@ -2984,7 +3025,67 @@ def operations():
               "%s: refused, the file intact (%s)" % (name, p.stderr.strip()[-160:]))
 
 
-{"configs": lambda: (configs(), pytorch(), plots(), converts(), evaluation(), shuffling()), "errors": errors, "dry-run": dry_run,
+def messages():
+    """What the header says and the hints a mistaken path gets: activation checkpointing,
+    offload on the CPU, the optimizer and its groups (set by --set with a quoted key), a global
+    batch that derives grad_accum, data read many times over, checkpoint.load at a run folder or
+    a Hugging Face folder, fsdp-ckpt inspect of a run folder, singular counts."""
+    tmp = mkdtemp()
+    fsdp_yaml = os.path.join(ROOT, "configs", "fsdp.yaml")
+    p, _ = run(1, [fsdp_yaml, "--dry-run", "--set", "mesh.dp_shard=1", "--set",
+                   "train.activation_checkpointing=true", "--set", "parallelize.fully_shard.offload=true",
+                   "--set", 'optim.param_groups."*norm*".weight_decay=0.5', "--set",
+                   "optim.param_groups.'model.embed_tokens.*'.lr=1e-4", "--set",
+                   "data.global_batch_size=8", "--set", "train.steps=5000"])
+    out = p.stdout
+    check(p.returncode == 0 and "; activation checkpointing on" in out,
+          "the header says activation checkpointing is on")
+    check("offload (no effect on the CPU: the state is in host memory already)" in out,
+          "the header says offload does nothing on the CPU")
+    check(re.search(r'^  optim: AdamW lr 0\.003, betas \(0\.9, 0\.95\), eps 1e-08, weight_decay 0\.1, '
+                    r'clip_grad_norm 1; warmup 10 steps, cosine to 0\.1 x lr; param_groups "\*norm\*" '
+                    r'weight_decay 0\.5, "model\.embed_tokens\.\*" lr 0\.0001$', out, re.M),
+          "--set reaches param_groups patterns with dots in quotes; the header lists the groups")
+    check("grad_accum 4 (global batch 8 samples)" in out,
+          "data.global_batch_size 8 over 1 rank of 2 samples derives grad_accum 4")
+    check(re.search(r"data: note: the run reads 2560000 tokens, 16\.0 times the 160329 the data "
+                    r"holds: each sample is seen about 16 times", out),
+          "a run that reads its data 16 times over says so")
+    p, _ = run(1, [fsdp_yaml, "--dry-run", "--set", "mesh.dp_shard=1"])
+    check("activation checkpointing off" in p.stdout and "offload" not in p.stdout and
+          "data: note" not in p.stdout, "the header's defaults: checkpointing off, no notes")
+    p, _ = run(1, [fsdp_yaml, "--dry-run", "--set", "mesh.dp_shard=2"])
+    check("but the world has 1 rank\n" in p.stderr, "one rank is '1 rank' (%s)" % p.stderr.strip())
+    # checkpoint.load at a run's folder, at a Hugging Face folder
+    ck = os.path.join(tmp, "ck")
+    train_args = [fsdp_yaml, "--set", "mesh.dp_shard=1", "--set", "train.steps=2", "--set",
+                  "checkpoint.dir=" + ck]
+    p, _ = run(1, train_args)
+    check(p.returncode == 0 and "done: 2 steps" in p.stdout, "a 2-step run saves its last step")
+    os.makedirs(os.path.join(ck, "step-00000004.tmp"))
+    hf = os.path.join(tmp, "hf")
+    os.makedirs(hf)
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        f.write("{}")
+    for folder, want in [(ck, r"it is a run's checkpoint folder, the newest complete checkpoint "
+                              r".*/ck/step-00000002: name that, or resume the newest with "
+                              r"checkpoint\.dir: .*/ck and checkpoint\.load: auto"),
+                         (hf, r"it is a Hugging Face folder \(config\.json\): start from its "
+                              r"weights with model\.init_from: .*/hf, or convert it with fsdp-ckpt "
+                              r"import-hf")]:
+        p, _ = run(1, [fsdp_yaml, "--dry-run", "--set", "mesh.dp_shard=1", "--set",
+                       "checkpoint.load=" + folder])
+        check(p.returncode != 0 and re.search(want, p.stderr),
+              "checkpoint.load at %s: the hint /%s/" % (os.path.basename(folder), want[:40]))
+    p = sh([TOOL, "inspect", ck], timeout=60)
+    check(p.returncode == 0 and re.search(
+        r"ck: a run's checkpoint folder, 1 complete checkpoint:\n  step-00000002 +complete\n"
+        r"  step-00000004\.tmp +a save that did not finish", p.stdout),
+        "fsdp-ckpt inspect of a run's folder lists its checkpoints (%s)" % p.stdout.strip()[:200])
+
+
+{"configs": lambda: (configs(), pytorch(), plots(), converts(), evaluation(), shuffling()), "errors": errors,
+ "dry-run": lambda: (dry_run(), messages()),
  "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": lambda: (ckpt_tool(), ckpt_any_model()),
  "ckpt-corrupt": ckpt_corrupt, "ckpt-damage": ckpt_damage, "operations": operations}[MODE]()
 for d in TEMPS:
