@@ -386,6 +386,7 @@ static status_t backward_checkpoint(nn_ctx_t *ctx, entry_t *e) {
   tensor_t v;
   TRY(tensor_ref(&v, &in->value));
   TRY(nn_var_new(&in2, &v, in->requires_grad));
+  in2->layout = in->layout;
   status_t st = STATUS_OK;
   if (nn_var_has_grad(in)) TRY_GOTO(st, tensor_ref(&in2->grad, &in->grad));
 

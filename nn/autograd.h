@@ -36,7 +36,7 @@ struct nn_var {
   bool requires_grad;
   int refs;
   int layout; /* the tensor-parallel layout tensor parallelism gave it (0: none, see
-                 parallel/tensor_parallel.h); operations leave it 0 */
+                 parallel/tensor_parallel.h); an operation keeps its inputs' */
 };
 
 /* A variable holding value (moved in: the caller's tensor_t is left empty). */

@@ -18,6 +18,10 @@ status_t ops_zeros_like(tensor_t *t, const tensor_t *like) {
 
 status_t ops_finish(nn_ctx_t *ctx, nn_node_t *node, bool needs, tensor_t *value, nn_var_t **out) {
   status_t st = nn_var_new(out, value, needs);
+  /* an operation's result keeps its inputs' tensor-parallel layout (the first recorded one): a
+   * residual sum of sequence shards is still sequence shards */
+  for (int i = 0; st == STATUS_OK && i < NN_NODE_MAX_IN && node->in[i] && !(*out)->layout; i++)
+    (*out)->layout = node->in[i]->layout;
   if (st == STATUS_OK && needs) {
     node->out = *out;
     return nn_record(ctx, node);

@@ -141,6 +141,16 @@ static tp_layout_t arriving(const nn_var_t *x, tp_layout_t declared) {
  * reference. */
 static status_t prepare(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, tp_layout_t want,
                         nn_var_t **y) {
+  /* Layouts travel with the activations (every operation keeps its inputs'), so one without a
+   * layout came through no tensor-parallel layer: every rank holds it whole. Taken for
+   * sequence shards, it would come back tp times as long. */
+  if (want == TP_SHARD_SEQ && x->layout == TP_LAYOUT_DEFAULT && t->in == TP_SHARD_SEQ)
+    return err_set(STATUS_EINVAL,
+                   "tensor parallel: %s (sequence_parallel): its input comes from no "
+                   "tensor-parallel layer, so every rank holds the whole sequence, not Shard(1) "
+                   "of it: give the layer before it a Shard(1) output (rowwise with output "
+                   "shard(1)), or this rule input: replicate to split it here",
+                   nn_module_fqn(t->m));
   tp_layout_t from = arriving(x, t->in);
   if (from == want || (want == TP_SHARD_LAST && from == TP_LAYOUT_DEFAULT)) {
     *y = nn_var_ref(x);

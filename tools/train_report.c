@@ -140,18 +140,19 @@ void train_header(const run_t *r) {
       dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), offload);
   optim_line(p);
   if (r->tp)
-    printf("  tensor_parallel: %d modules on tp=%d (%s); sequence parallelism %s\n",
-           tp_num_modules(r->tp), p->par.tp,
+    printf("  tensor_parallel: %d module%s on tp=%d (%s); sequence parallelism %s\n",
+           tp_num_modules(r->tp), tp_num_modules(r->tp) == 1 ? "" : "s", p->par.tp,
            llama_plan_tp_is_builtin(&p->par) ? "the built-in Llama plan" : "the plan's rules",
            p->par.sequence_parallel ? "on" : "off");
   printf("  sharded parameters on rank 0: %s\n", mb);
   if (r->resumed_from[0])
     printf(
         "  resumed from %s after step %lld (rank 0 read %llu bytes of tensor data, needing "
-        "%llu, plus %llu header bytes of %d files)\n",
+        "%llu, plus %llu header bytes of %d file%s)\n",
         r->resumed_from, (long long)r->start_step, (unsigned long long)r->load_stats.bytes_read,
         (unsigned long long)r->load_stats.bytes_needed,
-        (unsigned long long)r->load_stats.header_bytes, r->load_stats.files);
+        (unsigned long long)r->load_stats.header_bytes, r->load_stats.files,
+        r->load_stats.files == 1 ? "" : "s");
   if (r->resumed_from[0] && r->load_stats.unchecked)
     printf("  %s has no checksums (written by another tool): what was read is unchecked\n",
            r->resumed_from);

@@ -3077,6 +3077,33 @@ def messages():
                        "checkpoint.load=" + folder])
         check(p.returncode != 0 and re.search(want, p.stderr),
               "checkpoint.load at %s: the hint /%s/" % (os.path.basename(folder), want[:40]))
+    # a sequence-parallel norm whose input no tensor-parallel layer split: refused (taken for
+    # Shard(1), the sequence would come back twice as long); with input: replicate it splits it
+    # and trains the one-rank losses
+    text = open(fsdp_yaml).read().replace("dp_shard: -1", "dp_shard: 1\n  tp: 2").replace(
+        "../data/", os.path.join(ROOT, "data") + "/").replace(
+        "parallelize:\n", "parallelize:\n  tensor_parallel:\n    sequence_parallel: true\n"
+        "    plan: {model.norm: NORM, lm_head: {style: colwise, output: replicate}}\n")
+    got = {}
+    for name, norm in (("split", "sequence_parallel"),
+                       ("replicate", "{style: sequence_parallel, input: replicate}")):
+        plan = os.path.join(tmp, "sp-%s.yaml" % name)
+        with open(plan, "w") as f:
+            f.write(text.replace("NORM", norm))
+        metrics = os.path.join(tmp, "sp-%s.jsonl" % name)
+        got[name], _ = run(2, [plan, "--set", "train.steps=3", "--metrics", metrics])
+        got[name + "-losses"] = [r["loss"] for r in losses(metrics)] if os.path.exists(metrics) else []
+    one = os.path.join(tmp, "one.jsonl")
+    run(1, [fsdp_yaml, "--set", "mesh.dp_shard=1", "--set", "train.steps=3", "--metrics", one])
+    ref = [r["loss"] for r in losses(one)] if os.path.exists(one) else []
+    check(got["split"].returncode != 0 and re.search(
+        r"tensor parallel: model\.norm \(sequence_parallel\): its input comes from no "
+        r"tensor-parallel layer, so every rank holds the whole sequence", got["split"].stderr),
+        "a sequence-parallel norm given a replicated activation is refused")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got["replicate-losses"], ref)) if ref else 1
+    check(got["replicate"].returncode == 0 and len(got["replicate-losses"]) == 3 and len(ref) == 3
+          and worst <= 1e-5, "with input: replicate it splits the sequence itself: the one-rank "
+          "losses (worst %.2e)" % worst)
     p = sh([TOOL, "inspect", ck], timeout=60)
     check(p.returncode == 0 and re.search(
         r"ck: a run's checkpoint folder, 1 complete checkpoint:\n  step-00000002 +complete\n"
