@@ -194,6 +194,7 @@ static bool remove_entries(int fd) {
 
 bool file_remove_tree(const char *path) {
   struct stat sb;
+  if (path == NULL) return false;
   if (lstat(path, &sb) != 0) return errno == ENOENT;
   if (!S_ISDIR(sb.st_mode)) return unlink(path) == 0; /* a link goes, its target stays */
   int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);

@@ -43,6 +43,7 @@ static stop_msg_t stop_in, stop_out;
 static bool stopped, unanswered;
 static pthread_t main_thread; /* the thread that started MPI (MPI_THREAD_FUNNELED) */
 static status_t device_wait_check(const char *what, double waited);
+static status_t stopped_error(void);
 static status_t stop_status;
 static char stop_reason[sizeof stop_in.text + 32];
 
@@ -216,6 +217,7 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
 }
 
 status_t comm_agree(MPI_Comm comm, status_t st) {
+  if (stopped) return stopped_error(); /* see world_allreduce */
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
   struct {
@@ -442,12 +444,16 @@ static status_t device_wait_check(const char *what, double waited) {
 
 static status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,
                                 MPI_Op op, MPI_Comm comm, const char *what) {
+  /* stopped: started, it would stay pending (world_wait returns at once) and MPI_Finalize
+   * would progress it into the caller's freed stack */
+  if (stopped) return stopped_error();
   MPI_Request req;
   TRY(pg_mpi_status(MPI_Iallreduce(send, recv, count, type, op, comm, &req), what));
   return world_wait(&req, what);
 }
 
 static status_t world_barrier(MPI_Comm comm, const char *what) {
+  if (stopped) return stopped_error();
   MPI_Request req;
   TRY(pg_mpi_status(MPI_Ibarrier(comm, &req), what));
   return world_wait(&req, what);
