@@ -22,14 +22,9 @@ void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
   snprintf(out, size, "%s/step-%08" PRId64, root, step);
 }
 
-/* Calls fn(ctx, name, step, kind) for each entry directly under root named step-NNNNNNNN
- * (STEP_COMPLETE with a train_state.json, else STEP_INCOMPLETE) or step-NNNNNNNN.tmp
- * (STEP_TMP), as ckpt_step_dir names them (step-6 is not one), links included as entries;
- * a root that does not exist has none. */
-typedef enum step_kind { STEP_COMPLETE, STEP_INCOMPLETE, STEP_TMP } step_kind_t;
-typedef status_t step_fn(void *ctx, const char *name, int64_t step, step_kind_t kind);
-
-static status_t scan_steps(const char *root, step_fn *fn, void *ctx) {
+status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(fn);
   DIR *d = opendir(root);
   if (d == NULL) return STATUS_OK;
   struct dirent *e;
@@ -45,9 +40,9 @@ static status_t scan_steps(const char *root, step_fn *fn, void *ctx) {
     if (strcmp(canon, e->d_name) != 0) continue;
     char state[PATH_LEN];
     snprintf(state, sizeof state, "%.4000s/%.255s/train_state.json", root, e->d_name);
-    step_kind_t kind = is_tmp                     ? STEP_TMP
-                       : access(state, R_OK) == 0 ? STEP_COMPLETE
-                                                  : STEP_INCOMPLETE;
+    ckpt_step_kind_t kind = is_tmp                     ? CKPT_STEP_TMP
+                            : access(state, R_OK) == 0 ? CKPT_STEP_COMPLETE
+                                                       : CKPT_STEP_INCOMPLETE;
     st = fn(ctx, e->d_name, s, kind);
   }
   closedir(d);
@@ -61,13 +56,13 @@ typedef struct steps {
   bool partial_tmp;
 } steps_t;
 
-static status_t collect_step(void *ctx, const char *name, int64_t s, step_kind_t kind) {
+static status_t collect_step(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
   (void)name;
   steps_t *l = ctx;
-  if (kind != STEP_COMPLETE) {
-    if (s > l->partial || (s == l->partial && kind == STEP_INCOMPLETE)) {
+  if (kind != CKPT_STEP_COMPLETE) {
+    if (s > l->partial || (s == l->partial && kind == CKPT_STEP_INCOMPLETE)) {
       l->partial = s;
-      l->partial_tmp = kind == STEP_TMP;
+      l->partial_tmp = kind == CKPT_STEP_TMP;
     }
     return STATUS_OK;
   }
@@ -92,7 +87,7 @@ static int cmp_step(const void *a, const void *b) {
 static status_t list_steps(const char *root, int64_t **steps, int *n, int64_t *partial,
                            bool *partial_tmp) {
   steps_t l = {.partial = -1};
-  status_t st = scan_steps(root, collect_step, &l);
+  status_t st = ckpt_scan_steps(root, collect_step, &l);
   if (st == STATUS_OK && l.n > 1) qsort(l.v, (size_t)l.n, sizeof *l.v, cmp_step);
   *steps = l.v;
   *n = l.n;
@@ -106,10 +101,11 @@ typedef struct newer {
   int count;
 } newer_t;
 
-static status_t count_newer(void *ctx, const char *name, int64_t s, step_kind_t kind) {
+static status_t count_newer(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
   (void)name;
   newer_t *w = ctx;
-  if (s > w->after && (kind == STEP_COMPLETE || (kind == STEP_INCOMPLETE && s <= w->upto))) {
+  if (s > w->after &&
+      (kind == CKPT_STEP_COMPLETE || (kind == CKPT_STEP_INCOMPLETE && s <= w->upto))) {
     w->count++;
     w->newest = s > w->newest ? s : w->newest;
   }
@@ -121,7 +117,7 @@ status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count, i
   ARG_NONNULL(count);
   ARG_NONNULL(newest);
   newer_t w = {after, upto, -1, 0};
-  TRY(scan_steps(root, count_newer, &w));
+  TRY(ckpt_scan_steps(root, count_newer, &w));
   *count = w.count;
   *newest = w.newest;
   return STATUS_OK;
@@ -129,11 +125,11 @@ status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count, i
 
 /* Removes root's entry `name`; a complete checkpoint loses its train_state.json first, so a
  * half-removed one is never taken for complete. */
-static status_t remove_entry(const char *root, const char *name, step_kind_t kind) {
+static status_t remove_entry(const char *root, const char *name, ckpt_step_kind_t kind) {
   char path[PATH_LEN];
   snprintf(path, sizeof path, "%.4000s/%.255s", root, name);
   struct stat sb;
-  if (kind == STEP_COMPLETE && lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+  if (kind == CKPT_STEP_COMPLETE && lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
     char state[PATH_LEN + 32];
     snprintf(state, sizeof state, "%s/train_state.json", path);
     unlink(state);
@@ -156,11 +152,11 @@ typedef struct removal {
   int removed;
 } removal_t;
 
-static status_t remove_step(void *ctx, const char *name, int64_t s, step_kind_t kind) {
+static status_t remove_step(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
   removal_t *r = ctx;
-  bool take = r->mode == REMOVE_TMP     ? kind == STEP_TMP
-              : r->mode == REMOVE_AFTER ? kind != STEP_TMP && s > r->after && s != r->keep
-                                        : kind == STEP_COMPLETE && s <= r->after;
+  bool take = r->mode == REMOVE_TMP     ? kind == CKPT_STEP_TMP
+              : r->mode == REMOVE_AFTER ? kind != CKPT_STEP_TMP && s > r->after && s != r->keep
+                                        : kind == CKPT_STEP_COMPLETE && s <= r->after;
   if (!take) return STATUS_OK;
   TRY(remove_entry(r->root, name, kind));
   r->removed++;
@@ -170,7 +166,7 @@ static status_t remove_step(void *ctx, const char *name, int64_t s, step_kind_t 
 status_t ckpt_remove_unfinished(const char *root, int *removed) {
   ARG_NONNULL(root);
   removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
-  status_t st = scan_steps(root, remove_step, &r);
+  status_t st = ckpt_scan_steps(root, remove_step, &r);
   if (removed) *removed = r.removed;
   return st;
 }
@@ -178,7 +174,7 @@ status_t ckpt_remove_unfinished(const char *root, int *removed) {
 status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed) {
   ARG_NONNULL(root);
   removal_t r = {.root = root, .mode = REMOVE_AFTER, .after = after, .keep = keep};
-  status_t st = scan_steps(root, remove_step, &r);
+  status_t st = ckpt_scan_steps(root, remove_step, &r);
   if (removed) *removed = r.removed;
   return st;
 }
@@ -216,5 +212,5 @@ status_t ckpt_prune(const char *root, int keep) {
   removal_t r = {
       .root = root, .mode = REMOVE_COMPLETE_UPTO, .after = n > keep ? steps[n - keep - 1] : -1};
   free(steps);
-  return r.after < 0 ? STATUS_OK : scan_steps(root, remove_step, &r);
+  return r.after < 0 ? STATUS_OK : ckpt_scan_steps(root, remove_step, &r);
 }

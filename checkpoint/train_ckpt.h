@@ -122,6 +122,19 @@ status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks);
 status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
                      size_t skipped_size);
 
+/* Calls fn(ctx, name, step, kind) for each entry directly under root named step-NNNNNNNN
+ * (CKPT_STEP_COMPLETE with a train_state.json, else CKPT_STEP_INCOMPLETE) or
+ * step-NNNNNNNN.tmp (CKPT_STEP_TMP), as ckpt_step_dir names them (step-6 is not one), links
+ * included as entries, in directory order; a root that does not exist has none. Stops at the
+ * first status fn returns other than STATUS_OK. Local. */
+typedef enum ckpt_step_kind {
+  CKPT_STEP_COMPLETE,
+  CKPT_STEP_INCOMPLETE,
+  CKPT_STEP_TMP
+} ckpt_step_kind_t;
+typedef status_t ckpt_step_fn(void *ctx, const char *name, int64_t step, ckpt_step_kind_t kind);
+status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx);
+
 /* The folder of the checkpoint after step under root: root/step-NNNNNNNN. */
 void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size);
 

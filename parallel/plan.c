@@ -539,7 +539,8 @@ static status_t check_path(const char *path, const plan_where_t *where, const ch
 }
 
 /* What a checkpoint.load folder without train_state.json may be: a run's checkpoint.dir (its
- * newest complete step-N named) or a Hugging Face folder. "" when neither. */
+ * newest complete step-N named) or a Hugging Face folder. "" when neither. Step folders by
+ * ckpt_scan_steps' rule (the names ckpt_step_dir writes), which this layer cannot call. */
 static void load_hint(const char *dir, char *hint, size_t size) {
   hint[0] = 0;
   DIR *d = opendir(dir);
@@ -548,9 +549,10 @@ static void load_hint(const char *dir, char *hint, size_t size) {
   long long best = -1;
   for (struct dirent *e; (e = readdir(d)) != NULL;) {
     long long step;
-    int end = 0;
-    if (sscanf(e->d_name, "step-%lld%n", &step, &end) != 1 || e->d_name[end] != 0 || step <= best)
-      continue;
+    char canon[64];
+    if (sscanf(e->d_name, "step-%lld", &step) != 1 || step <= best) continue;
+    snprintf(canon, sizeof canon, "step-%08lld", step);
+    if (strcmp(canon, e->d_name) != 0) continue;
     char state[PLAN_PATH_MAX + 300];
     snprintf(state, sizeof state, "%s/%s/train_state.json", dir, e->d_name);
     if (access(state, R_OK) != 0) continue;

@@ -17,7 +17,6 @@
  * checkpoints of any model: names and shapes come from the files.
  */
 #include <cJSON.h>
-#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,59 +123,56 @@ static status_t inspect_folder(const char *title, const char *dir) {
   return st;
 }
 
-static int by_name(const void *a, const void *b) {
-  return strcmp(*(char *const *)a, *(char *const *)b);
+/* The step folders of a run's checkpoint folder, as ckpt_scan_steps finds them. */
+typedef struct run_steps {
+  struct run_step {
+    char name[32]; /* step-NNNNNNNN[.tmp]: at most 28 characters */
+    int64_t step;
+    ckpt_step_kind_t kind;
+  } * v;
+  int n;
+} run_steps_t;
+
+static status_t add_run_step(void *ctx, const char *name, int64_t step, ckpt_step_kind_t kind) {
+  run_steps_t *l = ctx;
+  struct run_step *grown = realloc(l->v, (size_t)(l->n + 1) * sizeof *grown);
+  if (grown == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  l->v = grown;
+  struct run_step *e = &l->v[l->n++];
+  snprintf(e->name, sizeof e->name, "%s", name);
+  e->step = step;
+  e->kind = kind;
+  return STATUS_OK;
+}
+
+static int by_step(const void *a, const void *b) { /* a step's folder before its .tmp */
+  const struct run_step *x = a, *y = b;
+  if (x->step != y->step) return (x->step > y->step) - (x->step < y->step);
+  return (x->kind == CKPT_STEP_TMP) - (y->kind == CKPT_STEP_TMP);
 }
 
 /* A run's checkpoint.dir (step-N folders, no checkpoint of its own): lists its checkpoints,
  * complete or not. *listed is false when dir holds no step folder. */
 static status_t inspect_run(const char *dir, bool *listed) {
-  *listed = false;
-  DIR *d = opendir(dir);
-  if (d == NULL) return err_set(STATUS_EIO, "%s: %s", dir, strerror(errno));
-  char **names = NULL;
-  int n = 0;
-  status_t st = STATUS_OK;
-  for (struct dirent *e; st == STATUS_OK && (e = readdir(d)) != NULL;) {
-    long long step;
-    int end = 0;
-    if (sscanf(e->d_name, "step-%lld%n", &step, &end) != 1 ||
-        (e->d_name[end] != 0 && strcmp(e->d_name + end, ".tmp") != 0))
-      continue;
-    char **grown = realloc(names, (size_t)(n + 1) * sizeof *names);
-    if (grown == NULL || (grown[n] = strdup(e->d_name)) == NULL) {
-      if (grown) names = grown;
-      st = err_set(STATUS_ENOMEM, "out of host memory");
-      break;
-    }
-    names = grown;
-    n++;
-  }
-  closedir(d);
-  if (st == STATUS_OK && n > 0) {
-    *listed = true;
-    qsort(names, (size_t)n, sizeof *names, by_name);
+  run_steps_t l = {NULL, 0};
+  status_t st = ckpt_scan_steps(dir, add_run_step, &l);
+  *listed = st == STATUS_OK && l.n > 0;
+  if (*listed) {
+    qsort(l.v, (size_t)l.n, sizeof *l.v, by_step);
     int complete = 0;
-    for (int i = 0; i < n; i++) {
-      char state[PATH_LEN + 300];
-      snprintf(state, sizeof state, "%.4000s/%s/train_state.json", dir, names[i]);
-      complete += access(state, F_OK) == 0;
-    }
+    for (int i = 0; i < l.n; i++) complete += l.v[i].kind == CKPT_STEP_COMPLETE;
     printf("%s: a run's checkpoint folder, %d complete checkpoint%s:\n", dir, complete,
            complete == 1 ? "" : "s");
-    for (int i = 0; i < n; i++) {
-      char state[PATH_LEN + 300];
-      snprintf(state, sizeof state, "%.4000s/%s/train_state.json", dir, names[i]);
-      bool tmp = strstr(names[i], ".tmp") != NULL;
-      printf("  %-24s %s\n", names[i],
-             access(state, F_OK) == 0 ? "complete"
-             : tmp                    ? "a save that did not finish (removed at the next start)"
-                                      : "not a complete checkpoint (no train_state.json)");
+    for (int i = 0; i < l.n; i++) {
+      printf("  %-24s %s\n", l.v[i].name,
+             l.v[i].kind == CKPT_STEP_COMPLETE ? "complete"
+             : l.v[i].kind == CKPT_STEP_TMP
+                 ? "a save that did not finish (removed at the next start)"
+                 : "not a complete checkpoint (no train_state.json)");
     }
     printf("inspect one of them: fsdp-ckpt inspect %s/STEP\n", dir);
   }
-  for (int i = 0; i < n; i++) free(names[i]);
-  free(names);
+  free(l.v);
   return st;
 }
 
