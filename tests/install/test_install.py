@@ -64,7 +64,7 @@ def main():
             found = [d for d in dirs for ext in (".so", ".a")
                      if os.path.exists(os.path.join(d, "lib%s%s" % (lib, ext)))]
             check(bool(found), "pkg-config --static --libs: -l%s is in a folder it names or the "
-                  "linker's (%s)" % (lib, found[0] if found else "nowhere"))
+                  "linker's (%s)" % (lib, found[0] if found else "in none of " + " ".join(dirs)))
         src = os.path.join(ROOT, "examples", "dtensor_basics.c")
         libdir = [f[2:] for f in shared if f.startswith("-L")][0]
         archive = os.path.join(libdir, "libfsdpc.a")
