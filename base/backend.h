@@ -74,6 +74,8 @@ typedef struct backend {
   status_t (*stream_sync)(int index);
   /* Devices with streams and events (NULL on the CPU, whose streams and events are NULL). */
   int (*device_count)(void);
+  /* the 16 bytes of device index's UUID */
+  status_t (*device_uuid)(int index, uint8_t out[16]);
   /* bytes between any two devices of the kind (or one of them the host); ordered on the
    * current stream, and usable by the host on return when dst is the host */
   status_t (*memcpy)(device_t dst_dev, void *dst, device_t src_dev, const void *src,

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "base/backend.h"
 #include "base/cuda_check.h"
@@ -241,6 +242,17 @@ static int cuda_device_count(void) {
     return 0;
   }
   return n;
+}
+
+static status_t cuda_device_uuid(int index, uint8_t out[16]) {
+  cudaDeviceProp p;
+  cudaError_t e = cudaGetDeviceProperties(&p, index);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return err_set(STATUS_ECUDA, "cudaGetDeviceProperties(%d): %s", index, cudaGetErrorString(e));
+  }
+  memcpy(out, p.uuid.bytes, 16);
+  return STATUS_OK;
 }
 
 static stream_t *cuda_stream_current(int index) {
@@ -496,6 +508,7 @@ static const backend_t cuda_table = {
     /* .fill = */ cuda_fill,
     /* .stream_sync = */ cuda_stream_sync_dev,
     /* .device_count = */ cuda_device_count,
+    /* .device_uuid = */ cuda_device_uuid,
     /* .memcpy = */ cuda_memcpy,
     /* .stream_current = */ cuda_stream_current,
     /* .stream_set_current = */ cuda_stream_set_current,

@@ -1,6 +1,7 @@
 #include "base/device.h"
 
 #include <sched.h>
+#include <stdbool.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -105,37 +106,81 @@ const char *device_want_name(device_want_t w) {
   return w >= DEVICE_WANT_AUTO && w <= DEVICE_WANT_CUDA ? want_names[w] : "?";
 }
 
-status_t device_choose(device_want_t want, int gpus, int local_ranks, device_type_t *out, char *why,
-                       size_t why_size) {
+const char *device_uuid_str(const device_uuid_t *u, char *buf, size_t size) {
+  if (buf == NULL || size == 0) return "";
+  if (u == NULL) {
+    snprintf(buf, size, "?");
+    return buf;
+  }
+  const uint8_t *b = u->b;
+  snprintf(buf, size,
+           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+           b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
+           b[15]);
+  return buf;
+}
+
+status_t device_cuda_uuid(int index, device_uuid_t *out) {
   ARG_NONNULL(out);
+  memset(out, 0, sizeof *out);
+  int n = device_cuda_count();
+  if (index < 0 || index >= n)
+    return err_set(STATUS_ENODEV, "cuda:%d requested, but %d CUDA device(s) are present", index,
+                   n);
+  return cuda_backend()->device_uuid(index, out->b);
+}
+
+status_t device_choose_node(device_want_t want, int local_ranks, const device_seen_t *seen, int me,
+                            device_type_t *out, char *why, size_t why_size) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(seen);
   if (why != NULL && why_size > 0) why[0] = 0;
   *out = DEVICE_CPU;
   if (want == DEVICE_WANT_CPU) return STATUS_OK;
   if (want != DEVICE_WANT_AUTO && want != DEVICE_WANT_CUDA)
-    return err_set(STATUS_EINVAL, "device_choose: unknown choice %d", (int)want);
-  if (local_ranks < 1) local_ranks = 1;
-  const char *s = gpus == 1 ? "" : "s", *rs = local_ranks == 1 ? "" : "s";
-  if (gpus >= local_ranks) {
+    return err_set(STATUS_EINVAL, "device_choose_node: unknown choice %d", (int)want);
+  if (local_ranks < 1 || me < 0 || me >= local_ranks)
+    return err_set(STATUS_EINVAL, "device_choose_node: local rank %d of %d", me, local_ranks);
+  char text[512] = "", way[160] = "";
+  if (seen[me].count <= 0) {
+    snprintf(text, sizeof text, "%s",
+             device_cuda_compiled() ? "this rank sees no CUDA device (no GPU, no driver, or "
+                                      "CUDA_VISIBLE_DEVICES hides them)"
+                                    : "the library was built without CUDA");
+  } else {
+    for (int r = 0; r < local_ranks && !text[0]; r++)
+      if (seen[r].count <= 0)
+        snprintf(text, sizeof text, "local rank %d of this node sees no CUDA device", r);
+    for (int a = 0; a < local_ranks && !text[0]; a++)
+      for (int b = a + 1; b < local_ranks && !text[0]; b++)
+        if (memcmp(&seen[a].pick, &seen[b].pick, sizeof seen[a].pick) == 0) {
+          char u[48];
+          int most = seen[me].count;
+          snprintf(text, sizeof text,
+                   "local ranks %d and %d of this node would share CUDA device %s (%d rank%s, "
+                   "%d device%s seen by rank %d; NCCL needs one per rank)",
+                   a, b, device_uuid_str(&seen[a].pick, u, sizeof u), local_ranks,
+                   local_ranks == 1 ? "" : "s", seen[a].count, seen[a].count == 1 ? "" : "s", a);
+          snprintf(way, sizeof way,
+                   "start at most %d rank%s per node, or give each rank a device of its own "
+                   "(Slurm: --gpus-per-task=1)",
+                   most, most == 1 ? "" : "s");
+        }
+  }
+  if (!text[0]) {
     *out = DEVICE_CUDA;
     return STATUS_OK;
   }
   if (want == DEVICE_WANT_AUTO) {
-    if (gpus > 0 && why != NULL)
-      snprintf(why, why_size,
-               "%d rank%s run on this node, which has %d CUDA device%s (one per rank is needed): "
-               "running on the CPU; start at most %d rank%s per node to use them",
-               local_ranks, rs, gpus, s, gpus, s);
+    /* a rank that sees no device at all needs no word: the CPU is what auto means there */
+    bool seen_any = false;
+    for (int r = 0; r < local_ranks; r++) seen_any |= seen[r].count > 0;
+    if (seen_any && why != NULL)
+      snprintf(why, why_size, "%s: running on the CPU%s%s", text, way[0] ? "; " : "", way);
     return STATUS_OK;
   }
-  if (gpus <= 0)
-    return err_set(STATUS_ENODEV, "%s: ask for the CPU (cpu), or for auto",
-                   device_cuda_compiled() ? "this rank sees no CUDA device (no GPU, no driver, or "
-                                            "CUDA_VISIBLE_DEVICES hides them)"
-                                          : "the library was built without CUDA");
-  return err_set(STATUS_ENODEV,
-                 "%d rank%s run on this node, which has %d CUDA device%s; NCCL needs one per "
-                 "rank: start at most %d rank%s per node, or ask for the CPU (cpu)",
-                 local_ranks, rs, gpus, s, gpus, s);
+  return err_set(STATUS_ENODEV, "%s: %s%sask for the CPU (cpu)%s", text, way, way[0] ? ", or " : "",
+                 way[0] ? "" : ", or for auto");
 }
 
 status_t device_check(device_t dev) {

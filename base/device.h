@@ -60,16 +60,39 @@ typedef enum device_want { DEVICE_WANT_AUTO = 0, DEVICE_WANT_CPU, DEVICE_WANT_CU
 int device_want_parse(const char *s, device_want_t *out);
 const char *device_want_name(device_want_t w);
 
-/* The device type of a rank that sees gpus CUDA devices and shares its node with local_ranks
- * ranks (itself included), under want:
+/* A CUDA device's identity, the same in every process that sees it whatever its ordinal
+ * there (CUDA_VISIBLE_DEVICES and cgroups renumber the devices a process sees). */
+typedef struct device_uuid {
+  uint8_t b[16];
+} device_uuid_t;
+
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (nvidia-smi's spelling) into buf (at least 41
+ * bytes); returns buf. */
+const char *device_uuid_str(const device_uuid_t *u, char *buf, size_t size);
+
+/* The UUID of this process's CUDA device index (0 .. device_cuda_count() - 1). */
+status_t device_cuda_uuid(int index, device_uuid_t *out);
+
+/* What a rank of a node reports for the choice: how many CUDA devices it sees and the UUID of
+ * the one it would take, its local rank modulo that count (nothing when it sees none). */
+typedef struct device_seen {
+  int count;
+  device_uuid_t pick;
+} device_seen_t;
+
+/* The device type of local rank me of a node whose local_ranks ranks see seen[0 ..
+ * local_ranks - 1], under want:
  *   cpu:  the CPU;
- *   auto: CUDA when gpus >= local_ranks > 0, else the CPU; when devices were seen but are too
- *         few, why (why_size bytes, may be NULL) says so, else why is "";
- *   cuda: CUDA when gpus >= local_ranks > 0, else STATUS_ENODEV naming the counts and the way
- *         out.
- * Local: no device or MPI call (world_choose_device applies it to the running job). */
-status_t device_choose(device_want_t want, int gpus, int local_ranks, device_type_t *out, char *why,
-                       size_t why_size);
+ *   auto: CUDA when every rank sees a device and no two would take the same one; else the
+ *         CPU, and why (why_size bytes, may be NULL) names the rank that sees none or the two
+ *         that would share one (NCCL refuses two ranks on a device); else why is "";
+ *   cuda: the same choice, with STATUS_ENODEV naming the rank or ranks and the way out where
+ *         auto would take the CPU.
+ * One visible device per rank (Slurm's --gpus-per-task=1, CUDA_VISIBLE_DEVICES=$LOCAL_RANK)
+ * and every device visible to every rank both give each rank its own. Local: no device or MPI
+ * call (world_choose_device gathers seen over the node and applies it). */
+status_t device_choose_node(device_want_t want, int local_ranks, const device_seen_t *seen, int me,
+                            device_type_t *out, char *why, size_t why_size);
 
 /* Checks that dev exists (the CPU always does). */
 status_t device_check(device_t dev);

@@ -182,21 +182,8 @@ status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *
   TRY(resolve_shape(ndim, shape, names, world_size(), sizes));
 
   device_t dev = device_cpu();
-  if (device_type == DEVICE_CUDA) {
-    dev = world_device();
-    status_t st = STATUS_OK;
-    int gpus = device_cuda_count();
-    if (dev.type != DEVICE_CUDA)
-      st = err_set(STATUS_ENODEV, "CUDA mesh requested, but rank %d has no CUDA device",
-                   world_rank());
-    else if (world_local_size() > gpus) /* NCCL refuses two ranks on one device */
-      st = err_set(STATUS_ENODEV,
-                   "CUDA mesh: %d ranks run on this node, which has %d CUDA device%s; NCCL needs "
-                   "a device per rank: start at most %d rank%s per node (or hide the devices "
-                   "with CUDA_VISIBLE_DEVICES= to run on the CPU)",
-                   world_local_size(), gpus, gpus == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s");
-    TRY(comm_agree(MPI_COMM_WORLD, st));
-  }
+  if (device_type == DEVICE_CUDA) /* each rank a device of its own, or every rank an error */
+    TRY(err_prefix(world_choose_device(DEVICE_WANT_CUDA, &dev, NULL, 0), "CUDA mesh"));
 
   mesh_root_t *root = calloc(1, sizeof *root);
   if (root == NULL) return err_set(STATUS_ENOMEM, "mesh: out of host memory");

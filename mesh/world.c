@@ -1,5 +1,6 @@
 #include <pthread.h>
 #include <sched.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -193,12 +194,111 @@ device_t world_device(void) {
   return device_cuda(world_local_rank() % n);
 }
 
+static status_t real_devices_seen(int local_rank, device_seen_t *out) {
+  memset(out, 0, sizeof *out);
+  out->count = device_cuda_count();
+  if (out->count <= 0) return STATUS_OK;
+  return device_cuda_uuid(local_rank % out->count, &out->pick);
+}
+
+static world_devices_fn devices_seen = real_devices_seen;
+
+void world_set_devices_seen(world_devices_fn fn) {
+  devices_seen = fn != NULL ? fn : real_devices_seen;
+}
+
+static char assignment[512]; /* rank 0's line of which device each rank took */
+
+const char *world_device_assignment(void) { return assignment; }
+
+/* One rank's device for the assignment line: its node (a hash of the host name), the ordinal
+ * it took there and the device's UUID. */
+typedef struct rank_device {
+  uint64_t host;
+  int32_t index, pad;
+  device_uuid_t uuid;
+} rank_device_t;
+
+static uint64_t host_hash(void) {
+  char name[MPI_MAX_PROCESSOR_NAME] = "";
+  int len = 0;
+  MPI_Get_processor_name(name, &len);
+  uint64_t h = 1469598103934665603ull; /* FNV-1a: a label, not a checksum */
+  for (int i = 0; i < len; i++) h = (h ^ (uint8_t)name[i]) * 1099511628211ull;
+  return h | 1; /* never 0, the gather's empty slot */
+}
+
+/* Gathers every rank's device to every rank (a sum of one-slot arrays) and writes rank 0's
+ * line: each rank's ordinal and UUID up to 8 ranks, else how many ranks, devices and nodes. */
+static status_t describe_assignment(int index, const device_uuid_t *uuid) {
+  int n = mpi_size(), me = world_rank();
+  rank_device_t *all = calloc((size_t)n * 2, sizeof *all);
+  if (all == NULL) return err_set(STATUS_ENOMEM, "device assignment: out of host memory");
+  all[n + me] = (rank_device_t){host_hash(), index, 0, *uuid};
+  status_t st = world_allreduce(all + n, all, (int)(n * sizeof *all), MPI_UNSIGNED_CHAR, MPI_BOR,
+                                MPI_COMM_WORLD, "MPI_Allreduce (device assignment)");
+  assignment[0] = 0;
+  if (st == STATUS_OK && me == 0) {
+    size_t at = 0;
+    char u[48];
+    if (n <= 8) {
+      for (int r = 0; r < n; r++)
+        at += (size_t)snprintf(assignment + at, sizeof assignment - at, "%srank %d cuda:%d %.12s",
+                               r ? ", " : "", r, all[r].index,
+                               device_uuid_str(&all[r].uuid, u, sizeof u));
+    } else {
+      int nodes = 0, devices = 0;
+      for (int r = 0; r < n; r++) {
+        bool new_node = true, new_device = true;
+        for (int q = 0; q < r; q++) {
+          new_node &= all[q].host != all[r].host;
+          new_device &= memcmp(&all[q].uuid, &all[r].uuid, sizeof all[r].uuid) != 0 ||
+                        all[q].host != all[r].host;
+        }
+        nodes += new_node;
+        devices += new_device;
+      }
+      snprintf(assignment, sizeof assignment, "%d ranks on %d CUDA devices of %d node%s; rank 0 "
+               "cuda:%d %.12s", n, devices, nodes, nodes == 1 ? "" : "s", all[0].index,
+               device_uuid_str(&all[0].uuid, u, sizeof u));
+    }
+  }
+  free(all);
+  return st;
+}
+
 status_t world_choose_device(device_want_t want, device_t *out, char *why, size_t why_size) {
   ARG_NONNULL(out);
-  device_type_t type;
+  device_type_t type = DEVICE_CPU;
   *out = device_cpu();
-  int gpus = want == DEVICE_WANT_CPU ? 0 : device_cuda_count();
-  status_t st = device_choose(want, gpus, world_local_size(), &type, why, why_size);
+  if (why != NULL && why_size > 0) why[0] = 0;
+  assignment[0] = 0;
+  /* what each rank of the node sees, gathered over the node (a sum of one-slot arrays) */
+  device_seen_t mine_seen = {0};
+  status_t st = want == DEVICE_WANT_CPU ? STATUS_OK : devices_seen(world_local_rank(), &mine_seen);
+  MPI_Comm node = MPI_COMM_SELF;
+  if (!world_planning() && mpi_size() > 1)
+    TRY(pg_mpi_status(
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+        "MPI_Comm_split_type (device choice)"));
+  int nl = 1, me = 0;
+  MPI_Comm_size(node, &nl);
+  MPI_Comm_rank(node, &me);
+  device_seen_t *seen = calloc((size_t)nl * 2, sizeof *seen);
+  if (seen == NULL) {
+    if (node != MPI_COMM_SELF) MPI_Comm_free(&node);
+    return err_set(STATUS_ENOMEM, "device choice: out of host memory");
+  }
+  seen[nl + me] = mine_seen;
+  status_t gs = world_allreduce(seen + nl, seen, (int)(nl * sizeof *seen), MPI_UNSIGNED_CHAR,
+                                MPI_BOR, node, "MPI_Allreduce (the node's devices)");
+  if (node != MPI_COMM_SELF) MPI_Comm_free(&node);
+  if (gs != STATUS_OK) {
+    free(seen);
+    return gs;
+  }
+  if (st == STATUS_OK) st = device_choose_node(want, nl, seen, me, &type, why, why_size);
+  free(seen);
   /* one reduction: whether every rank chose, whether every rank failed, whether every rank
    * chose CUDA */
   int mine[3] = {st == STATUS_OK, st != STATUS_OK, st == STATUS_OK && type == DEVICE_CUDA};
@@ -210,10 +310,11 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
   /* auto: one mesh device type for the whole job, the CPU when any node falls short */
   if (mine[2] && !all[2] && why != NULL)
     snprintf(why, why_size,
-             "another node has fewer CUDA devices than ranks (one per rank is needed): every "
-             "rank runs on the CPU");
-  if (all[2]) *out = world_device();
-  return STATUS_OK;
+             "a rank of another node has no CUDA device of its own (NCCL needs one per rank): "
+             "every rank runs on the CPU");
+  if (!all[2]) return STATUS_OK;
+  *out = device_cuda(world_local_rank() % mine_seen.count);
+  return describe_assignment(out->index, &mine_seen.pick);
 }
 
 status_t comm_agree(MPI_Comm comm, status_t st) {

@@ -65,12 +65,28 @@ pg_t *world_pg(void);
 /* cuda:(local_rank % count) when CUDA devices are present, else the CPU. */
 device_t world_device(void);
 
-/* device_choose (base/device.h) with this rank's device count and world_local_size(), agreed
- * over the world: when one rank fails (cuda asked for where a node falls short), every rank
- * fails with its message ("rank R: ..."); under auto, every rank takes the CPU when any rank
- * would. *out: world_device() for CUDA, else the CPU; why as device_choose's, or saying that
- * another node fell short. Collective over the world. */
+/* device_choose_node (base/device.h) over each node's ranks, agreed over the world: each rank
+ * takes its local rank modulo the devices it sees, the ranks of a node compare the UUIDs they
+ * would take, and when one rank fails (cuda asked for where a rank sees none or two would
+ * share one) every rank fails with its message ("rank R: ..."); under auto, every rank takes
+ * the CPU when any rank would. *out: the CUDA device this rank takes, else the CPU; why as
+ * device_choose_node's, or saying that another node fell short. On CUDA, rank 0's
+ * world_device_assignment() then says which device each rank took. Collective over the
+ * world. */
 status_t world_choose_device(device_want_t want, device_t *out, char *why, size_t why_size);
+
+/* Rank 0's line of the devices the last world_choose_device gave each rank ("rank 0 cuda:0
+ * GPU-1a2b3c4d, ..." up to 8 ranks, else the counts of ranks, devices and nodes); "" elsewhere,
+ * before a choice and when the choice was the CPU. */
+const char *world_device_assignment(void);
+
+/* What a rank sees of the CUDA devices, as world_choose_device reads it: the count and the
+ * UUID of the one it would take (local_rank modulo the count). */
+typedef status_t (*world_devices_fn)(int local_rank, device_seen_t *out);
+
+/* Replaces what world_choose_device reads of the devices (NULL: the devices this process
+ * sees), so that tests play a node's layouts on any machine. */
+void world_set_devices_seen(world_devices_fn fn);
 
 /* Ends a phase of a program: every rank learns whether any rank failed (returns true when
  * none did). Then rank 0 prints each distinct failure message once, naming the ranks that

@@ -107,6 +107,8 @@ void train_header(const run_t *r) {
     printf("  planned from one process (--world %d, %d rank%s per node): rank 0's figures\n",
            world_size(), world_local_size(), world_local_size() == 1 ? "" : "s");
   if (r->device_note[0]) printf("  train.device auto: %s\n", r->device_note);
+  if (r->dev.type == DEVICE_CUDA && world_device_assignment()[0])
+    printf("  devices: %s\n", world_device_assignment());
   if (r->dev.type == DEVICE_CUDA && p->deterministic)
     printf(
         "  attention: batched cuBLAS products (train.deterministic: the same bits on every "

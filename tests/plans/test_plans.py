@@ -1584,15 +1584,17 @@ def gpu():
     if " on cuda" not in p.stdout:
         print("no CUDA device: skipped")
         sys.exit(77)
-    # train.device with one device visible: auto takes it for one rank, the CPU for two (NCCL
-    # needs a device per rank), cuda refuses two ranks on every rank
+    # train.device with one device visible: auto takes it for one rank (the header names it),
+    # the CPU for two (NCCL needs a device per rank), cuda refuses two ranks on every rank
     one = {"CUDA_VISIBLE_DEVICES": "0"}
-    for n, dev, ok, want in [(1, "auto", True, r"world 1 rank on cuda:0"),
+    share = r"local ranks 0 and 1 of this node would share CUDA device GPU-[0-9a-f-]{36} "
+    for n, dev, ok, want in [(1, "auto", True, r"world 1 rank on cuda:0.*\n(.*\n)*  devices: rank 0 "
+                              r"cuda:0 GPU-[0-9a-f]{8}\n"),
                              (1, "cpu", True, r"world 1 rank on cpu"),
-                             (2, "auto", True, r"world 2 ranks on cpu.*\n  train\.device auto: 2 "
-                              r"ranks run on this node, which has 1 CUDA device"),
-                             (2, "cuda", False, r"\[ranks 0,1\] .*train\.device: cuda: 2 ranks run "
-                              r"on this node, which has 1 CUDA device; NCCL needs one per rank")]:
+                             (2, "auto", True, r"world 2 ranks on cpu.*\n  train\.device auto: " +
+                              share),
+                             (2, "cuda", False, r"\[ranks 0,1\] .*train\.device: cuda: " + share +
+                              r"\(2 ranks, 1 device seen by rank 0; NCCL needs one per rank\)")]:
         p = sh([MPIRUN] + MPI_ARGS + ["-n", str(n), EXE, cfg, "--dry-run", "--set",
                                       "mesh.dp_shard=%d" % n, "--set", "train.device=" + dev],
                60, env=one)

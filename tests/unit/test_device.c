@@ -11,47 +11,88 @@
 #include "base/tensor.h"
 #include "tests/harness.h"
 
-/* auto, cpu and cuda against the node's devices and ranks: each row's device, or its error and
- * the counts it names. */
-START_TEST(device_choice_by_devices_and_ranks) {
+/* auto, cpu and cuda against what each rank of a node sees: how many devices, and which one
+ * it would take (its local rank modulo the count). Each row: the node (per local rank, the
+ * count and the last byte of the UUID it would take), the rank asking, and its device or its
+ * error, with what why or the error says. */
+START_TEST(device_choice_by_what_each_rank_sees) {
+  enum { MAXR = 4 };
   static const struct {
+    const char *layout;
     device_want_t want;
-    int gpus, ranks;
+    int ranks, count[MAXR], pick[MAXR], me;
     status_t st;
     device_type_t type;
     const char *says; /* in why (auto) or the error (cuda); NULL: why is empty */
   } rows[] = {
-      {DEVICE_WANT_CPU, 8, 1, STATUS_OK, DEVICE_CPU, NULL},
-      {DEVICE_WANT_CPU, 0, 4, STATUS_OK, DEVICE_CPU, NULL},
-      {DEVICE_WANT_AUTO, 0, 1, STATUS_OK, DEVICE_CPU, NULL},
-      {DEVICE_WANT_AUTO, 0, 8, STATUS_OK, DEVICE_CPU, NULL},
-      {DEVICE_WANT_AUTO, 1, 1, STATUS_OK, DEVICE_CUDA, NULL},
-      {DEVICE_WANT_AUTO, 8, 8, STATUS_OK, DEVICE_CUDA, NULL},
-      {DEVICE_WANT_AUTO, 8, 2, STATUS_OK, DEVICE_CUDA, NULL},
-      {DEVICE_WANT_AUTO, 1, 4, STATUS_OK, DEVICE_CPU,
-       "4 ranks run on this node, which has 1 CUDA device (one per rank is needed): running on "
-       "the CPU; start at most 1 rank per node"},
-      {DEVICE_WANT_AUTO, 2, 3, STATUS_OK, DEVICE_CPU, "which has 2 CUDA devices"},
-      {DEVICE_WANT_CUDA, 1, 1, STATUS_OK, DEVICE_CUDA, NULL},
-      {DEVICE_WANT_CUDA, 4, 4, STATUS_OK, DEVICE_CUDA, NULL},
-      {DEVICE_WANT_CUDA, 1, 4, STATUS_ENODEV, DEVICE_CPU,
-       "4 ranks run on this node, which has 1 CUDA device; NCCL needs one per rank: start at "
-       "most 1 rank per node, or ask for the CPU (cpu)"},
-      {DEVICE_WANT_CUDA, 0, 1, STATUS_ENODEV, DEVICE_CPU, "ask for the CPU (cpu), or for auto"},
+      {"one device per task (Slurm --gpus-per-task=1)", DEVICE_WANT_AUTO, 4, {1, 1, 1, 1},
+       {10, 11, 12, 13}, 2, STATUS_OK, DEVICE_CUDA, NULL},
+      {"one device per task, cuda", DEVICE_WANT_CUDA, 4, {1, 1, 1, 1}, {10, 11, 12, 13}, 3,
+       STATUS_OK, DEVICE_CUDA, NULL},
+      {"every device visible to every rank", DEVICE_WANT_CUDA, 4, {4, 4, 4, 4}, {0, 1, 2, 3}, 0,
+       STATUS_OK, DEVICE_CUDA, NULL},
+      {"more devices than ranks", DEVICE_WANT_AUTO, 2, {8, 8}, {0, 1}, 1, STATUS_OK, DEVICE_CUDA,
+       NULL},
+      {"one rank, one device", DEVICE_WANT_AUTO, 1, {1}, {5}, 0, STATUS_OK, DEVICE_CUDA, NULL},
+      {"fewer devices than ranks", DEVICE_WANT_AUTO, 4, {2, 2, 2, 2}, {0, 1, 0, 1}, 1, STATUS_OK,
+       DEVICE_CPU,
+       "local ranks 0 and 2 of this node would share CUDA device GPU-00000000-0000-0000-0000-"
+       "000000000000 (4 ranks, 2 devices seen by rank 0; NCCL needs one per rank): running on the "
+       "CPU; start at most 2 ranks per node, or give each rank a device of its own (Slurm: "
+       "--gpus-per-task=1)"},
+      {"fewer devices than ranks, cuda", DEVICE_WANT_CUDA, 4, {2, 2, 2, 2}, {0, 1, 0, 1}, 3,
+       STATUS_ENODEV, DEVICE_CPU,
+       "local ranks 0 and 2 of this node would share CUDA device GPU-00000000-0000-0000-0000-"
+       "000000000000 (4 ranks, 2 devices seen by rank 0; NCCL needs one per rank): start at "
+       "most 2 ranks per node, or give each rank a device of its own (Slurm: --gpus-per-task=1), "
+       "or ask for the CPU (cpu)"},
+      {"two ranks given the same device", DEVICE_WANT_CUDA, 2, {1, 1}, {7, 7}, 0, STATUS_ENODEV,
+       DEVICE_CPU, "local ranks 0 and 1 of this node would share CUDA device GPU-00000000-0000-"
+       "0000-0000-000000000007 (2 ranks, 1 device seen by rank 0; NCCL needs one per rank)"},
+      {"two ranks given the same device, auto", DEVICE_WANT_AUTO, 3, {1, 1, 1}, {7, 8, 8}, 0,
+       STATUS_OK, DEVICE_CPU, "local ranks 1 and 2 of this node would share CUDA device"},
+      {"another rank sees none", DEVICE_WANT_AUTO, 2, {1, 0}, {3, 0}, 0, STATUS_OK, DEVICE_CPU,
+       "local rank 1 of this node sees no CUDA device: running on the CPU"},
+      {"this rank sees none", DEVICE_WANT_AUTO, 2, {1, 0}, {3, 0}, 1, STATUS_OK, DEVICE_CPU,
+       "sees no CUDA device"},
+      {"another rank sees none, cuda", DEVICE_WANT_CUDA, 2, {1, 0}, {3, 0}, 0, STATUS_ENODEV,
+       DEVICE_CPU, "local rank 1 of this node sees no CUDA device: ask for the CPU (cpu), or for "
+       "auto"},
+      {"no device anywhere", DEVICE_WANT_AUTO, 4, {0, 0, 0, 0}, {0}, 2, STATUS_OK, DEVICE_CPU,
+       NULL},
+      {"no device anywhere, cuda", DEVICE_WANT_CUDA, 1, {0}, {0}, 0, STATUS_ENODEV, DEVICE_CPU,
+       "ask for the CPU (cpu), or for auto"},
+      {"the CPU beside devices", DEVICE_WANT_CPU, 2, {8, 8}, {0, 1}, 0, STATUS_OK, DEVICE_CPU,
+       NULL},
   };
   for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+    device_seen_t seen[MAXR];
+    memset(seen, 0, sizeof seen);
+    for (int r = 0; r < rows[i].ranks; r++) {
+      seen[r].count = rows[i].count[r];
+      if (seen[r].count > 0) seen[r].pick.b[15] = (uint8_t)rows[i].pick[r];
+    }
     device_type_t type = (device_type_t)-1;
-    char why[256] = "x";
+    char why[512] = "x";
     err_clear();
-    status_t st = device_choose(rows[i].want, rows[i].gpus, rows[i].ranks, &type, why, sizeof why);
-    ck_assert_msg(st == rows[i].st, "row %zu: status %d", i, (int)st);
-    if (st == STATUS_OK) ck_assert_msg(type == rows[i].type, "row %zu: type %d", i, (int)type);
+    status_t st =
+        device_choose_node(rows[i].want, rows[i].ranks, seen, rows[i].me, &type, why, sizeof why);
+    ck_assert_msg(st == rows[i].st, "%s: status %d (%s)", rows[i].layout, (int)st, err_detail());
+    if (st == STATUS_OK)
+      ck_assert_msg(type == rows[i].type, "%s: type %d", rows[i].layout, (int)type);
     const char *text = st == STATUS_OK ? why : err_detail();
     if (rows[i].says == NULL)
-      ck_assert_msg(why[0] == 0, "row %zu: why '%s'", i, why);
+      ck_assert_msg(why[0] == 0, "%s: why '%s'", rows[i].layout, why);
     else
-      ck_assert_msg(strstr(text, rows[i].says) != NULL, "row %zu: '%s'", i, text);
+      ck_assert_msg(strstr(text, rows[i].says) != NULL, "%s: '%s'", rows[i].layout, text);
   }
+  device_seen_t one = {1, {{0}}};
+  device_type_t type;
+  ck_assert_int_eq(device_choose_node(DEVICE_WANT_AUTO, 1, &one, 1, &type, NULL, 0), STATUS_EINVAL);
+  device_uuid_t u = {{0x1a, 0x2b, 0x3c, 0x4d, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0xa, 0xff}};
+  char buf[48];
+  ck_assert_str_eq(device_uuid_str(&u, buf, sizeof buf),
+                   "GPU-1a2b3c4d-0001-0203-0405-060708090aff");
   device_want_t w;
   ck_assert(device_want_parse("cuda", &w) && w == DEVICE_WANT_CUDA);
   ck_assert(device_want_parse("auto", &w) && w == DEVICE_WANT_AUTO);
@@ -227,7 +268,7 @@ END_TEST
 static Suite *make_suite(void) {
   Suite *s = suite_create("device");
   TCase *tc = tcase_create("device");
-  tcase_add_test(tc, device_choice_by_devices_and_ranks);
+  tcase_add_test(tc, device_choice_by_what_each_rank_sees);
   tcase_add_test(tc, device_poll_ends_by_ready_failure_or_hook);
   tcase_add_test(tc, kernel_profile_counts_calls_per_kernel);
   tcase_add_test(tc, mem_stats_track_current_and_peak);
