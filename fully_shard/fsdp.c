@@ -30,6 +30,13 @@ int64_t fsdp_flat_numel(const fsdp_group_t *g) {
   if (g == NULL) return 0;
   return g->flat;
 }
+int64_t fsdp_reduce_numel(const fsdp_group_t *g) {
+  if (g == NULL) return 0;
+  int64_t n = 0;
+  for (int i = 0; i < g->n; i++)
+    if (g->params[i].p->requires_grad) n += g->params[i].rows * g->params[i].row + 1;
+  return n;
+}
 pg_t *fsdp_post_forward_group(const fsdp_group_t *g) {
   if (g == NULL) return NULL;
   return g->post_forward;

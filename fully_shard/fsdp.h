@@ -107,6 +107,10 @@ dtype_t fsdp_param_dtype(const fsdp_group_t *g);
 dtype_t fsdp_reduce_dtype(const fsdp_group_t *g);
 /* Elements per rank in the group's all-gather buffer (sum of padded shard sizes). */
 int64_t fsdp_flat_numel(const fsdp_group_t *g);
+/* Elements per rank in the group's gradient reduction: the padded shard of every parameter
+ * that requires a gradient, then one presence element per such parameter (whether any rank
+ * had its gradient); 0 when none requires one. */
+int64_t fsdp_reduce_numel(const fsdp_group_t *g);
 
 /* Gradient-sync control, applied to every group under root (as on PyTorch's FSDPModule):
  * - requires_gradient_sync false: backward keeps accumulating unsharded gradients and issues

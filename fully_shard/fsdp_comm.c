@@ -361,16 +361,50 @@ static bool local_reduce(const fsdp_group_t *g) {
   return true;
 }
 
+/* Marks, in every rank's block of the reduce buffer, which trainable parameters have a
+ * gradient here: their presence elements 1, the others 0. The reduction sums them with the
+ * gradients, so every rank learns which parameters got a gradient on any rank. */
+static status_t mark_presence(fsdp_group_t *g, int64_t block) {
+  int64_t shape[2] = {g->W, block};
+  tensor_t all = {0}, tail = {0}, one = {0};
+  status_t st = tensor_view(&all, &g->red_send, 2, shape);
+  if (st == STATUS_OK) st = tensor_narrow(&tail, &all, 1, g->red_grads, g->red_params);
+  if (st == STATUS_OK) st = tensor_fill(&tail, 1.0);
+  for (int i = 0; i < g->n && st == STATUS_OK && g->red_missing; i++) {
+    const fsdp_param_t *fp = &g->params[i];
+    if (!fp->trainable || fp->reducing) continue;
+    st = tensor_narrow(&one, &tail, 1, fp->red_index, 1);
+    if (st == STATUS_OK) st = tensor_fill(&one, 0.0);
+    tensor_free(&one);
+  }
+  tensor_free(&tail);
+  tensor_free(&all);
+  return st;
+}
+
+/* The reduce layout is fixed over the group's trainable parameters, whichever of them have a
+ * gradient on this rank: a parameter without one (a path this rank's batch did not take)
+ * contributes zeros, so that every rank reduces the same number of elements in the same
+ * places; each parameter's presence element tells every rank whether any rank had one. */
 status_t fsdp_reduce_start(fsdp_group_t *g) {
   TRY(fsdp_reduce_finish(g->root));
   int64_t flat = 0;
+  int params = 0;
+  bool any = false, missing = false;
   for (int i = 0; i < g->n; i++) {
     fsdp_param_t *fp = &g->params[i];
     fp->reducing = has_grad(fp->p);
-    if (fp->reducing) flat += fp->rows * fp->row;
+    fp->trainable = fp->p->requires_grad;
+    if (!fp->trainable) continue;
+    fp->red_offset = flat;
+    fp->red_index = params++;
+    flat += fp->rows * fp->row;
+    any |= fp->reducing;
+    missing |= !fp->reducing;
   }
   if (flat == 0) return STATUS_OK;
   if (local_reduce(g)) {
+    if (!any) return STATUS_OK;
     for (int i = 0; i < g->n; i++) {
       fsdp_param_t *fp = &g->params[i];
       if (!fp->reducing) continue;
@@ -384,32 +418,36 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
   TRY(side_enter(g, dev, reduce_stream(g), true, &prev)); /* after the gradients are computed */
-  int64_t total = flat * g->W;
+  g->red_grads = flat;
+  g->red_params = params;
+  g->red_missing = missing;
+  int64_t block = flat + params, total = block * g->W;
   reduce_op_t op = g->divide_factor > 0 ? REDUCE_SUM : REDUCE_AVG;
   status_t st = tensor_zeros(&g->red_send, g->reduce_dtype, dev, 1, &total);
-  /* rank-major pack: block r holds chunk r of every parameter, each padded to its rows; the
-   * unsharded gradients are freed here, on the stream that read them last */
+  /* rank-major pack: block r holds chunk r of every trainable parameter, each padded to its
+   * rows, then the presence elements; the unsharded gradients are freed here, on the stream
+   * that read them last */
   copies_t c = {0};
-  int64_t off = 0;
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     if (!fp->reducing) continue;
     for (int r = 0; r < g->W && st == STATUS_OK; r++)
-      st = add_chunk(&c, fp, g->W, r, &fp->p->compute_grad, &g->red_send, r * flat + off, true);
-    off += fp->rows * fp->row;
+      st = add_chunk(&c, fp, g->W, r, &fp->p->compute_grad, &g->red_send,
+                     r * block + fp->red_offset, true);
   }
   st = copies_run(&c, st);
+  if (st == STATUS_OK) st = mark_presence(g, block);
   for (int i = 0; i < g->n; i++)
     if (g->params[i].reducing) tensor_free(&g->params[i].p->compute_grad);
   if (st == STATUS_OK && g->W > 1) {
-    st = tensor_init(&g->red_recv, g->reduce_dtype, dev, 1, &flat);
+    st = tensor_init(&g->red_recv, g->reduce_dtype, dev, 1, &block);
     if (st == STATUS_OK)
-      st = pg_reduce_scatter(g->shard, g->red_send.data, g->red_recv.data, (size_t)flat,
+      st = pg_reduce_scatter(g->shard, g->red_send.data, g->red_recv.data, (size_t)block,
                              g->reduce_dtype, op, &g->red_work);
   } else if (st == STATUS_OK) {
     st = tensor_ref(&g->red_recv, &g->red_send);
   }
-  g->red_flat = flat;
+  g->red_flat = block;
   g->root->state.reducing = g;
   side_exit(dev, reduce_stream(g), prev);
   if (st != STATUS_OK) fsdp_reduce_drop(g);
@@ -499,18 +537,27 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
     st = tensor_clone(&host, &g->red_recv, g->reduce_dtype, device_cpu());
     red = &host;
   }
+  /* a rank that had no gradient for some parameter reads the presence elements: a parameter
+   * no rank had a gradient for gets none (as a parameter outside the graph), the others the
+   * reduced gradient, to which this rank added zeros */
+  tensor_t present = {0}, tail = {0};
+  if (st == STATUS_OK && !parked && g->red_missing) {
+    st = tensor_narrow(&tail, red, 0, g->red_grads, g->red_params);
+    if (st == STATUS_OK) st = tensor_clone(&present, &tail, DTYPE_F32, device_cpu());
+    tensor_free(&tail);
+  }
   copies_t c = {0};
-  int64_t off = 0;
   for (int i = 0; i < g->n && st == STATUS_OK && !parked; i++) {
     fsdp_param_t *fp = &g->params[i];
-    if (!fp->reducing) continue;
+    if (!fp->trainable) continue;
+    if (!fp->reducing && ((const float *)present.data)[fp->red_index] == 0.0f) continue;
     tensor_t mine;
-    st = tensor_narrow(&mine, red, 0, off, tensor_numel(dtensor_local(fp->p->value)));
+    st = tensor_narrow(&mine, red, 0, fp->red_offset, tensor_numel(dtensor_local(fp->p->value)));
     if (st == STATUS_OK) st = add_local_grad(&c, fp, &mine);
     tensor_free(&mine);
-    off += fp->rows * fp->row;
   }
   st = copies_run(&c, st);
+  tensor_free(&present);
   tensor_free(&host);
   tensor_free(&g->red_recv);
   g->red_flat = 0;

@@ -22,6 +22,9 @@ typedef struct fsdp_param {
   tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype; on the host
                       when offloaded */
   bool reducing;   /* its gradient is in the group's reduction in flight */
+  bool trainable;  /* in the group's reduce layout (requires_grad when the reduction started) */
+  int64_t red_offset; /* in one rank's block of the reduce buffer, elements */
+  int red_index;      /* its place among the trainable parameters (its presence element) */
   tensor_t held;   /* that gradient itself, on the one-rank path (fsdp_comm.c) */
 } fsdp_param_t;
 
@@ -99,7 +102,11 @@ struct fsdp_group {
   /* the gradient reduction in flight: reduce-scatter issued, completed at the next group's
    * post-backward or at the end of backward */
   tensor_t red_send, red_recv;
-  int64_t red_flat;
+  int64_t red_flat;  /* elements per rank in the reduce buffer: red_grads, then the presence
+                        element of each of the red_params trainable parameters */
+  int64_t red_grads; /* of those, the gradients' */
+  int red_params;
+  bool red_missing;  /* this rank had no gradient for some trainable parameter */
   pg_work_t *red_work;
   bool red_local; /* the reduction in flight holds the gradients themselves (one-rank path) */
   fsdp_event_fn on_event;

@@ -164,7 +164,7 @@ llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, i
     int rs = root ? 0 : fsdp_reshard_after_forward(g); /* the root keeps its parameters */
     if (rs == FSDP_RESHARD_AUTO) rs = 1;
     const dtype_t pd = fsdp_param_dtype(g), rd = fsdp_reduce_dtype(g);
-    double flat = (double)fsdp_flat_numel(g);
+    double flat = (double)fsdp_flat_numel(g), red = (double)fsdp_reduce_numel(g);
     if (W > 1) {
       c.n_ag += (long long)A * (rs == 1 ? 2 : 1);
       c.ag += A * (rs == 1 ? 2 : 1) * (W - 1) * flat * (double)dtype_size(pd);
@@ -173,11 +173,11 @@ llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, i
         c.ag += A * (rs - 1) * flat * W / rs * (double)dtype_size(pd);
       }
       c.n_rs += (long long)A;
-      c.rs += A * (W - 1) * flat * (double)dtype_size(rd);
+      c.rs += A * (W - 1) * red * (double)dtype_size(rd);
     }
     if (R > 1) {
       c.n_ar += (long long)A;
-      c.ar += A * 2.0 * (R - 1) * flat * (double)dtype_size(rd) / R;
+      c.ar += A * 2.0 * (R - 1) * red * (double)dtype_size(rd) / R;
     }
   }
   /* tensor parallelism with the built-in Llama plan (the README's "Tensor parallelism"): per

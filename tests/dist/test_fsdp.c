@@ -103,10 +103,12 @@ static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_group
   memset(post, 0, sizeof *post);
   bool no_sync = pl->accum > 1 && !pl->hold_all_reduce && !pl->last_backward;
   for (int i = 0; i < n_groups; i++) {
-    /* all-gathers move param_dtype, reductions f32; a frozen parameter is not reduced */
+    /* all-gathers move param_dtype, reductions f32: every trainable parameter's chunk and
+     * its presence element (whether a rank had its gradient); a frozen parameter is not
+     * reduced */
     uint64_t fb = (uint64_t)fsdp_flat_numel(groups[i]) * (pl->bf16 ? 2 : 4);
-    uint64_t rb = (uint64_t)fsdp_flat_numel(groups[i]) * 4;
-    if (pl->frozen && i == 1) rb -= (uint64_t)chunk_size(64, Ws) * 4;
+    uint64_t rb = ((uint64_t)fsdp_flat_numel(groups[i]) + (uint64_t)fsdp_num_params(groups[i])) * 4;
+    if (pl->frozen && i == 1) rb -= ((uint64_t)chunk_size(64, Ws) + 1) * 4;
     bool layer = i < n_groups - 1, int_reshard = layer && pl->reshard >= 2;
     bool full_reshard = pl->reshard == 1 || pl->reshard == FSDP_RESHARD_AUTO;
     uint64_t gathers = (uint64_t)pl->accum * (layer && full_reshard ? 2 : 1);

@@ -304,6 +304,116 @@ START_TEST(module_called_twice) {
 }
 END_TEST
 
+/* ---- ranks whose batches take different paths ---- */
+
+static int branch; /* which of "even" and "odd" the next forward takes */
+
+/* head(even(emb(ids))) or head(odd(emb(ids))); "unused" is never called */
+static status_t branch_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  nn_var_t *a = NULL, *b = NULL;
+  status_t st = STATUS_OK;
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "emb"), in, &a));
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, branch ? "odd" : "even"), a, &b));
+  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "head"), b, out));
+cleanup:
+  nn_var_put(a);
+  nn_var_put(b);
+  return st;
+}
+
+static nn_module_t *branch_model(mesh_t *local) {
+  nn_module_t *root;
+  ok(nn_module_new(&root, "", branch_fwd, NULL));
+  const char *names[] = {"emb", "even", "odd", "unused", "head"};
+  nn_forward_fn fns[] = {emb_fwd, lin_fwd, lin_fwd, lin_fwd, lin_fwd};
+  int64_t shapes[][2] = {{11, 6}, {6, 6}, {6, 6}, {6, 6}, {11, 6}};
+  for (int i = 0; i < 5; i++) {
+    nn_module_t *c;
+    ok(nn_module_new(&c, names[i], fns[i], NULL));
+    ok(nn_module_add_child(root, c));
+    tensor_t t;
+    ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shapes[i]));
+    test_rng_t r = {91 + (unsigned)i};
+    test_fill_uniform(&t, &r, 0.5);
+    dtensor_t *d;
+    placement_t rep = placement_replicate();
+    ok(dtensor_from_local(&d, &t, local, &rep, 2, shapes[i]));
+    tensor_free(&t);
+    ok(nn_module_add_param(c, "weight", d, true, NULL));
+  }
+  ok(nn_module_finalize(root));
+  return root;
+}
+
+/* Data-dependent paths: rank r's batch goes through "even" or "odd" by the parity of its
+ * data-parallel index, and no batch through "unused", all in one group. Every rank reduces the
+ * same elements (each trainable parameter's chunk and its presence element, equal byte counts
+ * on every rank), without error; the gradients equal the reference's average of every rank's
+ * own path (the ranks that skipped a parameter count as zeros, as in DDP), and "unused" has
+ * no gradient anywhere, as outside the graph. On one rank "odd" is unused too. */
+START_TEST(ranks_with_different_gradient_sets) {
+  mesh_t *mesh = dp_mesh(), *local;
+  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  int W = world_size(), md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1);
+  int dp = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
+                   : mesh_coord(mesh, 0);
+  nn_module_t *ref = branch_model(local), *sh = branch_model(local);
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  fsdp_group_t *g;
+  ok(fully_shard(sh, &opt, &g));
+  pg_t *shard_pg = mesh_group(mesh, md - 1);
+  pg_reset_counters(shard_pg);
+  const int T = 5;
+  for (int q = 0; q < W; q++) { /* the reference: each rank's own path, summed */
+    branch = q % 2;
+    twice_step(ref, q * T, T);
+  }
+  branch = dp % 2;
+  twice_step(sh, dp * T, T);
+  run_t r = {0}, s = {0};
+  ok(nn_named_parameters(ref, &r.ps, &r.n));
+  ok(nn_named_parameters(sh, &s.ps, &s.n));
+  ref_average_grads(&r, W);
+  int bad = 0;
+  /* "unused" (and on one rank "odd"): no gradient on any rank; the rest as the reference */
+  run_t rr = {0}, ss = {0};
+  rr.ps = calloc((size_t)r.n, sizeof *rr.ps);
+  ss.ps = calloc((size_t)s.n, sizeof *ss.ps);
+  for (int i = 0; i < r.n; i++) {
+    if (r.ps[i]->grad == NULL) {
+      if (s.ps[i]->grad != NULL) {
+        printf("rank %d: %s has a gradient no rank computed\n", world_rank(), s.ps[i]->fqn);
+        bad++;
+      }
+      continue;
+    }
+    rr.ps[rr.n++] = r.ps[i];
+    ss.ps[ss.n++] = s.ps[i];
+  }
+  bad += rr.n != (W > 1 ? 4 : 3);
+  bad += compare_shards(&rr, &ss, true, 5e-5);
+  /* the reduce layout: the same on every rank, whatever gradients it had */
+  pg_counters_t c = pg_counters(shard_pg);
+  uint64_t want = Ws > 1 ? ((uint64_t)fsdp_flat_numel(g) + 5u) * 4u * (uint64_t)(Ws - 1) : 0;
+  if (c.bytes[PG_REDUCE_SCATTER] != want) {
+    printf("rank %d: reduce-scatter of %llu bytes, expected %llu\n", world_rank(),
+           (unsigned long long)c.bytes[PG_REDUCE_SCATTER], (unsigned long long)want);
+    bad++;
+  }
+  expect_all(bad == 0, "different gradient sets: %d mismatches", bad);
+  free(rr.ps);
+  free(ss.ps);
+  free(r.ps);
+  free(s.ps);
+  fsdp_free_all(sh);
+  nn_module_free(ref);
+  nn_module_free(sh);
+  mesh_free(local);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* An ignored parameter stays whole and local; a divide factor of 1 sums the gradients. */
 START_TEST(ignored_parameter_and_divide_factor) {
   mesh_t *mesh = dp_mesh(), *local;
@@ -465,6 +575,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, unshard_copies_and_values);
   tcase_add_test(tc, one_rank_path_trains_as_flat_path);
   tcase_add_test(tc, module_called_twice);
+  tcase_add_test(tc, ranks_with_different_gradient_sets);
   tcase_add_test(tc, ignored_parameter_and_divide_factor);
   tcase_add_test(tc, event_order_default);
   tcase_add_test(tc, event_order_explicit_forward_prefetch);
