@@ -16,9 +16,6 @@ status_t pg_new_mpi(MPI_Comm comm, pg_t **out);
 /* An NCCL group over the ranks of comm using CUDA device `device` on this rank (the NCCL id
  * travels over comm). Collective over comm. STATUS_ENODEV without CUDA support or device. */
 status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out);
-/* Aborts every live NCCL communicator (their kernels end; later calls on them fail): the
- * world's wait hook calls it when the job stops. A no-op without CUDA. */
-void pg_nccl_abort_all(void);
 
 typedef struct pg_ops {
   const char *name;

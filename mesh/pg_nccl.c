@@ -7,8 +7,10 @@
  *
  * Communicators are non-blocking (NCCL's config.blocking = 0): a call that answers
  * ncclInProgress is polled to its end through device_poll, so the world's wait hook can end
- * it; pg_nccl_abort_all() aborts every live communicator (the hook calls it when the job
- * stops), which ends their kernels, so that no host wait stays blocked behind them.
+ * it. Their failure and teardown paths are mesh/nccl_comms.c's: an error aborts the
+ * communicator, a stop of the job aborts every one (which ends their kernels, so that no host
+ * wait stays blocked behind them), and closing a group finalizes its communicator within a
+ * limit before destroying it.
  */
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -19,12 +21,14 @@
 #include <string.h>
 
 #include "base/cuda_check.h"
+#include "mesh/nccl_comms.h"
 #include "mesh/pg_impl.h"
+#include "mesh/world_impl.h"
 
 cudaStream_t cuda_stream_raw(stream_t *s);
 
-/* The status of an NCCL result: STATUS_OK, or STATUS_ENCCL with "WHAT: NCCL's text". Every
- * NCCL result the library checks goes through here. */
+/* The status of an NCCL result: STATUS_OK, or STATUS_ENCCL with "WHAT: NCCL's text", for
+ * calls outside a communicator (on one, nccl_comm_result also aborts it). */
 static status_t nccl_status(ncclResult_t rc, const char *what) {
   if (rc == ncclSuccess) return STATUS_OK;
   return err_set(STATUS_ENCCL, "%s: %s", what, ncclGetErrorString(rc));
@@ -32,69 +36,33 @@ static status_t nccl_status(ncclResult_t rc, const char *what) {
 
 #define NCCL_TRY(call) TRY(nccl_status((call), __FILE__ ":" CUDA_STR_(__LINE__) ": " #call))
 
+/* NCCL's own functions behind mesh/nccl_comms.c's table */
+static int real_abort(void *c) { return (int)ncclCommAbort((ncclComm_t)c); }
+static int real_finalize(void *c) { return (int)ncclCommFinalize((ncclComm_t)c); }
+static int real_destroy(void *c) { return (int)ncclCommDestroy((ncclComm_t)c); }
+static int real_async_error(void *c, int *state) {
+  ncclResult_t s = ncclSuccess, rc = ncclCommGetAsyncError((ncclComm_t)c, &s);
+  *state = (int)s;
+  return (int)rc;
+}
+static const char *real_error_string(int rc) { return ncclGetErrorString((ncclResult_t)rc); }
+static const nccl_table_t real_table = {real_abort, real_finalize, real_destroy, real_async_error,
+                                        real_error_string};
+
+/* How long closing a group may wait for its communicator's outstanding work before aborting
+ * it. */
+#define CLOSE_LIMIT_S 30.0
+
 typedef struct nccl_state {
-  ncclComm_t comm;
+  nccl_comm_t life; /* life.comm: the ncclComm_t */
   cudaStream_t stream;
-  bool aborted;                 /* by pg_nccl_abort_all: comm is gone */
-  struct nccl_state *prev, *next; /* the live communicators */
 } nccl_state_t;
 
-static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
-static nccl_state_t *live;
+static ncclComm_t comm_of(nccl_state_t *s) { return (ncclComm_t)s->life.comm; }
 
-static void live_add(nccl_state_t *s) {
-  pthread_mutex_lock(&live_lock);
-  s->next = live;
-  if (live) live->prev = s;
-  live = s;
-  pthread_mutex_unlock(&live_lock);
-}
-
-/* Removes s (when listed) and tells whether it was aborted. */
-static bool live_remove(nccl_state_t *s) {
-  pthread_mutex_lock(&live_lock);
-  if (s->prev) s->prev->next = s->next;
-  else if (live == s) live = s->next;
-  if (s->next) s->next->prev = s->prev;
-  s->prev = s->next = NULL;
-  bool aborted = s->aborted;
-  pthread_mutex_unlock(&live_lock);
-  return aborted;
-}
-
-void pg_nccl_abort_all(void) {
-  pthread_mutex_lock(&live_lock);
-  for (nccl_state_t *s = live; s; s = s->next)
-    if (!s->aborted && s->comm) {
-      ncclCommAbort(s->comm);
-      s->aborted = true;
-    }
-  pthread_mutex_unlock(&live_lock);
-}
-
-/* ncclCommGetAsyncError as a device_poll condition: 1 once the communicator's last call has
- * finished, -1 when it failed. */
-static int comm_settled(void *ctx, status_t *st) {
-  nccl_state_t *s = ctx;
-  ncclResult_t state = ncclSuccess, rc = ncclCommGetAsyncError(s->comm, &state);
-  if (rc != ncclSuccess) state = rc;
-  if (state == ncclInProgress) return 0;
-  if (state == ncclSuccess) return 1;
-  *st = nccl_status(state, "ncclCommGetAsyncError");
-  return -1;
-}
-
-/* Polls s's communicator until its last call has finished. */
-static status_t poll_settled(nccl_state_t *s, const char *what) {
-  status_t st = device_poll(comm_settled, s, what);
-  return st == STATUS_OK ? STATUS_OK : err_prefix(st, "%s", what);
-}
-
-/* The result rc of a call on s's communicator, polled to its end when still in progress. */
+/* The result rc of a call on s's communicator (mesh/nccl_comms.h). */
 static status_t settle(nccl_state_t *s, ncclResult_t rc, const char *what) {
-  if (rc == ncclSuccess) return STATUS_OK;
-  if (rc != ncclInProgress) return nccl_status(rc, what);
-  return poll_settled(s, what);
+  return nccl_comm_result(&s->life, (int)rc, what);
 }
 
 typedef struct nccl_work {
@@ -117,9 +85,9 @@ static status_t nccl_complete(pg_work_t *base) {
 
 /* Orders the communication stream after the caller's current stream. */
 static status_t begin(pg_t *pg) {
-  if (state(pg)->aborted)
-    return err_set(STATUS_ENCCL, "the NCCL communicator of this group was aborted (the job is "
-                                 "stopping)");
+  if (state(pg)->life.aborted)
+    return err_set(STATUS_ENCCL, "the NCCL communicator %s was aborted (the job is stopping)",
+                   state(pg)->life.name);
   CUDA_TRY(cudaSetDevice(pg->device.index));
   cudaEvent_t ready;
   CUDA_TRY(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
@@ -166,7 +134,7 @@ static status_t nccl_all_gather(pg_t *pg, const void *send, void *recv, size_t c
                                 pg_work_t **work) {
   TRY(begin(pg));
   TRY(settle(state(pg),
-             ncclAllGather(send, recv, count, nccl_type(dt), state(pg)->comm, state(pg)->stream),
+             ncclAllGather(send, recv, count, nccl_type(dt), comm_of(state(pg)), state(pg)->stream),
              "ncclAllGather"));
   return end(pg, work);
 }
@@ -176,7 +144,7 @@ static status_t nccl_reduce_scatter(pg_t *pg, const void *send, void *recv, size
   TRY(begin(pg));
   TRY(settle(state(pg),
              ncclReduceScatter(send, recv, recv_count, nccl_type(dt), nccl_op(op),
-                               state(pg)->comm, state(pg)->stream),
+                               comm_of(state(pg)), state(pg)->stream),
              "ncclReduceScatter"));
   return end(pg, work);
 }
@@ -185,7 +153,7 @@ static status_t nccl_all_reduce(pg_t *pg, const void *send, void *recv, size_t c
                                 reduce_op_t op, pg_work_t **work) {
   TRY(begin(pg));
   TRY(settle(state(pg),
-             ncclAllReduce(send, recv, count, nccl_type(dt), nccl_op(op), state(pg)->comm,
+             ncclAllReduce(send, recv, count, nccl_type(dt), nccl_op(op), comm_of(state(pg)),
                            state(pg)->stream),
              "ncclAllReduce"));
   return end(pg, work);
@@ -197,9 +165,9 @@ static status_t nccl_all_to_all(pg_t *pg, const void *send, void *recv, size_t c
   size_t block = count * dtype_size(dt);
   NCCL_TRY(ncclGroupStart());
   for (int peer = 0; peer < pg->size; peer++) {
-    ncclSend((const char *)send + peer * block, count, nccl_type(dt), peer, state(pg)->comm,
+    ncclSend((const char *)send + peer * block, count, nccl_type(dt), peer, comm_of(state(pg)),
              state(pg)->stream);
-    ncclRecv((char *)recv + peer * block, count, nccl_type(dt), peer, state(pg)->comm,
+    ncclRecv((char *)recv + peer * block, count, nccl_type(dt), peer, comm_of(state(pg)),
              state(pg)->stream);
   }
   TRY(settle(state(pg), ncclGroupEnd(), "ncclGroupEnd (all-to-all)"));
@@ -210,15 +178,18 @@ static status_t nccl_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, in
                                pg_work_t **work) {
   TRY(begin(pg));
   TRY(settle(state(pg),
-             ncclBroadcast(buf, buf, count, nccl_type(dt), root, state(pg)->comm,
+             ncclBroadcast(buf, buf, count, nccl_type(dt), root, comm_of(state(pg)),
                            state(pg)->stream),
              "ncclBroadcast"));
   return end(pg, work);
 }
 
-/* A barrier orders ranks, not streams: the host-side MPI barrier of the group. */
+/* A barrier orders ranks, not streams: the host-side MPI barrier of the group (under the
+ * stop channel and the watchdog). */
 static status_t nccl_barrier(pg_t *pg, pg_work_t **work) {
-  TRY(pg_mpi_status(MPI_Barrier(pg->comm), "MPI_Barrier"));
+  MPI_Request req;
+  TRY(pg_mpi_status(MPI_Ibarrier(pg->comm, &req), "MPI_Ibarrier"));
+  TRY(world_wait(&req, "MPI_Ibarrier (NCCL group)"));
   TRY(begin(pg));
   return end(pg, work);
 }
@@ -227,8 +198,7 @@ static void nccl_destroy(pg_t *pg) {
   nccl_state_t *s = state(pg);
   if (s == NULL) return;
   cudaSetDevice(pg->device.index);
-  bool aborted = live_remove(s);
-  if (s->comm && !aborted) ncclCommDestroy(s->comm);
+  (void)nccl_comm_close(&s->life, CLOSE_LIMIT_S); /* finalized, else aborted */
   if (s->stream) cudaStreamDestroy(s->stream);
   free(s);
 }
@@ -259,7 +229,10 @@ status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
   ncclUniqueId id;
   if (pg->rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
     memset(&id, 0, sizeof id); /* every rank still joins the broadcast; init then fails */
-  TRY_GOTO(st, pg_mpi_status(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, pg->comm), "MPI_Bcast"));
+  MPI_Request req;
+  TRY_GOTO(st, pg_mpi_status(MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, pg->comm, &req),
+                             "MPI_Ibcast (NCCL id)"));
+  TRY_GOTO(st, world_wait(&req, "MPI_Ibcast (NCCL id)"));
   char what[96];
   snprintf(what, sizeof what, "nccl: a stream on cuda:%d", device);
   cudaError_t e = cudaSetDevice(device);
@@ -269,15 +242,17 @@ status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
            device);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0; /* polled: a peer that never joins cannot block this rank for good */
-  ncclResult_t rc = ncclCommInitRankConfig(&s->comm, pg->size, id, pg->rank, &config);
-  /* the communicator is usable once ncclCommGetAsyncError no longer says ncclInProgress */
-  st = rc == ncclSuccess || rc == ncclInProgress ? poll_settled(s, what) : nccl_status(rc, what);
-  if (st != STATUS_OK) {
-    if (s->comm) ncclCommAbort(s->comm);
-    s->comm = NULL;
-    goto cleanup;
-  }
-  live_add(s);
+  ncclComm_t nc = NULL;
+  ncclResult_t rc = ncclCommInitRankConfig(&nc, pg->size, id, pg->rank, &config);
+  s->life.comm = nc;
+  s->life.t = &real_table;
+  snprintf(s->life.name, sizeof s->life.name, "rank %d of %d on cuda:%d", pg->rank, pg->size,
+           device);
+  nccl_comm_track(&s->life); /* a stop while it connects aborts it too */
+  /* the communicator is usable once ncclCommGetAsyncError no longer says ncclInProgress;
+   * a failure aborts it */
+  st = nc == NULL ? nccl_status(rc, what) : nccl_comm_result(&s->life, (int)rc, what);
+  if (st != STATUS_OK) goto cleanup;
   *out = pg;
   return STATUS_OK;
 cleanup:

@@ -9,5 +9,3 @@ status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
                  "without CUDA",
                  device);
 }
-
-void pg_nccl_abort_all(void) {}

@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "base/args.h"
+#include "mesh/nccl_comms.h"
 #include "mesh/pg_impl.h"
 #include "mesh/world_impl.h"
 
@@ -455,6 +456,7 @@ static status_t stopped_error(void) { return err_set(stop_status, "%s", stop_rea
 
 static status_t take_stop(void) {
   stopped = true;
+  nccl_comm_abort_all(); /* the device work a wait may be behind ends too */
   stop_status = stop_in.status < 0 ? (status_t)stop_in.status : STATUS_EINTERNAL;
   stop_in.text[sizeof stop_in.text - 1] = 0;
   unanswered = unanswered || stop_in.unanswered;
@@ -513,6 +515,8 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
     stop_req = rs[1];
     if (rc != MPI_SUCCESS) return pg_mpi_status(rc, what);
     if (done) return idx == 1 ? take_stop() : STATUS_OK;
+    status_t nst = nccl_comm_poll_errors(); /* a device collective's peer or link failed */
+    if (nst != STATUS_OK) return world_stop(err_prefix(nst, "%s", what));
     if (MPI_Wtime() >= end) {
       *timed_out = true;
       return STATUS_OK;
@@ -532,6 +536,8 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
 static status_t device_wait_check(const char *what, double waited) {
   if (!pthread_equal(pthread_self(), main_thread)) return STATUS_OK; /* MPI: this thread only */
   status_t st = world_check();
+  if (st == STATUS_OK && (st = nccl_comm_poll_errors()) != STATUS_OK) /* a peer or link failed */
+    st = world_stop(err_prefix(st, "%s (device work)", what));
   if (st == STATUS_OK && watchdog_s > 0 && waited > watchdog_s) {
     unanswered = true;
     st = world_stop(err_set(STATUS_ETIMEOUT,
@@ -539,7 +545,7 @@ static status_t device_wait_check(const char *what, double waited) {
                             "answering (hung, stopped or far slower); stopping the job",
                             what, watchdog_s));
   }
-  if (st != STATUS_OK) pg_nccl_abort_all();
+  if (st != STATUS_OK) nccl_comm_abort_all();
   return st;
 }
 
@@ -563,6 +569,7 @@ static status_t world_barrier(MPI_Comm comm, const char *what) {
 status_t world_stop(status_t st) {
   if (stopped) return st;
   stopped = true;
+  nccl_comm_abort_all(); /* collectives in flight would wait for the others for good */
   stop_status = st;
   snprintf(stop_reason, sizeof stop_reason, "%s", err_detail());
   if (stop_comm == MPI_COMM_NULL) return st;

@@ -1,0 +1,156 @@
+#include "mesh/nccl_comms.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <time.h>
+
+#include "base/args.h"
+#include "base/device.h"
+
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static nccl_comm_t *live;
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+void nccl_comm_track(nccl_comm_t *c) {
+  pthread_mutex_lock(&live_lock);
+  c->prev = NULL;
+  c->next = live;
+  if (live) live->prev = c;
+  live = c;
+  pthread_mutex_unlock(&live_lock);
+}
+
+static void untrack(nccl_comm_t *c) {
+  pthread_mutex_lock(&live_lock);
+  if (c->prev)
+    c->prev->next = c->next;
+  else if (live == c)
+    live = c->next;
+  if (c->next) c->next->prev = c->prev;
+  c->prev = c->next = NULL;
+  pthread_mutex_unlock(&live_lock);
+}
+
+static void abort_locked(nccl_comm_t *c) {
+  if (c->aborted || c->comm == NULL) return;
+  c->t->abort(c->comm);
+  c->aborted = true;
+}
+
+void nccl_comm_abort(nccl_comm_t *c) {
+  if (c == NULL) return;
+  pthread_mutex_lock(&live_lock);
+  abort_locked(c);
+  pthread_mutex_unlock(&live_lock);
+}
+
+void nccl_comm_abort_all(void) {
+  pthread_mutex_lock(&live_lock);
+  for (nccl_comm_t *c = live; c; c = c->next) abort_locked(c);
+  pthread_mutex_unlock(&live_lock);
+}
+
+/* c's last call: 1 finished, 0 still running, -1 failed (*st says how). */
+static int settled(nccl_comm_t *c, status_t *st, const char *what) {
+  if (c->aborted)
+    return *st = err_set(STATUS_ENCCL, "%s: the NCCL communicator %s was aborted", what, c->name),
+           -1;
+  int state = NCCL_RESULT_OK, rc = c->t->async_error(c->comm, &state);
+  if (rc != NCCL_RESULT_OK) state = rc;
+  if (state == NCCL_RESULT_IN_PROGRESS) return 0;
+  if (state == NCCL_RESULT_OK) return 1;
+  *st = err_set(STATUS_ENCCL, "%s: %s (NCCL communicator %s)", what, c->t->error_string(state),
+                c->name);
+  return -1;
+}
+
+typedef struct settle_ctx {
+  nccl_comm_t *c;
+  const char *what;
+} settle_ctx_t;
+
+static int settled_poll(void *ctx, status_t *st) {
+  settle_ctx_t *s = ctx;
+  return settled(s->c, st, s->what);
+}
+
+status_t nccl_comm_settle(nccl_comm_t *c, const char *what) {
+  ARG_NONNULL(c);
+  settle_ctx_t ctx = {c, what};
+  status_t st = device_poll(settled_poll, &ctx, what);
+  if (st != STATUS_OK) nccl_comm_abort(c); /* failed, stopped or past the watchdog */
+  return st;
+}
+
+status_t nccl_comm_result(nccl_comm_t *c, int rc, const char *what) {
+  ARG_NONNULL(c);
+  if (rc == NCCL_RESULT_OK) return STATUS_OK;
+  if (rc == NCCL_RESULT_IN_PROGRESS) return nccl_comm_settle(c, what);
+  status_t st = err_set(STATUS_ENCCL, "%s: %s (NCCL communicator %s)", what, c->t->error_string(rc),
+                        c->name);
+  nccl_comm_abort(c);
+  return st;
+}
+
+static double last_poll;
+
+status_t nccl_comm_poll_errors(void) {
+  double t = now_s();
+  if (t - last_poll < 0.1) return STATUS_OK;
+  last_poll = t;
+  status_t st = STATUS_OK;
+  pthread_mutex_lock(&live_lock);
+  for (nccl_comm_t *c = live; c && st == STATUS_OK; c = c->next) {
+    if (c->aborted) continue;
+    int state = NCCL_RESULT_OK, rc = c->t->async_error(c->comm, &state);
+    if (rc != NCCL_RESULT_OK) state = rc;
+    if (state != NCCL_RESULT_OK && state != NCCL_RESULT_IN_PROGRESS)
+      st = err_set(STATUS_ENCCL, "NCCL communicator %s failed: %s", c->name,
+                   c->t->error_string(state));
+  }
+  if (st != STATUS_OK)
+    for (nccl_comm_t *c = live; c; c = c->next) abort_locked(c);
+  pthread_mutex_unlock(&live_lock);
+  return st;
+}
+
+status_t nccl_comm_close(nccl_comm_t *c, double limit_s) {
+  if (c == NULL) return STATUS_OK;
+  untrack(c);
+  if (c->aborted || c->comm == NULL) return STATUS_OK;
+  status_t st = STATUS_OK;
+  int rc = c->t->finalize(c->comm);
+  if (rc != NCCL_RESULT_OK && rc != NCCL_RESULT_IN_PROGRESS)
+    st = err_set(STATUS_ENCCL, "ncclCommFinalize: %s (NCCL communicator %s)",
+                 c->t->error_string(rc), c->name);
+  const char *what = "ncclCommFinalize";
+  double start = now_s();
+  while (st == STATUS_OK && settled(c, &st, what) == 0) {
+    double waited = now_s() - start;
+    device_wait_hook_t hook = device_wait_hook();
+    if (hook != NULL) st = hook(what, waited);
+    if (st == STATUS_OK && waited > limit_s)
+      st = err_set(STATUS_ETIMEOUT,
+                   "ncclCommFinalize of NCCL communicator %s has not completed in %g s", c->name,
+                   limit_s);
+    if (st == STATUS_OK) {
+      struct timespec nap = {0, 100000}; /* 0.1 ms */
+      nanosleep(&nap, NULL);
+    }
+  }
+  if (st == STATUS_OK) {
+    rc = c->t->destroy(c->comm);
+    c->comm = NULL;
+    return rc == NCCL_RESULT_OK ? STATUS_OK
+                                : err_set(STATUS_ENCCL, "ncclCommDestroy: %s (NCCL communicator %s)",
+                                          c->t->error_string(rc), c->name);
+  }
+  nccl_comm_abort(c);
+  c->comm = NULL;
+  return st;
+}
