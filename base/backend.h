@@ -82,7 +82,7 @@ typedef struct backend {
                      size_t bytes);
   stream_t *(*stream_current)(int index);
   void (*stream_set_current)(int index, stream_t *s);
-  status_t (*stream_new)(int index, stream_t **out);
+  status_t (*stream_new)(int index, bool high, stream_t **out); /* high: top priority */
   void (*stream_free)(stream_t *s);
   status_t (*stream_wait_event)(stream_t *s, event_t *e);
   status_t (*stream_synchronize)(stream_t *s);

@@ -439,12 +439,15 @@ static status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const
   return STATUS_OK;
 }
 
-static status_t cuda_stream_new(int index, stream_t **out) {
+static status_t cuda_stream_new(int index, bool high, stream_t **out) {
   stream_t *s = (stream_t *)calloc(1, sizeof *s);
   if (s == NULL) return err_set(STATUS_ENOMEM, "stream_new: out of host memory");
   s->device = index;
+  int least = 0, greatest = 0; /* numerically lower is higher priority */
   cudaError_t e = cudaSetDevice(index);
-  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->s, cudaStreamNonBlocking);
+  if (e == cudaSuccess && high) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (e == cudaSuccess)
+    e = cudaStreamCreateWithPriority(&s->s, cudaStreamNonBlocking, high ? greatest : least);
   if (e != cudaSuccess) {
     free(s);
     char what[48];

@@ -254,13 +254,16 @@ void stream_set_current(device_t dev, stream_t *s) {
     cuda_backend()->stream_set_current(dev.index, s);
 }
 
-status_t stream_new(device_t dev, stream_t **out) {
+static status_t stream_new_at(device_t dev, bool high, stream_t **out) {
   ARG_NONNULL(out);
   *out = NULL;
   TRY(device_check(dev));
   if (dev.type == DEVICE_CPU) return STATUS_OK;
-  return backend_of(dev)->stream_new(dev.index, out);
+  return backend_of(dev)->stream_new(dev.index, high, out);
 }
+
+status_t stream_new(device_t dev, stream_t **out) { return stream_new_at(dev, false, out); }
+status_t stream_new_high(device_t dev, stream_t **out) { return stream_new_at(dev, true, out); }
 
 void stream_free(stream_t *s) {
   if (s != NULL) cuda_backend()->stream_free(s); /* only CUDA makes streams */

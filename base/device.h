@@ -170,6 +170,10 @@ void stream_set_current(device_t dev, stream_t *s);
 
 /* Creates a non-blocking stream on dev; *out is NULL on the CPU. Free with stream_free. */
 status_t stream_new(device_t dev, stream_t **out);
+/* stream_new at the device's highest priority: work queued there is scheduled ahead of work
+ * of the default priority (the library's side streams for communication and its copies, so
+ * that they are not stuck behind queued compute). */
+status_t stream_new_high(device_t dev, stream_t **out);
 void stream_free(stream_t *s);
 status_t stream_wait_event(stream_t *s, event_t *e);
 status_t stream_synchronize(stream_t *s);

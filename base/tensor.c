@@ -176,6 +176,10 @@ status_t tensor_wrap(tensor_t *t, void *data, dtype_t dtype, device_t dev, int n
   return STATUS_OK;
 }
 
+bool tensor_storage_shared(const tensor_t *t) {
+  return t != NULL && t->storage != NULL && t->storage->refcount > 1;
+}
+
 void tensor_free(tensor_t *t) {
   if (t == NULL) return;
   tensor_storage_t *s = t->storage;

@@ -71,6 +71,10 @@ status_t tensor_wrap(tensor_t *t, void *data, dtype_t dtype, device_t dev, int n
 /* Releases t's reference to its storage and zeroes t. tensor_free(NULL) is a no-op. */
 void tensor_free(tensor_t *t);
 
+/* Whether another tensor (a view, a tensor_ref) still references t's storage: freeing t then
+ * releases no memory, and the last holder frees it wherever it is freed. */
+bool tensor_storage_shared(const tensor_t *t);
+
 /* A view of a contiguous tensor with another shape of the same numel. */
 status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t *shape);
 

@@ -31,14 +31,20 @@ status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out) {
   status_t st = STATUS_OK;
   pthread_mutex_lock(&streams_lock);
   if (s->reduced == NULL) {
-    st = stream_new(dev, &s->copy_in);
-    if (st == STATUS_OK) st = stream_new(dev, &s->reduce);
+    st = stream_new_high(dev, &s->copy_in);
+    if (st == STATUS_OK) st = stream_new_high(dev, &s->reduce);
+    if (st == STATUS_OK) st = stream_new_high(dev, &s->all_reduce);
     if (st == STATUS_OK) st = event_new(dev, &s->issued);
+    if (st == STATUS_OK) st = event_new(dev, &s->packed);
+    if (st == STATUS_OK) st = event_new(dev, &s->scattered);
     if (st == STATUS_OK) st = event_new(dev, &s->reduced);
     if (st != STATUS_OK) {
       stream_free(s->copy_in);
       stream_free(s->reduce);
+      stream_free(s->all_reduce);
       event_free(s->issued);
+      event_free(s->packed);
+      event_free(s->scattered);
       memset(s, 0, sizeof *s);
     }
   }
@@ -437,8 +443,19 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
   }
   st = copies_run(&c, st);
   if (st == STATUS_OK) st = mark_presence(g, block);
+  /* a gradient whose memory another tensor still holds (handed on by reference) is freed by
+   * that tensor later, on the compute stream: the compute stream waits for the pack first, so
+   * that the block cannot be reused before the pack has read it */
+  bool shared = false;
   for (int i = 0; i < g->n; i++)
-    if (g->params[i].reducing) tensor_free(&g->params[i].p->compute_grad);
+    if (g->params[i].reducing) {
+      shared |= tensor_storage_shared(&g->params[i].p->compute_grad);
+      tensor_free(&g->params[i].p->compute_grad);
+    }
+  if (st == STATUS_OK && shared && g->streams != NULL) {
+    st = event_record(g->streams->packed, reduce_stream(g));
+    if (st == STATUS_OK) st = stream_wait_event(prev, g->streams->packed);
+  }
   if (st == STATUS_OK && g->W > 1) {
     st = tensor_init(&g->red_recv, g->reduce_dtype, dev, 1, &block);
     if (st == STATUS_OK)
@@ -527,6 +544,17 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
   st = pg_wait(g->red_work);
   g->red_work = NULL;
   tensor_free(&g->red_send);
+  /* HSDP: the all-reduce and what follows it on a stream of their own, after the
+   * reduce-scatter */
+  stream_t *last = reduce_stream(g);
+  if (st == STATUS_OK && g->streams != NULL && g->replicate != NULL && pg_size(g->replicate) > 1) {
+    st = event_record(g->streams->scattered, g->streams->reduce);
+    if (st == STATUS_OK) st = stream_wait_event(g->streams->all_reduce, g->streams->scattered);
+    if (st == STATUS_OK) {
+      last = g->streams->all_reduce;
+      stream_set_current(dev, last);
+    }
+  }
   reduce_op_t op = g->divide_factor > 0 ? REDUCE_SUM : REDUCE_AVG;
   bool parked = false;
   if (st == STATUS_OK) st = replicate_reduce(g, &g->red_recv, op, &parked);
@@ -561,9 +589,8 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
   tensor_free(&host);
   tensor_free(&g->red_recv);
   g->red_flat = 0;
-  if (st == STATUS_OK && g->streams != NULL)
-    st = event_record(g->streams->reduced, g->streams->reduce);
-  side_exit(dev, reduce_stream(g), prev);
+  if (st == STATUS_OK && g->streams != NULL) st = event_record(g->streams->reduced, last);
+  side_exit(dev, last, prev);
   return st;
 }
 

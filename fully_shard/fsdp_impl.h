@@ -28,13 +28,17 @@ typedef struct fsdp_param {
   tensor_t held;   /* that gradient itself, on the one-rank path (fsdp_comm.c) */
 } fsdp_param_t;
 
-/* Side streams of one CUDA device, shared by every group on it (all NULL on the CPU):
- * copy_in for the all-gather copy-in, reduce for gradient packing, reduce-scatter, all-reduce
- * and accumulation. NCCL runs each communicator on its own stream, ordered by events after
+/* Side streams of one CUDA device, shared by every group on it (all NULL on the CPU), at the
+ * device's top priority: copy_in for the all-gather copy-in, reduce for gradient packing,
+ * reduce-scatter and accumulation, all_reduce for HSDP's all-reduce over the replicas and its
+ * accumulation (so that the next group's pack and reduce-scatter do not queue behind the
+ * inter-node latency). NCCL runs each communicator on its own stream, ordered by events after
  * the stream that issues the collective; reduced marks the end of the last reduction. */
 typedef struct fsdp_streams {
-  stream_t *copy_in, *reduce;
-  event_t *issued; /* the issuing stream's position, for a side stream to wait on */
+  stream_t *copy_in, *reduce, *all_reduce;
+  event_t *issued;  /* the issuing stream's position, for a side stream to wait on */
+  event_t *packed;  /* the end of a pack that read a gradient another tensor still holds */
+  event_t *scattered; /* the reduce stream's position, for the all-reduce stream */
   event_t *reduced;
 } fsdp_streams_t;
 

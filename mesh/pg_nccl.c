@@ -236,7 +236,10 @@ status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
   char what[96];
   snprintf(what, sizeof what, "nccl: a stream on cuda:%d", device);
   cudaError_t e = cudaSetDevice(device);
-  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
+  int least = 0, greatest = 0; /* the communication stream at the top priority */
+  if (e == cudaSuccess) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (e == cudaSuccess)
+    e = cudaStreamCreateWithPriority(&s->stream, cudaStreamNonBlocking, greatest);
   TRY_GOTO(st, cuda_status(e, what));
   snprintf(what, sizeof what, "ncclCommInitRank (rank %d of %d on cuda:%d)", pg->rank, pg->size,
            device);
