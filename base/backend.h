@@ -90,6 +90,12 @@ typedef struct backend {
   void (*event_free)(event_t *e);
   status_t (*event_record)(event_t *e, stream_t *s);
   status_t (*event_synchronize)(event_t *e);
+  /* host staging (NULL on the CPU): page-locked host memory, a copy between the device and
+   * it ordered on s without waiting for it, and a kernel that keeps s busy for seconds */
+  status_t (*host_alloc_pinned)(size_t bytes, void **out);
+  void (*host_free_pinned)(void *p);
+  status_t (*copy_async)(stream_t *s, void *dst, const void *src, size_t bytes);
+  status_t (*delay)(stream_t *s, double seconds);
 } backend_t;
 
 const backend_t *cpu_backend(void);

@@ -502,6 +502,43 @@ static status_t cuda_event_synchronize(event_t *e) {
   return cuda_wait_event(e->e, "event_synchronize");
 }
 
+static status_t cuda_host_alloc_pinned(size_t bytes, void **out) {
+  *out = NULL;
+  cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    *out = NULL;
+    cudaGetLastError();
+    return err_set(STATUS_ENOMEM, "cudaHostAlloc of %zu bytes: %s", bytes, cudaGetErrorString(e));
+  }
+  return STATUS_OK;
+}
+
+static void cuda_host_free_pinned(void *p) {
+  if (p != NULL) cudaFreeHost(p);
+}
+
+static status_t cuda_copy_async(stream_t *s, void *dst, const void *src, size_t bytes) {
+  CUDA_TRY(cudaSetDevice(s->device));
+  CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s->s));
+  return STATUS_OK;
+}
+
+/* Spins until the device's global timer has advanced ns nanoseconds. */
+__global__ void delay_kernel(unsigned long long ns) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
+static status_t cuda_delay(stream_t *s, double seconds) {
+  CUDA_TRY(cudaSetDevice(s->device));
+  delay_kernel<<<1, 1, 0, s->s>>>((unsigned long long)(seconds * 1e9));
+  CUDA_TRY(cudaGetLastError());
+  return STATUS_OK;
+}
+
 static const backend_t cuda_table = {
     /* .name = */ "cuda",
     /* .alloc = */ cuda_alloc,
@@ -523,6 +560,10 @@ static const backend_t cuda_table = {
     /* .event_free = */ cuda_event_free,
     /* .event_record = */ cuda_event_record,
     /* .event_synchronize = */ cuda_event_synchronize,
+    /* .host_alloc_pinned = */ cuda_host_alloc_pinned,
+    /* .host_free_pinned = */ cuda_host_free_pinned,
+    /* .copy_async = */ cuda_copy_async,
+    /* .delay = */ cuda_delay,
 };
 
 extern "C" const backend_t *cuda_backend(void) { return &cuda_table; }

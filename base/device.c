@@ -4,6 +4,7 @@
 #include <stdbool.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -131,7 +132,7 @@ status_t device_cuda_uuid(int index, device_uuid_t *out) {
 }
 
 status_t device_choose_node(device_want_t want, int local_ranks, const device_seen_t *seen, int me,
-                            device_type_t *out, char *why, size_t why_size) {
+                            bool may_share, device_type_t *out, char *why, size_t why_size) {
   ARG_NONNULL(out);
   ARG_NONNULL(seen);
   if (why != NULL && why_size > 0) why[0] = 0;
@@ -151,7 +152,7 @@ status_t device_choose_node(device_want_t want, int local_ranks, const device_se
     for (int r = 0; r < local_ranks && !text[0]; r++)
       if (seen[r].count <= 0)
         snprintf(text, sizeof text, "local rank %d of this node sees no CUDA device", r);
-    for (int a = 0; a < local_ranks && !text[0]; a++)
+    for (int a = 0; a < local_ranks && !text[0] && !may_share; a++)
       for (int b = a + 1; b < local_ranks && !text[0]; b++)
         if (memcmp(&seen[a].pick, &seen[b].pick, sizeof seen[a].pick) == 0) {
           char u[48];
@@ -263,6 +264,45 @@ static status_t stream_new_at(device_t dev, bool high, stream_t **out) {
 }
 
 status_t stream_new(device_t dev, stream_t **out) { return stream_new_at(dev, false, out); }
+
+status_t device_staging_alloc(device_t dev, size_t bytes, void **out) {
+  ARG_NONNULL(out);
+  *out = NULL;
+  TRY(device_check(dev));
+  if (bytes == 0) return STATUS_OK;
+  if (dev.type == DEVICE_CUDA) return cuda_backend()->host_alloc_pinned(bytes, out);
+  size_t rounded = (bytes + 63) / 64 * 64;
+  *out = aligned_alloc(64, rounded);
+  if (*out == NULL) return err_set(STATUS_ENOMEM, "staging memory: %zu bytes", bytes);
+  return STATUS_OK;
+}
+
+void device_staging_free(device_t dev, void *p) {
+  if (p == NULL) return;
+  if (dev.type == DEVICE_CUDA && cuda_backend() != NULL)
+    cuda_backend()->host_free_pinned(p);
+  else
+    free(p);
+}
+
+status_t stream_copy_async(device_t dev, stream_t *s, void *dst, const void *src, size_t bytes) {
+  if (bytes == 0) return STATUS_OK;
+  if (dst == NULL || src == NULL) return err_set(STATUS_EINVAL, "stream_copy_async: NULL pointer");
+  TRY(device_check(dev));
+  if (dev.type == DEVICE_CPU) {
+    memmove(dst, src, bytes);
+    return STATUS_OK;
+  }
+  if (s == NULL) s = stream_current(dev);
+  return cuda_backend()->copy_async(s, dst, src, bytes);
+}
+
+status_t stream_delay(device_t dev, stream_t *s, double seconds) {
+  TRY(device_check(dev));
+  if (dev.type == DEVICE_CPU || seconds <= 0) return STATUS_OK;
+  if (s == NULL) s = stream_current(dev);
+  return cuda_backend()->delay(s, seconds);
+}
 status_t stream_new_high(device_t dev, stream_t **out) { return stream_new_at(dev, true, out); }
 
 void stream_free(stream_t *s) {

@@ -19,6 +19,7 @@
 #ifndef FSDPC_BASE_DEVICE_H
 #define FSDPC_BASE_DEVICE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -89,10 +90,12 @@ typedef struct device_seen {
  *   cuda: the same choice, with STATUS_ENODEV naming the rank or ranks and the way out where
  *         auto would take the CPU.
  * One visible device per rank (Slurm's --gpus-per-task=1, CUDA_VISIBLE_DEVICES=$LOCAL_RANK)
- * and every device visible to every rank both give each rank its own. Local: no device or MPI
- * call (world_choose_device gathers seen over the node and applies it). */
+ * and every device visible to every rank both give each rank its own. may_share: ranks may
+ * share a device (the host-staged process groups; NCCL refuses it), so only a rank that sees
+ * none falls short. Local: no device or MPI call (world_choose_device gathers seen over the
+ * node and applies it). */
 status_t device_choose_node(device_want_t want, int local_ranks, const device_seen_t *seen, int me,
-                            device_type_t *out, char *why, size_t why_size);
+                            bool may_share, device_type_t *out, char *why, size_t why_size);
 
 /* Checks that dev exists (the CPU always does). */
 status_t device_check(device_t dev);
@@ -183,6 +186,22 @@ status_t event_new(device_t dev, event_t **out);
 void event_free(event_t *e);
 status_t event_record(event_t *e, stream_t *s);
 status_t event_synchronize(event_t *e);
+
+/* ---- host staging (the host-staged process group: device data exchanged through host
+ * memory) ---- */
+
+/* Host memory for dev's asynchronous copies: page-locked on CUDA, plain (64-byte aligned) on
+ * the CPU. bytes == 0 gives NULL. Free with device_staging_free on the same device. */
+status_t device_staging_alloc(device_t dev, size_t bytes, void **out);
+void device_staging_free(device_t dev, void *p);
+
+/* Copies bytes between dev's memory and staging memory (either way), ordered on s (a stream
+ * of dev) after the work queued there, without waiting for it; on the CPU, at once. */
+status_t stream_copy_async(device_t dev, stream_t *s, void *dst, const void *src, size_t bytes);
+
+/* Queues on s a kernel that keeps it busy for about seconds, delaying the work queued after
+ * it (tests that make a missing stream order show as a wrong result); a no-op on the CPU. */
+status_t stream_delay(device_t dev, stream_t *s, double seconds);
 
 #ifdef __cplusplus
 }

@@ -164,8 +164,7 @@ static status_t split_group(mesh_root_t *root, unsigned mask, pg_t **out) {
   TRY(pg_mpi_status(MPI_Comm_split(root->comm, masked_index(root, root->coord, others),
                                    masked_index(root, root->coord, mask), &sub),
                     "MPI_Comm_split"));
-  status_t st = root->device.type == DEVICE_CUDA ? pg_new_nccl(sub, root->device.index, out)
-                                                 : pg_new_mpi(sub, out);
+  status_t st = pg_new_for(sub, root->device, out);
   MPI_Comm_free(&sub);
   return st;
 }
@@ -252,8 +251,7 @@ status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_ty
   m->shape[0] = 1;
   m->root_mask[0] = 1;
   snprintf(m->names[0], MESH_NAME_MAX, "%s", name);
-  st = dev.type == DEVICE_CUDA ? pg_new_nccl(root->comm, dev.index, &m->groups[0])
-                               : pg_new_mpi(root->comm, &m->groups[0]);
+  st = pg_new_for(root->comm, dev, &m->groups[0]);
   if (st == STATUS_OK) {
     m->nranks = 1;
     m->ranks = malloc(sizeof(int));

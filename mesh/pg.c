@@ -3,6 +3,7 @@
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "base/args.h"
 #include "mesh/pg_impl.h"
@@ -127,6 +128,29 @@ device_t pg_device(const pg_t *pg) {
   if (pg == NULL) return device_cpu();
   return pg->device;
 }
+static pg_backend_t device_backend = PG_BACKEND_NATIVE;
+
+void pg_set_device_backend(pg_backend_t b) {
+  if (b >= PG_BACKEND_NATIVE && b <= PG_BACKEND_STAGED_LAZY) device_backend = b;
+}
+pg_backend_t pg_device_backend(void) { return device_backend; }
+
+bool pg_backend_parse(const char *s, pg_backend_t *out) {
+  static const char *const names[] = {"native", "staged", "staged-lazy"};
+  for (int i = 0; i < 3 && s != NULL && out != NULL; i++)
+    if (strcmp(s, names[i]) == 0) {
+      *out = (pg_backend_t)i;
+      return true;
+    }
+  return false;
+}
+
+status_t pg_new_for(MPI_Comm comm, device_t dev, pg_t **out) {
+  if (device_backend != PG_BACKEND_NATIVE)
+    return pg_new_staged(comm, dev, device_backend == PG_BACKEND_STAGED_LAZY, out);
+  return dev.type == DEVICE_CUDA ? pg_new_nccl(comm, dev.index, out) : pg_new_mpi(comm, out);
+}
+
 const char *pg_backend_name(const pg_t *pg) {
   if (pg == NULL) return "(null)";
   return pg->ops->name;

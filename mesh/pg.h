@@ -1,8 +1,11 @@
 /*
- * Process groups: one interface for collectives, two backends.
+ * Process groups: one interface for collectives, three backends.
  *
  *   MPI  (host buffers):   every build
  *   NCCL (device buffers): CUDA builds
+ *   host-staged (the buffers of a device, either kind): copied through host memory and
+ *        exchanged over MPI, as gloo does: several ranks may share one GPU, which NCCL
+ *        refuses (pg_set_device_backend)
  *
  * Groups come from a device mesh (mesh_group), from the world (world_pg: every rank, host), or
  * from another group (pg_split, pg_dup, pg_new_host). Every group, whatever its backend, also has a
@@ -99,6 +102,21 @@ int pg_size(const pg_t *pg);
 /* Where the group's buffers must live: the host for MPI, a CUDA device for NCCL. */
 device_t pg_device(const pg_t *pg);
 const char *pg_backend_name(const pg_t *pg);
+
+/* How the groups a mesh makes move data: the device's own backend (MPI on the CPU, NCCL on
+ * CUDA), or host-staged; lazy is the host-staged test mode (a delay before each copy in, the
+ * exchange and copy back only at pg_wait, so that a caller's missing wait or stream order
+ * gives a wrong result). Applies to groups made afterwards; FSDPC_PG=native, staged or
+ * staged-lazy sets it when the world starts (world_init). */
+typedef enum pg_backend {
+  PG_BACKEND_NATIVE = 0,
+  PG_BACKEND_STAGED,
+  PG_BACKEND_STAGED_LAZY
+} pg_backend_t;
+void pg_set_device_backend(pg_backend_t b);
+pg_backend_t pg_device_backend(void);
+/* "native", "staged" or "staged-lazy" into *out; false for anything else. */
+bool pg_backend_parse(const char *s, pg_backend_t *out);
 
 pg_counters_t pg_counters(const pg_t *pg);
 void pg_reset_counters(pg_t *pg);

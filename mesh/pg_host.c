@@ -130,8 +130,9 @@ status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
     return err_set(STATUS_EINVAL, "pg_split: a group of a planning world cannot be split");
   MPI_Comm sub;
   TRY(pg_mpi_status(MPI_Comm_split(pg->comm, color, key, &sub), "MPI_Comm_split"));
-  status_t st = pg->device.type == DEVICE_CUDA ? pg_new_nccl(sub, pg->device.index, out)
-                                               : pg_new_mpi(sub, out);
+  /* the parent's kind: an MPI group's part is one too, a device group's the mesh's choice */
+  status_t st = strcmp(pg->ops->name, "mpi") == 0 ? pg_new_mpi(sub, out)
+                                                   : pg_new_for(sub, pg->device, out);
   MPI_Comm_free(&sub);
   return st;
 }

@@ -16,6 +16,11 @@ status_t pg_new_mpi(MPI_Comm comm, pg_t **out);
 /* An NCCL group over the ranks of comm using CUDA device `device` on this rank (the NCCL id
  * travels over comm). Collective over comm. STATUS_ENODEV without CUDA support or device. */
 status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out);
+/* A host-staged group (mesh/pg_staged.c) for buffers on dev; lazy: its test mode. Collective
+ * over comm. */
+status_t pg_new_staged(MPI_Comm comm, device_t dev, bool lazy, pg_t **out);
+/* The group a mesh makes for buffers on dev: pg_device_backend()'s choice. */
+status_t pg_new_for(MPI_Comm comm, device_t dev, pg_t **out);
 
 typedef struct pg_ops {
   const char *name;

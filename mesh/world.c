@@ -86,6 +86,13 @@ status_t world_init(int *argc, char ***argv) {
     we_initialised = 1;
   }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  const char *pg_env = getenv("FSDPC_PG"); /* the device groups' backend (mesh/pg.h) */
+  if (pg_env != NULL && pg_env[0] != 0) {
+    pg_backend_t b;
+    if (!pg_backend_parse(pg_env, &b))
+      return err_set(STATUS_EINVAL, "FSDPC_PG=%s: expected native, staged or staged-lazy", pg_env);
+    pg_set_device_backend(b);
+  }
   bool known = (env_int("OMPI_COMM_WORLD_LOCAL_RANK", &local_rank) &&
                 env_int("OMPI_COMM_WORLD_LOCAL_SIZE", &local_size)) ||
                (env_int("MPI_LOCALRANKID", &local_rank) && env_int("MPI_LOCALNRANKS", &local_size));
@@ -298,7 +305,9 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
     free(seen);
     return gs;
   }
-  if (st == STATUS_OK) st = device_choose_node(want, nl, seen, me, &type, why, why_size);
+  /* host-staged groups let ranks share a device; NCCL refuses it */
+  bool may_share = pg_device_backend() != PG_BACKEND_NATIVE;
+  if (st == STATUS_OK) st = device_choose_node(want, nl, seen, me, may_share, &type, why, why_size);
   free(seen);
   /* one reduction: whether every rank chose, whether every rank failed, whether every rank
    * chose CUDA */

@@ -2,9 +2,12 @@
 # A GPU machine's work in one command: build with CUDA (scripts/device-run.sh), then the named
 # stages in order, each under its own time limit and all under one budget, each one's output
 # kept in $OUT/STAGE.log (OUT defaults to /tmp/fsdpc-session), then a summary of what ran.
-#   bash scripts/device-session.sh [STAGE]...      default: suites compare fsdp-step
+#   bash scripts/device-session.sh [STAGE]...      default: suites multi compare fsdp-step
 # Stages:
-#   suites        the GPU suites (meson test --suite gpu)
+#   suites        the GPU suites (meson test --suite gpu) but the multi-rank ones
+#   multi         the multi-rank GPU tests (on as many GPUs through NCCL, else sharing the GPU
+#                 through the host-staged groups, FSDPC_PG=staged-lazy), then fsdp-train on 2
+#                 ranks the same way
 #   compare       bench/vs_torch_gpu.py on configs/llama-100m.json, 8 x 1024, bf16/f32, with
 #                 the kernel profile (then attention and the matrix products alone)
 #   compare-0.9b  the same on configs/llama-0.9b.json, without the profile
@@ -26,13 +29,13 @@ mkdir -p "$out"
 python=${PYTHON:-/opt/torch/.venv/bin/python}
 [ -x "$python" ] || python=python3
 export PYTHONUNBUFFERED=1
-if [ $# -eq 0 ]; then set -- suites compare fsdp-step; fi
+if [ $# -eq 0 ]; then set -- suites multi compare fsdp-step; fi
 for s in "$@"; do
   case "$s" in
-    suites | compare | compare-0.9b | compile-0.9b | tests | fsdp-step) ;;
+    suites | multi | compare | compare-0.9b | compile-0.9b | tests | fsdp-step) ;;
     *)
-      echo "device-session: unknown stage '$s' (suites, compare, compare-0.9b, compile-0.9b," \
-        "tests, fsdp-step)" >&2
+      echo "device-session: unknown stage '$s' (suites, multi, compare, compare-0.9b," \
+        "compile-0.9b, tests, fsdp-step)" >&2
       exit 2
       ;;
   esac
@@ -75,7 +78,15 @@ fi
 vs=(bench/vs_torch_gpu.py --exe build-gpu/tools/fsdp-train --python "$python")
 for s in "$@"; do
   case "$s" in
-    suites) run suites 300 meson test -C build-gpu --suite gpu --print-errorlogs ;;
+    suites)
+      run suites 300 meson test -C build-gpu --suite gpu --print-errorlogs \
+        --no-suite fsdpc:gpu-multi
+      ;;
+    multi)
+      run multi 300 meson test -C build-gpu --suite gpu-multi --print-errorlogs
+      run multi-train 120 tests/gpu/multi_rank.sh mpirun 2 build-gpu/tools/fsdp-train \
+        configs/fsdp.yaml --set mesh.dp_shard=2 --set train.device=cuda --set train.steps=20
+      ;;
     compare) run compare 300 "$python" "${vs[@]}" --profile ;;
     compare-0.9b) run compare-0.9b 400 "$python" "${vs[@]}" --config configs/llama-0.9b.json ;;
     compile-0.9b)

@@ -106,6 +106,10 @@ void train_header(const run_t *r) {
   if (world_planning())
     printf("  planned from one process (--world %d, %d rank%s per node): rank 0's figures\n",
            world_size(), world_local_size(), world_local_size() == 1 ? "" : "s");
+  if (pg_device_backend() != PG_BACKEND_NATIVE)
+    printf("  process groups: host-staged%s (FSDPC_PG): device data exchanged through host memory "
+           "over MPI\n",
+           pg_device_backend() == PG_BACKEND_STAGED_LAZY ? ", lazy test mode" : "");
   if (r->device_note[0]) printf("  train.device auto: %s\n", r->device_note);
   if (r->dev.type == DEVICE_CUDA && world_device_assignment()[0])
     printf("  devices: %s\n", world_device_assignment());

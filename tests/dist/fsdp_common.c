@@ -10,14 +10,21 @@
 
 void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
 
-static bool cuda_mode(void) { return test_argc() > 1 && strncmp(test_argv()[1], "cuda", 4) == 0; }
-device_type_t test_device_type(void) { return cuda_mode() ? DEVICE_CUDA : DEVICE_CPU; }
-bool test_offload(void) { return cuda_mode() && strcmp(test_argv()[1], "cuda:offload") == 0; }
+/* The argument that starts with prefix ("cuda ... hsdp:2" in any order), or NULL. */
+static const char *arg_with(const char *prefix) {
+  for (int i = 1; i < test_argc(); i++)
+    if (strncmp(test_argv()[i], prefix, strlen(prefix)) == 0) return test_argv()[i];
+  return NULL;
+}
 
-bool hsdp_mode(void) { return test_argc() > 1 && strncmp(test_argv()[1], "hsdp", 4) == 0; }
+static bool cuda_mode(void) { return arg_with("cuda") != NULL; }
+device_type_t test_device_type(void) { return cuda_mode() ? DEVICE_CUDA : DEVICE_CPU; }
+bool test_offload(void) { return cuda_mode() && strcmp(arg_with("cuda"), "cuda:offload") == 0; }
+
+bool hsdp_mode(void) { return arg_with("hsdp") != NULL; }
 int hsdp_replicas(void) {
-  const char *a = test_argv()[1];
-  return a[4] == ':' ? atoi(a + 5) : 2;
+  const char *a = arg_with("hsdp");
+  return a != NULL && a[4] == ':' ? atoi(a + 5) : 2;
 }
 
 /* The data-parallel mesh: 1-D over the world, or (R, W/R) for HSDP. */

@@ -1,5 +1,6 @@
 /*
- * Every collective of the MPI backend against closed-form results, in every dtype, with
+ * Every collective of the MPI backend (or, with FSDPC_PG=staged or staged-lazy, of the
+ * host-staged backend, whose groups a CPU mesh then makes) against closed-form results, in every dtype, with
  * counts of 0, 1, 7 and 1001 (not multiples of the world size), in place and not,
  * blocking and asynchronous; the group counters against their formulas; the host channel
  * and the groups made from a group. Run under mpirun at several world sizes. Values are small integers, exact in every dtype.
@@ -8,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mesh/mesh.h"
 #include "mesh/pg.h"
 #include "tests/harness.h"
 
@@ -16,10 +18,21 @@ static const size_t counts[] = {0, 1, 7, 1001};
 #define NDT (sizeof all_dtypes / sizeof all_dtypes[0])
 #define NCOUNTS (sizeof counts / sizeof counts[0])
 
-/* A fresh host group of every rank (its counters start at zero). */
+/* A fresh group of every rank (its counters start at zero): a host group, or under a
+ * host-staged backend (FSDPC_PG) a copy of a one-dimensional mesh's group. */
 static pg_t *new_world_group(void) {
   pg_t *pg = NULL;
-  ck_assert_int_eq(pg_new_host(world_pg(), &pg), STATUS_OK);
+  if (pg_device_backend() == PG_BACKEND_NATIVE) {
+    ck_assert_int_eq(pg_new_host(world_pg(), &pg), STATUS_OK);
+    return pg;
+  }
+  mesh_t *m = NULL;
+  int shape[1] = {-1};
+  const char *names[1] = {"all"};
+  ck_assert_int_eq(mesh_init(&m, 1, shape, names, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(pg_dup(mesh_group(m, 0), &pg), STATUS_OK);
+  mesh_free(m);
+  ck_assert_str_eq(pg_backend_name(pg), "staged");
   return pg;
 }
 
@@ -354,6 +367,30 @@ START_TEST(host_channel_and_groups_from_groups) {
 }
 END_TEST
 
+/* Host-staged groups only: when the data is read and written. Eager mode copies the send
+ * buffer in at the call, so a send buffer changed before pg_wait (which the interface
+ * forbids) still gives the old values; lazy mode reads and writes only at pg_wait, so the
+ * same misuse shows as the new values, and the receive buffer is untouched until pg_wait. */
+START_TEST(staged_copies_in_at_the_call_or_lazily_at_the_wait) {
+  pg_backend_t b = pg_device_backend();
+  if (b == PG_BACKEND_NATIVE) return;
+  pg_t *pg = new_world_group();
+  int W = world_size(), r = world_rank();
+  float send = (float)(r + 1), recv[64];
+  for (int i = 0; i < W; i++) recv[i] = -1.0f;
+  pg_work_t *w = NULL;
+  ck_assert_int_eq(pg_all_gather(pg, &send, recv, 1, DTYPE_F32, &w), STATUS_OK);
+  bool lazy = b == PG_BACKEND_STAGED_LAZY;
+  for (int i = 0; i < W; i++) ck_assert(recv[i] == (lazy ? -1.0f : (float)(i + 1)));
+  send = (float)(100 + r); /* the misuse */
+  ck_assert_int_eq(pg_wait(w), STATUS_OK);
+  for (int i = 0; i < W; i++)
+    ck_assert_msg(recv[i] == (float)(lazy ? 100 + i : i + 1), "rank %d: recv[%d] = %g", r, i,
+                  (double)recv[i]);
+  pg_release(pg);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("collectives");
   TCase *tc = tcase_create("mpi");
@@ -367,6 +404,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, pg_rejects_bad_arguments_locally);
   tcase_add_test(tc, pg_agree_reports_the_failing_rank_everywhere);
   tcase_add_test(tc, host_channel_and_groups_from_groups);
+  tcase_add_test(tc, staged_copies_in_at_the_call_or_lazily_at_the_wait);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -4,8 +4,10 @@
  * every plan, the collectives per step are exactly one all-gather per unshard and one
  * reduce-scatter (and for HSDP one all-reduce) per group with the bytes of docs/design.md
  * section 11, and forward memory stays within the budget of docs/design.md section 7. With
- * argument "cuda" or "cuda:offload" (world size 1, the GPU suite) the parity plans run on the
- * GPU against the single-rank model on the GPU.
+ * argument "cuda" or "cuda:offload" (the GPU suite; any world size, "hsdp[:R]" as a second
+ * argument) the parity plans run on the GPU against the single-rank model on the GPU: at
+ * world size 1, or several ranks on as many GPUs (NCCL), or on one GPU through the host-staged
+ * groups (FSDPC_PG=staged-lazy).
  */
 #include <math.h>
 #include <stdio.h>
@@ -517,6 +519,8 @@ static Suite *make_suite(void) {
       tcase_add_test(tc, training_parity_mixed_precision);
       tcase_add_test(tc, training_parity_accumulation_no_sync);
       tcase_add_test(tc, training_parity_accumulation_last_backward);
+      if (hsdp_mode()) tcase_add_test(tc, training_parity_accumulation_hold_all_reduce);
+      tcase_add_test(tc, training_parity_int_reshard);
       tcase_add_test(tc, deferred_init_allocates_only_shards);
     }
     suite_add_tcase(s, tc);

@@ -224,6 +224,19 @@ def configs():
               "losses within 1e-5 (worst %.2e)" % (strategy, mesh, reshard, worst))
         if p.returncode != 0:
             print(p.stderr[-1500:])
+    # the host-staged process groups (FSDPC_PG), in their lazy test mode, on the 2x2x2 mesh:
+    # the header says so, and the losses are the MPI backend's bit for bit
+    hsdp_tp = os.path.join(ROOT, "configs", "hsdp-tp.yaml")
+    runs = []
+    for pg in ("native", "staged-lazy"):
+        metrics = os.path.join(tmp, "pg-%s.jsonl" % pg)
+        p, _ = run(8, [hsdp_tp, "--metrics", metrics, "--set", "train.steps=%d" % STEPS],
+                   mpi_args=("-x", "FSDPC_PG=" + pg))
+        runs.append(([r["loss"] for r in losses(metrics)] if p.returncode == 0 else [],
+                     "process groups: host-staged, lazy test mode" in p.stdout))
+    check(len(runs[0][0]) == STEPS and runs[1][0] == runs[0][0] and runs[1][1] and not runs[0][1],
+          "FSDPC_PG=staged-lazy on hsdp-tp (8 ranks): said in the header, the native losses bit "
+          "for bit")
     # --set reaches list items: NAME[INDEX], replaced whole or entered
     plan = os.path.join(tmp, "mixed-0.yaml")
     for sets, want in [

@@ -21,48 +21,55 @@ START_TEST(device_choice_by_what_each_rank_sees) {
     const char *layout;
     device_want_t want;
     int ranks, count[MAXR], pick[MAXR], me;
+    bool share; /* host-staged groups: ranks may share a device */
     status_t st;
     device_type_t type;
     const char *says; /* in why (auto) or the error (cuda); NULL: why is empty */
   } rows[] = {
       {"one device per task (Slurm --gpus-per-task=1)", DEVICE_WANT_AUTO, 4, {1, 1, 1, 1},
-       {10, 11, 12, 13}, 2, STATUS_OK, DEVICE_CUDA, NULL},
-      {"one device per task, cuda", DEVICE_WANT_CUDA, 4, {1, 1, 1, 1}, {10, 11, 12, 13}, 3,
+       {10, 11, 12, 13}, 2, false, STATUS_OK, DEVICE_CUDA, NULL},
+      {"one device per task, cuda", DEVICE_WANT_CUDA, 4, {1, 1, 1, 1}, {10, 11, 12, 13}, 3, false,
        STATUS_OK, DEVICE_CUDA, NULL},
-      {"every device visible to every rank", DEVICE_WANT_CUDA, 4, {4, 4, 4, 4}, {0, 1, 2, 3}, 0,
+      {"every device visible to every rank", DEVICE_WANT_CUDA, 4, {4, 4, 4, 4}, {0, 1, 2, 3}, 0, false,
        STATUS_OK, DEVICE_CUDA, NULL},
-      {"more devices than ranks", DEVICE_WANT_AUTO, 2, {8, 8}, {0, 1}, 1, STATUS_OK, DEVICE_CUDA,
+      {"more devices than ranks", DEVICE_WANT_AUTO, 2, {8, 8}, {0, 1}, 1, false, STATUS_OK, DEVICE_CUDA,
        NULL},
-      {"one rank, one device", DEVICE_WANT_AUTO, 1, {1}, {5}, 0, STATUS_OK, DEVICE_CUDA, NULL},
-      {"fewer devices than ranks", DEVICE_WANT_AUTO, 4, {2, 2, 2, 2}, {0, 1, 0, 1}, 1, STATUS_OK,
+      {"one rank, one device", DEVICE_WANT_AUTO, 1, {1}, {5}, 0, false, STATUS_OK, DEVICE_CUDA, NULL},
+      {"fewer devices than ranks", DEVICE_WANT_AUTO, 4, {2, 2, 2, 2}, {0, 1, 0, 1}, 1, false, STATUS_OK,
        DEVICE_CPU,
        "local ranks 0 and 2 of this node would share CUDA device GPU-00000000-0000-0000-0000-"
        "000000000000 (4 ranks, 2 devices seen by rank 0; NCCL needs one per rank): running on the "
        "CPU; start at most 2 ranks per node, or give each rank a device of its own (Slurm: "
        "--gpus-per-task=1)"},
-      {"fewer devices than ranks, cuda", DEVICE_WANT_CUDA, 4, {2, 2, 2, 2}, {0, 1, 0, 1}, 3,
+      {"fewer devices than ranks, cuda", DEVICE_WANT_CUDA, 4, {2, 2, 2, 2}, {0, 1, 0, 1}, 3, false,
        STATUS_ENODEV, DEVICE_CPU,
        "local ranks 0 and 2 of this node would share CUDA device GPU-00000000-0000-0000-0000-"
        "000000000000 (4 ranks, 2 devices seen by rank 0; NCCL needs one per rank): start at "
        "most 2 ranks per node, or give each rank a device of its own (Slurm: --gpus-per-task=1), "
        "or ask for the CPU (cpu)"},
-      {"two ranks given the same device", DEVICE_WANT_CUDA, 2, {1, 1}, {7, 7}, 0, STATUS_ENODEV,
+      {"two ranks given the same device", DEVICE_WANT_CUDA, 2, {1, 1}, {7, 7}, 0, false, STATUS_ENODEV,
        DEVICE_CPU, "local ranks 0 and 1 of this node would share CUDA device GPU-00000000-0000-"
        "0000-0000-000000000007 (2 ranks, 1 device seen by rank 0; NCCL needs one per rank)"},
-      {"two ranks given the same device, auto", DEVICE_WANT_AUTO, 3, {1, 1, 1}, {7, 8, 8}, 0,
+      {"two ranks given the same device, auto", DEVICE_WANT_AUTO, 3, {1, 1, 1}, {7, 8, 8}, 0, false,
        STATUS_OK, DEVICE_CPU, "local ranks 1 and 2 of this node would share CUDA device"},
-      {"another rank sees none", DEVICE_WANT_AUTO, 2, {1, 0}, {3, 0}, 0, STATUS_OK, DEVICE_CPU,
+      {"another rank sees none", DEVICE_WANT_AUTO, 2, {1, 0}, {3, 0}, 0, false, STATUS_OK, DEVICE_CPU,
        "local rank 1 of this node sees no CUDA device: running on the CPU"},
-      {"this rank sees none", DEVICE_WANT_AUTO, 2, {1, 0}, {3, 0}, 1, STATUS_OK, DEVICE_CPU,
+      {"this rank sees none", DEVICE_WANT_AUTO, 2, {1, 0}, {3, 0}, 1, false, STATUS_OK, DEVICE_CPU,
        "sees no CUDA device"},
-      {"another rank sees none, cuda", DEVICE_WANT_CUDA, 2, {1, 0}, {3, 0}, 0, STATUS_ENODEV,
+      {"another rank sees none, cuda", DEVICE_WANT_CUDA, 2, {1, 0}, {3, 0}, 0, false, STATUS_ENODEV,
        DEVICE_CPU, "local rank 1 of this node sees no CUDA device: ask for the CPU (cpu), or for "
        "auto"},
-      {"no device anywhere", DEVICE_WANT_AUTO, 4, {0, 0, 0, 0}, {0}, 2, STATUS_OK, DEVICE_CPU,
+      {"no device anywhere", DEVICE_WANT_AUTO, 4, {0, 0, 0, 0}, {0}, 2, false, STATUS_OK, DEVICE_CPU,
        NULL},
-      {"no device anywhere, cuda", DEVICE_WANT_CUDA, 1, {0}, {0}, 0, STATUS_ENODEV, DEVICE_CPU,
+      {"no device anywhere, cuda", DEVICE_WANT_CUDA, 1, {0}, {0}, 0, false, STATUS_ENODEV, DEVICE_CPU,
        "ask for the CPU (cpu), or for auto"},
-      {"the CPU beside devices", DEVICE_WANT_CPU, 2, {8, 8}, {0, 1}, 0, STATUS_OK, DEVICE_CPU,
+      {"two ranks given the same device, host-staged", DEVICE_WANT_CUDA, 2, {1, 1}, {7, 7}, 0,
+       true, STATUS_OK, DEVICE_CUDA, NULL},
+      {"fewer devices than ranks, host-staged", DEVICE_WANT_AUTO, 4, {2, 2, 2, 2}, {0, 1, 0, 1},
+       3, true, STATUS_OK, DEVICE_CUDA, NULL},
+      {"another rank sees none, host-staged", DEVICE_WANT_CUDA, 2, {1, 0}, {3, 0}, 0, true,
+       STATUS_ENODEV, DEVICE_CPU, "local rank 1 of this node sees no CUDA device"},
+      {"the CPU beside devices", DEVICE_WANT_CPU, 2, {8, 8}, {0, 1}, 0, false, STATUS_OK, DEVICE_CPU,
        NULL},
   };
   for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
@@ -76,7 +83,8 @@ START_TEST(device_choice_by_what_each_rank_sees) {
     char why[512] = "x";
     err_clear();
     status_t st =
-        device_choose_node(rows[i].want, rows[i].ranks, seen, rows[i].me, &type, why, sizeof why);
+        device_choose_node(rows[i].want, rows[i].ranks, seen, rows[i].me, rows[i].share, &type, why,
+                           sizeof why);
     ck_assert_msg(st == rows[i].st, "%s: status %d (%s)", rows[i].layout, (int)st, err_detail());
     if (st == STATUS_OK)
       ck_assert_msg(type == rows[i].type, "%s: type %d", rows[i].layout, (int)type);
@@ -88,7 +96,8 @@ START_TEST(device_choice_by_what_each_rank_sees) {
   }
   device_seen_t one = {1, {{0}}};
   device_type_t type;
-  ck_assert_int_eq(device_choose_node(DEVICE_WANT_AUTO, 1, &one, 1, &type, NULL, 0), STATUS_EINVAL);
+  ck_assert_int_eq(device_choose_node(DEVICE_WANT_AUTO, 1, &one, 1, false, &type, NULL, 0),
+                   STATUS_EINVAL);
   device_uuid_t u = {{0x1a, 0x2b, 0x3c, 0x4d, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0xa, 0xff}};
   char buf[48];
   ck_assert_str_eq(device_uuid_str(&u, buf, sizeof buf),

@@ -1,0 +1,223 @@
+/*
+ * Host-staged backend: a group's device data copied into host staging memory (page-locked on
+ * CUDA), exchanged by an MPI group of the same ranks, and copied back, as gloo does for
+ * device tensors. Slower than NCCL, but any number of ranks may share one GPU (NCCL refuses
+ * two ranks on a device), and its results are the MPI backend's.
+ *
+ * On CUDA the copies run on a staging stream of the group: ordered after the caller's
+ * current stream by an event, the copy back recorded by a completion event that pg_wait
+ * makes the caller's current stream wait on. The host waits for the copy in (the exchange
+ * needs the data) and, at pg_wait, for the copy back (before the staging memory is freed).
+ *
+ * Lazy mode (pg_set_device_backend(PG_BACKEND_STAGED_LAZY), FSDPC_PG=staged-lazy), for tests:
+ * a delay kernel before each copy in, and the exchange and copy back only at pg_wait; on the
+ * CPU, where copies are immediate, the copy in too happens at pg_wait. A caller that touches
+ * a send buffer or reads a receive buffer before pg_wait, or orders its streams wrongly, then
+ * gets a wrong result, not a lucky one.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "mesh/pg_impl.h"
+
+#define LAZY_DELAY_S 2e-3 /* the delay kernel before each copy in, lazy mode */
+
+typedef enum { ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, BROADCAST } kind_t;
+
+typedef struct staged {
+  pg_t *host;       /* the exchange: an MPI group of the same ranks */
+  stream_t *stream; /* the staging stream (NULL on the CPU) */
+  event_t *ready;   /* the caller's stream at a call */
+  bool lazy;
+} staged_t;
+
+typedef struct staged_work {
+  pg_work_t base;
+  pg_t *pg;
+  kind_t kind;
+  const void *send;
+  void *recv;
+  size_t count;
+  dtype_t dt;
+  reduce_op_t op;
+  int root;
+  void *hsend, *hrecv;
+  size_t send_bytes, recv_bytes;
+  bool copied_in, exchanged;
+  event_t *done; /* the copy back */
+} staged_work_t;
+
+static staged_t *state(pg_t *pg) { return pg->impl; }
+
+static void work_free(staged_work_t *w) {
+  if (w == NULL) return;
+  device_staging_free(w->pg->device, w->hsend);
+  device_staging_free(w->pg->device, w->hrecv);
+  event_free(w->done);
+  free(w);
+}
+
+/* The copy in, where it has not happened yet (the CPU in lazy mode). */
+static status_t copy_in_now(staged_work_t *w) {
+  if (w->copied_in) return STATUS_OK;
+  w->copied_in = true;
+  return stream_copy_async(w->pg->device, state(w->pg)->stream, w->hsend, w->send, w->send_bytes);
+}
+
+/* The exchange on the host buffers (the host waits for the copy in first), then the copy
+ * back, recorded by w->done. */
+static status_t exchange(staged_work_t *w) {
+  w->exchanged = true;
+  pg_t *pg = w->pg, *h = state(pg)->host;
+  TRY(copy_in_now(w));
+  if (state(pg)->stream != NULL) TRY(stream_synchronize(state(pg)->stream));
+  pg_work_t *hw = NULL;
+  switch (w->kind) {
+    case ALL_GATHER: TRY(h->ops->all_gather(h, w->hsend, w->hrecv, w->count, w->dt, &hw)); break;
+    case REDUCE_SCATTER:
+      TRY(h->ops->reduce_scatter(h, w->hsend, w->hrecv, w->count, w->dt, w->op, &hw));
+      break;
+    case ALL_REDUCE:
+      TRY(h->ops->all_reduce(h, w->hsend, w->hrecv, w->count, w->dt, w->op, &hw));
+      break;
+    case ALL_TO_ALL: TRY(h->ops->all_to_all(h, w->hsend, w->hrecv, w->count, w->dt, &hw)); break;
+    case BROADCAST:
+      memcpy(w->hrecv, w->hsend, w->recv_bytes);
+      TRY(h->ops->broadcast(h, w->hrecv, w->count, w->dt, w->root, &hw));
+      break;
+  }
+  TRY(pg_wait(hw));
+  TRY(stream_copy_async(pg->device, state(pg)->stream, w->recv, w->hrecv, w->recv_bytes));
+  return event_record(w->done, state(pg)->stream);
+}
+
+static status_t staged_complete(pg_work_t *base) {
+  staged_work_t *w = (staged_work_t *)base;
+  status_t st = w->exchanged ? STATUS_OK : exchange(w);
+  device_t dev = w->pg->device;
+  if (st == STATUS_OK) st = stream_wait_event(stream_current(dev), w->done);
+  if (st == STATUS_OK) st = event_synchronize(w->done); /* before the staging memory goes */
+  work_free(w);
+  return st;
+}
+
+/* Starts a collective: staging memory, the copy in ordered after the caller's stream (lazy:
+ * behind a delay kernel, or on the CPU at pg_wait), and unless lazy the exchange. */
+static status_t start(pg_t *pg, staged_work_t *proto, pg_work_t **work) {
+  staged_t *s = state(pg);
+  staged_work_t *w = calloc(1, sizeof *w);
+  if (w == NULL) return err_set(STATUS_ENOMEM, "host-staged group: out of host memory");
+  *w = *proto;
+  w->base.complete = staged_complete;
+  w->pg = pg;
+  status_t st = device_staging_alloc(pg->device, w->send_bytes, &w->hsend);
+  if (st == STATUS_OK) st = device_staging_alloc(pg->device, w->recv_bytes, &w->hrecv);
+  if (st == STATUS_OK) st = event_new(pg->device, &w->done);
+  if (st == STATUS_OK && s->stream != NULL) {
+    st = event_record(s->ready, stream_current(pg->device));
+    if (st == STATUS_OK) st = stream_wait_event(s->stream, s->ready);
+    if (st == STATUS_OK && s->lazy) st = stream_delay(pg->device, s->stream, LAZY_DELAY_S);
+  }
+  if (st == STATUS_OK && (s->stream != NULL || !s->lazy)) st = copy_in_now(w);
+  if (st == STATUS_OK && !s->lazy) st = exchange(w);
+  if (st != STATUS_OK) {
+    if (s->stream != NULL) (void)stream_synchronize(s->stream); /* nothing left reading */
+    work_free(w);
+    return st;
+  }
+  *work = &w->base;
+  return STATUS_OK;
+}
+
+static status_t staged_all_gather(pg_t *pg, const void *send, void *recv, size_t count,
+                                  dtype_t dt, pg_work_t **work) {
+  size_t n = count * dtype_size(dt);
+  staged_work_t p = {.kind = ALL_GATHER, .send = send, .recv = recv, .count = count, .dt = dt,
+                     .send_bytes = n, .recv_bytes = n * (size_t)pg->size};
+  return start(pg, &p, work);
+}
+
+static status_t staged_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                                      dtype_t dt, reduce_op_t op, pg_work_t **work) {
+  size_t n = recv_count * dtype_size(dt);
+  staged_work_t p = {.kind = REDUCE_SCATTER, .send = send, .recv = recv, .count = recv_count,
+                     .dt = dt, .op = op, .send_bytes = n * (size_t)pg->size, .recv_bytes = n};
+  return start(pg, &p, work);
+}
+
+static status_t staged_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                                  reduce_op_t op, pg_work_t **work) {
+  size_t n = count * dtype_size(dt);
+  staged_work_t p = {.kind = ALL_REDUCE, .send = send, .recv = recv, .count = count, .dt = dt,
+                     .op = op, .send_bytes = n, .recv_bytes = n};
+  return start(pg, &p, work);
+}
+
+static status_t staged_all_to_all(pg_t *pg, const void *send, void *recv, size_t count,
+                                  dtype_t dt, pg_work_t **work) {
+  size_t n = count * dtype_size(dt) * (size_t)pg->size;
+  staged_work_t p = {.kind = ALL_TO_ALL, .send = send, .recv = recv, .count = count, .dt = dt,
+                     .send_bytes = n, .recv_bytes = n};
+  return start(pg, &p, work);
+}
+
+static status_t staged_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                                 pg_work_t **work) {
+  size_t n = count * dtype_size(dt);
+  staged_work_t p = {.kind = BROADCAST, .send = buf, .recv = buf, .count = count, .dt = dt,
+                     .root = root, .send_bytes = n, .recv_bytes = n};
+  return start(pg, &p, work);
+}
+
+/* A barrier orders ranks, not streams: the exchange group's, after the caller's stream. */
+static status_t staged_barrier(pg_t *pg, pg_work_t **work) {
+  TRY(stream_synchronize(stream_current(pg->device)));
+  pg_t *h = state(pg)->host;
+  return h->ops->barrier(h, work);
+}
+
+static void staged_destroy(pg_t *pg) {
+  staged_t *s = state(pg);
+  if (s == NULL) return;
+  if (s->stream != NULL) (void)stream_synchronize(s->stream);
+  stream_free(s->stream);
+  event_free(s->ready);
+  pg_release(s->host);
+  free(s);
+}
+
+static const pg_ops_t staged_ops = {
+    .name = "staged",
+    .all_gather = staged_all_gather,
+    .reduce_scatter = staged_reduce_scatter,
+    .all_reduce = staged_all_reduce,
+    .all_to_all = staged_all_to_all,
+    .broadcast = staged_broadcast,
+    .barrier = staged_barrier,
+    .destroy = staged_destroy,
+};
+
+status_t pg_new_staged(MPI_Comm comm, device_t dev, bool lazy, pg_t **out) {
+  *out = NULL;
+  TRY(device_check(dev));
+  pg_t *pg = NULL;
+  TRY(pg_alloc(comm, &staged_ops, dev, &pg));
+  staged_t *s = calloc(1, sizeof *s);
+  status_t st = s == NULL ? err_set(STATUS_ENOMEM, "host-staged group: out of host memory")
+                          : STATUS_OK;
+  if (st == STATUS_OK) {
+    pg->impl = s;
+    s->lazy = lazy;
+    st = pg_new_mpi(comm, &s->host);
+  }
+  if (st == STATUS_OK && dev.type == DEVICE_CUDA) {
+    st = stream_new_high(dev, &s->stream);
+    if (st == STATUS_OK) st = event_new(dev, &s->ready);
+  }
+  if (st != STATUS_OK) {
+    pg_release(pg);
+    return st;
+  }
+  *out = pg;
+  return STATUS_OK;
+}
