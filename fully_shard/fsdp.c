@@ -30,12 +30,17 @@ int64_t fsdp_flat_numel(const fsdp_group_t *g) {
   if (g == NULL) return 0;
   return g->flat;
 }
+int64_t fsdp_align_block(int64_t n, dtype_t dt) {
+  int64_t a = dtype_size(dt) >= 16 ? 1 : 16 / (int64_t)dtype_size(dt);
+  return (n + a - 1) / a * a;
+}
+
 int64_t fsdp_reduce_numel(const fsdp_group_t *g) {
   if (g == NULL) return 0;
   int64_t n = 0;
   for (int i = 0; i < g->n; i++)
     if (g->params[i].p->requires_grad) n += g->params[i].rows * g->params[i].row + 1;
-  return n;
+  return n == 0 ? 0 : fsdp_align_block(n, g->reduce_dtype);
 }
 pg_t *fsdp_post_forward_group(const fsdp_group_t *g) {
   if (g == NULL) return NULL;

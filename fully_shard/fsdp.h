@@ -109,7 +109,7 @@ dtype_t fsdp_reduce_dtype(const fsdp_group_t *g);
 int64_t fsdp_flat_numel(const fsdp_group_t *g);
 /* Elements per rank in the group's gradient reduction: the padded shard of every parameter
  * that requires a gradient, then one presence element per such parameter (whether any rank
- * had its gradient); 0 when none requires one. */
+ * had its gradient), rounded up to 16 bytes of the reduce dtype; 0 when none requires one. */
 int64_t fsdp_reduce_numel(const fsdp_group_t *g);
 
 /* Gradient-sync control, applied to every group under root (as on PyTorch's FSDPModule):

@@ -427,7 +427,7 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
   g->red_grads = flat;
   g->red_params = params;
   g->red_missing = missing;
-  int64_t block = flat + params, total = block * g->W;
+  int64_t block = fsdp_align_block(flat + params, g->reduce_dtype), total = block * g->W;
   reduce_op_t op = g->divide_factor > 0 ? REDUCE_SUM : REDUCE_AVG;
   status_t st = tensor_zeros(&g->red_send, g->reduce_dtype, dev, 1, &total);
   /* rank-major pack: block r holds chunk r of every trainable parameter, each padded to its

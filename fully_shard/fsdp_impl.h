@@ -71,6 +71,10 @@ typedef struct fsdp_state {
   fsdp_group_t *reducing; /* the group whose reduction is in flight */
 } fsdp_state_t;
 
+/* n elements of dt rounded up to a whole number of 16-byte units: the length of a rank's block
+ * in the flat buffers, so that every block starts 16-byte aligned. */
+int64_t fsdp_align_block(int64_t n, dtype_t dt);
+
 struct fsdp_group {
   nn_module_t *module;   /* the first module (names the group) */
   nn_module_t **modules; /* every module of the group (a list forms one group) */

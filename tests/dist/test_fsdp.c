@@ -109,8 +109,9 @@ static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_group
      * its presence element (whether a rank had its gradient); a frozen parameter is not
      * reduced */
     uint64_t fb = (uint64_t)fsdp_flat_numel(groups[i]) * (pl->bf16 ? 2 : 4);
-    uint64_t rb = ((uint64_t)fsdp_flat_numel(groups[i]) + (uint64_t)fsdp_num_params(groups[i])) * 4;
-    if (pl->frozen && i == 1) rb -= ((uint64_t)chunk_size(64, Ws) + 1) * 4;
+    uint64_t rn = (uint64_t)fsdp_flat_numel(groups[i]) + (uint64_t)fsdp_num_params(groups[i]);
+    if (pl->frozen && i == 1) rn -= (uint64_t)chunk_size(64, Ws) + 1;
+    uint64_t rb = (rn + 3) / 4 * 4 * 4; /* each rank's block a whole number of 16 bytes */
     bool layer = i < n_groups - 1, int_reshard = layer && pl->reshard >= 2;
     bool full_reshard = pl->reshard == 1 || pl->reshard == FSDP_RESHARD_AUTO;
     uint64_t gathers = (uint64_t)pl->accum * (layer && full_reshard ? 2 : 1);
