@@ -44,7 +44,9 @@ typedef struct expect {
   const char *says; /* in why (auto) or the error (cuda); NULL: why is empty */
 } expect_t;
 
-static void choose(layout_t l, device_want_t want, status_t want_st, expect_t e) {
+/* Chooses under layout l; returns the mismatches with e, each printed (every rank goes on to
+ * the next choice, a collective, whatever it found). */
+static int choose(layout_t l, device_want_t want, status_t want_st, expect_t e) {
   layout = l;
   world_set_devices_seen(fake_seen);
   device_t dev = {DEVICE_CUDA, -1};
@@ -52,25 +54,33 @@ static void choose(layout_t l, device_want_t want, status_t want_st, expect_t e)
   err_clear();
   status_t st = world_choose_device(want, &dev, why, sizeof why);
   world_set_devices_seen(NULL);
-  int r = world_rank();
-  ck_assert_msg(st == want_st, "layout %d, %s, rank %d: status %d (%s)", (int)l,
-                device_want_name(want), r, (int)st, err_detail());
+  int r = world_rank(), bad = 0;
+#define MISMATCH(cond, ...)                                                            \
+  do {                                                                                 \
+    if (cond) {                                                                        \
+      printf("rank %d, layout %d, %s: ", r, (int)l, device_want_name(want));           \
+      printf(__VA_ARGS__);                                                             \
+      printf("\n");                                                                    \
+      bad++;                                                                           \
+    }                                                                                  \
+  } while (0)
+  MISMATCH(st != want_st, "status %d (%s)", (int)st, err_detail());
   const char *text = st == STATUS_OK ? why : err_detail();
   if (e.says == NULL)
-    ck_assert_msg(why[0] == 0, "layout %d, rank %d: why '%s'", (int)l, r, why);
+    MISMATCH(why[0] != 0, "why '%s'", why);
   else
-    ck_assert_msg(strstr(text, e.says) != NULL, "layout %d, rank %d: '%s'", (int)l, r, text);
-  if (st != STATUS_OK) return;
-  ck_assert_int_eq(dev.type, e.type);
-  if (e.type == DEVICE_CPU) {
-    ck_assert_str_eq(world_device_assignment(), "");
-    return;
-  }
-  ck_assert_int_eq(dev.index, e.index_is_rank ? r : 0);
+    MISMATCH(strstr(text, e.says) == NULL, "'%s' does not say '%s'", text, e.says);
+  if (st != STATUS_OK || bad) return bad;
+  MISMATCH(dev.type != e.type, "device type %d", (int)dev.type);
   const char *line = world_device_assignment();
+  if (e.type == DEVICE_CPU) {
+    MISMATCH(line[0] != 0, "an assignment line on the CPU: '%s'", line);
+    return bad;
+  }
+  MISMATCH(dev.index != (e.index_is_rank ? r : 0), "cuda:%d", dev.index);
   if (r != 0) {
-    ck_assert_str_eq(line, "");
-    return;
+    MISMATCH(line[0] != 0, "an assignment line on rank %d: '%s'", r, line);
+    return bad;
   }
   /* rank 0's line: every rank's ordinal and the start of its device's UUID */
   char want_line[256] = "";
@@ -78,18 +88,22 @@ static void choose(layout_t l, device_want_t want, status_t want_st, expect_t e)
   for (int q = 0; q < world_size(); q++)
     at += (size_t)snprintf(want_line + at, sizeof want_line - at, "%srank %d cuda:%d GPU-a%d000000",
                            q ? ", " : "", q, e.index_is_rank ? q : 0, q);
-  ck_assert_str_eq(line, want_line);
+  MISMATCH(strcmp(line, want_line) != 0, "line '%s', expected '%s'", line, want_line);
+#undef MISMATCH
+  return bad;
 }
 
 START_TEST(each_rank_takes_a_device_of_its_own) {
   ck_assert_int_eq(world_size(), 4);
   ck_assert_int_eq(world_local_size(), 4);
+  int bad = 0;
   for (int w = 0; w < 2; w++) {
     device_want_t want = w ? DEVICE_WANT_CUDA : DEVICE_WANT_AUTO;
-    choose(ONE_PER_TASK, want, STATUS_OK, (expect_t){DEVICE_CUDA, 0, NULL});
-    choose(ALL_VISIBLE, want, STATUS_OK, (expect_t){DEVICE_CUDA, 1, NULL});
-    choose(MORE_VISIBLE, want, STATUS_OK, (expect_t){DEVICE_CUDA, 1, NULL});
+    bad += choose(ONE_PER_TASK, want, STATUS_OK, (expect_t){DEVICE_CUDA, 0, NULL});
+    bad += choose(ALL_VISIBLE, want, STATUS_OK, (expect_t){DEVICE_CUDA, 1, NULL});
+    bad += choose(MORE_VISIBLE, want, STATUS_OK, (expect_t){DEVICE_CUDA, 1, NULL});
   }
+  expect_all(bad == 0, "%d mismatches", bad);
 }
 END_TEST
 
@@ -100,22 +114,25 @@ START_TEST(ranks_that_would_share_a_device_run_on_the_cpu_or_fail) {
   static const char *share01 = "local ranks 0 and 1 of this node would share CUDA device "
                                "GPU-a0000000-0000-0000-0000-000000000000 (4 ranks, 1 device seen "
                                "by rank 0; NCCL needs one per rank)";
-  choose(FEWER, DEVICE_WANT_AUTO, STATUS_OK, (expect_t){DEVICE_CPU, 0, share02});
-  choose(FEWER, DEVICE_WANT_CUDA, STATUS_ENODEV, (expect_t){DEVICE_CPU, 0, share02});
-  choose(SAME_DEVICE, DEVICE_WANT_AUTO, STATUS_OK, (expect_t){DEVICE_CPU, 0, share01});
-  choose(SAME_DEVICE, DEVICE_WANT_CUDA, STATUS_ENODEV, (expect_t){DEVICE_CPU, 0, share01});
-  /* rank 3 says of itself that it sees none, the others name it */
-  choose(ONE_BLIND, DEVICE_WANT_AUTO, STATUS_OK,
-         (expect_t){DEVICE_CPU, 0, world_rank() == 3 ? "this rank sees no CUDA device"
-                                                    : "local rank 3 of this node sees no CUDA "
-                                                      "device: running on the CPU"});
-  choose(ONE_BLIND, DEVICE_WANT_CUDA, STATUS_ENODEV,
-         (expect_t){DEVICE_CPU, 0, world_rank() == 3 ? "this rank sees no CUDA device"
-                                                    : "local rank 3 of this node sees no CUDA "
-                                                      "device: ask for the CPU (cpu), or for "
-                                                      "auto"});
+  int bad = 0;
+  bad += choose(FEWER, DEVICE_WANT_AUTO, STATUS_OK, (expect_t){DEVICE_CPU, 0, share02});
+  bad += choose(FEWER, DEVICE_WANT_CUDA, STATUS_ENODEV, (expect_t){DEVICE_CPU, 0, share02});
+  bad += choose(SAME_DEVICE, DEVICE_WANT_AUTO, STATUS_OK, (expect_t){DEVICE_CPU, 0, share01});
+  bad += choose(SAME_DEVICE, DEVICE_WANT_CUDA, STATUS_ENODEV, (expect_t){DEVICE_CPU, 0, share01});
+  /* rank 3 says of itself that it sees none (or, without CUDA, that there is none), the
+   * others name it */
+  bool r3 = world_rank() == 3;
+  bad += choose(ONE_BLIND, DEVICE_WANT_AUTO, STATUS_OK,
+                (expect_t){DEVICE_CPU, 0, r3 ? ": running on the CPU"
+                                             : "local rank 3 of this node sees no CUDA device: "
+                                               "running on the CPU"});
+  bad += choose(ONE_BLIND, DEVICE_WANT_CUDA, STATUS_ENODEV,
+                (expect_t){DEVICE_CPU, 0, r3 ? ": ask for the CPU (cpu), or for auto"
+                                             : "local rank 3 of this node sees no CUDA device: "
+                                               "ask for the CPU (cpu), or for auto"});
   /* the CPU asked for: the devices are not looked at */
-  choose(SAME_DEVICE, DEVICE_WANT_CPU, STATUS_OK, (expect_t){DEVICE_CPU, 0, NULL});
+  bad += choose(SAME_DEVICE, DEVICE_WANT_CPU, STATUS_OK, (expect_t){DEVICE_CPU, 0, NULL});
+  expect_all(bad == 0, "%d mismatches", bad);
 }
 END_TEST
 

@@ -55,7 +55,7 @@ START_TEST(device_choice_by_what_each_rank_sees) {
       {"another rank sees none", DEVICE_WANT_AUTO, 2, {1, 0}, {3, 0}, 0, false, STATUS_OK, DEVICE_CPU,
        "local rank 1 of this node sees no CUDA device: running on the CPU"},
       {"this rank sees none", DEVICE_WANT_AUTO, 2, {1, 0}, {3, 0}, 1, false, STATUS_OK, DEVICE_CPU,
-       "sees no CUDA device"},
+       ": running on the CPU"}, /* "this rank sees no CUDA device" or "built without CUDA" */
       {"another rank sees none, cuda", DEVICE_WANT_CUDA, 2, {1, 0}, {3, 0}, 0, false, STATUS_ENODEV,
        DEVICE_CPU, "local rank 1 of this node sees no CUDA device: ask for the CPU (cpu), or for "
        "auto"},
