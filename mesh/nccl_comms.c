@@ -146,7 +146,9 @@ status_t nccl_comm_close(nccl_comm_t *c, double limit_s) {
   if (st == STATUS_OK) {
     rc = c->t->destroy(c->comm);
     c->comm = NULL;
-    return rc == NCCL_RESULT_OK ? STATUS_OK
+    /* a non-blocking communicator may answer in progress: it frees itself after a finalize */
+    return rc == NCCL_RESULT_OK || rc == NCCL_RESULT_IN_PROGRESS
+               ? STATUS_OK
                                 : err_set(STATUS_ENCCL, "ncclCommDestroy: %s (NCCL communicator %s)",
                                           c->t->error_string(rc), c->name);
   }
