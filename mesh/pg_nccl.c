@@ -243,6 +243,10 @@ status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
   TRY_GOTO(st, cuda_status(e, what));
   snprintf(what, sizeof what, "ncclCommInitRank (rank %d of %d on cuda:%d)", pg->rank, pg->size,
            device);
+  /* connect every channel while the communicator is made (the mesh exists before the model),
+   * not at the first collective of the first step, when the memory pool already holds the
+   * step's peak; a user's own setting wins */
+  setenv("NCCL_RUNTIME_CONNECT", "0", 0);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0; /* polled: a peer that never joins cannot block this rank for good */
   ncclComm_t nc = NULL;
