@@ -55,34 +55,46 @@ void nccl_comm_abort_all(void) {
   pthread_mutex_unlock(&live_lock);
 }
 
-/* c's last call: 1 finished, 0 still running, -1 failed (*st says how). */
-static int settled(nccl_comm_t *c, status_t *st, const char *what) {
-  if (c->aborted)
-    return *st = err_set(STATUS_ENCCL, "%s: the NCCL communicator %s was aborted", what, c->name),
-           -1;
+/* The state of c's last call: ok, in progress, or the error (of the call or of the ask). */
+static int comm_state(const nccl_comm_t *c) {
   int state = NCCL_RESULT_OK, rc = c->t->async_error(c->comm, &state);
-  if (rc != NCCL_RESULT_OK) state = rc;
-  if (state == NCCL_RESULT_IN_PROGRESS) return 0;
-  if (state == NCCL_RESULT_OK) return 1;
-  *st = err_set(STATUS_ENCCL, "%s: %s (NCCL communicator %s)", what, c->t->error_string(state),
-                c->name);
-  return -1;
+  return rc != NCCL_RESULT_OK ? rc : state;
 }
 
 typedef struct settle_ctx {
   nccl_comm_t *c;
   const char *what;
+  double start, limit_s; /* limit_s 0: no limit of its own */
 } settle_ctx_t;
 
-static int settled_poll(void *ctx, status_t *st) {
+/* device_poll's condition: 1 once c's last call has finished, 0 while it runs, -1 when it
+ * failed, c was aborted or the limit passed (*st says which). */
+static int settled(void *ctx, status_t *st) {
   settle_ctx_t *s = ctx;
-  return settled(s->c, st, s->what);
+  nccl_comm_t *c = s->c;
+  if (c->aborted) {
+    *st = err_set(STATUS_ENCCL, "%s: the NCCL communicator %s was aborted", s->what, c->name);
+    return -1;
+  }
+  int state = comm_state(c);
+  if (state == NCCL_RESULT_OK) return 1;
+  if (state != NCCL_RESULT_IN_PROGRESS) {
+    *st = err_set(STATUS_ENCCL, "%s: %s (NCCL communicator %s)", s->what,
+                  c->t->error_string(state), c->name);
+    return -1;
+  }
+  if (s->limit_s > 0 && now_s() - s->start > s->limit_s) {
+    *st = err_set(STATUS_ETIMEOUT, "%s of NCCL communicator %s has not completed in %g s", s->what,
+                  c->name, s->limit_s);
+    return -1;
+  }
+  return 0;
 }
 
 status_t nccl_comm_settle(nccl_comm_t *c, const char *what) {
   ARG_NONNULL(c);
-  settle_ctx_t ctx = {c, what};
-  status_t st = device_poll(settled_poll, &ctx, what);
+  settle_ctx_t ctx = {c, what, 0, 0};
+  status_t st = device_poll(settled, &ctx, what);
   if (st != STATUS_OK) nccl_comm_abort(c); /* failed, stopped or past the watchdog */
   return st;
 }
@@ -107,8 +119,7 @@ status_t nccl_comm_poll_errors(void) {
   pthread_mutex_lock(&live_lock);
   for (nccl_comm_t *c = live; c && st == STATUS_OK; c = c->next) {
     if (c->aborted) continue;
-    int state = NCCL_RESULT_OK, rc = c->t->async_error(c->comm, &state);
-    if (rc != NCCL_RESULT_OK) state = rc;
+    int state = comm_state(c);
     if (state != NCCL_RESULT_OK && state != NCCL_RESULT_IN_PROGRESS)
       st = err_set(STATUS_ENCCL, "NCCL communicator %s failed: %s", c->name,
                    c->t->error_string(state));
@@ -128,21 +139,8 @@ status_t nccl_comm_close(nccl_comm_t *c, double limit_s) {
   if (rc != NCCL_RESULT_OK && rc != NCCL_RESULT_IN_PROGRESS)
     st = err_set(STATUS_ENCCL, "ncclCommFinalize: %s (NCCL communicator %s)",
                  c->t->error_string(rc), c->name);
-  const char *what = "ncclCommFinalize";
-  double start = now_s();
-  while (st == STATUS_OK && settled(c, &st, what) == 0) {
-    double waited = now_s() - start;
-    device_wait_hook_t hook = device_wait_hook();
-    if (hook != NULL) st = hook(what, waited);
-    if (st == STATUS_OK && waited > limit_s)
-      st = err_set(STATUS_ETIMEOUT,
-                   "ncclCommFinalize of NCCL communicator %s has not completed in %g s", c->name,
-                   limit_s);
-    if (st == STATUS_OK) {
-      struct timespec nap = {0, 100000}; /* 0.1 ms */
-      nanosleep(&nap, NULL);
-    }
-  }
+  settle_ctx_t ctx = {c, "ncclCommFinalize", now_s(), limit_s};
+  if (st == STATUS_OK) st = device_poll(settled, &ctx, ctx.what); /* under the wait hook too */
   if (st == STATUS_OK) {
     rc = c->t->destroy(c->comm);
     c->comm = NULL;

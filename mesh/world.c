@@ -30,6 +30,8 @@ static pg_t *world_group; /* every rank, host */
 static status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,
                                 MPI_Op op, MPI_Comm comm, const char *what);
 static status_t world_barrier(MPI_Comm comm, const char *what);
+static status_t world_allgather(const void *mine, int bytes, void *all, MPI_Comm comm,
+                                const char *what);
 static int local_rank = -1, local_size = -1;
 
 /* The stop channel: a receive from any rank, posted at start-up on a communicator of its own. */
@@ -233,18 +235,18 @@ static uint64_t host_hash(void) {
   MPI_Get_processor_name(name, &len);
   uint64_t h = 1469598103934665603ull; /* FNV-1a: a label, not a checksum */
   for (int i = 0; i < len; i++) h = (h ^ (uint8_t)name[i]) * 1099511628211ull;
-  return h | 1; /* never 0, the gather's empty slot */
+  return h;
 }
 
-/* Gathers every rank's device to every rank (a sum of one-slot arrays) and writes rank 0's
- * line: each rank's ordinal and UUID up to 8 ranks, else how many ranks, devices and nodes. */
+/* Gathers every rank's device to every rank and writes rank 0's line: each rank's ordinal
+ * and UUID up to 8 ranks, else how many ranks, devices and nodes. */
 static status_t describe_assignment(int index, const device_uuid_t *uuid) {
   int n = mpi_size(), me = world_rank();
-  rank_device_t *all = calloc((size_t)n * 2, sizeof *all);
+  rank_device_t *all = calloc((size_t)n, sizeof *all);
   if (all == NULL) return err_set(STATUS_ENOMEM, "device assignment: out of host memory");
-  all[n + me] = (rank_device_t){host_hash(), index, 0, *uuid};
-  status_t st = world_allreduce(all + n, all, (int)(n * sizeof *all), MPI_UNSIGNED_CHAR, MPI_BOR,
-                                MPI_COMM_WORLD, "MPI_Allreduce (device assignment)");
+  rank_device_t mine = {host_hash(), index, 0, *uuid};
+  status_t st = world_allgather(&mine, (int)sizeof mine, all, MPI_COMM_WORLD,
+                                "MPI_Iallgather (device assignment)");
   assignment[0] = 0;
   if (st == STATUS_OK && me == 0) {
     size_t at = 0;
@@ -281,7 +283,7 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
   *out = device_cpu();
   if (why != NULL && why_size > 0) why[0] = 0;
   assignment[0] = 0;
-  /* what each rank of the node sees, gathered over the node (a sum of one-slot arrays) */
+  /* what each rank of the node sees, gathered over the node */
   device_seen_t mine_seen = {0};
   status_t st = want == DEVICE_WANT_CPU ? STATUS_OK : devices_seen(world_local_rank(), &mine_seen);
   MPI_Comm node = MPI_COMM_SELF;
@@ -292,14 +294,13 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
   int nl = 1, me = 0;
   MPI_Comm_size(node, &nl);
   MPI_Comm_rank(node, &me);
-  device_seen_t *seen = calloc((size_t)nl * 2, sizeof *seen);
+  device_seen_t *seen = calloc((size_t)nl, sizeof *seen);
   if (seen == NULL) {
     if (node != MPI_COMM_SELF) MPI_Comm_free(&node);
     return err_set(STATUS_ENOMEM, "device choice: out of host memory");
   }
-  seen[nl + me] = mine_seen;
-  status_t gs = world_allreduce(seen + nl, seen, (int)(nl * sizeof *seen), MPI_UNSIGNED_CHAR,
-                                MPI_BOR, node, "MPI_Allreduce (the node's devices)");
+  status_t gs = world_allgather(&mine_seen, (int)sizeof mine_seen, seen, node,
+                                "MPI_Iallgather (the node's devices)");
   if (node != MPI_COMM_SELF) MPI_Comm_free(&node);
   if (gs != STATUS_OK) {
     free(seen);
@@ -565,6 +566,15 @@ static status_t world_allreduce(const void *send, void *recv, int count, MPI_Dat
   if (stopped) return stopped_error();
   MPI_Request req;
   TRY(pg_mpi_status(MPI_Iallreduce(send, recv, count, type, op, comm, &req), what));
+  return world_wait(&req, what);
+}
+
+/* Every rank's bytes of mine into all (bytes per rank, in rank order). */
+static status_t world_allgather(const void *mine, int bytes, void *all, MPI_Comm comm,
+                                const char *what) {
+  if (stopped) return stopped_error(); /* see world_allreduce */
+  MPI_Request req;
+  TRY(pg_mpi_status(MPI_Iallgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, comm, &req), what));
   return world_wait(&req, what);
 }
 

@@ -223,19 +223,20 @@ cleanup:
   return st;
 }
 
-static nn_module_t *twice_model(mesh_t *local) {
+/* A root module with forward fwd and one child per name, each with one replicated 2-D weight
+ * of its shape, uniform in [-0.5, 0.5) from seed + its place. */
+static nn_module_t *hand_model(mesh_t *local, nn_forward_fn fwd, int n, const char *const *names,
+                               const nn_forward_fn *fns, const int64_t (*shapes)[2],
+                               unsigned seed) {
   nn_module_t *root;
-  ok(nn_module_new(&root, "", twice_fwd, NULL));
-  const char *names[] = {"emb", "lin", "head"};
-  nn_forward_fn fns[] = {emb_fwd, lin_fwd, lin_fwd};
-  int64_t shapes[][2] = {{11, 6}, {6, 6}, {11, 6}};
-  for (int i = 0; i < 3; i++) {
+  ok(nn_module_new(&root, "", fwd, NULL));
+  for (int i = 0; i < n; i++) {
     nn_module_t *c;
     ok(nn_module_new(&c, names[i], fns[i], NULL));
     ok(nn_module_add_child(root, c));
     tensor_t t;
     ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shapes[i]));
-    test_rng_t r = {77 + (unsigned)i};
+    test_rng_t r = {seed + (unsigned)i};
     test_fill_uniform(&t, &r, 0.5);
     dtensor_t *d;
     placement_t rep = placement_replicate();
@@ -245,6 +246,13 @@ static nn_module_t *twice_model(mesh_t *local) {
   }
   ok(nn_module_finalize(root));
   return root;
+}
+
+static nn_module_t *twice_model(mesh_t *local) {
+  static const char *const names[] = {"emb", "lin", "head"};
+  static const nn_forward_fn fns[] = {emb_fwd, lin_fwd, lin_fwd};
+  static const int64_t shapes[][2] = {{11, 6}, {6, 6}, {11, 6}};
+  return hand_model(local, twice_fwd, 3, names, fns, shapes, 77);
 }
 
 static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
@@ -322,27 +330,10 @@ cleanup:
 }
 
 static nn_module_t *branch_model(mesh_t *local) {
-  nn_module_t *root;
-  ok(nn_module_new(&root, "", branch_fwd, NULL));
-  const char *names[] = {"emb", "even", "odd", "unused", "head"};
-  nn_forward_fn fns[] = {emb_fwd, lin_fwd, lin_fwd, lin_fwd, lin_fwd};
-  int64_t shapes[][2] = {{11, 6}, {6, 6}, {6, 6}, {6, 6}, {11, 6}};
-  for (int i = 0; i < 5; i++) {
-    nn_module_t *c;
-    ok(nn_module_new(&c, names[i], fns[i], NULL));
-    ok(nn_module_add_child(root, c));
-    tensor_t t;
-    ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shapes[i]));
-    test_rng_t r = {91 + (unsigned)i};
-    test_fill_uniform(&t, &r, 0.5);
-    dtensor_t *d;
-    placement_t rep = placement_replicate();
-    ok(dtensor_from_local(&d, &t, local, &rep, 2, shapes[i]));
-    tensor_free(&t);
-    ok(nn_module_add_param(c, "weight", d, true, NULL));
-  }
-  ok(nn_module_finalize(root));
-  return root;
+  static const char *const names[] = {"emb", "even", "odd", "unused", "head"};
+  static const nn_forward_fn fns[] = {emb_fwd, lin_fwd, lin_fwd, lin_fwd, lin_fwd};
+  static const int64_t shapes[][2] = {{11, 6}, {6, 6}, {6, 6}, {6, 6}, {11, 6}};
+  return hand_model(local, branch_fwd, 5, names, fns, shapes, 91);
 }
 
 /* Data-dependent paths: rank r's batch goes through "even" or "odd" by the parity of its
