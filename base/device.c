@@ -1,8 +1,8 @@
 #include "base/device.h"
 
 #include <sched.h>
-#include <stdbool.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,10 +114,9 @@ const char *device_uuid_str(const device_uuid_t *u, char *buf, size_t size) {
     return buf;
   }
   const uint8_t *b = u->b;
-  snprintf(buf, size,
-           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
-           b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
-           b[15]);
+  snprintf(buf, size, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+           b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+           b[14], b[15]);
   return buf;
 }
 
@@ -126,8 +125,7 @@ status_t device_cuda_uuid(int index, device_uuid_t *out) {
   memset(out, 0, sizeof *out);
   int n = device_cuda_count();
   if (index < 0 || index >= n)
-    return err_set(STATUS_ENODEV, "cuda:%d requested, but %d CUDA device(s) are present", index,
-                   n);
+    return err_set(STATUS_ENODEV, "cuda:%d requested, but %d CUDA device(s) are present", index, n);
   return cuda_backend()->device_uuid(index, out->b);
 }
 

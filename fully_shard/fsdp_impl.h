@@ -19,13 +19,13 @@ typedef struct fsdp_param {
   int64_t rows;                   /* padded rows per rank: ceil(n0 / W) */
   int64_t row;                    /* elements per row */
   int64_t offset;                 /* in the flat all-gather buffer of one rank, elements */
-  tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype; on the host
-                      when offloaded */
-  bool reducing;   /* its gradient is in the group's reduction in flight */
-  bool trainable;  /* in the group's reduce layout (requires_grad when the reduction started) */
+  tensor_t padded;    /* this rank's zero-padded shard (rows x ...), original dtype; on the host
+                         when offloaded */
+  bool reducing;      /* its gradient is in the group's reduction in flight */
+  bool trainable;     /* in the group's reduce layout (requires_grad when the reduction started) */
   int64_t red_offset; /* in one rank's block of the reduce buffer, elements */
   int red_index;      /* its place among the trainable parameters (its presence element) */
-  tensor_t held;   /* that gradient itself, on the one-rank path (fsdp_comm.c) */
+  tensor_t held;      /* that gradient itself, on the one-rank path (fsdp_comm.c) */
 } fsdp_param_t;
 
 /* Side streams of one CUDA device, shared by every group on it (all NULL on the CPU), at the
@@ -36,8 +36,8 @@ typedef struct fsdp_param {
  * the stream that issues the collective; reduced marks the end of the last reduction. */
 typedef struct fsdp_streams {
   stream_t *copy_in, *reduce, *all_reduce;
-  event_t *issued;  /* the issuing stream's position, for a side stream to wait on */
-  event_t *packed;  /* the end of a pack that read a gradient another tensor still holds */
+  event_t *issued;    /* the issuing stream's position, for a side stream to wait on */
+  event_t *packed;    /* the end of a pack that read a gradient another tensor still holds */
   event_t *scattered; /* the reduce stream's position, for the all-reduce stream */
   event_t *reduced;
 } fsdp_streams_t;
@@ -114,7 +114,7 @@ struct fsdp_group {
                         element of each of the red_params trainable parameters */
   int64_t red_grads; /* of those, the gradients' */
   int red_params;
-  bool red_missing;  /* this rank had no gradient for some trainable parameter */
+  bool red_missing; /* this rank had no gradient for some trainable parameter */
   pg_work_t *red_work;
   bool red_local; /* the reduction in flight holds the gradients themselves (one-rank path) */
   fsdp_event_fn on_event;

@@ -79,8 +79,8 @@ static int settled(void *ctx, status_t *st) {
   int state = comm_state(c);
   if (state == NCCL_RESULT_OK) return 1;
   if (state != NCCL_RESULT_IN_PROGRESS) {
-    *st = err_set(STATUS_ENCCL, "%s: %s (NCCL communicator %s)", s->what,
-                  c->t->error_string(state), c->name);
+    *st = err_set(STATUS_ENCCL, "%s: %s (NCCL communicator %s)", s->what, c->t->error_string(state),
+                  c->name);
     return -1;
   }
   if (s->limit_s > 0 && now_s() - s->start > s->limit_s) {
@@ -103,8 +103,8 @@ status_t nccl_comm_result(nccl_comm_t *c, int rc, const char *what) {
   ARG_NONNULL(c);
   if (rc == NCCL_RESULT_OK) return STATUS_OK;
   if (rc == NCCL_RESULT_IN_PROGRESS) return nccl_comm_settle(c, what);
-  status_t st = err_set(STATUS_ENCCL, "%s: %s (NCCL communicator %s)", what, c->t->error_string(rc),
-                        c->name);
+  status_t st =
+      err_set(STATUS_ENCCL, "%s: %s (NCCL communicator %s)", what, c->t->error_string(rc), c->name);
   nccl_comm_abort(c);
   return st;
 }
@@ -147,8 +147,8 @@ status_t nccl_comm_close(nccl_comm_t *c, double limit_s) {
     /* a non-blocking communicator may answer in progress: it frees itself after a finalize */
     return rc == NCCL_RESULT_OK || rc == NCCL_RESULT_IN_PROGRESS
                ? STATUS_OK
-                                : err_set(STATUS_ENCCL, "ncclCommDestroy: %s (NCCL communicator %s)",
-                                          c->t->error_string(rc), c->name);
+               : err_set(STATUS_ENCCL, "ncclCommDestroy: %s (NCCL communicator %s)",
+                         c->t->error_string(rc), c->name);
   }
   nccl_comm_abort(c);
   c->comm = NULL;

@@ -129,43 +129,71 @@ static status_t start(pg_t *pg, staged_work_t *proto, pg_work_t **work) {
   return STATUS_OK;
 }
 
-static status_t staged_all_gather(pg_t *pg, const void *send, void *recv, size_t count,
-                                  dtype_t dt, pg_work_t **work) {
+static status_t staged_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                                  pg_work_t **work) {
   size_t n = count * dtype_size(dt);
-  staged_work_t p = {.kind = ALL_GATHER, .send = send, .recv = recv, .count = count, .dt = dt,
-                     .send_bytes = n, .recv_bytes = n * (size_t)pg->size};
+  staged_work_t p = {.kind = ALL_GATHER,
+                     .send = send,
+                     .recv = recv,
+                     .count = count,
+                     .dt = dt,
+                     .send_bytes = n,
+                     .recv_bytes = n * (size_t)pg->size};
   return start(pg, &p, work);
 }
 
 static status_t staged_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
                                       dtype_t dt, reduce_op_t op, pg_work_t **work) {
   size_t n = recv_count * dtype_size(dt);
-  staged_work_t p = {.kind = REDUCE_SCATTER, .send = send, .recv = recv, .count = recv_count,
-                     .dt = dt, .op = op, .send_bytes = n * (size_t)pg->size, .recv_bytes = n};
+  staged_work_t p = {.kind = REDUCE_SCATTER,
+                     .send = send,
+                     .recv = recv,
+                     .count = recv_count,
+                     .dt = dt,
+                     .op = op,
+                     .send_bytes = n * (size_t)pg->size,
+                     .recv_bytes = n};
   return start(pg, &p, work);
 }
 
 static status_t staged_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
                                   reduce_op_t op, pg_work_t **work) {
   size_t n = count * dtype_size(dt);
-  staged_work_t p = {.kind = ALL_REDUCE, .send = send, .recv = recv, .count = count, .dt = dt,
-                     .op = op, .send_bytes = n, .recv_bytes = n};
+  staged_work_t p = {.kind = ALL_REDUCE,
+                     .send = send,
+                     .recv = recv,
+                     .count = count,
+                     .dt = dt,
+                     .op = op,
+                     .send_bytes = n,
+                     .recv_bytes = n};
   return start(pg, &p, work);
 }
 
-static status_t staged_all_to_all(pg_t *pg, const void *send, void *recv, size_t count,
-                                  dtype_t dt, pg_work_t **work) {
+static status_t staged_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                                  pg_work_t **work) {
   size_t n = count * dtype_size(dt) * (size_t)pg->size;
-  staged_work_t p = {.kind = ALL_TO_ALL, .send = send, .recv = recv, .count = count, .dt = dt,
-                     .send_bytes = n, .recv_bytes = n};
+  staged_work_t p = {.kind = ALL_TO_ALL,
+                     .send = send,
+                     .recv = recv,
+                     .count = count,
+                     .dt = dt,
+                     .send_bytes = n,
+                     .recv_bytes = n};
   return start(pg, &p, work);
 }
 
 static status_t staged_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                                  pg_work_t **work) {
   size_t n = count * dtype_size(dt);
-  staged_work_t p = {.kind = BROADCAST, .send = buf, .recv = buf, .count = count, .dt = dt,
-                     .root = root, .send_bytes = n, .recv_bytes = n};
+  staged_work_t p = {.kind = BROADCAST,
+                     .send = buf,
+                     .recv = buf,
+                     .count = count,
+                     .dt = dt,
+                     .root = root,
+                     .send_bytes = n,
+                     .recv_bytes = n};
   return start(pg, &p, work);
 }
 
@@ -203,8 +231,8 @@ status_t pg_new_staged(MPI_Comm comm, device_t dev, bool lazy, pg_t **out) {
   pg_t *pg = NULL;
   TRY(pg_alloc(comm, &staged_ops, dev, &pg));
   staged_t *s = calloc(1, sizeof *s);
-  status_t st = s == NULL ? err_set(STATUS_ENOMEM, "host-staged group: out of host memory")
-                          : STATUS_OK;
+  status_t st =
+      s == NULL ? err_set(STATUS_ENOMEM, "host-staged group: out of host memory") : STATUS_OK;
   if (st == STATUS_OK) {
     pg->impl = s;
     s->lazy = lazy;

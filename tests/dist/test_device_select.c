@@ -41,7 +41,7 @@ static status_t fake_seen(int local_rank, device_seen_t *out) {
 typedef struct expect {
   device_type_t type;
   int index_is_rank; /* cuda:(rank) rather than cuda:0 */
-  const char *says; /* in why (auto) or the error (cuda); NULL: why is empty */
+  const char *says;  /* in why (auto) or the error (cuda); NULL: why is empty */
 } expect_t;
 
 /* Chooses under layout l; returns the mismatches with e, each printed (every rank goes on to
@@ -55,14 +55,14 @@ static int choose(layout_t l, device_want_t want, status_t want_st, expect_t e) 
   status_t st = world_choose_device(want, &dev, why, sizeof why);
   world_set_devices_seen(NULL);
   int r = world_rank(), bad = 0;
-#define MISMATCH(cond, ...)                                                            \
-  do {                                                                                 \
-    if (cond) {                                                                        \
-      printf("rank %d, layout %d, %s: ", r, (int)l, device_want_name(want));           \
-      printf(__VA_ARGS__);                                                             \
-      printf("\n");                                                                    \
-      bad++;                                                                           \
-    }                                                                                  \
+#define MISMATCH(cond, ...)                                                  \
+  do {                                                                       \
+    if (cond) {                                                              \
+      printf("rank %d, layout %d, %s: ", r, (int)l, device_want_name(want)); \
+      printf(__VA_ARGS__);                                                   \
+      printf("\n");                                                          \
+      bad++;                                                                 \
+    }                                                                        \
   } while (0)
   MISMATCH(st != want_st, "status %d (%s)", (int)st, err_detail());
   const char *text = st == STATUS_OK ? why : err_detail();
@@ -108,12 +108,14 @@ START_TEST(each_rank_takes_a_device_of_its_own) {
 END_TEST
 
 START_TEST(ranks_that_would_share_a_device_run_on_the_cpu_or_fail) {
-  static const char *share02 = "local ranks 0 and 2 of this node would share CUDA device "
-                               "GPU-a0000000-0000-0000-0000-000000000000 (4 ranks, 2 devices "
-                               "seen by rank 0; NCCL needs one per rank)";
-  static const char *share01 = "local ranks 0 and 1 of this node would share CUDA device "
-                               "GPU-a0000000-0000-0000-0000-000000000000 (4 ranks, 1 device seen "
-                               "by rank 0; NCCL needs one per rank)";
+  static const char *share02 =
+      "local ranks 0 and 2 of this node would share CUDA device "
+      "GPU-a0000000-0000-0000-0000-000000000000 (4 ranks, 2 devices "
+      "seen by rank 0; NCCL needs one per rank)";
+  static const char *share01 =
+      "local ranks 0 and 1 of this node would share CUDA device "
+      "GPU-a0000000-0000-0000-0000-000000000000 (4 ranks, 1 device seen "
+      "by rank 0; NCCL needs one per rank)";
   int bad = 0;
   bad += choose(FEWER, DEVICE_WANT_AUTO, STATUS_OK, (expect_t){DEVICE_CPU, 0, share02});
   bad += choose(FEWER, DEVICE_WANT_CUDA, STATUS_ENODEV, (expect_t){DEVICE_CPU, 0, share02});
@@ -123,13 +125,15 @@ START_TEST(ranks_that_would_share_a_device_run_on_the_cpu_or_fail) {
    * others name it */
   bool r3 = world_rank() == 3;
   bad += choose(ONE_BLIND, DEVICE_WANT_AUTO, STATUS_OK,
-                (expect_t){DEVICE_CPU, 0, r3 ? ": running on the CPU"
-                                             : "local rank 3 of this node sees no CUDA device: "
-                                               "running on the CPU"});
+                (expect_t){DEVICE_CPU, 0,
+                           r3 ? ": running on the CPU"
+                              : "local rank 3 of this node sees no CUDA device: "
+                                "running on the CPU"});
   bad += choose(ONE_BLIND, DEVICE_WANT_CUDA, STATUS_ENODEV,
-                (expect_t){DEVICE_CPU, 0, r3 ? ": ask for the CPU (cpu), or for auto"
-                                             : "local rank 3 of this node sees no CUDA device: "
-                                               "ask for the CPU (cpu), or for auto"});
+                (expect_t){DEVICE_CPU, 0,
+                           r3 ? ": ask for the CPU (cpu), or for auto"
+                              : "local rank 3 of this node sees no CUDA device: "
+                                "ask for the CPU (cpu), or for auto"});
   /* the CPU asked for: the devices are not looked at */
   bad += choose(SAME_DEVICE, DEVICE_WANT_CPU, STATUS_OK, (expect_t){DEVICE_CPU, 0, NULL});
   expect_all(bad == 0, "%d mismatches", bad);

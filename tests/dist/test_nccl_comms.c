@@ -25,8 +25,8 @@ enum { IN_PROGRESS = NCCL_RESULT_IN_PROGRESS, REMOTE_ERROR = 6 };
 
 typedef struct mock {
   char log[256];
-  int busy;          /* async_error answers in progress this many more times (-1: for good) */
-  int error;         /* then this state (0: success) */
+  int busy;           /* async_error answers in progress this many more times (-1: for good) */
+  int error;          /* then this state (0: success) */
   double error_after; /* or, from this long after it was made, REMOTE_ERROR (0: never) */
   double made;
   int aborts, destroys;
@@ -164,8 +164,9 @@ START_TEST(an_async_error_ends_a_device_wait) {
   status_t st = device_poll(never, NULL, "an endless device wait");
   double took = now_s() - t;
   ck_assert_int_eq(st, STATUS_ENCCL);
-  ck_assert_msg(strstr(err_detail(), "an endless device wait (device work): NCCL communicator "
-                                     "mock-a (rank 0 of 2 on cuda:0) failed: mock error 6") != NULL,
+  ck_assert_msg(strstr(err_detail(),
+                       "an endless device wait (device work): NCCL communicator "
+                       "mock-a (rank 0 of 2 on cuda:0) failed: mock error 6") != NULL,
                 "%s", err_detail());
   ck_assert_msg(took >= 0.3 && took < 5, "ended after %.2f s", took);
   ck_assert(ca.aborted && cb.aborted);

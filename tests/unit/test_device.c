@@ -26,6 +26,7 @@ START_TEST(device_choice_by_what_each_rank_sees) {
     device_type_t type;
     const char *says; /* in why (auto) or the error (cuda); NULL: why is empty */
   } rows[] = {
+      // clang-format off
       {"one device per task (Slurm --gpus-per-task=1)", DEVICE_WANT_AUTO, 4, {1, 1, 1, 1},
        {10, 11, 12, 13}, 2, false, STATUS_OK, DEVICE_CUDA, NULL},
       {"one device per task, cuda", DEVICE_WANT_CUDA, 4, {1, 1, 1, 1}, {10, 11, 12, 13}, 3, false,
@@ -71,6 +72,7 @@ START_TEST(device_choice_by_what_each_rank_sees) {
        STATUS_ENODEV, DEVICE_CPU, "local rank 1 of this node sees no CUDA device"},
       {"the CPU beside devices", DEVICE_WANT_CPU, 2, {8, 8}, {0, 1}, 0, false, STATUS_OK, DEVICE_CPU,
        NULL},
+      // clang-format on
   };
   for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
     device_seen_t seen[MAXR];
@@ -82,9 +84,8 @@ START_TEST(device_choice_by_what_each_rank_sees) {
     device_type_t type = (device_type_t)-1;
     char why[512] = "x";
     err_clear();
-    status_t st =
-        device_choose_node(rows[i].want, rows[i].ranks, seen, rows[i].me, rows[i].share, &type, why,
-                           sizeof why);
+    status_t st = device_choose_node(rows[i].want, rows[i].ranks, seen, rows[i].me, rows[i].share,
+                                     &type, why, sizeof why);
     ck_assert_msg(st == rows[i].st, "%s: status %d (%s)", rows[i].layout, (int)st, err_detail());
     if (st == STATUS_OK)
       ck_assert_msg(type == rows[i].type, "%s: type %d", rows[i].layout, (int)type);
