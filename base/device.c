@@ -14,6 +14,7 @@
 /* Slot 0 is the host; slots 1.. are CUDA devices. */
 static _Atomic size_t mem_current[1 + DEVICE_MAX_CUDA];
 static _Atomic size_t mem_peak[1 + DEVICE_MAX_CUDA];
+static _Atomic size_t mem_comm[1 + DEVICE_MAX_CUDA];
 
 static int mem_slot(device_t dev) {
   if (dev.type == DEVICE_CPU) return 0;
@@ -30,8 +31,18 @@ static void mem_account_add(int slot, size_t bytes) {
 
 mem_stats_t mem_stats(device_t dev) {
   int slot = mem_slot(dev);
-  if (slot < 0) return (mem_stats_t){0, 0};
-  return (mem_stats_t){atomic_load(&mem_current[slot]), atomic_load(&mem_peak[slot])};
+  if (slot < 0) return (mem_stats_t){0, 0, 0};
+  return (mem_stats_t){atomic_load(&mem_current[slot]), atomic_load(&mem_peak[slot]),
+                       atomic_load(&mem_comm[slot])};
+}
+
+void mem_note_comm(device_t dev, size_t bytes, bool held) {
+  int slot = mem_slot(dev);
+  if (slot < 0) return;
+  if (held)
+    atomic_fetch_add(&mem_comm[slot], bytes);
+  else
+    atomic_fetch_sub(&mem_comm[slot], bytes);
 }
 
 void mem_reset_peak(device_t dev) {

@@ -143,12 +143,18 @@ status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const cha
 typedef struct mem_stats {
   size_t current; /* bytes allocated now */
   size_t peak;    /* highest value of current since start or the last reset */
+  size_t comm;    /* bytes the collective library (NCCL) holds on the device, apart from current
+                   * and peak: measured as the drop in the device's free memory while each of
+                   * its communicators was made, given back when it is closed */
 } mem_stats_t;
 
 mem_stats_t mem_stats(device_t dev);
 
 /* Sets peak to the current value. */
 void mem_reset_peak(device_t dev);
+
+/* Counts bytes the collective library took (held) or gave back (!held) on dev in its comm. */
+void mem_note_comm(device_t dev, size_t bytes, bool held);
 
 /* Host memory is cached: freed blocks of 64 KiB and more are kept and handed out again for
  * the same size, live plus cached bytes staying under 1.25 times their peak (CUDA memory

@@ -17,6 +17,7 @@ typedef struct mesh_root {
   int coord[MESH_MAX_DIMS];
   MPI_Comm comm;
   device_t device;
+  pg_t *all; /* the group of every rank, every other group split from it (NULL: planned) */
 } mesh_root_t;
 
 struct mesh {
@@ -34,6 +35,7 @@ struct mesh {
 
 static void root_release(mesh_root_t *root) {
   if (root == NULL || --root->refcount > 0) return;
+  pg_release(root->all);
   MPI_Comm_free(&root->comm);
   free(root);
 }
@@ -160,13 +162,12 @@ static status_t split_group(mesh_root_t *root, unsigned mask, pg_t **out) {
       if (mask & (1u << i)) size *= root->shape[i];
     return pg_new_planned(size, masked_index(root, root->coord, mask), root->device, out);
   }
-  MPI_Comm sub;
-  TRY(pg_mpi_status(MPI_Comm_split(root->comm, masked_index(root, root->coord, others),
-                                   masked_index(root, root->coord, mask), &sub),
-                    "MPI_Comm_split"));
-  status_t st = pg_new_for(sub, root->device, out);
-  MPI_Comm_free(&sub);
-  return st;
+  if (others == 0) { /* every rank */
+    *out = pg_retain(root->all);
+    return STATUS_OK;
+  }
+  return pg_split(root->all, masked_index(root, root->coord, others),
+                  masked_index(root, root->coord, mask), out);
 }
 
 status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *names,
@@ -209,6 +210,9 @@ status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *
     m->root_mask[i] = 1u << i;
     snprintf(m->names[i], MESH_NAME_MAX, "%s", names[i]);
   }
+  /* the group of every rank first: the others are split from it (one NCCL communicator made
+   * from scratch, the rest split from its) */
+  if (!world_planning()) st = comm_agree(root->comm, pg_new_for(root->comm, dev, &root->all));
   for (int i = 0; i < ndim && st == STATUS_OK; i++) st = split_group(root, 1u << i, &m->groups[i]);
   if (st == STATUS_OK) st = fill_ranks(m);
   st = comm_agree(MPI_COMM_WORLD, st);

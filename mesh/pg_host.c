@@ -130,9 +130,11 @@ status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
     return err_set(STATUS_EINVAL, "pg_split: a group of a planning world cannot be split");
   MPI_Comm sub;
   TRY(pg_mpi_status(MPI_Comm_split(pg->comm, color, key, &sub), "MPI_Comm_split"));
-  /* the parent's kind: an MPI group's part is one too, a device group's the mesh's choice */
-  status_t st = strcmp(pg->ops->name, "mpi") == 0 ? pg_new_mpi(sub, out)
-                                                   : pg_new_for(sub, pg->device, out);
+  /* the parent's kind: an MPI group's part is one too, a device group's the mesh's choice;
+   * an NCCL group's part is split from its communicator */
+  status_t st = pg->ops->split != NULL             ? pg->ops->split(pg, sub, color, key, out)
+                : strcmp(pg->ops->name, "mpi") == 0 ? pg_new_mpi(sub, out)
+                                                    : pg_new_for(sub, pg->device, out);
   MPI_Comm_free(&sub);
   return st;
 }

@@ -35,6 +35,11 @@ typedef struct pg_ops {
   status_t (*broadcast)(pg_t *pg, void *buf, size_t count, dtype_t dt, int root, pg_work_t **work);
   status_t (*barrier)(pg_t *pg, pg_work_t **work);
   void (*destroy)(pg_t *pg);
+  /* optional: the group of pg's ranks that gave the same color, ordered by key, made from
+   * pg's own communicator; sub is its MPI side (MPI_Comm_split of pg->comm with the same
+   * color and key; the caller keeps it). Collective over pg. Without it a split makes a new
+   * group over sub. */
+  status_t (*split)(pg_t *pg, MPI_Comm sub, int color, int key, pg_t **out);
 } pg_ops_t;
 
 struct pg {

@@ -1,6 +1,10 @@
 /*
- * NCCL backend: device buffers, one NCCL communicator per group (its unique id broadcast
- * over the group's MPI communicator) and one communication stream per group. A collective
+ * NCCL backend: device buffers, one NCCL communicator per group and one communication stream
+ * per group. A mesh makes one communicator over all its ranks (its unique id broadcast over
+ * MPI) and splits every other group's from it (ncclCommSplit; NCCL's
+ * NCCL_COMM_SPLIT_SHARE_RESOURCES=1 lets the parts share the parent's buffers). Every
+ * communicator connects while it is made, and the device memory that takes is counted
+ * (mem_stats' comm). A collective
  * first makes the communication stream wait on an event recorded on the caller's current
  * stream, runs there, and records a completion event; pg_wait() makes the caller's current
  * stream wait on that event. No device-wide synchronisation.
@@ -56,6 +60,7 @@ static const nccl_table_t real_table = {real_abort, real_finalize, real_destroy,
 typedef struct nccl_state {
   nccl_comm_t life; /* life.comm: the ncclComm_t */
   cudaStream_t stream;
+  size_t held; /* the device memory its making took (mem_stats' comm) */
 } nccl_state_t;
 
 static ncclComm_t comm_of(nccl_state_t *s) { return (ncclComm_t)s->life.comm; }
@@ -198,10 +203,14 @@ static void nccl_destroy(pg_t *pg) {
   nccl_state_t *s = state(pg);
   if (s == NULL) return;
   cudaSetDevice(pg->device.index);
-  (void)nccl_comm_close(&s->life, CLOSE_LIMIT_S); /* finalized, else aborted */
+  if (s->life.comm != NULL) /* tracked */
+    (void)nccl_comm_close(&s->life, CLOSE_LIMIT_S); /* finalized, else aborted */
+  if (s->held) mem_note_comm(pg->device, s->held, false);
   if (s->stream) cudaStreamDestroy(s->stream);
   free(s);
 }
+
+static status_t nccl_split(pg_t *pg, MPI_Comm sub, int color, int key, pg_t **out);
 
 static const pg_ops_t nccl_ops = {
     .name = "nccl",
@@ -212,9 +221,69 @@ static const pg_ops_t nccl_ops = {
     .broadcast = nccl_broadcast,
     .barrier = nccl_barrier,
     .destroy = nccl_destroy,
+    .split = nccl_split,
 };
 
-status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
+/* Makes pg's communicator: from a unique id rank 0 draws and broadcasts over pg's MPI
+ * communicator, or, with a parent, split from the parent's communicator (collective over the
+ * parent: color and key as for MPI_Comm_split). The memory it takes on the device is counted
+ * in mem_stats' comm. */
+static status_t open_comm(pg_t *pg, nccl_state_t *s, nccl_state_t *parent, int color, int key) {
+  int device = pg->device.index;
+  ncclUniqueId id;
+  if (parent == NULL) {
+    if (pg->rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
+      memset(&id, 0, sizeof id); /* every rank still joins the broadcast; init then fails */
+    MPI_Request req;
+    TRY(pg_mpi_status(MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, pg->comm, &req),
+                      "MPI_Ibcast (NCCL id)"));
+    TRY(world_wait(&req, "MPI_Ibcast (NCCL id)"));
+  } else if (parent->life.aborted) {
+    return err_set(STATUS_ENCCL, "the NCCL communicator %s was aborted (the job is stopping)",
+                   parent->life.name);
+  }
+  char what[96];
+  snprintf(what, sizeof what, "nccl: a stream on cuda:%d", device);
+  cudaError_t e = cudaSetDevice(device);
+  int least = 0, greatest = 0; /* the communication stream at the top priority */
+  if (e == cudaSuccess) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (e == cudaSuccess)
+    e = cudaStreamCreateWithPriority(&s->stream, cudaStreamNonBlocking, greatest);
+  TRY(cuda_status(e, what));
+  size_t free_before = 0, free_after = 0, total = 0;
+  if (cudaMemGetInfo(&free_before, &total) != cudaSuccess) free_before = 0;
+  snprintf(what, sizeof what, "%s (rank %d of %d on cuda:%d)",
+           parent ? "ncclCommSplit" : "ncclCommInitRank", pg->rank, pg->size, device);
+  /* connect every channel while the communicator is made (the mesh exists before the model),
+   * not at the first collective of the first step, when the memory pool already holds the
+   * step's peak; a user's own setting wins */
+  setenv("NCCL_RUNTIME_CONNECT", "0", 0);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0; /* polled: a peer that never joins cannot block this rank for good */
+  ncclComm_t nc = NULL;
+  ncclResult_t rc = parent ? ncclCommSplit(comm_of(parent), color, key, &nc, &config)
+                           : ncclCommInitRankConfig(&nc, pg->size, id, pg->rank, &config);
+  s->life.comm = nc;
+  s->life.t = &real_table;
+  snprintf(s->life.name, sizeof s->life.name, "rank %d of %d on cuda:%d", pg->rank, pg->size,
+           device);
+  if (nc == NULL) return nccl_status(rc == ncclSuccess ? ncclInternalError : rc, what);
+  nccl_comm_track(&s->life); /* a stop while it connects aborts it too */
+  /* the communicator is usable once ncclCommGetAsyncError no longer says ncclInProgress (a
+   * split: the parent's too); a failure aborts it */
+  TRY(nccl_comm_result(&s->life, (int)rc, what));
+  if (parent) TRY(nccl_comm_settle(&parent->life, "ncclCommSplit (the parent communicator)"));
+  if (free_before > 0 && cudaMemGetInfo(&free_after, &total) == cudaSuccess &&
+      free_after < free_before) {
+    s->held = free_before - free_after;
+    mem_note_comm(pg->device, s->held, true);
+  }
+  return STATUS_OK;
+}
+
+/* An NCCL group over comm, its communicator new or split from parent's. */
+static status_t new_group(MPI_Comm comm, int device, pg_t *parent, int color, int key,
+                          pg_t **out) {
   *out = NULL;
   TRY(device_check(device_cuda(device)));
   pg_t *pg = NULL;
@@ -226,43 +295,18 @@ status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
     goto cleanup;
   }
   pg->impl = s;
-  ncclUniqueId id;
-  if (pg->rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
-    memset(&id, 0, sizeof id); /* every rank still joins the broadcast; init then fails */
-  MPI_Request req;
-  TRY_GOTO(st, pg_mpi_status(MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, pg->comm, &req),
-                             "MPI_Ibcast (NCCL id)"));
-  TRY_GOTO(st, world_wait(&req, "MPI_Ibcast (NCCL id)"));
-  char what[96];
-  snprintf(what, sizeof what, "nccl: a stream on cuda:%d", device);
-  cudaError_t e = cudaSetDevice(device);
-  int least = 0, greatest = 0; /* the communication stream at the top priority */
-  if (e == cudaSuccess) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
-  if (e == cudaSuccess)
-    e = cudaStreamCreateWithPriority(&s->stream, cudaStreamNonBlocking, greatest);
-  TRY_GOTO(st, cuda_status(e, what));
-  snprintf(what, sizeof what, "ncclCommInitRank (rank %d of %d on cuda:%d)", pg->rank, pg->size,
-           device);
-  /* connect every channel while the communicator is made (the mesh exists before the model),
-   * not at the first collective of the first step, when the memory pool already holds the
-   * step's peak; a user's own setting wins */
-  setenv("NCCL_RUNTIME_CONNECT", "0", 0);
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0; /* polled: a peer that never joins cannot block this rank for good */
-  ncclComm_t nc = NULL;
-  ncclResult_t rc = ncclCommInitRankConfig(&nc, pg->size, id, pg->rank, &config);
-  s->life.comm = nc;
-  s->life.t = &real_table;
-  snprintf(s->life.name, sizeof s->life.name, "rank %d of %d on cuda:%d", pg->rank, pg->size,
-           device);
-  nccl_comm_track(&s->life); /* a stop while it connects aborts it too */
-  /* the communicator is usable once ncclCommGetAsyncError no longer says ncclInProgress;
-   * a failure aborts it */
-  st = nc == NULL ? nccl_status(rc, what) : nccl_comm_result(&s->life, (int)rc, what);
-  if (st != STATUS_OK) goto cleanup;
+  TRY_GOTO(st, open_comm(pg, s, parent ? state(parent) : NULL, color, key));
   *out = pg;
   return STATUS_OK;
 cleanup:
   pg_release(pg);
   return st;
+}
+
+static status_t nccl_split(pg_t *pg, MPI_Comm sub, int color, int key, pg_t **out) {
+  return new_group(sub, pg->device.index, pg, color, key, out);
+}
+
+status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
+  return new_group(comm, device, NULL, 0, 0, out);
 }

@@ -522,6 +522,8 @@ static status_t train(run_t *r) {
       cJSON_AddNumberToObject(o, "grad_norm", norm);
       cJSON_AddNumberToObject(o, "tokens_per_s", tps);
       cJSON_AddNumberToObject(o, "peak_mem_bytes", (double)peak);
+      size_t nccl = mem_stats(r->dev).comm; /* NCCL's own buffers, apart from the peak */
+      if (nccl > 0) cJSON_AddNumberToObject(o, "nccl_mem_bytes", (double)nccl);
       cJSON_AddNumberToObject(o, "comm_bytes", comm);
       cJSON_AddNumberToObject(o, "state_bytes", (double)state);
       cJSON_AddNumberToObject(o, "step_time_s", dt);
@@ -584,9 +586,14 @@ static status_t train(run_t *r) {
     double total = now() - t_start;
     char pm[32];
     train_mib(pm, sizeof pm, (double)peak_max);
-    printf("done: %lld step%s in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s\n",
+    char held[64] = "", nb[32];
+    if (mem_stats(r->dev).comm > 0) { /* NCCL's buffers are not in the allocator's peak */
+      train_mib(nb, sizeof nb, (double)mem_stats(r->dev).comm);
+      snprintf(held, sizeof held, " (and %s held by NCCL)", nb);
+    }
+    printf("done: %lld step%s in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s%s\n",
            (long long)steps_done, steps_done == 1 ? "" : "s", total, first_loss, last_loss,
-           tok_sum / total, pm);
+           tok_sum / total, pm, held);
     if (kernel_profile_enabled() && t_profile > 0) { /* FSDPC_PROFILE=1: rank 0's kernels */
       double k = 0, span = now() - t_profile;
       printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n", (long long)profile_from + 1,

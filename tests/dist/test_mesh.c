@@ -86,6 +86,38 @@ START_TEST(mesh_slice_reuses_parent_groups) {
 }
 END_TEST
 
+/* A mesh makes the group of every rank once, and every dimension's group is split from it:
+ * flattening every dimension hands that group out again, and a 1-D mesh's only dimension is
+ * it (on CUDA meshes one NCCL communicator is made from scratch, the rest split from it). */
+START_TEST(mesh_groups_come_from_one_group_of_every_rank) {
+  int W = world_size(), a = small_factor(W);
+  const char *names[2] = {"dp_replicate", "dp_shard"};
+  mesh_t *m = NULL, *all = NULL, *again = NULL, *one = NULL, *one_all = NULL;
+  ck_assert_int_eq(mesh_init(&m, 2, (int[]){a, -1}, names, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_flatten(m, 2, names, "all", &all), STATUS_OK);
+  ck_assert_int_eq(mesh_flatten(m, 2, names, "all2", &again), STATUS_OK);
+  ck_assert_ptr_eq(mesh_group(all, 0), mesh_group(again, 0));
+  ck_assert_int_eq(pg_size(mesh_group(all, 0)), W);
+  ck_assert_int_eq(pg_rank(mesh_group(all, 0)), world_rank());
+  if (a > 1 && W / a > 1) {
+    ck_assert_ptr_ne(mesh_group(m, 0), mesh_group(all, 0));
+    ck_assert_ptr_ne(mesh_group(m, 1), mesh_group(all, 0));
+  }
+  ck_assert_int_eq(mesh_init(&one, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_flatten(one, 1, (const char *[]){"dp"}, "all", &one_all), STATUS_OK);
+  ck_assert_ptr_eq(mesh_group(one, 0), mesh_group(one_all, 0));
+  mesh_free(all);
+  mesh_free(m); /* the flattening keeps the group alive */
+  int32_t me = 1, sum = 0;
+  ck_assert_int_eq(pg_all_reduce(mesh_group(again, 0), &me, &sum, 1, DTYPE_I32, REDUCE_SUM, NULL),
+                   STATUS_OK);
+  ck_assert_int_eq(sum, W);
+  mesh_free(again);
+  mesh_free(one_all);
+  mesh_free(one);
+}
+END_TEST
+
 START_TEST(mesh_flatten_makes_row_major_group) {
   int W = world_size();
   if (W % 2 != 0 || W < 4) return; /* needs a 3-D mesh with two non-trivial outer dims */
@@ -219,6 +251,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, mesh_1d_infers_world_size);
   tcase_add_test(tc, mesh_2d_groups_differ_in_one_coordinate);
   tcase_add_test(tc, mesh_slice_reuses_parent_groups);
+  tcase_add_test(tc, mesh_groups_come_from_one_group_of_every_rank);
   tcase_add_test(tc, mesh_flatten_makes_row_major_group);
   tcase_add_test(tc, mesh_size_mismatch_fails_on_every_rank);
   tcase_add_test(tc, mesh_cuda_without_device_fails_on_every_rank);
