@@ -303,7 +303,7 @@ int main(int argc, char **argv) {
   size_t pbytes = dtype_size(pdt), rbytes = dtype_size(lopt.dtype);
   double P = (double)llama_num_params(&cfg), largest = 0;
   for (int i = 0; i < ng; i++) {
-    double b = (double)fsdp_flat_numel(groups[i]) * Ws * (double)pbytes;
+    double b = (double)fsdp_gather_numel(groups[i]) * Ws * (double)pbytes;
     largest = b > largest ? b : largest;
   }
   device_t dev = mesh_device(mesh);

@@ -30,6 +30,10 @@ int64_t fsdp_flat_numel(const fsdp_group_t *g) {
   if (g == NULL) return 0;
   return g->flat;
 }
+int64_t fsdp_gather_numel(const fsdp_group_t *g) {
+  if (g == NULL) return 0;
+  return g->block;
+}
 int64_t fsdp_align_block(int64_t n, dtype_t dt) {
   int64_t a = dtype_size(dt) >= 16 ? 1 : 16 / (int64_t)dtype_size(dt);
   return (n + a - 1) / a * a;
@@ -193,6 +197,7 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
     }
   }
   free(l.p);
+  g->block = fsdp_align_block(g->flat, g->param_dtype);
   g->agree[0] = g->agree[1] = NULL;
   if (st == STATUS_OK) st = fsdp_agree_group(g->shard, &g->agree[0]);
   if (st == STATUS_OK) st = fsdp_agree_group(g->replicate, &g->agree[1]);

@@ -105,8 +105,11 @@ int fsdp_post_forward_groups(fsdp_group_t *const *groups, int n, pg_t **out);
 /* The all-gather and the gradient-reduction dtypes in effect. */
 dtype_t fsdp_param_dtype(const fsdp_group_t *g);
 dtype_t fsdp_reduce_dtype(const fsdp_group_t *g);
-/* Elements per rank in the group's all-gather buffer (sum of padded shard sizes). */
+/* The sum of the group's padded shard sizes; fsdp_gather_numel: elements per rank in its
+ * all-gather buffer, that sum rounded up to 16 bytes of the param dtype (every rank's block
+ * starts aligned). */
 int64_t fsdp_flat_numel(const fsdp_group_t *g);
+int64_t fsdp_gather_numel(const fsdp_group_t *g);
 /* Elements per rank in the group's gradient reduction: the padded shard of every parameter
  * that requires a gradient, then one presence element per such parameter (whether any rank
  * had its gradient), rounded up to 16 bytes of the reduce dtype; 0 when none requires one. */

@@ -198,7 +198,7 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
   bool slice = g->post_forward_slice.storage != NULL;
   stream_t *prev;
   TRY(side_enter(g, dev, copy_in_stream(g), slice || !g->offload, &prev));
-  int64_t total = g->flat * g->W;
+  int64_t total = g->block * g->W;
   status_t st = tensor_init(&g->gather, g->param_dtype, dev, 1, &total);
   if (st != STATUS_OK) {
     side_exit(dev, copy_in_stream(g), prev);
@@ -217,15 +217,15 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
       fsdp_param_t *fp = &g->params[i];
       int64_t n = fp->rows * fp->row;
       tensor_t slot = {0}, shard = {0};
-      st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->flat + fp->offset, n);
+      st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->block + fp->offset, n);
       if (st == STATUS_OK) st = tensor_view(&shard, &fp->padded, 1, &n);
       st = copies_add(&c, st, &slot, &shard);
     }
     st = copies_run(&c, st);
     if (st == STATUS_OK && g->W > 1) {
       char *base = g->gather.data;
-      st = pg_all_gather(g->shard, base + (size_t)(g->rank * g->flat) * dtype_size(g->param_dtype),
-                         g->gather.data, (size_t)g->flat, g->param_dtype, &g->pending);
+      st = pg_all_gather(g->shard, base + (size_t)(g->rank * g->block) * dtype_size(g->param_dtype),
+                         g->gather.data, (size_t)g->block, g->param_dtype, &g->pending);
     }
   }
   if (st == STATUS_OK) st = event_record(g->copied, copy_in_stream(g));
@@ -251,7 +251,7 @@ static status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t 
   TRY(tensor_init(full, g->param_dtype, mesh_device(g->mesh), fp->ndim, fp->shape));
   status_t st = STATUS_OK;
   for (int r = 0; r < g->W && st == STATUS_OK; r++)
-    st = add_chunk(c, fp, g->W, r, full, &g->gather, r * g->flat + fp->offset, false);
+    st = add_chunk(c, fp, g->W, r, full, &g->gather, r * g->block + fp->offset, false);
   return st;
 }
 
@@ -320,7 +320,7 @@ void fsdp_reshard(fsdp_group_t *g) {
  * free those. Local. */
 status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
   int N = g->reshard_after_forward, per = g->W / N, first = (g->rank % N) * per;
-  int64_t count = (int64_t)per * g->flat;
+  int64_t count = (int64_t)per * g->block;
   tensor_t slice;
   TRY(tensor_zeros(&slice, g->param_dtype, mesh_device(g->mesh), 1, &count));
   copies_t c = {0};
@@ -328,7 +328,7 @@ status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     for (int b = first; b < first + per && st == STATUS_OK; b++)
-      st = add_chunk(&c, fp, g->W, b, &fp->p->compute, &slice, (b - first) * g->flat + fp->offset,
+      st = add_chunk(&c, fp, g->W, b, &fp->p->compute, &slice, (b - first) * g->block + fp->offset,
                      true);
   }
   st = copies_run(&c, st);

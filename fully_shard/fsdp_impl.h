@@ -81,7 +81,8 @@ struct fsdp_group {
   int n_modules;
   fsdp_param_t *params;
   int n;
-  int64_t flat;           /* elements per rank in the all-gather buffer */
+  int64_t flat;           /* the padded shards' elements, end to end */
+  int64_t block;          /* a rank's block of the all-gather buffer: flat rounded up to 16 bytes */
   fsdp_member_t *members; /* the group's own modules, then the other modules of its subtrees */
   int n_members;
   int in_forward; /* the group's own modules' forward calls in progress */

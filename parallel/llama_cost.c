@@ -24,7 +24,7 @@ static void sum_units(fsdp_group_t *const *groups, int n, int dp_shard, size_t o
   memset(u, 0, sizeof *u);
   u->root_dtype = u->unit_dtype = DTYPE_F32;
   for (int i = 0; i < n; i++) {
-    double flat = (double)fsdp_flat_numel(groups[i]), numel = flat * dp_shard;
+    double flat = (double)fsdp_gather_numel(groups[i]), numel = flat * dp_shard;
     dtype_t pd = fsdp_param_dtype(groups[i]);
     double bytes = numel * (double)dtype_size(pd);
     double gathered = one_rank && dtype_size(pd) == own ? 0 : bytes;
@@ -164,7 +164,7 @@ llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, i
     int rs = root ? 0 : fsdp_reshard_after_forward(g); /* the root keeps its parameters */
     if (rs == FSDP_RESHARD_AUTO) rs = 1;
     const dtype_t pd = fsdp_param_dtype(g), rd = fsdp_reduce_dtype(g);
-    double flat = (double)fsdp_flat_numel(g), red = (double)fsdp_reduce_numel(g);
+    double flat = (double)fsdp_gather_numel(g), red = (double)fsdp_reduce_numel(g);
     if (W > 1) {
       c.n_ag += (long long)A * (rs == 1 ? 2 : 1);
       c.ag += A * (rs == 1 ? 2 : 1) * (W - 1) * flat * (double)dtype_size(pd);

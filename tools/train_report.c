@@ -252,7 +252,7 @@ static void unit_table(const run_t *r) {
     double flat = (double)fsdp_flat_numel(g), row[3];
     row[0] = flat * W;
     row[1] = flat * (double)own;
-    row[2] = flat * W * (double)dtype_size(fsdp_param_dtype(g));
+    row[2] = (double)fsdp_gather_numel(g) * W * (double)dtype_size(fsdp_param_dtype(g));
     printf("  %-28s %7d %14.0f %14.0f %14.0f\n", name[0] ? name : "(root)", fsdp_num_params(g),
            row[0], row[1], row[2]);
     for (int k = 0; k < 3; k++) tot[k] += row[k];
@@ -329,7 +329,7 @@ void train_dry_run(const run_t *r) {
     }
     double pb = sharded_param_bytes(r), largest = 0;
     for (int i = 0; i < r->n_groups; i++) {
-      double b = (double)fsdp_flat_numel(r->groups[i]) * W *
+      double b = (double)fsdp_gather_numel(r->groups[i]) * W *
                  (double)dtype_size(fsdp_param_dtype(r->groups[i]));
       largest = b > largest ? b : largest;
     }

@@ -108,7 +108,8 @@ static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_group
     /* all-gathers move param_dtype, reductions f32: every trainable parameter's chunk and
      * its presence element (whether a rank had its gradient); a frozen parameter is not
      * reduced */
-    uint64_t fb = (uint64_t)fsdp_flat_numel(groups[i]) * (pl->bf16 ? 2 : 4);
+    uint64_t per16 = pl->bf16 ? 8 : 4; /* every rank's block a whole number of 16 bytes */
+    uint64_t fb = ((uint64_t)fsdp_flat_numel(groups[i]) + per16 - 1) / per16 * 16;
     uint64_t rn = (uint64_t)fsdp_flat_numel(groups[i]) + (uint64_t)fsdp_num_params(groups[i]);
     if (pl->frozen && i == 1) rn -= (uint64_t)chunk_size(64, Ws) + 1;
     uint64_t rb = (rn + 3) / 4 * 4 * 4; /* each rank's block a whole number of 16 bytes */
@@ -364,10 +365,10 @@ START_TEST(memory_within_budget) {
       ok(fully_shard(llama_module(m), &opt, &groups[cfg.n_layers]));
       int md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1);
       for (int i = 0; i < cfg.n_layers; i++) {
-        size_t b = (size_t)fsdp_flat_numel(groups[i]) * (size_t)Ws * 4;
+        size_t b = ((size_t)fsdp_flat_numel(groups[i]) + 3) / 4 * 16 * (size_t)Ws; /* blocks of 16 B */
         largest = b > largest ? b : largest;
       }
-      root_bytes = (size_t)fsdp_flat_numel(groups[cfg.n_layers]) * (size_t)Ws * 4;
+      root_bytes = ((size_t)fsdp_flat_numel(groups[cfg.n_layers]) + 3) / 4 * 16 * (size_t)Ws;
     }
     nn_ctx_t *ctx;
     ok(nn_ctx_new(&ctx));
