@@ -96,6 +96,9 @@ typedef struct backend {
   void (*host_free_pinned)(void *p);
   status_t (*copy_async)(stream_t *s, void *dst, const void *src, size_t bytes);
   status_t (*delay)(stream_t *s, double seconds);
+  /* bytes from pageable host memory to device index's memory, ordered on its current stream,
+   * returning once src may be reused, without waiting for the device (NULL on the CPU) */
+  status_t (*upload)(int index, void *dst, const void *src, size_t bytes);
 } backend_t;
 
 const backend_t *cpu_backend(void);

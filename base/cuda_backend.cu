@@ -439,6 +439,82 @@ static status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const
   return STATUS_OK;
 }
 
+/* Uploads: the host's bytes copied into a page-locked block, which the device reads on the
+ * current stream while the call returns; a block is taken again once the event recorded
+ * after its copy has passed. A few blocks of 64 KiB to 4 MiB (a batch's token ids and
+ * targets); a larger copy, or one while every block is in use, is a plain device_memcpy. */
+enum { UPLOAD_BLOCKS = 16 };
+static const size_t kUploadMin = (size_t)64 << 10, kUploadMax = (size_t)4 << 20;
+static struct upload {
+  void *p;
+  size_t bytes;
+  int device;
+  cudaEvent_t done; /* recorded after the block's last copy */
+  bool in_use;      /* taken by a call that has not recorded done yet */
+} uploads[UPLOAD_BLOCKS];
+static pthread_mutex_t uploads_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* A free block of at least bytes on device index, else NULL. */
+static struct upload *upload_take(int index, size_t bytes) {
+  struct upload *got = NULL;
+  pthread_mutex_lock(&uploads_lock);
+  for (int i = 0; i < UPLOAD_BLOCKS && got == NULL; i++) {
+    struct upload *u = &uploads[i];
+    if (u->in_use || (u->p != NULL && (u->device != index || u->bytes < bytes))) continue;
+    if (u->p != NULL) {
+      cudaError_t e = cudaEventQuery(u->done);
+      if (e == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        continue;
+      }
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        continue;
+      }
+    } else {
+      size_t n = kUploadMin;
+      while (n < bytes) n *= 2;
+      if (cudaHostAlloc(&u->p, n, cudaHostAllocPortable) != cudaSuccess) {
+        (void)cudaGetLastError();
+        u->p = NULL;
+        break;
+      }
+      if (cudaEventCreateWithFlags(&u->done, cudaEventDisableTiming) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaFreeHost(u->p);
+        u->p = NULL;
+        break;
+      }
+      u->bytes = n;
+      u->device = index;
+    }
+    u->in_use = true;
+    got = u;
+  }
+  pthread_mutex_unlock(&uploads_lock);
+  return got;
+}
+
+static status_t cuda_upload(int index, void *dst, const void *src, size_t bytes) {
+  CUDA_TRY(cudaSetDevice(index));
+  cudaStream_t s = raw_stream(index);
+  struct upload *u = bytes <= kUploadMax ? upload_take(index, bytes) : NULL;
+  if (u == NULL) {
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
+    return cuda_wait_stream(s, "a copy from the host");
+  }
+  memcpy(u->p, src, bytes);
+  cudaError_t e = cudaMemcpyAsync(dst, u->p, bytes, cudaMemcpyHostToDevice, s);
+  if (e == cudaSuccess) e = cudaEventRecord(u->done, s);
+  if (e != cudaSuccess) { /* the block may still be read: wait for the stream first */
+    (void)cuda_wait_stream(s, "a copy from the host");
+  }
+  pthread_mutex_lock(&uploads_lock);
+  u->in_use = false;
+  pthread_mutex_unlock(&uploads_lock);
+  return cuda_status(e, "a copy from the host (cudaMemcpyAsync)");
+}
+
 static status_t cuda_stream_new(int index, bool high, stream_t **out) {
   stream_t *s = (stream_t *)calloc(1, sizeof *s);
   if (s == NULL) return err_set(STATUS_ENOMEM, "stream_new: out of host memory");
@@ -564,6 +640,7 @@ static const backend_t cuda_table = {
     /* .host_free_pinned = */ cuda_host_free_pinned,
     /* .copy_async = */ cuda_copy_async,
     /* .delay = */ cuda_delay,
+    /* .upload = */ cuda_upload,
 };
 
 extern "C" const backend_t *cuda_backend(void) { return &cuda_table; }

@@ -47,13 +47,26 @@ static inline int cuda_event_done(void *ctx, status_t *st) {
   return cuda_query_done(cudaEventQuery(*(cudaEvent_t *)ctx), "cudaEventQuery", st);
 }
 
-/* Waits for the work queued on s, or before e was recorded, through device_poll. */
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* The index checks of the kernels (base/kernels_cuda.h's flag_t) that have run: the first one
+ * found set, as its EINVAL (and cleared), else STATUS_OK. */
+status_t cuda_index_checks(void);
+#ifdef __cplusplus
+}
+#endif
+
+/* Waits for the work queued on s, or before e was recorded, through device_poll; then the
+ * index checks of the kernels that ran (no kernel reads its check back at its launch). */
 static inline status_t cuda_wait_stream(cudaStream_t s, const char *what) {
-  return device_poll(cuda_stream_done, &s, what);
+  TRY(device_poll(cuda_stream_done, &s, what));
+  return cuda_index_checks();
 }
 
 static inline status_t cuda_wait_event(cudaEvent_t e, const char *what) {
-  return device_poll(cuda_event_done, &e, what);
+  TRY(device_poll(cuda_event_done, &e, what));
+  return cuda_index_checks();
 }
 
 #endif

@@ -67,8 +67,13 @@ static double seconds_now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+static _Atomic size_t host_waits;
+
+size_t device_host_waits(void) { return atomic_load(&host_waits); }
+
 status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const char *what) {
   ARG_NONNULL(ready);
+  atomic_fetch_add(&host_waits, 1);
   double start = seconds_now(), next_ask = 1e-3;
   for (;;) {
     status_t st = STATUS_OK;
@@ -247,6 +252,17 @@ status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void
   TRY(device_check(dst_dev));
   TRY(device_check(src_dev));
   return cuda_backend()->memcpy(dst_dev, dst, src_dev, src, bytes);
+}
+
+status_t device_upload(device_t dev, void *dst, const void *src, size_t bytes) {
+  if (bytes == 0) return STATUS_OK;
+  if (dst == NULL || src == NULL) return err_set(STATUS_EINVAL, "device_upload: NULL pointer");
+  if (dev.type == DEVICE_CPU) {
+    memmove(dst, src, bytes);
+    return STATUS_OK;
+  }
+  TRY(device_check(dev));
+  return cuda_backend()->upload(dev.index, dst, src, bytes);
 }
 
 status_t device_stream_sync(device_t dev) {

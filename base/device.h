@@ -118,6 +118,12 @@ void device_free_zeroed(device_t dev, void *ptr, size_t bytes);
 status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
                        size_t bytes);
 
+/* Copies bytes from the host to dev without waiting for the device: the bytes are staged
+ * through page-locked memory, and the call returns once src may be reused. The copy is ordered
+ * on dev's current stream: only work on that stream, or ordered after it by an event, may read
+ * dst. On the CPU a plain copy. */
+status_t device_upload(device_t dev, void *dst, const void *src, size_t bytes);
+
 /* Waits until all work queued on the current stream of dev is done (no-op on the CPU). */
 status_t device_stream_sync(device_t dev);
 
@@ -137,6 +143,10 @@ device_wait_hook_t device_wait_hook(void);
  * wait hook between polls (what names the wait; waited_s counts from the first poll). The
  * loop of every host wait above. */
 status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const char *what);
+
+/* How many host waits (device_poll calls) this process has made: a training micro-step on a
+ * GPU makes none (tests compare the count before and after one). */
+size_t device_host_waits(void);
 
 /* ---- memory accounting ---- */
 

@@ -288,9 +288,12 @@ static void ce_backward_share(const void *ctx, int t, int64_t r0, int64_t r1) {
 }
 
 static status_t cpu_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
-                                           const tensor_t *targets, float scale) {
+                                           const tensor_t *targets, float scale,
+                                           const tensor_t *dloss, const tensor_t *mean) {
   int64_t V = last_dim(logits);
   TRY(ce_targets(targets, V));
+  if (mean != NULL) /* the mean's gradient: dloss / count, rounded once */
+    scale = (float)((double)*(const float *)dloss->data / (double)((const float *)mean->data)[1]);
   fbuf_t fl, fd;
   TRY(cpu_fbuf_in(&fl, logits));
   status_t st = cpu_fbuf_out(&fd, dlogits, false);
@@ -305,6 +308,21 @@ static status_t cpu_cross_entropy_backward(tensor_t *dlogits, const tensor_t *lo
   return STATUS_OK;
 }
 
+static status_t cpu_masked_mean(tensor_t *out, const tensor_t *values, const tensor_t *targets) {
+  const float *v = values->data;
+  double sum = 0;
+  int64_t count = 0;
+  for (int64_t i = 0, n = tensor_numel(targets); i < n; i++)
+    if (index_at(targets, i) >= 0) {
+      sum += v[i];
+      count++;
+    }
+  float *o = out->data;
+  o[0] = (float)(sum / (double)count); /* 0 / 0: NaN */
+  o[1] = (float)count;
+  return STATUS_OK;
+}
+
 void cpu_row_kernels(kernel_ops_t *ops) {
   ops->rmsnorm = cpu_rmsnorm;
   ops->rmsnorm_backward = cpu_rmsnorm_backward;
@@ -312,4 +330,5 @@ void cpu_row_kernels(kernel_ops_t *ops) {
   ops->layernorm_backward = cpu_layernorm_backward;
   ops->cross_entropy = cpu_cross_entropy;
   ops->cross_entropy_backward = cpu_cross_entropy_backward;
+  ops->masked_mean = cpu_masked_mean;
 }

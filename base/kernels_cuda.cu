@@ -87,24 +87,68 @@ __global__ static void rope_kernel(T *out, const T *x, const float *cs, I n, I T
 
 /* ======================= launchers ======================= */
 
-status_t flag_new(flag_t *f, device_t dev) {
-  f->dev = dev;
-  TRY(device_alloc(dev, sizeof(int), (void **)&f->p));
-  status_t st =
-      cuda_status(cudaMemsetAsync(f->p, 0, sizeof(int), cuda_stream_raw(stream_current(dev))),
-                  "cudaMemsetAsync (index check flag)");
-  if (st != STATUS_OK) device_free(dev, f->p, sizeof(int));
+/* The words of the index checks: per device, one per check, in mapped page-locked memory. */
+enum { CHECKS = 8 };
+typedef struct check {
+  const char *what, *fmt;
+  int64_t limit;
+} check_t;
+static struct {
+  volatile int *words; /* host view; NULL until the device's first check */
+  int *dev_words;
+  check_t c[CHECKS];
+  int n;
+} checks[DEVICE_MAX_CUDA];
+static pthread_mutex_t checks_lock = PTHREAD_MUTEX_INITIALIZER;
+
+status_t flag_new(flag_t *f, device_t dev, const char *fmt, const char *what, int64_t limit) {
+  f->p = NULL;
+  if (dev.index < 0 || dev.index >= DEVICE_MAX_CUDA)
+    return err_set(STATUS_ENODEV, "%s: no CUDA device %d", what, dev.index);
+  status_t st = STATUS_OK;
+  pthread_mutex_lock(&checks_lock);
+  auto *d = &checks[dev.index];
+  if (d->words == NULL) {
+    void *h = NULL, *dp = NULL;
+    cudaError_t e = cudaHostAlloc(&h, CHECKS * sizeof(int), cudaHostAllocMapped);
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&dp, h, 0);
+    if (e == cudaSuccess) {
+      memset(h, 0, CHECKS * sizeof(int));
+      d->words = (volatile int *)h;
+      d->dev_words = (int *)dp;
+    } else {
+      if (h != NULL) cudaFreeHost(h);
+      st = cuda_status(e, "the index checks' words (cudaHostAlloc, mapped)");
+    }
+  }
+  int k = 0;
+  while (st == STATUS_OK && k < d->n && strcmp(d->c[k].what, what) != 0) k++;
+  if (st == STATUS_OK && k == d->n) {
+    if (d->n == CHECKS)
+      st = err_set(STATUS_EINTERNAL, "%s: more than %d index checks", what, CHECKS);
+    else
+      d->n++;
+  }
+  if (st == STATUS_OK) {
+    d->c[k] = (check_t){what, fmt, limit};
+    f->p = d->dev_words + k;
+  }
+  pthread_mutex_unlock(&checks_lock);
   return st;
 }
 
-status_t flag_finish(flag_t *f, status_t launch, const char *fmt, const char *what, int64_t limit) {
-  int raised = 0;
-  status_t st = device_memcpy(device_cpu(), &raised, f->dev, f->p, sizeof(int));
-  device_free(f->dev, f->p, sizeof(int));
-  TRY(launch);
-  TRY(st);
-  if (raised) return err_set(STATUS_EINVAL, fmt, what, (long long)limit);
-  return STATUS_OK;
+extern "C" status_t cuda_index_checks(void) {
+  status_t st = STATUS_OK;
+  pthread_mutex_lock(&checks_lock);
+  for (int i = 0; i < DEVICE_MAX_CUDA && st == STATUS_OK; i++)
+    for (int k = 0; k < checks[i].n && st == STATUS_OK; k++)
+      if (checks[i].words[k] != 0) {
+        checks[i].words[k] = 0;
+        const check_t *c = &checks[i].c[k];
+        st = err_set(STATUS_EINVAL, c->fmt, c->what, (long long)c->limit);
+      }
+  pthread_mutex_unlock(&checks_lock);
+  return st;
 }
 
 static const char kIndexRange[] = "%s: an index is outside [0, %lld)";
@@ -212,10 +256,10 @@ static status_t cuda_embedding(tensor_t *out, const tensor_t *table, const tenso
   int64_t n = tensor_numel(ids), D = table->shape[1], V = table->shape[0];
   if (n * D == 0) return STATUS_OK;
   flag_t f;
-  TRY(flag_new(&f, out->device));
+  TRY(flag_new(&f, out->device, kIndexRange, "kernel_embedding", vocab));
   embedding_kernel<<<grid_for(n * D), kBlock, 0, stream_of(out)>>>(
       out->data, table->data, table->dtype, ids->data, ids->dtype, n, D, V, first, vocab, f.p);
-  return flag_finish(&f, launched("kernel_embedding"), kIndexRange, "kernel_embedding", vocab);
+  return flag_finish(&f, launched("kernel_embedding"));
 }
 
 static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
@@ -241,7 +285,7 @@ static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *gr
   int *rows = (int *)buf, *tokens = (int *)(buf + part), *rows_sorted = (int *)(buf + 2 * part),
       *tokens_sorted = (int *)(buf + 3 * part);
   flag_t f;
-  status_t st = flag_new(&f, dev);
+  status_t st = flag_new(&f, dev, kIndexRange, "kernel_embedding_backward", vocab);
   if (st != STATUS_OK) {
     device_free(dev, buf, bytes);
     return st;
@@ -261,7 +305,7 @@ static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *gr
     st = launched("kernel_embedding_backward");
   }
   device_free(dev, buf, bytes); /* stream-ordered: after the kernels */
-  return flag_finish(&f, st, kIndexRange, "kernel_embedding_backward", vocab);
+  return flag_finish(&f, st);
 }
 
 /* The RoPE table of the last call on each device (rope_fill_table, built on the host and

@@ -240,8 +240,11 @@ __global__ static void cross_entropy_kernel(float *losses, const T *logits, cons
 template <typename T>
 __global__ static void cross_entropy_backward_kernel(T *dlogits, const T *logits,
                                                      const void *targets, int tdt, int64_t V,
-                                                     float scale, int *bad) {
+                                                     float scale, const float *dloss,
+                                                     const float *mean, int *bad) {
   typedef chunks<T> C;
+  if (mean != NULL) /* the mean loss's gradient, as the CPU kernel rounds it */
+    scale = (float)((double)dloss[0] / (double)mean[1]);
   int64_t r = blockIdx.x, t = ldi(tdt, targets, r);
   if (t >= V) {
     if (threadIdx.x == 0) *bad = 1;
@@ -259,6 +262,37 @@ __global__ static void cross_entropy_backward_kernel(T *dlogits, const T *logits
       v[j] = c * C::W + j == t ? g - scale : g;
     }
     C::store(d, c, V, vec, v);
+  }
+}
+
+static const int kMeanThreads = 256;
+
+/* kernel_masked_mean in one block: each thread's f64 sum of a strided share, then the shares
+ * summed in a fixed tree (the same value every run). */
+__global__ static void masked_mean_kernel(float *out, const float *values, const void *targets,
+                                          int tdt, int64_t n) {
+  __shared__ double sums[kMeanThreads];
+  __shared__ long long counts[kMeanThreads];
+  double s = 0;
+  long long c = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    if (ldi(tdt, targets, i) >= 0) {
+      s += values[i];
+      c++;
+    }
+  sums[threadIdx.x] = s;
+  counts[threadIdx.x] = c;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if ((int)threadIdx.x < half) {
+      sums[threadIdx.x] += sums[threadIdx.x + half];
+      counts[threadIdx.x] += counts[threadIdx.x + half];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    out[0] = (float)(sums[0] / (double)counts[0]); /* 0 / 0: NaN */
+    out[1] = (float)counts[0];
   }
 }
 
@@ -336,28 +370,36 @@ static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
   int64_t V = last_dim(logits), N = tensor_numel(targets);
   if (N == 0) return STATUS_OK;
   flag_t f;
-  TRY(flag_new(&f, logits->device));
+  TRY(flag_new(&f, logits->device, kTargetRange, "kernel_cross_entropy", V));
   with_float_type(logits->dtype, [&](auto t) {
     cross_entropy_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
         (float *)losses->data, (const decltype(t) *)logits->data, targets->data, targets->dtype, V,
         f.p);
   });
-  return flag_finish(&f, launched("kernel_cross_entropy"), kTargetRange, "kernel_cross_entropy", V);
+  return flag_finish(&f, launched("kernel_cross_entropy"));
+}
+
+static status_t cuda_masked_mean(tensor_t *out, const tensor_t *values, const tensor_t *targets) {
+  masked_mean_kernel<<<1, kMeanThreads, 0, stream_of(out)>>>(
+      (float *)out->data, (const float *)values->data, targets->data, targets->dtype,
+      tensor_numel(targets));
+  return launched("kernel_masked_mean");
 }
 
 static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
-                                            const tensor_t *targets, float scale) {
+                                            const tensor_t *targets, float scale,
+                                            const tensor_t *dloss, const tensor_t *mean) {
   int64_t V = last_dim(logits), N = tensor_numel(targets);
   if (N == 0) return STATUS_OK;
   flag_t f;
-  TRY(flag_new(&f, logits->device));
+  TRY(flag_new(&f, logits->device, kTargetRange, "kernel_cross_entropy_backward", V));
   with_float_type(logits->dtype, [&](auto t) {
     using T = decltype(t);
     cross_entropy_backward_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
-        (T *)dlogits->data, (const T *)logits->data, targets->data, targets->dtype, V, scale, f.p);
+        (T *)dlogits->data, (const T *)logits->data, targets->data, targets->dtype, V, scale,
+        dloss ? (const float *)dloss->data : NULL, mean ? (const float *)mean->data : NULL, f.p);
   });
-  return flag_finish(&f, launched("kernel_cross_entropy_backward"), kTargetRange,
-                     "kernel_cross_entropy_backward", V);
+  return flag_finish(&f, launched("kernel_cross_entropy_backward"));
 }
 
 void cuda_row_kernels(kernel_ops_t *ops) {
@@ -367,4 +409,5 @@ void cuda_row_kernels(kernel_ops_t *ops) {
   ops->layernorm_backward = cuda_layernorm_backward;
   ops->cross_entropy = cuda_cross_entropy;
   ops->cross_entropy_backward = cuda_cross_entropy_backward;
+  ops->masked_mean = cuda_masked_mean;
 }

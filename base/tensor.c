@@ -156,6 +156,19 @@ status_t tensor_clone(tensor_t *out, const tensor_t *src, dtype_t dtype, device_
   return st;
 }
 
+status_t tensor_upload(tensor_t *out, const tensor_t *host, device_t dev) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(host);
+  memset(out, 0, sizeof *out);
+  if (host->device.type != DEVICE_CPU || host->meta || !tensor_is_contiguous(host))
+    return err_set(STATUS_EINVAL, "tensor_upload: the source must be a contiguous host tensor");
+  TRY(tensor_init(out, host->dtype, dev, host->ndim, host->shape));
+  status_t st = device_upload(dev, out->data, host->data,
+                              (size_t)tensor_numel(host) * dtype_size(host->dtype));
+  if (st != STATUS_OK) tensor_free(out);
+  return st;
+}
+
 status_t tensor_wrap(tensor_t *t, void *data, dtype_t dtype, device_t dev, int ndim,
                      const int64_t *shape) {
   if (t == NULL) return err_set(STATUS_EINVAL, "tensor_wrap: t is NULL");

@@ -63,6 +63,11 @@ status_t tensor_zeros(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const 
 /* A contiguous copy of src on dev in dtype (a meta tensor for a meta src). Caller frees out. */
 status_t tensor_clone(tensor_t *out, const tensor_t *src, dtype_t dtype, device_t dev);
 
+/* A copy of host, a contiguous tensor on the host, on dev in its dtype, without waiting for
+ * the device (device_upload): only work on dev's current stream, or ordered after it, may read
+ * out. Caller frees out. */
+status_t tensor_upload(tensor_t *out, const tensor_t *host, device_t dev);
+
 /* Wraps caller-owned memory without taking ownership; tensor_free() on it releases nothing
  * of the memory. The memory must outlive the tensor and its views. */
 status_t tensor_wrap(tensor_t *t, void *data, dtype_t dtype, device_t dev, int ndim,

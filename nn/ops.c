@@ -402,23 +402,23 @@ status_t nn_var_scalar(const nn_var_t *v, double *out) {
   return ops_scalar_of(&v->value, out);
 }
 
+/* saved: the targets and kernel_masked_mean's [mean, count]; the gradient's scale (dloss /
+ * count) is read on the device, not on the host. */
 static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
-  double dloss;
-  TRY(ops_scalar_of(&n->out->grad, &dloss));
   nn_var_t *logits = n->in[0];
   if (!logits->requires_grad) return STATUS_OK;
-  float scale = (float)(dloss / n->scalar);
+  const tensor_t *targets = &n->saved[0], *mean = &n->saved[1], *dloss = &n->out->grad;
   tensor_t d;
   if (n->ints[0] && !nn_var_has_grad(logits) && tensor_is_contiguous(&logits->value)) {
     /* consumed: each row's gradient is written over its logits, which are read first */
-    TRY(kernel_cross_entropy_backward(&logits->value, &logits->value, &n->saved[0], scale));
+    TRY(kernel_cross_entropy_backward_mean(&logits->value, &logits->value, targets, dloss, mean));
     d = logits->value;
     memset(&logits->value, 0, sizeof logits->value);
     return nn_accumulate_grad(logits, &d);
   }
   TRY(ops_alloc_like(&d, &logits->value));
-  status_t st = kernel_cross_entropy_backward(&d, &logits->value, &n->saved[0], scale);
+  status_t st = kernel_cross_entropy_backward_mean(&d, &logits->value, targets, dloss, mean);
   if (st != STATUS_OK) {
     tensor_free(&d);
     return st;
@@ -426,45 +426,41 @@ static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_accumulate_grad(logits, &d);
 }
 
+/* The mean loss stays on the device: per-row losses, then their mean and count in one
+ * two-element tensor whose first element is the loss. The count comes to the host only when
+ * asked for (n_tokens) or already there (the CPU). */
 static status_t cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets,
                               bool consume, nn_var_t **out, int64_t *n_tokens) {
   *out = NULL;
-  int64_t n = tensor_numel(targets);
-  tensor_t losses, host_losses = {0}, host_targets = {0}, targets_ref = {0}, loss = {0};
-  TRY(tensor_init(&losses, DTYPE_F32, logits->value.device, 1, &n));
+  device_t dev = logits->value.device;
+  int64_t n = tensor_numel(targets), two = 2;
+  tensor_t losses, mean = {0}, targets_ref = {0}, loss = {0}, first = {0};
+  TRY(tensor_init(&losses, DTYPE_F32, dev, 1, &n));
   status_t st = kernel_cross_entropy(&losses, &logits->value, targets);
-  if (st == STATUS_OK) st = tensor_clone(&host_losses, &losses, DTYPE_F32, device_cpu());
-  if (st == STATUS_OK) st = tensor_clone(&host_targets, targets, DTYPE_I64, device_cpu());
-  int64_t count = 0;
-  double sum = 0;
-  if (st == STATUS_OK) {
-    const float *l = host_losses.data;
-    const int64_t *t = host_targets.data;
-    for (int64_t i = 0; i < n; i++)
-      if (t[i] >= 0) {
-        sum += l[i];
-        count++;
-      }
-    if (count == 0) st = err_set(STATUS_EINVAL, "nn_cross_entropy: every target is ignored");
-  }
-  int64_t one = 1;
-  if (st == STATUS_OK) st = tensor_init(&loss, DTYPE_F32, logits->value.device, 0, &one);
-  if (st == STATUS_OK) st = tensor_fill(&loss, sum / (double)count);
-  if (st == STATUS_OK) st = tensor_ref(&targets_ref, targets);
+  if (st == STATUS_OK) st = tensor_init(&mean, DTYPE_F32, dev, 1, &two);
+  if (st == STATUS_OK) st = kernel_masked_mean(&mean, &losses, targets);
   tensor_free(&losses);
-  tensor_free(&host_losses);
-  tensor_free(&host_targets);
+  float stats[2] = {0, 0};
+  if (st == STATUS_OK && (n_tokens != NULL || dev.type == DEVICE_CPU)) {
+    st = device_memcpy(device_cpu(), stats, dev, mean.data, sizeof stats);
+    if (st == STATUS_OK && stats[1] == 0)
+      st = err_set(STATUS_EINVAL, "nn_cross_entropy: every target is ignored");
+  }
+  if (st == STATUS_OK) st = tensor_narrow(&first, &mean, 0, 0, 1);
+  if (st == STATUS_OK) st = tensor_view(&loss, &first, 0, NULL);
+  if (st == STATUS_OK) st = tensor_ref(&targets_ref, targets);
+  tensor_free(&first);
   if (st != STATUS_OK) {
+    tensor_free(&mean);
     tensor_free(&loss);
     tensor_free(&targets_ref);
     return st;
   }
-  if (n_tokens) *n_tokens = count;
+  if (n_tokens) *n_tokens = (int64_t)stats[1];
   nn_node_t node = {.backward = cross_entropy_backward,
                     .name = "cross_entropy",
                     .in = {logits},
-                    .saved = {targets_ref},
-                    .scalar = (double)count,
+                    .saved = {targets_ref, mean},
                     .ints = {consume}};
   return ops_finish(ctx, &node, nn_needs_grad(ctx, &logits, 1, NULL), &loss, out);
 }

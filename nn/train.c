@@ -1,30 +1,35 @@
 #include "nn/train.h"
 
+#include <string.h>
+
 #include "base/args.h"
 #include "nn/ops.h"
 
-/* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum. */
+/* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum.
+ * *loss: the loss tensor, on the model's device. */
 static status_t run_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
-                          int64_t micro, bool grad, double *loss) {
+                          int64_t micro, bool grad, tensor_t *loss) {
   tensor_t in_h = {0}, tg_h = {0}, in = {0}, tg = {0};
   nn_ctx_t *ctx = NULL;
   nn_var_t *ids = NULL, *logits = NULL, *l = NULL, *scaled = NULL;
   device_t dev = mesh_device(llama_local_mesh(m));
   status_t st = STATUS_OK;
+  memset(loss, 0, sizeof *loss);
   TRY_GOTO(st, data_batch(d, spec, step, micro, &in_h, &tg_h));
-  TRY_GOTO(st, tensor_clone(&in, &in_h, DTYPE_I64, dev));
-  TRY_GOTO(st, tensor_clone(&tg, &tg_h, DTYPE_I64, dev));
+  TRY_GOTO(st, tensor_upload(&in, &in_h, dev)); /* no host wait: read on this stream only */
+  TRY_GOTO(st, tensor_upload(&tg, &tg_h, dev));
   TRY_GOTO(st, nn_ctx_new(&ctx));
   nn_ctx_set_grad_enabled(ctx, grad);
   TRY_GOTO(st, nn_var_new(&ids, &in, false));
   TRY_GOTO(st, nn_call(ctx, llama_module(m), ids, &logits));
   TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &l, NULL));
-  TRY_GOTO(st, nn_var_scalar(l, loss));
+  TRY_GOTO(st, tensor_ref(loss, &l->value));
   if (grad) {
     TRY_GOTO(st, nn_scale(ctx, l, 1.0 / (double)spec->grad_accum, &scaled));
     TRY_GOTO(st, nn_backward(ctx, scaled));
   }
 cleanup:
+  if (st != STATUS_OK) tensor_free(loss);
   nn_var_put(scaled);
   nn_var_put(l);
   nn_var_put(logits);
@@ -37,13 +42,33 @@ cleanup:
   return st;
 }
 
+/* The value of a one-element loss tensor on the host (a wait on a GPU), freeing it. */
+static status_t read_loss(tensor_t *t, double *out) {
+  float v = 0;
+  status_t st = device_memcpy(device_cpu(), &v, t->device, t->data, sizeof v);
+  tensor_free(t);
+  *out = v;
+  return st;
+}
+
+status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *spec,
+                                int64_t step, int64_t micro, tensor_t *loss) {
+  ARG_NONNULL(m);
+  ARG_NONNULL(d);
+  ARG_NONNULL(spec);
+  ARG_NONNULL(loss);
+  return run_batch(m, d, spec, step, micro, true, loss);
+}
+
 status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
                           int64_t micro, double *loss) {
   ARG_NONNULL(m);
   ARG_NONNULL(d);
   ARG_NONNULL(spec);
   ARG_NONNULL(loss);
-  return run_batch(m, d, spec, step, micro, true, loss);
+  tensor_t t;
+  TRY(run_batch(m, d, spec, step, micro, true, &t));
+  return read_loss(&t, loss);
 }
 
 status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t b,
@@ -54,5 +79,7 @@ status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, 
   ARG_NONNULL(loss);
   data_spec_t one = *spec;
   one.grad_accum = 1;
-  return run_batch(m, d, &one, b, 0, false, loss);
+  tensor_t t;
+  TRY(run_batch(m, d, &one, b, 0, false, &t));
+  return read_loss(&t, loss);
 }

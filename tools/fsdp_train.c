@@ -419,8 +419,14 @@ static status_t train(run_t *r) {
   double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0, t_profile = 0;
   double step_max = 0; /* the longest step, in seconds */
   int64_t steps_done = 0;
+  tensor_t *micro_loss = calloc((size_t)p->grad_accum, sizeof *micro_loss);
+  if (micro_loss == NULL) return err_set(STATUS_ENOMEM, "fsdp-train: out of host memory");
   train_saver_t saver;
-  TRY(train_saver_init(&saver, r));
+  status_t saver_st = train_saver_init(&saver, r);
+  if (saver_st != STATUS_OK) {
+    free(micro_loss);
+    return saver_st;
+  }
   /* the profile leaves out the first two steps (allocation, first touch, warm-up), or only the
    * first in runs of fewer than four */
   int64_t profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
@@ -436,17 +442,24 @@ static status_t train(run_t *r) {
     saver.stall_s = 0;
     saver.saved_step = -1;
     optim_zero_grad(r->opt);
-    for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++) {
+    /* the micro-steps' losses stay on the device until the gradient norm has waited for it */
+    int64_t ran = 0;
+    for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++, ran++) {
       fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
-      double l;
-      st = llama_micro_step(r->model, r->data, &spec, s, k, &l);
-      loss += l / (double)p->grad_accum;
+      st = llama_micro_step_async(r->model, r->data, &spec, s, k, &micro_loss[k]);
     }
     double norm = 0, factor = lr_schedule_factor(&sched, s);
     float coef = 1; /* clipping, applied inside the optimizer's pass */
     if (st == STATUS_OK)
       st = clip_grad_coef(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY,
                           r->all, &norm, &coef);
+    for (int64_t k = 0; k < ran; k++) {
+      float l = 0;
+      if (st == STATUS_OK && micro_loss[k].storage != NULL)
+        st = device_memcpy(device_cpu(), &l, micro_loss[k].device, micro_loss[k].data, sizeof l);
+      loss += (double)l / (double)p->grad_accum;
+      tensor_free(&micro_loss[k]);
+    }
     if (st != STATUS_OK) break;
     /* the loss, and whether to stop after this step (a signal, the time limit), in one sum */
     double sums[4 + PLAN_MAX_SIGNALS], t = now();
@@ -574,6 +587,7 @@ static status_t train(run_t *r) {
    * at once, where they would wait for it in the step's collectives until the watchdog */
   if (st != STATUS_OK && !agreed) world_stop(st);
   train_saver_free(&saver); /* a save in flight after a failure stays uncommitted */
+  free(micro_loss);
   if (mf != NULL && fclose(mf) != 0) bad = errno ? errno : EIO;
   if (mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
     status_t ms = metrics_agree(mpath, bad);

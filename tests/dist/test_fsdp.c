@@ -16,6 +16,7 @@
 
 #include "base/kernels.h"
 #include "nn/ops.h"
+#include "nn/train.h"
 #include "tests/dist/fsdp_common.h"
 
 #define STEPS 10
@@ -501,6 +502,58 @@ START_TEST(deferred_init_allocates_only_shards) {
 }
 END_TEST
 
+/* On a GPU with NCCL groups a training micro-step makes no host wait: the batch is uploaded
+ * without one, the loss and its gradient stay on the device, the kernels' index checks wait
+ * for the next wait, and the collectives are ordered by events. The second and third
+ * micro-steps of a step are counted (the first builds handles and plans). */
+START_TEST(micro_step_makes_no_host_wait) {
+  /* host-staged groups and offloaded gradients wait by design */
+  if (pg_device_backend() != PG_BACKEND_NATIVE || test_offload()) return;
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  llama_options_t o = LLAMA_OPTIONS_INIT;
+  o.device = test_device_type();
+  llama_t *m;
+  ok(llama_new(&m, &cfg, &o));
+  ok(llama_init_weights(m, 5));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  opt.offload = test_offload();
+  fsdp_group_t *g;
+  for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(m, i), &opt, &g));
+  ok(fully_shard(llama_module(m), &opt, &g));
+  data_t *d;
+  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  data_spec_t spec = {.batch_size = 2, .seq_len = 16, .grad_accum = 3,
+                      .dp_size = world_size(), .dp_rank = world_rank()};
+  tensor_t loss[3];
+  size_t waits = 0;
+  fsdp_set_is_last_backward(llama_module(m), false);
+  ok(llama_micro_step_async(m, d, &spec, 0, 0, &loss[0]));
+  size_t before = device_host_waits();
+  for (int k = 1; k < 3; k++) {
+    fsdp_set_is_last_backward(llama_module(m), k == 2);
+    ok(llama_micro_step_async(m, d, &spec, 0, k, &loss[k]));
+  }
+  waits = device_host_waits() - before;
+  ok(device_stream_sync(mesh_device(mesh)));
+  int bad = waits != 0;
+  for (int k = 0; k < 3; k++) {
+    float l = NAN;
+    ok(device_memcpy(device_cpu(), &l, loss[k].device, loss[k].data, sizeof l));
+    bad += !isfinite(l);
+    tensor_free(&loss[k]);
+  }
+  if (waits != 0) printf("rank %d: two micro-steps made %zu host waits\n", world_rank(), waits);
+  expect_all(bad == 0, "a micro-step on the GPU waits on the host, or its loss is not finite");
+  fsdp_free_all(llama_module(m));
+  llama_free(m);
+  data_free(d);
+  mesh_free(mesh);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("fsdp");
   TCase *tc = tcase_create("fsdp");
@@ -524,6 +577,7 @@ static Suite *make_suite(void) {
       if (hsdp_mode()) tcase_add_test(tc, training_parity_accumulation_hold_all_reduce);
       tcase_add_test(tc, training_parity_int_reshard);
       tcase_add_test(tc, deferred_init_allocates_only_shards);
+      tcase_add_test(tc, micro_step_makes_no_host_wait);
     }
     suite_add_tcase(s, tc);
     return s;

@@ -341,11 +341,23 @@ static int cross_entropy_case(device_t dev, dtype_t dt, tensor_t *o, int64_t n, 
   ok(kernel_cross_entropy(&losses, &logits, &tg));
   poisoned(&d, dev, dt, 2, s);
   ok(kernel_cross_entropy_backward(&d, &logits, &tg, 1.0f / (float)(n - 1)));
+  /* the mean over the targets kept and its gradient (times dloss), read on the device */
+  int64_t two = 2, one = 1;
+  tensor_t mean, dloss, dm;
+  poisoned(&mean, dev, DTYPE_F32, 1, &two);
+  ok(kernel_masked_mean(&mean, &losses, &tg));
+  ok(tensor_init(&dloss, DTYPE_F32, dev, 1, &one));
+  ok(tensor_fill(&dloss, 0.375));
+  poisoned(&dm, dev, dt, 2, s);
+  ok(kernel_cross_entropy_backward_mean(&dm, &logits, &tg, &dloss, &mean));
   out(&o[0], &losses);
   out(&o[1], &d);
+  out(&o[2], &mean);
+  out(&o[3], &dm);
+  tensor_free(&dloss);
   tensor_free(&logits);
   tensor_free(&tg);
-  return 2;
+  return 4;
 }
 
 static int k_cross_entropy(device_t dev, dtype_t dt, tensor_t *o) {
