@@ -51,8 +51,8 @@ static status_t read_loss(tensor_t *t, double *out) {
   return st;
 }
 
-status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *spec,
-                                int64_t step, int64_t micro, tensor_t *loss) {
+status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
+                                int64_t micro, tensor_t *loss) {
   ARG_NONNULL(m);
   ARG_NONNULL(d);
   ARG_NONNULL(spec);

@@ -23,8 +23,8 @@ status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, 
  * GPU the micro-step makes no host wait: the batch is uploaded without one, the loss and its
  * gradient stay on the device, and the kernels' index checks are looked at by the next wait
  * (a bad token id then fails that wait, naming the kernel). */
-status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *spec,
-                                int64_t step, int64_t micro, tensor_t *loss);
+status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
+                                int64_t micro, tensor_t *loss);
 
 /* *loss receives the mean loss over this rank's tokens of evaluation batch b of d (the samples
  * step b would train on with grad_accum 1): a forward that records nothing and computes no
