@@ -211,7 +211,7 @@ START_TEST(kernel_profile_counts_calls_per_kernel) {
 }
 END_TEST
 
-START_TEST(mem_stats_track_current_and_peak) {
+START_TEST(mem_stats_and_host_waits_are_counted) {
   mem_reset_peak(device_cpu());
   mem_stats_t base = mem_stats(device_cpu());
   tensor_t a, b;
@@ -228,6 +228,21 @@ START_TEST(mem_stats_track_current_and_peak) {
   ck_assert_uint_eq(mem_stats(device_cpu()).peak, now.current);
   tensor_free(&b);
   ck_assert_uint_eq(mem_stats(device_cpu()).current, base.current);
+  /* what a collective library holds is counted apart from current and peak */
+  mem_stats_t before = mem_stats(device_cpu());
+  mem_note_comm(device_cpu(), 3000, true);
+  mem_note_comm(device_cpu(), 1000, true);
+  now = mem_stats(device_cpu());
+  ck_assert_uint_eq(now.comm - before.comm, 4000);
+  ck_assert_uint_eq(now.current, before.current);
+  ck_assert_uint_eq(now.peak, before.peak);
+  mem_note_comm(device_cpu(), 4000, false);
+  ck_assert_uint_eq(mem_stats(device_cpu()).comm, before.comm);
+  /* a wait counts as one, whatever it polls */
+  size_t waits = device_host_waits();
+  poll_state_t p = {0, 3};
+  ck_assert_int_eq(device_poll(fake_ready, &p, "three polls"), STATUS_OK);
+  ck_assert_uint_eq(device_host_waits() - waits, 1);
 }
 END_TEST
 
@@ -281,7 +296,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, device_choice_by_what_each_rank_sees);
   tcase_add_test(tc, device_poll_ends_by_ready_failure_or_hook);
   tcase_add_test(tc, kernel_profile_counts_calls_per_kernel);
-  tcase_add_test(tc, mem_stats_track_current_and_peak);
+  tcase_add_test(tc, mem_stats_and_host_waits_are_counted);
   tcase_add_test(tc, host_cache_reuses_blocks_and_zeroes_them);
   suite_add_tcase(s, tc);
   return s;
