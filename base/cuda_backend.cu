@@ -506,9 +506,8 @@ static status_t cuda_upload(int index, void *dst, const void *src, size_t bytes)
   memcpy(u->p, src, bytes);
   cudaError_t e = cudaMemcpyAsync(dst, u->p, bytes, cudaMemcpyHostToDevice, s);
   if (e == cudaSuccess) e = cudaEventRecord(u->done, s);
-  if (e != cudaSuccess) { /* the block may still be read: wait for the stream first */
-    (void)cuda_wait_stream(s, "a copy from the host");
-  }
+  if (e != cudaSuccess) /* the block may still be read: wait for the stream first */
+    (void)cuda_drain_stream(s, "a copy from the host");
   pthread_mutex_lock(&uploads_lock);
   u->in_use = false;
   pthread_mutex_unlock(&uploads_lock);

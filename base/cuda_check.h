@@ -58,9 +58,14 @@ status_t cuda_index_checks(void);
 #endif
 
 /* Waits for the work queued on s, or before e was recorded, through device_poll; then the
- * index checks of the kernels that ran (no kernel reads its check back at its launch). */
+ * index checks of the kernels that ran (no kernel reads its check back at its launch).
+ * cuda_drain_stream leaves the checks to a later wait (for cleanups that drop the status). */
+static inline status_t cuda_drain_stream(cudaStream_t s, const char *what) {
+  return device_poll(cuda_stream_done, &s, what);
+}
+
 static inline status_t cuda_wait_stream(cudaStream_t s, const char *what) {
-  TRY(device_poll(cuda_stream_done, &s, what));
+  TRY(cuda_drain_stream(s, what));
   return cuda_index_checks();
 }
 

@@ -501,35 +501,38 @@ status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits
            ops->cross_entropy_backward(dlogits, logits, targets, scale, NULL, NULL));
 }
 
-status_t kernel_masked_mean(tensor_t *out, const tensor_t *values, const tensor_t *targets) {
+status_t kernel_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *values,
+                            const tensor_t *targets) {
   const char *fn = "kernel_masked_mean";
   const kernel_ops_t *ops;
-  TRY(check_common(fn, NT(out, values, targets), &ops));
+  TRY(check_common(fn, NT(mean, count, values, targets), &ops));
   TRY(check_index(fn, targets));
-  TRY(check_dtype(fn, "out", out, DTYPE_F32));
+  TRY(check_dtype(fn, "mean", mean, DTYPE_F32));
+  TRY(check_dtype(fn, "count", count, DTYPE_I64));
   TRY(check_dtype(fn, "values", values, DTYPE_F32));
-  if (tensor_numel(out) != 2) return shape_error(fn, "out", out, "two elements");
+  if (tensor_numel(mean) != 1) return shape_error(fn, "mean", mean, "one element");
+  if (tensor_numel(count) != 1) return shape_error(fn, "count", count, "one element");
   if (tensor_numel(values) != tensor_numel(targets))
     return shape_error(fn, "values", values, "one element per target");
-  DISPATCH("masked_mean", out, moved(NT(values, targets, out)),
-           ops->masked_mean(out, values, targets));
+  DISPATCH("masked_mean", mean, moved(NT(values, targets, mean, count)),
+           ops->masked_mean(mean, count, values, targets));
 }
 
 status_t kernel_cross_entropy_backward_mean(tensor_t *dlogits, const tensor_t *logits,
                                             const tensor_t *targets, const tensor_t *dloss,
-                                            const tensor_t *mean) {
+                                            const tensor_t *count) {
   const char *fn = "kernel_cross_entropy_backward_mean";
   const kernel_ops_t *ops;
-  TRY(check_common(fn, NT(dlogits, logits, targets, dloss, mean), &ops));
+  TRY(check_common(fn, NT(dlogits, logits, targets, dloss, count), &ops));
   TRY(check_ce(fn, logits, targets));
   TRY(check_float_same(fn, NT(dlogits, logits)));
   TRY(check_same_shape(fn, NT(dlogits, logits)));
   TRY(check_dtype(fn, "dloss", dloss, DTYPE_F32));
-  TRY(check_dtype(fn, "mean", mean, DTYPE_F32));
+  TRY(check_dtype(fn, "count", count, DTYPE_I64));
   if (tensor_numel(dloss) != 1) return shape_error(fn, "dloss", dloss, "one element");
-  if (tensor_numel(mean) != 2) return shape_error(fn, "mean", mean, "two elements");
-  DISPATCH("cross_entropy_backward", dlogits, moved(NT(logits, dlogits, targets, dloss, mean)),
-           ops->cross_entropy_backward(dlogits, logits, targets, 1.0f, dloss, mean));
+  if (tensor_numel(count) != 1) return shape_error(fn, "count", count, "one element");
+  DISPATCH("cross_entropy_backward", dlogits, moved(NT(logits, dlogits, targets, dloss, count)),
+           ops->cross_entropy_backward(dlogits, logits, targets, 1.0f, dloss, count));
 }
 
 static status_t adamw_check(const char *fn, tensor_t *p, const tensor_t *g, tensor_t *m,

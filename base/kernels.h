@@ -207,17 +207,18 @@ status_t kernel_cross_entropy(tensor_t *losses, const tensor_t *logits, const te
 status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
                                        const tensor_t *targets, float scale);
 
-/* The mean of values [N] (F32) over the rows whose target is not negative, and their count,
- * into out (F32 [2]): out[0] = sum / count (the sum in f64, rounded once; NaN when every
- * target is negative), out[1] = count. Nothing is read back on the host. */
-status_t kernel_masked_mean(tensor_t *out, const tensor_t *values, const tensor_t *targets);
+/* The mean of values [N] (F32) over the rows whose target is not negative, into mean (one F32
+ * element: the sum in f64 divided by the count, rounded once; NaN when every target is
+ * negative), and their count into count (one I64 element). Nothing is read on the host. */
+status_t kernel_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *values,
+                            const tensor_t *targets);
 
-/* kernel_cross_entropy_backward of the mean loss kernel_masked_mean made (mean: its out),
- * times dloss (one F32 element): the scale dloss[0] / mean[1], in f64 rounded to f32, read
- * where the tensors lie (no host read). */
+/* kernel_cross_entropy_backward of the mean loss kernel_masked_mean made, times dloss (one F32
+ * element): the scale dloss[0] / count[0] (count: kernel_masked_mean's), in f64 rounded to
+ * f32, read where the tensors lie (no host read). */
 status_t kernel_cross_entropy_backward_mean(tensor_t *dlogits, const tensor_t *logits,
                                             const tensor_t *targets, const tensor_t *dloss,
-                                            const tensor_t *mean);
+                                            const tensor_t *count);
 
 /* One torch.optim.AdamW update of p with gradient g and F32 moments m, v (all same numel).
  * grad_scale multiplies each gradient element (as an F32 product) before the update, as a

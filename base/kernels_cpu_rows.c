@@ -289,11 +289,11 @@ static void ce_backward_share(const void *ctx, int t, int64_t r0, int64_t r1) {
 
 static status_t cpu_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
                                            const tensor_t *targets, float scale,
-                                           const tensor_t *dloss, const tensor_t *mean) {
+                                           const tensor_t *dloss, const tensor_t *count) {
   int64_t V = last_dim(logits);
   TRY(ce_targets(targets, V));
-  if (mean != NULL) /* the mean's gradient: dloss / count, rounded once */
-    scale = (float)((double)*(const float *)dloss->data / (double)((const float *)mean->data)[1]);
+  if (count != NULL) /* the mean's gradient: dloss / count, rounded once */
+    scale = (float)((double)*(const float *)dloss->data / (double)*(const int64_t *)count->data);
   fbuf_t fl, fd;
   TRY(cpu_fbuf_in(&fl, logits));
   status_t st = cpu_fbuf_out(&fd, dlogits, false);
@@ -308,18 +308,18 @@ static status_t cpu_cross_entropy_backward(tensor_t *dlogits, const tensor_t *lo
   return STATUS_OK;
 }
 
-static status_t cpu_masked_mean(tensor_t *out, const tensor_t *values, const tensor_t *targets) {
+static status_t cpu_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *values,
+                                const tensor_t *targets) {
   const float *v = values->data;
   double sum = 0;
-  int64_t count = 0;
-  for (int64_t i = 0, n = tensor_numel(targets); i < n; i++)
+  int64_t n = 0;
+  for (int64_t i = 0, N = tensor_numel(targets); i < N; i++)
     if (index_at(targets, i) >= 0) {
       sum += v[i];
-      count++;
+      n++;
     }
-  float *o = out->data;
-  o[0] = (float)(sum / (double)count); /* 0 / 0: NaN */
-  o[1] = (float)count;
+  *(float *)mean->data = (float)(sum / (double)n); /* 0 / 0: NaN */
+  *(int64_t *)count->data = n;
   return STATUS_OK;
 }
 

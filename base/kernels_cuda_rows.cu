@@ -241,10 +241,10 @@ template <typename T>
 __global__ static void cross_entropy_backward_kernel(T *dlogits, const T *logits,
                                                      const void *targets, int tdt, int64_t V,
                                                      float scale, const float *dloss,
-                                                     const float *mean, int *bad) {
+                                                     const long long *count, int *bad) {
   typedef chunks<T> C;
-  if (mean != NULL) /* the mean loss's gradient, as the CPU kernel rounds it */
-    scale = (float)((double)dloss[0] / (double)mean[1]);
+  if (count != NULL) /* the mean loss's gradient, as the CPU kernel rounds it */
+    scale = (float)((double)dloss[0] / (double)count[0]);
   int64_t r = blockIdx.x, t = ldi(tdt, targets, r);
   if (t >= V) {
     if (threadIdx.x == 0) *bad = 1;
@@ -269,8 +269,8 @@ static const int kMeanThreads = 256;
 
 /* kernel_masked_mean in one block: each thread's f64 sum of a strided share, then the shares
  * summed in a fixed tree (the same value every run). */
-__global__ static void masked_mean_kernel(float *out, const float *values, const void *targets,
-                                          int tdt, int64_t n) {
+__global__ static void masked_mean_kernel(float *mean, long long *count, const float *values,
+                                          const void *targets, int tdt, int64_t n) {
   __shared__ double sums[kMeanThreads];
   __shared__ long long counts[kMeanThreads];
   double s = 0;
@@ -291,8 +291,8 @@ __global__ static void masked_mean_kernel(float *out, const float *values, const
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    out[0] = (float)(sums[0] / (double)counts[0]); /* 0 / 0: NaN */
-    out[1] = (float)counts[0];
+    *mean = (float)(sums[0] / (double)counts[0]); /* 0 / 0: NaN */
+    *count = counts[0];
   }
 }
 
@@ -379,16 +379,17 @@ static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
   return flag_finish(&f, launched("kernel_cross_entropy"));
 }
 
-static status_t cuda_masked_mean(tensor_t *out, const tensor_t *values, const tensor_t *targets) {
-  masked_mean_kernel<<<1, kMeanThreads, 0, stream_of(out)>>>(
-      (float *)out->data, (const float *)values->data, targets->data, targets->dtype,
-      tensor_numel(targets));
+static status_t cuda_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *values,
+                                 const tensor_t *targets) {
+  masked_mean_kernel<<<1, kMeanThreads, 0, stream_of(mean)>>>(
+      (float *)mean->data, (long long *)count->data, (const float *)values->data, targets->data,
+      targets->dtype, tensor_numel(targets));
   return launched("kernel_masked_mean");
 }
 
 static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
                                             const tensor_t *targets, float scale,
-                                            const tensor_t *dloss, const tensor_t *mean) {
+                                            const tensor_t *dloss, const tensor_t *count) {
   int64_t V = last_dim(logits), N = tensor_numel(targets);
   if (N == 0) return STATUS_OK;
   flag_t f;
@@ -397,7 +398,8 @@ static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *l
     using T = decltype(t);
     cross_entropy_backward_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
         (T *)dlogits->data, (const T *)logits->data, targets->data, targets->dtype, V, scale,
-        dloss ? (const float *)dloss->data : NULL, mean ? (const float *)mean->data : NULL, f.p);
+        dloss ? (const float *)dloss->data : NULL,
+        count ? (const long long *)count->data : NULL, f.p);
   });
   return flag_finish(&f, launched("kernel_cross_entropy_backward"));
 }

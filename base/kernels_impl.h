@@ -55,12 +55,13 @@ typedef struct kernel_ops {
   status_t (*axpy)(tensor_t *y, float alpha, const tensor_t *x);
   status_t (*scale)(tensor_t *x, float alpha);
   status_t (*cross_entropy)(tensor_t *losses, const tensor_t *logits, const tensor_t *targets);
-  /* mean: NULL, or kernel_masked_mean's [sum / count, count] with dloss: the scale is then
-   * dloss[0] / mean[1], read on the device (see kernel_cross_entropy_backward_mean) */
+  /* count: NULL, or kernel_masked_mean's count with dloss: the scale is then dloss[0] /
+   * count[0], read on the device (see kernel_cross_entropy_backward_mean) */
   status_t (*cross_entropy_backward)(tensor_t *dlogits, const tensor_t *logits,
                                      const tensor_t *targets, float scale, const tensor_t *dloss,
-                                     const tensor_t *mean);
-  status_t (*masked_mean)(tensor_t *out, const tensor_t *values, const tensor_t *targets);
+                                     const tensor_t *count);
+  status_t (*masked_mean)(tensor_t *mean, tensor_t *count, const tensor_t *values,
+                          const tensor_t *targets);
   status_t (*adamw)(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
                     const adamw_args_t *args);
   /* NULL: adamw on each (the items arrive checked, n > 0) */

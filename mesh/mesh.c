@@ -257,6 +257,7 @@ status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_ty
   snprintf(m->names[0], MESH_NAME_MAX, "%s", name);
   st = pg_new_for(root->comm, dev, &m->groups[0]);
   if (st == STATUS_OK) {
+    root->all = pg_retain(m->groups[0]); /* its group of every rank: this one */
     m->nranks = 1;
     m->ranks = malloc(sizeof(int));
     if (m->ranks == NULL)

@@ -402,23 +402,23 @@ status_t nn_var_scalar(const nn_var_t *v, double *out) {
   return ops_scalar_of(&v->value, out);
 }
 
-/* saved: the targets and kernel_masked_mean's [mean, count]; the gradient's scale (dloss /
- * count) is read on the device, not on the host. */
+/* saved: the targets and kernel_masked_mean's count; the gradient's scale (dloss / count) is
+ * read on the device, not on the host. */
 static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *logits = n->in[0];
   if (!logits->requires_grad) return STATUS_OK;
-  const tensor_t *targets = &n->saved[0], *mean = &n->saved[1], *dloss = &n->out->grad;
+  const tensor_t *targets = &n->saved[0], *count = &n->saved[1], *dloss = &n->out->grad;
   tensor_t d;
   if (n->ints[0] && !nn_var_has_grad(logits) && tensor_is_contiguous(&logits->value)) {
     /* consumed: each row's gradient is written over its logits, which are read first */
-    TRY(kernel_cross_entropy_backward_mean(&logits->value, &logits->value, targets, dloss, mean));
+    TRY(kernel_cross_entropy_backward_mean(&logits->value, &logits->value, targets, dloss, count));
     d = logits->value;
     memset(&logits->value, 0, sizeof logits->value);
     return nn_accumulate_grad(logits, &d);
   }
   TRY(ops_alloc_like(&d, &logits->value));
-  status_t st = kernel_cross_entropy_backward_mean(&d, &logits->value, targets, dloss, mean);
+  status_t st = kernel_cross_entropy_backward_mean(&d, &logits->value, targets, dloss, count);
   if (st != STATUS_OK) {
     tensor_free(&d);
     return st;
@@ -426,41 +426,39 @@ static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_accumulate_grad(logits, &d);
 }
 
-/* The mean loss stays on the device: per-row losses, then their mean and count in one
- * two-element tensor whose first element is the loss. The count comes to the host only when
- * asked for (n_tokens) or already there (the CPU). */
+/* The mean loss stays on the device: per-row losses, then their mean and the count of kept
+ * targets. The count comes to the host only when asked for (n_tokens) or already there (the
+ * CPU), which is when a batch whose every target is ignored is refused. */
 static status_t cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets,
                               bool consume, nn_var_t **out, int64_t *n_tokens) {
   *out = NULL;
   device_t dev = logits->value.device;
-  int64_t n = tensor_numel(targets), two = 2;
-  tensor_t losses, mean = {0}, targets_ref = {0}, loss = {0}, first = {0};
+  int64_t n = tensor_numel(targets), one = 1;
+  tensor_t losses, count = {0}, targets_ref = {0}, loss = {0};
   TRY(tensor_init(&losses, DTYPE_F32, dev, 1, &n));
   status_t st = kernel_cross_entropy(&losses, &logits->value, targets);
-  if (st == STATUS_OK) st = tensor_init(&mean, DTYPE_F32, dev, 1, &two);
-  if (st == STATUS_OK) st = kernel_masked_mean(&mean, &losses, targets);
+  if (st == STATUS_OK) st = tensor_init(&loss, DTYPE_F32, dev, 0, &one);
+  if (st == STATUS_OK) st = tensor_init(&count, DTYPE_I64, dev, 1, &one);
+  if (st == STATUS_OK) st = kernel_masked_mean(&loss, &count, &losses, targets);
   tensor_free(&losses);
-  float stats[2] = {0, 0};
+  int64_t kept = 0;
   if (st == STATUS_OK && (n_tokens != NULL || dev.type == DEVICE_CPU)) {
-    st = device_memcpy(device_cpu(), stats, dev, mean.data, sizeof stats);
-    if (st == STATUS_OK && stats[1] == 0)
+    st = device_memcpy(device_cpu(), &kept, dev, count.data, sizeof kept);
+    if (st == STATUS_OK && kept == 0)
       st = err_set(STATUS_EINVAL, "nn_cross_entropy: every target is ignored");
   }
-  if (st == STATUS_OK) st = tensor_narrow(&first, &mean, 0, 0, 1);
-  if (st == STATUS_OK) st = tensor_view(&loss, &first, 0, NULL);
   if (st == STATUS_OK) st = tensor_ref(&targets_ref, targets);
-  tensor_free(&first);
   if (st != STATUS_OK) {
-    tensor_free(&mean);
+    tensor_free(&count);
     tensor_free(&loss);
     tensor_free(&targets_ref);
     return st;
   }
-  if (n_tokens) *n_tokens = (int64_t)stats[1];
+  if (n_tokens) *n_tokens = kept;
   nn_node_t node = {.backward = cross_entropy_backward,
                     .name = "cross_entropy",
                     .in = {logits},
-                    .saved = {targets_ref, mean},
+                    .saved = {targets_ref, count},
                     .ints = {consume}};
   return ops_finish(ctx, &node, nn_needs_grad(ctx, &logits, 1, NULL), &loss, out);
 }

@@ -66,7 +66,10 @@ status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_
 
 /* Mean token cross-entropy of logits [..., V] against targets [...] (I32/I64 tensor on the
  * logits' device; negative targets are ignored). *out is an F32 scalar variable; *n_tokens,
- * if not NULL, receives the number of counted targets. Blocks to read the losses. */
+ * if not NULL, receives the number of counted targets. On a GPU nothing is read on the host
+ * unless n_tokens is asked for: the loss and its gradient stay on the device. Targets that
+ * are all ignored are refused (EINVAL) where the count is read (the CPU, or n_tokens); else
+ * the loss is NaN. */
 status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets, nn_var_t **out,
                           int64_t *n_tokens);
 

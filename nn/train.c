@@ -5,6 +5,15 @@
 #include "base/args.h"
 #include "nn/ops.h"
 
+/* A batch whose every target is ignored (negative) has no mean loss: refused on the host,
+ * where the targets are, before any work. */
+static status_t some_target_kept(const tensor_t *tg) {
+  const int64_t *t = tg->data;
+  for (int64_t i = 0, n = tensor_numel(tg); i < n; i++)
+    if (t[i] >= 0) return STATUS_OK;
+  return err_set(STATUS_EINVAL, "every target of the batch is ignored: there is no loss to mean");
+}
+
 /* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum.
  * *loss: the loss tensor, on the model's device. */
 static status_t run_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
@@ -16,6 +25,7 @@ static status_t run_batch(llama_t *m, const data_t *d, const data_spec_t *spec, 
   status_t st = STATUS_OK;
   memset(loss, 0, sizeof *loss);
   TRY_GOTO(st, data_batch(d, spec, step, micro, &in_h, &tg_h));
+  TRY_GOTO(st, some_target_kept(&tg_h)); /* the device's mean would be NaN, unnoticed */
   TRY_GOTO(st, tensor_upload(&in, &in_h, dev)); /* no host wait: read on this stream only */
   TRY_GOTO(st, tensor_upload(&tg, &tg_h, dev));
   TRY_GOTO(st, nn_ctx_new(&ctx));

@@ -115,6 +115,17 @@ START_TEST(mesh_groups_come_from_one_group_of_every_rank) {
   mesh_free(again);
   mesh_free(one_all);
   mesh_free(one);
+  /* a rank-local mesh: its one group is its group of every rank */
+  mesh_t *local = NULL, *flat = NULL;
+  ck_assert_int_eq(mesh_init_local(&local, "solo", DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_flatten(local, 1, (const char *[]){"solo"}, "flat", &flat), STATUS_OK);
+  ck_assert_ptr_eq(mesh_group(flat, 0), mesh_group(local, 0));
+  me = 5;
+  ck_assert_int_eq(pg_all_reduce(mesh_group(flat, 0), &me, &sum, 1, DTYPE_I32, REDUCE_SUM, NULL),
+                   STATUS_OK);
+  ck_assert_int_eq(sum, 5);
+  mesh_free(flat);
+  mesh_free(local);
 }
 END_TEST
 

@@ -342,22 +342,25 @@ static int cross_entropy_case(device_t dev, dtype_t dt, tensor_t *o, int64_t n, 
   poisoned(&d, dev, dt, 2, s);
   ok(kernel_cross_entropy_backward(&d, &logits, &tg, 1.0f / (float)(n - 1)));
   /* the mean over the targets kept and its gradient (times dloss), read on the device */
-  int64_t two = 2, one = 1;
-  tensor_t mean, dloss, dm;
-  poisoned(&mean, dev, DTYPE_F32, 1, &two);
-  ok(kernel_masked_mean(&mean, &losses, &tg));
+  int64_t one = 1;
+  tensor_t mean, count, dloss, dm;
+  poisoned(&mean, dev, DTYPE_F32, 1, &one);
+  ok(tensor_init(&count, DTYPE_I64, dev, 1, &one));
+  ok(tensor_fill(&count, -1.0));
+  ok(kernel_masked_mean(&mean, &count, &losses, &tg));
   ok(tensor_init(&dloss, DTYPE_F32, dev, 1, &one));
   ok(tensor_fill(&dloss, 0.375));
   poisoned(&dm, dev, dt, 2, s);
-  ok(kernel_cross_entropy_backward_mean(&dm, &logits, &tg, &dloss, &mean));
+  ok(kernel_cross_entropy_backward_mean(&dm, &logits, &tg, &dloss, &count));
   out(&o[0], &losses);
   out(&o[1], &d);
   out(&o[2], &mean);
   out(&o[3], &dm);
+  out(&o[4], &count);
   tensor_free(&dloss);
   tensor_free(&logits);
   tensor_free(&tg);
-  return 4;
+  return 5;
 }
 
 static int k_cross_entropy(device_t dev, dtype_t dt, tensor_t *o) {

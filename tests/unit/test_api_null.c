@@ -36,6 +36,7 @@ static const char *const allowed_ok[] = {
     "pg_wait",       /* pg_wait(NULL) completes nothing, as documented */
     "world_init",    /* argc and argv may be NULL, as for MPI_Init */
     "device_memcpy", /* 0 bytes: nothing to copy */
+    "device_upload", /* likewise */
     "stream_copy_async", /* likewise (a NULL stream: the CPU's, or the current one) */
     "stream_delay",      /* 0 seconds, or the CPU: no delay */
     "kernel_sum_squares_many", /* 0 tensors: nothing to sum */

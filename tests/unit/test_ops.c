@@ -646,19 +646,21 @@ END_TEST
  * (NaN and a zero count when none is kept), and its gradient with the scale read from the
  * tensors: the same bits as the kernel given dloss / count on the host. */
 START_TEST(masked_mean_and_its_gradient_match_host_values) {
-  int64_t N = 5, V = 7, two = 2, one = 1, shape[2] = {N, V};
-  tensor_t vals, tg, mean, logits, dloss, d_host, d_dev;
+  int64_t N = 5, V = 7, one = 1, shape[2] = {N, V};
+  tensor_t vals, tg, mean, count, logits, dloss, d_host, d_dev;
   ok(tensor_init(&vals, DTYPE_F32, device_cpu(), 1, &N));
   ok(tensor_init(&tg, DTYPE_I64, device_cpu(), 1, &N));
   const float v[5] = {0.5f, 1.25f, 3.0f, 0.1f, 2.2f};
   const int64_t t[5] = {1, -100, 6, 0, -1};
   memcpy(vals.data, v, sizeof v);
   memcpy(tg.data, t, sizeof t);
-  ok(tensor_init(&mean, DTYPE_F32, device_cpu(), 1, &two));
-  ok(kernel_masked_mean(&mean, &vals, &tg));
+  ok(tensor_init(&mean, DTYPE_F32, device_cpu(), 0, &one));
+  ok(tensor_init(&count, DTYPE_I64, device_cpu(), 1, &one));
+  ok(kernel_masked_mean(&mean, &count, &vals, &tg));
   const float *m = mean.data;
+  const int64_t *c = count.data;
   ck_assert_float_eq(m[0], (float)(((double)0.5f + (double)3.0f + (double)0.1f) / 3.0));
-  ck_assert_float_eq(m[1], 3.0f);
+  ck_assert_int_eq(c[0], 3);
   ok(tensor_init(&logits, DTYPE_F32, device_cpu(), 2, shape));
   for (int64_t e = 0; e < N * V; e++) ((float *)logits.data)[e] = (float)((e * 31) % 11) / 5.0f;
   ok(tensor_init(&dloss, DTYPE_F32, device_cpu(), 1, &one));
@@ -666,18 +668,20 @@ START_TEST(masked_mean_and_its_gradient_match_host_values) {
   ok(tensor_init(&d_host, DTYPE_F32, device_cpu(), 2, shape));
   ok(tensor_init(&d_dev, DTYPE_F32, device_cpu(), 2, shape));
   ok(kernel_cross_entropy_backward(&d_host, &logits, &tg, (float)((double)0.3f / 3.0)));
-  ok(kernel_cross_entropy_backward_mean(&d_dev, &logits, &tg, &dloss, &mean));
+  ok(kernel_cross_entropy_backward_mean(&d_dev, &logits, &tg, &dloss, &count));
   bool same;
   ok(tensor_equal(&d_host, &d_dev, &same));
   ck_assert_msg(same, "the gradient with the scale read from the tensors differs");
   for (int64_t i = 0; i < N; i++) ((int64_t *)tg.data)[i] = -100;
-  ok(kernel_masked_mean(&mean, &vals, &tg));
-  ck_assert(isnan(m[0]) && m[1] == 0.0f);
+  ok(kernel_masked_mean(&mean, &count, &vals, &tg));
+  ck_assert(isnan(m[0]) && c[0] == 0);
   int64_t three = 3;
   tensor_t bad;
   ok(tensor_init(&bad, DTYPE_F32, device_cpu(), 1, &three));
-  ck_assert_int_eq(kernel_masked_mean(&bad, &vals, &tg), STATUS_ESHAPE);
+  ck_assert_int_eq(kernel_masked_mean(&bad, &count, &vals, &tg), STATUS_ESHAPE);
+  ck_assert_int_eq(kernel_masked_mean(&mean, &mean, &vals, &tg), STATUS_EDTYPE);
   tensor_free(&bad);
+  tensor_free(&count);
   tensor_free(&d_dev);
   tensor_free(&d_host);
   tensor_free(&dloss);
