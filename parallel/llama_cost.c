@@ -180,7 +180,7 @@ llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, i
       c.ar += A * 2.0 * (R - 1) * red * (double)dtype_size(rd) / R;
     }
   }
-  /* tensor parallelism with the built-in Llama plan (the README's "Tensor parallelism"): per
+  /* tensor parallelism with the built-in Llama plan (docs/plan.md, "Tensor parallelism"): per
    * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype */
   int T = p->par.tp;
   if (T > 1 && llama_plan_tp_is_builtin(&p->par)) {

@@ -83,7 +83,7 @@ typedef struct plan {
   int64_t log_interval;
 } plan_t;
 
-/* The defaults of every key (README lists them). */
+/* The defaults of every key (docs/plan.md lists them). */
 void plan_defaults(plan_t *p);
 
 /* Reads a YAML plan and applies sets ("key.path=value", scalars only) on top. Checks syntax,

@@ -7,8 +7,8 @@ mlp-fsdp (an MLP of nn/layers.h, fully_shard per linear in code) on 1, 2 and 4 r
 mlp-plan (the same MLP, parallelised by YAML plans: fully_shard units; tensor parallelism,
 colwise then rowwise on its linears, under fully_shard; HSDP x TP) at the plans' world sizes:
 every run's losses equal the single-rank run's within 1e-5 relative, and the loss goes down.
-README's "Shard your own model" program is examples/mlp_fsdp.c, character for character, and its
-"Using the library" program examples/dtensor_basics.c (run on 2, 3 and 4 ranks).
+docs/your-model.md's program is examples/mlp_fsdp.c, character for character, and
+docs/library.md's first program examples/dtensor_basics.c (run on 2, 3 and 4 ranks).
 """
 import os
 import re
@@ -44,7 +44,7 @@ def main():
     if ref is None:
         return 1
     check(ref[-1] < 0.5 * ref[0], "the loss goes down (%.4f -> %.4f)" % (ref[0], ref[-1]))
-    # README's program run alone, without a launcher (one process, MPI as a singleton)
+    # the documented program run alone, without a launcher (one process, MPI as a singleton)
     p = subprocess.run([fsdp, str(STEPS)], capture_output=True, text=True, timeout=240)
     alone = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", p.stdout, re.M)]
     check(p.returncode == 0 and alone == ref,
@@ -78,19 +78,43 @@ def main():
               "a bad plan is refused on both ranks: %s" % want.replace("\\", ""))
         if hits != 2:
             print(p.stderr[-1500:])
-    # README's program is the example, unchanged
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    m = re.search(r"## Shard your own model.*?```c\n(.*?)```", readme, re.S)
+    # the documentation's programs are the examples, unchanged
+    doc = open(os.path.join(ROOT, "docs", "your-model.md")).read()
+    m = re.search(r"# Shard your own model.*?```c\n(.*?)```", doc, re.S)
     source = open(os.path.join(ROOT, "examples", "mlp_fsdp.c")).read()
     check(m is not None and m.group(1) == source,
-          "README's \"Shard your own model\" program is examples/mlp_fsdp.c")
-    # README's DTensor program is examples/dtensor_basics.c: every rank holds the whole tensor
-    # on 2 and 4 ranks; on 3 (not divisible by the mesh's 2 replicas) every rank names the
-    # error and exits non-zero, no crash
-    m = re.search(r"## Using the library\n\n```c\n(.*?)```", readme, re.S)
+          "docs/your-model.md's program is examples/mlp_fsdp.c")
+    # README links every page of docs/, and every relative link of the documentation resolves
+    pages = ["README.md", "tests/README.md"] + ["docs/" + f for f in
+                                                 sorted(os.listdir(os.path.join(ROOT, "docs")))
+                                                 if f.endswith(".md")]
+    readme_links = set()
+    for page in pages:
+        text = open(os.path.join(ROOT, page)).read()
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target))
+            check(os.path.exists(path), "%s links to %s, which exists" % (page, target))
+            if page == "README.md":
+                readme_links.add(os.path.relpath(path, ROOT))
+    for page in pages[2:]:
+        check(page in readme_links, "README.md links to %s" % page)
+    check(len(open(os.path.join(ROOT, "README.md")).read().splitlines()) <= 250,
+          "README.md is at most 250 lines")
+    # README's plan is configs/hsdp.yaml, unchanged (plans-configs trains it)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    m = re.search(r"this is\s+`configs/hsdp.yaml`.*?```yaml\n(.*?)```", readme, re.S)
+    plan = open(os.path.join(ROOT, "configs", "hsdp.yaml")).read()
+    check(m is not None and m.group(1) == plan, "README's plan is configs/hsdp.yaml")
+    # docs/library.md's DTensor program is examples/dtensor_basics.c: every rank holds the
+    # whole tensor on 2 and 4 ranks; on 3 (not divisible by the mesh's 2 replicas) every rank
+    # names the error and exits non-zero, no crash
+    doc = open(os.path.join(ROOT, "docs", "library.md")).read()
+    m = re.search(r"# Using the library\n\n```c\n(.*?)```", doc, re.S)
     source = open(os.path.join(ROOT, "examples", "dtensor_basics.c")).read()
     check(m is not None and m.group(1) == source,
-          "README's \"Using the library\" program is examples/dtensor_basics.c")
+          "docs/library.md's first program is examples/dtensor_basics.c")
     basics = os.path.join(EX, "dtensor-basics")
     for n in (2, 3, 4):
         p = subprocess.run([MPIRUN] + MPI_ARGS + ["-n", str(n), basics], capture_output=True,

@@ -6,7 +6,7 @@
  * transformers config forms, llama3 scaling included.
  *
  * Run with argument "cuda" (the GPU suite) the same checks run on the GPU in fp32, and a bf16
- * variant with the wider tolerances documented in README.md.
+ * variant with the wider tolerances documented in tests/README.md.
  */
 #include <math.h>
 #include <stdio.h>
