@@ -28,6 +28,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 #define DEVICE_MAX_CUDA 16
 
@@ -219,6 +220,7 @@ status_t stream_copy_async(device_t dev, stream_t *s, void *dst, const void *src
  * it (tests that make a missing stream order show as a wrong result); a no-op on the CPU. */
 status_t stream_delay(device_t dev, stream_t *s, double seconds);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

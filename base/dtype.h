@@ -19,6 +19,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef enum dtype {
   DTYPE_F32 = 0,
@@ -62,6 +63,7 @@ void dtype_from_f32(dtype_t dt, const float *src, void *dst, size_t n);
  * vectorised for bf16. */
 void dtype_round_f32(dtype_t dt, float *x, size_t n);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -19,6 +19,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* The largest text file the library reads whole (64 MiB). */
 #define FILE_TEXT_MAX ((size_t)1 << 26)
@@ -81,6 +82,7 @@ status_t file_check_output(const char *path, const char *what, const file_inputs
  * exists and is writable. */
 status_t file_check_output_dir(const char *path, const char *what, bool empty_ok);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

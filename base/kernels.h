@@ -29,6 +29,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* out = alpha * op(a) @ op(b) + beta * out, where op(x) is x or x^T, a and b viewed as
  * matrices [numel/last, last]. op(a) is [M, K], op(b) is [K, N], out has M*N elements and
@@ -285,6 +286,7 @@ typedef struct kernel_profile_row {
 } kernel_profile_row_t;
 bool kernel_profile_get(const char *name, kernel_profile_row_t *out);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -337,7 +337,9 @@ double cpu_sum_products(const float *a, const float *b, const float *c, int64_t 
   return s;
 }
 
-WIDE double cpu_exp_sum(float *e, const float *x, int64_t n, float shift) {
+/* static: the clones' dispatcher stays inside the library (an external one is exported
+ * whatever the visibility) */
+static WIDE double exp_sum(float *e, const float *x, int64_t n, float shift) {
   double lane[EXP_LANES] = {0};
   int64_t i = 0;
   if (e != NULL) {
@@ -356,6 +358,10 @@ WIDE double cpu_exp_sum(float *e, const float *x, int64_t n, float shift) {
   for (int w = EXP_LANES / 2; w > 0; w /= 2)
     for (int l = 0; l < w; l++) lane[l] += lane[l + w];
   return lane[0];
+}
+
+double cpu_exp_sum(float *e, const float *x, int64_t n, float shift) {
+  return exp_sum(e, x, n, shift);
 }
 
 float cpu_max(const float *x, int64_t n) {

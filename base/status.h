@@ -17,6 +17,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* X-macro table: name, value, message. */
 #define STATUS_TABLE(X)                           \
@@ -80,6 +81,7 @@ void err_clear(void);
     if ((st) != STATUS_OK) goto cleanup; \
   } while (0)
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

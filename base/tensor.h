@@ -31,6 +31,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 #define TENSOR_MAX_DIMS 5
 
@@ -124,6 +125,7 @@ status_t tensor_equal(const tensor_t *a, const tensor_t *b, bool *equal);
 /* "[16,15]" into buf; returns buf. */
 const char *shape_str(int ndim, const int64_t *shape, char *buf, size_t size);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -15,6 +15,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* How the target plan places parameter param (a tensor of ndim dims): the mesh's shape in
  * mesh_shape[0..*mesh_ndim) and a placement per mesh dim in pl. Ranks are numbered
@@ -34,6 +35,7 @@ status_t ckpt_reshard_training(const char *dir, const char *out, int world,
                                ckpt_placements_fn placements, void *ctx,
                                const char *saved_under, int *files);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -37,6 +37,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 #define DCP_VERSION "1.0"
 
@@ -166,6 +167,7 @@ status_t dcp_verify(const char *dir, pg_t *pg, int64_t *chunks);
 /* Every tensor of the folder, sorted by name (owned by the reader; never fails). */
 status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -23,6 +23,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef struct hf_export_opts {
   dtype_t dtype;            /* the dtype written; DTYPE_COUNT: as stored */
@@ -62,6 +63,7 @@ status_t ckpt_recorded_config(const char *dir, char **out);
 /* Whether a Hugging Face config (JSON text) is the built-in Llama's: model_type "llama". */
 bool hf_config_is_llama(const char *json);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -21,6 +21,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 status_t ckpt_load_weights(nn_module_t *root, const char *path);
 
@@ -35,6 +36,7 @@ status_t hf_weight_files(const char *dir, char ***names, int *n);
 void hf_weight_files_free(char **names, int n);
 status_t ckpt_save_weights(nn_module_t *root, const char *path);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

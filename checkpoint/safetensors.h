@@ -32,6 +32,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* Dimensions are bounded in one place, the tensors' own: a file declaring more is refused. */
 #define ST_MAX_DIMS TENSOR_MAX_DIMS
@@ -108,6 +109,7 @@ status_t st_writer_begin(st_writer_t *w, const char *path);
 status_t st_writer_write(st_writer_t *w, const char *name, const tensor_t *t);
 status_t st_writer_finish(st_writer_t *w);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

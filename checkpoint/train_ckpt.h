@@ -20,6 +20,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* Saves params (the optimizer's, in its order), the optimizer state and the step into dir
  * (which must not exist). saved_under: a JSON object describing the plan (stored as given),
@@ -159,6 +160,7 @@ status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *r
  * on one rank. */
 status_t ckpt_prune(const char *root, int keep);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

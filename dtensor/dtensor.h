@@ -23,6 +23,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef struct dtensor dtensor_t;
 
@@ -65,6 +66,7 @@ status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim
                              const int64_t *global_shape, const int *coord, int64_t *local_shape,
                              int64_t *offset);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

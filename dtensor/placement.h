@@ -36,6 +36,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef enum placement_kind {
   PLACEMENT_REPLICATE = 0,
@@ -90,6 +91,7 @@ void placements_local_box(int ndim, const int64_t *global_shape, int mesh_ndim,
                           const int *mesh_shape, const placement_t *pl, const int *coord,
                           int64_t *local_shape, int64_t *offset);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

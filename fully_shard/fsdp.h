@@ -33,6 +33,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* reshard_after_forward values: FSDP_RESHARD_AUTO (false for the root, true elsewhere),
  * 0 (false), 1 (true), or N with 1 < N < W dividing the shard size W: after forward keep a
@@ -184,6 +185,7 @@ status_t fsdp_register_forward_method(nn_module_t *m);
  * model that lives on. A group keeps its mesh (mesh_retain) until it is freed. */
 void fsdp_free_all(nn_module_t *root);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

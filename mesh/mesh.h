@@ -29,6 +29,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 #define MESH_MAX_DIMS 5
 #define MESH_NAME_MAX 32
@@ -98,6 +99,7 @@ device_t mesh_device(const mesh_t *mesh);
 /* "(dp_replicate=2, dp_shard=4)" into buf; returns buf. */
 const char *mesh_str(const mesh_t *mesh, char *buf, size_t size);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -44,6 +44,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef enum pg_kind {
   PG_ALL_GATHER = 0,
@@ -176,6 +177,7 @@ status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
  * together and each names the problem; it ends early when the job is stopping (world.h). */
 status_t pg_agree(pg_t *pg, status_t st);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -23,6 +23,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* Initialises MPI (unless the program already did) and selects this rank's CUDA device.
  * Collective over all processes of the job. */
@@ -124,6 +125,7 @@ status_t world_stop(status_t st);
  * stop (collectives check it before they start). */
 status_t world_check(void);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -29,6 +29,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 struct nn_var {
   tensor_t value;
@@ -131,6 +132,7 @@ status_t nn_grad_to_add_into(nn_var_t *v, tensor_t **into);
 /* Adds g into p's compute_grad (allocating it first); g is released. */
 status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -36,6 +36,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef enum data_format { DATA_BYTES, DATA_U16, DATA_U32, DATA_LLMC } data_format_t;
 
@@ -85,6 +86,7 @@ int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step
 status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
                     tensor_t *inputs, tensor_t *targets);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

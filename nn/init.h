@@ -16,6 +16,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* The standard normal draw for element index of the tensor called name. */
 double nn_init_normal_value(uint64_t seed, const char *name, uint64_t index);
@@ -33,6 +34,7 @@ status_t nn_init_uniform(nn_param_t *p, uint64_t seed, double lo, double hi);
 /* Fills the local shard of p->value with value. */
 status_t nn_init_constant(nn_param_t *p, double value);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

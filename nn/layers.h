@@ -30,6 +30,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef struct nn_layer_options {
   dtype_t dtype;        /* parameter dtype (f32, bf16, f16) */
@@ -76,6 +77,7 @@ status_t nn_sequential_new(nn_module_t *parent, const char *name, nn_module_t **
  * alone. Local. */
 status_t nn_module_reset_parameters(nn_module_t *root, uint64_t seed);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -35,6 +35,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef struct llama_config {
   int64_t dim;         /* hidden_size */
@@ -122,6 +123,7 @@ mesh_t *llama_local_mesh(const llama_t *m);
 /* Turns activation checkpointing of every transformer block on or off. */
 void llama_set_activation_checkpointing(llama_t *m, bool enabled);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -34,6 +34,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef struct nn_module nn_module_t;
 typedef struct nn_ctx nn_ctx_t;
@@ -236,6 +237,7 @@ status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_v
 /* Runs m's hooks of one kind (used by the tape and by fully_shard's explicit calls). */
 status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -16,6 +16,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* y[..., out] = x[..., in] @ w^T with w [out, in] (no bias). */
 status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out);
@@ -88,6 +89,7 @@ status_t nn_mse_loss(nn_ctx_t *ctx, nn_var_t *pred, const tensor_t *target, nn_v
 /* The value of a one-element variable on the host (blocks). */
 status_t nn_var_scalar(const nn_var_t *v, double *out);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

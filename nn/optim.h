@@ -25,6 +25,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 #define ADAMW_MAX_GROUPS 16
 
@@ -105,6 +106,7 @@ typedef struct lr_schedule {
 
 double lr_schedule_factor(const lr_schedule_t *s, int64_t step);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -13,6 +13,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* *loss receives the mean loss over this rank's tokens of the micro-batch (unscaled). */
 status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
@@ -33,6 +34,7 @@ status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *
 status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t b,
                           double *loss);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

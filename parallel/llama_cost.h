@@ -27,6 +27,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* Bytes per rank at the peak of a step, by kind. */
 typedef struct llama_memory {
@@ -59,6 +60,7 @@ typedef struct llama_comm {
  * its activations' collectives. groups[0..n) as for llama_memory_estimate. Local. */
 llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, int n);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

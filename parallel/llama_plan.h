@@ -14,6 +14,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* The built-in rules (attention and MLP inputs split by column and outputs by row, the
  * vocabulary split in the embedding and lm_head, whose output is made whole for the loss;
@@ -30,6 +31,7 @@ bool llama_plan_tp_is_builtin(const parallel_plan_t *pp);
  * colwise lm_head must output replicate. Errors name the rule's place. */
 status_t llama_plan_check(const parallel_plan_t *pp);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -29,6 +29,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 #define PLAN_MAX_UNITS 32
 #define PLAN_MAX_TP_RULES 32
@@ -119,6 +120,7 @@ status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern);
  * their number. out has room for PLAN_MAX_TP_RULES. */
 int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -24,6 +24,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef struct parallel parallel_t;
 
@@ -72,6 +73,7 @@ status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
                                    const char *kind, int *mesh_ndim, int *mesh_shape,
                                    placement_t *pl);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

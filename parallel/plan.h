@@ -26,6 +26,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 #define PLAN_MAX_SIGNALS 8
 
@@ -106,6 +107,7 @@ status_t plan_resolve(plan_t *p, int world_size);
  * (fsdp-ckpt reshard) without training it. Local. */
 status_t plan_resolve_model(plan_t *p, int world_size);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -55,6 +55,7 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 typedef enum tp_style {
   TP_COLWISE = 0,
@@ -116,6 +117,7 @@ void tp_free(tp_plan_t *tp);
 /* The number of modules the plan applies a style to. */
 int tp_num_modules(const tp_plan_t *tp);
 
+#pragma GCC visibility pop
 #ifdef __cplusplus
 }
 #endif

@@ -6,7 +6,9 @@
   header that is not installed with them (BUILD_ROOT: the build folder to install from, into a
   temporary folder);
 - no source outside mesh/ (the library, the tools, the benchmarks, the examples) names an MPI
-  or NCCL function, type or constant: communication goes through pg_t and mesh_t.
+  or NCCL function, type or constant: communication goes through pg_t and mesh_t;
+- the shared library exports exactly the functions and variables the installed headers
+  declare (it builds with hidden visibility), each with a prefix docs/conventions.md lists.
 
   check_layers.py SOURCE_ROOT [BUILD_ROOT [MESON]]
 
@@ -106,8 +108,9 @@ def scan_comm(root):
     return bad, files
 
 
-def scan_installed(build, meson):
-    """Installs the headers into a temporary folder and checks what they include."""
+def scan_installed(build, meson, root):
+    """Installs the headers into a temporary folder and checks what they include, and the
+    shared library's symbols against them."""
     bad = []
     with tempfile.TemporaryDirectory() as tmp:
         p = subprocess.run([meson, "install", "-C", build, "--destdir", tmp, "--no-rebuild",
@@ -134,7 +137,74 @@ def scan_installed(build, meson):
                     elif "/" in inc and inc.split("/")[0] in BELOW and inc not in headers:
                         bad.append("installed %s:%d: includes %s, which is not installed"
                                    % (rel, n, inc))
+        exports, n_exported = scan_exports(root, build, headers.values())
+        print("exported symbols: %d, %d against the installed headers or the prefixes"
+              % (n_exported, len(exports)))
+        bad += exports
     return bad, len(headers)
+
+
+def declared_names(paths):
+    """The functions and variables declared at file scope by the headers at paths."""
+    names = set()
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            text = code_only(f.read())
+        text = re.sub(r"^\s*#(?:[^\n]*\\\n)*[^\n]*", " ", text, flags=re.M)
+        text = re.sub(r"\bextern\s+\{", " ", text)  # extern "C" {, its string blanked
+        depth, top = 0, []
+        for ch in text:
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth <= 0:
+                    top.append(";")
+            elif depth <= 0:
+                top.append(ch)
+        for stmt in "".join(top).split(";"):
+            st = " ".join(stmt.split())
+            if not st or st.startswith(("typedef", "static")):
+                continue
+            m = re.match(r"^(?:extern\s+)?(?:const\s+)?[\w\s*]*?\b([A-Za-z_]\w*)\s*\(", st)
+            if m:
+                names.add(m.group(1))
+            elif st.startswith("extern"):
+                m = re.search(r"\b([A-Za-z_]\w*)\s*(?:\[[^\]]*\])?$", st)
+                if m:
+                    names.add(m.group(1))
+    return names
+
+
+def documented_prefixes(root):
+    """The prefixes of docs/conventions.md's "Prefixes" section (`xxx_` in backquotes)."""
+    with open(os.path.join(root, "docs", "conventions.md"), encoding="utf-8") as f:
+        text = f.read()
+    m = re.search(r"^## Prefixes\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    return set(re.findall(r"`([a-z][a-z0-9]*_)`", m.group(1))) if m else set()
+
+
+def scan_exports(root, build, headers):
+    """The shared library's dynamic symbols against the installed headers' declarations."""
+    lib = os.path.join(build, "libfsdpc.so")
+    if not os.path.exists(lib):
+        return ["%s: no shared library to check" % lib], 0
+    p = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True, text=True)
+    if p.returncode != 0:
+        return ["nm -D %s failed: %s" % (lib, p.stderr.strip())], 0
+    exported = {f[-1] for f in (line.split() for line in p.stdout.splitlines())
+                if len(f) >= 3 and not f[-1].startswith("_")}
+    declared = declared_names(headers)
+    prefixes = documented_prefixes(root)
+    bad = ["libfsdpc.so exports %s, which no installed header declares" % s
+           for s in sorted(exported - declared)]
+    bad += ["%s is declared by an installed header but not exported by libfsdpc.so" % s
+            for s in sorted(declared - exported)]
+    if not prefixes:
+        bad.append("docs/conventions.md lists no prefix under \"## Prefixes\"")
+    bad += ["libfsdpc.so exports %s, whose prefix docs/conventions.md does not list" % s
+            for s in sorted(exported) if prefixes and not any(s.startswith(x) for x in prefixes)]
+    return bad, len(exported)
 
 
 def main():
@@ -149,7 +219,7 @@ def main():
           % (comm_files, len(comm)))
     bad += comm
     if len(sys.argv) > 2:
-        inst, n = scan_installed(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "meson")
+        inst, n = scan_installed(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "meson", root)
         print("installed headers: %d, %d vendor or private includes" % (n, len(inst)))
         bad += inst
         if n == 0 and not inst:
