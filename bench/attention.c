@@ -8,7 +8,7 @@
  *   bench-attention [--device cpu|cuda] [--dtype f32|bf16|f16] [--batch 8] [--seq 1024]
  *                   [--heads 16] [--kv-heads 16] [--head-dim 128] [--reps 20]
  */
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "bench/bench_util.h"
 
 static const bench_option_t OPTIONS[] = {

@@ -37,8 +37,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "base/file.h"
-#include "checkpoint/dcp_integrity.h"
+#include "core/file.h"
+#include "checkpoint/dcp_integrity_impl.h"
 #include "checkpoint/train_ckpt.h"
 
 /* The eager resume (seconds each) runs in the first repetitions only. */

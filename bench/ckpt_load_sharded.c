@@ -5,7 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "base/file.h"
+#include "core/file.h"
 #include "bench/ckpt_load.h"
 #include "checkpoint/train_ckpt.h"
 

@@ -9,10 +9,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base/file.h"
+#include "core/file.h"
 #include "bench/ckpt_load.h"
 #include "checkpoint/dcp.h"
-#include "checkpoint/dcp_integrity.h"
+#include "checkpoint/dcp_integrity_impl.h"
 #include "checkpoint/safetensors.h"
 #include "fully_shard/fsdp.h"
 

@@ -9,7 +9,7 @@
  *   bench-matmul [--config configs/llama-100m.json] [--device cpu|cuda]
  *                [--dtype f32|bf16|f16] [--tokens N] [--reps 20]
  */
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "bench/bench_util.h"
 
 static const bench_option_t OPTIONS[] = {

@@ -11,7 +11,7 @@
 #include <cblas.h>
 #include <math.h>
 
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "bench/bench_util.h"
 #include "mesh/world.h"
 #include "nn/optim.h"

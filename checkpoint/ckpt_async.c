@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
-#include "base/file.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 #include "checkpoint/train_ckpt_impl.h"
 
 #define PATH_LEN 4400

@@ -8,7 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base/file.h"
+#include "core/file.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/train_ckpt.h"
 

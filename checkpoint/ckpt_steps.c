@@ -10,8 +10,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base/args.h"
-#include "base/file.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 #include "checkpoint/train_ckpt.h"
 
 #define PATH_LEN 4400

@@ -7,7 +7,7 @@
  * caches: a helper would only take turns with the reading threads and hash from farther away.
  */
 #define _GNU_SOURCE /* sched_getaffinity */
-#include "checkpoint/dcp_integrity.h"
+#include "checkpoint/dcp_integrity_impl.h"
 
 #include <pthread.h>
 #include <sched.h>

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
-#include "checkpoint/dcp_reader.h"
+#include "core/args_impl.h"
+#include "checkpoint/dcp_reader_impl.h"
 
 static int cmp_str(const void *a, const void *b) {
   return strcmp(*(char *const *)a, *(char *const *)b);

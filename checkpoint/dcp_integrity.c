@@ -1,5 +1,5 @@
 /* Integrity records of checkpoint shard files: block hashes and the canonical header. */
-#include "checkpoint/dcp_integrity.h"
+#include "checkpoint/dcp_integrity_impl.h"
 
 #include "checkpoint/dcp.h"
 
@@ -131,7 +131,7 @@ cleanup:
   return st;
 }
 
-/* 16 hex digits into *out (see dcp_integrity.h). */
+/* 16 hex digits into *out (see dcp_integrity_impl.h). */
 bool dcp_parse_hex64(const char *s, uint64_t *out) {
   uint64_t v = 0;
   for (int i = 0; i < 16; i++) {

@@ -6,8 +6,8 @@
 #include <string.h>
 #include <zlib.h>
 
-#include "base/args.h"
-#include "checkpoint/dcp_reader.h"
+#include "core/args_impl.h"
+#include "checkpoint/dcp_reader_impl.h"
 
 /* Reads go this many bytes at a time; a checked read's are whole blocks (at least one), each
  * piece handed to the checker as it arrives and hashed while the next is read. */

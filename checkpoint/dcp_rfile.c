@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "checkpoint/dcp_reader.h"
+#include "checkpoint/dcp_reader_impl.h"
 
 #define MAX_OFFSET 9007199254740992.0 /* 2^53: offsets JSON numbers hold exactly */
 

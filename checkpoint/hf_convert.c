@@ -9,8 +9,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base/args.h"
-#include "base/file.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"

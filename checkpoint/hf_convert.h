@@ -17,8 +17,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "base/dtype.h"
-#include "base/status.h"
+#include "core/dtype.h"
+#include "core/status.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -6,8 +6,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "base/args.h"
-#include "base/file.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 #include "checkpoint/safetensors.h"
 
 static status_t load_one(st_file_t *f, nn_param_t *p) {

@@ -10,9 +10,9 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include "base/args.h"
-#include "base/file.h"
-#include "checkpoint/safetensors_meta.h"
+#include "core/args_impl.h"
+#include "core/file.h"
+#include "checkpoint/safetensors_meta_impl.h"
 
 /* ---- dtypes ---- */
 

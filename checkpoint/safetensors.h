@@ -27,7 +27,7 @@
 
 #include <stdint.h>
 
-#include "base/tensor.h"
+#include "core/tensor.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -7,10 +7,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "base/args.h"
-#include "base/file.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 #include "checkpoint/safetensors.h"
-#include "checkpoint/safetensors_meta.h"
+#include "checkpoint/safetensors_meta_impl.h"
 
 typedef struct wentry {
   char *name;

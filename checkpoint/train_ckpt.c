@@ -9,9 +9,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base/args.h"
-#include "base/file.h"
-#include "checkpoint/dcp_integrity.h"
+#include "core/args_impl.h"
+#include "core/file.h"
+#include "checkpoint/dcp_integrity_impl.h"
 #include "checkpoint/train_ckpt_impl.h"
 
 #define PATH_LEN 4400

@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 #include "dtensor/dtensor_impl.h"
 
 void mesh_shape_coord(const mesh_t *mesh, int *shape, int *coord) {

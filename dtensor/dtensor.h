@@ -16,7 +16,7 @@
 #ifndef FSDPC_DTENSOR_DTENSOR_H
 #define FSDPC_DTENSOR_DTENSOR_H
 
-#include "base/tensor.h"
+#include "core/tensor.h"
 #include "dtensor/placement.h"
 #include "mesh/mesh.h"
 

@@ -2,7 +2,7 @@
 
 #include <stdio.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 
 bool placement_equal(placement_t a, placement_t b) {
   if (a.kind != b.kind) return false;

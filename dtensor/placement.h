@@ -30,7 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "base/status.h"
+#include "core/status.h"
 #include "mesh/pg.h"
 
 #ifdef __cplusplus

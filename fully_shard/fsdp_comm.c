@@ -12,9 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
-#include "base/fast_path.h"
-#include "base/kernels.h"
+#include "core/args_impl.h"
+#include "core/fast_path_impl.h"
+#include "core/kernels.h"
 #include "fully_shard/fsdp_impl.h"
 
 /* ---- streams ---- */

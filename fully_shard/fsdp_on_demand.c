@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 #include "fully_shard/fsdp_impl.h"
 #include "mesh/world.h"
 

@@ -22,8 +22,8 @@
 
 #include <stdbool.h>
 
-#include "base/device.h"
-#include "base/status.h"
+#include "core/device.h"
+#include "core/status.h"
 #include "mesh/pg.h"
 
 #ifdef __cplusplus

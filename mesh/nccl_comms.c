@@ -1,11 +1,11 @@
-#include "mesh/nccl_comms.h"
+#include "mesh/nccl_comms_impl.h"
 
 #include <pthread.h>
 #include <stdio.h>
 #include <time.h>
 
-#include "base/args.h"
-#include "base/device.h"
+#include "core/args_impl.h"
+#include "core/device.h"
 
 static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static nccl_comm_t *live;

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 #include "mesh/pg_impl.h"
 #include "mesh/world_impl.h"
 

@@ -37,9 +37,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "base/device.h"
-#include "base/dtype.h"
-#include "base/status.h"
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/status.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -24,8 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/cuda_check.h"
-#include "mesh/nccl_comms.h"
+#include "backends/cuda/cuda_check.h"
+#include "mesh/nccl_comms_impl.h"
 #include "mesh/pg_impl.h"
 #include "mesh/world_impl.h"
 
@@ -65,7 +65,7 @@ typedef struct nccl_state {
 
 static ncclComm_t comm_of(nccl_state_t *s) { return (ncclComm_t)s->life.comm; }
 
-/* The result rc of a call on s's communicator (mesh/nccl_comms.h). */
+/* The result rc of a call on s's communicator (mesh/nccl_comms_impl.h). */
 static status_t settle(nccl_state_t *s, ncclResult_t rc, const char *what) {
   return nccl_comm_result(&s->life, (int)rc, what);
 }

@@ -6,8 +6,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "base/args.h"
-#include "mesh/nccl_comms.h"
+#include "core/args_impl.h"
+#include "mesh/nccl_comms_impl.h"
 #include "mesh/pg_impl.h"
 #include "mesh/world_impl.h"
 
@@ -540,7 +540,7 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
   }
 }
 
-/* The wait hook of host waits for device work (base/device.h): a stop ends them, as does a
+/* The wait hook of host waits for device work (core/device.h): a stop ends them, as does a
  * wait longer than the watchdog (which stops the job); the NCCL communicators are aborted
  * first, so that the device work a wait may be behind ends too. */
 static status_t device_wait_check(const char *what, double waited) {

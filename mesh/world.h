@@ -16,8 +16,8 @@
 
 #include <stdbool.h>
 
-#include "base/device.h"
-#include "base/status.h"
+#include "core/device.h"
+#include "core/status.h"
 #include "mesh/pg.h"
 
 #ifdef __cplusplus
@@ -66,7 +66,7 @@ pg_t *world_pg(void);
 /* cuda:(local_rank % count) when CUDA devices are present, else the CPU. */
 device_t world_device(void);
 
-/* device_choose_node (base/device.h) over each node's ranks, agreed over the world: each rank
+/* device_choose_node (core/device.h) over each node's ranks, agreed over the world: each rank
  * takes its local rank modulo the devices it sees, the ranks of a node compare the UUIDs they
  * would take, and when one rank fails (cuda asked for where a rank sees none or two would
  * share one) every rank fails with its message ("rank R: ..."); under auto, every rank takes
@@ -103,7 +103,7 @@ bool world_agree_report(status_t st, const char *prog);
  * ranks took a collective path), it stops the job with world_stop(): every rank's library
  * waits (MPI collectives, agreements) then fail with that rank's message instead of hanging,
  * and so does every later wait. Each rank reports the error itself and exits non-zero. The
- * channel exists once world_init has run. Host waits for device work poll (base/device.h):
+ * channel exists once world_init has run. Host waits for device work poll (core/device.h):
  * world_init sets their hook, which ends them once the job is stopped, aborting the NCCL
  * communicators first so that a device collective a rank will never join ends too. */
 

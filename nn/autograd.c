@@ -4,8 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
-#include "base/kernels.h"
+#include "core/args_impl.h"
+#include "core/kernels.h"
 #include "nn/ops.h" /* nn_cast, for the casts at a module's boundary */
 
 typedef enum entry_kind {

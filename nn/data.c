@@ -9,9 +9,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base/args.h"
-#include "base/file.h"
-#include "base/mix.h"
+#include "core/args_impl.h"
+#include "core/file.h"
+#include "core/mix_impl.h"
 
 /* One file of the stream: tokens [first, first + n) of it, at byte base of the file. */
 typedef struct dfile {

@@ -31,7 +31,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "base/tensor.h"
+#include "core/tensor.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -3,8 +3,8 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "base/args.h"
-#include "base/mix.h"
+#include "core/args_impl.h"
+#include "core/mix_impl.h"
 
 static uint64_t name_key(uint64_t seed, const char *name) {
   uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */

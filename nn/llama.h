@@ -29,7 +29,7 @@
 
 #include <stdint.h>
 
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "nn/autograd.h"
 
 #ifdef __cplusplus

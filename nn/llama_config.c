@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
-#include "base/file.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 #include "nn/llama.h"
 
 status_t llama_config_check(const llama_config_t *c) {

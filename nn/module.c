@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
-#include "base/kernels.h"
+#include "core/args_impl.h"
+#include "core/kernels.h"
 
 typedef struct hook {
   nn_hook_fn fn;

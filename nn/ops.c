@@ -3,8 +3,8 @@
 #include <math.h>
 #include <string.h>
 
-#include "base/args.h"
-#include "base/kernels.h"
+#include "core/args_impl.h"
+#include "core/kernels.h"
 #include "nn/ops_impl.h"
 
 /* ---- linear ---- */

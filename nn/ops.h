@@ -1,6 +1,6 @@
 /*
  * Differentiable operations of the reference model. Each computes its result with the
- * kernels of base/kernels.h on the inputs' device and, when a gradient is needed, records
+ * kernels of core/kernels.h on the inputs' device and, when a gradient is needed, records
  * itself on the context's tape with what its backward reads. Parameters are read through
  * nn_param_t.compute at forward and again at backward (so hooks may swap the tensor in
  * between, as fully_shard does). Every *out is a new variable the caller releases.
@@ -10,7 +10,7 @@
 #ifndef FSDPC_NN_OPS_H
 #define FSDPC_NN_OPS_H
 
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "nn/autograd.h"
 
 #ifdef __cplusplus

@@ -2,8 +2,8 @@
  * squared error; and the helpers every operation file shares (ops_impl.h). */
 #include <string.h>
 
-#include "base/args.h"
-#include "base/kernels.h"
+#include "core/args_impl.h"
+#include "core/kernels.h"
 #include "nn/ops_impl.h"
 
 /* ---- helpers ---- */

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
-#include "base/kernels.h"
+#include "core/args_impl.h"
+#include "core/kernels.h"
 #include "mesh/pg.h"
 
 typedef struct slot {

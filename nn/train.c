@@ -2,7 +2,7 @@
 
 #include <string.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 #include "nn/ops.h"
 
 /* A batch whose every target is ignored (negative) has no mean loss: refused on the host,

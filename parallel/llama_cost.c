@@ -2,7 +2,7 @@
 
 #include <string.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 #include "parallel/llama_plan.h"
 
 /* The units as the estimate sees them: the root's and the largest other unit's unsharded

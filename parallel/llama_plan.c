@@ -3,7 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 #include "nn/module.h"
 
 /* The Llama plan of TorchTitan, by the module names of nn/llama.c. */

@@ -4,10 +4,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 #include "fully_shard/fsdp.h"
 #include "mesh/world.h"
-#include "parallel/plan_reader.h"
+#include "parallel/plan_reader_impl.h"
 
 void parallel_plan_defaults(parallel_plan_t *pp) {
   if (pp == NULL) return;

@@ -23,7 +23,7 @@
 #ifndef FSDPC_PARALLEL_PARALLEL_PLAN_H
 #define FSDPC_PARALLEL_PARALLEL_PLAN_H
 
-#include "base/dtype.h"
+#include "core/dtype.h"
 #include "parallel/tensor_parallel.h"
 
 #ifdef __cplusplus

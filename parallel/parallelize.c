@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 
 struct parallel {
   nn_module_t *root;

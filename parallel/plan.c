@@ -14,12 +14,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base/args.h"
-#include "base/file.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 #include "fully_shard/fsdp.h"
 #include "mesh/world.h"
 #include "parallel/llama_plan.h"
-#include "parallel/plan_reader.h"
+#include "parallel/plan_reader_impl.h"
 
 void plan_defaults(plan_t *p) {
   if (p == NULL) return;

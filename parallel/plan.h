@@ -17,7 +17,7 @@
 #ifndef FSDPC_PARALLEL_PLAN_H
 #define FSDPC_PARALLEL_PLAN_H
 
-#include "base/dtype.h"
+#include "core/dtype.h"
 #include "nn/data.h"
 #include "nn/llama.h"
 #include "nn/optim.h"

@@ -1,5 +1,5 @@
 /* The YAML reader of plans: places, key checks, typed values, --set, loading a file. */
-#include "parallel/plan_reader.h"
+#include "parallel/plan_reader_impl.h"
 
 #include <errno.h>
 #include <math.h>
@@ -11,8 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base/args.h"
-#include "base/file.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 #include "fully_shard/fsdp.h"
 
 /* ---- nodes, places, errors ---- */

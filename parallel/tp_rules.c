@@ -3,7 +3,7 @@
  * applies it to a model). */
 #include <string.h>
 
-#include "base/args.h"
+#include "core/args_impl.h"
 #include "parallel/tensor_parallel.h"
 
 /* ---- names ---- */

@@ -14,7 +14,7 @@
 #include <mpi.h> /* the tests use MPI directly to coordinate their ranks */
 #include <stdbool.h>
 
-#include "base/tensor.h"
+#include "core/tensor.h"
 #include "dtensor/dtensor.h"
 #include "mesh/mesh.h"
 #include "mesh/world.h"

@@ -24,7 +24,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base/file.h"
+#include "core/file.h"
 #include "checkpoint/ckpt_reshard.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/hf_convert.h"

@@ -25,8 +25,8 @@
 #include <unistd.h>
 #include <yaml.h>
 
-#include "base/file.h"
-#include "base/status.h"
+#include "core/file.h"
+#include "core/status.h"
 #include "parallel/parallel_plan.h"
 #include "tools/plan_convert.h"
 

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/status.h"
+#include "core/status.h"
 #include "tools/plot.h"
 
 static void usage(FILE *f) {

@@ -23,7 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "base/file.h"
+#include "core/file.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"

@@ -7,7 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "base/status.h"
+#include "core/status.h"
 
 /* plan keys by section, each with the setting it came from; and the settings left out, why */
 enum { MAX_KEYS = 64 };

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/file.h"
+#include "core/file.h"
 
 enum { N_PANELS = 4, N_SERIES = 5, EVAL = 4 }; /* a series per panel, and the evaluations */
 static const char *const KEYS[N_SERIES] = {"loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"};

@@ -10,7 +10,7 @@
 #ifndef FSDPC_TOOLS_PLOT_H
 #define FSDPC_TOOLS_PLOT_H
 
-#include "base/status.h"
+#include "core/status.h"
 
 /* Reads the n metrics files and writes the picture to out (through out.tmp and a rename).
  * Fails naming the file and line on unreadable input (not JSON, no "step"), and when a file

@@ -16,7 +16,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include "base/file.h"
+#include "core/file.h"
 #include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"
 

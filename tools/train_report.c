@@ -8,7 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "mesh/world.h"
 #include "parallel/llama_cost.h"
 #include "parallel/llama_plan.h"

@@ -8,7 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "base/file.h"
+#include "core/file.h"
 #include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"
 

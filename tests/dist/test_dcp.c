@@ -20,7 +20,7 @@
 #include <unistd.h>
 
 #include "checkpoint/dcp.h"
-#include "checkpoint/dcp_integrity.h"
+#include "checkpoint/dcp_integrity_impl.h"
 #include "checkpoint/safetensors.h"
 #include "tests/harness.h"
 

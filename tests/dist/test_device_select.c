@@ -16,7 +16,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "base/device.h"
+#include "core/device.h"
 #include "mesh/world.h"
 #include "tests/harness.h"
 

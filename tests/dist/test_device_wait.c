@@ -1,5 +1,5 @@
 /*
- * The world's hook on host waits for device work (base/device.h, mesh/world.c), with a wait
+ * The world's hook on host waits for device work (core/device.h, mesh/world.c), with a wait
  * that never completes standing in for a device collective a rank will never join (the same
  * poll loop as a stream, event or NCCL wait):
  *   stop      (2 ranks) rank 1 stops the job; rank 0's endless wait ends with rank 1's
@@ -11,7 +11,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "base/device.h"
+#include "core/device.h"
 #include "mesh/world.h"
 #include "tests/harness.h"
 

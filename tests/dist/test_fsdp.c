@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "nn/ops.h"
 #include "nn/train.h"
 #include "tests/dist/fsdp_common.h"

@@ -19,7 +19,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "nn/ops.h"
 #include "tests/dist/fsdp_common.h"
 

@@ -16,8 +16,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "base/device.h"
-#include "mesh/nccl_comms.h"
+#include "core/device.h"
+#include "mesh/nccl_comms_impl.h"
 #include "mesh/world.h"
 #include "tests/harness.h"
 

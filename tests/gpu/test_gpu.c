@@ -16,7 +16,7 @@
 #include "tests/harness.h"
 #ifdef FSDPC_TEST_CUDA
 #include <cuda_runtime.h>
-cudaStream_t cuda_stream_raw(stream_t *s); /* base/cuda_backend.cu */
+cudaStream_t cuda_stream_raw(stream_t *s); /* backends/cuda/cuda_backend.cu */
 #endif
 
 static device_t gpu(void) { return world_device(); }

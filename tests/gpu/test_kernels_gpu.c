@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "tests/harness.h"
 
 #define MAX_T 16

@@ -8,7 +8,9 @@
 - no source outside mesh/ (the library, the tools, the benchmarks, the examples) names an MPI
   or NCCL function, type or constant: communication goes through pg_t and mesh_t;
 - the shared library exports exactly the functions and variables the installed headers
-  declare (it builds with hidden visibility), each with a prefix docs/conventions.md lists.
+  declare (it builds with hidden visibility), each with a prefix docs/conventions.md lists;
+- a header of a library folder outside backends/ is installed, or says it is private by its
+  name (NAME_impl.h).
 
   check_layers.py SOURCE_ROOT [BUILD_ROOT [MESON]]
 
@@ -22,25 +24,29 @@ import tempfile
 
 # folder -> the folders it may include from (itself included)
 BELOW = {
-    "base": {"base"},
-    "mesh": {"base", "mesh"},
-    "dtensor": {"base", "mesh", "dtensor"},
-    "nn": {"base", "mesh", "dtensor", "nn"},
-    "fully_shard": {"base", "mesh", "dtensor", "nn", "fully_shard"},
-    "parallel": {"base", "mesh", "dtensor", "nn", "fully_shard", "parallel"},
-    "checkpoint": {"base", "mesh", "dtensor", "nn", "checkpoint"},
+    "core": {"core"},
+    "backends": {"core", "backends"},
+    "mesh": {"core", "backends", "mesh"},
+    "dtensor": {"core", "mesh", "dtensor"},
+    "nn": {"core", "mesh", "dtensor", "nn"},
+    "fully_shard": {"core", "mesh", "dtensor", "nn", "fully_shard"},
+    "parallel": {"core", "mesh", "dtensor", "nn", "fully_shard", "parallel"},
+    "checkpoint": {"core", "mesh", "dtensor", "nn", "checkpoint"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')
+
+
+def source_files(d):
+    """The C and CUDA sources under folder d, its subfolders included, in a fixed order."""
+    return sorted(os.path.join(p, n) for p, _, names in os.walk(d) for n in names
+                  if n.endswith((".c", ".h", ".cu")))
 
 
 def scan(root):
     bad = []
     for folder, allowed in BELOW.items():
-        d = os.path.join(root, folder)
-        for name in sorted(os.listdir(d)):
-            if not name.endswith((".c", ".h", ".cu")):
-                continue
-            path = os.path.join(d, name)
+        for path in source_files(os.path.join(root, folder)):
+            name = os.path.relpath(path, os.path.join(root, folder))
             with open(path, encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
                     m = INCLUDE.match(line)
@@ -137,6 +143,13 @@ def scan_installed(build, meson, root):
                     elif "/" in inc and inc.split("/")[0] in BELOW and inc not in headers:
                         bad.append("installed %s:%d: includes %s, which is not installed"
                                    % (rel, n, inc))
+        for folder in BELOW:
+            if folder == "backends":
+                continue
+            for path in source_files(os.path.join(root, folder)):
+                rel = os.path.relpath(path, root)
+                if rel.endswith(".h") and not rel.endswith("_impl.h") and rel not in headers:
+                    bad.append("%s is neither installed nor named private (_impl.h)" % rel)
         exports, n_exported = scan_exports(root, build, headers.values())
         print("exported symbols: %d, %d against the installed headers or the prefixes"
               % (n_exported, len(exports)))
@@ -210,8 +223,7 @@ def scan_exports(root, build, headers):
 def main():
     root = sys.argv[1]
     bad = scan(root)
-    files = sum(1 for f in BELOW for n in os.listdir(os.path.join(root, f))
-                if n.endswith((".c", ".h", ".cu")))
+    files = sum(len(source_files(os.path.join(root, f))) for f in BELOW)
     print("layer rule: %d files of %d folders, %d includes against it" % (files, len(BELOW),
                                                                           len(bad)))
     comm, comm_files = scan_comm(root)

@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 #include "api_calls.h"
-#include "base/tensor.h"
+#include "core/tensor.h"
 #include "checkpoint/safetensors.h"
 #include "mesh/mesh.h"
 #include "mesh/world.h"

@@ -1,5 +1,5 @@
 /*
- * The batched-GEMM attention plan (base/attention_gemm.h, what the CUDA backend runs with
+ * The batched-GEMM attention plan (core/attention_gemm_impl.h, what the CUDA backend runs with
  * cuBLAS) run by a host executor: every product as column-major cblas_sgemm calls on the
  * entry's operands, the row passes as loops. Its outputs must match the CPU attention
  * kernels (a different algorithm: row blocks per head) in f32, with chunks of one pair, of
@@ -11,8 +11,8 @@
 #include <math.h>
 #include <string.h>
 
-#include "base/attention_gemm.h"
-#include "base/kernels.h"
+#include "core/attention_gemm_impl.h"
+#include "core/kernels.h"
 #include "tests/harness.h"
 
 static void ok(status_t st) {

@@ -1,5 +1,5 @@
 /*
- * How a matrix product reaches cuBLASLt (base/cublas_lt.c), checked without a GPU: the
+ * How a matrix product reaches cuBLASLt (backends/cuda/cublas_lt.c), checked without a GPU: the
  * row-major product kernel_matmul checked, put in cuBLAS's column-major terms
  * (cublas_lt_of_row_major) and described by the layouts cuBLASLt is given
  * (cublas_lt_layouts), is carried out here by the definition of a column-major product
@@ -11,8 +11,8 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "base/cublas_lt.h"
-#include "base/kernels.h"
+#include "backends/cuda/cublas_lt.h"
+#include "core/kernels.h"
 #include "tests/harness.h"
 
 static void ok(status_t st) {

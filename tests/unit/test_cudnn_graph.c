@@ -1,5 +1,5 @@
 /*
- * cuDNN's fused-attention graphs (base/cudnn_sdpa.c) checked without a GPU: cuDNN must take
+ * cuDNN's fused-attention graphs (backends/cuda/cudnn_sdpa.c) checked without a GPU: cuDNN must take
  * every tensor and operation descriptor, the operation graph and a heuristics query over it,
  * forward and backward, bf16 and f16, with one kv head per query head, grouped heads and one
  * kv head, at the training shapes of the benchmark configs and at odd ones. What only a device
@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/cudnn_sdpa.h"
-#include "base/kernels.h"
+#include "backends/cuda/cudnn_sdpa.h"
+#include "core/kernels.h"
 #include "tests/harness.h"
 
 typedef struct gcase {

@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/kernels.h"
-#include "base/tensor.h"
+#include "core/kernels.h"
+#include "core/tensor.h"
 #include "tests/harness.h"
 
 /* auto, cpu and cuda against what each rank of a node sees: how many devices, and which one

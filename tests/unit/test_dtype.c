@@ -1,7 +1,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "base/dtype.h"
+#include "core/dtype.h"
 #include "tests/harness.h"
 
 static float from_bits(uint32_t u) {

@@ -15,7 +15,7 @@
 
 #include <cJSON.h>
 
-#include "base/file.h"
+#include "core/file.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"
 #include "nn/data.h"

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "nn/ops.h"
 #include "tests/harness.h"
 

@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/kernels.h"
-#include "base/tensor.h"
+#include "core/kernels.h"
+#include "core/tensor.h"
 #include "tests/harness.h"
 
 static float *f32(const tensor_t *t) { return (float *)t->data; }

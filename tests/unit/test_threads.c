@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/kernels.h"
+#include "core/kernels.h"
 #include "dtensor/dtensor.h"
 #include "nn/data.h"
 #include "nn/llama.h"

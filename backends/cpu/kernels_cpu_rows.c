@@ -1,0 +1,334 @@
+/* CPU kernels that reduce rows: RMSNorm, LayerNorm, cross-entropy (see kernels_cpu.h). */
+#include <math.h>
+#include <string.h>
+
+#include "backends/cpu/kernels_cpu.h"
+
+/* ---- RMSNorm ---- */
+
+typedef struct norm_args {
+  int64_t rows, D;
+  dtype_t dt; /* x's dtype: the normalised value is rounded to it before the weight */
+  float eps;
+  const float *x, *w, *dy, *rstd_in;
+  float *out, *rstd, *dx, *dw;
+} norm_args_t;
+
+/* Rows [i0, i1) of the RMSNorm forward. */
+static void rmsnorm_share(const void *ctx, int t, int64_t i0, int64_t i1) {
+  const norm_args_t *a = ctx;
+  int64_t D = a->D;
+  (void)t;
+  for (int64_t i = i0; i < i1; i++) {
+    const float *xi = a->x + i * D, *w = a->w;
+    float var = (float)(cpu_sum_products(xi, xi, NULL, D) / (double)D),
+          ri = 1.0f / sqrtf(var + a->eps);
+    float *oi = a->out + i * D;
+    a->rstd[i] = ri;
+    if (a->dt == DTYPE_F32) {
+#pragma omp simd
+      for (int64_t j = 0; j < D; j++) oi[j] = w[j] * (xi[j] * ri);
+    } else { /* the normalised row rounded to the dtype, then scaled */
+#pragma omp simd
+      for (int64_t j = 0; j < D; j++) oi[j] = xi[j] * ri;
+      dtype_round_f32(a->dt, oi, (size_t)D);
+#pragma omp simd
+      for (int64_t j = 0; j < D; j++) oi[j] *= w[j];
+    }
+  }
+}
+
+static status_t cpu_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
+                            float eps) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
+  fbuf_t fx, fw, fo;
+  TRY(cpu_fbuf_in(&fx, x));
+  status_t st = cpu_fbuf_in(&fw, w);
+  if (st == STATUS_OK) st = cpu_fbuf_out(&fo, out, false);
+  if (st != STATUS_OK) {
+    cpu_fbuf_release(&fx);
+    cpu_fbuf_release(&fw);
+    return st;
+  }
+  norm_args_t a = {.rows = rows,
+                   .D = D,
+                   .dt = x->dtype,
+                   .eps = eps,
+                   .x = fx.p,
+                   .w = fw.p,
+                   .out = fo.p,
+                   .rstd = rstd->data};
+  cpu_for_shares(rows, D, ELEM_GRAIN, 1, rmsnorm_share, &a);
+  cpu_fbuf_commit(&fo, out);
+  cpu_fbuf_release(&fx);
+  cpu_fbuf_release(&fw);
+  return STATUS_OK;
+}
+
+/* Rows [i0, i1) of dx. */
+static void rmsnorm_dx_share(const void *ctx, int t, int64_t i0, int64_t i1) {
+  const norm_args_t *a = ctx;
+  int64_t D = a->D;
+  const float *w = a->w;
+  (void)t;
+  for (int64_t i = i0; i < i1; i++) {
+    const float *xi = a->x + i * D, *dyi = a->dy + i * D;
+    double dot = cpu_sum_products(dyi, w, xi, D); /* sum_j dy_j w_j x_j */
+    float ri = a->rstd_in[i], c = (float)(dot / (double)D) * ri * ri;
+    float *dxi = a->dx + i * D;
+#pragma omp simd
+    for (int64_t j = 0; j < D; j++) dxi[j] = ri * (dyi[j] * w[j] - xi[j] * c);
+  }
+}
+
+/* Columns [j0, j1) of dw, each summed over the rows in order. */
+static void rmsnorm_dw_share(const void *ctx, int t, int64_t j0, int64_t j1) {
+  const norm_args_t *a = ctx;
+  int64_t D = a->D;
+  float *dw = a->dw;
+  (void)t;
+  for (int64_t i = 0; i < a->rows; i++) {
+    const float *xi = a->x + i * D, *dyi = a->dy + i * D;
+    float ri = a->rstd_in[i];
+#pragma omp simd
+    for (int64_t j = j0; j < j1; j++) dw[j] += dyi[j] * (xi[j] * ri);
+  }
+}
+
+static status_t cpu_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
+                                     const tensor_t *x, const tensor_t *w, const tensor_t *rstd) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
+  fbuf_t fdx, fdw, fdy, fx, fw;
+  fbuf_t *bufs[] = {&fdx, &fdw, &fdy, &fx, &fw};
+  int got = 0;
+  status_t st = cpu_fbuf_out(&fdx, dx, false);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fdw, dw, true);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fdy, dy);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fx, x);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fw, w);
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) cpu_fbuf_release(bufs[i]);
+    return st;
+  }
+  norm_args_t a = {.rows = rows,
+                   .D = D,
+                   .x = fx.p,
+                   .w = fw.p,
+                   .dy = fdy.p,
+                   .rstd_in = rstd->data,
+                   .dx = fdx.p,
+                   .dw = fdw.p};
+  cpu_for_shares(rows, D, ELEM_GRAIN, 1, rmsnorm_dx_share, &a);
+  cpu_for_shares(D, rows, ELEM_GRAIN, 16, rmsnorm_dw_share, &a);
+  cpu_fbuf_commit(&fdx, dx);
+  cpu_fbuf_commit(&fdw, dw);
+  cpu_fbuf_release(&fdy);
+  cpu_fbuf_release(&fx);
+  cpu_fbuf_release(&fw);
+  return STATUS_OK;
+}
+
+/* ---- LayerNorm ---- */
+
+static status_t cpu_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
+                              const tensor_t *w, const tensor_t *b, float eps) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / D;
+  fbuf_t fx, fw, fb = {0}, fo;
+  fbuf_t *bufs[] = {&fx, &fw, &fb, &fo};
+  int got = 0;
+  status_t st = cpu_fbuf_in(&fx, x);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fw, w);
+  if (st == STATUS_OK && ++got && b != NULL) st = cpu_fbuf_in(&fb, b);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fo, out, false);
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) cpu_fbuf_release(bufs[i]);
+    return st;
+  }
+  float *mu = mean->data, *r = rstd->data;
+  for (int64_t i = 0; i < rows; i++) {
+    const float *xi = fx.p + i * D;
+    double s = 0, ss = 0;
+    for (int64_t j = 0; j < D; j++) s += xi[j];
+    mu[i] = (float)(s / (double)D);
+    for (int64_t j = 0; j < D; j++) ss += (double)(xi[j] - mu[i]) * (xi[j] - mu[i]);
+    r[i] = 1.0f / sqrtf((float)(ss / (double)D) + eps);
+    for (int64_t j = 0; j < D; j++)
+      fo.p[i * D + j] = (xi[j] - mu[i]) * r[i] * fw.p[j] + (b ? fb.p[j] : 0.0f);
+  }
+  cpu_fbuf_commit(&fo, out);
+  cpu_fbuf_release(&fx);
+  cpu_fbuf_release(&fw);
+  cpu_fbuf_release(&fb);
+  return STATUS_OK;
+}
+
+static status_t cpu_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
+                                       const tensor_t *x, const tensor_t *w, const tensor_t *mean,
+                                       const tensor_t *rstd) {
+  int64_t D = last_dim(x), rows = tensor_numel(x) / D;
+  fbuf_t fdx, fdw, fdb = {0}, fdy, fx, fw;
+  fbuf_t *bufs[] = {&fdx, &fdw, &fdb, &fdy, &fx, &fw};
+  int got = 0;
+  status_t st = cpu_fbuf_out(&fdx, dx, false);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fdw, dw, true);
+  if (st == STATUS_OK && ++got && db != NULL) st = cpu_fbuf_out(&fdb, db, true);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fdy, dy);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fx, x);
+  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fw, w);
+  if (st != STATUS_OK) {
+    for (int i = 0; i < got; i++) cpu_fbuf_release(bufs[i]);
+    return st;
+  }
+  const float *mu = mean->data, *r = rstd->data;
+  for (int64_t i = 0; i < rows; i++) {
+    const float *xi = fx.p + i * D, *dyi = fdy.p + i * D;
+    double a = 0, c = 0; /* sums of g and of g * xhat, g = dy * w */
+    for (int64_t j = 0; j < D; j++) {
+      float g = dyi[j] * fw.p[j], xh = (xi[j] - mu[i]) * r[i];
+      a += g;
+      c += (double)g * xh;
+    }
+    float ma = (float)(a / (double)D), mc = (float)(c / (double)D);
+    for (int64_t j = 0; j < D; j++) {
+      float g = dyi[j] * fw.p[j], xh = (xi[j] - mu[i]) * r[i];
+      fdx.p[i * D + j] = r[i] * (g - ma - xh * mc);
+    }
+  }
+  for (int64_t j = 0; j < D; j++) { /* rows in order, as the CUDA twin */
+    float sw = 0, sb = 0;
+    for (int64_t i = 0; i < rows; i++) {
+      float g = fdy.p[i * D + j];
+      sw += g * ((fx.p[i * D + j] - mu[i]) * r[i]);
+      sb += g;
+    }
+    fdw.p[j] += sw;
+    if (db != NULL) fdb.p[j] += sb;
+  }
+  cpu_fbuf_commit(&fdx, dx);
+  cpu_fbuf_commit(&fdw, dw);
+  if (db != NULL) cpu_fbuf_commit(&fdb, db);
+  cpu_fbuf_release(&fdy);
+  cpu_fbuf_release(&fx);
+  cpu_fbuf_release(&fw);
+  return STATUS_OK;
+}
+
+/* ---- cross-entropy ---- */
+
+static status_t ce_target(const tensor_t *targets, int64_t r, int64_t V, int64_t *t) {
+  *t = index_at(targets, r);
+  if (*t >= V)
+    return err_set(STATUS_EINVAL, "cross-entropy: target %lld of row %lld is outside [0, %lld)",
+                   (long long)*t, (long long)r, (long long)V);
+  return STATUS_OK;
+}
+
+/* log-sum-exp of a row: fp32 exponentials (as the CUDA twin), a double-precision sum. */
+static float row_lse(const float *x, int64_t V) {
+  float m = cpu_max(x, V);
+  return m + (float)log(cpu_exp_sum(NULL, x, V, m));
+}
+
+static status_t ce_targets(const tensor_t *targets, int64_t V) {
+  for (int64_t r = 0, N = tensor_numel(targets); r < N; r++) {
+    int64_t t;
+    TRY(ce_target(targets, r, V, &t));
+  }
+  return STATUS_OK;
+}
+
+typedef struct ce_args {
+  int64_t V;
+  float scale;
+  const tensor_t *targets;
+  const float *logits;
+  float *out; /* losses, or dlogits */
+} ce_args_t;
+
+static void ce_share(const void *ctx, int t, int64_t r0, int64_t r1) {
+  const ce_args_t *a = ctx;
+  int64_t V = a->V;
+  (void)t;
+  for (int64_t r = r0; r < r1; r++) {
+    int64_t tr = index_at(a->targets, r);
+    a->out[r] = tr < 0 ? 0.0f : row_lse(a->logits + r * V, V) - a->logits[r * V + tr];
+  }
+}
+
+static status_t cpu_cross_entropy(tensor_t *losses, const tensor_t *logits,
+                                  const tensor_t *targets) {
+  int64_t V = last_dim(logits);
+  TRY(ce_targets(targets, V));
+  fbuf_t fl;
+  TRY(cpu_fbuf_in(&fl, logits));
+  ce_args_t a = {.V = V, .targets = targets, .logits = fl.p, .out = losses->data};
+  cpu_for_shares(tensor_numel(targets), V, ELEM_GRAIN, 1, ce_share, &a);
+  cpu_fbuf_release(&fl);
+  return STATUS_OK;
+}
+
+static void ce_backward_share(const void *ctx, int t, int64_t r0, int64_t r1) {
+  const ce_args_t *a = ctx;
+  int64_t V = a->V;
+  (void)t;
+  for (int64_t r = r0; r < r1; r++) {
+    int64_t tr = index_at(a->targets, r);
+    const float *x = a->logits + r * V;
+    float *g = a->out + r * V;
+    if (tr < 0) {
+      memset(g, 0, sizeof(float) * (size_t)V);
+      continue;
+    }
+    float m = cpu_max(x, V); /* softmax with one exponential per logit */
+    double sum = cpu_exp_sum(g, x, V, m);
+    float k = (float)(a->scale / sum);
+    for (int64_t j = 0; j < V; j++) g[j] *= k;
+    g[tr] -= a->scale;
+  }
+}
+
+static status_t cpu_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
+                                           const tensor_t *targets, float scale,
+                                           const tensor_t *dloss, const tensor_t *count) {
+  int64_t V = last_dim(logits);
+  TRY(ce_targets(targets, V));
+  if (count != NULL) /* the mean's gradient: dloss / count, rounded once */
+    scale = (float)((double)*(const float *)dloss->data / (double)*(const int64_t *)count->data);
+  fbuf_t fl, fd;
+  TRY(cpu_fbuf_in(&fl, logits));
+  status_t st = cpu_fbuf_out(&fd, dlogits, false);
+  if (st != STATUS_OK) {
+    cpu_fbuf_release(&fl);
+    return st;
+  }
+  ce_args_t a = {.V = V, .scale = scale, .targets = targets, .logits = fl.p, .out = fd.p};
+  cpu_for_shares(tensor_numel(targets), V, ELEM_GRAIN, 1, ce_backward_share, &a);
+  cpu_fbuf_commit(&fd, dlogits);
+  cpu_fbuf_release(&fl);
+  return STATUS_OK;
+}
+
+static status_t cpu_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *values,
+                                const tensor_t *targets) {
+  const float *v = values->data;
+  double sum = 0;
+  int64_t n = 0;
+  for (int64_t i = 0, N = tensor_numel(targets); i < N; i++)
+    if (index_at(targets, i) >= 0) {
+      sum += v[i];
+      n++;
+    }
+  *(float *)mean->data = (float)(sum / (double)n); /* 0 / 0: NaN */
+  *(int64_t *)count->data = n;
+  return STATUS_OK;
+}
+
+void cpu_row_kernels(kernel_ops_t *ops) {
+  ops->rmsnorm = cpu_rmsnorm;
+  ops->rmsnorm_backward = cpu_rmsnorm_backward;
+  ops->layernorm = cpu_layernorm;
+  ops->layernorm_backward = cpu_layernorm_backward;
+  ops->cross_entropy = cpu_cross_entropy;
+  ops->cross_entropy_backward = cpu_cross_entropy_backward;
+  ops->masked_mean = cpu_masked_mean;
+}

@@ -1,0 +1,441 @@
+/*
+ * CUDA twin of the compute kernels: matrix products (cuBLASLt through backends/cuda/cublas_lt.c,
+ * else cuBLAS; fp32 compute), the embedding and RoPE here, the other ops in kernels_cuda_rows.cu
+ * (row-wise: norms, cross-entropy), kernels_cuda_pointwise.cu (element-wise maps, AdamW, sums
+ * of squares) and kernels_cuda_attention.cu. Same semantics as the CPU kernels; values are
+ * computed in fp32 and rounded once when stored. Kernels first, then launchers; every launcher
+ * runs on the current stream of its device and checks cudaGetLastError().
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include "backends/cuda/cublas_lt.h"
+#include "backends/cuda/kernels_cuda.h"
+
+/* ======================= kernels ======================= */
+
+/* table holds rows [first, first + V) of a vocabulary of `vocab` ids; others give zeros */
+__global__ static void embedding_kernel(void *out, const void *table, int tdt, const void *ids,
+                                        int idt, int64_t n, int64_t D, int64_t V, int64_t first,
+                                        int64_t vocab, int *bad) {
+  GRID_STRIDE(e, n * D) {
+    int64_t id = ldi(idt, ids, e / D);
+    if (id < 0 || id >= vocab) {
+      *bad = 1;
+      continue;
+    }
+    id -= first;
+    stf(tdt, out, e, id < 0 || id >= V ? 0.0f : ldf(tdt, table, id * D + e % D));
+  }
+}
+
+/*
+ * Deterministic scatter-add through a stable sort: each token's row of the table (its id
+ * less first, or V when the id falls outside this shard) is sorted with the token's index
+ * (stable: equal rows keep token order); then the first position of each row's run adds the
+ * run's gradients to the row, column by column, in token order, in f32 from the row's value,
+ * rounded once (the CPU kernel's order and rounding).
+ */
+__global__ static void embedding_rows_kernel(int *rows, int *tokens, const void *ids, int idt,
+                                             int64_t n, int64_t V, int64_t first, int64_t vocab,
+                                             int *bad) {
+  GRID_STRIDE(t, n) {
+    int64_t id = ldi(idt, ids, t);
+    if (id < 0 || id >= vocab) *bad = 1;
+    id -= first;
+    rows[t] = id < 0 || id >= V ? (int)V : (int)id;
+    tokens[t] = (int)t;
+  }
+}
+
+__global__ static void embedding_runs_kernel(void *gt, int gdt, const void *go, int odt,
+                                             const int *rows, const int *tokens, int64_t n,
+                                             int64_t D, int64_t V) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    int r = rows[i];
+    if (r >= V || (i > 0 && rows[i - 1] == r)) continue; /* not a run's first position */
+    for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
+      float s = ldf(gdt, gt, r * D + c);
+      for (int64_t k = i; k < n && rows[k] == r; k++) s += ldf(odt, go, tokens[k] * D + c);
+      stf(gdt, gt, r * D + c, s);
+    }
+  }
+}
+
+/* RoPE from the table of rope_fill_table: one thread per pair (i, i + Dh/2) of a row. The
+ * products and sums round one by one (no FMA), as the CPU kernel's do: the same bits. out may
+ * be x (each pair is read, then written, by one thread). I is the index type: 32-bit where
+ * the tensor allows, since three 64-bit divisions a pair made the kernel bound by arithmetic
+ * (about 1 TB/s on an H200). */
+template <typename T, typename I>
+__global__ static void rope_kernel(T *out, const T *x, const float *cs, I n, I Tn, I H, I Dh,
+                                   float sign) {
+  I half = Dh / 2;
+  for (I e = blockIdx.x * (I)blockDim.x + threadIdx.x; e < n; e += (I)gridDim.x * blockDim.x) {
+    I i = e % half, row = e / half, t = (row / H) % Tn;
+    float2 cs2 = ((const float2 *)cs)[(t * Dh + 2 * i) / 2];
+    float c = cs2.x, s = sign * cs2.y;
+    I base = row * Dh;
+    float x1 = tof(x[base + i]), x2 = tof(x[base + i + half]);
+    out[base + i] = fromf<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    out[base + i + half] = fromf<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+  }
+}
+
+/* ======================= launchers ======================= */
+
+/* The words of the index checks: per device, one per check, in mapped page-locked memory. */
+enum { CHECKS = 8 };
+typedef struct check {
+  const char *what, *fmt;
+  int64_t limit;
+} check_t;
+static struct {
+  volatile int *words; /* host view; NULL until the device's first check */
+  int *dev_words;
+  check_t c[CHECKS];
+  int n;
+} checks[DEVICE_MAX_CUDA];
+static pthread_mutex_t checks_lock = PTHREAD_MUTEX_INITIALIZER;
+
+status_t flag_new(flag_t *f, device_t dev, const char *fmt, const char *what, int64_t limit) {
+  f->p = NULL;
+  if (dev.index < 0 || dev.index >= DEVICE_MAX_CUDA)
+    return err_set(STATUS_ENODEV, "%s: no CUDA device %d", what, dev.index);
+  status_t st = STATUS_OK;
+  pthread_mutex_lock(&checks_lock);
+  auto *d = &checks[dev.index];
+  if (d->words == NULL) {
+    void *h = NULL, *dp = NULL;
+    cudaError_t e = cudaHostAlloc(&h, CHECKS * sizeof(int), cudaHostAllocMapped);
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&dp, h, 0);
+    if (e == cudaSuccess) {
+      memset(h, 0, CHECKS * sizeof(int));
+      d->words = (volatile int *)h;
+      d->dev_words = (int *)dp;
+    } else {
+      if (h != NULL) cudaFreeHost(h);
+      st = cuda_status(e, "the index checks' words (cudaHostAlloc, mapped)");
+    }
+  }
+  int k = 0;
+  while (st == STATUS_OK && k < d->n && strcmp(d->c[k].what, what) != 0) k++;
+  if (st == STATUS_OK && k == d->n) {
+    if (d->n == CHECKS)
+      st = err_set(STATUS_EINTERNAL, "%s: more than %d index checks", what, CHECKS);
+    else
+      d->n++;
+  }
+  if (st == STATUS_OK) {
+    d->c[k] = (check_t){what, fmt, limit};
+    f->p = d->dev_words + k;
+  }
+  pthread_mutex_unlock(&checks_lock);
+  return st;
+}
+
+extern "C" status_t cuda_index_checks(void) {
+  status_t st = STATUS_OK;
+  pthread_mutex_lock(&checks_lock);
+  for (int i = 0; i < DEVICE_MAX_CUDA && st == STATUS_OK; i++)
+    for (int k = 0; k < checks[i].n && st == STATUS_OK; k++)
+      if (checks[i].words[k] != 0) {
+        checks[i].words[k] = 0;
+        const check_t *c = &checks[i].c[k];
+        st = err_set(STATUS_EINVAL, c->fmt, c->what, (long long)c->limit);
+      }
+  pthread_mutex_unlock(&checks_lock);
+  return st;
+}
+
+static const char kIndexRange[] = "%s: an index is outside [0, %lld)";
+
+/* cuBLAS is loaded on first use (a product cuBLASLt refuses, attention's batched products), not
+ * linked: merely loading it (with cuBLASLt) costs every process about 210 MB of resident
+ * memory, which CPU-only runs of a CUDA-enabled build should not pay. The loader's usual search
+ * finds it (the library's and program's run path, LD_LIBRARY_PATH, the system's cache). */
+static struct {
+  decltype(&cublasCreate_v2) create;
+  decltype(&cublasSetStream_v2) set_stream;
+  cublasStatus_t (*gemm)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                         const void *, const void *, cudaDataType, int, const void *, cudaDataType,
+                         int, const void *, void *, cudaDataType, int, cublasComputeType_t,
+                         cublasGemmAlgo_t);
+  cublasStatus_t (*gemm_batched)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int,
+                                 int, const void *, const void *const[], cudaDataType, int,
+                                 const void *const[], cudaDataType, int, const void *,
+                                 void *const[], cudaDataType, int, int, cublasComputeType_t,
+                                 cublasGemmAlgo_t);
+  char error[256];
+} cublas;
+static pthread_once_t cublas_once = PTHREAD_ONCE_INIT;
+
+status_t cublas_status(cublasStatus_t s, const char *what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return STATUS_OK;
+  return err_set(s == CUBLAS_STATUS_ALLOC_FAILED ? STATUS_ENOMEM : STATUS_ECUBLAS,
+                 "%s: cuBLAS status %d", what, (int)s);
+}
+
+#define CUBLAS_SONAME "libcublas.so." CUBLAS_STR(CUBLAS_VER_MAJOR)
+#define CUBLAS_STR(x) CUBLAS_STR2(x)
+#define CUBLAS_STR2(x) #x
+
+static void cublas_load(void) {
+  void *lib = dlopen(CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    snprintf(cublas.error, sizeof cublas.error, "cannot load %s: %s", CUBLAS_SONAME, dlerror());
+    return;
+  }
+  cublas.create = (decltype(cublas.create))dlsym(lib, "cublasCreate_v2");
+  cublas.set_stream = (decltype(cublas.set_stream))dlsym(lib, "cublasSetStream_v2");
+  cublas.gemm = (decltype(cublas.gemm))dlsym(lib, "cublasGemmEx");
+  cublas.gemm_batched = (decltype(cublas.gemm_batched))dlsym(lib, "cublasGemmBatchedEx");
+  if (!cublas.create || !cublas.set_stream || !cublas.gemm || !cublas.gemm_batched)
+    snprintf(cublas.error, sizeof cublas.error,
+             "%s lacks cublasCreate_v2, cublasSetStream_v2, "
+             "cublasGemmEx or cublasGemmBatchedEx",
+             CUBLAS_SONAME);
+}
+
+status_t cuda_blas_handle(int dev, cudaStream_t s, cublasHandle_t *out) {
+  static __thread cublasHandle_t handles[DEVICE_MAX_CUDA];
+  pthread_once(&cublas_once, cublas_load);
+  if (cublas.error[0]) return err_set(STATUS_ECUBLAS, "%s", cublas.error);
+  CUDA_TRY(cudaSetDevice(dev));
+  if (handles[dev] == NULL) TRY(cublas_status(cublas.create(&handles[dev]), "cublasCreate"));
+  TRY(cublas_status(cublas.set_stream(handles[dev], s), "cublasSetStream"));
+  *out = handles[dev];
+  return STATUS_OK;
+}
+
+cublasStatus_t cuda_blas_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                              int n, int k, const void *alpha, const void *a, cudaDataType_t at,
+                              int lda, const void *b, cudaDataType_t bt, int ldb, const void *beta,
+                              void *c, cudaDataType_t ct, int ldc) {
+  return cublas.gemm(h, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc,
+                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+cublasStatus_t cuda_blas_gemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
+                                      int m, int n, int k, const void *alpha, const void *const a[],
+                                      cudaDataType_t at, int lda, const void *const b[],
+                                      cudaDataType_t bt, int ldb, const void *beta, void *const c[],
+                                      cudaDataType_t ct, int ldc, int count) {
+  return cublas.gemm_batched(h, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc,
+                             count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
+                            bool trans_b, float alpha, float beta, const matmul_dims_t *d) {
+  lt_gemm_t g =
+      cublas_lt_of_row_major(out->device.index, stream_of(out), out->dtype, trans_a, trans_b, d);
+  bool ran;
+  CUDA_TRY(cudaSetDevice(out->device.index));
+  TRY(cublas_lt_matmul(&g, alpha, b->data, a->data, beta, out->data, &ran));
+  if (ran) return STATUS_OK;
+  cublasHandle_t h;
+  TRY(cuda_blas_handle(out->device.index, stream_of(out), &h));
+  cudaDataType_t t = cuda_dtype(out->dtype);
+  /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T. */
+  cublasStatus_t s = cublas.gemm(
+      h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)d->n,
+      (int)d->m, (int)d->k, &alpha, b->data, t, (int)d->ldb, a->data, t, (int)d->lda, &beta,
+      out->data, t, (int)d->n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (s == CUBLAS_STATUS_SUCCESS) return STATUS_OK;
+  char what[96];
+  snprintf(what, sizeof what, "cublasGemmEx (m=%lld n=%lld k=%lld)", (long long)d->m,
+           (long long)d->n, (long long)d->k);
+  return cublas_status(s, what);
+}
+
+static status_t cuda_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids,
+                               int64_t first, int64_t vocab) {
+  int64_t n = tensor_numel(ids), D = table->shape[1], V = table->shape[0];
+  if (n * D == 0) return STATUS_OK;
+  flag_t f;
+  TRY(flag_new(&f, out->device, kIndexRange, "kernel_embedding", vocab));
+  embedding_kernel<<<grid_for(n * D), kBlock, 0, stream_of(out)>>>(
+      out->data, table->data, table->dtype, ids->data, ids->dtype, n, D, V, first, vocab, f.p);
+  return flag_finish(&f, launched("kernel_embedding"));
+}
+
+static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
+                                        const tensor_t *ids, int64_t first, int64_t vocab) {
+  int64_t n = tensor_numel(ids), D = grad_table->shape[1], V = grad_table->shape[0];
+  if (n * D == 0) return STATUS_OK;
+  if (n > INT32_MAX || V >= INT32_MAX)
+    return err_set(STATUS_EINVAL,
+                   "kernel_embedding_backward: %lld tokens or %lld rows: at most "
+                   "2^31 - 1 each on CUDA",
+                   (long long)n, (long long)V);
+  device_t dev = grad_table->device;
+  cudaStream_t s = stream_of(grad_table);
+  int end_bit = 1; /* sort keys are rows 0..V: enough bits for V */
+  while (end_bit < 31 && ((int64_t)1 << end_bit) <= V) end_bit++;
+  size_t sort_bytes = 0;
+  CUDA_TRY(cub::DeviceRadixSort::SortPairs(NULL, sort_bytes, (const int *)NULL, (int *)NULL,
+                                           (const int *)NULL, (int *)NULL, (int)n, 0, end_bit, s));
+  size_t keys = sizeof(int) * (size_t)n, part = (keys + 255) / 256 * 256;
+  size_t bytes = 4 * part + sort_bytes;
+  char *buf;
+  TRY(device_alloc(dev, bytes, (void **)&buf));
+  int *rows = (int *)buf, *tokens = (int *)(buf + part), *rows_sorted = (int *)(buf + 2 * part),
+      *tokens_sorted = (int *)(buf + 3 * part);
+  flag_t f;
+  status_t st = flag_new(&f, dev, kIndexRange, "kernel_embedding_backward", vocab);
+  if (st != STATUS_OK) {
+    device_free(dev, buf, bytes);
+    return st;
+  }
+  embedding_rows_kernel<<<grid_for(n), kBlock, 0, s>>>(rows, tokens, ids->data, ids->dtype, n, V,
+                                                       first, vocab, f.p);
+  st = launched("kernel_embedding_backward");
+  if (st == STATUS_OK)
+    st = cuda_status(cub::DeviceRadixSort::SortPairs(buf + 4 * part, sort_bytes, rows, rows_sorted,
+                                                     tokens, tokens_sorted, (int)n, 0, end_bit, s),
+                     "kernel_embedding_backward: cub::DeviceRadixSort::SortPairs");
+  if (st == STATUS_OK) {
+    int blocks = n < 65535 ? (int)n : 65535;
+    embedding_runs_kernel<<<blocks, kBlock, 0, s>>>(grad_table->data, grad_table->dtype,
+                                                    grad_out->data, grad_out->dtype, rows_sorted,
+                                                    tokens_sorted, n, D, V);
+    st = launched("kernel_embedding_backward");
+  }
+  device_free(dev, buf, bytes); /* stream-ordered: after the kernels */
+  return flag_finish(&f, st);
+}
+
+/* The RoPE table of the last call on each device (rope_fill_table, built on the host and
+ * copied over once): the next calls of the same positions (every layer's q and k, forward and
+ * backward) read it instead of computing a pow, cos and sin in double per pair. */
+typedef struct rope_dev_table {
+  rope_key_t key;
+  float *cs;
+  size_t bytes;
+} rope_dev_table_t;
+
+static pthread_mutex_t rope_lock = PTHREAD_MUTEX_INITIALIZER; /* held for a whole call */
+static rope_dev_table_t rope_tables[DEVICE_MAX_CUDA];
+
+static status_t rope_table_on(device_t dev, const rope_key_t *key, const float **out) {
+  rope_dev_table_t *c = &rope_tables[dev.index];
+  if (c->cs != NULL && rope_key_equal(&c->key, key)) {
+    *out = c->cs;
+    return STATUS_OK;
+  }
+  size_t bytes = sizeof(float) * (size_t)(key->T * key->Dh);
+  float *host = (float *)malloc(bytes);
+  if (host == NULL) return err_set(STATUS_ENOMEM, "kernel_rope: out of host memory");
+  rope_fill_table(key, host);
+  void *d = NULL;
+  status_t st = device_alloc(dev, bytes, &d);
+  if (st == STATUS_OK) st = device_memcpy(dev, d, device_cpu(), host, bytes); /* waits */
+  free(host);
+  if (st != STATUS_OK) {
+    if (d != NULL) device_free(dev, d, bytes);
+    return st;
+  }
+  if (c->cs != NULL) device_free(dev, c->cs, c->bytes); /* stream-ordered: after its readers */
+  *c = (rope_dev_table_t){*key, (float *)d, bytes};
+  *out = c->cs;
+  return STATUS_OK;
+}
+
+static status_t cuda_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
+                          bool inverse) {
+  int64_t n = tensor_numel(x) / 2;
+  if (n == 0) return STATUS_OK;
+  if (x->device.index < 0 || x->device.index >= DEVICE_MAX_CUDA)
+    return err_set(STATUS_ENODEV, "kernel_rope: no CUDA device %d", x->device.index);
+  int64_t T = x->shape[1], H = x->shape[2], Dh = x->shape[3];
+  pthread_mutex_lock(&rope_lock);
+  const float *cs = NULL;
+  rope_key_t key = {*rope, Dh, pos_offset, T};
+  status_t st = rope_table_on(x->device, &key, &cs);
+  if (st == STATUS_OK) {
+    float sign = inverse ? -1.0f : 1.0f;
+    bool narrow = 2 * n < INT32_MAX; /* every element's index fits */
+    with_float_type(x->dtype, [&](auto t) {
+      using E = decltype(t);
+      if (narrow)
+        rope_kernel<E, int><<<grid_for(n), kBlock, 0, stream_of(x)>>>(
+            (E *)out->data, (const E *)x->data, cs, (int)n, (int)T, (int)H, (int)Dh, sign);
+      else
+        rope_kernel<E, int64_t><<<grid_for(n), kBlock, 0, stream_of(x)>>>(
+            (E *)out->data, (const E *)x->data, cs, n, T, H, Dh, sign);
+    });
+    st = launched("kernel_rope");
+  }
+  pthread_mutex_unlock(&rope_lock);
+  return st;
+}
+
+/* Profiling timers: two timing events on the call's stream. */
+typedef struct cuda_timer {
+  cudaEvent_t start, stop;
+  cudaStream_t stream;
+} cuda_timer_t;
+
+static void *cuda_timer_start(device_t dev) {
+  cuda_timer_t *t = (cuda_timer_t *)calloc(1, sizeof *t);
+  if (t == NULL) return NULL;
+  t->stream = cuda_stream_raw(stream_current(dev));
+  if (cudaEventCreate(&t->start) != cudaSuccess) {
+    free(t);
+    return NULL;
+  }
+  if (cudaEventCreate(&t->stop) != cudaSuccess) {
+    cudaEventDestroy(t->start);
+    free(t);
+    return NULL;
+  }
+  if (cudaEventRecord(t->start, t->stream) != cudaSuccess) {
+    cudaEventDestroy(t->start);
+    cudaEventDestroy(t->stop);
+    free(t);
+    return NULL;
+  }
+  return t;
+}
+
+static void cuda_timer_stop(void *timer) {
+  cuda_timer_t *t = (cuda_timer_t *)timer;
+  cudaEventRecord(t->stop, t->stream);
+}
+
+static status_t cuda_timer_read(void *timer, double *seconds) {
+  cuda_timer_t *t = (cuda_timer_t *)timer;
+  float ms = 0;
+  status_t st = cuda_wait_event(t->stop, "kernel profile timer");
+  if (st == STATUS_OK)
+    st = cuda_status(cudaEventElapsedTime(&ms, t->start, t->stop), "kernel profile timer");
+  cudaEventDestroy(t->start);
+  cudaEventDestroy(t->stop);
+  free(t);
+  *seconds = 1e-3 * ms;
+  return st;
+}
+
+static kernel_ops_t ops;
+static pthread_once_t ops_once = PTHREAD_ONCE_INIT;
+
+static void ops_init(void) {
+  ops.matmul = cuda_matmul;
+  ops.embedding = cuda_embedding;
+  ops.embedding_backward = cuda_embedding_backward;
+  ops.rope = cuda_rope;
+  cuda_attention_kernels(&ops);
+  cuda_row_kernels(&ops);
+  cuda_pointwise_kernels(&ops);
+  ops.timer_start = cuda_timer_start;
+  ops.timer_stop = cuda_timer_stop;
+  ops.timer_read = cuda_timer_read;
+}
+
+extern "C" const kernel_ops_t *cuda_kernels(void) {
+  pthread_once(&ops_once, ops_init);
+  return &ops;
+}

@@ -1,0 +1,148 @@
+/*
+ * Private to the CUDA kernels (backends/cuda/kernels_cuda*.cu): element loads and stores of any
+ * float dtype, block reductions, launch helpers, the run-time loaded cuBLAS, and the function by
+ * which each file fills its launchers into the kernel table. kernels_cuda.cu holds the matrix
+ * products, the embedding, RoPE and the table; kernels_cuda_rows.cu the norms and
+ * cross-entropy; kernels_cuda_pointwise.cu the element-wise maps, AdamW and sums of squares;
+ * kernels_cuda_attention.cu runs the attention plan of core/attention_gemm_impl.h.
+ */
+#ifndef FSDPC_BASE_KERNELS_CUDA_H
+#define FSDPC_BASE_KERNELS_CUDA_H
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/cuda_elem.h"
+#include "core/kernels_impl.h"
+
+extern "C" cudaStream_t cuda_stream_raw(stream_t *s);
+
+/* ---- device helpers ---- */
+
+static __device__ inline float ldf(int dt, const void *p, int64_t i) {
+  switch (dt) {
+    case DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    case DTYPE_F16: return __half2float(((const __half *)p)[i]);
+    default: return ((const float *)p)[i];
+  }
+}
+
+static __device__ inline void stf(int dt, void *p, int64_t i, float v) {
+  switch (dt) {
+    case DTYPE_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); break;
+    case DTYPE_F16: ((__half *)p)[i] = __float2half_rn(v); break;
+    default: ((float *)p)[i] = v;
+  }
+}
+
+static __device__ inline int64_t ldi(int dt, const void *p, int64_t i) {
+  return dt == DTYPE_I32 ? ((const int32_t *)p)[i] : ((const int64_t *)p)[i];
+}
+
+#define GRID_STRIDE(i, n)                                                   \
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
+       i += (int64_t)gridDim.x * blockDim.x)
+
+/* Sum or max over the block; every thread gets the result. blockDim.x is a multiple of 32. */
+template <bool kMax>
+static __device__ inline float block_reduce(float v) {
+  __shared__ float part[32];
+  for (int o = 16; o > 0; o >>= 1) {
+    float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, w) : v + w;
+  }
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  v = lane < nw ? part[lane] : (kMax ? -INFINITY : 0.0f);
+  for (int o = 16; o > 0; o >>= 1) {
+    float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, w) : v + w;
+  }
+  return v;
+}
+
+/* ---- launch helpers ---- */
+
+static const int kBlock = 256;
+
+static inline int grid_for(int64_t n) {
+  int64_t g = (n + kBlock - 1) / kBlock;
+  if (g > 65535) g = 65535;
+  return g < 1 ? 1 : (int)g;
+}
+
+static inline cudaStream_t stream_of(const tensor_t *t) {
+  return cuda_stream_raw(stream_current(t->device));
+}
+
+static inline status_t launched(const char *what) { return cuda_status(cudaGetLastError(), what); }
+
+/* f(T()) with T the storage type of the float dtype dt. */
+template <typename F>
+static void with_float_type(int dt, F f) {
+  switch (dt) {
+    case DTYPE_BF16: f(__nv_bfloat16()); break;
+    case DTYPE_F16: f(__half()); break;
+    default: f(float());
+  }
+}
+
+static inline int64_t last_dim(const tensor_t *t) {
+  return t->ndim == 0 ? 1 : t->shape[t->ndim - 1];
+}
+
+/* Index checks without a host wait: a checking kernel writes 1 through p, a word of page-locked
+ * host memory mapped into the device, kept per device and per check (what). Nothing is read at
+ * the launch: the host looks at the words after its next wait for the device
+ * (cuda_index_checks, backends/cuda/cuda_check.h), and a word found set fails that wait with an
+ * EINVAL built from fmt (one %s for what, one %lld for limit). */
+typedef struct flag {
+  int *p;
+} flag_t;
+
+/* The word of check `what` on dev, its message set to fmt with limit. */
+status_t flag_new(flag_t *f, device_t dev, const char *fmt, const char *what, int64_t limit);
+/* The launch status (the check itself comes at the next wait). */
+static inline status_t flag_finish(flag_t *f, status_t launch) {
+  (void)f;
+  return launch;
+}
+
+/* ---- cuBLAS, loaded on first use (kernels_cuda.cu) ---- */
+
+/* The cuBLAS handle of device dev for this thread, bound to stream s. */
+status_t cuda_blas_handle(int dev, cudaStream_t s, cublasHandle_t *out);
+
+/* cublasGemmEx and cublasGemmBatchedEx through the loaded library (F32 compute, the default
+ * algorithm). */
+cublasStatus_t cuda_blas_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                              int n, int k, const void *alpha, const void *a, cudaDataType_t at,
+                              int lda, const void *b, cudaDataType_t bt, int ldb, const void *beta,
+                              void *c, cudaDataType_t ct, int ldc);
+cublasStatus_t cuda_blas_gemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb,
+                                      int m, int n, int k, const void *alpha, const void *const a[],
+                                      cudaDataType_t at, int lda, const void *const b[],
+                                      cudaDataType_t bt, int ldb, const void *beta, void *const c[],
+                                      cudaDataType_t ct, int ldc, int count);
+
+/* The status of a cuBLAS result: STATUS_OK; STATUS_ENOMEM when cuBLAS could not allocate;
+ * otherwise STATUS_ECUBLAS, "WHAT: cuBLAS status N". */
+status_t cublas_status(cublasStatus_t s, const char *what);
+
+static inline cudaDataType_t cuda_dtype(dtype_t dt) {
+  return dt == DTYPE_BF16 ? CUDA_R_16BF : dt == DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+/* Fill their launchers into the CUDA kernel table (kernels_cuda.cu). */
+void cuda_row_kernels(kernel_ops_t *ops);
+void cuda_pointwise_kernels(kernel_ops_t *ops);
+void cuda_attention_kernels(kernel_ops_t *ops);
+
+#endif

@@ -1,0 +1,430 @@
+/*
+ * CUDA twin of the element-wise kernels (kernels_cpu_pointwise.c): SiLU*mul, activations, bias,
+ * add, axpy, scale as typed maps in 16-byte packs; AdamW and the sums of squares of many tensors
+ * in one launch. Kernels first, then launchers.
+ */
+#include "backends/cuda/kernels_cuda.h"
+
+/* ======================= kernels ======================= */
+
+/* ---- element-wise maps ---- */
+
+template <int NI, int NO>
+struct map_ptrs {
+  const void *in[NI];
+  void *out[NO];
+};
+
+/*
+ * NI inputs and NO outputs of one storage type T, element by element: op.apply<T>(x, y) reads
+ * x[0, NI) and writes y[0, NO) for one element, in f32. The first nvec * W elements (W = 16 /
+ * sizeof(T)) go W at a time, each operand in one 16-byte load or store (the launcher sets nvec
+ * to 0 unless every pointer is 16-byte aligned); the rest one at a time. An output may alias
+ * an input: each element is read, then written, by one thread.
+ */
+template <typename T, int NI, int NO, typename Op>
+__global__ static void map_kernel(map_ptrs<NI, NO> p, int64_t n, int64_t nvec, Op op) {
+  const int W = 16 / sizeof(T);
+  GRID_STRIDE(v, nvec) {
+    pack<T> in[NI], o[NO];
+#pragma unroll
+    for (int i = 0; i < NI; i++) in[i] = ((const pack<T> *)p.in[i])[v];
+#pragma unroll
+    for (int j = 0; j < W; j++) {
+      float x[NI], y[NO];
+#pragma unroll
+      for (int i = 0; i < NI; i++) x[i] = tof(in[i].v[j]);
+      op.template apply<T>(x, y);
+#pragma unroll
+      for (int k = 0; k < NO; k++) o[k].v[j] = fromf<T>(y[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < NO; k++) ((pack<T> *)p.out[k])[v] = o[k];
+  }
+  GRID_STRIDE(r, n - nvec * W) {
+    int64_t e = nvec * W + r;
+    float x[NI], y[NO];
+#pragma unroll
+    for (int i = 0; i < NI; i++) x[i] = tof(((const T *)p.in[i])[e]);
+    op.template apply<T>(x, y);
+#pragma unroll
+    for (int k = 0; k < NO; k++) ((T *)p.out[k])[e] = fromf<T>(y[k]);
+  }
+}
+
+/* out = a + b */
+struct op_add {
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = x[0] + x[1];
+  }
+};
+
+/* x = alpha x */
+struct op_scale {
+  float alpha;
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = alpha * x[0];
+  }
+};
+
+/* y = y + alpha x (inputs y, x) */
+struct op_axpy {
+  float alpha;
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = x[0] + alpha * x[1];
+  }
+};
+
+/* out = silu(gate) * up, silu's value rounded to T first (inputs gate, up) */
+struct op_silu_mul {
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    float g = x[0], sg = 1.0f / (1.0f + expf(-g));
+    y[0] = round_to<T>(g * sg) * x[1];
+  }
+};
+
+/* dgate, dup from dout, gate, up */
+struct op_silu_mul_backward {
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    float dy = x[0], g = x[1], u = x[2], s = 1.0f / (1.0f + expf(-g));
+    y[1] = dy * (g * s);
+    y[0] = dy * u * (s * (1.0f + g * (1.0f - s)));
+  }
+};
+
+__device__ static float act_value(int act, float x) {
+  switch (act) {
+    case KERNEL_ACT_RELU: return x > 0.0f ? x : 0.0f;
+    case KERNEL_ACT_GELU: return 0.5f * x * (1.0f + erff(x * (float)M_SQRT1_2));
+    default: return x / (1.0f + expf(-x));
+  }
+}
+
+__device__ static float act_derivative(int act, float x) {
+  switch (act) {
+    case KERNEL_ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
+    case KERNEL_ACT_GELU: /* Phi(x) + x * phi(x) */
+      return 0.5f * (1.0f + erff(x * (float)M_SQRT1_2)) +
+             x * (float)(0.5 * M_2_SQRTPI * M_SQRT1_2) * expf(-0.5f * x * x);
+    default: {
+      float s = 1.0f / (1.0f + expf(-x));
+      return s * (1.0f + x * (1.0f - s));
+    }
+  }
+}
+
+/* out = act(x) */
+struct op_activation {
+  int act;
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = act_value(act, x[0]);
+  }
+};
+
+/* dx = dy act'(x) (inputs dy, x) */
+struct op_activation_backward {
+  int act;
+  template <typename T>
+  __device__ void apply(const float *x, float *y) const {
+    y[0] = x[0] * act_derivative(act, x[1]);
+  }
+};
+
+__global__ static void bias_add_kernel(void *out, const void *x, const void *b, int dt, int64_t n,
+                                       int64_t D) {
+  GRID_STRIDE(i, n) stf(dt, out, i, ldf(dt, x, i) + ldf(dt, b, i % D));
+}
+
+/* One thread per column, summing over rows in order: deterministic, as the CPU twin. */
+__global__ static void bias_backward_kernel(void *db, int bdt, const void *dy, int ydt,
+                                            int64_t rows, int64_t D) {
+  GRID_STRIDE(j, D) {
+    float s = 0;
+    for (int64_t i = 0; i < rows; i++) s += ldf(ydt, dy, i * D + j);
+    stf(bdt, db, j, ldf(bdt, db, j) + s);
+  }
+}
+
+/* y += alpha x where x is narrower than y (the same dtypes take op_axpy's map) */
+__global__ static void axpy_kernel(void *y, int ydt, float alpha, const void *x, int xdt,
+                                   int64_t n) {
+  GRID_STRIDE(e, n) stf(ydt, y, e, ldf(ydt, y, e) + alpha * ldf(xdt, x, e));
+}
+
+struct adamw_consts {
+  float decay, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps, grad_scale;
+};
+
+/* Many parameters' AdamW in one launch (the table is the kernel's argument: no copy to the
+ * device). Entry i has blocks [first_block, next entry's first_block); each block strides
+ * over its entry's elements. The arithmetic is kernel_adamw's, element by element. */
+enum { kAdamwTable = 36 }; /* entries per launch: the table stays under 4 KB of arguments */
+
+struct adamw_entry {
+  void *p;
+  const void *g;
+  float *m, *v;
+  int64_t n, first_block;
+  int pdt, gdt;
+  adamw_consts c;
+};
+
+typedef entry_table<adamw_entry, kAdamwTable> adamw_table;
+
+__global__ static void adamw_many_kernel(adamw_table t) {
+  int64_t b, nb;
+  const adamw_entry &x = t.e[table_entry(t, &b, &nb)];
+  const adamw_consts &a = x.c;
+  for (int64_t e = b * blockDim.x + threadIdx.x; e < x.n; e += nb * blockDim.x) {
+    float pi = ldf(x.pdt, x.p, e) * a.decay, gi = __fmul_rn(ldf(x.gdt, x.g, e), a.grad_scale);
+    float *m = x.m, *v = x.v;
+    m[e] += a.one_minus_b1 * (gi - m[e]);
+    v[e] = v[e] * a.b2 + a.one_minus_b2 * gi * gi;
+    float denom = sqrtf(v[e]) / a.bc2_sqrt + a.eps;
+    stf(x.pdt, x.p, e, pi + (-a.step_size * m[e]) / denom);
+  }
+}
+
+/* Sums of squares without atomics: block b of a tensor's nb blocks (at most kSsqBlocks)
+ * strides over its elements nb blocks apart and writes its float partial to the tensor's
+ * partial[b]; then one thread per tensor adds its partials in block order in double. Many
+ * tensors' blocks go in one launch, each block finding its tensor in the table (its argument,
+ * as adamw_many_kernel's); a tensor's partials are the same whatever else the launch holds. */
+static const int kSsqBlocks = 1024;
+/* elements a thread reads at least before its tensor takes another block: at one block per
+ * 256 elements llama-100m's gradient norm launched about 82,000 blocks of one to three
+ * elements a thread, each too short to outweigh its start and its reduction, and ran at 803
+ * GB/s on an H200 (22% of its copy bandwidth) */
+static const int64_t kSsqPerThread = 16;
+enum { kSsqTable = 120 }; /* tensors per launch: the table stays under 4 KB of arguments */
+
+struct ssq_entry {
+  const void *x;
+  int64_t n;
+  int first_block, dt;
+  float *partial; /* its kSsqBlocks partials */
+};
+
+typedef entry_table<ssq_entry, kSsqTable> ssq_table;
+
+__global__ static void sum_squares_many_kernel(ssq_table t) {
+  int64_t b, nb;
+  const ssq_entry &x = t.e[table_entry(t, &b, &nb)];
+  float s = 0;
+#pragma unroll 4
+  for (int64_t e = b * blockDim.x + threadIdx.x; e < x.n; e += nb * blockDim.x) {
+    float v = ldf(x.dt, x.x, e);
+    s += v * v;
+  }
+  s = block_reduce<false>(s);
+  if (threadIdx.x == 0) x.partial[b] = s;
+}
+
+__global__ static void sum_squares_total_kernel(double *out, const float *partial, int n) {
+  GRID_STRIDE(t, n) {
+    double s = 0;
+    for (int b = 0; b < kSsqBlocks; b++) s += partial[t * kSsqBlocks + b];
+    out[t] = s;
+  }
+}
+
+/* ======================= launchers ======================= */
+
+/* Runs op over the n = numel(like) elements of the operands in and out, all of like's dtype, on
+ * like's device and stream. */
+template <int NI, int NO, typename Op>
+static status_t map_launch(const tensor_t *like, const void *const (&in)[NI],
+                           void *const (&out)[NO], Op op, const char *what) {
+  int64_t n = tensor_numel(like);
+  if (n == 0) return STATUS_OK;
+  map_ptrs<NI, NO> p;
+  uintptr_t bits = 0;
+  for (int i = 0; i < NI; i++) bits |= (uintptr_t)(p.in[i] = in[i]);
+  for (int k = 0; k < NO; k++) bits |= (uintptr_t)(p.out[k] = out[k]);
+  int64_t W = 16 / (int64_t)dtype_size(like->dtype), nvec = bits % 16 == 0 ? n / W : 0;
+  int grid = grid_for(nvec > n - nvec * W ? nvec : n - nvec * W);
+  cudaStream_t s = stream_of(like);
+  with_float_type(like->dtype,
+                  [&](auto t) { map_kernel<decltype(t)><<<grid, kBlock, 0, s>>>(p, n, nvec, op); });
+  return launched(what);
+}
+
+static status_t cuda_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
+  const void *const in[2] = {gate->data, up->data};
+  void *const o[1] = {out->data};
+  return map_launch(out, in, o, op_silu_mul{}, "kernel_silu_mul");
+}
+
+static status_t cuda_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
+                                       const tensor_t *gate, const tensor_t *up) {
+  const void *const in[3] = {dout->data, gate->data, up->data};
+  void *const o[2] = {dgate->data, dup->data};
+  return map_launch(dout, in, o, op_silu_mul_backward{}, "kernel_silu_mul_backward");
+}
+
+static status_t cuda_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
+  const void *const in[1] = {x->data};
+  void *const o[1] = {out->data};
+  return map_launch(out, in, o, op_activation{(int)act}, "kernel_activation");
+}
+
+static status_t cuda_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
+                                         kernel_act_t act) {
+  const void *const in[2] = {dy->data, x->data};
+  void *const o[1] = {dx->data};
+  return map_launch(dx, in, o, op_activation_backward{(int)act}, "kernel_activation_backward");
+}
+
+static status_t cuda_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
+  int64_t n = tensor_numel(out);
+  bias_add_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, x->data, b->data,
+                                                              out->dtype, n, last_dim(x));
+  return launched("kernel_bias_add");
+}
+
+static status_t cuda_bias_backward(tensor_t *db, const tensor_t *dy) {
+  int64_t D = last_dim(dy), rows = tensor_numel(dy) / D;
+  bias_backward_kernel<<<grid_for(D), kBlock, 0, stream_of(dy)>>>(db->data, db->dtype, dy->data,
+                                                                  dy->dtype, rows, D);
+  return launched("kernel_bias_backward");
+}
+
+static status_t cuda_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
+  const void *const in[2] = {a->data, b->data};
+  void *const o[1] = {out->data};
+  return map_launch(out, in, o, op_add{}, "kernel_add");
+}
+
+static status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x) {
+  int64_t n = tensor_numel(y);
+  if (n == 0) return STATUS_OK;
+  if (y->dtype == x->dtype) {
+    const void *const in[2] = {y->data, x->data};
+    void *const o[1] = {y->data};
+    return map_launch(y, in, o, op_axpy{alpha}, "kernel_axpy");
+  }
+  axpy_kernel<<<grid_for(n), kBlock, 0, stream_of(y)>>>(y->data, y->dtype, alpha, x->data, x->dtype,
+                                                        n);
+  return launched("kernel_axpy");
+}
+
+static status_t cuda_scale(tensor_t *x, float alpha) {
+  const void *const in[1] = {x->data};
+  void *const o[1] = {x->data};
+  return map_launch(x, in, o, op_scale{alpha}, "kernel_scale");
+}
+
+static adamw_consts adamw_consts_of(const adamw_args_t *a) {
+  double bc1 = 1.0 - pow(a->beta1, (double)a->step), bc2 = 1.0 - pow(a->beta2, (double)a->step);
+  adamw_consts c = {(float)(1.0 - a->lr * a->weight_decay),
+                    (float)(1.0 - a->beta1),
+                    (float)a->beta2,
+                    (float)(1.0 - a->beta2),
+                    (float)(a->lr / bc1),
+                    (float)sqrt(bc2),
+                    (float)a->eps,
+                    a->grad_scale != 0 ? a->grad_scale : 1.0f};
+  return c;
+}
+
+static status_t cuda_adamw_many(const adamw_item_t *items, int n) {
+  cudaStream_t s = stream_of(items[0].p);
+  for (int i0 = 0; i0 < n;) {
+    adamw_table t;
+    t.count = 0;
+    int64_t blocks = 0;
+    for (; i0 < n && t.count < kAdamwTable; i0++) {
+      const adamw_item_t *it = &items[i0];
+      int64_t numel = tensor_numel(it->p);
+      if (numel == 0) continue;
+      adamw_entry &e = t.e[t.count++];
+      e.p = it->p->data;
+      e.g = it->g->data;
+      e.m = (float *)it->m->data;
+      e.v = (float *)it->v->data;
+      e.n = numel;
+      e.first_block = blocks;
+      e.pdt = it->p->dtype;
+      e.gdt = it->g->dtype;
+      e.c = adamw_consts_of(&it->args);
+      int64_t nb = (numel + kBlock - 1) / kBlock;
+      blocks += nb < 1024 ? nb : 1024;
+    }
+    if (t.count == 0) break;
+    adamw_many_kernel<<<(unsigned)blocks, kBlock, 0, s>>>(t);
+    TRY(launched("kernel_adamw"));
+  }
+  return STATUS_OK;
+}
+
+static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
+                           const adamw_args_t *a) {
+  adamw_item_t it = {p, g, m, v, *a};
+  return cuda_adamw_many(&it, 1);
+}
+
+static status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
+  device_t dev = xs[0]->device;
+  cudaStream_t s = stream_of(xs[0]);
+  size_t pbytes = sizeof(float) * (size_t)n * kSsqBlocks, bytes = pbytes + sizeof(double) * n;
+  char *buf;
+  TRY(device_alloc(dev, bytes, (void **)&buf));
+  float *partial = (float *)buf;
+  double *sums = (double *)(buf + pbytes); /* pbytes is a multiple of 4 KiB */
+  /* unused partials stay zero (adding them changes no bit) */
+  status_t st =
+      cuda_status(cudaMemsetAsync(partial, 0, pbytes, s), "cudaMemsetAsync (sum of squares)");
+  for (int i0 = 0; i0 < n && st == STATUS_OK;) {
+    ssq_table t;
+    t.count = 0;
+    int blocks = 0;
+    for (; i0 < n && t.count < kSsqTable; i0++) {
+      int64_t m = tensor_numel(xs[i0]);
+      if (m == 0) continue;
+      ssq_entry &e = t.e[t.count++];
+      e.x = xs[i0]->data;
+      e.n = m;
+      e.first_block = blocks;
+      e.dt = xs[i0]->dtype;
+      e.partial = partial + (size_t)i0 * kSsqBlocks;
+      int64_t nb = (m + kBlock * kSsqPerThread - 1) / (kBlock * kSsqPerThread);
+      blocks += (int)(nb < kSsqBlocks ? nb : kSsqBlocks);
+    }
+    if (t.count == 0) break;
+    sum_squares_many_kernel<<<(unsigned)blocks, kBlock, 0, s>>>(t);
+    st = launched("kernel_sum_squares");
+  }
+  if (st == STATUS_OK) {
+    sum_squares_total_kernel<<<grid_for(n), kBlock, 0, s>>>(sums, partial, n);
+    st = launched("kernel_sum_squares");
+  }
+  if (st == STATUS_OK) st = device_memcpy(device_cpu(), out, dev, sums, sizeof(double) * n);
+  device_free(dev, buf, bytes);
+  return st;
+}
+
+static status_t cuda_sum_squares(const tensor_t *x, double *out) {
+  return cuda_sum_squares_many(&x, 1, out);
+}
+
+void cuda_pointwise_kernels(kernel_ops_t *ops) {
+  ops->silu_mul = cuda_silu_mul;
+  ops->silu_mul_backward = cuda_silu_mul_backward;
+  ops->activation = cuda_activation;
+  ops->activation_backward = cuda_activation_backward;
+  ops->bias_add = cuda_bias_add;
+  ops->bias_backward = cuda_bias_backward;
+  ops->add = cuda_add;
+  ops->axpy = cuda_axpy;
+  ops->scale = cuda_scale;
+  ops->adamw = cuda_adamw;
+  ops->adamw_many = cuda_adamw_many;
+  ops->sum_squares = cuda_sum_squares;
+  ops->sum_squares_many = cuda_sum_squares_many;
+}

@@ -1,0 +1,425 @@
+#include "core/file.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core/args_impl.h"
+
+status_t file_open_regular(const char *path, const char *what, FILE **out) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(out);
+  *out = NULL;
+  /* O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one */
+  const char *sep = what ? " " : "";
+  what = what ? what : "";
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return err_set(STATUS_EIO, "%s%s%s: %s", what, sep, path, strerror(errno));
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    const char *kind = S_ISDIR(sb.st_mode)    ? "a folder"
+                       : S_ISFIFO(sb.st_mode) ? "a FIFO"
+                       : S_ISSOCK(sb.st_mode) ? "a socket"
+                                              : "a device or special file";
+    close(fd);
+    return err_set(STATUS_EIO, "%s%s%s: is %s, not a regular file", what, sep, path, kind);
+  }
+  int flags = fcntl(fd, F_GETFL);
+  FILE *f = NULL;
+  if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0 || (f = fdopen(fd, "rb")) == NULL) {
+    int e = errno;
+    close(fd);
+    return err_set(STATUS_EIO, "%s%s%s: %s", what, sep, path, strerror(e));
+  }
+  *out = f;
+  return STATUS_OK;
+}
+
+status_t file_read_text(const char *path, size_t max_bytes, char **out) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(out);
+  *out = NULL;
+  FILE *f;
+  TRY(file_open_regular(path, NULL, &f));
+  status_t st = STATUS_OK;
+  char *buf = NULL;
+  long n = -1;
+  if (fseek(f, 0, SEEK_END) == 0) n = ftell(f);
+  if (n < 0 || fseek(f, 0, SEEK_SET) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot read: %s", path, strerror(errno));
+  else if ((size_t)n > max_bytes)
+    st = err_set(STATUS_EFORMAT, "%s: %ld bytes, more than the %zu this file may have", path, n,
+                 max_bytes);
+  else if ((buf = malloc((size_t)n + 1)) == NULL)
+    st = err_set(STATUS_ENOMEM, "%s: out of host memory", path);
+  else if (fread(buf, 1, (size_t)n, f) != (size_t)n)
+    st = err_set(STATUS_EIO, "%s: short read", path);
+  fclose(f);
+  if (st != STATUS_OK) {
+    free(buf);
+    return st;
+  }
+  buf[n] = '\0';
+  *out = buf;
+  return STATUS_OK;
+}
+
+status_t file_write_text(const char *path, const char *text) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(text);
+  FILE *f = fopen(path, "wb");
+  status_t st = STATUS_OK;
+  if (f == NULL || fputs(text, f) < 0 || fputc('\n', f) == EOF || fflush(f) != 0 ||
+      fsync(fileno(f)) != 0)
+    st = err_set(STATUS_EIO, "%s: cannot write: %s", path, strerror(errno));
+  if (f && fclose(f) != 0 && st == STATUS_OK) st = err_set(STATUS_EIO, "%s: close failed", path);
+  return st;
+}
+
+#define DIRS_PATH_MAX 4096
+
+static status_t dirs_error(const char *what, const char *path, const char *reason) {
+  return err_set(STATUS_EIO, "%s%s'%s': %s", what ? what : "", what ? " " : "", path, reason);
+}
+
+/* Whether the existing entry at path is a folder this process may write into. */
+static status_t writable_folder(const char *what, const char *path, const char *shown) {
+  struct stat sb;
+  if (stat(path, &sb) != 0) return dirs_error(what, shown, strerror(errno));
+  if (!S_ISDIR(sb.st_mode)) {
+    char why[DIRS_PATH_MAX + 40];
+    snprintf(why, sizeof why, "'%s' is not a folder", path);
+    return dirs_error(what, shown, why);
+  }
+  if (access(path, W_OK | X_OK) != 0) {
+    char why[DIRS_PATH_MAX + 80];
+    snprintf(why, sizeof why, "cannot write into '%s': %s", path, strerror(errno));
+    return dirs_error(what, shown, why);
+  }
+  return STATUS_OK;
+}
+
+status_t file_make_dirs(const char *path, const char *what) {
+  ARG_NONNULL(path);
+  char buf[DIRS_PATH_MAX];
+  size_t n = strlen(path);
+  if (n == 0 || n >= sizeof buf) return dirs_error(what, path, "empty or too long a path");
+  memcpy(buf, path, n + 1);
+  for (size_t i = 1; i <= n; i++) {
+    if (buf[i] != '/' && buf[i] != 0) continue;
+    char c = buf[i];
+    buf[i] = 0;
+    struct stat sb;
+    char why[DIRS_PATH_MAX + 80];
+    if (mkdir(buf, 0755) == 0) {
+      buf[i] = c;
+      continue;
+    }
+    if (errno != EEXIST) {
+      snprintf(why, sizeof why, "cannot create '%s': %s", buf, strerror(errno));
+      return dirs_error(what, path, why);
+    }
+    if (stat(buf, &sb) == 0 && !S_ISDIR(sb.st_mode)) {
+      snprintf(why, sizeof why, "'%s' is not a folder", buf);
+      return dirs_error(what, path, why);
+    }
+    buf[i] = c;
+  }
+  return writable_folder(what, path, path);
+}
+
+status_t file_check_dirs(const char *path, const char *what) {
+  ARG_NONNULL(path);
+  char buf[DIRS_PATH_MAX];
+  size_t n = strlen(path);
+  if (n == 0 || n >= sizeof buf) return dirs_error(what, path, "empty or too long a path");
+  memcpy(buf, path, n + 1);
+  for (;;) { /* up to the nearest entry that exists */
+    struct stat sb;
+    if (stat(buf, &sb) == 0) return writable_folder(what, buf, path);
+    if ((errno != ENOENT && errno != ENOTDIR) || strcmp(buf, ".") == 0 || strcmp(buf, "/") == 0) {
+      char why[DIRS_PATH_MAX + 80];
+      snprintf(why, sizeof why, "'%s': %s", buf, strerror(errno));
+      return dirs_error(what, path, why);
+    }
+    char *slash = strrchr(buf, '/');
+    while (slash != NULL && slash > buf && slash[1] == 0) { /* trailing slashes */
+      *slash = 0;
+      slash = strrchr(buf, '/');
+    }
+    if (slash == NULL) {
+      snprintf(buf, sizeof buf, ".");
+    } else if (slash == buf) {
+      buf[1] = 0; /* "/" */
+    } else {
+      *slash = 0;
+    }
+  }
+}
+
+bool file_is_dir(const char *path) {
+  struct stat sb;
+  return path != NULL && stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+/* Empties the folder open at fd (owned: closed here), then nothing else. */
+static bool remove_entries(int fd) {
+  DIR *d = fdopendir(fd);
+  if (d == NULL) {
+    close(fd);
+    return false;
+  }
+  bool ok = true;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    const char *name = e->d_name;
+    if (strcmp(name, ".") == 0 || strcmp(name, "..") == 0) continue;
+    if (unlinkat(dirfd(d), name, 0) == 0) continue; /* a file or a link: never its target */
+    int sub = openat(dirfd(d), name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (sub < 0) {
+      ok = false;
+      continue;
+    }
+    ok &= remove_entries(sub);
+    if (unlinkat(dirfd(d), name, AT_REMOVEDIR) != 0) ok = false;
+  }
+  closedir(d);
+  return ok;
+}
+
+bool file_remove_tree(const char *path) {
+  struct stat sb;
+  if (path == NULL) return false;
+  if (lstat(path, &sb) != 0) return errno == ENOENT;
+  if (!S_ISDIR(sb.st_mode)) return unlink(path) == 0; /* a link goes, its target stays */
+  int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return unlink(path) == 0; /* replaced by a link since the lstat */
+  bool ok = remove_entries(fd);
+  return rmdir(path) == 0 && ok;
+}
+
+static status_t temp_name(const char *path, char *tmp, size_t size) {
+  int n = snprintf(tmp, size, "%s.tmp-XXXXXX", path);
+  if (n < 0 || (size_t)n >= size || path[0] == 0)
+    return err_set(STATUS_EINVAL, "'%s': empty or too long a path", path);
+  return STATUS_OK;
+}
+
+status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(tmp);
+  TRY(temp_name(path, tmp, size));
+  if (mkdtemp(tmp) == NULL)
+    return err_set(STATUS_EIO, "cannot create a folder beside '%s': %s", path, strerror(errno));
+  chmod(tmp, 0755); /* mkdtemp's 0700, as mkdir would have made it */
+  return STATUS_OK;
+}
+
+status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(tmp);
+  ARG_NONNULL(out);
+  *out = NULL;
+  TRY(temp_name(path, tmp, size));
+  int fd = mkstemp(tmp);
+  if (fd < 0)
+    return err_set(STATUS_EIO, "cannot create a file beside '%s': %s", path, strerror(errno));
+  mode_t mask = umask(0); /* mkstemp's 0600, as fopen would have made it */
+  umask(mask);
+  fchmod(fd, 0666 & ~mask);
+  if ((*out = fdopen(fd, "w")) == NULL) {
+    int e = errno;
+    close(fd);
+    unlink(tmp);
+    return err_set(STATUS_EIO, "'%s': %s", tmp, strerror(e));
+  }
+  return STATUS_OK;
+}
+
+status_t file_replace_text(const char *path, const char *text) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(text);
+  char tmp[DIRS_PATH_MAX + 16];
+  FILE *f;
+  TRY(file_create_temp(path, tmp, sizeof tmp, &f));
+  bool ok = fputs(text, f) >= 0 && fflush(f) == 0 && fsync(fileno(f)) == 0;
+  int e = errno;
+  if (fclose(f) != 0 && ok) {
+    ok = false;
+    e = errno;
+  }
+  if (ok && rename(tmp, path) != 0) {
+    ok = false;
+    e = errno;
+  }
+  if (!ok) {
+    unlink(tmp);
+    return err_set(STATUS_EIO, "cannot write '%s': %s", path, strerror(e));
+  }
+  return STATUS_OK;
+}
+
+typedef struct input {
+  dev_t dev;
+  ino_t ino;
+  char *path, *what;
+} input_t;
+
+struct file_inputs {
+  input_t *v;
+  int n, cap;
+};
+
+status_t file_inputs_new(file_inputs_t **out) {
+  ARG_NONNULL(out);
+  *out = calloc(1, sizeof **out);
+  return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+}
+
+void file_inputs_free(file_inputs_t *in) {
+  if (in == NULL) return;
+  for (int i = 0; i < in->n; i++) {
+    free(in->v[i].path);
+    free(in->v[i].what);
+  }
+  free(in->v);
+  free(in);
+}
+
+static status_t add_one(file_inputs_t *in, const struct stat *sb, const char *path,
+                        const char *what) {
+  if (in->n == in->cap) {
+    int cap = in->cap ? 2 * in->cap : 16;
+    input_t *v = realloc(in->v, sizeof *v * (size_t)cap);
+    if (v == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+    in->v = v;
+    in->cap = cap;
+  }
+  input_t *e = &in->v[in->n];
+  *e = (input_t){sb->st_dev, sb->st_ino, strdup(path), strdup(what)};
+  if (e->path == NULL || e->what == NULL) {
+    free(e->path);
+    free(e->what);
+    return err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  in->n++;
+  return STATUS_OK;
+}
+
+/* Adds the files under the folder path (depth: how far down), links not followed. */
+static status_t add_folder(file_inputs_t *in, const char *path, const char *what, int depth) {
+  DIR *d = opendir(path);
+  if (d == NULL) return STATUS_OK;
+  status_t st = STATUS_OK;
+  struct dirent *e;
+  while (st == STATUS_OK && (e = readdir(d)) != NULL) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+    char sub[DIRS_PATH_MAX];
+    struct stat sb;
+    snprintf(sub, sizeof sub, "%.3800s/%.255s", path, e->d_name);
+    if (lstat(sub, &sb) != 0) continue;
+    if (S_ISREG(sb.st_mode))
+      st = add_one(in, &sb, sub, what);
+    else if (S_ISDIR(sb.st_mode) && depth > 0)
+      st = add_folder(in, sub, what, depth - 1);
+  }
+  closedir(d);
+  return st;
+}
+
+status_t file_inputs_add(file_inputs_t *in, const char *path, const char *what) {
+  ARG_NONNULL(in);
+  ARG_NONNULL(path);
+  struct stat sb;
+  if (path == NULL || path[0] == 0 || stat(path, &sb) != 0) return STATUS_OK;
+  if (S_ISDIR(sb.st_mode)) return add_folder(in, path, what, 4);
+  return add_one(in, &sb, path, what);
+}
+
+/* The folder that holds path ("." for a bare name) into buf. */
+static void parent_of(const char *path, char *buf, size_t size) {
+  snprintf(buf, size, "%s", path);
+  size_t n = strlen(buf);
+  while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
+  char *slash = strrchr(buf, '/');
+  if (slash == NULL)
+    snprintf(buf, size, ".");
+  else if (slash == buf)
+    buf[1] = 0;
+  else
+    *slash = 0;
+}
+
+static const char *kind_of(mode_t m) {
+  return S_ISLNK(m)    ? "a symbolic link (name the file it points to, if that is meant)"
+         : S_ISDIR(m)  ? "a folder"
+         : S_ISFIFO(m) ? "a FIFO"
+         : S_ISSOCK(m) ? "a socket"
+         : S_ISREG(m)  ? "a file"
+                       : "a device";
+}
+
+status_t file_check_output(const char *path, const char *what, const file_inputs_t *in) {
+  ARG_NONNULL(path);
+  what = what ? what : "output";
+  struct stat sb;
+  if (path[0] == 0) return dirs_error(what, path, "empty path");
+  if (lstat(path, &sb) == 0) {
+    if (!S_ISREG(sb.st_mode)) {
+      char why[160];
+      snprintf(why, sizeof why, "is %s, not a regular file; nothing was written",
+               kind_of(sb.st_mode));
+      return dirs_error(what, path, why);
+    }
+    for (int i = 0; in != NULL && i < in->n; i++)
+      if (in->v[i].dev == sb.st_dev && in->v[i].ino == sb.st_ino) {
+        char why[DIRS_PATH_MAX + 160];
+        snprintf(why, sizeof why, "is %s '%.3800s', an input of this run; name another file",
+                 in->v[i].what, in->v[i].path);
+        return dirs_error(what, path, why);
+      }
+  } else if (errno != ENOENT) {
+    return dirs_error(what, path, strerror(errno));
+  }
+  char parent[DIRS_PATH_MAX];
+  parent_of(path, parent, sizeof parent);
+  return writable_folder(what, parent, path);
+}
+
+static bool folder_empty(const char *path) {
+  DIR *d = opendir(path);
+  if (d == NULL) return false;
+  struct dirent *e;
+  int n = 0;
+  while ((e = readdir(d)) != NULL) n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
+  closedir(d);
+  return n == 0;
+}
+
+status_t file_check_output_dir(const char *path, const char *what, bool empty_ok) {
+  ARG_NONNULL(path);
+  what = what ? what : "output";
+  struct stat sb;
+  if (path[0] == 0) return dirs_error(what, path, "empty path");
+  if (lstat(path, &sb) == 0) {
+    char why[160];
+    if (!S_ISDIR(sb.st_mode)) {
+      snprintf(why, sizeof why, "exists and is %s; nothing was written", kind_of(sb.st_mode));
+      return dirs_error(what, path, why);
+    }
+    if (!empty_ok || !folder_empty(path))
+      return dirs_error(what, path,
+                        empty_ok ? "exists and is not empty (name a new or an empty folder)"
+                                 : "already exists (name a new folder)");
+  } else if (errno != ENOENT) {
+    return dirs_error(what, path, strerror(errno));
+  }
+  char parent[DIRS_PATH_MAX];
+  parent_of(path, parent, sizeof parent);
+  return writable_folder(what, parent, path);
+}
