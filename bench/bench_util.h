@@ -10,10 +10,10 @@
 #include <time.h>
 
 #include "mesh/world.h"
-#include "nn/data.h"
-#include "nn/llama.h"
+#include "train/data.h"
+#include "models/llama/llama.h"
 #include "nn/ops.h"
-#include "nn/train.h"
+#include "train/train.h"
 
 /* Prints the error and exits: benchmarks are programs, not library code. */
 #define BENCH_TRY(expr)                                                            \

@@ -1,6 +1,6 @@
 /*
  * SplitMix64's finaliser and step: the bijective 64-bit mix behind the counter-based parameter
- * init (nn/init.c) and the shuffled data order (nn/data.c).
+ * init (nn/init.c) and the shuffled data order (train/data.c).
  */
 #ifndef FSDPC_BASE_MIX_H
 #define FSDPC_BASE_MIX_H

@@ -24,14 +24,14 @@ status_t pp_read_mesh(plan_ctx_t *c, int root) {
   int m;
   TRY(pr_section(c, root, "mesh", keys, &m));
   if (m == 0) {
-    snprintf(c->p->par.mesh_where.text, sizeof c->p->par.mesh_where.text, "%s", c->p->source);
+    snprintf(c->par->mesh_where.text, sizeof c->par->mesh_where.text, "%s", c->source);
     return STATUS_OK;
   }
-  pr_where_section(c, m, keys, &c->p->par.mesh_where);
-  TRY(pr_get_size(c, m, "mesh", "dp_replicate", &c->p->par.dp_replicate));
-  TRY(pr_get_size(c, m, "mesh", "dp_shard", &c->p->par.dp_shard));
-  TRY(pr_get_size(c, m, "mesh", "tp", &c->p->par.tp));
-  int unknown = (c->p->par.dp_replicate < 0) + (c->p->par.dp_shard < 0) + (c->p->par.tp < 0);
+  pr_where_section(c, m, keys, &c->par->mesh_where);
+  TRY(pr_get_size(c, m, "mesh", "dp_replicate", &c->par->dp_replicate));
+  TRY(pr_get_size(c, m, "mesh", "dp_shard", &c->par->dp_shard));
+  TRY(pr_get_size(c, m, "mesh", "tp", &c->par->tp));
+  int unknown = (c->par->dp_replicate < 0) + (c->par->dp_shard < 0) + (c->par->tp < 0);
   if (unknown > 1) return pr_fail(c, m, "mesh", "at most one size may be -1");
   return STATUS_OK;
 }
@@ -54,21 +54,21 @@ static void unit_defaults(const parallel_plan_t *pp, plan_unit_t *u) {
 }
 
 static status_t read_units(plan_ctx_t *c, int fs) {
-  plan_t *p = c->p;
+  parallel_plan_t *par = c->par;
   const char *path = "parallelize.fully_shard.units";
   int v = pr_find(c, fs, "units");
   if (pr_is_null(c, v)) return STATUS_OK;
   yaml_node_t *n = pr_node(c, v);
   if (n->type != YAML_SEQUENCE_NODE)
     return pr_fail(c, v, path, "expected a list of module patterns");
-  p->par.n_units = 0;
+  par->n_units = 0;
   for (yaml_node_item_t *it = n->data.sequence.items.start; it < n->data.sequence.items.top; it++) {
-    if (p->par.n_units == PLAN_MAX_UNITS)
+    if (par->n_units == PLAN_MAX_UNITS)
       return pr_fail(c, *it, path, "more than %d units", PLAN_MAX_UNITS);
-    plan_unit_t *u = &p->par.units[p->par.n_units];
+    plan_unit_t *u = &par->units[par->n_units];
     char upath[256];
-    snprintf(upath, sizeof upath, "%s[%d]", path, p->par.n_units);
-    unit_defaults(&p->par, u);
+    snprintf(upath, sizeof upath, "%s[%d]", path, par->n_units);
+    unit_defaults(par, u);
     pr_where_of(c, *it, &u->where);
     const char *s = pr_scalar(c, *it);
     if (s == NULL) { /* {match: PATTERN, reshard_after_forward: ..., mp_policy: ...} */
@@ -91,7 +91,7 @@ static status_t read_units(plan_ctx_t *c, int fs) {
     if (strlen(s) >= PLAN_PATTERN_MAX)
       return pr_fail(c, *it, upath, "pattern longer than %d characters", PLAN_PATTERN_MAX - 1);
     strcpy(u->pattern, s);
-    p->par.n_units++;
+    par->n_units++;
   }
   return STATUS_OK;
 }
@@ -111,27 +111,27 @@ static status_t read_tp_layout(plan_ctx_t *c, int map, const char *path, const c
 static status_t read_tp(plan_ctx_t *c, int tp) {
   static const char *const keys[] = {"plan", "sequence_parallel", NULL};
   static const char *const rkeys[] = {"style", "input", "output", NULL};
-  plan_t *p = c->p;
+  parallel_plan_t *par = c->par;
   const char *path = "parallelize.tensor_parallel";
   if (pr_node(c, tp)->type != YAML_MAPPING_NODE)
     return pr_fail(c, tp, path, "expected a mapping with plan and sequence_parallel");
   TRY(pr_check_keys(c, tp, path, keys));
-  pr_where_of(c, tp, &p->par.tp_where);
-  TRY(pr_get_bool(c, tp, path, "sequence_parallel", &p->par.sequence_parallel));
+  pr_where_of(c, tp, &par->tp_where);
+  TRY(pr_get_bool(c, tp, path, "sequence_parallel", &par->sequence_parallel));
   int pl = pr_find(c, tp, "plan");
   if (pr_is_null(c, pl)) return STATUS_OK;
   const char *ppath = "parallelize.tensor_parallel.plan";
   yaml_node_t *n = pr_node(c, pl);
   if (n->type != YAML_MAPPING_NODE)
     return pr_fail(c, pl, ppath, "expected a mapping of module pattern: style");
-  p->par.tp_plan_given = true;
+  par->tp_plan_given = true;
   for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
     const char *k = pr_scalar(c, a->key);
-    if (p->par.n_tp_rules == PLAN_MAX_TP_RULES)
+    if (par->n_tp_rules == PLAN_MAX_TP_RULES)
       return pr_fail(c, a->key, ppath, "more than %d rules", PLAN_MAX_TP_RULES);
     if (k == NULL || strlen(k) >= PLAN_PATTERN_MAX)
       return pr_fail(c, a->key, ppath, "expected module pattern: style");
-    plan_tp_rule_t *r = &p->par.tp_rules[p->par.n_tp_rules];
+    plan_tp_rule_t *r = &par->tp_rules[par->n_tp_rules];
     memset(r, 0, sizeof *r);
     char rpath[PLAN_PATTERN_MAX + 64];
     snprintf(rpath, sizeof rpath, "%s.%s", ppath, k);
@@ -150,7 +150,7 @@ static status_t read_tp(plan_ctx_t *c, int tp) {
                      s ? s : "");
     strcpy(r->pattern, k);
     pr_where_of(c, a->key, &r->where);
-    p->par.n_tp_rules++;
+    par->n_tp_rules++;
   }
   return STATUS_OK;
 }
@@ -169,7 +169,7 @@ static status_t read_strategy(plan_ctx_t *c, int root, int fs) {
                {"HYBRID_SHARD", 1, 'h'},
                {"_HYBRID_SHARD_ZERO2", 0, 'h'},
                {"NO_SHARD", 0, 'r'}};
-  parallel_plan_t *pp = &c->p->par;
+  parallel_plan_t *pp = c->par;
   const char *prefix = "parallelize.fully_shard";
   char spath[256], zpath[256];
   int s = pr_lookup(c, fs, prefix, "sharding_strategy", spath);
@@ -236,7 +236,7 @@ status_t pp_read_parallelize(plan_ctx_t *c, int root) {
   static const char *const fs_keys[] = {
       "units",      "reshard_after_forward", "mp_policy", "offload", "sharding_strategy",
       "zero_stage", "min_unit_params",       NULL};
-  plan_t *p = c->p;
+  parallel_plan_t *par = c->par;
   int m;
   TRY(pr_section(c, root, "parallelize", keys, &m));
   int fs = m ? pr_find(c, m, "fully_shard") : 0;
@@ -244,22 +244,44 @@ status_t pp_read_parallelize(plan_ctx_t *c, int root) {
     const char *path = "parallelize.fully_shard";
     TRY(pr_check_keys(c, fs, path, fs_keys));
     static const char *const later[] = {"reshard_after_forward", "sharding_strategy", NULL};
-    pr_where_section(c, fs, later, &p->par.fsdp_where);
-    TRY(pr_get_reshard(c, fs, path, &p->par.reshard_after_forward));
-    dtype_t dt[3] = {p->par.param_dtype, p->par.reduce_dtype, p->par.output_dtype};
+    pr_where_section(c, fs, later, &par->fsdp_where);
+    TRY(pr_get_reshard(c, fs, path, &par->reshard_after_forward));
+    dtype_t dt[3] = {par->param_dtype, par->reduce_dtype, par->output_dtype};
     TRY(read_mp(c, fs, path, dt));
-    p->par.param_dtype = dt[0];
-    p->par.reduce_dtype = dt[1];
-    p->par.output_dtype = dt[2];
-    TRY(pr_get_bool(c, fs, path, "offload", &p->par.offload));
-    TRY(pr_get_int(c, fs, path, "min_unit_params", 0, (int64_t)1 << 50, &p->par.min_unit_params));
+    par->param_dtype = dt[0];
+    par->reduce_dtype = dt[1];
+    par->output_dtype = dt[2];
+    TRY(pr_get_bool(c, fs, path, "offload", &par->offload));
+    TRY(pr_get_int(c, fs, path, "min_unit_params", 0, (int64_t)1 << 50, &par->min_unit_params));
     TRY(read_strategy(c, root, fs));
-    for (int i = 0; i < p->par.n_units; i++) unit_defaults(&p->par, &p->par.units[i]);
+    for (int i = 0; i < par->n_units; i++) unit_defaults(par, &par->units[i]);
     TRY(read_units(c, fs));
   }
   int tp = m ? pr_find(c, m, "tensor_parallel") : 0;
   if (!pr_is_null(c, tp)) TRY(read_tp(c, tp));
   return STATUS_OK;
+}
+
+status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
+                            int n_sets) {
+  ARG_NONNULL(pp);
+  ARG_NONNULL(path);
+  parallel_plan_defaults(pp);
+  if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
+  strcpy(pp->source, path);
+  plan_where_t *ws[] = {&pp->mesh_where, &pp->fsdp_where, &pp->tp_where};
+  for (int i = 0; i < 3; i++) snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
+  plan_ctx_t *c = calloc(1, sizeof *c);
+  if (c == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
+  c->par = pp;
+  static const char *const top[] = {"mesh", "parallelize", NULL};
+  int root = 0;
+  status_t st = pr_open(c, path, sets, n_sets, top, "mesh, parallelize", "parallelize", &root);
+  if (st == STATUS_OK) st = pp_read_mesh(c, root);
+  if (st == STATUS_OK) st = pp_read_parallelize(c, root);
+  pr_close(c);
+  free(c);
+  return st;
 }
 
 status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {

@@ -25,7 +25,7 @@ void pr_where_of(plan_ctx_t *c, int i, plan_where_t *w) {
     return;
   }
   yaml_node_t *n = pr_node(c, i);
-  snprintf(w->text, sizeof w->text, "%s:%zu:%zu", c->p->source, n ? n->start_mark.line + 1 : 1,
+  snprintf(w->text, sizeof w->text, "%s:%zu:%zu", c->source, n ? n->start_mark.line + 1 : 1,
            n ? n->start_mark.column + 1 : 1);
 }
 
@@ -471,3 +471,26 @@ status_t pr_parse_file(plan_ctx_t *c, const char *path) {
   free(text);
   return st;
 }
+
+status_t pr_open(plan_ctx_t *c, const char *path, const char *const *sets, int n_sets,
+                 const char *const *top, const char *sections, const char *first, int *root) {
+  *root = 0;
+  snprintf(c->source, sizeof c->source, "%s", path);
+  const char *slash = strrchr(path, '/');
+  if (slash) snprintf(c->dir, sizeof c->dir, "%.*s", (int)(slash - path), path);
+  TRY(pr_parse_file(c, path));
+  int r = yaml_document_get_root_node(&c->doc) ? 1 : 0;
+  status_t st = STATUS_OK;
+  if (r == 0 || pr_is_null(c, r))
+    st = err_set(STATUS_EFORMAT, "%s: the plan is empty (expected a mapping of sections: %s)", path,
+                 sections);
+  else if (pr_node(c, r)->type != YAML_MAPPING_NODE)
+    st = pr_fail(c, r, "(top level)", "expected a mapping of sections (mesh, %s...)", first);
+  c->set_base = (int)(c->doc.nodes.top - c->doc.nodes.start) + 1;
+  for (int i = 0; i < n_sets && st == STATUS_OK; i++) st = pr_apply_set(c, r, sets[i]);
+  if (st == STATUS_OK) st = pr_check_keys(c, r, "", top);
+  *root = r;
+  return st;
+}
+
+void pr_close(plan_ctx_t *c) { yaml_document_delete(&c->doc); }

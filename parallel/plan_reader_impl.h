@@ -1,20 +1,22 @@
 /*
  * The YAML reader behind plan_load and parallel_plan_load (libyaml's document API): places
  * for errors ("file:line:col: key.path: message", or "--set key=value"), key checks with
- * did-you-mean, typed values with ranges, --set overrides. Shared by parallel/plan.c (the job
- * sections) and parallel/parallel_plan.c (mesh and parallelize). Not installed.
+ * did-you-mean, typed values with ranges, --set overrides. Shared by parallel/parallel_plan.c
+ * (mesh and parallelize) and train/plan.c (the job's other sections). Not installed.
  */
 #ifndef FSDPC_PARALLEL_PLAN_READER_H
 #define FSDPC_PARALLEL_PLAN_READER_H
 
 #include <yaml.h>
 
-#include "parallel/plan.h"
+#include "parallel/parallel_plan.h"
 
 #define MAX_SETS 256
 
 typedef struct plan_ctx {
-  plan_t *p;
+  parallel_plan_t *par;         /* the mesh and parallelize sections go here */
+  void *job;                    /* the reader of the other sections' own (train/plan.c) */
+  char source[PLAN_PATH_MAX];   /* the file, as errors name it */
   yaml_document_t doc;
   int set_base;                 /* nodes from this index on were made by --set */
   const char *set_of[MAX_SETS]; /* the --set text of node set_base + i */
@@ -56,6 +58,13 @@ status_t pr_get_reshard(plan_ctx_t *c, int map, const char *prefix, int *out);
 status_t pr_section(plan_ctx_t *c, int root, const char *key, const char *const *keys, int *out);
 status_t pr_apply_set(plan_ctx_t *c, int root, const char *set);
 status_t pr_parse_file(plan_ctx_t *c, const char *path);
+/* Reads path into c (source and folder set), applies the --set texts, and checks that the
+ * top level is a mapping whose keys are among top (NULL-terminated): sections, the list an
+ * empty file's error names, first, what a non-mapping's error names after "mesh, ". *root:
+ * the top node. pr_close frees what it read, whatever it returned. */
+status_t pr_open(plan_ctx_t *c, const char *path, const char *const *sets, int n_sets,
+                 const char *const *top, const char *sections, const char *first, int *root);
+void pr_close(plan_ctx_t *c);
 
 /* parallel_plan.c: the mesh and parallelize sections into c->p->par. */
 status_t pp_read_mesh(plan_ctx_t *c, int root);

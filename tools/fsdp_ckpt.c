@@ -27,12 +27,12 @@
 #include "core/file.h"
 #include "checkpoint/ckpt_reshard.h"
 #include "checkpoint/dcp.h"
-#include "checkpoint/hf_convert.h"
+#include "train/hf_convert.h"
 #include "checkpoint/train_ckpt.h"
 #include "mesh/world.h"
-#include "nn/llama.h"
+#include "models/llama/llama.h"
 #include "parallel/parallelize.h"
-#include "parallel/plan.h"
+#include "train/plan.h"
 
 #define PATH_LEN 4096
 

@@ -7,9 +7,9 @@
 #include <stddef.h>
 
 #include "checkpoint/dcp.h"
-#include "nn/train.h"
+#include "train/train.h"
 #include "parallel/parallelize.h"
-#include "parallel/plan.h"
+#include "train/plan.h"
 
 typedef struct args {
   const char *config;

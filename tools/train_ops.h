@@ -8,8 +8,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "nn/data.h"
-#include "parallel/plan.h"
+#include "train/data.h"
+#include "train/plan.h"
 
 /* The status fsdp-train exits with when it stopped early at a step boundary (a signal of
  * train.signals, or train.time_limit) after saving: sysexits.h's EX_TEMPFAIL, "try again

@@ -10,8 +10,8 @@
 
 #include "core/kernels.h"
 #include "mesh/world.h"
-#include "parallel/llama_cost.h"
-#include "parallel/llama_plan.h"
+#include "train/llama_cost.h"
+#include "models/llama/llama_plan.h"
 #include "tools/fsdp_train.h"
 
 static const char *reshard_str(int r, char *buf, size_t n) {

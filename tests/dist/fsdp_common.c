@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "nn/ops.h"
-#include "nn/train.h"
+#include "train/train.h"
 
 void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
 

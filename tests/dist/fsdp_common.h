@@ -3,8 +3,8 @@
 #define FSDPC_TESTS_FSDP_COMMON_H
 
 #include "fully_shard/fsdp.h"
-#include "nn/data.h"
-#include "nn/llama.h"
+#include "train/data.h"
+#include "models/llama/llama.h"
 #include "nn/optim.h"
 #include "tests/harness.h"
 

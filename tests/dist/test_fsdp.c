@@ -16,7 +16,7 @@
 
 #include "core/kernels.h"
 #include "nn/ops.h"
-#include "nn/train.h"
+#include "train/train.h"
 #include "tests/dist/fsdp_common.h"
 
 #define STEPS 10

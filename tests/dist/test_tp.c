@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "parallel/llama_plan.h"
+#include "models/llama/llama_plan.h"
 #include "parallel/parallelize.h"
 #include "tests/dist/fsdp_common.h"
 

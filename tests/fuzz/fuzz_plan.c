@@ -1,6 +1,6 @@
 /* libFuzzer harness: the YAML plan parser (plan_load, then plan_resolve on 8 ranks). Any input
  * must give a plan or an error, never a crash, a leak or a hang. */
-#include "parallel/plan.h"
+#include "train/plan.h"
 #include "tests/fuzz/fuzz_util.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

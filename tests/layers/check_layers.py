@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The layer rule and the communication boundary (docs/design.md section 2):
 
-- a library folder includes project headers only from itself and the folders below it;
+- a library folder includes project headers only from itself and the folders below it: the
+  model-agnostic library (core to checkpoint) never includes models/ or train/;
 - the headers `meson install` puts in place include no MPI, NCCL or CUDA header and no project
   header that is not installed with them (BUILD_ROOT: the build folder to install from, into a
   temporary folder);
@@ -32,6 +33,11 @@ BELOW = {
     "fully_shard": {"core", "mesh", "dtensor", "nn", "fully_shard"},
     "parallel": {"core", "mesh", "dtensor", "nn", "fully_shard", "parallel"},
     "checkpoint": {"core", "mesh", "dtensor", "nn", "checkpoint"},
+    # above the model-agnostic library: the models, then training jobs
+    "models": {"core", "mesh", "dtensor", "nn", "fully_shard", "parallel", "checkpoint",
+               "models"},
+    "train": {"core", "mesh", "dtensor", "nn", "fully_shard", "parallel", "checkpoint", "models",
+              "train"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')
 

@@ -8,7 +8,7 @@
 
 #include "checkpoint/hf_weights.h"
 #include "mesh/world.h"
-#include "nn/llama.h"
+#include "models/llama/llama.h"
 
 static status_t run(const char *dir, int n, char **ids) {
   char path[4200];

@@ -55,6 +55,14 @@ def statements(text):
     return out
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def source_path(header):
+    """header's path from the source root, as the library includes it (models/llama/llama.h)."""
+    return os.path.relpath(os.path.abspath(header), ROOT)
+
+
 def split_top(text):
     """text split at the commas outside parentheses."""
     parts, depth, cur = [], 0, ""
@@ -158,7 +166,7 @@ def main():
     body = ["/* Written by gen_api_calls.py: one call per public function and argument set. */",
             "#include <stddef.h>", "#include <string.h>", ""]
     for h in headers:
-        body.append('#include "%s"' % "/".join(h.split("/")[-2:]))
+        body.append('#include "%s"' % source_path(h))
     body += ["", "#include \"api_calls.h\"", "", "#pragma GCC diagnostic ignored \"-Wnonnull\"",
              "#pragma GCC diagnostic ignored \"-Wunused-value\"",
              "#pragma GCC diagnostic ignored \"-Wunused-result\"",
@@ -186,7 +194,7 @@ def main():
                 body.append("  (void)%s;" % call(name, params, minus_one))
                 body.append("  return 1;")
             body.append("}")
-            table.append('  {"%s", "%s", %d, %d, %s},' % (name, "/".join(header.split("/")[-2:]),
+            table.append('  {"%s", "%s", %d, %d, %s},' % (name, source_path(header),
                                                        minus_one, 1 if refuses else 0, fn))
     body += ["", "const api_call_t api_calls[] = {"] + table + ["};",
              "const int api_call_count = (int)(sizeof api_calls / sizeof api_calls[0]);", ""]

@@ -26,7 +26,7 @@
 #include "checkpoint/safetensors.h"
 #include "mesh/mesh.h"
 #include "mesh/world.h"
-#include "nn/data.h"
+#include "train/data.h"
 #include "nn/module.h"
 
 /* Functions whose NULL or -1 arguments have a meaning of their own, so STATUS_OK is right. */

@@ -11,7 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "nn/data.h"
+#include "train/data.h"
 #include "tests/harness.h"
 
 static void ok(status_t st) {

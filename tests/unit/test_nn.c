@@ -12,7 +12,7 @@
 
 #include "nn/init.h"
 #include "nn/layers.h"
-#include "nn/llama.h"
+#include "models/llama/llama.h"
 #include "nn/ops.h"
 #include "tests/harness.h"
 

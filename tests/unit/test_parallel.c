@@ -13,7 +13,7 @@
 #include "nn/layers.h"
 #include "nn/ops.h"
 #include "parallel/parallelize.h"
-#include "parallel/plan.h"
+#include "train/plan.h"
 #include "tests/harness.h"
 
 static void ok(status_t st) {

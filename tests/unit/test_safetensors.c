@@ -11,7 +11,7 @@
 
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"
-#include "nn/llama.h"
+#include "models/llama/llama.h"
 #include "tests/harness.h"
 
 static void ok(status_t st) {

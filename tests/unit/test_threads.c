@@ -12,10 +12,10 @@
 
 #include "core/kernels.h"
 #include "dtensor/dtensor.h"
-#include "nn/data.h"
-#include "nn/llama.h"
+#include "train/data.h"
+#include "models/llama/llama.h"
 #include "nn/optim.h"
-#include "nn/train.h"
+#include "train/train.h"
 #include "tests/harness.h"
 
 #define THREADS 3

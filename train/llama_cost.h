@@ -22,7 +22,7 @@
 #define FSDPC_PARALLEL_LLAMA_COST_H
 
 #include "fully_shard/fsdp.h"
-#include "parallel/plan.h"
+#include "train/plan.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -18,8 +18,8 @@
 #define FSDPC_PARALLEL_PLAN_H
 
 #include "core/dtype.h"
-#include "nn/data.h"
-#include "nn/llama.h"
+#include "train/data.h"
+#include "models/llama/llama.h"
 #include "nn/optim.h"
 #include "parallel/parallel_plan.h"
 

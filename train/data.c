@@ -1,4 +1,4 @@
-#include "nn/data.h"
+#include "train/data.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-#include "parallel/llama_plan.h"
+#include "models/llama/llama_plan.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -6,7 +6,7 @@
 #include "core/args_impl.h"
 #include "nn/module.h"
 
-/* The Llama plan of TorchTitan, by the module names of nn/llama.c. */
+/* The Llama plan of TorchTitan, by the module names of models/llama/llama.c. */
 static const tp_rule_t llama_plan[] = {
     {"model.embed_tokens", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
     {"model.layers.*.input_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},

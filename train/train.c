@@ -1,4 +1,4 @@
-#include "nn/train.h"
+#include "train/train.h"
 
 #include <string.h>
 

@@ -7,8 +7,8 @@
 #ifndef FSDPC_NN_TRAIN_H
 #define FSDPC_NN_TRAIN_H
 
-#include "nn/data.h"
-#include "nn/llama.h"
+#include "train/data.h"
+#include "models/llama/llama.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,4 +1,4 @@
-#include "nn/llama.h"
+#include "models/llama/llama.h"
 
 #include <cJSON.h>
 #include <errno.h>

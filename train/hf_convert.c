@@ -1,4 +1,4 @@
-#include "checkpoint/hf_convert.h"
+#include "train/hf_convert.h"
 
 #include <cJSON.h>
 #include <ctype.h>
@@ -15,7 +15,7 @@
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/train_ckpt.h"
-#include "nn/llama.h"
+#include "models/llama/llama.h"
 
 #define PATH_LEN 4096
 

@@ -9,11 +9,11 @@
 
 #include "core/args_impl.h"
 #include "core/file.h"
-#include "nn/llama.h"
+#include "models/llama/llama.h"
 
 status_t llama_config_check(const llama_config_t *c) {
   ARG_NONNULL(c);
-  /* the limits of a plan's model: keys (parallel/plan.c), whichever way a config arrives */
+  /* the limits of a plan's model: keys (train/plan.c), whichever way a config arrives */
   const int64_t big = (int64_t)1 << 31;
   const struct {
     const char *name;

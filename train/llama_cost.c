@@ -1,9 +1,9 @@
-#include "parallel/llama_cost.h"
+#include "train/llama_cost.h"
 
 #include <string.h>
 
 #include "core/args_impl.h"
-#include "parallel/llama_plan.h"
+#include "models/llama/llama_plan.h"
 
 /* The units as the estimate sees them: the root's and the largest other unit's unsharded
  * bytes (compute dtype) and what gathering them allocates (root_gathered, unit_gathered:

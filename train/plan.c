@@ -1,7 +1,7 @@
 /* fsdp-train's plans: the job sections (model, optim, schedule, data, train, checkpoint, log)
  * read from YAML into plan_t with the mesh and parallelize sections (parallel_plan.c), by the
  * reader of plan_reader.c, then resolved against the world size. */
-#include "parallel/plan.h"
+#include "train/plan.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -18,7 +18,7 @@
 #include "core/file.h"
 #include "fully_shard/fsdp.h"
 #include "mesh/world.h"
-#include "parallel/llama_plan.h"
+#include "models/llama/llama_plan.h"
 #include "parallel/plan_reader_impl.h"
 
 void plan_defaults(plan_t *p) {
@@ -69,7 +69,7 @@ static status_t read_model(plan_ctx_t *c, int root) {
   int m;
   TRY(pr_section(c, root, "model", keys, &m));
   if (m == 0) return STATUS_OK;
-  plan_t *p = c->p;
+  plan_t *p = c->job;
   for (int i = 0; keys[i]; i++)
     if (strcmp(keys[i], "seed") != 0 && strcmp(keys[i], "deferred_init") != 0 &&
         pr_find(c, m, keys[i]))
@@ -122,7 +122,7 @@ static status_t read_optim(plan_ctx_t *c, int root) {
   static const char *const keys[] = {"lr",           "beta1",          "beta2",        "eps",
                                      "weight_decay", "clip_grad_norm", "param_groups", NULL};
   static const char *const gkeys[] = {"lr", "weight_decay", NULL};
-  plan_t *p = c->p;
+  plan_t *p = c->job;
   int m;
   TRY(pr_section(c, root, "optim", keys, &m));
   if (m == 0) return STATUS_OK;
@@ -301,7 +301,7 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const log_keys[] = {"metrics", "interval", NULL};
   static const char *const eval_keys[] = {"path",    "format",     "interval",
                                           "batches", "batch_size", NULL};
-  plan_t *p = c->p;
+  plan_t *p = c->job;
   const int64_t big = (int64_t)1 << 40;
   int m;
   TRY(pr_section(c, root, "schedule", sched_keys, &m));
@@ -444,10 +444,9 @@ static status_t settings_text(plan_ctx_t *c, int root, char **out) {
   return st;
 }
 
-/* Reads the file into p: every section, or (parallel_only) mesh and parallelize alone; with
- * settings, also the settings text. */
+/* Reads the file into p; with settings, also the settings text. */
 static status_t load(plan_t *p, const char *path, const char *const *sets, int n_sets,
-                     bool parallel_only, char **settings) {
+                     char **settings) {
   plan_defaults(p);
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(p->source, path);
@@ -458,41 +457,25 @@ static status_t load(plan_t *p, const char *path, const char *const *sets, int n
     snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   plan_ctx_t *c = calloc(1, sizeof *c);
   if (c == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
-  c->p = p;
-  const char *slash = strrchr(path, '/');
-  if (slash) snprintf(c->dir, sizeof c->dir, "%.*s", (int)(slash - path), path);
-  status_t st = pr_parse_file(c, path);
-  if (st != STATUS_OK) {
-    free(c);
-    return st;
-  }
-  int root = yaml_document_get_root_node(&c->doc) ? 1 : 0;
-  if (root == 0 || pr_is_null(c, root)) {
-    st = err_set(STATUS_EFORMAT, "%s: the plan is empty (expected a mapping of sections: %s)", path,
-                 parallel_only ? "mesh, parallelize"
-                               : "mesh, model, parallelize, optim, schedule, data, eval, "
-                                 "train, checkpoint, log");
-  } else if (pr_node(c, root)->type != YAML_MAPPING_NODE) {
-    st = pr_fail(c, root, "(top level)", "expected a mapping of sections (mesh, %s...)",
-                 parallel_only ? "parallelize" : "model, ");
-  }
-  c->set_base = (int)(c->doc.nodes.top - c->doc.nodes.start) + 1;
-  for (int i = 0; i < n_sets && st == STATUS_OK; i++) st = pr_apply_set(c, root, sets[i]);
+  c->par = &p->par;
+  c->job = p;
   static const char *const top[] = {"mesh", "model", "parallelize", "optim", "schedule", "data",
                                     "eval", "train", "checkpoint",  "log",   NULL};
-  static const char *const top_parallel[] = {"mesh", "parallelize", NULL};
-  if (st == STATUS_OK) st = pr_check_keys(c, root, "", parallel_only ? top_parallel : top);
+  int root = 0;
+  status_t st = pr_open(c, path, sets, n_sets, top,
+                        "mesh, model, parallelize, optim, schedule, data, eval, train, "
+                        "checkpoint, log",
+                        "model, ", &root);
   if (st == STATUS_OK) st = pp_read_mesh(c, root);
-  if (st == STATUS_OK && !parallel_only) st = read_model(c, root);
+  if (st == STATUS_OK) st = read_model(c, root);
   if (st == STATUS_OK) st = pp_read_parallelize(c, root);
-  if (st == STATUS_OK && !parallel_only) st = read_optim(c, root);
-  if (st == STATUS_OK && !parallel_only) st = read_rest(c, root);
+  if (st == STATUS_OK) st = read_optim(c, root);
+  if (st == STATUS_OK) st = read_rest(c, root);
   /* fsdp-train's model is the Llama: without rules of its own, a plan splits it by the
    * built-in ones */
-  if (st == STATUS_OK && !parallel_only && !p->par.tp_plan_given)
-    st = llama_plan_fill_tp_rules(&p->par);
+  if (st == STATUS_OK && !p->par.tp_plan_given) st = llama_plan_fill_tp_rules(&p->par);
   if (st == STATUS_OK && settings) st = settings_text(c, root, settings);
-  yaml_document_delete(&c->doc);
+  pr_close(c);
   free(c);
   return st;
 }
@@ -500,7 +483,7 @@ static status_t load(plan_t *p, const char *path, const char *const *sets, int n
 status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets) {
   ARG_NONNULL(p);
   ARG_NONNULL(path);
-  return load(p, path, sets, n_sets, false, NULL);
+  return load(p, path, sets, n_sets, NULL);
 }
 
 status_t plan_load_settings(plan_t *p, const char *path, const char *const *sets, int n_sets,
@@ -510,19 +493,7 @@ status_t plan_load_settings(plan_t *p, const char *path, const char *const *sets
   if (n_sets > 0) ARG_NONNULL(sets);
   ARG_NONNULL(settings);
   *settings = NULL;
-  return load(p, path, sets, n_sets, false, settings);
-}
-
-status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
-                            int n_sets) {
-  ARG_NONNULL(pp);
-  ARG_NONNULL(path);
-  plan_t *p = malloc(sizeof *p);
-  if (p == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
-  status_t st = load(p, path, sets, n_sets, true, NULL);
-  if (st == STATUS_OK) *pp = p->par;
-  free(p);
-  return st;
+  return load(p, path, sets, n_sets, settings);
 }
 
 /* ---- resolve ---- */
