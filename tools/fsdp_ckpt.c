@@ -24,14 +24,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "core/file.h"
 #include "checkpoint/ckpt_reshard.h"
 #include "checkpoint/dcp.h"
-#include "train/hf_convert.h"
 #include "checkpoint/train_ckpt.h"
+#include "core/file.h"
 #include "mesh/world.h"
 #include "models/llama/llama.h"
 #include "parallel/parallelize.h"
+#include "train/hf_convert.h"
 #include "train/plan.h"
 
 #define PATH_LEN 4096
@@ -313,12 +313,15 @@ static bool embedding_named(const kinds_t *k, const char *module) {
 }
 
 static status_t target_placements(void *ctx, const char *param, int ndim, int *mesh_ndim,
-                                   int *mesh_shape, placement_t *pl) {
+                                  int *mesh_shape, placement_t *pl) {
   const kinds_t *k = ctx;
   char module[1024];
   snprintf(module, sizeof module, "%s", param);
   char *dot = strrchr(module, '.');
-  if (dot) *dot = 0; else module[0] = 0;
+  if (dot)
+    *dot = 0;
+  else
+    module[0] = 0;
   const char *leaf = dot ? dot + 1 : param, *kind;
   if (k->model) {
     const nn_module_t *m = nn_module_find((nn_module_t *)k->model, module);
@@ -427,6 +430,82 @@ static status_t reshard(const char *dir, const char *out, const reshard_opts_t *
 
 /* ---- main ---- */
 
+/* fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set k=v]... [--embedding GLOB]... */
+static status_t reshard_command(int argc, char **argv) {
+  const char *pos[2] = {NULL, NULL}, *sets[256], *embeddings[256];
+  reshard_opts_t o = {.config = NULL, .sets = sets, .embeddings = embeddings};
+  int np = 0;
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--to") == 0 || strcmp(a, "--world") == 0 || strcmp(a, "--set") == 0 ||
+        strcmp(a, "--embedding") == 0) {
+      if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
+      const char *v = argv[++i];
+      if (a[2] == 't') {
+        o.config = v;
+      } else if (a[2] == 'w') {
+        char *end;
+        long w = strtol(v, &end, 10);
+        if (*end || w < 1 || w > 1 << 20)
+          return err_set(STATUS_EINVAL, "--world: expected a positive integer, got '%s'", v);
+        o.world = (int)w;
+      } else if (a[2] == 'e') {
+        if (o.n_embeddings == 256) return err_set(STATUS_EINVAL, "more than 256 --embedding");
+        embeddings[o.n_embeddings++] = v;
+      } else {
+        if (o.n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set");
+        sets[o.n_sets++] = v;
+      }
+    } else if (a[0] == '-') {
+      return err_set(STATUS_EINVAL, "unknown option '%s'", a);
+    } else if (np < 2) {
+      pos[np++] = a;
+    } else {
+      return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
+    }
+  }
+  if (np != 2 || o.config == NULL)
+    return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
+  return reshard(pos[0], pos[1], &o);
+}
+
+/* fsdp-ckpt export-hf DIR OUT [--dtype D] [--max-shard-bytes N] [--config FILE] */
+static status_t export_command(int argc, char **argv) {
+  hf_export_opts_t o = HF_EXPORT_OPTS_INIT;
+  const char *pos[2] = {NULL, NULL};
+  int np = 0;
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "--dtype") == 0 || strcmp(a, "--max-shard-bytes") == 0 ||
+        strcmp(a, "--config") == 0) {
+      if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
+      const char *v = argv[++i];
+      if (a[2] == 'd') {
+        if (dtype_parse(v, &o.dtype) != STATUS_OK || !dtype_is_float(o.dtype))
+          return err_set(STATUS_EINVAL, "--dtype: expected f32, bf16 or f16, got '%s'", v);
+      } else if (a[2] == 'm') {
+        char *end;
+        errno = 0;
+        unsigned long long b = strtoull(v, &end, 10);
+        if (errno || *end || b == 0 || v[0] == '-')
+          return err_set(STATUS_EINVAL, "--max-shard-bytes: expected a positive integer, got '%s'",
+                         v);
+        o.max_shard_bytes = b;
+      } else {
+        o.config = v;
+      }
+    } else if (a[0] == '-') {
+      return err_set(STATUS_EINVAL, "unknown option '%s'", a);
+    } else if (np < 2) {
+      pos[np++] = a;
+    } else {
+      return err_set(STATUS_EINVAL, "export-hf takes DIR OUT, got a third folder '%s'", a);
+    }
+  }
+  if (np != 2) return err_set(STATUS_EINVAL, "export-hf takes DIR OUT");
+  return export_hf(pos[0], pos[1], &o);
+}
+
 static status_t run(int argc, char **argv) {
   if (argc < 3) return err_set(STATUS_EINVAL, "missing a command and its folders");
   const char *cmd = argv[1];
@@ -442,78 +521,8 @@ static status_t run(int argc, char **argv) {
     if (argc != 4) return err_set(STATUS_EINVAL, "import-hf takes HFDIR OUT");
     return import_hf(argv[2], argv[3]);
   }
-  if (strcmp(cmd, "reshard") == 0) {
-    const char *pos[2] = {NULL, NULL}, *sets[256], *embeddings[256];
-    reshard_opts_t o = {.config = NULL, .sets = sets, .embeddings = embeddings};
-    int np = 0;
-    for (int i = 2; i < argc; i++) {
-      const char *a = argv[i];
-      if (strcmp(a, "--to") == 0 || strcmp(a, "--world") == 0 || strcmp(a, "--set") == 0 ||
-          strcmp(a, "--embedding") == 0) {
-        if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
-        const char *v = argv[++i];
-        if (a[2] == 't') {
-          o.config = v;
-        } else if (a[2] == 'w') {
-          char *end;
-          long w = strtol(v, &end, 10);
-          if (*end || w < 1 || w > 1 << 20)
-            return err_set(STATUS_EINVAL, "--world: expected a positive integer, got '%s'", v);
-          o.world = (int)w;
-        } else if (a[2] == 'e') {
-          if (o.n_embeddings == 256) return err_set(STATUS_EINVAL, "more than 256 --embedding");
-          embeddings[o.n_embeddings++] = v;
-        } else {
-          if (o.n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set");
-          sets[o.n_sets++] = v;
-        }
-      } else if (a[0] == '-') {
-        return err_set(STATUS_EINVAL, "unknown option '%s'", a);
-      } else if (np < 2) {
-        pos[np++] = a;
-      } else {
-        return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
-      }
-    }
-    if (np != 2 || o.config == NULL)
-      return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
-    return reshard(pos[0], pos[1], &o);
-  }
-  if (strcmp(cmd, "export-hf") == 0) {
-    hf_export_opts_t o = HF_EXPORT_OPTS_INIT;
-    const char *pos[2] = {NULL, NULL};
-    int np = 0;
-    for (int i = 2; i < argc; i++) {
-      const char *a = argv[i];
-      if (strcmp(a, "--dtype") == 0 || strcmp(a, "--max-shard-bytes") == 0 ||
-          strcmp(a, "--config") == 0) {
-        if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
-        const char *v = argv[++i];
-        if (a[2] == 'd') {
-          if (dtype_parse(v, &o.dtype) != STATUS_OK || !dtype_is_float(o.dtype))
-            return err_set(STATUS_EINVAL, "--dtype: expected f32, bf16 or f16, got '%s'", v);
-        } else if (a[2] == 'm') {
-          char *end;
-          errno = 0;
-          unsigned long long b = strtoull(v, &end, 10);
-          if (errno || *end || b == 0 || v[0] == '-')
-            return err_set(STATUS_EINVAL,
-                           "--max-shard-bytes: expected a positive integer, got '%s'", v);
-          o.max_shard_bytes = b;
-        } else {
-          o.config = v;
-        }
-      } else if (a[0] == '-') {
-        return err_set(STATUS_EINVAL, "unknown option '%s'", a);
-      } else if (np < 2) {
-        pos[np++] = a;
-      } else {
-        return err_set(STATUS_EINVAL, "export-hf takes DIR OUT, got a third folder '%s'", a);
-      }
-    }
-    if (np != 2) return err_set(STATUS_EINVAL, "export-hf takes DIR OUT");
-    return export_hf(pos[0], pos[1], &o);
-  }
+  if (strcmp(cmd, "reshard") == 0) return reshard_command(argc, argv);
+  if (strcmp(cmd, "export-hf") == 0) return export_command(argc, argv);
   return err_set(STATUS_EINVAL,
                  "unknown command '%s' (inspect, verify, export-hf, import-hf, reshard)", cmd);
 }

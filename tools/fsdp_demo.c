@@ -14,6 +14,42 @@
 
 enum { LINE_MAX_LEN = 160 };
 
+/* Whether cur holds what distributing full directly with placements pl gives (a Partial
+ * value is checked through its reduced whole). Collective. */
+static status_t same_as_direct(const dtensor_t *cur, const tensor_t *full, mesh_t *mesh,
+                               const placement_t *pl, bool *same) {
+  dtensor_t *direct = NULL;
+  tensor_t got = {0}, want = {0};
+  *same = false;
+  status_t st = dtensor_distribute(&direct, full, mesh, pl, DTENSOR_ALL_RANKS);
+  if (st == STATUS_OK) st = dtensor_full_tensor(cur, &got);
+  if (st == STATUS_OK) st = dtensor_full_tensor(direct, &want);
+  if (st == STATUS_OK) st = tensor_equal(&got, &want, same);
+  tensor_free(&got);
+  tensor_free(&want);
+  dtensor_free(direct);
+  return st;
+}
+
+/* Rank 0 prints every rank's line of step k, in rank order. Collective. */
+static status_t print_step(int k, const placement_t *pl, const dtensor_t *cur, bool same) {
+  char pls[128], ls[64], os[64], line[LINE_MAX_LEN];
+  int64_t off[2];
+  dtensor_offset(cur, off);
+  const tensor_t *local = dtensor_local(cur);
+  snprintf(line, sizeof line, "step %d %-14s rank %d: local %-8s offset %-8s %s", k,
+           placements_str(2, pl, pls, sizeof pls), world_rank(),
+           shape_str(local->ndim, local->shape, ls, sizeof ls), shape_str(2, off, os, sizeof os),
+           same ? "ok" : "MISMATCH");
+  char *all = malloc((size_t)world_size() * LINE_MAX_LEN);
+  if (all == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  status_t st = pg_host_all_gather(world_pg(), line, all, LINE_MAX_LEN, PG_HOST_BYTE);
+  for (int r = 0; st == STATUS_OK && world_rank() == 0 && r < world_size(); r++)
+    printf("%s\n", all + r * LINE_MAX_LEN);
+  free(all);
+  return st;
+}
+
 static status_t run(void) {
   int shape[2] = {2, 2};
   const char *names[2] = {"dp", "tp"};
@@ -41,45 +77,18 @@ static status_t run(void) {
   dtensor_t *cur = NULL;
   st = dtensor_distribute(&cur, &full, mesh, steps[0], DTENSOR_ALL_RANKS);
   for (int k = 0; k < nsteps && st == STATUS_OK; k++) {
-    dtensor_t *next = NULL, *direct = NULL;
     if (k > 0) {
+      dtensor_t *next = NULL;
       st = dtensor_redistribute(cur, steps[k], &next);
       if (st != STATUS_OK) break;
       dtensor_free(cur);
       cur = next;
     }
-    char pl[128], ls[64], os[64];
-    int64_t off[2];
-    dtensor_offset(cur, off);
-    const tensor_t *local = dtensor_local(cur);
-    /* A Partial value is checked through its reduced whole. */
-    tensor_t got = {0}, want = {0};
     bool same = false;
-    st = dtensor_distribute(&direct, &full, mesh, steps[k], DTENSOR_ALL_RANKS);
-    if (st == STATUS_OK) st = dtensor_full_tensor(cur, &got);
-    if (st == STATUS_OK) st = dtensor_full_tensor(direct, &want);
-    if (st == STATUS_OK) st = tensor_equal(&got, &want, &same);
-    tensor_free(&got);
-    tensor_free(&want);
-    dtensor_free(direct);
-    if (st != STATUS_OK) break;
-    /* Rank 0 prints every rank's line, in rank order. */
-    char line[LINE_MAX_LEN];
-    snprintf(line, sizeof line, "step %d %-14s rank %d: local %-8s offset %-8s %s", k,
-             placements_str(2, steps[k], pl, sizeof pl), world_rank(),
-             shape_str(local->ndim, local->shape, ls, sizeof ls),
-             shape_str(2, off, os, sizeof os), same ? "ok" : "MISMATCH");
-    char *all = malloc((size_t)world_size() * LINE_MAX_LEN);
-    if (all == NULL) {
-      st = err_set(STATUS_ENOMEM, "out of host memory");
-      break;
-    }
-    st = pg_host_all_gather(world_pg(), line, all, LINE_MAX_LEN, PG_HOST_BYTE);
-    for (int r = 0; st == STATUS_OK && world_rank() == 0 && r < world_size(); r++)
-      printf("%s\n", all + r * LINE_MAX_LEN);
-    free(all);
-    if (st != STATUS_OK) break;
-    if (!same) st = err_set(STATUS_EINTERNAL, "step %d does not match distribute()", k);
+    st = same_as_direct(cur, &full, mesh, steps[k], &same);
+    if (st == STATUS_OK) st = print_step(k, steps[k], cur, same);
+    if (st == STATUS_OK && !same)
+      st = err_set(STATUS_EINTERNAL, "step %d does not match distribute()", k);
   }
   st = pg_agree(world_pg(), st);
   dtensor_free(cur);
@@ -91,10 +100,11 @@ static status_t run(void) {
 int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) { /* before MPI starts: no mesh is needed to answer these */
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-      printf("usage: mpirun -n 4 fsdp-demo\n"
-             "  distributes a tensor over a 2x2 mesh and moves it through several placements,\n"
-             "  checking each step against the directly distributed tensor\n"
-             "       fsdp-demo --help | --version\n");
+      printf(
+          "usage: mpirun -n 4 fsdp-demo\n"
+          "  distributes a tensor over a 2x2 mesh and moves it through several placements,\n"
+          "  checking each step against the directly distributed tensor\n"
+          "       fsdp-demo --help | --version\n");
       return 0;
     }
     if (strcmp(argv[i], "--version") == 0) {

@@ -233,16 +233,17 @@ static void usage(FILE *f) {
           "  commented with its source, and the settings with no equivalent listed\n");
 }
 
-int main(int argc, char **argv) {
-  const char *in = NULL, *outp = NULL;
+/* The arguments of fsdp-plan convert CONFIG [-o OUT]: 0 (go on), else the exit status (help,
+ * version, or a usage error, said). */
+static int parse_args(int argc, char **argv, const char **in, const char **outp) {
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       usage(stdout);
-      return 0;
+      return -1;
     }
     if (strcmp(argv[i], "--version") == 0) {
       printf("fsdp-plan (fsdpc) %s\n", fsdpc_version());
-      return 0;
+      return -1;
     }
   }
   if (argc < 2 || strcmp(argv[1], "convert") != 0) {
@@ -253,21 +254,46 @@ int main(int argc, char **argv) {
   }
   for (int i = 2; i < argc; i++) {
     if (strcmp(argv[i], "-o") == 0 && i + 1 < argc) {
-      outp = argv[++i];
+      *outp = argv[++i];
     } else if (argv[i][0] == '-' && argv[i][1] != '\0') {
       fprintf(stderr, "fsdp-plan: unknown option '%s' (--help)\n", argv[i]);
       return 2;
-    } else if (in == NULL) {
-      in = argv[i];
+    } else if (*in == NULL) {
+      *in = argv[i];
     } else {
-      fprintf(stderr, "fsdp-plan: more than one config ('%s' and '%s')\n", in, argv[i]);
+      fprintf(stderr, "fsdp-plan: more than one config ('%s' and '%s')\n", *in, argv[i]);
       return 2;
     }
   }
-  if (in == NULL) {
+  if (*in == NULL) {
     fprintf(stderr, "fsdp-plan: convert needs a config file\n");
     return 2;
   }
+  return 0;
+}
+
+/* The plan written to outp (through a temporary file and a rename) or to stdout. */
+static status_t write_out(const char *outp, const out_t *o, const char *in, const char *kind,
+                          const char *ds_file, const cJSON *c) {
+  char tmp[4096];
+  FILE *f = stdout;
+  if (outp) TRY(file_create_temp(outp, tmp, sizeof tmp, &f));
+  write_plan(f, o, in, kind, ds_file, c);
+  bool bad = ferror(f) != 0;
+  if (outp && (fclose(f) != 0 || bad || rename(tmp, outp) != 0)) {
+    status_t st = err_set(STATUS_EIO, "cannot write '%s': %s", outp, strerror(errno));
+    remove(tmp);
+    return st;
+  }
+  if (!outp && (fflush(f) != 0 || bad))
+    return err_set(STATUS_EIO, "cannot write the plan: %s", strerror(errno));
+  return STATUS_OK;
+}
+
+int main(int argc, char **argv) {
+  const char *in = NULL, *outp = NULL;
+  int rc = parse_args(argc, argv, &in, &outp);
+  if (rc != 0) return rc < 0 ? 0 : rc;
   cJSON *c = NULL;
   out_t *o = calloc(1, sizeof *o);
   char kind[160], ds_file[4200] = "";
@@ -282,21 +308,7 @@ int main(int argc, char **argv) {
   if (st == STATUS_OK) st = read_config(in, &c);
   if (st == STATUS_OK) st = read_deepspeed_file(in, c, ds_file, sizeof ds_file);
   if (st == STATUS_OK) st = plan_convert(c, in, o, kind, sizeof kind);
-  if (st == STATUS_OK) {
-    char tmp[4096];
-    FILE *f = stdout;
-    if (outp) st = file_create_temp(outp, tmp, sizeof tmp, &f);
-    if (st == STATUS_OK) {
-      write_plan(f, o, in, kind, ds_file, c);
-      bool bad = ferror(f) != 0;
-      if (outp && (fclose(f) != 0 || bad || rename(tmp, outp) != 0)) {
-        st = err_set(STATUS_EIO, "cannot write '%s': %s", outp, strerror(errno));
-        remove(tmp);
-      } else if (!outp && (fflush(f) != 0 || bad)) {
-        st = err_set(STATUS_EIO, "cannot write the plan: %s", strerror(errno));
-      }
-    }
-  }
+  if (st == STATUS_OK) st = write_out(outp, o, in, kind, ds_file, c);
   cJSON_Delete(c);
   free(o);
   if (st != STATUS_OK) {

@@ -23,18 +23,18 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/file.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/train_ckpt.h"
+#include "core/file.h"
 #include "mesh/world.h"
-#include "train/train.h"
-#include "train/llama_cost.h"
 #include "models/llama/llama_plan.h"
 #include "parallel/parallelize.h"
-#include "train/plan.h"
 #include "tools/plot.h"
 #include "tools/train_ops.h"
 #include "tools/train_save.h"
+#include "train/llama_cost.h"
+#include "train/plan.h"
+#include "train/train.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -221,6 +221,60 @@ static status_t start(run_t *r) {
 
 /* The device, the data, the model with its plan applied (only a meta model for a dry run),
  * its values and the optimizer, or the checkpoint to resume. Collective over the world. */
+/* The checkpoint a run resumes from (checkpoint.load: auto, the newest complete one, or a
+ * folder) into r->resumed_from; *resume: there is one. */
+static status_t find_resume(run_t *r, bool *resume) {
+  const plan_t *p = &r->plan;
+  *resume = false;
+  if (!p->ckpt_load[0]) return STATUS_OK;
+  *resume = true;
+  if (strcmp(p->ckpt_load, "auto") != 0) {
+    snprintf(r->resumed_from, sizeof r->resumed_from, "%s", p->ckpt_load);
+    return STATUS_OK;
+  }
+  char skipped[sizeof r->resumed_from + 128];
+  TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, resume, skipped,
+                  sizeof skipped));
+  if (skipped[0] && world_rank() == 0)
+    fprintf(stderr, "fsdp-train: checkpoint.load=auto: skipped the newer %s\n", skipped);
+  return STATUS_OK;
+}
+
+/* The parallelised model's handles into r. */
+static void take_parallel(run_t *r) {
+  r->mesh = parallel_mesh(r->par);
+  r->dev = mesh_device(r->mesh);
+  r->all = parallel_all_group(r->par);
+  r->tp = parallel_tp(r->par);
+  r->groups = parallel_groups(r->par);
+  r->n_groups = parallel_num_groups(r->par);
+  r->dp_size = parallel_dp_size(r->par);
+  r->dp_rank = parallel_dp_rank(r->par);
+}
+
+/* This rank's shards given memory and values (the seed, the Hugging Face folder, or left to
+ * the checkpoint), the optimizer made, then the checkpoint loaded. */
+static status_t fill(run_t *r, bool deferred, bool resume) {
+  plan_t *p = &r->plan;
+  nn_module_t *root = llama_module(r->model);
+  /* memory and the Hugging Face files may fail on one rank alone: every rank learns of it
+   * before the checkpoint's collectives (or the end of the build) */
+  status_t st = nn_module_materialize(root);
+  if (st == STATUS_OK && deferred && !p->init_from[0] && !resume)
+    st = llama_init_weights(r->model, p->model_seed);
+  if (st == STATUS_OK && p->init_from[0]) /* after sharding: each rank reads its shards' rows */
+    st = ckpt_load_hf(root, p->init_from);
+  if (st == STATUS_OK) st = nn_named_parameters(root, &r->ps, &r->n);
+  if (st == STATUS_OK) st = optim_new(&r->opt, r->ps, r->n, &p->optim);
+  TRY(pg_agree(world_pg(), st));
+  if (!resume) return STATUS_OK;
+  r->verified = -1;
+  if (p->ckpt_verify) TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
+  TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
+  read_saved_run(r->resumed_from, &r->saved_batch, r->saved_order, sizeof r->saved_order);
+  return STATUS_OK;
+}
+
 static status_t build(run_t *r) {
   plan_t *p = &r->plan;
   device_t dev; /* first: collective, and every rank arrives here */
@@ -238,18 +292,8 @@ static status_t build(run_t *r) {
   lo.device = dev.type;
   lo.activation_checkpointing = p->activation_checkpointing;
   lo.deferred = p->deferred_init || r->args.dry_run; /* a dry run allocates no parameter */
-  bool resume = false; /* a checkpoint to load: it overwrites every parameter */
-  if (p->ckpt_load[0]) {
-    resume = true;
-    if (strcmp(p->ckpt_load, "auto") == 0) {
-      char skipped[sizeof r->resumed_from + 128];
-      TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, &resume, skipped,
-                      sizeof skipped));
-      if (skipped[0] && world_rank() == 0)
-        fprintf(stderr, "fsdp-train: checkpoint.load=auto: skipped the newer %s\n", skipped);
-    } else
-      snprintf(r->resumed_from, sizeof r->resumed_from, "%s", p->ckpt_load);
-  }
+  bool resume; /* a checkpoint to load: it overwrites every parameter */
+  TRY(find_resume(r, &resume));
   /* deferred: meta parameters, parallelised, then memory for this rank's shards only and
    * values from the init, the Hugging Face folder or the checkpoint; eager: whole
    * parameters initialised on every rank, then split */
@@ -261,38 +305,14 @@ static status_t build(run_t *r) {
   TRY(pg_agree(world_pg(), st));
   nn_module_t *root = llama_module(r->model);
   TRY(parallel_apply(&r->par, root, &p->par, lo.device));
-  r->mesh = parallel_mesh(r->par);
-  r->dev = mesh_device(r->mesh);
-  r->all = parallel_all_group(r->par);
-  r->tp = parallel_tp(r->par);
-  r->groups = parallel_groups(r->par);
-  r->n_groups = parallel_num_groups(r->par);
-  r->dp_size = parallel_dp_size(r->par);
-  r->dp_rank = parallel_dp_rank(r->par);
+  take_parallel(r);
   if (!resume) r->resumed_from[0] = 0;
   TRY(check_before_training(r));
   if (r->args.dry_run) { /* the meta model has every placement and shape */
     TRY(nn_named_parameters(root, &r->ps, &r->n));
     return resume ? ckpt_check_state(r->resumed_from) : STATUS_OK;
   }
-  /* memory and the Hugging Face files may fail on one rank alone: every rank learns of it
-   * before the checkpoint's collectives (or the end of the build) */
-  st = nn_module_materialize(root);
-  if (st == STATUS_OK && lo.deferred && !p->init_from[0] && !resume)
-    st = llama_init_weights(r->model, p->model_seed);
-  if (st == STATUS_OK && p->init_from[0]) /* after sharding: each rank reads its shards' rows */
-    st = ckpt_load_hf(root, p->init_from);
-  if (st == STATUS_OK) st = nn_named_parameters(root, &r->ps, &r->n);
-  if (st == STATUS_OK) st = optim_new(&r->opt, r->ps, r->n, &p->optim);
-  TRY(pg_agree(world_pg(), st));
-  if (resume) {
-    r->verified = -1;
-    if (p->ckpt_verify)
-      TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
-    TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
-    read_saved_run(r->resumed_from, &r->saved_batch, r->saved_order, sizeof r->saved_order);
-  }
-  return STATUS_OK;
+  return fill(r, lo.deferred, resume);
 }
 
 /* Every rank learns whether rank 0 could write the metrics file (err: its errno, or 0). */
@@ -385,247 +405,351 @@ static void stopped_line(const run_t *r, const train_stop_t *stop, int64_t step,
   fflush(stdout);
 }
 
-static status_t train(run_t *r) {
+/* What the training loop carries from step to step. */
+typedef struct loop {
+  data_spec_t spec;
+  lr_schedule_t sched;
+  const char *mpath; /* the metrics file, or "" */
+  FILE *mf;          /* open on rank 0 */
+  int bad;           /* errno of a metrics write that failed on this rank */
+  bool lead, tty;    /* rank 0; and a live progress bar on its terminal */
+  bool agreed;       /* the loop's failure is one every rank met alike */
+  double t_start, t_profile, first_loss, last_loss, tok_sum, step_max;
+  int64_t steps_done, profile_from;
+  size_t peak_max;
+  tensor_t *micro_loss; /* the micro-steps' losses, on the device until read */
+  train_saver_t saver;
+} loop_t;
+
+/* One step's figures. */
+typedef struct step_out {
+  int64_t s; /* the step's index (the step s + 1 of the run) */
+  double t0, loss, norm, factor, dt, tokens, tps, comm, eval_loss;
+  double sums[4 + PLAN_MAX_SIGNALS]; /* the loss, a save's state, the stop requests, summed */
+  float coef;                        /* clipping, applied inside the optimizer's pass */
+  size_t peak, state;
+  bool finite, stopping, eval_now;
+  train_stop_t stop;
+} step_out_t;
+
+/* This rank's share of the run's data order. */
+static data_spec_t spec_of(const run_t *r) {
   const plan_t *p = &r->plan;
-  data_spec_t spec = {.batch_size = p->batch_size,
-                      .seq_len = p->seq_len,
-                      .grad_accum = p->grad_accum,
-                      .dp_size = r->dp_size,
-                      .dp_rank = r->dp_rank,
-                      .shuffle = p->shuffle,
-                      .seed = p->seed,
-                      .vocab_size = p->model.vocab_size};
-  lr_schedule_t sched = {
+  return (data_spec_t){.batch_size = p->batch_size,
+                       .seq_len = p->seq_len,
+                       .grad_accum = p->grad_accum,
+                       .dp_size = r->dp_size,
+                       .dp_rank = r->dp_rank,
+                       .shuffle = p->shuffle,
+                       .seed = p->seed,
+                       .vocab_size = p->model.vocab_size};
+}
+
+/* Set up: the data order, the schedule, the metrics file, the saver. On failure nothing is
+ * left to finish. */
+static status_t loop_start(run_t *r, loop_t *L) {
+  const plan_t *p = &r->plan;
+  memset(L, 0, sizeof *L);
+  L->spec = spec_of(r);
+  L->sched = (lr_schedule_t){
       .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
-  const char *mpath = r->args.metrics ? r->args.metrics : p->metrics;
-  FILE *mf = NULL;
+  L->mpath = r->args.metrics ? r->args.metrics : p->metrics;
   /* a live progress bar on a terminal; mpirun hands every rank a pseudo-terminal even when
    * its own output is redirected, so under a launcher the bar stays off */
   bool launched = getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("SLURM_PROCID");
-  bool lead = world_rank() == 0, tty = lead && !launched && isatty(fileno(stdout));
-  if (r->start_step >= p->steps) { /* before the metrics file is touched */
-    if (lead)
-      printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
-             (long long)r->start_step, (long long)p->steps);
-    double eval_loss; /* a checkpoint's evaluation: resume it with train.steps at its step */
-    if (r->eval != NULL) TRY(evaluate(r, &spec, &eval_loss));
-    if (r->eval != NULL && lead) eval_line(r, r->start_step, eval_loss, "");
-    return STATUS_OK;
-  }
-  int bad = 0;
-  if (lead && mpath[0] && (mf = metrics_open(mpath, r->start_step)) == NULL) bad = errno;
-  TRY(metrics_agree(mpath, bad));
-  nn_module_t *root = llama_module(r->model);
-  double t_start = now(), first_loss = 0, last_loss = 0, tok_sum = 0, t_profile = 0;
-  double step_max = 0; /* the longest step, in seconds */
-  int64_t steps_done = 0;
-  tensor_t *micro_loss = calloc((size_t)p->grad_accum, sizeof *micro_loss);
-  if (micro_loss == NULL) return err_set(STATUS_ENOMEM, "fsdp-train: out of host memory");
-  train_saver_t saver;
-  status_t saver_st = train_saver_init(&saver, r);
-  if (saver_st != STATUS_OK) {
-    free(micro_loss);
-    return saver_st;
-  }
+  L->lead = world_rank() == 0;
+  L->tty = L->lead && !launched && isatty(fileno(stdout));
   /* the profile leaves out the first two steps (allocation, first touch, warm-up), or only the
    * first in runs of fewer than four */
-  int64_t profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
-  size_t peak_max = 0;
-  status_t st = STATUS_OK;
-  bool agreed = false;    /* st is a failure every rank met alike */
+  L->profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
+  if (L->lead && L->mpath[0] && (L->mf = metrics_open(L->mpath, r->start_step)) == NULL)
+    L->bad = errno;
+  status_t st = metrics_agree(L->mpath, L->bad);
+  if (st == STATUS_OK) {
+    L->micro_loss = calloc((size_t)p->grad_accum, sizeof *L->micro_loss);
+    if (L->micro_loss == NULL) st = err_set(STATUS_ENOMEM, "fsdp-train: out of host memory");
+  }
+  if (st == STATUS_OK) st = train_saver_init(&L->saver, r);
+  if (st != STATUS_OK) {
+    free(L->micro_loss);
+    if (L->mf != NULL) fclose(L->mf);
+    return st;
+  }
+  L->t_start = now();
   train_counted_bytes(r); /* reset */
-  for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK; s++) {
-    double t0 = now(), loss = 0;
-    if (s == profile_from && kernel_profile_enabled()) kernel_profile_reset();
-    if (s == profile_from) t_profile = t0;
-    mem_reset_peak(r->dev);
-    saver.stall_s = 0;
-    saver.saved_step = -1;
-    optim_zero_grad(r->opt);
-    /* the micro-steps' losses stay on the device until the gradient norm has waited for it */
-    int64_t ran = 0;
-    for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++, ran++) {
-      fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
-      st = llama_micro_step_async(r->model, r->data, &spec, s, k, &micro_loss[k]);
-    }
-    double norm = 0, factor = lr_schedule_factor(&sched, s);
-    float coef = 1; /* clipping, applied inside the optimizer's pass */
-    if (st == STATUS_OK)
-      st = clip_grad_coef(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY,
-                          r->all, &norm, &coef);
-    for (int64_t k = 0; k < ran; k++) {
-      float l = 0;
-      if (st == STATUS_OK && micro_loss[k].storage != NULL)
-        st = device_memcpy(device_cpu(), &l, micro_loss[k].device, micro_loss[k].data, sizeof l);
-      loss += (double)l / (double)p->grad_accum;
-      tensor_free(&micro_loss[k]);
-    }
-    if (st != STATUS_OK) break;
-    /* the loss, and whether to stop after this step (a signal, the time limit), in one sum */
-    double sums[4 + PLAN_MAX_SIGNALS], t = now();
-    double step_est = t - t0 > step_max ? t - t0 : step_max;
-    bool time_up =
-        p->time_limit_s > 0 &&
-        t - r->t_launch + step_est + (saver.last_s > 0 ? saver.last_s : step_est) > p->time_limit_s;
-    sums[0] = loss;
-    train_save_values(&saver, sums + 1); /* an asynchronous save: written, failed */
-    int nsums = 3 + train_stop_values(p, time_up, sums + 3);
-    st = pg_host_all_reduce(world_pg(), sums, sums, nsums, PG_HOST_F64, REDUCE_SUM);
-    if (st != STATUS_OK) break;
-    double gl = sums[0] / world_size(); /* the ranks of one tp group hold the same loss */
-    train_stop_t stop = train_stop_of(p, sums + 3);
-    bool stopping = s + 1 < p->steps && (stop.signal != 0 || stop.time_limit);
-    /* the same verdict on every rank: gl and norm are reduced over the world */
-    bool finite = isfinite(gl) && isfinite(norm);
-    if (!finite && !p->skip_nonfinite) {
-      st = err_set(STATUS_EINVAL,
+  return STATUS_OK;
+}
+
+/* Step, forward and backward: the micro-steps, the gradient norm (the step's one host wait),
+ * then the micro-steps' losses, read once the norm has waited for the device. */
+static status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
+  const plan_t *p = &r->plan;
+  nn_module_t *root = llama_module(r->model);
+  optim_zero_grad(r->opt);
+  status_t st = STATUS_OK;
+  int64_t ran = 0;
+  for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++, ran++) {
+    fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
+    st = llama_micro_step_async(r->model, r->data, &L->spec, o->s, k, &L->micro_loss[k]);
+  }
+  o->factor = lr_schedule_factor(&L->sched, o->s);
+  o->coef = 1;
+  if (st == STATUS_OK)
+    st = clip_grad_coef(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY, r->all,
+                        &o->norm, &o->coef);
+  for (int64_t k = 0; k < ran; k++) {
+    float l = 0;
+    tensor_t *t = &L->micro_loss[k];
+    if (st == STATUS_OK && t->storage != NULL)
+      st = device_memcpy(device_cpu(), &l, t->device, t->data, sizeof l);
+    o->loss += (double)l / (double)p->grad_accum;
+    tensor_free(t);
+  }
+  return st;
+}
+
+/* Step, the ranks' agreement: the loss, a save's state and the stop requests in one sum; a
+ * non-finite step stops the run (every rank alike) unless train.nonfinite skips it. */
+static status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
+  const plan_t *p = &r->plan;
+  double t = now(), step_est = t - o->t0 > L->step_max ? t - o->t0 : L->step_max;
+  double save_s = L->saver.last_s > 0 ? L->saver.last_s : step_est;
+  bool time_up = p->time_limit_s > 0 && t - r->t_launch + step_est + save_s > p->time_limit_s;
+  o->sums[0] = o->loss;
+  train_save_values(&L->saver, o->sums + 1); /* an asynchronous save: written, failed */
+  int nsums = 3 + train_stop_values(p, time_up, o->sums + 3);
+  TRY(pg_host_all_reduce(world_pg(), o->sums, o->sums, nsums, PG_HOST_F64, REDUCE_SUM));
+  o->loss = o->sums[0] / world_size(); /* the ranks of one tp group hold the same loss */
+  o->stop = train_stop_of(p, o->sums + 3);
+  o->stopping = o->s + 1 < p->steps && (o->stop.signal != 0 || o->stop.time_limit);
+  /* the same verdict on every rank: the loss and the norm are reduced over the world */
+  o->finite = isfinite(o->loss) && isfinite(o->norm);
+  if (!o->finite && !p->skip_nonfinite) {
+    L->agreed = true;
+    return err_set(STATUS_EINVAL,
                    "step %lld: the loss is %g and the gradient norm %g; stopping before the "
                    "optimizer applies the step, so the weights and the last checkpoint stay "
                    "finite (lower optim.lr, set optim.clip_grad_norm, or set train.nonfinite: "
                    "skip to skip such steps)",
-                   (long long)s + 1, gl, norm);
-      agreed = true;
-      break;
-    }
-    if (!finite && lead)
-      fprintf(stderr, "fsdp-train: step %lld: the loss is %g and the gradient norm %g; the step "
-                      "is skipped (train.nonfinite: skip)\n", (long long)s + 1, gl, norm);
-    train_save_wait_staged(&saver); /* the optimizer changes what a save in flight copies */
-    if (finite) st = optim_step_scaled(r->opt, factor, coef);
-    if (st == STATUS_OK) st = device_stream_sync(r->dev);
-    if (st != STATUS_OK) break;
-    double dt = now() - t0;
-    double tokens = (double)(train_global_batch(r) * p->seq_len);
-    double tps = tokens / dt, comm = train_counted_bytes(r);
-    size_t peak = mem_stats(r->dev).peak, state = mem_stats(r->dev).current;
-    peak_max = peak > peak_max ? peak : peak_max;
-    if (s == r->start_step) first_loss = gl;
-    step_max = dt > step_max ? dt : step_max;
-    /* an asynchronous save every rank has written commits here (one that failed stops the run,
-     * named); then a save every checkpoint.interval steps, of the last step, and of a step the
-     * run stops after (those two wait for their commit) */
-    st = train_save_poll(&saver, r, sums + 1);
-    bool save = p->ckpt_dir[0] && ((p->ckpt_interval > 0 && (s + 1) % p->ckpt_interval == 0) ||
-                                   s + 1 == p->steps || stopping);
-    if (st == STATUS_OK && save) {
-      char *under = NULL;
-      st = pg_agree(world_pg(), saved_under(r, &under));
-      if (st == STATUS_OK) st = train_save(&saver, r, s + 1, under, stopping || s + 1 == p->steps);
-      free(under);
-    }
-    agreed = st != STATUS_OK; /* agreed over the ranks */
-    if (st != STATUS_OK) break;
-    /* evaluation: after every eval.interval steps and after the last */
-    double eval_loss = 0;
-    bool eval_now =
-        r->eval != NULL && !stopping &&
-        ((p->eval_interval > 0 && (s + 1) % p->eval_interval == 0) || s + 1 == p->steps);
-    if (eval_now) {
-      st = evaluate(r, &spec, &eval_loss);
-      train_counted_bytes(r); /* its collectives are not the next step's */
-      if (st != STATUS_OK) break;
-    }
-    last_loss = gl;
-    tok_sum += tokens;
-    if (mf) {
-      cJSON *o = cJSON_CreateObject();
-      cJSON_AddNumberToObject(o, "step", (double)(s + 1));
-      cJSON_AddNumberToObject(o, "loss", gl);
-      cJSON_AddNumberToObject(o, "lr", p->optim.lr * factor);
-      cJSON_AddNumberToObject(o, "grad_norm", norm);
-      cJSON_AddNumberToObject(o, "tokens_per_s", tps);
-      cJSON_AddNumberToObject(o, "peak_mem_bytes", (double)peak);
-      size_t nccl = mem_stats(r->dev).comm; /* NCCL's own buffers, apart from the peak */
-      if (nccl > 0) cJSON_AddNumberToObject(o, "nccl_mem_bytes", (double)nccl);
-      cJSON_AddNumberToObject(o, "comm_bytes", comm);
-      cJSON_AddNumberToObject(o, "state_bytes", (double)state);
-      cJSON_AddNumberToObject(o, "step_time_s", dt);
-      if (eval_now) cJSON_AddNumberToObject(o, "eval_loss", eval_loss);
-      if (saver.stall_s > 0) cJSON_AddNumberToObject(o, "ckpt_stall_s", saver.stall_s);
-      if (saver.saved_step >= 0) { /* a save committed during this step */
-        cJSON_AddNumberToObject(o, "ckpt_saved_step", (double)saver.saved_step);
-        cJSON_AddNumberToObject(o, "ckpt_save_s", saver.last_s);
-      }
-      char *line = cJSON_PrintUnformatted(o);
-      if (line == NULL || fprintf(mf, "%s\n", line) < 0 || fflush(mf) != 0)
-        bad = errno ? errno : EIO;
-      free(line);
-      cJSON_Delete(o);
-    }
-    if (mpath[0] && (st = metrics_agree(mpath, bad)) != STATUS_OK) { /* a full disk */
-      agreed = true;
-      break;
-    }
-    steps_done = s + 1 - r->start_step;
-    if (stopping) {
-      r->stopped_by = stop.signal;
-      r->timed_out = stop.signal == 0;
-      if (lead) stopped_line(r, &stop, s + 1, tty);
-      break;
-    }
-    if (!lead) continue;
-    bool show = s == 0 || s + 1 == p->steps || (s + 1) % p->log_interval == 0;
-    double elapsed = now() - t_start, eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
-    char pm[32];
-    train_mib(pm, sizeof pm, (double)peak);
-    if (show) {
-      printf(
-          "%sstep %5lld/%lld  loss %.6f  lr %.3e  grad_norm %.4f  %.0f tok/s  peak %s  "
-          "ETA %.0fs\n",
-          tty ? "\r\033[K" : "", (long long)(s + 1), (long long)p->steps, gl, p->optim.lr * factor,
-          norm, tps, pm, eta);
-    } else if (tty) { /* live progress on a terminal */
-      int w = 30, done = (int)((double)w * (double)(s + 1) / (double)p->steps);
-      printf("\r[%.*s%*s] %lld/%lld  loss %.4f  %.0f tok/s  ETA %.0fs", done,
-             "##############################", w - done, "", (long long)(s + 1),
-             (long long)p->steps, gl, tps, eta);
-    }
-    if (eval_now) eval_line(r, s + 1, eval_loss, tty && !show ? "\r\033[K" : "");
-    fflush(stdout);
+                   (long long)o->s + 1, o->loss, o->norm);
   }
-  /* a failure this rank may have met alone (memory, the data file, a device) stops the others
-   * at once, where they would wait for it in the step's collectives until the watchdog */
-  if (st != STATUS_OK && !agreed) world_stop(st);
-  train_saver_free(&saver); /* a save in flight after a failure stays uncommitted */
-  free(micro_loss);
-  if (mf != NULL && fclose(mf) != 0) bad = errno ? errno : EIO;
-  if (mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
-    status_t ms = metrics_agree(mpath, bad);
-    if (st == STATUS_OK) st = ms;
+  if (!o->finite && L->lead)
+    fprintf(stderr,
+            "fsdp-train: step %lld: the loss is %g and the gradient norm %g; the step "
+            "is skipped (train.nonfinite: skip)\n",
+            (long long)o->s + 1, o->loss, o->norm);
+  return STATUS_OK;
+}
+
+/* Step, the update: the optimizer (after a save in flight has copied what it changes), then
+ * the step's figures. */
+static status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
+  const plan_t *p = &r->plan;
+  train_save_wait_staged(&L->saver);
+  if (o->finite) TRY(optim_step_scaled(r->opt, o->factor, o->coef));
+  TRY(device_stream_sync(r->dev));
+  o->dt = now() - o->t0;
+  o->tokens = (double)(train_global_batch(r) * p->seq_len);
+  o->tps = o->tokens / o->dt;
+  o->comm = train_counted_bytes(r);
+  o->peak = mem_stats(r->dev).peak;
+  o->state = mem_stats(r->dev).current;
+  L->peak_max = o->peak > L->peak_max ? o->peak : L->peak_max;
+  if (o->s == r->start_step) L->first_loss = o->loss;
+  L->step_max = o->dt > L->step_max ? o->dt : L->step_max;
+  return STATUS_OK;
+}
+
+/* Save: an asynchronous save every rank has written commits here (one that failed stops the
+ * run, named); then a save every checkpoint.interval steps, of the last step, and of a step
+ * the run stops after (those two wait for their commit). Agreed over the ranks. */
+static status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
+  const plan_t *p = &r->plan;
+  int64_t done = o->s + 1;
+  status_t st = train_save_poll(&L->saver, r, o->sums + 1);
+  bool save = p->ckpt_dir[0] && ((p->ckpt_interval > 0 && done % p->ckpt_interval == 0) ||
+                                 done == p->steps || o->stopping);
+  if (st == STATUS_OK && save) {
+    char *under = NULL;
+    st = pg_agree(world_pg(), saved_under(r, &under));
+    if (st == STATUS_OK)
+      st = train_save(&L->saver, r, done, under, o->stopping || done == p->steps);
+    free(under);
   }
-  if (st == STATUS_OK && lead && r->args.plot != NULL &&
-      (st = plot_metrics(&mpath, 1, r->args.plot)) == STATUS_OK)
-    printf("plot: %s\n", r->args.plot);
-  if (st == STATUS_OK && lead) {
-    double total = now() - t_start;
-    char pm[32];
-    train_mib(pm, sizeof pm, (double)peak_max);
-    char held[64] = "", nb[32];
-    if (mem_stats(r->dev).comm > 0) { /* NCCL's buffers are not in the allocator's peak */
-      train_mib(nb, sizeof nb, (double)mem_stats(r->dev).comm);
-      snprintf(held, sizeof held, " (and %s held by NCCL)", nb);
+  L->agreed = st != STATUS_OK;
+  return st;
+}
+
+/* Evaluate: after every eval.interval steps and after the last. */
+static status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
+  const plan_t *p = &r->plan;
+  int64_t done = o->s + 1;
+  o->eval_now = r->eval != NULL && !o->stopping &&
+                ((p->eval_interval > 0 && done % p->eval_interval == 0) || done == p->steps);
+  if (!o->eval_now) return STATUS_OK;
+  status_t st = evaluate(r, &L->spec, &o->eval_loss);
+  train_counted_bytes(r); /* its collectives are not the next step's */
+  return st;
+}
+
+/* Report: the step's line of the metrics file (rank 0), agreed over the ranks (a full disk
+ * stops every rank). */
+static status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
+  const plan_t *p = &r->plan;
+  if (L->mf) {
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "step", (double)(o->s + 1));
+    cJSON_AddNumberToObject(j, "loss", o->loss);
+    cJSON_AddNumberToObject(j, "lr", p->optim.lr * o->factor);
+    cJSON_AddNumberToObject(j, "grad_norm", o->norm);
+    cJSON_AddNumberToObject(j, "tokens_per_s", o->tps);
+    cJSON_AddNumberToObject(j, "peak_mem_bytes", (double)o->peak);
+    size_t nccl = mem_stats(r->dev).comm; /* NCCL's own buffers, apart from the peak */
+    if (nccl > 0) cJSON_AddNumberToObject(j, "nccl_mem_bytes", (double)nccl);
+    cJSON_AddNumberToObject(j, "comm_bytes", o->comm);
+    cJSON_AddNumberToObject(j, "state_bytes", (double)o->state);
+    cJSON_AddNumberToObject(j, "step_time_s", o->dt);
+    if (o->eval_now) cJSON_AddNumberToObject(j, "eval_loss", o->eval_loss);
+    if (L->saver.stall_s > 0) cJSON_AddNumberToObject(j, "ckpt_stall_s", L->saver.stall_s);
+    if (L->saver.saved_step >= 0) { /* a save committed during this step */
+      cJSON_AddNumberToObject(j, "ckpt_saved_step", (double)L->saver.saved_step);
+      cJSON_AddNumberToObject(j, "ckpt_save_s", L->saver.last_s);
     }
-    printf("done: %lld step%s in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s%s\n",
-           (long long)steps_done, steps_done == 1 ? "" : "s", total, first_loss, last_loss,
-           tok_sum / total, pm, held);
-    if (kernel_profile_enabled() && t_profile > 0) { /* FSDPC_PROFILE=1: rank 0's kernels */
-      double k = 0, span = now() - t_profile;
-      printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n", (long long)profile_from + 1,
-             (long long)p->steps);
-      st = kernel_profile_report(stdout, &k);
-      printf("kernels %.3f s of %.3f s\n", k, span);
-      if (kernel_attention_fused_runs() > 0)
-        printf("attention: cuDNN fused, %lld calls\n", (long long)kernel_attention_fused_runs());
-      else if (r->dev.type == DEVICE_CUDA)
-        printf("attention: batched cuBLAS products (%s)\n", kernel_attention_fused_note());
-      if (r->dev.type == DEVICE_CUDA) {
-        const char *note = kernel_matmul_lt_note();
-        printf("matrix products: cuBLASLt %lld calls%s%s\n", (long long)kernel_matmul_lt_runs(),
-               note[0] ? "; the last that took cublasGemmEx: " : "", note);
-      }
-    }
+    char *line = cJSON_PrintUnformatted(j);
+    if (line == NULL || fprintf(L->mf, "%s\n", line) < 0 || fflush(L->mf) != 0)
+      L->bad = errno ? errno : EIO;
+    free(line);
+    cJSON_Delete(j);
+  }
+  if (!L->mpath[0]) return STATUS_OK;
+  status_t st = metrics_agree(L->mpath, L->bad);
+  if (st != STATUS_OK) L->agreed = true;
+  return st;
+}
+
+/* Report: rank 0's line every log.interval steps (and the first and last), else a live
+ * progress bar on a terminal; the evaluation's line. */
+static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) {
+  const plan_t *p = &r->plan;
+  int64_t s = o->s;
+  bool show = s == 0 || s + 1 == p->steps || (s + 1) % p->log_interval == 0;
+  double elapsed = now() - L->t_start, eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
+  char pm[32];
+  train_mib(pm, sizeof pm, (double)o->peak);
+  if (show) {
+    printf(
+        "%sstep %5lld/%lld  loss %.6f  lr %.3e  grad_norm %.4f  %.0f tok/s  peak %s  "
+        "ETA %.0fs\n",
+        L->tty ? "\r\033[K" : "", (long long)(s + 1), (long long)p->steps, o->loss,
+        p->optim.lr * o->factor, o->norm, o->tps, pm, eta);
+  } else if (L->tty) { /* live progress on a terminal */
+    int w = 30, done = (int)((double)w * (double)(s + 1) / (double)p->steps);
+    printf("\r[%.*s%*s] %lld/%lld  loss %.4f  %.0f tok/s  ETA %.0fs", done,
+           "##############################", w - done, "", (long long)(s + 1), (long long)p->steps,
+           o->loss, o->tps, eta);
+  }
+  if (o->eval_now) eval_line(r, s + 1, o->eval_loss, L->tty && !show ? "\r\033[K" : "");
+  fflush(stdout);
+}
+
+/* One step, in its phases. *stop: the run ends after it (a signal or the time limit). */
+static status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
+  step_out_t o = {.s = s, .t0 = now()};
+  if (s == L->profile_from && kernel_profile_enabled()) kernel_profile_reset();
+  if (s == L->profile_from) L->t_profile = o.t0;
+  mem_reset_peak(r->dev);
+  L->saver.stall_s = 0;
+  L->saver.saved_step = -1;
+  TRY(step_compute(r, L, &o));
+  TRY(step_agree(r, L, &o));
+  TRY(step_apply(r, L, &o));
+  TRY(step_save(r, L, &o));
+  TRY(step_evaluate(r, L, &o));
+  L->last_loss = o.loss;
+  L->tok_sum += o.tokens;
+  TRY(metrics_line(r, L, &o));
+  L->steps_done = s + 1 - r->start_step;
+  *stop = o.stopping;
+  if (o.stopping) {
+    r->stopped_by = o.stop.signal;
+    r->timed_out = o.stop.signal == 0;
+    if (L->lead) stopped_line(r, &o.stop, s + 1, L->tty);
+  } else if (L->lead) {
+    progress_line(r, L, &o);
+  }
+  return STATUS_OK;
+}
+
+/* Rank 0's kernel profile of the steps from profile_from on (FSDPC_PROFILE=1). */
+static status_t profile_report(const run_t *r, const loop_t *L) {
+  double k = 0, span = now() - L->t_profile;
+  printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n", (long long)L->profile_from + 1,
+         (long long)r->plan.steps);
+  status_t st = kernel_profile_report(stdout, &k);
+  printf("kernels %.3f s of %.3f s\n", k, span);
+  if (kernel_attention_fused_runs() > 0)
+    printf("attention: cuDNN fused, %lld calls\n", (long long)kernel_attention_fused_runs());
+  else if (r->dev.type == DEVICE_CUDA)
+    printf("attention: batched cuBLAS products (%s)\n", kernel_attention_fused_note());
+  if (r->dev.type == DEVICE_CUDA) {
+    const char *note = kernel_matmul_lt_note();
+    printf("matrix products: cuBLASLt %lld calls%s%s\n", (long long)kernel_matmul_lt_runs(),
+           note[0] ? "; the last that took cublasGemmEx: " : "", note);
   }
   return st;
+}
+
+/* Finish: the saver and the metrics file closed (agreed), the plot, rank 0's summary. */
+static status_t loop_finish(run_t *r, loop_t *L, status_t st) {
+  /* a failure this rank may have met alone (memory, the data file, a device) stops the others
+   * at once, where they would wait for it in the step's collectives until the watchdog */
+  if (st != STATUS_OK && !L->agreed) world_stop(st);
+  train_saver_free(&L->saver); /* a save in flight after a failure stays uncommitted */
+  free(L->micro_loss);
+  if (L->mf != NULL && fclose(L->mf) != 0) L->bad = errno ? errno : EIO;
+  if (L->mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
+    status_t ms = metrics_agree(L->mpath, L->bad);
+    if (st == STATUS_OK) st = ms;
+  }
+  if (st == STATUS_OK && L->lead && r->args.plot != NULL &&
+      (st = plot_metrics(&L->mpath, 1, r->args.plot)) == STATUS_OK)
+    printf("plot: %s\n", r->args.plot);
+  if (st != STATUS_OK || !L->lead) return st;
+  double total = now() - L->t_start;
+  char pm[32], held[64] = "", nb[32];
+  train_mib(pm, sizeof pm, (double)L->peak_max);
+  if (mem_stats(r->dev).comm > 0) { /* NCCL's buffers are not in the allocator's peak */
+    train_mib(nb, sizeof nb, (double)mem_stats(r->dev).comm);
+    snprintf(held, sizeof held, " (and %s held by NCCL)", nb);
+  }
+  printf("done: %lld step%s in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s%s\n",
+         (long long)L->steps_done, L->steps_done == 1 ? "" : "s", total, L->first_loss,
+         L->last_loss, L->tok_sum / total, pm, held);
+  if (kernel_profile_enabled() && L->t_profile > 0) st = profile_report(r, L);
+  return st;
+}
+
+static status_t train(run_t *r) {
+  const plan_t *p = &r->plan;
+  if (r->start_step >= p->steps) { /* before the metrics file is touched */
+    if (world_rank() == 0)
+      printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
+             (long long)r->start_step, (long long)p->steps);
+    if (r->eval == NULL) return STATUS_OK;
+    /* a checkpoint's evaluation: resume it with train.steps at its step */
+    data_spec_t spec = spec_of(r);
+    double eval_loss;
+    TRY(evaluate(r, &spec, &eval_loss));
+    if (world_rank() == 0) eval_line(r, r->start_step, eval_loss, "");
+    return STATUS_OK;
+  }
+  loop_t L;
+  TRY(loop_start(r, &L));
+  status_t st = STATUS_OK;
+  bool stop = false;
+  for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK && !stop; s++)
+    st = step(r, &L, s, &stop);
+  return loop_finish(r, &L, st);
 }
 
 int main(int argc, char **argv) {
@@ -654,8 +778,9 @@ int main(int argc, char **argv) {
     st = plan_load_settings(&r->plan, r->args.config, r->args.sets, r->args.n_sets, &r->settings);
   if (st == STATUS_OK) st = plan_resolve(&r->plan, world_size());
   if (st == STATUS_OK && r->args.plot != NULL && r->args.metrics == NULL && !r->plan.metrics[0])
-    st = err_set(STATUS_EINVAL, "--plot draws the metrics file: give --metrics PATH or "
-                                "log.metrics in the plan");
+    st = err_set(STATUS_EINVAL,
+                 "--plot draws the metrics file: give --metrics PATH or "
+                 "log.metrics in the plan");
   if (st == STATUS_OK) world_set_timeout(r->plan.comm_timeout_s);
   if (st == STATUS_OK) st = dcp_set_block_bytes((uint64_t)r->plan.ckpt_block_bytes);
   if (st == STATUS_OK && r->plan.ckpt_dir[0]) /* before training */

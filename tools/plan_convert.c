@@ -25,8 +25,6 @@ static bool truthy(const char *v) {
 
 /* ---- output: plan keys by section, and the settings left out ---- */
 
-
-
 static void put(out_t *o, const char *section, const char *key, const char *value, const char *from,
                 ...) {
   if (o->n_keys == MAX_KEYS) return;
@@ -130,23 +128,10 @@ static bool whole_ranks(const char *v, long *out) {
   return true;
 }
 
-static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
+/* DeepSpeed's zero_optimization: the stage (hpZ partitions as HSDP), offload, and the knobs
+ * that have no equivalent. */
+static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
   char b[64], name[96];
-  static const char *const done[] = {"zero_optimization",
-                                     "train_micro_batch_size_per_gpu",
-                                     "gradient_accumulation_steps",
-                                     "gradient_clipping",
-                                     "bf16",
-                                     "fp16",
-                                     "optimizer",
-                                     "scheduler",
-                                     "train_batch_size",
-                                     "zero_stage",
-                                     "offload_optimizer_device",
-                                     "offload_param_device",
-                                     "zero3_init_flag",
-                                     "tensor_parallel",
-                                     NULL};
   const cJSON *z = cJSON_GetObjectItemCaseSensitive(c, "zero_optimization");
   long hpz = 0;
   const char *hv =
@@ -188,6 +173,11 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
       leave(o, name, "a bucket or overlap knob: communication here is one collective per unit");
     }
   }
+}
+
+/* The top-level offload devices, the tensor-parallel size and the batch and clipping numbers. */
+static void ds_sizes(out_t *o, const cJSON *c, const char *prefix) {
+  char b[64], name[96];
   for (int k = 0; k < 2; k++) {
     const char *key = k ? "offload_param_device" : "offload_optimizer_device";
     const char *dev = plan_text_of(cJSON_GetObjectItemCaseSensitive(c, key), b, sizeof b);
@@ -216,6 +206,11 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
   number(o, c, "gradient_clipping", name, "optim", "clip_grad_norm");
   snprintf(name, sizeof name, "%strain_batch_size", prefix);
   number(o, c, "train_batch_size", name, "data", "global_batch_size");
+}
+
+/* bf16 and fp16: {"enabled": true | false | "auto"}. */
+static void ds_precision(out_t *o, const cJSON *c, const char *prefix) {
+  char b[64], name[96];
   for (int k = 0; k < 2; k++) { /* bf16, fp16: {"enabled": true | false | "auto"} */
     const char *which = k ? "fp16" : "bf16";
     const char *v = plan_text_of(
@@ -233,6 +228,11 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
       precision(o, which, name);
     if (k && truthy(v)) leave(o, "fp16 loss scaling", "none here; bf16 needs none");
   }
+}
+
+/* The optimizer (AdamW or Adam) and the scheduler (WarmupLR, WarmupCosineLR). */
+static void ds_optim_schedule(out_t *o, const cJSON *c) {
+  char b[64];
   const cJSON *opt = cJSON_GetObjectItemCaseSensitive(c, "optimizer");
   if (opt) {
     const char *type = plan_text_of(cJSON_GetObjectItemCaseSensitive(opt, "type"), b, sizeof b);
@@ -284,6 +284,26 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
             type ? type : "?");
     }
   }
+}
+
+/* What the translation leaves out, named. */
+static void ds_leftovers(out_t *o, const cJSON *c, const char *prefix) {
+  char b[64], name[96];
+  static const char *const done[] = {"zero_optimization",
+                                     "train_micro_batch_size_per_gpu",
+                                     "gradient_accumulation_steps",
+                                     "gradient_clipping",
+                                     "bf16",
+                                     "fp16",
+                                     "optimizer",
+                                     "scheduler",
+                                     "train_batch_size",
+                                     "zero_stage",
+                                     "offload_optimizer_device",
+                                     "offload_param_device",
+                                     "zero3_init_flag",
+                                     "tensor_parallel",
+                                     NULL};
   for (const cJSON *it = c->child; it; it = it->next) {
     bool known = false;
     for (int k = 0; done[k] && !known; k++) known = strcmp(it->string, done[k]) == 0;
@@ -301,6 +321,14 @@ static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
     else if (!known)
       leave(o, it->string, "no equivalent in a plan");
   }
+}
+
+static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
+  ds_zero(o, c, prefix);
+  ds_sizes(o, c, prefix);
+  ds_precision(o, c, prefix);
+  ds_optim_schedule(o, c);
+  ds_leftovers(o, c, prefix);
 }
 
 /* ---- Accelerate ---- */
@@ -441,8 +469,9 @@ static const char *const LAUNCHER_KEYS[] = {"compute_environment",
 /* The settings that hold settings must be mappings: one given as a scalar or a list would
  * otherwise be read as absent. prefix names where c is ("deepspeed_config." or ""). */
 static status_t check_sections(const cJSON *c, const char *path, const char *prefix) {
-  static const char *const sections[] = {"fsdp_config", "deepspeed_config", "zero_optimization",
-                                         "bf16", "fp16", "optimizer", "scheduler", NULL};
+  static const char *const sections[] = {
+      "fsdp_config", "deepspeed_config", "zero_optimization", "bf16",
+      "fp16",        "optimizer",        "scheduler",         NULL};
   static const char *const inner[] = {"offload_optimizer", "offload_param", "params", NULL};
   for (int i = 0; sections[i]; i++) {
     const cJSON *s = cJSON_GetObjectItemCaseSensitive(c, sections[i]);
@@ -453,8 +482,8 @@ static status_t check_sections(const cJSON *c, const char *path, const char *pre
     for (int k = 0; inner[k]; k++) {
       const cJSON *t = cJSON_GetObjectItemCaseSensitive(s, inner[k]);
       if (t != NULL && !cJSON_IsNull(t) && !cJSON_IsObject(t))
-        return err_set(STATUS_EFORMAT, "%s: %s%s.%s: expected a mapping of settings", path,
-                       prefix, sections[i], inner[k]);
+        return err_set(STATUS_EFORMAT, "%s: %s%s.%s: expected a mapping of settings", path, prefix,
+                       sections[i], inner[k]);
     }
     if (strcmp(sections[i], "deepspeed_config") == 0)
       TRY(check_sections(s, path, "deepspeed_config."));
@@ -465,7 +494,8 @@ static status_t check_sections(const cJSON *c, const char *path, const char *pre
 status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *kind, size_t n) {
   char b[160];
   TRY(check_sections(c, path, ""));
-  const char *dt = plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "distributed_type"), b, sizeof b);
+  const char *dt =
+      plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "distributed_type"), b, sizeof b);
   if (dt == NULL) {
     if (!cJSON_GetObjectItemCaseSensitive(c, "zero_optimization") &&
         !cJSON_GetObjectItemCaseSensitive(c, "train_micro_batch_size_per_gpu") &&

@@ -148,77 +148,98 @@ static void xml_text(FILE *f, const char *text) {
 enum { PANEL_W = 480, PANEL_H = 300, LEFT = 72, RIGHT = 16, TOP = 28, BOTTOM = 40 };
 
 /* Panel k: series k as lines; the loss panel also has the evaluations, as dots. */
-static void panel(FILE *f, const run_t *runs, int n, int k, double ox, double oy) {
-  double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
-  for (int r = 0; r < n; r++)
-    for (int64_t i = 0; i < runs[r].n; i++) {
-      x0 = fmin(x0, runs[r].step[i]);
-      x1 = fmax(x1, runs[r].step[i]);
-      double v[2] = {runs[r].v[k][i], k == 0 ? runs[r].v[EVAL][i] : NAN};
-      for (int j = 0; j < 2; j++)
-        if (!isnan(v[j])) y0 = fmin(y0, v[j]), y1 = fmax(y1, v[j]);
-    }
-  double w = PANEL_W - LEFT - RIGHT, h = PANEL_H - TOP - BOTTOM, px = ox + LEFT, py = oy + TOP;
-  fprintf(f, "<g class=\"panel\" id=\"%s\">\n", KEYS[k]);
-  fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-weight=\"bold\">%s</text>\n",
-          px + w / 2, oy + 18, TITLES[k]);
-  fprintf(f,
-          "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
-          "stroke=\"#444\"/>\n",
-          px, py, w, h);
-  if (!(y0 <= y1)) {
-    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">no values</text>\n</g>\n",
-            px + w / 2, py + h / 2);
-    return;
-  }
-  widen(&x0, &x1);
-  double pad = y1 > y0 ? 0.05 * (y1 - y0) : (y0 != 0 ? 0.05 * fabs(y0) : 1);
-  y0 -= pad;
-  y1 += pad;
-  widen(&y0, &y1);
-  /* grid and tick labels: at most 50 a side, each at k times the spacing (a sum would stop
-   * moving where the spacing is below the values' precision) */
-  double ys = tick_step(y1 - y0, 5), xs = tick_step(x1 - x0, 6);
-  for (double k = ceil(y0 / ys), t = k * ys, n = 0; t <= y1 && n < 50; k++, n++, t = k * ys) {
-    double y = py + h - (t - y0) / (y1 - y0) * h;
+/* Where a panel's plot area lies and the values it spans. */
+typedef struct frame {
+  double px, py, w, h;   /* the plot area */
+  double x0, x1, y0, y1; /* the steps and values at its edges */
+} frame_t;
+
+static double fx(const frame_t *fr, double x) {
+  return fr->px + (x - fr->x0) / (fr->x1 - fr->x0) * fr->w;
+}
+static double fy(const frame_t *fr, double y) {
+  return fr->py + fr->h - (y - fr->y0) / (fr->y1 - fr->y0) * fr->h;
+}
+
+/* Grid and tick labels: at most 50 a side, each at k times the spacing (a sum would stop
+ * moving where the spacing is below the values' precision); the step axis's name. */
+static void axes(FILE *f, const frame_t *fr) {
+  double ys = tick_step(fr->y1 - fr->y0, 5), xs = tick_step(fr->x1 - fr->x0, 6);
+  for (double k = ceil(fr->y0 / ys), t = k * ys, n = 0; t <= fr->y1 && n < 50;
+       k++, n++, t = k * ys) {
+    double y = fy(fr, t);
     fprintf(f,
             "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
             "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.6g</text>\n",
-            px, y, px + w, y, px - 6, y + 4, fabs(t) < ys * 1e-9 ? 0.0 : t);
+            fr->px, y, fr->px + fr->w, y, fr->px - 6, y + 4, fabs(t) < ys * 1e-9 ? 0.0 : t);
   }
-  for (double k = ceil(x0 / xs), t = k * xs, n = 0; t <= x1 && n < 50; k++, n++, t = k * xs) {
-    double x = px + (t - x0) / (x1 - x0) * w;
+  for (double k = ceil(fr->x0 / xs), t = k * xs, n = 0; t <= fr->x1 && n < 50;
+       k++, n++, t = k * xs) {
+    double x = fx(fr, t);
     fprintf(f,
             "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
             "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.6g</text>\n",
-            x, py, x, py + h, x, py + h + 16, t);
+            x, fr->py, x, fr->py + fr->h, x, fr->py + fr->h + 16, t);
   }
-  fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">step</text>\n", px + w / 2,
-          py + h + 34);
-  /* one polyline per run and stretch of values (a gap where a value is missing) */
-  for (int r = 0; r < n; r++) {
-    bool open = false;
-    for (int64_t i = 0; i <= runs[r].n; i++) {
-      bool have = i < runs[r].n && !isnan(runs[r].v[k][i]);
-      if (have && !open)
-        fprintf(f,
-                "<polyline class=\"run%d\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\" "
-                "points=\"",
-                r, COLOURS[r % N_COLOURS]);
-      if (have)
-        fprintf(f, "%s%.2f,%.2f", open ? " " : "", px + (runs[r].step[i] - x0) / (x1 - x0) * w,
-                py + h - (runs[r].v[k][i] - y0) / (y1 - y0) * h);
-      if (!have && open) fputs("\"/>\n", f);
-      open = have;
+  fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">step</text>\n", fr->px + fr->w / 2,
+          fr->py + fr->h + 34);
+}
+
+/* Run r's curve of value k: one polyline per stretch of values (a gap where a value is
+ * missing), and the loss panel's evaluations as circles. */
+static void curve(FILE *f, const frame_t *fr, const run_t *run, int r, int k) {
+  bool open = false;
+  for (int64_t i = 0; i <= run->n; i++) {
+    bool have = i < run->n && !isnan(run->v[k][i]);
+    if (have && !open)
+      fprintf(f,
+              "<polyline class=\"run%d\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\" "
+              "points=\"",
+              r, COLOURS[r % N_COLOURS]);
+    if (have)
+      fprintf(f, "%s%.2f,%.2f", open ? " " : "", fx(fr, run->step[i]), fy(fr, run->v[k][i]));
+    if (!have && open) fputs("\"/>\n", f);
+    open = have;
+  }
+  for (int64_t i = 0; k == 0 && i < run->n; i++)
+    if (!isnan(run->v[EVAL][i]))
+      fprintf(f,
+              "<circle class=\"eval%d\" cx=\"%.2f\" cy=\"%.2f\" r=\"4\" fill=\"white\" "
+              "stroke=\"%s\" stroke-width=\"2\"/>\n",
+              r, fx(fr, run->step[i]), fy(fr, run->v[EVAL][i]), COLOURS[r % N_COLOURS]);
+}
+
+static void panel(FILE *f, const run_t *runs, int n, int k, double ox, double oy) {
+  frame_t fr = {.x0 = INFINITY, .x1 = -INFINITY, .y0 = INFINITY, .y1 = -INFINITY};
+  for (int r = 0; r < n; r++)
+    for (int64_t i = 0; i < runs[r].n; i++) {
+      fr.x0 = fmin(fr.x0, runs[r].step[i]);
+      fr.x1 = fmax(fr.x1, runs[r].step[i]);
+      double v[2] = {runs[r].v[k][i], k == 0 ? runs[r].v[EVAL][i] : NAN};
+      for (int j = 0; j < 2; j++)
+        if (!isnan(v[j])) fr.y0 = fmin(fr.y0, v[j]), fr.y1 = fmax(fr.y1, v[j]);
     }
-    for (int64_t i = 0; k == 0 && i < runs[r].n; i++)
-      if (!isnan(runs[r].v[EVAL][i]))
-        fprintf(f,
-                "<circle class=\"eval%d\" cx=\"%.2f\" cy=\"%.2f\" r=\"4\" fill=\"white\" "
-                "stroke=\"%s\" stroke-width=\"2\"/>\n",
-                r, px + (runs[r].step[i] - x0) / (x1 - x0) * w,
-                py + h - (runs[r].v[EVAL][i] - y0) / (y1 - y0) * h, COLOURS[r % N_COLOURS]);
+  fr.w = PANEL_W - LEFT - RIGHT, fr.h = PANEL_H - TOP - BOTTOM;
+  fr.px = ox + LEFT, fr.py = oy + TOP;
+  fprintf(f, "<g class=\"panel\" id=\"%s\">\n", KEYS[k]);
+  fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-weight=\"bold\">%s</text>\n",
+          fr.px + fr.w / 2, oy + 18, TITLES[k]);
+  fprintf(f,
+          "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
+          "stroke=\"#444\"/>\n",
+          fr.px, fr.py, fr.w, fr.h);
+  if (!(fr.y0 <= fr.y1)) {
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">no values</text>\n</g>\n",
+            fr.px + fr.w / 2, fr.py + fr.h / 2);
+    return;
   }
+  widen(&fr.x0, &fr.x1);
+  double pad = fr.y1 > fr.y0 ? 0.05 * (fr.y1 - fr.y0) : (fr.y0 != 0 ? 0.05 * fabs(fr.y0) : 1);
+  fr.y0 -= pad;
+  fr.y1 += pad;
+  widen(&fr.y0, &fr.y1);
+  axes(f, &fr);
+  for (int r = 0; r < n; r++) curve(f, &fr, &runs[r], r, k);
   fputs("</g>\n", f);
 }
 

@@ -10,9 +10,9 @@
 
 #include "core/kernels.h"
 #include "mesh/world.h"
-#include "train/llama_cost.h"
 #include "models/llama/llama_plan.h"
 #include "tools/fsdp_train.h"
+#include "train/llama_cost.h"
 
 static const char *reshard_str(int r, char *buf, size_t n) {
   if (r == FSDP_RESHARD_AUTO) return "auto";
@@ -90,12 +90,11 @@ static void optim_line(const plan_t *p) {
       p->warmup_steps == 1 ? "" : "s", decay, groups);
 }
 
-void train_header(const run_t *r) {
+/* The header's world lines: ranks, mesh, planning, process groups, devices, kernels. */
+static void header_world(const run_t *r) {
   const plan_t *p = &r->plan;
-  char dev[16], rb[16], mb[32];
+  char dev[16];
   device_str(r->dev, dev, sizeof dev);
-  train_mib(mb, sizeof mb, sharded_param_bytes(r));
-  printf("fsdp-train: %s\n", p->source);
   char threads[48] = "";
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) /* OMP_NUM_THREADS */
     snprintf(threads, sizeof threads, ", %d kernel threads%s", kernel_cpu_threads(),
@@ -107,9 +106,10 @@ void train_header(const run_t *r) {
     printf("  planned from one process (--world %d, %d rank%s per node): rank 0's figures\n",
            world_size(), world_local_size(), world_local_size() == 1 ? "" : "s");
   if (pg_device_backend() != PG_BACKEND_NATIVE)
-    printf("  process groups: host-staged%s (FSDPC_PG): device data exchanged through host memory "
-           "over MPI\n",
-           pg_device_backend() == PG_BACKEND_STAGED_LAZY ? ", lazy test mode" : "");
+    printf(
+        "  process groups: host-staged%s (FSDPC_PG): device data exchanged through host memory "
+        "over MPI\n",
+        pg_device_backend() == PG_BACKEND_STAGED_LAZY ? ", lazy test mode" : "");
   if (r->device_note[0]) printf("  train.device auto: %s\n", r->device_note);
   if (r->dev.type == DEVICE_CUDA && world_device_assignment()[0])
     printf("  devices: %s\n", world_device_assignment());
@@ -126,6 +126,13 @@ void train_header(const run_t *r) {
   if (r->dev.type == DEVICE_CUDA && kernel_matmul_lt_off()[0])
     printf("  matrix products: cublasGemmEx (%s)\n", kernel_matmul_lt_off());
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) warn_oversubscribed();
+}
+
+/* The header's model lines: the model, fully_shard, the optimizer, tensor parallelism. */
+static void header_model(const run_t *r) {
+  const plan_t *p = &r->plan;
+  char rb[16], mb[32];
+  train_mib(mb, sizeof mb, sharded_param_bytes(r));
   printf(
       "  model: llama dim %lld, %lld layer%s, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
       "%lld parameters; activation checkpointing %s\n",
@@ -151,6 +158,11 @@ void train_header(const run_t *r) {
            llama_plan_tp_is_builtin(&p->par) ? "the built-in Llama plan" : "the plan's rules",
            p->par.sequence_parallel ? "on" : "off");
   printf("  sharded parameters on rank 0: %s\n", mb);
+}
+
+/* The header's lines on the checkpoint a run resumes from. */
+static void header_resume(const run_t *r) {
+  const plan_t *p = &r->plan;
   if (r->resumed_from[0])
     printf(
         "  resumed from %s after step %lld (rank 0 read %llu bytes of tensor data, needing "
@@ -169,6 +181,11 @@ void train_header(const run_t *r) {
            (long long)r->verified);
   else if (p->ckpt_load[0] && !r->resumed_from[0])
     printf("  no checkpoint in %s yet: starting from step 0\n", p->ckpt_dir);
+}
+
+/* The header's data and evaluation lines. */
+static void header_data(const run_t *r) {
+  const plan_t *p = &r->plan;
   char files[32] = "";
   if (data_num_files(r->data) > 1)
     snprintf(files, sizeof files, " in %d files", data_num_files(r->data));
@@ -201,6 +218,11 @@ void train_header(const run_t *r) {
       printf("  eval: note: its batches read %.0f tokens, more than it holds: samples repeat\n",
              reads);
   }
+}
+
+/* Warnings when a resumed run reads the data in another order than the run it resumes. */
+static void header_order_warnings(const run_t *r) {
+  const plan_t *p = &r->plan;
   if (r->saved_batch > 0 && r->saved_batch != train_global_batch(r))
     fprintf(stderr,
             "fsdp-train: warning: %s was saved with a global batch of %lld samples, this run "
@@ -214,6 +236,15 @@ void train_header(const run_t *r) {
             "fsdp-train: warning: %s was saved reading the data %s; this run reads it %s: from "
             "here the samples follow this run's order, so some are skipped or repeated\n",
             r->resumed_from, r->saved_order, order);
+}
+
+void train_header(const run_t *r) {
+  printf("fsdp-train: %s\n", r->plan.source);
+  header_world(r);
+  header_model(r);
+  header_resume(r);
+  header_data(r);
+  header_order_warnings(r);
   fflush(stdout);
 }
 
@@ -261,114 +292,128 @@ static void unit_table(const run_t *r) {
   printf("  %-28s %7d %14.0f %14.0f %14.0f\n", "total", params, tot[0], tot[1], tot[2]);
 }
 
-void train_dry_run(const run_t *r) {
+/* --dry-run: one parameter's line: placements, global shape, each dp_shard rank's local
+ * shape (beyond 16 ranks, a run of equal shapes once, with its ranks). */
+static void param_line(const run_t *r, const nn_param_t *prm) {
+  int W = r->plan.par.dp_shard;
+  const dtensor_t *v = prm->value;
+  char pl[64], gs[64] = "";
+  const int64_t *shape = dtensor_shape(v);
+  int nd = dtensor_ndim(v);
+  placements_str(mesh_ndim(dtensor_mesh(v)), dtensor_placements(v), pl, sizeof pl);
+  for (int d = 0; d < nd; d++)
+    snprintf(gs + strlen(gs), sizeof gs - strlen(gs), "%s%lld", d ? "x" : "", (long long)shape[d]);
+  printf("  %-44s %-22s %-12s", prm->fqn, pl, gs);
+  const mesh_t *vm = dtensor_mesh(v);
+  int coord[MESH_MAX_DIMS], sd = mesh_dim_index(vm, "dp_shard");
+  for (int k = 0; k < mesh_ndim(vm); k++) coord[k] = mesh_coord(vm, k);
+  char prev[96] = "";
+  int from = 0;
+  for (int k = 0; k <= W; k++) {
+    int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
+    char cur[96] = "";
+    if (sd >= 0) coord[sd] = k;
+    if (k < W &&
+        dtensor_compute_box(vm, dtensor_placements(v), nd, shape, coord, local, off) != STATUS_OK)
+      break;
+    for (int d = 0; k < W && d < nd; d++)
+      snprintf(cur + strlen(cur), sizeof cur - strlen(cur), "%s%lld", d ? "x" : "",
+               (long long)local[d]);
+    if (W <= 16) {
+      if (k < W) printf(" %s", cur);
+      continue;
+    }
+    if (k > 0 && (k == W || strcmp(cur, prev) != 0)) {
+      if (k - 1 > from)
+        printf(" %s (ranks %d-%d)", prev, from, k - 1);
+      else
+        printf(" %s (rank %d)", prev, from);
+      from = k;
+    }
+    snprintf(prev, sizeof prev, "%s", cur);
+  }
+  printf("\n");
+}
+
+/* --dry-run: each unit's dtypes and reshard policy. */
+static void unit_dtypes(const run_t *r) {
+  printf(
+      "\nunits (fully_shard groups): floating-point inputs are cast to the compute dtype; "
+      "output auto = the compute dtype, or f32 when the input was f32\n");
+  for (int i = 0; i < r->n_groups; i++) {
+    const fsdp_group_t *g = r->groups[i];
+    const char *name = fsdp_group_name(g);
+    dtype_t cin = DTYPE_COUNT, cout = DTYPE_COUNT;
+    nn_module_t *m = name[0] ? nn_module_find(llama_module(r->model), name) : NULL;
+    if (m) nn_module_cast(m, &cin, &cout);
+    char rb[16];
+    printf("  %-28s compute %-4s  reduce %-4s  output %-4s  reshard_after_forward %s\n",
+           name[0] ? name : "(root)", dtype_name(fsdp_param_dtype(g)),
+           dtype_name(fsdp_reduce_dtype(g)), cout != DTYPE_COUNT ? dtype_name(cout) : "auto",
+           reshard_str(fsdp_reshard_after_forward(g), rb, sizeof rb));
+  }
+}
+
+/* --dry-run: the memory per rank, and a step's peak with what makes it up; false (said) when
+ * the estimate fails. */
+static bool memory_lines(const run_t *r) {
   const plan_t *p = &r->plan;
   int W = p->par.dp_shard;
-  if (world_rank() == 0) {
-    printf(
-        "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "
-        "rank%s):\n",
-        p->par.dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard",
-        p->par.tp > 1 ? ", tp" : "", p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
-    for (int i = 0; i < r->n; i++) {
-      const dtensor_t *v = r->ps[i]->value;
-      char pl[64], gs[64] = "";
-      const int64_t *shape = dtensor_shape(v);
-      int nd = dtensor_ndim(v);
-      placements_str(mesh_ndim(dtensor_mesh(v)), dtensor_placements(v), pl, sizeof pl);
-      for (int d = 0; d < nd; d++)
-        snprintf(gs + strlen(gs), sizeof gs - strlen(gs), "%s%lld", d ? "x" : "",
-                 (long long)shape[d]);
-      printf("  %-44s %-22s %-12s", r->ps[i]->fqn, pl, gs);
-      const mesh_t *vm = dtensor_mesh(v);
-      int coord[MESH_MAX_DIMS], sd = mesh_dim_index(vm, "dp_shard");
-      for (int k = 0; k < mesh_ndim(vm); k++) coord[k] = mesh_coord(vm, k);
-      /* each dp_shard rank's shape; beyond 16 ranks, a run of equal shapes once, with its
-       * ranks */
-      char prev[96] = "";
-      int from = 0;
-      for (int k = 0; k <= W; k++) {
-        int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
-        char cur[96] = "";
-        if (sd >= 0) coord[sd] = k;
-        if (k < W && dtensor_compute_box(vm, dtensor_placements(v), nd, shape, coord, local, off) !=
-                         STATUS_OK)
-          break;
-        for (int d = 0; k < W && d < nd; d++)
-          snprintf(cur + strlen(cur), sizeof cur - strlen(cur), "%s%lld", d ? "x" : "",
-                   (long long)local[d]);
-        if (W <= 16) {
-          if (k < W) printf(" %s", cur);
-          continue;
-        }
-        if (k > 0 && (k == W || strcmp(cur, prev) != 0)) {
-          if (k - 1 > from)
-            printf(" %s (ranks %d-%d)", prev, from, k - 1);
-          else
-            printf(" %s (rank %d)", prev, from);
-          from = k;
-        }
-        snprintf(prev, sizeof prev, "%s", cur);
-      }
-      printf("\n");
-    }
-    printf(
-        "\nunits (fully_shard groups): floating-point inputs are cast to the compute dtype; "
-        "output auto = the compute dtype, or f32 when the input was f32\n");
-    for (int i = 0; i < r->n_groups; i++) {
-      const fsdp_group_t *g = r->groups[i];
-      const char *name = fsdp_group_name(g);
-      dtype_t cin = DTYPE_COUNT, cout = DTYPE_COUNT;
-      nn_module_t *m = name[0] ? nn_module_find(llama_module(r->model), name) : NULL;
-      if (m) nn_module_cast(m, &cin, &cout);
-      char rb[16];
-      printf("  %-28s compute %-4s  reduce %-4s  output %-4s  reshard_after_forward %s\n",
-             name[0] ? name : "(root)", dtype_name(fsdp_param_dtype(g)),
-             dtype_name(fsdp_reduce_dtype(g)), cout != DTYPE_COUNT ? dtype_name(cout) : "auto",
-             reshard_str(fsdp_reshard_after_forward(g), rb, sizeof rb));
-    }
-    double pb = sharded_param_bytes(r), largest = 0;
-    for (int i = 0; i < r->n_groups; i++) {
-      double b = (double)fsdp_gather_numel(r->groups[i]) * W *
-                 (double)dtype_size(fsdp_param_dtype(r->groups[i]));
-      largest = b > largest ? b : largest;
-    }
-    if (r->args.verbose) unit_table(r);
-    llama_memory_t est, other;
-    plan_t flip = *p; /* the other activation-checkpointing setting, for comparison */
-    flip.activation_checkpointing = !p->activation_checkpointing;
-    size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
-    if (llama_memory_estimate(p, r->groups, r->n_groups, pb, own, &est) != STATUS_OK ||
-        llama_memory_estimate(&flip, r->groups, r->n_groups, pb, own, &other) != STATUS_OK) {
-      printf("memory estimate: %s\n", err_detail());
-      return;
-    }
-    char a[32], b2[32], c[32], pk[32], ac[32], ga[32], fl[32], st[32], ot[32];
-    train_mib(a, sizeof a, pb);
-    train_mib(b2, sizeof b2, 2 * pb);
-    train_mib(c, sizeof c, largest);
-    train_mib(pk, sizeof pk, est.peak);
-    train_mib(st, sizeof st, est.state);
-    train_mib(ac, sizeof ac, est.activations);
-    train_mib(ga, sizeof ga, est.gathered);
-    train_mib(fl, sizeof fl, est.in_flight);
-    train_mib(ot, sizeof ot, other.peak);
-    printf(
-        "\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
-        "largest unsharded unit %s\n",
-        a, a, b2, c);
-    printf(
-        "  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
-        "flight %s; %s activation checkpointing: %s\n",
-        pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
-    printf("state_bytes %.0f\n", 4 * pb);
-    printf("largest_unit_bytes %.0f\n", largest);
-    printf("peak_bytes %.0f\n", est.peak);
-    llama_comm_t m = llama_comm_estimate(p, r->groups, r->n_groups);
-    printf(
-        "communication per step and rank (docs/design.md section 11): all-gather %lld calls "
-        "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
-        m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar);
-    printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
+  double pb = sharded_param_bytes(r), largest = 0;
+  for (int i = 0; i < r->n_groups; i++) {
+    double b = (double)fsdp_gather_numel(r->groups[i]) * W *
+               (double)dtype_size(fsdp_param_dtype(r->groups[i]));
+    largest = b > largest ? b : largest;
   }
+  if (r->args.verbose) unit_table(r);
+  llama_memory_t est, other;
+  plan_t flip = *p; /* the other activation-checkpointing setting, for comparison */
+  flip.activation_checkpointing = !p->activation_checkpointing;
+  size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
+  if (llama_memory_estimate(p, r->groups, r->n_groups, pb, own, &est) != STATUS_OK ||
+      llama_memory_estimate(&flip, r->groups, r->n_groups, pb, own, &other) != STATUS_OK) {
+    printf("memory estimate: %s\n", err_detail());
+    return false;
+  }
+  char a[32], b2[32], c[32], pk[32], ac[32], ga[32], fl[32], st[32], ot[32];
+  train_mib(a, sizeof a, pb);
+  train_mib(b2, sizeof b2, 2 * pb);
+  train_mib(c, sizeof c, largest);
+  train_mib(pk, sizeof pk, est.peak);
+  train_mib(st, sizeof st, est.state);
+  train_mib(ac, sizeof ac, est.activations);
+  train_mib(ga, sizeof ga, est.gathered);
+  train_mib(fl, sizeof fl, est.in_flight);
+  train_mib(ot, sizeof ot, other.peak);
+  printf(
+      "\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
+      "largest unsharded unit %s\n",
+      a, a, b2, c);
+  printf(
+      "  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
+      "flight %s; %s activation checkpointing: %s\n",
+      pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
+  printf("state_bytes %.0f\n", 4 * pb);
+  printf("largest_unit_bytes %.0f\n", largest);
+  printf("peak_bytes %.0f\n", est.peak);
+  return true;
+}
+
+void train_dry_run(const run_t *r) {
+  const plan_t *p = &r->plan;
+  if (world_rank() != 0) return;
+  printf(
+      "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "
+      "rank%s):\n",
+      p->par.dp_replicate > 1 ? "dp_replicate, dp_shard" : "dp_shard", p->par.tp > 1 ? ", tp" : "",
+      p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
+  for (int i = 0; i < r->n; i++) param_line(r, r->ps[i]);
+  unit_dtypes(r);
+  if (!memory_lines(r)) return;
+  llama_comm_t m = llama_comm_estimate(p, r->groups, r->n_groups);
+  printf(
+      "communication per step and rank (docs/design.md section 11): all-gather %lld calls "
+      "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
+      m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar);
+  printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
 }
