@@ -1,7 +1,7 @@
 /*
  * FSDP training steps of a Llama under a plan: per-step communication bytes measured and
- * analytic (docs/design.md section 11), peak memory measured and budgeted (docs/design.md
- * section 7), step time, and the speed of the copies within the device (FSDP's copy-in with its
+ * analytic (docs/design.md, "Performance model"), peak memory measured and budgeted (docs/design.md
+ * "fully_shard"), step time, and the speed of the copies within the device (FSDP's copy-in with its
  * cast, copy-out and reduce-scatter packing, batched on a GPU; the others one by one) in one
  * more, profiled, step against a plain copy of 64 MiB on that device. Figures, not assertions.
  *

@@ -1,5 +1,5 @@
 /*
- * Distributed checkpoints of DTensors (docs/design.md section 9): every rank saves its own
+ * Distributed checkpoints of DTensors (docs/design.md, "Checkpoints"): every rank saves its own
  * shards, no gather; a load under any other plan reads, on each rank, only the saved bytes
  * its shards need.
  *
@@ -97,7 +97,8 @@ typedef struct dcp_folder {
   int n_files;
   uint64_t save_id; /* the same for every file of the folder: dcp_new_save_id() */
 } dcp_folder_t;
-status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const dcp_folder_t *folder);
+status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n,
+                        const dcp_folder_t *folder);
 /* An id for one save: from the clock and the process, different between saves. */
 uint64_t dcp_new_save_id(void);
 

@@ -1,5 +1,5 @@
 /*
- * fully_shard: FSDP2 semantics on the module layer (docs/design.md section 7).
+ * fully_shard: FSDP2 semantics on the module layer (docs/design.md, "fully_shard").
  *
  * Each call makes one parameter group from the parameters of the module's subtree that no
  * earlier (inner) call claimed; apply it bottom-up, blocks first and the root last. Every

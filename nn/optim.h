@@ -1,7 +1,7 @@
 /*
  * AdamW with per-parameter groups, gradient clipping and the learning-rate schedule, exactly
- * as docs/design.md section 10 (torch.optim.AdamW, torch.nn.utils.clip_grad_norm_, warmup +
- * cosine).
+ * as docs/design.md, "The reference model and training math" (torch.optim.AdamW,
+ * torch.nn.utils.clip_grad_norm_, warmup + cosine).
  *
  *   adamw_config_t cfg = ADAMW_CONFIG_INIT;
  *   cfg.lr = 3e-3;

@@ -1,5 +1,6 @@
 /*
- * Tensor parallelism: parallelize_module's styles on a 1-D `tp` mesh (docs/design.md section 8).
+ * Tensor parallelism: parallelize_module's styles on a 1-D `tp` mesh (docs/design.md, "Tensor
+ * parallelism").
  *
  * A plan maps module FQN patterns to styles. Applying it splits the matched layers'
  * weights into DTensors on the tp mesh and wraps their forwards so that activations move

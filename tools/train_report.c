@@ -412,7 +412,7 @@ void train_dry_run(const run_t *r) {
   if (!memory_lines(r)) return;
   llama_comm_t m = llama_comm_estimate(p, r->groups, r->n_groups);
   printf(
-      "communication per step and rank (docs/design.md section 11): all-gather %lld calls "
+      "communication per step and rank (docs/design.md, Performance model): all-gather %lld calls "
       "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
       m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar);
   printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);

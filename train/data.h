@@ -1,5 +1,6 @@
 /*
- * The token stream and the global batch order (docs/design.md section 10).
+ * The token stream and the global batch order (docs/design.md, "The reference model and training
+ * math").
  *
  * The token stream is one file, or the files a glob pattern matches in sorted order, one after
  * the other. A file holds the bytes of a text (vocabulary 256), or little-endian uint16 or

@@ -1,8 +1,8 @@
 /*
  * What a training step of the built-in Llama costs per rank under a plan, computed from the
  * plan and the sharded (possibly meta) model's fully_shard groups without running it: the
- * bytes it sends (llama_comm_estimate, the closed form of docs/design.md section 11) and what
- * it holds at its peak (llama_memory_estimate: the sharded state, the activations saved for
+ * bytes it sends (llama_comm_estimate, the closed form of docs/design.md, "Performance model") and
+ * what it holds at its peak (llama_memory_estimate: the sharded state, the activations saved for
  * backward, the units gathered and what is in flight: logits, gradients being computed,
  * reductions not yet finished). fsdp-train --dry-run prints both; a real step's process-group
  * counters and peak_mem_bytes are what they estimate.

@@ -1,6 +1,6 @@
 /*
  * The reference model: Llama with the math of Hugging Face's LlamaForCausalLM and its
- * parameter names (docs/design.md section 10).
+ * parameter names (docs/design.md, "The reference model and training math").
  *
  *   llama_config_t cfg;
  *   llama_t *model;

@@ -3,8 +3,8 @@
  * with FSDP (or HSDP with argument "hsdp[:R]") matches the unsharded run step for step for
  * every plan, the collectives per step are exactly one all-gather per unshard and one
  * reduce-scatter (and for HSDP one all-reduce) per group with the bytes of docs/design.md
- * section 11, and forward memory stays within the budget of docs/design.md section 7. With
- * argument "cuda" or "cuda:offload" (the GPU suite; any world size, "hsdp[:R]" as a second
+ * "Performance model", and forward memory stays within the budget of docs/design.md, "fully_shard".
+ * With argument "cuda" or "cuda:offload" (the GPU suite; any world size, "hsdp[:R]" as a second
  * argument) the parity plans run on the GPU against the single-rank model on the GPU: at
  * world size 1, or several ranks on as many GPUs (NCCL), or on one GPU through the host-staged
  * groups (FSDPC_PG=staged-lazy).
@@ -366,7 +366,8 @@ START_TEST(memory_within_budget) {
       ok(fully_shard(llama_module(m), &opt, &groups[cfg.n_layers]));
       int md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1);
       for (int i = 0; i < cfg.n_layers; i++) {
-        size_t b = ((size_t)fsdp_flat_numel(groups[i]) + 3) / 4 * 16 * (size_t)Ws; /* blocks of 16 B */
+        size_t b =
+            ((size_t)fsdp_flat_numel(groups[i]) + 3) / 4 * 16 * (size_t)Ws; /* blocks of 16 B */
         largest = b > largest ? b : largest;
       }
       root_bytes = ((size_t)fsdp_flat_numel(groups[cfg.n_layers]) + 3) / 4 * 16 * (size_t)Ws;
@@ -460,7 +461,8 @@ START_TEST(deferred_init_allocates_only_shards) {
     fsdp_options_t opt = FSDP_OPTIONS_INIT;
     opt.mesh = mesh;
     opt.offload = test_offload();
-    for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(ms[k], i), &opt, &groups[k][i]));
+    for (int i = 0; i < cfg.n_layers; i++)
+      ok(fully_shard(llama_layer(ms[k], i), &opt, &groups[k][i]));
     ok(fully_shard(llama_module(ms[k]), &opt, &groups[k][cfg.n_layers]));
     if (k == 1) continue;
     built = mem_stats(dev).peak - c0;

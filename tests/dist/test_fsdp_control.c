@@ -450,7 +450,7 @@ START_TEST(ignored_parameter_and_divide_factor) {
 }
 END_TEST
 
-/* Memory (docs/design.md section 7): with reshard_after_forward, forward ends holding the
+/* Memory (docs/design.md, "fully_shard"): with reshard_after_forward, forward ends holding the
  * sharded state, the root's gathered parameters and the activations, and never more than a
  * few unsharded groups on top; the activations are measured on the unsharded model with the
  * same batch. */

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The layer rule and the communication boundary (docs/design.md section 2):
+"""The layer rule and the communication boundary (docs/design.md, "Layers and folders"):
 
 - a library folder includes project headers only from itself and the folders below it: the
   model-agnostic library (core to checkpoint) never includes models/ or train/;

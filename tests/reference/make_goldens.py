@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Golden values for the C Llama, computed by an independent plain-PyTorch Llama.
 
-Builds the model of docs/design.md section 10 (Hugging Face LlamaForCausalLM math and names) in
-plain torch, writes random initial weights to a safetensors file and loads them back, then
-runs on the project's corpus with the project's data order:
+Builds the model of docs/design.md, "The reference model and training math" (Hugging Face
+LlamaForCausalLM math and names) in plain torch, writes random initial weights to a
+safetensors file and loads them back, then runs on the project's corpus with the project's
+data order:
   - one forward and backward on step 0's batch: logits, loss, every parameter's gradient;
   - STEPS AdamW steps (parameter groups, gradient clipping, warmup + cosine schedule):
     the per-step losses.
