@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The installed library as an application uses it: `meson install` into a temporary folder,
 then examples/dtensor_basics.c compiled against the installed headers with the flags
-`pkg-config fsdpc` gives, linked twice (the shared library with `--libs`, the static archive
-with `--static --libs`), and both programs run on 2 ranks. Every -l of the static flags must
+`pkg-config fsdpc` gives, three ways (as it is; with its includes as <fsdpc/...>; with
+<fsdpc/fsdpc.h> alone), each linked twice (the shared library with `--libs`, the static
+archive with `--static --libs`), and every program run on 2 ranks. Every -l of the static flags must
 name a library found in the -L folders or the linker's own (a CUDA build lists -lcudart).
 
   test_install.py BUILD_DIR SOURCE_DIR MPIRUN
@@ -66,20 +67,31 @@ def main():
             check(bool(found), "pkg-config --static --libs: -l%s is in a folder it names or the "
                   "linker's (%s)" % (lib, found[0] if found else "in none of " + " ".join(dirs)))
         src = os.path.join(ROOT, "examples", "dtensor_basics.c")
+        text = open(src).read()
+        sources = {"": src}
+        for form, sub in (("prefixed", lambda m: "#include <fsdpc/%s>" % m.group(1)),
+                          ("umbrella", lambda m: "#include <fsdpc/fsdpc.h>")):
+            path = os.path.join(tmp, "basics-%s.c" % form)
+            with open(path, "w") as f:
+                f.write(re.sub(r'#include "([a-z_/]+\.h)"', sub, text))
+            sources["-" + form] = path
         libdir = [f[2:] for f in shared if f.startswith("-L")][0]
         archive = os.path.join(libdir, "libfsdpc.a")
         check(os.path.exists(archive), "the static archive is installed beside the shared library")
         exes = {}
-        for kind, libs in (("shared", shared),
-                           ("static", [archive if f == "-lfsdpc" else f for f in static])):
-            exe = os.path.join(tmp, "basics-" + kind)
-            # a sanitized build's library needs the sanitizers' runtimes in the program
-            san = ["-fsanitize=address,undefined"] if os.environ.get("FSDPC_TEST_SANITIZED") else []
-            q = run(["cc", "-o", exe, src] + san + cflags + libs)
-            check(q.returncode == 0, "examples/dtensor_basics.c compiles and links against the "
-                  "installed %s library (%s)" % (kind, q.stderr.strip()[-400:]))
-            if q.returncode == 0:
-                exes[kind] = exe
+        for form, path in sources.items():
+            for kind, libs in (("shared", shared),
+                               ("static", [archive if f == "-lfsdpc" else f for f in static])):
+                exe = os.path.join(tmp, "basics-" + kind + form)
+                # a sanitized build's library needs the sanitizers' runtimes in the program
+                san = (["-fsanitize=address,undefined"] if os.environ.get("FSDPC_TEST_SANITIZED")
+                       else [])
+                q = run(["cc", "-o", exe, path] + san + cflags + libs)
+                check(q.returncode == 0, "examples/dtensor_basics.c%s compiles and links against "
+                      "the installed %s library (%s)" % (form and " (%s includes)" % form[1:],
+                                                         kind, q.stderr.strip()[-400:]))
+                if q.returncode == 0:
+                    exes[kind + form] = exe
         for kind, exe in exes.items():
             q = run([MPIRUN, "--oversubscribe", "-n", "2", exe],
                     env=dict(os.environ, LD_LIBRARY_PATH=libdir))

@@ -11,7 +11,7 @@
 - the shared library exports exactly the functions and variables the installed headers
   declare (it builds with hidden visibility), each with a prefix docs/conventions.md lists;
 - a header of a library folder outside backends/ is installed, or says it is private by its
-  name (NAME_impl.h).
+  name (NAME_impl.h); fsdpc/fsdpc.h includes every installed header.
 
   check_layers.py SOURCE_ROOT [BUILD_ROOT [MESON]]
 
@@ -149,6 +149,13 @@ def scan_installed(build, meson, root):
                     elif "/" in inc and inc.split("/")[0] in BELOW and inc not in headers:
                         bad.append("installed %s:%d: includes %s, which is not installed"
                                    % (rel, n, inc))
+        umbrella = headers.pop("fsdpc.h", None)
+        if umbrella is None:
+            bad.append("fsdpc/fsdpc.h, the header of the whole API, is not installed")
+        else:
+            with open(umbrella, encoding="utf-8") as f:
+                has = {m.group(1) for m in map(INCLUDE.match, f) if m}
+            bad += ["fsdpc/fsdpc.h does not include %s" % h for h in sorted(headers) if h not in has]
         for folder in BELOW:
             if folder == "backends":
                 continue
