@@ -206,7 +206,7 @@ static status_t mse_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *pred = n->in[0];
   if (!pred->requires_grad) return STATUS_OK;
-  double dloss;
+  double dloss = 0;
   TRY(ops_scalar_of(&n->out->grad, &dloss));
   tensor_t d;
   TRY(tensor_clone(&d, &n->saved[0], pred->value.dtype, pred->value.device));
