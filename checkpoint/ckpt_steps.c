@@ -66,13 +66,7 @@ static status_t collect_step(void *ctx, const char *name, int64_t s, ckpt_step_k
     }
     return STATUS_OK;
   }
-  if (l->n == l->cap) {
-    int cap = l->cap ? 2 * l->cap : 16;
-    int64_t *v = realloc(l->v, sizeof(int64_t) * (size_t)cap);
-    if (v == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-    l->v = v;
-    l->cap = cap;
-  }
+  ARRAY_GROW(l->v, l->n, l->cap, 16, "checkpoint");
   l->v[l->n++] = s;
   return STATUS_OK;
 }

@@ -68,13 +68,7 @@ static status_t add_entry(st_writer_t *w, const char *name, dtype_t dtype, int n
   for (int i = 0; i < w->n; i++)
     if (strcmp(w->e[i].name, name) == 0)
       return err_set(STATUS_EINVAL, "safetensors: tensor '%s' added twice", name);
-  if (w->n == w->cap) {
-    int nc = w->cap ? 2 * w->cap : 16;
-    wentry_t *p = realloc(w->e, sizeof(wentry_t) * (size_t)nc);
-    if (p == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-    w->e = p;
-    w->cap = nc;
-  }
+  ARRAY_GROW(w->e, w->n, w->cap, 16, "safetensors");
   wentry_t *e = &w->e[w->n];
   memset(e, 0, sizeof *e);
   if ((e->name = strdup(name)) == NULL) return err_set(STATUS_ENOMEM, "out of host memory");

@@ -293,13 +293,7 @@ void file_inputs_free(file_inputs_t *in) {
 
 static status_t add_one(file_inputs_t *in, const struct stat *sb, const char *path,
                         const char *what) {
-  if (in->n == in->cap) {
-    int cap = in->cap ? 2 * in->cap : 16;
-    input_t *v = realloc(in->v, sizeof *v * (size_t)cap);
-    if (v == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-    in->v = v;
-    in->cap = cap;
-  }
+  ARRAY_GROW(in->v, in->n, in->cap, 16, "file inputs");
   input_t *e = &in->v[in->n];
   *e = (input_t){sb->st_dev, sb->st_ino, strdup(path), strdup(what)};
   if (e->path == NULL || e->what == NULL) {

@@ -68,13 +68,7 @@ void fsdp_agree_group_release(pg_t **agree) {
 }
 
 static status_t push_call(fsdp_member_t *mb, bool on_demand) {
-  if (mb->depth == mb->cap) {
-    int nc = mb->cap ? 2 * mb->cap : 4;
-    bool *p = realloc(mb->on_demand, sizeof(bool) * (size_t)nc);
-    if (p == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-    mb->on_demand = p;
-    mb->cap = nc;
-  }
+  ARRAY_GROW(mb->on_demand, mb->depth, mb->cap, 4, "fully_shard");
   mb->on_demand[mb->depth++] = on_demand;
   return STATUS_OK;
 }

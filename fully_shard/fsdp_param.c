@@ -2,6 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/args_impl.h"
 #include "fully_shard/fsdp_impl.h"
 
 static bool ignored(const fsdp_options_t *opt, const nn_param_t *p) {
@@ -17,13 +18,7 @@ status_t fsdp_collect_params(const nn_module_t *m, const fsdp_options_t *opt, fs
     bool seen = false;
     for (int j = 0; j < l->n && !seen; j++) seen = l->p[j] == p;
     if (seen) continue;
-    if (l->n == l->cap) {
-      int nc = l->cap ? 2 * l->cap : 16;
-      nn_param_t **np = realloc(l->p, sizeof(nn_param_t *) * (size_t)nc);
-      if (np == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-      l->p = np;
-      l->cap = nc;
-    }
+    ARRAY_GROW(l->p, l->n, l->cap, 16, "fully_shard");
     l->p[l->n++] = p;
   }
   for (int i = 0; i < nn_module_num_children(m); i++) TRY(fsdp_collect_params(nn_module_child(m, i), opt, l));

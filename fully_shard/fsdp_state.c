@@ -3,16 +3,11 @@
  * reduction in flight. */
 #include <stdlib.h>
 
+#include "core/args_impl.h"
 #include "fully_shard/fsdp_impl.h"
 
 status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
-  if (a->n == a->cap) {
-    int nc = a->cap ? 2 * a->cap : 16;
-    fsdp_group_t **v = realloc(a->v, sizeof(fsdp_group_t *) * (size_t)nc);
-    if (v == NULL) return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-    a->v = v;
-    a->cap = nc;
-  }
+  ARRAY_GROW(a->v, a->n, a->cap, 16, "fully_shard");
   a->v[a->n++] = g;
   return STATUS_OK;
 }

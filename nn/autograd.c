@@ -333,13 +333,7 @@ static status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_va
 /* call() with m on the stack of calls in progress. */
 static status_t tracked(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
                         nn_var_t **out) {
-  if (ctx->n_calls == ctx->cap_calls) {
-    int nc = ctx->cap_calls ? 2 * ctx->cap_calls : 16;
-    nn_module_t **p = realloc(ctx->calls, sizeof(nn_module_t *) * (size_t)nc);
-    if (p == NULL) return err_set(STATUS_ENOMEM, "autograd: out of host memory");
-    ctx->calls = p;
-    ctx->cap_calls = nc;
-  }
+  ARRAY_GROW(ctx->calls, ctx->n_calls, ctx->cap_calls, 16, "autograd");
   ctx->calls[ctx->n_calls++] = m;
   status_t st = cast_call(ctx, m, fn, in, out);
   ctx->n_calls--;

@@ -93,13 +93,7 @@ static status_t apply_tp(parallel_t *par, const parallel_plan_t *pp) {
 /* ---- fully_shard ---- */
 
 static status_t push_group(parallel_t *par, fsdp_group_t *g) {
-  if (par->n_groups == par->cap_groups) {
-    int nc = par->cap_groups ? 2 * par->cap_groups : 16;
-    fsdp_group_t **v = realloc(par->groups, sizeof *v * (size_t)nc);
-    if (v == NULL) return err_set(STATUS_ENOMEM, "parallelize: out of host memory");
-    par->groups = v;
-    par->cap_groups = nc;
-  }
+  ARRAY_GROW(par->groups, par->n_groups, par->cap_groups, 16, "parallelize");
   par->groups[par->n_groups++] = g;
   return STATUS_OK;
 }

@@ -385,13 +385,7 @@ typedef struct lines {
 } lines_t;
 
 static status_t add_line(lines_t *l, const char *key, const char *value) {
-  if (l->n == l->cap) {
-    int cap = l->cap ? 2 * l->cap : 64;
-    char **v = realloc(l->v, sizeof *v * (size_t)cap);
-    if (v == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
-    l->v = v;
-    l->cap = cap;
-  }
+  ARRAY_GROW(l->v, l->n, l->cap, 64, "plan");
   size_t n = strlen(key) + strlen(value) + 3;
   if ((l->v[l->n] = malloc(n)) == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
   snprintf(l->v[l->n++], n, "%s: %s", key, value);
