@@ -25,15 +25,15 @@
  *   ARRAY_GROW(l->v, l->n, l->cap, 16, "plan");
  *   l->v[l->n++] = x;
  */
-#define ARRAY_GROW(v, n, cap, first, what)                                            \
-  do {                                                                                \
-    if ((n) >= (cap)) {                                                               \
-      int nc_ = (cap) ? 2 * (cap) : (first);                                          \
-      void *p_ = realloc((v), sizeof *(v) * (size_t)nc_);                             \
+#define ARRAY_GROW(v, n, cap, first, what)                                             \
+  do {                                                                                 \
+    if ((n) >= (cap)) {                                                                \
+      int nc_ = (cap) ? 2 * (cap) : (first);                                           \
+      void *p_ = realloc((v), sizeof *(v) * (size_t)nc_);                              \
       if (p_ == NULL) return err_set(STATUS_ENOMEM, "%s: out of host memory", (what)); \
-      (v) = p_;                                                                       \
-      (cap) = nc_;                                                                    \
-    }                                                                                 \
+      (v) = p_;                                                                        \
+      (cap) = nc_;                                                                     \
+    }                                                                                  \
   } while (0)
 
 #endif
