@@ -36,17 +36,6 @@ struct nn_module {
   const char *kind;
 };
 
-/* Grows *arr (of elem bytes) to hold one more element. */
-static status_t grow(void **arr, int n, int *cap, size_t elem) {
-  if (n < *cap) return STATUS_OK;
-  int nc = *cap ? 2 * *cap : 4;
-  void *p = realloc(*arr, elem * (size_t)nc);
-  if (p == NULL) return err_set(STATUS_ENOMEM, "module: out of host memory");
-  *arr = p;
-  *cap = nc;
-  return STATUS_OK;
-}
-
 static status_t check_name(const char *what, const char *name) {
   if (name == NULL) return err_set(STATUS_EINVAL, "%s name is NULL", what);
   if (strchr(name, '.') != NULL)
@@ -118,8 +107,7 @@ status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child) {
   if (nn_module_child_named(parent, child->name) != NULL)
     return err_set(STATUS_EINVAL, "module '%s' already has a child '%s'", parent->name,
                    child->name);
-  TRY(grow((void **)&parent->children, parent->n_children, &parent->cap_children,
-           sizeof(nn_module_t *)));
+  ARRAY_GROW(parent->children, parent->n_children, parent->cap_children, 4, "module");
   parent->children[parent->n_children++] = child;
   child->parent = parent;
   return STATUS_OK;
@@ -419,7 +407,7 @@ nn_param_t *nn_param_find(nn_module_t *root, const char *fqn) {
 static status_t collect(const nn_module_t *m, nn_param_t ***arr, int *n, int *cap) {
   for (int i = 0; i < m->n_params; i++) {
     if (m->params[i]->owner != m) continue;
-    TRY(grow((void **)arr, *n, cap, sizeof(nn_param_t *)));
+    ARRAY_GROW(*arr, *n, *cap, 4, "module");
     (*arr)[(*n)++] = m->params[i];
   }
   for (int i = 0; i < m->n_children; i++) TRY(collect(m->children[i], arr, n, cap));
