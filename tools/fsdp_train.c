@@ -498,12 +498,11 @@ static status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
     st = clip_grad_coef(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY, r->all,
                         &o->norm, &o->coef);
   for (int64_t k = 0; k < ran; k++) {
-    float l = 0;
-    tensor_t *t = &L->micro_loss[k];
-    if (st == STATUS_OK && t->storage != NULL)
-      st = device_memcpy(device_cpu(), &l, t->device, t->data, sizeof l);
-    o->loss += (double)l / (double)p->grad_accum;
-    tensor_free(t);
+    double l = 0;
+    if (st == STATUS_OK && L->micro_loss[k].storage != NULL)
+      st = llama_loss_read(&L->micro_loss[k], &l);
+    tensor_free(&L->micro_loss[k]); /* after a failure: the losses not read */
+    o->loss += l / (double)p->grad_accum;
   }
   return st;
 }

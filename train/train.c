@@ -25,7 +25,7 @@ static status_t run_batch(llama_t *m, const data_t *d, const data_spec_t *spec, 
   status_t st = STATUS_OK;
   memset(loss, 0, sizeof *loss);
   TRY_GOTO(st, data_batch(d, spec, step, micro, &in_h, &tg_h));
-  TRY_GOTO(st, some_target_kept(&tg_h)); /* the device's mean would be NaN, unnoticed */
+  TRY_GOTO(st, some_target_kept(&tg_h));        /* the device's mean would be NaN, unnoticed */
   TRY_GOTO(st, tensor_upload(&in, &in_h, dev)); /* no host wait: read on this stream only */
   TRY_GOTO(st, tensor_upload(&tg, &tg_h, dev));
   TRY_GOTO(st, nn_ctx_new(&ctx));
@@ -52,12 +52,18 @@ cleanup:
   return st;
 }
 
-/* The value of a one-element loss tensor on the host (a wait on a GPU), freeing it. */
-static status_t read_loss(tensor_t *t, double *out) {
+status_t llama_loss_read(tensor_t *loss, double *value) {
+  ARG_NONNULL(loss);
+  ARG_NONNULL(value);
+  *value = 0;
+  if (tensor_numel(loss) != 1 || loss->dtype != DTYPE_F32) {
+    tensor_free(loss);
+    return err_set(STATUS_EINVAL, "llama_loss_read: expected one F32 element");
+  }
   float v = 0;
-  status_t st = device_memcpy(device_cpu(), &v, t->device, t->data, sizeof v);
-  tensor_free(t);
-  *out = v;
+  status_t st = device_memcpy(device_cpu(), &v, loss->device, loss->data, sizeof v);
+  tensor_free(loss);
+  *value = v;
   return st;
 }
 
@@ -78,7 +84,7 @@ status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, 
   ARG_NONNULL(loss);
   tensor_t t;
   TRY(run_batch(m, d, spec, step, micro, true, &t));
-  return read_loss(&t, loss);
+  return llama_loss_read(&t, loss);
 }
 
 status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t b,
@@ -91,5 +97,5 @@ status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, 
   one.grad_accum = 1;
   tensor_t t;
   TRY(run_batch(m, d, &one, b, 0, false, &t));
-  return read_loss(&t, loss);
+  return llama_loss_read(&t, loss);
 }

@@ -7,8 +7,8 @@
 #ifndef FSDPC_NN_TRAIN_H
 #define FSDPC_NN_TRAIN_H
 
-#include "train/data.h"
 #include "models/llama/llama.h"
+#include "train/data.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -26,6 +26,10 @@ status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, 
  * (a bad token id then fails that wait, naming the kernel). */
 status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
                                 int64_t micro, tensor_t *loss);
+
+/* *value: the one-element loss tensor of llama_micro_step_async, read on the host (a wait on a
+ * GPU); the tensor is freed either way. Local. */
+status_t llama_loss_read(tensor_t *loss, double *value);
 
 /* *loss receives the mean loss over this rank's tokens of evaluation batch b of d (the samples
  * step b would train on with grad_accum 1): a forward that records nothing and computes no
