@@ -9,12 +9,16 @@
  *       [--reshard auto|0|1|N] [--param-dtype f32|bf16] [--steps 5] [--batch 2] [--seq 128]
  *       [--device cpu|cuda] [--offload]
  * With --offload (CUDA) the sharded state lives on the host; its memory is printed too.
+ * On a GPU, one more step measures the host's own time: the forward and backward launched
+ * without a wait (per fully_shard unit), the part of it in fully_shard's hooks, and the
+ * optimizer's launches (per parameter).
  */
 #include "bench/bench_util.h"
 #include "dtensor/placement.h"
 #include "fully_shard/fsdp.h"
 #include "mesh/world.h"
 #include "nn/optim.h"
+#include "train/train.h"
 
 static uint64_t sum_kind(pg_t *pg, pg_kind_t k) { return pg ? pg_counters(pg).bytes[k] : 0; }
 
@@ -52,6 +56,42 @@ static void train_step(llama_t *m, data_t *d, const data_spec_t *spec, int64_t s
   BENCH_TRY(clip_grad_norm(ps, n, 1.0, all_ranks, NULL));
   BENCH_TRY(optim_step(o, 1.0));
   BENCH_TRY(device_stream_sync(dev));
+}
+
+/* On a GPU: the host's time in one more step (step s) with the device idle at its start: the
+ * forward and backward enqueued without a host wait (hooks, FSDP's bookkeeping, the launches),
+ * per unit of ng, and the optimizer's launches after the clipping's wait, per parameter of n. */
+static void host_time(llama_t *m, data_t *d, const data_spec_t *spec, int64_t s, nn_param_t **ps,
+                      int n, int ng, pg_t *all_ranks, optim_t *o, device_t dev) {
+  optim_zero_grad(o);
+  BENCH_TRY(device_stream_sync(dev));
+  BENCH_TRY(pg_barrier(world_pg(), NULL));
+  size_t waits = device_host_waits();
+  double h0, h1;
+  int64_t c0, c1;
+  fsdp_hook_time(&h0, &c0);
+  double t0 = bench_now();
+  tensor_t loss;
+  BENCH_TRY(llama_micro_step_async(m, d, spec, s, 0, &loss));
+  double t1 = bench_now();
+  fsdp_hook_time(&h1, &c1);
+  waits = device_host_waits() - waits;
+  BENCH_TRY(clip_grad_norm(ps, n, 1.0, all_ranks, NULL));
+  BENCH_TRY(device_stream_sync(dev));
+  double t2 = bench_now();
+  BENCH_TRY(optim_step(o, 1.0));
+  double t3 = bench_now();
+  BENCH_TRY(device_stream_sync(dev));
+  double t4 = bench_now(), value;
+  BENCH_TRY(llama_loss_read(&loss, &value));
+  if (world_rank() == 0)
+    printf(
+        "host time in a step (device idle at its start): forward + backward launched in %.3f ms "
+        "with %zu host wait(s), %.1f us per unit (%d units), of which fully_shard's hooks "
+        "%.1f us per unit (%lld calls); the optimizer launched in %.3f ms, %.2f us per "
+        "parameter (%d), its device work done %.3f ms later\n",
+        1e3 * (t1 - t0), waits, 1e6 * (t1 - t0) / ng, ng, 1e6 * (h1 - h0) / ng,
+        (long long)(c1 - c0), 1e3 * (t3 - t2), 1e6 * (t3 - t2) / n, n, 1e3 * (t4 - t3));
 }
 
 /* GB/s of the profiled copies named name since the last reset; 0 when there were none. */
@@ -346,6 +386,7 @@ int main(int argc, char **argv) {
       printf("        host: peak %.2f MiB (resident %.2f MiB)\n",
              mem_stats(device_cpu()).peak / 1048576.0, host_base / 1048576.0);
   }
+  if (dev.type == DEVICE_CUDA) host_time(m, d, &spec, steps, ps, n, ng, all_ranks, o, dev);
   /* FSDP's own copies (copy-in with its cast, copy-out, reduce-scatter packing) in one more
    * step, profiled, against the device's copy bandwidth */
   bool was_on = kernel_profile_enabled();

@@ -4,7 +4,7 @@ fsdp-train.
 
   torch_fsdp2.py --config configs/llama-100m.json --data TOKENS.u16 [--batch 8] [--seq 1024]
                  [--steps 30] [--warmup 5] [--param-dtype bf16] [--reduce-dtype f32]
-                 [--lr 3e-4] [--device cuda|cpu] [--no-fsdp] [--compile]
+                 [--lr 3e-4] [--device cuda|cpu] [--no-fsdp] [--compile] [--offload]
 
 The model is the Llama of a Hugging Face config (RMSNorm, rotary embedding with rotate_half,
 grouped-query attention through torch's scaled_dot_product_attention with is_causal, SwiGLU,
@@ -12,10 +12,17 @@ untied or tied head), as PyTorch users write it. It is trained the way TorchTita
 with --compile each decoder layer goes through torch.compile first (torch >= 2.0; the
 warmup steps then include the compilation), then fully_shard on every decoder layer, then on
 the root, with
-MixedPrecisionPolicy(param_dtype, reduce_dtype); AdamW (betas 0.9/0.95, weight decay 0.1, none
-on the norms); gradient clipping at 1.0; the loss in f32. A batch is `batch` windows of `seq`
-tokens (plus the next one) from the little-endian uint16 token file. One process is a world
-of size 1 (NCCL on the GPU); under torchrun each rank takes its own windows.
+MixedPrecisionPolicy(param_dtype, reduce_dtype) (and with --offload CPUOffloadPolicy: the
+sharded parameters, gradients and optimizer state on the host, the optimizer step there);
+AdamW (betas 0.9/0.95, weight decay 0.1, none on the norms; fused, TorchTitan's default, where
+torch has it for the parameters' device); gradient clipping at 1.0; the loss in f32. With
+--no-fsdp the model trains eagerly in f32 under torch.autocast(param_dtype), as a one-GPU
+PyTorch user writes it. A batch is `batch` windows of `seq` tokens (plus the next one) from
+the little-endian uint16 token file. One process is a world of size 1 (NCCL on the GPU); under
+torchrun each rank takes its own windows.
+
+The steps run without a host wait of their own: each step's time is read from CUDA events
+(on the CPU, from the clock), the losses after the last step.
 
 Prints one JSON line (rank 0): the median tokens/s of the job over the steps after the warmup
 ones, the peak memory torch's allocator held, the first and last loss, the device and the
@@ -23,6 +30,7 @@ versions. --device cpu --no-fsdp trains the same model eagerly on the CPU (to ch
 script where no GPU is).
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -160,9 +168,13 @@ def main():
     ap.add_argument("--no-fsdp", action="store_true", help="eager, without fully_shard")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile each decoder layer before fully_shard")
+    ap.add_argument("--offload", action="store_true",
+                    help="FSDP2's CPUOffloadPolicy: sharded state and optimizer on the host")
     a = ap.parse_args()
     if a.steps <= a.warmup or a.warmup < 0 or a.batch < 1 or a.seq < 1:
         ap.error("need batch, seq >= 1 and steps > warmup >= 0")
+    if a.offload and a.no_fsdp:
+        ap.error("--offload is FSDP2's: it needs fully_shard (drop --no-fsdp)")
     if a.compile and not hasattr(torch, "compile"):
         sys.exit("torch_fsdp2.py: --compile needs torch.compile (torch >= 2.0); this is torch %s"
                  % torch.__version__)
@@ -209,18 +221,21 @@ def main():
         if fully_shard is None:
             sys.exit("torch_fsdp2.py: torch %s has no FSDP2 fully_shard (torch >= 2.4 has "
                      "it): %s" % (torch.__version__, why))
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[a.param_dtype],
-                                  reduce_dtype=DTYPES[a.reduce_dtype])
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[a.param_dtype],
+                                                reduce_dtype=DTYPES[a.reduce_dtype])}
+        if a.offload:
+            kw["offload_policy"] = m.CPUOffloadPolicy()
         for layer in model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-    elif a.param_dtype != "f32":
-        model.to(DTYPES[a.param_dtype])
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
     decay = [p for n, p in model.named_parameters() if "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if "norm" in n]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=a.lr,
-                            betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    try:  # fused: one kernel over all parameters (CUDA; the CPU too from torch 2.4)
+        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95))
+    autocast = a.no_fsdp and a.param_dtype != "f32"
 
     raw = open(a.data, "rb").read()
     tokens = torch.frombuffer(bytearray(raw), dtype=torch.int16).to(torch.int64) & 0xFFFF
@@ -232,35 +247,46 @@ def main():
     tokens = tokens.to(dev)
     V = cfg["vocab_size"]
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    def mark():
+        """A point in the step stream: a recorded CUDA event, or the clock on the CPU."""
+        if not cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
 
-    rates, losses = [], []
+    def seconds(t0, t1):
+        return t0.elapsed_time(t1) / 1e3 if cuda else t1 - t0
+
+    marks, losses = [mark()], []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for s in range(a.steps):
-        sync()
-        t = time.perf_counter()
         starts = [((s * world + rank) * a.batch + b) * a.seq % span for b in range(a.batch)]
         x = torch.stack([tokens[i:i + a.seq] for i in starts])
         y = torch.stack([tokens[i + 1:i + a.seq + 1] for i in starts])
-        loss = F.cross_entropy(model(x).float().view(-1, V), y.view(-1))
+        with (torch.autocast(dev.type, dtype=DTYPES[a.param_dtype]) if autocast else
+              contextlib.nullcontext()):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, V), y.view(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # waits for the step
-        sync()
-        if s >= a.warmup:
-            rates.append(world * a.batch * a.seq / (time.perf_counter() - t))
+        losses.append(loss.detach())
+        marks.append(mark())
+    if cuda:
+        torch.cuda.synchronize()
+    losses = [float(l) for l in losses]
+    rates = [world * a.batch * a.seq / seconds(marks[s], marks[s + 1])
+             for s in range(a.warmup, a.steps)]
     out = {"tokens_per_s": statistics.median(rates), "steps_timed": len(rates),
            "peak_mem_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
            "first_loss": losses[0], "last_loss": losses[-1],
            "params": sum(p.numel() for p in model.parameters()),
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "world": world, "fsdp": not a.no_fsdp,
-           "compile": a.compile}
+           "compile": a.compile, "offload": a.offload}
     if rank == 0:
         print(json.dumps(out), flush=True)
     if not a.no_fsdp:

@@ -6,7 +6,7 @@ Both train the same Llama, batch, mixed precision and optimizer.
   vs_torch_gpu.py [--exe build/tools/fsdp-train] [--config configs/llama-100m.json]
                   [--batch 8] [--seq 1024] [--steps 30] [--warmup 5] [--param-dtype bf16]
                   [--reduce-dtype f32] [--python PYTHON] [--peak-tflops X] [--keep DIR]
-                  [--profile] [--torch-compile]
+                  [--profile] [--torch-compile] [--torch-eager] [--offload]
 
 Both sides train the config's Llama (a Hugging Face config.json) at world size 1 on the first
 visible GPU: fully_shard on every decoder layer and on the root with the same mixed-precision
@@ -17,9 +17,11 @@ the accounting layer's peak bytes); torch runs bench/torch_fsdp2.py with PYTHON 
 interpreter). Printed for each: the median tokens/s of the steps after the warmup ones, MFU
 (6 x parameters x tokens/s over the GPU's dense bf16 peak: 989 TFLOP/s for H100 SXM and H200,
 or --peak-tflops), peak memory and the first and last loss; then fsdpc's ratio to torch.
-With --torch-compile torch also runs a second time with each decoder layer through
-torch.compile before fully_shard (TorchTitan's order), printed as a third row with fsdpc's ratio
-to it. With --profile fsdp-train runs under FSDPC_PROFILE=1 and its kernel table (device time per
+With --torch-compile torch also runs with each decoder layer through torch.compile before
+fully_shard (TorchTitan's order), with --torch-eager without FSDP (the model in f32 under
+torch.autocast, as a one-GPU user trains it), each a row of its own with fsdpc's ratio to it.
+With --offload both keep the sharded state on the host (fsdpc's fully_shard offload: true,
+torch's CPUOffloadPolicy), the optimizer step there. With --profile fsdp-train runs under FSDPC_PROFILE=1 and its kernel table (device time per
 kernel, summed over the run) is printed first (the timers add a little to its tokens/s).
 Then attention alone: bench-attention against torch's scaled_dot_product_attention at B=8,
 T=1024, 16 heads of 128, causal, bf16 (median forward and forward + backward times, and the
@@ -63,6 +65,7 @@ model:
 parallelize:
   fully_shard:
     units: ["model.layers.*"]
+    offload: %s
     mp_policy: {param_dtype: %s, reduce_dtype: %s}
 optim:
   lr: 3.0e-4
@@ -81,7 +84,7 @@ train:
   device: cuda
 log:
   interval: %d
-""" % (model, tied, a.param_dtype, a.reduce_dtype, data, a.seq, a.batch, a.steps, a.steps)
+""" % (model, tied, "true" if a.offload else "false", a.param_dtype, a.reduce_dtype, data, a.seq, a.batch, a.steps, a.steps)
 
 
 def params_of(cfg):
@@ -127,7 +130,8 @@ def run_fsdpc(a, plan, metrics):
             "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"]}
 
 
-def run_torch(a, data, compile_layers=False):
+def run_torch(a, data, flags=()):
+    """bench/torch_fsdp2.py with flags: its JSON figures and None, or None and why not."""
     try:
         subprocess.run([a.python, "-c", "import torch"], check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError):
@@ -136,11 +140,12 @@ def run_torch(a, data, compile_layers=False):
                         a.config, "--data", data, "--batch", str(a.batch), "--seq", str(a.seq),
                         "--steps", str(a.steps), "--warmup", str(a.warmup), "--param-dtype",
                         a.param_dtype, "--reduce-dtype", a.reduce_dtype] +
-                       (["--compile"] if compile_layers else []),
+                       (["--offload"] if a.offload else []) + list(flags),
                        capture_output=True, text=True)
-    if p.returncode != 0 and compile_layers:  # the plain run's figures still stand
-        return None, "torch_fsdp2.py --compile failed (exit %d): %s" % (
-            p.returncode, (p.stderr.strip().splitlines() or ["no output"])[-1])
+    if p.returncode != 0 and flags:  # the plain run's figures still stand
+        return None, "torch_fsdp2.py %s failed (exit %d): %s" % (
+            " ".join(flags), p.returncode,
+            (p.stderr.strip().splitlines() or ["no output"])[-1])
     if p.returncode != 0:
         sys.exit("torch_fsdp2.py failed (exit %d):\n%s" % (p.returncode, p.stderr[-3000:]))
     return json.loads(p.stdout.strip().splitlines()[-1]), None
@@ -234,10 +239,16 @@ def main():
                     help="run fsdp-train with FSDPC_PROFILE=1 and print its kernel table")
     ap.add_argument("--torch-compile", action="store_true",
                     help="also run torch with torch.compile on each decoder layer")
+    ap.add_argument("--torch-eager", action="store_true",
+                    help="also run torch without FSDP, under autocast")
+    ap.add_argument("--offload", action="store_true",
+                    help="sharded state on the host on both sides (torch's CPUOffloadPolicy)")
     a = ap.parse_args()
     bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(a.exe))), "bench")
     a.attention_exe = a.attention_exe or os.path.join(bench_dir, "bench-attention")
     a.matmul_exe = a.matmul_exe or os.path.join(bench_dir, "bench-matmul")
+    if a.offload and a.torch_eager:
+        ap.error("--torch-eager trains without FSDP, so without its offload: drop one")
     if a.steps <= a.warmup or a.warmup < 0 or a.batch < 1 or a.seq < 1:
         ap.error("need --batch, --seq >= 1 and --steps > --warmup >= 0")
     if not os.access(a.exe, os.X_OK):
@@ -264,9 +275,11 @@ def main():
             sys.exit("fsdp-train --dry-run failed:\n" + p.stderr[-3000:])
         ours = run_fsdpc(a, plan, os.path.join(work, "metrics.jsonl"))
         theirs, why = run_torch(a, data)
-        compiled, why_not = None, None
-        if theirs and a.torch_compile:
-            compiled, why_not = run_torch(a, data, True)
+        extra = []  # (label, the run's figures, why it has none)
+        for wanted, flag, label in ((a.torch_eager, "--no-fsdp", "torch eager (autocast)"),
+                                    (a.torch_compile, "--compile", "torch FSDP2 + compile")):
+            if theirs and wanted:
+                extra.append((label,) + run_torch(a, data, [flag]))
         name = gpu_name() or (theirs or {}).get("device", "")
         peak = peak_tflops(name, a.peak_tflops)
         nparams = params_of(cfg)
@@ -277,8 +290,7 @@ def main():
         sides = [("fsdpc fsdp-train", ours)]
         if theirs:
             sides.append(("torch %s FSDP2" % theirs["torch"], theirs))
-        if compiled:
-            sides.append(("  + torch.compile", compiled))
+        sides += [(label, r) for label, r, _ in extra if r]
         for label, r in sides:
             mfu = ("%6.2f%%" % (100 * 6 * nparams * r["tokens_per_s"] / (peak * 1e12))
                    if peak else "     ?")
@@ -286,15 +298,17 @@ def main():
                 label, r["tokens_per_s"], mfu, r["peak_mem_bytes"] / 2 ** 30, r["first_loss"],
                 r["last_loss"]))
         if theirs:
-            print("fsdpc / torch FSDP2: %.3fx tokens/s" % (ours["tokens_per_s"] /
-                                                           theirs["tokens_per_s"]))
-        if compiled:
-            print("fsdpc / torch FSDP2 + torch.compile: %.3fx tokens/s" % (
-                ours["tokens_per_s"] / compiled["tokens_per_s"]))
-        elif why_not:
-            print("torch.compile: not run (%s)" % why_not)
+            print("fsdpc / torch FSDP2%s: %.3fx tokens/s" % (
+                " + CPUOffloadPolicy" if a.offload else "",
+                ours["tokens_per_s"] / theirs["tokens_per_s"]))
         else:
             print("torch: not run (%s)" % why)
+        for label, r, why_not in extra:
+            if r:
+                print("fsdpc / %s: %.3fx tokens/s" % (label, ours["tokens_per_s"] /
+                                                       r["tokens_per_s"]))
+            else:
+                print("%s: not run (%s)" % (label, why_not))
         if not peak:
             print("MFU: unknown peak for '%s' (give --peak-tflops)" % name)
         if os.access(a.attention_exe, os.X_OK):

@@ -94,6 +94,10 @@ typedef struct backend {
    * it ordered on s without waiting for it, and a kernel that keeps s busy for seconds */
   status_t (*host_alloc_pinned)(size_t bytes, void **out);
   void (*host_free_pinned)(void *p);
+  /* page-locks the host memory of another allocator for the device's copies (false when it
+   * could not), and releases it again */
+  bool (*host_register)(void *p, size_t bytes);
+  void (*host_unregister)(void *p);
   status_t (*copy_async)(stream_t *s, void *dst, const void *src, size_t bytes);
   status_t (*delay)(stream_t *s, double seconds);
   /* bytes from pageable host memory to device index's memory, ordered on its current stream,
@@ -112,6 +116,10 @@ void cpu_host_free(void *p, size_t bytes);
  * none), and giving every cached block back (the peak restarts from the live bytes). */
 size_t cpu_host_os_allocs(void);
 void cpu_host_empty_cache(void);
+/* From now on, the blocks of 4 MiB and more the host allocator takes from the operating system
+ * are page-locked with pin (a block pin refuses stays pageable) and released with unpin before
+ * they go back. */
+void cpu_host_set_pinning(bool (*pin)(void *p, size_t bytes), void (*unpin)(void *p));
 
 /* NULL when the library was built without CUDA. */
 const backend_t *cuda_backend(void);

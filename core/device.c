@@ -61,7 +61,7 @@ static device_wait_hook_t _Atomic wait_hook;
 void device_set_wait_hook(device_wait_hook_t hook) { atomic_store(&wait_hook, hook); }
 device_wait_hook_t device_wait_hook(void) { return atomic_load(&wait_hook); }
 
-static double seconds_now(void) {
+double device_clock_seconds(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
@@ -74,13 +74,13 @@ size_t device_host_waits(void) { return atomic_load(&host_waits); }
 status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const char *what) {
   ARG_NONNULL(ready);
   atomic_fetch_add(&host_waits, 1);
-  double start = seconds_now(), next_ask = 1e-3;
+  double start = device_clock_seconds(), next_ask = 1e-3;
   for (;;) {
     status_t st = STATUS_OK;
     int r = ready(ctx, &st);
     if (r > 0) return STATUS_OK;
     if (r < 0) return st != STATUS_OK ? st : err_set(STATUS_EINTERNAL, "%s failed", what);
-    double waited = seconds_now() - start;
+    double waited = device_clock_seconds() - start;
     device_wait_hook_t hook = atomic_load(&wait_hook);
     if (hook != NULL && waited >= next_ask) {
       TRY(hook(what, waited));
@@ -299,6 +299,13 @@ status_t device_staging_alloc(device_t dev, size_t bytes, void **out) {
   size_t rounded = (bytes + 63) / 64 * 64;
   *out = aligned_alloc(64, rounded);
   if (*out == NULL) return err_set(STATUS_ENOMEM, "staging memory: %zu bytes", bytes);
+  return STATUS_OK;
+}
+
+status_t device_pin_host_memory(device_t dev) {
+  TRY(device_check(dev));
+  if (dev.type == DEVICE_CUDA)
+    cpu_host_set_pinning(cuda_backend()->host_register, cuda_backend()->host_unregister);
   return STATUS_OK;
 }
 

@@ -149,6 +149,9 @@ status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const cha
  * GPU makes none (tests compare the count before and after one). */
 size_t device_host_waits(void);
 
+/* Seconds on the system's monotonic clock: the differences of two calls time an interval. */
+double device_clock_seconds(void);
+
 /* ---- memory accounting ---- */
 
 typedef struct mem_stats {
@@ -211,6 +214,12 @@ status_t event_synchronize(event_t *e);
  * the CPU. bytes == 0 gives NULL. Free with device_staging_free on the same device. */
 status_t device_staging_alloc(device_t dev, size_t bytes, void **out);
 void device_staging_free(device_t dev, void *p);
+
+/* On a CUDA device: the host tensors of 4 MiB and more made from now on are page-locked, so
+ * that their copies to and from dev run at the bus's speed and beside the compute (fully_shard's
+ * offloaded state asks for it); those the system refuses to lock stay pageable. A no-op on the
+ * CPU. */
+status_t device_pin_host_memory(device_t dev);
 
 /* Copies bytes between dev's memory and staging memory (either way), ordered on s (a stream
  * of dev) after the work queued there, without waiting for it; on the CPU, at once. */

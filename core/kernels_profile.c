@@ -33,12 +33,6 @@ static struct {
   int n_pending;
 } prof = {.lock = PTHREAD_MUTEX_INITIALIZER, .on = -1};
 
-static double wall_now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 bool kernel_profile_enabled(void) {
   if (prof.on < 0) {
     const char *e = getenv("FSDPC_PROFILE");
@@ -81,11 +75,11 @@ static status_t prof_settle(void) {
 void kernel_prof_begin(kernel_prof_t *c, device_t dev) {
   c->ops = dev.type == DEVICE_CUDA ? cuda_kernels() : cpu_kernels();
   c->timer = c->ops && c->ops->timer_start ? c->ops->timer_start(dev) : NULL;
-  c->t0 = wall_now();
+  c->t0 = device_clock_seconds();
 }
 
 status_t kernel_prof_end(kernel_prof_t *c, const char *name, double bytes, status_t st) {
-  double t1 = wall_now();
+  double t1 = device_clock_seconds();
   pthread_mutex_lock(&prof.lock);
   if (c->timer == NULL) {
     prof_add(name, t1 - c->t0, bytes);

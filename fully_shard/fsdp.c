@@ -2,6 +2,7 @@
  * state machine of a step), prefetching and control. The root's per-step context is in
  * fsdp_state.c, sharding one parameter in fsdp_param.c, modules called outside their unit in
  * fsdp_on_demand.c, the data path in fsdp_comm.c. */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -180,7 +181,10 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
   g->reshard_after_forward = opt->reshard_after_forward;
   g->sync = g->all_reduce = g->reshard_after_backward = g->is_last_backward = true;
   g->offload = opt->offload && mesh_device(opt->mesh).type == DEVICE_CUDA;
-  st = fsdp_streams_of(mesh_device(opt->mesh), &g->streams);
+  /* the offloaded shards, their gradients and the optimizer's state page-locked: their copies
+   * run at the bus's speed, the shards' beside the compute */
+  st = g->offload ? device_pin_host_memory(mesh_device(opt->mesh)) : STATUS_OK;
+  if (st == STATUS_OK) st = fsdp_streams_of(mesh_device(opt->mesh), &g->streams);
   for (int i = 0; i < l.n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[g->n];
     fp->p = l.p[i];
@@ -355,9 +359,26 @@ static status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   return fsdp_after_forward(g);
 }
 
+/* The hooks' host time and calls so far (fsdp_hook_time). */
+static _Atomic int64_t hook_ns, hook_calls;
+
+void fsdp_hook_time(double *seconds, int64_t *calls) {
+  if (seconds != NULL) *seconds = 1e-9 * (double)atomic_load(&hook_ns);
+  if (calls != NULL) *calls = atomic_load(&hook_calls);
+}
+
+static status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind);
+
 static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
   (void)m;
-  fsdp_group_t *g = user;
+  double t0 = device_clock_seconds();
+  status_t st = hook_run(ctx, user, kind);
+  atomic_fetch_add(&hook_ns, (int64_t)(1e9 * (device_clock_seconds() - t0)));
+  atomic_fetch_add(&hook_calls, 1);
+  return st;
+}
+
+static status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind) {
   fsdp_lazy_init(g);
   switch (kind) {
     case NN_HOOK_PRE_FORWARD: g->in_forward++; return pre_forward(ctx, g);

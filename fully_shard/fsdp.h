@@ -155,6 +155,11 @@ status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups
  * on the path it started on. */
 void fsdp_set_one_rank_path(bool on);
 
+/* The host time spent in fully_shard's module hooks in this process so far (unshard,
+ * prefetch, reshard, the reductions' start and their bookkeeping; on a GPU the launches
+ * without the device's work), and how many hook calls it took. */
+void fsdp_hook_time(double *seconds, int64_t *calls);
+
 /* Installs an event observer on every group under root (NULL removes it). */
 void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user);
 /* The FQN of the group's module ("" for the model's root). */

@@ -171,6 +171,20 @@ static status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r, ten
   return to_flat ? copies_add(c, st, &slot_nd, &rows) : copies_add(c, st, &rows, &slot_nd);
 }
 
+/* *out: fp's padded shard where copy-in reads it, on dev: the shard itself, or, offloaded,
+ * its bytes uploaded into a device tensor on the current stream without a host wait (the
+ * cast into param_dtype then runs on the device, with the other copies of the group). */
+static status_t shard_on_device(const fsdp_group_t *g, const fsdp_param_t *fp, device_t dev,
+                                tensor_t *out) {
+  int64_t n = fp->rows * fp->row;
+  if (!g->offload) return tensor_view(out, &fp->padded, 1, &n);
+  TRY(tensor_init(out, fp->padded.dtype, dev, 1, &n));
+  status_t st =
+      stream_copy_async(dev, stream_current(dev), out->data, fp->padded.data, tensor_nbytes(out));
+  if (st != STATUS_OK) tensor_free(out);
+  return st;
+}
+
 /* Starts gathering the group: copy-in and a nonblocking all-gather (or, after an integer
  * reshard, the all-gather of the kept slices within the post-forward group). */
 status_t fsdp_unshard_start(fsdp_group_t *g) {
@@ -218,7 +232,7 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
       int64_t n = fp->rows * fp->row;
       tensor_t slot = {0}, shard = {0};
       st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->block + fp->offset, n);
-      if (st == STATUS_OK) st = tensor_view(&shard, &fp->padded, 1, &n);
+      if (st == STATUS_OK) st = shard_on_device(g, fp, dev, &shard);
       st = copies_add(&c, st, &slot, &shard);
     }
     st = copies_run(&c, st);
@@ -529,6 +543,13 @@ static status_t reduce_finish_local(fsdp_group_t *g) {
   return st;
 }
 
+/* Whether a trainable parameter of g has a sharded gradient already. */
+static bool has_local_grads(const fsdp_group_t *g) {
+  for (int i = 0; i < g->n; i++)
+    if (g->params[i].trainable && g->params[i].p->grad != NULL) return true;
+  return false;
+}
+
 status_t fsdp_reduce_finish(fsdp_group_t *root) {
   fsdp_group_t *g = root->state.reducing;
   if (g == NULL) return STATUS_OK;
@@ -560,8 +581,10 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
   if (st == STATUS_OK) st = replicate_reduce(g, &g->red_recv, op, &parked);
   if (st == STATUS_OK && !parked && g->divide_factor > 0)
     st = kernel_scale(&g->red_recv, (float)(1.0 / g->divide_factor));
+  /* offloaded: a step's first gradients go from the device straight into their new sharded
+   * gradients on the host; gradients to add to (accumulation) come over in one copy first */
   tensor_t host = {0}, *red = &g->red_recv;
-  if (st == STATUS_OK && !parked && g->offload) { /* one copy to the host, then add there */
+  if (st == STATUS_OK && !parked && g->offload && has_local_grads(g)) {
     st = tensor_clone(&host, &g->red_recv, g->reduce_dtype, device_cpu());
     red = &host;
   }

@@ -10,12 +10,6 @@
 static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static nccl_comm_t *live;
 
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 void nccl_comm_track(nccl_comm_t *c) {
   pthread_mutex_lock(&live_lock);
   c->prev = NULL;
@@ -83,7 +77,7 @@ static int settled(void *ctx, status_t *st) {
                   c->name);
     return -1;
   }
-  if (s->limit_s > 0 && now_s() - s->start > s->limit_s) {
+  if (s->limit_s > 0 && device_clock_seconds() - s->start > s->limit_s) {
     *st = err_set(STATUS_ETIMEOUT, "%s of NCCL communicator %s has not completed in %g s", s->what,
                   c->name, s->limit_s);
     return -1;
@@ -112,7 +106,7 @@ status_t nccl_comm_result(nccl_comm_t *c, int rc, const char *what) {
 static double last_poll;
 
 status_t nccl_comm_poll_errors(void) {
-  double t = now_s();
+  double t = device_clock_seconds();
   if (t - last_poll < 0.1) return STATUS_OK;
   last_poll = t;
   status_t st = STATUS_OK;
@@ -139,7 +133,7 @@ status_t nccl_comm_close(nccl_comm_t *c, double limit_s) {
   if (rc != NCCL_RESULT_OK && rc != NCCL_RESULT_IN_PROGRESS)
     st = err_set(STATUS_ENCCL, "ncclCommFinalize: %s (NCCL communicator %s)",
                  c->t->error_string(rc), c->name);
-  settle_ctx_t ctx = {c, "ncclCommFinalize", now_s(), limit_s};
+  settle_ctx_t ctx = {c, "ncclCommFinalize", device_clock_seconds(), limit_s};
   if (st == STATUS_OK) st = device_poll(settled, &ctx, ctx.what); /* under the wait hook too */
   if (st == STATUS_OK) {
     rc = c->t->destroy(c->comm);

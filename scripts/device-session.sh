@@ -6,14 +6,19 @@
 # Stages:
 #   suites        the GPU suites (meson test --suite gpu) but the multi-rank ones
 #   multi         the multi-rank GPU tests (on as many GPUs through NCCL, else sharing the GPU
-#                 through the host-staged groups, FSDPC_PG=staged-lazy), then fsdp-train on 2
-#                 ranks the same way
-#   compare       bench/vs_torch_gpu.py on configs/llama-100m.json, 8 x 1024, bf16/f32, with
-#                 the kernel profile (then attention and the matrix products alone)
-#   compare-0.9b  the same on configs/llama-0.9b.json, without the profile
-#   compile-0.9b  compare-0.9b with torch also run under torch.compile (a third row)
+#                 through the host-staged groups, FSDPC_PG=staged-lazy: FSDP, HSDP 2x2,
+#                 FSDP 2 x TP 2 and 2x2x2 against one CPU rank), then fsdp-train on 2 ranks
+#                 the same way
+#   compare       bench/vs_torch_gpu.py on configs/llama-100m.json, 8 x 1024, bf16/f32: torch
+#                 FSDP2, eager under autocast and FSDP2 with each layer compiled beside
+#                 fsdp-train, with its kernel profile (then attention and the matrix products)
+#   compare-0.9b  on configs/llama-0.9b.json, torch FSDP2 and FSDP2 + compile, no profile
+#   offload-0.9b  the same with the sharded state on the host on both sides (torch's
+#                 CPUOffloadPolicy), fewer steps
+#   profile-0.9b  fsdp-train alone on configs/llama-0.9b.json with its kernel profile
 #   tests         every suite (meson test)
-#   fsdp-step     bench-fsdp-step on llama-100m at 8 x 1024, bf16
+#   fsdp-step     bench-fsdp-step on llama-100m at 8 x 1024, bf16 (with the host's time a
+#                 unit and a parameter)
 # SESSION_BUDGET_S (default 570) bounds the whole command: a stage that could not end in what
 # is left is skipped and said to be. The exit status is 1 when a stage failed or was stopped.
 # PYTHON is the interpreter with torch (default /opt/torch/.venv/bin/python, else python3).
@@ -32,10 +37,10 @@ export PYTHONUNBUFFERED=1
 if [ $# -eq 0 ]; then set -- suites multi compare fsdp-step; fi
 for s in "$@"; do
   case "$s" in
-    suites | multi | compare | compare-0.9b | compile-0.9b | tests | fsdp-step) ;;
+    suites | multi | compare | compare-0.9b | offload-0.9b | profile-0.9b | tests | fsdp-step) ;;
     *)
       echo "device-session: unknown stage '$s' (suites, multi, compare, compare-0.9b," \
-        "compile-0.9b, tests, fsdp-step)" >&2
+        "offload-0.9b, profile-0.9b, tests, fsdp-step)" >&2
       exit 2
       ;;
   esac
@@ -79,22 +84,30 @@ vs=(bench/vs_torch_gpu.py --exe build-gpu/tools/fsdp-train --python "$python")
 for s in "$@"; do
   case "$s" in
     suites)
-      run suites 300 meson test -C build-gpu --suite gpu --print-errorlogs \
+      run suites 240 meson test -C build-gpu --suite gpu --print-errorlogs \
         --no-suite fsdpc:gpu-multi
       ;;
     multi)
-      run multi 300 meson test -C build-gpu --suite gpu-multi --print-errorlogs
+      run multi 200 meson test -C build-gpu --suite gpu-multi --print-errorlogs
       run multi-train 120 tests/gpu/multi_rank.sh mpirun 2 build-gpu/tools/fsdp-train \
         configs/fsdp.yaml --set mesh.dp_shard=2 --set train.device=cuda --set train.steps=20
       ;;
-    compare) run compare 300 "$python" "${vs[@]}" --profile ;;
-    compare-0.9b) run compare-0.9b 400 "$python" "${vs[@]}" --config configs/llama-0.9b.json ;;
-    compile-0.9b)
-      run compile-0.9b 540 "$python" "${vs[@]}" --config configs/llama-0.9b.json --torch-compile
+    compare) run compare 300 "$python" "${vs[@]}" --profile --torch-eager --torch-compile ;;
+    compare-0.9b)
+      run compare-0.9b 300 "$python" "${vs[@]}" --config configs/llama-0.9b.json --torch-compile \
+        --steps 20
+      ;;
+    offload-0.9b)
+      run offload-0.9b 300 "$python" "${vs[@]}" --config configs/llama-0.9b.json --offload \
+        --steps 8 --warmup 3
+      ;;
+    profile-0.9b) # no torch to run beside it: fsdp-train's figures and kernel table alone
+      run profile-0.9b 120 "$python" bench/vs_torch_gpu.py --exe build-gpu/tools/fsdp-train \
+        --python /bin/false --config configs/llama-0.9b.json --profile --steps 10 --warmup 3
       ;;
     tests) run tests 540 meson test -C build-gpu --print-errorlogs ;;
     fsdp-step)
-      run fsdp-step 180 build-gpu/bench/bench-fsdp-step --device cuda --param-dtype bf16 \
+      run fsdp-step 90 build-gpu/bench/bench-fsdp-step --device cuda --param-dtype bf16 \
         --config configs/llama-100m.json --batch 8 --seq 1024 --steps 3
       ;;
   esac

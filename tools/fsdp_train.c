@@ -11,11 +11,13 @@
  * the peak memory of a step and its communication without training; -v adds a table of the
  * fully_shard units. Bad input is reported by every rank, with a non-zero exit.
  */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include "tools/fsdp_train.h"
 
 #include <cJSON.h>
 #include <errno.h>
 #include <math.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -275,6 +277,19 @@ static status_t fill(run_t *r, bool deferred, bool resume) {
   return STATUS_OK;
 }
 
+/* Offloaded state on a GPU: the optimizer step and the gradients' sums run on the host, on
+ * the cores this rank may use shared among the node's ranks, unless OMP_NUM_THREADS chose. */
+static void offload_threads(run_t *r) {
+  const char *env = getenv("OMP_NUM_THREADS");
+  if (!r->plan.par.offload || r->dev.type != DEVICE_CUDA || (env != NULL && env[0] != 0)) return;
+  cpu_set_t set; /* the CPUs this rank may use, and its share of the node's */
+  int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  long share = sysconf(_SC_NPROCESSORS_ONLN) / (world_local_size() > 0 ? world_local_size() : 1);
+  if (share > 0 && share < n) n = (int)share;
+  if (n > 1 && kernel_set_cpu_threads(n) == STATUS_OK) r->host_threads = n;
+  err_clear();
+}
+
 static status_t build(run_t *r) {
   plan_t *p = &r->plan;
   device_t dev; /* first: collective, and every rank arrives here */
@@ -306,6 +321,7 @@ static status_t build(run_t *r) {
   nn_module_t *root = llama_module(r->model);
   TRY(parallel_apply(&r->par, root, &p->par, lo.device));
   take_parallel(r);
+  offload_threads(r);
   if (!resume) r->resumed_from[0] = 0;
   TRY(check_before_training(r));
   if (r->args.dry_run) { /* the meta model has every placement and shape */

@@ -40,6 +40,7 @@ typedef struct run {
   data_t *eval; /* eval.path's tokens, or NULL */
   device_t dev;
   char device_note[320]; /* why train.device auto took the CPU beside CUDA devices, or "" */
+  int host_threads;      /* the host kernels' threads offload chose (0: left as they were) */
   int dp_size, dp_rank;
   int64_t start_step; /* steps already taken (resumed from a checkpoint) */
   char resumed_from[PLAN_PATH_MAX + 32];

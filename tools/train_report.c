@@ -140,10 +140,15 @@ static void header_model(const run_t *r) {
       (long long)p->model.n_heads, (long long)p->model.n_kv_heads, (long long)p->model.ffn_dim,
       (long long)p->model.vocab_size, p->model.tie_embeddings ? "tied" : "untied",
       (long long)llama_num_params(&p->model), p->activation_checkpointing ? "on" : "off");
-  const char *offload = !p->par.offload             ? ""
-                        : r->dev.type == DEVICE_CPU ? "; offload (no effect on the CPU: the state "
-                                                      "is in host memory already)"
-                                                    : "; offload (state in host memory)";
+  char threads[64] = "";
+  if (r->host_threads > 0)
+    snprintf(threads, sizeof threads, ", the optimizer on %d host threads", r->host_threads);
+  char offload[160] = "";
+  if (p->par.offload)
+    snprintf(offload, sizeof offload, "; offload (%s%s)",
+             r->dev.type == DEVICE_CPU ? "no effect on the CPU: the state is in host memory already"
+                                       : "state in host memory",
+             threads);
   printf(
       "  fully_shard: %d group%s (%d unit%s + root); %s%s%sreshard_after_forward %s; param %s, "
       "reduce %s%s\n",

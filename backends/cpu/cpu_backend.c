@@ -55,6 +55,17 @@ static struct {
   size_t os_allocs;          /* blocks taken from the operating system */
 } cache = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
+/* cpu_host_set_pinning's functions (set once, under cache.mu) */
+static bool (*pin_block)(void *p, size_t bytes);
+static void (*unpin_block)(void *p);
+
+void cpu_host_set_pinning(bool (*pin)(void *p, size_t bytes), void (*unpin)(void *p)) {
+  pthread_mutex_lock(&cache.mu);
+  pin_block = pin;
+  unpin_block = unpin;
+  pthread_mutex_unlock(&cache.mu);
+}
+
 static size_t rounded(size_t bytes) {
   size_t unit = bytes >= CPU_MAPPED_MIN ? (size_t)2 << 20 : (size_t)4 << 10;
   return (bytes + unit - 1) / unit * unit;
@@ -67,6 +78,7 @@ static void *os_alloc(size_t bytes) {
 #ifdef MADV_HUGEPAGE
     madvise(p, bytes, MADV_HUGEPAGE); /* advice only: failure is harmless */
 #endif
+    if (pin_block != NULL) pin_block(p, bytes); /* a refusal leaves the block pageable */
     return p;
   }
   return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
@@ -74,10 +86,12 @@ static void *os_alloc(size_t bytes) {
 
 static void os_free(void *p, size_t bytes) {
   UNPOISON(p, bytes);
-  if (bytes >= CPU_MAPPED_MIN)
+  if (bytes >= CPU_MAPPED_MIN) {
+    if (unpin_block != NULL) unpin_block(p); /* a block never pinned: nothing to release */
     munmap(p, bytes);
-  else
+  } else {
     free(p);
+  }
 }
 
 /* Releases the oldest cached blocks until live + cached <= limit (under cache.mu). */

@@ -592,6 +592,16 @@ static void cuda_host_free_pinned(void *p) {
   if (p != NULL) cudaFreeHost(p);
 }
 
+static bool cuda_host_register(void *p, size_t bytes) {
+  if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  return false;
+}
+
+static void cuda_host_unregister(void *p) {
+  if (cudaHostUnregister(p) != cudaSuccess) (void)cudaGetLastError();
+}
+
 static status_t cuda_copy_async(stream_t *s, void *dst, const void *src, size_t bytes) {
   CUDA_TRY(cudaSetDevice(s->device));
   CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s->s));
@@ -637,6 +647,8 @@ static const backend_t cuda_table = {
     /* .event_synchronize = */ cuda_event_synchronize,
     /* .host_alloc_pinned = */ cuda_host_alloc_pinned,
     /* .host_free_pinned = */ cuda_host_free_pinned,
+    /* .host_register = */ cuda_host_register,
+    /* .host_unregister = */ cuda_host_unregister,
     /* .copy_async = */ cuda_copy_async,
     /* .delay = */ cuda_delay,
     /* .upload = */ cuda_upload,

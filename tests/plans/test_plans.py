@@ -52,8 +52,8 @@ TEMPS = []
 # the leak check (ckpt-corrupt and the C suites check the same error paths for leaks). Every
 # sanitizer report in a program's output fails the mode (sh below).
 # The CPU modes run on the CPU on a GPU machine too (fsdp-train takes the GPUs it sees, one per
-# rank: these modes start up to 8 ranks); the gpu mode keeps them.
-if MODE != "gpu":
+# rank: these modes start up to 8 ranks); the gpu modes keep them.
+if not MODE.startswith("gpu"):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 if os.environ.get("FSDPC_TEST_SANITIZED") and MODE in ("configs", "dry-run", "checkpoint",
                                                        "ckpt-tool", "ckpt-damage"):
@@ -1594,6 +1594,10 @@ def gpu():
     tmp = mkdtemp()
     cfg = os.path.join(ROOT, "configs", "debug.yaml")
     p, _ = run(1, [cfg, "--dry-run"])
+    check(p.returncode == 0, "a dry run of one rank (to find the device)")
+    if p.returncode != 0:
+        print(p.stdout[-1500:], p.stderr[-1500:])
+        return
     if " on cuda" not in p.stdout:
         print("no CUDA device: skipped")
         sys.exit(77)
@@ -1652,6 +1656,59 @@ def gpu():
         la, lb = [r["loss"] for r in losses(ma)][5:], [r["loss"] for r in losses(mb)]
         check(la == lb and len(lb) == 5,
               "offload=%s: resumed losses bit-identical (%s vs %s)" % (offload, la[:2], lb[:2]))
+
+def gpu_multi():
+    """Several ranks on this machine's one GPU through the host-staged groups in their lazy test
+    mode (FSDPC_PG=staged-lazy): FSDP on 2 ranks, HSDP 2x2, FSDP 2 x TP 2 and HSDP 2x2 x TP 2
+    train configs/hsdp-tp.yaml's model on the device with the losses of one rank on the CPU
+    taking the same global batch (the plans' parity promise, within the GPU's f32 rounding)."""
+    tmp = mkdtemp()
+    cfg = os.path.join(ROOT, "configs", "hsdp-tp.yaml")
+    try:  # the GPUs the driver lists; the runs below ask for CUDA and say so if they miss it
+        gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                              timeout=60).stdout.count("GPU ")
+    except (OSError, subprocess.TimeoutExpired):
+        gpus = 0
+    if gpus == 0:
+        print("no GPU (nvidia-smi lists none): skipped")
+        sys.exit(77)
+    p, _ = run(1, [cfg, "--dry-run", "--set", "mesh.dp_replicate=1", "--set", "mesh.dp_shard=1",
+                   "--set", "mesh.tp=1", "--set", "train.device=cuda"])
+    if "built without CUDA" in p.stderr:
+        print("fsdp-train was built without CUDA: skipped")
+        sys.exit(77)
+    check(p.returncode == 0 and " on cuda" in p.stdout,
+          "one rank, train.device=cuda: a dry run on the GPU")
+    if p.returncode != 0 or " on cuda" not in p.stdout:
+        print(p.stdout[-1500:], p.stderr[-1500:])
+    steps = ["--set", "train.steps=10"]
+    wants = {}  # data-parallel ranks: one CPU rank's losses at that many times the batch (2)
+    for dp in (2, 4):
+        ref = os.path.join(tmp, "cpu%d.jsonl" % dp)
+        p, _ = run(1, [cfg, "--set", "mesh.dp_replicate=1", "--set", "mesh.dp_shard=1", "--set",
+                       "mesh.tp=1", "--set", "train.device=cpu", "--set",
+                       "data.batch_size=%d" % (2 * dp), "--metrics", ref] + steps)
+        check(p.returncode == 0, "one rank on the CPU, batch %d: the reference run" % (2 * dp))
+        wants[dp] = [r["loss"] for r in losses(ref)] if p.returncode == 0 else []
+    for name, n, mesh in [("FSDP", 2, (1, 2, 1)), ("HSDP 2x2", 4, (2, 2, 1)),
+                          ("FSDP 2 x TP 2", 4, (1, 2, 2)), ("HSDP 2x2 x TP 2", 8, (2, 2, 2))]:
+        m = os.path.join(tmp, "gpu%d.jsonl" % n)
+        sets = []
+        for key, size in zip(("dp_replicate", "dp_shard", "tp"), mesh):
+            sets += ["--set", "mesh.%s=%d" % (key, size)]
+        p, _ = run(n, [cfg, "--set", "train.device=cuda", "--metrics", m] + sets + steps,
+                   mpi_args=("-x", "FSDPC_PG=staged-lazy"))
+        got = [r["loss"] for r in losses(m)] if p.returncode == 0 else []
+        want = wants[mesh[0] * mesh[1]]
+        worst = (max(abs(a - b) / abs(b) for a, b in zip(got, want))
+                 if got and len(got) == len(want) else float("inf"))
+        check(p.returncode == 0 and "on cuda:0" in p.stdout and
+              "process groups: host-staged, lazy test mode" in p.stdout and worst <= 1e-4,
+              "%s on %d ranks sharing the GPU: one CPU rank's losses (worst relative %.2e)"
+              % (name, n, worst))
+        if p.returncode != 0:
+            print(p.stdout[-1500:], p.stderr[-2500:])
+
 
 def header_edit(edit):
     """raw bytes of a safetensors file -> the same file with edit applied to its header dict"""
@@ -3129,7 +3186,7 @@ def messages():
 
 {"configs": lambda: (configs(), pytorch(), plots(), converts(), evaluation(), shuffling()), "errors": errors,
  "dry-run": lambda: (dry_run(), messages()),
- "checkpoint": checkpoints, "gpu": gpu, "ckpt-tool": lambda: (ckpt_tool(), ckpt_any_model()),
+ "checkpoint": checkpoints, "gpu": gpu, "gpu-multi": gpu_multi, "ckpt-tool": lambda: (ckpt_tool(), ckpt_any_model()),
  "ckpt-corrupt": ckpt_corrupt, "ckpt-damage": ckpt_damage, "operations": operations}[MODE]()
 for d in TEMPS:
     shutil.rmtree(d, ignore_errors=True)
