@@ -1,0 +1,507 @@
+"""fsdp-ckpt inspect, export-hf (read by an independent parser) and import-hf, for Llama
+and other models' folders."""
+import glob
+import json
+import os
+import re
+import shutil
+import time
+
+from common import (EXE, ROOT, TOOL, check, edit_header, losses, mkdtemp, run, sh, st_read)
+
+
+def hf_expected(cfg):
+    """Hugging Face LlamaForCausalLM tensor names and shapes for a config.json."""
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = d // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    want = {"model.embed_tokens.weight": [v, d], "model.norm.weight": [d]}
+    if not cfg.get("tie_word_embeddings"):
+        want["lm_head.weight"] = [v, d]
+    for i in range(cfg["num_hidden_layers"]):
+        p = "model.layers.%d." % i
+        want.update({p + "input_layernorm.weight": [d], p + "post_attention_layernorm.weight": [d],
+                     p + "self_attn.q_proj.weight": [d, d], p + "self_attn.k_proj.weight": [kv, d],
+                     p + "self_attn.v_proj.weight": [kv, d], p + "self_attn.o_proj.weight": [d, d],
+                     p + "mlp.gate_proj.weight": [f, d], p + "mlp.up_proj.weight": [f, d],
+                     p + "mlp.down_proj.weight": [d, f]})
+    return want
+
+
+def py_logits(folder, ids):
+    """Llama logits from a Hugging Face folder in plain Python (double precision), independent
+    of the project: config.json, model.safetensors (F32) and the LlamaForCausalLM math."""
+    import math
+    import struct
+    with open(os.path.join(folder, "config.json")) as f:
+        c = json.load(f)
+    h, data = st_read(os.path.join(folder, "model.safetensors"))
+    W = {}
+    for k, t in h.items():
+        if k == "__metadata__":
+            continue
+        b, e = t["data_offsets"]
+        vals = struct.unpack("<%df" % ((e - b) // 4), data[b:e])
+        cols = t["shape"][1] if len(t["shape"]) > 1 else None
+        W[k] = [list(vals[r * cols:(r + 1) * cols]) for r in range(t["shape"][0])] if cols else list(vals)
+    D, H, KV = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd, eps, theta = D // H, c["rms_norm_eps"], c["rope_theta"]
+    mv = lambda M, x: [sum(a * b for a, b in zip(row, x)) for row in M]
+
+    def norm(x, w):
+        r = 1.0 / math.sqrt(sum(v * v for v in x) / len(x) + eps)
+        return [wi * v * r for wi, v in zip(w, x)]
+
+    def rope(x, t):
+        out = []
+        for hh in range(len(x) // hd):
+            v = x[hh * hd:(hh + 1) * hd]
+            half = hd // 2
+            rot = [-a for a in v[half:]] + v[:half]
+            for j in range(hd):
+                a = t * theta ** (-2.0 * (j % half) / hd)
+                out.append(v[j] * math.cos(a) + rot[j] * math.sin(a))
+        return out
+
+    xs = [list(W["model.embed_tokens.weight"][i]) for i in ids]
+    for L in range(c["num_hidden_layers"]):
+        p = "model.layers.%d." % L
+        n1 = [norm(x, W[p + "input_layernorm.weight"]) for x in xs]
+        q = [rope(mv(W[p + "self_attn.q_proj.weight"], x), t) for t, x in enumerate(n1)]
+        k = [rope(mv(W[p + "self_attn.k_proj.weight"], x), t) for t, x in enumerate(n1)]
+        v = [mv(W[p + "self_attn.v_proj.weight"], x) for x in n1]
+        att = []
+        for t in range(len(xs)):
+            o = []
+            for hh in range(H):
+                g = hh // (H // KV)
+                qs = q[t][hh * hd:(hh + 1) * hd]
+                sc = [sum(a * b for a, b in zip(qs, k[u][g * hd:(g + 1) * hd])) / math.sqrt(hd)
+                      for u in range(t + 1)]
+                m = max(sc)
+                ex = [math.exp(z - m) for z in sc]
+                tot = sum(ex)
+                o += [sum(ex[u] / tot * v[u][g * hd + j] for u in range(t + 1)) for j in range(hd)]
+            att.append(mv(W[p + "self_attn.o_proj.weight"], o))
+        xs = [[a + b for a, b in zip(x, y)] for x, y in zip(xs, att)]
+        n2 = [norm(x, W[p + "post_attention_layernorm.weight"]) for x in xs]
+        mlp = []
+        for x in n2:
+            gt, up = mv(W[p + "mlp.gate_proj.weight"], x), mv(W[p + "mlp.up_proj.weight"], x)
+            mlp.append(mv(W[p + "mlp.down_proj.weight"],
+                          [a / (1 + math.exp(-a)) * b for a, b in zip(gt, up)]))
+        xs = [[a + b for a, b in zip(x, y)] for x, y in zip(xs, mlp)]
+    head = W.get("lm_head.weight", W["model.embed_tokens.weight"])
+    return [mv(head, norm(x, W["model.norm.weight"])) for x in xs]
+
+
+def ckpt_tool():
+    """fsdp-ckpt inspect / export-hf / import-hf, checked by an independent reader."""
+    import struct
+    tmp = mkdtemp()
+    ck = os.path.join(tmp, "ck")
+    p, _ = run(4, [os.path.join(ROOT, "configs", "fsdp.yaml"), "--set", "train.steps=3",
+                   "--set", "checkpoint.dir=" + ck, "--set", "checkpoint.interval=3"])
+    check(p.returncode == 0, "fsdp on 4 ranks saves a checkpoint")
+    step = os.path.join(ck, "step-00000003")
+    tool_run = lambda *a: sh([TOOL] + list(a), timeout=120)
+    p = tool_run("inspect", step)
+    check(p.returncode == 0 and "after step 3" in p.stdout and "fsdp.yaml" in p.stdout and
+          re.search(r"model\.layers\.1\.mlp\.down_proj\.weight\s+F32\s+64x160\s+4\s+40960",
+                    p.stdout) is not None and "optimizer state" in p.stdout,
+          "inspect lists the plan, tensors, dtypes, shapes, chunks and bytes")
+    # the checkpoint's values, assembled from its shard files by the saved offsets, by row
+    saved = {}
+    for k, (_, shape, raw) in assemble(os.path.join(step, "model"))[0].items():
+        vals = struct.unpack("<%df" % (len(raw) // 4), raw)
+        cols = shape[1] if len(shape) > 1 else 1
+        saved[k] = {r: vals[r * cols:(r + 1) * cols] for r in range(shape[0])}
+    for dtype, shard_bytes in (("f32", None), ("bf16", "100000")):
+        out = os.path.join(tmp, "hf-" + dtype)
+        args = ["export-hf", step, out, "--dtype", dtype]
+        if shard_bytes:
+            args += ["--max-shard-bytes", shard_bytes]
+        p = tool_run(*args)
+        check(p.returncode == 0, "export-hf --dtype %s runs" % dtype)
+        if p.returncode != 0:
+            print(p.stderr)
+            continue
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+        want = hf_expected(cfg)
+        check(cfg["architectures"] == ["LlamaForCausalLM"] and cfg["hidden_size"] == 64 and
+              cfg["torch_dtype"] == ("float32" if dtype == "f32" else "bfloat16"),
+              "%s: config.json describes the model" % dtype)
+        files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+        if shard_bytes:
+            with open(os.path.join(out, "model.safetensors.index.json")) as f:
+                index = json.load(f)
+            check(len(files) > 1 and sorted(set(index["weight_map"].values())) == files and
+                  set(index["weight_map"]) == set(want),
+                  "%s: %d files and an index mapping every tensor" % (dtype, len(files)))
+        else:
+            check(files == ["model.safetensors"], "f32: one model.safetensors")
+        got, exact, total = {}, True, 0
+        for name in files:
+            h, data = st_read(os.path.join(out, name))
+            for k, t in h.items():
+                if k == "__metadata__":
+                    continue
+                got[k] = (t["dtype"], t["shape"])
+                b, e = t["data_offsets"]
+                total += e - b
+                if dtype == "f32":
+                    vals = struct.unpack("<%df" % ((e - b) // 4), data[b:e])
+                    cols = t["shape"][1] if len(t["shape"]) > 1 else 1
+                    exact = exact and all(vals[r * cols:(r + 1) * cols] == saved[k][r]
+                                          for r in range(t["shape"][0]))
+        st = "F32" if dtype == "f32" else "BF16"
+        check(got == {k: (st, v) for k, v in want.items()},
+              "%s: Hugging Face Llama names, shapes and dtype %s" % (dtype, st))
+        if dtype == "f32":
+            check(exact, "f32: every exported value equals the checkpoint's")
+    # the exported weights' logits: the C model against an independent plain-Python Llama
+    ids = [72, 101, 108, 108, 111, 44, 32, 119]
+    p = sh([os.path.join(os.path.dirname(EXE), "..", "tests", "hf_logits"),
+            os.path.join(tmp, "hf-f32")] + [str(i) for i in ids], timeout=120)
+    if p.returncode == 0:
+        got = json.loads(p.stdout)["logits"]
+        want = py_logits(os.path.join(tmp, "hf-f32"), ids)
+        num = sum((a - b) ** 2 for ra, rb in zip(got, want) for a, b in zip(ra, rb))
+        den = sum(b * b for rb in want for b in rb)
+        rel = (num / den) ** 0.5
+        check(len(got) == len(ids) and rel <= 1e-5,
+              "the exported model's logits: C vs plain Python, relative L2 %.2e" % rel)
+    else:
+        check(False, "hf_logits runs on the export: " + p.stderr[-500:])
+    # round trip: import the export, load it under HSDP; the same first loss as the export
+    # read by model.init_from on one rank
+    imp = os.path.join(tmp, "imported")
+    p = tool_run("import-hf", os.path.join(tmp, "hf-f32"), imp)
+    check(p.returncode == 0 and os.path.exists(os.path.join(imp, "train_state.json")),
+          "import-hf writes a checkpoint")
+    ma, mb = os.path.join(tmp, "a.jsonl"), os.path.join(tmp, "b.jsonl")
+    pa, _ = run(4, [os.path.join(ROOT, "configs", "hsdp.yaml"), "--set", "train.steps=2",
+                    "--set", "checkpoint.load=" + imp, "--set", "data.batch_size=2",
+                    "--metrics", ma])
+    dbg = os.path.join(tmp, "debug-init.yaml")
+    with open(os.path.join(ROOT, "configs", "debug.yaml")) as f:
+        text = f.read()
+    text = re.sub(r"model:\n(  .*\n)+", "model:\n  init_from: %s\n" % os.path.join(tmp, "hf-f32"),
+                  text)
+    text = text.replace("path: ../data", "path: " + os.path.join(ROOT, "data"))
+    with open(dbg, "w") as f:
+        f.write(text)
+    pb, _ = run(1, [dbg, "--set", "train.steps=2", "--metrics", mb])
+    ok = pa.returncode == 0 and pb.returncode == 0
+    check(ok, "the imported checkpoint loads under hsdp, the export under model.init_from")
+    if ok:
+        la, lb = losses(ma)[0]["loss"], losses(mb)[0]["loss"]
+        check(abs(la - lb) <= 1e-5 * abs(lb) and "resumed from" in pa.stdout,
+              "imported under hsdp (2x2) and exported read on one rank: first loss %.7f vs %.7f"
+              % (la, lb))
+    else:
+        print(pa.stdout[-1500:], pa.stderr[-1500:], pb.stdout[-1500:], pb.stderr[-1500:])
+    # a multi-file Hugging Face folder (the bf16 export: three files and an index) read by
+    # model.init_from under FSDP on 2 ranks: the same first loss as its import-hf checkpoint
+    # loaded under hsdp
+    imp16 = os.path.join(tmp, "imported-bf16")
+    p = tool_run("import-hf", os.path.join(tmp, "hf-bf16"), imp16)
+    mc, md = os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "d.jsonl")
+    pc, _ = run(4, [os.path.join(ROOT, "configs", "hsdp.yaml"), "--set", "train.steps=2",
+                    "--set", "checkpoint.load=" + imp16, "--set", "data.batch_size=2",
+                    "--metrics", mc])
+    dbg16 = os.path.join(tmp, "fsdp-init-bf16.yaml")
+    with open(dbg16, "w") as f:
+        f.write(text.replace(os.path.join(tmp, "hf-f32"), os.path.join(tmp, "hf-bf16"))
+                .replace("dp_shard: 1", "dp_shard: 2"))
+    pd, _ = run(2, [dbg16, "--set", "train.steps=2", "--set", "data.batch_size=4",
+                    "--metrics", md])
+    ok = p.returncode == 0 and pc.returncode == 0 and pd.returncode == 0
+    check(ok, "model.init_from reads a Hugging Face folder of three files and an index")
+    if ok:
+        lc, ld = losses(mc)[0]["loss"], losses(md)[0]["loss"]
+        check(abs(lc - ld) <= 1e-5 * abs(lc),
+              "bf16 export: imported under hsdp %.7f, init_from on 2 ranks %.7f" % (lc, ld))
+    else:
+        print(p.stderr[-1500:], pc.stderr[-1500:], pd.stderr[-1500:])
+    # broken Hugging Face folders under model.init_from: a file the index names is missing; a
+    # tensor in two files
+    hf16 = os.path.join(tmp, "hf-bf16")
+    shards = sorted(f for f in os.listdir(hf16) if f.endswith(".safetensors"))
+    lacking, twice = os.path.join(tmp, "hf-lacking"), os.path.join(tmp, "hf-twice")
+    shutil.copytree(hf16, lacking)
+    os.remove(os.path.join(lacking, shards[1]))
+    shutil.copytree(hf16, twice)
+    with open(os.path.join(twice, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    extra = "extra.safetensors"
+    shutil.copy(os.path.join(twice, shards[0]), os.path.join(twice, extra))
+    index["weight_map"]["zz.extra"] = extra  # names the copy: its tensors are then in two files
+    with open(os.path.join(twice, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    for folder, want in [(lacking, re.escape(shards[1])), (twice, r"is in both .*" + extra +
+                                                           r"|is in both .*" + shards[0])]:
+        bad_cfg = os.path.join(tmp, "init-broken.yaml")
+        with open(bad_cfg, "w") as f:
+            f.write(text.replace(os.path.join(tmp, "hf-f32"), folder))
+        p, _ = run(1, [bad_cfg, "--set", "train.steps=1"], timeout=60)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None,
+              "init_from %s: exit %d, says /%s/" % (os.path.basename(folder), p.returncode, want))
+    # mistakes: a clear message and a non-zero exit
+    for args, want in [(["export-hf", os.path.join(tmp, "nowhere"), os.path.join(tmp, "x")],
+                        r"nowhere: not a folder"),
+                       (["export-hf", step, os.path.join(tmp, "hf-f32")], r"exists and is not empty"),
+                       (["export-hf", step, os.path.join(tmp, "y"), "--dtype", "i32"],
+                        r"--dtype: expected f32, bf16 or f16"),
+                       (["import-hf", tmp, os.path.join(tmp, "z")], r"config\.json"),
+                       (["import-hf", os.path.join(tmp, "hf-f32"), imp], r"already exists"),
+                       (["frobnicate", step], r"unknown command 'frobnicate'")]:
+        p = tool_run(*args)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None,
+              "fsdp-ckpt %s: exit %d, says /%s/" % (args[0], p.returncode, want))
+    # import-hf checks config.json against a plan's limits and every tensor against the model it
+    # describes, before writing anything; model.init_from reads config.json the same way
+    src = os.path.join(tmp, "hf-f32")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg_text = f.read()
+    cfg = json.loads(cfg_text)
+    vocab, ffn = cfg["vocab_size"], cfg["intermediate_size"]
+
+    def variant(name, edit=None, raw=None, transpose=None):
+        folder = os.path.join(tmp, "hf-" + name)
+        shutil.copytree(src, folder)
+        if edit or raw:
+            c = dict(cfg)
+            if edit:
+                c.update(edit)
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                f.write(raw if raw else json.dumps(c))
+        if transpose:  # the same bytes declared with the shape's dimensions swapped
+            path = os.path.join(folder, "model.safetensors")
+            edit_header(path, lambda h: h[transpose].update(shape=h[transpose]["shape"][::-1]))
+        return folder
+    down = "model.layers.0.mlp.down_proj.weight"
+    for name, folder, want in (
+            ("vocab 2^40", variant("vocab", {"vocab_size": 2 ** 40}),
+             r"vocab_size must be a size from 1 to 2147483648, got 1099511627776"),
+            ("10^7 layers", variant("layers", {"num_hidden_layers": 10 ** 7}),
+             r"num_hidden_layers must be a size from 1 to 4096, got 10000000"),
+            ("ffn 2^31", variant("ffn", {"intermediate_size": 2 ** 31}),
+             r"tensor '%s' has shape \[%d, %d\], but config\.json's model needs \[%d, %d\]" % (
+                 "model.layers.0.mlp.gate_proj.weight", ffn, cfg["hidden_size"], 2 ** 31,
+                 cfg["hidden_size"])),
+            ("a transposed down_proj", variant("transposed", transpose=down),
+             r"tensor '%s' has shape \[%d, %d\], but config\.json's model needs \[%d, %d\]" % (
+                 down.replace(".", "\\."), ffn, cfg["hidden_size"], cfg["hidden_size"], ffn)),
+            ("vocab_size given twice", variant("twice-key", raw=cfg_text.replace(
+                '"vocab_size"', '"vocab_size": %d, "vocab_size"' % (vocab + 1), 1)),
+             r"'vocab_size' is given twice")):
+        out = os.path.join(tmp, "imp-" + os.path.basename(folder))
+        t = time.time()
+        p = tool_run("import-hf", folder, out)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None and
+              not os.path.exists(out) and not glob.glob(out + ".tmp*") and time.time() - t < 30,
+              "import-hf of a folder with %s: refused before writing /%s/" % (name, want[:60]))
+        if not re.search(want, p.stderr or ""):
+            print(p.stderr[-800:])
+        if name in ("10^7 layers", "vocab_size given twice"):
+            bad_cfg = os.path.join(tmp, "init-%s.yaml" % os.path.basename(folder))
+            with open(bad_cfg, "w") as f:
+                f.write(text.replace(src, folder))
+            t = time.time()
+            p, _ = run(1, [bad_cfg, "--set", "train.steps=1"], timeout=60)
+            check(p.returncode != 0 and re.search(want, p.stderr) is not None and
+                  time.time() - t < 30, "model.init_from with %s: refused at once" % name)
+    # an imported checkpoint is this project's: integrity records that verify, and catch a
+    # flipped byte
+    p = tool_run("inspect", imp)
+    check(p.returncode == 0 and "another tool" not in p.stdout + p.stderr and
+          tool_run("verify", imp).returncode == 0,
+          "an import-hf checkpoint carries integrity records and verifies")
+    flipped = os.path.join(tmp, "imported-flipped")
+    shutil.copytree(imp, flipped)
+    shard = os.path.join(flipped, "model", "model.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    p = tool_run("verify", flipped)
+    check(p.returncode != 0 and re.search(r"model\.safetensors", p.stdout + p.stderr),
+          "verify of an imported checkpoint with a flipped byte names the file")
+
+def gpt2_folder(path):
+    """A GPT-2-style Hugging Face folder (Conv1D weights, biases, tied-free lm head absent) with
+    odd sizes, f32 and one f16 tensor, written by hand: {name: (dtype, shape, bytes)}."""
+    import random
+    import struct
+    rnd = random.Random(7)
+    d, ff, vocab, pos = 24, 96, 50, 13
+    shapes = {"transformer.wte.weight": [vocab, d], "transformer.wpe.weight": [pos, d],
+              "transformer.ln_f.weight": [d], "transformer.ln_f.bias": [d]}
+    for i in range(2):
+        h = "transformer.h.%d." % i
+        shapes.update({h + "ln_1.weight": [d], h + "ln_1.bias": [d],
+                       h + "attn.c_attn.weight": [d, 3 * d], h + "attn.c_attn.bias": [3 * d],
+                       h + "attn.c_proj.weight": [d, d], h + "attn.c_proj.bias": [d],
+                       h + "ln_2.weight": [d], h + "ln_2.bias": [d],
+                       h + "mlp.c_fc.weight": [d, ff], h + "mlp.c_fc.bias": [ff],
+                       h + "mlp.c_proj.weight": [ff, d], h + "mlp.c_proj.bias": [d]})
+    tensors, header, data = {}, {}, b""
+    for name in sorted(shapes):
+        n = 1
+        for x in shapes[name]:
+            n *= x
+        dt = "F16" if name == "transformer.wpe.weight" else "F32"
+        raw = struct.pack("<%d%s" % (n, "e" if dt == "F16" else "f"),
+                          *[rnd.uniform(-1, 1) for _ in range(n)])
+        tensors[name] = (dt, shapes[name], raw)
+        header[name] = {"dtype": dt, "shape": shapes[name],
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    header["__metadata__"] = {"format": "pt"}
+    hj = json.dumps(header).encode()
+    hj += b" " * (-len(hj) % 8)
+    os.makedirs(path)
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(hj)) + hj + data)
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": d,
+              "n_layer": 2, "n_head": 2, "vocab_size": vocab, "n_positions": pos,
+              "torch_dtype": "float32"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return tensors, config
+
+
+def assemble(folder):
+    """A shard folder's tensors put together from their chunks by saved_offsets: {name: (dtype,
+    shape, bytes)}, every element written exactly once (asserted), and {file: {name: chunk
+    shape}}."""
+    sizes = {"F32": 4, "F16": 2, "BF16": 2}
+    parts, out = {}, {}
+    for fname in sorted(os.listdir(folder)):
+        h, data = st_read(os.path.join(folder, fname))
+        info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
+        for k, t in h.items():
+            if k == "__metadata__":
+                continue
+            b, e = t["data_offsets"]
+            parts.setdefault(k, []).append((t, info[k], data[b:e]))
+    layout = {}
+    for k, chunks in parts.items():
+        gshape = chunks[0][1]["global_shape"] if "global_shape" in chunks[0][1] else None
+        if gshape is None:  # the extent: the largest offset + size per dim
+            gshape = [max(c[1]["saved_offsets"][i] + c[0]["shape"][i] for c in chunks)
+                      for i in range(len(chunks[0][0]["shape"]))]
+        es = sizes[chunks[0][0]["dtype"]]
+        cols = gshape[1] if len(gshape) > 1 else 1
+        buf, seen = bytearray(es * (gshape[0] if gshape else 1) * cols), set()
+        for t, inf, raw in chunks:
+            r0 = inf["saved_offsets"][0] if gshape else 0
+            c0 = inf["saved_offsets"][1] if len(gshape) > 1 else 0
+            rows = t["shape"][0] if gshape else 1
+            w = t["shape"][1] if len(gshape) > 1 else 1
+            for r in range(rows):
+                for c in range(w):
+                    at = (r0 + r) * cols + c0 + c
+                    assert at not in seen, "%s: element %d twice" % (k, at)
+                    seen.add(at)
+                    buf[at * es:(at + 1) * es] = raw[(r * w + c) * es:(r * w + c + 1) * es]
+        assert len(seen) == len(buf) // es, "%s: %d of %d elements" % (k, len(seen), len(buf) // es)
+        out[k] = (chunks[0][0]["dtype"], gshape, bytes(buf))
+    for fname in sorted(os.listdir(folder)):
+        h, _ = st_read(os.path.join(folder, fname))
+        layout[fname] = {k: t["shape"] for k, t in h.items() if k != "__metadata__"}
+    return out, layout
+
+
+def ckpt_any_model():
+    """fsdp-ckpt on a model it does not know (GPT-2 names, biases, Conv1D shapes, odd sizes, an
+    f16 tensor): import-hf, reshard 4 -> 2x2 (dp_shard x tp, colwise/rowwise rules on its
+    layers and embedding) -> 1 with no model config, each layout assembled by an independent
+    reader and the boxes of the tp plan checked, export-hf back bit for bit."""
+    tmp = mkdtemp()
+    tool_run = lambda *a: sh([TOOL] + list(a), timeout=120)
+    hf = os.path.join(tmp, "gpt2")
+    tensors, config = gpt2_folder(hf)
+    ck0 = os.path.join(tmp, "ck0")
+    p = tool_run("import-hf", hf, ck0)
+    check(p.returncode == 0 and "imported 28 tensors" in p.stdout,
+          "import-hf takes a GPT-2 folder: %s" % (p.stdout + p.stderr).strip()[-300:])
+    plans = {"fsdp4": "mesh: {dp_shard: 4}\nparallelize:\n  fully_shard:\n"
+                      "    units: [\"transformer.h.*\"]\n",
+             "tp2x2": "mesh: {dp_shard: 2, tp: 2}\nparallelize:\n  fully_shard:\n"
+                      "    units: [\"transformer.h.*\"]\n  tensor_parallel:\n    plan:\n"
+                      "      \"transformer.h.*.mlp.c_fc\": colwise\n"
+                      "      \"transformer.h.*.mlp.c_proj\": rowwise\n"
+                      "      \"transformer.wte\": colwise\n",
+             "one": "mesh: {dp_shard: 1}\n"}
+    for name, text in plans.items():
+        with open(os.path.join(tmp, name + ".yaml"), "w") as f:
+            f.write(text)
+    src, layouts = ck0, {}
+    for name, files in (("fsdp4", 4), ("tp2x2", 4), ("one", 1)):
+        dst = os.path.join(tmp, "ck-" + name)
+        p = tool_run("reshard", src, "--to", os.path.join(tmp, name + ".yaml"), dst)
+        ok = p.returncode == 0 and "%d file%s" % (files, "" if files == 1 else "s") in p.stdout
+        check(ok, "reshard %s -> %s: %s" % (os.path.basename(src), name,
+                                            (p.stdout + p.stderr).strip()[-300:]))
+        if not ok:
+            return
+        got, layouts[name] = assemble(os.path.join(dst, "model"))
+        same = got.keys() == tensors.keys() and all(
+            got[k][0] == tensors[k][0] and got[k][1] == tensors[k][1] and got[k][2] == tensors[k][2]
+            for k in tensors)
+        check(same and len(layouts[name]) == files,
+              "%s: %d files whose chunks put together are the original tensors bit for bit"
+              % (name, len(layouts[name])))
+        p = tool_run("verify", dst)
+        check(p.returncode == 0 and "0 tensors damaged" in p.stdout, "verify %s" % name)
+        src = dst
+    # the boxes: fsdp4 splits rows 13,13,13,11 (wte's 50) and 6 each (ln's 24); tp2x2 splits a
+    # colwise linear's rows on tp then (strided) on dp, a rowwise one's columns on tp and rows
+    # on dp, the colwise embedding's columns on tp and rows on dp, a rowwise bias on dp only
+    want = {"fsdp4": {"transformer.wte.weight": [[13, 24], [13, 24], [13, 24], [11, 24]],
+                      "transformer.ln_f.bias": [[6]] * 4},
+            "tp2x2": {"transformer.h.0.mlp.c_fc.weight": [[6, 96]] * 4,
+                      "transformer.h.0.mlp.c_fc.bias": [[24]] * 4,
+                      "transformer.h.1.mlp.c_proj.weight": [[48, 12]] * 4,
+                      "transformer.h.1.mlp.c_proj.bias": [[12], None, [12], None],
+                      "transformer.wte.weight": [[25, 12]] * 4,
+                      "transformer.h.0.attn.c_attn.weight": [[12, 72], None, [12, 72], None]}}
+    for plan, boxes in want.items():
+        files = sorted(layouts[plan])
+        for t, shapes in boxes.items():
+            have = [layouts[plan][f].get(t) for f in files]
+            check(have == shapes, "%s: %s per rank %s (want %s)" % (plan, t, have, shapes))
+    # back to Hugging Face: the same bytes, the same config but torch_dtype
+    out = os.path.join(tmp, "hf-out")
+    p = tool_run("export-hf", os.path.join(tmp, "ck-one"), out)
+    ok = p.returncode == 0
+    if ok:
+        h, data = st_read(os.path.join(out, "model.safetensors"))
+        same = set(k for k in h if k != "__metadata__") == set(tensors) and all(
+            h[k]["dtype"] == tensors[k][0] and h[k]["shape"] == tensors[k][1] and
+            data[h[k]["data_offsets"][0]:h[k]["data_offsets"][1]] == tensors[k][2]
+            for k in tensors)
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+        ok = same and cfg == config
+    check(ok, "export-hf after 4 -> 2x2 -> 1: every tensor and config.json as imported, bit "
+              "for bit")
+    # what cannot be placed says why, and writes nothing
+    bad = os.path.join(tmp, "bad.yaml")
+    with open(bad, "w") as f:
+        f.write(plans["tp2x2"].replace("mlp.c_fc\": colwise", "ln_1\": colwise"))
+    for extra, plan, want in [(["--embedding", "transformer.h.*.mlp.c_fc"], "tp2x2",
+                               r"mlp\.c_fc.*an embedding with a bias is not supported"),
+                              ([], "bad", r"ln_1.*colwise applies to linear and embedding layers, "
+                                          r"not a layernorm")]:
+        p = tool_run("reshard", os.path.join(tmp, "ck-fsdp4"), "--to",
+                     os.path.join(tmp, plan + ".yaml"), os.path.join(tmp, "never"), *extra)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None and
+              not os.path.exists(os.path.join(tmp, "never")) and
+              not glob.glob(os.path.join(tmp, "never.tmp*")),
+              "reshard %s %s: exit %d, says /%s/ (%s)" % (plan, " ".join(extra), p.returncode,
+                                                         want, p.stderr.strip()[-200:]))

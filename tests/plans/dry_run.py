@@ -1,0 +1,197 @@
+"""--dry-run's estimates against a real run's counters, and the wording of messages."""
+import os
+import re
+import time
+
+from common import (PLANS, ROOT, TOOL, check, losses, mkdtemp, ranks_saying, run, sh)
+
+
+def dry_run():
+    """--dry-run against real steps: communication bytes exactly, the state within 10%, the
+    peak of a step (peak_mem_bytes, the largest of three steps) within 15% with and without
+    activation checkpointing; -v's unit table adds up; a model far larger than the machine's
+    memory would allow per process is estimated without allocating it."""
+    import resource
+    tmp = mkdtemp()
+    worst = 0.0
+    for name, n, _ in PLANS:
+        plan = os.path.join(ROOT, "configs", name + ".yaml")
+        for ac in ("false", "true"):
+            sets = ["--set", "train.activation_checkpointing=" + ac]
+            p, _ = run(n, [plan, "--dry-run", "-v"] + sets)
+            check(p.returncode == 0, "%s (checkpointing %s): --dry-run -v runs" % (name, ac))
+            est_comm = re.search(r"^comm_bytes (\d+)$", p.stdout, re.M)
+            est_state = re.search(r"^state_bytes (\d+)$", p.stdout, re.M)
+            est_peak = re.search(r"^peak_bytes (\d+)$", p.stdout, re.M)
+            ok = bool(est_comm and est_state and est_peak)
+            check(ok, "%s: --dry-run prints its estimates" % name)
+            if ac == "false":
+                check("placements" in p.stdout and
+                      "model.layers.0.mlp.up_proj.weight" in p.stdout,
+                      "%s: --dry-run lists every parameter's placements and shapes" % name)
+                # the unit table: a row per unit, the root last, columns adding up to the total
+                rows = re.findall(r"^  (\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", p.stdout, re.M)
+                units = [r for r in rows if r[0] != "total"]
+                total = [r for r in rows if r[0] == "total"]
+                sums = [sum(int(r[k]) for r in units) for k in range(1, 5)]
+                check(len(units) == 3 and units[-1][0] == "(root)" and len(total) == 1 and
+                      sums == [int(x) for x in total[0][1:]] and sums[0] == 21 and
+                      int(total[0][3]) * 4 == int(est_state.group(1)),
+                      "%s: -v lists the units (%s), their columns add up to the total and the "
+                      "sharded bytes to a quarter of state_bytes" % (name, [r[0] for r in units]))
+            if not ok:
+                continue
+            metrics = os.path.join(tmp, "%s-%s.jsonl" % (name, ac))
+            p, _ = run(n, [plan, "--set", "train.steps=3", "--metrics", metrics] + sets)
+            m = losses(metrics)
+            if not m:
+                check(False, "%s: the real run writes metrics" % name)
+                continue
+            peak = max(r["peak_mem_bytes"] for r in m)
+            want_peak = int(est_peak.group(1))
+            worst = max(worst, abs(want_peak - peak) / peak)
+            check(abs(want_peak - peak) <= 0.15 * peak,
+                  "%s, activation checkpointing %s: a step's peak %d B, estimated %d B (%+.1f%%)"
+                  % (name, ac, peak, want_peak, 100.0 * (want_peak - peak) / peak))
+            if ac == "true":
+                continue
+            got_comm, got_state = m[-1]["comm_bytes"], m[-1]["state_bytes"]
+            want_comm, want_state = int(est_comm.group(1)), int(est_state.group(1))
+            check(got_comm == want_comm, "%s: communication %d B per step, estimated %d B"
+                  % (name, got_comm, want_comm))
+            check(abs(got_state - want_state) <= 0.1 * want_state,
+                  "%s: memory held after a step %d B, estimated %d B (10%%)"
+                  % (name, got_state, want_state))
+    print("dry-run peak estimates: worst error %.1f%% over %d runs" % (100 * worst, 2 * len(PLANS)))
+    # --world N from one process prints the memory and communication figures of a dry run
+    # under mpirun -n N (the placements too)
+    figures = re.compile(r"^(state_bytes|largest_unit_bytes|peak_bytes|comm_bytes|"
+                         r"communication per step.*|memory per rank.*|  a step peaks.*|"
+                         r"  model\.\S+ .*|  lm_head\S* .*)$", re.M)
+    compared = [("fsdp", 2), ("fsdp", 4), ("fsdp", 8), ("hsdp-tp", 8)]
+    if not os.environ.get("FSDPC_TEST_SANITIZED"):  # the same planning code, other plans
+        compared += [("hsdp", 4), ("fsdp-bf16", 4), ("tp", 2), ("hsdp-int-reshard", 8)]
+    for name, n in compared:
+        plan = os.path.join(ROOT, "configs", name + ".yaml")
+        real, _ = run(n, [plan, "--dry-run"])
+        planned, _ = run(1, [plan, "--dry-run", "--world", str(n)])
+        a, b = figures.findall(real.stdout), figures.findall(planned.stdout)
+        check(real.returncode == 0 and planned.returncode == 0 and len(a) > 10 and a == b and
+              "planned from one process (--world %d" % n in planned.stdout,
+              "%s: --dry-run --world %d from one process gives the figures of mpirun -n %d "
+              "(%d lines)" % (name, n, n, len(a)))
+    t = time.time()
+    p, _ = run(1, [os.path.join(ROOT, "configs", "fsdp.yaml"), "--dry-run", "--world", "1024",
+                   "--ranks-per-node", "8", "--set", "mesh.dp_replicate=128", "--set",
+                   "mesh.dp_shard=8"], timeout=120)
+    check(p.returncode == 0 and re.search(r"^comm_bytes \d+$", p.stdout, re.M) and
+          "world 1024 ranks" in p.stdout and time.time() - t < 60,
+          "--dry-run --world 1024 (HSDP 128 x 8) runs from one process")
+    for args, want in ((["--world", "4"], r"--world plans a job without running it: it goes "
+                                          r"with --dry-run"),
+                       (["--dry-run", "--ranks-per-node", "2"], r"--ranks-per-node goes with "
+                                                                r"--world"),
+                       (["--dry-run", "--world", "0"], r"--world: expected a number of ranks")):
+        p, _ = run(1, [os.path.join(ROOT, "configs", "fsdp.yaml")] + args)
+        check(p.returncode != 0 and re.search(want, p.stderr), "%s: refused /%s/" %
+              (" ".join(args), want))
+    p, _ = run(2, [os.path.join(ROOT, "configs", "fsdp.yaml"), "--dry-run", "--world", "8"])
+    check(p.returncode != 0 and ranks_saying(p.stderr, r"a planning world is planned from one "
+                                             r"process; 2 were started") == {"0", "1"},
+          "--world under mpirun -n 2 is refused on both ranks")
+    # a 520M-parameter model (2 GB in f32) on one rank: the dry run builds it meta
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    p, _ = run(1, [os.path.join(ROOT, "configs", "llama-520m.yaml"), "--dry-run"])
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB, the largest child
+    est_state = re.search(r"^state_bytes (\d+)$", p.stdout, re.M)
+    model = int(est_state.group(1)) // 4 if est_state else 0  # the f32 parameters' bytes
+    check(p.returncode == 0 and model > 2e9 and rss * 1024 < model / 4,
+          "--dry-run of llama-520m on one rank: %d MB of parameters, at most %d MB resident "
+          "(children so far %d MB)" % (model // 1000000, rss * 1024 // 1000000,
+                                       before * 1024 // 1000000))
+
+
+def messages():
+    """What the header says and the hints a mistaken path gets: activation checkpointing,
+    offload on the CPU, the optimizer and its groups (set by --set with a quoted key), a global
+    batch that derives grad_accum, data read many times over, checkpoint.load at a run folder or
+    a Hugging Face folder, fsdp-ckpt inspect of a run folder, singular counts."""
+    tmp = mkdtemp()
+    fsdp_yaml = os.path.join(ROOT, "configs", "fsdp.yaml")
+    p, _ = run(1, [fsdp_yaml, "--dry-run", "--set", "mesh.dp_shard=1", "--set",
+                   "train.activation_checkpointing=true", "--set", "parallelize.fully_shard.offload=true",
+                   "--set", 'optim.param_groups."*norm*".weight_decay=0.5', "--set",
+                   "optim.param_groups.'model.embed_tokens.*'.lr=1e-4", "--set",
+                   "data.global_batch_size=8", "--set", "train.steps=5000"])
+    out = p.stdout
+    check(p.returncode == 0 and "; activation checkpointing on" in out,
+          "the header says activation checkpointing is on")
+    check("offload (no effect on the CPU: the state is in host memory already)" in out,
+          "the header says offload does nothing on the CPU")
+    check(re.search(r'^  optim: AdamW lr 0\.003, betas \(0\.9, 0\.95\), eps 1e-08, weight_decay 0\.1, '
+                    r'clip_grad_norm 1; warmup 10 steps, cosine to 0\.1 x lr; param_groups "\*norm\*" '
+                    r'weight_decay 0\.5, "model\.embed_tokens\.\*" lr 0\.0001$', out, re.M),
+          "--set reaches param_groups patterns with dots in quotes; the header lists the groups")
+    check("grad_accum 4 (global batch 8 samples)" in out,
+          "data.global_batch_size 8 over 1 rank of 2 samples derives grad_accum 4")
+    check(re.search(r"data: note: the run reads 2560000 tokens, 16\.0 times the 160329 the data "
+                    r"holds: each sample is seen about 16 times", out),
+          "a run that reads its data 16 times over says so")
+    p, _ = run(1, [fsdp_yaml, "--dry-run", "--set", "mesh.dp_shard=1"])
+    check("activation checkpointing off" in p.stdout and "offload" not in p.stdout and
+          "data: note" not in p.stdout, "the header's defaults: checkpointing off, no notes")
+    p, _ = run(1, [fsdp_yaml, "--dry-run", "--set", "mesh.dp_shard=2"])
+    check("but the world has 1 rank\n" in p.stderr, "one rank is '1 rank' (%s)" % p.stderr.strip())
+    # checkpoint.load at a run's folder, at a Hugging Face folder
+    ck = os.path.join(tmp, "ck")
+    train_args = [fsdp_yaml, "--set", "mesh.dp_shard=1", "--set", "train.steps=2", "--set",
+                  "checkpoint.dir=" + ck]
+    p, _ = run(1, train_args)
+    check(p.returncode == 0 and "done: 2 steps" in p.stdout, "a 2-step run saves its last step")
+    os.makedirs(os.path.join(ck, "step-00000004.tmp"))
+    hf = os.path.join(tmp, "hf")
+    os.makedirs(hf)
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        f.write("{}")
+    for folder, want in [(ck, r"it is a run's checkpoint folder, the newest complete checkpoint "
+                              r".*/ck/step-00000002: name that, or resume the newest with "
+                              r"checkpoint\.dir: .*/ck and checkpoint\.load: auto"),
+                         (hf, r"it is a Hugging Face folder \(config\.json\): start from its "
+                              r"weights with model\.init_from: .*/hf, or convert it with fsdp-ckpt "
+                              r"import-hf")]:
+        p, _ = run(1, [fsdp_yaml, "--dry-run", "--set", "mesh.dp_shard=1", "--set",
+                       "checkpoint.load=" + folder])
+        check(p.returncode != 0 and re.search(want, p.stderr),
+              "checkpoint.load at %s: the hint /%s/" % (os.path.basename(folder), want[:40]))
+    # a sequence-parallel norm whose input no tensor-parallel layer split: refused (taken for
+    # Shard(1), the sequence would come back twice as long); with input: replicate it splits it
+    # and trains the one-rank losses
+    text = open(fsdp_yaml).read().replace("dp_shard: -1", "dp_shard: 1\n  tp: 2").replace(
+        "../data/", os.path.join(ROOT, "data") + "/").replace(
+        "parallelize:\n", "parallelize:\n  tensor_parallel:\n    sequence_parallel: true\n"
+        "    plan: {model.norm: NORM, lm_head: {style: colwise, output: replicate}}\n")
+    got = {}
+    for name, norm in (("split", "sequence_parallel"),
+                       ("replicate", "{style: sequence_parallel, input: replicate}")):
+        plan = os.path.join(tmp, "sp-%s.yaml" % name)
+        with open(plan, "w") as f:
+            f.write(text.replace("NORM", norm))
+        metrics = os.path.join(tmp, "sp-%s.jsonl" % name)
+        got[name], _ = run(2, [plan, "--set", "train.steps=3", "--metrics", metrics])
+        got[name + "-losses"] = [r["loss"] for r in losses(metrics)] if os.path.exists(metrics) else []
+    one = os.path.join(tmp, "one.jsonl")
+    run(1, [fsdp_yaml, "--set", "mesh.dp_shard=1", "--set", "train.steps=3", "--metrics", one])
+    ref = [r["loss"] for r in losses(one)] if os.path.exists(one) else []
+    check(got["split"].returncode != 0 and re.search(
+        r"tensor parallel: model\.norm \(sequence_parallel\): its input comes from no "
+        r"tensor-parallel layer, so every rank holds the whole sequence", got["split"].stderr),
+        "a sequence-parallel norm given a replicated activation is refused")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got["replicate-losses"], ref)) if ref else 1
+    check(got["replicate"].returncode == 0 and len(got["replicate-losses"]) == 3 and len(ref) == 3
+          and worst <= 1e-5, "with input: replicate it splits the sequence itself: the one-rank "
+          "losses (worst %.2e)" % worst)
+    p = sh([TOOL, "inspect", ck], timeout=60)
+    check(p.returncode == 0 and re.search(
+        r"ck: a run's checkpoint folder, 1 complete checkpoint:\n  step-00000002 +complete\n"
+        r"  step-00000004\.tmp +a save that did not finish", p.stdout),
+        "fsdp-ckpt inspect of a run's folder lists its checkpoints (%s)" % p.stdout.strip()[:200])

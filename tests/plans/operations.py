@@ -1,0 +1,436 @@
+"""Final saves, signals, the time limit, the folder lock, refusals before the first step,
+links and outputs."""
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+from common import (EXE, MPIRUN, MPI_ARGS, ROOT, SANITIZER_REPORT, TOOL, check, kill_session,
+                    losses, mkdtemp, ranks_saying, run, sh)
+
+
+def rank_pids(marker):
+    """The fsdp-train processes (not mpirun) whose command line holds marker."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as f:
+                args = f.read().split(b"\0")
+            exe = os.path.basename(os.readlink("/proc/%s/exe" % pid))
+        except OSError:
+            continue
+        if exe == "fsdp-train" and any(marker.encode() in a for a in args):
+            out.append(int(pid))
+    return out
+
+
+def start(n, args, marker):
+    """fsdp-train under mpirun (n > 0) or alone (n == 0) in a session of its own; returns the
+    process and a list that fills with the numbers of the step lines it prints."""
+    import threading
+    if n:
+        cmd = [MPIRUN] + MPI_ARGS + ["-n", str(n), EXE] + args
+    else:
+        cmd = [EXE] + args
+    proc = subprocess.Popen(cmd + ["--set", "log.metrics=" + marker], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    steps, out, err = [], [], []
+
+    def read():
+        for line in proc.stdout:
+            out.append(line)
+            m = re.match(r"step\s+(\d+)/", line)
+            if m:
+                steps.append(int(m.group(1)))
+
+    def read_err():
+        for line in proc.stderr:
+            err.append(line)
+    proc.readers = [threading.Thread(target=f, daemon=True) for f in (read, read_err)]
+    for t in proc.readers:
+        t.start()
+    proc.lines, proc.err_lines = out, err
+    return proc, steps
+
+
+def wait_step(steps, k, proc, limit=120):
+    t = time.time()
+    while (not steps or steps[-1] < k) and proc.poll() is None and time.time() - t < limit:
+        time.sleep(0.02)
+    return bool(steps) and steps[-1] >= k
+
+
+def finish(proc, limit=120):
+    """Waits for a process of start(): its exit status (None if it had to be killed), its
+    standard output and its standard error."""
+    try:
+        rc = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        proc.wait()
+        rc = None
+    for t in proc.readers:  # to the end of both pipes
+        t.join(timeout=30)
+    err = "".join(proc.err_lines)
+    if SANITIZER_REPORT.search(err):
+        check(False, "%s: ends without a sanitizer report" % proc.args[0])
+        print(err[-3000:])
+    return rc, "".join(proc.lines), err
+
+
+def operations():
+    """Runs that survive operations: the last step always saved; signals and train.time_limit
+    stop at a step boundary, save, and resume bit-identically; one job per checkpoint folder;
+    late refusals made before the first step and by --dry-run; removals never follow links and
+    outputs never replace inputs."""
+    tmp = mkdtemp()
+    cfg = os.path.join(ROOT, "configs", "fsdp.yaml")
+    debug = os.path.join(ROOT, "configs", "debug.yaml")
+    data = os.path.join(ROOT, "data", "corpus.txt")
+
+    def saved(folder):
+        return sorted(d for d in os.listdir(folder) if d.startswith("step-"))
+
+    # 1. the last step is always saved: no interval, and steps past the last interval
+    for sets, want in ((["train.steps=3"], ["step-00000003"]),
+                       (["train.steps=12", "checkpoint.interval=10"],
+                        ["step-00000010", "step-00000012"])):
+        ck = os.path.join(tmp, "last-%d" % len(sets))
+        args = [debug, "--set", "checkpoint.dir=" + ck]
+        for kv in sets:
+            args += ["--set", kv]
+        p, _ = run(1, args)
+        got = saved(ck) if os.path.isdir(ck) else []
+        check(p.returncode == 0 and got == want,
+              "checkpoint.dir with %s leaves %s (%s)" % (" ".join(sets), want, got))
+
+    # 2. signals and the time limit, on 4 ranks: a save at the step boundary, exit 75, and a
+    # resume whose losses equal an uninterrupted run's bit for bit
+    S = 200
+    ref = os.path.join(tmp, "ref.jsonl")
+    p, ref_secs = run(4, [cfg, "--set", "train.steps=%d" % S, "--metrics", ref])
+    ref_losses = [r["loss"] for r in losses(ref)] if p.returncode == 0 else []
+    check(len(ref_losses) == S, "the uninterrupted run of %d steps (%.1f s)" % (S, ref_secs))
+
+    def interrupted(name, deliver, sets=()):
+        ck, m = os.path.join(tmp, "ck-" + name), os.path.join(tmp, name + ".jsonl")
+        args = [cfg, "--set", "train.steps=%d" % S, "--set", "checkpoint.dir=" + ck,
+                "--set", "checkpoint.interval=1000", "--set", "log.interval=1"]
+        for kv in sets:
+            args += ["--set", kv]
+        proc, steps = start(4, args, m)
+        if deliver:
+            wait_step(steps, 20, proc)
+            deliver(proc, m)
+        rc, out, err = finish(proc)
+        hit = re.search(r"(interrupted by (SIG\w+)|stopped before train\.time_limit \(\d+ s\)) at "
+                        r"step (\d+); saved (\S+) \(resume with checkpoint\.load: auto\)", out)
+        stopped = hit is not None and 0 < int(hit.group(3)) < S
+        check(rc not in (0, None) and stopped and os.path.isdir(hit.group(4)) and
+              saved(ck)[-1:] == [os.path.basename(hit.group(4))],
+              "%s: the job says where it stopped, saves that step and exits non-zero (exit %s; "
+              "%s)" % (name, rc, hit.group(0) if hit else err[-300:]))
+        if not stopped:
+            return hit
+        p, _ = run(4, [cfg, "--set", "train.steps=%d" % S, "--set", "checkpoint.dir=" + ck,
+                       "--set", "checkpoint.load=auto", "--metrics", m])
+        got = [r["loss"] for r in losses(m)] if p.returncode == 0 else []
+        check(len(got) == S and got == ref_losses,
+              "%s: resumed from step %s with checkpoint.load: auto, the losses equal the "
+              "uninterrupted run's bit for bit" % (name, hit.group(3)))
+        return hit
+
+    def to_ranks(sig, first_only=False):
+        def deliver(proc, marker):
+            pids = sorted(rank_pids(marker))
+            for pid in pids[:1] if first_only else pids:
+                os.kill(pid, sig)
+        return deliver
+
+    hit = interrupted("sigterm-every-rank", to_ranks(signal.SIGTERM))
+    check(hit is not None and hit.group(2) == "SIGTERM", "SIGTERM is named")
+    if os.environ.get("FSDPC_TEST_SANITIZED"):  # the same code paths as the one above
+        print("sanitized build: SIGUSR1 through mpirun, SIGTERM to one rank, with async saves "
+              "and the time limit run in the plain build")
+    else:
+        hit = interrupted("sigusr1-to-mpirun", lambda proc, m: os.kill(proc.pid, signal.SIGUSR1))
+        check(hit is not None and hit.group(2) == "SIGUSR1",
+              "SIGUSR1 forwarded by mpirun is named")
+        interrupted("sigterm-one-rank", to_ranks(signal.SIGTERM, first_only=True))
+        hit = interrupted("sigterm-async", to_ranks(signal.SIGTERM),
+                          ["checkpoint.async=true", "checkpoint.interval=7"])
+        check(hit is not None and int(hit.group(3)) > 7,
+              "with checkpoint.async, the stop's save follows the interval saves in flight")
+        hit = interrupted("time-limit", None, ["train.time_limit=%.2f" % (ref_secs / 2)])
+        check(hit is not None and hit.group(1).startswith("stopped before train.time_limit"),
+              "train.time_limit stops the run before it")
+
+    # a second SIGTERM during the save: exits at once (128 + 15); the previous checkpoint
+    # stays complete and loads; the unfinished save is removed at the next start
+    ck = os.path.join(tmp, "ck-second")
+    big = [debug, "--set", "model.dim=512", "--set", "model.n_layers=6", "--set",
+           "model.ffn_dim=1376", "--set", "model.n_heads=8", "--set", "model.n_kv_heads=4",
+           "--set", "data.batch_size=1", "--set", "data.seq_len=16", "--set", "log.interval=1",
+           "--set", "checkpoint.dir=" + ck, "--set", "train.steps=100000"]
+    proc, steps = start(0, big + ["--set", "checkpoint.interval=3"], os.path.join(tmp, "2.jsonl"))
+    wait_step(steps, 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    t, seen = time.time(), False
+    while time.time() - t < 60 and proc.poll() is None:
+        if glob.glob(os.path.join(ck, "step-*.tmp", "*")):
+            proc.send_signal(signal.SIGTERM)
+            seen = True
+            break
+        time.sleep(0.001)
+    rc, out, err = finish(proc)
+    check(seen and rc == 128 + signal.SIGTERM and saved(ck)[:1] == ["step-00000003"],
+          "a second SIGTERM during the save exits at once with 143 (exit %s, %s)" % (rc, saved(ck)))
+    p, _ = run(1, big + ["--set", "train.steps=4", "--set", "checkpoint.load=auto",
+                         "--set", "checkpoint.verify=true"])
+    check(p.returncode == 0 and "resumed from %s/step-00000003" % ck in p.stdout and
+          not glob.glob(os.path.join(ck, "step-*.tmp")),
+          "the previous checkpoint verifies and resumes; the unfinished save is gone")
+
+    # asynchronous saves: the same training, checkpoints that verify and resume bit-identically
+    ck, m = os.path.join(tmp, "ck-async"), os.path.join(tmp, "async.jsonl")
+    p, _ = run(4, [cfg, "--set", "train.steps=%d" % S, "--set", "checkpoint.dir=" + ck, "--set",
+                   "checkpoint.interval=50", "--set", "checkpoint.async=true", "--metrics", m])
+    rows = losses(m) if p.returncode == 0 else []
+    check(p.returncode == 0 and [r["loss"] for r in rows] == ref_losses and
+          saved(ck) == ["step-00000050", "step-00000100", "step-00000150", "step-00000200"] and
+          all(sh([TOOL, "verify", os.path.join(ck, d)], timeout=120).returncode == 0
+              for d in saved(ck)) and
+          [r["ckpt_saved_step"] for r in rows if "ckpt_saved_step" in r] == [50, 100, 150, 200],
+          "checkpoint.async: the losses of a run without saves, every checkpoint committed and "
+          "verified (%s)" % saved(ck))
+    m2 = os.path.join(tmp, "async-resumed.jsonl")
+    p, _ = run(4, [cfg, "--set", "train.steps=%d" % S, "--set", "checkpoint.load=" +
+                   os.path.join(ck, "step-00000050"), "--metrics", m2])
+    check(p.returncode == 0 and [r["loss"] for r in losses(m2)] == ref_losses[50:],
+          "an asynchronous checkpoint resumes with the losses of the uninterrupted run")
+    # a write that fails in the background stops the run at a following step boundary on every
+    # rank, naming the file: the ranks' files are limited to 16 MiB (mpirun's own are not), and
+    # each rank's shard of this model is 24 MB
+    ck = os.path.join(tmp, "ck-async-full")
+    args = [cfg, "--set", "train.steps=60", "--set", "checkpoint.dir=" + ck, "--set",
+            "checkpoint.interval=10", "--set", "checkpoint.async=true", "--set", "log.interval=1",
+            "--set", "model.dim=512", "--set", "model.n_heads=8", "--set", "model.n_kv_heads=4",
+            "--set", "model.ffn_dim=1376", "--set", "model.n_layers=4"]
+    limited = 'trap "" XFSZ; ulimit -f 16384; exec "$0" "$@"'  # a write past it fails (EFBIG)
+    p = sh([MPIRUN] + MPI_ARGS + ["-n", "2", "sh", "-c", limited, EXE] + args, timeout=120)
+    last = max([int(x) for x in re.findall(r"^step\s+(\d+)/", p.stdout, re.M)] or [0])
+    want = r"\S+step-00000010\.tmp/(model|optim)/shard-0000[01]\.safetensors"
+    check(p.returncode != 0 and ranks_saying(p.stderr, want) == {"0", "1"} and 10 <= last < 20
+          and saved(ck) == [],
+          "checkpoint.async: a background write that fails stops the run after step %d on both "
+          "ranks, naming the file; no folder is left" % last)
+    if ranks_saying(p.stderr, want) != {"0", "1"}:
+        print(p.stderr[-1500:])
+
+    # 3. one job per checkpoint folder
+    ck = os.path.join(tmp, "ck-lock")
+    a, steps = start(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "train.steps=100000",
+                         "--set", "checkpoint.dir=" + ck, "--set", "checkpoint.interval=20",
+                         "--set", "log.interval=1"], os.path.join(tmp, "lock-a.jsonl"))
+    wait_step(steps, 25, a)
+    p, secs = run(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "checkpoint.dir=" + ck,
+                      "--set", "checkpoint.load=auto"], timeout=60)
+    holder = re.search(r"checkpoint\.dir '\S+' is in use by another fsdp-train: pid (\d+) on host",
+                       p.stderr)
+    check(p.returncode != 0 and holder is not None and int(holder.group(1)) in
+          rank_pids(os.path.join(tmp, "lock-a.jsonl")) and "step " not in p.stdout and secs < 30,
+          "a second job on the same checkpoint.dir refuses at once, naming the first's pid")
+    n = len(steps)
+    wait_step(steps, steps[-1] + 5, a)
+    check(a.poll() is None and len(steps) > n, "the first job trains on")
+    a.send_signal(signal.SIGUSR1)
+    rc, _, _ = finish(a)
+    good = all(sh([TOOL, "verify", os.path.join(ck, d)], timeout=120).returncode == 0
+               for d in saved(ck))
+    check(rc == 75 and good and len(saved(ck)) >= 2, "its checkpoints verify (%s)" % saved(ck))
+    with open(os.path.join(ck, "fsdp-train.lock"), "w") as f:  # a job killed with -9 left this
+        f.write('{"host": "%s", "pid": 999999999, "started": "2026-01-01T00:00:00Z", '
+                '"plan": "x.yaml"}' % os.uname().nodename)
+    p, _ = run(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "checkpoint.dir=" + ck,
+                   "--set", "checkpoint.load=auto", "--set", "train.steps=%d" %
+                   (int(saved(ck)[-1][5:]) + 1)])
+    check(p.returncode == 0 and re.search(r"took over the lock of pid 999999999 on host \S+ since "
+                                          r"2026-01-01T00:00:00Z \(plan x\.yaml\), which ended "
+                                          r"without releasing it \(no longer running\)", p.stderr),
+          "a lock left by a dead process is taken over with a note")
+
+    # 4. late refusals: before the first step (no step line), and by --dry-run
+    ck = os.path.join(tmp, "ck-newer")
+    run(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "train.steps=20", "--set",
+            "checkpoint.dir=" + ck, "--set", "checkpoint.interval=2"])
+    short = os.path.join(tmp, "short.txt")
+    with open(data, "rb") as f, open(short, "wb") as g:
+        g.write(f.read()[:65])  # data.seq_len + 1 tokens: one sample, no second start
+    cases = [
+        ("a rerun into a folder of newer checkpoints",
+         ["--set", "checkpoint.dir=" + ck],
+         r"checkpoint\.dir '\S+' holds 10 step folders after step 0, where this run starts "
+         r"\(the newest: \S+step-00000020\).*checkpoint\.load: auto.*checkpoint\.overwrite: true"),
+        ("a rollback to step 18 where step 20 exists",
+         ["--set", "checkpoint.dir=" + ck, "--set",
+          "checkpoint.load=" + os.path.join(ck, "step-00000018")],
+         r"holds 1 step folder after step 18, where this run starts \(the newest: "
+         r"\S+step-00000020\)"),
+        ("a checkpoint of 2 layers resumed by a 1-layer plan",
+         ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"), "--set",
+          "model.n_layers=1"],
+         r"checkpoint\.load: '\S+step-00000020' was saved with model\.n_layers = 2, the plan "
+         r"has 1"),
+        ("tied embeddings on an untied checkpoint",
+         ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"), "--set",
+          "model.tie_embeddings=true"],
+         r"was saved with model\.tie_embeddings = false, the plan has true"),
+        ("another rope_theta", ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"),
+                                "--set", "model.rope_theta=500000"],
+         r"was saved with model\.rope_theta = 10000, the plan has 500000"),
+        ("another norm_eps", ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"),
+                              "--set", "model.norm_eps=1e-6"],
+         r"was saved with model\.norm_eps = 1e-05, the plan has 1e-06"),
+        ("data of data.seq_len + 1 tokens", ["--set", "data.path=" + short, "--set",
+                                              "data.seq_len=64"],
+         r"data\.path: '\S+short\.txt' has 65 tokens; a sample needs data\.seq_len \+ 2 = 66"),
+        ("eval data of data.seq_len + 1 tokens", ["--set", "eval.path=" + short, "--set",
+                                                   "data.seq_len=64"],
+         r"eval\.path: '\S+short\.txt' has 65 tokens; a sample needs data\.seq_len \+ 2 = 66"),
+    ]
+    for name, extra, want in cases:
+        for dry in ([], ["--dry-run"]):
+            p, secs = run(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "train.steps=30"] +
+                          extra + dry, timeout=60)
+            said = ranks_saying(p.stderr, want) == {"0", "1"}
+            check(p.returncode != 0 and said and not re.search(r"^step ", p.stdout, re.M),
+                  "%s%s: refused on both ranks before the first step /%s/" %
+                  (name, " (--dry-run)" if dry else "", want[:60]))
+            if not said:
+                print(p.stderr[-800:])
+    # checkpoint.overwrite: the rollback runs; the newer folders go once its first save commits
+    p, _ = run(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "train.steps=20", "--set",
+                   "checkpoint.dir=" + ck, "--set", "checkpoint.interval=2", "--set",
+                   "checkpoint.load=" + os.path.join(ck, "step-00000016"), "--set",
+                   "checkpoint.overwrite=true"])
+    check(p.returncode == 0 and saved(ck)[-3:] == ["step-00000016", "step-00000018",
+                                                   "step-00000020"] and
+          "replaced the step folders after step 16" in p.stderr,
+          "checkpoint.overwrite: true rolls back, replacing the newer folders (%s)" % saved(ck))
+    # ranks started with different plans: refused at once, naming the keys and the ranks
+    for name, a_sets, b_sets, want in (
+            ("train.steps", ["train.steps=5"], ["train.steps=8"],
+             r"\[rank 1\] this rank's plan differs from rank 0's \(train\.steps: 8 here, 5 on "
+             r"rank 0\)"),
+            ("model.n_layers", ["model.n_layers=2"], ["model.n_layers=3"],
+             r"\[rank 1\] this rank's plan differs from rank 0's \(model\.n_layers: 3 here, 2 "
+             r"on rank 0\)")):
+        for dry in ([], ["--dry-run"]):
+            cmd = [MPIRUN] + MPI_ARGS
+            for sets in (a_sets, b_sets):
+                cmd += ["-n", "1", EXE, cfg, "--set", "mesh.dp_shard=2"] + dry
+                for kv in sets:
+                    cmd += ["--set", kv]
+                cmd.append(":")
+            t = time.time()
+            p = sh(cmd[:-1], timeout=60)
+            check(p.returncode != 0 and re.search(want, p.stderr) and time.time() - t < 30 and
+                  "MPI_ERR" not in p.stderr and not re.search(r"^step ", p.stdout, re.M),
+                  "ranks started with different %s%s: refused at once, naming the key" %
+                  (name, " (--dry-run)" if dry else ""))
+
+    # folders named as fsdp-train never names them are not its checkpoints: load: auto passes
+    # them by; a data.path whose name holds [ but names a file is that file, not a pattern
+    kd = os.path.join(tmp, "ck-names")
+    run(1, [debug, "--set", "train.steps=2", "--set", "checkpoint.dir=" + kd])
+    os.makedirs(os.path.join(kd, "step-6"))
+    os.makedirs(os.path.join(kd, "step-123456789012345678901"))
+    p, _ = run(1, [debug, "--set", "train.steps=3", "--set", "checkpoint.dir=" + kd, "--set",
+                   "checkpoint.load=auto"])
+    check(p.returncode == 0 and "resumed from %s/step-00000002" % kd in p.stdout,
+          "load: auto passes by folders named step-6 and step-<21 digits>")
+    literal, other = os.path.join(tmp, "tok[1].bin"), os.path.join(tmp, "tok1.bin")
+    shutil.copy(data, literal)
+    with open(data, "rb") as f, open(other, "wb") as g:
+        g.write(f.read()[:5000])
+    p, _ = run(1, [debug, "--set", "train.steps=1", "--set", "data.path=" + literal])
+    check(p.returncode == 0 and re.search(r"data: \S*tok\[1\]\.bin \(160329 tokens\)",
+                                          p.stdout),
+          "data.path tok[1].bin names that file, not tok1.bin by a pattern")
+
+    # 5. removals never follow links; outputs never replace inputs
+    kd = os.path.join(tmp, "ck-keep")
+    run(1, [debug, "--set", "train.steps=2", "--set", "checkpoint.dir=" + kd])
+    archive = os.path.join(tmp, "archive")
+    shutil.copytree(os.path.join(kd, "step-00000002"), archive)
+    before = sorted(os.listdir(archive))
+    os.symlink(archive, os.path.join(kd, "step-00000001"))
+    victim = os.path.join(tmp, "victim")
+    os.makedirs(victim)
+    with open(os.path.join(victim, "keep.txt"), "w") as f:
+        f.write("x")
+    os.symlink(victim, os.path.join(kd, "step-00000007.tmp"))
+    p, _ = run(1, [debug, "--set", "train.steps=6", "--set", "checkpoint.dir=" + kd, "--set",
+                   "checkpoint.interval=2", "--set", "checkpoint.keep=1", "--set",
+                   "checkpoint.load=auto"])
+    check(p.returncode == 0 and sorted(os.listdir(archive)) == before and
+          os.path.exists(os.path.join(victim, "keep.txt")) and sorted(os.listdir(kd)) ==
+          ["step-00000006"],
+          "checkpoint.keep removes a linked checkpoint's link, not the archive it points to; "
+          "a linked unfinished save loses its link, not its target (%s)" % sorted(os.listdir(kd)))
+    for op, args in (("export-hf", [os.path.join(ck, "step-00000020")]),
+                     ("reshard", [os.path.join(ck, "step-00000020"), "--to", debug]),
+                     ("import-hf", None)):
+        out = os.path.join(tmp, "out-" + op)
+        if op == "import-hf":
+            args = [os.path.join(tmp, "out-export-hf")]
+        for tail in (".tmp", ".tmp-000000"):
+            if not os.path.lexists(out + tail):
+                os.symlink(victim, out + tail)
+        p = sh([TOOL, op] + args + [out], timeout=120)
+        check(p.returncode == 0 and os.path.isdir(out) and
+              os.path.exists(os.path.join(victim, "keep.txt")),
+              "fsdp-ckpt %s beside OUT.tmp links: writes OUT, leaves what they point to" % op)
+        link = os.path.join(tmp, "link-" + op)
+        os.symlink(os.path.join(tmp, "nowhere-" + op), link)
+        p = sh([TOOL, op] + args + [link], timeout=120)
+        check(p.returncode != 0 and "is a symbolic link" in p.stderr and
+              not os.path.exists(os.path.join(tmp, "nowhere-" + op)),
+              "fsdp-ckpt %s refuses an OUT that is a symbolic link" % op)
+    state = os.path.join(ck, "step-00000020", "train_state.json")
+    plot = os.path.join(os.path.dirname(EXE), "fsdp-plot")
+    plan_tool = os.path.join(os.path.dirname(EXE), "fsdp-plan")
+    ds = os.path.join(tmp, "zero3.json")
+    shutil.copy(os.path.join(ROOT, "tests", "convert", "deepspeed-zero3.json"), ds)
+    plan = os.path.join(tmp, "plan.yaml")  # copies: a failing check must not touch the tree
+    shutil.copy(debug, plan)
+    tokens = os.path.join(tmp, "tokens.txt")
+    shutil.copy(data, tokens)
+    mine = [EXE, plan, "--set", "train.steps=1", "--set", "data.path=" + tokens]
+    metrics = os.path.join(tmp, "ref.jsonl")
+    for name, cmd, victim_file in (
+            ("--metrics at the training data", mine + ["--metrics", tokens], tokens),
+            ("--metrics at the plan", mine + ["--metrics", plan], plan),
+            ("--metrics at the resumed checkpoint's train_state.json",
+             mine + ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"),
+                     "--metrics", state], state),
+            ("--plot at the plan", mine + ["--metrics", os.path.join(tmp, "p.jsonl"), "--plot",
+                                           plan], plan),
+            ("fsdp-plot -o at its input", [plot, metrics, "-o", metrics], metrics),
+            ("fsdp-plan -o at its input", [plan_tool, "convert", ds, "-o", ds], ds),
+            ("fsdp-plot -o /dev/null", [plot, metrics, "-o", "/dev/null"], None),
+            ("fsdp-plan -o /dev/null", [plan_tool, "convert", ds, "-o", "/dev/null"], None),
+            ("--metrics at /dev/null", mine + ["--metrics", "/dev/null"], None)):
+        keep = open(victim_file, "rb").read() if victim_file else None
+        p = sh(cmd, timeout=120)
+        intact = (open(victim_file, "rb").read() == keep if victim_file else
+                  os.path.exists("/dev/null") and not os.path.isfile("/dev/null"))
+        check(p.returncode != 0 and intact and
+              re.search(r"an input of this run|not a regular file|the metrics file it draws",
+                        p.stderr),
+              "%s: refused, the file intact (%s)" % (name, p.stderr.strip()[-160:]))

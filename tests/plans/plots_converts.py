@@ -1,0 +1,387 @@
+"""fsdp-plot's and --plot's SVG, and plans converted from Accelerate and DeepSpeed configs
+(fsdp-plan) trained and read back as their own tools read them."""
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import time
+
+from common import (BASE, EXE, ROOT, check, losses, mkdtemp, run, sh)
+
+
+def plots():
+    """fsdp-plot and fsdp-train --plot: the SVG parses, has a panel per metric with a line per
+    run through every step (a gap where a loss is null), a legend naming the files; rendered
+    to PNG where rsvg-convert is installed; bad files are refused naming file and line."""
+    import xml.etree.ElementTree as ET
+    tmp = mkdtemp()
+    plot = os.path.join(os.path.dirname(EXE), "fsdp-plot")
+    debug = os.path.join(ROOT, "configs", "debug.yaml")
+    a, b = os.path.join(tmp, "a.jsonl"), os.path.join(tmp, "b & c.jsonl")
+    p, _ = run(1, [debug, "--set", "train.steps=12", "--metrics", a, "--plot",
+                   os.path.join(tmp, "a.svg")])
+    q, _ = run(1, [debug, "--set", "train.steps=8", "--set", "optim.lr=1e-3", "--metrics", b])
+    check(p.returncode == 0 and q.returncode == 0 and "plot: " in p.stdout,
+          "fsdp-train --plot writes the picture at the end")
+    with open(b) as f:  # a step whose loss is null (non-finite) leaves a gap
+        rows = [json.loads(l) for l in f]
+    rows[3]["loss"] = None
+    rows[5]["eval_loss"] = rows[5]["loss"] - 0.5  # two evaluations, one below the run's losses
+    rows[7]["eval_loss"] = rows[7]["loss"]
+    with open(b, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    out = os.path.join(tmp, "runs.svg")
+    r = sh([plot, a, b, "-o", out], timeout=60)
+    ns = "{http://www.w3.org/2000/svg}"
+
+    def lines(svg):
+        root = ET.parse(svg).getroot()
+        panels = {g.get("id"): g for g in root.iter(ns + "g") if g.get("class") == "panel"}
+        runs = {k: [[len(pl.get("points").split()) for pl in g.iter(ns + "polyline")
+                     if pl.get("class") == "run%d" % i] for i in range(2)]
+                for k, g in panels.items()}
+        legend = [t.text for g in root.iter(ns + "g") if g.get("class") == "legend"
+                  for t in g.iter(ns + "text")]
+        return root, runs, legend
+
+    ok = r.returncode == 0 and os.path.exists(out) and not glob.glob(out + ".tmp*")
+    check(ok, "fsdp-plot of two runs writes an SVG (exit %d)" % r.returncode)
+    if ok:
+        root, runs, legend = lines(out)
+        want = {"loss": [[12], [3, 4]], "lr": [[12], [8]], "grad_norm": [[12], [8]],
+                "tokens_per_s": [[12], [8]]}
+        check(root.tag == ns + "svg" and runs == want,
+              "the SVG parses: four panels, run 1 through 12 steps, run 2 through 8 with a gap "
+              "at the null loss (%s)" % runs)
+        check(legend == [a + " (12 steps)", b + " (8 steps)"],
+              "the legend names each run's file (escaped): %s" % legend)
+        first, last = [list(map(float, pt.split(",")))
+                       for pt in next(pl for g in root.iter(ns + "g") if g.get("id") == "loss"
+                                      for pl in g.iter(ns + "polyline")).get("points").split()
+                       [::11]]
+        check(last[1] > first[1], "the falling loss is drawn falling (y %.1f -> %.1f)"
+              % (first[1], last[1]))
+        dots = [(float(c.get("cx")), float(c.get("cy"))) for g in root.iter(ns + "g")
+                if g.get("id") == "loss" for c in g.iter(ns + "circle")
+                if c.get("class") == "eval1"]
+        ys = [float(pt.split(",")[1]) for g in root.iter(ns + "g") if g.get("id") == "loss"
+              for pl in g.iter(ns + "polyline") if pl.get("class") == "run1"
+              for pt in pl.get("points").split()]
+        check(len(dots) == 2 and dots[0][0] < dots[1][0] and dots[0][1] > max(ys) and
+              [c for g in root.iter(ns + "g") if g.get("id") != "loss"
+               for c in g.iter(ns + "circle")] == [],
+              "evaluations are dots in the loss panel alone, inside its range (%s)" % dots)
+    single = os.path.join(tmp, "a.svg")
+    if os.path.exists(single):
+        _, runs, legend = lines(single)
+        check(runs["loss"] == [[12], []] and len(legend) == 1,
+              "fsdp-train --plot draws its own metrics file (%s)" % runs["loss"])
+    rsvg = shutil.which("rsvg-convert")
+    if rsvg and ok:
+        png = os.path.join(tmp, "runs.png")
+        c = sh([rsvg, out, "-o", png], timeout=60)
+        with open(png, "rb") as f:
+            head = f.read(8)
+        check(c.returncode == 0 and head == b"\x89PNG\r\n\x1a\n",
+              "rsvg-convert renders the SVG to PNG")
+    bad = os.path.join(tmp, "bad.jsonl")
+    with open(bad, "w") as f:
+        f.write('{"step": 1, "loss": 2.0}\nnot json\n')
+    empty = os.path.join(tmp, "empty.jsonl")
+    open(empty, "w").close()
+    nostep = os.path.join(tmp, "nostep.jsonl")
+    with open(nostep, "w") as f:
+        f.write('{"loss": 2.0}\n')
+    twice = os.path.join(tmp, "twice.jsonl")
+    with open(twice, "w") as f:
+        f.write('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0} {"step": 3, "loss": 0.5}\n')
+    nul = os.path.join(tmp, "nul.jsonl")
+    with open(nul, "wb") as f:
+        f.write(b'{"step": 1, "loss": 2.0}\n\0{"step": 2, "loss": 1.0}\n')
+    huge_step = os.path.join(tmp, "huge-step.jsonl")
+    with open(huge_step, "w") as f:
+        f.write('{"step": 1, "loss": 2.0}\n{"step": 1e400, "loss": 1.0}\n')
+    for args, want in [([a, os.path.join(tmp, "missing.jsonl")], r"missing\.jsonl"),
+                       ([bad], r"bad\.jsonl:2: not a JSON object"),
+                       ([empty], r"empty\.jsonl: no steps in it"),
+                       ([nostep], r"nostep\.jsonl:1: no finite number 'step'"),
+                       ([twice], r"twice\.jsonl:2: not a JSON object \(one a line\)"),
+                       ([nul], r"nul\.jsonl:2: holds a NUL byte"),
+                       ([huge_step], r"huge-step\.jsonl:2: no finite number 'step'")]:
+        e = sh([plot] + args + ["-o", os.path.join(tmp, "x.svg")], timeout=60)
+        check(e.returncode != 0 and re.search(want, e.stderr) is not None and
+              not os.path.exists(os.path.join(tmp, "x.svg")),
+              "fsdp-plot refuses it: /%s/ (exit %d)" % (want, e.returncode))
+    # any finite values, steps and names: a valid SVG, finite coordinates, done at once
+    import xml.etree.ElementTree as ET
+    odd = os.path.join(tmp, "odd\x01name\xff.jsonl".encode("utf-8", "surrogateescape").decode(
+        "utf-8", "surrogateescape"))
+    cases = {"close values": '{"step": 1, "loss": 1e17}\n{"step": 2, "loss": 1e17}\n'
+                             '{"step": 3, "loss": 100000000000000032}\n',
+             "steps at the ends of double": '{"step": -1e308, "loss": 1}\n'
+                                            '{"step": 1e308, "loss": 2}\n',
+             "one point at a huge step": '{"step": 1e300, "loss": -1e308, "lr": 1e-320}\n',
+             "a name of control bytes and invalid UTF-8": '{"step": 1, "loss": 2}\n'}
+    for name, text in cases.items():
+        path = odd if "name" in name else os.path.join(tmp, "case.jsonl")
+        with open(path.encode("utf-8", "surrogateescape"), "w") as f:
+            f.write(text)
+        svg = os.path.join(tmp, "case.svg")
+        t = time.time()
+        e = sh([plot, path.encode("utf-8", "surrogateescape"), "-o", svg], timeout=30)
+        size = os.path.getsize(svg) if os.path.exists(svg) else 0
+        try:
+            root = ET.parse(svg).getroot()
+            nums = [float(x) for el in root.iter() for k, v in el.attrib.items()
+                    if k in ("x", "y", "x1", "y1", "x2", "y2", "cx", "cy")
+                    for x in [v]] + [float(c) for el in root.iter() if el.get("points")
+                                     for p in el.get("points").split() for c in p.split(",")]
+            finite = all(math.isfinite(x) for x in nums)
+        except (ET.ParseError, ValueError) as exc:
+            finite = False
+            print(exc)
+        check(e.returncode == 0 and finite and size < 200000 and time.time() - t < 10,
+              "fsdp-plot of %s: a valid SVG with finite coordinates, %d bytes, %.1f s" %
+              (name, size, time.time() - t))
+
+
+CONVERT_MODEL = "model:" + BASE.split("model:")[1].split("parallelize:")[0]  # BASE's model
+
+# each example config of tests/convert and the plan written by hand that it stands for
+CONVERTED = [
+    ("accelerate-fsdp.yaml", 4, """\
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+    reshard_after_forward: true
+    mp_policy: {param_dtype: bf16, reduce_dtype: f32}
+""", ["sharding_strategy: FULL_SHARD", "fsdp_sync_module_states: no equivalent"]),
+    ("accelerate-fsdp2-zero2.yaml", 4, """\
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+    reshard_after_forward: false
+""", ["reshard_after_forward: false", "fsdp_version: fully_shard here is FSDP2"]),
+    ("deepspeed-zero3.json", 4, """\
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+    reshard_after_forward: true
+optim: {lr: 0.002, beta1: 0.9, beta2: 0.95, eps: 1.0e-8, weight_decay: 0.05,
+        clip_grad_norm: 0.5}
+schedule: {warmup_steps: 2, min_lr_ratio: 0.2}
+data: {batch_size: 2, grad_accum: 2}
+train: {steps: 8}
+""", ["zero_stage: 3", "stage3_prefetch_bucket_size: a bucket or overlap knob"]),
+    ("deepspeed-zero3-hpz.json", 4, """\
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+    reshard_after_forward: 2
+""", ["reshard_after_forward: 2", "train_micro_batch_size_per_gpu: 'auto'",
+      "offload_optimizer: device 'nvme'"]),
+    ("accelerate-size-based.yaml", 4, """\
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+    reshard_after_forward: true
+""", ["min_unit_params: 9000", "sharding_strategy: FULL_SHARD"]),
+]
+
+# a 7B-shaped Llama (Llama 2's sizes) for the dry runs of converted plans
+LLAMA_7B = ["--set", "model.dim=4096", "--set", "model.n_layers=32", "--set", "model.n_heads=32",
+            "--set", "model.n_kv_heads=32", "--set", "model.ffn_dim=11008", "--set",
+            "model.vocab_size=32000", "--set", "model.max_seq_len=4096"]
+
+
+def converts():
+    """fsdp-plan convert: each example Accelerate and DeepSpeed config, with a model added,
+    trains exactly as the plan written by hand for it (losses and per-step communication
+    bytes equal), and its output lists what it left out."""
+    tmp = mkdtemp()
+    tool = os.path.join(os.path.dirname(EXE), "fsdp-plan")
+    sets = ["--set", "data.path=" + os.path.join(ROOT, "data", "corpus.txt"),
+            "--set", "data.seq_len=16"]
+    for name, n, hand, said in CONVERTED:
+        src = os.path.join(ROOT, "tests", "convert", name)
+        out = os.path.join(tmp, name + ".plan.yaml")
+        p = sh([tool, "convert", src, "-o", out], timeout=60)
+        text = open(out).read() if p.returncode == 0 else ""
+        check(p.returncode == 0 and all(w in text for w in said),
+              "fsdp-plan convert %s: exit %d, writes %s" % (name, p.returncode, said))
+        if p.returncode != 0:
+            print(p.stderr[-1000:])
+            continue
+        with open(out, "a") as f:
+            f.write(CONVERT_MODEL)
+        mine = os.path.join(tmp, name + ".hand.yaml")
+        with open(mine, "w") as f:
+            f.write(CONVERT_MODEL + hand)
+        got = {}
+        for tag, plan in (("converted", out), ("hand", mine)):
+            own = text if tag == "converted" else hand
+            extra = [] if "train:" in own else ["--set", "train.steps=4"]
+            if not re.search(r"batch_size: \d", own):
+                extra += ["--set", "data.batch_size=2"]
+            metrics = os.path.join(tmp, "%s.%s.jsonl" % (name, tag))
+            q, _ = run(n, [plan, "--metrics", metrics] + sets + extra)
+            got[tag] = [(r["loss"], r["comm_bytes"]) for r in losses(metrics)] \
+                if q.returncode == 0 else None
+            if q.returncode != 0:
+                print(q.stdout[-1000:], q.stderr[-1500:])
+        check(got["converted"] and got["converted"] == got["hand"],
+              "%s converted trains as the hand-written plan on %d ranks: %d steps, equal losses "
+              "and communication bytes" % (name, n, len(got["converted"] or [])))
+        # on a 7B-shaped model (planned for n ranks from one process), the converted plan's
+        # peak is the per-layer plan's, within 5%; a sized unit's threshold scales with it
+        seven = LLAMA_7B + ["--set", "data.seq_len=512", "--set", "data.batch_size=1"]
+        if "min_unit_params" in text:
+            seven += ["--set", "parallelize.fully_shard.min_unit_params=150000000"]
+        peaks = {}
+        for tag, plan in (("converted", out), ("hand", mine)):
+            q, _ = run(1, [plan, "--dry-run", "--world", str(n)] + sets + seven)
+            m = re.search(r"^peak_bytes (\d+)$", q.stdout, re.M)
+            peaks[tag] = int(m.group(1)) if m else None
+            if m is None:
+                print(q.stderr[-800:])
+        check(None not in peaks.values() and
+              abs(peaks["converted"] - peaks["hand"]) <= 0.05 * peaks["hand"],
+              "%s converted, on a 7B-shaped Llama at %d ranks: a dry-run peak of %.2f GiB, the "
+              "per-layer plan's %.2f GiB" % (name, n, (peaks["converted"] or 0) / 2**30,
+                                              (peaks["hand"] or 0) / 2**30))
+    # hostile and mistyped configs: a deep nesting refused at once, a section given as a
+    # scalar or a list named instead of read as absent
+    deep = os.path.join(tmp, "deep.yaml")
+    with open(deep, "w") as f:
+        f.write("a: " + "[" * 400000 + "]" * 400000 + "\n")
+    typed = {"ds-scalar.json": '{"zero_optimization": 3, "train_micro_batch_size_per_gpu": 2}',
+             "ds-offload.json": '{"zero_optimization": {"stage": 3, "offload_param": "cpu"}}',
+             "acc-list.yaml": "distributed_type: FSDP\nfsdp_config: [FULL_SHARD]\n",
+             "acc-ds.yaml": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  bf16: true\n"}
+    for name, text in typed.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    t0 = time.time()
+    e = sh([tool, "convert", deep], timeout=60)
+    check(e.returncode != 0 and "collections nested more than 64 deep" in e.stderr and
+          time.time() - t0 < 10, "fsdp-plan convert of 400000 nested lists: refused in %.1f s"
+          % (time.time() - t0))
+    for args, want in [(["convert", os.path.join(tmp, "ds-scalar.json")],
+                        r"zero_optimization: expected a mapping of settings"),
+                       (["convert", os.path.join(tmp, "ds-offload.json")],
+                        r"zero_optimization\.offload_param: expected a mapping of settings"),
+                       (["convert", os.path.join(tmp, "acc-list.yaml")],
+                        r"fsdp_config: expected a mapping of settings"),
+                       (["convert", os.path.join(tmp, "acc-ds.yaml")],
+                        r"deepspeed_config\.bf16: expected a mapping of settings"),
+                       (["convert", os.path.join(ROOT, "configs", "debug.yaml")],
+                        r"neither an Accelerate config .* nor a DeepSpeed config"),
+                       (["convert", os.path.join(tmp, "none.json")], r"none\.json"),
+                       (["convert"], r"convert needs a config file"),
+                       (["merge", "x"], r"unknown command")]:
+        e = sh([tool] + args, timeout=60)
+        check(e.returncode != 0 and re.search(want, e.stderr) is not None,
+              "fsdp-plan %s: refused, /%s/" % (" ".join(os.path.basename(a) for a in args), want))
+    converts_read_as_their_tools_do(tmp, tool)
+
+
+def converts_read_as_their_tools_do(tmp, tool):
+    """Settings converted as DeepSpeed and Accelerate mean them, or listed with the right
+    reason; files read as strictly as those tools read them."""
+    ds = os.path.join(tmp, "ds-file.json")
+    with open(ds, "w") as f:
+        f.write('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}')
+    bomb = "distributed_type: FSDP\na0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        "a%d: &a%d [%s]\n" % (i, i, ", ".join(["*a%d" % (i - 1)] * 10)) for i in range(1, 8))
+    # (name, file, text, regexes the plan (stdout) must hold, regexes it must not, stderr's)
+    cases = [
+        ("bf16 'auto' in a DeepSpeed config", "auto.json",
+         '{"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": "auto"}}',
+         [r"#   bf16\.enabled: 'auto': the Hugging Face Trainer fills it"],
+         [r"^\s+param_dtype:"], []),
+        ("an Accelerate config naming a deepspeed_config_file", "acc-dsfile.yaml",
+         "distributed_type: DEEPSPEED\nmixed_precision: bf16\ndeepspeed_config:\n"
+         "  deepspeed_config_file: ds-file.json\n",
+         [r"zero_stage: 3", r"batch_size: 2", r"with its DeepSpeed config \S*ds-file\.json"],
+         [], []),
+        ("tensor_parallel.autotp_size", "autotp.json",
+         '{"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}}',
+         [r"^  tp: 2  # tensor_parallel\.autotp_size"], [r"autotp_size: no equivalent"], []),
+        ("Accelerate's gradient_accumulation_steps", "acc-accum.yaml",
+         "distributed_type: FSDP\ngradient_accumulation_steps: 4\n",
+         [r"grad_accum: 4  # gradient_accumulation_steps"], [r"no equivalent"], []),
+        ("layer classes as a list", "acc-classes.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+         "  fsdp_transformer_layer_cls_to_wrap: [LlamaDecoderLayer, Embedding]\n",
+         [r'units: \["model\.layers\.\*"\]', r"'Embedding': units are FQN patterns"],
+         [r"a structure"], []),
+        ("layer classes as a comma list", "acc-comma.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+         "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer,GPT2Block\n",
+         [r'units: \["model\.layers\.\*"\]', r"'GPT2Block': units are FQN patterns"], [], []),
+        ("NO_WRAP", "acc-nowrap.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: NO_WRAP\n",
+         [r"units: \[\]  # .*the whole model is gathered at once"], [], []),
+        ("ZeRO-1", "zero1.json", '{"train_micro_batch_size_per_gpu": 2, '
+                                 '"zero_optimization": {"stage": 1}}',
+         [r"zero_stage: 2  # zero_optimization\.stage 1 shards the optimizer state only",
+          r'units: \["model\.layers\.\*"\]'], [], []),
+        ("optimizer-only offload", "offload-opt.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
+         '"offload_optimizer": {"device": "cpu"}}}',
+         [r"offload_optimizer: device cpu for the optimizer alone"], [r"^\s+offload: true"], []),
+        ("WarmupLR", "warmuplr.json", '{"train_micro_batch_size_per_gpu": 2, "scheduler": '
+                                      '{"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}',
+         [r"min_lr_ratio: 1\.0  # scheduler\.type WarmupLR", r"warmup_steps: 5"],
+         [r"linear warmup then cosine decay"], []),
+        ("stage3_gather_16bit_weights_on_model_save", "gather16.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
+         '"stage3_gather_16bit_weights_on_model_save": true}}',
+         [r"stage3_gather_16bit_weights_on_model_save: a save format.*export-hf"],
+         [r"bucket or overlap"], []),
+        ("a key given twice", "twice.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "stage": 3}}',
+         [r"zero_stage: 3"], [r"zero_stage: 2"],
+         [r"zero_optimization\.stage is given more than once; the last value is taken"]),
+        ("betas that are not numbers", "betas.json",
+         '{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": '
+         '{"lr": 0.001, "betas": "0.9"}}}',
+         [r"optimizer\.params\.betas: not a pair of numbers"], [], []),
+        ("a fractional hpZ size", "hpz.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
+         '"zero_hpz_partition_size": 2.5}}',
+         [r"zero_hpz_partition_size: '2\.5' is not a whole number of ranks"],
+         [r"reshard_after_forward: 2"], []),
+        ("a header that says what to add", "header.json",
+         '{"train_micro_batch_size_per_gpu": 2}',
+         [r"Add a model: section and data\.path"], [r"Add your model: and data: sections"], []),
+    ]
+    for name, fname, text, want, not_want, err_want in cases:
+        path = os.path.join(tmp, fname)
+        with open(path, "w") as f:
+            f.write(text)
+        e = sh([tool, "convert", path], timeout=60)
+        good = (e.returncode == 0 and all(re.search(w, e.stdout, re.M) for w in want) and
+                not any(re.search(w, e.stdout, re.M) for w in not_want) and
+                all(re.search(w, e.stderr) for w in err_want))
+        check(good, "fsdp-plan convert, %s: as its tool means it" % name)
+        if not good:
+            print(e.stdout[-1500:], e.stderr[-500:])
+    for name, fname, data, want in (
+            ("a second JSON object after the first", "two.json",
+             b'{"zero_optimization": {"stage": 3}} {"x": 1}', r"more after the object"),
+            ("trailing text", "trail.json", b'{"zero_optimization": {"stage": 3}} garbage',
+             r"not valid JSON at byte \d+"),
+            ("a NUL byte", "nul.json", b'{"zero_optimization": {"stage": 3}}\0{"x": 1}',
+             r"holds a NUL byte at offset 35"),
+            ("aliases expanding to 10^8 values", "bomb.yaml", bomb.encode(),
+             r"expands to more than 100000 values")):
+        path = os.path.join(tmp, fname)
+        with open(path, "wb") as f:
+            f.write(data)
+        t = time.time()
+        e = sh([tool, "convert", path], timeout=60)
+        check(e.returncode != 0 and re.search(want, e.stderr) and time.time() - t < 10,
+              "fsdp-plan convert, %s: refused /%s/" % (name, want))
