@@ -27,14 +27,14 @@ int main(int argc, char **argv) {
   llama_config_t cfg;
   llama_options_t opt;
   bench_model(argc, argv, SOURCE_ROOT "/configs/llama-small.json", &cfg, &opt);
-  data_t *d;
-  BENCH_TRY(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  BENCH_TRY(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   llama_t *m[2];
   size_t peak[2], params = 0;
   double secs[2];
   for (int k = 0; k < 2; k++) {
     opt.activation_checkpointing = k == 1;
-    BENCH_TRY(llama_new(&m[k], &cfg, &opt));
+    BENCH_TRY(llama_new(&cfg, &opt, &m[k]));
     bench_init(m[k], 7);
     device_t dev = mesh_device(llama_local_mesh(m[k]));
     size_t base = mem_stats(dev).current;

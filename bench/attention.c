@@ -44,7 +44,7 @@ int main(int argc, char **argv) {
     bench_leave(2);
   }
   int64_t sq[4] = {B, T, H, Dh}, sk[4] = {B, T, Hkv, Dh}, sl[3] = {B, H, T};
-  tensor_t q, k, v, dy, y, lse, dq, dk, dv;
+  fsdpc_tensor_t q, k, v, dy, y, lse, dq, dk, dv;
   bench_random(&q, dt, dev, 4, sq, 1);
   bench_random(&k, dt, dev, 4, sk, 2);
   bench_random(&v, dt, dev, 4, sk, 3);
@@ -87,7 +87,7 @@ int main(int argc, char **argv) {
       dev.type == DEVICE_CUDA ? "cuda" : "cpu", 1e3 * f, bench_rate(flop / f, rf, sizeof rf),
       1e3 * fb, bench_rate(3.5 * flop / fb, rfb, sizeof rfb), reps);
   printf("{\"forward_ms\": %.6f, \"forward_backward_ms\": %.6f}\n", 1e3 * f, 1e3 * fb);
-  tensor_t *all[] = {&q, &k, &v, &dy, &y, &lse, &dq, &dk, &dv};
+  fsdpc_tensor_t *all[] = {&q, &k, &v, &dy, &y, &lse, &dq, &dk, &dv};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
   free(fwd);
   free(both);

@@ -18,7 +18,7 @@
 /* Prints the error and exits: benchmarks are programs, not library code. */
 #define BENCH_TRY(expr)                                                            \
   do {                                                                             \
-    status_t bench_st_ = (expr);                                                   \
+    fsdpc_status_t bench_st_ = (expr);                                             \
     if (bench_st_ != STATUS_OK) {                                                  \
       fprintf(stderr, "%s: %s: %s\n", #expr, status_str(bench_st_), err_detail()); \
       exit(1);                                                                     \
@@ -161,9 +161,9 @@ static inline int bench_flag(int argc, char **argv, const char *name) {
 
 /* A tensor of dt on dev with values in [-1, 1) from a small LCG seeded with seed (the same
  * values on every device). */
-static inline void bench_random(tensor_t *t, dtype_t dt, device_t dev, int ndim,
+static inline void bench_random(fsdpc_tensor_t *t, dtype_t dt, device_t dev, int ndim,
                                 const int64_t *shape, uint64_t seed) {
-  tensor_t h;
+  fsdpc_tensor_t h;
   BENCH_TRY(tensor_init(&h, DTYPE_F32, device_cpu(), ndim, shape));
   float *p = h.data;
   for (int64_t i = 0; i < tensor_numel(&h); i++) {
@@ -230,7 +230,7 @@ static inline void bench_init(llama_t *m, uint64_t seed) {
 }
 
 /* Forward, loss and backward of one micro-batch; returns the loss. */
-static inline double bench_fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec,
+static inline double bench_fwd_bwd(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
                                    int64_t step, int64_t micro) {
   double loss;
   BENCH_TRY(llama_micro_step(m, d, spec, step, micro, &loss));

@@ -17,7 +17,7 @@ void ckb_sharded(const llama_config_t *cfg, int reps) {
   int W = world_size();
   mesh_t *mesh;
   const char *names[] = {"dp_shard"};
-  BENCH_TRY(mesh_init(&mesh, 1, &W, names, DEVICE_CPU));
+  BENCH_TRY(mesh_new(1, &W, names, DEVICE_CPU, &mesh));
   char tmp[] = "/tmp/fsdpc-ckpt-load-XXXXXX", dir[256] = {0}, plain[300];
   if (world_rank() == 0) {
     if (mkdtemp(tmp) == NULL) {

@@ -20,7 +20,7 @@
 static void copy_unchecked(const char *from, const char *to) {
   st_file_t *f;
   st_writer_t *w;
-  BENCH_TRY(st_open(&f, from));
+  BENCH_TRY(st_open(from, &f));
   BENCH_TRY(st_writer_new(&w));
   const char *keys[] = {"DCP_SHARDING_INFO", "DCP_VERSION", "format"};
   for (int k = 0; k < 3; k++)
@@ -33,7 +33,7 @@ static void copy_unchecked(const char *from, const char *to) {
   BENCH_TRY(st_writer_begin(w, to));
   for (int i = 0; i < st_num_tensors(f); i++) {
     const st_info_t *t = st_tensor(f, i);
-    tensor_t x;
+    fsdpc_tensor_t x;
     BENCH_TRY(tensor_init(&x, t->dtype, device_cpu(), t->ndim, t->shape));
     BENCH_TRY(st_read(f, t->name, &x));
     BENCH_TRY(st_writer_write(w, t->name, &x));
@@ -89,7 +89,7 @@ uint64_t ckb_read_quarters(const char *dir, double *secs) {
     const dcp_tensor_t *t;
     int n;
     BENCH_TRY(dcp_reader_list(r, &t, &n));
-    tensor_t *x = calloc((size_t)n, sizeof *x);
+    fsdpc_tensor_t *x = calloc((size_t)n, sizeof *x);
     dcp_box_t *boxes = calloc((size_t)n, sizeof *boxes);
     if (x == NULL || boxes == NULL) bench_leave(1);
     for (int i = 0; i < n; i++) {
@@ -183,7 +183,7 @@ char *ckb_memory_in_use(size_t size) {
 void ckb_build(ckb_built_t *b, const llama_config_t *cfg, bool deferred, mesh_t *mesh) {
   llama_options_t o = LLAMA_OPTIONS_INIT;
   o.deferred = deferred;
-  BENCH_TRY(llama_new(&b->m, cfg, &o));
+  BENCH_TRY(llama_new(cfg, &o, &b->m));
   if (!deferred) BENCH_TRY(llama_init_weights(b->m, 1));
   if (mesh) {
     fsdp_options_t f = FSDP_OPTIONS_INIT;
@@ -195,7 +195,7 @@ void ckb_build(ckb_built_t *b, const llama_config_t *cfg, bool deferred, mesh_t 
   if (deferred) BENCH_TRY(nn_module_materialize(llama_module(b->m)));
   BENCH_TRY(nn_named_parameters(llama_module(b->m), &b->ps, &b->n));
   adamw_config_t a = ADAMW_CONFIG_INIT;
-  BENCH_TRY(optim_new(&b->opt, b->ps, b->n, &a));
+  BENCH_TRY(optim_new(b->ps, b->n, &a, &b->opt));
 }
 
 void ckb_unbuild(ckb_built_t *b) {

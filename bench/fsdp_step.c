@@ -50,8 +50,8 @@ static int reshard_arg(int argc, char **argv) {
 }
 
 /* Step s: forward, backward, clipping and the optimizer, until the device is done. */
-static void train_step(llama_t *m, data_t *d, const data_spec_t *spec, int64_t s, nn_param_t **ps,
-                       int n, pg_t *all_ranks, optim_t *o, device_t dev) {
+static void train_step(llama_t *m, fsdpc_data_t *d, const data_spec_t *spec, int64_t s,
+                       nn_param_t **ps, int n, pg_t *all_ranks, optim_t *o, device_t dev) {
   bench_fwd_bwd(m, d, spec, s, 0);
   BENCH_TRY(clip_grad_norm(ps, n, 1.0, all_ranks, NULL));
   BENCH_TRY(optim_step(o, 1.0));
@@ -61,8 +61,8 @@ static void train_step(llama_t *m, data_t *d, const data_spec_t *spec, int64_t s
 /* On a GPU: the host's time in one more step (step s) with the device idle at its start: the
  * forward and backward enqueued without a host wait (hooks, FSDP's bookkeeping, the launches),
  * per unit of ng, and the optimizer's launches after the clipping's wait, per parameter of n. */
-static void host_time(llama_t *m, data_t *d, const data_spec_t *spec, int64_t s, nn_param_t **ps,
-                      int n, int ng, pg_t *all_ranks, optim_t *o, device_t dev) {
+static void host_time(llama_t *m, fsdpc_data_t *d, const data_spec_t *spec, int64_t s,
+                      nn_param_t **ps, int n, int ng, pg_t *all_ranks, optim_t *o, device_t dev) {
   optim_zero_grad(o);
   BENCH_TRY(device_stream_sync(dev));
   BENCH_TRY(pg_barrier(world_pg(), NULL));
@@ -71,7 +71,7 @@ static void host_time(llama_t *m, data_t *d, const data_spec_t *spec, int64_t s,
   int64_t c0, c1;
   fsdp_hook_time(&h0, &c0);
   double t0 = bench_now();
-  tensor_t loss;
+  fsdpc_tensor_t loss;
   BENCH_TRY(llama_micro_step_async(m, d, spec, s, 0, &loss));
   double t1 = bench_now();
   fsdp_hook_time(&h1, &c1);
@@ -105,7 +105,7 @@ static double copy_rate(const char *name, int64_t *calls) {
  * between two tensors on dev, the fastest of five after one to warm up. */
 static double device_copy_rate(device_t dev) {
   int64_t n = 16 << 20;
-  tensor_t a, b;
+  fsdpc_tensor_t a, b;
   BENCH_TRY(tensor_init(&a, DTYPE_F32, dev, 1, &n));
   BENCH_TRY(tensor_init(&b, DTYPE_F32, dev, 1, &n));
   BENCH_TRY(tensor_fill(&a, 1.5));
@@ -129,15 +129,15 @@ static void out_of_memory(void) {
 
 /* A list of copies for tensor_copy_many; it owns its tensors. */
 typedef struct copy_list {
-  tensor_t *dst, *src;
+  fsdpc_tensor_t *dst, *src;
   int n, cap;
   double bytes; /* read and written */
 } copy_list_t;
 
 /* Adds the copy of rows [start, start + len) of full (viewed as rows of `row` elements) to or
  * from flat at element pos. */
-static void list_add(copy_list_t *l, tensor_t *full, tensor_t *flat, int64_t start, int64_t len,
-                     int64_t row, int64_t pos, bool to_flat) {
+static void list_add(copy_list_t *l, fsdpc_tensor_t *full, fsdpc_tensor_t *flat, int64_t start,
+                     int64_t len, int64_t row, int64_t pos, bool to_flat) {
   if (len == 0) return;
   if (l->n == l->cap) {
     l->cap = l->cap ? 2 * l->cap : 64;
@@ -148,7 +148,7 @@ static void list_add(copy_list_t *l, tensor_t *full, tensor_t *flat, int64_t sta
   int64_t shape[TENSOR_MAX_DIMS];
   memcpy(shape, full->shape, sizeof shape);
   shape[0] = len;
-  tensor_t rows, slot, slot_nd;
+  fsdpc_tensor_t rows, slot, slot_nd;
   BENCH_TRY(tensor_narrow(&rows, full, 0, start, len));
   BENCH_TRY(tensor_narrow(&slot, flat, 0, pos, len * row));
   BENCH_TRY(tensor_view(&slot_nd, &slot, full->ndim, shape));
@@ -181,10 +181,10 @@ static void group_lists(nn_param_t **ps, int n, int W, dtype_t sdt, dtype_t pdt,
     const int64_t *shape = dtensor_shape(ps[i]->value);
     int64_t row = 1;
     for (int k = 1; k < dtensor_ndim(ps[i]->value); k++) row *= shape[k];
-    flat += chunk_size(shape[0], W) * row;
+    flat += placement_chunk_size(shape[0], W) * row;
   }
   int64_t total = flat * W;
-  tensor_t gather, send;
+  fsdpc_tensor_t gather, send;
   BENCH_TRY(tensor_zeros(&gather, pdt, dev, 1, &total));
   BENCH_TRY(tensor_zeros(&send, rdt, dev, 1, &total));
   int64_t off = 0;
@@ -193,17 +193,17 @@ static void group_lists(nn_param_t **ps, int n, int W, dtype_t sdt, dtype_t pdt,
     const int64_t *shape = dtensor_shape(ps[i]->value);
     int64_t row = 1;
     for (int k = 1; k < nd; k++) row *= shape[k];
-    int64_t rows = chunk_size(shape[0], W), padded[TENSOR_MAX_DIMS];
+    int64_t rows = placement_chunk_size(shape[0], W), padded[TENSOR_MAX_DIMS];
     memcpy(padded, shape, sizeof(int64_t) * (size_t)nd);
     padded[0] = rows;
-    tensor_t shard, full, grad;
+    fsdpc_tensor_t shard, full, grad;
     BENCH_TRY(tensor_zeros(&shard, sdt, dev, nd, padded));
     BENCH_TRY(tensor_zeros(&full, pdt, dev, nd, shape));
     BENCH_TRY(tensor_zeros(&grad, pdt, dev, nd, shape));
     list_add(&lists[COPY_IN], &shard, &gather, 0, rows, row, off, true);
     for (int r = 0; r < W; r++) {
       int64_t start, len;
-      chunk_range(shape[0], W, r, &start, &len);
+      placement_chunk_range(shape[0], W, r, &start, &len);
       list_add(&lists[COPY_OUT], &full, &gather, start, len, row, r * flat + off, false);
       list_add(&lists[COPY_PACK], &grad, &send, start, len, row, r * flat + off, true);
     }
@@ -296,10 +296,10 @@ int main(int argc, char **argv) {
   if (R > 1) {
     int shape[2] = {R, -1};
     const char *names[] = {"dp_replicate", "dp_shard"};
-    BENCH_TRY(mesh_init(&mesh, 2, shape, names, lopt.device));
+    BENCH_TRY(mesh_new(2, shape, names, lopt.device, &mesh));
   } else {
     const char *names[] = {"dp_shard"};
-    BENCH_TRY(mesh_init(&mesh, 1, &W, names, lopt.device));
+    BENCH_TRY(mesh_new(1, &W, names, lopt.device, &mesh));
   }
   int md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1);
   int dp_rank = md == 2 ? mesh_coord(mesh, 0) * Ws + mesh_coord(mesh, 1) : mesh_coord(mesh, 0);
@@ -309,7 +309,7 @@ int main(int argc, char **argv) {
                       .dp_size = W,
                       .dp_rank = dp_rank};
   llama_t *m;
-  BENCH_TRY(llama_new(&m, &cfg, &lopt)); /* deferred: memory for the shards only */
+  BENCH_TRY(llama_new(&cfg, &lopt, &m)); /* deferred: memory for the shards only */
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
   opt.reshard_after_forward = reshard;
@@ -330,9 +330,9 @@ int main(int argc, char **argv) {
   BENCH_TRY(nn_named_parameters(llama_module(m), &ps, &n));
   adamw_config_t acfg = ADAMW_CONFIG_INIT;
   optim_t *o;
-  BENCH_TRY(optim_new(&o, ps, n, &acfg));
-  data_t *d;
-  BENCH_TRY(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  BENCH_TRY(optim_new(ps, n, &acfg, &o));
+  fsdpc_data_t *d;
+  BENCH_TRY(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   pg_t *shard = mesh_group(mesh, md - 1), *rep = md == 2 ? mesh_group(mesh, 0) : NULL;
   mesh_t *flat = NULL;
   if (md == 2) {

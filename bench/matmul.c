@@ -28,7 +28,8 @@ typedef struct layer {
 /* Median seconds of one product, per path (paths: 2 on CUDA, cuBLASLt then cublasGemmEx,
  * taken in turn; 1 on the CPU). */
 static void time_product(device_t dev, int paths, int reps, double *times, double *med,
-                         tensor_t *out, const tensor_t *a, bool ta, const tensor_t *b, bool tb) {
+                         fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool ta,
+                         const fsdpc_tensor_t *b, bool tb) {
   for (int r = -2; r < reps; r++) /* two warm-up rounds */
     for (int p = 0; p < paths; p++) {
       if (paths == 2) kernel_matmul_set_lt(p == 0);
@@ -85,7 +86,7 @@ int main(int argc, char **argv) {
     printf("%-10s %-11s %16s %22s\n", "linear", "product", "m x n x k", "OpenBLAS");
   for (size_t i = 0; i < sizeof layers / sizeof layers[0]; i++) {
     const layer_t *l = &layers[i];
-    tensor_t x, w, dy, y, dx, dw;
+    fsdpc_tensor_t x, w, dy, y, dx, dw;
     int64_t sy[2] = {N, l->out}, sx[2] = {N, l->in}, sw[2] = {l->out, l->in};
     bench_random(&x, dt, dev, 2, sx, 1);
     bench_random(&w, dt, dev, 2, sw, 2);
@@ -114,7 +115,7 @@ int main(int argc, char **argv) {
       else
         printf("%-10s %-11s %16s %22s\n", l->name, kinds[kind], dims, col[0]);
     }
-    tensor_t *all[] = {&x, &w, &dy, &y, &dx, &dw};
+    fsdpc_tensor_t *all[] = {&x, &w, &dy, &y, &dx, &dw};
     for (size_t j = 0; j < sizeof all / sizeof all[0]; j++) tensor_free(all[j]);
   }
   if (cuda) {

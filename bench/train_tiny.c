@@ -83,10 +83,10 @@ int main(int argc, char **argv) {
   llama_options_t opt;
   bench_model(argc, argv, SOURCE_ROOT "/configs/llama-tiny.json", &cfg, &opt);
   llama_t *m;
-  BENCH_TRY(llama_new(&m, &cfg, &opt));
+  BENCH_TRY(llama_new(&cfg, &opt, &m));
   bench_init(m, 1234);
-  data_t *d;
-  BENCH_TRY(data_open(&d, data_path, DATA_BYTES));
+  fsdpc_data_t *d;
+  BENCH_TRY(data_open(data_path, DATA_BYTES, &d));
   int64_t top;
   BENCH_TRY(data_max_token(d, 0, data_num_tokens(d), &top));
   if (top >= cfg.vocab_size) {
@@ -104,7 +104,7 @@ int main(int argc, char **argv) {
   acfg.groups[acfg.n_groups++] = (adamw_group_t){"*norm*", -1, 0.0};
   lr_schedule_t sched = {.warmup_steps = steps / 10, .total_steps = steps, .min_ratio = 0.1};
   optim_t *o;
-  BENCH_TRY(optim_new(&o, ps, n, &acfg));
+  BENCH_TRY(optim_new(ps, n, &acfg, &o));
   printf(
       "model: %lld parameters, %lld layers, dim %lld; batch %lld x %lld tokens, accum %lld, "
       "%s %s%s; %d CPU kernel thread(s)\n",

@@ -24,8 +24,8 @@ typedef struct folder {
 } folder_t;
 
 struct ckpt_async {
-  tensor_t *stage;         /* the staging copies, kept between saves (same shapes, reused) */
-  const tensor_t **source; /* per slot: the host tensor the writer copies into it, or NULL */
+  fsdpc_tensor_t *stage;         /* the staging copies, kept between saves (same shapes, reused) */
+  const fsdpc_tensor_t **source; /* per slot: the host tensor the writer copies into it, or NULL */
   int n_stage;
   /* the save in flight */
   bool pending; /* its writer started (and not yet joined) */
@@ -40,11 +40,11 @@ struct ckpt_async {
   pthread_mutex_t lock;
   pthread_cond_t changed;
   bool staged; /* the writer has copied the host tensors (under lock) */
-  status_t error;
+  fsdpc_status_t error;
   char detail[1024];
 };
 
-status_t ckpt_async_new(ckpt_async_t **out) {
+fsdpc_status_t ckpt_async_new(ckpt_async_t **out) {
   ARG_NONNULL(out);
   *out = calloc(1, sizeof **out);
   if (*out == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
@@ -97,13 +97,13 @@ const char *ckpt_async_dir(const ckpt_async_t *a) {
 }
 
 /* Room for n staging slots (before any box points at one: the array may move). */
-static status_t reserve(ckpt_async_t *a, int n) {
+static fsdpc_status_t reserve(ckpt_async_t *a, int n) {
   if (n > a->n_stage) {
-    tensor_t *s = realloc(a->stage, sizeof *s * (size_t)n);
+    fsdpc_tensor_t *s = realloc(a->stage, sizeof *s * (size_t)n);
     if (s == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory (staging)");
     memset(s + a->n_stage, 0, sizeof *s * (size_t)(n - a->n_stage));
     a->stage = s;
-    const tensor_t **src = realloc(a->source, sizeof *src * (size_t)n);
+    const fsdpc_tensor_t **src = realloc(a->source, sizeof *src * (size_t)n);
     if (src == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory (staging)");
     a->source = src;
     a->n_stage = n;
@@ -115,12 +115,13 @@ static status_t reserve(ckpt_async_t *a, int n) {
 /* Staging slot i gets the room of a host copy of t (reused when the shape and dtype are those
  * of the last save). A tensor on a device is copied now; one on the host is left for the
  * writer thread to copy (*deferred). */
-static status_t stage(ckpt_async_t *a, int i, const tensor_t *t, const tensor_t **deferred) {
-  tensor_t *s = &a->stage[i];
+static fsdpc_status_t stage(ckpt_async_t *a, int i, const fsdpc_tensor_t *t,
+                            const fsdpc_tensor_t **deferred) {
+  fsdpc_tensor_t *s = &a->stage[i];
   *deferred = NULL;
   if (s->data == NULL || s->dtype != t->dtype || !tensor_same_shape(s, t)) {
     tensor_free(s);
-    TRY(tensor_init(s, t->dtype, device_cpu(), t->ndim, t->shape));
+    FSDPC_TRY(tensor_init(s, t->dtype, device_cpu(), t->ndim, t->shape));
   }
   if (t->device.type != DEVICE_CPU) return tensor_copy(s, t);
   *deferred = t;
@@ -132,9 +133,9 @@ static status_t stage(ckpt_async_t *a, int i, const tensor_t *t, const tensor_t 
  * written from the copies. */
 static void *write_files(void *arg) {
   ckpt_async_t *a = arg;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < a->n_stage && st == STATUS_OK; i++) {
-    const tensor_t *src = a->source[i];
+    const fsdpc_tensor_t *src = a->source[i];
     if (src == NULL) continue;
     if (tensor_is_contiguous(src)) /* the staging copy has its dtype and shape */
       memcpy(a->stage[i].data, src->data, tensor_nbytes(src));
@@ -171,13 +172,14 @@ void ckpt_async_wait_staged(ckpt_async_t *a) {
 }
 
 /* This rank's boxes of folder k, on staging slots from *slot on. */
-static status_t stage_folder(ckpt_async_t *a, int k, const dcp_entry_t *entries, int n, int *slot) {
+static fsdpc_status_t stage_folder(ckpt_async_t *a, int k, const dcp_entry_t *entries, int n,
+                                   int *slot) {
   folder_t *f = &a->f[k];
   if ((f->boxes = calloc((size_t)(n > 0 ? n : 1), sizeof *f->boxes)) == NULL)
     return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-  TRY(dcp_shard_boxes(entries, n, f->boxes, &f->count));
+  FSDPC_TRY(dcp_shard_boxes(entries, n, f->boxes, &f->count));
   for (int i = 0; i < f->count; i++) {
-    TRY(stage(a, *slot, f->boxes[i].value, &a->source[*slot]));
+    FSDPC_TRY(stage(a, *slot, f->boxes[i].value, &a->source[*slot]));
     f->boxes[i].value = &a->stage[(*slot)++];
   }
   return STATUS_OK;
@@ -185,7 +187,7 @@ static status_t stage_folder(ckpt_async_t *a, int k, const dcp_entry_t *entries,
 
 /* Which ranks write a file of each folder, and the save's ids (rank 0's, fresh): the same on
  * every rank. Collective over pg. */
-static status_t agree_files(ckpt_async_t *a, pg_t *pg) {
+static fsdpc_status_t agree_files(ckpt_async_t *a, pg_t *pg) {
   int size = pg_size(pg);
   int64_t mine[4] = {a->f[0].count > 0, a->f[1].count > 0, 0, 0}, *all;
   if (pg_rank(pg) == 0) {
@@ -194,7 +196,7 @@ static status_t agree_files(ckpt_async_t *a, pg_t *pg) {
   }
   if ((all = calloc(4 * (size_t)size, sizeof *all)) == NULL)
     return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-  status_t st = pg_host_all_gather(pg, mine, all, 4, PG_HOST_I64);
+  fsdpc_status_t st = pg_host_all_gather(pg, mine, all, 4, PG_HOST_I64);
   for (int k = 0; k < 2 && st == STATUS_OK; k++) {
     folder_t *f = &a->f[k];
     f->id = (uint64_t)all[2 + k];
@@ -221,8 +223,8 @@ static void release(ckpt_async_t *a) {
   a->saved_under = NULL;
 }
 
-status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *params, int n,
-                          optim_t *opt, int64_t step, const char *saved_under, pg_t *pg) {
+fsdpc_status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *params, int n,
+                                optim_t *opt, int64_t step, const char *saved_under, pg_t *pg) {
   ARG_NONNULL(a);
   ARG_NONNULL(dir);
   if (n > 0) ARG_NONNULL(params);
@@ -232,7 +234,7 @@ status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *p
     return err_set(STATUS_EINVAL, "checkpoint: the save of %s is in flight: commit it first",
                    a->dir);
   if (strlen(dir) >= sizeof a->dir) return err_set(STATUS_EINVAL, "checkpoint: path too long");
-  TRY(ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &a->e));
+  FSDPC_TRY(ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &a->e));
   snprintf(a->dir, sizeof a->dir, "%s", dir);
   a->rank = pg_rank(pg);
   a->step = step;
@@ -240,14 +242,14 @@ status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *p
   a->saved_under = saved_under ? strdup(saved_under) : NULL;
   atomic_store(&a->done, 0);
   a->staged = false;
-  status_t st = saved_under && !a->saved_under
-                    ? err_set(STATUS_ENOMEM, "checkpoint: out of host memory")
-                    : STATUS_OK;
+  fsdpc_status_t st = saved_under && !a->saved_under
+                          ? err_set(STATUS_ENOMEM, "checkpoint: out of host memory")
+                          : STATUS_OK;
   st = pg_agree(pg, st);
   if (st == STATUS_OK) st = dcp_prepare(dir, a->tmp, sizeof a->tmp, pg);
   bool prepared = st == STATUS_OK;
   if (st == STATUS_OK) {
-    status_t mine = STATUS_OK;
+    fsdpc_status_t mine = STATUS_OK;
     char sub[PATH_LEN + 8];
     for (int k = 0; k < 2 && a->rank == 0 && mine == STATUS_OK; k++) {
       snprintf(sub, sizeof sub, "%.4300s/%s", a->tmp, k ? "optim" : "model");
@@ -257,14 +259,14 @@ status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *p
   }
   if (st == STATUS_OK) { /* the copy the writer reads while training changes the state */
     int slot = 0;
-    status_t mine = reserve(a, 3 * n);
+    fsdpc_status_t mine = reserve(a, 3 * n);
     if (mine == STATUS_OK) mine = stage_folder(a, 0, a->e.model, n, &slot);
     if (mine == STATUS_OK) mine = stage_folder(a, 1, a->e.optim, 2 * n, &slot);
     st = pg_agree(pg, mine);
   }
   if (st == STATUS_OK) st = pg_agree(pg, agree_files(a, pg));
   if (st == STATUS_OK) {
-    status_t mine = STATUS_OK;
+    fsdpc_status_t mine = STATUS_OK;
     if (pthread_create(&a->writer, NULL, write_files, a) != 0)
       mine = err_set(STATUS_EIO, "checkpoint: cannot start a writer thread");
     a->pending = mine == STATUS_OK;
@@ -281,18 +283,18 @@ status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *p
   return st;
 }
 
-status_t ckpt_async_commit(ckpt_async_t *a, pg_t *pg, int64_t *step) {
+fsdpc_status_t ckpt_async_commit(ckpt_async_t *a, pg_t *pg, int64_t *step) {
   ARG_NONNULL(a);
   ARG_NONNULL(pg);
   ARG_NONNULL(step);
   if (!a->pending) return err_set(STATUS_EINVAL, "checkpoint: no save in flight");
   pthread_join(a->writer, NULL); /* written by now, where the caller waited for every rank */
   a->pending = false;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (atomic_load(&a->done) < 0) st = err_set(a->error, "%s", a->detail);
   st = pg_agree(pg, st);
   if (st == STATUS_OK) {
-    status_t mine = STATUS_OK;
+    fsdpc_status_t mine = STATUS_OK;
     if (pg_rank(pg) == 0)
       mine =
           ckpt_write_state(a->tmp, a->step, a->optim_steps, a->saved_under, a->f[0].id, a->f[1].id);

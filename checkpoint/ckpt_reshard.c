@@ -30,14 +30,14 @@ static void param_of(const char *name, char *out, size_t size) {
 
 /* Rank rank's box of tensor t: *mine false when the rank holds none (a replica other than the
  * first, or an empty chunk). */
-static status_t rank_box(const target_t *tg, const dcp_tensor_t *t, int rank, bool *mine,
-                         int64_t *local, int64_t *off) {
+static fsdpc_status_t rank_box(const target_t *tg, const dcp_tensor_t *t, int rank, bool *mine,
+                               int64_t *local, int64_t *off) {
   char param[1024];
   param_of(t->name, param, sizeof param);
   int md = 0, shape[MESH_MAX_DIMS], coord[MESH_MAX_DIMS];
   placement_t pl[MESH_MAX_DIMS];
-  TRY(tg->placements(tg->ctx, param, t->ndim, &md, shape, pl));
-  TRY(placements_check(t->ndim, md, shape, pl));
+  FSDPC_TRY(tg->placements(tg->ctx, param, t->ndim, &md, shape, pl));
+  FSDPC_TRY(placements_check(t->ndim, md, shape, pl));
   int size = 1;
   for (int d = 0; d < md; d++) size *= shape[d];
   if (size != tg->world)
@@ -57,15 +57,15 @@ static status_t rank_box(const target_t *tg, const dcp_tensor_t *t, int rank, bo
 
 /* The boxes rank rank saves of every tensor of the folder r reads, written as one file of
  * the folder's files (files NULL: only counted into *held_out). */
-static status_t reshard_rank(const target_t *tg, dcp_reader_t *r, const char *out_folder,
-                             int rank, const dcp_folder_t *folder, int *held_out) {
+static fsdpc_status_t reshard_rank(const target_t *tg, dcp_reader_t *r, const char *out_folder,
+                                   int rank, const dcp_folder_t *folder, int *held_out) {
   const dcp_tensor_t *t;
   int n;
-  TRY(dcp_reader_list(r, &t, &n));
+  FSDPC_TRY(dcp_reader_list(r, &t, &n));
   dcp_box_t *boxes = calloc((size_t)(n ? n : 1), sizeof *boxes);
-  tensor_t *held = calloc((size_t)(n ? n : 1), sizeof *held);
+  fsdpc_tensor_t *held = calloc((size_t)(n ? n : 1), sizeof *held);
   int nb = 0;
-  status_t st = boxes && held ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  fsdpc_status_t st = boxes && held ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     int64_t local[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
     bool mine = false;
@@ -97,13 +97,13 @@ static status_t reshard_rank(const target_t *tg, dcp_reader_t *r, const char *ou
 
 /* One folder (model or optimizer state) laid out for the target's ranks: the files of the
  * ranks that hold a box, each listing them all, with the source's block size. */
-static status_t reshard_folder(const target_t *tg, const char *from, const char *to,
-                               int *files_out, uint64_t *id_out) {
+static fsdpc_status_t reshard_folder(const target_t *tg, const char *from, const char *to,
+                                     int *files_out, uint64_t *id_out) {
   dcp_reader_t *r;
-  TRY(dcp_reader_open(from, &r));
+  FSDPC_TRY(dcp_reader_open(from, &r));
   char **files = calloc((size_t)tg->world, sizeof(char *));
   int *holds = calloc((size_t)tg->world, sizeof(int)), n_files = 0;
-  status_t st = files && holds ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  fsdpc_status_t st = files && holds ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
   for (int rank = 0; rank < tg->world && st == STATUS_OK; rank++) {
     st = reshard_rank(tg, r, to, rank, NULL, &holds[rank]);
     if (st == STATUS_OK && holds[rank] > 0) {
@@ -133,19 +133,19 @@ static status_t reshard_folder(const target_t *tg, const char *from, const char 
   return st;
 }
 
-status_t ckpt_reshard_training(const char *dir, const char *out, int world,
-                               ckpt_placements_fn placements, void *ctx,
-                               const char *saved_under, int *files) {
+fsdpc_status_t ckpt_reshard_training(const char *dir, const char *out, int world,
+                                     ckpt_placements_fn placements, void *ctx,
+                                     const char *saved_under, int *files) {
   if (world < 1) return err_set(STATUS_EINVAL, "reshard: world size %d", world);
   char path[PATH_LEN], *text = NULL;
   snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
   if (access(path, F_OK) != 0)
     return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
-  TRY(ckpt_check_state(dir));
-  TRY(file_read_text(path, FILE_TEXT_MAX, &text));
+  FSDPC_TRY(ckpt_check_state(dir));
+  FSDPC_TRY(file_read_text(path, FILE_TEXT_MAX, &text));
   cJSON *state = cJSON_Parse(text), *under = saved_under ? cJSON_Parse(saved_under) : NULL;
   free(text);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (!cJSON_IsObject(state))
     st = err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
   else if (saved_under && !cJSON_IsObject(under))

@@ -4,7 +4,7 @@
  * shapes come from the checkpoint's files, each target rank's box from a callback that says
  * how the target plan places a parameter (parallel/parallelize.h has one for plans).
  *
- *   TRY(ckpt_reshard_training("ck/step-00000100", "ck-tp", 4, my_placements, &ctx,
+ *   FSDPC_TRY(ckpt_reshard_training("ck/step-00000100", "ck-tp", 4, my_placements, &ctx,
  *                             "{\"plan\": \"tp.yaml\"}", &files));
  */
 #ifndef FSDPC_CHECKPOINT_CKPT_RESHARD_H
@@ -20,8 +20,8 @@ extern "C" {
 /* How the target plan places parameter param (a tensor of ndim dims): the mesh's shape in
  * mesh_shape[0..*mesh_ndim) and a placement per mesh dim in pl. Ranks are numbered
  * row-major over the mesh. */
-typedef status_t (*ckpt_placements_fn)(void *ctx, const char *param, int ndim, int *mesh_ndim,
-                                       int *mesh_shape, placement_t *pl);
+typedef fsdpc_status_t (*ckpt_placements_fn)(void *ctx, const char *param, int ndim, int *mesh_ndim,
+                                             int *mesh_shape, placement_t *pl);
 
 /* Writes the training checkpoint dir (train_state.json, model/ and, when present, optim/)
  * into out (which must not exist; written as out.tmp, renamed when complete) as world ranks
@@ -31,9 +31,9 @@ typedef status_t (*ckpt_placements_fn)(void *ctx, const char *param, int ndim, i
  * saved_under (JSON object text, or NULL to keep the old one) replaces its "saved_under", and
  * the state is sealed with the ids of the new folders. The source's state is checked first
  * (ckpt_check_state). *files (may be NULL) receives the number of files written. Local. */
-status_t ckpt_reshard_training(const char *dir, const char *out, int world,
-                               ckpt_placements_fn placements, void *ctx,
-                               const char *saved_under, int *files);
+fsdpc_status_t ckpt_reshard_training(const char *dir, const char *out, int world,
+                                     ckpt_placements_fn placements, void *ctx,
+                                     const char *saved_under, int *files);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

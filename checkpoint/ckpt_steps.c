@@ -22,13 +22,13 @@ void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
   snprintf(out, size, "%s/step-%08" PRId64, root, step);
 }
 
-status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx) {
+fsdpc_status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx) {
   ARG_NONNULL(root);
   ARG_NONNULL(fn);
   DIR *d = opendir(root);
   if (d == NULL) return STATUS_OK;
   struct dirent *e;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   while (st == STATUS_OK && (e = readdir(d)) != NULL) {
     long long s;
     char tail;
@@ -56,7 +56,7 @@ typedef struct steps {
   bool partial_tmp;
 } steps_t;
 
-static status_t collect_step(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
+static fsdpc_status_t collect_step(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
   (void)name;
   steps_t *l = ctx;
   if (kind != CKPT_STEP_COMPLETE) {
@@ -78,10 +78,10 @@ static int cmp_step(const void *a, const void *b) {
 
 /* Complete checkpoints under root, sorted by step (ascending); the newest incomplete folder
  * into *partial (step -1 when none): a step-N without train_state.json, or step-N.tmp. */
-static status_t list_steps(const char *root, int64_t **steps, int *n, int64_t *partial,
-                           bool *partial_tmp) {
+static fsdpc_status_t list_steps(const char *root, int64_t **steps, int *n, int64_t *partial,
+                                 bool *partial_tmp) {
   steps_t l = {.partial = -1};
-  status_t st = ckpt_scan_steps(root, collect_step, &l);
+  fsdpc_status_t st = ckpt_scan_steps(root, collect_step, &l);
   if (st == STATUS_OK && l.n > 1) qsort(l.v, (size_t)l.n, sizeof *l.v, cmp_step);
   *steps = l.v;
   *n = l.n;
@@ -95,7 +95,7 @@ typedef struct newer {
   int count;
 } newer_t;
 
-static status_t count_newer(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
+static fsdpc_status_t count_newer(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
   (void)name;
   newer_t *w = ctx;
   if (s > w->after &&
@@ -106,12 +106,13 @@ static status_t count_newer(void *ctx, const char *name, int64_t s, ckpt_step_ki
   return STATUS_OK;
 }
 
-status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count, int64_t *newest) {
+fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count,
+                          int64_t *newest) {
   ARG_NONNULL(root);
   ARG_NONNULL(count);
   ARG_NONNULL(newest);
   newer_t w = {after, upto, -1, 0};
-  TRY(ckpt_scan_steps(root, count_newer, &w));
+  FSDPC_TRY(ckpt_scan_steps(root, count_newer, &w));
   *count = w.count;
   *newest = w.newest;
   return STATUS_OK;
@@ -119,7 +120,7 @@ status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count, i
 
 /* Removes root's entry `name`; a complete checkpoint loses its train_state.json first, so a
  * half-removed one is never taken for complete. */
-static status_t remove_entry(const char *root, const char *name, ckpt_step_kind_t kind) {
+static fsdpc_status_t remove_entry(const char *root, const char *name, ckpt_step_kind_t kind) {
   char path[PATH_LEN];
   snprintf(path, sizeof path, "%.4000s/%.255s", root, name);
   struct stat sb;
@@ -146,35 +147,35 @@ typedef struct removal {
   int removed;
 } removal_t;
 
-static status_t remove_step(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
+static fsdpc_status_t remove_step(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
   removal_t *r = ctx;
   bool take = r->mode == REMOVE_TMP     ? kind == CKPT_STEP_TMP
               : r->mode == REMOVE_AFTER ? kind != CKPT_STEP_TMP && s > r->after && s != r->keep
                                         : kind == CKPT_STEP_COMPLETE && s <= r->after;
   if (!take) return STATUS_OK;
-  TRY(remove_entry(r->root, name, kind));
+  FSDPC_TRY(remove_entry(r->root, name, kind));
   r->removed++;
   return STATUS_OK;
 }
 
-status_t ckpt_remove_unfinished(const char *root, int *removed) {
+fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed) {
   ARG_NONNULL(root);
   removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
-  status_t st = ckpt_scan_steps(root, remove_step, &r);
+  fsdpc_status_t st = ckpt_scan_steps(root, remove_step, &r);
   if (removed) *removed = r.removed;
   return st;
 }
 
-status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed) {
+fsdpc_status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed) {
   ARG_NONNULL(root);
   removal_t r = {.root = root, .mode = REMOVE_AFTER, .after = after, .keep = keep};
-  status_t st = ckpt_scan_steps(root, remove_step, &r);
+  fsdpc_status_t st = ckpt_scan_steps(root, remove_step, &r);
   if (removed) *removed = r.removed;
   return st;
 }
 
-status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
-                     size_t skipped_size) {
+fsdpc_status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
+                           size_t skipped_size) {
   ARG_NONNULL(root);
   ARG_NONNULL(out);
   ARG_NONNULL(found);
@@ -182,7 +183,7 @@ status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char
   int64_t *steps, partial;
   int n;
   bool tmp;
-  TRY(list_steps(root, &steps, &n, &partial, &tmp));
+  FSDPC_TRY(list_steps(root, &steps, &n, &partial, &tmp));
   *found = n > 0;
   if (n > 0) ckpt_step_dir(root, steps[n - 1], out, size);
   if (skipped_size > 0) skipped[0] = 0;
@@ -196,13 +197,13 @@ status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char
   return STATUS_OK;
 }
 
-status_t ckpt_prune(const char *root, int keep) {
+fsdpc_status_t ckpt_prune(const char *root, int keep) {
   ARG_NONNULL(root);
   if (keep <= 0) return STATUS_OK;
   int64_t *steps, partial;
   int n;
   bool tmp;
-  TRY(list_steps(root, &steps, &n, &partial, &tmp));
+  FSDPC_TRY(list_steps(root, &steps, &n, &partial, &tmp));
   removal_t r = {
       .root = root, .mode = REMOVE_COMPLETE_UPTO, .after = n > keep ? steps[n - keep - 1] : -1};
   free(steps);

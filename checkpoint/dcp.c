@@ -26,7 +26,7 @@
 /* Whether this rank writes its shard of v: coordinate 0 on every dimension v is replicated
  * over. Every shard, strided ones included, is one box of the global tensor; Partial values
  * are not boxes and cannot be saved. */
-static status_t writes_shard(const char *name, const dtensor_t *v, bool *out) {
+static fsdpc_status_t writes_shard(const char *name, const dtensor_t *v, bool *out) {
   const mesh_t *m = dtensor_mesh(v);
   const placement_t *pl = dtensor_placements(v);
   *out = tensor_numel(dtensor_local(v)) > 0;
@@ -42,7 +42,7 @@ static status_t writes_shard(const char *name, const dtensor_t *v, bool *out) {
   return STATUS_OK;
 }
 
-static status_t fsync_path(const char *path) {
+static fsdpc_status_t fsync_path(const char *path) {
   int fd = open(path, O_RDONLY);
   if (fd < 0) return err_set(STATUS_EIO, "%s: cannot open to sync: %s", path, strerror(errno));
   int rc = fsync(fd);
@@ -53,7 +53,7 @@ static status_t fsync_path(const char *path) {
 
 static uint64_t g_block_bytes = DCP_BLOCK_BYTES_DEFAULT;
 
-status_t dcp_set_block_bytes(uint64_t bytes) {
+fsdpc_status_t dcp_set_block_bytes(uint64_t bytes) {
   if (bytes < DCP_BLOCK_BYTES_MIN || bytes > DCP_BLOCK_BYTES_MAX || bytes % DCP_BLOCK_BYTES_MIN)
     return err_set(STATUS_EINVAL,
                    "checkpoint: block size %llu is not a multiple of %llu up to %llu bytes",
@@ -66,15 +66,15 @@ status_t dcp_set_block_bytes(uint64_t bytes) {
 uint64_t dcp_block_bytes(void) { return g_block_bytes; }
 
 /* Appends the block hashes of a contiguous tensor's bytes, wherever it lives, to h. */
-static status_t hash_blocks(const tensor_t *t, uint64_t block, uint64_t *h) {
+static fsdpc_status_t hash_blocks(const fsdpc_tensor_t *t, uint64_t block, uint64_t *h) {
   if (tensor_is_meta(t))
     return err_set(STATUS_EINVAL,
                    "checkpoint: a meta tensor has no data to save (allocate and initialise "
                    "the model first)");
-  tensor_t host = {0};
-  const tensor_t *src = t;
+  fsdpc_tensor_t host = {0};
+  const fsdpc_tensor_t *src = t;
   if (t->device.type != DEVICE_CPU || !tensor_is_contiguous(t)) {
-    TRY(tensor_clone(&host, t, t->dtype, device_cpu()));
+    FSDPC_TRY(tensor_clone(&host, t, t->dtype, device_cpu()));
     src = &host;
   }
   uint64_t bytes = tensor_nbytes(src);
@@ -101,7 +101,7 @@ static void pending_free(pending_t *p) {
   memset(p, 0, sizeof *p);
 }
 
-static status_t pending_hash(const dcp_box_t *boxes, int n, pending_t *p) {
+static fsdpc_status_t pending_hash(const dcp_box_t *boxes, int n, pending_t *p) {
   memset(p, 0, sizeof *p);
   p->it.block_bytes = g_block_bytes;
   p->n = n;
@@ -109,7 +109,7 @@ static status_t pending_hash(const dcp_box_t *boxes, int n, pending_t *p) {
     return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   uint64_t pos = 0;
   for (int i = 0; i < n; i++) {
-    const tensor_t *t = boxes[i].value;
+    const fsdpc_tensor_t *t = boxes[i].value;
     uint64_t bytes = (uint64_t)tensor_numel(t) * dtype_size(t->dtype);
     p->ht[i] = (dcp_hdr_tensor_t){boxes[i].name, st_dtype_name(t->dtype), t->ndim, t->shape, pos,
                                   pos + bytes, boxes[i].offset};
@@ -122,20 +122,21 @@ static status_t pending_hash(const dcp_box_t *boxes, int n, pending_t *p) {
     return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   uint64_t k = 0;
   for (int i = 0; i < n; i++) {
-    TRY(hash_blocks(boxes[i].value, p->it.block_bytes, p->it.hashes + k));
+    FSDPC_TRY(hash_blocks(boxes[i].value, p->it.block_bytes, p->it.hashes + k));
     k += dcp_blocks_of(p->ht[i].end - p->ht[i].begin, p->it.block_bytes);
   }
   return STATUS_OK;
 }
 
-static status_t pending_seal(pending_t *p, const dcp_folder_t *folder) {
+static fsdpc_status_t pending_seal(pending_t *p, const dcp_folder_t *folder) {
   p->it.files = (char **)folder->files; /* borrowed: never freed through it */
   p->it.n_files = folder->n_files;
   p->it.save_id = folder->save_id;
   return dcp_integrity_header_hash(&p->it, p->ht, p->n, &p->it.header);
 }
 
-static status_t write_sealed(const char *path, const dcp_box_t *boxes, int n, const pending_t *p) {
+static fsdpc_status_t write_sealed(const char *path, const dcp_box_t *boxes, int n,
+                                   const pending_t *p) {
   const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
   bool listed = false;
   for (int i = 0; i < p->it.n_files; i++) listed = listed || strcmp(p->it.files[i], base) == 0;
@@ -144,10 +145,10 @@ static status_t write_sealed(const char *path, const dcp_box_t *boxes, int n, co
   st_writer_t *w = NULL;
   cJSON *info = cJSON_CreateObject();
   char *text = NULL, *record = NULL;
-  status_t st = info ? STATUS_OK : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  fsdpc_status_t st = info ? STATUS_OK : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   if (st == STATUS_OK) st = st_writer_new(&w);
   for (int i = 0; i < n && st == STATUS_OK; i++) {
-    const tensor_t *t = boxes[i].value;
+    const fsdpc_tensor_t *t = boxes[i].value;
     cJSON *offsets = cJSON_CreateArray(), *item = cJSON_CreateObject();
     for (int d = 0; d < t->ndim && offsets; d++)
       cJSON_AddItemToArray(offsets, cJSON_CreateNumber((double)boxes[i].offset[d]));
@@ -176,26 +177,27 @@ static status_t write_sealed(const char *path, const dcp_box_t *boxes, int n, co
   return st;
 }
 
-status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n, const dcp_folder_t *folder) {
+fsdpc_status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n,
+                              const dcp_folder_t *folder) {
   ARG_NONNULL(path);
   if (n > 0) ARG_NONNULL(boxes);
   ARG_NONNULL(folder);
   pending_t p;
-  status_t st = pending_hash(boxes, n, &p);
+  fsdpc_status_t st = pending_hash(boxes, n, &p);
   if (st == STATUS_OK) st = pending_seal(&p, folder);
   if (st == STATUS_OK) st = write_sealed(path, boxes, n, &p);
   pending_free(&p);
   return st;
 }
 
-status_t dcp_shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int *count) {
+fsdpc_status_t dcp_shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int *count) {
   if (n > 0) ARG_NONNULL(entries);
   ARG_NONNULL(b);
   ARG_NONNULL(count);
   *count = 0;
   for (int i = 0; i < n; i++) {
     bool mine;
-    TRY(writes_shard(entries[i].name, entries[i].value, &mine));
+    FSDPC_TRY(writes_shard(entries[i].name, entries[i].value, &mine));
     if (!mine) continue;
     b[*count].name = entries[i].name;
     b[*count].value = dtensor_local(entries[i].value);
@@ -213,8 +215,8 @@ void dcp_shard_name(int rank, char *out, size_t size) {
 /* Writes this rank's file into folder tmp, listing the files of every rank that writes one
  * and the save's id: a hash of every file's contents, so that the same save repeated gives
  * the same bytes and two different saves different ids. Collective over pg. */
-static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, pg_t *pg,
-                             uint64_t *save_id) {
+static fsdpc_status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n, pg_t *pg,
+                                   uint64_t *save_id) {
   int rank = pg_rank(pg), size = pg_size(pg);
   dcp_box_t *b = calloc((size_t)(n > 0 ? n : 1), sizeof *b);
   uint64_t *mine = calloc(2, sizeof(uint64_t));
@@ -222,8 +224,9 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
   char **files = calloc((size_t)size, sizeof(char *));
   int count = 0, n_files = 0;
   pending_t p = {0};
-  status_t st = b && mine && all && files ? STATUS_OK
-                                          : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  fsdpc_status_t st = b && mine && all && files
+                          ? STATUS_OK
+                          : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   if (st == STATUS_OK) st = dcp_shard_boxes(entries, n, b, &count);
   if (st == STATUS_OK && count > 0) st = pending_hash(b, count, &p);
   if (st == STATUS_OK && count > 0) st = pending_seal(&p, &(dcp_folder_t){NULL, 0, 0});
@@ -233,7 +236,8 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
   }
   /* every rank learns which ranks write and what; a rank that failed takes part (and says so
    * after) */
-  status_t got = mine && all ? pg_host_all_gather(pg, mine, all, 2, PG_HOST_I64) : STATUS_ENOMEM;
+  fsdpc_status_t got =
+      mine && all ? pg_host_all_gather(pg, mine, all, 2, PG_HOST_I64) : STATUS_ENOMEM;
   if (st == STATUS_OK) st = got;
   uint64_t id = all ? dcp_block_hash(all, sizeof(uint64_t) * 2 * (size_t)size) : 0;
   if (save_id) *save_id = id;
@@ -262,12 +266,12 @@ static status_t write_shards(const char *tmp, const dcp_entry_t *entries, int n,
   return st;
 }
 
-status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
+fsdpc_status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
   ARG_NONNULL(dir);
   ARG_NONNULL(tmp);
   ARG_NONNULL(pg);
   int rank = pg_rank(pg);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (strlen(dir) + 8 >= DCP_PATH_MAX || size < DCP_PATH_MAX)
     st = err_set(STATUS_EINVAL, "checkpoint: path too long");
   else
@@ -285,20 +289,20 @@ status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
   return pg_agree(pg, st);
 }
 
-status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, pg_t *pg,
-                   uint64_t *save_id) {
+fsdpc_status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, pg_t *pg,
+                         uint64_t *save_id) {
   ARG_NONNULL(folder);
   if (n > 0) ARG_NONNULL(entries);
   ARG_NONNULL(pg);
   return pg_agree(pg, write_shards(folder, entries, n, pg, save_id));
 }
 
-status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
+fsdpc_status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
   ARG_NONNULL(tmp);
   ARG_NONNULL(dir);
   ARG_NONNULL(pg);
   int rank = pg_rank(pg);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (rank == 0) { /* the folder's entries, then the rename, reach the disk */
     st = fsync_path(tmp);
     if (st == STATUS_OK && rename(tmp, dir) != 0)
@@ -319,16 +323,15 @@ status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
   return pg_agree(pg, st);
 }
 
-status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg) {
+fsdpc_status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg) {
   ARG_NONNULL(dir);
   if (n > 0) ARG_NONNULL(entries);
   ARG_NONNULL(pg);
   char tmp[DCP_JOIN_MAX];
-  TRY(dcp_prepare(dir, tmp, sizeof tmp, pg));
-  status_t st = dcp_write(tmp, entries, n, pg, NULL);
+  FSDPC_TRY(dcp_prepare(dir, tmp, sizeof tmp, pg));
+  fsdpc_status_t st = dcp_write(tmp, entries, n, pg, NULL);
   if (st == STATUS_OK) st = dcp_commit(tmp, dir, pg);
   int rank = pg_rank(pg);
   if (st != STATUS_OK && rank == 0) file_remove_tree(tmp); /* all ranks agreed: none writes */
   return st;
 }
-

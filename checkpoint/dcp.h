@@ -25,8 +25,8 @@
  * versions, with a CRC-32 per chunk in DCP_SHARDING_INFO, are checked chunk by chunk.
  *
  *   dcp_entry_t e[] = {{"model.norm.weight", norm->value}, ...};
- *   TRY(dcp_save("ckpt/step-100", e, n, world_pg()));
- *   TRY(dcp_load("ckpt/step-100", e, n, NULL));     // any placements, any mesh
+ *   FSDPC_TRY(dcp_save("ckpt/step-100", e, n, world_pg()));
+ *   FSDPC_TRY(dcp_load("ckpt/step-100", e, n, NULL));     // any placements, any mesh
  */
 #ifndef FSDPC_CHECKPOINT_DCP_H
 #define FSDPC_CHECKPOINT_DCP_H
@@ -62,7 +62,7 @@ typedef struct dcp_stats {
 /* The block size of the checksums of files saved from now on in this process (a multiple of
  * 64 bytes, at most 1 GiB; default DCP_BLOCK_BYTES_DEFAULT): a partial read reads and checks
  * whole blocks. Not thread-safe; call it before saving. */
-status_t dcp_set_block_bytes(uint64_t bytes);
+fsdpc_status_t dcp_set_block_bytes(uint64_t bytes);
 uint64_t dcp_block_bytes(void);
 
 /* Saves the entries into folder dir, which must not exist: every rank writes its local
@@ -72,24 +72,24 @@ uint64_t dcp_block_bytes(void);
  * save (a full disk) removes its temporary folder. Partial placements are refused (strided
  * shards, being boxes, are saved like any shard). Collective over pg (world_pg(), or any group
  * that spans every rank of the entries' meshes). */
-status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg);
+fsdpc_status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg);
 
 /* The steps of dcp_save, for checkpoints of several folders committed at once:
  * dcp_prepare checks that dir does not exist and creates the temporary folder (its path into
  * tmp, size >= 4096); dcp_write writes every rank's file into an existing folder (the save's
  * id, recorded in every file, into *save_id when not NULL); dcp_commit
  * renames tmp to dir. Each is collective over pg and gives every rank the same verdict. */
-status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg);
-status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, pg_t *pg,
-                   uint64_t *save_id);
-status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg);
+fsdpc_status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg);
+fsdpc_status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, pg_t *pg,
+                         uint64_t *save_id);
+fsdpc_status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg);
 /* One shard file of chunks at given global offsets, with DCP_SHARDING_INFO, DCP_VERSION,
  * format and FSDPC_INTEGRITY metadata (for tools that write checkpoints of other plans
  * offline). Every file of a folder records the folder's files and the save's id, so that a
  * reader notices a file missing, added, or taken from another save. Local. */
 typedef struct dcp_box {
   const char *name;
-  const tensor_t *value;
+  const fsdpc_tensor_t *value;
   int64_t offset[TENSOR_MAX_DIMS];
 } dcp_box_t;
 typedef struct dcp_folder {
@@ -97,15 +97,15 @@ typedef struct dcp_folder {
   int n_files;
   uint64_t save_id; /* the same for every file of the folder: dcp_new_save_id() */
 } dcp_folder_t;
-status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n,
-                        const dcp_folder_t *folder);
+fsdpc_status_t dcp_write_file(const char *path, const dcp_box_t *boxes, int n,
+                              const dcp_folder_t *folder);
 /* An id for one save: from the clock and the process, different between saves. */
 uint64_t dcp_new_save_id(void);
 
 /* The boxes of this rank's file of a save of entries: its local shards (a shard replicated over
  * mesh dimensions only at coordinate 0), none empty, at their global offsets, borrowing the
  * entries' local tensors; b has room for n. *count receives how many. Local. */
-status_t dcp_shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int *count);
+fsdpc_status_t dcp_shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, int *count);
 /* The name of rank's file in a folder: "shard-RRRRR.safetensors". */
 void dcp_shard_name(int rank, char *out, size_t size);
 
@@ -113,7 +113,7 @@ void dcp_shard_name(int rank, char *out, size_t size);
  * must match and the saved chunks must cover the shard; values are converted to the
  * entry's dtype. Reads only the saved rows that intersect this rank's shards. Local (every
  * rank reads for itself). */
-status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
+fsdpc_status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
 
 /* A checkpoint folder kept open for several loads (its headers parsed and checked once). */
 typedef struct dcp_reader dcp_reader_t;
@@ -139,34 +139,36 @@ typedef struct dcp_tensor {
 
 /* Opens folder dir: parses every file's header and checks the integrity records and the
  * tiling of every tensor (errors name the file and the tensor). */
-status_t dcp_reader_open(const char *dir, dcp_reader_t **out);
+fsdpc_status_t dcp_reader_open(const char *dir, dcp_reader_t **out);
 void dcp_reader_close(dcp_reader_t *r);
 /* The folder's checks, and (may be NULL) the block size of the first file. */
 dcp_checks_t dcp_reader_checks(const dcp_reader_t *r, uint64_t *block_bytes);
 /* The id of the save that wrote the folder (false when its files carry no integrity record). */
 bool dcp_reader_save_id(const dcp_reader_t *r, uint64_t *id);
 /* dcp_load on an open folder; stats count this call's reads. */
-status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
+fsdpc_status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n,
+                               dcp_stats_t *stats);
 /* Reads the box of tensor name at offset with dst's shape (global shape given, as for a
  * DTensor) into dst, any dtype and device. */
-status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
-                             const int64_t *global_shape, const int64_t *offset, tensor_t *dst);
+fsdpc_status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
+                                   const int64_t *global_shape, const int64_t *offset,
+                                   fsdpc_tensor_t *dst);
 /* Reads n boxes of the folder's tensors, each at its offset with its value's shape, into the
  * values' memory (any dtype and device); the saved global shapes apply. The blocks read for
  * one box are checked while the next is read: prefer this to one read_box per box. */
-status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, int n);
+fsdpc_status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, int n);
 /* Reads every block of every saved chunk of tensor name and checks it: *checked counts the
  * chunks that passed, *unchecked those of a folder without checksums. The first mismatch
  * fails, naming the file, the tensor and the block. */
-status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked);
+fsdpc_status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked);
 /* dcp_reader_verify over a whole folder, split over pg's ranks (the i-th tensor in name
  * order on rank i % size), so that the folder is read once in all. Collective: every rank
  * fails, naming the first damaged tensor, when any is; *chunks (may be NULL) receives the
  * number of chunks checked over all ranks. */
-status_t dcp_verify(const char *dir, pg_t *pg, int64_t *chunks);
+fsdpc_status_t dcp_verify(const char *dir, pg_t *pg, int64_t *chunks);
 
 /* Every tensor of the folder, sorted by name (owned by the reader; never fails). */
-status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n);
+fsdpc_status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

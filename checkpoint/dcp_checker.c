@@ -82,7 +82,7 @@ bool dcp_checker_spare_cpu(void) {
   return mine > world_local_size();
 }
 
-status_t dcp_checker_new(dcp_checker_t **out) {
+fsdpc_status_t dcp_checker_new(dcp_checker_t **out) {
   dcp_checker_t *c = calloc(1, sizeof *c);
   if (c == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   if (dcp_checker_spare_cpu() && pthread_mutex_init(&c->mu, NULL) == 0) {

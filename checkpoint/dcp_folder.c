@@ -14,7 +14,7 @@ static int cmp_str(const void *a, const void *b) {
 }
 
 /* The *.safetensors names directly in dir, sorted. */
-static status_t list_files(const char *dir, char ***out, int *count) {
+static fsdpc_status_t list_files(const char *dir, char ***out, int *count) {
   *out = NULL;
   *count = 0;
   DIR *d = opendir(dir);
@@ -22,7 +22,7 @@ static status_t list_files(const char *dir, char ***out, int *count) {
     return err_set(STATUS_EIO, "checkpoint: cannot open folder %s: %s", dir, strerror(errno));
   char **names = NULL;
   int n = 0, cap = 0;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   struct dirent *e;
   while ((e = readdir(d)) != NULL && st == STATUS_OK) {
     size_t l = strlen(e->d_name);
@@ -56,7 +56,7 @@ static status_t list_files(const char *dir, char ***out, int *count) {
 }
 
 /* Every file records the folder's files: the same list, naming exactly the files present. */
-static status_t check_file_lists(const dcp_reader_t *r) {
+static fsdpc_status_t check_file_lists(const dcp_reader_t *r) {
   const dcp_integrity_t *ref = &r->files[0].it;
   for (int i = 1; i < r->n_files; i++) {
     const dcp_integrity_t *it = &r->files[i].it;
@@ -72,7 +72,7 @@ static status_t check_file_lists(const dcp_reader_t *r) {
   if (listed == NULL) return oom();
   memcpy(listed, ref->files, sizeof(char *) * (size_t)ref->n_files);
   qsort(listed, (size_t)ref->n_files, sizeof(char *), cmp_str);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   int a = 0, b = 0; /* merge the two sorted lists: present (r->files) and listed */
   while (st == STATUS_OK && (a < r->n_files || b < ref->n_files)) {
     int c = a == r->n_files    ? 1
@@ -100,7 +100,7 @@ static status_t check_file_lists(const dcp_reader_t *r) {
 
 /* How the folder's chunks are checked: every file has an integrity record, or none has one
  * (then a legacy crc32 on every chunk, or on none: a folder written by another tool). */
-static status_t decide_checks(dcp_reader_t *r) {
+static fsdpc_status_t decide_checks(dcp_reader_t *r) {
   int with = 0;
   for (int i = 0; i < r->n_files; i++) with += r->files[i].has_integrity;
   if (with == r->n_files) {
@@ -163,8 +163,8 @@ static void fill_chunk(const dcp_reader_t *r, int file, int index, chunk_t *c) {
 
 /* The chunks of one tensor tile it exactly: no two overlap and their elements add up to the
  * tensor's (every chunk lies inside it: the shape is the largest end). */
-static status_t check_tiling(const dcp_reader_t *r, const dcp_tensor_t *t, const chunk_t *c,
-                             int nc) {
+static fsdpc_status_t check_tiling(const dcp_reader_t *r, const dcp_tensor_t *t, const chunk_t *c,
+                                   int nc) {
   int nd = t->ndim;
   uint64_t total = 1, sum = 0;
   bool huge = false;
@@ -179,8 +179,8 @@ static status_t check_tiling(const dcp_reader_t *r, const dcp_tensor_t *t, const
     return err_set(STATUS_EFORMAT,
                    "checkpoint %s: the chunks of tensor '%s' hold %llu elements, its shape %s has "
                    "%llu: a chunk is missing, repeated or misplaced",
-                   r->dir, t->name, (unsigned long long)sum, shape_str(nd, t->shape, a, sizeof a),
-                   (unsigned long long)total);
+                   r->dir, t->name, (unsigned long long)sum,
+                   tensor_shape_str(nd, t->shape, a, sizeof a), (unsigned long long)total);
   if (nd == 0) return STATUS_OK; /* one chunk of one element */
   /* sweep along dimension 0: only chunks whose rows meet can overlap */
   int *order = malloc(sizeof(int) * (size_t)nc);
@@ -192,7 +192,7 @@ static status_t check_tiling(const dcp_reader_t *r, const dcp_tensor_t *t, const
       order[j] = order[j - 1];
       order[j - 1] = x;
     }
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < nc && st == STATUS_OK; i++) {
     const chunk_t *p = &c[order[i]];
     for (int j = i + 1; j < nc && st == STATUS_OK; j++) {
@@ -213,7 +213,8 @@ static status_t check_tiling(const dcp_reader_t *r, const dcp_tensor_t *t, const
 }
 
 /* Folds the chunks of one tensor into its description and checks them. */
-static status_t fold_tensor(const dcp_reader_t *r, const chunk_t *c, int nc, dcp_tensor_t *e) {
+static fsdpc_status_t fold_tensor(const dcp_reader_t *r, const chunk_t *c, int nc,
+                                  dcp_tensor_t *e) {
   const st_info_t *t = c[0].info;
   if ((e->name = strdup(t->name)) == NULL) return oom();
   e->dtype = t->dtype;
@@ -237,7 +238,7 @@ static status_t fold_tensor(const dcp_reader_t *r, const chunk_t *c, int nc, dcp
 }
 
 /* The tensor table: every name once, its chunks together. */
-static status_t build_table(dcp_reader_t *r) {
+static fsdpc_status_t build_table(dcp_reader_t *r) {
   int total = 0;
   for (int i = 0; i < r->n_files; i++) total += st_num_tensors(r->files[i].f);
   size_t m = (size_t)(total > 0 ? total : 1);
@@ -256,7 +257,7 @@ static status_t build_table(dcp_reader_t *r) {
   qsort(refs, (size_t)total, sizeof(ref_t), cmp_ref);
   for (int i = 0; i < total; i++) fill_chunk(r, refs[i].file, refs[i].index, &r->chunks[i]);
   free(refs);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < total && st == STATUS_OK;) {
     int j = i + 1;
     while (j < total && strcmp(r->chunks[j].info->name, r->chunks[i].info->name) == 0) j++;
@@ -269,7 +270,7 @@ static status_t build_table(dcp_reader_t *r) {
   return st;
 }
 
-status_t dcp_reader_open(const char *dir, dcp_reader_t **out) {
+fsdpc_status_t dcp_reader_open(const char *dir, dcp_reader_t **out) {
   ARG_NONNULL(dir);
   ARG_NONNULL(out);
   *out = NULL;
@@ -278,7 +279,7 @@ status_t dcp_reader_open(const char *dir, dcp_reader_t **out) {
   snprintf(r->dir, sizeof r->dir, "%s", dir);
   char **names = NULL;
   int n = 0;
-  status_t st = list_files(dir, &names, &n);
+  fsdpc_status_t st = list_files(dir, &names, &n);
   if (st == STATUS_OK && (r->files = calloc((size_t)n, sizeof(rfile_t))) == NULL) st = oom();
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     char path[DCP_JOIN_MAX];
@@ -326,7 +327,7 @@ bool dcp_reader_save_id(const dcp_reader_t *r, uint64_t *id) {
   return true;
 }
 
-status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n) {
+fsdpc_status_t dcp_reader_list(dcp_reader_t *r, const dcp_tensor_t **out, int *n) {
   ARG_NONNULL(r);
   ARG_NONNULL(out);
   ARG_NONNULL(n);

@@ -67,8 +67,8 @@ static void canon_name(canon_t *c, const char *name) {
   if (XXH3_64bits_update(c->s, name, n) != XXH_OK) c->failed = true;
 }
 
-status_t dcp_integrity_header_hash(const dcp_integrity_t *it, const dcp_hdr_tensor_t *t, int n,
-                                   uint64_t *out) {
+fsdpc_status_t dcp_integrity_header_hash(const dcp_integrity_t *it, const dcp_hdr_tensor_t *t,
+                                         int n, uint64_t *out) {
   canon_t c = {XXH3_createState(), false};
   if (c.s == NULL || XXH3_64bits_reset(c.s) != XXH_OK) {
     XXH3_freeState(c.s);
@@ -99,11 +99,11 @@ status_t dcp_integrity_header_hash(const dcp_integrity_t *it, const dcp_hdr_tens
 
 /* ---- the record ---- */
 
-status_t dcp_integrity_format(const dcp_integrity_t *it, char **out) {
+fsdpc_status_t dcp_integrity_format(const dcp_integrity_t *it, char **out) {
   *out = NULL;
   char *blocks = malloc(16 * it->n_hashes + 1);
   cJSON *o = cJSON_CreateObject(), *files = cJSON_CreateArray();
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (blocks == NULL || o == NULL || files == NULL) {
     st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
     goto cleanup;
@@ -152,7 +152,7 @@ void dcp_integrity_free(dcp_integrity_t *it) {
   memset(it, 0, sizeof *it);
 }
 
-status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t *out) {
+fsdpc_status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t *out) {
   memset(out, 0, sizeof *out);
   cJSON *o = cJSON_Parse(text);
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "version");
@@ -162,7 +162,7 @@ status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t
   const cJSON *bl = cJSON_GetObjectItemCaseSensitive(o, "blocks");
   const cJSON *hd = cJSON_GetObjectItemCaseSensitive(o, "header");
   const cJSON *sv = cJSON_GetObjectItemCaseSensitive(o, "save");
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (!cJSON_IsObject(o)) {
     st = err_set(STATUS_EFORMAT, "%s: %s is not a JSON object", path, DCP_INTEGRITY_KEY);
     goto cleanup;

@@ -64,13 +64,13 @@ uint64_t dcp_first_bad_block(const void *data, size_t bytes, size_t block,
                              const uint64_t *expect, uint64_t first);
 /* The hash of the canonical header of n tensors (in data order) with its block size, files
  * and block hashes. */
-status_t dcp_integrity_header_hash(const dcp_integrity_t *it, const dcp_hdr_tensor_t *t, int n,
-                                   uint64_t *out);
+fsdpc_status_t dcp_integrity_header_hash(const dcp_integrity_t *it, const dcp_hdr_tensor_t *t,
+                                         int n, uint64_t *out);
 /* The metadata value of it (caller frees). */
-status_t dcp_integrity_format(const dcp_integrity_t *it, char **out);
+fsdpc_status_t dcp_integrity_format(const dcp_integrity_t *it, char **out);
 /* Parses a metadata value of file path into out (freed with dcp_integrity_free, also on
  * failure). The block hashes are checked against nothing here: see dcp_integrity_header_hash. */
-status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t *out);
+fsdpc_status_t dcp_integrity_parse(const char *path, const char *text, dcp_integrity_t *out);
 void dcp_integrity_free(dcp_integrity_t *it);
 
 /* Compares blocks with their recorded hashes: on a helper thread when the rank has a CPU to
@@ -81,7 +81,7 @@ typedef struct dcp_checker dcp_checker_t;
  * more than one CPU but not to all of the node's (the launcher gave them to this rank), or it may
  * run on all of them and they outnumber the ranks on the node (world_local_size). */
 bool dcp_checker_spare_cpu(void);
-status_t dcp_checker_new(dcp_checker_t **out);
+fsdpc_status_t dcp_checker_new(dcp_checker_t **out);
 /* Whether the blocks are hashed on the helper thread (else at once, by dcp_checker_push). */
 bool dcp_checker_threaded(const dcp_checker_t *c);
 /* Queues bytes bytes at data: blocks of block bytes (the last one shorter) whose hashes should

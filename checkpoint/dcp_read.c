@@ -24,8 +24,8 @@
 
 /* ---- checked reads ---- */
 
-static status_t mismatch(const rfile_t *rf, const char *name, uint64_t size, uint64_t B,
-                         uint64_t b) {
+static fsdpc_status_t mismatch(const rfile_t *rf, const char *name, uint64_t size, uint64_t B,
+                               uint64_t b) {
   uint64_t pos = b * B, end = pos + B < size ? pos + B : size;
   return err_set(STATUS_EFORMAT,
                  "%s: tensor '%s': checksum mismatch in block %llu of %llu (bytes %llu to %llu "
@@ -37,19 +37,19 @@ static status_t mismatch(const rfile_t *rf, const char *name, uint64_t size, uin
 
 /* Reads bytes [lo, hi) of chunk c into buf, queueing every block they span for its check (see
  * checks_done): lo is at a block's start, hi at a block's end or the chunk's. */
-static status_t read_blocks(const dcp_reader_t *r, const chunk_t *c, uint64_t lo, uint64_t hi,
-                            void *buf) {
+static fsdpc_status_t read_blocks(const dcp_reader_t *r, const chunk_t *c, uint64_t lo, uint64_t hi,
+                                  void *buf) {
   rfile_t *rf = &r->files[c->file];
   const char *name = c->info->name;
   uint64_t size = c->info->end - c->info->begin, B = c->block;
   if (B == 0) { /* nothing to check: still in pieces (one very large read is slower) */
     for (uint64_t pos = lo; pos < hi; pos += READ_JOB_BYTES)
-      TRY(st_read_bytes(rf->f, name, pos, (char *)buf + (pos - lo),
-                        (size_t)(hi - pos < READ_JOB_BYTES ? hi - pos : READ_JOB_BYTES)));
+      FSDPC_TRY(st_read_bytes(rf->f, name, pos, (char *)buf + (pos - lo),
+                              (size_t)(hi - pos < READ_JOB_BYTES ? hi - pos : READ_JOB_BYTES)));
     return STATUS_OK;
   }
   if (c->hash == NULL) { /* a legacy CRC-32 of the whole chunk, read in one piece */
-    TRY(st_read_bytes(rf->f, name, lo, buf, (size_t)(hi - lo)));
+    FSDPC_TRY(st_read_bytes(rf->f, name, lo, buf, (size_t)(hi - lo)));
     uLong x = crc32(0L, Z_NULL, 0);
     for (uint64_t o = 0; o < hi - lo; o += 1u << 30)
       x = crc32(x, (const Bytef *)buf + o,
@@ -59,7 +59,7 @@ static status_t read_blocks(const dcp_reader_t *r, const chunk_t *c, uint64_t lo
   uint64_t step = B < READ_JOB_BYTES ? READ_JOB_BYTES / B * B : B;
   uint64_t cached = dcp_checker_threaded(r->checker) ? READ_CACHED_BYTES : READ_CACHED_INLINE;
   uint64_t small = B < cached ? cached / B * B : B;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (uint64_t pos = lo, n; pos < hi && st == STATUS_OK; pos += n) {
     char *p = (char *)buf + (pos - lo);
     n = hi - pos < small ? hi - pos : small;
@@ -75,7 +75,7 @@ static status_t read_blocks(const dcp_reader_t *r, const chunk_t *c, uint64_t lo
 
 /* Waits for the checks of every block read so far: st, or the first mismatch when st is OK.
  * Bytes a read brought in are trusted (copied out, converted, returned) only after this. */
-static status_t checks_done(const dcp_reader_t *r, status_t st) {
+static fsdpc_status_t checks_done(const dcp_reader_t *r, fsdpc_status_t st) {
   const void *who = NULL;
   uint64_t b = 0;
   if (dcp_checker_wait(r->checker, &who, &b) || st != STATUS_OK) return st;
@@ -86,25 +86,25 @@ static status_t checks_done(const dcp_reader_t *r, status_t st) {
 /* read_blocks, then the checks of what it read: the bytes are the caller's to use after this.
  * A range of one piece is hashed by this thread right after its read (the caller would only
  * wait for the helper). */
-static status_t read_checked(const dcp_reader_t *r, const chunk_t *c, uint64_t lo, uint64_t hi,
-                             void *buf) {
+static fsdpc_status_t read_checked(const dcp_reader_t *r, const chunk_t *c, uint64_t lo,
+                                   uint64_t hi, void *buf) {
   if (c->hash == NULL || hi - lo > READ_JOB_BYTES) return checks_done(r, read_blocks(r, c, lo, hi, buf));
   rfile_t *rf = &r->files[c->file];
   uint64_t size = c->info->end - c->info->begin, B = c->block;
-  TRY(st_read_bytes(rf->f, c->info->name, lo, buf, (size_t)(hi - lo)));
+  FSDPC_TRY(st_read_bytes(rf->f, c->info->name, lo, buf, (size_t)(hi - lo)));
   uint64_t bad = dcp_first_bad_block(buf, (size_t)(hi - lo), (size_t)B, c->hash, lo / B);
   return bad == UINT64_MAX ? STATUS_OK : mismatch(rf, c->info->name, size, B, bad);
 }
 
 /* Reads a whole chunk into dst (its shape), every block checked. */
-static status_t read_whole(const dcp_reader_t *r, const chunk_t *c, tensor_t *dst) {
+static fsdpc_status_t read_whole(const dcp_reader_t *r, const chunk_t *c, fsdpc_tensor_t *dst) {
   const st_info_t *t = c->info;
   uint64_t size = t->end - t->begin;
   if (dst->device.type == DEVICE_CPU && dst->dtype == t->dtype && tensor_is_contiguous(dst))
     return read_blocks(r, c, 0, size, dst->data); /* straight into place */
-  tensor_t raw;
-  TRY(tensor_init(&raw, t->dtype, device_cpu(), t->ndim, t->shape));
-  status_t st = read_checked(r, c, 0, size, raw.data);
+  fsdpc_tensor_t raw;
+  FSDPC_TRY(tensor_init(&raw, t->dtype, device_cpu(), t->ndim, t->shape));
+  fsdpc_status_t st = read_checked(r, c, 0, size, raw.data);
   if (st == STATUS_OK) st = tensor_copy(dst, &raw);
   tensor_free(&raw);
   return st;
@@ -123,13 +123,13 @@ static bool whole_blocks(const chunk_t *c, uint64_t a, uint64_t b, uint64_t *lo,
  * dst: the whole blocks straight into place, checked like a whole chunk's (see read_blocks),
  * the partly covered first and last blocks through a block-sized buffer, checked before their
  * bytes are copied. */
-static status_t read_rows(const dcp_reader_t *r, const chunk_t *c, uint64_t a, uint64_t b,
-                          char *dst) {
+static fsdpc_status_t read_rows(const dcp_reader_t *r, const chunk_t *c, uint64_t a, uint64_t b,
+                                char *dst) {
   uint64_t size = c->info->end - c->info->begin, B = c->block ? c->block : 1, in_lo, in_hi;
   whole_blocks(c, a, b, &in_lo, &in_hi);
   char *edge = a < in_lo || b > in_hi ? malloc((size_t)B) : NULL;
   if ((a < in_lo || b > in_hi) && edge == NULL) return oom();
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (a < in_lo) {
     st = read_checked(r, c, in_lo - B, in_lo, edge);
     if (st == STATUS_OK) memcpy(dst, edge + (a - (in_lo - B)), (size_t)(in_lo - a));
@@ -147,14 +147,14 @@ static status_t read_rows(const dcp_reader_t *r, const chunk_t *c, uint64_t a, u
  * box touches. Whole rows into a destination laid out like the chunk go through read_rows;
  * other boxes along dimension 0 in groups of about READ_GROUP_BYTES of rows, each group's
  * blocks read and checked, then its part of the box copied out. */
-static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t *src,
-                          tensor_t *dst) {
+static fsdpc_status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t *src,
+                                fsdpc_tensor_t *dst) {
   const st_info_t *t = c->info;
   int nd = t->ndim;
   if (c->block != 0 && c->hash == NULL) { /* one CRC for the chunk: read it whole, then the box */
-    tensor_t whole, box = {0};
-    TRY(tensor_init(&whole, t->dtype, device_cpu(), nd, t->shape));
-    status_t st = checks_done(r, read_whole(r, c, &whole));
+    fsdpc_tensor_t whole, box = {0};
+    FSDPC_TRY(tensor_init(&whole, t->dtype, device_cpu(), nd, t->shape));
+    fsdpc_status_t st = checks_done(r, read_whole(r, c, &whole));
     if (st == STATUS_OK) st = tensor_narrow_box(&box, &whole, src, dst->shape);
     if (st == STATUS_OK) st = tensor_copy(dst, &box);
     tensor_free(&box);
@@ -181,7 +181,7 @@ static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t
   if (per > rows) per = rows;
   char *buf = malloc((size_t)((uint64_t)per * row + 2 * B));
   if (buf == NULL) return oom();
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int64_t r0 = 0; r0 < rows && st == STATUS_OK; r0 += per) {
     int64_t n = rows - r0 < per ? rows - r0 : per;
     uint64_t base = (uint64_t)(src[0] + r0) * row; /* the group's first row in the chunk */
@@ -196,7 +196,7 @@ static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t
       boff[d] = d == 0 ? 0 : src[d];
       bshape[d] = d == 0 ? n : dst->shape[d];
     }
-    tensor_t rows_view = {0}, box = {0}, out = {0};
+    fsdpc_tensor_t rows_view = {0}, box = {0}, out = {0};
     if (st == STATUS_OK)
       st = tensor_wrap(&rows_view, buf + (base - start), t->dtype, device_cpu(), nd, shape);
     if (st == STATUS_OK) st = tensor_narrow_box(&box, &rows_view, boff, bshape);
@@ -212,8 +212,9 @@ static status_t read_part(const dcp_reader_t *r, const chunk_t *c, const int64_t
 
 /* Reads the box at global offset loff with local's shape of tensor name (global shape gshape)
  * into local, from the saved chunks that intersect it. */
-static status_t load_box(const dcp_reader_t *r, const char *name, int nd, const int64_t *gshape,
-                         const int64_t *loff, const tensor_t *local, dcp_stats_t *s) {
+static fsdpc_status_t load_box(const dcp_reader_t *r, const char *name, int nd,
+                               const int64_t *gshape, const int64_t *loff,
+                               const fsdpc_tensor_t *local, dcp_stats_t *s) {
   if (tensor_is_meta(local))
     return err_set(STATUS_EINVAL,
                    "checkpoint %s: tensor '%s': the destination is a meta tensor without "
@@ -233,11 +234,11 @@ static status_t load_box(const dcp_reader_t *r, const char *name, int nd, const 
                    st_path(r->files[c[0].file].f), name, t->dtype_name, dtype_name(local->dtype));
   if (memcmp(t->shape, gshape, sizeof(int64_t) * (size_t)nd) != 0)
     return err_set(STATUS_ESHAPE,
-                   "checkpoint %s: tensor '%s' was saved with shape %s, the model's is %s",
-                   r->dir, name, shape_str(nd, t->shape, a, sizeof a),
-                   shape_str(nd, gshape, b, sizeof b));
+                   "checkpoint %s: tensor '%s' was saved with shape %s, the model's is %s", r->dir,
+                   name, tensor_shape_str(nd, t->shape, a, sizeof a),
+                   tensor_shape_str(nd, gshape, b, sizeof b));
   int64_t covered = 0;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int k = 0; k < t->chunks && st == STATUS_OK; k++) {
     int64_t lo[TENSOR_MAX_DIMS], len[TENSOR_MAX_DIMS], src[TENSOR_MAX_DIMS], vol = 1, whole = 1;
     for (int d = 0; d < nd; d++) {
@@ -251,7 +252,7 @@ static status_t load_box(const dcp_reader_t *r, const char *name, int nd, const 
       whole *= c[k].info->shape[d];
     }
     if (vol == 0) continue;
-    tensor_t dst, next; /* the intersection inside this rank's shard */
+    fsdpc_tensor_t dst, next; /* the intersection inside this rank's shard */
     st = tensor_ref(&dst, local);
     for (int d = 0; d < nd && st == STATUS_OK; d++) {
       st = tensor_narrow(&next, &dst, d, lo[d] - loff[d], len[d]);
@@ -271,8 +272,9 @@ static status_t load_box(const dcp_reader_t *r, const char *name, int nd, const 
   return st;
 }
 
-status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
-                             const int64_t *global_shape, const int64_t *offset, tensor_t *dst) {
+fsdpc_status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
+                                   const int64_t *global_shape, const int64_t *offset,
+                                   fsdpc_tensor_t *dst) {
   ARG_NONNULL(r);
   ARG_NONNULL(name);
   if (ndim > 0) ARG_NONNULL(global_shape);
@@ -281,20 +283,21 @@ status_t dcp_reader_read_box(dcp_reader_t *r, const char *name, int ndim,
   return checks_done(r, load_box(r, name, ndim, global_shape, offset, dst, NULL));
 }
 
-status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, int n) {
+fsdpc_status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, int n) {
   ARG_NONNULL(r);
   if (n > 0) ARG_NONNULL(boxes);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     int ti = dcp_find_tensor(r, boxes[i].name);
-    const tensor_t *v = boxes[i].value;
+    const fsdpc_tensor_t *v = boxes[i].value;
     st = load_box(r, boxes[i].name, v->ndim, ti < 0 ? v->shape : r->list[ti].shape,
                   boxes[i].offset, v, NULL);
   }
   return checks_done(r, st); /* the checks of one box ran while the next was read */
 }
 
-status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
+fsdpc_status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n,
+                               dcp_stats_t *stats) {
   ARG_NONNULL(r);
   if (n > 0) ARG_NONNULL(entries);
   dcp_stats_t s = {0};
@@ -302,12 +305,12 @@ status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp
   s.unchecked = r->checks == DCP_CHECKS_NONE;
   uint64_t read0 = 0;
   for (int i = 0; i < r->n_files; i++) read0 += st_bytes_read(r->files[i].f);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     const dtensor_t *v = entries[i].value;
     int64_t loff[TENSOR_MAX_DIMS];
     dtensor_offset(v, loff);
-    tensor_t local;
+    fsdpc_tensor_t local;
     st = tensor_ref(&local, dtensor_local(v));
     if (st == STATUS_OK)
       st = load_box(r, entries[i].name, dtensor_ndim(v), dtensor_shape(v), loff, &local, &s);
@@ -323,19 +326,19 @@ status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n, dcp
   return st;
 }
 
-status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
+fsdpc_status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats) {
   ARG_NONNULL(dir);
   if (n > 0) ARG_NONNULL(entries);
   dcp_reader_t *r;
-  TRY(dcp_reader_open(dir, &r));
-  status_t st = dcp_reader_load(r, entries, n, stats);
+  FSDPC_TRY(dcp_reader_open(dir, &r));
+  fsdpc_status_t st = dcp_reader_load(r, entries, n, stats);
   dcp_reader_close(r);
   return st;
 }
 
 /* ---- verify ---- */
 
-status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked) {
+fsdpc_status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int *unchecked) {
   ARG_NONNULL(r);
   ARG_NONNULL(name);
   ARG_NONNULL(checked);
@@ -344,7 +347,7 @@ status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int 
   int ti = dcp_find_tensor(r, name);
   if (ti < 0) return err_set(STATUS_EFORMAT, "checkpoint %s: no tensor '%s'", r->dir, name);
   const chunk_t *c = &r->chunks[r->first[ti]];
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int k = 0; k < r->list[ti].chunks && st == STATUS_OK; k++) {
     if (c[k].block == 0) {
       (*unchecked)++;
@@ -364,7 +367,7 @@ status_t dcp_reader_verify(dcp_reader_t *r, const char *name, int *checked, int 
   return st;
 }
 
-status_t dcp_verify(const char *dir, pg_t *pg, int64_t *chunks) {
+fsdpc_status_t dcp_verify(const char *dir, pg_t *pg, int64_t *chunks) {
   ARG_NONNULL(dir);
   ARG_NONNULL(pg);
   int rank = pg_rank(pg), size = pg_size(pg);
@@ -372,7 +375,7 @@ status_t dcp_verify(const char *dir, pg_t *pg, int64_t *chunks) {
   const dcp_tensor_t *t = NULL;
   int n = 0;
   int64_t mine = 0, all = 0;
-  status_t st = dcp_reader_open(dir, &r);
+  fsdpc_status_t st = dcp_reader_open(dir, &r);
   if (st == STATUS_OK) st = dcp_reader_list(r, &t, &n);
   for (int i = rank; i < n && st == STATUS_OK; i += size) {
     int ok = 0, none = 0;
@@ -380,8 +383,8 @@ status_t dcp_verify(const char *dir, pg_t *pg, int64_t *chunks) {
     mine += ok;
   }
   dcp_reader_close(r);
-  TRY(pg_agree(pg, st));
-  TRY(pg_host_all_reduce(pg, &mine, &all, 1, PG_HOST_I64, REDUCE_SUM));
+  FSDPC_TRY(pg_agree(pg, st));
+  FSDPC_TRY(pg_host_all_reduce(pg, &mine, &all, 1, PG_HOST_I64, REDUCE_SUM));
   if (chunks) *chunks = all;
   return STATUS_OK;
 }

@@ -54,14 +54,14 @@ struct dcp_reader {
   dcp_checker_t *checker; /* hashes the blocks a read has just brought in */
 };
 
-static inline status_t oom(void) {
+static inline fsdpc_status_t oom(void) {
   return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
 }
 
 /* Opens shard file path into rf (its name in the folder already in rf->base): the header, the
  * sharding info and the integrity record, each checked. rf is closed with dcp_rfile_close,
  * also on failure. */
-status_t dcp_rfile_open(rfile_t *rf, const char *path);
+fsdpc_status_t dcp_rfile_open(rfile_t *rf, const char *path);
 void dcp_rfile_close(rfile_t *rf);
 
 /* Tensor name's index in the reader's table, or -1. */

@@ -27,7 +27,7 @@ void dcp_rfile_close(rfile_t *rf) {
 }
 
 /* Indexes the file's sharding entries by name (cJSON's own lookup is a linear walk). */
-static status_t index_entries(rfile_t *rf) {
+static fsdpc_status_t index_entries(rfile_t *rf) {
   const cJSON *info = rf->sharding;
   if (!cJSON_IsObject(info))
     return err_set(STATUS_EFORMAT, "%s: DCP_SHARDING_INFO is not a JSON object", st_path(rf->f));
@@ -57,7 +57,7 @@ static const cJSON *find_entry(const rfile_t *rf, const char *name) {
 }
 
 /* Tensor i's saved_offsets and legacy crc32 from the sharding info. */
-static status_t parse_sharding(rfile_t *rf, int i) {
+static fsdpc_status_t parse_sharding(rfile_t *rf, int i) {
   const st_info_t *t = st_tensor(rf->f, i);
   const cJSON *e = rf->sharding ? find_entry(rf, t->name) : NULL;
   if (e == NULL) return STATUS_OK; /* a whole tensor at offset 0 */
@@ -89,7 +89,7 @@ static status_t parse_sharding(rfile_t *rf, int i) {
 
 /* The integrity record: as many block hashes as the tensors need, and a header whose hash
  * matches. */
-static status_t check_integrity(rfile_t *rf) {
+static fsdpc_status_t check_integrity(rfile_t *rf) {
   const char *p = st_path(rf->f);
   int n = st_num_tensors(rf->f);
   uint64_t blocks = 0, B = rf->it.block_bytes;
@@ -113,7 +113,7 @@ static status_t check_integrity(rfile_t *rf) {
                                rf->has_offs[i] ? rf->offs[i] : NULL};
   }
   uint64_t h = 0;
-  status_t st = dcp_integrity_header_hash(&rf->it, ht, n, &h);
+  fsdpc_status_t st = dcp_integrity_header_hash(&rf->it, ht, n, &h);
   free(ht);
   if (st == STATUS_OK && h != rf->it.header)
     st = err_set(STATUS_EFORMAT,
@@ -123,8 +123,8 @@ static status_t check_integrity(rfile_t *rf) {
   return st;
 }
 
-status_t dcp_rfile_open(rfile_t *rf, const char *path) {
-  TRY(st_open(&rf->f, path));
+fsdpc_status_t dcp_rfile_open(rfile_t *rf, const char *path) {
+  FSDPC_TRY(st_open(path, &rf->f));
   int n = st_num_tensors(rf->f);
   size_t m = (size_t)(n > 0 ? n : 1);
   rf->offs = calloc(m, sizeof *rf->offs);
@@ -136,11 +136,11 @@ status_t dcp_rfile_open(rfile_t *rf, const char *path) {
   const char *info = st_metadata(rf->f, "DCP_SHARDING_INFO");
   if (info != NULL && (rf->sharding = cJSON_Parse(info)) == NULL)
     return err_set(STATUS_EFORMAT, "%s: DCP_SHARDING_INFO is not valid JSON", path);
-  if (info != NULL) TRY(index_entries(rf));
-  for (int i = 0; i < n; i++) TRY(parse_sharding(rf, i));
+  if (info != NULL) FSDPC_TRY(index_entries(rf));
+  for (int i = 0; i < n; i++) FSDPC_TRY(parse_sharding(rf, i));
   const char *record = st_metadata(rf->f, DCP_INTEGRITY_KEY);
   if (record == NULL) return STATUS_OK;
-  TRY(dcp_integrity_parse(path, record, &rf->it));
+  FSDPC_TRY(dcp_integrity_parse(path, record, &rf->it));
   rf->has_integrity = true;
   return check_integrity(rf);
 }

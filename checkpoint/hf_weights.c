@@ -10,7 +10,7 @@
 #include "core/file.h"
 #include "checkpoint/safetensors.h"
 
-static status_t load_one(st_file_t *f, nn_param_t *p) {
+static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p) {
   const st_info_t *t = st_find(f, p->fqn);
   if (t == NULL) return err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", st_path(f), p->fqn);
   int nd = dtensor_ndim(p->value);
@@ -20,25 +20,26 @@ static status_t load_one(st_file_t *f, nn_param_t *p) {
   if (!same) {
     char a[96], b[96];
     return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, the model expects %s", st_path(f),
-                   p->fqn, shape_str(t->ndim, t->shape, a, sizeof a),
-                   shape_str(nd, shape, b, sizeof b));
+                   p->fqn, tensor_shape_str(t->ndim, t->shape, a, sizeof a),
+                   tensor_shape_str(nd, shape, b, sizeof b));
   }
   int64_t off[TENSOR_MAX_DIMS];
   dtensor_offset(p->value, off);
-  tensor_t dst;
-  TRY(tensor_ref(&dst, dtensor_local(p->value)));
-  status_t st = st_read_box(f, p->fqn, off, &dst);
+  fsdpc_tensor_t dst;
+  FSDPC_TRY(tensor_ref(&dst, dtensor_local(p->value)));
+  fsdpc_status_t st = st_read_box(f, p->fqn, off, &dst);
   tensor_free(&dst);
   return st;
 }
 
 /* Loads every parameter from the first of files[0..nf) that holds it; fails on a parameter in
  * none (naming where) or in two, and on a tensor that is not a parameter. */
-static status_t load_from(nn_module_t *root, st_file_t *const *files, int nf, const char *where) {
+static fsdpc_status_t load_from(nn_module_t *root, st_file_t *const *files, int nf,
+                                const char *where) {
   nn_param_t **ps = NULL;
   int n = 0;
-  TRY(nn_named_parameters(root, &ps, &n));
-  status_t st = STATUS_OK;
+  FSDPC_TRY(nn_named_parameters(root, &ps, &n));
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     int at = -1;
     for (int k = 0; k < nf && st == STATUS_OK; k++) {
@@ -65,26 +66,26 @@ static status_t load_from(nn_module_t *root, st_file_t *const *files, int nf, co
   return st;
 }
 
-status_t ckpt_load_weights(nn_module_t *root, const char *path) {
+fsdpc_status_t ckpt_load_weights(nn_module_t *root, const char *path) {
   ARG_NONNULL(root);
   ARG_NONNULL(path);
   st_file_t *f = NULL;
-  TRY(st_open(&f, path));
-  status_t st = load_from(root, &f, 1, path);
+  FSDPC_TRY(st_open(path, &f));
+  fsdpc_status_t st = load_from(root, &f, 1, path);
   st_close(f);
   return st;
 }
 
-status_t ckpt_load_hf(nn_module_t *root, const char *dir) {
+fsdpc_status_t ckpt_load_hf(nn_module_t *root, const char *dir) {
   char **names;
   int n;
-  TRY(hf_weight_files(dir, &names, &n));
+  FSDPC_TRY(hf_weight_files(dir, &names, &n));
   st_file_t **files = calloc((size_t)(n ? n : 1), sizeof *files);
-  status_t st = files ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  fsdpc_status_t st = files ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     char path[4400];
     snprintf(path, sizeof path, "%.4000s/%.255s", dir, names[i]);
-    st = st_open(&files[i], path);
+    st = st_open(path, &files[i]);
   }
   if (st == STATUS_OK) st = load_from(root, files, n, dir);
   for (int i = 0; files && i < n; i++) st_close(files[i]);
@@ -93,7 +94,7 @@ status_t ckpt_load_hf(nn_module_t *root, const char *dir) {
   return st;
 }
 
-status_t hf_weight_files(const char *dir, char ***out, int *n) {
+fsdpc_status_t hf_weight_files(const char *dir, char ***out, int *n) {
   ARG_NONNULL(dir);
   ARG_NONNULL(out);
   ARG_NONNULL(n);
@@ -104,7 +105,7 @@ status_t hf_weight_files(const char *dir, char ***out, int *n) {
   *n = 0;
   char **names = calloc(MAX_FILES, sizeof(char *));
   if (names == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (access(path, F_OK) == 0) {
     char *text = NULL;
     st = file_read_text(path, FILE_TEXT_MAX, &text);
@@ -152,28 +153,28 @@ void hf_weight_files_free(char **names, int n) {
   free(names);
 }
 
-status_t ckpt_save_weights(nn_module_t *root, const char *path) {
+fsdpc_status_t ckpt_save_weights(nn_module_t *root, const char *path) {
   ARG_NONNULL(root);
   ARG_NONNULL(path);
   nn_param_t **ps = NULL;
   int n = 0;
   st_writer_t *w = NULL;
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, nn_named_parameters(root, &ps, &n));
-  TRY_GOTO(st, st_writer_new(&w));
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, nn_named_parameters(root, &ps, &n));
+  FSDPC_TRY_GOTO(st, st_writer_new(&w));
   for (int i = 0; i < n; i++) {
     const dtensor_t *v = ps[i]->value;
     const placement_t *pl = dtensor_placements(v);
     for (int d = 0; d < mesh_ndim(dtensor_mesh(v)); d++)
       if (pl[d].kind != PLACEMENT_REPLICATE)
-        TRY_GOTO(st, err_set(STATUS_EUNSUPPORTED,
-                             "saving %s: parameter '%s' is not whole on "
-                             "this rank (sharded or partial)",
-                             path, ps[i]->fqn));
-    TRY_GOTO(st, st_writer_add(w, ps[i]->fqn, dtensor_local(v)));
+        FSDPC_TRY_GOTO(st, err_set(STATUS_EUNSUPPORTED,
+                                   "saving %s: parameter '%s' is not whole on "
+                                   "this rank (sharded or partial)",
+                                   path, ps[i]->fqn));
+    FSDPC_TRY_GOTO(st, st_writer_add(w, ps[i]->fqn, dtensor_local(v)));
   }
-  TRY_GOTO(st, st_writer_set_metadata(w, "format", "pt"));
-  TRY_GOTO(st, st_writer_save(w, path));
+  FSDPC_TRY_GOTO(st, st_writer_set_metadata(w, "format", "pt"));
+  FSDPC_TRY_GOTO(st, st_writer_save(w, path));
 cleanup:
   st_writer_free(w);
   free(ps);

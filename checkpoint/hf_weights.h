@@ -3,9 +3,9 @@
  * file, or a Hugging Face folder (model.safetensors, or the files its
  * model.safetensors.index.json names).
  *
- *   TRY(ckpt_load_weights(llama_module(model), "model.safetensors"));
- *   TRY(ckpt_load_hf(llama_module(model), "path/to/Llama-3.2-1B"));
- *   TRY(ckpt_save_weights(llama_module(model), "out.safetensors"));
+ *   FSDPC_TRY(ckpt_load_weights(llama_module(model), "model.safetensors"));
+ *   FSDPC_TRY(ckpt_load_hf(llama_module(model), "path/to/Llama-3.2-1B"));
+ *   FSDPC_TRY(ckpt_save_weights(llama_module(model), "out.safetensors"));
  *
  * Loading reads, for every parameter, only the box its local shard covers, converting the
  * stored dtype to the parameter's; like torch's strict load_state_dict, a missing or an
@@ -23,18 +23,18 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
-status_t ckpt_load_weights(nn_module_t *root, const char *path);
+fsdpc_status_t ckpt_load_weights(nn_module_t *root, const char *path);
 
 /* ckpt_load_weights over a Hugging Face folder's weight files: every parameter must be in
  * exactly one of them, and every tensor of them must be a parameter. */
-status_t ckpt_load_hf(nn_module_t *root, const char *dir);
+fsdpc_status_t ckpt_load_hf(nn_module_t *root, const char *dir);
 
 /* The weight files of a Hugging Face folder: those its index names (each once, in order of
  * first appearance), else model.safetensors. *names (file names, not paths) is freed with
  * hf_weight_files_free. */
-status_t hf_weight_files(const char *dir, char ***names, int *n);
+fsdpc_status_t hf_weight_files(const char *dir, char ***names, int *n);
 void hf_weight_files_free(char **names, int n);
-status_t ckpt_save_weights(nn_module_t *root, const char *path);
+fsdpc_status_t ckpt_save_weights(nn_module_t *root, const char *path);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -83,7 +83,7 @@ static int cmp_name_index(const void *a, const void *b) {
   return strcmp(g_sort_file->t[*(const int *)a].name, g_sort_file->t[*(const int *)b].name);
 }
 
-static status_t parse_u64(const cJSON *v, uint64_t *out) {
+static fsdpc_status_t parse_u64(const cJSON *v, uint64_t *out) {
   if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > 9007199254740992.0 ||
       v->valuedouble != floor(v->valuedouble))
     return STATUS_EFORMAT;
@@ -91,7 +91,7 @@ static status_t parse_u64(const cJSON *v, uint64_t *out) {
   return STATUS_OK;
 }
 
-static status_t parse_entry(st_file_t *f, const cJSON *item, st_info_t *t) {
+static fsdpc_status_t parse_entry(st_file_t *f, const cJSON *item, st_info_t *t) {
   const char *p = f->path, *nm = item->string;
   if (!cJSON_IsObject(item))
     return err_set(STATUS_EFORMAT, "%s: entry '%s' is not an object", p, nm);
@@ -137,7 +137,7 @@ static status_t parse_entry(st_file_t *f, const cJSON *item, st_info_t *t) {
   return STATUS_OK;
 }
 
-static status_t parse_metadata(st_file_t *f, const cJSON *m) {
+static fsdpc_status_t parse_metadata(st_file_t *f, const cJSON *m) {
   if (!cJSON_IsObject(m))
     return err_set(STATUS_EFORMAT, "%s: __metadata__ is not an object", f->path);
   int n = cJSON_GetArraySize(m);
@@ -154,57 +154,57 @@ static status_t parse_metadata(st_file_t *f, const cJSON *m) {
   return STATUS_OK;
 }
 
-static status_t parse_header(st_file_t *f, const char *text) {
+static fsdpc_status_t parse_header(st_file_t *f, const char *text) {
   cJSON *root = cJSON_Parse(text);
   if (root == NULL || !cJSON_IsObject(root)) {
     cJSON_Delete(root);
     return err_set(STATUS_EFORMAT, "%s: header is not a JSON object", f->path);
   }
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   int total = cJSON_GetArraySize(root);
   if ((f->t = calloc((size_t)(total ? total : 1), sizeof(st_info_t))) == NULL)
-    TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
   for (const cJSON *it = root->child; it; it = it->next) {
     if (strcmp(it->string, "__metadata__") == 0) {
       if (f->meta != NULL)
-        TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: __metadata__ appears twice", f->path));
-      TRY_GOTO(st, parse_metadata(f, it));
+        FSDPC_TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: __metadata__ appears twice", f->path));
+      FSDPC_TRY_GOTO(st, parse_metadata(f, it));
       continue;
     }
-    TRY_GOTO(st, parse_entry(f, it, &f->t[f->n]));
+    FSDPC_TRY_GOTO(st, parse_entry(f, it, &f->t[f->n]));
     f->n++;
   }
   qsort(f->t, (size_t)f->n, sizeof(st_info_t), cmp_begin);
   if ((f->by_name = malloc(sizeof(int) * (size_t)(f->n ? f->n : 1))) == NULL)
-    TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
   for (int i = 0; i < f->n; i++) f->by_name[i] = i;
   g_sort_file = f;
   qsort(f->by_name, (size_t)f->n, sizeof(int), cmp_name_index);
   for (int i = 1; i < f->n; i++)
     if (strcmp(f->t[f->by_name[i - 1]].name, f->t[f->by_name[i]].name) == 0)
-      TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: tensor '%s' appears twice", f->path,
-                           f->t[f->by_name[i]].name));
+      FSDPC_TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: tensor '%s' appears twice", f->path,
+                                 f->t[f->by_name[i]].name));
   uint64_t pos = 0;
   for (int i = 0; i < f->n; i++) {
     if (f->t[i].begin != pos)
-      TRY_GOTO(st, err_set(STATUS_EFORMAT,
-                           "%s: tensor '%s' starts at byte %llu, expected %llu "
-                           "(overlapping or non-contiguous data)",
-                           f->path, f->t[i].name, (unsigned long long)f->t[i].begin,
-                           (unsigned long long)pos));
+      FSDPC_TRY_GOTO(st, err_set(STATUS_EFORMAT,
+                                 "%s: tensor '%s' starts at byte %llu, expected %llu "
+                                 "(overlapping or non-contiguous data)",
+                                 f->path, f->t[i].name, (unsigned long long)f->t[i].begin,
+                                 (unsigned long long)pos));
     pos = f->t[i].end;
   }
   if (pos != f->data_size)
-    TRY_GOTO(st, err_set(STATUS_EFORMAT,
-                         "%s: tensors cover %llu bytes of a %llu-byte data "
-                         "buffer",
-                         f->path, (unsigned long long)pos, (unsigned long long)f->data_size));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_EFORMAT,
+                               "%s: tensors cover %llu bytes of a %llu-byte data "
+                               "buffer",
+                               f->path, (unsigned long long)pos, (unsigned long long)f->data_size));
 cleanup:
   cJSON_Delete(root);
   return st;
 }
 
-status_t st_open(st_file_t **out, const char *path) {
+fsdpc_status_t st_open(const char *path, st_file_t **out) {
   ARG_NONNULL(out);
   ARG_NONNULL(path);
   *out = NULL;
@@ -213,35 +213,38 @@ status_t st_open(st_file_t **out, const char *path) {
     free(f);
     return err_set(STATUS_ENOMEM, "out of host memory");
   }
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   char *text = NULL;
-  TRY_GOTO(st, file_open_regular(path, NULL, &f->fp));
+  FSDPC_TRY_GOTO(st, file_open_regular(path, NULL, &f->fp));
   unsigned char len8[8];
   if (fread(len8, 1, 8, f->fp) != 8)
-    TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: shorter than the 8-byte header length", path));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: shorter than the 8-byte header length", path));
   uint64_t n = 0;
   for (int i = 7; i >= 0; i--) n = (n << 8) | len8[i];
-  if (fseeko(f->fp, 0, SEEK_END) != 0) TRY_GOTO(st, err_set(STATUS_EIO, "%s: cannot seek", path));
+  if (fseeko(f->fp, 0, SEEK_END) != 0)
+    FSDPC_TRY_GOTO(st, err_set(STATUS_EIO, "%s: cannot seek", path));
   off_t size = ftello(f->fp);
   if (n < 2 || n > ST_MAX_HEADER)
-    TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: header length %llu outside [2, %u]", path,
-                         (unsigned long long)n, ST_MAX_HEADER));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_EFORMAT, "%s: header length %llu outside [2, %u]", path,
+                               (unsigned long long)n, ST_MAX_HEADER));
   if ((uint64_t)size < 8 + n)
-    TRY_GOTO(st, err_set(STATUS_EFORMAT,
-                         "%s: header of %llu bytes does not fit in the %lld-byte "
-                         "file (truncated?)",
-                         path, (unsigned long long)n, (long long)size));
-  if ((text = malloc(n + 1)) == NULL) TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_EFORMAT,
+                               "%s: header of %llu bytes does not fit in the %lld-byte "
+                               "file (truncated?)",
+                               path, (unsigned long long)n, (long long)size));
+  if ((text = malloc(n + 1)) == NULL)
+    FSDPC_TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
   if (fseeko(f->fp, 8, SEEK_SET) != 0 || fread(text, 1, n, f->fp) != n)
-    TRY_GOTO(st, err_set(STATUS_EIO, "%s: cannot read the header", path));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_EIO, "%s: cannot read the header", path));
   text[n] = '\0';
   if (text[0] != '{' || strlen(text) != n)
-    TRY_GOTO(st, err_set(STATUS_EFORMAT,
-                         "%s: header is not a JSON object (no leading '{', or a NUL byte inside)",
-                         path));
+    FSDPC_TRY_GOTO(
+        st,
+        err_set(STATUS_EFORMAT,
+                "%s: header is not a JSON object (no leading '{', or a NUL byte inside)", path));
   f->data_start = 8 + n;
   f->data_size = (uint64_t)size - f->data_start;
-  TRY_GOTO(st, parse_header(f, text));
+  FSDPC_TRY_GOTO(st, parse_header(f, text));
   free(text);
   *out = f;
   return STATUS_OK;
@@ -284,13 +287,14 @@ const char *st_metadata(const st_file_t *f, const char *key) {
   return i < 0 ? NULL : f->meta[i].value;
 }
 
-static status_t find_or_fail(st_file_t *f, const char *name, const st_info_t **out) {
+static fsdpc_status_t find_or_fail(st_file_t *f, const char *name, const st_info_t **out) {
   *out = st_find(f, name);
   if (*out == NULL) return err_set(STATUS_EFORMAT, "%s: no tensor '%s'", f->path, name);
   return STATUS_OK;
 }
 
-static status_t read_at(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes) {
+static fsdpc_status_t read_at(st_file_t *f, const char *name, uint64_t pos, void *buf,
+                              size_t bytes) {
   if (bytes == 0) return STATUS_OK;
   if (fseeko(f->fp, (off_t)(f->data_start + pos), SEEK_SET) != 0 ||
       fread(buf, 1, bytes, f->fp) != bytes)
@@ -308,12 +312,12 @@ uint64_t st_header_bytes(const st_file_t *f) {
   return f->data_start;
 }
 
-status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes) {
+fsdpc_status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes) {
   ARG_NONNULL(f);
   ARG_NONNULL(name);
   if (bytes > 0) ARG_NONNULL(buf);
   const st_info_t *t;
-  TRY(find_or_fail(f, name, &t));
+  FSDPC_TRY(find_or_fail(f, name, &t));
   if (bytes != t->end - t->begin)
     return err_set(STATUS_ESHAPE, "%s: tensor '%s' has %llu bytes, buffer has %zu", f->path, name,
                    (unsigned long long)(t->end - t->begin), bytes);
@@ -325,12 +329,13 @@ static bool in_tensor(const st_info_t *t, uint64_t pos, size_t bytes) {
   return pos <= t->end - t->begin && bytes <= t->end - t->begin - pos;
 }
 
-status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes) {
+fsdpc_status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf,
+                             size_t bytes) {
   ARG_NONNULL(f);
   ARG_NONNULL(name);
   if (bytes > 0) ARG_NONNULL(buf);
   const st_info_t *t;
-  TRY(find_or_fail(f, name, &t));
+  FSDPC_TRY(find_or_fail(f, name, &t));
   if (!in_tensor(t, pos, bytes))
     return err_set(STATUS_EINVAL, "%s: bytes %llu..%llu are outside tensor '%s' (%llu bytes)",
                    f->path, (unsigned long long)pos, (unsigned long long)(pos + bytes), name,
@@ -356,36 +361,37 @@ size_t st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, s
 #endif
 }
 
-status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tensor_t *dst) {
+fsdpc_status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset,
+                           fsdpc_tensor_t *dst) {
   ARG_NONNULL(f);
   ARG_NONNULL(name);
   ARG_NONNULL(offset);
   ARG_NONNULL(dst);
   const st_info_t *t;
-  TRY(find_or_fail(f, name, &t));
+  FSDPC_TRY(find_or_fail(f, name, &t));
   if (t->dtype == DTYPE_COUNT)
     return err_set(STATUS_EDTYPE, "%s: tensor '%s' has dtype %s, which tensors cannot hold",
                    f->path, name, t->dtype_name);
   char a[96], b[96];
   if (t->ndim != dst->ndim && !(t->ndim == 0 && dst->ndim == 1 && dst->shape[0] == 1))
     return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, destination %s", f->path, name,
-                   shape_str(t->ndim, t->shape, a, sizeof a),
-                   shape_str(dst->ndim, dst->shape, b, sizeof b));
+                   tensor_shape_str(t->ndim, t->shape, a, sizeof a),
+                   tensor_shape_str(dst->ndim, dst->shape, b, sizeof b));
   int nd = t->ndim;
   for (int d = 0; d < nd; d++)
     if (offset[d] < 0 || offset[d] + dst->shape[d] > t->shape[d])
       return err_set(STATUS_ESHAPE,
                      "%s: box of %s at dimension %d is outside tensor '%s' of "
                      "shape %s",
-                     f->path, shape_str(dst->ndim, dst->shape, b, sizeof b), d, name,
-                     shape_str(t->ndim, t->shape, a, sizeof a));
-  tensor_t host;
-  TRY(tensor_init(&host, t->dtype, device_cpu(), dst->ndim, dst->shape));
+                     f->path, tensor_shape_str(dst->ndim, dst->shape, b, sizeof b), d, name,
+                     tensor_shape_str(t->ndim, t->shape, a, sizeof a));
+  fsdpc_tensor_t host;
+  FSDPC_TRY(tensor_init(&host, t->dtype, device_cpu(), dst->ndim, dst->shape));
   /* rows of the box: contiguous runs along the last dimension */
   int64_t rows = 1, run = nd ? dst->shape[nd - 1] : 1, idx[ST_MAX_DIMS] = {0};
   for (int d = 0; d + 1 < nd; d++) rows *= dst->shape[d];
   if (tensor_numel(dst) == 0) rows = 0;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int64_t r = 0; r < rows && st == STATUS_OK; r++) {
     uint64_t elem = 0;
     for (int d = 0; d < nd; d++)
@@ -402,19 +408,19 @@ status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tens
   return st;
 }
 
-status_t st_read(st_file_t *f, const char *name, tensor_t *dst) {
+fsdpc_status_t st_read(st_file_t *f, const char *name, fsdpc_tensor_t *dst) {
   ARG_NONNULL(f);
   ARG_NONNULL(name);
   ARG_NONNULL(dst);
   const st_info_t *t;
-  TRY(find_or_fail(f, name, &t));
+  FSDPC_TRY(find_or_fail(f, name, &t));
   bool same = t->ndim == dst->ndim;
   for (int d = 0; same && d < t->ndim; d++) same = t->shape[d] == dst->shape[d];
   if (!same) {
     char a[96], b[96];
     return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, expected %s", f->path, name,
-                   shape_str(t->ndim, t->shape, a, sizeof a),
-                   shape_str(dst->ndim, dst->shape, b, sizeof b));
+                   tensor_shape_str(t->ndim, t->shape, a, sizeof a),
+                   tensor_shape_str(dst->ndim, dst->shape, b, sizeof b));
   }
   int64_t zero[ST_MAX_DIMS] = {0};
   return st_read_box(f, name, zero, dst);

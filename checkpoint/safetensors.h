@@ -10,16 +10,16 @@
  * O(n log n) in the number of tensors. Errors name the file and the tensor.
  *
  *   st_file_t *f;
- *   TRY(st_open(&f, "model.safetensors"));
+ *   FSDPC_TRY(st_open("model.safetensors", &f));
  *   const st_info_t *w = st_find(f, "model.norm.weight");   // NULL if absent
- *   TRY(st_read(f, "model.norm.weight", &dst));             // dst has the stored shape
+ *   FSDPC_TRY(st_read(f, "model.norm.weight", &dst));             // dst has the stored shape
  *   st_close(f);
  *
  *   st_writer_t *w;
- *   TRY(st_writer_new(&w));
- *   TRY(st_writer_add(w, "model.norm.weight", &t));          // keeps a reference to t
- *   TRY(st_writer_set_metadata(w, "format", "pt"));
- *   TRY(st_writer_save(w, "out.safetensors"));               // temporary file + rename
+ *   FSDPC_TRY(st_writer_new(&w));
+ *   FSDPC_TRY(st_writer_add(w, "model.norm.weight", &t));          // keeps a reference to t
+ *   FSDPC_TRY(st_writer_set_metadata(w, "format", "pt"));
+ *   FSDPC_TRY(st_writer_save(w, "out.safetensors"));               // temporary file + rename
  *   st_writer_free(w);
  */
 #ifndef FSDPC_CHECKPOINT_SAFETENSORS_H
@@ -51,7 +51,7 @@ typedef struct st_info {
 typedef struct st_file st_file_t;
 
 /* Opens and validates a file; the file stays open until st_close. */
-status_t st_open(st_file_t **out, const char *path);
+fsdpc_status_t st_open(const char *path, st_file_t **out);
 void st_close(st_file_t *f);
 
 const char *st_path(const st_file_t *f);
@@ -64,20 +64,21 @@ const char *st_metadata(const st_file_t *f, const char *key);
 
 /* Reads tensor name into dst, which must have the stored shape (any dtype: converted; any
  * device). */
-status_t st_read(st_file_t *f, const char *name, tensor_t *dst);
+fsdpc_status_t st_read(st_file_t *f, const char *name, fsdpc_tensor_t *dst);
 
 /* Reads the box [offset, offset + dst->shape) of tensor name into dst (any dtype and device),
  * reading only the rows of the box from the file. */
-status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset, tensor_t *dst);
+fsdpc_status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset,
+                           fsdpc_tensor_t *dst);
 
 /* Tensor data bytes read from the file so far; the bytes before the data (length + header). */
 uint64_t st_bytes_read(const st_file_t *f);
 uint64_t st_header_bytes(const st_file_t *f);
 
 /* Reads the raw bytes of tensor name (bytes must equal its size). */
-status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes);
+fsdpc_status_t st_read_raw(st_file_t *f, const char *name, void *buf, size_t bytes);
 /* Reads bytes [pos, pos + bytes) of tensor name's stored data (inside it). */
-status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes);
+fsdpc_status_t st_read_bytes(st_file_t *f, const char *name, uint64_t pos, void *buf, size_t bytes);
 /* st_read_bytes of the bytes already in the page cache, without waiting for storage: how many
  * of the first bytes it read, all of them or a multiple of unit (0 when fewer than unit were
  * cached, or the system cannot tell; read the rest with st_read_bytes). Only those count as
@@ -90,24 +91,24 @@ const char *st_dtype_name(dtype_t dtype);
 
 typedef struct st_writer st_writer_t;
 
-status_t st_writer_new(st_writer_t **out);
+fsdpc_status_t st_writer_new(st_writer_t **out);
 void st_writer_free(st_writer_t *w);
 /* Adds a tensor (any device; stored in its dtype). Names are unique; the writer keeps a
  * reference to t's memory until it is freed. */
-status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t);
-status_t st_writer_set_metadata(st_writer_t *w, const char *key, const char *value);
+fsdpc_status_t st_writer_add(st_writer_t *w, const char *name, const fsdpc_tensor_t *t);
+fsdpc_status_t st_writer_set_metadata(st_writer_t *w, const char *key, const char *value);
 /* Writes the file to path + ".tmp", flushes it to disk and renames it over path. */
-status_t st_writer_save(st_writer_t *w, const char *path);
+fsdpc_status_t st_writer_save(st_writer_t *w, const char *path);
 
 /* Streaming, for files larger than memory: declare every tensor (name, dtype, shape), begin
  * (writes the header to path + ".tmp"), write each tensor in declaration order (any device,
  * any layout), finish (flush, fsync, rename over path). A writer freed before finish removes
  * its temporary file. */
-status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
-                           const int64_t *shape);
-status_t st_writer_begin(st_writer_t *w, const char *path);
-status_t st_writer_write(st_writer_t *w, const char *name, const tensor_t *t);
-status_t st_writer_finish(st_writer_t *w);
+fsdpc_status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
+                                 const int64_t *shape);
+fsdpc_status_t st_writer_begin(st_writer_t *w, const char *path);
+fsdpc_status_t st_writer_write(st_writer_t *w, const char *name, const fsdpc_tensor_t *t);
+fsdpc_status_t st_writer_finish(st_writer_t *w);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -14,7 +14,7 @@
 
 typedef struct wentry {
   char *name;
-  tensor_t t;    /* contiguous; empty for a declared tensor (written by st_writer_write) */
+  fsdpc_tensor_t t; /* contiguous; empty for a declared tensor (written by st_writer_write) */
   bool declared; /* st_writer_declare: no data held */
   dtype_t dtype;
   int ndim;
@@ -32,7 +32,7 @@ struct st_writer {
   int next; /* the entry st_writer_write expects */
 };
 
-status_t st_writer_new(st_writer_t **out) {
+fsdpc_status_t st_writer_new(st_writer_t **out) {
   ARG_NONNULL(out);
   *out = calloc(1, sizeof(st_writer_t));
   return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
@@ -56,8 +56,8 @@ void st_writer_free(st_writer_t *w) {
 }
 
 /* Appends an entry for name (checked), to be filled by the caller. */
-static status_t add_entry(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
-                          wentry_t **out) {
+static fsdpc_status_t add_entry(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
+                                wentry_t **out) {
   if (w->fp != NULL) return err_set(STATUS_EINVAL, "safetensors: tensors added after begin");
   if (name == NULL || name[0] == '\0' || strcmp(name, "__metadata__") == 0)
     return err_set(STATUS_EINVAL, "safetensors: invalid tensor name");
@@ -78,14 +78,14 @@ static status_t add_entry(st_writer_t *w, const char *name, dtype_t dtype, int n
   return STATUS_OK;
 }
 
-status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t) {
+fsdpc_status_t st_writer_add(st_writer_t *w, const char *name, const fsdpc_tensor_t *t) {
   ARG_NONNULL(w);
   ARG_NONNULL(name);
   ARG_NONNULL(t);
   wentry_t *e = NULL;
-  TRY(add_entry(w, name, t->dtype, t->ndim, &e));
+  FSDPC_TRY(add_entry(w, name, t->dtype, t->ndim, &e));
   memcpy(e->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
-  status_t st =
+  fsdpc_status_t st =
       tensor_is_contiguous(t) ? tensor_ref(&e->t, t) : tensor_clone(&e->t, t, t->dtype, t->device);
   if (st != STATUS_OK) {
     free(e->name);
@@ -95,13 +95,13 @@ status_t st_writer_add(st_writer_t *w, const char *name, const tensor_t *t) {
   return STATUS_OK;
 }
 
-status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
-                           const int64_t *shape) {
+fsdpc_status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int ndim,
+                                 const int64_t *shape) {
   ARG_NONNULL(w);
   ARG_NONNULL(name);
   if (ndim > 0) ARG_NONNULL(shape);
   wentry_t *e = NULL;
-  TRY(add_entry(w, name, dtype, ndim, &e));
+  FSDPC_TRY(add_entry(w, name, dtype, ndim, &e));
   for (int d = 0; d < ndim; d++) {
     if (shape[d] < 0) {
       free(e->name);
@@ -114,7 +114,7 @@ status_t st_writer_declare(st_writer_t *w, const char *name, dtype_t dtype, int 
   return STATUS_OK;
 }
 
-status_t st_writer_set_metadata(st_writer_t *w, const char *key, const char *value) {
+fsdpc_status_t st_writer_set_metadata(st_writer_t *w, const char *key, const char *value) {
   ARG_NONNULL(w);
   ARG_NONNULL(key);
   ARG_NONNULL(value);
@@ -150,7 +150,7 @@ static cJSON *raw_u64(uint64_t v) {
 /* The header JSON, padded with spaces so that the data starts 64 bytes aligned in the file
  * (8-byte length + header: a multiple of 64): a read of a tensor into 64-byte-aligned memory
  * then copies whole cache lines. */
-static status_t build_header(const st_writer_t *w, char **out, size_t *len) {
+static fsdpc_status_t build_header(const st_writer_t *w, char **out, size_t *len) {
   cJSON *root = cJSON_CreateObject();
   if (root == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   if (w->n_meta > 0) {
@@ -194,32 +194,33 @@ static status_t build_header(const st_writer_t *w, char **out, size_t *len) {
   return STATUS_OK;
 }
 
-static status_t write_all(FILE *fp, const char *path, const void *p, size_t n) {
+static fsdpc_status_t write_all(FILE *fp, const char *path, const void *p, size_t n) {
   if (n && fwrite(p, 1, n, fp) != n)
     return err_set(STATUS_EIO, "%s: write failed: %s", path, strerror(errno));
   return STATUS_OK;
 }
 
-status_t st_writer_begin(st_writer_t *w, const char *path) {
+fsdpc_status_t st_writer_begin(st_writer_t *w, const char *path) {
   ARG_NONNULL(w);
   ARG_NONNULL(path);
   if (w->fp != NULL) return err_set(STATUS_EINVAL, "safetensors: %s: already begun", w->path);
   char *header = NULL;
   size_t hlen = 0;
-  TRY(build_header(w, &header, &hlen));
-  status_t st = STATUS_OK;
+  FSDPC_TRY(build_header(w, &header, &hlen));
+  fsdpc_status_t st = STATUS_OK;
   free(w->path);
   free(w->tmp);
   w->path = strdup(path);
   w->tmp = malloc(strlen(path) + 5);
-  if (w->path == NULL || w->tmp == NULL) TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
+  if (w->path == NULL || w->tmp == NULL)
+    FSDPC_TRY_GOTO(st, err_set(STATUS_ENOMEM, "out of host memory"));
   sprintf(w->tmp, "%s.tmp", path);
   if ((w->fp = fopen(w->tmp, "wb")) == NULL)
-    TRY_GOTO(st, err_set(STATUS_EIO, "%s: %s", w->tmp, strerror(errno)));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_EIO, "%s: %s", w->tmp, strerror(errno)));
   unsigned char len8[8];
   for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
-  TRY_GOTO(st, write_all(w->fp, w->tmp, len8, 8));
-  TRY_GOTO(st, write_all(w->fp, w->tmp, header, hlen));
+  FSDPC_TRY_GOTO(st, write_all(w->fp, w->tmp, len8, 8));
+  FSDPC_TRY_GOTO(st, write_all(w->fp, w->tmp, header, hlen));
   w->next = 0;
 cleanup:
   free(header);
@@ -231,7 +232,7 @@ cleanup:
   return st;
 }
 
-status_t st_writer_write(st_writer_t *w, const char *name, const tensor_t *t) {
+fsdpc_status_t st_writer_write(st_writer_t *w, const char *name, const fsdpc_tensor_t *t) {
   ARG_NONNULL(w);
   ARG_NONNULL(name);
   ARG_NONNULL(t);
@@ -244,12 +245,12 @@ status_t st_writer_write(st_writer_t *w, const char *name, const tensor_t *t) {
       memcmp(t->shape, e->shape, sizeof(int64_t) * (size_t)e->ndim) != 0)
     return err_set(STATUS_ESHAPE, "safetensors: %s: tensor '%s' differs from its declaration",
                    w->path, name);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (t->device.type == DEVICE_CPU && tensor_is_contiguous(t)) {
     st = write_all(w->fp, w->tmp, t->data, tensor_nbytes(t));
   } else {
-    tensor_t host;
-    TRY(tensor_clone(&host, t, t->dtype, device_cpu()));
+    fsdpc_tensor_t host;
+    FSDPC_TRY(tensor_clone(&host, t, t->dtype, device_cpu()));
     st = write_all(w->fp, w->tmp, host.data, tensor_nbytes(&host));
     tensor_free(&host);
   }
@@ -257,10 +258,10 @@ status_t st_writer_write(st_writer_t *w, const char *name, const tensor_t *t) {
   return st;
 }
 
-status_t st_writer_finish(st_writer_t *w) {
+fsdpc_status_t st_writer_finish(st_writer_t *w) {
   ARG_NONNULL(w);
   if (w->fp == NULL) return err_set(STATUS_EINVAL, "safetensors: finish before begin");
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (w->next != w->n)
     st =
         err_set(STATUS_EINVAL, "safetensors: %s: %d of %d tensors written", w->path, w->next, w->n);
@@ -275,15 +276,15 @@ status_t st_writer_finish(st_writer_t *w) {
   return st;
 }
 
-status_t st_writer_save(st_writer_t *w, const char *path) {
+fsdpc_status_t st_writer_save(st_writer_t *w, const char *path) {
   ARG_NONNULL(w);
   ARG_NONNULL(path);
   for (int i = 0; i < w->n; i++)
     if (w->e[i].declared)
       return err_set(STATUS_EINVAL, "safetensors: tensor '%s' was declared, not added",
                      w->e[i].name);
-  TRY(st_writer_begin(w, path));
-  status_t st = STATUS_OK;
+  FSDPC_TRY(st_writer_begin(w, path));
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < w->n && st == STATUS_OK; i++)
     st = st_writer_write(w, w->e[i].name, &w->e[i].t);
   if (st == STATUS_OK) return st_writer_finish(w);

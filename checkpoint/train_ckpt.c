@@ -28,8 +28,8 @@ void ckpt_entries_free(ckpt_entries_t *e) {
   free(e->names);
 }
 
-status_t ckpt_entries_make(nn_param_t *const *params, int n, optim_t *opt, ckpt_entries_mode_t mode,
-                           ckpt_entries_t *e) {
+fsdpc_status_t ckpt_entries_make(nn_param_t *const *params, int n, optim_t *opt,
+                                 ckpt_entries_mode_t mode, ckpt_entries_t *e) {
   memset(e, 0, sizeof *e);
   e->n = n;
   e->model = calloc((size_t)n + 1, sizeof *e->model);
@@ -44,9 +44,9 @@ status_t ckpt_entries_make(nn_param_t *const *params, int n, optim_t *opt, ckpt_
     const char *name = params[i]->fqn;
     e->model[i] = (dcp_entry_t){name, params[i]->value};
     if (mode == CKPT_ENTRIES_MODEL_ONLY) continue;
-    status_t st = mode == CKPT_ENTRIES_SAVE
-                      ? optim_state(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1])
-                      : optim_state_for_load(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1]);
+    fsdpc_status_t st = mode == CKPT_ENTRIES_SAVE
+                            ? optim_state(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1])
+                            : optim_state_for_load(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1]);
     for (int k = 0; k < 2 && st == STATUS_OK; k++) {
       size_t l = strlen(name) + 16;
       if ((e->names[2 * i + k] = malloc(l)) == NULL) {
@@ -64,14 +64,14 @@ status_t ckpt_entries_make(nn_param_t *const *params, int n, optim_t *opt, ckpt_
   return STATUS_OK;
 }
 
-status_t ckpt_make_dir(const char *path) {
+fsdpc_status_t ckpt_make_dir(const char *path) {
   if (mkdir(path, 0755) != 0 && errno != EEXIST)
     return err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", path, strerror(errno));
   return STATUS_OK;
 }
 
 /* The hash of a train state: its compact JSON without the "integrity" member. */
-static status_t state_hash(const cJSON *state, uint64_t *out) {
+static fsdpc_status_t state_hash(const cJSON *state, uint64_t *out) {
   cJSON *copy = cJSON_Duplicate(state, true);
   if (copy) cJSON_DeleteItemFromObjectCaseSensitive(copy, "integrity");
   char *text = copy ? cJSON_PrintUnformatted(copy) : NULL;
@@ -82,8 +82,8 @@ static status_t state_hash(const cJSON *state, uint64_t *out) {
   return STATUS_OK;
 }
 
-status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
-                         char **out) {
+fsdpc_status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
+                               char **out) {
   ARG_NONNULL(text);
   ARG_NONNULL(out);
   *out = NULL;
@@ -94,7 +94,7 @@ status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *op
   }
   cJSON_DeleteItemFromObjectCaseSensitive(o, "integrity");
   uint64_t h = 0;
-  status_t st = state_hash(o, &h);
+  fsdpc_status_t st = state_hash(o, &h);
   char hex[3][17];
   snprintf(hex[0], 17, "%016" PRIx64, model_id);
   snprintf(hex[1], 17, "%016" PRIx64, optim_id ? *optim_id : 0);
@@ -111,7 +111,7 @@ status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *op
   return st;
 }
 
-status_t ckpt_state_text(const char *dir, char **out) {
+fsdpc_status_t ckpt_state_text(const char *dir, char **out) {
   ARG_NONNULL(dir);
   ARG_NONNULL(out);
   char path[PATH_LEN];
@@ -121,13 +121,13 @@ status_t ckpt_state_text(const char *dir, char **out) {
   return file_read_text(path, FILE_TEXT_MAX, out);
 }
 
-status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_text,
-                           const uint64_t *model_id, const uint64_t *optim_id) {
+fsdpc_status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_text,
+                                 const uint64_t *model_id, const uint64_t *optim_id) {
   ARG_NONNULL(tmp);
   ARG_NONNULL(out);
   ARG_NONNULL(state_text);
   char *sealed = NULL, path[PATH_LEN];
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (model_id) st = ckpt_state_seal(state_text, *model_id, optim_id, &sealed);
   snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
   if (st == STATUS_OK) st = file_write_text(path, sealed ? sealed : state_text);
@@ -138,8 +138,8 @@ status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_t
   return st;
 }
 
-status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_steps,
-                          const char *saved_under, uint64_t model_id, uint64_t optim_id) {
+fsdpc_status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_steps,
+                                const char *saved_under, uint64_t model_id, uint64_t optim_id) {
   cJSON *o = cJSON_CreateObject();
   if (o == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   cJSON_AddNumberToObject(o, "step", (double)step);
@@ -149,7 +149,7 @@ status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_steps,
   char *text = cJSON_PrintUnformatted(o), *sealed = NULL;
   cJSON_Delete(o);
   if (text == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-  status_t st = ckpt_state_seal(text, model_id, &optim_id, &sealed);
+  fsdpc_status_t st = ckpt_state_seal(text, model_id, &optim_id, &sealed);
   free(text);
   char path[PATH_LEN];
   snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
@@ -158,22 +158,22 @@ status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_steps,
   return st;
 }
 
-status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
-                            int64_t step, const char *saved_under, pg_t *pg) {
+fsdpc_status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
+                                  int64_t step, const char *saved_under, pg_t *pg) {
   ARG_NONNULL(dir);
   if (n > 0) ARG_NONNULL(params);
   ARG_NONNULL(opt);
   ARG_NONNULL(pg);
   int rank = pg_rank(pg);
   ckpt_entries_t e;
-  TRY(ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &e));
+  FSDPC_TRY(ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &e));
   char tmp[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
-  status_t st = dcp_prepare(dir, tmp, sizeof tmp, pg);
+  fsdpc_status_t st = dcp_prepare(dir, tmp, sizeof tmp, pg);
   bool prepared = st == STATUS_OK;
   if (st == STATUS_OK) {
     snprintf(model, sizeof model, "%.4000s/model", tmp);
     snprintf(optim, sizeof optim, "%.4000s/optim", tmp);
-    status_t mine = STATUS_OK;
+    fsdpc_status_t mine = STATUS_OK;
     if (rank == 0) {
       mine = ckpt_make_dir(model);
       if (mine == STATUS_OK) mine = ckpt_make_dir(optim);
@@ -184,7 +184,7 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
   if (st == STATUS_OK) st = dcp_write(model, e.model, n, pg, &model_id);
   if (st == STATUS_OK) st = dcp_write(optim, e.optim, 2 * n, pg, &optim_id);
   if (st == STATUS_OK) {
-    status_t mine = STATUS_OK;
+    fsdpc_status_t mine = STATUS_OK;
     if (rank == 0)
       mine = ckpt_write_state(tmp, step, optim_steps(opt), saved_under, model_id, optim_id);
     st = pg_agree(pg, mine);
@@ -197,10 +197,10 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
 }
 
 /* train_state.json of checkpoint dir, parsed (caller deletes); its path into path. */
-static status_t load_state(const char *dir, char *path, size_t size, cJSON **out) {
+static fsdpc_status_t load_state(const char *dir, char *path, size_t size, cJSON **out) {
   snprintf(path, size, "%.4000s/train_state.json", dir);
   char *text;
-  TRY(file_read_text(path, FILE_TEXT_MAX, &text));
+  FSDPC_TRY(file_read_text(path, FILE_TEXT_MAX, &text));
   *out = cJSON_Parse(text);
   free(text);
   if (cJSON_IsObject(*out)) return STATUS_OK;
@@ -209,7 +209,8 @@ static status_t load_state(const char *dir, char *path, size_t size, cJSON **out
   return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
 }
 
-static status_t state_steps(const char *path, const cJSON *o, int64_t *step, int64_t *optim_steps) {
+static fsdpc_status_t state_steps(const char *path, const cJSON *o, int64_t *step,
+                                  int64_t *optim_steps) {
   const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
   const cJSON *os = cJSON_GetObjectItemCaseSensitive(o, "optim_steps");
   if (!cJSON_IsNumber(s) || !cJSON_IsNumber(os) || s->valuedouble < 0 || os->valuedouble < 0)
@@ -227,8 +228,8 @@ static bool hex_member(const cJSON *o, const char *key, uint64_t *out) {
 
 /* The state o (read from path) against its integrity record and the folders' readers (NULL:
  * the folder does not exist). */
-static status_t check_state(const char *path, const char *model, const char *optim,
-                            const cJSON *o, const dcp_reader_t *rm, const dcp_reader_t *ro) {
+static fsdpc_status_t check_state(const char *path, const char *model, const char *optim,
+                                  const cJSON *o, const dcp_reader_t *rm, const dcp_reader_t *ro) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, "integrity");
   uint64_t m_id = 0, o_id = 0, want = 0, want_m = 0, want_o = 0, h = 0;
   bool m_has = rm && dcp_reader_save_id(rm, &m_id), o_has = ro && dcp_reader_save_id(ro, &o_id);
@@ -241,7 +242,7 @@ static status_t check_state(const char *path, const char *model, const char *opt
     return STATUS_OK; /* an earlier version's or another tool's checkpoint */
   }
   bool sealed = hex_member(it, "state", &want) && hex_member(it, "model", &want_m);
-  if (sealed) TRY(state_hash(o, &h));
+  if (sealed) FSDPC_TRY(state_hash(o, &h));
   if (!sealed || h != want)
     return err_set(STATUS_EFORMAT,
                    "%s does not match its checksum (a step, a setting or a folder's id was "
@@ -262,7 +263,7 @@ static status_t check_state(const char *path, const char *model, const char *opt
 }
 
 /* Opens folder dir, or leaves *r NULL when it does not exist. */
-static status_t open_if_any(const char *dir, dcp_reader_t **r) {
+static fsdpc_status_t open_if_any(const char *dir, dcp_reader_t **r) {
   struct stat sb;
   *r = NULL;
   return stat(dir, &sb) == 0 ? dcp_reader_open(dir, r) : STATUS_OK;
@@ -282,11 +283,11 @@ static void opened_close(opened_t *c) {
   dcp_reader_close(c->ro);
 }
 
-static status_t opened_open(const char *dir, opened_t *c) {
+static fsdpc_status_t opened_open(const char *dir, opened_t *c) {
   memset(c, 0, sizeof *c);
   snprintf(c->model, sizeof c->model, "%.4000s/model", dir);
   snprintf(c->optim, sizeof c->optim, "%.4000s/optim", dir);
-  status_t st = load_state(dir, c->path, sizeof c->path, &c->state);
+  fsdpc_status_t st = load_state(dir, c->path, sizeof c->path, &c->state);
   if (st == STATUS_OK) st = open_if_any(c->model, &c->rm);
   if (st == STATUS_OK) st = open_if_any(c->optim, &c->ro);
   if (st == STATUS_OK) st = check_state(c->path, c->model, c->optim, c->state, c->rm, c->ro);
@@ -294,19 +295,19 @@ static status_t opened_open(const char *dir, opened_t *c) {
   return st;
 }
 
-status_t ckpt_check_state(const char *dir) {
+fsdpc_status_t ckpt_check_state(const char *dir) {
   opened_t c;
-  TRY(opened_open(dir, &c));
+  FSDPC_TRY(opened_open(dir, &c));
   opened_close(&c);
   return STATUS_OK;
 }
 
-status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
-                            int64_t *step, dcp_stats_t *stats) {
+fsdpc_status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
+                                  int64_t *step, dcp_stats_t *stats) {
   opened_t c;
   int64_t s = 0, os = 0;
-  TRY(opened_open(dir, &c));
-  status_t st = state_steps(c.path, c.state, &s, &os);
+  FSDPC_TRY(opened_open(dir, &c));
+  fsdpc_status_t st = state_steps(c.path, c.state, &s, &os);
   if (st == STATUS_OK && c.rm == NULL)
     st = err_set(STATUS_EFORMAT, "checkpoint %s: no model folder", dir);
   bool weights_only = os == 0 && c.ro == NULL; /* fsdp-ckpt import-hf */
@@ -322,7 +323,7 @@ status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, o
   if (st == STATUS_OK && !weights_only) st = dcp_reader_load(c.ro, e.optim, 2 * n, &b);
   ckpt_entries_free(&e);
   opened_close(&c);
-  TRY(st);
+  FSDPC_TRY(st);
   optim_set_steps(opt, os);
   *step = s;
   if (stats) {
@@ -335,15 +336,15 @@ status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, o
   return STATUS_OK;
 }
 
-status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks) {
+fsdpc_status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks) {
   char model[PATH_LEN], optim[PATH_LEN];
   snprintf(model, sizeof model, "%.4000s/model", dir);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
   int64_t a = 0, b = 0;
-  TRY(pg_agree(pg, ckpt_check_state(dir)));
-  TRY(dcp_verify(model, pg, &a));
+  FSDPC_TRY(pg_agree(pg, ckpt_check_state(dir)));
+  FSDPC_TRY(dcp_verify(model, pg, &a));
   struct stat sb;
-  if (stat(optim, &sb) == 0) TRY(dcp_verify(optim, pg, &b)); /* absent: weights only */
+  if (stat(optim, &sb) == 0) FSDPC_TRY(dcp_verify(optim, pg, &b)); /* absent: weights only */
   if (chunks) *chunks = a + b;
   return STATUS_OK;
 }

@@ -25,8 +25,8 @@ extern "C" {
 /* Saves params (the optimizer's, in its order), the optimizer state and the step into dir
  * (which must not exist). saved_under: a JSON object describing the plan (stored as given),
  * or NULL. Collective over pg. */
-status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
-                            int64_t step, const char *saved_under, pg_t *pg);
+fsdpc_status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
+                                  int64_t step, const char *saved_under, pg_t *pg);
 
 /* ---- Asynchronous saves ----
  *
@@ -40,23 +40,23 @@ status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, o
  * by rank 0, where a synchronous save derives them from the files' contents.
  *
  *   ckpt_async_t *a;
- *   TRY(ckpt_async_new(&a));
- *   TRY(ckpt_async_start(a, "ckpt/step-00000100", ps, n, opt, 100, NULL, pg));
+ *   FSDPC_TRY(ckpt_async_new(&a));
+ *   FSDPC_TRY(ckpt_async_start(a, "ckpt/step-00000100", ps, n, opt, 100, NULL, pg));
  *   ... forward, backward; ckpt_async_wait_staged(a) before the optimizer's step ...
  *   ... training steps; at each, the ranks agree whether every ckpt_async_written(a) ...
- *   TRY(ckpt_async_commit(a, pg, NULL));
+ *   FSDPC_TRY(ckpt_async_commit(a, pg, NULL));
  *   ckpt_async_free(a);
  */
 typedef struct ckpt_async ckpt_async_t;
 
-status_t ckpt_async_new(ckpt_async_t **out);
+fsdpc_status_t ckpt_async_new(ckpt_async_t **out);
 /* Frees the staging memory; a save not committed is left as DIR.tmp (its writer joined). */
 void ckpt_async_free(ckpt_async_t *a);
 /* Starts a save of the state after step into dir (which must not exist): returns once the
  * state is staged and the writer started; refused while another save is in flight. An error
  * (a full disk while preparing, staging memory) leaves nothing behind. Collective over pg. */
-status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *params, int n,
-                          optim_t *opt, int64_t step, const char *saved_under, pg_t *pg);
+fsdpc_status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *const *params, int n,
+                                optim_t *opt, int64_t step, const char *saved_under, pg_t *pg);
 /* Waits until the writer has copied this rank's host state into staging memory (it does so
  * first, while the caller goes on: a forward and backward read the state, the optimizer step
  * changes it). Call it before anything changes the parameters or the optimizer state. Local. */
@@ -75,7 +75,7 @@ const char *ckpt_async_dir(const ckpt_async_t *a);
  * folder; on failure the temporary folder is removed. *step (may be NULL) receives the save's
  * step. Collective over pg: call it on every rank together (when all have written, to wait
  * for none). */
-status_t ckpt_async_commit(ckpt_async_t *a, pg_t *pg, int64_t *step);
+fsdpc_status_t ckpt_async_commit(ckpt_async_t *a, pg_t *pg, int64_t *step);
 
 /* Loads a checkpoint saved under any plan into params and opt (whose shards may be laid out
  * differently); *step receives the step it was saved after. A checkpoint of weights only
@@ -84,44 +84,44 @@ status_t ckpt_async_commit(ckpt_async_t *a, pg_t *pg, int64_t *step);
  * moments of parameters that had none are allocated without zero-filling), so a deferred
  * model needs only nn_module_materialize before it, no initialisation. stats (may be NULL)
  * adds up both folders' reads. The train state is checked first (ckpt_check_state). Local. */
-status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
-                            int64_t *step, dcp_stats_t *stats);
+fsdpc_status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
+                                  int64_t *step, dcp_stats_t *stats);
 
 /* Checks train_state.json against the integrity record it carries ({"integrity": {"model":
  * id, "optim": id, "state": hash}}: the ids of the saves that wrote model/ and optim/, and a
  * hash of the rest of the state), and that the folders are those saves' (their headers are
  * opened and checked, no tensor data read). A state without a record passes only when its
  * folders carry none either (an earlier version's or another tool's). Local. */
-status_t ckpt_check_state(const char *dir);
+fsdpc_status_t ckpt_check_state(const char *dir);
 
 /* Adds (or replaces) the integrity record of a train state given as JSON text: model_id and
  * optim_id (NULL: weights only) are the ids of the saves of its folders (dcp_write). The
  * sealed text into *out (caller frees). For tools that write checkpoints. */
-status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
-                         char **out);
+fsdpc_status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
+                               char **out);
 
 /* A training checkpoint's train_state.json as text into *out (the caller frees it); NULL when
  * dir has none (a plain shard folder). Read only: ckpt_check_state checks it. Local. */
-status_t ckpt_state_text(const char *dir, char **out);
+fsdpc_status_t ckpt_state_text(const char *dir, char **out);
 
 /* Completes a checkpoint written into folder tmp: its train_state.json from state_text
  * (sealed with the ids of the saves of its folders when model_id is given, ckpt_state_seal),
  * then the rename of tmp to out. On failure tmp is removed. For tools that write
  * checkpoints. Local. */
-status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_text,
-                           const uint64_t *model_id, const uint64_t *optim_id);
+fsdpc_status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_text,
+                                 const uint64_t *model_id, const uint64_t *optim_id);
 
 /* Checks the train state (ckpt_check_state), then reads and checks every block of every chunk
  * of the checkpoint's model and optimizer state, the tensors split over pg's ranks
  * (dcp_verify): a load checks only the blocks it reads.
  * Collective over pg; *chunks (may be NULL) receives the number of chunks checked. */
-status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks);
+fsdpc_status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks);
 
 /* The newest complete checkpoint (step-NNNNNNNN with a train_state.json) in root into out;
  * *found false when there is none (or root does not exist). A newer folder that is not a
  * complete checkpoint is described in skipped (its path and why; "" when none). Local. */
-status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
-                     size_t skipped_size);
+fsdpc_status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
+                           size_t skipped_size);
 
 /* Calls fn(ctx, name, step, kind) for each entry directly under root named step-NNNNNNNN
  * (CKPT_STEP_COMPLETE with a train_state.json, else CKPT_STEP_INCOMPLETE) or
@@ -133,8 +133,9 @@ typedef enum ckpt_step_kind {
   CKPT_STEP_INCOMPLETE,
   CKPT_STEP_TMP
 } ckpt_step_kind_t;
-typedef status_t ckpt_step_fn(void *ctx, const char *name, int64_t step, ckpt_step_kind_t kind);
-status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx);
+typedef fsdpc_status_t ckpt_step_fn(void *ctx, const char *name, int64_t step,
+                                    ckpt_step_kind_t kind);
+fsdpc_status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx);
 
 /* The folder of the checkpoint after step under root: root/step-NNNNNNNN. */
 void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size);
@@ -143,22 +144,23 @@ void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size);
  * complete checkpoints after `after`, and folders step-NNNNNNNN without a train_state.json in
  * (after, upto] (unfinished saves, step-NNNNNNNN.tmp, not counted). Their number into *count
  * and the newest step into *newest (-1 when none). Local. */
-status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count, int64_t *newest);
+fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count,
+                          int64_t *newest);
 
 /* Removes the unfinished saves under root (step-NNNNNNNN.tmp, left by a job that died while
  * saving); *removed (may be NULL) receives how many. A symbolic link is removed itself, never
  * what it points to. Local; call it on one rank, with no job saving into root. */
-status_t ckpt_remove_unfinished(const char *root, int *removed);
+fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed);
 
 /* Removes the step folders under root after step `after`, except step `keep` (-1: none);
  * complete ones lose their train_state.json first, so a half-removed one is never taken for
  * complete. Links are removed themselves. Local; call it on one rank. */
-status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed);
+fsdpc_status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed);
 
 /* Removes all but the newest keep complete checkpoints under root (keep <= 0: none); a
  * checkpoint that is a symbolic link loses the link, never what it points to. Local; call it
  * on one rank. */
-status_t ckpt_prune(const char *root, int keep);
+fsdpc_status_t ckpt_prune(const char *root, int keep);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

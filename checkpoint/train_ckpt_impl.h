@@ -20,15 +20,15 @@ typedef enum ckpt_entries_mode {
   CKPT_ENTRIES_MODEL_ONLY, /* no optimizer entries */
 } ckpt_entries_mode_t;
 
-status_t ckpt_entries_make(nn_param_t *const *params, int n, optim_t *opt, ckpt_entries_mode_t mode,
-                           ckpt_entries_t *e);
+fsdpc_status_t ckpt_entries_make(nn_param_t *const *params, int n, optim_t *opt,
+                                 ckpt_entries_mode_t mode, ckpt_entries_t *e);
 void ckpt_entries_free(ckpt_entries_t *e);
 
 /* mkdir, an existing folder being no error. */
-status_t ckpt_make_dir(const char *path);
+fsdpc_status_t ckpt_make_dir(const char *path);
 
 /* train_state.json of the folder tmp, sealed with the ids of its model/ and optim/ saves. */
-status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_steps,
-                          const char *saved_under, uint64_t model_id, uint64_t optim_id);
+fsdpc_status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_steps,
+                                const char *saved_under, uint64_t model_id, uint64_t optim_id);
 
 #endif

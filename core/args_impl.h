@@ -3,7 +3,7 @@
  * pointer is refused with STATUS_EINVAL naming the function and the argument, never crashes.
  * And arrays that grow by doubling.
  *
- *   status_t mesh_group(...)  { ARG_NONNULL(mesh); ARG_NONNULL(out); ... }
+ *   fsdpc_status_t mesh_group(...)  { ARG_NONNULL(mesh); ARG_NONNULL(out); ... }
  *   int mesh_ndim(const mesh_t *mesh) { if (mesh == NULL) return 0; ... }
  */
 #ifndef FSDPC_BASE_ARGS_H

@@ -35,9 +35,9 @@ static int64_t block_rows(const attn_exec_t *x, const attn_shape_t *s) {
 
 /* Rows [r0, r1) of S (or dP) = alpha X Y^T, keys [0, r1): X of layout xl (rows ldx apart),
  * Y of layout yl; the row-major block is the column-major Y X^T. */
-static status_t scores(const attn_exec_t *x, const attn_shape_t *s, const attn_batch_t *bt,
-                       int64_t r0, int64_t r1, attn_mat_t X, int64_t ldx, attn_mat_t Y,
-                       int64_t ldy, float alpha, float *out) {
+static fsdpc_status_t scores(const attn_exec_t *x, const attn_shape_t *s, const attn_batch_t *bt,
+                             int64_t r0, int64_t r1, attn_mat_t X, int64_t ldx, attn_mat_t Y,
+                             int64_t ldy, float alpha, float *out) {
   attn_gemm_t g = {.ta = true, .tb = false, .m = r1, .n = r1 - r0, .k = s->Dh, .lda = ldy,
                    .ldb = ldx, .ldc = s->T, .alpha = alpha, .beta = 0.0f, .a = Y,
                    .b = from(X, r0 * ldx),
@@ -48,9 +48,9 @@ static status_t scores(const attn_exec_t *x, const attn_shape_t *s, const attn_b
 /* With M a T x T scratch matrix (row-major) and Y's rows ldy apart, for rows [r0, r1) and keys
  * [0, r1): without tm, rows [r0, r1) of C = M Y (Y: key rows); with tm, keys [0, r1) of
  * C (+)= M^T Y (Y: query rows). Column-major: C = Y M^T, or C = Y M. */
-static status_t times(const attn_exec_t *x, const attn_shape_t *s, const attn_batch_t *bt,
-                      int64_t r0, int64_t r1, attn_mat_t M, bool tm, attn_mat_t Y, int64_t ldy,
-                      attn_mat_t C, int64_t ldc, float beta) {
+static fsdpc_status_t times(const attn_exec_t *x, const attn_shape_t *s, const attn_batch_t *bt,
+                            int64_t r0, int64_t r1, attn_mat_t M, bool tm, attn_mat_t Y,
+                            int64_t ldy, attn_mat_t C, int64_t ldc, float beta) {
   attn_gemm_t g = {.ta = false, .tb = tm, .m = s->Dh, .n = tm ? r1 : r1 - r0,
                    .k = tm ? r1 - r0 : r1, .lda = ldy, .ldb = s->T, .ldc = ldc, .alpha = 1.0f,
                    .beta = beta, .a = tm ? from(Y, r0 * ldy) : Y, .b = from(M, r0 * s->T),
@@ -58,18 +58,18 @@ static status_t times(const attn_exec_t *x, const attn_shape_t *s, const attn_ba
   return x->gemm(x->ctx, s, bt, &g);
 }
 
-status_t attn_gemm_forward(const attn_exec_t *x, const attn_shape_t *s, dtype_t dt, void *out,
-                           float *lse, const void *q, const void *k, const void *v) {
+fsdpc_status_t attn_gemm_forward(const attn_exec_t *x, const attn_shape_t *s, dtype_t dt, void *out,
+                                 float *lse, const void *q, const void *k, const void *v) {
   size_t es = dtype_size(dt), TT = (size_t)(s->T * s->T);
   size_t per_pair = (size_t)s->rep * TT * (sizeof(float) + es);
   int64_t chunk = chunk_pairs(x, s, per_pair), pairs = s->B * s->Hkv, br = block_rows(x, s);
   size_t bytes = (size_t)chunk * per_pair;
   void *scratch;
-  TRY(device_alloc(x->device, bytes, &scratch));
+  FSDPC_TRY(device_alloc(x->device, bytes, &scratch));
   float *S = scratch;
   void *P = S + (size_t)chunk * (size_t)s->rep * TT;
   int64_t ldq = s->H * s->Dh, ldk = s->Hkv * s->Dh;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int64_t p0 = 0; p0 < pairs && st == STATUS_OK; p0 += chunk)
     for (int64_t r0 = 0; r0 < s->T && st == STATUS_OK; r0 += br) {
       attn_batch_t bt = {p0, pairs - p0 < chunk ? pairs - p0 : chunk, -1};
@@ -87,10 +87,10 @@ status_t attn_gemm_forward(const attn_exec_t *x, const attn_shape_t *s, dtype_t 
 }
 
 /* dst (dtype dt) = src (F32), n elements on dev. */
-static status_t cast_from_f32(device_t dev, void *dst, dtype_t dt, float *src, int64_t n) {
-  tensor_t d, f;
-  TRY(tensor_wrap(&d, dst, dt, dev, 1, &n));
-  status_t st = tensor_wrap(&f, src, DTYPE_F32, dev, 1, &n);
+static fsdpc_status_t cast_from_f32(device_t dev, void *dst, dtype_t dt, float *src, int64_t n) {
+  fsdpc_tensor_t d, f;
+  FSDPC_TRY(tensor_wrap(&d, dst, dt, dev, 1, &n));
+  fsdpc_status_t st = tensor_wrap(&f, src, DTYPE_F32, dev, 1, &n);
   if (st == STATUS_OK) st = tensor_copy(&d, &f);
   tensor_free(&f);
   tensor_free(&d);
@@ -98,17 +98,17 @@ static status_t cast_from_f32(device_t dev, void *dst, dtype_t dt, float *src, i
 }
 
 /* n F32 zeros at p on dev. */
-static status_t zero_f32(device_t dev, void *p, int64_t n) {
-  tensor_t t;
-  TRY(tensor_wrap(&t, p, DTYPE_F32, dev, 1, &n));
-  status_t st = tensor_fill(&t, 0.0);
+static fsdpc_status_t zero_f32(device_t dev, void *p, int64_t n) {
+  fsdpc_tensor_t t;
+  FSDPC_TRY(tensor_wrap(&t, p, DTYPE_F32, dev, 1, &n));
+  fsdpc_status_t st = tensor_fill(&t, 0.0);
   tensor_free(&t);
   return st;
 }
 
-status_t attn_gemm_backward(const attn_exec_t *x, const attn_shape_t *s, dtype_t dt, void *dq,
-                            void *dk, void *dv, const void *dout, const void *q, const void *k,
-                            const void *v, const void *out, const float *lse) {
+fsdpc_status_t attn_gemm_backward(const attn_exec_t *x, const attn_shape_t *s, dtype_t dt, void *dq,
+                                  void *dk, void *dv, const void *dout, const void *q,
+                                  const void *k, const void *v, const void *out, const float *lse) {
   size_t es = dtype_size(dt), TT = (size_t)(s->T * s->T);
   size_t per_pair = TT * 2 * (sizeof(float) + es); /* S, dP (F32); P, dS */
   int64_t chunk = chunk_pairs(x, s, per_pair), pairs = s->B * s->Hkv, br = block_rows(x, s);
@@ -118,8 +118,8 @@ status_t attn_gemm_backward(const attn_exec_t *x, const attn_shape_t *s, dtype_t
   bool direct = dt == DTYPE_F32;
   size_t bytes = (size_t)chunk * per_pair, acc_bytes = direct ? 0 : 2 * sizeof(float) * (size_t)nk;
   void *scratch, *acc = NULL;
-  TRY(device_alloc(x->device, bytes, &scratch));
-  status_t st = device_alloc(x->device, acc_bytes, &acc);
+  FSDPC_TRY(device_alloc(x->device, bytes, &scratch));
+  fsdpc_status_t st = device_alloc(x->device, acc_bytes, &acc);
   if (st != STATUS_OK) {
     device_free(x->device, scratch, bytes);
     return st;

@@ -110,18 +110,19 @@ typedef struct attn_gemm {
 /* Who runs the plan. S and dP are the call's F32 scratch (ATTN_SCRATCH), lse is [B, H, T]. */
 typedef struct attn_exec {
   void *ctx;
-  status_t (*gemm)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, const attn_gemm_t *g);
+  fsdpc_status_t (*gemm)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                         const attn_gemm_t *g);
   /* For each entry's rows r0 <= i < r1 (row i of a T x T matrix at i T, T apart), columns
    * j < r1: lse_i = log sum_{j <= i} exp(S_ij) (written to lse at (b H + h) T + i);
    * P_ij = exp(S_ij - lse_i) for j <= i, 0 after, in p's dtype (ATTN_SCRATCH). */
-  status_t (*probs)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, int64_t r0,
-                    int64_t r1, const float *S, float *lse, attn_mat_t p);
+  fsdpc_status_t (*probs)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, int64_t r0,
+                          int64_t r1, const float *S, float *lse, attn_mat_t p);
   /* For the same rows and columns, lse_i given: P as probs; D_i = sum_c dO_ic O_ic over the
    * entry's rows of dout and out (ATTN_HEADS); dS_ij = P_ij (dP_ij - D_i) scale for j <= i, 0
    * after; P and dS in their dtypes (ATTN_SCRATCH). */
-  status_t (*dscores)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, int64_t r0,
-                      int64_t r1, const float *S, const float *dP, const float *lse,
-                      attn_mat_t dout, attn_mat_t out, attn_mat_t p, attn_mat_t ds);
+  fsdpc_status_t (*dscores)(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, int64_t r0,
+                            int64_t r1, const float *S, const float *dP, const float *lse,
+                            attn_mat_t dout, attn_mat_t out, attn_mat_t p, attn_mat_t ds);
   device_t device;    /* scratch comes from device_alloc here; casts run here */
   size_t scratch_max; /* bytes of scratch a chunk may take (at least one pair's) */
   int64_t block_rows; /* query rows per causal block (0 or >= T: one block) */
@@ -130,13 +131,13 @@ typedef struct attn_exec {
 attn_shape_t attn_shape_of(const int64_t *q_shape, const int64_t *k_shape);
 
 /* out and lse from q, k, v (contiguous, one float dtype). */
-status_t attn_gemm_forward(const attn_exec_t *x, const attn_shape_t *s, dtype_t dt, void *out,
-                           float *lse, const void *q, const void *k, const void *v);
+fsdpc_status_t attn_gemm_forward(const attn_exec_t *x, const attn_shape_t *s, dtype_t dt, void *out,
+                                 float *lse, const void *q, const void *k, const void *v);
 
 /* dq, dk and dv from dout and the forward's inputs, output and lse. */
-status_t attn_gemm_backward(const attn_exec_t *x, const attn_shape_t *s, dtype_t dt, void *dq,
-                            void *dk, void *dv, const void *dout, const void *q, const void *k,
-                            const void *v, const void *out, const float *lse);
+fsdpc_status_t attn_gemm_backward(const attn_exec_t *x, const attn_shape_t *s, dtype_t dt, void *dq,
+                                  void *dk, void *dv, const void *dout, const void *q,
+                                  const void *k, const void *v, const void *out, const float *lse);
 
 #ifdef __cplusplus
 }

@@ -63,46 +63,46 @@ static inline int copy_desc_coalesce(copy_desc_t *d) {
 typedef struct backend {
   const char *name;
   /* zeroed: the memory must read as zeros; free gets the same bytes and zeroed */
-  status_t (*alloc)(int index, size_t bytes, bool zeroed, void **out);
+  fsdpc_status_t (*alloc)(int index, size_t bytes, bool zeroed, void **out);
   void (*free)(int index, void *ptr, size_t bytes, bool zeroed);
-  status_t (*copy)(int index, const copy_desc_t *desc);
+  fsdpc_status_t (*copy)(int index, const copy_desc_t *desc);
   /* n copies that do not overlap, as copy does each, in as few launches as the backend can
    * (NULL: copy one by one) */
-  status_t (*copy_many)(int index, const copy_desc_t *descs, int n);
+  fsdpc_status_t (*copy_many)(int index, const copy_desc_t *descs, int n);
   /* Sets n elements at ptr to the bit pattern `pattern` of elem_size bytes. */
-  status_t (*fill)(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern);
-  status_t (*stream_sync)(int index);
+  fsdpc_status_t (*fill)(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern);
+  fsdpc_status_t (*stream_sync)(int index);
   /* Devices with streams and events (NULL on the CPU, whose streams and events are NULL). */
   int (*device_count)(void);
   /* the 16 bytes of device index's UUID */
-  status_t (*device_uuid)(int index, uint8_t out[16]);
+  fsdpc_status_t (*device_uuid)(int index, uint8_t out[16]);
   /* bytes between any two devices of the kind (or one of them the host); ordered on the
    * current stream, and usable by the host on return when dst is the host */
-  status_t (*memcpy)(device_t dst_dev, void *dst, device_t src_dev, const void *src,
-                     size_t bytes);
+  fsdpc_status_t (*memcpy)(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+                           size_t bytes);
   stream_t *(*stream_current)(int index);
   void (*stream_set_current)(int index, stream_t *s);
-  status_t (*stream_new)(int index, bool high, stream_t **out); /* high: top priority */
+  fsdpc_status_t (*stream_new)(int index, bool high, stream_t **out); /* high: top priority */
   void (*stream_free)(stream_t *s);
-  status_t (*stream_wait_event)(stream_t *s, event_t *e);
-  status_t (*stream_synchronize)(stream_t *s);
-  status_t (*event_new)(int index, event_t **out);
+  fsdpc_status_t (*stream_wait_event)(stream_t *s, event_t *e);
+  fsdpc_status_t (*stream_synchronize)(stream_t *s);
+  fsdpc_status_t (*event_new)(int index, event_t **out);
   void (*event_free)(event_t *e);
-  status_t (*event_record)(event_t *e, stream_t *s);
-  status_t (*event_synchronize)(event_t *e);
+  fsdpc_status_t (*event_record)(event_t *e, stream_t *s);
+  fsdpc_status_t (*event_synchronize)(event_t *e);
   /* host staging (NULL on the CPU): page-locked host memory, a copy between the device and
    * it ordered on s without waiting for it, and a kernel that keeps s busy for seconds */
-  status_t (*host_alloc_pinned)(size_t bytes, void **out);
+  fsdpc_status_t (*host_alloc_pinned)(size_t bytes, void **out);
   void (*host_free_pinned)(void *p);
   /* page-locks the host memory of another allocator for the device's copies (false when it
    * could not), and releases it again */
   bool (*host_register)(void *p, size_t bytes);
   void (*host_unregister)(void *p);
-  status_t (*copy_async)(stream_t *s, void *dst, const void *src, size_t bytes);
-  status_t (*delay)(stream_t *s, double seconds);
+  fsdpc_status_t (*copy_async)(stream_t *s, void *dst, const void *src, size_t bytes);
+  fsdpc_status_t (*delay)(stream_t *s, double seconds);
   /* bytes from pageable host memory to device index's memory, ordered on its current stream,
    * returning once src may be reused, without waiting for the device (NULL on the CPU) */
-  status_t (*upload)(int index, void *dst, const void *src, size_t bytes);
+  fsdpc_status_t (*upload)(int index, void *dst, const void *src, size_t bytes);
 } backend_t;
 
 const backend_t *cpu_backend(void);

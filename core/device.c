@@ -71,19 +71,20 @@ static _Atomic size_t host_waits;
 
 size_t device_host_waits(void) { return atomic_load(&host_waits); }
 
-status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const char *what) {
+fsdpc_status_t device_poll(int (*ready)(void *ctx, fsdpc_status_t *st), void *ctx,
+                           const char *what) {
   ARG_NONNULL(ready);
   atomic_fetch_add(&host_waits, 1);
   double start = device_clock_seconds(), next_ask = 1e-3;
   for (;;) {
-    status_t st = STATUS_OK;
+    fsdpc_status_t st = STATUS_OK;
     int r = ready(ctx, &st);
     if (r > 0) return STATUS_OK;
     if (r < 0) return st != STATUS_OK ? st : err_set(STATUS_EINTERNAL, "%s failed", what);
     double waited = device_clock_seconds() - start;
     device_wait_hook_t hook = atomic_load(&wait_hook);
     if (hook != NULL && waited >= next_ask) {
-      TRY(hook(what, waited));
+      FSDPC_TRY(hook(what, waited));
       next_ask = waited + 1e-3;
     }
     if (waited < 1e-3) { /* short waits (most): poll */
@@ -136,7 +137,7 @@ const char *device_uuid_str(const device_uuid_t *u, char *buf, size_t size) {
   return buf;
 }
 
-status_t device_cuda_uuid(int index, device_uuid_t *out) {
+fsdpc_status_t device_cuda_uuid(int index, device_uuid_t *out) {
   ARG_NONNULL(out);
   memset(out, 0, sizeof *out);
   int n = device_cuda_count();
@@ -145,8 +146,9 @@ status_t device_cuda_uuid(int index, device_uuid_t *out) {
   return cuda_backend()->device_uuid(index, out->b);
 }
 
-status_t device_choose_node(device_want_t want, int local_ranks, const device_seen_t *seen, int me,
-                            bool may_share, device_type_t *out, char *why, size_t why_size) {
+fsdpc_status_t device_choose_node(device_want_t want, int local_ranks, const device_seen_t *seen,
+                                  int me, bool may_share, device_type_t *out, char *why,
+                                  size_t why_size) {
   ARG_NONNULL(out);
   ARG_NONNULL(seen);
   if (why != NULL && why_size > 0) why[0] = 0;
@@ -198,7 +200,7 @@ status_t device_choose_node(device_want_t want, int local_ranks, const device_se
                  way[0] ? "" : ", or for auto");
 }
 
-status_t device_check(device_t dev) {
+fsdpc_status_t device_check(device_t dev) {
   if (dev.type == DEVICE_CPU) return STATUS_OK;
   if (dev.type != DEVICE_CUDA) return err_set(STATUS_EINVAL, "unknown device type %d", dev.type);
   if (!device_cuda_compiled())
@@ -215,12 +217,12 @@ static const backend_t *backend_of(device_t dev) {
   return dev.type == DEVICE_CUDA ? cuda_backend() : cpu_backend();
 }
 
-static status_t alloc_as(device_t dev, size_t bytes, bool zeroed, void **out) {
+static fsdpc_status_t alloc_as(device_t dev, size_t bytes, bool zeroed, void **out) {
   if (out == NULL) return err_set(STATUS_EINVAL, "device_alloc: out is NULL");
   *out = NULL;
-  TRY(device_check(dev));
+  FSDPC_TRY(device_check(dev));
   if (bytes == 0) return STATUS_OK;
-  TRY(backend_of(dev)->alloc(dev.index, bytes, zeroed, out));
+  FSDPC_TRY(backend_of(dev)->alloc(dev.index, bytes, zeroed, out));
   mem_account_add(mem_slot(dev), bytes);
   return STATUS_OK;
 }
@@ -231,42 +233,42 @@ static void free_as(device_t dev, void *ptr, size_t bytes, bool zeroed) {
   atomic_fetch_sub(&mem_current[mem_slot(dev)], bytes);
 }
 
-status_t device_alloc(device_t dev, size_t bytes, void **out) {
+fsdpc_status_t device_alloc(device_t dev, size_t bytes, void **out) {
   return alloc_as(dev, bytes, false, out);
 }
 void device_free(device_t dev, void *ptr, size_t bytes) { free_as(dev, ptr, bytes, false); }
 
-status_t device_alloc_zeroed(device_t dev, size_t bytes, void **out) {
+fsdpc_status_t device_alloc_zeroed(device_t dev, size_t bytes, void **out) {
   return alloc_as(dev, bytes, true, out);
 }
 void device_free_zeroed(device_t dev, void *ptr, size_t bytes) { free_as(dev, ptr, bytes, true); }
 
-status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
-                       size_t bytes) {
+fsdpc_status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+                             size_t bytes) {
   if (bytes == 0) return STATUS_OK;
   if (dst == NULL || src == NULL) return err_set(STATUS_EINVAL, "device_memcpy: NULL pointer");
   if (dst_dev.type == DEVICE_CPU && src_dev.type == DEVICE_CPU) {
     memmove(dst, src, bytes);
     return STATUS_OK;
   }
-  TRY(device_check(dst_dev));
-  TRY(device_check(src_dev));
+  FSDPC_TRY(device_check(dst_dev));
+  FSDPC_TRY(device_check(src_dev));
   return cuda_backend()->memcpy(dst_dev, dst, src_dev, src, bytes);
 }
 
-status_t device_upload(device_t dev, void *dst, const void *src, size_t bytes) {
+fsdpc_status_t device_upload(device_t dev, void *dst, const void *src, size_t bytes) {
   if (bytes == 0) return STATUS_OK;
   if (dst == NULL || src == NULL) return err_set(STATUS_EINVAL, "device_upload: NULL pointer");
   if (dev.type == DEVICE_CPU) {
     memmove(dst, src, bytes);
     return STATUS_OK;
   }
-  TRY(device_check(dev));
+  FSDPC_TRY(device_check(dev));
   return cuda_backend()->upload(dev.index, dst, src, bytes);
 }
 
-status_t device_stream_sync(device_t dev) {
-  TRY(device_check(dev));
+fsdpc_status_t device_stream_sync(device_t dev) {
+  FSDPC_TRY(device_check(dev));
   return backend_of(dev)->stream_sync(dev.index);
 }
 
@@ -280,20 +282,20 @@ void stream_set_current(device_t dev, stream_t *s) {
     cuda_backend()->stream_set_current(dev.index, s);
 }
 
-static status_t stream_new_at(device_t dev, bool high, stream_t **out) {
+static fsdpc_status_t stream_new_at(device_t dev, bool high, stream_t **out) {
   ARG_NONNULL(out);
   *out = NULL;
-  TRY(device_check(dev));
+  FSDPC_TRY(device_check(dev));
   if (dev.type == DEVICE_CPU) return STATUS_OK;
   return backend_of(dev)->stream_new(dev.index, high, out);
 }
 
-status_t stream_new(device_t dev, stream_t **out) { return stream_new_at(dev, false, out); }
+fsdpc_status_t stream_new(device_t dev, stream_t **out) { return stream_new_at(dev, false, out); }
 
-status_t device_staging_alloc(device_t dev, size_t bytes, void **out) {
+fsdpc_status_t device_staging_alloc(device_t dev, size_t bytes, void **out) {
   ARG_NONNULL(out);
   *out = NULL;
-  TRY(device_check(dev));
+  FSDPC_TRY(device_check(dev));
   if (bytes == 0) return STATUS_OK;
   if (dev.type == DEVICE_CUDA) return cuda_backend()->host_alloc_pinned(bytes, out);
   size_t rounded = (bytes + 63) / 64 * 64;
@@ -302,8 +304,8 @@ status_t device_staging_alloc(device_t dev, size_t bytes, void **out) {
   return STATUS_OK;
 }
 
-status_t device_pin_host_memory(device_t dev) {
-  TRY(device_check(dev));
+fsdpc_status_t device_pin_host_memory(device_t dev) {
+  FSDPC_TRY(device_check(dev));
   if (dev.type == DEVICE_CUDA)
     cpu_host_set_pinning(cuda_backend()->host_register, cuda_backend()->host_unregister);
   return STATUS_OK;
@@ -317,10 +319,11 @@ void device_staging_free(device_t dev, void *p) {
     free(p);
 }
 
-status_t stream_copy_async(device_t dev, stream_t *s, void *dst, const void *src, size_t bytes) {
+fsdpc_status_t stream_copy_async(device_t dev, stream_t *s, void *dst, const void *src,
+                                 size_t bytes) {
   if (bytes == 0) return STATUS_OK;
   if (dst == NULL || src == NULL) return err_set(STATUS_EINVAL, "stream_copy_async: NULL pointer");
-  TRY(device_check(dev));
+  FSDPC_TRY(device_check(dev));
   if (dev.type == DEVICE_CPU) {
     memmove(dst, src, bytes);
     return STATUS_OK;
@@ -329,31 +332,33 @@ status_t stream_copy_async(device_t dev, stream_t *s, void *dst, const void *src
   return cuda_backend()->copy_async(s, dst, src, bytes);
 }
 
-status_t stream_delay(device_t dev, stream_t *s, double seconds) {
-  TRY(device_check(dev));
+fsdpc_status_t stream_delay(device_t dev, stream_t *s, double seconds) {
+  FSDPC_TRY(device_check(dev));
   if (dev.type == DEVICE_CPU || seconds <= 0) return STATUS_OK;
   if (s == NULL) s = stream_current(dev);
   return cuda_backend()->delay(s, seconds);
 }
-status_t stream_new_high(device_t dev, stream_t **out) { return stream_new_at(dev, true, out); }
+fsdpc_status_t stream_new_high(device_t dev, stream_t **out) {
+  return stream_new_at(dev, true, out);
+}
 
 void stream_free(stream_t *s) {
   if (s != NULL) cuda_backend()->stream_free(s); /* only CUDA makes streams */
 }
 
-status_t stream_wait_event(stream_t *s, event_t *e) {
+fsdpc_status_t stream_wait_event(stream_t *s, event_t *e) {
   if (s == NULL || e == NULL) return STATUS_OK;
   return cuda_backend()->stream_wait_event(s, e);
 }
 
-status_t stream_synchronize(stream_t *s) {
+fsdpc_status_t stream_synchronize(stream_t *s) {
   return s == NULL ? STATUS_OK : cuda_backend()->stream_synchronize(s);
 }
 
-status_t event_new(device_t dev, event_t **out) {
+fsdpc_status_t event_new(device_t dev, event_t **out) {
   ARG_NONNULL(out);
   *out = NULL;
-  TRY(device_check(dev));
+  FSDPC_TRY(device_check(dev));
   if (dev.type == DEVICE_CPU) return STATUS_OK;
   return backend_of(dev)->event_new(dev.index, out);
 }
@@ -362,10 +367,10 @@ void event_free(event_t *e) {
   if (e != NULL) cuda_backend()->event_free(e);
 }
 
-status_t event_record(event_t *e, stream_t *s) {
+fsdpc_status_t event_record(event_t *e, stream_t *s) {
   return e == NULL ? STATUS_OK : cuda_backend()->event_record(e, s);
 }
 
-status_t event_synchronize(event_t *e) {
+fsdpc_status_t event_synchronize(event_t *e) {
   return e == NULL ? STATUS_OK : cuda_backend()->event_synchronize(e);
 }

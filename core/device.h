@@ -6,7 +6,7 @@
  * counts per device:
  *
  *   void *p;
- *   TRY(device_alloc(device_cuda(0), 1 << 20, &p));   // from CUDA's stream-ordered pool
+ *   FSDPC_TRY(device_alloc(device_cuda(0), 1 << 20, &p));   // from CUDA's stream-ordered pool
  *   mem_stats_t s = mem_stats(device_cuda(0));        // s.current == 1 << 20
  *   device_free(device_cuda(0), p, 1 << 20);
  *
@@ -73,7 +73,7 @@ typedef struct device_uuid {
 const char *device_uuid_str(const device_uuid_t *u, char *buf, size_t size);
 
 /* The UUID of this process's CUDA device index (0 .. device_cuda_count() - 1). */
-status_t device_cuda_uuid(int index, device_uuid_t *out);
+fsdpc_status_t device_cuda_uuid(int index, device_uuid_t *out);
 
 /* What a rank of a node reports for the choice: how many CUDA devices it sees and the UUID of
  * the one it would take, its local rank modulo that count (nothing when it sees none). */
@@ -95,15 +95,16 @@ typedef struct device_seen {
  * share a device (the host-staged process groups; NCCL refuses it), so only a rank that sees
  * none falls short. Local: no device or MPI call (world_choose_device gathers seen over the
  * node and applies it). */
-status_t device_choose_node(device_want_t want, int local_ranks, const device_seen_t *seen, int me,
-                            bool may_share, device_type_t *out, char *why, size_t why_size);
+fsdpc_status_t device_choose_node(device_want_t want, int local_ranks, const device_seen_t *seen,
+                                  int me, bool may_share, device_type_t *out, char *why,
+                                  size_t why_size);
 
 /* Checks that dev exists (the CPU always does). */
-status_t device_check(device_t dev);
+fsdpc_status_t device_check(device_t dev);
 
 /* Allocates bytes on dev (64-byte aligned on the host; CUDA's stream-ordered pool on the
  * current stream for CUDA) and accounts for them. bytes == 0 gives *out == NULL. */
-status_t device_alloc(device_t dev, size_t bytes, void **out);
+fsdpc_status_t device_alloc(device_t dev, size_t bytes, void **out);
 
 /* Releases memory from device_alloc; bytes must be the size it was allocated with.
  * device_free(dev, NULL, 0) is a no-op. */
@@ -111,22 +112,22 @@ void device_free(device_t dev, void *ptr, size_t bytes);
 
 /* device_alloc of zero-filled memory (on the host, blocks of 1 MiB or more come zeroed from
  * the operating system, outside the malloc heap). Release it with device_free_zeroed. */
-status_t device_alloc_zeroed(device_t dev, size_t bytes, void **out);
+fsdpc_status_t device_alloc_zeroed(device_t dev, size_t bytes, void **out);
 void device_free_zeroed(device_t dev, void *ptr, size_t bytes);
 
 /* Copies bytes between any two devices (host<->device, device<->device). Blocks until the
  * data is usable by the host when dst is the host; otherwise ordered on the current stream. */
-status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
-                       size_t bytes);
+fsdpc_status_t device_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+                             size_t bytes);
 
 /* Copies bytes from the host to dev without waiting for the device: the bytes are staged
  * through page-locked memory, and the call returns once src may be reused. The copy is ordered
  * on dev's current stream: only work on that stream, or ordered after it by an event, may read
  * dst. On the CPU a plain copy. */
-status_t device_upload(device_t dev, void *dst, const void *src, size_t bytes);
+fsdpc_status_t device_upload(device_t dev, void *dst, const void *src, size_t bytes);
 
 /* Waits until all work queued on the current stream of dev is done (no-op on the CPU). */
-status_t device_stream_sync(device_t dev);
+fsdpc_status_t device_stream_sync(device_t dev);
 
 /* ---- host waits for device work ----
  *
@@ -136,14 +137,15 @@ status_t device_stream_sync(device_t dev);
  * that status (the work stays queued). The world (mesh/world.h) sets the hook: it ends a wait
  * once the job is stopped or the wait outlasts the collective watchdog, aborting the NCCL
  * communicators first, so that a collective a rank will never join cannot hang the others. */
-typedef status_t (*device_wait_hook_t)(const char *what, double waited_s);
+typedef fsdpc_status_t (*device_wait_hook_t)(const char *what, double waited_s);
 void device_set_wait_hook(device_wait_hook_t hook);
 device_wait_hook_t device_wait_hook(void);
 
 /* Calls ready(ctx, &st) until it returns 1 (done), or -1 (failed: returns st), asking the
  * wait hook between polls (what names the wait; waited_s counts from the first poll). The
  * loop of every host wait above. */
-status_t device_poll(int (*ready)(void *ctx, status_t *st), void *ctx, const char *what);
+fsdpc_status_t device_poll(int (*ready)(void *ctx, fsdpc_status_t *st), void *ctx,
+                           const char *what);
 
 /* How many host waits (device_poll calls) this process has made: a training micro-step on a
  * GPU makes none (tests compare the count before and after one). */
@@ -192,42 +194,43 @@ stream_t *stream_current(device_t dev);
 void stream_set_current(device_t dev, stream_t *s);
 
 /* Creates a non-blocking stream on dev; *out is NULL on the CPU. Free with stream_free. */
-status_t stream_new(device_t dev, stream_t **out);
+fsdpc_status_t stream_new(device_t dev, stream_t **out);
 /* stream_new at the device's highest priority: work queued there is scheduled ahead of work
  * of the default priority (the library's side streams for communication and its copies, so
  * that they are not stuck behind queued compute). */
-status_t stream_new_high(device_t dev, stream_t **out);
+fsdpc_status_t stream_new_high(device_t dev, stream_t **out);
 void stream_free(stream_t *s);
-status_t stream_wait_event(stream_t *s, event_t *e);
-status_t stream_synchronize(stream_t *s);
+fsdpc_status_t stream_wait_event(stream_t *s, event_t *e);
+fsdpc_status_t stream_synchronize(stream_t *s);
 
 /* Events are created without timing. event_record(e, s) captures the work queued on s. */
-status_t event_new(device_t dev, event_t **out);
+fsdpc_status_t event_new(device_t dev, event_t **out);
 void event_free(event_t *e);
-status_t event_record(event_t *e, stream_t *s);
-status_t event_synchronize(event_t *e);
+fsdpc_status_t event_record(event_t *e, stream_t *s);
+fsdpc_status_t event_synchronize(event_t *e);
 
 /* ---- host staging (the host-staged process group: device data exchanged through host
  * memory) ---- */
 
 /* Host memory for dev's asynchronous copies: page-locked on CUDA, plain (64-byte aligned) on
  * the CPU. bytes == 0 gives NULL. Free with device_staging_free on the same device. */
-status_t device_staging_alloc(device_t dev, size_t bytes, void **out);
+fsdpc_status_t device_staging_alloc(device_t dev, size_t bytes, void **out);
 void device_staging_free(device_t dev, void *p);
 
 /* On a CUDA device: the host tensors of 4 MiB and more made from now on are page-locked, so
  * that their copies to and from dev run at the bus's speed and beside the compute (fully_shard's
  * offloaded state asks for it); those the system refuses to lock stay pageable. A no-op on the
  * CPU. */
-status_t device_pin_host_memory(device_t dev);
+fsdpc_status_t device_pin_host_memory(device_t dev);
 
 /* Copies bytes between dev's memory and staging memory (either way), ordered on s (a stream
  * of dev) after the work queued there, without waiting for it; on the CPU, at once. */
-status_t stream_copy_async(device_t dev, stream_t *s, void *dst, const void *src, size_t bytes);
+fsdpc_status_t stream_copy_async(device_t dev, stream_t *s, void *dst, const void *src,
+                                 size_t bytes);
 
 /* Queues on s a kernel that keeps it busy for about seconds, delaying the work queued after
  * it (tests that make a missing stream order show as a wrong result); a no-op on the CPU. */
-status_t stream_delay(device_t dev, stream_t *s, double seconds);
+fsdpc_status_t stream_delay(device_t dev, stream_t *s, double seconds);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -23,7 +23,7 @@ const char *dtype_name(dtype_t dt) {
   return names[dt];
 }
 
-status_t dtype_parse(const char *name, dtype_t *out) {
+fsdpc_status_t dtype_parse(const char *name, dtype_t *out) {
   static const struct {
     const char *name;
     dtype_t dt;

@@ -38,7 +38,7 @@ const char *dtype_name(dtype_t dt);
 
 /* Parses a name as written in plans: f32/float32, bf16/bfloat16, f16/float16, i32/int32,
  * i64/int64. Returns STATUS_EDTYPE for anything else. */
-status_t dtype_parse(const char *name, dtype_t *out);
+fsdpc_status_t dtype_parse(const char *name, dtype_t *out);
 
 /* 1 for f32, bf16, f16; 0 for integers. */
 int dtype_is_float(dtype_t dt);

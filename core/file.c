@@ -11,7 +11,7 @@
 
 #include "core/args_impl.h"
 
-status_t file_open_regular(const char *path, const char *what, FILE **out) {
+fsdpc_status_t file_open_regular(const char *path, const char *what, FILE **out) {
   ARG_NONNULL(path);
   ARG_NONNULL(out);
   *out = NULL;
@@ -40,13 +40,13 @@ status_t file_open_regular(const char *path, const char *what, FILE **out) {
   return STATUS_OK;
 }
 
-status_t file_read_text(const char *path, size_t max_bytes, char **out) {
+fsdpc_status_t file_read_text(const char *path, size_t max_bytes, char **out) {
   ARG_NONNULL(path);
   ARG_NONNULL(out);
   *out = NULL;
   FILE *f;
-  TRY(file_open_regular(path, NULL, &f));
-  status_t st = STATUS_OK;
+  FSDPC_TRY(file_open_regular(path, NULL, &f));
+  fsdpc_status_t st = STATUS_OK;
   char *buf = NULL;
   long n = -1;
   if (fseek(f, 0, SEEK_END) == 0) n = ftell(f);
@@ -69,11 +69,11 @@ status_t file_read_text(const char *path, size_t max_bytes, char **out) {
   return STATUS_OK;
 }
 
-status_t file_write_text(const char *path, const char *text) {
+fsdpc_status_t file_write_text(const char *path, const char *text) {
   ARG_NONNULL(path);
   ARG_NONNULL(text);
   FILE *f = fopen(path, "wb");
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (f == NULL || fputs(text, f) < 0 || fputc('\n', f) == EOF || fflush(f) != 0 ||
       fsync(fileno(f)) != 0)
     st = err_set(STATUS_EIO, "%s: cannot write: %s", path, strerror(errno));
@@ -83,12 +83,12 @@ status_t file_write_text(const char *path, const char *text) {
 
 #define DIRS_PATH_MAX 4096
 
-static status_t dirs_error(const char *what, const char *path, const char *reason) {
+static fsdpc_status_t dirs_error(const char *what, const char *path, const char *reason) {
   return err_set(STATUS_EIO, "%s%s'%s': %s", what ? what : "", what ? " " : "", path, reason);
 }
 
 /* Whether the existing entry at path is a folder this process may write into. */
-static status_t writable_folder(const char *what, const char *path, const char *shown) {
+static fsdpc_status_t writable_folder(const char *what, const char *path, const char *shown) {
   struct stat sb;
   if (stat(path, &sb) != 0) return dirs_error(what, shown, strerror(errno));
   if (!S_ISDIR(sb.st_mode)) {
@@ -104,7 +104,7 @@ static status_t writable_folder(const char *what, const char *path, const char *
   return STATUS_OK;
 }
 
-status_t file_make_dirs(const char *path, const char *what) {
+fsdpc_status_t file_make_dirs(const char *path, const char *what) {
   ARG_NONNULL(path);
   char buf[DIRS_PATH_MAX];
   size_t n = strlen(path);
@@ -133,7 +133,7 @@ status_t file_make_dirs(const char *path, const char *what) {
   return writable_folder(what, path, path);
 }
 
-status_t file_check_dirs(const char *path, const char *what) {
+fsdpc_status_t file_check_dirs(const char *path, const char *what) {
   ARG_NONNULL(path);
   char buf[DIRS_PATH_MAX];
   size_t n = strlen(path);
@@ -203,29 +203,29 @@ bool file_remove_tree(const char *path) {
   return rmdir(path) == 0 && ok;
 }
 
-static status_t temp_name(const char *path, char *tmp, size_t size) {
+static fsdpc_status_t temp_name(const char *path, char *tmp, size_t size) {
   int n = snprintf(tmp, size, "%s.tmp-XXXXXX", path);
   if (n < 0 || (size_t)n >= size || path[0] == 0)
     return err_set(STATUS_EINVAL, "'%s': empty or too long a path", path);
   return STATUS_OK;
 }
 
-status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
+fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
   ARG_NONNULL(path);
   ARG_NONNULL(tmp);
-  TRY(temp_name(path, tmp, size));
+  FSDPC_TRY(temp_name(path, tmp, size));
   if (mkdtemp(tmp) == NULL)
     return err_set(STATUS_EIO, "cannot create a folder beside '%s': %s", path, strerror(errno));
   chmod(tmp, 0755); /* mkdtemp's 0700, as mkdir would have made it */
   return STATUS_OK;
 }
 
-status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out) {
+fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out) {
   ARG_NONNULL(path);
   ARG_NONNULL(tmp);
   ARG_NONNULL(out);
   *out = NULL;
-  TRY(temp_name(path, tmp, size));
+  FSDPC_TRY(temp_name(path, tmp, size));
   int fd = mkstemp(tmp);
   if (fd < 0)
     return err_set(STATUS_EIO, "cannot create a file beside '%s': %s", path, strerror(errno));
@@ -241,12 +241,12 @@ status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out) 
   return STATUS_OK;
 }
 
-status_t file_replace_text(const char *path, const char *text) {
+fsdpc_status_t file_replace_text(const char *path, const char *text) {
   ARG_NONNULL(path);
   ARG_NONNULL(text);
   char tmp[DIRS_PATH_MAX + 16];
   FILE *f;
-  TRY(file_create_temp(path, tmp, sizeof tmp, &f));
+  FSDPC_TRY(file_create_temp(path, tmp, sizeof tmp, &f));
   bool ok = fputs(text, f) >= 0 && fflush(f) == 0 && fsync(fileno(f)) == 0;
   int e = errno;
   if (fclose(f) != 0 && ok) {
@@ -275,7 +275,7 @@ struct file_inputs {
   int n, cap;
 };
 
-status_t file_inputs_new(file_inputs_t **out) {
+fsdpc_status_t file_inputs_new(file_inputs_t **out) {
   ARG_NONNULL(out);
   *out = calloc(1, sizeof **out);
   return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
@@ -291,8 +291,8 @@ void file_inputs_free(file_inputs_t *in) {
   free(in);
 }
 
-static status_t add_one(file_inputs_t *in, const struct stat *sb, const char *path,
-                        const char *what) {
+static fsdpc_status_t add_one(file_inputs_t *in, const struct stat *sb, const char *path,
+                              const char *what) {
   ARRAY_GROW(in->v, in->n, in->cap, 16, "file inputs");
   input_t *e = &in->v[in->n];
   *e = (input_t){sb->st_dev, sb->st_ino, strdup(path), strdup(what)};
@@ -306,10 +306,10 @@ static status_t add_one(file_inputs_t *in, const struct stat *sb, const char *pa
 }
 
 /* Adds the files under the folder path (depth: how far down), links not followed. */
-static status_t add_folder(file_inputs_t *in, const char *path, const char *what, int depth) {
+static fsdpc_status_t add_folder(file_inputs_t *in, const char *path, const char *what, int depth) {
   DIR *d = opendir(path);
   if (d == NULL) return STATUS_OK;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   struct dirent *e;
   while (st == STATUS_OK && (e = readdir(d)) != NULL) {
     if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
@@ -326,7 +326,7 @@ static status_t add_folder(file_inputs_t *in, const char *path, const char *what
   return st;
 }
 
-status_t file_inputs_add(file_inputs_t *in, const char *path, const char *what) {
+fsdpc_status_t file_inputs_add(file_inputs_t *in, const char *path, const char *what) {
   ARG_NONNULL(in);
   ARG_NONNULL(path);
   struct stat sb;
@@ -358,7 +358,7 @@ static const char *kind_of(mode_t m) {
                        : "a device";
 }
 
-status_t file_check_output(const char *path, const char *what, const file_inputs_t *in) {
+fsdpc_status_t file_check_output(const char *path, const char *what, const file_inputs_t *in) {
   ARG_NONNULL(path);
   what = what ? what : "output";
   struct stat sb;
@@ -395,7 +395,7 @@ static bool folder_empty(const char *path) {
   return n == 0;
 }
 
-status_t file_check_output_dir(const char *path, const char *what, bool empty_ok) {
+fsdpc_status_t file_check_output_dir(const char *path, const char *what, bool empty_ok) {
   ARG_NONNULL(path);
   what = what ? what : "output";
   struct stat sb;

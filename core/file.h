@@ -2,8 +2,8 @@
  * Small text files (JSON headers and states, configs): whole reads and durable writes.
  *
  *   char *text;
- *   TRY(file_read_text("config.json", FILE_TEXT_MAX, &text));   // NUL-terminated; free()
- *   TRY(file_write_text("train_state.json", text));              // text + "\n", synced
+ *   FSDPC_TRY(file_read_text("config.json", FILE_TEXT_MAX, &text));   // NUL-terminated; free()
+ *   FSDPC_TRY(file_write_text("train_state.json", text));              // text + "\n", synced
  *
  * Errors name the file and the reason.
  */
@@ -26,25 +26,25 @@ extern "C" {
 
 /* Opens path for reading if it is a regular file: a FIFO, a device or a folder is refused at
  * once (never blocks in open). Errors read "WHAT PATH: reason" (what may be NULL). */
-status_t file_open_regular(const char *path, const char *what, FILE **out);
+fsdpc_status_t file_open_regular(const char *path, const char *what, FILE **out);
 
 /* Reads the whole file into *out (NUL-terminated, freed by the caller); files longer than
  * max_bytes are refused. */
-status_t file_read_text(const char *path, size_t max_bytes, char **out);
+fsdpc_status_t file_read_text(const char *path, size_t max_bytes, char **out);
 
 /* Writes text and a newline to path (created or truncated) and syncs it to storage. */
-status_t file_write_text(const char *path, const char *text);
+fsdpc_status_t file_write_text(const char *path, const char *text);
 
 /* Whether path names a folder (following links). */
 bool file_is_dir(const char *path);
 
 /* Creates folder path with its missing parents (as mkdir -p; an existing folder is fine) and
  * checks that it is writable. Errors read "WHAT 'PATH': reason" (what may be NULL). */
-status_t file_make_dirs(const char *path, const char *what);
+fsdpc_status_t file_make_dirs(const char *path, const char *what);
 
 /* Checks, creating nothing, that folder path could be written: it is a writable folder, or its
  * nearest existing ancestor is. Errors as file_make_dirs's. */
-status_t file_check_dirs(const char *path, const char *what);
+fsdpc_status_t file_check_dirs(const char *path, const char *what);
 
 /* Removes path and, when it is a folder, everything under it, never following a symbolic
  * link: a link is removed itself, not what it points to, and folders are walked through
@@ -54,33 +54,33 @@ bool file_remove_tree(const char *path);
 
 /* Creates a fresh folder beside path, named "PATH.tmp-XXXXXX" (mkdtemp), for writing what
  * will be renamed to path; its name into tmp. Nothing that exists is reused. */
-status_t file_make_temp_dir(const char *path, char *tmp, size_t size);
+fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size);
 
 /* Creates and opens for writing a fresh file beside path, "PATH.tmp-XXXXXX" (mkstemp); its
  * name into tmp. */
-status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out);
+fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out);
 
 /* Writes text to path through a fresh file beside it, renamed over path when complete. */
-status_t file_replace_text(const char *path, const char *text);
+fsdpc_status_t file_replace_text(const char *path, const char *text);
 
 /* The inputs of a run, by device and inode: the files no output of the run may name. */
 typedef struct file_inputs file_inputs_t;
 
-status_t file_inputs_new(file_inputs_t **out);
+fsdpc_status_t file_inputs_new(file_inputs_t **out);
 void file_inputs_free(file_inputs_t *in);
 /* Adds path (what: "the plan", "data.path", ...): a file, or every file under a folder
  * (links inside it not followed). A path that does not exist adds nothing. */
-status_t file_inputs_add(file_inputs_t *in, const char *path, const char *what);
+fsdpc_status_t file_inputs_add(file_inputs_t *in, const char *path, const char *what);
 
 /* Checks that the output file path may be written, before anything is: when it exists it is
  * a regular file (a symbolic link, a folder, a FIFO or a device is refused) and none of the
  * inputs (NULL: none); its folder exists and is writable. Errors read "WHAT 'PATH': reason". */
-status_t file_check_output(const char *path, const char *what, const file_inputs_t *in);
+fsdpc_status_t file_check_output(const char *path, const char *what, const file_inputs_t *in);
 
 /* The same for an output folder that is written whole and renamed into place: when path exists
  * it is a folder, not a symbolic link (an empty one, where empty_ok, else refused); its parent
  * exists and is writable. */
-status_t file_check_output_dir(const char *path, const char *what, bool empty_ok);
+fsdpc_status_t file_check_output_dir(const char *path, const char *what, bool empty_ok);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -21,20 +21,20 @@
 
 /* The bytes of ts[0..n) (NULL entries none): each operand read or written once, a tensor both
  * read and written listed twice. */
-static double moved(const tensor_t *const *ts, int n) {
+static double moved(const fsdpc_tensor_t *const *ts, int n) {
   double b = 0;
   for (int i = 0; i < n; i++)
     if (ts[i] != NULL) b += (double)tensor_numel(ts[i]) * (double)dtype_size(ts[i]->dtype);
   return b;
 }
 
-#define NT(...)                        \
-  ((const tensor_t *[]){__VA_ARGS__}), \
-      (int)(sizeof((const tensor_t *[]){__VA_ARGS__}) / sizeof(const tensor_t *))
+#define NT(...)                              \
+  ((const fsdpc_tensor_t *[]){__VA_ARGS__}), \
+      (int)(sizeof((const fsdpc_tensor_t *[]){__VA_ARGS__}) / sizeof(const fsdpc_tensor_t *))
 
 /* All tensors present, contiguous and on one existing device; returns that device's ops. */
-static status_t check_common(const char *fn, const tensor_t *const *ts, int n,
-                             const kernel_ops_t **ops) {
+static fsdpc_status_t check_common(const char *fn, const fsdpc_tensor_t *const *ts, int n,
+                                   const kernel_ops_t **ops) {
   for (int i = 0; i < n; i++) {
     if (ts[i] == NULL) return err_set(STATUS_EINVAL, "%s: argument %d is NULL", fn, i);
     if (tensor_is_meta(ts[i]))
@@ -51,14 +51,14 @@ static status_t check_common(const char *fn, const tensor_t *const *ts, int n,
                      device_str(ts[i]->device, b, sizeof b));
     }
   }
-  TRY(device_check(ts[0]->device));
+  FSDPC_TRY(device_check(ts[0]->device));
   *ops = ts[0]->device.type == DEVICE_CUDA ? cuda_kernels() : cpu_kernels();
   if (*ops == NULL) return err_set(STATUS_ENODEV, "%s: no kernels for this device", fn);
   return STATUS_OK;
 }
 
 /* Every tensor has a float dtype, the same as the first one. */
-static status_t check_float_same(const char *fn, const tensor_t *const *ts, int n) {
+static fsdpc_status_t check_float_same(const char *fn, const fsdpc_tensor_t *const *ts, int n) {
   for (int i = 0; i < n; i++) {
     if (!dtype_is_float(ts[i]->dtype))
       return err_set(STATUS_EDTYPE, "%s: argument %d has dtype %s, expected a float dtype", fn, i,
@@ -70,56 +70,59 @@ static status_t check_float_same(const char *fn, const tensor_t *const *ts, int 
   return STATUS_OK;
 }
 
-static status_t check_dtype(const char *fn, const char *what, const tensor_t *t, dtype_t dt) {
+static fsdpc_status_t check_dtype(const char *fn, const char *what, const fsdpc_tensor_t *t,
+                                  dtype_t dt) {
   if (t->dtype != dt)
     return err_set(STATUS_EDTYPE, "%s: %s has dtype %s, expected %s", fn, what,
                    dtype_name(t->dtype), dtype_name(dt));
   return STATUS_OK;
 }
 
-static status_t check_float(const char *fn, const char *what, const tensor_t *t) {
+static fsdpc_status_t check_float(const char *fn, const char *what, const fsdpc_tensor_t *t) {
   if (!dtype_is_float(t->dtype))
     return err_set(STATUS_EDTYPE, "%s: %s has dtype %s, expected a float dtype", fn, what,
                    dtype_name(t->dtype));
   return STATUS_OK;
 }
 
-static status_t check_index(const char *fn, const tensor_t *t) {
+static fsdpc_status_t check_index(const char *fn, const fsdpc_tensor_t *t) {
   if (t->dtype != DTYPE_I32 && t->dtype != DTYPE_I64)
     return err_set(STATUS_EDTYPE, "%s: indices have dtype %s, expected i32 or i64", fn,
                    dtype_name(t->dtype));
   return STATUS_OK;
 }
 
-static status_t shape_error(const char *fn, const char *what, const tensor_t *t,
-                            const char *expected) {
+static fsdpc_status_t shape_error(const char *fn, const char *what, const fsdpc_tensor_t *t,
+                                  const char *expected) {
   char buf[96];
   return err_set(STATUS_ESHAPE, "%s: %s has shape %s, expected %s", fn, what,
-                 shape_str(t->ndim, t->shape, buf, sizeof buf), expected);
+                 tensor_shape_str(t->ndim, t->shape, buf, sizeof buf), expected);
 }
 
-static int64_t last_dim(const tensor_t *t) { return t->ndim == 0 ? 1 : t->shape[t->ndim - 1]; }
-static int64_t rows_of(const tensor_t *t) {
+static int64_t last_dim(const fsdpc_tensor_t *t) {
+  return t->ndim == 0 ? 1 : t->shape[t->ndim - 1];
+}
+static int64_t rows_of(const fsdpc_tensor_t *t) {
   int64_t last = last_dim(t);
   return last == 0 ? 0 : tensor_numel(t) / last;
 }
 
-static status_t check_same_shape(const char *fn, const tensor_t *const *ts, int n) {
+static fsdpc_status_t check_same_shape(const char *fn, const fsdpc_tensor_t *const *ts, int n) {
   for (int i = 1; i < n; i++)
     if (!tensor_same_shape(ts[0], ts[i])) {
       char a[96], b[96];
       return err_set(STATUS_ESHAPE, "%s: shapes %s and %s differ", fn,
-                     shape_str(ts[0]->ndim, ts[0]->shape, a, sizeof a),
-                     shape_str(ts[i]->ndim, ts[i]->shape, b, sizeof b));
+                     tensor_shape_str(ts[0]->ndim, ts[0]->shape, a, sizeof a),
+                     tensor_shape_str(ts[i]->ndim, ts[i]->shape, b, sizeof b));
     }
   return STATUS_OK;
 }
 
-status_t kernel_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
-                       bool trans_b, float alpha, float beta) {
+fsdpc_status_t kernel_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
+                             const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_matmul", NT(out, a, b), &ops));
-  TRY(check_float_same("kernel_matmul", NT(out, a, b)));
+  FSDPC_TRY(check_common("kernel_matmul", NT(out, a, b), &ops));
+  FSDPC_TRY(check_float_same("kernel_matmul", NT(out, a, b)));
   if (a->ndim < 1 || b->ndim < 1 || out->ndim < 1)
     return err_set(STATUS_ESHAPE, "kernel_matmul: scalars are not matrices");
   matmul_dims_t d;
@@ -133,9 +136,9 @@ status_t kernel_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const ten
   if (kb != d.k || last_dim(out) != d.n || tensor_numel(out) != d.m * d.n) {
     char sa[96], sb[96], so[96];
     return err_set(STATUS_ESHAPE, "kernel_matmul: %s%s @ %s%s cannot produce %s",
-                   shape_str(a->ndim, a->shape, sa, sizeof sa), trans_a ? "^T" : "",
-                   shape_str(b->ndim, b->shape, sb, sizeof sb), trans_b ? "^T" : "",
-                   shape_str(out->ndim, out->shape, so, sizeof so));
+                   tensor_shape_str(a->ndim, a->shape, sa, sizeof sa), trans_a ? "^T" : "",
+                   tensor_shape_str(b->ndim, b->shape, sb, sizeof sb), trans_b ? "^T" : "",
+                   tensor_shape_str(out->ndim, out->shape, so, sizeof so));
   }
   if (d.m > INT32_MAX || d.n > INT32_MAX || d.k > INT32_MAX)
     return err_set(STATUS_EUNSUPPORTED, "kernel_matmul: dimensions beyond 2^31-1");
@@ -143,12 +146,12 @@ status_t kernel_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const ten
   DISPATCH("matmul", out, 0, ops->matmul(out, a, trans_a, b, trans_b, alpha, beta, &d));
 }
 
-status_t kernel_embedding_shard(tensor_t *out, const tensor_t *table, const tensor_t *ids,
-                                int64_t first, int64_t vocab) {
+fsdpc_status_t kernel_embedding_shard(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,
+                                      const fsdpc_tensor_t *ids, int64_t first, int64_t vocab) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_embedding", NT(out, table, ids), &ops));
-  TRY(check_float_same("kernel_embedding", NT(out, table)));
-  TRY(check_index("kernel_embedding", ids));
+  FSDPC_TRY(check_common("kernel_embedding", NT(out, table, ids), &ops));
+  FSDPC_TRY(check_float_same("kernel_embedding", NT(out, table)));
+  FSDPC_TRY(check_index("kernel_embedding", ids));
   if (table->ndim != 2) return shape_error("kernel_embedding", "table", table, "[V, D]");
   if (last_dim(out) != table->shape[1] || tensor_numel(out) != tensor_numel(ids) * table->shape[1])
     return shape_error("kernel_embedding", "out", out, "[ids..., D]");
@@ -160,13 +163,15 @@ status_t kernel_embedding_shard(tensor_t *out, const tensor_t *table, const tens
            ops->embedding(out, table, ids, first, vocab));
 }
 
-status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *grad_out,
-                                         const tensor_t *ids, int64_t first, int64_t vocab) {
+fsdpc_status_t kernel_embedding_shard_backward(fsdpc_tensor_t *grad_table,
+                                               const fsdpc_tensor_t *grad_out,
+                                               const fsdpc_tensor_t *ids, int64_t first,
+                                               int64_t vocab) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_embedding_backward", NT(grad_table, grad_out, ids), &ops));
-  TRY(check_float("kernel_embedding_backward", "grad_table", grad_table));
-  TRY(check_float("kernel_embedding_backward", "grad_out", grad_out));
-  TRY(check_index("kernel_embedding_backward", ids));
+  FSDPC_TRY(check_common("kernel_embedding_backward", NT(grad_table, grad_out, ids), &ops));
+  FSDPC_TRY(check_float("kernel_embedding_backward", "grad_table", grad_table));
+  FSDPC_TRY(check_float("kernel_embedding_backward", "grad_out", grad_out));
+  FSDPC_TRY(check_index("kernel_embedding_backward", ids));
   if (grad_table->ndim != 2)
     return shape_error("kernel_embedding_backward", "grad_table", grad_table, "[V, D]");
   if (last_dim(grad_out) != grad_table->shape[1] ||
@@ -180,15 +185,16 @@ status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *g
            ops->embedding_backward(grad_table, grad_out, ids, first, vocab));
 }
 
-status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids) {
+fsdpc_status_t kernel_embedding(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,
+                                const fsdpc_tensor_t *ids) {
   ARG_NONNULL(out);
   ARG_NONNULL(table);
   ARG_NONNULL(ids);
   return kernel_embedding_shard(out, table, ids, 0, table->ndim == 2 ? table->shape[0] : 0);
 }
 
-status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
-                                   const tensor_t *ids) {
+fsdpc_status_t kernel_embedding_backward(fsdpc_tensor_t *grad_table, const fsdpc_tensor_t *grad_out,
+                                         const fsdpc_tensor_t *ids) {
   ARG_NONNULL(grad_table);
   ARG_NONNULL(grad_out);
   ARG_NONNULL(ids);
@@ -196,43 +202,44 @@ status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_ou
                                          grad_table->ndim == 2 ? grad_table->shape[0] : 0);
 }
 
-static status_t check_rows_stat(const char *fn, const char *what, const tensor_t *stat,
-                                int64_t rows) {
-  TRY(check_dtype(fn, what, stat, DTYPE_F32));
+static fsdpc_status_t check_rows_stat(const char *fn, const char *what, const fsdpc_tensor_t *stat,
+                                      int64_t rows) {
+  FSDPC_TRY(check_dtype(fn, what, stat, DTYPE_F32));
   if (tensor_numel(stat) != rows) return shape_error(fn, what, stat, "one element per row");
   return STATUS_OK;
 }
 
-status_t kernel_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
-                        float eps) {
+fsdpc_status_t kernel_rmsnorm(fsdpc_tensor_t *out, fsdpc_tensor_t *rstd, const fsdpc_tensor_t *x,
+                              const fsdpc_tensor_t *w, float eps) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_rmsnorm", NT(out, rstd, x, w), &ops));
-  TRY(check_float_same("kernel_rmsnorm", NT(out, x)));
-  TRY(check_float("kernel_rmsnorm", "w", w));
-  TRY(check_same_shape("kernel_rmsnorm", NT(out, x)));
+  FSDPC_TRY(check_common("kernel_rmsnorm", NT(out, rstd, x, w), &ops));
+  FSDPC_TRY(check_float_same("kernel_rmsnorm", NT(out, x)));
+  FSDPC_TRY(check_float("kernel_rmsnorm", "w", w));
+  FSDPC_TRY(check_same_shape("kernel_rmsnorm", NT(out, x)));
   if (w->ndim != 1 || w->shape[0] != last_dim(x))
     return shape_error("kernel_rmsnorm", "w", w, "[D] with D the last dimension of x");
-  TRY(check_rows_stat("kernel_rmsnorm", "rstd", rstd, rows_of(x)));
+  FSDPC_TRY(check_rows_stat("kernel_rmsnorm", "rstd", rstd, rows_of(x)));
   DISPATCH("rmsnorm", out, moved(NT(x, out, w)), ops->rmsnorm(out, rstd, x, w, eps));
 }
 
-status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
-                                 const tensor_t *w, const tensor_t *rstd) {
+fsdpc_status_t kernel_rmsnorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
+                                       const fsdpc_tensor_t *dy, const fsdpc_tensor_t *x,
+                                       const fsdpc_tensor_t *w, const fsdpc_tensor_t *rstd) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_rmsnorm_backward", NT(dx, dw, dy, x, w, rstd), &ops));
-  TRY(check_float_same("kernel_rmsnorm_backward", NT(dx, dy, x)));
-  TRY(check_float("kernel_rmsnorm_backward", "w", w));
-  TRY(check_float("kernel_rmsnorm_backward", "dw", dw));
-  TRY(check_same_shape("kernel_rmsnorm_backward", NT(dx, dy, x)));
-  TRY(check_same_shape("kernel_rmsnorm_backward", NT(w, dw)));
+  FSDPC_TRY(check_common("kernel_rmsnorm_backward", NT(dx, dw, dy, x, w, rstd), &ops));
+  FSDPC_TRY(check_float_same("kernel_rmsnorm_backward", NT(dx, dy, x)));
+  FSDPC_TRY(check_float("kernel_rmsnorm_backward", "w", w));
+  FSDPC_TRY(check_float("kernel_rmsnorm_backward", "dw", dw));
+  FSDPC_TRY(check_same_shape("kernel_rmsnorm_backward", NT(dx, dy, x)));
+  FSDPC_TRY(check_same_shape("kernel_rmsnorm_backward", NT(w, dw)));
   if (w->ndim != 1 || w->shape[0] != last_dim(x))
     return shape_error("kernel_rmsnorm_backward", "w", w, "[D] with D the last dimension of x");
-  TRY(check_rows_stat("kernel_rmsnorm_backward", "rstd", rstd, rows_of(x)));
+  FSDPC_TRY(check_rows_stat("kernel_rmsnorm_backward", "rstd", rstd, rows_of(x)));
   DISPATCH("rmsnorm_backward", dx, moved(NT(dy, x, dx, w, dw, dw)),
            ops->rmsnorm_backward(dx, dw, dy, x, w, rstd));
 }
 
-status_t rope_check(const rope_t *r) {
+fsdpc_status_t rope_check(const rope_t *r) {
   ARG_NONNULL(r);
   if (!(r->theta > 0))
     return err_set(STATUS_EINVAL, "rope_theta must be positive, got %g", r->theta);
@@ -275,241 +282,251 @@ void rope_fill_table(const rope_key_t *k, float *cs) {
     }
 }
 
-status_t kernel_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
-                     bool inverse) {
+fsdpc_status_t kernel_rope(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, const rope_t *rope,
+                           int64_t pos_offset, bool inverse) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_rope", NT(out, x), &ops));
-  TRY(check_float_same("kernel_rope", NT(out, x)));
-  TRY(check_same_shape("kernel_rope", NT(out, x)));
+  FSDPC_TRY(check_common("kernel_rope", NT(out, x), &ops));
+  FSDPC_TRY(check_float_same("kernel_rope", NT(out, x)));
+  FSDPC_TRY(check_same_shape("kernel_rope", NT(out, x)));
   if (x->ndim != 4 || x->shape[3] % 2 != 0)
     return shape_error("kernel_rope", "x", x, "[B, T, H, Dh] with Dh even");
   if (rope_check(rope) != STATUS_OK) return err_prefix(STATUS_EINVAL, "kernel_rope");
   DISPATCH("rope", out, moved(NT(x, out)), ops->rope(out, x, rope, pos_offset, inverse));
 }
 
-static status_t check_qkv(const char *fn, const tensor_t *q, const tensor_t *k, const tensor_t *v) {
+static fsdpc_status_t check_qkv(const char *fn, const fsdpc_tensor_t *q, const fsdpc_tensor_t *k,
+                                const fsdpc_tensor_t *v) {
   if (q->ndim != 4) return shape_error(fn, "q", q, "[B, T, H, Dh]");
   if (k->ndim != 4 || k->shape[0] != q->shape[0] || k->shape[1] != q->shape[1] ||
       k->shape[3] != q->shape[3] || k->shape[2] < 1 || q->shape[2] % k->shape[2] != 0)
     return shape_error(fn, "k", k, "[B, T, Hkv, Dh] with H a multiple of Hkv");
-  TRY(check_same_shape(fn, NT(k, v)));
+  FSDPC_TRY(check_same_shape(fn, NT(k, v)));
   return STATUS_OK;
 }
 
-static status_t check_lse(const char *fn, const tensor_t *lse, const tensor_t *q) {
-  TRY(check_dtype(fn, "lse", lse, DTYPE_F32));
+static fsdpc_status_t check_lse(const char *fn, const fsdpc_tensor_t *lse,
+                                const fsdpc_tensor_t *q) {
+  FSDPC_TRY(check_dtype(fn, "lse", lse, DTYPE_F32));
   if (lse->ndim != 3 || lse->shape[0] != q->shape[0] || lse->shape[1] != q->shape[2] ||
       lse->shape[2] != q->shape[1])
     return shape_error(fn, "lse", lse, "[B, H, T]");
   return STATUS_OK;
 }
 
-status_t kernel_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
-                          const tensor_t *v) {
+fsdpc_status_t kernel_attention(fsdpc_tensor_t *out, fsdpc_tensor_t *lse, const fsdpc_tensor_t *q,
+                                const fsdpc_tensor_t *k, const fsdpc_tensor_t *v) {
   const char *fn = "kernel_attention";
   const kernel_ops_t *ops;
-  TRY(check_common(fn, NT(out, lse, q, k, v), &ops));
-  TRY(check_float_same(fn, NT(out, q, k, v)));
-  TRY(check_qkv(fn, q, k, v));
-  TRY(check_same_shape(fn, NT(out, q)));
-  TRY(check_lse(fn, lse, q));
+  FSDPC_TRY(check_common(fn, NT(out, lse, q, k, v), &ops));
+  FSDPC_TRY(check_float_same(fn, NT(out, q, k, v)));
+  FSDPC_TRY(check_qkv(fn, q, k, v));
+  FSDPC_TRY(check_same_shape(fn, NT(out, q)));
+  FSDPC_TRY(check_lse(fn, lse, q));
   if (tensor_numel(q) == 0) return STATUS_OK;
   DISPATCH("attention", out, 0, ops->attention(out, lse, q, k, v));
 }
 
-status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
-                                   const tensor_t *q, const tensor_t *k, const tensor_t *v,
-                                   const tensor_t *out, const tensor_t *lse) {
+fsdpc_status_t kernel_attention_backward(fsdpc_tensor_t *dq, fsdpc_tensor_t *dk, fsdpc_tensor_t *dv,
+                                         const fsdpc_tensor_t *dout, const fsdpc_tensor_t *q,
+                                         const fsdpc_tensor_t *k, const fsdpc_tensor_t *v,
+                                         const fsdpc_tensor_t *out, const fsdpc_tensor_t *lse) {
   const char *fn = "kernel_attention_backward";
   const kernel_ops_t *ops;
-  TRY(check_common(fn, NT(dq, dk, dv, dout, q, k, v, out, lse), &ops));
-  TRY(check_float_same(fn, NT(dq, dk, dv, dout, q, k, v, out)));
-  TRY(check_qkv(fn, q, k, v));
-  TRY(check_same_shape(fn, NT(dq, dout, q, out)));
-  TRY(check_same_shape(fn, NT(dk, dv, k)));
-  TRY(check_lse(fn, lse, q));
+  FSDPC_TRY(check_common(fn, NT(dq, dk, dv, dout, q, k, v, out, lse), &ops));
+  FSDPC_TRY(check_float_same(fn, NT(dq, dk, dv, dout, q, k, v, out)));
+  FSDPC_TRY(check_qkv(fn, q, k, v));
+  FSDPC_TRY(check_same_shape(fn, NT(dq, dout, q, out)));
+  FSDPC_TRY(check_same_shape(fn, NT(dk, dv, k)));
+  FSDPC_TRY(check_lse(fn, lse, q));
   if (tensor_numel(q) == 0) return STATUS_OK;
   DISPATCH("attention_backward", dq, 0,
            ops->attention_backward(dq, dk, dv, dout, q, k, v, out, lse));
 }
 
-status_t kernel_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
+fsdpc_status_t kernel_silu_mul(fsdpc_tensor_t *out, const fsdpc_tensor_t *gate,
+                               const fsdpc_tensor_t *up) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_silu_mul", NT(out, gate, up), &ops));
-  TRY(check_float_same("kernel_silu_mul", NT(out, gate, up)));
-  TRY(check_same_shape("kernel_silu_mul", NT(out, gate, up)));
+  FSDPC_TRY(check_common("kernel_silu_mul", NT(out, gate, up), &ops));
+  FSDPC_TRY(check_float_same("kernel_silu_mul", NT(out, gate, up)));
+  FSDPC_TRY(check_same_shape("kernel_silu_mul", NT(out, gate, up)));
   DISPATCH("silu_mul", out, moved(NT(gate, up, out)), ops->silu_mul(out, gate, up));
 }
 
-status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
-                                  const tensor_t *gate, const tensor_t *up) {
+fsdpc_status_t kernel_silu_mul_backward(fsdpc_tensor_t *dgate, fsdpc_tensor_t *dup,
+                                        const fsdpc_tensor_t *dout, const fsdpc_tensor_t *gate,
+                                        const fsdpc_tensor_t *up) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up), &ops));
-  TRY(check_float_same("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
-  TRY(check_same_shape("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
+  FSDPC_TRY(check_common("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up), &ops));
+  FSDPC_TRY(check_float_same("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
+  FSDPC_TRY(check_same_shape("kernel_silu_mul_backward", NT(dgate, dup, dout, gate, up)));
   DISPATCH("silu_mul_backward", dgate, moved(NT(dout, gate, up, dgate, dup)),
            ops->silu_mul_backward(dgate, dup, dout, gate, up));
 }
 
-static status_t check_act(const char *fn, kernel_act_t act) {
+static fsdpc_status_t check_act(const char *fn, kernel_act_t act) {
   if (act < 0 || act >= KERNEL_ACT_COUNT)
     return err_set(STATUS_EINVAL, "%s: unknown activation %d", fn, (int)act);
   return STATUS_OK;
 }
 
-status_t kernel_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
+fsdpc_status_t kernel_activation(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, kernel_act_t act) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_activation", NT(out, x), &ops));
-  TRY(check_float_same("kernel_activation", NT(out, x)));
-  TRY(check_same_shape("kernel_activation", NT(out, x)));
-  TRY(check_act("kernel_activation", act));
+  FSDPC_TRY(check_common("kernel_activation", NT(out, x), &ops));
+  FSDPC_TRY(check_float_same("kernel_activation", NT(out, x)));
+  FSDPC_TRY(check_same_shape("kernel_activation", NT(out, x)));
+  FSDPC_TRY(check_act("kernel_activation", act));
   DISPATCH("activation", out, moved(NT(x, out)), ops->activation(out, x, act));
 }
 
-status_t kernel_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
-                                    kernel_act_t act) {
+fsdpc_status_t kernel_activation_backward(fsdpc_tensor_t *dx, const fsdpc_tensor_t *dy,
+                                          const fsdpc_tensor_t *x, kernel_act_t act) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_activation_backward", NT(dx, dy, x), &ops));
-  TRY(check_float_same("kernel_activation_backward", NT(dx, dy, x)));
-  TRY(check_same_shape("kernel_activation_backward", NT(dx, dy, x)));
-  TRY(check_act("kernel_activation_backward", act));
+  FSDPC_TRY(check_common("kernel_activation_backward", NT(dx, dy, x), &ops));
+  FSDPC_TRY(check_float_same("kernel_activation_backward", NT(dx, dy, x)));
+  FSDPC_TRY(check_same_shape("kernel_activation_backward", NT(dx, dy, x)));
+  FSDPC_TRY(check_act("kernel_activation_backward", act));
   DISPATCH("activation_backward", dx, moved(NT(dy, x, dx)),
            ops->activation_backward(dx, dy, x, act));
 }
 
 /* b is [D] with D the last dimension of x. */
-static status_t check_row_vector(const char *fn, const char *what, const tensor_t *b,
-                                 const tensor_t *x) {
+static fsdpc_status_t check_row_vector(const char *fn, const char *what, const fsdpc_tensor_t *b,
+                                       const fsdpc_tensor_t *x) {
   if (b->ndim != 1 || b->shape[0] != last_dim(x))
     return shape_error(fn, what, b, "[D] with D the last dimension of x");
   return STATUS_OK;
 }
 
-status_t kernel_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
+fsdpc_status_t kernel_bias_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *x,
+                               const fsdpc_tensor_t *b) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_bias_add", NT(out, x, b), &ops));
-  TRY(check_float_same("kernel_bias_add", NT(out, x, b)));
-  TRY(check_same_shape("kernel_bias_add", NT(out, x)));
-  TRY(check_row_vector("kernel_bias_add", "b", b, x));
+  FSDPC_TRY(check_common("kernel_bias_add", NT(out, x, b), &ops));
+  FSDPC_TRY(check_float_same("kernel_bias_add", NT(out, x, b)));
+  FSDPC_TRY(check_same_shape("kernel_bias_add", NT(out, x)));
+  FSDPC_TRY(check_row_vector("kernel_bias_add", "b", b, x));
   if (tensor_numel(x) == 0) return STATUS_OK;
   DISPATCH("bias_add", out, moved(NT(x, out, b)), ops->bias_add(out, x, b));
 }
 
-status_t kernel_bias_backward(tensor_t *db, const tensor_t *dy) {
+fsdpc_status_t kernel_bias_backward(fsdpc_tensor_t *db, const fsdpc_tensor_t *dy) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_bias_backward", NT(db, dy), &ops));
-  TRY(check_float("kernel_bias_backward", "db", db));
-  TRY(check_float("kernel_bias_backward", "dy", dy));
-  TRY(check_row_vector("kernel_bias_backward", "db", db, dy));
+  FSDPC_TRY(check_common("kernel_bias_backward", NT(db, dy), &ops));
+  FSDPC_TRY(check_float("kernel_bias_backward", "db", db));
+  FSDPC_TRY(check_float("kernel_bias_backward", "dy", dy));
+  FSDPC_TRY(check_row_vector("kernel_bias_backward", "db", db, dy));
   if (tensor_numel(dy) == 0) return STATUS_OK;
   DISPATCH("bias_backward", db, moved(NT(dy, db, db)), ops->bias_backward(db, dy));
 }
 
-status_t kernel_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
-                          const tensor_t *w, const tensor_t *b, float eps) {
+fsdpc_status_t kernel_layernorm(fsdpc_tensor_t *out, fsdpc_tensor_t *mean, fsdpc_tensor_t *rstd,
+                                const fsdpc_tensor_t *x, const fsdpc_tensor_t *w,
+                                const fsdpc_tensor_t *b, float eps) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_layernorm", NT(out, mean, rstd, x, w), &ops));
-  if (b != NULL) TRY(check_common("kernel_layernorm", NT(x, b), &ops));
-  TRY(check_float_same("kernel_layernorm", NT(out, x)));
-  TRY(check_float("kernel_layernorm", "w", w));
-  if (b != NULL) TRY(check_float("kernel_layernorm", "b", b));
-  TRY(check_same_shape("kernel_layernorm", NT(out, x)));
-  TRY(check_row_vector("kernel_layernorm", "w", w, x));
-  if (b != NULL) TRY(check_row_vector("kernel_layernorm", "b", b, x));
-  TRY(check_rows_stat("kernel_layernorm", "mean", mean, rows_of(x)));
-  TRY(check_rows_stat("kernel_layernorm", "rstd", rstd, rows_of(x)));
+  FSDPC_TRY(check_common("kernel_layernorm", NT(out, mean, rstd, x, w), &ops));
+  if (b != NULL) FSDPC_TRY(check_common("kernel_layernorm", NT(x, b), &ops));
+  FSDPC_TRY(check_float_same("kernel_layernorm", NT(out, x)));
+  FSDPC_TRY(check_float("kernel_layernorm", "w", w));
+  if (b != NULL) FSDPC_TRY(check_float("kernel_layernorm", "b", b));
+  FSDPC_TRY(check_same_shape("kernel_layernorm", NT(out, x)));
+  FSDPC_TRY(check_row_vector("kernel_layernorm", "w", w, x));
+  if (b != NULL) FSDPC_TRY(check_row_vector("kernel_layernorm", "b", b, x));
+  FSDPC_TRY(check_rows_stat("kernel_layernorm", "mean", mean, rows_of(x)));
+  FSDPC_TRY(check_rows_stat("kernel_layernorm", "rstd", rstd, rows_of(x)));
   if (tensor_numel(x) == 0) return STATUS_OK;
   DISPATCH("layernorm", out, moved(NT(x, out, w, b)),
            ops->layernorm(out, mean, rstd, x, w, b, eps));
 }
 
-status_t kernel_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
-                                   const tensor_t *x, const tensor_t *w, const tensor_t *mean,
-                                   const tensor_t *rstd) {
+fsdpc_status_t kernel_layernorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw, fsdpc_tensor_t *db,
+                                         const fsdpc_tensor_t *dy, const fsdpc_tensor_t *x,
+                                         const fsdpc_tensor_t *w, const fsdpc_tensor_t *mean,
+                                         const fsdpc_tensor_t *rstd) {
   const kernel_ops_t *ops;
   const char *fn = "kernel_layernorm_backward";
-  TRY(check_common(fn, NT(dx, dw, dy, x, w, mean, rstd), &ops));
-  if (db != NULL) TRY(check_common(fn, NT(x, db), &ops));
-  TRY(check_float_same(fn, NT(dx, dy, x)));
-  TRY(check_float(fn, "w", w));
-  TRY(check_float(fn, "dw", dw));
-  if (db != NULL) TRY(check_float(fn, "db", db));
-  TRY(check_same_shape(fn, NT(dx, dy, x)));
-  TRY(check_same_shape(fn, NT(w, dw)));
-  TRY(check_row_vector(fn, "w", w, x));
-  if (db != NULL) TRY(check_row_vector(fn, "db", db, x));
-  TRY(check_rows_stat(fn, "mean", mean, rows_of(x)));
-  TRY(check_rows_stat(fn, "rstd", rstd, rows_of(x)));
+  FSDPC_TRY(check_common(fn, NT(dx, dw, dy, x, w, mean, rstd), &ops));
+  if (db != NULL) FSDPC_TRY(check_common(fn, NT(x, db), &ops));
+  FSDPC_TRY(check_float_same(fn, NT(dx, dy, x)));
+  FSDPC_TRY(check_float(fn, "w", w));
+  FSDPC_TRY(check_float(fn, "dw", dw));
+  if (db != NULL) FSDPC_TRY(check_float(fn, "db", db));
+  FSDPC_TRY(check_same_shape(fn, NT(dx, dy, x)));
+  FSDPC_TRY(check_same_shape(fn, NT(w, dw)));
+  FSDPC_TRY(check_row_vector(fn, "w", w, x));
+  if (db != NULL) FSDPC_TRY(check_row_vector(fn, "db", db, x));
+  FSDPC_TRY(check_rows_stat(fn, "mean", mean, rows_of(x)));
+  FSDPC_TRY(check_rows_stat(fn, "rstd", rstd, rows_of(x)));
   if (tensor_numel(x) == 0) return STATUS_OK;
   DISPATCH("layernorm_backward", dx, moved(NT(dy, x, dx, w, dw, dw, db, db)),
            ops->layernorm_backward(dx, dw, db, dy, x, w, mean, rstd));
 }
 
-status_t kernel_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
+fsdpc_status_t kernel_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, const fsdpc_tensor_t *b) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_add", NT(out, a, b), &ops));
-  TRY(check_float_same("kernel_add", NT(out, a, b)));
-  TRY(check_same_shape("kernel_add", NT(out, a, b)));
+  FSDPC_TRY(check_common("kernel_add", NT(out, a, b), &ops));
+  FSDPC_TRY(check_float_same("kernel_add", NT(out, a, b)));
+  FSDPC_TRY(check_same_shape("kernel_add", NT(out, a, b)));
   DISPATCH("add", out, moved(NT(a, b, out)), ops->add(out, a, b));
 }
 
-status_t kernel_axpy(tensor_t *y, float alpha, const tensor_t *x) {
+fsdpc_status_t kernel_axpy(fsdpc_tensor_t *y, float alpha, const fsdpc_tensor_t *x) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_axpy", NT(y, x), &ops));
-  TRY(check_float("kernel_axpy", "y", y));
-  TRY(check_float("kernel_axpy", "x", x));
-  TRY(check_same_shape("kernel_axpy", NT(y, x)));
+  FSDPC_TRY(check_common("kernel_axpy", NT(y, x), &ops));
+  FSDPC_TRY(check_float("kernel_axpy", "y", y));
+  FSDPC_TRY(check_float("kernel_axpy", "x", x));
+  FSDPC_TRY(check_same_shape("kernel_axpy", NT(y, x)));
   DISPATCH("axpy", y, moved(NT(y, y, x)), ops->axpy(y, alpha, x));
 }
 
-status_t kernel_scale(tensor_t *x, float alpha) {
+fsdpc_status_t kernel_scale(fsdpc_tensor_t *x, float alpha) {
   const kernel_ops_t *ops;
-  TRY(check_common("kernel_scale", NT(x), &ops));
-  TRY(check_float("kernel_scale", "x", x));
+  FSDPC_TRY(check_common("kernel_scale", NT(x), &ops));
+  FSDPC_TRY(check_float("kernel_scale", "x", x));
   DISPATCH("scale", x, moved(NT(x, x)), ops->scale(x, alpha));
 }
 
-static status_t check_ce(const char *fn, const tensor_t *logits, const tensor_t *targets) {
-  TRY(check_float(fn, "logits", logits));
-  TRY(check_index(fn, targets));
+static fsdpc_status_t check_ce(const char *fn, const fsdpc_tensor_t *logits,
+                               const fsdpc_tensor_t *targets) {
+  FSDPC_TRY(check_float(fn, "logits", logits));
+  FSDPC_TRY(check_index(fn, targets));
   if (logits->ndim < 1 || rows_of(logits) != tensor_numel(targets))
     return shape_error(fn, "logits", logits, "[N, V] with N the number of targets");
   return STATUS_OK;
 }
 
-status_t kernel_cross_entropy(tensor_t *losses, const tensor_t *logits, const tensor_t *targets) {
+fsdpc_status_t kernel_cross_entropy(fsdpc_tensor_t *losses, const fsdpc_tensor_t *logits,
+                                    const fsdpc_tensor_t *targets) {
   const char *fn = "kernel_cross_entropy";
   const kernel_ops_t *ops;
-  TRY(check_common(fn, NT(losses, logits, targets), &ops));
-  TRY(check_ce(fn, logits, targets));
-  TRY(check_dtype(fn, "losses", losses, DTYPE_F32));
+  FSDPC_TRY(check_common(fn, NT(losses, logits, targets), &ops));
+  FSDPC_TRY(check_ce(fn, logits, targets));
+  FSDPC_TRY(check_dtype(fn, "losses", losses, DTYPE_F32));
   if (tensor_numel(losses) != tensor_numel(targets))
     return shape_error(fn, "losses", losses, "one element per target");
   DISPATCH("cross_entropy", losses, moved(NT(logits, targets, losses)),
            ops->cross_entropy(losses, logits, targets));
 }
 
-status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
-                                       const tensor_t *targets, float scale) {
+fsdpc_status_t kernel_cross_entropy_backward(fsdpc_tensor_t *dlogits, const fsdpc_tensor_t *logits,
+                                             const fsdpc_tensor_t *targets, float scale) {
   const char *fn = "kernel_cross_entropy_backward";
   const kernel_ops_t *ops;
-  TRY(check_common(fn, NT(dlogits, logits, targets), &ops));
-  TRY(check_ce(fn, logits, targets));
-  TRY(check_float_same(fn, NT(dlogits, logits)));
-  TRY(check_same_shape(fn, NT(dlogits, logits)));
+  FSDPC_TRY(check_common(fn, NT(dlogits, logits, targets), &ops));
+  FSDPC_TRY(check_ce(fn, logits, targets));
+  FSDPC_TRY(check_float_same(fn, NT(dlogits, logits)));
+  FSDPC_TRY(check_same_shape(fn, NT(dlogits, logits)));
   DISPATCH("cross_entropy_backward", dlogits, moved(NT(logits, dlogits, targets)),
            ops->cross_entropy_backward(dlogits, logits, targets, scale, NULL, NULL));
 }
 
-status_t kernel_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *values,
-                            const tensor_t *targets) {
+fsdpc_status_t kernel_masked_mean(fsdpc_tensor_t *mean, fsdpc_tensor_t *count,
+                                  const fsdpc_tensor_t *values, const fsdpc_tensor_t *targets) {
   const char *fn = "kernel_masked_mean";
   const kernel_ops_t *ops;
-  TRY(check_common(fn, NT(mean, count, values, targets), &ops));
-  TRY(check_index(fn, targets));
-  TRY(check_dtype(fn, "mean", mean, DTYPE_F32));
-  TRY(check_dtype(fn, "count", count, DTYPE_I64));
-  TRY(check_dtype(fn, "values", values, DTYPE_F32));
+  FSDPC_TRY(check_common(fn, NT(mean, count, values, targets), &ops));
+  FSDPC_TRY(check_index(fn, targets));
+  FSDPC_TRY(check_dtype(fn, "mean", mean, DTYPE_F32));
+  FSDPC_TRY(check_dtype(fn, "count", count, DTYPE_I64));
+  FSDPC_TRY(check_dtype(fn, "values", values, DTYPE_F32));
   if (tensor_numel(mean) != 1) return shape_error(fn, "mean", mean, "one element");
   if (tensor_numel(count) != 1) return shape_error(fn, "count", count, "one element");
   if (tensor_numel(values) != tensor_numel(targets))
@@ -518,30 +535,33 @@ status_t kernel_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *val
            ops->masked_mean(mean, count, values, targets));
 }
 
-status_t kernel_cross_entropy_backward_mean(tensor_t *dlogits, const tensor_t *logits,
-                                            const tensor_t *targets, const tensor_t *dloss,
-                                            const tensor_t *count) {
+fsdpc_status_t kernel_cross_entropy_backward_mean(fsdpc_tensor_t *dlogits,
+                                                  const fsdpc_tensor_t *logits,
+                                                  const fsdpc_tensor_t *targets,
+                                                  const fsdpc_tensor_t *dloss,
+                                                  const fsdpc_tensor_t *count) {
   const char *fn = "kernel_cross_entropy_backward_mean";
   const kernel_ops_t *ops;
-  TRY(check_common(fn, NT(dlogits, logits, targets, dloss, count), &ops));
-  TRY(check_ce(fn, logits, targets));
-  TRY(check_float_same(fn, NT(dlogits, logits)));
-  TRY(check_same_shape(fn, NT(dlogits, logits)));
-  TRY(check_dtype(fn, "dloss", dloss, DTYPE_F32));
-  TRY(check_dtype(fn, "count", count, DTYPE_I64));
+  FSDPC_TRY(check_common(fn, NT(dlogits, logits, targets, dloss, count), &ops));
+  FSDPC_TRY(check_ce(fn, logits, targets));
+  FSDPC_TRY(check_float_same(fn, NT(dlogits, logits)));
+  FSDPC_TRY(check_same_shape(fn, NT(dlogits, logits)));
+  FSDPC_TRY(check_dtype(fn, "dloss", dloss, DTYPE_F32));
+  FSDPC_TRY(check_dtype(fn, "count", count, DTYPE_I64));
   if (tensor_numel(dloss) != 1) return shape_error(fn, "dloss", dloss, "one element");
   if (tensor_numel(count) != 1) return shape_error(fn, "count", count, "one element");
   DISPATCH("cross_entropy_backward", dlogits, moved(NT(logits, dlogits, targets, dloss, count)),
            ops->cross_entropy_backward(dlogits, logits, targets, 1.0f, dloss, count));
 }
 
-static status_t adamw_check(const char *fn, tensor_t *p, const tensor_t *g, tensor_t *m,
-                            tensor_t *v, const adamw_args_t *args, const kernel_ops_t **ops) {
-  TRY(check_common(fn, NT(p, g, m, v), ops));
-  TRY(check_float(fn, "p", p));
-  TRY(check_float(fn, "g", g));
-  TRY(check_dtype(fn, "m", m, DTYPE_F32));
-  TRY(check_dtype(fn, "v", v, DTYPE_F32));
+static fsdpc_status_t adamw_check(const char *fn, fsdpc_tensor_t *p, const fsdpc_tensor_t *g,
+                                  fsdpc_tensor_t *m, fsdpc_tensor_t *v, const adamw_args_t *args,
+                                  const kernel_ops_t **ops) {
+  FSDPC_TRY(check_common(fn, NT(p, g, m, v), ops));
+  FSDPC_TRY(check_float(fn, "p", p));
+  FSDPC_TRY(check_float(fn, "g", g));
+  FSDPC_TRY(check_dtype(fn, "m", m, DTYPE_F32));
+  FSDPC_TRY(check_dtype(fn, "v", v, DTYPE_F32));
   if (tensor_numel(g) != tensor_numel(p) || tensor_numel(m) != tensor_numel(p) ||
       tensor_numel(v) != tensor_numel(p))
     return err_set(STATUS_ESHAPE, "%s: p, g, m and v must have the same number of elements", fn);
@@ -549,16 +569,16 @@ static status_t adamw_check(const char *fn, tensor_t *p, const tensor_t *g, tens
   return STATUS_OK;
 }
 
-status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                      const adamw_args_t *args) {
+fsdpc_status_t kernel_adamw(fsdpc_tensor_t *p, const fsdpc_tensor_t *g, fsdpc_tensor_t *m,
+                            fsdpc_tensor_t *v, const adamw_args_t *args) {
   const kernel_ops_t *ops;
-  TRY(adamw_check("kernel_adamw", p, g, m, v, args, &ops));
+  FSDPC_TRY(adamw_check("kernel_adamw", p, g, m, v, args, &ops));
   DISPATCH("adamw", p, moved(NT(p, p, g, m, m, v, v)), ops->adamw(p, g, m, v, args));
 }
 
-static status_t adamw_each(const kernel_ops_t *ops, const adamw_item_t *items, int n) {
+static fsdpc_status_t adamw_each(const kernel_ops_t *ops, const adamw_item_t *items, int n) {
   for (int i = 0; i < n; i++)
-    TRY(ops->adamw(items[i].p, items[i].g, items[i].m, items[i].v, &items[i].args));
+    FSDPC_TRY(ops->adamw(items[i].p, items[i].g, items[i].m, items[i].v, &items[i].args));
   return STATUS_OK;
 }
 
@@ -570,7 +590,7 @@ static double adamw_items_moved(const adamw_item_t *items, int n) {
   return b;
 }
 
-status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed) {
+fsdpc_status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed) {
   if (n > 0) ARG_NONNULL(items);
   ARG_NONNULL(failed);
   const kernel_ops_t *ops = NULL;
@@ -579,8 +599,8 @@ status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed) {
     return err_set(STATUS_EINVAL, "kernel_adamw_many: %d items, items NULL", n);
   for (int i = 0; i < n; i++) {
     const kernel_ops_t *o;
-    status_t st = adamw_check("kernel_adamw_many", items[i].p, items[i].g, items[i].m,
-                              items[i].v, &items[i].args, &o);
+    fsdpc_status_t st = adamw_check("kernel_adamw_many", items[i].p, items[i].g, items[i].m,
+                                    items[i].v, &items[i].args, &o);
     if (st == STATUS_OK && i > 0 && !device_equal(items[i].p->device, items[0].p->device)) {
       char a[32], b[32];
       st = err_set(STATUS_EINVAL, "kernel_adamw_many: items on %s and %s (one device per call)",
@@ -598,33 +618,33 @@ status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed) {
            ops->adamw_many ? ops->adamw_many(items, n) : adamw_each(ops, items, n));
 }
 
-status_t kernel_sum_squares(const tensor_t *x, double *out) {
+fsdpc_status_t kernel_sum_squares(const fsdpc_tensor_t *x, double *out) {
   const kernel_ops_t *ops;
   if (out == NULL) return err_set(STATUS_EINVAL, "kernel_sum_squares: out is NULL");
-  TRY(check_common("kernel_sum_squares", NT(x), &ops));
-  TRY(check_float("kernel_sum_squares", "x", x));
+  FSDPC_TRY(check_common("kernel_sum_squares", NT(x), &ops));
+  FSDPC_TRY(check_float("kernel_sum_squares", "x", x));
   *out = 0;
   if (tensor_numel(x) == 0) return STATUS_OK;
   DISPATCH("sum_squares", x, moved(NT(x)), ops->sum_squares(x, out));
 }
 
-static status_t sum_squares_each(const kernel_ops_t *ops, const tensor_t *const *xs, int n,
-                                 double *out) {
+static fsdpc_status_t sum_squares_each(const kernel_ops_t *ops, const fsdpc_tensor_t *const *xs,
+                                       int n, double *out) {
   for (int i = 0; i < n; i++) {
     out[i] = 0;
-    if (tensor_numel(xs[i]) > 0) TRY(ops->sum_squares(xs[i], &out[i]));
+    if (tensor_numel(xs[i]) > 0) FSDPC_TRY(ops->sum_squares(xs[i], &out[i]));
   }
   return STATUS_OK;
 }
 
-status_t kernel_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
+fsdpc_status_t kernel_sum_squares_many(const fsdpc_tensor_t *const *xs, int n, double *out) {
   const char *fn = "kernel_sum_squares_many";
   const kernel_ops_t *ops;
   if (n < 0 || (n > 0 && (xs == NULL || out == NULL)))
     return err_set(STATUS_EINVAL, "%s: %d tensors, xs or out NULL", fn, n);
   if (n == 0) return STATUS_OK;
-  TRY(check_common(fn, xs, n, &ops));
-  for (int i = 0; i < n; i++) TRY(check_float(fn, "x", xs[i]));
+  FSDPC_TRY(check_common(fn, xs, n, &ops));
+  for (int i = 0; i < n; i++) FSDPC_TRY(check_float(fn, "x", xs[i]));
   DISPATCH("sum_squares", xs[0], moved(xs, n),
            ops->sum_squares_many ? ops->sum_squares_many(xs, n, out)
                                  : sum_squares_each(ops, xs, n, out));

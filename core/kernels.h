@@ -5,7 +5,7 @@
  * then calls the backend of the tensors' device, on that device's current stream.
  *
  *   // y[N, out] = x[N, in] @ w[out, in]^T
- *   TRY(kernel_matmul(&y, &x, false, &w, true, 1.0f, 0.0f));
+ *   FSDPC_TRY(kernel_matmul(&y, &x, false, &w, true, 1.0f, 0.0f));
  *
  * Conventions shared by all kernels:
  * - Every tensor is contiguous and all tensors of one call are on one device.
@@ -34,33 +34,37 @@ extern "C" {
 /* out = alpha * op(a) @ op(b) + beta * out, where op(x) is x or x^T, a and b viewed as
  * matrices [numel/last, last]. op(a) is [M, K], op(b) is [K, N], out has M*N elements and
  * last dimension N. a, b and out share one float dtype; accumulation is fp32. */
-status_t kernel_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
-                       bool trans_b, float alpha, float beta);
+fsdpc_status_t kernel_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
+                             const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta);
 
 /* out[..., D] = table[ids[...], :]; ids are I32 or I64 in [0, V). */
-status_t kernel_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids);
+fsdpc_status_t kernel_embedding(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,
+                                const fsdpc_tensor_t *ids);
 
 /* grad_table[ids[i], :] += grad_out[i, :] (accumulates). grad_table may be F32 while grad_out
  * is a narrower float dtype. */
-status_t kernel_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
-                                   const tensor_t *ids);
+fsdpc_status_t kernel_embedding_backward(fsdpc_tensor_t *grad_table, const fsdpc_tensor_t *grad_out,
+                                         const fsdpc_tensor_t *ids);
 
 /* The same on a vocabulary shard: table holds rows [first, first + V) of a vocabulary of
  * `vocab` ids; ids must lie in [0, vocab), and those outside the shard give zero rows
  * (forward) and no gradient (backward). */
-status_t kernel_embedding_shard(tensor_t *out, const tensor_t *table, const tensor_t *ids,
-                                int64_t first, int64_t vocab);
-status_t kernel_embedding_shard_backward(tensor_t *grad_table, const tensor_t *grad_out,
-                                         const tensor_t *ids, int64_t first, int64_t vocab);
+fsdpc_status_t kernel_embedding_shard(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,
+                                      const fsdpc_tensor_t *ids, int64_t first, int64_t vocab);
+fsdpc_status_t kernel_embedding_shard_backward(fsdpc_tensor_t *grad_table,
+                                               const fsdpc_tensor_t *grad_out,
+                                               const fsdpc_tensor_t *ids, int64_t first,
+                                               int64_t vocab);
 
 /* RMSNorm over the last dimension: rstd = 1/sqrt(mean(x^2) + eps) (F32, one per row),
  * out = w * (x * rstd rounded to x's dtype). Writes out and rstd. */
-status_t kernel_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
-                        float eps);
+fsdpc_status_t kernel_rmsnorm(fsdpc_tensor_t *out, fsdpc_tensor_t *rstd, const fsdpc_tensor_t *x,
+                              const fsdpc_tensor_t *w, float eps);
 
 /* Writes dx, accumulates dw (dw may be F32). */
-status_t kernel_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
-                                 const tensor_t *w, const tensor_t *rstd);
+fsdpc_status_t kernel_rmsnorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
+                                       const fsdpc_tensor_t *dy, const fsdpc_tensor_t *x,
+                                       const fsdpc_tensor_t *w, const fsdpc_tensor_t *rstd);
 
 /* The rotary embedding's frequencies, as Hugging Face's rope types define them: pair i of a
  * head of size Dh turns by inv_freq(i) = theta^(-2i/Dh) radians per position (ROPE_DEFAULT),
@@ -82,7 +86,7 @@ typedef struct rope {
 /* Checks a rope_t: theta positive; for the scaled types a positive factor; for llama3 a
  * positive original_max_pos and 0 < low_freq_factor < high_freq_factor. Errors name the
  * Hugging Face key. */
-status_t rope_check(const rope_t *r);
+fsdpc_status_t rope_check(const rope_t *r);
 
 #ifdef __CUDACC__
 #define ROPE_HOST_DEVICE __host__ __device__
@@ -107,19 +111,20 @@ static inline ROPE_HOST_DEVICE double rope_inv_freq(const rope_t *r, int64_t i, 
 /* Rotary embedding with the rotate_half convention on x [B, T, H, Dh] (Dh even): for pair
  * (i, i + Dh/2) at position t + pos_offset, angle = pos * rope_inv_freq(rope, i, Dh). inverse
  * rotates by -angle, which is the backward of the forward rotation. out may be x (in place). */
-status_t kernel_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
-                     bool inverse);
+fsdpc_status_t kernel_rope(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, const rope_t *rope,
+                           int64_t pos_offset, bool inverse);
 
 /* Causal softmax attention with grouped-query heads: q [B, T, H, Dh], k and v [B, T, Hkv, Dh],
  * H a multiple of Hkv (query head h reads kv head h / (H/Hkv)), scale 1/sqrt(Dh).
  * Writes out [B, T, H, Dh] and lse [B, H, T] (F32 log-sum-exp of the scaled scores). */
-status_t kernel_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
-                          const tensor_t *v);
+fsdpc_status_t kernel_attention(fsdpc_tensor_t *out, fsdpc_tensor_t *lse, const fsdpc_tensor_t *q,
+                                const fsdpc_tensor_t *k, const fsdpc_tensor_t *v);
 
 /* Writes dq, dk, dv from dout and the forward's inputs, output and lse. */
-status_t kernel_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
-                                   const tensor_t *q, const tensor_t *k, const tensor_t *v,
-                                   const tensor_t *out, const tensor_t *lse);
+fsdpc_status_t kernel_attention_backward(fsdpc_tensor_t *dq, fsdpc_tensor_t *dk, fsdpc_tensor_t *dv,
+                                         const fsdpc_tensor_t *dout, const fsdpc_tensor_t *q,
+                                         const fsdpc_tensor_t *k, const fsdpc_tensor_t *v,
+                                         const fsdpc_tensor_t *out, const fsdpc_tensor_t *lse);
 
 /* On CUDA devices matrix products run cuBLASLt with an algorithm chosen once per shape (and
  * operand alignment) and kept, so a shape gives the same bits on every run; a product cuBLASLt
@@ -150,11 +155,13 @@ int64_t kernel_attention_fused_runs(void);
 const char *kernel_attention_fused_note(void);
 
 /* out = silu(gate) * up, silu(x) = x / (1 + exp(-x)). */
-status_t kernel_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up);
+fsdpc_status_t kernel_silu_mul(fsdpc_tensor_t *out, const fsdpc_tensor_t *gate,
+                               const fsdpc_tensor_t *up);
 
 /* Writes dgate and dup. */
-status_t kernel_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
-                                  const tensor_t *gate, const tensor_t *up);
+fsdpc_status_t kernel_silu_mul_backward(fsdpc_tensor_t *dgate, fsdpc_tensor_t *dup,
+                                        const fsdpc_tensor_t *dout, const fsdpc_tensor_t *gate,
+                                        const fsdpc_tensor_t *up);
 
 /* Pointwise activations: ReLU max(x, 0); GELU x * Phi(x) = x/2 * (1 + erf(x / sqrt(2))) (the
  * exact form, PyTorch's default); SiLU x * sigmoid(x). */
@@ -166,60 +173,66 @@ typedef enum kernel_act {
 } kernel_act_t;
 
 /* out = act(x) (out may be x). */
-status_t kernel_activation(tensor_t *out, const tensor_t *x, kernel_act_t act);
+fsdpc_status_t kernel_activation(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, kernel_act_t act);
 
 /* Writes dx = dy * act'(x) (dx may alias dy; ReLU's derivative at 0 is 0, as PyTorch's). */
-status_t kernel_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
-                                    kernel_act_t act);
+fsdpc_status_t kernel_activation_backward(fsdpc_tensor_t *dx, const fsdpc_tensor_t *dy,
+                                          const fsdpc_tensor_t *x, kernel_act_t act);
 
 /* out[r, :] = x[r, :] + b for every row r of x [..., D], b [D] (out may be x). */
-status_t kernel_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b);
+fsdpc_status_t kernel_bias_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *x,
+                               const fsdpc_tensor_t *b);
 
 /* db += the sum over rows of dy [..., D], in row order (db [D] may be F32 while dy is
  * narrower). */
-status_t kernel_bias_backward(tensor_t *db, const tensor_t *dy);
+fsdpc_status_t kernel_bias_backward(fsdpc_tensor_t *db, const fsdpc_tensor_t *dy);
 
 /* LayerNorm over the last dimension (PyTorch's): mean and rstd = 1/sqrt(var + eps) of each row
  * (biased variance; F32, one per row), out = (x - mean) * rstd * w + b, rounded once; b may be
  * NULL (no bias). Writes out, mean and rstd. */
-status_t kernel_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
-                          const tensor_t *w, const tensor_t *b, float eps);
+fsdpc_status_t kernel_layernorm(fsdpc_tensor_t *out, fsdpc_tensor_t *mean, fsdpc_tensor_t *rstd,
+                                const fsdpc_tensor_t *x, const fsdpc_tensor_t *w,
+                                const fsdpc_tensor_t *b, float eps);
 
 /* Writes dx, accumulates dw and db (db may be NULL; both may be F32). */
-status_t kernel_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
-                                   const tensor_t *x, const tensor_t *w, const tensor_t *mean,
-                                   const tensor_t *rstd);
+fsdpc_status_t kernel_layernorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw, fsdpc_tensor_t *db,
+                                         const fsdpc_tensor_t *dy, const fsdpc_tensor_t *x,
+                                         const fsdpc_tensor_t *w, const fsdpc_tensor_t *mean,
+                                         const fsdpc_tensor_t *rstd);
 
 /* out = a + b (out may alias a or b). */
-status_t kernel_add(tensor_t *out, const tensor_t *a, const tensor_t *b);
+fsdpc_status_t kernel_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, const fsdpc_tensor_t *b);
 
 /* y += alpha * x; y may be F32 while x is narrower. */
-status_t kernel_axpy(tensor_t *y, float alpha, const tensor_t *x);
+fsdpc_status_t kernel_axpy(fsdpc_tensor_t *y, float alpha, const fsdpc_tensor_t *x);
 
 /* x *= alpha. */
-status_t kernel_scale(tensor_t *x, float alpha);
+fsdpc_status_t kernel_scale(fsdpc_tensor_t *x, float alpha);
 
 /* Per-row cross-entropy of logits [N, V] against targets [N] (I32 or I64): losses[r] =
  * logsumexp(logits[r]) - logits[r, targets[r]] (F32 [N]); a negative target ignores the row
  * (loss 0). */
-status_t kernel_cross_entropy(tensor_t *losses, const tensor_t *logits, const tensor_t *targets);
+fsdpc_status_t kernel_cross_entropy(fsdpc_tensor_t *losses, const fsdpc_tensor_t *logits,
+                                    const fsdpc_tensor_t *targets);
 
 /* Writes dlogits = scale * (softmax(logits) - onehot(targets)); zero for ignored rows. */
-status_t kernel_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
-                                       const tensor_t *targets, float scale);
+fsdpc_status_t kernel_cross_entropy_backward(fsdpc_tensor_t *dlogits, const fsdpc_tensor_t *logits,
+                                             const fsdpc_tensor_t *targets, float scale);
 
 /* The mean of values [N] (F32) over the rows whose target is not negative, into mean (one F32
  * element: the sum in f64 divided by the count, rounded once; NaN when every target is
  * negative), and their count into count (one I64 element). Nothing is read on the host. */
-status_t kernel_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *values,
-                            const tensor_t *targets);
+fsdpc_status_t kernel_masked_mean(fsdpc_tensor_t *mean, fsdpc_tensor_t *count,
+                                  const fsdpc_tensor_t *values, const fsdpc_tensor_t *targets);
 
 /* kernel_cross_entropy_backward of the mean loss kernel_masked_mean made, times dloss (one F32
  * element): the scale dloss[0] / count[0] (count: kernel_masked_mean's), in f64 rounded to
  * f32, read where the tensors lie (no host read). */
-status_t kernel_cross_entropy_backward_mean(tensor_t *dlogits, const tensor_t *logits,
-                                            const tensor_t *targets, const tensor_t *dloss,
-                                            const tensor_t *count);
+fsdpc_status_t kernel_cross_entropy_backward_mean(fsdpc_tensor_t *dlogits,
+                                                  const fsdpc_tensor_t *logits,
+                                                  const fsdpc_tensor_t *targets,
+                                                  const fsdpc_tensor_t *dloss,
+                                                  const fsdpc_tensor_t *count);
 
 /* One torch.optim.AdamW update of p with gradient g and F32 moments m, v (all same numel).
  * grad_scale multiplies each gradient element (as an F32 product) before the update, as a
@@ -229,27 +242,27 @@ typedef struct adamw_args {
   int64_t step;                               /* 1-based: the step being taken */
   float grad_scale;
 } adamw_args_t;
-status_t kernel_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                      const adamw_args_t *args);
+fsdpc_status_t kernel_adamw(fsdpc_tensor_t *p, const fsdpc_tensor_t *g, fsdpc_tensor_t *m,
+                            fsdpc_tensor_t *v, const adamw_args_t *args);
 
 /* kernel_adamw of n parameters at once, each with its own arguments, all on one device: the
  * same bits as n calls, on a GPU in one launch per few dozen parameters. Every item is checked
  * before any is updated; when an item fails its check, *failed (when not NULL) is its index,
  * else -1. */
 typedef struct adamw_item {
-  tensor_t *p;
-  const tensor_t *g;
-  tensor_t *m, *v;
+  fsdpc_tensor_t *p;
+  const fsdpc_tensor_t *g;
+  fsdpc_tensor_t *m, *v;
   adamw_args_t args;
 } adamw_item_t;
-status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed);
+fsdpc_status_t kernel_adamw_many(const adamw_item_t *items, int n, int *failed);
 
 /* *out = sum of x^2 in double precision (blocks until the value is on the host). */
-status_t kernel_sum_squares(const tensor_t *x, double *out);
+fsdpc_status_t kernel_sum_squares(const fsdpc_tensor_t *x, double *out);
 
 /* out[i] = kernel_sum_squares of xs[i] for n tensors on one device, the same bits; on a GPU
  * with one read back for all of them (and no atomics: the same bits on every run). */
-status_t kernel_sum_squares_many(const tensor_t *const *xs, int n, double *out);
+fsdpc_status_t kernel_sum_squares_many(const fsdpc_tensor_t *const *xs, int n, double *out);
 
 /* Threads of the CPU kernels: one unless OMP_NUM_THREADS asks for more (in a build with
  * OpenMP). With more, each kernel splits its work into one share per thread, computing every
@@ -260,7 +273,7 @@ status_t kernel_sum_squares_many(const tensor_t *const *xs, int n, double *out);
  * if set, still threads the matrix products alone. kernel_set_cpu_threads changes the count for
  * the process (n >= 1; above 1 needs OpenMP). */
 int kernel_cpu_threads(void);
-status_t kernel_set_cpu_threads(int n);
+fsdpc_status_t kernel_set_cpu_threads(int n);
 
 /* Kernel profiling: with FSDPC_PROFILE=1 in the environment (or kernel_profile_enable), every
  * kernel call is timed under its name (matmul, attention, rmsnorm_backward, ...), and so is
@@ -276,7 +289,7 @@ status_t kernel_set_cpu_threads(int n);
 bool kernel_profile_enabled(void);
 void kernel_profile_enable(bool on);
 void kernel_profile_reset(void);
-status_t kernel_profile_report(FILE *out, double *total_seconds);
+fsdpc_status_t kernel_profile_report(FILE *out, double *total_seconds);
 
 /* One name's totals since the last reset (device timers settled first): false when the name
  * has none. */

@@ -18,62 +18,71 @@ typedef struct matmul_dims {
 } matmul_dims_t;
 
 typedef struct kernel_ops {
-  status_t (*matmul)(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
-                     bool trans_b, float alpha, float beta, const matmul_dims_t *d);
+  fsdpc_status_t (*matmul)(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
+                           const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta,
+                           const matmul_dims_t *d);
   /* table holds rows [first, first + V) of a vocabulary of `vocab` ids (first = 0 and
    * vocab = V when whole): ids outside the rows give zero rows and no gradient */
-  status_t (*embedding)(tensor_t *out, const tensor_t *table, const tensor_t *ids, int64_t first,
-                        int64_t vocab);
-  status_t (*embedding_backward)(tensor_t *grad_table, const tensor_t *grad_out,
-                                 const tensor_t *ids, int64_t first, int64_t vocab);
-  status_t (*rmsnorm)(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
-                      float eps);
-  status_t (*rmsnorm_backward)(tensor_t *dx, tensor_t *dw, const tensor_t *dy, const tensor_t *x,
-                               const tensor_t *w, const tensor_t *rstd);
-  status_t (*rope)(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
-                   bool inverse);
-  status_t (*attention)(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
-                        const tensor_t *v);
-  status_t (*attention_backward)(tensor_t *dq, tensor_t *dk, tensor_t *dv, const tensor_t *dout,
-                                 const tensor_t *q, const tensor_t *k, const tensor_t *v,
-                                 const tensor_t *out, const tensor_t *lse);
-  status_t (*silu_mul)(tensor_t *out, const tensor_t *gate, const tensor_t *up);
-  status_t (*silu_mul_backward)(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
-                                const tensor_t *gate, const tensor_t *up);
-  status_t (*activation)(tensor_t *out, const tensor_t *x, kernel_act_t act);
-  status_t (*activation_backward)(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
-                                  kernel_act_t act);
-  status_t (*bias_add)(tensor_t *out, const tensor_t *x, const tensor_t *b);
-  status_t (*bias_backward)(tensor_t *db, const tensor_t *dy);
+  fsdpc_status_t (*embedding)(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,
+                              const fsdpc_tensor_t *ids, int64_t first, int64_t vocab);
+  fsdpc_status_t (*embedding_backward)(fsdpc_tensor_t *grad_table, const fsdpc_tensor_t *grad_out,
+                                       const fsdpc_tensor_t *ids, int64_t first, int64_t vocab);
+  fsdpc_status_t (*rmsnorm)(fsdpc_tensor_t *out, fsdpc_tensor_t *rstd, const fsdpc_tensor_t *x,
+                            const fsdpc_tensor_t *w, float eps);
+  fsdpc_status_t (*rmsnorm_backward)(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
+                                     const fsdpc_tensor_t *dy, const fsdpc_tensor_t *x,
+                                     const fsdpc_tensor_t *w, const fsdpc_tensor_t *rstd);
+  fsdpc_status_t (*rope)(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, const rope_t *rope,
+                         int64_t pos_offset, bool inverse);
+  fsdpc_status_t (*attention)(fsdpc_tensor_t *out, fsdpc_tensor_t *lse, const fsdpc_tensor_t *q,
+                              const fsdpc_tensor_t *k, const fsdpc_tensor_t *v);
+  fsdpc_status_t (*attention_backward)(fsdpc_tensor_t *dq, fsdpc_tensor_t *dk, fsdpc_tensor_t *dv,
+                                       const fsdpc_tensor_t *dout, const fsdpc_tensor_t *q,
+                                       const fsdpc_tensor_t *k, const fsdpc_tensor_t *v,
+                                       const fsdpc_tensor_t *out, const fsdpc_tensor_t *lse);
+  fsdpc_status_t (*silu_mul)(fsdpc_tensor_t *out, const fsdpc_tensor_t *gate,
+                             const fsdpc_tensor_t *up);
+  fsdpc_status_t (*silu_mul_backward)(fsdpc_tensor_t *dgate, fsdpc_tensor_t *dup,
+                                      const fsdpc_tensor_t *dout, const fsdpc_tensor_t *gate,
+                                      const fsdpc_tensor_t *up);
+  fsdpc_status_t (*activation)(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, kernel_act_t act);
+  fsdpc_status_t (*activation_backward)(fsdpc_tensor_t *dx, const fsdpc_tensor_t *dy,
+                                        const fsdpc_tensor_t *x, kernel_act_t act);
+  fsdpc_status_t (*bias_add)(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, const fsdpc_tensor_t *b);
+  fsdpc_status_t (*bias_backward)(fsdpc_tensor_t *db, const fsdpc_tensor_t *dy);
   /* b and db may be NULL */
-  status_t (*layernorm)(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
-                        const tensor_t *w, const tensor_t *b, float eps);
-  status_t (*layernorm_backward)(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
-                                 const tensor_t *x, const tensor_t *w, const tensor_t *mean,
-                                 const tensor_t *rstd);
-  status_t (*add)(tensor_t *out, const tensor_t *a, const tensor_t *b);
-  status_t (*axpy)(tensor_t *y, float alpha, const tensor_t *x);
-  status_t (*scale)(tensor_t *x, float alpha);
-  status_t (*cross_entropy)(tensor_t *losses, const tensor_t *logits, const tensor_t *targets);
+  fsdpc_status_t (*layernorm)(fsdpc_tensor_t *out, fsdpc_tensor_t *mean, fsdpc_tensor_t *rstd,
+                              const fsdpc_tensor_t *x, const fsdpc_tensor_t *w,
+                              const fsdpc_tensor_t *b, float eps);
+  fsdpc_status_t (*layernorm_backward)(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw, fsdpc_tensor_t *db,
+                                       const fsdpc_tensor_t *dy, const fsdpc_tensor_t *x,
+                                       const fsdpc_tensor_t *w, const fsdpc_tensor_t *mean,
+                                       const fsdpc_tensor_t *rstd);
+  fsdpc_status_t (*add)(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, const fsdpc_tensor_t *b);
+  fsdpc_status_t (*axpy)(fsdpc_tensor_t *y, float alpha, const fsdpc_tensor_t *x);
+  fsdpc_status_t (*scale)(fsdpc_tensor_t *x, float alpha);
+  fsdpc_status_t (*cross_entropy)(fsdpc_tensor_t *losses, const fsdpc_tensor_t *logits,
+                                  const fsdpc_tensor_t *targets);
   /* count: NULL, or kernel_masked_mean's count with dloss: the scale is then dloss[0] /
    * count[0], read on the device (see kernel_cross_entropy_backward_mean) */
-  status_t (*cross_entropy_backward)(tensor_t *dlogits, const tensor_t *logits,
-                                     const tensor_t *targets, float scale, const tensor_t *dloss,
-                                     const tensor_t *count);
-  status_t (*masked_mean)(tensor_t *mean, tensor_t *count, const tensor_t *values,
-                          const tensor_t *targets);
-  status_t (*adamw)(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                    const adamw_args_t *args);
+  fsdpc_status_t (*cross_entropy_backward)(fsdpc_tensor_t *dlogits, const fsdpc_tensor_t *logits,
+                                           const fsdpc_tensor_t *targets, float scale,
+                                           const fsdpc_tensor_t *dloss,
+                                           const fsdpc_tensor_t *count);
+  fsdpc_status_t (*masked_mean)(fsdpc_tensor_t *mean, fsdpc_tensor_t *count,
+                                const fsdpc_tensor_t *values, const fsdpc_tensor_t *targets);
+  fsdpc_status_t (*adamw)(fsdpc_tensor_t *p, const fsdpc_tensor_t *g, fsdpc_tensor_t *m,
+                          fsdpc_tensor_t *v, const adamw_args_t *args);
   /* NULL: adamw on each (the items arrive checked, n > 0) */
-  status_t (*adamw_many)(const adamw_item_t *items, int n);
-  status_t (*sum_squares)(const tensor_t *x, double *out);
+  fsdpc_status_t (*adamw_many)(const adamw_item_t *items, int n);
+  fsdpc_status_t (*sum_squares)(const fsdpc_tensor_t *x, double *out);
   /* NULL: sum_squares on each (the tensors arrive checked, n > 0) */
-  status_t (*sum_squares_many)(const tensor_t *const *xs, int n, double *out);
+  fsdpc_status_t (*sum_squares_many)(const fsdpc_tensor_t *const *xs, int n, double *out);
   /* Device timers for profiling (NULL: the wall clock): start on dev's current stream (NULL
    * when none could be made), stop after the call, read later (waits, then frees). */
   void *(*timer_start)(device_t dev);
   void (*timer_stop)(void *timer);
-  status_t (*timer_read)(void *timer, double *seconds);
+  fsdpc_status_t (*timer_read)(void *timer, double *seconds);
 } kernel_ops_t;
 
 const kernel_ops_t *cpu_kernels(void);
@@ -101,7 +110,7 @@ typedef struct kernel_prof {
   double t0;
 } kernel_prof_t;
 void kernel_prof_begin(kernel_prof_t *c, device_t dev);
-status_t kernel_prof_end(kernel_prof_t *c, const char *name, double bytes, status_t st);
+fsdpc_status_t kernel_prof_end(kernel_prof_t *c, const char *name, double bytes, fsdpc_status_t st);
 
 /* NULL when the library was built without CUDA. */
 const kernel_ops_t *cuda_kernels(void);

@@ -60,11 +60,11 @@ static void prof_add(const char *name, double seconds, double bytes) {
 }
 
 /* Reads every pending timer (waits for its work; the lock held). */
-static status_t prof_settle(void) {
-  status_t st = STATUS_OK;
+static fsdpc_status_t prof_settle(void) {
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < prof.n_pending; i++) {
     double s = 0;
-    status_t r = prof.pending[i].ops->timer_read(prof.pending[i].timer, &s);
+    fsdpc_status_t r = prof.pending[i].ops->timer_read(prof.pending[i].timer, &s);
     if (r == STATUS_OK) prof_add(prof.pending[i].name, s, prof.pending[i].bytes);
     if (st == STATUS_OK) st = r;
   }
@@ -78,7 +78,8 @@ void kernel_prof_begin(kernel_prof_t *c, device_t dev) {
   c->t0 = device_clock_seconds();
 }
 
-status_t kernel_prof_end(kernel_prof_t *c, const char *name, double bytes, status_t st) {
+fsdpc_status_t kernel_prof_end(kernel_prof_t *c, const char *name, double bytes,
+                               fsdpc_status_t st) {
   double t1 = device_clock_seconds();
   pthread_mutex_lock(&prof.lock);
   if (c->timer == NULL) {
@@ -120,9 +121,9 @@ static int by_time(const void *a, const void *b) {
   return x < y ? 1 : x > y ? -1 : 0;
 }
 
-status_t kernel_profile_report(FILE *out, double *total_seconds) {
+fsdpc_status_t kernel_profile_report(FILE *out, double *total_seconds) {
   pthread_mutex_lock(&prof.lock);
-  status_t st = prof_settle();
+  fsdpc_status_t st = prof_settle();
   double rows[PROF_NAMES][2], total = 0; /* seconds, index */
   for (int i = 0; i < prof.n; i++) {
     rows[i][0] = prof.k[i].seconds;

@@ -6,7 +6,7 @@
 
 static _Thread_local char detail_text[1024];
 
-const char *status_str(status_t st) {
+const char *status_str(fsdpc_status_t st) {
   switch (st) {
 #define STATUS_CASE_(name, value, msg) \
   case STATUS_##name: return msg;
@@ -18,7 +18,7 @@ const char *status_str(status_t st) {
 
 const char *err_detail(void) { return detail_text; }
 
-status_t err_set(status_t st, const char *fmt, ...) {
+fsdpc_status_t err_set(fsdpc_status_t st, const char *fmt, ...) {
   if (fmt == NULL) return st; /* nothing to say: the detail text stays */
   va_list ap;
   va_start(ap, fmt);
@@ -27,7 +27,7 @@ status_t err_set(status_t st, const char *fmt, ...) {
   return st;
 }
 
-status_t err_prefix(status_t st, const char *fmt, ...) {
+fsdpc_status_t err_prefix(fsdpc_status_t st, const char *fmt, ...) {
   if (fmt == NULL) return st;
   char old[sizeof detail_text];
   memcpy(old, detail_text, sizeof old);

@@ -1,11 +1,11 @@
 /*
  * Status codes shared by the whole library.
  *
- * Every fallible function returns a status_t: 0 (STATUS_OK) on success, a negative code
+ * Every fallible function returns a fsdpc_status_t: 0 (STATUS_OK) on success, a negative code
  * on failure. The code says what kind of failure it was; the detail text (err_detail())
  * says which object and which values, e.g. "shape [7,15] cannot be viewed as [16,15]".
  *
- *   status_t st = tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape);
+ *   fsdpc_status_t st = tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape);
  *   if (st != STATUS_OK)
  *     fprintf(stderr, "%s: %s\n", status_str(st), err_detail());
  *
@@ -39,14 +39,14 @@ extern "C" {
   X(EINTERNAL, -15, "internal error")             \
   X(ETIMEOUT, -16, "timed out")
 
-typedef enum status {
+typedef enum fsdpc_status {
 #define STATUS_ENUM_(name, value, msg) STATUS_##name = (value),
   STATUS_TABLE(STATUS_ENUM_)
 #undef STATUS_ENUM_
-} status_t;
+} fsdpc_status_t;
 
 /* Static text for a status code; never NULL. */
-const char *status_str(status_t st);
+const char *status_str(fsdpc_status_t st);
 
 /* The library's version, "MAJOR.MINOR.PATCH" (what every program's --version prints). */
 const char *fsdpc_version(void);
@@ -57,25 +57,27 @@ const char *err_detail(void);
 
 /* Records a formatted detail text and returns st, so that failures read
  *   return err_set(STATUS_ESHAPE, "shape %s ...", ...); */
-status_t err_set(status_t st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+fsdpc_status_t err_set(fsdpc_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 /* Puts a formatted prefix and ": " before the current detail text and returns st, so that
  * a caller adds where a failure happened:
  *   if (st != STATUS_OK) return err_prefix(st, "AdamW step of %s", fqn); */
-status_t err_prefix(status_t st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+fsdpc_status_t err_prefix(fsdpc_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 /* Clears the detail text. */
 void err_clear(void);
 
 /* Propagate a failing status: evaluates expr once, returns it from the caller on failure. */
-#define TRY(expr)                             \
+#define FSDPC_TRY(expr)                       \
   do {                                        \
-    status_t try_st_ = (expr);                \
+    fsdpc_status_t try_st_ = (expr);          \
     if (try_st_ != STATUS_OK) return try_st_; \
   } while (0)
 
 /* Same, but jumps to `cleanup` with `st` set, for functions that must release resources. */
-#define TRY_GOTO(st, expr)               \
+#define FSDPC_TRY_GOTO(st, expr)         \
   do {                                   \
     (st) = (expr);                       \
     if ((st) != STATUS_OK) goto cleanup; \

@@ -21,7 +21,7 @@ static const backend_t *backend_of(device_t dev) {
   return dev.type == DEVICE_CUDA ? cuda_backend() : cpu_backend();
 }
 
-const char *shape_str(int ndim, const int64_t *shape, char *buf, size_t size) {
+const char *tensor_shape_str(int ndim, const int64_t *shape, char *buf, size_t size) {
   if (buf == NULL || size == 0) return "";
   if (shape == NULL) ndim = 0;
   size_t off = 0;
@@ -32,19 +32,19 @@ const char *shape_str(int ndim, const int64_t *shape, char *buf, size_t size) {
   return buf;
 }
 
-int64_t tensor_numel(const tensor_t *t) {
+int64_t tensor_numel(const fsdpc_tensor_t *t) {
   if (t == NULL) return 0;
   int64_t n = 1;
   for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
   return n;
 }
 
-size_t tensor_nbytes(const tensor_t *t) {
+size_t tensor_nbytes(const fsdpc_tensor_t *t) {
   if (t == NULL) return 0;
   return (size_t)tensor_numel(t) * dtype_size(t->dtype);
 }
 
-bool tensor_is_contiguous(const tensor_t *t) {
+bool tensor_is_contiguous(const fsdpc_tensor_t *t) {
   if (t == NULL) return false;
   int64_t expect = 1;
   for (int i = t->ndim - 1; i >= 0; i--) {
@@ -54,7 +54,7 @@ bool tensor_is_contiguous(const tensor_t *t) {
   return true;
 }
 
-bool tensor_same_shape(const tensor_t *a, const tensor_t *b) {
+bool tensor_same_shape(const fsdpc_tensor_t *a, const fsdpc_tensor_t *b) {
   if (a == NULL || b == NULL) return false;
   if (a->ndim != b->ndim) return false;
   for (int i = 0; i < a->ndim; i++)
@@ -62,7 +62,7 @@ bool tensor_same_shape(const tensor_t *a, const tensor_t *b) {
   return true;
 }
 
-static status_t check_shape(int ndim, const int64_t *shape) {
+static fsdpc_status_t check_shape(int ndim, const int64_t *shape) {
   if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
     return err_set(STATUS_ESHAPE, "tensors have 0 to %d dimensions, got %d", TENSOR_MAX_DIMS, ndim);
   if (ndim > 0 && shape == NULL) return err_set(STATUS_EINVAL, "shape is NULL");
@@ -77,7 +77,8 @@ static status_t check_shape(int ndim, const int64_t *shape) {
   return STATUS_OK;
 }
 
-static void set_layout(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+static void set_layout(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int ndim,
+                       const int64_t *shape) {
   memset(t, 0, sizeof *t);
   t->dtype = dtype;
   t->device = dev;
@@ -91,19 +92,19 @@ static void set_layout(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const
 }
 
 /* A contiguous tensor, its memory zero-filled when zeroed. */
-static status_t tensor_alloc(tensor_t *t, dtype_t dtype, device_t dev, int ndim,
-                             const int64_t *shape, bool zeroed) {
+static fsdpc_status_t tensor_alloc(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int ndim,
+                                   const int64_t *shape, bool zeroed) {
   if (t == NULL) return err_set(STATUS_EINVAL, "tensor_init: t is NULL");
   memset(t, 0, sizeof *t);
   if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
-  TRY(check_shape(ndim, shape));
-  TRY(device_check(dev));
+  FSDPC_TRY(check_shape(ndim, shape));
+  FSDPC_TRY(device_check(dev));
   set_layout(t, dtype, dev, ndim, shape);
   size_t bytes = tensor_nbytes(t);
   if (bytes == 0) return STATUS_OK;
   tensor_storage_t *s = calloc(1, sizeof *s);
   if (s == NULL) return err_set(STATUS_ENOMEM, "tensor_init: out of host memory");
-  status_t st =
+  fsdpc_status_t st =
       zeroed ? device_alloc_zeroed(dev, bytes, &s->ptr) : device_alloc(dev, bytes, &s->ptr);
   if (st != STATUS_OK) {
     free(s);
@@ -120,62 +121,66 @@ static status_t tensor_alloc(tensor_t *t, dtype_t dtype, device_t dev, int ndim,
   return STATUS_OK;
 }
 
-status_t tensor_init(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+fsdpc_status_t tensor_init(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int ndim,
+                           const int64_t *shape) {
   return tensor_alloc(t, dtype, dev, ndim, shape, false);
 }
 
-status_t tensor_meta(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+fsdpc_status_t tensor_meta(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int ndim,
+                           const int64_t *shape) {
   if (t == NULL) return err_set(STATUS_EINVAL, "tensor_meta: t is NULL");
   memset(t, 0, sizeof *t);
   if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
-  TRY(check_shape(ndim, shape));
+  FSDPC_TRY(check_shape(ndim, shape));
   set_layout(t, dtype, dev, ndim, shape);
   t->meta = true;
   return STATUS_OK;
 }
 
 /* The error for an element access of a meta tensor. */
-static status_t meta_error(const char *what, const tensor_t *t) {
+static fsdpc_status_t meta_error(const char *what, const fsdpc_tensor_t *t) {
   char a[96];
   return err_set(STATUS_EINVAL,
                  "%s: a meta tensor %s has no memory (a model built for deferred "
                  "initialisation: allocate its shards with nn_module_materialize first)",
-                 what, shape_str(t->ndim, t->shape, a, sizeof a));
+                 what, tensor_shape_str(t->ndim, t->shape, a, sizeof a));
 }
 
-status_t tensor_zeros(tensor_t *t, dtype_t dtype, device_t dev, int ndim, const int64_t *shape) {
+fsdpc_status_t tensor_zeros(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int ndim,
+                            const int64_t *shape) {
   return tensor_alloc(t, dtype, dev, ndim, shape, true);
 }
 
-status_t tensor_clone(tensor_t *out, const tensor_t *src, dtype_t dtype, device_t dev) {
+fsdpc_status_t tensor_clone(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, dtype_t dtype,
+                            device_t dev) {
   ARG_NONNULL(out);
   ARG_NONNULL(src);
   if (src->meta) return tensor_meta(out, dtype, dev, src->ndim, src->shape);
-  TRY(tensor_init(out, dtype, dev, src->ndim, src->shape));
-  status_t st = tensor_copy(out, src);
+  FSDPC_TRY(tensor_init(out, dtype, dev, src->ndim, src->shape));
+  fsdpc_status_t st = tensor_copy(out, src);
   if (st != STATUS_OK) tensor_free(out);
   return st;
 }
 
-status_t tensor_upload(tensor_t *out, const tensor_t *host, device_t dev) {
+fsdpc_status_t tensor_upload(fsdpc_tensor_t *out, const fsdpc_tensor_t *host, device_t dev) {
   ARG_NONNULL(out);
   ARG_NONNULL(host);
   memset(out, 0, sizeof *out);
   if (host->device.type != DEVICE_CPU || host->meta || !tensor_is_contiguous(host))
     return err_set(STATUS_EINVAL, "tensor_upload: the source must be a contiguous host tensor");
-  TRY(tensor_init(out, host->dtype, dev, host->ndim, host->shape));
-  status_t st = device_upload(dev, out->data, host->data,
-                              (size_t)tensor_numel(host) * dtype_size(host->dtype));
+  FSDPC_TRY(tensor_init(out, host->dtype, dev, host->ndim, host->shape));
+  fsdpc_status_t st = device_upload(dev, out->data, host->data,
+                                    (size_t)tensor_numel(host) * dtype_size(host->dtype));
   if (st != STATUS_OK) tensor_free(out);
   return st;
 }
 
-status_t tensor_wrap(tensor_t *t, void *data, dtype_t dtype, device_t dev, int ndim,
-                     const int64_t *shape) {
+fsdpc_status_t tensor_wrap(fsdpc_tensor_t *t, void *data, dtype_t dtype, device_t dev, int ndim,
+                           const int64_t *shape) {
   if (t == NULL) return err_set(STATUS_EINVAL, "tensor_wrap: t is NULL");
   memset(t, 0, sizeof *t);
   if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
-  TRY(check_shape(ndim, shape));
+  FSDPC_TRY(check_shape(ndim, shape));
   set_layout(t, dtype, dev, ndim, shape);
   if (tensor_numel(t) > 0 && data == NULL)
     return err_set(STATUS_EINVAL, "tensor_wrap: data is NULL for a non-empty tensor");
@@ -190,11 +195,11 @@ status_t tensor_wrap(tensor_t *t, void *data, dtype_t dtype, device_t dev, int n
   return STATUS_OK;
 }
 
-bool tensor_storage_shared(const tensor_t *t) {
+bool tensor_storage_shared(const fsdpc_tensor_t *t) {
   return t != NULL && t->storage != NULL && t->storage->refcount > 1;
 }
 
-void tensor_free(tensor_t *t) {
+void tensor_free(fsdpc_tensor_t *t) {
   if (t == NULL) return;
   tensor_storage_t *s = t->storage;
   if (s != NULL && --s->refcount == 0) {
@@ -205,7 +210,7 @@ void tensor_free(tensor_t *t) {
   memset(t, 0, sizeof *t);
 }
 
-status_t tensor_ref(tensor_t *out, const tensor_t *src) {
+fsdpc_status_t tensor_ref(fsdpc_tensor_t *out, const fsdpc_tensor_t *src) {
   ARG_NONNULL(out);
   ARG_NONNULL(src);
   *out = *src;
@@ -213,27 +218,28 @@ status_t tensor_ref(tensor_t *out, const tensor_t *src) {
   return STATUS_OK;
 }
 
-bool tensor_shared(const tensor_t *t) {
+bool tensor_shared(const fsdpc_tensor_t *t) {
   if (t == NULL) return false;
   return t->storage != NULL && t->storage->refcount > 1;
 }
 
-status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t *shape) {
+fsdpc_status_t tensor_view(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, int ndim,
+                           const int64_t *shape) {
   ARG_NONNULL(out);
   ARG_NONNULL(src);
   if (ndim > 0) ARG_NONNULL(shape);
-  TRY(check_shape(ndim, shape));
+  FSDPC_TRY(check_shape(ndim, shape));
   char a[96], b[96];
   int64_t n = 1;
   for (int i = 0; i < ndim; i++) n *= shape[i];
   if (n != tensor_numel(src))
     return err_set(STATUS_ESHAPE, "shape %s cannot be viewed as %s",
-                   shape_str(src->ndim, src->shape, a, sizeof a),
-                   shape_str(ndim, shape, b, sizeof b));
+                   tensor_shape_str(src->ndim, src->shape, a, sizeof a),
+                   tensor_shape_str(ndim, shape, b, sizeof b));
   if (!tensor_is_contiguous(src))
     return err_set(STATUS_ESHAPE, "view of a non-contiguous tensor of shape %s",
-                   shape_str(src->ndim, src->shape, a, sizeof a));
-  tensor_t v;
+                   tensor_shape_str(src->ndim, src->shape, a, sizeof a));
+  fsdpc_tensor_t v;
   set_layout(&v, src->dtype, src->device, ndim, shape);
   v.meta = src->meta;
   v.data = src->data;
@@ -243,18 +249,19 @@ status_t tensor_view(tensor_t *out, const tensor_t *src, int ndim, const int64_t
   return STATUS_OK;
 }
 
-status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t start, int64_t length) {
+fsdpc_status_t tensor_narrow(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, int dim, int64_t start,
+                             int64_t length) {
   ARG_NONNULL(out);
   ARG_NONNULL(src);
   char a[96];
   if (dim < 0 || dim >= src->ndim)
     return err_set(STATUS_EINVAL, "narrow: dimension %d out of range for shape %s", dim,
-                   shape_str(src->ndim, src->shape, a, sizeof a));
+                   tensor_shape_str(src->ndim, src->shape, a, sizeof a));
   if (start < 0 || length < 0 || start + length > src->shape[dim])
     return err_set(STATUS_ESHAPE, "narrow: [%lld, %lld) outside dimension %d of shape %s",
                    (long long)start, (long long)(start + length), dim,
-                   shape_str(src->ndim, src->shape, a, sizeof a));
-  tensor_t v = *src;
+                   tensor_shape_str(src->ndim, src->shape, a, sizeof a));
+  fsdpc_tensor_t v = *src;
   v.shape[dim] = length;
   if (tensor_numel(&v) == 0) {
     v.data = NULL;
@@ -267,26 +274,26 @@ status_t tensor_narrow(tensor_t *out, const tensor_t *src, int dim, int64_t star
   return STATUS_OK;
 }
 
-status_t tensor_narrow_box(tensor_t *out, const tensor_t *src, const int64_t *offset,
-                           const int64_t *shape) {
+fsdpc_status_t tensor_narrow_box(fsdpc_tensor_t *out, const fsdpc_tensor_t *src,
+                                 const int64_t *offset, const int64_t *shape) {
   ARG_NONNULL(out);
   ARG_NONNULL(src);
   ARG_NONNULL(offset);
   ARG_NONNULL(shape);
-  tensor_t box;
-  TRY(tensor_ref(&box, src));
+  fsdpc_tensor_t box;
+  FSDPC_TRY(tensor_ref(&box, src));
   for (int d = 0; d < src->ndim; d++) {
-    tensor_t next;
-    status_t st = tensor_narrow(&next, &box, d, offset[d], shape[d]);
+    fsdpc_tensor_t next;
+    fsdpc_status_t st = tensor_narrow(&next, &box, d, offset[d], shape[d]);
     tensor_free(&box);
-    TRY(st);
+    FSDPC_TRY(st);
     box = next;
   }
   *out = box;
   return STATUS_OK;
 }
 
-static void desc_from(copy_desc_t *d, const tensor_t *dst, const tensor_t *src) {
+static void desc_from(copy_desc_t *d, const fsdpc_tensor_t *dst, const fsdpc_tensor_t *src) {
   memset(d, 0, sizeof *d);
   d->ndim = dst->ndim > 0 ? dst->ndim : 1;
   for (int i = 0; i < d->ndim; i++) {
@@ -300,14 +307,14 @@ static void desc_from(copy_desc_t *d, const tensor_t *dst, const tensor_t *src) 
   d->src_dtype = src->dtype;
 }
 
-status_t tensor_copy(tensor_t *dst, const tensor_t *src) {
+fsdpc_status_t tensor_copy(fsdpc_tensor_t *dst, const fsdpc_tensor_t *src) {
   ARG_NONNULL(dst);
   ARG_NONNULL(src);
   char a[96], b[96];
   if (!tensor_same_shape(dst, src))
     return err_set(STATUS_ESHAPE, "copy: destination shape %s differs from source shape %s",
-                   shape_str(dst->ndim, dst->shape, a, sizeof a),
-                   shape_str(src->ndim, src->shape, b, sizeof b));
+                   tensor_shape_str(dst->ndim, dst->shape, a, sizeof a),
+                   tensor_shape_str(src->ndim, src->shape, b, sizeof b));
   if (tensor_numel(dst) == 0) return STATUS_OK;
   if (dst->meta || src->meta) return meta_error("copy", dst->meta ? dst : src);
   if (device_equal(dst->device, src->device)) {
@@ -323,21 +330,21 @@ status_t tensor_copy(tensor_t *dst, const tensor_t *src) {
   }
   /* Across devices: make a contiguous source in the destination dtype, move the bytes,
    * then scatter into the destination layout if it is strided. */
-  status_t st = STATUS_OK;
-  tensor_t staged_src = {0}, staged_dst = {0};
-  const tensor_t *from = src;
+  fsdpc_status_t st = STATUS_OK;
+  fsdpc_tensor_t staged_src = {0}, staged_dst = {0};
+  const fsdpc_tensor_t *from = src;
   if (!tensor_is_contiguous(src) || src->dtype != dst->dtype) {
-    TRY_GOTO(st, tensor_clone(&staged_src, src, dst->dtype, src->device));
+    FSDPC_TRY_GOTO(st, tensor_clone(&staged_src, src, dst->dtype, src->device));
     from = &staged_src;
   }
   if (tensor_is_contiguous(dst)) {
-    TRY_GOTO(st,
-             device_memcpy(dst->device, dst->data, from->device, from->data, tensor_nbytes(from)));
+    FSDPC_TRY_GOTO(
+        st, device_memcpy(dst->device, dst->data, from->device, from->data, tensor_nbytes(from)));
   } else {
-    TRY_GOTO(st, tensor_init(&staged_dst, dst->dtype, dst->device, dst->ndim, dst->shape));
-    TRY_GOTO(st, device_memcpy(dst->device, staged_dst.data, from->device, from->data,
-                               tensor_nbytes(from)));
-    TRY_GOTO(st, tensor_copy(dst, &staged_dst));
+    FSDPC_TRY_GOTO(st, tensor_init(&staged_dst, dst->dtype, dst->device, dst->ndim, dst->shape));
+    FSDPC_TRY_GOTO(st, device_memcpy(dst->device, staged_dst.data, from->device, from->data,
+                                     tensor_nbytes(from)));
+    FSDPC_TRY_GOTO(st, tensor_copy(dst, &staged_dst));
   }
 cleanup:
   tensor_free(&staged_src);
@@ -345,7 +352,7 @@ cleanup:
   return st;
 }
 
-status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n) {
+fsdpc_status_t tensor_copy_many(fsdpc_tensor_t *dst, const fsdpc_tensor_t *src, int n) {
   if (n > 0) ARG_NONNULL(dst);
   if (n > 0) ARG_NONNULL(src);
   if (n < 0) return err_set(STATUS_EINVAL, "copy: %d pairs", n);
@@ -358,14 +365,14 @@ status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n) {
     if (!tensor_same_shape(&dst[i], &src[i]))
       return err_set(STATUS_ESHAPE,
                      "copy: pair %d of %d: destination shape %s differs from source shape %s", i, n,
-                     shape_str(dst[i].ndim, dst[i].shape, a, sizeof a),
-                     shape_str(src[i].ndim, src[i].shape, b, sizeof b));
+                     tensor_shape_str(dst[i].ndim, dst[i].shape, a, sizeof a),
+                     tensor_shape_str(src[i].ndim, src[i].shape, b, sizeof b));
     if (tensor_numel(&dst[i]) > 0 && (dst[i].meta || src[i].meta))
       return meta_error("copy", dst[i].meta ? &dst[i] : &src[i]);
     together = together && device_equal(dst[i].device, dev) && device_equal(src[i].device, dev);
   }
   if (!together) {
-    for (int i = 0; i < n; i++) TRY(tensor_copy(&dst[i], &src[i]));
+    for (int i = 0; i < n; i++) FSDPC_TRY(tensor_copy(&dst[i], &src[i]));
     return STATUS_OK;
   }
   copy_desc_t *d = malloc(sizeof *d * (size_t)n);
@@ -378,7 +385,7 @@ status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n) {
     bytes += (double)tensor_numel(&dst[i]) *
              (double)(dtype_size(dst[i].dtype) + dtype_size(src[i].dtype));
   }
-  status_t st;
+  fsdpc_status_t st;
   if (m == 0) {
     st = STATUS_OK;
   } else if (!kernel_profile_enabled()) {
@@ -392,7 +399,7 @@ status_t tensor_copy_many(tensor_t *dst, const tensor_t *src, int n) {
   return st;
 }
 
-status_t tensor_fill(tensor_t *t, double value) {
+fsdpc_status_t tensor_fill(fsdpc_tensor_t *t, double value) {
   ARG_NONNULL(t);
   if (tensor_numel(t) == 0) return STATUS_OK;
   if (t->meta) return meta_error("fill", t);
@@ -403,24 +410,24 @@ status_t tensor_fill(tensor_t *t, double value) {
   if (tensor_is_contiguous(t))
     return be->fill(t->device.index, t->data, esz, (size_t)tensor_numel(t), pattern);
   /* Strided: fill one element, then broadcast it with a stride-0 copy. */
-  TRY(be->fill(t->device.index, t->data, esz, 1, pattern));
+  FSDPC_TRY(be->fill(t->device.index, t->data, esz, 1, pattern));
   copy_desc_t d;
   desc_from(&d, t, t);
   for (int i = 0; i < d.ndim; i++) d.src_stride[i] = 0;
   return be->copy(t->device.index, &d);
 }
 
-status_t tensor_equal(const tensor_t *a, const tensor_t *b, bool *equal) {
+fsdpc_status_t tensor_equal(const fsdpc_tensor_t *a, const fsdpc_tensor_t *b, bool *equal) {
   ARG_NONNULL(a);
   ARG_NONNULL(b);
   ARG_NONNULL(equal);
   *equal = false;
   if (a->dtype != b->dtype || !tensor_same_shape(a, b)) return STATUS_OK;
   if (tensor_numel(a) > 0 && (a->meta || b->meta)) return meta_error("equal", a->meta ? a : b);
-  status_t st = STATUS_OK;
-  tensor_t ha = {0}, hb = {0};
-  TRY_GOTO(st, tensor_clone(&ha, a, a->dtype, device_cpu()));
-  TRY_GOTO(st, tensor_clone(&hb, b, b->dtype, device_cpu()));
+  fsdpc_status_t st = STATUS_OK;
+  fsdpc_tensor_t ha = {0}, hb = {0};
+  FSDPC_TRY_GOTO(st, tensor_clone(&ha, a, a->dtype, device_cpu()));
+  FSDPC_TRY_GOTO(st, tensor_clone(&hb, b, b->dtype, device_cpu()));
   *equal = tensor_nbytes(&ha) == 0 || memcmp(ha.data, hb.data, tensor_nbytes(&ha)) == 0;
 cleanup:
   tensor_free(&ha);

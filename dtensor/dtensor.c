@@ -13,9 +13,9 @@ void mesh_shape_coord(const mesh_t *mesh, int *shape, int *coord) {
   }
 }
 
-status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim,
-                             const int64_t *global_shape, const int *coord, int64_t *local_shape,
-                             int64_t *offset) {
+fsdpc_status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim,
+                                   const int64_t *global_shape, const int *coord,
+                                   int64_t *local_shape, int64_t *offset) {
   ARG_NONNULL(mesh);
   ARG_NONNULL(pl);
   if (ndim > 0) ARG_NONNULL(global_shape);
@@ -26,13 +26,13 @@ status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim
   mesh_shape_coord(mesh, shape, NULL);
   if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
     return err_set(STATUS_ESHAPE, "DTensor of %d dimensions (at most %d)", ndim, TENSOR_MAX_DIMS);
-  TRY(placements_check(ndim, mesh_ndim(mesh), shape, pl));
+  FSDPC_TRY(placements_check(ndim, mesh_ndim(mesh), shape, pl));
   placements_local_box(ndim, global_shape, mesh_ndim(mesh), shape, pl, coord, local_shape, offset);
   return STATUS_OK;
 }
 
-status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh, const placement_t *pl,
-                            int ndim, const int64_t *global_shape) {
+fsdpc_status_t dtensor_wrap_owned(fsdpc_tensor_t *local, mesh_t *mesh, const placement_t *pl,
+                                  int ndim, const int64_t *global_shape, dtensor_t **out) {
   dtensor_t *dt = calloc(1, sizeof *dt);
   if (dt == NULL) return err_set(STATUS_ENOMEM, "DTensor: out of host memory");
   dt->mesh = mesh;
@@ -45,8 +45,8 @@ status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh, cons
   return STATUS_OK;
 }
 
-static status_t check_device(const tensor_t *t, const mesh_t *mesh, const char *what,
-                             bool host_ok) {
+static fsdpc_status_t check_device(const fsdpc_tensor_t *t, const mesh_t *mesh, const char *what,
+                                   bool host_ok) {
   device_t want = mesh_device(mesh);
   if (host_ok && t->device.type == DEVICE_CPU) return STATUS_OK; /* an offloaded shard */
   if (!device_equal(t->device, want)) {
@@ -58,89 +58,90 @@ static status_t check_device(const tensor_t *t, const mesh_t *mesh, const char *
 }
 
 /* The arguments every constructor takes: out, a tensor, a mesh, placements. */
-static status_t check_args(const char *what, void *out, const tensor_t *t, const mesh_t *mesh,
-                           const placement_t *pl) {
+static fsdpc_status_t check_args(const char *what, void *out, const fsdpc_tensor_t *t,
+                                 const mesh_t *mesh, const placement_t *pl) {
   if (out == NULL) return err_set(STATUS_EINVAL, "%s: out is NULL", what);
   if (t == NULL) return err_set(STATUS_EINVAL, "%s: the tensor is NULL", what);
   if (mesh == NULL)
-    return err_set(STATUS_EINVAL, "%s: the mesh is NULL (did mesh_init fail?)", what);
+    return err_set(STATUS_EINVAL, "%s: the mesh is NULL (did mesh_new fail?)", what);
   if (pl == NULL) return err_set(STATUS_EINVAL, "%s: the placements are NULL", what);
   return STATUS_OK;
 }
 
-status_t dtensor_from_local(dtensor_t **out, const tensor_t *local, mesh_t *mesh,
-                            const placement_t *pl, int ndim, const int64_t *global_shape) {
-  TRY(check_args("dtensor_from_local", out, local, mesh, pl));
+fsdpc_status_t dtensor_from_local(const fsdpc_tensor_t *local, mesh_t *mesh, const placement_t *pl,
+                                  int ndim, const int64_t *global_shape, dtensor_t **out) {
+  FSDPC_TRY(check_args("dtensor_from_local", out, local, mesh, pl));
   if (global_shape == NULL && ndim > 0)
     return err_set(STATUS_EINVAL, "dtensor_from_local: the shape is NULL");
   *out = NULL;
   int coord[MESH_MAX_DIMS], shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, coord);
   int64_t want[TENSOR_MAX_DIMS], offset[TENSOR_MAX_DIMS];
-  TRY(dtensor_compute_box(mesh, pl, ndim, global_shape, coord, want, offset));
-  TRY(check_device(local, mesh, "dtensor_from_local", true));
+  FSDPC_TRY(dtensor_compute_box(mesh, pl, ndim, global_shape, coord, want, offset));
+  FSDPC_TRY(check_device(local, mesh, "dtensor_from_local", true));
   if (local->ndim != ndim || memcmp(local->shape, want, sizeof(int64_t) * (size_t)ndim) != 0) {
     char a[96], b[96], c[96], p[128];
     return err_set(STATUS_ESHAPE,
                    "dtensor_from_local: local shape %s, but placements %s of global shape %s "
                    "give this rank %s",
-                   shape_str(local->ndim, local->shape, a, sizeof a),
+                   tensor_shape_str(local->ndim, local->shape, a, sizeof a),
                    placements_str(mesh_ndim(mesh), pl, p, sizeof p),
-                   shape_str(ndim, global_shape, b, sizeof b), shape_str(ndim, want, c, sizeof c));
+                   tensor_shape_str(ndim, global_shape, b, sizeof b),
+                   tensor_shape_str(ndim, want, c, sizeof c));
   }
-  tensor_t mine;
+  fsdpc_tensor_t mine;
   if (tensor_is_contiguous(local))
-    TRY(tensor_ref(&mine, local));
+    FSDPC_TRY(tensor_ref(&mine, local));
   else
-    TRY(tensor_clone(&mine, local, local->dtype, local->device));
-  status_t st = dtensor_wrap_owned(out, &mine, mesh, pl, ndim, global_shape);
+    FSDPC_TRY(tensor_clone(&mine, local, local->dtype, local->device));
+  fsdpc_status_t st = dtensor_wrap_owned(&mine, mesh, pl, ndim, global_shape, out);
   tensor_free(&mine);
   return st;
 }
 
-status_t local_from_full(const tensor_t *full, const mesh_t *mesh, const placement_t *pl,
-                         tensor_t *out) {
+fsdpc_status_t local_from_full(const fsdpc_tensor_t *full, const mesh_t *mesh,
+                               const placement_t *pl, fsdpc_tensor_t *out) {
   int coord[MESH_MAX_DIMS];
   int64_t shape[TENSOR_MAX_DIMS], offset[TENSOR_MAX_DIMS];
   for (int i = 0; i < mesh_ndim(mesh); i++) coord[i] = mesh_coord(mesh, i);
-  TRY(dtensor_compute_box(mesh, pl, full->ndim, full->shape, coord, shape, offset));
-  tensor_t box;
-  TRY(tensor_narrow_box(&box, full, offset, shape));
+  FSDPC_TRY(dtensor_compute_box(mesh, pl, full->ndim, full->shape, coord, shape, offset));
+  fsdpc_tensor_t box;
+  FSDPC_TRY(tensor_narrow_box(&box, full, offset, shape));
   int zero = 0;
   for (int i = 0; i < mesh_ndim(mesh); i++)
     if (pl[i].kind == PLACEMENT_PARTIAL && pl[i].op == REDUCE_SUM && coord[i] != 0) zero = 1;
-  status_t st = zero ? tensor_zeros(out, full->dtype, full->device, full->ndim, shape)
-                     : tensor_clone(out, &box, full->dtype, full->device);
+  fsdpc_status_t st = zero ? tensor_zeros(out, full->dtype, full->device, full->ndim, shape)
+                           : tensor_clone(out, &box, full->dtype, full->device);
   tensor_free(&box);
   return st;
 }
 
 /* Broadcasts buf from the mesh coordinates `src` to every rank of the mesh, one mesh dimension
  * at a time: along dim k only the ranks whose coordinates after k equal src's take part. */
-static status_t broadcast_over_mesh(mesh_t *mesh, const int *src, tensor_t *buf) {
+static fsdpc_status_t broadcast_over_mesh(mesh_t *mesh, const int *src, fsdpc_tensor_t *buf) {
   int n = mesh_ndim(mesh);
   for (int k = 0; k < n; k++) {
     int joins = 1;
     for (int j = k + 1; j < n; j++)
       if (mesh_coord(mesh, j) != src[j]) joins = 0;
     if (joins)
-      TRY(pg_broadcast(mesh_group(mesh, k), buf->data, (size_t)tensor_numel(buf), buf->dtype,
-                       src[k], NULL));
+      FSDPC_TRY(pg_broadcast(mesh_group(mesh, k), buf->data, (size_t)tensor_numel(buf), buf->dtype,
+                             src[k], NULL));
   }
   return STATUS_OK;
 }
 
-status_t dtensor_distribute(dtensor_t **out, const tensor_t *full, mesh_t *mesh,
-                            const placement_t *pl, int src_rank) {
-  TRY(check_args("dtensor_distribute", out, full, mesh, pl));
+fsdpc_status_t dtensor_distribute(const fsdpc_tensor_t *full, mesh_t *mesh, const placement_t *pl,
+                                  int src_rank, dtensor_t **out) {
+  FSDPC_TRY(check_args("dtensor_distribute", out, full, mesh, pl));
   *out = NULL;
-  TRY(check_device(full, mesh, "dtensor_distribute", false));
+  FSDPC_TRY(check_device(full, mesh, "dtensor_distribute", false));
   int shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
-  TRY(placements_check(full->ndim, mesh_ndim(mesh), shape, pl));
-  tensor_t local = {0}, scratch = {0};
-  status_t st = STATUS_OK;
-  const tensor_t *from = full;
+  FSDPC_TRY(placements_check(full->ndim, mesh_ndim(mesh), shape, pl));
+  fsdpc_tensor_t local = {0}, scratch = {0};
+  fsdpc_status_t st = STATUS_OK;
+  const fsdpc_tensor_t *from = full;
   if (src_rank != DTENSOR_ALL_RANKS) {
     int idx = -1;
     for (int i = 0; i < mesh_numel(mesh); i++)
@@ -149,25 +150,25 @@ status_t dtensor_distribute(dtensor_t **out, const tensor_t *full, mesh_t *mesh,
       return err_set(STATUS_EINVAL, "distribute: source rank %d is not in the mesh", src_rank);
     int src[MESH_MAX_DIMS];
     mesh_unravel(mesh, idx, src);
-    TRY_GOTO(st, tensor_clone(&scratch, full, full->dtype, full->device));
-    TRY_GOTO(st, broadcast_over_mesh(mesh, src, &scratch));
+    FSDPC_TRY_GOTO(st, tensor_clone(&scratch, full, full->dtype, full->device));
+    FSDPC_TRY_GOTO(st, broadcast_over_mesh(mesh, src, &scratch));
     from = &scratch;
   }
-  TRY_GOTO(st, local_from_full(from, mesh, pl, &local));
-  st = dtensor_wrap_owned(out, &local, mesh, pl, full->ndim, full->shape);
+  FSDPC_TRY_GOTO(st, local_from_full(from, mesh, pl, &local));
+  st = dtensor_wrap_owned(&local, mesh, pl, full->ndim, full->shape, out);
 cleanup:
   tensor_free(&local);
   tensor_free(&scratch);
   return st;
 }
 
-status_t dtensor_full_tensor(const dtensor_t *dt, tensor_t *out) {
+fsdpc_status_t dtensor_full_tensor(const dtensor_t *dt, fsdpc_tensor_t *out) {
   if (dt == NULL || out == NULL)
     return err_set(STATUS_EINVAL, "dtensor_full_tensor: %s is NULL", dt ? "out" : "the DTensor");
   placement_t rep[MESH_MAX_DIMS];
   for (int i = 0; i < mesh_ndim(dt->mesh); i++) rep[i] = placement_replicate();
   dtensor_t *r;
-  TRY(dtensor_redistribute(dt, rep, &r));
+  FSDPC_TRY(dtensor_redistribute(dt, rep, &r));
   *out = r->local;
   memset(&r->local, 0, sizeof r->local);
   dtensor_free(r);
@@ -180,7 +181,7 @@ void dtensor_free(dtensor_t *dt) {
   free(dt);
 }
 
-const tensor_t *dtensor_local(const dtensor_t *dt) { return dt ? &dt->local : NULL; }
+const fsdpc_tensor_t *dtensor_local(const dtensor_t *dt) { return dt ? &dt->local : NULL; }
 mesh_t *dtensor_mesh(const dtensor_t *dt) {
   if (dt == NULL) return NULL;
   return dt->mesh;

@@ -4,9 +4,9 @@
  *
  *   placement_t pl[] = {placement_shard(0)};
  *   dtensor_t *x, *y;
- *   TRY(dtensor_distribute(&x, &full, mesh, pl, DTENSOR_ALL_RANKS)); // every rank holds full
- *   TRY(dtensor_redistribute(x, (placement_t[]){placement_replicate()}, &y)); // all-gather
- *   const tensor_t *whole = dtensor_local(y);
+ *   FSDPC_TRY(dtensor_distribute(&full, mesh, pl, DTENSOR_ALL_RANKS, &x)); // every rank holds full
+ *   FSDPC_TRY(dtensor_redistribute(x, (placement_t[]){placement_replicate()}, &y)); // all-gather
+ *   const fsdpc_tensor_t *whole = dtensor_local(y);
  *   dtensor_free(y); dtensor_free(x);
  *
  * The mesh must outlive every DTensor on it. Local tensors live on the mesh's device.
@@ -33,26 +33,26 @@ typedef struct dtensor dtensor_t;
  * for global_shape; the DTensor takes its own reference to local's memory (the caller still
  * frees local). local lives on the mesh's device, or in host memory (an offloaded shard, which
  * redistribution refuses). Local; no communication. */
-status_t dtensor_from_local(dtensor_t **out, const tensor_t *local, mesh_t *mesh,
-                            const placement_t *pl, int ndim, const int64_t *global_shape);
+fsdpc_status_t dtensor_from_local(const fsdpc_tensor_t *local, mesh_t *mesh, const placement_t *pl,
+                                  int ndim, const int64_t *global_shape, dtensor_t **out);
 
 /* Distributes a full tensor. src_rank == DTENSOR_ALL_RANKS: every rank passes the same full
  * tensor and nothing is communicated. Otherwise src_rank (a world rank in the mesh) holds the
  * data; other ranks pass a tensor of the same shape and dtype whose contents are ignored, and
  * the data is broadcast along the mesh dimensions. Collective over the mesh in that case. */
-status_t dtensor_distribute(dtensor_t **out, const tensor_t *full, mesh_t *mesh,
-                            const placement_t *pl, int src_rank);
+fsdpc_status_t dtensor_distribute(const fsdpc_tensor_t *full, mesh_t *mesh, const placement_t *pl,
+                                  int src_rank, dtensor_t **out);
 
 /* A new DTensor with placements dst holding the same global value, moved one mesh dimension
  * at a time with the collectives of the redistribute table. Collective over the mesh. */
-status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dtensor_t **out);
+fsdpc_status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dtensor_t **out);
 
 /* The whole global value on every rank (a new tensor the caller frees). Collective. */
-status_t dtensor_full_tensor(const dtensor_t *dt, tensor_t *out);
+fsdpc_status_t dtensor_full_tensor(const dtensor_t *dt, fsdpc_tensor_t *out);
 
 void dtensor_free(dtensor_t *dt);
 
-const tensor_t *dtensor_local(const dtensor_t *dt);
+const fsdpc_tensor_t *dtensor_local(const dtensor_t *dt);
 mesh_t *dtensor_mesh(const dtensor_t *dt);
 int dtensor_ndim(const dtensor_t *dt);
 const int64_t *dtensor_shape(const dtensor_t *dt);
@@ -62,9 +62,9 @@ void dtensor_offset(const dtensor_t *dt, int64_t *offset);
 
 /* Local shape and offset that placements give mesh coordinates coord for a global shape on
  * mesh (mesh_ndim(mesh) coordinates). Checks the placements. No communication. */
-status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim,
-                             const int64_t *global_shape, const int *coord, int64_t *local_shape,
-                             int64_t *offset);
+fsdpc_status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim,
+                                   const int64_t *global_shape, const int *coord,
+                                   int64_t *local_shape, int64_t *offset);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

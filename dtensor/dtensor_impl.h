@@ -9,19 +9,19 @@ struct dtensor {
   int ndim;
   int64_t shape[TENSOR_MAX_DIMS];
   placement_t pl[MESH_MAX_DIMS];
-  tensor_t local; /* contiguous */
+  fsdpc_tensor_t local; /* contiguous */
 };
 
 /* The mesh's sizes and this rank's coordinates. */
 void mesh_shape_coord(const mesh_t *mesh, int *shape, int *coord);
 
 /* Allocates a DTensor that takes ownership of *local (which is zeroed). */
-status_t dtensor_wrap_owned(dtensor_t **out, tensor_t *local, mesh_t *mesh, const placement_t *pl,
-                            int ndim, const int64_t *global_shape);
+fsdpc_status_t dtensor_wrap_owned(fsdpc_tensor_t *local, mesh_t *mesh, const placement_t *pl,
+                                  int ndim, const int64_t *global_shape, dtensor_t **out);
 
 /* This rank's local tensor for placements pl, cut from the full value (a new contiguous
  * tensor on `full`'s device): the shard box, zeros off coordinate 0 of Partial(sum) dims. */
-status_t local_from_full(const tensor_t *full, const mesh_t *mesh, const placement_t *pl,
-                         tensor_t *out);
+fsdpc_status_t local_from_full(const fsdpc_tensor_t *full, const mesh_t *mesh,
+                               const placement_t *pl, fsdpc_tensor_t *out);
 
 #endif

@@ -40,19 +40,19 @@ const char *placements_str(int n, const placement_t *pl, char *buf, size_t size)
   return buf;
 }
 
-int64_t chunk_size(int64_t n, int64_t w) { return n <= 0 ? 0 : (n + w - 1) / w; }
+int64_t placement_chunk_size(int64_t n, int64_t w) { return n <= 0 ? 0 : (n + w - 1) / w; }
 
-void chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int64_t *length) {
+void placement_chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int64_t *length) {
   if (offset == NULL || length == NULL) return;
-  int64_t c = chunk_size(n, w);
+  int64_t c = placement_chunk_size(n, w);
   int64_t lo = r * c < n ? r * c : n;
   int64_t hi = (r + 1) * c < n ? (r + 1) * c : n;
   *offset = lo;
   *length = hi - lo;
 }
 
-status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
-                          const placement_t *pl) {
+fsdpc_status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
+                                const placement_t *pl) {
   ARG_NONNULL(mesh_shape);
   ARG_NONNULL(pl);
   char buf[32];
@@ -104,7 +104,7 @@ void placements_local_box(int ndim, const int64_t *global_shape, int mesh_ndim,
       if (pl[i].kind != PLACEMENT_SHARD || (pl[i].split_factor > 1) != pass) continue;
       int d = pl[i].dim;
       int64_t off, len;
-      chunk_range(local_shape[d], mesh_shape[i], coord[i], &off, &len);
+      placement_chunk_range(local_shape[d], mesh_shape[i], coord[i], &off, &len);
       offset[d] += off;
       local_shape[d] = len;
     }

@@ -75,15 +75,15 @@ const char *placement_str(placement_t p, char *buf, size_t size);
 const char *placements_str(int n, const placement_t *pl, char *buf, size_t size);
 
 /* ceil(n / w): the chunk size of n elements over w ranks (0 when n == 0). w > 0. */
-int64_t chunk_size(int64_t n, int64_t w);
+int64_t placement_chunk_size(int64_t n, int64_t w);
 
 /* Offset and length of rank r's chunk of n elements over w ranks. */
-void chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int64_t *length);
+void placement_chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int64_t *length);
 
 /* Checks placements for a tensor of tensor_ndim dimensions on a mesh of the given shape:
  * shard dimensions in range, split factors consistent, reduce ops valid. */
-status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
-                          const placement_t *pl);
+fsdpc_status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
+                                const placement_t *pl);
 
 /* Local shape and global offset of the shard held at mesh coordinates coord. Placements
  * must pass placements_check. Pure computation, no communication. */

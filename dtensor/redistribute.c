@@ -60,26 +60,27 @@ static int plan_steps(int n, const placement_t *src, const placement_t *dst, ste
 /* ---- helpers on local tensors ---- */
 
 /* A non-owning tensor of `shape` over block k (of `block` elements each) of buf. */
-static status_t block_of(tensor_t *out, const tensor_t *buf, int64_t k, int64_t block, int ndim,
-                         const int64_t *shape) {
+static fsdpc_status_t block_of(fsdpc_tensor_t *out, const fsdpc_tensor_t *buf, int64_t k,
+                               int64_t block, int ndim, const int64_t *shape) {
   char *base = buf->data;
   if (block > 0) base += (size_t)(k * block) * dtype_size(buf->dtype);
   return tensor_wrap(out, block > 0 ? base : NULL, buf->dtype, buf->device, ndim, shape);
 }
 
 /* A view of t with extents `shape`, starting at `off` along dim and at 0 elsewhere. */
-static status_t view_region(tensor_t *out, const tensor_t *t, int dim, int64_t off,
-                            const int64_t *shape) {
+static fsdpc_status_t view_region(fsdpc_tensor_t *out, const fsdpc_tensor_t *t, int dim,
+                                  int64_t off, const int64_t *shape) {
   int64_t offset[TENSOR_MAX_DIMS] = {0};
   offset[dim] = off;
   return tensor_narrow_box(out, t, offset, shape);
 }
 
 /* Copies src into dst at `off` along dim (0 elsewhere). */
-static status_t copy_region(tensor_t *dst, int dim, int64_t off, const tensor_t *src) {
-  tensor_t region;
-  TRY(view_region(&region, dst, dim, off, src->shape));
-  status_t st = tensor_copy(&region, src);
+static fsdpc_status_t copy_region(fsdpc_tensor_t *dst, int dim, int64_t off,
+                                  const fsdpc_tensor_t *src) {
+  fsdpc_tensor_t region;
+  FSDPC_TRY(view_region(&region, dst, dim, off, src->shape));
+  fsdpc_status_t st = tensor_copy(&region, src);
   tensor_free(&region);
   return st;
 }
@@ -90,43 +91,43 @@ typedef struct ctx {
   int64_t L[TENSOR_MAX_DIMS]; /* logical shape at this mesh dimension */
 } ctx_t;
 
-static void with_dim(const tensor_t *t, int d, int64_t v, int64_t *shape) {
+static void with_dim(const fsdpc_tensor_t *t, int d, int64_t v, int64_t *shape) {
   memcpy(shape, t->shape, sizeof(int64_t) * TENSOR_MAX_DIMS);
   shape[d] = v;
 }
 
 /* Block k (shape B, nb elements) of buf receives chunk k along dim of x, at its origin. */
-static status_t pack_chunks(const ctx_t *c, tensor_t *buf, int64_t nb, const int64_t *B,
-                            const tensor_t *x, int dim) {
+static fsdpc_status_t pack_chunks(const ctx_t *c, fsdpc_tensor_t *buf, int64_t nb, const int64_t *B,
+                                  const fsdpc_tensor_t *x, int dim) {
   for (int k = 0; k < c->W && nb > 0; k++) {
     int64_t ok, lk;
-    chunk_range(x->shape[dim], c->W, k, &ok, &lk);
-    tensor_t blk = {0}, part = {0};
-    status_t st = block_of(&blk, buf, k, nb, x->ndim, B);
+    placement_chunk_range(x->shape[dim], c->W, k, &ok, &lk);
+    fsdpc_tensor_t blk = {0}, part = {0};
+    fsdpc_status_t st = block_of(&blk, buf, k, nb, x->ndim, B);
     if (st == STATUS_OK) st = tensor_narrow(&part, x, dim, ok, lk);
     if (st == STATUS_OK) st = copy_region(&blk, dim, 0, &part);
     tensor_free(&part);
     tensor_free(&blk);
-    TRY(st);
+    FSDPC_TRY(st);
   }
   return STATUS_OK;
 }
 
 /* Chunk k along dim of out receives block k (shape B, nb elements) of buf, cut at its origin
  * to the chunk's extents. */
-static status_t unpack_chunks(const ctx_t *c, tensor_t *out, const tensor_t *buf, int64_t nb,
-                              const int64_t *B, int dim) {
+static fsdpc_status_t unpack_chunks(const ctx_t *c, fsdpc_tensor_t *out, const fsdpc_tensor_t *buf,
+                                    int64_t nb, const int64_t *B, int dim) {
   for (int k = 0; k < c->W && nb > 0; k++) {
     int64_t ok, region[TENSOR_MAX_DIMS];
     with_dim(out, dim, 0, region);
-    chunk_range(out->shape[dim], c->W, k, &ok, &region[dim]);
-    tensor_t blk = {0}, part = {0};
-    status_t st = block_of(&blk, buf, k, nb, out->ndim, B);
+    placement_chunk_range(out->shape[dim], c->W, k, &ok, &region[dim]);
+    fsdpc_tensor_t blk = {0}, part = {0};
+    fsdpc_status_t st = block_of(&blk, buf, k, nb, out->ndim, B);
     if (st == STATUS_OK) st = view_region(&part, &blk, dim, 0, region);
     if (st == STATUS_OK) st = copy_region(out, dim, ok, &part);
     tensor_free(&part);
     tensor_free(&blk);
-    TRY(st);
+    FSDPC_TRY(st);
   }
   return STATUS_OK;
 }
@@ -137,20 +138,21 @@ static int64_t numel_of(int ndim, const int64_t *shape) {
   return n;
 }
 
-static status_t shard_to_replicate(const ctx_t *c, const tensor_t *x, int d, tensor_t *out) {
+static fsdpc_status_t shard_to_replicate(const ctx_t *c, const fsdpc_tensor_t *x, int d,
+                                         fsdpc_tensor_t *out) {
   int64_t P[TENSOR_MAX_DIMS], F[TENSOR_MAX_DIMS];
-  with_dim(x, d, chunk_size(c->L[d], c->W), P);
+  with_dim(x, d, placement_chunk_size(c->L[d], c->W), P);
   with_dim(x, d, c->L[d], F);
-  TRY(tensor_init(out, x->dtype, x->device, x->ndim, F));
+  FSDPC_TRY(tensor_init(out, x->dtype, x->device, x->ndim, F));
   if (d == 0 && c->L[0] % c->W == 0) /* even rows: the gathered buffer is the result */
     return pg_all_gather(c->pg, x->data, out->data, (size_t)tensor_numel(x), x->dtype, NULL);
-  tensor_t send = {0}, recv = {0};
-  status_t st = STATUS_OK;
+  fsdpc_tensor_t send = {0}, recv = {0};
+  fsdpc_status_t st = STATUS_OK;
   int64_t nb = numel_of(x->ndim, P), R[1] = {nb * c->W};
-  TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, x->ndim, P));
-  TRY_GOTO(st, copy_region(&send, d, 0, x));
-  TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, 1, R));
-  TRY_GOTO(st, pg_all_gather(c->pg, send.data, recv.data, (size_t)nb, x->dtype, NULL));
+  FSDPC_TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, x->ndim, P));
+  FSDPC_TRY_GOTO(st, copy_region(&send, d, 0, x));
+  FSDPC_TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, 1, R));
+  FSDPC_TRY_GOTO(st, pg_all_gather(c->pg, send.data, recv.data, (size_t)nb, x->dtype, NULL));
   st = unpack_chunks(c, out, &recv, nb, P, d);
 cleanup:
   tensor_free(&send);
@@ -159,28 +161,29 @@ cleanup:
   return st;
 }
 
-static status_t partial_to_replicate(const ctx_t *c, const tensor_t *x, reduce_op_t op,
-                                     tensor_t *out) {
-  TRY(tensor_clone(out, x, x->dtype, x->device));
-  status_t st =
+static fsdpc_status_t partial_to_replicate(const ctx_t *c, const fsdpc_tensor_t *x, reduce_op_t op,
+                                           fsdpc_tensor_t *out) {
+  FSDPC_TRY(tensor_clone(out, x, x->dtype, x->device));
+  fsdpc_status_t st =
       pg_all_reduce(c->pg, out->data, out->data, (size_t)tensor_numel(out), out->dtype, op, NULL);
   if (st != STATUS_OK) tensor_free(out);
   return st;
 }
 
-static status_t partial_to_shard(const ctx_t *c, const tensor_t *x, reduce_op_t op, int d,
-                                 tensor_t *out) {
+static fsdpc_status_t partial_to_shard(const ctx_t *c, const fsdpc_tensor_t *x, reduce_op_t op,
+                                       int d, fsdpc_tensor_t *out) {
   int64_t P[TENSOR_MAX_DIMS];
-  with_dim(x, d, chunk_size(c->L[d], c->W), P);
-  tensor_t send = {0}, recv = {0}, mine = {0};
-  status_t st = STATUS_OK;
+  with_dim(x, d, placement_chunk_size(c->L[d], c->W), P);
+  fsdpc_tensor_t send = {0}, recv = {0}, mine = {0};
+  fsdpc_status_t st = STATUS_OK;
   int64_t nb = numel_of(x->ndim, P), S[1] = {nb * c->W}, orr, lr;
-  TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, 1, S));
-  TRY_GOTO(st, pack_chunks(c, &send, nb, P, x, d));
-  TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, x->ndim, P));
-  TRY_GOTO(st, pg_reduce_scatter(c->pg, send.data, recv.data, (size_t)nb, x->dtype, op, NULL));
-  chunk_range(c->L[d], c->W, c->r, &orr, &lr);
-  TRY_GOTO(st, tensor_narrow(&mine, &recv, d, 0, lr));
+  FSDPC_TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, 1, S));
+  FSDPC_TRY_GOTO(st, pack_chunks(c, &send, nb, P, x, d));
+  FSDPC_TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, x->ndim, P));
+  FSDPC_TRY_GOTO(st,
+                 pg_reduce_scatter(c->pg, send.data, recv.data, (size_t)nb, x->dtype, op, NULL));
+  placement_chunk_range(c->L[d], c->W, c->r, &orr, &lr);
+  FSDPC_TRY_GOTO(st, tensor_narrow(&mine, &recv, d, 0, lr));
   st = tensor_clone(out, &mine, x->dtype, x->device);
 cleanup:
   tensor_free(&mine);
@@ -191,21 +194,22 @@ cleanup:
 
 /* Block k sent to rank k is my d-chunk of its e-chunk; block k received from rank k is its
  * d-chunk of my e-chunk. Both padded to (chunk of d, chunk of e). */
-static status_t shard_to_shard(const ctx_t *c, const tensor_t *x, int d, int e, tensor_t *out) {
+static fsdpc_status_t shard_to_shard(const ctx_t *c, const fsdpc_tensor_t *x, int d, int e,
+                                     fsdpc_tensor_t *out) {
   int64_t B[TENSOR_MAX_DIMS], O[TENSOR_MAX_DIMS], oer, ler;
-  with_dim(x, d, chunk_size(c->L[d], c->W), B);
-  B[e] = chunk_size(c->L[e], c->W);
-  chunk_range(c->L[e], c->W, c->r, &oer, &ler);
+  with_dim(x, d, placement_chunk_size(c->L[d], c->W), B);
+  B[e] = placement_chunk_size(c->L[e], c->W);
+  placement_chunk_range(c->L[e], c->W, c->r, &oer, &ler);
   with_dim(x, d, c->L[d], O);
   O[e] = ler;
   int64_t nb = numel_of(x->ndim, B), S[1] = {nb * c->W};
-  tensor_t send = {0}, recv = {0};
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, tensor_init(out, x->dtype, x->device, x->ndim, O));
-  TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, 1, S));
-  TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, 1, S));
-  TRY_GOTO(st, pack_chunks(c, &send, nb, B, x, e));
-  TRY_GOTO(st, pg_all_to_all(c->pg, send.data, recv.data, (size_t)nb, x->dtype, NULL));
+  fsdpc_tensor_t send = {0}, recv = {0};
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, tensor_init(out, x->dtype, x->device, x->ndim, O));
+  FSDPC_TRY_GOTO(st, tensor_zeros(&send, x->dtype, x->device, 1, S));
+  FSDPC_TRY_GOTO(st, tensor_init(&recv, x->dtype, x->device, 1, S));
+  FSDPC_TRY_GOTO(st, pack_chunks(c, &send, nb, B, x, e));
+  FSDPC_TRY_GOTO(st, pg_all_to_all(c->pg, send.data, recv.data, (size_t)nb, x->dtype, NULL));
   st = unpack_chunks(c, out, &recv, nb, B, d);
 cleanup:
   tensor_free(&send);
@@ -214,18 +218,19 @@ cleanup:
   return st;
 }
 
-static status_t replicate_to_shard(const ctx_t *c, const tensor_t *x, int d, tensor_t *out) {
+static fsdpc_status_t replicate_to_shard(const ctx_t *c, const fsdpc_tensor_t *x, int d,
+                                         fsdpc_tensor_t *out) {
   int64_t o, l;
-  chunk_range(x->shape[d], c->W, c->r, &o, &l);
-  tensor_t part;
-  TRY(tensor_narrow(&part, x, d, o, l));
-  status_t st = tensor_clone(out, &part, x->dtype, x->device);
+  placement_chunk_range(x->shape[d], c->W, c->r, &o, &l);
+  fsdpc_tensor_t part;
+  FSDPC_TRY(tensor_narrow(&part, x, d, o, l));
+  fsdpc_status_t st = tensor_clone(out, &part, x->dtype, x->device);
   tensor_free(&part);
   return st;
 }
 
-static status_t to_partial(const ctx_t *c, const tensor_t *x, placement_t from, reduce_op_t op,
-                           tensor_t *out) {
+static fsdpc_status_t to_partial(const ctx_t *c, const fsdpc_tensor_t *x, placement_t from,
+                                 reduce_op_t op, fsdpc_tensor_t *out) {
   if (from.kind == PLACEMENT_REPLICATE) {
     if (op == REDUCE_SUM && c->r != 0)
       return tensor_zeros(out, x->dtype, x->device, x->ndim, x->shape);
@@ -235,15 +240,15 @@ static status_t to_partial(const ctx_t *c, const tensor_t *x, placement_t from, 
   int d = from.dim;
   int64_t F[TENSOR_MAX_DIMS], o, l;
   with_dim(x, d, c->L[d], F);
-  chunk_range(c->L[d], c->W, c->r, &o, &l);
-  TRY(tensor_zeros(out, x->dtype, x->device, x->ndim, F));
-  status_t st = copy_region(out, d, o, x);
+  placement_chunk_range(c->L[d], c->W, c->r, &o, &l);
+  FSDPC_TRY(tensor_zeros(out, x->dtype, x->device, x->ndim, F));
+  fsdpc_status_t st = copy_region(out, d, o, x);
   if (st != STATUS_OK) tensor_free(out);
   return st;
 }
 
 /* Checks the planner's promise: no mesh dimension after i shards tensor dimension d. */
-static status_t check_inner(const placement_t *cur, int n, int i, int d) {
+static fsdpc_status_t check_inner(const placement_t *cur, int n, int i, int d) {
   for (int j = i + 1; j < n; j++)
     if (placement_is_shard(cur[j], d))
       return err_set(STATUS_EINTERNAL,
@@ -254,8 +259,8 @@ static status_t check_inner(const placement_t *cur, int n, int i, int d) {
 }
 
 /* Runs one step on mesh dimension s->dim; replaces *x with the result. */
-static status_t run_step(const dtensor_t *src, const placement_t *cur, const step_t *s,
-                         tensor_t *x) {
+static fsdpc_status_t run_step(const dtensor_t *src, const placement_t *cur, const step_t *s,
+                               fsdpc_tensor_t *x) {
   mesh_t *mesh = src->mesh;
   int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS], coord[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, coord);
@@ -264,11 +269,11 @@ static status_t run_step(const dtensor_t *src, const placement_t *cur, const ste
   placements_local_box(src->ndim, src->shape, s->dim, shape, cur, coord, c.L, off);
 
   placement_t from = s->from, to = s->to;
-  if (from.kind == PLACEMENT_SHARD) TRY(check_inner(cur, n, s->dim, from.dim));
-  if (to.kind == PLACEMENT_SHARD) TRY(check_inner(cur, n, s->dim, to.dim));
+  if (from.kind == PLACEMENT_SHARD) FSDPC_TRY(check_inner(cur, n, s->dim, from.dim));
+  if (to.kind == PLACEMENT_SHARD) FSDPC_TRY(check_inner(cur, n, s->dim, to.dim));
 
-  tensor_t out = {0};
-  status_t st;
+  fsdpc_tensor_t out = {0};
+  fsdpc_status_t st;
   if (from.kind == PLACEMENT_SHARD && to.kind == PLACEMENT_REPLICATE)
     st = shard_to_replicate(&c, x, from.dim, &out);
   else if (from.kind == PLACEMENT_PARTIAL && to.kind == PLACEMENT_REPLICATE)
@@ -305,21 +310,21 @@ static int has_strided(int n, const placement_t *pl) {
   return 0;
 }
 
-static status_t gather_full(const dtensor_t *src, tensor_t *full) {
+static fsdpc_status_t gather_full(const dtensor_t *src, fsdpc_tensor_t *full) {
   mesh_t *mesh = src->mesh;
   int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS], coord[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, coord);
-  tensor_t x = {0}, buf = {0}, next = {0}, blk = {0};
-  status_t st = STATUS_OK;
-  TRY(tensor_ref(&x, &src->local));
+  fsdpc_tensor_t x = {0}, buf = {0}, next = {0}, blk = {0};
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY(tensor_ref(&x, &src->local));
   for (int i = 0; i < n; i++) { /* reduce every Partial dimension first */
     if (src->pl[i].kind != PLACEMENT_PARTIAL) continue;
-    tensor_t reduced;
-    TRY_GOTO(st, tensor_clone(&reduced, &x, x.dtype, x.device));
+    fsdpc_tensor_t reduced;
+    FSDPC_TRY_GOTO(st, tensor_clone(&reduced, &x, x.dtype, x.device));
     tensor_free(&x);
     x = reduced;
-    TRY_GOTO(st, pg_all_reduce(mesh_group(mesh, i), x.data, x.data, (size_t)tensor_numel(&x),
-                               x.dtype, src->pl[i].op, NULL));
+    FSDPC_TRY_GOTO(st, pg_all_reduce(mesh_group(mesh, i), x.data, x.data, (size_t)tensor_numel(&x),
+                                     x.dtype, src->pl[i].op, NULL));
   }
   int64_t maxbox = 0, ls[TENSOR_MAX_DIMS], off[TENSOR_MAX_DIMS];
   int c[MESH_MAX_DIMS];
@@ -330,10 +335,10 @@ static status_t gather_full(const dtensor_t *src, tensor_t *full) {
     if (ne > maxbox) maxbox = ne;
   }
   int64_t count = maxbox;
-  TRY_GOTO(st, tensor_zeros(&buf, x.dtype, x.device, 1, &count));
+  FSDPC_TRY_GOTO(st, tensor_zeros(&buf, x.dtype, x.device, 1, &count));
   if (tensor_numel(&x) > 0) {
-    tensor_t flat, head;
-    TRY_GOTO(st, tensor_view(&flat, &x, 1, (int64_t[]){tensor_numel(&x)}));
+    fsdpc_tensor_t flat, head;
+    FSDPC_TRY_GOTO(st, tensor_view(&flat, &x, 1, (int64_t[]){tensor_numel(&x)}));
     st = tensor_narrow(&head, &buf, 0, 0, tensor_numel(&x));
     if (st == STATUS_OK) st = tensor_copy(&head, &flat);
     tensor_free(&flat);
@@ -342,20 +347,20 @@ static status_t gather_full(const dtensor_t *src, tensor_t *full) {
   }
   for (int i = n - 1; i >= 0; i--) { /* row-major order of coordinates when done */
     int64_t total = count * shape[i];
-    TRY_GOTO(st, tensor_init(&next, x.dtype, x.device, 1, &total));
-    TRY_GOTO(st,
-             pg_all_gather(mesh_group(mesh, i), buf.data, next.data, (size_t)count, x.dtype, NULL));
+    FSDPC_TRY_GOTO(st, tensor_init(&next, x.dtype, x.device, 1, &total));
+    FSDPC_TRY_GOTO(
+        st, pg_all_gather(mesh_group(mesh, i), buf.data, next.data, (size_t)count, x.dtype, NULL));
     tensor_free(&buf);
     buf = next;
     memset(&next, 0, sizeof next);
     count = total;
   }
-  TRY_GOTO(st, tensor_init(full, x.dtype, x.device, src->ndim, src->shape));
+  FSDPC_TRY_GOTO(st, tensor_init(full, x.dtype, x.device, src->ndim, src->shape));
   for (int idx = 0; idx < mesh_numel(mesh) && maxbox > 0; idx++) {
     mesh_unravel(mesh, idx, c);
     placements_local_box(src->ndim, src->shape, n, shape, src->pl, c, ls, off);
-    TRY_GOTO(st, block_of(&blk, &buf, idx, maxbox, src->ndim, ls));
-    tensor_t region = {0};
+    FSDPC_TRY_GOTO(st, block_of(&blk, &buf, idx, maxbox, src->ndim, ls));
+    fsdpc_tensor_t region = {0};
     st = tensor_narrow_box(&region, full, off, ls);
     if (st == STATUS_OK) st = tensor_copy(&region, &blk);
     tensor_free(&region);
@@ -371,7 +376,7 @@ cleanup:
   return st;
 }
 
-status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dtensor_t **out) {
+fsdpc_status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dtensor_t **out) {
   if (src == NULL || dst == NULL || out == NULL)
     return err_set(STATUS_EINVAL, "dtensor_redistribute: %s is NULL",
                    out == NULL   ? "out"
@@ -381,7 +386,7 @@ status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dten
   mesh_t *mesh = src->mesh;
   int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
-  TRY(placements_check(src->ndim, n, shape, dst));
+  FSDPC_TRY(placements_check(src->ndim, n, shape, dst));
   if (tensor_is_meta(&src->local))
     return err_set(STATUS_EINVAL,
                    "dtensor_redistribute: the DTensor is meta (no memory; allocate it first)");
@@ -393,11 +398,11 @@ status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dten
                    device_str(src->local.device, a, sizeof a),
                    device_str(mesh_device(mesh), b, sizeof b));
   }
-  tensor_t x = {0};
-  status_t st = STATUS_OK;
+  fsdpc_tensor_t x = {0};
+  fsdpc_status_t st = STATUS_OK;
   if (has_strided(n, src->pl) || has_strided(n, dst)) {
-    tensor_t full = {0};
-    TRY(gather_full(src, &full));
+    fsdpc_tensor_t full = {0};
+    FSDPC_TRY(gather_full(src, &full));
     st = local_from_full(&full, mesh, dst, &x);
     tensor_free(&full);
     if (st != STATUS_OK) return st;
@@ -406,20 +411,20 @@ status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dten
     int ns = plan_steps(n, src->pl, dst, steps);
     placement_t cur[MESH_MAX_DIMS];
     memcpy(cur, src->pl, sizeof(placement_t) * (size_t)n);
-    TRY(tensor_ref(&x, &src->local));
+    FSDPC_TRY(tensor_ref(&x, &src->local));
     for (int k = 0; k < ns; k++) {
       step_t s = steps[k];
       if (needs_replicate_first(s.from, s.to)) {
         step_t first = {s.dim, s.from, placement_replicate()};
-        TRY_GOTO(st, run_step(src, cur, &first, &x));
+        FSDPC_TRY_GOTO(st, run_step(src, cur, &first, &x));
         cur[s.dim] = placement_replicate();
         s.from = placement_replicate();
       }
-      TRY_GOTO(st, run_step(src, cur, &s, &x));
+      FSDPC_TRY_GOTO(st, run_step(src, cur, &s, &x));
       cur[s.dim] = s.to;
     }
   }
-  st = dtensor_wrap_owned(out, &x, mesh, dst, src->ndim, src->shape);
+  st = dtensor_wrap_owned(&x, mesh, dst, src->ndim, src->shape, out);
 cleanup:
   tensor_free(&x);
   return st;

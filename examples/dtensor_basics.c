@@ -13,7 +13,7 @@
 /* A failed call: its error on this rank, then the cleanup. */
 #define CHECK(call)                                                                      \
   do {                                                                                   \
-    status_t st_ = (call);                                                               \
+    fsdpc_status_t st_ = (call);                                                         \
     if (st_ != STATUS_OK) {                                                              \
       fprintf(stderr, "rank %d: %s: %s\n", world_rank(), status_str(st_), err_detail()); \
       goto done;                                                                         \
@@ -27,16 +27,15 @@ int main(int argc, char **argv) {
   }
   int rc = 1;
   mesh_t *mesh = NULL;
-  tensor_t full = {0}; /* the same tensor on every rank */
+  fsdpc_tensor_t full = {0}; /* the same tensor on every rank */
   dtensor_t *x = NULL, *y = NULL;
-  CHECK(mesh_init(&mesh, 2, (int[]){2, -1}, (const char *[]){"dp_replicate", "dp_shard"},
-                  DEVICE_CPU)); /* -1: the rest of the world */
+  CHECK(mesh_new(2, (int[]){2, -1}, (const char *[]){"dp_replicate", "dp_shard"}, DEVICE_CPU,
+                 &mesh)); /* -1: the rest of the world */
   CHECK(tensor_zeros(&full, DTYPE_F32, device_cpu(), 2, (int64_t[]){16, 15}));
-  CHECK(dtensor_distribute(&x, &full, mesh,
-                           (placement_t[]){placement_replicate(), placement_shard(0)},
-                           DTENSOR_ALL_RANKS));
+  CHECK(dtensor_distribute(&full, mesh, (placement_t[]){placement_replicate(), placement_shard(0)},
+                           DTENSOR_ALL_RANKS, &x));
   CHECK(dtensor_redistribute(x, (placement_t[]){placement_replicate(), placement_replicate()}, &y));
-  const tensor_t *local = dtensor_local(y); /* the whole tensor */
+  const fsdpc_tensor_t *local = dtensor_local(y); /* the whole tensor */
   printf("rank %d: %lld x %lld\n", world_rank(), (long long)local->shape[0],
          (long long)local->shape[1]);
   rc = 0;

@@ -20,10 +20,11 @@ enum { IN = 16, HIDDEN = 64, OUT = 4, BATCH = 16 }; /* BATCH: the global batch *
 
 /* This rank's part of batch `step`: sample i has x ~ N(0, 1) (drawn by its index) and target
  * y_k = tanh(x_k + x_{k+4} * x_{k+8}). */
-static status_t batch(int64_t step, int rank, int world, tensor_t *x, tensor_t *y) {
+static fsdpc_status_t batch(int64_t step, int rank, int world, fsdpc_tensor_t *x,
+                            fsdpc_tensor_t *y) {
   int64_t b = BATCH / world, first = step * BATCH + rank * b;
-  TRY(tensor_init(x, DTYPE_F32, device_cpu(), 2, (int64_t[]){b, IN}));
-  TRY(tensor_init(y, DTYPE_F32, device_cpu(), 2, (int64_t[]){b, OUT}));
+  FSDPC_TRY(tensor_init(x, DTYPE_F32, device_cpu(), 2, (int64_t[]){b, IN}));
+  FSDPC_TRY(tensor_init(y, DTYPE_F32, device_cpu(), 2, (int64_t[]){b, OUT}));
   float *xv = x->data, *yv = y->data;
   for (int64_t i = 0; i < b * IN; i++)
     xv[i] = (float)nn_init_normal_value(7, "x", (uint64_t)(first * IN + i));
@@ -35,15 +36,15 @@ static status_t batch(int64_t step, int rank, int world, tensor_t *x, tensor_t *
 
 /* One step: forward, mean squared error, backward (fully_shard reduces the gradients),
  * clipping, AdamW. *loss is the loss over the global batch. */
-static status_t step(nn_module_t *model, nn_param_t **ps, int n, optim_t *opt, pg_t *dp, int64_t s,
-                     float *loss) {
-  tensor_t x = {0}, y = {0};
+static fsdpc_status_t step(nn_module_t *model, nn_param_t **ps, int n, optim_t *opt, pg_t *dp,
+                           int64_t s, float *loss) {
+  fsdpc_tensor_t x = {0}, y = {0};
   nn_ctx_t *ctx = NULL;
   nn_var_t *in = NULL, *pred = NULL, *l = NULL;
   double local = 0, norm = 0;
-  status_t st = batch(s, world_rank(), world_size(), &x, &y);
+  fsdpc_status_t st = batch(s, world_rank(), world_size(), &x, &y);
   if (st == STATUS_OK) st = nn_ctx_new(&ctx);
-  if (st == STATUS_OK) st = nn_var_new(&in, &x, false);
+  if (st == STATUS_OK) st = nn_var_new(&x, false, &in);
   if (st == STATUS_OK) st = nn_call(ctx, model, in, &pred);
   if (st == STATUS_OK) st = nn_mse_loss(ctx, pred, &y, &l);
   if (st == STATUS_OK) st = nn_var_scalar(l, &local);
@@ -62,7 +63,7 @@ static status_t step(nn_module_t *model, nn_param_t **ps, int n, optim_t *opt, p
   return st;
 }
 
-static status_t train(int steps) {
+static fsdpc_status_t train(int steps) {
   int world = world_size();
   if (BATCH % world != 0)
     return err_set(STATUS_EINVAL, "%d ranks do not split the batch of %d", world, BATCH);
@@ -74,7 +75,7 @@ static status_t train(int steps) {
   /* the model, meta: shapes and names only */
   nn_layer_options_t lo = NN_LAYER_OPTIONS_INIT;
   lo.deferred = true;
-  status_t st = nn_sequential_new(NULL, "", &model);
+  fsdpc_status_t st = nn_sequential_new(NULL, "", &model);
   if (st == STATUS_OK) st = nn_linear_new(model, "fc1", IN, HIDDEN, true, &lo, NULL);
   if (st == STATUS_OK) st = nn_activation_new(model, "act1", KERNEL_ACT_GELU, NULL);
   if (st == STATUS_OK) st = nn_linear_new(model, "fc2", HIDDEN, HIDDEN, true, &lo, NULL);
@@ -82,7 +83,7 @@ static status_t train(int steps) {
   if (st == STATUS_OK) st = nn_linear_new(model, "head", HIDDEN, OUT, true, &lo, NULL);
   if (st == STATUS_OK) st = nn_module_finalize(model);
   /* each linear one unit, the root last, over all ranks */
-  if (st == STATUS_OK) st = mesh_init(&mesh, 1, (int[]){world}, (const char *[]){"dp"}, DEVICE_CPU);
+  if (st == STATUS_OK) st = mesh_new(1, (int[]){world}, (const char *[]){"dp"}, DEVICE_CPU, &mesh);
   fsdp_options_t fo = FSDP_OPTIONS_INIT;
   fo.mesh = mesh;
   const char *units[] = {"fc1", "fc2", "head", ""};
@@ -94,7 +95,7 @@ static status_t train(int steps) {
   adamw_config_t ac = ADAMW_CONFIG_INIT;
   ac.lr = 1e-2;
   if (st == STATUS_OK) st = nn_named_parameters(model, &ps, &n);
-  if (st == STATUS_OK) st = optim_new(&opt, ps, n, &ac);
+  if (st == STATUS_OK) st = optim_new(ps, n, &ac, &opt);
   for (int64_t s = 0; s < steps && st == STATUS_OK; s++) {
     float loss;
     st = step(model, ps, n, opt, mesh_group(mesh, 0), s, &loss);
@@ -112,7 +113,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "mlp-fsdp: %s\n", err_detail());
     return 1;
   }
-  status_t st = train(argc > 1 ? atoi(argv[1]) : 20);
+  fsdpc_status_t st = train(argc > 1 ? atoi(argv[1]) : 20);
   if (st != STATUS_OK) {
     fprintf(stderr, "mlp-fsdp: rank %d: %s\n", world_rank(), err_detail());
     world_stop(st); /* the other ranks fail with this message instead of waiting */

@@ -20,10 +20,10 @@ enum { IN = 16, HIDDEN = 64, OUT = 4, BATCH = 16 }; /* BATCH: the global batch *
 
 /* Data-parallel rank d's part of batch `step` (the ranks of one tensor-parallel group share
  * it): sample i has x ~ N(0, 1) by index and target y_k = tanh(x_k + x_{k+4} * x_{k+8}). */
-static status_t batch(int64_t step, int d, int dp, tensor_t *x, tensor_t *y) {
+static fsdpc_status_t batch(int64_t step, int d, int dp, fsdpc_tensor_t *x, fsdpc_tensor_t *y) {
   int64_t b = BATCH / dp, first = step * BATCH + d * b;
-  TRY(tensor_init(x, DTYPE_F32, device_cpu(), 2, (int64_t[]){b, IN}));
-  TRY(tensor_init(y, DTYPE_F32, device_cpu(), 2, (int64_t[]){b, OUT}));
+  FSDPC_TRY(tensor_init(x, DTYPE_F32, device_cpu(), 2, (int64_t[]){b, IN}));
+  FSDPC_TRY(tensor_init(y, DTYPE_F32, device_cpu(), 2, (int64_t[]){b, OUT}));
   float *xv = x->data, *yv = y->data;
   for (int64_t i = 0; i < b * IN; i++)
     xv[i] = (float)nn_init_normal_value(7, "x", (uint64_t)(first * IN + i));
@@ -33,12 +33,12 @@ static status_t batch(int64_t step, int d, int dp, tensor_t *x, tensor_t *y) {
   return STATUS_OK;
 }
 
-static status_t build(nn_module_t **model) {
+static fsdpc_status_t build(nn_module_t **model) {
   nn_layer_options_t lo = NN_LAYER_OPTIONS_INIT;
   lo.deferred = true;
   nn_module_t *m;
-  TRY(nn_sequential_new(NULL, "", &m));
-  status_t st = nn_linear_new(m, "fc1", IN, HIDDEN, true, &lo, NULL);
+  FSDPC_TRY(nn_sequential_new(NULL, "", &m));
+  fsdpc_status_t st = nn_linear_new(m, "fc1", IN, HIDDEN, true, &lo, NULL);
   if (st == STATUS_OK) st = nn_activation_new(m, "act1", KERNEL_ACT_GELU, NULL);
   if (st == STATUS_OK) st = nn_linear_new(m, "fc2", HIDDEN, HIDDEN, true, &lo, NULL);
   if (st == STATUS_OK) st = nn_activation_new(m, "act2", KERNEL_ACT_RELU, NULL);
@@ -50,15 +50,15 @@ static status_t build(nn_module_t **model) {
 }
 
 /* One step; *loss is the loss over the global batch (every rank holds it). */
-static status_t step(nn_module_t *model, const parallel_t *par, nn_param_t **ps, int n,
-                     optim_t *opt, int64_t s, float *loss) {
-  tensor_t x = {0}, y = {0};
+static fsdpc_status_t step(nn_module_t *model, const parallel_t *par, nn_param_t **ps, int n,
+                           optim_t *opt, int64_t s, float *loss) {
+  fsdpc_tensor_t x = {0}, y = {0};
   nn_ctx_t *ctx = NULL;
   nn_var_t *in = NULL, *pred = NULL, *l = NULL;
   double local = 0, norm = 0;
-  status_t st = batch(s, parallel_dp_rank(par), parallel_dp_size(par), &x, &y);
+  fsdpc_status_t st = batch(s, parallel_dp_rank(par), parallel_dp_size(par), &x, &y);
   if (st == STATUS_OK) st = nn_ctx_new(&ctx);
-  if (st == STATUS_OK) st = nn_var_new(&in, &x, false);
+  if (st == STATUS_OK) st = nn_var_new(&x, false, &in);
   if (st == STATUS_OK) st = nn_call(ctx, model, in, &pred);
   if (st == STATUS_OK) st = nn_mse_loss(ctx, pred, &y, &l);
   if (st == STATUS_OK) st = nn_var_scalar(l, &local);
@@ -78,10 +78,10 @@ static status_t step(nn_module_t *model, const parallel_t *par, nn_param_t **ps,
   return st;
 }
 
-static status_t train(const char *plan_file, int steps) {
+static fsdpc_status_t train(const char *plan_file, int steps) {
   parallel_plan_t pp;
-  TRY(parallel_plan_load(&pp, plan_file, NULL, 0));
-  TRY(parallel_plan_resolve(&pp, world_size()));
+  FSDPC_TRY(parallel_plan_load(&pp, plan_file, NULL, 0));
+  FSDPC_TRY(parallel_plan_resolve(&pp, world_size()));
   if (BATCH % (pp.dp_replicate * pp.dp_shard) != 0)
     return err_set(STATUS_EINVAL, "%s: %d data-parallel ranks do not split the batch of %d",
                    plan_file, pp.dp_replicate * pp.dp_shard, BATCH);
@@ -90,14 +90,14 @@ static status_t train(const char *plan_file, int steps) {
   nn_param_t **ps = NULL;
   optim_t *opt = NULL;
   int n = 0;
-  status_t st = build(&model);
-  if (st == STATUS_OK) st = parallel_apply(&par, model, &pp, DEVICE_CPU);
+  fsdpc_status_t st = build(&model);
+  if (st == STATUS_OK) st = parallel_apply(model, &pp, DEVICE_CPU, &par);
   if (st == STATUS_OK) st = nn_module_materialize(model);
   if (st == STATUS_OK) st = nn_module_reset_parameters(model, 1234);
   adamw_config_t ac = ADAMW_CONFIG_INIT;
   ac.lr = 1e-2;
   if (st == STATUS_OK) st = nn_named_parameters(model, &ps, &n);
-  if (st == STATUS_OK) st = optim_new(&opt, ps, n, &ac);
+  if (st == STATUS_OK) st = optim_new(ps, n, &ac, &opt);
   for (int64_t s = 0; s < steps && st == STATUS_OK; s++) {
     float loss;
     st = step(model, par, ps, n, opt, s, &loss);
@@ -115,8 +115,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "mlp-plan: %s\n", err_detail());
     return 1;
   }
-  status_t st = argc < 2 ? err_set(STATUS_EINVAL, "usage: mlp-plan PLAN.yaml [STEPS]")
-                         : train(argv[1], argc > 2 ? atoi(argv[2]) : 20);
+  fsdpc_status_t st = argc < 2 ? err_set(STATUS_EINVAL, "usage: mlp-plan PLAN.yaml [STEPS]")
+                               : train(argv[1], argc > 2 ? atoi(argv[2]) : 20);
   if (st != STATUS_OK) {
     fprintf(stderr, "mlp-plan: rank %d: %s\n", world_rank(), err_detail());
     world_stop(st); /* the other ranks fail with this message instead of waiting */

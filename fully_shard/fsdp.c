@@ -71,13 +71,13 @@ dtype_t fsdp_reduce_dtype(const fsdp_group_t *g) {
   return g->reduce_dtype;
 }
 
-static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
+static fsdpc_status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
 
 /* ranks.view(-1, N): the N consecutive ranks of the shard group holding this one, kept with
  * the shard group (so groups of the same shard group and N share it). Collective over the
  * shard group the first time for each N; every rank makes the same calls. */
-static status_t post_forward_group(fsdp_group_t *g, int N) {
-  TRY(pg_consecutive(g->shard, N, &g->post_forward));
+static fsdpc_status_t post_forward_group(fsdp_group_t *g, int N) {
+  FSDPC_TRY(pg_consecutive(g->shard, N, &g->post_forward));
   pg_retain(g->post_forward);
   return STATUS_OK;
 }
@@ -126,12 +126,12 @@ static void free_with_model(nn_module_t *m, void *ext) {
   fsdp_free_all(top);
 }
 
-status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out) {
+fsdpc_status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out) {
   return fully_shard_modules(&m, 1, opt, out);
 }
 
-status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_options_t *opt,
-                             fsdp_group_t **out) {
+fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_options_t *opt,
+                                   fsdp_group_t **out) {
   if (out) *out = NULL;
   if (ms == NULL || n_modules < 1 || opt == NULL || opt->mesh == NULL)
     return err_set(STATUS_EINVAL, "fully_shard: modules, options and mesh are required");
@@ -154,7 +154,7 @@ status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_o
                    "ranks (use true, false, or an integer N with 1 < N < %d dividing %d)",
                    N, W, W, W);
   fsdp_plist_t l = {0};
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n_modules && st == STATUS_OK; i++) st = fsdp_collect_params(ms[i], opt, &l);
   for (int i = 0; i < l.n && st == STATUS_OK; i++) st = fsdp_check_param(l.p[i], opt->mesh);
   fsdp_group_t *g = NULL;
@@ -306,9 +306,9 @@ void fsdp_lazy_init(fsdp_group_t *g) {
 
 /* The group to prefetch in forward: explicit list, else the group that followed this call
  * in the last iteration's forward order. */
-static status_t forward_prefetch(fsdp_group_t *g, fsdp_group_t *next) {
+static fsdpc_status_t forward_prefetch(fsdp_group_t *g, fsdp_group_t *next) {
   if (g->fwd_explicit) {
-    for (int i = 0; i < g->n_fwd_prefetch; i++) TRY(fsdp_unshard_start(g->fwd_prefetch[i]));
+    for (int i = 0; i < g->n_fwd_prefetch; i++) FSDPC_TRY(fsdp_unshard_start(g->fwd_prefetch[i]));
     return STATUS_OK;
   }
   return next ? fsdp_unshard_start(next) : STATUS_OK;
@@ -316,24 +316,24 @@ static status_t forward_prefetch(fsdp_group_t *g, fsdp_group_t *next) {
 
 /* The group to prefetch in backward: explicit list, else the call before this one in
  * post-forward order (the next to run backward). */
-static status_t backward_prefetch(fsdp_group_t *g) {
+static fsdpc_status_t backward_prefetch(fsdp_group_t *g) {
   fsdp_group_t *next = fsdp_state_pre_backward(&g->root->state, g);
   if (g->bwd_explicit) {
-    for (int k = 0; k < g->n_bwd_prefetch; k++) TRY(fsdp_unshard_start(g->bwd_prefetch[k]));
+    for (int k = 0; k < g->n_bwd_prefetch; k++) FSDPC_TRY(fsdp_unshard_start(g->bwd_prefetch[k]));
     return STATUS_OK;
   }
   return next ? fsdp_unshard_start(next) : STATUS_OK;
 }
 
-static status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
+static fsdpc_status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   if (nn_ctx_recomputing(ctx)) return fsdp_unshard(g); /* no orders, no prefetch */
   fsdp_group_t *next;
-  TRY(fsdp_state_pre_forward(&g->root->state, g, &next));
-  TRY(fsdp_unshard(g));
+  FSDPC_TRY(fsdp_state_pre_forward(&g->root->state, g, &next));
+  FSDPC_TRY(fsdp_unshard(g));
   return forward_prefetch(g, next);
 }
 
-status_t fsdp_after_forward(fsdp_group_t *g) {
+fsdpc_status_t fsdp_after_forward(fsdp_group_t *g) {
   if (!g->unsharded) return STATUS_OK;
   if (g->reshard_after_forward == 1) fsdp_reshard(g);
   if (g->reshard_after_forward >= 2) return fsdp_reshard_to_slice(g);
@@ -343,19 +343,19 @@ status_t fsdp_after_forward(fsdp_group_t *g) {
 /* A call whose backward runs after the root's backward has ended (a call made before the
  * root's forward) finishes the reduction at once: nothing later would. The root's own
  * post-backward runs inside its backward and finishes its reductions itself. */
-status_t fsdp_after_backward(fsdp_group_t *g) {
+fsdpc_status_t fsdp_after_backward(fsdp_group_t *g) {
   fsdp_emit(g, "post_backward");
-  status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK; /* else keep accumulating */
+  fsdpc_status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK; /* else keep accumulating */
   if (g->reshard_after_backward) fsdp_reshard(g);
   if (st == STATUS_OK && !g->root->state.in_backward && g->root->is_last_backward)
     st = fsdp_finish_backward(g->root);
   return st;
 }
 
-static status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
+static fsdpc_status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   /* inside a checkpointed call's recomputation the parameters are needed next */
   if (nn_ctx_recomputing(ctx)) return STATUS_OK;
-  TRY(fsdp_state_post_forward(&g->root->state, g));
+  FSDPC_TRY(fsdp_state_post_forward(&g->root->state, g));
   return fsdp_after_forward(g);
 }
 
@@ -367,28 +367,28 @@ void fsdp_hook_time(double *seconds, int64_t *calls) {
   if (calls != NULL) *calls = atomic_load(&hook_calls);
 }
 
-static status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind);
+static fsdpc_status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind);
 
-static status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
+static fsdpc_status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
   (void)m;
   double t0 = device_clock_seconds();
-  status_t st = hook_run(ctx, user, kind);
+  fsdpc_status_t st = hook_run(ctx, user, kind);
   atomic_fetch_add(&hook_ns, (int64_t)(1e9 * (device_clock_seconds() - t0)));
   atomic_fetch_add(&hook_calls, 1);
   return st;
 }
 
-static status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind) {
+static fsdpc_status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind) {
   fsdp_lazy_init(g);
   switch (kind) {
     case NN_HOOK_PRE_FORWARD: g->in_forward++; return pre_forward(ctx, g);
     case NN_HOOK_POST_FORWARD: g->in_forward--; return post_forward(ctx, g);
     case NN_HOOK_PRE_BACKWARD:
       if (g->is_root) fsdp_state_backward_begins(&g->state);
-      TRY(fsdp_unshard(g));
+      FSDPC_TRY(fsdp_unshard(g));
       return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
-      status_t st = fsdp_after_backward(g);
+      fsdpc_status_t st = fsdp_after_backward(g);
       if (!g->is_root) return st;
       /* end of backward: drop prefetches no backward consumed; on the last backward finish
        * the reductions, otherwise the next backward's first post-backward does */
@@ -400,8 +400,8 @@ static status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind) {
   }
 }
 
-static status_t set_list(fsdp_group_t ***list, int *n, bool *explicit_, fsdp_group_t *const *gs,
-                         int count) {
+static fsdpc_status_t set_list(fsdp_group_t ***list, int *n, bool *explicit_,
+                               fsdp_group_t *const *gs, int count) {
   fsdp_group_t **v = NULL;
   if (count > 0 && (v = malloc(sizeof(fsdp_group_t *) * (size_t)count)) == NULL)
     return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
@@ -413,12 +413,12 @@ static status_t set_list(fsdp_group_t ***list, int *n, bool *explicit_, fsdp_gro
   return STATUS_OK;
 }
 
-status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
+fsdpc_status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
   ARG_NONNULL(g);
   return set_list(&g->fwd_prefetch, &g->n_fwd_prefetch, &g->fwd_explicit, groups, n);
 }
 
-status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
+fsdpc_status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
   ARG_NONNULL(g);
   return set_list(&g->bwd_prefetch, &g->n_bwd_prefetch, &g->bwd_explicit, groups, n);
 }

@@ -16,8 +16,8 @@
  *
  *   fsdp_options_t opt = FSDP_OPTIONS_INIT;
  *   opt.mesh = dp_mesh;                            // 1-D, or 2-D (replicate, shard)
- *   for (i = 0; i < n_layers; i++) TRY(fully_shard(llama_layer(model, i), &opt, NULL));
- *   TRY(fully_shard(llama_module(model), &opt, &root));
+ *   for (i = 0; i < n_layers; i++) FSDPC_TRY(fully_shard(llama_layer(model, i), &opt, NULL));
+ *   FSDPC_TRY(fully_shard(llama_module(model), &opt, &root));
  *   ... nn_call / nn_backward as usual; optimizer and clipping act on the shards ...
  *   llama_free(model);                             // frees the groups too
  *
@@ -80,18 +80,18 @@ typedef void (*fsdp_event_fn)(const char *event, const fsdp_group_t *g, void *us
  * until fsdp_free_all). Collective over the mesh (it creates the communicators on which the
  * ranks agree on on-demand unshards, and with an integer reshard_after_forward the
  * post-forward group). */
-status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out);
+fsdpc_status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out);
 
 /* One group over several modules (for example [embed_tokens, lm_head] sharing a tied
  * weight): the unclaimed parameters of all their subtrees, hooks on each module. */
-status_t fully_shard_modules(nn_module_t *const *ms, int n, const fsdp_options_t *opt,
-                             fsdp_group_t **out);
+fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n, const fsdp_options_t *opt,
+                                   fsdp_group_t **out);
 
 /* The group fully_shard installed on m, or NULL. */
 fsdp_group_t *fsdp_group_of(const nn_module_t *m);
 
 /* All-gathers the group's parameters (no-op when already unsharded). Collective. */
-status_t fsdp_unshard(fsdp_group_t *g);
+fsdpc_status_t fsdp_unshard(fsdp_group_t *g);
 /* Frees the unsharded parameters. Local. */
 void fsdp_reshard(fsdp_group_t *g);
 bool fsdp_is_unsharded(const fsdp_group_t *g);
@@ -140,8 +140,8 @@ void fsdp_set_gradient_divide_factor(nn_module_t *root, double factor);
  * all-gather of the group that runs backward next (reverse post-forward order). An explicit
  * list (possibly empty) replaces the default for that group. On the CPU a started all-gather
  * is a nonblocking MPI collective completed at the group's next unshard. Local. */
-status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
-status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
+fsdpc_status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
+fsdpc_status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
 
 /* The one-rank path: a group of one rank (W = 1) whose shards live where it computes needs no
  * gather, so unshard views each shard as the unsharded tensor (or casts it once into
@@ -182,7 +182,7 @@ const char *fsdp_group_name(const fsdp_group_t *g);
  * within on_demand_timeout seconds stops the job (world_stop), so that every rank fails with
  * an error naming the module instead of hanging; ranks that take different modules' paths
  * fail at once. On NCCL the ranks blocked in a device collective are not reached. Local. */
-status_t fsdp_register_forward_method(nn_module_t *m);
+fsdpc_status_t fsdp_register_forward_method(nn_module_t *m);
 
 /* Frees every group installed under root (restoring nothing: the parameters stay sharded).
  * Freeing a module of a sharded model does this for the whole model first (the groups are

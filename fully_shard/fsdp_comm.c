@@ -22,13 +22,13 @@
 static pthread_mutex_t streams_lock = PTHREAD_MUTEX_INITIALIZER;
 static fsdp_streams_t device_streams[DEVICE_MAX_CUDA];
 
-status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out) {
+fsdpc_status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out) {
   *out = NULL;
   if (dev.type != DEVICE_CUDA) return STATUS_OK;
   if (dev.index < 0 || dev.index >= DEVICE_MAX_CUDA)
     return err_set(STATUS_ENODEV, "fully_shard: no CUDA device %d", dev.index);
   fsdp_streams_t *s = &device_streams[dev.index];
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   pthread_mutex_lock(&streams_lock);
   if (s->reduced == NULL) {
     st = stream_new_high(dev, &s->copy_in);
@@ -57,13 +57,13 @@ status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out) {
  * ordered after all work queued so far on the stream that was current, through the device's
  * issued event (a wait takes the event as recorded at that moment, so one event serves every
  * call). *prev receives that stream. No-op on the CPU. */
-static status_t side_enter(const fsdp_group_t *g, device_t dev, stream_t *side, bool after_current,
-                           stream_t **prev) {
+static fsdpc_status_t side_enter(const fsdp_group_t *g, device_t dev, stream_t *side,
+                                 bool after_current, stream_t **prev) {
   *prev = stream_current(dev);
   if (side == NULL) return STATUS_OK;
   if (after_current) {
-    TRY(event_record(g->streams->issued, *prev));
-    TRY(stream_wait_event(side, g->streams->issued));
+    FSDPC_TRY(event_record(g->streams->issued, *prev));
+    FSDPC_TRY(stream_wait_event(side, g->streams->issued));
   }
   stream_set_current(dev, side);
   return STATUS_OK;
@@ -106,18 +106,19 @@ void fsdp_emit(fsdp_group_t *g, const char *event) {
  * each go to the device as one launch rather than one per parameter and rank. A zeroed list
  * is empty. */
 typedef struct copies {
-  tensor_t *dst, *src;
+  fsdpc_tensor_t *dst, *src;
   int n, cap;
 } copies_t;
 
 /* When st is STATUS_OK, adds the copy of src into dst to c, which takes both tensors (the
  * caller's are zeroed); otherwise, or when c cannot grow, frees them. Returns the status. */
-static status_t copies_add(copies_t *c, status_t st, tensor_t *dst, tensor_t *src) {
+static fsdpc_status_t copies_add(copies_t *c, fsdpc_status_t st, fsdpc_tensor_t *dst,
+                                 fsdpc_tensor_t *src) {
   if (st == STATUS_OK && c->n == c->cap) {
     int cap = c->cap ? 2 * c->cap : 16;
-    tensor_t *d = realloc(c->dst, sizeof *d * (size_t)cap);
+    fsdpc_tensor_t *d = realloc(c->dst, sizeof *d * (size_t)cap);
     if (d != NULL) c->dst = d;
-    tensor_t *s = d != NULL ? realloc(c->src, sizeof *s * (size_t)cap) : NULL;
+    fsdpc_tensor_t *s = d != NULL ? realloc(c->src, sizeof *s * (size_t)cap) : NULL;
     if (s != NULL) c->src = s;
     if (s == NULL)
       st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory for %d copies", cap);
@@ -147,7 +148,7 @@ static void copies_free(copies_t *c) {
 }
 
 /* Runs the gathered copies (when st is STATUS_OK) and frees the list. */
-static status_t copies_run(copies_t *c, status_t st) {
+static fsdpc_status_t copies_run(copies_t *c, fsdpc_status_t st) {
   if (st == STATUS_OK) st = tensor_copy_many(c->dst, c->src, c->n);
   copies_free(c);
   return st;
@@ -156,15 +157,16 @@ static status_t copies_run(copies_t *c, status_t st) {
 /* Adds the copy of chunk r (of W, the chunk rule on dim 0) of the unsharded tensor full to or
  * from a flat buffer, where its rows lie contiguously from element pos. Empty chunks add
  * nothing. */
-static status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r, tensor_t *full,
-                          tensor_t *flat, int64_t pos, bool to_flat) {
+static fsdpc_status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r,
+                                fsdpc_tensor_t *full, fsdpc_tensor_t *flat, int64_t pos,
+                                bool to_flat) {
   int64_t start, len, shape[TENSOR_MAX_DIMS];
-  chunk_range(fp->n0, W, r, &start, &len);
+  placement_chunk_range(fp->n0, W, r, &start, &len);
   if (len == 0) return STATUS_OK;
   memcpy(shape, full->shape, sizeof shape);
   shape[0] = len;
-  tensor_t rows = {0}, slot = {0}, slot_nd = {0};
-  status_t st = tensor_narrow(&rows, full, 0, start, len);
+  fsdpc_tensor_t rows = {0}, slot = {0}, slot_nd = {0};
+  fsdpc_status_t st = tensor_narrow(&rows, full, 0, start, len);
   if (st == STATUS_OK) st = tensor_narrow(&slot, flat, 0, pos, len * fp->row);
   if (st == STATUS_OK) st = tensor_view(&slot_nd, &slot, full->ndim, shape);
   tensor_free(&slot);
@@ -174,12 +176,12 @@ static status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r, ten
 /* *out: fp's padded shard where copy-in reads it, on dev: the shard itself, or, offloaded,
  * its bytes uploaded into a device tensor on the current stream without a host wait (the
  * cast into param_dtype then runs on the device, with the other copies of the group). */
-static status_t shard_on_device(const fsdp_group_t *g, const fsdp_param_t *fp, device_t dev,
-                                tensor_t *out) {
+static fsdpc_status_t shard_on_device(const fsdp_group_t *g, const fsdp_param_t *fp, device_t dev,
+                                      fsdpc_tensor_t *out) {
   int64_t n = fp->rows * fp->row;
   if (!g->offload) return tensor_view(out, &fp->padded, 1, &n);
-  TRY(tensor_init(out, fp->padded.dtype, dev, 1, &n));
-  status_t st =
+  FSDPC_TRY(tensor_init(out, fp->padded.dtype, dev, 1, &n));
+  fsdpc_status_t st =
       stream_copy_async(dev, stream_current(dev), out->data, fp->padded.data, tensor_nbytes(out));
   if (st != STATUS_OK) tensor_free(out);
   return st;
@@ -187,7 +189,7 @@ static status_t shard_on_device(const fsdp_group_t *g, const fsdp_param_t *fp, d
 
 /* Starts gathering the group: copy-in and a nonblocking all-gather (or, after an integer
  * reshard, the all-gather of the kept slices within the post-forward group). */
-status_t fsdp_unshard_start(fsdp_group_t *g) {
+fsdpc_status_t fsdp_unshard_start(fsdp_group_t *g) {
   if (g->unsharded || g->gathering) return STATUS_OK;
   if (g->n == 0) {
     g->unsharded = true;
@@ -206,14 +208,14 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
     return STATUS_OK;
   }
   device_t dev = mesh_device(g->mesh);
-  if (g->streams != NULL && g->copied == NULL) TRY(event_new(dev, &g->copied));
+  if (g->streams != NULL && g->copied == NULL) FSDPC_TRY(event_new(dev, &g->copied));
   /* copy-in reads shards the optimizer may just have written on the compute stream; offloaded
    * shards live on the host, written synchronously */
   bool slice = g->post_forward_slice.storage != NULL;
   stream_t *prev;
-  TRY(side_enter(g, dev, copy_in_stream(g), slice || !g->offload, &prev));
+  FSDPC_TRY(side_enter(g, dev, copy_in_stream(g), slice || !g->offload, &prev));
   int64_t total = g->block * g->W;
-  status_t st = tensor_init(&g->gather, g->param_dtype, dev, 1, &total);
+  fsdpc_status_t st = tensor_init(&g->gather, g->param_dtype, dev, 1, &total);
   if (st != STATUS_OK) {
     side_exit(dev, copy_in_stream(g), prev);
     return st;
@@ -230,7 +232,7 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
     for (int i = 0; i < g->n && st == STATUS_OK; i++) {
       fsdp_param_t *fp = &g->params[i];
       int64_t n = fp->rows * fp->row;
-      tensor_t slot = {0}, shard = {0};
+      fsdpc_tensor_t slot = {0}, shard = {0};
       st = tensor_narrow(&slot, &g->gather, 0, g->rank * g->block + fp->offset, n);
       if (st == STATUS_OK) st = shard_on_device(g, fp, dev, &shard);
       st = copies_add(&c, st, &slot, &shard);
@@ -248,22 +250,22 @@ status_t fsdp_unshard_start(fsdp_group_t *g) {
 }
 
 /* Completes the started gather: the current stream waits for copy-in and the all-gather. */
-static status_t gather_wait(fsdp_group_t *g) {
-  status_t st = pg_wait(g->pending);
+static fsdpc_status_t gather_wait(fsdp_group_t *g) {
+  fsdpc_status_t st = pg_wait(g->pending);
   g->pending = NULL;
   g->gathering = g->gather_local = false;
   if (g->copied != NULL) {
-    status_t s2 = stream_wait_event(stream_current(mesh_device(g->mesh)), g->copied);
+    fsdpc_status_t s2 = stream_wait_event(stream_current(mesh_device(g->mesh)), g->copied);
     if (st == STATUS_OK) st = s2;
   }
   return st;
 }
 
 /* fp's unsharded tensor from the gathered buffer: every rank's rows, added to c to copy out. */
-static status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *full,
-                              copies_t *c) {
-  TRY(tensor_init(full, g->param_dtype, mesh_device(g->mesh), fp->ndim, fp->shape));
-  status_t st = STATUS_OK;
+static fsdpc_status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, fsdpc_tensor_t *full,
+                                    copies_t *c) {
+  FSDPC_TRY(tensor_init(full, g->param_dtype, mesh_device(g->mesh), fp->ndim, fp->shape));
+  fsdpc_status_t st = STATUS_OK;
   for (int r = 0; r < g->W && st == STATUS_OK; r++)
     st = add_chunk(c, fp, g->W, r, full, &g->gather, r * g->block + fp->offset, false);
   return st;
@@ -271,15 +273,16 @@ static status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t 
 
 /* fp's unsharded tensor under local_unshard: its shard, viewed, or cast into param_dtype (the
  * cast added to c). */
-static status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *full, copies_t *c) {
-  tensor_t shard;
-  TRY(tensor_view(&shard, &fp->padded, fp->ndim, fp->shape));
+static fsdpc_status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, fsdpc_tensor_t *full,
+                                 copies_t *c) {
+  fsdpc_tensor_t shard;
+  FSDPC_TRY(tensor_view(&shard, &fp->padded, fp->ndim, fp->shape));
   if (shard.dtype == g->param_dtype) {
     *full = shard;
     return STATUS_OK;
   }
-  tensor_t dst = {0};
-  status_t st = tensor_init(full, g->param_dtype, shard.device, fp->ndim, fp->shape);
+  fsdpc_tensor_t dst = {0};
+  fsdpc_status_t st = tensor_init(full, g->param_dtype, shard.device, fp->ndim, fp->shape);
   if (st == STATUS_OK) st = tensor_ref(&dst, full);
   return copies_add(c, st, &dst, &shard);
 }
@@ -287,15 +290,15 @@ static status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, tensor_t *fu
 /* Completes a started gather: waits, then copies rank r's rows of each parameter out into
  * the unsharded tensors (on the one-rank path: views or casts each shard), all in one
  * tensor_copy_many. */
-status_t fsdp_unshard_wait(fsdp_group_t *g) {
+fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g) {
   if (!g->gathering) return STATUS_OK;
   bool local = g->gather_local;
-  status_t st = gather_wait(g);
+  fsdpc_status_t st = gather_wait(g);
   tensor_free(&g->post_forward_slice);
   copies_t c = {0};
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
-    tensor_t full = {0};
+    fsdpc_tensor_t full = {0};
     st = local ? local_full(g, fp, &full, &c) : gathered_full(g, fp, &full, &c);
     if (st == STATUS_OK) {
       tensor_free(&fp->p->compute);
@@ -310,9 +313,9 @@ status_t fsdp_unshard_wait(fsdp_group_t *g) {
   return st;
 }
 
-status_t fsdp_unshard(fsdp_group_t *g) {
+fsdpc_status_t fsdp_unshard(fsdp_group_t *g) {
   ARG_NONNULL(g);
-  TRY(fsdp_unshard_start(g));
+  FSDPC_TRY(fsdp_unshard_start(g));
   return fsdp_unshard_wait(g);
 }
 
@@ -332,13 +335,13 @@ void fsdp_reshard(fsdp_group_t *g) {
 /* Integer reshard after forward: keep blocks [i*W/N, (i+1)*W/N) of the gathered buffer
  * (i = this rank's place in its group of N), rebuilt from the unsharded parameters, then
  * free those. Local. */
-status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
+fsdpc_status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
   int N = g->reshard_after_forward, per = g->W / N, first = (g->rank % N) * per;
   int64_t count = (int64_t)per * g->block;
-  tensor_t slice;
-  TRY(tensor_zeros(&slice, g->param_dtype, mesh_device(g->mesh), 1, &count));
+  fsdpc_tensor_t slice;
+  FSDPC_TRY(tensor_zeros(&slice, g->param_dtype, mesh_device(g->mesh), 1, &count));
   copies_t c = {0};
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     for (int b = first; b < first + per && st == STATUS_OK; b++)
@@ -373,7 +376,7 @@ static bool local_reduce(const fsdp_group_t *g) {
   if (!one_rank_group(g) || g->divide_factor > 0) return false;
   if (g->replicate != NULL && pg_size(g->replicate) > 1) return false;
   for (int i = 0; i < g->n; i++) {
-    const tensor_t *grad = &g->params[i].p->compute_grad;
+    const fsdpc_tensor_t *grad = &g->params[i].p->compute_grad;
     if (g->params[i].reducing &&
         (!exact_in(grad->dtype, g->reduce_dtype) || !tensor_is_contiguous(grad)))
       return false;
@@ -384,10 +387,10 @@ static bool local_reduce(const fsdp_group_t *g) {
 /* Marks, in every rank's block of the reduce buffer, which trainable parameters have a
  * gradient here: their presence elements 1, the others 0. The reduction sums them with the
  * gradients, so every rank learns which parameters got a gradient on any rank. */
-static status_t mark_presence(fsdp_group_t *g, int64_t block) {
+static fsdpc_status_t mark_presence(fsdp_group_t *g, int64_t block) {
   int64_t shape[2] = {g->W, block};
-  tensor_t all = {0}, tail = {0}, one = {0};
-  status_t st = tensor_view(&all, &g->red_send, 2, shape);
+  fsdpc_tensor_t all = {0}, tail = {0}, one = {0};
+  fsdpc_status_t st = tensor_view(&all, &g->red_send, 2, shape);
   if (st == STATUS_OK) st = tensor_narrow(&tail, &all, 1, g->red_grads, g->red_params);
   if (st == STATUS_OK) st = tensor_fill(&tail, 1.0);
   for (int i = 0; i < g->n && st == STATUS_OK && g->red_missing; i++) {
@@ -406,8 +409,8 @@ static status_t mark_presence(fsdp_group_t *g, int64_t block) {
  * gradient on this rank: a parameter without one (a path this rank's batch did not take)
  * contributes zeros, so that every rank reduces the same number of elements in the same
  * places; each parameter's presence element tells every rank whether any rank had one. */
-status_t fsdp_reduce_start(fsdp_group_t *g) {
-  TRY(fsdp_reduce_finish(g->root));
+fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g) {
+  FSDPC_TRY(fsdp_reduce_finish(g->root));
   int64_t flat = 0;
   int params = 0;
   bool any = false, missing = false;
@@ -437,13 +440,14 @@ status_t fsdp_reduce_start(fsdp_group_t *g) {
   }
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
-  TRY(side_enter(g, dev, reduce_stream(g), true, &prev)); /* after the gradients are computed */
+  FSDPC_TRY(
+      side_enter(g, dev, reduce_stream(g), true, &prev)); /* after the gradients are computed */
   g->red_grads = flat;
   g->red_params = params;
   g->red_missing = missing;
   int64_t block = fsdp_align_block(flat + params, g->reduce_dtype), total = block * g->W;
   reduce_op_t op = g->divide_factor > 0 ? REDUCE_SUM : REDUCE_AVG;
-  status_t st = tensor_zeros(&g->red_send, g->reduce_dtype, dev, 1, &total);
+  fsdpc_status_t st = tensor_zeros(&g->red_send, g->reduce_dtype, dev, 1, &total);
   /* rank-major pack: block r holds chunk r of every trainable parameter, each padded to its
    * rows, then the presence elements; the unsharded gradients are freed here, on the stream
    * that read them last */
@@ -498,7 +502,8 @@ void fsdp_reduce_drop(fsdp_group_t *g) {
 
 /* HSDP: all-reduces recv over the replicate group, or parks it (sums it into the partial
  * result) while all-reduce is off. *parked tells which. */
-static status_t replicate_reduce(fsdp_group_t *g, tensor_t *recv, reduce_op_t op, bool *parked) {
+static fsdpc_status_t replicate_reduce(fsdp_group_t *g, fsdpc_tensor_t *recv, reduce_op_t op,
+                                       bool *parked) {
   *parked = false;
   if (g->replicate == NULL || pg_size(g->replicate) == 1) return STATUS_OK;
   bool have = g->partial.storage != NULL;
@@ -511,7 +516,7 @@ static status_t replicate_reduce(fsdp_group_t *g, tensor_t *recv, reduce_op_t op
     return have ? kernel_axpy(&g->partial, 1.0f, recv) : tensor_ref(&g->partial, recv);
   }
   if (have) {
-    TRY(kernel_axpy(recv, 1.0f, &g->partial));
+    FSDPC_TRY(kernel_axpy(recv, 1.0f, &g->partial));
     tensor_free(&g->partial);
   }
   return pg_all_reduce(g->replicate, recv->data, recv->data, (size_t)g->red_flat, g->reduce_dtype,
@@ -521,20 +526,20 @@ static status_t replicate_reduce(fsdp_group_t *g, tensor_t *recv, reduce_op_t op
 /* Adds grad, fp's reduced shard (any float dtype), into its sharded gradient: added now, or
  * for the first gradient of a step, a new sharded gradient whose copy of grad goes into c (a
  * group's first gradients are cast in one tensor_copy_many). */
-static status_t add_local_grad(copies_t *c, fsdp_param_t *fp, const tensor_t *grad) {
+static fsdpc_status_t add_local_grad(copies_t *c, fsdp_param_t *fp, const fsdpc_tensor_t *grad) {
   if (fp->p->grad != NULL) return nn_param_accumulate_local_grad(fp->p, grad);
-  const tensor_t *local = dtensor_local(fp->p->value);
-  tensor_t dst = {0}, src = {0};
-  status_t st = tensor_view(&src, grad, local->ndim, local->shape);
+  const fsdpc_tensor_t *local = dtensor_local(fp->p->value);
+  fsdpc_tensor_t dst = {0}, src = {0};
+  fsdpc_status_t st = tensor_view(&src, grad, local->ndim, local->shape);
   if (st == STATUS_OK) st = nn_param_new_local_grad(fp->p, &dst);
   return copies_add(c, st, &dst, &src);
 }
 
 /* Finishes a reduction of the one-rank path: each held gradient added into its sharded
  * gradient, on the current stream (the one that computed it). */
-static status_t reduce_finish_local(fsdp_group_t *g) {
+static fsdpc_status_t reduce_finish_local(fsdp_group_t *g) {
   copies_t c = {0};
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < g->n && st == STATUS_OK; i++)
     if (g->params[i].reducing) st = add_local_grad(&c, &g->params[i], &g->params[i].held);
   st = copies_run(&c, st);
@@ -550,14 +555,14 @@ static bool has_local_grads(const fsdp_group_t *g) {
   return false;
 }
 
-status_t fsdp_reduce_finish(fsdp_group_t *root) {
+fsdpc_status_t fsdp_reduce_finish(fsdp_group_t *root) {
   fsdp_group_t *g = root->state.reducing;
   if (g == NULL) return STATUS_OK;
   root->state.reducing = NULL;
   if (g->red_local) return reduce_finish_local(g);
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
-  status_t st = side_enter(g, dev, reduce_stream(g), false, &prev);
+  fsdpc_status_t st = side_enter(g, dev, reduce_stream(g), false, &prev);
   if (st != STATUS_OK) {
     fsdp_reduce_drop(g);
     return st;
@@ -583,7 +588,7 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
     st = kernel_scale(&g->red_recv, (float)(1.0 / g->divide_factor));
   /* offloaded: a step's first gradients go from the device straight into their new sharded
    * gradients on the host; gradients to add to (accumulation) come over in one copy first */
-  tensor_t host = {0}, *red = &g->red_recv;
+  fsdpc_tensor_t host = {0}, *red = &g->red_recv;
   if (st == STATUS_OK && !parked && g->offload && has_local_grads(g)) {
     st = tensor_clone(&host, &g->red_recv, g->reduce_dtype, device_cpu());
     red = &host;
@@ -591,7 +596,7 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
   /* a rank that had no gradient for some parameter reads the presence elements: a parameter
    * no rank had a gradient for gets none (as a parameter outside the graph), the others the
    * reduced gradient, to which this rank added zeros */
-  tensor_t present = {0}, tail = {0};
+  fsdpc_tensor_t present = {0}, tail = {0};
   if (st == STATUS_OK && !parked && g->red_missing) {
     st = tensor_narrow(&tail, red, 0, g->red_grads, g->red_params);
     if (st == STATUS_OK) st = tensor_clone(&present, &tail, DTYPE_F32, device_cpu());
@@ -602,7 +607,7 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
     fsdp_param_t *fp = &g->params[i];
     if (!fp->trainable) continue;
     if (!fp->reducing && ((const float *)present.data)[fp->red_index] == 0.0f) continue;
-    tensor_t mine;
+    fsdpc_tensor_t mine;
     st = tensor_narrow(&mine, red, 0, fp->red_offset, tensor_numel(dtensor_local(fp->p->value)));
     if (st == STATUS_OK) st = add_local_grad(&c, fp, &mine);
     tensor_free(&mine);
@@ -617,8 +622,8 @@ status_t fsdp_reduce_finish(fsdp_group_t *root) {
   return st;
 }
 
-status_t fsdp_finish_backward(fsdp_group_t *root) {
-  TRY(fsdp_reduce_finish(root));
+fsdpc_status_t fsdp_finish_backward(fsdp_group_t *root) {
+  FSDPC_TRY(fsdp_reduce_finish(root));
   if (root->streams == NULL) return STATUS_OK;
   return stream_wait_event(stream_current(mesh_device(root->mesh)), root->streams->reduced);
 }

@@ -19,13 +19,13 @@ typedef struct fsdp_param {
   int64_t rows;                   /* padded rows per rank: ceil(n0 / W) */
   int64_t row;                    /* elements per row */
   int64_t offset;                 /* in the flat all-gather buffer of one rank, elements */
-  tensor_t padded;    /* this rank's zero-padded shard (rows x ...), original dtype; on the host
-                         when offloaded */
+  fsdpc_tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype; on the host
+                      when offloaded */
   bool reducing;      /* its gradient is in the group's reduction in flight */
   bool trainable;     /* in the group's reduce layout (requires_grad when the reduction started) */
   int64_t red_offset; /* in one rank's block of the reduce buffer, elements */
   int red_index;      /* its place among the trainable parameters (its presence element) */
-  tensor_t held;      /* that gradient itself, on the one-rank path (fsdp_comm.c) */
+  fsdpc_tensor_t held; /* that gradient itself, on the one-rank path (fsdp_comm.c) */
 } fsdp_param_t;
 
 /* Side streams of one CUDA device, shared by every group on it (all NULL on the CPU), at the
@@ -98,10 +98,10 @@ struct fsdp_group {
   bool initialised, is_root, unsharded;
   bool sync, all_reduce, reshard_after_backward;
   pg_t *post_forward;          /* integer reshard: the N consecutive ranks of this one */
-  tensor_t post_forward_slice; /* blocks [i*W/N, (i+1)*W/N) of the gathered buffer */
-  tensor_t partial;            /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
+  fsdpc_tensor_t post_forward_slice; /* blocks [i*W/N, (i+1)*W/N) of the gathered buffer */
+  fsdpc_tensor_t partial;      /* HSDP: reduce-scatter outputs waiting for the next all-reduce */
   double divide_factor;        /* > 0: sum / factor instead of the average */
-  tensor_t gather;             /* the all-gather buffer while gathering */
+  fsdpc_tensor_t gather;       /* the all-gather buffer while gathering */
   bool gather_local;           /* gathering on the one-rank path: no buffer (fsdp_comm.c) */
   pg_work_t *pending;          /* its collective */
   event_t *copied;             /* copy-in done (CUDA) */
@@ -110,7 +110,7 @@ struct fsdp_group {
   fsdp_streams_t *streams;
   /* the gradient reduction in flight: reduce-scatter issued, completed at the next group's
    * post-backward or at the end of backward */
-  tensor_t red_send, red_recv;
+  fsdpc_tensor_t red_send, red_recv;
   int64_t red_flat;  /* elements per rank in the reduce buffer: red_grads, then the presence
                         element of each of the red_params trainable parameters */
   int64_t red_grads; /* of those, the gradients' */
@@ -131,14 +131,14 @@ struct fsdp_group {
 /* ---- fsdp_state.c: the root's per-step context ---- */
 
 /* Appends g to a. */
-status_t gvec_push(gvec_t *a, fsdp_group_t *g);
+fsdpc_status_t gvec_push(gvec_t *a, fsdp_group_t *g);
 void fsdp_state_free(fsdp_state_t *s);
 /* g's pre-forward (outside recomputation); the root's starts a new step, whose forward order
  * replaces the last one. Returns the group that followed g in the last step's forward
  * (what to prefetch), or NULL. */
-status_t fsdp_state_pre_forward(fsdp_state_t *s, fsdp_group_t *g, fsdp_group_t **next);
+fsdpc_status_t fsdp_state_pre_forward(fsdp_state_t *s, fsdp_group_t *g, fsdp_group_t **next);
 /* g's post-forward (outside recomputation): backward will run g before what came earlier. */
-status_t fsdp_state_post_forward(fsdp_state_t *s, fsdp_group_t *g);
+fsdpc_status_t fsdp_state_post_forward(fsdp_state_t *s, fsdp_group_t *g);
 /* The root's pre-backward: backward starts at the end of the post-forward order. */
 void fsdp_state_backward_begins(fsdp_state_t *s);
 /* g's pre-backward: the group to run backward after g (what to prefetch), or NULL. */
@@ -151,10 +151,10 @@ void fsdp_state_backward_ends(fsdp_state_t *s);
 /* Finds the group's root and resolves an auto reshard policy, on the first hook. */
 void fsdp_lazy_init(fsdp_group_t *g);
 /* After a call's forward: frees the unsharded parameters as reshard_after_forward says. */
-status_t fsdp_after_forward(fsdp_group_t *g);
+fsdpc_status_t fsdp_after_forward(fsdp_group_t *g);
 /* After a call's backward: reduces the gradients it produced (unless accumulating without
  * sync) and reshards. */
-status_t fsdp_after_backward(fsdp_group_t *g);
+fsdpc_status_t fsdp_after_backward(fsdp_group_t *g);
 
 /* ---- fsdp_param.c: one parameter ---- */
 
@@ -165,17 +165,18 @@ typedef struct fsdp_plist {
 
 /* Appends the parameters under m that no inner call claimed and opt does not ignore (each
  * once). */
-status_t fsdp_collect_params(const nn_module_t *m, const fsdp_options_t *opt, fsdp_plist_t *l);
+fsdpc_status_t fsdp_collect_params(const nn_module_t *m, const fsdp_options_t *opt,
+                                   fsdp_plist_t *l);
 /* Whether p can be sharded over mesh: whole (or a Shard/Replicate tensor-parallel DTensor of
  * the same world mesh), at least 1-D, on the mesh's device. */
-status_t fsdp_check_param(const nn_param_t *p, const mesh_t *mesh);
+fsdpc_status_t fsdp_check_param(const nn_param_t *p, const mesh_t *mesh);
 /* Replaces fp->p's value with its sharded DTensor: dim 0 of its local tensor (the whole
  * parameter, or its tensor-parallel shard) chunked over the group's shard dimension, in
  * zero-padded storage (meta for a deferred parameter); installs the on-demand guard. */
-status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp);
+fsdpc_status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp);
 /* The guard's materialize: the padded shard of a meta parameter gets memory, uninitialised
  * except its padding rows (zero: they travel in the all-gather and the reduce-scatter). */
-status_t fsdp_materialize_param(nn_param_t *p);
+fsdpc_status_t fsdp_materialize_param(nn_param_t *p);
 
 /* ---- fsdp_on_demand.c: modules called outside their unit ---- */
 
@@ -183,34 +184,34 @@ status_t fsdp_materialize_param(nn_param_t *p);
 extern const nn_param_guard_t fsdp_on_demand_guard;
 /* The members: the group's own modules, then the others under them (not inside an inner
  * group), which get the on-demand hook. */
-status_t fsdp_install_members(fsdp_group_t *g);
+fsdpc_status_t fsdp_install_members(fsdp_group_t *g);
 /* The host group for agreeing on on-demand unshards over pg: pg's side channel, retained (NULL
  * for a group of one rank or none); collective over pg the first time for each pg. Released
  * with fsdp_agree_group_release. */
-status_t fsdp_agree_group(pg_t *pg, pg_t **out);
+fsdpc_status_t fsdp_agree_group(pg_t *pg, pg_t **out);
 void fsdp_agree_group_release(pg_t **agree);
 
 /* ---- fsdp_comm.c: the data path ---- */
 
 /* The side streams of dev (NULL on the CPU), created on first use and kept. */
-status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out);
+fsdpc_status_t fsdp_streams_of(device_t dev, fsdp_streams_t **out);
 
 /* Reports a data-path event to the group's observer. */
 void fsdp_emit(fsdp_group_t *g, const char *event);
 /* Starts gathering (copy-in and a nonblocking all-gather); no-op when gathered or gathering. */
-status_t fsdp_unshard_start(fsdp_group_t *g);
+fsdpc_status_t fsdp_unshard_start(fsdp_group_t *g);
 /* Completes a started gather and copies out into the unsharded tensors. */
-status_t fsdp_unshard_wait(fsdp_group_t *g);
+fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g);
 /* Integer reshard after forward: keep this rank's 1/N slice, free the unsharded tensors. */
-status_t fsdp_reshard_to_slice(fsdp_group_t *g);
+fsdpc_status_t fsdp_reshard_to_slice(fsdp_group_t *g);
 /* Post-backward: packs the unsharded gradients and issues the reduce-scatter, after finishing
  * the reduction in flight (of any group under the same root). */
-status_t fsdp_reduce_start(fsdp_group_t *g);
+fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g);
 /* Finishes the root's reduction in flight, if any: waits for the reduce-scatter, all-reduces
  * (HSDP) and accumulates into the sharded gradients. */
-status_t fsdp_reduce_finish(fsdp_group_t *root);
+fsdpc_status_t fsdp_reduce_finish(fsdp_group_t *root);
 /* End of the root's backward: finishes reductions and orders the compute stream after them. */
-status_t fsdp_finish_backward(fsdp_group_t *root);
+fsdpc_status_t fsdp_finish_backward(fsdp_group_t *root);
 /* Drops a reduction in flight without accumulating it (teardown). */
 void fsdp_reduce_drop(fsdp_group_t *g);
 

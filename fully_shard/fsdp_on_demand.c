@@ -10,7 +10,7 @@
 #include "fully_shard/fsdp_impl.h"
 #include "mesh/world.h"
 
-static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
+static fsdpc_status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
 
 /* The modules under m that no inner group claims (m itself excluded), appended to g->members
  * unless counting only. */
@@ -25,7 +25,7 @@ static int collect_members(fsdp_group_t *g, nn_module_t *m, bool count_only) {
   return n;
 }
 
-status_t fsdp_install_members(fsdp_group_t *g) {
+fsdpc_status_t fsdp_install_members(fsdp_group_t *g) {
   size_t n = (size_t)g->n_modules;
   for (int i = 0; i < g->n_modules; i++) n += (size_t)collect_members(g, g->modules[i], true);
   if ((g->members = calloc(n, sizeof *g->members)) == NULL)
@@ -35,7 +35,7 @@ status_t fsdp_install_members(fsdp_group_t *g) {
   for (int i = 0; i < g->n_modules; i++) collect_members(g, g->modules[i], false);
   for (int i = g->n_modules; i < g->n_members; i++)
     for (int k = 0; k < NN_HOOK_COUNT; k++)
-      TRY(nn_module_add_hook(g->members[i].m, k, member_hook, &g->members[i]));
+      FSDPC_TRY(nn_module_add_hook(g->members[i].m, k, member_hook, &g->members[i]));
   return STATUS_OK;
 }
 
@@ -54,10 +54,10 @@ static fsdp_member_t *member_of(fsdp_group_t *g, const nn_module_t *m) {
 
 /* The group agreeing on on-demand unshards over pg: pg's side channel (its timed exchanges,
  * which a rank may give up on, never mix with pg's traffic), kept until the group is freed. */
-status_t fsdp_agree_group(pg_t *pg, pg_t **out) {
+fsdpc_status_t fsdp_agree_group(pg_t *pg, pg_t **out) {
   *out = NULL;
   if (pg == NULL || pg_size(pg) == 1) return STATUS_OK;
-  TRY(pg_side_channel(pg, out));
+  FSDPC_TRY(pg_side_channel(pg, out));
   pg_retain(*out);
   return STATUS_OK;
 }
@@ -67,7 +67,7 @@ void fsdp_agree_group_release(pg_t **agree) {
   *agree = NULL;
 }
 
-static status_t push_call(fsdp_member_t *mb, bool on_demand) {
+static fsdpc_status_t push_call(fsdp_member_t *mb, bool on_demand) {
   ARRAY_GROW(mb->on_demand, mb->depth, mb->cap, 4, "fully_shard");
   mb->on_demand[mb->depth++] = on_demand;
   return STATUS_OK;
@@ -119,8 +119,8 @@ static int64_t *volatile orphan;
 /* Every rank of the group takes the on-demand path of a member together (what: its
  * description): an all-reduce of the module's name over the shard and the replicate ranks. A
  * rank whose partners do not join in time stops the job, naming it. */
-static status_t agree_on_demand(const fsdp_member_t *mb, const char *what) {
-  TRY(world_check());
+static fsdpc_status_t agree_on_demand(const fsdp_member_t *mb, const char *what) {
+  FSDPC_TRY(world_check());
   fsdp_group_t *g = mb->g;
   int64_t h = name_hash(nn_module_fqn(mb->m));
   for (int k = 0; k < 2; k++) {
@@ -130,8 +130,8 @@ static status_t agree_on_demand(const fsdp_member_t *mb, const char *what) {
     buf[0] = h;
     buf[1] = -h;
     bool late = false;
-    status_t st = pg_host_all_reduce_within(g->agree[k], buf, buf + 2, 2, PG_HOST_I64, REDUCE_MAX,
-                                            g->opt.on_demand_timeout, &late);
+    fsdpc_status_t st = pg_host_all_reduce_within(g->agree[k], buf, buf + 2, 2, PG_HOST_I64,
+                                                  REDUCE_MAX, g->opt.on_demand_timeout, &late);
     if (st == STATUS_OK && late) {
       orphan = buf;
       return world_stop(err_set(
@@ -163,7 +163,7 @@ static status_t agree_on_demand(const fsdp_member_t *mb, const char *what) {
 /* A member's call is on demand when none of its group's own modules is in its forward: the
  * call then unshards the group, reshards after forward by the group's policy, and in backward
  * unshards again and reduces its gradients, as a call of the unit would. */
-static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
+static fsdpc_status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
   (void)m;
   fsdp_member_t *mb = user;
   fsdp_group_t *g = mb->g;
@@ -173,16 +173,16 @@ static status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, 
     case NN_HOOK_PRE_FORWARD: {
       bool od = g->in_forward == 0; /* nested calls inside an on-demand call count as inside */
       if (!od) {
-        if (rec) TRY(push_call(mb, false));
+        if (rec) FSDPC_TRY(push_call(mb, false));
         return STATUS_OK;
       }
       /* the recomputation of an activation-checkpointed call in backward (whether or not the
        * call was on demand): the group's operations inside it are provided for, as in forward */
       if (!recomputing) {
-        if (rec) TRY(push_call(mb, true));
+        if (rec) FSDPC_TRY(push_call(mb, true));
         char what[512];
         describe(mb, NULL, NULL, what, sizeof what);
-        TRY(agree_on_demand(mb, what));
+        FSDPC_TRY(agree_on_demand(mb, what));
         warn_on_demand(ctx, mb, what, true);
       }
       mb->active = true;
@@ -214,30 +214,30 @@ static fsdp_group_t *group_of_param(const nn_param_t *p) {
 
 static bool guard_ready(const nn_param_t *p) { return group_of_param(p)->in_forward > 0; }
 
-static status_t guard_enter(nn_ctx_t *ctx, nn_param_t *p, const char *op) {
+static fsdpc_status_t guard_enter(nn_ctx_t *ctx, nn_param_t *p, const char *op) {
   fsdp_group_t *g = group_of_param(p);
   fsdp_lazy_init(g);
   if (!nn_ctx_recomputing(ctx)) {
     fsdp_member_t *mb = member_of(g, p->owner);
     char what[512];
     describe(mb, op, p, what, sizeof what);
-    TRY(agree_on_demand(mb, what));
+    FSDPC_TRY(agree_on_demand(mb, what));
     warn_on_demand(ctx, mb, what, false);
   }
   return fsdp_unshard(g);
 }
 
-static status_t guard_leave(nn_ctx_t *ctx, nn_param_t *p) {
+static fsdpc_status_t guard_leave(nn_ctx_t *ctx, nn_param_t *p) {
   (void)ctx;
   return fsdp_after_forward(group_of_param(p));
 }
 
-static status_t guard_pre_backward(nn_ctx_t *ctx, nn_param_t *p) {
+static fsdpc_status_t guard_pre_backward(nn_ctx_t *ctx, nn_param_t *p) {
   (void)ctx;
   return fsdp_unshard(group_of_param(p));
 }
 
-static status_t guard_post_backward(nn_ctx_t *ctx, nn_param_t *p) {
+static fsdpc_status_t guard_post_backward(nn_ctx_t *ctx, nn_param_t *p) {
   (void)ctx;
   return fsdp_after_backward(group_of_param(p));
 }
@@ -251,7 +251,7 @@ const nn_param_guard_t fsdp_on_demand_guard = {
     .materialize = fsdp_materialize_param,
 };
 
-status_t fsdp_register_forward_method(nn_module_t *m) {
+fsdpc_status_t fsdp_register_forward_method(nn_module_t *m) {
   ARG_NONNULL(m);
   if (fsdp_group_of(m) != NULL) return STATUS_OK; /* a unit's own calls are regular */
   for (nn_module_t *a = nn_module_parent(m); a != NULL; a = nn_module_parent(a)) {
@@ -266,4 +266,3 @@ status_t fsdp_register_forward_method(nn_module_t *m) {
                  "fsdp_register_forward_method: '%s' is not inside a fully-sharded unit",
                  nn_module_fqn(m));
 }
-

@@ -11,7 +11,8 @@ static bool ignored(const fsdp_options_t *opt, const nn_param_t *p) {
   return false;
 }
 
-status_t fsdp_collect_params(const nn_module_t *m, const fsdp_options_t *opt, fsdp_plist_t *l) {
+fsdpc_status_t fsdp_collect_params(const nn_module_t *m, const fsdp_options_t *opt,
+                                   fsdp_plist_t *l) {
   for (int i = 0; i < nn_module_num_params(m); i++) {
     nn_param_t *p = nn_module_param(m, i);
     if (p->external || ignored(opt, p)) continue; /* claimed by an inner call, or ignored */
@@ -21,7 +22,8 @@ status_t fsdp_collect_params(const nn_module_t *m, const fsdp_options_t *opt, fs
     ARRAY_GROW(l->p, l->n, l->cap, 16, "fully_shard");
     l->p[l->n++] = p;
   }
-  for (int i = 0; i < nn_module_num_children(m); i++) TRY(fsdp_collect_params(nn_module_child(m, i), opt, l));
+  for (int i = 0; i < nn_module_num_children(m); i++)
+    FSDPC_TRY(fsdp_collect_params(nn_module_child(m, i), opt, l));
   return STATUS_OK;
 }
 
@@ -32,7 +34,7 @@ static mesh_t *tp_mesh_of(const nn_param_t *p) {
   return mesh_ndim(pm) == 1 && mesh_size(pm, 0) == 1 ? NULL : pm;
 }
 
-status_t fsdp_check_param(const nn_param_t *p, const mesh_t *mesh) {
+fsdpc_status_t fsdp_check_param(const nn_param_t *p, const mesh_t *mesh) {
   const dtensor_t *v = p->value;
   const mesh_t *pm = dtensor_mesh(v);
   const placement_t *pl = dtensor_placements(v);
@@ -65,8 +67,8 @@ status_t fsdp_check_param(const nn_param_t *p, const mesh_t *mesh) {
  * ((Replicate, Shard(0)) for HSDP); a tensor-parallel parameter lives on (dp..., tp) with its
  * tp placement last, the dp shard strided when tp also shards dimension 0 (dp chunks the tp
  * shard). */
-static status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, mesh_t **mesh,
-                               placement_t *pl) {
+static fsdpc_status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, mesh_t **mesh,
+                                     placement_t *pl) {
   int md = mesh_ndim(g->mesh);
   mesh_t *tp = tp_mesh_of(p);
   for (int i = 0; i < md - 1; i++) pl[i] = placement_replicate();
@@ -76,7 +78,7 @@ static status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, mesh_t **me
   placement_t tpl = dtensor_placements(p->value)[0];
   if (placement_is_shard(tpl, 0)) pl[md - 1] = placement_strided_shard(0, mesh_size(tp, 0));
   pl[md] = tpl;
-  if (g->param_mesh == NULL) TRY(mesh_concat(g->mesh, tp, &g->param_mesh));
+  if (g->param_mesh == NULL) FSDPC_TRY(mesh_concat(g->mesh, tp, &g->param_mesh));
   if (mesh_group(g->param_mesh, md) != mesh_group(tp, 0))
     return err_set(STATUS_EINVAL,
                    "fully_shard: the parameters of one group live on different tensor-parallel "
@@ -86,38 +88,38 @@ static status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, mesh_t **me
   return STATUS_OK;
 }
 
-status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
+fsdpc_status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   nn_param_t *p = fp->p;
-  const tensor_t *full = dtensor_local(p->value);
+  const fsdpc_tensor_t *full = dtensor_local(p->value);
   int nd = full->ndim;
   fp->n0 = full->shape[0];
   fp->ndim = nd;
   memcpy(fp->shape, full->shape, sizeof(int64_t) * (size_t)nd);
-  fp->rows = chunk_size(fp->n0, g->W);
+  fp->rows = placement_chunk_size(fp->n0, g->W);
   fp->row = fp->n0 ? tensor_numel(full) / fp->n0 : 0;
   int64_t start, len, shape[TENSOR_MAX_DIMS], global[TENSOR_MAX_DIMS];
-  chunk_range(fp->n0, g->W, g->rank, &start, &len);
+  placement_chunk_range(fp->n0, g->W, g->rank, &start, &len);
   memcpy(shape, full->shape, sizeof shape);
   memcpy(global, dtensor_shape(p->value), sizeof(int64_t) * (size_t)nd);
   shape[0] = fp->rows;
   placement_t pl[MESH_MAX_DIMS];
   mesh_t *mesh;
-  TRY(sharded_layout(g, p, &mesh, pl));
+  FSDPC_TRY(sharded_layout(g, p, &mesh, pl));
   device_t dev = g->offload ? device_cpu() : full->device;
   if (tensor_is_meta(full)) /* deferred: memory comes with nn_module_materialize */
-    TRY(tensor_meta(&fp->padded, full->dtype, dev, nd, shape));
+    FSDPC_TRY(tensor_meta(&fp->padded, full->dtype, dev, nd, shape));
   else
-    TRY(tensor_zeros(&fp->padded, full->dtype, dev, nd, shape));
-  tensor_t src = {0}, dst = {0}, local = {0};
-  status_t st = STATUS_OK;
+    FSDPC_TRY(tensor_zeros(&fp->padded, full->dtype, dev, nd, shape));
+  fsdpc_tensor_t src = {0}, dst = {0}, local = {0};
+  fsdpc_status_t st = STATUS_OK;
   dtensor_t *dt = NULL;
-  TRY_GOTO(st, tensor_narrow(&dst, &fp->padded, 0, 0, len));
+  FSDPC_TRY_GOTO(st, tensor_narrow(&dst, &fp->padded, 0, 0, len));
   if (!tensor_is_meta(full)) {
-    TRY_GOTO(st, tensor_narrow(&src, full, 0, start, len));
-    TRY_GOTO(st, tensor_copy(&dst, &src));
+    FSDPC_TRY_GOTO(st, tensor_narrow(&src, full, 0, start, len));
+    FSDPC_TRY_GOTO(st, tensor_copy(&dst, &src));
   }
-  TRY_GOTO(st, tensor_ref(&local, &dst));
-  TRY_GOTO(st, dtensor_from_local(&dt, &local, mesh, pl, nd, global));
+  FSDPC_TRY_GOTO(st, tensor_ref(&local, &dst));
+  FSDPC_TRY_GOTO(st, dtensor_from_local(&local, mesh, pl, nd, global, &dt));
   tensor_free(&p->compute);
   nn_param_zero_grad(p);
   dtensor_free(p->value);
@@ -133,23 +135,23 @@ cleanup:
   return st;
 }
 
-status_t fsdp_materialize_param(nn_param_t *p) {
+fsdpc_status_t fsdp_materialize_param(nn_param_t *p) {
   fsdp_param_t *fp = p->guard_state;
   if (!tensor_is_meta(&fp->padded)) return STATUS_OK;
   fsdp_group_t *g = fp->g;
   int64_t start, len;
-  chunk_range(fp->n0, g->W, g->rank, &start, &len);
-  const tensor_t *meta = &fp->padded;
-  tensor_t padded = {0}, pad = {0}, local = {0};
+  placement_chunk_range(fp->n0, g->W, g->rank, &start, &len);
+  const fsdpc_tensor_t *meta = &fp->padded;
+  fsdpc_tensor_t padded = {0}, pad = {0}, local = {0};
   dtensor_t *dt = NULL;
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, tensor_init(&padded, meta->dtype, meta->device, meta->ndim, meta->shape));
-  TRY_GOTO(st, tensor_narrow(&pad, &padded, 0, len, fp->rows - len));
-  TRY_GOTO(st, tensor_fill(&pad, 0.0));
-  TRY_GOTO(st, tensor_narrow(&local, &padded, 0, 0, len));
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, tensor_init(&padded, meta->dtype, meta->device, meta->ndim, meta->shape));
+  FSDPC_TRY_GOTO(st, tensor_narrow(&pad, &padded, 0, len, fp->rows - len));
+  FSDPC_TRY_GOTO(st, tensor_fill(&pad, 0.0));
+  FSDPC_TRY_GOTO(st, tensor_narrow(&local, &padded, 0, 0, len));
   const dtensor_t *v = p->value;
-  TRY_GOTO(st, dtensor_from_local(&dt, &local, dtensor_mesh(v), dtensor_placements(v),
-                                  dtensor_ndim(v), dtensor_shape(v)));
+  FSDPC_TRY_GOTO(st, dtensor_from_local(&local, dtensor_mesh(v), dtensor_placements(v),
+                                        dtensor_ndim(v), dtensor_shape(v), &dt));
   dtensor_free(p->value);
   p->value = dt;
   tensor_free(&fp->padded);
@@ -161,4 +163,3 @@ cleanup:
   tensor_free(&local);
   return st;
 }
-

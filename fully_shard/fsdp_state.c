@@ -6,7 +6,7 @@
 #include "core/args_impl.h"
 #include "fully_shard/fsdp_impl.h"
 
-status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
+fsdpc_status_t gvec_push(gvec_t *a, fsdp_group_t *g) {
   ARRAY_GROW(a->v, a->n, a->cap, 16, "fully_shard");
   a->v[a->n++] = g;
   return STATUS_OK;
@@ -19,7 +19,7 @@ void fsdp_state_free(fsdp_state_t *s) {
   *s = (fsdp_state_t){0};
 }
 
-status_t fsdp_state_pre_forward(fsdp_state_t *s, fsdp_group_t *g, fsdp_group_t **next) {
+fsdpc_status_t fsdp_state_pre_forward(fsdp_state_t *s, fsdp_group_t *g, fsdp_group_t **next) {
   *next = NULL;
   if (g->is_root) { /* a new step: the forward order just recorded becomes the last one */
     gvec_t t = s->prev_fwd_order;
@@ -28,14 +28,14 @@ status_t fsdp_state_pre_forward(fsdp_state_t *s, fsdp_group_t *g, fsdp_group_t *
     s->fwd_order.n = 0;
     s->bwd_order.n = 0;
   }
-  TRY(gvec_push(&s->fwd_order, g));
+  FSDPC_TRY(gvec_push(&s->fwd_order, g));
   const gvec_t *prev = &s->prev_fwd_order;
   int pos = s->fwd_order.n - 1;
   if (pos + 1 < prev->n && prev->v[pos] == g) *next = prev->v[pos + 1];
   return STATUS_OK;
 }
 
-status_t fsdp_state_post_forward(fsdp_state_t *s, fsdp_group_t *g) {
+fsdpc_status_t fsdp_state_post_forward(fsdp_state_t *s, fsdp_group_t *g) {
   return gvec_push(&s->bwd_order, g);
 }
 

@@ -70,7 +70,7 @@ static int masked_index(const mesh_root_t *root, const int *coord, unsigned mask
 }
 
 /* Fills mesh->ranks: world ranks that agree with this rank outside the mesh's root dims. */
-static status_t fill_ranks(mesh_t *m) {
+static fsdpc_status_t fill_ranks(mesh_t *m) {
   unsigned all = 0;
   for (int i = 0; i < m->ndim; i++) all |= m->root_mask[i];
   m->nranks = 1;
@@ -88,7 +88,7 @@ static status_t fill_ranks(mesh_t *m) {
   return n == m->nranks ? STATUS_OK : err_set(STATUS_EINTERNAL, "mesh: rank list mismatch");
 }
 
-static status_t check_names(int ndim, const char *const *names) {
+static fsdpc_status_t check_names(int ndim, const char *const *names) {
   for (int i = 0; i < ndim; i++) {
     if (names == NULL || names[i] == NULL || names[i][0] == '\0')
       return err_set(STATUS_EMESH, "mesh dimension %d has no name", i);
@@ -103,8 +103,8 @@ static status_t check_names(int ndim, const char *const *names) {
 }
 
 /* Resolves -1 and checks that the sizes multiply to the world size. */
-static status_t resolve_shape(int ndim, const int *shape, const char *const *names, int world,
-                              int *out) {
+static fsdpc_status_t resolve_shape(int ndim, const int *shape, const char *const *names, int world,
+                                    int *out) {
   int inferred = -1;
   double known = 1; /* a double cannot overflow for five int factors */
   char dims[256];
@@ -142,7 +142,7 @@ static status_t resolve_shape(int ndim, const int *shape, const char *const *nam
   return STATUS_OK;
 }
 
-static status_t new_mesh(mesh_root_t *root, mesh_t **out) {
+static fsdpc_status_t new_mesh(mesh_root_t *root, mesh_t **out) {
   mesh_t *m = calloc(1, sizeof *m);
   if (m == NULL) return err_set(STATUS_ENOMEM, "mesh: out of host memory");
   m->refs = 1;
@@ -154,7 +154,7 @@ static status_t new_mesh(mesh_root_t *root, mesh_t **out) {
 
 /* Builds the group of the ranks that agree with this rank outside `mask`, ordered
  * row-major over the dimensions in mask. Collective over the root. */
-static status_t split_group(mesh_root_t *root, unsigned mask, pg_t **out) {
+static fsdpc_status_t split_group(mesh_root_t *root, unsigned mask, pg_t **out) {
   unsigned others = ((1u << root->ndim) - 1) & ~mask;
   if (world_planning()) { /* this rank's group of the planned world, its size and place */
     int size = 1;
@@ -170,20 +170,20 @@ static status_t split_group(mesh_root_t *root, unsigned mask, pg_t **out) {
                   masked_index(root, root->coord, mask), out);
 }
 
-status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *names,
-                   device_type_t device_type) {
-  if (out == NULL) return err_set(STATUS_EINVAL, "mesh_init: out is NULL");
+fsdpc_status_t mesh_new(int ndim, const int *shape, const char *const *names,
+                        device_type_t device_type, mesh_t **out) {
+  if (out == NULL) return err_set(STATUS_EINVAL, "mesh_new: out is NULL");
   *out = NULL;
   if (ndim < 1 || ndim > MESH_MAX_DIMS)
     return err_set(STATUS_EMESH, "mesh: 1 to %d dimensions, got %d", MESH_MAX_DIMS, ndim);
-  if (shape == NULL) return err_set(STATUS_EINVAL, "mesh_init: shape is NULL");
-  TRY(check_names(ndim, names));
+  if (shape == NULL) return err_set(STATUS_EINVAL, "mesh_new: shape is NULL");
+  FSDPC_TRY(check_names(ndim, names));
   int sizes[MESH_MAX_DIMS];
-  TRY(resolve_shape(ndim, shape, names, world_size(), sizes));
+  FSDPC_TRY(resolve_shape(ndim, shape, names, world_size(), sizes));
 
   device_t dev = device_cpu();
   if (device_type == DEVICE_CUDA) /* each rank a device of its own, or every rank an error */
-    TRY(err_prefix(world_choose_device(DEVICE_WANT_CUDA, &dev, NULL, 0), "CUDA mesh"));
+    FSDPC_TRY(err_prefix(world_choose_device(DEVICE_WANT_CUDA, &dev, NULL, 0), "CUDA mesh"));
 
   mesh_root_t *root = calloc(1, sizeof *root);
   if (root == NULL) return err_set(STATUS_ENOMEM, "mesh: out of host memory");
@@ -191,7 +191,7 @@ status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *
   root->device = dev;
   memcpy(root->shape, sizes, sizeof(int) * (size_t)ndim);
   root_unravel(root, world_rank(), root->coord);
-  status_t st = pg_mpi_status(MPI_Comm_dup(MPI_COMM_WORLD, &root->comm), "MPI_Comm_dup");
+  fsdpc_status_t st = pg_mpi_status(MPI_Comm_dup(MPI_COMM_WORLD, &root->comm), "MPI_Comm_dup");
   if (st != STATUS_OK) {
     free(root);
     return st;
@@ -224,10 +224,10 @@ status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *
   return STATUS_OK;
 }
 
-status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_type) {
-  if (out == NULL) return err_set(STATUS_EINVAL, "mesh_init_local: out is NULL");
+fsdpc_status_t mesh_new_local(const char *name, device_type_t device_type, mesh_t **out) {
+  if (out == NULL) return err_set(STATUS_EINVAL, "mesh_new_local: out is NULL");
   *out = NULL;
-  TRY(check_names(1, &name));
+  FSDPC_TRY(check_names(1, &name));
   device_t dev = device_cpu();
   if (device_type == DEVICE_CUDA) {
     dev = world_device();
@@ -240,7 +240,7 @@ status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_ty
   root->ndim = 1;
   root->shape[0] = 1;
   root->device = dev;
-  status_t st = pg_mpi_status(MPI_Comm_dup(MPI_COMM_SELF, &root->comm), "MPI_Comm_dup");
+  fsdpc_status_t st = pg_mpi_status(MPI_Comm_dup(MPI_COMM_SELF, &root->comm), "MPI_Comm_dup");
   if (st != STATUS_OK) {
     free(root);
     return st;
@@ -273,23 +273,23 @@ status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_ty
   return STATUS_OK;
 }
 
-status_t mesh_local_shared(device_type_t device_type, mesh_t **out) {
+fsdpc_status_t mesh_local_shared(device_type_t device_type, mesh_t **out) {
   ARG_NONNULL(out);
   static mesh_t *shared[2];
   static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
   *out = NULL;
   if (device_type != DEVICE_CPU && device_type != DEVICE_CUDA)
     return err_set(STATUS_EINVAL, "mesh_local_shared: unknown device type %d", (int)device_type);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   pthread_mutex_lock(&lock);
-  if (shared[device_type] == NULL) st = mesh_init_local(&shared[device_type], "local", device_type);
+  if (shared[device_type] == NULL) st = mesh_new_local("local", device_type, &shared[device_type]);
   *out = shared[device_type];
   pthread_mutex_unlock(&lock);
   return st;
 }
 
 /* Indices of the named dimensions, which must be distinct and in mesh order. */
-static status_t lookup_dims(const mesh_t *mesh, int n, const char *const *names, int *idx) {
+static fsdpc_status_t lookup_dims(const mesh_t *mesh, int n, const char *const *names, int *idx) {
   if (n < 1 || n > mesh->ndim)
     return err_set(STATUS_EMESH, "mesh: %d dimension names given for a %d-D mesh", n, mesh->ndim);
   for (int k = 0; k < n; k++) {
@@ -308,15 +308,15 @@ static status_t lookup_dims(const mesh_t *mesh, int n, const char *const *names,
   return STATUS_OK;
 }
 
-status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t **out) {
+fsdpc_status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t **out) {
   ARG_NONNULL(mesh);
   if (n > 0) ARG_NONNULL(names);
   ARG_NONNULL(out);
   *out = NULL;
   int idx[MESH_MAX_DIMS];
-  TRY(lookup_dims(mesh, n, names, idx));
+  FSDPC_TRY(lookup_dims(mesh, n, names, idx));
   mesh_t *m = NULL;
-  TRY(new_mesh(mesh->root, &m));
+  FSDPC_TRY(new_mesh(mesh->root, &m));
   m->ndim = n;
   for (int k = 0; k < n; k++) {
     int d = idx[k];
@@ -326,7 +326,7 @@ status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t 
     memcpy(m->names[k], mesh->names[d], MESH_NAME_MAX);
     m->groups[k] = pg_retain(mesh->groups[d]);
   }
-  status_t st = fill_ranks(m);
+  fsdpc_status_t st = fill_ranks(m);
   if (st != STATUS_OK) {
     mesh_free(m);
     return st;
@@ -340,13 +340,13 @@ bool mesh_same_root(const mesh_t *a, const mesh_t *b) {
   return a->root == b->root;
 }
 
-status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out) {
+fsdpc_status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out) {
   ARG_NONNULL(a);
   ARG_NONNULL(b);
   ARG_NONNULL(out);
   *out = NULL;
   if (a->root != b->root)
-    return err_set(STATUS_EMESH, "mesh_concat: the meshes come from different mesh_init calls");
+    return err_set(STATUS_EMESH, "mesh_concat: the meshes come from different mesh_new calls");
   if (a->ndim + b->ndim > MESH_MAX_DIMS)
     return err_set(STATUS_EMESH, "mesh_concat: more than %d dimensions", MESH_MAX_DIMS);
   for (int i = 0; i < a->ndim; i++)
@@ -358,7 +358,7 @@ status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out) {
         return err_set(STATUS_EMESH, "mesh_concat: '%s' comes after '%s' in the world mesh",
                        a->names[i], b->names[j]);
   mesh_t *m = NULL;
-  TRY(new_mesh(a->root, &m));
+  FSDPC_TRY(new_mesh(a->root, &m));
   const mesh_t *src[2] = {a, b};
   for (int s = 0; s < 2; s++)
     for (int d = 0; d < src[s]->ndim; d++) {
@@ -369,7 +369,7 @@ status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out) {
       memcpy(m->names[k], src[s]->names[d], MESH_NAME_MAX);
       m->groups[k] = pg_retain(src[s]->groups[d]);
     }
-  status_t st = fill_ranks(m);
+  fsdpc_status_t st = fill_ranks(m);
   if (st != STATUS_OK) {
     mesh_free(m);
     return st;
@@ -378,18 +378,18 @@ status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out) {
   return STATUS_OK;
 }
 
-status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names, const char *new_name,
-                      mesh_t **out) {
+fsdpc_status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names,
+                            const char *new_name, mesh_t **out) {
   ARG_NONNULL(mesh);
   if (n > 0) ARG_NONNULL(names);
   ARG_NONNULL(new_name);
   ARG_NONNULL(out);
   *out = NULL;
   int idx[MESH_MAX_DIMS];
-  TRY(lookup_dims(mesh, n, names, idx));
-  TRY(check_names(1, &new_name));
+  FSDPC_TRY(lookup_dims(mesh, n, names, idx));
+  FSDPC_TRY(check_names(1, &new_name));
   mesh_t *m = NULL;
-  TRY(new_mesh(mesh->root, &m));
+  FSDPC_TRY(new_mesh(mesh->root, &m));
   m->ndim = 1;
   m->shape[0] = 1;
   for (int k = 0; k < n; k++) {
@@ -398,7 +398,7 @@ status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names, const
   }
   m->coord[0] = masked_index(m->root, m->root->coord, m->root_mask[0]);
   snprintf(m->names[0], MESH_NAME_MAX, "%s", new_name);
-  status_t st = split_group(m->root, m->root_mask[0], &m->groups[0]);
+  fsdpc_status_t st = split_group(m->root, m->root_mask[0], &m->groups[0]);
   if (st == STATUS_OK) st = fill_ranks(m);
   if (st != STATUS_OK) {
     mesh_free(m);

@@ -7,11 +7,10 @@
  *   int shape[] = {2, -1};                       // -1: whatever is left of the world
  *   const char *names[] = {"dp_replicate", "dp_shard"};
  *   mesh_t *mesh, *shard, *dp;
- *   TRY(mesh_init(&mesh, 2, shape, names, DEVICE_CPU));       // collective over the world
- *   TRY(mesh_slice(mesh, 1, (const char *[]){"dp_shard"}, &shard));  // reuses the group
- *   TRY(mesh_flatten(mesh, 2, names, "dp", &dp));              // new 1-D group of 2*W/2 ranks
- *   pg_t *g = mesh_group(shard, 0);
- *   mesh_free(dp); mesh_free(shard); mesh_free(mesh);
+ *   FSDPC_TRY(mesh_new(2, shape, names, DEVICE_CPU, &mesh));       // collective over the world
+ *   FSDPC_TRY(mesh_slice(mesh, 1, (const char *[]){"dp_shard"}, &shard));  // reuses the group
+ *   FSDPC_TRY(mesh_flatten(mesh, 2, names, "dp", &dp));              // new 1-D group of 2*W/2
+ * ranks pg_t *g = mesh_group(shard, 0); mesh_free(dp); mesh_free(shard); mesh_free(mesh);
  *
  * Groups use MPI on a CPU mesh and NCCL on a CUDA mesh (each rank on world_device()).
  * Meshes are reference counted internally: a slice keeps its parent's groups alive, so
@@ -40,17 +39,17 @@ typedef struct mesh mesh_t;
  * distinct, non-empty, shorter than MESH_NAME_MAX. The product of the sizes must equal the
  * world size. Every rank gets the same error for a bad shape (it depends only on the
  * arguments and the world size), so no rank is left waiting. Collective over the world. */
-status_t mesh_init(mesh_t **out, int ndim, const int *shape, const char *const *names,
-                   device_type_t device_type);
+fsdpc_status_t mesh_new(int ndim, const int *shape, const char *const *names,
+                        device_type_t device_type, mesh_t **out);
 
 /* A 1-D mesh of this rank alone (size 1, named name), for tensors that are not distributed:
  * an unsharded parameter is Replicate on such a mesh. Local; no communication. */
-status_t mesh_init_local(mesh_t **out, const char *name, device_type_t device_type);
+fsdpc_status_t mesh_new_local(const char *name, device_type_t device_type, mesh_t **out);
 
 /* The library's one-rank mesh on this rank's device of the given type, named "local", made on
  * first use and shared by every caller until the process ends (the caller never frees it): the
  * mesh of parameters that are not distributed (nn/layers.h builds them on it). Local. */
-status_t mesh_local_shared(device_type_t device_type, mesh_t **out);
+fsdpc_status_t mesh_local_shared(device_type_t device_type, mesh_t **out);
 
 /* Releases a mesh (once for its creation and once per mesh_retain); its groups go when no
  * slice or flattened mesh uses them. NULL is a no-op. */
@@ -61,21 +60,22 @@ mesh_t *mesh_retain(mesh_t *mesh);
 
 /* A submesh of the named dimensions (in the parent's order), sharing the parent's groups.
  * Local: no communication. */
-status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t **out);
+fsdpc_status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, mesh_t **out);
 
 /* A mesh with a's dimensions followed by b's, sharing their groups: fully_shard places a
- * tensor-parallel parameter on (dp..., tp) this way. a and b come from the same mesh_init,
- * span disjoint dimensions of it, a's before b's, and have distinct names. Local: no communication. */
-status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out);
+ * tensor-parallel parameter on (dp..., tp) this way. a and b come from the same mesh_new,
+ * span disjoint dimensions of it, a's before b's, and have distinct names. Local: no communication.
+ */
+fsdpc_status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out);
 
-/* True when a and b come from the same mesh_init. */
+/* True when a and b come from the same mesh_new. */
 bool mesh_same_root(const mesh_t *a, const mesh_t *b);
 
 /* A 1-D mesh named new_name whose group is the product of the named dimensions (in the
  * parent's order; rank order row-major over them). Collective over all ranks of the mesh's
- * root (the mesh created by mesh_init). */
-status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names, const char *new_name,
-                      mesh_t **out);
+ * root (the mesh created by mesh_new). */
+fsdpc_status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names,
+                            const char *new_name, mesh_t **out);
 
 /* The getters below are local; with a NULL mesh or a dim outside [0, mesh_ndim) they give 0
  * (sizes, counts), -1 (coordinates, indices) or NULL. */

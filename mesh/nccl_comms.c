@@ -63,7 +63,7 @@ typedef struct settle_ctx {
 
 /* device_poll's condition: 1 once c's last call has finished, 0 while it runs, -1 when it
  * failed, c was aborted or the limit passed (*st says which). */
-static int settled(void *ctx, status_t *st) {
+static int settled(void *ctx, fsdpc_status_t *st) {
   settle_ctx_t *s = ctx;
   nccl_comm_t *c = s->c;
   if (c->aborted) {
@@ -85,19 +85,19 @@ static int settled(void *ctx, status_t *st) {
   return 0;
 }
 
-status_t nccl_comm_settle(nccl_comm_t *c, const char *what) {
+fsdpc_status_t nccl_comm_settle(nccl_comm_t *c, const char *what) {
   ARG_NONNULL(c);
   settle_ctx_t ctx = {c, what, 0, 0};
-  status_t st = device_poll(settled, &ctx, what);
+  fsdpc_status_t st = device_poll(settled, &ctx, what);
   if (st != STATUS_OK) nccl_comm_abort(c); /* failed, stopped or past the watchdog */
   return st;
 }
 
-status_t nccl_comm_result(nccl_comm_t *c, int rc, const char *what) {
+fsdpc_status_t nccl_comm_result(nccl_comm_t *c, int rc, const char *what) {
   ARG_NONNULL(c);
   if (rc == NCCL_RESULT_OK) return STATUS_OK;
   if (rc == NCCL_RESULT_IN_PROGRESS) return nccl_comm_settle(c, what);
-  status_t st =
+  fsdpc_status_t st =
       err_set(STATUS_ENCCL, "%s: %s (NCCL communicator %s)", what, c->t->error_string(rc), c->name);
   nccl_comm_abort(c);
   return st;
@@ -105,11 +105,11 @@ status_t nccl_comm_result(nccl_comm_t *c, int rc, const char *what) {
 
 static double last_poll;
 
-status_t nccl_comm_poll_errors(void) {
+fsdpc_status_t nccl_comm_poll_errors(void) {
   double t = device_clock_seconds();
   if (t - last_poll < 0.1) return STATUS_OK;
   last_poll = t;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   pthread_mutex_lock(&live_lock);
   for (nccl_comm_t *c = live; c && st == STATUS_OK; c = c->next) {
     if (c->aborted) continue;
@@ -124,11 +124,11 @@ status_t nccl_comm_poll_errors(void) {
   return st;
 }
 
-status_t nccl_comm_close(nccl_comm_t *c, double limit_s) {
+fsdpc_status_t nccl_comm_close(nccl_comm_t *c, double limit_s) {
   if (c == NULL) return STATUS_OK;
   untrack(c);
   if (c->aborted || c->comm == NULL) return STATUS_OK;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   int rc = c->t->finalize(c->comm);
   if (rc != NCCL_RESULT_OK && rc != NCCL_RESULT_IN_PROGRESS)
     st = err_set(STATUS_ENCCL, "ncclCommFinalize: %s (NCCL communicator %s)",

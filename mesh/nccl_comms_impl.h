@@ -47,10 +47,10 @@ void nccl_comm_track(nccl_comm_t *c);
 /* The result rc of an NCCL call on c: STATUS_OK; in progress, polled to its end (under the
  * wait hook: a stop or the watchdog ends the poll and aborts every communicator); an error:
  * STATUS_ENCCL naming what and NCCL's text, and c aborted. */
-status_t nccl_comm_result(nccl_comm_t *c, int rc, const char *what);
+fsdpc_status_t nccl_comm_result(nccl_comm_t *c, int rc, const char *what);
 
 /* Polls c until its last call has finished (nccl_comm_result of an in-progress call). */
-status_t nccl_comm_settle(nccl_comm_t *c, const char *what);
+fsdpc_status_t nccl_comm_settle(nccl_comm_t *c, const char *what);
 
 /* Aborts c (once); every live communicator. Thread-safe. */
 void nccl_comm_abort(nccl_comm_t *c);
@@ -59,11 +59,11 @@ void nccl_comm_abort_all(void);
 /* The asynchronous errors of every live communicator, asked at most every 100 ms (the time
  * of the last ask is kept): the first error aborts every communicator and is returned,
  * naming the communicator. */
-status_t nccl_comm_poll_errors(void);
+fsdpc_status_t nccl_comm_poll_errors(void);
 
 /* Ends c and stops tracking it: an aborted c needs nothing; else finalize, its work polled
  * to its end for at most limit_s seconds (and under the wait hook), then destroy; an error,
  * a stop or the limit aborts it instead. Returns how it ended (STATUS_OK: finalized). */
-status_t nccl_comm_close(nccl_comm_t *c, double limit_s);
+fsdpc_status_t nccl_comm_close(nccl_comm_t *c, double limit_s);
 
 #endif

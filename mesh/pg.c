@@ -27,7 +27,7 @@ const char *reduce_op_name(reduce_op_t op) {
   return "invalid";
 }
 
-status_t pg_mpi_status(int rc, const char *what) {
+fsdpc_status_t pg_mpi_status(int rc, const char *what) {
   if (rc == MPI_SUCCESS) return STATUS_OK;
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
@@ -35,14 +35,14 @@ status_t pg_mpi_status(int rc, const char *what) {
   return err_set(STATUS_EMPI, "%s failed: %s", what, text);
 }
 
-status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out) {
+fsdpc_status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out) {
   *out = NULL;
   pg_t *pg = calloc(1, sizeof *pg);
   if (pg == NULL) return err_set(STATUS_ENOMEM, "process group: out of host memory");
   pg->ops = ops;
   pg->refcount = 1;
   pg->device = dev;
-  status_t st = pg_mpi_status(MPI_Comm_dup(comm, &pg->comm), "MPI_Comm_dup");
+  fsdpc_status_t st = pg_mpi_status(MPI_Comm_dup(comm, &pg->comm), "MPI_Comm_dup");
   if (st != STATUS_OK) {
     free(pg);
     return st;
@@ -56,27 +56,27 @@ status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out) 
 
 /* ---- groups of a planning world: no collective runs ---- */
 
-static status_t planned_refusal(pg_t *pg) {
+static fsdpc_status_t planned_refusal(pg_t *pg) {
   return err_set(STATUS_EINVAL,
                  "a group of a planning world (%d ranks, planned from one process) moves no data",
                  pg->size);
 }
-static status_t planned_all_gather(pg_t *pg, const void *s, void *r, size_t n, dtype_t dt,
-                                   pg_work_t **w) {
+static fsdpc_status_t planned_all_gather(pg_t *pg, const void *s, void *r, size_t n, dtype_t dt,
+                                         pg_work_t **w) {
   (void)s, (void)r, (void)n, (void)dt, (void)w;
   return planned_refusal(pg);
 }
-static status_t planned_reduce(pg_t *pg, const void *s, void *r, size_t n, dtype_t dt,
-                               reduce_op_t op, pg_work_t **w) {
+static fsdpc_status_t planned_reduce(pg_t *pg, const void *s, void *r, size_t n, dtype_t dt,
+                                     reduce_op_t op, pg_work_t **w) {
   (void)s, (void)r, (void)n, (void)dt, (void)op, (void)w;
   return planned_refusal(pg);
 }
-static status_t planned_broadcast(pg_t *pg, void *b, size_t n, dtype_t dt, int root,
-                                  pg_work_t **w) {
+static fsdpc_status_t planned_broadcast(pg_t *pg, void *b, size_t n, dtype_t dt, int root,
+                                        pg_work_t **w) {
   (void)b, (void)n, (void)dt, (void)root, (void)w;
   return planned_refusal(pg);
 }
-static status_t planned_barrier(pg_t *pg, pg_work_t **w) {
+static fsdpc_status_t planned_barrier(pg_t *pg, pg_work_t **w) {
   (void)w;
   return planned_refusal(pg);
 }
@@ -91,8 +91,8 @@ static const pg_ops_t planned_ops = {
     .barrier = planned_barrier,
 };
 
-status_t pg_new_planned(int size, int rank, device_t dev, pg_t **out) {
-  TRY(pg_alloc(MPI_COMM_SELF, &planned_ops, dev, out));
+fsdpc_status_t pg_new_planned(int size, int rank, device_t dev, pg_t **out) {
+  FSDPC_TRY(pg_alloc(MPI_COMM_SELF, &planned_ops, dev, out));
   (*out)->size = size;
   (*out)->rank = rank;
   (*out)->planned = true;
@@ -145,7 +145,7 @@ bool pg_backend_parse(const char *s, pg_backend_t *out) {
   return false;
 }
 
-status_t pg_new_for(MPI_Comm comm, device_t dev, pg_t **out) {
+fsdpc_status_t pg_new_for(MPI_Comm comm, device_t dev, pg_t **out) {
   if (device_backend != PG_BACKEND_NATIVE)
     return pg_new_staged(comm, dev, device_backend == PG_BACKEND_STAGED_LAZY, out);
   return dev.type == DEVICE_CUDA ? pg_new_nccl(comm, dev.index, out) : pg_new_mpi(comm, out);
@@ -164,10 +164,10 @@ void pg_reset_counters(pg_t *pg) {
   pg->counters = (pg_counters_t){{0}, {0}};
 }
 
-static status_t check_call(const pg_t *pg, const char *what, dtype_t dt, size_t count,
-                           size_t total_count) {
+static fsdpc_status_t check_call(const pg_t *pg, const char *what, dtype_t dt, size_t count,
+                                 size_t total_count) {
   if (pg == NULL) return err_set(STATUS_EINVAL, "%s: group is NULL", what);
-  TRY(world_check());
+  FSDPC_TRY(world_check());
   if (dtype_size(dt) == 0) return err_set(STATUS_EDTYPE, "%s: invalid dtype %d", what, (int)dt);
   if (total_count > (size_t)INT_MAX || count > (size_t)INT_MAX)
     return err_set(STATUS_EINVAL, "%s: %zu elements exceed the per-call limit of %d", what,
@@ -175,7 +175,7 @@ static status_t check_call(const pg_t *pg, const char *what, dtype_t dt, size_t 
   return STATUS_OK;
 }
 
-static status_t check_op(const char *what, dtype_t dt, reduce_op_t op) {
+static fsdpc_status_t check_op(const char *what, dtype_t dt, reduce_op_t op) {
   if (op != REDUCE_SUM && op != REDUCE_AVG && op != REDUCE_MAX)
     return err_set(STATUS_EINVAL, "%s: invalid reduce op %d", what, (int)op);
   if (op == REDUCE_AVG && !dtype_is_float(dt))
@@ -184,7 +184,7 @@ static status_t check_op(const char *what, dtype_t dt, reduce_op_t op) {
   return STATUS_OK;
 }
 
-static status_t check_buf(const char *what, const void *p, size_t count) {
+static fsdpc_status_t check_buf(const char *what, const void *p, size_t count) {
   if (count > 0 && p == NULL) return err_set(STATUS_EINVAL, "%s: NULL buffer", what);
   return STATUS_OK;
 }
@@ -195,7 +195,7 @@ static void count_call(pg_t *pg, pg_kind_t kind, uint64_t bytes) {
 }
 
 /* Runs a call either asynchronously (work != NULL) or to completion. */
-static status_t finish(status_t st, pg_work_t *w, pg_work_t **work) {
+static fsdpc_status_t finish(fsdpc_status_t st, pg_work_t *w, pg_work_t **work) {
   if (st != STATUS_OK) return st;
   if (work != NULL) {
     *work = w;
@@ -204,87 +204,89 @@ static status_t finish(status_t st, pg_work_t *w, pg_work_t **work) {
   return pg_wait(w);
 }
 
-status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                       pg_work_t **work) {
+fsdpc_status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                             pg_work_t **work) {
   if (work) *work = NULL;
-  TRY(check_call(pg, "all_gather", dt, count, count * (size_t)(pg ? pg->size : 1)));
-  TRY(check_buf("all_gather", send, count));
-  TRY(check_buf("all_gather", recv, count));
+  FSDPC_TRY(check_call(pg, "all_gather", dt, count, count * (size_t)(pg ? pg->size : 1)));
+  FSDPC_TRY(check_buf("all_gather", send, count));
+  FSDPC_TRY(check_buf("all_gather", recv, count));
   pg_work_t *w = NULL;
-  status_t st = pg->ops->all_gather(pg, send, recv, count, dt, &w);
+  fsdpc_status_t st = pg->ops->all_gather(pg, send, recv, count, dt, &w);
   if (st == STATUS_OK)
     count_call(pg, PG_ALL_GATHER, (uint64_t)(pg->size - 1) * count * dtype_size(dt));
   return finish(st, w, work);
 }
 
-status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count, dtype_t dt,
-                           reduce_op_t op, pg_work_t **work) {
+fsdpc_status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                                 dtype_t dt, reduce_op_t op, pg_work_t **work) {
   if (work) *work = NULL;
-  TRY(check_call(pg, "reduce_scatter", dt, recv_count, recv_count * (size_t)(pg ? pg->size : 1)));
-  TRY(check_op("reduce_scatter", dt, op));
-  TRY(check_buf("reduce_scatter", send, recv_count));
-  TRY(check_buf("reduce_scatter", recv, recv_count));
+  FSDPC_TRY(
+      check_call(pg, "reduce_scatter", dt, recv_count, recv_count * (size_t)(pg ? pg->size : 1)));
+  FSDPC_TRY(check_op("reduce_scatter", dt, op));
+  FSDPC_TRY(check_buf("reduce_scatter", send, recv_count));
+  FSDPC_TRY(check_buf("reduce_scatter", recv, recv_count));
   pg_work_t *w = NULL;
-  status_t st = pg->ops->reduce_scatter(pg, send, recv, recv_count, dt, op, &w);
+  fsdpc_status_t st = pg->ops->reduce_scatter(pg, send, recv, recv_count, dt, op, &w);
   if (st == STATUS_OK)
     count_call(pg, PG_REDUCE_SCATTER, (uint64_t)(pg->size - 1) * recv_count * dtype_size(dt));
   return finish(st, w, work);
 }
 
-status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                       reduce_op_t op, pg_work_t **work) {
+fsdpc_status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                             reduce_op_t op, pg_work_t **work) {
   if (work) *work = NULL;
-  TRY(check_call(pg, "all_reduce", dt, count, count));
-  TRY(check_op("all_reduce", dt, op));
-  TRY(check_buf("all_reduce", send, count));
-  TRY(check_buf("all_reduce", recv, count));
+  FSDPC_TRY(check_call(pg, "all_reduce", dt, count, count));
+  FSDPC_TRY(check_op("all_reduce", dt, op));
+  FSDPC_TRY(check_buf("all_reduce", send, count));
+  FSDPC_TRY(check_buf("all_reduce", recv, count));
   pg_work_t *w = NULL;
-  status_t st = pg->ops->all_reduce(pg, send, recv, count, dt, op, &w);
+  fsdpc_status_t st = pg->ops->all_reduce(pg, send, recv, count, dt, op, &w);
   if (st == STATUS_OK)
     count_call(pg, PG_ALL_REDUCE,
                2u * (uint64_t)(pg->size - 1) * count * dtype_size(dt) / (uint64_t)pg->size);
   return finish(st, w, work);
 }
 
-status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                       pg_work_t **work) {
+fsdpc_status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                             pg_work_t **work) {
   if (work) *work = NULL;
-  TRY(check_call(pg, "all_to_all", dt, count, count * (size_t)(pg ? pg->size : 1)));
-  TRY(check_buf("all_to_all", send, count));
-  TRY(check_buf("all_to_all", recv, count));
+  FSDPC_TRY(check_call(pg, "all_to_all", dt, count, count * (size_t)(pg ? pg->size : 1)));
+  FSDPC_TRY(check_buf("all_to_all", send, count));
+  FSDPC_TRY(check_buf("all_to_all", recv, count));
   if (count > 0 && send == recv)
     return err_set(STATUS_EINVAL, "all_to_all: send and recv must not be the same buffer");
   pg_work_t *w = NULL;
-  status_t st = pg->ops->all_to_all(pg, send, recv, count, dt, &w);
+  fsdpc_status_t st = pg->ops->all_to_all(pg, send, recv, count, dt, &w);
   if (st == STATUS_OK)
     count_call(pg, PG_ALL_TO_ALL, (uint64_t)(pg->size - 1) * count * dtype_size(dt));
   return finish(st, w, work);
 }
 
-status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root, pg_work_t **work) {
+fsdpc_status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                            pg_work_t **work) {
   if (work) *work = NULL;
-  TRY(check_call(pg, "broadcast", dt, count, count));
-  TRY(check_buf("broadcast", buf, count));
+  FSDPC_TRY(check_call(pg, "broadcast", dt, count, count));
+  FSDPC_TRY(check_buf("broadcast", buf, count));
   if (root < 0 || root >= pg->size)
     return err_set(STATUS_EINVAL, "broadcast: root %d outside a group of %d", root, pg->size);
   pg_work_t *w = NULL;
-  status_t st = pg->ops->broadcast(pg, buf, count, dt, root, &w);
+  fsdpc_status_t st = pg->ops->broadcast(pg, buf, count, dt, root, &w);
   if (st == STATUS_OK)
     count_call(pg, PG_BROADCAST, pg->size > 1 ? (uint64_t)count * dtype_size(dt) : 0);
   return finish(st, w, work);
 }
 
-status_t pg_barrier(pg_t *pg, pg_work_t **work) {
+fsdpc_status_t pg_barrier(pg_t *pg, pg_work_t **work) {
   if (work) *work = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "barrier: group is NULL");
-  TRY(world_check());
+  FSDPC_TRY(world_check());
   pg_work_t *w = NULL;
-  status_t st = pg->ops->barrier(pg, &w);
+  fsdpc_status_t st = pg->ops->barrier(pg, &w);
   if (st == STATUS_OK) count_call(pg, PG_BARRIER, 0);
   return finish(st, w, work);
 }
 
-status_t pg_wait(pg_work_t *work) {
+fsdpc_status_t pg_wait(pg_work_t *work) {
   if (work == NULL) return STATUS_OK;
   return work->complete(work);
 }

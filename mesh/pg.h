@@ -20,9 +20,9 @@
  * Buffers must stay untouched until then.
  *
  *   pg_work_t *w;
- *   TRY(pg_all_gather(pg, shard, full, shard_count, DTYPE_F32, &w));   // returns at once
+ *   FSDPC_TRY(pg_all_gather(pg, shard, full, shard_count, DTYPE_F32, &w));   // returns at once
  *   ... other work ...
- *   TRY(pg_wait(w));                                                    // full is ready
+ *   FSDPC_TRY(pg_wait(w));                                                    // full is ready
  *
  * Counters: every call increments calls[kind] and adds to bytes[kind] the bytes this rank
  * sends in the bandwidth-optimal (ring) algorithm, with n the bytes of one rank's block:
@@ -71,28 +71,28 @@ const char *reduce_op_name(reduce_op_t op);
 
 /* A new group of the ranks of pg that pass the same color (>= 0), ordered by key (ties by
  * rank in pg): the same backend and device as pg. Collective over pg. Free with pg_release. */
-status_t pg_split(pg_t *pg, int color, int key, pg_t **out);
+fsdpc_status_t pg_split(pg_t *pg, int color, int key, pg_t **out);
 
 /* A group of the same ranks in the same order, backend and device as pg, with communicators
  * of its own: its collectives never mix with pg's (a library's private copy of a caller's
  * group). Collective over pg. Free with pg_release. */
-status_t pg_dup(pg_t *pg, pg_t **out);
+fsdpc_status_t pg_dup(pg_t *pg, pg_t **out);
 
 /* A host (MPI) group of pg's ranks with a channel of its own: exchanges on it never mix with
  * pg's. Collective over pg. Free with pg_release. */
-status_t pg_new_host(pg_t *pg, pg_t **out);
+fsdpc_status_t pg_new_host(pg_t *pg, pg_t **out);
 
 /* pg's side channel: a host group of its ranks kept with pg, for exchanges that must never
  * mix with pg's own or with other users' (a timed agreement that may be given up and left
  * pending, as fully_shard's on-demand agreement). Made on the first call, which is then
  * collective over pg; later calls return the same group at once. Owned by pg (pg_retain it
  * to keep it longer). */
-status_t pg_side_channel(pg_t *pg, pg_t **out);
+fsdpc_status_t pg_side_channel(pg_t *pg, pg_t **out);
 
 /* The group of the n consecutive ranks of pg that holds this rank (ranks.view(-1, n)'s row; n
  * divides pg's size), with pg's backend and device: made on the first call for each n (then
  * collective over pg), kept with pg and returned again by later calls. Owned by pg. */
-status_t pg_consecutive(pg_t *pg, int n, pg_t **out);
+fsdpc_status_t pg_consecutive(pg_t *pg, int n, pg_t **out);
 
 /* Reference counting: a group may be shared by several meshes. pg_release(NULL) is a no-op. */
 pg_t *pg_retain(pg_t *pg);
@@ -124,30 +124,31 @@ void pg_reset_counters(pg_t *pg);
 
 /* recv[r*count .. (r+1)*count) = send of rank r. recv holds size*count elements; send may be
  * recv + rank*count (in place). */
-status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                       pg_work_t **work);
+fsdpc_status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                             pg_work_t **work);
 
 /* send holds size*recv_count elements; block r of the reduction lands in recv of rank r.
  * REDUCE_AVG divides the sum by the group size (floating-point dtypes only). */
-status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count, dtype_t dt,
-                           reduce_op_t op, pg_work_t **work);
+fsdpc_status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                                 dtype_t dt, reduce_op_t op, pg_work_t **work);
 
 /* recv = reduction of send over the group; send == recv is in place. */
-status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                       reduce_op_t op, pg_work_t **work);
+fsdpc_status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                             reduce_op_t op, pg_work_t **work);
 
 /* send and recv hold size*count elements: block j of send goes to rank j, block i of recv
  * comes from rank i. Not in place. */
-status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                       pg_work_t **work);
+fsdpc_status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                             pg_work_t **work);
 
 /* buf of root (a rank of the group) is copied into buf of every rank. */
-status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root, pg_work_t **work);
+fsdpc_status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                            pg_work_t **work);
 
-status_t pg_barrier(pg_t *pg, pg_work_t **work);
+fsdpc_status_t pg_barrier(pg_t *pg, pg_work_t **work);
 
 /* Completes and frees a handle (see above). pg_wait(NULL) is a no-op. */
-status_t pg_wait(pg_work_t *work);
+fsdpc_status_t pg_wait(pg_work_t *work);
 
 /* ---- the host channel of any group ----
  *
@@ -159,23 +160,23 @@ typedef enum pg_host_type { PG_HOST_I32 = 0, PG_HOST_I64, PG_HOST_F64, PG_HOST_B
 
 /* recv = the sum or maximum (REDUCE_SUM, REDUCE_MAX; not for PG_HOST_BYTE) of send over the
  * group; send == recv is in place. */
-status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
-                            pg_host_type_t type, reduce_op_t op);
+fsdpc_status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
+                                  pg_host_type_t type, reduce_op_t op);
 /* pg_host_all_reduce that gives up after seconds: then *timed_out, STATUS_OK, and send and
  * recv stay owned by the collective for good (never free or reuse them). */
-status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int count,
-                                   pg_host_type_t type, reduce_op_t op, double seconds,
-                                   bool *timed_out);
+fsdpc_status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int count,
+                                         pg_host_type_t type, reduce_op_t op, double seconds,
+                                         bool *timed_out);
 /* recv[r*count .. (r+1)*count) = send of rank r. */
-status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
-                            pg_host_type_t type);
+fsdpc_status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
+                                  pg_host_type_t type);
 
 /* Agreement on an outcome: STATUS_OK when every rank of the group passed OK; otherwise a
  * failing rank keeps its own status and detail, and every other rank gets the status of the
  * lowest failing rank and its detail text prefixed with "rank R: " (R: its rank in the
  * world). Use it wherever only some ranks could detect a problem, so that all ranks stop
  * together and each names the problem; it ends early when the job is stopping (world.h). */
-status_t pg_agree(pg_t *pg, status_t st);
+fsdpc_status_t pg_agree(pg_t *pg, fsdpc_status_t st);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -11,7 +11,7 @@
 
 static const char *const TYPE_NAMES[] = {"i32", "i64", "f64", "byte"};
 
-static status_t host_args(pg_t *pg, int count, pg_host_type_t type, const char *what) {
+static fsdpc_status_t host_args(pg_t *pg, int count, pg_host_type_t type, const char *what) {
   if (pg == NULL) return err_set(STATUS_EINVAL, "%s: no process group", what);
   if (count < 0) return err_set(STATUS_EINVAL, "%s: negative count %d", what, count);
   if ((int)type < 0 || type > PG_HOST_BYTE)
@@ -28,7 +28,7 @@ static MPI_Datatype host_type(pg_host_type_t type) {
   }
 }
 
-static status_t host_op(pg_host_type_t type, reduce_op_t op, MPI_Op *out, const char *what) {
+static fsdpc_status_t host_op(pg_host_type_t type, reduce_op_t op, MPI_Op *out, const char *what) {
   if (type == PG_HOST_BYTE || (op != REDUCE_SUM && op != REDUCE_MAX))
     return err_set(STATUS_EINVAL, "%s: %s of %s values is not supported (sum or max of i32, i64, "
                    "f64)", what, reduce_op_name(op), TYPE_NAMES[type]);
@@ -37,24 +37,24 @@ static status_t host_op(pg_host_type_t type, reduce_op_t op, MPI_Op *out, const 
 }
 
 /* Starts the all-reduce into *req. */
-static status_t start_all_reduce(pg_t *pg, const void *send, void *recv, int count,
-                                 pg_host_type_t type, reduce_op_t op, MPI_Request *req,
-                                 const char *what) {
-  TRY(host_args(pg, count, type, what));
+static fsdpc_status_t start_all_reduce(pg_t *pg, const void *send, void *recv, int count,
+                                       pg_host_type_t type, reduce_op_t op, MPI_Request *req,
+                                       const char *what) {
+  FSDPC_TRY(host_args(pg, count, type, what));
   MPI_Op mop = MPI_SUM;
-  TRY(host_op(type, op, &mop, what));
-  TRY(world_check());
+  FSDPC_TRY(host_op(type, op, &mop, what));
+  FSDPC_TRY(world_check());
   return pg_mpi_status(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, count,
                                       host_type(type), mop, pg->comm, req),
                        what);
 }
 
 /* A planning world's reduction: every rank brought send (a sum: size times it). */
-static status_t planned_all_reduce(pg_t *pg, const void *send, void *recv, int count,
-                                   pg_host_type_t type, reduce_op_t op, const char *what) {
-  TRY(host_args(pg, count, type, what));
+static fsdpc_status_t planned_all_reduce(pg_t *pg, const void *send, void *recv, int count,
+                                         pg_host_type_t type, reduce_op_t op, const char *what) {
+  FSDPC_TRY(host_args(pg, count, type, what));
   MPI_Op mop;
-  TRY(host_op(type, op, &mop, what));
+  FSDPC_TRY(host_op(type, op, &mop, what));
   for (int i = 0; i < count; i++) {
     double k = op == REDUCE_SUM ? (double)pg->size : 1;
     if (type == PG_HOST_I32) ((int32_t *)recv)[i] = (int32_t)(((const int32_t *)send)[i] * k);
@@ -64,8 +64,8 @@ static status_t planned_all_reduce(pg_t *pg, const void *send, void *recv, int c
   return STATUS_OK;
 }
 
-status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
-                            pg_host_type_t type, reduce_op_t op) {
+fsdpc_status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
+                                  pg_host_type_t type, reduce_op_t op) {
   const char *what = "MPI_Iallreduce (host)";
   if (count > 0) {
     ARG_NONNULL(send);
@@ -73,13 +73,13 @@ status_t pg_host_all_reduce(pg_t *pg, const void *send, void *recv, int count,
   }
   if (pg != NULL && pg->planned) return planned_all_reduce(pg, send, recv, count, type, op, what);
   MPI_Request req;
-  TRY(start_all_reduce(pg, send, recv, count, type, op, &req, what));
+  FSDPC_TRY(start_all_reduce(pg, send, recv, count, type, op, &req, what));
   return world_wait(&req, what);
 }
 
-status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int count,
-                                   pg_host_type_t type, reduce_op_t op, double seconds,
-                                   bool *timed_out) {
+fsdpc_status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int count,
+                                         pg_host_type_t type, reduce_op_t op, double seconds,
+                                         bool *timed_out) {
   ARG_NONNULL(pg);
   ARG_NONNULL(timed_out);
   if (count > 0) {
@@ -90,37 +90,37 @@ status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv, int c
   *timed_out = false;
   if (pg != NULL && pg->planned) return planned_all_reduce(pg, send, recv, count, type, op, what);
   MPI_Request req;
-  TRY(start_all_reduce(pg, send, recv, count, type, op, &req, what));
+  FSDPC_TRY(start_all_reduce(pg, send, recv, count, type, op, &req, what));
   return world_wait_for(&req, seconds, what, timed_out); /* late: req stays pending */
 }
 
-status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
-                            pg_host_type_t type) {
+fsdpc_status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
+                                  pg_host_type_t type) {
   const char *what = "MPI_Iallgather (host)";
   if (count > 0) {
     ARG_NONNULL(send);
     ARG_NONNULL(recv);
   }
-  TRY(host_args(pg, count, type, what));
+  FSDPC_TRY(host_args(pg, count, type, what));
   if (pg->planned) { /* every rank brought send */
     size_t bytes = (size_t)count * (type == PG_HOST_I32 ? 4 : type == PG_HOST_BYTE ? 1 : 8);
     for (int r = 0; r < pg->size; r++) memcpy((char *)recv + (size_t)r * bytes, send, bytes);
     return STATUS_OK;
   }
-  TRY(world_check());
+  FSDPC_TRY(world_check());
   MPI_Request req;
-  TRY(pg_mpi_status(MPI_Iallgather(send, count, host_type(type), recv, count, host_type(type),
-                                   pg->comm, &req),
-                    what));
+  FSDPC_TRY(pg_mpi_status(
+      MPI_Iallgather(send, count, host_type(type), recv, count, host_type(type), pg->comm, &req),
+      what));
   return world_wait(&req, what);
 }
 
-status_t pg_agree(pg_t *pg, status_t st) {
+fsdpc_status_t pg_agree(pg_t *pg, fsdpc_status_t st) {
   if (pg == NULL) return err_set(STATUS_EINVAL, "pg_agree: no process group");
   return comm_agree(pg->comm, st);
 }
 
-status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
+fsdpc_status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
   ARG_NONNULL(pg);
   ARG_NONNULL(out);
   *out = NULL;
@@ -129,17 +129,17 @@ status_t pg_split(pg_t *pg, int color, int key, pg_t **out) {
   if (pg->planned) /* the other ranks' colors are unknown */
     return err_set(STATUS_EINVAL, "pg_split: a group of a planning world cannot be split");
   MPI_Comm sub;
-  TRY(pg_mpi_status(MPI_Comm_split(pg->comm, color, key, &sub), "MPI_Comm_split"));
+  FSDPC_TRY(pg_mpi_status(MPI_Comm_split(pg->comm, color, key, &sub), "MPI_Comm_split"));
   /* the parent's kind: an MPI group's part is one too, a device group's the mesh's choice;
    * an NCCL group's part is split from its communicator */
-  status_t st = pg->ops->split != NULL             ? pg->ops->split(pg, sub, color, key, out)
-                : strcmp(pg->ops->name, "mpi") == 0 ? pg_new_mpi(sub, out)
-                                                    : pg_new_for(sub, pg->device, out);
+  fsdpc_status_t st = pg->ops->split != NULL              ? pg->ops->split(pg, sub, color, key, out)
+                      : strcmp(pg->ops->name, "mpi") == 0 ? pg_new_mpi(sub, out)
+                                                          : pg_new_for(sub, pg->device, out);
   MPI_Comm_free(&sub);
   return st;
 }
 
-status_t pg_dup(pg_t *pg, pg_t **out) {
+fsdpc_status_t pg_dup(pg_t *pg, pg_t **out) {
   ARG_NONNULL(pg);
   ARG_NONNULL(out);
   *out = NULL;
@@ -149,7 +149,7 @@ status_t pg_dup(pg_t *pg, pg_t **out) {
 }
 
 /* The group kept with pg under n (see pg_kept_t), made on the first call for n. */
-static status_t kept(pg_t *pg, int n, pg_t **out) {
+static fsdpc_status_t kept(pg_t *pg, int n, pg_t **out) {
   for (pg_kept_t *k = pg->kept; k != NULL; k = k->next)
     if (k->n == n) {
       *out = k->g;
@@ -157,10 +157,10 @@ static status_t kept(pg_t *pg, int n, pg_t **out) {
     }
   pg_kept_t *k = calloc(1, sizeof *k);
   if (k == NULL) return err_set(STATUS_ENOMEM, "process group: out of host memory");
-  status_t st = pg->planned ? pg_new_planned(n ? n : pg->size, n ? pg->rank % n : pg->rank,
-                                             n ? pg->device : device_cpu(), &k->g)
-                : n == 0 ? pg_new_host(pg, &k->g)
-                         : pg_split(pg, pg->rank / n, pg->rank % n, &k->g);
+  fsdpc_status_t st = pg->planned ? pg_new_planned(n ? n : pg->size, n ? pg->rank % n : pg->rank,
+                                                   n ? pg->device : device_cpu(), &k->g)
+                      : n == 0 ? pg_new_host(pg, &k->g)
+                               : pg_split(pg, pg->rank / n, pg->rank % n, &k->g);
   if (st != STATUS_OK) {
     free(k);
     return st;
@@ -172,7 +172,7 @@ static status_t kept(pg_t *pg, int n, pg_t **out) {
   return STATUS_OK;
 }
 
-status_t pg_side_channel(pg_t *pg, pg_t **out) {
+fsdpc_status_t pg_side_channel(pg_t *pg, pg_t **out) {
   ARG_NONNULL(pg);
   ARG_NONNULL(out);
   *out = NULL;
@@ -180,7 +180,7 @@ status_t pg_side_channel(pg_t *pg, pg_t **out) {
   return kept(pg, 0, out);
 }
 
-status_t pg_consecutive(pg_t *pg, int n, pg_t **out) {
+fsdpc_status_t pg_consecutive(pg_t *pg, int n, pg_t **out) {
   ARG_NONNULL(pg);
   ARG_NONNULL(out);
   *out = NULL;
@@ -191,7 +191,7 @@ status_t pg_consecutive(pg_t *pg, int n, pg_t **out) {
   return kept(pg, n, out);
 }
 
-status_t pg_new_host(pg_t *pg, pg_t **out) {
+fsdpc_status_t pg_new_host(pg_t *pg, pg_t **out) {
   ARG_NONNULL(pg);
   ARG_NONNULL(out);
   *out = NULL;

@@ -12,34 +12,35 @@
 
 /* An MPI group over the ranks of comm (duplicated; the caller keeps comm). Collective over
  * comm. */
-status_t pg_new_mpi(MPI_Comm comm, pg_t **out);
+fsdpc_status_t pg_new_mpi(MPI_Comm comm, pg_t **out);
 /* An NCCL group over the ranks of comm using CUDA device `device` on this rank (the NCCL id
  * travels over comm). Collective over comm. STATUS_ENODEV without CUDA support or device. */
-status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out);
+fsdpc_status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out);
 /* A host-staged group (mesh/pg_staged.c) for buffers on dev; lazy: its test mode. Collective
  * over comm. */
-status_t pg_new_staged(MPI_Comm comm, device_t dev, bool lazy, pg_t **out);
+fsdpc_status_t pg_new_staged(MPI_Comm comm, device_t dev, bool lazy, pg_t **out);
 /* The group a mesh makes for buffers on dev: pg_device_backend()'s choice. */
-status_t pg_new_for(MPI_Comm comm, device_t dev, pg_t **out);
+fsdpc_status_t pg_new_for(MPI_Comm comm, device_t dev, pg_t **out);
 
 typedef struct pg_ops {
   const char *name;
-  status_t (*all_gather)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                         pg_work_t **work);
-  status_t (*reduce_scatter)(pg_t *pg, const void *send, void *recv, size_t recv_count, dtype_t dt,
-                             reduce_op_t op, pg_work_t **work);
-  status_t (*all_reduce)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                         reduce_op_t op, pg_work_t **work);
-  status_t (*all_to_all)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                         pg_work_t **work);
-  status_t (*broadcast)(pg_t *pg, void *buf, size_t count, dtype_t dt, int root, pg_work_t **work);
-  status_t (*barrier)(pg_t *pg, pg_work_t **work);
+  fsdpc_status_t (*all_gather)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                               pg_work_t **work);
+  fsdpc_status_t (*reduce_scatter)(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                                   dtype_t dt, reduce_op_t op, pg_work_t **work);
+  fsdpc_status_t (*all_reduce)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                               reduce_op_t op, pg_work_t **work);
+  fsdpc_status_t (*all_to_all)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
+                               pg_work_t **work);
+  fsdpc_status_t (*broadcast)(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                              pg_work_t **work);
+  fsdpc_status_t (*barrier)(pg_t *pg, pg_work_t **work);
   void (*destroy)(pg_t *pg);
   /* optional: the group of pg's ranks that gave the same color, ordered by key, made from
    * pg's own communicator; sub is its MPI side (MPI_Comm_split of pg->comm with the same
    * color and key; the caller keeps it). Collective over pg. Without it a split makes a new
    * group over sub. */
-  status_t (*split)(pg_t *pg, MPI_Comm sub, int color, int key, pg_t **out);
+  fsdpc_status_t (*split)(pg_t *pg, MPI_Comm sub, int color, int key, pg_t **out);
 } pg_ops_t;
 
 struct pg {
@@ -66,19 +67,19 @@ typedef struct pg_kept {
 /* Every backend's handle starts with this header; pg_wait calls complete(), which also
  * frees the handle. */
 struct pg_work {
-  status_t (*complete)(pg_work_t *work);
+  fsdpc_status_t (*complete)(pg_work_t *work);
 };
 
 /* A group of a planning world: size ranks, this process being rank; its collectives fail,
  * saying that a plan moves no data, its host values act as if every rank brought this one's.
  * Local. */
-status_t pg_new_planned(int size, int rank, device_t dev, pg_t **out);
+fsdpc_status_t pg_new_planned(int size, int rank, device_t dev, pg_t **out);
 
 /* Maps an MPI return code into a status with the failing call named. */
-status_t pg_mpi_status(int rc, const char *what);
+fsdpc_status_t pg_mpi_status(int rc, const char *what);
 
 /* Allocates a group with a duplicate of comm and fills rank and size; the backend fills the
  * rest. */
-status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out);
+fsdpc_status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out);
 
 #endif

@@ -54,16 +54,17 @@ static void f16_max(void *in, void *inout, int *len, MPI_Datatype *dt) {
   half_reduce(in, inout, len, f16_to_f32, f32_to_f16, 1);
 }
 
-static status_t half_types_init(void) {
+static fsdpc_status_t half_types_init(void) {
   if (half_ready) return STATUS_OK;
   for (int i = 0; i < 2; i++) {
-    TRY(pg_mpi_status(MPI_Type_contiguous(2, MPI_BYTE, &half_types[i]), "MPI_Type_contiguous"));
-    TRY(pg_mpi_status(MPI_Type_commit(&half_types[i]), "MPI_Type_commit"));
+    FSDPC_TRY(
+        pg_mpi_status(MPI_Type_contiguous(2, MPI_BYTE, &half_types[i]), "MPI_Type_contiguous"));
+    FSDPC_TRY(pg_mpi_status(MPI_Type_commit(&half_types[i]), "MPI_Type_commit"));
   }
-  TRY(pg_mpi_status(MPI_Op_create(bf16_sum, 1, &half_ops[0][0]), "MPI_Op_create"));
-  TRY(pg_mpi_status(MPI_Op_create(bf16_max, 1, &half_ops[0][1]), "MPI_Op_create"));
-  TRY(pg_mpi_status(MPI_Op_create(f16_sum, 1, &half_ops[1][0]), "MPI_Op_create"));
-  TRY(pg_mpi_status(MPI_Op_create(f16_max, 1, &half_ops[1][1]), "MPI_Op_create"));
+  FSDPC_TRY(pg_mpi_status(MPI_Op_create(bf16_sum, 1, &half_ops[0][0]), "MPI_Op_create"));
+  FSDPC_TRY(pg_mpi_status(MPI_Op_create(bf16_max, 1, &half_ops[0][1]), "MPI_Op_create"));
+  FSDPC_TRY(pg_mpi_status(MPI_Op_create(f16_sum, 1, &half_ops[1][0]), "MPI_Op_create"));
+  FSDPC_TRY(pg_mpi_status(MPI_Op_create(f16_max, 1, &half_ops[1][1]), "MPI_Op_create"));
   half_ready = 1;
   return STATUS_OK;
 }
@@ -86,9 +87,9 @@ static MPI_Op mpi_op(dtype_t dt, reduce_op_t op) {
   return is_max ? MPI_MAX : MPI_SUM;
 }
 
-static status_t mpi_complete(pg_work_t *base) {
+static fsdpc_status_t mpi_complete(pg_work_t *base) {
   mpi_work_t *w = (mpi_work_t *)base;
-  status_t st = world_wait(&w->req, w->what);
+  fsdpc_status_t st = world_wait(&w->req, w->what);
   if (st == STATUS_OK && w->avg_buf != NULL) {
     for (size_t i = 0; i < w->avg_count; i++)
       dtype_store(w->dt, w->avg_buf, i, dtype_load(w->dt, w->avg_buf, i) / w->divisor);
@@ -97,7 +98,7 @@ static status_t mpi_complete(pg_work_t *base) {
   return st;
 }
 
-static status_t new_work(const char *what, mpi_work_t **out) {
+static fsdpc_status_t new_work(const char *what, mpi_work_t **out) {
   mpi_work_t *w = calloc(1, sizeof *w);
   if (w == NULL) return err_set(STATUS_ENOMEM, "%s: out of host memory", what);
   w->base.complete = mpi_complete;
@@ -108,8 +109,8 @@ static status_t new_work(const char *what, mpi_work_t **out) {
 }
 
 /* Hands out the handle of a started request; on failure frees it instead. */
-static status_t started(mpi_work_t *w, int rc, pg_work_t **work) {
-  status_t st = pg_mpi_status(rc, w->what);
+static fsdpc_status_t started(mpi_work_t *w, int rc, pg_work_t **work) {
+  fsdpc_status_t st = pg_mpi_status(rc, w->what);
   if (st != STATUS_OK) {
     free(w);
     return st;
@@ -118,10 +119,10 @@ static status_t started(mpi_work_t *w, int rc, pg_work_t **work) {
   return STATUS_OK;
 }
 
-static status_t mpi_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                               pg_work_t **work) {
+static fsdpc_status_t mpi_all_gather(pg_t *pg, const void *send, void *recv, size_t count,
+                                     dtype_t dt, pg_work_t **work) {
   mpi_work_t *w = NULL;
-  TRY(new_work("MPI_Iallgather", &w));
+  FSDPC_TRY(new_work("MPI_Iallgather", &w));
   const void *src = send;
   if ((const char *)send == (const char *)recv + (size_t)pg->rank * count * dtype_size(dt))
     src = MPI_IN_PLACE;
@@ -131,10 +132,10 @@ static status_t mpi_all_gather(pg_t *pg, const void *send, void *recv, size_t co
                  work);
 }
 
-static status_t mpi_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
-                                   dtype_t dt, reduce_op_t op, pg_work_t **work) {
+static fsdpc_status_t mpi_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                                         dtype_t dt, reduce_op_t op, pg_work_t **work) {
   mpi_work_t *w = NULL;
-  TRY(new_work("MPI_Ireduce_scatter_block", &w));
+  FSDPC_TRY(new_work("MPI_Ireduce_scatter_block", &w));
   if (op == REDUCE_AVG) {
     w->avg_buf = recv;
     w->avg_count = recv_count;
@@ -147,10 +148,10 @@ static status_t mpi_reduce_scatter(pg_t *pg, const void *send, void *recv, size_
                  work);
 }
 
-static status_t mpi_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                               reduce_op_t op, pg_work_t **work) {
+static fsdpc_status_t mpi_all_reduce(pg_t *pg, const void *send, void *recv, size_t count,
+                                     dtype_t dt, reduce_op_t op, pg_work_t **work) {
   mpi_work_t *w = NULL;
-  TRY(new_work("MPI_Iallreduce", &w));
+  FSDPC_TRY(new_work("MPI_Iallreduce", &w));
   if (op == REDUCE_AVG) {
     w->avg_buf = recv;
     w->avg_count = count;
@@ -163,26 +164,26 @@ static status_t mpi_all_reduce(pg_t *pg, const void *send, void *recv, size_t co
                  work);
 }
 
-static status_t mpi_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                               pg_work_t **work) {
+static fsdpc_status_t mpi_all_to_all(pg_t *pg, const void *send, void *recv, size_t count,
+                                     dtype_t dt, pg_work_t **work) {
   mpi_work_t *w = NULL;
-  TRY(new_work("MPI_Ialltoall", &w));
+  FSDPC_TRY(new_work("MPI_Ialltoall", &w));
   return started(w,
                  MPI_Ialltoall(send, (int)count, mpi_type(dt), recv, (int)count, mpi_type(dt),
                                pg->comm, &w->req),
                  work);
 }
 
-static status_t mpi_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
-                              pg_work_t **work) {
+static fsdpc_status_t mpi_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                                    pg_work_t **work) {
   mpi_work_t *w = NULL;
-  TRY(new_work("MPI_Ibcast", &w));
+  FSDPC_TRY(new_work("MPI_Ibcast", &w));
   return started(w, MPI_Ibcast(buf, (int)count, mpi_type(dt), root, pg->comm, &w->req), work);
 }
 
-static status_t mpi_barrier(pg_t *pg, pg_work_t **work) {
+static fsdpc_status_t mpi_barrier(pg_t *pg, pg_work_t **work) {
   mpi_work_t *w = NULL;
-  TRY(new_work("MPI_Ibarrier", &w));
+  FSDPC_TRY(new_work("MPI_Ibarrier", &w));
   return started(w, MPI_Ibarrier(pg->comm, &w->req), work);
 }
 
@@ -197,7 +198,7 @@ static const pg_ops_t mpi_ops = {
     .destroy = NULL,
 };
 
-status_t pg_new_mpi(MPI_Comm comm, pg_t **out) {
-  TRY(half_types_init());
+fsdpc_status_t pg_new_mpi(MPI_Comm comm, pg_t **out) {
+  FSDPC_TRY(half_types_init());
   return pg_alloc(comm, &mpi_ops, device_cpu(), out);
 }

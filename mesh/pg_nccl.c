@@ -33,12 +33,12 @@ cudaStream_t cuda_stream_raw(stream_t *s);
 
 /* The status of an NCCL result: STATUS_OK, or STATUS_ENCCL with "WHAT: NCCL's text", for
  * calls outside a communicator (on one, nccl_comm_result also aborts it). */
-static status_t nccl_status(ncclResult_t rc, const char *what) {
+static fsdpc_status_t nccl_status(ncclResult_t rc, const char *what) {
   if (rc == ncclSuccess) return STATUS_OK;
   return err_set(STATUS_ENCCL, "%s: %s", what, ncclGetErrorString(rc));
 }
 
-#define NCCL_TRY(call) TRY(nccl_status((call), __FILE__ ":" CUDA_STR_(__LINE__) ": " #call))
+#define NCCL_TRY(call) FSDPC_TRY(nccl_status((call), __FILE__ ":" CUDA_STR_(__LINE__) ": " #call))
 
 /* NCCL's own functions behind mesh/nccl_comms.c's table */
 static int real_abort(void *c) { return (int)ncclCommAbort((ncclComm_t)c); }
@@ -66,7 +66,7 @@ typedef struct nccl_state {
 static ncclComm_t comm_of(nccl_state_t *s) { return (ncclComm_t)s->life.comm; }
 
 /* The result rc of a call on s's communicator (mesh/nccl_comms_impl.h). */
-static status_t settle(nccl_state_t *s, ncclResult_t rc, const char *what) {
+static fsdpc_status_t settle(nccl_state_t *s, ncclResult_t rc, const char *what) {
   return nccl_comm_result(&s->life, (int)rc, what);
 }
 
@@ -78,7 +78,7 @@ typedef struct nccl_work {
 
 static nccl_state_t *state(pg_t *pg) { return pg->impl; }
 
-static status_t nccl_complete(pg_work_t *base) {
+static fsdpc_status_t nccl_complete(pg_work_t *base) {
   nccl_work_t *w = (nccl_work_t *)base;
   cudaError_t e = cudaSetDevice(w->device);
   if (e == cudaSuccess)
@@ -89,7 +89,7 @@ static status_t nccl_complete(pg_work_t *base) {
 }
 
 /* Orders the communication stream after the caller's current stream. */
-static status_t begin(pg_t *pg) {
+static fsdpc_status_t begin(pg_t *pg) {
   if (state(pg)->life.aborted)
     return err_set(STATUS_ENCCL, "the NCCL communicator %s was aborted (the job is stopping)",
                    state(pg)->life.name);
@@ -104,14 +104,14 @@ static status_t begin(pg_t *pg) {
 }
 
 /* Records completion on the communication stream and hands out the handle. */
-static status_t end(pg_t *pg, pg_work_t **work) {
+static fsdpc_status_t end(pg_t *pg, pg_work_t **work) {
   nccl_work_t *w = calloc(1, sizeof *w);
   if (w == NULL) return err_set(STATUS_ENOMEM, "nccl: out of host memory");
   w->base.complete = nccl_complete;
   w->device = pg->device.index;
   cudaError_t e = cudaEventCreateWithFlags(&w->done, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaEventRecord(w->done, state(pg)->stream);
-  status_t st = cuda_status(e, "nccl end");
+  fsdpc_status_t st = cuda_status(e, "nccl end");
   if (st != STATUS_OK) {
     free(w);
     return st;
@@ -135,38 +135,39 @@ static ncclRedOp_t nccl_op(reduce_op_t op) {
   return op == REDUCE_AVG ? ncclAvg : op == REDUCE_MAX ? ncclMax : ncclSum;
 }
 
-static status_t nccl_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                                pg_work_t **work) {
-  TRY(begin(pg));
-  TRY(settle(state(pg),
+static fsdpc_status_t nccl_all_gather(pg_t *pg, const void *send, void *recv, size_t count,
+                                      dtype_t dt, pg_work_t **work) {
+  FSDPC_TRY(begin(pg));
+  FSDPC_TRY(
+      settle(state(pg),
              ncclAllGather(send, recv, count, nccl_type(dt), comm_of(state(pg)), state(pg)->stream),
              "ncclAllGather"));
   return end(pg, work);
 }
 
-static status_t nccl_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
-                                    dtype_t dt, reduce_op_t op, pg_work_t **work) {
-  TRY(begin(pg));
-  TRY(settle(state(pg),
-             ncclReduceScatter(send, recv, recv_count, nccl_type(dt), nccl_op(op),
-                               comm_of(state(pg)), state(pg)->stream),
-             "ncclReduceScatter"));
+static fsdpc_status_t nccl_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
+                                          dtype_t dt, reduce_op_t op, pg_work_t **work) {
+  FSDPC_TRY(begin(pg));
+  FSDPC_TRY(settle(state(pg),
+                   ncclReduceScatter(send, recv, recv_count, nccl_type(dt), nccl_op(op),
+                                     comm_of(state(pg)), state(pg)->stream),
+                   "ncclReduceScatter"));
   return end(pg, work);
 }
 
-static status_t nccl_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                                reduce_op_t op, pg_work_t **work) {
-  TRY(begin(pg));
-  TRY(settle(state(pg),
-             ncclAllReduce(send, recv, count, nccl_type(dt), nccl_op(op), comm_of(state(pg)),
-                           state(pg)->stream),
-             "ncclAllReduce"));
+static fsdpc_status_t nccl_all_reduce(pg_t *pg, const void *send, void *recv, size_t count,
+                                      dtype_t dt, reduce_op_t op, pg_work_t **work) {
+  FSDPC_TRY(begin(pg));
+  FSDPC_TRY(settle(state(pg),
+                   ncclAllReduce(send, recv, count, nccl_type(dt), nccl_op(op), comm_of(state(pg)),
+                                 state(pg)->stream),
+                   "ncclAllReduce"));
   return end(pg, work);
 }
 
-static status_t nccl_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                                pg_work_t **work) {
-  TRY(begin(pg));
+static fsdpc_status_t nccl_all_to_all(pg_t *pg, const void *send, void *recv, size_t count,
+                                      dtype_t dt, pg_work_t **work) {
+  FSDPC_TRY(begin(pg));
   size_t block = count * dtype_size(dt);
   NCCL_TRY(ncclGroupStart());
   for (int peer = 0; peer < pg->size; peer++) {
@@ -175,27 +176,27 @@ static status_t nccl_all_to_all(pg_t *pg, const void *send, void *recv, size_t c
     ncclRecv((char *)recv + peer * block, count, nccl_type(dt), peer, comm_of(state(pg)),
              state(pg)->stream);
   }
-  TRY(settle(state(pg), ncclGroupEnd(), "ncclGroupEnd (all-to-all)"));
+  FSDPC_TRY(settle(state(pg), ncclGroupEnd(), "ncclGroupEnd (all-to-all)"));
   return end(pg, work);
 }
 
-static status_t nccl_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
-                               pg_work_t **work) {
-  TRY(begin(pg));
-  TRY(settle(state(pg),
-             ncclBroadcast(buf, buf, count, nccl_type(dt), root, comm_of(state(pg)),
-                           state(pg)->stream),
-             "ncclBroadcast"));
+static fsdpc_status_t nccl_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                                     pg_work_t **work) {
+  FSDPC_TRY(begin(pg));
+  FSDPC_TRY(settle(
+      state(pg),
+      ncclBroadcast(buf, buf, count, nccl_type(dt), root, comm_of(state(pg)), state(pg)->stream),
+      "ncclBroadcast"));
   return end(pg, work);
 }
 
 /* A barrier orders ranks, not streams: the host-side MPI barrier of the group (under the
  * stop channel and the watchdog). */
-static status_t nccl_barrier(pg_t *pg, pg_work_t **work) {
+static fsdpc_status_t nccl_barrier(pg_t *pg, pg_work_t **work) {
   MPI_Request req;
-  TRY(pg_mpi_status(MPI_Ibarrier(pg->comm, &req), "MPI_Ibarrier"));
-  TRY(world_wait(&req, "MPI_Ibarrier (NCCL group)"));
-  TRY(begin(pg));
+  FSDPC_TRY(pg_mpi_status(MPI_Ibarrier(pg->comm, &req), "MPI_Ibarrier"));
+  FSDPC_TRY(world_wait(&req, "MPI_Ibarrier (NCCL group)"));
+  FSDPC_TRY(begin(pg));
   return end(pg, work);
 }
 
@@ -210,7 +211,7 @@ static void nccl_destroy(pg_t *pg) {
   free(s);
 }
 
-static status_t nccl_split(pg_t *pg, MPI_Comm sub, int color, int key, pg_t **out);
+static fsdpc_status_t nccl_split(pg_t *pg, MPI_Comm sub, int color, int key, pg_t **out);
 
 static const pg_ops_t nccl_ops = {
     .name = "nccl",
@@ -228,16 +229,17 @@ static const pg_ops_t nccl_ops = {
  * communicator, or, with a parent, split from the parent's communicator (collective over the
  * parent: color and key as for MPI_Comm_split). The memory it takes on the device is counted
  * in mem_stats' comm. */
-static status_t open_comm(pg_t *pg, nccl_state_t *s, nccl_state_t *parent, int color, int key) {
+static fsdpc_status_t open_comm(pg_t *pg, nccl_state_t *s, nccl_state_t *parent, int color,
+                                int key) {
   int device = pg->device.index;
   ncclUniqueId id;
   if (parent == NULL) {
     if (pg->rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
       memset(&id, 0, sizeof id); /* every rank still joins the broadcast; init then fails */
     MPI_Request req;
-    TRY(pg_mpi_status(MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, pg->comm, &req),
-                      "MPI_Ibcast (NCCL id)"));
-    TRY(world_wait(&req, "MPI_Ibcast (NCCL id)"));
+    FSDPC_TRY(pg_mpi_status(MPI_Ibcast(&id, sizeof id, MPI_BYTE, 0, pg->comm, &req),
+                            "MPI_Ibcast (NCCL id)"));
+    FSDPC_TRY(world_wait(&req, "MPI_Ibcast (NCCL id)"));
   } else if (parent->life.aborted) {
     return err_set(STATUS_ENCCL, "the NCCL communicator %s was aborted (the job is stopping)",
                    parent->life.name);
@@ -249,7 +251,7 @@ static status_t open_comm(pg_t *pg, nccl_state_t *s, nccl_state_t *parent, int c
   if (e == cudaSuccess) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
   if (e == cudaSuccess)
     e = cudaStreamCreateWithPriority(&s->stream, cudaStreamNonBlocking, greatest);
-  TRY(cuda_status(e, what));
+  FSDPC_TRY(cuda_status(e, what));
   size_t free_before = 0, free_after = 0, total = 0;
   if (cudaMemGetInfo(&free_before, &total) != cudaSuccess) free_before = 0;
   snprintf(what, sizeof what, "%s (rank %d of %d on cuda:%d)",
@@ -271,8 +273,8 @@ static status_t open_comm(pg_t *pg, nccl_state_t *s, nccl_state_t *parent, int c
   nccl_comm_track(&s->life); /* a stop while it connects aborts it too */
   /* the communicator is usable once ncclCommGetAsyncError no longer says ncclInProgress (a
    * split: the parent's too); a failure aborts it */
-  TRY(nccl_comm_result(&s->life, (int)rc, what));
-  if (parent) TRY(nccl_comm_settle(&parent->life, "ncclCommSplit (the parent communicator)"));
+  FSDPC_TRY(nccl_comm_result(&s->life, (int)rc, what));
+  if (parent) FSDPC_TRY(nccl_comm_settle(&parent->life, "ncclCommSplit (the parent communicator)"));
   if (free_before > 0 && cudaMemGetInfo(&free_after, &total) == cudaSuccess &&
       free_after < free_before) {
     s->held = free_before - free_after;
@@ -282,20 +284,20 @@ static status_t open_comm(pg_t *pg, nccl_state_t *s, nccl_state_t *parent, int c
 }
 
 /* An NCCL group over comm, its communicator new or split from parent's. */
-static status_t new_group(MPI_Comm comm, int device, pg_t *parent, int color, int key,
-                          pg_t **out) {
+static fsdpc_status_t new_group(MPI_Comm comm, int device, pg_t *parent, int color, int key,
+                                pg_t **out) {
   *out = NULL;
-  TRY(device_check(device_cuda(device)));
+  FSDPC_TRY(device_check(device_cuda(device)));
   pg_t *pg = NULL;
-  TRY(pg_alloc(comm, &nccl_ops, device_cuda(device), &pg));
-  status_t st = STATUS_OK;
+  FSDPC_TRY(pg_alloc(comm, &nccl_ops, device_cuda(device), &pg));
+  fsdpc_status_t st = STATUS_OK;
   nccl_state_t *s = calloc(1, sizeof *s);
   if (s == NULL) {
     st = err_set(STATUS_ENOMEM, "nccl: out of host memory");
     goto cleanup;
   }
   pg->impl = s;
-  TRY_GOTO(st, open_comm(pg, s, parent ? state(parent) : NULL, color, key));
+  FSDPC_TRY_GOTO(st, open_comm(pg, s, parent ? state(parent) : NULL, color, key));
   *out = pg;
   return STATUS_OK;
 cleanup:
@@ -303,10 +305,10 @@ cleanup:
   return st;
 }
 
-static status_t nccl_split(pg_t *pg, MPI_Comm sub, int color, int key, pg_t **out) {
+static fsdpc_status_t nccl_split(pg_t *pg, MPI_Comm sub, int color, int key, pg_t **out) {
   return new_group(sub, pg->device.index, pg, color, key, out);
 }
 
-status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
+fsdpc_status_t pg_new_nccl(MPI_Comm comm, int device, pg_t **out) {
   return new_group(comm, device, NULL, 0, 0, out);
 }

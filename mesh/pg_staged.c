@@ -58,7 +58,7 @@ static void work_free(staged_work_t *w) {
 }
 
 /* The copy in, where it has not happened yet (the CPU in lazy mode). */
-static status_t copy_in_now(staged_work_t *w) {
+static fsdpc_status_t copy_in_now(staged_work_t *w) {
   if (w->copied_in) return STATUS_OK;
   w->copied_in = true;
   return stream_copy_async(w->pg->device, state(w->pg)->stream, w->hsend, w->send, w->send_bytes);
@@ -66,34 +66,38 @@ static status_t copy_in_now(staged_work_t *w) {
 
 /* The exchange on the host buffers (the host waits for the copy in first), then the copy
  * back, recorded by w->done. */
-static status_t exchange(staged_work_t *w) {
+static fsdpc_status_t exchange(staged_work_t *w) {
   w->exchanged = true;
   pg_t *pg = w->pg, *h = state(pg)->host;
-  TRY(copy_in_now(w));
-  if (state(pg)->stream != NULL) TRY(stream_synchronize(state(pg)->stream));
+  FSDPC_TRY(copy_in_now(w));
+  if (state(pg)->stream != NULL) FSDPC_TRY(stream_synchronize(state(pg)->stream));
   pg_work_t *hw = NULL;
   switch (w->kind) {
-    case ALL_GATHER: TRY(h->ops->all_gather(h, w->hsend, w->hrecv, w->count, w->dt, &hw)); break;
+    case ALL_GATHER:
+      FSDPC_TRY(h->ops->all_gather(h, w->hsend, w->hrecv, w->count, w->dt, &hw));
+      break;
     case REDUCE_SCATTER:
-      TRY(h->ops->reduce_scatter(h, w->hsend, w->hrecv, w->count, w->dt, w->op, &hw));
+      FSDPC_TRY(h->ops->reduce_scatter(h, w->hsend, w->hrecv, w->count, w->dt, w->op, &hw));
       break;
     case ALL_REDUCE:
-      TRY(h->ops->all_reduce(h, w->hsend, w->hrecv, w->count, w->dt, w->op, &hw));
+      FSDPC_TRY(h->ops->all_reduce(h, w->hsend, w->hrecv, w->count, w->dt, w->op, &hw));
       break;
-    case ALL_TO_ALL: TRY(h->ops->all_to_all(h, w->hsend, w->hrecv, w->count, w->dt, &hw)); break;
+    case ALL_TO_ALL:
+      FSDPC_TRY(h->ops->all_to_all(h, w->hsend, w->hrecv, w->count, w->dt, &hw));
+      break;
     case BROADCAST:
       memcpy(w->hrecv, w->hsend, w->recv_bytes);
-      TRY(h->ops->broadcast(h, w->hrecv, w->count, w->dt, w->root, &hw));
+      FSDPC_TRY(h->ops->broadcast(h, w->hrecv, w->count, w->dt, w->root, &hw));
       break;
   }
-  TRY(pg_wait(hw));
-  TRY(stream_copy_async(pg->device, state(pg)->stream, w->recv, w->hrecv, w->recv_bytes));
+  FSDPC_TRY(pg_wait(hw));
+  FSDPC_TRY(stream_copy_async(pg->device, state(pg)->stream, w->recv, w->hrecv, w->recv_bytes));
   return event_record(w->done, state(pg)->stream);
 }
 
-static status_t staged_complete(pg_work_t *base) {
+static fsdpc_status_t staged_complete(pg_work_t *base) {
   staged_work_t *w = (staged_work_t *)base;
-  status_t st = w->exchanged ? STATUS_OK : exchange(w);
+  fsdpc_status_t st = w->exchanged ? STATUS_OK : exchange(w);
   device_t dev = w->pg->device;
   if (st == STATUS_OK) st = stream_wait_event(stream_current(dev), w->done);
   if (st == STATUS_OK) st = event_synchronize(w->done); /* before the staging memory goes */
@@ -103,14 +107,14 @@ static status_t staged_complete(pg_work_t *base) {
 
 /* Starts a collective: staging memory, the copy in ordered after the caller's stream (lazy:
  * behind a delay kernel, or on the CPU at pg_wait), and unless lazy the exchange. */
-static status_t start(pg_t *pg, staged_work_t *proto, pg_work_t **work) {
+static fsdpc_status_t start(pg_t *pg, staged_work_t *proto, pg_work_t **work) {
   staged_t *s = state(pg);
   staged_work_t *w = calloc(1, sizeof *w);
   if (w == NULL) return err_set(STATUS_ENOMEM, "host-staged group: out of host memory");
   *w = *proto;
   w->base.complete = staged_complete;
   w->pg = pg;
-  status_t st = device_staging_alloc(pg->device, w->send_bytes, &w->hsend);
+  fsdpc_status_t st = device_staging_alloc(pg->device, w->send_bytes, &w->hsend);
   if (st == STATUS_OK) st = device_staging_alloc(pg->device, w->recv_bytes, &w->hrecv);
   if (st == STATUS_OK) st = event_new(pg->device, &w->done);
   if (st == STATUS_OK && s->stream != NULL) {
@@ -129,8 +133,8 @@ static status_t start(pg_t *pg, staged_work_t *proto, pg_work_t **work) {
   return STATUS_OK;
 }
 
-static status_t staged_all_gather(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                                  pg_work_t **work) {
+static fsdpc_status_t staged_all_gather(pg_t *pg, const void *send, void *recv, size_t count,
+                                        dtype_t dt, pg_work_t **work) {
   size_t n = count * dtype_size(dt);
   staged_work_t p = {.kind = ALL_GATHER,
                      .send = send,
@@ -142,8 +146,9 @@ static status_t staged_all_gather(pg_t *pg, const void *send, void *recv, size_t
   return start(pg, &p, work);
 }
 
-static status_t staged_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t recv_count,
-                                      dtype_t dt, reduce_op_t op, pg_work_t **work) {
+static fsdpc_status_t staged_reduce_scatter(pg_t *pg, const void *send, void *recv,
+                                            size_t recv_count, dtype_t dt, reduce_op_t op,
+                                            pg_work_t **work) {
   size_t n = recv_count * dtype_size(dt);
   staged_work_t p = {.kind = REDUCE_SCATTER,
                      .send = send,
@@ -156,8 +161,8 @@ static status_t staged_reduce_scatter(pg_t *pg, const void *send, void *recv, si
   return start(pg, &p, work);
 }
 
-static status_t staged_all_reduce(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                                  reduce_op_t op, pg_work_t **work) {
+static fsdpc_status_t staged_all_reduce(pg_t *pg, const void *send, void *recv, size_t count,
+                                        dtype_t dt, reduce_op_t op, pg_work_t **work) {
   size_t n = count * dtype_size(dt);
   staged_work_t p = {.kind = ALL_REDUCE,
                      .send = send,
@@ -170,8 +175,8 @@ static status_t staged_all_reduce(pg_t *pg, const void *send, void *recv, size_t
   return start(pg, &p, work);
 }
 
-static status_t staged_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
-                                  pg_work_t **work) {
+static fsdpc_status_t staged_all_to_all(pg_t *pg, const void *send, void *recv, size_t count,
+                                        dtype_t dt, pg_work_t **work) {
   size_t n = count * dtype_size(dt) * (size_t)pg->size;
   staged_work_t p = {.kind = ALL_TO_ALL,
                      .send = send,
@@ -183,8 +188,8 @@ static status_t staged_all_to_all(pg_t *pg, const void *send, void *recv, size_t
   return start(pg, &p, work);
 }
 
-static status_t staged_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
-                                 pg_work_t **work) {
+static fsdpc_status_t staged_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
+                                       pg_work_t **work) {
   size_t n = count * dtype_size(dt);
   staged_work_t p = {.kind = BROADCAST,
                      .send = buf,
@@ -198,8 +203,8 @@ static status_t staged_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, 
 }
 
 /* A barrier orders ranks, not streams: the exchange group's, after the caller's stream. */
-static status_t staged_barrier(pg_t *pg, pg_work_t **work) {
-  TRY(stream_synchronize(stream_current(pg->device)));
+static fsdpc_status_t staged_barrier(pg_t *pg, pg_work_t **work) {
+  FSDPC_TRY(stream_synchronize(stream_current(pg->device)));
   pg_t *h = state(pg)->host;
   return h->ops->barrier(h, work);
 }
@@ -225,13 +230,13 @@ static const pg_ops_t staged_ops = {
     .destroy = staged_destroy,
 };
 
-status_t pg_new_staged(MPI_Comm comm, device_t dev, bool lazy, pg_t **out) {
+fsdpc_status_t pg_new_staged(MPI_Comm comm, device_t dev, bool lazy, pg_t **out) {
   *out = NULL;
-  TRY(device_check(dev));
+  FSDPC_TRY(device_check(dev));
   pg_t *pg = NULL;
-  TRY(pg_alloc(comm, &staged_ops, dev, &pg));
+  FSDPC_TRY(pg_alloc(comm, &staged_ops, dev, &pg));
   staged_t *s = calloc(1, sizeof *s);
-  status_t st =
+  fsdpc_status_t st =
       s == NULL ? err_set(STATUS_ENOMEM, "host-staged group: out of host memory") : STATUS_OK;
   if (st == STATUS_OK) {
     pg->impl = s;

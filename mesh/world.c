@@ -27,11 +27,11 @@ static int we_initialised;
 static int mpi_size(void);
 static pg_t *world_group; /* every rank, host */
 
-static status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,
-                                MPI_Op op, MPI_Comm comm, const char *what);
-static status_t world_barrier(MPI_Comm comm, const char *what);
-static status_t world_allgather(const void *mine, int bytes, void *all, MPI_Comm comm,
-                                const char *what);
+static fsdpc_status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,
+                                      MPI_Op op, MPI_Comm comm, const char *what);
+static fsdpc_status_t world_barrier(MPI_Comm comm, const char *what);
+static fsdpc_status_t world_allgather(const void *mine, int bytes, void *all, MPI_Comm comm,
+                                      const char *what);
 static int local_rank = -1, local_size = -1;
 
 /* The stop channel: a receive from any rank, posted at start-up on a communicator of its own. */
@@ -46,14 +46,14 @@ static MPI_Request stop_req = MPI_REQUEST_NULL;
 static stop_msg_t stop_in, stop_out;
 static bool stopped, unanswered;
 static pthread_t main_thread; /* the thread that started MPI (MPI_THREAD_FUNNELED) */
-static status_t device_wait_check(const char *what, double waited);
-static status_t stopped_error(void);
-static status_t stop_status;
+static fsdpc_status_t device_wait_check(const char *what, double waited);
+static fsdpc_status_t stopped_error(void);
+static fsdpc_status_t stop_status;
 static char stop_reason[sizeof stop_in.text + 32];
 
-static status_t stop_channel_open(void) {
+static fsdpc_status_t stop_channel_open(void) {
   if (stop_comm != MPI_COMM_NULL) return STATUS_OK;
-  TRY(pg_mpi_status(MPI_Comm_dup(MPI_COMM_WORLD, &stop_comm), "MPI_Comm_dup"));
+  FSDPC_TRY(pg_mpi_status(MPI_Comm_dup(MPI_COMM_WORLD, &stop_comm), "MPI_Comm_dup"));
   MPI_Comm_set_errhandler(stop_comm, MPI_ERRORS_RETURN);
   return pg_mpi_status(MPI_Irecv(&stop_in, (int)sizeof stop_in, MPI_BYTE, MPI_ANY_SOURCE, STOP_TAG,
                                  stop_comm, &stop_req),
@@ -70,7 +70,7 @@ static int env_int(const char *name, int *out) {
   return 1;
 }
 
-status_t world_init(int *argc, char ***argv) {
+fsdpc_status_t world_init(int *argc, char ***argv) {
   int ready = 0;
   MPI_Initialized(&ready);
   if (!ready) {
@@ -100,14 +100,14 @@ status_t world_init(int *argc, char ***argv) {
                (env_int("MPI_LOCALRANKID", &local_rank) && env_int("MPI_LOCALNRANKS", &local_size));
   if (!known) { /* the ranks sharing this node's memory */
     MPI_Comm node;
-    TRY(pg_mpi_status(
+    FSDPC_TRY(pg_mpi_status(
         MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
         "MPI_Comm_split_type"));
     MPI_Comm_rank(node, &local_rank);
     MPI_Comm_size(node, &local_size);
     MPI_Comm_free(&node);
   }
-  if (world_group == NULL) TRY(pg_new_mpi(MPI_COMM_WORLD, &world_group));
+  if (world_group == NULL) FSDPC_TRY(pg_new_mpi(MPI_COMM_WORLD, &world_group));
   main_thread = pthread_self();
   device_set_wait_hook(device_wait_check);
   return stop_channel_open();
@@ -175,7 +175,7 @@ int world_size(void) { return planned_size > 0 ? planned_size : mpi_size(); }
 
 bool world_planning(void) { return planned_size > 0; }
 
-status_t world_plan_as(int n, int ranks_per_node) {
+fsdpc_status_t world_plan_as(int n, int ranks_per_node) {
   if (world_group == NULL) return err_set(STATUS_EINVAL, "world_plan_as: call world_init first");
   if (mpi_size() != 1)
     return err_set(STATUS_EINVAL, "a planning world is planned from one process; %d were started",
@@ -184,7 +184,7 @@ status_t world_plan_as(int n, int ranks_per_node) {
     return err_set(STATUS_EINVAL, "a planning world needs at least one rank (%d, %d per node)", n,
                    ranks_per_node);
   pg_t *g;
-  TRY(pg_new_planned(n, 0, device_cpu(), &g));
+  FSDPC_TRY(pg_new_planned(n, 0, device_cpu(), &g));
   pg_release(world_group);
   world_group = g;
   planned_size = n;
@@ -204,7 +204,7 @@ device_t world_device(void) {
   return device_cuda(world_local_rank() % n);
 }
 
-static status_t real_devices_seen(int local_rank, device_seen_t *out) {
+static fsdpc_status_t real_devices_seen(int local_rank, device_seen_t *out) {
   memset(out, 0, sizeof *out);
   out->count = device_cuda_count();
   if (out->count <= 0) return STATUS_OK;
@@ -240,13 +240,13 @@ static uint64_t host_hash(void) {
 
 /* Gathers every rank's device to every rank and writes rank 0's line: each rank's ordinal
  * and UUID up to 8 ranks, else how many ranks, devices and nodes. */
-static status_t describe_assignment(int index, const device_uuid_t *uuid) {
+static fsdpc_status_t describe_assignment(int index, const device_uuid_t *uuid) {
   int n = mpi_size(), me = world_rank();
   rank_device_t *all = calloc((size_t)n, sizeof *all);
   if (all == NULL) return err_set(STATUS_ENOMEM, "device assignment: out of host memory");
   rank_device_t mine = {host_hash(), index, 0, *uuid};
-  status_t st = world_allgather(&mine, (int)sizeof mine, all, MPI_COMM_WORLD,
-                                "MPI_Iallgather (device assignment)");
+  fsdpc_status_t st = world_allgather(&mine, (int)sizeof mine, all, MPI_COMM_WORLD,
+                                      "MPI_Iallgather (device assignment)");
   assignment[0] = 0;
   if (st == STATUS_OK && me == 0) {
     size_t at = 0;
@@ -277,7 +277,7 @@ static status_t describe_assignment(int index, const device_uuid_t *uuid) {
   return st;
 }
 
-status_t world_choose_device(device_want_t want, device_t *out, char *why, size_t why_size) {
+fsdpc_status_t world_choose_device(device_want_t want, device_t *out, char *why, size_t why_size) {
   ARG_NONNULL(out);
   device_type_t type = DEVICE_CPU;
   *out = device_cpu();
@@ -285,10 +285,11 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
   assignment[0] = 0;
   /* what each rank of the node sees, gathered over the node */
   device_seen_t mine_seen = {0};
-  status_t st = want == DEVICE_WANT_CPU ? STATUS_OK : devices_seen(world_local_rank(), &mine_seen);
+  fsdpc_status_t st =
+      want == DEVICE_WANT_CPU ? STATUS_OK : devices_seen(world_local_rank(), &mine_seen);
   MPI_Comm node = MPI_COMM_SELF;
   if (!world_planning() && mpi_size() > 1)
-    TRY(pg_mpi_status(
+    FSDPC_TRY(pg_mpi_status(
         MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
         "MPI_Comm_split_type (device choice)"));
   int nl = 1, me = 0;
@@ -299,8 +300,8 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
     if (node != MPI_COMM_SELF) MPI_Comm_free(&node);
     return err_set(STATUS_ENOMEM, "device choice: out of host memory");
   }
-  status_t gs = world_allgather(&mine_seen, (int)sizeof mine_seen, seen, node,
-                                "MPI_Iallgather (the node's devices)");
+  fsdpc_status_t gs = world_allgather(&mine_seen, (int)sizeof mine_seen, seen, node,
+                                      "MPI_Iallgather (the node's devices)");
   if (node != MPI_COMM_SELF) MPI_Comm_free(&node);
   if (gs != STATUS_OK) {
     free(seen);
@@ -314,8 +315,8 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
    * chose CUDA */
   int mine[3] = {st == STATUS_OK, st != STATUS_OK, st == STATUS_OK && type == DEVICE_CUDA};
   int all[3];
-  TRY(world_allreduce(mine, all, 3, MPI_INT, MPI_MIN, MPI_COMM_WORLD,
-                      "MPI_Allreduce (device choice)"));
+  FSDPC_TRY(world_allreduce(mine, all, 3, MPI_INT, MPI_MIN, MPI_COMM_WORLD,
+                            "MPI_Allreduce (device choice)"));
   if (all[1]) return st; /* each rank keeps its own message (one line in a report) */
   if (!all[0]) return comm_agree(MPI_COMM_WORLD, st); /* the others learn the failing one's */
   /* auto: one mesh device type for the whole job, the CPU when any node falls short */
@@ -328,7 +329,7 @@ status_t world_choose_device(device_want_t want, device_t *out, char *why, size_
   return describe_assignment(out->index, &mine_seen.pick);
 }
 
-status_t comm_agree(MPI_Comm comm, status_t st) {
+fsdpc_status_t comm_agree(MPI_Comm comm, fsdpc_status_t st) {
   if (stopped) return stopped_error(); /* see world_allreduce */
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
@@ -338,9 +339,9 @@ status_t comm_agree(MPI_Comm comm, status_t st) {
   } mine = {st == STATUS_OK ? 1 : 0, rank}, worst;
   /* MINLOC over (ok flag, rank): the lowest failing rank if any failed. */
   MPI_Request req;
-  TRY(pg_mpi_status(MPI_Iallreduce(&mine, &worst, 1, MPI_2INT, MPI_MINLOC, comm, &req),
-                    "MPI_Iallreduce (agreement)"));
-  TRY(world_wait(&req, "MPI_Iallreduce (agreement)"));
+  FSDPC_TRY(pg_mpi_status(MPI_Iallreduce(&mine, &worst, 1, MPI_2INT, MPI_MINLOC, comm, &req),
+                          "MPI_Iallreduce (agreement)"));
+  FSDPC_TRY(world_wait(&req, "MPI_Iallreduce (agreement)"));
   if (worst.code == 1) return STATUS_OK;
   struct {
     int status, world_rank;
@@ -352,14 +353,14 @@ status_t comm_agree(MPI_Comm comm, status_t st) {
     msg.world_rank = world_rank();
     snprintf(msg.text, sizeof msg.text, "%s", err_detail());
   }
-  TRY(pg_mpi_status(MPI_Ibcast(&msg, (int)sizeof msg, MPI_BYTE, worst.rank, comm, &req),
-                    "MPI_Ibcast (agreement)"));
-  TRY(world_wait(&req, "MPI_Ibcast (agreement)"));
+  FSDPC_TRY(pg_mpi_status(MPI_Ibcast(&msg, (int)sizeof msg, MPI_BYTE, worst.rank, comm, &req),
+                          "MPI_Ibcast (agreement)"));
+  FSDPC_TRY(world_wait(&req, "MPI_Ibcast (agreement)"));
   if (st != STATUS_OK) return st; /* a failing rank keeps its own */
-  return err_set((status_t)msg.status, "rank %d: %s", msg.world_rank, msg.text);
+  return err_set((fsdpc_status_t)msg.status, "rank %d: %s", msg.world_rank, msg.text);
 }
 
-status_t world_check_launch(void) {
+fsdpc_status_t world_check_launch(void) {
   static const struct {
     const char *var, *launcher, *instead;
   } envs[] = {{"WORLD_SIZE", "torchrun or another PyTorch launcher",
@@ -408,7 +409,7 @@ static int rank_list(char *out, size_t cap, const char *msgs, size_t n, int size
   return count;
 }
 
-bool world_agree_report(status_t st, const char *prog) {
+bool world_agree_report(fsdpc_status_t st, const char *prog) {
   enum { N = 1024 }; /* message bytes per rank */
   if (prog == NULL) prog = "fsdpc";
   if (!mpi_running()) { /* a world of one */
@@ -436,7 +437,7 @@ bool world_agree_report(status_t st, const char *prog) {
   memset(text, 0, sizeof text);
   if (mine[0]) snprintf(text, sizeof text, "%s", err_detail());
   MPI_Request req;
-  status_t gs =
+  fsdpc_status_t gs =
       pg_mpi_status(MPI_Igather(text, N, MPI_CHAR, all, N, MPI_CHAR, 0, MPI_COMM_WORLD, &req),
                     "MPI_Igather (error messages)");
   if (gs == STATUS_OK) gs = world_wait(&req, "MPI_Igather (error messages)");
@@ -462,19 +463,19 @@ bool world_agree_report(status_t st, const char *prog) {
 
 /* ---- stopping ---- */
 
-static status_t stopped_error(void) { return err_set(stop_status, "%s", stop_reason); }
+static fsdpc_status_t stopped_error(void) { return err_set(stop_status, "%s", stop_reason); }
 
-static status_t take_stop(void) {
+static fsdpc_status_t take_stop(void) {
   stopped = true;
   nccl_comm_abort_all(); /* the device work a wait may be behind ends too */
-  stop_status = stop_in.status < 0 ? (status_t)stop_in.status : STATUS_EINTERNAL;
+  stop_status = stop_in.status < 0 ? (fsdpc_status_t)stop_in.status : STATUS_EINTERNAL;
   stop_in.text[sizeof stop_in.text - 1] = 0;
   unanswered = unanswered || stop_in.unanswered;
   snprintf(stop_reason, sizeof stop_reason, "rank %d: %s", stop_in.rank, stop_in.text);
   return stopped_error();
 }
 
-status_t world_check(void) {
+fsdpc_status_t world_check(void) {
   if (!stopped && stop_req != MPI_REQUEST_NULL) { /* a stop that arrived meanwhile */
     int got = 0;
     if (MPI_Test(&stop_req, &got, MPI_STATUS_IGNORE) == MPI_SUCCESS && got) return take_stop();
@@ -487,12 +488,12 @@ static double watchdog_s = WORLD_DEFAULT_TIMEOUT_S;
 void world_set_timeout(double seconds) { watchdog_s = seconds > 0 ? seconds : 0; }
 double world_timeout(void) { return watchdog_s; }
 
-status_t world_wait(MPI_Request *req, const char *what) {
+fsdpc_status_t world_wait(MPI_Request *req, const char *what) {
   if (stopped) return stopped_error();
   if (*req == MPI_REQUEST_NULL) return STATUS_OK; /* nothing to wait for */
   if (watchdog_s > 0) {
     bool late = false;
-    TRY(world_wait_for(req, watchdog_s, what, &late));
+    FSDPC_TRY(world_wait_for(req, watchdog_s, what, &late));
     if (!late) return STATUS_OK;
     /* the others learn it through the stop channel; a rank blocked elsewhere is ended by the
      * launcher when this one exits non-zero */
@@ -512,7 +513,7 @@ status_t world_wait(MPI_Request *req, const char *what) {
   return idx == 1 ? take_stop() : STATUS_OK;
 }
 
-status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool *timed_out) {
+fsdpc_status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool *timed_out) {
   *timed_out = false;
   if (stopped) return stopped_error();
   if (*req == MPI_REQUEST_NULL) return STATUS_OK;
@@ -525,7 +526,7 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
     stop_req = rs[1];
     if (rc != MPI_SUCCESS) return pg_mpi_status(rc, what);
     if (done) return idx == 1 ? take_stop() : STATUS_OK;
-    status_t nst = nccl_comm_poll_errors(); /* a device collective's peer or link failed */
+    fsdpc_status_t nst = nccl_comm_poll_errors(); /* a device collective's peer or link failed */
     if (nst != STATUS_OK) return world_stop(err_prefix(nst, "%s", what));
     if (MPI_Wtime() >= end) {
       *timed_out = true;
@@ -543,9 +544,9 @@ status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool
 /* The wait hook of host waits for device work (core/device.h): a stop ends them, as does a
  * wait longer than the watchdog (which stops the job); the NCCL communicators are aborted
  * first, so that the device work a wait may be behind ends too. */
-static status_t device_wait_check(const char *what, double waited) {
+static fsdpc_status_t device_wait_check(const char *what, double waited) {
   if (!pthread_equal(pthread_self(), main_thread)) return STATUS_OK; /* MPI: this thread only */
-  status_t st = world_check();
+  fsdpc_status_t st = world_check();
   if (st == STATUS_OK && (st = nccl_comm_poll_errors()) != STATUS_OK) /* a peer or link failed */
     st = world_stop(err_prefix(st, "%s (device work)", what));
   if (st == STATUS_OK && watchdog_s > 0 && waited > watchdog_s) {
@@ -559,33 +560,34 @@ static status_t device_wait_check(const char *what, double waited) {
   return st;
 }
 
-static status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,
-                                MPI_Op op, MPI_Comm comm, const char *what) {
+static fsdpc_status_t world_allreduce(const void *send, void *recv, int count, MPI_Datatype type,
+                                      MPI_Op op, MPI_Comm comm, const char *what) {
   /* stopped: started, it would stay pending (world_wait returns at once) and MPI_Finalize
    * would progress it into the caller's freed stack */
   if (stopped) return stopped_error();
   MPI_Request req;
-  TRY(pg_mpi_status(MPI_Iallreduce(send, recv, count, type, op, comm, &req), what));
+  FSDPC_TRY(pg_mpi_status(MPI_Iallreduce(send, recv, count, type, op, comm, &req), what));
   return world_wait(&req, what);
 }
 
 /* Every rank's bytes of mine into all (bytes per rank, in rank order). */
-static status_t world_allgather(const void *mine, int bytes, void *all, MPI_Comm comm,
-                                const char *what) {
+static fsdpc_status_t world_allgather(const void *mine, int bytes, void *all, MPI_Comm comm,
+                                      const char *what) {
   if (stopped) return stopped_error(); /* see world_allreduce */
   MPI_Request req;
-  TRY(pg_mpi_status(MPI_Iallgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, comm, &req), what));
+  FSDPC_TRY(
+      pg_mpi_status(MPI_Iallgather(mine, bytes, MPI_BYTE, all, bytes, MPI_BYTE, comm, &req), what));
   return world_wait(&req, what);
 }
 
-static status_t world_barrier(MPI_Comm comm, const char *what) {
+static fsdpc_status_t world_barrier(MPI_Comm comm, const char *what) {
   if (stopped) return stopped_error();
   MPI_Request req;
-  TRY(pg_mpi_status(MPI_Ibarrier(comm, &req), what));
+  FSDPC_TRY(pg_mpi_status(MPI_Ibarrier(comm, &req), what));
   return world_wait(&req, what);
 }
 
-status_t world_stop(status_t st) {
+fsdpc_status_t world_stop(fsdpc_status_t st) {
   if (stopped) return st;
   stopped = true;
   nccl_comm_abort_all(); /* collectives in flight would wait for the others for good */

@@ -27,7 +27,7 @@ extern "C" {
 
 /* Initialises MPI (unless the program already did) and selects this rank's CUDA device.
  * Collective over all processes of the job. */
-status_t world_init(int *argc, char ***argv);
+fsdpc_status_t world_init(int *argc, char ***argv);
 
 /* Finalises MPI if world_init initialised it. In a build with AddressSanitizer, LeakSanitizer's
  * check runs here, before MPI_Finalize, instead of at exit (memory still reachable is no leak;
@@ -43,7 +43,7 @@ int world_local_rank(void);
  * WORLD_SIZE, the tasks of a Slurm step, SLURM_STEP_NUM_TASKS) but it is alone in its MPI
  * world: N processes that would each train alone, overwriting each other's files. The error
  * says how to launch. */
-status_t world_check_launch(void);
+fsdpc_status_t world_check_launch(void);
 
 /* A planning world: from here on this process plans as rank 0 of a world of n ranks,
  * ranks_per_node of them on each node: world_size() says n and world_local_size()
@@ -52,7 +52,7 @@ status_t world_check_launch(void);
  * agreements and small host values act as if every rank brought this one's. For planning a
  * job larger than the one running (fsdp-train --dry-run --world N). Call it after world_init,
  * in a world of one process, before any mesh is made. Local. */
-status_t world_plan_as(int n, int ranks_per_node);
+fsdpc_status_t world_plan_as(int n, int ranks_per_node);
 /* Whether world_plan_as made this a planning world. */
 bool world_planning(void);
 
@@ -74,7 +74,7 @@ device_t world_device(void);
  * device_choose_node's, or saying that another node fell short. On CUDA, rank 0's
  * world_device_assignment() then says which device each rank took. Collective over the
  * world. */
-status_t world_choose_device(device_want_t want, device_t *out, char *why, size_t why_size);
+fsdpc_status_t world_choose_device(device_want_t want, device_t *out, char *why, size_t why_size);
 
 /* Rank 0's line of the devices the last world_choose_device gave each rank ("rank 0 cuda:0
  * GPU-1a2b3c4d, ..." up to 8 ranks, else the counts of ranks, devices and nodes); "" elsewhere,
@@ -83,7 +83,7 @@ const char *world_device_assignment(void);
 
 /* What a rank sees of the CUDA devices, as world_choose_device reads it: the count and the
  * UUID of the one it would take (local_rank modulo the count). */
-typedef status_t (*world_devices_fn)(int local_rank, device_seen_t *out);
+typedef fsdpc_status_t (*world_devices_fn)(int local_rank, device_seen_t *out);
 
 /* Replaces what world_choose_device reads of the devices (NULL: the devices this process
  * sees), so that tests play a node's layouts on any machine. */
@@ -95,7 +95,7 @@ void world_set_devices_seen(world_devices_fn fn);
  * ranks that did not fail as "PROG: [ranks 1,3] stopping: another rank failed". When the
  * agreement itself fails (a stopped job, the watchdog) every failing rank prints its own
  * message in the same form. Collective over the world. */
-bool world_agree_report(status_t st, const char *prog);
+bool world_agree_report(fsdpc_status_t st, const char *prog);
 
 /* ---- stopping a job that would hang ----
  *
@@ -119,11 +119,11 @@ double world_timeout(void);
 
 /* Records err_detail() as the reason, sends it to every other rank and returns st with the
  * detail unchanged. Later waits on this rank fail with the same reason. */
-status_t world_stop(status_t st);
+fsdpc_status_t world_stop(fsdpc_status_t st);
 
 /* STATUS_OK, or the stop's error once this rank stopped the job or learnt of another rank's
  * stop (collectives check it before they start). */
-status_t world_check(void);
+fsdpc_status_t world_check(void);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -13,13 +13,13 @@
 
 /* Completes req (an MPI request of any kind); fails with the stopping rank's message if the
  * job is stopped first or was stopped already. */
-status_t world_wait(MPI_Request *req, const char *what);
+fsdpc_status_t world_wait(MPI_Request *req, const char *what);
 
 /* world_wait with a limit: *timed_out (then STATUS_OK is returned and req left pending)
  * when req has not completed within seconds. */
-status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool *timed_out);
+fsdpc_status_t world_wait_for(MPI_Request *req, double seconds, const char *what, bool *timed_out);
 
 /* pg_agree over an MPI communicator. */
-status_t comm_agree(MPI_Comm comm, status_t st);
+fsdpc_status_t comm_agree(MPI_Comm comm, fsdpc_status_t st);
 
 #endif

@@ -38,9 +38,9 @@ struct nn_ctx {
   int n_calls, cap_calls;
 };
 
-static bool present(const tensor_t *t) { return t->storage != NULL || t->ndim > 0; }
+static bool present(const fsdpc_tensor_t *t) { return t->storage != NULL || t->ndim > 0; }
 
-status_t nn_var_new(nn_var_t **out, tensor_t *value, bool requires_grad) {
+fsdpc_status_t nn_var_new(fsdpc_tensor_t *value, bool requires_grad, nn_var_t **out) {
   ARG_NONNULL(out);
   ARG_NONNULL(value);
   nn_var_t *v = calloc(1, sizeof *v);
@@ -73,7 +73,7 @@ bool nn_var_has_grad(const nn_var_t *v) {
   return present(&v->grad);
 }
 
-status_t nn_ctx_new(nn_ctx_t **out) {
+fsdpc_status_t nn_ctx_new(nn_ctx_t **out) {
   ARG_NONNULL(out);
   nn_ctx_t *c = calloc(1, sizeof *c);
   if (c == NULL) return err_set(STATUS_ENOMEM, "autograd: out of host memory");
@@ -125,7 +125,7 @@ int nn_ctx_tape_length(const nn_ctx_t *ctx) {
 }
 
 /* Appends an entry; takes over e's references (released on failure). */
-static status_t push(nn_ctx_t *ctx, entry_t *e) {
+static fsdpc_status_t push(nn_ctx_t *ctx, entry_t *e) {
   tape_t *t = &ctx->tape;
   if (t->n == t->cap) {
     int nc = t->cap ? 2 * t->cap : 64;
@@ -141,7 +141,7 @@ static status_t push(nn_ctx_t *ctx, entry_t *e) {
   return STATUS_OK;
 }
 
-static status_t push_marker(nn_ctx_t *ctx, entry_kind_t kind, nn_module_t *m) {
+static fsdpc_status_t push_marker(nn_ctx_t *ctx, entry_kind_t kind, nn_module_t *m) {
   entry_t e = {.kind = kind, .module = m};
   return push(ctx, &e);
 }
@@ -154,7 +154,7 @@ bool nn_needs_grad(const nn_ctx_t *ctx, nn_var_t *const *in, int n_in, const nn_
   return p != NULL && p->requires_grad;
 }
 
-status_t nn_record(nn_ctx_t *ctx, const nn_node_t *node) {
+fsdpc_status_t nn_record(nn_ctx_t *ctx, const nn_node_t *node) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(node);
   entry_t e = {.kind = ENTRY_OP, .node = *node};
@@ -167,15 +167,15 @@ status_t nn_record(nn_ctx_t *ctx, const nn_node_t *node) {
   return push(ctx, &e);
 }
 
-status_t nn_param_begin(nn_ctx_t *ctx, const char *op, nn_param_t *p, bool *implicit) {
+fsdpc_status_t nn_param_begin(nn_ctx_t *ctx, const char *op, nn_param_t *p, bool *implicit) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(op);
   *implicit = false;
   if (p != NULL && p->guard != NULL && !p->guard->ready(p)) {
-    TRY(p->guard->enter(ctx, p, op));
+    FSDPC_TRY(p->guard->enter(ctx, p, op));
     *implicit = true;
     entry_t e = {.kind = ENTRY_USE_ENTER, .node = {.param = p}};
-    status_t st = nn_ctx_recording(ctx) ? push(ctx, &e) : STATUS_OK;
+    fsdpc_status_t st = nn_ctx_recording(ctx) ? push(ctx, &e) : STATUS_OK;
     if (st != STATUS_OK) {
       p->guard->leave(ctx, p);
       return st;
@@ -194,18 +194,18 @@ status_t nn_param_begin(nn_ctx_t *ctx, const char *op, nn_param_t *p, bool *impl
   return STATUS_OK;
 }
 
-status_t nn_param_end(nn_ctx_t *ctx, nn_param_t *p, bool implicit, status_t st) {
+fsdpc_status_t nn_param_end(nn_ctx_t *ctx, nn_param_t *p, bool implicit, fsdpc_status_t st) {
   ARG_NONNULL(ctx);
   if (!implicit) return st;
   tape_t *t = &ctx->tape;
-  status_t st2 = STATUS_OK;
+  fsdpc_status_t st2 = STATUS_OK;
   if (t->n > 0 && t->e[t->n - 1].kind == ENTRY_USE_ENTER && t->e[t->n - 1].node.param == p) {
     t->n--; /* nothing recorded in between: no backward to prepare for */
   } else if (nn_ctx_recording(ctx)) {
     entry_t e = {.kind = ENTRY_USE_EXIT, .node = {.param = p}};
     st2 = push(ctx, &e);
   }
-  status_t st3 = p->guard->leave(ctx, p);
+  fsdpc_status_t st3 = p->guard->leave(ctx, p);
   return st != STATUS_OK ? st : st2 != STATUS_OK ? st2 : st3;
 }
 
@@ -213,16 +213,16 @@ status_t nn_param_end(nn_ctx_t *ctx, nn_param_t *p, bool implicit, status_t st) 
  * on by reference (an add passes its output's gradient to both inputs, a recomputed call's
  * input shares the original's) may be another variable's too, whose backward has yet to read
  * it. */
-static status_t own_grad(nn_var_t *v) {
+static fsdpc_status_t own_grad(nn_var_t *v) {
   if (!tensor_shared(&v->grad)) return STATUS_OK;
-  tensor_t c;
-  TRY(tensor_clone(&c, &v->grad, v->grad.dtype, v->grad.device));
+  fsdpc_tensor_t c;
+  FSDPC_TRY(tensor_clone(&c, &v->grad, v->grad.dtype, v->grad.device));
   tensor_free(&v->grad);
   v->grad = c;
   return STATUS_OK;
 }
 
-status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g) {
+fsdpc_status_t nn_accumulate_grad(nn_var_t *v, fsdpc_tensor_t *g) {
   ARG_NONNULL(v);
   ARG_NONNULL(g);
   if (!present(&v->grad)) {
@@ -230,36 +230,36 @@ status_t nn_accumulate_grad(nn_var_t *v, tensor_t *g) {
     memset(g, 0, sizeof *g);
     return STATUS_OK;
   }
-  status_t st = own_grad(v);
+  fsdpc_status_t st = own_grad(v);
   if (st == STATUS_OK) st = kernel_axpy(&v->grad, 1.0f, g);
   tensor_free(g);
   return st;
 }
 
-status_t nn_grad_to_add_into(nn_var_t *v, tensor_t **into) {
+fsdpc_status_t nn_grad_to_add_into(nn_var_t *v, fsdpc_tensor_t **into) {
   ARG_NONNULL(v);
   ARG_NONNULL(into);
-  tensor_t *g = &v->grad, *x = &v->value;
+  fsdpc_tensor_t *g = &v->grad, *x = &v->value;
   *into = NULL;
   if (!present(g) || g->dtype != x->dtype || !device_equal(g->device, x->device) ||
       !tensor_same_shape(g, x))
     return STATUS_OK;
-  TRY(own_grad(v));
+  FSDPC_TRY(own_grad(v));
   *into = g;
   return STATUS_OK;
 }
 
-status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g) {
+fsdpc_status_t nn_param_accumulate_grad(nn_param_t *p, fsdpc_tensor_t *g) {
   ARG_NONNULL(p);
   ARG_NONNULL(g);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (present(&p->compute_grad)) {
     st = kernel_axpy(&p->compute_grad, 1.0f, g);
   } else if (p->external) {
     st = tensor_ref(&p->compute_grad, g);
   } else {
-    st = dtensor_from_local(&p->grad, g, dtensor_mesh(p->value), dtensor_placements(p->value),
-                            dtensor_ndim(p->value), dtensor_shape(p->value));
+    st = dtensor_from_local(g, dtensor_mesh(p->value), dtensor_placements(p->value),
+                            dtensor_ndim(p->value), dtensor_shape(p->value), &p->grad);
     if (st == STATUS_OK) st = tensor_ref(&p->compute_grad, dtensor_local(p->grad));
   }
   tensor_free(g);
@@ -269,48 +269,48 @@ status_t nn_param_accumulate_grad(nn_param_t *p, tensor_t *g) {
 /* ---- calls ---- */
 
 /* m's forward (or fn instead, for nn_call_with). */
-static status_t run_body(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
-                         nn_var_t **out) {
+static fsdpc_status_t run_body(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                               nn_var_t **out) {
   return fn ? fn(ctx, m, in, out) : nn_module_run_forward(ctx, m, in, out);
 }
 
 /* enter marker, forward, exit marker, with the forward hooks around them. */
-static status_t call_recorded(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
-                              nn_var_t **out) {
+static fsdpc_status_t call_recorded(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                                    nn_var_t **out) {
   bool rec = nn_ctx_recording(ctx);
-  TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
-  if (rec) TRY(push_marker(ctx, ENTRY_ENTER, m));
-  TRY(run_body(ctx, m, fn, in, out));
-  if (rec) TRY(push_marker(ctx, ENTRY_EXIT, m));
+  FSDPC_TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
+  if (rec) FSDPC_TRY(push_marker(ctx, ENTRY_ENTER, m));
+  FSDPC_TRY(run_body(ctx, m, fn, in, out));
+  if (rec) FSDPC_TRY(push_marker(ctx, ENTRY_EXIT, m));
   return nn_module_run_hooks(ctx, m, NN_HOOK_POST_FORWARD);
 }
 
-static status_t call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
-                     nn_var_t **out) {
+static fsdpc_status_t call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                           nn_var_t **out) {
   *out = NULL;
   if (fn == NULL && nn_module_forward(m) == NULL)
     return err_set(STATUS_EINVAL, "module '%s' has no forward", nn_module_fqn(m));
   if (!nn_module_checkpoint(m) || !nn_ctx_recording(ctx)) return call_recorded(ctx, m, fn, in, out);
 
   /* Activation checkpointing: run forward unrecorded and keep only the call's input. */
-  TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
+  FSDPC_TRY(nn_module_run_hooks(ctx, m, NN_HOOK_PRE_FORWARD));
   ctx->suspended++;
-  status_t st = run_body(ctx, m, fn, in, out);
+  fsdpc_status_t st = run_body(ctx, m, fn, in, out);
   ctx->suspended--;
-  TRY(st);
+  FSDPC_TRY(st);
   (*out)->requires_grad = true;
   entry_t e = {.kind = ENTRY_CHECKPOINT, .module = m};
   e.node.in[0] = nn_var_ref(in);
   e.node.out = nn_var_ref(*out);
   e.node.name = "checkpoint";
   e.node.user = (void *)fn;
-  TRY(push(ctx, &e));
+  FSDPC_TRY(push(ctx, &e));
   return nn_module_run_hooks(ctx, m, NN_HOOK_POST_FORWARD);
 }
 
 /* call() with the casts at m's boundary (nn_module_set_cast). */
-static status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
-                          nn_var_t **out) {
+static fsdpc_status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                                nn_var_t **out) {
   dtype_t cin, cout;
   nn_module_cast(m, &cin, &cout);
   dtype_t given = in ? in->value.dtype : DTYPE_COUNT;
@@ -318,8 +318,8 @@ static status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_va
   if (cout == DTYPE_COUNT && given == DTYPE_F32 && cin != DTYPE_F32) cout = DTYPE_F32;
   nn_var_t *x = NULL, *y = NULL;
   *out = NULL;
-  TRY(nn_cast(ctx, in, cin, &x));
-  status_t st = call(ctx, m, fn, x, &y);
+  FSDPC_TRY(nn_cast(ctx, in, cin, &x));
+  fsdpc_status_t st = call(ctx, m, fn, x, &y);
   nn_var_put(x);
   if (st != STATUS_OK || cout == DTYPE_COUNT || !dtype_is_float(y->value.dtype)) {
     *out = y;
@@ -331,16 +331,16 @@ static status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_va
 }
 
 /* call() with m on the stack of calls in progress. */
-static status_t tracked(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
-                        nn_var_t **out) {
+static fsdpc_status_t tracked(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                              nn_var_t **out) {
   ARRAY_GROW(ctx->calls, ctx->n_calls, ctx->cap_calls, 16, "autograd");
   ctx->calls[ctx->n_calls++] = m;
-  status_t st = cast_call(ctx, m, fn, in, out);
+  fsdpc_status_t st = cast_call(ctx, m, fn, in, out);
   ctx->n_calls--;
   return st;
 }
 
-status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+fsdpc_status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(m);
   ARG_NONNULL(in);
@@ -348,8 +348,8 @@ status_t nn_call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   return tracked(ctx, m, NULL, in, out);
 }
 
-status_t nn_call_with(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
-                      nn_var_t **out) {
+fsdpc_status_t nn_call_with(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
+                            nn_var_t **out) {
   if (fn == NULL) return err_set(STATUS_EINVAL, "nn_call_with: no function");
   return tracked(ctx, m, fn, in, out);
 }
@@ -368,21 +368,21 @@ void nn_ctx_call_path(const nn_ctx_t *ctx, char *buf, size_t size) {
 
 /* ---- backward ---- */
 
-static status_t walk(nn_ctx_t *ctx, tape_t *t);
+static fsdpc_status_t walk(nn_ctx_t *ctx, tape_t *t);
 
 /* Recomputes a checkpointed call on its own tape and differentiates it. The recomputed
  * input starts from the original input's gradient (a reference; the first addition makes it
  * its own copy, see own_grad) and hands the sum back, so accumulation happens in the same
  * order as without checkpointing and the numbers are bit-identical. */
-static status_t backward_checkpoint(nn_ctx_t *ctx, entry_t *e) {
+static fsdpc_status_t backward_checkpoint(nn_ctx_t *ctx, entry_t *e) {
   nn_var_t *in = e->node.in[0], *out = e->node.out, *in2 = NULL, *out2 = NULL;
   if (!nn_var_has_grad(out)) return STATUS_OK;
-  tensor_t v;
-  TRY(tensor_ref(&v, &in->value));
-  TRY(nn_var_new(&in2, &v, in->requires_grad));
+  fsdpc_tensor_t v;
+  FSDPC_TRY(tensor_ref(&v, &in->value));
+  FSDPC_TRY(nn_var_new(&v, in->requires_grad, &in2));
   in2->layout = in->layout;
-  status_t st = STATUS_OK;
-  if (nn_var_has_grad(in)) TRY_GOTO(st, tensor_ref(&in2->grad, &in->grad));
+  fsdpc_status_t st = STATUS_OK;
+  if (nn_var_has_grad(in)) FSDPC_TRY_GOTO(st, tensor_ref(&in2->grad, &in->grad));
 
   tape_t outer = ctx->tape;
   memset(&ctx->tape, 0, sizeof ctx->tape);
@@ -409,8 +409,8 @@ cleanup:
   return st;
 }
 
-static status_t walk(nn_ctx_t *ctx, tape_t *t) {
-  status_t st = STATUS_OK;
+static fsdpc_status_t walk(nn_ctx_t *ctx, tape_t *t) {
+  fsdpc_status_t st = STATUS_OK;
   while (t->n > 0 && st == STATUS_OK) {
     entry_t *e = &t->e[t->n - 1];
     switch (e->kind) {
@@ -432,11 +432,11 @@ static status_t walk(nn_ctx_t *ctx, tape_t *t) {
   return st;
 }
 
-status_t nn_backward_grad(nn_ctx_t *ctx, nn_var_t *out, tensor_t *grad) {
+fsdpc_status_t nn_backward_grad(nn_ctx_t *ctx, nn_var_t *out, fsdpc_tensor_t *grad) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(out);
   ARG_NONNULL(grad);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (out == NULL || grad == NULL || !tensor_same_shape(&out->value, grad))
     st = err_set(STATUS_ESHAPE, "nn_backward_grad: gradient shape differs from the variable's");
   if (st == STATUS_OK) st = nn_accumulate_grad(out, grad);
@@ -446,15 +446,15 @@ status_t nn_backward_grad(nn_ctx_t *ctx, nn_var_t *out, tensor_t *grad) {
   return st;
 }
 
-status_t nn_backward(nn_ctx_t *ctx, nn_var_t *loss) {
+fsdpc_status_t nn_backward(nn_ctx_t *ctx, nn_var_t *loss) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(loss);
   if (loss == NULL || tensor_numel(&loss->value) != 1) {
     nn_ctx_clear(ctx);
     return err_set(STATUS_EINVAL, "nn_backward: the loss must have exactly one element");
   }
-  tensor_t one;
-  status_t st =
+  fsdpc_tensor_t one;
+  fsdpc_status_t st =
       tensor_init(&one, loss->value.dtype, loss->value.device, loss->value.ndim, loss->value.shape);
   if (st == STATUS_OK) st = tensor_fill(&one, 1.0);
   if (st == STATUS_OK) st = nn_accumulate_grad(loss, &one);

@@ -43,14 +43,14 @@ static double constant_elem(uint64_t key, uint64_t index, double value, double u
 }
 
 /* Computes the local shard on the host from global indices and copies it in. */
-static status_t fill_local(nn_param_t *p, elem_fn fn, uint64_t key, double a, double b) {
+static fsdpc_status_t fill_local(nn_param_t *p, elem_fn fn, uint64_t key, double a, double b) {
   const dtensor_t *dt = p->value;
   const placement_t *pl = dtensor_placements(dt);
   for (int i = 0; i < mesh_ndim(dtensor_mesh(dt)); i++) /* a (strided) shard is one box */
     if (pl[i].kind == PLACEMENT_PARTIAL)
       return err_set(STATUS_EPLACEMENT, "init of %s: only Shard and Replicate placements",
                      p->fqn ? p->fqn : p->name);
-  const tensor_t *local = dtensor_local(dt);
+  const fsdpc_tensor_t *local = dtensor_local(dt);
   int nd = dtensor_ndim(dt);
   const int64_t *gshape = dtensor_shape(dt);
   int64_t off[TENSOR_MAX_DIMS], gstride[TENSOR_MAX_DIMS], idx[TENSOR_MAX_DIMS] = {0};
@@ -61,8 +61,8 @@ static status_t fill_local(nn_param_t *p, elem_fn fn, uint64_t key, double a, do
     s *= gshape[d];
   }
   int64_t n = tensor_numel(local);
-  tensor_t host;
-  TRY(tensor_init(&host, local->dtype, device_cpu(), local->ndim, local->shape));
+  fsdpc_tensor_t host;
+  FSDPC_TRY(tensor_init(&host, local->dtype, device_cpu(), local->ndim, local->shape));
   for (int64_t e = 0; e < n; e++) {
     int64_t g = 0;
     for (int d = 0; d < nd; d++) g += (off[d] + idx[d]) * gstride[d];
@@ -72,28 +72,28 @@ static status_t fill_local(nn_param_t *p, elem_fn fn, uint64_t key, double a, do
       idx[d] = 0;
     }
   }
-  tensor_t dst;
-  status_t st = tensor_ref(&dst, local);
+  fsdpc_tensor_t dst;
+  fsdpc_status_t st = tensor_ref(&dst, local);
   if (st == STATUS_OK) st = tensor_copy(&dst, &host);
   tensor_free(&dst);
   tensor_free(&host);
   return st;
 }
 
-status_t nn_init_normal(nn_param_t *p, uint64_t seed, double mean, double std) {
+fsdpc_status_t nn_init_normal(nn_param_t *p, uint64_t seed, double mean, double std) {
   if (p == NULL || p->fqn == NULL)
     return err_set(STATUS_EINVAL, "nn_init_normal: parameter has no FQN (finalize the module)");
   return fill_local(p, normal_elem, name_key(seed, p->fqn), mean, std);
 }
 
-status_t nn_init_uniform(nn_param_t *p, uint64_t seed, double lo, double hi) {
+fsdpc_status_t nn_init_uniform(nn_param_t *p, uint64_t seed, double lo, double hi) {
   if (p == NULL || p->fqn == NULL)
     return err_set(STATUS_EINVAL, "nn_init_uniform: parameter has no FQN (finalize the module)");
   if (!(lo <= hi)) return err_set(STATUS_EINVAL, "nn_init_uniform: need lo <= hi");
   return fill_local(p, uniform_elem, name_key(seed, p->fqn), lo, hi);
 }
 
-status_t nn_init_constant(nn_param_t *p, double value) {
+fsdpc_status_t nn_init_constant(nn_param_t *p, double value) {
   if (p == NULL) return err_set(STATUS_EINVAL, "nn_init_constant: NULL parameter");
   return fill_local(p, constant_elem, 0, value, 0);
 }

@@ -4,7 +4,7 @@
  * initialises itself without the full tensor existing anywhere, and every sharding plan
  * starts from the same global weights.
  *
- *   TRY(nn_init_normal(p, seed, 0.0, 0.02));   // N(0, 0.02^2), p's local shard only
+ *   FSDPC_TRY(nn_init_normal(p, seed, 0.0, 0.02));   // N(0, 0.02^2), p's local shard only
  */
 #ifndef FSDPC_NN_INIT_H
 #define FSDPC_NN_INIT_H
@@ -24,15 +24,15 @@ double nn_init_normal_value(uint64_t seed, const char *name, uint64_t index);
 /* Fills the local shard of p->value with mean + std * nn_init_normal_value(seed, fqn, i) for
  * each global index i. Placements must be Shard (strided shards included: each is one box of
  * the global tensor) or Replicate. Local. */
-status_t nn_init_normal(nn_param_t *p, uint64_t seed, double mean, double std);
+fsdpc_status_t nn_init_normal(nn_param_t *p, uint64_t seed, double mean, double std);
 
 /* Fills the local shard of p->value with lo + (hi - lo) * u, u uniform in [0, 1) drawn for
  * each global index as above (the default init of PyTorch's Linear: lo = -hi =
  * -1/sqrt(in_features)). Local. */
-status_t nn_init_uniform(nn_param_t *p, uint64_t seed, double lo, double hi);
+fsdpc_status_t nn_init_uniform(nn_param_t *p, uint64_t seed, double lo, double hi);
 
 /* Fills the local shard of p->value with value. */
-status_t nn_init_constant(nn_param_t *p, double value);
+fsdpc_status_t nn_init_constant(nn_param_t *p, double value);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

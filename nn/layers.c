@@ -19,40 +19,44 @@ static nn_param_t *param(nn_module_t *m, const char *name) {
 
 /* ---- forwards ---- */
 
-static status_t linear_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t linear_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   nn_param_t *b = param(m, "bias");
   if (b == NULL) return nn_linear(ctx, in, param(m, "weight"), out);
   nn_var_t *y;
-  TRY(nn_linear(ctx, in, param(m, "weight"), &y));
-  status_t st = nn_bias_add(ctx, y, b, out);
+  FSDPC_TRY(nn_linear(ctx, in, param(m, "weight"), &y));
+  fsdpc_status_t st = nn_bias_add(ctx, y, b, out);
   nn_var_put(y);
   return st;
 }
 
-static status_t embedding_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t embedding_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                        nn_var_t **out) {
   return nn_embedding(ctx, in, param(m, "weight"), out);
 }
 
-static status_t rmsnorm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t rmsnorm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   return nn_rmsnorm(ctx, in, param(m, "weight"), layer_of(m)->eps, out);
 }
 
-static status_t layernorm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t layernorm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                        nn_var_t **out) {
   return nn_layernorm(ctx, in, param(m, "weight"), param(m, "bias"), layer_of(m)->eps, out);
 }
 
-static status_t activation_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t activation_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                         nn_var_t **out) {
   return nn_activation(ctx, in, layer_of(m)->act, out);
 }
 
-static status_t sequential_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t sequential_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                         nn_var_t **out) {
   *out = NULL;
   nn_var_t *h = nn_var_ref(in);
   for (int i = 0; i < nn_module_num_children(m); i++) {
     nn_var_t *next = NULL;
-    status_t st = nn_call(ctx, nn_module_child(m, i), h, &next);
+    fsdpc_status_t st = nn_call(ctx, nn_module_child(m, i), h, &next);
     nn_var_put(h);
-    TRY(st);
+    FSDPC_TRY(st);
     h = next;
   }
   *out = h;
@@ -61,7 +65,7 @@ static status_t sequential_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, 
 
 /* ---- construction ---- */
 
-static status_t check_size(const char *name, const char *what, int64_t v) {
+static fsdpc_status_t check_size(const char *name, const char *what, int64_t v) {
   if (v <= 0 || v > ((int64_t)1 << 40))
     return err_set(STATUS_EINVAL, "layer '%s': %s must be a positive size, got %lld", name, what,
                    (long long)v);
@@ -69,43 +73,44 @@ static status_t check_size(const char *name, const char *what, int64_t v) {
 }
 
 /* A parameter of shape [rows] or [rows, cols] (cols 0), zero or meta. */
-static status_t add_param(nn_module_t *m, const char *name, int64_t rows, int64_t cols,
-                          const nn_layer_options_t *opt) {
+static fsdpc_status_t add_param(nn_module_t *m, const char *name, int64_t rows, int64_t cols,
+                                const nn_layer_options_t *opt) {
   if (!dtype_is_float(opt->dtype))
     return err_set(STATUS_EDTYPE, "layer '%s': parameters must be f32, bf16 or f16",
                    nn_module_name(m));
   mesh_t *local;
-  TRY(mesh_local_shared(opt->device, &local));
+  FSDPC_TRY(mesh_local_shared(opt->device, &local));
   int64_t shape[2] = {rows, cols};
   int nd = cols > 0 ? 2 : 1;
   device_t dev = mesh_device(local);
-  tensor_t t;
+  fsdpc_tensor_t t;
   if (opt->deferred)
-    TRY(tensor_meta(&t, opt->dtype, dev, nd, shape));
+    FSDPC_TRY(tensor_meta(&t, opt->dtype, dev, nd, shape));
   else
-    TRY(tensor_zeros(&t, opt->dtype, dev, nd, shape));
+    FSDPC_TRY(tensor_zeros(&t, opt->dtype, dev, nd, shape));
   dtensor_t *dt = NULL;
   placement_t rep = placement_replicate();
-  status_t st = dtensor_from_local(&dt, &t, local, &rep, nd, shape);
+  fsdpc_status_t st = dtensor_from_local(&t, local, &rep, nd, shape, &dt);
   tensor_free(&t);
-  TRY(st);
+  FSDPC_TRY(st);
   return nn_module_add_param(m, name, dt, true, NULL);
 }
 
 /* A layer module owning a copy of its settings. */
-static status_t make(const char *name, nn_forward_fn fn, const char *kind, const layer_t *cfg,
-                     nn_module_t **made) {
+static fsdpc_status_t make(const char *name, nn_forward_fn fn, const char *kind, const layer_t *cfg,
+                           nn_module_t **made) {
   layer_t *impl = malloc(sizeof *impl);
   if (impl == NULL) return err_set(STATUS_ENOMEM, "layers: out of host memory");
   *impl = *cfg;
-  TRY(nn_module_new_owned(made, name, fn, impl, free));
+  FSDPC_TRY(nn_module_new_owned(name, fn, impl, free, made));
   nn_module_set_kind(*made, kind);
   return STATUS_OK;
 }
 
 /* Adds m to parent (when given) after st, the result of adding its parameters; m is freed on
  * failure. */
-static status_t attach(nn_module_t *parent, nn_module_t *m, status_t st, nn_module_t **out) {
+static fsdpc_status_t attach(nn_module_t *parent, nn_module_t *m, fsdpc_status_t st,
+                             nn_module_t **out) {
   if (st == STATUS_OK && parent != NULL) st = nn_module_add_child(parent, m);
   if (st != STATUS_OK) {
     nn_module_free(m);
@@ -120,98 +125,98 @@ static const nn_layer_options_t *options(const nn_layer_options_t *opt) {
   return opt ? opt : &defaults;
 }
 
-status_t nn_linear_new(nn_module_t *parent, const char *name, int64_t in_features,
-                       int64_t out_features, bool bias, const nn_layer_options_t *opt,
-                       nn_module_t **out) {
+fsdpc_status_t nn_linear_new(nn_module_t *parent, const char *name, int64_t in_features,
+                             int64_t out_features, bool bias, const nn_layer_options_t *opt,
+                             nn_module_t **out) {
   if (out) *out = NULL;
   opt = options(opt);
-  TRY(check_size(name, "in_features", in_features));
-  TRY(check_size(name, "out_features", out_features));
+  FSDPC_TRY(check_size(name, "in_features", in_features));
+  FSDPC_TRY(check_size(name, "out_features", out_features));
   nn_module_t *m;
-  TRY(make(name, linear_forward, "linear", &(layer_t){.in = in_features}, &m));
-  status_t st = add_param(m, "weight", out_features, in_features, opt);
+  FSDPC_TRY(make(name, linear_forward, "linear", &(layer_t){.in = in_features}, &m));
+  fsdpc_status_t st = add_param(m, "weight", out_features, in_features, opt);
   if (st == STATUS_OK && bias) st = add_param(m, "bias", out_features, 0, opt);
   return attach(parent, m, st, out);
 }
 
-status_t nn_embedding_new(nn_module_t *parent, const char *name, int64_t num_embeddings,
-                          int64_t dim, const nn_layer_options_t *opt, nn_module_t **out) {
+fsdpc_status_t nn_embedding_new(nn_module_t *parent, const char *name, int64_t num_embeddings,
+                                int64_t dim, const nn_layer_options_t *opt, nn_module_t **out) {
   if (out) *out = NULL;
   opt = options(opt);
-  TRY(check_size(name, "num_embeddings", num_embeddings));
-  TRY(check_size(name, "dim", dim));
+  FSDPC_TRY(check_size(name, "num_embeddings", num_embeddings));
+  FSDPC_TRY(check_size(name, "dim", dim));
   nn_module_t *m;
-  TRY(make(name, embedding_forward, "embedding", &(layer_t){0}, &m));
+  FSDPC_TRY(make(name, embedding_forward, "embedding", &(layer_t){0}, &m));
   return attach(parent, m, add_param(m, "weight", num_embeddings, dim, opt), out);
 }
 
-static status_t check_eps(const char *name, double eps) {
+static fsdpc_status_t check_eps(const char *name, double eps) {
   if (!(eps > 0) || !isfinite(eps))
     return err_set(STATUS_EINVAL, "layer '%s': eps must be positive, got %g", name, eps);
   return STATUS_OK;
 }
 
-status_t nn_rmsnorm_new(nn_module_t *parent, const char *name, int64_t dim, double eps,
-                        const nn_layer_options_t *opt, nn_module_t **out) {
+fsdpc_status_t nn_rmsnorm_new(nn_module_t *parent, const char *name, int64_t dim, double eps,
+                              const nn_layer_options_t *opt, nn_module_t **out) {
   if (out) *out = NULL;
   opt = options(opt);
-  TRY(check_size(name, "dim", dim));
-  TRY(check_eps(name, eps));
+  FSDPC_TRY(check_size(name, "dim", dim));
+  FSDPC_TRY(check_eps(name, eps));
   nn_module_t *m;
-  TRY(make(name, rmsnorm_forward, "rmsnorm", &(layer_t){.eps = eps}, &m));
+  FSDPC_TRY(make(name, rmsnorm_forward, "rmsnorm", &(layer_t){.eps = eps}, &m));
   return attach(parent, m, add_param(m, "weight", dim, 0, opt), out);
 }
 
-status_t nn_layernorm_new(nn_module_t *parent, const char *name, int64_t dim, double eps,
-                          bool bias, const nn_layer_options_t *opt, nn_module_t **out) {
+fsdpc_status_t nn_layernorm_new(nn_module_t *parent, const char *name, int64_t dim, double eps,
+                                bool bias, const nn_layer_options_t *opt, nn_module_t **out) {
   if (out) *out = NULL;
   opt = options(opt);
-  TRY(check_size(name, "dim", dim));
-  TRY(check_eps(name, eps));
+  FSDPC_TRY(check_size(name, "dim", dim));
+  FSDPC_TRY(check_eps(name, eps));
   nn_module_t *m;
-  TRY(make(name, layernorm_forward, "layernorm", &(layer_t){.eps = eps}, &m));
-  status_t st = add_param(m, "weight", dim, 0, opt);
+  FSDPC_TRY(make(name, layernorm_forward, "layernorm", &(layer_t){.eps = eps}, &m));
+  fsdpc_status_t st = add_param(m, "weight", dim, 0, opt);
   if (st == STATUS_OK && bias) st = add_param(m, "bias", dim, 0, opt);
   return attach(parent, m, st, out);
 }
 
-status_t nn_activation_new(nn_module_t *parent, const char *name, kernel_act_t act,
-                           nn_module_t **out) {
+fsdpc_status_t nn_activation_new(nn_module_t *parent, const char *name, kernel_act_t act,
+                                 nn_module_t **out) {
   if (out) *out = NULL;
   if (act < 0 || act >= KERNEL_ACT_COUNT)
     return err_set(STATUS_EINVAL, "layer '%s': unknown activation %d", name, (int)act);
   nn_module_t *m;
-  TRY(make(name, activation_forward, NULL, &(layer_t){.act = act}, &m));
+  FSDPC_TRY(make(name, activation_forward, NULL, &(layer_t){.act = act}, &m));
   return attach(parent, m, STATUS_OK, out);
 }
 
-status_t nn_sequential_new(nn_module_t *parent, const char *name, nn_module_t **out) {
+fsdpc_status_t nn_sequential_new(nn_module_t *parent, const char *name, nn_module_t **out) {
   if (out) *out = NULL;
   nn_module_t *m;
-  TRY(make(name, sequential_forward, NULL, &(layer_t){0}, &m));
+  FSDPC_TRY(make(name, sequential_forward, NULL, &(layer_t){0}, &m));
   return attach(parent, m, STATUS_OK, out);
 }
 
 /* ---- init ---- */
 
-static status_t reset(nn_module_t *m, uint64_t seed) {
+static fsdpc_status_t reset(nn_module_t *m, uint64_t seed) {
   nn_forward_fn f = nn_module_forward(m);
   nn_param_t *w = param(m, "weight"), *b = param(m, "bias");
   if (f == linear_forward) {
     double bound = 1.0 / sqrt((double)layer_of(m)->in);
-    TRY(nn_init_uniform(w, seed, -bound, bound));
-    if (b) TRY(nn_init_uniform(b, seed, -bound, bound));
+    FSDPC_TRY(nn_init_uniform(w, seed, -bound, bound));
+    if (b) FSDPC_TRY(nn_init_uniform(b, seed, -bound, bound));
   } else if (f == embedding_forward) {
-    TRY(nn_init_normal(w, seed, 0.0, 1.0));
+    FSDPC_TRY(nn_init_normal(w, seed, 0.0, 1.0));
   } else if (f == rmsnorm_forward || f == layernorm_forward) {
-    TRY(nn_init_constant(w, 1.0));
-    if (b) TRY(nn_init_constant(b, 0.0));
+    FSDPC_TRY(nn_init_constant(w, 1.0));
+    if (b) FSDPC_TRY(nn_init_constant(b, 0.0));
   }
-  for (int i = 0; i < nn_module_num_children(m); i++) TRY(reset(nn_module_child(m, i), seed));
+  for (int i = 0; i < nn_module_num_children(m); i++) FSDPC_TRY(reset(nn_module_child(m, i), seed));
   return STATUS_OK;
 }
 
-status_t nn_module_reset_parameters(nn_module_t *root, uint64_t seed) {
+fsdpc_status_t nn_module_reset_parameters(nn_module_t *root, uint64_t seed) {
   if (root == NULL) return err_set(STATUS_EINVAL, "nn_module_reset_parameters: NULL module");
   return reset(root, seed);
 }

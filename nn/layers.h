@@ -10,13 +10,13 @@
  *   nn_layer_options_t lo = NN_LAYER_OPTIONS_INIT;    // f32 on the CPU
  *   lo.deferred = true;                               // meta until nn_module_materialize
  *   nn_module_t *model;
- *   TRY(nn_sequential_new(NULL, "", &model));          // the root: children in order
- *   TRY(nn_linear_new(model, "fc1", 16, 64, true, &lo, NULL));
- *   TRY(nn_activation_new(model, "act", KERNEL_ACT_GELU, NULL));
- *   TRY(nn_linear_new(model, "fc2", 64, 4, true, &lo, NULL));
- *   TRY(nn_module_finalize(model));                    // FQNs: fc1.weight, fc1.bias, ...
+ *   FSDPC_TRY(nn_sequential_new(NULL, "", &model));          // the root: children in order
+ *   FSDPC_TRY(nn_linear_new(model, "fc1", 16, 64, true, &lo, NULL));
+ *   FSDPC_TRY(nn_activation_new(model, "act", KERNEL_ACT_GELU, NULL));
+ *   FSDPC_TRY(nn_linear_new(model, "fc2", 64, 4, true, &lo, NULL));
+ *   FSDPC_TRY(nn_module_finalize(model));                    // FQNs: fc1.weight, fc1.bias, ...
  *   ... fully_shard / parallel_apply, then nn_module_materialize ...
- *   TRY(nn_module_reset_parameters(model, 1234));      // PyTorch's default init, any plan
+ *   FSDPC_TRY(nn_module_reset_parameters(model, 1234));      // PyTorch's default init, any plan
  *
  * A module with a forward of your own (a residual block, an attention) is a plain
  * nn_module_new whose forward calls its children with nn_call and computes with the
@@ -46,36 +46,36 @@ typedef struct nn_layer_options {
  * initialise them (nn_module_reset_parameters, nn_init_*, a load). Local. */
 
 /* y = x W^T (+ b): x [..., in] -> y [..., out]. */
-status_t nn_linear_new(nn_module_t *parent, const char *name, int64_t in_features,
-                       int64_t out_features, bool bias, const nn_layer_options_t *opt,
-                       nn_module_t **out);
+fsdpc_status_t nn_linear_new(nn_module_t *parent, const char *name, int64_t in_features,
+                             int64_t out_features, bool bias, const nn_layer_options_t *opt,
+                             nn_module_t **out);
 
 /* y = W[ids]: ids (I32/I64) [...] -> y [..., dim]. */
-status_t nn_embedding_new(nn_module_t *parent, const char *name, int64_t num_embeddings,
-                          int64_t dim, const nn_layer_options_t *opt, nn_module_t **out);
+fsdpc_status_t nn_embedding_new(nn_module_t *parent, const char *name, int64_t num_embeddings,
+                                int64_t dim, const nn_layer_options_t *opt, nn_module_t **out);
 
 /* RMSNorm over the last dimension, x * rsqrt(mean(x^2) + eps) * w. */
-status_t nn_rmsnorm_new(nn_module_t *parent, const char *name, int64_t dim, double eps,
-                        const nn_layer_options_t *opt, nn_module_t **out);
+fsdpc_status_t nn_rmsnorm_new(nn_module_t *parent, const char *name, int64_t dim, double eps,
+                              const nn_layer_options_t *opt, nn_module_t **out);
 
 /* LayerNorm over the last dimension, (x - mean) / sqrt(var + eps) * w (+ b). */
-status_t nn_layernorm_new(nn_module_t *parent, const char *name, int64_t dim, double eps,
-                          bool bias, const nn_layer_options_t *opt, nn_module_t **out);
+fsdpc_status_t nn_layernorm_new(nn_module_t *parent, const char *name, int64_t dim, double eps,
+                                bool bias, const nn_layer_options_t *opt, nn_module_t **out);
 
 /* An activation without parameters: KERNEL_ACT_RELU, KERNEL_ACT_GELU, KERNEL_ACT_SILU. */
-status_t nn_activation_new(nn_module_t *parent, const char *name, kernel_act_t act,
-                           nn_module_t **out);
+fsdpc_status_t nn_activation_new(nn_module_t *parent, const char *name, kernel_act_t act,
+                                 nn_module_t **out);
 
 /* A container whose forward calls its children in the order they were added, each on the
  * previous one's output (torch.nn.Sequential). */
-status_t nn_sequential_new(nn_module_t *parent, const char *name, nn_module_t **out);
+fsdpc_status_t nn_sequential_new(nn_module_t *parent, const char *name, nn_module_t **out);
 
 /* PyTorch's default initialisation of every layer under root made by these constructors,
  * plan-independent (each element a function of seed, the parameter's FQN and its global
  * index, as nn/init.h): Linear weight and bias U(-1/sqrt(in), 1/sqrt(in)), Embedding N(0, 1),
  * norm weights 1 and biases 0. Each rank fills its local shards; other modules are left
  * alone. Local. */
-status_t nn_module_reset_parameters(nn_module_t *root, uint64_t seed);
+fsdpc_status_t nn_module_reset_parameters(nn_module_t *root, uint64_t seed);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -36,18 +36,18 @@ struct nn_module {
   const char *kind;
 };
 
-static status_t check_name(const char *what, const char *name) {
+static fsdpc_status_t check_name(const char *what, const char *name) {
   if (name == NULL) return err_set(STATUS_EINVAL, "%s name is NULL", what);
   if (strchr(name, '.') != NULL)
     return err_set(STATUS_EINVAL, "%s name '%s' contains a dot", what, name);
   return STATUS_OK;
 }
 
-status_t nn_module_new_owned(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl,
-                             void (*impl_free)(void *)) {
+fsdpc_status_t nn_module_new_owned(const char *name, nn_forward_fn forward, void *impl,
+                                   void (*impl_free)(void *), nn_module_t **out) {
   ARG_NONNULL(out);
   ARG_NONNULL(name);
-  status_t st = nn_module_new(out, name, forward, impl);
+  fsdpc_status_t st = nn_module_new(name, forward, impl, out);
   if (st != STATUS_OK) {
     if (impl_free) impl_free(impl);
     return st;
@@ -56,11 +56,12 @@ status_t nn_module_new_owned(nn_module_t **out, const char *name, nn_forward_fn 
   return STATUS_OK;
 }
 
-status_t nn_module_new(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl) {
+fsdpc_status_t nn_module_new(const char *name, nn_forward_fn forward, void *impl,
+                             nn_module_t **out) {
   ARG_NONNULL(out);
   ARG_NONNULL(name);
   *out = NULL;
-  TRY(check_name("module", name));
+  FSDPC_TRY(check_name("module", name));
   nn_module_t *m = calloc(1, sizeof *m);
   if (m == NULL || (m->name = strdup(name)) == NULL) {
     free(m);
@@ -99,7 +100,7 @@ void nn_module_free(nn_module_t *m) {
   free(m);
 }
 
-status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child) {
+fsdpc_status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child) {
   if (parent == NULL || child == NULL) return err_set(STATUS_EINVAL, "module: NULL argument");
   if (child->parent != NULL)
     return err_set(STATUS_EINVAL, "module '%s' already has a parent", child->name);
@@ -113,7 +114,7 @@ status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child) {
   return STATUS_OK;
 }
 
-static status_t attach_param(nn_module_t *m, nn_param_t *p) {
+static fsdpc_status_t attach_param(nn_module_t *m, nn_param_t *p) {
   if (nn_module_param_named(m, p->name) != NULL)
     return err_set(STATUS_EINVAL, "module '%s' already has a parameter '%s'", m->name, p->name);
   if (m->n_params == m->cap_params) {
@@ -130,21 +131,22 @@ static status_t attach_param(nn_module_t *m, nn_param_t *p) {
   return STATUS_OK;
 }
 
-status_t nn_module_add_param(nn_module_t *m, const char *name, dtensor_t *value, bool requires_grad,
-                             nn_param_t **out) {
-  status_t st = STATUS_OK;
+fsdpc_status_t nn_module_add_param(nn_module_t *m, const char *name, dtensor_t *value,
+                                   bool requires_grad, nn_param_t **out) {
+  fsdpc_status_t st = STATUS_OK;
   nn_param_t *p = NULL;
   if (out) *out = NULL;
-  if (m == NULL || value == NULL) TRY_GOTO(st, err_set(STATUS_EINVAL, "module: NULL argument"));
-  TRY_GOTO(st, check_name("parameter", name));
+  if (m == NULL || value == NULL)
+    FSDPC_TRY_GOTO(st, err_set(STATUS_EINVAL, "module: NULL argument"));
+  FSDPC_TRY_GOTO(st, check_name("parameter", name));
   if ((p = calloc(1, sizeof *p)) == NULL || (p->name = strdup(name)) == NULL)
-    TRY_GOTO(st, err_set(STATUS_ENOMEM, "module: out of host memory"));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_ENOMEM, "module: out of host memory"));
   p->owner = m;
   p->value = value;
   value = NULL;
   p->requires_grad = requires_grad;
-  TRY_GOTO(st, tensor_ref(&p->compute, dtensor_local(p->value)));
-  TRY_GOTO(st, attach_param(m, p));
+  FSDPC_TRY_GOTO(st, tensor_ref(&p->compute, dtensor_local(p->value)));
+  FSDPC_TRY_GOTO(st, attach_param(m, p));
   if (out) *out = p;
   return STATUS_OK;
 cleanup:
@@ -153,7 +155,7 @@ cleanup:
   return st;
 }
 
-status_t nn_param_set_value(nn_param_t *p, dtensor_t *value) {
+fsdpc_status_t nn_param_set_value(nn_param_t *p, dtensor_t *value) {
   ARG_NONNULL(p);
   ARG_NONNULL(value);
   if (p->external) {
@@ -163,8 +165,8 @@ status_t nn_param_set_value(nn_param_t *p, dtensor_t *value) {
                    "value into it with nn_param_copy_full)",
                    p->fqn);
   }
-  tensor_t c;
-  status_t st = tensor_ref(&c, dtensor_local(value));
+  fsdpc_tensor_t c;
+  fsdpc_status_t st = tensor_ref(&c, dtensor_local(value));
   if (st != STATUS_OK) {
     dtensor_free(value);
     return st;
@@ -177,7 +179,7 @@ status_t nn_param_set_value(nn_param_t *p, dtensor_t *value) {
   return STATUS_OK;
 }
 
-status_t nn_module_share_param(nn_module_t *m, nn_param_t *p) {
+fsdpc_status_t nn_module_share_param(nn_module_t *m, nn_param_t *p) {
   if (m == NULL || p == NULL) return err_set(STATUS_EINVAL, "module: NULL argument");
   return attach_param(m, p);
 }
@@ -196,7 +198,7 @@ static char *join(const char *a, const char *b) {
   return s;
 }
 
-static status_t finalize(nn_module_t *m, const char *prefix) {
+static fsdpc_status_t finalize(nn_module_t *m, const char *prefix) {
   free(m->fqn);
   m->fqn = m->parent == NULL ? strdup("") : join(prefix, m->name);
   if (m->fqn == NULL) return err_set(STATUS_ENOMEM, "module: out of host memory");
@@ -207,16 +209,16 @@ static status_t finalize(nn_module_t *m, const char *prefix) {
     if ((p->fqn = join(m->fqn, p->name)) == NULL)
       return err_set(STATUS_ENOMEM, "module: out of host memory");
   }
-  for (int i = 0; i < m->n_children; i++) TRY(finalize(m->children[i], m->fqn));
+  for (int i = 0; i < m->n_children; i++) FSDPC_TRY(finalize(m->children[i], m->fqn));
   return STATUS_OK;
 }
 
-status_t nn_module_finalize(nn_module_t *root) {
+fsdpc_status_t nn_module_finalize(nn_module_t *root) {
   if (root == NULL) return err_set(STATUS_EINVAL, "module: NULL argument");
   return finalize(root, "");
 }
 
-status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, void *user) {
+fsdpc_status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, void *user) {
   if (m == NULL || fn == NULL || kind < 0 || kind >= NN_HOOK_COUNT)
     return err_set(STATUS_EINVAL, "nn_module_add_hook: bad argument");
   hook_t *h = realloc(m->hooks[kind], sizeof(hook_t) * (size_t)(m->n_hooks[kind] + 1));
@@ -239,15 +241,15 @@ void nn_module_remove_hooks(nn_module_t *m, const void *user) {
   }
 }
 
-status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind) {
+fsdpc_status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(m);
   for (int i = 0; i < m->n_hooks[kind]; i++)
-    TRY(m->hooks[kind][i].fn(ctx, m, kind, m->hooks[kind][i].user));
+    FSDPC_TRY(m->hooks[kind][i].fn(ctx, m, kind, m->hooks[kind][i].user));
   return STATUS_OK;
 }
 
-status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user) {
+fsdpc_status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user) {
   ARG_NONNULL(m);
   ARG_NONNULL(fn);
   if (m->wrap != NULL)
@@ -257,7 +259,7 @@ status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user) {
   return STATUS_OK;
 }
 
-status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+fsdpc_status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(m);
   ARG_NONNULL(in);
@@ -404,23 +406,23 @@ nn_param_t *nn_param_find(nn_module_t *root, const char *fqn) {
   return p && p->owner == m ? p : NULL;
 }
 
-static status_t collect(const nn_module_t *m, nn_param_t ***arr, int *n, int *cap) {
+static fsdpc_status_t collect(const nn_module_t *m, nn_param_t ***arr, int *n, int *cap) {
   for (int i = 0; i < m->n_params; i++) {
     if (m->params[i]->owner != m) continue;
     ARRAY_GROW(*arr, *n, *cap, 4, "module");
     (*arr)[(*n)++] = m->params[i];
   }
-  for (int i = 0; i < m->n_children; i++) TRY(collect(m->children[i], arr, n, cap));
+  for (int i = 0; i < m->n_children; i++) FSDPC_TRY(collect(m->children[i], arr, n, cap));
   return STATUS_OK;
 }
 
-status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n) {
+fsdpc_status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n) {
   ARG_NONNULL(m);
   ARG_NONNULL(out);
   ARG_NONNULL(n);
   nn_param_t **arr = NULL;
   int cnt = 0, cap = 0;
-  status_t st = collect(m, &arr, &cnt, &cap);
+  fsdpc_status_t st = collect(m, &arr, &cnt, &cap);
   if (st != STATUS_OK) {
     free(arr);
     return st;
@@ -430,37 +432,36 @@ status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n) {
   return STATUS_OK;
 }
 
-status_t nn_param_new_local_grad(nn_param_t *p, tensor_t *local) {
+fsdpc_status_t nn_param_new_local_grad(nn_param_t *p, fsdpc_tensor_t *local) {
   ARG_NONNULL(p);
   ARG_NONNULL(local);
   memset(local, 0, sizeof *local);
   if (p->grad != NULL)
     return err_set(STATUS_EINVAL, "nn_param_new_local_grad: %s has a gradient already", p->fqn);
-  const tensor_t *v = dtensor_local(p->value);
-  tensor_t t;
-  TRY(tensor_init(&t, v->dtype, v->device, v->ndim, v->shape));
-  status_t st =
-      dtensor_from_local(&p->grad, &t, dtensor_mesh(p->value), dtensor_placements(p->value),
-                         dtensor_ndim(p->value), dtensor_shape(p->value));
+  const fsdpc_tensor_t *v = dtensor_local(p->value);
+  fsdpc_tensor_t t;
+  FSDPC_TRY(tensor_init(&t, v->dtype, v->device, v->ndim, v->shape));
+  fsdpc_status_t st = dtensor_from_local(&t, dtensor_mesh(p->value), dtensor_placements(p->value),
+                                         dtensor_ndim(p->value), dtensor_shape(p->value), &p->grad);
   if (st == STATUS_OK) st = tensor_ref(local, dtensor_local(p->grad));
   tensor_free(&t);
   return st;
 }
 
-status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g) {
+fsdpc_status_t nn_param_accumulate_local_grad(nn_param_t *p, const fsdpc_tensor_t *g) {
   ARG_NONNULL(p);
   ARG_NONNULL(g);
-  const tensor_t *local = dtensor_local(p->value);
-  tensor_t src;
-  TRY(tensor_view(&src, g, local->ndim, local->shape));
-  status_t st;
+  const fsdpc_tensor_t *local = dtensor_local(p->value);
+  fsdpc_tensor_t src;
+  FSDPC_TRY(tensor_view(&src, g, local->ndim, local->shape));
+  fsdpc_status_t st;
   if (p->grad == NULL) { /* the first: a copy in the parameter's dtype, not zeros plus g */
-    tensor_t first;
+    fsdpc_tensor_t first;
     st = nn_param_new_local_grad(p, &first);
     if (st == STATUS_OK) st = tensor_copy(&first, &src);
     tensor_free(&first);
   } else {
-    tensor_t dst;
+    fsdpc_tensor_t dst;
     st = tensor_ref(&dst, dtensor_local(p->grad));
     if (st == STATUS_OK) st = kernel_axpy(&dst, 1.0f, &src);
     tensor_free(&dst);
@@ -469,7 +470,7 @@ status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g) {
   return st;
 }
 
-status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full) {
+fsdpc_status_t nn_param_copy_full(nn_param_t *p, const fsdpc_tensor_t *full) {
   ARG_NONNULL(p);
   ARG_NONNULL(full);
   const dtensor_t *v = p->value;
@@ -478,8 +479,8 @@ status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full) {
       memcmp(full->shape, dtensor_shape(v), sizeof(int64_t) * (size_t)nd) != 0) {
     char a[96], b[96];
     return err_set(STATUS_ESHAPE, "nn_param_copy_full: parameter %s is %s, the value %s", p->fqn,
-                   shape_str(nd, dtensor_shape(v), a, sizeof a),
-                   full ? shape_str(full->ndim, full->shape, b, sizeof b) : "missing");
+                   tensor_shape_str(nd, dtensor_shape(v), a, sizeof a),
+                   full ? tensor_shape_str(full->ndim, full->shape, b, sizeof b) : "missing");
   }
   if (!dtype_is_float(full->dtype))
     return err_set(STATUS_EDTYPE, "nn_param_copy_full: parameter %s takes a float value, not %s",
@@ -491,9 +492,9 @@ status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full) {
                    p->fqn);
   int64_t off[TENSOR_MAX_DIMS];
   dtensor_offset(v, off);
-  tensor_t src, dst;
-  TRY(tensor_narrow_box(&src, full, off, dtensor_local(v)->shape));
-  status_t st = tensor_ref(&dst, dtensor_local(v));
+  fsdpc_tensor_t src, dst;
+  FSDPC_TRY(tensor_narrow_box(&src, full, off, dtensor_local(v)->shape));
+  fsdpc_status_t st = tensor_ref(&dst, dtensor_local(v));
   if (st == STATUS_OK) st = tensor_copy(&dst, &src);
   tensor_free(&dst);
   tensor_free(&src);
@@ -506,25 +507,25 @@ bool nn_param_is_meta(const nn_param_t *p) {
 }
 
 /* A meta parameter that no guard manages: a plain tensor of its local shape, same placements. */
-static status_t materialize_plain(nn_param_t *p) {
+static fsdpc_status_t materialize_plain(nn_param_t *p) {
   const dtensor_t *v = p->value;
-  const tensor_t *l = dtensor_local(v);
-  tensor_t t;
-  TRY(tensor_init(&t, l->dtype, l->device, l->ndim, l->shape));
+  const fsdpc_tensor_t *l = dtensor_local(v);
+  fsdpc_tensor_t t;
+  FSDPC_TRY(tensor_init(&t, l->dtype, l->device, l->ndim, l->shape));
   dtensor_t *dt = NULL;
-  status_t st = dtensor_from_local(&dt, &t, dtensor_mesh(v), dtensor_placements(v),
-                                   dtensor_ndim(v), dtensor_shape(v));
+  fsdpc_status_t st = dtensor_from_local(&t, dtensor_mesh(v), dtensor_placements(v),
+                                         dtensor_ndim(v), dtensor_shape(v), &dt);
   tensor_free(&t);
-  TRY(st);
+  FSDPC_TRY(st);
   return nn_param_set_value(p, dt);
 }
 
-status_t nn_module_materialize(nn_module_t *root) {
+fsdpc_status_t nn_module_materialize(nn_module_t *root) {
   if (root == NULL) return err_set(STATUS_EINVAL, "nn_module_materialize: NULL module");
   nn_param_t **ps;
   int n;
-  TRY(nn_named_parameters(root, &ps, &n));
-  status_t st = STATUS_OK;
+  FSDPC_TRY(nn_named_parameters(root, &ps, &n));
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     nn_param_t *p = ps[i];
     if (!nn_param_is_meta(p)) continue;

@@ -7,16 +7,16 @@
  * optimizer groups and checkpoints.
  *
  *   nn_module_t *root, *lin;
- *   TRY(nn_module_new(&root, "", NULL, NULL));
- *   TRY(nn_module_new(&lin, "proj", linear_forward, NULL));
- *   TRY(nn_module_add_child(root, lin));               // root owns lin from now on
- *   TRY(nn_module_add_param(lin, "weight", w, true, NULL));  // lin owns the DTensor w
- *   TRY(nn_module_finalize(root));                      // FQNs: "proj", "proj.weight"
+ *   FSDPC_TRY(nn_module_new("", NULL, NULL, &root));
+ *   FSDPC_TRY(nn_module_new("proj", linear_forward, NULL, &lin));
+ *   FSDPC_TRY(nn_module_add_child(root, lin));               // root owns lin from now on
+ *   FSDPC_TRY(nn_module_add_param(lin, "weight", w, true, NULL));  // lin owns the DTensor w
+ *   FSDPC_TRY(nn_module_finalize(root));                      // FQNs: "proj", "proj.weight"
  *   ...
  *   nn_module_free(root);                               // frees the whole tree
  *
  * A parameter is a DTensor (an unsharded one is Replicate on a one-rank mesh, see
- * mesh_init_local). Forward and backward never read the DTensor directly: they read
+ * mesh_new_local). Forward and backward never read the DTensor directly: they read
  * `compute`, the unsharded tensor, and accumulate into `compute_grad`. For an ordinary
  * parameter `compute` is the DTensor's local tensor and `compute_grad` the local tensor of
  * `grad`; a parameter marked external (fully_shard) has both managed by its hooks.
@@ -48,12 +48,12 @@ typedef struct nn_param nn_param_t;
  * after it, and in backward pre_backward before its gradient and post_backward after. */
 typedef struct nn_param_guard {
   bool (*ready)(const nn_param_t *p); /* a call providing p's value is running */
-  status_t (*enter)(nn_ctx_t *ctx, nn_param_t *p, const char *op);
-  status_t (*leave)(nn_ctx_t *ctx, nn_param_t *p);
-  status_t (*pre_backward)(nn_ctx_t *ctx, nn_param_t *p);
-  status_t (*post_backward)(nn_ctx_t *ctx, nn_param_t *p);
+  fsdpc_status_t (*enter)(nn_ctx_t *ctx, nn_param_t *p, const char *op);
+  fsdpc_status_t (*leave)(nn_ctx_t *ctx, nn_param_t *p);
+  fsdpc_status_t (*pre_backward)(nn_ctx_t *ctx, nn_param_t *p);
+  fsdpc_status_t (*post_backward)(nn_ctx_t *ctx, nn_param_t *p);
   /* allocates the memory of p's local shard when p is meta (nn_module_materialize) */
-  status_t (*materialize)(nn_param_t *p);
+  fsdpc_status_t (*materialize)(nn_param_t *p);
 } nn_param_guard_t;
 
 struct nn_param {
@@ -62,8 +62,8 @@ struct nn_param {
   nn_module_t *owner;    /* the module that added it */
   dtensor_t *value;      /* the parameter; owned */
   dtensor_t *grad;       /* same mesh and placements as value; NULL until a gradient exists */
-  tensor_t compute;      /* the unsharded value that forward and backward read */
-  tensor_t compute_grad; /* gradient of compute, accumulated by backward */
+  fsdpc_tensor_t compute;      /* the unsharded value that forward and backward read */
+  fsdpc_tensor_t compute_grad; /* gradient of compute, accumulated by backward */
   bool requires_grad;
   bool external; /* compute and compute_grad are managed by hooks, not by the module tree */
   const nn_param_guard_t *guard; /* an external parameter's guard, or NULL */
@@ -72,7 +72,8 @@ struct nn_param {
 
 /* The body of a module: reads in, returns a new variable in *out (the caller's reference).
  * Called through nn_call(), never directly, so that hooks and the tape see the call. */
-typedef status_t (*nn_forward_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out);
+typedef fsdpc_status_t (*nn_forward_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                        nn_var_t **out);
 
 typedef enum nn_hook_kind {
   NN_HOOK_PRE_FORWARD,
@@ -84,37 +85,39 @@ typedef enum nn_hook_kind {
 
 /* A hook; nn_ctx_recomputing(ctx) tells a forward hook that it runs inside the recomputation
  * of an activation-checkpointed call during backward. A failing hook fails the call. */
-typedef status_t (*nn_hook_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user);
+typedef fsdpc_status_t (*nn_hook_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind,
+                                     void *user);
 
 /* Creates a module named name (a child name: no dots; "" only for a root). forward may be
  * NULL for a pure container. impl is the module's private data, not owned. */
-status_t nn_module_new(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl);
+fsdpc_status_t nn_module_new(const char *name, nn_forward_fn forward, void *impl,
+                             nn_module_t **out);
 
 /* The same with impl owned by the module: nn_module_free calls impl_free(impl) (also when
  * this call fails). */
-status_t nn_module_new_owned(nn_module_t **out, const char *name, nn_forward_fn forward, void *impl,
-                             void (*impl_free)(void *));
+fsdpc_status_t nn_module_new_owned(const char *name, nn_forward_fn forward, void *impl,
+                                   void (*impl_free)(void *), nn_module_t **out);
 
 /* Frees m, its children and the parameters it owns. NULL is a no-op. */
 void nn_module_free(nn_module_t *m);
 
 /* Appends child (which must have no parent); the parent owns it from now on. Child names
  * are unique within a parent. */
-status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child);
+fsdpc_status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child);
 
 /* Adds a parameter owned by m; m takes ownership of value (also on failure). *out, if not
  * NULL, receives the parameter (owned by m). */
-status_t nn_module_add_param(nn_module_t *m, const char *name, dtensor_t *value, bool requires_grad,
-                             nn_param_t **out);
+fsdpc_status_t nn_module_add_param(nn_module_t *m, const char *name, dtensor_t *value,
+                                   bool requires_grad, nn_param_t **out);
 
 /* Makes an existing parameter (owned elsewhere in the same tree) usable by m. */
-status_t nn_module_share_param(nn_module_t *m, nn_param_t *p);
+fsdpc_status_t nn_module_share_param(nn_module_t *m, nn_param_t *p);
 
 /* Assigns the FQNs of every module and parameter under root. Call after building the tree. */
-status_t nn_module_finalize(nn_module_t *root);
+fsdpc_status_t nn_module_finalize(nn_module_t *root);
 
 /* Registers a hook; hooks of one kind run in registration order. */
-status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, void *user);
+fsdpc_status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, void *user);
 /* How many hooks of one kind m has. */
 int nn_module_num_hooks(const nn_module_t *m, nn_hook_kind_t kind);
 /* Removes every hook of m registered with this user pointer (of every kind). */
@@ -164,7 +167,7 @@ nn_module_t *nn_module_find(nn_module_t *root, const char *fqn);
 
 /* Every parameter under m once (shared ones at their owner), depth-first in registration
  * order: *out is a new array of *n borrowed pointers, freed by the caller with free(). */
-status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n);
+fsdpc_status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int *n);
 
 /* The parameter with this FQN under root, or NULL. */
 nn_param_t *nn_param_find(nn_module_t *root, const char *fqn);
@@ -172,23 +175,23 @@ nn_param_t *nn_param_find(nn_module_t *root, const char *fqn);
 /* Adds g (the elements of p's local shard, any float dtype) into p->grad, which the first
  * call creates as a copy of g in p->value's dtype, with its mesh and placements. g is not
  * kept (used by fully_shard to accumulate reduced shards). */
-status_t nn_param_accumulate_local_grad(nn_param_t *p, const tensor_t *g);
+fsdpc_status_t nn_param_accumulate_local_grad(nn_param_t *p, const fsdpc_tensor_t *g);
 
 /* Creates p->grad (p must have none) with p->value's local shape, dtype, device, mesh and
  * placements, its elements not yet set, and gives *local a reference to its local tensor, for
  * the caller to fill (fully_shard casts a group's first gradients in one copy). */
-status_t nn_param_new_local_grad(nn_param_t *p, tensor_t *local);
+fsdpc_status_t nn_param_new_local_grad(nn_param_t *p, fsdpc_tensor_t *local);
 
 /* Replaces p's value (p takes ownership, also on failure): drops the gradient and points
  * compute at the new local tensor. For layers that redistribute parameters (tensor
  * parallelism); refused for a parameter fully_shard manages (use nn_param_copy_full). */
-status_t nn_param_set_value(nn_param_t *p, dtensor_t *value);
+fsdpc_status_t nn_param_set_value(nn_param_t *p, dtensor_t *value);
 
 /* Writes a whole value into p, sharded or not (as torch's param.copy_ under no_grad): every
  * rank passes the same full tensor (p's global shape, any float dtype, any device) and keeps
  * the part its placements give it. Gradient and optimizer state are left alone. Refused while
  * fully_shard has p gathered for a step in progress: write between steps. Local. */
-status_t nn_param_copy_full(nn_param_t *p, const tensor_t *full);
+fsdpc_status_t nn_param_copy_full(nn_param_t *p, const fsdpc_tensor_t *full);
 
 /* True when p has no memory yet: a model built for deferred initialisation (its DTensor's
  * local tensor is meta). */
@@ -202,7 +205,7 @@ bool nn_param_is_meta(const nn_param_t *p);
  * load). Parameters that have memory are left alone. Build the model meta, apply tensor
  * parallelism and fully_shard, then materialize: no rank ever holds a whole parameter its
  * plan does not give it. Local. */
-status_t nn_module_materialize(nn_module_t *root);
+fsdpc_status_t nn_module_materialize(nn_module_t *root);
 
 /* Drops p's gradient (grad and compute_grad). */
 void nn_param_zero_grad(nn_param_t *p);
@@ -225,17 +228,17 @@ void *nn_module_ext(const nn_module_t *m);
  * layouts with it): it receives the call's input and the module's own forward, and returns
  * the call's output. Runs inside the recorded call, so the operations it records are part of
  * the call (and are recomputed under activation checkpointing). */
-typedef status_t (*nn_wrap_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
-                               nn_forward_fn inner, void *user);
+typedef fsdpc_status_t (*nn_wrap_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
+                                     nn_forward_fn inner, void *user);
 
 /* Installs m's forward wrapper (one per module; a second is refused). */
-status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user);
+fsdpc_status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user);
 
 /* Runs m's forward through its wrapper, if any (used by nn_call). */
-status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out);
+fsdpc_status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out);
 
 /* Runs m's hooks of one kind (used by the tape and by fully_shard's explicit calls). */
-status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind);
+fsdpc_status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

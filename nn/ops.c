@@ -9,51 +9,51 @@
 
 /* ---- linear ---- */
 
-static status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
-  const tensor_t *dy = &n->out->grad, *w = &n->param->compute;
-  tensor_t *into = NULL;
-  if (x->requires_grad) TRY(nn_grad_to_add_into(x, &into));
+  const fsdpc_tensor_t *dy = &n->out->grad, *w = &n->param->compute;
+  fsdpc_tensor_t *into = NULL;
+  if (x->requires_grad) FSDPC_TRY(nn_grad_to_add_into(x, &into));
   if (into != NULL) { /* x feeds several products (q, k and v; gate and up): add in place */
-    TRY(kernel_matmul(into, dy, false, w, false, 1.0f, 1.0f));
+    FSDPC_TRY(kernel_matmul(into, dy, false, w, false, 1.0f, 1.0f));
   } else if (x->requires_grad) {
-    tensor_t dx;
-    TRY(ops_alloc_like(&dx, &x->value));
-    status_t st = kernel_matmul(&dx, dy, false, w, false, 1.0f, 0.0f);
+    fsdpc_tensor_t dx;
+    FSDPC_TRY(ops_alloc_like(&dx, &x->value));
+    fsdpc_status_t st = kernel_matmul(&dx, dy, false, w, false, 1.0f, 0.0f);
     if (st != STATUS_OK) {
       tensor_free(&dx);
       return st;
     }
-    TRY(nn_accumulate_grad(x, &dx));
+    FSDPC_TRY(nn_accumulate_grad(x, &dx));
   }
   if (n->param->requires_grad) {
-    tensor_t dw;
-    TRY(ops_alloc_like(&dw, w));
-    status_t st = kernel_matmul(&dw, dy, true, &x->value, false, 1.0f, 0.0f);
+    fsdpc_tensor_t dw;
+    FSDPC_TRY(ops_alloc_like(&dw, w));
+    fsdpc_status_t st = kernel_matmul(&dw, dy, true, &x->value, false, 1.0f, 0.0f);
     if (st != STATUS_OK) {
       tensor_free(&dw);
       return st;
     }
-    TRY(nn_param_accumulate_grad(n->param, &dw));
+    FSDPC_TRY(nn_param_accumulate_grad(n->param, &dw));
   }
   return STATUS_OK;
 }
 
-static status_t linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
-  const tensor_t *W = &w->compute;
+static fsdpc_status_t linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
+  const fsdpc_tensor_t *W = &w->compute;
   if (W->ndim != 2 || x->value.ndim < 1 || x->value.shape[x->value.ndim - 1] != W->shape[1]) {
     char a[96], b[96];
     return err_set(STATUS_ESHAPE, "nn_linear (%s): input %s does not match weight %s", w->fqn,
-                   shape_str(x->value.ndim, x->value.shape, a, sizeof a),
-                   shape_str(W->ndim, W->shape, b, sizeof b));
+                   tensor_shape_str(x->value.ndim, x->value.shape, a, sizeof a),
+                   tensor_shape_str(W->ndim, W->shape, b, sizeof b));
   }
   int64_t shape[TENSOR_MAX_DIMS];
   memcpy(shape, x->value.shape, sizeof shape);
   shape[x->value.ndim - 1] = W->shape[0];
-  tensor_t y;
-  TRY(tensor_init(&y, W->dtype, W->device, x->value.ndim, shape));
-  status_t st = kernel_matmul(&y, &x->value, false, W, true, 1.0f, 0.0f);
+  fsdpc_tensor_t y;
+  FSDPC_TRY(tensor_init(&y, W->dtype, W->device, x->value.ndim, shape));
+  fsdpc_status_t st = kernel_matmul(&y, &x->value, false, W, true, 1.0f, 0.0f);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
@@ -62,25 +62,25 @@ static status_t linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
 }
 
-status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
+fsdpc_status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(x);
   ARG_NONNULL(w);
   ARG_NONNULL(out);
   *out = NULL;
   bool implicit;
-  TRY(nn_param_begin(ctx, "nn_linear", w, &implicit));
+  FSDPC_TRY(nn_param_begin(ctx, "nn_linear", w, &implicit));
   return nn_param_end(ctx, w, implicit, linear(ctx, x, w, out));
 }
 
 /* ---- embedding ---- */
 
-static status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   if (!n->param->requires_grad) return STATUS_OK;
-  tensor_t dw;
-  TRY(ops_zeros_like(&dw, &n->param->compute));
-  status_t st =
+  fsdpc_tensor_t dw;
+  FSDPC_TRY(ops_zeros_like(&dw, &n->param->compute));
+  fsdpc_status_t st =
       kernel_embedding_shard_backward(&dw, &n->out->grad, &n->in[0]->value, n->ints[0], n->ints[1]);
   if (st != STATUS_OK) {
     tensor_free(&dw);
@@ -89,7 +89,7 @@ static status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_param_accumulate_grad(n->param, &dw);
 }
 
-status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **out) {
+fsdpc_status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(ids);
   ARG_NONNULL(w);
@@ -97,18 +97,18 @@ status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **ou
   return nn_embedding_shard(ctx, ids, w, 0, -1, out); /* -1: every row of the table */
 }
 
-static status_t embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first, int64_t vocab,
-                          nn_var_t **out) {
-  const tensor_t *W = &w->compute;
+static fsdpc_status_t embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
+                                int64_t vocab, nn_var_t **out) {
+  const fsdpc_tensor_t *W = &w->compute;
   if (W->ndim != 2 || ids->value.ndim + 1 > TENSOR_MAX_DIMS)
     return err_set(STATUS_ESHAPE, "nn_embedding (%s): weight must be [V, D]", w->fqn);
   if (vocab < 0) vocab = W->shape[0];
   int64_t shape[TENSOR_MAX_DIMS];
   memcpy(shape, ids->value.shape, sizeof(int64_t) * (size_t)ids->value.ndim);
   shape[ids->value.ndim] = W->shape[1];
-  tensor_t y;
-  TRY(tensor_init(&y, W->dtype, W->device, ids->value.ndim + 1, shape));
-  status_t st = kernel_embedding_shard(&y, W, &ids->value, first, vocab);
+  fsdpc_tensor_t y;
+  FSDPC_TRY(tensor_init(&y, W->dtype, W->device, ids->value.ndim + 1, shape));
+  fsdpc_status_t st = kernel_embedding_shard(&y, W, &ids->value, first, vocab);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
@@ -121,26 +121,26 @@ static status_t embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t f
   return ops_finish(ctx, &n, nn_needs_grad(ctx, NULL, 0, w), &y, out);
 }
 
-status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
-                            int64_t vocab, nn_var_t **out) {
+fsdpc_status_t nn_embedding_shard(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, int64_t first,
+                                  int64_t vocab, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(ids);
   ARG_NONNULL(w);
   ARG_NONNULL(out);
   *out = NULL;
   bool implicit;
-  TRY(nn_param_begin(ctx, "nn_embedding", w, &implicit));
+  FSDPC_TRY(nn_param_begin(ctx, "nn_embedding", w, &implicit));
   return nn_param_end(ctx, w, implicit, embedding(ctx, ids, w, first, vocab, out));
 }
 
 /* ---- RMSNorm ---- */
 
-static status_t rmsnorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t rmsnorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
-  tensor_t dx, dw;
-  TRY(ops_alloc_like(&dx, &x->value));
-  status_t st = ops_zeros_like(&dw, &n->param->compute);
+  fsdpc_tensor_t dx, dw;
+  FSDPC_TRY(ops_alloc_like(&dx, &x->value));
+  fsdpc_status_t st = ops_zeros_like(&dw, &n->param->compute);
   if (st == STATUS_OK) {
     st = kernel_rmsnorm_backward(&dx, &dw, &n->out->grad, &x->value, &n->param->compute,
                                  &n->saved[0]);
@@ -152,12 +152,13 @@ static status_t rmsnorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return st;
 }
 
-static status_t rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out) {
+static fsdpc_status_t rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps,
+                              nn_var_t **out) {
   int64_t D = x->value.ndim ? x->value.shape[x->value.ndim - 1] : 1;
   int64_t rows = D ? tensor_numel(&x->value) / D : 0;
-  tensor_t y, rstd;
-  TRY(ops_alloc_like(&y, &x->value));
-  status_t st = tensor_init(&rstd, DTYPE_F32, x->value.device, 1, &rows);
+  fsdpc_tensor_t y, rstd;
+  FSDPC_TRY(ops_alloc_like(&y, &x->value));
+  fsdpc_status_t st = tensor_init(&rstd, DTYPE_F32, x->value.device, 1, &rows);
   if (st == STATUS_OK) st = kernel_rmsnorm(&y, &rstd, &x->value, &w->compute, (float)eps);
   if (st != STATUS_OK) {
     tensor_free(&y);
@@ -169,25 +170,25 @@ static status_t rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, n
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
 }
 
-status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out) {
+fsdpc_status_t nn_rmsnorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, double eps, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(x);
   ARG_NONNULL(w);
   ARG_NONNULL(out);
   *out = NULL;
   bool implicit;
-  TRY(nn_param_begin(ctx, "nn_rmsnorm", w, &implicit));
+  FSDPC_TRY(nn_param_begin(ctx, "nn_rmsnorm", w, &implicit));
   return nn_param_end(ctx, w, implicit, rmsnorm(ctx, x, w, eps, out));
 }
 
 /* ---- RoPE ---- */
 
-static status_t rope_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t rope_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   if (!n->in[0]->requires_grad) return STATUS_OK;
-  tensor_t dx;
-  TRY(ops_alloc_like(&dx, &n->out->grad));
-  status_t st = kernel_rope(&dx, &n->out->grad, n->user, 0, true);
+  fsdpc_tensor_t dx;
+  FSDPC_TRY(ops_alloc_like(&dx, &n->out->grad));
+  fsdpc_status_t st = kernel_rope(&dx, &n->out->grad, n->user, 0, true);
   if (st != STATUS_OK) {
     tensor_free(&dx);
     return st;
@@ -195,15 +196,15 @@ static status_t rope_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_accumulate_grad(n->in[0], &dx);
 }
 
-status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, const rope_t *rope, nn_var_t **out) {
+fsdpc_status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, const rope_t *rope, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(x);
   ARG_NONNULL(rope);
   ARG_NONNULL(out);
   *out = NULL;
-  tensor_t y;
-  TRY(ops_alloc_like(&y, &x->value));
-  status_t st = kernel_rope(&y, &x->value, rope, 0, false);
+  fsdpc_tensor_t y;
+  FSDPC_TRY(ops_alloc_like(&y, &x->value));
+  fsdpc_status_t st = kernel_rope(&y, &x->value, rope, 0, false);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
@@ -214,11 +215,11 @@ status_t nn_rope(nn_ctx_t *ctx, nn_var_t *x, const rope_t *rope, nn_var_t **out)
 
 /* ---- attention ---- */
 
-static status_t attention_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t attention_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *q = n->in[0], *k = n->in[1], *v = n->in[2];
-  tensor_t d[3] = {{0}};
-  status_t st = ops_alloc_like(&d[0], &q->value);
+  fsdpc_tensor_t d[3] = {{0}};
+  fsdpc_status_t st = ops_alloc_like(&d[0], &q->value);
   if (st == STATUS_OK) st = ops_alloc_like(&d[1], &k->value);
   if (st == STATUS_OK) st = ops_alloc_like(&d[2], &v->value);
   if (st == STATUS_OK)
@@ -230,7 +231,7 @@ static status_t attention_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return st;
 }
 
-status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_var_t **out) {
+fsdpc_status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(q);
   ARG_NONNULL(k);
@@ -239,9 +240,9 @@ status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_v
   *out = NULL;
   if (q->value.ndim != 4) return err_set(STATUS_ESHAPE, "nn_attention: q must be [B, T, H, Dh]");
   int64_t lshape[3] = {q->value.shape[0], q->value.shape[2], q->value.shape[1]};
-  tensor_t y, lse;
-  TRY(ops_alloc_like(&y, &q->value));
-  status_t st = tensor_init(&lse, DTYPE_F32, q->value.device, 3, lshape);
+  fsdpc_tensor_t y, lse;
+  FSDPC_TRY(ops_alloc_like(&y, &q->value));
+  fsdpc_status_t st = tensor_init(&lse, DTYPE_F32, q->value.device, 3, lshape);
   if (st == STATUS_OK) st = kernel_attention(&y, &lse, &q->value, &k->value, &v->value);
   if (st != STATUS_OK) {
     tensor_free(&y);
@@ -256,11 +257,11 @@ status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v, nn_v
 
 /* ---- element-wise ---- */
 
-static status_t silu_mul_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t silu_mul_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
-  tensor_t dg, du;
-  TRY(ops_alloc_like(&dg, &n->in[0]->value));
-  status_t st = ops_alloc_like(&du, &n->in[1]->value);
+  fsdpc_tensor_t dg, du;
+  FSDPC_TRY(ops_alloc_like(&dg, &n->in[0]->value));
+  fsdpc_status_t st = ops_alloc_like(&du, &n->in[1]->value);
   if (st == STATUS_OK) {
     st = kernel_silu_mul_backward(&dg, &du, &n->out->grad, &n->in[0]->value, &n->in[1]->value);
     if (st == STATUS_OK && n->in[0]->requires_grad) st = nn_accumulate_grad(n->in[0], &dg);
@@ -271,15 +272,15 @@ static status_t silu_mul_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return st;
 }
 
-status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out) {
+fsdpc_status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(gate);
   ARG_NONNULL(up);
   ARG_NONNULL(out);
   *out = NULL;
-  tensor_t y;
-  TRY(ops_alloc_like(&y, &gate->value));
-  status_t st = kernel_silu_mul(&y, &gate->value, &up->value);
+  fsdpc_tensor_t y;
+  FSDPC_TRY(ops_alloc_like(&y, &gate->value));
+  fsdpc_status_t st = kernel_silu_mul(&y, &gate->value, &up->value);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
@@ -291,20 +292,20 @@ status_t nn_silu_mul(nn_ctx_t *ctx, nn_var_t *gate, nn_var_t *up, nn_var_t **out
 
 /* Passes the incoming gradient (times scalar) to every input that wants one: by reference
  * (viewed in the input's shape, for a view) when unscaled, a scaled copy otherwise. */
-static status_t pass_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t pass_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   for (int i = 0; i < NN_NODE_MAX_IN && n->in[i]; i++) {
     nn_var_t *x = n->in[i];
     if (!x->requires_grad) continue;
-    tensor_t g;
+    fsdpc_tensor_t g;
     if (n->scalar == 1.0 && tensor_same_shape(&n->out->grad, &x->value)) {
-      TRY(tensor_ref(&g, &n->out->grad));
+      FSDPC_TRY(tensor_ref(&g, &n->out->grad));
     } else if (n->scalar == 1.0 && tensor_is_contiguous(&n->out->grad)) {
-      TRY(tensor_view(&g, &n->out->grad, x->value.ndim, x->value.shape));
+      FSDPC_TRY(tensor_view(&g, &n->out->grad, x->value.ndim, x->value.shape));
     } else {
-      TRY(tensor_clone(&g, &n->out->grad, n->out->grad.dtype, n->out->grad.device));
+      FSDPC_TRY(tensor_clone(&g, &n->out->grad, n->out->grad.dtype, n->out->grad.device));
       if (n->scalar != 1.0) {
-        status_t st = kernel_scale(&g, (float)n->scalar);
+        fsdpc_status_t st = kernel_scale(&g, (float)n->scalar);
         if (st != STATUS_OK) {
           tensor_free(&g);
           return st;
@@ -312,26 +313,26 @@ static status_t pass_backward(nn_ctx_t *ctx, nn_node_t *n) {
       }
     }
     if (!tensor_same_shape(&g, &x->value)) {
-      tensor_t view;
-      status_t st = tensor_view(&view, &g, x->value.ndim, x->value.shape);
+      fsdpc_tensor_t view;
+      fsdpc_status_t st = tensor_view(&view, &g, x->value.ndim, x->value.shape);
       tensor_free(&g);
-      TRY(st);
+      FSDPC_TRY(st);
       g = view;
     }
-    TRY(nn_accumulate_grad(x, &g));
+    FSDPC_TRY(nn_accumulate_grad(x, &g));
   }
   return STATUS_OK;
 }
 
-status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out) {
+fsdpc_status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(a);
   ARG_NONNULL(b);
   ARG_NONNULL(out);
   *out = NULL;
-  tensor_t y;
-  TRY(ops_alloc_like(&y, &a->value));
-  status_t st = kernel_add(&y, &a->value, &b->value);
+  fsdpc_tensor_t y;
+  FSDPC_TRY(ops_alloc_like(&y, &a->value));
+  fsdpc_status_t st = kernel_add(&y, &a->value, &b->value);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
@@ -341,14 +342,14 @@ status_t nn_add(nn_ctx_t *ctx, nn_var_t *a, nn_var_t *b, nn_var_t **out) {
   return ops_finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &y, out);
 }
 
-status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out) {
+fsdpc_status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(x);
   ARG_NONNULL(out);
   *out = NULL;
-  tensor_t y;
-  TRY(tensor_clone(&y, &x->value, x->value.dtype, x->value.device));
-  status_t st = kernel_scale(&y, (float)alpha);
+  fsdpc_tensor_t y;
+  FSDPC_TRY(tensor_clone(&y, &x->value, x->value.dtype, x->value.device));
+  fsdpc_status_t st = kernel_scale(&y, (float)alpha);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
@@ -357,16 +358,16 @@ status_t nn_scale(nn_ctx_t *ctx, nn_var_t *x, double alpha, nn_var_t **out) {
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
 }
 
-static status_t cast_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t cast_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   if (!x->requires_grad) return STATUS_OK;
-  tensor_t g;
-  TRY(tensor_clone(&g, &n->out->grad, x->value.dtype, x->value.device));
+  fsdpc_tensor_t g;
+  FSDPC_TRY(tensor_clone(&g, &n->out->grad, x->value.dtype, x->value.device));
   return nn_accumulate_grad(x, &g);
 }
 
-status_t nn_cast(nn_ctx_t *ctx, nn_var_t *x, dtype_t dtype, nn_var_t **out) {
+fsdpc_status_t nn_cast(nn_ctx_t *ctx, nn_var_t *x, dtype_t dtype, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(x);
   ARG_NONNULL(out);
@@ -375,20 +376,20 @@ status_t nn_cast(nn_ctx_t *ctx, nn_var_t *x, dtype_t dtype, nn_var_t **out) {
     *out = nn_var_ref(x);
     return STATUS_OK;
   }
-  tensor_t y;
-  TRY(tensor_clone(&y, &x->value, dtype, x->value.device));
+  fsdpc_tensor_t y;
+  FSDPC_TRY(tensor_clone(&y, &x->value, dtype, x->value.device));
   nn_node_t n = {.backward = cast_backward, .name = "cast", .in = {x}};
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
 }
 
-status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_var_t **out) {
+fsdpc_status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(x);
   if (ndim > 0) ARG_NONNULL(shape);
   ARG_NONNULL(out);
   *out = NULL;
-  tensor_t y;
-  TRY(tensor_view(&y, &x->value, ndim, shape));
+  fsdpc_tensor_t y;
+  FSDPC_TRY(tensor_view(&y, &x->value, ndim, shape));
   nn_node_t n = {.backward = pass_backward, .name = "view", .in = {x}, .scalar = 1.0};
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
 }
@@ -396,7 +397,7 @@ status_t nn_view(nn_ctx_t *ctx, nn_var_t *x, int ndim, const int64_t *shape, nn_
 /* ---- loss ---- */
 
 /* The value of a one-element tensor on the host (blocks). */
-status_t nn_var_scalar(const nn_var_t *v, double *out) {
+fsdpc_status_t nn_var_scalar(const nn_var_t *v, double *out) {
   ARG_NONNULL(v);
   ARG_NONNULL(out);
   return ops_scalar_of(&v->value, out);
@@ -404,21 +405,22 @@ status_t nn_var_scalar(const nn_var_t *v, double *out) {
 
 /* saved: the targets and kernel_masked_mean's count; the gradient's scale (dloss / count) is
  * read on the device, not on the host. */
-static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *logits = n->in[0];
   if (!logits->requires_grad) return STATUS_OK;
-  const tensor_t *targets = &n->saved[0], *count = &n->saved[1], *dloss = &n->out->grad;
-  tensor_t d;
+  const fsdpc_tensor_t *targets = &n->saved[0], *count = &n->saved[1], *dloss = &n->out->grad;
+  fsdpc_tensor_t d;
   if (n->ints[0] && !nn_var_has_grad(logits) && tensor_is_contiguous(&logits->value)) {
     /* consumed: each row's gradient is written over its logits, which are read first */
-    TRY(kernel_cross_entropy_backward_mean(&logits->value, &logits->value, targets, dloss, count));
+    FSDPC_TRY(
+        kernel_cross_entropy_backward_mean(&logits->value, &logits->value, targets, dloss, count));
     d = logits->value;
     memset(&logits->value, 0, sizeof logits->value);
     return nn_accumulate_grad(logits, &d);
   }
-  TRY(ops_alloc_like(&d, &logits->value));
-  status_t st = kernel_cross_entropy_backward_mean(&d, &logits->value, targets, dloss, count);
+  FSDPC_TRY(ops_alloc_like(&d, &logits->value));
+  fsdpc_status_t st = kernel_cross_entropy_backward_mean(&d, &logits->value, targets, dloss, count);
   if (st != STATUS_OK) {
     tensor_free(&d);
     return st;
@@ -429,14 +431,14 @@ static status_t cross_entropy_backward(nn_ctx_t *ctx, nn_node_t *n) {
 /* The mean loss stays on the device: per-row losses, then their mean and the count of kept
  * targets. The count comes to the host only when asked for (n_tokens) or already there (the
  * CPU), which is when a batch whose every target is ignored is refused. */
-static status_t cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets,
-                              bool consume, nn_var_t **out, int64_t *n_tokens) {
+static fsdpc_status_t cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const fsdpc_tensor_t *targets,
+                                    bool consume, nn_var_t **out, int64_t *n_tokens) {
   *out = NULL;
   device_t dev = logits->value.device;
   int64_t n = tensor_numel(targets), one = 1;
-  tensor_t losses, count = {0}, targets_ref = {0}, loss = {0};
-  TRY(tensor_init(&losses, DTYPE_F32, dev, 1, &n));
-  status_t st = kernel_cross_entropy(&losses, &logits->value, targets);
+  fsdpc_tensor_t losses, count = {0}, targets_ref = {0}, loss = {0};
+  FSDPC_TRY(tensor_init(&losses, DTYPE_F32, dev, 1, &n));
+  fsdpc_status_t st = kernel_cross_entropy(&losses, &logits->value, targets);
   if (st == STATUS_OK) st = tensor_init(&loss, DTYPE_F32, dev, 0, &one);
   if (st == STATUS_OK) st = tensor_init(&count, DTYPE_I64, dev, 1, &one);
   if (st == STATUS_OK) st = kernel_masked_mean(&loss, &count, &losses, targets);
@@ -463,8 +465,8 @@ static status_t cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *t
   return ops_finish(ctx, &node, nn_needs_grad(ctx, &logits, 1, NULL), &loss, out);
 }
 
-status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets, nn_var_t **out,
-                          int64_t *n_tokens) {
+fsdpc_status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const fsdpc_tensor_t *targets,
+                                nn_var_t **out, int64_t *n_tokens) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(logits);
   ARG_NONNULL(targets);
@@ -472,8 +474,9 @@ status_t nn_cross_entropy(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targe
   return cross_entropy(ctx, logits, targets, false, out, n_tokens);
 }
 
-status_t nn_cross_entropy_consume(nn_ctx_t *ctx, nn_var_t *logits, const tensor_t *targets,
-                                  nn_var_t **out, int64_t *n_tokens) {
+fsdpc_status_t nn_cross_entropy_consume(nn_ctx_t *ctx, nn_var_t *logits,
+                                        const fsdpc_tensor_t *targets, nn_var_t **out,
+                                        int64_t *n_tokens) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(logits);
   ARG_NONNULL(targets);

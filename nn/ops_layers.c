@@ -8,16 +8,17 @@
 
 /* ---- helpers ---- */
 
-status_t ops_alloc_like(tensor_t *t, const tensor_t *like) {
+fsdpc_status_t ops_alloc_like(fsdpc_tensor_t *t, const fsdpc_tensor_t *like) {
   return tensor_init(t, like->dtype, like->device, like->ndim, like->shape);
 }
 
-status_t ops_zeros_like(tensor_t *t, const tensor_t *like) {
+fsdpc_status_t ops_zeros_like(fsdpc_tensor_t *t, const fsdpc_tensor_t *like) {
   return tensor_zeros(t, like->dtype, like->device, like->ndim, like->shape);
 }
 
-status_t ops_finish(nn_ctx_t *ctx, nn_node_t *node, bool needs, tensor_t *value, nn_var_t **out) {
-  status_t st = nn_var_new(out, value, needs);
+fsdpc_status_t ops_finish(nn_ctx_t *ctx, nn_node_t *node, bool needs, fsdpc_tensor_t *value,
+                          nn_var_t **out) {
+  fsdpc_status_t st = nn_var_new(value, needs, out);
   /* an operation's result keeps its inputs' tensor-parallel layout (the first recorded one): a
    * residual sum of sequence shards is still sequence shards */
   for (int i = 0; st == STATUS_OK && i < NN_NODE_MAX_IN && node->in[i] && !(*out)->layout; i++)
@@ -30,38 +31,38 @@ status_t ops_finish(nn_ctx_t *ctx, nn_node_t *node, bool needs, tensor_t *value,
   return st;
 }
 
-status_t ops_scalar_of(const tensor_t *t, double *out) {
+fsdpc_status_t ops_scalar_of(const fsdpc_tensor_t *t, double *out) {
   if (tensor_numel(t) != 1)
     return err_set(STATUS_EINVAL, "expected one element, got %lld", (long long)tensor_numel(t));
   float f;
-  tensor_t h;
+  fsdpc_tensor_t h;
   int64_t one = 1;
-  TRY(tensor_wrap(&h, &f, DTYPE_F32, device_cpu(), 1, &one));
-  tensor_t src;
-  TRY(tensor_view(&src, t, 1, &one));
-  status_t st = tensor_copy(&h, &src);
+  FSDPC_TRY(tensor_wrap(&h, &f, DTYPE_F32, device_cpu(), 1, &one));
+  fsdpc_tensor_t src;
+  FSDPC_TRY(tensor_view(&src, t, 1, &one));
+  fsdpc_status_t st = tensor_copy(&h, &src);
   tensor_free(&src);
   tensor_free(&h);
   *out = f;
   return st;
 }
 
-static int64_t last_of(const tensor_t *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
+static int64_t last_of(const fsdpc_tensor_t *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
 
 /* ---- bias ---- */
 
-static status_t bias_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t bias_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   if (x->requires_grad) {
-    tensor_t dx;
-    TRY(tensor_ref(&dx, &n->out->grad)); /* d(x + b)/dx = 1 */
-    TRY(nn_accumulate_grad(x, &dx));
+    fsdpc_tensor_t dx;
+    FSDPC_TRY(tensor_ref(&dx, &n->out->grad)); /* d(x + b)/dx = 1 */
+    FSDPC_TRY(nn_accumulate_grad(x, &dx));
   }
   if (!n->param->requires_grad) return STATUS_OK;
-  tensor_t db;
-  TRY(ops_zeros_like(&db, &n->param->compute));
-  status_t st = kernel_bias_backward(&db, &n->out->grad);
+  fsdpc_tensor_t db;
+  FSDPC_TRY(ops_zeros_like(&db, &n->param->compute));
+  fsdpc_status_t st = kernel_bias_backward(&db, &n->out->grad);
   if (st != STATUS_OK) {
     tensor_free(&db);
     return st;
@@ -69,17 +70,17 @@ static status_t bias_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_param_accumulate_grad(n->param, &db);
 }
 
-static status_t bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **out) {
-  const tensor_t *B = &b->compute;
+static fsdpc_status_t bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **out) {
+  const fsdpc_tensor_t *B = &b->compute;
   if (B->ndim != 1 || x->value.ndim < 1 || last_of(&x->value) != B->shape[0]) {
     char a[96], c[96];
     return err_set(STATUS_ESHAPE, "nn_bias_add (%s): input %s does not end with the bias's %s",
-                   b->fqn, shape_str(x->value.ndim, x->value.shape, a, sizeof a),
-                   shape_str(B->ndim, B->shape, c, sizeof c));
+                   b->fqn, tensor_shape_str(x->value.ndim, x->value.shape, a, sizeof a),
+                   tensor_shape_str(B->ndim, B->shape, c, sizeof c));
   }
-  tensor_t y;
-  TRY(ops_alloc_like(&y, &x->value));
-  status_t st = kernel_bias_add(&y, &x->value, B);
+  fsdpc_tensor_t y;
+  FSDPC_TRY(ops_alloc_like(&y, &x->value));
+  fsdpc_status_t st = kernel_bias_add(&y, &x->value, B);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
@@ -88,14 +89,14 @@ static status_t bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **o
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, b), &y, out);
 }
 
-status_t nn_bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **out) {
+fsdpc_status_t nn_bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(x);
   ARG_NONNULL(b);
   ARG_NONNULL(out);
   *out = NULL;
   bool implicit;
-  TRY(nn_param_begin(ctx, "nn_bias_add", b, &implicit));
+  FSDPC_TRY(nn_param_begin(ctx, "nn_bias_add", b, &implicit));
   return nn_param_end(ctx, b, implicit, bias_add(ctx, x, b, out));
 }
 
@@ -103,13 +104,14 @@ status_t nn_bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **out) 
 
 static const char *const act_names[KERNEL_ACT_COUNT] = {"relu", "gelu", "silu"};
 
-static status_t activation_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t activation_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   if (!x->requires_grad) return STATUS_OK;
-  tensor_t dx;
-  TRY(ops_alloc_like(&dx, &x->value));
-  status_t st = kernel_activation_backward(&dx, &n->out->grad, &x->value, (kernel_act_t)n->ints[0]);
+  fsdpc_tensor_t dx;
+  FSDPC_TRY(ops_alloc_like(&dx, &x->value));
+  fsdpc_status_t st =
+      kernel_activation_backward(&dx, &n->out->grad, &x->value, (kernel_act_t)n->ints[0]);
   if (st != STATUS_OK) {
     tensor_free(&dx);
     return st;
@@ -117,16 +119,16 @@ static status_t activation_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_accumulate_grad(x, &dx);
 }
 
-status_t nn_activation(nn_ctx_t *ctx, nn_var_t *x, kernel_act_t act, nn_var_t **out) {
+fsdpc_status_t nn_activation(nn_ctx_t *ctx, nn_var_t *x, kernel_act_t act, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(x);
   ARG_NONNULL(out);
   *out = NULL;
   if (act < 0 || act >= KERNEL_ACT_COUNT)
     return err_set(STATUS_EINVAL, "nn_activation: unknown activation %d", (int)act);
-  tensor_t y;
-  TRY(ops_alloc_like(&y, &x->value));
-  status_t st = kernel_activation(&y, &x->value, act);
+  fsdpc_tensor_t y;
+  FSDPC_TRY(ops_alloc_like(&y, &x->value));
+  fsdpc_status_t st = kernel_activation(&y, &x->value, act);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
@@ -139,12 +141,12 @@ status_t nn_activation(nn_ctx_t *ctx, nn_var_t *x, kernel_act_t act, nn_var_t **
 /* ---- LayerNorm ---- */
 
 /* The node's parameter is the weight; its user pointer the bias (or NULL). */
-static status_t layernorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t layernorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   nn_param_t *w = n->param, *b = n->user;
-  tensor_t dx = {0}, dw = {0}, db = {0};
-  status_t st = ops_alloc_like(&dx, &x->value);
+  fsdpc_tensor_t dx = {0}, dw = {0}, db = {0};
+  fsdpc_status_t st = ops_alloc_like(&dx, &x->value);
   if (st == STATUS_OK) st = ops_zeros_like(&dw, &w->compute);
   if (st == STATUS_OK && b != NULL) st = ops_zeros_like(&db, &b->compute);
   if (st == STATUS_OK)
@@ -159,12 +161,12 @@ static status_t layernorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return st;
 }
 
-static status_t layernorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_param_t *b, double eps,
-                          nn_var_t **out) {
+static fsdpc_status_t layernorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_param_t *b,
+                                double eps, nn_var_t **out) {
   int64_t D = last_of(&x->value), rows = D ? tensor_numel(&x->value) / D : 0;
-  tensor_t y, mean = {0}, rstd = {0};
-  TRY(ops_alloc_like(&y, &x->value));
-  status_t st = tensor_init(&mean, DTYPE_F32, x->value.device, 1, &rows);
+  fsdpc_tensor_t y, mean = {0}, rstd = {0};
+  FSDPC_TRY(ops_alloc_like(&y, &x->value));
+  fsdpc_status_t st = tensor_init(&mean, DTYPE_F32, x->value.device, 1, &rows);
   if (st == STATUS_OK) st = tensor_init(&rstd, DTYPE_F32, x->value.device, 1, &rows);
   if (st == STATUS_OK)
     st = kernel_layernorm(&y, &mean, &rstd, &x->value, &w->compute, b ? &b->compute : NULL,
@@ -185,16 +187,16 @@ static status_t layernorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_param_t 
   return ops_finish(ctx, &n, needs, &y, out);
 }
 
-status_t nn_layernorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_param_t *b, double eps,
-                      nn_var_t **out) {
+fsdpc_status_t nn_layernorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_param_t *b, double eps,
+                            nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(x);
   ARG_NONNULL(w);
   ARG_NONNULL(out);
   *out = NULL;
   bool iw, ib = false;
-  TRY(nn_param_begin(ctx, "nn_layernorm", w, &iw));
-  status_t st = b ? nn_param_begin(ctx, "nn_layernorm", b, &ib) : STATUS_OK;
+  FSDPC_TRY(nn_param_begin(ctx, "nn_layernorm", w, &iw));
+  fsdpc_status_t st = b ? nn_param_begin(ctx, "nn_layernorm", b, &ib) : STATUS_OK;
   if (st == STATUS_OK) st = nn_param_end(ctx, b, ib, layernorm(ctx, x, w, b, eps, out));
   return nn_param_end(ctx, w, iw, st);
 }
@@ -202,15 +204,15 @@ status_t nn_layernorm(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_param_t *b, 
 /* ---- mean squared error ---- */
 
 /* saved[0] holds pred - target; scalar the number of elements. */
-static status_t mse_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t mse_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *pred = n->in[0];
   if (!pred->requires_grad) return STATUS_OK;
   double dloss = 0;
-  TRY(ops_scalar_of(&n->out->grad, &dloss));
-  tensor_t d;
-  TRY(tensor_clone(&d, &n->saved[0], pred->value.dtype, pred->value.device));
-  status_t st = kernel_scale(&d, (float)(2.0 * dloss / n->scalar));
+  FSDPC_TRY(ops_scalar_of(&n->out->grad, &dloss));
+  fsdpc_tensor_t d;
+  FSDPC_TRY(tensor_clone(&d, &n->saved[0], pred->value.dtype, pred->value.device));
+  fsdpc_status_t st = kernel_scale(&d, (float)(2.0 * dloss / n->scalar));
   if (st != STATUS_OK) {
     tensor_free(&d);
     return st;
@@ -218,7 +220,8 @@ static status_t mse_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_accumulate_grad(pred, &d);
 }
 
-status_t nn_mse_loss(nn_ctx_t *ctx, nn_var_t *pred, const tensor_t *target, nn_var_t **out) {
+fsdpc_status_t nn_mse_loss(nn_ctx_t *ctx, nn_var_t *pred, const fsdpc_tensor_t *target,
+                           nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(pred);
   ARG_NONNULL(target);
@@ -227,15 +230,15 @@ status_t nn_mse_loss(nn_ctx_t *ctx, nn_var_t *pred, const tensor_t *target, nn_v
   if (!tensor_same_shape(&pred->value, target)) {
     char a[96], b[96];
     return err_set(STATUS_ESHAPE, "nn_mse_loss: prediction %s and target %s differ in shape",
-                   shape_str(pred->value.ndim, pred->value.shape, a, sizeof a),
-                   shape_str(target->ndim, target->shape, b, sizeof b));
+                   tensor_shape_str(pred->value.ndim, pred->value.shape, a, sizeof a),
+                   tensor_shape_str(target->ndim, target->shape, b, sizeof b));
   }
   int64_t n = tensor_numel(target);
   if (n == 0) return err_set(STATUS_EINVAL, "nn_mse_loss: empty tensors");
   /* the difference in f32, whatever the storage dtypes: diff = pred - target */
-  tensor_t diff, t32 = {0}, loss = {0};
-  TRY(tensor_clone(&diff, &pred->value, DTYPE_F32, pred->value.device));
-  status_t st = tensor_clone(&t32, target, DTYPE_F32, pred->value.device);
+  fsdpc_tensor_t diff, t32 = {0}, loss = {0};
+  FSDPC_TRY(tensor_clone(&diff, &pred->value, DTYPE_F32, pred->value.device));
+  fsdpc_status_t st = tensor_clone(&t32, target, DTYPE_F32, pred->value.device);
   if (st == STATUS_OK) st = kernel_axpy(&diff, -1.0f, &t32);
   tensor_free(&t32);
   double ss = 0;

@@ -13,7 +13,7 @@
 typedef struct slot {
   nn_param_t *p;
   double lr, weight_decay;
-  tensor_t m, v;
+  fsdpc_tensor_t m, v;
   bool ready;
 } slot_t;
 
@@ -24,7 +24,8 @@ struct optim {
   int64_t steps;
 };
 
-status_t optim_new(optim_t **out, nn_param_t *const *params, int n, const adamw_config_t *cfg) {
+fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t *cfg,
+                         optim_t **out) {
   ARG_NONNULL(out);
   if (n > 0) ARG_NONNULL(params);
   ARG_NONNULL(cfg);
@@ -105,13 +106,13 @@ void optim_set_steps(optim_t *o, int64_t steps) {
 
 /* The moments of a slot, created on first use: zero, or uninitialised when a load is about to
  * overwrite them. */
-static status_t slot_ready(slot_t *s, bool zero) {
+static fsdpc_status_t slot_ready(slot_t *s, bool zero) {
   if (s->ready) return STATUS_OK;
-  const tensor_t *local = dtensor_local(s->p->value);
-  status_t (*make)(tensor_t *, dtype_t, device_t, int, const int64_t *) =
+  const fsdpc_tensor_t *local = dtensor_local(s->p->value);
+  fsdpc_status_t (*make)(fsdpc_tensor_t *, dtype_t, device_t, int, const int64_t *) =
       zero ? tensor_zeros : tensor_init;
-  TRY(make(&s->m, DTYPE_F32, local->device, local->ndim, local->shape));
-  status_t st = make(&s->v, DTYPE_F32, local->device, local->ndim, local->shape);
+  FSDPC_TRY(make(&s->m, DTYPE_F32, local->device, local->ndim, local->shape));
+  fsdpc_status_t st = make(&s->v, DTYPE_F32, local->device, local->ndim, local->shape);
   if (st != STATUS_OK) {
     tensor_free(&s->m);
     return st;
@@ -120,17 +121,17 @@ static status_t slot_ready(slot_t *s, bool zero) {
   return STATUS_OK;
 }
 
-static status_t state_of(optim_t *o, int i, bool zero, dtensor_t **exp_avg,
-                         dtensor_t **exp_avg_sq) {
+static fsdpc_status_t state_of(optim_t *o, int i, bool zero, dtensor_t **exp_avg,
+                               dtensor_t **exp_avg_sq) {
   *exp_avg = *exp_avg_sq = NULL;
   if (i < 0 || i >= o->n) return err_set(STATUS_EINVAL, "optim_state: no parameter %d", i);
   slot_t *s = &o->slots[i];
-  TRY(slot_ready(s, zero));
+  FSDPC_TRY(slot_ready(s, zero));
   const dtensor_t *v = s->p->value;
-  TRY(dtensor_from_local(exp_avg, &s->m, dtensor_mesh(v), dtensor_placements(v), dtensor_ndim(v),
-                         dtensor_shape(v)));
-  status_t st = dtensor_from_local(exp_avg_sq, &s->v, dtensor_mesh(v), dtensor_placements(v),
-                                   dtensor_ndim(v), dtensor_shape(v));
+  FSDPC_TRY(dtensor_from_local(&s->m, dtensor_mesh(v), dtensor_placements(v), dtensor_ndim(v),
+                               dtensor_shape(v), exp_avg));
+  fsdpc_status_t st = dtensor_from_local(&s->v, dtensor_mesh(v), dtensor_placements(v),
+                                         dtensor_ndim(v), dtensor_shape(v), exp_avg_sq);
   if (st != STATUS_OK) {
     dtensor_free(*exp_avg);
     *exp_avg = NULL;
@@ -138,26 +139,27 @@ static status_t state_of(optim_t *o, int i, bool zero, dtensor_t **exp_avg,
   return st;
 }
 
-status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
+fsdpc_status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
   ARG_NONNULL(o);
   ARG_NONNULL(exp_avg);
   ARG_NONNULL(exp_avg_sq);
   return state_of(o, i, true, exp_avg, exp_avg_sq);
 }
 
-status_t optim_state_for_load(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
+fsdpc_status_t optim_state_for_load(optim_t *o, int i, dtensor_t **exp_avg,
+                                    dtensor_t **exp_avg_sq) {
   ARG_NONNULL(o);
   ARG_NONNULL(exp_avg);
   ARG_NONNULL(exp_avg_sq);
   return state_of(o, i, false, exp_avg, exp_avg_sq);
 }
 
-status_t optim_step(optim_t *o, double lr_factor) {
+fsdpc_status_t optim_step(optim_t *o, double lr_factor) {
   ARG_NONNULL(o);
   return optim_step_scaled(o, lr_factor, 1);
 }
 
-status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale) {
+fsdpc_status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale) {
   if (!(grad_scale > 0) || !isfinite(grad_scale))
     return err_set(STATUS_EINVAL, "AdamW step: gradient scale %g is not a positive number",
                    (double)grad_scale);
@@ -166,14 +168,15 @@ status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale) {
    * GPU); a narrower gradient is scaled in its own dtype first, as clip_grad_norm would */
   adamw_item_t *items = malloc(sizeof *items * (size_t)(o->n > 0 ? o->n : 1));
   int *slot_of = malloc(sizeof *slot_of * (size_t)(o->n > 0 ? o->n : 1));
-  tensor_t *refs = calloc((size_t)(o->n > 0 ? 2 * o->n : 1), sizeof *refs);
-  status_t st = items && slot_of && refs ? STATUS_OK
-                                        : err_set(STATUS_ENOMEM, "AdamW step: out of host memory");
+  fsdpc_tensor_t *refs = calloc((size_t)(o->n > 0 ? 2 * o->n : 1), sizeof *refs);
+  fsdpc_status_t st = items && slot_of && refs
+                          ? STATUS_OK
+                          : err_set(STATUS_ENOMEM, "AdamW step: out of host memory");
   int m = 0;
   for (int i = 0; i < o->n && st == STATUS_OK; i++) {
     slot_t *s = &o->slots[i];
     if (s->p->grad == NULL || !s->p->requires_grad) continue;
-    tensor_t *p = &refs[2 * m], *g = &refs[2 * m + 1];
+    fsdpc_tensor_t *p = &refs[2 * m], *g = &refs[2 * m + 1];
     st = slot_ready(s, true);
     if (st == STATUS_OK) st = tensor_ref(p, dtensor_local(s->p->value));
     if (st == STATUS_OK) st = tensor_ref(g, dtensor_local(s->p->grad));
@@ -227,16 +230,17 @@ static bool counts_here(const dtensor_t *g) {
   return true;
 }
 
-status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t *group,
-                        double *norm, float *coef) {
+fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t *group,
+                              double *norm, float *coef) {
   double total = 0;
-  const tensor_t **gs = malloc(sizeof *gs * (size_t)(n > 0 ? n : 1));
+  const fsdpc_tensor_t **gs = malloc(sizeof *gs * (size_t)(n > 0 ? n : 1));
   double *ss = malloc(sizeof *ss * (size_t)(n > 0 ? n : 1));
   int m = 0;
   for (int i = 0; i < n; i++)
     if (params[i]->grad != NULL && counts_here(params[i]->grad))
       gs[m++] = dtensor_local(params[i]->grad);
-  status_t st = gs && ss ? STATUS_OK : err_set(STATUS_ENOMEM, "clip_grad_norm: out of host memory");
+  fsdpc_status_t st =
+      gs && ss ? STATUS_OK : err_set(STATUS_ENOMEM, "clip_grad_norm: out of host memory");
   /* runs of gradients on one device at a time (one read back each on a GPU) */
   for (int a = 0, b; a < m && st == STATUS_OK; a = b) {
     for (b = a + 1; b < m && device_equal(gs[b]->device, gs[a]->device); b++) {
@@ -246,10 +250,10 @@ status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t 
   for (int i = 0; i < m && st == STATUS_OK; i++) total += ss[i]; /* in parameter order */
   free(gs);
   free(ss);
-  TRY(st);
+  FSDPC_TRY(st);
   if (group != NULL) {
     /* one double over the group's host channel: exact, and not a data collective */
-    TRY(pg_host_all_reduce(group, &total, &total, 1, PG_HOST_F64, REDUCE_SUM));
+    FSDPC_TRY(pg_host_all_reduce(group, &total, &total, 1, PG_HOST_F64, REDUCE_SUM));
   }
   double nrm = sqrt(total);
   if (norm) *norm = nrm;
@@ -259,18 +263,18 @@ status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t 
   return STATUS_OK;
 }
 
-status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,
-                        double *norm) {
+fsdpc_status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,
+                              double *norm) {
   float coef;
-  TRY(clip_grad_coef(params, n, max_norm, group, norm, &coef));
+  FSDPC_TRY(clip_grad_coef(params, n, max_norm, group, norm, &coef));
   if (coef >= 1.0f) return STATUS_OK;
   for (int i = 0; i < n; i++) {
     if (params[i]->grad == NULL) continue;
-    tensor_t g;
-    TRY(tensor_ref(&g, dtensor_local(params[i]->grad)));
-    status_t st = kernel_scale(&g, coef);
+    fsdpc_tensor_t g;
+    FSDPC_TRY(tensor_ref(&g, dtensor_local(params[i]->grad)));
+    fsdpc_status_t st = kernel_scale(&g, coef);
     tensor_free(&g);
-    TRY(st);
+    FSDPC_TRY(st);
   }
   return STATUS_OK;
 }

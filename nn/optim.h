@@ -7,10 +7,10 @@
  *   cfg.lr = 3e-3;
  *   cfg.groups[cfg.n_groups++] = (adamw_group_t){.pattern = "*norm*", .lr = -1, .weight_decay = 0};
  *   optim_t *opt;
- *   TRY(optim_new(&opt, params, n, &cfg));
+ *   FSDPC_TRY(optim_new(params, n, &cfg, &opt));
  *   ... backward ...
- *   TRY(clip_grad_norm(params, n, 1.0, NULL, &norm));
- *   TRY(optim_step(opt, lr_schedule(&sched, cfg.lr, step) / cfg.lr));
+ *   FSDPC_TRY(clip_grad_norm(params, n, 1.0, NULL, &norm));
+ *   FSDPC_TRY(optim_step(opt, lr_schedule(&sched, cfg.lr, step) / cfg.lr));
  *   optim_free(opt);
  *
  * The optimizer steps on each parameter's local shard (p->value, p->grad); moments are F32
@@ -50,17 +50,18 @@ typedef struct adamw_config {
 typedef struct optim optim_t;
 
 /* An optimizer over params (borrowed; they must outlive it). Patterns are copied. */
-status_t optim_new(optim_t **out, nn_param_t *const *params, int n, const adamw_config_t *cfg);
+fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t *cfg,
+                         optim_t **out);
 void optim_free(optim_t *o);
 
 /* One AdamW step of every parameter that has a gradient, with each group's lr times
  * lr_factor (the schedule's factor). Parameters without a gradient are skipped, as torch does. */
-status_t optim_step(optim_t *o, double lr_factor);
+fsdpc_status_t optim_step(optim_t *o, double lr_factor);
 
 /* optim_step as if every gradient had first been multiplied by grad_scale (> 0; clip_grad_coef's
  * factor), bit for bit, with the scaling done inside the update's pass instead of a pass of its
  * own; the gradients keep their values. */
-status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale);
+fsdpc_status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale);
 
 /* The lr and weight decay a parameter gets (after group matching). */
 void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_decay);
@@ -71,10 +72,10 @@ int64_t optim_steps(const optim_t *o);
 /* Parameter i's AdamW moments (exp_avg, exp_avg_sq; f32, zero before the first step) as new
  * DTensors sharing the optimizer's memory, with the parameter's mesh and placements: for
  * checkpoints. The caller frees the DTensors; the optimizer keeps the memory. */
-status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq);
+fsdpc_status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq);
 /* The same for a load that overwrites every element: a parameter without state gets moments
  * allocated uninitialised instead of zero-filled. */
-status_t optim_state_for_load(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq);
+fsdpc_status_t optim_state_for_load(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq);
 /* Sets the number of steps taken (bias correction continues from there), for resuming. */
 void optim_set_steps(optim_t *o, int64_t steps);
 
@@ -86,14 +87,14 @@ void optim_zero_grad(optim_t *o);
  * NULL, is the process group over which the per-rank sums are added (NULL: this rank only).
  * Scales every gradient by max_norm / (norm + 1e-6) when that is below 1. *norm receives the
  * norm before clipping. Collective over group. */
-status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,
-                        double *norm);
+fsdpc_status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,
+                              double *norm);
 
 /* The norm as clip_grad_norm computes it and the factor it would scale the gradients by
  * (min(1, max_norm / (norm + 1e-6)) as an F32), without scaling them: give the factor to
  * optim_step_scaled. Collective over group. */
-status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t *group,
-                        double *norm, float *coef);
+fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t *group,
+                              double *norm, float *coef);
 
 /* Warmup then cosine decay to a floor: for step s of total steps S with W warmup steps and
  * floor ratio r, f = (s+1)/W if s < W, else r + (1-r) * 0.5 * (1 + cos(pi * (s-W) / max(1, S-W))).

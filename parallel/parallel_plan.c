@@ -19,30 +19,30 @@ void parallel_plan_defaults(parallel_plan_t *pp) {
   pp->param_dtype = pp->reduce_dtype = pp->output_dtype = DTYPE_COUNT;
 }
 
-status_t pp_read_mesh(plan_ctx_t *c, int root) {
+fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
   static const char *const keys[] = {"dp_replicate", "dp_shard", "tp", NULL};
   int m;
-  TRY(pr_section(c, root, "mesh", keys, &m));
+  FSDPC_TRY(pr_section(c, root, "mesh", keys, &m));
   if (m == 0) {
     snprintf(c->par->mesh_where.text, sizeof c->par->mesh_where.text, "%s", c->source);
     return STATUS_OK;
   }
   pr_where_section(c, m, keys, &c->par->mesh_where);
-  TRY(pr_get_size(c, m, "mesh", "dp_replicate", &c->par->dp_replicate));
-  TRY(pr_get_size(c, m, "mesh", "dp_shard", &c->par->dp_shard));
-  TRY(pr_get_size(c, m, "mesh", "tp", &c->par->tp));
+  FSDPC_TRY(pr_get_size(c, m, "mesh", "dp_replicate", &c->par->dp_replicate));
+  FSDPC_TRY(pr_get_size(c, m, "mesh", "dp_shard", &c->par->dp_shard));
+  FSDPC_TRY(pr_get_size(c, m, "mesh", "tp", &c->par->tp));
   int unknown = (c->par->dp_replicate < 0) + (c->par->dp_shard < 0) + (c->par->tp < 0);
   if (unknown > 1) return pr_fail(c, m, "mesh", "at most one size may be -1");
   return STATUS_OK;
 }
 
-static status_t read_mp(plan_ctx_t *c, int map, const char *prefix, dtype_t dt[3]) {
+static fsdpc_status_t read_mp(plan_ctx_t *c, int map, const char *prefix, dtype_t dt[3]) {
   static const char *const keys[] = {"param_dtype", "reduce_dtype", "output_dtype", NULL};
   char path[256];
   int v = pr_lookup(c, map, prefix, "mp_policy", path);
   if (v == 0) return STATUS_OK;
-  TRY(pr_check_keys(c, v, path, keys));
-  for (int k = 0; k < 3; k++) TRY(pr_get_dtype(c, v, path, keys[k], &dt[k]));
+  FSDPC_TRY(pr_check_keys(c, v, path, keys));
+  for (int k = 0; k < 3; k++) FSDPC_TRY(pr_get_dtype(c, v, path, keys[k], &dt[k]));
   return STATUS_OK;
 }
 
@@ -53,7 +53,7 @@ static void unit_defaults(const parallel_plan_t *pp, plan_unit_t *u) {
   u->output_dtype = pp->output_dtype;
 }
 
-static status_t read_units(plan_ctx_t *c, int fs) {
+static fsdpc_status_t read_units(plan_ctx_t *c, int fs) {
   parallel_plan_t *par = c->par;
   const char *path = "parallelize.fully_shard.units";
   int v = pr_find(c, fs, "units");
@@ -73,16 +73,16 @@ static status_t read_units(plan_ctx_t *c, int fs) {
     const char *s = pr_scalar(c, *it);
     if (s == NULL) { /* {match: PATTERN, reshard_after_forward: ..., mp_policy: ...} */
       static const char *const keys[] = {"match", "reshard_after_forward", "mp_policy", NULL};
-      TRY(pr_check_keys(c, *it, upath, keys));
+      FSDPC_TRY(pr_check_keys(c, *it, upath, keys));
       int m = pr_find(c, *it, "match");
       char mpath[300];
       snprintf(mpath, sizeof mpath, "%s.match", upath);
       if (pr_is_null(c, m))
         return pr_fail(c, *it, mpath, "missing: the module pattern of this unit");
-      TRY(pr_want_scalar(c, m, mpath, "a module pattern", &s));
-      TRY(pr_get_reshard(c, *it, upath, &u->reshard_after_forward));
+      FSDPC_TRY(pr_want_scalar(c, m, mpath, "a module pattern", &s));
+      FSDPC_TRY(pr_get_reshard(c, *it, upath, &u->reshard_after_forward));
       dtype_t dt[3] = {u->param_dtype, u->reduce_dtype, u->output_dtype};
-      TRY(read_mp(c, *it, upath, dt));
+      FSDPC_TRY(read_mp(c, *it, upath, dt));
       u->param_dtype = dt[0];
       u->reduce_dtype = dt[1];
       u->output_dtype = dt[2];
@@ -96,8 +96,8 @@ static status_t read_units(plan_ctx_t *c, int fs) {
   return STATUS_OK;
 }
 
-static status_t read_tp_layout(plan_ctx_t *c, int map, const char *path, const char *key,
-                               tp_layout_t *out) {
+static fsdpc_status_t read_tp_layout(plan_ctx_t *c, int map, const char *path, const char *key,
+                                     tp_layout_t *out) {
   int v = pr_find(c, map, key);
   if (pr_is_null(c, v)) return STATUS_OK;
   const char *s = pr_scalar(c, v);
@@ -108,16 +108,16 @@ static status_t read_tp_layout(plan_ctx_t *c, int map, const char *path, const c
 
 /* tensor_parallel: {plan: {PATTERN: STYLE | {style: STYLE, input: L, output: L}},
  * sequence_parallel: bool} */
-static status_t read_tp(plan_ctx_t *c, int tp) {
+static fsdpc_status_t read_tp(plan_ctx_t *c, int tp) {
   static const char *const keys[] = {"plan", "sequence_parallel", NULL};
   static const char *const rkeys[] = {"style", "input", "output", NULL};
   parallel_plan_t *par = c->par;
   const char *path = "parallelize.tensor_parallel";
   if (pr_node(c, tp)->type != YAML_MAPPING_NODE)
     return pr_fail(c, tp, path, "expected a mapping with plan and sequence_parallel");
-  TRY(pr_check_keys(c, tp, path, keys));
+  FSDPC_TRY(pr_check_keys(c, tp, path, keys));
   pr_where_of(c, tp, &par->tp_where);
-  TRY(pr_get_bool(c, tp, path, "sequence_parallel", &par->sequence_parallel));
+  FSDPC_TRY(pr_get_bool(c, tp, path, "sequence_parallel", &par->sequence_parallel));
   int pl = pr_find(c, tp, "plan");
   if (pr_is_null(c, pl)) return STATUS_OK;
   const char *ppath = "parallelize.tensor_parallel.plan";
@@ -137,11 +137,11 @@ static status_t read_tp(plan_ctx_t *c, int tp) {
     snprintf(rpath, sizeof rpath, "%s.%s", ppath, k);
     int sv = a->value;
     if (pr_node(c, a->value)->type == YAML_MAPPING_NODE) {
-      TRY(pr_check_keys(c, a->value, rpath, rkeys));
+      FSDPC_TRY(pr_check_keys(c, a->value, rpath, rkeys));
       sv = pr_find(c, a->value, "style");
       if (sv == 0) return pr_fail(c, a->value, rpath, "style: missing");
-      TRY(read_tp_layout(c, a->value, rpath, "input", &r->input));
-      TRY(read_tp_layout(c, a->value, rpath, "output", &r->output));
+      FSDPC_TRY(read_tp_layout(c, a->value, rpath, "input", &r->input));
+      FSDPC_TRY(read_tp_layout(c, a->value, rpath, "output", &r->output));
     }
     const char *s = pr_scalar(c, sv);
     if (s == NULL || !tp_style_parse(s, &r->style))
@@ -158,7 +158,7 @@ static status_t read_tp(plan_ctx_t *c, int tp) {
 /* sharding_strategy (FSDP1's names, as Accelerate writes them) or zero_stage (DeepSpeed's):
  * aliases of the mesh's data-parallel sizes and reshard_after_forward. A key also given that
  * says otherwise is an error naming both. */
-static status_t read_strategy(plan_ctx_t *c, int root, int fs) {
+static fsdpc_status_t read_strategy(plan_ctx_t *c, int root, int fs) {
   static const struct {
     const char *name;
     int reshard;
@@ -181,7 +181,7 @@ static status_t read_strategy(plan_ctx_t *c, int root, int fs) {
   const char *said = s ? spath : zpath;
   if (s != 0) {
     const char *name;
-    TRY(pr_want_scalar(c, s, spath, "a sharding strategy", &name));
+    FSDPC_TRY(pr_want_scalar(c, s, spath, "a sharding strategy", &name));
     for (int i = 0; i < 5; i++)
       if (strcmp(name, table[i].name) == 0) k = i;
     if (k < 0)
@@ -191,7 +191,7 @@ static status_t read_strategy(plan_ctx_t *c, int root, int fs) {
                      name);
   } else {
     const char *v;
-    TRY(pr_want_scalar(c, z, zpath, "2 or 3", &v));
+    FSDPC_TRY(pr_want_scalar(c, z, zpath, "2 or 3", &v));
     if (strcmp(v, "3") == 0) k = 0;
     if (strcmp(v, "2") == 0) k = 1;
     if (k < 0)
@@ -231,39 +231,40 @@ static status_t read_strategy(plan_ctx_t *c, int root, int fs) {
   return STATUS_OK;
 }
 
-status_t pp_read_parallelize(plan_ctx_t *c, int root) {
+fsdpc_status_t pp_read_parallelize(plan_ctx_t *c, int root) {
   static const char *const keys[] = {"fully_shard", "tensor_parallel", NULL};
   static const char *const fs_keys[] = {
       "units",      "reshard_after_forward", "mp_policy", "offload", "sharding_strategy",
       "zero_stage", "min_unit_params",       NULL};
   parallel_plan_t *par = c->par;
   int m;
-  TRY(pr_section(c, root, "parallelize", keys, &m));
+  FSDPC_TRY(pr_section(c, root, "parallelize", keys, &m));
   int fs = m ? pr_find(c, m, "fully_shard") : 0;
   if (!pr_is_null(c, fs)) {
     const char *path = "parallelize.fully_shard";
-    TRY(pr_check_keys(c, fs, path, fs_keys));
+    FSDPC_TRY(pr_check_keys(c, fs, path, fs_keys));
     static const char *const later[] = {"reshard_after_forward", "sharding_strategy", NULL};
     pr_where_section(c, fs, later, &par->fsdp_where);
-    TRY(pr_get_reshard(c, fs, path, &par->reshard_after_forward));
+    FSDPC_TRY(pr_get_reshard(c, fs, path, &par->reshard_after_forward));
     dtype_t dt[3] = {par->param_dtype, par->reduce_dtype, par->output_dtype};
-    TRY(read_mp(c, fs, path, dt));
+    FSDPC_TRY(read_mp(c, fs, path, dt));
     par->param_dtype = dt[0];
     par->reduce_dtype = dt[1];
     par->output_dtype = dt[2];
-    TRY(pr_get_bool(c, fs, path, "offload", &par->offload));
-    TRY(pr_get_int(c, fs, path, "min_unit_params", 0, (int64_t)1 << 50, &par->min_unit_params));
-    TRY(read_strategy(c, root, fs));
+    FSDPC_TRY(pr_get_bool(c, fs, path, "offload", &par->offload));
+    FSDPC_TRY(
+        pr_get_int(c, fs, path, "min_unit_params", 0, (int64_t)1 << 50, &par->min_unit_params));
+    FSDPC_TRY(read_strategy(c, root, fs));
     for (int i = 0; i < par->n_units; i++) unit_defaults(par, &par->units[i]);
-    TRY(read_units(c, fs));
+    FSDPC_TRY(read_units(c, fs));
   }
   int tp = m ? pr_find(c, m, "tensor_parallel") : 0;
-  if (!pr_is_null(c, tp)) TRY(read_tp(c, tp));
+  if (!pr_is_null(c, tp)) FSDPC_TRY(read_tp(c, tp));
   return STATUS_OK;
 }
 
-status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
-                            int n_sets) {
+fsdpc_status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
+                                  int n_sets) {
   ARG_NONNULL(pp);
   ARG_NONNULL(path);
   parallel_plan_defaults(pp);
@@ -276,7 +277,8 @@ status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *c
   c->par = pp;
   static const char *const top[] = {"mesh", "parallelize", NULL};
   int root = 0;
-  status_t st = pr_open(c, path, sets, n_sets, top, "mesh, parallelize", "parallelize", &root);
+  fsdpc_status_t st =
+      pr_open(c, path, sets, n_sets, top, "mesh, parallelize", "parallelize", &root);
   if (st == STATUS_OK) st = pp_read_mesh(c, root);
   if (st == STATUS_OK) st = pp_read_parallelize(c, root);
   pr_close(c);
@@ -284,7 +286,7 @@ status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *c
   return st;
 }
 
-status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {
+fsdpc_status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {
   ARG_NONNULL(pp);
   ARG_NONNULL(pattern);
   if (pp->n_units == PLAN_MAX_UNITS)
@@ -300,8 +302,8 @@ status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {
   return STATUS_OK;
 }
 
-status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
-                                   tp_layout_t input, tp_layout_t output) {
+fsdpc_status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
+                                         tp_layout_t input, tp_layout_t output) {
   ARG_NONNULL(pp);
   ARG_NONNULL(pattern);
   if (pp->n_tp_rules == PLAN_MAX_TP_RULES)
@@ -335,7 +337,7 @@ int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out) {
 
 /* ---- resolve ---- */
 
-status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
+fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
   ARG_NONNULL(pp);
   if (pp->dp_shard == PLAN_SIZE_NODE) { /* HYBRID_SHARD: the ranks of a node */
     if (world_started_size() != world)

@@ -5,8 +5,8 @@
  * are FQN globs matched against whatever module tree the plan is applied to (parallelize.h).
  *
  *   parallel_plan_t pp;
- *   TRY(parallel_plan_load(&pp, "my_plan.yaml", NULL, 0));   // mesh + parallelize only
- *   TRY(parallel_plan_resolve(&pp, world_size()));           // -1 sizes, reshard divisors
+ *   FSDPC_TRY(parallel_plan_load(&pp, "my_plan.yaml", NULL, 0));   // mesh + parallelize only
+ *   FSDPC_TRY(parallel_plan_resolve(&pp, world_size()));           // -1 sizes, reshard divisors
  *
  *   # my_plan.yaml
  *   mesh: {dp_shard: -1, tp: 2}
@@ -96,25 +96,26 @@ void parallel_plan_defaults(parallel_plan_t *pp);
 /* Reads the `mesh` and `parallelize` sections of a YAML file (any other top-level key is an
  * error) and applies sets ("key.path=value", scalars only) on top. Checks syntax, keys
  * (unknown ones get a did-you-mean), types and ranges. Local. */
-status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
-                            int n_sets);
+fsdpc_status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const char *const *sets,
+                                  int n_sets);
 
 /* Resolves a -1 mesh size against the world size and checks what needs it: the mesh product,
  * integer reshards dividing dp_shard, tensor-parallel rules present when tp > 1. Local
  * (every rank reaches the same verdict). */
-status_t parallel_plan_resolve(parallel_plan_t *pp, int world_size);
+fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world_size);
 
 /* Refuses YAML text (len bytes) with collections nested deeper than max_depth, naming
  * origin:line:col, before anything loads it: libyaml's loader takes time growing with the
  * square of the nesting depth. Local. */
-status_t plan_yaml_check_depth(const char *origin, const char *text, size_t len, int max_depth);
+fsdpc_status_t plan_yaml_check_depth(const char *origin, const char *text, size_t len,
+                                     int max_depth);
 
 /* Appends a tensor-parallel rule given in code. */
-status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
-                                   tp_layout_t input, tp_layout_t output);
+fsdpc_status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
+                                         tp_layout_t input, tp_layout_t output);
 
 /* Adds a fully_shard unit given in code, with the section's settings. */
-status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern);
+fsdpc_status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern);
 
 /* The plan's tensor-parallel rules as tensor_parallel() takes them (pointing into pp); returns
  * their number. out has room for PLAN_MAX_TP_RULES. */

@@ -54,7 +54,7 @@ const tp_plan_t *parallel_tp(const parallel_t *par) {
 
 /* ---- meshes ---- */
 
-static status_t make_meshes(parallel_t *par, const parallel_plan_t *pp, device_type_t dev) {
+static fsdpc_status_t make_meshes(parallel_t *par, const parallel_plan_t *pp, device_type_t dev) {
   int shape[3], n = 0;
   const char *names[3];
   if (pp->dp_replicate > 1) {
@@ -67,11 +67,11 @@ static status_t make_meshes(parallel_t *par, const parallel_plan_t *pp, device_t
     shape[n] = pp->tp;
     names[n++] = "tp";
   }
-  TRY(mesh_init(&par->mesh, n, shape, names, dev));
-  TRY(mesh_flatten(par->mesh, n, names, "all", &par->all));
+  FSDPC_TRY(mesh_new(n, shape, names, dev, &par->mesh));
+  FSDPC_TRY(mesh_flatten(par->mesh, n, names, "all", &par->all));
   int nd = pp->dp_replicate > 1 ? 2 : 1;
-  TRY(mesh_slice(par->mesh, nd, names, &par->dp_mesh));
-  if (pp->tp > 1) TRY(mesh_slice(par->mesh, 1, (const char *[]){"tp"}, &par->tp_mesh));
+  FSDPC_TRY(mesh_slice(par->mesh, nd, names, &par->dp_mesh));
+  if (pp->tp > 1) FSDPC_TRY(mesh_slice(par->mesh, 1, (const char *[]){"tp"}, &par->tp_mesh));
   par->dp_size = pp->dp_replicate * pp->dp_shard;
   par->dp_rank = nd == 2 ? mesh_coord(par->dp_mesh, 0) * pp->dp_shard + mesh_coord(par->dp_mesh, 1)
                          : mesh_coord(par->dp_mesh, 0);
@@ -80,11 +80,12 @@ static status_t make_meshes(parallel_t *par, const parallel_plan_t *pp, device_t
 
 /* ---- tensor parallelism ---- */
 
-static status_t apply_tp(parallel_t *par, const parallel_plan_t *pp) {
+static fsdpc_status_t apply_tp(parallel_t *par, const parallel_plan_t *pp) {
   if (pp->tp <= 1) return STATUS_OK;
   tp_rule_t rules[PLAN_MAX_TP_RULES];
   int n = parallel_plan_tp_rules(pp, rules);
-  status_t st = tensor_parallel(par->root, par->tp_mesh, rules, n, pp->sequence_parallel, &par->tp);
+  fsdpc_status_t st =
+      tensor_parallel(par->root, par->tp_mesh, rules, n, pp->sequence_parallel, &par->tp);
   if (st != STATUS_OK) /* name the rules' place in the file and the tree's modules */
     return err_prefix(st, "%s: parallelize.tensor_parallel.plan", pp->tp_where.text);
   return STATUS_OK;
@@ -92,14 +93,14 @@ static status_t apply_tp(parallel_t *par, const parallel_plan_t *pp) {
 
 /* ---- fully_shard ---- */
 
-static status_t push_group(parallel_t *par, fsdp_group_t *g) {
+static fsdpc_status_t push_group(parallel_t *par, fsdp_group_t *g) {
   ARRAY_GROW(par->groups, par->n_groups, par->cap_groups, 16, "parallelize");
   par->groups[par->n_groups++] = g;
   return STATUS_OK;
 }
 
-static status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
-                           const plan_unit_t *u) {
+static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
+                                 const plan_unit_t *u) {
   fsdp_options_t o = FSDP_OPTIONS_INIT;
   o.mesh = par->dp_mesh;
   o.offload = pp->offload;
@@ -108,7 +109,7 @@ static status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module
   o.reduce_dtype = u ? u->reduce_dtype : pp->reduce_dtype;
   o.output_dtype = u ? u->output_dtype : pp->output_dtype;
   fsdp_group_t *g;
-  TRY(fully_shard(mod, &o, &g));
+  FSDPC_TRY(fully_shard(mod, &o, &g));
   return push_group(par, g);
 }
 
@@ -128,10 +129,11 @@ static int64_t param_numel(const nn_param_t *p) {
 /* Post-order: children (inner modules) before their parent. A module becomes a unit by the
  * first unit pattern matching it or, with min_unit_params, when the parameters under it that
  * no inner unit took number at least that many; *left receives that number (0 for a unit). */
-static status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod, int64_t *left) {
+static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
+                            int64_t *left) {
   int64_t n = 0, c;
   for (int i = 0; i < nn_module_num_children(mod); i++) {
-    TRY(visit(par, pp, nn_module_child(mod, i), &c));
+    FSDPC_TRY(visit(par, pp, nn_module_child(mod, i), &c));
     n += c;
   }
   for (int i = 0; i < nn_module_num_params(mod); i++) n += param_numel(nn_module_param(mod, i));
@@ -171,7 +173,7 @@ static int shadowed_by(const nn_module_t *root, const nn_module_t *mod, const pa
   return by;
 }
 
-static status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
+static fsdpc_status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
   /* check every pattern first: nothing is sharded when one matches no module */
   for (int u = 0; u < pp->n_units; u++)
     if (count_matches(par->root, par->root, pp->units[u].pattern) == 0) {
@@ -193,12 +195,12 @@ static status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
                      pp->units[u].where.text, u, pp->units[u].pattern, by, pp->units[by].pattern);
   }
   int64_t left;
-  TRY(visit(par, pp, par->root, &left));
+  FSDPC_TRY(visit(par, pp, par->root, &left));
   return shard_unit(par, pp, par->root, NULL);
 }
 
-status_t parallel_apply(parallel_t **out, nn_module_t *root, const parallel_plan_t *pp,
-                        device_type_t dev) {
+fsdpc_status_t parallel_apply(nn_module_t *root, const parallel_plan_t *pp, device_type_t dev,
+                              parallel_t **out) {
   ARG_NONNULL(out);
   ARG_NONNULL(root);
   ARG_NONNULL(pp);
@@ -212,7 +214,7 @@ status_t parallel_apply(parallel_t **out, nn_module_t *root, const parallel_plan
   parallel_t *par = calloc(1, sizeof *par);
   if (par == NULL) return err_set(STATUS_ENOMEM, "parallelize: out of host memory");
   par->root = root;
-  status_t st = make_meshes(par, pp, dev);
+  fsdpc_status_t st = make_meshes(par, pp, dev);
   if (st == STATUS_OK) st = apply_tp(par, pp);
   if (st == STATUS_OK) st = apply_fsdp(par, pp);
   if (st != STATUS_OK) {
@@ -236,9 +238,9 @@ void parallel_free(parallel_t *par) {
 
 /* ---- offline placements ---- */
 
-status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
-                                   const char *kind, int *mesh_ndim, int *mesh_shape,
-                                   placement_t *pl) {
+fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
+                                         const char *kind, int *mesh_ndim, int *mesh_shape,
+                                         placement_t *pl) {
   ARG_NONNULL(pp);
   ARG_NONNULL(fqn);
   ARG_NONNULL(mesh_ndim);
@@ -266,7 +268,7 @@ status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
                        "parameter %s: tensor-parallel rule '%s' matches module '%s', whose kind "
                        "is not known",
                        fqn, rules[i].pattern, dot ? module : "");
-      status_t st = tp_param_placement(rules[i].style, kind, dot ? dot + 1 : fqn, &tpl);
+      fsdpc_status_t st = tp_param_placement(rules[i].style, kind, dot ? dot + 1 : fqn, &tpl);
       if (st != STATUS_OK)
         return err_prefix(st, "parameter %s (tensor-parallel rule '%s')", fqn, rules[i].pattern);
     }

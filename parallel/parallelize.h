@@ -6,11 +6,11 @@
  * the root last.
  *
  *   parallel_plan_t pp;
- *   TRY(parallel_plan_load(&pp, "plan.yaml", NULL, 0));
- *   TRY(parallel_plan_resolve(&pp, world_size()));
+ *   FSDPC_TRY(parallel_plan_load(&pp, "plan.yaml", NULL, 0));
+ *   FSDPC_TRY(parallel_plan_resolve(&pp, world_size()));
  *   parallel_t *par;
- *   TRY(parallel_apply(&par, model, &pp, DEVICE_CPU));   // model built deferred, or whole
- *   TRY(nn_module_materialize(model));                     // deferred: this rank's shards
+ *   FSDPC_TRY(parallel_apply(model, &pp, DEVICE_CPU, &par));   // model built deferred, or whole
+ *   FSDPC_TRY(nn_module_materialize(model));                     // deferred: this rank's shards
  *   ... initialise, train; clip with parallel_all_group(par) ...
  *   parallel_free(par); llama_free(model);                 // in either order
  */
@@ -34,8 +34,8 @@ typedef struct parallel parallel_t;
  * name the plan's line and list module names of the tree); on failure root may be partly
  * parallelised and should be freed. *out is freed with parallel_free. Collective over the
  * world (it creates the meshes). */
-status_t parallel_apply(parallel_t **out, nn_module_t *root, const parallel_plan_t *pp,
-                        device_type_t dev);
+fsdpc_status_t parallel_apply(nn_module_t *root, const parallel_plan_t *pp, device_type_t dev,
+                              parallel_t **out);
 
 /* Frees the tensor-parallel state and releases the meshes, after the last step; the model's
  * fully_shard groups go with the model (they keep the meshes they use until then), so the
@@ -69,9 +69,9 @@ const tp_plan_t *parallel_tp(const parallel_t *par);
  * "embedding", a norm's; NULL when not known), needed only where a tensor-parallel rule
  * matches that module (the module's FQN is fqn without its last component). Offline tools
  * lay checkpoints out for a plan with it, with or without a model. Local. */
-status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
-                                   const char *kind, int *mesh_ndim, int *mesh_shape,
-                                   placement_t *pl);
+fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
+                                         const char *kind, int *mesh_ndim, int *mesh_shape,
+                                         placement_t *pl);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

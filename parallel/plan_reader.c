@@ -40,7 +40,7 @@ void pr_where_section(plan_ctx_t *c, int m, const char *const *keys, plan_where_
   pr_where_of(c, m, w);
 }
 
-status_t pr_fail(plan_ctx_t *c, int i, const char *path, const char *fmt, ...) {
+fsdpc_status_t pr_fail(plan_ctx_t *c, int i, const char *path, const char *fmt, ...) {
   char msg[512];
   va_list ap;
   va_start(ap, fmt);
@@ -89,7 +89,7 @@ static size_t edit_distance(const char *a, const char *b) {
 }
 
 /* Checks that i is a mapping of scalar keys from keys (NULL-terminated), without duplicates. */
-status_t pr_check_keys(plan_ctx_t *c, int i, const char *path, const char *const *keys) {
+fsdpc_status_t pr_check_keys(plan_ctx_t *c, int i, const char *path, const char *const *keys) {
   yaml_node_t *n = pr_node(c, i);
   if (n->type != YAML_MAPPING_NODE)
     return pr_fail(c, i, path, "expected a mapping of keys (%s, ...)", keys[0]);
@@ -151,7 +151,8 @@ int pr_lookup(plan_ctx_t *c, int map, const char *prefix, const char *key, char 
   return v;
 }
 
-status_t pr_want_scalar(plan_ctx_t *c, int v, const char *path, const char *what, const char **s) {
+fsdpc_status_t pr_want_scalar(plan_ctx_t *c, int v, const char *path, const char *what,
+                              const char **s) {
   *s = pr_scalar(c, v);
   if (*s == NULL)
     return pr_fail(c, v, path, "expected %s, got a %s", what,
@@ -159,10 +160,10 @@ status_t pr_want_scalar(plan_ctx_t *c, int v, const char *path, const char *what
   return STATUS_OK;
 }
 
-status_t pr_parse_int(plan_ctx_t *c, int v, const char *path, int64_t lo, int64_t hi,
-                      int64_t *out) {
+fsdpc_status_t pr_parse_int(plan_ctx_t *c, int v, const char *path, int64_t lo, int64_t hi,
+                            int64_t *out) {
   const char *s;
-  TRY(pr_want_scalar(c, v, path, "an integer", &s));
+  FSDPC_TRY(pr_want_scalar(c, v, path, "an integer", &s));
   char *end;
   errno = 0;
   long long x = strtoll(s, &end, 10);
@@ -173,32 +174,32 @@ status_t pr_parse_int(plan_ctx_t *c, int v, const char *path, int64_t lo, int64_
   return STATUS_OK;
 }
 
-status_t pr_get_int(plan_ctx_t *c, int map, const char *prefix, const char *key, int64_t lo,
-                    int64_t hi, int64_t *out) {
+fsdpc_status_t pr_get_int(plan_ctx_t *c, int map, const char *prefix, const char *key, int64_t lo,
+                          int64_t hi, int64_t *out) {
   char path[256];
   int v = pr_lookup(c, map, prefix, key, path);
   if (v == 0) return STATUS_OK;
   return pr_parse_int(c, v, path, lo, hi, out);
 }
 
-status_t pr_get_size(plan_ctx_t *c, int map, const char *prefix, const char *key, int *out) {
+fsdpc_status_t pr_get_size(plan_ctx_t *c, int map, const char *prefix, const char *key, int *out) {
   char path[256];
   int v = pr_lookup(c, map, prefix, key, path);
   if (v == 0) return STATUS_OK;
   int64_t x = 0; /* set by parse_int (gcc -O3 cannot tell) */
-  TRY(pr_parse_int(c, v, path, -1, 1 << 20, &x));
+  FSDPC_TRY(pr_parse_int(c, v, path, -1, 1 << 20, &x));
   if (x == 0) return pr_fail(c, v, path, "a mesh size must be positive, or -1 for the rest");
   *out = (int)x;
   return STATUS_OK;
 }
 
-status_t pr_get_float(plan_ctx_t *c, int map, const char *prefix, const char *key, double lo,
-                      double hi, bool open_lo, double *out) {
+fsdpc_status_t pr_get_float(plan_ctx_t *c, int map, const char *prefix, const char *key, double lo,
+                            double hi, bool open_lo, double *out) {
   char path[256];
   int v = pr_lookup(c, map, prefix, key, path);
   if (v == 0) return STATUS_OK;
   const char *s;
-  TRY(pr_want_scalar(c, v, path, "a number", &s));
+  FSDPC_TRY(pr_want_scalar(c, v, path, "a number", &s));
   char *end;
   errno = 0;
   double x = strtod(s, &end);
@@ -209,9 +210,9 @@ status_t pr_get_float(plan_ctx_t *c, int map, const char *prefix, const char *ke
   return STATUS_OK;
 }
 
-status_t pr_parse_bool(plan_ctx_t *c, int v, const char *path, bool *out) {
+fsdpc_status_t pr_parse_bool(plan_ctx_t *c, int v, const char *path, bool *out) {
   const char *s;
-  TRY(pr_want_scalar(c, v, path, "true or false", &s));
+  FSDPC_TRY(pr_want_scalar(c, v, path, "true or false", &s));
   if (strcasecmp(s, "true") == 0)
     *out = true;
   else if (strcasecmp(s, "false") == 0)
@@ -221,30 +222,30 @@ status_t pr_parse_bool(plan_ctx_t *c, int v, const char *path, bool *out) {
   return STATUS_OK;
 }
 
-status_t pr_get_bool(plan_ctx_t *c, int map, const char *prefix, const char *key, bool *out) {
+fsdpc_status_t pr_get_bool(plan_ctx_t *c, int map, const char *prefix, const char *key, bool *out) {
   char path[256];
   int v = pr_lookup(c, map, prefix, key, path);
   if (v == 0) return STATUS_OK;
   return pr_parse_bool(c, v, path, out);
 }
 
-status_t pr_get_str(plan_ctx_t *c, int map, const char *prefix, const char *key, char *out,
-                    size_t size) {
+fsdpc_status_t pr_get_str(plan_ctx_t *c, int map, const char *prefix, const char *key, char *out,
+                          size_t size) {
   char path[256];
   int v = pr_lookup(c, map, prefix, key, path);
   if (v == 0) return STATUS_OK;
   const char *s;
-  TRY(pr_want_scalar(c, v, path, "a string", &s));
+  FSDPC_TRY(pr_want_scalar(c, v, path, "a string", &s));
   if (strlen(s) >= size) return pr_fail(c, v, path, "longer than %zu characters", size - 1);
   strcpy(out, s);
   return STATUS_OK;
 }
 
 /* A path: relative ones from the file are taken from the file's folder. */
-status_t pr_get_path(plan_ctx_t *c, int map, const char *prefix, const char *key, char *out) {
+fsdpc_status_t pr_get_path(plan_ctx_t *c, int map, const char *prefix, const char *key, char *out) {
   char path[256];
   int v = pr_lookup(c, map, prefix, key, path);
-  TRY(pr_get_str(c, map, prefix, key, out, PLAN_PATH_MAX));
+  FSDPC_TRY(pr_get_str(c, map, prefix, key, out, PLAN_PATH_MAX));
   if (v == 0 || out[0] == '/' || v >= c->set_base || c->dir[0] == 0) return STATUS_OK;
   char joined[2 * PLAN_PATH_MAX];
   snprintf(joined, sizeof joined, "%s/%s", c->dir, out);
@@ -253,12 +254,13 @@ status_t pr_get_path(plan_ctx_t *c, int map, const char *prefix, const char *key
   return STATUS_OK;
 }
 
-status_t pr_get_dtype(plan_ctx_t *c, int map, const char *prefix, const char *key, dtype_t *out) {
+fsdpc_status_t pr_get_dtype(plan_ctx_t *c, int map, const char *prefix, const char *key,
+                            dtype_t *out) {
   char path[256];
   int v = pr_lookup(c, map, prefix, key, path);
   if (v == 0) return STATUS_OK;
   const char *s;
-  TRY(pr_want_scalar(c, v, path, "a dtype", &s));
+  FSDPC_TRY(pr_want_scalar(c, v, path, "a dtype", &s));
   dtype_t dt;
   if (dtype_parse(s, &dt) != STATUS_OK || !dtype_is_float(dt))
     return pr_fail(c, v, path, "expected f32, bf16 or f16, got '%s'", s);
@@ -267,12 +269,12 @@ status_t pr_get_dtype(plan_ctx_t *c, int map, const char *prefix, const char *ke
 }
 
 /* true | false | integer N >= 2 (0 and 1 mean false and true). */
-status_t pr_get_reshard(plan_ctx_t *c, int map, const char *prefix, int *out) {
+fsdpc_status_t pr_get_reshard(plan_ctx_t *c, int map, const char *prefix, int *out) {
   char path[256];
   int v = pr_lookup(c, map, prefix, "reshard_after_forward", path);
   if (v == 0) return STATUS_OK;
   const char *s;
-  TRY(pr_want_scalar(c, v, path, "true, false or an integer", &s));
+  FSDPC_TRY(pr_want_scalar(c, v, path, "true, false or an integer", &s));
   if (strcasecmp(s, "true") == 0 || strcasecmp(s, "false") == 0) {
     *out = strcasecmp(s, "true") == 0;
     return STATUS_OK;
@@ -290,7 +292,8 @@ status_t pr_get_reshard(plan_ctx_t *c, int map, const char *prefix, int *out) {
 
 /* ---- sections ---- */
 
-status_t pr_section(plan_ctx_t *c, int root, const char *key, const char *const *keys, int *out) {
+fsdpc_status_t pr_section(plan_ctx_t *c, int root, const char *key, const char *const *keys,
+                          int *out) {
   *out = pr_find(c, root, key);
   if (pr_is_null(c, *out)) {
     *out = 0;
@@ -335,7 +338,7 @@ static char *next_part(char **pos, bool *bad) {
   return start;
 }
 
-status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
+fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
   const char *eq = strchr(set, '=');
   if (eq == NULL || eq == set)
     return err_set(STATUS_EFORMAT, "--set %s: expected key.path=value", set);
@@ -415,13 +418,14 @@ status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
 
 /* Checks the nesting depth with libyaml's event parser, which stops at the first collection
  * too deep (its lookahead is bounded), before the document loader builds anything. */
-status_t plan_yaml_check_depth(const char *path, const char *text, size_t len, int max_depth) {
+fsdpc_status_t plan_yaml_check_depth(const char *path, const char *text, size_t len,
+                                     int max_depth) {
   ARG_NONNULL(path);
   ARG_NONNULL(text);
   yaml_parser_t parser;
   yaml_parser_initialize(&parser);
   yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   int depth = 0;
   for (bool done = false; !done && st == STATUS_OK;) {
     yaml_event_t ev;
@@ -440,15 +444,15 @@ status_t plan_yaml_check_depth(const char *path, const char *text, size_t len, i
   return st;
 }
 
-status_t pr_parse_file(plan_ctx_t *c, const char *path) {
+fsdpc_status_t pr_parse_file(plan_ctx_t *c, const char *path) {
   FILE *f;
-  TRY(file_open_regular(path, "cannot open the plan", &f));
+  FSDPC_TRY(file_open_regular(path, "cannot open the plan", &f));
   long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
   fclose(f);
   char *text;
-  TRY(file_read_text(path, PLAN_MAX_BYTES, &text));
+  FSDPC_TRY(file_read_text(path, PLAN_MAX_BYTES, &text));
   size_t len = strlen(text);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (size >= 0 && (size_t)size != len)
     st = err_set(STATUS_EFORMAT, "%s:1:1: not valid YAML: the file holds a NUL byte (binary?)",
                  path);
@@ -472,15 +476,15 @@ status_t pr_parse_file(plan_ctx_t *c, const char *path) {
   return st;
 }
 
-status_t pr_open(plan_ctx_t *c, const char *path, const char *const *sets, int n_sets,
-                 const char *const *top, const char *sections, const char *first, int *root) {
+fsdpc_status_t pr_open(plan_ctx_t *c, const char *path, const char *const *sets, int n_sets,
+                       const char *const *top, const char *sections, const char *first, int *root) {
   *root = 0;
   snprintf(c->source, sizeof c->source, "%s", path);
   const char *slash = strrchr(path, '/');
   if (slash) snprintf(c->dir, sizeof c->dir, "%.*s", (int)(slash - path), path);
-  TRY(pr_parse_file(c, path));
+  FSDPC_TRY(pr_parse_file(c, path));
   int r = yaml_document_get_root_node(&c->doc) ? 1 : 0;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (r == 0 || pr_is_null(c, r))
     st = err_set(STATUS_EFORMAT, "%s: the plan is empty (expected a mapping of sections: %s)", path,
                  sections);

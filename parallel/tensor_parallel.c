@@ -23,7 +23,7 @@ typedef struct tp_mod {
                            weight and bias, the bias of a rowwise linear under sequence
                            parallelism */
   int n_sum;
-  tensor_t stash[2]; /* their gradients from earlier calls */
+  fsdpc_tensor_t stash[2]; /* their gradients from earlier calls */
 } tp_mod_t;
 
 struct tp_plan {
@@ -63,39 +63,40 @@ static placement_t placement_of(pk_t k, int ndim) {
 }
 
 /* The global shape of a local tensor x held with placement k on W ranks. */
-static void global_of(const tensor_t *x, pk_t k, int W, int64_t *shape) {
+static void global_of(const fsdpc_tensor_t *x, pk_t k, int W, int64_t *shape) {
   memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
   if (k == PK_SEQ) shape[1] *= W;
   if (k == PK_LAST) shape[x->ndim - 1] *= W;
 }
 
 /* y = x moved from placement a to b on mesh (x local, y a new tensor). */
-static status_t move(mesh_t *mesh, const tensor_t *x, pk_t a, pk_t b, tensor_t *y) {
+static fsdpc_status_t move(mesh_t *mesh, const fsdpc_tensor_t *x, pk_t a, pk_t b,
+                           fsdpc_tensor_t *y) {
   if (a == b || (a == PK_P && b == PK_R && mesh_size(mesh, 0) == 1)) return tensor_ref(y, x);
   int64_t shape[TENSOR_MAX_DIMS];
   global_of(x, a, mesh_size(mesh, 0), shape);
   placement_t pa = placement_of(a, x->ndim), pb = placement_of(b, x->ndim);
   dtensor_t *src = NULL, *dst = NULL;
-  TRY(dtensor_from_local(&src, x, mesh, &pa, x->ndim, shape));
-  status_t st = dtensor_redistribute(src, &pb, &dst);
+  FSDPC_TRY(dtensor_from_local(x, mesh, &pa, x->ndim, shape, &src));
+  fsdpc_status_t st = dtensor_redistribute(src, &pb, &dst);
   if (st == STATUS_OK) st = tensor_ref(y, dtensor_local(dst));
   dtensor_free(dst);
   dtensor_free(src);
   return st;
 }
 
-static status_t convert_backward(nn_ctx_t *ctx, nn_node_t *n) {
+static fsdpc_status_t convert_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   if (!x->requires_grad) return STATUS_OK;
   conv_t c = (conv_t)n->ints[0];
-  tensor_t g;
-  TRY(move(n->user, &n->out->grad, conv_bwd[c][0], conv_bwd[c][1], &g));
+  fsdpc_tensor_t g;
+  FSDPC_TRY(move(n->user, &n->out->grad, conv_bwd[c][0], conv_bwd[c][1], &g));
   return nn_accumulate_grad(x, &g);
 }
 
 /* Divisibility of the dimension a conversion splits. */
-static status_t check_split(const tp_mod_t *t, const tensor_t *x, conv_t c) {
+static fsdpc_status_t check_split(const tp_mod_t *t, const fsdpc_tensor_t *x, conv_t c) {
   int W = mesh_size(t->mesh, 0), d = -1;
   if (c == CONV_SCATTER_SEQ || c == CONV_REDUCE_SCATTER) d = 1;
   if (d < 0) return STATUS_OK;
@@ -107,13 +108,13 @@ static status_t check_split(const tp_mod_t *t, const tensor_t *x, conv_t c) {
   return STATUS_OK;
 }
 
-static status_t convert(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, conv_t c, tp_layout_t tag,
-                        nn_var_t **out) {
+static fsdpc_status_t convert(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, conv_t c,
+                              tp_layout_t tag, nn_var_t **out) {
   *out = NULL;
-  TRY(check_split(t, &x->value, c));
-  tensor_t y;
-  TRY(move(t->mesh, &x->value, conv_fwd[c][0], conv_fwd[c][1], &y));
-  TRY(nn_var_new(out, &y, x->requires_grad));
+  FSDPC_TRY(check_split(t, &x->value, c));
+  fsdpc_tensor_t y;
+  FSDPC_TRY(move(t->mesh, &x->value, conv_fwd[c][0], conv_fwd[c][1], &y));
+  FSDPC_TRY(nn_var_new(&y, x->requires_grad, out));
   (*out)->layout = tag;
   if (!nn_needs_grad(ctx, &x, 1, NULL)) return STATUS_OK;
   nn_node_t n = {.backward = convert_backward,
@@ -125,7 +126,8 @@ static status_t convert(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, conv_t c,
   return nn_record(ctx, &n);
 }
 
-static status_t unsupported(const tp_mod_t *t, const char *what, tp_layout_t from, tp_layout_t to) {
+static fsdpc_status_t unsupported(const tp_mod_t *t, const char *what, tp_layout_t from,
+                                  tp_layout_t to) {
   return err_set(STATUS_EUNSUPPORTED, "tensor parallel: %s (%s): %s from %s to %s is not supported",
                  nn_module_fqn(t->m), tp_style_name(t->style), what, tp_layout_name(from),
                  tp_layout_name(to));
@@ -139,8 +141,8 @@ static tp_layout_t arriving(const nn_var_t *x, tp_layout_t declared) {
 /* An input made ready for a style: Replicate for colwise layers (reduced once in backward),
  * Shard(1) for sequence-parallel norms, Shard(-1) for rowwise layers. *y is a new
  * reference. */
-static status_t prepare(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, tp_layout_t want,
-                        nn_var_t **y) {
+static fsdpc_status_t prepare(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, tp_layout_t want,
+                              nn_var_t **y) {
   /* Layouts travel with the activations (every operation keeps its inputs'), so one without a
    * layout came through no tensor-parallel layer: every rank holds it whole. Taken for
    * sequence shards, it would come back tp times as long. */
@@ -166,8 +168,8 @@ static status_t prepare(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, tp_layout
 }
 
 /* A layer's own output (Shard(-1) or Partial) moved to the rule's output layout. */
-static status_t finish(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *y, bool partial,
-                       nn_var_t **out) {
+static fsdpc_status_t finish(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *y, bool partial,
+                             nn_var_t **out) {
   if (partial && t->out == TP_REPLICATE) return convert(ctx, t, y, CONV_REDUCE, TP_REPLICATE, out);
   if (partial && t->out == TP_SHARD_SEQ)
     return convert(ctx, t, y, CONV_REDUCE_SCATTER, TP_SHARD_SEQ, out);
@@ -180,8 +182,8 @@ static status_t finish(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *y, bool parti
     return convert(ctx, t, y, CONV_GATHER_LAST, TP_REPLICATE, out);
   if (!partial && t->out == TP_SHARD_SEQ) {
     nn_var_t *r = NULL;
-    TRY(convert(ctx, t, y, CONV_GATHER_LAST, TP_REPLICATE, &r));
-    status_t st = convert(ctx, t, r, CONV_SCATTER_SEQ, TP_SHARD_SEQ, out);
+    FSDPC_TRY(convert(ctx, t, y, CONV_GATHER_LAST, TP_REPLICATE, &r));
+    fsdpc_status_t st = convert(ctx, t, r, CONV_SCATTER_SEQ, TP_SHARD_SEQ, out);
     nn_var_put(r);
     return st;
   }
@@ -190,46 +192,46 @@ static status_t finish(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *y, bool parti
 
 /* ---- forward wrappers ---- */
 
-static status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
-                        nn_forward_fn inner, void *user) {
+static fsdpc_status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
+                              nn_forward_fn inner, void *user) {
   const tp_mod_t *t = user;
   nn_var_t *x = NULL, *y = NULL;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   *out = NULL;
   switch (t->style) {
     case TP_PREPARE_INPUT:
-      TRY(prepare(ctx, t, in, TP_REPLICATE_REDUCED, &x));
+      FSDPC_TRY(prepare(ctx, t, in, TP_REPLICATE_REDUCED, &x));
       st = inner(ctx, m, x, out);
       break;
     case TP_SEQUENCE_PARALLEL:
-      TRY(prepare(ctx, t, in, TP_SHARD_SEQ, &x));
+      FSDPC_TRY(prepare(ctx, t, in, TP_SHARD_SEQ, &x));
       st = inner(ctx, m, x, out);
       if (st == STATUS_OK) (*out)->layout = TP_SHARD_SEQ;
       break;
     case TP_COLWISE:
       if (t->embedding) { /* ids stay whole; each rank looks up its columns */
-        TRY_GOTO(st, inner(ctx, m, in, &y));
+        FSDPC_TRY_GOTO(st, inner(ctx, m, in, &y));
       } else {
-        TRY(prepare(ctx, t, in, TP_REPLICATE_REDUCED, &x));
-        TRY_GOTO(st, inner(ctx, m, x, &y));
+        FSDPC_TRY(prepare(ctx, t, in, TP_REPLICATE_REDUCED, &x));
+        FSDPC_TRY_GOTO(st, inner(ctx, m, x, &y));
       }
       st = finish(ctx, t, y, false, out);
       break;
     case TP_ROWWISE:
       if (t->embedding) {
-        TRY_GOTO(st, nn_embedding_shard(ctx, in, t->w, t->first, t->vocab, &y));
+        FSDPC_TRY_GOTO(st, nn_embedding_shard(ctx, in, t->w, t->first, t->vocab, &y));
       } else if (t->b != NULL) { /* the bias is added once, to the reduced output */
-        TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
-        TRY_GOTO(st, nn_linear(ctx, x, t->w, &y));
+        FSDPC_TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
+        FSDPC_TRY_GOTO(st, nn_linear(ctx, x, t->w, &y));
         nn_var_t *r = NULL;
-        TRY_GOTO(st, finish(ctx, t, y, true, &r));
+        FSDPC_TRY_GOTO(st, finish(ctx, t, y, true, &r));
         st = nn_bias_add(ctx, r, t->b, out);
         if (st == STATUS_OK) (*out)->layout = r->layout;
         nn_var_put(r);
         break;
       } else {
-        TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
-        TRY_GOTO(st, inner(ctx, m, x, &y));
+        FSDPC_TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
+        FSDPC_TRY_GOTO(st, inner(ctx, m, x, &y));
       }
       st = finish(ctx, t, y, true, out);
       break;
@@ -248,14 +250,14 @@ cleanup:
 /* Gradients computed from sequence shards (a sequence-parallel norm's weight and bias, a
  * rowwise bias under sequence parallelism): each call's contribution is summed over tp
  * (earlier calls' sums are set aside meanwhile). */
-static status_t sum_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
+static fsdpc_status_t sum_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
   (void)ctx;
   (void)m;
   tp_mod_t *t = user;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   for (int k = 0; k < t->n_sum && st == STATUS_OK; k++) {
     nn_param_t *p = t->sum[k];
-    tensor_t *stash = &t->stash[k];
+    fsdpc_tensor_t *stash = &t->stash[k];
     bool has = p->compute_grad.storage != NULL;
     if (kind == NN_HOOK_PRE_BACKWARD) {
       tensor_free(stash);
@@ -267,7 +269,7 @@ static status_t sum_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, voi
     }
     if (kind != NN_HOOK_POST_BACKWARD) continue;
     if (has) {
-      tensor_t *g = &p->compute_grad;
+      fsdpc_tensor_t *g = &p->compute_grad;
       st = pg_all_reduce(mesh_group(t->mesh, 0), g->data, g->data, (size_t)tensor_numel(g),
                          g->dtype, REDUCE_SUM, NULL);
       if (st == STATUS_OK && stash->storage != NULL) st = kernel_axpy(g, 1.0f, stash);
@@ -289,7 +291,7 @@ static bool is_local(const nn_param_t *p) {
 
 /* p becomes a DTensor with placement pl on mesh; a parameter already placed there (a tied
  * weight) must agree. */
-static status_t place(nn_param_t *p, mesh_t *mesh, placement_t pl, const char *module) {
+static fsdpc_status_t place(nn_param_t *p, mesh_t *mesh, placement_t pl, const char *module) {
   if (dtensor_mesh(p->value) == mesh) {
     if (placement_equal(dtensor_placements(p->value)[0], pl)) return STATUS_OK;
     char a[32], b[32];
@@ -301,7 +303,7 @@ static status_t place(nn_param_t *p, mesh_t *mesh, placement_t pl, const char *m
   }
   if (!is_local(p))
     return err_set(STATUS_EINVAL, "tensor parallel: parameter %s is already distributed", p->fqn);
-  const tensor_t *full = dtensor_local(p->value);
+  const fsdpc_tensor_t *full = dtensor_local(p->value);
   int W = mesh_size(mesh, 0);
   if (pl.kind == PLACEMENT_SHARD && full->shape[pl.dim] % W != 0)
     return err_set(STATUS_ESHAPE,
@@ -310,12 +312,12 @@ static status_t place(nn_param_t *p, mesh_t *mesh, placement_t pl, const char *m
                    module, p->fqn, (long long)full->shape[pl.dim], pl.dim == 0 ? "rows" : "columns",
                    W);
   dtensor_t *dt;
-  TRY(dtensor_distribute(&dt, full, mesh, &pl, DTENSOR_ALL_RANKS));
+  FSDPC_TRY(dtensor_distribute(full, mesh, &pl, DTENSOR_ALL_RANKS, &dt));
   return nn_param_set_value(p, dt);
 }
 
 /* Resolves a rule's layouts and splits the module's weight and bias. */
-static status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
+static fsdpc_status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
   const char *kind = nn_module_kind(t->m), *fqn = nn_module_fqn(t->m);
   tp_layout_t model = sp ? TP_SHARD_SEQ : TP_REPLICATE;
   t->embedding = kind && strcmp(kind, "embedding") == 0;
@@ -324,7 +326,7 @@ static status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
   t->w = has_params ? nn_module_param_named(t->m, "weight") : NULL;
   t->b = has_params ? nn_module_param_named(t->m, "bias") : NULL;
   placement_t pl, bpl = placement_replicate();
-  status_t st = tp_param_placement(r->style, kind, "weight", &pl);
+  fsdpc_status_t st = tp_param_placement(r->style, kind, "weight", &pl);
   if (st == STATUS_OK && t->b != NULL) st = tp_param_placement(r->style, kind, "bias", &bpl);
   if (st != STATUS_OK) return err_prefix(STATUS_EINVAL, "tensor parallel: %s", fqn);
   if (t->w == NULL && has_params)
@@ -349,8 +351,8 @@ static status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
     t->out = r->output;
   }
   if (t->w == NULL) return STATUS_OK;
-  TRY(place(t->w, t->mesh, pl, fqn));
-  if (t->b != NULL) TRY(place(t->b, t->mesh, bpl, fqn));
+  FSDPC_TRY(place(t->w, t->mesh, pl, fqn));
+  if (t->b != NULL) FSDPC_TRY(place(t->b, t->mesh, bpl, fqn));
   if (r->style == TP_ROWWISE && t->embedding) {
     int64_t off[2];
     dtensor_offset(t->w->value, off);
@@ -374,22 +376,22 @@ typedef struct walk {
   mesh_t *mesh;
 } walk_t;
 
-static status_t visit(walk_t *w, nn_module_t *m) {
+static fsdpc_status_t visit(walk_t *w, nn_module_t *m) {
   int i = tp_rule_index(w->rules, w->n_rules, nn_module_fqn(m));
   if (i >= 0) w->hits[i]++;
   if (i >= 0 && tp_rule_applies(&w->rules[i], w->sp)) {
     tp_mod_t *t = &w->plan->mods[w->plan->n];
     t->m = m;
     t->mesh = w->mesh;
-    TRY(setup(t, &w->rules[i], w->sp));
+    FSDPC_TRY(setup(t, &w->rules[i], w->sp));
     w->plan->n++;
-    TRY(nn_module_wrap_forward(m, wrapped, t));
+    FSDPC_TRY(nn_module_wrap_forward(m, wrapped, t));
     if (t->n_sum > 0) {
-      TRY(nn_module_add_hook(m, NN_HOOK_PRE_BACKWARD, sum_hook, t));
-      TRY(nn_module_add_hook(m, NN_HOOK_POST_BACKWARD, sum_hook, t));
+      FSDPC_TRY(nn_module_add_hook(m, NN_HOOK_PRE_BACKWARD, sum_hook, t));
+      FSDPC_TRY(nn_module_add_hook(m, NN_HOOK_POST_BACKWARD, sum_hook, t));
     }
   }
-  for (int i = 0; i < nn_module_num_children(m); i++) TRY(visit(w, nn_module_child(m, i)));
+  for (int i = 0; i < nn_module_num_children(m); i++) FSDPC_TRY(visit(w, nn_module_child(m, i)));
   return STATUS_OK;
 }
 
@@ -399,8 +401,8 @@ static int count_modules(const nn_module_t *m) {
   return n;
 }
 
-status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules, int n,
-                         bool sequence_parallel, tp_plan_t **out) {
+fsdpc_status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules, int n,
+                               bool sequence_parallel, tp_plan_t **out) {
   ARG_NONNULL(root);
   ARG_NONNULL(mesh);
   if (n > 0) ARG_NONNULL(rules);
@@ -410,23 +412,23 @@ status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules
     return err_set(STATUS_EINVAL, "tensor_parallel: a module, a 1-D mesh and rules are required");
   tp_plan_t *plan = calloc(1, sizeof *plan);
   int *hits = calloc((size_t)(n > 0 ? n : 1), sizeof(int));
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (plan == NULL || hits == NULL ||
       (plan->mods = calloc((size_t)count_modules(root), sizeof(tp_mod_t))) == NULL)
-    TRY_GOTO(st, err_set(STATUS_ENOMEM, "tensor_parallel: out of host memory"));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_ENOMEM, "tensor_parallel: out of host memory"));
   walk_t w = {rules, n, sequence_parallel, hits, plan, mesh};
-  TRY_GOTO(st, visit(&w, root));
+  FSDPC_TRY_GOTO(st, visit(&w, root));
   for (int i = 0; i < n; i++)
     if (hits[i] == 0) {
       char names[256];
-      TRY_GOTO(st, err_set(STATUS_EINVAL,
-                           "tensor parallel: '%s' matches no module (modules here: %s, ...)",
-                           rules[i].pattern, nn_module_names(root, 6, names, sizeof names)));
+      FSDPC_TRY_GOTO(st, err_set(STATUS_EINVAL,
+                                 "tensor parallel: '%s' matches no module (modules here: %s, ...)",
+                                 rules[i].pattern, nn_module_names(root, 6, names, sizeof names)));
     }
   /* every other parameter: Replicate on tp */
   nn_param_t **ps = NULL;
   int np = 0;
-  TRY_GOTO(st, nn_named_parameters(root, &ps, &np));
+  FSDPC_TRY_GOTO(st, nn_named_parameters(root, &ps, &np));
   for (int i = 0; i < np && st == STATUS_OK; i++)
     if (dtensor_mesh(ps[i]->value) != mesh)
       st = place(ps[i], mesh, placement_replicate(), nn_module_fqn(ps[i]->owner));

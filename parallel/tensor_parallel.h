@@ -40,7 +40,7 @@
  *
  *   tp_rule_t rules[] = {{"model.layers.*.self_attn.q_proj", TP_COLWISE}, ...};
  *   tp_plan_t *tp;
- *   TRY(tensor_parallel(llama_module(m), tp_mesh, rules, n, true, &tp));
+ *   FSDPC_TRY(tensor_parallel(llama_module(m), tp_mesh, rules, n, true, &tp));
  *   ... fully_shard, train ...
  *   tp_free(tp);                            // after the model
  *
@@ -96,8 +96,8 @@ const char *tp_layout_name(tp_layout_t l);
  * Shard(1) as the table above; a colwise linear's bias Shard(0) (it follows the output
  * features), a rowwise one's Replicate (added once, to the reduced output); Replicate for norms
  * and prepare_input. Errors when the style does not apply to the kind. */
-status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
-                            placement_t *out);
+fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
+                                  placement_t *out);
 
 /* The rule a module of this FQN takes: the index of the first rule whose pattern matches, or
  * -1. A matched rule changes the module only when tp_rule_applies (sequence_parallel rules
@@ -109,8 +109,8 @@ bool tp_rule_applies(const tp_rule_t *rule, bool sequence_parallel);
  * parameters must all be whole (Replicate on a one-rank mesh) and the same on every rank.
  * mesh is 1-D. Every pattern must match a module of a kind its style handles. Local: no
  * communication. */
-status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules, int n,
-                         bool sequence_parallel, tp_plan_t **out);
+fsdpc_status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules, int n,
+                               bool sequence_parallel, tp_plan_t **out);
 
 /* Frees the plan's state; call after the last forward or backward (NULL: no-op). */
 void tp_free(tp_plan_t *tp);

@@ -56,8 +56,8 @@ static bool is_norm(const char *kind) {
   return kind && (strcmp(kind, "rmsnorm") == 0 || strcmp(kind, "layernorm") == 0);
 }
 
-status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
-                            placement_t *out) {
+fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
+                                  placement_t *out) {
   ARG_NONNULL(param);
   ARG_NONNULL(out);
   bool linear = kind && strcmp(kind, "linear") == 0, emb = kind && strcmp(kind, "embedding") == 0;

@@ -17,23 +17,23 @@ int all_ranks(int ok) {
   return out;
 }
 
-static void must(status_t st) {
+static void must(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
 mesh_t *test_local_mesh(void) {
   mesh_t *m;
-  must(mesh_init_local(&m, "local", DEVICE_CPU));
+  must(mesh_new_local("local", DEVICE_CPU, &m));
   return m;
 }
 
 dtensor_t *test_replicated(mesh_t *mesh, int ndim, const int64_t *shape, double fill) {
-  tensor_t t;
+  fsdpc_tensor_t t;
   must(tensor_init(&t, DTYPE_F32, device_cpu(), ndim, shape));
   must(tensor_fill(&t, fill));
   dtensor_t *d;
   placement_t rep = placement_replicate();
-  must(dtensor_from_local(&d, &t, mesh, &rep, ndim, shape));
+  must(dtensor_from_local(&t, mesh, &rep, ndim, shape, &d));
   tensor_free(&t);
   return d;
 }
@@ -53,8 +53,8 @@ double test_rng_uniform(test_rng_t *r) {
   return (double)(test_rng_next(r) >> 11) * 0x1.0p-52 - 1.0;
 }
 
-void test_fill_uniform(tensor_t *t, test_rng_t *r, double scale) {
-  tensor_t host;
+void test_fill_uniform(fsdpc_tensor_t *t, test_rng_t *r, double scale) {
+  fsdpc_tensor_t host;
   ck_assert_int_eq(tensor_init(&host, t->dtype, device_cpu(), t->ndim, t->shape), STATUS_OK);
   for (int64_t i = 0; i < tensor_numel(t); i++)
     dtype_store(t->dtype, host.data, (size_t)i, scale * test_rng_uniform(r));
@@ -62,8 +62,8 @@ void test_fill_uniform(tensor_t *t, test_rng_t *r, double scale) {
   tensor_free(&host);
 }
 
-double test_rel_l2(const tensor_t *a, const tensor_t *ref) {
-  tensor_t ha, hr;
+double test_rel_l2(const fsdpc_tensor_t *a, const fsdpc_tensor_t *ref) {
+  fsdpc_tensor_t ha, hr;
   ck_assert_msg(tensor_same_shape(a, ref), "test_rel_l2: shapes differ");
   ck_assert_int_eq(tensor_clone(&ha, a, DTYPE_F32, device_cpu()), STATUS_OK);
   ck_assert_int_eq(tensor_clone(&hr, ref, DTYPE_F32, device_cpu()), STATUS_OK);

@@ -43,11 +43,11 @@ int test_rng_int(test_rng_t *r, int lo, int hi);
 double test_rng_uniform(test_rng_t *r);
 
 /* Fills a float tensor (any device) with uniform values in [-scale, scale). */
-void test_fill_uniform(tensor_t *t, test_rng_t *r, double scale);
+void test_fill_uniform(fsdpc_tensor_t *t, test_rng_t *r, double scale);
 
 /* ||a - ref||_2 / ||ref||_2 over two float tensors of the same shape (any devices);
  * fails the test when the comparison itself cannot run. */
-double test_rel_l2(const tensor_t *a, const tensor_t *ref);
+double test_rel_l2(const fsdpc_tensor_t *a, const fsdpc_tensor_t *ref);
 
 /* A mesh of this process alone, on the CPU (caller frees). */
 mesh_t *test_local_mesh(void);

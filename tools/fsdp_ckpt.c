@@ -50,7 +50,7 @@ static void usage(FILE *f) {
 
 /* A training checkpoint's train_state.json against its record and its folders; nothing for a
  * plain shard folder. */
-static status_t check_state(const char *dir) {
+static fsdpc_status_t check_state(const char *dir) {
   char path[PATH_LEN];
   snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
   return access(path, F_OK) == 0 ? ckpt_check_state(dir) : STATUS_OK;
@@ -96,12 +96,12 @@ static void checks_text(const dcp_reader_t *r, char *out, size_t size) {
   }
 }
 
-static status_t inspect_folder(const char *title, const char *dir) {
+static fsdpc_status_t inspect_folder(const char *title, const char *dir) {
   dcp_reader_t *r;
-  TRY(dcp_reader_open(dir, &r));
+  FSDPC_TRY(dcp_reader_open(dir, &r));
   const dcp_tensor_t *t;
   int n;
-  status_t st = dcp_reader_list(r, &t, &n);
+  fsdpc_status_t st = dcp_reader_list(r, &t, &n);
   if (st == STATUS_OK) {
     uint64_t total = 0;
     int files = 0;
@@ -133,7 +133,8 @@ typedef struct run_steps {
   int n;
 } run_steps_t;
 
-static status_t add_run_step(void *ctx, const char *name, int64_t step, ckpt_step_kind_t kind) {
+static fsdpc_status_t add_run_step(void *ctx, const char *name, int64_t step,
+                                   ckpt_step_kind_t kind) {
   run_steps_t *l = ctx;
   struct run_step *grown = realloc(l->v, (size_t)(l->n + 1) * sizeof *grown);
   if (grown == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
@@ -153,9 +154,9 @@ static int by_step(const void *a, const void *b) { /* a step's folder before its
 
 /* A run's checkpoint.dir (step-N folders, no checkpoint of its own): lists its checkpoints,
  * complete or not. *listed is false when dir holds no step folder. */
-static status_t inspect_run(const char *dir, bool *listed) {
+static fsdpc_status_t inspect_run(const char *dir, bool *listed) {
   run_steps_t l = {NULL, 0};
-  status_t st = ckpt_scan_steps(dir, add_run_step, &l);
+  fsdpc_status_t st = ckpt_scan_steps(dir, add_run_step, &l);
   *listed = st == STATUS_OK && l.n > 0;
   if (*listed) {
     qsort(l.v, (size_t)l.n, sizeof *l.v, by_step);
@@ -176,18 +177,18 @@ static status_t inspect_run(const char *dir, bool *listed) {
   return st;
 }
 
-static status_t inspect(const char *dir) {
+static fsdpc_status_t inspect(const char *dir) {
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   char own[PATH_LEN + 32];
   snprintf(own, sizeof own, "%.4000s/train_state.json", dir);
   if (access(own, F_OK) != 0) {
     bool listed;
-    TRY(inspect_run(dir, &listed));
+    FSDPC_TRY(inspect_run(dir, &listed));
     if (listed) return STATUS_OK;
   }
-  TRY(check_state(dir)); /* a train state that passes is valid JSON */
+  FSDPC_TRY(check_state(dir)); /* a train state that passes is valid JSON */
   char *text;
-  TRY(ckpt_state_text(dir, &text));
+  FSDPC_TRY(ckpt_state_text(dir, &text));
   cJSON *state = text ? cJSON_Parse(text) : NULL;
   free(text);
   if (state) {
@@ -211,7 +212,7 @@ static status_t inspect(const char *dir) {
   }
   char model[PATH_LEN], optim[PATH_LEN];
   model_folder(dir, model, sizeof model);
-  status_t st = inspect_folder("model", model);
+  fsdpc_status_t st = inspect_folder("model", model);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
   if (st == STATUS_OK && file_is_dir(optim)) st = inspect_folder("optimizer state", optim);
   cJSON_Delete(state);
@@ -222,18 +223,18 @@ static status_t inspect(const char *dir) {
 
 /* Checks every chunk of every tensor of one folder; reports each damaged tensor and adds the
  * counts. */
-static status_t verify_folder(const char *dir, int *checked, int *unchecked, int *damaged) {
+static fsdpc_status_t verify_folder(const char *dir, int *checked, int *unchecked, int *damaged) {
   dcp_reader_t *r;
-  TRY(dcp_reader_open(dir, &r));
+  FSDPC_TRY(dcp_reader_open(dir, &r));
   const dcp_tensor_t *t;
   int n;
-  status_t st = dcp_reader_list(r, &t, &n);
+  fsdpc_status_t st = dcp_reader_list(r, &t, &n);
   char how[160];
   checks_text(r, how, sizeof how);
   printf("%s: %s\n", dir, how);
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     int ok = 0, none = 0;
-    status_t vs = dcp_reader_verify(r, t[i].name, &ok, &none);
+    fsdpc_status_t vs = dcp_reader_verify(r, t[i].name, &ok, &none);
     if (vs == STATUS_ENOMEM) st = vs;
     if (vs != STATUS_OK) {
       fprintf(stderr, "fsdp-ckpt: %s\n", err_detail());
@@ -248,15 +249,15 @@ static status_t verify_folder(const char *dir, int *checked, int *unchecked, int
 
 /* Opens the whole checkpoint (model and optimizer state: headers, file lists, tiling) and reads
  * every block once, checking it: what a load checks of the blocks it reads, over all of them. */
-static status_t verify(const char *dir) {
+static fsdpc_status_t verify(const char *dir) {
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
-  TRY(check_state(dir));
+  FSDPC_TRY(check_state(dir));
   char model[PATH_LEN], optim[PATH_LEN];
   model_folder(dir, model, sizeof model);
   snprintf(optim, sizeof optim, "%.4000s/optim", dir);
   int checked = 0, unchecked = 0, damaged = 0;
-  TRY(verify_folder(model, &checked, &unchecked, &damaged));
-  if (file_is_dir(optim)) TRY(verify_folder(optim, &checked, &unchecked, &damaged));
+  FSDPC_TRY(verify_folder(model, &checked, &unchecked, &damaged));
+  if (file_is_dir(optim)) FSDPC_TRY(verify_folder(optim, &checked, &unchecked, &damaged));
   printf("%s: %d chunks match their checksums, %d saved without one, %d tensors damaged\n", dir,
          checked, unchecked, damaged);
   if (damaged > 0)
@@ -268,9 +269,9 @@ static status_t verify(const char *dir) {
 
 /* ---- export-hf, import-hf ---- */
 
-static status_t export_hf(const char *dir, const char *out, const hf_export_opts_t *o) {
+static fsdpc_status_t export_hf(const char *dir, const char *out, const hf_export_opts_t *o) {
   hf_report_t rep;
-  status_t st = ckpt_export_hf(dir, out, o, &rep);
+  fsdpc_status_t st = ckpt_export_hf(dir, out, o, &rep);
   if (rep.unchecked)
     printf("%s has no checksums (written by another tool): what is read from it is unchecked\n",
            dir);
@@ -280,9 +281,9 @@ static status_t export_hf(const char *dir, const char *out, const hf_export_opts
   return st;
 }
 
-static status_t import_hf(const char *hf, const char *out) {
+static fsdpc_status_t import_hf(const char *hf, const char *out) {
   hf_report_t rep;
-  TRY(ckpt_import_hf(hf, out, &rep));
+  FSDPC_TRY(ckpt_import_hf(hf, out, &rep));
   printf("imported %d tensors from %d file%s of %s into %s (step 0, no optimizer state)\n",
          rep.tensors, rep.files, rep.files == 1 ? "" : "s", hf, out);
   return STATUS_OK;
@@ -298,7 +299,7 @@ typedef struct kinds {
   const nn_module_t *model;
   const char *const *embeddings;
   int n_embeddings;
-  const plan_t *plan;
+  const fsdpc_plan_t *plan;
 } kinds_t;
 
 static bool embedding_named(const kinds_t *k, const char *module) {
@@ -312,8 +313,8 @@ static bool embedding_named(const kinds_t *k, const char *module) {
   return strstr(leaf, "embed") != NULL || strcmp(leaf, "wte") == 0 || strcmp(leaf, "wpe") == 0;
 }
 
-static status_t target_placements(void *ctx, const char *param, int ndim, int *mesh_ndim,
-                                  int *mesh_shape, placement_t *pl) {
+static fsdpc_status_t target_placements(void *ctx, const char *param, int ndim, int *mesh_ndim,
+                                        int *mesh_shape, placement_t *pl) {
   const kinds_t *k = ctx;
   char module[1024];
   snprintf(module, sizeof module, "%s", param);
@@ -361,9 +362,9 @@ typedef struct reshard_opts {
   int n_embeddings;
 } reshard_opts_t;
 
-static status_t reshard(const char *dir, const char *out, const reshard_opts_t *o) {
-  plan_t p;
-  TRY(plan_load(&p, o->config, o->sets, o->n_sets));
+static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_opts_t *o) {
+  fsdpc_plan_t p;
+  FSDPC_TRY(plan_load(&p, o->config, o->sets, o->n_sets));
   int world = o->world;
   if (world <= 0) {
     if (p.par.dp_replicate < 0 || p.par.dp_shard < 0 || p.par.tp < 0)
@@ -377,12 +378,12 @@ static status_t reshard(const char *dir, const char *out, const reshard_opts_t *
   snprintf(state, sizeof state, "%s/train_state.json", dir);
   if (access(state, F_OK) != 0)
     return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
-  TRY(ckpt_recorded_config(dir, &config));
+  FSDPC_TRY(ckpt_recorded_config(dir, &config));
   bool llama = config && hf_config_is_llama(config);
   /* the built-in Llama: the checkpoint records its model; a plan that states one must state
    * the same, or nothing would load. Any other model: the plan's mesh and parallelize
    * sections alone. The data and training sections are not read. */
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (llama) {
     char why[128];
     llama_config_t saved;
@@ -401,7 +402,7 @@ static status_t reshard(const char *dir, const char *out, const reshard_opts_t *
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.deferred = true;
   llama_t *model = NULL;
-  if (st == STATUS_OK && llama) st = llama_new(&model, &p.model, &lo);
+  if (st == STATUS_OK && llama) st = llama_new(&p.model, &lo, &model);
   kinds_t kinds = {model ? llama_module(model) : NULL, o->embeddings, o->n_embeddings, &p};
   cJSON *nu = cJSON_CreateObject();
   cJSON_AddStringToObject(nu, "plan", o->config);
@@ -431,7 +432,7 @@ static status_t reshard(const char *dir, const char *out, const reshard_opts_t *
 /* ---- main ---- */
 
 /* fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set k=v]... [--embedding GLOB]... */
-static status_t reshard_command(int argc, char **argv) {
+static fsdpc_status_t reshard_command(int argc, char **argv) {
   const char *pos[2] = {NULL, NULL}, *sets[256], *embeddings[256];
   reshard_opts_t o = {.config = NULL, .sets = sets, .embeddings = embeddings};
   int np = 0;
@@ -470,7 +471,7 @@ static status_t reshard_command(int argc, char **argv) {
 }
 
 /* fsdp-ckpt export-hf DIR OUT [--dtype D] [--max-shard-bytes N] [--config FILE] */
-static status_t export_command(int argc, char **argv) {
+static fsdpc_status_t export_command(int argc, char **argv) {
   hf_export_opts_t o = HF_EXPORT_OPTS_INIT;
   const char *pos[2] = {NULL, NULL};
   int np = 0;
@@ -506,7 +507,7 @@ static status_t export_command(int argc, char **argv) {
   return export_hf(pos[0], pos[1], &o);
 }
 
-static status_t run(int argc, char **argv) {
+static fsdpc_status_t run(int argc, char **argv) {
   if (argc < 3) return err_set(STATUS_EINVAL, "missing a command and its folders");
   const char *cmd = argv[1];
   if (strcmp(cmd, "inspect") == 0) {
@@ -540,7 +541,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "fsdp-ckpt: %s\n", err_detail());
     return 1;
   }
-  status_t st = run(argc, argv);
+  fsdpc_status_t st = run(argc, argv);
   if (st != STATUS_OK) {
     fprintf(stderr, "fsdp-ckpt: %s\n", err_detail());
     if (strncmp(err_detail(), "missing a command", 17) == 0 ||

@@ -16,12 +16,12 @@ enum { LINE_MAX_LEN = 160 };
 
 /* Whether cur holds what distributing full directly with placements pl gives (a Partial
  * value is checked through its reduced whole). Collective. */
-static status_t same_as_direct(const dtensor_t *cur, const tensor_t *full, mesh_t *mesh,
-                               const placement_t *pl, bool *same) {
+static fsdpc_status_t same_as_direct(const dtensor_t *cur, const fsdpc_tensor_t *full, mesh_t *mesh,
+                                     const placement_t *pl, bool *same) {
   dtensor_t *direct = NULL;
-  tensor_t got = {0}, want = {0};
+  fsdpc_tensor_t got = {0}, want = {0};
   *same = false;
-  status_t st = dtensor_distribute(&direct, full, mesh, pl, DTENSOR_ALL_RANKS);
+  fsdpc_status_t st = dtensor_distribute(full, mesh, pl, DTENSOR_ALL_RANKS, &direct);
   if (st == STATUS_OK) st = dtensor_full_tensor(cur, &got);
   if (st == STATUS_OK) st = dtensor_full_tensor(direct, &want);
   if (st == STATUS_OK) st = tensor_equal(&got, &want, same);
@@ -32,33 +32,33 @@ static status_t same_as_direct(const dtensor_t *cur, const tensor_t *full, mesh_
 }
 
 /* Rank 0 prints every rank's line of step k, in rank order. Collective. */
-static status_t print_step(int k, const placement_t *pl, const dtensor_t *cur, bool same) {
+static fsdpc_status_t print_step(int k, const placement_t *pl, const dtensor_t *cur, bool same) {
   char pls[128], ls[64], os[64], line[LINE_MAX_LEN];
   int64_t off[2];
   dtensor_offset(cur, off);
-  const tensor_t *local = dtensor_local(cur);
+  const fsdpc_tensor_t *local = dtensor_local(cur);
   snprintf(line, sizeof line, "step %d %-14s rank %d: local %-8s offset %-8s %s", k,
            placements_str(2, pl, pls, sizeof pls), world_rank(),
-           shape_str(local->ndim, local->shape, ls, sizeof ls), shape_str(2, off, os, sizeof os),
-           same ? "ok" : "MISMATCH");
+           tensor_shape_str(local->ndim, local->shape, ls, sizeof ls),
+           tensor_shape_str(2, off, os, sizeof os), same ? "ok" : "MISMATCH");
   char *all = malloc((size_t)world_size() * LINE_MAX_LEN);
   if (all == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  status_t st = pg_host_all_gather(world_pg(), line, all, LINE_MAX_LEN, PG_HOST_BYTE);
+  fsdpc_status_t st = pg_host_all_gather(world_pg(), line, all, LINE_MAX_LEN, PG_HOST_BYTE);
   for (int r = 0; st == STATUS_OK && world_rank() == 0 && r < world_size(); r++)
     printf("%s\n", all + r * LINE_MAX_LEN);
   free(all);
   return st;
 }
 
-static status_t run(void) {
+static fsdpc_status_t run(void) {
   int shape[2] = {2, 2};
   const char *names[2] = {"dp", "tp"};
   mesh_t *mesh = NULL;
-  TRY(mesh_init(&mesh, 2, shape, names, DEVICE_CPU));
+  FSDPC_TRY(mesh_new(2, shape, names, DEVICE_CPU, &mesh));
 
   int64_t gshape[2] = {7, 5};
-  tensor_t full;
-  status_t st = tensor_init(&full, DTYPE_F32, device_cpu(), 2, gshape);
+  fsdpc_tensor_t full;
+  fsdpc_status_t st = tensor_init(&full, DTYPE_F32, device_cpu(), 2, gshape);
   if (st != STATUS_OK) {
     mesh_free(mesh);
     return st;
@@ -75,7 +75,7 @@ static status_t run(void) {
   };
   int nsteps = (int)(sizeof steps / sizeof steps[0]);
   dtensor_t *cur = NULL;
-  st = dtensor_distribute(&cur, &full, mesh, steps[0], DTENSOR_ALL_RANKS);
+  st = dtensor_distribute(&full, mesh, steps[0], DTENSOR_ALL_RANKS, &cur);
   for (int k = 0; k < nsteps && st == STATUS_OK; k++) {
     if (k > 0) {
       dtensor_t *next = NULL;
@@ -118,7 +118,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "fsdp-demo: %s\n", err_detail());
     return 1;
   }
-  status_t st = run();
+  fsdpc_status_t st = run();
   if (st != STATUS_OK)
     fprintf(stderr, "fsdp-demo: rank %d: %s: %s\n", world_rank(), status_str(st), err_detail());
   else if (world_rank() == 0)

@@ -79,14 +79,14 @@ static void keep_last(cJSON *o, const char *path, const char *at) {
   }
 }
 
-static status_t read_config(const char *path, cJSON **out) {
+static fsdpc_status_t read_config(const char *path, cJSON **out) {
   *out = NULL;
   FILE *f;
-  TRY(file_open_regular(path, "cannot open the config", &f));
+  FSDPC_TRY(file_open_regular(path, "cannot open the config", &f));
   long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
   fclose(f);
   char *text;
-  TRY(file_read_text(path, (size_t)1 << 20, &text));
+  FSDPC_TRY(file_read_text(path, (size_t)1 << 20, &text));
   if (size >= 0 && (size_t)size != strlen(text)) {
     size_t at = strlen(text);
     free(text);
@@ -94,7 +94,7 @@ static status_t read_config(const char *path, cJSON **out) {
   }
   const char *s = text;
   while (isspace((unsigned char)*s)) s++;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (*s == '{') {
     const char *end = NULL;
     *out = cJSON_ParseWithOpts(text, &end, true); /* nothing but spaces after the object */
@@ -147,7 +147,7 @@ static status_t read_config(const char *path, cJSON **out) {
 /* An Accelerate config whose deepspeed_config names a deepspeed_config_file: that file's
  * settings read into deepspeed_config, as Accelerate reads them (a relative path from the
  * config's folder, else from the working directory); its path into file ("" when none). */
-static status_t read_deepspeed_file(const char *path, cJSON *c, char *file, size_t n) {
+static fsdpc_status_t read_deepspeed_file(const char *path, cJSON *c, char *file, size_t n) {
   cJSON *ds = cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config");
   const cJSON *name = cJSON_GetObjectItemCaseSensitive(ds, "deepspeed_config_file");
   file[0] = 0;
@@ -157,7 +157,7 @@ static status_t read_deepspeed_file(const char *path, cJSON *c, char *file, size
     snprintf(file, n, "%.*s/%s", (int)(slash - path), path, name->valuestring);
   if (file[0] == 0 || access(file, F_OK) != 0) snprintf(file, n, "%s", name->valuestring);
   cJSON *inner = NULL;
-  status_t st = read_config(file, &inner);
+  fsdpc_status_t st = read_config(file, &inner);
   if (st != STATUS_OK) return err_prefix(st, "%s: deepspeed_config.deepspeed_config_file", path);
   cJSON_DeleteItemFromObjectCaseSensitive(ds, "deepspeed_config_file");
   for (cJSON *it = inner->child; it != NULL;) {
@@ -273,15 +273,15 @@ static int parse_args(int argc, char **argv, const char **in, const char **outp)
 }
 
 /* The plan written to outp (through a temporary file and a rename) or to stdout. */
-static status_t write_out(const char *outp, const out_t *o, const char *in, const char *kind,
-                          const char *ds_file, const cJSON *c) {
+static fsdpc_status_t write_out(const char *outp, const out_t *o, const char *in, const char *kind,
+                                const char *ds_file, const cJSON *c) {
   char tmp[4096];
   FILE *f = stdout;
-  if (outp) TRY(file_create_temp(outp, tmp, sizeof tmp, &f));
+  if (outp) FSDPC_TRY(file_create_temp(outp, tmp, sizeof tmp, &f));
   write_plan(f, o, in, kind, ds_file, c);
   bool bad = ferror(f) != 0;
   if (outp && (fclose(f) != 0 || bad || rename(tmp, outp) != 0)) {
-    status_t st = err_set(STATUS_EIO, "cannot write '%s': %s", outp, strerror(errno));
+    fsdpc_status_t st = err_set(STATUS_EIO, "cannot write '%s': %s", outp, strerror(errno));
     remove(tmp);
     return st;
   }
@@ -297,7 +297,7 @@ int main(int argc, char **argv) {
   cJSON *c = NULL;
   out_t *o = calloc(1, sizeof *o);
   char kind[160], ds_file[4200] = "";
-  status_t st = o ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  fsdpc_status_t st = o ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
   if (st == STATUS_OK && outp) { /* before anything is read or written */
     file_inputs_t *inputs = NULL;
     st = file_inputs_new(&inputs);

@@ -62,7 +62,7 @@ int main(int argc, char **argv) {
     free(files);
     return 2;
   }
-  status_t st = plot_metrics(files, n, out);
+  fsdpc_status_t st = plot_metrics(files, n, out);
   free(files);
   if (st != STATUS_OK) {
     fprintf(stderr, "fsdp-plot: %s\n", err_detail());

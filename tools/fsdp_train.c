@@ -47,7 +47,7 @@ static void usage(FILE *f) {
           "  under mpirun -n N for N ranks; the plan's mesh must multiply to N\n");
 }
 
-static status_t parse_args(int argc, char **argv, args_t *a) {
+static fsdpc_status_t parse_args(int argc, char **argv, args_t *a) {
   memset(a, 0, sizeof *a);
   for (int i = 1; i < argc; i++) {
     const char *s = argv[i];
@@ -98,7 +98,7 @@ static status_t parse_args(int argc, char **argv, args_t *a) {
   return STATUS_OK;
 }
 
-static bool agree(status_t st) { return world_agree_report(st, "fsdp-train"); }
+static bool agree(fsdpc_status_t st) { return world_agree_report(st, "fsdp-train"); }
 
 static double now(void) {
   struct timespec t;
@@ -110,10 +110,10 @@ static double now(void) {
  * too: it must refuse what the run would). Only the files' sizes and llm.c's headers are read:
  * token ids are checked against the vocabulary where each batch reads them (data_batch), so
  * a stream of any size starts at once. Local (every rank reaches the same verdict). */
-static status_t open_tokens(const run_t *r, const char *path, data_format_t format,
-                            const plan_where_t *where, const char *key, data_t **out) {
-  const plan_t *p = &r->plan;
-  status_t st = data_open(out, path, format);
+static fsdpc_status_t open_tokens(const run_t *r, const char *path, data_format_t format,
+                                  const plan_where_t *where, const char *key, fsdpc_data_t **out) {
+  const fsdpc_plan_t *p = &r->plan;
+  fsdpc_status_t st = data_open(path, format, out);
   if (st != STATUS_OK) return err_prefix(st, "%s: %s", where->text, key);
   int64_t need = p->seq_len + 2; /* a sample and its targets, at one start of at least two */
   if (data_num_tokens(*out) < need)
@@ -124,9 +124,9 @@ static status_t open_tokens(const run_t *r, const char *path, data_format_t form
   return STATUS_OK;
 }
 
-static status_t open_data(run_t *r) {
-  const plan_t *p = &r->plan;
-  TRY(open_tokens(r, p->data_path, p->data_format, &p->data_where, "data.path", &r->data));
+static fsdpc_status_t open_data(run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  FSDPC_TRY(open_tokens(r, p->data_path, p->data_format, &p->data_where, "data.path", &r->data));
   if (!p->eval_path[0]) return STATUS_OK;
   return open_tokens(r, p->eval_path, p->eval_format, &p->eval_where, "eval.path", &r->eval);
 }
@@ -135,9 +135,9 @@ static status_t open_data(run_t *r) {
  * rank, of eval.path (the same batches every time, in the training data's order), without
  * gradients; then every unit's parameters are released (the root keeps them gathered after a
  * forward, for the backward that would follow). Collective over the world. */
-static status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
+static fsdpc_status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
   double sum = 0, l = 0;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   data_spec_t one = *spec;
   one.batch_size = r->plan.eval_batch_size; /* llama_eval_batch takes one micro-batch */
   for (int64_t b = 0; b < r->plan.eval_batches && st == STATUS_OK; b++) {
@@ -147,7 +147,7 @@ static status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);
   if (st != STATUS_OK) return world_stop(st); /* the others would wait in the forward */
   double all = 0;
-  TRY(pg_host_all_reduce(world_pg(), &sum, &all, 1, PG_HOST_F64, REDUCE_SUM));
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), &sum, &all, 1, PG_HOST_F64, REDUCE_SUM));
   /* every rank's tokens count the same; the ranks of one tp group hold the same loss */
   *loss = all / (double)world_size() / (double)r->plan.eval_batches;
   return STATUS_OK;
@@ -187,34 +187,34 @@ static void eval_line(const run_t *r, int64_t step, double loss, const char *pre
 /* What would fail later is refused now, on every rank, a dry run included: outputs that would
  * replace an input, a checkpoint of another model, step folders the run would save over.
  * Collective over the world. */
-static status_t check_before_training(run_t *r) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t check_before_training(run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
   const char *metrics = r->args.metrics ? r->args.metrics : p->metrics;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (world_rank() == 0) /* rank 0 writes them */
     st = train_check_outputs(p, metrics, r->args.plot, r->data, r->eval, r->resumed_from);
   if (st == STATUS_OK && r->resumed_from[0]) st = train_check_model(p, r->resumed_from);
-  TRY(pg_agree(world_pg(), st));
+  FSDPC_TRY(pg_agree(world_pg(), st));
   int64_t start = 0; /* the step the checkpoint was saved after (read again by the load) */
   if (r->resumed_from[0]) st = train_checkpoint_step(r->resumed_from, &start);
-  TRY(pg_agree(world_pg(), st));
+  FSDPC_TRY(pg_agree(world_pg(), st));
   return train_check_step_folders(p, start);
 }
 
 /* Before anything is built: every rank runs the same plan, and checkpoint.dir is this job's
  * alone (locked; the unfinished saves of a job that died there removed). A dry run only says
  * whether another job holds the folder. Collective over the world. */
-static status_t start(run_t *r) {
-  const plan_t *p = &r->plan;
-  TRY(train_check_same_plan(r->settings));
+static fsdpc_status_t start(run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  FSDPC_TRY(train_check_same_plan(r->settings));
   if (!p->ckpt_dir[0]) return STATUS_OK;
   if (r->args.dry_run) {
     train_lock_note(p->ckpt_dir);
     return STATUS_OK;
   }
-  TRY(train_lock(p->ckpt_dir, p->source, &r->lock_fd));
+  FSDPC_TRY(train_lock(p->ckpt_dir, p->source, &r->lock_fd));
   int removed = 0;
-  status_t st = world_rank() == 0 ? ckpt_remove_unfinished(p->ckpt_dir, &removed) : STATUS_OK;
+  fsdpc_status_t st = world_rank() == 0 ? ckpt_remove_unfinished(p->ckpt_dir, &removed) : STATUS_OK;
   if (removed > 0)
     fprintf(stderr, "fsdp-train: checkpoint.dir '%s': removed %d unfinished save%s (step-*.tmp)\n",
             p->ckpt_dir, removed, removed == 1 ? "" : "s");
@@ -225,8 +225,8 @@ static status_t start(run_t *r) {
  * its values and the optimizer, or the checkpoint to resume. Collective over the world. */
 /* The checkpoint a run resumes from (checkpoint.load: auto, the newest complete one, or a
  * folder) into r->resumed_from; *resume: there is one. */
-static status_t find_resume(run_t *r, bool *resume) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t find_resume(run_t *r, bool *resume) {
+  const fsdpc_plan_t *p = &r->plan;
   *resume = false;
   if (!p->ckpt_load[0]) return STATUS_OK;
   *resume = true;
@@ -235,8 +235,8 @@ static status_t find_resume(run_t *r, bool *resume) {
     return STATUS_OK;
   }
   char skipped[sizeof r->resumed_from + 128];
-  TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, resume, skipped,
-                  sizeof skipped));
+  FSDPC_TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, resume, skipped,
+                        sizeof skipped));
   if (skipped[0] && world_rank() == 0)
     fprintf(stderr, "fsdp-train: checkpoint.load=auto: skipped the newer %s\n", skipped);
   return STATUS_OK;
@@ -256,23 +256,24 @@ static void take_parallel(run_t *r) {
 
 /* This rank's shards given memory and values (the seed, the Hugging Face folder, or left to
  * the checkpoint), the optimizer made, then the checkpoint loaded. */
-static status_t fill(run_t *r, bool deferred, bool resume) {
-  plan_t *p = &r->plan;
+static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
+  fsdpc_plan_t *p = &r->plan;
   nn_module_t *root = llama_module(r->model);
   /* memory and the Hugging Face files may fail on one rank alone: every rank learns of it
    * before the checkpoint's collectives (or the end of the build) */
-  status_t st = nn_module_materialize(root);
+  fsdpc_status_t st = nn_module_materialize(root);
   if (st == STATUS_OK && deferred && !p->init_from[0] && !resume)
     st = llama_init_weights(r->model, p->model_seed);
   if (st == STATUS_OK && p->init_from[0]) /* after sharding: each rank reads its shards' rows */
     st = ckpt_load_hf(root, p->init_from);
   if (st == STATUS_OK) st = nn_named_parameters(root, &r->ps, &r->n);
-  if (st == STATUS_OK) st = optim_new(&r->opt, r->ps, r->n, &p->optim);
-  TRY(pg_agree(world_pg(), st));
+  if (st == STATUS_OK) st = optim_new(r->ps, r->n, &p->optim, &r->opt);
+  FSDPC_TRY(pg_agree(world_pg(), st));
   if (!resume) return STATUS_OK;
   r->verified = -1;
-  if (p->ckpt_verify) TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
-  TRY(ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
+  if (p->ckpt_verify) FSDPC_TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
+  FSDPC_TRY(
+      ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
   read_saved_run(r->resumed_from, &r->saved_batch, r->saved_order, sizeof r->saved_order);
   return STATUS_OK;
 }
@@ -290,50 +291,50 @@ static void offload_threads(run_t *r) {
   err_clear();
 }
 
-static status_t build(run_t *r) {
-  plan_t *p = &r->plan;
+static fsdpc_status_t build(run_t *r) {
+  fsdpc_plan_t *p = &r->plan;
   device_t dev; /* first: collective, and every rank arrives here */
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (world_planning()) /* a plan of a larger job: its meta model on the host type */
     dev = device_cpu();
   else
     st = world_choose_device(p->device, &dev, r->device_note, sizeof r->device_note);
   if (st != STATUS_OK)
     return err_prefix(st, "%s: train.device: %s", p->source, device_want_name(p->device));
-  TRY(llama_plan_check(&p->par));
+  FSDPC_TRY(llama_plan_check(&p->par));
   kernel_attention_set_fused(!p->deterministic);
-  TRY(pg_agree(world_pg(), open_data(r))); /* before the model: a bad file fails at once */
+  FSDPC_TRY(pg_agree(world_pg(), open_data(r))); /* before the model: a bad file fails at once */
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.device = dev.type;
   lo.activation_checkpointing = p->activation_checkpointing;
   lo.deferred = p->deferred_init || r->args.dry_run; /* a dry run allocates no parameter */
   bool resume; /* a checkpoint to load: it overwrites every parameter */
-  TRY(find_resume(r, &resume));
+  FSDPC_TRY(find_resume(r, &resume));
   /* deferred: meta parameters, parallelised, then memory for this rank's shards only and
    * values from the init, the Hugging Face folder or the checkpoint; eager: whole
    * parameters initialised on every rank, then split */
-  st = llama_new(&r->model, &p->model, &lo);
+  st = llama_new(&p->model, &lo, &r->model);
   if (st == STATUS_OK && !lo.deferred && !p->init_from[0])
     st = llama_init_weights(r->model, p->model_seed);
   /* memory may fail on one rank alone: every rank learns of it before parallel_apply's
    * collectives */
-  TRY(pg_agree(world_pg(), st));
+  FSDPC_TRY(pg_agree(world_pg(), st));
   nn_module_t *root = llama_module(r->model);
-  TRY(parallel_apply(&r->par, root, &p->par, lo.device));
+  FSDPC_TRY(parallel_apply(root, &p->par, lo.device, &r->par));
   take_parallel(r);
   offload_threads(r);
   if (!resume) r->resumed_from[0] = 0;
-  TRY(check_before_training(r));
+  FSDPC_TRY(check_before_training(r));
   if (r->args.dry_run) { /* the meta model has every placement and shape */
-    TRY(nn_named_parameters(root, &r->ps, &r->n));
+    FSDPC_TRY(nn_named_parameters(root, &r->ps, &r->n));
     return resume ? ckpt_check_state(r->resumed_from) : STATUS_OK;
   }
   return fill(r, lo.deferred, resume);
 }
 
 /* Every rank learns whether rank 0 could write the metrics file (err: its errno, or 0). */
-static status_t metrics_agree(const char *path, int err) {
-  status_t st = STATUS_OK;
+static fsdpc_status_t metrics_agree(const char *path, int err) {
+  fsdpc_status_t st = STATUS_OK;
   if (err) st = err_set(STATUS_EIO, "cannot write the metrics file '%s': %s", path, strerror(err));
   return pg_agree(world_pg(), st);
 }
@@ -375,10 +376,10 @@ static FILE *metrics_open(const char *path, int64_t start) {
 }
 
 /* The plan a checkpoint is saved under, as train_state.json's saved_under (caller frees). */
-static status_t saved_under(const run_t *r, char **out) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t saved_under(const run_t *r, char **out) {
+  const fsdpc_plan_t *p = &r->plan;
   char *model_text = NULL;
-  TRY(llama_config_to_hf_text(&p->model, dtensor_local(r->ps[0]->value)->dtype, &model_text));
+  FSDPC_TRY(llama_config_to_hf_text(&p->model, dtensor_local(r->ps[0]->value)->dtype, &model_text));
   cJSON *model = cJSON_Parse(model_text), *o = cJSON_CreateObject(), *order = NULL;
   free(model_text);
   char *text = NULL, seed[24];
@@ -406,7 +407,7 @@ static status_t saved_under(const run_t *r, char **out) {
 
 /* Rank 0's line for a run stopped early at step (a signal or the time limit). */
 static void stopped_line(const run_t *r, const train_stop_t *stop, int64_t step, bool tty) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   char why[128], dir[PLAN_PATH_MAX + 32], saved[PLAN_PATH_MAX + 96];
   if (stop->signal)
     snprintf(why, sizeof why, "interrupted by %s", train_signal_name(stop->signal));
@@ -433,7 +434,7 @@ typedef struct loop {
   double t_start, t_profile, first_loss, last_loss, tok_sum, step_max;
   int64_t steps_done, profile_from;
   size_t peak_max;
-  tensor_t *micro_loss; /* the micro-steps' losses, on the device until read */
+  fsdpc_tensor_t *micro_loss; /* the micro-steps' losses, on the device until read */
   train_saver_t saver;
 } loop_t;
 
@@ -450,7 +451,7 @@ typedef struct step_out {
 
 /* This rank's share of the run's data order. */
 static data_spec_t spec_of(const run_t *r) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   return (data_spec_t){.batch_size = p->batch_size,
                        .seq_len = p->seq_len,
                        .grad_accum = p->grad_accum,
@@ -463,8 +464,8 @@ static data_spec_t spec_of(const run_t *r) {
 
 /* Set up: the data order, the schedule, the metrics file, the saver. On failure nothing is
  * left to finish. */
-static status_t loop_start(run_t *r, loop_t *L) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
+  const fsdpc_plan_t *p = &r->plan;
   memset(L, 0, sizeof *L);
   L->spec = spec_of(r);
   L->sched = (lr_schedule_t){
@@ -480,7 +481,7 @@ static status_t loop_start(run_t *r, loop_t *L) {
   L->profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
   if (L->lead && L->mpath[0] && (L->mf = metrics_open(L->mpath, r->start_step)) == NULL)
     L->bad = errno;
-  status_t st = metrics_agree(L->mpath, L->bad);
+  fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
   if (st == STATUS_OK) {
     L->micro_loss = calloc((size_t)p->grad_accum, sizeof *L->micro_loss);
     if (L->micro_loss == NULL) st = err_set(STATUS_ENOMEM, "fsdp-train: out of host memory");
@@ -498,11 +499,11 @@ static status_t loop_start(run_t *r, loop_t *L) {
 
 /* Step, forward and backward: the micro-steps, the gradient norm (the step's one host wait),
  * then the micro-steps' losses, read once the norm has waited for the device. */
-static status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
   nn_module_t *root = llama_module(r->model);
   optim_zero_grad(r->opt);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   int64_t ran = 0;
   for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++, ran++) {
     fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
@@ -525,15 +526,15 @@ static status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
 
 /* Step, the ranks' agreement: the loss, a save's state and the stop requests in one sum; a
  * non-finite step stops the run (every rank alike) unless train.nonfinite skips it. */
-static status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
   double t = now(), step_est = t - o->t0 > L->step_max ? t - o->t0 : L->step_max;
   double save_s = L->saver.last_s > 0 ? L->saver.last_s : step_est;
   bool time_up = p->time_limit_s > 0 && t - r->t_launch + step_est + save_s > p->time_limit_s;
   o->sums[0] = o->loss;
   train_save_values(&L->saver, o->sums + 1); /* an asynchronous save: written, failed */
   int nsums = 3 + train_stop_values(p, time_up, o->sums + 3);
-  TRY(pg_host_all_reduce(world_pg(), o->sums, o->sums, nsums, PG_HOST_F64, REDUCE_SUM));
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), o->sums, o->sums, nsums, PG_HOST_F64, REDUCE_SUM));
   o->loss = o->sums[0] / world_size(); /* the ranks of one tp group hold the same loss */
   o->stop = train_stop_of(p, o->sums + 3);
   o->stopping = o->s + 1 < p->steps && (o->stop.signal != 0 || o->stop.time_limit);
@@ -558,11 +559,11 @@ static status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
 
 /* Step, the update: the optimizer (after a save in flight has copied what it changes), then
  * the step's figures. */
-static status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
   train_save_wait_staged(&L->saver);
-  if (o->finite) TRY(optim_step_scaled(r->opt, o->factor, o->coef));
-  TRY(device_stream_sync(r->dev));
+  if (o->finite) FSDPC_TRY(optim_step_scaled(r->opt, o->factor, o->coef));
+  FSDPC_TRY(device_stream_sync(r->dev));
   o->dt = now() - o->t0;
   o->tokens = (double)(train_global_batch(r) * p->seq_len);
   o->tps = o->tokens / o->dt;
@@ -578,10 +579,10 @@ static status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
 /* Save: an asynchronous save every rank has written commits here (one that failed stops the
  * run, named); then a save every checkpoint.interval steps, of the last step, and of a step
  * the run stops after (those two wait for their commit). Agreed over the ranks. */
-static status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
   int64_t done = o->s + 1;
-  status_t st = train_save_poll(&L->saver, r, o->sums + 1);
+  fsdpc_status_t st = train_save_poll(&L->saver, r, o->sums + 1);
   bool save = p->ckpt_dir[0] && ((p->ckpt_interval > 0 && done % p->ckpt_interval == 0) ||
                                  done == p->steps || o->stopping);
   if (st == STATUS_OK && save) {
@@ -596,21 +597,21 @@ static status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
 }
 
 /* Evaluate: after every eval.interval steps and after the last. */
-static status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
   int64_t done = o->s + 1;
   o->eval_now = r->eval != NULL && !o->stopping &&
                 ((p->eval_interval > 0 && done % p->eval_interval == 0) || done == p->steps);
   if (!o->eval_now) return STATUS_OK;
-  status_t st = evaluate(r, &L->spec, &o->eval_loss);
+  fsdpc_status_t st = evaluate(r, &L->spec, &o->eval_loss);
   train_counted_bytes(r); /* its collectives are not the next step's */
   return st;
 }
 
 /* Report: the step's line of the metrics file (rank 0), agreed over the ranks (a full disk
  * stops every rank). */
-static status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
   if (L->mf) {
     cJSON *j = cJSON_CreateObject();
     cJSON_AddNumberToObject(j, "step", (double)(o->s + 1));
@@ -637,7 +638,7 @@ static status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
     cJSON_Delete(j);
   }
   if (!L->mpath[0]) return STATUS_OK;
-  status_t st = metrics_agree(L->mpath, L->bad);
+  fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
   if (st != STATUS_OK) L->agreed = true;
   return st;
 }
@@ -645,7 +646,7 @@ static status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
 /* Report: rank 0's line every log.interval steps (and the first and last), else a live
  * progress bar on a terminal; the evaluation's line. */
 static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   int64_t s = o->s;
   bool show = s == 0 || s + 1 == p->steps || (s + 1) % p->log_interval == 0;
   double elapsed = now() - L->t_start, eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
@@ -668,21 +669,21 @@ static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) 
 }
 
 /* One step, in its phases. *stop: the run ends after it (a signal or the time limit). */
-static status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
+static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
   step_out_t o = {.s = s, .t0 = now()};
   if (s == L->profile_from && kernel_profile_enabled()) kernel_profile_reset();
   if (s == L->profile_from) L->t_profile = o.t0;
   mem_reset_peak(r->dev);
   L->saver.stall_s = 0;
   L->saver.saved_step = -1;
-  TRY(step_compute(r, L, &o));
-  TRY(step_agree(r, L, &o));
-  TRY(step_apply(r, L, &o));
-  TRY(step_save(r, L, &o));
-  TRY(step_evaluate(r, L, &o));
+  FSDPC_TRY(step_compute(r, L, &o));
+  FSDPC_TRY(step_agree(r, L, &o));
+  FSDPC_TRY(step_apply(r, L, &o));
+  FSDPC_TRY(step_save(r, L, &o));
+  FSDPC_TRY(step_evaluate(r, L, &o));
   L->last_loss = o.loss;
   L->tok_sum += o.tokens;
-  TRY(metrics_line(r, L, &o));
+  FSDPC_TRY(metrics_line(r, L, &o));
   L->steps_done = s + 1 - r->start_step;
   *stop = o.stopping;
   if (o.stopping) {
@@ -696,11 +697,11 @@ static status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
 }
 
 /* Rank 0's kernel profile of the steps from profile_from on (FSDPC_PROFILE=1). */
-static status_t profile_report(const run_t *r, const loop_t *L) {
+static fsdpc_status_t profile_report(const run_t *r, const loop_t *L) {
   double k = 0, span = now() - L->t_profile;
   printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n", (long long)L->profile_from + 1,
          (long long)r->plan.steps);
-  status_t st = kernel_profile_report(stdout, &k);
+  fsdpc_status_t st = kernel_profile_report(stdout, &k);
   printf("kernels %.3f s of %.3f s\n", k, span);
   if (kernel_attention_fused_runs() > 0)
     printf("attention: cuDNN fused, %lld calls\n", (long long)kernel_attention_fused_runs());
@@ -715,7 +716,7 @@ static status_t profile_report(const run_t *r, const loop_t *L) {
 }
 
 /* Finish: the saver and the metrics file closed (agreed), the plot, rank 0's summary. */
-static status_t loop_finish(run_t *r, loop_t *L, status_t st) {
+static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   /* a failure this rank may have met alone (memory, the data file, a device) stops the others
    * at once, where they would wait for it in the step's collectives until the watchdog */
   if (st != STATUS_OK && !L->agreed) world_stop(st);
@@ -723,7 +724,7 @@ static status_t loop_finish(run_t *r, loop_t *L, status_t st) {
   free(L->micro_loss);
   if (L->mf != NULL && fclose(L->mf) != 0) L->bad = errno ? errno : EIO;
   if (L->mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
-    status_t ms = metrics_agree(L->mpath, L->bad);
+    fsdpc_status_t ms = metrics_agree(L->mpath, L->bad);
     if (st == STATUS_OK) st = ms;
   }
   if (st == STATUS_OK && L->lead && r->args.plot != NULL &&
@@ -744,8 +745,8 @@ static status_t loop_finish(run_t *r, loop_t *L, status_t st) {
   return st;
 }
 
-static status_t train(run_t *r) {
-  const plan_t *p = &r->plan;
+static fsdpc_status_t train(run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
   if (r->start_step >= p->steps) { /* before the metrics file is touched */
     if (world_rank() == 0)
       printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
@@ -754,13 +755,13 @@ static status_t train(run_t *r) {
     /* a checkpoint's evaluation: resume it with train.steps at its step */
     data_spec_t spec = spec_of(r);
     double eval_loss;
-    TRY(evaluate(r, &spec, &eval_loss));
+    FSDPC_TRY(evaluate(r, &spec, &eval_loss));
     if (world_rank() == 0) eval_line(r, r->start_step, eval_loss, "");
     return STATUS_OK;
   }
   loop_t L;
-  TRY(loop_start(r, &L));
-  status_t st = STATUS_OK;
+  FSDPC_TRY(loop_start(r, &L));
+  fsdpc_status_t st = STATUS_OK;
   bool stop = false;
   for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK && !stop; s++)
     st = step(r, &L, s, &stop);
@@ -784,7 +785,7 @@ int main(int argc, char **argv) {
     }
   run_t *r = calloc(1, sizeof *r);
   if (r) r->t_launch = t_launch;
-  status_t st = r ? parse_args(argc, argv, &r->args) : STATUS_ENOMEM;
+  fsdpc_status_t st = r ? parse_args(argc, argv, &r->args) : STATUS_ENOMEM;
   if (st != STATUS_OK && world_rank() == 0) usage(stderr);
   if (st == STATUS_OK) st = world_check_launch();
   if (st == STATUS_OK && r->args.world) /* before the plan resolves its mesh against the world */

@@ -24,7 +24,7 @@ typedef struct args {
 } args_t;
 
 typedef struct run {
-  plan_t plan;
+  fsdpc_plan_t plan;
   args_t args;
   parallel_t *par; /* the plan applied to the model; the rest is borrowed from it */
   mesh_t *mesh;    /* the world: (dp_replicate,) dp_shard(, tp) */
@@ -36,8 +36,8 @@ typedef struct run {
   nn_param_t **ps;
   int n;
   optim_t *opt;
-  data_t *data;
-  data_t *eval; /* eval.path's tokens, or NULL */
+  fsdpc_data_t *data;
+  fsdpc_data_t *eval; /* eval.path's tokens, or NULL */
   device_t dev;
   char device_note[320]; /* why train.device auto took the CPU beside CUDA devices, or "" */
   int host_threads;      /* the host kernels' threads offload chose (0: left as they were) */

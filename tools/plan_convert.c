@@ -468,7 +468,7 @@ static const char *const LAUNCHER_KEYS[] = {"compute_environment",
 
 /* The settings that hold settings must be mappings: one given as a scalar or a list would
  * otherwise be read as absent. prefix names where c is ("deepspeed_config." or ""). */
-static status_t check_sections(const cJSON *c, const char *path, const char *prefix) {
+static fsdpc_status_t check_sections(const cJSON *c, const char *path, const char *prefix) {
   static const char *const sections[] = {
       "fsdp_config", "deepspeed_config", "zero_optimization", "bf16",
       "fp16",        "optimizer",        "scheduler",         NULL};
@@ -486,14 +486,14 @@ static status_t check_sections(const cJSON *c, const char *path, const char *pre
                        sections[i], inner[k]);
     }
     if (strcmp(sections[i], "deepspeed_config") == 0)
-      TRY(check_sections(s, path, "deepspeed_config."));
+      FSDPC_TRY(check_sections(s, path, "deepspeed_config."));
   }
   return STATUS_OK;
 }
 
-status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *kind, size_t n) {
+fsdpc_status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *kind, size_t n) {
   char b[160];
-  TRY(check_sections(c, path, ""));
+  FSDPC_TRY(check_sections(c, path, ""));
   const char *dt =
       plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "distributed_type"), b, sizeof b);
   if (dt == NULL) {

@@ -24,6 +24,6 @@ typedef struct out {
 const char *plan_text_of(const cJSON *it, char *buf, size_t n);
 /* Fills o from config c (read from path); kind receives what c is ("a DeepSpeed config", ...).
  * Fails, naming path, on a config that is neither or has a section of the wrong type. */
-status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *kind, size_t n);
+fsdpc_status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *kind, size_t n);
 
 #endif

@@ -24,7 +24,7 @@ typedef struct run {
   int64_t n, cap;
 } run_t;
 
-static status_t push(run_t *r, double step, const double *v) {
+static fsdpc_status_t push(run_t *r, double step, const double *v) {
   if (r->n == r->cap) {
     int64_t cap = r->cap ? 2 * r->cap : 256;
     double *p[1 + N_SERIES] = {r->step};
@@ -53,15 +53,15 @@ static double clamp(double v) {
   return v > PLOT_LIMIT ? PLOT_LIMIT : v < -PLOT_LIMIT ? -PLOT_LIMIT : v;
 }
 
-static status_t read_run(const char *path, run_t *r) {
+static fsdpc_status_t read_run(const char *path, run_t *r) {
   FILE *f;
-  TRY(file_open_regular(path, "cannot open the metrics file", &f));
+  FSDPC_TRY(file_open_regular(path, "cannot open the metrics file", &f));
   long size = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
   fclose(f);
   char *text;
-  TRY(file_read_text(path, (size_t)1 << 30, &text));
+  FSDPC_TRY(file_read_text(path, (size_t)1 << 30, &text));
   size_t len = strlen(text); /* before the lines are cut apart */
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   int line = 0;
   for (char *s = text, *next; s != NULL && *s && st == STATUS_OK; s = next) {
     line++;
@@ -243,10 +243,10 @@ static void panel(FILE *f, const run_t *runs, int n, int k, double ox, double oy
   fputs("</g>\n", f);
 }
 
-static status_t write_svg(const run_t *runs, int n, const char *out) {
+static fsdpc_status_t write_svg(const run_t *runs, int n, const char *out) {
   char tmp[4096];
   FILE *f;
-  TRY(file_create_temp(out, tmp, sizeof tmp, &f));
+  FSDPC_TRY(file_create_temp(out, tmp, sizeof tmp, &f));
   int legend = 12 + 18 * n, width = 2 * PANEL_W, height = legend + 2 * PANEL_H;
   fprintf(f,
           "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
@@ -281,12 +281,12 @@ static status_t write_svg(const run_t *runs, int n, const char *out) {
   return STATUS_OK;
 }
 
-status_t plot_metrics(const char *const *paths, int n, const char *out) {
+fsdpc_status_t plot_metrics(const char *const *paths, int n, const char *out) {
   if (n < 1) return err_set(STATUS_EINVAL, "fsdp-plot: no metrics file given");
   run_t *runs = calloc((size_t)n, sizeof *runs);
   if (runs == NULL) return err_set(STATUS_ENOMEM, "fsdp-plot: out of host memory");
   file_inputs_t *in = NULL; /* the output replaces none of them */
-  status_t st = file_inputs_new(&in);
+  fsdpc_status_t st = file_inputs_new(&in);
   for (int r = 0; r < n && st == STATUS_OK; r++)
     st = file_inputs_add(in, paths[r], "the metrics file");
   if (st == STATUS_OK) st = file_check_output(out, "-o", in);

@@ -5,7 +5,7 @@
  * run by its file. Used by fsdp-plot and fsdp-train --plot.
  *
  *   const char *runs[] = {"fsdp.jsonl", "hsdp.jsonl"};
- *   TRY(plot_metrics(runs, 2, "runs.svg"));
+ *   FSDPC_TRY(plot_metrics(runs, 2, "runs.svg"));
  */
 #ifndef FSDPC_TOOLS_PLOT_H
 #define FSDPC_TOOLS_PLOT_H
@@ -15,6 +15,6 @@
 /* Reads the n metrics files and writes the picture to out (through out.tmp and a rename).
  * Fails naming the file and line on unreadable input (not JSON, no "step"), and when a file
  * has no step at all. A value that is null or absent (a non-finite loss) leaves a gap. */
-status_t plot_metrics(const char *const *paths, int n, const char *out);
+fsdpc_status_t plot_metrics(const char *const *paths, int n, const char *out);
 
 #endif

@@ -29,7 +29,7 @@ static void on_signal(int sig) {
   g_signal = sig;
 }
 
-status_t train_signals_install(const plan_t *p) {
+fsdpc_status_t train_signals_install(const fsdpc_plan_t *p) {
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_signal;
@@ -56,13 +56,13 @@ const char *train_signal_name(int sig) {
   }
 }
 
-int train_stop_values(const plan_t *p, bool time_up, double *out) {
+int train_stop_values(const fsdpc_plan_t *p, bool time_up, double *out) {
   out[0] = time_up ? 1 : 0;
   for (int i = 0; i < p->n_signals; i++) out[1 + i] = g_signal == p->signals[i] ? 1 : 0;
   return 1 + p->n_signals;
 }
 
-train_stop_t train_stop_of(const plan_t *p, const double *sums) {
+train_stop_t train_stop_of(const fsdpc_plan_t *p, const double *sums) {
   train_stop_t s = {0, sums[0] > 0};
   for (int i = 0; i < p->n_signals && s.signal == 0; i++)
     if (sums[1 + i] > 0) s.signal = p->signals[i];
@@ -98,7 +98,7 @@ static void lock_record(int fd, char *out, size_t size, long *pid, char *host, s
   cJSON_Delete(o);
 }
 
-static status_t lock_write(int fd, const char *plan_path) {
+static fsdpc_status_t lock_write(int fd, const char *plan_path) {
   char host[256] = "?", when[64];
   gethostname(host, sizeof host - 1);
   time_t t = time(NULL);
@@ -128,7 +128,7 @@ static bool same_file(int fd, const char *path) {
 }
 
 /* Rank 0's part of train_lock. */
-static status_t lock_dir(const char *dir, const char *plan_path, int *fd) {
+static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) {
   char path[PLAN_PATH_MAX + 32], held[LOCK_TEXT_MAX + 64], host[256], me[256] = "";
   snprintf(path, sizeof path, "%s/" LOCK_NAME, dir);
   long pid;
@@ -177,9 +177,9 @@ static status_t lock_dir(const char *dir, const char *plan_path, int *fd) {
   return lock_write(*fd, plan_path);
 }
 
-status_t train_lock(const char *dir, const char *plan_path, int *fd) {
+fsdpc_status_t train_lock(const char *dir, const char *plan_path, int *fd) {
   *fd = -1;
-  status_t st = world_rank() == 0 ? lock_dir(dir, plan_path, fd) : STATUS_OK;
+  fsdpc_status_t st = world_rank() == 0 ? lock_dir(dir, plan_path, fd) : STATUS_OK;
   return pg_agree(world_pg(), st);
 }
 
@@ -250,20 +250,20 @@ static void describe_difference(const char *mine, const char *theirs, char *out,
   if (shown == 0) snprintf(out, size, "the plans differ");
 }
 
-status_t train_check_same_plan(const char *settings) {
+fsdpc_status_t train_check_same_plan(const char *settings) {
   pg_t *pg = world_pg();
   int n = world_size();
   int64_t mine = (int64_t)XXH64(settings, strlen(settings), 0);
   int64_t *all = malloc(sizeof *all * (size_t)n);
   if (all == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  status_t st = pg_host_all_gather(pg, &mine, all, 1, PG_HOST_I64);
+  fsdpc_status_t st = pg_host_all_gather(pg, &mine, all, 1, PG_HOST_I64);
   bool same = true;
   for (int r = 0; st == STATUS_OK && r < n; r++) same &= all[r] == all[0];
   free(all);
   if (st != STATUS_OK || same) return st;
   /* rank 0's text to every rank, in 4-byte words */
   int64_t len = (int64_t)strlen(settings) + 1;
-  TRY(pg_host_all_reduce(pg, &len, &len, 1, PG_HOST_I64, REDUCE_MAX)); /* the longest */
+  FSDPC_TRY(pg_host_all_reduce(pg, &len, &len, 1, PG_HOST_I64, REDUCE_MAX)); /* the longest */
   int32_t *words = calloc((size_t)(len + 3) / 4, 4);
   if (words == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   if (world_rank() == 0) memcpy(words, settings, strlen(settings) + 1);
@@ -285,10 +285,10 @@ status_t train_check_same_plan(const char *settings) {
 
 /* ---- checks before the first step ---- */
 
-status_t train_checkpoint_step(const char *ckpt, int64_t *step) {
+fsdpc_status_t train_checkpoint_step(const char *ckpt, int64_t *step) {
   char *text = NULL;
   *step = 0;
-  TRY(ckpt_state_text(ckpt, &text));
+  FSDPC_TRY(ckpt_state_text(ckpt, &text));
   cJSON *o = cJSON_Parse(text);
   free(text);
   const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
@@ -309,9 +309,9 @@ static void shortest(double x, char *buf, size_t n) {
   }
 }
 
-status_t train_check_model(const plan_t *p, const char *ckpt) {
+fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
   char *text = NULL;
-  TRY(ckpt_state_text(ckpt, &text));
+  FSDPC_TRY(ckpt_state_text(ckpt, &text));
   cJSON *o = cJSON_Parse(text);
   free(text);
   const cJSON *under = cJSON_GetObjectItemCaseSensitive(o, "saved_under");
@@ -320,7 +320,7 @@ status_t train_check_model(const plan_t *p, const char *ckpt) {
   cJSON_Delete(o);
   if (mtext == NULL) return STATUS_OK; /* no record: the shapes are checked as it loads */
   llama_config_t c = LLAMA_CONFIG_INIT;
-  status_t st = llama_config_from_hf_text(mtext, ckpt, &c);
+  fsdpc_status_t st = llama_config_from_hf_text(mtext, ckpt, &c);
   free(mtext);
   if (st != STATUS_OK) {
     err_clear(); /* another model's record: not this comparison's to judge */
@@ -362,8 +362,8 @@ status_t train_check_model(const plan_t *p, const char *ckpt) {
   return STATUS_OK;
 }
 
-status_t train_check_step_folders(const plan_t *p, int64_t start) {
-  status_t st = STATUS_OK;
+fsdpc_status_t train_check_step_folders(const fsdpc_plan_t *p, int64_t start) {
+  fsdpc_status_t st = STATUS_OK;
   if (world_rank() == 0 && p->ckpt_dir[0] && !p->ckpt_overwrite) {
     int count = 0;
     int64_t newest = -1;
@@ -386,10 +386,11 @@ status_t train_check_step_folders(const plan_t *p, int64_t start) {
   return pg_agree(world_pg(), st);
 }
 
-status_t train_check_outputs(const plan_t *p, const char *metrics, const char *plot,
-                             const data_t *data, const data_t *eval, const char *resumed) {
+fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, const char *plot,
+                                   const fsdpc_data_t *data, const fsdpc_data_t *eval,
+                                   const char *resumed) {
   file_inputs_t *in = NULL;
-  status_t st = file_inputs_new(&in);
+  fsdpc_status_t st = file_inputs_new(&in);
   if (st == STATUS_OK) st = file_inputs_add(in, p->source, "the plan");
   for (int i = 0; data && i < data_num_files(data) && st == STATUS_OK; i++)
     st = file_inputs_add(in, data_file_path(data, i), "data.path's file");

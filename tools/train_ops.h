@@ -18,7 +18,7 @@
 
 /* Installs handlers for p's signals: the first one received is recorded (train_signal), a
  * second exits the process at once with status 128 + its number. Local. */
-status_t train_signals_install(const plan_t *p);
+fsdpc_status_t train_signals_install(const fsdpc_plan_t *p);
 /* The first of train.signals this process received, or 0. */
 int train_signal(void);
 /* "SIGTERM", "SIGUSR1", ... */
@@ -32,16 +32,16 @@ typedef struct train_stop {
 
 /* The values a rank adds to the step's all-reduce (a sum) for the stop: n (1 + n_signals)
  * doubles from p, this rank's signal and whether its clock says the time is up. */
-int train_stop_values(const plan_t *p, bool time_up, double *out);
+int train_stop_values(const fsdpc_plan_t *p, bool time_up, double *out);
 /* The agreed stop from the summed values. */
-train_stop_t train_stop_of(const plan_t *p, const double *sums);
+train_stop_t train_stop_of(const fsdpc_plan_t *p, const double *sums);
 
 /* Takes the lock of checkpoint.dir (a file there, fsdp-train.lock, held with flock and
  * recording host, pid, start time and plan) on rank 0, agreed: a second job refuses, naming
  * the holder; a record left by a process that died is taken over with a note on stderr.
  * *fd: the lock's file (-1 on the other ranks, or where the file system has no locks).
  * Collective over the world. */
-status_t train_lock(const char *dir, const char *plan_path, int *fd);
+fsdpc_status_t train_lock(const char *dir, const char *plan_path, int *fd);
 /* Releases the lock: its file removed (a job that ends otherwise, killed, leaves its record
  * for the next job to take over), then closed. */
 void train_unlock(int fd);
@@ -50,25 +50,26 @@ void train_lock_note(const char *dir);
 
 /* Every rank's settings text (plan_load_settings) equal to rank 0's: a difference names the
  * keys and the ranks ("rank 1: train.steps: 8 here, 5 on rank 0"). Collective. */
-status_t train_check_same_plan(const char *settings);
+fsdpc_status_t train_check_same_plan(const char *settings);
 
 /* The checkpoint's recorded model (train_state.json's saved_under.model) equal to the plan's
  * model: layers, sizes, vocabulary, tying, RoPE, norm eps; a difference names the key. A
  * checkpoint without a record passes. Local. */
-status_t train_check_model(const plan_t *p, const char *ckpt);
+fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt);
 
 /* The files this run reads (the plan, data.path and eval.path's files, init_from's folder, the
  * checkpoint to resume) may not be its outputs: --metrics, --plot (the metrics file neither).
  * Each output is a regular file or new, in a writable folder. Local; a dry run checks too. */
-status_t train_check_outputs(const plan_t *p, const char *metrics, const char *plot,
-                             const data_t *data, const data_t *eval, const char *resumed);
+fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, const char *plot,
+                                   const fsdpc_data_t *data, const fsdpc_data_t *eval,
+                                   const char *resumed);
 
 /* checkpoint.dir's step folders after `start` (the step the run starts after) would be passed
  * over by this run: refused, naming the newest and the ways out, unless checkpoint.overwrite.
  * Rank 0 reads the folder; agreed. Collective. */
-status_t train_check_step_folders(const plan_t *p, int64_t start);
+fsdpc_status_t train_check_step_folders(const fsdpc_plan_t *p, int64_t start);
 
 /* The step a checkpoint was saved after (its train_state.json), for a dry run's checks. */
-status_t train_checkpoint_step(const char *ckpt, int64_t *step);
+fsdpc_status_t train_checkpoint_step(const char *ckpt, int64_t *step);
 
 #endif

@@ -65,7 +65,7 @@ static void warn_oversubscribed(void) {
 }
 
 /* The optimizer, its schedule and its parameter groups in one line. */
-static void optim_line(const plan_t *p) {
+static void optim_line(const fsdpc_plan_t *p) {
   const adamw_config_t *o = &p->optim;
   char groups[512] = "";
   size_t n = 0;
@@ -92,7 +92,7 @@ static void optim_line(const plan_t *p) {
 
 /* The header's world lines: ranks, mesh, planning, process groups, devices, kernels. */
 static void header_world(const run_t *r) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   char dev[16];
   device_str(r->dev, dev, sizeof dev);
   char threads[48] = "";
@@ -130,7 +130,7 @@ static void header_world(const run_t *r) {
 
 /* The header's model lines: the model, fully_shard, the optimizer, tensor parallelism. */
 static void header_model(const run_t *r) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   char rb[16], mb[32];
   train_mib(mb, sizeof mb, sharded_param_bytes(r));
   printf(
@@ -167,7 +167,7 @@ static void header_model(const run_t *r) {
 
 /* The header's lines on the checkpoint a run resumes from. */
 static void header_resume(const run_t *r) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   if (r->resumed_from[0])
     printf(
         "  resumed from %s after step %lld (rank 0 read %llu bytes of tensor data, needing "
@@ -190,7 +190,7 @@ static void header_resume(const run_t *r) {
 
 /* The header's data and evaluation lines. */
 static void header_data(const run_t *r) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   char files[32] = "";
   if (data_num_files(r->data) > 1)
     snprintf(files, sizeof files, " in %d files", data_num_files(r->data));
@@ -227,7 +227,7 @@ static void header_data(const run_t *r) {
 
 /* Warnings when a resumed run reads the data in another order than the run it resumes. */
 static void header_order_warnings(const run_t *r) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   if (r->saved_batch > 0 && r->saved_batch != train_global_batch(r))
     fprintf(stderr,
             "fsdp-train: warning: %s was saved with a global batch of %lld samples, this run "
@@ -362,7 +362,7 @@ static void unit_dtypes(const run_t *r) {
 /* --dry-run: the memory per rank, and a step's peak with what makes it up; false (said) when
  * the estimate fails. */
 static bool memory_lines(const run_t *r) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   int W = p->par.dp_shard;
   double pb = sharded_param_bytes(r), largest = 0;
   for (int i = 0; i < r->n_groups; i++) {
@@ -372,7 +372,7 @@ static bool memory_lines(const run_t *r) {
   }
   if (r->args.verbose) unit_table(r);
   llama_memory_t est, other;
-  plan_t flip = *p; /* the other activation-checkpointing setting, for comparison */
+  fsdpc_plan_t flip = *p; /* the other activation-checkpointing setting, for comparison */
   flip.activation_checkpointing = !p->activation_checkpointing;
   size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
   if (llama_memory_estimate(p, r->groups, r->n_groups, pb, own, &est) != STATUS_OK ||
@@ -405,7 +405,7 @@ static bool memory_lines(const run_t *r) {
 }
 
 void train_dry_run(const run_t *r) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   if (world_rank() != 0) return;
   printf(
       "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "

@@ -18,7 +18,7 @@ static double now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-status_t train_saver_init(train_saver_t *sv, const run_t *r) {
+fsdpc_status_t train_saver_init(train_saver_t *sv, const run_t *r) {
   memset(sv, 0, sizeof *sv);
   sv->replaced = !r->plan.ckpt_overwrite;
   sv->saved_step = -1;
@@ -33,9 +33,9 @@ void train_saver_free(train_saver_t *sv) {
 
 /* Before the first save under checkpoint.overwrite: the folder of its step, if any, moved aside
  * (rank 0) until the new one commits. Collective. */
-static status_t move_aside(train_saver_t *sv, const char *dir) {
+static fsdpc_status_t move_aside(train_saver_t *sv, const char *dir) {
   struct stat sb;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   sv->aside[0] = 0;
   if (!sv->replaced && world_rank() == 0 && lstat(dir, &sb) == 0) {
     snprintf(sv->aside, sizeof sv->aside, "%s.replaced-%ld", dir, (long)getpid());
@@ -59,7 +59,7 @@ static void put_back(train_saver_t *sv, const char *dir) {
 /* After a save of step committed (rank 0): checkpoint.overwrite's newer folders removed (the
  * first time), pruning to checkpoint.keep, and the line saying so. */
 static void committed(train_saver_t *sv, const run_t *r, int64_t step) {
-  const plan_t *p = &r->plan;
+  const fsdpc_plan_t *p = &r->plan;
   char dir[PLAN_PATH_MAX + 32];
   ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
   sv->last_s = now() - sv->started;
@@ -87,13 +87,13 @@ static void committed(train_saver_t *sv, const run_t *r, int64_t step) {
   fflush(stdout);
 }
 
-status_t train_save_finish(train_saver_t *sv, const run_t *r) {
+fsdpc_status_t train_save_finish(train_saver_t *sv, const run_t *r) {
   if (!ckpt_async_pending(sv->async)) return STATUS_OK;
   double t0 = now();
   char dir[PLAN_PATH_MAX + 32];
   snprintf(dir, sizeof dir, "%s", ckpt_async_dir(sv->async));
   int64_t step = 0;
-  status_t st = ckpt_async_commit(sv->async, world_pg(), &step);
+  fsdpc_status_t st = ckpt_async_commit(sv->async, world_pg(), &step);
   if (st == STATUS_OK)
     committed(sv, r, step);
   else if (world_rank() == 0)
@@ -102,13 +102,14 @@ status_t train_save_finish(train_saver_t *sv, const run_t *r) {
   return st;
 }
 
-status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const char *under, bool wait) {
-  const plan_t *p = &r->plan;
-  TRY(train_save_finish(sv, r)); /* the previous save first */
+fsdpc_status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const char *under,
+                          bool wait) {
+  const fsdpc_plan_t *p = &r->plan;
+  FSDPC_TRY(train_save_finish(sv, r)); /* the previous save first */
   double t0 = now();
   char dir[PLAN_PATH_MAX + 32];
   ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
-  status_t st = move_aside(sv, dir);
+  fsdpc_status_t st = move_aside(sv, dir);
   if (st != STATUS_OK) return st;
   sv->started = t0;
   if (sv->async)
@@ -138,7 +139,7 @@ void train_save_values(const train_saver_t *sv, double *out) {
   out[1] = ckpt_async_failed(sv->async) ? 1 : 0;
 }
 
-status_t train_save_poll(train_saver_t *sv, const run_t *r, const double *sums) {
+fsdpc_status_t train_save_poll(train_saver_t *sv, const run_t *r, const double *sums) {
   if (!ckpt_async_pending(sv->async)) return STATUS_OK;
   if (sums[0] < world_size() && sums[1] == 0) return STATUS_OK; /* still writing */
   return train_save_finish(sv, r);

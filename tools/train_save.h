@@ -18,24 +18,25 @@ typedef struct train_saver {
 } train_saver_t;
 
 /* Local. */
-status_t train_saver_init(train_saver_t *sv, const run_t *r);
+fsdpc_status_t train_saver_init(train_saver_t *sv, const run_t *r);
 /* Waits for a save in flight: its thread joined, its folder left uncommitted. */
 void train_saver_free(train_saver_t *sv);
 
 /* Saves the state after step into checkpoint.dir (under: saved_under's text). Synchronous, or
  * with checkpoint.async the state staged and written in the background (a save still in flight
  * is committed first); wait: commit before returning (the last step, a stop). Collective. */
-status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const char *under, bool wait);
+fsdpc_status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const char *under,
+                          bool wait);
 
 /* The values this rank adds to the step's all-reduce (a sum) about a save in flight: 2 doubles
  * (its writer finished; it failed). */
 void train_save_values(const train_saver_t *sv, double *out);
 /* Commits a save in flight when the summed values say every rank has written (or one failed:
  * the run then stops naming the file). Collective: every rank calls it with the same sums. */
-status_t train_save_poll(train_saver_t *sv, const run_t *r, const double *sums);
+fsdpc_status_t train_save_poll(train_saver_t *sv, const run_t *r, const double *sums);
 /* Waits until a save in flight has copied the state (before the optimizer changes it). Local. */
 void train_save_wait_staged(train_saver_t *sv);
 /* Commits a save in flight, waiting for this rank's writer. Collective. */
-status_t train_save_finish(train_saver_t *sv, const run_t *r);
+fsdpc_status_t train_save_finish(train_saver_t *sv, const run_t *r);
 
 #endif

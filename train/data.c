@@ -24,7 +24,7 @@ typedef struct dfile {
 /* The files are read where a batch or a check needs them (opened for that read: a stream of
  * thousands of files holds no descriptors): no rank holds more of them than a batch, and ranks
  * on one node share the operating system's page cache. */
-struct data {
+struct fsdpc_data {
   dfile_t *files;
   int nf;
   int64_t n;
@@ -51,8 +51,8 @@ static int32_t le32(const unsigned char *b) {
 
 /* Reads bytes [at, at + n) of f's open descriptor fd into buf; tokens [first, first + count)
  * of the stream name them in errors (count 0: the header). */
-static status_t read_bytes(const dfile_t *f, int fd, off_t at, size_t n, unsigned char *buf,
-                           int64_t first, int64_t count) {
+static fsdpc_status_t read_bytes(const dfile_t *f, int fd, off_t at, size_t n, unsigned char *buf,
+                                 int64_t first, int64_t count) {
   for (size_t got = 0; got < n;) {
     ssize_t r = pread(fd, buf + got, n - got, at + (off_t)got);
     if (r < 0 && errno == EINTR) continue;
@@ -69,11 +69,11 @@ static status_t read_bytes(const dfile_t *f, int fd, off_t at, size_t n, unsigne
 
 /* Opens path as the stream's file f of the given width (0: from its llm.c header); f->first is
  * set by the caller. */
-static status_t file_open(dfile_t *f, const char *path, int width) {
+static fsdpc_status_t file_open(dfile_t *f, const char *path, int width) {
   memset(f, 0, sizeof *f);
   FILE *fp;
-  TRY(file_open_regular(path, "data file", &fp));
-  status_t st = STATUS_OK;
+  FSDPC_TRY(file_open_regular(path, "data file", &fp));
+  fsdpc_status_t st = STATUS_OK;
   struct stat sb;
   if ((f->path = strdup(path)) == NULL)
     st = err_set(STATUS_ENOMEM, "data file %s: out of host memory", path);
@@ -142,7 +142,7 @@ bool data_is_pattern(const char *path) {
   return strpbrk(path, "*?[") != NULL && stat(path, &sb) != 0;
 }
 
-status_t data_open(data_t **out, const char *path, data_format_t format) {
+fsdpc_status_t data_open(const char *path, data_format_t format, fsdpc_data_t **out) {
   ARG_NONNULL(out);
   ARG_NONNULL(path);
   *out = NULL;
@@ -165,8 +165,8 @@ status_t data_open(data_t **out, const char *path, data_format_t format) {
     paths = g.gl_pathv;
     n = g.gl_pathc;
   }
-  data_t *d = calloc(1, sizeof *d);
-  status_t st = STATUS_OK;
+  fsdpc_data_t *d = calloc(1, sizeof *d);
+  fsdpc_status_t st = STATUS_OK;
   if (d == NULL || (d->files = calloc(n, sizeof *d->files)) == NULL)
     st = err_set(STATUS_ENOMEM, "data file %s: out of host memory", path);
   for (size_t i = 0; i < n && st == STATUS_OK; i++) {
@@ -185,30 +185,30 @@ status_t data_open(data_t **out, const char *path, data_format_t format) {
   return STATUS_OK;
 }
 
-void data_free(data_t *d) {
+void data_free(fsdpc_data_t *d) {
   if (d == NULL) return;
   for (int i = 0; i < d->nf; i++) free(d->files[i].path);
   free(d->files);
   free(d);
 }
 
-int64_t data_num_tokens(const data_t *d) {
+int64_t data_num_tokens(const fsdpc_data_t *d) {
   if (d == NULL) return 0;
   return d->n;
 }
 
-int data_num_files(const data_t *d) {
+int data_num_files(const fsdpc_data_t *d) {
   if (d == NULL) return 0;
   return d->nf;
 }
 
-const char *data_file_path(const data_t *d, int i) {
+const char *data_file_path(const fsdpc_data_t *d, int i) {
   if (d == NULL || i < 0 || i >= d->nf) return NULL;
   return d->files[i].path;
 }
 
 /* The file holding token i (0 <= i < d->n): the last whose first token is at or before i. */
-static const dfile_t *file_of(const data_t *d, int64_t i) {
+static const dfile_t *file_of(const fsdpc_data_t *d, int64_t i) {
   int lo = 0, hi = d->nf - 1;
   while (lo < hi) {
     int mid = lo + (hi - lo + 1) / 2;
@@ -260,9 +260,9 @@ static int64_t max_of(const unsigned char *buf, int w, int64_t k) {
  * file: fn(ctx, buf, width, k, offset of the piece in the range). */
 typedef void piece_fn(void *ctx, const unsigned char *buf, int w, int64_t k, int64_t at);
 
-static status_t visit(const data_t *d, int64_t i0, int64_t count, unsigned char *buf, size_t cap,
-                      piece_fn *fn, void *ctx) {
-  status_t st = STATUS_OK;
+static fsdpc_status_t visit(const fsdpc_data_t *d, int64_t i0, int64_t count, unsigned char *buf,
+                            size_t cap, piece_fn *fn, void *ctx) {
+  fsdpc_status_t st = STATUS_OK;
   for (int64_t done = 0; done < count && st == STATUS_OK;) { /* one file at a time */
     const dfile_t *f = file_of(d, i0 + done);
     int64_t end = f->first + f->n < i0 + count ? f->first + f->n : i0 + count;
@@ -294,12 +294,12 @@ static void max_piece(void *ctx, const unsigned char *buf, int w, int64_t k, int
 }
 
 /* Reads tokens [i0, i0 + count) into out. */
-static status_t read_tokens(const data_t *d, int64_t i0, int64_t count, int64_t *out) {
+static fsdpc_status_t read_tokens(const fsdpc_data_t *d, int64_t i0, int64_t count, int64_t *out) {
   unsigned char buf[1 << 14];
   return visit(d, i0, count, buf, sizeof buf, decode_piece, out);
 }
 
-status_t data_max_token(const data_t *d, int64_t begin, int64_t end, int64_t *max) {
+fsdpc_status_t data_max_token(const fsdpc_data_t *d, int64_t begin, int64_t end, int64_t *max) {
   ARG_NONNULL(d);
   ARG_NONNULL(max);
   *max = -1;
@@ -310,7 +310,7 @@ status_t data_max_token(const data_t *d, int64_t begin, int64_t end, int64_t *ma
   unsigned char *buf = malloc(kChunk);
   if (buf == NULL) return err_set(STATUS_ENOMEM, "data: out of host memory");
   int64_t m = -1;
-  status_t st = visit(d, begin, end - begin, buf, kChunk, max_piece, &m);
+  fsdpc_status_t st = visit(d, begin, end - begin, buf, kChunk, max_piece, &m);
   free(buf);
   if (st == STATUS_OK) *max = m;
   return st;
@@ -336,8 +336,8 @@ static int64_t permute(int64_t x, int64_t n, uint64_t key) {
   return (int64_t)v;
 }
 
-int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
-                          int64_t j) {
+int64_t data_sample_start(const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
+                          int64_t micro, int64_t j) {
   if (d == NULL || spec == NULL) return 0;
   int64_t G = spec->dp_size * spec->batch_size;
   /* in 128 bits, so that long runs cannot overflow the product */
@@ -353,8 +353,8 @@ int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step
 }
 
 /* Tokens [i0, i0 + n) of the stream, read into row, against the vocabulary. */
-static status_t check_ids(const data_t *d, int64_t i0, const int64_t *row, int64_t n,
-                          int64_t vocab) {
+static fsdpc_status_t check_ids(const fsdpc_data_t *d, int64_t i0, const int64_t *row, int64_t n,
+                                int64_t vocab) {
   for (int64_t k = 0; k < n; k++) {
     if (row[k] >= 0 && row[k] < vocab) continue;
     const dfile_t *f = file_of(d, i0 + k);
@@ -367,8 +367,8 @@ static status_t check_ids(const data_t *d, int64_t i0, const int64_t *row, int64
   return STATUS_OK;
 }
 
-status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
-                    tensor_t *inputs, tensor_t *targets) {
+fsdpc_status_t data_batch(const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
+                          int64_t micro, fsdpc_tensor_t *inputs, fsdpc_tensor_t *targets) {
   ARG_NONNULL(d);
   ARG_NONNULL(spec);
   ARG_NONNULL(inputs);
@@ -389,7 +389,7 @@ status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int6
   int64_t L = spec->seq_len, shape[2] = {spec->batch_size, L};
   int64_t *row = malloc(sizeof(int64_t) * (size_t)(L + 1));
   if (row == NULL) return err_set(STATUS_ENOMEM, "data: out of host memory");
-  status_t st = tensor_init(inputs, DTYPE_I64, device_cpu(), 2, shape);
+  fsdpc_status_t st = tensor_init(inputs, DTYPE_I64, device_cpu(), 2, shape);
   if (st == STATUS_OK &&
       (st = tensor_init(targets, DTYPE_I64, device_cpu(), 2, shape)) != STATUS_OK)
     tensor_free(inputs);

@@ -20,10 +20,10 @@
  * [d * batch_size, (d + 1) * batch_size), so every plan trains on the same global batch, and
  * a resumed run on the same samples.
  *
- *   data_t *d;
- *   TRY(data_open(&d, "corpus.txt", DATA_BYTES));
+ *   fsdpc_data_t *d;
+ *   FSDPC_TRY(data_open("corpus.txt", DATA_BYTES, &d));
  *   data_spec_t spec = {.batch_size = 2, .seq_len = 32, .grad_accum = 1, .dp_size = 1};
- *   TRY(data_batch(d, &spec, step, 0, &inputs, &targets));   // I64 [2, 32] on the host
+ *   FSDPC_TRY(data_batch(d, &spec, step, 0, &inputs, &targets));   // I64 [2, 32] on the host
  *   data_free(d);
  */
 #ifndef FSDPC_NN_DATA_H
@@ -41,7 +41,7 @@ extern "C" {
 
 typedef enum data_format { DATA_BYTES, DATA_U16, DATA_U32, DATA_LLMC } data_format_t;
 
-typedef struct data data_t;
+typedef struct fsdpc_data fsdpc_data_t;
 
 typedef struct data_spec {
   int64_t batch_size; /* per data-parallel rank */
@@ -59,33 +59,33 @@ typedef struct data_spec {
  * data_free. Each must be a regular file of a whole number of tokens (llm.c's: as many as its
  * header says); a raw file that starts with llm.c's header is refused (its format is llmc).
  * Errors name the file. */
-status_t data_open(data_t **out, const char *path, data_format_t format);
+fsdpc_status_t data_open(const char *path, data_format_t format, fsdpc_data_t **out);
 /* Whether data_open takes path as a pattern (it has *, ? or [, and names no file). */
 bool data_is_pattern(const char *path);
-void data_free(data_t *d);
+void data_free(fsdpc_data_t *d);
 
-int64_t data_num_tokens(const data_t *d);
-int data_num_files(const data_t *d);
+int64_t data_num_tokens(const fsdpc_data_t *d);
+int data_num_files(const fsdpc_data_t *d);
 /* The path of file i of the stream (0 <= i < data_num_files; NULL otherwise), owned by d. */
-const char *data_file_path(const data_t *d, int i);
+const char *data_file_path(const fsdpc_data_t *d, int i);
 /* *max = the largest id among tokens [begin, end) of the file (-1 when the range is empty),
  * read once in 1 MiB pieces: to check against the vocabulary, each of several ranks can take
  * a part of the file. */
-status_t data_max_token(const data_t *d, int64_t begin, int64_t end, int64_t *max);
+fsdpc_status_t data_max_token(const fsdpc_data_t *d, int64_t begin, int64_t end, int64_t *max);
 
 /* Start of sample j of micro-step m of step s (global sample index; see above); 0 when the
  * stream cannot hold one sample (data_batch refuses it). */
-int64_t data_sample_start(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
-                          int64_t j);
+int64_t data_sample_start(const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
+                          int64_t micro, int64_t j);
 
 /* This rank's inputs and targets for (step, micro): new I64 [batch_size, seq_len] host
  * tensors the caller frees, read from the file (an error names it when it cannot be read, or
  * has become shorter). With spec->vocab_size, every token read is checked against it: one
  * outside is refused, naming the file and its byte offset (a check of the tokens a batch
  * reads, so a stream of any size is never read whole for it). Several threads may read one
- * data_t at once. */
-status_t data_batch(const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro,
-                    tensor_t *inputs, tensor_t *targets);
+ * fsdpc_data_t at once. */
+fsdpc_status_t data_batch(const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
+                          int64_t micro, fsdpc_tensor_t *inputs, fsdpc_tensor_t *targets);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

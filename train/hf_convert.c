@@ -20,9 +20,9 @@
 #define PATH_LEN 4096
 
 /* train_state.json of a training checkpoint, or NULL (a plain shard folder). */
-static status_t read_state(const char *dir, cJSON **out) {
+static fsdpc_status_t read_state(const char *dir, cJSON **out) {
   char *text;
-  TRY(ckpt_state_text(dir, &text));
+  FSDPC_TRY(ckpt_state_text(dir, &text));
   *out = text ? cJSON_Parse(text) : NULL;
   bool bad = text && *out == NULL;
   free(text);
@@ -48,12 +48,12 @@ bool hf_config_is_llama(const char *json) {
   return yes;
 }
 
-status_t ckpt_recorded_config(const char *dir, char **out) {
+fsdpc_status_t ckpt_recorded_config(const char *dir, char **out) {
   ARG_NONNULL(dir);
   ARG_NONNULL(out);
   *out = NULL;
   cJSON *state;
-  TRY(read_state(dir, &state));
+  FSDPC_TRY(read_state(dir, &state));
   const cJSON *m = recorded_model(state);
   if (m && (*out = cJSON_PrintUnformatted(m)) == NULL) {
     cJSON_Delete(state);
@@ -91,17 +91,17 @@ static int cmp_by_name(const void *x, const void *y) {
 /* A Hugging Face config of any model written as config.json with torch_dtype set to dtype;
  * the built-in Llama's (model_type "llama") is checked and written in its normal form. origin
  * names where the config came from. */
-static status_t write_config(const cJSON *config, const char *origin, dtype_t dtype,
-                             const char *path) {
+static fsdpc_status_t write_config(const cJSON *config, const char *origin, dtype_t dtype,
+                                   const char *path) {
   if (!cJSON_IsObject(config))
     return err_set(STATUS_EFORMAT, "%s: a model config is not a JSON object", origin);
   if (is_llama(config)) {
     char *text = cJSON_PrintUnformatted(config);
     llama_config_t cfg;
-    status_t st = text ? llama_config_from_hf_text(text, origin, &cfg)
-                       : err_set(STATUS_ENOMEM, "out of host memory");
+    fsdpc_status_t st = text ? llama_config_from_hf_text(text, origin, &cfg)
+                             : err_set(STATUS_ENOMEM, "out of host memory");
     free(text);
-    TRY(st);
+    FSDPC_TRY(st);
     return llama_config_to_hf(&cfg, dtype, path);
   }
   cJSON *c = cJSON_Duplicate(config, true);
@@ -114,34 +114,35 @@ static status_t write_config(const cJSON *config, const char *origin, dtype_t dt
   }
   char *text = c ? cJSON_Print(c) : NULL;
   cJSON_Delete(c);
-  status_t st = text ? file_write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
+  fsdpc_status_t st =
+      text ? file_write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
   free(text);
   return st;
 }
 
 /* config.json: --config, or the model config the checkpoint was saved with. */
-static status_t export_config(const char *dir, const hf_export_opts_t *o, dtype_t dtype,
-                              const char *path) {
+static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, dtype_t dtype,
+                                    const char *path) {
   char *text = NULL, origin[PATH_LEN];
   cJSON *state = NULL, *given = NULL;
   const cJSON *config = NULL;
   if (o->config) {
-    TRY(file_read_text(o->config, FILE_TEXT_MAX, &text));
+    FSDPC_TRY(file_read_text(o->config, FILE_TEXT_MAX, &text));
     given = cJSON_Parse(text);
     free(text);
     if (given == NULL) return err_set(STATUS_EFORMAT, "%s: not valid JSON", o->config);
     config = given;
     snprintf(origin, sizeof origin, "%s", o->config);
   } else {
-    TRY(read_state(dir, &state));
+    FSDPC_TRY(read_state(dir, &state));
     config = recorded_model(state);
     snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir);
   }
-  status_t st = config ? write_config(config, origin, dtype, path)
-                       : err_set(STATUS_EINVAL,
-                                 "%s: no model config recorded in train_state.json; give "
-                                 "--config CONFIG.json",
-                                 dir);
+  fsdpc_status_t st = config ? write_config(config, origin, dtype, path)
+                             : err_set(STATUS_EINVAL,
+                                       "%s: no model config recorded in train_state.json; give "
+                                       "--config CONFIG.json",
+                                       dir);
   cJSON_Delete(given);
   cJSON_Delete(state);
   return st;
@@ -149,25 +150,25 @@ static status_t export_config(const char *dir, const hf_export_opts_t *o, dtype_
 
 /* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
  * time. */
-static status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int first, int last,
-                            dtype_t want, const char *path, mesh_t *one) {
+static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int first,
+                                  int last, dtype_t want, const char *path, mesh_t *one) {
   st_writer_t *w;
-  TRY(st_writer_new(&w));
-  status_t st = st_writer_set_metadata(w, "format", "pt");
+  FSDPC_TRY(st_writer_new(&w));
+  fsdpc_status_t st = st_writer_set_metadata(w, "format", "pt");
   for (int i = first; i < last && st == STATUS_OK; i++)
     st = st_writer_declare(w, t[i]->name, want == DTYPE_COUNT ? t[i]->dtype : want, t[i]->ndim,
                            t[i]->shape);
   if (st == STATUS_OK) st = st_writer_begin(w, path);
   placement_t rep = placement_replicate();
   for (int i = first; i < last && st == STATUS_OK; i++) {
-    tensor_t full, conv = {0};
+    fsdpc_tensor_t full, conv = {0};
     dtensor_t *dt = NULL;
     st = tensor_init(&full, t[i]->dtype, device_cpu(), t[i]->ndim, t[i]->shape);
     if (st != STATUS_OK) break;
-    st = dtensor_from_local(&dt, &full, one, &rep, t[i]->ndim, t[i]->shape);
+    st = dtensor_from_local(&full, one, &rep, t[i]->ndim, t[i]->shape, &dt);
     dcp_entry_t e = {t[i]->name, dt};
     if (st == STATUS_OK) st = dcp_reader_load(r, &e, 1, NULL);
-    const tensor_t *src = &full;
+    const fsdpc_tensor_t *src = &full;
     if (st == STATUS_OK && want != DTYPE_COUNT && want != full.dtype) {
       st = tensor_clone(&conv, &full, want, device_cpu());
       src = &conv;
@@ -182,8 +183,8 @@ static status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int f
   return st;
 }
 
-status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t *o,
-                        hf_report_t *report) {
+fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t *o,
+                              hf_report_t *report) {
   ARG_NONNULL(dir);
   ARG_NONNULL(out);
   ARG_NONNULL(o);
@@ -193,25 +194,25 @@ status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t
   char model[PATH_LEN], state[PATH_LEN];
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   snprintf(state, sizeof state, "%.4000s/train_state.json", dir);
-  if (access(state, F_OK) == 0) TRY(ckpt_check_state(dir));
+  if (access(state, F_OK) == 0) FSDPC_TRY(ckpt_check_state(dir));
   /* the model's shards: DIR/model in a training checkpoint, else DIR */
   snprintf(model, sizeof model, "%.4000s/model", dir);
   if (!file_is_dir(model)) snprintf(model, sizeof model, "%s", dir);
-  TRY(file_check_output_dir(out, "export-hf: OUT", true));
+  FSDPC_TRY(file_check_output_dir(out, "export-hf: OUT", true));
   if (file_is_dir(out) && rmdir(out) != 0)
     return err_set(STATUS_EINVAL, "%s: exists and is not empty", out);
   /* written into a fresh OUT.tmp-XXXXXX, renamed when complete: a failure (a damaged block)
    * leaves no OUT */
   char tmp[PATH_LEN + 16] = "";
   dcp_reader_t *r;
-  TRY(dcp_reader_open(model, &r));
+  FSDPC_TRY(dcp_reader_open(model, &r));
   rep->unchecked = dcp_reader_checks(r, NULL) == DCP_CHECKS_NONE;
   const dcp_tensor_t *list;
   int n;
   const dcp_tensor_t **t = NULL;
   mesh_t *one = NULL;
   cJSON *index = NULL;
-  status_t st = dcp_reader_list(r, &list, &n);
+  fsdpc_status_t st = dcp_reader_list(r, &list, &n);
   if (st == STATUS_OK && (t = malloc(sizeof *t * (size_t)(n ? n : 1))) == NULL)
     st = err_set(STATUS_ENOMEM, "out of host memory");
   for (int i = 0; i < n && st == STATUS_OK; i++) {
@@ -221,7 +222,7 @@ status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t
                    list[i].name, list[i].dtype_name);
   }
   if (st == STATUS_OK) qsort(t, (size_t)n, sizeof *t, cmp_by_name);
-  if (st == STATUS_OK) st = mesh_init_local(&one, "one", DEVICE_CPU);
+  if (st == STATUS_OK) st = mesh_new_local("one", DEVICE_CPU, &one);
   if (st == STATUS_OK) st = file_make_temp_dir(out, tmp, sizeof tmp);
   if (st == STATUS_OK) { /* first: the config may be missing, before any tensor is written */
     char path[PATH_LEN + 64];
@@ -289,14 +290,14 @@ status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t
 
 /* The tensors of a Llama folder against the model its config.json describes (a meta model
  * built from it lists the parameters): every parameter present with its shape, nothing else. */
-static status_t check_llama_tensors(const char *hf, const llama_config_t *c,
-                                    const dcp_tensor_t *list, int nt) {
+static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *c,
+                                          const dcp_tensor_t *list, int nt) {
   llama_options_t lo = LLAMA_OPTIONS_INIT;
   lo.deferred = true; /* shapes only */
   llama_t *m = NULL;
   nn_param_t **ps = NULL;
   int n = 0;
-  status_t st = llama_new(&m, c, &lo);
+  fsdpc_status_t st = llama_new(c, &lo, &m);
   if (st == STATUS_OK) st = nn_named_parameters(llama_module(m), &ps, &n);
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     const dtensor_t *v = ps[i]->value;
@@ -339,17 +340,17 @@ static status_t check_llama_tensors(const char *hf, const llama_config_t *c,
 /* Writes Hugging Face file `name` of folder hf into folder model under the same name, its
  * tensors whole, with the integrity records of a save of its own (folder: every file's name,
  * and the save's id). */
-static status_t rewrite_file(const char *hf, const char *name, const char *model,
-                             const dcp_folder_t *folder) {
+static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char *model,
+                                   const dcp_folder_t *folder) {
   char from[PATH_LEN + 300], to[PATH_LEN + 300];
   snprintf(from, sizeof from, "%.4000s/%s", hf, name);
   snprintf(to, sizeof to, "%.4000s/%s", model, name);
   st_file_t *f;
-  TRY(st_open(&f, from));
+  FSDPC_TRY(st_open(from, &f));
   int n = st_num_tensors(f);
   dcp_box_t *boxes = calloc((size_t)(n > 0 ? n : 1), sizeof *boxes);
-  tensor_t *t = calloc((size_t)(n > 0 ? n : 1), sizeof *t);
-  status_t st = boxes && t ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  fsdpc_tensor_t *t = calloc((size_t)(n > 0 ? n : 1), sizeof *t);
+  fsdpc_status_t st = boxes && t ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     const st_info_t *info = st_tensor(f, i);
     if (info->dtype == DTYPE_COUNT)
@@ -371,17 +372,17 @@ static status_t rewrite_file(const char *hf, const char *name, const char *model
 /* The built-in Llama's config (model_type "llama") is checked as a plan would read it, and
  * every tensor against the model it describes; any other model's is kept as it is, for the
  * export to write back. */
-status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
+fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
   hf_report_t rep_local;
   hf_report_t *rep = report ? report : &rep_local;
   memset(rep, 0, sizeof *rep);
   char cfg_path[PATH_LEN + 64], *config = NULL;
   snprintf(cfg_path, sizeof cfg_path, "%.4000s/config.json", hf);
-  TRY(file_read_text(cfg_path, FILE_TEXT_MAX, &config));
+  FSDPC_TRY(file_read_text(cfg_path, FILE_TEXT_MAX, &config));
   cJSON *cfg = cJSON_Parse(config);
   free(config);
-  status_t st = cJSON_IsObject(cfg) ? STATUS_OK
-                                    : err_set(STATUS_EFORMAT, "%s: not a JSON object", cfg_path);
+  fsdpc_status_t st =
+      cJSON_IsObject(cfg) ? STATUS_OK : err_set(STATUS_EFORMAT, "%s: not a JSON object", cfg_path);
   llama_config_t lc;
   bool llama = st == STATUS_OK && is_llama(cfg);
   if (llama) st = llama_config_from_hf(cfg_path, &lc);
@@ -428,4 +429,3 @@ status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
   hf_weight_files_free(names, n);
   return st;
 }
-

@@ -6,8 +6,8 @@
  *
  *   hf_export_opts_t o = HF_EXPORT_OPTS_INIT;
  *   o.dtype = DTYPE_BF16;
- *   TRY(ckpt_export_hf("ck/step-00000100", "hf-out", &o, NULL));
- *   TRY(ckpt_import_hf("Llama-3.2-1B", "ck-imported", NULL));   // checkpoint.load resumes it
+ *   FSDPC_TRY(ckpt_export_hf("ck/step-00000100", "hf-out", &o, NULL));
+ *   FSDPC_TRY(ckpt_import_hf("Llama-3.2-1B", "ck-imported", NULL));   // checkpoint.load resumes it
  *
  * Both write OUT.tmp and rename it to OUT when complete: a failure leaves no OUT. Local.
  */
@@ -46,19 +46,19 @@ typedef struct hf_report {
  * each with format "pt" and tensors in natural name order (layers.2 before layers.10), and
  * config.json with torch_dtype set. One tensor is assembled at a time, every block read
  * checked. report may be NULL. */
-status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t *o,
-                        hf_report_t *report);
+fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t *o,
+                              hf_report_t *report);
 
 /* Makes a weights-only training checkpoint out (step 0, no optimizer state) of the Hugging
  * Face folder hf (config.json and model.safetensors or the files its index names, validated
  * and copied); its config.json is recorded as the checkpoint's model config. report may be
  * NULL. */
-status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report);
+fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report);
 
 /* The Hugging Face config a training checkpoint records (train_state.json's
  * saved_under.model) as JSON text into *out (the caller frees it; NULL when none is
  * recorded or dir is not a training checkpoint). */
-status_t ckpt_recorded_config(const char *dir, char **out);
+fsdpc_status_t ckpt_recorded_config(const char *dir, char **out);
 
 /* Whether a Hugging Face config (JSON text) is the built-in Llama's: model_type "llama". */
 bool hf_config_is_llama(const char *json);

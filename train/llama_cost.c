@@ -57,8 +57,9 @@ static llama_memory_t moment(const char *at, double state, double act, double ga
   return (llama_memory_t){state, act, gathered, in_flight, state + act + gathered + in_flight, at};
 }
 
-status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int n,
-                               double sharded_param_bytes, size_t param_size, llama_memory_t *out) {
+fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n,
+                                     double sharded_param_bytes, size_t param_size,
+                                     llama_memory_t *out) {
   ARG_NONNULL(p);
   if (n > 0) ARG_NONNULL(groups);
   ARG_NONNULL(out);
@@ -153,7 +154,7 @@ status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int
 
 /* ---- communication ---- */
 
-llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, int n) {
+llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n) {
   if (p == NULL || groups == NULL) return (llama_comm_t){0};
   llama_comm_t c = {0};
   int W = p->par.dp_shard, R = p->par.dp_replicate;

@@ -8,7 +8,7 @@
  * counters and peak_mem_bytes are what they estimate.
  *
  *   llama_memory_t m;
- *   TRY(llama_memory_estimate(&plan, groups, n_groups, sharded_param_bytes, 4, &m));
+ *   FSDPC_TRY(llama_memory_estimate(&plan, groups, n_groups, sharded_param_bytes, 4, &m));
  *   printf("peak %.0f B (%s)\n", m.peak, m.at);
  *
  * The model follows how this library runs a step: the tape keeps each block's inputs to its
@@ -43,9 +43,9 @@ typedef struct llama_memory {
  * root's last, as parallel_groups lists them); sharded_param_bytes: this rank's parameter
  * shards (padded), param_size: bytes per element of those shards. Uses the plan's
  * train.activation_checkpointing. Local. */
-status_t llama_memory_estimate(const plan_t *p, fsdp_group_t *const *groups, int n,
-                               double sharded_param_bytes, size_t param_size,
-                               llama_memory_t *out);
+fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n,
+                                     double sharded_param_bytes, size_t param_size,
+                                     llama_memory_t *out);
 
 /* Collectives of one step (all micro-batches) on this rank: calls, and bytes sent as the
  * process groups count them. */
@@ -58,7 +58,7 @@ typedef struct llama_comm {
  * backward (within the post-forward group for an integer reshard); one reduce-scatter; under
  * HSDP one all-reduce over the replicas. Tensor parallelism with the built-in Llama rules adds
  * its activations' collectives. groups[0..n) as for llama_memory_estimate. Local. */
-llama_comm_t llama_comm_estimate(const plan_t *p, fsdp_group_t *const *groups, int n);
+llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

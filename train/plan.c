@@ -1,5 +1,5 @@
 /* fsdp-train's plans: the job sections (model, optim, schedule, data, train, checkpoint, log)
- * read from YAML into plan_t with the mesh and parallelize sections (parallel_plan.c), by the
+ * read from YAML into fsdpc_plan_t with the mesh and parallelize sections (parallel_plan.c), by the
  * reader of plan_reader.c, then resolved against the world size. */
 #include "train/plan.h"
 
@@ -21,7 +21,7 @@
 #include "models/llama/llama_plan.h"
 #include "parallel/plan_reader_impl.h"
 
-void plan_defaults(plan_t *p) {
+void plan_defaults(fsdpc_plan_t *p) {
   if (p == NULL) return;
   memset(p, 0, sizeof *p);
   parallel_plan_defaults(&p->par);
@@ -61,26 +61,26 @@ void plan_defaults(plan_t *p) {
   p->log_interval = 10;
 }
 
-static status_t read_model(plan_ctx_t *c, int root) {
+static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
   static const char *const keys[] = {
       "dim",        "n_layers",    "n_heads",       "n_kv_heads", "ffn_dim",
       "vocab_size", "max_seq_len", "rope_theta",    "norm_eps",   "tie_embeddings",
       "seed",       "init_from",   "deferred_init", NULL};
   int m;
-  TRY(pr_section(c, root, "model", keys, &m));
+  FSDPC_TRY(pr_section(c, root, "model", keys, &m));
   if (m == 0) return STATUS_OK;
-  plan_t *p = c->job;
+  fsdpc_plan_t *p = c->job;
   for (int i = 0; keys[i]; i++)
     if (strcmp(keys[i], "seed") != 0 && strcmp(keys[i], "deferred_init") != 0 &&
         pr_find(c, m, keys[i]))
       p->model_given = true;
   uint64_t seed = p->model_seed;
   int64_t s = 0;
-  TRY(pr_get_int(c, m, "model", "seed", 0, INT64_MAX, &s));
+  FSDPC_TRY(pr_get_int(c, m, "model", "seed", 0, INT64_MAX, &s));
   if (pr_find(c, m, "seed")) seed = (uint64_t)s;
   p->model_seed = seed;
-  TRY(pr_get_bool(c, m, "model", "deferred_init", &p->deferred_init));
-  TRY(pr_get_path(c, m, "model", "init_from", p->init_from));
+  FSDPC_TRY(pr_get_bool(c, m, "model", "deferred_init", &p->deferred_init));
+  FSDPC_TRY(pr_get_path(c, m, "model", "init_from", p->init_from));
   if (p->init_from[0]) {
     char listed[256] = "";
     int first = 0, n = 0;
@@ -103,36 +103,36 @@ static status_t read_model(plan_ctx_t *c, int root) {
   }
   llama_config_t *mc = &p->model;
   const int64_t big = (int64_t)1 << 31;
-  TRY(pr_get_int(c, m, "model", "dim", 1, big, &mc->dim));
-  TRY(pr_get_int(c, m, "model", "n_layers", 1, 4096, &mc->n_layers));
-  TRY(pr_get_int(c, m, "model", "n_heads", 1, 65536, &mc->n_heads));
-  TRY(pr_get_int(c, m, "model", "n_kv_heads", 1, 65536, &mc->n_kv_heads));
-  TRY(pr_get_int(c, m, "model", "ffn_dim", 1, big, &mc->ffn_dim));
-  TRY(pr_get_int(c, m, "model", "vocab_size", 1, big, &mc->vocab_size));
-  TRY(pr_get_int(c, m, "model", "max_seq_len", 1, big, &mc->max_seq_len));
-  TRY(pr_get_float(c, m, "model", "rope_theta", 0, 1e12, true, &mc->rope.theta));
-  TRY(pr_get_float(c, m, "model", "norm_eps", 0, 1, true, &mc->norm_eps));
-  TRY(pr_get_bool(c, m, "model", "tie_embeddings", &mc->tie_embeddings));
+  FSDPC_TRY(pr_get_int(c, m, "model", "dim", 1, big, &mc->dim));
+  FSDPC_TRY(pr_get_int(c, m, "model", "n_layers", 1, 4096, &mc->n_layers));
+  FSDPC_TRY(pr_get_int(c, m, "model", "n_heads", 1, 65536, &mc->n_heads));
+  FSDPC_TRY(pr_get_int(c, m, "model", "n_kv_heads", 1, 65536, &mc->n_kv_heads));
+  FSDPC_TRY(pr_get_int(c, m, "model", "ffn_dim", 1, big, &mc->ffn_dim));
+  FSDPC_TRY(pr_get_int(c, m, "model", "vocab_size", 1, big, &mc->vocab_size));
+  FSDPC_TRY(pr_get_int(c, m, "model", "max_seq_len", 1, big, &mc->max_seq_len));
+  FSDPC_TRY(pr_get_float(c, m, "model", "rope_theta", 0, 1e12, true, &mc->rope.theta));
+  FSDPC_TRY(pr_get_float(c, m, "model", "norm_eps", 0, 1, true, &mc->norm_eps));
+  FSDPC_TRY(pr_get_bool(c, m, "model", "tie_embeddings", &mc->tie_embeddings));
   if (llama_config_check(mc) != STATUS_OK) return pr_fail(c, m, "model", "%s", err_detail());
   return STATUS_OK;
 }
 
 /* mp_policy {param_dtype, reduce_dtype, output_dtype} under map into dt[0..2] (given keys). */
-static status_t read_optim(plan_ctx_t *c, int root) {
+static fsdpc_status_t read_optim(plan_ctx_t *c, int root) {
   static const char *const keys[] = {"lr",           "beta1",          "beta2",        "eps",
                                      "weight_decay", "clip_grad_norm", "param_groups", NULL};
   static const char *const gkeys[] = {"lr", "weight_decay", NULL};
-  plan_t *p = c->job;
+  fsdpc_plan_t *p = c->job;
   int m;
-  TRY(pr_section(c, root, "optim", keys, &m));
+  FSDPC_TRY(pr_section(c, root, "optim", keys, &m));
   if (m == 0) return STATUS_OK;
   adamw_config_t *o = &p->optim;
-  TRY(pr_get_float(c, m, "optim", "lr", 0, 1e3, true, &o->lr));
-  TRY(pr_get_float(c, m, "optim", "beta1", 0, 0.999999, false, &o->beta1));
-  TRY(pr_get_float(c, m, "optim", "beta2", 0, 0.999999, false, &o->beta2));
-  TRY(pr_get_float(c, m, "optim", "eps", 0, 1, true, &o->eps));
-  TRY(pr_get_float(c, m, "optim", "weight_decay", 0, 1e3, false, &o->weight_decay));
-  TRY(pr_get_float(c, m, "optim", "clip_grad_norm", 0, 1e12, false, &p->clip_grad_norm));
+  FSDPC_TRY(pr_get_float(c, m, "optim", "lr", 0, 1e3, true, &o->lr));
+  FSDPC_TRY(pr_get_float(c, m, "optim", "beta1", 0, 0.999999, false, &o->beta1));
+  FSDPC_TRY(pr_get_float(c, m, "optim", "beta2", 0, 0.999999, false, &o->beta2));
+  FSDPC_TRY(pr_get_float(c, m, "optim", "eps", 0, 1, true, &o->eps));
+  FSDPC_TRY(pr_get_float(c, m, "optim", "weight_decay", 0, 1e3, false, &o->weight_decay));
+  FSDPC_TRY(pr_get_float(c, m, "optim", "clip_grad_norm", 0, 1e12, false, &p->clip_grad_norm));
   int g = pr_find(c, m, "param_groups");
   if (pr_is_null(c, g)) return STATUS_OK;
   yaml_node_t *n = pr_node(c, g);
@@ -151,11 +151,11 @@ static status_t read_optim(plan_ctx_t *c, int root) {
         return pr_fail(c, a->key, "optim.param_groups", "'%s' appears twice", k);
     char path[300];
     snprintf(path, sizeof path, "optim.param_groups.%s", k);
-    TRY(pr_check_keys(c, a->value, path, gkeys));
+    FSDPC_TRY(pr_check_keys(c, a->value, path, gkeys));
     adamw_group_t *gr = &o->groups[o->n_groups];
     gr->lr = gr->weight_decay = -1;
-    TRY(pr_get_float(c, a->value, path, "lr", 0, 1e3, false, &gr->lr));
-    TRY(pr_get_float(c, a->value, path, "weight_decay", 0, 1e3, false, &gr->weight_decay));
+    FSDPC_TRY(pr_get_float(c, a->value, path, "lr", 0, 1e3, false, &gr->lr));
+    FSDPC_TRY(pr_get_float(c, a->value, path, "weight_decay", 0, 1e3, false, &gr->weight_decay));
     strcpy(p->group_patterns[o->n_groups], k);
     gr->pattern = p->group_patterns[o->n_groups];
     o->n_groups++;
@@ -164,8 +164,8 @@ static status_t read_optim(plan_ctx_t *c, int root) {
 }
 
 /* SECTION.format into *out (and *given), when the section has it. */
-static status_t read_format(plan_ctx_t *c, int m, const char *section, data_format_t *out,
-                            bool *given) {
+static fsdpc_status_t read_format(plan_ctx_t *c, int m, const char *section, data_format_t *out,
+                                  bool *given) {
   static const char *const names[] = {
       [DATA_BYTES] = "text", [DATA_U16] = "u16", [DATA_U32] = "u32", [DATA_LLMC] = "llmc"};
   int f = pr_find(c, m, "format");
@@ -173,7 +173,7 @@ static status_t read_format(plan_ctx_t *c, int m, const char *section, data_form
   char key[64];
   snprintf(key, sizeof key, "%s.format", section);
   const char *s;
-  TRY(pr_want_scalar(c, f, key, "text, u16, u32 or llmc", &s));
+  FSDPC_TRY(pr_want_scalar(c, f, key, "text, u16, u32 or llmc", &s));
   for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
     if (strcmp(s, names[i]) == 0) {
       *out = (data_format_t)i;
@@ -201,7 +201,7 @@ static bool signal_named(const char *s, int *sig) {
 
 /* train.signals: a list of names, a comma-separated string of them (as --set gives it), or
  * [] / none for no handling. */
-static status_t read_signals(plan_ctx_t *c, int v, plan_t *p) {
+static fsdpc_status_t read_signals(plan_ctx_t *c, int v, fsdpc_plan_t *p) {
   if (pr_is_null(c, v)) return STATUS_OK;
   const char *path = "train.signals";
   char names[PLAN_MAX_SIGNALS + 1][16];
@@ -211,14 +211,14 @@ static status_t read_signals(plan_ctx_t *c, int v, plan_t *p) {
     for (yaml_node_item_t *it = node->data.sequence.items.start; it < node->data.sequence.items.top;
          it++) {
       const char *s;
-      TRY(pr_want_scalar(c, *it, path, "a signal name", &s));
+      FSDPC_TRY(pr_want_scalar(c, *it, path, "a signal name", &s));
       if (n == PLAN_MAX_SIGNALS)
         return pr_fail(c, v, path, "more than %d signals", PLAN_MAX_SIGNALS);
       snprintf(names[n++], sizeof names[0], "%s", s);
     }
   } else {
     const char *s;
-    TRY(pr_want_scalar(c, v, path, "a list of signal names", &s));
+    FSDPC_TRY(pr_want_scalar(c, v, path, "a list of signal names", &s));
     if (strcasecmp(s, "none") != 0 && strcmp(s, "[]") != 0)
       for (const char *at = s; *at;) {
         size_t len = strcspn(at, ", ");
@@ -241,10 +241,10 @@ static status_t read_signals(plan_ctx_t *c, int v, plan_t *p) {
 }
 
 /* train.time_limit: seconds, or [D-]HH:MM:SS / MM:SS as Slurm writes times; 0: none. */
-static status_t read_time_limit(plan_ctx_t *c, int v, double *out) {
+static fsdpc_status_t read_time_limit(plan_ctx_t *c, int v, double *out) {
   if (pr_is_null(c, v)) return STATUS_OK;
   const char *s, *path = "train.time_limit";
-  TRY(pr_want_scalar(c, v, path, "seconds or HH:MM:SS", &s));
+  FSDPC_TRY(pr_want_scalar(c, v, path, "seconds or HH:MM:SS", &s));
   double days = 0, part[3];
   int n = 0;
   const char *at = s;
@@ -281,7 +281,7 @@ static status_t read_time_limit(plan_ctx_t *c, int v, double *out) {
   return STATUS_OK;
 }
 
-static status_t read_rest(plan_ctx_t *c, int root) {
+static fsdpc_status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const sched_keys[] = {"warmup_steps", "min_lr_ratio", NULL};
   static const char *const data_keys[] = {"path",       "format",     "seq_len",
                                           "batch_size", "grad_accum", "global_batch_size",
@@ -301,80 +301,82 @@ static status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const log_keys[] = {"metrics", "interval", NULL};
   static const char *const eval_keys[] = {"path",    "format",     "interval",
                                           "batches", "batch_size", NULL};
-  plan_t *p = c->job;
+  fsdpc_plan_t *p = c->job;
   const int64_t big = (int64_t)1 << 40;
   int m;
-  TRY(pr_section(c, root, "schedule", sched_keys, &m));
-  TRY(pr_get_int(c, m, "schedule", "warmup_steps", 0, big, &p->warmup_steps));
-  TRY(pr_get_float(c, m, "schedule", "min_lr_ratio", 0, 1, false, &p->min_lr_ratio));
-  TRY(pr_section(c, root, "data", data_keys, &m));
+  FSDPC_TRY(pr_section(c, root, "schedule", sched_keys, &m));
+  FSDPC_TRY(pr_get_int(c, m, "schedule", "warmup_steps", 0, big, &p->warmup_steps));
+  FSDPC_TRY(pr_get_float(c, m, "schedule", "min_lr_ratio", 0, 1, false, &p->min_lr_ratio));
+  FSDPC_TRY(pr_section(c, root, "data", data_keys, &m));
   static const char *const data_later[] = {"path", "seq_len", "global_batch_size", "batch_size",
                                            NULL};
   if (m) pr_where_section(c, m, data_later, &p->data_where);
-  TRY(pr_get_path(c, m, "data", "path", p->data_path));
-  TRY(read_format(c, m, "data", &p->data_format, NULL));
-  TRY(pr_get_int(c, m, "data", "seq_len", 1, (int64_t)1 << 24, &p->seq_len));
-  TRY(pr_get_int(c, m, "data", "batch_size", 1, (int64_t)1 << 24, &p->batch_size));
-  TRY(pr_get_int(c, m, "data", "grad_accum", 1, (int64_t)1 << 20, &p->grad_accum));
+  FSDPC_TRY(pr_get_path(c, m, "data", "path", p->data_path));
+  FSDPC_TRY(read_format(c, m, "data", &p->data_format, NULL));
+  FSDPC_TRY(pr_get_int(c, m, "data", "seq_len", 1, (int64_t)1 << 24, &p->seq_len));
+  FSDPC_TRY(pr_get_int(c, m, "data", "batch_size", 1, (int64_t)1 << 24, &p->batch_size));
+  FSDPC_TRY(pr_get_int(c, m, "data", "grad_accum", 1, (int64_t)1 << 20, &p->grad_accum));
   p->grad_accum_given = m && !pr_is_null(c, pr_find(c, m, "grad_accum"));
-  TRY(pr_get_int(c, m, "data", "global_batch_size", 1, (int64_t)1 << 40, &p->global_batch_size));
-  TRY(pr_get_bool(c, m, "data", "shuffle", &p->shuffle));
-  TRY(pr_section(c, root, "eval", eval_keys, &m));
+  FSDPC_TRY(
+      pr_get_int(c, m, "data", "global_batch_size", 1, (int64_t)1 << 40, &p->global_batch_size));
+  FSDPC_TRY(pr_get_bool(c, m, "data", "shuffle", &p->shuffle));
+  FSDPC_TRY(pr_section(c, root, "eval", eval_keys, &m));
   if (m) pr_where_of(c, m, &p->eval_where);
-  TRY(pr_get_path(c, m, "eval", "path", p->eval_path));
+  FSDPC_TRY(pr_get_path(c, m, "eval", "path", p->eval_path));
   bool eval_format = false;
-  TRY(read_format(c, m, "eval", &p->eval_format, &eval_format));
+  FSDPC_TRY(read_format(c, m, "eval", &p->eval_format, &eval_format));
   if (!eval_format) p->eval_format = p->data_format;
-  TRY(pr_get_int(c, m, "eval", "interval", 0, big, &p->eval_interval));
-  TRY(pr_get_int(c, m, "eval", "batches", 1, (int64_t)1 << 20, &p->eval_batches));
+  FSDPC_TRY(pr_get_int(c, m, "eval", "interval", 0, big, &p->eval_interval));
+  FSDPC_TRY(pr_get_int(c, m, "eval", "batches", 1, (int64_t)1 << 20, &p->eval_batches));
   p->eval_batch_size = p->batch_size;
-  TRY(pr_get_int(c, m, "eval", "batch_size", 1, (int64_t)1 << 24, &p->eval_batch_size));
-  TRY(pr_section(c, root, "train", train_keys, &m));
-  TRY(pr_get_int(c, m, "train", "steps", 1, big, &p->steps));
+  FSDPC_TRY(pr_get_int(c, m, "eval", "batch_size", 1, (int64_t)1 << 24, &p->eval_batch_size));
+  FSDPC_TRY(pr_section(c, root, "train", train_keys, &m));
+  FSDPC_TRY(pr_get_int(c, m, "train", "steps", 1, big, &p->steps));
   int64_t seed = -1;
-  TRY(pr_get_int(c, m, "train", "seed", 0, INT64_MAX, &seed));
+  FSDPC_TRY(pr_get_int(c, m, "train", "seed", 0, INT64_MAX, &seed));
   if (seed >= 0) p->seed = (uint64_t)seed;
-  TRY(pr_get_bool(c, m, "train", "activation_checkpointing", &p->activation_checkpointing));
-  TRY(pr_get_float(c, m, "train", "comm_timeout_s", 0, 1e9, false, &p->comm_timeout_s));
-  TRY(pr_get_bool(c, m, "train", "deterministic", &p->deterministic));
+  FSDPC_TRY(pr_get_bool(c, m, "train", "activation_checkpointing", &p->activation_checkpointing));
+  FSDPC_TRY(pr_get_float(c, m, "train", "comm_timeout_s", 0, 1e9, false, &p->comm_timeout_s));
+  FSDPC_TRY(pr_get_bool(c, m, "train", "deterministic", &p->deterministic));
   int dv = pr_find(c, m, "device");
   if (!pr_is_null(c, dv)) {
     const char *s;
-    TRY(pr_want_scalar(c, dv, "train.device", "auto, cpu or cuda", &s));
+    FSDPC_TRY(pr_want_scalar(c, dv, "train.device", "auto, cpu or cuda", &s));
     if (!device_want_parse(s, &p->device))
       return pr_fail(c, dv, "train.device", "expected auto, cpu or cuda, got '%s'", s);
   }
   int nf = pr_find(c, m, "nonfinite");
   if (!pr_is_null(c, nf)) {
     const char *s;
-    TRY(pr_want_scalar(c, nf, "train.nonfinite", "stop or skip", &s));
+    FSDPC_TRY(pr_want_scalar(c, nf, "train.nonfinite", "stop or skip", &s));
     if (strcmp(s, "stop") == 0 || strcmp(s, "skip") == 0)
       p->skip_nonfinite = s[1] == 'k';
     else
       return pr_fail(c, nf, "train.nonfinite", "expected stop or skip, got '%s'", s);
   }
-  TRY(read_signals(c, pr_find(c, m, "signals"), p));
-  TRY(read_time_limit(c, pr_find(c, m, "time_limit"), &p->time_limit_s));
-  TRY(pr_section(c, root, "checkpoint", ckpt_keys, &m));
+  FSDPC_TRY(read_signals(c, pr_find(c, m, "signals"), p));
+  FSDPC_TRY(read_time_limit(c, pr_find(c, m, "time_limit"), &p->time_limit_s));
+  FSDPC_TRY(pr_section(c, root, "checkpoint", ckpt_keys, &m));
   if (m) pr_where_of(c, m, &p->ckpt_where);
-  TRY(pr_get_path(c, m, "checkpoint", "dir", p->ckpt_dir));
-  TRY(pr_get_int(c, m, "checkpoint", "interval", 0, big, &p->ckpt_interval));
-  TRY(pr_get_int(c, m, "checkpoint", "keep", 0, 1 << 20, &p->ckpt_keep));
+  FSDPC_TRY(pr_get_path(c, m, "checkpoint", "dir", p->ckpt_dir));
+  FSDPC_TRY(pr_get_int(c, m, "checkpoint", "interval", 0, big, &p->ckpt_interval));
+  FSDPC_TRY(pr_get_int(c, m, "checkpoint", "keep", 0, 1 << 20, &p->ckpt_keep));
   int ld = pr_find(c, m, "load");
   if (!pr_is_null(c, ld) && pr_scalar(c, ld) && strcmp(pr_scalar(c, ld), "auto") == 0)
     strcpy(p->ckpt_load, "auto");
   else
-    TRY(pr_get_path(c, m, "checkpoint", "load", p->ckpt_load));
-  TRY(pr_get_bool(c, m, "checkpoint", "verify", &p->ckpt_verify));
-  TRY(pr_get_bool(c, m, "checkpoint", "overwrite", &p->ckpt_overwrite));
-  TRY(pr_get_bool(c, m, "checkpoint", "async", &p->ckpt_async));
-  TRY(pr_get_int(c, m, "checkpoint", "block_bytes", 64, (int64_t)1 << 30, &p->ckpt_block_bytes));
+    FSDPC_TRY(pr_get_path(c, m, "checkpoint", "load", p->ckpt_load));
+  FSDPC_TRY(pr_get_bool(c, m, "checkpoint", "verify", &p->ckpt_verify));
+  FSDPC_TRY(pr_get_bool(c, m, "checkpoint", "overwrite", &p->ckpt_overwrite));
+  FSDPC_TRY(pr_get_bool(c, m, "checkpoint", "async", &p->ckpt_async));
+  FSDPC_TRY(
+      pr_get_int(c, m, "checkpoint", "block_bytes", 64, (int64_t)1 << 30, &p->ckpt_block_bytes));
   if (p->ckpt_block_bytes % 64 != 0)
     return pr_fail(c, pr_find(c, m, "block_bytes"), "checkpoint.block_bytes",
                    "expected a multiple of 64, got %lld", (long long)p->ckpt_block_bytes);
-  TRY(pr_section(c, root, "log", log_keys, &m));
-  TRY(pr_get_path(c, m, "log", "metrics", p->metrics));
-  TRY(pr_get_int(c, m, "log", "interval", 1, big, &p->log_interval));
+  FSDPC_TRY(pr_section(c, root, "log", log_keys, &m));
+  FSDPC_TRY(pr_get_path(c, m, "log", "metrics", p->metrics));
+  FSDPC_TRY(pr_get_int(c, m, "log", "interval", 1, big, &p->log_interval));
   return STATUS_OK;
 }
 
@@ -384,7 +386,7 @@ typedef struct lines {
   int n, cap;
 } lines_t;
 
-static status_t add_line(lines_t *l, const char *key, const char *value) {
+static fsdpc_status_t add_line(lines_t *l, const char *key, const char *value) {
   ARRAY_GROW(l->v, l->n, l->cap, 64, "plan");
   size_t n = strlen(key) + strlen(value) + 3;
   if ((l->v[l->n] = malloc(n)) == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
@@ -392,7 +394,7 @@ static status_t add_line(lines_t *l, const char *key, const char *value) {
   return STATUS_OK;
 }
 
-static status_t settings_of(plan_ctx_t *c, int i, const char *prefix, lines_t *l, int depth) {
+static fsdpc_status_t settings_of(plan_ctx_t *c, int i, const char *prefix, lines_t *l, int depth) {
   yaml_node_t *n = pr_node(c, i);
   char key[1024];
   if (n == NULL || depth > PLAN_MAX_DEPTH) return STATUS_OK;
@@ -402,14 +404,14 @@ static status_t settings_of(plan_ctx_t *c, int i, const char *prefix, lines_t *l
     for (yaml_node_item_t *it = n->data.sequence.items.start; it < n->data.sequence.items.top;
          it++, k++) {
       snprintf(key, sizeof key, "%.900s[%d]", prefix, k);
-      TRY(settings_of(c, *it, key, l, depth + 1));
+      FSDPC_TRY(settings_of(c, *it, key, l, depth + 1));
     }
     return STATUS_OK;
   }
   for (yaml_node_pair_t *pr = n->data.mapping.pairs.start; pr < n->data.mapping.pairs.top; pr++) {
     const char *k = pr_scalar(c, pr->key);
     pr_join(key, sizeof key, prefix, k ? k : "?");
-    TRY(settings_of(c, pr->value, key, l, depth + 1));
+    FSDPC_TRY(settings_of(c, pr->value, key, l, depth + 1));
   }
   return STATUS_OK;
 }
@@ -419,9 +421,9 @@ static int cmp_lines(const void *a, const void *b) {
 }
 
 /* The sorted settings of the document (with --set applied) as one text (caller frees). */
-static status_t settings_text(plan_ctx_t *c, int root, char **out) {
+static fsdpc_status_t settings_text(plan_ctx_t *c, int root, char **out) {
   lines_t l = {0};
-  status_t st = settings_of(c, root, "", &l, 0);
+  fsdpc_status_t st = settings_of(c, root, "", &l, 0);
   size_t total = 1;
   for (int i = 0; i < l.n; i++) total += strlen(l.v[i]) + 1;
   if (st == STATUS_OK) qsort(l.v, (size_t)l.n, sizeof *l.v, cmp_lines);
@@ -439,8 +441,8 @@ static status_t settings_text(plan_ctx_t *c, int root, char **out) {
 }
 
 /* Reads the file into p; with settings, also the settings text. */
-static status_t load(plan_t *p, const char *path, const char *const *sets, int n_sets,
-                     char **settings) {
+static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const *sets, int n_sets,
+                           char **settings) {
   plan_defaults(p);
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(p->source, path);
@@ -456,10 +458,10 @@ static status_t load(plan_t *p, const char *path, const char *const *sets, int n
   static const char *const top[] = {"mesh", "model", "parallelize", "optim", "schedule", "data",
                                     "eval", "train", "checkpoint",  "log",   NULL};
   int root = 0;
-  status_t st = pr_open(c, path, sets, n_sets, top,
-                        "mesh, model, parallelize, optim, schedule, data, eval, train, "
-                        "checkpoint, log",
-                        "model, ", &root);
+  fsdpc_status_t st = pr_open(c, path, sets, n_sets, top,
+                              "mesh, model, parallelize, optim, schedule, data, eval, train, "
+                              "checkpoint, log",
+                              "model, ", &root);
   if (st == STATUS_OK) st = pp_read_mesh(c, root);
   if (st == STATUS_OK) st = read_model(c, root);
   if (st == STATUS_OK) st = pp_read_parallelize(c, root);
@@ -474,14 +476,14 @@ static status_t load(plan_t *p, const char *path, const char *const *sets, int n
   return st;
 }
 
-status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets) {
+fsdpc_status_t plan_load(fsdpc_plan_t *p, const char *path, const char *const *sets, int n_sets) {
   ARG_NONNULL(p);
   ARG_NONNULL(path);
   return load(p, path, sets, n_sets, NULL);
 }
 
-status_t plan_load_settings(plan_t *p, const char *path, const char *const *sets, int n_sets,
-                            char **settings) {
+fsdpc_status_t plan_load_settings(fsdpc_plan_t *p, const char *path, const char *const *sets,
+                                  int n_sets, char **settings) {
   ARG_NONNULL(p);
   ARG_NONNULL(path);
   if (n_sets > 0) ARG_NONNULL(sets);
@@ -494,7 +496,7 @@ status_t plan_load_settings(plan_t *p, const char *path, const char *const *sets
 
 /* A token file that exists and is a regular file, or a pattern (its files are checked when the
  * stream is opened). */
-static status_t check_path(const char *path, const plan_where_t *where, const char *key) {
+static fsdpc_status_t check_path(const char *path, const plan_where_t *where, const char *key) {
   struct stat sb;
   errno = 0;
   if (!data_is_pattern(path) && (stat(path, &sb) != 0 || !S_ISREG(sb.st_mode)))
@@ -539,12 +541,12 @@ static void load_hint(const char *dir, char *hint, size_t size) {
              dir);
 }
 
-status_t plan_resolve(plan_t *p, int world) {
-  TRY(plan_resolve_model(p, world));
+fsdpc_status_t plan_resolve(fsdpc_plan_t *p, int world) {
+  FSDPC_TRY(plan_resolve_model(p, world));
   if (p->data_path[0] == 0)
     return err_set(STATUS_EINVAL, "%s: data.path: missing (the token file to train on)", p->source);
-  TRY(check_path(p->data_path, &p->data_where, "data.path"));
-  if (p->eval_path[0]) TRY(check_path(p->eval_path, &p->eval_where, "eval.path"));
+  FSDPC_TRY(check_path(p->data_path, &p->data_where, "data.path"));
+  if (p->eval_path[0]) FSDPC_TRY(check_path(p->eval_path, &p->eval_where, "eval.path"));
   if (p->eval_interval > 0 && !p->eval_path[0])
     return err_set(STATUS_EINVAL,
                    "%s: eval.interval: %lld needs eval.path (the token file to evaluate on)",
@@ -576,7 +578,7 @@ status_t plan_resolve(plan_t *p, int world) {
 
 /* data.global_batch_size = batch_size x data-parallel ranks x grad_accum: checked when all
  * three are given, grad_accum derived when it is not. */
-static status_t resolve_global_batch(plan_t *p) {
+static fsdpc_status_t resolve_global_batch(fsdpc_plan_t *p) {
   if (p->global_batch_size <= 0) return STATUS_OK;
   int64_t dp = (int64_t)p->par.dp_replicate * p->par.dp_shard, per_micro = p->batch_size * dp;
   if (p->grad_accum_given && per_micro * p->grad_accum != p->global_batch_size)
@@ -599,10 +601,10 @@ static status_t resolve_global_batch(plan_t *p) {
   return STATUS_OK;
 }
 
-status_t plan_resolve_model(plan_t *p, int world) {
+fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
   ARG_NONNULL(p);
-  TRY(parallel_plan_resolve(&p->par, world));
-  TRY(resolve_global_batch(p));
+  FSDPC_TRY(parallel_plan_resolve(&p->par, world));
+  FSDPC_TRY(resolve_global_batch(p));
   if (p->par.tp > 1) {
     const struct {
       const char *key;

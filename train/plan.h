@@ -2,12 +2,13 @@
  * fsdp-train's job: the YAML file of a training run read into plain C structs: the
  * parallelism plan (mesh, parallelize; parallel_plan.h, usable with any model) and the job
  * (model, optim, schedule, data, train, checkpoint, log; the built-in Llama). The core never
- * sees YAML; a program can fill plan_t in code (start from plan_defaults) and get the same
+ * sees YAML; a program can fill fsdpc_plan_t in code (start from plan_defaults) and get the same
  * behaviour.
  *
- *   plan_t p;
- *   TRY(plan_load(&p, "configs/fsdp.yaml", sets, n_sets));   // sets: "key.path=value"
- *   TRY(plan_resolve(&p, world_size()));                       // mesh sizes against the world
+ *   fsdpc_plan_t p;
+ *   FSDPC_TRY(plan_load(&p, "configs/fsdp.yaml", sets, n_sets));   // sets: "key.path=value"
+ *   FSDPC_TRY(plan_resolve(&p, world_size()));                       // mesh sizes against the
+ * world
  *
  * Errors name the place and the key: "configs/x.yaml:12:5: parallelize.fully_shard.
  * reshard_after_forward: 3 does not divide mesh.dp_shard=4"; a value given by --set is named
@@ -30,7 +31,7 @@ extern "C" {
 
 #define PLAN_MAX_SIGNALS 8
 
-typedef struct plan {
+typedef struct fsdpc_plan {
   char source[PLAN_PATH_MAX]; /* the YAML file */
   parallel_plan_t par;        /* mesh and parallelize */
   /* model */
@@ -82,30 +83,30 @@ typedef struct plan {
   /* log */
   char metrics[PLAN_PATH_MAX];
   int64_t log_interval;
-} plan_t;
+} fsdpc_plan_t;
 
 /* The defaults of every key (docs/plan.md lists them). */
-void plan_defaults(plan_t *p);
+void plan_defaults(fsdpc_plan_t *p);
 
 /* Reads a YAML plan and applies sets ("key.path=value", scalars only) on top. Checks syntax,
  * keys (unknown ones get a did-you-mean), types and ranges. Local. */
-status_t plan_load(plan_t *p, const char *path, const char *const *sets, int n_sets);
+fsdpc_status_t plan_load(fsdpc_plan_t *p, const char *path, const char *const *sets, int n_sets);
 
 /* plan_load, and the plan's settings as text (caller frees): one "key.path: value" line per
  * value of the file with the sets applied, sorted, list items as key[k]. Two runs whose texts
  * are equal read the same plan. Local. */
-status_t plan_load_settings(plan_t *p, const char *path, const char *const *sets, int n_sets,
-                            char **settings);
+fsdpc_status_t plan_load_settings(fsdpc_plan_t *p, const char *path, const char *const *sets,
+                                  int n_sets, char **settings);
 
 /* Resolves -1 mesh sizes against the world size and checks what needs it: the mesh product,
  * integer reshards dividing dp_shard, tensor-parallel sizes (heads, key/value heads, ffn_dim,
  * vocab_size and, under sequence parallelism, data.seq_len divisible by tp), the data file.
  * Local (every rank reaches the same verdict). */
-status_t plan_resolve(plan_t *p, int world_size);
+fsdpc_status_t plan_resolve(fsdpc_plan_t *p, int world_size);
 
 /* plan_resolve's checks of the mesh and the model only: for a tool that lays out a model
  * (fsdp-ckpt reshard) without training it. Local. */
-status_t plan_resolve_model(plan_t *p, int world_size);
+fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world_size);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

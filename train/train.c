@@ -7,7 +7,7 @@
 
 /* A batch whose every target is ignored (negative) has no mean loss: refused on the host,
  * where the targets are, before any work. */
-static status_t some_target_kept(const tensor_t *tg) {
+static fsdpc_status_t some_target_kept(const fsdpc_tensor_t *tg) {
   const int64_t *t = tg->data;
   for (int64_t i = 0, n = tensor_numel(tg); i < n; i++)
     if (t[i] >= 0) return STATUS_OK;
@@ -16,27 +16,27 @@ static status_t some_target_kept(const tensor_t *tg) {
 
 /* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum.
  * *loss: the loss tensor, on the model's device. */
-static status_t run_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
-                          int64_t micro, bool grad, tensor_t *loss) {
-  tensor_t in_h = {0}, tg_h = {0}, in = {0}, tg = {0};
+static fsdpc_status_t run_batch(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
+                                int64_t step, int64_t micro, bool grad, fsdpc_tensor_t *loss) {
+  fsdpc_tensor_t in_h = {0}, tg_h = {0}, in = {0}, tg = {0};
   nn_ctx_t *ctx = NULL;
   nn_var_t *ids = NULL, *logits = NULL, *l = NULL, *scaled = NULL;
   device_t dev = mesh_device(llama_local_mesh(m));
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   memset(loss, 0, sizeof *loss);
-  TRY_GOTO(st, data_batch(d, spec, step, micro, &in_h, &tg_h));
-  TRY_GOTO(st, some_target_kept(&tg_h));        /* the device's mean would be NaN, unnoticed */
-  TRY_GOTO(st, tensor_upload(&in, &in_h, dev)); /* no host wait: read on this stream only */
-  TRY_GOTO(st, tensor_upload(&tg, &tg_h, dev));
-  TRY_GOTO(st, nn_ctx_new(&ctx));
+  FSDPC_TRY_GOTO(st, data_batch(d, spec, step, micro, &in_h, &tg_h));
+  FSDPC_TRY_GOTO(st, some_target_kept(&tg_h)); /* the device's mean would be NaN, unnoticed */
+  FSDPC_TRY_GOTO(st, tensor_upload(&in, &in_h, dev)); /* no host wait: read on this stream only */
+  FSDPC_TRY_GOTO(st, tensor_upload(&tg, &tg_h, dev));
+  FSDPC_TRY_GOTO(st, nn_ctx_new(&ctx));
   nn_ctx_set_grad_enabled(ctx, grad);
-  TRY_GOTO(st, nn_var_new(&ids, &in, false));
-  TRY_GOTO(st, nn_call(ctx, llama_module(m), ids, &logits));
-  TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &l, NULL));
-  TRY_GOTO(st, tensor_ref(loss, &l->value));
+  FSDPC_TRY_GOTO(st, nn_var_new(&in, false, &ids));
+  FSDPC_TRY_GOTO(st, nn_call(ctx, llama_module(m), ids, &logits));
+  FSDPC_TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &l, NULL));
+  FSDPC_TRY_GOTO(st, tensor_ref(loss, &l->value));
   if (grad) {
-    TRY_GOTO(st, nn_scale(ctx, l, 1.0 / (double)spec->grad_accum, &scaled));
-    TRY_GOTO(st, nn_backward(ctx, scaled));
+    FSDPC_TRY_GOTO(st, nn_scale(ctx, l, 1.0 / (double)spec->grad_accum, &scaled));
+    FSDPC_TRY_GOTO(st, nn_backward(ctx, scaled));
   }
 cleanup:
   if (st != STATUS_OK) tensor_free(loss);
@@ -52,7 +52,7 @@ cleanup:
   return st;
 }
 
-status_t llama_loss_read(tensor_t *loss, double *value) {
+fsdpc_status_t llama_loss_read(fsdpc_tensor_t *loss, double *value) {
   ARG_NONNULL(loss);
   ARG_NONNULL(value);
   *value = 0;
@@ -61,14 +61,14 @@ status_t llama_loss_read(tensor_t *loss, double *value) {
     return err_set(STATUS_EINVAL, "llama_loss_read: expected one F32 element");
   }
   float v = 0;
-  status_t st = device_memcpy(device_cpu(), &v, loss->device, loss->data, sizeof v);
+  fsdpc_status_t st = device_memcpy(device_cpu(), &v, loss->device, loss->data, sizeof v);
   tensor_free(loss);
   *value = v;
   return st;
 }
 
-status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
-                                int64_t micro, tensor_t *loss) {
+fsdpc_status_t llama_micro_step_async(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
+                                      int64_t step, int64_t micro, fsdpc_tensor_t *loss) {
   ARG_NONNULL(m);
   ARG_NONNULL(d);
   ARG_NONNULL(spec);
@@ -76,26 +76,26 @@ status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *
   return run_batch(m, d, spec, step, micro, true, loss);
 }
 
-status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
-                          int64_t micro, double *loss) {
+fsdpc_status_t llama_micro_step(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
+                                int64_t step, int64_t micro, double *loss) {
   ARG_NONNULL(m);
   ARG_NONNULL(d);
   ARG_NONNULL(spec);
   ARG_NONNULL(loss);
-  tensor_t t;
-  TRY(run_batch(m, d, spec, step, micro, true, &t));
+  fsdpc_tensor_t t;
+  FSDPC_TRY(run_batch(m, d, spec, step, micro, true, &t));
   return llama_loss_read(&t, loss);
 }
 
-status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t b,
-                          double *loss) {
+fsdpc_status_t llama_eval_batch(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
+                                int64_t b, double *loss) {
   ARG_NONNULL(m);
   ARG_NONNULL(d);
   ARG_NONNULL(spec);
   ARG_NONNULL(loss);
   data_spec_t one = *spec;
   one.grad_accum = 1;
-  tensor_t t;
-  TRY(run_batch(m, d, &one, b, 0, false, &t));
+  fsdpc_tensor_t t;
+  FSDPC_TRY(run_batch(m, d, &one, b, 0, false, &t));
   return llama_loss_read(&t, loss);
 }

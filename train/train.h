@@ -16,27 +16,27 @@ extern "C" {
 #pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* *loss receives the mean loss over this rank's tokens of the micro-batch (unscaled). */
-status_t llama_micro_step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
-                          int64_t micro, double *loss);
+fsdpc_status_t llama_micro_step(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
+                                int64_t step, int64_t micro, double *loss);
 
 /* The same micro-step with its loss left where it was computed: *loss becomes a one-element
  * F32 tensor on the model's device (the caller frees it), read when the caller chooses. On a
  * GPU the micro-step makes no host wait: the batch is uploaded without one, the loss and its
  * gradient stay on the device, and the kernels' index checks are looked at by the next wait
  * (a bad token id then fails that wait, naming the kernel). */
-status_t llama_micro_step_async(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
-                                int64_t micro, tensor_t *loss);
+fsdpc_status_t llama_micro_step_async(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
+                                      int64_t step, int64_t micro, fsdpc_tensor_t *loss);
 
 /* *value: the one-element loss tensor of llama_micro_step_async, read on the host (a wait on a
  * GPU); the tensor is freed either way. Local. */
-status_t llama_loss_read(tensor_t *loss, double *value);
+fsdpc_status_t llama_loss_read(fsdpc_tensor_t *loss, double *value);
 
 /* *loss receives the mean loss over this rank's tokens of evaluation batch b of d (the samples
  * step b would train on with grad_accum 1): a forward that records nothing and computes no
  * gradient. Under fully_shard each unit gathers and reshards as in training, the root keeps
  * its parameters gathered as after a training forward (fsdp_reshard releases them). */
-status_t llama_eval_batch(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t b,
-                          double *loss);
+fsdpc_status_t llama_eval_batch(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
+                                int64_t b, double *loss);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -195,7 +195,7 @@ void cpu_host_empty_cache(void) {
   pthread_mutex_unlock(&cache.mu);
 }
 
-static status_t cpu_alloc(int index, size_t bytes, bool zeroed, void **out) {
+static fsdpc_status_t cpu_alloc(int index, size_t bytes, bool zeroed, void **out) {
   (void)index;
   void *p = cpu_host_alloc(bytes, zeroed);
   if (p == NULL) return err_set(STATUS_ENOMEM, "host allocation of %zu bytes failed", bytes);
@@ -225,7 +225,7 @@ static void cast_row(dtype_t dt, void *dst, dtype_t st, const void *src, int64_t
   }
 }
 
-static status_t cpu_copy(int index, const copy_desc_t *desc) {
+static fsdpc_status_t cpu_copy(int index, const copy_desc_t *desc) {
   (void)index;
   copy_desc_t d = *desc;
   for (int i = 0; i < d.ndim; i++)
@@ -272,7 +272,7 @@ static status_t cpu_copy(int index, const copy_desc_t *desc) {
   return STATUS_OK;
 }
 
-static status_t cpu_fill(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern) {
+static fsdpc_status_t cpu_fill(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern) {
   (void)index;
   char *p = ptr;
   if (n == 0) return STATUS_OK;
@@ -286,7 +286,7 @@ static status_t cpu_fill(int index, void *ptr, size_t elem_size, size_t n, uint6
   return STATUS_OK;
 }
 
-static status_t cpu_stream_sync(int index) {
+static fsdpc_status_t cpu_stream_sync(int index) {
   (void)index;
   return STATUS_OK;
 }

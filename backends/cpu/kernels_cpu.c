@@ -47,7 +47,7 @@ static int threads(void) {
 
 int kernel_cpu_threads(void) { return threads(); }
 
-status_t kernel_set_cpu_threads(int n) {
+fsdpc_status_t kernel_set_cpu_threads(int n) {
   threads();
   if (n < 1) return err_set(STATUS_EINVAL, "kernel_set_cpu_threads: %d threads (at least 1)", n);
 #ifndef _OPENMP
@@ -96,7 +96,7 @@ void cpu_for_shares(int64_t n, int64_t work, int64_t grain, int64_t align, share
 
 /* ---- fp32 views of tensors of any float dtype ---- */
 
-static status_t fbuf_alloc(fbuf_t *b, int64_t n) {
+static fsdpc_status_t fbuf_alloc(fbuf_t *b, int64_t n) {
   b->n = n;
   b->owned = true;
   b->p = cpu_host_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1), false);
@@ -105,18 +105,18 @@ static status_t fbuf_alloc(fbuf_t *b, int64_t n) {
   return STATUS_OK;
 }
 
-status_t cpu_fbuf_in(fbuf_t *b, const tensor_t *t) {
+fsdpc_status_t cpu_fbuf_in(fbuf_t *b, const fsdpc_tensor_t *t) {
   int64_t n = tensor_numel(t);
   if (t->dtype == DTYPE_F32) {
     *b = (fbuf_t){.p = (float *)t->data, .n = n, .owned = false};
     return STATUS_OK;
   }
-  TRY(fbuf_alloc(b, n));
+  FSDPC_TRY(fbuf_alloc(b, n));
   dtype_to_f32(t->dtype, t->data, b->p, (size_t)n);
   return STATUS_OK;
 }
 
-status_t cpu_fbuf_out(fbuf_t *b, tensor_t *t, bool load) {
+fsdpc_status_t cpu_fbuf_out(fbuf_t *b, fsdpc_tensor_t *t, bool load) {
   if (t->dtype == DTYPE_F32 || load) return cpu_fbuf_in(b, t);
   return fbuf_alloc(b, tensor_numel(t));
 }
@@ -126,7 +126,7 @@ void cpu_fbuf_release(fbuf_t *b) {
   b->p = NULL;
 }
 
-void cpu_fbuf_commit(fbuf_t *b, tensor_t *t) {
+void cpu_fbuf_commit(fbuf_t *b, fsdpc_tensor_t *t) {
   if (b->owned) dtype_from_f32(t->dtype, b->p, t->data, (size_t)b->n);
   cpu_fbuf_release(b);
 }
@@ -159,12 +159,13 @@ static void gemm(const gemm_args_t *g) {
   cpu_for_shares(g->m, g->n * g->k, GEMM_GRAIN, 12, gemm_share, g);
 }
 
-static status_t cpu_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
-                           bool trans_b, float alpha, float beta, const matmul_dims_t *d) {
+static fsdpc_status_t cpu_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
+                                 const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta,
+                                 const matmul_dims_t *d) {
   fbuf_t fa, fb, fo;
-  status_t st = STATUS_OK;
-  TRY(cpu_fbuf_in(&fa, a));
-  TRY_GOTO(st, cpu_fbuf_in(&fb, b));
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY(cpu_fbuf_in(&fa, a));
+  FSDPC_TRY_GOTO(st, cpu_fbuf_in(&fb, b));
   st = cpu_fbuf_out(&fo, out, beta != 0.0f);
   if (st != STATUS_OK) {
     cpu_fbuf_release(&fb);
@@ -195,7 +196,7 @@ cleanup:
 
 /* ---- embedding ---- */
 
-static status_t check_ids(const char *fn, const tensor_t *ids, int64_t vocab) {
+static fsdpc_status_t check_ids(const char *fn, const fsdpc_tensor_t *ids, int64_t vocab) {
   for (int64_t i = 0, n = tensor_numel(ids); i < n; i++) {
     int64_t id = index_at(ids, i);
     if (id < 0 || id >= vocab)
@@ -205,11 +206,11 @@ static status_t check_ids(const char *fn, const tensor_t *ids, int64_t vocab) {
   return STATUS_OK;
 }
 
-static status_t cpu_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids,
-                              int64_t first, int64_t vocab) {
+static fsdpc_status_t cpu_embedding(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,
+                                    const fsdpc_tensor_t *ids, int64_t first, int64_t vocab) {
   int64_t n = tensor_numel(ids), V = table->shape[0], D = table->shape[1];
   size_t row = (size_t)D * dtype_size(table->dtype);
-  TRY(check_ids("kernel_embedding", ids, vocab));
+  FSDPC_TRY(check_ids("kernel_embedding", ids, vocab));
   for (int64_t i = 0; i < n; i++) {
     int64_t id = index_at(ids, i) - first;
     char *dst = (char *)out->data + (size_t)i * row;
@@ -223,7 +224,7 @@ static status_t cpu_embedding(tensor_t *out, const tensor_t *table, const tensor
 
 typedef struct emb_args {
   int64_t n, first, V, D;
-  const tensor_t *ids;
+  const fsdpc_tensor_t *ids;
   const float *go;
   float *g;
 } emb_args_t;
@@ -242,12 +243,14 @@ static void embedding_backward_share(const void *ctx, int t, int64_t j0, int64_t
   }
 }
 
-static status_t cpu_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
-                                       const tensor_t *ids, int64_t first, int64_t vocab) {
-  TRY(check_ids("kernel_embedding_backward", ids, vocab));
+static fsdpc_status_t cpu_embedding_backward(fsdpc_tensor_t *grad_table,
+                                             const fsdpc_tensor_t *grad_out,
+                                             const fsdpc_tensor_t *ids, int64_t first,
+                                             int64_t vocab) {
+  FSDPC_TRY(check_ids("kernel_embedding_backward", ids, vocab));
   fbuf_t g, go;
-  TRY(cpu_fbuf_out(&g, grad_table, true));
-  status_t st = cpu_fbuf_in(&go, grad_out);
+  FSDPC_TRY(cpu_fbuf_out(&g, grad_table, true));
+  fsdpc_status_t st = cpu_fbuf_in(&go, grad_out);
   if (st != STATUS_OK) {
     cpu_fbuf_release(&g);
     return st;

@@ -60,26 +60,26 @@ typedef struct fbuf {
 } fbuf_t;
 
 /* Read access: F32 tensors are used in place, others converted. */
-status_t cpu_fbuf_in(fbuf_t *b, const tensor_t *t);
+fsdpc_status_t cpu_fbuf_in(fbuf_t *b, const fsdpc_tensor_t *t);
 /* Write access; with load the current values are read first (for accumulation). */
-status_t cpu_fbuf_out(fbuf_t *b, tensor_t *t, bool load);
+fsdpc_status_t cpu_fbuf_out(fbuf_t *b, fsdpc_tensor_t *t, bool load);
 void cpu_fbuf_release(fbuf_t *b);
 /* Stores an output buffer back into t (rounding once) and releases it. */
-void cpu_fbuf_commit(fbuf_t *b, tensor_t *t);
+void cpu_fbuf_commit(fbuf_t *b, fsdpc_tensor_t *t);
 
 /* Element i of t's buffer. */
-static inline void *elem_at(const tensor_t *t, int64_t i) {
+static inline void *elem_at(const fsdpc_tensor_t *t, int64_t i) {
   return (char *)t->data + (size_t)i * dtype_size(t->dtype);
 }
 
 /* Elements converted at a time by the kernels' loops for other dtypes than F32. */
 enum { TILE = 512 };
 
-static inline int64_t index_at(const tensor_t *t, int64_t i) {
+static inline int64_t index_at(const fsdpc_tensor_t *t, int64_t i) {
   return t->dtype == DTYPE_I32 ? ((const int32_t *)t->data)[i] : ((const int64_t *)t->data)[i];
 }
 
-static inline int64_t last_dim(const tensor_t *t) {
+static inline int64_t last_dim(const fsdpc_tensor_t *t) {
   return t->ndim == 0 ? 1 : t->shape[t->ndim - 1];
 }
 

@@ -68,13 +68,13 @@ WIDE static void rope_share(const void *ctx, int share, int64_t t0, int64_t t1) 
   }
 }
 
-static status_t cpu_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
-                         bool inverse) {
+static fsdpc_status_t cpu_rope(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, const rope_t *rope,
+                               int64_t pos_offset, bool inverse) {
   rope_args_t a = {
       .B = x->shape[0], .T = x->shape[1], .H = x->shape[2], .Dh = x->shape[3], .inverse = inverse};
   fbuf_t fx, fo;
-  TRY(cpu_fbuf_in(&fx, x));
-  status_t st = cpu_fbuf_out(&fo, out, false); /* f32: in place, so out may be x */
+  FSDPC_TRY(cpu_fbuf_in(&fx, x));
+  fsdpc_status_t st = cpu_fbuf_out(&fo, out, false); /* f32: in place, so out may be x */
   if (st != STATUS_OK) {
     cpu_fbuf_release(&fx);
     return st;
@@ -241,8 +241,9 @@ WIDE static void attn_forward_share(const void *ctx, int t, int64_t i0, int64_t 
   }
 }
 
-static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
-                              const tensor_t *v) {
+static fsdpc_status_t cpu_attention(fsdpc_tensor_t *out, fsdpc_tensor_t *lse,
+                                    const fsdpc_tensor_t *q, const fsdpc_tensor_t *k,
+                                    const fsdpc_tensor_t *v) {
   attn_shape_t d = attn_shape_of(q->shape, k->shape);
   int nt = kernel_cpu_threads();
   attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
@@ -253,7 +254,8 @@ static status_t cpu_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, c
   fbuf_t *bufs[] = {&fq, &fk, &fv, &fo};
   int got = 0;
   float *s = attn_scratch(nt * a.scratch);
-  status_t st = s ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention: out of host memory");
+  fsdpc_status_t st =
+      s ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention: out of host memory");
   if (st == STATUS_OK) st = cpu_fbuf_in(&fq, q);
   if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fk, k);
   if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fv, v);
@@ -311,10 +313,11 @@ WIDE static void attn_backward_share(const void *ctx, int t, int64_t i0, int64_t
   }
 }
 
-static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
-                                       const tensor_t *dout, const tensor_t *q, const tensor_t *k,
-                                       const tensor_t *v, const tensor_t *out,
-                                       const tensor_t *lse) {
+static fsdpc_status_t cpu_attention_backward(fsdpc_tensor_t *dq, fsdpc_tensor_t *dk,
+                                             fsdpc_tensor_t *dv, const fsdpc_tensor_t *dout,
+                                             const fsdpc_tensor_t *q, const fsdpc_tensor_t *k,
+                                             const fsdpc_tensor_t *v, const fsdpc_tensor_t *out,
+                                             const fsdpc_tensor_t *lse) {
   attn_shape_t d = attn_shape_of(q->shape, k->shape);
   int nt = kernel_cpu_threads();
   attn_args_t a = {.d = d, .rows = d.T < ATTN_ROWS ? d.T : ATTN_ROWS};
@@ -322,11 +325,11 @@ static status_t cpu_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
   a.ldk = d.Hkv * d.Dh;
   a.scratch = 2 * ((a.rows * d.T + 15) / 16 * 16); /* P and dP, each 64-byte aligned */
   fbuf_t b_[8];
-  const tensor_t *ins[] = {dout, q, k, v, out};
-  tensor_t *outs[] = {dq, dk, dv};
+  const fsdpc_tensor_t *ins[] = {dout, q, k, v, out};
+  fsdpc_tensor_t *outs[] = {dq, dk, dv};
   int got = 0;
   float *p = attn_scratch(nt * a.scratch);
-  status_t st =
+  fsdpc_status_t st =
       p ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention_backward: out of host memory");
   for (int i = 0; i < 5 && st == STATUS_OK; i++)
     if ((st = cpu_fbuf_in(&b_[got], ins[i])) == STATUS_OK) got++;

@@ -9,26 +9,27 @@
 /* Element-wise kernels have a loop over plain floats for the all-F32 case (the compiler
  * vectorises it) and, for the others, the same fp32 expression over tiles of TILE elements
  * converted to fp32 and back (dtype_to_f32, dtype_from_f32). */
-static bool all_f32(const tensor_t *const *t, int n) {
+static bool all_f32(const fsdpc_tensor_t *const *t, int n) {
   for (int i = 0; i < n; i++)
     if (t[i]->dtype != DTYPE_F32) return false;
   return true;
 }
-#define ALL_F32(...)                              \
-  all_f32((const tensor_t *const[]){__VA_ARGS__}, \
-          (int)(sizeof((const tensor_t *const[]){__VA_ARGS__}) / sizeof(const tensor_t *)))
+#define ALL_F32(...)                                                   \
+  all_f32((const fsdpc_tensor_t *const[]){__VA_ARGS__},                \
+          (int)(sizeof((const fsdpc_tensor_t *const[]){__VA_ARGS__}) / \
+                sizeof(const fsdpc_tensor_t *)))
 
 static inline float silu_sig(float g) { return 1.0f / (1.0f + exp_f32(-g)); }
 
 /* Operands of an element-wise kernel, split into element ranges. */
 typedef struct ew_args {
-  tensor_t *o, *o2;
-  const tensor_t *a, *b, *c;
+  fsdpc_tensor_t *o, *o2;
+  const fsdpc_tensor_t *a, *b, *c;
   float alpha;
   bool f32; /* all operands F32: the vectorised loop */
 } ew_args_t;
 
-static status_t ew_run(share_fn *fn, ew_args_t e, int64_t n) {
+static fsdpc_status_t ew_run(share_fn *fn, ew_args_t e, int64_t n) {
   cpu_for_shares(n, 1, ELEM_GRAIN, 16, fn, &e);
   return STATUS_OK;
 }
@@ -57,7 +58,8 @@ WIDE static void silu_mul_share(const void *ctx, int t, int64_t i0, int64_t i1) 
   }
 }
 
-static status_t cpu_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
+static fsdpc_status_t cpu_silu_mul(fsdpc_tensor_t *out, const fsdpc_tensor_t *gate,
+                                   const fsdpc_tensor_t *up) {
   return ew_run(silu_mul_share,
                 (ew_args_t){.o = out, .a = gate, .b = up, .f32 = ALL_F32(out, gate, up)},
                 tensor_numel(out));
@@ -95,8 +97,9 @@ WIDE static void silu_mul_backward_share(const void *ctx, int t, int64_t i0, int
   }
 }
 
-static status_t cpu_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
-                                      const tensor_t *gate, const tensor_t *up) {
+static fsdpc_status_t cpu_silu_mul_backward(fsdpc_tensor_t *dgate, fsdpc_tensor_t *dup,
+                                            const fsdpc_tensor_t *dout, const fsdpc_tensor_t *gate,
+                                            const fsdpc_tensor_t *up) {
   return ew_run(silu_mul_backward_share,
                 (ew_args_t){.o = dgate,
                             .o2 = dup,
@@ -130,7 +133,8 @@ static float act_derivative(kernel_act_t act, float x) {
   }
 }
 
-static status_t cpu_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
+static fsdpc_status_t cpu_activation(fsdpc_tensor_t *out, const fsdpc_tensor_t *x,
+                                     kernel_act_t act) {
   int64_t n = tensor_numel(out);
   for (int64_t i = 0; i < n; i++)
     dtype_store(out->dtype, out->data, (size_t)i,
@@ -138,8 +142,8 @@ static status_t cpu_activation(tensor_t *out, const tensor_t *x, kernel_act_t ac
   return STATUS_OK;
 }
 
-static status_t cpu_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
-                                        kernel_act_t act) {
+static fsdpc_status_t cpu_activation_backward(fsdpc_tensor_t *dx, const fsdpc_tensor_t *dy,
+                                              const fsdpc_tensor_t *x, kernel_act_t act) {
   int64_t n = tensor_numel(dx);
   for (int64_t i = 0; i < n; i++) {
     float g = (float)dtype_load(dy->dtype, dy->data, (size_t)i);
@@ -149,7 +153,8 @@ static status_t cpu_activation_backward(tensor_t *dx, const tensor_t *dy, const 
   return STATUS_OK;
 }
 
-static status_t cpu_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
+static fsdpc_status_t cpu_bias_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *x,
+                                   const fsdpc_tensor_t *b) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
   for (int64_t r = 0; r < rows; r++)
     for (int64_t j = 0; j < D; j++) {
@@ -161,11 +166,11 @@ static status_t cpu_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b
   return STATUS_OK;
 }
 
-static status_t cpu_bias_backward(tensor_t *db, const tensor_t *dy) {
+static fsdpc_status_t cpu_bias_backward(fsdpc_tensor_t *db, const fsdpc_tensor_t *dy) {
   int64_t D = last_dim(dy), rows = tensor_numel(dy) / D;
   fbuf_t fdb, fdy;
-  TRY(cpu_fbuf_out(&fdb, db, true));
-  status_t st = cpu_fbuf_in(&fdy, dy);
+  FSDPC_TRY(cpu_fbuf_out(&fdb, db, true));
+  fsdpc_status_t st = cpu_fbuf_in(&fdy, dy);
   if (st != STATUS_OK) {
     cpu_fbuf_release(&fdb);
     return st;
@@ -200,7 +205,8 @@ WIDE static void add_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   }
 }
 
-static status_t cpu_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
+static fsdpc_status_t cpu_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *a,
+                              const fsdpc_tensor_t *b) {
   return ew_run(add_share, (ew_args_t){.o = out, .a = a, .b = b, .f32 = out->dtype == DTYPE_F32},
                 tensor_numel(out));
 }
@@ -232,7 +238,7 @@ WIDE static void axpy_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   }
 }
 
-static status_t cpu_axpy(tensor_t *y, float alpha, const tensor_t *x) {
+static fsdpc_status_t cpu_axpy(fsdpc_tensor_t *y, float alpha, const fsdpc_tensor_t *x) {
   return ew_run(axpy_share, (ew_args_t){.o = y, .a = x, .alpha = alpha, .f32 = ALL_F32(y, x)},
                 tensor_numel(y));
 }
@@ -256,7 +262,7 @@ WIDE static void scale_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   }
 }
 
-static status_t cpu_scale(tensor_t *x, float alpha) {
+static fsdpc_status_t cpu_scale(fsdpc_tensor_t *x, float alpha) {
   return ew_run(scale_share, (ew_args_t){.o = x, .alpha = alpha, .f32 = x->dtype == DTYPE_F32},
                 tensor_numel(x));
 }
@@ -264,8 +270,8 @@ static status_t cpu_scale(tensor_t *x, float alpha) {
 /* ---- optimizer and reductions ---- */
 
 typedef struct adamw_share_args {
-  tensor_t *p, *m, *v;
-  const tensor_t *g;
+  fsdpc_tensor_t *p, *m, *v;
+  const fsdpc_tensor_t *g;
   float decay, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps, gs;
 } adamw_share_args_t;
 
@@ -304,8 +310,8 @@ WIDE static void adamw_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   }
 }
 
-static status_t cpu_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                          const adamw_args_t *a) {
+static fsdpc_status_t cpu_adamw(fsdpc_tensor_t *p, const fsdpc_tensor_t *g, fsdpc_tensor_t *m,
+                                fsdpc_tensor_t *v, const adamw_args_t *a) {
   double bc1 = 1.0 - pow(a->beta1, (double)a->step), bc2 = 1.0 - pow(a->beta2, (double)a->step);
   adamw_share_args_t s = {
       .p = p,
@@ -414,7 +420,7 @@ static double dot_f32(const float *a, const float *b, int64_t n) {
   return s;
 }
 
-static status_t cpu_sum_squares(const tensor_t *x, double *out) {
+static fsdpc_status_t cpu_sum_squares(const fsdpc_tensor_t *x, double *out) {
   int64_t n = tensor_numel(x);
   double s = 0;
   if (x->dtype == DTYPE_F32) { /* fp32 lanes per block, double across blocks */

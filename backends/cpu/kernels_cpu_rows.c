@@ -38,12 +38,12 @@ static void rmsnorm_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   }
 }
 
-static status_t cpu_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
-                            float eps) {
+static fsdpc_status_t cpu_rmsnorm(fsdpc_tensor_t *out, fsdpc_tensor_t *rstd,
+                                  const fsdpc_tensor_t *x, const fsdpc_tensor_t *w, float eps) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
   fbuf_t fx, fw, fo;
-  TRY(cpu_fbuf_in(&fx, x));
-  status_t st = cpu_fbuf_in(&fw, w);
+  FSDPC_TRY(cpu_fbuf_in(&fx, x));
+  fsdpc_status_t st = cpu_fbuf_in(&fw, w);
   if (st == STATUS_OK) st = cpu_fbuf_out(&fo, out, false);
   if (st != STATUS_OK) {
     cpu_fbuf_release(&fx);
@@ -95,13 +95,14 @@ static void rmsnorm_dw_share(const void *ctx, int t, int64_t j0, int64_t j1) {
   }
 }
 
-static status_t cpu_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
-                                     const tensor_t *x, const tensor_t *w, const tensor_t *rstd) {
+static fsdpc_status_t cpu_rmsnorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
+                                           const fsdpc_tensor_t *dy, const fsdpc_tensor_t *x,
+                                           const fsdpc_tensor_t *w, const fsdpc_tensor_t *rstd) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
   fbuf_t fdx, fdw, fdy, fx, fw;
   fbuf_t *bufs[] = {&fdx, &fdw, &fdy, &fx, &fw};
   int got = 0;
-  status_t st = cpu_fbuf_out(&fdx, dx, false);
+  fsdpc_status_t st = cpu_fbuf_out(&fdx, dx, false);
   if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fdw, dw, true);
   if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fdy, dy);
   if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fx, x);
@@ -130,13 +131,14 @@ static status_t cpu_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t 
 
 /* ---- LayerNorm ---- */
 
-static status_t cpu_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
-                              const tensor_t *w, const tensor_t *b, float eps) {
+static fsdpc_status_t cpu_layernorm(fsdpc_tensor_t *out, fsdpc_tensor_t *mean, fsdpc_tensor_t *rstd,
+                                    const fsdpc_tensor_t *x, const fsdpc_tensor_t *w,
+                                    const fsdpc_tensor_t *b, float eps) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
   fbuf_t fx, fw, fb = {0}, fo;
   fbuf_t *bufs[] = {&fx, &fw, &fb, &fo};
   int got = 0;
-  status_t st = cpu_fbuf_in(&fx, x);
+  fsdpc_status_t st = cpu_fbuf_in(&fx, x);
   if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fw, w);
   if (st == STATUS_OK && ++got && b != NULL) st = cpu_fbuf_in(&fb, b);
   if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fo, out, false);
@@ -162,14 +164,16 @@ static status_t cpu_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, con
   return STATUS_OK;
 }
 
-static status_t cpu_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db, const tensor_t *dy,
-                                       const tensor_t *x, const tensor_t *w, const tensor_t *mean,
-                                       const tensor_t *rstd) {
+static fsdpc_status_t cpu_layernorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
+                                             fsdpc_tensor_t *db, const fsdpc_tensor_t *dy,
+                                             const fsdpc_tensor_t *x, const fsdpc_tensor_t *w,
+                                             const fsdpc_tensor_t *mean,
+                                             const fsdpc_tensor_t *rstd) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
   fbuf_t fdx, fdw, fdb = {0}, fdy, fx, fw;
   fbuf_t *bufs[] = {&fdx, &fdw, &fdb, &fdy, &fx, &fw};
   int got = 0;
-  status_t st = cpu_fbuf_out(&fdx, dx, false);
+  fsdpc_status_t st = cpu_fbuf_out(&fdx, dx, false);
   if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fdw, dw, true);
   if (st == STATUS_OK && ++got && db != NULL) st = cpu_fbuf_out(&fdb, db, true);
   if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fdy, dy);
@@ -215,7 +219,7 @@ static status_t cpu_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db,
 
 /* ---- cross-entropy ---- */
 
-static status_t ce_target(const tensor_t *targets, int64_t r, int64_t V, int64_t *t) {
+static fsdpc_status_t ce_target(const fsdpc_tensor_t *targets, int64_t r, int64_t V, int64_t *t) {
   *t = index_at(targets, r);
   if (*t >= V)
     return err_set(STATUS_EINVAL, "cross-entropy: target %lld of row %lld is outside [0, %lld)",
@@ -229,10 +233,10 @@ static float row_lse(const float *x, int64_t V) {
   return m + (float)log(cpu_exp_sum(NULL, x, V, m));
 }
 
-static status_t ce_targets(const tensor_t *targets, int64_t V) {
+static fsdpc_status_t ce_targets(const fsdpc_tensor_t *targets, int64_t V) {
   for (int64_t r = 0, N = tensor_numel(targets); r < N; r++) {
     int64_t t;
-    TRY(ce_target(targets, r, V, &t));
+    FSDPC_TRY(ce_target(targets, r, V, &t));
   }
   return STATUS_OK;
 }
@@ -240,7 +244,7 @@ static status_t ce_targets(const tensor_t *targets, int64_t V) {
 typedef struct ce_args {
   int64_t V;
   float scale;
-  const tensor_t *targets;
+  const fsdpc_tensor_t *targets;
   const float *logits;
   float *out; /* losses, or dlogits */
 } ce_args_t;
@@ -255,12 +259,12 @@ static void ce_share(const void *ctx, int t, int64_t r0, int64_t r1) {
   }
 }
 
-static status_t cpu_cross_entropy(tensor_t *losses, const tensor_t *logits,
-                                  const tensor_t *targets) {
+static fsdpc_status_t cpu_cross_entropy(fsdpc_tensor_t *losses, const fsdpc_tensor_t *logits,
+                                        const fsdpc_tensor_t *targets) {
   int64_t V = last_dim(logits);
-  TRY(ce_targets(targets, V));
+  FSDPC_TRY(ce_targets(targets, V));
   fbuf_t fl;
-  TRY(cpu_fbuf_in(&fl, logits));
+  FSDPC_TRY(cpu_fbuf_in(&fl, logits));
   ce_args_t a = {.V = V, .targets = targets, .logits = fl.p, .out = losses->data};
   cpu_for_shares(tensor_numel(targets), V, ELEM_GRAIN, 1, ce_share, &a);
   cpu_fbuf_release(&fl);
@@ -287,16 +291,18 @@ static void ce_backward_share(const void *ctx, int t, int64_t r0, int64_t r1) {
   }
 }
 
-static status_t cpu_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
-                                           const tensor_t *targets, float scale,
-                                           const tensor_t *dloss, const tensor_t *count) {
+static fsdpc_status_t cpu_cross_entropy_backward(fsdpc_tensor_t *dlogits,
+                                                 const fsdpc_tensor_t *logits,
+                                                 const fsdpc_tensor_t *targets, float scale,
+                                                 const fsdpc_tensor_t *dloss,
+                                                 const fsdpc_tensor_t *count) {
   int64_t V = last_dim(logits);
-  TRY(ce_targets(targets, V));
+  FSDPC_TRY(ce_targets(targets, V));
   if (count != NULL) /* the mean's gradient: dloss / count, rounded once */
     scale = (float)((double)*(const float *)dloss->data / (double)*(const int64_t *)count->data);
   fbuf_t fl, fd;
-  TRY(cpu_fbuf_in(&fl, logits));
-  status_t st = cpu_fbuf_out(&fd, dlogits, false);
+  FSDPC_TRY(cpu_fbuf_in(&fl, logits));
+  fsdpc_status_t st = cpu_fbuf_out(&fd, dlogits, false);
   if (st != STATUS_OK) {
     cpu_fbuf_release(&fl);
     return st;
@@ -308,8 +314,8 @@ static status_t cpu_cross_entropy_backward(tensor_t *dlogits, const tensor_t *lo
   return STATUS_OK;
 }
 
-static status_t cpu_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *values,
-                                const tensor_t *targets) {
+static fsdpc_status_t cpu_masked_mean(fsdpc_tensor_t *mean, fsdpc_tensor_t *count,
+                                      const fsdpc_tensor_t *values, const fsdpc_tensor_t *targets) {
   const float *v = values->data;
   double sum = 0;
   int64_t n = 0;

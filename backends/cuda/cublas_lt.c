@@ -261,8 +261,8 @@ static cublasLtHandle_t handle_of(int dev) {
   return cache.handle[dev];
 }
 
-status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const void *b, float beta,
-                          void *d, bool *ran) {
+fsdpc_status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const void *b,
+                                float beta, void *d, bool *ran) {
   *ran = false;
   if (g->m == 0 || g->n == 0 || g->k == 0) return STATUS_OK; /* cublasGemmEx's to do */
   pthread_mutex_lock(&cache.path.lock);
@@ -284,7 +284,7 @@ status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const 
   device_t dev = device_cuda(g->dev);
   void *ws = NULL;
   size_t ws_bytes = p->workspace;
-  status_t st = ws_bytes > 0 ? device_alloc(dev, ws_bytes, &ws) : STATUS_OK;
+  fsdpc_status_t st = ws_bytes > 0 ? device_alloc(dev, ws_bytes, &ws) : STATUS_OK;
   if (st == STATUS_OK) {
     cublasStatus_t s = lt.matmul(h, p->desc, &alpha, a, p->la, b, p->lb, &beta, d, p->ld, d, p->ld,
                                  &p->algo, ws, ws_bytes, (cudaStream_t)g->stream);

@@ -14,7 +14,7 @@
  *   lt_gemm_t g = {.dev = 0, .stream = s, .dt = DTYPE_BF16, .trans_a = true, .m = N, .n = M,
  *                  .k = K, .lda = K, .ldb = K, .ldd = N};
  *   bool ran;
- *   TRY(cublas_lt_matmul(&g, 1.0f, a, b, 0.0f, d, &ran));
+ *   FSDPC_TRY(cublas_lt_matmul(&g, 1.0f, a, b, 0.0f, d, &ran));
  *   if (!ran) ...  // cublasGemmEx with the same arguments
  */
 #ifndef FSDPC_BASE_CUBLAS_LT_H
@@ -40,8 +40,8 @@ typedef struct lt_gemm {
   int64_t lda, ldb, ldd;
 } lt_gemm_t;
 
-status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const void *b, float beta,
-                          void *d, bool *ran);
+fsdpc_status_t cublas_lt_matmul(const lt_gemm_t *g, float alpha, const void *a, const void *b,
+                                float beta, void *d, bool *ran);
 
 /* The product kernel_matmul checked (row-major out = alpha op(a) op(b) + beta out, sizes d) in
  * cuBLAS's column-major terms: out^T = op(b)^T op(a)^T, so cuBLAS's A is b and its B is a. */

@@ -244,7 +244,7 @@ static int cuda_device_count(void) {
   return n;
 }
 
-static status_t cuda_device_uuid(int index, uint8_t out[16]) {
+static fsdpc_status_t cuda_device_uuid(int index, uint8_t out[16]) {
   cudaDeviceProp p;
   cudaError_t e = cudaGetDeviceProperties(&p, index);
   if (e != cudaSuccess) {
@@ -284,7 +284,7 @@ static void cuda_stream_set_current(int index, stream_t *s) { current_streams[in
 
 static cudaStream_t raw_stream(int index) { return cuda_stream_current(index)->s; }
 
-static status_t cuda_alloc(int index, size_t bytes, bool zeroed, void **out) {
+static fsdpc_status_t cuda_alloc(int index, size_t bytes, bool zeroed, void **out) {
   CUDA_TRY(cudaSetDevice(index));
   cudaError_t e = cudaMallocAsync(out, bytes, raw_stream(index));
   const char *what = "cudaMallocAsync";
@@ -309,7 +309,7 @@ static void cuda_free(int index, void *ptr, size_t bytes, bool zeroed) {
 /* Copies within one device. Same-dtype copies whose rows are contiguous go to the runtime's
  * copies (1-D, or 2-D with row pitches), which run at the device's copy bandwidth; casts and
  * other layouts go through copy_kernel. */
-static status_t cuda_copy(int index, const copy_desc_t *desc) {
+static fsdpc_status_t cuda_copy(int index, const copy_desc_t *desc) {
   copy_desc_t d = *desc;
   int64_t n = 1;
   for (int i = 0; i < d.ndim; i++) n *= d.shape[i];
@@ -356,7 +356,7 @@ static bool float_dtype(dtype_t dt) {
 
 /* The contiguous copies (same dtype, or between float dtypes) of descs in launches of up to
  * kCopyTable, each given blocks by its size (1024 at most); any other one by cuda_copy. */
-static status_t cuda_copy_many(int index, const copy_desc_t *descs, int n) {
+static fsdpc_status_t cuda_copy_many(int index, const copy_desc_t *descs, int n) {
   CUDA_TRY(cudaSetDevice(index));
   cudaStream_t s = raw_stream(index);
   copy_table t;
@@ -380,7 +380,7 @@ static status_t cuda_copy_many(int index, const copy_desc_t *descs, int n) {
     bool same = d.dst_dtype == d.src_dtype;
     if (nd != 1 || d.dst_stride[0] != 1 || d.src_stride[0] != 1 ||
         !(same || (float_dtype(d.dst_dtype) && float_dtype(d.src_dtype)))) {
-      TRY(cuda_copy(index, &descs[i]));
+      FSDPC_TRY(cuda_copy(index, &descs[i]));
       continue;
     }
     copy_entry &e = t.e[t.count++];
@@ -400,7 +400,8 @@ static status_t cuda_copy_many(int index, const copy_desc_t *descs, int n) {
   return STATUS_OK;
 }
 
-static status_t cuda_fill(int index, void *ptr, size_t elem_size, size_t n, uint64_t pattern) {
+static fsdpc_status_t cuda_fill(int index, void *ptr, size_t elem_size, size_t n,
+                                uint64_t pattern) {
   if (n == 0) return STATUS_OK;
   CUDA_TRY(cudaSetDevice(index));
   const int block = 256;
@@ -420,12 +421,12 @@ static status_t cuda_fill(int index, void *ptr, size_t elem_size, size_t n, uint
   return STATUS_OK;
 }
 
-static status_t cuda_stream_sync_dev(int index) {
+static fsdpc_status_t cuda_stream_sync_dev(int index) {
   return cuda_wait_stream(raw_stream(index), "device_stream_sync");
 }
 
-static status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
-                                size_t bytes) {
+static fsdpc_status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
+                                  size_t bytes) {
   int index = dst_dev.type == DEVICE_CUDA ? dst_dev.index : src_dev.index;
   CUDA_TRY(cudaSetDevice(index));
   cudaStream_t s = raw_stream(index);
@@ -435,7 +436,7 @@ static status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const
     CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
   if (dst_dev.type == DEVICE_CPU || src_dev.type == DEVICE_CPU)
     /* the caller uses the host memory next */
-    TRY(cuda_wait_stream(s, "a copy to or from the host"));
+    FSDPC_TRY(cuda_wait_stream(s, "a copy to or from the host"));
   return STATUS_OK;
 }
 
@@ -495,7 +496,7 @@ static struct upload *upload_take(int index, size_t bytes) {
   return got;
 }
 
-static status_t cuda_upload(int index, void *dst, const void *src, size_t bytes) {
+static fsdpc_status_t cuda_upload(int index, void *dst, const void *src, size_t bytes) {
   CUDA_TRY(cudaSetDevice(index));
   cudaStream_t s = raw_stream(index);
   struct upload *u = bytes <= kUploadMax ? upload_take(index, bytes) : NULL;
@@ -514,7 +515,7 @@ static status_t cuda_upload(int index, void *dst, const void *src, size_t bytes)
   return cuda_status(e, "a copy from the host (cudaMemcpyAsync)");
 }
 
-static status_t cuda_stream_new(int index, bool high, stream_t **out) {
+static fsdpc_status_t cuda_stream_new(int index, bool high, stream_t **out) {
   stream_t *s = (stream_t *)calloc(1, sizeof *s);
   if (s == NULL) return err_set(STATUS_ENOMEM, "stream_new: out of host memory");
   s->device = index;
@@ -538,16 +539,16 @@ static void cuda_stream_free(stream_t *s) {
   free(s);
 }
 
-static status_t cuda_stream_wait_event(stream_t *s, event_t *e) {
+static fsdpc_status_t cuda_stream_wait_event(stream_t *s, event_t *e) {
   CUDA_TRY(cudaStreamWaitEvent(s->s, e->e, 0));
   return STATUS_OK;
 }
 
-static status_t cuda_stream_synchronize(stream_t *s) {
+static fsdpc_status_t cuda_stream_synchronize(stream_t *s) {
   return cuda_wait_stream(s->s, "stream_synchronize");
 }
 
-static status_t cuda_event_new(int index, event_t **out) {
+static fsdpc_status_t cuda_event_new(int index, event_t **out) {
   event_t *ev = (event_t *)calloc(1, sizeof *ev);
   if (ev == NULL) return err_set(STATUS_ENOMEM, "event_new: out of host memory");
   ev->device = index;
@@ -568,16 +569,16 @@ static void cuda_event_free(event_t *e) {
   free(e);
 }
 
-static status_t cuda_event_record(event_t *e, stream_t *s) {
+static fsdpc_status_t cuda_event_record(event_t *e, stream_t *s) {
   CUDA_TRY(cudaEventRecord(e->e, s->s));
   return STATUS_OK;
 }
 
-static status_t cuda_event_synchronize(event_t *e) {
+static fsdpc_status_t cuda_event_synchronize(event_t *e) {
   return cuda_wait_event(e->e, "event_synchronize");
 }
 
-static status_t cuda_host_alloc_pinned(size_t bytes, void **out) {
+static fsdpc_status_t cuda_host_alloc_pinned(size_t bytes, void **out) {
   *out = NULL;
   cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocPortable);
   if (e != cudaSuccess) {
@@ -602,7 +603,7 @@ static void cuda_host_unregister(void *p) {
   if (cudaHostUnregister(p) != cudaSuccess) (void)cudaGetLastError();
 }
 
-static status_t cuda_copy_async(stream_t *s, void *dst, const void *src, size_t bytes) {
+static fsdpc_status_t cuda_copy_async(stream_t *s, void *dst, const void *src, size_t bytes) {
   CUDA_TRY(cudaSetDevice(s->device));
   CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s->s));
   return STATUS_OK;
@@ -617,7 +618,7 @@ __global__ void delay_kernel(unsigned long long ns) {
   } while (now - start < ns);
 }
 
-static status_t cuda_delay(stream_t *s, double seconds) {
+static fsdpc_status_t cuda_delay(stream_t *s, double seconds) {
   CUDA_TRY(cudaSetDevice(s->device));
   delay_kernel<<<1, 1, 0, s->s>>>((unsigned long long)(seconds * 1e9));
   CUDA_TRY(cudaGetLastError());

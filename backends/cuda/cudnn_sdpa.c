@@ -201,8 +201,8 @@ static cudnnHandle_t handle_of(int dev) {
 }
 
 /* Enqueues plan p on stream with the uids and pointers of the call; a refusal names the call. */
-static status_t execute(cudnnHandle_t h, const plan_t *p, void *stream, int m, const int64_t *uids,
-                        void *const *ptrs, void *ws) {
+static fsdpc_status_t execute(cudnnHandle_t h, const plan_t *p, void *stream, int m,
+                              const int64_t *uids, void *const *ptrs, void *ws) {
   cudnnBackendDescriptor_t pack = NULL;
   cudnnStatus_t cs = cudnn_fn.set_stream(h, (cudaStream_t)stream);
   if (cs == CUDNN_STATUS_SUCCESS)
@@ -229,8 +229,8 @@ static status_t execute(cudnnHandle_t h, const plan_t *p, void *stream, int m, c
 
 /* Runs the forward or backward plan of this shape with the device pointers ptr[i] of uid[i]
  * (the scalars and the backward's workspace tensors added here). */
-static status_t run(int dev, void *stream, const attn_shape_t *a, dtype_t dt, int backward, int n,
-                    const int64_t *uid, void *const *ptr, bool *ran) {
+static fsdpc_status_t run(int dev, void *stream, const attn_shape_t *a, dtype_t dt, int backward,
+                          int n, const int64_t *uid, void *const *ptr, bool *ran) {
   *ran = false;
   pthread_mutex_lock(&cache.path.lock);
   plan_key_t key = {dev, backward, dt, a->B, a->T, a->H, a->Hkv, a->Dh};
@@ -247,7 +247,7 @@ static status_t run(int dev, void *stream, const attn_shape_t *a, dtype_t dt, in
   size_t ws_bytes = own + (backward ? rows + dqacc : 0);
   device_t d = device_cuda(dev);
   void *ws = NULL;
-  status_t st = ws_bytes > 0 ? device_alloc(d, ws_bytes, &ws) : STATUS_OK;
+  fsdpc_status_t st = ws_bytes > 0 ? device_alloc(d, ws_bytes, &ws) : STATUS_OK;
   float scale = a->scale, one = 1.0f, lowest = -3.4028234663852886e38f; /* -FLT_MAX */
   int64_t uids[16];
   void *ptrs[16];
@@ -279,13 +279,13 @@ static status_t run(int dev, void *stream, const attn_shape_t *a, dtype_t dt, in
   return st;
 }
 
-status_t cudnn_sdpa_check_graph(const attn_shape_t *s, dtype_t dt, bool backward) {
+fsdpc_status_t cudnn_sdpa_check_graph(const attn_shape_t *s, dtype_t dt, bool backward) {
   const char *load_error = cudnn_load();
   if (load_error[0]) return err_set(STATUS_ENODEV, "%s", load_error);
   gb_t *g = calloc(1, sizeof *g);
   if (g == NULL) return err_set(STATUS_ENOMEM, "cuDNN attention graph check");
   heuristics(g, graph_build(g, s, dt, backward, NULL), CUDNN_HEUR_MODE_A);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if (g->st != CUDNN_STATUS_SUCCESS) {
     char detail[256] = "";
     cudnn_fn.last_error(detail, sizeof detail);
@@ -298,16 +298,18 @@ status_t cudnn_sdpa_check_graph(const attn_shape_t *s, dtype_t dt, bool backward
   return st;
 }
 
-status_t cudnn_sdpa_forward(int dev, void *stream, const attn_shape_t *s, dtype_t dt, void *out,
-                            float *lse, const void *q, const void *k, const void *v, bool *ran) {
+fsdpc_status_t cudnn_sdpa_forward(int dev, void *stream, const attn_shape_t *s, dtype_t dt,
+                                  void *out, float *lse, const void *q, const void *k,
+                                  const void *v, bool *ran) {
   int64_t uid[5] = {UID_Q, UID_K, UID_V, UID_O, UID_LSE};
   void *const ptr[5] = {(void *)q, (void *)k, (void *)v, out, lse};
   return run(dev, stream, s, dt, 0, 5, uid, ptr, ran);
 }
 
-status_t cudnn_sdpa_backward(int dev, void *stream, const attn_shape_t *s, dtype_t dt, void *dq,
-                             void *dk, void *dv, const void *dout, const void *q, const void *k,
-                             const void *v, const void *out, const float *lse, bool *ran) {
+fsdpc_status_t cudnn_sdpa_backward(int dev, void *stream, const attn_shape_t *s, dtype_t dt,
+                                   void *dq, void *dk, void *dv, const void *dout, const void *q,
+                                   const void *k, const void *v, const void *out, const float *lse,
+                                   bool *ran) {
   int64_t uid[9] = {UID_Q, UID_K, UID_V, UID_O, UID_DO, UID_LSE, UID_DQ, UID_DK, UID_DV};
   void *const ptr[9] = {(void *)q,   (void *)k, (void *)v, (void *)out, (void *)dout,
                         (void *)lse, dq,        dk,        dv};
@@ -328,23 +330,25 @@ const char *kernel_attention_fused_note(void) {
 
 #else /* built without cuDNN's headers */
 
-status_t cudnn_sdpa_forward(int dev, void *stream, const attn_shape_t *s, dtype_t dt, void *out,
-                            float *lse, const void *q, const void *k, const void *v, bool *ran) {
+fsdpc_status_t cudnn_sdpa_forward(int dev, void *stream, const attn_shape_t *s, dtype_t dt,
+                                  void *out, float *lse, const void *q, const void *k,
+                                  const void *v, bool *ran) {
   (void)dev, (void)stream, (void)s, (void)dt, (void)out, (void)lse, (void)q, (void)k, (void)v;
   *ran = false;
   return STATUS_OK;
 }
 
-status_t cudnn_sdpa_backward(int dev, void *stream, const attn_shape_t *s, dtype_t dt, void *dq,
-                             void *dk, void *dv, const void *dout, const void *q, const void *k,
-                             const void *v, const void *out, const float *lse, bool *ran) {
+fsdpc_status_t cudnn_sdpa_backward(int dev, void *stream, const attn_shape_t *s, dtype_t dt,
+                                   void *dq, void *dk, void *dv, const void *dout, const void *q,
+                                   const void *k, const void *v, const void *out, const float *lse,
+                                   bool *ran) {
   (void)dev, (void)stream, (void)s, (void)dt, (void)dq, (void)dk, (void)dv, (void)dout, (void)q;
   (void)k, (void)v, (void)out, (void)lse;
   *ran = false;
   return STATUS_OK;
 }
 
-status_t cudnn_sdpa_check_graph(const attn_shape_t *s, dtype_t dt, bool backward) {
+fsdpc_status_t cudnn_sdpa_check_graph(const attn_shape_t *s, dtype_t dt, bool backward) {
   (void)s, (void)dt, (void)backward;
   return err_set(STATUS_ENODEV, "built without cuDNN");
 }

@@ -29,18 +29,20 @@ extern "C" {
 #endif
 
 /* stream is the cudaStream_t every operand is ordered on; dev is the current device. */
-status_t cudnn_sdpa_forward(int dev, void *stream, const attn_shape_t *s, dtype_t dt, void *out,
-                            float *lse, const void *q, const void *k, const void *v, bool *ran);
+fsdpc_status_t cudnn_sdpa_forward(int dev, void *stream, const attn_shape_t *s, dtype_t dt,
+                                  void *out, float *lse, const void *q, const void *k,
+                                  const void *v, bool *ran);
 
-status_t cudnn_sdpa_backward(int dev, void *stream, const attn_shape_t *s, dtype_t dt, void *dq,
-                             void *dk, void *dv, const void *dout, const void *q, const void *k,
-                             const void *v, const void *out, const float *lse, bool *ran);
+fsdpc_status_t cudnn_sdpa_backward(int dev, void *stream, const attn_shape_t *s, dtype_t dt,
+                                   void *dq, void *dk, void *dv, const void *dout, const void *q,
+                                   const void *k, const void *v, const void *out, const float *lse,
+                                   bool *ran);
 
 /* Draws the forward or backward graph of s and has cuDNN finalize it and its heuristics
  * descriptor without a device (no handle, no plan): STATUS_OK when cuDNN takes every
  * descriptor; STATUS_ENODEV when libcudnn.so.9 cannot be used; otherwise STATUS_EUNSUPPORTED
  * naming the step and cuDNN's message. For tests on machines without a GPU. */
-status_t cudnn_sdpa_check_graph(const attn_shape_t *s, dtype_t dt, bool backward);
+fsdpc_status_t cudnn_sdpa_check_graph(const attn_shape_t *s, dtype_t dt, bool backward);
 
 #ifdef __cplusplus
 }

@@ -101,11 +101,11 @@ static struct {
 } checks[DEVICE_MAX_CUDA];
 static pthread_mutex_t checks_lock = PTHREAD_MUTEX_INITIALIZER;
 
-status_t flag_new(flag_t *f, device_t dev, const char *fmt, const char *what, int64_t limit) {
+fsdpc_status_t flag_new(flag_t *f, device_t dev, const char *fmt, const char *what, int64_t limit) {
   f->p = NULL;
   if (dev.index < 0 || dev.index >= DEVICE_MAX_CUDA)
     return err_set(STATUS_ENODEV, "%s: no CUDA device %d", what, dev.index);
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   pthread_mutex_lock(&checks_lock);
   auto *d = &checks[dev.index];
   if (d->words == NULL) {
@@ -137,8 +137,8 @@ status_t flag_new(flag_t *f, device_t dev, const char *fmt, const char *what, in
   return st;
 }
 
-extern "C" status_t cuda_index_checks(void) {
-  status_t st = STATUS_OK;
+extern "C" fsdpc_status_t cuda_index_checks(void) {
+  fsdpc_status_t st = STATUS_OK;
   pthread_mutex_lock(&checks_lock);
   for (int i = 0; i < DEVICE_MAX_CUDA && st == STATUS_OK; i++)
     for (int k = 0; k < checks[i].n && st == STATUS_OK; k++)
@@ -173,7 +173,7 @@ static struct {
 } cublas;
 static pthread_once_t cublas_once = PTHREAD_ONCE_INIT;
 
-status_t cublas_status(cublasStatus_t s, const char *what) {
+fsdpc_status_t cublas_status(cublasStatus_t s, const char *what) {
   if (s == CUBLAS_STATUS_SUCCESS) return STATUS_OK;
   return err_set(s == CUBLAS_STATUS_ALLOC_FAILED ? STATUS_ENOMEM : STATUS_ECUBLAS,
                  "%s: cuBLAS status %d", what, (int)s);
@@ -200,13 +200,13 @@ static void cublas_load(void) {
              CUBLAS_SONAME);
 }
 
-status_t cuda_blas_handle(int dev, cudaStream_t s, cublasHandle_t *out) {
+fsdpc_status_t cuda_blas_handle(int dev, cudaStream_t s, cublasHandle_t *out) {
   static __thread cublasHandle_t handles[DEVICE_MAX_CUDA];
   pthread_once(&cublas_once, cublas_load);
   if (cublas.error[0]) return err_set(STATUS_ECUBLAS, "%s", cublas.error);
   CUDA_TRY(cudaSetDevice(dev));
-  if (handles[dev] == NULL) TRY(cublas_status(cublas.create(&handles[dev]), "cublasCreate"));
-  TRY(cublas_status(cublas.set_stream(handles[dev], s), "cublasSetStream"));
+  if (handles[dev] == NULL) FSDPC_TRY(cublas_status(cublas.create(&handles[dev]), "cublasCreate"));
+  FSDPC_TRY(cublas_status(cublas.set_stream(handles[dev], s), "cublasSetStream"));
   *out = handles[dev];
   return STATUS_OK;
 }
@@ -228,16 +228,17 @@ cublasStatus_t cuda_blas_gemm_batched(cublasHandle_t h, cublasOperation_t ta, cu
                              count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
-static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, const tensor_t *b,
-                            bool trans_b, float alpha, float beta, const matmul_dims_t *d) {
+static fsdpc_status_t cuda_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
+                                  const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta,
+                                  const matmul_dims_t *d) {
   lt_gemm_t g =
       cublas_lt_of_row_major(out->device.index, stream_of(out), out->dtype, trans_a, trans_b, d);
   bool ran;
   CUDA_TRY(cudaSetDevice(out->device.index));
-  TRY(cublas_lt_matmul(&g, alpha, b->data, a->data, beta, out->data, &ran));
+  FSDPC_TRY(cublas_lt_matmul(&g, alpha, b->data, a->data, beta, out->data, &ran));
   if (ran) return STATUS_OK;
   cublasHandle_t h;
-  TRY(cuda_blas_handle(out->device.index, stream_of(out), &h));
+  FSDPC_TRY(cuda_blas_handle(out->device.index, stream_of(out), &h));
   cudaDataType_t t = cuda_dtype(out->dtype);
   /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T. */
   cublasStatus_t s = cublas.gemm(
@@ -251,19 +252,21 @@ static status_t cuda_matmul(tensor_t *out, const tensor_t *a, bool trans_a, cons
   return cublas_status(s, what);
 }
 
-static status_t cuda_embedding(tensor_t *out, const tensor_t *table, const tensor_t *ids,
-                               int64_t first, int64_t vocab) {
+static fsdpc_status_t cuda_embedding(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,
+                                     const fsdpc_tensor_t *ids, int64_t first, int64_t vocab) {
   int64_t n = tensor_numel(ids), D = table->shape[1], V = table->shape[0];
   if (n * D == 0) return STATUS_OK;
   flag_t f;
-  TRY(flag_new(&f, out->device, kIndexRange, "kernel_embedding", vocab));
+  FSDPC_TRY(flag_new(&f, out->device, kIndexRange, "kernel_embedding", vocab));
   embedding_kernel<<<grid_for(n * D), kBlock, 0, stream_of(out)>>>(
       out->data, table->data, table->dtype, ids->data, ids->dtype, n, D, V, first, vocab, f.p);
   return flag_finish(&f, launched("kernel_embedding"));
 }
 
-static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *grad_out,
-                                        const tensor_t *ids, int64_t first, int64_t vocab) {
+static fsdpc_status_t cuda_embedding_backward(fsdpc_tensor_t *grad_table,
+                                              const fsdpc_tensor_t *grad_out,
+                                              const fsdpc_tensor_t *ids, int64_t first,
+                                              int64_t vocab) {
   int64_t n = tensor_numel(ids), D = grad_table->shape[1], V = grad_table->shape[0];
   if (n * D == 0) return STATUS_OK;
   if (n > INT32_MAX || V >= INT32_MAX)
@@ -281,11 +284,11 @@ static status_t cuda_embedding_backward(tensor_t *grad_table, const tensor_t *gr
   size_t keys = sizeof(int) * (size_t)n, part = (keys + 255) / 256 * 256;
   size_t bytes = 4 * part + sort_bytes;
   char *buf;
-  TRY(device_alloc(dev, bytes, (void **)&buf));
+  FSDPC_TRY(device_alloc(dev, bytes, (void **)&buf));
   int *rows = (int *)buf, *tokens = (int *)(buf + part), *rows_sorted = (int *)(buf + 2 * part),
       *tokens_sorted = (int *)(buf + 3 * part);
   flag_t f;
-  status_t st = flag_new(&f, dev, kIndexRange, "kernel_embedding_backward", vocab);
+  fsdpc_status_t st = flag_new(&f, dev, kIndexRange, "kernel_embedding_backward", vocab);
   if (st != STATUS_OK) {
     device_free(dev, buf, bytes);
     return st;
@@ -320,7 +323,7 @@ typedef struct rope_dev_table {
 static pthread_mutex_t rope_lock = PTHREAD_MUTEX_INITIALIZER; /* held for a whole call */
 static rope_dev_table_t rope_tables[DEVICE_MAX_CUDA];
 
-static status_t rope_table_on(device_t dev, const rope_key_t *key, const float **out) {
+static fsdpc_status_t rope_table_on(device_t dev, const rope_key_t *key, const float **out) {
   rope_dev_table_t *c = &rope_tables[dev.index];
   if (c->cs != NULL && rope_key_equal(&c->key, key)) {
     *out = c->cs;
@@ -331,7 +334,7 @@ static status_t rope_table_on(device_t dev, const rope_key_t *key, const float *
   if (host == NULL) return err_set(STATUS_ENOMEM, "kernel_rope: out of host memory");
   rope_fill_table(key, host);
   void *d = NULL;
-  status_t st = device_alloc(dev, bytes, &d);
+  fsdpc_status_t st = device_alloc(dev, bytes, &d);
   if (st == STATUS_OK) st = device_memcpy(dev, d, device_cpu(), host, bytes); /* waits */
   free(host);
   if (st != STATUS_OK) {
@@ -344,8 +347,8 @@ static status_t rope_table_on(device_t dev, const rope_key_t *key, const float *
   return STATUS_OK;
 }
 
-static status_t cuda_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, int64_t pos_offset,
-                          bool inverse) {
+static fsdpc_status_t cuda_rope(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, const rope_t *rope,
+                                int64_t pos_offset, bool inverse) {
   int64_t n = tensor_numel(x) / 2;
   if (n == 0) return STATUS_OK;
   if (x->device.index < 0 || x->device.index >= DEVICE_MAX_CUDA)
@@ -354,7 +357,7 @@ static status_t cuda_rope(tensor_t *out, const tensor_t *x, const rope_t *rope, 
   pthread_mutex_lock(&rope_lock);
   const float *cs = NULL;
   rope_key_t key = {*rope, Dh, pos_offset, T};
-  status_t st = rope_table_on(x->device, &key, &cs);
+  fsdpc_status_t st = rope_table_on(x->device, &key, &cs);
   if (st == STATUS_OK) {
     float sign = inverse ? -1.0f : 1.0f;
     bool narrow = 2 * n < INT32_MAX; /* every element's index fits */
@@ -406,10 +409,10 @@ static void cuda_timer_stop(void *timer) {
   cudaEventRecord(t->stop, t->stream);
 }
 
-static status_t cuda_timer_read(void *timer, double *seconds) {
+static fsdpc_status_t cuda_timer_read(void *timer, double *seconds) {
   cuda_timer_t *t = (cuda_timer_t *)timer;
   float ms = 0;
-  status_t st = cuda_wait_event(t->stop, "kernel profile timer");
+  fsdpc_status_t st = cuda_wait_event(t->stop, "kernel profile timer");
   if (st == STATUS_OK)
     st = cuda_status(cudaEventElapsedTime(&ms, t->start, t->stop), "kernel profile timer");
   cudaEventDestroy(t->start);

@@ -78,11 +78,13 @@ static inline int grid_for(int64_t n) {
   return g < 1 ? 1 : (int)g;
 }
 
-static inline cudaStream_t stream_of(const tensor_t *t) {
+static inline cudaStream_t stream_of(const fsdpc_tensor_t *t) {
   return cuda_stream_raw(stream_current(t->device));
 }
 
-static inline status_t launched(const char *what) { return cuda_status(cudaGetLastError(), what); }
+static inline fsdpc_status_t launched(const char *what) {
+  return cuda_status(cudaGetLastError(), what);
+}
 
 /* f(T()) with T the storage type of the float dtype dt. */
 template <typename F>
@@ -94,7 +96,7 @@ static void with_float_type(int dt, F f) {
   }
 }
 
-static inline int64_t last_dim(const tensor_t *t) {
+static inline int64_t last_dim(const fsdpc_tensor_t *t) {
   return t->ndim == 0 ? 1 : t->shape[t->ndim - 1];
 }
 
@@ -108,9 +110,9 @@ typedef struct flag {
 } flag_t;
 
 /* The word of check `what` on dev, its message set to fmt with limit. */
-status_t flag_new(flag_t *f, device_t dev, const char *fmt, const char *what, int64_t limit);
+fsdpc_status_t flag_new(flag_t *f, device_t dev, const char *fmt, const char *what, int64_t limit);
 /* The launch status (the check itself comes at the next wait). */
-static inline status_t flag_finish(flag_t *f, status_t launch) {
+static inline fsdpc_status_t flag_finish(flag_t *f, fsdpc_status_t launch) {
   (void)f;
   return launch;
 }
@@ -118,7 +120,7 @@ static inline status_t flag_finish(flag_t *f, status_t launch) {
 /* ---- cuBLAS, loaded on first use (kernels_cuda.cu) ---- */
 
 /* The cuBLAS handle of device dev for this thread, bound to stream s. */
-status_t cuda_blas_handle(int dev, cudaStream_t s, cublasHandle_t *out);
+fsdpc_status_t cuda_blas_handle(int dev, cudaStream_t s, cublasHandle_t *out);
 
 /* cublasGemmEx and cublasGemmBatchedEx through the loaded library (F32 compute, the default
  * algorithm). */
@@ -134,7 +136,7 @@ cublasStatus_t cuda_blas_gemm_batched(cublasHandle_t h, cublasOperation_t ta, cu
 
 /* The status of a cuBLAS result: STATUS_OK; STATUS_ENOMEM when cuBLAS could not allocate;
  * otherwise STATUS_ECUBLAS, "WHAT: cuBLAS status N". */
-status_t cublas_status(cublasStatus_t s, const char *what);
+fsdpc_status_t cublas_status(cublasStatus_t s, const char *what);
 
 static inline cudaDataType_t cuda_dtype(dtype_t dt) {
   return dt == DTYPE_BF16 ? CUDA_R_16BF : dt == DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;

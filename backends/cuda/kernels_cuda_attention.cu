@@ -90,8 +90,8 @@ static bool aligned16(const attn_shape_t *s, attn_mat_t m) {
   return (uintptr_t)m.base % 16 == 0 && stride * es % 16 == 0 && m.off * es % 16 == 0;
 }
 
-static status_t attn_gemm_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
-                               const attn_gemm_t *g) {
+static fsdpc_status_t attn_gemm_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                                     const attn_gemm_t *g) {
   cuda_attn_t *c = (cuda_attn_t *)ctx;
   int64_t n = attn_entries(s, bt);
   if (n == 0) return STATUS_OK;
@@ -110,20 +110,20 @@ static status_t attn_gemm_cuda(void *ctx, const attn_shape_t *s, const attn_batc
       const char *pa = (const char *)g->a.base + attn_at(s, &g->a, e, b, h, kv) * esa;
       const char *pb = (const char *)g->b.base + attn_at(s, &g->b, e, b, h, kv) * esb;
       char *pc = (char *)g->c.base + attn_at(s, &g->c, e, b, h, kv) * esc;
-      TRY(cublas_status(cuda_blas_gemm(c->blas, ta, tb, (int)g->m, (int)g->n, (int)g->k,
-                                       &g->alpha, pa, at, (int)g->lda, pb, bt_, (int)g->ldb,
-                                       &g->beta, pc, ct, (int)g->ldc),
-                        what));
+      FSDPC_TRY(cublas_status(
+          cuda_blas_gemm(c->blas, ta, tb, (int)g->m, (int)g->n, (int)g->k, &g->alpha, pa, at,
+                         (int)g->lda, pb, bt_, (int)g->ldb, &g->beta, pc, ct, (int)g->ldc),
+          what));
     }
     return STATUS_OK;
   }
   device_t dev = device_cuda(c->dev);
   size_t bytes = 3 * (size_t)n * sizeof(void *);
   const void **ptrs;
-  TRY(device_alloc(dev, bytes, (void **)&ptrs));
+  FSDPC_TRY(device_alloc(dev, bytes, (void **)&ptrs));
   attn_ptrs_kernel<<<grid_for(n), kBlock, 0, c->stream>>>(ptrs, *s, *bt, n, g->a, g->b, g->c,
                                                           esa, esb, esc);
-  status_t st = launched("kernel_attention (operand pointers)");
+  fsdpc_status_t st = launched("kernel_attention (operand pointers)");
   if (st == STATUS_OK)
     st = cublas_status(
         cuda_blas_gemm_batched(c->blas, ta, tb, (int)g->m, (int)g->n, (int)g->k, &g->alpha,
@@ -136,9 +136,9 @@ static status_t attn_gemm_cuda(void *ctx, const attn_shape_t *s, const attn_batc
 
 static int row_threads(const attn_shape_t *s) { return s->T >= 512 ? 256 : s->T >= 128 ? 128 : 64; }
 
-static status_t attn_probs_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
-                                int64_t r0, int64_t r1, const float *S, float *lse,
-                                attn_mat_t p) {
+static fsdpc_status_t attn_probs_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                                      int64_t r0, int64_t r1, const float *S, float *lse,
+                                      attn_mat_t p) {
   cuda_attn_t *c = (cuda_attn_t *)ctx;
   int64_t rows = attn_entries(s, bt) * (r1 - r0);
   if (rows == 0) return STATUS_OK;
@@ -147,10 +147,10 @@ static status_t attn_probs_cuda(void *ctx, const attn_shape_t *s, const attn_bat
   return launched("kernel_attention (probabilities)");
 }
 
-static status_t attn_dscores_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
-                                  int64_t r0, int64_t r1, const float *S, const float *dP,
-                                  const float *lse, attn_mat_t dout, attn_mat_t out,
-                                  attn_mat_t p, attn_mat_t ds) {
+static fsdpc_status_t attn_dscores_cuda(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                                        int64_t r0, int64_t r1, const float *S, const float *dP,
+                                        const float *lse, attn_mat_t dout, attn_mat_t out,
+                                        attn_mat_t p, attn_mat_t ds) {
   cuda_attn_t *c = (cuda_attn_t *)ctx;
   int64_t rows = attn_entries(s, bt) * (r1 - r0);
   if (rows == 0) return STATUS_OK;
@@ -159,41 +159,43 @@ static status_t attn_dscores_cuda(void *ctx, const attn_shape_t *s, const attn_b
   return launched("kernel_attention_backward (score gradients)");
 }
 
-static status_t exec_for(const tensor_t *q, cuda_attn_t *c, attn_exec_t *x) {
+static fsdpc_status_t exec_for(const fsdpc_tensor_t *q, cuda_attn_t *c, attn_exec_t *x) {
   c->dev = q->device.index;
   c->stream = stream_of(q);
-  TRY(cuda_blas_handle(c->dev, c->stream, &c->blas));
+  FSDPC_TRY(cuda_blas_handle(c->dev, c->stream, &c->blas));
   *x = attn_exec_t{c, attn_gemm_cuda, attn_probs_cuda, attn_dscores_cuda, q->device,
                    kAttnScratch, kAttnBlockRows};
   return STATUS_OK;
 }
 
-static status_t cuda_attention(tensor_t *out, tensor_t *lse, const tensor_t *q, const tensor_t *k,
-                               const tensor_t *v) {
+static fsdpc_status_t cuda_attention(fsdpc_tensor_t *out, fsdpc_tensor_t *lse,
+                                     const fsdpc_tensor_t *q, const fsdpc_tensor_t *k,
+                                     const fsdpc_tensor_t *v) {
   cuda_attn_t c;
   attn_exec_t x;
-  TRY(exec_for(q, &c, &x));
+  FSDPC_TRY(exec_for(q, &c, &x));
   attn_shape_t s = attn_shape_of(q->shape, k->shape);
   bool fused;
-  TRY(cudnn_sdpa_forward(c.dev, c.stream, &s, q->dtype, out->data, (float *)lse->data, q->data,
-                         k->data, v->data, &fused));
+  FSDPC_TRY(cudnn_sdpa_forward(c.dev, c.stream, &s, q->dtype, out->data, (float *)lse->data,
+                               q->data, k->data, v->data, &fused));
   if (fused) return STATUS_OK;
   return attn_gemm_forward(&x, &s, q->dtype, out->data, (float *)lse->data, q->data, k->data,
                            v->data);
 }
 
-static status_t cuda_attention_backward(tensor_t *dq, tensor_t *dk, tensor_t *dv,
-                                        const tensor_t *dout, const tensor_t *q, const tensor_t *k,
-                                        const tensor_t *v, const tensor_t *out,
-                                        const tensor_t *lse) {
+static fsdpc_status_t cuda_attention_backward(fsdpc_tensor_t *dq, fsdpc_tensor_t *dk,
+                                              fsdpc_tensor_t *dv, const fsdpc_tensor_t *dout,
+                                              const fsdpc_tensor_t *q, const fsdpc_tensor_t *k,
+                                              const fsdpc_tensor_t *v, const fsdpc_tensor_t *out,
+                                              const fsdpc_tensor_t *lse) {
   cuda_attn_t c;
   attn_exec_t x;
-  TRY(exec_for(q, &c, &x));
+  FSDPC_TRY(exec_for(q, &c, &x));
   attn_shape_t s = attn_shape_of(q->shape, k->shape);
   bool fused;
-  TRY(cudnn_sdpa_backward(c.dev, c.stream, &s, q->dtype, dq->data, dk->data, dv->data,
-                          dout->data, q->data, k->data, v->data, out->data,
-                          (const float *)lse->data, &fused));
+  FSDPC_TRY(cudnn_sdpa_backward(c.dev, c.stream, &s, q->dtype, dq->data, dk->data, dv->data,
+                                dout->data, q->data, k->data, v->data, out->data,
+                                (const float *)lse->data, &fused));
   if (fused) return STATUS_OK;
   return attn_gemm_backward(&x, &s, q->dtype, dq->data, dk->data, dv->data, dout->data, q->data,
                             k->data, v->data, out->data, (const float *)lse->data);

@@ -239,8 +239,8 @@ __global__ static void sum_squares_total_kernel(double *out, const float *partia
 /* Runs op over the n = numel(like) elements of the operands in and out, all of like's dtype, on
  * like's device and stream. */
 template <int NI, int NO, typename Op>
-static status_t map_launch(const tensor_t *like, const void *const (&in)[NI],
-                           void *const (&out)[NO], Op op, const char *what) {
+static fsdpc_status_t map_launch(const fsdpc_tensor_t *like, const void *const (&in)[NI],
+                                 void *const (&out)[NO], Op op, const char *what) {
   int64_t n = tensor_numel(like);
   if (n == 0) return STATUS_OK;
   map_ptrs<NI, NO> p;
@@ -255,53 +255,58 @@ static status_t map_launch(const tensor_t *like, const void *const (&in)[NI],
   return launched(what);
 }
 
-static status_t cuda_silu_mul(tensor_t *out, const tensor_t *gate, const tensor_t *up) {
+static fsdpc_status_t cuda_silu_mul(fsdpc_tensor_t *out, const fsdpc_tensor_t *gate,
+                                    const fsdpc_tensor_t *up) {
   const void *const in[2] = {gate->data, up->data};
   void *const o[1] = {out->data};
   return map_launch(out, in, o, op_silu_mul{}, "kernel_silu_mul");
 }
 
-static status_t cuda_silu_mul_backward(tensor_t *dgate, tensor_t *dup, const tensor_t *dout,
-                                       const tensor_t *gate, const tensor_t *up) {
+static fsdpc_status_t cuda_silu_mul_backward(fsdpc_tensor_t *dgate, fsdpc_tensor_t *dup,
+                                             const fsdpc_tensor_t *dout, const fsdpc_tensor_t *gate,
+                                             const fsdpc_tensor_t *up) {
   const void *const in[3] = {dout->data, gate->data, up->data};
   void *const o[2] = {dgate->data, dup->data};
   return map_launch(dout, in, o, op_silu_mul_backward{}, "kernel_silu_mul_backward");
 }
 
-static status_t cuda_activation(tensor_t *out, const tensor_t *x, kernel_act_t act) {
+static fsdpc_status_t cuda_activation(fsdpc_tensor_t *out, const fsdpc_tensor_t *x,
+                                      kernel_act_t act) {
   const void *const in[1] = {x->data};
   void *const o[1] = {out->data};
   return map_launch(out, in, o, op_activation{(int)act}, "kernel_activation");
 }
 
-static status_t cuda_activation_backward(tensor_t *dx, const tensor_t *dy, const tensor_t *x,
-                                         kernel_act_t act) {
+static fsdpc_status_t cuda_activation_backward(fsdpc_tensor_t *dx, const fsdpc_tensor_t *dy,
+                                               const fsdpc_tensor_t *x, kernel_act_t act) {
   const void *const in[2] = {dy->data, x->data};
   void *const o[1] = {dx->data};
   return map_launch(dx, in, o, op_activation_backward{(int)act}, "kernel_activation_backward");
 }
 
-static status_t cuda_bias_add(tensor_t *out, const tensor_t *x, const tensor_t *b) {
+static fsdpc_status_t cuda_bias_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *x,
+                                    const fsdpc_tensor_t *b) {
   int64_t n = tensor_numel(out);
   bias_add_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, x->data, b->data,
                                                               out->dtype, n, last_dim(x));
   return launched("kernel_bias_add");
 }
 
-static status_t cuda_bias_backward(tensor_t *db, const tensor_t *dy) {
+static fsdpc_status_t cuda_bias_backward(fsdpc_tensor_t *db, const fsdpc_tensor_t *dy) {
   int64_t D = last_dim(dy), rows = tensor_numel(dy) / D;
   bias_backward_kernel<<<grid_for(D), kBlock, 0, stream_of(dy)>>>(db->data, db->dtype, dy->data,
                                                                   dy->dtype, rows, D);
   return launched("kernel_bias_backward");
 }
 
-static status_t cuda_add(tensor_t *out, const tensor_t *a, const tensor_t *b) {
+static fsdpc_status_t cuda_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *a,
+                               const fsdpc_tensor_t *b) {
   const void *const in[2] = {a->data, b->data};
   void *const o[1] = {out->data};
   return map_launch(out, in, o, op_add{}, "kernel_add");
 }
 
-static status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x) {
+static fsdpc_status_t cuda_axpy(fsdpc_tensor_t *y, float alpha, const fsdpc_tensor_t *x) {
   int64_t n = tensor_numel(y);
   if (n == 0) return STATUS_OK;
   if (y->dtype == x->dtype) {
@@ -314,7 +319,7 @@ static status_t cuda_axpy(tensor_t *y, float alpha, const tensor_t *x) {
   return launched("kernel_axpy");
 }
 
-static status_t cuda_scale(tensor_t *x, float alpha) {
+static fsdpc_status_t cuda_scale(fsdpc_tensor_t *x, float alpha) {
   const void *const in[1] = {x->data};
   void *const o[1] = {x->data};
   return map_launch(x, in, o, op_scale{alpha}, "kernel_scale");
@@ -333,7 +338,7 @@ static adamw_consts adamw_consts_of(const adamw_args_t *a) {
   return c;
 }
 
-static status_t cuda_adamw_many(const adamw_item_t *items, int n) {
+static fsdpc_status_t cuda_adamw_many(const adamw_item_t *items, int n) {
   cudaStream_t s = stream_of(items[0].p);
   for (int i0 = 0; i0 < n;) {
     adamw_table t;
@@ -358,27 +363,27 @@ static status_t cuda_adamw_many(const adamw_item_t *items, int n) {
     }
     if (t.count == 0) break;
     adamw_many_kernel<<<(unsigned)blocks, kBlock, 0, s>>>(t);
-    TRY(launched("kernel_adamw"));
+    FSDPC_TRY(launched("kernel_adamw"));
   }
   return STATUS_OK;
 }
 
-static status_t cuda_adamw(tensor_t *p, const tensor_t *g, tensor_t *m, tensor_t *v,
-                           const adamw_args_t *a) {
+static fsdpc_status_t cuda_adamw(fsdpc_tensor_t *p, const fsdpc_tensor_t *g, fsdpc_tensor_t *m,
+                                 fsdpc_tensor_t *v, const adamw_args_t *a) {
   adamw_item_t it = {p, g, m, v, *a};
   return cuda_adamw_many(&it, 1);
 }
 
-static status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *out) {
+static fsdpc_status_t cuda_sum_squares_many(const fsdpc_tensor_t *const *xs, int n, double *out) {
   device_t dev = xs[0]->device;
   cudaStream_t s = stream_of(xs[0]);
   size_t pbytes = sizeof(float) * (size_t)n * kSsqBlocks, bytes = pbytes + sizeof(double) * n;
   char *buf;
-  TRY(device_alloc(dev, bytes, (void **)&buf));
+  FSDPC_TRY(device_alloc(dev, bytes, (void **)&buf));
   float *partial = (float *)buf;
   double *sums = (double *)(buf + pbytes); /* pbytes is a multiple of 4 KiB */
   /* unused partials stay zero (adding them changes no bit) */
-  status_t st =
+  fsdpc_status_t st =
       cuda_status(cudaMemsetAsync(partial, 0, pbytes, s), "cudaMemsetAsync (sum of squares)");
   for (int i0 = 0; i0 < n && st == STATUS_OK;) {
     ssq_table t;
@@ -409,7 +414,7 @@ static status_t cuda_sum_squares_many(const tensor_t *const *xs, int n, double *
   return st;
 }
 
-static status_t cuda_sum_squares(const tensor_t *x, double *out) {
+static fsdpc_status_t cuda_sum_squares(const fsdpc_tensor_t *x, double *out) {
   return cuda_sum_squares_many(&x, 1, out);
 }
 

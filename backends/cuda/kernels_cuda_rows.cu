@@ -300,8 +300,8 @@ __global__ static void masked_mean_kernel(float *mean, long long *count, const f
 
 static const char kTargetRange[] = "%s: a target is >= the vocabulary size %lld";
 
-static status_t cuda_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, const tensor_t *w,
-                             float eps) {
+static fsdpc_status_t cuda_rmsnorm(fsdpc_tensor_t *out, fsdpc_tensor_t *rstd,
+                                   const fsdpc_tensor_t *x, const fsdpc_tensor_t *w, float eps) {
   int64_t D = last_dim(x), rows = D ? tensor_numel(x) / D : 0;
   if (rows == 0) return STATUS_OK;
   with_float_type(x->dtype, [&](auto t) {
@@ -312,8 +312,9 @@ static status_t cuda_rmsnorm(tensor_t *out, tensor_t *rstd, const tensor_t *x, c
   return launched("kernel_rmsnorm");
 }
 
-static status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t *dy,
-                                      const tensor_t *x, const tensor_t *w, const tensor_t *rstd) {
+static fsdpc_status_t cuda_rmsnorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
+                                            const fsdpc_tensor_t *dy, const fsdpc_tensor_t *x,
+                                            const fsdpc_tensor_t *w, const fsdpc_tensor_t *rstd) {
   int64_t D = last_dim(x), rows = D ? tensor_numel(x) / D : 0;
   if (rows == 0) return STATUS_OK;
   cudaStream_t s = stream_of(x);
@@ -323,7 +324,7 @@ static status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t
   int64_t blocks = (rows + per - 1) / per;
   size_t bytes = sizeof(float) * (size_t)(blocks * D);
   float *partial;
-  TRY(device_alloc(x->device, bytes, (void **)&partial));
+  FSDPC_TRY(device_alloc(x->device, bytes, (void **)&partial));
   with_float_type(x->dtype, [&](auto t) {
     using T = decltype(t);
     const T *pdy = (const T *)dy->data, *px = (const T *)x->data;
@@ -332,7 +333,7 @@ static status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t
     dim3 grid((unsigned)((D + kBlock - 1) / kBlock), (unsigned)blocks);
     rmsnorm_dw_partial_kernel<<<grid, kBlock, 0, s>>>(partial, pdy, px, r, rows, D, per);
   });
-  status_t st = launched("kernel_rmsnorm_backward");
+  fsdpc_status_t st = launched("kernel_rmsnorm_backward");
   if (st == STATUS_OK) {
     rmsnorm_dw_sum_kernel<<<grid_for(D), kBlock, 0, s>>>(dw->data, dw->dtype, partial, blocks, D);
     st = launched("kernel_rmsnorm_backward");
@@ -341,8 +342,9 @@ static status_t cuda_rmsnorm_backward(tensor_t *dx, tensor_t *dw, const tensor_t
   return st;
 }
 
-static status_t cuda_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, const tensor_t *x,
-                               const tensor_t *w, const tensor_t *b, float eps) {
+static fsdpc_status_t cuda_layernorm(fsdpc_tensor_t *out, fsdpc_tensor_t *mean,
+                                     fsdpc_tensor_t *rstd, const fsdpc_tensor_t *x,
+                                     const fsdpc_tensor_t *w, const fsdpc_tensor_t *b, float eps) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
   layernorm_kernel<<<(unsigned)rows, kBlock, 0, stream_of(x)>>>(
       out->data, (float *)mean->data, (float *)rstd->data, x->data, x->dtype, w->data, w->dtype,
@@ -350,27 +352,29 @@ static status_t cuda_layernorm(tensor_t *out, tensor_t *mean, tensor_t *rstd, co
   return launched("kernel_layernorm");
 }
 
-static status_t cuda_layernorm_backward(tensor_t *dx, tensor_t *dw, tensor_t *db,
-                                        const tensor_t *dy, const tensor_t *x, const tensor_t *w,
-                                        const tensor_t *mean, const tensor_t *rstd) {
+static fsdpc_status_t cuda_layernorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
+                                              fsdpc_tensor_t *db, const fsdpc_tensor_t *dy,
+                                              const fsdpc_tensor_t *x, const fsdpc_tensor_t *w,
+                                              const fsdpc_tensor_t *mean,
+                                              const fsdpc_tensor_t *rstd) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
   cudaStream_t s = stream_of(x);
   layernorm_backward_dx_kernel<<<(unsigned)rows, kBlock, 0, s>>>(
       dx->data, dy->data, x->data, x->dtype, w->data, w->dtype, (const float *)mean->data,
       (const float *)rstd->data, D);
-  TRY(launched("kernel_layernorm_backward"));
+  FSDPC_TRY(launched("kernel_layernorm_backward"));
   layernorm_backward_dwb_kernel<<<grid_for(D), kBlock, 0, s>>>(
       dw->data, dw->dtype, db ? db->data : NULL, db ? db->dtype : DTYPE_F32, dy->data, x->data,
       x->dtype, (const float *)mean->data, (const float *)rstd->data, rows, D);
   return launched("kernel_layernorm_backward");
 }
 
-static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
-                                   const tensor_t *targets) {
+static fsdpc_status_t cuda_cross_entropy(fsdpc_tensor_t *losses, const fsdpc_tensor_t *logits,
+                                         const fsdpc_tensor_t *targets) {
   int64_t V = last_dim(logits), N = tensor_numel(targets);
   if (N == 0) return STATUS_OK;
   flag_t f;
-  TRY(flag_new(&f, logits->device, kTargetRange, "kernel_cross_entropy", V));
+  FSDPC_TRY(flag_new(&f, logits->device, kTargetRange, "kernel_cross_entropy", V));
   with_float_type(logits->dtype, [&](auto t) {
     cross_entropy_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(
         (float *)losses->data, (const decltype(t) *)logits->data, targets->data, targets->dtype, V,
@@ -379,21 +383,24 @@ static status_t cuda_cross_entropy(tensor_t *losses, const tensor_t *logits,
   return flag_finish(&f, launched("kernel_cross_entropy"));
 }
 
-static status_t cuda_masked_mean(tensor_t *mean, tensor_t *count, const tensor_t *values,
-                                 const tensor_t *targets) {
+static fsdpc_status_t cuda_masked_mean(fsdpc_tensor_t *mean, fsdpc_tensor_t *count,
+                                       const fsdpc_tensor_t *values,
+                                       const fsdpc_tensor_t *targets) {
   masked_mean_kernel<<<1, kMeanThreads, 0, stream_of(mean)>>>(
       (float *)mean->data, (long long *)count->data, (const float *)values->data, targets->data,
       targets->dtype, tensor_numel(targets));
   return launched("kernel_masked_mean");
 }
 
-static status_t cuda_cross_entropy_backward(tensor_t *dlogits, const tensor_t *logits,
-                                            const tensor_t *targets, float scale,
-                                            const tensor_t *dloss, const tensor_t *count) {
+static fsdpc_status_t cuda_cross_entropy_backward(fsdpc_tensor_t *dlogits,
+                                                  const fsdpc_tensor_t *logits,
+                                                  const fsdpc_tensor_t *targets, float scale,
+                                                  const fsdpc_tensor_t *dloss,
+                                                  const fsdpc_tensor_t *count) {
   int64_t V = last_dim(logits), N = tensor_numel(targets);
   if (N == 0) return STATUS_OK;
   flag_t f;
-  TRY(flag_new(&f, logits->device, kTargetRange, "kernel_cross_entropy_backward", V));
+  FSDPC_TRY(flag_new(&f, logits->device, kTargetRange, "kernel_cross_entropy_backward", V));
   with_float_type(logits->dtype, [&](auto t) {
     using T = decltype(t);
     cross_entropy_backward_kernel<<<(unsigned)N, kBlock, 0, stream_of(logits)>>>(

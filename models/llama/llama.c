@@ -26,63 +26,65 @@ static const llama_config_t *cfg_of(nn_module_t *m) {
   return &((const llama_t *)nn_module_impl(m))->cfg;
 }
 
-static status_t linear_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t linear_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   return nn_linear(ctx, in, weight_of(m), out);
 }
 
-static status_t embedding_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t embedding_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                        nn_var_t **out) {
   return nn_embedding(ctx, in, weight_of(m), out);
 }
 
-static status_t rmsnorm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t rmsnorm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   return nn_rmsnorm(ctx, in, weight_of(m), cfg_of(m)->norm_eps, out);
 }
 
-static status_t call_child(nn_ctx_t *ctx, nn_module_t *m, const char *name, nn_var_t *in,
-                           nn_var_t **out) {
+static fsdpc_status_t call_child(nn_ctx_t *ctx, nn_module_t *m, const char *name, nn_var_t *in,
+                                 nn_var_t **out) {
   return nn_call(ctx, nn_module_child_named(m, name), in, out);
 }
 
 /* x [B, T, H*Dh] -> [B, T, H, Dh] with H from the projection's local output size. */
-static status_t split_heads(nn_ctx_t *ctx, nn_var_t *x, int64_t head_dim, nn_var_t **out) {
-  const tensor_t *v = &x->value;
+static fsdpc_status_t split_heads(nn_ctx_t *ctx, nn_var_t *x, int64_t head_dim, nn_var_t **out) {
+  const fsdpc_tensor_t *v = &x->value;
   int64_t shape[4] = {v->shape[0], v->shape[1], v->shape[2] / head_dim, head_dim};
   return nn_view(ctx, x, 4, shape, out);
 }
 
-static status_t attention_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t attention_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                        nn_var_t **out) {
   const llama_config_t *c = cfg_of(m);
   int64_t hd = c->dim / c->n_heads;
   if (in->value.ndim != 3)
     return err_set(STATUS_ESHAPE, "%s: input must be [B, T, D]", nn_module_fqn(m));
   nn_var_t *q = NULL, *k = NULL, *v = NULL, *q4 = NULL, *k4 = NULL, *v4 = NULL, *qr = NULL,
            *kr = NULL, *a = NULL, *a3 = NULL;
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, call_child(ctx, m, "q_proj", in, &q));
-  TRY_GOTO(st, call_child(ctx, m, "k_proj", in, &k));
-  TRY_GOTO(st, call_child(ctx, m, "v_proj", in, &v));
-  TRY_GOTO(st, split_heads(ctx, q, hd, &q4));
-  TRY_GOTO(st, split_heads(ctx, k, hd, &k4));
-  TRY_GOTO(st, split_heads(ctx, v, hd, &v4));
-  TRY_GOTO(st, nn_rope(ctx, q4, &c->rope, &qr));
-  TRY_GOTO(st, nn_rope(ctx, k4, &c->rope, &kr));
-  TRY_GOTO(st, nn_attention(ctx, qr, kr, v4, &a));
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "q_proj", in, &q));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "k_proj", in, &k));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "v_proj", in, &v));
+  FSDPC_TRY_GOTO(st, split_heads(ctx, q, hd, &q4));
+  FSDPC_TRY_GOTO(st, split_heads(ctx, k, hd, &k4));
+  FSDPC_TRY_GOTO(st, split_heads(ctx, v, hd, &v4));
+  FSDPC_TRY_GOTO(st, nn_rope(ctx, q4, &c->rope, &qr));
+  FSDPC_TRY_GOTO(st, nn_rope(ctx, k4, &c->rope, &kr));
+  FSDPC_TRY_GOTO(st, nn_attention(ctx, qr, kr, v4, &a));
   int64_t shape[3] = {in->value.shape[0], in->value.shape[1], q->value.shape[2]};
-  TRY_GOTO(st, nn_view(ctx, a, 3, shape, &a3));
-  TRY_GOTO(st, call_child(ctx, m, "o_proj", a3, out));
+  FSDPC_TRY_GOTO(st, nn_view(ctx, a, 3, shape, &a3));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "o_proj", a3, out));
 cleanup:;
   nn_var_t *vars[] = {q, k, v, q4, k4, v4, qr, kr, a, a3};
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) nn_var_put(vars[i]);
   return st;
 }
 
-static status_t mlp_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t mlp_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   nn_var_t *g = NULL, *u = NULL, *s = NULL;
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, call_child(ctx, m, "gate_proj", in, &g));
-  TRY_GOTO(st, call_child(ctx, m, "up_proj", in, &u));
-  TRY_GOTO(st, nn_silu_mul(ctx, g, u, &s));
-  TRY_GOTO(st, call_child(ctx, m, "down_proj", s, out));
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "gate_proj", in, &g));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "up_proj", in, &u));
+  FSDPC_TRY_GOTO(st, nn_silu_mul(ctx, g, u, &s));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "down_proj", s, out));
 cleanup:
   nn_var_put(g);
   nn_var_put(u);
@@ -90,15 +92,15 @@ cleanup:
   return st;
 }
 
-static status_t block_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t block_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   nn_var_t *r = NULL, *a = NULL, *h = NULL, *r2 = NULL, *f = NULL;
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, call_child(ctx, m, "input_layernorm", in, &r));
-  TRY_GOTO(st, call_child(ctx, m, "self_attn", r, &a));
-  TRY_GOTO(st, nn_add(ctx, in, a, &h));
-  TRY_GOTO(st, call_child(ctx, m, "post_attention_layernorm", h, &r2));
-  TRY_GOTO(st, call_child(ctx, m, "mlp", r2, &f));
-  TRY_GOTO(st, nn_add(ctx, h, f, out));
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "input_layernorm", in, &r));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "self_attn", r, &a));
+  FSDPC_TRY_GOTO(st, nn_add(ctx, in, a, &h));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "post_attention_layernorm", h, &r2));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "mlp", r2, &f));
+  FSDPC_TRY_GOTO(st, nn_add(ctx, h, f, out));
 cleanup:
   nn_var_put(r);
   nn_var_put(a);
@@ -108,23 +110,24 @@ cleanup:
   return st;
 }
 
-static status_t model_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t model_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   const llama_t *L = nn_module_impl(m);
   nn_var_t *h = NULL;
-  TRY(call_child(ctx, m, "embed_tokens", in, &h));
+  FSDPC_TRY(call_child(ctx, m, "embed_tokens", in, &h));
   for (int64_t i = 0; i < L->cfg.n_layers; i++) {
     nn_var_t *next = NULL;
-    status_t st = nn_call(ctx, L->layers[i], h, &next);
+    fsdpc_status_t st = nn_call(ctx, L->layers[i], h, &next);
     nn_var_put(h);
-    TRY(st);
+    FSDPC_TRY(st);
     h = next;
   }
-  status_t st = call_child(ctx, m, "norm", h, out);
+  fsdpc_status_t st = call_child(ctx, m, "norm", h, out);
   nn_var_put(h);
   return st;
 }
 
-static status_t causal_lm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t causal_lm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                        nn_var_t **out) {
   const llama_t *L = nn_module_impl(m);
   if (in->value.ndim != 2 || (in->value.dtype != DTYPE_I32 && in->value.dtype != DTYPE_I64))
     return err_set(STATUS_EINVAL, "llama: input ids must be an i32/i64 [B, T] tensor");
@@ -134,8 +137,8 @@ static status_t causal_lm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, n
                    "%lld",
                    (long long)in->value.shape[1], (long long)L->cfg.max_seq_len);
   nn_var_t *h = NULL;
-  TRY(call_child(ctx, m, "model", in, &h));
-  status_t st = call_child(ctx, m, "lm_head", h, out);
+  FSDPC_TRY(call_child(ctx, m, "model", in, &h));
+  fsdpc_status_t st = call_child(ctx, m, "lm_head", h, out);
   nn_var_put(h);
   return st;
 }
@@ -147,34 +150,34 @@ typedef struct builder {
   const llama_options_t *opt;
 } builder_t;
 
-static status_t add_weight(builder_t *b, nn_module_t *m, int64_t rows, int64_t cols,
-                           nn_param_t **out) {
+static fsdpc_status_t add_weight(builder_t *b, nn_module_t *m, int64_t rows, int64_t cols,
+                                 nn_param_t **out) {
   int64_t shape[2] = {rows, cols};
   int nd = cols > 0 ? 2 : 1;
-  tensor_t t;
+  fsdpc_tensor_t t;
   device_t dev = mesh_device(b->L->mesh);
   if (b->opt->deferred)
-    TRY(tensor_meta(&t, b->opt->dtype, dev, nd, shape));
+    FSDPC_TRY(tensor_meta(&t, b->opt->dtype, dev, nd, shape));
   else
-    TRY(tensor_zeros(&t, b->opt->dtype, dev, nd, shape));
+    FSDPC_TRY(tensor_zeros(&t, b->opt->dtype, dev, nd, shape));
   dtensor_t *dt = NULL;
   placement_t rep = placement_replicate();
-  status_t st = dtensor_from_local(&dt, &t, b->L->mesh, &rep, nd, shape);
+  fsdpc_status_t st = dtensor_from_local(&t, b->L->mesh, &rep, nd, shape, &dt);
   tensor_free(&t);
-  TRY(st);
+  FSDPC_TRY(st);
   return nn_module_add_param(m, "weight", dt, true, out);
 }
 
 /* A leaf module with a weight of [rows, cols] (cols 0: a vector) added to parent. */
-static status_t add_leaf(builder_t *b, nn_module_t *parent, const char *name, nn_forward_fn fn,
-                         int64_t rows, int64_t cols, nn_module_t **out) {
+static fsdpc_status_t add_leaf(builder_t *b, nn_module_t *parent, const char *name,
+                               nn_forward_fn fn, int64_t rows, int64_t cols, nn_module_t **out) {
   nn_module_t *m;
-  TRY(nn_module_new(&m, name, fn, b->L));
+  FSDPC_TRY(nn_module_new(name, fn, b->L, &m));
   nn_module_set_kind(m, fn == linear_forward      ? "linear"
                         : fn == embedding_forward ? "embedding"
                         : fn == rmsnorm_forward   ? "rmsnorm"
                                                   : NULL);
-  status_t st = nn_module_add_child(parent, m);
+  fsdpc_status_t st = nn_module_add_child(parent, m);
   if (st != STATUS_OK) {
     nn_module_free(m);
     return st;
@@ -184,71 +187,71 @@ static status_t add_leaf(builder_t *b, nn_module_t *parent, const char *name, nn
   return add_weight(b, m, rows, cols, NULL);
 }
 
-static status_t add_container(builder_t *b, nn_module_t *parent, const char *name, nn_forward_fn fn,
-                              nn_module_t **out) {
+static fsdpc_status_t add_container(builder_t *b, nn_module_t *parent, const char *name,
+                                    nn_forward_fn fn, nn_module_t **out) {
   return add_leaf(b, parent, name, fn, 0, 0, out);
 }
 
-static status_t build_block(builder_t *b, nn_module_t *layers, int64_t i) {
+static fsdpc_status_t build_block(builder_t *b, nn_module_t *layers, int64_t i) {
   const llama_config_t *c = &b->L->cfg;
   int64_t hd = c->dim / c->n_heads;
   char name[24];
   snprintf(name, sizeof name, "%lld", (long long)i);
   nn_module_t *blk, *attn, *mlp;
-  TRY(add_container(b, layers, name, block_forward, &blk));
+  FSDPC_TRY(add_container(b, layers, name, block_forward, &blk));
   b->L->layers[i] = blk;
-  TRY(add_leaf(b, blk, "input_layernorm", rmsnorm_forward, c->dim, 0, NULL));
-  TRY(add_container(b, blk, "self_attn", attention_forward, &attn));
-  TRY(add_leaf(b, attn, "q_proj", linear_forward, c->n_heads * hd, c->dim, NULL));
-  TRY(add_leaf(b, attn, "k_proj", linear_forward, c->n_kv_heads * hd, c->dim, NULL));
-  TRY(add_leaf(b, attn, "v_proj", linear_forward, c->n_kv_heads * hd, c->dim, NULL));
-  TRY(add_leaf(b, attn, "o_proj", linear_forward, c->dim, c->n_heads * hd, NULL));
-  TRY(add_leaf(b, blk, "post_attention_layernorm", rmsnorm_forward, c->dim, 0, NULL));
-  TRY(add_container(b, blk, "mlp", mlp_forward, &mlp));
-  TRY(add_leaf(b, mlp, "gate_proj", linear_forward, c->ffn_dim, c->dim, NULL));
-  TRY(add_leaf(b, mlp, "up_proj", linear_forward, c->ffn_dim, c->dim, NULL));
-  TRY(add_leaf(b, mlp, "down_proj", linear_forward, c->dim, c->ffn_dim, NULL));
+  FSDPC_TRY(add_leaf(b, blk, "input_layernorm", rmsnorm_forward, c->dim, 0, NULL));
+  FSDPC_TRY(add_container(b, blk, "self_attn", attention_forward, &attn));
+  FSDPC_TRY(add_leaf(b, attn, "q_proj", linear_forward, c->n_heads * hd, c->dim, NULL));
+  FSDPC_TRY(add_leaf(b, attn, "k_proj", linear_forward, c->n_kv_heads * hd, c->dim, NULL));
+  FSDPC_TRY(add_leaf(b, attn, "v_proj", linear_forward, c->n_kv_heads * hd, c->dim, NULL));
+  FSDPC_TRY(add_leaf(b, attn, "o_proj", linear_forward, c->dim, c->n_heads * hd, NULL));
+  FSDPC_TRY(add_leaf(b, blk, "post_attention_layernorm", rmsnorm_forward, c->dim, 0, NULL));
+  FSDPC_TRY(add_container(b, blk, "mlp", mlp_forward, &mlp));
+  FSDPC_TRY(add_leaf(b, mlp, "gate_proj", linear_forward, c->ffn_dim, c->dim, NULL));
+  FSDPC_TRY(add_leaf(b, mlp, "up_proj", linear_forward, c->ffn_dim, c->dim, NULL));
+  FSDPC_TRY(add_leaf(b, mlp, "down_proj", linear_forward, c->dim, c->ffn_dim, NULL));
   nn_module_set_checkpoint(blk, b->opt->activation_checkpointing);
   return STATUS_OK;
 }
 
-static status_t build(builder_t *b) {
+static fsdpc_status_t build(builder_t *b) {
   llama_t *L = b->L;
   const llama_config_t *c = &L->cfg;
   nn_module_t *model, *layers, *embed, *head;
-  TRY(nn_module_new(&L->root, "", causal_lm_forward, L));
-  TRY(add_container(b, L->root, "model", model_forward, &model));
-  TRY(add_leaf(b, model, "embed_tokens", embedding_forward, c->vocab_size, c->dim, &embed));
-  TRY(add_container(b, model, "layers", NULL, &layers));
-  for (int64_t i = 0; i < c->n_layers; i++) TRY(build_block(b, layers, i));
-  TRY(add_leaf(b, model, "norm", rmsnorm_forward, c->dim, 0, NULL));
+  FSDPC_TRY(nn_module_new("", causal_lm_forward, L, &L->root));
+  FSDPC_TRY(add_container(b, L->root, "model", model_forward, &model));
+  FSDPC_TRY(add_leaf(b, model, "embed_tokens", embedding_forward, c->vocab_size, c->dim, &embed));
+  FSDPC_TRY(add_container(b, model, "layers", NULL, &layers));
+  for (int64_t i = 0; i < c->n_layers; i++) FSDPC_TRY(build_block(b, layers, i));
+  FSDPC_TRY(add_leaf(b, model, "norm", rmsnorm_forward, c->dim, 0, NULL));
   if (c->tie_embeddings) {
-    TRY(add_container(b, L->root, "lm_head", linear_forward, &head));
-    TRY(nn_module_share_param(head, weight_of(embed)));
+    FSDPC_TRY(add_container(b, L->root, "lm_head", linear_forward, &head));
+    FSDPC_TRY(nn_module_share_param(head, weight_of(embed)));
   } else {
-    TRY(add_leaf(b, L->root, "lm_head", linear_forward, c->vocab_size, c->dim, NULL));
+    FSDPC_TRY(add_leaf(b, L->root, "lm_head", linear_forward, c->vocab_size, c->dim, NULL));
   }
   return nn_module_finalize(L->root);
 }
 
-status_t llama_new(llama_t **out, const llama_config_t *cfg, const llama_options_t *opt) {
+fsdpc_status_t llama_new(const llama_config_t *cfg, const llama_options_t *opt, llama_t **out) {
   ARG_NONNULL(out);
   ARG_NONNULL(cfg);
   *out = NULL;
   llama_options_t defaults = LLAMA_OPTIONS_INIT;
   if (opt == NULL) opt = &defaults;
-  TRY(llama_config_check(cfg));
+  FSDPC_TRY(llama_config_check(cfg));
   if (!dtype_is_float(opt->dtype))
     return err_set(STATUS_EDTYPE, "llama: parameter dtype must be f32, bf16 or f16");
   llama_t *L = calloc(1, sizeof *L);
   if (L == NULL) return err_set(STATUS_ENOMEM, "llama: out of host memory");
   L->cfg = *cfg;
-  status_t st = STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
   if ((L->layers = calloc((size_t)cfg->n_layers, sizeof(nn_module_t *))) == NULL)
-    TRY_GOTO(st, err_set(STATUS_ENOMEM, "llama: out of host memory"));
-  TRY_GOTO(st, mesh_init_local(&L->mesh, "local", opt->device));
+    FSDPC_TRY_GOTO(st, err_set(STATUS_ENOMEM, "llama: out of host memory"));
+  FSDPC_TRY_GOTO(st, mesh_new_local("local", opt->device, &L->mesh));
   builder_t b = {L, opt};
-  TRY_GOTO(st, build(&b));
+  FSDPC_TRY_GOTO(st, build(&b));
   *out = L;
   return STATUS_OK;
 cleanup:
@@ -264,12 +267,12 @@ void llama_free(llama_t *m) {
   free(m);
 }
 
-status_t llama_init_weights(llama_t *m, uint64_t seed) {
+fsdpc_status_t llama_init_weights(llama_t *m, uint64_t seed) {
   ARG_NONNULL(m);
   nn_param_t **ps;
   int n;
-  TRY(nn_named_parameters(m->root, &ps, &n));
-  status_t st = STATUS_OK;
+  FSDPC_TRY(nn_named_parameters(m->root, &ps, &n));
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     size_t len = strlen(ps[i]->fqn);
     bool norm = len >= 11 && strcmp(ps[i]->fqn + len - 11, "norm.weight") == 0;

@@ -4,16 +4,16 @@
  *
  *   llama_config_t cfg;
  *   llama_t *model;
- *   TRY(llama_config_from_hf("config.json", &cfg));
+ *   FSDPC_TRY(llama_config_from_hf("config.json", &cfg));
  *   llama_options_t opt = LLAMA_OPTIONS_INIT;
- *   TRY(llama_new(&model, &cfg, &opt));          // parameters on a one-rank mesh
- *   TRY(llama_init_weights(model, 1234));        // plan-independent init
+ *   FSDPC_TRY(llama_new(&cfg, &opt, &model));          // parameters on a one-rank mesh
+ *   FSDPC_TRY(llama_init_weights(model, 1234));        // plan-independent init
  *
  * Deferred initialisation (a model larger than one rank): opt.deferred = true builds meta
  * parameters; apply tensor parallelism and fully_shard, then
- *   TRY(nn_module_materialize(llama_module(model)));   // memory for this rank's shards only
- *   TRY(llama_init_weights(model, 1234));              // or ckpt_load_hf, a checkpoint load
- *   TRY(nn_call(ctx, llama_module(model), ids, &logits));   // ids: I32/I64 [B, T]
+ *   FSDPC_TRY(nn_module_materialize(llama_module(model)));   // memory for this rank's shards only
+ *   FSDPC_TRY(llama_init_weights(model, 1234));              // or ckpt_load_hf, a checkpoint load
+ *   FSDPC_TRY(nn_call(ctx, llama_module(model), ids, &logits));   // ids: I32/I64 [B, T]
  *   llama_free(model);
  *
  * Module tree (FQNs): "" (the causal LM) -> model -> embed_tokens, layers.{i} ->
@@ -61,7 +61,7 @@ typedef struct llama_config {
 
 /* Checks sizes: all positive, dim divisible by n_heads with an even head size, n_heads a
  * multiple of n_kv_heads; and the rotary embedding (rope_check). */
-status_t llama_config_check(const llama_config_t *c);
+fsdpc_status_t llama_config_check(const llama_config_t *c);
 
 /* Reads a Hugging Face config.json (hidden_size, num_hidden_layers, num_attention_heads,
  * num_key_value_heads, intermediate_size, vocab_size, rms_norm_eps, tie_word_embeddings,
@@ -69,17 +69,17 @@ status_t llama_config_check(const llama_config_t *c);
  * and rope_scaling, or as transformers 5 does, rope_parameters); refuses features the model
  * does not have (biases, rope types other than default, linear and llama3, another
  * activation). Errors name the file and the key. */
-status_t llama_config_from_hf(const char *path, llama_config_t *out);
+fsdpc_status_t llama_config_from_hf(const char *path, llama_config_t *out);
 
 /* The same from config.json's text; errors name origin. */
-status_t llama_config_from_hf_text(const char *text, const char *origin, llama_config_t *out);
+fsdpc_status_t llama_config_from_hf_text(const char *text, const char *origin, llama_config_t *out);
 
 /* Writes the config as a Hugging Face LlamaForCausalLM config.json (a scaled rotary
  * embedding as rope_scaling, which transformers 4 and 5 both read). */
-status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path);
+fsdpc_status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path);
 
 /* The same as text (*out, freed by the caller with free()). */
-status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out);
+fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out);
 
 /* Number of parameters (the lm_head counted only when untied). */
 int64_t llama_num_params(const llama_config_t *c);
@@ -106,12 +106,12 @@ typedef struct llama llama_t;
  * model; with opt->deferred the parameters are meta instead, so that a model larger than
  * one rank can be built, parallelised (tensor_parallel, fully_shard) and then given memory
  * for its shards only (nn_module_materialize) before llama_init_weights or a load. Local. */
-status_t llama_new(llama_t **out, const llama_config_t *cfg, const llama_options_t *opt);
+fsdpc_status_t llama_new(const llama_config_t *cfg, const llama_options_t *opt, llama_t **out);
 void llama_free(llama_t *m);
 
 /* Linear and embedding weights ~ N(0, 0.02), norm weights = 1 (init.h), each rank filling its
  * local shards: the same global values under every plan. Local. */
-status_t llama_init_weights(llama_t *m, uint64_t seed);
+fsdpc_status_t llama_init_weights(llama_t *m, uint64_t seed);
 
 nn_module_t *llama_module(const llama_t *m);
 const llama_config_t *llama_get_config(const llama_t *m);

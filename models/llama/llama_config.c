@@ -11,7 +11,7 @@
 #include "core/file.h"
 #include "models/llama/llama.h"
 
-status_t llama_config_check(const llama_config_t *c) {
+fsdpc_status_t llama_config_check(const llama_config_t *c) {
   ARG_NONNULL(c);
   /* the limits of a plan's model: keys (train/plan.c), whichever way a config arrives */
   const int64_t big = (int64_t)1 << 31;
@@ -75,7 +75,7 @@ int64_t llama_num_params(const llama_config_t *c) {
 }
 
 /* Reads an optional integer key; errors name the file and the key. */
-static status_t json_int(const char *path, const cJSON *o, const char *key, int64_t *v) {
+static fsdpc_status_t json_int(const char *path, const cJSON *o, const char *key, int64_t *v) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
   if (it == NULL || cJSON_IsNull(it)) return STATUS_OK;
   if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble))
@@ -84,7 +84,7 @@ static status_t json_int(const char *path, const cJSON *o, const char *key, int6
   return STATUS_OK;
 }
 
-static status_t json_num(const char *path, const cJSON *o, const char *key, double *v) {
+static fsdpc_status_t json_num(const char *path, const cJSON *o, const char *key, double *v) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
   if (it == NULL || cJSON_IsNull(it)) return STATUS_OK;
   if (!cJSON_IsNumber(it)) return err_set(STATUS_EFORMAT, "%s: '%s' must be a number", path, key);
@@ -92,15 +92,16 @@ static status_t json_num(const char *path, const cJSON *o, const char *key, doub
   return STATUS_OK;
 }
 
-static status_t json_refuse(const char *path, const cJSON *o, const char *key, const char *why) {
+static fsdpc_status_t json_refuse(const char *path, const cJSON *o, const char *key,
+                                  const char *why) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
   if (it == NULL || cJSON_IsNull(it) || cJSON_IsFalse(it)) return STATUS_OK;
   return err_set(STATUS_EUNSUPPORTED, "%s: '%s' is set, but %s", path, key, why);
 }
 
 /* A number in a rope section; required ones missing are an error naming the key. */
-static status_t rope_num(const char *path, const char *section, const cJSON *r, const char *key,
-                         double *v) {
+static fsdpc_status_t rope_num(const char *path, const char *section, const cJSON *r,
+                               const char *key, double *v) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(r, key);
   if (it == NULL || cJSON_IsNull(it))
     return err_set(STATUS_EFORMAT, "%s: '%s' has no '%s'", path, section, key);
@@ -114,9 +115,9 @@ static status_t rope_num(const char *path, const char *section, const cJSON *r, 
  * {rope_type (or type), factor, ...} for the scaled variants; transformers 5 writes
  * rope_parameters {rope_theta, rope_type, ...}. The default, linear and llama3 types are
  * implemented; any other is refused, naming the key, rather than read as one of them. */
-static status_t parse_rope(const char *path, const cJSON *o, rope_t *rope) {
+static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope) {
   double top = -1;
-  TRY(json_num(path, o, "rope_theta", &top));
+  FSDPC_TRY(json_num(path, o, "rope_theta", &top));
   if (top != -1) rope->theta = top;
   static const char *const keys[] = {"rope_scaling", "rope_parameters"};
   static const struct {
@@ -150,11 +151,13 @@ static status_t parse_rope(const char *path, const cJSON *o, rope_t *rope) {
                      keys[k]);
     typed = keys[k];
     rope->scaling = types[i].scaling;
-    if (rope->scaling != ROPE_DEFAULT) TRY(rope_num(path, keys[k], r, "factor", &rope->factor));
+    if (rope->scaling != ROPE_DEFAULT)
+      FSDPC_TRY(rope_num(path, keys[k], r, "factor", &rope->factor));
     if (rope->scaling == ROPE_LLAMA3) {
-      TRY(rope_num(path, keys[k], r, "low_freq_factor", &rope->low_freq_factor));
-      TRY(rope_num(path, keys[k], r, "high_freq_factor", &rope->high_freq_factor));
-      TRY(rope_num(path, keys[k], r, "original_max_position_embeddings", &rope->original_max_pos));
+      FSDPC_TRY(rope_num(path, keys[k], r, "low_freq_factor", &rope->low_freq_factor));
+      FSDPC_TRY(rope_num(path, keys[k], r, "high_freq_factor", &rope->high_freq_factor));
+      FSDPC_TRY(
+          rope_num(path, keys[k], r, "original_max_position_embeddings", &rope->original_max_pos));
     }
     double theta = -1;
     char key[40];
@@ -171,7 +174,7 @@ static status_t parse_rope(const char *path, const cJSON *o, rope_t *rope) {
   return STATUS_OK;
 }
 
-static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
+static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   if (!cJSON_IsObject(o)) return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
   const char *required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "vocab_size"};
@@ -184,18 +187,18 @@ static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   const cJSON *act = cJSON_GetObjectItemCaseSensitive(o, "hidden_act");
   if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
     return err_set(STATUS_EUNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
-  TRY(json_refuse(path, o, "attention_bias", "the model has no biases"));
-  TRY(json_refuse(path, o, "mlp_bias", "the model has no biases"));
-  TRY(json_int(path, o, "hidden_size", &c->dim));
-  TRY(json_int(path, o, "num_hidden_layers", &c->n_layers));
-  TRY(json_int(path, o, "num_attention_heads", &c->n_heads));
+  FSDPC_TRY(json_refuse(path, o, "attention_bias", "the model has no biases"));
+  FSDPC_TRY(json_refuse(path, o, "mlp_bias", "the model has no biases"));
+  FSDPC_TRY(json_int(path, o, "hidden_size", &c->dim));
+  FSDPC_TRY(json_int(path, o, "num_hidden_layers", &c->n_layers));
+  FSDPC_TRY(json_int(path, o, "num_attention_heads", &c->n_heads));
   c->n_kv_heads = c->n_heads;
-  TRY(json_int(path, o, "num_key_value_heads", &c->n_kv_heads));
-  TRY(json_int(path, o, "intermediate_size", &c->ffn_dim));
-  TRY(json_int(path, o, "vocab_size", &c->vocab_size));
-  TRY(json_int(path, o, "max_position_embeddings", &c->max_seq_len));
-  TRY(parse_rope(path, o, &c->rope));
-  TRY(json_num(path, o, "rms_norm_eps", &c->norm_eps));
+  FSDPC_TRY(json_int(path, o, "num_key_value_heads", &c->n_kv_heads));
+  FSDPC_TRY(json_int(path, o, "intermediate_size", &c->ffn_dim));
+  FSDPC_TRY(json_int(path, o, "vocab_size", &c->vocab_size));
+  FSDPC_TRY(json_int(path, o, "max_position_embeddings", &c->max_seq_len));
+  FSDPC_TRY(parse_rope(path, o, &c->rope));
+  FSDPC_TRY(json_num(path, o, "rms_norm_eps", &c->norm_eps));
   const cJSON *tie = cJSON_GetObjectItemCaseSensitive(o, "tie_word_embeddings");
   if (tie && !cJSON_IsNull(tie)) {
     if (!cJSON_IsBool(tie))
@@ -203,52 +206,53 @@ static status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
     c->tie_embeddings = cJSON_IsTrue(tie);
   }
   int64_t head_dim = -1;
-  TRY(json_int(path, o, "head_dim", &head_dim));
+  FSDPC_TRY(json_int(path, o, "head_dim", &head_dim));
   if (head_dim != -1 && c->n_heads > 0 && head_dim * c->n_heads != c->dim)
     return err_set(STATUS_EUNSUPPORTED, "%s: head_dim %lld differs from hidden_size / heads", path,
                    (long long)head_dim);
-  status_t st = llama_config_check(c);
+  fsdpc_status_t st = llama_config_check(c);
   return st == STATUS_OK ? st : err_prefix(st, "%s", path);
 }
 
-status_t llama_config_from_hf(const char *path, llama_config_t *out) {
+fsdpc_status_t llama_config_from_hf(const char *path, llama_config_t *out) {
   char *text = NULL;
-  TRY(file_read_text(path, (size_t)1 << 24, &text));
-  status_t st = llama_config_from_hf_text(text, path, out);
+  FSDPC_TRY(file_read_text(path, (size_t)1 << 24, &text));
+  fsdpc_status_t st = llama_config_from_hf_text(text, path, out);
   free(text);
   return st;
 }
 
 /* A key given twice in one object of o (transformers would take the last; a config saying two
  * things is refused), or STATUS_OK. */
-static status_t refuse_twice(const char *path, const cJSON *o) {
+static fsdpc_status_t refuse_twice(const char *path, const cJSON *o) {
   for (const cJSON *it = o ? o->child : NULL; it; it = it->next) {
     for (const cJSON *j = it->next; j && it->string; j = j->next)
       if (j->string && strcmp(j->string, it->string) == 0)
         return err_set(STATUS_EFORMAT, "%s: '%s' is given twice", path, it->string);
-    if (cJSON_IsObject(it)) TRY(refuse_twice(path, it));
+    if (cJSON_IsObject(it)) FSDPC_TRY(refuse_twice(path, it));
   }
   return STATUS_OK;
 }
 
-status_t llama_config_from_hf_text(const char *text, const char *origin, llama_config_t *out) {
+fsdpc_status_t llama_config_from_hf_text(const char *text, const char *origin,
+                                         llama_config_t *out) {
   const char *path = origin;
   const char *end = NULL;
   cJSON *o = cJSON_ParseWithOpts(text, &end, true);
   if (o == NULL) return err_set(STATUS_EFORMAT, "%s: not valid JSON (one object)", path);
   llama_config_t c = LLAMA_CONFIG_INIT;
-  status_t st = refuse_twice(path, o);
+  fsdpc_status_t st = refuse_twice(path, o);
   if (st == STATUS_OK) st = parse_hf(path, o, &c);
   cJSON_Delete(o);
   if (st == STATUS_OK) *out = c;
   return st;
 }
 
-status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out) {
+fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out) {
   ARG_NONNULL(c);
   ARG_NONNULL(out);
   *out = NULL;
-  TRY(llama_config_check(c));
+  FSDPC_TRY(llama_config_check(c));
   cJSON *o = cJSON_CreateObject();
   if (o == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
@@ -292,12 +296,12 @@ status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **
   return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
 }
 
-status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path) {
+fsdpc_status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path) {
   ARG_NONNULL(c);
   ARG_NONNULL(path);
   char *text;
-  TRY(llama_config_to_hf_text(c, dtype, &text));
-  status_t st = file_write_text(path, text);
+  FSDPC_TRY(llama_config_to_hf_text(c, dtype, &text));
+  fsdpc_status_t st = file_write_text(path, text);
   free(text);
   return st;
 }

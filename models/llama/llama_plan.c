@@ -31,13 +31,13 @@ int llama_plan_tp_rules(const tp_rule_t **rules) {
   return (int)(sizeof llama_plan / sizeof llama_plan[0]);
 }
 
-status_t llama_plan_fill_tp_rules(parallel_plan_t *pp) {
+fsdpc_status_t llama_plan_fill_tp_rules(parallel_plan_t *pp) {
   ARG_NONNULL(pp);
   const tp_rule_t *r;
   int n = llama_plan_tp_rules(&r);
   pp->n_tp_rules = 0;
   for (int i = 0; i < n; i++)
-    TRY(parallel_plan_add_tp_rule(pp, r[i].pattern, r[i].style, r[i].input, r[i].output));
+    FSDPC_TRY(parallel_plan_add_tp_rule(pp, r[i].pattern, r[i].style, r[i].input, r[i].output));
   plan_where_t builtin;
   snprintf(builtin.text, sizeof builtin.text, "%s: the built-in Llama plan", pp->source);
   for (int i = 0; i < n; i++) pp->tp_rules[i].where = builtin;
@@ -60,7 +60,7 @@ bool llama_plan_tp_is_builtin(const parallel_plan_t *pp) {
   return true;
 }
 
-status_t llama_plan_check(const parallel_plan_t *pp) {
+fsdpc_status_t llama_plan_check(const parallel_plan_t *pp) {
   ARG_NONNULL(pp);
   if (pp->tp <= 1) return STATUS_OK;
   for (int i = 0; i < pp->n_tp_rules; i++) {

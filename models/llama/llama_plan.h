@@ -3,8 +3,8 @@
  * which fsdp-train uses when a plan gives no rules, and the checks a plan must pass for it.
  *
  *   parallel_plan_t *pp = &plan.par;
- *   if (!pp->tp_plan_given) TRY(llama_plan_fill_tp_rules(pp));
- *   TRY(llama_plan_check(pp));
+ *   if (!pp->tp_plan_given) FSDPC_TRY(llama_plan_fill_tp_rules(pp));
+ *   FSDPC_TRY(llama_plan_check(pp));
  */
 #ifndef FSDPC_PARALLEL_LLAMA_PLAN_H
 #define FSDPC_PARALLEL_LLAMA_PLAN_H
@@ -22,14 +22,14 @@ extern "C" {
 int llama_plan_tp_rules(const tp_rule_t **rules);
 
 /* Puts the built-in rules into pp (tp_plan_given stays false). */
-status_t llama_plan_fill_tp_rules(parallel_plan_t *pp);
+fsdpc_status_t llama_plan_fill_tp_rules(parallel_plan_t *pp);
 
 /* True when pp's rules are the built-in ones (not given, or written out in the same order). */
 bool llama_plan_tp_is_builtin(const parallel_plan_t *pp);
 
 /* What training the Llama needs of a plan: with tp > 1 the loss reads whole logits, so a
  * colwise lm_head must output replicate. Errors name the rule's place. */
-status_t llama_plan_check(const parallel_plan_t *pp);
+fsdpc_status_t llama_plan_check(const parallel_plan_t *pp);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

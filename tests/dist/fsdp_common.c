@@ -8,7 +8,9 @@
 #include "nn/ops.h"
 #include "train/train.h"
 
-void ok(status_t st) { ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail()); }
+void ok(fsdpc_status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
 
 /* The argument that starts with prefix ("cuda ... hsdp:2" in any order), or NULL. */
 static const char *arg_with(const char *prefix) {
@@ -33,11 +35,11 @@ mesh_t *dp_mesh(void) {
   if (hsdp_mode()) {
     int shape[2] = {hsdp_replicas(), -1};
     const char *names[] = {"dp_replicate", "dp_shard"};
-    ok(mesh_init(&m, 2, shape, names, test_device_type()));
+    ok(mesh_new(2, shape, names, test_device_type(), &m));
   } else {
     int w = world_size();
     const char *names[] = {"dp_shard"};
-    ok(mesh_init(&m, 1, &w, names, test_device_type()));
+    ok(mesh_new(1, &w, names, test_device_type(), &m));
   }
   return m;
 }
@@ -45,7 +47,7 @@ mesh_t *dp_mesh(void) {
 void run_init(run_t *r, const llama_config_t *cfg) {
   llama_options_t o = LLAMA_OPTIONS_INIT;
   o.device = test_device_type();
-  ok(llama_new(&r->m, cfg, &o));
+  ok(llama_new(cfg, &o, &r->m));
   ok(llama_init_weights(r->m, 99));
 }
 
@@ -64,12 +66,12 @@ void run_optim(run_t *r) {
   a.weight_decay = 0.1;
   a.groups[a.n_groups++] = (adamw_group_t){"*norm*", -1, 0.0};
   a.groups[a.n_groups++] = (adamw_group_t){"model.embed_tokens.*", 1e-3, -1};
-  ok(optim_new(&r->opt, r->ps, r->n, &a));
+  ok(optim_new(r->ps, r->n, &a, &r->opt));
 }
 
 /* ||a||_2 of a float tensor on any device. */
-static double norm2(const tensor_t *t) {
-  tensor_t h;
+static double norm2(const fsdpc_tensor_t *t) {
+  fsdpc_tensor_t h;
   ok(tensor_clone(&h, t, DTYPE_F32, device_cpu()));
   double s = 0;
   for (int64_t i = 0; i < tensor_numel(&h); i++)
@@ -94,10 +96,10 @@ int compare_shards(const run_t *ref, const run_t *sh, bool grads, double tol) {
     const dtensor_t *sv = grads ? sh->ps[i]->grad : sh->ps[i]->value;
     ck_assert_msg(rv != NULL && sv != NULL, "%s: missing %s", sh->ps[i]->fqn,
                   grads ? "gradient" : "value");
-    const tensor_t *mine = dtensor_local(sv);
+    const fsdpc_tensor_t *mine = dtensor_local(sv);
     int64_t off[TENSOR_MAX_DIMS];
     dtensor_offset(sv, off);
-    tensor_t want;
+    fsdpc_tensor_t want;
     ok(tensor_narrow_box(&want, dtensor_local(rv), off, mine->shape));
     double e = tensor_numel(mine) ? test_rel_l2(mine, &want) * norm2(&want) : 0;
     e /= norm2(dtensor_local(rv)) + 1e-30;
@@ -114,13 +116,14 @@ int compare_shards(const run_t *ref, const run_t *sh, bool grads, double tol) {
   return bad;
 }
 
-double fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro) {
+double fwd_bwd(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
+               int64_t micro) {
   double v;
   ok(llama_micro_step(m, d, spec, step, micro, &v));
   return v;
 }
 
-double ref_fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *local, int64_t step,
+double ref_fwd_bwd(llama_t *m, const fsdpc_data_t *d, const data_spec_t *local, int64_t step,
                    int64_t micro) {
   double sum = 0;
   for (int k = 0; k < local->dp_size; k++) {
@@ -137,7 +140,7 @@ void ref_average_grads(const run_t *r, int dp_size) {
   if (dp_size == 1) return;
   for (int i = 0; i < r->n; i++) {
     if (r->ps[i]->grad == NULL) continue;
-    tensor_t *g = (tensor_t *)dtensor_local(r->ps[i]->grad), h;
+    fsdpc_tensor_t *g = (fsdpc_tensor_t *)dtensor_local(r->ps[i]->grad), h;
     ok(tensor_clone(&h, g, DTYPE_F32, device_cpu()));
     float *x = h.data;
     for (int64_t j = 0; j < tensor_numel(&h); j++) x[j] = (float)((double)x[j] / dp_size);

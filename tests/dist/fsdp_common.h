@@ -8,7 +8,7 @@
 #include "nn/optim.h"
 #include "tests/harness.h"
 
-void ok(status_t st);
+void ok(fsdpc_status_t st);
 
 /* Argument "cuda" or "cuda:offload": models and mesh on this rank's GPU (with offload, the
  * sharded state on the host). */
@@ -40,14 +40,15 @@ int compare_shards(const run_t *ref, const run_t *sh, bool grads, double tol);
 int check_counts(int step, const char *what, const pg_counters_t *got, const pg_counters_t *want);
 
 /* Forward, loss scaled by 1/grad_accum, backward of one micro-batch; returns the loss. */
-double fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step, int64_t micro);
+double fwd_bwd(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
+               int64_t micro);
 
 /* The single-rank reference's part of micro-step `micro`: the global micro-batch of the
  * data-parallel spec `local`, taken as local->dp_size micro-batches of local->batch_size
  * samples, the shapes each rank computes (tests/README.md, "Reference shapes"); returns their
  * mean loss. The gradients then hold dp_size times the sharded run's: ref_average_grads
  * divides them once the step's micro-steps are done. */
-double ref_fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *local, int64_t step,
+double ref_fwd_bwd(llama_t *m, const fsdpc_data_t *d, const data_spec_t *local, int64_t step,
                    int64_t micro);
 void ref_average_grads(const run_t *r, int dp_size);
 

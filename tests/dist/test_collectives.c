@@ -29,7 +29,7 @@ static pg_t *new_world_group(void) {
   mesh_t *m = NULL;
   int shape[1] = {-1};
   const char *names[1] = {"all"};
-  ck_assert_int_eq(mesh_init(&m, 1, shape, names, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_new(1, shape, names, DEVICE_CPU, &m), STATUS_OK);
   ck_assert_int_eq(pg_dup(mesh_group(m, 0), &pg), STATUS_OK);
   mesh_free(m);
   ck_assert_str_eq(pg_backend_name(pg), "staged");
@@ -264,8 +264,8 @@ END_TEST
 
 START_TEST(pg_agree_reports_the_failing_rank_everywhere) {
   int r = world_rank(), W = world_size();
-  status_t st = r == W - 1 ? err_set(STATUS_ESHAPE, "bad shape on the last rank") : STATUS_OK;
-  status_t agreed = pg_agree(world_pg(), st);
+  fsdpc_status_t st = r == W - 1 ? err_set(STATUS_ESHAPE, "bad shape on the last rank") : STATUS_OK;
+  fsdpc_status_t agreed = pg_agree(world_pg(), st);
   ck_assert_int_eq(agreed, STATUS_ESHAPE);
   ck_assert_ptr_nonnull(strstr(err_detail(), "bad shape on the last rank"));
   ck_assert_int_eq(pg_agree(world_pg(), STATUS_OK), STATUS_OK);

@@ -28,14 +28,14 @@
 static const int64_t shapes[NT][2] = {{16, 15}, {7, 15}, {3, 0}, {1, 8}, {10, 6}};
 static const char *names[NT] = {"a.weight", "b.weight", "c.bias", "d.row", "e.half"};
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
 static int ndim_of(int i) { return shapes[i][1] ? 2 : 1; }
 
 /* The global value of tensor i: i * 1000 + its flat index (exact in f32 and bf16 here). */
-static void full_of(int i, tensor_t *t) {
+static void full_of(int i, fsdpc_tensor_t *t) {
   ok(tensor_init(t, DTYPE_F32, device_cpu(), ndim_of(i), shapes[i]));
   for (int64_t k = 0; k < tensor_numel(t); k++)
     ((float *)t->data)[k] = (float)(i == 4 ? k % 200 : i * 1000 + k);
@@ -45,10 +45,10 @@ static void full_of(int i, tensor_t *t) {
  * would shard dim 1). */
 static void make(mesh_t *mesh, const placement_t *pl, bool zero, dcp_entry_t *e, dtensor_t **d) {
   for (int i = 0; i < NT; i++) {
-    tensor_t full;
+    fsdpc_tensor_t full;
     full_of(i, &full);
     if (i == 4) { /* stored as bf16 */
-      tensor_t h;
+      fsdpc_tensor_t h;
       ok(tensor_clone(&h, &full, DTYPE_BF16, device_cpu()));
       tensor_free(&full);
       full = h;
@@ -57,7 +57,7 @@ static void make(mesh_t *mesh, const placement_t *pl, bool zero, dcp_entry_t *e,
     placement_t p[2] = {pl[0], pl[1]};
     for (int k = 0; k < mesh_ndim(mesh); k++)
       if (p[k].kind == PLACEMENT_SHARD && p[k].dim >= ndim_of(i)) p[k] = placement_shard(0);
-    ok(dtensor_distribute(&d[i], &full, mesh, p, DTENSOR_ALL_RANKS));
+    ok(dtensor_distribute(&full, mesh, p, DTENSOR_ALL_RANKS, &d[i]));
     tensor_free(&full);
     e[i] = (dcp_entry_t){names[i], d[i]};
   }
@@ -92,7 +92,7 @@ static void flip_data_byte(const char *dir, const char *name, uint64_t pos, int 
   char path[500];
   snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
   st_file_t *f;
-  ok(st_open(&f, path));
+  ok(st_open(path, &f));
   long at = (long)(st_header_bytes(f) + st_find(f, name)->begin + pos);
   st_close(f);
   FILE *fp = fopen(path, "r+b");
@@ -113,7 +113,7 @@ static bool pages_cached(const char *dir, const char *name, size_t bytes, bool d
   char path[500];
   snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
   st_file_t *f;
-  ok(st_open(&f, path));
+  ok(st_open(path, &f));
   const st_info_t *t = st_find(f, name);
   uint64_t size = t->end - t->begin;
   ck_assert_uint_ge(size, bytes);
@@ -156,14 +156,14 @@ static uint64_t touched_bytes(const char *dir, const dcp_entry_t *e, int n, uint
     char path[700];
     snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
     st_file_t *f;
-    ok(st_open(&f, path));
+    ok(st_open(path, &f));
     cJSON *info = cJSON_Parse(st_metadata(f, "DCP_SHARDING_INFO"));
     for (int i = 0; i < n; i++) {
       const st_info_t *t = st_find(f, e[i].name);
       if (t == NULL) continue;
       const cJSON *offs =
           cJSON_GetObjectItem(cJSON_GetObjectItem(info, e[i].name), "saved_offsets");
-      const tensor_t *local = dtensor_local(e[i].value);
+      const fsdpc_tensor_t *local = dtensor_local(e[i].value);
       int64_t want[2], lo[2], hi[2], vol = 1, whole = 1;
       dtensor_offset(e[i].value, want);
       for (int k = 0; k < t->ndim; k++) {
@@ -209,7 +209,7 @@ static void copy_without_records(const char *from, const char *to) {
     snprintf(b, sizeof b, "%s/%s", to, de->d_name);
     st_file_t *f;
     st_writer_t *w;
-    ok(st_open(&f, a));
+    ok(st_open(a, &f));
     ok(st_writer_new(&w));
     const char *keys[] = {"DCP_SHARDING_INFO", "DCP_VERSION", "format"};
     for (int k = 0; k < 3; k++)
@@ -221,7 +221,7 @@ static void copy_without_records(const char *from, const char *to) {
     ok(st_writer_begin(w, b));
     for (int i = 0; i < st_num_tensors(f); i++) {
       const st_info_t *t = st_tensor(f, i);
-      tensor_t x;
+      fsdpc_tensor_t x;
       ok(tensor_init(&x, t->dtype, device_cpu(), t->ndim, t->shape));
       ok(st_read(f, t->name, &x));
       ok(st_writer_write(w, t->name, &x));
@@ -246,10 +246,10 @@ START_TEST(save_under_one_plan_load_under_another) {
   ok(dcp_set_block_bytes(BLOCK));
   mesh_t *meshes[3] = {NULL, NULL, NULL};
   const char *n1[] = {"w"}, *n2[] = {"r", "s"};
-  ok(mesh_init(&meshes[0], 1, &W, n1, DEVICE_CPU));
+  ok(mesh_new(1, &W, n1, DEVICE_CPU, &meshes[0]));
   bool two_d = W >= 4 && W % 2 == 0;
-  if (two_d) ok(mesh_init(&meshes[1], 2, (int[]){2, W / 2}, n2, DEVICE_CPU));
-  ok(mesh_init_local(&meshes[2], "one", DEVICE_CPU));
+  if (two_d) ok(mesh_new(2, (int[]){2, W / 2}, n2, DEVICE_CPU, &meshes[1]));
+  ok(mesh_new_local("one", DEVICE_CPU, &meshes[2]));
   plan_t plans[] = {
       {"S0", 0, {placement_shard(0), placement_replicate()}},
       {"S1", 0, {placement_shard(1), placement_replicate()}},
@@ -278,7 +278,7 @@ START_TEST(save_under_one_plan_load_under_another) {
         snprintf(path, sizeof path, "%s/shard-%05d.safetensors", dir, r);
         st_file_t *f;
         if (access(path, F_OK) != 0) continue;
-        ok(st_open(&f, path));
+        ok(st_open(path, &f));
         ck_assert_str_eq(st_metadata(f, "DCP_VERSION"), DCP_VERSION);
         ck_assert_str_eq(st_metadata(f, "format"), "pt");
         for (int i = 0; i < NT; i++) {
@@ -363,7 +363,7 @@ START_TEST(partial_reads_check_the_blocks_they_touch) {
   ok(dcp_set_block_bytes(BLOCK));
   mesh_t *mesh;
   const char *n1[] = {"w"};
-  ok(mesh_init(&mesh, 1, &W, n1, DEVICE_CPU));
+  ok(mesh_new(1, &W, n1, DEVICE_CPU, &mesh));
   placement_t rep[2] = {placement_replicate(), placement_replicate()};
   placement_t s0[2] = {placement_shard(0), placement_replicate()};
   dcp_entry_t e[NT], eg[NT], ew[NT];
@@ -383,7 +383,7 @@ START_TEST(partial_reads_check_the_blocks_they_touch) {
   int64_t rows = dtensor_local(got[0])->shape[0], row_bytes = 15 * 4;
   uint64_t a = (uint64_t)(off[0] * row_bytes) / BLOCK, b = (uint64_t)((off[0] + rows) * row_bytes);
   bool touches = rows > 0 && pos / BLOCK >= a && pos / BLOCK < (b + BLOCK - 1) / BLOCK;
-  status_t st = dcp_load(dir, eg, 1, NULL);
+  fsdpc_status_t st = dcp_load(dir, eg, 1, NULL);
   int bad = 0;
   if (touches && (st != STATUS_EFORMAT ||
                   !strstr(err_detail(), "tensor 'a.weight': checksum mismatch in block 4 of 15"))) {
@@ -458,14 +458,14 @@ START_TEST(large_chunks_are_checked_while_read) {
   ok(dcp_set_block_bytes(B));
   mesh_t *mesh;
   const char *n1[] = {"w"};
-  ok(mesh_init(&mesh, 1, &W, n1, DEVICE_CPU));
+  ok(mesh_new(1, &W, n1, DEVICE_CPU, &mesh));
   const int64_t shape[2] = {2048, 1024}; /* 8 MiB of f32 */
-  tensor_t full;
+  fsdpc_tensor_t full;
   ok(tensor_init(&full, DTYPE_F32, device_cpu(), 2, shape));
   for (int64_t k = 0; k < tensor_numel(&full); k++) ((float *)full.data)[k] = (float)(k % 9973);
   placement_t rep = placement_replicate(), s0 = placement_shard(0);
   dtensor_t *d;
-  ok(dtensor_distribute(&d, &full, mesh, &rep, DTENSOR_ALL_RANKS));
+  ok(dtensor_distribute(&full, mesh, &rep, DTENSOR_ALL_RANKS, &d));
   char dir[400];
   snprintf(dir, sizeof dir, "%s/large", root);
   ok(dcp_save(dir, &(dcp_entry_t){"big", d}, 1, world_pg()));
@@ -484,20 +484,20 @@ START_TEST(large_chunks_are_checked_while_read) {
       printf("pass %d: the shard's pages are %s\n", pass, pass ? "still cached" : "not cached");
     }
     MPI_Barrier(MPI_COMM_WORLD);
-    tensor_t zero;
+    fsdpc_tensor_t zero;
     ok(tensor_init(&zero, DTYPE_F32, device_cpu(), 2, shape));
     ok(tensor_fill(&zero, 0));
-    ok(dtensor_distribute(&d, &zero, mesh, layout ? &s0 : &rep, DTENSOR_ALL_RANKS));
+    ok(dtensor_distribute(&zero, mesh, layout ? &s0 : &rep, DTENSOR_ALL_RANKS, &d));
     tensor_free(&zero);
     int64_t off[2];
     dtensor_offset(d, off);
-    const tensor_t *local = dtensor_local(d);
+    const fsdpc_tensor_t *local = dtensor_local(d);
     uint64_t row = (uint64_t)shape[1] * 4, lo = (uint64_t)off[0] * row / B;
     uint64_t hi = ((uint64_t)(off[0] + local->shape[0]) * row + B - 1) / B;
     int64_t first = -1; /* the first damaged block the rank's rows touch */
     for (int k = 1; k >= 0; k--)
       if (local->shape[0] > 0 && damaged[k] >= lo && damaged[k] < hi) first = (int64_t)damaged[k];
-    status_t st = dcp_load(dir, &(dcp_entry_t){"big", d}, 1, NULL);
+    fsdpc_status_t st = dcp_load(dir, &(dcp_entry_t){"big", d}, 1, NULL);
     char want[96];
     snprintf(want, sizeof want, "tensor 'big': checksum mismatch in block %lld of 128",
              (long long)first + 1);
@@ -507,7 +507,7 @@ START_TEST(large_chunks_are_checked_while_read) {
              st ? err_detail() : "success");
     }
     if (first < 0) {
-      tensor_t box = {0};
+      fsdpc_tensor_t box = {0};
       bool eq = false;
       ok(tensor_narrow(&box, &full, 0, off[0], local->shape[0]));
       if (st == STATUS_OK) ok(tensor_equal(local, &box, &eq));
@@ -526,16 +526,16 @@ START_TEST(large_chunks_are_checked_while_read) {
   dcp_reader_t *r;
   ok(dcp_reader_open(dir, &r));
   const int64_t rows[3][2] = {{5, 300}, {1220, 50}, {1700, 348}};
-  tensor_t part[3];
+  fsdpc_tensor_t part[3];
   dcp_box_t boxes[3];
   for (int k = 0; k < 3; k++) {
     ok(tensor_init(&part[k], DTYPE_F32, device_cpu(), 2, (int64_t[]){rows[k][1], shape[1]}));
     boxes[k] = (dcp_box_t){.name = "big", .value = &part[k], .offset = {rows[k][0], 0}};
   }
   dcp_box_t clean[2] = {boxes[0], boxes[2]};
-  status_t st = dcp_reader_read_boxes(r, clean, 2);
+  fsdpc_status_t st = dcp_reader_read_boxes(r, clean, 2);
   for (int k = 0; k < 3; k += 2) {
-    tensor_t want = {0};
+    fsdpc_tensor_t want = {0};
     bool eq = false;
     ok(tensor_narrow(&want, &full, 0, rows[k][0], rows[k][1]));
     if (st == STATUS_OK) ok(tensor_equal(&part[k], &want, &eq));
@@ -572,7 +572,7 @@ START_TEST(errors_name_the_tensor) {
   make_root();
   mesh_t *mesh;
   const char *n1[] = {"w"};
-  ok(mesh_init(&mesh, 1, &W, n1, DEVICE_CPU));
+  ok(mesh_new(1, &W, n1, DEVICE_CPU, &mesh));
   placement_t pl[2] = {placement_shard(0), placement_replicate()};
   dcp_entry_t e[NT];
   dtensor_t *d[NT];
@@ -588,7 +588,7 @@ START_TEST(errors_name_the_tensor) {
     fclose(f);
   }
   MPI_Barrier(MPI_COMM_WORLD);
-  status_t st = dcp_load(stale, e, NT, NULL);
+  fsdpc_status_t st = dcp_load(stale, e, NT, NULL);
   ck_assert_int_ne(st, STATUS_OK); /* the partial file is not a checkpoint */
   ok(dcp_save(dir, e, NT, world_pg()));
   ck_assert_int_ne(access(stale, F_OK), 0);
@@ -621,7 +621,7 @@ START_TEST(failed_save_removes_its_temporary_folder) {
   make_root();
   mesh_t *mesh;
   const char *n1[] = {"w"};
-  ok(mesh_init(&mesh, 1, &W, n1, DEVICE_CPU));
+  ok(mesh_new(1, &W, n1, DEVICE_CPU, &mesh));
   placement_t pl[2] = {placement_shard(0), placement_replicate()};
   dcp_entry_t e[NT];
   dtensor_t *d[NT];
@@ -635,7 +635,7 @@ START_TEST(failed_save_removes_its_temporary_folder) {
   small.rlim_cur = world_rank() == W - 1 ? 64 : old.rlim_cur; /* the last rank's disk is full */
   signal(SIGXFSZ, SIG_IGN);
   ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &small), 0);
-  status_t st = dcp_save(dir, e, NT, world_pg());
+  fsdpc_status_t st = dcp_save(dir, e, NT, world_pg());
   ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
   ck_assert_msg(st != STATUS_OK, "a save that cannot write its files fails on every rank");
   MPI_Barrier(MPI_COMM_WORLD);

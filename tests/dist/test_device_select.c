@@ -23,7 +23,7 @@
 typedef enum { ONE_PER_TASK, ALL_VISIBLE, MORE_VISIBLE, FEWER, SAME_DEVICE, ONE_BLIND } layout_t;
 static layout_t layout;
 
-static status_t fake_seen(int local_rank, device_seen_t *out) {
+static fsdpc_status_t fake_seen(int local_rank, device_seen_t *out) {
   memset(out, 0, sizeof *out);
   int id = 0;
   switch (layout) {
@@ -46,13 +46,13 @@ typedef struct expect {
 
 /* Chooses under layout l; returns the mismatches with e, each printed (every rank goes on to
  * the next choice, a collective, whatever it found). */
-static int choose(layout_t l, device_want_t want, status_t want_st, expect_t e) {
+static int choose(layout_t l, device_want_t want, fsdpc_status_t want_st, expect_t e) {
   layout = l;
   world_set_devices_seen(fake_seen);
   device_t dev = {DEVICE_CUDA, -1};
   char why[512] = "x";
   err_clear();
-  status_t st = world_choose_device(want, &dev, why, sizeof why);
+  fsdpc_status_t st = world_choose_device(want, &dev, why, sizeof why);
   world_set_devices_seen(NULL);
   int r = world_rank(), bad = 0;
 #define MISMATCH(cond, ...)                                                  \

@@ -15,7 +15,7 @@
 #include "mesh/world.h"
 #include "tests/harness.h"
 
-static int never(void *ctx, status_t *st) {
+static int never(void *ctx, fsdpc_status_t *st) {
   (void)ctx;
   (void)st;
   return 0;
@@ -31,7 +31,7 @@ START_TEST(a_stop_ends_device_waits_on_every_rank) {
   ck_assert_int_eq(world_size(), 2);
   if (world_rank() == 1) world_stop(err_set(STATUS_EINVAL, "rank 1 gives up"));
   double t = now_s();
-  status_t st = device_poll(never, NULL, "an endless device wait");
+  fsdpc_status_t st = device_poll(never, NULL, "an endless device wait");
   ck_assert_int_ne(st, STATUS_OK);
   ck_assert_msg(strstr(err_detail(), "rank 1 gives up") != NULL, "rank %d: %s", world_rank(),
                 err_detail());
@@ -42,7 +42,7 @@ END_TEST
 START_TEST(the_watchdog_ends_a_device_wait) {
   world_set_timeout(0.3);
   double t = now_s();
-  status_t st = device_poll(never, NULL, "an endless device wait");
+  fsdpc_status_t st = device_poll(never, NULL, "an endless device wait");
   double took = now_s() - t;
   ck_assert_int_eq(st, STATUS_ETIMEOUT);
   ck_assert_msg(strstr(err_detail(), "an endless device wait (device work) has not completed in "

@@ -23,18 +23,18 @@
 
 START_TEST(shards_are_chunks) {
   mesh_t *mesh = dp_mesh(), *local;
-  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  ok(mesh_new_local("local", DEVICE_CPU, &local));
   static const int64_t shapes[][2] = {{16, 15}, {7, 15}, {16, 17}, {3, 0}, {1, 8}};
   nn_module_t *root;
-  ok(nn_module_new(&root, "", NULL, NULL));
+  ok(nn_module_new("", NULL, NULL, &root));
   for (int i = 0; i < 5; i++) {
     int nd = shapes[i][1] ? 2 : 1;
-    tensor_t t;
+    fsdpc_tensor_t t;
     ok(tensor_init(&t, DTYPE_F32, device_cpu(), nd, shapes[i]));
     for (int64_t k = 0; k < tensor_numel(&t); k++) ((float *)t.data)[k] = (float)(1000 * i + k);
     dtensor_t *d;
     placement_t rep = placement_replicate();
-    ok(dtensor_from_local(&d, &t, local, &rep, nd, shapes[i]));
+    ok(dtensor_from_local(&t, local, &rep, nd, shapes[i], &d));
     tensor_free(&t);
     char name[16];
     snprintf(name, sizeof name, "p%d", i);
@@ -50,9 +50,9 @@ START_TEST(shards_are_chunks) {
     char name[16];
     snprintf(name, sizeof name, "p%d", i);
     nn_param_t *p = nn_param_find(root, name);
-    const tensor_t *l = dtensor_local(p->value);
+    const fsdpc_tensor_t *l = dtensor_local(p->value);
     int64_t start, len, row = shapes[i][1] ? shapes[i][1] : 1;
-    chunk_range(shapes[i][0], W, r, &start, &len);
+    placement_chunk_range(shapes[i][0], W, r, &start, &len);
     if (l->shape[0] != len) bad++;
     for (int64_t k = 0; k < len * row; k++)
       if (((float *)l->data)[k] != (float)(1000 * i + start * row + k)) bad++;
@@ -60,12 +60,12 @@ START_TEST(shards_are_chunks) {
   expect_all(bad == 0, "%d shard mismatches", bad);
   /* scalars are refused */
   nn_module_t *s;
-  ok(nn_module_new(&s, "", NULL, NULL));
-  tensor_t t;
+  ok(nn_module_new("", NULL, NULL, &s));
+  fsdpc_tensor_t t;
   ok(tensor_zeros(&t, DTYPE_F32, device_cpu(), 0, NULL));
   dtensor_t *d;
   placement_t rep = placement_replicate();
-  ok(dtensor_from_local(&d, &t, local, &rep, 0, NULL));
+  ok(dtensor_from_local(&t, local, &rep, 0, NULL, &d));
   tensor_free(&t);
   ok(nn_module_add_param(s, "scale", d, true, NULL));
   ok(nn_module_finalize(s));
@@ -112,7 +112,7 @@ static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_group
     uint64_t per16 = pl->bf16 ? 8 : 4; /* every rank's block a whole number of 16 bytes */
     uint64_t fb = ((uint64_t)fsdp_flat_numel(groups[i]) + per16 - 1) / per16 * 16;
     uint64_t rn = (uint64_t)fsdp_flat_numel(groups[i]) + (uint64_t)fsdp_num_params(groups[i]);
-    if (pl->frozen && i == 1) rn -= (uint64_t)chunk_size(64, Ws) + 1;
+    if (pl->frozen && i == 1) rn -= (uint64_t)placement_chunk_size(64, Ws) + 1;
     uint64_t rb = (rn + 3) / 4 * 4 * 4; /* each rank's block a whole number of 16 bytes */
     bool layer = i < n_groups - 1, int_reshard = layer && pl->reshard >= 2;
     bool full_reshard = pl->reshard == 1 || pl->reshard == FSDP_RESHARD_AUTO;
@@ -144,8 +144,8 @@ static void parity(const plan_t *pl) {
   cfg.tie_embeddings = pl->tied;
   mesh_t *mesh = dp_mesh();
   int md = mesh_ndim(mesh), W = world_size();
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   const int B = 2;
   int dp_rank = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
                         : mesh_coord(mesh, 0);
@@ -168,7 +168,7 @@ static void parity(const plan_t *pl) {
   if (pl->bf16) { /* the reference runs the same casts: fully sharded over one rank */
     opt.param_dtype = DTYPE_BF16;
     opt.reduce_dtype = DTYPE_F32;
-    ok(mesh_init_local(&one, "one", test_device_type()));
+    ok(mesh_new_local("one", test_device_type(), &one));
     fsdp_options_t o1 = opt;
     o1.offload = false;
     o1.mesh = one;
@@ -326,7 +326,7 @@ START_TEST(int_reshard_invalid_is_refused) {
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   llama_t *m;
-  ok(llama_new(&m, &cfg, NULL));
+  ok(llama_new(&cfg, NULL, &m));
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
   int bad_values[] = {Ws, Ws + 1, -2, Ws > 2 ? Ws - 1 : 7};
@@ -349,15 +349,15 @@ START_TEST(memory_within_budget) {
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   cfg.n_layers = 6;
   mesh_t *mesh = dp_mesh();
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 1, .seq_len = 16, .grad_accum = 1, .dp_size = 1};
   device_t cpu = device_cpu();
   size_t act = 0, grown = 0, peak = 0, root_bytes = 0, largest = 0;
   size_t ref_bwd = 0, ref_grads = 0, bwd_peak = 0, bwd_end = 0, sharded_grads = 0;
   for (int k = 0; k < 2; k++) { /* 0: the unsharded model, 1: fully sharded */
     llama_t *m;
-    ok(llama_new(&m, &cfg, NULL));
+    ok(llama_new(&cfg, NULL, &m));
     fsdp_group_t *groups[8];
     if (k == 1) {
       fsdp_options_t opt = FSDP_OPTIONS_INIT;
@@ -374,10 +374,10 @@ START_TEST(memory_within_budget) {
     }
     nn_ctx_t *ctx;
     ok(nn_ctx_new(&ctx));
-    tensor_t in, tg;
+    fsdpc_tensor_t in, tg;
     ok(data_batch(d, &spec, 0, 0, &in, &tg));
     nn_var_t *ids, *logits;
-    ok(nn_var_new(&ids, &in, false));
+    ok(nn_var_new(&in, false, &ids));
     size_t before = mem_stats(cpu).current;
     mem_reset_peak(cpu);
     ok(nn_call(ctx, llama_module(m), ids, &logits));
@@ -456,7 +456,7 @@ START_TEST(deferred_init_allocates_only_shards) {
     o.deferred = k == 0;
     size_t c0 = mem_stats(dev).current;
     mem_reset_peak(dev);
-    ok(llama_new(&ms[k], &cfg, &o));
+    ok(llama_new(&cfg, &o, &ms[k]));
     if (k == 1) ok(llama_init_weights(ms[k], 99));
     fsdp_options_t opt = FSDP_OPTIONS_INIT;
     opt.mesh = mesh;
@@ -488,8 +488,8 @@ START_TEST(deferred_init_allocates_only_shards) {
   }
   free(pa);
   free(pb);
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 2, .seq_len = 16, .grad_accum = 1, .dp_size = 1};
   double l0 = fwd_bwd(ms[0], d, &spec, 0, 0), l1 = fwd_bwd(ms[1], d, &spec, 0, 0);
   bad += l0 != l1;
@@ -517,7 +517,7 @@ START_TEST(micro_step_makes_no_host_wait) {
   llama_options_t o = LLAMA_OPTIONS_INIT;
   o.device = test_device_type();
   llama_t *m;
-  ok(llama_new(&m, &cfg, &o));
+  ok(llama_new(&cfg, &o, &m));
   ok(llama_init_weights(m, 5));
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
@@ -525,11 +525,11 @@ START_TEST(micro_step_makes_no_host_wait) {
   fsdp_group_t *g;
   for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(m, i), &opt, &g));
   ok(fully_shard(llama_module(m), &opt, &g));
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 2, .seq_len = 16, .grad_accum = 3,
                       .dp_size = world_size(), .dp_rank = world_rank()};
-  tensor_t loss[3];
+  fsdpc_tensor_t loss[3];
   size_t waits = 0;
   fsdp_set_is_last_backward(llama_module(m), false);
   ok(llama_micro_step_async(m, d, &spec, 0, 0, &loss[0]));

@@ -16,12 +16,12 @@ START_TEST(parameter_state_after_forward_and_backward) {
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   mesh_t *mesh = dp_mesh();
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 1, .seq_len = 8, .grad_accum = 1, .dp_size = 1};
   for (int policy = 0; policy < 3; policy++) { /* 0: false, 1: true, 2: default */
     llama_t *m;
-    ok(llama_new(&m, &cfg, NULL));
+    ok(llama_new(&cfg, NULL, &m));
     fsdp_options_t opt = FSDP_OPTIONS_INIT;
     opt.mesh = mesh;
     opt.reshard_after_forward = policy == 2 ? FSDP_RESHARD_AUTO : policy;
@@ -32,10 +32,10 @@ START_TEST(parameter_state_after_forward_and_backward) {
     ck_assert(!fsdp_is_unsharded(layer) && !fsdp_is_unsharded(root));
     nn_ctx_t *ctx;
     ok(nn_ctx_new(&ctx));
-    tensor_t in, tg;
+    fsdpc_tensor_t in, tg;
     ok(data_batch(d, &spec, 0, 0, &in, &tg));
     nn_var_t *ids, *logits, *loss;
-    ok(nn_var_new(&ids, &in, false));
+    ok(nn_var_new(&in, false, &ids));
     ok(nn_call(ctx, llama_module(m), ids, &logits));
     bool layer_kept = policy == 0, root_kept = policy != 1;
     ck_assert_msg(fsdp_is_unsharded(layer) == layer_kept, "policy %d: layer after forward", policy);
@@ -80,7 +80,7 @@ START_TEST(unshard_copies_and_values) {
     bool flat = W > 1 || !one_rank_path;
     fsdp_set_one_rank_path(one_rank_path);
     llama_t *m;
-    ok(llama_new(&m, &cfg, NULL));
+    ok(llama_new(&cfg, NULL, &m));
     fsdp_options_t opt = FSDP_OPTIONS_INIT;
     opt.mesh = mesh;
     if (bf16) opt.param_dtype = DTYPE_BF16;
@@ -95,7 +95,7 @@ START_TEST(unshard_copies_and_values) {
     for (int i = 0; i < n; i++)
       for (int r = 0; r < W; r++) {
         int64_t off, len;
-        chunk_range(dtensor_shape(ps[i]->value)[0], W, r, &off, &len);
+        placement_chunk_range(dtensor_shape(ps[i]->value)[0], W, r, &off, &len);
         chunks += len > 0;
       }
     kernel_profile_reset();
@@ -110,8 +110,8 @@ START_TEST(unshard_copies_and_values) {
     ck_assert_int_eq(same.calls, flat ? (bf16 ? 0 : n) + chunks : 0);
     int bad = 0;
     for (int i = 0; i < n; i++) {
-      const tensor_t *local = dtensor_local(ps[i]->value);
-      tensor_t *full = &ps[i]->compute, mine, want;
+      const fsdpc_tensor_t *local = dtensor_local(ps[i]->value);
+      fsdpc_tensor_t *full = &ps[i]->compute, mine, want;
       int64_t off[TENSOR_MAX_DIMS];
       dtensor_offset(ps[i]->value, off);
       ok(tensor_narrow(&mine, full, 0, off[0], local->shape[0]));
@@ -164,8 +164,8 @@ START_TEST(one_rank_path_trains_as_flat_path) {
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   mesh_t *mesh = dp_mesh();
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 2, .seq_len = 16, .grad_accum = 2, .dp_size = 1};
   for (int bf16 = 0; bf16 < 2; bf16++) {
     run_t r[2];
@@ -202,20 +202,20 @@ END_TEST
 
 /* ---- a module called twice, by hand-built modules ---- */
 
-static status_t lin_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t lin_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   return nn_linear(ctx, in, nn_module_param(m, 0), out);
 }
-static status_t emb_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t emb_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   return nn_embedding(ctx, in, nn_module_param(m, 0), out);
 }
 /* head(lin(lin(emb(ids)))) */
-static status_t twice_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t twice_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   nn_var_t *a = NULL, *b = NULL, *c = NULL;
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "emb"), in, &a));
-  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "lin"), a, &b));
-  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "lin"), b, &c));
-  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "head"), c, out));
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "emb"), in, &a));
+  FSDPC_TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "lin"), a, &b));
+  FSDPC_TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "lin"), b, &c));
+  FSDPC_TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "head"), c, out));
 cleanup:
   nn_var_put(a);
   nn_var_put(b);
@@ -229,18 +229,18 @@ static nn_module_t *hand_model(mesh_t *local, nn_forward_fn fwd, int n, const ch
                                const nn_forward_fn *fns, const int64_t (*shapes)[2],
                                unsigned seed) {
   nn_module_t *root;
-  ok(nn_module_new(&root, "", fwd, NULL));
+  ok(nn_module_new("", fwd, NULL, &root));
   for (int i = 0; i < n; i++) {
     nn_module_t *c;
-    ok(nn_module_new(&c, names[i], fns[i], NULL));
+    ok(nn_module_new(names[i], fns[i], NULL, &c));
     ok(nn_module_add_child(root, c));
-    tensor_t t;
+    fsdpc_tensor_t t;
     ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shapes[i]));
     test_rng_t r = {seed + (unsigned)i};
     test_fill_uniform(&t, &r, 0.5);
     dtensor_t *d;
     placement_t rep = placement_replicate();
-    ok(dtensor_from_local(&d, &t, local, &rep, 2, shapes[i]));
+    ok(dtensor_from_local(&t, local, &rep, 2, shapes[i], &d));
     tensor_free(&t);
     ok(nn_module_add_param(c, "weight", d, true, NULL));
   }
@@ -257,7 +257,7 @@ static nn_module_t *twice_model(mesh_t *local) {
 
 static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
   int64_t shape[2] = {1, n};
-  tensor_t ids, tg;
+  fsdpc_tensor_t ids, tg;
   ok(tensor_init(&ids, DTYPE_I64, device_cpu(), 2, shape));
   ok(tensor_init(&tg, DTYPE_I64, device_cpu(), 2, shape));
   for (int64_t i = 0; i < n; i++) {
@@ -267,7 +267,7 @@ static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));
   nn_var_t *x, *logits, *loss;
-  ok(nn_var_new(&x, &ids, false));
+  ok(nn_var_new(&ids, false, &x));
   ok(nn_call(ctx, root, x, &logits));
   ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
   double v;
@@ -283,7 +283,7 @@ static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
 
 START_TEST(module_called_twice) {
   mesh_t *mesh = dp_mesh(), *local;
-  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  ok(mesh_new_local("local", DEVICE_CPU, &local));
   int W = world_size(), md = mesh_ndim(mesh);
   int dp = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
                    : mesh_coord(mesh, 0);
@@ -317,12 +317,12 @@ END_TEST
 static int branch; /* which of "even" and "odd" the next forward takes */
 
 /* head(even(emb(ids))) or head(odd(emb(ids))); "unused" is never called */
-static status_t branch_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t branch_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   nn_var_t *a = NULL, *b = NULL;
-  status_t st = STATUS_OK;
-  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "emb"), in, &a));
-  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, branch ? "odd" : "even"), a, &b));
-  TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "head"), b, out));
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "emb"), in, &a));
+  FSDPC_TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, branch ? "odd" : "even"), a, &b));
+  FSDPC_TRY_GOTO(st, nn_call(ctx, nn_module_child_named(m, "head"), b, out));
 cleanup:
   nn_var_put(a);
   nn_var_put(b);
@@ -344,7 +344,7 @@ static nn_module_t *branch_model(mesh_t *local) {
  * no gradient anywhere, as outside the graph. On one rank "odd" is unused too. */
 START_TEST(ranks_with_different_gradient_sets) {
   mesh_t *mesh = dp_mesh(), *local;
-  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  ok(mesh_new_local("local", DEVICE_CPU, &local));
   int W = world_size(), md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1);
   int dp = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
                    : mesh_coord(mesh, 0);
@@ -409,7 +409,7 @@ END_TEST
 /* An ignored parameter stays whole and local; a divide factor of 1 sums the gradients. */
 START_TEST(ignored_parameter_and_divide_factor) {
   mesh_t *mesh = dp_mesh(), *local;
-  ok(mesh_init_local(&local, "local", DEVICE_CPU));
+  ok(mesh_new_local("local", DEVICE_CPU, &local));
   int W = world_size(), md = mesh_ndim(mesh);
   int dp = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
                    : mesh_coord(mesh, 0);
@@ -429,13 +429,13 @@ START_TEST(ignored_parameter_and_divide_factor) {
   twice_step(sh, dp * T, T);
   /* summed, not averaged: the reference's mean gradient times W */
   nn_param_t *rl = nn_param_find(ref, "lin.weight");
-  tensor_t scaled;
+  fsdpc_tensor_t scaled;
   ok(tensor_clone(&scaled, dtensor_local(rl->grad), DTYPE_F32, device_cpu()));
   for (int64_t i = 0; i < tensor_numel(&scaled); i++) ((float *)scaled.data)[i] *= (float)W;
   nn_param_t *sl = nn_param_find(sh, "lin.weight");
   int64_t off[2];
   dtensor_offset(sl->value, off);
-  tensor_t want;
+  fsdpc_tensor_t want;
   ok(tensor_narrow_box(&want, &scaled, off, dtensor_local(sl->grad)->shape));
   double e = tensor_numel(&want) ? test_rel_l2(dtensor_local(sl->grad), &want) : 0;
   ck_assert(head->grad != NULL); /* the ignored weight has its local, unreduced gradient */
@@ -472,7 +472,7 @@ static void two_iterations(int explicit_mode, char *fwd, char *bwd, size_t size)
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   mesh_t *mesh = dp_mesh();
   llama_t *m;
-  ok(llama_new(&m, &cfg, NULL));
+  ok(llama_new(&cfg, NULL, &m));
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
   fsdp_group_t *l0, *l1, *root;
@@ -492,16 +492,16 @@ static void two_iterations(int explicit_mode, char *fwd, char *bwd, size_t size)
     ok(fsdp_set_backward_prefetch(l0, NULL, 0));
   }
   fsdp_set_event_hook(llama_module(m), log_event, NULL);
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 1, .seq_len = 8, .grad_accum = 1, .dp_size = 1};
   for (int it = 0; it < 2; it++) {
     nn_ctx_t *ctx;
     ok(nn_ctx_new(&ctx));
-    tensor_t in, tg;
+    fsdpc_tensor_t in, tg;
     ok(data_batch(d, &spec, it, 0, &in, &tg));
     nn_var_t *ids, *logits, *loss;
-    ok(nn_var_new(&ids, &in, false));
+    ok(nn_var_new(&in, false, &ids));
     event_log[0] = '\0';
     ok(nn_call(ctx, llama_module(m), ids, &logits));
     snprintf(fwd, size, "%s", event_log);

@@ -19,23 +19,23 @@
 
 static const char *test_case(void) { return test_argc() > 2 ? test_argv()[2] : ""; }
 
-static status_t head_method(nn_ctx_t *ctx, nn_module_t *head, nn_var_t *x, nn_var_t **out) {
+static fsdpc_status_t head_method(nn_ctx_t *ctx, nn_module_t *head, nn_var_t *x, nn_var_t **out) {
   return nn_linear(ctx, x, nn_module_param_named(head, "weight"), out);
 }
 
 /* Rank 0's (or every rank's) extra path, then the model's forward and backward. */
-static status_t step(llama_t *m, const llama_config_t *cfg) {
+static fsdpc_status_t step(llama_t *m, const llama_config_t *cfg) {
   nn_module_t *root = llama_module(m);
   device_t dev = mesh_device(llama_local_mesh(m));
   int64_t ids_shape[2] = {2, 8}, x_shape[3] = {2, 8, cfg->dim};
-  tensor_t ids_t, x_t;
-  TRY(tensor_zeros(&ids_t, DTYPE_I64, dev, 2, ids_shape));
-  TRY(tensor_zeros(&x_t, DTYPE_F32, dev, 3, x_shape));
+  fsdpc_tensor_t ids_t, x_t;
+  FSDPC_TRY(tensor_zeros(&ids_t, DTYPE_I64, dev, 2, ids_shape));
+  FSDPC_TRY(tensor_zeros(&x_t, DTYPE_F32, dev, 3, x_shape));
   nn_ctx_t *ctx = NULL;
   nn_var_t *ids = NULL, *x = NULL, *extra = NULL, *logits = NULL, *loss = NULL;
-  status_t st = nn_ctx_new(&ctx);
-  if (st == STATUS_OK) st = nn_var_new(&ids, &ids_t, false);
-  if (st == STATUS_OK) st = nn_var_new(&x, &x_t, false);
+  fsdpc_status_t st = nn_ctx_new(&ctx);
+  if (st == STATUS_OK) st = nn_var_new(&ids_t, false, &ids);
+  if (st == STATUS_OK) st = nn_var_new(&x_t, false, &x);
   bool first = world_rank() == 0;
   const char *c = test_case();
   if (st == STATUS_OK && strcmp(c, "alone-method") == 0) {
@@ -74,7 +74,7 @@ START_TEST(partial_on_demand_path_fails_on_every_rank) {
                      : strcmp(c, "different") == 0 && world_rank() != 0 ? "model.embed_tokens"
                                                                         : "model.layers.1.mlp";
   double t0 = MPI_Wtime();
-  status_t st = step(sh.m, &cfg);
+  fsdpc_status_t st = step(sh.m, &cfg);
   double took = MPI_Wtime() - t0;
   char detail[1200];
   snprintf(detail, sizeof detail, "%s", err_detail());

@@ -35,10 +35,10 @@ static int hooks_under(const nn_module_t *m) {
   return n;
 }
 
-static status_t half_logits(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t half_logits(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   nn_var_t *x = NULL, *y = NULL;
-  TRY(nn_scale(ctx, in, 100.0, &x));
-  status_t st = nn_linear(ctx, x, nn_module_param_named(m, "weight"), &y);
+  FSDPC_TRY(nn_scale(ctx, in, 100.0, &x));
+  fsdpc_status_t st = nn_linear(ctx, x, nn_module_param_named(m, "weight"), &y);
   if (st == STATUS_OK) st = nn_scale(ctx, y, 0.5, out);
   nn_var_put(y);
   nn_var_put(x);
@@ -52,11 +52,11 @@ static status_t half_logits(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_
 typedef enum step_mode { OUTSIDE, REGISTERED, INSIDE } step_mode_t;
 
 /* aux = head.half_logits(layers[1].mlp(embed_tokens(ids))) */
-static status_t aux_path(nn_ctx_t *ctx, nn_module_t *root, nn_var_t *ids, bool registered,
-                         nn_var_t **aux) {
+static fsdpc_status_t aux_path(nn_ctx_t *ctx, nn_module_t *root, nn_var_t *ids, bool registered,
+                               nn_var_t **aux) {
   nn_var_t *e = NULL, *x = NULL;
   nn_module_t *head = nn_module_find(root, "lm_head");
-  status_t st = nn_call(ctx, nn_module_find(root, "model.embed_tokens"), ids, &e);
+  fsdpc_status_t st = nn_call(ctx, nn_module_find(root, "model.embed_tokens"), ids, &e);
   if (st == STATUS_OK) st = nn_call(ctx, nn_module_find(root, "model.layers.1.mlp"), e, &x);
   if (st == STATUS_OK)
     st = registered ? nn_call_with(ctx, head, half_logits, x, aux) : half_logits(ctx, head, x, aux);
@@ -66,11 +66,11 @@ static status_t aux_path(nn_ctx_t *ctx, nn_module_t *root, nn_var_t *ids, bool r
 }
 
 /* The model's forward as a parent that uses its children directly: model(ids) + aux. */
-static status_t forward_with_aux(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
-                                 nn_forward_fn inner, void *user) {
+static fsdpc_status_t forward_with_aux(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
+                                       nn_forward_fn inner, void *user) {
   (void)user;
   nn_var_t *aux = NULL, *logits = NULL;
-  status_t st = aux_path(ctx, m, in, false, &aux);
+  fsdpc_status_t st = aux_path(ctx, m, in, false, &aux);
   if (st == STATUS_OK) st = inner(ctx, m, in, &logits);
   if (st == STATUS_OK) st = nn_add(ctx, logits, aux, out);
   nn_var_put(logits);
@@ -81,10 +81,10 @@ static status_t forward_with_aux(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn
 /* OUTSIDE, REGISTERED: loss = CE(model(ids)) + CE(aux); INSIDE: loss = CE(model(ids) + aux).
  * The backward runs from the loss times scale (1/micro-batches when accumulating); returns the
  * loss times scale. */
-static double step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t s,
+static double step(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec, int64_t s,
                    step_mode_t mode, double scale) {
   nn_module_t *root = llama_module(m);
-  tensor_t in_h, tg_h, in, tg;
+  fsdpc_tensor_t in_h, tg_h, in, tg;
   ok(data_batch(d, spec, s, 0, &in_h, &tg_h));
   device_t dev = mesh_device(llama_local_mesh(m));
   ok(tensor_clone(&in, &in_h, DTYPE_I64, dev));
@@ -92,7 +92,7 @@ static double step(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t
   nn_ctx_t *ctx;
   nn_var_t *ids, *logits, *aux = NULL, *l1, *l2 = NULL, *loss;
   ok(nn_ctx_new(&ctx));
-  ok(nn_var_new(&ids, &in, false));
+  ok(nn_var_new(&in, false, &ids));
   if (mode != INSIDE) ok(aux_path(ctx, root, ids, mode == REGISTERED, &aux));
   ok(nn_call(ctx, root, ids, &logits));
   ok(nn_cross_entropy(ctx, logits, &tg, &l1, NULL));
@@ -140,8 +140,8 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   mesh_t *mesh = dp_mesh();
   int md = mesh_ndim(mesh), W = world_size();
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   const int B = 2;
   int dp_rank = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
                         : mesh_coord(mesh, 0);
@@ -213,7 +213,7 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
     if (s == STEPS / 2) { /* user code reading a sharded parameter */
       nn_param_t *p = nn_param_find(root, "model.layers.0.mlp.up_proj.weight");
       nn_param_t *q = nn_param_find(llama_module(ref.m), "model.layers.0.mlp.up_proj.weight");
-      tensor_t full;
+      fsdpc_tensor_t full;
       ok(dtensor_full_tensor(p->value, &full));
       double e = test_rel_l2(&full, dtensor_local(q->value));
       if (!(e <= 1e-5)) {
@@ -223,7 +223,7 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
       }
       /* and writing one: a new whole value (half the old, in bf16) into both runs; the
        * losses after it keep matching, and the sharded one reads back exactly */
-      tensor_t half, back;
+      fsdpc_tensor_t half, back;
       ok(tensor_clone(&half, &full, DTYPE_BF16, full.device));
       ok(kernel_scale(&half, 0.5f));
       ok(nn_param_copy_full(p, &half));
@@ -257,19 +257,19 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
   /* evaluation: the method on the sharded head equals the single-rank one and leaves nothing
    * on the tape */
   {
-    tensor_t out[2];
+    fsdpc_tensor_t out[2];
     run_t *runs[2] = {&ref, &sh};
     int64_t shape[2] = {3, cfg.dim};
     for (int i = 0; i < 2; i++) {
       nn_ctx_t *ctx;
       nn_var_t *x, *y = NULL;
-      tensor_t t;
+      fsdpc_tensor_t t;
       test_rng_t rng = {7};
       ok(tensor_init(&t, DTYPE_F32, mesh_device(mesh), 2, shape));
       test_fill_uniform(&t, &rng, 0.01);
       ok(nn_ctx_new(&ctx));
       nn_ctx_set_grad_enabled(ctx, false);
-      ok(nn_var_new(&x, &t, false));
+      ok(nn_var_new(&t, false, &x));
       ok(half_logits(ctx, nn_module_find(llama_module(runs[i]->m), "lm_head"), x, &y));
       if (nn_ctx_tape_length(ctx) != 0) bad++;
       ok(tensor_clone(&out[i], &y->value, DTYPE_F32, device_cpu()));
@@ -288,15 +288,15 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
   /* replacing a sharded parameter by hand is refused */
   nn_param_t *p = nn_param_find(root, "model.norm.weight");
   dtensor_t *dt;
-  ok(dtensor_from_local(&dt, dtensor_local(p->value), dtensor_mesh(p->value),
+  ok(dtensor_from_local(dtensor_local(p->value), dtensor_mesh(p->value),
                         dtensor_placements(p->value), dtensor_ndim(p->value),
-                        dtensor_shape(p->value)));
-  status_t st = nn_param_set_value(p, dt);
+                        dtensor_shape(p->value), &dt));
+  fsdpc_status_t st = nn_param_set_value(p, dt);
   if (st == STATUS_OK || strstr(err_detail(), "nn_param_copy_full") == NULL) bad++;
   /* ... as is writing a whole value of the wrong shape, or while the step gathered it (the
    * root keeps its parameters gathered from forward to backward) */
   {
-    tensor_t wrong;
+    fsdpc_tensor_t wrong;
     int64_t n = cfg.dim + 1;
     ok(tensor_zeros(&wrong, DTYPE_F32, mesh_device(mesh), 1, &n));
     st = nn_param_copy_full(p, &wrong);
@@ -304,13 +304,13 @@ static void train(step_mode_t mode, int *warnings, counts_t *per_step) {
     tensor_free(&wrong);
     nn_ctx_t *ctx;
     nn_var_t *ids, *logits;
-    tensor_t t;
+    fsdpc_tensor_t t;
     int64_t shape[2] = {1, 4};
     ok(tensor_zeros(&t, DTYPE_I64, mesh_device(mesh), 2, shape));
     ok(nn_ctx_new(&ctx));
-    ok(nn_var_new(&ids, &t, false));
+    ok(nn_var_new(&t, false, &ids));
     ok(nn_call(ctx, root, ids, &logits));
-    tensor_t full;
+    fsdpc_tensor_t full;
     ok(dtensor_full_tensor(p->value, &full));
     st = nn_param_copy_full(p, &full);
     if (st == STATUS_OK || strstr(err_detail(), "between steps") == NULL) bad++;

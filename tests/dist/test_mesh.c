@@ -27,7 +27,7 @@ static int small_factor(int W) {
 
 START_TEST(mesh_1d_infers_world_size) {
   mesh_t *m = NULL;
-  ck_assert_int_eq(mesh_init(&m, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_new(1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CPU, &m), STATUS_OK);
   ck_assert_int_eq(mesh_size(m, 0), world_size());
   ck_assert_int_eq(mesh_coord(m, 0), world_rank());
   ck_assert_int_eq(pg_size(mesh_group(m, 0)), world_size());
@@ -43,7 +43,7 @@ START_TEST(mesh_2d_groups_differ_in_one_coordinate) {
   int W = world_size(), a = small_factor(W), b = W / a, r = world_rank();
   mesh_t *m = NULL;
   ck_assert_int_eq(
-      mesh_init(&m, 2, (int[]){a, -1}, (const char *[]){"dp_replicate", "dp_shard"}, DEVICE_CPU),
+      mesh_new(2, (int[]){a, -1}, (const char *[]){"dp_replicate", "dp_shard"}, DEVICE_CPU, &m),
       STATUS_OK);
   ck_assert_int_eq(mesh_size(m, 1), b);
   ck_assert_int_eq(mesh_coord(m, 0), r / b);
@@ -67,7 +67,7 @@ START_TEST(mesh_slice_reuses_parent_groups) {
   int W = world_size(), a = small_factor(W);
   mesh_t *m = NULL, *s = NULL, *bad = NULL;
   const char *names[2] = {"dp_replicate", "dp_shard"};
-  ck_assert_int_eq(mesh_init(&m, 2, (int[]){a, -1}, names, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_new(2, (int[]){a, -1}, names, DEVICE_CPU, &m), STATUS_OK);
   ck_assert_int_eq(mesh_slice(m, 1, (const char *[]){"dp_shard"}, &s), STATUS_OK);
   ck_assert_ptr_eq(mesh_group(s, 0), mesh_group(m, 1));
   ck_assert_int_eq(mesh_coord(s, 0), mesh_coord(m, 1));
@@ -93,7 +93,7 @@ START_TEST(mesh_groups_come_from_one_group_of_every_rank) {
   int W = world_size(), a = small_factor(W);
   const char *names[2] = {"dp_replicate", "dp_shard"};
   mesh_t *m = NULL, *all = NULL, *again = NULL, *one = NULL, *one_all = NULL;
-  ck_assert_int_eq(mesh_init(&m, 2, (int[]){a, -1}, names, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_new(2, (int[]){a, -1}, names, DEVICE_CPU, &m), STATUS_OK);
   ck_assert_int_eq(mesh_flatten(m, 2, names, "all", &all), STATUS_OK);
   ck_assert_int_eq(mesh_flatten(m, 2, names, "all2", &again), STATUS_OK);
   ck_assert_ptr_eq(mesh_group(all, 0), mesh_group(again, 0));
@@ -103,7 +103,7 @@ START_TEST(mesh_groups_come_from_one_group_of_every_rank) {
     ck_assert_ptr_ne(mesh_group(m, 0), mesh_group(all, 0));
     ck_assert_ptr_ne(mesh_group(m, 1), mesh_group(all, 0));
   }
-  ck_assert_int_eq(mesh_init(&one, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_new(1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CPU, &one), STATUS_OK);
   ck_assert_int_eq(mesh_flatten(one, 1, (const char *[]){"dp"}, "all", &one_all), STATUS_OK);
   ck_assert_ptr_eq(mesh_group(one, 0), mesh_group(one_all, 0));
   mesh_free(all);
@@ -117,7 +117,7 @@ START_TEST(mesh_groups_come_from_one_group_of_every_rank) {
   mesh_free(one);
   /* a rank-local mesh: its one group is its group of every rank */
   mesh_t *local = NULL, *flat = NULL;
-  ck_assert_int_eq(mesh_init_local(&local, "solo", DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_new_local("solo", DEVICE_CPU, &local), STATUS_OK);
   ck_assert_int_eq(mesh_flatten(local, 1, (const char *[]){"solo"}, "flat", &flat), STATUS_OK);
   ck_assert_ptr_eq(mesh_group(flat, 0), mesh_group(local, 0));
   me = 5;
@@ -135,7 +135,7 @@ START_TEST(mesh_flatten_makes_row_major_group) {
   int dims[3] = {2, W / 4 > 0 && W % 4 == 0 ? 2 : 1, -1};
   mesh_t *m = NULL, *dp = NULL, *outer = NULL;
   const char *names[3] = {"dp_replicate", "dp_shard", "tp"};
-  ck_assert_int_eq(mesh_init(&m, 3, dims, names, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_new(3, dims, names, DEVICE_CPU, &m), STATUS_OK);
   ck_assert_int_eq(mesh_flatten(m, 2, names, "dp", &dp), STATUS_OK);
   int R = mesh_size(m, 0), S = mesh_size(m, 1), T = mesh_size(m, 2);
   ck_assert_int_eq(mesh_size(dp, 0), R * S);
@@ -164,20 +164,20 @@ END_TEST
 START_TEST(mesh_size_mismatch_fails_on_every_rank) {
   int W = world_size();
   mesh_t *m = NULL;
-  status_t st = mesh_init(&m, 2, (int[]){W + 1, 1}, (const char *[]){"a", "b"}, DEVICE_CPU);
+  fsdpc_status_t st = mesh_new(2, (int[]){W + 1, 1}, (const char *[]){"a", "b"}, DEVICE_CPU, &m);
   expect_all(st == STATUS_EMESH && m == NULL, "mismatch not refused everywhere");
   ck_assert_ptr_nonnull(strstr(err_detail(), "but the world has"));
-  st = mesh_init(&m, 2, (int[]){-1, -1}, (const char *[]){"a", "b"}, DEVICE_CPU);
+  st = mesh_new(2, (int[]){-1, -1}, (const char *[]){"a", "b"}, DEVICE_CPU, &m);
   expect_all(st == STATUS_EMESH, "two -1 accepted");
-  st = mesh_init(&m, 2, (int[]){0, -1}, (const char *[]){"a", "b"}, DEVICE_CPU);
+  st = mesh_new(2, (int[]){0, -1}, (const char *[]){"a", "b"}, DEVICE_CPU, &m);
   expect_all(st == STATUS_EMESH, "zero size accepted");
-  st = mesh_init(&m, 2, (int[]){W + 1, -1}, (const char *[]){"a", "b"}, DEVICE_CPU);
+  st = mesh_new(2, (int[]){W + 1, -1}, (const char *[]){"a", "b"}, DEVICE_CPU, &m);
   expect_all(st == STATUS_EMESH, "-1 inferred from a non-divisor");
   ck_assert_ptr_nonnull(strstr(err_detail(), "cannot be inferred"));
-  st = mesh_init(&m, 2, (int[]){1, -1}, (const char *[]){"a", "a"}, DEVICE_CPU);
+  st = mesh_new(2, (int[]){1, -1}, (const char *[]){"a", "a"}, DEVICE_CPU, &m);
   expect_all(st == STATUS_EMESH, "duplicate names accepted");
-  st = mesh_init(&m, 6, (int[]){1, 1, 1, 1, 1, -1}, (const char *[]){"a", "b", "c", "d", "e", "f"},
-                 DEVICE_CPU);
+  st = mesh_new(6, (int[]){1, 1, 1, 1, 1, -1}, (const char *[]){"a", "b", "c", "d", "e", "f"},
+                DEVICE_CPU, &m);
   expect_all(st == STATUS_EMESH, "6-D mesh accepted");
   /* the world is still usable: nobody is stuck in a collective */
   ck_assert(all_ranks(1));
@@ -187,14 +187,14 @@ END_TEST
 START_TEST(mesh_cuda_without_device_fails_on_every_rank) {
   if (device_cuda_count() > 0) return;
   mesh_t *m = NULL;
-  status_t st = mesh_init(&m, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA);
+  fsdpc_status_t st = mesh_new(1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA, &m);
   expect_all(st == STATUS_ENODEV && m == NULL, "CUDA mesh without a device: %d", st);
 }
 END_TEST
 
 /* world_agree_report on this rank with status st and message msg; returns what this rank
  * printed to stderr (caller frees) and the verdict in *ok. */
-static char *report(status_t st, const char *msg, bool *ok) {
+static char *report(fsdpc_status_t st, const char *msg, bool *ok) {
   char path[64];
   snprintf(path, sizeof path, "/tmp/fsdpc_report_%d_%d", (int)getpid(), world_rank());
   fflush(stderr);

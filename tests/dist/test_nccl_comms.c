@@ -88,7 +88,7 @@ static void make(nccl_comm_t *c, mock_t *m, const char *name) {
   nccl_comm_track(c);
 }
 
-static int never(void *ctx, status_t *st) {
+static int never(void *ctx, fsdpc_status_t *st) {
   (void)ctx;
   (void)st;
   return 0;
@@ -161,7 +161,7 @@ START_TEST(an_async_error_ends_a_device_wait) {
   make(&ca, &a, "mock-a (rank 0 of 2 on cuda:0)");
   make(&cb, &b, "mock-b");
   double t = now_s();
-  status_t st = device_poll(never, NULL, "an endless device wait");
+  fsdpc_status_t st = device_poll(never, NULL, "an endless device wait");
   double took = now_s() - t;
   ck_assert_int_eq(st, STATUS_ENCCL);
   ck_assert_msg(strstr(err_detail(),
@@ -184,7 +184,7 @@ START_TEST(an_async_error_ends_a_host_wait) {
   if (world_rank() == 0) make(&ca, &a, "mock-a");
   if (world_rank() == 1) sleep(4); /* joins the agreement late */
   double t = now_s();
-  status_t st = pg_agree(world_pg(), STATUS_OK);
+  fsdpc_status_t st = pg_agree(world_pg(), STATUS_OK);
   double took = now_s() - t;
   ck_assert_int_ne(st, STATUS_OK);
   ck_assert_msg(strstr(err_detail(), "NCCL communicator mock-a failed: mock error 6") != NULL,
@@ -206,7 +206,7 @@ START_TEST(a_stop_aborts_the_communicators) {
     world_stop(err_set(STATUS_EINVAL, "rank 1 gives up"));
     ck_assert_str_eq(a.log, "abort"); /* at once, before any wait */
   } else {
-    status_t st = device_poll(never, NULL, "an endless device wait");
+    fsdpc_status_t st = device_poll(never, NULL, "an endless device wait");
     ck_assert_int_ne(st, STATUS_OK);
     ck_assert_msg(strstr(err_detail(), "rank 1 gives up") != NULL, "%s", err_detail());
     ck_assert_str_eq(a.log, "abort");

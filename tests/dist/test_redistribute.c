@@ -26,7 +26,7 @@ static int g_sample = 1; /* check every g_sample-th pair (sanitized builds) */
 static mesh_t *make_mesh(void) {
   const char *names[3] = {"m0", "m1", "m2"};
   mesh_t *m = NULL;
-  ck_assert_int_eq(mesh_init(&m, g_ndim, g_shape, names, DEVICE_CPU), STATUS_OK);
+  ck_assert_int_eq(mesh_new(g_ndim, g_shape, names, DEVICE_CPU, &m), STATUS_OK);
   return m;
 }
 
@@ -53,12 +53,12 @@ static int has_partial(const placement_t *pl) {
   return 0;
 }
 
-static void fill_pattern(tensor_t *t, int salt) {
+static void fill_pattern(fsdpc_tensor_t *t, int salt) {
   for (int64_t i = 0; i < tensor_numel(t); i++)
     dtype_store(t->dtype, t->data, (size_t)i, (double)((i * 7 + salt) % 23 - 11));
 }
 
-static int same(const tensor_t *a, const tensor_t *b) {
+static int same(const fsdpc_tensor_t *a, const fsdpc_tensor_t *b) {
   bool eq = false;
   return tensor_equal(a, b, &eq) == STATUS_OK && eq;
 }
@@ -84,13 +84,13 @@ START_TEST(redistribute_matches_distribute_for_every_pair) {
         shape[d] = test_rng_int(&rng, 0, 3) == 0 ? test_rng_int(&rng, 0, 3)
                                                  : test_rng_int(&rng, 1, 6) * 2 - 1 + (s & 1);
       dtype_t dt = dts[(tensor_ndim * 7 + s) % 5];
-      tensor_t X;
+      fsdpc_tensor_t X;
       ck_assert_int_eq(tensor_init(&X, dt, device_cpu(), tensor_ndim, shape), STATUS_OK);
       fill_pattern(&X, s);
       for (int p = 0; p < nt; p++) {
         dtensor_t *A = NULL;
-        status_t st = dtensor_distribute(&A, &X, mesh, tuples[p], DTENSOR_ALL_RANKS);
-        tensor_t full = {0};
+        fsdpc_status_t st = dtensor_distribute(&X, mesh, tuples[p], DTENSOR_ALL_RANKS, &A);
+        fsdpc_tensor_t full = {0};
         if (st == STATUS_OK) st = dtensor_full_tensor(A, &full);
         if (st != STATUS_OK || !same(&full, &X)) failures++;
         tensor_free(&full);
@@ -98,10 +98,10 @@ START_TEST(redistribute_matches_distribute_for_every_pair) {
           if ((p + q + s) % stride != 0) continue; /* every q for some p */
           dtensor_t *B = NULL, *C = NULL;
           st = dtensor_redistribute(A, tuples[q], &B);
-          if (st == STATUS_OK) st = dtensor_distribute(&C, &X, mesh, tuples[q], DTENSOR_ALL_RANKS);
+          if (st == STATUS_OK) st = dtensor_distribute(&X, mesh, tuples[q], DTENSOR_ALL_RANKS, &C);
           int ok = st == STATUS_OK;
           if (ok && has_partial(tuples[q])) {
-            tensor_t got = {0};
+            fsdpc_tensor_t got = {0};
             ok = dtensor_full_tensor(B, &got) == STATUS_OK && same(&got, &X);
             tensor_free(&got);
           } else if (ok) {
@@ -111,7 +111,7 @@ START_TEST(redistribute_matches_distribute_for_every_pair) {
             char a[128], b[128], sh[64];
             if (failures < 10)
               fprintf(stderr, "rank %d: %s %s: %s -> %s differs (%s)\n", world_rank(),
-                      dtype_name(dt), shape_str(tensor_ndim, shape, sh, sizeof sh),
+                      dtype_name(dt), tensor_shape_str(tensor_ndim, shape, sh, sizeof sh),
                       placements_str(g_ndim, tuples[p], a, sizeof a),
                       placements_str(g_ndim, tuples[q], b, sizeof b),
                       st == STATUS_OK ? "values" : err_detail());
@@ -142,7 +142,7 @@ END_TEST
 START_TEST(distribute_from_source_rank) {
   mesh_t *mesh = make_mesh();
   int64_t shape[2] = {5, 3};
-  tensor_t X, junk;
+  fsdpc_tensor_t X, junk;
   ck_assert_int_eq(tensor_init(&X, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   ck_assert_int_eq(tensor_init(&junk, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   fill_pattern(&X, 3);
@@ -152,9 +152,9 @@ START_TEST(distribute_from_source_rank) {
   int nt = all_tuples(2, tuples);
   for (int p = 0; p < nt; p++) {
     dtensor_t *A = NULL, *B = NULL;
-    const tensor_t *mine = world_rank() == src ? &X : &junk;
-    if (dtensor_distribute(&A, mine, mesh, tuples[p], src) != STATUS_OK ||
-        dtensor_distribute(&B, &X, mesh, tuples[p], DTENSOR_ALL_RANKS) != STATUS_OK ||
+    const fsdpc_tensor_t *mine = world_rank() == src ? &X : &junk;
+    if (dtensor_distribute(mine, mesh, tuples[p], src, &A) != STATUS_OK ||
+        dtensor_distribute(&X, mesh, tuples[p], DTENSOR_ALL_RANKS, &B) != STATUS_OK ||
         !same(dtensor_local(A), dtensor_local(B)))
       bad++;
     dtensor_free(A);
@@ -172,7 +172,7 @@ START_TEST(strided_shard_round_trips) {
   if (g_ndim != 2) return;
   mesh_t *mesh = make_mesh();
   int64_t shape[2] = {11, 3};
-  tensor_t X;
+  fsdpc_tensor_t X;
   ck_assert_int_eq(tensor_init(&X, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   fill_pattern(&X, 5);
   placement_t strided[2] = {placement_strided_shard(0, g_shape[1]), placement_shard(0)};
@@ -182,22 +182,22 @@ START_TEST(strided_shard_round_trips) {
                               {placement_replicate(), placement_shard(0)}};
   int bad = 0;
   dtensor_t *S = NULL;
-  ck_assert_int_eq(dtensor_distribute(&S, &X, mesh, strided, DTENSOR_ALL_RANKS), STATUS_OK);
+  ck_assert_int_eq(dtensor_distribute(&X, mesh, strided, DTENSOR_ALL_RANKS, &S), STATUS_OK);
   int64_t off[2];
   dtensor_offset(S, off);
   /* tp chunks first, then dp chunks the tp piece */
   int64_t tp_off, tp_len, dp_off, dp_len;
-  chunk_range(11, g_shape[1], mesh_coord(mesh, 1), &tp_off, &tp_len);
-  chunk_range(tp_len, g_shape[0], mesh_coord(mesh, 0), &dp_off, &dp_len);
+  placement_chunk_range(11, g_shape[1], mesh_coord(mesh, 1), &tp_off, &tp_len);
+  placement_chunk_range(tp_len, g_shape[0], mesh_coord(mesh, 0), &dp_off, &dp_len);
   bad += off[0] != tp_off + dp_off || dtensor_local(S)->shape[0] != dp_len;
   for (int k = 0; k < 4; k++) {
     dtensor_t *A = NULL, *B = NULL, *C = NULL;
-    tensor_t full = {0};
+    fsdpc_tensor_t full = {0};
     int ok = dtensor_redistribute(S, others[k], &A) == STATUS_OK &&
              dtensor_redistribute(A, strided, &B) == STATUS_OK &&
              same(dtensor_local(B), dtensor_local(S)) &&
              dtensor_full_tensor(A, &full) == STATUS_OK && same(&full, &X) &&
-             dtensor_distribute(&C, &X, mesh, others[k], DTENSOR_ALL_RANKS) == STATUS_OK;
+             dtensor_distribute(&X, mesh, others[k], DTENSOR_ALL_RANKS, &C) == STATUS_OK;
     if (ok && others[k][0].kind != PLACEMENT_PARTIAL) ok = same(dtensor_local(A), dtensor_local(C));
     bad += !ok;
     tensor_free(&full);
@@ -221,14 +221,14 @@ START_TEST(from_local_checks_the_shard_shape) {
   for (int i = 0; i < g_ndim; i++) coord[i] = mesh_coord(mesh, i);
   int64_t ls[1], off[1];
   ck_assert_int_eq(dtensor_compute_box(mesh, pl, 1, global, coord, ls, off), STATUS_OK);
-  tensor_t local;
+  fsdpc_tensor_t local;
   ck_assert_int_eq(tensor_init(&local, DTYPE_F32, device_cpu(), 1, wrong), STATUS_OK);
   dtensor_t *d = NULL;
-  ck_assert_int_eq(dtensor_from_local(&d, &local, mesh, pl, 1, global), STATUS_ESHAPE);
+  ck_assert_int_eq(dtensor_from_local(&local, mesh, pl, 1, global, &d), STATUS_ESHAPE);
   ck_assert_ptr_nonnull(strstr(err_detail(), "local shape [14]"));
   tensor_free(&local);
   ck_assert_int_eq(tensor_init(&local, DTYPE_F32, device_cpu(), 1, ls), STATUS_OK);
-  ck_assert_int_eq(dtensor_from_local(&d, &local, mesh, pl, 1, global), STATUS_OK);
+  ck_assert_int_eq(dtensor_from_local(&local, mesh, pl, 1, global, &d), STATUS_OK);
   int64_t got[1];
   dtensor_offset(d, got);
   ck_assert_int_eq(got[0], off[0]);

@@ -95,13 +95,13 @@ static void parity(const variant_t *v) {
   shape[md] = S, names[md++] = "dp_shard";
   shape[md] = T, names[md++] = "tp";
   mesh_t *world, *dp, *tp, *all;
-  ok(mesh_init(&world, md, shape, names, test_device_type()));
+  ok(mesh_new(md, shape, names, test_device_type(), &world));
   ok(mesh_slice(world, md - 1, names, &dp));
   ok(mesh_slice(world, 1, &names[md - 1], &tp));
   ok(mesh_flatten(world, md, names, "all", &all));
   int dp_rank = mesh_ndim(dp) == 2 ? mesh_coord(dp, 0) * S + mesh_coord(dp, 1) : mesh_coord(dp, 0);
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   const int64_t B = 2, SEQ = 16;
   data_spec_t gspec = {
       .batch_size = B * R * S, .seq_len = SEQ, .grad_accum = v->accum, .dp_size = 1};
@@ -116,7 +116,7 @@ static void parity(const variant_t *v) {
     llama_options_t o = LLAMA_OPTIONS_INIT;
     o.device = test_device_type();
     o.deferred = true;
-    ok(llama_new(&sh.m, &cfg, &o));
+    ok(llama_new(&cfg, &o, &sh.m));
   } else {
     run_init(&sh, &cfg);
   }
@@ -238,12 +238,12 @@ START_TEST(uneven_split_is_refused) {
   mesh_t *world, *tp;
   int shape[2] = {R * S, T};
   const char *names[] = {"dp", "tp"};
-  ok(mesh_init(&world, 2, shape, names, test_device_type()));
+  ok(mesh_new(2, shape, names, test_device_type(), &world));
   ok(mesh_slice(world, 1, &names[1], &tp));
   const tp_rule_t *rules;
   int nr = llama_plan_tp_rules(&rules);
   tp_plan_t *plan = NULL;
-  status_t st = tensor_parallel(llama_module(r.m), tp, rules, nr, false, &plan);
+  fsdpc_status_t st = tensor_parallel(llama_module(r.m), tp, rules, nr, false, &plan);
   int good = st == STATUS_ESHAPE && strstr(err_detail(), "not divisible by tp=") != NULL;
   if (!good) printf("rank %d: %s: %s\n", world_rank(), status_str(st), err_detail());
   expect_all(good, "an uneven split is refused with a message naming the parameter");

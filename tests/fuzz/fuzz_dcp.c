@@ -41,7 +41,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         rows[d] = d == 0 ? (t[i].shape[0] + 1) / 2 : t[i].shape[d];
       }
       if (t[i].dtype == DTYPE_COUNT || numel > (1 << 20)) continue;
-      tensor_t x;
+      fsdpc_tensor_t x;
       if (tensor_init(&x, DTYPE_F32, device_cpu(), t[i].ndim, rows) != STATUS_OK) continue;
       (void)dcp_reader_read_box(r, t[i].name, t[i].ndim, t[i].shape, off, &x);
       tensor_free(&x);

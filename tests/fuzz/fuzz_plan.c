@@ -6,7 +6,7 @@
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   char path[64];
   int fd = fuzz_file(data, size, path, sizeof path);
-  plan_t p;
+  fsdpc_plan_t p;
   if (plan_load(&p, path, NULL, 0) == STATUS_OK) (void)plan_resolve(&p, 8);
   close(fd);
   return 0;

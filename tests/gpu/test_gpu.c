@@ -21,12 +21,12 @@ cudaStream_t cuda_stream_raw(stream_t *s); /* backends/cuda/cuda_backend.cu */
 
 static device_t gpu(void) { return world_device(); }
 
-static int same(const tensor_t *a, const tensor_t *b) {
+static int same(const fsdpc_tensor_t *a, const fsdpc_tensor_t *b) {
   bool eq = false;
   return tensor_equal(a, b, &eq) == STATUS_OK && eq;
 }
 
-static void random_f32(tensor_t *t, unsigned long long seed) {
+static void random_f32(fsdpc_tensor_t *t, unsigned long long seed) {
   test_rng_t rng = {seed};
   for (int64_t i = 0; i < tensor_numel(t); i++)
     ((float *)t->data)[i] = (float)((double)(test_rng_next(&rng) >> 11) * 0x1p-53 * 200.0 - 100.0);
@@ -37,12 +37,12 @@ START_TEST(cuda_copy_and_cast_match_cpu) {
   static const dtype_t dts[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32, DTYPE_I64};
   int bad = 0;
   for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
-    tensor_t host, dev;
+    fsdpc_tensor_t host, dev;
     ck_assert_int_eq(tensor_init(&host, DTYPE_F32, device_cpu(), 3, sizes[s]), STATUS_OK);
     random_f32(&host, 100 + s);
     ck_assert_int_eq(tensor_clone(&dev, &host, DTYPE_F32, gpu()), STATUS_OK);
     for (size_t d = 0; d < sizeof dts / sizeof dts[0]; d++) {
-      tensor_t want, got, back;
+      fsdpc_tensor_t want, got, back;
       ck_assert_int_eq(tensor_clone(&want, &host, dts[d], device_cpu()), STATUS_OK);
       ck_assert_int_eq(tensor_init(&got, dts[d], gpu(), 3, sizes[s]), STATUS_OK);
       ck_assert_int_eq(tensor_fill(&got, -12345), STATUS_OK); /* poison */
@@ -58,7 +58,7 @@ START_TEST(cuda_copy_and_cast_match_cpu) {
       for (size_t e = 0; e < 3 && d < 3; e++) {
         if (e == d) continue;
         for (int from_row = 0; from_row < 2 && from_row < sizes[s][0]; from_row++) {
-          tensor_t gv, wv, want2, got2;
+          fsdpc_tensor_t gv, wv, want2, got2;
           int64_t rows = sizes[s][0] - from_row;
           ck_assert_int_eq(tensor_narrow(&gv, &got, 0, from_row, rows), STATUS_OK);
           ck_assert_int_eq(tensor_narrow(&wv, &want, 0, from_row, rows), STATUS_OK);
@@ -81,7 +81,7 @@ START_TEST(cuda_copy_and_cast_match_cpu) {
     }
     /* strided narrow along the last dimension, device to device and device to host */
     if (sizes[s][2] > 2) {
-      tensor_t hv, dv, want, got, back;
+      fsdpc_tensor_t hv, dv, want, got, back;
       ck_assert_int_eq(tensor_narrow(&hv, &host, 2, 1, sizes[s][2] - 2), STATUS_OK);
       ck_assert_int_eq(tensor_narrow(&dv, &dev, 2, 1, sizes[s][2] - 2), STATUS_OK);
       ck_assert_int_eq(tensor_clone(&want, &hv, DTYPE_BF16, device_cpu()), STATUS_OK);
@@ -114,16 +114,16 @@ START_TEST(cuda_box_copies_match_cpu) {
       {{4, 8, 66}, {1, 1, 1}},  /* one element */
   };
   static const dtype_t dts[] = {DTYPE_BF16, DTYPE_F32, DTYPE_I64};
-  tensor_t base;
+  fsdpc_tensor_t base;
   ck_assert_int_eq(tensor_init(&base, DTYPE_F32, device_cpu(), 3, shape), STATUS_OK);
   random_f32(&base, 7);
   int bad = 0;
   for (size_t t = 0; t < sizeof dts / sizeof dts[0]; t++) {
-    tensor_t host, dev;
+    fsdpc_tensor_t host, dev;
     ck_assert_int_eq(tensor_clone(&host, &base, dts[t], device_cpu()), STATUS_OK);
     ck_assert_int_eq(tensor_clone(&dev, &host, dts[t], gpu()), STATUS_OK);
     for (size_t b = 0; b < sizeof boxes / sizeof boxes[0]; b++) {
-      tensor_t hv, dv, want, got, back, into, into_back, iv, expect, ev;
+      fsdpc_tensor_t hv, dv, want, got, back, into, into_back, iv, expect, ev;
       ck_assert_int_eq(tensor_narrow_box(&hv, &host, boxes[b][0], boxes[b][1]), STATUS_OK);
       ck_assert_int_eq(tensor_narrow_box(&dv, &dev, boxes[b][0], boxes[b][1]), STATUS_OK);
       ck_assert_int_eq(tensor_clone(&want, &hv, dts[t], device_cpu()), STATUS_OK);
@@ -143,7 +143,7 @@ START_TEST(cuda_box_copies_match_cpu) {
         fprintf(stderr, "%s box %zu copies differ from the host's\n", dtype_name(dts[t]), b);
         bad++;
       }
-      tensor_t *all[] = {&hv, &dv, &want, &got, &back, &into, &into_back, &iv, &expect, &ev};
+      fsdpc_tensor_t *all[] = {&hv, &dv, &want, &got, &back, &into, &into_back, &iv, &expect, &ev};
       for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) tensor_free(all[k]);
     }
     tensor_free(&host);
@@ -163,15 +163,15 @@ START_TEST(cuda_copy_many_matches_cpu) {
   enum { N = 150 };
   static const dtype_t dts[] = {DTYPE_F32, DTYPE_BF16, DTYPE_F16, DTYPE_I32};
   int64_t total = 8192;
-  tensor_t host;
+  fsdpc_tensor_t host;
   ck_assert_int_eq(tensor_init(&host, DTYPE_F32, device_cpu(), 1, &total), STATUS_OK);
   random_f32(&host, 77);
-  tensor_t src_h[4], src_d[4];
+  fsdpc_tensor_t src_h[4], src_d[4];
   for (int d = 0; d < 4; d++) {
     ck_assert_int_eq(tensor_clone(&src_h[d], &host, dts[d], device_cpu()), STATUS_OK);
     ck_assert_int_eq(tensor_clone(&src_d[d], &src_h[d], dts[d], gpu()), STATUS_OK);
   }
-  tensor_t buf_h[N], buf_d[N], dst_h[N], dst_d[N], from_h[N], from_d[N];
+  fsdpc_tensor_t buf_h[N], buf_d[N], dst_h[N], dst_d[N], from_h[N], from_d[N];
   for (int k = 0; k < N; k++) {
     int sd = k % 4, dd = (k / 4) % 4;
     if (dts[dd] == DTYPE_I32 && dts[sd] != DTYPE_I32) dd = sd; /* float to integer: not FSDP's */
@@ -182,10 +182,10 @@ START_TEST(cuda_copy_many_matches_cpu) {
     ck_assert_int_eq(tensor_clone(&buf_d[k], &buf_h[k], dts[dd], gpu()), STATUS_OK);
     if (k % 13 == 1) { /* into every other element of the buffer: a strided destination */
       int64_t half = len / 2, grid[2] = {half, 2}, col[2] = {half, 1};
-      tensor_t *bufs[2] = {&buf_h[k], &buf_d[k]}, *srcs[2] = {&src_h[sd], &src_d[sd]};
-      tensor_t *dsts[2] = {&dst_h[k], &dst_d[k]}, *froms[2] = {&from_h[k], &from_d[k]};
+      fsdpc_tensor_t *bufs[2] = {&buf_h[k], &buf_d[k]}, *srcs[2] = {&src_h[sd], &src_d[sd]};
+      fsdpc_tensor_t *dsts[2] = {&dst_h[k], &dst_d[k]}, *froms[2] = {&from_h[k], &from_d[k]};
       for (int side = 0; side < 2; side++) {
-        tensor_t seg, g2, part;
+        fsdpc_tensor_t seg, g2, part;
         ck_assert_int_eq(tensor_narrow(&seg, bufs[side], 0, pad, 2 * half), STATUS_OK);
         ck_assert_int_eq(tensor_view(&g2, &seg, 2, grid), STATUS_OK);
         ck_assert_int_eq(tensor_narrow(dsts[side], &g2, 1, 1, 1), STATUS_OK);
@@ -206,7 +206,7 @@ START_TEST(cuda_copy_many_matches_cpu) {
   ck_assert_int_eq(tensor_copy_many(dst_d, from_d, N), STATUS_OK);
   int bad = 0;
   for (int k = 0; k < N; k++) {
-    tensor_t back;
+    fsdpc_tensor_t back;
     ck_assert_int_eq(tensor_clone(&back, &buf_d[k], buf_d[k].dtype, device_cpu()), STATUS_OK);
     if (!same(&back, &buf_h[k])) {
       fprintf(stderr, "copy %d (%s -> %s, %lld elements) differs\n", k,
@@ -234,7 +234,7 @@ END_TEST
 START_TEST(cuda_fill_and_memory_accounting) {
   mem_stats_t before = mem_stats(gpu());
   int64_t shape[1] = {1000003};
-  tensor_t t, h, want;
+  fsdpc_tensor_t t, h, want;
   ck_assert_int_eq(tensor_init(&t, DTYPE_F16, gpu(), 1, shape), STATUS_OK);
   ck_assert_uint_eq(mem_stats(gpu()).current - before.current, 2000006);
   ck_assert_int_eq(tensor_fill(&t, 0.1), STATUS_OK);
@@ -251,14 +251,13 @@ END_TEST
 
 START_TEST(nccl_collectives_closed_form) {
   mesh_t *mesh = NULL;
-  ck_assert_int_eq(mesh_init(&mesh, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA),
-                   STATUS_OK);
+  ck_assert_int_eq(mesh_new(1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA, &mesh), STATUS_OK);
   pg_t *pg = mesh_group(mesh, 0);
   ck_assert_str_eq(pg_backend_name(pg), "nccl");
   int W = pg_size(pg), r = pg_rank(pg), bad = 0;
   size_t n = 1001;
   int64_t shape[1] = {(int64_t)(n * W)};
-  tensor_t send, recv, host;
+  fsdpc_tensor_t send, recv, host;
   ck_assert_int_eq(tensor_init(&host, DTYPE_F32, device_cpu(), 1, shape), STATUS_OK);
   for (size_t i = 0; i < n * W; i++) ((float *)host.data)[i] = (float)((r * 7 + i) % 61);
   ck_assert_int_eq(tensor_clone(&send, &host, DTYPE_F32, gpu()), STATUS_OK);
@@ -267,7 +266,7 @@ START_TEST(nccl_collectives_closed_form) {
   pg_work_t *w = NULL;
   ck_assert_int_eq(pg_all_gather(pg, send.data, recv.data, n, DTYPE_F32, &w), STATUS_OK);
   ck_assert_int_eq(pg_wait(w), STATUS_OK);
-  tensor_t back;
+  fsdpc_tensor_t back;
   ck_assert_int_eq(tensor_clone(&back, &recv, DTYPE_F32, device_cpu()), STATUS_OK);
   for (int q = 0; q < W; q++)
     for (size_t i = 0; i < n; i++)
@@ -295,10 +294,9 @@ END_TEST
 
 START_TEST(dtensor_redistribute_on_device) {
   mesh_t *mesh = NULL;
-  ck_assert_int_eq(mesh_init(&mesh, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA),
-                   STATUS_OK);
+  ck_assert_int_eq(mesh_new(1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA, &mesh), STATUS_OK);
   int64_t shape[2] = {7, 5};
-  tensor_t host, X;
+  fsdpc_tensor_t host, X;
   ck_assert_int_eq(tensor_init(&host, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   for (int i = 0; i < 35; i++) ((float *)host.data)[i] = (float)(i % 13 - 6);
   ck_assert_int_eq(tensor_clone(&X, &host, DTYPE_F32, gpu()), STATUS_OK);
@@ -308,8 +306,8 @@ START_TEST(dtensor_redistribute_on_device) {
   for (int p = 0; p < 4; p++)
     for (int q = 0; q < 4; q++) {
       dtensor_t *A = NULL, *B = NULL;
-      tensor_t full = {0};
-      int ok = dtensor_distribute(&A, &X, mesh, &pls[p], DTENSOR_ALL_RANKS) == STATUS_OK &&
+      fsdpc_tensor_t full = {0};
+      int ok = dtensor_distribute(&X, mesh, &pls[p], DTENSOR_ALL_RANKS, &A) == STATUS_OK &&
                dtensor_redistribute(A, &pls[q], &B) == STATUS_OK &&
                dtensor_full_tensor(B, &full) == STATUS_OK && same(&full, &X) &&
                full.device.type == DEVICE_CUDA;
@@ -355,12 +353,11 @@ static void CUDART_CB hold_stream(void *arg) {
  * the hold and the hold for the test's end.) */
 START_TEST(nccl_abort_ends_a_stuck_wait) {
   mesh_t *mesh = NULL;
-  ck_assert_int_eq(mesh_init(&mesh, 1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA),
-                   STATUS_OK);
+  ck_assert_int_eq(mesh_new(1, (int[]){-1}, (const char *[]){"dp"}, DEVICE_CUDA, &mesh), STATUS_OK);
   pg_t *pg = mesh_group(mesh, 0);
   ck_assert_str_eq(pg_backend_name(pg), "nccl");
   int64_t n = 1001;
-  tensor_t x;
+  fsdpc_tensor_t x;
   ck_assert_int_eq(tensor_zeros(&x, DTYPE_F32, gpu(), 1, &n), STATUS_OK);
   pg_work_t *w = NULL;
   ck_assert_int_eq(pg_all_reduce(pg, x.data, x.data, (size_t)n, DTYPE_F32, REDUCE_SUM, &w),
@@ -371,7 +368,7 @@ START_TEST(nccl_abort_ends_a_stuck_wait) {
   ck_assert_int_eq(cudaLaunchHostFunc(s, hold_stream, NULL), cudaSuccess);
   world_set_timeout(0.5);
   double t = now_s();
-  status_t st = device_stream_sync(gpu());
+  fsdpc_status_t st = device_stream_sync(gpu());
   double took = now_s() - t;
   printf("the stuck wait ended, the communicator aborted, in %.2f s\n", took);
   ck_assert_int_eq(st, STATUS_ETIMEOUT);

@@ -18,21 +18,21 @@
 
 #define MAX_T 16
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
 typedef struct kcase {
   const char *name;
   /* runs the kernel on dev with inputs from rng; fills outs (host f32 copies) */
-  int (*run)(device_t dev, dtype_t dt, tensor_t *outs);
+  int (*run)(device_t dev, dtype_t dt, fsdpc_tensor_t *outs);
   int exact; /* the CPU kernel's order and rounding: the same bits in both dtypes */
 } kcase_t;
 
 /* A random float tensor on dev (same values on every device for the same seed). */
-static void rnd(tensor_t *t, device_t dev, dtype_t dt, int ndim, const int64_t *shape,
+static void rnd(fsdpc_tensor_t *t, device_t dev, dtype_t dt, int ndim, const int64_t *shape,
                 unsigned long long seed, double scale) {
-  tensor_t h;
+  fsdpc_tensor_t h;
   ok(tensor_init(&h, dt, device_cpu(), ndim, shape));
   test_rng_t r = {seed};
   test_fill_uniform(&h, &r, scale);
@@ -40,13 +40,13 @@ static void rnd(tensor_t *t, device_t dev, dtype_t dt, int ndim, const int64_t *
   tensor_free(&h);
 }
 
-static void poisoned(tensor_t *t, device_t dev, dtype_t dt, int ndim, const int64_t *shape) {
+static void poisoned(fsdpc_tensor_t *t, device_t dev, dtype_t dt, int ndim, const int64_t *shape) {
   ok(tensor_init(t, dt, dev, ndim, shape));
   ok(tensor_fill(t, NAN));
 }
 
-static void ids(tensor_t *t, device_t dev, int64_t n, int64_t V) {
-  tensor_t h;
+static void ids(fsdpc_tensor_t *t, device_t dev, int64_t n, int64_t V) {
+  fsdpc_tensor_t h;
   ok(tensor_init(&h, DTYPE_I64, device_cpu(), 1, &n));
   for (int64_t i = 0; i < n; i++) ((int64_t *)h.data)[i] = (i * 7919) % V;
   if (n > 3) ((int64_t *)h.data)[3] = -100; /* ignored target (cross-entropy only) */
@@ -54,15 +54,16 @@ static void ids(tensor_t *t, device_t dev, int64_t n, int64_t V) {
   tensor_free(&h);
 }
 
-static void out(tensor_t *dst, tensor_t *t) {
+static void out(fsdpc_tensor_t *dst, fsdpc_tensor_t *t) {
   ok(tensor_clone(dst, t, DTYPE_F32, device_cpu()));
   tensor_free(t);
 }
 
 /* c = 0.5 a b^T + c (into values already there), then d = a^T c; outputs c and d. */
-static void matmul_pair(device_t dev, dtype_t dt, tensor_t *o, int64_t M, int64_t N, int64_t K) {
+static void matmul_pair(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t M, int64_t N,
+                        int64_t K) {
   int64_t sa[2] = {M, K}, sb[2] = {N, K}, sc[2] = {M, N}, sd[2] = {K, N};
-  tensor_t a, b, c, d;
+  fsdpc_tensor_t a, b, c, d;
   rnd(&a, dev, dt, 2, sa, 1, 1);
   rnd(&b, dev, dt, 2, sb, 2, 1);
   rnd(&c, dev, dt, 2, sc, 3, 1);
@@ -81,7 +82,7 @@ static void matmul_pair(device_t dev, dtype_t dt, tensor_t *o, int64_t M, int64_
  * is to run them: the case fails when it should and did not run the four products of even size
  * (with cuBLASLt's reason), or ran any product when it should not. The others may take
  * cublasGemmEx. */
-static int matmul_case(device_t dev, dtype_t dt, tensor_t *o, bool lt) {
+static int matmul_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, bool lt) {
   bool on_device = dev.type == DEVICE_CUDA;
   if (on_device) kernel_matmul_set_lt(lt);
   int64_t runs = kernel_matmul_lt_runs();
@@ -90,7 +91,7 @@ static int matmul_case(device_t dev, dtype_t dt, tensor_t *o, bool lt) {
   int64_t even = kernel_matmul_lt_runs() - runs;
   matmul_pair(dev, dt, o + 4, 37, 29, 53);
   int64_t sa[2] = {37, 53}, sb[2] = {29, 53}, se[2] = {36, 29};
-  tensor_t a, b, rows, e;
+  fsdpc_tensor_t a, b, rows, e;
   rnd(&a, dev, dt, 2, sa, 4, 1);
   rnd(&b, dev, dt, 2, sb, 5, 1);
   ok(tensor_narrow(&rows, &a, 0, 1, 36)); /* starts one row (53 elements) in */
@@ -114,20 +115,22 @@ static int matmul_case(device_t dev, dtype_t dt, tensor_t *o, bool lt) {
   return 7;
 }
 
-static int k_matmul(device_t dev, dtype_t dt, tensor_t *o) { return matmul_case(dev, dt, o, true); }
+static int k_matmul(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
+  return matmul_case(dev, dt, o, true);
+}
 
 /* The same products through cublasGemmEx. */
-static int k_matmul_gemmex(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_matmul_gemmex(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return matmul_case(dev, dt, o, false);
 }
 
-static int k_embedding(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_embedding(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int64_t st[2] = {61, 33}, so[2] = {45, 33};
-  tensor_t table, id, y, g, dy;
+  fsdpc_tensor_t table, id, y, g, dy;
   rnd(&table, dev, dt, 2, st, 4, 1);
   ids(&id, dev, 45, 61);
   ((void)0);
-  tensor_t h;
+  fsdpc_tensor_t h;
   ok(tensor_clone(&h, &id, DTYPE_I64, device_cpu()));
   ((int64_t *)h.data)[3] = 5; /* embeddings need valid ids everywhere */
   tensor_free(&id);
@@ -140,7 +143,7 @@ static int k_embedding(device_t dev, dtype_t dt, tensor_t *o) {
   ok(kernel_embedding_backward(&g, &dy, &id));
   /* a vocabulary shard: rows [20, 50) of 61; other ids give zero rows and no gradient */
   int64_t ss[2] = {30, 33};
-  tensor_t rows, shard, ys, gs;
+  fsdpc_tensor_t rows, shard, ys, gs;
   ok(tensor_narrow(&rows, &table, 0, 20, 30));
   ok(tensor_clone(&shard, &rows, dt, dev));
   poisoned(&ys, dev, dt, 2, so);
@@ -150,7 +153,7 @@ static int k_embedding(device_t dev, dtype_t dt, tensor_t *o) {
   /* many tokens per row, accumulated into a gradient that holds values already (bf16
    * gradients round once, after the row's sum), whole table and shard */
   int64_t n2 = 300, so2[2] = {300, 33};
-  tensor_t id2, dy2, g2, gs2;
+  fsdpc_tensor_t id2, dy2, g2, gs2;
   ok(tensor_init(&h, DTYPE_I64, device_cpu(), 1, &n2));
   for (int64_t i = 0; i < n2; i++) ((int64_t *)h.data)[i] = (i * i + 3 * i) % 61 % 23 * 2;
   ok(tensor_clone(&id2, &h, DTYPE_I64, dev));
@@ -178,9 +181,9 @@ static int k_embedding(device_t dev, dtype_t dt, tensor_t *o) {
 
 /* RMSNorm forward and backward over rows of D (rows on 16-byte boundaries when D is a multiple
  * of 8, else mostly not); outputs y, rstd, dx, dw. */
-static int rmsnorm_case(device_t dev, dtype_t dt, tensor_t *o, int64_t rows, int64_t D) {
+static int rmsnorm_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t rows, int64_t D) {
   int64_t sx[2] = {rows, D}, sw = D;
-  tensor_t x, w, y, r, dy, dx, dw;
+  fsdpc_tensor_t x, w, y, r, dy, dx, dw;
   rnd(&x, dev, dt, 2, sx, 6, 2);
   rnd(&w, dev, dt, 1, &sw, 7, 1);
   poisoned(&y, dev, dt, 2, sx);
@@ -203,16 +206,16 @@ static int rmsnorm_case(device_t dev, dtype_t dt, tensor_t *o, int64_t rows, int
 /* The backward's dw over blocks of 64 rows, the last one short (170 and 1,300 rows), a single
  * short block (9 rows), and rows longer than a block's threads cover in one stride (12,300
  * columns). */
-static int k_rmsnorm(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_rmsnorm(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int n = rmsnorm_case(dev, dt, o, 170, 333);
   n += rmsnorm_case(dev, dt, o + n, 9, 256);
   n += rmsnorm_case(dev, dt, o + n, 1300, 40);
   return n + rmsnorm_case(dev, dt, o + n, 3, 12300);
 }
 
-static int k_rope(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_rope(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int64_t s[4] = {3, 19, 5, 14};
-  tensor_t x, y, z;
+  fsdpc_tensor_t x, y, z;
   rnd(&x, dev, dt, 4, s, 9, 1);
   poisoned(&y, dev, dt, 4, s);
   poisoned(&z, dev, dt, 4, s);
@@ -234,13 +237,13 @@ static int k_rope(device_t dev, dtype_t dt, tensor_t *o) {
 /* Attention of q [B, T, H, Dh] over k and v [B, T, Hkv, Dh]: out, lse, dq, dk, dv. On the
  * device, fused says whether cuDNN's fused attention is to run it: the case fails when it should
  * and did not (with cuDNN's reason), or did when it should not. */
-static int attention_case(device_t dev, dtype_t dt, tensor_t *o, int64_t B, int64_t T, int64_t H,
-                          int64_t Hkv, int64_t Dh, bool fused) {
+static int attention_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t B, int64_t T,
+                          int64_t H, int64_t Hkv, int64_t Dh, bool fused) {
   bool on_device = dev.type == DEVICE_CUDA;
   if (on_device) kernel_attention_set_fused(fused);
   int64_t runs = kernel_attention_fused_runs();
   int64_t sq[4] = {B, T, H, Dh}, sk[4] = {B, T, Hkv, Dh}, sl[3] = {B, H, T};
-  tensor_t q, k, v, y, lse, dy, dq, dk, dv;
+  fsdpc_tensor_t q, k, v, y, lse, dy, dq, dk, dv;
   rnd(&q, dev, dt, 4, sq, 10, 1);
   rnd(&k, dev, dt, 4, sk, 11, 1);
   rnd(&v, dev, dt, 4, sk, 12, 1);
@@ -274,25 +277,25 @@ static int attention_case(device_t dev, dtype_t dt, tensor_t *o, int64_t B, int6
 }
 
 /* Odd sizes: every product of the CUDA plan runs one entry at a time (unaligned operands). */
-static int k_attention(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_attention(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return attention_case(dev, dt, o, 2, 19, 6, 2, 10, false);
 }
 
 /* Sizes whose operands are 16-byte aligned: batched products over pointer arrays. */
-static int k_attention_batched(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_attention_batched(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return attention_case(dev, dt, o, 2, 136, 8, 2, 64, false);
 }
 
 /* cuDNN's fused attention (bf16; f32 takes the batched products): grouped heads of 128, a
  * length off the 64-row tiles, and multi-head with one kv head per query head. */
-static int k_attention_cudnn(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_attention_cudnn(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int n = attention_case(dev, dt, o, 2, 200, 8, 2, 128, true);
   return n + attention_case(dev, dt, o + n, 1, 64, 4, 4, 64, true);
 }
 
-static int k_elementwise(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_elementwise(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int64_t s[2] = {41, 67};
-  tensor_t g, u, y, dy, dg, du, sum, acc;
+  fsdpc_tensor_t g, u, y, dy, dg, du, sum, acc;
   rnd(&g, dev, dt, 2, s, 14, 4);
   rnd(&u, dev, dt, 2, s, 15, 1);
   poisoned(&y, dev, dt, 2, s);
@@ -309,7 +312,7 @@ static int k_elementwise(device_t dev, dtype_t dt, tensor_t *o) {
   /* views one row in (operands off 16-byte boundaries go element by element), in place, and
    * axpy within one dtype */
   int64_t sv[2] = {40, 67};
-  tensor_t gv, uv, yv;
+  fsdpc_tensor_t gv, uv, yv;
   ok(tensor_narrow(&gv, &g, 0, 1, 40));
   ok(tensor_narrow(&uv, &u, 0, 1, 40));
   poisoned(&yv, dev, dt, 2, sv);
@@ -332,9 +335,9 @@ static int k_elementwise(device_t dev, dtype_t dt, tensor_t *o) {
 
 /* Losses and logits' gradients of n rows of V logits (rows on 16-byte boundaries when V is a
  * multiple of 8, else mostly not). */
-static int cross_entropy_case(device_t dev, dtype_t dt, tensor_t *o, int64_t n, int64_t V) {
+static int cross_entropy_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t n, int64_t V) {
   int64_t s[2] = {n, V};
-  tensor_t logits, tg, losses, d;
+  fsdpc_tensor_t logits, tg, losses, d;
   rnd(&logits, dev, dt, 2, s, 18, 5);
   ids(&tg, dev, n, V);
   poisoned(&losses, dev, DTYPE_F32, 1, &n);
@@ -343,7 +346,7 @@ static int cross_entropy_case(device_t dev, dtype_t dt, tensor_t *o, int64_t n, 
   ok(kernel_cross_entropy_backward(&d, &logits, &tg, 1.0f / (float)(n - 1)));
   /* the mean over the targets kept and its gradient (times dloss), read on the device */
   int64_t one = 1;
-  tensor_t mean, count, dloss, dm;
+  fsdpc_tensor_t mean, count, dloss, dm;
   poisoned(&mean, dev, DTYPE_F32, 1, &one);
   ok(tensor_init(&count, DTYPE_I64, dev, 1, &one));
   ok(tensor_fill(&count, -1.0));
@@ -363,14 +366,14 @@ static int cross_entropy_case(device_t dev, dtype_t dt, tensor_t *o, int64_t n, 
   return 5;
 }
 
-static int k_cross_entropy(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_cross_entropy(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int n = cross_entropy_case(dev, dt, o, 23, 301);
   return n + cross_entropy_case(dev, dt, o + n, 7, 304);
 }
 
-static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_adamw_sumsq(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int64_t n = 1001;
-  tensor_t p, g, m, v;
+  fsdpc_tensor_t p, g, m, v;
   rnd(&p, dev, dt, 1, &n, 19, 1);
   rnd(&g, dev, dt, 1, &n, 20, 1);
   ok(tensor_zeros(&m, DTYPE_F32, dev, 1, &n));
@@ -388,12 +391,12 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
   double ss, many[3];
   ok(kernel_sum_squares(&g, &ss));
   int64_t none = 0;
-  tensor_t empty;
+  fsdpc_tensor_t empty;
   ok(tensor_init(&empty, dt, dev, 1, &none));
-  const tensor_t *xs[3] = {&p, &empty, &g}; /* one read back; the single call's bits */
+  const fsdpc_tensor_t *xs[3] = {&p, &empty, &g}; /* one read back; the single call's bits */
   ok(kernel_sum_squares_many(xs, 3, many));
   ck_assert(many[2] == ss && many[1] == 0.0);
-  tensor_t s;
+  fsdpc_tensor_t s;
   int64_t two = 2;
   ok(tensor_init(&s, DTYPE_F32, device_cpu(), 1, &two));
   ((float *)s.data)[0] = (float)ss;
@@ -408,7 +411,7 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
    * 1184, f32 and dt parameters, each its own learning rate), two steps; the same bits as
    * kernel_adamw on each, and the parameters' sums of squares against the other device */
   enum { K = 40 };
-  tensor_t P[2][K], G[K], M[2][K], V[2][K];
+  fsdpc_tensor_t P[2][K], G[K], M[2][K], V[2][K];
   adamw_item_t items[K];
   for (int k = 0; k < K; k++) {
     int64_t nk = k * 37 % 1200;
@@ -433,7 +436,7 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
     ck_assert_int_eq(failed, -1);
   }
   int64_t kk = K;
-  tensor_t sums;
+  fsdpc_tensor_t sums;
   ok(tensor_init(&sums, DTYPE_F32, device_cpu(), 1, &kk));
   for (int k = 0; k < K; k++) {
     bool same_p = false, same_m = false, same_v = false;
@@ -456,13 +459,13 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, tensor_t *o) {
   return 5;
 }
 
-static int k_activations(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_activations(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int64_t s[2] = {29, 71};
-  tensor_t x, dy;
+  fsdpc_tensor_t x, dy;
   rnd(&x, dev, dt, 2, s, 21, 4);
   rnd(&dy, dev, dt, 2, s, 22, 1);
   for (int a = 0; a < KERNEL_ACT_COUNT; a++) {
-    tensor_t y, dx;
+    fsdpc_tensor_t y, dx;
     poisoned(&y, dev, dt, 2, s);
     poisoned(&dx, dev, dt, 2, s);
     ok(kernel_activation(&y, &x, (kernel_act_t)a));
@@ -475,9 +478,9 @@ static int k_activations(device_t dev, dtype_t dt, tensor_t *o) {
   return 2 * KERNEL_ACT_COUNT;
 }
 
-static int k_bias_layernorm(device_t dev, dtype_t dt, tensor_t *o) {
+static int k_bias_layernorm(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int64_t sx[2] = {37, 333}, D = 333, rows = 37;
-  tensor_t x, w, b, y, db, mean, rstd, dy, dx, dw, db2, y2;
+  fsdpc_tensor_t x, w, b, y, db, mean, rstd, dy, dx, dw, db2, y2;
   rnd(&x, dev, dt, 2, sx, 23, 2);
   rnd(&w, dev, dt, 1, &D, 24, 1);
   rnd(&b, dev, dt, 1, &D, 25, 1);
@@ -530,7 +533,7 @@ START_TEST(cuda_kernel_matches_cpu) {
   const kcase_t *c = &cases[_i / 3];
   dtype_t dt = dts[_i % 3];
   double tol = c->exact ? 0 : dt == DTYPE_F32 ? 1e-5 : dt == DTYPE_F16 ? 5e-3 : 1e-2;
-  tensor_t cpu[MAX_T], gpu[MAX_T];
+  fsdpc_tensor_t cpu[MAX_T], gpu[MAX_T];
   int n = c->run(device_cpu(), dt, cpu);
   ck_assert_int_eq(c->run(world_device(), dt, gpu), n);
   for (int i = 0; i < n; i++) {

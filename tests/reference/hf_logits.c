@@ -10,27 +10,27 @@
 #include "mesh/world.h"
 #include "models/llama/llama.h"
 
-static status_t run(const char *dir, int n, char **ids) {
+static fsdpc_status_t run(const char *dir, int n, char **ids) {
   char path[4200];
   llama_config_t cfg;
   snprintf(path, sizeof path, "%.4000s/config.json", dir);
-  TRY(llama_config_from_hf(path, &cfg));
+  FSDPC_TRY(llama_config_from_hf(path, &cfg));
   llama_t *m;
-  TRY(llama_new(&m, &cfg, NULL));
+  FSDPC_TRY(llama_new(&cfg, NULL, &m));
   snprintf(path, sizeof path, "%.4000s/model.safetensors", dir);
-  status_t st = ckpt_load_weights(llama_module(m), path);
+  fsdpc_status_t st = ckpt_load_weights(llama_module(m), path);
   int64_t shape[2] = {1, n};
-  tensor_t t = {0};
+  fsdpc_tensor_t t = {0};
   nn_ctx_t *ctx = NULL;
   nn_var_t *in = NULL, *out = NULL;
   if (st == STATUS_OK) st = tensor_init(&t, DTYPE_I64, device_cpu(), 2, shape);
   for (int i = 0; st == STATUS_OK && i < n; i++) ((int64_t *)t.data)[i] = atoll(ids[i]);
-  if (st == STATUS_OK) st = nn_var_new(&in, &t, false);
+  if (st == STATUS_OK) st = nn_var_new(&t, false, &in);
   if (st == STATUS_OK) st = nn_ctx_new(&ctx);
   if (st == STATUS_OK) nn_ctx_set_grad_enabled(ctx, false);
   if (st == STATUS_OK) st = nn_call(ctx, llama_module(m), in, &out);
   if (st == STATUS_OK) {
-    tensor_t h;
+    fsdpc_tensor_t h;
     st = tensor_clone(&h, &out->value, DTYPE_F32, device_cpu());
     if (st == STATUS_OK) {
       int64_t V = h.shape[2];
@@ -57,7 +57,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: hf_logits HFDIR ID...\n");
     return 2;
   }
-  status_t st = run(argv[1], argc - 2, argv + 2);
+  fsdpc_status_t st = run(argv[1], argc - 2, argv + 2);
   if (st != STATUS_OK) fprintf(stderr, "hf_logits: %s\n", err_detail());
   world_finalize();
   return st == STATUS_OK ? 0 : 1;

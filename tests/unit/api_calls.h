@@ -6,7 +6,7 @@ typedef struct api_call {
   const char *name;
   const char *header;
   int minus_one;     /* numbers -1 (unsigned: their largest value) rather than 0 */
-  int refuses;       /* returns status_t and takes a pointer: must not return STATUS_OK */
+  int refuses;       /* returns fsdpc_status_t and takes a pointer: must not return STATUS_OK */
   int (*call)(void); /* 0 when the call returned STATUS_OK */
 } api_call_t;
 

@@ -6,7 +6,7 @@ unsigned type: its largest value). test_api_null.c runs each call in a child pro
   gen_api_calls.py OUT.c HEADER...
 
 A function is found from its declaration at file scope: `type name(parameters);` or a static
-inline definition. The table records whether the function returns status_t and takes a
+inline definition. The table records whether the function returns fsdpc_status_t and takes a
 pointer: such a call must be refused with a status other than STATUS_OK.
 """
 import os
@@ -181,11 +181,11 @@ def main():
             continue
         seen.add(name)
         takes_ptr = any(k == "ptr" for _, k in params)
-        refuses = ret == "status_t" and takes_ptr
+        refuses = ret == "fsdpc_status_t" and takes_ptr
         for minus_one in ((0, 1) if params else (0,)):
             fn = "call_%s_%d" % (name, minus_one)
             body.append("static int %s(void) {" % fn)
-            if ret == "status_t":
+            if ret == "fsdpc_status_t":
                 body.append("  return %s != STATUS_OK;" % call(name, params, minus_one))
             elif ret == "void":
                 body.append("  %s;" % call(name, params, minus_one))

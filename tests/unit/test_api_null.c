@@ -118,7 +118,7 @@ static const int bad_index[] = {-1, INT_MIN, INT_MAX, 1 << 20};
 
 static void tensor_ranges(void) {
   device_t cpu = device_cpu();
-  tensor_t t, v;
+  fsdpc_tensor_t t, v;
   int64_t shape[2] = {2, 3}, neg[2] = {2, -3}, huge[2] = {INT64_MAX, INT64_MAX};
   REFUSED(tensor_zeros(&t, DTYPE_F32, cpu, -1, shape));
   REFUSED(tensor_zeros(&t, DTYPE_F32, cpu, 1000, shape));
@@ -153,7 +153,7 @@ static void tensor_ranges(void) {
 
 static void mesh_ranges(void) {
   mesh_t *m = NULL;
-  OK(mesh_init_local(&m, "dp", DEVICE_CPU));
+  OK(mesh_new_local("dp", DEVICE_CPU, &m));
   if (m == NULL) return;
   for (int i = 0; i < N_BAD; i++) {
     int d = bad_index[i];
@@ -176,8 +176,8 @@ static void mesh_ranges(void) {
 
 static void module_ranges(void) {
   nn_module_t *root = NULL, *child = NULL;
-  OK(nn_module_new(&root, "", NULL, NULL));
-  OK(nn_module_new(&child, "layer", NULL, NULL));
+  OK(nn_module_new("", NULL, NULL, &root));
+  OK(nn_module_new("layer", NULL, NULL, &child));
   if (root == NULL || child == NULL) return;
   OK(nn_module_add_child(root, child));
   REFUSED(nn_module_add_child(root, NULL));
@@ -200,7 +200,7 @@ static void file_ranges(void) {
   }
   snprintf(path, sizeof path, "%s/t.safetensors", dir);
   snprintf(tokens, sizeof tokens, "%s/tokens.bin", dir);
-  tensor_t t;
+  fsdpc_tensor_t t;
   int64_t shape[1] = {4};
   OK(tensor_zeros(&t, DTYPE_F32, device_cpu(), 1, shape));
   st_writer_t *w = NULL;
@@ -213,11 +213,11 @@ static void file_ranges(void) {
   st_writer_free(w);
   tensor_free(&t);
   st_file_t *f = NULL;
-  OK(st_open(&f, path));
+  OK(st_open(path, &f));
   for (int i = 0; i < N_BAD; i++) EXPECT(st_tensor(f, bad_index[i]) == NULL);
   EXPECT(st_tensor(f, 0) != NULL && st_find(f, NULL) == NULL && st_metadata(f, NULL) == NULL);
   float raw[4];
-  tensor_t small;
+  fsdpc_tensor_t small;
   int64_t three[1] = {3}, off[1] = {2};
   OK(tensor_zeros(&small, DTYPE_F32, device_cpu(), 1, three));
   REFUSED(st_read(f, NULL, &small));
@@ -237,9 +237,9 @@ static void file_ranges(void) {
     perror(tokens);
     range_failed++;
   }
-  data_t *d = NULL;
-  REFUSED(data_open(&d, tokens, (data_format_t)-1));
-  OK(data_open(&d, tokens, DATA_U16));
+  fsdpc_data_t *d = NULL;
+  REFUSED(data_open(tokens, (data_format_t)-1, &d));
+  OK(data_open(tokens, DATA_U16, &d));
   for (int i = 0; i < N_BAD; i++) EXPECT(data_file_path(d, bad_index[i]) == NULL);
   EXPECT(data_file_path(d, 0) != NULL);
   data_free(d);

@@ -15,7 +15,7 @@
 #include "core/kernels.h"
 #include "tests/harness.h"
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -29,8 +29,8 @@ static float *at(const attn_shape_t *s, attn_mat_t m, int64_t e, int64_t b, int6
   return (float *)m.base + attn_at(s, &m, e, b, h, g);
 }
 
-static status_t host_gemm(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
-                          const attn_gemm_t *g) {
+static fsdpc_status_t host_gemm(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                                const attn_gemm_t *g) {
   host_exec_t *x = ctx;
   x->gemms++;
   for (int64_t e = 0; e < attn_entries(s, bt); e++) {
@@ -56,8 +56,8 @@ static float probs_row(const float *srow, int64_t i, int64_t n, float *prow,
   return L;
 }
 
-static status_t host_probs(void *ctx, const attn_shape_t *s, const attn_batch_t *bt, int64_t r0,
-                           int64_t r1, const float *S, float *lse, attn_mat_t p) {
+static fsdpc_status_t host_probs(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                                 int64_t r0, int64_t r1, const float *S, float *lse, attn_mat_t p) {
   (void)ctx;
   for (int64_t e = 0; e < attn_entries(s, bt); e++) {
     int64_t b, h, g;
@@ -69,10 +69,10 @@ static status_t host_probs(void *ctx, const attn_shape_t *s, const attn_batch_t 
   return STATUS_OK;
 }
 
-static status_t host_dscores(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
-                             int64_t r0, int64_t r1, const float *S, const float *dP,
-                             const float *lse, attn_mat_t dout, attn_mat_t out, attn_mat_t p,
-                             attn_mat_t ds) {
+static fsdpc_status_t host_dscores(void *ctx, const attn_shape_t *s, const attn_batch_t *bt,
+                                   int64_t r0, int64_t r1, const float *S, const float *dP,
+                                   const float *lse, attn_mat_t dout, attn_mat_t out, attn_mat_t p,
+                                   attn_mat_t ds) {
   (void)ctx;
   for (int64_t e = 0; e < attn_entries(s, bt); e++) {
     int64_t b, h, g;
@@ -91,13 +91,13 @@ static status_t host_dscores(void *ctx, const attn_shape_t *s, const attn_batch_
   return STATUS_OK;
 }
 
-static void rnd(tensor_t *t, int ndim, const int64_t *shape, unsigned long long seed) {
+static void rnd(fsdpc_tensor_t *t, int ndim, const int64_t *shape, unsigned long long seed) {
   ok(tensor_init(t, DTYPE_F32, device_cpu(), ndim, shape));
   test_rng_t r = {seed};
   test_fill_uniform(t, &r, 1.0);
 }
 
-static void poisoned(tensor_t *t, int ndim, const int64_t *shape) {
+static void poisoned(fsdpc_tensor_t *t, int ndim, const int64_t *shape) {
   ok(tensor_init(t, DTYPE_F32, device_cpu(), ndim, shape));
   ok(tensor_fill(t, NAN));
 }
@@ -126,7 +126,7 @@ START_TEST(gemm_plan_matches_cpu_attention) {
   int64_t sq[4] = {shapes[si].B, shapes[si].T, shapes[si].H, shapes[si].Dh};
   int64_t sk[4] = {shapes[si].B, shapes[si].T, shapes[si].Hkv, shapes[si].Dh};
   int64_t sl[3] = {shapes[si].B, shapes[si].H, shapes[si].T};
-  tensor_t q, k, v, dy, y, lse, dq, dk, dv, y2, lse2, dq2, dk2, dv2;
+  fsdpc_tensor_t q, k, v, dy, y, lse, dq, dk, dv, y2, lse2, dq2, dk2, dv2;
   rnd(&q, 4, sq, 100 + si);
   rnd(&k, 4, sk, 200 + si);
   rnd(&v, 4, sk, 300 + si);
@@ -164,7 +164,7 @@ START_TEST(gemm_plan_matches_cpu_attention) {
   ck_assert_int_eq(hx.gemms, (2 * fwd + 5 * bwd * s.rep) * nb);
   ck_assert_int_eq(hx.entries, (2 * s.B * s.H + 5 * s.B * s.H) * nb);
 
-  const tensor_t *got[] = {&y2, &lse2, &dq2, &dk2, &dv2}, *want[] = {&y, &lse, &dq, &dk, &dv};
+  const fsdpc_tensor_t *got[] = {&y2, &lse2, &dq2, &dk2, &dv2}, *want[] = {&y, &lse, &dq, &dk, &dv};
   const char *names[] = {"out", "lse", "dq", "dk", "dv"};
   for (int i = 0; i < 5; i++) {
     double e = test_rel_l2(got[i], want[i]);
@@ -172,7 +172,7 @@ START_TEST(gemm_plan_matches_cpu_attention) {
                   "shape %d, budget %d, blocks of %lld rows: %s: relative error %.3g against the "
                   "CPU kernel", si, _i % 3, (long long)br, names[i], e);
   }
-  tensor_t *all[] = {&q, &k, &v, &dy, &y, &lse, &dq, &dk, &dv, &y2, &lse2, &dq2, &dk2, &dv2};
+  fsdpc_tensor_t *all[] = {&q, &k, &v, &dy, &y, &lse, &dq, &dk, &dv, &y2, &lse2, &dq2, &dk2, &dv2};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
 }
 END_TEST

@@ -15,7 +15,7 @@
 #include "core/kernels.h"
 #include "tests/harness.h"
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -33,7 +33,7 @@ static float at(const float *p, const lt_layout_t *l, bool trans, int64_t r, int
   return p[r + c * l->ld];
 }
 
-static void rnd(tensor_t *t, int64_t rows, int64_t cols, unsigned long long seed) {
+static void rnd(fsdpc_tensor_t *t, int64_t rows, int64_t cols, unsigned long long seed) {
   int64_t shape[2] = {rows, cols};
   ok(tensor_init(t, DTYPE_F32, device_cpu(), 2, shape));
   test_rng_t r = {seed};
@@ -54,7 +54,7 @@ static const pcase_t cases[] = {
 START_TEST(layouts_carry_the_row_major_product) {
   const pcase_t *c = &cases[_i];
   /* stored as kernel_matmul takes them: a [m, k] or [k, m] (trans), b [k, n] or [n, k] */
-  tensor_t a, b, want, got;
+  fsdpc_tensor_t a, b, want, got;
   rnd(&a, c->ta ? c->k : c->m, c->ta ? c->m : c->k, 1 + (unsigned)_i);
   rnd(&b, c->tb ? c->n : c->k, c->tb ? c->k : c->n, 101 + (unsigned)_i);
   rnd(&want, c->m, c->n, 201 + (unsigned)_i);

@@ -37,7 +37,7 @@ START_TEST(cudnn_takes_the_attention_graphs) {
   dtype_t dt = _i % 2 ? DTYPE_F16 : DTYPE_BF16;
   bool backward = (_i / 2) % 2;
   attn_shape_t s = shape_of(c);
-  status_t st = cudnn_sdpa_check_graph(&s, dt, backward);
+  fsdpc_status_t st = cudnn_sdpa_check_graph(&s, dt, backward);
   ck_assert_msg(st == STATUS_OK, "B=%lld T=%lld H=%lld Hkv=%lld Dh=%lld %s %s: %s: %s",
                 (long long)c->B, (long long)c->T, (long long)c->H, (long long)c->Hkv,
                 (long long)c->Dh, dtype_name(dt), backward ? "backward" : "forward", status_str(st),
@@ -79,7 +79,7 @@ static Suite *make_suite(void) {
   Suite *s = suite_create("cudnn_graph");
   TCase *tc = tcase_create("graphs");
   attn_shape_t probe = shape_of(&cases[0]);
-  status_t st = cudnn_sdpa_check_graph(&probe, DTYPE_BF16, false);
+  fsdpc_status_t st = cudnn_sdpa_check_graph(&probe, DTYPE_BF16, false);
   if (st == STATUS_ENODEV) {
     harness_skip(err_detail());
   } else {

@@ -14,7 +14,7 @@
 #include "train/data.h"
 #include "tests/harness.h"
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -50,17 +50,17 @@ static long max_rss_kib(void) {
 
 /* The order of samples, the split over data-parallel ranks and uint16 tokens. */
 START_TEST(data_order_and_dp_split) {
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   int64_t N = data_num_tokens(d);
   data_spec_t g = {.batch_size = 4, .seq_len = 16, .grad_accum = 2, .dp_size = 1, .dp_rank = 0};
   ck_assert_int_eq(data_sample_start(d, &g, 3, 1, 2), ((3 * 2 + 1) * 4 + 2) * 16 % (N - 17));
-  tensor_t gi, gt;
+  fsdpc_tensor_t gi, gt;
   ok(data_batch(d, &g, 3, 1, &gi, &gt));
   const int64_t *all = gi.data, *allt = gt.data;
   for (int r = 0; r < 2; r++) { /* two dp ranks of batch 2 see the same global batch */
     data_spec_t s = {.batch_size = 2, .seq_len = 16, .grad_accum = 2, .dp_size = 2, .dp_rank = r};
-    tensor_t in, tg;
+    fsdpc_tensor_t in, tg;
     ok(data_batch(d, &s, 3, 1, &in, &tg));
     ck_assert_int_eq(memcmp(in.data, all + r * 2 * 16, 2 * 16 * sizeof(int64_t)), 0);
     const int64_t *a = in.data, *t = tg.data;
@@ -75,11 +75,11 @@ START_TEST(data_order_and_dp_split) {
   tensor_free(&gi);
   tensor_free(&gt);
   data_free(d);
-  ck_assert_int_eq(data_open(&d, "/nonexistent/tokens.bin", DATA_U16), STATUS_EIO);
+  ck_assert_int_eq(data_open("/nonexistent/tokens.bin", DATA_U16, &d), STATUS_EIO);
   /* uint16 tokens, little-endian */
   char path[256];
   write_tokens(path, sizeof path, "tokens.bin", 2, 40, 1000, 517);
-  ok(data_open(&d, path, DATA_U16));
+  ok(data_open(path, DATA_U16, &d));
   ck_assert_int_eq(data_num_tokens(d), 40);
   int64_t top;
   ok(data_max_token(d, 0, 40, &top));
@@ -94,7 +94,7 @@ START_TEST(data_order_and_dp_split) {
   FILE *fp = fopen(path, "ab");
   fputc(1, fp); /* an odd byte count is not a uint16 file */
   fclose(fp);
-  ck_assert_int_eq(data_open(&d, path, DATA_U16), STATUS_EFORMAT);
+  ck_assert_int_eq(data_open(path, DATA_U16, &d), STATUS_EFORMAT);
   remove(path);
 }
 END_TEST
@@ -104,8 +104,8 @@ END_TEST
 START_TEST(u32_tokens_and_ranges) {
   char path[256];
   write_tokens(path, sizeof path, "tokens.u32", 4, 40, 70000u, 100003u);
-  data_t *d;
-  ok(data_open(&d, path, DATA_U32));
+  fsdpc_data_t *d;
+  ok(data_open(path, DATA_U32, &d));
   ck_assert_int_eq(data_num_tokens(d), 40);
   int64_t top;
   ok(data_max_token(d, 0, 40, &top));
@@ -116,7 +116,7 @@ START_TEST(u32_tokens_and_ranges) {
   ck_assert_int_eq(top, -1);
   ck_assert_int_eq(data_max_token(d, 0, 41, &top), STATUS_EINVAL);
   ck_assert_int_eq(data_max_token(d, -1, 3, &top), STATUS_EINVAL);
-  tensor_t in, tg;
+  fsdpc_tensor_t in, tg;
   data_spec_t u = {.batch_size = 2, .seq_len = 4, .grad_accum = 1, .dp_size = 1};
   ok(data_batch(d, &u, 1, 0, &in, &tg)); /* samples at 8 and 12 */
   for (int b = 0; b < 2; b++)
@@ -142,10 +142,10 @@ START_TEST(u32_tokens_and_ranges) {
   fputc(1, fp);
   fputc(2, fp); /* 162 bytes: a whole number of uint16 tokens, not of uint32 ones */
   fclose(fp);
-  ck_assert_int_eq(data_open(&d, path, DATA_U32), STATUS_EFORMAT);
+  ck_assert_int_eq(data_open(path, DATA_U32, &d), STATUS_EFORMAT);
   ck_assert_msg(strstr(err_detail(), "162 bytes is not a whole number of uint32 tokens") != NULL,
                 "%s", err_detail());
-  ok(data_open(&d, path, DATA_U16));
+  ok(data_open(path, DATA_U16, &d));
   ck_assert_int_eq(data_num_tokens(d), 81);
   data_free(d);
   remove(path);
@@ -171,8 +171,8 @@ START_TEST(several_files_and_llmc_headers) {
   write_llmc(b, sizeof b, "shard_1.bin", 4, 6, 70000, 1000, 0); /* 70000 .. 75000 */
   write_llmc(c, sizeof c, "shard_2.bin", 2, 0, 0, 0, 0);        /* empty */
   snprintf(pattern, sizeof pattern, "/tmp/fsdpc_test_%d_shard_*.bin", (int)getpid());
-  data_t *d;
-  ok(data_open(&d, pattern, DATA_LLMC));
+  fsdpc_data_t *d;
+  ok(data_open(pattern, DATA_LLMC, &d));
   ck_assert_int_eq(data_num_files(d), 3);
   ck_assert_int_eq(data_num_tokens(d), 16);
   int64_t top;
@@ -180,7 +180,7 @@ START_TEST(several_files_and_llmc_headers) {
   ck_assert_int_eq(top, 109);
   ok(data_max_token(d, 5, 16, &top));
   ck_assert_int_eq(top, 75000);
-  tensor_t in, tg;
+  fsdpc_tensor_t in, tg;
   data_spec_t u = {.batch_size = 1, .seq_len = 4, .grad_accum = 1, .dp_size = 1};
   ok(data_batch(d, &u, 2, 0, &in, &tg)); /* tokens 8 .. 12: two of a, three of b */
   const int64_t want[5] = {108, 109, 70000, 71000, 72000};
@@ -194,29 +194,29 @@ START_TEST(several_files_and_llmc_headers) {
 
   /* refusals: each names the file */
   /* read raw, its header would be tokens: refused, naming the format that reads it */
-  ck_assert_int_eq(data_open(&d, a, DATA_U16), STATUS_EFORMAT);
+  ck_assert_int_eq(data_open(a, DATA_U16, &d), STATUS_EFORMAT);
   ck_assert_msg(strstr(err_detail(), "starts with llm.c's header (magic 20240520)") != NULL &&
                     strstr(err_detail(), "data.format: llmc") != NULL,
                 "%s", err_detail());
   write_llmc(c, sizeof c, "shard_2.bin", 2, 5, 0, 0, 1); /* says 6 tokens, holds 5 */
-  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EFORMAT);
+  ck_assert_int_eq(data_open(pattern, DATA_LLMC, &d), STATUS_EFORMAT);
   ck_assert_msg(strstr(err_detail(), c) && strstr(err_detail(), "header says 6 tokens of 2 bytes"),
                 "%s", err_detail());
   write_tokens(c, sizeof c, "shard_2.bin", 2, 600, 1, 1); /* raw tokens, no header */
-  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EFORMAT);
+  ck_assert_int_eq(data_open(pattern, DATA_LLMC, &d), STATUS_EFORMAT);
   ck_assert_msg(strstr(err_detail(), "not an llm.c token file") != NULL, "%s", err_detail());
   write_tokens(c, sizeof c, "shard_2.bin", 1, 100, 1, 1); /* shorter than a header */
-  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EFORMAT);
+  ck_assert_int_eq(data_open(pattern, DATA_LLMC, &d), STATUS_EFORMAT);
   ck_assert_msg(strstr(err_detail(), "cannot hold llm.c's header") != NULL, "%s", err_detail());
   remove(c);
   snprintf(c, sizeof c, "/tmp/fsdpc_test_%d_shard_2.bin", (int)getpid());
   ck_assert_int_eq(mkdir(c, 0700), 0); /* a folder among the matches */
-  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EIO);
+  ck_assert_int_eq(data_open(pattern, DATA_LLMC, &d), STATUS_EIO);
   ck_assert_msg(strstr(err_detail(), "is a folder") != NULL, "%s", err_detail());
   rmdir(c);
   remove(a);
   remove(b);
-  ck_assert_int_eq(data_open(&d, pattern, DATA_LLMC), STATUS_EIO);
+  ck_assert_int_eq(data_open(pattern, DATA_LLMC, &d), STATUS_EIO);
   ck_assert_msg(strstr(err_detail(), "the pattern matches no file") != NULL, "%s", err_detail());
 }
 END_TEST
@@ -226,8 +226,8 @@ END_TEST
 START_TEST(shuffled_epochs) {
   char path[256];
   write_tokens(path, sizeof path, "shuffle.u16", 2, 1 + 7 * 8, 0, 1); /* 8 windows of 7 + 1 */
-  data_t *d;
-  ok(data_open(&d, path, DATA_U16));
+  fsdpc_data_t *d;
+  ok(data_open(path, DATA_U16, &d));
   data_spec_t g = {.batch_size = 4, .seq_len = 7, .grad_accum = 1, .dp_size = 1};
   g.shuffle = true;
   g.seed = 5;
@@ -254,12 +254,12 @@ START_TEST(shuffled_epochs) {
   }
   ck_assert(same < 8 && unshuffled < 8);
   /* two data-parallel ranks of batch 2 read the global batch of four */
-  tensor_t all_in, all_tg;
+  fsdpc_tensor_t all_in, all_tg;
   ok(data_batch(d, &g, 1, 0, &all_in, &all_tg));
   for (int r = 0; r < 2; r++) {
     data_spec_t s = g;
     s.batch_size = 2, s.dp_size = 2, s.dp_rank = r;
-    tensor_t in, tg;
+    fsdpc_tensor_t in, tg;
     ok(data_batch(d, &s, 1, 0, &in, &tg));
     ck_assert_int_eq(memcmp(in.data, (int64_t *)all_in.data + r * 14, 14 * sizeof(int64_t)), 0);
     ck_assert_int_eq(memcmp(tg.data, (int64_t *)all_tg.data + r * 14, 14 * sizeof(int64_t)), 0);
@@ -278,7 +278,7 @@ START_TEST(shuffled_epochs) {
   remove(path);
   /* a stream too short for one sample: no start (and no division by zero), refused batches */
   write_tokens(path, sizeof path, "short.txt", 1, 8, 0, 1);
-  ok(data_open(&d, path, DATA_BYTES));
+  ok(data_open(path, DATA_BYTES, &d));
   for (int k = 0; k < 2; k++) {
     data_spec_t s = g;
     s.shuffle = k == 1;
@@ -292,7 +292,7 @@ START_TEST(shuffled_epochs) {
   for (int i = 0; i < 5; i++) {
     int n = sizes[i];
     write_tokens(path, sizeof path, "windows.txt", 1, 1 + 5 * n, 0, 1);
-    ok(data_open(&d, path, DATA_BYTES));
+    ok(data_open(path, DATA_BYTES, &d));
     data_spec_t one = {.batch_size = 1, .seq_len = 5, .grad_accum = 1, .dp_size = 1};
     one.shuffle = true;
     one.seed = 11;
@@ -326,11 +326,11 @@ START_TEST(files_are_read_where_needed) {
   fclose(fp);
 
   long before = max_rss_kib();
-  data_t *d;
-  ok(data_open(&d, path, DATA_U16));
+  fsdpc_data_t *d;
+  ok(data_open(path, DATA_U16, &d));
   ck_assert_int_eq(data_num_tokens(d), n);
   ck_assert_int_eq(data_sample_start(d, &u, step, 0, 0), at);
-  tensor_t in, tg;
+  fsdpc_tensor_t in, tg;
   ok(data_batch(d, &u, step, 0, &in, &tg));
   for (int t = 0; t < 4; t++) {
     ck_assert_int_eq(((int64_t *)in.data)[t], 0x9c00 + 201 + t);

@@ -22,7 +22,7 @@ START_TEST(device_choice_by_what_each_rank_sees) {
     device_want_t want;
     int ranks, count[MAXR], pick[MAXR], me;
     bool share; /* host-staged groups: ranks may share a device */
-    status_t st;
+    fsdpc_status_t st;
     device_type_t type;
     const char *says; /* in why (auto) or the error (cuda); NULL: why is empty */
   } rows[] = {
@@ -84,8 +84,8 @@ START_TEST(device_choice_by_what_each_rank_sees) {
     device_type_t type = (device_type_t)-1;
     char why[512] = "x";
     err_clear();
-    status_t st = device_choose_node(rows[i].want, rows[i].ranks, seen, rows[i].me, rows[i].share,
-                                     &type, why, sizeof why);
+    fsdpc_status_t st = device_choose_node(rows[i].want, rows[i].ranks, seen, rows[i].me,
+                                           rows[i].share, &type, why, sizeof why);
     ck_assert_msg(st == rows[i].st, "%s: status %d (%s)", rows[i].layout, (int)st, err_detail());
     if (st == STATUS_OK)
       ck_assert_msg(type == rows[i].type, "%s: type %d", rows[i].layout, (int)type);
@@ -117,7 +117,7 @@ typedef struct poll_state {
   int polls, ready_at; /* ready_at < 0: never; 0: fails */
 } poll_state_t;
 
-static int fake_ready(void *ctx, status_t *st) {
+static int fake_ready(void *ctx, fsdpc_status_t *st) {
   poll_state_t *p = ctx;
   p->polls++;
   if (p->ready_at == 0) {
@@ -128,7 +128,7 @@ static int fake_ready(void *ctx, status_t *st) {
 }
 
 static double hook_waited;
-static status_t give_up_after_5ms(const char *what, double waited) {
+static fsdpc_status_t give_up_after_5ms(const char *what, double waited) {
   hook_waited = waited;
   if (waited < 5e-3) return STATUS_OK;
   return err_set(STATUS_ETIMEOUT, "%s: given up after %.3f s", what, waited);
@@ -156,7 +156,7 @@ END_TEST
  * memory-bound kernels, the bytes they move, only while profiling is on. */
 START_TEST(kernel_profile_counts_calls_per_kernel) {
   int64_t n = 1000;
-  tensor_t a, b;
+  fsdpc_tensor_t a, b;
   ck_assert_int_eq(tensor_init(&a, DTYPE_F32, device_cpu(), 1, &n), STATUS_OK);
   ck_assert_int_eq(tensor_init(&b, DTYPE_F32, device_cpu(), 1, &n), STATUS_OK);
   ck_assert_int_eq(tensor_fill(&a, 1.0), STATUS_OK);
@@ -214,7 +214,7 @@ END_TEST
 START_TEST(mem_stats_and_host_waits_are_counted) {
   mem_reset_peak(device_cpu());
   mem_stats_t base = mem_stats(device_cpu());
-  tensor_t a, b;
+  fsdpc_tensor_t a, b;
   int64_t s1[1] = {1000}, s2[1] = {500};
   ck_assert_int_eq(tensor_init(&a, DTYPE_F32, device_cpu(), 1, s1), STATUS_OK);
   ck_assert_int_eq(tensor_init(&b, DTYPE_I64, device_cpu(), 1, s2), STATUS_OK);

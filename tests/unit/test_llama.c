@@ -36,7 +36,7 @@ typedef struct run_mode {
 
 static run_mode_t mode = {DEVICE_CPU, DTYPE_F32, 1e-5, 1e-4, 1e-5};
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -48,7 +48,7 @@ static st_file_t *open_golden(const char *tag) {
   char path[512];
   path_of(path, sizeof path, tag, "golden.safetensors");
   st_file_t *f;
-  ok(st_open(&f, path));
+  ok(st_open(path, &f));
   return f;
 }
 
@@ -64,7 +64,7 @@ static llama_t *load_model(const char *config, const char *tag, bool ac) {
   opt.dtype = mode.dtype;
   opt.activation_checkpointing = ac;
   llama_t *m;
-  ok(llama_new(&m, &cfg, &opt));
+  ok(llama_new(&cfg, &opt, &m));
   st_file_t *g = open_golden(tag);
   const char *init = st_metadata(g, "init");
   if (init != NULL)
@@ -77,7 +77,7 @@ static llama_t *load_model(const char *config, const char *tag, bool ac) {
 }
 
 /* A golden tensor on the host as f32. */
-static void golden(st_file_t *f, const char *name, tensor_t *out) {
+static void golden(st_file_t *f, const char *name, fsdpc_tensor_t *out) {
   const st_info_t *info = st_find(f, name);
   ck_assert_msg(info != NULL, "golden file has no %s", name);
   ok(tensor_init(out, DTYPE_F32, device_cpu(), info->ndim, info->shape));
@@ -92,15 +92,15 @@ static data_spec_t spec_of(st_file_t *g) {
 }
 
 /* One forward + backward on step `step`'s batch; returns logits (caller frees) and loss. */
-static void step_fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, int64_t step,
-                         nn_ctx_t *ctx, tensor_t *logits_out, double *loss_out) {
-  tensor_t in_h, tg_h, in, tg;
+static void step_fwd_bwd(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
+                         nn_ctx_t *ctx, fsdpc_tensor_t *logits_out, double *loss_out) {
+  fsdpc_tensor_t in_h, tg_h, in, tg;
   ok(data_batch(d, spec, step, 0, &in_h, &tg_h));
   device_t dev = mesh_device(llama_local_mesh(m));
   ok(tensor_clone(&in, &in_h, DTYPE_I64, dev));
   ok(tensor_clone(&tg, &tg_h, DTYPE_I64, dev));
   nn_var_t *ids, *logits, *loss;
-  ok(nn_var_new(&ids, &in, false));
+  ok(nn_var_new(&in, false, &ids));
   ok(nn_call(ctx, llama_module(m), ids, &logits));
   ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
   ok(nn_var_scalar(loss, loss_out));
@@ -118,12 +118,12 @@ static void step_fwd_bwd(llama_t *m, const data_t *d, const data_spec_t *spec, i
 static void check_step0(const char *config, const char *tag, bool ac) {
   llama_t *m = load_model(config, tag, ac);
   st_file_t *g = open_golden(tag);
-  data_t *d;
-  ok(data_open(&d, CORPUS, DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(CORPUS, DATA_BYTES, &d));
   data_spec_t spec = spec_of(g);
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));
-  tensor_t logits, ref;
+  fsdpc_tensor_t logits, ref;
   double loss;
   step_fwd_bwd(m, d, &spec, 0, ctx, &logits, &loss);
 
@@ -185,8 +185,8 @@ END_TEST
 static void train(const char *config, const char *tag, bool ac, double *losses) {
   llama_t *m = load_model(config, tag, ac);
   st_file_t *g = open_golden(tag);
-  data_t *d;
-  ok(data_open(&d, CORPUS, DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(CORPUS, DATA_BYTES, &d));
   data_spec_t spec = spec_of(g);
   nn_param_t **ps;
   int n;
@@ -199,7 +199,7 @@ static void train(const char *config, const char *tag, bool ac, double *losses) 
   cfg.groups[cfg.n_groups++] = (adamw_group_t){"model.embed_tokens.*", 1e-3, -1};
   lr_schedule_t sched = {.warmup_steps = 3, .total_steps = STEPS, .min_ratio = 0.1};
   optim_t *opt;
-  ok(optim_new(&opt, ps, n, &cfg));
+  ok(optim_new(ps, n, &cfg, &opt));
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));
   size_t os_allocs = 0;
@@ -227,7 +227,7 @@ static void check_training(const char *config, const char *tag) {
   double losses[STEPS];
   train(config, tag, false, losses);
   st_file_t *g = open_golden(tag);
-  tensor_t ref;
+  fsdpc_tensor_t ref;
   golden(g, "train_losses", &ref);
   ck_assert_int_eq(tensor_numel(&ref), STEPS);
   for (int s = 0; s < STEPS; s++) {
@@ -263,8 +263,8 @@ START_TEST(checkpointing_bit_identical) {
   device_t dev = mode.device == DEVICE_CUDA ? world_device() : device_cpu();
   llama_t *m[2];
   size_t peak[2];
-  data_t *d;
-  ok(data_open(&d, CORPUS, DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(CORPUS, DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 8, .seq_len = 64, .grad_accum = 1, .dp_size = 1};
   for (int k = 0; k < 2; k++) {
     m[k] = load_model("tiny", "tiny", k == 1);
@@ -362,7 +362,7 @@ START_TEST(config_forms_of_transformers_4_and_5) {
     char text[1024];
     snprintf(text, sizeof text, base, cases[i].extra);
     llama_config_t c;
-    status_t st = llama_config_from_hf_text(text, "config.json", &c);
+    fsdpc_status_t st = llama_config_from_hf_text(text, "config.json", &c);
     if (cases[i].want == NULL) {
       ck_assert_msg(st != STATUS_OK && strstr(err_detail(), cases[i].said),
                     "case %zu: expected a refusal saying \"%s\", got %s", i, cases[i].said,

@@ -16,7 +16,7 @@
 #include "nn/ops.h"
 #include "tests/harness.h"
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -24,7 +24,7 @@ static void ok(status_t st) {
 
 static char hook_log[512];
 
-static status_t log_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
+static fsdpc_status_t log_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, void *user) {
   (void)ctx, (void)user;
   static const char *tag[] = {"F<", "F>", "B<", "B>"};
   size_t n = strlen(hook_log);
@@ -33,17 +33,17 @@ static status_t log_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, voi
   return STATUS_OK;
 }
 
-static status_t lin_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t lin_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   return nn_linear(ctx, in, nn_module_param(m, 0), out);
 }
 
 /* root: a(a(x)) then b(x') where b shares a's weight */
-static status_t root_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t root_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   nn_var_t *h1, *h2;
-  TRY(nn_call(ctx, nn_module_child_named(m, "a"), in, &h1));
-  status_t st = nn_call(ctx, nn_module_child_named(m, "a"), h1, &h2);
+  FSDPC_TRY(nn_call(ctx, nn_module_child_named(m, "a"), in, &h1));
+  fsdpc_status_t st = nn_call(ctx, nn_module_child_named(m, "a"), h1, &h2);
   nn_var_put(h1);
-  TRY(st);
+  FSDPC_TRY(st);
   st = nn_call(ctx, nn_module_child_named(m, "b"), h2, out);
   nn_var_put(h2);
   return st;
@@ -51,9 +51,9 @@ static status_t root_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t *
 
 static nn_module_t *tiny_tree(mesh_t *mesh) {
   nn_module_t *root, *a, *b;
-  ok(nn_module_new(&root, "", root_fwd, NULL));
-  ok(nn_module_new(&a, "a", lin_fwd, NULL));
-  ok(nn_module_new(&b, "b", lin_fwd, NULL));
+  ok(nn_module_new("", root_fwd, NULL, &root));
+  ok(nn_module_new("a", lin_fwd, NULL, &a));
+  ok(nn_module_new("b", lin_fwd, NULL, &b));
   ok(nn_module_add_child(root, a));
   ok(nn_module_add_child(root, b));
   nn_param_t *w;
@@ -80,10 +80,10 @@ START_TEST(module_fqns_and_shared_parameters) {
   ck_assert_ptr_eq(nn_module_param_named(nn_module_find(root, "b"), "weight"), ps[0]);
   ck_assert_str_eq(nn_module_fqn(nn_module_find(root, "b")), "b");
   nn_module_t *dup;
-  ok(nn_module_new(&dup, "a", NULL, NULL));
+  ok(nn_module_new("a", NULL, NULL, &dup));
   ck_assert_int_eq(nn_module_add_child(root, dup), STATUS_EINVAL);
   nn_module_free(dup);
-  ck_assert_int_eq(nn_module_new(&dup, "x.y", NULL, NULL), STATUS_EINVAL);
+  ck_assert_int_eq(nn_module_new("x.y", NULL, NULL, &dup), STATUS_EINVAL);
   free(ps);
   nn_module_free(root);
   mesh_free(mesh);
@@ -96,16 +96,16 @@ START_TEST(hooks_fire_in_call_order) {
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));
   int64_t shape[2] = {2, 3};
-  tensor_t t;
+  fsdpc_tensor_t t;
   ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape));
   ok(tensor_fill(&t, 1.0));
   nn_var_t *x, *y;
-  ok(nn_var_new(&x, &t, false));
+  ok(nn_var_new(&t, false, &x));
   hook_log[0] = '\0';
   ok(nn_call(ctx, root, x, &y));
   ck_assert_str_eq(hook_log, "F<root F<a F>a F<a F>a F<b F>b F>root ");
   hook_log[0] = '\0';
-  tensor_t g;
+  fsdpc_tensor_t g;
   ok(tensor_init(&g, DTYPE_F32, device_cpu(), 2, shape));
   ok(tensor_fill(&g, 1.0));
   ok(nn_backward_grad(ctx, y, &g));
@@ -134,10 +134,10 @@ END_TEST
 
 /* root: a(x) + x, so that x's gradient is formed (by the add, shared with a's output's) before
  * a's backward adds its share: under activation checkpointing too. */
-static status_t residual_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t residual_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   nn_var_t *h;
-  TRY(nn_call(ctx, nn_module_child_named(m, "a"), in, &h));
-  status_t st = nn_add(ctx, h, in, out);
+  FSDPC_TRY(nn_call(ctx, nn_module_child_named(m, "a"), in, &h));
+  fsdpc_status_t st = nn_add(ctx, h, in, out);
   nn_var_put(h);
   return st;
 }
@@ -149,8 +149,8 @@ START_TEST(checkpointed_input_used_after) {
   float got[2][6 + 9];
   for (int ac = 0; ac < 2; ac++) {
     nn_module_t *root, *a;
-    ok(nn_module_new(&root, "", residual_fwd, NULL));
-    ok(nn_module_new(&a, "a", lin_fwd, NULL));
+    ok(nn_module_new("", residual_fwd, NULL, &root));
+    ok(nn_module_new("a", lin_fwd, NULL, &a));
     ok(nn_module_add_child(root, a));
     nn_param_t *w;
     int64_t wshape[2] = {3, 3}, shape[2] = {2, 3};
@@ -159,13 +159,13 @@ START_TEST(checkpointed_input_used_after) {
     nn_module_set_checkpoint(a, ac == 1);
     nn_ctx_t *ctx;
     ok(nn_ctx_new(&ctx));
-    tensor_t t, g;
+    fsdpc_tensor_t t, g;
     ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape));
     for (int i = 0; i < 6; i++) ((float *)t.data)[i] = (float)(i + 1);
     ok(tensor_init(&g, DTYPE_F32, device_cpu(), 2, shape));
     ok(tensor_fill(&g, 1.0));
     nn_var_t *x, *y;
-    ok(nn_var_new(&x, &t, true));
+    ok(nn_var_new(&t, true, &x));
     ok(nn_call(ctx, root, x, &y));
     ok(nn_backward_grad(ctx, y, &g));
     ck_assert(nn_var_has_grad(x));
@@ -191,7 +191,7 @@ END_TEST
 /* nn_cast and the casts at a module's boundary (what fully_shard's mixed precision uses). */
 static dtype_t seen_inside;
 
-static status_t double_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+static fsdpc_status_t double_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   (void)m;
   seen_inside = in->value.dtype;
   return nn_scale(ctx, in, 2.0, out);
@@ -201,11 +201,11 @@ START_TEST(casts_at_a_module_boundary) {
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));
   int64_t shape[1] = {4};
-  tensor_t t;
+  fsdpc_tensor_t t;
   ok(tensor_init(&t, DTYPE_F32, device_cpu(), 1, shape));
   ok(tensor_fill(&t, 1.5));
   nn_var_t *x, *y, *z;
-  ok(nn_var_new(&x, &t, true));
+  ok(nn_var_new(&t, true, &x));
   ok(nn_cast(ctx, x, DTYPE_F32, &y)); /* the same dtype: the same variable */
   ck_assert_ptr_eq(y, x);
   nn_var_put(y);
@@ -214,7 +214,7 @@ START_TEST(casts_at_a_module_boundary) {
   ok(nn_scale(ctx, y, 2.0, &z));
   nn_var_t *w;
   ok(nn_cast(ctx, z, DTYPE_F32, &w));
-  tensor_t g;
+  fsdpc_tensor_t g;
   ok(tensor_init(&g, DTYPE_F32, device_cpu(), 1, shape));
   ok(tensor_fill(&g, 1.0));
   ok(nn_backward_grad(ctx, w, &g));
@@ -230,7 +230,7 @@ START_TEST(casts_at_a_module_boundary) {
   /* a module's boundary: inputs to its compute dtype; the output back to f32 when it came in
    * f32 and the module is narrower, or to the dtype asked for; a wider module keeps its own */
   nn_module_t *m;
-  ok(nn_module_new(&m, "", double_fwd, NULL));
+  ok(nn_module_new("", double_fwd, NULL, &m));
   ok(nn_module_finalize(m));
   const struct {
     dtype_t in, cin, cout, inside, out;
@@ -240,17 +240,17 @@ START_TEST(casts_at_a_module_boundary) {
                {DTYPE_BF16, DTYPE_BF16, DTYPE_COUNT, DTYPE_BF16, DTYPE_BF16},
                {DTYPE_F32, DTYPE_COUNT, DTYPE_COUNT, DTYPE_F32, DTYPE_F32}};
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-    tensor_t v;
+    fsdpc_tensor_t v;
     ok(tensor_init(&v, cases[k].in, device_cpu(), 1, shape));
     ok(tensor_fill(&v, 1.5));
     nn_var_t *a, *b;
-    ok(nn_var_new(&a, &v, true));
+    ok(nn_var_new(&v, true, &a));
     nn_module_set_cast(m, cases[k].cin, cases[k].cout);
     ok(nn_call(ctx, m, a, &b));
     ck_assert_msg(seen_inside == cases[k].inside && b->value.dtype == cases[k].out,
                   "case %zu: inside %s, out %s", k, dtype_name(seen_inside),
                   dtype_name(b->value.dtype));
-    tensor_t gb;
+    fsdpc_tensor_t gb;
     ok(tensor_init(&gb, b->value.dtype, device_cpu(), 1, shape));
     ok(tensor_fill(&gb, 1.0));
     ok(nn_backward_grad(ctx, b, &gb));
@@ -273,24 +273,24 @@ START_TEST(init_is_plan_independent) {
   int W = world_size();
   mesh_t *world;
   const char *names[] = {"dp"};
-  ok(mesh_init(&world, 1, &W, names, DEVICE_CPU));
+  ok(mesh_new(1, &W, names, DEVICE_CPU, &world));
   int64_t shape[2] = {10, 3}; /* uneven over 3 or 4 ranks */
   placement_t sh = placement_shard(0);
   int coord = mesh_coord(world, 0);
   int64_t lshape[2], off[2];
   ok(dtensor_compute_box(world, &sh, 2, shape, &coord, lshape, off));
-  tensor_t local;
+  fsdpc_tensor_t local;
   ok(tensor_zeros(&local, DTYPE_F32, device_cpu(), 2, lshape));
   dtensor_t *d;
-  ok(dtensor_from_local(&d, &local, world, &sh, 2, shape));
+  ok(dtensor_from_local(&local, world, &sh, 2, shape, &d));
   tensor_free(&local);
   nn_module_t *m;
-  ok(nn_module_new(&m, "", NULL, NULL));
+  ok(nn_module_new("", NULL, NULL, &m));
   nn_param_t *p;
   ok(nn_module_add_param(m, "w", d, true, &p));
   ok(nn_module_finalize(m));
   ok(nn_init_normal(p, 7, 0.0, 0.02));
-  tensor_t full;
+  fsdpc_tensor_t full;
   ok(dtensor_full_tensor(p->value, &full));
   int bad = 0;
   for (int i = 0; i < 30; i++) {
@@ -386,18 +386,18 @@ START_TEST(deferred_model_materializes) {
   size_t before = mem_stats(device_cpu()).current;
   llama_t *m[2];
   o.deferred = true;
-  ok(llama_new(&m[0], &cfg, &o));
+  ok(llama_new(&cfg, &o, &m[0]));
   ck_assert_uint_eq(mem_stats(device_cpu()).current, before);
   o.deferred = false;
-  ok(llama_new(&m[1], &cfg, &o));
+  ok(llama_new(&cfg, &o, &m[1]));
   ok(llama_init_weights(m[1], 5));
-  tensor_t ids;
+  fsdpc_tensor_t ids;
   ok(tensor_init(&ids, DTYPE_I64, device_cpu(), 2, (int64_t[]){1, 6}));
   for (int i = 0; i < 6; i++) ((int64_t *)ids.data)[i] = 7 * i + 1;
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));
   nn_var_t *in, *out[2] = {NULL, NULL};
-  ok(nn_var_new(&in, &ids, false));
+  ok(nn_var_new(&ids, false, &in));
   ck_assert_int_eq(nn_call(ctx, llama_module(m[0]), in, &out[0]), STATUS_EINVAL);
   ck_assert(strstr(err_detail(), "model.embed_tokens.weight is meta") != NULL);
   ck_assert(strstr(err_detail(), "nn_module_materialize") != NULL);
@@ -461,7 +461,7 @@ START_TEST(layers_build_init_and_forward) {
   ck_assert(fabs(e2 / 2000 - 1) < 0.1); /* N(0, 1) */
   /* the sequential forward: fc, GELU, LayerNorm in order */
   int64_t xs[2] = {3, 100};
-  tensor_t x;
+  fsdpc_tensor_t x;
   ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, xs));
   test_rng_t rng = {5};
   test_fill_uniform(&x, &rng, 1.0);
@@ -469,7 +469,7 @@ START_TEST(layers_build_init_and_forward) {
   ok(nn_ctx_new(&ctx));
   nn_ctx_set_grad_enabled(ctx, false);
   nn_var_t *in, *a, *g, *n1, *want, *got;
-  ok(nn_var_new(&in, &x, false));
+  ok(nn_var_new(&x, false, &in));
   nn_module_t *seq;
   ok(nn_sequential_new(NULL, "", &seq));
   ok(nn_module_finalize(seq));

@@ -15,7 +15,7 @@
 #define MAX_IN 3
 #define MAX_PARAMS 2
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -29,13 +29,13 @@ typedef struct fd_case {
   int p_ndim[MAX_PARAMS];
   int64_t p_shape[MAX_PARAMS][4];
   /* builds the output from inputs and parameters */
-  status_t (*build)(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out);
+  fsdpc_status_t (*build)(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out);
   /* optional: fills non-differentiated inputs (indices) */
-  void (*fill)(tensor_t *in, int i);
+  void (*fill)(fsdpc_tensor_t *in, int i);
 } fd_case_t;
 
-static double weighted_sum(const tensor_t *y, const tensor_t *r) {
-  tensor_t h;
+static double weighted_sum(const fsdpc_tensor_t *y, const fsdpc_tensor_t *r) {
+  fsdpc_tensor_t h;
   ok(tensor_clone(&h, y, DTYPE_F32, device_cpu()));
   double s = 0;
   for (int64_t i = 0; i < tensor_numel(y); i++)
@@ -45,7 +45,7 @@ static double weighted_sum(const tensor_t *y, const tensor_t *r) {
 }
 
 static double eval(const fd_case_t *c, nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
-                   const tensor_t *r) {
+                   const fsdpc_tensor_t *r) {
   nn_ctx_set_grad_enabled(ctx, false);
   nn_var_t *y;
   ok(c->build(ctx, in, p, &y));
@@ -57,10 +57,10 @@ static double eval(const fd_case_t *c, nn_ctx_t *ctx, nn_var_t **in, nn_param_t 
 
 /* Compares analytic gradient g of tensor x (perturbed in place) at sampled elements. */
 static void check_tensor(const fd_case_t *c, const char *what, nn_ctx_t *ctx, nn_var_t **in,
-                         nn_param_t **p, const tensor_t *r, tensor_t *x, const tensor_t *g,
-                         test_rng_t *rng) {
+                         nn_param_t **p, const fsdpc_tensor_t *r, fsdpc_tensor_t *x,
+                         const fsdpc_tensor_t *g, test_rng_t *rng) {
   ck_assert_msg(g->storage != NULL, "%s: %s has no gradient", c->name, what);
-  tensor_t gh;
+  fsdpc_tensor_t gh;
   ok(tensor_clone(&gh, g, DTYPE_F32, device_cpu()));
   int64_t n = tensor_numel(x);
   int samples = n < 24 ? (int)n : 24;
@@ -91,7 +91,7 @@ static void run_case(const fd_case_t *c) {
   nn_param_t params[MAX_PARAMS], *pp[MAX_PARAMS] = {0};
   memset(params, 0, sizeof params);
   for (int i = 0; i < c->n_in; i++) {
-    tensor_t t;
+    fsdpc_tensor_t t;
     if (c->in_grad[i]) {
       ok(tensor_init(&t, DTYPE_F32, device_cpu(), c->in_ndim[i], c->in_shape[i]));
       test_fill_uniform(&t, &rng, 1.0);
@@ -99,7 +99,7 @@ static void run_case(const fd_case_t *c) {
       ok(tensor_init(&t, DTYPE_I64, device_cpu(), c->in_ndim[i], c->in_shape[i]));
       c->fill(&t, i);
     }
-    ok(nn_var_new(&in[i], &t, c->in_grad[i]));
+    ok(nn_var_new(&t, c->in_grad[i], &in[i]));
   }
   for (int i = 0; i < c->n_params; i++) {
     params[i].name = params[i].fqn = (char *)"w";
@@ -111,7 +111,7 @@ static void run_case(const fd_case_t *c) {
   }
   nn_var_t *y;
   ok(c->build(ctx, in, pp, &y));
-  tensor_t r, rg;
+  fsdpc_tensor_t r, rg;
   ok(tensor_init(&r, DTYPE_F32, device_cpu(), y->value.ndim, y->value.shape));
   test_fill_uniform(&r, &rng, 1.0);
   ok(tensor_clone(&rg, &r, DTYPE_F32, device_cpu()));
@@ -140,26 +140,26 @@ static void run_case(const fd_case_t *c) {
 
 /* ---- the operations ---- */
 
-static status_t b_linear(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_linear(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   return nn_linear(ctx, in[0], p[0], out);
 }
 
 /* The same weight used twice in a row: gradients of both uses accumulate. */
-static status_t b_linear_twice(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_linear_twice(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   nn_var_t *h;
-  TRY(nn_linear(ctx, in[0], p[0], &h));
-  status_t st = nn_linear(ctx, h, p[0], out);
+  FSDPC_TRY(nn_linear(ctx, in[0], p[0], &h));
+  fsdpc_status_t st = nn_linear(ctx, h, p[0], out);
   nn_var_put(h);
   return st;
 }
 
 /* One input read by two weights, as q and k read theirs: the second product's dx is added
  * into the gradient the first formed. */
-static status_t b_linear_shared_input(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
-                                      nn_var_t **out) {
+static fsdpc_status_t b_linear_shared_input(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
+                                            nn_var_t **out) {
   nn_var_t *a, *b = NULL;
-  TRY(nn_linear(ctx, in[0], p[0], &a));
-  status_t st = nn_linear(ctx, in[0], p[1], &b);
+  FSDPC_TRY(nn_linear(ctx, in[0], p[0], &a));
+  fsdpc_status_t st = nn_linear(ctx, in[0], p[1], &b);
   if (st == STATUS_OK) st = nn_add(ctx, a, b, out);
   nn_var_put(a);
   if (b) nn_var_put(b);
@@ -169,10 +169,10 @@ static status_t b_linear_shared_input(nn_ctx_t *ctx, nn_var_t **in, nn_param_t *
 /* x + linear(u) + rmsnorm(x), with the product recorded before x's use by the norm: the sum's
  * gradient reaches x, the product and the norm, and the norm's dx is added into x's gradient
  * before the product's backward reads its own. */
-static status_t b_shared_grad(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_shared_grad(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   nn_var_t *a, *b = NULL, *h = NULL;
-  TRY(nn_linear(ctx, in[1], p[0], &a));
-  status_t st = nn_rmsnorm(ctx, in[0], p[1], 1e-5, &b);
+  FSDPC_TRY(nn_linear(ctx, in[1], p[0], &a));
+  fsdpc_status_t st = nn_rmsnorm(ctx, in[0], p[1], 1e-5, &b);
   if (st == STATUS_OK) st = nn_add(ctx, in[0], a, &h);
   if (st == STATUS_OK) st = nn_add(ctx, h, b, out);
   nn_var_put(a);
@@ -181,22 +181,22 @@ static status_t b_shared_grad(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_v
   return st;
 }
 
-static status_t b_embedding(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_embedding(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   return nn_embedding(ctx, in[0], p[0], out);
 }
 
-static status_t b_rmsnorm(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_rmsnorm(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   return nn_rmsnorm(ctx, in[0], p[0], 1e-5, out);
 }
 
-static status_t b_rope(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_rope(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   static const rope_t rope = {.theta = 10000.0, .scaling = ROPE_DEFAULT, .factor = 1};
   return nn_rope(ctx, in[0], &rope, out);
 }
 
 /* llama3 scaling with one pair in each regime (wavelengths 6.3, 499 and 39,000 positions). */
-static status_t b_rope_llama3(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_rope_llama3(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   static const rope_t rope = {.theta = 500000.0, .scaling = ROPE_LLAMA3, .factor = 8,
                               .low_freq_factor = 1, .high_freq_factor = 4,
@@ -204,76 +204,78 @@ static status_t b_rope_llama3(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_v
   return nn_rope(ctx, in[0], &rope, out);
 }
 
-static status_t b_attention(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_attention(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   return nn_attention(ctx, in[0], in[1], in[2], out);
 }
 
-static status_t b_silu_mul(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_silu_mul(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   return nn_silu_mul(ctx, in[0], in[1], out);
 }
 
 /* x + x*2 through add, scale and a view: one variable reaching the output twice. */
-static status_t b_add_scale_view(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_add_scale_view(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
+                                       nn_var_t **out) {
   (void)p;
   nn_var_t *s, *a;
-  TRY(nn_scale(ctx, in[0], 2.0, &s));
-  status_t st = nn_add(ctx, in[0], s, &a);
+  FSDPC_TRY(nn_scale(ctx, in[0], 2.0, &s));
+  fsdpc_status_t st = nn_add(ctx, in[0], s, &a);
   nn_var_put(s);
-  TRY(st);
+  FSDPC_TRY(st);
   int64_t shape[2] = {2, 6};
   st = nn_view(ctx, a, 2, shape, out);
   nn_var_put(a);
   return st;
 }
 
-static status_t b_cross_entropy(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_cross_entropy(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
+                                      nn_var_t **out) {
   (void)p;
   return nn_cross_entropy(ctx, in[0], &in[1]->value, out, NULL);
 }
 
-static status_t b_bias_add(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_bias_add(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   return nn_bias_add(ctx, in[0], p[0], out);
 }
 
-static status_t b_gelu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_gelu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   return nn_activation(ctx, in[0], KERNEL_ACT_GELU, out);
 }
 
-static status_t b_silu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_silu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   return nn_activation(ctx, in[0], KERNEL_ACT_SILU, out);
 }
 
-static status_t b_layernorm(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_layernorm(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   return nn_layernorm(ctx, in[0], p[0], p[1], 1e-5, out);
 }
 
-static status_t b_layernorm_no_bias(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
-                                    nn_var_t **out) {
+static fsdpc_status_t b_layernorm_no_bias(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
+                                          nn_var_t **out) {
   return nn_layernorm(ctx, in[0], p[0], NULL, 1e-5, out);
 }
 
 /* mean((x - t)^2) against a fixed target t = 0.1 * (i mod 7) - 0.3. */
-static status_t b_mse(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+static fsdpc_status_t b_mse(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
-  tensor_t t;
-  TRY(tensor_init(&t, DTYPE_F32, device_cpu(), in[0]->value.ndim, in[0]->value.shape));
+  fsdpc_tensor_t t;
+  FSDPC_TRY(tensor_init(&t, DTYPE_F32, device_cpu(), in[0]->value.ndim, in[0]->value.shape));
   for (int64_t i = 0; i < tensor_numel(&t); i++) ((float *)t.data)[i] = 0.1f * (float)(i % 7) - 0.3f;
-  status_t st = nn_mse_loss(ctx, in[0], &t, out);
+  fsdpc_status_t st = nn_mse_loss(ctx, in[0], &t, out);
   tensor_free(&t);
   return st;
 }
 
-static void fill_ids(tensor_t *t, int i) {
+static void fill_ids(fsdpc_tensor_t *t, int i) {
   (void)i;
   int64_t *v = t->data;
   for (int64_t k = 0; k < tensor_numel(t); k++) v[k] = (k * 3) % 5; /* repeats on purpose */
 }
 
-static void fill_targets(tensor_t *t, int i) {
+static void fill_targets(fsdpc_tensor_t *t, int i) {
   (void)i;
   int64_t *v = t->data;
   for (int64_t k = 0; k < tensor_numel(t); k++) v[k] = k == 2 ? -100 : (k * 5) % 9;
@@ -355,7 +357,7 @@ START_TEST(activations_match_reference_values) {
                                   0.695373354883636,     1.0833154705876864,
                                   1.037611085908145};
   int64_t n = 7;
-  tensor_t x, y, one, d;
+  fsdpc_tensor_t x, y, one, d;
   ok(tensor_init(&x, DTYPE_F32, device_cpu(), 1, &n));
   ok(tensor_init(&y, DTYPE_F32, device_cpu(), 1, &n));
   ok(tensor_init(&d, DTYPE_F32, device_cpu(), 1, &n));
@@ -388,7 +390,7 @@ END_TEST
  * variance, eps inside the root), with and without bias; MSE against its definition. */
 START_TEST(layernorm_and_mse_match_reference) {
   int64_t shape[2] = {3, 10}, D = 10, rows = 3;
-  tensor_t x, w, b, y, mean, rstd;
+  fsdpc_tensor_t x, w, b, y, mean, rstd;
   test_rng_t rng = {77};
   ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, shape));
   ok(tensor_init(&w, DTYPE_F32, device_cpu(), 1, &D));
@@ -417,10 +419,10 @@ START_TEST(layernorm_and_mse_match_reference) {
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));
   nn_var_t *p, *loss;
-  tensor_t px, target;
+  fsdpc_tensor_t px, target;
   ok(tensor_clone(&px, &x, DTYPE_F32, device_cpu()));
   ok(tensor_clone(&target, &y, DTYPE_F32, device_cpu()));
-  ok(nn_var_new(&p, &px, true));
+  ok(nn_var_new(&px, true, &p));
   ok(nn_mse_loss(ctx, p, &target, &loss));
   double want = 0, got;
   for (int i = 0; i < 30; i++) {
@@ -432,7 +434,7 @@ START_TEST(layernorm_and_mse_match_reference) {
   nn_var_put(loss);
   nn_var_put(p);
   nn_ctx_free(ctx);
-  tensor_t *ts[] = {&x, &w, &b, &y, &mean, &rstd, &target};
+  fsdpc_tensor_t *ts[] = {&x, &w, &b, &y, &mean, &rstd, &target};
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) tensor_free(ts[i]);
 }
 END_TEST
@@ -443,10 +445,10 @@ START_TEST(no_grad_records_nothing) {
   ok(nn_ctx_new(&ctx));
   nn_ctx_set_grad_enabled(ctx, false);
   int64_t shape[2] = {2, 3};
-  tensor_t t;
+  fsdpc_tensor_t t;
   ok(tensor_zeros(&t, DTYPE_F32, device_cpu(), 2, shape));
   nn_var_t *x, *y;
-  ok(nn_var_new(&x, &t, true));
+  ok(nn_var_new(&t, true, &x));
   ok(nn_add(ctx, x, x, &y));
   ck_assert_int_eq(nn_ctx_tape_length(ctx), 0);
   ck_assert(!y->requires_grad);
@@ -505,7 +507,7 @@ static void attention_reference(const float *q, const float *k, const float *v, 
   free(p);
 }
 
-static double rel_err(const tensor_t *t, const double *ref) {
+static double rel_err(const fsdpc_tensor_t *t, const double *ref) {
   double num = 0, den = 0;
   for (int64_t i = 0; i < tensor_numel(t); i++) {
     double x = ((const float *)t->data)[i] - ref[i];
@@ -521,8 +523,8 @@ START_TEST(attention_matches_definition) {
   const int64_t Ts[] = {1, 5, 128, 300}, B = 2, H = 4, Hkv = 2, Dh = 8;
   for (size_t t = 0; t < sizeof Ts / sizeof Ts[0]; t++) {
     int64_t T = Ts[t], sq[4] = {B, T, H, Dh}, sk[4] = {B, T, Hkv, Dh}, sl[3] = {B, H, T};
-    tensor_t q, k, v, r, out, lse, dq, dk, dv;
-    tensor_t *all[] = {&q, &k, &v, &r, &out, &lse, &dq, &dk, &dv};
+    fsdpc_tensor_t q, k, v, r, out, lse, dq, dk, dv;
+    fsdpc_tensor_t *all[] = {&q, &k, &v, &r, &out, &lse, &dq, &dk, &dv};
     ok(tensor_init(&q, DTYPE_F32, device_cpu(), 4, sq));
     ok(tensor_init(&k, DTYPE_F32, device_cpu(), 4, sk));
     ok(tensor_init(&v, DTYPE_F32, device_cpu(), 4, sk));
@@ -547,7 +549,7 @@ START_TEST(attention_matches_definition) {
     attention_reference(q.data, k.data, v.data, r.data, B, T, H, Hkv, Dh, ro, rl, rq, rk, rv);
     const struct {
       const char *name;
-      const tensor_t *t;
+      const fsdpc_tensor_t *t;
       const double *ref;
     } cmp[] = {{"out", &out, ro}, {"lse", &lse, rl}, {"dq", &dq, rq}, {"dk", &dk, rk},
                {"dv", &dv, rv}};
@@ -573,7 +575,7 @@ START_TEST(rope_matches_definition_across_calls) {
   } calls[] = {{&plain, 0, false}, {&plain5, 0, false}, {&llama3, 0, false}, {&plain, 0, true},
                {&plain, 7, false}, {&plain, 7, false},  {&llama3, 7, true},  {&plain, 0, false}};
   int64_t B = 2, T = 5, H = 3, Dh = 8, shape[4] = {B, T, H, Dh}, half = Dh / 2;
-  tensor_t x, y;
+  fsdpc_tensor_t x, y;
   ok(tensor_init(&x, DTYPE_F32, device_cpu(), 4, shape));
   ok(tensor_init(&y, DTYPE_F32, device_cpu(), 4, shape));
   float *xd = x.data;
@@ -605,17 +607,17 @@ END_TEST
  * left in the logits afterwards. */
 START_TEST(cross_entropy_consume_reuses_the_logits) {
   int64_t N = 6, V = 1000, shape[2] = {N, V};
-  tensor_t t, host_t;
+  fsdpc_tensor_t t, host_t;
   ok(tensor_init(&host_t, DTYPE_I64, device_cpu(), 1, &N));
   for (int64_t r = 0; r < N; r++) ((int64_t *)host_t.data)[r] = r == 2 ? -100 : r * 137 % V;
   ok(tensor_clone(&t, &host_t, DTYPE_I64, device_cpu()));
   nn_var_t *logits[2], *loss[2];
   size_t grew[2];
   for (int c = 0; c < 2; c++) {
-    tensor_t x;
+    fsdpc_tensor_t x;
     ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, shape));
     for (int64_t e = 0; e < N * V; e++) ((float *)x.data)[e] = (float)((e * 7919) % 613) / 97.0f;
-    ok(nn_var_new(&logits[c], &x, true));
+    ok(nn_var_new(&x, true, &logits[c]));
     nn_ctx_t *ctx;
     ok(nn_ctx_new(&ctx));
     ok(c ? nn_cross_entropy_consume(ctx, logits[c], &t, &loss[c], NULL)
@@ -647,7 +649,7 @@ END_TEST
  * tensors: the same bits as the kernel given dloss / count on the host. */
 START_TEST(masked_mean_and_its_gradient_match_host_values) {
   int64_t N = 5, V = 7, one = 1, shape[2] = {N, V};
-  tensor_t vals, tg, mean, count, logits, dloss, d_host, d_dev;
+  fsdpc_tensor_t vals, tg, mean, count, logits, dloss, d_host, d_dev;
   ok(tensor_init(&vals, DTYPE_F32, device_cpu(), 1, &N));
   ok(tensor_init(&tg, DTYPE_I64, device_cpu(), 1, &N));
   const float v[5] = {0.5f, 1.25f, 3.0f, 0.1f, 2.2f};
@@ -676,7 +678,7 @@ START_TEST(masked_mean_and_its_gradient_match_host_values) {
   ok(kernel_masked_mean(&mean, &count, &vals, &tg));
   ck_assert(isnan(m[0]) && c[0] == 0);
   int64_t three = 3;
-  tensor_t bad;
+  fsdpc_tensor_t bad;
   ok(tensor_init(&bad, DTYPE_F32, device_cpu(), 1, &three));
   ck_assert_int_eq(kernel_masked_mean(&bad, &count, &vals, &tg), STATUS_ESHAPE);
   ck_assert_int_eq(kernel_masked_mean(&mean, &mean, &vals, &tg), STATUS_EDTYPE);

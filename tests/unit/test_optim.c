@@ -9,7 +9,7 @@
 #include "nn/optim.h"
 #include "tests/harness.h"
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -27,7 +27,7 @@ END_TEST
 START_TEST(adamw_matches_formula_and_groups) {
   mesh_t *mesh = test_local_mesh();
   nn_module_t *m;
-  ok(nn_module_new(&m, "", NULL, NULL));
+  ok(nn_module_new("", NULL, NULL, &m));
   int64_t n3 = 3;
   nn_param_t *w, *nw;
   ok(nn_module_add_param(m, "weight", test_replicated(mesh, 1, &n3, 1.0), true, &w));
@@ -39,7 +39,7 @@ START_TEST(adamw_matches_formula_and_groups) {
   cfg.weight_decay = 0.5;
   cfg.groups[cfg.n_groups++] = (adamw_group_t){"*norm*", 0.01, 0.0};
   optim_t *o;
-  ok(optim_new(&o, ps, 2, &cfg));
+  ok(optim_new(ps, 2, &cfg, &o));
   double lr, wd;
   optim_param_hparams(o, 1, &lr, &wd);
   ck_assert(lr == 0.01 && wd == 0.0);
@@ -47,7 +47,7 @@ START_TEST(adamw_matches_formula_and_groups) {
   double p_ref[3] = {1, 1, 1}, m_ref[3] = {0}, v_ref[3] = {0};
   for (int step = 1; step <= 3; step++) {
     for (int k = 0; k < 2; k++) {
-      tensor_t g;
+      fsdpc_tensor_t g;
       ok(tensor_init(&g, DTYPE_F32, device_cpu(), 1, &n3));
       memcpy(g.data, gvals, sizeof gvals);
       nn_param_zero_grad(ps[k]);
@@ -83,7 +83,7 @@ END_TEST
  * moments of clip_grad_norm + optim_step bit for bit, for an F32 and a BF16 parameter, with
  * and without clipping taking effect. */
 static dtensor_t *filled(mesh_t *mesh, dtype_t dt, int64_t n, uint32_t seed) {
-  tensor_t t;
+  fsdpc_tensor_t t;
   ok(tensor_init(&t, dt, device_cpu(), 1, &n));
   for (int64_t i = 0; i < n; i++) {
     seed = seed * 1664525u + 1013904223u;
@@ -91,7 +91,7 @@ static dtensor_t *filled(mesh_t *mesh, dtype_t dt, int64_t n, uint32_t seed) {
   }
   dtensor_t *d;
   placement_t rep = placement_replicate();
-  ok(dtensor_from_local(&d, &t, mesh, &rep, 1, &n));
+  ok(dtensor_from_local(&t, mesh, &rep, 1, &n, &d));
   tensor_free(&t);
   return d;
 }
@@ -107,19 +107,19 @@ START_TEST(clipping_folded_into_adamw_is_bit_identical) {
   cfg.lr = 0.01;
   cfg.weight_decay = 0.1;
   for (int run = 0; run < 2; run++) {
-    ok(nn_module_new(&m[run], "", NULL, NULL));
+    ok(nn_module_new("", NULL, NULL, &m[run]));
     for (int k = 0; k < 2; k++)
       ok(nn_module_add_param(m[run], k ? "b" : "a", filled(mesh, dts[k], n, 7u + (unsigned)k), true,
                              &ps[run][k]));
     ok(nn_module_finalize(m[run]));
-    ok(optim_new(&o[run], ps[run], 2, &cfg));
+    ok(optim_new(ps[run], 2, &cfg, &o[run]));
   }
   const double max_norm[3] = {5.0, 1e9, 0.25}; /* clipped, not clipped, clipped hard */
   for (int step = 0; step < 3; step++) {
     for (int run = 0; run < 2; run++)
       for (int k = 0; k < 2; k++) {
         dtensor_t *g = filled(mesh, dts[k], n, 100u * (unsigned)step + (unsigned)k);
-        tensor_t copy;
+        fsdpc_tensor_t copy;
         ok(tensor_clone(&copy, dtensor_local(g), dts[k], device_cpu()));
         nn_param_zero_grad(ps[run][k]);
         ok(nn_param_accumulate_grad(ps[run][k], &copy)); /* released by it */
@@ -134,7 +134,7 @@ START_TEST(clipping_folded_into_adamw_is_bit_identical) {
     ok(optim_step_scaled(o[1], 0.5, coef));
   }
   for (int k = 0; k < 2; k++) {
-    const tensor_t *a = dtensor_local(ps[0][k]->value), *b = dtensor_local(ps[1][k]->value);
+    const fsdpc_tensor_t *a = dtensor_local(ps[0][k]->value), *b = dtensor_local(ps[1][k]->value);
     ck_assert_msg(memcmp(a->data, b->data, tensor_nbytes(a)) == 0, "parameter %d differs", k);
     dtensor_t *ma, *va, *mb, *vb;
     ok(optim_state(o[0], k, &ma, &va));

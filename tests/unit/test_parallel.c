@@ -16,7 +16,7 @@
 #include "train/plan.h"
 #include "tests/harness.h"
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -42,7 +42,7 @@ START_TEST(plan_in_code_applies_to_any_model) {
   ck_assert_int_eq(pp.dp_shard, 1);
   nn_module_t *m = mlp();
   parallel_t *par;
-  ok(parallel_apply(&par, m, &pp, DEVICE_CPU));
+  ok(parallel_apply(m, &pp, DEVICE_CPU, &par));
   ck_assert_int_eq(parallel_num_groups(par), 3); /* fc1, fc2, the root (act has no params) */
   ck_assert_str_eq(fsdp_group_name(parallel_groups(par)[0]), "fc1");
   ck_assert_str_eq(fsdp_group_name(parallel_groups(par)[2]), "");
@@ -57,7 +57,7 @@ START_TEST(plan_in_code_applies_to_any_model) {
   ok(parallel_plan_add_unit(&pp, "layers.*"));
   ok(parallel_plan_resolve(&pp, 1));
   m = mlp();
-  ck_assert_int_eq(parallel_apply(&par, m, &pp, DEVICE_CPU), STATUS_EINVAL);
+  ck_assert_int_eq(parallel_apply(m, &pp, DEVICE_CPU, &par), STATUS_EINVAL);
   ck_assert(strstr(err_detail(), "modules here: fc1, act, fc2, norm") != NULL);
   nn_module_free(m);
 }
@@ -76,18 +76,18 @@ START_TEST(model_and_plan_free_in_either_order) {
     ok(parallel_plan_resolve(&pp, 1));
     nn_module_t *m = mlp();
     parallel_t *par;
-    ok(parallel_apply(&par, m, &pp, DEVICE_CPU));
+    ok(parallel_apply(m, &pp, DEVICE_CPU, &par));
     ok(nn_module_materialize(m));
     ok(nn_module_reset_parameters(m, 1));
     nn_ctx_t *ctx;
     ok(nn_ctx_new(&ctx));
-    tensor_t x, target;
+    fsdpc_tensor_t x, target;
     ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, (int64_t[]){4, 8}));
     ok(tensor_fill(&x, 0.5));
     ok(tensor_init(&target, DTYPE_F32, device_cpu(), 2, (int64_t[]){4, 8}));
     ok(tensor_fill(&target, 0.25));
     nn_var_t *in, *out, *loss;
-    ok(nn_var_new(&in, &x, false));
+    ok(nn_var_new(&x, false, &in));
     ok(nn_call(ctx, m, in, &out));
     ok(nn_mse_loss(ctx, out, &target, &loss));
     ok(nn_backward(ctx, loss));
@@ -161,7 +161,7 @@ END_TEST
 /* The job plan's defaults that stand for another folder's: checkpoint.block_bytes is the
  * checkpoint library's block size (parallel/ cannot include checkpoint/). */
 START_TEST(plan_defaults_match_the_libraries) {
-  plan_t p;
+  fsdpc_plan_t p;
   plan_defaults(&p);
   ck_assert_int_eq(p.ckpt_block_bytes, (int64_t)DCP_BLOCK_BYTES_DEFAULT);
 }

@@ -8,7 +8,7 @@ static void expect_chunks(int64_t n, int64_t w, const int64_t *lens) {
   int64_t expect_off = 0;
   for (int64_t r = 0; r < w; r++) {
     int64_t off, len;
-    chunk_range(n, w, r, &off, &len);
+    placement_chunk_range(n, w, r, &off, &len);
     ck_assert_msg(len == lens[r] && off == expect_off,
                   "n=%lld w=%lld rank %lld: got [%lld +%lld], want [%lld +%lld]", (long long)n,
                   (long long)w, (long long)r, (long long)off, (long long)len, (long long)expect_off,
@@ -25,9 +25,9 @@ START_TEST(chunk_range_torch_chunk_rule) {
   expect_chunks(7, 3, (int64_t[]){3, 3, 1});
   expect_chunks(16, 8, (int64_t[]){2, 2, 2, 2, 2, 2, 2, 2});
   expect_chunks(9, 6, (int64_t[]){2, 2, 2, 2, 1, 0});
-  ck_assert_int_eq(chunk_size(6, 4), 2);
-  ck_assert_int_eq(chunk_size(0, 4), 0);
-  ck_assert_int_eq(chunk_size(17, 8), 3);
+  ck_assert_int_eq(placement_chunk_size(6, 4), 2);
+  ck_assert_int_eq(placement_chunk_size(0, 4), 0);
+  ck_assert_int_eq(placement_chunk_size(17, 8), 3);
 }
 END_TEST
 

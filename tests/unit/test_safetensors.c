@@ -14,7 +14,7 @@
 #include "models/llama/llama.h"
 #include "tests/harness.h"
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -29,7 +29,7 @@ START_TEST(round_trip_all_dtypes) {
   const char *names[] = {"a.f32", "b.bf16", "c.f16", "d.i32", "e.i64"};
   int64_t shapes[][3] = {{3, 5, 2}, {7, 1, 1}, {4, 4, 1}, {0, 3, 1}, {2, 3, 1}};
   int ndims[] = {3, 1, 2, 2, 2};
-  tensor_t t[5];
+  fsdpc_tensor_t t[5];
   test_rng_t rng = {42};
   st_writer_t *w;
   ok(st_writer_new(&w));
@@ -46,7 +46,7 @@ START_TEST(round_trip_all_dtypes) {
   ok(st_writer_save(w, path));
   st_writer_free(w);
   st_file_t *f;
-  ok(st_open(&f, path));
+  ok(st_open(path, &f));
   ck_assert_int_eq(st_num_tensors(f), 5);
   ck_assert_str_eq(st_metadata(f, "format"), "pt");
   ck_assert_str_eq(st_metadata(f, "note"), "x\"y");
@@ -55,7 +55,7 @@ START_TEST(round_trip_all_dtypes) {
     const st_info_t *info = st_find(f, names[i]);
     ck_assert_ptr_nonnull(info);
     ck_assert_int_eq(info->dtype, dts[i]);
-    tensor_t back;
+    fsdpc_tensor_t back;
     ok(tensor_init(&back, dts[i], device_cpu(), ndims[i], shapes[i]));
     ok(st_read(f, names[i], &back));
     bool eq;
@@ -65,7 +65,7 @@ START_TEST(round_trip_all_dtypes) {
   }
   /* a box of the f32 tensor, converted to bf16 on the way */
   int64_t off[3] = {1, 2, 1}, bshape[3] = {2, 3, 1};
-  tensor_t box, want, wantc;
+  fsdpc_tensor_t box, want, wantc;
   ok(tensor_init(&box, DTYPE_BF16, device_cpu(), 3, bshape));
   ok(st_read_box(f, "a.f32", off, &box));
   ok(tensor_narrow_box(&want, &t[0], off, bshape));
@@ -102,7 +102,7 @@ static const char *raw_file(const char *header, uint64_t len_field, size_t data_
 static void expect_refused(const char *header, size_t data_len, const char *needle) {
   const char *path = raw_file(header, strlen(header), data_len);
   st_file_t *f = NULL;
-  status_t st = st_open(&f, path);
+  fsdpc_status_t st = st_open(path, &f);
   ck_assert_msg(st != STATUS_OK, "accepted: %s", header);
   ck_assert_ptr_null(f);
   ck_assert_msg(strstr(err_detail(), path) != NULL, "error does not name the file: %s",
@@ -137,14 +137,14 @@ START_TEST(malformed_files_are_refused) {
   /* a header length beyond the limit, and one beyond the file */
   const char *path = raw_file("{}", (uint64_t)ST_MAX_HEADER + 1, 0);
   st_file_t *f = NULL;
-  ck_assert_int_eq(st_open(&f, path), STATUS_EFORMAT);
+  ck_assert_int_eq(st_open(path, &f), STATUS_EFORMAT);
   path = raw_file("{}", 4096, 0);
-  ck_assert_int_eq(st_open(&f, path), STATUS_EFORMAT);
+  ck_assert_int_eq(st_open(path, &f), STATUS_EFORMAT);
   ck_assert(strstr(err_detail(), "truncated") != NULL);
   path = raw_file("", 0, 3);
-  ck_assert_int_eq(st_open(&f, path), STATUS_EFORMAT);
+  ck_assert_int_eq(st_open(path, &f), STATUS_EFORMAT);
   remove(path);
-  ck_assert_int_eq(st_open(&f, "/nonexistent/x.safetensors"), STATUS_EIO);
+  ck_assert_int_eq(st_open("/nonexistent/x.safetensors", &f), STATUS_EIO);
   /* more dimensions than tensors hold: refused by the reader, for every caller */
   expect_refused("{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,2],\"data_offsets\":[0,8]}}",
                  8, "6 dimensions; at most 5");
@@ -152,10 +152,10 @@ START_TEST(malformed_files_are_refused) {
   char fifo[128];
   snprintf(fifo, sizeof fifo, "/tmp/fsdpc_st_%d_fifo", (int)getpid());
   ck_assert_int_eq(mkfifo(fifo, 0600), 0);
-  ck_assert_int_eq(st_open(&f, fifo), STATUS_EIO);
+  ck_assert_int_eq(st_open(fifo, &f), STATUS_EIO);
   ck_assert_msg(strstr(err_detail(), "is a FIFO, not a regular file"), "%s", err_detail());
   remove(fifo);
-  ck_assert_int_eq(st_open(&f, "/tmp"), STATUS_EIO);
+  ck_assert_int_eq(st_open("/tmp", &f), STATUS_EIO);
   ck_assert_msg(strstr(err_detail(), "is a folder"), "%s", err_detail());
 }
 END_TEST
@@ -165,7 +165,7 @@ START_TEST(other_dtypes_read_raw) {
   const char *h = "{\"u\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[0,3]}}";
   const char *path = raw_file(h, strlen(h), 3);
   st_file_t *f;
-  ok(st_open(&f, path));
+  ok(st_open(path, &f));
   const st_info_t *u = st_find(f, "u");
   ck_assert_str_eq(u->dtype_name, "U8");
   ck_assert_int_eq(u->dtype, DTYPE_COUNT);
@@ -173,7 +173,7 @@ START_TEST(other_dtypes_read_raw) {
   ok(st_read_raw(f, "u", buf, 3));
   ck_assert(buf[0] == 0 && buf[2] == 0);
   ck_assert_int_eq(st_read_raw(f, "u", buf, 2), STATUS_ESHAPE);
-  tensor_t t;
+  fsdpc_tensor_t t;
   int64_t n = 3;
   ok(tensor_init(&t, DTYPE_F32, device_cpu(), 1, &n));
   ck_assert_int_eq(st_read(f, "u", &t), STATUS_EDTYPE);
@@ -189,17 +189,17 @@ START_TEST(model_weights_load_and_save) {
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_tied_config.json", &cfg));
   llama_t *m;
-  ok(llama_new(&m, &cfg, NULL));
+  ok(llama_new(&cfg, NULL, &m));
   ok(ckpt_load_weights(llama_module(m), SOURCE_ROOT "/tests/reference/tiny_tied_init.safetensors"));
   const char *path = tmp("model.safetensors");
   ok(ckpt_save_weights(llama_module(m), path));
   st_file_t *f;
-  ok(st_open(&f, path));
+  ok(st_open(path, &f));
   ck_assert_ptr_null(st_find(f, "lm_head.weight")); /* tied: stored once */
   ck_assert_ptr_nonnull(st_find(f, "model.embed_tokens.weight"));
   st_close(f);
   llama_t *m2;
-  ok(llama_new(&m2, &cfg, NULL));
+  ok(llama_new(&cfg, NULL, &m2));
   ok(ckpt_load_weights(llama_module(m2), path));
   nn_param_t *a = nn_param_find(llama_module(m), "model.layers.1.mlp.up_proj.weight");
   nn_param_t *b = nn_param_find(llama_module(m2), "model.layers.1.mlp.up_proj.weight");
@@ -210,14 +210,14 @@ START_TEST(model_weights_load_and_save) {
   llama_config_t untied = cfg;
   untied.tie_embeddings = false;
   llama_t *m3;
-  ok(llama_new(&m3, &untied, NULL));
+  ok(llama_new(&untied, NULL, &m3));
   ck_assert_int_eq(ckpt_load_weights(llama_module(m3), path), STATUS_EFORMAT);
   ck_assert(strstr(err_detail(), "lm_head.weight") != NULL);
   llama_free(m3);
   /* a model with another ffn size sees a shape mismatch */
   llama_config_t wide = cfg;
   wide.ffn_dim = 96;
-  ok(llama_new(&m3, &wide, NULL));
+  ok(llama_new(&wide, NULL, &m3));
   ck_assert_int_eq(ckpt_load_weights(llama_module(m3), path), STATUS_ESHAPE);
   ck_assert(strstr(err_detail(), "gate_proj") != NULL);
   llama_free(m3);

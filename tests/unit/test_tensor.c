@@ -12,14 +12,14 @@
 #include "core/tensor.h"
 #include "tests/harness.h"
 
-static float *f32(const tensor_t *t) { return (float *)t->data; }
+static float *f32(const fsdpc_tensor_t *t) { return (float *)t->data; }
 
-static void iota(tensor_t *t) {
+static void iota(fsdpc_tensor_t *t) {
   for (int64_t i = 0; i < tensor_numel(t); i++) f32(t)[i] = (float)i;
 }
 
 START_TEST(tensor_init_contiguous_layout) {
-  tensor_t t;
+  fsdpc_tensor_t t;
   int64_t shape[3] = {2, 3, 4};
   ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 3, shape), STATUS_OK);
   ck_assert_int_eq(tensor_numel(&t), 24);
@@ -34,7 +34,7 @@ START_TEST(tensor_init_contiguous_layout) {
 END_TEST
 
 START_TEST(tensor_init_rejects_bad_shapes) {
-  tensor_t t;
+  fsdpc_tensor_t t;
   int64_t six[6] = {1, 1, 1, 1, 1, 1}, neg[2] = {3, -1};
   ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 6, six), STATUS_ESHAPE);
   ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 2, neg), STATUS_ESHAPE);
@@ -45,14 +45,14 @@ END_TEST
 
 START_TEST(tensor_init_cuda_without_device_is_enodev) {
   if (device_cuda_count() > 0) return;
-  tensor_t t;
+  fsdpc_tensor_t t;
   int64_t shape[1] = {4};
   ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cuda(0), 1, shape), STATUS_ENODEV);
 }
 END_TEST
 
 START_TEST(tensor_scalar_and_empty) {
-  tensor_t s, e;
+  fsdpc_tensor_t s, e;
   ck_assert_int_eq(tensor_init(&s, DTYPE_I64, device_cpu(), 0, NULL), STATUS_OK);
   ck_assert_int_eq(tensor_numel(&s), 1);
   ck_assert_int_eq(tensor_fill(&s, 7), STATUS_OK);
@@ -67,7 +67,7 @@ START_TEST(tensor_scalar_and_empty) {
 END_TEST
 
 START_TEST(tensor_view_checks_numel) {
-  tensor_t t, v;
+  fsdpc_tensor_t t, v;
   int64_t shape[2] = {7, 15}, bad[2] = {16, 15}, good[1] = {105};
   ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   ck_assert_int_eq(tensor_view(&v, &t, 2, bad), STATUS_ESHAPE);
@@ -81,7 +81,7 @@ START_TEST(tensor_view_checks_numel) {
 END_TEST
 
 START_TEST(tensor_narrow_inner_dim_copies_strided) {
-  tensor_t t, n, c;
+  fsdpc_tensor_t t, n, c;
   int64_t shape[2] = {4, 6};
   ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   iota(&t);
@@ -99,7 +99,7 @@ START_TEST(tensor_narrow_inner_dim_copies_strided) {
 END_TEST
 
 START_TEST(tensor_narrow_box_views_a_box) {
-  tensor_t t, b;
+  fsdpc_tensor_t t, b;
   int64_t shape[3] = {3, 4, 5}, off[3] = {1, 2, 3}, ext[3] = {2, 1, 2};
   ck_assert_int_eq(tensor_init(&t, DTYPE_F32, device_cpu(), 3, shape), STATUS_OK);
   iota(&t);
@@ -115,7 +115,7 @@ START_TEST(tensor_narrow_box_views_a_box) {
 END_TEST
 
 START_TEST(tensor_copy_into_strided_destination) {
-  tensor_t t, src, dst;
+  fsdpc_tensor_t t, src, dst;
   int64_t shape[3] = {2, 3, 4}, sub[3] = {2, 3, 2};
   ck_assert_int_eq(tensor_zeros(&t, DTYPE_F32, device_cpu(), 3, shape), STATUS_OK);
   ck_assert_int_eq(tensor_init(&src, DTYPE_F32, device_cpu(), 3, sub), STATUS_OK);
@@ -139,7 +139,7 @@ END_TEST
  * pair); a bad pair is named, and found before anything is copied. */
 START_TEST(tensor_copy_many_copies_each_pair_and_names_a_bad_one) {
   int64_t n6 = 6, n0 = 0, shape[2] = {2, 3}, wide[2] = {2, 5};
-  tensor_t src[3], dst[3], want[3], wide_t;
+  fsdpc_tensor_t src[3], dst[3], want[3], wide_t;
   ck_assert_int_eq(tensor_init(&src[0], DTYPE_F32, device_cpu(), 1, &n6), STATUS_OK);
   ck_assert_int_eq(tensor_init(&src[1], DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   ck_assert_int_eq(tensor_init(&src[2], DTYPE_F32, device_cpu(), 1, &n0), STATUS_OK);
@@ -160,7 +160,7 @@ START_TEST(tensor_copy_many_copies_each_pair_and_names_a_bad_one) {
       ck_assert(f32(&wide_t)[r * 5 + c] == (c >= 1 && c <= 3 ? (float)(r * 3 + c - 1) : 0.0f));
   /* pair 1's shapes differ: refused by number, pair 0 left as it was */
   ck_assert_int_eq(tensor_fill(&dst[0], 0), STATUS_OK);
-  tensor_t bad[3] = {dst[0], src[0], dst[2]};
+  fsdpc_tensor_t bad[3] = {dst[0], src[0], dst[2]};
   ck_assert_int_eq(tensor_copy_many(bad, src, 3), STATUS_ESHAPE);
   ck_assert_msg(strstr(err_detail(), "pair 1 of 3") != NULL, "%s", err_detail());
   for (int i = 0; i < 6; i++) ck_assert(((uint16_t *)dst[0].data)[i] == 0);
@@ -176,7 +176,7 @@ START_TEST(tensor_copy_many_copies_each_pair_and_names_a_bad_one) {
 END_TEST
 
 START_TEST(tensor_copy_casts_with_rounding) {
-  tensor_t a, b, c;
+  fsdpc_tensor_t a, b, c;
   int64_t shape[1] = {4};
   ck_assert_int_eq(tensor_init(&a, DTYPE_F32, device_cpu(), 1, shape), STATUS_OK);
   f32(&a)[0] = 1.0f;
@@ -217,7 +217,7 @@ START_TEST(tensor_copy_casts_rows_like_dtype_store) {
                                      0x00000001u, 0x80400000u, 0x3f808000u, 0x3f818000u,
                                      0x477ff000u, 0xc77fefffu, 0x33800000u, 0x387fe000u};
   int64_t shape[2] = {7, 1100}; /* rows longer than a conversion tile of 512 */
-  tensor_t src32;
+  fsdpc_tensor_t src32;
   ck_assert_int_eq(tensor_init(&src32, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   test_rng_t rng = {77};
   uint32_t *bits = src32.data;
@@ -226,7 +226,7 @@ START_TEST(tensor_copy_casts_rows_like_dtype_store) {
   int bad = 0;
   for (int a = 0; a < 3; a++)
     for (int b = 0; b < 3; b++) {
-      tensor_t src, dst, sv, dv;
+      fsdpc_tensor_t src, dst, sv, dv;
       ck_assert_int_eq(tensor_clone(&src, &src32, fl[a], device_cpu()), STATUS_OK);
       ck_assert_int_eq(tensor_init(&dst, fl[b], device_cpu(), 2, shape), STATUS_OK);
       ck_assert_int_eq(tensor_fill(&dst, 0), STATUS_OK);
@@ -295,7 +295,7 @@ END_TEST
  * gives each item kernel_adamw's bits. */
 START_TEST(kernel_adamw_many_checks_all_then_updates_each) {
   int64_t n[3] = {5, 0, 9}, wrong = 4;
-  tensor_t p[2][3], g[3], m[2][3], v[2][3], bad;
+  fsdpc_tensor_t p[2][3], g[3], m[2][3], v[2][3], bad;
   adamw_item_t items[3];
   for (int k = 0; k < 3; k++) {
     for (int c = 0; c < 2; c++) {
@@ -342,7 +342,7 @@ START_TEST(kernel_adamw_many_checks_all_then_updates_each) {
 END_TEST
 
 START_TEST(tensor_fill_strided_view) {
-  tensor_t t, col;
+  fsdpc_tensor_t t, col;
   int64_t shape[2] = {3, 3};
   ck_assert_int_eq(tensor_zeros(&t, DTYPE_F16, device_cpu(), 2, shape), STATUS_OK);
   ck_assert_int_eq(tensor_narrow(&col, &t, 1, 1, 1), STATUS_OK);
@@ -355,7 +355,7 @@ START_TEST(tensor_fill_strided_view) {
 END_TEST
 
 START_TEST(tensor_equal_compares_bits) {
-  tensor_t a, b;
+  fsdpc_tensor_t a, b;
   int64_t shape[2] = {2, 2};
   ck_assert_int_eq(tensor_zeros(&a, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   ck_assert_int_eq(tensor_zeros(&b, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
@@ -383,7 +383,7 @@ END_TEST
 
 START_TEST(tensor_wrap_does_not_free) {
   float buf[6] = {1, 2, 3, 4, 5, 6};
-  tensor_t t, v;
+  fsdpc_tensor_t t, v;
   int64_t shape[2] = {2, 3};
   size_t before = mem_stats(device_cpu()).current;
   ck_assert_int_eq(tensor_wrap(&t, buf, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
@@ -400,7 +400,7 @@ END_TEST
 START_TEST(tensor_meta_has_layout_without_memory) {
   device_t cpu = device_cpu();
   size_t before = mem_stats(cpu).current;
-  tensor_t m, v, n, c, real;
+  fsdpc_tensor_t m, v, n, c, real;
   int64_t shape[2] = {6, 4}, flat = 24;
   ck_assert_int_eq(tensor_meta(&m, DTYPE_BF16, cpu, 2, shape), STATUS_OK);
   ck_assert(tensor_is_meta(&m));

@@ -20,7 +20,7 @@
 
 #define THREADS 3
 
-static void ok(status_t st) {
+static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
 }
 
@@ -32,13 +32,14 @@ static double uniform(void) {
 }
 
 /* A tensor of values in [lo, hi). */
-static void filled(tensor_t *t, dtype_t dt, int ndim, const int64_t *shape, double lo, double hi) {
+static void filled(fsdpc_tensor_t *t, dtype_t dt, int ndim, const int64_t *shape, double lo,
+                   double hi) {
   ok(tensor_init(t, dt, device_cpu(), ndim, shape));
   for (int64_t i = 0; i < tensor_numel(t); i++)
     dtype_store(dt, t->data, (size_t)i, lo + (hi - lo) * uniform());
 }
 
-static void ids(tensor_t *t, int64_t n, int64_t below, int64_t ignored_every) {
+static void ids(fsdpc_tensor_t *t, int64_t n, int64_t below, int64_t ignored_every) {
   ok(tensor_init(t, DTYPE_I64, device_cpu(), 1, &n));
   for (int64_t i = 0; i < n; i++)
     ((int64_t *)t->data)[i] =
@@ -49,7 +50,7 @@ enum { MAX_OUT = 48 };
 
 /* Inputs shared by both runs. */
 typedef struct inputs {
-  tensor_t a, b, bt, x, w, q, k, v, dout, q2, k2, v2, dout2, gate, up, gate16, up16, logits,
+  fsdpc_tensor_t a, b, bt, x, w, q, k, v, dout, q2, k2, v2, dout2, gate, up, gate16, up16, logits,
       targets, table_ids, grad_rows, p, g, p16;
   rope_t rope;
 } inputs_t;
@@ -87,33 +88,33 @@ static void make_inputs(inputs_t *in) {
 }
 
 static void free_inputs(inputs_t *in) {
-  tensor_t *all[] = {&in->a,         &in->b,    &in->bt,     &in->x,       &in->w,
-                     &in->q,         &in->k,    &in->v,      &in->dout,    &in->q2,
-                     &in->k2,        &in->v2,   &in->dout2,  &in->gate,    &in->up,
-                     &in->gate16,    &in->up16, &in->logits, &in->targets, &in->table_ids,
-                     &in->grad_rows, &in->p,    &in->g,      &in->p16};
+  fsdpc_tensor_t *all[] = {&in->a,         &in->b,    &in->bt,     &in->x,       &in->w,
+                           &in->q,         &in->k,    &in->v,      &in->dout,    &in->q2,
+                           &in->k2,        &in->v2,   &in->dout2,  &in->gate,    &in->up,
+                           &in->gate16,    &in->up16, &in->logits, &in->targets, &in->table_ids,
+                           &in->grad_rows, &in->p,    &in->g,      &in->p16};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
 }
 
 typedef struct outputs {
   int n, n_gemm; /* the first n_gemm are matrix products */
   const char *name[MAX_OUT];
-  tensor_t t[MAX_OUT];
+  fsdpc_tensor_t t[MAX_OUT];
   double sums[2];
 } outputs_t;
 
-static tensor_t *out_new(outputs_t *o, const char *name, dtype_t dt, int ndim,
-                         const int64_t *shape) {
+static fsdpc_tensor_t *out_new(outputs_t *o, const char *name, dtype_t dt, int ndim,
+                               const int64_t *shape) {
   ck_assert_int_lt(o->n, MAX_OUT);
   o->name[o->n] = name;
-  tensor_t *t = &o->t[o->n++];
+  fsdpc_tensor_t *t = &o->t[o->n++];
   ok(tensor_init(t, dt, device_cpu(), ndim, shape));
   memset(t->data, 0, tensor_nbytes(t));
   return t;
 }
 
-static tensor_t *out_copy(outputs_t *o, const char *name, const tensor_t *from) {
-  tensor_t *t = out_new(o, name, from->dtype, from->ndim, from->shape);
+static fsdpc_tensor_t *out_copy(outputs_t *o, const char *name, const fsdpc_tensor_t *from) {
+  fsdpc_tensor_t *t = out_new(o, name, from->dtype, from->ndim, from->shape);
   memcpy(t->data, from->data, tensor_nbytes(t));
   return t;
 }
@@ -126,26 +127,27 @@ static void run_kernels(const inputs_t *in, outputs_t *o) {
   ok(kernel_matmul(out_new(o, "a bt^T", DTYPE_F32, 2, mn), &in->a, false, &in->bt, true, 0.5f, 0));
   ok(kernel_matmul(out_new(o, "b^T a^T", DTYPE_F32, 2, long_rows), &in->b, true, &in->a, true, 1,
                    0));
-  tensor_t *acc = out_copy(o, "a b + c", &o->t[0]);
+  fsdpc_tensor_t *acc = out_copy(o, "a b + c", &o->t[0]);
   ok(kernel_matmul(acc, &in->a, false, &in->b, false, 1, 1));
   o->n_gemm = o->n;
 
   int64_t rows = in->x.shape[0], D = in->x.shape[1], r1[1] = {rows};
-  tensor_t *y = out_new(o, "rmsnorm", DTYPE_F32, 2, in->x.shape);
-  tensor_t *rstd = out_new(o, "rstd", DTYPE_F32, 1, r1);
+  fsdpc_tensor_t *y = out_new(o, "rmsnorm", DTYPE_F32, 2, in->x.shape);
+  fsdpc_tensor_t *rstd = out_new(o, "rstd", DTYPE_F32, 1, r1);
   ok(kernel_rmsnorm(y, rstd, &in->x, &in->w, 1e-5f));
-  tensor_t *dx = out_new(o, "rmsnorm dx", DTYPE_F32, 2, in->x.shape);
-  tensor_t *dw = out_new(o, "rmsnorm dw", DTYPE_F32, 1, &D);
+  fsdpc_tensor_t *dx = out_new(o, "rmsnorm dx", DTYPE_F32, 2, in->x.shape);
+  fsdpc_tensor_t *dw = out_new(o, "rmsnorm dw", DTYPE_F32, 1, &D);
   ok(kernel_rmsnorm_backward(dx, dw, &in->x /* as dy */, &in->x, &in->w, rstd));
 
-  tensor_t *rq = out_new(o, "rope", DTYPE_F32, 4, in->q.shape);
+  fsdpc_tensor_t *rq = out_new(o, "rope", DTYPE_F32, 4, in->q.shape);
   ok(kernel_rope(rq, &in->q, &in->rope, 3, false));
 
   for (int c = 0; c < 2; c++) {
-    const tensor_t *q = c ? &in->q2 : &in->q, *k = c ? &in->k2 : &in->k, *v = c ? &in->v2 : &in->v;
+    const fsdpc_tensor_t *q = c ? &in->q2 : &in->q, *k = c ? &in->k2 : &in->k,
+                         *v = c ? &in->v2 : &in->v;
     int64_t ls[3] = {q->shape[0], q->shape[2], q->shape[1]};
-    tensor_t *att = out_new(o, "attention", DTYPE_F32, 4, q->shape);
-    tensor_t *lse = out_new(o, "lse", DTYPE_F32, 3, ls);
+    fsdpc_tensor_t *att = out_new(o, "attention", DTYPE_F32, 4, q->shape);
+    fsdpc_tensor_t *lse = out_new(o, "lse", DTYPE_F32, 3, ls);
     ok(kernel_attention(att, lse, q, k, v));
     ok(kernel_attention_backward(
         out_new(o, "dq", DTYPE_F32, 4, q->shape), out_new(o, "dk", DTYPE_F32, 4, k->shape),
@@ -173,7 +175,7 @@ static void run_kernels(const inputs_t *in, outputs_t *o) {
                                    &in->logits, &in->targets, 0.01f));
 
   int64_t table[2] = {37, in->grad_rows.shape[1]};
-  tensor_t *gt = out_new(o, "embedding grad", DTYPE_F32, 2, table);
+  fsdpc_tensor_t *gt = out_new(o, "embedding grad", DTYPE_F32, 2, table);
   ok(kernel_embedding_backward(gt, &in->grad_rows, &in->table_ids));
   ok(kernel_embedding_backward(gt, &in->grad_rows, &in->table_ids)); /* accumulates */
 
@@ -185,9 +187,9 @@ static void run_kernels(const inputs_t *in, outputs_t *o) {
                        .step = 3,
                        .grad_scale = 0.5f};
   for (int f = 0; f < 2; f++) {
-    const tensor_t *p0 = f ? &in->p16 : &in->p;
-    tensor_t *p = out_copy(o, f ? "adamw p bf16" : "adamw p", p0);
-    tensor_t *m = out_copy(o, "adamw m", &in->g), *v = out_copy(o, "adamw v", &in->g);
+    const fsdpc_tensor_t *p0 = f ? &in->p16 : &in->p;
+    fsdpc_tensor_t *p = out_copy(o, f ? "adamw p bf16" : "adamw p", p0);
+    fsdpc_tensor_t *m = out_copy(o, "adamw m", &in->g), *v = out_copy(o, "adamw v", &in->g);
     ok(kernel_scale(v, 0.0f));
     ok(kernel_adamw(p, &in->g, m, v, &args));
     ok(kernel_adamw(p, &in->g, m, v, &args));
@@ -195,7 +197,7 @@ static void run_kernels(const inputs_t *in, outputs_t *o) {
   ok(kernel_sum_squares(&in->gate, &o->sums[0]));
   ok(kernel_sum_squares(&in->p, &o->sums[1]));
   double both[2]; /* the gradient norm's call: the same bits as one call each */
-  const tensor_t *xs[2] = {&in->gate, &in->p};
+  const fsdpc_tensor_t *xs[2] = {&in->gate, &in->p};
   ok(kernel_sum_squares_many(xs, 2, both));
   ck_assert(both[0] == o->sums[0] && both[1] == o->sums[1]);
   ck_assert_int_eq(kernel_sum_squares_many(NULL, 2, both), STATUS_EINVAL);
@@ -207,7 +209,7 @@ static void free_outputs(outputs_t *o) {
 }
 
 /* Relative L2 distance of two F32 tensors' values. */
-static double distance(const tensor_t *x, const tensor_t *y) {
+static double distance(const fsdpc_tensor_t *x, const fsdpc_tensor_t *y) {
   double num = 0, den = 0;
   for (int64_t i = 0; i < tensor_numel(x); i++) {
     double a = ((const float *)x->data)[i], b = ((const float *)y->data)[i];
@@ -258,16 +260,16 @@ START_TEST(kernels_give_the_same_bits_on_any_thread_count) {
 END_TEST
 
 /* Three steps of llama-small, 8 x 64 tokens; every parameter's bytes after them. */
-static void train_small(int threads, tensor_t *params, int *n_params, double *losses) {
+static void train_small(int threads, fsdpc_tensor_t *params, int *n_params, double *losses) {
   ok(kernel_set_cpu_threads(threads));
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/configs/llama-small.json", &cfg));
   llama_options_t opt = LLAMA_OPTIONS_INIT;
   llama_t *m;
-  ok(llama_new(&m, &cfg, &opt));
+  ok(llama_new(&cfg, &opt, &m));
   ok(llama_init_weights(m, 1234));
-  data_t *d;
-  ok(data_open(&d, SOURCE_ROOT "/data/corpus.txt", DATA_BYTES));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 8, .seq_len = 64, .grad_accum = 1, .dp_size = 1};
   nn_param_t **ps;
   int n;
@@ -276,7 +278,7 @@ static void train_small(int threads, tensor_t *params, int *n_params, double *lo
   acfg.lr = 3e-3;
   acfg.weight_decay = 0.1;
   optim_t *o;
-  ok(optim_new(&o, ps, n, &acfg));
+  ok(optim_new(ps, n, &acfg, &o));
   for (int s = 0; s < 3; s++) {
     optim_zero_grad(o);
     ok(llama_micro_step(m, d, &spec, s, 0, &losses[s]));
@@ -297,7 +299,7 @@ static void train_small(int threads, tensor_t *params, int *n_params, double *lo
 
 START_TEST(training_agrees_on_any_thread_count) {
   enum { MAX_PARAMS = 64 };
-  tensor_t one[MAX_PARAMS], many[MAX_PARAMS], again[MAX_PARAMS];
+  fsdpc_tensor_t one[MAX_PARAMS], many[MAX_PARAMS], again[MAX_PARAMS];
   double l1[3], ln[3], la[3];
   int n1, nn, na;
   train_small(1, one, &n1, l1);
