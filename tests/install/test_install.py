@@ -5,6 +5,10 @@ then examples/dtensor_basics.c compiled against the installed headers with the f
 <fsdpc/fsdpc.h> alone), each linked twice (the shared library with `--libs`, the static
 archive with `--static --libs`), and every program run on 2 ranks. Every -l of the static flags must
 name a library found in the -L folders or the linker's own (a CUDA build lists -lcudart).
+Every C fragment of README.md and docs/ that is not a whole program (those are the examples,
+compared with them by the examples test) compiles against the same headers: its includes,
+then its lines as a function's body after the declarations its `<!-- compiled with: ... -->`
+line gives.
 
   test_install.py BUILD_DIR SOURCE_DIR MPIRUN
 """
@@ -37,6 +41,48 @@ def linker_dirs():
     return [os.path.normpath(d) for d in m.group(1).split(":")] if m else []
 
 
+def fragments():
+    """(page, line, source) of each C fragment of README.md and docs/ without a main."""
+    pages = ["README.md"] + ["docs/" + f for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                             if f.endswith(".md")]
+    out = []
+    for page in pages:
+        text = open(os.path.join(ROOT, page)).read()
+        for m in re.finditer(r"(?:<!-- compiled with: (.*?) -->\n)?```c\n(.*?)```", text, re.S):
+            block = m.group(2)
+            if re.search(r"\bint main\(", block):
+                continue
+            line = text[:m.start()].count("\n") + 1
+            lines = block.splitlines()
+            incl = [l for l in lines if l.startswith("#include")]
+            body = [l for l in lines if not l.startswith("#include")]
+            src = None
+            if m.group(1) is not None:
+                src = ("\n".join(incl) + "\n\nvoid fragment(void);\nvoid fragment(void) {\n" +
+                       m.group(1) + "\n" + "\n".join(body) + "\n}\n")
+            out.append((page, line, src))
+    return out
+
+
+def compile_fragments(tmp, cflags):
+    """Each C fragment of the documentation compiles (-Wall -Wextra -Werror)."""
+    frags = fragments()
+    check(len(frags) > 0, "the documentation has C fragments to compile")
+    for k, (page, line, src) in enumerate(frags):
+        check(src is not None, "%s:%d: the C fragment says what it is compiled with" %
+              (page, line))
+        if src is None:
+            continue
+        path = os.path.join(tmp, "fragment%d.c" % k)
+        with open(path, "w") as f:
+            f.write(src)
+        q = run(["cc", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-Wno-unused-variable",
+                 "-Wno-unused-but-set-variable", "-Wno-uninitialized",
+                 "-Wno-maybe-uninitialized", path] + cflags)
+        check(q.returncode == 0, "%s:%d: the C fragment compiles against the installed headers "
+              "(%s)" % (page, line, q.stderr.strip()[-600:]))
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="fsdpc-install-")
     try:
@@ -66,6 +112,7 @@ def main():
                      if os.path.exists(os.path.join(d, "lib%s%s" % (lib, ext)))]
             check(bool(found), "pkg-config --static --libs: -l%s is in a folder it names or the "
                   "linker's (%s)" % (lib, found[0] if found else "in none of " + " ".join(dirs)))
+        compile_fragments(tmp, cflags)
         src = os.path.join(ROOT, "examples", "dtensor_basics.c")
         text = open(src).read()
         sources = {"": src}
