@@ -61,11 +61,38 @@ void plan_defaults(fsdpc_plan_t *p) {
   p->log_interval = 10;
 }
 
+/* The architecture from a Hugging Face config.json (path, or path/config.json where path is a
+ * folder) that model.key names; no other architecture key of keys may be given beside it. */
+static fsdpc_status_t read_hf_config(plan_ctx_t *c, int m, const char *const *keys, const char *key,
+                                     const char *path) {
+  fsdpc_plan_t *p = c->job;
+  char listed[256] = "";
+  int first = 0, n = 0;
+  for (int i = 0; keys[i] && strcmp(keys[i], "seed") != 0; i++)
+    if (!pr_is_null(c, pr_find(c, m, keys[i]))) { /* null: not given (--set KEY=null) */
+      size_t l = strlen(listed);
+      snprintf(listed + l, sizeof listed - l, "%smodel.%s", n++ ? ", " : "", keys[i]);
+      if (first == 0) first = pr_find(c, m, keys[i]);
+    }
+  struct stat sb;
+  bool folder = strcmp(key, "init_from") == 0 || (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode));
+  char cfg[PLAN_PATH_MAX + 16];
+  snprintf(cfg, sizeof cfg, "%s%s", path, folder ? "/config.json" : "");
+  if (n > 0)
+    return pr_fail(c, first, "model", "the architecture comes from %s with model.%s; remove %s",
+                   cfg, key, listed);
+  char name[32];
+  snprintf(name, sizeof name, "model.%s", key);
+  if (llama_config_from_hf(cfg, &p->model) != STATUS_OK)
+    return pr_fail(c, pr_find(c, m, key), name, "%s", err_detail());
+  return STATUS_OK;
+}
+
 static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
-  static const char *const keys[] = {
-      "dim",        "n_layers",    "n_heads",       "n_kv_heads", "ffn_dim",
-      "vocab_size", "max_seq_len", "rope_theta",    "norm_eps",   "tie_embeddings",
-      "seed",       "init_from",   "deferred_init", NULL};
+  static const char *const keys[] = {"dim",           "n_layers",       "n_heads",     "n_kv_heads",
+                                     "ffn_dim",       "vocab_size",     "max_seq_len", "rope_theta",
+                                     "norm_eps",      "tie_embeddings", "seed",        "init_from",
+                                     "deferred_init", "config",         NULL};
   int m;
   FSDPC_TRY(pr_section(c, root, "model", keys, &m));
   if (m == 0) return STATUS_OK;
@@ -81,26 +108,15 @@ static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
   p->model_seed = seed;
   FSDPC_TRY(pr_get_bool(c, m, "model", "deferred_init", &p->deferred_init));
   FSDPC_TRY(pr_get_path(c, m, "model", "init_from", p->init_from));
-  if (p->init_from[0]) {
-    char listed[256] = "";
-    int first = 0, n = 0;
-    for (int i = 0; keys[i] && strcmp(keys[i], "seed") != 0; i++)
-      if (pr_find(c, m, keys[i])) {
-        size_t l = strlen(listed);
-        snprintf(listed + l, sizeof listed - l, "%smodel.%s", n++ ? ", " : "", keys[i]);
-        if (first == 0) first = pr_find(c, m, keys[i]);
-      }
-    if (n > 0)
-      return pr_fail(c, first, "model",
-                     "the architecture comes from %s/config.json with model.init_from; remove "
-                     "%s",
-                     p->init_from, listed);
-    char cfg[PLAN_PATH_MAX + 16];
-    snprintf(cfg, sizeof cfg, "%s/config.json", p->init_from);
-    if (llama_config_from_hf(cfg, &p->model) != STATUS_OK)
-      return pr_fail(c, pr_find(c, m, "init_from"), "model.init_from", "%s", err_detail());
-    return STATUS_OK;
-  }
+  char config[PLAN_PATH_MAX] = "";
+  FSDPC_TRY(pr_get_path(c, m, "model", "config", config));
+  if (p->init_from[0] && config[0])
+    return pr_fail(c, pr_find(c, m, "config"), "model",
+                   "model.config and model.init_from both name the architecture: give one "
+                   "(init_from: its config.json and weights; config: the architecture alone, "
+                   "initialised from model.seed)");
+  if (p->init_from[0]) return read_hf_config(c, m, keys, "init_from", p->init_from);
+  if (config[0]) return read_hf_config(c, m, keys, "config", config);
   llama_config_t *mc = &p->model;
   const int64_t big = (int64_t)1 << 31;
   FSDPC_TRY(pr_get_int(c, m, "model", "dim", 1, big, &mc->dim));

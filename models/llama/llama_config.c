@@ -176,14 +176,19 @@ static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope)
 
 static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   if (!cJSON_IsObject(o)) return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
+  /* the model type first: another architecture's config lacks Llama's keys */
+  const cJSON *mt = cJSON_GetObjectItemCaseSensitive(o, "model_type");
+  if (mt && !cJSON_IsString(mt))
+    return err_set(STATUS_EFORMAT, "%s: model_type must be a string", path);
+  if (mt && strcmp(mt->valuestring, "llama") != 0)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: model_type \"%.64s\": this build trains \"llama\" (LlamaForCausalLM) only",
+                   path, mt->valuestring);
   const char *required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "vocab_size"};
   for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
     if (cJSON_GetObjectItemCaseSensitive(o, required[i]) == NULL)
       return err_set(STATUS_EFORMAT, "%s: missing '%s'", path, required[i]);
-  const cJSON *mt = cJSON_GetObjectItemCaseSensitive(o, "model_type");
-  if (mt && (!cJSON_IsString(mt) || strcmp(mt->valuestring, "llama") != 0))
-    return err_set(STATUS_EUNSUPPORTED, "%s: model_type must be \"llama\"", path);
   const cJSON *act = cJSON_GetObjectItemCaseSensitive(o, "hidden_act");
   if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
     return err_set(STATUS_EUNSUPPORTED, "%s: hidden_act must be \"silu\"", path);

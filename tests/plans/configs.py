@@ -316,3 +316,50 @@ def shuffling():
     rest = train("rest", ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000003")])
     check(saved == fsdp and rest is not None and rest[-3:] == fsdp[3:],
           "a shuffled run resumed after step 3 trains steps 4-6 bit-identically")
+
+
+def model_config():
+    """model.config: a Hugging Face config.json (or a folder holding one) gives the
+    architecture alone, initialised from model.seed: debug.yaml's model written as
+    configs/llama-tiny.json trains debug.yaml's losses bit for bit; beside other architecture
+    keys or model.init_from, or naming another model type, it is refused by name."""
+    tmp = mkdtemp()
+    debug = os.path.join(ROOT, "configs", "debug.yaml")
+    tiny = os.path.join(ROOT, "configs", "llama-tiny.json")
+    text = open(debug).read().replace("../data/", os.path.join(ROOT, "data") + "/")
+    keys = re.search(r"^model:\n((?:  .*\n)+)", text, re.M)
+    folder = os.path.join(tmp, "hf")
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write(open(tiny).read())
+    ref = os.path.join(tmp, "ref.jsonl")
+    run(1, [debug, "--set", "train.steps=3", "--metrics", ref])
+    want = [r["loss"] for r in losses(ref)] if os.path.exists(ref) else None
+    for name, where in (("file", tiny), ("folder", folder)):
+        plan = os.path.join(tmp, "config-%s.yaml" % name)
+        with open(plan, "w") as f:
+            f.write(text.replace(keys.group(0), "model:\n  config: %s\n  seed: 1\n" % where))
+        m = os.path.join(tmp, "config-%s.jsonl" % name)
+        p, _ = run(1, [plan, "--set", "train.steps=3", "--metrics", m])
+        got = [r["loss"] for r in losses(m)] if p.returncode == 0 else []
+        check(p.returncode == 0 and want is not None and len(got) == 3 and got == want,
+              "model.config naming a %s: debug.yaml's losses bit for bit (%s vs %s)"
+              % (name, got[:1], (want or [])[:1]))
+    gpt2 = os.path.join(tmp, "gpt2.json")
+    with open(gpt2, "w") as f:
+        json.dump({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}, f)
+    for sets, want_err in [
+            (["--set", "model.config=" + tiny], r"model: the architecture comes from \S+"
+             r"llama-tiny\.json with model\.config; remove model\.dim, model\.n_layers"),
+            (["--set", "model.config=" + tiny, "--set", "model.init_from=" + folder],
+             r"model\.config and model\.init_from both name the architecture: give one"),
+            (["--set", "model.config=" + gpt2] +
+             sum((["--set", "model.%s=null" % k] for k in
+                  ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                   "max_seq_len")), []),
+             r"model\.config: \S+gpt2\.json: model_type \"gpt2\": this build trains \"llama\" "
+             r"\(LlamaForCausalLM\) only")]:
+        p, _ = run(2, [debug, "--set", "mesh.dp_shard=2"] + sets)
+        check(p.returncode != 0 and re.search(r"\[ranks 0,1\] .*" + want_err, p.stderr),
+              "model.config refused from every rank: /%s/ (%s)" %
+              (want_err[:50], p.stderr.strip()[-200:]))

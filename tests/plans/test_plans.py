@@ -32,7 +32,7 @@ import common  # noqa: E402  (after the path)
 MODES = {
     "configs": [("configs", "configs"), ("configs", "pytorch"), ("plots_converts", "plots"),
                 ("plots_converts", "converts"), ("configs", "evaluation"),
-                ("configs", "shuffling")],
+                ("configs", "shuffling"), ("configs", "model_config")],
     "errors": [("errors", "errors")],
     "dry-run": [("dry_run", "dry_run"), ("dry_run", "messages")],
     "checkpoint": [("checkpoints", "checkpoints")],
