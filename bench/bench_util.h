@@ -7,12 +7,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "mesh/world.h"
-#include "train/data.h"
 #include "models/llama/llama.h"
 #include "nn/ops.h"
+#include "train/data.h"
 #include "train/train.h"
 
 /* Prints the error and exits: benchmarks are programs, not library code. */
@@ -24,12 +23,6 @@
       exit(1);                                                                     \
     }                                                                              \
   } while (0)
-
-static inline double bench_now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 /* One option of a benchmark: "--name" taking a value (shown as metavar) or a flag (NULL). */
 typedef struct bench_option {

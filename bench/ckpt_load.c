@@ -58,7 +58,7 @@ typedef struct fresh {
 } fresh_t;
 
 static void fresh_print(double t0, const struct rusage *before) {
-  double t = bench_now() - t0;
+  double t = device_clock_seconds() - t0;
   struct rusage after;
   getrusage(RUSAGE_SELF, &after);
   printf("%.9f %zu %ld\n", t, mem_os_allocs(device_cpu()), after.ru_minflt - before->ru_minflt);
@@ -79,7 +79,7 @@ static int fresh_resume(const char *config, const char *dir) {
   BENCH_TRY(llama_config_from_hf(config, &cfg));
   struct rusage before;
   getrusage(RUSAGE_SELF, &before);
-  double t0 = bench_now();
+  double t0 = device_clock_seconds();
   ckb_built_t b;
   ckb_build(&b, &cfg, true, NULL);
   int64_t step;
@@ -98,7 +98,7 @@ static int fresh_read(const char *dir, const char *bytes) {
   size_t size = (size_t)strtoull(bytes, NULL, 10);
   struct rusage before;
   getrusage(RUSAGE_SELF, &before);
-  double t0 = bench_now();
+  double t0 = device_clock_seconds();
   void *mem;
   BENCH_TRY(device_alloc(device_cpu(), size, &mem));
   ckb_read_tree_into(dir, mem, size);
@@ -225,30 +225,30 @@ int main(int argc, char **argv) {
   dcp_stats_t stats = {0}, plain_stats = {0};
   uint64_t part_bytes = 0;
   for (int r = 0; r < reps; r++) {
-    double t0 = bench_now();
+    double t0 = device_clock_seconds();
     ckb_read_tree(dir, buf, bufsize);
-    t_read[r] = bench_now() - t0;
-    t0 = bench_now();
+    t_read[r] = device_clock_seconds() - t0;
+    t0 = device_clock_seconds();
     ckb_read_tree_into(dir, mem, file_bytes);
-    t_into[r] = bench_now() - t0;
-    t0 = bench_now();
+    t_into[r] = device_clock_seconds() - t0;
+    t0 = device_clock_seconds();
     ckb_walk_tree(dir, &(ckb_walk_t){buf, (size_t)dcp_block_bytes(), true, false, NULL});
-    t_hashed[r] = bench_now() - t0;
+    t_hashed[r] = device_clock_seconds() - t0;
     for (int j = 0; j < 2; j++) { /* checked and unchecked back to back, alternating first */
       int k = (j + r) % 2;         /* 1: the checked files, 0: those without checksums */
       ckb_read_tree(k ? dir : plain, buf, bufsize); /* each load after a read of its own files */
       size_t blocks = mem_os_allocs(device_cpu());
-      t0 = bench_now();
+      t0 = device_clock_seconds();
       ckb_built_t b;
       ckb_build(&b, &cfg, true, NULL);
       int64_t step;
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step,
                                    k ? &stats : &plain_stats));
-      (k ? t_deferred : t_plain)[r] = bench_now() - t0;
+      (k ? t_deferred : t_plain)[r] = device_clock_seconds() - t0;
       if (k) warm_blocks = mem_os_allocs(device_cpu()) - blocks;
-      t0 = bench_now(); /* again into the same memory: the reads and checks alone */
+      t0 = device_clock_seconds(); /* again into the same memory: the reads and checks alone */
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step, NULL));
-      (k ? t_again : t_again_plain)[r] = bench_now() - t0;
+      (k ? t_again : t_again_plain)[r] = device_clock_seconds() - t0;
       ckb_unbuild(&b);
     }
     for (int j = 0; spawn && j < 3; j++) { /* each in a process of its own */
@@ -267,12 +267,12 @@ int main(int argc, char **argv) {
       int k = (j + r) % 2;
       ckb_walk_tree(dir, &(ckb_walk_t){.drop = true});
       ckb_walk_tree(plain, &(ckb_walk_t){.drop = true});
-      t0 = bench_now();
+      t0 = device_clock_seconds();
       ckb_built_t b;
       ckb_build(&b, &cfg, true, NULL);
       int64_t step;
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step, NULL));
-      (k ? t_cold : t_cold_plain)[r] = bench_now() - t0;
+      (k ? t_cold : t_cold_plain)[r] = device_clock_seconds() - t0;
       ckb_unbuild(&b);
     }
     for (int j = 0; j < 2; j++) { /* a quarter of the rows, the same way */
@@ -281,13 +281,13 @@ int main(int argc, char **argv) {
       part_bytes = ckb_read_quarters(k ? dir : plain, &(k ? t_part : t_part_plain)[r]);
     }
     if (r >= EAGER_REPS) continue;
-    t0 = bench_now();
+    t0 = device_clock_seconds();
     ckb_built_t b;
     ckb_build(&b, &cfg, false, NULL);
     ckb_zero_moments(&b);
     int64_t step;
     BENCH_TRY(ckpt_load_training(dir, b.ps, b.n, b.opt, &step, &stats));
-    t_eager[r] = bench_now() - t0;
+    t_eager[r] = device_clock_seconds() - t0;
     ckb_unbuild(&b);
   }
   double tr = bench_median(t_read, reps), ti = bench_median(t_into, reps),

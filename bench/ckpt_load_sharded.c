@@ -47,12 +47,12 @@ void ckb_sharded(const llama_config_t *cfg, int reps) {
   size_t fresh = 0; /* blocks rank 0's last checked resume took from the system */
   for (int r = 0; r < reps; r++) {
     ckb_barrier();
-    double t0 = bench_now();
+    double t0 = device_clock_seconds();
     ckb_read_own(dir, buf, CKB_PLAIN_PIECE, NULL);
     t_read[r] = ckb_slowest(t0);
     ckb_barrier();
     at = 0;
-    t0 = bench_now();
+    t0 = device_clock_seconds();
     ckb_read_own(dir, mem, own, &at);
     t_into[r] = ckb_slowest(t0);
     for (int j = 0; j < 2; j++) { /* checked and unchecked back to back, alternating first */
@@ -60,7 +60,7 @@ void ckb_sharded(const llama_config_t *cfg, int reps) {
       ckb_read_own(k ? dir : plain, buf, CKB_PLAIN_PIECE, NULL);
       ckb_barrier();
       size_t os0 = mem_os_allocs(device_cpu());
-      t0 = bench_now();
+      t0 = device_clock_seconds();
       ckb_build(&b, cfg, true, mesh);
       int64_t step;
       BENCH_TRY(ckpt_load_training(k ? dir : plain, b.ps, b.n, b.opt, &step, NULL));

@@ -82,10 +82,10 @@ uint64_t ckb_read_quarters(const char *dir, double *secs) {
   for (int k = 0; k < 2; k++) {
     char folder[4400];
     snprintf(folder, sizeof folder, "%.4000s/%s", dir, subs[k]);
-    double t0 = bench_now();
+    double t0 = device_clock_seconds();
     dcp_reader_t *r;
     BENCH_TRY(dcp_reader_open(folder, &r));
-    *secs += bench_now() - t0;
+    *secs += device_clock_seconds() - t0;
     const dcp_tensor_t *t;
     int n;
     BENCH_TRY(dcp_reader_list(r, &t, &n));
@@ -101,10 +101,10 @@ uint64_t ckb_read_quarters(const char *dir, double *secs) {
       boxes[i] = (dcp_box_t){.name = t[i].name, .value = &x[i]};
       total += tensor_nbytes(&x[i]);
     }
-    t0 = bench_now();
+    t0 = device_clock_seconds();
     BENCH_TRY(dcp_reader_read_boxes(r, boxes, n)); /* what a resharding load reads */
     dcp_reader_close(r);
-    *secs += bench_now() - t0;
+    *secs += device_clock_seconds() - t0;
     for (int i = 0; i < n; i++) tensor_free(&x[i]);
     free(boxes);
     free(x);
@@ -254,7 +254,7 @@ const char *ckb_paired_cost(const double *checked, const double *unchecked, int 
 
 /* Seconds since t0 on the slowest rank (a job waits for it). */
 double ckb_slowest(double t0) {
-  double t = bench_now() - t0;
+  double t = device_clock_seconds() - t0;
   BENCH_TRY(pg_host_all_reduce(world_pg(), &t, &t, 1, PG_HOST_F64, REDUCE_MAX));
   return t;
 }

@@ -48,14 +48,14 @@ static double sgemm_reference(const llama_config_t *c, int64_t M) {
     for (int64_t i = 0; i < out * in; i++) w[i] = (float)(i % 5) * 0.1f;
     double best = INFINITY;
     for (int rep = 0; rep < 3; rep++) {
-      double t = bench_now();
+      double t = device_clock_seconds();
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)M, (int)out, (int)in, 1, x,
                   (int)in, w, (int)in, 0, y, (int)out);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)in, (int)out, 1, y,
                   (int)out, w, (int)in, 0, x, (int)in);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)out, (int)in, (int)M, 1, y,
                   (int)out, x, (int)in, 0, w, (int)in);
-      t = bench_now() - t;
+      t = device_clock_seconds() - t;
       best = t < best ? t : best;
     }
     flops += 6.0 * (double)(M * in * out) * (double)shapes[k][2];
@@ -113,7 +113,7 @@ int main(int argc, char **argv) {
       opt.device == DEVICE_CUDA ? "cuda" : "cpu", dtype_name(opt.dtype),
       opt.activation_checkpointing ? ", activation checkpointing" : "", kernel_cpu_threads());
   printf("%6s %10s %10s %12s\n", "step", "loss", "grad_norm", "tokens/s");
-  double t0 = bench_now(), window = t0, first = 0, last = 0, avg = 0, after_first = 0;
+  double t0 = device_clock_seconds(), window = t0, first = 0, last = 0, avg = 0, after_first = 0;
   int64_t tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum;
   size_t os_allocs = 0; /* host blocks of 64 KiB and more taken from the system after step 2 */
   double t_profile = 0; /* when the profile restarted */
@@ -125,7 +125,7 @@ int main(int argc, char **argv) {
     if (s == profile_from && kernel_profile_enabled()) { /* steady steps only */
       BENCH_TRY(device_stream_sync(mesh_device(llama_local_mesh(m))));
       kernel_profile_reset();
-      t_profile = bench_now();
+      t_profile = device_clock_seconds();
     }
     optim_zero_grad(o);
     double loss = 0;
@@ -138,20 +138,20 @@ int main(int argc, char **argv) {
     if (s == 0) {
       first = loss;
       BENCH_TRY(device_stream_sync(mesh_device(llama_local_mesh(m))));
-      after_first = bench_now();
+      after_first = device_clock_seconds();
     }
     avg = s == 0 ? loss : 0.9 * avg + 0.1 * loss;
     last = loss;
     if ((s + 1) % every == 0 || s == 0 || s + 1 == steps) {
       BENCH_TRY(device_stream_sync(mesh_device(llama_local_mesh(m))));
-      double now = bench_now();
+      double now = device_clock_seconds();
       int64_t done = s == 0 ? 1 : ((s + 1) % every == 0 ? every : (s + 1) % every);
       printf("%6lld %10.4f %10.4f %12.0f\n", (long long)s, loss, norm,
              (double)(done * tokens_per_step) / (now - window));
       window = now;
     }
   }
-  double t_end = bench_now(), total = t_end - t0;
+  double t_end = device_clock_seconds(), total = t_end - t0;
   printf("loss %.4f -> %.4f (smoothed %.4f); %.0f tokens/s over %lld steps (%.1f s)\n", first, last,
          avg, (double)(steps * tokens_per_step) / total, (long long)steps, total);
   if (steps > 2)

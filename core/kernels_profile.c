@@ -3,7 +3,6 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "core/args_impl.h"
 #include "core/kernels.h"

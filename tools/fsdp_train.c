@@ -22,7 +22,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "checkpoint/hf_weights.h"
@@ -99,12 +98,6 @@ static fsdpc_status_t parse_args(int argc, char **argv, args_t *a) {
 }
 
 static bool agree(fsdpc_status_t st) { return world_agree_report(st, "fsdp-train"); }
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 /* A token stream (data.path or eval.path: key, at where), checked for one sample (a dry run
  * too: it must refuse what the run would). Only the files' sizes and llm.c's headers are read:
@@ -492,7 +485,7 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
     if (L->mf != NULL) fclose(L->mf);
     return st;
   }
-  L->t_start = now();
+  L->t_start = device_clock_seconds();
   train_counted_bytes(r); /* reset */
   return STATUS_OK;
 }
@@ -528,7 +521,7 @@ static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
  * non-finite step stops the run (every rank alike) unless train.nonfinite skips it. */
 static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
-  double t = now(), step_est = t - o->t0 > L->step_max ? t - o->t0 : L->step_max;
+  double t = device_clock_seconds(), step_est = t - o->t0 > L->step_max ? t - o->t0 : L->step_max;
   double save_s = L->saver.last_s > 0 ? L->saver.last_s : step_est;
   bool time_up = p->time_limit_s > 0 && t - r->t_launch + step_est + save_s > p->time_limit_s;
   o->sums[0] = o->loss;
@@ -564,7 +557,7 @@ static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
   train_save_wait_staged(&L->saver);
   if (o->finite) FSDPC_TRY(optim_step_scaled(r->opt, o->factor, o->coef));
   FSDPC_TRY(device_stream_sync(r->dev));
-  o->dt = now() - o->t0;
+  o->dt = device_clock_seconds() - o->t0;
   o->tokens = (double)(train_global_batch(r) * p->seq_len);
   o->tps = o->tokens / o->dt;
   o->comm = train_counted_bytes(r);
@@ -649,7 +642,8 @@ static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) 
   const fsdpc_plan_t *p = &r->plan;
   int64_t s = o->s;
   bool show = s == 0 || s + 1 == p->steps || (s + 1) % p->log_interval == 0;
-  double elapsed = now() - L->t_start, eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
+  double elapsed = device_clock_seconds() - L->t_start,
+         eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
   char pm[32];
   train_mib(pm, sizeof pm, (double)o->peak);
   if (show) {
@@ -670,7 +664,7 @@ static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) 
 
 /* One step, in its phases. *stop: the run ends after it (a signal or the time limit). */
 static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
-  step_out_t o = {.s = s, .t0 = now()};
+  step_out_t o = {.s = s, .t0 = device_clock_seconds()};
   if (s == L->profile_from && kernel_profile_enabled()) kernel_profile_reset();
   if (s == L->profile_from) L->t_profile = o.t0;
   mem_reset_peak(r->dev);
@@ -698,7 +692,7 @@ static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
 
 /* Rank 0's kernel profile of the steps from profile_from on (FSDPC_PROFILE=1). */
 static fsdpc_status_t profile_report(const run_t *r, const loop_t *L) {
-  double k = 0, span = now() - L->t_profile;
+  double k = 0, span = device_clock_seconds() - L->t_profile;
   printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n", (long long)L->profile_from + 1,
          (long long)r->plan.steps);
   fsdpc_status_t st = kernel_profile_report(stdout, &k);
@@ -731,7 +725,7 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
       (st = plot_metrics(&L->mpath, 1, r->args.plot)) == STATUS_OK)
     printf("plot: %s\n", r->args.plot);
   if (st != STATUS_OK || !L->lead) return st;
-  double total = now() - L->t_start;
+  double total = device_clock_seconds() - L->t_start;
   char pm[32], held[64] = "", nb[32];
   train_mib(pm, sizeof pm, (double)L->peak_max);
   if (mem_stats(r->dev).comm > 0) { /* NCCL's buffers are not in the allocator's peak */
@@ -769,7 +763,7 @@ static fsdpc_status_t train(run_t *r) {
 }
 
 int main(int argc, char **argv) {
-  double t_launch = now();
+  double t_launch = device_clock_seconds();
   if (world_init(&argc, &argv) != STATUS_OK) {
     fprintf(stderr, "fsdp-train: %s\n", err_detail());
     return 1;

@@ -5,18 +5,11 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "core/file.h"
 #include "checkpoint/train_ckpt.h"
+#include "core/file.h"
 #include "mesh/world.h"
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 fsdpc_status_t train_saver_init(train_saver_t *sv, const run_t *r) {
   memset(sv, 0, sizeof *sv);
@@ -62,7 +55,7 @@ static void committed(train_saver_t *sv, const run_t *r, int64_t step) {
   const fsdpc_plan_t *p = &r->plan;
   char dir[PLAN_PATH_MAX + 32];
   ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
-  sv->last_s = now() - sv->started;
+  sv->last_s = device_clock_seconds() - sv->started;
   sv->saved_step = step;
   if (world_rank() != 0) {
     sv->replaced = true;
@@ -89,7 +82,7 @@ static void committed(train_saver_t *sv, const run_t *r, int64_t step) {
 
 fsdpc_status_t train_save_finish(train_saver_t *sv, const run_t *r) {
   if (!ckpt_async_pending(sv->async)) return STATUS_OK;
-  double t0 = now();
+  double t0 = device_clock_seconds();
   char dir[PLAN_PATH_MAX + 32];
   snprintf(dir, sizeof dir, "%s", ckpt_async_dir(sv->async));
   int64_t step = 0;
@@ -98,7 +91,7 @@ fsdpc_status_t train_save_finish(train_saver_t *sv, const run_t *r) {
     committed(sv, r, step);
   else if (world_rank() == 0)
     put_back(sv, dir);
-  sv->stall_s += now() - t0;
+  sv->stall_s += device_clock_seconds() - t0;
   return st;
 }
 
@@ -106,7 +99,7 @@ fsdpc_status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const
                           bool wait) {
   const fsdpc_plan_t *p = &r->plan;
   FSDPC_TRY(train_save_finish(sv, r)); /* the previous save first */
-  double t0 = now();
+  double t0 = device_clock_seconds();
   char dir[PLAN_PATH_MAX + 32];
   ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
   fsdpc_status_t st = move_aside(sv, dir);
@@ -116,7 +109,7 @@ fsdpc_status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const
     st = ckpt_async_start(sv->async, dir, r->ps, r->n, r->opt, step, under, world_pg());
   else
     st = ckpt_save_training(dir, r->ps, r->n, r->opt, step, under, world_pg());
-  sv->stall_s += now() - t0;
+  sv->stall_s += device_clock_seconds() - t0;
   if (st != STATUS_OK) {
     if (world_rank() == 0) put_back(sv, dir);
     return st;
@@ -129,9 +122,9 @@ fsdpc_status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const
 }
 
 void train_save_wait_staged(train_saver_t *sv) {
-  double t0 = now();
+  double t0 = device_clock_seconds();
   ckpt_async_wait_staged(sv->async);
-  sv->stall_s += now() - t0;
+  sv->stall_s += device_clock_seconds() - t0;
 }
 
 void train_save_values(const train_saver_t *sv, double *out) {

@@ -9,7 +9,6 @@
  * Each mode stops the job, so each runs alone: test_device_wait MODE.
  */
 #include <string.h>
-#include <time.h>
 
 #include "core/device.h"
 #include "mesh/world.h"
@@ -21,29 +20,24 @@ static int never(void *ctx, fsdpc_status_t *st) {
   return 0;
 }
 
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 START_TEST(a_stop_ends_device_waits_on_every_rank) {
   ck_assert_int_eq(world_size(), 2);
   if (world_rank() == 1) world_stop(err_set(STATUS_EINVAL, "rank 1 gives up"));
-  double t = now_s();
+  double t = device_clock_seconds();
   fsdpc_status_t st = device_poll(never, NULL, "an endless device wait");
   ck_assert_int_ne(st, STATUS_OK);
   ck_assert_msg(strstr(err_detail(), "rank 1 gives up") != NULL, "rank %d: %s", world_rank(),
                 err_detail());
-  ck_assert_msg(now_s() - t < 60, "the wait took %.1f s", now_s() - t);
+  ck_assert_msg(device_clock_seconds() - t < 60, "the wait took %.1f s",
+                device_clock_seconds() - t);
 }
 END_TEST
 
 START_TEST(the_watchdog_ends_a_device_wait) {
   world_set_timeout(0.3);
-  double t = now_s();
+  double t = device_clock_seconds();
   fsdpc_status_t st = device_poll(never, NULL, "an endless device wait");
-  double took = now_s() - t;
+  double took = device_clock_seconds() - t;
   ck_assert_int_eq(st, STATUS_ETIMEOUT);
   ck_assert_msg(strstr(err_detail(), "an endless device wait (device work) has not completed in "
                                      "0.3 s") != NULL,

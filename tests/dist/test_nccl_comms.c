@@ -13,7 +13,6 @@
  */
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "core/device.h"
@@ -31,12 +30,6 @@ typedef struct mock {
   double made;
   int aborts, destroys;
 } mock_t;
-
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static void note(mock_t *m, const char *call) {
   size_t n = strlen(m->log);
@@ -61,7 +54,7 @@ static int mock_destroy(void *c) {
 }
 static int mock_async(void *c, int *state) {
   mock_t *m = c;
-  if (m->error_after > 0 && now_s() - m->made >= m->error_after) {
+  if (m->error_after > 0 && device_clock_seconds() - m->made >= m->error_after) {
     *state = REMOTE_ERROR;
   } else if (m->busy != 0) {
     if (m->busy > 0) m->busy--;
@@ -81,7 +74,7 @@ static const nccl_table_t table = {mock_abort, mock_finalize, mock_destroy, mock
 
 static void make(nccl_comm_t *c, mock_t *m, const char *name) {
   memset(c, 0, sizeof *c);
-  m->made = now_s();
+  m->made = device_clock_seconds();
   c->comm = m;
   c->t = &table;
   snprintf(c->name, sizeof c->name, "%s", name);
@@ -125,9 +118,9 @@ START_TEST(results_errors_and_closing) {
   mock_t c = {.busy = -1};
   nccl_comm_t cc;
   make(&cc, &c, "mock-c");
-  double t = now_s();
+  double t = device_clock_seconds();
   ck_assert_int_eq(nccl_comm_close(&cc, 0.2), STATUS_ETIMEOUT);
-  ck_assert(now_s() - t >= 0.2 && now_s() - t < 10);
+  ck_assert(device_clock_seconds() - t >= 0.2 && device_clock_seconds() - t < 10);
   ck_assert_str_eq(err_detail(),
                    "ncclCommFinalize of NCCL communicator mock-c has not completed in 0.2 s");
   ck_assert_str_eq(c.log, "finalize,abort");
@@ -160,9 +153,9 @@ START_TEST(an_async_error_ends_a_device_wait) {
   nccl_comm_t ca, cb;
   make(&ca, &a, "mock-a (rank 0 of 2 on cuda:0)");
   make(&cb, &b, "mock-b");
-  double t = now_s();
+  double t = device_clock_seconds();
   fsdpc_status_t st = device_poll(never, NULL, "an endless device wait");
-  double took = now_s() - t;
+  double took = device_clock_seconds() - t;
   ck_assert_int_eq(st, STATUS_ENCCL);
   ck_assert_msg(strstr(err_detail(),
                        "an endless device wait (device work): NCCL communicator "
@@ -183,9 +176,9 @@ START_TEST(an_async_error_ends_a_host_wait) {
   nccl_comm_t ca;
   if (world_rank() == 0) make(&ca, &a, "mock-a");
   if (world_rank() == 1) sleep(4); /* joins the agreement late */
-  double t = now_s();
+  double t = device_clock_seconds();
   fsdpc_status_t st = pg_agree(world_pg(), STATUS_OK);
-  double took = now_s() - t;
+  double took = device_clock_seconds() - t;
   ck_assert_int_ne(st, STATUS_OK);
   ck_assert_msg(strstr(err_detail(), "NCCL communicator mock-a failed: mock error 6") != NULL,
                 "rank %d: %s", world_rank(), err_detail());

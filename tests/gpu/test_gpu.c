@@ -328,20 +328,14 @@ END_TEST
 #ifdef FSDPC_TEST_CUDA
 static atomic_int holding;
 
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 /* Runs on the stream and holds it until holding is cleared, 3 s at most (so that a failed
  * assertion cannot leave the process unable to end, and an abort that waits for the device
  * shows as a time, not a hang): device work that does not complete. */
 static void CUDART_CB hold_stream(void *arg) {
   (void)arg;
   struct timespec nap = {0, 1000000};
-  double end = now_s() + 3;
-  while (atomic_load(&holding) && now_s() < end) nanosleep(&nap, NULL);
+  double end = device_clock_seconds() + 3;
+  while (atomic_load(&holding) && device_clock_seconds() < end) nanosleep(&nap, NULL);
 }
 
 /* Device work queued behind an NCCL collective never completes: the host's wait for it polls,
@@ -367,9 +361,9 @@ START_TEST(nccl_abort_ends_a_stuck_wait) {
   cudaStream_t s = cuda_stream_raw(stream_current(gpu()));
   ck_assert_int_eq(cudaLaunchHostFunc(s, hold_stream, NULL), cudaSuccess);
   world_set_timeout(0.5);
-  double t = now_s();
+  double t = device_clock_seconds();
   fsdpc_status_t st = device_stream_sync(gpu());
-  double took = now_s() - t;
+  double took = device_clock_seconds() - t;
   printf("the stuck wait ended, the communicator aborted, in %.2f s\n", took);
   ck_assert_int_eq(st, STATUS_ETIMEOUT);
   ck_assert_msg(strstr(err_detail(), "has not completed in 0.5 s") != NULL, "%s", err_detail());
