@@ -105,7 +105,7 @@ static fsdpc_status_t fbuf_alloc(fbuf_t *b, int64_t n) {
   return STATUS_OK;
 }
 
-fsdpc_status_t cpu_fbuf_in(fbuf_t *b, const fsdpc_tensor_t *t) {
+static fsdpc_status_t cpu_fbuf_in(fbuf_t *b, const fsdpc_tensor_t *t) {
   int64_t n = tensor_numel(t);
   if (t->dtype == DTYPE_F32) {
     *b = (fbuf_t){.p = (float *)t->data, .n = n, .owned = false};
@@ -116,19 +116,56 @@ fsdpc_status_t cpu_fbuf_in(fbuf_t *b, const fsdpc_tensor_t *t) {
   return STATUS_OK;
 }
 
-fsdpc_status_t cpu_fbuf_out(fbuf_t *b, fsdpc_tensor_t *t, bool load) {
+/* With load, the current values are read first (for accumulation). */
+static fsdpc_status_t cpu_fbuf_out(fbuf_t *b, fsdpc_tensor_t *t, bool load) {
   if (t->dtype == DTYPE_F32 || load) return cpu_fbuf_in(b, t);
   return fbuf_alloc(b, tensor_numel(t));
 }
 
-void cpu_fbuf_release(fbuf_t *b) {
+static void cpu_fbuf_release(fbuf_t *b) {
   if (b->owned) cpu_host_free(b->p, sizeof(float) * (size_t)(b->n > 0 ? b->n : 1));
   b->p = NULL;
 }
 
-void cpu_fbuf_commit(fbuf_t *b, fsdpc_tensor_t *t) {
+/* Stores an output view back into t (rounding once) and releases it. */
+static void cpu_fbuf_commit(fbuf_t *b, fsdpc_tensor_t *t) {
   if (b->owned) dtype_from_f32(t->dtype, b->p, t->data, (size_t)b->n);
   cpu_fbuf_release(b);
+}
+
+static fbuf_t *fbufs_next(fbufs_t *s, const void *t) {
+  if (t == NULL || s->st != STATUS_OK) return NULL;
+  if (s->n == CPU_FBUFS_MAX) {
+    s->st = err_set(STATUS_EINVAL, "kernels: more than %d fp32 views in one kernel", CPU_FBUFS_MAX);
+    return NULL;
+  }
+  return &s->b[s->n];
+}
+
+const float *cpu_fbufs_in(fbufs_t *s, const fsdpc_tensor_t *t) {
+  fbuf_t *b = fbufs_next(s, t);
+  if (b == NULL || (s->st = cpu_fbuf_in(b, t)) != STATUS_OK) return NULL;
+  s->out[s->n++] = NULL;
+  return b->p;
+}
+
+float *cpu_fbufs_out(fbufs_t *s, fsdpc_tensor_t *t, bool load) {
+  fbuf_t *b = fbufs_next(s, t);
+  if (b == NULL || (s->st = cpu_fbuf_out(b, t, load)) != STATUS_OK) return NULL;
+  s->out[s->n++] = t;
+  return b->p;
+}
+
+fsdpc_status_t cpu_fbufs_end(fbufs_t *s, fsdpc_status_t st) {
+  if (s->st != STATUS_OK) st = s->st;
+  for (int i = 0; i < s->n; i++) {
+    if (s->out[i] != NULL && st == STATUS_OK)
+      cpu_fbuf_commit(&s->b[i], s->out[i]);
+    else
+      cpu_fbuf_release(&s->b[i]);
+  }
+  s->n = 0;
+  return st;
 }
 
 /* ---- matmul ---- */
@@ -162,17 +199,12 @@ static void gemm(const gemm_args_t *g) {
 static fsdpc_status_t cpu_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
                                  const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta,
                                  const matmul_dims_t *d) {
-  fbuf_t fa, fb, fo;
-  fsdpc_status_t st = STATUS_OK;
-  FSDPC_TRY(cpu_fbuf_in(&fa, a));
-  FSDPC_TRY_GOTO(st, cpu_fbuf_in(&fb, b));
-  st = cpu_fbuf_out(&fo, out, beta != 0.0f);
-  if (st != STATUS_OK) {
-    cpu_fbuf_release(&fb);
-    goto cleanup;
-  }
+  fbufs_t s = {0};
+  const float *fa = cpu_fbufs_in(&s, a), *fb = cpu_fbufs_in(&s, b);
+  float *fo = cpu_fbufs_out(&s, out, beta != 0.0f);
+  if (s.st != STATUS_OK) return cpu_fbufs_end(&s, STATUS_OK);
   if (d->k == 0) {
-    for (int64_t i = 0; i < d->m * d->n; i++) fo.p[i] = beta == 0.0f ? 0.0f : beta * fo.p[i];
+    for (int64_t i = 0; i < d->m * d->n; i++) fo[i] = beta == 0.0f ? 0.0f : beta * fo[i];
   } else {
     gemm(&(gemm_args_t){.ta = trans_a,
                         .tb = trans_b,
@@ -183,15 +215,11 @@ static fsdpc_status_t cpu_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, b
                         .ldb = d->ldb,
                         .alpha = alpha,
                         .beta = beta,
-                        .a = fa.p,
-                        .b = fb.p,
-                        .c = fo.p});
+                        .a = fa,
+                        .b = fb,
+                        .c = fo});
   }
-  cpu_fbuf_commit(&fo, out);
-  cpu_fbuf_release(&fb);
-cleanup:
-  cpu_fbuf_release(&fa);
-  return st;
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 /* ---- embedding ---- */
@@ -248,24 +276,19 @@ static fsdpc_status_t cpu_embedding_backward(fsdpc_tensor_t *grad_table,
                                              const fsdpc_tensor_t *ids, int64_t first,
                                              int64_t vocab) {
   FSDPC_TRY(check_ids("kernel_embedding_backward", ids, vocab));
-  fbuf_t g, go;
-  FSDPC_TRY(cpu_fbuf_out(&g, grad_table, true));
-  fsdpc_status_t st = cpu_fbuf_in(&go, grad_out);
-  if (st != STATUS_OK) {
-    cpu_fbuf_release(&g);
-    return st;
-  }
+  fbufs_t s = {0};
+  float *g = cpu_fbufs_out(&s, grad_table, true);
+  const float *go = cpu_fbufs_in(&s, grad_out);
+  if (s.st != STATUS_OK) return cpu_fbufs_end(&s, STATUS_OK);
   emb_args_t a = {.n = tensor_numel(ids),
                   .first = first,
                   .V = grad_table->shape[0],
                   .D = grad_table->shape[1],
                   .ids = ids,
-                  .go = go.p,
-                  .g = g.p};
+                  .go = go,
+                  .g = g};
   cpu_for_shares(a.D, a.n, ELEM_GRAIN, 16, embedding_backward_share, &a);
-  cpu_fbuf_release(&go);
-  cpu_fbuf_commit(&g, grad_table);
-  return STATUS_OK;
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 static kernel_ops_t ops;

@@ -53,19 +53,31 @@ static inline float exp_f32(float x) {
 
 /* ---- fp32 views of tensors of any float dtype ---- */
 
-typedef struct fbuf {
+typedef struct fbuf { /* one tensor's fp32 view: F32 tensors in place, others converted */
   float *p;
   int64_t n;
   bool owned; /* a converted copy that must be stored back (outputs) and freed */
 } fbuf_t;
 
-/* Read access: F32 tensors are used in place, others converted. */
-fsdpc_status_t cpu_fbuf_in(fbuf_t *b, const fsdpc_tensor_t *t);
-/* Write access; with load the current values are read first (for accumulation). */
-fsdpc_status_t cpu_fbuf_out(fbuf_t *b, fsdpc_tensor_t *t, bool load);
-void cpu_fbuf_release(fbuf_t *b);
-/* Stores an output buffer back into t (rounding once) and releases it. */
-void cpu_fbuf_commit(fbuf_t *b, fsdpc_tensor_t *t);
+/* The fp32 views of one kernel's tensors, taken in turn and ended together: a kernel takes its
+ * views, returns cpu_fbufs_end(&s, STATUS_OK) when s.st says one failed, and otherwise does its
+ * work and ends the same way. */
+#define CPU_FBUFS_MAX 8
+typedef struct fbufs {
+  fbuf_t b[CPU_FBUFS_MAX];
+  fsdpc_tensor_t *out[CPU_FBUFS_MAX]; /* where an output view is stored back; NULL for inputs */
+  int n;
+  fsdpc_status_t st; /* the first failure: nothing more is taken after it */
+} fbufs_t;
+
+/* Read access to t; NULL for a NULL t or once s has failed. */
+const float *cpu_fbufs_in(fbufs_t *s, const fsdpc_tensor_t *t);
+/* Write access to t, stored back by cpu_fbufs_end; with load, t's values are read first. NULL
+ * for a NULL t or once s has failed. */
+float *cpu_fbufs_out(fbufs_t *s, fsdpc_tensor_t *t, bool load);
+/* Ends every view of s: the outputs are stored back (rounding once) when neither s nor st holds
+ * a failure, and every view is released. Returns s's failure, else st. */
+fsdpc_status_t cpu_fbufs_end(fbufs_t *s, fsdpc_status_t st);
 
 /* Element i of t's buffer. */
 static inline void *elem_at(const fsdpc_tensor_t *t, int64_t i) {

@@ -72,28 +72,19 @@ static fsdpc_status_t cpu_rope(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, con
                                int64_t pos_offset, bool inverse) {
   rope_args_t a = {
       .B = x->shape[0], .T = x->shape[1], .H = x->shape[2], .Dh = x->shape[3], .inverse = inverse};
-  fbuf_t fx, fo;
-  FSDPC_TRY(cpu_fbuf_in(&fx, x));
-  fsdpc_status_t st = cpu_fbuf_out(&fo, out, false); /* f32: in place, so out may be x */
-  if (st != STATUS_OK) {
-    cpu_fbuf_release(&fx);
-    return st;
-  }
+  fbufs_t s = {0};
+  a.x = cpu_fbufs_in(&s, x);
+  a.out = cpu_fbufs_out(&s, out, false); /* f32: in place, so out may be x */
+  if (s.st != STATUS_OK) return cpu_fbufs_end(&s, STATUS_OK);
   pthread_mutex_lock(&rope_lock);
   a.cs = rope_table(&(rope_key_t){*rope, a.Dh, pos_offset, a.T});
   if (a.cs == NULL) {
     pthread_mutex_unlock(&rope_lock);
-    cpu_fbuf_release(&fx);
-    cpu_fbuf_release(&fo);
-    return err_set(STATUS_ENOMEM, "kernel_rope: out of host memory");
+    return cpu_fbufs_end(&s, err_set(STATUS_ENOMEM, "kernel_rope: out of host memory"));
   }
-  a.x = fx.p;
-  a.out = fo.p;
   cpu_for_shares(a.T, a.B * a.H * a.Dh, ELEM_GRAIN, 1, rope_share, &a);
   pthread_mutex_unlock(&rope_lock);
-  cpu_fbuf_release(&fx);
-  cpu_fbuf_commit(&fo, out);
-  return STATUS_OK;
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 /* ---- attention ---- */
@@ -250,34 +241,19 @@ static fsdpc_status_t cpu_attention(fsdpc_tensor_t *out, fsdpc_tensor_t *lse,
   a.ldq = d.H * d.Dh;
   a.ldk = d.Hkv * d.Dh;
   a.scratch = (a.rows * d.T + 15) / 16 * 16; /* each share's scratch starts 64-byte aligned */
-  fbuf_t fq, fk, fv, fo;
-  fbuf_t *bufs[] = {&fq, &fk, &fv, &fo};
-  int got = 0;
   float *s = attn_scratch(nt * a.scratch);
-  fsdpc_status_t st =
-      s ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention: out of host memory");
-  if (st == STATUS_OK) st = cpu_fbuf_in(&fq, q);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fk, k);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fv, v);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fo, out, false);
-  if (st != STATUS_OK) {
-    for (int i = 0; i < got; i++) cpu_fbuf_release(bufs[i]);
-    if (s) attn_scratch_free(s, nt * a.scratch);
-    return st;
-  }
-  a.q = fq.p;
-  a.k = fk.p;
-  a.v = fv.p;
-  a.out = fo.p;
+  if (s == NULL) return err_set(STATUS_ENOMEM, "kernel_attention: out of host memory");
+  fbufs_t f = {0};
+  a.q = cpu_fbufs_in(&f, q);
+  a.k = cpu_fbufs_in(&f, k);
+  a.v = cpu_fbufs_in(&f, v);
+  a.out = cpu_fbufs_out(&f, out, false);
   a.lse = lse->data;
   a.s = s;
-  cpu_for_shares(d.B * d.H, d.T * d.T * d.Dh, GEMM_GRAIN, 1, attn_forward_share, &a);
+  if (f.st == STATUS_OK)
+    cpu_for_shares(d.B * d.H, d.T * d.T * d.Dh, GEMM_GRAIN, 1, attn_forward_share, &a);
   attn_scratch_free(s, nt * a.scratch);
-  cpu_fbuf_release(&fq);
-  cpu_fbuf_release(&fk);
-  cpu_fbuf_release(&fv);
-  cpu_fbuf_commit(&fo, out);
-  return STATUS_OK;
+  return cpu_fbufs_end(&f, STATUS_OK);
 }
 
 /* Backward of the (batch, key-value head) pairs [i0, i1): each owns its rows of dk and dv,
@@ -324,39 +300,26 @@ static fsdpc_status_t cpu_attention_backward(fsdpc_tensor_t *dq, fsdpc_tensor_t 
   a.ldq = d.H * d.Dh;
   a.ldk = d.Hkv * d.Dh;
   a.scratch = 2 * ((a.rows * d.T + 15) / 16 * 16); /* P and dP, each 64-byte aligned */
-  fbuf_t b_[8];
-  const fsdpc_tensor_t *ins[] = {dout, q, k, v, out};
-  fsdpc_tensor_t *outs[] = {dq, dk, dv};
-  int got = 0;
   float *p = attn_scratch(nt * a.scratch);
-  fsdpc_status_t st =
-      p ? STATUS_OK : err_set(STATUS_ENOMEM, "kernel_attention_backward: out of host memory");
-  for (int i = 0; i < 5 && st == STATUS_OK; i++)
-    if ((st = cpu_fbuf_in(&b_[got], ins[i])) == STATUS_OK) got++;
-  for (int i = 0; i < 3 && st == STATUS_OK; i++)
-    if ((st = cpu_fbuf_out(&b_[got], outs[i], false)) == STATUS_OK) got++;
-  if (st != STATUS_OK) {
-    for (int i = 0; i < got; i++) cpu_fbuf_release(&b_[i]);
-    if (p) attn_scratch_free(p, nt * a.scratch);
-    return st;
-  }
-  a.dout = b_[0].p;
-  a.q = b_[1].p;
-  a.k = b_[2].p;
-  a.v = b_[3].p;
-  a.o = b_[4].p;
-  a.dq = b_[5].p;
-  a.dk = b_[6].p;
-  a.dv = b_[7].p;
+  if (p == NULL) return err_set(STATUS_ENOMEM, "kernel_attention_backward: out of host memory");
+  fbufs_t f = {0};
+  a.dout = cpu_fbufs_in(&f, dout);
+  a.q = cpu_fbufs_in(&f, q);
+  a.k = cpu_fbufs_in(&f, k);
+  a.v = cpu_fbufs_in(&f, v);
+  a.o = cpu_fbufs_in(&f, out);
+  a.dq = cpu_fbufs_out(&f, dq, false);
+  a.dk = cpu_fbufs_out(&f, dk, false);
+  a.dv = cpu_fbufs_out(&f, dv, false);
   a.lse_in = lse->data;
   a.s = p;
-  memset(a.dk, 0, sizeof(float) * (size_t)b_[6].n); /* accumulated over heads and blocks */
-  memset(a.dv, 0, sizeof(float) * (size_t)b_[7].n);
-  cpu_for_shares(d.B * d.Hkv, d.rep * d.T * d.T * d.Dh, GEMM_GRAIN, 1, attn_backward_share, &a);
+  if (f.st == STATUS_OK) {
+    memset(a.dk, 0, sizeof(float) * (size_t)tensor_numel(dk)); /* summed over heads, blocks */
+    memset(a.dv, 0, sizeof(float) * (size_t)tensor_numel(dv));
+    cpu_for_shares(d.B * d.Hkv, d.rep * d.T * d.T * d.Dh, GEMM_GRAIN, 1, attn_backward_share, &a);
+  }
   attn_scratch_free(p, nt * a.scratch);
-  for (int i = 0; i < 5; i++) cpu_fbuf_release(&b_[i]);
-  for (int i = 0; i < 3; i++) cpu_fbuf_commit(&b_[5 + i], outs[i]);
-  return STATUS_OK;
+  return cpu_fbufs_end(&f, STATUS_OK);
 }
 
 void cpu_attention_kernels(kernel_ops_t *ops) {

@@ -168,21 +168,16 @@ static fsdpc_status_t cpu_bias_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *x,
 
 static fsdpc_status_t cpu_bias_backward(fsdpc_tensor_t *db, const fsdpc_tensor_t *dy) {
   int64_t D = last_dim(dy), rows = tensor_numel(dy) / D;
-  fbuf_t fdb, fdy;
-  FSDPC_TRY(cpu_fbuf_out(&fdb, db, true));
-  fsdpc_status_t st = cpu_fbuf_in(&fdy, dy);
-  if (st != STATUS_OK) {
-    cpu_fbuf_release(&fdb);
-    return st;
-  }
+  fbufs_t s = {0};
+  float *fdb = cpu_fbufs_out(&s, db, true);
+  const float *fdy = cpu_fbufs_in(&s, dy);
+  if (s.st != STATUS_OK) return cpu_fbufs_end(&s, STATUS_OK);
   for (int64_t j = 0; j < D; j++) { /* rows in order, as the CUDA twin */
     float acc = 0;
-    for (int64_t r = 0; r < rows; r++) acc += fdy.p[r * D + j];
-    fdb.p[j] += acc;
+    for (int64_t r = 0; r < rows; r++) acc += fdy[r * D + j];
+    fdb[j] += acc;
   }
-  cpu_fbuf_commit(&fdb, db);
-  cpu_fbuf_release(&fdy);
-  return STATUS_OK;
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 WIDE static void add_share(const void *ctx, int t, int64_t i0, int64_t i1) {

@@ -41,28 +41,17 @@ static void rmsnorm_share(const void *ctx, int t, int64_t i0, int64_t i1) {
 static fsdpc_status_t cpu_rmsnorm(fsdpc_tensor_t *out, fsdpc_tensor_t *rstd,
                                   const fsdpc_tensor_t *x, const fsdpc_tensor_t *w, float eps) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
-  fbuf_t fx, fw, fo;
-  FSDPC_TRY(cpu_fbuf_in(&fx, x));
-  fsdpc_status_t st = cpu_fbuf_in(&fw, w);
-  if (st == STATUS_OK) st = cpu_fbuf_out(&fo, out, false);
-  if (st != STATUS_OK) {
-    cpu_fbuf_release(&fx);
-    cpu_fbuf_release(&fw);
-    return st;
-  }
+  fbufs_t s = {0};
   norm_args_t a = {.rows = rows,
                    .D = D,
                    .dt = x->dtype,
                    .eps = eps,
-                   .x = fx.p,
-                   .w = fw.p,
-                   .out = fo.p,
+                   .x = cpu_fbufs_in(&s, x),
+                   .w = cpu_fbufs_in(&s, w),
+                   .out = cpu_fbufs_out(&s, out, false),
                    .rstd = rstd->data};
-  cpu_for_shares(rows, D, ELEM_GRAIN, 1, rmsnorm_share, &a);
-  cpu_fbuf_commit(&fo, out);
-  cpu_fbuf_release(&fx);
-  cpu_fbuf_release(&fw);
-  return STATUS_OK;
+  if (s.st == STATUS_OK) cpu_for_shares(rows, D, ELEM_GRAIN, 1, rmsnorm_share, &a);
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 /* Rows [i0, i1) of dx. */
@@ -99,34 +88,18 @@ static fsdpc_status_t cpu_rmsnorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *d
                                            const fsdpc_tensor_t *dy, const fsdpc_tensor_t *x,
                                            const fsdpc_tensor_t *w, const fsdpc_tensor_t *rstd) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / (D ? D : 1);
-  fbuf_t fdx, fdw, fdy, fx, fw;
-  fbuf_t *bufs[] = {&fdx, &fdw, &fdy, &fx, &fw};
-  int got = 0;
-  fsdpc_status_t st = cpu_fbuf_out(&fdx, dx, false);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fdw, dw, true);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fdy, dy);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fx, x);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fw, w);
-  if (st != STATUS_OK) {
-    for (int i = 0; i < got; i++) cpu_fbuf_release(bufs[i]);
-    return st;
+  fbufs_t s = {0};
+  norm_args_t a = {.rows = rows, .D = D, .rstd_in = rstd->data};
+  a.dx = cpu_fbufs_out(&s, dx, false);
+  a.dw = cpu_fbufs_out(&s, dw, true);
+  a.dy = cpu_fbufs_in(&s, dy);
+  a.x = cpu_fbufs_in(&s, x);
+  a.w = cpu_fbufs_in(&s, w);
+  if (s.st == STATUS_OK) {
+    cpu_for_shares(rows, D, ELEM_GRAIN, 1, rmsnorm_dx_share, &a);
+    cpu_for_shares(D, rows, ELEM_GRAIN, 16, rmsnorm_dw_share, &a);
   }
-  norm_args_t a = {.rows = rows,
-                   .D = D,
-                   .x = fx.p,
-                   .w = fw.p,
-                   .dy = fdy.p,
-                   .rstd_in = rstd->data,
-                   .dx = fdx.p,
-                   .dw = fdw.p};
-  cpu_for_shares(rows, D, ELEM_GRAIN, 1, rmsnorm_dx_share, &a);
-  cpu_for_shares(D, rows, ELEM_GRAIN, 16, rmsnorm_dw_share, &a);
-  cpu_fbuf_commit(&fdx, dx);
-  cpu_fbuf_commit(&fdw, dw);
-  cpu_fbuf_release(&fdy);
-  cpu_fbuf_release(&fx);
-  cpu_fbuf_release(&fw);
-  return STATUS_OK;
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 /* ---- LayerNorm ---- */
@@ -135,33 +108,22 @@ static fsdpc_status_t cpu_layernorm(fsdpc_tensor_t *out, fsdpc_tensor_t *mean, f
                                     const fsdpc_tensor_t *x, const fsdpc_tensor_t *w,
                                     const fsdpc_tensor_t *b, float eps) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
-  fbuf_t fx, fw, fb = {0}, fo;
-  fbuf_t *bufs[] = {&fx, &fw, &fb, &fo};
-  int got = 0;
-  fsdpc_status_t st = cpu_fbuf_in(&fx, x);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fw, w);
-  if (st == STATUS_OK && ++got && b != NULL) st = cpu_fbuf_in(&fb, b);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fo, out, false);
-  if (st != STATUS_OK) {
-    for (int i = 0; i < got; i++) cpu_fbuf_release(bufs[i]);
-    return st;
-  }
+  fbufs_t s = {0};
+  const float *fx = cpu_fbufs_in(&s, x), *fw = cpu_fbufs_in(&s, w), *fb = cpu_fbufs_in(&s, b);
+  float *fo = cpu_fbufs_out(&s, out, false);
+  if (s.st != STATUS_OK) return cpu_fbufs_end(&s, STATUS_OK);
   float *mu = mean->data, *r = rstd->data;
   for (int64_t i = 0; i < rows; i++) {
-    const float *xi = fx.p + i * D;
+    const float *xi = fx + i * D;
     double s = 0, ss = 0;
     for (int64_t j = 0; j < D; j++) s += xi[j];
     mu[i] = (float)(s / (double)D);
     for (int64_t j = 0; j < D; j++) ss += (double)(xi[j] - mu[i]) * (xi[j] - mu[i]);
     r[i] = 1.0f / sqrtf((float)(ss / (double)D) + eps);
     for (int64_t j = 0; j < D; j++)
-      fo.p[i * D + j] = (xi[j] - mu[i]) * r[i] * fw.p[j] + (b ? fb.p[j] : 0.0f);
+      fo[i * D + j] = (xi[j] - mu[i]) * r[i] * fw[j] + (fb ? fb[j] : 0.0f);
   }
-  cpu_fbuf_commit(&fo, out);
-  cpu_fbuf_release(&fx);
-  cpu_fbuf_release(&fw);
-  cpu_fbuf_release(&fb);
-  return STATUS_OK;
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 static fsdpc_status_t cpu_layernorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
@@ -170,51 +132,37 @@ static fsdpc_status_t cpu_layernorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t 
                                              const fsdpc_tensor_t *mean,
                                              const fsdpc_tensor_t *rstd) {
   int64_t D = last_dim(x), rows = tensor_numel(x) / D;
-  fbuf_t fdx, fdw, fdb = {0}, fdy, fx, fw;
-  fbuf_t *bufs[] = {&fdx, &fdw, &fdb, &fdy, &fx, &fw};
-  int got = 0;
-  fsdpc_status_t st = cpu_fbuf_out(&fdx, dx, false);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_out(&fdw, dw, true);
-  if (st == STATUS_OK && ++got && db != NULL) st = cpu_fbuf_out(&fdb, db, true);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fdy, dy);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fx, x);
-  if (st == STATUS_OK && ++got) st = cpu_fbuf_in(&fw, w);
-  if (st != STATUS_OK) {
-    for (int i = 0; i < got; i++) cpu_fbuf_release(bufs[i]);
-    return st;
-  }
+  fbufs_t s = {0};
+  float *fdx = cpu_fbufs_out(&s, dx, false), *fdw = cpu_fbufs_out(&s, dw, true),
+        *fdb = cpu_fbufs_out(&s, db, true);
+  const float *fdy = cpu_fbufs_in(&s, dy), *fx = cpu_fbufs_in(&s, x), *fw = cpu_fbufs_in(&s, w);
+  if (s.st != STATUS_OK) return cpu_fbufs_end(&s, STATUS_OK);
   const float *mu = mean->data, *r = rstd->data;
   for (int64_t i = 0; i < rows; i++) {
-    const float *xi = fx.p + i * D, *dyi = fdy.p + i * D;
+    const float *xi = fx + i * D, *dyi = fdy + i * D;
     double a = 0, c = 0; /* sums of g and of g * xhat, g = dy * w */
     for (int64_t j = 0; j < D; j++) {
-      float g = dyi[j] * fw.p[j], xh = (xi[j] - mu[i]) * r[i];
+      float g = dyi[j] * fw[j], xh = (xi[j] - mu[i]) * r[i];
       a += g;
       c += (double)g * xh;
     }
     float ma = (float)(a / (double)D), mc = (float)(c / (double)D);
     for (int64_t j = 0; j < D; j++) {
-      float g = dyi[j] * fw.p[j], xh = (xi[j] - mu[i]) * r[i];
-      fdx.p[i * D + j] = r[i] * (g - ma - xh * mc);
+      float g = dyi[j] * fw[j], xh = (xi[j] - mu[i]) * r[i];
+      fdx[i * D + j] = r[i] * (g - ma - xh * mc);
     }
   }
   for (int64_t j = 0; j < D; j++) { /* rows in order, as the CUDA twin */
     float sw = 0, sb = 0;
     for (int64_t i = 0; i < rows; i++) {
-      float g = fdy.p[i * D + j];
-      sw += g * ((fx.p[i * D + j] - mu[i]) * r[i]);
+      float g = fdy[i * D + j];
+      sw += g * ((fx[i * D + j] - mu[i]) * r[i]);
       sb += g;
     }
-    fdw.p[j] += sw;
-    if (db != NULL) fdb.p[j] += sb;
+    fdw[j] += sw;
+    if (fdb != NULL) fdb[j] += sb;
   }
-  cpu_fbuf_commit(&fdx, dx);
-  cpu_fbuf_commit(&fdw, dw);
-  if (db != NULL) cpu_fbuf_commit(&fdb, db);
-  cpu_fbuf_release(&fdy);
-  cpu_fbuf_release(&fx);
-  cpu_fbuf_release(&fw);
-  return STATUS_OK;
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 /* ---- cross-entropy ---- */
@@ -263,12 +211,11 @@ static fsdpc_status_t cpu_cross_entropy(fsdpc_tensor_t *losses, const fsdpc_tens
                                         const fsdpc_tensor_t *targets) {
   int64_t V = last_dim(logits);
   FSDPC_TRY(ce_targets(targets, V));
-  fbuf_t fl;
-  FSDPC_TRY(cpu_fbuf_in(&fl, logits));
-  ce_args_t a = {.V = V, .targets = targets, .logits = fl.p, .out = losses->data};
-  cpu_for_shares(tensor_numel(targets), V, ELEM_GRAIN, 1, ce_share, &a);
-  cpu_fbuf_release(&fl);
-  return STATUS_OK;
+  fbufs_t s = {0};
+  ce_args_t a = {
+      .V = V, .targets = targets, .logits = cpu_fbufs_in(&s, logits), .out = losses->data};
+  if (s.st == STATUS_OK) cpu_for_shares(tensor_numel(targets), V, ELEM_GRAIN, 1, ce_share, &a);
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 static void ce_backward_share(const void *ctx, int t, int64_t r0, int64_t r1) {
@@ -300,18 +247,13 @@ static fsdpc_status_t cpu_cross_entropy_backward(fsdpc_tensor_t *dlogits,
   FSDPC_TRY(ce_targets(targets, V));
   if (count != NULL) /* the mean's gradient: dloss / count, rounded once */
     scale = (float)((double)*(const float *)dloss->data / (double)*(const int64_t *)count->data);
-  fbuf_t fl, fd;
-  FSDPC_TRY(cpu_fbuf_in(&fl, logits));
-  fsdpc_status_t st = cpu_fbuf_out(&fd, dlogits, false);
-  if (st != STATUS_OK) {
-    cpu_fbuf_release(&fl);
-    return st;
-  }
-  ce_args_t a = {.V = V, .scale = scale, .targets = targets, .logits = fl.p, .out = fd.p};
-  cpu_for_shares(tensor_numel(targets), V, ELEM_GRAIN, 1, ce_backward_share, &a);
-  cpu_fbuf_commit(&fd, dlogits);
-  cpu_fbuf_release(&fl);
-  return STATUS_OK;
+  fbufs_t s = {0};
+  ce_args_t a = {.V = V, .scale = scale, .targets = targets};
+  a.logits = cpu_fbufs_in(&s, logits);
+  a.out = cpu_fbufs_out(&s, dlogits, false);
+  if (s.st == STATUS_OK)
+    cpu_for_shares(tensor_numel(targets), V, ELEM_GRAIN, 1, ce_backward_share, &a);
+  return cpu_fbufs_end(&s, STATUS_OK);
 }
 
 static fsdpc_status_t cpu_masked_mean(fsdpc_tensor_t *mean, fsdpc_tensor_t *count,
