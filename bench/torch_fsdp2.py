@@ -6,9 +6,10 @@ fsdp-train.
                  [--steps 30] [--warmup 5] [--param-dtype bf16] [--reduce-dtype f32]
                  [--lr 3e-4] [--device cuda|cpu] [--no-fsdp] [--compile] [--offload]
 
-The model is the Llama of a Hugging Face config (RMSNorm, rotary embedding with rotate_half,
-grouped-query attention through torch's scaled_dot_product_attention with is_causal, SwiGLU,
-untied or tied head), as PyTorch users write it. It is trained the way TorchTitan does:
+The model is the Llama of a Hugging Face config (tests/reference/torch_models.py: RMSNorm,
+rotary embedding with rotate_half, grouped-query attention through torch's
+scaled_dot_product_attention with is_causal, SwiGLU, untied or tied head), as PyTorch users
+write it. It is trained the way TorchTitan does:
 with --compile each decoder layer goes through torch.compile first (torch >= 2.0; the
 warmup steps then include the compilation), then fully_shard on every decoder layer, then on
 the root, with
@@ -32,7 +33,6 @@ script where no GPU is).
 import argparse
 import contextlib
 import json
-import math
 import os
 import socket
 import statistics
@@ -43,108 +43,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "reference"))
+from torch_models import CausalLM  # noqa: E402
+
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-
-
-def attention(q, k, v):
-    """Causal attention of q [B, H, T, D] over k, v [B, Hkv, T, D]."""
-    sdpa = getattr(F, "scaled_dot_product_attention", None)
-    if sdpa is not None and q.shape[1] == k.shape[1]:
-        return sdpa(q, k, v, is_causal=True)
-    if sdpa is not None:
-        try:
-            return sdpa(q, k, v, is_causal=True, enable_gqa=True)
-        except TypeError:  # torch < 2.5
-            pass
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    if sdpa is not None:
-        return sdpa(q, k, v, is_causal=True)
-    T = q.shape[2]
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = s + torch.full((T, T), float("-inf"), device=q.device).triu(1)
-    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
-
-
-class Attention(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        d = c["hidden_size"]
-        self.h, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
-        self.hd = d // self.h
-        self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
-        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.h * self.hd, d, bias=False)
-
-    def forward(self, x, cos, sin):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        o = attention(q, k, v).transpose(1, 2).reshape(B, T, self.h * self.hd)
-        return self.o_proj(o)
-
-
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        d, f = c["hidden_size"], c["intermediate_size"]
-        self.input_layernorm = RMSNorm(d, c["rms_norm_eps"])
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(d, c["rms_norm_eps"])
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-
-    def forward(self, x, cos, sin):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        y = self.post_attention_layernorm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
-
-
-class Llama(nn.Module):
-    def __init__(self, c, seq):
-        super().__init__()
-        d, hd = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
-        self.embed_tokens = nn.Embedding(c["vocab_size"], d)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c["num_hidden_layers"]))
-        self.norm = RMSNorm(d, c["rms_norm_eps"])
-        self.lm_head = nn.Linear(d, c["vocab_size"], bias=False)
-        if c.get("tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
-        theta = c.get("rope_theta", 10000.0)
-        inv = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-        ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
-        ang = torch.cat([ang, ang], dim=-1)
-        self.register_buffer("cos", ang.cos().float(), persistent=False)
-        self.register_buffer("sin", ang.sin().float(), persistent=False)
-
-    def forward(self, ids):
-        h = self.embed_tokens(ids)
-        for layer in self.layers:
-            h = layer(h, self.cos, self.sin)
-        return self.lm_head(self.norm(h))
 
 
 def free_port():
@@ -200,15 +103,15 @@ def main():
     torch.manual_seed(0)
     if hasattr(torch, "set_default_device"):  # torch >= 2.0: built where it trains
         with dev:
-            model = Llama(cfg, a.seq)
+            model = CausalLM(cfg, a.seq, sdpa=True)
     else:
-        model = Llama(cfg, a.seq).to(dev)
+        model = CausalLM(cfg, a.seq, sdpa=True).to(dev)
     for n, p in model.named_parameters():
         if "norm" not in n:
             nn.init.normal_(p, std=0.02)
     if a.compile:  # each block compiled alone, then wrapped: TorchTitan's order
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = torch.compile(layer)
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer)
     if not a.no_fsdp:
         fully_shard = None
         for where in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
@@ -225,7 +128,7 @@ def main():
                                                 reduce_dtype=DTYPES[a.reduce_dtype])}
         if a.offload:
             kw["offload_policy"] = m.CPUOffloadPolicy()
-        for layer in model.layers:
+        for layer in model.model.layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
     decay = [p for n, p in model.named_parameters() if "norm" not in n]

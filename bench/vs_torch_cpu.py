@@ -7,7 +7,7 @@
 For each model (configs/llama-tiny.json and llama-small.json at 8 x 64, llama-100m.json at
 2 x 64) it runs bench-train-tiny and an equivalent torch loop in turns (fsdpc, torch, fsdpc,
 ...), ROUNDS times each, and prints the median steady-state tokens/s of both and their ratio.
-The torch model is the plain-PyTorch Llama of tests/reference/make_goldens.py (the model the
+The torch model is the plain-PyTorch Llama of tests/reference/torch_models.py (the model the
 goldens come from), trained as bench-train-tiny trains: fp32, AdamW (betas 0.9/0.95,
 weight decay 0.1, none on norms), gradient clipping at 1.0, warmup + cosine schedule. The
 first step of each run is not counted. With --threads N (> 1) both sides run N threads
@@ -22,7 +22,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODELS = {"tiny": ("llama-tiny.json", 8, 64), "small": ("llama-small.json", 8, 64),
@@ -55,7 +54,7 @@ sys.path.insert(0, sys.argv[1])
 import torch
 import torch.nn.functional as F
 torch.set_num_threads(int(sys.argv[8]))
-from make_goldens import CausalLM
+from torch_models import CausalLM
 cfg = json.load(open(sys.argv[2]))
 cfg.setdefault("tie_word_embeddings", False)
 batch, seq, steps, every = (int(a) for a in sys.argv[3:7])

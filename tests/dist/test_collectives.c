@@ -51,6 +51,22 @@ static int mismatches(dtype_t dt, const void *got, const double *want, size_t n,
   return bad;
 }
 
+/* What a reduction by op of value(q, i) over the W ranks q gives, in closed form. */
+static double reduced(int op, int W, double (*value)(int q, size_t i), size_t i) {
+  double acc = op == REDUCE_MAX ? -1e30 : 0;
+  for (int q = 0; q < W; q++) acc = op == REDUCE_MAX ? fmax(acc, value(q, i)) : acc + value(q, i);
+  return op == REDUCE_AVG ? acc / W : acc;
+}
+
+/* Exact, but for an average's rounding in dt. */
+static double reduce_tol(int op, dtype_t dt) {
+  return op != REDUCE_AVG ? 0 : dt == DTYPE_F32 ? 1e-6 : 1e-2;
+}
+
+/* Rank q's element j of what the reductions reduce: small integers, exact in every dtype. */
+static double scatter_value(int q, size_t j) { return (double)((q + j) % 5 + (j % 3)); }
+static double reduce_value(int q, size_t i) { return (double)((q * 3 + i) % 11) - 4; }
+
 START_TEST(all_gather_every_dtype_and_count) {
   pg_t *pg = new_world_group();
   int W = pg_size(pg), r = pg_rank(pg), bad = 0;
@@ -91,19 +107,10 @@ START_TEST(reduce_scatter_sum_avg_max) {
         size_t n = counts[ci];
         void *send = buf_new(dt, n * W), *recv = buf_new(dt, n);
         double *want = calloc(n + 1, sizeof(double));
-        for (size_t j = 0; j < n * W; j++) set(dt, send, j, (double)((r + j) % 5 + (j % 3)));
-        for (size_t i = 0; i < n; i++) {
-          size_t j = r * n + i;
-          double acc = op == REDUCE_MAX ? -1e30 : 0;
-          for (int q = 0; q < W; q++) {
-            double v = (double)((q + j) % 5 + (j % 3));
-            acc = op == REDUCE_MAX ? fmax(acc, v) : acc + v;
-          }
-          want[i] = op == REDUCE_AVG ? acc / W : acc;
-        }
+        for (size_t j = 0; j < n * W; j++) set(dt, send, j, scatter_value(r, j));
+        for (size_t i = 0; i < n; i++) want[i] = reduced(op, W, scatter_value, r * n + i);
         if (pg_reduce_scatter(pg, send, recv, n, dt, (reduce_op_t)op, NULL) != STATUS_OK) bad++;
-        double tol = op != REDUCE_AVG ? 0 : dt == DTYPE_F32 ? 1e-6 : 1e-2;
-        bad += mismatches(dt, recv, want, n, tol);
+        bad += mismatches(dt, recv, want, n, reduce_tol(op, dt));
         free(send);
         free(recv);
         free(want);
@@ -125,19 +132,11 @@ START_TEST(all_reduce_sum_avg_max_in_and_out_of_place) {
           size_t n = counts[ci];
           void *send = buf_new(dt, n), *recv = buf_new(dt, n);
           double *want = calloc(n + 1, sizeof(double));
-          for (size_t i = 0; i < n; i++) set(dt, send, i, (double)((r * 3 + i) % 11) - 4);
-          for (size_t i = 0; i < n; i++) {
-            double acc = op == REDUCE_MAX ? -1e30 : 0;
-            for (int q = 0; q < W; q++) {
-              double v = (double)((q * 3 + i) % 11) - 4;
-              acc = op == REDUCE_MAX ? fmax(acc, v) : acc + v;
-            }
-            want[i] = op == REDUCE_AVG ? acc / W : acc;
-          }
+          for (size_t i = 0; i < n; i++) set(dt, send, i, reduce_value(r, i));
+          for (size_t i = 0; i < n; i++) want[i] = reduced(op, W, reduce_value, i);
           void *dst = inplace ? send : recv;
           if (pg_all_reduce(pg, send, dst, n, dt, (reduce_op_t)op, NULL) != STATUS_OK) bad++;
-          double tol = op != REDUCE_AVG ? 0 : dt == DTYPE_F32 ? 1e-6 : 1e-2;
-          bad += mismatches(dt, dst, want, n, tol);
+          bad += mismatches(dt, dst, want, n, reduce_tol(op, dt));
           free(send);
           free(recv);
           free(want);

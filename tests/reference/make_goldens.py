@@ -2,9 +2,9 @@
 """Golden values for the C Llama, computed by an independent plain-PyTorch Llama.
 
 Builds the model of docs/design.md, "The reference model and training math" (Hugging Face
-LlamaForCausalLM math and names) in plain torch, writes random initial weights to a
-safetensors file and loads them back, then runs on the project's corpus with the project's
-data order:
+LlamaForCausalLM math and names) in plain torch (torch_models.py), writes random initial
+weights to a safetensors file and loads them back, then runs on the project's corpus with the
+project's data order:
   - one forward and backward on step 0's batch: logits, loss, every parameter's gradient;
   - STEPS AdamW steps (parameter groups, gradient clipping, warmup + cosine schedule):
     the per-step losses.
@@ -34,8 +34,9 @@ import struct
 import sys
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+
+from torch_models import CausalLM, inv_freqs, rope_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(HERE, "..", "..", "data", "corpus.txt")
@@ -89,143 +90,6 @@ def load_safetensors(path):
         b, end = e["data_offsets"]
         out[name] = torch.frombuffer(bytearray(data[b:end]), dtype=torch.float32).reshape(e["shape"])
     return out
-
-
-# ---------------------------------------------------------------- the model
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        var = xf.pow(2).mean(-1, keepdim=True)
-        return self.weight * (xf * torch.rsqrt(var + self.eps)).to(x.dtype)
-
-
-def rope_params(c):
-    """The rotary embedding's parameters from either config form: transformers 4 (rope_theta at
-    the top level, rope_scaling for scaled types) or transformers 5 (rope_parameters)."""
-    p = dict(c.get("rope_scaling") or {})
-    p.update(c.get("rope_parameters") or {})
-    p.setdefault("rope_theta", c.get("rope_theta", 10000.0))
-    p.setdefault("rope_type", p.get("type", "default"))
-    return p
-
-
-def inv_freqs(p, head_dim):
-    """Hugging Face's rope types: default, linear and llama3 (in float64)."""
-    i = torch.arange(0, head_dim, 2, dtype=torch.float64)
-    inv_freq = p["rope_theta"] ** (-i / head_dim)
-    kind = p["rope_type"]
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / p["factor"]
-    assert kind == "llama3", kind
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old = p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old / high) & (wavelen <= old / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(seq, head_dim, params):
-    inv_freq = inv_freqs(params, head_dim)
-    ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos().float(), ang.sin().float()
-
-
-def rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.h, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
-        self.hd = c["hidden_size"] // self.h
-        self.rope = rope_params(c)
-        d = c["hidden_size"]
-        self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
-        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.h * self.hd, d, bias=False)
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        cos, sin = rope_tables(T, self.hd, self.rope)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        rep = self.h // self.kv
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        s = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
-        mask = torch.full((T, T), float("-inf")).triu(1)
-        p = torch.softmax((s + mask).float(), dim=-1).to(q.dtype)
-        o = (p @ v).transpose(1, 2).reshape(B, T, self.h * self.hd)
-        return self.o_proj(o)
-
-
-class MLP(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        d, f = c["hidden_size"], c["intermediate_size"]
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.mlp = MLP(c)
-
-    def forward(self, x):
-        h = x + self.self_attn(self.input_layernorm(x))
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Body(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(Block(c) for _ in range(c["num_hidden_layers"]))
-        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-
-    def forward(self, ids):
-        h = self.embed_tokens(ids)
-        for layer in self.layers:
-            h = layer(h)
-        return self.norm(h)
-
-
-class CausalLM(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.model = Body(c)
-        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
-        if c["tie_word_embeddings"]:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, ids):
-        return self.lm_head(self.model(ids))
 
 
 # ---------------------------------------------------------------- data and schedule

@@ -1,0 +1,180 @@
+"""Plain-PyTorch models with Hugging Face's math and parameter names, independent of this
+project's code: the references its goldens come from (make_goldens.py) and the models its
+benchmarks train beside it (bench/vs_torch_cpu.py, bench/torch_fsdp2.py).
+
+  CausalLM(config, seq=None, sdpa=False)   LlamaForCausalLM of a config.json's dict
+
+With sdpa=False attention is computed as written (scores, causal mask, softmax in f32), the
+form the goldens use; with sdpa=True through torch's scaled_dot_product_attention, as a
+PyTorch user trains. The rotary tables cover `seq` positions (default the config's
+max_position_embeddings) and are computed for more when a batch is longer.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        var = xf.pow(2).mean(-1, keepdim=True)
+        return self.weight * (xf * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+
+def rope_params(c):
+    """The rotary embedding's parameters from either config form: transformers 4 (rope_theta at
+    the top level, rope_scaling for scaled types) or transformers 5 (rope_parameters)."""
+    p = dict(c.get("rope_scaling") or {})
+    p.update(c.get("rope_parameters") or {})
+    p.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    p.setdefault("rope_type", p.get("type", "default"))
+    return p
+
+
+def inv_freqs(p, head_dim):
+    """Hugging Face's rope types: default, linear and llama3 (in float64)."""
+    i = torch.arange(0, head_dim, 2, dtype=torch.float64)
+    inv_freq = p["rope_theta"] ** (-i / head_dim)
+    kind = p["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / p["factor"]
+    assert kind == "llama3", kind
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(seq, head_dim, params):
+    """cos and sin [seq, head_dim] in f32, computed in float64 (position by position, so the
+    first T rows do not depend on seq)."""
+    inv_freq = inv_freqs(params, head_dim)
+    ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def exact_attention(q, k, v):
+    """Causal attention of q [B, H, T, D] over k, v [B, Hkv, T, D], as written."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    T = q.shape[2]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    mask = torch.full((T, T), float("-inf"), device=q.device).triu(1)
+    return torch.softmax((s + mask).float(), dim=-1).to(q.dtype) @ v
+
+
+def sdpa_attention(q, k, v):
+    """The same through scaled_dot_product_attention where torch has it (torch >= 2.0)."""
+    sdpa = getattr(F, "scaled_dot_product_attention", None)
+    if sdpa is None:
+        return exact_attention(q, k, v)
+    if q.shape[1] != k.shape[1]:
+        try:
+            return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        except TypeError:  # torch < 2.5
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return sdpa(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, c, sdpa):
+        super().__init__()
+        self.h, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
+        self.hd = c["hidden_size"] // self.h
+        self.attend = sdpa_attention if sdpa else exact_attention
+        d = c["hidden_size"]
+        self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
+        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = self.attend(q, k, v).transpose(1, 2).reshape(B, T, self.h * self.hd)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        d, f = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c, sdpa):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.self_attn = Attention(c, sdpa)
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Body(nn.Module):
+    def __init__(self, c, seq, sdpa):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList(Block(c, sdpa) for _ in range(c["num_hidden_layers"]))
+        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.head_dim = c["hidden_size"] // c["num_attention_heads"]
+        self.rope = rope_params(c)
+        cos, sin = rope_tables(seq, self.head_dim, self.rope)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, ids):
+        T = ids.shape[1]
+        cos, sin = self.cos[:T], self.sin[:T]
+        if T > self.cos.shape[0]:
+            cos, sin = (t.to(ids.device) for t in rope_tables(T, self.head_dim, self.rope))
+        h = self.embed_tokens(ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, c, seq=None, sdpa=False):
+        super().__init__()
+        self.model = Body(c, seq or c.get("max_position_embeddings", 2048), sdpa)
+        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        if c.get("tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
