@@ -1,19 +1,17 @@
 /* The parts of bench-ckpt-load shared by its one-rank and multi-rank runs (see ckpt_load.h). */
-#define _GNU_SOURCE /* sched_getaffinity */
 #include <dirent.h>
 #include <fcntl.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "core/file.h"
 #include "bench/ckpt_load.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/dcp_integrity_impl.h"
 #include "checkpoint/safetensors.h"
+#include "core/file.h"
 #include "fully_shard/fsdp.h"
 
 /* Copies one shard file without its integrity record, streaming one tensor at a time. */
@@ -284,12 +282,10 @@ uint64_t ckb_read_own(const char *dir, char *buf, size_t size, uint64_t *at) {
 
 /* Where this rank's loads hash their blocks, and why. */
 void ckb_print_hashing(void) {
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  world_cpus_t c = world_cpus();
   printf(
       "this rank may use %d of the %ld CPUs, %d rank%s on the node: the loads hash their "
       "blocks %s\n",
-      ncpu, sysconf(_SC_NPROCESSORS_ONLN), world_local_size(), world_local_size() == 1 ? "" : "s",
+      c.mine, c.online, c.local_ranks, c.local_ranks == 1 ? "" : "s",
       dcp_checker_spare_cpu() ? "on a helper thread" : "on the reading thread");
 }

@@ -6,14 +6,10 @@
  * ranks on the node as CPUs) the blocks are hashed at once, on the caller, while they are in its
  * caches: a helper would only take turns with the reading threads and hash from farther away.
  */
-#define _GNU_SOURCE /* sched_getaffinity */
-#include "checkpoint/dcp_integrity_impl.h"
-
 #include <pthread.h>
-#include <sched.h>
 #include <stdlib.h>
-#include <unistd.h>
 
+#include "checkpoint/dcp_integrity_impl.h"
 #include "mesh/world.h"
 
 #define QUEUE 16                         /* pieces pushed and not yet hashed, at most */
@@ -74,12 +70,9 @@ static void *run(void *arg) {
 }
 
 bool dcp_checker_spare_cpu(void) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return false;
-  long mine = CPU_COUNT(&set), online = sysconf(_SC_NPROCESSORS_ONLN);
-  if (mine < online) return mine > 1;
-  return mine > world_local_size();
+  world_cpus_t c = world_cpus();
+  if (c.mine < c.online) return c.mine > 1;
+  return c.mine > c.local_ranks;
 }
 
 fsdpc_status_t dcp_checker_new(dcp_checker_t **out) {

@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* sched_getaffinity */
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
@@ -5,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "core/args_impl.h"
 #include "mesh/nccl_comms_impl.h"
@@ -195,6 +197,19 @@ fsdpc_status_t world_plan_as(int n, int ranks_per_node) {
 
 int world_local_rank(void) { return local_rank < 0 ? 0 : local_rank; }
 int world_local_size(void) { return local_size < 1 ? 1 : local_size; }
+
+world_cpus_t world_cpus(void) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  world_cpus_t c = {.mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1,
+                    .online = sysconf(_SC_NPROCESSORS_ONLN),
+                    .local_ranks = world_local_size()};
+  if (c.mine < 1) c.mine = 1;
+  if (c.online < 0) c.online = 0;
+  long share = c.online / c.local_ranks;
+  c.share = share > 0 && share < c.mine ? (int)share : c.mine;
+  return c;
+}
 
 pg_t *world_pg(void) { return world_group; }
 

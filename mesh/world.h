@@ -58,6 +58,17 @@ bool world_planning(void);
 
 /* The number of ranks on this node (1 before world_init). */
 int world_local_size(void);
+
+/* The CPUs this rank has: those it may run on (its launcher's binding; 1 if unknown), the
+ * node's online CPUs (0 if unknown), the node's ranks, and this rank's share of the node's
+ * CPUs (min(mine, online / ranks), at least 1). Local. */
+typedef struct world_cpus {
+  int mine;
+  long online;
+  int local_ranks;
+  int share;
+} world_cpus_t;
+world_cpus_t world_cpus(void);
 /* A host group of every rank of the world (for agreements, counts and small host values: the
  * checkpoint functions take it), owned by the world: pg_retain it to keep it past
  * world_finalize. NULL before world_init. */

@@ -11,13 +11,11 @@
  * the peak memory of a step and its communication without training; -v adds a table of the
  * fully_shard units. Bad input is reported by every rank, with a non-zero exit.
  */
-#define _GNU_SOURCE /* sched_getaffinity */
 #include "tools/fsdp_train.h"
 
 #include <cJSON.h>
 #include <errno.h>
 #include <math.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -276,10 +274,7 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
 static void offload_threads(run_t *r) {
   const char *env = getenv("OMP_NUM_THREADS");
   if (!r->plan.par.offload || r->dev.type != DEVICE_CUDA || (env != NULL && env[0] != 0)) return;
-  cpu_set_t set; /* the CPUs this rank may use, and its share of the node's */
-  int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-  long share = sysconf(_SC_NPROCESSORS_ONLN) / (world_local_size() > 0 ? world_local_size() : 1);
-  if (share > 0 && share < n) n = (int)share;
+  int n = world_cpus().share;
   if (n > 1 && kernel_set_cpu_threads(n) == STATUS_OK) r->host_threads = n;
   err_clear();
 }

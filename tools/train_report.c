@@ -1,12 +1,9 @@
 /* fsdp-train's report: the header of a run and --dry-run's placements, memory estimate and
  * communication. */
-#define _GNU_SOURCE /* sched_getaffinity */
 #include <math.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "core/kernels.h"
 #include "mesh/world.h"
@@ -48,10 +45,10 @@ static double sharded_param_bytes(const run_t *r) {
 /* Kernel threads beyond the CPUs this rank may use, or the node's ranks' threads beyond its
  * CPUs: idle threads wait by spinning, so each step is then several times slower. */
 static void warn_oversubscribed(void) {
-  int threads = kernel_cpu_threads(), local = world_local_size();
-  cpu_set_t set;
-  int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : threads;
-  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  int threads = kernel_cpu_threads();
+  world_cpus_t c = world_cpus();
+  int mine = c.mine, local = c.local_ranks;
+  long online = c.online;
   if (threads > mine)
     printf(
         "  warning: %d kernel threads (OMP_NUM_THREADS) but rank 0 may run on %d CPU%s "
