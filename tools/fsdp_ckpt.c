@@ -362,17 +362,38 @@ typedef struct reshard_opts {
   int n_embeddings;
 } reshard_opts_t;
 
+/* The world the new plan is for: --world, else the product of the plan's mesh sizes. */
+static fsdpc_status_t reshard_world(const fsdpc_plan_t *p, const reshard_opts_t *o, int *world) {
+  *world = o->world;
+  if (*world > 0) return STATUS_OK;
+  if (p->par.dp_replicate < 0 || p->par.dp_shard < 0 || p->par.tp < 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: mesh: a size of -1 takes the rest of the world; give --world N", o->config);
+  *world = p->par.dp_replicate * p->par.dp_shard * p->par.tp;
+  return STATUS_OK;
+}
+
+/* The new checkpoint's saved_under record (JSON text; NULL when out of memory). */
+static char *reshard_record(const fsdpc_plan_t *p, const reshard_opts_t *o, const char *dir,
+                            int world, const char *config) {
+  cJSON *nu = cJSON_CreateObject();
+  cJSON_AddStringToObject(nu, "plan", o->config);
+  cJSON_AddNumberToObject(nu, "world_size", world);
+  cJSON_AddNumberToObject(nu, "dp_replicate", p->par.dp_replicate);
+  cJSON_AddNumberToObject(nu, "dp_shard", p->par.dp_shard);
+  cJSON_AddNumberToObject(nu, "tp", p->par.tp);
+  cJSON_AddStringToObject(nu, "resharded_from", dir);
+  if (config) cJSON_AddItemToObject(nu, "model", cJSON_Parse(config));
+  char *under = cJSON_PrintUnformatted(nu);
+  cJSON_Delete(nu);
+  return under;
+}
+
 static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_opts_t *o) {
   fsdpc_plan_t p;
+  int world;
   FSDPC_TRY(plan_load(&p, o->config, o->sets, o->n_sets));
-  int world = o->world;
-  if (world <= 0) {
-    if (p.par.dp_replicate < 0 || p.par.dp_shard < 0 || p.par.tp < 0)
-      return err_set(STATUS_EINVAL,
-                     "%s: mesh: a size of -1 takes the rest of the world; give --world N",
-                     o->config);
-    world = p.par.dp_replicate * p.par.dp_shard * p.par.tp;
-  }
+  FSDPC_TRY(reshard_world(&p, o, &world));
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   char state[PATH_LEN + 32], *config = NULL;
   snprintf(state, sizeof state, "%s/train_state.json", dir);
@@ -404,15 +425,7 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
   llama_t *model = NULL;
   if (st == STATUS_OK && llama) st = llama_new(&p.model, &lo, &model);
   kinds_t kinds = {model ? llama_module(model) : NULL, o->embeddings, o->n_embeddings, &p};
-  cJSON *nu = cJSON_CreateObject();
-  cJSON_AddStringToObject(nu, "plan", o->config);
-  cJSON_AddNumberToObject(nu, "world_size", world);
-  cJSON_AddNumberToObject(nu, "dp_replicate", p.par.dp_replicate);
-  cJSON_AddNumberToObject(nu, "dp_shard", p.par.dp_shard);
-  cJSON_AddNumberToObject(nu, "tp", p.par.tp);
-  cJSON_AddStringToObject(nu, "resharded_from", dir);
-  if (config) cJSON_AddItemToObject(nu, "model", cJSON_Parse(config));
-  char *under = cJSON_PrintUnformatted(nu);
+  char *under = reshard_record(&p, o, dir, world, config);
   if (st == STATUS_OK && under == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
   int files = 0;
   if (st == STATUS_OK) say_unchecked_folders(dir);
@@ -423,7 +436,6 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
            dir, world, world == 1 ? "" : "s", p.par.dp_replicate, p.par.dp_shard, p.par.tp, files,
            files == 1 ? "" : "s", out);
   free(under);
-  cJSON_Delete(nu);
   llama_free(model);
   free(config);
   return st;

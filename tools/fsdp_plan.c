@@ -79,6 +79,39 @@ static void keep_last(cJSON *o, const char *path, const char *at) {
   }
 }
 
+/* A YAML document of settings as JSON (one document, a mapping, aliases bounded). */
+static fsdpc_status_t parse_yaml(const char *path, const char *text, cJSON **out) {
+  fsdpc_status_t st = plan_yaml_check_depth(path, text, strlen(text), 64);
+  if (st != STATUS_OK) return st;
+  yaml_parser_t p;
+  yaml_document_t d;
+  yaml_parser_initialize(&p);
+  yaml_parser_set_input_string(&p, (const unsigned char *)text, strlen(text));
+  if (!yaml_parser_load(&p, &d)) {
+    st = err_set(STATUS_EFORMAT, "%s:%zu: not valid YAML: %s", path, p.problem_mark.line + 1,
+                 p.problem ? p.problem : "?");
+  } else {
+    yaml_node_t *root = yaml_document_get_root_node(&d);
+    long budget = YAML_VALUES_MAX;
+    *out = root && root->type == YAML_MAPPING_NODE ? yaml_to_json(&d, root, 0, &budget) : NULL;
+    if (budget < 0)
+      st =
+          err_set(STATUS_EFORMAT, "%s: expands to more than %d values (aliases repeating aliases?)",
+                  path, YAML_VALUES_MAX);
+    else if (*out == NULL)
+      st = err_set(STATUS_EFORMAT, "%s: not a mapping of settings", path);
+    yaml_document_t second;
+    if (st == STATUS_OK && yaml_parser_load(&p, &second)) { /* a second document: refused */
+      if (yaml_document_get_root_node(&second) != NULL)
+        st = err_set(STATUS_EFORMAT, "%s: holds more than one YAML document", path);
+      yaml_document_delete(&second);
+    }
+    yaml_document_delete(&d);
+  }
+  yaml_parser_delete(&p);
+  return st;
+}
+
 static fsdpc_status_t read_config(const char *path, cJSON **out) {
   *out = NULL;
   FILE *f;
@@ -104,33 +137,8 @@ static fsdpc_status_t read_config(const char *path, cJSON **out) {
                    end ? (long)(end - text) : 0L, first ? " (more after the object)" : "");
       cJSON_Delete(first);
     }
-  } else if ((st = plan_yaml_check_depth(path, text, strlen(text), 64)) == STATUS_OK) {
-    yaml_parser_t p;
-    yaml_document_t d;
-    yaml_parser_initialize(&p);
-    yaml_parser_set_input_string(&p, (const unsigned char *)text, strlen(text));
-    if (!yaml_parser_load(&p, &d)) {
-      st = err_set(STATUS_EFORMAT, "%s:%zu: not valid YAML: %s", path, p.problem_mark.line + 1,
-                   p.problem ? p.problem : "?");
-    } else {
-      yaml_node_t *root = yaml_document_get_root_node(&d);
-      long budget = YAML_VALUES_MAX;
-      *out = root && root->type == YAML_MAPPING_NODE ? yaml_to_json(&d, root, 0, &budget) : NULL;
-      if (budget < 0)
-        st = err_set(STATUS_EFORMAT,
-                     "%s: expands to more than %d values (aliases repeating aliases?)", path,
-                     YAML_VALUES_MAX);
-      else if (*out == NULL)
-        st = err_set(STATUS_EFORMAT, "%s: not a mapping of settings", path);
-      yaml_document_t second;
-      if (st == STATUS_OK && yaml_parser_load(&p, &second)) { /* a second document: refused */
-        if (yaml_document_get_root_node(&second) != NULL)
-          st = err_set(STATUS_EFORMAT, "%s: holds more than one YAML document", path);
-        yaml_document_delete(&second);
-      }
-      yaml_document_delete(&d);
-    }
-    yaml_parser_delete(&p);
+  } else {
+    st = parse_yaml(path, text, out);
   }
   free(text);
   if (st == STATUS_OK && !cJSON_IsObject(*out))

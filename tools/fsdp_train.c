@@ -757,24 +757,10 @@ static fsdpc_status_t train(run_t *r) {
   return loop_finish(r, &L, st);
 }
 
-int main(int argc, char **argv) {
-  double t_launch = device_clock_seconds();
-  if (world_init(&argc, &argv) != STATUS_OK) {
-    fprintf(stderr, "fsdp-train: %s\n", err_detail());
-    return 1;
-  }
-  for (int i = 1; i < argc; i++)
-    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0 ||
-        strcmp(argv[i], "--version") == 0) {
-      bool version = strcmp(argv[i], "--version") == 0;
-      if (world_rank() == 0 && version) printf("fsdp-train (fsdpc) %s\n", fsdpc_version());
-      if (world_rank() == 0 && !version) usage(stdout);
-      world_finalize();
-      return 0;
-    }
-  run_t *r = calloc(1, sizeof *r);
-  if (r) r->t_launch = t_launch;
-  fsdpc_status_t st = r ? parse_args(argc, argv, &r->args) : STATUS_ENOMEM;
+/* The command line and the plan, checked before anything else: the launch, the plan resolved
+ * against the world, the checkpoint folder made, the signal handlers installed. */
+static fsdpc_status_t set_up(run_t *r, int argc, char **argv) {
+  fsdpc_status_t st = parse_args(argc, argv, &r->args);
   if (st != STATUS_OK && world_rank() == 0) usage(stderr);
   if (st == STATUS_OK) st = world_check_launch();
   if (st == STATUS_OK && r->args.world) /* before the plan resolves its mesh against the world */
@@ -792,6 +778,41 @@ int main(int argc, char **argv) {
     st = r->args.dry_run ? file_check_dirs(r->plan.ckpt_dir, "checkpoint.dir")
                          : file_make_dirs(r->plan.ckpt_dir, "checkpoint.dir");
   if (st == STATUS_OK && !r->args.dry_run) st = train_signals_install(&r->plan);
+  return st;
+}
+
+/* Everything a run holds, and the run. */
+static void run_free(run_t *r) {
+  if (r == NULL) return;
+  train_unlock(r->lock_fd);
+  free(r->settings);
+  optim_free(r->opt);
+  free(r->ps);
+  parallel_free(r->par);
+  llama_free(r->model);
+  data_free(r->data);
+  data_free(r->eval);
+  free(r);
+}
+
+int main(int argc, char **argv) {
+  double t_launch = device_clock_seconds();
+  if (world_init(&argc, &argv) != STATUS_OK) {
+    fprintf(stderr, "fsdp-train: %s\n", err_detail());
+    return 1;
+  }
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0 ||
+        strcmp(argv[i], "--version") == 0) {
+      bool version = strcmp(argv[i], "--version") == 0;
+      if (world_rank() == 0 && version) printf("fsdp-train (fsdpc) %s\n", fsdpc_version());
+      if (world_rank() == 0 && !version) usage(stdout);
+      world_finalize();
+      return 0;
+    }
+  run_t *r = calloc(1, sizeof *r);
+  if (r) r->t_launch = t_launch;
+  fsdpc_status_t st = r ? set_up(r, argc, argv) : STATUS_ENOMEM;
   int rc = 1;
   if (r) r->lock_fd = -1;
   if (agree(st) && agree(start(r))) {
@@ -806,17 +827,7 @@ int main(int argc, char **argv) {
       }
     }
   }
-  if (r) {
-    train_unlock(r->lock_fd);
-    free(r->settings);
-    optim_free(r->opt);
-    free(r->ps);
-    parallel_free(r->par);
-    llama_free(r->model);
-    data_free(r->data);
-    data_free(r->eval);
-    free(r);
-  }
+  run_free(r);
   world_finalize();
   return rc;
 }

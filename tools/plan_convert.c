@@ -378,6 +378,37 @@ static void wrap_classes(out_t *o, const cJSON *cls, const char *from) {
     leave(o, from, "TRANSFORMER_BASED_WRAP names no class (fsdp_transformer_layer_cls_to_wrap)");
 }
 
+/* fsdp_auto_wrap_policy v (with the settings it reads) as fully_shard units. */
+static void wrap_policy(out_t *o, const cJSON *f, const char *v, const char *from) {
+  char b[160];
+  if (v && strcmp(v, "TRANSFORMER_BASED_WRAP") == 0) {
+    wrap_classes(o, cJSON_GetObjectItemCaseSensitive(f, "fsdp_transformer_layer_cls_to_wrap"),
+                 from);
+  } else if (v && strcmp(v, "NO_WRAP") == 0) {
+    put(o, "parallelize.fully_shard", "units", "[]",
+        "%s: the root unit only: the whole model is gathered at once, so a rank's peak "
+        "holds all of it unsharded",
+        from);
+  } else if (v && strcmp(v, "SIZE_BASED_WRAP") == 0) {
+    const char *n =
+        plan_text_of(cJSON_GetObjectItemCaseSensitive(f, "fsdp_min_num_params"), b, sizeof b);
+    char *end = NULL;
+    double x = n ? strtod(n, &end) : 1e8; /* Accelerate's default */
+    char num[32];
+    if (n && (end == n || *end != '\0' || !(x >= 1) || x > 1e15)) {
+      leave(o, "fsdp_config.fsdp_min_num_params", "'%s' is not a number of parameters", n);
+    } else {
+      snprintf(num, sizeof num, "%.0f", x);
+      put(o, "parallelize.fully_shard", "min_unit_params", num,
+          "%s%s: a module becomes a unit when the parameters under it that no inner unit "
+          "took number at least %s (the dry run's -v lists the units)",
+          from, n ? " with fsdp_min_num_params" : " (fsdp_min_num_params' default)", num);
+    }
+  } else {
+    leave(o, from, "'%s': units are FQN patterns (\"model.layers.*\")", v ? v : "");
+  }
+}
+
 static void accelerate_fsdp(out_t *o, const cJSON *f) {
   char b[160];
   for (const cJSON *it = f ? f->child : NULL; it; it = it->next) {
@@ -395,32 +426,7 @@ static void accelerate_fsdp(out_t *o, const cJSON *f) {
       put(o, "parallelize.fully_shard", "reshard_after_forward", truthy(v) ? "true" : "false",
           "%s: %s", from, v);
     } else if (strcmp(k, "fsdp_auto_wrap_policy") == 0) {
-      if (v && strcmp(v, "TRANSFORMER_BASED_WRAP") == 0) {
-        wrap_classes(o, cJSON_GetObjectItemCaseSensitive(f, "fsdp_transformer_layer_cls_to_wrap"),
-                     from);
-      } else if (v && strcmp(v, "NO_WRAP") == 0) {
-        put(o, "parallelize.fully_shard", "units", "[]",
-            "%s: the root unit only: the whole model is gathered at once, so a rank's peak "
-            "holds all of it unsharded",
-            from);
-      } else if (v && strcmp(v, "SIZE_BASED_WRAP") == 0) {
-        const char *n =
-            plan_text_of(cJSON_GetObjectItemCaseSensitive(f, "fsdp_min_num_params"), b, sizeof b);
-        char *end = NULL;
-        double x = n ? strtod(n, &end) : 1e8; /* Accelerate's default */
-        char num[32];
-        if (n && (end == n || *end != '\0' || !(x >= 1) || x > 1e15)) {
-          leave(o, "fsdp_config.fsdp_min_num_params", "'%s' is not a number of parameters", n);
-        } else {
-          snprintf(num, sizeof num, "%.0f", x);
-          put(o, "parallelize.fully_shard", "min_unit_params", num,
-              "%s%s: a module becomes a unit when the parameters under it that no inner unit "
-              "took number at least %s (the dry run's -v lists the units)",
-              from, n ? " with fsdp_min_num_params" : " (fsdp_min_num_params' default)", num);
-        }
-      } else {
-        leave(o, from, "'%s': units are FQN patterns (\"model.layers.*\")", v ? v : "");
-      }
+      wrap_policy(o, f, v, from);
     } else if (strcmp(k, "fsdp_transformer_layer_cls_to_wrap") == 0 ||
                strcmp(k, "fsdp_min_num_params") == 0) {
       /* read with the wrap policy */
