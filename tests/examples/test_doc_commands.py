@@ -27,6 +27,9 @@ A ```yaml block is a file of the tree or a part of a plan, and is checked as one
     those sections of configs/debug.yaml, and that plan trains 2 steps and evaluates, on
     shards this test writes where the paths say (tokens 0-255 in llm.c's format), the model's
     max_seq_len raised to the block's seq_len and 2 evaluation batches.
+
+A plain ``` block that states how a program is called ("fsdp-ckpt inspect DIR") holds forms the
+program's --help prints, each one of them (spaces aside).
 """
 import os
 import re
@@ -154,6 +157,44 @@ def check_yaml(page, line, lines, env):
         print(p.stdout[-1500:], p.stderr[-1500:])
 
 
+def synopses(lines):
+    """The call forms of a synopsis: each starts 'fsdp-NAME ', indented lines continue it."""
+    out = []
+    for line in lines:
+        line = re.sub(r"^usage:\s*", "", line)
+        if re.match(r"fsdp-[a-z]+ [^:]*$", line.strip()) and not line.startswith("   " * 4):
+            out.append(line.strip())
+        elif out and line.startswith(" ") and line.strip().startswith("["):
+            out[-1] += " " + line.strip()
+        elif line.strip() and not line.startswith(" "):
+            break
+    return [" ".join(x.split()) for x in out]
+
+
+def check_synopsis(page, line, lines, env):
+    tool = lines[0].split()[0]
+    p = subprocess.run([os.path.join(BUILD, "tools", tool), "--help"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    forms = synopses(p.stdout.splitlines())
+    for form in synopses(lines):
+        check(form in forms, "%s:%d: '%s' is a form %s --help prints" % (page, line, form, tool))
+
+
+def plain_blocks(page):
+    """The ``` blocks of page with no language whose first line calls a program: (line, lines)."""
+    out, cur, start = [], None, 0
+    for i, raw in enumerate(open(os.path.join(ROOT, page)).read().splitlines(), 1):
+        if cur is None and raw.startswith("```"):
+            cur, start, kind = [], i, raw.strip()
+        elif cur is not None and raw.startswith("```"):
+            if kind == "```" and cur and re.match(r"fsdp-[a-z]+ [^:]*$", cur[0]):
+                out.append((start, cur))
+            cur = None
+        elif cur is not None:
+            cur.append(raw)
+    return out
+
+
 def script_only(cmd):
     """The scripts a set-up, build, test or sbatch line runs: they must exist, executable."""
     return [w for w in shlex.split(cmd) if w.startswith("scripts/")]
@@ -209,6 +250,9 @@ def main():
         for line, lines in yaml_blocks(page):
             total += 1
             check_yaml(page, line, lines, env)
+        for line, lines in plain_blocks(page):
+            total += 1
+            check_synopsis(page, line, lines, env)
     print("%d of %d checks failed" % (len(failures), total + 1) if failures else "all passed")
     return 1 if failures else 0
 
