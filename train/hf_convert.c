@@ -36,9 +36,10 @@ static const cJSON *recorded_model(const cJSON *state) {
   return cJSON_IsObject(m) ? m : NULL;
 }
 
+/* A config of the built-in family (llama, qwen2, qwen3). */
 static bool is_llama(const cJSON *config) {
   const cJSON *t = cJSON_GetObjectItemCaseSensitive(config, "model_type");
-  return cJSON_IsString(t) && strcmp(t->valuestring, "llama") == 0;
+  return cJSON_IsString(t) && llama_arch_from_name(t->valuestring, NULL);
 }
 
 bool hf_config_is_llama(const char *json) {

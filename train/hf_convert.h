@@ -60,7 +60,8 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
  * recorded or dir is not a training checkpoint). */
 fsdpc_status_t ckpt_recorded_config(const char *dir, char **out);
 
-/* Whether a Hugging Face config (JSON text) is the built-in Llama's: model_type "llama". */
+/* Whether a Hugging Face config (JSON text) is of the built-in family: model_type "llama",
+ * "qwen2" or "qwen3". */
 bool hf_config_is_llama(const char *json);
 
 #pragma GCC visibility pop

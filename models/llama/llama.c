@@ -27,7 +27,13 @@ static const llama_config_t *cfg_of(nn_module_t *m) {
 }
 
 static fsdpc_status_t linear_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
-  return nn_linear(ctx, in, weight_of(m), out);
+  nn_param_t *b = nn_module_param_named(m, "bias");
+  if (b == NULL) return nn_linear(ctx, in, weight_of(m), out);
+  nn_var_t *y = NULL;
+  FSDPC_TRY(nn_linear(ctx, in, weight_of(m), &y));
+  fsdpc_status_t st = nn_bias_add(ctx, y, b, out);
+  nn_var_put(y);
+  return st;
 }
 
 static fsdpc_status_t embedding_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
@@ -54,11 +60,11 @@ static fsdpc_status_t split_heads(nn_ctx_t *ctx, nn_var_t *x, int64_t head_dim, 
 static fsdpc_status_t attention_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
                                         nn_var_t **out) {
   const llama_config_t *c = cfg_of(m);
-  int64_t hd = c->dim / c->n_heads;
+  int64_t hd = llama_head_dim(c);
   if (in->value.ndim != 3)
     return err_set(STATUS_ESHAPE, "%s: input must be [B, T, D]", nn_module_fqn(m));
-  nn_var_t *q = NULL, *k = NULL, *v = NULL, *q4 = NULL, *k4 = NULL, *v4 = NULL, *qr = NULL,
-           *kr = NULL, *a = NULL, *a3 = NULL;
+  nn_var_t *q = NULL, *k = NULL, *v = NULL, *q4 = NULL, *k4 = NULL, *v4 = NULL, *qn = NULL,
+           *kn = NULL, *qr = NULL, *kr = NULL, *a = NULL, *a3 = NULL;
   fsdpc_status_t st = STATUS_OK;
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "q_proj", in, &q));
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "k_proj", in, &k));
@@ -66,14 +72,18 @@ static fsdpc_status_t attention_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   FSDPC_TRY_GOTO(st, split_heads(ctx, q, hd, &q4));
   FSDPC_TRY_GOTO(st, split_heads(ctx, k, hd, &k4));
   FSDPC_TRY_GOTO(st, split_heads(ctx, v, hd, &v4));
-  FSDPC_TRY_GOTO(st, nn_rope(ctx, q4, &c->rope, &qr));
-  FSDPC_TRY_GOTO(st, nn_rope(ctx, k4, &c->rope, &kr));
+  if (c->qk_norm) { /* each head normalised over its own features, before the rotation */
+    FSDPC_TRY_GOTO(st, call_child(ctx, m, "q_norm", q4, &qn));
+    FSDPC_TRY_GOTO(st, call_child(ctx, m, "k_norm", k4, &kn));
+  }
+  FSDPC_TRY_GOTO(st, nn_rope(ctx, qn ? qn : q4, &c->rope, &qr));
+  FSDPC_TRY_GOTO(st, nn_rope(ctx, kn ? kn : k4, &c->rope, &kr));
   FSDPC_TRY_GOTO(st, nn_attention(ctx, qr, kr, v4, &a));
   int64_t shape[3] = {in->value.shape[0], in->value.shape[1], q->value.shape[2]};
   FSDPC_TRY_GOTO(st, nn_view(ctx, a, 3, shape, &a3));
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "o_proj", a3, out));
 cleanup:;
-  nn_var_t *vars[] = {q, k, v, q4, k4, v4, qr, kr, a, a3};
+  nn_var_t *vars[] = {q, k, v, q4, k4, v4, qn, kn, qr, kr, a, a3};
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) nn_var_put(vars[i]);
   return st;
 }
@@ -150,8 +160,8 @@ typedef struct builder {
   const llama_options_t *opt;
 } builder_t;
 
-static fsdpc_status_t add_weight(builder_t *b, nn_module_t *m, int64_t rows, int64_t cols,
-                                 nn_param_t **out) {
+static fsdpc_status_t add_param(builder_t *b, nn_module_t *m, const char *name, int64_t rows,
+                                int64_t cols, nn_param_t **out) {
   int64_t shape[2] = {rows, cols};
   int nd = cols > 0 ? 2 : 1;
   fsdpc_tensor_t t;
@@ -165,7 +175,7 @@ static fsdpc_status_t add_weight(builder_t *b, nn_module_t *m, int64_t rows, int
   fsdpc_status_t st = dtensor_from_local(&t, b->L->mesh, &rep, nd, shape, &dt);
   tensor_free(&t);
   FSDPC_TRY(st);
-  return nn_module_add_param(m, "weight", dt, true, out);
+  return nn_module_add_param(m, name, dt, true, out);
 }
 
 /* A leaf module with a weight of [rows, cols] (cols 0: a vector) added to parent. */
@@ -184,7 +194,15 @@ static fsdpc_status_t add_leaf(builder_t *b, nn_module_t *parent, const char *na
   }
   if (out) *out = m;
   if (rows == 0) return STATUS_OK;
-  return add_weight(b, m, rows, cols, NULL);
+  return add_param(b, m, "weight", rows, cols, NULL);
+}
+
+/* A linear leaf with a bias when bias is set. */
+static fsdpc_status_t add_linear(builder_t *b, nn_module_t *parent, const char *name,
+                                 int64_t out_features, int64_t in_features, bool bias) {
+  nn_module_t *m;
+  FSDPC_TRY(add_leaf(b, parent, name, linear_forward, out_features, in_features, &m));
+  return bias ? add_param(b, m, "bias", out_features, 0, NULL) : STATUS_OK;
 }
 
 static fsdpc_status_t add_container(builder_t *b, nn_module_t *parent, const char *name,
@@ -194,7 +212,7 @@ static fsdpc_status_t add_container(builder_t *b, nn_module_t *parent, const cha
 
 static fsdpc_status_t build_block(builder_t *b, nn_module_t *layers, int64_t i) {
   const llama_config_t *c = &b->L->cfg;
-  int64_t hd = c->dim / c->n_heads;
+  int64_t hd = llama_head_dim(c);
   char name[24];
   snprintf(name, sizeof name, "%lld", (long long)i);
   nn_module_t *blk, *attn, *mlp;
@@ -202,10 +220,14 @@ static fsdpc_status_t build_block(builder_t *b, nn_module_t *layers, int64_t i) 
   b->L->layers[i] = blk;
   FSDPC_TRY(add_leaf(b, blk, "input_layernorm", rmsnorm_forward, c->dim, 0, NULL));
   FSDPC_TRY(add_container(b, blk, "self_attn", attention_forward, &attn));
-  FSDPC_TRY(add_leaf(b, attn, "q_proj", linear_forward, c->n_heads * hd, c->dim, NULL));
-  FSDPC_TRY(add_leaf(b, attn, "k_proj", linear_forward, c->n_kv_heads * hd, c->dim, NULL));
-  FSDPC_TRY(add_leaf(b, attn, "v_proj", linear_forward, c->n_kv_heads * hd, c->dim, NULL));
-  FSDPC_TRY(add_leaf(b, attn, "o_proj", linear_forward, c->dim, c->n_heads * hd, NULL));
+  FSDPC_TRY(add_linear(b, attn, "q_proj", c->n_heads * hd, c->dim, c->qkv_bias));
+  FSDPC_TRY(add_linear(b, attn, "k_proj", c->n_kv_heads * hd, c->dim, c->qkv_bias));
+  FSDPC_TRY(add_linear(b, attn, "v_proj", c->n_kv_heads * hd, c->dim, c->qkv_bias));
+  FSDPC_TRY(add_linear(b, attn, "o_proj", c->dim, c->n_heads * hd, c->o_bias));
+  if (c->qk_norm) {
+    FSDPC_TRY(add_leaf(b, attn, "q_norm", rmsnorm_forward, hd, 0, NULL));
+    FSDPC_TRY(add_leaf(b, attn, "k_norm", rmsnorm_forward, hd, 0, NULL));
+  }
   FSDPC_TRY(add_leaf(b, blk, "post_attention_layernorm", rmsnorm_forward, c->dim, 0, NULL));
   FSDPC_TRY(add_container(b, blk, "mlp", mlp_forward, &mlp));
   FSDPC_TRY(add_leaf(b, mlp, "gate_proj", linear_forward, c->ffn_dim, c->dim, NULL));
@@ -276,7 +298,9 @@ fsdpc_status_t llama_init_weights(llama_t *m, uint64_t seed) {
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     size_t len = strlen(ps[i]->fqn);
     bool norm = len >= 11 && strcmp(ps[i]->fqn + len - 11, "norm.weight") == 0;
-    st = norm ? nn_init_constant(ps[i], 1.0) : nn_init_normal(ps[i], seed, 0.0, 0.02);
+    bool bias = len >= 5 && strcmp(ps[i]->fqn + len - 5, ".bias") == 0;
+    st = norm || bias ? nn_init_constant(ps[i], norm ? 1.0 : 0.0)
+                      : nn_init_normal(ps[i], seed, 0.0, m->cfg.init_std);
   }
   free(ps);
   return st;

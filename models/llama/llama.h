@@ -1,6 +1,9 @@
 /*
  * The reference model: Llama with the math of Hugging Face's LlamaForCausalLM and its
- * parameter names (docs/design.md, "The reference model and training math").
+ * parameter names (docs/design.md, "The reference model and training math"), and the
+ * architectures of its family that differ only in a few features: Qwen2 (biases on the q, k
+ * and v projections) and Qwen3 (an RMSNorm of each query and key head before the rotary
+ * embedding, and a head size of its own), with their Hugging Face names.
  *
  *   llama_config_t cfg;
  *   llama_t *model;
@@ -37,7 +40,16 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
+/* The architectures of the family, as Hugging Face's model_type names them. */
+typedef enum llama_arch {
+  LLAMA_ARCH_LLAMA,
+  LLAMA_ARCH_QWEN2,
+  LLAMA_ARCH_QWEN3,
+  LLAMA_ARCH_COUNT
+} llama_arch_t;
+
 typedef struct llama_config {
+  llama_arch_t arch;   /* model_type */
   int64_t dim;         /* hidden_size */
   int64_t n_layers;    /* num_hidden_layers */
   int64_t n_heads;     /* num_attention_heads */
@@ -48,6 +60,11 @@ typedef struct llama_config {
   rope_t rope;         /* rope_theta, and rope_scaling or rope_parameters */
   double norm_eps;     /* rms_norm_eps */
   bool tie_embeddings; /* tie_word_embeddings */
+  int64_t head_dim;    /* head_dim; 0: dim / n_heads */
+  bool qkv_bias;       /* biases on q_proj, k_proj, v_proj (Qwen2's; attention_bias) */
+  bool o_bias;         /* a bias on o_proj (attention_bias of Llama and Qwen3) */
+  bool qk_norm;        /* RMSNorm of each q and k head, q_norm and k_norm (Qwen3's) */
+  double init_std;     /* initializer_range: the normal initialisation's deviation */
 } llama_config_t;
 
 /* Hugging Face's LlamaConfig defaults for what a config.json may leave out. */
@@ -56,26 +73,37 @@ typedef struct llama_config {
     .dim = 4096, .n_layers = 32, .n_heads = 32, .n_kv_heads = 32, .ffn_dim = 11008,     \
     .vocab_size = 32000, .max_seq_len = 2048,                                           \
     .rope = {.theta = 10000.0, .scaling = ROPE_DEFAULT, .factor = 1}, .norm_eps = 1e-6, \
-    .tie_embeddings = false                                                             \
+    .tie_embeddings = false, .init_std = 0.02                                           \
   }
 
-/* Checks sizes: all positive, dim divisible by n_heads with an even head size, n_heads a
- * multiple of n_kv_heads; and the rotary embedding (rope_check). */
+/* The architecture's model_type ("llama", "qwen2", "qwen3"), and the arch of a model_type
+ * (false for one not of the family). */
+const char *llama_arch_name(llama_arch_t arch);
+bool llama_arch_from_name(const char *model_type, llama_arch_t *out);
+
+/* The size of an attention head: head_dim, or dim / n_heads when it is 0. */
+int64_t llama_head_dim(const llama_config_t *c);
+
+/* Checks sizes: all positive, an even head size (dim divisible by n_heads when head_dim is
+ * 0), n_heads a multiple of n_kv_heads; and the rotary embedding (rope_check). */
 fsdpc_status_t llama_config_check(const llama_config_t *c);
 
-/* Reads a Hugging Face config.json (hidden_size, num_hidden_layers, num_attention_heads,
- * num_key_value_heads, intermediate_size, vocab_size, rms_norm_eps, tie_word_embeddings,
- * max_position_embeddings, and the rotary embedding as transformers 4 writes it, rope_theta
- * and rope_scaling, or as transformers 5 does, rope_parameters); refuses features the model
- * does not have (biases, rope types other than default, linear and llama3, another
+/* Reads a Hugging Face config.json of model_type llama, qwen2 or qwen3 (hidden_size,
+ * num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+ * vocab_size, rms_norm_eps, tie_word_embeddings, max_position_embeddings, attention_bias,
+ * initializer_range, and the rotary embedding as transformers 4 writes it, rope_theta and
+ * rope_scaling, or as transformers 5 does, rope_parameters), with each architecture's
+ * defaults for what it leaves out; refuses features the model does not have (MLP biases,
+ * sliding-window attention, rope types other than default, linear and llama3, another
  * activation). Errors name the file and the key. */
 fsdpc_status_t llama_config_from_hf(const char *path, llama_config_t *out);
 
 /* The same from config.json's text; errors name origin. */
 fsdpc_status_t llama_config_from_hf_text(const char *text, const char *origin, llama_config_t *out);
 
-/* Writes the config as a Hugging Face LlamaForCausalLM config.json (a scaled rotary
- * embedding as rope_scaling, which transformers 4 and 5 both read). */
+/* Writes the config as a Hugging Face config.json of its architecture (LlamaForCausalLM,
+ * Qwen2ForCausalLM or Qwen3ForCausalLM; a scaled rotary embedding as rope_scaling, which
+ * transformers 4 and 5 both read). */
 fsdpc_status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path);
 
 /* The same as text (*out, freed by the caller with free()). */
@@ -85,7 +113,7 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
 int64_t llama_num_params(const llama_config_t *c);
 
 /* True when a and b give the same parameters (names and shapes: every field but
- * max_seq_len, rope and norm_eps); otherwise why (if not NULL) receives the first
+ * max_seq_len, rope, norm_eps and init_std); otherwise why (if not NULL) receives the first
  * difference, as "n_layers 2 vs 4". */
 bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, char *why,
                               size_t size);
@@ -109,8 +137,9 @@ typedef struct llama llama_t;
 fsdpc_status_t llama_new(const llama_config_t *cfg, const llama_options_t *opt, llama_t **out);
 void llama_free(llama_t *m);
 
-/* Linear and embedding weights ~ N(0, 0.02), norm weights = 1 (init.h), each rank filling its
- * local shards: the same global values under every plan. Local. */
+/* Linear and embedding weights ~ N(0, init_std), biases 0, norm weights 1 (init.h), as
+ * Hugging Face initialises the family, each rank filling its local shards: the same global
+ * values under every plan. Local. */
 fsdpc_status_t llama_init_weights(llama_t *m, uint64_t seed);
 
 nn_module_t *llama_module(const llama_t *m);

@@ -11,8 +11,33 @@
 #include "core/file.h"
 #include "models/llama/llama.h"
 
+static const struct {
+  const char *model_type, *hf_class;
+} arch_names[LLAMA_ARCH_COUNT] = {
+    {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"}};
+
+const char *llama_arch_name(llama_arch_t arch) {
+  return arch >= 0 && arch < LLAMA_ARCH_COUNT ? arch_names[arch].model_type : "?";
+}
+
+bool llama_arch_from_name(const char *model_type, llama_arch_t *out) {
+  for (int a = 0; model_type && a < LLAMA_ARCH_COUNT; a++)
+    if (strcmp(model_type, arch_names[a].model_type) == 0) {
+      if (out) *out = (llama_arch_t)a;
+      return true;
+    }
+  return false;
+}
+
+int64_t llama_head_dim(const llama_config_t *c) {
+  if (c == NULL) return 0;
+  return c->head_dim > 0 ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
+}
+
 fsdpc_status_t llama_config_check(const llama_config_t *c) {
   ARG_NONNULL(c);
+  if (c->arch < 0 || c->arch >= LLAMA_ARCH_COUNT)
+    return err_set(STATUS_EINVAL, "model config: unknown architecture %d", (int)c->arch);
   /* the limits of a plan's model: keys (train/plan.c), whichever way a config arrives */
   const int64_t big = (int64_t)1 << 31;
   const struct {
@@ -29,11 +54,27 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
     if (pos[i].v <= 0 || pos[i].v > pos[i].max)
       return err_set(STATUS_EINVAL, "model config: %s must be a size from 1 to %lld, got %lld",
                      pos[i].name, (long long)pos[i].max, (long long)pos[i].v);
-  if (c->dim % c->n_heads != 0 || (c->dim / c->n_heads) % 2 != 0)
+  if (c->head_dim < 0 || c->head_dim > 65536 || c->head_dim % 2 != 0)
+    return err_set(STATUS_EINVAL,
+                   "model config: head_dim must be an even size up to 65536, got %lld",
+                   (long long)c->head_dim);
+  if (c->head_dim == 0 && (c->dim % c->n_heads != 0 || (c->dim / c->n_heads) % 2 != 0))
     return err_set(STATUS_EINVAL,
                    "model config: hidden_size %lld must be num_attention_heads %lld times an "
-                   "even head size",
+                   "even head size (or give head_dim)",
                    (long long)c->dim, (long long)c->n_heads);
+  bool qwen2 = c->arch == LLAMA_ARCH_QWEN2;
+  if (qwen2 ? !c->qkv_bias || c->o_bias : c->qkv_bias != c->o_bias)
+    return err_set(STATUS_EINVAL,
+                   "model config: %s has %s (attention biases as Hugging Face's architecture has "
+                   "them)",
+                   llama_arch_name(c->arch),
+                   qwen2 ? "biases on q_proj, k_proj and v_proj only"
+                         : "biases on all four attention projections or none");
+  if (c->qk_norm != (c->arch == LLAMA_ARCH_QWEN3))
+    return err_set(STATUS_EINVAL, "model config: q_norm and k_norm are Qwen3's, and it has them");
+  if (!(c->init_std >= 0) || c->init_std > 1e3)
+    return err_set(STATUS_EINVAL, "model config: initializer_range must be from 0 to 1000");
   if (c->n_heads % c->n_kv_heads != 0)
     return err_set(STATUS_EINVAL,
                    "model config: num_attention_heads %lld is not a multiple of "
@@ -51,16 +92,24 @@ bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, 
   const struct {
     const char *name;
     int64_t x, y;
-  } f[] = {{"dim", a->dim, b->dim},
+  } f[] = {{"architecture", a->arch, b->arch},
+           {"dim", a->dim, b->dim},
            {"n_layers", a->n_layers, b->n_layers},
            {"n_heads", a->n_heads, b->n_heads},
            {"n_kv_heads", a->n_kv_heads, b->n_kv_heads},
            {"ffn_dim", a->ffn_dim, b->ffn_dim},
            {"vocab_size", a->vocab_size, b->vocab_size},
-           {"tie_embeddings", a->tie_embeddings, b->tie_embeddings}};
+           {"tie_embeddings", a->tie_embeddings, b->tie_embeddings},
+           {"head_dim", llama_head_dim(a), llama_head_dim(b)},
+           {"qkv_bias", a->qkv_bias, b->qkv_bias},
+           {"o_bias", a->o_bias, b->o_bias},
+           {"qk_norm", a->qk_norm, b->qk_norm}};
   for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
     if (f[i].x != f[i].y) {
-      if (why)
+      if (why && i == 0)
+        snprintf(why, size, "architecture %s vs %s", llama_arch_name(a->arch),
+                 llama_arch_name(b->arch));
+      else if (why)
         snprintf(why, size, "%s %lld vs %lld", f[i].name, (long long)f[i].x, (long long)f[i].y);
       return false;
     }
@@ -69,8 +118,9 @@ bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, 
 
 int64_t llama_num_params(const llama_config_t *c) {
   if (c == NULL) return 0;
-  int64_t hd = c->dim / c->n_heads, kv = c->n_kv_heads * hd;
-  int64_t layer = 2 * c->dim + 2 * c->dim * c->dim + 2 * kv * c->dim + 3 * c->dim * c->ffn_dim;
+  int64_t hd = llama_head_dim(c), q = c->n_heads * hd, kv = c->n_kv_heads * hd;
+  int64_t layer = 2 * c->dim + 2 * q * c->dim + 2 * kv * c->dim + 3 * c->dim * c->ffn_dim;
+  layer += (c->qkv_bias ? q + 2 * kv : 0) + (c->o_bias ? c->dim : 0) + (c->qk_norm ? 2 * hd : 0);
   return c->vocab_size * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + c->dim;
 }
 
@@ -174,16 +224,40 @@ static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope)
   return STATUS_OK;
 }
 
+/* The attention's biases: Qwen2's q, k and v projections always have one; attention_bias
+ * gives Llama's and Qwen3's four projections one. And Qwen3's q_norm and k_norm. */
+static fsdpc_status_t parse_bias(const char *path, const cJSON *o, llama_config_t *c) {
+  const cJSON *ab = cJSON_GetObjectItemCaseSensitive(o, "attention_bias");
+  if (ab && !cJSON_IsNull(ab) && !cJSON_IsBool(ab))
+    return err_set(STATUS_EFORMAT, "%s: 'attention_bias' must be true or false", path);
+  bool bias = cJSON_IsTrue(ab);
+  c->qkv_bias = c->arch == LLAMA_ARCH_QWEN2 || bias;
+  c->o_bias = c->arch != LLAMA_ARCH_QWEN2 && bias;
+  c->qk_norm = c->arch == LLAMA_ARCH_QWEN3;
+  const cJSON *types = cJSON_GetObjectItemCaseSensitive(o, "layer_types");
+  for (const cJSON *t = cJSON_IsArray(types) ? types->child : NULL; t; t = t->next)
+    if (!cJSON_IsString(t) || strcmp(t->valuestring, "full_attention") != 0)
+      return err_set(STATUS_EUNSUPPORTED,
+                     "%s: 'layer_types' holds a layer other than \"full_attention\": "
+                     "sliding-window attention is not implemented",
+                     path);
+  return STATUS_OK;
+}
+
 static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   if (!cJSON_IsObject(o)) return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
   /* the model type first: another architecture's config lacks Llama's keys */
   const cJSON *mt = cJSON_GetObjectItemCaseSensitive(o, "model_type");
   if (mt && !cJSON_IsString(mt))
     return err_set(STATUS_EFORMAT, "%s: model_type must be a string", path);
-  if (mt && strcmp(mt->valuestring, "llama") != 0)
+  if (mt && !llama_arch_from_name(mt->valuestring, &c->arch))
     return err_set(STATUS_EUNSUPPORTED,
-                   "%s: model_type \"%.64s\": this build trains \"llama\" (LlamaForCausalLM) only",
+                   "%s: model_type \"%.64s\": this build trains \"llama\", \"qwen2\" and "
+                   "\"qwen3\" (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)",
                    path, mt->valuestring);
+  if (c->arch != LLAMA_ARCH_LLAMA) /* Qwen's defaults (Qwen2Config, Qwen3Config) */
+    c->max_seq_len = 32768;
+  if (c->arch == LLAMA_ARCH_QWEN3) c->head_dim = 128;
   const char *required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "vocab_size"};
   for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
@@ -192,8 +266,11 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
   const cJSON *act = cJSON_GetObjectItemCaseSensitive(o, "hidden_act");
   if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0))
     return err_set(STATUS_EUNSUPPORTED, "%s: hidden_act must be \"silu\"", path);
-  FSDPC_TRY(json_refuse(path, o, "attention_bias", "the model has no biases"));
-  FSDPC_TRY(json_refuse(path, o, "mlp_bias", "the model has no biases"));
+  FSDPC_TRY(json_refuse(path, o, "mlp_bias", "the model's MLP has no biases"));
+  FSDPC_TRY(json_refuse(path, o, "use_sliding_window",
+                        "sliding-window attention is not implemented (every layer attends to "
+                        "the whole sequence)"));
+  FSDPC_TRY(parse_bias(path, o, c));
   FSDPC_TRY(json_int(path, o, "hidden_size", &c->dim));
   FSDPC_TRY(json_int(path, o, "num_hidden_layers", &c->n_layers));
   FSDPC_TRY(json_int(path, o, "num_attention_heads", &c->n_heads));
@@ -210,11 +287,11 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
       return err_set(STATUS_EFORMAT, "%s: 'tie_word_embeddings' must be true or false", path);
     c->tie_embeddings = cJSON_IsTrue(tie);
   }
-  int64_t head_dim = -1;
-  FSDPC_TRY(json_int(path, o, "head_dim", &head_dim));
-  if (head_dim != -1 && c->n_heads > 0 && head_dim * c->n_heads != c->dim)
-    return err_set(STATUS_EUNSUPPORTED, "%s: head_dim %lld differs from hidden_size / heads", path,
-                   (long long)head_dim);
+  FSDPC_TRY(json_int(path, o, "head_dim", &c->head_dim));
+  if (c->head_dim <= 0 && cJSON_GetObjectItemCaseSensitive(o, "head_dim") != NULL)
+    return err_set(STATUS_EFORMAT, "%s: 'head_dim' must be positive", path);
+  if (c->n_heads > 0 && c->head_dim * c->n_heads == c->dim) c->head_dim = 0; /* derived */
+  FSDPC_TRY(json_num(path, o, "initializer_range", &c->init_std));
   fsdpc_status_t st = llama_config_check(c);
   return st == STATUS_OK ? st : err_prefix(st, "%s", path);
 }
@@ -261,14 +338,14 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
   cJSON *o = cJSON_CreateObject();
   if (o == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
-  if (arch) cJSON_AddItemToArray(arch, cJSON_CreateString("LlamaForCausalLM"));
-  cJSON_AddStringToObject(o, "model_type", "llama");
+  if (arch) cJSON_AddItemToArray(arch, cJSON_CreateString(arch_names[c->arch].hf_class));
+  cJSON_AddStringToObject(o, "model_type", arch_names[c->arch].model_type);
   cJSON_AddStringToObject(o, "hidden_act", "silu");
   cJSON_AddNumberToObject(o, "hidden_size", (double)c->dim);
   cJSON_AddNumberToObject(o, "num_hidden_layers", (double)c->n_layers);
   cJSON_AddNumberToObject(o, "num_attention_heads", (double)c->n_heads);
   cJSON_AddNumberToObject(o, "num_key_value_heads", (double)c->n_kv_heads);
-  cJSON_AddNumberToObject(o, "head_dim", (double)(c->dim / c->n_heads));
+  cJSON_AddNumberToObject(o, "head_dim", (double)llama_head_dim(c));
   cJSON_AddNumberToObject(o, "intermediate_size", (double)c->ffn_dim);
   cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
   cJSON_AddNumberToObject(o, "max_position_embeddings", (double)c->max_seq_len);
@@ -290,8 +367,10 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
   }
   cJSON_AddNumberToObject(o, "rms_norm_eps", c->norm_eps);
   cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
-  cJSON_AddBoolToObject(o, "attention_bias", 0);
-  cJSON_AddBoolToObject(o, "mlp_bias", 0);
+  if (c->arch != LLAMA_ARCH_QWEN2) cJSON_AddBoolToObject(o, "attention_bias", c->o_bias);
+  if (c->arch == LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "mlp_bias", 0);
+  if (c->arch != LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "use_sliding_window", 0);
+  cJSON_AddNumberToObject(o, "initializer_range", c->init_std);
   cJSON_AddStringToObject(o, "torch_dtype",
                           dtype == DTYPE_BF16  ? "bfloat16"
                           : dtype == DTYPE_F16 ? "float16"

@@ -15,6 +15,8 @@ variant, named in the golden's metadata "init") and TAG_golden.safetensors, for 
   tiny_v5      rope_parameters {rope_theta 5e5, rope_type default}, transformers 5's form
   tiny_llama3  rope_theta 5e5 and llama3 rope scaling in rope_scaling (transformers 4's form);
                tiny_llama3_v5_config.json holds the same model in rope_parameters (5's form)
+  tiny_qwen2   Qwen2: biases on q, k and v (random, as every init here), rope_theta 1e6
+  tiny_qwen3   Qwen3: q_norm and k_norm, head_dim 24 (hidden 64 / 4 heads is 16), tied
 and llama31_inv_freq.json: the rotary frequencies of Llama 3.1 8B's config (head_dim 128), as
 transformers' llama3 rope type defines them.
 
@@ -136,6 +138,7 @@ def param_groups(model):
 
 LLAMA3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
+QWEN = dict(rope_theta=1000000.0, use_sliding_window=False, rms_norm_eps=1e-6)
 VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (None: a new one)
     ("tiny", {}, False, None),
     ("tiny_tied", {}, True, None),
@@ -143,6 +146,10 @@ VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (Non
                      rope_parameters=dict(rope_theta=500000.0, rope_type="default")), False, "tiny"),
     ("tiny_llama3", dict(rope_theta=500000.0, max_position_embeddings=512,
                          rope_scaling=dict(LLAMA3, rope_type="llama3")), False, "tiny"),
+    ("tiny_qwen2", dict(QWEN, model_type="qwen2", architectures=["Qwen2ForCausalLM"]), False,
+     None),
+    ("tiny_qwen3", dict(QWEN, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=24,
+                        attention_bias=False), True, None),
 ]
 
 

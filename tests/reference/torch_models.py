@@ -2,7 +2,10 @@
 project's code: the references its goldens come from (make_goldens.py) and the models its
 benchmarks train beside it (bench/vs_torch_cpu.py, bench/torch_fsdp2.py).
 
-  CausalLM(config, seq=None, sdpa=False)   LlamaForCausalLM of a config.json's dict
+  CausalLM(config, seq=None, sdpa=False)   the causal LM of a config.json's dict: Llama, and
+                                           Qwen2 (biases on q, k, v) and Qwen3 (q_norm and
+                                           k_norm on each head, its own head_dim) by the
+                                           config's model_type
 
 With sdpa=False attention is computed as written (scores, causal mask, softmax in f32), the
 form the goldens use; with sdpa=True through torch's scaled_dot_product_attention, as a
@@ -96,22 +99,37 @@ def sdpa_attention(q, k, v):
     return sdpa(q, k, v, is_causal=True)
 
 
+def head_dim(c):
+    """The attention head size: head_dim when given (Qwen3's default 128), else hidden / heads."""
+    if c.get("head_dim"):
+        return c["head_dim"]
+    return 128 if c.get("model_type") == "qwen3" else c["hidden_size"] // c["num_attention_heads"]
+
+
 class Attention(nn.Module):
     def __init__(self, c, sdpa):
         super().__init__()
         self.h, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
-        self.hd = c["hidden_size"] // self.h
+        self.hd = head_dim(c)
         self.attend = sdpa_attention if sdpa else exact_attention
-        d = c["hidden_size"]
-        self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
-        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.h * self.hd, d, bias=False)
+        d, kind = c["hidden_size"], c.get("model_type", "llama")
+        qkv_bias = kind == "qwen2" or bool(c.get("attention_bias"))
+        o_bias = kind != "qwen2" and bool(c.get("attention_bias"))
+        self.q_proj = nn.Linear(d, self.h * self.hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.hd, d, bias=o_bias)
+        if kind == "qwen3":
+            self.q_norm = RMSNorm(self.hd, c["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.hd, c["rms_norm_eps"])
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.h, self.hd)
+        k = self.k_proj(x).view(B, T, self.kv, self.hd)
+        if hasattr(self, "q_norm"):  # each head normalised over its features, before rope
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + rotate_half(q) * sin
@@ -151,7 +169,7 @@ class Body(nn.Module):
         self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
         self.layers = nn.ModuleList(Block(c, sdpa) for _ in range(c["num_hidden_layers"]))
         self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.head_dim = c["hidden_size"] // c["num_attention_heads"]
+        self.head_dim = head_dim(c)
         self.rope = rope_params(c)
         cos, sin = rope_tables(seq, self.head_dim, self.rope)
         self.register_buffer("cos", cos, persistent=False)

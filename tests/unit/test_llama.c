@@ -3,7 +3,8 @@
  * (tests/reference/make_goldens.py): logits, loss and every gradient of one step, and the
  * losses of ten AdamW steps with parameter groups, clipping and the schedule; untied and tied
  * embeddings, with and without activation checkpointing; the rotary embedding of both
- * transformers config forms, llama3 scaling included.
+ * transformers config forms, llama3 scaling included; and the family's Qwen2 (q, k, v biases)
+ * and Qwen3 (q_norm, k_norm, a head_dim of its own, tied).
  *
  * Run with argument "cuda" (the GPU suite) the same checks run on the GPU in fp32, and a bf16
  * variant with the wider tolerances documented in tests/README.md.
@@ -182,6 +183,15 @@ START_TEST(forward_backward_rope_variants) {
 }
 END_TEST
 
+/* The family's other architectures: Qwen2 (q, k and v biases) and Qwen3 (q_norm and k_norm,
+ * head_dim 24 where hidden / heads is 16, tied embeddings). */
+START_TEST(forward_backward_qwen) {
+  check_step0("tiny_qwen2", "tiny_qwen2", false);
+  check_step0("tiny_qwen3", "tiny_qwen3", false);
+  check_step0("tiny_qwen3", "tiny_qwen3", true);
+}
+END_TEST
+
 static void train(const char *config, const char *tag, bool ac, double *losses) {
   llama_t *m = load_model(config, tag, ac);
   st_file_t *g = open_golden(tag);
@@ -247,6 +257,12 @@ START_TEST(training_untied) { check_training("tiny", "tiny"); }
 END_TEST
 START_TEST(training_tied) { check_training("tiny_tied", "tiny_tied"); }
 END_TEST
+START_TEST(training_qwen) {
+  check_training("tiny_qwen2", "tiny_qwen2");
+  check_training("tiny_qwen3", "tiny_qwen3");
+}
+END_TEST
+
 START_TEST(training_rope_variants) {
   check_training("tiny_v5", "tiny_v5");
   check_training("tiny_llama3", "tiny_llama3");
@@ -455,6 +471,8 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_tied);
   tcase_add_test(tc, forward_backward_rope_variants);
   tcase_add_test(tc, training_rope_variants);
+  tcase_add_test(tc, forward_backward_qwen);
+  tcase_add_test(tc, training_qwen);
   if (mode.device == DEVICE_CPU && mode.dtype == DTYPE_F32) {
     tcase_add_test(tc, config_forms_of_transformers_4_and_5);
     tcase_add_test(tc, llama3_frequencies_of_llama31);
