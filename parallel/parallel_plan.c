@@ -146,7 +146,8 @@ static fsdpc_status_t read_tp(plan_ctx_t *c, int tp) {
     const char *s = pr_scalar(c, sv);
     if (s == NULL || !tp_style_parse(s, &r->style))
       return pr_fail(c, sv, rpath,
-                     "unknown style '%s' (colwise, rowwise, sequence_parallel, prepare_input)",
+                     "unknown style '%s' (colwise, rowwise, sequence_parallel, prepare_input, "
+                     "headwise)",
                      s ? s : "");
     strcpy(r->pattern, k);
     pr_where_of(c, a->key, &r->where);
@@ -391,7 +392,7 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
     return err_set(STATUS_EINVAL,
                    "%s: parallelize.tensor_parallel.plan: mesh.tp is %d, but no rule says which "
                    "modules to split (PATTERN: colwise | rowwise | sequence_parallel | "
-                   "prepare_input)",
+                   "prepare_input | headwise)",
                    pp->tp_where.text, pp->tp);
   return STATUS_OK;
 }

@@ -208,6 +208,10 @@ static fsdpc_status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_va
       st = inner(ctx, m, x, out);
       if (st == STATUS_OK) (*out)->layout = TP_SHARD_SEQ;
       break;
+    case TP_HEADWISE: /* this rank's heads, normalised where they are */
+      st = inner(ctx, m, in, out);
+      if (st == STATUS_OK) (*out)->layout = in->layout;
+      break;
     case TP_COLWISE:
       if (t->embedding) { /* ids stay whole; each rank looks up its columns */
         FSDPC_TRY_GOTO(st, inner(ctx, m, in, &y));
@@ -341,11 +345,14 @@ static fsdpc_status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
       t->out = model;
       break;
     case TP_SEQUENCE_PARALLEL: t->in = t->out = TP_SHARD_SEQ; break;
+    case TP_HEADWISE: t->in = t->out = TP_SHARD_LAST; break;
     default: /* prepare_input */ t->in = model; t->out = TP_REPLICATE_REDUCED;
   }
+  if (r->input != TP_LAYOUT_DEFAULT && r->style == TP_HEADWISE)
+    return err_set(STATUS_EINVAL, "tensor parallel: %s: headwise takes its input as it comes", fqn);
   if (r->input != TP_LAYOUT_DEFAULT) t->in = r->input;
   if (r->output != TP_LAYOUT_DEFAULT) {
-    if (r->style == TP_SEQUENCE_PARALLEL || r->style == TP_PREPARE_INPUT)
+    if (r->style == TP_SEQUENCE_PARALLEL || r->style == TP_PREPARE_INPUT || r->style == TP_HEADWISE)
       return err_set(STATUS_EINVAL, "tensor parallel: %s: %s has no output layout to choose", fqn,
                      tp_style_name(r->style));
     t->out = r->output;
@@ -359,7 +366,7 @@ static fsdpc_status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
     t->first = off[0];
     t->vocab = dtensor_shape(t->w->value)[0];
   }
-  if (r->style == TP_SEQUENCE_PARALLEL) {
+  if (r->style == TP_SEQUENCE_PARALLEL || r->style == TP_HEADWISE) {
     t->sum[t->n_sum++] = t->w;
     if (t->b != NULL) t->sum[t->n_sum++] = t->b;
   }

@@ -16,6 +16,9 @@
  *                       LayerNorm)                   (and bias's) gradient is summed over tp
  *   prepare_input       -                            the model layout -> Replicate, once for
  *                                                    every colwise child
+ *   headwise            Replicate (RMSNorm,          this rank's heads, as they come (a norm
+ *                       LayerNorm)                   of each head: Qwen3's q_norm, k_norm);
+ *                                                    the weight's gradient is summed over tp
  *
  * The model layout is Replicate, or Shard(1) (the sequence) under sequence parallelism,
  * where sequence_parallel norms run on sequence shards; without it they are left alone.
@@ -63,6 +66,7 @@ typedef enum tp_style {
   TP_ROWWISE,
   TP_SEQUENCE_PARALLEL,
   TP_PREPARE_INPUT,
+  TP_HEADWISE,
   TP_STYLE_COUNT
 } tp_style_t;
 
@@ -95,7 +99,8 @@ const char *tp_layout_name(tp_layout_t l);
  * "embedding", "rmsnorm", "layernorm", NULL for a container) under style: weights Shard(0) /
  * Shard(1) as the table above; a colwise linear's bias Shard(0) (it follows the output
  * features), a rowwise one's Replicate (added once, to the reduced output); Replicate for norms
- * and prepare_input. Errors when the style does not apply to the kind. */
+ * (sequence_parallel, headwise) and prepare_input. Errors when the style does not apply to the
+ * kind. */
 fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
                                   placement_t *out);
 

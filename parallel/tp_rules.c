@@ -9,7 +9,7 @@
 /* ---- names ---- */
 
 static const char *const style_names[TP_STYLE_COUNT] = {"colwise", "rowwise", "sequence_parallel",
-                                                        "prepare_input"};
+                                                        "prepare_input", "headwise"};
 static const char *const layout_names[TP_LAYOUT_COUNT] = {"default", "replicate", "shard(1)",
                                                           "shard(-1)", "replicate"};
 
@@ -77,8 +77,9 @@ fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char
       if (!bias) *out = placement_shard((style == TP_COLWISE) == emb ? 1 : 0);
       return STATUS_OK;
     case TP_SEQUENCE_PARALLEL:
+    case TP_HEADWISE:
       if (!is_norm(kind))
-        return err_set(STATUS_EINVAL, "sequence_parallel applies to norms, not a %s",
+        return err_set(STATUS_EINVAL, "%s applies to norms, not a %s", tp_style_name(style),
                        kind ? kind : "container");
       return STATUS_OK;
     case TP_PREPARE_INPUT: return STATUS_OK;

@@ -327,6 +327,11 @@ fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
     return STATUS_OK;
   }
   const llama_config_t *m = &p->model;
+  if (c.arch != m->arch)
+    return err_set(STATUS_EINVAL,
+                   "checkpoint.load: '%s' was saved with model.architecture = %s, the plan has %s: "
+                   "a checkpoint resumes only the model it was saved from",
+                   ckpt, llama_arch_name(c.arch), llama_arch_name(m->arch));
   struct {
     const char *key;
     double saved, plan;
@@ -335,6 +340,8 @@ fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
       {"dim", (double)c.dim, (double)m->dim},
       {"n_heads", (double)c.n_heads, (double)m->n_heads},
       {"n_kv_heads", (double)c.n_kv_heads, (double)m->n_kv_heads},
+      {"head_dim", (double)llama_head_dim(&c), (double)llama_head_dim(m)},
+      {"attention_bias", c.o_bias, m->o_bias},
       {"ffn_dim", (double)c.ffn_dim, (double)m->ffn_dim},
       {"vocab_size", (double)c.vocab_size, (double)m->vocab_size},
       {"tie_embeddings", c.tie_embeddings, m->tie_embeddings},
@@ -347,7 +354,8 @@ fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
     double a = keys[i].saved, b = keys[i].plan;
     if (a == b || fabs(a - b) <= 1e-12 * fabs(b)) continue; /* a JSON round trip of a double */
     char sa[32], sb[32];
-    bool flag = strcmp(keys[i].key, "tie_embeddings") == 0;
+    bool flag =
+        strcmp(keys[i].key, "tie_embeddings") == 0 || strcmp(keys[i].key, "attention_bias") == 0;
     shortest(a, sa, sizeof sa);
     shortest(b, sb, sizeof sb);
     return err_set(STATUS_EINVAL,

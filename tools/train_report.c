@@ -130,13 +130,19 @@ static void header_model(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   char rb[16], mb[32];
   train_mib(mb, sizeof mb, sharded_param_bytes(r));
+  const llama_config_t *c = &p->model;
+  char heads[48] = "", extra[64] = "";
+  if (c->head_dim > 0) snprintf(heads, sizeof heads, " of %lld", (long long)c->head_dim);
+  snprintf(extra, sizeof extra, "%s%s",
+           c->qkv_bias ? (c->o_bias ? ", attention biases" : ", q/k/v biases") : "",
+           c->qk_norm ? ", q/k norms" : "");
   printf(
-      "  model: llama dim %lld, %lld layer%s, %lld/%lld heads, ffn %lld, vocab %lld, %s; "
+      "  model: %s dim %lld, %lld layer%s, %lld/%lld heads%s, ffn %lld, vocab %lld, %s%s; "
       "%lld parameters; activation checkpointing %s\n",
-      (long long)p->model.dim, (long long)p->model.n_layers, p->model.n_layers == 1 ? "" : "s",
-      (long long)p->model.n_heads, (long long)p->model.n_kv_heads, (long long)p->model.ffn_dim,
-      (long long)p->model.vocab_size, p->model.tie_embeddings ? "tied" : "untied",
-      (long long)llama_num_params(&p->model), p->activation_checkpointing ? "on" : "off");
+      llama_arch_name(c->arch), (long long)c->dim, (long long)c->n_layers,
+      c->n_layers == 1 ? "" : "s", (long long)c->n_heads, (long long)c->n_kv_heads, heads,
+      (long long)c->ffn_dim, (long long)c->vocab_size, c->tie_embeddings ? "tied" : "untied", extra,
+      (long long)llama_num_params(c), p->activation_checkpointing ? "on" : "off");
   char threads[64] = "";
   if (r->host_threads > 0)
     snprintf(threads, sizeof threads, ", the optimizer on %d host threads", r->host_threads);
@@ -157,7 +163,8 @@ static void header_model(const run_t *r) {
   if (r->tp)
     printf("  tensor_parallel: %d module%s on tp=%d (%s); sequence parallelism %s\n",
            tp_num_modules(r->tp), tp_num_modules(r->tp) == 1 ? "" : "s", p->par.tp,
-           llama_plan_tp_is_builtin(&p->par) ? "the built-in Llama plan" : "the plan's rules",
+           llama_plan_tp_is_builtin(&p->model, &p->par) ? "the built-in Llama plan"
+                                                        : "the plan's rules",
            p->par.sequence_parallel ? "on" : "off");
   printf("  sharded parameters on rank 0: %s\n", mb);
 }

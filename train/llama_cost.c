@@ -71,28 +71,32 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
   sum_units(groups, n, pp->dp_shard, param_size, pp->dp_shard == 1 && !pp->offload, &u);
   double t = (double)pp->tp, sh = (double)pp->dp_shard, L = (double)c->n_layers;
   double D = (double)c->dim, F = (double)c->ffn_dim, V = (double)c->vocab_size;
-  double H = (double)c->n_heads, KVD = (double)(c->n_kv_heads * (c->dim / c->n_heads));
+  double H = (double)c->n_heads, hd = (double)llama_head_dim(c);
+  double QD = H * hd, KVD = (double)c->n_kv_heads * hd; /* the q and k/v widths */
   double B = (double)p->batch_size, T = (double)p->seq_len, N = B * T;
   bool tp = pp->tp > 1, sp = tp && pp->sequence_parallel, ac = p->activation_checkpointing;
   bool dp = pp->dp_shard * pp->dp_replicate > 1, accum = p->grad_accum > 1;
   double ea = (double)dtype_size(u.unit_dtype), er = (double)dtype_size(u.root_dtype);
   double Ns = sp ? N / t : N; /* tokens of a rank between blocks */
 
-  /* what one block's tape keeps: its norms' and residual adds' outputs, q, o, attention and
-   * the down projection (D wide), k, v and the rotated k (KV wide), gate, up and their
+  /* what one block's tape keeps: its norms' and residual adds' outputs, o and the down
+   * projection (D wide), q, the rotated q and attention (n_heads x head_dim wide), k, v and
+   * the rotated k (KV wide), gate, up and their
    * SwiGLU (F wide), two norms' inverse RMS and the attention's log-sum-exp in f32. Under
    * tensor parallelism heads and F split over tp and the rowwise outputs are whole before
    * their reduction; sequence parallelism puts norms and adds on sequence shards and keeps
    * the gathered inputs of the column-split projections too */
   double block;
   if (sp)
-    block = ea * (4 * N * D + 6 * Ns * D + 3 * N * D / t + 3 * N * KVD / t + 3 * N * F / t) +
+    block = ea * (4 * N * D + 6 * Ns * D + 3 * N * QD / t + 3 * N * KVD / t + 3 * N * F / t) +
             2 * Ns * 4 + B * (H / t) * T * 4;
   else if (tp)
-    block = ea * (8 * N * D + 3 * N * D / t + 3 * N * KVD / t + 3 * N * F / t) + 2 * N * 4 +
+    block = ea * (8 * N * D + 3 * N * QD / t + 3 * N * KVD / t + 3 * N * F / t) + 2 * N * 4 +
             B * (H / t) * T * 4;
   else
-    block = ea * (9 * N * D + 3 * N * KVD + 3 * N * F) + 2 * N * 4 + B * H * T * 4;
+    block = ea * (6 * N * D + 3 * N * QD + 3 * N * KVD + 3 * N * F) + 2 * N * 4 + B * H * T * 4;
+  if (c->qk_norm) /* Qwen3's normalised q and k heads and their inverse RMS */
+    block += ea * N * (QD + KVD) / t + 4 * N * (H + (double)c->n_kv_heads) / t;
   double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
   double ids = 4 * N * 8;     /* input ids and labels, and their copies */
   double emb = tp ? er * (N * D + Ns * D) : er * N * D;
@@ -184,7 +188,7 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
   /* tensor parallelism with the built-in Llama plan (docs/plan.md, "Tensor parallelism"): per
    * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype */
   int T = p->par.tp;
-  if (T > 1 && llama_plan_tp_is_builtin(&p->par)) {
+  if (T > 1 && llama_plan_tp_is_builtin(&p->model, &p->par)) {
     const llama_config_t *mc = &p->model;
     double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
     double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
@@ -208,6 +212,10 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
       double k = 2 + 2 * L * (1 + fwd);
       c.n_ar += (long long)(A * k);
       c.ar += A * k * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T);
+    }
+    if (mc->qk_norm) { /* Qwen3's headwise q_norm and k_norm: their weights' sums */
+      c.n_ar += (long long)(A * 2 * L);
+      c.ar += A * 2 * L * (double)(2 * (T - 1) * (llama_head_dim(mc) * (int64_t)es) / T);
     }
   }
   return c;

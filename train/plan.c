@@ -88,11 +88,26 @@ static fsdpc_status_t read_hf_config(plan_ctx_t *c, int m, const char *const *ke
   return STATUS_OK;
 }
 
+/* model.architecture: llama (the default), qwen2 or qwen3, with the features that name means. */
+static fsdpc_status_t read_architecture(plan_ctx_t *c, int m, llama_config_t *mc) {
+  char name[32] = "";
+  FSDPC_TRY(pr_get_str(c, m, "model", "architecture", name, sizeof name));
+  if (name[0] == 0) return STATUS_OK;
+  if (!llama_arch_from_name(name, &mc->arch))
+    return pr_fail(c, pr_find(c, m, "architecture"), "model.architecture",
+                   "'%s' is not an architecture this build trains (llama, qwen2, qwen3)", name);
+  mc->qkv_bias = mc->arch == LLAMA_ARCH_QWEN2;
+  mc->o_bias = false;
+  mc->qk_norm = mc->arch == LLAMA_ARCH_QWEN3;
+  return STATUS_OK;
+}
+
 static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
-  static const char *const keys[] = {"dim",           "n_layers",       "n_heads",     "n_kv_heads",
-                                     "ffn_dim",       "vocab_size",     "max_seq_len", "rope_theta",
-                                     "norm_eps",      "tie_embeddings", "seed",        "init_from",
-                                     "deferred_init", "config",         NULL};
+  static const char *const keys[] = {"architecture",   "dim",        "n_layers",  "n_heads",
+                                     "n_kv_heads",     "head_dim",   "ffn_dim",   "vocab_size",
+                                     "max_seq_len",    "rope_theta", "norm_eps",  "tie_embeddings",
+                                     "attention_bias", "seed",       "init_from", "deferred_init",
+                                     "config",         NULL};
   int m;
   FSDPC_TRY(pr_section(c, root, "model", keys, &m));
   if (m == 0) return STATUS_OK;
@@ -118,6 +133,7 @@ static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
   if (p->init_from[0]) return read_hf_config(c, m, keys, "init_from", p->init_from);
   if (config[0]) return read_hf_config(c, m, keys, "config", config);
   llama_config_t *mc = &p->model;
+  FSDPC_TRY(read_architecture(c, m, mc));
   const int64_t big = (int64_t)1 << 31;
   FSDPC_TRY(pr_get_int(c, m, "model", "dim", 1, big, &mc->dim));
   FSDPC_TRY(pr_get_int(c, m, "model", "n_layers", 1, 4096, &mc->n_layers));
@@ -129,6 +145,13 @@ static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_get_float(c, m, "model", "rope_theta", 0, 1e12, true, &mc->rope.theta));
   FSDPC_TRY(pr_get_float(c, m, "model", "norm_eps", 0, 1, true, &mc->norm_eps));
   FSDPC_TRY(pr_get_bool(c, m, "model", "tie_embeddings", &mc->tie_embeddings));
+  FSDPC_TRY(pr_get_int(c, m, "model", "head_dim", 0, 65536, &mc->head_dim));
+  bool bias = false;
+  FSDPC_TRY(pr_get_bool(c, m, "model", "attention_bias", &bias));
+  if (bias && mc->arch == LLAMA_ARCH_QWEN2)
+    return pr_fail(c, pr_find(c, m, "attention_bias"), "model.attention_bias",
+                   "qwen2's q, k and v projections always have biases, its o_proj none");
+  if (bias) mc->qkv_bias = mc->o_bias = true;
   if (llama_config_check(mc) != STATUS_OK) return pr_fail(c, m, "model", "%s", err_detail());
   return STATUS_OK;
 }
@@ -485,7 +508,7 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
   if (st == STATUS_OK) st = read_rest(c, root);
   /* fsdp-train's model is the Llama: without rules of its own, a plan splits it by the
    * built-in ones */
-  if (st == STATUS_OK && !p->par.tp_plan_given) st = llama_plan_fill_tp_rules(&p->par);
+  if (st == STATUS_OK && !p->par.tp_plan_given) st = llama_plan_fill_tp_rules(&p->model, &p->par);
   if (st == STATUS_OK && settings) st = settings_text(c, root, settings);
   pr_close(c);
   free(c);

@@ -6,7 +6,8 @@
 #include "core/args_impl.h"
 #include "nn/module.h"
 
-/* The Llama plan of TorchTitan, by the module names of models/llama/llama.c. */
+/* The Llama plan of TorchTitan, by the module names of models/llama/llama.c; with Qwen3's
+ * q_norm and k_norm the two rules at the end too. */
 static const tp_rule_t llama_plan[] = {
     {"model.embed_tokens", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
     {"model.layers.*.input_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
@@ -23,18 +24,20 @@ static const tp_rule_t llama_plan[] = {
     {"model.layers.*.mlp.down_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
     {"model.norm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
     {"lm_head", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_REPLICATE},
+    {"model.layers.*.self_attn.q_norm", TP_HEADWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"model.layers.*.self_attn.k_norm", TP_HEADWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
 };
 
-int llama_plan_tp_rules(const tp_rule_t **rules) {
+int llama_plan_tp_rules(const llama_config_t *c, const tp_rule_t **rules) {
   if (rules == NULL) return 0;
   *rules = llama_plan;
-  return (int)(sizeof llama_plan / sizeof llama_plan[0]);
+  return (int)(sizeof llama_plan / sizeof llama_plan[0]) - (c && c->qk_norm ? 0 : 2);
 }
 
-fsdpc_status_t llama_plan_fill_tp_rules(parallel_plan_t *pp) {
+fsdpc_status_t llama_plan_fill_tp_rules(const llama_config_t *c, parallel_plan_t *pp) {
   ARG_NONNULL(pp);
   const tp_rule_t *r;
-  int n = llama_plan_tp_rules(&r);
+  int n = llama_plan_tp_rules(c, &r);
   pp->n_tp_rules = 0;
   for (int i = 0; i < n; i++)
     FSDPC_TRY(parallel_plan_add_tp_rule(pp, r[i].pattern, r[i].style, r[i].input, r[i].output));
@@ -45,11 +48,11 @@ fsdpc_status_t llama_plan_fill_tp_rules(parallel_plan_t *pp) {
   return STATUS_OK;
 }
 
-bool llama_plan_tp_is_builtin(const parallel_plan_t *pp) {
+bool llama_plan_tp_is_builtin(const llama_config_t *c, const parallel_plan_t *pp) {
   if (pp == NULL) return false;
   if (!pp->tp_plan_given) return true;
   const tp_rule_t *d;
-  int n = llama_plan_tp_rules(&d);
+  int n = llama_plan_tp_rules(c, &d);
   if (pp->n_tp_rules != n) return false;
   for (int i = 0; i < n; i++) {
     const plan_tp_rule_t *r = &pp->tp_rules[i];

@@ -3,12 +3,13 @@
  * which fsdp-train uses when a plan gives no rules, and the checks a plan must pass for it.
  *
  *   parallel_plan_t *pp = &plan.par;
- *   if (!pp->tp_plan_given) FSDPC_TRY(llama_plan_fill_tp_rules(pp));
+ *   if (!pp->tp_plan_given) FSDPC_TRY(llama_plan_fill_tp_rules(&plan.model, pp));
  *   FSDPC_TRY(llama_plan_check(pp));
  */
 #ifndef FSDPC_PARALLEL_LLAMA_PLAN_H
 #define FSDPC_PARALLEL_LLAMA_PLAN_H
 
+#include "models/llama/llama.h"
 #include "parallel/parallel_plan.h"
 
 #ifdef __cplusplus
@@ -16,16 +17,18 @@ extern "C" {
 #endif
 #pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
-/* The built-in rules (attention and MLP inputs split by column and outputs by row, the
- * vocabulary split in the embedding and lm_head, whose output is made whole for the loss;
- * norms on sequence shards under sequence parallelism); returns their number. */
-int llama_plan_tp_rules(const tp_rule_t **rules);
+/* The built-in rules of the model of c (NULL: Llama's): attention and MLP inputs split by
+ * column and outputs by row, the vocabulary split in the embedding and lm_head, whose output
+ * is made whole for the loss; norms on sequence shards under sequence parallelism; with
+ * Qwen3's q_norm and k_norm, those headwise. Returns their number. */
+int llama_plan_tp_rules(const llama_config_t *c, const tp_rule_t **rules);
 
-/* Puts the built-in rules into pp (tp_plan_given stays false). */
-fsdpc_status_t llama_plan_fill_tp_rules(parallel_plan_t *pp);
+/* Puts the built-in rules of c's model into pp (tp_plan_given stays false). */
+fsdpc_status_t llama_plan_fill_tp_rules(const llama_config_t *c, parallel_plan_t *pp);
 
-/* True when pp's rules are the built-in ones (not given, or written out in the same order). */
-bool llama_plan_tp_is_builtin(const parallel_plan_t *pp);
+/* True when pp's rules are the built-in ones of c's model (not given, or written out in the
+ * same order). */
+bool llama_plan_tp_is_builtin(const llama_config_t *c, const parallel_plan_t *pp);
 
 /* What training the Llama needs of a plan: with tp > 1 the loss reads whole logits, so a
  * colwise lm_head must output replicate. Errors name the rule's place. */

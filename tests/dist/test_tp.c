@@ -123,7 +123,7 @@ static void parity(const variant_t *v) {
   if (v->ac) llama_set_activation_checkpointing(sh.m, true);
   const tp_rule_t *builtin;
   tp_rule_t rules[32];
-  int nr = llama_plan_tp_rules(&builtin);
+  int nr = llama_plan_tp_rules(NULL, &builtin);
   memcpy(rules, builtin, sizeof(tp_rule_t) * (size_t)nr);
   if (v->colwise_embed) rules[0].style = TP_COLWISE; /* model.embed_tokens */
   tp_plan_t *plan;
@@ -241,7 +241,7 @@ START_TEST(uneven_split_is_refused) {
   ok(mesh_new(2, shape, names, test_device_type(), &world));
   ok(mesh_slice(world, 1, &names[1], &tp));
   const tp_rule_t *rules;
-  int nr = llama_plan_tp_rules(&rules);
+  int nr = llama_plan_tp_rules(NULL, &rules);
   tp_plan_t *plan = NULL;
   fsdpc_status_t st = tensor_parallel(llama_module(r.m), tp, rules, nr, false, &plan);
   int good = st == STATUS_ESHAPE && strstr(err_detail(), "not divisible by tp=") != NULL;

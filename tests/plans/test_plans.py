@@ -5,7 +5,8 @@
 
   configs       every shipped plan at its world size: loss goes down; fp32 plans match
                 debug.yaml step for step (1e-5); PyTorch's losses; plots; converted plans;
-                evaluation; shuffling
+                evaluation; shuffling; model.config; Qwen2 and Qwen3 against PyTorch and
+                under FSDP, HSDP and TP
   errors        malformed input: documented message from every rank, non-zero exit, fast
   dry-run       --dry-run's estimates against a real run's counters; the messages' wording
   checkpoint    saving, resuming under other plans
@@ -32,7 +33,7 @@ import common  # noqa: E402  (after the path)
 MODES = {
     "configs": [("configs", "configs"), ("configs", "pytorch"), ("plots_converts", "plots"),
                 ("plots_converts", "converts"), ("configs", "evaluation"),
-                ("configs", "shuffling"), ("configs", "model_config")],
+                ("configs", "shuffling"), ("configs", "model_config"), ("configs", "family")],
     "errors": [("errors", "errors")],
     "dry-run": [("dry_run", "dry_run"), ("dry_run", "messages")],
     "checkpoint": [("checkpoints", "checkpoints")],
