@@ -7,7 +7,8 @@ import re
 import shutil
 import time
 
-from common import (EXE, ROOT, TOOL, check, edit_header, losses, mkdtemp, run, sh, st_read)
+from common import (EXE, ROOT, TOOL, check, edit_header, hf_folder, losses, mkdtemp, run, sh,
+                    st_read)
 
 
 def hf_expected(cfg):
@@ -505,3 +506,60 @@ def ckpt_any_model():
               not glob.glob(os.path.join(tmp, "never.tmp*")),
               "reshard %s %s: exit %d, says /%s/ (%s)" % (plan, " ".join(extra), p.returncode,
                                                          want, p.stderr.strip()[-200:]))
+
+
+FAMILY_TP_PLAN = """\
+mesh:
+  dp_shard: 2
+  tp: 2
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+  tensor_parallel:
+    sequence_parallel: true
+"""
+
+
+def ckpt_family():
+    """Qwen2 and Qwen3 checkpoints, no model flags given: import-hf of tests/reference's
+    folder, inspect and verify, reshard to FSDP 2 x TP 2, export-hf back: config.json of its
+    architecture and every tensor of the folder bit for bit (Qwen3's tied lm_head left out,
+    as transformers leaves it out)."""
+    tool = lambda *a: sh([TOOL] + list(a), timeout=120)  # noqa: E731
+    for tag, model_type in (("tiny_qwen2", "qwen2"), ("tiny_qwen3", "qwen3")):
+        tmp = mkdtemp()
+        hf = hf_folder(tmp, tag)
+        ck, tp, out = (os.path.join(tmp, x) for x in ("ck", "ck-tp", "hf-out"))
+        plan = os.path.join(tmp, "tp.yaml")
+        with open(plan, "w") as f:
+            f.write(FAMILY_TP_PLAN)
+        steps = [("import-hf", hf, ck), ("inspect", ck), ("verify", ck),
+                 ("reshard", ck, "--to", plan, tp), ("export-hf", tp, out)]
+        done = True
+        for args in steps:
+            p = tool(*args)
+            done = done and p.returncode == 0
+            if p.returncode != 0:
+                print(p.stdout[-1500:], p.stderr[-1500:])
+        check(done, "%s: import-hf, inspect, verify, reshard to 2 x 2 and export-hf run" % tag)
+        if not done:
+            continue
+        want_h, want_data = st_read(os.path.join(hf, "model.safetensors"))
+        h, data = st_read(os.path.join(out, "model.safetensors"))
+        names = sorted(k for k in h if k != "__metadata__")
+        same = names == sorted(k for k in want_h if k != "__metadata__") and all(
+            h[k]["shape"] == want_h[k]["shape"] and
+            data[h[k]["data_offsets"][0]:h[k]["data_offsets"][1]] ==
+            want_data[want_h[k]["data_offsets"][0]:want_h[k]["data_offsets"][1]] for k in names)
+        check(same, "%s: export-hf after 2 x 2 gives the folder's %d tensors bit for bit%s"
+              % (tag, len(names), " (lm_head.weight left out: tied)" if "qwen3" in tag else ""))
+        with open(os.path.join(out, "config.json")) as f:
+            got = json.load(f)
+        with open(os.path.join(hf, "config.json")) as f:
+            want = json.load(f)
+        keys = ("model_type", "architectures", "hidden_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta")
+        diff = [k for k in keys if k in want and got.get(k) != want[k]]
+        check(got.get("model_type") == model_type and not diff,
+              "%s: export-hf writes a %s config.json (differs in: %s)"
+              % (tag, model_type, ", ".join(diff) or "nothing"))

@@ -218,3 +218,15 @@ def st_read(path):
         raw = f.read()
     (n,) = struct.unpack("<Q", raw[:8])
     return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def hf_folder(tmp, tag):
+    """A Hugging Face folder in tmp of tests/reference's model TAG: its config and initial
+    weights."""
+    ref = os.path.join(ROOT, "tests", "reference")
+    model = os.path.join(tmp, tag)
+    os.mkdir(model)
+    os.symlink(os.path.join(ref, tag + "_config.json"), os.path.join(model, "config.json"))
+    os.symlink(os.path.join(ref, tag + "_init.safetensors"),
+               os.path.join(model, "model.safetensors"))
+    return model

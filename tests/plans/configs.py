@@ -4,7 +4,7 @@ import json
 import os
 import re
 
-from common import (BASE, PLANS, ROOT, STEPS, check, losses, mkdtemp, run)
+from common import (BASE, PLANS, ROOT, STEPS, check, hf_folder, losses, mkdtemp, run)
 
 
 def configs():
@@ -373,17 +373,6 @@ FAMILY_PLANS = [  # (what, ranks, settings): each against one rank, the same glo
 ]
 
 
-def hf_folder(tmp, tag):
-    """A Hugging Face folder of tests/reference's model TAG: its config and initial weights."""
-    ref = os.path.join(ROOT, "tests", "reference")
-    model = os.path.join(tmp, tag)
-    os.mkdir(model)
-    os.symlink(os.path.join(ref, tag + "_config.json"), os.path.join(model, "config.json"))
-    os.symlink(os.path.join(ref, tag + "_init.safetensors"),
-               os.path.join(model, "model.safetensors"))
-    return model
-
-
 def family():
     """Qwen2 (q, k, v biases) and Qwen3 (q_norm and k_norm, head_dim 24 where hidden / heads
     is 16, tied), from a Hugging Face folder: one rank reproduces PyTorch's ten losses; FSDP,
@@ -447,6 +436,14 @@ def family():
                            "model.architecture=qwen3", "--set", "model.head_dim=48"])
             check(p.returncode == 0 and "model: qwen3 dim 64, 2 layers, 4/2 heads of 48" in
                   p.stdout, "model.architecture=qwen3 with model.head_dim=48 plans a Qwen3")
+        if tag == "tiny_qwen3":  # the shipped Qwen3 plan, FSDP x TP on 4 ranks
+            m = os.path.join(tmp, "shipped.jsonl")
+            p, _ = run(4, [os.path.join(ROOT, "configs", "qwen3-tp.yaml"), "--set",
+                           "train.steps=%d" % STEPS, "--metrics", m])
+            got = [r["loss"] for r in losses(m)] if p.returncode == 0 else []
+            check(len(got) == STEPS and got[-1] < got[0] - 0.5,
+                  "configs/qwen3-tp.yaml on 4 ranks: the loss goes down (%s)"
+                  % ("%.3f -> %.3f" % (got[0], got[-1]) if got else "failed"))
         bare = os.path.join(tmp, "bare.jsonl")
         config = os.path.join(ROOT, "tests", "reference", tag + "_config.json")
         p, _ = run(2, [plan, "--set", "model.init_from=null", "--set", "model.config=" + config,

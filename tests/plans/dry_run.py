@@ -62,7 +62,30 @@ def dry_run():
             check(abs(got_state - want_state) <= 0.1 * want_state,
                   "%s: memory held after a step %d B, estimated %d B (10%%)"
                   % (name, got_state, want_state))
-    print("dry-run peak estimates: worst error %.1f%% over %d runs" % (100 * worst, 2 * len(PLANS)))
+    # the other architectures' shipped plans: Qwen3 (head_dim 32, q/k norms) under FSDP x TP
+    for name, n in (("qwen3-tp", 4),):
+        plan = os.path.join(ROOT, "configs", name + ".yaml")
+        for ac in ("false", "true"):
+            sets = ["--set", "train.activation_checkpointing=" + ac]
+            p, _ = run(n, [plan, "--dry-run"] + sets)
+            est_comm = re.search(r"^comm_bytes (\d+)$", p.stdout, re.M)
+            est_peak = re.search(r"^peak_bytes (\d+)$", p.stdout, re.M)
+            metrics = os.path.join(tmp, "%s-%s.jsonl" % (name, ac))
+            q, _ = run(n, [plan, "--set", "train.steps=3", "--metrics", metrics] + sets)
+            m = losses(metrics) if q.returncode == 0 else []
+            if not (est_comm and est_peak and m):
+                check(False, "%s (checkpointing %s): --dry-run and 3 steps run" % (name, ac))
+                continue
+            peak, want_peak = max(r["peak_mem_bytes"] for r in m), int(est_peak.group(1))
+            worst = max(worst, abs(want_peak - peak) / peak)
+            check(abs(want_peak - peak) <= 0.15 * peak and
+                  m[-1]["comm_bytes"] == int(est_comm.group(1)),
+                  "%s, activation checkpointing %s: peak %d B, estimated %d B (%+.1f%%); "
+                  "communication %d B, estimated %s B" %
+                  (name, ac, peak, want_peak, 100.0 * (want_peak - peak) / peak,
+                   m[-1]["comm_bytes"], est_comm.group(1)))
+    print("dry-run peak estimates: worst error %.1f%% over %d runs" % (100 * worst,
+                                                                     2 * len(PLANS) + 2))
     # --world N from one process prints the memory and communication figures of a dry run
     # under mpirun -n N (the placements too)
     figures = re.compile(r"^(state_bytes|largest_unit_bytes|peak_bytes|comm_bytes|"

@@ -10,7 +10,8 @@
   errors        malformed input: documented message from every rank, non-zero exit, fast
   dry-run       --dry-run's estimates against a real run's counters; the messages' wording
   checkpoint    saving, resuming under other plans
-  ckpt-tool     fsdp-ckpt inspect, export-hf (read by an independent parser), import-hf
+  ckpt-tool     fsdp-ckpt inspect, export-hf (read by an independent parser), import-hf;
+                Qwen2 and Qwen3 through import-hf, reshard and export-hf
   ckpt-corrupt  damaged checkpoints given to fsdp-train: named errors; hostile headers,
                 non-finite steps, load: auto, the watchdog, verify
   ckpt-damage   the damage table: every damage x resume on 1 and 3 ranks and every
@@ -37,7 +38,8 @@ MODES = {
     "errors": [("errors", "errors")],
     "dry-run": [("dry_run", "dry_run"), ("dry_run", "messages")],
     "checkpoint": [("checkpoints", "checkpoints")],
-    "ckpt-tool": [("ckpt_tool", "ckpt_tool"), ("ckpt_tool", "ckpt_any_model")],
+    "ckpt-tool": [("ckpt_tool", "ckpt_tool"), ("ckpt_tool", "ckpt_any_model"),
+                  ("ckpt_tool", "ckpt_family")],
     "ckpt-corrupt": [("ckpt_corrupt", "ckpt_corrupt")],
     "ckpt-damage": [("ckpt_damage", "ckpt_damage")],
     "gpu": [("gpu", "gpu")],
