@@ -112,10 +112,16 @@ static fsdpc_status_t cpu_silu_mul_backward(fsdpc_tensor_t *dgate, fsdpc_tensor_
 
 /* ---- activations, bias ---- */
 
+/* GELU's tanh form: the tanh and its argument's derivative (PyTorch's constants). */
+static inline float gelu_tanh_t(float x) {
+  return tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x));
+}
+
 static float act_value(kernel_act_t act, float x) {
   switch (act) {
     case KERNEL_ACT_RELU: return x > 0.0f ? x : 0.0f;
     case KERNEL_ACT_GELU: return 0.5f * x * (1.0f + erff(x * (float)M_SQRT1_2));
+    case KERNEL_ACT_GELU_TANH: return 0.5f * x * (1.0f + gelu_tanh_t(x));
     default: return x * silu_sig(x);
   }
 }
@@ -126,6 +132,11 @@ static float act_derivative(kernel_act_t act, float x) {
     case KERNEL_ACT_GELU: /* Phi(x) + x * phi(x) */
       return 0.5f * (1.0f + erff(x * (float)M_SQRT1_2)) +
              x * (float)(0.5 * M_2_SQRTPI * M_SQRT1_2) * expf(-0.5f * x * x);
+    case KERNEL_ACT_GELU_TANH: { /* (1 + t) / 2 + x / 2 (1 - t^2) u'(x) */
+      float t = gelu_tanh_t(x);
+      return 0.5f * (1.0f + t) +
+             0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
+    }
     default: {
       float s = silu_sig(x);
       return s * (1.0f + x * (1.0f - s));

@@ -97,10 +97,16 @@ struct op_silu_mul_backward {
   }
 };
 
+/* GELU's tanh form: the tanh (PyTorch's constants). */
+__device__ static float gelu_tanh_t(float x) {
+  return tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x));
+}
+
 __device__ static float act_value(int act, float x) {
   switch (act) {
     case KERNEL_ACT_RELU: return x > 0.0f ? x : 0.0f;
     case KERNEL_ACT_GELU: return 0.5f * x * (1.0f + erff(x * (float)M_SQRT1_2));
+    case KERNEL_ACT_GELU_TANH: return 0.5f * x * (1.0f + gelu_tanh_t(x));
     default: return x / (1.0f + expf(-x));
   }
 }
@@ -111,6 +117,11 @@ __device__ static float act_derivative(int act, float x) {
     case KERNEL_ACT_GELU: /* Phi(x) + x * phi(x) */
       return 0.5f * (1.0f + erff(x * (float)M_SQRT1_2)) +
              x * (float)(0.5 * M_2_SQRTPI * M_SQRT1_2) * expf(-0.5f * x * x);
+    case KERNEL_ACT_GELU_TANH: { /* (1 + t) / 2 + x / 2 (1 - t^2) u'(x) */
+      float t = gelu_tanh_t(x);
+      return 0.5f * (1.0f + t) +
+             0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
+    }
     default: {
       float s = 1.0f / (1.0f + expf(-x));
       return s * (1.0f + x * (1.0f - s));

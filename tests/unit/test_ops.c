@@ -244,6 +244,11 @@ static fsdpc_status_t b_gelu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_va
   return nn_activation(ctx, in[0], KERNEL_ACT_GELU, out);
 }
 
+static fsdpc_status_t b_gelu_tanh(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  return nn_activation(ctx, in[0], KERNEL_ACT_GELU_TANH, out);
+}
+
 static fsdpc_status_t b_silu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   return nn_activation(ctx, in[0], KERNEL_ACT_SILU, out);
@@ -322,6 +327,7 @@ static const fd_case_t cases[] = {
     {"add_scale_view", 1, {2}, {{3, 4}}, {true}, 0, {0}, {{0}}, b_add_scale_view, NULL},
     {"bias_add", 1, {3}, {{2, 3, 5}}, {true}, 1, {1}, {{5}}, b_bias_add, NULL},
     {"gelu", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_gelu, NULL},
+    {"gelu_tanh", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_gelu_tanh, NULL},
     {"silu", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_silu, NULL},
     {"layernorm", 1, {2}, {{3, 8}}, {true}, 2, {1, 1}, {{8}, {8}}, b_layernorm, NULL},
     {"layernorm_no_bias", 1, {2}, {{3, 8}}, {true}, 1, {1}, {{8}}, b_layernorm_no_bias, NULL},
@@ -341,9 +347,10 @@ static const fd_case_t cases[] = {
 START_TEST(backward_matches_finite_differences) { run_case(&cases[_i]); }
 END_TEST
 
-/* Activation values against values computed independently (Python's math.erf and exp): the
- * exact GELU x/2 (1 + erf(x / sqrt 2)) as PyTorch's default, SiLU, ReLU; and GELU's
- * derivative through the backward kernel. */
+/* Activation values against values computed independently (Python's math.erf, exp and tanh):
+ * the exact GELU x/2 (1 + erf(x / sqrt 2)) as PyTorch's default, SiLU, ReLU, GELU's tanh form
+ * (PyTorch's approximate="tanh" gives the same values); and both GELUs' derivatives through
+ * the backward kernel. */
 START_TEST(activations_match_reference_values) {
   static const double xs[7] = {-3.0, -1.5, -0.5, 0.0, 0.25, 1.0, 2.5};
   static const double gelu[7] = {-0.00404969409489031, -0.10021080190328713,
@@ -356,6 +363,12 @@ START_TEST(activations_match_reference_values) {
                                   0.13250487534383712,   0.5,
                                   0.695373354883636,     1.0833154705876864,
                                   1.037611085908145};
+  static const double gelu_tanh[7] = {
+      -0.0036373920817729943, -0.10042842301976707, -0.15428599017485606, 0.0,
+      0.149675350701685,      0.8411919906082768,   2.484915733910001};
+  static const double dgelu_tanh[7] = {
+      -0.011584166630969516, -0.1277107931514331, 0.13263009646535764, 0.5,
+      0.6953540951510604,    1.0829640838457826,  1.037951576212666};
   int64_t n = 7;
   fsdpc_tensor_t x, y, one, d;
   ok(tensor_init(&x, DTYPE_F32, device_cpu(), 1, &n));
@@ -364,7 +377,7 @@ START_TEST(activations_match_reference_values) {
   ok(tensor_init(&one, DTYPE_F32, device_cpu(), 1, &n));
   ok(tensor_fill(&one, 1.0));
   for (int i = 0; i < 7; i++) ((float *)x.data)[i] = (float)xs[i];
-  const double *want[3] = {NULL, gelu, silu};
+  const double *want[KERNEL_ACT_COUNT] = {NULL, gelu, silu, gelu_tanh};
   for (int a = 0; a < KERNEL_ACT_COUNT; a++) {
     ok(kernel_activation(&y, &x, (kernel_act_t)a));
     for (int i = 0; i < 7; i++) {
@@ -377,6 +390,10 @@ START_TEST(activations_match_reference_values) {
   for (int i = 0; i < 7; i++)
     ck_assert_msg(fabs(((float *)d.data)[i] - dgelu[i]) <= 1e-6, "gelu'(%g): %.9g, want %.9g",
                   xs[i], ((float *)d.data)[i], dgelu[i]);
+  ok(kernel_activation_backward(&d, &one, &x, KERNEL_ACT_GELU_TANH));
+  for (int i = 0; i < 7; i++)
+    ck_assert_msg(fabs(((float *)d.data)[i] - dgelu_tanh[i]) <= 1e-6,
+                  "gelu_tanh'(%g): %.9g, want %.9g", xs[i], ((float *)d.data)[i], dgelu_tanh[i]);
   ok(kernel_activation_backward(&d, &one, &x, KERNEL_ACT_RELU));
   ck_assert(((float *)d.data)[3] == 0.0f && ((float *)d.data)[5] == 1.0f); /* relu'(0) = 0 */
   tensor_free(&x);
