@@ -67,17 +67,20 @@ int main(int argc, char **argv) {
   int64_t N = bench_int(argc, argv, "--tokens", cuda ? 8192 : 512, 1, 1 << 24);
   int reps = (int)bench_int(argc, argv, "--reps", 20, 1, 100000);
   int paths = cuda ? 2 : 1;
-  int64_t Dh = c.dim / c.n_heads, L = c.n_layers;
+  int64_t Dh = llama_head_dim(&c), L = c.n_layers;
   layer_t layers[] = {
-      {"q, o", c.dim, c.dim, 2 * L},         {"k, v", c.n_kv_heads * Dh, c.dim, 2 * L},
-      {"gate, up", c.ffn_dim, c.dim, 2 * L}, {"down", c.dim, c.ffn_dim, L},
+      {"q", c.n_heads * Dh, c.dim, L},
+      {"o", c.dim, c.n_heads * Dh, L},
+      {"k, v", c.n_kv_heads * Dh, c.dim, 2 * L},
+      {"gate, up", c.ffn_dim, c.dim, 2 * L},
+      {"down", c.dim, c.ffn_dim, L},
       {"lm head", c.vocab_size, c.dim, 1},
   };
   static const char *kinds[3] = {"forward", "input grad", "weight grad"};
   double *times = calloc((size_t)(2 * reps), sizeof(double));
   if (times == NULL) bench_leave(1);
   double step[2] = {0, 0}, step_flop = 0;
-  printf("matrix products of a Llama step over %lld tokens, %s on %s, median of %d\n", (long long)N,
+  printf("matrix products of a step over %lld tokens, %s on %s, median of %d\n", (long long)N,
          dtype_name(dt), cuda ? "cuda" : "cpu", reps);
   if (cuda)
     printf("%-10s %-11s %16s %22s %22s %7s\n", "linear", "product", "m x n x k", "cuBLASLt",

@@ -2,7 +2,7 @@
 """PyTorch FSDP2 training of a Llama config: the peer that bench/vs_torch_gpu.py runs beside
 fsdp-train.
 
-  torch_fsdp2.py --config configs/llama-100m.json --data TOKENS.u16 [--batch 8] [--seq 1024]
+  torch_fsdp2.py --config configs/llama-100m.json --data TOKENS.u16 [--u32] [--batch 8] [--seq 1024]
                  [--steps 30] [--warmup 5] [--param-dtype bf16] [--reduce-dtype f32]
                  [--lr 3e-4] [--device cuda|cpu] [--no-fsdp] [--compile] [--offload]
 
@@ -19,7 +19,7 @@ AdamW (betas 0.9/0.95, weight decay 0.1, none on the norms; fused, TorchTitan's 
 torch has it for the parameters' device); gradient clipping at 1.0; the loss in f32. With
 --no-fsdp the model trains eagerly in f32 under torch.autocast(param_dtype), as a one-GPU
 PyTorch user writes it. A batch is `batch` windows of `seq` tokens (plus the next one) from
-the little-endian uint16 token file. One process is a world of size 1 (NCCL on the GPU); under
+the little-endian uint16 (--u32: uint32, for vocabularies past 65536) token file. One process is a world of size 1 (NCCL on the GPU); under
 torchrun each rank takes its own windows.
 
 The steps run without a host wait of their own: each step's time is read from CUDA events
@@ -60,6 +60,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a Hugging Face Llama config.json")
     ap.add_argument("--data", required=True, help="little-endian uint16 token file")
+    ap.add_argument("--u32", action="store_true", help="the token file holds uint32 tokens")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
@@ -141,7 +142,10 @@ def main():
     autocast = a.no_fsdp and a.param_dtype != "f32"
 
     raw = open(a.data, "rb").read()
-    tokens = torch.frombuffer(bytearray(raw), dtype=torch.int16).to(torch.int64) & 0xFFFF
+    if a.u32:
+        tokens = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
+    else:
+        tokens = torch.frombuffer(bytearray(raw), dtype=torch.int16).to(torch.int64) & 0xFFFF
     span = len(tokens) - a.seq - 1
     if span <= 0:
         sys.exit("torch_fsdp2.py: %s holds fewer than seq + 1 tokens" % a.data)

@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """fsdp-train against PyTorch FSDP2 on one GPU, one after the other.
 
-Both train the same Llama, batch, mixed precision and optimizer.
+Both train the same model, batch, mixed precision and optimizer.
 
   vs_torch_gpu.py [--exe build/tools/fsdp-train] [--config configs/llama-100m.json]
                   [--batch 8] [--seq 1024] [--steps 30] [--warmup 5] [--param-dtype bf16]
                   [--reduce-dtype f32] [--python PYTHON] [--peak-tflops X] [--keep DIR]
                   [--profile] [--torch-compile] [--torch-eager] [--offload]
 
-Both sides train the config's Llama (a Hugging Face config.json) at world size 1 on the first
-visible GPU: fully_shard on every decoder layer and on the root with the same mixed-precision
-policy (param_dtype, reduce_dtype), AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1, none on
+Both sides train the config's model (a Hugging Face config.json of Llama, Qwen2 or Qwen3; a
+vocabulary past 65536 takes uint32 token files) at world size 1 on the first visible GPU:
+fully_shard on every decoder layer and on the root with the same mixed-precision policy
+(param_dtype, reduce_dtype), AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1, none on
 the norms), clipping at 1.0, windows of the same random token file. fsdp-train runs a plan
 written from the config (train.device: cuda; its metrics file gives each step's tokens/s and
 the accounting layer's peak bytes); torch runs bench/torch_fsdp2.py with PYTHON (default: this
@@ -46,22 +47,17 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEAKS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
          ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0)]  # dense bf16 TFLOP/s
-KEYS = [("hidden_size", "dim"), ("num_hidden_layers", "n_layers"),
-        ("num_attention_heads", "n_heads"), ("num_key_value_heads", "n_kv_heads"),
-        ("intermediate_size", "ffn_dim"), ("vocab_size", "vocab_size"),
-        ("max_position_embeddings", "max_seq_len"), ("rope_theta", "rope_theta"),
-        ("rms_norm_eps", "norm_eps")]
+def u32(cfg):
+    """Whether the vocabulary needs uint32 token files (Qwen's 151936 does)."""
+    return cfg["vocab_size"] > 65536
 
 
 def plan_text(cfg, a, data):
-    model = "\n".join("  %s: %s" % (ours, json.dumps(cfg[theirs]))
-                      for theirs, ours in KEYS if theirs in cfg)
-    tied = "true" if cfg.get("tie_word_embeddings", False) else "false"
     return """mesh:
   dp_shard: 1
 model:
-%s
-  tie_embeddings: %s
+  config: %s
+  seed: 0
 parallelize:
   fully_shard:
     units: ["model.layers.*"]
@@ -76,7 +72,7 @@ optim:
     "*norm*": {weight_decay: 0.0}
 data:
   path: %s
-  format: u16
+  format: %s
   seq_len: %d
   batch_size: %d
 train:
@@ -84,14 +80,19 @@ train:
   device: cuda
 log:
   interval: %d
-""" % (model, tied, "true" if a.offload else "false", a.param_dtype, a.reduce_dtype, data, a.seq, a.batch, a.steps, a.steps)
+""" % (os.path.abspath(a.config), "true" if a.offload else "false", a.param_dtype, a.reduce_dtype,
+       data, "u32" if u32(cfg) else "u16", a.seq, a.batch, a.steps, a.steps)
 
 
 def params_of(cfg):
     d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     h, kv, L = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
-    hd = d // h
+    kind = cfg.get("model_type", "llama")
+    hd = cfg.get("head_dim") or (128 if kind == "qwen3" else d // h)
     layer = d * (h * hd) * 2 + d * (kv * hd) * 2 + 3 * d * f + 2 * d
+    bias = kind != "qwen2" and bool(cfg.get("attention_bias"))
+    layer += (h * hd + 2 * kv * hd if kind == "qwen2" or bias else 0) + (d if bias else 0)
+    layer += 2 * hd if kind == "qwen3" else 0
     return v * d * (1 if cfg.get("tie_word_embeddings", False) else 2) + L * layer + d
 
 
@@ -140,7 +141,8 @@ def run_torch(a, data, flags=()):
                         a.config, "--data", data, "--batch", str(a.batch), "--seq", str(a.seq),
                         "--steps", str(a.steps), "--warmup", str(a.warmup), "--param-dtype",
                         a.param_dtype, "--reduce-dtype", a.reduce_dtype] +
-                       (["--offload"] if a.offload else []) + list(flags),
+                       (["--offload"] if a.offload else []) +
+                       (["--u32"] if data.endswith(".u32") else []) + list(flags),
                        capture_output=True, text=True)
     if p.returncode != 0 and flags:  # the plain run's figures still stand
         return None, "torch_fsdp2.py %s failed (exit %d): %s" % (
@@ -258,11 +260,12 @@ def main():
     work = a.keep or tempfile.mkdtemp(prefix="fsdpc-vs-torch-")
     os.makedirs(work, exist_ok=True)
     try:
-        data = os.path.join(work, "tokens.u16")
+        data = os.path.join(work, "tokens.u32" if u32(cfg) else "tokens.u16")
         n = max(1 << 20, 2 * a.batch * (a.seq + 1))
         rng = random.Random(0)
         with open(data, "wb") as f:
-            f.write(struct.pack("<%dH" % n, *(rng.randrange(cfg["vocab_size"]) for _ in range(n))))
+            f.write(struct.pack("<%d%s" % (n, "I" if u32(cfg) else "H"),
+                                *(rng.randrange(cfg["vocab_size"]) for _ in range(n))))
         plan = os.path.join(work, "plan.yaml")
         with open(plan, "w") as f:
             f.write(plan_text(cfg, a, data))

@@ -16,6 +16,8 @@
 #   offload-0.9b  the same with the sharded state on the host on both sides (torch's
 #                 CPUOffloadPolicy), fewer steps
 #   profile-0.9b  fsdp-train alone on configs/llama-0.9b.json with its kernel profile
+#   compare-qwen3 on configs/qwen3-0.6b.json (head_dim 128, q/k norms, a 151936 vocabulary),
+#                 torch FSDP2 and FSDP2 + compile
 #   tests         every suite (meson test)
 #   fsdp-step     bench-fsdp-step on llama-100m at 8 x 1024, bf16 (with the host's time a
 #                 unit and a parameter)
@@ -37,10 +39,11 @@ export PYTHONUNBUFFERED=1
 if [ $# -eq 0 ]; then set -- suites multi compare fsdp-step; fi
 for s in "$@"; do
   case "$s" in
-    suites | multi | compare | compare-0.9b | offload-0.9b | profile-0.9b | tests | fsdp-step) ;;
+    suites | multi | compare | compare-0.9b | offload-0.9b | profile-0.9b | compare-qwen3 | tests | \
+      fsdp-step) ;;
     *)
       echo "device-session: unknown stage '$s' (suites, multi, compare, compare-0.9b," \
-        "offload-0.9b, profile-0.9b, tests, fsdp-step)" >&2
+        "offload-0.9b, profile-0.9b, compare-qwen3, tests, fsdp-step)" >&2
       exit 2
       ;;
   esac
@@ -104,6 +107,10 @@ for s in "$@"; do
     profile-0.9b) # no torch to run beside it: fsdp-train's figures and kernel table alone
       run profile-0.9b 120 "$python" bench/vs_torch_gpu.py --exe build-gpu/tools/fsdp-train \
         --python /bin/false --config configs/llama-0.9b.json --profile --steps 10 --warmup 3
+      ;;
+    compare-qwen3)
+      run compare-qwen3 300 "$python" "${vs[@]}" --config configs/qwen3-0.6b.json --torch-compile \
+        --steps 20
       ;;
     tests) run tests 540 meson test -C build-gpu --print-errorlogs ;;
     fsdp-step)
