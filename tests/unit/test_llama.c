@@ -406,6 +406,76 @@ START_TEST(config_forms_of_transformers_4_and_5) {
 }
 END_TEST
 
+/* The family's config.json forms: each architecture's defaults (Qwen3's head_dim 128, Qwen's
+ * 32768 positions), its features (Qwen2's q/k/v biases, attention_bias, Qwen3's q/k norms), a
+ * round trip through llama_config_to_hf_text, and the refusals, each naming its key. */
+START_TEST(config_forms_of_the_family) {
+  const char *base =
+      "{\"hidden_size\": 64, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
+      "\"num_key_value_heads\": 2, \"intermediate_size\": 160, "
+      "\"vocab_size\": 256%s}";
+  const struct {
+    const char *extra;
+    llama_arch_t arch;
+    int64_t head_dim, max_pos; /* llama_head_dim, max_seq_len */
+    bool qkv_bias, o_bias, qk_norm;
+    const char *said; /* non-NULL: refused, saying this */
+  } cases[] = {
+      {"", LLAMA_ARCH_LLAMA, 16, 2048, false, false, false, NULL},
+      {", \"model_type\": \"llama\", \"attention_bias\": true, \"head_dim\": 32", LLAMA_ARCH_LLAMA,
+       32, 2048, true, true, false, NULL},
+      {", \"model_type\": \"qwen2\"", LLAMA_ARCH_QWEN2, 16, 32768, true, false, false, NULL},
+      {", \"model_type\": \"qwen2\", \"attention_bias\": true", LLAMA_ARCH_QWEN2, 16, 32768, true,
+       false, false, NULL},
+      {", \"model_type\": \"qwen3\"", LLAMA_ARCH_QWEN3, 128, 32768, false, false, true, NULL},
+      {", \"model_type\": \"qwen3\", \"head_dim\": 16, \"attention_bias\": true, "
+       "\"max_position_embeddings\": 40960, \"layer_types\": [\"full_attention\", "
+       "\"full_attention\"]",
+       LLAMA_ARCH_QWEN3, 16, 40960, true, true, true, NULL},
+      {", \"model_type\": \"qwen2\", \"use_sliding_window\": true", 0, 0, 0, 0, 0, 0,
+       "'use_sliding_window' is set, but sliding-window attention is not implemented"},
+      {", \"model_type\": \"qwen3\", \"layer_types\": [\"full_attention\", "
+       "\"sliding_attention\"]",
+       0, 0, 0, 0, 0, 0, "'layer_types' holds a layer other than \"full_attention\""},
+      {", \"model_type\": \"llama\", \"mlp_bias\": true", 0, 0, 0, 0, 0, 0,
+       "'mlp_bias' is set, but the model's MLP has no biases"},
+      {", \"model_type\": \"qwen3\", \"head_dim\": 0", 0, 0, 0, 0, 0, 0,
+       "'head_dim' must be positive"},
+      {", \"model_type\": \"qwen3\", \"head_dim\": 15", 0, 0, 0, 0, 0, 0,
+       "head_dim must be an even size"},
+      {", \"model_type\": \"qwen3\", \"attention_bias\": 1", 0, 0, 0, 0, 0, 0,
+       "'attention_bias' must be true or false"},
+      {", \"model_type\": \"gpt2\"", 0, 0, 0, 0, 0, 0,
+       "model_type \"gpt2\": this build trains \"llama\", \"qwen2\" and \"qwen3\""},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char text[1024];
+    snprintf(text, sizeof text, base, cases[i].extra);
+    llama_config_t c;
+    fsdpc_status_t st = llama_config_from_hf_text(text, "config.json", &c);
+    if (cases[i].said != NULL) {
+      ck_assert_msg(st != STATUS_OK && strstr(err_detail(), cases[i].said),
+                    "case %zu: expected a refusal saying \"%s\", got %s", i, cases[i].said,
+                    st == STATUS_OK ? "success" : err_detail());
+      continue;
+    }
+    ck_assert_msg(st == STATUS_OK, "case %zu: %s", i, err_detail());
+    for (int round = 0; round < 2; round++) { /* as read, then written and read back */
+      ck_assert_msg(c.arch == cases[i].arch && llama_head_dim(&c) == cases[i].head_dim &&
+                        c.max_seq_len == cases[i].max_pos && c.qkv_bias == cases[i].qkv_bias &&
+                        c.o_bias == cases[i].o_bias && c.qk_norm == cases[i].qk_norm,
+                    "case %zu round %d: %s head_dim %lld max_pos %lld biases %d/%d qk_norm %d", i,
+                    round, llama_arch_name(c.arch), (long long)llama_head_dim(&c),
+                    (long long)c.max_seq_len, c.qkv_bias, c.o_bias, c.qk_norm);
+      char *out;
+      ok(llama_config_to_hf_text(&c, DTYPE_F32, &out));
+      ok(llama_config_from_hf_text(out, "written", &c));
+      free(out);
+    }
+  }
+}
+END_TEST
+
 /* Llama 3.1 8B's rotary frequencies (head_dim 128, theta 5e5, llama3 scaling factor 8 over
  * 8192 positions: 64 pairs over all three regimes) equal torch's from transformers' formula. */
 START_TEST(llama3_frequencies_of_llama31) {
@@ -475,6 +545,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_qwen);
   if (mode.device == DEVICE_CPU && mode.dtype == DTYPE_F32) {
     tcase_add_test(tc, config_forms_of_transformers_4_and_5);
+    tcase_add_test(tc, config_forms_of_the_family);
     tcase_add_test(tc, llama3_frequencies_of_llama31);
   }
   suite_add_tcase(s, tc);
