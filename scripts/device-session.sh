@@ -18,6 +18,7 @@
 #   profile-0.9b  fsdp-train alone on configs/llama-0.9b.json with its kernel profile
 #   compare-qwen3 on configs/qwen3-0.6b.json (head_dim 128, q/k norms, a 151936 vocabulary),
 #                 torch FSDP2 and FSDP2 + compile
+#   reference     tests/reference's torch models against transformers (on the CPU)
 #   tests         every suite (meson test)
 #   fsdp-step     bench-fsdp-step on llama-100m at 8 x 1024, bf16 (with the host's time a
 #                 unit and a parameter)
@@ -39,11 +40,11 @@ export PYTHONUNBUFFERED=1
 if [ $# -eq 0 ]; then set -- suites multi compare fsdp-step; fi
 for s in "$@"; do
   case "$s" in
-    suites | multi | compare | compare-0.9b | offload-0.9b | profile-0.9b | compare-qwen3 | tests | \
-      fsdp-step) ;;
+    suites | multi | compare | compare-0.9b | offload-0.9b | profile-0.9b | compare-qwen3 | \
+      reference | tests | fsdp-step) ;;
     *)
       echo "device-session: unknown stage '$s' (suites, multi, compare, compare-0.9b," \
-        "offload-0.9b, profile-0.9b, compare-qwen3, tests, fsdp-step)" >&2
+        "offload-0.9b, profile-0.9b, compare-qwen3, reference, tests, fsdp-step)" >&2
       exit 2
       ;;
   esac
@@ -112,6 +113,7 @@ for s in "$@"; do
       run compare-qwen3 300 "$python" "${vs[@]}" --config configs/qwen3-0.6b.json --torch-compile \
         --steps 20
       ;;
+    reference) run reference 120 "$python" tests/reference/check_transformers.py ;;
     tests) run tests 540 meson test -C build-gpu --print-errorlogs ;;
     fsdp-step)
       run fsdp-step 90 build-gpu/bench/bench-fsdp-step --device cuda --param-dtype bf16 \

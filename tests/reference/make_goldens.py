@@ -17,6 +17,8 @@ variant, named in the golden's metadata "init") and TAG_golden.safetensors, for 
                tiny_llama3_v5_config.json holds the same model in rope_parameters (5's form)
   tiny_qwen2   Qwen2: biases on q, k and v (random, as every init here), rope_theta 1e6
   tiny_qwen3   Qwen3: q_norm and k_norm, head_dim 24 (hidden 64 / 4 heads is 16), tied
+  tiny_gpt2    GPT-2 (GPT2LMHeadModel): learned positions, LayerNorm with bias, fused c_attn,
+               Conv1D weights [in, out], GELU's tanh form, tied; dim 64, 2 layers, 4 heads
 and llama31_inv_freq.json: the rotary frequencies of Llama 3.1 8B's config (head_dim 128), as
 transformers' llama3 rope type defines them.
 
@@ -38,7 +40,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from torch_models import CausalLM, inv_freqs, rope_params
+from torch_models import CausalLM, GPT2LMHead, inv_freqs, rope_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(HERE, "..", "..", "data", "corpus.txt")
@@ -150,7 +152,14 @@ VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (Non
      None),
     ("tiny_qwen3", dict(QWEN, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=24,
                         attention_bias=False), True, None),
+    ("tiny_gpt2", dict(model_type="gpt2"), True, None),
 ]
+# GPT-2 as transformers' GPT2Config writes it (no dropout: the C model has none)
+GPT2_CONFIG = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_layer=2,
+                   n_head=4, n_inner=None, n_positions=64, vocab_size=256,
+                   layer_norm_epsilon=1e-5, activation_function="gelu_new",
+                   initializer_range=0.02, tie_word_embeddings=True, attn_pdrop=0.0,
+                   embd_pdrop=0.0, resid_pdrop=0.0)
 
 
 def write_config(tag, cfg):
@@ -160,18 +169,22 @@ def write_config(tag, cfg):
 
 
 def run(tag, changes, tied, init_tag):
-    cfg = dict(CONFIG, tie_word_embeddings=tied, model_type="llama", hidden_act="silu",
-               architectures=["LlamaForCausalLM"])
+    gpt2 = changes.get("model_type") == "gpt2"
+    if gpt2:
+        cfg = dict(GPT2_CONFIG, tie_word_embeddings=tied)
+    else:
+        cfg = dict(CONFIG, tie_word_embeddings=tied, model_type="llama", hidden_act="silu",
+                   architectures=["LlamaForCausalLM"])
     cfg.update(changes)
     cfg = {k: v for k, v in cfg.items() if v is not None}
     write_config(tag, cfg)
 
     torch.manual_seed(SEED + tied)
-    model = CausalLM(cfg)
+    model = GPT2LMHead(cfg) if gpt2 else CausalLM(cfg)
     if init_tag is None:
         init = {}
         for name, p in model.named_parameters():  # shared parameters appear once
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or (".ln_" in name and name.endswith(".weight")):
                 init[name] = 1.0 + 0.1 * torch.randn(p.shape)
             else:
                 init[name] = 0.02 * torch.randn(p.shape)

@@ -6,6 +6,9 @@ benchmarks train beside it (bench/vs_torch_cpu.py, bench/torch_fsdp2.py).
                                            Qwen2 (biases on q, k, v) and Qwen3 (q_norm and
                                            k_norm on each head, its own head_dim) by the
                                            config's model_type
+  GPT2LMHead(config, sdpa=False)           GPT2LMHeadModel: learned positions, LayerNorm
+                                           with bias, the fused c_attn, Conv1D weights
+                                           stored [in, out], GELU's tanh form, tied head
 
 With sdpa=False attention is computed as written (scores, causal mask, softmax in f32), the
 form the goldens use; with sdpa=True through torch's scaled_dot_product_attention, as a
@@ -196,3 +199,88 @@ class CausalLM(nn.Module):
 
     def forward(self, ids):
         return self.lm_head(self.model(ids))
+
+
+# ---------------------------------------------------------------- GPT-2
+
+class Conv1D(nn.Module):
+    """Hugging Face's Conv1D: a linear layer whose weight is stored [in, out]."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, c, sdpa):
+        super().__init__()
+        d = c["n_embd"]
+        self.h, self.hd = c["n_head"], d // c["n_head"]
+        self.attend = sdpa_attention if sdpa else exact_attention
+        self.c_attn = Conv1D(d, 3 * d)
+        self.c_proj = Conv1D(d, d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.c_attn(x).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.h, self.hd).transpose(1, 2) for t in (q, k, v))
+        o = self.attend(q, k, v).transpose(1, 2).reshape(B, T, D)
+        return self.c_proj(o)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        d = c["n_embd"]
+        inner = c.get("n_inner") or 4 * d
+        self.c_fc = Conv1D(d, inner)
+        self.c_proj = Conv1D(inner, d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, c, sdpa):
+        super().__init__()
+        d, eps = c["n_embd"], c.get("layer_norm_epsilon", 1e-5)
+        self.ln_1 = nn.LayerNorm(d, eps=eps)
+        self.attn = GPT2Attention(c, sdpa)
+        self.ln_2 = nn.LayerNorm(d, eps=eps)
+        self.mlp = GPT2MLP(c)
+
+    def forward(self, x):
+        h = x + self.attn(self.ln_1(x))
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT2Body(nn.Module):
+    def __init__(self, c, sdpa):
+        super().__init__()
+        d = c["n_embd"]
+        self.wte = nn.Embedding(c["vocab_size"], d)
+        self.wpe = nn.Embedding(c["n_positions"], d)
+        self.h = nn.ModuleList(GPT2Block(c, sdpa) for _ in range(c["n_layer"]))
+        self.ln_f = nn.LayerNorm(d, eps=c.get("layer_norm_epsilon", 1e-5))
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        h = self.wte(ids) + self.wpe(pos)
+        for block in self.h:
+            h = block(h)
+        return self.ln_f(h)
+
+
+class GPT2LMHead(nn.Module):
+    def __init__(self, c, sdpa=False):
+        super().__init__()
+        self.transformer = GPT2Body(c, sdpa)
+        self.lm_head = nn.Linear(c["n_embd"], c["vocab_size"], bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # GPT-2's head is always tied
+
+    def forward(self, ids):
+        return self.lm_head(self.transformer(ids))
