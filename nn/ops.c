@@ -9,18 +9,20 @@
 
 /* ---- linear ---- */
 
+/* The backward of y = x @ w^T (ints[0] 0: w [out, in]) or y = x @ w (ints[0] 1: w [in, out]). */
 static fsdpc_status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   const fsdpc_tensor_t *dy = &n->out->grad, *w = &n->param->compute;
+  bool io = n->ints[0] != 0;
   fsdpc_tensor_t *into = NULL;
   if (x->requires_grad) FSDPC_TRY(nn_grad_to_add_into(x, &into));
   if (into != NULL) { /* x feeds several products (q, k and v; gate and up): add in place */
-    FSDPC_TRY(kernel_matmul(into, dy, false, w, false, 1.0f, 1.0f));
+    FSDPC_TRY(kernel_matmul(into, dy, false, w, io, 1.0f, 1.0f));
   } else if (x->requires_grad) {
     fsdpc_tensor_t dx;
     FSDPC_TRY(ops_alloc_like(&dx, &x->value));
-    fsdpc_status_t st = kernel_matmul(&dx, dy, false, w, false, 1.0f, 0.0f);
+    fsdpc_status_t st = kernel_matmul(&dx, dy, false, w, io, 1.0f, 0.0f);
     if (st != STATUS_OK) {
       tensor_free(&dx);
       return st;
@@ -30,7 +32,8 @@ static fsdpc_status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   if (n->param->requires_grad) {
     fsdpc_tensor_t dw;
     FSDPC_TRY(ops_alloc_like(&dw, w));
-    fsdpc_status_t st = kernel_matmul(&dw, dy, true, &x->value, false, 1.0f, 0.0f);
+    fsdpc_status_t st = io ? kernel_matmul(&dw, &x->value, true, dy, false, 1.0f, 0.0f)
+                           : kernel_matmul(&dw, dy, true, &x->value, false, 1.0f, 0.0f);
     if (st != STATUS_OK) {
       tensor_free(&dw);
       return st;
@@ -40,25 +43,32 @@ static fsdpc_status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return STATUS_OK;
 }
 
-static fsdpc_status_t linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
+/* y = x @ w^T (w [out, in]), or with io y = x @ w (w [in, out]). */
+static fsdpc_status_t linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, bool io, nn_var_t **out) {
   const fsdpc_tensor_t *W = &w->compute;
-  if (W->ndim != 2 || x->value.ndim < 1 || x->value.shape[x->value.ndim - 1] != W->shape[1]) {
+  int in = io ? 0 : 1;
+  if (W->ndim != 2 || x->value.ndim < 1 || x->value.shape[x->value.ndim - 1] != W->shape[in]) {
     char a[96], b[96];
-    return err_set(STATUS_ESHAPE, "nn_linear (%s): input %s does not match weight %s", w->fqn,
+    return err_set(STATUS_ESHAPE, "%s (%s): input %s does not match weight %s",
+                   io ? "nn_linear_io" : "nn_linear", w->fqn,
                    tensor_shape_str(x->value.ndim, x->value.shape, a, sizeof a),
                    tensor_shape_str(W->ndim, W->shape, b, sizeof b));
   }
   int64_t shape[TENSOR_MAX_DIMS];
   memcpy(shape, x->value.shape, sizeof shape);
-  shape[x->value.ndim - 1] = W->shape[0];
+  shape[x->value.ndim - 1] = W->shape[1 - in];
   fsdpc_tensor_t y;
   FSDPC_TRY(tensor_init(&y, W->dtype, W->device, x->value.ndim, shape));
-  fsdpc_status_t st = kernel_matmul(&y, &x->value, false, W, true, 1.0f, 0.0f);
+  fsdpc_status_t st = kernel_matmul(&y, &x->value, false, W, !io, 1.0f, 0.0f);
   if (st != STATUS_OK) {
     tensor_free(&y);
     return st;
   }
-  nn_node_t n = {.backward = linear_backward, .name = "linear", .in = {x}, .param = w};
+  nn_node_t n = {.backward = linear_backward,
+                 .name = io ? "linear_io" : "linear",
+                 .in = {x},
+                 .param = w,
+                 .ints = {io, 0}};
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
 }
 
@@ -70,7 +80,54 @@ fsdpc_status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **o
   *out = NULL;
   bool implicit;
   FSDPC_TRY(nn_param_begin(ctx, "nn_linear", w, &implicit));
-  return nn_param_end(ctx, w, implicit, linear(ctx, x, w, out));
+  return nn_param_end(ctx, w, implicit, linear(ctx, x, w, false, out));
+}
+
+fsdpc_status_t nn_linear_io(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(w);
+  ARG_NONNULL(out);
+  *out = NULL;
+  bool implicit;
+  FSDPC_TRY(nn_param_begin(ctx, "nn_linear_io", w, &implicit));
+  return nn_param_end(ctx, w, implicit, linear(ctx, x, w, true, out));
+}
+
+/* ---- narrow ---- */
+
+static fsdpc_status_t narrow_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *x = n->in[0];
+  if (!x->requires_grad) return STATUS_OK;
+  fsdpc_tensor_t dx, part;
+  FSDPC_TRY(ops_zeros_like(&dx, &x->value));
+  fsdpc_status_t st =
+      tensor_narrow(&part, &dx, (int)n->ints[0], n->ints[1], n->out->grad.shape[n->ints[0]]);
+  if (st == STATUS_OK) {
+    st = tensor_copy(&part, &n->out->grad);
+    tensor_free(&part);
+  }
+  if (st != STATUS_OK) {
+    tensor_free(&dx);
+    return st;
+  }
+  return nn_accumulate_grad(x, &dx);
+}
+
+fsdpc_status_t nn_narrow(nn_ctx_t *ctx, nn_var_t *x, int dim, int64_t start, int64_t length,
+                         nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(out);
+  *out = NULL;
+  fsdpc_tensor_t part, y;
+  FSDPC_TRY(tensor_narrow(&part, &x->value, dim, start, length));
+  fsdpc_status_t st = tensor_clone(&y, &part, part.dtype, part.device);
+  tensor_free(&part);
+  FSDPC_TRY(st);
+  nn_node_t n = {.backward = narrow_backward, .name = "narrow", .in = {x}, .ints = {dim, start}};
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
 }
 
 /* ---- embedding ---- */

@@ -21,6 +21,15 @@ extern "C" {
 /* y[..., out] = x[..., in] @ w^T with w [out, in] (no bias). */
 fsdpc_status_t nn_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out);
 
+/* y[..., out] = x[..., in] @ w with w stored [in, out] (no bias): Hugging Face's Conv1D, the
+ * layout of GPT-2's weights. */
+fsdpc_status_t nn_linear_io(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t **out);
+
+/* y = x's elements [start, start + length) along dimension dim, as a contiguous tensor; its
+ * gradient goes to those elements of x's (q, k and v of a fused projection). */
+fsdpc_status_t nn_narrow(nn_ctx_t *ctx, nn_var_t *x, int dim, int64_t start, int64_t length,
+                         nn_var_t **out);
+
 /* y[..., D] = w[ids[...], :] with w [V, D]; ids (I32/I64) get no gradient. */
 fsdpc_status_t nn_embedding(nn_ctx_t *ctx, nn_var_t *ids, nn_param_t *w, nn_var_t **out);
 

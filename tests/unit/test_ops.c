@@ -244,6 +244,16 @@ static fsdpc_status_t b_gelu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_va
   return nn_activation(ctx, in[0], KERNEL_ACT_GELU, out);
 }
 
+static fsdpc_status_t b_linear_io(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  return nn_linear_io(ctx, in[0], p[0], out);
+}
+
+/* The middle third of a fused projection's output, as GPT-2's attention takes k. */
+static fsdpc_status_t b_narrow(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  return nn_narrow(ctx, in[0], 2, 3, 3, out);
+}
+
 static fsdpc_status_t b_gelu_tanh(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   return nn_activation(ctx, in[0], KERNEL_ACT_GELU_TANH, out);
@@ -328,6 +338,8 @@ static const fd_case_t cases[] = {
     {"bias_add", 1, {3}, {{2, 3, 5}}, {true}, 1, {1}, {{5}}, b_bias_add, NULL},
     {"gelu", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_gelu, NULL},
     {"gelu_tanh", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_gelu_tanh, NULL},
+    {"linear_io", 1, {3}, {{2, 3, 4}}, {true}, 1, {2}, {{4, 5}}, b_linear_io, NULL},
+    {"narrow", 1, {3}, {{2, 3, 9}}, {true}, 0, {0}, {{0}}, b_narrow, NULL},
     {"silu", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_silu, NULL},
     {"layernorm", 1, {2}, {{3, 8}}, {true}, 2, {1, 1}, {{8}, {8}}, b_layernorm, NULL},
     {"layernorm_no_bias", 1, {2}, {{3, 8}}, {true}, 1, {1}, {{8}}, b_layernorm_no_bias, NULL},
