@@ -36,10 +36,13 @@ static const cJSON *recorded_model(const cJSON *state) {
   return cJSON_IsObject(m) ? m : NULL;
 }
 
-/* A config of the built-in family (llama, qwen2, qwen3). */
+/* A config of the built-in family whose files are checked and rewritten here (llama, qwen2,
+ * qwen3; a GPT-2 folder is carried through as any other model's). */
 static bool is_llama(const cJSON *config) {
   const cJSON *t = cJSON_GetObjectItemCaseSensitive(config, "model_type");
-  return cJSON_IsString(t) && llama_arch_from_name(t->valuestring, NULL);
+  llama_arch_t arch;
+  return cJSON_IsString(t) && llama_arch_from_name(t->valuestring, &arch) &&
+         arch != LLAMA_ARCH_GPT2;
 }
 
 bool hf_config_is_llama(const char *json) {

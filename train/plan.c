@@ -95,7 +95,8 @@ static fsdpc_status_t read_architecture(plan_ctx_t *c, int m, llama_config_t *mc
   if (name[0] == 0) return STATUS_OK;
   if (!llama_arch_from_name(name, &mc->arch))
     return pr_fail(c, pr_find(c, m, "architecture"), "model.architecture",
-                   "'%s' is not an architecture this build trains (llama, qwen2, qwen3)", name);
+                   "'%s' is not an architecture this build trains (llama, qwen2, qwen3, gpt2)",
+                   name);
   mc->qkv_bias = mc->arch == LLAMA_ARCH_QWEN2;
   mc->o_bias = false;
   mc->qk_norm = mc->arch == LLAMA_ARCH_QWEN3;
@@ -146,6 +147,8 @@ static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_get_float(c, m, "model", "norm_eps", 0, 1, true, &mc->norm_eps));
   FSDPC_TRY(pr_get_bool(c, m, "model", "tie_embeddings", &mc->tie_embeddings));
   FSDPC_TRY(pr_get_int(c, m, "model", "head_dim", 0, 65536, &mc->head_dim));
+  if (mc->arch == LLAMA_ARCH_GPT2 && pr_find(c, m, "n_kv_heads") == 0)
+    mc->n_kv_heads = mc->n_heads; /* GPT-2 has a key and a value head for every head */
   bool bias = false;
   FSDPC_TRY(pr_get_bool(c, m, "model", "attention_bias", &bias));
   if (bias && mc->arch == LLAMA_ARCH_QWEN2)
@@ -644,6 +647,12 @@ fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
   ARG_NONNULL(p);
   FSDPC_TRY(parallel_plan_resolve(&p->par, world));
   FSDPC_TRY(resolve_global_batch(p));
+  if (p->par.tp > 1 && p->model.arch == LLAMA_ARCH_GPT2)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: mesh.tp: %d: tensor parallelism of gpt2 is not implemented (its fused "
+                   "c_attn must be split by head for q, k and v alike); use mesh.dp_shard and "
+                   "mesh.dp_replicate",
+                   p->par.mesh_where.text, p->par.tp);
   if (p->par.tp > 1) {
     const struct {
       const char *key;

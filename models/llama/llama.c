@@ -45,6 +45,21 @@ static fsdpc_status_t rmsnorm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *i
   return nn_rmsnorm(ctx, in, weight_of(m), cfg_of(m)->norm_eps, out);
 }
 
+static fsdpc_status_t layernorm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                        nn_var_t **out) {
+  return nn_layernorm(ctx, in, weight_of(m), nn_module_param_named(m, "bias"), cfg_of(m)->norm_eps,
+                      out);
+}
+
+/* GPT-2's projections: weight [in, out] (transformers' Conv1D) and a bias. */
+static fsdpc_status_t conv1d_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  nn_var_t *y = NULL;
+  FSDPC_TRY(nn_linear_io(ctx, in, weight_of(m), &y));
+  fsdpc_status_t st = nn_bias_add(ctx, y, nn_module_param_named(m, "bias"), out);
+  nn_var_put(y);
+  return st;
+}
+
 static fsdpc_status_t call_child(nn_ctx_t *ctx, nn_module_t *m, const char *name, nn_var_t *in,
                                  nn_var_t **out) {
   return nn_call(ctx, nn_module_child_named(m, name), in, out);
@@ -102,13 +117,56 @@ cleanup:
   return st;
 }
 
+/* GPT-2's attention: q, k and v from the fused c_attn, causal, no rotation. */
+static fsdpc_status_t gpt2_attention_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                             nn_var_t **out) {
+  const llama_config_t *c = cfg_of(m);
+  int64_t hd = llama_head_dim(c);
+  if (in->value.ndim != 3)
+    return err_set(STATUS_ESHAPE, "%s: input must be [B, T, D]", nn_module_fqn(m));
+  nn_var_t *qkv = NULL, *p[3] = {NULL, NULL, NULL}, *h[3] = {NULL, NULL, NULL}, *a = NULL,
+           *a3 = NULL;
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "c_attn", in, &qkv));
+  int64_t w = qkv->value.shape[2] / 3;
+  for (int i = 0; i < 3; i++) {
+    FSDPC_TRY_GOTO(st, nn_narrow(ctx, qkv, 2, i * w, w, &p[i]));
+    FSDPC_TRY_GOTO(st, split_heads(ctx, p[i], hd, &h[i]));
+  }
+  FSDPC_TRY_GOTO(st, nn_attention(ctx, h[0], h[1], h[2], &a));
+  int64_t shape[3] = {in->value.shape[0], in->value.shape[1], w};
+  FSDPC_TRY_GOTO(st, nn_view(ctx, a, 3, shape, &a3));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "c_proj", a3, out));
+cleanup:;
+  nn_var_t *vars[] = {qkv, p[0], p[1], p[2], h[0], h[1], h[2], a, a3};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) nn_var_put(vars[i]);
+  return st;
+}
+
+static fsdpc_status_t gpt2_mlp_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
+                                       nn_var_t **out) {
+  nn_var_t *f = NULL, *g = NULL;
+  fsdpc_status_t st = STATUS_OK;
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "c_fc", in, &f));
+  FSDPC_TRY_GOTO(st, nn_activation(ctx, f, KERNEL_ACT_GELU_TANH, &g));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, "c_proj", g, out));
+cleanup:
+  nn_var_put(f);
+  nn_var_put(g);
+  return st;
+}
+
+/* x + attn(norm1(x)), then + mlp(norm2(.)), under each architecture's names. */
 static fsdpc_status_t block_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  static const char *const names[2][3] = {
+      {"input_layernorm", "self_attn", "post_attention_layernorm"}, {"ln_1", "attn", "ln_2"}};
+  const char *const *n = names[cfg_of(m)->arch == LLAMA_ARCH_GPT2];
   nn_var_t *r = NULL, *a = NULL, *h = NULL, *r2 = NULL, *f = NULL;
   fsdpc_status_t st = STATUS_OK;
-  FSDPC_TRY_GOTO(st, call_child(ctx, m, "input_layernorm", in, &r));
-  FSDPC_TRY_GOTO(st, call_child(ctx, m, "self_attn", r, &a));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, n[0], in, &r));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, n[1], r, &a));
   FSDPC_TRY_GOTO(st, nn_add(ctx, in, a, &h));
-  FSDPC_TRY_GOTO(st, call_child(ctx, m, "post_attention_layernorm", h, &r2));
+  FSDPC_TRY_GOTO(st, call_child(ctx, m, n[2], h, &r2));
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "mlp", r2, &f));
   FSDPC_TRY_GOTO(st, nn_add(ctx, h, f, out));
 cleanup:
@@ -120,10 +178,37 @@ cleanup:
   return st;
 }
 
+/* GPT-2's input: token embeddings plus the learned embeddings of positions 0..T-1. */
+static fsdpc_status_t gpt2_embed(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *ids, nn_var_t **out) {
+  const fsdpc_tensor_t *v = &ids->value;
+  fsdpc_tensor_t host, pos;
+  FSDPC_TRY(tensor_init(&host, DTYPE_I64, device_cpu(), 2, v->shape));
+  for (int64_t b = 0; b < v->shape[0]; b++)
+    for (int64_t t = 0; t < v->shape[1]; t++) ((int64_t *)host.data)[b * v->shape[1] + t] = t;
+  fsdpc_status_t st = STATUS_OK;
+  if (v->device.type == DEVICE_CPU) {
+    pos = host;
+  } else {
+    st = tensor_upload(&pos, &host, v->device);
+    tensor_free(&host);
+    FSDPC_TRY(st);
+  }
+  nn_var_t *p = NULL, *tok = NULL, *pe = NULL;
+  st = nn_var_new(&pos, false, &p);
+  if (st == STATUS_OK) st = call_child(ctx, m, "wte", ids, &tok);
+  if (st == STATUS_OK) st = call_child(ctx, m, "wpe", p, &pe);
+  if (st == STATUS_OK) st = nn_add(ctx, tok, pe, out);
+  nn_var_put(p);
+  nn_var_put(tok);
+  nn_var_put(pe);
+  return st;
+}
+
 static fsdpc_status_t model_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   const llama_t *L = nn_module_impl(m);
+  bool gpt2 = L->cfg.arch == LLAMA_ARCH_GPT2;
   nn_var_t *h = NULL;
-  FSDPC_TRY(call_child(ctx, m, "embed_tokens", in, &h));
+  FSDPC_TRY(gpt2 ? gpt2_embed(ctx, m, in, &h) : call_child(ctx, m, "embed_tokens", in, &h));
   for (int64_t i = 0; i < L->cfg.n_layers; i++) {
     nn_var_t *next = NULL;
     fsdpc_status_t st = nn_call(ctx, L->layers[i], h, &next);
@@ -131,7 +216,7 @@ static fsdpc_status_t model_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
     FSDPC_TRY(st);
     h = next;
   }
-  fsdpc_status_t st = call_child(ctx, m, "norm", h, out);
+  fsdpc_status_t st = call_child(ctx, m, gpt2 ? "ln_f" : "norm", h, out);
   nn_var_put(h);
   return st;
 }
@@ -147,7 +232,7 @@ static fsdpc_status_t causal_lm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
                    "%lld",
                    (long long)in->value.shape[1], (long long)L->cfg.max_seq_len);
   nn_var_t *h = NULL;
-  FSDPC_TRY(call_child(ctx, m, "model", in, &h));
+  FSDPC_TRY(call_child(ctx, m, L->cfg.arch == LLAMA_ARCH_GPT2 ? "transformer" : "model", in, &h));
   fsdpc_status_t st = call_child(ctx, m, "lm_head", h, out);
   nn_var_put(h);
   return st;
@@ -186,6 +271,8 @@ static fsdpc_status_t add_leaf(builder_t *b, nn_module_t *parent, const char *na
   nn_module_set_kind(m, fn == linear_forward      ? "linear"
                         : fn == embedding_forward ? "embedding"
                         : fn == rmsnorm_forward   ? "rmsnorm"
+                        : fn == layernorm_forward ? "layernorm"
+                        : fn == conv1d_forward    ? "conv1d"
                                                   : NULL);
   fsdpc_status_t st = nn_module_add_child(parent, m);
   if (st != STATUS_OK) {
@@ -237,9 +324,59 @@ static fsdpc_status_t build_block(builder_t *b, nn_module_t *layers, int64_t i) 
   return STATUS_OK;
 }
 
+/* A LayerNorm (weight and bias of [dim]) or a Conv1D projection (weight [in, out], bias [out]). */
+static fsdpc_status_t add_with_bias(builder_t *b, nn_module_t *parent, const char *name,
+                                    nn_forward_fn fn, int64_t rows, int64_t cols) {
+  nn_module_t *m;
+  FSDPC_TRY(add_leaf(b, parent, name, fn, rows, cols, &m));
+  return add_param(b, m, "bias", cols > 0 ? cols : rows, 0, NULL);
+}
+
+/* GPT-2's transformer.h.{i}: ln_1, attn.{c_attn, c_proj}, ln_2, mlp.{c_fc, c_proj}. */
+static fsdpc_status_t build_gpt2_block(builder_t *b, nn_module_t *h, int64_t i) {
+  const llama_config_t *c = &b->L->cfg;
+  char name[24];
+  snprintf(name, sizeof name, "%lld", (long long)i);
+  nn_module_t *blk, *attn, *mlp;
+  FSDPC_TRY(add_container(b, h, name, block_forward, &blk));
+  b->L->layers[i] = blk;
+  FSDPC_TRY(add_with_bias(b, blk, "ln_1", layernorm_forward, c->dim, 0));
+  FSDPC_TRY(add_container(b, blk, "attn", gpt2_attention_forward, &attn));
+  FSDPC_TRY(add_with_bias(b, attn, "c_attn", conv1d_forward, c->dim, 3 * c->dim));
+  FSDPC_TRY(add_with_bias(b, attn, "c_proj", conv1d_forward, c->dim, c->dim));
+  FSDPC_TRY(add_with_bias(b, blk, "ln_2", layernorm_forward, c->dim, 0));
+  FSDPC_TRY(add_container(b, blk, "mlp", gpt2_mlp_forward, &mlp));
+  FSDPC_TRY(add_with_bias(b, mlp, "c_fc", conv1d_forward, c->dim, c->ffn_dim));
+  FSDPC_TRY(add_with_bias(b, mlp, "c_proj", conv1d_forward, c->ffn_dim, c->dim));
+  nn_module_set_checkpoint(blk, b->opt->activation_checkpointing);
+  return STATUS_OK;
+}
+
+/* GPT-2's tree: transformer.{wte, wpe, h.{i}, ln_f}, lm_head (sharing wte's weight if tied). */
+static fsdpc_status_t build_gpt2(builder_t *b) {
+  llama_t *L = b->L;
+  const llama_config_t *c = &L->cfg;
+  nn_module_t *body, *h, *wte, *head;
+  FSDPC_TRY(nn_module_new("", causal_lm_forward, L, &L->root));
+  FSDPC_TRY(add_container(b, L->root, "transformer", model_forward, &body));
+  FSDPC_TRY(add_leaf(b, body, "wte", embedding_forward, c->vocab_size, c->dim, &wte));
+  FSDPC_TRY(add_leaf(b, body, "wpe", embedding_forward, c->max_seq_len, c->dim, NULL));
+  FSDPC_TRY(add_container(b, body, "h", NULL, &h));
+  for (int64_t i = 0; i < c->n_layers; i++) FSDPC_TRY(build_gpt2_block(b, h, i));
+  FSDPC_TRY(add_with_bias(b, body, "ln_f", layernorm_forward, c->dim, 0));
+  if (c->tie_embeddings) {
+    FSDPC_TRY(add_container(b, L->root, "lm_head", linear_forward, &head));
+    FSDPC_TRY(nn_module_share_param(head, weight_of(wte)));
+  } else {
+    FSDPC_TRY(add_leaf(b, L->root, "lm_head", linear_forward, c->vocab_size, c->dim, NULL));
+  }
+  return nn_module_finalize(L->root);
+}
+
 static fsdpc_status_t build(builder_t *b) {
   llama_t *L = b->L;
   const llama_config_t *c = &L->cfg;
+  if (c->arch == LLAMA_ARCH_GPT2) return build_gpt2(b);
   nn_module_t *model, *layers, *embed, *head;
   FSDPC_TRY(nn_module_new("", causal_lm_forward, L, &L->root));
   FSDPC_TRY(add_container(b, L->root, "model", model_forward, &model));
@@ -296,11 +433,17 @@ fsdpc_status_t llama_init_weights(llama_t *m, uint64_t seed) {
   FSDPC_TRY(nn_named_parameters(m->root, &ps, &n));
   fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
-    size_t len = strlen(ps[i]->fqn);
-    bool norm = len >= 11 && strcmp(ps[i]->fqn + len - 11, "norm.weight") == 0;
-    bool bias = len >= 5 && strcmp(ps[i]->fqn + len - 5, ".bias") == 0;
+    const char *fqn = ps[i]->fqn;
+    size_t len = strlen(fqn);
+    bool bias = len >= 5 && strcmp(fqn + len - 5, ".bias") == 0;
+    bool norm = (len >= 11 && strcmp(fqn + len - 11, "norm.weight") == 0) ||
+                (strstr(fqn, ".ln_") != NULL && !bias); /* GPT-2's ln_1, ln_2, ln_f */
+    /* GPT-2's residual projections: N(0, std / sqrt(2 n_layers)), as transformers does */
+    bool scaled =
+        m->cfg.arch == LLAMA_ARCH_GPT2 && len >= 14 && strcmp(fqn + len - 14, "c_proj.weight") == 0;
+    double std = m->cfg.init_std / (scaled ? sqrt(2.0 * (double)m->cfg.n_layers) : 1.0);
     st = norm || bias ? nn_init_constant(ps[i], norm ? 1.0 : 0.0)
-                      : nn_init_normal(ps[i], seed, 0.0, m->cfg.init_std);
+                      : nn_init_normal(ps[i], seed, 0.0, std);
   }
   free(ps);
   return st;

@@ -3,7 +3,11 @@
  * parameter names (docs/design.md, "The reference model and training math"), and the
  * architectures of its family that differ only in a few features: Qwen2 (biases on the q, k
  * and v projections) and Qwen3 (an RMSNorm of each query and key head before the rotary
- * embedding, and a head size of its own), with their Hugging Face names.
+ * embedding, and a head size of its own), with their Hugging Face names; and GPT-2
+ * (GPT2LMHeadModel: learned positions, LayerNorm with bias, a fused c_attn, every projection
+ * with a bias and its weight stored [in, out] as transformers' Conv1D, GELU's tanh form, under
+ * transformers' names transformer.wte, transformer.h.{i}.attn.c_attn, ...). GPT-2 trains
+ * without dropout.
  *
  *   llama_config_t cfg;
  *   llama_t *model;
@@ -45,6 +49,7 @@ typedef enum llama_arch {
   LLAMA_ARCH_LLAMA,
   LLAMA_ARCH_QWEN2,
   LLAMA_ARCH_QWEN3,
+  LLAMA_ARCH_GPT2,
   LLAMA_ARCH_COUNT
 } llama_arch_t;
 
@@ -76,8 +81,8 @@ typedef struct llama_config {
     .tie_embeddings = false, .init_std = 0.02                                           \
   }
 
-/* The architecture's model_type ("llama", "qwen2", "qwen3"), and the arch of a model_type
- * (false for one not of the family). */
+/* The architecture's model_type ("llama", "qwen2", "qwen3", "gpt2"), and the arch of a
+ * model_type (false for one not of the family). */
 const char *llama_arch_name(llama_arch_t arch);
 bool llama_arch_from_name(const char *model_type, llama_arch_t *out);
 

@@ -13,8 +13,10 @@
 
 static const struct {
   const char *model_type, *hf_class;
-} arch_names[LLAMA_ARCH_COUNT] = {
-    {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"}};
+} arch_names[LLAMA_ARCH_COUNT] = {{"llama", "LlamaForCausalLM"},
+                                  {"qwen2", "Qwen2ForCausalLM"},
+                                  {"qwen3", "Qwen3ForCausalLM"},
+                                  {"gpt2", "GPT2LMHeadModel"}};
 
 const char *llama_arch_name(llama_arch_t arch) {
   return arch >= 0 && arch < LLAMA_ARCH_COUNT ? arch_names[arch].model_type : "?";
@@ -63,8 +65,12 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
                    "model config: hidden_size %lld must be num_attention_heads %lld times an "
                    "even head size (or give head_dim)",
                    (long long)c->dim, (long long)c->n_heads);
-  bool qwen2 = c->arch == LLAMA_ARCH_QWEN2;
-  if (qwen2 ? !c->qkv_bias || c->o_bias : c->qkv_bias != c->o_bias)
+  bool qwen2 = c->arch == LLAMA_ARCH_QWEN2, gpt2 = c->arch == LLAMA_ARCH_GPT2;
+  if (gpt2 && (c->qkv_bias || c->o_bias || c->head_dim != 0 || c->n_kv_heads != c->n_heads))
+    return err_set(STATUS_EINVAL,
+                   "model config: gpt2 has biases of its own, heads of dim / n_heads and as many "
+                   "key/value heads as heads");
+  if (!gpt2 && (qwen2 ? !c->qkv_bias || c->o_bias : c->qkv_bias != c->o_bias))
     return err_set(STATUS_EINVAL,
                    "model config: %s has %s (attention biases as Hugging Face's architecture has "
                    "them)",
@@ -118,6 +124,12 @@ bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, 
 
 int64_t llama_num_params(const llama_config_t *c) {
   if (c == NULL) return 0;
+  if (c->arch == LLAMA_ARCH_GPT2) { /* LayerNorms and projections with biases; positions */
+    int64_t D = c->dim, F = c->ffn_dim;
+    int64_t layer = 4 * D + 3 * D * D + 3 * D + D * D + D + 2 * D * F + F + D;
+    return c->vocab_size * D * (c->tie_embeddings ? 1 : 2) + c->max_seq_len * D +
+           c->n_layers * layer + 2 * D;
+  }
   int64_t hd = llama_head_dim(c), q = c->n_heads * hd, kv = c->n_kv_heads * hd;
   int64_t layer = 2 * c->dim + 2 * q * c->dim + 2 * kv * c->dim + 3 * c->dim * c->ffn_dim;
   layer += (c->qkv_bias ? q + 2 * kv : 0) + (c->o_bias ? c->dim : 0) + (c->qk_norm ? 2 * hd : 0);
@@ -244,6 +256,50 @@ static fsdpc_status_t parse_bias(const char *path, const cJSON *o, llama_config_
   return STATUS_OK;
 }
 
+/* GPT2Config: n_embd, n_layer, n_head, n_inner (null: 4 n_embd), n_positions, vocab_size,
+ * layer_norm_epsilon, activation_function (the tanh GELU), tie_word_embeddings (true by
+ * default), initializer_range; the attention variants GPT-2 allows are refused by name. */
+static fsdpc_status_t parse_gpt2(const char *path, const cJSON *o, llama_config_t *c) {
+  const char *required[] = {"n_embd", "n_layer", "n_head", "vocab_size"};
+  for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
+    if (cJSON_GetObjectItemCaseSensitive(o, required[i]) == NULL)
+      return err_set(STATUS_EFORMAT, "%s: missing '%s'", path, required[i]);
+  const cJSON *act = cJSON_GetObjectItemCaseSensitive(o, "activation_function");
+  if (act && (!cJSON_IsString(act) || (strcmp(act->valuestring, "gelu_new") != 0 &&
+                                       strcmp(act->valuestring, "gelu_pytorch_tanh") != 0)))
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: activation_function must be \"gelu_new\" (GELU's tanh form)", path);
+  FSDPC_TRY(json_refuse(path, o, "scale_attn_by_inverse_layer_idx",
+                        "attention scores are scaled by 1/sqrt(head size) only"));
+  FSDPC_TRY(json_refuse(path, o, "reorder_and_upcast_attn",
+                        "attention is computed in one order, its softmax in f32"));
+  const cJSON *scale = cJSON_GetObjectItemCaseSensitive(o, "scale_attn_weights");
+  if (scale && cJSON_IsFalse(scale))
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: 'scale_attn_weights' is false, but attention scores are scaled", path);
+  c->max_seq_len = 1024;
+  c->norm_eps = 1e-5;
+  c->tie_embeddings = true;
+  FSDPC_TRY(json_int(path, o, "n_embd", &c->dim));
+  FSDPC_TRY(json_int(path, o, "n_layer", &c->n_layers));
+  FSDPC_TRY(json_int(path, o, "n_head", &c->n_heads));
+  c->n_kv_heads = c->n_heads;
+  c->ffn_dim = 4 * c->dim;
+  FSDPC_TRY(json_int(path, o, "n_inner", &c->ffn_dim));
+  FSDPC_TRY(json_int(path, o, "vocab_size", &c->vocab_size));
+  FSDPC_TRY(json_int(path, o, "n_positions", &c->max_seq_len));
+  FSDPC_TRY(json_num(path, o, "layer_norm_epsilon", &c->norm_eps));
+  FSDPC_TRY(json_num(path, o, "initializer_range", &c->init_std));
+  const cJSON *tie = cJSON_GetObjectItemCaseSensitive(o, "tie_word_embeddings");
+  if (tie && !cJSON_IsNull(tie)) {
+    if (!cJSON_IsBool(tie))
+      return err_set(STATUS_EFORMAT, "%s: 'tie_word_embeddings' must be true or false", path);
+    c->tie_embeddings = cJSON_IsTrue(tie);
+  }
+  fsdpc_status_t st = llama_config_check(c);
+  return st == STATUS_OK ? st : err_prefix(st, "%s", path);
+}
+
 static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   if (!cJSON_IsObject(o)) return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
   /* the model type first: another architecture's config lacks Llama's keys */
@@ -252,9 +308,11 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
     return err_set(STATUS_EFORMAT, "%s: model_type must be a string", path);
   if (mt && !llama_arch_from_name(mt->valuestring, &c->arch))
     return err_set(STATUS_EUNSUPPORTED,
-                   "%s: model_type \"%.64s\": this build trains \"llama\", \"qwen2\" and "
-                   "\"qwen3\" (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)",
+                   "%s: model_type \"%.64s\": this build trains \"llama\", \"qwen2\", \"qwen3\" "
+                   "and \"gpt2\" (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                   "GPT2LMHeadModel)",
                    path, mt->valuestring);
+  if (c->arch == LLAMA_ARCH_GPT2) return parse_gpt2(path, o, c);
   if (c->arch != LLAMA_ARCH_LLAMA) /* Qwen's defaults (Qwen2Config, Qwen3Config) */
     c->max_seq_len = 32768;
   if (c->arch == LLAMA_ARCH_QWEN3) c->head_dim = 128;
@@ -330,6 +388,30 @@ fsdpc_status_t llama_config_from_hf_text(const char *text, const char *origin,
   return st;
 }
 
+static const char *dtype_hf_name(dtype_t dtype) {
+  return dtype == DTYPE_BF16 ? "bfloat16" : dtype == DTYPE_F16 ? "float16" : "float32";
+}
+
+/* GPT2Config's keys (no dropout: the model has none). */
+static void gpt2_to_hf(const llama_config_t *c, dtype_t dtype, cJSON *o) {
+  cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
+  if (arch) cJSON_AddItemToArray(arch, cJSON_CreateString(arch_names[c->arch].hf_class));
+  cJSON_AddStringToObject(o, "model_type", "gpt2");
+  cJSON_AddStringToObject(o, "activation_function", "gelu_new");
+  cJSON_AddNumberToObject(o, "n_embd", (double)c->dim);
+  cJSON_AddNumberToObject(o, "n_layer", (double)c->n_layers);
+  cJSON_AddNumberToObject(o, "n_head", (double)c->n_heads);
+  cJSON_AddNumberToObject(o, "n_inner", (double)c->ffn_dim);
+  cJSON_AddNumberToObject(o, "n_positions", (double)c->max_seq_len);
+  cJSON_AddNumberToObject(o, "vocab_size", (double)c->vocab_size);
+  cJSON_AddNumberToObject(o, "layer_norm_epsilon", c->norm_eps);
+  cJSON_AddNumberToObject(o, "initializer_range", c->init_std);
+  cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
+  const char *drops[] = {"attn_pdrop", "embd_pdrop", "resid_pdrop"};
+  for (int i = 0; i < 3; i++) cJSON_AddNumberToObject(o, drops[i], 0.0);
+  cJSON_AddStringToObject(o, "torch_dtype", dtype_hf_name(dtype));
+}
+
 fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out) {
   ARG_NONNULL(c);
   ARG_NONNULL(out);
@@ -337,6 +419,12 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
   FSDPC_TRY(llama_config_check(c));
   cJSON *o = cJSON_CreateObject();
   if (o == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  if (c->arch == LLAMA_ARCH_GPT2) {
+    gpt2_to_hf(c, dtype, o);
+    *out = cJSON_Print(o);
+    cJSON_Delete(o);
+    return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  }
   cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
   if (arch) cJSON_AddItemToArray(arch, cJSON_CreateString(arch_names[c->arch].hf_class));
   cJSON_AddStringToObject(o, "model_type", arch_names[c->arch].model_type);
@@ -371,10 +459,7 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
   if (c->arch == LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "mlp_bias", 0);
   if (c->arch != LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "use_sliding_window", 0);
   cJSON_AddNumberToObject(o, "initializer_range", c->init_std);
-  cJSON_AddStringToObject(o, "torch_dtype",
-                          dtype == DTYPE_BF16  ? "bfloat16"
-                          : dtype == DTYPE_F16 ? "float16"
-                                               : "float32");
+  cJSON_AddStringToObject(o, "torch_dtype", dtype_hf_name(dtype));
   *out = cJSON_Print(o);
   cJSON_Delete(o);
   return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
