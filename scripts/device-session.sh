@@ -19,6 +19,8 @@
 #   compare-qwen3 on configs/qwen3-0.6b.json (head_dim 128, q/k norms, a 151936 vocabulary),
 #                 torch FSDP2 and FSDP2 + compile
 #   reference     tests/reference's torch models against transformers (on the CPU)
+#   vs-llmc       bench/vs_llmc_gpu.py: GPT-2 124M against llm.c's train_gpt2cu, 16 x 1024, when
+#                 .deps/llm.c holds an llm.c checkout (with .deps/cudnn-frontend, cuDNN on)
 #   tests         every suite (meson test)
 #   fsdp-step     bench-fsdp-step on llama-100m at 8 x 1024, bf16 (with the host's time a
 #                 unit and a parameter)
@@ -41,10 +43,10 @@ if [ $# -eq 0 ]; then set -- suites multi compare fsdp-step; fi
 for s in "$@"; do
   case "$s" in
     suites | multi | compare | compare-0.9b | offload-0.9b | profile-0.9b | compare-qwen3 | \
-      reference | tests | fsdp-step) ;;
+      reference | vs-llmc | tests | fsdp-step) ;;
     *)
       echo "device-session: unknown stage '$s' (suites, multi, compare, compare-0.9b," \
-        "offload-0.9b, profile-0.9b, compare-qwen3, reference, tests, fsdp-step)" >&2
+        "offload-0.9b, profile-0.9b, compare-qwen3, reference, vs-llmc, tests, fsdp-step)" >&2
       exit 2
       ;;
   esac
@@ -114,6 +116,12 @@ for s in "$@"; do
         --steps 20
       ;;
     reference) run reference 120 "$python" tests/reference/check_transformers.py ;;
+    vs-llmc)
+      fe=()
+      [ -d .deps/cudnn-frontend ] && fe=(--cudnn-frontend .deps/cudnn-frontend)
+      run vs-llmc 400 "$python" bench/vs_llmc_gpu.py --exe build-gpu/tools/fsdp-train \
+        --llmc .deps/llm.c "${fe[@]}"
+      ;;
     tests) run tests 540 meson test -C build-gpu --print-errorlogs ;;
     fsdp-step)
       run fsdp-step 90 build-gpu/bench/bench-fsdp-step --device cuda --param-dtype bf16 \

@@ -3,6 +3,7 @@ import os
 import re
 import struct
 import subprocess
+import sys
 import time
 
 from common import (BASE, EXE, MPIRUN, MPI_ARGS, ROOT, TOOL, check, kill_session, losses, mkdtemp,
@@ -369,7 +370,11 @@ def errors():
             ([tool("fsdp-plot"), "--bins", "3"], False, r"unknown option '--bins'"),
             ([tool("fsdp-plot"), "m.jsonl"], False, r"no -o OUT.svg given"),
             ([EXE, os.path.join(ROOT, "configs", "debug.yaml"), "--plot", "x.svg"], False,
-             r"--plot draws the metrics file: give --metrics PATH or log.metrics")]:
+             r"--plot draws the metrics file: give --metrics PATH or log.metrics"),
+            ([sys.executable, os.path.join(ROOT, "bench", "vs_llmc_gpu.py"), "--help"], True,
+             r"usage: vs_llmc_gpu.py"),
+            ([sys.executable, os.path.join(ROOT, "bench", "vs_llmc_gpu.py")], True,
+             r"no llm.c checkout to compare with")]:
         p = sh(argv, timeout=60)
         out = p.stdout + p.stderr
         good = (p.returncode == 0) == ok and re.search(want, out) is not None
