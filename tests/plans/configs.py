@@ -453,14 +453,15 @@ def family():
                            "model.architecture=qwen3", "--set", "model.head_dim=48"])
             check(p.returncode == 0 and "model: qwen3 dim 64, 2 layers, 4/2 heads of 48" in
                   p.stdout, "model.architecture=qwen3 with model.head_dim=48 plans a Qwen3")
-        if tag == "tiny_qwen3":  # the shipped Qwen3 plan, FSDP x TP on 4 ranks
+        shipped = {"tiny_qwen3": "qwen3-tp", "tiny_gpt2": "gpt2"}.get(tag)
+        if shipped:  # the architecture's shipped plan on 4 ranks
             m = os.path.join(tmp, "shipped.jsonl")
-            p, _ = run(4, [os.path.join(ROOT, "configs", "qwen3-tp.yaml"), "--set",
+            p, _ = run(4, [os.path.join(ROOT, "configs", shipped + ".yaml"), "--set",
                            "train.steps=%d" % STEPS, "--metrics", m])
             got = [r["loss"] for r in losses(m)] if p.returncode == 0 else []
             check(len(got) == STEPS and got[-1] < got[0] - 0.5,
-                  "configs/qwen3-tp.yaml on 4 ranks: the loss goes down (%s)"
-                  % ("%.3f -> %.3f" % (got[0], got[-1]) if got else "failed"))
+                  "configs/%s.yaml on 4 ranks: the loss goes down (%s)"
+                  % (shipped, "%.3f -> %.3f" % (got[0], got[-1]) if got else "failed"))
         bare = os.path.join(tmp, "bare.jsonl")
         config = os.path.join(ROOT, "tests", "reference", tag + "_config.json")
         p, _ = run(2, [plan, "--set", "model.init_from=null", "--set", "model.config=" + config,

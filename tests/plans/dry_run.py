@@ -62,8 +62,9 @@ def dry_run():
             check(abs(got_state - want_state) <= 0.1 * want_state,
                   "%s: memory held after a step %d B, estimated %d B (10%%)"
                   % (name, got_state, want_state))
-    # the other architectures' shipped plans: Qwen3 (head_dim 32, q/k norms) under FSDP x TP
-    for name, n in (("qwen3-tp", 4),):
+    # the other architectures' shipped plans: Qwen3 (head_dim 32, q/k norms) under FSDP x TP,
+    # GPT-2 under FSDP
+    for name, n in (("qwen3-tp", 4), ("gpt2", 4)):
         plan = os.path.join(ROOT, "configs", name + ".yaml")
         for ac in ("false", "true"):
             sets = ["--set", "train.activation_checkpointing=" + ac]
@@ -85,7 +86,7 @@ def dry_run():
                   (name, ac, peak, want_peak, 100.0 * (want_peak - peak) / peak,
                    m[-1]["comm_bytes"], est_comm.group(1)))
     print("dry-run peak estimates: worst error %.1f%% over %d runs" % (100 * worst,
-                                                                     2 * len(PLANS) + 2))
+                                                                     2 * len(PLANS) + 4))
     # --world N from one process prints the memory and communication figures of a dry run
     # under mpirun -n N (the placements too)
     figures = re.compile(r"^(state_bytes|largest_unit_bytes|peak_bytes|comm_bytes|"
