@@ -154,6 +154,16 @@ static fsdpc_status_t json_num(const char *path, const cJSON *o, const char *key
   return STATUS_OK;
 }
 
+/* Reads an optional true/false key. */
+static fsdpc_status_t json_bool(const char *path, const cJSON *o, const char *key, bool *v) {
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (it == NULL || cJSON_IsNull(it)) return STATUS_OK;
+  if (!cJSON_IsBool(it))
+    return err_set(STATUS_EFORMAT, "%s: '%s' must be true or false", path, key);
+  *v = cJSON_IsTrue(it);
+  return STATUS_OK;
+}
+
 static fsdpc_status_t json_refuse(const char *path, const cJSON *o, const char *key,
                                   const char *why) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
@@ -239,10 +249,8 @@ static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope)
 /* The attention's biases: Qwen2's q, k and v projections always have one; attention_bias
  * gives Llama's and Qwen3's four projections one. And Qwen3's q_norm and k_norm. */
 static fsdpc_status_t parse_bias(const char *path, const cJSON *o, llama_config_t *c) {
-  const cJSON *ab = cJSON_GetObjectItemCaseSensitive(o, "attention_bias");
-  if (ab && !cJSON_IsNull(ab) && !cJSON_IsBool(ab))
-    return err_set(STATUS_EFORMAT, "%s: 'attention_bias' must be true or false", path);
-  bool bias = cJSON_IsTrue(ab);
+  bool bias = false;
+  FSDPC_TRY(json_bool(path, o, "attention_bias", &bias));
   c->qkv_bias = c->arch == LLAMA_ARCH_QWEN2 || bias;
   c->o_bias = c->arch != LLAMA_ARCH_QWEN2 && bias;
   c->qk_norm = c->arch == LLAMA_ARCH_QWEN3;
@@ -290,12 +298,7 @@ static fsdpc_status_t parse_gpt2(const char *path, const cJSON *o, llama_config_
   FSDPC_TRY(json_int(path, o, "n_positions", &c->max_seq_len));
   FSDPC_TRY(json_num(path, o, "layer_norm_epsilon", &c->norm_eps));
   FSDPC_TRY(json_num(path, o, "initializer_range", &c->init_std));
-  const cJSON *tie = cJSON_GetObjectItemCaseSensitive(o, "tie_word_embeddings");
-  if (tie && !cJSON_IsNull(tie)) {
-    if (!cJSON_IsBool(tie))
-      return err_set(STATUS_EFORMAT, "%s: 'tie_word_embeddings' must be true or false", path);
-    c->tie_embeddings = cJSON_IsTrue(tie);
-  }
+  FSDPC_TRY(json_bool(path, o, "tie_word_embeddings", &c->tie_embeddings));
   fsdpc_status_t st = llama_config_check(c);
   return st == STATUS_OK ? st : err_prefix(st, "%s", path);
 }
@@ -339,12 +342,7 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
   FSDPC_TRY(json_int(path, o, "max_position_embeddings", &c->max_seq_len));
   FSDPC_TRY(parse_rope(path, o, &c->rope));
   FSDPC_TRY(json_num(path, o, "rms_norm_eps", &c->norm_eps));
-  const cJSON *tie = cJSON_GetObjectItemCaseSensitive(o, "tie_word_embeddings");
-  if (tie && !cJSON_IsNull(tie)) {
-    if (!cJSON_IsBool(tie))
-      return err_set(STATUS_EFORMAT, "%s: 'tie_word_embeddings' must be true or false", path);
-    c->tie_embeddings = cJSON_IsTrue(tie);
-  }
+  FSDPC_TRY(json_bool(path, o, "tie_word_embeddings", &c->tie_embeddings));
   FSDPC_TRY(json_int(path, o, "head_dim", &c->head_dim));
   if (c->head_dim <= 0 && cJSON_GetObjectItemCaseSensitive(o, "head_dim") != NULL)
     return err_set(STATUS_EFORMAT, "%s: 'head_dim' must be positive", path);
