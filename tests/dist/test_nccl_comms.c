@@ -202,7 +202,11 @@ START_TEST(a_stop_aborts_the_communicators) {
     fsdpc_status_t st = device_poll(never, NULL, "an endless device wait");
     ck_assert_int_ne(st, STATUS_OK);
     ck_assert_msg(strstr(err_detail(), "rank 1 gives up") != NULL, "%s", err_detail());
-    ck_assert_str_eq(a.log, "abort");
+    /* aborted once; the wait may have asked for its state before the stop arrived (a slow
+     * rank 1, as under the sanitizers) */
+    ck_assert_msg(
+        a.aborts == 1 && (strcmp(a.log, "abort") == 0 || strcmp(a.log, "async,abort") == 0),
+        "rank 0: %s", a.log);
   }
   ck_assert_int_eq(nccl_comm_close(&ca, 1.0), STATUS_OK);
   ck_assert_int_eq(a.destroys, 0);
