@@ -96,19 +96,33 @@ fsdpc_status_t nn_linear_io(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, nn_var_t 
 
 /* ---- narrow ---- */
 
+/* x's gradient gets dy in the narrowed slice: written into a zero gradient the first time,
+ * added to the slice of the one already there (the other slices' backward) after that. */
 static fsdpc_status_t narrow_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   if (!x->requires_grad) return STATUS_OK;
-  fsdpc_tensor_t dx, part;
-  FSDPC_TRY(ops_zeros_like(&dx, &x->value));
-  fsdpc_status_t st =
-      tensor_narrow(&part, &dx, (int)n->ints[0], n->ints[1], n->out->grad.shape[n->ints[0]]);
-  if (st == STATUS_OK) {
-    st = tensor_copy(&part, &n->out->grad);
-    tensor_free(&part);
-  }
+  const fsdpc_tensor_t *dy = &n->out->grad;
+  int dim = (int)n->ints[0];
+  fsdpc_tensor_t *into = NULL;
+  FSDPC_TRY(nn_grad_to_add_into(x, &into));
+  fsdpc_tensor_t dx = {0}, part, sum = {0};
+  if (into == NULL) FSDPC_TRY(ops_zeros_like(&dx, &x->value));
+  fsdpc_status_t st = tensor_narrow(&part, into ? into : &dx, dim, n->ints[1], dy->shape[dim]);
   if (st != STATUS_OK) {
+    tensor_free(&dx);
+    return st;
+  }
+  if (into == NULL) {
+    st = tensor_copy(&part, dy);
+  } else { /* the slice is strided: its sum is made contiguous, then written back */
+    st = tensor_clone(&sum, &part, part.dtype, part.device);
+    if (st == STATUS_OK) st = kernel_axpy(&sum, 1.0f, dy);
+    if (st == STATUS_OK) st = tensor_copy(&part, &sum);
+    tensor_free(&sum);
+  }
+  tensor_free(&part);
+  if (st != STATUS_OK || into != NULL) {
     tensor_free(&dx);
     return st;
   }

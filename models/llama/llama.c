@@ -17,6 +17,7 @@ struct llama {
   mesh_t *mesh;
   nn_module_t *root;
   nn_module_t **layers;
+  fsdpc_tensor_t positions; /* GPT-2: the last forward's position ids [B, T], reused */
 };
 
 /* ---- forwards ---- */
@@ -178,23 +179,33 @@ cleanup:
   return st;
 }
 
+/* The position ids 0..T-1 of every row of ids [B, T], on ids' device: built once per shape. */
+static fsdpc_status_t gpt2_positions(llama_t *L, const fsdpc_tensor_t *ids, fsdpc_tensor_t *out) {
+  fsdpc_tensor_t *pos = &L->positions;
+  if (pos->data == NULL || !tensor_same_shape(pos, ids) ||
+      !device_equal(pos->device, ids->device)) {
+    tensor_free(pos);
+    fsdpc_tensor_t host;
+    FSDPC_TRY(tensor_init(&host, DTYPE_I64, device_cpu(), 2, ids->shape));
+    for (int64_t b = 0; b < ids->shape[0]; b++)
+      for (int64_t t = 0; t < ids->shape[1]; t++) ((int64_t *)host.data)[b * ids->shape[1] + t] = t;
+    if (ids->device.type == DEVICE_CPU) {
+      *pos = host;
+    } else {
+      fsdpc_status_t st = tensor_upload(pos, &host, ids->device);
+      tensor_free(&host);
+      FSDPC_TRY(st);
+    }
+  }
+  return tensor_ref(out, pos);
+}
+
 /* GPT-2's input: token embeddings plus the learned embeddings of positions 0..T-1. */
 static fsdpc_status_t gpt2_embed(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *ids, nn_var_t **out) {
-  const fsdpc_tensor_t *v = &ids->value;
-  fsdpc_tensor_t host, pos;
-  FSDPC_TRY(tensor_init(&host, DTYPE_I64, device_cpu(), 2, v->shape));
-  for (int64_t b = 0; b < v->shape[0]; b++)
-    for (int64_t t = 0; t < v->shape[1]; t++) ((int64_t *)host.data)[b * v->shape[1] + t] = t;
-  fsdpc_status_t st = STATUS_OK;
-  if (v->device.type == DEVICE_CPU) {
-    pos = host;
-  } else {
-    st = tensor_upload(&pos, &host, v->device);
-    tensor_free(&host);
-    FSDPC_TRY(st);
-  }
+  fsdpc_tensor_t pos;
+  FSDPC_TRY(gpt2_positions(nn_module_impl(m), &ids->value, &pos));
   nn_var_t *p = NULL, *tok = NULL, *pe = NULL;
-  st = nn_var_new(&pos, false, &p);
+  fsdpc_status_t st = nn_var_new(&pos, false, &p);
   if (st == STATUS_OK) st = call_child(ctx, m, "wte", ids, &tok);
   if (st == STATUS_OK) st = call_child(ctx, m, "wpe", p, &pe);
   if (st == STATUS_OK) st = nn_add(ctx, tok, pe, out);
@@ -421,6 +432,7 @@ cleanup:
 void llama_free(llama_t *m) {
   if (m == NULL) return;
   nn_module_free(m->root);
+  tensor_free(&m->positions);
   mesh_free(m->mesh);
   free(m->layers);
   free(m);

@@ -254,6 +254,19 @@ static fsdpc_status_t b_narrow(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_
   return nn_narrow(ctx, in[0], 2, 3, 3, out);
 }
 
+/* Two overlapping slices of one tensor: the second slice's gradient adds to the first's. */
+static fsdpc_status_t b_narrow_slices(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p,
+                                      nn_var_t **out) {
+  (void)p;
+  nn_var_t *a = NULL, *b = NULL;
+  fsdpc_status_t st = nn_narrow(ctx, in[0], 2, 0, 4, &a);
+  if (st == STATUS_OK) st = nn_narrow(ctx, in[0], 2, 3, 4, &b);
+  if (st == STATUS_OK) st = nn_add(ctx, a, b, out);
+  nn_var_put(a);
+  nn_var_put(b);
+  return st;
+}
+
 static fsdpc_status_t b_gelu_tanh(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   return nn_activation(ctx, in[0], KERNEL_ACT_GELU_TANH, out);
@@ -340,6 +353,7 @@ static const fd_case_t cases[] = {
     {"gelu_tanh", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_gelu_tanh, NULL},
     {"linear_io", 1, {3}, {{2, 3, 4}}, {true}, 1, {2}, {{4, 5}}, b_linear_io, NULL},
     {"narrow", 1, {3}, {{2, 3, 9}}, {true}, 0, {0}, {{0}}, b_narrow, NULL},
+    {"narrow_slices", 1, {3}, {{2, 3, 9}}, {true}, 0, {0}, {{0}}, b_narrow_slices, NULL},
     {"silu", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_silu, NULL},
     {"layernorm", 1, {2}, {{3, 8}}, {true}, 2, {1, 1}, {{8}, {8}}, b_layernorm, NULL},
     {"layernorm_no_bias", 1, {2}, {{3, 8}}, {true}, 1, {1}, {{8}}, b_layernorm_no_bias, NULL},
