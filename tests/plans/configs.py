@@ -4,7 +4,8 @@ import json
 import os
 import re
 
-from common import (BASE, PLANS, ROOT, STEPS, check, hf_folder, losses, mkdtemp, run)
+from common import (BASE, PLANS, ROOT, STEPS, TOOL, check, hf_folder, losses, mkdtemp, run, sh,
+                    st_read)
 
 
 def configs():
@@ -160,15 +161,22 @@ train:
 """
 
 
-def golden_losses(tag):
+def golden_tensors(tag, prefix):
+    """The F32 tensors of tests/reference's TAG_golden.safetensors whose names start with
+    prefix, by the rest of their names: {name: (shape, values)}."""
     import struct
-    with open(os.path.join(ROOT, "tests", "reference", tag + "_golden.safetensors"), "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        head = json.loads(f.read(n))
-        a, b = head["train_losses"]["data_offsets"]
-        f.seek(8 + n + a)
-        raw = f.read(b - a)
-    return list(struct.unpack("<%df" % (len(raw) // 4), raw))
+    head, data = st_read(os.path.join(ROOT, "tests", "reference", tag + "_golden.safetensors"))
+    out = {}
+    for name, t in head.items():
+        if name.startswith(prefix) and name != "__metadata__":
+            a, b = t["data_offsets"]
+            out[name[len(prefix):]] = (t["shape"], struct.unpack("<%df" % ((b - a) // 4),
+                                                                 data[a:b]))
+    return out
+
+
+def golden_losses(tag):
+    return list(golden_tensors(tag, "train_losses")[""][1])
 
 
 def pytorch():
@@ -388,18 +396,51 @@ def family_plan(tmp, tag):
     return plan
 
 
+def exported_as_trained(tag, ck, out):
+    """export-hf of the one-rank run's final checkpoint: the tensors PyTorch trained, under
+    transformers' names and layouts (GPT-2's Conv1D [in, out]), a tied head left out."""
+    import struct
+    p = sh([TOOL, "export-hf", ck, out], timeout=120)
+    want = golden_tensors(tag, "trained.")
+    got = {}
+    if p.returncode == 0:
+        head, data = st_read(os.path.join(out, "model.safetensors"))
+        for name, t in head.items():
+            if name != "__metadata__" and t["dtype"] == "F32":
+                a, b = t["data_offsets"]
+                got[name] = (t["shape"], struct.unpack("<%df" % ((b - a) // 4), data[a:b]))
+    same_names = sorted(got) == sorted(want)
+    shapes = all(n in got and got[n][0] == want[n][0] for n in want)
+    diffs = [abs(x - y) for n in want if n in got and got[n][0] == want[n][0]
+             for x, y in zip(got[n][1], want[n][1])]
+    worst = max(diffs, default=float("inf"))
+    mean = sum(diffs) / max(len(diffs), 1)
+    # AdamW's step is about lr whatever the gradient's size, so a gradient that is zero in exact
+    # arithmetic (Qwen2's k bias: softmax ignores a constant added to every score) or nearly so
+    # moves by its rounding noise: isolated elements differ by up to 4.1e-5 (measured, lr 3e-3,
+    # moves up to 1.8e-2), the mean difference is below 1e-7
+    check(same_names and shapes and worst <= 2e-4 and mean <= 1e-6,
+          "%s: export-hf of the trained checkpoint holds PyTorch's %d trained tensors under "
+          "transformers' names and shapes (worst element %.2e, mean %.1e%s)"
+          % (tag, len(want), worst, mean, "" if same_names else "; names differ: %s" %
+             sorted(set(got) ^ set(want))[:4]))
+    if p.returncode != 0:
+        print(p.stdout[-1000:], p.stderr[-1000:])
+
+
 def family():
     """Qwen2 (q, k, v biases), Qwen3 (q_norm and k_norm, head_dim 24 where hidden / heads is
     16, tied) and GPT-2 (learned positions, LayerNorms with bias, fused c_attn, Conv1D weights,
-    tied), from a Hugging Face folder: one rank reproduces PyTorch's ten losses; FSDP, HSDP and
+    tied), from a Hugging Face folder: one rank reproduces PyTorch's ten losses and its
+    export-hf PyTorch's trained weights; FSDP, HSDP and
     (but GPT-2) FSDP x TP with sequence parallelism (Qwen3's q_norm and k_norm headwise) on 4
     ranks train one rank's losses; a bare config.json trains with a falling loss."""
     for tag in ("tiny_qwen2", "tiny_qwen3", "tiny_gpt2"):
         tmp = mkdtemp()
         plan = family_plan(tmp, tag)
-        one = os.path.join(tmp, "one.jsonl")
+        one, ck = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "ck")
         p, _ = run(1, [plan, "--set", "mesh.dp_shard=1", "--set", "data.batch_size=2",
-                       "--metrics", one])
+                       "--set", "checkpoint.dir=" + ck, "--metrics", one])
         check(p.returncode == 0, "%s: trains on one rank from its Hugging Face folder" % tag)
         if p.returncode != 0:
             print(p.stdout[-2000:], p.stderr[-2000:])
@@ -410,6 +451,7 @@ def family():
         check(len(ref) == len(want) == 10 and worst <= 1e-5,
               "%s: one rank reproduces PyTorch's ten losses within 1e-5 (worst %.2e)"
               % (tag, worst))
+        exported_as_trained(tag, os.path.join(ck, "step-00000010"), os.path.join(tmp, "hf"))
         r1 = os.path.join(tmp, "one-4.jsonl")  # one rank, the plans' global batch
         p, _ = run(1, [plan, "--metrics", r1, "--set", "data.global_batch_size=4",
                        "--set", "mesh.dp_shard=1"])

@@ -7,7 +7,8 @@ weights to a safetensors file and loads them back, then runs on the project's co
 project's data order:
   - one forward and backward on step 0's batch: logits, loss, every parameter's gradient;
   - STEPS AdamW steps (parameter groups, gradient clipping, warmup + cosine schedule):
-    the per-step losses.
+    the per-step losses and, for the Qwen and GPT-2 variants, every trained parameter under
+    "trained.NAME" (tied ones once, as transformers saves them).
 Outputs go next to this script, TAG_config.json, TAG_init.safetensors (or the init of another
 variant, named in the golden's metadata "init") and TAG_golden.safetensors, for these variants:
   tiny         untied embeddings, rope_theta 1e4 at the top level (transformers 4's form)
@@ -220,6 +221,9 @@ def run(tag, changes, tied, init_tag):
         opt.step()
         losses.append(loss.item())
     golden["train_losses"] = torch.tensor(losses, dtype=torch.float32)
+    if cfg["model_type"] in ("qwen2", "qwen3", "gpt2"):
+        for name, p in model.named_parameters():
+            golden["trained." + name] = p.detach().clone()
     meta = {"batch_size": str(BATCH), "seq_len": str(SEQ), "steps": str(STEPS),
             "torch_version": torch.__version__}
     if init_tag != tag:
