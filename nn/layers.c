@@ -29,6 +29,16 @@ static fsdpc_status_t linear_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in
   return st;
 }
 
+static fsdpc_status_t conv1d_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  nn_param_t *b = param(m, "bias");
+  if (b == NULL) return nn_linear_io(ctx, in, param(m, "weight"), out);
+  nn_var_t *y;
+  FSDPC_TRY(nn_linear_io(ctx, in, param(m, "weight"), &y));
+  fsdpc_status_t st = nn_bias_add(ctx, y, b, out);
+  nn_var_put(y);
+  return st;
+}
+
 static fsdpc_status_t embedding_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
                                         nn_var_t **out) {
   return nn_embedding(ctx, in, param(m, "weight"), out);
@@ -139,6 +149,20 @@ fsdpc_status_t nn_linear_new(nn_module_t *parent, const char *name, int64_t in_f
   return attach(parent, m, st, out);
 }
 
+fsdpc_status_t nn_conv1d_new(nn_module_t *parent, const char *name, int64_t in_features,
+                             int64_t out_features, bool bias, const nn_layer_options_t *opt,
+                             nn_module_t **out) {
+  if (out) *out = NULL;
+  opt = options(opt);
+  FSDPC_TRY(check_size(name, "in_features", in_features));
+  FSDPC_TRY(check_size(name, "out_features", out_features));
+  nn_module_t *m;
+  FSDPC_TRY(make(name, conv1d_forward, "conv1d", &(layer_t){.in = in_features}, &m));
+  fsdpc_status_t st = add_param(m, "weight", in_features, out_features, opt);
+  if (st == STATUS_OK && bias) st = add_param(m, "bias", out_features, 0, opt);
+  return attach(parent, m, st, out);
+}
+
 fsdpc_status_t nn_embedding_new(nn_module_t *parent, const char *name, int64_t num_embeddings,
                                 int64_t dim, const nn_layer_options_t *opt, nn_module_t **out) {
   if (out) *out = NULL;
@@ -206,6 +230,9 @@ static fsdpc_status_t reset(nn_module_t *m, uint64_t seed) {
     double bound = 1.0 / sqrt((double)layer_of(m)->in);
     FSDPC_TRY(nn_init_uniform(w, seed, -bound, bound));
     if (b) FSDPC_TRY(nn_init_uniform(b, seed, -bound, bound));
+  } else if (f == conv1d_forward) {
+    FSDPC_TRY(nn_init_normal(w, seed, 0.0, 0.02));
+    if (b) FSDPC_TRY(nn_init_constant(b, 0.0));
   } else if (f == embedding_forward) {
     FSDPC_TRY(nn_init_normal(w, seed, 0.0, 1.0));
   } else if (f == rmsnorm_forward || f == layernorm_forward) {

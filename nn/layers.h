@@ -2,7 +2,8 @@
  * Layers for a model of your own: each constructor makes one module with its parameters,
  * named and shaped as PyTorch's torch.nn layers (Linear: "weight" [out, in] and "bias"
  * [out]; Embedding: "weight" [num, dim]; RMSNorm and LayerNorm: "weight" [dim], LayerNorm's
- * "bias" [dim]), and declares its kind ("linear", "embedding", "rmsnorm", "layernorm"), which
+ * "bias" [dim]; transformers' Conv1D: "weight" [in, out] and "bias" [out]), and declares its
+ * kind ("linear", "conv1d", "embedding", "rmsnorm", "layernorm"), which
  * is what tensor parallelism reads to split it. Parameters are whole tensors (Replicate on
  * this rank's shared local mesh, mesh_local_shared), so fully_shard and tensor_parallel take
  * them as they take the built-in Llama's.
@@ -50,6 +51,12 @@ fsdpc_status_t nn_linear_new(nn_module_t *parent, const char *name, int64_t in_f
                              int64_t out_features, bool bias, const nn_layer_options_t *opt,
                              nn_module_t **out);
 
+/* transformers' Conv1D (GPT-2's projections): y = x W (+ b) with W [in, out]: x [..., in] ->
+ * y [..., out]. Kind "conv1d": tensor parallelism splits it as a Linear, on W's other side. */
+fsdpc_status_t nn_conv1d_new(nn_module_t *parent, const char *name, int64_t in_features,
+                             int64_t out_features, bool bias, const nn_layer_options_t *opt,
+                             nn_module_t **out);
+
 /* y = W[ids]: ids (I32/I64) [...] -> y [..., dim]. */
 fsdpc_status_t nn_embedding_new(nn_module_t *parent, const char *name, int64_t num_embeddings,
                                 int64_t dim, const nn_layer_options_t *opt, nn_module_t **out);
@@ -73,9 +80,9 @@ fsdpc_status_t nn_sequential_new(nn_module_t *parent, const char *name, nn_modul
 
 /* PyTorch's default initialisation of every layer under root made by these constructors,
  * plan-independent (each element a function of seed, the parameter's FQN and its global
- * index, as nn/init.h): Linear weight and bias U(-1/sqrt(in), 1/sqrt(in)), Embedding N(0, 1),
- * norm weights 1 and biases 0. Each rank fills its local shards; other modules are left
- * alone. Local. */
+ * index, as nn/init.h): Linear weight and bias U(-1/sqrt(in), 1/sqrt(in)), Conv1D weight
+ * N(0, 0.02) and bias 0 (transformers'), Embedding N(0, 1), norm weights 1 and biases 0. Each rank
+ * fills its local shards; other modules are left alone. Local. */
 fsdpc_status_t nn_module_reset_parameters(nn_module_t *root, uint64_t seed);
 
 #pragma GCC visibility pop

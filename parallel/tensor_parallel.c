@@ -15,6 +15,7 @@ typedef struct tp_mod {
   tp_style_t style;
   tp_layout_t in, out; /* resolved: never TP_LAYOUT_DEFAULT */
   bool embedding;
+  bool conv1d; /* weight [in, out] */
   mesh_t *mesh;
   nn_param_t *w, *b;    /* the weight, and the bias (or NULL) */
   int64_t first, vocab; /* rowwise embedding: the shard's rows of the vocabulary */
@@ -226,7 +227,8 @@ static fsdpc_status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_va
         FSDPC_TRY_GOTO(st, nn_embedding_shard(ctx, in, t->w, t->first, t->vocab, &y));
       } else if (t->b != NULL) { /* the bias is added once, to the reduced output */
         FSDPC_TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
-        FSDPC_TRY_GOTO(st, nn_linear(ctx, x, t->w, &y));
+        FSDPC_TRY_GOTO(st,
+                       t->conv1d ? nn_linear_io(ctx, x, t->w, &y) : nn_linear(ctx, x, t->w, &y));
         nn_var_t *r = NULL;
         FSDPC_TRY_GOTO(st, finish(ctx, t, y, true, &r));
         st = nn_bias_add(ctx, r, t->b, out);
@@ -325,6 +327,7 @@ static fsdpc_status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
   const char *kind = nn_module_kind(t->m), *fqn = nn_module_fqn(t->m);
   tp_layout_t model = sp ? TP_SHARD_SEQ : TP_REPLICATE;
   t->embedding = kind && strcmp(kind, "embedding") == 0;
+  t->conv1d = kind && strcmp(kind, "conv1d") == 0;
   t->style = r->style;
   bool has_params = r->style != TP_PREPARE_INPUT;
   t->w = has_params ? nn_module_param_named(t->m, "weight") : NULL;

@@ -12,6 +12,9 @@
  *                                                    ids -> the model layout (Embedding)
  *   rowwise             Shard(1) | Shard(0) (vocab)  Shard(-1) | ids -> Partial, reduced to
  *                                                    the model layout
+ *
+ * A Conv1D (kind "conv1d": transformers' y = x W + b, W [in, out]) splits as a Linear does, on
+ * the other dimension: colwise Shard(1), rowwise Shard(0).
  *   sequence_parallel   Replicate (RMSNorm,          Shard(1) -> Shard(1); the weight's
  *                       LayerNorm)                   (and bias's) gradient is summed over tp
  *   prepare_input       -                            the model layout -> Replicate, once for
@@ -96,8 +99,8 @@ bool tp_layout_parse(const char *name, tp_layout_t *out);
 const char *tp_layout_name(tp_layout_t l);
 
 /* The placement on tp of parameter param ("weight" or "bias") of a layer of kind ("linear",
- * "embedding", "rmsnorm", "layernorm", NULL for a container) under style: weights Shard(0) /
- * Shard(1) as the table above; a colwise linear's bias Shard(0) (it follows the output
+ * "conv1d", "embedding", "rmsnorm", "layernorm", NULL for a container) under style: weights
+ * Shard(0) / Shard(1) as the table above; a colwise linear's bias Shard(0) (it follows the output
  * features), a rowwise one's Replicate (added once, to the reduced output); Replicate for norms
  * (sequence_parallel, headwise) and prepare_input. Errors when the style does not apply to the
  * kind. */

@@ -61,20 +61,21 @@ fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char
   ARG_NONNULL(param);
   ARG_NONNULL(out);
   bool linear = kind && strcmp(kind, "linear") == 0, emb = kind && strcmp(kind, "embedding") == 0;
+  bool conv1d = kind && strcmp(kind, "conv1d") == 0; /* weight [in, out]: an embedding's sides */
   bool bias = param && strcmp(param, "bias") == 0;
   *out = placement_replicate();
   switch (style) {
     case TP_COLWISE:
     case TP_ROWWISE:
-      if (!linear && !emb)
-        return err_set(STATUS_EINVAL, "%s applies to linear and embedding layers, not a %s",
+      if (!linear && !emb && !conv1d)
+        return err_set(STATUS_EINVAL, "%s applies to linear, conv1d and embedding layers, not a %s",
                        tp_style_name(style), kind ? kind : "container");
       if (bias && emb)
         return err_set(STATUS_EINVAL, "%s: an embedding with a bias is not supported",
                        tp_style_name(style));
       /* a colwise bias follows the output features; a rowwise one is added whole */
       if (bias) *out = style == TP_COLWISE ? placement_shard(0) : placement_replicate();
-      if (!bias) *out = placement_shard((style == TP_COLWISE) == emb ? 1 : 0);
+      if (!bias) *out = placement_shard((style == TP_COLWISE) == (emb || conv1d) ? 1 : 0);
       return STATUS_OK;
     case TP_SEQUENCE_PARALLEL:
     case TP_HEADWISE:

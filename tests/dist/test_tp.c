@@ -13,6 +13,8 @@
 #include <string.h>
 
 #include "models/llama/llama_plan.h"
+#include "nn/init.h"
+#include "nn/layers.h"
 #include "parallel/parallelize.h"
 #include "tests/dist/fsdp_common.h"
 
@@ -254,6 +256,99 @@ START_TEST(uneven_split_is_refused) {
 }
 END_TEST
 
+/* An MLP of transformers' Conv1D layers (weight [in, out]) with biases: built eagerly, the same
+ * values on every rank. */
+static nn_module_t *conv1d_mlp(void) {
+  nn_module_t *m;
+  ok(nn_sequential_new(NULL, "", &m));
+  ok(nn_conv1d_new(m, "c_fc", 8, 24, true, NULL, NULL));
+  ok(nn_activation_new(m, "act", KERNEL_ACT_GELU_TANH, NULL));
+  ok(nn_conv1d_new(m, "c_proj", 24, 8, true, NULL, NULL));
+  ok(nn_module_finalize(m));
+  ok(nn_module_reset_parameters(m, 5));
+  for (int i = 0; i < nn_module_num_children(m); i++) { /* biases not zero, to be checked */
+    nn_param_t *b = nn_module_param_named(nn_module_child(m, i), "bias");
+    if (b) ok(nn_init_normal(b, 6, 0.0, 0.1));
+  }
+  return m;
+}
+
+/* One forward and backward of x [2, 3, 8] (the same on every rank): the MSE loss and the
+ * gradients. */
+static double conv1d_step(nn_module_t *m, fsdpc_tensor_t *pred_out) {
+  fsdpc_tensor_t x, y;
+  int64_t sx[3] = {2, 3, 8};
+  ok(tensor_init(&x, DTYPE_F32, device_cpu(), 3, sx));
+  ok(tensor_zeros(&y, DTYPE_F32, device_cpu(), 3, sx));
+  for (int64_t i = 0; i < 48; i++)
+    ((float *)x.data)[i] = (float)nn_init_normal_value(7, "x", (uint64_t)i);
+  nn_ctx_t *ctx;
+  nn_var_t *in, *pred, *l;
+  double loss;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_var_new(&x, false, &in));
+  ok(nn_call(ctx, m, in, &pred));
+  ok(nn_mse_loss(ctx, pred, &y, &l));
+  ok(nn_var_scalar(l, &loss));
+  ok(nn_backward(ctx, l));
+  ok(tensor_clone(pred_out, &pred->value, DTYPE_F32, device_cpu()));
+  nn_var_put(l);
+  nn_var_put(pred);
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  tensor_free(&y);
+  return loss;
+}
+
+/* Conv1D layers split by the Linear's styles on the weight's other side (colwise Shard(1),
+ * rowwise Shard(0), a colwise bias with the output features, a rowwise one added once): the
+ * single-rank output and loss, and on each rank the single-rank gradients' slices. */
+START_TEST(conv1d_layers_split_like_linears) {
+  mesh_t *world, *tp;
+  int shape[2] = {R * S, T};
+  const char *names[] = {"dp", "tp"};
+  ok(mesh_new(2, shape, names, DEVICE_CPU, &world));
+  ok(mesh_slice(world, 1, &names[1], &tp));
+  nn_module_t *ref = conv1d_mlp(), *m = conv1d_mlp();
+  const tp_rule_t rules[] = {{"c_fc", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+                             {"c_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT}};
+  tp_plan_t *plan;
+  ok(tensor_parallel(m, tp, rules, 2, false, &plan));
+  fsdpc_tensor_t pr, ps;
+  double lr = conv1d_step(ref, &pr), ls = conv1d_step(m, &ps);
+  run_t a = {0}, b = {0};
+  ok(nn_named_parameters(ref, &a.ps, &a.n));
+  ok(nn_named_parameters(m, &b.ps, &b.n));
+  static const char *const want[][2] = {{"c_fc.weight", "S(1)"},
+                                        {"c_fc.bias", "S(0)"},
+                                        {"c_proj.weight", "S(0)"},
+                                        {"c_proj.bias", "R"}};
+  int bad = compare_shards(&a, &b, true, 1e-5);
+  for (int i = 0; i < b.n && T > 1; i++) {
+    char got[16];
+    placement_str(dtensor_placements(b.ps[i]->value)[0], got, sizeof got);
+    if (strcmp(b.ps[i]->fqn, want[i][0]) != 0 || strcmp(got, want[i][1]) != 0) {
+      printf("rank %d: %s placed %s, want %s %s\n", world_rank(), b.ps[i]->fqn, got, want[i][0],
+             want[i][1]);
+      bad++;
+    }
+  }
+  double e = test_rel_l2(&ps, &pr);
+  expect_all(bad == 0 && e < 1e-6 && fabs(ls - lr) <= 1e-6 * fabs(lr),
+             "Conv1D under tp: output %.2g, loss %.2g, %d gradient or placement mismatches", e,
+             fabs(ls - lr), bad);
+  free(a.ps);
+  free(b.ps);
+  tensor_free(&pr);
+  tensor_free(&ps);
+  nn_module_free(ref);
+  nn_module_free(m);
+  tp_free(plan);
+  mesh_free(tp);
+  mesh_free(world);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("tp");
   TCase *tc = tcase_create("tp");
@@ -267,6 +362,7 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, parity_colwise_embedding);
     tcase_add_test(tc, parity_colwise_embedding_sequence_parallel);
     if (S >= 4) tcase_add_test(tc, parity_sequence_parallel_int_reshard);
+    tcase_add_test(tc, conv1d_layers_split_like_linears);
   } else {
     tcase_add_test(tc, uneven_split_is_refused);
   }

@@ -64,7 +64,7 @@ def main():
            ("parallelize:\n  fully_shard:\n    units: [\"layers.*\"]\n",
             r"units\[0\]: 'layers\.\*' matches no module \(modules here: fc1, act1, fc2"),
            ("mesh:\n  tp: 2\nparallelize:\n  tensor_parallel:\n    plan:\n      act1: colwise\n",
-            r"tensor parallel: act1: colwise applies to linear and embedding layers"),
+            r"tensor parallel: act1: colwise applies to linear, conv1d and embedding layers"),
            ("mesh:\n  tp: 2\n", r"mesh.tp is 2, but no rule says which modules to split")]
     for i, (text, want) in enumerate(bad):
         path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "fsdpc-bad-plan-%d-%d.yaml" % (os.getpid(), i))

@@ -497,8 +497,8 @@ def ckpt_any_model():
         f.write(plans["tp2x2"].replace("mlp.c_fc\": colwise", "ln_1\": colwise"))
     for extra, plan, want in [(["--embedding", "transformer.h.*.mlp.c_fc"], "tp2x2",
                                r"mlp\.c_fc.*an embedding with a bias is not supported"),
-                              ([], "bad", r"ln_1.*colwise applies to linear and embedding layers, "
-                                          r"not a layernorm")]:
+                              ([], "bad", r"ln_1.*colwise applies to linear, conv1d and "
+                                          r"embedding layers, not a layernorm")]:
         p = tool_run("reshard", os.path.join(tmp, "ck-fsdp4"), "--to",
                      os.path.join(tmp, plan + ".yaml"), os.path.join(tmp, "never"), *extra)
         check(p.returncode != 0 and re.search(want, p.stderr) is not None and

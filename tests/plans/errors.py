@@ -73,7 +73,7 @@ def errors():
         ("tp pattern matching nothing", tp_plan("model.blocks.*.mlp: prepare_input"), [],
          r"tensor_parallel\.plan: tensor parallel: 'model\.blocks\.\*\.mlp' matches no module"),
         ("tp style on the wrong layer", tp_plan("model.norm: colwise"), [],
-         r"tensor parallel: model\.norm: colwise applies to linear and embedding layers, not a "
+         r"tensor parallel: model\.norm: colwise applies to linear, conv1d and embedding layers, not a "
          r"rmsnorm"),
         ("lm_head logits left split", tp_plan("lm_head: colwise"), [],
          r"plan\.lm_head: the loss needs whole logits"),
