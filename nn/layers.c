@@ -19,24 +19,24 @@ static nn_param_t *param(nn_module_t *m, const char *name) {
 
 /* ---- forwards ---- */
 
-static fsdpc_status_t linear_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
-  nn_param_t *b = param(m, "bias");
-  if (b == NULL) return nn_linear(ctx, in, param(m, "weight"), out);
+/* y = x W^T (+ b), or for a Conv1D y = x W (+ b). */
+static fsdpc_status_t project(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, bool io,
+                              nn_var_t **out) {
+  nn_param_t *w = param(m, "weight"), *b = param(m, "bias");
   nn_var_t *y;
-  FSDPC_TRY(nn_linear(ctx, in, param(m, "weight"), &y));
+  FSDPC_TRY(io ? nn_linear_io(ctx, in, w, b ? &y : out) : nn_linear(ctx, in, w, b ? &y : out));
+  if (b == NULL) return STATUS_OK;
   fsdpc_status_t st = nn_bias_add(ctx, y, b, out);
   nn_var_put(y);
   return st;
 }
 
+static fsdpc_status_t linear_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  return project(ctx, m, in, false, out);
+}
+
 static fsdpc_status_t conv1d_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
-  nn_param_t *b = param(m, "bias");
-  if (b == NULL) return nn_linear_io(ctx, in, param(m, "weight"), out);
-  nn_var_t *y;
-  FSDPC_TRY(nn_linear_io(ctx, in, param(m, "weight"), &y));
-  fsdpc_status_t st = nn_bias_add(ctx, y, b, out);
-  nn_var_put(y);
-  return st;
+  return project(ctx, m, in, true, out);
 }
 
 static fsdpc_status_t embedding_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
@@ -135,32 +135,33 @@ static const nn_layer_options_t *options(const nn_layer_options_t *opt) {
   return opt ? opt : &defaults;
 }
 
-fsdpc_status_t nn_linear_new(nn_module_t *parent, const char *name, int64_t in_features,
-                             int64_t out_features, bool bias, const nn_layer_options_t *opt,
-                             nn_module_t **out) {
+/* A Linear (weight [out, in]) or a Conv1D (weight [in, out]), with a bias [out] when bias. */
+static fsdpc_status_t projection_new(nn_module_t *parent, const char *name, bool conv1d,
+                                     int64_t in_features, int64_t out_features, bool bias,
+                                     const nn_layer_options_t *opt, nn_module_t **out) {
   if (out) *out = NULL;
   opt = options(opt);
   FSDPC_TRY(check_size(name, "in_features", in_features));
   FSDPC_TRY(check_size(name, "out_features", out_features));
   nn_module_t *m;
-  FSDPC_TRY(make(name, linear_forward, "linear", &(layer_t){.in = in_features}, &m));
-  fsdpc_status_t st = add_param(m, "weight", out_features, in_features, opt);
+  FSDPC_TRY(make(name, conv1d ? conv1d_forward : linear_forward, conv1d ? "conv1d" : "linear",
+                 &(layer_t){.in = in_features}, &m));
+  fsdpc_status_t st = conv1d ? add_param(m, "weight", in_features, out_features, opt)
+                             : add_param(m, "weight", out_features, in_features, opt);
   if (st == STATUS_OK && bias) st = add_param(m, "bias", out_features, 0, opt);
   return attach(parent, m, st, out);
+}
+
+fsdpc_status_t nn_linear_new(nn_module_t *parent, const char *name, int64_t in_features,
+                             int64_t out_features, bool bias, const nn_layer_options_t *opt,
+                             nn_module_t **out) {
+  return projection_new(parent, name, false, in_features, out_features, bias, opt, out);
 }
 
 fsdpc_status_t nn_conv1d_new(nn_module_t *parent, const char *name, int64_t in_features,
                              int64_t out_features, bool bias, const nn_layer_options_t *opt,
                              nn_module_t **out) {
-  if (out) *out = NULL;
-  opt = options(opt);
-  FSDPC_TRY(check_size(name, "in_features", in_features));
-  FSDPC_TRY(check_size(name, "out_features", out_features));
-  nn_module_t *m;
-  FSDPC_TRY(make(name, conv1d_forward, "conv1d", &(layer_t){.in = in_features}, &m));
-  fsdpc_status_t st = add_param(m, "weight", in_features, out_features, opt);
-  if (st == STATUS_OK && bias) st = add_param(m, "bias", out_features, 0, opt);
-  return attach(parent, m, st, out);
+  return projection_new(parent, name, true, in_features, out_features, bias, opt, out);
 }
 
 fsdpc_status_t nn_embedding_new(nn_module_t *parent, const char *name, int64_t num_embeddings,
