@@ -560,8 +560,11 @@ static fsdpc_status_t adamw_check(const char *fn, fsdpc_tensor_t *p, const fsdpc
   FSDPC_TRY(check_common(fn, NT(p, g, m, v), ops));
   FSDPC_TRY(check_float(fn, "p", p));
   FSDPC_TRY(check_float(fn, "g", g));
-  FSDPC_TRY(check_dtype(fn, "m", m, DTYPE_F32));
-  FSDPC_TRY(check_dtype(fn, "v", v, DTYPE_F32));
+  if ((m->dtype != DTYPE_F32 && m->dtype != DTYPE_BF16) || v->dtype != m->dtype)
+    return err_set(STATUS_EDTYPE,
+                   "%s: the moments m and v must both be f32 or both bf16, not %s "
+                   "and %s",
+                   fn, dtype_name(m->dtype), dtype_name(v->dtype));
   if (tensor_numel(g) != tensor_numel(p) || tensor_numel(m) != tensor_numel(p) ||
       tensor_numel(v) != tensor_numel(p))
     return err_set(STATUS_ESHAPE, "%s: p, g, m and v must have the same number of elements", fn);

@@ -37,6 +37,9 @@ fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t 
     return err_set(STATUS_EINVAL,
                    "AdamW: need lr >= 0, 0 <= betas < 1, eps >= 0, "
                    "weight_decay >= 0");
+  if (cfg->state_dtype != DTYPE_F32 && cfg->state_dtype != DTYPE_BF16)
+    return err_set(STATUS_EINVAL, "AdamW: the state dtype must be f32 or bf16, not %s",
+                   dtype_name(cfg->state_dtype));
   if (cfg->n_groups < 0 || cfg->n_groups > ADAMW_MAX_GROUPS)
     return err_set(STATUS_EINVAL, "AdamW: at most %d parameter groups", ADAMW_MAX_GROUPS);
   optim_t *o = calloc(1, sizeof *o);
@@ -106,13 +109,13 @@ void optim_set_steps(optim_t *o, int64_t steps) {
 
 /* The moments of a slot, created on first use: zero, or uninitialised when a load is about to
  * overwrite them. */
-static fsdpc_status_t slot_ready(slot_t *s, bool zero) {
+static fsdpc_status_t slot_ready(slot_t *s, dtype_t dt, bool zero) {
   if (s->ready) return STATUS_OK;
   const fsdpc_tensor_t *local = dtensor_local(s->p->value);
   fsdpc_status_t (*make)(fsdpc_tensor_t *, dtype_t, device_t, int, const int64_t *) =
       zero ? tensor_zeros : tensor_init;
-  FSDPC_TRY(make(&s->m, DTYPE_F32, local->device, local->ndim, local->shape));
-  fsdpc_status_t st = make(&s->v, DTYPE_F32, local->device, local->ndim, local->shape);
+  FSDPC_TRY(make(&s->m, dt, local->device, local->ndim, local->shape));
+  fsdpc_status_t st = make(&s->v, dt, local->device, local->ndim, local->shape);
   if (st != STATUS_OK) {
     tensor_free(&s->m);
     return st;
@@ -126,7 +129,7 @@ static fsdpc_status_t state_of(optim_t *o, int i, bool zero, dtensor_t **exp_avg
   *exp_avg = *exp_avg_sq = NULL;
   if (i < 0 || i >= o->n) return err_set(STATUS_EINVAL, "optim_state: no parameter %d", i);
   slot_t *s = &o->slots[i];
-  FSDPC_TRY(slot_ready(s, zero));
+  FSDPC_TRY(slot_ready(s, o->cfg.state_dtype, zero));
   const dtensor_t *v = s->p->value;
   FSDPC_TRY(dtensor_from_local(&s->m, dtensor_mesh(v), dtensor_placements(v), dtensor_ndim(v),
                                dtensor_shape(v), exp_avg));
@@ -177,7 +180,7 @@ fsdpc_status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale)
     slot_t *s = &o->slots[i];
     if (s->p->grad == NULL || !s->p->requires_grad) continue;
     fsdpc_tensor_t *p = &refs[2 * m], *g = &refs[2 * m + 1];
-    st = slot_ready(s, true);
+    st = slot_ready(s, o->cfg.state_dtype, true);
     if (st == STATUS_OK) st = tensor_ref(p, dtensor_local(s->p->value));
     if (st == STATUS_OK) st = tensor_ref(g, dtensor_local(s->p->grad));
     adamw_args_t a = {.lr = s->lr * lr_factor,

@@ -13,8 +13,8 @@
  *   FSDPC_TRY(optim_step(opt, lr_schedule(&sched, cfg.lr, step) / cfg.lr));
  *   optim_free(opt);
  *
- * The optimizer steps on each parameter's local shard (p->value, p->grad); moments are F32
- * tensors shaped like the local shard on its device.
+ * The optimizer steps on each parameter's local shard (p->value, p->grad); moments are
+ * tensors of cfg.state_dtype (F32 by default) shaped like the local shard on its device.
  */
 #ifndef FSDPC_NN_OPTIM_H
 #define FSDPC_NN_OPTIM_H
@@ -41,11 +41,18 @@ typedef struct adamw_config {
   double lr, beta1, beta2, eps, weight_decay;
   int n_groups;
   adamw_group_t groups[ADAMW_MAX_GROUPS];
+  /* the moments' dtype: DTYPE_F32, or DTYPE_BF16 (half the state's memory; each update is
+   * computed in f32 and the moments rounded to bf16 as they are stored). The parameters keep
+   * their own dtype. */
+  dtype_t state_dtype;
 } adamw_config_t;
 
 /* torch.optim.AdamW's defaults. */
-#define ADAMW_CONFIG_INIT \
-  { .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 1e-2, .n_groups = 0 }
+#define ADAMW_CONFIG_INIT                                                                       \
+  {                                                                                             \
+    .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 1e-2, .n_groups = 0, \
+    .state_dtype = DTYPE_F32                                                                    \
+  }
 
 typedef struct optim optim_t;
 
@@ -69,7 +76,7 @@ void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_dec
 /* Steps taken so far. */
 int64_t optim_steps(const optim_t *o);
 
-/* Parameter i's AdamW moments (exp_avg, exp_avg_sq; f32, zero before the first step) as new
+/* Parameter i's AdamW moments (exp_avg, exp_avg_sq; state_dtype, zero before the first step) as new
  * DTensors sharing the optimizer's memory, with the parameter's mesh and placements: for
  * checkpoints. The caller frees the DTensors; the optimizer keeps the memory. */
 fsdpc_status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq);

@@ -81,9 +81,10 @@ static void optim_line(const fsdpc_plan_t *p) {
   char decay[48] = "then constant";
   if (p->min_lr_ratio < 1) snprintf(decay, sizeof decay, "cosine to %g x lr", p->min_lr_ratio);
   printf(
-      "  optim: AdamW lr %g, betas (%g, %g), eps %g, weight_decay %g%s; warmup %lld step%s, "
+      "  optim: AdamW lr %g, betas (%g, %g), eps %g, weight_decay %g%s%s; warmup %lld step%s, "
       "%s%s\n",
-      o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, clip, (long long)p->warmup_steps,
+      o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, clip,
+      o->state_dtype == DTYPE_BF16 ? ", bf16 moments" : "", (long long)p->warmup_steps,
       p->warmup_steps == 1 ? "" : "s", decay, groups);
 }
 
@@ -385,8 +386,9 @@ static bool memory_lines(const run_t *r) {
     return false;
   }
   char a[32], b2[32], c[32], pk[32], ac[32], ga[32], fl[32], st[32], ot[32];
+  double moments = 2 * pb / (double)own * (double)dtype_size(p->optim.state_dtype);
   train_mib(a, sizeof a, pb);
-  train_mib(b2, sizeof b2, 2 * pb);
+  train_mib(b2, sizeof b2, moments);
   train_mib(c, sizeof c, largest);
   train_mib(pk, sizeof pk, est.peak);
   train_mib(st, sizeof st, est.state);
@@ -395,14 +397,14 @@ static bool memory_lines(const run_t *r) {
   train_mib(fl, sizeof fl, est.in_flight);
   train_mib(ot, sizeof ot, other.peak);
   printf(
-      "\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s, "
+      "\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s%s, "
       "largest unsharded unit %s\n",
-      a, a, b2, c);
+      a, a, b2, p->optim.state_dtype == DTYPE_BF16 ? " (bf16 moments)" : "", c);
   printf(
       "  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
       "flight %s; %s activation checkpointing: %s\n",
       pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
-  printf("state_bytes %.0f\n", 4 * pb);
+  printf("state_bytes %.0f\n", 2 * pb + moments);
   printf("largest_unit_bytes %.0f\n", largest);
   printf("peak_bytes %.0f\n", est.peak);
   return true;

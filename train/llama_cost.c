@@ -105,7 +105,10 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
    * flowing into the blocks (the logits' memory, their gradient since the loss's backward,
    * is freed once the lm_head has used it) */
   double resid = er * V * D / t + er * Ns * D + 2 * er * D;
-  double state = 3 * sharded_param_bytes + (accum ? sharded_param_bytes : 0);
+  /* the shards and AdamW's two moments of each element (optim.state_dtype) */
+  double moments =
+      2 * sharded_param_bytes / (double)param_size * (double)dtype_size(p->optim.state_dtype);
+  double state = sharded_param_bytes + moments + (accum ? sharded_param_bytes : 0);
   /* with accumulation the root's reduction of the previous micro-batch finishes during the
    * next backward: its whole gradients and the reduced shard */
   double root_pending = accum && dp ? u.root + u.root_reduce / sh : 0;

@@ -161,8 +161,9 @@ static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
 
 /* mp_policy {param_dtype, reduce_dtype, output_dtype} under map into dt[0..2] (given keys). */
 static fsdpc_status_t read_optim(plan_ctx_t *c, int root) {
-  static const char *const keys[] = {"lr",           "beta1",          "beta2",        "eps",
-                                     "weight_decay", "clip_grad_norm", "param_groups", NULL};
+  static const char *const keys[] = {"lr",           "beta1",        "beta2",
+                                     "eps",          "weight_decay", "clip_grad_norm",
+                                     "param_groups", "state_dtype",  NULL};
   static const char *const gkeys[] = {"lr", "weight_decay", NULL};
   fsdpc_plan_t *p = c->job;
   int m;
@@ -175,6 +176,10 @@ static fsdpc_status_t read_optim(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_get_float(c, m, "optim", "eps", 0, 1, true, &o->eps));
   FSDPC_TRY(pr_get_float(c, m, "optim", "weight_decay", 0, 1e3, false, &o->weight_decay));
   FSDPC_TRY(pr_get_float(c, m, "optim", "clip_grad_norm", 0, 1e12, false, &p->clip_grad_norm));
+  FSDPC_TRY(pr_get_dtype(c, m, "optim", "state_dtype", &o->state_dtype));
+  if (o->state_dtype == DTYPE_F16)
+    return pr_fail(c, pr_find(c, m, "state_dtype"), "optim.state_dtype",
+                   "expected f32 or bf16 (f16's range is too narrow for the second moment)");
   int g = pr_find(c, m, "param_groups");
   if (pr_is_null(c, g)) return STATUS_OK;
   yaml_node_t *n = pr_node(c, g);

@@ -297,22 +297,25 @@ static inline void adamw_f32(const adamw_share_args_t *a, float *p, const float 
   }
 }
 
+/* Narrower parameters, gradients or moments (bf16 moments: optim.state_dtype) are widened a
+ * tile at a time and the updated values rounded back. */
 WIDE static void adamw_share(const void *ctx, int t, int64_t i0, int64_t i1) {
   const adamw_share_args_t *a = ctx;
-  float *pm = a->m->data, *pv = a->v->data;
   (void)t;
-  if (ALL_F32(a->p, a->g)) {
-    adamw_f32(a, (float *)a->p->data + i0, (const float *)a->g->data + i0, pm + i0, pv + i0,
-              i1 - i0);
+  if (ALL_F32(a->p, a->g, a->m)) {
+    adamw_f32(a, (float *)a->p->data + i0, (const float *)a->g->data + i0, (float *)a->m->data + i0,
+              (float *)a->v->data + i0, i1 - i0);
     return;
   }
   for (int64_t k = i0; k < i1; k += TILE) {
     int64_t n = i1 - k < TILE ? i1 - k : TILE;
-    float p[TILE], g[TILE];
-    dtype_to_f32(a->p->dtype, elem_at(a->p, k), p, (size_t)n);
+    float p[TILE], g[TILE], m[TILE], v[TILE];
+    fsdpc_tensor_t *const rw[3] = {a->p, a->m, a->v};
+    float *const f[3] = {p, m, v};
+    for (int j = 0; j < 3; j++) dtype_to_f32(rw[j]->dtype, elem_at(rw[j], k), f[j], (size_t)n);
     dtype_to_f32(a->g->dtype, elem_at(a->g, k), g, (size_t)n);
-    adamw_f32(a, p, g, pm + k, pv + k, n);
-    dtype_from_f32(a->p->dtype, p, elem_at(a->p, k), (size_t)n);
+    adamw_f32(a, p, g, m, v, n);
+    for (int j = 0; j < 3; j++) dtype_from_f32(rw[j]->dtype, f[j], elem_at(rw[j], k), (size_t)n);
   }
 }
 

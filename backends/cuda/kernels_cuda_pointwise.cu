@@ -180,9 +180,9 @@ enum { kAdamwTable = 36 }; /* entries per launch: the table stays under 4 KB of 
 struct adamw_entry {
   void *p;
   const void *g;
-  float *m, *v;
+  void *m, *v; /* f32, or bf16 (optim.state_dtype) */
   int64_t n, first_block;
-  int pdt, gdt;
+  int pdt, gdt, mdt;
   adamw_consts c;
 };
 
@@ -194,11 +194,13 @@ __global__ static void adamw_many_kernel(adamw_table t) {
   const adamw_consts &a = x.c;
   for (int64_t e = b * blockDim.x + threadIdx.x; e < x.n; e += nb * blockDim.x) {
     float pi = ldf(x.pdt, x.p, e) * a.decay, gi = __fmul_rn(ldf(x.gdt, x.g, e), a.grad_scale);
-    float *m = x.m, *v = x.v;
-    m[e] += a.one_minus_b1 * (gi - m[e]);
-    v[e] = v[e] * a.b2 + a.one_minus_b2 * gi * gi;
-    float denom = sqrtf(v[e]) / a.bc2_sqrt + a.eps;
-    stf(x.pdt, x.p, e, pi + (-a.step_size * m[e]) / denom);
+    float m = ldf(x.mdt, x.m, e), v = ldf(x.mdt, x.v, e);
+    m += a.one_minus_b1 * (gi - m);
+    v = v * a.b2 + a.one_minus_b2 * gi * gi;
+    stf(x.mdt, x.m, e, m); /* bf16 moments rounded when stored; the update uses them unrounded */
+    stf(x.mdt, x.v, e, v);
+    float denom = sqrtf(v) / a.bc2_sqrt + a.eps;
+    stf(x.pdt, x.p, e, pi + (-a.step_size * m) / denom);
   }
 }
 
@@ -362,8 +364,9 @@ static fsdpc_status_t cuda_adamw_many(const adamw_item_t *items, int n) {
       adamw_entry &e = t.e[t.count++];
       e.p = it->p->data;
       e.g = it->g->data;
-      e.m = (float *)it->m->data;
-      e.v = (float *)it->v->data;
+      e.m = it->m->data;
+      e.v = it->v->data;
+      e.mdt = it->m->dtype;
       e.n = numel;
       e.first_block = blocks;
       e.pdt = it->p->dtype;

@@ -8,7 +8,8 @@
                 evaluation; shuffling; model.config; Qwen2 and Qwen3 against PyTorch and
                 under FSDP, HSDP and TP
   errors        malformed input: documented message from every rank, non-zero exit, fast
-  dry-run       --dry-run's estimates against a real run's counters; the messages' wording
+  dry-run       --dry-run's estimates against a real run's counters; bf16 AdamW moments; the
+                messages' wording
   checkpoint    saving, resuming under other plans
   ckpt-tool     fsdp-ckpt inspect, export-hf (read by an independent parser), import-hf;
                 Qwen2 and Qwen3 through import-hf, reshard and export-hf
@@ -36,7 +37,7 @@ MODES = {
                 ("plots_converts", "converts"), ("configs", "evaluation"),
                 ("configs", "shuffling"), ("configs", "model_config"), ("configs", "family")],
     "errors": [("errors", "errors")],
-    "dry-run": [("dry_run", "dry_run"), ("dry_run", "messages")],
+    "dry-run": [("dry_run", "dry_run"), ("dry_run", "state_dtype"), ("dry_run", "messages")],
     "checkpoint": [("checkpoints", "checkpoints")],
     "ckpt-tool": [("ckpt_tool", "ckpt_tool"), ("ckpt_tool", "ckpt_any_model"),
                   ("ckpt_tool", "ckpt_family")],
