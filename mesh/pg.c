@@ -71,6 +71,11 @@ static fsdpc_status_t planned_reduce(pg_t *pg, const void *s, void *r, size_t n,
   (void)s, (void)r, (void)n, (void)dt, (void)op, (void)w;
   return planned_refusal(pg);
 }
+static fsdpc_status_t planned_all_to_all_v(pg_t *pg, const void *s, void *r, const size_t *c,
+                                           dtype_t dt, pg_work_t **w) {
+  (void)s, (void)r, (void)c, (void)dt, (void)w;
+  return planned_refusal(pg);
+}
 static fsdpc_status_t planned_broadcast(pg_t *pg, void *b, size_t n, dtype_t dt, int root,
                                         pg_work_t **w) {
   (void)b, (void)n, (void)dt, (void)root, (void)w;
@@ -87,6 +92,7 @@ static const pg_ops_t planned_ops = {
     .reduce_scatter = planned_reduce,
     .all_reduce = planned_reduce,
     .all_to_all = planned_all_gather,
+    .all_to_all_v = planned_all_to_all_v,
     .broadcast = planned_broadcast,
     .barrier = planned_barrier,
 };
@@ -259,6 +265,40 @@ fsdpc_status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t coun
   fsdpc_status_t st = pg->ops->all_to_all(pg, send, recv, count, dt, &w);
   if (st == STATUS_OK)
     count_call(pg, PG_ALL_TO_ALL, (uint64_t)(pg->size - 1) * count * dtype_size(dt));
+  return finish(st, w, work);
+}
+
+/* The sum of n counts, or INT_MAX + 1 past the per-call limit. */
+static size_t total_of(const size_t *counts, int n) {
+  size_t t = 0;
+  for (int i = 0; i < n; i++) {
+    if (counts[i] > (size_t)INT_MAX - t) return (size_t)INT_MAX + 1;
+    t += counts[i];
+  }
+  return t;
+}
+
+fsdpc_status_t pg_all_to_all_v(pg_t *pg, const void *send, const size_t *send_counts, void *recv,
+                               const size_t *recv_counts, dtype_t dt, pg_work_t **work) {
+  if (work) *work = NULL;
+  FSDPC_TRY(check_call(pg, "all_to_all_v", dt, 0, 0));
+  if (send_counts == NULL || recv_counts == NULL)
+    return err_set(STATUS_EINVAL, "all_to_all_v: NULL counts");
+  size_t ns = total_of(send_counts, pg->size), nr = total_of(recv_counts, pg->size);
+  FSDPC_TRY(check_call(pg, "all_to_all_v", dt, ns, nr));
+  FSDPC_TRY(check_buf("all_to_all_v", send, ns));
+  FSDPC_TRY(check_buf("all_to_all_v", recv, nr));
+  if (ns > 0 && nr > 0 && send == recv)
+    return err_set(STATUS_EINVAL, "all_to_all_v: send and recv must not be the same buffer");
+  size_t *counts = malloc(sizeof *counts * 2 * (size_t)pg->size);
+  if (counts == NULL) return err_set(STATUS_ENOMEM, "all_to_all_v: out of host memory");
+  memcpy(counts, send_counts, sizeof *counts * (size_t)pg->size);
+  memcpy(counts + pg->size, recv_counts, sizeof *counts * (size_t)pg->size);
+  pg_work_t *w = NULL;
+  fsdpc_status_t st = pg->ops->all_to_all_v(pg, send, recv, counts, dt, &w);
+  free(counts);
+  if (st == STATUS_OK)
+    count_call(pg, PG_ALL_TO_ALL, (uint64_t)(ns - send_counts[pg->rank]) * dtype_size(dt));
   return finish(st, w, work);
 }
 

@@ -141,6 +141,16 @@ fsdpc_status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t coun
 fsdpc_status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
                              pg_work_t **work);
 
+/* The all-to-all of blocks of any size (MPI_Alltoallv; expert parallelism's token exchange):
+ * send holds send_counts[0] + ... + send_counts[size-1] elements, block j (after the blocks
+ * before it) going to rank j; recv receives recv_counts[i] elements from rank i, in rank order.
+ * recv_counts[i] here must equal send_counts[rank] on rank i (exchange the counts first, e.g.
+ * with pg_all_to_all of one element per rank). Both arrays hold size entries and may be freed
+ * once the call returns. Not in place. Counted as an all_to_all: the bytes sent to other
+ * ranks. */
+fsdpc_status_t pg_all_to_all_v(pg_t *pg, const void *send, const size_t *send_counts, void *recv,
+                               const size_t *recv_counts, dtype_t dt, pg_work_t **work);
+
 /* buf of root (a rank of the group) is copied into buf of every rank. */
 fsdpc_status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                             pg_work_t **work);

@@ -18,6 +18,7 @@ typedef struct mpi_work {
   size_t avg_count;
   dtype_t dt;
   int divisor;
+  int *v; /* all_to_all_v: send counts, send offsets, recv counts, recv offsets (size each) */
 } mpi_work_t;
 
 static MPI_Datatype half_types[2]; /* [0] bf16, [1] f16 */
@@ -94,6 +95,7 @@ static fsdpc_status_t mpi_complete(pg_work_t *base) {
     for (size_t i = 0; i < w->avg_count; i++)
       dtype_store(w->dt, w->avg_buf, i, dtype_load(w->dt, w->avg_buf, i) / w->divisor);
   }
+  free(w->v);
   free(w);
   return st;
 }
@@ -112,6 +114,7 @@ static fsdpc_status_t new_work(const char *what, mpi_work_t **out) {
 static fsdpc_status_t started(mpi_work_t *w, int rc, pg_work_t **work) {
   fsdpc_status_t st = pg_mpi_status(rc, w->what);
   if (st != STATUS_OK) {
+    free(w->v);
     free(w);
     return st;
   }
@@ -174,6 +177,31 @@ static fsdpc_status_t mpi_all_to_all(pg_t *pg, const void *send, void *recv, siz
                  work);
 }
 
+/* The counts and offsets live in the handle until the request completes, as MPI requires
+ * (pg.c checked that every total fits an int). */
+static fsdpc_status_t mpi_all_to_all_v(pg_t *pg, const void *send, void *recv, const size_t *counts,
+                                       dtype_t dt, pg_work_t **work) {
+  mpi_work_t *w = NULL;
+  FSDPC_TRY(new_work("MPI_Ialltoallv", &w));
+  int n = pg->size, *v = w->v = malloc(sizeof *v * 4 * (size_t)n);
+  if (v == NULL) {
+    free(w);
+    return err_set(STATUS_ENOMEM, "MPI_Ialltoallv: out of host memory");
+  }
+  for (int side = 0; side < 2; side++) {
+    int *c = v + 2 * side * n, *off = c + n, at = 0;
+    for (int i = 0; i < n; i++) {
+      c[i] = (int)counts[side * n + i];
+      off[i] = at;
+      at += c[i];
+    }
+  }
+  return started(w,
+                 MPI_Ialltoallv(send, v, v + n, mpi_type(dt), recv, v + 2 * n, v + 3 * n,
+                                mpi_type(dt), pg->comm, &w->req),
+                 work);
+}
+
 static fsdpc_status_t mpi_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                                     pg_work_t **work) {
   mpi_work_t *w = NULL;
@@ -193,6 +221,7 @@ static const pg_ops_t mpi_ops = {
     .reduce_scatter = mpi_reduce_scatter,
     .all_reduce = mpi_all_reduce,
     .all_to_all = mpi_all_to_all,
+    .all_to_all_v = mpi_all_to_all_v,
     .broadcast = mpi_broadcast,
     .barrier = mpi_barrier,
     .destroy = NULL,

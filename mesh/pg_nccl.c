@@ -180,6 +180,24 @@ static fsdpc_status_t nccl_all_to_all(pg_t *pg, const void *send, void *recv, si
   return end(pg, work);
 }
 
+static fsdpc_status_t nccl_all_to_all_v(pg_t *pg, const void *send, void *recv,
+                                        const size_t *counts, dtype_t dt, pg_work_t **work) {
+  FSDPC_TRY(begin(pg));
+  size_t es = dtype_size(dt), so = 0, ro = 0;
+  NCCL_TRY(ncclGroupStart());
+  for (int peer = 0; peer < pg->size; peer++) {
+    size_t sc = counts[peer], rc = counts[pg->size + peer];
+    ncclSend((const char *)send + so * es, sc, nccl_type(dt), peer, comm_of(state(pg)),
+             state(pg)->stream);
+    ncclRecv((char *)recv + ro * es, rc, nccl_type(dt), peer, comm_of(state(pg)),
+             state(pg)->stream);
+    so += sc;
+    ro += rc;
+  }
+  FSDPC_TRY(settle(state(pg), ncclGroupEnd(), "ncclGroupEnd (all-to-all-v)"));
+  return end(pg, work);
+}
+
 static fsdpc_status_t nccl_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                                      pg_work_t **work) {
   FSDPC_TRY(begin(pg));
@@ -219,6 +237,7 @@ static const pg_ops_t nccl_ops = {
     .reduce_scatter = nccl_reduce_scatter,
     .all_reduce = nccl_all_reduce,
     .all_to_all = nccl_all_to_all,
+    .all_to_all_v = nccl_all_to_all_v,
     .broadcast = nccl_broadcast,
     .barrier = nccl_barrier,
     .destroy = nccl_destroy,

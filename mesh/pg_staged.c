@@ -22,7 +22,7 @@
 
 #define LAZY_DELAY_S 2e-3 /* the delay kernel before each copy in, lazy mode */
 
-typedef enum { ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, BROADCAST } kind_t;
+typedef enum { ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_V, BROADCAST } kind_t;
 
 typedef struct staged {
   pg_t *host;       /* the exchange: an MPI group of the same ranks */
@@ -43,6 +43,7 @@ typedef struct staged_work {
   int root;
   void *hsend, *hrecv;
   size_t send_bytes, recv_bytes;
+  size_t *counts; /* all_to_all_v's, owned */
   bool copied_in, exchanged;
   event_t *done; /* the copy back */
 } staged_work_t;
@@ -54,6 +55,7 @@ static void work_free(staged_work_t *w) {
   device_staging_free(w->pg->device, w->hsend);
   device_staging_free(w->pg->device, w->hrecv);
   event_free(w->done);
+  free(w->counts);
   free(w);
 }
 
@@ -85,6 +87,9 @@ static fsdpc_status_t exchange(staged_work_t *w) {
     case ALL_TO_ALL:
       FSDPC_TRY(h->ops->all_to_all(h, w->hsend, w->hrecv, w->count, w->dt, &hw));
       break;
+    case ALL_TO_ALL_V:
+      FSDPC_TRY(h->ops->all_to_all_v(h, w->hsend, w->hrecv, w->counts, w->dt, &hw));
+      break;
     case BROADCAST:
       memcpy(w->hrecv, w->hsend, w->recv_bytes);
       FSDPC_TRY(h->ops->broadcast(h, w->hrecv, w->count, w->dt, w->root, &hw));
@@ -110,7 +115,10 @@ static fsdpc_status_t staged_complete(pg_work_t *base) {
 static fsdpc_status_t start(pg_t *pg, staged_work_t *proto, pg_work_t **work) {
   staged_t *s = state(pg);
   staged_work_t *w = calloc(1, sizeof *w);
-  if (w == NULL) return err_set(STATUS_ENOMEM, "host-staged group: out of host memory");
+  if (w == NULL) {
+    free(proto->counts);
+    return err_set(STATUS_ENOMEM, "host-staged group: out of host memory");
+  }
   *w = *proto;
   w->base.complete = staged_complete;
   w->pg = pg;
@@ -188,6 +196,25 @@ static fsdpc_status_t staged_all_to_all(pg_t *pg, const void *send, void *recv, 
   return start(pg, &p, work);
 }
 
+static fsdpc_status_t staged_all_to_all_v(pg_t *pg, const void *send, void *recv,
+                                          const size_t *counts, dtype_t dt, pg_work_t **work) {
+  size_t n = (size_t)pg->size, ns = 0, nr = 0;
+  for (size_t i = 0; i < n; i++) {
+    ns += counts[i];
+    nr += counts[n + i];
+  }
+  staged_work_t p = {.kind = ALL_TO_ALL_V,
+                     .send = send,
+                     .recv = recv,
+                     .dt = dt,
+                     .send_bytes = ns * dtype_size(dt),
+                     .recv_bytes = nr * dtype_size(dt),
+                     .counts = malloc(sizeof(size_t) * 2 * n)};
+  if (p.counts == NULL) return err_set(STATUS_ENOMEM, "host-staged group: out of host memory");
+  memcpy(p.counts, counts, sizeof(size_t) * 2 * n);
+  return start(pg, &p, work);
+}
+
 static fsdpc_status_t staged_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                                        pg_work_t **work) {
   size_t n = count * dtype_size(dt);
@@ -225,6 +252,7 @@ static const pg_ops_t staged_ops = {
     .reduce_scatter = staged_reduce_scatter,
     .all_reduce = staged_all_reduce,
     .all_to_all = staged_all_to_all,
+    .all_to_all_v = staged_all_to_all_v,
     .broadcast = staged_broadcast,
     .barrier = staged_barrier,
     .destroy = staged_destroy,

@@ -1,9 +1,11 @@
 /*
  * Every collective of the MPI backend (or, with FSDPC_PG=staged or staged-lazy, of the
- * host-staged backend, whose groups a CPU mesh then makes) against closed-form results, in every dtype, with
- * counts of 0, 1, 7 and 1001 (not multiples of the world size), in place and not,
- * blocking and asynchronous; the group counters against their formulas; the host channel
- * and the groups made from a group. Run under mpirun at several world sizes. Values are small integers, exact in every dtype.
+ * host-staged backend, whose groups a CPU mesh then makes) against closed-form results, in every
+ * dtype, with counts of 0, 1, 7 and 1001 (not multiples of the world size), in place and not,
+ * blocking and asynchronous; all_to_all_v with uneven and empty blocks; the group counters
+ * against their formulas; the host channel
+ * and the groups made from a group. Run under mpirun at several world sizes. Values are small
+ * integers, exact in every dtype.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -167,6 +169,56 @@ START_TEST(all_to_all_every_dtype_and_count) {
       free(want);
     }
   expect_all(bad == 0, "all_to_all: %d mismatches", bad);
+  pg_release(pg);
+}
+END_TEST
+
+/* The elements rank q sends rank j in all_to_all_v: empty blocks, a rank's block to itself,
+ * and uneven sizes, scaled by k (0: every block empty). */
+static size_t v_count(int q, int j, size_t k) { return k * (size_t)((q * 3 + j * 5) % 4); }
+static double v_value(int q, int j, size_t i) { return (double)((q * 13 + j * 7 + i) % 89); }
+
+/* all_to_all_v, blocking and asynchronous, in every dtype: each rank receives exactly the
+ * blocks the others address to it; the counter adds exactly the bytes sent to other ranks. */
+START_TEST(all_to_all_v_uneven_blocks) {
+  pg_t *pg = new_world_group();
+  int W = pg_size(pg), r = pg_rank(pg), bad = 0;
+  size_t *sc = malloc(sizeof *sc * (size_t)W), *rc = malloc(sizeof *rc * (size_t)W);
+  for (size_t di = 0; di < NDT; di++)
+    for (size_t k = 0; k < 3; k++) {
+      dtype_t dt = all_dtypes[di];
+      size_t ns = 0, nr = 0, at = 0;
+      for (int j = 0; j < W; j++) {
+        ns += sc[j] = v_count(r, j, k * 7);
+        nr += rc[j] = v_count(j, r, k * 7);
+      }
+      void *send = buf_new(dt, ns), *recv = buf_new(dt, nr);
+      double *want = malloc(sizeof(double) * (nr + 1));
+      for (int j = 0; j < W; j++)
+        for (size_t i = 0; i < sc[j]; i++) set(dt, send, at++, v_value(r, j, i));
+      at = 0;
+      for (int q = 0; q < W; q++)
+        for (size_t i = 0; i < rc[q]; i++) want[at++] = v_value(q, r, i);
+      pg_reset_counters(pg);
+      pg_work_t *w = NULL;
+      if (pg_all_to_all_v(pg, send, sc, recv, rc, dt, k == 1 ? &w : NULL) != STATUS_OK) bad++;
+      if (pg_wait(w) != STATUS_OK) bad++;
+      bad += mismatches(dt, recv, want, nr, 0);
+      pg_counters_t c = pg_counters(pg);
+      if (c.calls[PG_ALL_TO_ALL] != 1 || c.bytes[PG_ALL_TO_ALL] != (ns - sc[r]) * dtype_size(dt))
+        bad++;
+      free(send);
+      free(recv);
+      free(want);
+    }
+  /* refused locally, before any exchange: NULL counts, a NULL buffer with elements to send */
+  int32_t x[1];
+  if (pg_all_to_all_v(pg, x, NULL, x, rc, DTYPE_I32, NULL) != STATUS_EINVAL) bad++;
+  for (int j = 0; j < W; j++) sc[j] = 1;
+  if (pg_all_to_all_v(pg, NULL, sc, x, rc, DTYPE_I32, NULL) != STATUS_EINVAL) bad++;
+  free(sc);
+  free(rc);
+  expect_all(bad == 0, "all_to_all_v: %d mismatches", bad);
   pg_release(pg);
 }
 END_TEST
@@ -397,6 +449,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, reduce_scatter_sum_avg_max);
   tcase_add_test(tc, all_reduce_sum_avg_max_in_and_out_of_place);
   tcase_add_test(tc, all_to_all_every_dtype_and_count);
+  tcase_add_test(tc, all_to_all_v_uneven_blocks);
   tcase_add_test(tc, broadcast_from_every_root);
   tcase_add_test(tc, async_collectives_overlap_then_wait);
   tcase_add_test(tc, pg_counters_match_formulas);

@@ -282,8 +282,30 @@ START_TEST(nccl_collectives_closed_form) {
     bad += ((float *)back.data)[i] != want;
   }
   tensor_free(&back);
+  /* all-to-all-v: rank r sends rank q (r + 2q) % 3 + 1 elements, its host values from 0 */
+  size_t *sc = malloc(sizeof *sc * (size_t)W), *rc = malloc(sizeof *rc * (size_t)W), nr = 0;
+  fsdpc_tensor_t src;
+  ck_assert_int_eq(tensor_clone(&src, &host, DTYPE_F32, gpu()), STATUS_OK);
+  for (int q = 0; q < W; q++) {
+    sc[q] = (size_t)((r + 2 * q) % 3 + 1);
+    nr += rc[q] = (size_t)((q + 2 * r) % 3 + 1);
+  }
+  ck_assert_int_eq(pg_all_to_all_v(pg, src.data, sc, recv.data, rc, DTYPE_F32, NULL), STATUS_OK);
+  ck_assert_int_eq(tensor_clone(&back, &recv, DTYPE_F32, device_cpu()), STATUS_OK);
+  size_t at = 0;
+  for (int q = 0; q < W; q++) {
+    size_t first = 0; /* where rank q's block for this rank starts in its send buffer */
+    for (int j = 0; j < r; j++) first += (size_t)((q + 2 * j) % 3 + 1);
+    for (size_t i = 0; i < rc[q]; i++, at++)
+      bad += ((float *)back.data)[at] != (float)((q * 7 + first + i) % 61);
+  }
+  bad += at != nr;
+  tensor_free(&back);
+  tensor_free(&src);
+  free(sc);
+  free(rc);
   pg_counters_t c = pg_counters(pg);
-  bad += c.calls[PG_ALL_GATHER] != 1 || c.calls[PG_ALL_REDUCE] != 1;
+  bad += c.calls[PG_ALL_GATHER] != 1 || c.calls[PG_ALL_REDUCE] != 1 || c.calls[PG_ALL_TO_ALL] != 1;
   tensor_free(&send);
   tensor_free(&recv);
   tensor_free(&host);
