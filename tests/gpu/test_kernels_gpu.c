@@ -374,13 +374,15 @@ static int k_cross_entropy(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return n + cross_entropy_case(dev, dt, o + n, 7, 304);
 }
 
-static int k_adamw_sumsq(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
+/* Three AdamW steps of p (dt, 1001 elements) from g and moments of mdt starting at zero;
+ * step 2 with clipping folded in (a gradient scale). */
+static void adamw_three_steps(device_t dev, dtype_t dt, dtype_t mdt, fsdpc_tensor_t *p,
+                              fsdpc_tensor_t *g, fsdpc_tensor_t *m, fsdpc_tensor_t *v) {
   int64_t n = 1001;
-  fsdpc_tensor_t p, g, m, v;
-  rnd(&p, dev, dt, 1, &n, 19, 1);
-  rnd(&g, dev, dt, 1, &n, 20, 1);
-  ok(tensor_zeros(&m, DTYPE_F32, dev, 1, &n));
-  ok(tensor_zeros(&v, DTYPE_F32, dev, 1, &n));
+  rnd(p, dev, dt, 1, &n, 19, 1);
+  rnd(g, dev, dt, 1, &n, 20, 1);
+  ok(tensor_zeros(m, mdt, dev, 1, &n));
+  ok(tensor_zeros(v, mdt, dev, 1, &n));
   for (int step = 1; step <= 3; step++) {
     adamw_args_t a = {.lr = 1e-2,
                       .beta1 = 0.9,
@@ -388,9 +390,14 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
                       .eps = 1e-8,
                       .weight_decay = 0.1,
                       .step = step,
-                      .grad_scale = step == 2 ? 0.375f : 0}; /* clipping folded in, once */
-    ok(kernel_adamw(&p, &g, &m, &v, &a));
+                      .grad_scale = step == 2 ? 0.375f : 0};
+    ok(kernel_adamw(p, g, m, v, &a));
   }
+}
+
+static int k_adamw_sumsq(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
+  fsdpc_tensor_t p, g, m, v;
+  adamw_three_steps(dev, dt, DTYPE_F32, &p, &g, &m, &v);
   double ss, many[3];
   ok(kernel_sum_squares(&g, &ss));
   int64_t none = 0;
@@ -462,19 +469,10 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return 5;
 }
 
-/* AdamW with bf16 moments (optim.state_dtype): three steps from zero moments. */
+/* AdamW with bf16 moments (optim.state_dtype). */
 static int k_adamw_bf16_moments(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
-  int64_t n = 1001;
   fsdpc_tensor_t p, g, m, v;
-  rnd(&p, dev, dt, 1, &n, 19, 1);
-  rnd(&g, dev, dt, 1, &n, 20, 1);
-  ok(tensor_zeros(&m, DTYPE_BF16, dev, 1, &n));
-  ok(tensor_zeros(&v, DTYPE_BF16, dev, 1, &n));
-  for (int step = 1; step <= 3; step++) {
-    adamw_args_t a = {
-        .lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1, .step = step};
-    ok(kernel_adamw(&p, &g, &m, &v, &a));
-  }
+  adamw_three_steps(dev, dt, DTYPE_BF16, &p, &g, &m, &v);
   out(&o[0], &p);
   out(&o[1], &m);
   out(&o[2], &v);
