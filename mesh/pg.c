@@ -14,6 +14,7 @@ const char *pg_kind_name(pg_kind_t kind) {
       [PG_ALL_GATHER] = "all_gather", [PG_REDUCE_SCATTER] = "reduce_scatter",
       [PG_ALL_REDUCE] = "all_reduce", [PG_ALL_TO_ALL] = "all_to_all",
       [PG_BROADCAST] = "broadcast",   [PG_BARRIER] = "barrier",
+      [PG_SEND_RECV] = "send_recv",
   };
   return (unsigned)kind < PG_KIND_COUNT ? names[kind] : "invalid";
 }
@@ -76,6 +77,11 @@ static fsdpc_status_t planned_all_to_all_v(pg_t *pg, const void *s, void *r, con
   (void)s, (void)r, (void)c, (void)dt, (void)w;
   return planned_refusal(pg);
 }
+static fsdpc_status_t planned_send_recv(pg_t *pg, const pg_p2p_t *ops, int n, dtype_t dt,
+                                        pg_work_t **w) {
+  (void)ops, (void)n, (void)dt, (void)w;
+  return planned_refusal(pg);
+}
 static fsdpc_status_t planned_broadcast(pg_t *pg, void *b, size_t n, dtype_t dt, int root,
                                         pg_work_t **w) {
   (void)b, (void)n, (void)dt, (void)root, (void)w;
@@ -93,6 +99,7 @@ static const pg_ops_t planned_ops = {
     .all_reduce = planned_reduce,
     .all_to_all = planned_all_gather,
     .all_to_all_v = planned_all_to_all_v,
+    .send_recv = planned_send_recv,
     .broadcast = planned_broadcast,
     .barrier = planned_barrier,
 };
@@ -299,6 +306,27 @@ fsdpc_status_t pg_all_to_all_v(pg_t *pg, const void *send, const size_t *send_co
   free(counts);
   if (st == STATUS_OK)
     count_call(pg, PG_ALL_TO_ALL, (uint64_t)(ns - send_counts[pg->rank]) * dtype_size(dt));
+  return finish(st, w, work);
+}
+
+fsdpc_status_t pg_send_recv(pg_t *pg, const pg_p2p_t *ops, int n, dtype_t dt, pg_work_t **work) {
+  if (work) *work = NULL;
+  FSDPC_TRY(check_call(pg, "send_recv", dt, 0, 0));
+  if (n < 0 || (n > 0 && ops == NULL))
+    return err_set(STATUS_EINVAL, "send_recv: %d operations at %p", n, (const void *)ops);
+  uint64_t sent = 0;
+  for (int i = 0; i < n; i++) {
+    const pg_p2p_t *o = &ops[i];
+    FSDPC_TRY(check_call(pg, "send_recv", dt, o->count, o->count));
+    FSDPC_TRY(check_buf("send_recv", o->buf, o->count));
+    if (o->peer < 0 || o->peer >= pg->size)
+      return err_set(STATUS_EINVAL, "send_recv: operation %d: peer %d outside a group of %d", i,
+                     o->peer, pg->size);
+    if (o->send && o->peer != pg->rank) sent += (uint64_t)o->count * dtype_size(dt);
+  }
+  pg_work_t *w = NULL;
+  fsdpc_status_t st = pg->ops->send_recv(pg, ops, n, dt, &w);
+  if (st == STATUS_OK) count_call(pg, PG_SEND_RECV, sent);
   return finish(st, w, work);
 }
 

@@ -53,6 +53,7 @@ typedef enum pg_kind {
   PG_ALL_TO_ALL,
   PG_BROADCAST,
   PG_BARRIER,
+  PG_SEND_RECV, /* point-to-point (pg_send_recv) */
   PG_KIND_COUNT
 } pg_kind_t;
 
@@ -150,6 +151,23 @@ fsdpc_status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t coun
  * ranks. */
 fsdpc_status_t pg_all_to_all_v(pg_t *pg, const void *send, const size_t *send_counts, void *recv,
                                const size_t *recv_counts, dtype_t dt, pg_work_t **work);
+
+/* One send or receive of pg_send_recv: count elements of buf to peer (send) or from peer
+ * into buf (a receive). */
+typedef struct pg_p2p {
+  bool send;
+  void *buf;
+  size_t count;
+  int peer; /* a rank of the group; this rank itself too */
+} pg_p2p_t;
+
+/* The sends and receives ops[0..n) started together and completed together (torch's
+ * batch_isend_irecv; pipeline stages' activations and gradients): each must be matched by the
+ * peer's receive or send of the same count and dtype, posted in any order on either side;
+ * several between one pair of ranks match in the order each side lists them. ops may be
+ * freed once the call returns, the buffers only after pg_wait. Counted as send_recv: the
+ * bytes sent to other ranks. */
+fsdpc_status_t pg_send_recv(pg_t *pg, const pg_p2p_t *ops, int n, dtype_t dt, pg_work_t **work);
 
 /* buf of root (a rank of the group) is copied into buf of every rank. */
 fsdpc_status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,

@@ -37,6 +37,8 @@ typedef struct pg_ops {
                                  dtype_t dt, pg_work_t **work);
   fsdpc_status_t (*broadcast)(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                               pg_work_t **work);
+  /* ops checked by pg.c; the callee copies what it keeps */
+  fsdpc_status_t (*send_recv)(pg_t *pg, const pg_p2p_t *ops, int n, dtype_t dt, pg_work_t **work);
   fsdpc_status_t (*barrier)(pg_t *pg, pg_work_t **work);
   void (*destroy)(pg_t *pg);
   /* optional: the group of pg's ranks that gave the same color, ordered by key, made from

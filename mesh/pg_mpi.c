@@ -19,6 +19,8 @@ typedef struct mpi_work {
   dtype_t dt;
   int divisor;
   int *v; /* all_to_all_v: send counts, send offsets, recv counts, recv offsets (size each) */
+  MPI_Request *reqs; /* send_recv: one request per operation */
+  int n_reqs;
 } mpi_work_t;
 
 static MPI_Datatype half_types[2]; /* [0] bf16, [1] f16 */
@@ -91,6 +93,11 @@ static MPI_Op mpi_op(dtype_t dt, reduce_op_t op) {
 static fsdpc_status_t mpi_complete(pg_work_t *base) {
   mpi_work_t *w = (mpi_work_t *)base;
   fsdpc_status_t st = world_wait(&w->req, w->what);
+  for (int i = 0; i < w->n_reqs; i++) { /* every request waited for, the first failure kept */
+    fsdpc_status_t s = world_wait(&w->reqs[i], w->what);
+    if (st == STATUS_OK) st = s;
+  }
+  free(w->reqs);
   if (st == STATUS_OK && w->avg_buf != NULL) {
     for (size_t i = 0; i < w->avg_count; i++)
       dtype_store(w->dt, w->avg_buf, i, dtype_load(w->dt, w->avg_buf, i) / w->divisor);
@@ -202,6 +209,34 @@ static fsdpc_status_t mpi_all_to_all_v(pg_t *pg, const void *send, void *recv, c
                  work);
 }
 
+/* Each operation a nonblocking send or receive (one tag: messages between a pair match in
+ * the order they are posted); a failure to post cancels nothing already posted, so the
+ * handle still waits for those. */
+static fsdpc_status_t mpi_send_recv(pg_t *pg, const pg_p2p_t *ops, int n, dtype_t dt,
+                                    pg_work_t **work) {
+  mpi_work_t *w = NULL;
+  FSDPC_TRY(new_work("MPI_Isend/MPI_Irecv", &w));
+  if (n > 0 && (w->reqs = malloc(sizeof *w->reqs * (size_t)n)) == NULL) {
+    free(w);
+    return err_set(STATUS_ENOMEM, "MPI_Isend/MPI_Irecv: out of host memory");
+  }
+  int rc = MPI_SUCCESS;
+  for (int i = 0; i < n && rc == MPI_SUCCESS; i++, w->n_reqs++) {
+    const pg_p2p_t *o = &ops[i];
+    rc = o->send
+             ? MPI_Isend(o->buf, (int)o->count, mpi_type(dt), o->peer, 0, pg->comm, &w->reqs[i])
+             : MPI_Irecv(o->buf, (int)o->count, mpi_type(dt), o->peer, 0, pg->comm, &w->reqs[i]);
+  }
+  if (rc != MPI_SUCCESS) {
+    w->n_reqs--; /* the failed one posted nothing */
+    fsdpc_status_t st = pg_mpi_status(rc, w->what);
+    (void)mpi_complete(&w->base);
+    return st;
+  }
+  *work = &w->base;
+  return STATUS_OK;
+}
+
 static fsdpc_status_t mpi_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                                     pg_work_t **work) {
   mpi_work_t *w = NULL;
@@ -222,6 +257,7 @@ static const pg_ops_t mpi_ops = {
     .all_reduce = mpi_all_reduce,
     .all_to_all = mpi_all_to_all,
     .all_to_all_v = mpi_all_to_all_v,
+    .send_recv = mpi_send_recv,
     .broadcast = mpi_broadcast,
     .barrier = mpi_barrier,
     .destroy = NULL,

@@ -198,6 +198,21 @@ static fsdpc_status_t nccl_all_to_all_v(pg_t *pg, const void *send, void *recv,
   return end(pg, work);
 }
 
+static fsdpc_status_t nccl_send_recv(pg_t *pg, const pg_p2p_t *ops, int n, dtype_t dt,
+                                     pg_work_t **work) {
+  FSDPC_TRY(begin(pg));
+  NCCL_TRY(ncclGroupStart());
+  for (int i = 0; i < n; i++) {
+    const pg_p2p_t *o = &ops[i];
+    if (o->send)
+      ncclSend(o->buf, o->count, nccl_type(dt), o->peer, comm_of(state(pg)), state(pg)->stream);
+    else
+      ncclRecv(o->buf, o->count, nccl_type(dt), o->peer, comm_of(state(pg)), state(pg)->stream);
+  }
+  FSDPC_TRY(settle(state(pg), ncclGroupEnd(), "ncclGroupEnd (send/recv)"));
+  return end(pg, work);
+}
+
 static fsdpc_status_t nccl_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                                      pg_work_t **work) {
   FSDPC_TRY(begin(pg));
@@ -238,6 +253,7 @@ static const pg_ops_t nccl_ops = {
     .all_reduce = nccl_all_reduce,
     .all_to_all = nccl_all_to_all,
     .all_to_all_v = nccl_all_to_all_v,
+    .send_recv = nccl_send_recv,
     .broadcast = nccl_broadcast,
     .barrier = nccl_barrier,
     .destroy = nccl_destroy,

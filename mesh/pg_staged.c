@@ -22,7 +22,15 @@
 
 #define LAZY_DELAY_S 2e-3 /* the delay kernel before each copy in, lazy mode */
 
-typedef enum { ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_V, BROADCAST } kind_t;
+typedef enum {
+  ALL_GATHER,
+  REDUCE_SCATTER,
+  ALL_REDUCE,
+  ALL_TO_ALL,
+  ALL_TO_ALL_V,
+  BROADCAST,
+  SEND_RECV
+} kind_t;
 
 typedef struct staged {
   pg_t *host;       /* the exchange: an MPI group of the same ranks */
@@ -44,6 +52,9 @@ typedef struct staged_work {
   void *hsend, *hrecv;
   size_t send_bytes, recv_bytes;
   size_t *counts; /* all_to_all_v's, owned */
+  pg_p2p_t *ops;  /* send_recv's, owned: the sends staged one after the other in hsend, the
+                     receives in hrecv */
+  int n_ops;
   bool copied_in, exchanged;
   event_t *done; /* the copy back */
 } staged_work_t;
@@ -56,13 +67,47 @@ static void work_free(staged_work_t *w) {
   device_staging_free(w->pg->device, w->hrecv);
   event_free(w->done);
   free(w->counts);
+  free(w->ops);
   free(w);
+}
+
+/* Copies between each send_recv operation of one direction (sends: in, receives: back) and
+ * its place in the staging buffer of that direction. */
+static fsdpc_status_t copy_ops(staged_work_t *w, bool sends) {
+  size_t at = 0, es = dtype_size(w->dt);
+  char *host = sends ? w->hsend : w->hrecv;
+  for (int i = 0; i < w->n_ops; i++) {
+    const pg_p2p_t *o = &w->ops[i];
+    if (o->send != sends) continue;
+    size_t b = o->count * es;
+    FSDPC_TRY(sends ? stream_copy_async(w->pg->device, state(w->pg)->stream, host + at, o->buf, b)
+                    : stream_copy_async(w->pg->device, state(w->pg)->stream, o->buf, host + at, b));
+    at += b;
+  }
+  return STATUS_OK;
+}
+
+/* The send_recv operations on the host staging buffers. */
+static fsdpc_status_t exchange_ops(staged_work_t *w, pg_t *h, pg_work_t **hw) {
+  pg_p2p_t *hops = malloc(sizeof *hops * (size_t)(w->n_ops > 0 ? w->n_ops : 1));
+  if (hops == NULL) return err_set(STATUS_ENOMEM, "host-staged group: out of host memory");
+  size_t at[2] = {0, 0}, es = dtype_size(w->dt);
+  for (int i = 0; i < w->n_ops; i++) {
+    int s = w->ops[i].send;
+    hops[i] = w->ops[i];
+    hops[i].buf = (char *)(s ? w->hsend : w->hrecv) + at[s];
+    at[s] += w->ops[i].count * es;
+  }
+  fsdpc_status_t st = h->ops->send_recv(h, hops, w->n_ops, w->dt, hw);
+  free(hops);
+  return st;
 }
 
 /* The copy in, where it has not happened yet (the CPU in lazy mode). */
 static fsdpc_status_t copy_in_now(staged_work_t *w) {
   if (w->copied_in) return STATUS_OK;
   w->copied_in = true;
+  if (w->kind == SEND_RECV) return copy_ops(w, true);
   return stream_copy_async(w->pg->device, state(w->pg)->stream, w->hsend, w->send, w->send_bytes);
 }
 
@@ -94,9 +139,13 @@ static fsdpc_status_t exchange(staged_work_t *w) {
       memcpy(w->hrecv, w->hsend, w->recv_bytes);
       FSDPC_TRY(h->ops->broadcast(h, w->hrecv, w->count, w->dt, w->root, &hw));
       break;
+    case SEND_RECV: FSDPC_TRY(exchange_ops(w, h, &hw)); break;
   }
   FSDPC_TRY(pg_wait(hw));
-  FSDPC_TRY(stream_copy_async(pg->device, state(pg)->stream, w->recv, w->hrecv, w->recv_bytes));
+  if (w->kind == SEND_RECV)
+    FSDPC_TRY(copy_ops(w, false));
+  else
+    FSDPC_TRY(stream_copy_async(pg->device, state(pg)->stream, w->recv, w->hrecv, w->recv_bytes));
   return event_record(w->done, state(pg)->stream);
 }
 
@@ -117,6 +166,7 @@ static fsdpc_status_t start(pg_t *pg, staged_work_t *proto, pg_work_t **work) {
   staged_work_t *w = calloc(1, sizeof *w);
   if (w == NULL) {
     free(proto->counts);
+    free(proto->ops);
     return err_set(STATUS_ENOMEM, "host-staged group: out of host memory");
   }
   *w = *proto;
@@ -215,6 +265,18 @@ static fsdpc_status_t staged_all_to_all_v(pg_t *pg, const void *send, void *recv
   return start(pg, &p, work);
 }
 
+static fsdpc_status_t staged_send_recv(pg_t *pg, const pg_p2p_t *ops, int n, dtype_t dt,
+                                       pg_work_t **work) {
+  staged_work_t p = {.kind = SEND_RECV, .dt = dt, .n_ops = n};
+  for (int i = 0; i < n; i++) *(ops[i].send ? &p.send_bytes : &p.recv_bytes) += ops[i].count;
+  p.send_bytes *= dtype_size(dt);
+  p.recv_bytes *= dtype_size(dt);
+  if ((p.ops = malloc(sizeof *p.ops * (size_t)(n > 0 ? n : 1))) == NULL)
+    return err_set(STATUS_ENOMEM, "host-staged group: out of host memory");
+  if (n > 0) memcpy(p.ops, ops, sizeof *p.ops * (size_t)n);
+  return start(pg, &p, work);
+}
+
 static fsdpc_status_t staged_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                                        pg_work_t **work) {
   size_t n = count * dtype_size(dt);
@@ -253,6 +315,7 @@ static const pg_ops_t staged_ops = {
     .all_reduce = staged_all_reduce,
     .all_to_all = staged_all_to_all,
     .all_to_all_v = staged_all_to_all_v,
+    .send_recv = staged_send_recv,
     .broadcast = staged_broadcast,
     .barrier = staged_barrier,
     .destroy = staged_destroy,

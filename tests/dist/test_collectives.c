@@ -2,7 +2,8 @@
  * Every collective of the MPI backend (or, with FSDPC_PG=staged or staged-lazy, of the
  * host-staged backend, whose groups a CPU mesh then makes) against closed-form results, in every
  * dtype, with counts of 0, 1, 7 and 1001 (not multiples of the world size), in place and not,
- * blocking and asynchronous; all_to_all_v with uneven and empty blocks; the group counters
+ * blocking and asynchronous; all_to_all_v with uneven and empty blocks; point-to-point sends
+ * and receives in one batch; the group counters
  * against their formulas; the host channel
  * and the groups made from a group. Run under mpirun at several world sizes. Values are small
  * integers, exact in every dtype.
@@ -219,6 +220,56 @@ START_TEST(all_to_all_v_uneven_blocks) {
   free(sc);
   free(rc);
   expect_all(bad == 0, "all_to_all_v: %d mismatches", bad);
+  pg_release(pg);
+}
+END_TEST
+
+static double p2p_value(int from, int to, size_t i) {
+  return (double)((from * 17 + to * 5 + i) % 83);
+}
+
+/* pg_send_recv: a ring both ways in one batch (a elements to the next rank and from the
+ * previous one, b to the previous and from the next) and c to itself, every dtype, blocking
+ * and asynchronous; the counter adds exactly the bytes sent to other ranks. */
+START_TEST(send_recv_ring_both_ways) {
+  pg_t *pg = new_world_group();
+  int W = pg_size(pg), r = pg_rank(pg), bad = 0;
+  int nx = (r + 1) % W, pv = (r + W - 1) % W;
+  for (size_t di = 0; di < NDT; di++)
+    for (int async = 0; async < 2; async++) {
+      dtype_t dt = all_dtypes[di];
+      size_t n[3] = {5 + di, 3, 2}; /* a, b, c */
+      int to[3] = {nx, pv, r}, from[3] = {pv, nx, r};
+      void *s[3], *d[3];
+      pg_p2p_t ops[6];
+      for (int k = 0; k < 3; k++) {
+        s[k] = buf_new(dt, n[k]);
+        d[k] = buf_new(dt, n[k]);
+        for (size_t i = 0; i < n[k]; i++) set(dt, s[k], i, p2p_value(r, to[k], i));
+        ops[2 * k] = (pg_p2p_t){.send = true, .buf = s[k], .count = n[k], .peer = to[k]};
+        ops[2 * k + 1] = (pg_p2p_t){.send = false, .buf = d[k], .count = n[k], .peer = from[k]};
+      }
+      pg_reset_counters(pg);
+      pg_work_t *w = NULL;
+      if (pg_send_recv(pg, ops, 6, dt, async ? &w : NULL) != STATUS_OK) bad++;
+      if (pg_wait(w) != STATUS_OK) bad++;
+      for (int k = 0; k < 3; k++) {
+        for (size_t i = 0; i < n[k]; i++) bad += get(dt, d[k], i) != p2p_value(from[k], r, i);
+        free(s[k]);
+        free(d[k]);
+      }
+      pg_counters_t c = pg_counters(pg);
+      uint64_t sent = W > 1 ? (n[0] + n[1]) * dtype_size(dt) : 0;
+      if (c.calls[PG_SEND_RECV] != 1 || c.bytes[PG_SEND_RECV] != sent) bad++;
+    }
+  /* refused locally: a peer outside the group, a NULL buffer with elements */
+  int32_t x[1];
+  pg_p2p_t op = {.send = true, .buf = x, .count = 1, .peer = W};
+  if (pg_send_recv(pg, &op, 1, DTYPE_I32, NULL) != STATUS_EINVAL) bad++;
+  op = (pg_p2p_t){.send = false, .buf = NULL, .count = 1, .peer = 0};
+  if (pg_send_recv(pg, &op, 1, DTYPE_I32, NULL) != STATUS_EINVAL) bad++;
+  if (pg_send_recv(pg, NULL, 0, DTYPE_I32, NULL) != STATUS_OK) bad++;
+  expect_all(bad == 0, "send_recv: %d mismatches", bad);
   pg_release(pg);
 }
 END_TEST
@@ -450,6 +501,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, all_reduce_sum_avg_max_in_and_out_of_place);
   tcase_add_test(tc, all_to_all_every_dtype_and_count);
   tcase_add_test(tc, all_to_all_v_uneven_blocks);
+  tcase_add_test(tc, send_recv_ring_both_ways);
   tcase_add_test(tc, broadcast_from_every_root);
   tcase_add_test(tc, async_collectives_overlap_then_wait);
   tcase_add_test(tc, pg_counters_match_formulas);

@@ -301,11 +301,20 @@ START_TEST(nccl_collectives_closed_form) {
   }
   bad += at != nr;
   tensor_free(&back);
+  /* send/recv: the first 5 elements to the next rank, from the previous one */
+  pg_p2p_t ops[2] = {{.send = true, .buf = src.data, .count = 5, .peer = (r + 1) % W},
+                     {.send = false, .buf = recv.data, .count = 5, .peer = (r + W - 1) % W}};
+  ck_assert_int_eq(pg_send_recv(pg, ops, 2, DTYPE_F32, NULL), STATUS_OK);
+  ck_assert_int_eq(tensor_clone(&back, &recv, DTYPE_F32, device_cpu()), STATUS_OK);
+  for (size_t i = 0; i < 5; i++)
+    bad += ((float *)back.data)[i] != (float)((((r + W - 1) % W) * 7 + i) % 61);
+  tensor_free(&back);
   tensor_free(&src);
   free(sc);
   free(rc);
   pg_counters_t c = pg_counters(pg);
-  bad += c.calls[PG_ALL_GATHER] != 1 || c.calls[PG_ALL_REDUCE] != 1 || c.calls[PG_ALL_TO_ALL] != 1;
+  bad += c.calls[PG_ALL_GATHER] != 1 || c.calls[PG_ALL_REDUCE] != 1 ||
+         c.calls[PG_ALL_TO_ALL] != 1 || c.calls[PG_SEND_RECV] != 1;
   tensor_free(&send);
   tensor_free(&recv);
   tensor_free(&host);
