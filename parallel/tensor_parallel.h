@@ -12,9 +12,6 @@
  *                                                    ids -> the model layout (Embedding)
  *   rowwise             Shard(1) | Shard(0) (vocab)  Shard(-1) | ids -> Partial, reduced to
  *                                                    the model layout
- *
- * A Conv1D (kind "conv1d": transformers' y = x W + b, W [in, out]) splits as a Linear does, on
- * the other dimension: colwise Shard(1), rowwise Shard(0).
  *   sequence_parallel   Replicate (RMSNorm,          Shard(1) -> Shard(1); the weight's
  *                       LayerNorm)                   (and bias's) gradient is summed over tp
  *   prepare_input       -                            the model layout -> Replicate, once for
@@ -22,6 +19,9 @@
  *   headwise            Replicate (RMSNorm,          this rank's heads, as they come (a norm
  *                       LayerNorm)                   of each head: Qwen3's q_norm, k_norm);
  *                                                    the weight's gradient is summed over tp
+ *
+ * A Conv1D (kind "conv1d": transformers' y = x W + b, W [in, out]) splits as a Linear does, on
+ * the other dimension: colwise Shard(1), rowwise Shard(0).
  *
  * The model layout is Replicate, or Shard(1) (the sequence) under sequence parallelism,
  * where sequence_parallel norms run on sequence shards; without it they are left alone.
