@@ -72,9 +72,9 @@ static fsdpc_status_t planned_reduce(pg_t *pg, const void *s, void *r, size_t n,
   (void)s, (void)r, (void)n, (void)dt, (void)op, (void)w;
   return planned_refusal(pg);
 }
-static fsdpc_status_t planned_all_to_all_v(pg_t *pg, const void *s, void *r, const size_t *c,
-                                           dtype_t dt, pg_work_t **w) {
-  (void)s, (void)r, (void)c, (void)dt, (void)w;
+static fsdpc_status_t planned_all_to_all_v(pg_t *pg, const void *s, const size_t *sc, void *r,
+                                           const size_t *rc, dtype_t dt, pg_work_t **w) {
+  (void)s, (void)sc, (void)r, (void)rc, (void)dt, (void)w;
   return planned_refusal(pg);
 }
 static fsdpc_status_t planned_send_recv(pg_t *pg, const pg_p2p_t *ops, int n, dtype_t dt,
@@ -297,13 +297,8 @@ fsdpc_status_t pg_all_to_all_v(pg_t *pg, const void *send, const size_t *send_co
   FSDPC_TRY(check_buf("all_to_all_v", recv, nr));
   if (ns > 0 && nr > 0 && send == recv)
     return err_set(STATUS_EINVAL, "all_to_all_v: send and recv must not be the same buffer");
-  size_t *counts = malloc(sizeof *counts * 2 * (size_t)pg->size);
-  if (counts == NULL) return err_set(STATUS_ENOMEM, "all_to_all_v: out of host memory");
-  memcpy(counts, send_counts, sizeof *counts * (size_t)pg->size);
-  memcpy(counts + pg->size, recv_counts, sizeof *counts * (size_t)pg->size);
   pg_work_t *w = NULL;
-  fsdpc_status_t st = pg->ops->all_to_all_v(pg, send, recv, counts, dt, &w);
-  free(counts);
+  fsdpc_status_t st = pg->ops->all_to_all_v(pg, send, send_counts, recv, recv_counts, dt, &w);
   if (st == STATUS_OK)
     count_call(pg, PG_ALL_TO_ALL, (uint64_t)(ns - send_counts[pg->rank]) * dtype_size(dt));
   return finish(st, w, work);

@@ -32,9 +32,9 @@ typedef struct pg_ops {
                                reduce_op_t op, pg_work_t **work);
   fsdpc_status_t (*all_to_all)(pg_t *pg, const void *send, void *recv, size_t count, dtype_t dt,
                                pg_work_t **work);
-  /* counts: send_counts then recv_counts, size entries each; the callee copies what it keeps */
-  fsdpc_status_t (*all_to_all_v)(pg_t *pg, const void *send, void *recv, const size_t *counts,
-                                 dtype_t dt, pg_work_t **work);
+  /* send_counts and recv_counts: size entries each; the callee copies what it keeps */
+  fsdpc_status_t (*all_to_all_v)(pg_t *pg, const void *send, const size_t *send_counts, void *recv,
+                                 const size_t *recv_counts, dtype_t dt, pg_work_t **work);
   fsdpc_status_t (*broadcast)(pg_t *pg, void *buf, size_t count, dtype_t dt, int root,
                               pg_work_t **work);
   /* ops checked by pg.c; the callee copies what it keeps */

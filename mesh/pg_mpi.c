@@ -186,8 +186,9 @@ static fsdpc_status_t mpi_all_to_all(pg_t *pg, const void *send, void *recv, siz
 
 /* The counts and offsets live in the handle until the request completes, as MPI requires
  * (pg.c checked that every total fits an int). */
-static fsdpc_status_t mpi_all_to_all_v(pg_t *pg, const void *send, void *recv, const size_t *counts,
-                                       dtype_t dt, pg_work_t **work) {
+static fsdpc_status_t mpi_all_to_all_v(pg_t *pg, const void *send, const size_t *send_counts,
+                                       void *recv, const size_t *recv_counts, dtype_t dt,
+                                       pg_work_t **work) {
   mpi_work_t *w = NULL;
   FSDPC_TRY(new_work("MPI_Ialltoallv", &w));
   int n = pg->size, *v = w->v = malloc(sizeof *v * 4 * (size_t)n);
@@ -196,9 +197,10 @@ static fsdpc_status_t mpi_all_to_all_v(pg_t *pg, const void *send, void *recv, c
     return err_set(STATUS_ENOMEM, "MPI_Ialltoallv: out of host memory");
   }
   for (int side = 0; side < 2; side++) {
+    const size_t *counts = side ? recv_counts : send_counts;
     int *c = v + 2 * side * n, *off = c + n, at = 0;
     for (int i = 0; i < n; i++) {
-      c[i] = (int)counts[side * n + i];
+      c[i] = (int)counts[i];
       off[i] = at;
       at += c[i];
     }

@@ -180,13 +180,14 @@ static fsdpc_status_t nccl_all_to_all(pg_t *pg, const void *send, void *recv, si
   return end(pg, work);
 }
 
-static fsdpc_status_t nccl_all_to_all_v(pg_t *pg, const void *send, void *recv,
-                                        const size_t *counts, dtype_t dt, pg_work_t **work) {
+static fsdpc_status_t nccl_all_to_all_v(pg_t *pg, const void *send, const size_t *send_counts,
+                                        void *recv, const size_t *recv_counts, dtype_t dt,
+                                        pg_work_t **work) {
   FSDPC_TRY(begin(pg));
   size_t es = dtype_size(dt), so = 0, ro = 0;
   NCCL_TRY(ncclGroupStart());
   for (int peer = 0; peer < pg->size; peer++) {
-    size_t sc = counts[peer], rc = counts[pg->size + peer];
+    size_t sc = send_counts[peer], rc = recv_counts[peer];
     ncclSend((const char *)send + so * es, sc, nccl_type(dt), peer, comm_of(state(pg)),
              state(pg)->stream);
     ncclRecv((char *)recv + ro * es, rc, nccl_type(dt), peer, comm_of(state(pg)),

@@ -51,7 +51,7 @@ typedef struct staged_work {
   int root;
   void *hsend, *hrecv;
   size_t send_bytes, recv_bytes;
-  size_t *counts; /* all_to_all_v's, owned */
+  size_t *counts; /* all_to_all_v's send counts then receive counts, owned */
   pg_p2p_t *ops;  /* send_recv's, owned: the sends staged one after the other in hsend, the
                      receives in hrecv */
   int n_ops;
@@ -133,7 +133,8 @@ static fsdpc_status_t exchange(staged_work_t *w) {
       FSDPC_TRY(h->ops->all_to_all(h, w->hsend, w->hrecv, w->count, w->dt, &hw));
       break;
     case ALL_TO_ALL_V:
-      FSDPC_TRY(h->ops->all_to_all_v(h, w->hsend, w->hrecv, w->counts, w->dt, &hw));
+      FSDPC_TRY(
+          h->ops->all_to_all_v(h, w->hsend, w->counts, w->hrecv, w->counts + pg->size, w->dt, &hw));
       break;
     case BROADCAST:
       memcpy(w->hrecv, w->hsend, w->recv_bytes);
@@ -246,12 +247,13 @@ static fsdpc_status_t staged_all_to_all(pg_t *pg, const void *send, void *recv, 
   return start(pg, &p, work);
 }
 
-static fsdpc_status_t staged_all_to_all_v(pg_t *pg, const void *send, void *recv,
-                                          const size_t *counts, dtype_t dt, pg_work_t **work) {
+static fsdpc_status_t staged_all_to_all_v(pg_t *pg, const void *send, const size_t *send_counts,
+                                          void *recv, const size_t *recv_counts, dtype_t dt,
+                                          pg_work_t **work) {
   size_t n = (size_t)pg->size, ns = 0, nr = 0;
   for (size_t i = 0; i < n; i++) {
-    ns += counts[i];
-    nr += counts[n + i];
+    ns += send_counts[i];
+    nr += recv_counts[i];
   }
   staged_work_t p = {.kind = ALL_TO_ALL_V,
                      .send = send,
@@ -261,7 +263,8 @@ static fsdpc_status_t staged_all_to_all_v(pg_t *pg, const void *send, void *recv
                      .recv_bytes = nr * dtype_size(dt),
                      .counts = malloc(sizeof(size_t) * 2 * n)};
   if (p.counts == NULL) return err_set(STATUS_ENOMEM, "host-staged group: out of host memory");
-  memcpy(p.counts, counts, sizeof(size_t) * 2 * n);
+  memcpy(p.counts, send_counts, sizeof(size_t) * n);
+  memcpy(p.counts + n, recv_counts, sizeof(size_t) * n);
   return start(pg, &p, work);
 }
 
