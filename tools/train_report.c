@@ -386,9 +386,8 @@ static bool memory_lines(const run_t *r) {
     return false;
   }
   char a[32], b2[32], c[32], pk[32], ac[32], ga[32], fl[32], st[32], ot[32];
-  double moments = 2 * pb / (double)own * (double)dtype_size(p->optim.state_dtype);
   train_mib(a, sizeof a, pb);
-  train_mib(b2, sizeof b2, moments);
+  train_mib(b2, sizeof b2, est.moments);
   train_mib(c, sizeof c, largest);
   train_mib(pk, sizeof pk, est.peak);
   train_mib(st, sizeof st, est.state);
@@ -404,7 +403,7 @@ static bool memory_lines(const run_t *r) {
       "  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
       "flight %s; %s activation checkpointing: %s\n",
       pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
-  printf("state_bytes %.0f\n", 2 * pb + moments);
+  printf("state_bytes %.0f\n", 2 * pb + est.moments);
   printf("largest_unit_bytes %.0f\n", largest);
   printf("peak_bytes %.0f\n", est.peak);
   return true;

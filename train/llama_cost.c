@@ -54,7 +54,12 @@ static void sum_units(fsdp_group_t *const *groups, int n, int dp_shard, size_t o
 /* One moment of the step, by kind. */
 static llama_memory_t moment(const char *at, double state, double act, double gathered,
                              double in_flight) {
-  return (llama_memory_t){state, act, gathered, in_flight, state + act + gathered + in_flight, at};
+  return (llama_memory_t){.state = state,
+                          .activations = act,
+                          .gathered = gathered,
+                          .in_flight = in_flight,
+                          .peak = state + act + gathered + in_flight,
+                          .at = at};
 }
 
 fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n,
@@ -156,6 +161,7 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
                resid + mlp + root_pending + (last ? 0 : u.unit_reduce * (sh > 1 ? 1 + 1 / sh : 1)));
     if (m.peak > out->peak) *out = m;
   }
+  out->moments = moments; /* part of the state at every moment */
   return STATUS_OK;
 }
 

@@ -37,6 +37,7 @@ typedef struct llama_memory {
   double in_flight;   /* logits, gradients being computed, reductions not yet finished */
   double peak;        /* the sum */
   const char *at;     /* where in the step it peaks, in words */
+  double moments;     /* AdamW's two moments (optim.state_dtype), part of state */
 } llama_memory_t;
 
 /* The estimate for plan p (resolved) whose model was parallelised into groups[0..n) (the
