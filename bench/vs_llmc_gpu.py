@@ -6,8 +6,9 @@
                  [--peak-tflops X] [--keep DIR]
 
 Builds train_gpt2cu in the llm.c checkout with its own Makefile (make train_gpt2cu
-NO_MULTI_GPU=1, and USE_CUDNN=1 with CUDNN_FRONTEND_PATH when --cudnn-frontend names the
-cudnn-frontend checkout its Makefile wants; without it llm.c builds its own attention). Both
+NO_MULTI_GPU=1 NO_USE_MPI=1, and USE_CUDNN=1 when --cudnn-frontend names a cudnn-frontend
+checkout or its include folder; cuDNN from the CUDA toolkit or the nvidia-cudnn wheel). Without
+--cudnn-frontend, or when that build fails (said so), llm.c uses its own attention. Both
 programs then train the same GPT-2 (configs/gpt2-124m.json or gpt2-350m.json; llm.c's -e d12
 or d24, random initial weights) on the same random token shards in llm.c's format, batch x seq
 tokens a step, bf16 compute with f32 master weights and optimizer state, AdamW lr 3e-4
@@ -31,6 +32,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import struct
 import subprocess
@@ -128,22 +130,117 @@ class PeakMemory:
         self.t.join()
 
 
-def build_llmc(a):
-    cmd = ["make", "-C", a.llmc, "train_gpt2cu", "NO_MULTI_GPU=1"]
-    if a.cudnn_frontend:
-        cmd += ["USE_CUDNN=1", "CUDNN_FRONTEND_PATH=" + os.path.abspath(a.cudnn_frontend)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+def cudnn_paths():
+    """cuDNN's include and library folders: the CUDA toolkit's, else the nvidia-cudnn wheel's."""
+    if os.path.isfile("/usr/local/cuda/include/cudnn.h"):
+        return "/usr/local/cuda/include", "/usr/local/cuda/lib64"
+    try:
+        import nvidia.cudnn
+        wheel = list(nvidia.cudnn.__path__)[0]
+        return os.path.join(wheel, "include"), os.path.join(wheel, "lib")
+    except ImportError:
+        return None, None
+
+
+def shared_lib(name, dirs):
+    """The first NAME.so or NAME.so.N in DIRS or the loader's cache, or None."""
+    for d in dirs:
+        for f in sorted(os.listdir(d)) if d and os.path.isdir(d) else []:
+            if f == name + ".so" or f.startswith(name + ".so."):
+                return os.path.join(d, f)
+    p = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True)
+    m = re.search(r"^\s*%s\.so[.\d]* .*=> (\S+)$" % re.escape(name), p.stdout, re.M)
+    return m.group(1) if m else None
+
+
+def llmc_copy(a, work):
+    """A copy of the llm.c checkout to build in (the checkout itself is left as it is). CUDA 13
+    dropped cudaMemAdvise's device-number form, which llm.c's fallback to managed memory calls:
+    the copy passes the host as a cudaMemLocation instead, as CUDA 12.2 and later accept."""
+    dst = os.path.join(work, "llm.c")
+    if not os.path.isdir(dst):
+        shutil.copytree(a.llmc, dst, ignore=shutil.ignore_patterns("build", "*.o", ".git"))
+    path = os.path.join(dst, "llmc", "cuda_utils.cuh")
+    with open(path) as f:
+        text = f.read()
+    old = "cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)"
+    new = ("cudaMemAdviseSetPreferredLocation, "
+           "cudaMemLocation{cudaMemLocationTypeHost, 0})")
+    if old in text:
+        with open(path, "w") as f:
+            f.write(text.replace(old, new))
+        print("vs_llmc_gpu.py: llm.c's cudaMemAdvise call given a cudaMemLocation (CUDA 13)")
+    return dst
+
+
+def make_llmc(a, work, cudnn):
+    """make train_gpt2cu, single GPU, no MPI; with cuDNN's attention when CUDNN is true.
+    llm.c's Makefile links -lnvidia-ml (and -lcudnn) by their bare names: a folder of links
+    gives the linker the driver's libnvidia-ml.so.1 and a wheel's libcudnn.so.9 by those names."""
+    links = os.path.join(work, "llmc-lib")
+    os.makedirs(links, exist_ok=True)
+    libs = [("libnvidia-ml", ["/usr/local/cuda/lib64/stubs"])]
+    src = llmc_copy(a, work)
+    cmd = ["make", "-C", src, "train_gpt2cu", "NO_MULTI_GPU=1", "NO_USE_MPI=1"]
+    env = dict(os.environ)
+    if cudnn:
+        inc, lib = cudnn_paths()
+        if not inc:
+            return None, "no cuDNN headers (CUDA toolkit or nvidia-cudnn wheel)"
+        front = os.path.abspath(a.cudnn_frontend)
+        if os.path.isdir(os.path.join(front, "include")):
+            front = os.path.join(front, "include")
+        # the Makefile looks for $HOME/cudnn-frontend/include before it takes the path given
+        home = os.path.join(work, "llmc-home")
+        os.makedirs(home, exist_ok=True)
+        if not os.path.exists(os.path.join(home, "cudnn-frontend")):
+            os.symlink(os.path.dirname(front), os.path.join(home, "cudnn-frontend"))
+        env["HOME"] = home
+        libs.append(("libcudnn", [lib]))
+        cmd += ["USE_CUDNN=1", "CUDNN_FRONTEND_PATH=" + front,
+                "NVCC_INCLUDES=-I%s -I%s" % (front, inc)]
+    for name, dirs in libs:
+        found = shared_lib(name, dirs)
+        if not found:
+            return None, "no %s.so to link with" % name
+        dst = os.path.join(links, name + ".so")
+        if os.path.lexists(dst):
+            os.remove(dst)
+        os.symlink(found, dst)
+    # cudnn-frontend compiles some of its kernels at run time (NVRTC)
+    cmd.append("NVCC_LDFLAGS=-L%s -lcublas -lcublasLt -lnvidia-ml%s"
+               % (links, " -lcudnn -lnvrtc" if cudnn else ""))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
-        sys.exit("vs_llmc_gpu.py: building llm.c failed:\n" + (p.stdout + p.stderr)[-3000:])
-    return os.path.join(a.llmc, "train_gpt2cu")
+        return None, (p.stdout + p.stderr)[-3000:]
+    return os.path.join(src, "train_gpt2cu"), None
+
+
+def build_llmc(a, work):
+    """llm.c's train_gpt2cu, with cuDNN's attention when --cudnn-frontend is given and it
+    builds (else without, said so); returns the program and how it was built."""
+    if a.cudnn_frontend:
+        exe, why = make_llmc(a, work, True)
+        if exe:
+            return exe, "cuDNN attention"
+        print("vs_llmc_gpu.py: llm.c with cuDNN did not build; building without it:\n" + why)
+    exe, why = make_llmc(a, work, False)
+    if not exe:
+        sys.exit("vs_llmc_gpu.py: building llm.c failed:\n" + why)
+    return exe, "llm.c's own attention"
 
 
 def run_llmc(a, exe, init, train, val):
     cmd = [exe, "-i", train, "-j", val, "-e", init, "-b", str(a.batch), "-t", str(a.seq),
            "-x", str(a.steps), "-v", str(10 * a.steps), "-s", "0", "-n", "0", "-l", "3e-4",
            "-c", "0.0"]
+    env = dict(os.environ)
+    lib = cudnn_paths()[1]  # the libraries it was linked with, for the loader
+    env["LD_LIBRARY_PATH"] = ":".join(x for x in (lib, "/usr/local/cuda/lib64",
+                                                  env.get("LD_LIBRARY_PATH")) if x)
     with PeakMemory() as mem:
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=a.llmc)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(exe),
+                           env=env)
     if p.returncode != 0:
         sys.exit("train_gpt2cu failed (exit %d):\n%s" % (p.returncode, (p.stdout + p.stderr)[-3000:]))
     rows = re.findall(r"^step\s+(\d+)/\d+ \| loss ([\d.]+).*?\| ([\d.]+) ms \| ([\d.]+)% bf16 MFU",
@@ -214,13 +311,13 @@ def main():
         return 0
     if p.returncode != 0:
         sys.exit("fsdp-train --dry-run failed:\n" + p.stderr[-3000:])
-    exe = build_llmc(a)
+    exe, how = build_llmc(a, work)
     ours = run_fsdpc(a, plan, os.path.join(work, "fsdpc.jsonl"))
     theirs = run_llmc(a, exe, init, train, val)
     nparams = params_of(cfg)
     peak = a.peak_tflops or next((tf for key, tf in PEAKS if key in name), 0.0)
-    print("GPT-2 %s (%s parameters), %d x %d tokens a step, bf16 / f32 master, on %s"
-          % (a.model, "{:,}".format(nparams), a.batch, a.seq, name))
+    print("GPT-2 %s (%s parameters), %d x %d tokens a step, bf16 / f32 master, on %s; "
+          "llm.c with %s" % (a.model, "{:,}".format(nparams), a.batch, a.seq, name, how))
     print("%-10s %12s %8s %12s %12s %10s %10s" % ("", "tokens/s", "MFU", "own MFU", "peak GiB",
                                                   "loss 1", "loss N"))
     for label, r in (("fsdp-train", ours), ("llm.c", theirs)):
