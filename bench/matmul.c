@@ -1,10 +1,12 @@
 /*
- * The matrix products of a Llama training step, one shape at a time: for each linear layer
- * (weight [out, in]) over N tokens, the forward y = x W^T, the input gradient dx = dy W and the
- * weight gradient dW = dy^T x. On CUDA each product runs through cuBLASLt and through
- * cublasGemmEx in alternate repetitions (kernel_matmul_set_lt), and the table sets their median
- * times side by side; on the CPU it times OpenBLAS. The last lines weigh every shape by how
- * often a step runs it (layers, and k/v and gate/up twice) and print one JSON line for scripts.
+ * The matrix products of a training step of the Llama family, one shape at a time: for each
+ * linear layer (weight [out, in]) over N tokens, the forward y = x W^T, the input gradient
+ * dx = dy W and the weight gradient dW = dy^T x; GPT-2's Conv1D layers (weight [in, out]) as
+ * it runs them, y = x W, dx = dy W^T, dW = x^T dy. On CUDA each product runs through cuBLASLt and
+ * through cublasGemmEx in alternate repetitions (kernel_matmul_set_lt), and the table sets their
+ * median times side by side; on the CPU it times OpenBLAS. The last lines weigh every shape by how
+ * often a step runs it (layers, and Llama's k/v and gate/up twice) and print one JSON line for
+ * scripts.
  *
  *   bench-matmul [--config configs/llama-100m.json] [--device cpu|cuda]
  *                [--dtype f32|bf16|f16] [--tokens N] [--reps 20]
@@ -23,6 +25,7 @@ static const bench_option_t OPTIONS[] = {
 typedef struct layer {
   const char *name;
   int64_t out, in, per_step; /* how many linears of this shape a step runs */
+  bool io;                   /* weight [in, out] (GPT-2's Conv1D) rather than [out, in] */
 } layer_t;
 
 /* Median seconds of one product, per path (paths: 2 on CUDA, cuBLASLt then cublasGemmEx,
@@ -57,7 +60,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "bench-matmul: %s\n", err_detail());
     return 1;
   }
-  bench_args(argc, argv, "Times the matrix products of a Llama step, shape by shape.", OPTIONS);
+  bench_args(argc, argv, "Times the matrix products of a training step, shape by shape.", OPTIONS);
   dtype_t dt;
   device_t dev = bench_device_dtype(argc, argv, &dt);
   bool cuda = dev.type == DEVICE_CUDA;
@@ -68,14 +71,22 @@ int main(int argc, char **argv) {
   int reps = (int)bench_int(argc, argv, "--reps", 20, 1, 100000);
   int paths = cuda ? 2 : 1;
   int64_t Dh = llama_head_dim(&c), L = c.n_layers;
-  layer_t layers[] = {
-      {"q", c.n_heads * Dh, c.dim, L},
-      {"o", c.dim, c.n_heads * Dh, L},
-      {"k, v", c.n_kv_heads * Dh, c.dim, 2 * L},
-      {"gate, up", c.ffn_dim, c.dim, 2 * L},
-      {"down", c.dim, c.ffn_dim, L},
-      {"lm head", c.vocab_size, c.dim, 1},
+  layer_t llama[] = {
+      {"q", c.n_heads * Dh, c.dim, L, false},
+      {"o", c.dim, c.n_heads * Dh, L, false},
+      {"k, v", c.n_kv_heads * Dh, c.dim, 2 * L, false},
+      {"gate, up", c.ffn_dim, c.dim, 2 * L, false},
+      {"down", c.dim, c.ffn_dim, L, false},
+      {"lm head", c.vocab_size, c.dim, 1, false},
   };
+  layer_t gpt2[] = {
+      {"c_attn", 3 * c.dim, c.dim, L, true},      {"attn proj", c.dim, c.dim, L, true},
+      {"c_fc", c.ffn_dim, c.dim, L, true},        {"mlp proj", c.dim, c.ffn_dim, L, true},
+      {"lm head", c.vocab_size, c.dim, 1, false},
+  };
+  bool is_gpt2 = c.arch == LLAMA_ARCH_GPT2;
+  layer_t *layers = is_gpt2 ? gpt2 : llama;
+  size_t n_layers = is_gpt2 ? sizeof gpt2 / sizeof gpt2[0] : sizeof llama / sizeof llama[0];
   static const char *kinds[3] = {"forward", "input grad", "weight grad"};
   double *times = calloc((size_t)(2 * reps), sizeof(double));
   if (times == NULL) bench_leave(1);
@@ -87,10 +98,14 @@ int main(int argc, char **argv) {
            "cublasGemmEx", "Lt x");
   else
     printf("%-10s %-11s %16s %22s\n", "linear", "product", "m x n x k", "OpenBLAS");
-  for (size_t i = 0; i < sizeof layers / sizeof layers[0]; i++) {
+  for (size_t i = 0; i < n_layers; i++) {
     const layer_t *l = &layers[i];
     fsdpc_tensor_t x, w, dy, y, dx, dw;
     int64_t sy[2] = {N, l->out}, sx[2] = {N, l->in}, sw[2] = {l->out, l->in};
+    if (l->io) {
+      sw[0] = l->in;
+      sw[1] = l->out;
+    }
     bench_random(&x, dt, dev, 2, sx, 1);
     bench_random(&w, dt, dev, 2, sw, 2);
     bench_random(&dy, dt, dev, 2, sy, 3);
@@ -100,11 +115,15 @@ int main(int argc, char **argv) {
     double flop = 2.0 * (double)N * (double)l->out * (double)l->in;
     for (int kind = 0; kind < 3; kind++) {
       double med[2];
-      int64_t m = kind == 2 ? l->out : N, n = kind == 0 ? l->out : l->in;
+      int64_t m = kind == 2 ? (l->io ? l->in : l->out) : N;
+      int64_t n = kind == 0 ? l->out : kind == 1 ? l->in : l->io ? l->out : l->in;
       int64_t k = kind == 0 ? l->in : kind == 1 ? l->out : N;
-      if (kind == 0) time_product(dev, paths, reps, times, med, &y, &x, false, &w, true);
-      if (kind == 1) time_product(dev, paths, reps, times, med, &dx, &dy, false, &w, false);
-      if (kind == 2) time_product(dev, paths, reps, times, med, &dw, &dy, true, &x, false);
+      /* y = x W^T, dx = dy W, dW = dy^T x; with io y = x W, dx = dy W^T, dW = x^T dy */
+      if (kind == 0) time_product(dev, paths, reps, times, med, &y, &x, false, &w, !l->io);
+      if (kind == 1) time_product(dev, paths, reps, times, med, &dx, &dy, false, &w, l->io);
+      if (kind == 2 && !l->io)
+        time_product(dev, paths, reps, times, med, &dw, &dy, true, &x, false);
+      if (kind == 2 && l->io) time_product(dev, paths, reps, times, med, &dw, &x, true, &dy, false);
       char dims[48], col[2][64];
       snprintf(dims, sizeof dims, "%lldx%lldx%lld", (long long)m, (long long)n, (long long)k);
       for (int p = 0; p < paths; p++) {

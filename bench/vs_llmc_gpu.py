@@ -3,7 +3,7 @@
 
   vs_llmc_gpu.py --llmc LLMC_CHECKOUT [--exe build/tools/fsdp-train] [--model 124m|350m]
                  [--batch 16] [--seq 1024] [--steps 30] [--warmup 5] [--cudnn-frontend DIR]
-                 [--peak-tflops X] [--keep DIR]
+                 [--peak-tflops X] [--profile] [--keep DIR]
 
 Builds train_gpt2cu in the llm.c checkout with its own Makefile (make train_gpt2cu
 NO_MULTI_GPU=1 NO_USE_MPI=1, and USE_CUDNN=1 when --cudnn-frontend names a cudnn-frontend
@@ -22,7 +22,8 @@ step times it prints; fsdp-train's from its metrics), MFU by one formula for bot
 parameters x tokens/s over the GPU's dense bf16 peak: 989 TFLOP/s for H100 SXM and H200, or
 --peak-tflops; parameters as transformers counts GPT-2's, 124,439,808 for 124M), llm.c's own
 MFU figure, peak memory (fsdp-train's accounting; llm.c's from nvidia-smi's sampled peak), the
-first and last loss, and fsdp-train's ratio to llm.c.
+first and last loss, and fsdp-train's ratio to llm.c. With --profile, fsdp-train's kernel table
+(FSDPC_PROFILE=1) and bench-matmul's products of the model's shapes follow.
 
 Without a GPU, an fsdp-train built without CUDA, or an llm.c checkout (no train_gpt2.cu in
 --llmc), it says so and exits 0.
@@ -243,7 +244,7 @@ def run_llmc(a, exe, init, train, val):
                            env=env)
     if p.returncode != 0:
         sys.exit("train_gpt2cu failed (exit %d):\n%s" % (p.returncode, (p.stdout + p.stderr)[-3000:]))
-    rows = re.findall(r"^step\s+(\d+)/\d+ \| loss ([\d.]+).*?\| ([\d.]+) ms \| ([\d.]+)% bf16 MFU",
+    rows = re.findall(r"^step\s+(\d+)/\d+ \| loss ([\d.]+).*?\| ([\d.]+) ms \| (-?[\d.]+)% bf16 MFU",
                       p.stdout, re.M)
     if len(rows) < a.steps:
         sys.exit("train_gpt2cu printed %d step lines of %d:\n%s" % (len(rows), a.steps,
@@ -255,10 +256,14 @@ def run_llmc(a, exe, init, train, val):
 
 
 def run_fsdpc(a, plan, metrics):
-    p = subprocess.run([a.exe, plan, "--metrics", metrics], capture_output=True, text=True)
+    env = dict(os.environ, FSDPC_PROFILE="1") if a.profile else None
+    p = subprocess.run([a.exe, plan, "--metrics", metrics], capture_output=True, text=True,
+                       env=env)
     if p.returncode != 0:
         sys.exit("fsdp-train failed (exit %d):\n%s%s" % (p.returncode, p.stdout[-2000:],
                                                           p.stderr[-3000:]))
+    if a.profile:  # the kernel table fsdp-train ends with
+        print(p.stdout[p.stdout.find("kernels of rank 0"):].rstrip() + "\n")
     rows = [json.loads(line) for line in open(metrics) if line.strip()]
     timed = [r["tokens_per_s"] for r in rows if r["step"] > a.warmup]
     return {"tokens_per_s": statistics.median(timed),
@@ -278,6 +283,9 @@ def main():
     ap.add_argument("--cudnn-frontend", help="the cudnn-frontend checkout llm.c's USE_CUDNN=1 "
                     "needs (default: build llm.c without cuDNN)")
     ap.add_argument("--peak-tflops", type=float, default=0.0)
+    ap.add_argument("--profile", action="store_true",
+                    help="run fsdp-train with FSDPC_PROFILE=1 and print its kernel table, then "
+                    "bench-matmul (beside --exe's build) over the model's products")
     ap.add_argument("--keep", help="write the shards, plan and logs here and keep them")
     a = ap.parse_args()
     if a.steps <= a.warmup or a.warmup < 0 or a.batch < 1 or a.seq < 1:
@@ -327,6 +335,13 @@ def main():
             label, r["tokens_per_s"], 100 * mfu, own, r["peak_mem_bytes"] / 2**30,
             r["first_loss"], r["last_loss"]))
     print("fsdp-train / llm.c: %.2fx" % (ours["tokens_per_s"] / theirs["tokens_per_s"]))
+    if a.profile:
+        matmul = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(a.exe))), "bench",
+                              "bench-matmul")
+        p = subprocess.run([matmul, "--device", "cuda", "--config", config, "--tokens",
+                            str(a.batch * a.seq)], capture_output=True, text=True)
+        print("\n".join(l for l in (p.stdout + p.stderr).strip().splitlines()
+                        if not l.startswith("{")))
     return 0
 
 

@@ -20,7 +20,8 @@
 #                 torch FSDP2 and FSDP2 + compile
 #   reference     tests/reference's torch models against transformers (on the CPU)
 #   vs-llmc       bench/vs_llmc_gpu.py: GPT-2 124M against llm.c's train_gpt2cu, 16 x 1024, when
-#                 .deps/llm.c holds an llm.c checkout (with .deps/cudnn-frontend, cuDNN on)
+#                 .deps/llm.c holds an llm.c checkout (with .deps/cudnn-frontend, cuDNN on),
+#                 then fsdp-train's kernel table and the model's matrix products
 #   tests         every suite (meson test)
 #   fsdp-step     bench-fsdp-step on llama-100m at 8 x 1024, bf16 (with the host's time a
 #                 unit and a parameter)
@@ -120,7 +121,7 @@ for s in "$@"; do
       fe=()
       [ -d .deps/cudnn-frontend ] && fe=(--cudnn-frontend .deps/cudnn-frontend)
       run vs-llmc 400 "$python" bench/vs_llmc_gpu.py --exe build-gpu/tools/fsdp-train \
-        --llmc .deps/llm.c "${fe[@]}"
+        --llmc .deps/llm.c --profile "${fe[@]}"
       ;;
     tests) run tests 540 meson test -C build-gpu --print-errorlogs ;;
     fsdp-step)

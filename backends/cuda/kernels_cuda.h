@@ -100,6 +100,73 @@ static inline int64_t last_dim(const fsdpc_tensor_t *t) {
   return t->ndim == 0 ? 1 : t->shape[t->ndim - 1];
 }
 
+/* ---- column sums over rows, deterministic ---- */
+
+/*
+ * out_k[j] += sum over rows i of term k at (i, j), for K terms at once, summed in a fixed order
+ * (the same result at every run) with a thread per (column, block of rows) rather than one per
+ * column: partial[k][c][j] sums rows [c per, (c + 1) per) of column j in order, then a second
+ * pass adds the partial sums in block order. term(i, j, s) adds row i's K values of column j
+ * into s. (Over 16384 rows of 768 on an H200, a thread per column took 0.93 ms for a bias's
+ * gradient and 6.27 ms for LayerNorm's two; by blocks of rows they take 0.047 and 0.12 ms.)
+ */
+template <int K, typename F>
+__global__ static void column_partial_kernel(float *partial, int64_t rows, int64_t D, int64_t per,
+                                             F term) {
+  int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, c = blockIdx.y;
+  if (j >= D) return;
+  int64_t i1 = (c + 1) * per < rows ? (c + 1) * per : rows;
+  float s[K] = {};
+  for (int64_t i = c * per; i < i1; i++) term(i, j, s);
+#pragma unroll
+  for (int k = 0; k < K; k++) partial[((int64_t)k * gridDim.y + c) * D + j] = s[k];
+}
+
+struct column_out {
+  void *p; /* NULL: this term is not wanted */
+  int dt;
+};
+
+template <int K>
+struct column_outs {
+  column_out o[K];
+};
+
+template <int K>
+__global__ static void column_sum_kernel(column_outs<K> outs, const float *partial, int64_t blocks,
+                                         int64_t D) {
+  GRID_STRIDE(j, D) {
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      if (!outs.o[k].p) continue;
+      float s = 0;
+      for (int64_t c = 0; c < blocks; c++) s += partial[(k * blocks + c) * D + j];
+      stf(outs.o[k].dt, outs.o[k].p, j, ldf(outs.o[k].dt, outs.o[k].p, j) + s);
+    }
+  }
+}
+
+/* The K column sums of a rows x D layout on dev's stream s (scratch from dev's pool). */
+template <int K, typename F>
+static fsdpc_status_t column_sums(device_t dev, cudaStream_t s, int64_t rows, int64_t D, F term,
+                                  column_outs<K> outs, const char *what) {
+  if (rows == 0 || D == 0) return STATUS_OK;
+  int64_t per = rows / 65535 + 1 > 64 ? rows / 65535 + 1 : 64;
+  int64_t blocks = (rows + per - 1) / per;
+  size_t bytes = sizeof(float) * (size_t)(K * blocks * D);
+  float *partial;
+  FSDPC_TRY(device_alloc(dev, bytes, (void **)&partial));
+  dim3 grid((unsigned)((D + kBlock - 1) / kBlock), (unsigned)blocks);
+  column_partial_kernel<K><<<grid, kBlock, 0, s>>>(partial, rows, D, per, term);
+  fsdpc_status_t st = launched(what);
+  if (st == STATUS_OK) {
+    column_sum_kernel<K><<<grid_for(D), kBlock, 0, s>>>(outs, partial, blocks, D);
+    st = launched(what);
+  }
+  device_free(dev, partial, bytes); /* stream-ordered: after the kernels */
+  return st;
+}
+
 /* Index checks without a host wait: a checking kernel writes 1 through p, a word of page-locked
  * host memory mapped into the device, kept per device and per check (what). Nothing is read at
  * the launch: the host looks at the words after its next wait for the device

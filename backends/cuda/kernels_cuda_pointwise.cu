@@ -152,15 +152,15 @@ __global__ static void bias_add_kernel(void *out, const void *x, const void *b, 
   GRID_STRIDE(i, n) stf(dt, out, i, ldf(dt, x, i) + ldf(dt, b, i % D));
 }
 
-/* One thread per column, summing over rows in order: deterministic, as the CPU twin. */
-__global__ static void bias_backward_kernel(void *db, int bdt, const void *dy, int ydt,
-                                            int64_t rows, int64_t D) {
-  GRID_STRIDE(j, D) {
-    float s = 0;
-    for (int64_t i = 0; i < rows; i++) s += ldf(ydt, dy, i * D + j);
-    stf(bdt, db, j, ldf(bdt, db, j) + s);
+/* the bias gradient's term of row i, column j: dy */
+struct bias_term {
+  const void *dy;
+  int dt;
+  int64_t D;
+  __device__ void operator()(int64_t i, int64_t j, float *s) const {
+    s[0] += ldf(dt, dy, i * D + j);
   }
-}
+};
 
 /* y += alpha x where x is narrower than y (the same dtypes take op_axpy's map) */
 __global__ static void axpy_kernel(void *y, int ydt, float alpha, const void *x, int xdt,
@@ -307,9 +307,8 @@ static fsdpc_status_t cuda_bias_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *x
 
 static fsdpc_status_t cuda_bias_backward(fsdpc_tensor_t *db, const fsdpc_tensor_t *dy) {
   int64_t D = last_dim(dy), rows = tensor_numel(dy) / D;
-  bias_backward_kernel<<<grid_for(D), kBlock, 0, stream_of(dy)>>>(db->data, db->dtype, dy->data,
-                                                                  dy->dtype, rows, D);
-  return launched("kernel_bias_backward");
+  return column_sums<1>(dy->device, stream_of(dy), rows, D, bias_term{dy->data, dy->dtype, D},
+                        column_outs<1>{{{db->data, db->dtype}}}, "kernel_bias_backward");
 }
 
 static fsdpc_status_t cuda_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *a,

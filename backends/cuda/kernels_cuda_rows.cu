@@ -114,31 +114,18 @@ __global__ static void rmsnorm_backward_dx_kernel(T *dx, const T *dy, const T *x
   }
 }
 
-/* dw in a pass of its own, in a fixed order (deterministic) and with a thread per (column,
- * block of rows) rather than one per column: partial[c][j] sums rows [c per, (c + 1) per) of
- * column j in order, then dw[j] adds the partial sums in block order. (One pass for dx and dw,
- * 512 blocks of many rows each summing dw's columns in shared memory, took 1.94 ms a
- * llama-100m step on an H200 where these kernels take 1.03.) */
+/* dw's term of row i, column j: dy x rstd (summed by column_sums, in a pass of its own: one pass
+ * for dx and dw, 512 blocks of many rows each summing dw's columns in shared memory, took
+ * 1.94 ms a llama-100m step on an H200 where the two passes take 1.03) */
 template <typename T>
-__global__ static void rmsnorm_dw_partial_kernel(float *partial, const T *dy, const T *x,
-                                                 const float *rstd, int64_t rows, int64_t D,
-                                                 int64_t per) {
-  int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, c = blockIdx.y;
-  if (j >= D) return;
-  int64_t i1 = (c + 1) * per < rows ? (c + 1) * per : rows;
-  float s = 0;
-  for (int64_t i = c * per; i < i1; i++) s += tof(dy[i * D + j]) * (tof(x[i * D + j]) * rstd[i]);
-  partial[c * D + j] = s;
-}
-
-__global__ static void rmsnorm_dw_sum_kernel(void *dw, int wdt, const float *partial,
-                                             int64_t blocks, int64_t D) {
-  GRID_STRIDE(j, D) {
-    float s = 0;
-    for (int64_t c = 0; c < blocks; c++) s += partial[c * D + j];
-    stf(wdt, dw, j, ldf(wdt, dw, j) + s);
+struct rmsnorm_dw_term {
+  const T *dy, *x;
+  const float *rstd;
+  int64_t D;
+  __device__ void operator()(int64_t i, int64_t j, float *s) const {
+    s[0] += tof(dy[i * D + j]) * (tof(x[i * D + j]) * rstd[i]);
   }
-}
+};
 
 /* One block per row: mean, then the variance about it, then the normalised row. */
 __global__ static void layernorm_kernel(void *out, float *mean, float *rstd, const void *x, int xdt,
@@ -183,22 +170,18 @@ __global__ static void layernorm_backward_dx_kernel(void *dx, const void *dy, co
   }
 }
 
-/* One thread per column, summing over rows in order: deterministic. */
-__global__ static void layernorm_backward_dwb_kernel(void *dw, int wdt, void *db, int bdt,
-                                                     const void *dy, const void *x, int xdt,
-                                                     const float *mean, const float *rstd,
-                                                     int64_t rows, int64_t D) {
-  GRID_STRIDE(j, D) {
-    float sw = 0, sb = 0;
-    for (int64_t i = 0; i < rows; i++) {
-      float g = ldf(xdt, dy, i * D + j);
-      sw += g * ((ldf(xdt, x, i * D + j) - mean[i]) * rstd[i]);
-      sb += g;
-    }
-    stf(wdt, dw, j, ldf(wdt, dw, j) + sw);
-    if (db) stf(bdt, db, j, ldf(bdt, db, j) + sb);
+/* dw's and db's terms of row i, column j: dy x-hat and dy */
+struct layernorm_dwb_term {
+  const void *dy, *x;
+  int xdt;
+  const float *mean, *rstd;
+  int64_t D;
+  __device__ void operator()(int64_t i, int64_t j, float *s) const {
+    float g = ldf(xdt, dy, i * D + j);
+    s[0] += g * ((ldf(xdt, x, i * D + j) - mean[i]) * rstd[i]);
+    s[1] += g;
   }
-}
+};
 
 /* log-sum-exp of one row of V values, computed by the whole block (vec: as chunks' load). */
 template <typename T>
@@ -319,26 +302,17 @@ static fsdpc_status_t cuda_rmsnorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *
   if (rows == 0) return STATUS_OK;
   cudaStream_t s = stream_of(x);
   const float *r = (const float *)rstd->data;
-  /* dw's partial sums: one row of D for each block of per rows */
-  int64_t per = rows / 65535 + 1 > 64 ? rows / 65535 + 1 : 64;
-  int64_t blocks = (rows + per - 1) / per;
-  size_t bytes = sizeof(float) * (size_t)(blocks * D);
-  float *partial;
-  FSDPC_TRY(device_alloc(x->device, bytes, (void **)&partial));
+  fsdpc_status_t st = STATUS_OK;
   with_float_type(x->dtype, [&](auto t) {
     using T = decltype(t);
     const T *pdy = (const T *)dy->data, *px = (const T *)x->data;
     rmsnorm_backward_dx_kernel<<<(unsigned)rows, row_threads(D, x->dtype), 0, s>>>(
         (T *)dx->data, pdy, px, w->data, w->dtype, r, D);
-    dim3 grid((unsigned)((D + kBlock - 1) / kBlock), (unsigned)blocks);
-    rmsnorm_dw_partial_kernel<<<grid, kBlock, 0, s>>>(partial, pdy, px, r, rows, D, per);
-  });
-  fsdpc_status_t st = launched("kernel_rmsnorm_backward");
-  if (st == STATUS_OK) {
-    rmsnorm_dw_sum_kernel<<<grid_for(D), kBlock, 0, s>>>(dw->data, dw->dtype, partial, blocks, D);
     st = launched("kernel_rmsnorm_backward");
-  }
-  device_free(x->device, partial, bytes); /* stream-ordered: after the kernels */
+    if (st == STATUS_OK)
+      st = column_sums<1>(x->device, s, rows, D, rmsnorm_dw_term<T>{pdy, px, r, D},
+                          column_outs<1>{{{dw->data, dw->dtype}}}, "kernel_rmsnorm_backward");
+  });
   return st;
 }
 
@@ -357,16 +331,18 @@ static fsdpc_status_t cuda_layernorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t
                                               const fsdpc_tensor_t *x, const fsdpc_tensor_t *w,
                                               const fsdpc_tensor_t *mean,
                                               const fsdpc_tensor_t *rstd) {
-  int64_t D = last_dim(x), rows = tensor_numel(x) / D;
+  int64_t D = last_dim(x), rows = D ? tensor_numel(x) / D : 0;
+  if (rows == 0) return STATUS_OK;
   cudaStream_t s = stream_of(x);
   layernorm_backward_dx_kernel<<<(unsigned)rows, kBlock, 0, s>>>(
       dx->data, dy->data, x->data, x->dtype, w->data, w->dtype, (const float *)mean->data,
       (const float *)rstd->data, D);
   FSDPC_TRY(launched("kernel_layernorm_backward"));
-  layernorm_backward_dwb_kernel<<<grid_for(D), kBlock, 0, s>>>(
-      dw->data, dw->dtype, db ? db->data : NULL, db ? db->dtype : DTYPE_F32, dy->data, x->data,
-      x->dtype, (const float *)mean->data, (const float *)rstd->data, rows, D);
-  return launched("kernel_layernorm_backward");
+  const float *mu = (const float *)mean->data, *r = (const float *)rstd->data;
+  column_outs<2> outs = {{{dw->data, dw->dtype}, {db ? db->data : NULL, db ? db->dtype : 0}}};
+  return column_sums<2>(x->device, s, rows, D,
+                        layernorm_dwb_term{dy->data, x->data, x->dtype, mu, r, D}, outs,
+                        "kernel_layernorm_backward");
 }
 
 static fsdpc_status_t cuda_cross_entropy(fsdpc_tensor_t *losses, const fsdpc_tensor_t *logits,
