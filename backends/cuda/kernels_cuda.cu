@@ -228,28 +228,93 @@ cublasStatus_t cuda_blas_gemm_batched(cublasHandle_t h, cublasOperation_t ta, cu
                              count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
-static fsdpc_status_t cuda_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
-                                  const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta,
-                                  const matmul_dims_t *d) {
-  lt_gemm_t g =
-      cublas_lt_of_row_major(out->device.index, stream_of(out), out->dtype, trans_a, trans_b, d);
+/* One product on pointers with the row strides of d (out's in ldd): cuBLASLt, else
+ * cublasGemmEx. */
+static fsdpc_status_t product(int dev, cudaStream_t s, dtype_t dt, const void *a, bool trans_a,
+                              const void *b, bool trans_b, void *out, float alpha, float beta,
+                              const matmul_dims_t *d, int64_t ldd) {
+  lt_gemm_t g = cublas_lt_of_row_major(dev, s, dt, trans_a, trans_b, d);
+  g.ldd = ldd;
   bool ran;
-  CUDA_TRY(cudaSetDevice(out->device.index));
-  FSDPC_TRY(cublas_lt_matmul(&g, alpha, b->data, a->data, beta, out->data, &ran));
+  FSDPC_TRY(cublas_lt_matmul(&g, alpha, b, a, beta, out, &ran));
   if (ran) return STATUS_OK;
   cublasHandle_t h;
-  FSDPC_TRY(cuda_blas_handle(out->device.index, stream_of(out), &h));
-  cudaDataType_t t = cuda_dtype(out->dtype);
+  FSDPC_TRY(cuda_blas_handle(dev, s, &h));
+  cudaDataType_t t = cuda_dtype(dt);
   /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T. */
-  cublasStatus_t s = cublas.gemm(
-      h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)d->n,
-      (int)d->m, (int)d->k, &alpha, b->data, t, (int)d->ldb, a->data, t, (int)d->lda, &beta,
-      out->data, t, (int)d->n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  if (s == CUBLAS_STATUS_SUCCESS) return STATUS_OK;
+  cublasStatus_t st =
+      cublas.gemm(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                  (int)d->n, (int)d->m, (int)d->k, &alpha, b, t, (int)d->ldb, a, t, (int)d->lda,
+                  &beta, out, t, (int)ldd, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (st == CUBLAS_STATUS_SUCCESS) return STATUS_OK;
   char what[96];
   snprintf(what, sizeof what, "cublasGemmEx (m=%lld n=%lld k=%lld)", (long long)d->m,
            (long long)d->n, (long long)d->k);
-  return cublas_status(s, what);
+  return cublas_status(st, what);
+}
+
+/*
+ * Rows whose stride is not a multiple of 16 bytes (GPT-2's vocabulary of 50257 in bf16) leave
+ * cuBLAS only its kernels for 2-byte-aligned rows: GPT-2 124M's head ran at 95-151 TFLOP/s on
+ * an H200 where the blocks' products run at 400-680. From kPadMinMacs multiply-adds on, such
+ * an operand is copied into rows padded to 16 bytes (cudaMemcpy2DAsync, a few percent of the
+ * product's time), the product runs on the padded strides, and a padded output is copied back.
+ * The padding itself is never read: the sizes are the product's own.
+ */
+static const double kPadMinMacs = (double)(1 << 27);
+
+typedef struct strided {
+  void *p;
+  int64_t ld;   /* row stride, elements */
+  size_t bytes; /* > 0: a padded copy from the pool */
+} strided_t;
+
+/* rows x cols at src (stride cols) as a strided_t: src itself when its rows are 16-byte
+ * aligned or pad is false, else a padded buffer, holding src's values when copy. */
+static fsdpc_status_t strided_of(strided_t *o, device_t dev, cudaStream_t s, void *src,
+                                 int64_t rows, int64_t cols, size_t es, bool pad, bool copy) {
+  *o = (strided_t){src, cols, 0};
+  if (!pad || (size_t)cols * es % 16 == 0) return STATUS_OK;
+  int64_t w = 16 / (int64_t)es, ld = (cols + w - 1) / w * w;
+  size_t bytes = (size_t)rows * (size_t)ld * es;
+  void *p;
+  FSDPC_TRY(device_alloc(dev, bytes, &p));
+  *o = (strided_t){p, ld, bytes};
+  if (!copy) return STATUS_OK;
+  return cuda_status(
+      cudaMemcpy2DAsync(p, (size_t)ld * es, src, (size_t)cols * es, (size_t)cols * es, (size_t)rows,
+                        cudaMemcpyDeviceToDevice, s),
+      "kernel_matmul: padding rows");
+}
+
+static fsdpc_status_t cuda_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
+                                  const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta,
+                                  const matmul_dims_t *d) {
+  device_t dev = out->device;
+  cudaStream_t s = stream_of(out);
+  size_t es = dtype_size(out->dtype);
+  CUDA_TRY(cudaSetDevice(dev.index));
+  bool pad = (double)d->m * (double)d->n * (double)d->k >= kPadMinMacs;
+  strided_t A = {}, B = {}, D = {};
+  int64_t ar = d->lda ? tensor_numel(a) / d->lda : 0, br = d->ldb ? tensor_numel(b) / d->ldb : 0;
+  fsdpc_status_t st = strided_of(&A, dev, s, a->data, ar, d->lda, es, pad, true);
+  if (st == STATUS_OK) st = strided_of(&B, dev, s, b->data, br, d->ldb, es, pad, true);
+  if (st == STATUS_OK) st = strided_of(&D, dev, s, out->data, d->m, d->n, es, pad, beta != 0.0f);
+  if (st == STATUS_OK) {
+    matmul_dims_t pd = *d;
+    pd.lda = A.ld;
+    pd.ldb = B.ld;
+    st = product(dev.index, s, out->dtype, A.p, trans_a, B.p, trans_b, D.p, alpha, beta, &pd, D.ld);
+  }
+  if (st == STATUS_OK && D.bytes)
+    st =
+        cuda_status(cudaMemcpy2DAsync(out->data, (size_t)d->n * es, D.p, (size_t)D.ld * es,
+                                      (size_t)d->n * es, (size_t)d->m, cudaMemcpyDeviceToDevice, s),
+                    "kernel_matmul: unpadding rows");
+  strided_t *bufs[3] = {&A, &B, &D};
+  for (int i = 0; i < 3; i++) /* stream-ordered: after the product */
+    if (bufs[i]->bytes) device_free(dev, bufs[i]->p, bufs[i]->bytes);
+  return st;
 }
 
 static fsdpc_status_t cuda_embedding(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,

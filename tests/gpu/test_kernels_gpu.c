@@ -127,6 +127,14 @@ static int k_matmul_gemmex(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return matmul_case(dev, dt, o, false);
 }
 
+/* Rows whose strides are not 16-byte multiples (515 and 1001 elements) in products large enough
+ * to be padded on the device (over 2^27 multiply-adds): every operand of both products, the
+ * first one adding into values already in its output. */
+static int k_matmul_padded(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
+  matmul_pair(dev, dt, o, 512, 1001, 515);
+  return 2;
+}
+
 static int k_embedding(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int64_t st[2] = {61, 33}, so[2] = {45, 33};
   fsdpc_tensor_t table, id, y, g, dy;
@@ -546,6 +554,7 @@ static int k_bias_layernorm(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
 static const kcase_t cases[] = {
     {"matmul", k_matmul, 0, 0},
     {"matmul (cublasGemmEx)", k_matmul_gemmex, 0, 0},
+    {"matmul (padded rows)", k_matmul_padded, 0, 0},
     {"embedding", k_embedding, 1, 0},
     {"rmsnorm", k_rmsnorm, 0, 0},
     {"rope", k_rope, 1, 0},
