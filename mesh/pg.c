@@ -174,7 +174,7 @@ pg_counters_t pg_counters(const pg_t *pg) {
 }
 void pg_reset_counters(pg_t *pg) {
   if (pg == NULL) return;
-  pg->counters = (pg_counters_t){{0}, {0}};
+  pg->counters = (pg_counters_t){{0}, {0}, {0}};
 }
 
 static fsdpc_status_t check_call(const pg_t *pg, const char *what, dtype_t dt, size_t count,
@@ -240,8 +240,10 @@ fsdpc_status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t 
   FSDPC_TRY(check_buf("reduce_scatter", recv, recv_count));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->reduce_scatter(pg, send, recv, recv_count, dt, op, &w);
-  if (st == STATUS_OK)
+  if (st == STATUS_OK) {
     count_call(pg, PG_REDUCE_SCATTER, (uint64_t)(pg->size - 1) * recv_count * dtype_size(dt));
+    pg->counters.reductions[dt]++;
+  }
   return finish(st, w, work);
 }
 
@@ -254,9 +256,11 @@ fsdpc_status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t coun
   FSDPC_TRY(check_buf("all_reduce", recv, count));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->all_reduce(pg, send, recv, count, dt, op, &w);
-  if (st == STATUS_OK)
+  if (st == STATUS_OK) {
     count_call(pg, PG_ALL_REDUCE,
                2u * (uint64_t)(pg->size - 1) * count * dtype_size(dt) / (uint64_t)pg->size);
+    pg->counters.reductions[dt]++;
+  }
   return finish(st, w, work);
 }
 

@@ -62,6 +62,7 @@ typedef enum reduce_op { REDUCE_SUM = 0, REDUCE_AVG, REDUCE_MAX } reduce_op_t;
 typedef struct pg_counters {
   uint64_t calls[PG_KIND_COUNT];
   uint64_t bytes[PG_KIND_COUNT];
+  uint64_t reductions[DTYPE_COUNT]; /* all-reduce and reduce-scatter calls by element dtype */
 } pg_counters_t;
 
 typedef struct pg pg_t;

@@ -110,6 +110,9 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
   o.output_dtype = u ? u->output_dtype : pp->output_dtype;
   fsdp_group_t *g;
   FSDPC_TRY(fully_shard(mod, &o, &g));
+  /* units come inner first: tp's reductions under mod take its reduce dtype */
+  if (par->tp != NULL && fsdp_num_params(g) > 0)
+    FSDPC_TRY(tp_set_reduce_dtype(par->tp, mod, fsdp_reduce_dtype(g)));
   return push_group(par, g);
 }
 

@@ -25,6 +25,7 @@ typedef struct tp_mod {
                            parallelism */
   int n_sum;
   fsdpc_tensor_t stash[2]; /* their gradients from earlier calls */
+  dtype_t reduce_dtype;    /* gradient reductions' dtype; DTYPE_COUNT: the gradient's own */
 } tp_mod_t;
 
 struct tp_plan {
@@ -86,13 +87,30 @@ static fsdpc_status_t move(mesh_t *mesh, const fsdpc_tensor_t *x, pk_t a, pk_t b
   return st;
 }
 
+/* y = x moved from a to b as move() does, a reduction (from Partial over more than one rank)
+ * running in dt: x cast to dt, moved, the result cast back to x's dtype. */
+static fsdpc_status_t move_in(mesh_t *mesh, const fsdpc_tensor_t *x, pk_t a, pk_t b, dtype_t dt,
+                              fsdpc_tensor_t *y) {
+  if (a != PK_P || mesh_size(mesh, 0) == 1 || dt == DTYPE_COUNT || dt == x->dtype)
+    return move(mesh, x, a, b, y);
+  fsdpc_tensor_t wide, moved;
+  FSDPC_TRY(tensor_clone(&wide, x, dt, x->device));
+  fsdpc_status_t st = move(mesh, &wide, a, b, &moved);
+  tensor_free(&wide);
+  if (st != STATUS_OK) return st;
+  st = tensor_clone(y, &moved, x->dtype, x->device);
+  tensor_free(&moved);
+  return st;
+}
+
 static fsdpc_status_t convert_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   if (!x->requires_grad) return STATUS_OK;
   conv_t c = (conv_t)n->ints[0];
   fsdpc_tensor_t g;
-  FSDPC_TRY(move(n->user, &n->out->grad, conv_bwd[c][0], conv_bwd[c][1], &g));
+  FSDPC_TRY(
+      move_in(n->user, &n->out->grad, conv_bwd[c][0], conv_bwd[c][1], (dtype_t)n->ints[1], &g));
   return nn_accumulate_grad(x, &g);
 }
 
@@ -123,7 +141,7 @@ static fsdpc_status_t convert(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, con
                  .in = {x},
                  .out = *out,
                  .user = t->mesh,
-                 .ints = {c, 0}};
+                 .ints = {c, t->reduce_dtype}};
   return nn_record(ctx, &n);
 }
 
@@ -275,9 +293,15 @@ static fsdpc_status_t sum_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kin
     }
     if (kind != NN_HOOK_POST_BACKWARD) continue;
     if (has) {
-      fsdpc_tensor_t *g = &p->compute_grad;
-      st = pg_all_reduce(mesh_group(t->mesh, 0), g->data, g->data, (size_t)tensor_numel(g),
-                         g->dtype, REDUCE_SUM, NULL);
+      fsdpc_tensor_t *g = &p->compute_grad, wide = {0};
+      bool cast = t->reduce_dtype != DTYPE_COUNT && t->reduce_dtype != g->dtype;
+      if (cast) st = tensor_clone(&wide, g, t->reduce_dtype, g->device);
+      fsdpc_tensor_t *r = cast ? &wide : g;
+      if (st == STATUS_OK)
+        st = pg_all_reduce(mesh_group(t->mesh, 0), r->data, r->data, (size_t)tensor_numel(r),
+                           r->dtype, REDUCE_SUM, NULL);
+      if (st == STATUS_OK && cast) st = tensor_copy(g, &wide);
+      tensor_free(&wide);
       if (st == STATUS_OK && stash->storage != NULL) st = kernel_axpy(g, 1.0f, stash);
       tensor_free(stash);
     } else if (stash->storage != NULL) {
@@ -393,6 +417,7 @@ static fsdpc_status_t visit(walk_t *w, nn_module_t *m) {
     tp_mod_t *t = &w->plan->mods[w->plan->n];
     t->m = m;
     t->mesh = w->mesh;
+    t->reduce_dtype = DTYPE_COUNT;
     FSDPC_TRY(setup(t, &w->rules[i], w->sp));
     w->plan->n++;
     FSDPC_TRY(nn_module_wrap_forward(m, wrapped, t));
@@ -462,3 +487,23 @@ void tp_free(tp_plan_t *tp) {
 }
 
 int tp_num_modules(const tp_plan_t *tp) { return tp ? tp->n : 0; }
+
+static bool at_or_under(const nn_module_t *m, const nn_module_t *under) {
+  for (; m != NULL; m = nn_module_parent(m))
+    if (m == under) return true;
+  return false;
+}
+
+fsdpc_status_t tp_set_reduce_dtype(tp_plan_t *tp, const nn_module_t *under, dtype_t dt) {
+  ARG_NONNULL(tp);
+  if (tp == NULL) return err_set(STATUS_EINVAL, "tp_set_reduce_dtype: no plan");
+  if (!dtype_is_float(dt))
+    return err_set(STATUS_EDTYPE, "tp_set_reduce_dtype: %s is not a floating-point dtype",
+                   dtype_name(dt));
+  for (int i = 0; i < tp->n; i++) {
+    tp_mod_t *t = &tp->mods[i];
+    if (t->reduce_dtype == DTYPE_COUNT && (under == NULL || at_or_under(t->m, under)))
+      t->reduce_dtype = dt;
+  }
+  return STATUS_OK;
+}

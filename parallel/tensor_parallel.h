@@ -126,6 +126,17 @@ void tp_free(tp_plan_t *tp);
 /* The number of modules the plan applies a style to. */
 int tp_num_modules(const tp_plan_t *tp);
 
+/* The dtype of the gradient reductions of the styled modules at or under `under` (NULL: every
+ * one) that have none yet: the backward all-reduces and reduce-scatters of the conversions
+ * (a colwise or prepare_input input's gradient, a sequence shard's) and the summed gradients
+ * of sequence_parallel and headwise norms (and a rowwise bias under sequence parallelism).
+ * Each such gradient is cast to dt, reduced, and cast back to its own dtype; without a call, it
+ * is reduced in its own dtype (the compute dtype). Forward reductions (a rowwise output's)
+ * stay in the activations' dtype. Call it as fully_shard is called, inner units first, with
+ * each unit's reduce dtype: a module keeps the first dtype that reaches it, its innermost
+ * unit's. fsdp-train (parallel_apply) does so with mp_policy.reduce_dtype. Local. */
+fsdpc_status_t tp_set_reduce_dtype(tp_plan_t *tp, const nn_module_t *under, dtype_t dt);
+
 #pragma GCC visibility pop
 #ifdef __cplusplus
 }

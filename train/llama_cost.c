@@ -195,36 +195,40 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
     }
   }
   /* tensor parallelism with the built-in Llama plan (docs/plan.md, "Tensor parallelism"): per
-   * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype */
+   * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype (es
+   * bytes); the backward's reductions, gradients, in the reduce dtype (rb bytes) */
   int T = p->par.tp;
   if (T > 1 && llama_plan_tp_is_builtin(&p->model, &p->par)) {
     const llama_config_t *mc = &p->model;
     double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
+    double rb = (double)dtype_size(n ? fsdp_reduce_dtype(groups[0]) : DTYPE_F32);
     double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
     double logits = (double)(p->batch_size * p->seq_len) * (double)mc->vocab_size / T;
     double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
+    /* reductions: forward, the embedding's and the rowwise outputs; backward, the inputs of
+     * prepare_input (two a block) and of the lm_head */
+    double fred = 1 + 2 * L * fwd, bred = 2 * L + 1;
     c.n_ag += (long long)A;
     c.ag += A * (T - 1) * logits * es; /* the lm_head output made whole */
     if (p->par.sequence_parallel) {
-      /* all-gather (n/T in) and reduce-scatter (n/T out) pairs: embedding, two prepare_input
-       * and two rowwise per block (forward and backward), lm_head input; norm-weight sums */
-      double pairs = 2 + 2 * L * (1 + fwd);
-      c.n_ag += (long long)(A * pairs);
-      c.n_rs += (long long)(A * pairs);
-      c.ag += A * pairs * (T - 1) * n / T * es;
-      c.rs += A * pairs * (T - 1) * n / T * es;
+      /* reduce-scatters (n/T out) for those; all-gathers (n/T in) of the prepare_input and
+       * lm_head inputs forward, of the embedding's and rowwise outputs' gradients backward;
+       * the norm weights' gradient sums */
+      double gathers = (2 * L * fwd + 1) + (1 + 2 * L);
+      c.n_ag += (long long)(A * gathers);
+      c.n_rs += (long long)(A * (fred + bred));
+      c.ag += A * gathers * (T - 1) * n / T * es;
+      c.rs += A * (fred * es + bred * rb) * (T - 1) * n / T;
       c.n_ar += (long long)(A * (2 * L + 1));
-      c.ar += A * (2 * L + 1) * (double)(2 * (T - 1) * (mc->dim * (int64_t)es) / T);
+      c.ar += A * (2 * L + 1) * (double)(2 * (T - 1) * (mc->dim * (int64_t)rb) / T);
     } else {
-      /* all-reduces of n: embedding and rowwise outputs (forward), prepare_input and lm_head
-       * inputs (backward) */
-      double k = 2 + 2 * L * (1 + fwd);
-      c.n_ar += (long long)(A * k);
-      c.ar += A * k * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T);
+      c.n_ar += (long long)(A * (fred + bred));
+      c.ar += A * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T) * fred +
+              A * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)rb) / T) * bred;
     }
     if (mc->qk_norm) { /* Qwen3's headwise q_norm and k_norm: their weights' sums */
       c.n_ar += (long long)(A * 2 * L);
-      c.ar += A * 2 * L * (double)(2 * (T - 1) * (llama_head_dim(mc) * (int64_t)es) / T);
+      c.ar += A * 2 * L * (double)(2 * (T - 1) * (llama_head_dim(mc) * (int64_t)rb) / T);
     }
   }
   return c;

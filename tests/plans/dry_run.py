@@ -182,6 +182,35 @@ def state_dtype():
           "optim.state_dtype=f16 is refused by name")
 
 
+def tp_reduce_dtype():
+    """bf16 parameters with f32 reduction under tensor parallelism: the backward's reductions
+    on tp run in f32 (the forward's in bf16): a real step's communication equals --dry-run's
+    closed form exactly, with and without sequence parallelism (tp.yaml) and with Qwen3's
+    headwise norms (qwen3-tp.yaml: FSDP 2 x TP 2), and the f32 reduction moves more bytes than
+    a bf16 one."""
+    tmp = mkdtemp()
+    mp = ["--set", "parallelize.fully_shard.mp_policy.param_dtype=bf16"]
+    for name, n, extra in (("tp", 2, []),
+                           ("tp", 2, ["--set", "parallelize.tensor_parallel.sequence_parallel=false"]),
+                           ("qwen3-tp", 4, [])):
+        plan = os.path.join(ROOT, "configs", name + ".yaml")
+        got = {}
+        for rd in ("f32", "bf16"):
+            sets = mp + extra + ["--set", "parallelize.fully_shard.mp_policy.reduce_dtype=" + rd]
+            d, _ = run(n, [plan, "--dry-run"] + sets)
+            est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
+            metrics = os.path.join(tmp, "%s-%d-%s.jsonl" % (name, len(extra), rd))
+            p, _ = run(n, [plan, "--set", "train.steps=2", "--metrics", metrics] + sets)
+            m = losses(metrics) if p.returncode == 0 else []
+            got[rd] = (m[-1]["comm_bytes"] if m else -1, int(est.group(1)) if est else -2)
+        what = "%s%s, bf16 parameters" % (name, " without sequence parallelism" if extra else "")
+        for rd in ("f32", "bf16"):
+            check(got[rd][0] == got[rd][1], "%s, %s reduction: communication %d B per step, "
+                  "estimated %d B" % (what, rd, got[rd][0], got[rd][1]))
+        check(got["f32"][0] > got["bf16"][0], "%s: f32 reduction moves %d B, bf16 %d B"
+              % (what, got["f32"][0], got["bf16"][0]))
+
+
 def messages():
     """What the header says and the hints a mistaken path gets: activation checkpointing,
     offload on the CPU, the optimizer and its groups (set by --set with a quoted key), a global
