@@ -10,6 +10,18 @@
 #include "core/file.h"
 #include "checkpoint/safetensors.h"
 
+/* Whether a stored tensor of shape fs holds the model's shape ms in the same row-major bytes
+ * with ms's trailing dimensions merged (a model's [in, 3, out] for a file's [in, 3 out], its
+ * [3, out] for [3 out]; GPT-2's c_attn): equal leading dimensions, then equal products. */
+static bool merged_layout(int fn, const int64_t *fs, int mn, const int64_t *ms) {
+  if (fn < 1 || mn <= fn) return false;
+  for (int d = 0; d + 1 < fn; d++)
+    if (fs[d] != ms[d]) return false;
+  int64_t rest = 1;
+  for (int d = fn - 1; d < mn; d++) rest *= ms[d];
+  return rest == fs[fn - 1];
+}
+
 static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p) {
   const st_info_t *t = st_find(f, p->fqn);
   if (t == NULL) return err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", st_path(f), p->fqn);
@@ -17,7 +29,8 @@ static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p) {
   const int64_t *shape = dtensor_shape(p->value);
   bool same = t->ndim == nd;
   for (int d = 0; same && d < nd; d++) same = t->shape[d] == shape[d];
-  if (!same) {
+  bool merged = !same && merged_layout(t->ndim, t->shape, nd, shape);
+  if (!same && !merged) {
     char a[96], b[96];
     return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, the model expects %s", st_path(f),
                    p->fqn, tensor_shape_str(t->ndim, t->shape, a, sizeof a),
@@ -27,7 +40,8 @@ static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p) {
   dtensor_offset(p->value, off);
   fsdpc_tensor_t dst;
   FSDPC_TRY(tensor_ref(&dst, dtensor_local(p->value)));
-  fsdpc_status_t st = st_read_box(f, p->fqn, off, &dst);
+  fsdpc_status_t st =
+      merged ? st_read_box_as(f, p->fqn, nd, shape, off, &dst) : st_read_box(f, p->fqn, off, &dst);
   tensor_free(&dst);
   return st;
 }

@@ -363,16 +363,34 @@ size_t st_read_cached(st_file_t *f, const char *name, uint64_t pos, void *buf, s
 
 fsdpc_status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset,
                            fsdpc_tensor_t *dst) {
+  return st_read_box_as(f, name, -1, NULL, offset, dst);
+}
+
+fsdpc_status_t st_read_box_as(st_file_t *f, const char *name, int as_ndim, const int64_t *as_shape,
+                              const int64_t *offset, fsdpc_tensor_t *dst) {
   ARG_NONNULL(f);
   ARG_NONNULL(name);
   ARG_NONNULL(offset);
   ARG_NONNULL(dst);
-  const st_info_t *t;
-  FSDPC_TRY(find_or_fail(f, name, &t));
+  const st_info_t *info;
+  FSDPC_TRY(find_or_fail(f, name, &info));
+  st_info_t view = *info; /* the tensor as read: its own shape, or as_shape */
+  const st_info_t *t = &view;
+  char a[96], b[96];
+  if (as_shape != NULL) {
+    int64_t n = 1;
+    for (int d = 0; d < as_ndim; d++) n *= as_shape[d];
+    if (as_ndim < 0 || as_ndim > ST_MAX_DIMS ||
+        (uint64_t)n * info->elem_size != info->end - info->begin)
+      return err_set(STATUS_ESHAPE, "%s: tensor '%s' of shape %s cannot be read as %s", f->path,
+                     name, tensor_shape_str(info->ndim, info->shape, a, sizeof a),
+                     tensor_shape_str(as_ndim, as_shape, b, sizeof b));
+    view.ndim = as_ndim;
+    memcpy(view.shape, as_shape, sizeof(int64_t) * (size_t)as_ndim);
+  }
   if (t->dtype == DTYPE_COUNT)
     return err_set(STATUS_EDTYPE, "%s: tensor '%s' has dtype %s, which tensors cannot hold",
                    f->path, name, t->dtype_name);
-  char a[96], b[96];
   if (t->ndim != dst->ndim && !(t->ndim == 0 && dst->ndim == 1 && dst->shape[0] == 1))
     return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, destination %s", f->path, name,
                    tensor_shape_str(t->ndim, t->shape, a, sizeof a),

@@ -70,6 +70,10 @@ fsdpc_status_t st_read(st_file_t *f, const char *name, fsdpc_tensor_t *dst);
  * reading only the rows of the box from the file. */
 fsdpc_status_t st_read_box(st_file_t *f, const char *name, const int64_t *offset,
                            fsdpc_tensor_t *dst);
+/* The same, the stored tensor read as if of shape as_shape (as_ndim dimensions, the same
+ * number of elements: its row-major bytes reinterpreted, as a view would). */
+fsdpc_status_t st_read_box_as(st_file_t *f, const char *name, int as_ndim, const int64_t *as_shape,
+                              const int64_t *offset, fsdpc_tensor_t *dst);
 
 /* Tensor data bytes read from the file so far; the bytes before the data (length + header). */
 uint64_t st_bytes_read(const st_file_t *f);

@@ -9,11 +9,30 @@
 
 /* ---- linear ---- */
 
-/* The backward of y = x @ w^T (ints[0] 0: w [out, in]) or y = x @ w (ints[0] 1: w [in, out]). */
+/* w as the matrix a product takes: itself, or with io [in, out...] as [in, prod(out...)] (a
+ * fused projection stored [in, k, out / k], as GPT-2's c_attn, so that tensor parallelism
+ * splits each of its k parts). A view: free it. */
+static fsdpc_status_t matrix_of(const fsdpc_tensor_t *w, fsdpc_tensor_t *out) {
+  if (w->ndim <= 2) return tensor_ref(out, w);
+  int64_t shape[2] = {w->shape[0], w->shape[0] ? tensor_numel(w) / w->shape[0] : 0};
+  return tensor_view(out, w, 2, shape);
+}
+
+/* The backward of y = x @ w^T (ints[0] 0: w [out, in]) or y = x @ w (ints[0] 1: w [in, out...]). */
+static fsdpc_status_t linear_backward_matrix(nn_node_t *n, const fsdpc_tensor_t *w);
+
 static fsdpc_status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
+  fsdpc_tensor_t w;
+  FSDPC_TRY(matrix_of(&n->param->compute, &w));
+  fsdpc_status_t st = linear_backward_matrix(n, &w);
+  tensor_free(&w);
+  return st;
+}
+
+static fsdpc_status_t linear_backward_matrix(nn_node_t *n, const fsdpc_tensor_t *w) {
   nn_var_t *x = n->in[0];
-  const fsdpc_tensor_t *dy = &n->out->grad, *w = &n->param->compute;
+  const fsdpc_tensor_t *dy = &n->out->grad;
   bool io = n->ints[0] != 0;
   fsdpc_tensor_t *into = NULL;
   if (x->requires_grad) FSDPC_TRY(nn_grad_to_add_into(x, &into));
@@ -30,10 +49,13 @@ static fsdpc_status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
     FSDPC_TRY(nn_accumulate_grad(x, &dx));
   }
   if (n->param->requires_grad) {
-    fsdpc_tensor_t dw;
-    FSDPC_TRY(ops_alloc_like(&dw, w));
-    fsdpc_status_t st = io ? kernel_matmul(&dw, &x->value, true, dy, false, 1.0f, 0.0f)
-                           : kernel_matmul(&dw, dy, true, &x->value, false, 1.0f, 0.0f);
+    fsdpc_tensor_t dw, dwm;
+    FSDPC_TRY(ops_alloc_like(&dw, &n->param->compute)); /* the parameter's shape */
+    fsdpc_status_t st = matrix_of(&dw, &dwm);
+    if (st == STATUS_OK)
+      st = io ? kernel_matmul(&dwm, &x->value, true, dy, false, 1.0f, 0.0f)
+              : kernel_matmul(&dwm, dy, true, &x->value, false, 1.0f, 0.0f);
+    tensor_free(&dwm);
     if (st != STATUS_OK) {
       tensor_free(&dw);
       return st;
@@ -43,9 +65,32 @@ static fsdpc_status_t linear_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return STATUS_OK;
 }
 
-/* y = x @ w^T (w [out, in]), or with io y = x @ w (w [in, out]). */
+/* y = x @ w^T (w [out, in]), or with io y = x @ w (w [in, out...], its trailing dims taken as
+ * one). */
+static fsdpc_status_t linear_matrix(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w,
+                                    const fsdpc_tensor_t *W, bool io, nn_var_t **out);
+
 static fsdpc_status_t linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, bool io, nn_var_t **out) {
-  const fsdpc_tensor_t *W = &w->compute;
+  const fsdpc_tensor_t *C = &w->compute;
+  if (!io && C->ndim != 2) {
+    char b[96];
+    return err_set(STATUS_ESHAPE, "nn_linear (%s): weight %s is not a matrix", w->fqn,
+                   tensor_shape_str(C->ndim, C->shape, b, sizeof b));
+  }
+  if (C->ndim < 2) {
+    char b[96];
+    return err_set(STATUS_ESHAPE, "nn_linear_io (%s): weight %s has fewer than two dimensions",
+                   w->fqn, tensor_shape_str(C->ndim, C->shape, b, sizeof b));
+  }
+  fsdpc_tensor_t W;
+  FSDPC_TRY(matrix_of(C, &W));
+  fsdpc_status_t st = linear_matrix(ctx, x, w, &W, io, out);
+  tensor_free(&W);
+  return st;
+}
+
+static fsdpc_status_t linear_matrix(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w,
+                                    const fsdpc_tensor_t *W, bool io, nn_var_t **out) {
   int in = io ? 0 : 1;
   if (W->ndim != 2 || x->value.ndim < 1 || x->value.shape[x->value.ndim - 1] != W->shape[in]) {
     char a[96], b[96];

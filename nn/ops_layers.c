@@ -51,6 +51,14 @@ static int64_t last_of(const fsdpc_tensor_t *t) { return t->ndim ? t->shape[t->n
 
 /* ---- bias ---- */
 
+/* b as the row vector the kernels take: a bias of several dimensions (GPT-2's c_attn's [3, dim],
+ * one part of its output each) as one of its numel. A view: free it. */
+static fsdpc_status_t vector_of(const fsdpc_tensor_t *b, fsdpc_tensor_t *out) {
+  if (b->ndim <= 1) return tensor_ref(out, b);
+  int64_t n = tensor_numel(b);
+  return tensor_view(out, b, 1, &n);
+}
+
 static fsdpc_status_t bias_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
@@ -60,9 +68,11 @@ static fsdpc_status_t bias_backward(nn_ctx_t *ctx, nn_node_t *n) {
     FSDPC_TRY(nn_accumulate_grad(x, &dx));
   }
   if (!n->param->requires_grad) return STATUS_OK;
-  fsdpc_tensor_t db;
-  FSDPC_TRY(ops_zeros_like(&db, &n->param->compute));
-  fsdpc_status_t st = kernel_bias_backward(&db, &n->out->grad);
+  fsdpc_tensor_t db, row;
+  FSDPC_TRY(ops_zeros_like(&db, &n->param->compute)); /* the parameter's shape */
+  fsdpc_status_t st = vector_of(&db, &row);
+  if (st == STATUS_OK) st = kernel_bias_backward(&row, &n->out->grad);
+  tensor_free(&row);
   if (st != STATUS_OK) {
     tensor_free(&db);
     return st;
@@ -72,19 +82,21 @@ static fsdpc_status_t bias_backward(nn_ctx_t *ctx, nn_node_t *n) {
 
 static fsdpc_status_t bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **out) {
   const fsdpc_tensor_t *B = &b->compute;
-  if (B->ndim != 1 || x->value.ndim < 1 || last_of(&x->value) != B->shape[0]) {
+  if (B->ndim < 1 || x->value.ndim < 1 || last_of(&x->value) != tensor_numel(B)) {
     char a[96], c[96];
     return err_set(STATUS_ESHAPE, "nn_bias_add (%s): input %s does not end with the bias's %s",
                    b->fqn, tensor_shape_str(x->value.ndim, x->value.shape, a, sizeof a),
                    tensor_shape_str(B->ndim, B->shape, c, sizeof c));
   }
-  fsdpc_tensor_t y;
-  FSDPC_TRY(ops_alloc_like(&y, &x->value));
-  fsdpc_status_t st = kernel_bias_add(&y, &x->value, B);
-  if (st != STATUS_OK) {
-    tensor_free(&y);
-    return st;
+  fsdpc_tensor_t y, row;
+  FSDPC_TRY(vector_of(B, &row));
+  fsdpc_status_t st = ops_alloc_like(&y, &x->value);
+  if (st == STATUS_OK) {
+    st = kernel_bias_add(&y, &x->value, &row);
+    if (st != STATUS_OK) tensor_free(&y);
   }
+  tensor_free(&row);
+  if (st != STATUS_OK) return st;
   nn_node_t n = {.backward = bias_backward, .name = "bias_add", .in = {x}, .param = b};
   return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, b), &y, out);
 }

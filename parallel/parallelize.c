@@ -242,8 +242,8 @@ void parallel_free(parallel_t *par) {
 /* ---- offline placements ---- */
 
 fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
-                                         const char *kind, int *mesh_ndim, int *mesh_shape,
-                                         placement_t *pl) {
+                                         const char *kind, int ndim, int *mesh_ndim,
+                                         int *mesh_shape, placement_t *pl) {
   ARG_NONNULL(pp);
   ARG_NONNULL(fqn);
   ARG_NONNULL(mesh_ndim);
@@ -271,7 +271,7 @@ fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *
                        "parameter %s: tensor-parallel rule '%s' matches module '%s', whose kind "
                        "is not known",
                        fqn, rules[i].pattern, dot ? module : "");
-      fsdpc_status_t st = tp_param_placement(rules[i].style, kind, dot ? dot + 1 : fqn, &tpl);
+      fsdpc_status_t st = tp_param_placement(rules[i].style, kind, dot ? dot + 1 : fqn, ndim, &tpl);
       if (st != STATUS_OK)
         return err_prefix(st, "parameter %s (tensor-parallel rule '%s')", fqn, rules[i].pattern);
     }

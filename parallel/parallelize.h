@@ -67,11 +67,12 @@ const tp_plan_t *parallel_tp(const parallel_t *par);
  * Shard(0) over dp_shard (strided when tp also splits dim 0), Replicate over dp_replicate.
  * kind is the kind of the module holding the parameter (nn_module_kind: "linear",
  * "embedding", a norm's; NULL when not known), needed only where a tensor-parallel rule
- * matches that module (the module's FQN is fqn without its last component). Offline tools
+ * matches that module (the module's FQN is fqn without its last component); ndim is the
+ * parameter's number of dimensions. Offline tools
  * lay checkpoints out for a plan with it, with or without a model. Local. */
 fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
-                                         const char *kind, int *mesh_ndim, int *mesh_shape,
-                                         placement_t *pl);
+                                         const char *kind, int ndim, int *mesh_ndim,
+                                         int *mesh_shape, placement_t *pl);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -339,7 +339,10 @@ static fsdpc_status_t place(nn_param_t *p, mesh_t *mesh, placement_t pl, const c
     return err_set(STATUS_ESHAPE,
                    "tensor parallel: %s: parameter %s has %lld %s, not divisible by tp=%d "
                    "(uneven tensor parallelism is not supported)",
-                   module, p->fqn, (long long)full->shape[pl.dim], pl.dim == 0 ? "rows" : "columns",
+                   module, p->fqn, (long long)full->shape[pl.dim],
+                   pl.dim == 0                ? "rows"
+                   : pl.dim == full->ndim - 1 ? "columns"
+                                              : "entries in a dimension",
                    W);
   dtensor_t *dt;
   FSDPC_TRY(dtensor_distribute(full, mesh, &pl, DTENSOR_ALL_RANKS, &dt));
@@ -357,8 +360,10 @@ static fsdpc_status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
   t->w = has_params ? nn_module_param_named(t->m, "weight") : NULL;
   t->b = has_params ? nn_module_param_named(t->m, "bias") : NULL;
   placement_t pl, bpl = placement_replicate();
-  fsdpc_status_t st = tp_param_placement(r->style, kind, "weight", &pl);
-  if (st == STATUS_OK && t->b != NULL) st = tp_param_placement(r->style, kind, "bias", &bpl);
+  fsdpc_status_t st =
+      tp_param_placement(r->style, kind, "weight", t->w ? dtensor_ndim(t->w->value) : 2, &pl);
+  if (st == STATUS_OK && t->b != NULL)
+    st = tp_param_placement(r->style, kind, "bias", dtensor_ndim(t->b->value), &bpl);
   if (st != STATUS_OK) return err_prefix(STATUS_EINVAL, "tensor parallel: %s", fqn);
   if (t->w == NULL && has_params)
     return err_set(STATUS_EINVAL, "tensor parallel: %s has no weight", fqn);

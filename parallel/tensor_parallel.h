@@ -21,7 +21,9 @@
  *                                                    the weight's gradient is summed over tp
  *
  * A Conv1D (kind "conv1d": transformers' y = x W + b, W [in, out]) splits as a Linear does, on
- * the other dimension: colwise Shard(1), rowwise Shard(0).
+ * the other dimension: colwise Shard(1), rowwise Shard(0). A fused one stored [in, k, out / k]
+ * (GPT-2's c_attn: q, k and v) splits colwise on its last dimension, each rank taking its heads
+ * of all k parts.
  *
  * The model layout is Replicate, or Shard(1) (the sequence) under sequence parallelism,
  * where sequence_parallel norms run on sequence shards; without it they are left alone.
@@ -98,13 +100,14 @@ const char *tp_style_name(tp_style_t s);
 bool tp_layout_parse(const char *name, tp_layout_t *out);
 const char *tp_layout_name(tp_layout_t l);
 
-/* The placement on tp of parameter param ("weight" or "bias") of a layer of kind ("linear",
- * "conv1d", "embedding", "rmsnorm", "layernorm", NULL for a container) under style: weights
- * Shard(0) / Shard(1) as the table above; a colwise linear's bias Shard(0) (it follows the output
- * features), a rowwise one's Replicate (added once, to the reduced output); Replicate for norms
- * (sequence_parallel, headwise) and prepare_input. Errors when the style does not apply to the
- * kind. */
-fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
+/* The placement on tp of parameter param ("weight" or "bias", of ndim dimensions) of a layer of
+ * kind ("linear", "conv1d", "embedding", "rmsnorm", "layernorm", NULL for a container) under
+ * style: weights Shard(0) / Shard(1) as the table above (a conv1d's fused [in, k, out / k]
+ * colwise on its last dimension, so each of its k parts splits alike); a colwise bias on its
+ * last dimension (it follows the output features), a rowwise one Replicate (added once, to the
+ * reduced output); Replicate for norms (sequence_parallel, headwise) and prepare_input. Errors
+ * when the style does not apply to the kind or the number of dimensions. */
+fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char *param, int ndim,
                                   placement_t *out);
 
 /* The rule a module of this FQN takes: the index of the first rule whose pattern matches, or

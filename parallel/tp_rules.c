@@ -56,7 +56,7 @@ static bool is_norm(const char *kind) {
   return kind && (strcmp(kind, "rmsnorm") == 0 || strcmp(kind, "layernorm") == 0);
 }
 
-fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char *param,
+fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char *param, int ndim,
                                   placement_t *out) {
   ARG_NONNULL(param);
   ARG_NONNULL(out);
@@ -73,9 +73,16 @@ fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char
       if (bias && emb)
         return err_set(STATUS_EINVAL, "%s: an embedding with a bias is not supported",
                        tp_style_name(style));
-      /* a colwise bias follows the output features; a rowwise one is added whole */
-      if (bias) *out = style == TP_COLWISE ? placement_shard(0) : placement_replicate();
-      if (!bias) *out = placement_shard((style == TP_COLWISE) == (emb || conv1d) ? 1 : 0);
+      if (ndim < 1 || (!bias && ndim < 2) || (!conv1d && ndim > (bias ? 1 : 2)))
+        return err_set(STATUS_ESHAPE, "%s: a %s %s of %d dimensions is not supported",
+                       tp_style_name(style), kind, bias ? "bias" : "weight", ndim);
+      /* a colwise bias follows the output features (the last dimension: a conv1d's fused
+       * [k, out / k] too); a rowwise one is added whole */
+      if (bias) *out = style == TP_COLWISE ? placement_shard(ndim - 1) : placement_replicate();
+      /* weights: a linear's [out, in], an embedding's [vocab, dim], a conv1d's [in, out...]
+       * (its output features last) */
+      if (!bias && style == TP_COLWISE) *out = placement_shard(linear ? 0 : ndim - 1);
+      if (!bias && style == TP_ROWWISE) *out = placement_shard(linear ? 1 : 0);
       return STATUS_OK;
     case TP_SEQUENCE_PARALLEL:
     case TP_HEADWISE:

@@ -30,6 +30,7 @@
 #include "core/file.h"
 #include "mesh/world.h"
 #include "models/llama/llama.h"
+#include "models/llama/llama_plan.h"
 #include "parallel/parallelize.h"
 #include "train/hf_convert.h"
 #include "train/plan.h"
@@ -336,7 +337,7 @@ static fsdpc_status_t target_placements(void *ctx, const char *param, int ndim, 
   } else {
     kind = ndim == 1 ? "layernorm" : "module";
   }
-  return parallel_param_placements(&k->plan->par, param, kind, mesh_ndim, mesh_shape, pl);
+  return parallel_param_placements(&k->plan->par, param, kind, ndim, mesh_ndim, mesh_shape, pl);
 }
 
 /* Prints, for each folder of a checkpoint, that what is read from it is unchecked. */
@@ -400,8 +401,8 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
   if (access(state, F_OK) != 0)
     return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
   FSDPC_TRY(ckpt_recorded_config(dir, &config));
-  bool llama = config && hf_config_is_llama(config);
-  /* the built-in Llama: the checkpoint records its model; a plan that states one must state
+  bool llama = config && hf_config_is_family(config);
+  /* a model fsdp-train builds: the checkpoint records it; a plan that states one must state
    * the same, or nothing would load. Any other model: the plan's mesh and parallelize
    * sections alone. The data and training sections are not read. */
   fsdpc_status_t st = STATUS_OK;
@@ -409,9 +410,10 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
     char why[128];
     llama_config_t saved;
     st = llama_config_from_hf_text(config, dir, &saved);
-    if (st == STATUS_OK && !p.model_given)
-      p.model = saved;
-    else if (st == STATUS_OK && !llama_config_same_params(&saved, &p.model, why, sizeof why))
+    if (st == STATUS_OK && !p.model_given) {
+      p.model = saved; /* and its architecture's built-in tensor-parallel rules */
+      if (!p.par.tp_plan_given) st = llama_plan_fill_tp_rules(&p.model, &p.par);
+    } else if (st == STATUS_OK && !llama_config_same_params(&saved, &p.model, why, sizeof why))
       st = err_set(STATUS_EINVAL,
                    "%s: the checkpoint's model differs from the model of %s (%s: saved vs "
                    "planned; leave the model section out to take the checkpoint's)",

@@ -45,6 +45,15 @@ static bool is_llama(const cJSON *config) {
          arch != LLAMA_ARCH_GPT2;
 }
 
+bool hf_config_is_family(const char *json) {
+  cJSON *o = json ? cJSON_Parse(json) : NULL;
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(o, "model_type");
+  llama_arch_t arch;
+  bool yes = cJSON_IsString(t) && llama_arch_from_name(t->valuestring, &arch);
+  cJSON_Delete(o);
+  return yes;
+}
+
 bool hf_config_is_llama(const char *json) {
   cJSON *o = json ? cJSON_Parse(json) : NULL;
   bool yes = is_llama(o);
@@ -152,16 +161,34 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
   return st;
 }
 
+/* The architecture of the built-in family a config.json names (model_type), else
+ * LLAMA_ARCH_COUNT. */
+static fsdpc_status_t arch_of_config(const char *path, llama_arch_t *out) {
+  *out = LLAMA_ARCH_COUNT;
+  char *text;
+  FSDPC_TRY(file_read_text(path, FILE_TEXT_MAX, &text));
+  cJSON *c = cJSON_Parse(text);
+  free(text);
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(c, "model_type");
+  llama_arch_t a;
+  if (cJSON_IsString(t) && llama_arch_from_name(t->valuestring, &a)) *out = a;
+  cJSON_Delete(c);
+  return STATUS_OK;
+}
+
 /* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
- * time. */
+ * time, each in the shape Hugging Face's files give it (llama_hf_shape). */
 static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int first,
-                                  int last, dtype_t want, const char *path, mesh_t *one) {
+                                  int last, dtype_t want, const char *path, mesh_t *one,
+                                  llama_arch_t arch) {
   st_writer_t *w;
   FSDPC_TRY(st_writer_new(&w));
   fsdpc_status_t st = st_writer_set_metadata(w, "format", "pt");
-  for (int i = first; i < last && st == STATUS_OK; i++)
-    st = st_writer_declare(w, t[i]->name, want == DTYPE_COUNT ? t[i]->dtype : want, t[i]->ndim,
-                           t[i]->shape);
+  int64_t hs[ST_MAX_DIMS + 1];
+  for (int i = first; i < last && st == STATUS_OK; i++) {
+    int hn = llama_hf_shape(arch, t[i]->name, t[i]->ndim, t[i]->shape, true, hs);
+    st = st_writer_declare(w, t[i]->name, want == DTYPE_COUNT ? t[i]->dtype : want, hn, hs);
+  }
   if (st == STATUS_OK) st = st_writer_begin(w, path);
   placement_t rep = placement_replicate();
   for (int i = first; i < last && st == STATUS_OK; i++) {
@@ -177,7 +204,11 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
       st = tensor_clone(&conv, &full, want, device_cpu());
       src = &conv;
     }
-    if (st == STATUS_OK) st = st_writer_write(w, t[i]->name, src);
+    fsdpc_tensor_t as = {0}; /* the tensor in Hugging Face's shape: a view */
+    int hn = llama_hf_shape(arch, t[i]->name, t[i]->ndim, t[i]->shape, true, hs);
+    if (st == STATUS_OK) st = tensor_view(&as, src, hn, hs);
+    if (st == STATUS_OK) st = st_writer_write(w, t[i]->name, &as);
+    tensor_free(&as);
     tensor_free(&conv);
     dtensor_free(dt);
     tensor_free(&full);
@@ -216,6 +247,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   const dcp_tensor_t **t = NULL;
   mesh_t *one = NULL;
   cJSON *index = NULL;
+  llama_arch_t arch = LLAMA_ARCH_COUNT; /* the family's architecture, whose shapes may differ */
   fsdpc_status_t st = dcp_reader_list(r, &list, &n);
   if (st == STATUS_OK && (t = malloc(sizeof *t * (size_t)(n ? n : 1))) == NULL)
     st = err_set(STATUS_ENOMEM, "out of host memory");
@@ -233,6 +265,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     snprintf(path, sizeof path, "%.4000s/config.json", tmp);
     dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
     st = export_config(dir, o, cd, path);
+    if (st == STATUS_OK) st = arch_of_config(path, &arch);
   }
   /* files: consecutive tensors up to max_shard_bytes each (a larger tensor gets its own) */
   int *start = st == STATUS_OK ? calloc((size_t)n + 2, sizeof(int)) : NULL;
@@ -263,7 +296,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     else
       snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", f + 1, files);
     snprintf(path, sizeof path, "%.4000s/%s", tmp, name);
-    st = export_file(r, t, start[f], start[f + 1], o->dtype, path, one);
+    st = export_file(r, t, start[f], start[f + 1], o->dtype, path, one, arch);
     for (int i = start[f]; index && i < start[f + 1]; i++)
       cJSON_AddStringToObject(cJSON_GetObjectItemCaseSensitive(index, "weight_map"), t[i]->name,
                               name);
@@ -345,7 +378,7 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
  * tensors whole, with the integrity records of a save of its own (folder: every file's name,
  * and the save's id). */
 static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char *model,
-                                   const dcp_folder_t *folder) {
+                                   const dcp_folder_t *folder, llama_arch_t arch) {
   char from[PATH_LEN + 300], to[PATH_LEN + 300];
   snprintf(from, sizeof from, "%.4000s/%s", hf, name);
   snprintf(to, sizeof to, "%.4000s/%s", model, name);
@@ -360,9 +393,15 @@ static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char 
     if (info->dtype == DTYPE_COUNT)
       st = err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s, which is not read here", from,
                    info->name, info->dtype_name);
+    fsdpc_tensor_t whole = {0};
     if (st == STATUS_OK)
-      st = tensor_init(&t[i], info->dtype, device_cpu(), info->ndim, info->shape);
-    if (st == STATUS_OK) st = st_read(f, info->name, &t[i]);
+      st = tensor_init(&whole, info->dtype, device_cpu(), info->ndim, info->shape);
+    if (st == STATUS_OK) st = st_read(f, info->name, &whole);
+    /* kept in the model's shape (GPT-2's c_attn: q, k and v each a dimension) */
+    int64_t ms[ST_MAX_DIMS + 1];
+    int mn = llama_hf_shape(arch, info->name, info->ndim, info->shape, false, ms);
+    if (st == STATUS_OK) st = tensor_view(&t[i], &whole, mn, ms);
+    tensor_free(&whole);
     boxes[i] = (dcp_box_t){info->name, &t[i], {0}};
   }
   if (st == STATUS_OK) st = dcp_write_file(to, boxes, n, folder);
@@ -409,7 +448,11 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   if (st == STATUS_OK) st = hf_weight_files(hf, &names, &n);
   uint64_t id = dcp_new_save_id();
   dcp_folder_t folder = {(const char *const *)names, n, id};
-  for (int i = 0; i < n && st == STATUS_OK; i++) st = rewrite_file(hf, names[i], model, &folder);
+  llama_arch_t arch = LLAMA_ARCH_COUNT;
+  const cJSON *mt = cJSON_GetObjectItemCaseSensitive(cfg, "model_type");
+  if (!cJSON_IsString(mt) || !llama_arch_from_name(mt->valuestring, &arch)) arch = LLAMA_ARCH_COUNT;
+  for (int i = 0; i < n && st == STATUS_OK; i++)
+    st = rewrite_file(hf, names[i], model, &folder, arch);
   cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
   cJSON_AddNumberToObject(state, "step", 0);
   cJSON_AddNumberToObject(state, "optim_steps", 0);

@@ -60,9 +60,11 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
  * recorded or dir is not a training checkpoint). */
 fsdpc_status_t ckpt_recorded_config(const char *dir, char **out);
 
-/* Whether a Hugging Face config (JSON text) is of the built-in family: model_type "llama",
- * "qwen2" or "qwen3". */
+/* Whether a Hugging Face config (JSON text) is of the built-in family whose files are checked
+ * and rewritten on import: model_type "llama", "qwen2" or "qwen3". */
 bool hf_config_is_llama(const char *json);
+/* Whether it is of an architecture fsdp-train builds (those and "gpt2"). */
+bool hf_config_is_family(const char *json);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

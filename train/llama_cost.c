@@ -205,22 +205,26 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
     double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
     double logits = (double)(p->batch_size * p->seq_len) * (double)mc->vocab_size / T;
     double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
-    /* reductions: forward, the embedding's and the rowwise outputs; backward, the inputs of
-     * prepare_input (two a block) and of the lm_head */
-    double fred = 1 + 2 * L * fwd, bred = 2 * L + 1;
+    bool gpt2 = mc->arch == LLAMA_ARCH_GPT2;
+    /* reductions: forward, the embeddings' (GPT-2's tokens and positions) and the rowwise
+     * outputs; backward, the inputs of prepare_input (two a block) and of the lm_head */
+    double embs = gpt2 ? 2 : 1, fred = embs + 2 * L * fwd, bred = 2 * L + 1;
+    /* under sequence parallelism, gradients summed over tp: every norm's weight (and a
+     * LayerNorm's bias), and the biases of rowwise layers (GPT-2's two c_proj, an o_proj's) */
+    double sums = (2 * L + 1) * (gpt2 ? 2 : 1) + L * (gpt2 ? 2 : mc->o_bias ? 1 : 0);
     c.n_ag += (long long)A;
     c.ag += A * (T - 1) * logits * es; /* the lm_head output made whole */
     if (p->par.sequence_parallel) {
       /* reduce-scatters (n/T out) for those; all-gathers (n/T in) of the prepare_input and
        * lm_head inputs forward, of the embedding's and rowwise outputs' gradients backward;
        * the norm weights' gradient sums */
-      double gathers = (2 * L * fwd + 1) + (1 + 2 * L);
+      double gathers = (2 * L * fwd + 1) + (embs + 2 * L);
       c.n_ag += (long long)(A * gathers);
       c.n_rs += (long long)(A * (fred + bred));
       c.ag += A * gathers * (T - 1) * n / T * es;
       c.rs += A * (fred * es + bred * rb) * (T - 1) * n / T;
-      c.n_ar += (long long)(A * (2 * L + 1));
-      c.ar += A * (2 * L + 1) * (double)(2 * (T - 1) * (mc->dim * (int64_t)rb) / T);
+      c.n_ar += (long long)(A * sums);
+      c.ar += A * sums * (double)(2 * (T - 1) * (mc->dim * (int64_t)rb) / T);
     } else {
       c.n_ar += (long long)(A * (fred + bred));
       c.ar += A * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T) * fred +

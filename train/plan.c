@@ -652,12 +652,6 @@ fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
   ARG_NONNULL(p);
   FSDPC_TRY(parallel_plan_resolve(&p->par, world));
   FSDPC_TRY(resolve_global_batch(p));
-  if (p->par.tp > 1 && p->model.arch == LLAMA_ARCH_GPT2)
-    return err_set(STATUS_EUNSUPPORTED,
-                   "%s: mesh.tp: %d: tensor parallelism of gpt2 is not implemented (its fused "
-                   "c_attn must be split by head for q, k and v alike); use mesh.dp_shard and "
-                   "mesh.dp_replicate",
-                   p->par.mesh_where.text, p->par.tp);
   if (p->par.tp > 1) {
     const struct {
       const char *key;
@@ -671,9 +665,20 @@ fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
       if (split[i].v % p->par.tp != 0)
         return err_set(STATUS_EINVAL,
                        "%s: mesh.tp: %d does not divide model.%s=%lld (each tensor-parallel "
-                       "rank needs %s)",
+                       "rank needs %s%s)",
                        p->par.mesh_where.text, p->par.tp, split[i].key, (long long)split[i].v,
-                       split[i].why);
+                       split[i].why,
+                       i == 3 && p->model.arch == LLAMA_ARCH_GPT2
+                           ? "; GPT-2's 50257 tokens split under no tp: train a vocabulary "
+                             "padded to a multiple of 64, 50304, as llm.c and Megatron do"
+                           : "");
+    if (p->model.arch == LLAMA_ARCH_GPT2 && !p->par.tp_plan_given &&
+        p->model.max_seq_len % p->par.tp != 0)
+      return err_set(STATUS_EINVAL,
+                     "%s: mesh.tp: %d does not divide model.max_seq_len=%lld (the built-in "
+                     "GPT-2 plan splits the position table by rows, each tensor-parallel rank "
+                     "an equal slice)",
+                     p->par.mesh_where.text, p->par.tp, (long long)p->model.max_seq_len);
     if (p->par.sequence_parallel && p->seq_len % p->par.tp != 0)
       return err_set(STATUS_EINVAL,
                      "%s: data.seq_len: %lld is not divisible by mesh.tp=%d (sequence "

@@ -256,10 +256,8 @@ typedef struct builder {
   const llama_options_t *opt;
 } builder_t;
 
-static fsdpc_status_t add_param(builder_t *b, nn_module_t *m, const char *name, int64_t rows,
-                                int64_t cols, nn_param_t **out) {
-  int64_t shape[2] = {rows, cols};
-  int nd = cols > 0 ? 2 : 1;
+static fsdpc_status_t add_param_shaped(builder_t *b, nn_module_t *m, const char *name, int nd,
+                                       const int64_t *shape, nn_param_t **out) {
   fsdpc_tensor_t t;
   device_t dev = mesh_device(b->L->mesh);
   if (b->opt->deferred)
@@ -272,6 +270,12 @@ static fsdpc_status_t add_param(builder_t *b, nn_module_t *m, const char *name, 
   tensor_free(&t);
   FSDPC_TRY(st);
   return nn_module_add_param(m, name, dt, true, out);
+}
+
+static fsdpc_status_t add_param(builder_t *b, nn_module_t *m, const char *name, int64_t rows,
+                                int64_t cols, nn_param_t **out) {
+  int64_t shape[2] = {rows, cols};
+  return add_param_shaped(b, m, name, cols > 0 ? 2 : 1, shape, out);
 }
 
 /* A leaf module with a weight of [rows, cols] (cols 0: a vector) added to parent. */
@@ -353,7 +357,12 @@ static fsdpc_status_t build_gpt2_block(builder_t *b, nn_module_t *h, int64_t i) 
   b->L->layers[i] = blk;
   FSDPC_TRY(add_with_bias(b, blk, "ln_1", layernorm_forward, c->dim, 0));
   FSDPC_TRY(add_container(b, blk, "attn", gpt2_attention_forward, &attn));
-  FSDPC_TRY(add_with_bias(b, attn, "c_attn", conv1d_forward, c->dim, 3 * c->dim));
+  /* c_attn: weight [dim, 3, dim] and bias [3, dim], transformers' [dim, 3 dim] and [3 dim] with
+   * q, k and v each a dimension of its own, so that tensor parallelism splits each by head */
+  nn_module_t *qkv;
+  FSDPC_TRY(add_leaf(b, attn, "c_attn", conv1d_forward, 0, 0, &qkv));
+  FSDPC_TRY(add_param_shaped(b, qkv, "weight", 3, (const int64_t[]){c->dim, 3, c->dim}, NULL));
+  FSDPC_TRY(add_param_shaped(b, qkv, "bias", 2, (const int64_t[]){3, c->dim}, NULL));
   FSDPC_TRY(add_with_bias(b, attn, "c_proj", conv1d_forward, c->dim, c->dim));
   FSDPC_TRY(add_with_bias(b, blk, "ln_2", layernorm_forward, c->dim, 0));
   FSDPC_TRY(add_container(b, blk, "mlp", gpt2_mlp_forward, &mlp));

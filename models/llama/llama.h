@@ -86,6 +86,14 @@ typedef struct llama_config {
 const char *llama_arch_name(llama_arch_t arch);
 bool llama_arch_from_name(const char *model_type, llama_arch_t *out);
 
+/* The shape parameter fqn of arch has in Hugging Face's files (to_hf) or here (!to_hf), given
+ * its shape (ndim, shape) on the other side, into out; returns its number of dimensions. The
+ * same bytes either way: only GPT-2's c_attn differs, weight [dim, 3, dim] here and
+ * [dim, 3 dim] there, bias [3, dim] and [3 dim] (here q, k and v each a dimension of their own,
+ * for tensor parallelism to split by head). */
+int llama_hf_shape(llama_arch_t arch, const char *fqn, int ndim, const int64_t *shape, bool to_hf,
+                   int64_t *out);
+
 /* The size of an attention head: head_dim, or dim / n_heads when it is 0. */
 int64_t llama_head_dim(const llama_config_t *c);
 

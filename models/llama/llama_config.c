@@ -472,3 +472,25 @@ fsdpc_status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const 
   free(text);
   return st;
 }
+
+static bool ends_with(const char *s, const char *tail) {
+  size_t n = strlen(s), m = strlen(tail);
+  return n >= m && strcmp(s + n - m, tail) == 0;
+}
+
+int llama_hf_shape(llama_arch_t arch, const char *fqn, int ndim, const int64_t *shape, bool to_hf,
+                   int64_t *out) {
+  memcpy(out, shape, sizeof(int64_t) * (size_t)(ndim > 0 ? ndim : 0));
+  if (arch != LLAMA_ARCH_GPT2 || fqn == NULL) return ndim;
+  bool weight = ends_with(fqn, "attn.c_attn.weight"), bias = ends_with(fqn, "attn.c_attn.bias");
+  if (to_hf && ((weight && ndim == 3) || (bias && ndim == 2)) && shape[ndim - 2] == 3) {
+    out[ndim - 2] = 3 * shape[ndim - 1];
+    return ndim - 1;
+  }
+  if (!to_hf && ((weight && ndim == 2) || (bias && ndim == 1)) && shape[ndim - 1] % 3 == 0) {
+    out[ndim - 1] = 3;
+    out[ndim] = shape[ndim - 1] / 3;
+    return ndim + 1;
+  }
+  return ndim;
+}

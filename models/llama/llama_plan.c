@@ -28,8 +28,30 @@ static const tp_rule_t llama_plan[] = {
     {"model.layers.*.self_attn.k_norm", TP_HEADWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
 };
 
+/* GPT-2's, by transformers' names: both embeddings by rows (their Partial outputs summed),
+ * LayerNorms on sequence shards, c_attn (stored [dim, 3, dim]) and c_fc by columns, both c_proj
+ * by rows, the tied head by columns (the token embedding's rows: the same split). */
+static const tp_rule_t gpt2_plan[] = {
+    {"transformer.wte", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.wpe", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.h.*.ln_1", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.h.*.attn", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.h.*.attn.c_attn", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.h.*.attn.c_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.h.*.ln_2", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.h.*.mlp", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.h.*.mlp.c_fc", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.h.*.mlp.c_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"transformer.ln_f", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+    {"lm_head", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_REPLICATE},
+};
+
 int llama_plan_tp_rules(const llama_config_t *c, const tp_rule_t **rules) {
   if (rules == NULL) return 0;
+  if (c && c->arch == LLAMA_ARCH_GPT2) {
+    *rules = gpt2_plan;
+    return (int)(sizeof gpt2_plan / sizeof gpt2_plan[0]);
+  }
   *rules = llama_plan;
   return (int)(sizeof llama_plan / sizeof llama_plan[0]) - (c && c->qk_norm ? 0 : 2);
 }
@@ -42,7 +64,8 @@ fsdpc_status_t llama_plan_fill_tp_rules(const llama_config_t *c, parallel_plan_t
   for (int i = 0; i < n; i++)
     FSDPC_TRY(parallel_plan_add_tp_rule(pp, r[i].pattern, r[i].style, r[i].input, r[i].output));
   plan_where_t builtin;
-  snprintf(builtin.text, sizeof builtin.text, "%s: the built-in Llama plan", pp->source);
+  snprintf(builtin.text, sizeof builtin.text, "%s: the built-in %s plan", pp->source,
+           c && c->arch == LLAMA_ARCH_GPT2 ? "GPT-2" : "Llama");
   for (int i = 0; i < n; i++) pp->tp_rules[i].where = builtin;
   pp->tp_plan_given = false;
   return STATUS_OK;

@@ -20,7 +20,8 @@ extern "C" {
 /* The built-in rules of the model of c (NULL: Llama's): attention and MLP inputs split by
  * column and outputs by row, the vocabulary split in the embedding and lm_head, whose output
  * is made whole for the loss; norms on sequence shards under sequence parallelism; with
- * Qwen3's q_norm and k_norm, those headwise. Returns their number. */
+ * Qwen3's q_norm and k_norm, those headwise; GPT-2's by its names (both embeddings by rows,
+ * c_attn by head). Returns their number. */
 int llama_plan_tp_rules(const llama_config_t *c, const tp_rule_t **rules);
 
 /* Puts the built-in rules of c's model into pp (tp_plan_given stays false). */

@@ -367,7 +367,7 @@ def gpt2_folder(path):
     os.makedirs(path)
     with open(os.path.join(path, "model.safetensors"), "wb") as f:
         f.write(struct.pack("<Q", len(hj)) + hj + data)
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": d,
+    config = {"model_type": "my_gpt2", "architectures": ["MyGPT2LMHeadModel"], "n_embd": d,
               "n_layer": 2, "n_head": 2, "vocab_size": vocab, "n_positions": pos,
               "torch_dtype": "float32"}
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -518,21 +518,25 @@ parallelize:
   tensor_parallel:
     sequence_parallel: true
 """
-FAMILY_FSDP_PLAN = """\
+FAMILY_GPT2_TP_PLAN = """\
 mesh:
-  dp_shard: 4
+  dp_shard: 2
+  tp: 2
 parallelize:
   fully_shard:
     units: ["transformer.h.*"]
+  tensor_parallel:
+    sequence_parallel: true
 """
 
 
 def ckpt_family():
     """Qwen2, Qwen3 and GPT-2 checkpoints, no model flags given: import-hf of tests/reference's
-    folder, inspect and verify, reshard to FSDP 2 x TP 2 (GPT-2: FSDP on 4), export-hf back:
-    config.json of its architecture and every tensor of the folder bit for bit (the tied
-    lm_head left out, as transformers leaves it out; GPT-2's Conv1D weights [in, out] as
-    stored)."""
+    folder, inspect and verify, reshard to FSDP 2 x TP 2 by the architecture's built-in plan
+    (GPT-2's c_attn, [dim, 3 dim] in the folder, kept [dim, 3, dim] and split by head: each
+    rank's chunk holds its heads of q, k and v), export-hf back: config.json of its architecture
+    and every tensor of the folder bit for bit (the tied lm_head left out, as transformers
+    leaves it out; GPT-2's Conv1D weights [in, out] as stored)."""
     tool = lambda *a: sh([TOOL] + list(a), timeout=120)  # noqa: E731
     for tag, model_type in (("tiny_qwen2", "qwen2"), ("tiny_qwen3", "qwen3"),
                             ("tiny_gpt2", "gpt2")):
@@ -541,7 +545,7 @@ def ckpt_family():
         ck, tp, out = (os.path.join(tmp, x) for x in ("ck", "ck-tp", "hf-out"))
         plan = os.path.join(tmp, "tp.yaml")
         with open(plan, "w") as f:
-            f.write(FAMILY_FSDP_PLAN if "gpt2" in tag else FAMILY_TP_PLAN)
+            f.write(FAMILY_GPT2_TP_PLAN if "gpt2" in tag else FAMILY_TP_PLAN)
         steps = [("import-hf", hf, ck), ("inspect", ck), ("verify", ck),
                  ("reshard", ck, "--to", plan, tp), ("export-hf", tp, out)]
         done = True
@@ -553,6 +557,20 @@ def ckpt_family():
         check(done, "%s: import-hf, inspect, verify, reshard and export-hf run" % tag)
         if not done:
             continue
+        if "gpt2" in tag:  # c_attn by head: [dim / dp, 3, dim / tp] a rank, at its tp offset
+            with open(os.path.join(hf, "config.json")) as f:
+                d = json.load(f)["n_embd"]
+            chunks = []
+            for fname in sorted(os.listdir(os.path.join(tp, "model"))):
+                ch, _ = st_read(os.path.join(tp, "model", fname))
+                info = json.loads(ch["__metadata__"]["DCP_SHARDING_INFO"])
+                name = "transformer.h.0.attn.c_attn.weight"
+                if name in ch:
+                    chunks.append((ch[name]["shape"], info[name]["saved_offsets"]))
+            want_chunks = sorted(([d // 2, 3, d // 2], [r * d // 2, 0, t * d // 2])
+                                 for r in range(2) for t in range(2))
+            check(sorted(chunks) == want_chunks, "%s: c_attn's chunks under FSDP 2 x TP 2 are "
+                  "%s (want %s)" % (tag, sorted(chunks), want_chunks))
         want_h, want_data = st_read(os.path.join(hf, "model.safetensors"))
         h, data = st_read(os.path.join(out, "model.safetensors"))
         names = sorted(k for k in h if k != "__metadata__")

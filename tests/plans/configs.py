@@ -432,9 +432,9 @@ def family():
     """Qwen2 (q, k, v biases), Qwen3 (q_norm and k_norm, head_dim 24 where hidden / heads is
     16, tied) and GPT-2 (learned positions, LayerNorms with bias, fused c_attn, Conv1D weights,
     tied), from a Hugging Face folder: one rank reproduces PyTorch's ten losses and its
-    export-hf PyTorch's trained weights; FSDP, HSDP and
-    (but GPT-2) FSDP x TP with sequence parallelism (Qwen3's q_norm and k_norm headwise) on 4
-    ranks train one rank's losses; a bare config.json trains with a falling loss."""
+    export-hf PyTorch's trained weights; FSDP, HSDP and FSDP x TP with sequence parallelism
+    (Qwen3's q_norm and k_norm headwise; GPT-2's c_attn split by head for q, k and v alike) on
+    4 ranks train one rank's losses; a bare config.json trains with a falling loss."""
     for tag in ("tiny_qwen2", "tiny_qwen3", "tiny_gpt2"):
         tmp = mkdtemp()
         plan = family_plan(tmp, tag)
@@ -457,8 +457,6 @@ def family():
                        "--set", "mesh.dp_shard=1"])
         ref = [(r["loss"], r["grad_norm"]) for r in losses(r1)] if p.returncode == 0 else []
         for k, (what, n, sets) in enumerate(FAMILY_PLANS):
-            if "gpt2" in tag and "mesh.tp=2" in sets:
-                continue  # refused by name (the errors below)
             m = os.path.join(tmp, "plan-%d.jsonl" % k)
             args = [plan, "--metrics", m, "--set", "data.global_batch_size=4"]
             for kv in sets:
@@ -475,13 +473,31 @@ def family():
                   "(worst %.2e)" % (tag, what, worst))
             if q.returncode != 0:
                 print(q.stdout[-1500:], q.stderr[-1500:])
+        if tag == "tiny_gpt2":  # TP without sequence parallelism; --dry-run's communication
+            for sp in ("false", "true"):
+                sets = ["--set", "mesh.dp_shard=2", "--set", "mesh.tp=2", "--set",
+                        "parallelize.tensor_parallel.sequence_parallel=" + sp, "--set",
+                        "data.global_batch_size=4"]
+                m = os.path.join(tmp, "tp-%s.jsonl" % sp)
+                q, _ = run(4, [plan, "--metrics", m] + sets)
+                got = [(r["loss"], r["grad_norm"]) for r in losses(m)] if q.returncode == 0 else []
+                worst = max([abs(a[i] - b[i]) / abs(b[i]) for a, b in zip(got, ref)
+                             for i in (0, 1)] or [1])
+                d, _ = run(4, [plan, "--dry-run", "-v"] + sets)
+                est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
+                real = losses(m)[-1]["comm_bytes"] if got else -1
+                check(len(got) == 10 and worst <= 5e-6 and est and int(est.group(1)) == real,
+                      "tiny_gpt2: FSDP 2 x TP 2, sequence parallelism %s: one rank's ten losses "
+                      "and gradient norms within 5e-6 (worst %.2e); communication %d B per step, "
+                      "--dry-run %s" % (sp, worst, real, est.group(1) if est else "none"))
         if tag == "tiny_qwen2":  # the plan's keys: refusals by name
             for sets, want_err in [
                     (["model.architecture=gpt_neox"], r"model\.architecture: 'gpt_neox' is not "
                      r"an architecture this build trains \(llama, qwen2, qwen3, gpt2\)"),
                     (["model.architecture=gpt2", "model.n_kv_heads=4", "mesh.tp=2",
-                      "mesh.dp_shard=1", "--world=2"],
-                     r"tensor parallelism of gpt2 is not implemented"),
+                      "mesh.dp_shard=1", "model.vocab_size=257", "--world=2"],
+                     r"mesh\.tp: 2 does not divide model\.vocab_size=257 .*GPT-2's 50257 "
+                     r"tokens split under no tp"),
                     (["model.architecture=qwen2", "model.attention_bias=true"],
                      r"model\.attention_bias: qwen2's q, k and v projections always have "
                      r"biases, its o_proj none")]:

@@ -139,7 +139,8 @@ START_TEST(placements_follow_module_kinds) {
     char module[32];
     snprintf(module, sizeof module, "%s", cases[i].fqn);
     *strrchr(module, '.') = 0;
-    ok(parallel_param_placements(&pp, cases[i].fqn, nn_module_kind(nn_module_find(m, module)),
+    int nd = strstr(cases[i].fqn, "weight") && strncmp(cases[i].fqn, "norm", 4) != 0 ? 2 : 1;
+    ok(parallel_param_placements(&pp, cases[i].fqn, nn_module_kind(nn_module_find(m, module)), nd,
                                  &md, shape, pl));
     char buf[64];
     placements_str(md, pl, buf, sizeof buf);
@@ -150,10 +151,10 @@ START_TEST(placements_follow_module_kinds) {
   /* a rule on a module of unknown kind cannot place its parameters */
   int md, shape[MESH_MAX_DIMS];
   placement_t pl[MESH_MAX_DIMS];
-  ck_assert_int_eq(parallel_param_placements(&pp, "fc1.weight", NULL, &md, shape, pl),
+  ck_assert_int_eq(parallel_param_placements(&pp, "fc1.weight", NULL, 2, &md, shape, pl),
                    STATUS_EINVAL);
   ck_assert(strstr(err_detail(), "rule 'fc1' matches module 'fc1', whose kind is not known"));
-  ok(parallel_param_placements(&pp, "other.weight", NULL, &md, shape, pl));
+  ok(parallel_param_placements(&pp, "other.weight", NULL, 2, &md, shape, pl));
   nn_module_free(m);
 }
 END_TEST
