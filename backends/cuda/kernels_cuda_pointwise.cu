@@ -152,6 +152,21 @@ __global__ static void bias_add_kernel(void *out, const void *x, const void *b, 
   GRID_STRIDE(i, n) stf(dt, out, i, ldf(dt, x, i) + ldf(dt, b, i % D));
 }
 
+/* The same, W = 16 / sizeof(T) elements a thread in 16-byte loads and stores, for rows whose
+ * width is a multiple of W and operands on 16-byte boundaries: packs of a row never straddle
+ * two. I (32-bit where it fits) keeps the division by the width cheap. (The element-wise kernel
+ * above ran at 1.3 TB/s on an H200.) */
+template <typename T, typename I>
+__global__ static void bias_add_vec_kernel(T *out, const T *x, const T *b, I packs, I row_packs) {
+  const int W = 16 / sizeof(T);
+  for (I v = blockIdx.x * (I)blockDim.x + threadIdx.x; v < packs; v += (I)gridDim.x * blockDim.x) {
+    pack<T> px = ((const pack<T> *)x)[v], pb = ((const pack<T> *)b)[v % row_packs], o;
+#pragma unroll
+    for (int j = 0; j < W; j++) o.v[j] = fromf<T>(tof(px.v[j]) + tof(pb.v[j]));
+    ((pack<T> *)out)[v] = o;
+  }
+}
+
 /* the bias gradient's term of row i, column j: dy */
 struct bias_term {
   const void *dy;
@@ -299,7 +314,23 @@ static fsdpc_status_t cuda_activation_backward(fsdpc_tensor_t *dx, const fsdpc_t
 
 static fsdpc_status_t cuda_bias_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *x,
                                     const fsdpc_tensor_t *b) {
-  int64_t n = tensor_numel(out);
+  int64_t n = tensor_numel(out), D = last_dim(x), W = 16 / (int64_t)dtype_size(out->dtype);
+  bool vec =
+      D % W == 0 && ((uintptr_t)out->data | (uintptr_t)x->data | (uintptr_t)b->data) % 16 == 0;
+  if (vec) {
+    int64_t packs = n / W;
+    with_float_type(out->dtype, [&](auto t) {
+      using T = decltype(t);
+      if (packs <= INT32_MAX)
+        bias_add_vec_kernel<T, int32_t><<<grid_for(packs), kBlock, 0, stream_of(out)>>>(
+            (T *)out->data, (const T *)x->data, (const T *)b->data, (int32_t)packs,
+            (int32_t)(D / W));
+      else
+        bias_add_vec_kernel<T, int64_t><<<grid_for(packs), kBlock, 0, stream_of(out)>>>(
+            (T *)out->data, (const T *)x->data, (const T *)b->data, packs, D / W);
+    });
+    return launched("kernel_bias_add");
+  }
   bias_add_kernel<<<grid_for(n), kBlock, 0, stream_of(out)>>>(out->data, x->data, b->data,
                                                               out->dtype, n, last_dim(x));
   return launched("kernel_bias_add");
