@@ -85,6 +85,38 @@ __global__ static void rope_kernel(T *out, const T *x, const float *cs, I n, I T
   }
 }
 
+/* Four T in one aligned load or store. */
+template <typename T>
+struct alignas(4 * sizeof(T)) quad {
+  T v[4];
+};
+
+/* The same, four consecutive pairs a thread (head sizes a multiple of 8, operands on 16-byte
+ * boundaries): each half's four elements in one load, their table entries in two 16-byte
+ * loads; the arithmetic element by element as above, so the same bits. n4 is the number of
+ * such quads. (One pair a thread ran at 1.28 TB/s on an H200, llama-0.9b.) */
+template <typename T, typename I>
+__global__ static void rope4_kernel(T *out, const T *x, const float *cs, I n4, I Tn, I H, I Dh,
+                                    float sign) {
+  I half = Dh / 2, q = half / 4;
+  for (I e = blockIdx.x * (I)blockDim.x + threadIdx.x; e < n4; e += (I)gridDim.x * blockDim.x) {
+    I i = (e % q) * 4, row = e / q, t = (row / H) % Tn, base = row * Dh;
+    quad<T> a = *(const quad<T> *)(x + base + i), b = *(const quad<T> *)(x + base + i + half), oa,
+            ob;
+    const float4 *c4 = (const float4 *)(cs + t * Dh + 2 * i); /* c0 s0 c1 s1, c2 s2 c3 s3 */
+    float4 p = c4[0], r = c4[1];
+    float cv[4] = {p.x, p.z, r.x, r.z}, sv[4] = {p.y, p.w, r.y, r.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      float c = cv[j], s = sign * sv[j], x1 = tof(a.v[j]), x2 = tof(b.v[j]);
+      oa.v[j] = fromf<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+      ob.v[j] = fromf<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    }
+    *(quad<T> *)(out + base + i) = oa;
+    *(quad<T> *)(out + base + i + half) = ob;
+  }
+}
+
 /* ======================= launchers ======================= */
 
 /* The words of the index checks: per device, one per check, in mapped page-locked memory. */
@@ -426,9 +458,16 @@ static fsdpc_status_t cuda_rope(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, co
   if (st == STATUS_OK) {
     float sign = inverse ? -1.0f : 1.0f;
     bool narrow = 2 * n < INT32_MAX; /* every element's index fits */
+    bool by4 = Dh % 8 == 0 && ((uintptr_t)out->data | (uintptr_t)x->data) % 16 == 0;
     with_float_type(x->dtype, [&](auto t) {
       using E = decltype(t);
-      if (narrow)
+      if (by4 && narrow)
+        rope4_kernel<E, int><<<grid_for(n / 4), kBlock, 0, stream_of(x)>>>(
+            (E *)out->data, (const E *)x->data, cs, (int)(n / 4), (int)T, (int)H, (int)Dh, sign);
+      else if (by4)
+        rope4_kernel<E, int64_t><<<grid_for(n / 4), kBlock, 0, stream_of(x)>>>(
+            (E *)out->data, (const E *)x->data, cs, n / 4, T, H, Dh, sign);
+      else if (narrow)
         rope_kernel<E, int><<<grid_for(n), kBlock, 0, stream_of(x)>>>(
             (E *)out->data, (const E *)x->data, cs, (int)n, (int)T, (int)H, (int)Dh, sign);
       else

@@ -224,8 +224,8 @@ static int k_rmsnorm(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return n + rmsnorm_case(dev, dt, o + n, 3, 12300);
 }
 
-static int k_rope(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
-  int64_t s[4] = {3, 19, 5, 14};
+static int rope_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t head_dim) {
+  int64_t s[4] = {3, 19, 5, head_dim};
   fsdpc_tensor_t x, y, z;
   rnd(&x, dev, dt, 4, s, 9, 1);
   poisoned(&y, dev, dt, 4, s);
@@ -243,6 +243,13 @@ static int k_rope(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   out(&o[1], &z);
   tensor_free(&x);
   return 2;
+}
+
+/* Heads of 14 (a pair a thread) and of 16 (four pairs a thread on the device), the same bits as
+ * the CPU's either way. */
+static int k_rope(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
+  int n = rope_case(dev, dt, o, 14);
+  return n + rope_case(dev, dt, o + n, 16);
 }
 
 /* Attention of q [B, T, H, Dh] over k and v [B, T, Hkv, Dh]: out, lse, dq, dk, dv. On the
