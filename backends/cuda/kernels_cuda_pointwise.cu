@@ -348,7 +348,8 @@ static fsdpc_status_t cuda_bias_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *x
     int64_t packs = n / W;
     with_float_type(out->dtype, [&](auto t) {
       using T = decltype(t);
-      if (packs <= INT32_MAX)
+      /* 32-bit indices where the last stride stays below 2^31 too */
+      if (packs <= INT32_MAX - (int64_t)grid_for(packs) * kBlock)
         bias_add_vec_kernel<T, int32_t><<<grid_for(packs), kBlock, 0, stream_of(out)>>>(
             (T *)out->data, (const T *)x->data, (const T *)b->data, (int32_t)packs,
             (int32_t)(D / W));
