@@ -87,10 +87,11 @@ const char *llama_arch_name(llama_arch_t arch);
 bool llama_arch_from_name(const char *model_type, llama_arch_t *out);
 
 /* The shape parameter fqn of arch has in Hugging Face's files (to_hf) or here (!to_hf), given
- * its shape (ndim, shape) on the other side, into out; returns its number of dimensions. The
- * same bytes either way: only GPT-2's c_attn differs, weight [dim, 3, dim] here and
- * [dim, 3 dim] there, bias [3, dim] and [3 dim] (here q, k and v each a dimension of their own,
- * for tensor parallelism to split by head). */
+ * its shape (ndim, shape) on the other side, into out (room for ndim + 1); returns its number
+ * of dimensions, or -1 for NULL pointers or ndim outside [0, TENSOR_MAX_DIMS]. The same bytes
+ * either way: only GPT-2's c_attn differs, weight [dim, 3, dim] here and [dim, 3 dim] there,
+ * bias [3, dim] and [3 dim] (here q, k and v each a dimension of their own, for tensor
+ * parallelism to split by head). */
 int llama_hf_shape(llama_arch_t arch, const char *fqn, int ndim, const int64_t *shape, bool to_hf,
                    int64_t *out);
 

@@ -480,7 +480,8 @@ static bool ends_with(const char *s, const char *tail) {
 
 int llama_hf_shape(llama_arch_t arch, const char *fqn, int ndim, const int64_t *shape, bool to_hf,
                    int64_t *out) {
-  memcpy(out, shape, sizeof(int64_t) * (size_t)(ndim > 0 ? ndim : 0));
+  if (out == NULL || ndim < 0 || ndim > TENSOR_MAX_DIMS || (ndim > 0 && shape == NULL)) return -1;
+  memcpy(out, shape, sizeof(int64_t) * (size_t)ndim);
   if (arch != LLAMA_ARCH_GPT2 || fqn == NULL) return ndim;
   bool weight = ends_with(fqn, "attn.c_attn.weight"), bias = ends_with(fqn, "attn.c_attn.bias");
   if (to_hf && ((weight && ndim == 3) || (bias && ndim == 2)) && shape[ndim - 2] == 3) {
