@@ -36,20 +36,23 @@ static const cJSON *recorded_model(const cJSON *state) {
   return cJSON_IsObject(m) ? m : NULL;
 }
 
-/* A config of the built-in family whose files are checked and rewritten here (llama, qwen2,
- * qwen3; a GPT-2 folder is carried through as any other model's). */
-static bool is_llama(const cJSON *config) {
+/* The architecture of the built-in family a config names (model_type), else LLAMA_ARCH_COUNT. */
+static llama_arch_t arch_of(const cJSON *config) {
   const cJSON *t = cJSON_GetObjectItemCaseSensitive(config, "model_type");
   llama_arch_t arch;
-  return cJSON_IsString(t) && llama_arch_from_name(t->valuestring, &arch) &&
-         arch != LLAMA_ARCH_GPT2;
+  return cJSON_IsString(t) && llama_arch_from_name(t->valuestring, &arch) ? arch : LLAMA_ARCH_COUNT;
+}
+
+/* A config of the built-in family whose files are checked and rewritten here (llama, qwen2,
+ * qwen3; a GPT-2 folder is carried through as any other model's, but c_attn's shape). */
+static bool is_llama(const cJSON *config) {
+  llama_arch_t arch = arch_of(config);
+  return arch != LLAMA_ARCH_COUNT && arch != LLAMA_ARCH_GPT2;
 }
 
 bool hf_config_is_family(const char *json) {
   cJSON *o = json ? cJSON_Parse(json) : NULL;
-  const cJSON *t = cJSON_GetObjectItemCaseSensitive(o, "model_type");
-  llama_arch_t arch;
-  bool yes = cJSON_IsString(t) && llama_arch_from_name(t->valuestring, &arch);
+  bool yes = arch_of(o) != LLAMA_ARCH_COUNT;
   cJSON_Delete(o);
   return yes;
 }
@@ -133,9 +136,10 @@ static fsdpc_status_t write_config(const cJSON *config, const char *origin, dtyp
   return st;
 }
 
-/* config.json: --config, or the model config the checkpoint was saved with. */
+/* config.json: --config, or the model config the checkpoint was saved with; *arch its
+ * architecture in the built-in family (LLAMA_ARCH_COUNT: another model). */
 static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, dtype_t dtype,
-                                    const char *path) {
+                                    const char *path, llama_arch_t *arch) {
   char *text = NULL, origin[PATH_LEN];
   cJSON *state = NULL, *given = NULL;
   const cJSON *config = NULL;
@@ -151,6 +155,7 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
     config = recorded_model(state);
     snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir);
   }
+  *arch = arch_of(config);
   fsdpc_status_t st = config ? write_config(config, origin, dtype, path)
                              : err_set(STATUS_EINVAL,
                                        "%s: no model config recorded in train_state.json; give "
@@ -159,21 +164,6 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
   cJSON_Delete(given);
   cJSON_Delete(state);
   return st;
-}
-
-/* The architecture of the built-in family a config.json names (model_type), else
- * LLAMA_ARCH_COUNT. */
-static fsdpc_status_t arch_of_config(const char *path, llama_arch_t *out) {
-  *out = LLAMA_ARCH_COUNT;
-  char *text;
-  FSDPC_TRY(file_read_text(path, FILE_TEXT_MAX, &text));
-  cJSON *c = cJSON_Parse(text);
-  free(text);
-  const cJSON *t = cJSON_GetObjectItemCaseSensitive(c, "model_type");
-  llama_arch_t a;
-  if (cJSON_IsString(t) && llama_arch_from_name(t->valuestring, &a)) *out = a;
-  cJSON_Delete(c);
-  return STATUS_OK;
 }
 
 /* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
@@ -264,8 +254,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     char path[PATH_LEN + 64];
     snprintf(path, sizeof path, "%.4000s/config.json", tmp);
     dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
-    st = export_config(dir, o, cd, path);
-    if (st == STATUS_OK) st = arch_of_config(path, &arch);
+    st = export_config(dir, o, cd, path, &arch);
   }
   /* files: consecutive tensors up to max_shard_bytes each (a larger tensor gets its own) */
   int *start = st == STATUS_OK ? calloc((size_t)n + 2, sizeof(int)) : NULL;
@@ -448,11 +437,8 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   if (st == STATUS_OK) st = hf_weight_files(hf, &names, &n);
   uint64_t id = dcp_new_save_id();
   dcp_folder_t folder = {(const char *const *)names, n, id};
-  llama_arch_t arch = LLAMA_ARCH_COUNT;
-  const cJSON *mt = cJSON_GetObjectItemCaseSensitive(cfg, "model_type");
-  if (!cJSON_IsString(mt) || !llama_arch_from_name(mt->valuestring, &arch)) arch = LLAMA_ARCH_COUNT;
   for (int i = 0; i < n && st == STATUS_OK; i++)
-    st = rewrite_file(hf, names[i], model, &folder, arch);
+    st = rewrite_file(hf, names[i], model, &folder, arch_of(cfg));
   cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
   cJSON_AddNumberToObject(state, "step", 0);
   cJSON_AddNumberToObject(state, "optim_steps", 0);

@@ -668,7 +668,7 @@ fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
                        "rank needs %s%s)",
                        p->par.mesh_where.text, p->par.tp, split[i].key, (long long)split[i].v,
                        split[i].why,
-                       i == 3 && p->model.arch == LLAMA_ARCH_GPT2
+                       strcmp(split[i].key, "vocab_size") == 0 && p->model.arch == LLAMA_ARCH_GPT2
                            ? "; GPT-2's 50257 tokens split under no tp: train a vocabulary "
                              "padded to a multiple of 64, 50304, as llm.c and Megatron do"
                            : "");
