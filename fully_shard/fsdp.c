@@ -156,7 +156,6 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   fsdp_plist_t l = {0};
   fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n_modules && st == STATUS_OK; i++) st = fsdp_collect_params(ms[i], opt, &l);
-  for (int i = 0; i < l.n && st == STATUS_OK; i++) st = fsdp_check_param(l.p[i], opt->mesh);
   fsdp_group_t *g = NULL;
   if (st == STATUS_OK && (g = calloc(1, sizeof *g)) == NULL)
     st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
@@ -164,6 +163,8 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
       ((g->params = calloc((size_t)(l.n ? l.n : 1), sizeof(fsdp_param_t))) == NULL ||
        (g->modules = malloc(sizeof(nn_module_t *) * (size_t)n_modules)) == NULL))
     st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  for (int i = 0; i < l.n && st == STATUS_OK; i++)
+    st = fsdp_check_param(l.p[i], opt, &g->params[i].dim);
   if (st != STATUS_OK) {
     free(l.p);
     group_free(g);

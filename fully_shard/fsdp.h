@@ -3,9 +3,9 @@
  *
  * Each call makes one parameter group from the parameters of the module's subtree that no
  * earlier (inner) call claimed; apply it bottom-up, blocks first and the root last. Every
- * parameter becomes a DTensor sharded on dim 0 (Shard(0) on a 1-D mesh; (Replicate,
- * Shard(0)) on a 2-D HSDP mesh) whose local shard lives in zero-padded storage of
- * ceil(n0 / W) rows. Hooks do the rest:
+ * parameter becomes a DTensor sharded on dim 0, or the dimension opt->shard_dim picks
+ * (Shard(d) on a 1-D mesh; (Replicate, Shard(d)) on a 2-D HSDP mesh) whose local shard lives
+ * in zero-padded storage of ceil(n_d / W) slices along d. Hooks do the rest:
  *   pre-forward / pre-backward: unshard, one all-gather of one flat buffer per group;
  *   post-forward: reshard (free the unsharded parameters) when reshard_after_forward;
  *   post-backward: one reduce-scatter (average over the shard group) per group, then for HSDP
@@ -57,16 +57,23 @@ typedef struct fsdp_options {
   double on_demand_timeout; /* seconds the ranks of a group wait for each other to take an
                                on-demand unshard before the job is stopped (see
                                fsdp_register_forward_method) */
+  /* The dimension each parameter is sharded on (FSDP2's shard_placement_fn): called once per
+   * parameter by fully_shard with shard_dim_user; returns d with -ndim <= d < ndim (negative
+   * counts from the end) of the parameter (of its tensor-parallel shard, for a distributed
+   * one). NULL: dimension 0 for every parameter. An uneven dimension is padded as dimension 0
+   * is (ceil(n_d / W) slices per rank); the values and gradients do not depend on d. */
+  int (*shard_dim)(const nn_param_t *p, void *user);
+  void *shard_dim_user;
 } fsdp_options_t;
 
 #define FSDP_ON_DEMAND_TIMEOUT_DEFAULT 600.0
 
-#define FSDP_OPTIONS_INIT                                                                 \
-  {                                                                                       \
-    .mesh = NULL, .reshard_after_forward = FSDP_RESHARD_AUTO, .param_dtype = DTYPE_COUNT, \
-    .reduce_dtype = DTYPE_COUNT, .output_dtype = DTYPE_COUNT, .ignored = NULL,            \
-    .n_ignored = 0, .offload = false,                                                     \
-    .on_demand_timeout = FSDP_ON_DEMAND_TIMEOUT_DEFAULT                                   \
+#define FSDP_OPTIONS_INIT                                                                      \
+  {                                                                                            \
+    .mesh = NULL, .reshard_after_forward = FSDP_RESHARD_AUTO, .param_dtype = DTYPE_COUNT,      \
+    .reduce_dtype = DTYPE_COUNT, .output_dtype = DTYPE_COUNT, .ignored = NULL, .n_ignored = 0, \
+    .offload = false, .on_demand_timeout = FSDP_ON_DEMAND_TIMEOUT_DEFAULT, .shard_dim = NULL,  \
+    .shard_dim_user = NULL                                                                     \
   }
 
 typedef struct fsdp_group fsdp_group_t;
@@ -76,10 +83,10 @@ typedef struct fsdp_group fsdp_group_t;
 typedef void (*fsdp_event_fn)(const char *event, const fsdp_group_t *g, void *user);
 
 /* Shards the unclaimed parameters of m's subtree (each must be whole on this rank, at least
- * 1-D) and installs the hooks. *out, if not NULL, receives the group (owned by m's ext slot
- * until fsdp_free_all). Collective over the mesh (it creates the communicators on which the
- * ranks agree on on-demand unshards, and with an integer reshard_after_forward the
- * post-forward group). */
+ * 1-D, and opt->shard_dim's answer for it in range) and installs the hooks. *out, if not NULL,
+ * receives the group (owned by m's ext slot until fsdp_free_all). Collective over the mesh (it
+ * creates the communicators on which the ranks agree on on-demand unshards, and with an integer
+ * reshard_after_forward the post-forward group). */
 fsdpc_status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out);
 
 /* One group over several modules (for example [embed_tokens, lm_head] sharing a tied

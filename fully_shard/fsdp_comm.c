@@ -154,19 +154,19 @@ static fsdpc_status_t copies_run(copies_t *c, fsdpc_status_t st) {
   return st;
 }
 
-/* Adds the copy of chunk r (of W, the chunk rule on dim 0) of the unsharded tensor full to or
- * from a flat buffer, where its rows lie contiguously from element pos. Empty chunks add
- * nothing. */
+/* Adds the copy of chunk r (of W, the chunk rule on fp's shard dimension) of the unsharded
+ * tensor full to or from a flat buffer, where it lies contiguously, in the chunk's own shape,
+ * from element pos. Empty chunks add nothing. */
 static fsdpc_status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r,
                                 fsdpc_tensor_t *full, fsdpc_tensor_t *flat, int64_t pos,
                                 bool to_flat) {
   int64_t start, len, shape[TENSOR_MAX_DIMS];
-  placement_chunk_range(fp->n0, W, r, &start, &len);
+  placement_chunk_range(fp->extent, W, r, &start, &len);
   if (len == 0) return STATUS_OK;
   memcpy(shape, full->shape, sizeof shape);
-  shape[0] = len;
+  shape[fp->dim] = len;
   fsdpc_tensor_t rows = {0}, slot = {0}, slot_nd = {0};
-  fsdpc_status_t st = tensor_narrow(&rows, full, 0, start, len);
+  fsdpc_status_t st = tensor_narrow(&rows, full, fp->dim, start, len);
   if (st == STATUS_OK) st = tensor_narrow(&slot, flat, 0, pos, len * fp->row);
   if (st == STATUS_OK) st = tensor_view(&slot_nd, &slot, full->ndim, shape);
   tensor_free(&slot);

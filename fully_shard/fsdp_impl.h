@@ -12,15 +12,20 @@
 typedef struct fsdp_param {
   nn_param_t *p;
   struct fsdp_group *g;
-  int64_t n0; /* rows of the unsharded tensor */
+  int dim;        /* the shard dimension (opt->shard_dim's, from 0) */
+  int64_t extent; /* the unsharded tensor's size along dim */
   int ndim;
   int64_t shape[TENSOR_MAX_DIMS]; /* the unsharded tensor: the whole parameter, or its
                                      tensor-parallel shard */
-  int64_t rows;                   /* padded rows per rank: ceil(n0 / W) */
-  int64_t row;                    /* elements per row */
-  int64_t offset;                 /* in the flat all-gather buffer of one rank, elements */
-  fsdpc_tensor_t padded; /* this rank's zero-padded shard (rows x ...), original dtype; on the host
-                      when offloaded */
+  /* A row is one index along dim: row elements (the product of the other sizes). A rank's
+   * shard of len rows lies in rows * row elements wherever it is flat (its storage, its slot of
+   * the gather and reduce buffers): its len * row elements first, in the shard's own shape,
+   * then zeros; on dim 0 those are the padding rows themselves. */
+  int64_t rows;          /* padded rows per rank: ceil(extent / W) */
+  int64_t row;           /* elements per row */
+  int64_t offset;        /* in the flat all-gather buffer of one rank, elements */
+  fsdpc_tensor_t padded; /* this rank's zero-padded shard, flat (rows * row), original dtype; on
+                      the host when offloaded */
   bool reducing;      /* its gradient is in the group's reduction in flight */
   bool trainable;     /* in the group's reduce layout (requires_grad when the reduction started) */
   int64_t red_offset; /* in one rank's block of the reduce buffer, elements */
@@ -167,11 +172,12 @@ typedef struct fsdp_plist {
  * once). */
 fsdpc_status_t fsdp_collect_params(const nn_module_t *m, const fsdp_options_t *opt,
                                    fsdp_plist_t *l);
-/* Whether p can be sharded over mesh: whole (or a Shard/Replicate tensor-parallel DTensor of
- * the same world mesh), at least 1-D, on the mesh's device. */
-fsdpc_status_t fsdp_check_param(const nn_param_t *p, const mesh_t *mesh);
-/* Replaces fp->p's value with its sharded DTensor: dim 0 of its local tensor (the whole
- * parameter, or its tensor-parallel shard) chunked over the group's shard dimension, in
+/* Whether p can be sharded over opt's mesh: whole (or a Shard/Replicate tensor-parallel DTensor
+ * of the same world mesh), at least 1-D, on the mesh's device; *dim receives its shard
+ * dimension (opt->shard_dim's answer, from 0), refused by name when out of range. */
+fsdpc_status_t fsdp_check_param(const nn_param_t *p, const fsdp_options_t *opt, int *dim);
+/* Replaces fp->p's value with its sharded DTensor: dimension fp->dim of its local tensor (the
+ * whole parameter, or its tensor-parallel shard) chunked over the group's shard dimension, in
  * zero-padded storage (meta for a deferred parameter); installs the on-demand guard. */
 fsdpc_status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp);
 /* The guard's materialize: the padded shard of a meta parameter gets memory, uninitialised

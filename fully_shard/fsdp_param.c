@@ -34,7 +34,20 @@ static mesh_t *tp_mesh_of(const nn_param_t *p) {
   return mesh_ndim(pm) == 1 && mesh_size(pm, 0) == 1 ? NULL : pm;
 }
 
-fsdpc_status_t fsdp_check_param(const nn_param_t *p, const mesh_t *mesh) {
+/* opt->shard_dim's dimension for p, from 0, checked against p's number of dimensions. */
+static fsdpc_status_t shard_dim_of(const nn_param_t *p, const fsdp_options_t *opt, int *dim) {
+  int nd = dtensor_ndim(p->value), d = opt->shard_dim ? opt->shard_dim(p, opt->shard_dim_user) : 0;
+  if (d < -nd || d >= nd)
+    return err_set(STATUS_EINVAL,
+                   "fully_shard: parameter %s has %d dimension%s; shard dimension %d is out of "
+                   "range (from %d to %d)",
+                   p->fqn, nd, nd == 1 ? "" : "s", d, -nd, nd - 1);
+  *dim = d < 0 ? d + nd : d;
+  return STATUS_OK;
+}
+
+fsdpc_status_t fsdp_check_param(const nn_param_t *p, const fsdp_options_t *opt, int *dim) {
+  const mesh_t *mesh = opt->mesh;
   const dtensor_t *v = p->value;
   const mesh_t *pm = dtensor_mesh(v);
   const placement_t *pl = dtensor_placements(v);
@@ -60,23 +73,23 @@ fsdpc_status_t fsdp_check_param(const nn_param_t *p, const mesh_t *mesh) {
                    device_str(dtensor_local(v)->device, a, sizeof a),
                    device_str(mesh_device(mesh), b, sizeof b));
   }
-  return STATUS_OK;
+  return shard_dim_of(p, opt, dim);
 }
 
-/* The mesh and placements of p's sharded DTensor: Shard(0) over the group's shard dimension
- * ((Replicate, Shard(0)) for HSDP); a tensor-parallel parameter lives on (dp..., tp) with its
- * tp placement last, the dp shard strided when tp also shards dimension 0 (dp chunks the tp
+/* The mesh and placements of p's sharded DTensor: Shard(d) over the group's shard dimension
+ * ((Replicate, Shard(d)) for HSDP); a tensor-parallel parameter lives on (dp..., tp) with its
+ * tp placement last, the dp shard strided when tp also shards dimension d (dp chunks the tp
  * shard). */
-static fsdpc_status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, mesh_t **mesh,
+static fsdpc_status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, int d, mesh_t **mesh,
                                      placement_t *pl) {
   int md = mesh_ndim(g->mesh);
   mesh_t *tp = tp_mesh_of(p);
   for (int i = 0; i < md - 1; i++) pl[i] = placement_replicate();
-  pl[md - 1] = placement_shard(0);
+  pl[md - 1] = placement_shard(d);
   *mesh = g->mesh;
   if (tp == NULL) return STATUS_OK;
   placement_t tpl = dtensor_placements(p->value)[0];
-  if (placement_is_shard(tpl, 0)) pl[md - 1] = placement_strided_shard(0, mesh_size(tp, 0));
+  if (placement_is_shard(tpl, d)) pl[md - 1] = placement_strided_shard(d, mesh_size(tp, 0));
   pl[md] = tpl;
   if (g->param_mesh == NULL) FSDPC_TRY(mesh_concat(g->mesh, tp, &g->param_mesh));
   if (mesh_group(g->param_mesh, md) != mesh_group(tp, 0))
@@ -88,37 +101,47 @@ static fsdpc_status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, mesh_
   return STATUS_OK;
 }
 
+/* *out: the first len rows of fp's flat padded storage, viewed in the shard's shape. */
+static fsdpc_status_t shard_view(const fsdp_param_t *fp, const fsdpc_tensor_t *padded, int64_t len,
+                                 fsdpc_tensor_t *out) {
+  int64_t shape[TENSOR_MAX_DIMS];
+  memcpy(shape, fp->shape, sizeof shape);
+  shape[fp->dim] = len;
+  fsdpc_tensor_t head = {0};
+  fsdpc_status_t st = tensor_narrow(&head, padded, 0, 0, len * fp->row);
+  if (st == STATUS_OK) st = tensor_view(out, &head, fp->ndim, shape);
+  tensor_free(&head);
+  return st;
+}
+
 fsdpc_status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   nn_param_t *p = fp->p;
   const fsdpc_tensor_t *full = dtensor_local(p->value);
-  int nd = full->ndim;
-  fp->n0 = full->shape[0];
+  int nd = full->ndim, d = fp->dim;
+  fp->extent = full->shape[d];
   fp->ndim = nd;
   memcpy(fp->shape, full->shape, sizeof(int64_t) * (size_t)nd);
-  fp->rows = placement_chunk_size(fp->n0, g->W);
-  fp->row = fp->n0 ? tensor_numel(full) / fp->n0 : 0;
-  int64_t start, len, shape[TENSOR_MAX_DIMS], global[TENSOR_MAX_DIMS];
-  placement_chunk_range(fp->n0, g->W, g->rank, &start, &len);
-  memcpy(shape, full->shape, sizeof shape);
+  fp->rows = placement_chunk_size(fp->extent, g->W);
+  fp->row = fp->extent ? tensor_numel(full) / fp->extent : 0;
+  int64_t start, len, global[TENSOR_MAX_DIMS], flat = fp->rows * fp->row;
+  placement_chunk_range(fp->extent, g->W, g->rank, &start, &len);
   memcpy(global, dtensor_shape(p->value), sizeof(int64_t) * (size_t)nd);
-  shape[0] = fp->rows;
   placement_t pl[MESH_MAX_DIMS];
   mesh_t *mesh;
-  FSDPC_TRY(sharded_layout(g, p, &mesh, pl));
+  FSDPC_TRY(sharded_layout(g, p, d, &mesh, pl));
   device_t dev = g->offload ? device_cpu() : full->device;
   if (tensor_is_meta(full)) /* deferred: memory comes with nn_module_materialize */
-    FSDPC_TRY(tensor_meta(&fp->padded, full->dtype, dev, nd, shape));
+    FSDPC_TRY(tensor_meta(&fp->padded, full->dtype, dev, 1, &flat));
   else
-    FSDPC_TRY(tensor_zeros(&fp->padded, full->dtype, dev, nd, shape));
-  fsdpc_tensor_t src = {0}, dst = {0}, local = {0};
+    FSDPC_TRY(tensor_zeros(&fp->padded, full->dtype, dev, 1, &flat));
+  fsdpc_tensor_t src = {0}, local = {0};
   fsdpc_status_t st = STATUS_OK;
   dtensor_t *dt = NULL;
-  FSDPC_TRY_GOTO(st, tensor_narrow(&dst, &fp->padded, 0, 0, len));
+  FSDPC_TRY_GOTO(st, shard_view(fp, &fp->padded, len, &local));
   if (!tensor_is_meta(full)) {
-    FSDPC_TRY_GOTO(st, tensor_narrow(&src, full, 0, start, len));
-    FSDPC_TRY_GOTO(st, tensor_copy(&dst, &src));
+    FSDPC_TRY_GOTO(st, tensor_narrow(&src, full, d, start, len));
+    FSDPC_TRY_GOTO(st, tensor_copy(&local, &src));
   }
-  FSDPC_TRY_GOTO(st, tensor_ref(&local, &dst));
   FSDPC_TRY_GOTO(st, dtensor_from_local(&local, mesh, pl, nd, global, &dt));
   tensor_free(&p->compute);
   nn_param_zero_grad(p);
@@ -130,7 +153,6 @@ fsdpc_status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   fp->g = g;
 cleanup:
   tensor_free(&src);
-  tensor_free(&dst);
   tensor_free(&local);
   return st;
 }
@@ -140,15 +162,15 @@ fsdpc_status_t fsdp_materialize_param(nn_param_t *p) {
   if (!tensor_is_meta(&fp->padded)) return STATUS_OK;
   fsdp_group_t *g = fp->g;
   int64_t start, len;
-  placement_chunk_range(fp->n0, g->W, g->rank, &start, &len);
+  placement_chunk_range(fp->extent, g->W, g->rank, &start, &len);
   const fsdpc_tensor_t *meta = &fp->padded;
   fsdpc_tensor_t padded = {0}, pad = {0}, local = {0};
   dtensor_t *dt = NULL;
   fsdpc_status_t st = STATUS_OK;
   FSDPC_TRY_GOTO(st, tensor_init(&padded, meta->dtype, meta->device, meta->ndim, meta->shape));
-  FSDPC_TRY_GOTO(st, tensor_narrow(&pad, &padded, 0, len, fp->rows - len));
+  FSDPC_TRY_GOTO(st, tensor_narrow(&pad, &padded, 0, len * fp->row, (fp->rows - len) * fp->row));
   FSDPC_TRY_GOTO(st, tensor_fill(&pad, 0.0));
-  FSDPC_TRY_GOTO(st, tensor_narrow(&local, &padded, 0, 0, len));
+  FSDPC_TRY_GOTO(st, shard_view(fp, &padded, len, &local));
   const dtensor_t *v = p->value;
   FSDPC_TRY_GOTO(st, dtensor_from_local(&local, dtensor_mesh(v), dtensor_placements(v),
                                         dtensor_ndim(v), dtensor_shape(v), &dt));

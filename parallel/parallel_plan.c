@@ -7,6 +7,7 @@
 #include "core/args_impl.h"
 #include "fully_shard/fsdp.h"
 #include "mesh/world.h"
+#include "nn/module.h"
 #include "parallel/plan_reader_impl.h"
 
 void parallel_plan_defaults(parallel_plan_t *pp) {
@@ -103,6 +104,36 @@ static fsdpc_status_t read_tp_layout(plan_ctx_t *c, int map, const char *path, c
   const char *s = pr_scalar(c, v);
   if (s == NULL || !tp_layout_parse(s, out))
     return pr_fail(c, v, path, "%s: expected replicate, shard(1) or shard(-1)", key);
+  return STATUS_OK;
+}
+
+/* shard_dims: {PATTERN: DIM}, patterns of parameter FQNs in order. */
+static fsdpc_status_t read_shard_dims(plan_ctx_t *c, int fs) {
+  parallel_plan_t *par = c->par;
+  const char *path = "parallelize.fully_shard.shard_dims";
+  int v = pr_find(c, fs, "shard_dims");
+  if (pr_is_null(c, v)) return STATUS_OK;
+  yaml_node_t *n = pr_node(c, v);
+  if (n->type != YAML_MAPPING_NODE)
+    return pr_fail(c, v, path, "expected a mapping of parameter patterns to dimensions");
+  par->n_shard_dims = 0;
+  for (yaml_node_pair_t *a = n->data.mapping.pairs.start; a < n->data.mapping.pairs.top; a++) {
+    const char *pat = pr_scalar(c, a->key);
+    if (pat == NULL || pat[0] == 0)
+      return pr_fail(c, a->key, path, "expected a parameter pattern as the key");
+    char kpath[PLAN_PATTERN_MAX + 64];
+    snprintf(kpath, sizeof kpath, "%s.%s", path, pat);
+    if (par->n_shard_dims == PLAN_MAX_SHARD_DIMS)
+      return pr_fail(c, a->key, path, "more than %d patterns", PLAN_MAX_SHARD_DIMS);
+    if (strlen(pat) >= PLAN_PATTERN_MAX)
+      return pr_fail(c, a->key, kpath, "pattern longer than %d characters", PLAN_PATTERN_MAX - 1);
+    int64_t d = 0;
+    FSDPC_TRY(pr_parse_int(c, a->value, kpath, -TENSOR_MAX_DIMS, TENSOR_MAX_DIMS - 1, &d));
+    plan_shard_dim_t *sd = &par->shard_dims[par->n_shard_dims++];
+    strcpy(sd->pattern, pat);
+    sd->dim = (int)d;
+    pr_where_of(c, a->key, &sd->where);
+  }
   return STATUS_OK;
 }
 
@@ -235,8 +266,8 @@ static fsdpc_status_t read_strategy(plan_ctx_t *c, int root, int fs) {
 fsdpc_status_t pp_read_parallelize(plan_ctx_t *c, int root) {
   static const char *const keys[] = {"fully_shard", "tensor_parallel", NULL};
   static const char *const fs_keys[] = {
-      "units",      "reshard_after_forward", "mp_policy", "offload", "sharding_strategy",
-      "zero_stage", "min_unit_params",       NULL};
+      "units",      "reshard_after_forward", "mp_policy",  "offload", "sharding_strategy",
+      "zero_stage", "min_unit_params",       "shard_dims", NULL};
   parallel_plan_t *par = c->par;
   int m;
   FSDPC_TRY(pr_section(c, root, "parallelize", keys, &m));
@@ -258,6 +289,7 @@ fsdpc_status_t pp_read_parallelize(plan_ctx_t *c, int root) {
     FSDPC_TRY(read_strategy(c, root, fs));
     for (int i = 0; i < par->n_units; i++) unit_defaults(par, &par->units[i]);
     FSDPC_TRY(read_units(c, fs));
+    FSDPC_TRY(read_shard_dims(c, fs));
   }
   int tp = m ? pr_find(c, m, "tensor_parallel") : 0;
   if (!pr_is_null(c, tp)) FSDPC_TRY(read_tp(c, tp));
@@ -285,6 +317,37 @@ fsdpc_status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const c
   pr_close(c);
   free(c);
   return st;
+}
+
+fsdpc_status_t parallel_plan_add_shard_dim(parallel_plan_t *pp, const char *pattern, int dim) {
+  ARG_NONNULL(pp);
+  ARG_NONNULL(pattern);
+  if (pp->n_shard_dims == PLAN_MAX_SHARD_DIMS)
+    return err_set(STATUS_EINVAL, "parallel plan: more than %d shard dimensions",
+                   PLAN_MAX_SHARD_DIMS);
+  if (pattern[0] == 0 || strlen(pattern) >= PLAN_PATTERN_MAX)
+    return err_set(STATUS_EINVAL,
+                   "parallel plan: a shard-dimension pattern must have 1 to %d characters",
+                   PLAN_PATTERN_MAX - 1);
+  if (dim < -TENSOR_MAX_DIMS || dim >= TENSOR_MAX_DIMS)
+    return err_set(STATUS_EINVAL, "parallel plan: shard dimension %d of '%s' is out of range", dim,
+                   pattern);
+  plan_shard_dim_t *sd = &pp->shard_dims[pp->n_shard_dims++];
+  memset(sd, 0, sizeof *sd);
+  strcpy(sd->pattern, pattern);
+  sd->dim = dim;
+  snprintf(sd->where.text, sizeof sd->where.text, "shard_dims.%s", pattern);
+  return STATUS_OK;
+}
+
+int parallel_plan_shard_dim(const parallel_plan_t *pp, const char *fqn, int ndim) {
+  if (pp == NULL || fqn == NULL) return 0;
+  for (int i = 0; i < pp->n_shard_dims; i++)
+    if (nn_fqn_match(pp->shard_dims[i].pattern, fqn)) {
+      int d = pp->shard_dims[i].dim;
+      return d < -ndim || d >= ndim ? -1 : d < 0 ? d + ndim : d;
+    }
+  return 0;
 }
 
 fsdpc_status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern) {

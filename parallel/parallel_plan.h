@@ -33,6 +33,7 @@ extern "C" {
 
 #define PLAN_MAX_UNITS 32
 #define PLAN_MAX_TP_RULES 32
+#define PLAN_MAX_SHARD_DIMS 32
 #define PLAN_PATH_MAX 512
 #define PLAN_PATTERN_MAX 128
 
@@ -51,6 +52,14 @@ typedef struct plan_unit {
   dtype_t output_dtype;      /* DTYPE_COUNT: fully_shard's default (fsdp_options_t) */
   plan_where_t where;
 } plan_unit_t;
+
+/* One shard dimension: the parameters whose FQN matches pattern (fnmatch, first match wins)
+ * are sharded on dimension dim (negative counts from the end) by fully_shard; the others on 0. */
+typedef struct plan_shard_dim {
+  char pattern[PLAN_PATTERN_MAX];
+  int dim;
+  plan_where_t where;
+} plan_shard_dim_t;
 
 /* One tensor-parallel rule: modules matching pattern get a style (layouts: TP_LAYOUT_DEFAULT
  * for the style's own). */
@@ -81,6 +90,8 @@ typedef struct parallel_plan {
   bool offload;
   plan_where_t fsdp_where;
   char strategy[24]; /* sharding_strategy (or zero_stage's equivalent) as given; "" if none */
+  plan_shard_dim_t shard_dims[PLAN_MAX_SHARD_DIMS]; /* shard_dims: {PATTERN: DIM}, in order */
+  int n_shard_dims;
   /* parallelize.tensor_parallel: the rules of `plan` (first match wins) */
   plan_tp_rule_t tp_rules[PLAN_MAX_TP_RULES];
   int n_tp_rules;
@@ -116,6 +127,14 @@ fsdpc_status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *patter
 
 /* Adds a fully_shard unit given in code, with the section's settings. */
 fsdpc_status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern);
+
+/* Appends a shard dimension given in code: parameters matching pattern (and no earlier
+ * pattern) are sharded on dim. */
+fsdpc_status_t parallel_plan_add_shard_dim(parallel_plan_t *pp, const char *pattern, int dim);
+
+/* The shard dimension the plan gives parameter fqn of ndim dimensions (from 0: 0 when no
+ * pattern matches); -1 when the matching pattern's dimension is out of range for ndim. */
+int parallel_plan_shard_dim(const parallel_plan_t *pp, const char *fqn, int ndim);
 
 /* The plan's tensor-parallel rules as tensor_parallel() takes them (pointing into pp); returns
  * their number. out has room for PLAN_MAX_TP_RULES. */

@@ -99,9 +99,18 @@ static fsdpc_status_t push_group(parallel_t *par, fsdp_group_t *g) {
   return STATUS_OK;
 }
 
+/* fully_shard's shard_dim: the plan's shard_dims (checked by check_shard_dims). */
+static int plan_shard_dim(const nn_param_t *p, void *pp) {
+  return parallel_plan_shard_dim(pp, p->fqn, dtensor_ndim(p->value));
+}
+
 static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
                                  const plan_unit_t *u) {
   fsdp_options_t o = FSDP_OPTIONS_INIT;
+  if (pp->n_shard_dims > 0) {
+    o.shard_dim = plan_shard_dim;
+    o.shard_dim_user = (void *)pp;
+  }
   o.mesh = par->dp_mesh;
   o.offload = pp->offload;
   o.reshard_after_forward = u ? u->reshard_after_forward : FSDP_RESHARD_AUTO;
@@ -176,7 +185,40 @@ static int shadowed_by(const nn_module_t *root, const nn_module_t *mod, const pa
   return by;
 }
 
+/* Every shard_dims pattern names a parameter, with a dimension it has. */
+static fsdpc_status_t check_shard_dims(const nn_module_t *root, const parallel_plan_t *pp) {
+  if (pp->n_shard_dims == 0) return STATUS_OK;
+  nn_param_t **ps;
+  int n;
+  FSDPC_TRY(nn_named_parameters(root, &ps, &n));
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < pp->n_shard_dims && st == STATUS_OK; i++) {
+    const plan_shard_dim_t *sd = &pp->shard_dims[i];
+    int hits = 0;
+    for (int k = 0; k < n && st == STATUS_OK; k++) {
+      if (!nn_fqn_match(sd->pattern, ps[k]->fqn)) continue;
+      hits++;
+      int nd = dtensor_ndim(ps[k]->value);
+      if (parallel_plan_shard_dim(pp, ps[k]->fqn, nd) < 0)
+        st = err_set(STATUS_EINVAL,
+                     "%s: parallelize.fully_shard.shard_dims: parameter %s has %d dimension%s; "
+                     "'%s' gives it dimension %d (from %d to %d)",
+                     sd->where.text, ps[k]->fqn, nd, nd == 1 ? "" : "s", sd->pattern, sd->dim, -nd,
+                     nd - 1);
+    }
+    if (st == STATUS_OK && hits == 0)
+      st = err_set(STATUS_EINVAL,
+                   "%s: parallelize.fully_shard.shard_dims: '%s' matches no parameter "
+                   "(parameters here: %s%s%s, ...)",
+                   sd->where.text, sd->pattern, n > 0 ? ps[0]->fqn : "", n > 1 ? ", " : "",
+                   n > 1 ? ps[1]->fqn : "");
+  }
+  free(ps);
+  return st;
+}
+
 static fsdpc_status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
+  FSDPC_TRY(check_shard_dims(par->root, pp));
   /* check every pattern first: nothing is sharded when one matches no module */
   for (int u = 0; u < pp->n_units; u++)
     if (count_matches(par->root, par->root, pp->units[u].pattern) == 0) {
@@ -254,9 +296,14 @@ fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *
     mesh_shape[md] = pp->dp_replicate;
     pl[md++] = placement_replicate();
   }
-  int shard = md;
+  int shard = md, d = parallel_plan_shard_dim(pp, fqn, ndim);
+  if (d < 0)
+    return err_set(STATUS_EINVAL,
+                   "parameter %s: its shard dimension in parallelize.fully_shard.shard_dims is out "
+                   "of range for %d dimensions",
+                   fqn, ndim);
   mesh_shape[md] = pp->dp_shard;
-  pl[md++] = placement_shard(0);
+  pl[md++] = placement_shard(d);
   if (pp->tp > 1) {
     char module[PLAN_PATTERN_MAX * 4];
     snprintf(module, sizeof module, "%s", fqn);
@@ -275,7 +322,7 @@ fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *
       if (st != STATUS_OK)
         return err_prefix(st, "parameter %s (tensor-parallel rule '%s')", fqn, rules[i].pattern);
     }
-    if (placement_is_shard(tpl, 0)) pl[shard] = placement_strided_shard(0, pp->tp);
+    if (placement_is_shard(tpl, d)) pl[shard] = placement_strided_shard(d, pp->tp);
     mesh_shape[md] = pp->tp;
     pl[md++] = tpl;
   }

@@ -64,7 +64,8 @@ const tp_plan_t *parallel_tp(const parallel_t *par);
 
 /* The world mesh's shape under a resolved plan (as parallel_apply lays it out) and the
  * placements a training run gives parameter fqn: its tensor-parallel placement on "tp",
- * Shard(0) over dp_shard (strided when tp also splits dim 0), Replicate over dp_replicate.
+ * Shard(d) over dp_shard (d from the plan's shard_dims, else 0; strided when tp also splits
+ * dim d), Replicate over dp_replicate.
  * kind is the kind of the module holding the parameter (nn_module_kind: "linear",
  * "embedding", a norm's; NULL when not known), needed only where a tensor-parallel rule
  * matches that module (the module's FQN is fqn without its last component); ndim is the

@@ -83,6 +83,92 @@ START_TEST(shards_are_chunks) {
 }
 END_TEST
 
+/* Shard dimensions: p0 its last (-1), p1 and p2 dimension 1 (p2's middle one), p3 0. */
+static const int test_dims[] = {-1, 1, 1, 0};
+static int dim_of_name(const nn_param_t *p, void *user) {
+  (void)user;
+  return test_dims[p->fqn[1] - '0'];
+}
+
+START_TEST(shard_dims_are_chunks) {
+  mesh_t *mesh = dp_mesh(), *local;
+  ok(mesh_new_local("local", DEVICE_CPU, &local));
+  static const int64_t shapes[][3] = {{4, 15, 0}, {3, 17, 0}, {2, 7, 5}, {9, 0, 0}};
+  nn_module_t *root;
+  ok(nn_module_new("", NULL, NULL, &root));
+  for (int i = 0; i < 4; i++) {
+    int nd = shapes[i][2] ? 3 : shapes[i][1] ? 2 : 1;
+    fsdpc_tensor_t t;
+    ok(tensor_init(&t, DTYPE_F32, device_cpu(), nd, shapes[i]));
+    for (int64_t k = 0; k < tensor_numel(&t); k++) ((float *)t.data)[k] = (float)(1000 * i + k);
+    dtensor_t *d;
+    placement_t rep = placement_replicate();
+    ok(dtensor_from_local(&t, local, &rep, nd, shapes[i], &d));
+    tensor_free(&t);
+    char name[16];
+    snprintf(name, sizeof name, "p%d", i);
+    ok(nn_module_add_param(root, name, d, true, NULL));
+  }
+  ok(nn_module_finalize(root));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  opt.shard_dim = dim_of_name;
+  fsdp_group_t *g;
+  ok(fully_shard(root, &opt, &g));
+  int md = mesh_ndim(mesh), W = mesh_size(mesh, md - 1), r = mesh_coord(mesh, md - 1);
+  int bad = 0;
+  int64_t padded = 0;
+  for (int i = 0; i < 4; i++) {
+    char name[16];
+    snprintf(name, sizeof name, "p%d", i);
+    nn_param_t *p = nn_param_find(root, name);
+    int nd = dtensor_ndim(p->value), dim = test_dims[i] < 0 ? test_dims[i] + nd : test_dims[i];
+    const placement_t *pl = dtensor_placements(p->value);
+    if (!placement_is_shard(pl[md - 1], dim)) bad++;
+    const fsdpc_tensor_t *l = dtensor_local(p->value);
+    int64_t start, len, n = shapes[i][dim], numel = 1, inner = 1;
+    for (int k = 0; k < nd; k++) numel *= shapes[i][k];
+    for (int k = dim + 1; k < nd; k++) inner *= shapes[i][k];
+    placement_chunk_range(n, W, r, &start, &len);
+    padded += numel / n * placement_chunk_size(n, W);
+    if (l->shape[dim] != len || !tensor_is_contiguous(l)) bad++;
+    /* element (a, j, b) of the shard is (a, start + j, b) of the whole */
+    for (int64_t e = 0; e < tensor_numel(l); e++) {
+      int64_t a = e / (len * inner), j = e / inner % len, b = e % inner;
+      if (((float *)l->data)[e] != (float)(1000 * i + (a * n + start + j) * inner + b)) bad++;
+    }
+  }
+  expect_all(bad == 0, "%d shard mismatches", bad);
+  ck_assert_int_eq(fsdp_flat_numel(g), padded);
+  /* gathered back whole */
+  ok(fsdp_unshard(g));
+  for (int i = 0; i < 4; i++) {
+    const fsdpc_tensor_t *c = &nn_module_param(root, i)->compute;
+    for (int64_t k = 0; k < tensor_numel(c); k++)
+      if (((float *)c->data)[k] != (float)(1000 * i + k)) bad++;
+  }
+  fsdp_reshard(g);
+  expect_all(bad == 0, "%d mismatches in the gathered parameters", bad);
+  nn_module_free(root);
+  /* a dimension the parameter does not have is refused by name */
+  ok(nn_module_new("", NULL, NULL, &root));
+  fsdpc_tensor_t t;
+  ok(tensor_zeros(&t, DTYPE_F32, device_cpu(), 1, (int64_t[]){6}));
+  dtensor_t *d;
+  placement_t rep = placement_replicate();
+  ok(dtensor_from_local(&t, local, &rep, 1, (int64_t[]){6}, &d));
+  tensor_free(&t);
+  ok(nn_module_add_param(root, "p1", d, true, NULL));
+  ok(nn_module_finalize(root));
+  ck_assert_int_eq(fully_shard(root, &opt, NULL), STATUS_EINVAL);
+  ck_assert_msg(strstr(err_detail(), "p1 has 1 dimension; shard dimension 1 is out of range"), "%s",
+                err_detail());
+  nn_module_free(root);
+  mesh_free(local);
+  mesh_free(mesh);
+}
+END_TEST
+
 typedef struct plan {
   bool tied;
   int reshard;          /* of the transformer blocks; the root keeps the default */
@@ -94,7 +180,15 @@ typedef struct plan {
   bool tied_group;      /* [embed_tokens, lm_head] as one group below the root (tied) */
   bool last_backward;   /* accumulation with sync on every micro-batch, is_last_backward false
                            on all but the last */
+  bool shard_dims;      /* the projections on their last dimension, the embeddings on 1 */
 } plan_t;
+
+static int projection_dims(const nn_param_t *p, void *user) {
+  (void)user;
+  size_t n = strlen(p->fqn);
+  if (n > 11 && strcmp(p->fqn + n - 11, "proj.weight") == 0) return -1;
+  return strstr(p->fqn, "embed_tokens") || strstr(p->fqn, "lm_head") ? 1 : 0;
+}
 
 /* Collectives one step must issue on the shard and replicate groups. */
 static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_groups,
@@ -164,6 +258,7 @@ static void parity(const plan_t *pl) {
   opt.mesh = mesh;
   opt.reshard_after_forward = pl->reshard;
   opt.offload = test_offload();
+  if (pl->shard_dims) opt.shard_dim = projection_dims;
   mesh_t *one = NULL;
   if (pl->bf16) { /* the reference runs the same casts: fully sharded over one rank */
     opt.param_dtype = DTYPE_BF16;
@@ -305,6 +400,14 @@ START_TEST(training_parity_accumulation_no_sync) {
 END_TEST
 START_TEST(training_parity_accumulation_last_backward) {
   parity(&(plan_t){.reshard = FSDP_RESHARD_AUTO, .accum = 2, .last_backward = true});
+}
+END_TEST
+START_TEST(training_parity_shard_dims) {
+  /* tied: the one weight of embed_tokens and lm_head on dimension 1; accumulation on the side */
+  parity(&(plan_t){.tied = true, .reshard = FSDP_RESHARD_AUTO, .accum = 2, .shard_dims = true});
+  int Ws = hsdp_mode() ? world_size() / hsdp_replicas() : world_size();
+  if (Ws == 4) parity(&(plan_t){.reshard = 2, .accum = 1, .shard_dims = true});
+  parity(&(plan_t){.reshard = FSDP_RESHARD_AUTO, .accum = 1, .bf16 = true, .shard_dims = true});
 }
 END_TEST
 START_TEST(training_parity_accumulation_hold_all_reduce) {
@@ -578,6 +681,7 @@ static Suite *make_suite(void) {
       tcase_add_test(tc, training_parity_accumulation_last_backward);
       if (hsdp_mode()) tcase_add_test(tc, training_parity_accumulation_hold_all_reduce);
       tcase_add_test(tc, training_parity_int_reshard);
+      tcase_add_test(tc, training_parity_shard_dims);
       tcase_add_test(tc, deferred_init_allocates_only_shards);
       tcase_add_test(tc, micro_step_makes_no_host_wait);
     }
@@ -585,6 +689,7 @@ static Suite *make_suite(void) {
     return s;
   }
   tcase_add_test(tc, shards_are_chunks);
+  tcase_add_test(tc, shard_dims_are_chunks);
   if (test_argc() > 1 && strcmp(test_argv()[1], "shards") == 0) { /* world sizes 5..7 */
     suite_add_tcase(s, tc);
     return s;
@@ -598,6 +703,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_parity_accumulation_last_backward);
   if (hsdp_mode()) tcase_add_test(tc, training_parity_accumulation_hold_all_reduce);
   tcase_add_test(tc, training_parity_int_reshard);
+  tcase_add_test(tc, training_parity_shard_dims);
   tcase_add_test(tc, int_reshard_invalid_is_refused);
   tcase_add_test(tc, memory_within_budget);
   tcase_add_test(tc, deferred_init_allocates_only_shards);

@@ -117,6 +117,15 @@ def checkpoints():
     t = os.path.join(tmp, "t")
     train(8, "hsdp-tp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + t,
                          "checkpoint.interval=5", "checkpoint.block_bytes=64"])
+    # per-parameter shard dimensions: the MLP's weights on dimension 1, attention's on their
+    # last, the embedding on 1 (under hsdp-tp both tp layouts: a colwise Shard(0) and a
+    # rowwise Shard(1), strided by dp)
+    sd = ["parallelize.fully_shard.shard_dims.%s=%s" % kv for kv in (
+        ('"model.layers.*.mlp.*.weight"', 1), ('"model.layers.*.self_attn.*.weight"', -1),
+        ('"model.embed_tokens.weight"', 1))]
+    u = os.path.join(tmp, "u")
+    train(4, "fsdp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + u,
+                      "checkpoint.interval=5", "checkpoint.block_bytes=64"] + sd)
 
     def stored(folder):  # the tensor bytes of a checkpoint (model and optimizer state)
         return sum(len(st_read(os.path.join(folder, sub, f))[1])
@@ -134,16 +143,19 @@ def checkpoints():
             (1, "debug", 24, s, []), (4, "hsdp", 6, s, []), (3, "fsdp", 8, s, []),
             (8, "hsdp-int-reshard", 3, s, []), (2, "tp", 24, s, []), (8, "hsdp-tp", 6, s, []),
             (4, "hsdp-tp", 12, s, ["mesh.dp_replicate=1"]),  # tp=2 x dp_shard=2
-            (4, "fsdp", 6, t, []), (1, "debug", 24, t, [])]:
+            (4, "fsdp", 6, t, []), (1, "debug", 24, t, []),
+            (4, "fsdp", 6, s, sd), (8, "hsdp-tp", 6, s, sd), (1, "debug", 24, u, []),
+            (8, "hsdp-tp", 6, u, [])]:
         m = os.path.join(tmp, "x%d.jsonl" % len(os.listdir(tmp)))  # a new file per run
         p = train(n, name, ["train.steps=10", "data.batch_size=%d" % batch,
                             "checkpoint.load=" + os.path.join(src, "step-00000005")] + extra, m)
         got = [r["loss"] for r in losses(m)] if os.path.exists(m) else []
         worst = max(abs(x - y) / abs(y) for x, y in zip(got, want)) if got else 1
         check(len(got) == 5 and worst <= 1e-5,
-              "saved by %s, resumed by %s on %d: losses match the uninterrupted run "
-              "(worst %.2e)" % ("hsdp-tp on 8 ranks" if src == t else "fsdp on 4 ranks", name, n,
-                                worst))
+              "saved by %s, resumed by %s%s on %d: losses match the uninterrupted run "
+              "(worst %.2e)" % ({t: "hsdp-tp on 8 ranks", s: "fsdp on 4 ranks"}.get(
+                  src, "fsdp with shard_dims on 4 ranks"), name, " with shard_dims" if extra is sd
+                  else "", n, worst))
         good, (read, need, total) = reads_touched_blocks(p, os.path.join(src, "step-00000005"), n)
         check(good, "%s on %d: rank 0 reads the 64-byte blocks its shards touch: %d bytes, "
               "needing %d, of %d saved" % (name, n, read, need, total))
@@ -159,19 +171,26 @@ def checkpoints():
                 out[sub + "/" + f] = {k: (v["shape"], info[k]["saved_offsets"]) for k, v in h.items()}
         return out
 
-    for n, name, batch in [(8, "hsdp-tp", 6), (1, "debug", 24)]:
-        rs = os.path.join(tmp, "rs-" + name)
+    v = os.path.join(tmp, "v")  # a live hsdp-tp save with shard_dims, for its layout
+    train(8, "hsdp-tp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + v,
+                         "checkpoint.interval=5", "checkpoint.block_bytes=64"] + sd)
+    for n, name, batch, extra, live in [(8, "hsdp-tp", 6, [], t), (1, "debug", 24, [], None),
+                                        (8, "hsdp-tp", 6, sd, v)]:
+        rs = os.path.join(tmp, "rs-%s%s" % (name, "-sd" if extra else ""))
         p = sh([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg(name), rs,
-                "--set", "data.batch_size=%d" % batch], timeout=300)
-        check(p.returncode == 0, "fsdp-ckpt reshard to %s runs" % name)
+                "--set", "data.batch_size=%d" % batch] +
+               [x for kv in extra for x in ("--set", kv)], timeout=300)
+        check(p.returncode == 0, "fsdp-ckpt reshard to %s%s runs" % (name, " +sd" if extra else ""))
         if p.returncode != 0:
             print(p.stderr)
             continue
-        if name == "hsdp-tp":
-            check(layout(rs) == layout(os.path.join(t, "step-00000005")),
-                  "reshard to hsdp-tp: the files, shapes and offsets of a live hsdp-tp save")
+        if live is not None:
+            check(layout(rs) == layout(os.path.join(live, "step-00000005")),
+                  "reshard to %s%s: the files, shapes and offsets of a live save"
+                  % (name, " with shard_dims" if extra else ""))
         m = os.path.join(tmp, "x%d.jsonl" % len(os.listdir(tmp)))
-        p = train(n, name, ["train.steps=10", "data.batch_size=%d" % batch, "checkpoint.load=" + rs], m)
+        p = train(n, name, ["train.steps=10", "data.batch_size=%d" % batch,
+                            "checkpoint.load=" + rs] + extra, m)
         got = [r["loss"] for r in losses(m)] if os.path.exists(m) else []
         worst = max(abs(x - y) / abs(y) for x, y in zip(got, want)) if got else 1
         rd = re.search(r"read (\d+) bytes of tensor data, needing (\d+), plus \d+ header bytes of "

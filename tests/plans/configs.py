@@ -100,6 +100,34 @@ def configs():
               "losses within 1e-5 (worst %.2e)" % (strategy, mesh, reshard, worst))
         if p.returncode != 0:
             print(p.stderr[-1500:])
+    # per-parameter shard dimensions: the MLP's weights on dimension 1, attention's on their
+    # last, the embedding on 1; under hsdp-tp beside both tensor-parallel splits (a colwise
+    # Shard(0) and a rowwise Shard(1), which dp then strides). The losses are the single
+    # rank's, the placements say S(1), a step communicates what --dry-run says
+    sd = []
+    for kv in (('"model.layers.*.mlp.*.weight"', 1), ('"model.layers.*.self_attn.*.weight"', -1),
+               ('"model.embed_tokens.weight"', 1)):
+        sd += ["--set", "parallelize.fully_shard.shard_dims.%s=%s" % kv]
+    for name, n, want in (("fsdp", 4, {"gate_proj": "(S(1))", "down_proj": "(S(1))"}),
+                          ("hsdp-tp", 8, {"gate_proj": "(R, S(1), S(0))",
+                                          "down_proj": "(R, SS(1,2), S(1))"})):
+        yaml = os.path.join(ROOT, "configs", name + ".yaml")
+        metrics = os.path.join(tmp, "sd-%s.jsonl" % name)
+        p, _ = run(n, [yaml, "--set", "train.steps=%d" % STEPS, "--metrics", metrics] + sd)
+        d, _ = run(n, [yaml, "--dry-run"] + sd)
+        m = losses(metrics) if p.returncode == 0 else []
+        worst = max(abs(a["loss"] - b) / abs(b) for a, b in zip(m, ref)) if m and ref else 1
+        got = dict(re.findall(r"^  model\.layers\.0\.mlp\.(\w+)\.weight +(\(.*?\)) ", d.stdout,
+                              re.M))
+        est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
+        check(len(m) == STEPS and worst <= 1e-5 and all(got.get(k) == v for k, v in want.items())
+              and est is not None and m[-1]["comm_bytes"] == int(est.group(1)),
+              "%s on %d with shard_dims: placements %s, losses within 1e-5 of debug.yaml's "
+              "(worst %.2e), communication %s B as --dry-run says (%s)"
+              % (name, n, got, worst, m[-1]["comm_bytes"] if m else "-",
+                 est.group(1) if est else "-"))
+        if p.returncode != 0:
+            print(p.stderr[-1500:])
     # the host-staged process groups (FSDPC_PG), in their lazy test mode, on the 2x2x2 mesh:
     # the header says so, and the losses are the MPI backend's bit for bit
     hsdp_tp = os.path.join(ROOT, "configs", "hsdp-tp.yaml")

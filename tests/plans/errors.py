@@ -58,6 +58,22 @@ def errors():
          r"data\.path: cannot read '/nonexistent/tokens\.bin'"),
         ("unit pattern matching nothing", base.replace('"model.layers.*"', '"model.blocks.*"'),
          [], r"units\[0\]: 'model\.blocks\.\*' matches no module"),
+        ("shard_dims pattern matching nothing", base.replace(
+            'units: ["model.layers.*"]',
+            'units: ["model.layers.*"]\n    shard_dims: {"model.blocks.*.weight": 1}'), [],
+         r"bad\d*\.yaml:\d+:\d+: parallelize\.fully_shard\.shard_dims: 'model\.blocks\.\*\.weight' "
+         r"matches no parameter \(parameters here: model\.embed_tokens\.weight, "),
+        ("shard dimension a parameter does not have", base.replace(
+            'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    shard_dims: {"model.layers.*.mlp.*.weight": 1}'),
+         ["--set",
+            'parallelize.fully_shard.shard_dims."model.norm.weight"=1'],
+         r"--set parallelize\.fully_shard\.shard_dims\.\"model\.norm\.weight\"=1: "
+         r"parallelize\.fully_shard\.shard_dims: parameter model\.norm\.weight has 1 "
+         r"dimension; 'model\.norm\.weight' gives it dimension 1 \(from -1 to 0\)"),
+        ("shard dimension not an integer", base.replace(
+            'units: ["model.layers.*"]',
+            'units: ["model.layers.*"]\n    shard_dims: {"lm_head.weight": last}'), [],
+         r"fully_shard\.shard_dims\.lm_head\.weight: expected an integer, got 'last'"),
         ("empty file", "", [], r"the plan is empty"),
         ("binary garbage", b"\x00\x01\xff\xfe garbage \x80\x81", [], r"not valid YAML"),
         ("huge number", base.replace("batch_size: 2", "batch_size: 99999999999999999999999"),

@@ -159,6 +159,81 @@ START_TEST(placements_follow_module_kinds) {
 }
 END_TEST
 
+/* shard_dims in code: the offline placements follow them (strided where tp splits the same
+ * dimension), first match wins, a dimension out of range is refused there and in
+ * parallel_apply, a pattern matching no parameter is refused by parallel_apply. */
+START_TEST(shard_dims_in_code) {
+  parallel_plan_t pp;
+  parallel_plan_defaults(&pp);
+  pp.tp = 2;
+  ok(parallel_plan_add_tp_rule(&pp, "fc1", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
+  ok(parallel_plan_add_tp_rule(&pp, "fc2", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
+  ok(parallel_plan_add_shard_dim(&pp, "fc2.weight", -1));
+  ok(parallel_plan_add_shard_dim(&pp, "fc*.weight", 1));
+  ok(parallel_plan_add_shard_dim(&pp, "norm.*", 1));
+  ck_assert_int_eq(parallel_plan_add_shard_dim(&pp, "", 0), STATUS_EINVAL);
+  ok(parallel_plan_resolve(&pp, 4));
+  nn_module_t *m = mlp();
+  const struct {
+    const char *fqn, *want;
+  } cases[] = {{"fc1.weight", "(S(1), S(0))"},
+               {"fc2.weight", "(SS(1,2), S(1))"},
+               {"fc1.bias", "(SS(0,2), S(0))"}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int md, shape[MESH_MAX_DIMS];
+    placement_t pl[MESH_MAX_DIMS];
+    char module[32], buf[64];
+    snprintf(module, sizeof module, "%s", cases[i].fqn);
+    *strrchr(module, '.') = 0;
+    ok(parallel_param_placements(&pp, cases[i].fqn, nn_module_kind(nn_module_find(m, module)),
+                                 strstr(cases[i].fqn, "weight") ? 2 : 1, &md, shape, pl));
+    placements_str(md, pl, buf, sizeof buf);
+    ck_assert_msg(strcmp(buf, cases[i].want) == 0, "%s: %s, want %s", cases[i].fqn, buf,
+                  cases[i].want);
+  }
+  ck_assert_int_eq(parallel_plan_shard_dim(&pp, "norm.weight", 1), -1);
+  int md, shape[MESH_MAX_DIMS];
+  placement_t pl[MESH_MAX_DIMS];
+  ck_assert_int_eq(parallel_param_placements(&pp, "norm.weight", "layernorm", 1, &md, shape, pl),
+                   STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "norm.weight") && strstr(err_detail(), "out of range"));
+  nn_module_free(m);
+  /* applied on one rank: the norm's 1-D weight has no dimension 1 */
+  parallel_plan_t one;
+  parallel_plan_defaults(&one);
+  ok(parallel_plan_add_shard_dim(&one, "fc1.weight", 1));
+  ok(parallel_plan_add_shard_dim(&one, "norm.weight", 1));
+  ok(parallel_plan_resolve(&one, 1));
+  parallel_t *par = NULL;
+  m = mlp();
+  ck_assert_int_eq(parallel_apply(m, &one, DEVICE_CPU, &par), STATUS_EINVAL);
+  ck_assert_msg(strstr(err_detail(),
+                       "parameter norm.weight has 1 dimension; 'norm.weight' gives "
+                       "it dimension 1 (from -1 to 0)"),
+                "%s", err_detail());
+  nn_module_free(m);
+  one.n_shard_dims = 1;
+  ok(parallel_plan_add_shard_dim(&one, "fc3.*", 0));
+  m = mlp();
+  ck_assert_int_eq(parallel_apply(m, &one, DEVICE_CPU, &par), STATUS_EINVAL);
+  ck_assert_msg(strstr(err_detail(),
+                       "'fc3.*' matches no parameter (parameters here: fc1.weight, "
+                       "fc1.bias, ...)"),
+                "%s", err_detail());
+  nn_module_free(m);
+  /* and a valid one shards fc1's weight on its columns */
+  one.n_shard_dims = 1;
+  m = mlp();
+  ok(parallel_apply(m, &one, DEVICE_CPU, &par));
+  char buf[64];
+  const dtensor_t *w = nn_param_find(m, "fc1.weight")->value;
+  ck_assert_str_eq(
+      placements_str(mesh_ndim(dtensor_mesh(w)), dtensor_placements(w), buf, sizeof buf), "(S(1))");
+  parallel_free(par);
+  nn_module_free(m);
+}
+END_TEST
+
 /* The job plan's defaults that stand for another folder's: checkpoint.block_bytes is the
  * checkpoint library's block size (parallel/ cannot include checkpoint/). */
 START_TEST(plan_defaults_match_the_libraries) {
@@ -174,6 +249,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, plan_in_code_applies_to_any_model);
   tcase_add_test(tc, model_and_plan_free_in_either_order);
   tcase_add_test(tc, placements_follow_module_kinds);
+  tcase_add_test(tc, shard_dims_in_code);
   tcase_add_test(tc, plan_defaults_match_the_libraries);
   suite_add_tcase(s, tc);
   return s;
