@@ -5,10 +5,13 @@
  * cast, copy-out and reduce-scatter packing, batched on a GPU; the others one by one) in one
  * more, profiled, step against a plain copy of 64 MiB on that device. Figures, not assertions.
  *
- *   mpirun -n 4 bench-fsdp-step [--config configs/llama-small.json] [--hsdp R]
+ *   mpirun -n 4 bench-fsdp-step [--config configs/llama-small.json] [--hsdp R [--hfsdp]]
  *       [--reshard auto|0|1|N] [--param-dtype f32|bf16] [--steps 5] [--batch 2] [--seq 128]
  *       [--device cpu|cuda] [--offload]
- * With --offload (CUDA) the sharded state lives on the host; its memory is printed too.
+ * With --offload (CUDA) the sharded state lives on the host; its memory is printed too. After
+ * the steps, the bytes each rank holds of the parameters the optimizer updates, their
+ * gradients and AdamW's moments, measured, against the model's whole: 1/dp_shard under HSDP,
+ * 1/(R x dp_shard) under --hfsdp (the optimizer state over the replicas too).
  * On a GPU, one more step measures the host's own time: the forward and backward launched
  * without a wait (per fully_shard unit), the part of it in fully_shard's hooks, and the
  * optimizer's launches (per parameter).
@@ -31,6 +34,7 @@ static const bench_option_t OPTIONS[] = {
     {"--batch", "N", "samples per rank (default 2)"},
     {"--seq", "N", "tokens per sample (default 128)"},
     {"--offload", NULL, "sharded state on the host (CUDA)"},
+    {"--hfsdp", NULL, "with --hsdp: the optimizer state sharded over the replicas too (HFSDP)"},
     {NULL, NULL, NULL}};
 
 /* --reshard: auto, true, false or an integer N >= 2. */
@@ -92,6 +96,34 @@ static void host_time(llama_t *m, fsdpc_data_t *d, const data_spec_t *spec, int6
         "parameter (%d), its device work done %.3f ms later\n",
         1e3 * (t1 - t0), waits, 1e6 * (t1 - t0) / ng, ng, 1e6 * (h1 - h0) / ng,
         (long long)(c1 - c0), 1e3 * (t3 - t2), 1e6 * (t3 - t2) / n, n, 1e3 * (t4 - t3));
+}
+
+/* The bytes this rank holds of the updated parameters, their gradients and AdamW's moments,
+ * summed over every rank (each rank's own elements: no replica counted twice when the
+ * placements say the state is sharded over all), against the model's P elements of each. */
+static void state_share(nn_param_t **ps, int n, optim_t *o, double P, int W, int Ws, int R,
+                        bool hfsdp) {
+  double mine = 0;
+  for (int i = 0; i < n; i++) {
+    dtensor_t *m1, *m2;
+    BENCH_TRY(optim_state(o, i, &m1, &m2));
+    mine += (double)tensor_nbytes(dtensor_local(ps[i]->value)) +
+            (ps[i]->grad ? (double)tensor_nbytes(dtensor_local(ps[i]->grad)) : 0) +
+            (double)tensor_nbytes(dtensor_local(m1)) + (double)tensor_nbytes(dtensor_local(m2));
+    dtensor_free(m1);
+    dtensor_free(m2);
+  }
+  double whole = 4.0 * P * (double)dtype_size(dtensor_local(ps[0]->value)->dtype);
+  int share = hfsdp ? W : Ws;
+  if (world_rank() == 0)
+    printf(
+        "optimizer state on rank 0 (updated parameters, gradients, AdamW moments): %.0f B, "
+        "1/%.2f of the model's %.0f B (%s: 1/%d, padding aside)%s\n",
+        mine, whole / mine, whole,
+        hfsdp   ? "HFSDP, over dp_replicate x dp_shard"
+        : R > 1 ? "HSDP, over dp_shard"
+                : "FSDP, over dp_shard",
+        share, hfsdp ? "; the 1/dp_shard shards the units gather from are kept besides" : "");
 }
 
 /* GB/s of the profiled copies named name since the last reset; 0 when there were none. */
@@ -316,6 +348,11 @@ int main(int argc, char **argv) {
   opt.param_dtype = pdt == lopt.dtype ? DTYPE_COUNT : pdt;
   opt.reduce_dtype = lopt.dtype;
   opt.offload = bench_flag(argc, argv, "--offload");
+  opt.shard_state_over_replicas = bench_flag(argc, argv, "--hfsdp");
+  if (opt.shard_state_over_replicas && R == 1) {
+    fprintf(stderr, "%s: --hfsdp needs --hsdp R with R > 1\n", bench_prog(argv));
+    bench_leave(2);
+  }
   int ng = (int)cfg.n_layers + 1;
   fsdp_group_t **groups = calloc((size_t)ng, sizeof *groups);
   for (int i = 0; i < cfg.n_layers; i++)
@@ -351,9 +388,12 @@ int main(int argc, char **argv) {
     printf(
         "llama %lld params, %lld layers; mesh %s x %d; reshard %s; param %s, reduce %s; "
         "batch %lld x %lld per rank\n",
-        (long long)P, (long long)cfg.n_layers, R > 1 ? "hsdp" : "fsdp", W,
-        bench_opt(argc, argv, "--reshard", "auto"), dtype_name(pdt),
-        dtype_name(lopt.dtype), (long long)spec.batch_size, (long long)spec.seq_len);
+        (long long)P, (long long)cfg.n_layers,
+        R == 1                          ? "fsdp"
+        : opt.shard_state_over_replicas ? "hfsdp"
+                                        : "hsdp",
+        W, bench_opt(argc, argv, "--reshard", "auto"), dtype_name(pdt), dtype_name(lopt.dtype),
+        (long long)spec.batch_size, (long long)spec.seq_len);
   for (int64_t s = 0; s < steps; s++) {
     pg_reset_counters(shard);
     if (rep) pg_reset_counters(rep);
@@ -367,18 +407,26 @@ int main(int argc, char **argv) {
     train_step(m, d, &spec, s, ps, n, all_ranks, o, dev);
     double dt = device_clock_seconds() - t0;
     uint64_t ag = sum_kind(shard, PG_ALL_GATHER), rsb = sum_kind(shard, PG_REDUCE_SCATTER);
-    uint64_t ar = sum_kind(rep, PG_ALL_REDUCE);
+    /* HSDP's all-reduce over the replicas; HFSDP's reduce-scatter and gather there */
+    uint64_t ar = sum_kind(rep, PG_ALL_REDUCE) + sum_kind(rep, PG_REDUCE_SCATTER) +
+                  sum_kind(rep, PG_ALL_GATHER);
     for (int i = 0; i < npost; i++) ag += sum_kind(post[i], PG_ALL_GATHER);
     double f = (double)(Ws - 1) / Ws;
     double ag_model = (reshard == 0 ? 1 : 2) * f * P * (double)pbytes,
            rs_model = f * P * (double)rbytes;
-    double ar_model = R > 1 ? 2.0 * (R - 1) / R * P / Ws * (double)rbytes : 0;
+    /* HFSDP: (R-1)/R of a shard reduce-scattered, and of the updated shard gathered */
+    double ar_model = R == 1                          ? 0
+                      : opt.shard_state_over_replicas ? (R - 1.0) / R * P / Ws * (double)rbytes +
+                                                            (R - 1.0) / R * P / Ws * (double)rbytes
+                                                      : 2.0 * (R - 1) / R * P / Ws * (double)rbytes;
     size_t peak = mem_stats(dev).peak;
-    double state = 4.0 * P / Ws * (double)rbytes; /* params, grads, two Adam moments */
+    /* params, grads, two Adam moments; HFSDP: those over every rank, the 1/dp_shard shards */
+    double state = opt.shard_state_over_replicas ? (4.0 * P / W + P / Ws) * (double)rbytes
+                                                 : 4.0 * P / Ws * (double)rbytes;
     if (rank == 0)
       printf(
           "step %lld: %.3f s | all-gather %.0f B (model %.0f) reduce-scatter %.0f B (model "
-          "%.0f) all-reduce %.0f B (model %.0f) | peak %.2f MiB (resident %.2f MiB; sharded "
+          "%.0f) replicas %.0f B (model %.0f) | peak %.2f MiB (resident %.2f MiB; sharded "
           "state %.2f MiB, largest group %.2f MiB)\n",
           (long long)s, dt, (double)ag, ag_model, (double)rsb, rs_model, (double)ar, ar_model,
           peak / 1048576.0, base / 1048576.0, state / 1048576.0, largest / 1048576.0);
@@ -386,6 +434,7 @@ int main(int argc, char **argv) {
       printf("        host: peak %.2f MiB (resident %.2f MiB)\n",
              mem_stats(device_cpu()).peak / 1048576.0, host_base / 1048576.0);
   }
+  state_share(ps, n, o, P, W, Ws, R, opt.shard_state_over_replicas);
   if (dev.type == DEVICE_CUDA) host_time(m, d, &spec, steps, ps, n, ng, all_ranks, o, dev);
   /* FSDP's own copies (copy-in with its cast, copy-out, reduce-scatter packing) in one more
    * step, profiled, against the device's copy bandwidth */
@@ -431,7 +480,9 @@ int main(int argc, char **argv) {
     printf(
         "model: all-gathers 2 (W-1)/W P bytes(param) with resharding, 1x without (the root "
         "gathers once either way, so measured is lower), reduce-scatters (W-1)/W P "
-        "bytes(reduce), HSDP all-reduce 2 (R-1)/R P/W bytes(reduce); P unpadded, measured "
+        "bytes(reduce), HSDP all-reduce 2 (R-1)/R P/W bytes(reduce) (HFSDP: a reduce-scatter "
+        "(R-1)/R P/W bytes(reduce) and a gather of the updated shards (R-1)/R P/W bytes(param) "
+        "over the replicas); P unpadded, measured "
         "padded; an integer reshard moves the backward gathers into groups of N\n");
   free(ps);
   optim_free(o);

@@ -56,6 +56,70 @@ dtype_t fsdp_param_dtype(const fsdp_group_t *g) {
   return g->param_dtype;
 }
 
+bool fsdp_state_over_replicas(const fsdp_group_t *g) { return g != NULL && g->hfsdp; }
+int64_t fsdp_replica_gather_numel(const fsdp_group_t *g) {
+  return g != NULL && g->hfsdp ? g->sub_block : 0;
+}
+int64_t fsdp_replica_reduce_numel(const fsdp_group_t *g) {
+  if (g == NULL || !g->hfsdp) return 0;
+  int64_t n = 0;
+  for (int i = 0; i < g->n; i++)
+    if (g->params[i].p->requires_grad) n += g->params[i].sub_rows * g->params[i].row + 1;
+  return n == 0 ? 0 : fsdp_align_block(n, g->reduce_dtype);
+}
+dtype_t fsdp_shard_dtype(const fsdp_group_t *g) {
+  if (g == NULL || g->n == 0) return DTYPE_F32;
+  dtype_t dt = g->params[0].padded.dtype;
+  for (int i = 1; i < g->n; i++)
+    if (g->params[i].padded.dtype != dt) return DTYPE_F32;
+  return dt;
+}
+
+/* HFSDP: each parameter's slice of the replica buffers (sub_rows padded rows of its len), the
+ * gather block they make, and the dtype it travels in. */
+static void replica_layout(fsdp_group_t *g) {
+  g->own_dtype = fsdp_shard_dtype(g);
+  int64_t at = 0;
+  for (int i = 0; i < g->n; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    fp->sub_rows = placement_chunk_size(fp->len, g->R);
+    fp->sub_offset = at;
+    at += fp->sub_rows * fp->row;
+  }
+  g->sub_block = fsdp_align_block(at, g->own_dtype);
+  g->stale = true; /* the 1/S shards are filled from the masters at the first unshard */
+}
+
+/* Why opt->shard_state_over_replicas cannot apply to these parameters, or STATUS_OK. */
+static fsdpc_status_t check_hfsdp(const fsdp_options_t *opt, const fsdp_plist_t *l) {
+  if (!opt->shard_state_over_replicas) return STATUS_OK;
+  if (mesh_ndim(opt->mesh) != 2)
+    return err_set(STATUS_EMESH,
+                   "fully_shard: shard_state_over_replicas needs a 2-D (replicate, shard) mesh, "
+                   "got %d dimension%s",
+                   mesh_ndim(opt->mesh), mesh_ndim(opt->mesh) == 1 ? "" : "s");
+  if (opt->offload && mesh_device(opt->mesh).type == DEVICE_CUDA)
+    return err_set(STATUS_EINVAL,
+                   "fully_shard: shard_state_over_replicas does not compose with offload");
+  for (int i = 0; i < l->n; i++) {
+    const mesh_t *pm = dtensor_mesh(l->p[i]->value);
+    if (mesh_ndim(pm) != 1 || mesh_size(pm, 0) != 1)
+      return err_set(STATUS_EINVAL,
+                     "fully_shard: shard_state_over_replicas does not compose with "
+                     "tensor-parallel parameters (%s is distributed already)",
+                     l->p[i]->fqn);
+  }
+  return STATUS_OK;
+}
+
+void fsdp_params_changed(nn_module_t *root) {
+  if (root == NULL) return;
+  fsdp_group_t *g = fsdp_group_of(root);
+  if (g != NULL && g->hfsdp) g->stale = true;
+  for (int i = 0; i < nn_module_num_children(root); i++)
+    fsdp_params_changed(nn_module_child(root, i));
+}
+
 int fsdp_post_forward_groups(fsdp_group_t *const *groups, int n, pg_t **out) {
   int k = 0;
   for (int i = 0; i < n; i++) {
@@ -103,6 +167,7 @@ static void group_free(fsdp_group_t *g) {
   tensor_free(&g->red_recv);
   for (int i = 0; i < g->n; i++) {
     tensor_free(&g->params[i].padded);
+    tensor_free(&g->params[i].master);
     if (g->params[i].p != NULL && g->params[i].p->guard_state == &g->params[i])
       g->params[i].p->guard = NULL, g->params[i].p->guard_state = NULL;
   }
@@ -165,6 +230,7 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
     st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
   for (int i = 0; i < l.n && st == STATUS_OK; i++)
     st = fsdp_check_param(l.p[i], opt, &g->params[i].dim);
+  if (st == STATUS_OK) st = check_hfsdp(opt, &l);
   if (st != STATUS_OK) {
     free(l.p);
     group_free(g);
@@ -179,6 +245,9 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   g->replicate = md == 2 ? mesh_group(opt->mesh, 0) : NULL;
   g->W = mesh_size(opt->mesh, md - 1);
   g->rank = mesh_coord(opt->mesh, md - 1);
+  g->hfsdp = opt->shard_state_over_replicas;
+  g->R = md == 2 ? mesh_size(opt->mesh, 0) : 1;
+  g->rrank = md == 2 ? mesh_coord(opt->mesh, 0) : 0;
   g->reshard_after_forward = opt->reshard_after_forward;
   g->sync = g->all_reduce = g->reshard_after_backward = g->is_last_backward = true;
   g->offload = opt->offload && mesh_device(opt->mesh).type == DEVICE_CUDA;
@@ -203,6 +272,7 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   }
   free(l.p);
   g->block = fsdp_align_block(g->flat, g->param_dtype);
+  if (g->hfsdp) replica_layout(g);
   g->agree[0] = g->agree[1] = NULL;
   if (st == STATUS_OK) st = fsdp_agree_group(g->shard, &g->agree[0]);
   if (st == STATUS_OK) st = fsdp_agree_group(g->replicate, &g->agree[1]);

@@ -64,6 +64,15 @@ typedef struct fsdp_options {
    * is (ceil(n_d / W) slices per rank); the values and gradients do not depend on d. */
   int (*shard_dim)(const nn_param_t *p, void *user);
   void *shard_dim_user;
+  /* HFSDP, on a 2-D (replicate R, shard S) mesh: the sharded parameters the optimizer updates,
+   * their gradients and so the optimizer's state are 1/(R*S) shards over every data-parallel
+   * rank instead of HSDP's 1/S; each rank keeps its 1/S shard of the parameters as well, which
+   * the unshards gather within the shard group as under HSDP. Backward reduce-scatters over
+   * the shard group, then over the replicas (instead of HSDP's all-reduce); the first unshard
+   * after the gradients of a last backward were reduced (fsdp_set_is_last_backward), or after
+   * fsdp_params_changed, all-gathers the 1/(R*S) shards over the replicas into the 1/S ones
+   * first. Not with offload or tensor-parallel parameters. */
+  bool shard_state_over_replicas;
 } fsdp_options_t;
 
 #define FSDP_ON_DEMAND_TIMEOUT_DEFAULT 600.0
@@ -73,7 +82,7 @@ typedef struct fsdp_options {
     .mesh = NULL, .reshard_after_forward = FSDP_RESHARD_AUTO, .param_dtype = DTYPE_COUNT,      \
     .reduce_dtype = DTYPE_COUNT, .output_dtype = DTYPE_COUNT, .ignored = NULL, .n_ignored = 0, \
     .offload = false, .on_demand_timeout = FSDP_ON_DEMAND_TIMEOUT_DEFAULT, .shard_dim = NULL,  \
-    .shard_dim_user = NULL                                                                     \
+    .shard_dim_user = NULL, .shard_state_over_replicas = false                                 \
   }
 
 typedef struct fsdp_group fsdp_group_t;
@@ -161,6 +170,23 @@ fsdpc_status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *
  * to measure its copies on one device). Process-wide; an unshard or reduction in flight ends
  * on the path it started on. */
 void fsdp_set_one_rank_path(bool on);
+
+/* HFSDP (shard_state_over_replicas): whether g keeps its state over the replicas; the
+ * elements per rank of its reduce-scatter over the replicas (every trainable parameter's
+ * 1/(R*S) slice padded alike, then one presence element per such parameter, rounded up to 16
+ * bytes of the reduce dtype) and of its all-gather over the replicas (every parameter's slice,
+ * in fsdp_shard_dtype, rounded up to 16 bytes); 0 without HFSDP. */
+bool fsdp_state_over_replicas(const fsdp_group_t *g);
+int64_t fsdp_replica_reduce_numel(const fsdp_group_t *g);
+int64_t fsdp_replica_gather_numel(const fsdp_group_t *g);
+/* The dtype of the group's sharded parameters (of the first one; f32 when they differ). */
+dtype_t fsdp_shard_dtype(const fsdp_group_t *g);
+
+/* HFSDP: the sharded parameters under root were changed by other means than an optimizer
+ * step after a last backward (a checkpoint loaded into them mid-run, a hand-made update): the
+ * next unshard of each group first gathers them over the replicas. No-op for other groups.
+ * Local. */
+void fsdp_params_changed(nn_module_t *root);
 
 /* The host time spent in fully_shard's module hooks in this process so far (unshard,
  * prefetch, reshard, the reductions' start and their bookkeeping; on a GPU the launches

@@ -154,23 +154,82 @@ static fsdpc_status_t copies_run(copies_t *c, fsdpc_status_t st) {
   return st;
 }
 
-/* Adds the copy of chunk r (of W, the chunk rule on fp's shard dimension) of the unsharded
- * tensor full to or from a flat buffer, where it lies contiguously, in the chunk's own shape,
- * from element pos. Empty chunks add nothing. */
-static fsdpc_status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r,
-                                fsdpc_tensor_t *full, fsdpc_tensor_t *flat, int64_t pos,
-                                bool to_flat) {
-  int64_t start, len, shape[TENSOR_MAX_DIMS];
-  placement_chunk_range(fp->extent, W, r, &start, &len);
+/* Adds the copy of chunk r (of W, the chunk rule on dimension dim) of full to or from a flat
+ * buffer, where it lies contiguously, in the chunk's own shape, from element pos. Empty chunks
+ * add nothing. */
+static fsdpc_status_t add_chunk_of(copies_t *c, int dim, int W, int r, fsdpc_tensor_t *full,
+                                   fsdpc_tensor_t *flat, int64_t pos, bool to_flat) {
+  int64_t start, len, shape[TENSOR_MAX_DIMS], extent = full->shape[dim];
+  placement_chunk_range(extent, W, r, &start, &len);
   if (len == 0) return STATUS_OK;
   memcpy(shape, full->shape, sizeof shape);
-  shape[fp->dim] = len;
+  shape[dim] = len;
   fsdpc_tensor_t rows = {0}, slot = {0}, slot_nd = {0};
-  fsdpc_status_t st = tensor_narrow(&rows, full, fp->dim, start, len);
-  if (st == STATUS_OK) st = tensor_narrow(&slot, flat, 0, pos, len * fp->row);
+  fsdpc_status_t st = tensor_narrow(&rows, full, dim, start, len);
+  if (st == STATUS_OK) st = tensor_narrow(&slot, flat, 0, pos, tensor_numel(&rows));
   if (st == STATUS_OK) st = tensor_view(&slot_nd, &slot, full->ndim, shape);
   tensor_free(&slot);
   return to_flat ? copies_add(c, st, &slot_nd, &rows) : copies_add(c, st, &rows, &slot_nd);
+}
+
+/* The same for fp's unsharded tensor (or its gradient) chunked over the shard group. */
+static fsdpc_status_t add_chunk(copies_t *c, const fsdp_param_t *fp, int W, int r,
+                                fsdpc_tensor_t *full, fsdpc_tensor_t *flat, int64_t pos,
+                                bool to_flat) {
+  return add_chunk_of(c, fp->dim, W, r, full, flat, pos, to_flat);
+}
+
+/* *out: the first len rows (along fp's shard dimension) of flat from element pos, viewed in
+ * the shard's shape. */
+static fsdpc_status_t rows_at(const fsdp_param_t *fp, const fsdpc_tensor_t *flat, int64_t pos,
+                              int64_t len, fsdpc_tensor_t *out) {
+  int64_t shape[TENSOR_MAX_DIMS];
+  memcpy(shape, fp->shape, sizeof shape);
+  shape[fp->dim] = len;
+  fsdpc_tensor_t head = {0};
+  fsdpc_status_t st = tensor_narrow(&head, flat, 0, pos, len * fp->row);
+  if (st == STATUS_OK) st = tensor_view(out, &head, fp->ndim, shape);
+  tensor_free(&head);
+  return st;
+}
+
+/* HFSDP: the 1/S shards brought up to date from the masters, one all-gather over the
+ * replicas: every replica's chunk of each shard, in the shards' dtype. On the current stream,
+ * before anything reads the shards. */
+static fsdpc_status_t replica_refresh(fsdp_group_t *g) {
+  device_t dev = mesh_device(g->mesh);
+  int64_t total = g->sub_block * g->R;
+  fsdpc_tensor_t buf;
+  FSDPC_TRY(tensor_zeros(&buf, g->own_dtype, dev, 1, &total));
+  copies_t c = {0};
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < g->n && st == STATUS_OK; i++) { /* this replica's chunks, packed */
+    fsdp_param_t *fp = &g->params[i];
+    fsdpc_tensor_t slot = {0}, master = {0};
+    st = rows_at(fp, &buf, g->rrank * g->sub_block + fp->sub_offset, fp->master.shape[fp->dim],
+                 &slot);
+    if (st == STATUS_OK) st = tensor_ref(&master, &fp->master);
+    st = copies_add(&c, st, &slot, &master);
+  }
+  st = copies_run(&c, st);
+  char *base = buf.data;
+  if (st == STATUS_OK)
+    st = pg_all_gather(g->replicate,
+                       base + (size_t)(g->rrank * g->sub_block) * dtype_size(g->own_dtype),
+                       buf.data, (size_t)g->sub_block, g->own_dtype, NULL);
+  for (int i = 0; i < g->n && st == STATUS_OK; i++) { /* every replica's, into the shard */
+    fsdp_param_t *fp = &g->params[i];
+    fsdpc_tensor_t shard = {0};
+    st = rows_at(fp, &fp->padded, 0, fp->len, &shard);
+    for (int q = 0; q < g->R && st == STATUS_OK; q++)
+      st = add_chunk_of(&c, fp->dim, g->R, q, &shard, &buf, q * g->sub_block + fp->sub_offset,
+                        false);
+    tensor_free(&shard);
+  }
+  st = copies_run(&c, st);
+  tensor_free(&buf);
+  if (st == STATUS_OK) g->stale = false;
+  return st;
 }
 
 /* *out: fp's padded shard where copy-in reads it, on dev: the shard itself, or, offloaded,
@@ -202,6 +261,7 @@ fsdpc_status_t fsdp_unshard_start(fsdp_group_t *g) {
                      "deferred initialisation): call nn_module_materialize and initialise it "
                      "before the first forward",
                      g->params[i].p->fqn);
+  if (g->hfsdp && g->stale) FSDPC_TRY(replica_refresh(g));
   if (local_unshard(g)) { /* nothing to gather: fsdp_unshard_wait makes the tensors */
     g->gathering = g->gather_local = true;
     fsdp_emit(g, "unshard");
@@ -411,7 +471,7 @@ static fsdpc_status_t mark_presence(fsdp_group_t *g, int64_t block) {
  * places; each parameter's presence element tells every rank whether any rank had one. */
 fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g) {
   FSDPC_TRY(fsdp_reduce_finish(g->root));
-  int64_t flat = 0;
+  int64_t flat = 0, sub = 0;
   int params = 0;
   bool any = false, missing = false;
   for (int i = 0; i < g->n; i++) {
@@ -420,11 +480,16 @@ fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g) {
     fp->trainable = fp->p->requires_grad;
     if (!fp->trainable) continue;
     fp->red_offset = flat;
+    fp->sub_red_offset = sub;
     fp->red_index = params++;
     flat += fp->rows * fp->row;
+    sub += fp->sub_rows * fp->row;
     any |= fp->reducing;
     missing |= !fp->reducing;
   }
+  g->red_last = g->is_last_backward;
+  g->sub_red_grads = sub;
+  g->sub_red_block = g->hfsdp ? fsdp_align_block(sub + params, g->reduce_dtype) : 0;
   if (flat == 0) return STATUS_OK;
   if (local_reduce(g)) {
     if (!any) return STATUS_OK;
@@ -495,13 +560,57 @@ void fsdp_reduce_drop(fsdp_group_t *g) {
   tensor_free(&g->red_send);
   tensor_free(&g->red_recv);
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].held);
-  g->red_local = false;
+  g->red_local = g->red_sub = false;
   g->red_flat = 0;
   if (g->root != NULL && g->root->state.reducing == g) g->root->state.reducing = NULL;
 }
 
-/* HSDP: all-reduces recv over the replicate group, or parks it (sums it into the partial
- * result) while all-reduce is off. *parked tells which. */
+/* HFSDP: the shard group's reduced block recv (every trainable parameter's len rows at
+ * red_offset, then the presence elements) reduce-scattered over the replicas: block q of the
+ * send buffer holds replica q's chunk of each, then all the presence elements. recv becomes
+ * this replica's block (red_sub: the layout of sub_red_offset and sub_red_grads). */
+static fsdpc_status_t replica_scatter(fsdp_group_t *g, fsdpc_tensor_t *recv, reduce_op_t op) {
+  device_t dev = mesh_device(g->mesh);
+  int64_t block = g->sub_red_block, total = block * g->R;
+  fsdpc_tensor_t send = {0}, out = {0};
+  FSDPC_TRY(tensor_zeros(&send, g->reduce_dtype, dev, 1, &total));
+  copies_t c = {0};
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < g->n && st == STATUS_OK; i++) {
+    fsdp_param_t *fp = &g->params[i];
+    if (!fp->trainable) continue;
+    fsdpc_tensor_t shard = {0};
+    st = rows_at(fp, recv, fp->red_offset, fp->len, &shard);
+    for (int q = 0; q < g->R && st == STATUS_OK; q++)
+      st = add_chunk_of(&c, fp->dim, g->R, q, &shard, &send, q * block + fp->sub_red_offset, true);
+    tensor_free(&shard);
+  }
+  for (int q = 0; q < g->R && st == STATUS_OK; q++) { /* the presence elements, whole */
+    fsdpc_tensor_t from = {0}, to = {0};
+    st = tensor_narrow(&from, recv, 0, g->red_grads, g->red_params);
+    if (st == STATUS_OK)
+      st = tensor_narrow(&to, &send, 0, q * block + g->sub_red_grads, g->red_params);
+    st = copies_add(&c, st, &to, &from);
+  }
+  st = copies_run(&c, st);
+  if (st == STATUS_OK) st = tensor_init(&out, g->reduce_dtype, dev, 1, &block);
+  if (st == STATUS_OK)
+    st = pg_reduce_scatter(g->replicate, send.data, out.data, (size_t)block, g->reduce_dtype, op,
+                           NULL);
+  tensor_free(&send);
+  if (st != STATUS_OK) {
+    tensor_free(&out);
+    return st;
+  }
+  tensor_free(recv);
+  *recv = out;
+  g->red_sub = true;
+  return STATUS_OK;
+}
+
+/* HSDP: all-reduces recv over the replicate group (HFSDP: reduce-scatters it, replica_scatter),
+ * or parks it (sums it into the partial result) while all-reduce is off. *parked tells
+ * which. */
 static fsdpc_status_t replicate_reduce(fsdp_group_t *g, fsdpc_tensor_t *recv, reduce_op_t op,
                                        bool *parked) {
   *parked = false;
@@ -519,6 +628,7 @@ static fsdpc_status_t replicate_reduce(fsdp_group_t *g, fsdpc_tensor_t *recv, re
     FSDPC_TRY(kernel_axpy(recv, 1.0f, &g->partial));
     tensor_free(&g->partial);
   }
+  if (g->hfsdp) return replica_scatter(g, recv, op);
   return pg_all_reduce(g->replicate, recv->data, recv->data, (size_t)g->red_flat, g->reduce_dtype,
                        op, NULL);
 }
@@ -598,7 +708,7 @@ fsdpc_status_t fsdp_reduce_finish(fsdp_group_t *root) {
    * reduced gradient, to which this rank added zeros */
   fsdpc_tensor_t present = {0}, tail = {0};
   if (st == STATUS_OK && !parked && g->red_missing) {
-    st = tensor_narrow(&tail, red, 0, g->red_grads, g->red_params);
+    st = tensor_narrow(&tail, red, 0, g->red_sub ? g->sub_red_grads : g->red_grads, g->red_params);
     if (st == STATUS_OK) st = tensor_clone(&present, &tail, DTYPE_F32, device_cpu());
     tensor_free(&tail);
   }
@@ -608,7 +718,8 @@ fsdpc_status_t fsdp_reduce_finish(fsdp_group_t *root) {
     if (!fp->trainable) continue;
     if (!fp->reducing && ((const float *)present.data)[fp->red_index] == 0.0f) continue;
     fsdpc_tensor_t mine;
-    st = tensor_narrow(&mine, red, 0, fp->red_offset, tensor_numel(dtensor_local(fp->p->value)));
+    st = tensor_narrow(&mine, red, 0, g->red_sub ? fp->sub_red_offset : fp->red_offset,
+                       tensor_numel(dtensor_local(fp->p->value)));
     if (st == STATUS_OK) st = add_local_grad(&c, fp, &mine);
     tensor_free(&mine);
   }
@@ -617,6 +728,9 @@ fsdpc_status_t fsdp_reduce_finish(fsdp_group_t *root) {
   tensor_free(&host);
   tensor_free(&g->red_recv);
   g->red_flat = 0;
+  /* HFSDP: the optimizer step that follows a last backward changes the masters */
+  if (st == STATUS_OK && !parked && g->hfsdp && g->red_last) g->stale = true;
+  g->red_sub = false;
   if (st == STATUS_OK && g->streams != NULL) st = event_record(g->streams->reduced, last);
   side_exit(dev, last, prev);
   return st;

@@ -31,6 +31,11 @@ typedef struct fsdp_param {
   int64_t red_offset; /* in one rank's block of the reduce buffer, elements */
   int red_index;      /* its place among the trainable parameters (its presence element) */
   fsdpc_tensor_t held; /* that gradient itself, on the one-rank path (fsdp_comm.c) */
+  /* HFSDP: this rank's len rows of the 1/S shard are chunked over the R replicas; replica q's
+   * chunk lies at sub_offset (sub_red_offset in the reduce layout) of block q of the replica
+   * buffers, padded to sub_rows */
+  fsdpc_tensor_t master; /* this replica's chunk, contiguous: p->value's local */
+  int64_t len, sub_rows, sub_offset, sub_red_offset;
 } fsdp_param_t;
 
 /* Side streams of one CUDA device, shared by every group on it (all NULL on the CPU), at the
@@ -112,6 +117,14 @@ struct fsdp_group {
   event_t *copied;             /* copy-in done (CUDA) */
   bool gathering;
   bool offload; /* sharded parameters and gradients on the host (CUDA mesh) */
+  /* HFSDP (shard_state_over_replicas): R replicas, this rank's replica index, the blocks of
+   * the replica gather (in own_dtype) and reduce buffers, the presence elements' place in the
+   * latter; stale: the 1/S shards (padded) lag the masters, to be gathered before the next
+   * unshard; red_last: the reduction in flight is of a last backward */
+  bool hfsdp, stale, red_last, red_sub;
+  int R, rrank;
+  dtype_t own_dtype;
+  int64_t sub_block, sub_red_block, sub_red_grads;
   fsdp_streams_t *streams;
   /* the gradient reduction in flight: reduce-scatter issued, completed at the next group's
    * post-backward or at the end of backward */

@@ -87,6 +87,8 @@ static fsdpc_status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, int d
   for (int i = 0; i < md - 1; i++) pl[i] = placement_replicate();
   pl[md - 1] = placement_shard(d);
   *mesh = g->mesh;
+  /* HFSDP: the replicas chunk each shard (a strided shard over the replicate dimension) */
+  if (g->hfsdp) pl[0] = g->W > 1 ? placement_strided_shard(d, g->W) : placement_shard(d);
   if (tp == NULL) return STATUS_OK;
   placement_t tpl = dtensor_placements(p->value)[0];
   if (placement_is_shard(tpl, d)) pl[md - 1] = placement_strided_shard(d, mesh_size(tp, 0));
@@ -114,6 +116,31 @@ static fsdpc_status_t shard_view(const fsdp_param_t *fp, const fsdpc_tensor_t *p
   return st;
 }
 
+/* HFSDP: *out, this replica's chunk of the shard's len rows (a view of shard when not NULL),
+ * and its range; rows from *start, *n of them. */
+static fsdpc_status_t replica_chunk(const fsdp_group_t *g, const fsdp_param_t *fp,
+                                    const fsdpc_tensor_t *shard, fsdpc_tensor_t *out,
+                                    int64_t *start, int64_t *n) {
+  placement_chunk_range(fp->len, g->R, g->rrank, start, n);
+  return shard ? tensor_narrow(out, shard, fp->dim, *start, *n) : STATUS_OK;
+}
+
+/* HFSDP: a new contiguous master of this replica's rows, their values copied from shard
+ * (meta: none). */
+static fsdpc_status_t new_master(const fsdp_group_t *g, fsdp_param_t *fp,
+                                 const fsdpc_tensor_t *shard) {
+  int64_t start, n;
+  fsdpc_tensor_t rows = {0};
+  FSDPC_TRY(replica_chunk(g, fp, shard, &rows, &start, &n));
+  fsdpc_status_t st =
+      tensor_is_meta(shard)
+          ? tensor_meta(&fp->master, shard->dtype, shard->device, fp->ndim, rows.shape)
+          : tensor_init(&fp->master, shard->dtype, shard->device, fp->ndim, rows.shape);
+  if (st == STATUS_OK && !tensor_is_meta(shard)) st = tensor_copy(&fp->master, &rows);
+  tensor_free(&rows);
+  return st;
+}
+
 fsdpc_status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   nn_param_t *p = fp->p;
   const fsdpc_tensor_t *full = dtensor_local(p->value);
@@ -125,6 +152,7 @@ fsdpc_status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   fp->row = fp->extent ? tensor_numel(full) / fp->extent : 0;
   int64_t start, len, global[TENSOR_MAX_DIMS], flat = fp->rows * fp->row;
   placement_chunk_range(fp->extent, g->W, g->rank, &start, &len);
+  fp->len = len;
   memcpy(global, dtensor_shape(p->value), sizeof(int64_t) * (size_t)nd);
   placement_t pl[MESH_MAX_DIMS];
   mesh_t *mesh;
@@ -141,6 +169,11 @@ fsdpc_status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
   if (!tensor_is_meta(full)) {
     FSDPC_TRY_GOTO(st, tensor_narrow(&src, full, d, start, len));
     FSDPC_TRY_GOTO(st, tensor_copy(&local, &src));
+  }
+  if (g->hfsdp) { /* the DTensor holds the replica's chunk */
+    FSDPC_TRY_GOTO(st, new_master(g, fp, &local));
+    tensor_free(&local);
+    FSDPC_TRY_GOTO(st, tensor_ref(&local, &fp->master));
   }
   FSDPC_TRY_GOTO(st, dtensor_from_local(&local, mesh, pl, nd, global, &dt));
   tensor_free(&p->compute);
@@ -171,6 +204,17 @@ fsdpc_status_t fsdp_materialize_param(nn_param_t *p) {
   FSDPC_TRY_GOTO(st, tensor_narrow(&pad, &padded, 0, len * fp->row, (fp->rows - len) * fp->row));
   FSDPC_TRY_GOTO(st, tensor_fill(&pad, 0.0));
   FSDPC_TRY_GOTO(st, shard_view(fp, &padded, len, &local));
+  if (g->hfsdp) { /* the shard's rows come from the masters at the first unshard */
+    fsdpc_tensor_t meta_master = fp->master;
+    memset(&fp->master, 0, sizeof fp->master);
+    tensor_free(&local);
+    st = tensor_init(&fp->master, meta_master.dtype, meta_master.device, meta_master.ndim,
+                     meta_master.shape);
+    tensor_free(&meta_master);
+    if (st != STATUS_OK) goto cleanup;
+    FSDPC_TRY_GOTO(st, tensor_ref(&local, &fp->master));
+    g->stale = true;
+  }
   const dtensor_t *v = p->value;
   FSDPC_TRY_GOTO(st, dtensor_from_local(&local, dtensor_mesh(v), dtensor_placements(v),
                                         dtensor_ndim(v), dtensor_shape(v), &dt));

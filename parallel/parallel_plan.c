@@ -18,6 +18,7 @@ void parallel_plan_defaults(parallel_plan_t *pp) {
   pp->tp = 1;
   pp->reshard_after_forward = FSDP_RESHARD_AUTO;
   pp->param_dtype = pp->reduce_dtype = pp->output_dtype = DTYPE_COUNT;
+  snprintf(pp->optim_where.text, sizeof pp->optim_where.text, "(plan)");
 }
 
 fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
@@ -134,6 +135,22 @@ static fsdpc_status_t read_shard_dims(plan_ctx_t *c, int fs) {
     sd->dim = (int)d;
     pr_where_of(c, a->key, &sd->where);
   }
+  return STATUS_OK;
+}
+
+/* optimizer_sharding: shard | full. */
+static fsdpc_status_t read_optimizer_sharding(plan_ctx_t *c, int fs) {
+  char path[256], v[16] = "";
+  int n = pr_lookup(c, fs, "parallelize.fully_shard", "optimizer_sharding", path);
+  if (n == 0) return STATUS_OK;
+  FSDPC_TRY(pr_get_str(c, fs, "parallelize.fully_shard", "optimizer_sharding", v, sizeof v));
+  if (strcmp(v, "shard") != 0 && strcmp(v, "full") != 0)
+    return pr_fail(c, n, path,
+                   "expected shard (the optimizer state sharded as the parameters, over "
+                   "dp_shard) or full (over dp_replicate x dp_shard), got '%s'",
+                   v);
+  c->par->state_over_replicas = strcmp(v, "full") == 0;
+  pr_where_of(c, n, &c->par->optim_where);
   return STATUS_OK;
 }
 
@@ -265,9 +282,16 @@ static fsdpc_status_t read_strategy(plan_ctx_t *c, int root, int fs) {
 
 fsdpc_status_t pp_read_parallelize(plan_ctx_t *c, int root) {
   static const char *const keys[] = {"fully_shard", "tensor_parallel", NULL};
-  static const char *const fs_keys[] = {
-      "units",      "reshard_after_forward", "mp_policy",  "offload", "sharding_strategy",
-      "zero_stage", "min_unit_params",       "shard_dims", NULL};
+  static const char *const fs_keys[] = {"units",
+                                        "reshard_after_forward",
+                                        "mp_policy",
+                                        "offload",
+                                        "sharding_strategy",
+                                        "zero_stage",
+                                        "min_unit_params",
+                                        "shard_dims",
+                                        "optimizer_sharding",
+                                        NULL};
   parallel_plan_t *par = c->par;
   int m;
   FSDPC_TRY(pr_section(c, root, "parallelize", keys, &m));
@@ -290,6 +314,7 @@ fsdpc_status_t pp_read_parallelize(plan_ctx_t *c, int root) {
     for (int i = 0; i < par->n_units; i++) unit_defaults(par, &par->units[i]);
     FSDPC_TRY(read_units(c, fs));
     FSDPC_TRY(read_shard_dims(c, fs));
+    FSDPC_TRY(read_optimizer_sharding(c, fs));
   }
   int tp = m ? pr_find(c, m, "tensor_parallel") : 0;
   if (!pr_is_null(c, tp)) FSDPC_TRY(read_tp(c, tp));
@@ -303,8 +328,8 @@ fsdpc_status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const c
   parallel_plan_defaults(pp);
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(pp->source, path);
-  plan_where_t *ws[] = {&pp->mesh_where, &pp->fsdp_where, &pp->tp_where};
-  for (int i = 0; i < 3; i++) snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
+  plan_where_t *ws[] = {&pp->mesh_where, &pp->fsdp_where, &pp->tp_where, &pp->optim_where};
+  for (int i = 0; i < 4; i++) snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   plan_ctx_t *c = calloc(1, sizeof *c);
   if (c == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
   c->par = pp;
@@ -451,6 +476,12 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                      w, key, N, N >= pp->dp_shard ? "is not below" : "does not divide",
                      pp->dp_shard);
   }
+  if (pp->state_over_replicas && pp->dp_replicate > 1 && (pp->tp > 1 || pp->offload))
+    return err_set(STATUS_EINVAL,
+                   "%s: parallelize.fully_shard.optimizer_sharding: full does not compose with "
+                   "%s yet (use shard)",
+                   pp->optim_where.text,
+                   pp->tp > 1 ? "tensor parallelism (mesh.tp > 1)" : "offload: true");
   if (pp->tp > 1 && pp->n_tp_rules == 0)
     return err_set(STATUS_EINVAL,
                    "%s: parallelize.tensor_parallel.plan: mesh.tp is %d, but no rule says which "

@@ -92,6 +92,10 @@ typedef struct parallel_plan {
   char strategy[24]; /* sharding_strategy (or zero_stage's equivalent) as given; "" if none */
   plan_shard_dim_t shard_dims[PLAN_MAX_SHARD_DIMS]; /* shard_dims: {PATTERN: DIM}, in order */
   int n_shard_dims;
+  /* optimizer_sharding: full (HFSDP: fsdp_options_t.shard_state_over_replicas when
+   * dp_replicate > 1); false: shard (the sharded state of HSDP, 1/dp_shard) */
+  bool state_over_replicas;
+  plan_where_t optim_where;
   /* parallelize.tensor_parallel: the rules of `plan` (first match wins) */
   plan_tp_rule_t tp_rules[PLAN_MAX_TP_RULES];
   int n_tp_rules;

@@ -113,6 +113,7 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
   }
   o.mesh = par->dp_mesh;
   o.offload = pp->offload;
+  o.shard_state_over_replicas = pp->state_over_replicas && pp->dp_replicate > 1;
   o.reshard_after_forward = u ? u->reshard_after_forward : FSDP_RESHARD_AUTO;
   o.param_dtype = u ? u->param_dtype : pp->param_dtype;
   o.reduce_dtype = u ? u->reduce_dtype : pp->reduce_dtype;
@@ -291,17 +292,19 @@ fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *
   ARG_NONNULL(mesh_ndim);
   ARG_NONNULL(mesh_shape);
   ARG_NONNULL(pl);
-  int md = 0;
-  if (pp->dp_replicate > 1) {
-    mesh_shape[md] = pp->dp_replicate;
-    pl[md++] = placement_replicate();
-  }
-  int shard = md, d = parallel_plan_shard_dim(pp, fqn, ndim);
+  int md = 0, d = parallel_plan_shard_dim(pp, fqn, ndim);
   if (d < 0)
     return err_set(STATUS_EINVAL,
                    "parameter %s: its shard dimension in parallelize.fully_shard.shard_dims is out "
                    "of range for %d dimensions",
                    fqn, ndim);
+  if (pp->dp_replicate > 1) { /* HFSDP: the replicas chunk each shard */
+    mesh_shape[md] = pp->dp_replicate;
+    pl[md++] = !pp->state_over_replicas ? placement_replicate()
+               : pp->dp_shard > 1       ? placement_strided_shard(d, pp->dp_shard)
+                                        : placement_shard(d);
+  }
+  int shard = md;
   mesh_shape[md] = pp->dp_shard;
   pl[md++] = placement_shard(d);
   if (pp->tp > 1) {

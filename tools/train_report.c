@@ -97,9 +97,13 @@ static void header_world(const run_t *r) {
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) /* OMP_NUM_THREADS */
     snprintf(threads, sizeof threads, ", %d kernel threads%s", kernel_cpu_threads(),
              world_size() == 1 ? "" : " each");
+  bool hfsdp = p->par.dp_replicate > 1 && p->par.state_over_replicas;
   printf("  world %d rank%s on %s%s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
          world_size(), world_size() == 1 ? "" : "s", dev, threads, p->par.dp_replicate,
-         p->par.dp_shard, p->par.tp, p->par.dp_replicate > 1 ? "HSDP" : "FSDP");
+         p->par.dp_shard, p->par.tp,
+         hfsdp                     ? "HFSDP: optimizer state over dp_replicate x dp_shard"
+         : p->par.dp_replicate > 1 ? "HSDP"
+                                   : "FSDP");
   if (world_planning())
     printf("  planned from one process (--world %d, %d rank%s per node): rank 0's figures\n",
            world_size(), world_local_size(), world_local_size() == 1 ? "" : "s");
@@ -395,15 +399,19 @@ static bool memory_lines(const run_t *r) {
   train_mib(ga, sizeof ga, est.gathered);
   train_mib(fl, sizeof fl, est.in_flight);
   train_mib(ot, sizeof ot, other.peak);
+  char sh[32];
+  train_mib(sh, sizeof sh, est.shards);
   printf(
-      "\nmemory per rank (estimate): sharded parameters %s, gradients %s, AdamW state %s%s, "
+      "\nmemory per rank (estimate): sharded parameters %s%s%s%s, gradients %s, AdamW state %s%s, "
       "largest unsharded unit %s\n",
-      a, a, b2, p->optim.state_dtype == DTYPE_BF16 ? " (bf16 moments)" : "", c);
+      a, est.shards > 0 ? " (1/(dp_replicate x dp_shard); their 1/dp_shard shards " : "",
+      est.shards > 0 ? sh : "", est.shards > 0 ? ")" : "", a, b2,
+      p->optim.state_dtype == DTYPE_BF16 ? " (bf16 moments)" : "", c);
   printf(
       "  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
       "flight %s; %s activation checkpointing: %s\n",
       pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
-  printf("state_bytes %.0f\n", 2 * pb + est.moments);
+  printf("state_bytes %.0f\n", 2 * pb + est.shards + est.moments);
   printf("largest_unit_bytes %.0f\n", largest);
   printf("peak_bytes %.0f\n", est.peak);
   return true;

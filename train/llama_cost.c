@@ -113,7 +113,11 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
   /* the shards and AdamW's two moments of each element (optim.state_dtype) */
   double moments =
       2 * sharded_param_bytes / (double)param_size * (double)dtype_size(p->optim.state_dtype);
-  double state = sharded_param_bytes + moments + (accum ? sharded_param_bytes : 0);
+  double shards = 0; /* HFSDP's 1/dp_shard shards beside the optimizer's */
+  for (int i = 0; i < n; i++)
+    if (fsdp_state_over_replicas(groups[i]))
+      shards += (double)fsdp_flat_numel(groups[i]) * (double)param_size;
+  double state = sharded_param_bytes + shards + moments + (accum ? sharded_param_bytes : 0);
   /* with accumulation the root's reduction of the previous micro-batch finishes during the
    * next backward: its whole gradients and the reduced shard */
   double root_pending = accum && dp ? u.root + u.root_reduce / sh : 0;
@@ -162,6 +166,7 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
     if (m.peak > out->peak) *out = m;
   }
   out->moments = moments; /* part of the state at every moment */
+  out->shards = shards;
   return STATUS_OK;
 }
 
@@ -189,7 +194,16 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
       c.n_rs += (long long)A;
       c.rs += A * (W - 1) * red * (double)dtype_size(rd);
     }
-    if (R > 1) {
+    double red2 = (double)fsdp_replica_reduce_numel(g);
+    if (R > 1 && fsdp_state_over_replicas(g)) {
+      if (red2 > 0) { /* the replicas' reduce-scatters, then one gather of the updated shards */
+        c.n_rs += (long long)A;
+        c.rs += A * (R - 1) * red2 * (double)dtype_size(rd);
+        c.n_ag += 1;
+        c.ag += (R - 1) * (double)fsdp_replica_gather_numel(g) *
+                (double)dtype_size(fsdp_shard_dtype(g));
+      }
+    } else if (R > 1) {
       c.n_ar += (long long)A;
       c.ar += A * 2.0 * (R - 1) * red * (double)dtype_size(rd) / R;
     }

@@ -38,6 +38,9 @@ typedef struct llama_memory {
   double peak;        /* the sum */
   const char *at;     /* where in the step it peaks, in words */
   double moments;     /* AdamW's two moments (optim.state_dtype), part of state */
+  double shards;      /* HFSDP: the 1/dp_shard parameter shards the units gather from, kept
+                         beside the 1/(dp_replicate x dp_shard) ones the optimizer updates;
+                         part of state (0 without HFSDP) */
 } llama_memory_t;
 
 /* The estimate for plan p (resolved) whose model was parallelised into groups[0..n) (the
@@ -57,7 +60,8 @@ typedef struct llama_comm {
 
 /* Per unit and micro-batch: an all-gather in forward and, when the unit reshards, one in
  * backward (within the post-forward group for an integer reshard); one reduce-scatter; under
- * HSDP one all-reduce over the replicas. Tensor parallelism with the built-in Llama rules adds
+ * HSDP one all-reduce over the replicas, under HFSDP one reduce-scatter over them instead and
+ * one all-gather over them a step. Tensor parallelism with the built-in Llama rules adds
  * its activations' collectives. groups[0..n) as for llama_memory_estimate. Local. */
 llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n);
 

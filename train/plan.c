@@ -494,8 +494,9 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(p->source, path);
   strcpy(p->par.source, path);
-  plan_where_t *ws[] = {&p->par.mesh_where, &p->par.fsdp_where, &p->par.tp_where,
-                        &p->data_where,     &p->eval_where,     &p->ckpt_where};
+  plan_where_t *ws[] = {&p->par.mesh_where,  &p->par.fsdp_where, &p->par.tp_where,
+                        &p->par.optim_where, &p->data_where,     &p->eval_where,
+                        &p->ckpt_where};
   for (int i = 0; i < (int)(sizeof ws / sizeof ws[0]); i++)
     snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   plan_ctx_t *c = calloc(1, sizeof *c);

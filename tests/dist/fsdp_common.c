@@ -24,6 +24,7 @@ device_type_t test_device_type(void) { return cuda_mode() ? DEVICE_CUDA : DEVICE
 bool test_offload(void) { return cuda_mode() && strcmp(arg_with("cuda"), "cuda:offload") == 0; }
 
 bool hsdp_mode(void) { return arg_with("hsdp") != NULL; }
+bool hfsdp_mode(void) { return arg_with("hfsdp") != NULL; }
 int hsdp_replicas(void) {
   const char *a = arg_with("hsdp");
   return a != NULL && a[4] == ':' ? atoi(a + 5) : 2;

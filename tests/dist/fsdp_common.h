@@ -16,6 +16,8 @@ device_type_t test_device_type(void);
 bool test_offload(void);
 /* Argument "hsdp" or "hsdp:R": an HSDP mesh (R, W/R), R = 2 by default. */
 bool hsdp_mode(void);
+/* HFSDP (argument "hfsdp" beside "hsdp[:R]"): the state sharded over the replicas too. */
+bool hfsdp_mode(void);
 int hsdp_replicas(void);
 /* The data-parallel mesh: 1-D over the world, or (R, W/R) for HSDP. Collective. */
 mesh_t *dp_mesh(void);

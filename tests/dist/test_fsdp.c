@@ -1,9 +1,11 @@
 /*
  * fully_shard against the single-rank model: shards equal the chunk-rule slices, training
- * with FSDP (or HSDP with argument "hsdp[:R]") matches the unsharded run step for step for
- * every plan, the collectives per step are exactly one all-gather per unshard and one
- * reduce-scatter (and for HSDP one all-reduce) per group with the bytes of docs/design.md
- * "Performance model", and forward memory stays within the budget of docs/design.md, "fully_shard".
+ * with FSDP (or HSDP with argument "hsdp[:R]", HFSDP with "hfsdp" beside it) matches the
+ * unsharded run step for step for every plan, the collectives per step are exactly one
+ * all-gather per unshard and one reduce-scatter (and for HSDP one all-reduce; for HFSDP one
+ * reduce-scatter over the replicas and one all-gather a step to refresh the shards) per group
+ * with the bytes of docs/design.md "Performance model", and forward memory stays within the
+ * budget of docs/design.md, "fully_shard".
  * With argument "cuda" or "cuda:offload" (the GPU suite; any world size, "hsdp[:R]" as a second
  * argument) the parity plans run on the GPU against the single-rank model on the GPU: at
  * world size 1, or several ranks on as many GPUs (NCCL), or on one GPU through the host-staged
@@ -190,10 +192,35 @@ static int projection_dims(const nn_param_t *p, void *user) {
   return strstr(p->fqn, "embed_tokens") || strstr(p->fqn, "lm_head") ? 1 : 0;
 }
 
+/* HFSDP: the elements of group i's block in the replica all-gather (all its parameters) or
+ * reduce-scatter (the trainable ones, then a presence element each), before rounding: each
+ * parameter's shard of len rows (of its shard dimension over the shard group) is chunked over
+ * the R replicas, ceil(len / R) rows of row elements a replica. The blocks are the layers'
+ * parameters and the root's (the rest). */
+static uint64_t replica_elems(const plan_t *pl, const run_t *sh, int i, int n_groups,
+                              const mesh_t *mesh, bool reduce) {
+  int R = mesh_size(mesh, 0), S = mesh_size(mesh, 1), s = mesh_coord(mesh, 1);
+  uint64_t n = 0;
+  for (int k = 0; k < sh->n; k++) {
+    const nn_param_t *p = sh->ps[k];
+    int layer = -1;
+    if (sscanf(p->fqn, "model.layers.%d.", &layer) != 1) layer = n_groups - 1;
+    if (layer != i || (reduce && !p->requires_grad)) continue;
+    int nd = dtensor_ndim(p->value), d = pl->shard_dims ? projection_dims(p, NULL) : 0;
+    d = d < 0 ? d + nd : d;
+    int64_t numel = 1, start, len;
+    for (int j = 0; j < nd; j++) numel *= dtensor_shape(p->value)[j];
+    int64_t extent = dtensor_shape(p->value)[d];
+    placement_chunk_range(extent, S, s, &start, &len);
+    n += (uint64_t)(placement_chunk_size(len, R) * (numel / extent)) + (reduce ? 1 : 0);
+  }
+  return n;
+}
+
 /* Collectives one step must issue on the shard and replicate groups. */
 static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_groups,
-                            const mesh_t *mesh, pg_counters_t *shard, pg_counters_t *rep,
-                            pg_counters_t *post) {
+                            const mesh_t *mesh, const run_t *sh, pg_counters_t *shard,
+                            pg_counters_t *rep, pg_counters_t *post) {
   int md = mesh_ndim(mesh), Ws = mesh_size(mesh, md - 1), R = md == 2 ? mesh_size(mesh, 0) : 1;
   memset(shard, 0, sizeof *shard);
   memset(rep, 0, sizeof *rep);
@@ -223,8 +250,15 @@ static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_group
       shard->calls[PG_REDUCE_SCATTER] += scatters;
       shard->bytes[PG_REDUCE_SCATTER] += scatters * (uint64_t)(Ws - 1) * rb;
     }
-    if (R > 1) {
-      uint64_t reduces = pl->last_backward ? (uint64_t)pl->accum : 1;
+    uint64_t reduces = pl->last_backward ? (uint64_t)pl->accum : 1;
+    if (R > 1 && hfsdp_mode()) { /* reduce-scatters over the replicas, one refresh a step */
+      uint64_t r2 = (replica_elems(pl, sh, i, n_groups, mesh, true) + 3) / 4 * 16;
+      uint64_t g2 = (replica_elems(pl, sh, i, n_groups, mesh, false) + 3) / 4 * 16;
+      rep->calls[PG_REDUCE_SCATTER] += reduces;
+      rep->bytes[PG_REDUCE_SCATTER] += reduces * (uint64_t)(R - 1) * r2;
+      rep->calls[PG_ALL_GATHER] += 1;
+      rep->bytes[PG_ALL_GATHER] += (uint64_t)(R - 1) * g2;
+    } else if (R > 1) {
       rep->calls[PG_ALL_REDUCE] += reduces;
       rep->bytes[PG_ALL_REDUCE] += reduces * 2u * (uint64_t)(R - 1) * rb / (uint64_t)R;
     }
@@ -258,6 +292,7 @@ static void parity(const plan_t *pl) {
   opt.mesh = mesh;
   opt.reshard_after_forward = pl->reshard;
   opt.offload = test_offload();
+  opt.shard_state_over_replicas = hfsdp_mode();
   if (pl->shard_dims) opt.shard_dim = projection_dims;
   mesh_t *one = NULL;
   if (pl->bf16) { /* the reference runs the same casts: fully sharded over one rank */
@@ -265,7 +300,7 @@ static void parity(const plan_t *pl) {
     opt.reduce_dtype = DTYPE_F32;
     ok(mesh_new_local("one", test_device_type(), &one));
     fsdp_options_t o1 = opt;
-    o1.offload = false;
+    o1.offload = o1.shard_state_over_replicas = false;
     o1.mesh = one;
     for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(ref.m, i), &o1, NULL));
     o1.reshard_after_forward = FSDP_RESHARD_AUTO;
@@ -287,6 +322,19 @@ static void parity(const plan_t *pl) {
     ck_assert_ptr_eq(fsdp_post_forward_group(groups[i]), fsdp_post_forward_group(groups[0]));
   run_optim(&ref);
   run_optim(&sh);
+  if (hfsdp_mode()) /* every rank holds its own 1/(R*S) of each parameter: no replicas */
+    for (int i = 0; i < sh.n; i++) {
+      const dtensor_t *v = sh.ps[i]->value;
+      int nd = dtensor_ndim(v), d = pl->shard_dims ? projection_dims(sh.ps[i], NULL) : 0;
+      d = d < 0 ? d + nd : d;
+      int64_t start, len, sub_start, sub, extent = dtensor_shape(v)[d];
+      placement_chunk_range(extent, mesh_size(mesh, 1), mesh_coord(mesh, 1), &start, &len);
+      placement_chunk_range(len, mesh_size(mesh, 0), mesh_coord(mesh, 0), &sub_start, &sub);
+      ck_assert_msg(
+          dtensor_placements(v)[0].kind == PLACEMENT_SHARD && dtensor_local(v)->shape[d] == sub,
+          "%s: %lld rows here, want %lld", sh.ps[i]->fqn, (long long)dtensor_local(v)->shape[d],
+          (long long)sub);
+    }
   nn_param_t *root_param = nn_param_find(llama_module(sh.m), "model.norm.weight");
   nn_param_t *block_param = nn_param_find(llama_module(sh.m), "model.layers.0.mlp.up_proj.weight");
   mesh_t *flat = NULL;
@@ -325,7 +373,7 @@ static void parity(const plan_t *pl) {
             (sh.ps[i]->grad && dtensor_local(sh.ps[i]->grad)->device.type != DEVICE_CPU))
           bad++;
     pg_counters_t want_s, want_r, want_p, got_r = {0}, got_p = {0};
-    expected_counts(pl, groups, ng, mesh, &want_s, &want_r, &want_p);
+    expected_counts(pl, groups, ng, mesh, &sh, &want_s, &want_r, &want_p);
     pg_counters_t got_s = pg_counters(shard_pg);
     if (rep_pg) got_r = pg_counters(rep_pg);
     for (int i = 0; i < ng; i++) {

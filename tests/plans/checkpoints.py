@@ -126,6 +126,25 @@ def checkpoints():
     u = os.path.join(tmp, "u")
     train(4, "fsdp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + u,
                       "checkpoint.interval=5", "checkpoint.block_bytes=64"] + sd)
+    # HFSDP: the parameters and optimizer state saved from 1/(R x S) shards
+    hf = ["parallelize.fully_shard.optimizer_sharding=full"]
+    hf_sd = hf + sd
+    w = os.path.join(tmp, "w")
+    train(4, "hsdp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + w,
+                      "checkpoint.interval=5", "checkpoint.block_bytes=64"] + hf)
+    whole = os.path.join(tmp, "hfsdp-whole.jsonl")
+    train(4, "hsdp", ["train.steps=10", "data.batch_size=6"] + hf, whole)
+    resumed = os.path.join(tmp, "hfsdp-resumed.jsonl")
+    train(4, "hsdp", ["train.steps=10", "data.batch_size=6",
+                      "checkpoint.load=" + os.path.join(w, "step-00000005")] + hf, resumed)
+    def what(extra):  # the plan changes a run takes, in words
+        return {id(sd): " with shard_dims", id(hf): " with optimizer_sharding full",
+                id(hf_sd): " with optimizer_sharding full and shard_dims"}.get(id(extra), "")
+
+    la = [r["loss"] for r in losses(whole)][5:] if os.path.exists(whole) else []
+    lb = [r["loss"] for r in losses(resumed)] if os.path.exists(resumed) else []
+    check(len(la) == 5 and la == lb,
+          "HFSDP resumed under its own plan: losses bit-identical (%s vs %s)" % (la[:1], lb[:1]))
 
     def stored(folder):  # the tensor bytes of a checkpoint (model and optimizer state)
         return sum(len(st_read(os.path.join(folder, sub, f))[1])
@@ -145,7 +164,9 @@ def checkpoints():
             (4, "hsdp-tp", 12, s, ["mesh.dp_replicate=1"]),  # tp=2 x dp_shard=2
             (4, "fsdp", 6, t, []), (1, "debug", 24, t, []),
             (4, "fsdp", 6, s, sd), (8, "hsdp-tp", 6, s, sd), (1, "debug", 24, u, []),
-            (8, "hsdp-tp", 6, u, [])]:
+            (8, "hsdp-tp", 6, u, []),
+            (1, "debug", 24, w, []), (4, "fsdp", 6, w, []), (4, "hsdp", 6, w, []),
+            (2, "tp", 24, w, []), (4, "hsdp", 6, s, hf), (4, "hsdp", 6, u, hf_sd)]:
         m = os.path.join(tmp, "x%d.jsonl" % len(os.listdir(tmp)))  # a new file per run
         p = train(n, name, ["train.steps=10", "data.batch_size=%d" % batch,
                             "checkpoint.load=" + os.path.join(src, "step-00000005")] + extra, m)
@@ -153,9 +174,9 @@ def checkpoints():
         worst = max(abs(x - y) / abs(y) for x, y in zip(got, want)) if got else 1
         check(len(got) == 5 and worst <= 1e-5,
               "saved by %s, resumed by %s%s on %d: losses match the uninterrupted run "
-              "(worst %.2e)" % ({t: "hsdp-tp on 8 ranks", s: "fsdp on 4 ranks"}.get(
-                  src, "fsdp with shard_dims on 4 ranks"), name, " with shard_dims" if extra is sd
-                  else "", n, worst))
+              "(worst %.2e)" % ({t: "hsdp-tp on 8 ranks", s: "fsdp on 4 ranks",
+                                 w: "hsdp with optimizer_sharding full on 4 ranks"}.get(
+                  src, "fsdp with shard_dims on 4 ranks"), name, what(extra), n, worst))
         good, (read, need, total) = reads_touched_blocks(p, os.path.join(src, "step-00000005"), n)
         check(good, "%s on %d: rank 0 reads the 64-byte blocks its shards touch: %d bytes, "
               "needing %d, of %d saved" % (name, n, read, need, total))
@@ -175,19 +196,19 @@ def checkpoints():
     train(8, "hsdp-tp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + v,
                          "checkpoint.interval=5", "checkpoint.block_bytes=64"] + sd)
     for n, name, batch, extra, live in [(8, "hsdp-tp", 6, [], t), (1, "debug", 24, [], None),
-                                        (8, "hsdp-tp", 6, sd, v)]:
-        rs = os.path.join(tmp, "rs-%s%s" % (name, "-sd" if extra else ""))
+                                        (8, "hsdp-tp", 6, sd, v), (4, "hsdp", 6, hf, w)]:
+        rs = os.path.join(tmp, "rs-%s%s" % (name, what(extra).replace(" ", "-")))
         p = sh([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg(name), rs,
                 "--set", "data.batch_size=%d" % batch] +
                [x for kv in extra for x in ("--set", kv)], timeout=300)
-        check(p.returncode == 0, "fsdp-ckpt reshard to %s%s runs" % (name, " +sd" if extra else ""))
+        check(p.returncode == 0, "fsdp-ckpt reshard to %s%s runs" % (name, what(extra)))
         if p.returncode != 0:
             print(p.stderr)
             continue
         if live is not None:
             check(layout(rs) == layout(os.path.join(live, "step-00000005")),
                   "reshard to %s%s: the files, shapes and offsets of a live save"
-                  % (name, " with shard_dims" if extra else ""))
+                  % (name, what(extra)))
         m = os.path.join(tmp, "x%d.jsonl" % len(os.listdir(tmp)))
         p = train(n, name, ["train.steps=10", "data.batch_size=%d" % batch,
                             "checkpoint.load=" + rs] + extra, m)

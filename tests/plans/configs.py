@@ -128,6 +128,39 @@ def configs():
                  est.group(1) if est else "-"))
         if p.returncode != 0:
             print(p.stderr[-1500:])
+    # HFSDP (optimizer_sharding: full) on 2 x 2 and 2 x 4: the single rank's losses; the state
+    # a step leaves (parameters and AdamW's moments over all ranks, the 1/dp_shard shards
+    # besides) and its communication (a reduce-scatter over the replicas instead of the
+    # all-reduce, one gather of the updated shards) are --dry-run's to the byte, and the state
+    # is three quarters of HSDP's at R = 2 (1/S + 4/(R S) against 4/S)
+    hsdp_yaml = os.path.join(ROOT, "configs", "hsdp.yaml")
+    for shape, n, extra in (("2 x 2", 4, []), ("2 x 4", 8, ["--set", "mesh.dp_shard=4", "--set",
+                                                           "data.batch_size=1"])):
+        got = {}
+        for mode in ("shard", "full"):
+            sets = extra + ["--set", "parallelize.fully_shard.optimizer_sharding=" + mode]
+            metrics = os.path.join(tmp, "hfsdp-%d-%s.jsonl" % (n, mode))
+            p, _ = run(n, [hsdp_yaml, "--set", "train.steps=%d" % STEPS, "--metrics", metrics] +
+                       sets)
+            d, _ = run(n, [hsdp_yaml, "--dry-run"] + sets)
+            m = losses(metrics) if p.returncode == 0 else []
+            est = {k: re.search(r"^%s (\d+)$" % k, d.stdout, re.M)
+                   for k in ("comm_bytes", "state_bytes", "peak_bytes")}
+            got[mode] = (m, {k: int(v.group(1)) if v else -1 for k, v in est.items()}, p.stdout)
+        m, est, out = got["full"]
+        worst = max(abs(a["loss"] - b) / abs(b) for a, b in zip(m, ref)) if m and ref else 1
+        hsdp_state = got["shard"][0][-1]["state_bytes"] if got["shard"][0] else 0
+        peak = max(r["peak_mem_bytes"] for r in m) if m else 1
+        check(len(m) == STEPS and worst <= 1e-5 and abs(est["peak_bytes"] - peak) <= 0.15 * peak and
+              m[-1]["comm_bytes"] == est["comm_bytes"] and
+              m[-1]["state_bytes"] == est["state_bytes"] and
+              "(HFSDP: optimizer state over dp_replicate x dp_shard)" in out and
+              m[-1]["state_bytes"] * 4 == hsdp_state * 3,
+              "HFSDP %s: losses within 1e-5 of debug.yaml's (worst %.2e); state %s B (HSDP's "
+              "%d), communication %s B, as --dry-run says, and a peak of %d B within 15%% of "
+              "its estimate (%s)"
+              % (shape, worst, m[-1]["state_bytes"] if m else "-", hsdp_state,
+                 m[-1]["comm_bytes"] if m else "-", peak, est))
     # the host-staged process groups (FSDPC_PG), in their lazy test mode, on the 2x2x2 mesh:
     # the header says so, and the losses are the MPI backend's bit for bit
     hsdp_tp = os.path.join(ROOT, "configs", "hsdp-tp.yaml")

@@ -74,6 +74,15 @@ def errors():
             'units: ["model.layers.*"]',
             'units: ["model.layers.*"]\n    shard_dims: {"lm_head.weight": last}'), [],
          r"fully_shard\.shard_dims\.lm_head\.weight: expected an integer, got 'last'"),
+        ("optimizer_sharding neither shard nor full", base.replace(
+            'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    optimizer_sharding: all'),
+         [], r"fully_shard\.optimizer_sharding: expected shard .* or full .*, got 'all'"),
+        ("optimizer_sharding full with offload", base.replace(
+            "dp_shard: -1", "dp_replicate: 2\n  dp_shard: 1").replace(
+            'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    offload: true\n'
+            '    optimizer_sharding: full'), [],
+         r"bad\d*\.yaml:\d+:\d+: parallelize\.fully_shard\.optimizer_sharding: full does not "
+         r"compose with offload: true yet \(use shard\)"),
         ("empty file", "", [], r"the plan is empty"),
         ("binary garbage", b"\x00\x01\xff\xfe garbage \x80\x81", [], r"not valid YAML"),
         ("huge number", base.replace("batch_size: 2", "batch_size: 99999999999999999999999"),

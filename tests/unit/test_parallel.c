@@ -234,6 +234,50 @@ START_TEST(shard_dims_in_code) {
 }
 END_TEST
 
+/* optimizer_sharding: full (HFSDP) in code: the offline placements chunk each dp shard over
+ * the replicas (a plain shard when dp_shard is 1); tensor parallelism is refused at resolve. */
+START_TEST(state_over_replicas_in_code) {
+  parallel_plan_t pp;
+  parallel_plan_defaults(&pp);
+  pp.dp_replicate = 2;
+  pp.state_over_replicas = true;
+  ok(parallel_plan_add_shard_dim(&pp, "fc2.weight", 1));
+  ok(parallel_plan_resolve(&pp, 8));
+  const struct {
+    const char *fqn;
+    int ndim;
+    const char *want;
+  } cases[] = {{"fc1.weight", 2, "(SS(0,4), S(0))"}, {"fc2.weight", 2, "(SS(1,4), S(1))"}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int md, shape[MESH_MAX_DIMS];
+    placement_t pl[MESH_MAX_DIMS];
+    char buf[64];
+    ok(parallel_param_placements(&pp, cases[i].fqn, "linear", cases[i].ndim, &md, shape, pl));
+    placements_str(md, pl, buf, sizeof buf);
+    ck_assert_msg(strcmp(buf, cases[i].want) == 0, "%s: %s, want %s", cases[i].fqn, buf,
+                  cases[i].want);
+    ck_assert(md == 2 && shape[0] == 2 && shape[1] == 4);
+  }
+  pp.dp_shard = 1;
+  pp.dp_replicate = 8;
+  int md, shape[MESH_MAX_DIMS];
+  placement_t pl[MESH_MAX_DIMS];
+  char buf[64];
+  ok(parallel_param_placements(&pp, "fc1.weight", "linear", 2, &md, shape, pl));
+  ck_assert_str_eq(placements_str(md, pl, buf, sizeof buf), "(S(0), S(0))");
+  parallel_plan_defaults(&pp);
+  pp.dp_replicate = 2;
+  pp.tp = 2;
+  pp.state_over_replicas = true;
+  ok(parallel_plan_add_tp_rule(&pp, "fc1", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
+  ck_assert_int_eq(parallel_plan_resolve(&pp, 8), STATUS_EINVAL);
+  ck_assert_msg(strstr(err_detail(),
+                       "optimizer_sharding: full does not compose with tensor "
+                       "parallelism (mesh.tp > 1) yet"),
+                "%s", err_detail());
+}
+END_TEST
+
 /* The job plan's defaults that stand for another folder's: checkpoint.block_bytes is the
  * checkpoint library's block size (parallel/ cannot include checkpoint/). */
 START_TEST(plan_defaults_match_the_libraries) {
@@ -250,6 +294,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, model_and_plan_free_in_either_order);
   tcase_add_test(tc, placements_follow_module_kinds);
   tcase_add_test(tc, shard_dims_in_code);
+  tcase_add_test(tc, state_over_replicas_in_code);
   tcase_add_test(tc, plan_defaults_match_the_libraries);
   suite_add_tcase(s, tc);
   return s;
