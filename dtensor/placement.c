@@ -74,8 +74,7 @@ fsdpc_status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_
         if (p.split_factor > 1) {
           int later = 1;
           for (int j = i + 1; j < mesh_ndim; j++)
-            if (pl[j].kind == PLACEMENT_SHARD && pl[j].dim == p.dim && pl[j].split_factor == 1)
-              later *= mesh_shape[j];
+            if (pl[j].kind == PLACEMENT_SHARD && pl[j].dim == p.dim) later *= mesh_shape[j];
           if (later != p.split_factor)
             return err_set(STATUS_EPLACEMENT,
                            "mesh dim %d: %s needs a split factor of %d (the later mesh "
@@ -98,9 +97,11 @@ void placements_local_box(int ndim, const int64_t *global_shape, int mesh_ndim,
     local_shape[d] = global_shape[d];
     offset[d] = 0;
   }
-  /* Plain shards first, in mesh order; then strided shards, in mesh order. */
+  /* Plain shards first, in mesh order; then strided shards, in reverse mesh order (a strided
+   * shard chunks what the later mesh dimensions made). */
   for (int pass = 0; pass < 2; pass++) {
-    for (int i = 0; i < mesh_ndim; i++) {
+    for (int k = 0; k < mesh_ndim; k++) {
+      int i = pass == 0 ? k : mesh_ndim - 1 - k;
       if (pl[i].kind != PLACEMENT_SHARD || (pl[i].split_factor > 1) != pass) continue;
       int d = pl[i].dim;
       int64_t off, len;

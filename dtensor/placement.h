@@ -13,9 +13,12 @@
  * (split_factor > 1) is applied after the plain shards of the same tensor dimension: with
  * placements (StridedShard(0, 2), Shard(0)) on a (dp=2, tp=2) mesh, tp splits the rows first
  * and dp chunks each tp piece, which is how FSDP over a tensor-parallel shard lays data out.
- * Its split_factor must equal the product of the sizes of the later mesh dimensions that
- * plainly shard the same tensor dimension. Every shard, strided or not, is one box in global
- * coordinates, so local shapes and global offsets are exact.
+ * Strided shards apply in reverse mesh order, each chunking what the later dimensions made:
+ * (StridedShard(0, 4), StridedShard(0, 2), Shard(0)) on (replicate=2, shard=2, tp=2) is HFSDP
+ * over tensor parallelism (tp, then the shard group, then the replicas). A split_factor must
+ * equal the product of the sizes of the later mesh dimensions that shard the same tensor
+ * dimension. Every shard, strided or not, is one box in global coordinates, so local shapes
+ * and global offsets are exact.
  *
  *   placement_t pl[2] = {placement_shard(0), placement_replicate()};
  *   int mesh_shape[2] = {2, 2}, coord[2] = {1, 0};

@@ -90,8 +90,8 @@ static void replica_layout(fsdp_group_t *g) {
   g->stale = true; /* the 1/S shards are filled from the masters at the first unshard */
 }
 
-/* Why opt->shard_state_over_replicas cannot apply to these parameters, or STATUS_OK. */
-static fsdpc_status_t check_hfsdp(const fsdp_options_t *opt, const fsdp_plist_t *l) {
+/* Why opt->shard_state_over_replicas cannot apply, or STATUS_OK. */
+static fsdpc_status_t check_hfsdp(const fsdp_options_t *opt) {
   if (!opt->shard_state_over_replicas) return STATUS_OK;
   if (mesh_ndim(opt->mesh) != 2)
     return err_set(STATUS_EMESH,
@@ -101,21 +101,16 @@ static fsdpc_status_t check_hfsdp(const fsdp_options_t *opt, const fsdp_plist_t 
   if (opt->offload && mesh_device(opt->mesh).type == DEVICE_CUDA)
     return err_set(STATUS_EINVAL,
                    "fully_shard: shard_state_over_replicas does not compose with offload");
-  for (int i = 0; i < l->n; i++) {
-    const mesh_t *pm = dtensor_mesh(l->p[i]->value);
-    if (mesh_ndim(pm) != 1 || mesh_size(pm, 0) != 1)
-      return err_set(STATUS_EINVAL,
-                     "fully_shard: shard_state_over_replicas does not compose with "
-                     "tensor-parallel parameters (%s is distributed already)",
-                     l->p[i]->fqn);
-  }
   return STATUS_OK;
 }
 
 void fsdp_params_changed(nn_module_t *root) {
   if (root == NULL) return;
   fsdp_group_t *g = fsdp_group_of(root);
-  if (g != NULL && g->hfsdp) g->stale = true;
+  if (g != NULL && g->hfsdp) {
+    g->stale = true;
+    fsdp_reshard(g); /* the gathered tensors (and a kept slice) hold the old values */
+  }
   for (int i = 0; i < nn_module_num_children(root); i++)
     fsdp_params_changed(nn_module_child(root, i));
 }
@@ -230,7 +225,7 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
     st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
   for (int i = 0; i < l.n && st == STATUS_OK; i++)
     st = fsdp_check_param(l.p[i], opt, &g->params[i].dim);
-  if (st == STATUS_OK) st = check_hfsdp(opt, &l);
+  if (st == STATUS_OK) st = check_hfsdp(opt);
   if (st != STATUS_OK) {
     free(l.p);
     group_free(g);
@@ -245,8 +240,8 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   g->replicate = md == 2 ? mesh_group(opt->mesh, 0) : NULL;
   g->W = mesh_size(opt->mesh, md - 1);
   g->rank = mesh_coord(opt->mesh, md - 1);
-  g->hfsdp = opt->shard_state_over_replicas;
   g->R = md == 2 ? mesh_size(opt->mesh, 0) : 1;
+  g->hfsdp = opt->shard_state_over_replicas && g->R > 1; /* one replica: HSDP's layout */
   g->rrank = md == 2 ? mesh_coord(opt->mesh, 0) : 0;
   g->reshard_after_forward = opt->reshard_after_forward;
   g->sync = g->all_reduce = g->reshard_after_backward = g->is_last_backward = true;

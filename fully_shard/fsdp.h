@@ -71,7 +71,8 @@ typedef struct fsdp_options {
    * the shard group, then over the replicas (instead of HSDP's all-reduce); the first unshard
    * after the gradients of a last backward were reduced (fsdp_set_is_last_backward), or after
    * fsdp_params_changed, all-gathers the 1/(R*S) shards over the replicas into the 1/S ones
-   * first. Not with offload or tensor-parallel parameters. */
+   * first. Tensor-parallel parameters compose (tp, then the shard group, then the replicas
+   * chunk dimension d); offload does not. */
   bool shard_state_over_replicas;
 } fsdp_options_t;
 
@@ -183,9 +184,10 @@ int64_t fsdp_replica_gather_numel(const fsdp_group_t *g);
 dtype_t fsdp_shard_dtype(const fsdp_group_t *g);
 
 /* HFSDP: the sharded parameters under root were changed by other means than an optimizer
- * step after a last backward (a checkpoint loaded into them mid-run, a hand-made update): the
- * next unshard of each group first gathers them over the replicas. No-op for other groups.
- * Local. */
+ * step after a last backward (a checkpoint loaded into them mid-run, a hand-made update): each
+ * group is resharded, and its next unshard first gathers them over the replicas, a collective
+ * over them, so call it on every rank. No-op for other groups. Local itself; not during a
+ * forward or backward. */
 void fsdp_params_changed(nn_module_t *root);
 
 /* The host time spent in fully_shard's module hooks in this process so far (unshard,

@@ -261,7 +261,11 @@ fsdpc_status_t fsdp_unshard_start(fsdp_group_t *g) {
                      "deferred initialisation): call nn_module_materialize and initialise it "
                      "before the first forward",
                      g->params[i].p->fqn);
-  if (g->hfsdp && g->stale) FSDPC_TRY(replica_refresh(g));
+  /* HFSDP: the masters changed since the shard was filled (nothing changes them during a
+   * backward: a group unsharded again there, one of several modules or a module called twice,
+   * gathers what its forward did) */
+  if (g->hfsdp && g->stale && !(g->root != NULL && g->root->state.in_backward))
+    FSDPC_TRY(replica_refresh(g));
   if (local_unshard(g)) { /* nothing to gather: fsdp_unshard_wait makes the tensors */
     g->gathering = g->gather_local = true;
     fsdp_emit(g, "unshard");

@@ -91,7 +91,10 @@ static fsdpc_status_t sharded_layout(fsdp_group_t *g, const nn_param_t *p, int d
   if (g->hfsdp) pl[0] = g->W > 1 ? placement_strided_shard(d, g->W) : placement_shard(d);
   if (tp == NULL) return STATUS_OK;
   placement_t tpl = dtensor_placements(p->value)[0];
-  if (placement_is_shard(tpl, d)) pl[md - 1] = placement_strided_shard(d, mesh_size(tp, 0));
+  if (placement_is_shard(tpl, d)) { /* dp chunks the tp shard (and HFSDP's replicas that) */
+    pl[md - 1] = placement_strided_shard(d, mesh_size(tp, 0));
+    if (g->hfsdp) pl[0] = placement_strided_shard(d, g->W * mesh_size(tp, 0));
+  }
   pl[md] = tpl;
   if (g->param_mesh == NULL) FSDPC_TRY(mesh_concat(g->mesh, tp, &g->param_mesh));
   if (mesh_group(g->param_mesh, md) != mesh_group(tp, 0))
@@ -187,6 +190,10 @@ fsdpc_status_t fsdp_shard_param(fsdp_group_t *g, fsdp_param_t *fp) {
 cleanup:
   tensor_free(&src);
   tensor_free(&local);
+  if (st != STATUS_OK) { /* the group frees only the parameters it counts */
+    tensor_free(&fp->padded);
+    tensor_free(&fp->master);
+  }
   return st;
 }
 
@@ -205,13 +212,12 @@ fsdpc_status_t fsdp_materialize_param(nn_param_t *p) {
   FSDPC_TRY_GOTO(st, tensor_fill(&pad, 0.0));
   FSDPC_TRY_GOTO(st, shard_view(fp, &padded, len, &local));
   if (g->hfsdp) { /* the shard's rows come from the masters at the first unshard */
-    fsdpc_tensor_t meta_master = fp->master;
-    memset(&fp->master, 0, sizeof fp->master);
+    fsdpc_tensor_t master = {0};
     tensor_free(&local);
-    st = tensor_init(&fp->master, meta_master.dtype, meta_master.device, meta_master.ndim,
-                     meta_master.shape);
-    tensor_free(&meta_master);
-    if (st != STATUS_OK) goto cleanup;
+    FSDPC_TRY_GOTO(st, tensor_init(&master, fp->master.dtype, fp->master.device, fp->master.ndim,
+                                   fp->master.shape));
+    tensor_free(&fp->master); /* the meta one */
+    fp->master = master;
     FSDPC_TRY_GOTO(st, tensor_ref(&local, &fp->master));
     g->stale = true;
   }

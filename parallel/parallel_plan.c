@@ -476,12 +476,11 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                      w, key, N, N >= pp->dp_shard ? "is not below" : "does not divide",
                      pp->dp_shard);
   }
-  if (pp->state_over_replicas && pp->dp_replicate > 1 && (pp->tp > 1 || pp->offload))
+  if (pp->state_over_replicas && pp->dp_replicate > 1 && pp->offload)
     return err_set(STATUS_EINVAL,
                    "%s: parallelize.fully_shard.optimizer_sharding: full does not compose with "
-                   "%s yet (use shard)",
-                   pp->optim_where.text,
-                   pp->tp > 1 ? "tensor parallelism (mesh.tp > 1)" : "offload: true");
+                   "offload: true yet (use shard)",
+                   pp->optim_where.text);
   if (pp->tp > 1 && pp->n_tp_rules == 0)
     return err_set(STATUS_EINVAL,
                    "%s: parallelize.tensor_parallel.plan: mesh.tp is %d, but no rule says which "

@@ -1,5 +1,6 @@
 #include "parallel/parallelize.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,9 +100,11 @@ static fsdpc_status_t push_group(parallel_t *par, fsdp_group_t *g) {
   return STATUS_OK;
 }
 
-/* fully_shard's shard_dim: the plan's shard_dims (checked by check_shard_dims). */
+/* fully_shard's shard_dim: the plan's shard_dims (checked by check_shard_dims; a dimension
+ * out of range stays one for fully_shard to refuse). */
 static int plan_shard_dim(const nn_param_t *p, void *pp) {
-  return parallel_plan_shard_dim(pp, p->fqn, dtensor_ndim(p->value));
+  int d = parallel_plan_shard_dim(pp, p->fqn, dtensor_ndim(p->value));
+  return d < 0 ? INT_MIN : d;
 }
 
 static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
@@ -325,7 +328,11 @@ fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *
       if (st != STATUS_OK)
         return err_prefix(st, "parameter %s (tensor-parallel rule '%s')", fqn, rules[i].pattern);
     }
-    if (placement_is_shard(tpl, d)) pl[shard] = placement_strided_shard(d, pp->tp);
+    if (placement_is_shard(tpl, d)) { /* dp chunks the tp shard (and HFSDP's replicas that) */
+      pl[shard] = placement_strided_shard(d, pp->tp);
+      if (shard > 0 && pp->state_over_replicas)
+        pl[0] = placement_strided_shard(d, pp->dp_shard * pp->tp);
+    }
     mesh_shape[md] = pp->tp;
     pl[md++] = tpl;
   }

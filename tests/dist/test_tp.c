@@ -1,6 +1,7 @@
 /*
- * Tensor parallelism with the built-in Llama plan, alone and under fully_shard / HSDP, on a
- * (dp_replicate, dp_shard, tp) mesh given as the argument "RxSxT": every parameter's local
+ * Tensor parallelism with the built-in Llama plan, alone and under fully_shard / HSDP (HFSDP
+ * with a second argument "hfsdp"), on a (dp_replicate, dp_shard, tp) mesh given as the
+ * argument "RxSxT": every parameter's local
  * shard is the single-rank parameter's slice at the offset its DTensor reports; ten steps
  * with and without sequence parallelism, with and without gradient accumulation and
  * activation checkpointing, and (dp_shard >= 4) with an integer reshard_after_forward, match
@@ -154,6 +155,7 @@ static void parity(const variant_t *v) {
   ok(tensor_parallel(llama_module(sh.m), tp, rules, nr, v->sp, &plan));
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = dp;
+  opt.shard_state_over_replicas = hfsdp_mode() && R > 1; /* "RxSxT hfsdp" */
   if (v->bf16) {
     opt.param_dtype = DTYPE_BF16;
     opt.reduce_dtype = DTYPE_F32;
@@ -178,6 +180,10 @@ static void parity(const variant_t *v) {
   for (int i = 0; i < sh.n; i++) {
     const mesh_t *pm = dtensor_mesh(sh.ps[i]->value);
     if (mesh_ndim(pm) != md || strcmp(mesh_dim_name(pm, md - 1), "tp") != 0) bad++;
+    /* HFSDP: the replicas hold chunks, not copies */
+    if (opt.shard_state_over_replicas &&
+        dtensor_placements(sh.ps[i]->value)[0].kind != PLACEMENT_SHARD)
+      bad++;
   }
   bad += compare_shards(&ref, &sh, false, 0.0); /* exact before training */
   pg_t *tp_pg = mesh_group(tp, 0);

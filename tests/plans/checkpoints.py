@@ -166,7 +166,8 @@ def checkpoints():
             (4, "fsdp", 6, s, sd), (8, "hsdp-tp", 6, s, sd), (1, "debug", 24, u, []),
             (8, "hsdp-tp", 6, u, []),
             (1, "debug", 24, w, []), (4, "fsdp", 6, w, []), (4, "hsdp", 6, w, []),
-            (2, "tp", 24, w, []), (4, "hsdp", 6, s, hf), (4, "hsdp", 6, u, hf_sd)]:
+            (2, "tp", 24, w, []), (4, "hsdp", 6, s, hf), (4, "hsdp", 6, u, hf_sd),
+            (8, "hsdp-tp", 6, w, hf)]:
         m = os.path.join(tmp, "x%d.jsonl" % len(os.listdir(tmp)))  # a new file per run
         p = train(n, name, ["train.steps=10", "data.batch_size=%d" % batch,
                             "checkpoint.load=" + os.path.join(src, "step-00000005")] + extra, m)
@@ -196,7 +197,8 @@ def checkpoints():
     train(8, "hsdp-tp", ["train.steps=5", "data.batch_size=6", "checkpoint.dir=" + v,
                          "checkpoint.interval=5", "checkpoint.block_bytes=64"] + sd)
     for n, name, batch, extra, live in [(8, "hsdp-tp", 6, [], t), (1, "debug", 24, [], None),
-                                        (8, "hsdp-tp", 6, sd, v), (4, "hsdp", 6, hf, w)]:
+                                        (8, "hsdp-tp", 6, sd, v), (4, "hsdp", 6, hf, w),
+                                        (8, "hsdp-tp", 6, hf, None)]:
         rs = os.path.join(tmp, "rs-%s%s" % (name, what(extra).replace(" ", "-")))
         p = sh([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg(name), rs,
                 "--set", "data.batch_size=%d" % batch] +

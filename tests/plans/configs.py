@@ -133,9 +133,11 @@ def configs():
     # besides) and its communication (a reduce-scatter over the replicas instead of the
     # all-reduce, one gather of the updated shards) are --dry-run's to the byte, and the state
     # is three quarters of HSDP's at R = 2 (1/S + 4/(R S) against 4/S)
-    hsdp_yaml = os.path.join(ROOT, "configs", "hsdp.yaml")
-    for shape, n, extra in (("2 x 2", 4, []), ("2 x 4", 8, ["--set", "mesh.dp_shard=4", "--set",
-                                                           "data.batch_size=1"])):
+    for shape, n, name, extra in (
+            ("2 x 2", 4, "hsdp", []),
+            ("2 x 4", 8, "hsdp", ["--set", "mesh.dp_shard=4", "--set", "data.batch_size=1"]),
+            ("2 x 2 over tp 2 with sequence parallelism", 8, "hsdp-tp", [])):
+        hsdp_yaml = os.path.join(ROOT, "configs", name + ".yaml")
         got = {}
         for mode in ("shard", "full"):
             sets = extra + ["--set", "parallelize.fully_shard.optimizer_sharding=" + mode]

@@ -235,7 +235,7 @@ START_TEST(shard_dims_in_code) {
 END_TEST
 
 /* optimizer_sharding: full (HFSDP) in code: the offline placements chunk each dp shard over
- * the replicas (a plain shard when dp_shard is 1); tensor parallelism is refused at resolve. */
+ * the replicas (a plain shard when dp_shard is 1), over a tp shard of the same dimension too. */
 START_TEST(state_over_replicas_in_code) {
   parallel_plan_t pp;
   parallel_plan_defaults(&pp);
@@ -270,11 +270,21 @@ START_TEST(state_over_replicas_in_code) {
   pp.tp = 2;
   pp.state_over_replicas = true;
   ok(parallel_plan_add_tp_rule(&pp, "fc1", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
-  ck_assert_int_eq(parallel_plan_resolve(&pp, 8), STATUS_EINVAL);
-  ck_assert_msg(strstr(err_detail(),
-                       "optimizer_sharding: full does not compose with tensor "
-                       "parallelism (mesh.tp > 1) yet"),
-                "%s", err_detail());
+  ok(parallel_plan_add_tp_rule(&pp, "fc2", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
+  ok(parallel_plan_resolve(&pp, 16));
+  ok(parallel_param_placements(&pp, "fc1.weight", "linear", 2, &md, shape, pl));
+  ck_assert_str_eq(placements_str(md, pl, buf, sizeof buf), "(SS(0,8), SS(0,2), S(0))");
+  /* the box on (2, 4, 2) at (1, 2, 1) of 37 rows: tp 1 has rows 19..36 (18), shard 2 of 4
+   * chunks of 5 has rows 10..14 of those, replica 1 of chunks of 3 rows 3..4 of that: global
+   * rows 32 and 33 */
+  int64_t global[2] = {37, 3}, local[2], off[2];
+  int mshape[3] = {2, 4, 2}, coord[3] = {1, 2, 1};
+  ok(placements_check(2, 3, mshape, pl));
+  placements_local_box(2, global, 3, mshape, pl, coord, local, off);
+  ck_assert_msg(local[0] == 2 && off[0] == 32 && local[1] == 3 && off[1] == 0,
+                "box %lld rows from %lld", (long long)local[0], (long long)off[0]);
+  ok(parallel_param_placements(&pp, "fc2.weight", "linear", 2, &md, shape, pl));
+  ck_assert_str_eq(placements_str(md, pl, buf, sizeof buf), "(SS(0,4), S(0), S(1))");
 }
 END_TEST
 
