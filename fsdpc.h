@@ -33,6 +33,7 @@
 #include "nn/optim.h"
 #include "parallel/parallel_plan.h"
 #include "parallel/parallelize.h"
+#include "parallel/pipeline.h"
 #include "parallel/pp_schedule.h"
 #include "parallel/tensor_parallel.h"
 #include "train/data.h"

@@ -4,13 +4,15 @@
  * order on every stage; small tables written out by hand; every schedule of a grid finishes
  * when run with its dependencies, and its idle time equals the closed-form bubble where
  * theory gives it exactly (gpipe and 1f1b, any forward and backward times; interleaved 1f1b
- * with equal ones); the activations each keeps in flight; refusals named.
+ * with equal ones); the activations each keeps in flight; between two ranks, messages are
+ * received in the order they are sent (pipeline.h); refusals named.
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "parallel/pipeline.h"
 #include "parallel/pp_schedule.h"
 #include "tests/harness.h"
 
@@ -88,6 +90,7 @@ START_TEST(grid_runs_with_the_closed_form_bubble) {
           pp_schedule_t *s;
           if (pp_schedule_new((pp_schedule_kind_t)k, P, M, V, &s) != STATUS_OK) continue;
           check_actions(s);
+          ok(pp_schedule_check_order(s));        /* messages between two ranks never cross */
           double times[2][2] = {{1, 1}, {1, 2}}; /* forward, backward */
           for (int t = 0; t < 2; t++) {
             double f = times[t][0], b = times[t][1], span, idle[16];

@@ -1,0 +1,213 @@
+/*
+ * Pipeline execution (parallel/pipeline.h) against the single-rank model: a Llama of 4 blocks
+ * split into stages by blocks (the embedding on the first, the final norm, head and loss on
+ * the last) on the world's ranks as pipeline ranks, each schedule that fits the world (gpipe,
+ * 1f1b, and interleaved 1f1b with 2 stages a rank), trains ten steps of 4 microbatches with
+ * the losses, every gradient of a rank's stages and the updated parameters of the single rank
+ * that runs the microbatches in turn (1e-5); a rank holds no gradient outside its stages; the
+ * point-to-point bytes of every step are the closed form (an activation forward and a
+ * gradient back across each boundary a rank owns, per microbatch). Options that do not fit
+ * the group are refused before anything runs.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nn/ops.h"
+#include "parallel/pipeline.h"
+#include "tests/dist/fsdp_common.h"
+
+#define STEPS 10
+#define MICRO 4
+#define LAYERS 4
+
+typedef struct stages {
+  llama_t *m;
+  int S; /* stages */
+  fsdpc_data_t *d;
+  data_spec_t spec;
+  int64_t step;
+} stages_t;
+
+static fsdpc_status_t input_ids(int mb, nn_var_t **out, void *user) {
+  stages_t *u = user;
+  fsdpc_tensor_t in, tg;
+  FSDPC_TRY(data_batch(u->d, &u->spec, u->step, mb, &in, &tg));
+  tensor_free(&tg);
+  return nn_var_new(&in, false, out);
+}
+
+/* Stage s: blocks [s L/S, (s+1) L/S), the embedding before them on stage 0, the final norm,
+ * the head and the loss after them on the last stage. */
+static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, nn_var_t **out,
+                                    void *user) {
+  stages_t *u = user;
+  nn_module_t *root = llama_module(u->m);
+  nn_var_t *h = nn_var_ref(in), *next = NULL;
+  fsdpc_status_t st = STATUS_OK;
+  if (s == 0) {
+    st = nn_call(ctx, nn_module_find(root, "model.embed_tokens"), h, &next);
+    nn_var_put(h);
+    h = next;
+  }
+  for (int i = s * LAYERS / u->S; i < (s + 1) * LAYERS / u->S && st == STATUS_OK; i++) {
+    st = nn_call(ctx, llama_layer(u->m, i), h, &next);
+    nn_var_put(h);
+    h = next;
+  }
+  if (st == STATUS_OK && s == u->S - 1) {
+    const char *tail[] = {"model.norm", "lm_head"};
+    for (int k = 0; k < 2 && st == STATUS_OK; k++) {
+      st = nn_call(ctx, nn_module_find(root, tail[k]), h, &next);
+      nn_var_put(h);
+      h = next;
+    }
+    fsdpc_tensor_t ids, tg;
+    if (st == STATUS_OK) st = data_batch(u->d, &u->spec, u->step, mb, &ids, &tg);
+    if (st == STATUS_OK) {
+      tensor_free(&ids);
+      st = nn_cross_entropy(ctx, h, &tg, &next, NULL);
+      tensor_free(&tg);
+      nn_var_put(h);
+      h = next;
+    }
+  }
+  if (st != STATUS_OK) {
+    nn_var_put(h);
+    return st;
+  }
+  *out = h;
+  return STATUS_OK;
+}
+
+/* The rank holding parameter fqn: its block's stage's (the embedding's: stage 0's; the norm's
+ * and head's: the last stage's). */
+static int owner(const char *fqn, int S, int P) {
+  int layer;
+  if (sscanf(fqn, "model.layers.%d.", &layer) == 1) return (layer * S / LAYERS) % P;
+  return strstr(fqn, "embed_tokens") ? 0 : (S - 1) % P;
+}
+
+static void run_schedule(pp_schedule_kind_t kind, int V) {
+  int P = world_size(), r = world_rank(), S = P * V;
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  cfg.n_layers = LAYERS;
+  run_t ref, pp;
+  run_init(&ref, &cfg);
+  run_init(&pp, &cfg);
+  run_optim(&ref);
+  run_optim(&pp);
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
+  const int64_t B = 2, T = 16;
+  stages_t u = {.m = pp.m, .S = S, .d = d};
+  u.spec = (data_spec_t){.batch_size = B, .seq_len = T, .grad_accum = MICRO, .dp_size = 1};
+  pp_schedule_t *sched;
+  ok(pp_schedule_new(kind, P, MICRO, V, &sched));
+  pp_step_options_t o = PP_STEP_OPTIONS_INIT;
+  o.group = world_pg();
+  o.schedule = sched;
+  o.ndim = 3;
+  o.shape[0] = B, o.shape[1] = T, o.shape[2] = cfg.dim;
+  o.forward = stage_forward;
+  o.input = input_ids;
+  o.user = &u;
+  /* every boundary a rank's stages own, crossed by one activation forward (not out of the
+   * last stage) and one gradient back (not into stage 0) per microbatch */
+  uint64_t want = 0, each = (uint64_t)(B * T * cfg.dim) * 4;
+  for (int s = r; s < S; s += P) want += (uint64_t)MICRO * each * ((s < S - 1) + (s > 0));
+  ck_assert_uint_eq(pp_step_send_bytes(&o, r), want);
+  lr_schedule_t lrs = {.warmup_steps = 3, .total_steps = STEPS, .min_ratio = 0.1};
+  int bad = 0;
+  for (int step = 0; step < STEPS; step++) {
+    optim_zero_grad(ref.opt);
+    optim_zero_grad(pp.opt);
+    double lref = 0, lpp = 0;
+    for (int m = 0; m < MICRO; m++) lref += fwd_bwd(ref.m, d, &u.spec, step, m) / MICRO;
+    u.step = step;
+    pg_reset_counters(world_pg());
+    ok(pp_step(&o, &lpp));
+    pg_counters_t c = pg_counters(world_pg());
+    if (c.bytes[PG_SEND_RECV] != want) {
+      bad++;
+      printf("rank %d, step %d: %llu point-to-point bytes, want %llu\n", r, step,
+             (unsigned long long)c.bytes[PG_SEND_RECV], (unsigned long long)want);
+    }
+    if (fabs(lpp - lref) > 1e-5 * fabs(lref)) {
+      bad++;
+      if (r == 0) printf("step %d: pipeline loss %.8f, single rank %.8f\n", step, lpp, lref);
+    }
+    for (int i = 0; i < pp.n; i++) { /* this rank's stages' gradients, and only those */
+      bool mine = owner(pp.ps[i]->fqn, S, P) == r;
+      if (mine != (pp.ps[i]->grad != NULL)) {
+        bad++;
+        printf("rank %d: %s %s a gradient\n", r, pp.ps[i]->fqn, mine ? "lacks" : "has");
+        continue;
+      }
+      if (!mine) continue;
+      double e = test_rel_l2(dtensor_local(pp.ps[i]->grad), dtensor_local(ref.ps[i]->grad));
+      if (e > 1e-5) {
+        bad++;
+        printf("rank %d, step %d: %s gradient differs by %.3g\n", r, step, pp.ps[i]->fqn, e);
+      }
+    }
+    ok(clip_grad_norm(ref.ps, ref.n, 1.0, NULL, NULL));
+    ok(clip_grad_norm(pp.ps, pp.n, 1.0, world_pg(), NULL)); /* the norm over every stage */
+    ok(optim_step(ref.opt, lr_schedule_factor(&lrs, step)));
+    ok(optim_step(pp.opt, lr_schedule_factor(&lrs, step)));
+  }
+  for (int i = 0; i < pp.n; i++)
+    if (owner(pp.ps[i]->fqn, S, P) == r &&
+        test_rel_l2(dtensor_local(pp.ps[i]->value), dtensor_local(ref.ps[i]->value)) > 1e-5)
+      bad++;
+  expect_all(bad == 0, "%s, %d stages: %d mismatches with the single-rank run",
+             pp_schedule_name(kind), S, bad);
+  pp_schedule_free(sched);
+  for (run_t *x = &ref; x; x = x == &ref ? &pp : NULL) {
+    optim_free(x->opt);
+    free(x->ps);
+    llama_free(x->m);
+  }
+  data_free(d);
+}
+
+START_TEST(gpipe_matches_one_rank) { run_schedule(PP_GPIPE, 1); }
+END_TEST
+START_TEST(one_f_one_b_matches_one_rank) { run_schedule(PP_1F1B, 1); }
+END_TEST
+START_TEST(interleaved_matches_one_rank) { run_schedule(PP_INTERLEAVED_1F1B, 2); }
+END_TEST
+
+/* The boundary's shape is checked where an activation leaves; a group of another size than
+ * the schedule's, before anything runs. */
+START_TEST(bad_options_are_refused) {
+  pp_schedule_t *sched;
+  ok(pp_schedule_new(PP_GPIPE, world_size() + 1, MICRO, 1, &sched));
+  pp_step_options_t o = PP_STEP_OPTIONS_INIT;
+  o.group = world_pg();
+  o.schedule = sched;
+  o.ndim = 1;
+  o.shape[0] = 4;
+  o.forward = stage_forward;
+  o.input = input_ids;
+  ck_assert_int_eq(pp_step(&o, NULL), STATUS_EINVAL);
+  ck_assert_msg(strstr(err_detail(), "the schedule is for"), "%s", err_detail());
+  pp_schedule_free(sched);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("pipeline");
+  TCase *tc = tcase_create("pipeline");
+  tcase_set_timeout(tc, 300);
+  tcase_add_test(tc, gpipe_matches_one_rank);
+  tcase_add_test(tc, one_f_one_b_matches_one_rank);
+  if (LAYERS % (2 * world_size()) == 0) tcase_add_test(tc, interleaved_matches_one_rank);
+  tcase_add_test(tc, bad_options_are_refused);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
