@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/args_impl.h"
+#include "core/device.h"
 #include "mesh/world.h"
 #include "nn/ops.h"
 
@@ -137,8 +138,10 @@ static fsdpc_status_t recv_from(const pp_step_options_t *o, int peer, fsdpc_tens
   FSDPC_TRY(tensor_init(out, o->dtype, o->device, o->ndim, o->shape));
   pg_p2p_t op = {.send = false, .buf = out->data, .count = (size_t)boundary_numel(o), .peer = peer};
   pg_work_t *w = NULL;
+  double t0 = device_clock_seconds();
   fsdpc_status_t st = pg_send_recv(o->group, &op, 1, o->dtype, &w);
   if (st == STATUS_OK) st = pg_wait(w);
+  if (o->stats) o->stats->wait_seconds += device_clock_seconds() - t0;
   if (st != STATUS_OK) tensor_free(out);
   return st;
 }
@@ -249,17 +252,26 @@ fsdpc_status_t pp_step(const pp_step_options_t *o, double *loss) {
   mb_t *mbs = calloc((size_t)(V * M), sizeof *mbs);
   if (mbs == NULL) return err_set(STATUS_ENOMEM, "pipeline: out of host memory");
   inflight_t f = {0};
-  double sum = 0;
+  double sum = 0, t0 = device_clock_seconds();
+  if (o->stats) *o->stats = (pp_step_stats_t){0};
+  int live = 0;
   fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < pp_schedule_num_actions(s, r) && st == STATUS_OK; i++) {
     pp_action_t a = pp_schedule_action(s, r, i);
     mb_t *b = &mbs[(a.stage / P) * M + a.microbatch];
     st = a.kind == PP_FORWARD ? run_forward(o, &f, a, b, &sum) : run_backward(o, &f, a, b);
+    live += a.kind == PP_FORWARD ? 1 : -1;
+    if (o->stats && live > o->stats->max_in_flight) o->stats->max_in_flight = live;
   }
   /* a rank that fails mid-step would leave its neighbours waiting: stop the job instead */
   if (st != STATUS_OK) st = world_stop(st);
+  double t1 = device_clock_seconds();
   fsdpc_status_t s2 = finish_sends(&f);
   if (st == STATUS_OK) st = s2;
+  if (o->stats) {
+    o->stats->wait_seconds += device_clock_seconds() - t1;
+    o->stats->seconds = device_clock_seconds() - t0;
+  }
   for (int i = 0; i < V * M; i++) mb_free(&mbs[i]);
   free(mbs);
   /* the loss lives on the last stage's rank: every rank learns the mean */

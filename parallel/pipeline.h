@@ -44,6 +44,13 @@ typedef fsdpc_status_t (*pp_stage_fn)(nn_ctx_t *ctx, int stage, int microbatch, 
  * step). */
 typedef fsdpc_status_t (*pp_input_fn)(int microbatch, nn_var_t **out, void *user);
 
+/* What a step measured on this rank (pp_step_options_t.stats). */
+typedef struct pp_step_stats {
+  double seconds;      /* the step, from its first action to its sends' completion */
+  double wait_seconds; /* of those, waiting for a neighbour: receives and the final sends */
+  int max_in_flight;   /* the most microbatches whose tapes (activations) it kept at once */
+} pp_step_stats_t;
+
 typedef struct pp_step_options {
   pg_t *group;                    /* the pipeline's ranks: group rank r is pipeline rank r */
   const pp_schedule_t *schedule;  /* its ranks: the group's size */
@@ -54,12 +61,13 @@ typedef struct pp_step_options {
   pp_stage_fn forward;
   pp_input_fn input; /* called on stage 0's rank only */
   void *user;
+  pp_step_stats_t *stats; /* if not NULL, filled by each step */
 } pp_step_options_t;
 
-#define PP_STEP_OPTIONS_INIT                                                      \
-  {                                                                               \
-    .group = NULL, .schedule = NULL, .ndim = 0, .shape = {0}, .dtype = DTYPE_F32, \
-    .device = {DEVICE_CPU, 0}, .forward = NULL, .input = NULL, .user = NULL       \
+#define PP_STEP_OPTIONS_INIT                                                               \
+  {                                                                                        \
+    .group = NULL, .schedule = NULL, .ndim = 0, .shape = {0}, .dtype = DTYPE_F32,          \
+    .device = {DEVICE_CPU, 0}, .forward = NULL, .input = NULL, .user = NULL, .stats = NULL \
   }
 
 /* Whether the schedule's messages between every pair of ranks are received in the order they

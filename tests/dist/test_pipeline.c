@@ -114,6 +114,8 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
   o.forward = stage_forward;
   o.input = input_ids;
   o.user = &u;
+  pp_step_stats_t stats;
+  o.stats = &stats;
   /* every boundary a rank's stages own, crossed by one activation forward (not out of the
    * last stage) and one gradient back (not into stage 0) per microbatch */
   uint64_t want = 0, each = (uint64_t)(B * T * cfg.dim) * 4;
@@ -130,6 +132,13 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
     pg_reset_counters(world_pg());
     ok(pp_step(&o, &lpp));
     pg_counters_t c = pg_counters(world_pg());
+    /* the tapes kept at once: what the schedule says it keeps in flight */
+    if (stats.max_in_flight != pp_schedule_max_in_flight(sched, r) ||
+        !(stats.wait_seconds <= stats.seconds)) {
+      bad++;
+      printf("rank %d, step %d: %d microbatches in flight (the schedule: %d)\n", r, step,
+             stats.max_in_flight, pp_schedule_max_in_flight(sched, r));
+    }
     if (c.bytes[PG_SEND_RECV] != want) {
       bad++;
       printf("rank %d, step %d: %llu point-to-point bytes, want %llu\n", r, step,
