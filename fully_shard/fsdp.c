@@ -2,6 +2,7 @@
  * state machine of a step), prefetching and control. The root's per-step context is in
  * fsdp_state.c, sharding one parameter in fsdp_param.c, modules called outside their unit in
  * fsdp_on_demand.c, the data path in fsdp_comm.c. */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -176,14 +177,59 @@ static void group_free(fsdp_group_t *g) {
   free(g);
 }
 
+/* Every live group, by the top module of its model: freeing a module of a sharded model
+ * frees the model's groups without walking its tree, parts of which may be freed already
+ * (modules without a group freed before one with a group, when no group sits on the top). */
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static fsdp_group_t *live_groups;
+
+static nn_module_t *top_of(nn_module_t *m) {
+  while (nn_module_parent(m) != NULL) m = nn_module_parent(m);
+  return m;
+}
+
+static void live_add(fsdp_group_t *g) {
+  pthread_mutex_lock(&live_lock);
+  g->live_prev = NULL;
+  g->live_next = live_groups;
+  if (live_groups) live_groups->live_prev = g;
+  live_groups = g;
+  pthread_mutex_unlock(&live_lock);
+}
+
+static void live_remove(fsdp_group_t *g) {
+  pthread_mutex_lock(&live_lock);
+  if (g->live_prev)
+    g->live_prev->live_next = g->live_next;
+  else if (live_groups == g)
+    live_groups = g->live_next;
+  if (g->live_next) g->live_next->live_prev = g->live_prev;
+  g->live_prev = g->live_next = NULL;
+  pthread_mutex_unlock(&live_lock);
+}
+
+/* One group of a model (top) registered, or NULL. */
+static fsdp_group_t *live_of(const nn_module_t *top) {
+  pthread_mutex_lock(&live_lock);
+  fsdp_group_t *g = live_groups;
+  while (g != NULL && g->top != top) g = g->live_next;
+  pthread_mutex_unlock(&live_lock);
+  return g;
+}
+
+static void free_group(fsdp_group_t *g);
+
 /* A module of a sharded model is being freed: every group of the model goes first, before
  * any of its parameters (the groups of one model share the root's per-step state, so they go
- * together). */
+ * together), reductions in flight dropped before any group goes. */
 static void free_with_model(nn_module_t *m, void *ext) {
   (void)ext;
-  nn_module_t *top = m;
-  while (nn_module_parent(top) != NULL) top = nn_module_parent(top);
-  fsdp_free_all(top);
+  nn_module_t *top = top_of(m);
+  pthread_mutex_lock(&live_lock);
+  for (fsdp_group_t *g = live_groups; g != NULL; g = g->live_next)
+    if (g->top == top && g->state.reducing != NULL) fsdp_reduce_drop(g->state.reducing);
+  pthread_mutex_unlock(&live_lock);
+  for (fsdp_group_t *g = live_of(top); g != NULL; g = live_of(top)) free_group(g);
 }
 
 fsdpc_status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out) {
@@ -284,20 +330,26 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
     nn_module_set_ext(ms[i], g, free_with_model);
     if (g->n > 0) nn_module_set_cast(ms[i], g->param_dtype, opt->output_dtype); /* boundary */
   }
+  g->top = top_of(ms[0]);
+  live_add(g);
   if (out) *out = g;
   return STATUS_OK;
 }
 
+/* A group's modules back to plain ones, then the group freed. */
+static void free_group(fsdp_group_t *g) {
+  live_remove(g);
+  fsdp_reshard(g);
+  for (int i = 0; i < g->n_modules; i++) {
+    nn_module_set_ext(g->modules[i], NULL, NULL);
+    nn_module_set_cast(g->modules[i], DTYPE_COUNT, DTYPE_COUNT);
+  }
+  group_free(g);
+}
+
 static void free_all(nn_module_t *m) {
   fsdp_group_t *g = fsdp_group_of(m);
-  if (g != NULL) {
-    fsdp_reshard(g);
-    for (int i = 0; i < g->n_modules; i++) {
-      nn_module_set_ext(g->modules[i], NULL, NULL);
-      nn_module_set_cast(g->modules[i], DTYPE_COUNT, DTYPE_COUNT);
-    }
-    group_free(g);
-  }
+  if (g != NULL) free_group(g);
   for (int i = 0; i < nn_module_num_children(m); i++) free_all(nn_module_child(m, i));
 }
 

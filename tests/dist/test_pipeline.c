@@ -6,8 +6,12 @@
  * the losses, every gradient of a rank's stages and the updated parameters of the single rank
  * that runs the microbatches in turn (1e-5); a rank holds no gradient outside its stages; the
  * point-to-point bytes of every step are the closed form (an activation forward and a
- * gradient back across each boundary a rank owns, per microbatch). Options that do not fit
- * the group are refused before anything runs.
+ * gradient back across each boundary a rank owns, per microbatch). With "dp:N" the world is
+ * (pp, dp_shard) = (world / N, N): each rank's stages fully sharded over its N data-parallel
+ * ranks (every block a unit, the embedding one, the final norm and head one), each dp rank's
+ * microbatches its own, matching the single rank that averages them (gradients 5e-5 of the
+ * tensor's norm: summed in another order). Options that do not fit the group are refused
+ * before anything runs.
  */
 #include <math.h>
 #include <stdio.h>
@@ -89,25 +93,87 @@ static int owner(const char *fqn, int S, int P) {
   return strstr(fqn, "embed_tokens") ? 0 : (S - 1) % P;
 }
 
+/* Data-parallel ranks beside the pipeline: argument "dp:N" (default 1). */
+static int dp_size(void) {
+  for (int i = 1; i < test_argc(); i++)
+    if (strncmp(test_argv()[i], "dp:", 3) == 0) return atoi(test_argv()[i] + 3);
+  return 1;
+}
+
+/* With data parallelism, each of this rank's stages fully sharded over its dp group: every
+ * block a unit, the embedding one, the final norm and the head one. */
+static void shard_stages(llama_t *m, int r, int P, int S, mesh_t *dp) {
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = dp;
+  nn_module_t *root = llama_module(m);
+  for (int s = r; s < S; s += P) {
+    for (int i = s * LAYERS / S; i < (s + 1) * LAYERS / S; i++)
+      ok(fully_shard(llama_layer(m, i), &opt, NULL));
+    if (s == 0) ok(fully_shard(nn_module_find(root, "model.embed_tokens"), &opt, NULL));
+    if (s == S - 1) {
+      nn_module_t *tail[] = {nn_module_find(root, "model.norm"), nn_module_find(root, "lm_head")};
+      ok(fully_shard_modules(tail, 2, &opt, NULL));
+    }
+  }
+}
+
+static double norm2(const fsdpc_tensor_t *t) { /* f32 on the host, any strides */
+  fsdpc_tensor_t h;
+  ok(tensor_clone(&h, t, DTYPE_F32, device_cpu()));
+  double s = 0;
+  for (int64_t k = 0; k < tensor_numel(&h); k++)
+    s += (double)((float *)h.data)[k] * ((float *)h.data)[k];
+  tensor_free(&h);
+  return sqrt(s);
+}
+
+/* Parameter i's gradient or value shard (this rank's stages) against the reference's slice at
+ * its offset, relative to the whole reference tensor's norm (as test_fsdp's compare_shards). */
+static double shard_error(const run_t *ref, const run_t *pp, int i, bool grads) {
+  const dtensor_t *rv = grads ? ref->ps[i]->grad : ref->ps[i]->value;
+  const dtensor_t *sv = grads ? pp->ps[i]->grad : pp->ps[i]->value;
+  const fsdpc_tensor_t *mine = dtensor_local(sv);
+  if (tensor_numel(mine) == 0) return 0;
+  int64_t off[TENSOR_MAX_DIMS];
+  dtensor_offset(sv, off);
+  fsdpc_tensor_t want;
+  ok(tensor_narrow_box(&want, dtensor_local(rv), off, mine->shape));
+  double e = test_rel_l2(mine, &want) * norm2(&want) / (norm2(dtensor_local(rv)) + 1e-30);
+  tensor_free(&want);
+  return e;
+}
+
 static void run_schedule(pp_schedule_kind_t kind, int V) {
-  int P = world_size(), r = world_rank(), S = P * V;
+  int DP = dp_size(), P = world_size() / DP, S = P * V;
+  int shape[2] = {P, DP};
+  const char *names[2] = {"pp", "dp_shard"};
+  mesh_t *mesh, *dp;
+  ok(mesh_new(2, shape, names, DEVICE_CPU, &mesh));
+  ok(mesh_slice(mesh, 1, &names[1], &dp));
+  pg_t *pp_pg = mesh_group(mesh, 0), *dp_pg = mesh_group(mesh, 1);
+  int r = mesh_coord(mesh, 0);
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   cfg.n_layers = LAYERS;
   run_t ref, pp;
   run_init(&ref, &cfg);
   run_init(&pp, &cfg);
+  if (DP > 1) shard_stages(pp.m, r, P, S, dp);
   run_optim(&ref);
   run_optim(&pp);
   fsdpc_data_t *d;
   ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   const int64_t B = 2, T = 16;
   stages_t u = {.m = pp.m, .S = S, .d = d};
-  u.spec = (data_spec_t){.batch_size = B, .seq_len = T, .grad_accum = MICRO, .dp_size = 1};
+  u.spec = (data_spec_t){.batch_size = B,
+                         .seq_len = T,
+                         .grad_accum = MICRO,
+                         .dp_size = DP,
+                         .dp_rank = mesh_coord(mesh, 1)};
   pp_schedule_t *sched;
   ok(pp_schedule_new(kind, P, MICRO, V, &sched));
   pp_step_options_t o = PP_STEP_OPTIONS_INIT;
-  o.group = world_pg();
+  o.group = pp_pg;
   o.schedule = sched;
   o.ndim = 3;
   o.shape[0] = B, o.shape[1] = T, o.shape[2] = cfg.dim;
@@ -127,11 +193,14 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
     optim_zero_grad(ref.opt);
     optim_zero_grad(pp.opt);
     double lref = 0, lpp = 0;
-    for (int m = 0; m < MICRO; m++) lref += fwd_bwd(ref.m, d, &u.spec, step, m) / MICRO;
+    for (int m = 0; m < MICRO; m++) lref += ref_fwd_bwd(ref.m, d, &u.spec, step, m) / MICRO;
+    ref_average_grads(&ref, DP);
     u.step = step;
-    pg_reset_counters(world_pg());
+    pg_reset_counters(pp_pg);
     ok(pp_step(&o, &lpp));
-    pg_counters_t c = pg_counters(world_pg());
+    ok(pg_host_all_reduce(dp_pg, &lpp, &lpp, 1, PG_HOST_F64, REDUCE_SUM)); /* the dp mean */
+    lpp /= DP;
+    pg_counters_t c = pg_counters(pp_pg);
     /* the tapes kept at once: what the schedule says it keeps in flight */
     if (stats.max_in_flight != pp_schedule_max_in_flight(sched, r) ||
         !(stats.wait_seconds <= stats.seconds)) {
@@ -156,8 +225,10 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
         continue;
       }
       if (!mine) continue;
-      double e = test_rel_l2(dtensor_local(pp.ps[i]->grad), dtensor_local(ref.ps[i]->grad));
-      if (e > 1e-5) {
+      /* with dp the gradients are averaged in another order (each microbatch's over dp,
+       * then summed): fp32 rounding, as test_fsdp's tolerance */
+      double e = shard_error(&ref, &pp, i, true);
+      if (e > (DP > 1 ? 5e-5 : 1e-5)) {
         bad++;
         printf("rank %d, step %d: %s gradient differs by %.3g\n", r, step, pp.ps[i]->fqn, e);
       }
@@ -168,9 +239,7 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
     ok(optim_step(pp.opt, lr_schedule_factor(&lrs, step)));
   }
   for (int i = 0; i < pp.n; i++)
-    if (owner(pp.ps[i]->fqn, S, P) == r &&
-        test_rel_l2(dtensor_local(pp.ps[i]->value), dtensor_local(ref.ps[i]->value)) > 1e-5)
-      bad++;
+    if (owner(pp.ps[i]->fqn, S, P) == r && shard_error(&ref, &pp, i, false) > 1e-5) bad++;
   expect_all(bad == 0, "%s, %d stages: %d mismatches with the single-rank run",
              pp_schedule_name(kind), S, bad);
   pp_schedule_free(sched);
@@ -180,6 +249,8 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
     llama_free(x->m);
   }
   data_free(d);
+  mesh_free(dp);
+  mesh_free(mesh);
 }
 
 START_TEST(gpipe_matches_one_rank) { run_schedule(PP_GPIPE, 1); }
@@ -213,7 +284,8 @@ static Suite *make_suite(void) {
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, gpipe_matches_one_rank);
   tcase_add_test(tc, one_f_one_b_matches_one_rank);
-  if (LAYERS % (2 * world_size()) == 0) tcase_add_test(tc, interleaved_matches_one_rank);
+  if (LAYERS % (2 * (world_size() / dp_size())) == 0)
+    tcase_add_test(tc, interleaved_matches_one_rank);
   tcase_add_test(tc, bad_options_are_refused);
   suite_add_tcase(s, tc);
   return s;
