@@ -10,14 +10,16 @@
  * (pp, dp_shard) = (world / N, N): each rank's stages fully sharded over its N data-parallel
  * ranks (every block a unit, the embedding one, the final norm and head one), each dp rank's
  * microbatches its own, matching the single rank that averages them (gradients 5e-5 of the
- * tensor's norm: summed in another order). Options that do not fit the group are refused
- * before anything runs.
+ * tensor's norm: summed in another order). The trained stages saved (each rank its own shards,
+ * under the global names) load into one rank's whole model with the single rank's values.
+ * Options that do not fit the group are refused before anything runs.
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkpoint/dcp.h"
 #include "nn/ops.h"
 #include "parallel/pipeline.h"
 #include "tests/dist/fsdp_common.h"
@@ -143,6 +145,45 @@ static double shard_error(const run_t *ref, const run_t *pp, int i, bool grads) 
   return e;
 }
 
+/* The parameters saved from every rank's stages under their global names (each rank its own
+ * shards) load into one rank's whole model: the reference's trained values. */
+static int saved_loads_whole(const run_t *ref, const run_t *pp, int S, int P, int r) {
+  char dir[300] = "";
+  if (world_rank() == 0) {
+    char root[] = "/tmp/fsdpc-pipeline-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(root));
+    snprintf(dir, sizeof dir, "%s/ckpt", root);
+  }
+  MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
+  dcp_entry_t *e = calloc((size_t)pp->n, sizeof *e);
+  int n = 0;
+  for (int i = 0; i < pp->n; i++)
+    if (owner(pp->ps[i]->fqn, S, P) == r) e[n++] = (dcp_entry_t){pp->ps[i]->fqn, pp->ps[i]->value};
+  ok(dcp_save(dir, e, n, world_pg()));
+  llama_config_t cfg = *llama_get_config(ref->m);
+  run_t whole;
+  run_init(&whole, &cfg);
+  ok(nn_named_parameters(llama_module(whole.m), &whole.ps, &whole.n));
+  for (int i = 0; i < whole.n; i++) e[i] = (dcp_entry_t){whole.ps[i]->fqn, whole.ps[i]->value};
+  ok(dcp_load(dir, e, whole.n, NULL));
+  int bad = 0;
+  for (int i = 0; i < whole.n; i++)
+    if (test_rel_l2(dtensor_local(whole.ps[i]->value), dtensor_local(ref->ps[i]->value)) > 1e-5) {
+      bad++;
+      printf("rank %d: %s loaded from the pipeline's checkpoint differs\n", r, whole.ps[i]->fqn);
+    }
+  free(e);
+  free(whole.ps);
+  llama_free(whole.m);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) {
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf %.*s", (int)(strrchr(dir, '/') - dir), dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+  }
+  return bad;
+}
+
 static void run_schedule(pp_schedule_kind_t kind, int V) {
   int DP = dp_size(), P = world_size() / DP, S = P * V;
   int shape[2] = {P, DP};
@@ -240,6 +281,7 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
   }
   for (int i = 0; i < pp.n; i++)
     if (owner(pp.ps[i]->fqn, S, P) == r && shard_error(&ref, &pp, i, false) > 1e-5) bad++;
+  bad += saved_loads_whole(&ref, &pp, S, P, r);
   expect_all(bad == 0, "%s, %d stages: %d mismatches with the single-rank run",
              pp_schedule_name(kind), S, bad);
   pp_schedule_free(sched);
