@@ -208,11 +208,13 @@ static void live_remove(fsdp_group_t *g) {
   pthread_mutex_unlock(&live_lock);
 }
 
-/* One group of a model (top) registered, or NULL. */
-static fsdp_group_t *live_of(const nn_module_t *top) {
+/* The group after `after` (NULL: the first) in the registry whose model's top module is top,
+ * or NULL. A live group's modules and their parents are allocated, so its top is found now
+ * (a module attached to a parent after fully_shard belongs to that parent's model). */
+static fsdp_group_t *live_of(const nn_module_t *top, fsdp_group_t *after) {
   pthread_mutex_lock(&live_lock);
-  fsdp_group_t *g = live_groups;
-  while (g != NULL && g->top != top) g = g->live_next;
+  fsdp_group_t *g = after ? after->live_next : live_groups;
+  while (g != NULL && top_of(g->modules[0]) != top) g = g->live_next;
   pthread_mutex_unlock(&live_lock);
   return g;
 }
@@ -225,11 +227,9 @@ static void free_group(fsdp_group_t *g);
 static void free_with_model(nn_module_t *m, void *ext) {
   (void)ext;
   nn_module_t *top = top_of(m);
-  pthread_mutex_lock(&live_lock);
-  for (fsdp_group_t *g = live_groups; g != NULL; g = g->live_next)
-    if (g->top == top && g->state.reducing != NULL) fsdp_reduce_drop(g->state.reducing);
-  pthread_mutex_unlock(&live_lock);
-  for (fsdp_group_t *g = live_of(top); g != NULL; g = live_of(top)) free_group(g);
+  for (fsdp_group_t *g = live_of(top, NULL); g != NULL; g = live_of(top, g))
+    if (g->state.reducing != NULL) fsdp_reduce_drop(g->state.reducing);
+  for (fsdp_group_t *g = live_of(top, NULL); g != NULL; g = live_of(top, NULL)) free_group(g);
 }
 
 fsdpc_status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out) {
@@ -330,7 +330,6 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
     nn_module_set_ext(ms[i], g, free_with_model);
     if (g->n > 0) nn_module_set_cast(ms[i], g->param_dtype, opt->output_dtype); /* boundary */
   }
-  g->top = top_of(ms[0]);
   live_add(g);
   if (out) *out = g;
   return STATUS_OK;

@@ -141,7 +141,6 @@ struct fsdp_group {
   fsdp_group_t *root;    /* found on the first forward */
   fsdp_state_t state;    /* root only: the model's per-step context */
   bool is_last_backward; /* the root's: finish reductions at the end of backward */
-  nn_module_t *top;      /* the model's top module (the groups' registry) */
   struct fsdp_group *live_prev, *live_next;    /* the registry of live groups (fsdp.c) */
   fsdp_group_t **fwd_prefetch, **bwd_prefetch; /* explicit lists */
   int n_fwd_prefetch, n_bwd_prefetch;

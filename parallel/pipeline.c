@@ -232,39 +232,53 @@ static fsdpc_status_t run_backward(const pp_step_options_t *o, inflight_t *f, pp
 
 static fsdpc_status_t check_options(const pp_step_options_t *o) {
   ARG_NONNULL(o);
-  if (o->group == NULL || o->schedule == NULL || o->forward == NULL || o->input == NULL)
+  if (o->group == NULL || o->schedule == NULL || o->forward == NULL)
+    return err_set(STATUS_EINVAL, "pipeline: a group, a schedule and a forward are required");
+  /* a send that waits for its receiver (host-staged groups move data as a blocking exchange,
+   * NCCL's send holds its stream) would meet a neighbour's own send in 1f1b's steady state */
+  if (strcmp(pg_backend_name(o->group), "mpi") != 0)
     return err_set(STATUS_EINVAL,
-                   "pipeline: a group, a schedule, a forward and an input are "
-                   "required");
+                   "pipeline: point-to-point over a %s process group waits for the receiver at "
+                   "each send; pipeline steps run over MPI groups (on the CPU, FSDPC_PG=native) "
+                   "for now",
+                   pg_backend_name(o->group));
   if (pp_schedule_ranks(o->schedule) != pg_size(o->group))
     return err_set(STATUS_EINVAL, "pipeline: the schedule is for %d ranks, the group has %d",
                    pp_schedule_ranks(o->schedule), pg_size(o->group));
+  if (o->input == NULL && pp_schedule_rank_of_stage(o->schedule, 0) == pg_rank(o->group))
+    return err_set(STATUS_EINVAL, "pipeline: the rank of stage 0 needs an input function");
   if (o->ndim < 1 || o->ndim > TENSOR_MAX_DIMS)
     return err_set(STATUS_EINVAL, "pipeline: a boundary of %d dimensions", o->ndim);
   return pp_schedule_check_order(o->schedule);
 }
 
+/* The microbatches whose tapes are kept now. */
+static int tapes_kept(const mb_t *mbs, int n) {
+  int k = 0;
+  for (int i = 0; i < n; i++) k += mbs[i].ctx != NULL;
+  return k;
+}
+
 fsdpc_status_t pp_step(const pp_step_options_t *o, double *loss) {
-  FSDPC_TRY(check_options(o));
+  if (loss) *loss = 0.0;
+  FSDPC_TRY(check_options(o)); /* the same verdict on every rank */
   const pp_schedule_t *s = o->schedule;
   int P = pp_schedule_ranks(s), V = pp_schedule_stages_per_rank(s);
   int M = pp_schedule_microbatches(s), r = pg_rank(o->group), S = P * V;
   mb_t *mbs = calloc((size_t)(V * M), sizeof *mbs);
-  if (mbs == NULL) return err_set(STATUS_ENOMEM, "pipeline: out of host memory");
+  /* from here a rank that fails alone would leave its neighbours waiting: it stops the job */
+  if (mbs == NULL) return world_stop(err_set(STATUS_ENOMEM, "pipeline: out of host memory"));
   inflight_t f = {0};
   double sum = 0, t0 = device_clock_seconds();
   if (o->stats) *o->stats = (pp_step_stats_t){0};
-  int live = 0;
   fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < pp_schedule_num_actions(s, r) && st == STATUS_OK; i++) {
     pp_action_t a = pp_schedule_action(s, r, i);
     mb_t *b = &mbs[(a.stage / P) * M + a.microbatch];
     st = a.kind == PP_FORWARD ? run_forward(o, &f, a, b, &sum) : run_backward(o, &f, a, b);
-    live += a.kind == PP_FORWARD ? 1 : -1;
-    if (o->stats && live > o->stats->max_in_flight) o->stats->max_in_flight = live;
+    int kept = tapes_kept(mbs, V * M);
+    if (o->stats && kept > o->stats->max_in_flight) o->stats->max_in_flight = kept;
   }
-  /* a rank that fails mid-step would leave its neighbours waiting: stop the job instead */
-  if (st != STATUS_OK) st = world_stop(st);
   double t1 = device_clock_seconds();
   fsdpc_status_t s2 = finish_sends(&f);
   if (st == STATUS_OK) st = s2;
@@ -277,8 +291,9 @@ fsdpc_status_t pp_step(const pp_step_options_t *o, double *loss) {
   /* the loss lives on the last stage's rank: every rank learns the mean */
   double mine = pp_schedule_rank_of_stage(s, S - 1) == r ? sum / M : 0.0;
   if (st == STATUS_OK) st = pg_host_all_reduce(o->group, &mine, &mine, 1, PG_HOST_F64, REDUCE_SUM);
-  if (loss) *loss = st == STATUS_OK ? mine : 0.0;
-  return st;
+  if (st != STATUS_OK) return world_stop(st);
+  if (loss) *loss = mine;
+  return STATUS_OK;
 }
 
 uint64_t pp_step_send_bytes(const pp_step_options_t *o, int rank) {

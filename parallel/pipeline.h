@@ -19,9 +19,12 @@
  *   FSDPC_TRY(pp_step(&o, &loss));
  *   ... clip with the norm over every stage's gradients, step the optimizer ...
  *
- * The sends of a rank are nonblocking and the receives wait as each action needs them, so a
- * schedule whose dependencies resolve runs without a deadlock; between two ranks, messages
- * match in the order each side lists them (a schedule in which they would not is refused).
+ * The sends of a rank do not wait for their receivers and the receives wait as each action
+ * needs them, so a schedule whose dependencies resolve runs without a deadlock; between two
+ * ranks, messages match in the order each side lists them (a schedule in which they would not
+ * is refused). That needs sends that leave without their receiver: the group must be an MPI
+ * one (the CPU's native groups); host-staged and NCCL groups, whose sends wait for the
+ * receiver, are refused by name for now.
  */
 #ifndef FSDPC_PARALLEL_PIPELINE_H
 #define FSDPC_PARALLEL_PIPELINE_H
@@ -47,8 +50,10 @@ typedef fsdpc_status_t (*pp_input_fn)(int microbatch, nn_var_t **out, void *user
 /* What a step measured on this rank (pp_step_options_t.stats). */
 typedef struct pp_step_stats {
   double seconds;      /* the step, from its first action to its sends' completion */
-  double wait_seconds; /* of those, waiting for a neighbour: receives and the final sends */
-  int max_in_flight;   /* the most microbatches whose tapes (activations) it kept at once */
+  double wait_seconds; /* of those, waiting for a neighbour: receives and the final sends
+                          (host time) */
+  int max_in_flight;   /* the most microbatches whose tapes (activations) it held at once,
+                          counted from the tapes themselves */
 } pp_step_stats_t;
 
 typedef struct pp_step_options {

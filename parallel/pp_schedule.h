@@ -7,7 +7,7 @@
  * A step pushes M microbatches through: F(s, m) needs F(s - 1, m)'s output, B(s, m) needs
  * B(s + 1, m)'s input gradient and F(s, m)'s activations. A schedule is, for each rank, the
  * order of its 2 M V actions; a rank runs them one after the other, each waiting only for what
- * it needs from its neighbours (sent point to point, received nonblocking):
+ * it needs from its neighbours (sent point to point without waiting, received where needed):
  *
  *   gpipe             every forward, then every backward (microbatches in order): M
  *                     microbatches' activations in flight

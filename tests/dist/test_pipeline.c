@@ -320,10 +320,39 @@ START_TEST(bad_options_are_refused) {
 }
 END_TEST
 
+/* Over host-staged groups (FSDPC_PG=staged, argument "staged"), whose sends wait for their
+ * receivers, a step is refused by name before anything runs. */
+START_TEST(staged_groups_are_refused) {
+  pp_schedule_t *sched;
+  ok(pp_schedule_new(PP_1F1B, world_size(), MICRO, 1, &sched));
+  mesh_t *m;
+  int w = world_size();
+  const char *name = "pp";
+  ok(mesh_new(1, &w, &name, DEVICE_CPU, &m));
+  pp_step_options_t o = PP_STEP_OPTIONS_INIT;
+  o.group = mesh_group(m, 0);
+  o.schedule = sched;
+  o.ndim = 1;
+  o.shape[0] = 4;
+  o.forward = stage_forward;
+  o.input = input_ids;
+  ck_assert_int_eq(pp_step(&o, NULL), STATUS_EINVAL);
+  ck_assert_msg(strstr(err_detail(), "over a staged process group waits for the receiver"), "%s",
+                err_detail());
+  mesh_free(m);
+  pp_schedule_free(sched);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("pipeline");
   TCase *tc = tcase_create("pipeline");
   tcase_set_timeout(tc, 300);
+  if (test_argc() > 1 && strcmp(test_argv()[1], "staged") == 0) {
+    tcase_add_test(tc, staged_groups_are_refused);
+    suite_add_tcase(s, tc);
+    return s;
+  }
   tcase_add_test(tc, gpipe_matches_one_rank);
   tcase_add_test(tc, one_f_one_b_matches_one_rank);
   if (LAYERS % (2 * (world_size() / dp_size())) == 0)
