@@ -45,6 +45,25 @@ mesh_t *dp_mesh(void) {
   return m;
 }
 
+nn_module_t *params_module(mesh_t *local, int n, const int *ndims, const int64_t (*shapes)[3]) {
+  nn_module_t *root;
+  ok(nn_module_new("", NULL, NULL, &root));
+  for (int i = 0; i < n; i++) {
+    fsdpc_tensor_t t;
+    ok(tensor_init(&t, DTYPE_F32, device_cpu(), ndims[i], shapes[i]));
+    for (int64_t k = 0; k < tensor_numel(&t); k++) ((float *)t.data)[k] = (float)(1000 * i + k);
+    dtensor_t *d;
+    placement_t rep = placement_replicate();
+    ok(dtensor_from_local(&t, local, &rep, ndims[i], shapes[i], &d));
+    tensor_free(&t);
+    char name[16];
+    snprintf(name, sizeof name, "p%d", i);
+    ok(nn_module_add_param(root, name, d, true, NULL));
+  }
+  ok(nn_module_finalize(root));
+  return root;
+}
+
 void run_init(run_t *r, const llama_config_t *cfg) {
   llama_options_t o = LLAMA_OPTIONS_INIT;
   o.device = test_device_type();

@@ -30,6 +30,10 @@ typedef struct run {
   optim_t *opt;
 } run_t;
 
+/* A finalized module of n whole f32 parameters "p0", "p1", ... on the one-rank mesh local:
+ * parameter i has ndims[i] dimensions shapes[i], its element k holding 1000 i + k. */
+nn_module_t *params_module(mesh_t *local, int n, const int *ndims, const int64_t (*shapes)[3]);
+
 void run_init(run_t *r, const llama_config_t *cfg);
 void run_optim(run_t *r);
 

@@ -26,23 +26,9 @@
 START_TEST(shards_are_chunks) {
   mesh_t *mesh = dp_mesh(), *local;
   ok(mesh_new_local("local", DEVICE_CPU, &local));
-  static const int64_t shapes[][2] = {{16, 15}, {7, 15}, {16, 17}, {3, 0}, {1, 8}};
-  nn_module_t *root;
-  ok(nn_module_new("", NULL, NULL, &root));
-  for (int i = 0; i < 5; i++) {
-    int nd = shapes[i][1] ? 2 : 1;
-    fsdpc_tensor_t t;
-    ok(tensor_init(&t, DTYPE_F32, device_cpu(), nd, shapes[i]));
-    for (int64_t k = 0; k < tensor_numel(&t); k++) ((float *)t.data)[k] = (float)(1000 * i + k);
-    dtensor_t *d;
-    placement_t rep = placement_replicate();
-    ok(dtensor_from_local(&t, local, &rep, nd, shapes[i], &d));
-    tensor_free(&t);
-    char name[16];
-    snprintf(name, sizeof name, "p%d", i);
-    ok(nn_module_add_param(root, name, d, true, NULL));
-  }
-  ok(nn_module_finalize(root));
+  static const int64_t shapes[][3] = {{16, 15}, {7, 15}, {16, 17}, {3, 0}, {1, 8}};
+  static const int ndims[] = {2, 2, 2, 1, 2};
+  nn_module_t *root = params_module(local, 5, ndims, shapes);
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
   ok(fully_shard(root, &opt, NULL));

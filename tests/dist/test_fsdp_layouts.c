@@ -21,22 +21,8 @@ START_TEST(shard_dims_are_chunks) {
   mesh_t *mesh = dp_mesh(), *local;
   ok(mesh_new_local("local", DEVICE_CPU, &local));
   static const int64_t shapes[][3] = {{4, 15, 0}, {3, 17, 0}, {2, 7, 5}, {9, 0, 0}};
-  nn_module_t *root;
-  ok(nn_module_new("", NULL, NULL, &root));
-  for (int i = 0; i < 4; i++) {
-    int nd = shapes[i][2] ? 3 : shapes[i][1] ? 2 : 1;
-    fsdpc_tensor_t t;
-    ok(tensor_init(&t, DTYPE_F32, device_cpu(), nd, shapes[i]));
-    for (int64_t k = 0; k < tensor_numel(&t); k++) ((float *)t.data)[k] = (float)(1000 * i + k);
-    dtensor_t *d;
-    placement_t rep = placement_replicate();
-    ok(dtensor_from_local(&t, local, &rep, nd, shapes[i], &d));
-    tensor_free(&t);
-    char name[16];
-    snprintf(name, sizeof name, "p%d", i);
-    ok(nn_module_add_param(root, name, d, true, NULL));
-  }
-  ok(nn_module_finalize(root));
+  static const int ndims[] = {2, 2, 3, 1};
+  nn_module_t *root = params_module(local, 4, ndims, shapes);
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
   opt.shard_dim = dim_of_name;
@@ -122,26 +108,16 @@ static int gathered_differs(const nn_param_t *p, int gen) {
 START_TEST(params_changed_refreshes) {
   mesh_t *mesh = dp_mesh(), *local;
   ok(mesh_new_local("local", DEVICE_CPU, &local));
-  nn_module_t *root;
-  ok(nn_module_new("", NULL, NULL, &root));
-  static const int64_t shapes[][2] = {{13, 5}, {6, 7}};
-  for (int i = 0; i < 2; i++) {
-    fsdpc_tensor_t t;
-    ok(tensor_zeros(&t, DTYPE_F32, device_cpu(), 2, shapes[i]));
-    dtensor_t *d;
-    placement_t rep = placement_replicate();
-    ok(dtensor_from_local(&t, local, &rep, 2, shapes[i], &d));
-    tensor_free(&t);
-    ok(nn_module_add_param(root, i ? "b" : "a", d, true, NULL));
-  }
-  ok(nn_module_finalize(root));
+  static const int64_t shapes[][3] = {{13, 5}, {6, 7}};
+  static const int ndims[] = {2, 2};
+  nn_module_t *root = params_module(local, 2, ndims, shapes);
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
   opt.shard_state_over_replicas = true;
   opt.shard_dim = NULL;
   fsdp_group_t *g;
   ok(fully_shard(root, &opt, &g));
-  nn_param_t *ps[2] = {nn_param_find(root, "a"), nn_param_find(root, "b")};
+  nn_param_t *ps[2] = {nn_param_find(root, "p0"), nn_param_find(root, "p1")};
   int bad = 0;
   for (int i = 0; i < 2; i++) fill_global(ps[i], 1);
   ok(fsdp_unshard(g)); /* the first unshard fills the 1/S shards from the new values */

@@ -302,45 +302,38 @@ END_TEST
 START_TEST(interleaved_matches_one_rank) { run_schedule(PP_INTERLEAVED_1F1B, 2); }
 END_TEST
 
-/* The boundary's shape is checked where an activation leaves; a group of another size than
- * the schedule's, before anything runs. */
-START_TEST(bad_options_are_refused) {
+/* A step of a schedule for ranks pipeline ranks over group is refused with want, before
+ * anything runs. */
+static void refused(pg_t *group, int ranks, const char *want) {
   pp_schedule_t *sched;
-  ok(pp_schedule_new(PP_GPIPE, world_size() + 1, MICRO, 1, &sched));
+  ok(pp_schedule_new(PP_GPIPE, ranks, MICRO, 1, &sched));
   pp_step_options_t o = PP_STEP_OPTIONS_INIT;
-  o.group = world_pg();
+  o.group = group;
   o.schedule = sched;
   o.ndim = 1;
   o.shape[0] = 4;
   o.forward = stage_forward;
   o.input = input_ids;
   ck_assert_int_eq(pp_step(&o, NULL), STATUS_EINVAL);
-  ck_assert_msg(strstr(err_detail(), "the schedule is for"), "%s", err_detail());
+  ck_assert_msg(strstr(err_detail(), want), "%s", err_detail());
   pp_schedule_free(sched);
+}
+
+/* A group of another size than the schedule's. */
+START_TEST(bad_options_are_refused) {
+  refused(world_pg(), world_size() + 1, "the schedule is for");
 }
 END_TEST
 
-/* Over host-staged groups (FSDPC_PG=staged, argument "staged"), whose sends wait for their
- * receivers, a step is refused by name before anything runs. */
+/* Host-staged groups (FSDPC_PG=staged, argument "staged"), whose sends wait for their
+ * receivers. */
 START_TEST(staged_groups_are_refused) {
-  pp_schedule_t *sched;
-  ok(pp_schedule_new(PP_1F1B, world_size(), MICRO, 1, &sched));
   mesh_t *m;
   int w = world_size();
   const char *name = "pp";
   ok(mesh_new(1, &w, &name, DEVICE_CPU, &m));
-  pp_step_options_t o = PP_STEP_OPTIONS_INIT;
-  o.group = mesh_group(m, 0);
-  o.schedule = sched;
-  o.ndim = 1;
-  o.shape[0] = 4;
-  o.forward = stage_forward;
-  o.input = input_ids;
-  ck_assert_int_eq(pp_step(&o, NULL), STATUS_EINVAL);
-  ck_assert_msg(strstr(err_detail(), "over a staged process group waits for the receiver"), "%s",
-                err_detail());
+  refused(mesh_group(m, 0), w, "over a staged process group waits for the receiver");
   mesh_free(m);
-  pp_schedule_free(sched);
 }
 END_TEST
 
