@@ -6,7 +6,9 @@
 mlp-fsdp (an MLP of nn/layers.h, fully_shard per linear in code) on 1, 2 and 4 ranks, and
 mlp-plan (the same MLP, parallelised by YAML plans: fully_shard units; tensor parallelism,
 colwise then rowwise on its linears, under fully_shard; HSDP x TP) at the plans' world sizes:
-every run's losses equal the single-rank run's within 1e-5 relative, and the loss goes down.
+mlp-pipeline (the same MLP in two pipeline stages, 1F1B over 4 microbatches; on 4 ranks each
+stage fully sharded over 2) on 2 and 4 ranks: every run's losses equal the single-rank run's
+within 1e-5 relative, and the loss goes down.
 docs/your-model.md's program is examples/mlp_fsdp.c, character for character, and
 docs/library.md's first program examples/dtensor_basics.c (run on 2, 3 and 4 ranks).
 """
@@ -49,7 +51,9 @@ def main():
     alone = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", p.stdout, re.M)]
     check(p.returncode == 0 and alone == ref,
           "mlp-fsdp alone (no mpirun) prints the same %d losses" % STEPS)
-    runs = [("mlp-fsdp", 2, [fsdp, str(STEPS)]), ("mlp-fsdp", 4, [fsdp, str(STEPS)])]
+    pipe = os.path.join(EX, "mlp-pipeline")
+    runs = [("mlp-fsdp", 2, [fsdp, str(STEPS)]), ("mlp-fsdp", 4, [fsdp, str(STEPS)]),
+            ("mlp-pipeline", 2, [pipe, str(STEPS)]), ("mlp-pipeline", 4, [pipe, str(STEPS)])]
     for name, n in [("mlp_fsdp", 4), ("mlp_tp", 2), ("mlp_tp", 4), ("mlp_hsdp_tp", 8)]:
         runs.append(("mlp-plan " + name + ".yaml", n,
                      [plan, os.path.join(ROOT, "examples", name + ".yaml"), str(STEPS)]))
