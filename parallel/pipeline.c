@@ -9,7 +9,7 @@
 #include "mesh/world.h"
 #include "nn/ops.h"
 
-/* ---- the order of messages between two ranks ---- */
+/* ---- messages ---- */
 
 /* The message action a of rank r sends: to *peer, identified by (*stage, *mb, *grad) as the
  * stage that receives it; false when a sends nothing. */
@@ -28,67 +28,30 @@ static bool sends(const pp_schedule_t *s, pp_action_t a, int *peer, int *stage, 
   return true;
 }
 
-/* The message action a receives: from *peer, for stage a.stage; false when none. */
-static bool receives(const pp_schedule_t *s, pp_action_t a, int *peer) {
-  int S = pp_schedule_ranks(s) * pp_schedule_stages_per_rank(s);
-  if (a.kind == PP_FORWARD && a.stage > 0)
-    *peer = pp_schedule_rank_of_stage(s, a.stage - 1);
-  else if (a.kind == PP_BACKWARD && a.stage < S - 1)
-    *peer = pp_schedule_rank_of_stage(s, a.stage + 1);
-  else
-    return false;
-  return true;
-}
-
-fsdpc_status_t pp_schedule_check_order(const pp_schedule_t *s) {
-  ARG_NONNULL(s);
-  int P = pp_schedule_ranks(s);
-  for (int from = 0; from < P; from++)
-    for (int to = 0; to < P; to++) {
-      if (from == to) continue;
-      /* the k-th message from -> to, in from's order, must be what to's k-th receive from
-       * `from` expects */
-      int i = 0, n_from = pp_schedule_num_actions(s, from), n_to = pp_schedule_num_actions(s, to);
-      for (int j = 0; j < n_to; j++) {
-        pp_action_t want = pp_schedule_action(s, to, j);
-        int peer;
-        if (!receives(s, want, &peer) || peer != from) continue;
-        int dst = -1, stage = -1;
-        bool grad = false;
-        pp_action_t got = {0};
-        for (; i < n_from; i++) {
-          got = pp_schedule_action(s, from, i);
-          if (sends(s, got, &dst, &stage, &grad) && dst == to) break;
-        }
-        bool match = i < n_from && stage == want.stage && got.microbatch == want.microbatch &&
-                     grad == (want.kind == PP_BACKWARD);
-        if (!match)
-          return err_set(STATUS_EINVAL,
-                         "pipeline: %s on %d ranks: rank %d's %s of stage %d, microbatch %d, "
-                         "would receive another message from rank %d (messages between two "
-                         "ranks match in the order they are sent)",
-                         pp_schedule_name(pp_schedule_kind(s)), P, to,
-                         want.kind == PP_FORWARD ? "forward" : "backward", want.stage,
-                         want.microbatch, from);
-        i++;
-      }
-    }
-  return STATUS_OK;
-}
-
 /* ---- a step ---- */
+
+/* A step runs in lockstep slots (pp_schedule_slots): in each, every rank runs the action the
+ * table gives it there, if any, then takes part in one exchange with its neighbours: the
+ * message its action made leaves, the messages its neighbours' actions of that slot made for
+ * it arrive. Every message is consumed in a later slot, so no exchange waits on another and no
+ * backend can deadlock, whether its sends leave alone (MPI) or wait for their receivers (NCCL,
+ * the host-staged groups). */
 
 typedef struct mb {
   nn_ctx_t *ctx;
   nn_var_t *in, *out;
 } mb_t;
 
-/* Sends in flight and the tensors they read, until the step's end. */
-typedef struct inflight {
-  pg_work_t **work;
-  fsdpc_tensor_t *keep;
-  int n, cap;
-} inflight_t;
+/* The action that consumes what a makes: F(s + 1, m) for F(s, m), B(s - 1, m) for B(s, m). */
+static pp_action_t consumer(pp_action_t a) {
+  return a.kind == PP_FORWARD ? (pp_action_t){PP_FORWARD, a.stage + 1, a.microbatch}
+                              : (pp_action_t){PP_BACKWARD, a.stage - 1, a.microbatch};
+}
+
+/* The slot of the mailbox for what action a consumes. */
+static int mail_slot(int S, int M, pp_action_t a) {
+  return (a.kind == PP_BACKWARD ? S * M : 0) + a.stage * M + a.microbatch;
+}
 
 static int64_t boundary_numel(const pp_step_options_t *o) {
   int64_t n = 1;
@@ -108,55 +71,23 @@ static fsdpc_status_t check_boundary(const pp_step_options_t *o, const fsdpc_ten
       tensor_shape_str(o->ndim, o->shape, b, sizeof b), dtype_name(o->dtype));
 }
 
-/* Sends t (a boundary tensor of stage) to peer without waiting. */
-static fsdpc_status_t send_to(const pp_step_options_t *o, inflight_t *f, const fsdpc_tensor_t *t,
-                              int stage, const char *what, int peer) {
+/* *out: t, a boundary tensor of stage, to send (contiguous). */
+static fsdpc_status_t outgoing(const pp_step_options_t *o, const fsdpc_tensor_t *t, int stage,
+                               const char *what, fsdpc_tensor_t *out) {
   FSDPC_TRY(check_boundary(o, t, stage, what));
-  if (f->n == f->cap) {
-    int cap = f->cap ? 2 * f->cap : 16;
-    pg_work_t **w = realloc(f->work, sizeof *w * (size_t)cap);
-    if (w != NULL) f->work = w;
-    fsdpc_tensor_t *k = w != NULL ? realloc(f->keep, sizeof *k * (size_t)cap) : NULL;
-    if (k == NULL) return err_set(STATUS_ENOMEM, "pipeline: out of host memory");
-    f->keep = k;
-    f->cap = cap;
-  }
-  fsdpc_tensor_t *keep = &f->keep[f->n];
-  FSDPC_TRY(tensor_is_contiguous(t) ? tensor_ref(keep, t)
-                                    : tensor_clone(keep, t, t->dtype, t->device));
-  pg_p2p_t op = {.send = true, .buf = keep->data, .count = (size_t)tensor_numel(t), .peer = peer};
-  fsdpc_status_t st = pg_send_recv(o->group, &op, 1, o->dtype, &f->work[f->n]);
-  if (st != STATUS_OK) {
-    tensor_free(keep);
-    return st;
-  }
-  f->n++;
+  return tensor_is_contiguous(t) ? tensor_ref(out, t) : tensor_clone(out, t, t->dtype, t->device);
+}
+
+/* What action a consumes from the mailbox (moved out), or an error naming it. */
+static fsdpc_status_t take_mail(fsdpc_tensor_t *mail, int S, int M, pp_action_t a,
+                                fsdpc_tensor_t *out) {
+  fsdpc_tensor_t *m = &mail[mail_slot(S, M, a)];
+  if (m->storage == NULL)
+    return err_set(STATUS_EINVAL, "pipeline: the %s of stage %d, microbatch %d, has not arrived",
+                   a.kind == PP_FORWARD ? "input" : "output gradient", a.stage, a.microbatch);
+  *out = *m;
+  memset(m, 0, sizeof *m);
   return STATUS_OK;
-}
-
-static fsdpc_status_t recv_from(const pp_step_options_t *o, int peer, fsdpc_tensor_t *out) {
-  FSDPC_TRY(tensor_init(out, o->dtype, o->device, o->ndim, o->shape));
-  pg_p2p_t op = {.send = false, .buf = out->data, .count = (size_t)boundary_numel(o), .peer = peer};
-  pg_work_t *w = NULL;
-  double t0 = device_clock_seconds();
-  fsdpc_status_t st = pg_send_recv(o->group, &op, 1, o->dtype, &w);
-  if (st == STATUS_OK) st = pg_wait(w);
-  if (o->stats) o->stats->wait_seconds += device_clock_seconds() - t0;
-  if (st != STATUS_OK) tensor_free(out);
-  return st;
-}
-
-static fsdpc_status_t finish_sends(inflight_t *f) {
-  fsdpc_status_t st = STATUS_OK;
-  for (int i = 0; i < f->n; i++) {
-    fsdpc_status_t s2 = pg_wait(f->work[i]);
-    if (st == STATUS_OK) st = s2;
-    tensor_free(&f->keep[i]);
-  }
-  free(f->work);
-  free(f->keep);
-  memset(f, 0, sizeof *f);
-  return st;
 }
 
 static void mb_free(mb_t *b) {
@@ -166,25 +97,22 @@ static void mb_free(mb_t *b) {
   memset(b, 0, sizeof *b);
 }
 
-/* F(stage, m): its input (stage 0's from the caller, else received), the forward, then the
- * output sent on, or on the last stage the loss added to *sum. */
-static fsdpc_status_t run_forward(const pp_step_options_t *o, inflight_t *f, pp_action_t a, mb_t *b,
-                                  double *sum) {
-  const pp_schedule_t *s = o->schedule;
-  int peer;
-  if (receives(s, a, &peer)) {
+/* F(stage, m): its input (stage 0's from the caller, else from the mailbox), the forward, then
+ * *send: the output for the next stage, or on the last stage the loss added to *sum. */
+static fsdpc_status_t run_forward(const pp_step_options_t *o, fsdpc_tensor_t *mail, pp_action_t a,
+                                  mb_t *b, double *sum, fsdpc_tensor_t *send) {
+  int S = pp_schedule_ranks(o->schedule) * pp_schedule_stages_per_rank(o->schedule);
+  int M = pp_schedule_microbatches(o->schedule);
+  if (a.stage > 0) {
     fsdpc_tensor_t t;
-    FSDPC_TRY(recv_from(o, peer, &t));
+    FSDPC_TRY(take_mail(mail, S, M, a, &t));
     FSDPC_TRY(nn_var_new(&t, true, &b->in)); /* its gradient goes back to the previous stage */
   } else {
     FSDPC_TRY(o->input(a.microbatch, &b->in, o->user));
   }
   FSDPC_TRY(nn_ctx_new(&b->ctx));
   FSDPC_TRY(o->forward(b->ctx, a.stage, a.microbatch, b->in, &b->out, o->user));
-  int stage;
-  bool grad;
-  if (sends(s, a, &peer, &stage, &grad))
-    return send_to(o, f, &b->out->value, a.stage, "output", peer);
+  if (a.stage < S - 1) return outgoing(o, &b->out->value, a.stage, "output", send);
   if (tensor_numel(&b->out->value) != 1)
     return err_set(STATUS_ESHAPE, "pipeline: the last stage's output (the loss) has %lld elements",
                    (long long)tensor_numel(&b->out->value));
@@ -194,37 +122,36 @@ static fsdpc_status_t run_forward(const pp_step_options_t *o, inflight_t *f, pp_
   return STATUS_OK;
 }
 
-/* B(stage, m): backward from loss / M on the last stage, else from the received gradient of
- * the output; the input's gradient sent back (but on stage 0); the microbatch's tape freed. */
-static fsdpc_status_t run_backward(const pp_step_options_t *o, inflight_t *f, pp_action_t a,
-                                   mb_t *b) {
-  const pp_schedule_t *s = o->schedule;
-  int peer, stage;
-  bool grad;
+/* B(stage, m): backward from loss / M on the last stage, else from the output's gradient in
+ * the mailbox; *send: the input's gradient for the previous stage (but on stage 0); the
+ * microbatch's tape freed. */
+static fsdpc_status_t run_backward(const pp_step_options_t *o, fsdpc_tensor_t *mail, pp_action_t a,
+                                   mb_t *b, fsdpc_tensor_t *send) {
+  int S = pp_schedule_ranks(o->schedule) * pp_schedule_stages_per_rank(o->schedule);
+  int M = pp_schedule_microbatches(o->schedule);
   if (b->ctx == NULL)
     return err_set(STATUS_EINVAL,
                    "pipeline: backward of stage %d, microbatch %d, before its forward", a.stage,
                    a.microbatch);
-  if (receives(s, a, &peer)) {
+  if (a.stage < S - 1) {
     fsdpc_tensor_t g;
-    FSDPC_TRY(recv_from(o, peer, &g));
+    FSDPC_TRY(take_mail(mail, S, M, a, &g));
     FSDPC_TRY(nn_backward_grad(b->ctx, b->out, &g));
   } else {
     nn_var_t *scaled = NULL;
-    fsdpc_status_t st =
-        nn_scale(b->ctx, b->out, 1.0 / (double)pp_schedule_microbatches(s), &scaled);
+    fsdpc_status_t st = nn_scale(b->ctx, b->out, 1.0 / (double)M, &scaled);
     if (st == STATUS_OK) st = nn_backward(b->ctx, scaled);
     nn_var_put(scaled);
     FSDPC_TRY(st);
   }
   fsdpc_status_t st = STATUS_OK;
-  if (sends(s, a, &peer, &stage, &grad)) {
+  if (a.stage > 0) {
     if (!nn_var_has_grad(b->in))
       st = err_set(STATUS_EINVAL,
                    "pipeline: stage %d's input got no gradient (its output does not depend on it)",
                    a.stage);
     else
-      st = send_to(o, f, &b->in->grad, a.stage, "input gradient", peer);
+      st = outgoing(o, &b->in->grad, a.stage, "input gradient", send);
   }
   mb_free(b);
   return st;
@@ -234,14 +161,6 @@ static fsdpc_status_t check_options(const pp_step_options_t *o) {
   ARG_NONNULL(o);
   if (o->group == NULL || o->schedule == NULL || o->forward == NULL)
     return err_set(STATUS_EINVAL, "pipeline: a group, a schedule and a forward are required");
-  /* a send that waits for its receiver (host-staged groups move data as a blocking exchange,
-   * NCCL's send holds its stream) would meet a neighbour's own send in 1f1b's steady state */
-  if (strcmp(pg_backend_name(o->group), "mpi") != 0)
-    return err_set(STATUS_EINVAL,
-                   "pipeline: point-to-point over a %s process group waits for the receiver at "
-                   "each send; pipeline steps run over MPI groups (on the CPU, FSDPC_PG=native) "
-                   "for now",
-                   pg_backend_name(o->group));
   if (pp_schedule_ranks(o->schedule) != pg_size(o->group))
     return err_set(STATUS_EINVAL, "pipeline: the schedule is for %d ranks, the group has %d",
                    pp_schedule_ranks(o->schedule), pg_size(o->group));
@@ -249,7 +168,7 @@ static fsdpc_status_t check_options(const pp_step_options_t *o) {
     return err_set(STATUS_EINVAL, "pipeline: the rank of stage 0 needs an input function");
   if (o->ndim < 1 || o->ndim > TENSOR_MAX_DIMS)
     return err_set(STATUS_EINVAL, "pipeline: a boundary of %d dimensions", o->ndim);
-  return pp_schedule_check_order(o->schedule);
+  return STATUS_OK;
 }
 
 /* The microbatches whose tapes are kept now. */
@@ -259,35 +178,95 @@ static int tapes_kept(const mb_t *mbs, int n) {
   return k;
 }
 
+/* A step's state on this rank. */
+typedef struct step_state {
+  mb_t *mbs;            /* V M: this rank's stages' microbatches */
+  fsdpc_tensor_t *mail; /* 2 S M: what arrived for later actions */
+  int *slot, *next;     /* every rank's actions' slots; each rank's next action */
+} step_state_t;
+
+static void state_free(step_state_t *x, int n_mbs, int n_mail) {
+  for (int i = 0; x->mbs && i < n_mbs; i++) mb_free(&x->mbs[i]);
+  for (int i = 0; x->mail && i < n_mail; i++) tensor_free(&x->mail[i]);
+  free(x->mbs);
+  free(x->mail);
+  free(x->slot);
+  free(x->next);
+}
+
+/* Slot t's exchange: send (to peer), and every message a neighbour's action of slot t makes
+ * for this rank, received into the mailbox; then each rank's action of slot t is done. */
+static fsdpc_status_t exchange(const pp_step_options_t *o, step_state_t *x, int t,
+                               fsdpc_tensor_t *send, int peer) {
+  const pp_schedule_t *s = o->schedule;
+  int P = pp_schedule_ranks(s), S = P * pp_schedule_stages_per_rank(s);
+  int M = pp_schedule_microbatches(s), n = pp_schedule_num_actions(s, 0), r = pg_rank(o->group);
+  pg_p2p_t ops[64];
+  int k = 0;
+  size_t count = (size_t)boundary_numel(o);
+  fsdpc_status_t st = STATUS_OK;
+  if (send->storage != NULL) {
+    ops[k++] = (pg_p2p_t){.send = true, .buf = send->data, .count = count, .peer = peer};
+  }
+  for (int q = 0; q < P && st == STATUS_OK; q++) {
+    if (x->next[q] >= n || x->slot[q * n + x->next[q]] != t) continue;
+    pp_action_t a = pp_schedule_action(s, q, x->next[q]++);
+    bool sends = a.kind == PP_FORWARD ? a.stage < S - 1 : a.stage > 0;
+    if (q == r || !sends || pp_schedule_rank_of_stage(s, consumer(a).stage) != r) continue;
+    fsdpc_tensor_t *m = &x->mail[mail_slot(S, M, consumer(a))];
+    if (k == 64) st = err_set(STATUS_EINVAL, "pipeline: more than 64 messages in one slot");
+    if (st == STATUS_OK) st = tensor_init(m, o->dtype, o->device, o->ndim, o->shape);
+    if (st == STATUS_OK)
+      ops[k++] = (pg_p2p_t){.send = false, .buf = m->data, .count = count, .peer = q};
+  }
+  if (st != STATUS_OK || k == 0) return st;
+  pg_work_t *w = NULL;
+  double t0 = device_clock_seconds();
+  st = pg_send_recv(o->group, ops, k, o->dtype, &w);
+  if (st == STATUS_OK) st = pg_wait(w);
+  if (o->stats) o->stats->wait_seconds += device_clock_seconds() - t0;
+  return st;
+}
+
 fsdpc_status_t pp_step(const pp_step_options_t *o, double *loss) {
   if (loss) *loss = 0.0;
   FSDPC_TRY(check_options(o)); /* the same verdict on every rank */
   const pp_schedule_t *s = o->schedule;
   int P = pp_schedule_ranks(s), V = pp_schedule_stages_per_rank(s);
   int M = pp_schedule_microbatches(s), r = pg_rank(o->group), S = P * V;
-  mb_t *mbs = calloc((size_t)(V * M), sizeof *mbs);
+  int n = pp_schedule_num_actions(s, r), slots = 0;
+  step_state_t x = {.mbs = calloc((size_t)(V * M), sizeof(mb_t)),
+                    .mail = calloc((size_t)(2 * S * M), sizeof(fsdpc_tensor_t)),
+                    .slot = malloc(sizeof(int) * (size_t)(P * n)),
+                    .next = calloc((size_t)P, sizeof(int))};
   /* from here a rank that fails alone would leave its neighbours waiting: it stops the job */
-  if (mbs == NULL) return world_stop(err_set(STATUS_ENOMEM, "pipeline: out of host memory"));
-  inflight_t f = {0};
+  fsdpc_status_t st = x.mbs && x.mail && x.slot && x.next
+                          ? STATUS_OK
+                          : err_set(STATUS_ENOMEM, "pipeline: out of host memory");
+  if (st == STATUS_OK) st = pp_schedule_slots(s, x.slot, &slots);
   double sum = 0, t0 = device_clock_seconds();
   if (o->stats) *o->stats = (pp_step_stats_t){0};
-  fsdpc_status_t st = STATUS_OK;
-  for (int i = 0; i < pp_schedule_num_actions(s, r) && st == STATUS_OK; i++) {
-    pp_action_t a = pp_schedule_action(s, r, i);
-    mb_t *b = &mbs[(a.stage / P) * M + a.microbatch];
-    st = a.kind == PP_FORWARD ? run_forward(o, &f, a, b, &sum) : run_backward(o, &f, a, b);
-    int kept = tapes_kept(mbs, V * M);
-    if (o->stats && kept > o->stats->max_in_flight) o->stats->max_in_flight = kept;
+  for (int t = 0; t < slots && st == STATUS_OK; t++) {
+    fsdpc_tensor_t send = {0};
+    int peer = -1, i = x.next[r];
+    if (i < n && x.slot[r * n + i] == t) { /* this rank's action of slot t */
+      pp_action_t a = pp_schedule_action(s, r, i);
+      mb_t *b = &x.mbs[(a.stage / P) * M + a.microbatch];
+      st = a.kind == PP_FORWARD ? run_forward(o, x.mail, a, b, &sum, &send)
+                                : run_backward(o, x.mail, a, b, &send);
+      if (send.storage != NULL) peer = pp_schedule_rank_of_stage(s, consumer(a).stage);
+      if (st == STATUS_OK && peer == r) { /* the next stage is this rank's own */
+        x.mail[mail_slot(S, M, consumer(a))] = send;
+        memset(&send, 0, sizeof send);
+      }
+      int kept = tapes_kept(x.mbs, V * M);
+      if (o->stats && kept > o->stats->max_in_flight) o->stats->max_in_flight = kept;
+    }
+    if (st == STATUS_OK) st = exchange(o, &x, t, &send, peer);
+    tensor_free(&send);
   }
-  double t1 = device_clock_seconds();
-  fsdpc_status_t s2 = finish_sends(&f);
-  if (st == STATUS_OK) st = s2;
-  if (o->stats) {
-    o->stats->wait_seconds += device_clock_seconds() - t1;
-    o->stats->seconds = device_clock_seconds() - t0;
-  }
-  for (int i = 0; i < V * M; i++) mb_free(&mbs[i]);
-  free(mbs);
+  if (o->stats) o->stats->seconds = device_clock_seconds() - t0;
+  state_free(&x, V * M, 2 * S * M);
   /* the loss lives on the last stage's rank: every rank learns the mean */
   double mine = pp_schedule_rank_of_stage(s, S - 1) == r ? sum / M : 0.0;
   if (st == STATUS_OK) st = pg_host_all_reduce(o->group, &mine, &mine, 1, PG_HOST_F64, REDUCE_SUM);

@@ -19,12 +19,11 @@
  *   FSDPC_TRY(pp_step(&o, &loss));
  *   ... clip with the norm over every stage's gradients, step the optimizer ...
  *
- * The sends of a rank do not wait for their receivers and the receives wait as each action
- * needs them, so a schedule whose dependencies resolve runs without a deadlock; between two
- * ranks, messages match in the order each side lists them (a schedule in which they would not
- * is refused). That needs sends that leave without their receiver: the group must be an MPI
- * one (the CPU's native groups); host-staged and NCCL groups, whose sends wait for the
- * receiver, are refused by name for now.
+ * A step runs in lockstep slots (pp_schedule_slots): in each, every rank runs the action the
+ * table gives it there, then exchanges with its neighbours in one batch the messages the
+ * slot's actions made (its own leaves, those made for it arrive). A message is consumed in a
+ * later slot, so no exchange waits on another: no deadlock on any backend, whether its sends
+ * leave alone (MPI) or wait for their receivers (NCCL, the host-staged groups).
  */
 #ifndef FSDPC_PARALLEL_PIPELINE_H
 #define FSDPC_PARALLEL_PIPELINE_H
@@ -74,11 +73,6 @@ typedef struct pp_step_options {
     .group = NULL, .schedule = NULL, .ndim = 0, .shape = {0}, .dtype = DTYPE_F32,          \
     .device = {DEVICE_CPU, 0}, .forward = NULL, .input = NULL, .user = NULL, .stats = NULL \
   }
-
-/* Whether the schedule's messages between every pair of ranks are received in the order they
- * are sent (activations forward, gradients backward, each side in its action order); when not,
- * names the first pair and action that would take another's message. Local. */
-fsdpc_status_t pp_schedule_check_order(const pp_schedule_t *s);
 
 /* Runs this rank's actions of one step (pp_schedule_action order): its stages' forwards and
  * backwards of every microbatch, the boundary activations sent to the next stage's rank and

@@ -159,10 +159,10 @@ int pp_schedule_max_in_flight(const pp_schedule_t *s, int rank) {
 
 /* ---- the timeline ---- */
 
-fsdpc_status_t pp_schedule_simulate(const pp_schedule_t *s, double forward_time,
-                                    double backward_time, double *makespan, double *idle) {
-  ARG_NONNULL(s);
-  ARG_NONNULL(makespan);
+/* The simulation; start, if not NULL, receives each action's start time (rank r's action i
+ * at r * 2 M V + i). */
+static fsdpc_status_t simulate(const pp_schedule_t *s, double forward_time, double backward_time,
+                               double *makespan, double *idle, double *start) {
   int P = s->P, M = s->M, S = s->P * s->V, n = 2 * s->M * s->V;
   /* finish times of F(stage, m) and B(stage, m); < 0 until run */
   double *fin = malloc(sizeof(double) * (size_t)(2 * S * M) + sizeof(double) * (size_t)(2 * P));
@@ -195,6 +195,7 @@ fsdpc_status_t pp_schedule_simulate(const pp_schedule_t *s, double forward_time,
           if (a.stage < S - 1 && bfin[at + M] > ready) ready = bfin[at + M];
         }
         double d = a.kind == PP_FORWARD ? forward_time : backward_time;
+        if (start) start[r * n + next[r]] = ready;
         (a.kind == PP_FORWARD ? ffin : bfin)[at] = free_at[r] = ready + d;
         busy[r] += d;
         next[r]++;
@@ -220,6 +221,27 @@ fsdpc_status_t pp_schedule_simulate(const pp_schedule_t *s, double forward_time,
   }
   free(next);
   free(fin);
+  return st;
+}
+
+fsdpc_status_t pp_schedule_simulate(const pp_schedule_t *s, double forward_time,
+                                    double backward_time, double *makespan, double *idle) {
+  ARG_NONNULL(s);
+  ARG_NONNULL(makespan);
+  return simulate(s, forward_time, backward_time, makespan, idle, NULL);
+}
+
+fsdpc_status_t pp_schedule_slots(const pp_schedule_t *s, int *slot, int *slots) {
+  ARG_NONNULL(s);
+  ARG_NONNULL(slot);
+  ARG_NONNULL(slots);
+  int n = 2 * s->M * s->V;
+  double *start = malloc(sizeof(double) * (size_t)(s->P * n)), span = 0;
+  if (start == NULL) return err_set(STATUS_ENOMEM, "pipeline schedule: out of host memory");
+  fsdpc_status_t st = simulate(s, 1.0, 1.0, &span, NULL, start);
+  for (int i = 0; i < s->P * n && st == STATUS_OK; i++) slot[i] = (int)start[i];
+  *slots = st == STATUS_OK ? (int)span : 0;
+  free(start);
   return st;
 }
 

@@ -95,6 +95,12 @@ int pp_schedule_max_in_flight(const pp_schedule_t *s, int rank);
 fsdpc_status_t pp_schedule_simulate(const pp_schedule_t *s, double forward_time,
                                     double backward_time, double *makespan, double *idle);
 
+/* The schedule in lockstep: every action takes one time slot (forwards and backwards alike)
+ * and starts as soon as its rank is free and its inputs exist; slot[r * 2 M V + i] receives
+ * the slot rank r's action i runs in, *slots the step's length in slots. An action's inputs
+ * were made in earlier slots. Local. */
+fsdpc_status_t pp_schedule_slots(const pp_schedule_t *s, int *slot, int *slots);
+
 /* Rank r's actions as one line each, "F s m" / "B s m", for --dry-run. */
 void pp_schedule_print(const pp_schedule_t *s, int rank, FILE *f);
 

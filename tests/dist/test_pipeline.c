@@ -325,27 +325,10 @@ START_TEST(bad_options_are_refused) {
 }
 END_TEST
 
-/* Host-staged groups (FSDPC_PG=staged, argument "staged"), whose sends wait for their
- * receivers. */
-START_TEST(staged_groups_are_refused) {
-  mesh_t *m;
-  int w = world_size();
-  const char *name = "pp";
-  ok(mesh_new(1, &w, &name, DEVICE_CPU, &m));
-  refused(mesh_group(m, 0), w, "over a staged process group waits for the receiver");
-  mesh_free(m);
-}
-END_TEST
-
 static Suite *make_suite(void) {
   Suite *s = suite_create("pipeline");
   TCase *tc = tcase_create("pipeline");
   tcase_set_timeout(tc, 300);
-  if (test_argc() > 1 && strcmp(test_argv()[1], "staged") == 0) {
-    tcase_add_test(tc, staged_groups_are_refused);
-    suite_add_tcase(s, tc);
-    return s;
-  }
   tcase_add_test(tc, gpipe_matches_one_rank);
   tcase_add_test(tc, one_f_one_b_matches_one_rank);
   if (LAYERS % (2 * (world_size() / dp_size())) == 0)
