@@ -41,13 +41,18 @@ int64_t fsdp_align_block(int64_t n, dtype_t dt) {
   return (n + a - 1) / a * a;
 }
 
-int64_t fsdp_reduce_numel(const fsdp_group_t *g) {
-  if (g == NULL) return 0;
+/* A reduce block: every trainable parameter's padded rows (sub: its replica chunk's), then a
+ * presence element each, rounded up to 16 bytes of the reduce dtype; 0 when none trains. */
+static int64_t reduce_block(const fsdp_group_t *g, bool sub) {
   int64_t n = 0;
-  for (int i = 0; i < g->n; i++)
-    if (g->params[i].p->requires_grad) n += g->params[i].rows * g->params[i].row + 1;
+  for (int i = 0; i < g->n; i++) {
+    const fsdp_param_t *fp = &g->params[i];
+    if (fp->p->requires_grad) n += (sub ? fp->sub_rows : fp->rows) * fp->row + 1;
+  }
   return n == 0 ? 0 : fsdp_align_block(n, g->reduce_dtype);
 }
+
+int64_t fsdp_reduce_numel(const fsdp_group_t *g) { return g == NULL ? 0 : reduce_block(g, false); }
 pg_t *fsdp_post_forward_group(const fsdp_group_t *g) {
   if (g == NULL) return NULL;
   return g->post_forward;
@@ -62,11 +67,7 @@ int64_t fsdp_replica_gather_numel(const fsdp_group_t *g) {
   return g != NULL && g->hfsdp ? g->sub_block : 0;
 }
 int64_t fsdp_replica_reduce_numel(const fsdp_group_t *g) {
-  if (g == NULL || !g->hfsdp) return 0;
-  int64_t n = 0;
-  for (int i = 0; i < g->n; i++)
-    if (g->params[i].p->requires_grad) n += g->params[i].sub_rows * g->params[i].row + 1;
-  return n == 0 ? 0 : fsdp_align_block(n, g->reduce_dtype);
+  return g == NULL || !g->hfsdp ? 0 : reduce_block(g, true);
 }
 dtype_t fsdp_shard_dtype(const fsdp_group_t *g) {
   if (g == NULL || g->n == 0) return DTYPE_F32;

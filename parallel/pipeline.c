@@ -9,25 +9,6 @@
 #include "mesh/world.h"
 #include "nn/ops.h"
 
-/* ---- messages ---- */
-
-/* The message action a of rank r sends: to *peer, identified by (*stage, *mb, *grad) as the
- * stage that receives it; false when a sends nothing. */
-static bool sends(const pp_schedule_t *s, pp_action_t a, int *peer, int *stage, bool *grad) {
-  int S = pp_schedule_ranks(s) * pp_schedule_stages_per_rank(s);
-  if (a.kind == PP_FORWARD && a.stage < S - 1) {
-    *stage = a.stage + 1;
-    *grad = false;
-  } else if (a.kind == PP_BACKWARD && a.stage > 0) {
-    *stage = a.stage - 1;
-    *grad = true;
-  } else {
-    return false;
-  }
-  *peer = pp_schedule_rank_of_stage(s, *stage);
-  return true;
-}
-
 /* ---- a step ---- */
 
 /* A step runs in lockstep slots (pp_schedule_slots): in each, every rank runs the action the
@@ -41,6 +22,12 @@ typedef struct mb {
   nn_ctx_t *ctx;
   nn_var_t *in, *out;
 } mb_t;
+
+/* Whether action a makes a message (of S stages): every forward's output but the last
+ * stage's, every backward's input gradient but stage 0's. */
+static bool makes_message(pp_action_t a, int S) {
+  return a.kind == PP_FORWARD ? a.stage < S - 1 : a.stage > 0;
+}
 
 /* The action that consumes what a makes: F(s + 1, m) for F(s, m), B(s - 1, m) for B(s, m). */
 static pp_action_t consumer(pp_action_t a) {
@@ -112,7 +99,7 @@ static fsdpc_status_t run_forward(const pp_step_options_t *o, fsdpc_tensor_t *ma
   }
   FSDPC_TRY(nn_ctx_new(&b->ctx));
   FSDPC_TRY(o->forward(b->ctx, a.stage, a.microbatch, b->in, &b->out, o->user));
-  if (a.stage < S - 1) return outgoing(o, &b->out->value, a.stage, "output", send);
+  if (makes_message(a, S)) return outgoing(o, &b->out->value, a.stage, "output", send);
   if (tensor_numel(&b->out->value) != 1)
     return err_set(STATUS_ESHAPE, "pipeline: the last stage's output (the loss) has %lld elements",
                    (long long)tensor_numel(&b->out->value));
@@ -145,7 +132,7 @@ static fsdpc_status_t run_backward(const pp_step_options_t *o, fsdpc_tensor_t *m
     FSDPC_TRY(st);
   }
   fsdpc_status_t st = STATUS_OK;
-  if (a.stage > 0) {
+  if (makes_message(a, S)) {
     if (!nn_var_has_grad(b->in))
       st = err_set(STATUS_EINVAL,
                    "pipeline: stage %d's input got no gradient (its output does not depend on it)",
@@ -201,7 +188,9 @@ static fsdpc_status_t exchange(const pp_step_options_t *o, step_state_t *x, int 
   const pp_schedule_t *s = o->schedule;
   int P = pp_schedule_ranks(s), S = P * pp_schedule_stages_per_rank(s);
   int M = pp_schedule_microbatches(s), n = pp_schedule_num_actions(s, 0), r = pg_rank(o->group);
-  pg_p2p_t ops[64];
+  /* its own message, and one from each rank holding a stage next to one of its own: the
+   * ranks before and after it */
+  pg_p2p_t ops[3];
   int k = 0;
   size_t count = (size_t)boundary_numel(o);
   fsdpc_status_t st = STATUS_OK;
@@ -211,10 +200,10 @@ static fsdpc_status_t exchange(const pp_step_options_t *o, step_state_t *x, int 
   for (int q = 0; q < P && st == STATUS_OK; q++) {
     if (x->next[q] >= n || x->slot[q * n + x->next[q]] != t) continue;
     pp_action_t a = pp_schedule_action(s, q, x->next[q]++);
-    bool sends = a.kind == PP_FORWARD ? a.stage < S - 1 : a.stage > 0;
-    if (q == r || !sends || pp_schedule_rank_of_stage(s, consumer(a).stage) != r) continue;
+    if (q == r || !makes_message(a, S) || pp_schedule_rank_of_stage(s, consumer(a).stage) != r)
+      continue;
     fsdpc_tensor_t *m = &x->mail[mail_slot(S, M, consumer(a))];
-    if (k == 64) st = err_set(STATUS_EINVAL, "pipeline: more than 64 messages in one slot");
+    if (k == 3) st = err_set(STATUS_EINVAL, "pipeline: more than 3 messages in one slot");
     if (st == STATUS_OK) st = tensor_init(m, o->dtype, o->device, o->ndim, o->shape);
     if (st == STATUS_OK)
       ops[k++] = (pg_p2p_t){.send = false, .buf = m->data, .count = count, .peer = q};
@@ -278,11 +267,11 @@ fsdpc_status_t pp_step(const pp_step_options_t *o, double *loss) {
 uint64_t pp_step_send_bytes(const pp_step_options_t *o, int rank) {
   if (o == NULL || o->schedule == NULL) return 0;
   const pp_schedule_t *s = o->schedule;
+  int S = pp_schedule_ranks(s) * pp_schedule_stages_per_rank(s);
   uint64_t n = 0, each = (uint64_t)boundary_numel(o) * dtype_size(o->dtype);
   for (int i = 0; i < pp_schedule_num_actions(s, rank); i++) {
-    int peer, stage;
-    bool grad;
-    if (sends(s, pp_schedule_action(s, rank, i), &peer, &stage, &grad) && peer != rank) n += each;
+    pp_action_t a = pp_schedule_action(s, rank, i);
+    if (makes_message(a, S) && pp_schedule_rank_of_stage(s, consumer(a).stage) != rank) n += each;
   }
   return n;
 }
