@@ -71,14 +71,16 @@ static void host_time(llama_t *m, fsdpc_data_t *d, const data_spec_t *spec, int6
   BENCH_TRY(device_stream_sync(dev));
   BENCH_TRY(pg_barrier(world_pg(), NULL));
   size_t waits = device_host_waits();
-  double h0, h1;
-  int64_t c0, c1;
+  double h0, h1, k0[NN_HOOK_COUNT], k1[NN_HOOK_COUNT];
+  int64_t c0, c1, n0[NN_HOOK_COUNT], n1[NN_HOOK_COUNT];
   fsdp_hook_time(&h0, &c0);
+  for (int k = 0; k < NN_HOOK_COUNT; k++) fsdp_hook_time_of((nn_hook_kind_t)k, &k0[k], &n0[k]);
   double t0 = device_clock_seconds();
   fsdpc_tensor_t loss;
   BENCH_TRY(llama_micro_step_async(m, d, spec, s, 0, &loss));
   double t1 = device_clock_seconds();
   fsdp_hook_time(&h1, &c1);
+  for (int k = 0; k < NN_HOOK_COUNT; k++) fsdp_hook_time_of((nn_hook_kind_t)k, &k1[k], &n1[k]);
   waits = device_host_waits() - waits;
   BENCH_TRY(clip_grad_norm(ps, n, 1.0, all_ranks, NULL));
   BENCH_TRY(device_stream_sync(dev));
@@ -96,6 +98,16 @@ static void host_time(llama_t *m, fsdpc_data_t *d, const data_spec_t *spec, int6
         "parameter (%d), its device work done %.3f ms later\n",
         1e3 * (t1 - t0), waits, 1e6 * (t1 - t0) / ng, ng, 1e6 * (h1 - h0) / ng,
         (long long)(c1 - c0), 1e3 * (t3 - t2), 1e6 * (t3 - t2) / n, n, 1e3 * (t4 - t3));
+  static const char *const kinds[NN_HOOK_COUNT] = {"pre-forward", "post-forward", "pre-backward",
+                                                   "post-backward"};
+  if (world_rank() == 0) {
+    printf("  fully_shard's hooks by kind:");
+    for (int k = 0; k < NN_HOOK_COUNT; k++)
+      printf("%s %s %.1f us a call (%lld calls)", k ? "," : "", kinds[k],
+             n1[k] > n0[k] ? 1e6 * (k1[k] - k0[k]) / (double)(n1[k] - n0[k]) : 0.0,
+             (long long)(n1[k] - n0[k]));
+    printf("\n");
+  }
 }
 
 /* The bytes this rank holds of the updated parameters, their gradients and AdamW's moments,

@@ -477,12 +477,27 @@ static fsdpc_status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   return fsdp_after_forward(g);
 }
 
-/* The hooks' host time and calls so far (fsdp_hook_time). */
-static _Atomic int64_t hook_ns, hook_calls;
+/* The hooks' host time and calls so far, by kind (fsdp_hook_time, fsdp_hook_time_of). */
+static _Atomic int64_t hook_ns[NN_HOOK_COUNT], hook_calls[NN_HOOK_COUNT];
+
+void fsdp_hook_time_of(nn_hook_kind_t kind, double *seconds, int64_t *calls) {
+  bool ok = kind >= 0 && kind < NN_HOOK_COUNT;
+  if (seconds != NULL) *seconds = ok ? 1e-9 * (double)atomic_load(&hook_ns[kind]) : 0;
+  if (calls != NULL) *calls = ok ? atomic_load(&hook_calls[kind]) : 0;
+}
 
 void fsdp_hook_time(double *seconds, int64_t *calls) {
-  if (seconds != NULL) *seconds = 1e-9 * (double)atomic_load(&hook_ns);
-  if (calls != NULL) *calls = atomic_load(&hook_calls);
+  double s = 0;
+  int64_t c = 0;
+  for (int k = 0; k < NN_HOOK_COUNT; k++) {
+    double sk;
+    int64_t ck;
+    fsdp_hook_time_of((nn_hook_kind_t)k, &sk, &ck);
+    s += sk;
+    c += ck;
+  }
+  if (seconds != NULL) *seconds = s;
+  if (calls != NULL) *calls = c;
 }
 
 static fsdpc_status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind);
@@ -491,8 +506,10 @@ static fsdpc_status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, v
   (void)m;
   double t0 = device_clock_seconds();
   fsdpc_status_t st = hook_run(ctx, user, kind);
-  atomic_fetch_add(&hook_ns, (int64_t)(1e9 * (device_clock_seconds() - t0)));
-  atomic_fetch_add(&hook_calls, 1);
+  if (kind >= 0 && kind < NN_HOOK_COUNT) {
+    atomic_fetch_add(&hook_ns[kind], (int64_t)(1e9 * (device_clock_seconds() - t0)));
+    atomic_fetch_add(&hook_calls[kind], 1);
+  }
   return st;
 }
 

@@ -194,6 +194,9 @@ void fsdp_params_changed(nn_module_t *root);
  * prefetch, reshard, the reductions' start and their bookkeeping; on a GPU the launches
  * without the device's work), and how many hook calls it took. */
 void fsdp_hook_time(double *seconds, int64_t *calls);
+/* The same for one kind of hook (NN_HOOK_PRE_FORWARD ... NN_HOOK_POST_BACKWARD; 0 for
+ * another value). */
+void fsdp_hook_time_of(nn_hook_kind_t kind, double *seconds, int64_t *calls);
 
 /* Installs an event observer on every group under root (NULL removes it). */
 void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user);
