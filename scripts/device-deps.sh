@@ -29,6 +29,12 @@ case "${1:-}" in
     if [ ! -d "$root/usr" ]; then
       mkdir -p "$root"
       for d in "$debs"/*.deb; do dpkg -x "$d" "$root"; done
+      # links to absolute paths (zlib1g-dev's libz.so -> /lib/.../libz.so.1.2.13) name files
+      # of the unpacked packages, which the machine itself may not have: point them there
+      find "$root" -type l | while read -r l; do
+        t=$(readlink "$l")
+        case "$t" in /*) if [ -e "$root$t" ]; then ln -sfn "$root$t" "$l"; fi ;; esac
+      done
     fi
     export PATH="$root/usr/bin:/usr/local/cuda/bin:$PATH"
     # dpkg -x does not run update-alternatives: point at OpenBLAS's own directory
