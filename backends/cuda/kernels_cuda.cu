@@ -286,14 +286,19 @@ static fsdpc_status_t product(int dev, cudaStream_t s, dtype_t dt, const void *a
 }
 
 /*
- * Rows whose stride is not a multiple of 16 bytes (GPT-2's vocabulary of 50257 in bf16) leave
- * cuBLAS only its kernels for 2-byte-aligned rows: GPT-2 124M's head ran at 95-151 TFLOP/s on
- * an H200 where the blocks' products run at 400-680. From kPadMinMacs multiply-adds on, such
- * an operand is copied into rows padded to 16 bytes (cudaMemcpy2DAsync, a few percent of the
- * product's time), the product runs on the padded strides, and a padded output is copied back.
- * The padding itself is never read: the sizes are the product's own.
+ * A size that is not a multiple of 8 (GPT-2's vocabulary of 50257) leaves cuBLAS slow kernels:
+ * GPT-2 124M's head ran at 86-151 TFLOP/s on an H200 where the blocks' products run at
+ * 400-680, also with its rows copied into 16-byte-aligned strides first. From kPadMinMacs
+ * multiply-adds on, each such size is rounded up to a multiple of kPadTo on padded copies of
+ * the operands (cudaMemcpy2DAsync): the rows and columns added to m or n are computed and
+ * dropped, those added to k hold zeros and add nothing. The output is copied back.
  */
 static const double kPadMinMacs = (double)(1 << 27);
+static const int64_t kPadTo = 64;
+
+static int64_t padded_size(int64_t x, bool pad) {
+  return !pad || x % 8 == 0 ? x : (x + kPadTo - 1) / kPadTo * kPadTo;
+}
 
 typedef struct strided {
   void *p;
@@ -301,22 +306,28 @@ typedef struct strided {
   size_t bytes; /* > 0: a padded copy from the pool */
 } strided_t;
 
-/* rows x cols at src (stride cols) as a strided_t: src itself when its rows are 16-byte
- * aligned or pad is false, else a padded buffer, holding src's values when copy. */
-static fsdpc_status_t strided_of(strided_t *o, device_t dev, cudaStream_t s, void *src,
-                                 int64_t rows, int64_t cols, size_t es, bool pad, bool copy) {
+/* rows x cols at src (stride cols) in a prows x pcols matrix: src itself when the sizes are
+ * equal, else a buffer from the pool holding src's values in its first rows and columns when
+ * copy, and zeros in the rest when zero. */
+static fsdpc_status_t padded_of(strided_t *o, device_t dev, cudaStream_t s, void *src, int64_t rows,
+                                int64_t cols, int64_t prows, int64_t pcols, size_t es, bool copy,
+                                bool zero) {
   *o = (strided_t){src, cols, 0};
-  if (!pad || (size_t)cols * es % 16 == 0) return STATUS_OK;
-  int64_t w = 16 / (int64_t)es, ld = (cols + w - 1) / w * w;
-  size_t bytes = (size_t)rows * (size_t)ld * es;
+  if (prows == rows && pcols == cols) return STATUS_OK;
+  size_t pitch = (size_t)pcols * es, bytes = (size_t)prows * pitch;
   void *p;
   FSDPC_TRY(device_alloc(dev, bytes, &p));
-  *o = (strided_t){p, ld, bytes};
+  *o = (strided_t){p, pcols, bytes};
+  char *c = (char *)p;
+  if (zero && pcols > cols)
+    CUDA_TRY(cudaMemset2DAsync(c + (size_t)cols * es, pitch, 0, (size_t)(pcols - cols) * es,
+                               (size_t)rows, s));
+  if (zero && prows > rows)
+    CUDA_TRY(cudaMemsetAsync(c + (size_t)rows * pitch, 0, (size_t)(prows - rows) * pitch, s));
   if (!copy) return STATUS_OK;
-  return cuda_status(
-      cudaMemcpy2DAsync(p, (size_t)ld * es, src, (size_t)cols * es, (size_t)cols * es, (size_t)rows,
-                        cudaMemcpyDeviceToDevice, s),
-      "kernel_matmul: padding rows");
+  return cuda_status(cudaMemcpy2DAsync(p, pitch, src, (size_t)cols * es, (size_t)cols * es,
+                                       (size_t)rows, cudaMemcpyDeviceToDevice, s),
+                     "kernel_matmul: padding an operand");
 }
 
 static fsdpc_status_t cuda_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
@@ -327,22 +338,26 @@ static fsdpc_status_t cuda_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, 
   size_t es = dtype_size(out->dtype);
   CUDA_TRY(cudaSetDevice(dev.index));
   bool pad = (double)d->m * (double)d->n * (double)d->k >= kPadMinMacs;
+  int64_t M = padded_size(d->m, pad), N = padded_size(d->n, pad), K = padded_size(d->k, pad);
+  bool zk = K != d->k; /* the operands' padding along k must be zeros */
   strided_t A = {}, B = {}, D = {};
-  int64_t ar = d->lda ? tensor_numel(a) / d->lda : 0, br = d->ldb ? tensor_numel(b) / d->ldb : 0;
-  fsdpc_status_t st = strided_of(&A, dev, s, a->data, ar, d->lda, es, pad, true);
-  if (st == STATUS_OK) st = strided_of(&B, dev, s, b->data, br, d->ldb, es, pad, true);
-  if (st == STATUS_OK) st = strided_of(&D, dev, s, out->data, d->m, d->n, es, pad, beta != 0.0f);
+  /* a is stored [m, k] ([k, m] when trans_a), b [k, n] ([n, k] when trans_b) */
+  fsdpc_status_t st = trans_a ? padded_of(&A, dev, s, a->data, d->k, d->m, K, M, es, true, zk)
+                              : padded_of(&A, dev, s, a->data, d->m, d->k, M, K, es, true, zk);
+  if (st == STATUS_OK)
+    st = trans_b ? padded_of(&B, dev, s, b->data, d->n, d->k, N, K, es, true, zk)
+                 : padded_of(&B, dev, s, b->data, d->k, d->n, K, N, es, true, zk);
+  if (st == STATUS_OK)
+    st = padded_of(&D, dev, s, out->data, d->m, d->n, M, N, es, beta != 0.0f, false);
   if (st == STATUS_OK) {
-    matmul_dims_t pd = *d;
-    pd.lda = A.ld;
-    pd.ldb = B.ld;
+    matmul_dims_t pd = {M, N, K, A.ld, B.ld};
     st = product(dev.index, s, out->dtype, A.p, trans_a, B.p, trans_b, D.p, alpha, beta, &pd, D.ld);
   }
   if (st == STATUS_OK && D.bytes)
     st =
         cuda_status(cudaMemcpy2DAsync(out->data, (size_t)d->n * es, D.p, (size_t)D.ld * es,
                                       (size_t)d->n * es, (size_t)d->m, cudaMemcpyDeviceToDevice, s),
-                    "kernel_matmul: unpadding rows");
+                    "kernel_matmul: copying the output back");
   strided_t *bufs[3] = {&A, &B, &D};
   for (int i = 0; i < 3; i++) /* stream-ordered: after the product */
     if (bufs[i]->bytes) device_free(dev, bufs[i]->p, bufs[i]->bytes);

@@ -132,7 +132,17 @@ static int k_matmul_gemmex(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
  * first one adding into values already in its output. */
 static int k_matmul_padded(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   matmul_pair(dev, dt, o, 512, 1001, 515);
-  return 2;
+  /* an odd k with neither operand transposed: [512, 1001] x [1001, 515] */
+  int64_t sx[2] = {512, 1001}, sw[2] = {1001, 515}, sy[2] = {512, 515};
+  fsdpc_tensor_t x, w, y;
+  rnd(&x, dev, dt, 2, sx, 4, 1);
+  rnd(&w, dev, dt, 2, sw, 5, 1);
+  poisoned(&y, dev, dt, 2, sy);
+  ok(kernel_matmul(&y, &x, false, &w, false, 1.0f, 0.0f));
+  out(&o[2], &y);
+  tensor_free(&x);
+  tensor_free(&w);
+  return 3;
 }
 
 static int k_embedding(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
@@ -561,7 +571,7 @@ static int k_bias_layernorm(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
 static const kcase_t cases[] = {
     {"matmul", k_matmul, 0, 0},
     {"matmul (cublasGemmEx)", k_matmul_gemmex, 0, 0},
-    {"matmul (padded rows)", k_matmul_padded, 0, 0},
+    {"matmul (padded sizes)", k_matmul_padded, 0, 0},
     {"embedding", k_embedding, 1, 0},
     {"rmsnorm", k_rmsnorm, 0, 0},
     {"rope", k_rope, 1, 0},
