@@ -28,7 +28,7 @@ static const bench_option_t OPTIONS[] = {
 
 typedef struct bench_stages {
   llama_t *m;
-  int S, L;
+  int S;
   fsdpc_data_t *d;
   data_spec_t spec;
   int64_t step;
@@ -46,46 +46,28 @@ static fsdpc_status_t input_ids(int mb, nn_var_t **out, void *user) {
   return st == STATUS_OK ? nn_var_new(&dev_in, false, out) : st;
 }
 
-/* One module call, the input's reference passed on. */
-static fsdpc_status_t call(nn_ctx_t *ctx, nn_module_t *m, nn_var_t **h) {
-  nn_var_t *next = NULL;
-  fsdpc_status_t st = nn_call(ctx, m, *h, &next);
-  nn_var_put(*h);
-  *h = next;
-  return st;
-}
-
+/* Stage s of the model (llama_stage_forward), the loss after the last. */
 static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, nn_var_t **out,
                                     void *user) {
   bench_stages_t *u = user;
-  nn_module_t *root = llama_module(u->m);
-  nn_var_t *h = nn_var_ref(in);
-  fsdpc_status_t st = STATUS_OK;
-  if (s == 0) st = call(ctx, nn_module_find(root, "model.embed_tokens"), &h);
-  for (int i = s * u->L / u->S; i < (s + 1) * u->L / u->S && st == STATUS_OK; i++)
-    st = call(ctx, llama_layer(u->m, i), &h);
-  if (st == STATUS_OK && s == u->S - 1) {
-    if (st == STATUS_OK) st = call(ctx, nn_module_find(root, "model.norm"), &h);
-    if (st == STATUS_OK) st = call(ctx, nn_module_find(root, "lm_head"), &h);
-    fsdpc_tensor_t ids, tg, dev_tg = {0};
-    if (st == STATUS_OK) st = data_batch(u->d, &u->spec, u->step, mb, &ids, &tg);
-    if (st == STATUS_OK) {
-      tensor_free(&ids);
-      st = tensor_upload(&dev_tg, &tg, h->value.device);
-      tensor_free(&tg);
-    }
-    nn_var_t *loss = NULL;
-    if (st == STATUS_OK) st = nn_cross_entropy(ctx, h, &dev_tg, &loss, NULL);
-    tensor_free(&dev_tg);
-    nn_var_put(h);
-    h = loss;
+  nn_var_t *h = NULL, *loss = NULL;
+  FSDPC_TRY(llama_stage_forward(ctx, u->m, s, u->S, in, &h));
+  if (s < u->S - 1) {
+    *out = h;
+    return STATUS_OK;
   }
-  if (st != STATUS_OK) {
-    nn_var_put(h);
-    return st;
+  fsdpc_tensor_t ids, tg, dev_tg = {0};
+  fsdpc_status_t st = data_batch(u->d, &u->spec, u->step, mb, &ids, &tg);
+  if (st == STATUS_OK) {
+    tensor_free(&ids);
+    st = tensor_upload(&dev_tg, &tg, h->value.device);
+    tensor_free(&tg);
   }
-  *out = h;
-  return STATUS_OK;
+  if (st == STATUS_OK) st = nn_cross_entropy(ctx, h, &dev_tg, &loss, NULL);
+  tensor_free(&dev_tg);
+  nn_var_put(h);
+  *out = loss;
+  return st;
 }
 
 /* Runs steps of the schedule; prints rank by rank (on rank 0) the medians after the first. */
@@ -168,7 +150,7 @@ int main(int argc, char **argv) {
             (long long)cfg.n_layers, P);
     bench_leave(2);
   }
-  bench_stages_t u = {.L = (int)cfg.n_layers};
+  bench_stages_t u = {0};
   BENCH_TRY(llama_new(&cfg, &lopt, &u.m));
   BENCH_TRY(llama_init_weights(u.m, 1));
   BENCH_TRY(nn_named_parameters(llama_module(u.m), &u.ps, &u.n));

@@ -215,19 +215,36 @@ static fsdpc_status_t gpt2_embed(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *ids, n
   return st;
 }
 
+/* Blocks [first, last) on *h, whose reference each call passes on. */
+static fsdpc_status_t run_blocks(nn_ctx_t *ctx, const llama_t *L, int64_t first, int64_t last,
+                                 nn_var_t **h) {
+  for (int64_t i = first; i < last; i++) {
+    nn_var_t *next = NULL;
+    fsdpc_status_t st = nn_call(ctx, L->layers[i], *h, &next);
+    nn_var_put(*h);
+    *h = next;
+    FSDPC_TRY(st);
+  }
+  return STATUS_OK;
+}
+
+/* The embedding of ids under the body m ("model" or "transformer"). */
+static fsdpc_status_t embed(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *ids, nn_var_t **out) {
+  const llama_t *L = nn_module_impl(m);
+  return L->cfg.arch == LLAMA_ARCH_GPT2 ? gpt2_embed(ctx, m, ids, out)
+                                        : call_child(ctx, m, "embed_tokens", ids, out);
+}
+
+static const char *final_norm(const llama_t *L) {
+  return L->cfg.arch == LLAMA_ARCH_GPT2 ? "ln_f" : "norm";
+}
+
 static fsdpc_status_t model_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   const llama_t *L = nn_module_impl(m);
-  bool gpt2 = L->cfg.arch == LLAMA_ARCH_GPT2;
   nn_var_t *h = NULL;
-  FSDPC_TRY(gpt2 ? gpt2_embed(ctx, m, in, &h) : call_child(ctx, m, "embed_tokens", in, &h));
-  for (int64_t i = 0; i < L->cfg.n_layers; i++) {
-    nn_var_t *next = NULL;
-    fsdpc_status_t st = nn_call(ctx, L->layers[i], h, &next);
-    nn_var_put(h);
-    FSDPC_TRY(st);
-    h = next;
-  }
-  fsdpc_status_t st = call_child(ctx, m, gpt2 ? "ln_f" : "norm", h, out);
+  FSDPC_TRY(embed(ctx, m, in, &h));
+  fsdpc_status_t st = run_blocks(ctx, L, 0, L->cfg.n_layers, &h);
+  if (st == STATUS_OK) st = call_child(ctx, m, final_norm(L), h, out);
   nn_var_put(h);
   return st;
 }
@@ -247,6 +264,49 @@ static fsdpc_status_t causal_lm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   fsdpc_status_t st = call_child(ctx, m, "lm_head", h, out);
   nn_var_put(h);
   return st;
+}
+
+fsdpc_status_t llama_stage_forward(nn_ctx_t *ctx, llama_t *m, int stage, int n_stages, nn_var_t *in,
+                                   nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(m);
+  ARG_NONNULL(in);
+  ARG_NONNULL(out);
+  *out = NULL;
+  int64_t L = m->cfg.n_layers;
+  if (n_stages < 1 || n_stages > L || stage < 0 || stage >= n_stages)
+    return err_set(STATUS_EINVAL,
+                   "llama_stage_forward: stage %d of %d (the model's %lld blocks take 1 to %lld "
+                   "stages)",
+                   stage, n_stages, (long long)L, (long long)L);
+  nn_module_t *body =
+      nn_module_child_named(m->root, m->cfg.arch == LLAMA_ARCH_GPT2 ? "transformer" : "model");
+  nn_var_t *h = nn_var_ref(in);
+  fsdpc_status_t st = STATUS_OK;
+  if (stage == 0) {
+    nn_var_t *e = NULL;
+    st = embed(ctx, body, h, &e);
+    nn_var_put(h);
+    h = e;
+  }
+  if (st == STATUS_OK)
+    st = run_blocks(ctx, m, stage * L / n_stages, (stage + 1) * L / n_stages, &h);
+  if (st == STATUS_OK && stage == n_stages - 1) {
+    const char *tail[2] = {final_norm(m), "lm_head"};
+    nn_module_t *owner[2] = {body, m->root};
+    for (int k = 0; k < 2 && st == STATUS_OK; k++) {
+      nn_var_t *next = NULL;
+      st = call_child(ctx, owner[k], tail[k], h, &next);
+      nn_var_put(h);
+      h = next;
+    }
+  }
+  if (st != STATUS_OK) {
+    nn_var_put(h);
+    return st;
+  }
+  *out = h;
+  return STATUS_OK;
 }
 
 /* ---- construction ---- */

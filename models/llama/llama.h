@@ -160,6 +160,16 @@ nn_module_t *llama_module(const llama_t *m);
 const llama_config_t *llama_get_config(const llama_t *m);
 /* The transformer block i (module "model.layers.i"); NULL for i outside [0, n_layers). */
 nn_module_t *llama_layer(const llama_t *m, int64_t i);
+/* Pipeline stage `stage` of n_stages (1 <= n_stages <= n_layers) of the model's forward: the
+ * blocks [stage L / n_stages, (stage + 1) L / n_stages) of its L, after the embedding of the
+ * ids [B, T] on stage 0 (GPT-2's positions added), before the final norm and the head on the
+ * last stage (which returns the logits; the others the hidden state [B, T, dim], which the
+ * next stage takes as in). The modules run as nn_call runs them, hooks included, but the
+ * containers above them ("model", the root): a stage's fully_shard units are its blocks and
+ * leaves. A reference to in is taken, not consumed. Local. */
+fsdpc_status_t llama_stage_forward(nn_ctx_t *ctx, llama_t *m, int stage, int n_stages, nn_var_t *in,
+                                   nn_var_t **out);
+
 /* The one-rank mesh the parameters were created on. */
 mesh_t *llama_local_mesh(const llama_t *m);
 

@@ -47,47 +47,26 @@ static fsdpc_status_t input_ids(int mb, nn_var_t **out, void *user) {
   return nn_var_new(&in, false, out);
 }
 
-/* Stage s: blocks [s L/S, (s+1) L/S), the embedding before them on stage 0, the final norm,
- * the head and the loss after them on the last stage. */
+/* Stage s of the model (llama_stage_forward), the loss after the last. */
 static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, nn_var_t **out,
                                     void *user) {
   stages_t *u = user;
-  nn_module_t *root = llama_module(u->m);
-  nn_var_t *h = nn_var_ref(in), *next = NULL;
-  fsdpc_status_t st = STATUS_OK;
-  if (s == 0) {
-    st = nn_call(ctx, nn_module_find(root, "model.embed_tokens"), h, &next);
-    nn_var_put(h);
-    h = next;
+  nn_var_t *h = NULL, *loss = NULL;
+  FSDPC_TRY(llama_stage_forward(ctx, u->m, s, u->S, in, &h));
+  if (s < u->S - 1) {
+    *out = h;
+    return STATUS_OK;
   }
-  for (int i = s * LAYERS / u->S; i < (s + 1) * LAYERS / u->S && st == STATUS_OK; i++) {
-    st = nn_call(ctx, llama_layer(u->m, i), h, &next);
-    nn_var_put(h);
-    h = next;
+  fsdpc_tensor_t ids, tg;
+  fsdpc_status_t st = data_batch(u->d, &u->spec, u->step, mb, &ids, &tg);
+  if (st == STATUS_OK) {
+    tensor_free(&ids);
+    st = nn_cross_entropy(ctx, h, &tg, &loss, NULL);
+    tensor_free(&tg);
   }
-  if (st == STATUS_OK && s == u->S - 1) {
-    const char *tail[] = {"model.norm", "lm_head"};
-    for (int k = 0; k < 2 && st == STATUS_OK; k++) {
-      st = nn_call(ctx, nn_module_find(root, tail[k]), h, &next);
-      nn_var_put(h);
-      h = next;
-    }
-    fsdpc_tensor_t ids, tg;
-    if (st == STATUS_OK) st = data_batch(u->d, &u->spec, u->step, mb, &ids, &tg);
-    if (st == STATUS_OK) {
-      tensor_free(&ids);
-      st = nn_cross_entropy(ctx, h, &tg, &next, NULL);
-      tensor_free(&tg);
-      nn_var_put(h);
-      h = next;
-    }
-  }
-  if (st != STATUS_OK) {
-    nn_var_put(h);
-    return st;
-  }
-  *out = h;
-  return STATUS_OK;
+  nn_var_put(h);
+  *out = loss;
+  return st;
 }
 
 /* The rank holding parameter fqn: its block's stage's (the embedding's: stage 0's; the norm's

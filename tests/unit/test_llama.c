@@ -209,6 +209,58 @@ START_TEST(forward_backward_gpt2) {
 }
 END_TEST
 
+/* The model's forward run stage by stage (llama_stage_forward over S stages, each stage's
+ * output the next one's input) gives the whole forward's logits exactly, for every S from 1 to
+ * the number of blocks; stage counts and stages outside that are refused. */
+static void check_stages(const char *config) {
+  llama_t *m = load_model(config, config, false);
+  fsdpc_data_t *d;
+  ok(data_open(CORPUS, DATA_BYTES, &d));
+  data_spec_t spec = {.batch_size = 2, .seq_len = 32, .grad_accum = 1, .dp_size = 1};
+  fsdpc_tensor_t in_h, tg_h, in;
+  ok(data_batch(d, &spec, 0, 0, &in_h, &tg_h));
+  ok(tensor_clone(&in, &in_h, DTYPE_I64, mesh_device(llama_local_mesh(m))));
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  nn_ctx_set_grad_enabled(ctx, false);
+  nn_var_t *ids, *whole;
+  ok(nn_var_new(&in, false, &ids));
+  ok(nn_call(ctx, llama_module(m), ids, &whole));
+  int64_t L = llama_get_config(m)->n_layers;
+  for (int S = 1; S <= L; S++) {
+    nn_var_t *h = nn_var_ref(ids);
+    for (int s = 0; s < S; s++) {
+      nn_var_t *next;
+      ok(llama_stage_forward(ctx, m, s, S, h, &next));
+      nn_var_put(h);
+      h = next;
+    }
+    bool eq = false;
+    ok(tensor_equal(&h->value, &whole->value, &eq));
+    ck_assert_msg(eq, "%s: logits of %d stages differ from the whole forward's", config, S);
+    nn_var_put(h);
+  }
+  nn_var_t *none = NULL;
+  int bad[][2] = {{0, 0}, {0, -1}, {-1, 2}, {2, 2}, {0, (int)L + 1}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    ck_assert_int_eq(llama_stage_forward(ctx, m, bad[i][0], bad[i][1], ids, &none), STATUS_EINVAL);
+    ck_assert_ptr_null(none);
+  }
+  nn_var_put(whole);
+  nn_var_put(ids);
+  nn_ctx_free(ctx);
+  tensor_free(&in_h);
+  tensor_free(&tg_h);
+  data_free(d);
+  llama_free(m);
+}
+
+START_TEST(stages_compose_to_the_model) {
+  check_stages("tiny");
+  check_stages("tiny_gpt2");
+}
+END_TEST
+
 static void train(const char *config, const char *tag, bool ac, double *losses) {
   llama_t *m = load_model(config, tag, ac);
   st_file_t *g = open_golden(tag);
@@ -568,6 +620,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_qwen);
   tcase_add_test(tc, forward_backward_gpt2);
   tcase_add_test(tc, training_gpt2);
+  tcase_add_test(tc, stages_compose_to_the_model);
   if (mode.device == DEVICE_CPU && mode.dtype == DTYPE_F32) {
     tcase_add_test(tc, config_forms_of_transformers_4_and_5);
     tcase_add_test(tc, config_forms_of_the_family);
