@@ -3,7 +3,7 @@
 
   vs_llmc_gpu.py --llmc LLMC_CHECKOUT [--exe build/tools/fsdp-train] [--model 124m|350m]
                  [--batch 16] [--seq 1024] [--steps 30] [--warmup 5] [--cudnn-frontend DIR]
-                 [--peak-tflops X] [--profile] [--keep DIR]
+                 [--pad-vocab 128] [--peak-tflops X] [--profile] [--keep DIR]
 
 Builds train_gpt2cu in the llm.c checkout with its own Makefile (make train_gpt2cu
 NO_MULTI_GPU=1 NO_USE_MPI=1, and USE_CUDNN=1 when --cudnn-frontend names a cudnn-frontend
@@ -15,7 +15,9 @@ tokens a step, bf16 compute with f32 master weights and optimizer state, AdamW l
 (constant, as llm.c's defaults), betas 0.9/0.95, no weight decay, clipping at 1.0, no dropout,
 one GPU. llm.c: -b BATCH -t SEQ -x STEPS, no sampling,
 validation or checkpoints; fsdp-train: a plan written from the config (model.config,
-fully_shard per block, mp_policy bf16/f32, train.device cuda).
+fully_shard per block, mp_policy bf16/f32, train.device cuda; the embedding and head padded to
+a multiple of --pad-vocab rows, model.pad_vocab_multiple, 50304 by default, as llm.c pads its
+own; 0 leaves them at the vocabulary's 50257).
 
 Printed for each: the median tokens/s of the steps after the warmup ones (llm.c's from the
 step times it prints; fsdp-train's from its metrics), MFU by one formula for both (6 x
@@ -70,6 +72,7 @@ def plan_text(config, a, train):
 model:
   config: %s
   seed: 0
+  pad_vocab_multiple: %d
 parallelize:
   fully_shard:
     units: ["transformer.h.*"]
@@ -92,7 +95,7 @@ train:
   device: cuda
 log:
   interval: %d
-""" % (config, train, a.seq, a.batch, a.steps, a.steps)
+""" % (config, a.pad_vocab, train, a.seq, a.batch, a.steps, a.steps)
 
 
 def gpu_name():
@@ -282,6 +285,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--cudnn-frontend", help="the cudnn-frontend checkout llm.c's USE_CUDNN=1 "
                     "needs (default: build llm.c without cuDNN)")
+    ap.add_argument("--pad-vocab", type=int, default=128,
+                    help="fsdp-train's model.pad_vocab_multiple (0: no padding)")
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--profile", action="store_true",
                     help="run fsdp-train with FSDPC_PROFILE=1 and print its kernel table, then "

@@ -22,7 +22,37 @@ static bool merged_layout(int fn, const int64_t *fs, int mn, const int64_t *ms) 
   return rest == fs[fn - 1];
 }
 
-static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p) {
+/* Whether a stored tensor of shape fs is the model's ms with fewer rows: equal but in the
+ * first dimension, which is smaller. */
+static bool fewer_rows(int fn, const int64_t *fs, int mn, const int64_t *ms) {
+  if (fn < 1 || fn != mn || fs[0] >= ms[0]) return false;
+  for (int d = 1; d < fn; d++)
+    if (fs[d] != ms[d]) return false;
+  return true;
+}
+
+/* The local shard dst at global offset off of a tensor whose first `rows` rows the file
+ * holds: those it covers read, the others zero. */
+static fsdpc_status_t read_rows(st_file_t *f, const char *name, int64_t rows, const int64_t *off,
+                                fsdpc_tensor_t *dst) {
+  int64_t n = dst->ndim ? dst->shape[0] : 0;
+  int64_t have = rows - off[0] < 0 ? 0 : rows - off[0] > n ? n : rows - off[0];
+  fsdpc_tensor_t part = {0};
+  fsdpc_status_t st = STATUS_OK;
+  if (have > 0) {
+    st = tensor_narrow(&part, dst, 0, 0, have);
+    if (st == STATUS_OK) st = st_read_box(f, name, off, &part);
+    tensor_free(&part);
+  }
+  if (st == STATUS_OK && have < n) {
+    st = tensor_narrow(&part, dst, 0, have, n - have);
+    if (st == STATUS_OK) st = tensor_fill(&part, 0.0);
+    tensor_free(&part);
+  }
+  return st;
+}
+
+static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p, bool may_pad) {
   const st_info_t *t = st_find(f, p->fqn);
   if (t == NULL) return err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", st_path(f), p->fqn);
   int nd = dtensor_ndim(p->value);
@@ -30,7 +60,8 @@ static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p) {
   bool same = t->ndim == nd;
   for (int d = 0; same && d < nd; d++) same = t->shape[d] == shape[d];
   bool merged = !same && merged_layout(t->ndim, t->shape, nd, shape);
-  if (!same && !merged) {
+  bool padded = !same && may_pad && fewer_rows(t->ndim, t->shape, nd, shape);
+  if (!same && !merged && !padded) {
     char a[96], b[96];
     return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, the model expects %s", st_path(f),
                    p->fqn, tensor_shape_str(t->ndim, t->shape, a, sizeof a),
@@ -40,8 +71,9 @@ static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p) {
   dtensor_offset(p->value, off);
   fsdpc_tensor_t dst;
   FSDPC_TRY(tensor_ref(&dst, dtensor_local(p->value)));
-  fsdpc_status_t st =
-      merged ? st_read_box_as(f, p->fqn, nd, shape, off, &dst) : st_read_box(f, p->fqn, off, &dst);
+  fsdpc_status_t st = merged   ? st_read_box_as(f, p->fqn, nd, shape, off, &dst)
+                      : padded ? read_rows(f, p->fqn, t->shape[0], off, &dst)
+                               : st_read_box(f, p->fqn, off, &dst);
   tensor_free(&dst);
   return st;
 }
@@ -49,7 +81,7 @@ static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p) {
 /* Loads every parameter from the first of files[0..nf) that holds it; fails on a parameter in
  * none (naming where) or in two, and on a tensor that is not a parameter. */
 static fsdpc_status_t load_from(nn_module_t *root, st_file_t *const *files, int nf,
-                                const char *where) {
+                                const char *where, bool (*padded)(const char *fqn)) {
   nn_param_t **ps = NULL;
   int n = 0;
   FSDPC_TRY(nn_named_parameters(root, &ps, &n));
@@ -65,7 +97,7 @@ static fsdpc_status_t load_from(nn_module_t *root, st_file_t *const *files, int 
     }
     if (st == STATUS_OK && at < 0)
       st = err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", where, ps[i]->fqn);
-    if (st == STATUS_OK) st = load_one(files[at], ps[i]);
+    if (st == STATUS_OK) st = load_one(files[at], ps[i], padded && padded(ps[i]->fqn));
   }
   for (int k = 0; k < nf && st == STATUS_OK; k++)
     for (int i = 0; i < st_num_tensors(files[k]) && st == STATUS_OK; i++) {
@@ -85,12 +117,19 @@ fsdpc_status_t ckpt_load_weights(nn_module_t *root, const char *path) {
   ARG_NONNULL(path);
   st_file_t *f = NULL;
   FSDPC_TRY(st_open(path, &f));
-  fsdpc_status_t st = load_from(root, &f, 1, path);
+  fsdpc_status_t st = load_from(root, &f, 1, path, NULL);
   st_close(f);
   return st;
 }
 
 fsdpc_status_t ckpt_load_hf(nn_module_t *root, const char *dir) {
+  return ckpt_load_hf_padded(root, dir, NULL);
+}
+
+fsdpc_status_t ckpt_load_hf_padded(nn_module_t *root, const char *dir,
+                                   bool (*padded)(const char *fqn)) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(dir);
   char **names;
   int n;
   FSDPC_TRY(hf_weight_files(dir, &names, &n));
@@ -101,7 +140,7 @@ fsdpc_status_t ckpt_load_hf(nn_module_t *root, const char *dir) {
     snprintf(path, sizeof path, "%.4000s/%.255s", dir, names[i]);
     st = st_open(path, &files[i]);
   }
-  if (st == STATUS_OK) st = load_from(root, files, n, dir);
+  if (st == STATUS_OK) st = load_from(root, files, n, dir, padded);
   for (int i = 0; files && i < n; i++) st_close(files[i]);
   free(files);
   hf_weight_files_free(names, n);

@@ -29,6 +29,12 @@ fsdpc_status_t ckpt_load_weights(nn_module_t *root, const char *path);
  * exactly one of them, and every tensor of them must be a parameter. */
 fsdpc_status_t ckpt_load_hf(nn_module_t *root, const char *dir);
 
+/* ckpt_load_hf where a parameter for which padded(fqn) is true may have more rows (its first
+ * dimension; the others equal) than the files' tensor: the files' rows fill the first ones,
+ * the rest are zero (a vocabulary padded for speed or for an even split). padded NULL: none. */
+fsdpc_status_t ckpt_load_hf_padded(nn_module_t *root, const char *dir,
+                                   bool (*padded)(const char *fqn));
+
 /* The weight files of a Hugging Face folder: those its index names (each once, in order of
  * first appearance), else model.safetensors. *names (file names, not paths) is freed with
  * hf_weight_files_free. */

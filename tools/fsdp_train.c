@@ -256,7 +256,10 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
   if (st == STATUS_OK && deferred && !p->init_from[0] && !resume)
     st = llama_init_weights(r->model, p->model_seed);
   if (st == STATUS_OK && p->init_from[0]) /* after sharding: each rank reads its shards' rows */
-    st = ckpt_load_hf(root, p->init_from);
+    st = ckpt_load_hf_padded(root, p->init_from,
+                             llama_vocab_rows(&p->model) > p->model.vocab_size
+                                 ? llama_is_vocab_table
+                                 : NULL); /* model.pad_vocab_multiple: the files' rows, zeros */
   if (st == STATUS_OK) st = nn_named_parameters(root, &r->ps, &r->n);
   if (st == STATUS_OK) st = optim_new(r->ps, r->n, &p->optim, &r->opt);
   FSDPC_TRY(pg_agree(world_pg(), st));

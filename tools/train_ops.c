@@ -367,6 +367,14 @@ fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
                    flag ? (b ? "true" : "false") : sb, keys[i].key,
                    flag ? (a ? "true" : "false") : sa);
   }
+  if (llama_vocab_rows(&c) != llama_vocab_rows(m))
+    return err_set(STATUS_EINVAL,
+                   "checkpoint.load: '%s' holds an embedding and head of %lld rows "
+                   "(model.pad_vocab_multiple = %lld), the plan's have %lld: set the plan's "
+                   "model.pad_vocab_multiple to %lld, or start from its weights with "
+                   "model.init_from after fsdp-ckpt export-hf",
+                   ckpt, (long long)llama_vocab_rows(&c), (long long)c.pad_vocab_multiple,
+                   (long long)llama_vocab_rows(m), (long long)c.pad_vocab_multiple);
   return STATUS_OK;
 }
 

@@ -141,13 +141,16 @@ static void header_model(const run_t *r) {
   snprintf(extra, sizeof extra, "%s%s",
            c->qkv_bias ? (c->o_bias ? ", attention biases" : ", q/k/v biases") : "",
            c->qk_norm ? ", q/k norms" : "");
+  char rows[48] = "";
+  if (llama_vocab_rows(c) > c->vocab_size)
+    snprintf(rows, sizeof rows, " (tables padded to %lld rows)", (long long)llama_vocab_rows(c));
   printf(
-      "  model: %s dim %lld, %lld layer%s, %lld/%lld heads%s, ffn %lld, vocab %lld, %s%s; "
+      "  model: %s dim %lld, %lld layer%s, %lld/%lld heads%s, ffn %lld, vocab %lld%s, %s%s; "
       "%lld parameters; activation checkpointing %s\n",
       llama_arch_name(c->arch), (long long)c->dim, (long long)c->n_layers,
       c->n_layers == 1 ? "" : "s", (long long)c->n_heads, (long long)c->n_kv_heads, heads,
-      (long long)c->ffn_dim, (long long)c->vocab_size, c->tie_embeddings ? "tied" : "untied", extra,
-      (long long)llama_num_params(c), p->activation_checkpointing ? "on" : "off");
+      (long long)c->ffn_dim, (long long)c->vocab_size, rows, c->tie_embeddings ? "tied" : "untied",
+      extra, (long long)llama_num_params(c), p->activation_checkpointing ? "on" : "off");
   char threads[64] = "";
   if (r->host_threads > 0)
     snprintf(threads, sizeof threads, ", the optimizer on %d host threads", r->host_threads);

@@ -108,7 +108,7 @@ static int cmp_by_name(const void *x, const void *y) {
  * the built-in Llama's (model_type "llama") is checked and written in its normal form. origin
  * names where the config came from. */
 static fsdpc_status_t write_config(const cJSON *config, const char *origin, dtype_t dtype,
-                                   const char *path) {
+                                   const char *path, int64_t *vocab) {
   if (!cJSON_IsObject(config))
     return err_set(STATUS_EFORMAT, "%s: a model config is not a JSON object", origin);
   if (is_llama(config)) {
@@ -118,9 +118,19 @@ static fsdpc_status_t write_config(const cJSON *config, const char *origin, dtyp
                              : err_set(STATUS_ENOMEM, "out of host memory");
     free(text);
     FSDPC_TRY(st);
+    /* padded tables are written vocab_size rows long, as transformers' model has them */
+    if (llama_vocab_rows(&cfg) > cfg.vocab_size) *vocab = cfg.vocab_size;
+    cfg.pad_vocab_multiple = 0;
     return llama_config_to_hf(&cfg, dtype, path);
   }
   cJSON *c = cJSON_Duplicate(config, true);
+  const cJSON *pad = cJSON_GetObjectItemCaseSensitive(config, "pad_vocab_multiple");
+  const cJSON *vs = cJSON_GetObjectItemCaseSensitive(config, "vocab_size");
+  if (arch_of(config) != LLAMA_ARCH_COUNT && cJSON_IsNumber(pad) && cJSON_IsNumber(vs) &&
+      pad->valuedouble > 1) { /* GPT-2 kept as it is, but for a run's padded tables */
+    *vocab = (int64_t)vs->valuedouble;
+    cJSON_DeleteItemFromObjectCaseSensitive(c, "pad_vocab_multiple");
+  }
   const char *names[] = {[DTYPE_F32] = "float32", [DTYPE_BF16] = "bfloat16",
                          [DTYPE_F16] = "float16"};
   const char *name = (size_t)dtype < sizeof names / sizeof names[0] ? names[dtype] : NULL;
@@ -139,7 +149,7 @@ static fsdpc_status_t write_config(const cJSON *config, const char *origin, dtyp
 /* config.json: --config, or the model config the checkpoint was saved with; *arch its
  * architecture in the built-in family (LLAMA_ARCH_COUNT: another model). */
 static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, dtype_t dtype,
-                                    const char *path, llama_arch_t *arch) {
+                                    const char *path, llama_arch_t *arch, int64_t *vocab) {
   char *text = NULL, origin[PATH_LEN];
   cJSON *state = NULL, *given = NULL;
   const cJSON *config = NULL;
@@ -156,7 +166,7 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
     snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir);
   }
   *arch = arch_of(config);
-  fsdpc_status_t st = config ? write_config(config, origin, dtype, path)
+  fsdpc_status_t st = config ? write_config(config, origin, dtype, path, vocab)
                              : err_set(STATUS_EINVAL,
                                        "%s: no model config recorded in train_state.json; give "
                                        "--config CONFIG.json",
@@ -166,17 +176,26 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
   return st;
 }
 
+/* The rows of tensor t that go to the files: vocab for a vocabulary table padded beyond a
+ * vocabulary of vocab (> 0), else all. */
+static int64_t hf_rows(const dcp_tensor_t *t, int64_t vocab) {
+  int64_t rows = t->ndim ? t->shape[0] : 1;
+  return vocab > 0 && rows > vocab && llama_is_vocab_table(t->name) ? vocab : rows;
+}
+
 /* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
- * time, each in the shape Hugging Face's files give it (llama_hf_shape). */
+ * time, each in the shape Hugging Face's files give it (llama_hf_shape; a padded vocabulary
+ * table's first vocab rows). */
 static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int first,
                                   int last, dtype_t want, const char *path, mesh_t *one,
-                                  llama_arch_t arch) {
+                                  llama_arch_t arch, int64_t vocab) {
   st_writer_t *w;
   FSDPC_TRY(st_writer_new(&w));
   fsdpc_status_t st = st_writer_set_metadata(w, "format", "pt");
   int64_t hs[ST_MAX_DIMS + 1];
   for (int i = first; i < last && st == STATUS_OK; i++) {
     int hn = llama_hf_shape(arch, t[i]->name, t[i]->ndim, t[i]->shape, true, hs);
+    if (hn > 0 && hf_rows(t[i], vocab) < t[i]->shape[0]) hs[0] = hf_rows(t[i], vocab);
     st = st_writer_declare(w, t[i]->name, want == DTYPE_COUNT ? t[i]->dtype : want, hn, hs);
   }
   if (st == STATUS_OK) st = st_writer_begin(w, path);
@@ -194,10 +213,16 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
       st = tensor_clone(&conv, &full, want, device_cpu());
       src = &conv;
     }
-    fsdpc_tensor_t as = {0}; /* the tensor in Hugging Face's shape: a view */
+    fsdpc_tensor_t as = {0}, rows = {0}; /* the tensor in Hugging Face's shape: views */
     int hn = llama_hf_shape(arch, t[i]->name, t[i]->ndim, t[i]->shape, true, hs);
     if (st == STATUS_OK) st = tensor_view(&as, src, hn, hs);
-    if (st == STATUS_OK) st = st_writer_write(w, t[i]->name, &as);
+    const fsdpc_tensor_t *out_rows = &as;
+    if (st == STATUS_OK && hn > 0 && hf_rows(t[i], vocab) < t[i]->shape[0]) {
+      st = tensor_narrow(&rows, &as, 0, 0, hf_rows(t[i], vocab));
+      out_rows = &rows;
+    }
+    if (st == STATUS_OK) st = st_writer_write(w, t[i]->name, out_rows);
+    tensor_free(&rows);
     tensor_free(&as);
     tensor_free(&conv);
     dtensor_free(dt);
@@ -238,6 +263,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   mesh_t *one = NULL;
   cJSON *index = NULL;
   llama_arch_t arch = LLAMA_ARCH_COUNT; /* the family's architecture, whose shapes may differ */
+  int64_t vocab = 0; /* > 0: the vocabulary of padded tables, whose first rows are written */
   fsdpc_status_t st = dcp_reader_list(r, &list, &n);
   if (st == STATUS_OK && (t = malloc(sizeof *t * (size_t)(n ? n : 1))) == NULL)
     st = err_set(STATUS_ENOMEM, "out of host memory");
@@ -254,7 +280,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     char path[PATH_LEN + 64];
     snprintf(path, sizeof path, "%.4000s/config.json", tmp);
     dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
-    st = export_config(dir, o, cd, path, &arch);
+    st = export_config(dir, o, cd, path, &arch, &vocab);
   }
   /* files: consecutive tensors up to max_shard_bytes each (a larger tensor gets its own) */
   int *start = st == STATUS_OK ? calloc((size_t)n + 2, sizeof(int)) : NULL;
@@ -264,6 +290,8 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     size_t es = dtype_size(o->dtype == DTYPE_COUNT ? t[i]->dtype : o->dtype);
     uint64_t b = (uint64_t)t[i]->bytes / dtype_size(t[i]->dtype) * es;
+    if (t[i]->ndim > 0 && t[i]->shape[0] > 0) /* a padded table's rows beyond vocab stay out */
+      b = b / (uint64_t)t[i]->shape[0] * (uint64_t)hf_rows(t[i], vocab);
     if (i == 0 || (cur > 0 && cur + b > o->max_shard_bytes)) {
       start[files++] = i;
       cur = 0;
@@ -285,7 +313,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     else
       snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", f + 1, files);
     snprintf(path, sizeof path, "%.4000s/%s", tmp, name);
-    st = export_file(r, t, start[f], start[f + 1], o->dtype, path, one, arch);
+    st = export_file(r, t, start[f], start[f + 1], o->dtype, path, one, arch, vocab);
     for (int i = start[f]; index && i < start[f + 1]; i++)
       cJSON_AddStringToObject(cJSON_GetObjectItemCaseSensitive(index, "weight_map"), t[i]->name,
                               name);

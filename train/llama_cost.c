@@ -75,7 +75,10 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
   units_t u;
   sum_units(groups, n, pp->dp_shard, param_size, pp->dp_shard == 1 && !pp->offload, &u);
   double t = (double)pp->tp, sh = (double)pp->dp_shard, L = (double)c->n_layers;
-  double D = (double)c->dim, F = (double)c->ffn_dim, V = (double)c->vocab_size;
+  double D = (double)c->dim, F = (double)c->ffn_dim, V = (double)llama_vocab_rows(c);
+  /* padded tables (model.pad_vocab_multiple): the head's whole logits are kept beside their
+   * vocab_size columns, and the narrowing's backward writes a padded gradient */
+  double pad = V > (double)c->vocab_size ? (double)c->vocab_size + V : 0;
   double H = (double)c->n_heads, hd = (double)llama_head_dim(c);
   double QD = H * hd, KVD = (double)c->n_kv_heads * hd; /* the q and k/v widths */
   double B = (double)p->batch_size, T = (double)p->seq_len, N = B * T;
@@ -105,7 +108,7 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
   double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
   double ids = 4 * N * 8;     /* input ids and labels, and their copies */
   double emb = tp ? er * (N * D + Ns * D) : er * N * D;
-  double logits = er * N * V / t + (tp ? er * N * V : 0); /* local, and made whole */
+  double logits = er * N * V / t + (tp ? er * N * V : 0) + er * N * pad; /* local, and whole */
   /* after the loss's backward: the lm_head's and final norm's gradients and the gradient
    * flowing into the blocks (the logits' memory, their gradient since the loss's backward,
    * is freed once the lm_head has used it) */
@@ -217,7 +220,7 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
     double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
     double rb = (double)dtype_size(n ? fsdp_reduce_dtype(groups[0]) : DTYPE_F32);
     double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
-    double logits = (double)(p->batch_size * p->seq_len) * (double)mc->vocab_size / T;
+    double logits = (double)(p->batch_size * p->seq_len) * (double)llama_vocab_rows(mc) / T;
     double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
     bool gpt2 = mc->arch == LLAMA_ARCH_GPT2;
     /* reductions: forward, the embeddings' (GPT-2's tokens and positions) and the rowwise

@@ -103,20 +103,48 @@ static fsdpc_status_t read_architecture(plan_ctx_t *c, int m, llama_config_t *mc
   return STATUS_OK;
 }
 
+static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *keys);
+
 static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
-  static const char *const keys[] = {"architecture",   "dim",        "n_layers",  "n_heads",
-                                     "n_kv_heads",     "head_dim",   "ffn_dim",   "vocab_size",
-                                     "max_seq_len",    "rope_theta", "norm_eps",  "tie_embeddings",
-                                     "attention_bias", "seed",       "init_from", "deferred_init",
-                                     "config",         NULL};
+  static const char *const keys[] = {"architecture",
+                                     "dim",
+                                     "n_layers",
+                                     "n_heads",
+                                     "n_kv_heads",
+                                     "head_dim",
+                                     "ffn_dim",
+                                     "vocab_size",
+                                     "max_seq_len",
+                                     "rope_theta",
+                                     "norm_eps",
+                                     "tie_embeddings",
+                                     "attention_bias",
+                                     "seed",
+                                     "init_from",
+                                     "deferred_init",
+                                     "config",
+                                     "pad_vocab_multiple",
+                                     NULL};
   int m;
   FSDPC_TRY(pr_section(c, root, "model", keys, &m));
   if (m == 0) return STATUS_OK;
   fsdpc_plan_t *p = c->job;
   for (int i = 0; keys[i]; i++)
     if (strcmp(keys[i], "seed") != 0 && strcmp(keys[i], "deferred_init") != 0 &&
-        pr_find(c, m, keys[i]))
+        strcmp(keys[i], "pad_vocab_multiple") != 0 && pr_find(c, m, keys[i]))
       p->model_given = true;
+  FSDPC_TRY(read_model_keys(c, m, keys));
+  /* beside any form of the architecture: the tables' padding is the run's choice */
+  int64_t pad = p->model.pad_vocab_multiple;
+  FSDPC_TRY(pr_get_int(c, m, "model", "pad_vocab_multiple", 0, 65536, &pad));
+  p->model.pad_vocab_multiple = pad;
+  return STATUS_OK;
+}
+
+/* The rest of read_model: the seed, how the weights start, and the architecture (from
+ * model.init_from, model.config or the section's keys). */
+static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *keys) {
+  fsdpc_plan_t *p = c->job;
   uint64_t seed = p->model_seed;
   int64_t s = 0;
   FSDPC_TRY(pr_get_int(c, m, "model", "seed", 0, INT64_MAX, &s));
@@ -658,10 +686,12 @@ fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
       const char *key;
       int64_t v;
       const char *why;
-    } split[] = {{"n_heads", p->model.n_heads, "whole attention heads"},
-                 {"n_kv_heads", p->model.n_kv_heads, "whole key/value heads"},
-                 {"ffn_dim", p->model.ffn_dim, "an equal slice of the MLP"},
-                 {"vocab_size", p->model.vocab_size, "an equal slice of the vocabulary"}};
+    } split[] = {
+        {"n_heads", p->model.n_heads, "whole attention heads"},
+        {"n_kv_heads", p->model.n_kv_heads, "whole key/value heads"},
+        {"ffn_dim", p->model.ffn_dim, "an equal slice of the MLP"},
+        {llama_vocab_rows(&p->model) == p->model.vocab_size ? "vocab_size" : "vocab_size (padded)",
+         llama_vocab_rows(&p->model), "an equal slice of the vocabulary"}};
     for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
       if (split[i].v % p->par.tp != 0)
         return err_set(STATUS_EINVAL,
@@ -669,9 +699,9 @@ fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
                        "rank needs %s%s)",
                        p->par.mesh_where.text, p->par.tp, split[i].key, (long long)split[i].v,
                        split[i].why,
-                       strcmp(split[i].key, "vocab_size") == 0 && p->model.arch == LLAMA_ARCH_GPT2
-                           ? "; GPT-2's 50257 tokens split under no tp: train a vocabulary "
-                             "padded to a multiple of 64, 50304, as llm.c and Megatron do"
+                       strncmp(split[i].key, "vocab_size", 10) == 0
+                           ? "; set model.pad_vocab_multiple to a multiple of mesh.tp (128 pads "
+                             "GPT-2's 50257 tokens to 50304, as llm.c and Megatron do)"
                            : "");
     if (p->model.arch == LLAMA_ARCH_GPT2 && !p->par.tp_plan_given &&
         p->model.max_seq_len % p->par.tp != 0)

@@ -249,6 +249,20 @@ static fsdpc_status_t model_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
   return st;
 }
 
+/* The head (root's child lm_head) on h: the logits, vocab_size wide (the padded rows' columns
+ * left out). */
+static fsdpc_status_t head(nn_ctx_t *ctx, const llama_t *L, nn_var_t *h, nn_var_t **out) {
+  nn_var_t *logits = NULL;
+  FSDPC_TRY(call_child(ctx, L->root, "lm_head", h, &logits));
+  if (llama_vocab_rows(&L->cfg) == L->cfg.vocab_size) {
+    *out = logits;
+    return STATUS_OK;
+  }
+  fsdpc_status_t st = nn_narrow(ctx, logits, logits->value.ndim - 1, 0, L->cfg.vocab_size, out);
+  nn_var_put(logits);
+  return st;
+}
+
 static fsdpc_status_t causal_lm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
                                         nn_var_t **out) {
   const llama_t *L = nn_module_impl(m);
@@ -261,7 +275,7 @@ static fsdpc_status_t causal_lm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
                    (long long)in->value.shape[1], (long long)L->cfg.max_seq_len);
   nn_var_t *h = NULL;
   FSDPC_TRY(call_child(ctx, m, L->cfg.arch == LLAMA_ARCH_GPT2 ? "transformer" : "model", in, &h));
-  fsdpc_status_t st = call_child(ctx, m, "lm_head", h, out);
+  fsdpc_status_t st = head(ctx, L, h, out);
   nn_var_put(h);
   return st;
 }
@@ -292,14 +306,12 @@ fsdpc_status_t llama_stage_forward(nn_ctx_t *ctx, llama_t *m, int stage, int n_s
   if (st == STATUS_OK)
     st = run_blocks(ctx, m, stage * L / n_stages, (stage + 1) * L / n_stages, &h);
   if (st == STATUS_OK && stage == n_stages - 1) {
-    const char *tail[2] = {final_norm(m), "lm_head"};
-    nn_module_t *owner[2] = {body, m->root};
-    for (int k = 0; k < 2 && st == STATUS_OK; k++) {
-      nn_var_t *next = NULL;
-      st = call_child(ctx, owner[k], tail[k], h, &next);
-      nn_var_put(h);
-      h = next;
-    }
+    nn_var_t *normed = NULL, *logits = NULL;
+    st = call_child(ctx, body, final_norm(m), h, &normed);
+    if (st == STATUS_OK) st = head(ctx, m, normed, &logits);
+    nn_var_put(normed);
+    nn_var_put(h);
+    h = logits;
   }
   if (st != STATUS_OK) {
     nn_var_put(h);
@@ -439,7 +451,7 @@ static fsdpc_status_t build_gpt2(builder_t *b) {
   nn_module_t *body, *h, *wte, *head;
   FSDPC_TRY(nn_module_new("", causal_lm_forward, L, &L->root));
   FSDPC_TRY(add_container(b, L->root, "transformer", model_forward, &body));
-  FSDPC_TRY(add_leaf(b, body, "wte", embedding_forward, c->vocab_size, c->dim, &wte));
+  FSDPC_TRY(add_leaf(b, body, "wte", embedding_forward, llama_vocab_rows(c), c->dim, &wte));
   FSDPC_TRY(add_leaf(b, body, "wpe", embedding_forward, c->max_seq_len, c->dim, NULL));
   FSDPC_TRY(add_container(b, body, "h", NULL, &h));
   for (int64_t i = 0; i < c->n_layers; i++) FSDPC_TRY(build_gpt2_block(b, h, i));
@@ -448,7 +460,7 @@ static fsdpc_status_t build_gpt2(builder_t *b) {
     FSDPC_TRY(add_container(b, L->root, "lm_head", linear_forward, &head));
     FSDPC_TRY(nn_module_share_param(head, weight_of(wte)));
   } else {
-    FSDPC_TRY(add_leaf(b, L->root, "lm_head", linear_forward, c->vocab_size, c->dim, NULL));
+    FSDPC_TRY(add_leaf(b, L->root, "lm_head", linear_forward, llama_vocab_rows(c), c->dim, NULL));
   }
   return nn_module_finalize(L->root);
 }
@@ -460,7 +472,8 @@ static fsdpc_status_t build(builder_t *b) {
   nn_module_t *model, *layers, *embed, *head;
   FSDPC_TRY(nn_module_new("", causal_lm_forward, L, &L->root));
   FSDPC_TRY(add_container(b, L->root, "model", model_forward, &model));
-  FSDPC_TRY(add_leaf(b, model, "embed_tokens", embedding_forward, c->vocab_size, c->dim, &embed));
+  FSDPC_TRY(
+      add_leaf(b, model, "embed_tokens", embedding_forward, llama_vocab_rows(c), c->dim, &embed));
   FSDPC_TRY(add_container(b, model, "layers", NULL, &layers));
   for (int64_t i = 0; i < c->n_layers; i++) FSDPC_TRY(build_block(b, layers, i));
   FSDPC_TRY(add_leaf(b, model, "norm", rmsnorm_forward, c->dim, 0, NULL));
@@ -468,7 +481,7 @@ static fsdpc_status_t build(builder_t *b) {
     FSDPC_TRY(add_container(b, L->root, "lm_head", linear_forward, &head));
     FSDPC_TRY(nn_module_share_param(head, weight_of(embed)));
   } else {
-    FSDPC_TRY(add_leaf(b, L->root, "lm_head", linear_forward, c->vocab_size, c->dim, NULL));
+    FSDPC_TRY(add_leaf(b, L->root, "lm_head", linear_forward, llama_vocab_rows(c), c->dim, NULL));
   }
   return nn_module_finalize(L->root);
 }

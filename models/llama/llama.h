@@ -70,6 +70,12 @@ typedef struct llama_config {
   bool o_bias;         /* a bias on o_proj (attention_bias of Llama and Qwen3) */
   bool qk_norm;        /* RMSNorm of each q and k head, q_norm and k_norm (Qwen3's) */
   double init_std;     /* initializer_range: the normal initialisation's deviation */
+  /* Not Hugging Face's: the embedding's and head's rows, vocab_size rounded up to a multiple
+   * of this (0 or 1: vocab_size rows). The rows beyond vocab_size are never read: the model's
+   * logits are vocab_size wide, their gradients zero, and the Hugging Face files leave them
+   * out. Products of 50304 rows run at full speed where GPT-2's 50257 do not, and tensor
+   * parallelism splits them. */
+  int64_t pad_vocab_multiple;
 } llama_config_t;
 
 /* Hugging Face's LlamaConfig defaults for what a config.json may leave out. */
@@ -95,6 +101,14 @@ bool llama_arch_from_name(const char *model_type, llama_arch_t *out);
 int llama_hf_shape(llama_arch_t arch, const char *fqn, int ndim, const int64_t *shape, bool to_hf,
                    int64_t *out);
 
+/* The rows of the embedding and head: vocab_size rounded up to a multiple of
+ * pad_vocab_multiple (vocab_size when that is 0 or 1); 0 for NULL. */
+int64_t llama_vocab_rows(const llama_config_t *c);
+
+/* Whether fqn names a parameter whose rows are the vocabulary's in one of the family's
+ * architectures (model.embed_tokens.weight, transformer.wte.weight, lm_head.weight). */
+bool llama_is_vocab_table(const char *fqn);
+
 /* The size of an attention head: head_dim, or dim / n_heads when it is 0. */
 int64_t llama_head_dim(const llama_config_t *c);
 
@@ -109,7 +123,8 @@ fsdpc_status_t llama_config_check(const llama_config_t *c);
  * rope_scaling, or as transformers 5 does, rope_parameters), with each architecture's
  * defaults for what it leaves out; refuses features the model does not have (MLP biases,
  * sliding-window attention, rope types other than default, linear and llama3, another
- * activation). Errors name the file and the key. */
+ * activation). Errors name the file and the key. A key "pad_vocab_multiple" (not Hugging
+ * Face's: what llama_config_to_hf writes of a padded config) gives pad_vocab_multiple. */
 fsdpc_status_t llama_config_from_hf(const char *path, llama_config_t *out);
 
 /* The same from config.json's text; errors name origin. */
@@ -117,13 +132,15 @@ fsdpc_status_t llama_config_from_hf_text(const char *text, const char *origin, l
 
 /* Writes the config as a Hugging Face config.json of its architecture (LlamaForCausalLM,
  * Qwen2ForCausalLM or Qwen3ForCausalLM; a scaled rotary embedding as rope_scaling, which
- * transformers 4 and 5 both read). */
+ * transformers 4 and 5 both read), with "pad_vocab_multiple" when it is above 1 (for a
+ * Hugging Face folder, write a copy whose pad_vocab_multiple is 0). */
 fsdpc_status_t llama_config_to_hf(const llama_config_t *c, dtype_t dtype, const char *path);
 
 /* The same as text (*out, freed by the caller with free()). */
 fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out);
 
-/* Number of parameters (the lm_head counted only when untied). */
+/* Number of parameters (the lm_head counted only when untied; the padded rows of the
+ * embedding and head, llama_vocab_rows, included). */
 int64_t llama_num_params(const llama_config_t *c);
 
 /* True when a and b give the same parameters (names and shapes: every field but

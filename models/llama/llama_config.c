@@ -31,6 +31,21 @@ bool llama_arch_from_name(const char *model_type, llama_arch_t *out) {
   return false;
 }
 
+int64_t llama_vocab_rows(const llama_config_t *c) {
+  if (c == NULL) return 0;
+  int64_t m = c->pad_vocab_multiple > 1 ? c->pad_vocab_multiple : 1;
+  return (c->vocab_size + m - 1) / m * m;
+}
+
+bool llama_is_vocab_table(const char *fqn) {
+  if (fqn == NULL) return false;
+  static const char *const names[] = {"model.embed_tokens.weight", "transformer.wte.weight",
+                                      "lm_head.weight"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    if (strcmp(fqn, names[i]) == 0) return true;
+  return false;
+}
+
 int64_t llama_head_dim(const llama_config_t *c) {
   if (c == NULL) return 0;
   return c->head_dim > 0 ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
@@ -56,6 +71,11 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
     if (pos[i].v <= 0 || pos[i].v > pos[i].max)
       return err_set(STATUS_EINVAL, "model config: %s must be a size from 1 to %lld, got %lld",
                      pos[i].name, (long long)pos[i].max, (long long)pos[i].v);
+  if (c->pad_vocab_multiple < 0 || c->pad_vocab_multiple > 65536)
+    return err_set(STATUS_EINVAL,
+                   "model config: pad_vocab_multiple must be from 0 (no padding) to 65536, got "
+                   "%lld",
+                   (long long)c->pad_vocab_multiple);
   if (c->head_dim < 0 || c->head_dim > 65536 || c->head_dim % 2 != 0)
     return err_set(STATUS_EINVAL,
                    "model config: head_dim must be an even size up to 65536, got %lld",
@@ -127,13 +147,13 @@ int64_t llama_num_params(const llama_config_t *c) {
   if (c->arch == LLAMA_ARCH_GPT2) { /* LayerNorms and projections with biases; positions */
     int64_t D = c->dim, F = c->ffn_dim;
     int64_t layer = 4 * D + 3 * D * D + 3 * D + D * D + D + 2 * D * F + F + D;
-    return c->vocab_size * D * (c->tie_embeddings ? 1 : 2) + c->max_seq_len * D +
+    return llama_vocab_rows(c) * D * (c->tie_embeddings ? 1 : 2) + c->max_seq_len * D +
            c->n_layers * layer + 2 * D;
   }
   int64_t hd = llama_head_dim(c), q = c->n_heads * hd, kv = c->n_kv_heads * hd;
   int64_t layer = 2 * c->dim + 2 * q * c->dim + 2 * kv * c->dim + 3 * c->dim * c->ffn_dim;
   layer += (c->qkv_bias ? q + 2 * kv : 0) + (c->o_bias ? c->dim : 0) + (c->qk_norm ? 2 * hd : 0);
-  return c->vocab_size * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + c->dim;
+  return llama_vocab_rows(c) * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + c->dim;
 }
 
 /* Reads an optional integer key; errors name the file and the key. */
@@ -315,6 +335,8 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
                    "and \"gpt2\" (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
                    "GPT2LMHeadModel)",
                    path, mt->valuestring);
+  /* not Hugging Face's: a run's record of its padded tables (llama_config_to_hf_text) */
+  FSDPC_TRY(json_int(path, o, "pad_vocab_multiple", &c->pad_vocab_multiple));
   if (c->arch == LLAMA_ARCH_GPT2) return parse_gpt2(path, o, c);
   if (c->arch != LLAMA_ARCH_LLAMA) /* Qwen's defaults (Qwen2Config, Qwen3Config) */
     c->max_seq_len = 32768;
@@ -408,6 +430,8 @@ static void gpt2_to_hf(const llama_config_t *c, dtype_t dtype, cJSON *o) {
   const char *drops[] = {"attn_pdrop", "embd_pdrop", "resid_pdrop"};
   for (int i = 0; i < 3; i++) cJSON_AddNumberToObject(o, drops[i], 0.0);
   cJSON_AddStringToObject(o, "torch_dtype", dtype_hf_name(dtype));
+  if (c->pad_vocab_multiple > 1)
+    cJSON_AddNumberToObject(o, "pad_vocab_multiple", (double)c->pad_vocab_multiple);
 }
 
 fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out) {
@@ -458,6 +482,8 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
   if (c->arch != LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "use_sliding_window", 0);
   cJSON_AddNumberToObject(o, "initializer_range", c->init_std);
   cJSON_AddStringToObject(o, "torch_dtype", dtype_hf_name(dtype));
+  if (c->pad_vocab_multiple > 1)
+    cJSON_AddNumberToObject(o, "pad_vocab_multiple", (double)c->pad_vocab_multiple);
   *out = cJSON_Print(o);
   cJSON_Delete(o);
   return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");

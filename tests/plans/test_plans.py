@@ -5,8 +5,8 @@
 
   configs       every shipped plan at its world size: loss goes down; fp32 plans match
                 debug.yaml step for step (1e-5); PyTorch's losses; plots; converted plans;
-                evaluation; shuffling; model.config; Qwen2 and Qwen3 against PyTorch and
-                under FSDP, HSDP and TP
+                evaluation; shuffling; model.config; Qwen2, Qwen3 and GPT-2 against
+                PyTorch and under FSDP, HSDP and TP; padded vocabulary tables
   errors        malformed input: documented message from every rank, non-zero exit, fast
   dry-run       --dry-run's estimates against a real run's counters; bf16 AdamW moments; the
                 messages' wording
@@ -35,7 +35,8 @@ import common  # noqa: E402  (after the path)
 MODES = {
     "configs": [("configs", "configs"), ("configs", "pytorch"), ("plots_converts", "plots"),
                 ("plots_converts", "converts"), ("configs", "evaluation"),
-                ("configs", "shuffling"), ("configs", "model_config"), ("configs", "family")],
+                ("configs", "shuffling"), ("configs", "model_config"), ("configs", "family"),
+                ("configs", "padded_vocab")],
     "errors": [("errors", "errors")],
     "dry-run": [("dry_run", "dry_run"), ("dry_run", "state_dtype"), ("dry_run", "tp_reduce_dtype"),
                 ("dry_run", "messages")],
