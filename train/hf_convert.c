@@ -176,11 +176,12 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
   return st;
 }
 
-/* The rows of tensor t that go to the files: vocab for a vocabulary table padded beyond a
- * vocabulary of vocab (> 0), else all. */
-static int64_t hf_rows(const dcp_tensor_t *t, int64_t vocab) {
-  int64_t rows = t->ndim ? t->shape[0] : 1;
-  return vocab > 0 && rows > vocab && llama_is_vocab_table(t->name) ? vocab : rows;
+/* t's shape in Hugging Face's files into hs (llama_hf_shape; a vocabulary table padded
+ * beyond a vocabulary of vocab > 0 has its first vocab rows there); returns its ndim. */
+static int hf_shape(llama_arch_t arch, const dcp_tensor_t *t, int64_t vocab, int64_t *hs) {
+  int hn = llama_hf_shape(arch, t->name, t->ndim, t->shape, true, hs);
+  if (hn > 0 && vocab > 0 && hs[0] > vocab && llama_is_vocab_table(t->name)) hs[0] = vocab;
+  return hn;
 }
 
 /* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
@@ -194,8 +195,7 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
   fsdpc_status_t st = st_writer_set_metadata(w, "format", "pt");
   int64_t hs[ST_MAX_DIMS + 1];
   for (int i = first; i < last && st == STATUS_OK; i++) {
-    int hn = llama_hf_shape(arch, t[i]->name, t[i]->ndim, t[i]->shape, true, hs);
-    if (hn > 0 && hf_rows(t[i], vocab) < t[i]->shape[0]) hs[0] = hf_rows(t[i], vocab);
+    int hn = hf_shape(arch, t[i], vocab, hs);
     st = st_writer_declare(w, t[i]->name, want == DTYPE_COUNT ? t[i]->dtype : want, hn, hs);
   }
   if (st == STATUS_OK) st = st_writer_begin(w, path);
@@ -213,17 +213,16 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
       st = tensor_clone(&conv, &full, want, device_cpu());
       src = &conv;
     }
-    fsdpc_tensor_t as = {0}, rows = {0}; /* the tensor in Hugging Face's shape: views */
-    int hn = llama_hf_shape(arch, t[i]->name, t[i]->ndim, t[i]->shape, true, hs);
-    if (st == STATUS_OK) st = tensor_view(&as, src, hn, hs);
-    const fsdpc_tensor_t *out_rows = &as;
-    if (st == STATUS_OK && hn > 0 && hf_rows(t[i], vocab) < t[i]->shape[0]) {
-      st = tensor_narrow(&rows, &as, 0, 0, hf_rows(t[i], vocab));
-      out_rows = &rows;
-    }
-    if (st == STATUS_OK) st = st_writer_write(w, t[i]->name, out_rows);
-    tensor_free(&rows);
+    /* the tensor in Hugging Face's shape: a view (of a padded table's first rows) */
+    fsdpc_tensor_t rows = {0}, as = {0};
+    int hn = hf_shape(arch, t[i], vocab, hs);
+    bool trim = hn > 0 && hs[0] < t[i]->shape[0];
+    if (st == STATUS_OK)
+      st = trim ? tensor_narrow(&rows, src, 0, 0, hs[0]) : tensor_ref(&rows, src);
+    if (st == STATUS_OK) st = tensor_view(&as, &rows, hn, hs);
+    if (st == STATUS_OK) st = st_writer_write(w, t[i]->name, &as);
     tensor_free(&as);
+    tensor_free(&rows);
     tensor_free(&conv);
     dtensor_free(dt);
     tensor_free(&full);
@@ -290,8 +289,9 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     size_t es = dtype_size(o->dtype == DTYPE_COUNT ? t[i]->dtype : o->dtype);
     uint64_t b = (uint64_t)t[i]->bytes / dtype_size(t[i]->dtype) * es;
-    if (t[i]->ndim > 0 && t[i]->shape[0] > 0) /* a padded table's rows beyond vocab stay out */
-      b = b / (uint64_t)t[i]->shape[0] * (uint64_t)hf_rows(t[i], vocab);
+    int64_t hs[ST_MAX_DIMS + 1]; /* a padded table's rows beyond vocab stay out */
+    if (hf_shape(arch, t[i], vocab, hs) > 0 && hs[0] < t[i]->shape[0])
+      b = b / (uint64_t)t[i]->shape[0] * (uint64_t)hs[0];
     if (i == 0 || (cur > 0 && cur + b > o->max_shard_bytes)) {
       start[files++] = i;
       cur = 0;

@@ -103,44 +103,6 @@ static fsdpc_status_t read_architecture(plan_ctx_t *c, int m, llama_config_t *mc
   return STATUS_OK;
 }
 
-static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *keys);
-
-static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
-  static const char *const keys[] = {"architecture",
-                                     "dim",
-                                     "n_layers",
-                                     "n_heads",
-                                     "n_kv_heads",
-                                     "head_dim",
-                                     "ffn_dim",
-                                     "vocab_size",
-                                     "max_seq_len",
-                                     "rope_theta",
-                                     "norm_eps",
-                                     "tie_embeddings",
-                                     "attention_bias",
-                                     "seed",
-                                     "init_from",
-                                     "deferred_init",
-                                     "config",
-                                     "pad_vocab_multiple",
-                                     NULL};
-  int m;
-  FSDPC_TRY(pr_section(c, root, "model", keys, &m));
-  if (m == 0) return STATUS_OK;
-  fsdpc_plan_t *p = c->job;
-  for (int i = 0; keys[i]; i++)
-    if (strcmp(keys[i], "seed") != 0 && strcmp(keys[i], "deferred_init") != 0 &&
-        strcmp(keys[i], "pad_vocab_multiple") != 0 && pr_find(c, m, keys[i]))
-      p->model_given = true;
-  FSDPC_TRY(read_model_keys(c, m, keys));
-  /* beside any form of the architecture: the tables' padding is the run's choice */
-  int64_t pad = p->model.pad_vocab_multiple;
-  FSDPC_TRY(pr_get_int(c, m, "model", "pad_vocab_multiple", 0, 65536, &pad));
-  p->model.pad_vocab_multiple = pad;
-  return STATUS_OK;
-}
-
 /* The rest of read_model: the seed, how the weights start, and the architecture (from
  * model.init_from, model.config or the section's keys). */
 static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *keys) {
@@ -184,6 +146,42 @@ static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *k
                    "qwen2's q, k and v projections always have biases, its o_proj none");
   if (bias) mc->qkv_bias = mc->o_bias = true;
   if (llama_config_check(mc) != STATUS_OK) return pr_fail(c, m, "model", "%s", err_detail());
+  return STATUS_OK;
+}
+
+static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
+  static const char *const keys[] = {"architecture",
+                                     "dim",
+                                     "n_layers",
+                                     "n_heads",
+                                     "n_kv_heads",
+                                     "head_dim",
+                                     "ffn_dim",
+                                     "vocab_size",
+                                     "max_seq_len",
+                                     "rope_theta",
+                                     "norm_eps",
+                                     "tie_embeddings",
+                                     "attention_bias",
+                                     "seed",
+                                     "init_from",
+                                     "deferred_init",
+                                     "config",
+                                     "pad_vocab_multiple",
+                                     NULL};
+  int m;
+  FSDPC_TRY(pr_section(c, root, "model", keys, &m));
+  if (m == 0) return STATUS_OK;
+  fsdpc_plan_t *p = c->job;
+  for (int i = 0; keys[i]; i++)
+    if (strcmp(keys[i], "seed") != 0 && strcmp(keys[i], "deferred_init") != 0 &&
+        strcmp(keys[i], "pad_vocab_multiple") != 0 && pr_find(c, m, keys[i]))
+      p->model_given = true;
+  FSDPC_TRY(read_model_keys(c, m, keys));
+  /* beside any form of the architecture: the tables' padding is the run's choice */
+  int64_t pad = p->model.pad_vocab_multiple;
+  FSDPC_TRY(pr_get_int(c, m, "model", "pad_vocab_multiple", 0, 65536, &pad));
+  p->model.pad_vocab_multiple = pad;
   return STATUS_OK;
 }
 

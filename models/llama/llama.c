@@ -235,6 +235,11 @@ static fsdpc_status_t embed(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *ids, nn_var
                                         : call_child(ctx, m, "embed_tokens", ids, out);
 }
 
+/* The root's child holding the embeddings, blocks and final norm. */
+static const char *body_name(const llama_t *L) {
+  return L->cfg.arch == LLAMA_ARCH_GPT2 ? "transformer" : "model";
+}
+
 static const char *final_norm(const llama_t *L) {
   return L->cfg.arch == LLAMA_ARCH_GPT2 ? "ln_f" : "norm";
 }
@@ -274,7 +279,7 @@ static fsdpc_status_t causal_lm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
                    "%lld",
                    (long long)in->value.shape[1], (long long)L->cfg.max_seq_len);
   nn_var_t *h = NULL;
-  FSDPC_TRY(call_child(ctx, m, L->cfg.arch == LLAMA_ARCH_GPT2 ? "transformer" : "model", in, &h));
+  FSDPC_TRY(call_child(ctx, m, body_name(L), in, &h));
   fsdpc_status_t st = head(ctx, L, h, out);
   nn_var_put(h);
   return st;
@@ -293,8 +298,7 @@ fsdpc_status_t llama_stage_forward(nn_ctx_t *ctx, llama_t *m, int stage, int n_s
                    "llama_stage_forward: stage %d of %d (the model's %lld blocks take 1 to %lld "
                    "stages)",
                    stage, n_stages, (long long)L, (long long)L);
-  nn_module_t *body =
-      nn_module_child_named(m->root, m->cfg.arch == LLAMA_ARCH_GPT2 ? "transformer" : "model");
+  nn_module_t *body = nn_module_child_named(m->root, body_name(m));
   nn_var_t *h = nn_var_ref(in);
   fsdpc_status_t st = STATUS_OK;
   if (stage == 0) {
