@@ -40,6 +40,8 @@
 #include "train/hf_convert.h"
 #include "train/llama_cost.h"
 #include "train/plan.h"
+#include "train/plot.h"
 #include "train/train.h"
+#include "train/trainer.h"
 
 #endif

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "core/status.h"
-#include "tools/plot.h"
+#include "train/plot.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -62,7 +62,7 @@ int main(int argc, char **argv) {
     free(files);
     return 2;
   }
-  fsdpc_status_t st = plot_metrics(files, n, out);
+  fsdpc_status_t st = train_plot_metrics(files, n, out);
   free(files);
   if (st != STATUS_OK) {
     fprintf(stderr, "fsdp-plot: %s\n", err_detail());

@@ -20,6 +20,7 @@
 #include "mesh/world.h"
 #include "models/llama/llama_plan.h"
 #include "parallel/plan_reader_impl.h"
+#include "train/plan_impl.h"
 
 void plan_defaults(fsdpc_plan_t *p) {
   if (p == NULL) return;
@@ -149,7 +150,27 @@ static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *k
   return STATUS_OK;
 }
 
-static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
+/* The model section of a program's own model (own: its name): seed and deferred_init only. */
+static fsdpc_status_t read_own_model(plan_ctx_t *c, int m, const char *const *keys,
+                                     const char *own) {
+  fsdpc_plan_t *p = c->job;
+  for (int i = 0; keys[i]; i++)
+    if (strcmp(keys[i], "seed") != 0 && strcmp(keys[i], "deferred_init") != 0 &&
+        pr_find(c, m, keys[i])) {
+      char key[64];
+      snprintf(key, sizeof key, "model.%s", keys[i]);
+      return pr_fail(c, pr_find(c, m, keys[i]), key,
+                     "this program trains its own model (%s); the plan's model section takes "
+                     "only seed and deferred_init",
+                     own);
+    }
+  int64_t s = 0;
+  FSDPC_TRY(pr_get_int(c, m, "model", "seed", 0, INT64_MAX, &s));
+  if (pr_find(c, m, "seed")) p->model_seed = (uint64_t)s;
+  return pr_get_bool(c, m, "model", "deferred_init", &p->deferred_init);
+}
+
+static fsdpc_status_t read_model(plan_ctx_t *c, int root, const char *own) {
   static const char *const keys[] = {"architecture",
                                      "dim",
                                      "n_layers",
@@ -172,6 +193,7 @@ static fsdpc_status_t read_model(plan_ctx_t *c, int root) {
   int m;
   FSDPC_TRY(pr_section(c, root, "model", keys, &m));
   if (m == 0) return STATUS_OK;
+  if (own != NULL) return read_own_model(c, m, keys, own);
   fsdpc_plan_t *p = c->job;
   for (int i = 0; keys[i]; i++)
     if (strcmp(keys[i], "seed") != 0 && strcmp(keys[i], "deferred_init") != 0 &&
@@ -515,7 +537,7 @@ static fsdpc_status_t settings_text(plan_ctx_t *c, int root, char **out) {
 
 /* Reads the file into p; with settings, also the settings text. */
 static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const *sets, int n_sets,
-                           char **settings) {
+                           const char *own, char **settings) {
   plan_defaults(p);
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(p->source, path);
@@ -537,13 +559,13 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
                               "checkpoint, log",
                               "model, ", &root);
   if (st == STATUS_OK) st = pp_read_mesh(c, root);
-  if (st == STATUS_OK) st = read_model(c, root);
+  if (st == STATUS_OK) st = read_model(c, root, own);
   if (st == STATUS_OK) st = pp_read_parallelize(c, root);
   if (st == STATUS_OK) st = read_optim(c, root);
   if (st == STATUS_OK) st = read_rest(c, root);
-  /* fsdp-train's model is the Llama: without rules of its own, a plan splits it by the
-   * built-in ones */
-  if (st == STATUS_OK && !p->par.tp_plan_given) st = llama_plan_fill_tp_rules(&p->model, &p->par);
+  /* a built-in model: without rules of its own, a plan splits it by the built-in ones */
+  if (st == STATUS_OK && own == NULL && !p->par.tp_plan_given)
+    st = llama_plan_fill_tp_rules(&p->model, &p->par);
   if (st == STATUS_OK && settings) st = settings_text(c, root, settings);
   pr_close(c);
   free(c);
@@ -553,7 +575,7 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
 fsdpc_status_t plan_load(fsdpc_plan_t *p, const char *path, const char *const *sets, int n_sets) {
   ARG_NONNULL(p);
   ARG_NONNULL(path);
-  return load(p, path, sets, n_sets, NULL);
+  return load(p, path, sets, n_sets, NULL, NULL);
 }
 
 fsdpc_status_t plan_load_settings(fsdpc_plan_t *p, const char *path, const char *const *sets,
@@ -563,7 +585,13 @@ fsdpc_status_t plan_load_settings(fsdpc_plan_t *p, const char *path, const char 
   if (n_sets > 0) ARG_NONNULL(sets);
   ARG_NONNULL(settings);
   *settings = NULL;
-  return load(p, path, sets, n_sets, settings);
+  return load(p, path, sets, n_sets, NULL, settings);
+}
+
+fsdpc_status_t plan_load_job(fsdpc_plan_t *p, const char *path, const char *const *sets, int n_sets,
+                             const char *own, char **settings) {
+  *settings = NULL;
+  return load(p, path, sets, n_sets, own, settings);
 }
 
 /* ---- resolve ---- */
@@ -615,8 +643,22 @@ static void load_hint(const char *dir, char *hint, size_t size) {
              dir);
 }
 
+static fsdpc_status_t check_sequence_split(const fsdpc_plan_t *p);
+static fsdpc_status_t resolve_global_batch(fsdpc_plan_t *p);
+
 fsdpc_status_t plan_resolve(fsdpc_plan_t *p, int world) {
-  FSDPC_TRY(plan_resolve_model(p, world));
+  ARG_NONNULL(p);
+  return plan_resolve_job(p, world, NULL);
+}
+
+fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
+  if (own == NULL) {
+    FSDPC_TRY(plan_resolve_model(p, world));
+  } else {
+    FSDPC_TRY(parallel_plan_resolve(&p->par, world));
+    FSDPC_TRY(resolve_global_batch(p));
+    FSDPC_TRY(check_sequence_split(p));
+  }
   if (p->data_path[0] == 0)
     return err_set(STATUS_EINVAL, "%s: data.path: missing (the token file to train on)", p->source);
   FSDPC_TRY(check_path(p->data_path, &p->data_where, "data.path"));
@@ -625,7 +667,7 @@ fsdpc_status_t plan_resolve(fsdpc_plan_t *p, int world) {
     return err_set(STATUS_EINVAL,
                    "%s: eval.interval: %lld needs eval.path (the token file to evaluate on)",
                    p->eval_where.text, (long long)p->eval_interval);
-  if (p->seq_len > p->model.max_seq_len)
+  if (own == NULL && p->seq_len > p->model.max_seq_len)
     return err_set(STATUS_EINVAL, "%s: data.seq_len: %lld exceeds model.max_seq_len=%lld",
                    p->data_where.text, (long long)p->seq_len, (long long)p->model.max_seq_len);
   if (p->ckpt_interval > 0 && p->ckpt_dir[0] == 0)
@@ -647,6 +689,16 @@ fsdpc_status_t plan_resolve(fsdpc_plan_t *p, int world) {
                      p->ckpt_where.text, p->ckpt_load, hint);
     }
   }
+  return STATUS_OK;
+}
+
+/* Sequence parallelism splits data.seq_len evenly over tp. */
+static fsdpc_status_t check_sequence_split(const fsdpc_plan_t *p) {
+  if (p->par.tp > 1 && p->par.sequence_parallel && p->seq_len % p->par.tp != 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: data.seq_len: %lld is not divisible by mesh.tp=%d (sequence "
+                   "parallelism splits the sequence evenly)",
+                   p->data_where.text, (long long)p->seq_len, p->par.tp);
   return STATUS_OK;
 }
 
@@ -708,11 +760,6 @@ fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
                      "GPT-2 plan splits the position table by rows, each tensor-parallel rank "
                      "an equal slice)",
                      p->par.mesh_where.text, p->par.tp, (long long)p->model.max_seq_len);
-    if (p->par.sequence_parallel && p->seq_len % p->par.tp != 0)
-      return err_set(STATUS_EINVAL,
-                     "%s: data.seq_len: %lld is not divisible by mesh.tp=%d (sequence "
-                     "parallelism splits the sequence evenly)",
-                     p->data_where.text, (long long)p->seq_len, p->par.tp);
   }
-  return STATUS_OK;
+  return check_sequence_split(p);
 }

@@ -16,12 +16,12 @@ static fsdpc_status_t some_target_kept(const fsdpc_tensor_t *tg) {
 
 /* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum.
  * *loss: the loss tensor, on the model's device. */
-static fsdpc_status_t run_batch(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
-                                int64_t step, int64_t micro, bool grad, fsdpc_tensor_t *loss) {
+static fsdpc_status_t run_batch(nn_module_t *root, device_t dev, const fsdpc_data_t *d,
+                                const data_spec_t *spec, int64_t step, int64_t micro, bool grad,
+                                fsdpc_tensor_t *loss) {
   fsdpc_tensor_t in_h = {0}, tg_h = {0}, in = {0}, tg = {0};
   nn_ctx_t *ctx = NULL;
   nn_var_t *ids = NULL, *logits = NULL, *l = NULL, *scaled = NULL;
-  device_t dev = mesh_device(llama_local_mesh(m));
   fsdpc_status_t st = STATUS_OK;
   memset(loss, 0, sizeof *loss);
   FSDPC_TRY_GOTO(st, data_batch(d, spec, step, micro, &in_h, &tg_h));
@@ -31,7 +31,7 @@ static fsdpc_status_t run_batch(llama_t *m, const fsdpc_data_t *d, const data_sp
   FSDPC_TRY_GOTO(st, nn_ctx_new(&ctx));
   nn_ctx_set_grad_enabled(ctx, grad);
   FSDPC_TRY_GOTO(st, nn_var_new(&in, false, &ids));
-  FSDPC_TRY_GOTO(st, nn_call(ctx, llama_module(m), ids, &logits));
+  FSDPC_TRY_GOTO(st, nn_call(ctx, root, ids, &logits));
   FSDPC_TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &l, NULL));
   FSDPC_TRY_GOTO(st, tensor_ref(loss, &l->value));
   if (grad) {
@@ -73,7 +73,18 @@ fsdpc_status_t llama_micro_step_async(llama_t *m, const fsdpc_data_t *d, const d
   ARG_NONNULL(d);
   ARG_NONNULL(spec);
   ARG_NONNULL(loss);
-  return run_batch(m, d, spec, step, micro, true, loss);
+  return run_batch(llama_module(m), mesh_device(llama_local_mesh(m)), d, spec, step, micro, true,
+                   loss);
+}
+
+fsdpc_status_t train_micro_step_async(nn_module_t *root, device_t dev, const fsdpc_data_t *d,
+                                      const data_spec_t *spec, int64_t step, int64_t micro,
+                                      fsdpc_tensor_t *loss) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(d);
+  ARG_NONNULL(spec);
+  ARG_NONNULL(loss);
+  return run_batch(root, dev, d, spec, step, micro, true, loss);
 }
 
 fsdpc_status_t llama_micro_step(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
@@ -83,19 +94,26 @@ fsdpc_status_t llama_micro_step(llama_t *m, const fsdpc_data_t *d, const data_sp
   ARG_NONNULL(spec);
   ARG_NONNULL(loss);
   fsdpc_tensor_t t;
-  FSDPC_TRY(run_batch(m, d, spec, step, micro, true, &t));
+  FSDPC_TRY(
+      run_batch(llama_module(m), mesh_device(llama_local_mesh(m)), d, spec, step, micro, true, &t));
   return llama_loss_read(&t, loss);
 }
 
 fsdpc_status_t llama_eval_batch(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
                                 int64_t b, double *loss) {
   ARG_NONNULL(m);
+  return train_eval_batch(llama_module(m), mesh_device(llama_local_mesh(m)), d, spec, b, loss);
+}
+
+fsdpc_status_t train_eval_batch(nn_module_t *root, device_t dev, const fsdpc_data_t *d,
+                                const data_spec_t *spec, int64_t b, double *loss) {
+  ARG_NONNULL(root);
   ARG_NONNULL(d);
   ARG_NONNULL(spec);
   ARG_NONNULL(loss);
   data_spec_t one = *spec;
   one.grad_accum = 1;
   fsdpc_tensor_t t;
-  FSDPC_TRY(run_batch(m, d, &one, b, 0, false, &t));
+  FSDPC_TRY(run_batch(root, dev, d, &one, b, 0, false, &t));
   return llama_loss_read(&t, loss);
 }

@@ -1,7 +1,8 @@
 /*
- * One training micro-step of the Llama: the batch of (step, micro) onto the model's device,
- * forward, mean token cross-entropy, backward of loss / grad_accum. Gradients accumulate into
- * the parameters (or, under fully_shard, are reduced by its hooks). And one evaluation batch:
+ * One training micro-step of a language model (a module whose forward maps token ids [B, T] to
+ * logits [B, T, vocab]; the Llama's by its own name): the batch of (step, micro) onto the model's
+ * device, forward, mean token cross-entropy, backward of loss / grad_accum. Gradients accumulate
+ * into the parameters (or, under fully_shard, are reduced by its hooks). And one evaluation batch:
  * the same forward and loss without gradients.
  */
 #ifndef FSDPC_NN_TRAIN_H
@@ -37,6 +38,14 @@ fsdpc_status_t llama_loss_read(fsdpc_tensor_t *loss, double *value);
  * its parameters gathered as after a training forward (fsdp_reshard releases them). */
 fsdpc_status_t llama_eval_batch(llama_t *m, const fsdpc_data_t *d, const data_spec_t *spec,
                                 int64_t b, double *loss);
+
+/* The micro-step and the evaluation batch of any language model: root's forward on the batch
+ * uploaded to dev (its parameters' device), as llama_micro_step_async and llama_eval_batch. */
+fsdpc_status_t train_micro_step_async(nn_module_t *root, device_t dev, const fsdpc_data_t *d,
+                                      const data_spec_t *spec, int64_t step, int64_t micro,
+                                      fsdpc_tensor_t *loss);
+fsdpc_status_t train_eval_batch(nn_module_t *root, device_t dev, const fsdpc_data_t *d,
+                                const data_spec_t *spec, int64_t b, double *loss);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -1,11 +1,12 @@
-/* fsdp-train's checkpoints during a run: each save synchronous, or (checkpoint.async) staged
- * at its step and committed at a later step boundary once every rank's files are written;
- * checkpoint.overwrite's replacement of newer step folders; pruning to checkpoint.keep. */
-#ifndef FSDPC_TOOLS_TRAIN_SAVE_H
-#define FSDPC_TOOLS_TRAIN_SAVE_H
+/* The trainer's checkpoints during a run (private to train/): each save synchronous, or
+ * (checkpoint.async) staged at its step and committed at a later step boundary once every rank's
+ * files are written; checkpoint.overwrite's replacement of newer step folders; pruning to
+ * checkpoint.keep. */
+#ifndef FSDPC_TRAIN_SAVE_IMPL_H
+#define FSDPC_TRAIN_SAVE_IMPL_H
 
 #include "checkpoint/train_ckpt.h"
-#include "tools/fsdp_train.h"
+#include "train/run_impl.h"
 
 typedef struct train_saver {
   ckpt_async_t *async; /* checkpoint.async: true */

@@ -1,6 +1,4 @@
-/* fsdp-train's operations around the training loop (train_ops.h). */
-#include "tools/train_ops.h"
-
+/* The trainer's operations around the training loop (ops_impl.h). */
 #include <cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -16,9 +14,10 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#include "core/file.h"
 #include "checkpoint/train_ckpt.h"
+#include "core/file.h"
 #include "mesh/world.h"
+#include "train/ops_impl.h"
 
 /* ---- signals ---- */
 
@@ -157,9 +156,9 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
     }
     /* a file system without locks (some parallel file systems mount without them) */
     fprintf(stderr,
-            "fsdp-train: checkpoint.dir '%s': its file system takes no locks (%s); a second "
+            "%s: checkpoint.dir '%s': its file system takes no locks (%s); a second "
             "job in the folder will not be detected\n",
-            dir, strerror(e));
+            train_prog(), dir, strerror(e));
     close(*fd);
     *fd = -1;
     return STATUS_OK;
@@ -169,9 +168,9 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
   if (held[0]) /* flock is released when its process ends: that process is gone */
     fprintf(
         stderr,
-        "fsdp-train: checkpoint.dir '%s': took over the lock of %s, which ended without "
+        "%s: checkpoint.dir '%s': took over the lock of %s, which ended without "
         "releasing it%s\n",
-        dir, held,
+        train_prog(), dir, held,
         pid > 0 && strcmp(host, me) == 0 && kill((pid_t)pid, 0) != 0 ? " (no longer running)" : "");
   snprintf(g_lock_path, sizeof g_lock_path, "%s", path);
   return lock_write(*fd, plan_path);
@@ -199,9 +198,9 @@ void train_lock_note(const char *dir) {
   if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
     lock_record(fd, held, sizeof held, &pid, host, sizeof host);
     fprintf(stderr,
-            "fsdp-train: note: checkpoint.dir '%s' is in use by another fsdp-train (%s): a run "
+            "%s: note: checkpoint.dir '%s' is in use by another fsdp-train (%s): a run "
             "would refuse to start until it ends\n",
-            dir, held[0] ? held : "no record yet");
+            train_prog(), dir, held[0] ? held : "no record yet");
   }
   close(fd);
 }

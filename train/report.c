@@ -8,8 +8,8 @@
 #include "core/kernels.h"
 #include "mesh/world.h"
 #include "models/llama/llama_plan.h"
-#include "tools/fsdp_train.h"
 #include "train/llama_cost.h"
+#include "train/run_impl.h"
 
 static const char *reshard_str(int r, char *buf, size_t n) {
   if (r == FSDP_RESHARD_AUTO) return "auto";
@@ -130,11 +130,25 @@ static void header_world(const run_t *r) {
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) warn_oversubscribed();
 }
 
-/* The header's model lines: the model, fully_shard, the optimizer, tensor parallelism. */
-static void header_model(const run_t *r) {
+/* The header's line on the program's own model: its name, vocabulary and parameters. */
+static void own_model_line(const run_t *r) {
+  double n = 0;
+  for (int i = 0; i < r->n; i++) {
+    double e = 1;
+    for (int d = 0; d < dtensor_ndim(r->ps[i]->value); d++)
+      e *= (double)dtensor_shape(r->ps[i]->value)[d];
+    n += e;
+  }
+  printf(
+      "  model: %s (the program's own), vocab %lld; %.0f parameters; activation checkpointing "
+      "%s\n",
+      r->model.name, (long long)r->model.vocab_size, n,
+      r->plan.activation_checkpointing ? "asked (the model's to honour)" : "off");
+}
+
+/* The header's line on the built-in model: its architecture and sizes. */
+static void builtin_model_line(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
-  char rb[16], mb[32];
-  train_mib(mb, sizeof mb, sharded_param_bytes(r));
   const llama_config_t *c = &p->model;
   char heads[48] = "", extra[64] = "";
   if (c->head_dim > 0) snprintf(heads, sizeof heads, " of %lld", (long long)c->head_dim);
@@ -151,6 +165,17 @@ static void header_model(const run_t *r) {
       c->n_layers == 1 ? "" : "s", (long long)c->n_heads, (long long)c->n_kv_heads, heads,
       (long long)c->ffn_dim, (long long)c->vocab_size, rows, c->tie_embeddings ? "tied" : "untied",
       extra, (long long)llama_num_params(c), p->activation_checkpointing ? "on" : "off");
+}
+
+/* The header's model lines: the model, fully_shard, the optimizer, tensor parallelism. */
+static void header_model(const run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  char rb[16], mb[32];
+  train_mib(mb, sizeof mb, sharded_param_bytes(r));
+  if (r->builtin)
+    builtin_model_line(r);
+  else
+    own_model_line(r);
   char threads[64] = "";
   if (r->host_threads > 0)
     snprintf(threads, sizeof threads, ", the optimizer on %d host threads", r->host_threads);
@@ -171,8 +196,8 @@ static void header_model(const run_t *r) {
   if (r->tp)
     printf("  tensor_parallel: %d module%s on tp=%d (%s); sequence parallelism %s\n",
            tp_num_modules(r->tp), tp_num_modules(r->tp) == 1 ? "" : "s", p->par.tp,
-           llama_plan_tp_is_builtin(&p->model, &p->par) ? "the built-in Llama plan"
-                                                        : "the plan's rules",
+           r->builtin && llama_plan_tp_is_builtin(&p->model, &p->par) ? "the built-in Llama plan"
+                                                                      : "the plan's rules",
            p->par.sequence_parallel ? "on" : "off");
   printf("  sharded parameters on rank 0: %s\n", mb);
 }
@@ -242,21 +267,22 @@ static void header_order_warnings(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   if (r->saved_batch > 0 && r->saved_batch != train_global_batch(r))
     fprintf(stderr,
-            "fsdp-train: warning: %s was saved with a global batch of %lld samples, this run "
+            "%s: warning: %s was saved with a global batch of %lld samples, this run "
             "takes %lld: the data order and the learning-rate schedule go on by step, so "
             "samples are skipped or repeated\n",
-            r->resumed_from, (long long)r->saved_batch, (long long)train_global_batch(r));
+            train_prog(), r->resumed_from, (long long)r->saved_batch,
+            (long long)train_global_batch(r));
   char order[sizeof r->saved_order];
   train_data_order(p->shuffle, p->seed, p->seq_len, order, sizeof order);
   if (r->saved_order[0] && strcmp(r->saved_order, order) != 0)
     fprintf(stderr,
-            "fsdp-train: warning: %s was saved reading the data %s; this run reads it %s: from "
+            "%s: warning: %s was saved reading the data %s; this run reads it %s: from "
             "here the samples follow this run's order, so some are skipped or repeated\n",
-            r->resumed_from, r->saved_order, order);
+            train_prog(), r->resumed_from, r->saved_order, order);
 }
 
 void train_header(const run_t *r) {
-  printf("fsdp-train: %s\n", r->plan.source);
+  printf("%s: %s\n", train_prog(), r->plan.source);
   header_world(r);
   header_model(r);
   header_resume(r);
@@ -361,7 +387,7 @@ static void unit_dtypes(const run_t *r) {
     const fsdp_group_t *g = r->groups[i];
     const char *name = fsdp_group_name(g);
     dtype_t cin = DTYPE_COUNT, cout = DTYPE_COUNT;
-    nn_module_t *m = name[0] ? nn_module_find(llama_module(r->model), name) : NULL;
+    nn_module_t *m = name[0] ? nn_module_find(r->root, name) : NULL;
     if (m) nn_module_cast(m, &cin, &cout);
     char rb[16];
     printf("  %-28s compute %-4s  reduce %-4s  output %-4s  reshard_after_forward %s\n",
@@ -383,6 +409,18 @@ static bool memory_lines(const run_t *r) {
     largest = b > largest ? b : largest;
   }
   if (r->args.verbose) unit_table(r);
+  if (!r->builtin) { /* no cost model: the state alone */
+    char a[32], m[32], c[32];
+    size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
+    train_mib(a, sizeof a, pb);
+    train_mib(m, sizeof m, 2 * pb / (double)own * (double)dtype_size(p->optim.state_dtype));
+    train_mib(c, sizeof c, largest);
+    printf(
+        "\nmemory per rank: sharded parameters %s, gradients %s, AdamW state %s, largest "
+        "unsharded unit %s; activations are estimated for the built-in models only\n",
+        a, a, m, c);
+    return false;
+  }
   llama_memory_t est, other;
   fsdpc_plan_t flip = *p; /* the other activation-checkpointing setting, for comparison */
   flip.activation_checkpointing = !p->activation_checkpointing;
@@ -430,11 +468,18 @@ void train_dry_run(const run_t *r) {
       p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
   for (int i = 0; i < r->n; i++) param_line(r, r->ps[i]);
   unit_dtypes(r);
-  if (!memory_lines(r)) return;
-  llama_comm_t m = llama_comm_estimate(p, r->groups, r->n_groups);
+  if (!memory_lines(r) && r->builtin) return;
+  /* fully_shard's collectives follow from its groups whatever the model; tensor parallelism's
+   * from the built-in models' plans only */
+  fsdpc_plan_t fsdp_only = *p;
+  if (!r->builtin) fsdp_only.par.tp = 1;
+  llama_comm_t m = llama_comm_estimate(&fsdp_only, r->groups, r->n_groups);
   printf(
       "communication per step and rank (docs/design.md, Performance model): all-gather %lld calls "
-      "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B\n",
-      m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar);
-  printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
+      "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B%s\n",
+      m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar,
+      r->builtin || p->par.tp == 1 ? ""
+                                   : "; fully_shard's alone: tensor parallelism's activations "
+                                     "are estimated for the built-in models only");
+  if (r->builtin || p->par.tp == 1) printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
 }

@@ -1,6 +1,4 @@
-/* fsdp-train's checkpoints during a run (train_save.h). */
-#include "tools/train_save.h"
-
+/* The trainer's checkpoints during a run (save_impl.h). */
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
@@ -10,6 +8,7 @@
 #include "checkpoint/train_ckpt.h"
 #include "core/file.h"
 #include "mesh/world.h"
+#include "train/save_impl.h"
 
 fsdpc_status_t train_saver_init(train_saver_t *sv, const run_t *r) {
   memset(sv, 0, sizeof *sv);
@@ -44,8 +43,8 @@ static fsdpc_status_t move_aside(train_saver_t *sv, const char *dir) {
 /* A save of dir failed: the folder moved aside for it comes back. */
 static void put_back(train_saver_t *sv, const char *dir) {
   if (sv->aside[0] && rename(sv->aside, dir) != 0)
-    fprintf(stderr, "fsdp-train: checkpoint.overwrite: cannot put %s back as %s: %s\n", sv->aside,
-            dir, strerror(errno));
+    fprintf(stderr, "%s: checkpoint.overwrite: cannot put %s back as %s: %s\n", train_prog(),
+            sv->aside, dir, strerror(errno));
   sv->aside[0] = 0;
 }
 
@@ -66,12 +65,13 @@ static void committed(train_saver_t *sv, const run_t *r, int64_t step) {
     bool aside = sv->aside[0] != 0;
     if (aside) file_remove_tree(sv->aside);
     if (ckpt_remove_newer(p->ckpt_dir, r->start_step, step, &removed) != STATUS_OK)
-      fprintf(stderr, "fsdp-train: checkpoint.overwrite: %s\n", err_detail());
+      fprintf(stderr, "%s: checkpoint.overwrite: %s\n", train_prog(), err_detail());
     if (removed > 0 || aside)
       fprintf(stderr,
-              "fsdp-train: checkpoint.overwrite: replaced the step folders after step %lld (%d "
+              "%s: checkpoint.overwrite: replaced the step folders after step %lld (%d "
               "removed%s)\n",
-              (long long)r->start_step, removed + aside, aside ? ", one of them by this save" : "");
+              train_prog(), (long long)r->start_step, removed + aside,
+              aside ? ", one of them by this save" : "");
   }
   sv->replaced = true;
   sv->aside[0] = 0;

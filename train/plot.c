@@ -1,4 +1,4 @@
-#include "tools/plot.h"
+#include "train/plot.h"
 
 #include <cJSON.h>
 #include <errno.h>
@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/args_impl.h"
 #include "core/file.h"
 
 enum { N_PANELS = 4, N_SERIES = 5, EVAL = 4 }; /* a series per panel, and the evaluations */
@@ -281,7 +282,9 @@ static fsdpc_status_t write_svg(const run_t *runs, int n, const char *out) {
   return STATUS_OK;
 }
 
-fsdpc_status_t plot_metrics(const char *const *paths, int n, const char *out) {
+fsdpc_status_t train_plot_metrics(const char *const *paths, int n, const char *out) {
+  ARG_NONNULL(paths);
+  ARG_NONNULL(out);
   if (n < 1) return err_set(STATUS_EINVAL, "fsdp-plot: no metrics file given");
   run_t *runs = calloc((size_t)n, sizeof *runs);
   if (runs == NULL) return err_set(STATUS_ENOMEM, "fsdp-plot: out of host memory");

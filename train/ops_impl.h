@@ -1,9 +1,9 @@
-/* fsdp-train's operations around the training loop: stopping at a step boundary on a signal or
- * before train.time_limit, the lock of checkpoint.dir, and the checks that run before the first
- * step (every rank's plan the same, outputs that replace no input, step folders the run would
- * collide with, a checkpoint's model against the plan's). */
-#ifndef FSDPC_TOOLS_TRAIN_OPS_H
-#define FSDPC_TOOLS_TRAIN_OPS_H
+/* The trainer's operations around the training loop (private to train/): stopping at a step
+ * boundary on a signal or before train.time_limit, the lock of checkpoint.dir, and the checks that
+ * run before the first step (every rank's plan the same, outputs that replace no input, step
+ * folders the run would collide with, a checkpoint's model against the plan's). */
+#ifndef FSDPC_TRAIN_OPS_IMPL_H
+#define FSDPC_TRAIN_OPS_IMPL_H
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -11,10 +11,14 @@
 #include "train/data.h"
 #include "train/plan.h"
 
-/* The status fsdp-train exits with when it stopped early at a step boundary (a signal of
+/* The status the trainer exits with when it stopped early at a step boundary (a signal of
  * train.signals, or train.time_limit) after saving: sysexits.h's EX_TEMPFAIL, "try again
  * later"; a job script requeues on it. */
 #define TRAIN_EXIT_INTERRUPTED 75
+
+/* The program's name in messages (train_main's program: "fsdp-train"). */
+const char *train_prog(void);
+void train_set_prog(const char *name);
 
 /* Installs handlers for p's signals: the first one received is recorded (train_signal), a
  * second exits the process at once with status 128 + its number. Local. */

@@ -1,15 +1,18 @@
-/* fsdp-train's own pieces shared by its files: the arguments, the run, and the report (the
- * header, the dry run) printed from them. */
-#ifndef FSDPC_TOOLS_FSDP_TRAIN_H
-#define FSDPC_TOOLS_FSDP_TRAIN_H
+/* The trainer's own pieces shared by its files (train_main, trainer.h): the arguments, the
+ * run, the model it trains, and the report (the header, the dry run) printed from them.
+ * Private to train/. */
+#ifndef FSDPC_TRAIN_RUN_IMPL_H
+#define FSDPC_TRAIN_RUN_IMPL_H
 
 #include <stdbool.h>
 #include <stddef.h>
 
 #include "checkpoint/dcp.h"
-#include "train/train.h"
 #include "parallel/parallelize.h"
+#include "train/ops_impl.h"
 #include "train/plan.h"
+#include "train/train.h"
+#include "train/trainer.h"
 
 typedef struct args {
   const char *config;
@@ -32,7 +35,12 @@ typedef struct run {
   const tp_plan_t *tp;
   fsdp_group_t *const *groups;
   int n_groups;
-  llama_t *model;
+  /* the model: the program's (train_main's), or the plan's built-in architecture through
+   * train_builtin_model */
+  train_model_t model;
+  bool builtin;
+  llama_t *llama; /* the built-in model, or NULL */
+  nn_module_t *root;
   nn_param_t **ps;
   int n;
   optim_t *opt;
@@ -45,7 +53,7 @@ typedef struct run {
   int64_t start_step; /* steps already taken (resumed from a checkpoint) */
   char resumed_from[PLAN_PATH_MAX + 32];
   dcp_stats_t load_stats;
-  int64_t verified; /* chunks checked against their checksums before loading (-1: not asked) */
+  int64_t verified;    /* chunks checked against their checksums before loading (-1: not asked) */
   int64_t saved_batch; /* the global batch the resumed checkpoint was saved with; 0: unknown */
   /* train_data_order of the resumed checkpoint's run; "": unknown */
   char saved_order[96];
@@ -55,6 +63,9 @@ typedef struct run {
   bool timed_out;  /* train.time_limit stopped it */
   double t_launch; /* when the process started (train.time_limit counts from it) */
 } run_t;
+
+/* The plan's built-in architecture as a train_model_t whose self is r (model.c). */
+train_model_t train_builtin_model(run_t *r);
 
 /* Samples per optimizer step over all ranks. */
 static inline int64_t train_global_batch(const run_t *r) {

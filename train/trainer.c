@@ -1,0 +1,940 @@
+/*
+ * The trainer (trainer.h): fsdp-train's run, for a built-in architecture or the program's own
+ * model, under a YAML parallelism plan.
+ *
+ *   mpirun -n 4 fsdp-train configs/fsdp.yaml [--set key.path=value]... [--metrics PATH]
+ *       [--dry-run [-v]]
+ *
+ * Prints a header (world, mesh, plan, parameters, per-rank sharded bytes), a line per logged
+ * step and a summary; --metrics (or log.metrics) writes one JSON object per step from rank 0,
+ * and --plot draws that file as SVG at the end (as fsdp-plot does).
+ * --dry-run builds the sharded model meta (no parameter memory) and prints placements, shapes,
+ * the peak memory of a step and its communication without training; -v adds a table of the
+ * fully_shard units. Bad input is reported by every rank, with a non-zero exit.
+ */
+#include <cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "checkpoint/hf_weights.h"
+#include "checkpoint/train_ckpt.h"
+#include "core/file.h"
+#include "mesh/world.h"
+#include "models/llama/llama_plan.h"
+#include "nn/layers.h"
+#include "parallel/parallelize.h"
+#include "train/llama_cost.h"
+#include "train/ops_impl.h"
+#include "train/plan.h"
+#include "train/plan_impl.h"
+#include "train/plot.h"
+#include "train/run_impl.h"
+#include "train/save_impl.h"
+#include "train/train.h"
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: %s CONFIG.yaml [--set key.path=value]... [--metrics PATH] [--plot OUT.svg]\n"
+          "       %*s [--dry-run [-v] [--world N [--ranks-per-node M]]]\n"
+          "       %s --help | --version\n"
+          "  under mpirun -n N for N ranks; the plan's mesh must multiply to N\n",
+          train_prog(), (int)strlen(train_prog()), "", train_prog());
+}
+
+static fsdpc_status_t parse_args(int argc, char **argv, args_t *a) {
+  memset(a, 0, sizeof *a);
+  for (int i = 1; i < argc; i++) {
+    const char *s = argv[i];
+    if (strcmp(s, "--set") == 0 || strcmp(s, "--metrics") == 0 || strcmp(s, "--plot") == 0) {
+      if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", s);
+      if (s[2] == 's') {
+        if (a->n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set options");
+        a->sets[a->n_sets++] = argv[++i];
+      } else if (s[2] == 'p') {
+        a->plot = argv[++i];
+      } else {
+        a->metrics = argv[++i];
+      }
+    } else if (strncmp(s, "--set=", 6) == 0) {
+      if (a->n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set options");
+      a->sets[a->n_sets++] = s + 6;
+    } else if (strncmp(s, "--metrics=", 10) == 0) {
+      a->metrics = s + 10;
+    } else if (strncmp(s, "--plot=", 7) == 0) {
+      a->plot = s + 7;
+    } else if (strcmp(s, "--world") == 0 || strcmp(s, "--ranks-per-node") == 0) {
+      int *dst = s[2] == 'w' ? &a->world : &a->ranks_per_node;
+      char *end = NULL;
+      long v = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
+      if (i + 1 >= argc || end == argv[i + 1] || *end != 0 || v < 1 || v > (1L << 20))
+        return err_set(STATUS_EINVAL, "%s: expected a number of ranks from 1 to %ld, got '%s'", s,
+                       1L << 20, i + 1 < argc ? argv[i + 1] : "");
+      *dst = (int)v;
+      i++;
+    } else if (strcmp(s, "--dry-run") == 0) {
+      a->dry_run = true;
+    } else if (strcmp(s, "-v") == 0 || strcmp(s, "--verbose") == 0) {
+      a->verbose = true;
+    } else if (s[0] == '-' && s[1] != 0) {
+      return err_set(STATUS_EINVAL, "unknown option '%s'", s);
+    } else if (a->config == NULL) {
+      a->config = s;
+    } else {
+      return err_set(STATUS_EINVAL, "more than one plan file ('%s' and '%s')", a->config, s);
+    }
+  }
+  if (a->config == NULL) return err_set(STATUS_EINVAL, "no plan file given");
+  if (a->verbose && !a->dry_run) return err_set(STATUS_EINVAL, "-v goes with --dry-run");
+  if (a->world && !a->dry_run)
+    return err_set(STATUS_EINVAL, "--world plans a job without running it: it goes with --dry-run");
+  if (a->ranks_per_node && !a->world)
+    return err_set(STATUS_EINVAL, "--ranks-per-node goes with --world");
+  return STATUS_OK;
+}
+
+static bool agree(fsdpc_status_t st) { return world_agree_report(st, train_prog()); }
+
+/* A token stream (data.path or eval.path: key, at where), checked for one sample (a dry run
+ * too: it must refuse what the run would). Only the files' sizes and llm.c's headers are read:
+ * token ids are checked against the vocabulary where each batch reads them (data_batch), so
+ * a stream of any size starts at once. Local (every rank reaches the same verdict). */
+static fsdpc_status_t open_tokens(const run_t *r, const char *path, data_format_t format,
+                                  const plan_where_t *where, const char *key, fsdpc_data_t **out) {
+  const fsdpc_plan_t *p = &r->plan;
+  fsdpc_status_t st = data_open(path, format, out);
+  if (st != STATUS_OK) return err_prefix(st, "%s: %s", where->text, key);
+  int64_t need = p->seq_len + 2; /* a sample and its targets, at one start of at least two */
+  if (data_num_tokens(*out) < need)
+    return err_set(STATUS_EINVAL,
+                   "%s: %s: '%s' has %lld tokens; a sample needs data.seq_len + 2 = %lld (its "
+                   "seq_len inputs, the targets one further, and a second start to draw from)",
+                   where->text, key, path, (long long)data_num_tokens(*out), (long long)need);
+  return STATUS_OK;
+}
+
+static fsdpc_status_t open_data(run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  FSDPC_TRY(open_tokens(r, p->data_path, p->data_format, &p->data_where, "data.path", &r->data));
+  if (!p->eval_path[0]) return STATUS_OK;
+  return open_tokens(r, p->eval_path, p->eval_format, &p->eval_where, "eval.path", &r->eval);
+}
+
+/* The mean loss over eval.batches global batches of eval.batch_size samples a data-parallel
+ * rank, of eval.path (the same batches every time, in the training data's order), without
+ * gradients; then every unit's parameters are released (the root keeps them gathered after a
+ * forward, for the backward that would follow). Collective over the world. */
+static fsdpc_status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
+  double sum = 0, l = 0;
+  fsdpc_status_t st = STATUS_OK;
+  data_spec_t one = *spec;
+  one.batch_size = r->plan.eval_batch_size; /* train_eval_batch takes one micro-batch */
+  for (int64_t b = 0; b < r->plan.eval_batches && st == STATUS_OK; b++) {
+    st = train_eval_batch(r->root, r->dev, r->eval, &one, b, &l);
+    sum += l;
+  }
+  for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);
+  if (st != STATUS_OK) return world_stop(st); /* the others would wait in the forward */
+  double all = 0;
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), &sum, &all, 1, PG_HOST_F64, REDUCE_SUM));
+  /* every rank's tokens count the same; the ranks of one tp group hold the same loss */
+  *loss = all / (double)world_size() / (double)r->plan.eval_batches;
+  return STATUS_OK;
+}
+
+/* What dir's train_state.json (saved_under) records of the run that saved it: its global
+ * batch (0 when unknown) and its data order (train_data_order; "" when unknown). */
+static void read_saved_run(const char *dir, int64_t *batch, char *order, size_t n) {
+  char *text = NULL;
+  *batch = 0;
+  order[0] = 0;
+  if (ckpt_state_text(dir, &text) != STATUS_OK) err_clear();
+  if (text == NULL) return;
+  cJSON *o = cJSON_Parse(text);
+  free(text);
+  const cJSON *under = cJSON_GetObjectItemCaseSensitive(o, "saved_under");
+  const cJSON *b = cJSON_GetObjectItemCaseSensitive(under, "global_batch");
+  if (cJSON_IsNumber(b) && b->valuedouble > 0) *batch = (int64_t)b->valuedouble;
+  const cJSON *d = cJSON_GetObjectItemCaseSensitive(under, "data_order");
+  const cJSON *shuffle = cJSON_GetObjectItemCaseSensitive(d, "shuffle");
+  const cJSON *seed = cJSON_GetObjectItemCaseSensitive(d, "seed");
+  const cJSON *seq = cJSON_GetObjectItemCaseSensitive(d, "seq_len");
+  char *end = NULL;
+  unsigned long long s = cJSON_IsString(seed) ? strtoull(seed->valuestring, &end, 10) : 0;
+  if (cJSON_IsBool(shuffle) && end != NULL && end != seed->valuestring && *end == 0 &&
+      cJSON_IsNumber(seq) && seq->valuedouble >= 1)
+    train_data_order(cJSON_IsTrue(shuffle), s, (int64_t)seq->valuedouble, order, n);
+  cJSON_Delete(o);
+}
+
+/* Rank 0's line for an evaluation after step (prefix: to clear a progress bar). */
+static void eval_line(const run_t *r, int64_t step, double loss, const char *prefix) {
+  printf("%seval after step %lld: loss %.6f (perplexity %.2f) over %lld batches of %s\n", prefix,
+         (long long)step, loss, exp(loss), (long long)r->plan.eval_batches, r->plan.eval_path);
+}
+
+/* The model built for how: the program's, or the plan's architecture. */
+static fsdpc_status_t build_model(run_t *r, const train_build_t *how) {
+  FSDPC_TRY(r->model.build(r->model.self, how, &r->root));
+  if (r->root == NULL)
+    return err_set(STATUS_EINVAL, "the model '%s' was built without a module tree",
+                   r->model.name ? r->model.name : "");
+  return STATUS_OK;
+}
+
+/* The model's description for train_state.json (a JSON object's text; caller frees). */
+static fsdpc_status_t describe_model(const run_t *r, char **out) {
+  *out = NULL;
+  if (r->model.describe) {
+    FSDPC_TRY(r->model.describe(r->model.self, out));
+    cJSON *o = *out ? cJSON_Parse(*out) : NULL;
+    bool ok = cJSON_IsObject(o);
+    cJSON_Delete(o);
+    if (ok) return STATUS_OK;
+    free(*out);
+    *out = NULL;
+    return err_set(STATUS_EINVAL, "the model '%s' describes itself by something not a JSON object",
+                   r->model.name);
+  }
+  cJSON *o = cJSON_CreateObject();
+  if (o != NULL && cJSON_AddStringToObject(o, "name", r->model.name) &&
+      cJSON_AddNumberToObject(o, "vocab_size", (double)r->model.vocab_size))
+    *out = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory (the model's description)");
+}
+
+/* The program's model against the one a checkpoint records (train_state.json's
+ * saved_under.model): equal descriptions, or a refusal naming the first key that differs. */
+static fsdpc_status_t check_own_model(const run_t *r) {
+  char *text = NULL, *mine = NULL;
+  fsdpc_status_t st = ckpt_state_text(r->resumed_from, &text);
+  if (st == STATUS_OK) st = describe_model(r, &mine);
+  cJSON *o = text ? cJSON_Parse(text) : NULL, *want = mine ? cJSON_Parse(mine) : NULL;
+  const cJSON *got =
+      cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(o, "saved_under"), "model");
+  if (st == STATUS_OK && got != NULL && !cJSON_Compare(got, want, true)) {
+    const cJSON *k = NULL, *diff = NULL;
+    cJSON_ArrayForEach(
+        k, want) if (diff == NULL &&
+                     !cJSON_Compare(k, cJSON_GetObjectItemCaseSensitive(got, k->string), true))
+        diff = k;
+    char *g = diff ? cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(got, diff->string))
+                   : cJSON_PrintUnformatted(got);
+    char *w = diff ? cJSON_PrintUnformatted(diff) : cJSON_PrintUnformatted(want);
+    st = err_set(STATUS_EINVAL,
+                 "checkpoint.load: %s holds another model than this program's '%s': %s%s%s in "
+                 "the checkpoint, %s here",
+                 r->resumed_from, r->model.name, diff ? diff->string : "",
+                 diff ? " is " : "its description is ", g ? g : "(absent)", w ? w : "?");
+    free(g);
+    free(w);
+  }
+  cJSON_Delete(o);
+  cJSON_Delete(want);
+  free(text);
+  free(mine);
+  return st;
+}
+
+/* What would fail later is refused now, on every rank, a dry run included: outputs that would
+ * replace an input, a checkpoint of another model, step folders the run would save over.
+ * Collective over the world. */
+static fsdpc_status_t check_before_training(run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  const char *metrics = r->args.metrics ? r->args.metrics : p->metrics;
+  fsdpc_status_t st = STATUS_OK;
+  if (world_rank() == 0) /* rank 0 writes them */
+    st = train_check_outputs(p, metrics, r->args.plot, r->data, r->eval, r->resumed_from);
+  if (st == STATUS_OK && r->resumed_from[0] && r->builtin)
+    st = train_check_model(p, r->resumed_from);
+  if (st == STATUS_OK && r->resumed_from[0] && !r->builtin) st = check_own_model(r);
+  FSDPC_TRY(pg_agree(world_pg(), st));
+  int64_t start = 0; /* the step the checkpoint was saved after (read again by the load) */
+  if (r->resumed_from[0]) st = train_checkpoint_step(r->resumed_from, &start);
+  FSDPC_TRY(pg_agree(world_pg(), st));
+  return train_check_step_folders(p, start);
+}
+
+/* Before anything is built: every rank runs the same plan, and checkpoint.dir is this job's
+ * alone (locked; the unfinished saves of a job that died there removed). A dry run only says
+ * whether another job holds the folder. Collective over the world. */
+static fsdpc_status_t start(run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  FSDPC_TRY(train_check_same_plan(r->settings));
+  if (!p->ckpt_dir[0]) return STATUS_OK;
+  if (r->args.dry_run) {
+    train_lock_note(p->ckpt_dir);
+    return STATUS_OK;
+  }
+  FSDPC_TRY(train_lock(p->ckpt_dir, p->source, &r->lock_fd));
+  int removed = 0;
+  fsdpc_status_t st = world_rank() == 0 ? ckpt_remove_unfinished(p->ckpt_dir, &removed) : STATUS_OK;
+  if (removed > 0)
+    fprintf(stderr, "%s: checkpoint.dir '%s': removed %d unfinished save%s (step-*.tmp)\n",
+            train_prog(), p->ckpt_dir, removed, removed == 1 ? "" : "s");
+  return pg_agree(world_pg(), st);
+}
+
+/* The device, the data, the model with its plan applied (only a meta model for a dry run),
+ * its values and the optimizer, or the checkpoint to resume. Collective over the world. */
+/* The checkpoint a run resumes from (checkpoint.load: auto, the newest complete one, or a
+ * folder) into r->resumed_from; *resume: there is one. */
+static fsdpc_status_t find_resume(run_t *r, bool *resume) {
+  const fsdpc_plan_t *p = &r->plan;
+  *resume = false;
+  if (!p->ckpt_load[0]) return STATUS_OK;
+  *resume = true;
+  if (strcmp(p->ckpt_load, "auto") != 0) {
+    snprintf(r->resumed_from, sizeof r->resumed_from, "%s", p->ckpt_load);
+    return STATUS_OK;
+  }
+  char skipped[sizeof r->resumed_from + 128];
+  FSDPC_TRY(ckpt_latest(p->ckpt_dir, r->resumed_from, sizeof r->resumed_from, resume, skipped,
+                        sizeof skipped));
+  if (skipped[0] && world_rank() == 0)
+    fprintf(stderr, "%s: checkpoint.load=auto: skipped the newer %s\n", train_prog(), skipped);
+  return STATUS_OK;
+}
+
+/* The parallelised model's handles into r. */
+static void take_parallel(run_t *r) {
+  r->mesh = parallel_mesh(r->par);
+  r->dev = mesh_device(r->mesh);
+  r->all = parallel_all_group(r->par);
+  r->tp = parallel_tp(r->par);
+  r->groups = parallel_groups(r->par);
+  r->n_groups = parallel_num_groups(r->par);
+  r->dp_size = parallel_dp_size(r->par);
+  r->dp_rank = parallel_dp_rank(r->par);
+}
+
+/* This rank's shards given memory and values (the seed, the Hugging Face folder, or left to
+ * the checkpoint), the optimizer made, then the checkpoint loaded. */
+static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
+  fsdpc_plan_t *p = &r->plan;
+  nn_module_t *root = r->root;
+  /* memory and the Hugging Face files may fail on one rank alone: every rank learns of it
+   * before the checkpoint's collectives (or the end of the build) */
+  fsdpc_status_t st = nn_module_materialize(root);
+  if (st == STATUS_OK && deferred && !p->init_from[0] && !resume)
+    st = r->model.init ? r->model.init(r->model.self, root, p->model_seed)
+                       : nn_module_reset_parameters(root, p->model_seed);
+  if (st == STATUS_OK && p->init_from[0]) /* after sharding: each rank reads its shards' rows */
+    st = ckpt_load_hf_padded(root, p->init_from,
+                             llama_vocab_rows(&p->model) > p->model.vocab_size
+                                 ? llama_is_vocab_table
+                                 : NULL); /* model.pad_vocab_multiple: the files' rows, zeros */
+  if (st == STATUS_OK) st = nn_named_parameters(root, &r->ps, &r->n);
+  if (st == STATUS_OK) st = optim_new(r->ps, r->n, &p->optim, &r->opt);
+  FSDPC_TRY(pg_agree(world_pg(), st));
+  if (!resume) return STATUS_OK;
+  r->verified = -1;
+  if (p->ckpt_verify) FSDPC_TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
+  FSDPC_TRY(
+      ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
+  read_saved_run(r->resumed_from, &r->saved_batch, r->saved_order, sizeof r->saved_order);
+  return STATUS_OK;
+}
+
+/* Offloaded state on a GPU: the optimizer step and the gradients' sums run on the host, on
+ * the cores this rank may use shared among the node's ranks, unless OMP_NUM_THREADS chose. */
+static void offload_threads(run_t *r) {
+  const char *env = getenv("OMP_NUM_THREADS");
+  if (!r->plan.par.offload || r->dev.type != DEVICE_CUDA || (env != NULL && env[0] != 0)) return;
+  int n = world_cpus().share;
+  if (n > 1 && kernel_set_cpu_threads(n) == STATUS_OK) r->host_threads = n;
+  err_clear();
+}
+
+static fsdpc_status_t build(run_t *r) {
+  fsdpc_plan_t *p = &r->plan;
+  device_t dev; /* first: collective, and every rank arrives here */
+  fsdpc_status_t st = STATUS_OK;
+  if (world_planning()) /* a plan of a larger job: its meta model on the host type */
+    dev = device_cpu();
+  else
+    st = world_choose_device(p->device, &dev, r->device_note, sizeof r->device_note);
+  if (st != STATUS_OK)
+    return err_prefix(st, "%s: train.device: %s", p->source, device_want_name(p->device));
+  if (r->builtin) FSDPC_TRY(llama_plan_check(&p->par));
+  kernel_attention_set_fused(!p->deterministic);
+  FSDPC_TRY(pg_agree(world_pg(), open_data(r))); /* before the model: a bad file fails at once */
+  train_build_t how = {.device = dev.type,
+                       .deferred = p->deferred_init || r->args.dry_run, /* no parameter memory */
+                       .activation_checkpointing = p->activation_checkpointing,
+                       .seed = p->model_seed};
+  bool resume; /* a checkpoint to load: it overwrites every parameter */
+  FSDPC_TRY(find_resume(r, &resume));
+  /* deferred: meta parameters, parallelised, then memory for this rank's shards only and
+   * values from the init, the Hugging Face folder or the checkpoint; eager: whole
+   * parameters initialised on every rank, then split */
+  st = build_model(r, &how);
+  /* memory may fail on one rank alone: every rank learns of it before parallel_apply's
+   * collectives */
+  FSDPC_TRY(pg_agree(world_pg(), st));
+  nn_module_t *root = r->root;
+  FSDPC_TRY(parallel_apply(root, &p->par, how.device, &r->par));
+  take_parallel(r);
+  offload_threads(r);
+  if (!resume) r->resumed_from[0] = 0;
+  FSDPC_TRY(check_before_training(r));
+  if (r->args.dry_run) { /* the meta model has every placement and shape */
+    FSDPC_TRY(nn_named_parameters(root, &r->ps, &r->n));
+    return resume ? ckpt_check_state(r->resumed_from) : STATUS_OK;
+  }
+  return fill(r, how.deferred, resume);
+}
+
+/* Every rank learns whether rank 0 could write the metrics file (err: its errno, or 0). */
+static fsdpc_status_t metrics_agree(const char *path, int err) {
+  fsdpc_status_t st = STATUS_OK;
+  if (err) st = err_set(STATUS_EIO, "cannot write the metrics file '%s': %s", path, strerror(err));
+  return pg_agree(world_pg(), st);
+}
+
+/* Opens the metrics file (rank 0) for a run starting after step start: a fresh run starts it
+ * anew; a resumed run keeps the lines up to its step (later ones belong to the run it
+ * replaces), rewritten through a fresh file beside it and a rename, and appends. NULL with errno
+ * set on failure. */
+static FILE *metrics_open(const char *path, int64_t start) {
+  if (start == 0) return fopen(path, "w");
+  FILE *in = fopen(path, "r");
+  if (in == NULL) return errno == ENOENT ? fopen(path, "w") : NULL;
+  char tmp[PLAN_PATH_MAX + 16];
+  FILE *out = NULL;
+  if (file_create_temp(path, tmp, sizeof tmp, &out) != STATUS_OK) {
+    fclose(in);
+    errno = EIO;
+    return NULL;
+  }
+  char *line = NULL;
+  size_t cap = 0;
+  while (out != NULL && getline(&line, &cap, in) > 0) {
+    cJSON *o = cJSON_Parse(line);
+    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
+    if (!cJSON_IsNumber(step) || step->valuedouble <= (double)start) fputs(line, out);
+    cJSON_Delete(o);
+  }
+  free(line);
+  bool ok = out != NULL && !ferror(in) && fflush(out) == 0 && !ferror(out);
+  fclose(in);
+  if (out != NULL && fclose(out) != 0) ok = false;
+  if (!ok || rename(tmp, path) != 0) {
+    int e = errno;
+    unlink(tmp);
+    errno = e;
+    return NULL;
+  }
+  return fopen(path, "a");
+}
+
+/* The plan a checkpoint is saved under, as train_state.json's saved_under (caller frees). */
+static fsdpc_status_t saved_under(const run_t *r, char **out) {
+  const fsdpc_plan_t *p = &r->plan;
+  char *model_text = NULL;
+  FSDPC_TRY(describe_model(r, &model_text));
+  cJSON *model = cJSON_Parse(model_text), *o = cJSON_CreateObject(), *order = NULL;
+  free(model_text);
+  char *text = NULL, seed[24];
+  snprintf(seed, sizeof seed, "%llu", (unsigned long long)p->seed); /* exact, unlike a double */
+  if (model != NULL && o != NULL && cJSON_AddStringToObject(o, "plan", p->source) &&
+      cJSON_AddNumberToObject(o, "world_size", world_size()) &&
+      cJSON_AddNumberToObject(o, "dp_replicate", p->par.dp_replicate) &&
+      cJSON_AddNumberToObject(o, "dp_shard", p->par.dp_shard) &&
+      cJSON_AddNumberToObject(o, "tp", p->par.tp) &&
+      cJSON_AddNumberToObject(o, "global_batch", (double)train_global_batch(r)) &&
+      (order = cJSON_AddObjectToObject(o, "data_order")) != NULL &&
+      cJSON_AddBoolToObject(order, "shuffle", p->shuffle) &&
+      cJSON_AddStringToObject(order, "seed", seed) &&
+      cJSON_AddNumberToObject(order, "seq_len", (double)p->seq_len) &&
+      cJSON_AddItemToObject(o, "model", model)) {
+    model = NULL; /* o owns it */
+    text = cJSON_PrintUnformatted(o);
+  }
+  cJSON_Delete(model);
+  cJSON_Delete(o);
+  if (text == NULL) return err_set(STATUS_ENOMEM, "out of host memory (train_state.json)");
+  *out = text;
+  return STATUS_OK;
+}
+
+/* Rank 0's line for a run stopped early at step (a signal or the time limit). */
+static void stopped_line(const run_t *r, const train_stop_t *stop, int64_t step, bool tty) {
+  const fsdpc_plan_t *p = &r->plan;
+  char why[128], dir[PLAN_PATH_MAX + 32], saved[PLAN_PATH_MAX + 96];
+  if (stop->signal)
+    snprintf(why, sizeof why, "interrupted by %s", train_signal_name(stop->signal));
+  else
+    snprintf(why, sizeof why, "stopped before train.time_limit (%.0f s)", p->time_limit_s);
+  ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
+  if (p->ckpt_dir[0])
+    snprintf(saved, sizeof saved, "saved %s (resume with checkpoint.load: auto)", dir);
+  else
+    snprintf(saved, sizeof saved, "nothing saved (no checkpoint.dir)");
+  printf("%s%s at step %lld; %s\n", tty ? "\r\033[K" : "", why, (long long)step, saved);
+  fflush(stdout);
+}
+
+/* What the training loop carries from step to step. */
+typedef struct loop {
+  data_spec_t spec;
+  lr_schedule_t sched;
+  const char *mpath; /* the metrics file, or "" */
+  FILE *mf;          /* open on rank 0 */
+  int bad;           /* errno of a metrics write that failed on this rank */
+  bool lead, tty;    /* rank 0; and a live progress bar on its terminal */
+  bool agreed;       /* the loop's failure is one every rank met alike */
+  double t_start, t_profile, first_loss, last_loss, tok_sum, step_max;
+  int64_t steps_done, profile_from;
+  size_t peak_max;
+  fsdpc_tensor_t *micro_loss; /* the micro-steps' losses, on the device until read */
+  train_saver_t saver;
+} loop_t;
+
+/* One step's figures. */
+typedef struct step_out {
+  int64_t s; /* the step's index (the step s + 1 of the run) */
+  double t0, loss, norm, factor, dt, tokens, tps, comm, eval_loss;
+  double sums[4 + PLAN_MAX_SIGNALS]; /* the loss, a save's state, the stop requests, summed */
+  float coef;                        /* clipping, applied inside the optimizer's pass */
+  size_t peak, state;
+  bool finite, stopping, eval_now;
+  train_stop_t stop;
+} step_out_t;
+
+/* This rank's share of the run's data order. */
+static data_spec_t spec_of(const run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  return (data_spec_t){.batch_size = p->batch_size,
+                       .seq_len = p->seq_len,
+                       .grad_accum = p->grad_accum,
+                       .dp_size = r->dp_size,
+                       .dp_rank = r->dp_rank,
+                       .shuffle = p->shuffle,
+                       .seed = p->seed,
+                       .vocab_size = r->model.vocab_size};
+}
+
+/* Set up: the data order, the schedule, the metrics file, the saver. On failure nothing is
+ * left to finish. */
+static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
+  const fsdpc_plan_t *p = &r->plan;
+  memset(L, 0, sizeof *L);
+  L->spec = spec_of(r);
+  L->sched = (lr_schedule_t){
+      .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
+  L->mpath = r->args.metrics ? r->args.metrics : p->metrics;
+  /* a live progress bar on a terminal; mpirun hands every rank a pseudo-terminal even when
+   * its own output is redirected, so under a launcher the bar stays off */
+  bool launched = getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("SLURM_PROCID");
+  L->lead = world_rank() == 0;
+  L->tty = L->lead && !launched && isatty(fileno(stdout));
+  /* the profile leaves out the first two steps (allocation, first touch, warm-up), or only the
+   * first in runs of fewer than four */
+  L->profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
+  if (L->lead && L->mpath[0] && (L->mf = metrics_open(L->mpath, r->start_step)) == NULL)
+    L->bad = errno;
+  fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
+  if (st == STATUS_OK) {
+    L->micro_loss = calloc((size_t)p->grad_accum, sizeof *L->micro_loss);
+    if (L->micro_loss == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  if (st == STATUS_OK) st = train_saver_init(&L->saver, r);
+  if (st != STATUS_OK) {
+    free(L->micro_loss);
+    if (L->mf != NULL) fclose(L->mf);
+    return st;
+  }
+  L->t_start = device_clock_seconds();
+  train_counted_bytes(r); /* reset */
+  return STATUS_OK;
+}
+
+/* Step, forward and backward: the micro-steps, the gradient norm (the step's one host wait),
+ * then the micro-steps' losses, read once the norm has waited for the device. */
+static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
+  nn_module_t *root = r->root;
+  optim_zero_grad(r->opt);
+  fsdpc_status_t st = STATUS_OK;
+  int64_t ran = 0;
+  for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++, ran++) {
+    fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
+    st = train_micro_step_async(root, r->dev, r->data, &L->spec, o->s, k, &L->micro_loss[k]);
+  }
+  o->factor = lr_schedule_factor(&L->sched, o->s);
+  o->coef = 1;
+  if (st == STATUS_OK)
+    st = clip_grad_coef(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY, r->all,
+                        &o->norm, &o->coef);
+  for (int64_t k = 0; k < ran; k++) {
+    double l = 0;
+    if (st == STATUS_OK && L->micro_loss[k].storage != NULL)
+      st = llama_loss_read(&L->micro_loss[k], &l);
+    tensor_free(&L->micro_loss[k]); /* after a failure: the losses not read */
+    o->loss += l / (double)p->grad_accum;
+  }
+  return st;
+}
+
+/* Step, the ranks' agreement: the loss, a save's state and the stop requests in one sum; a
+ * non-finite step stops the run (every rank alike) unless train.nonfinite skips it. */
+static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
+  double t = device_clock_seconds(), step_est = t - o->t0 > L->step_max ? t - o->t0 : L->step_max;
+  double save_s = L->saver.last_s > 0 ? L->saver.last_s : step_est;
+  bool time_up = p->time_limit_s > 0 && t - r->t_launch + step_est + save_s > p->time_limit_s;
+  o->sums[0] = o->loss;
+  train_save_values(&L->saver, o->sums + 1); /* an asynchronous save: written, failed */
+  int nsums = 3 + train_stop_values(p, time_up, o->sums + 3);
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), o->sums, o->sums, nsums, PG_HOST_F64, REDUCE_SUM));
+  o->loss = o->sums[0] / world_size(); /* the ranks of one tp group hold the same loss */
+  o->stop = train_stop_of(p, o->sums + 3);
+  o->stopping = o->s + 1 < p->steps && (o->stop.signal != 0 || o->stop.time_limit);
+  /* the same verdict on every rank: the loss and the norm are reduced over the world */
+  o->finite = isfinite(o->loss) && isfinite(o->norm);
+  if (!o->finite && !p->skip_nonfinite) {
+    L->agreed = true;
+    return err_set(STATUS_EINVAL,
+                   "step %lld: the loss is %g and the gradient norm %g; stopping before the "
+                   "optimizer applies the step, so the weights and the last checkpoint stay "
+                   "finite (lower optim.lr, set optim.clip_grad_norm, or set train.nonfinite: "
+                   "skip to skip such steps)",
+                   (long long)o->s + 1, o->loss, o->norm);
+  }
+  if (!o->finite && L->lead)
+    fprintf(stderr,
+            "%s: step %lld: the loss is %g and the gradient norm %g; the step "
+            "is skipped (train.nonfinite: skip)\n",
+            train_prog(), (long long)o->s + 1, o->loss, o->norm);
+  return STATUS_OK;
+}
+
+/* Step, the update: the optimizer (after a save in flight has copied what it changes), then
+ * the step's figures. */
+static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
+  train_save_wait_staged(&L->saver);
+  if (o->finite) FSDPC_TRY(optim_step_scaled(r->opt, o->factor, o->coef));
+  FSDPC_TRY(device_stream_sync(r->dev));
+  o->dt = device_clock_seconds() - o->t0;
+  o->tokens = (double)(train_global_batch(r) * p->seq_len);
+  o->tps = o->tokens / o->dt;
+  o->comm = train_counted_bytes(r);
+  o->peak = mem_stats(r->dev).peak;
+  o->state = mem_stats(r->dev).current;
+  L->peak_max = o->peak > L->peak_max ? o->peak : L->peak_max;
+  if (o->s == r->start_step) L->first_loss = o->loss;
+  L->step_max = o->dt > L->step_max ? o->dt : L->step_max;
+  return STATUS_OK;
+}
+
+/* Save: an asynchronous save every rank has written commits here (one that failed stops the
+ * run, named); then a save every checkpoint.interval steps, of the last step, and of a step
+ * the run stops after (those two wait for their commit). Agreed over the ranks. */
+static fsdpc_status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
+  int64_t done = o->s + 1;
+  fsdpc_status_t st = train_save_poll(&L->saver, r, o->sums + 1);
+  bool save = p->ckpt_dir[0] && ((p->ckpt_interval > 0 && done % p->ckpt_interval == 0) ||
+                                 done == p->steps || o->stopping);
+  if (st == STATUS_OK && save) {
+    char *under = NULL;
+    st = pg_agree(world_pg(), saved_under(r, &under));
+    if (st == STATUS_OK)
+      st = train_save(&L->saver, r, done, under, o->stopping || done == p->steps);
+    free(under);
+  }
+  L->agreed = st != STATUS_OK;
+  return st;
+}
+
+/* Evaluate: after every eval.interval steps and after the last. */
+static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
+  int64_t done = o->s + 1;
+  o->eval_now = r->eval != NULL && !o->stopping &&
+                ((p->eval_interval > 0 && done % p->eval_interval == 0) || done == p->steps);
+  if (!o->eval_now) return STATUS_OK;
+  fsdpc_status_t st = evaluate(r, &L->spec, &o->eval_loss);
+  train_counted_bytes(r); /* its collectives are not the next step's */
+  return st;
+}
+
+/* Report: the step's line of the metrics file (rank 0), agreed over the ranks (a full disk
+ * stops every rank). */
+static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
+  if (L->mf) {
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "step", (double)(o->s + 1));
+    cJSON_AddNumberToObject(j, "loss", o->loss);
+    cJSON_AddNumberToObject(j, "lr", p->optim.lr * o->factor);
+    cJSON_AddNumberToObject(j, "grad_norm", o->norm);
+    cJSON_AddNumberToObject(j, "tokens_per_s", o->tps);
+    cJSON_AddNumberToObject(j, "peak_mem_bytes", (double)o->peak);
+    size_t nccl = mem_stats(r->dev).comm; /* NCCL's own buffers, apart from the peak */
+    if (nccl > 0) cJSON_AddNumberToObject(j, "nccl_mem_bytes", (double)nccl);
+    cJSON_AddNumberToObject(j, "comm_bytes", o->comm);
+    cJSON_AddNumberToObject(j, "state_bytes", (double)o->state);
+    cJSON_AddNumberToObject(j, "step_time_s", o->dt);
+    if (o->eval_now) cJSON_AddNumberToObject(j, "eval_loss", o->eval_loss);
+    if (L->saver.stall_s > 0) cJSON_AddNumberToObject(j, "ckpt_stall_s", L->saver.stall_s);
+    if (L->saver.saved_step >= 0) { /* a save committed during this step */
+      cJSON_AddNumberToObject(j, "ckpt_saved_step", (double)L->saver.saved_step);
+      cJSON_AddNumberToObject(j, "ckpt_save_s", L->saver.last_s);
+    }
+    char *line = cJSON_PrintUnformatted(j);
+    if (line == NULL || fprintf(L->mf, "%s\n", line) < 0 || fflush(L->mf) != 0)
+      L->bad = errno ? errno : EIO;
+    free(line);
+    cJSON_Delete(j);
+  }
+  if (!L->mpath[0]) return STATUS_OK;
+  fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
+  if (st != STATUS_OK) L->agreed = true;
+  return st;
+}
+
+/* Report: rank 0's line every log.interval steps (and the first and last), else a live
+ * progress bar on a terminal; the evaluation's line. */
+static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
+  int64_t s = o->s;
+  bool show = s == 0 || s + 1 == p->steps || (s + 1) % p->log_interval == 0;
+  double elapsed = device_clock_seconds() - L->t_start,
+         eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
+  char pm[32];
+  train_mib(pm, sizeof pm, (double)o->peak);
+  if (show) {
+    printf(
+        "%sstep %5lld/%lld  loss %.6f  lr %.3e  grad_norm %.4f  %.0f tok/s  peak %s  "
+        "ETA %.0fs\n",
+        L->tty ? "\r\033[K" : "", (long long)(s + 1), (long long)p->steps, o->loss,
+        p->optim.lr * o->factor, o->norm, o->tps, pm, eta);
+  } else if (L->tty) { /* live progress on a terminal */
+    int w = 30, done = (int)((double)w * (double)(s + 1) / (double)p->steps);
+    printf("\r[%.*s%*s] %lld/%lld  loss %.4f  %.0f tok/s  ETA %.0fs", done,
+           "##############################", w - done, "", (long long)(s + 1), (long long)p->steps,
+           o->loss, o->tps, eta);
+  }
+  if (o->eval_now) eval_line(r, s + 1, o->eval_loss, L->tty && !show ? "\r\033[K" : "");
+  fflush(stdout);
+}
+
+/* One step, in its phases. *stop: the run ends after it (a signal or the time limit). */
+static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
+  step_out_t o = {.s = s, .t0 = device_clock_seconds()};
+  if (s == L->profile_from && kernel_profile_enabled()) kernel_profile_reset();
+  if (s == L->profile_from) L->t_profile = o.t0;
+  mem_reset_peak(r->dev);
+  L->saver.stall_s = 0;
+  L->saver.saved_step = -1;
+  FSDPC_TRY(step_compute(r, L, &o));
+  FSDPC_TRY(step_agree(r, L, &o));
+  FSDPC_TRY(step_apply(r, L, &o));
+  FSDPC_TRY(step_save(r, L, &o));
+  FSDPC_TRY(step_evaluate(r, L, &o));
+  L->last_loss = o.loss;
+  L->tok_sum += o.tokens;
+  FSDPC_TRY(metrics_line(r, L, &o));
+  L->steps_done = s + 1 - r->start_step;
+  *stop = o.stopping;
+  if (o.stopping) {
+    r->stopped_by = o.stop.signal;
+    r->timed_out = o.stop.signal == 0;
+    if (L->lead) stopped_line(r, &o.stop, s + 1, L->tty);
+  } else if (L->lead) {
+    progress_line(r, L, &o);
+  }
+  return STATUS_OK;
+}
+
+/* Rank 0's kernel profile of the steps from profile_from on (FSDPC_PROFILE=1). */
+static fsdpc_status_t profile_report(const run_t *r, const loop_t *L) {
+  double k = 0, span = device_clock_seconds() - L->t_profile;
+  printf("kernels of rank 0 in steps %lld-%lld (FSDPC_PROFILE):\n", (long long)L->profile_from + 1,
+         (long long)r->plan.steps);
+  fsdpc_status_t st = kernel_profile_report(stdout, &k);
+  printf("kernels %.3f s of %.3f s\n", k, span);
+  if (kernel_attention_fused_runs() > 0)
+    printf("attention: cuDNN fused, %lld calls\n", (long long)kernel_attention_fused_runs());
+  else if (r->dev.type == DEVICE_CUDA)
+    printf("attention: batched cuBLAS products (%s)\n", kernel_attention_fused_note());
+  if (r->dev.type == DEVICE_CUDA) {
+    const char *note = kernel_matmul_lt_note();
+    printf("matrix products: cuBLASLt %lld calls%s%s\n", (long long)kernel_matmul_lt_runs(),
+           note[0] ? "; the last that took cublasGemmEx: " : "", note);
+  }
+  return st;
+}
+
+/* Finish: the saver and the metrics file closed (agreed), the plot, rank 0's summary. */
+static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
+  /* a failure this rank may have met alone (memory, the data file, a device) stops the others
+   * at once, where they would wait for it in the step's collectives until the watchdog */
+  if (st != STATUS_OK && !L->agreed) world_stop(st);
+  train_saver_free(&L->saver); /* a save in flight after a failure stays uncommitted */
+  free(L->micro_loss);
+  if (L->mf != NULL && fclose(L->mf) != 0) L->bad = errno ? errno : EIO;
+  if (L->mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
+    fsdpc_status_t ms = metrics_agree(L->mpath, L->bad);
+    if (st == STATUS_OK) st = ms;
+  }
+  if (st == STATUS_OK && L->lead && r->args.plot != NULL &&
+      (st = train_plot_metrics(&L->mpath, 1, r->args.plot)) == STATUS_OK)
+    printf("plot: %s\n", r->args.plot);
+  if (st != STATUS_OK || !L->lead) return st;
+  double total = device_clock_seconds() - L->t_start;
+  char pm[32], held[64] = "", nb[32];
+  train_mib(pm, sizeof pm, (double)L->peak_max);
+  if (mem_stats(r->dev).comm > 0) { /* NCCL's buffers are not in the allocator's peak */
+    train_mib(nb, sizeof nb, (double)mem_stats(r->dev).comm);
+    snprintf(held, sizeof held, " (and %s held by NCCL)", nb);
+  }
+  printf("done: %lld step%s in %.1f s; loss %.4f -> %.4f; %.0f tokens/s; peak memory %s%s\n",
+         (long long)L->steps_done, L->steps_done == 1 ? "" : "s", total, L->first_loss,
+         L->last_loss, L->tok_sum / total, pm, held);
+  if (kernel_profile_enabled() && L->t_profile > 0) st = profile_report(r, L);
+  return st;
+}
+
+static fsdpc_status_t train(run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  if (r->start_step >= p->steps) { /* before the metrics file is touched */
+    if (world_rank() == 0)
+      printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
+             (long long)r->start_step, (long long)p->steps);
+    if (r->eval == NULL) return STATUS_OK;
+    /* a checkpoint's evaluation: resume it with train.steps at its step */
+    data_spec_t spec = spec_of(r);
+    double eval_loss;
+    FSDPC_TRY(evaluate(r, &spec, &eval_loss));
+    if (world_rank() == 0) eval_line(r, r->start_step, eval_loss, "");
+    return STATUS_OK;
+  }
+  loop_t L;
+  FSDPC_TRY(loop_start(r, &L));
+  fsdpc_status_t st = STATUS_OK;
+  bool stop = false;
+  for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK && !stop; s++)
+    st = step(r, &L, s, &stop);
+  return loop_finish(r, &L, st);
+}
+
+/* The command line and the plan, checked before anything else: the launch, the plan resolved
+ * against the world, the checkpoint folder made, the signal handlers installed. */
+static fsdpc_status_t set_up(run_t *r, int argc, char **argv) {
+  fsdpc_status_t st = parse_args(argc, argv, &r->args);
+  if (st != STATUS_OK && world_rank() == 0) usage(stderr);
+  if (st == STATUS_OK) st = world_check_launch();
+  if (st == STATUS_OK && r->args.world) /* before the plan resolves its mesh against the world */
+    st = world_plan_as(r->args.world, r->args.ranks_per_node ? r->args.ranks_per_node : 8);
+  const char *own = r->builtin ? NULL : r->model.name;
+  if (st == STATUS_OK)
+    st = plan_load_job(&r->plan, r->args.config, r->args.sets, r->args.n_sets, own, &r->settings);
+  if (st == STATUS_OK) st = plan_resolve_job(&r->plan, world_size(), own);
+  if (st == STATUS_OK && r->builtin) r->model = train_builtin_model(r);
+  if (st == STATUS_OK && r->args.plot != NULL && r->args.metrics == NULL && !r->plan.metrics[0])
+    st = err_set(STATUS_EINVAL,
+                 "--plot draws the metrics file: give --metrics PATH or "
+                 "log.metrics in the plan");
+  if (st == STATUS_OK) world_set_timeout(r->plan.comm_timeout_s);
+  if (st == STATUS_OK) st = dcp_set_block_bytes((uint64_t)r->plan.ckpt_block_bytes);
+  if (st == STATUS_OK && r->plan.ckpt_dir[0]) /* before training */
+    st = r->args.dry_run ? file_check_dirs(r->plan.ckpt_dir, "checkpoint.dir")
+                         : file_make_dirs(r->plan.ckpt_dir, "checkpoint.dir");
+  if (st == STATUS_OK && !r->args.dry_run) st = train_signals_install(&r->plan);
+  return st;
+}
+
+/* Everything a run holds, and the run. */
+static void run_free(run_t *r) {
+  if (r == NULL) return;
+  train_unlock(r->lock_fd);
+  free(r->settings);
+  optim_free(r->opt);
+  free(r->ps);
+  parallel_free(r->par);
+  if (r->root != NULL && r->model.free)
+    r->model.free(r->model.self, r->root);
+  else
+    nn_module_free(r->root);
+  data_free(r->data);
+  data_free(r->eval);
+  free(r);
+}
+
+/* A program's model that the trainer cannot use: why, or NULL. */
+static const char *model_unusable(const train_model_t *m) {
+  if (m->name == NULL || m->name[0] == 0) return "it has no name";
+  if (m->build == NULL) return "it has no build function";
+  if (m->vocab_size < 1) return "its vocab_size is below 1";
+  return NULL;
+}
+
+/* --help, --version: answered without a plan. */
+static bool answered(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0 ||
+        strcmp(argv[i], "--version") == 0) {
+      bool version = strcmp(argv[i], "--version") == 0;
+      if (world_rank() == 0 && version) printf("%s (fsdpc) %s\n", train_prog(), fsdpc_version());
+      if (world_rank() == 0 && !version) usage(stdout);
+      return true;
+    }
+  return false;
+}
+
+/* The run of an agreed set-up: the build, the header, then the dry run or the training. */
+static int run(run_t *r) {
+  if (!agree(start(r)) || !agree(build(r))) return 1;
+  if (world_rank() == 0) train_header(r);
+  if (r->args.dry_run) {
+    train_dry_run(r);
+    return 0;
+  }
+  if (!agree(train(r))) return 1;
+  return r->stopped_by || r->timed_out ? TRAIN_EXIT_INTERRUPTED : 0;
+}
+
+int train_main(int argc, char **argv, const char *program, const train_model_t *model) {
+  double t_launch = device_clock_seconds();
+  train_set_prog(program);
+  if (argc < 1 || argv == NULL) {
+    fprintf(stderr, "%s: train_main needs main's argc and argv\n", train_prog());
+    return 1;
+  }
+  const char *bad = model ? model_unusable(model) : NULL;
+  if (bad != NULL) {
+    fprintf(stderr, "%s: train_main: the program's model cannot be trained: %s\n", train_prog(),
+            bad);
+    return 1;
+  }
+  if (world_init(&argc, &argv) != STATUS_OK) {
+    fprintf(stderr, "%s: %s\n", train_prog(), err_detail());
+    return 1;
+  }
+  if (answered(argc, argv)) {
+    world_finalize();
+    return 0;
+  }
+  run_t *r = calloc(1, sizeof *r);
+  fsdpc_status_t st = STATUS_ENOMEM;
+  if (r != NULL) {
+    r->t_launch = t_launch;
+    r->lock_fd = -1;
+    r->builtin = model == NULL;
+    if (model) r->model = *model;
+    st = set_up(r, argc, argv);
+  }
+  int rc = agree(st) ? run(r) : 1;
+  run_free(r);
+  world_finalize();
+  return rc;
+}
