@@ -29,6 +29,7 @@
 #include "nn/init.h"
 #include "nn/layers.h"
 #include "nn/module.h"
+#include "nn/moe.h"
 #include "nn/ops.h"
 #include "nn/optim.h"
 #include "parallel/parallel_plan.h"

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "nn/init.h"
+#include "nn/layers_impl.h"
 
 /* A layer's settings; the module owns it (nn_module_new_owned). */
 typedef struct layer {
@@ -82,16 +83,13 @@ static fsdpc_status_t check_size(const char *name, const char *what, int64_t v) 
   return STATUS_OK;
 }
 
-/* A parameter of shape [rows] or [rows, cols] (cols 0), zero or meta. */
-static fsdpc_status_t add_param(nn_module_t *m, const char *name, int64_t rows, int64_t cols,
+fsdpc_status_t layers_add_param(nn_module_t *m, const char *name, int nd, const int64_t *shape,
                                 const nn_layer_options_t *opt) {
   if (!dtype_is_float(opt->dtype))
     return err_set(STATUS_EDTYPE, "layer '%s': parameters must be f32, bf16 or f16",
                    nn_module_name(m));
   mesh_t *local;
   FSDPC_TRY(mesh_local_shared(opt->device, &local));
-  int64_t shape[2] = {rows, cols};
-  int nd = cols > 0 ? 2 : 1;
   device_t dev = mesh_device(local);
   fsdpc_tensor_t t;
   if (opt->deferred)
@@ -104,6 +102,12 @@ static fsdpc_status_t add_param(nn_module_t *m, const char *name, int64_t rows, 
   tensor_free(&t);
   FSDPC_TRY(st);
   return nn_module_add_param(m, name, dt, true, NULL);
+}
+
+/* A parameter of shape [rows] or [rows, cols] (cols 0), zero or meta. */
+static fsdpc_status_t add_param(nn_module_t *m, const char *name, int64_t rows, int64_t cols,
+                                const nn_layer_options_t *opt) {
+  return layers_add_param(m, name, cols > 0 ? 2 : 1, (const int64_t[]){rows, cols}, opt);
 }
 
 /* A layer module owning a copy of its settings. */
@@ -236,6 +240,8 @@ static fsdpc_status_t reset(nn_module_t *m, uint64_t seed) {
     if (b) FSDPC_TRY(nn_init_constant(b, 0.0));
   } else if (f == embedding_forward) {
     FSDPC_TRY(nn_init_normal(w, seed, 0.0, 1.0));
+  } else if (layers_is_experts(m)) {
+    FSDPC_TRY(layers_reset_experts(m, seed));
   } else if (f == rmsnorm_forward || f == layernorm_forward) {
     FSDPC_TRY(nn_init_constant(w, 1.0));
     if (b) FSDPC_TRY(nn_init_constant(b, 0.0));

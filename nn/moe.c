@@ -1,0 +1,492 @@
+#include "nn/moe.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/args_impl.h"
+#include "core/kernels.h"
+#include "nn/init.h"
+#include "nn/layers_impl.h"
+#include "nn/ops_impl.h"
+
+/* The operations compute on the host in f32 for now. */
+static fsdpc_status_t host_f32(const char *op, const fsdpc_tensor_t *t) {
+  if (t->device.type == DEVICE_CPU && t->dtype == DTYPE_F32) return STATUS_OK;
+  return err_set(STATUS_EDTYPE, "%s: computes in f32 on the CPU for now, got %s on %s", op,
+                 dtype_name(t->dtype), t->device.type == DEVICE_CPU ? "the CPU" : "a CUDA device");
+}
+
+static fsdpc_status_t host_i64(const char *op, const char *what, const fsdpc_tensor_t *t) {
+  if (t->device.type == DEVICE_CPU && t->dtype == DTYPE_I64 && t->ndim == 1) return STATUS_OK;
+  return err_set(STATUS_EINVAL, "%s: %s must be a host I64 vector", op, what);
+}
+
+/* ---- routing ---- */
+
+/* d logits from d weights: through the renormalisation (w_j = p_j / S over the chosen) and the
+ * softmax (dz_e = p_e (dp_e - sum_j dp_j p_j), dp zero off the chosen). */
+static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *z = n->in[0];
+  if (!z->requires_grad) return STATUS_OK;
+  const fsdpc_tensor_t *p = &n->saved[0], *ex = &n->saved[1];
+  int64_t E = p->shape[1], N = p->shape[0], k = n->ints[0];
+  bool norm = n->ints[1] != 0;
+  fsdpc_tensor_t dz;
+  FSDPC_TRY(ops_zeros_like(&dz, &z->value));
+  const float *pv = p->data, *dw = n->out->grad.data, *w = n->out->value.data;
+  const int64_t *e = ex->data;
+  float *dv = dz.data;
+  for (int64_t t = 0; t < N; t++) {
+    const float *pr = pv + t * E;
+    double sum = 0, dot = 0, dp[64], pdp = 0;
+    for (int64_t j = 0; j < k; j++) {
+      sum += pr[e[t * k + j]];
+      dot += (double)dw[t * k + j] * w[t * k + j];
+    }
+    for (int64_t j = 0; j < k; j++) {
+      dp[j] = norm ? ((double)dw[t * k + j] - dot) / sum : dw[t * k + j];
+      pdp += dp[j] * pr[e[t * k + j]];
+    }
+    for (int64_t i = 0; i < E; i++) dv[t * E + i] = (float)(-pr[i] * pdp);
+    for (int64_t j = 0; j < k; j++) dv[t * E + e[t * k + j]] += (float)(pr[e[t * k + j]] * dp[j]);
+  }
+  return nn_accumulate_grad(z, &dz);
+}
+
+/* Row t: softmax into pr, the k largest (ties to the lower index) into e, weights into w. */
+static void route_row(const float *z, int64_t E, int64_t k, bool norm, float *pr, int64_t *e,
+                      float *w) {
+  float mx = z[0];
+  for (int64_t i = 1; i < E; i++) mx = z[i] > mx ? z[i] : mx;
+  double s = 0;
+  for (int64_t i = 0; i < E; i++) s += exp((double)z[i] - mx);
+  for (int64_t i = 0; i < E; i++) pr[i] = (float)(exp((double)z[i] - mx) / s);
+  double chosen = 0;
+  for (int64_t j = 0; j < k; j++) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < E; i++) {
+      bool taken = false;
+      for (int64_t q = 0; q < j; q++) taken |= e[q] == i;
+      if (!taken && (best < 0 || pr[i] > pr[best])) best = i;
+    }
+    e[j] = best;
+    chosen += pr[best];
+  }
+  for (int64_t j = 0; j < k; j++) w[j] = norm ? (float)(pr[e[j]] / chosen) : pr[e[j]];
+}
+
+fsdpc_status_t nn_moe_route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
+                            nn_var_t **weights, fsdpc_tensor_t *experts) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(logits);
+  ARG_NONNULL(weights);
+  ARG_NONNULL(experts);
+  *weights = NULL;
+  memset(experts, 0, sizeof *experts);
+  const fsdpc_tensor_t *z = &logits->value;
+  FSDPC_TRY(host_f32("nn_moe_route", z));
+  if (z->ndim != 2 || z->shape[1] < 1)
+    return err_set(STATUS_ESHAPE, "nn_moe_route: logits must be [tokens, experts]");
+  int64_t N = z->shape[0], E = z->shape[1];
+  if (k < 1 || k > E || k > 64)
+    return err_set(STATUS_EINVAL, "nn_moe_route: top_k %d must lie in [1, %lld] (the experts)", k,
+                   (long long)(E < 64 ? E : 64));
+  fsdpc_tensor_t p = {0}, w = {0}, ex = {0};
+  fsdpc_status_t st = tensor_init(&p, DTYPE_F32, z->device, 2, z->shape);
+  if (st == STATUS_OK) st = tensor_init(&w, DTYPE_F32, z->device, 2, (int64_t[]){N, k});
+  if (st == STATUS_OK) st = tensor_init(experts, DTYPE_I64, device_cpu(), 2, (int64_t[]){N, k});
+  if (st == STATUS_OK) st = tensor_ref(&ex, experts);
+  if (st != STATUS_OK) {
+    tensor_free(&p);
+    tensor_free(&w);
+    tensor_free(experts);
+    return st;
+  }
+  for (int64_t t = 0; t < N; t++)
+    route_row((const float *)z->data + t * E, E, k, norm_topk, (float *)p.data + t * E,
+              (int64_t *)experts->data + t * k, (float *)w.data + t * k);
+  nn_node_t n = {.backward = route_backward,
+                 .name = "moe_route",
+                 .in = {logits},
+                 .saved = {p, ex},
+                 .ints = {k, norm_topk}};
+  st = ops_finish(ctx, &n, nn_needs_grad(ctx, &logits, 1, NULL), &w, weights);
+  if (st != STATUS_OK) tensor_free(experts);
+  return st;
+}
+
+/* ---- gathering and combining rows ---- */
+
+static fsdpc_status_t gather_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *x = n->in[0];
+  if (!x->requires_grad) return STATUS_OK;
+  fsdpc_tensor_t dx;
+  FSDPC_TRY(ops_zeros_like(&dx, &x->value));
+  fsdpc_status_t st = kernel_embedding_backward(&dx, &n->out->grad, &n->saved[0]);
+  if (st == STATUS_OK) return nn_accumulate_grad(x, &dx);
+  tensor_free(&dx);
+  return st;
+}
+
+fsdpc_status_t nn_gather_rows(nn_ctx_t *ctx, nn_var_t *x, const fsdpc_tensor_t *rows,
+                              nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(rows);
+  ARG_NONNULL(out);
+  *out = NULL;
+  FSDPC_TRY(host_f32("nn_gather_rows", &x->value));
+  FSDPC_TRY(host_i64("nn_gather_rows", "rows", rows));
+  if (x->value.ndim != 2) return err_set(STATUS_ESHAPE, "nn_gather_rows: x must be [rows, dim]");
+  const int64_t *r = rows->data;
+  for (int64_t m = 0; m < rows->shape[0]; m++)
+    if (r[m] < 0 || r[m] >= x->value.shape[0])
+      return err_set(STATUS_EINVAL, "nn_gather_rows: row %lld outside [0, %lld)", (long long)r[m],
+                     (long long)x->value.shape[0]);
+  fsdpc_tensor_t y = {0}, saved = {0};
+  FSDPC_TRY(tensor_init(&y, DTYPE_F32, x->value.device, 2,
+                        (int64_t[]){rows->shape[0], x->value.shape[1]}));
+  fsdpc_status_t st = kernel_embedding(&y, &x->value, rows);
+  if (st == STATUS_OK) st = tensor_ref(&saved, rows);
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    return st;
+  }
+  nn_node_t n = {.backward = gather_backward, .name = "gather_rows", .in = {x}, .saved = {saved}};
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
+}
+
+static fsdpc_status_t combine_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *y = n->in[0], *w = n->in[1];
+  const fsdpc_tensor_t *slots = &n->saved[0];
+  int64_t M = y->value.shape[0], D = y->value.shape[1], k = n->ints[0];
+  const float *go = n->out->grad.data, *yv = y->value.data, *wv = w->value.data;
+  const int64_t *s = slots->data;
+  fsdpc_tensor_t dy = {0}, dw = {0};
+  fsdpc_status_t st = STATUS_OK;
+  if (y->requires_grad) st = ops_alloc_like(&dy, &y->value);
+  if (st == STATUS_OK && w->requires_grad) st = ops_zeros_like(&dw, &w->value);
+  for (int64_t m = 0; m < M && st == STATUS_OK; m++) {
+    const float *g = go + (s[m] / k) * D;
+    double dot = 0;
+    for (int64_t d = 0; d < D; d++) {
+      if (dy.data) ((float *)dy.data)[m * D + d] = wv[s[m]] * g[d];
+      dot += (double)yv[m * D + d] * g[d];
+    }
+    if (dw.data) ((float *)dw.data)[s[m]] = (float)dot;
+  }
+  if (st == STATUS_OK && dy.data) st = nn_accumulate_grad(y, &dy);
+  if (st == STATUS_OK && dw.data) st = nn_accumulate_grad(w, &dw);
+  tensor_free(&dy);
+  tensor_free(&dw);
+  return st;
+}
+
+fsdpc_status_t nn_combine_rows(nn_ctx_t *ctx, nn_var_t *y, nn_var_t *weights,
+                               const fsdpc_tensor_t *slots, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(y);
+  ARG_NONNULL(weights);
+  ARG_NONNULL(slots);
+  ARG_NONNULL(out);
+  *out = NULL;
+  FSDPC_TRY(host_f32("nn_combine_rows", &y->value));
+  FSDPC_TRY(host_f32("nn_combine_rows", &weights->value));
+  FSDPC_TRY(host_i64("nn_combine_rows", "slots", slots));
+  const fsdpc_tensor_t *Y = &y->value, *W = &weights->value;
+  if (Y->ndim != 2 || W->ndim != 2 || slots->shape[0] != Y->shape[0])
+    return err_set(STATUS_ESHAPE, "nn_combine_rows: y [M, dim], weights [tokens, k] and M slots");
+  int64_t N = W->shape[0], k = W->shape[1], D = Y->shape[1], M = Y->shape[0];
+  const int64_t *s = slots->data;
+  for (int64_t m = 0; m < M; m++)
+    if (s[m] < 0 || s[m] >= N * k)
+      return err_set(STATUS_EINVAL, "nn_combine_rows: slot %lld outside [0, %lld)", (long long)s[m],
+                     (long long)(N * k));
+  fsdpc_tensor_t o = {0}, saved = {0};
+  FSDPC_TRY(tensor_zeros(&o, DTYPE_F32, Y->device, 2, (int64_t[]){N, D}));
+  const float *yv = Y->data, *wv = W->data;
+  float *ov = o.data;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t d = 0; d < D; d++) ov[(s[m] / k) * D + d] += wv[s[m]] * yv[m * D + d];
+  fsdpc_status_t st = tensor_ref(&saved, slots);
+  if (st != STATUS_OK) {
+    tensor_free(&o);
+    return st;
+  }
+  nn_var_t *in[2] = {y, weights};
+  nn_node_t n = {.backward = combine_backward,
+                 .name = "combine_rows",
+                 .in = {y, weights},
+                 .saved = {saved},
+                 .ints = {k, 0}};
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &o, out);
+}
+
+/* ---- grouped products ---- */
+
+/* Block e of t's rows ([c, cols]) and w's matrix e ([out, in]): views, freed by the caller. */
+static fsdpc_status_t block(const fsdpc_tensor_t *t, int64_t off, int64_t c, fsdpc_tensor_t *v) {
+  return tensor_narrow(v, t, 0, off, c);
+}
+
+static fsdpc_status_t matrix(const fsdpc_tensor_t *w, int64_t e, fsdpc_tensor_t *v) {
+  fsdpc_tensor_t one;
+  FSDPC_TRY(tensor_narrow(&one, w, 0, e, 1));
+  fsdpc_status_t st = tensor_view(v, &one, 2, w->shape + 1);
+  tensor_free(&one);
+  return st;
+}
+
+/* One expert's share of the backward: dx_e = dy_e w_e, dw_e = dy_e^T x_e. */
+static fsdpc_status_t grouped_backward_block(nn_node_t *n, fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
+                                             int64_t e, int64_t off, int64_t c) {
+  fsdpc_tensor_t xe = {0}, dye = {0}, dxe = {0}, we = {0}, dwe = {0};
+  fsdpc_status_t st = block(&n->in[0]->value, off, c, &xe);
+  if (st == STATUS_OK) st = block(&n->out->grad, off, c, &dye);
+  if (st == STATUS_OK && dx->data) st = block(dx, off, c, &dxe);
+  if (st == STATUS_OK) st = matrix(&n->param->compute, e, &we);
+  if (st == STATUS_OK && dw->data) st = matrix(dw, e, &dwe);
+  if (st == STATUS_OK && dx->data) st = kernel_matmul(&dxe, &dye, false, &we, false, 1.0f, 0.0f);
+  if (st == STATUS_OK && dw->data) st = kernel_matmul(&dwe, &dye, true, &xe, false, 1.0f, 0.0f);
+  fsdpc_tensor_t *all[] = {&xe, &dye, &dxe, &we, &dwe};
+  for (int i = 0; i < 5; i++) tensor_free(all[i]);
+  return st;
+}
+
+static fsdpc_status_t grouped_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *x = n->in[0];
+  const int64_t *counts = n->saved[0].data;
+  fsdpc_tensor_t dx = {0}, dw = {0};
+  fsdpc_status_t st = STATUS_OK;
+  if (x->requires_grad) st = ops_zeros_like(&dx, &x->value);
+  if (st == STATUS_OK && n->param->requires_grad) st = ops_zeros_like(&dw, &n->param->compute);
+  for (int64_t e = 0, off = 0; e < n->saved[0].shape[0] && st == STATUS_OK; off += counts[e++])
+    if (counts[e] > 0) st = grouped_backward_block(n, &dx, &dw, e, off, counts[e]);
+  if (st == STATUS_OK && dx.data) st = nn_accumulate_grad(x, &dx);
+  if (st == STATUS_OK && dw.data) st = nn_param_accumulate_grad(n->param, &dw);
+  tensor_free(&dx);
+  tensor_free(&dw);
+  return st;
+}
+
+static fsdpc_status_t grouped(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, const int64_t *counts,
+                              int E, nn_var_t **out) {
+  const fsdpc_tensor_t *W = &w->compute, *X = &x->value;
+  FSDPC_TRY(host_f32("nn_grouped_linear", X));
+  FSDPC_TRY(host_f32("nn_grouped_linear", W));
+  int64_t M = 0;
+  for (int e = 0; e < E; e++) M += counts[e] >= 0 ? counts[e] : -((int64_t)1 << 62);
+  if (W->ndim != 3 || W->shape[0] != E || X->ndim != 2 || X->shape[1] != W->shape[2] ||
+      M != X->shape[0])
+    return err_set(STATUS_ESHAPE,
+                   "nn_grouped_linear (%s): x [rows, in] with rows the sum of %d counts, w "
+                   "[%d, out, in]",
+                   w->fqn, E, E);
+  fsdpc_tensor_t y = {0}, c = {0};
+  fsdpc_status_t st = tensor_zeros(&y, DTYPE_F32, X->device, 2, (int64_t[]){M, W->shape[1]});
+  if (st == STATUS_OK) st = tensor_init(&c, DTYPE_I64, device_cpu(), 1, (int64_t[]){E});
+  if (st == STATUS_OK) memcpy(c.data, counts, (size_t)E * sizeof *counts);
+  for (int64_t e = 0, off = 0; e < E && st == STATUS_OK; off += counts[e++]) {
+    if (counts[e] == 0) continue;
+    fsdpc_tensor_t xe = {0}, ye = {0}, we = {0};
+    st = block(X, off, counts[e], &xe);
+    if (st == STATUS_OK) st = block(&y, off, counts[e], &ye);
+    if (st == STATUS_OK) st = matrix(W, e, &we);
+    if (st == STATUS_OK) st = kernel_matmul(&ye, &xe, false, &we, true, 1.0f, 0.0f);
+    tensor_free(&xe);
+    tensor_free(&ye);
+    tensor_free(&we);
+  }
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    tensor_free(&c);
+    return st;
+  }
+  nn_node_t n = {
+      .backward = grouped_backward, .name = "grouped_linear", .in = {x}, .param = w, .saved = {c}};
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, w), &y, out);
+}
+
+fsdpc_status_t nn_grouped_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, const int64_t *counts,
+                                 int n_experts, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(w);
+  ARG_NONNULL(counts);
+  ARG_NONNULL(out);
+  *out = NULL;
+  if (n_experts < 1) return err_set(STATUS_EINVAL, "nn_grouped_linear: no experts");
+  bool implicit;
+  FSDPC_TRY(nn_param_begin(ctx, "nn_grouped_linear", w, &implicit));
+  return nn_param_end(ctx, w, implicit, grouped(ctx, x, w, counts, n_experts, out));
+}
+
+/* ---- the block ---- */
+
+typedef struct moe {
+  int64_t dim, ffn;
+  int n_experts, top_k;
+  bool norm_topk;
+  bool ran;
+  int64_t *counts; /* tokens per expert in the last forward: the experts' blocks */
+} moe_t;
+
+static void moe_free(void *p) {
+  moe_t *m = p;
+  if (m) free(m->counts);
+  free(m);
+}
+
+/* The experts' SwiGLU over the rows in expert order (counts: the parent's). */
+static fsdpc_status_t experts_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  const moe_t *cfg = nn_module_impl(m);
+  nn_var_t *h1 = NULL, *h3 = NULL, *a = NULL;
+  const int64_t *c = cfg->counts;
+  int E = cfg->n_experts;
+  fsdpc_status_t st = nn_grouped_linear(ctx, in, nn_module_param_named(m, "gate_proj"), c, E, &h1);
+  if (st == STATUS_OK)
+    st = nn_grouped_linear(ctx, in, nn_module_param_named(m, "up_proj"), c, E, &h3);
+  if (st == STATUS_OK) st = nn_silu_mul(ctx, h1, h3, &a);
+  if (st == STATUS_OK)
+    st = nn_grouped_linear(ctx, a, nn_module_param_named(m, "down_proj"), c, E, out);
+  nn_var_put(h1);
+  nn_var_put(h3);
+  nn_var_put(a);
+  return st;
+}
+
+bool layers_is_experts(nn_module_t *m) { return nn_module_forward(m) == experts_forward; }
+
+fsdpc_status_t layers_reset_experts(nn_module_t *m, uint64_t seed) {
+  const moe_t *cfg = nn_module_impl(m);
+  double a = 1.0 / sqrt((double)cfg->dim), b = 1.0 / sqrt((double)cfg->ffn);
+  FSDPC_TRY(nn_init_uniform(nn_module_param_named(m, "gate_proj"), seed, -a, a));
+  FSDPC_TRY(nn_init_uniform(nn_module_param_named(m, "up_proj"), seed, -a, a));
+  return nn_init_uniform(nn_module_param_named(m, "down_proj"), seed, -b, b);
+}
+
+/* The slots (token t's j-th choice: t k + j) in expert order, stable, into order; counts. */
+static void sort_by_expert(const fsdpc_tensor_t *experts, int E, int64_t *counts, int64_t *order) {
+  const int64_t *e = experts->data;
+  int64_t S = tensor_numel(experts), off[E + 1];
+  memset(counts, 0, (size_t)E * sizeof *counts);
+  for (int64_t s = 0; s < S; s++) counts[e[s]]++;
+  off[0] = 0;
+  for (int i = 0; i < E; i++) off[i + 1] = off[i] + counts[i];
+  for (int64_t s = 0; s < S; s++) order[off[e[s]]++] = s;
+}
+
+/* Routing, the tokens into expert order, the experts, the weighted sum back. */
+static fsdpc_status_t moe_route_and_run(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *x,
+                                        nn_var_t **out) {
+  moe_t *cfg = nn_module_impl(m);
+  nn_module_t *gate = nn_module_child(m, 0), *experts = nn_module_child(m, 1);
+  nn_var_t *logits = NULL, *w = NULL, *xs = NULL, *ys = NULL;
+  fsdpc_tensor_t ex = {0}, order = {0}, rows = {0};
+  fsdpc_status_t st = nn_call(ctx, gate, x, &logits);
+  if (st == STATUS_OK) st = nn_moe_route(ctx, logits, cfg->top_k, cfg->norm_topk, &w, &ex);
+  int64_t S = tensor_numel(&ex);
+  if (st == STATUS_OK) st = tensor_init(&order, DTYPE_I64, device_cpu(), 1, &S);
+  if (st == STATUS_OK) st = tensor_init(&rows, DTYPE_I64, device_cpu(), 1, &S);
+  if (st == STATUS_OK) {
+    sort_by_expert(&ex, cfg->n_experts, cfg->counts, order.data);
+    for (int64_t s = 0; s < S; s++)
+      ((int64_t *)rows.data)[s] = ((int64_t *)order.data)[s] / cfg->top_k;
+    cfg->ran = true;
+    st = nn_gather_rows(ctx, x, &rows, &xs);
+  }
+  if (st == STATUS_OK) st = nn_call(ctx, experts, xs, &ys);
+  if (st == STATUS_OK) st = nn_combine_rows(ctx, ys, w, &order, out);
+  nn_var_put(logits);
+  nn_var_put(w);
+  nn_var_put(xs);
+  nn_var_put(ys);
+  tensor_free(&ex);
+  tensor_free(&order);
+  tensor_free(&rows);
+  return st;
+}
+
+static fsdpc_status_t moe_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  const moe_t *cfg = nn_module_impl(m);
+  const fsdpc_tensor_t *X = &in->value;
+  *out = NULL;
+  if (X->ndim < 1 || X->shape[X->ndim - 1] != cfg->dim) {
+    char b[96];
+    return err_set(STATUS_ESHAPE, "MoE block '%s': input %s does not end in dim %lld",
+                   nn_module_name(m), tensor_shape_str(X->ndim, X->shape, b, sizeof b),
+                   (long long)cfg->dim);
+  }
+  nn_var_t *x2 = NULL, *o2 = NULL;
+  fsdpc_status_t st = nn_view(ctx, in, 2, (int64_t[]){tensor_numel(X) / cfg->dim, cfg->dim}, &x2);
+  if (st == STATUS_OK) st = moe_route_and_run(ctx, m, x2, &o2);
+  if (st == STATUS_OK) st = nn_view(ctx, o2, X->ndim, X->shape, out);
+  nn_var_put(x2);
+  nn_var_put(o2);
+  return st;
+}
+
+/* The experts' module: the stacked weights; it shares the block's settings and counts. */
+static fsdpc_status_t experts_new(nn_module_t *moe, moe_t *cfg, const nn_layer_options_t *opt) {
+  nn_module_t *m = NULL;
+  FSDPC_TRY(nn_module_new("experts", experts_forward, cfg, &m));
+  nn_module_set_kind(m, "experts");
+  int64_t E = cfg->n_experts, up[3] = {E, cfg->ffn, cfg->dim}, down[3] = {E, cfg->dim, cfg->ffn};
+  fsdpc_status_t st = layers_add_param(m, "gate_proj", 3, up, opt);
+  if (st == STATUS_OK) st = layers_add_param(m, "up_proj", 3, up, opt);
+  if (st == STATUS_OK) st = layers_add_param(m, "down_proj", 3, down, opt);
+  if (st == STATUS_OK) st = nn_module_add_child(moe, m);
+  if (st != STATUS_OK) nn_module_free(m);
+  return st;
+}
+
+fsdpc_status_t nn_moe_new(nn_module_t *parent, const char *name, int64_t dim, int64_t ffn_dim,
+                          int n_experts, int top_k, bool norm_topk, const nn_layer_options_t *opt,
+                          nn_module_t **out) {
+  ARG_NONNULL(name);
+  static const nn_layer_options_t defaults = NN_LAYER_OPTIONS_INIT;
+  opt = opt ? opt : &defaults;
+  if (dim < 1 || ffn_dim < 1 || n_experts < 1 || n_experts > 4096 || top_k < 1 ||
+      top_k > n_experts || top_k > 64)
+    return err_set(STATUS_EINVAL,
+                   "MoE block '%s': dim %lld, ffn_dim %lld, %d experts (1 to 4096), top_k %d (1 "
+                   "to the experts, at most 64)",
+                   name, (long long)dim, (long long)ffn_dim, n_experts, top_k);
+  moe_t *cfg = calloc(1, sizeof *cfg);
+  int64_t *counts = calloc((size_t)n_experts, sizeof *counts);
+  if (cfg == NULL || counts == NULL) {
+    free(cfg);
+    free(counts);
+    return err_set(STATUS_ENOMEM, "MoE block '%s': out of host memory", name);
+  }
+  *cfg = (moe_t){dim, ffn_dim, n_experts, top_k, norm_topk, false, counts};
+  nn_module_t *m = NULL;
+  fsdpc_status_t st = nn_module_new_owned(name, moe_forward, cfg, moe_free, &m);
+  if (st != STATUS_OK) {
+    moe_free(cfg);
+    return st;
+  }
+  nn_module_set_kind(m, "moe");
+  st = nn_linear_new(m, "gate", dim, n_experts, false, opt, NULL);
+  if (st == STATUS_OK) st = experts_new(m, cfg, opt);
+  if (st == STATUS_OK && parent != NULL) st = nn_module_add_child(parent, m);
+  if (st != STATUS_OK) {
+    nn_module_free(m);
+    return st;
+  }
+  if (out) *out = m;
+  return STATUS_OK;
+}
+
+bool nn_moe_last_load(const nn_module_t *m, int64_t *counts, int n_experts) {
+  if (m == NULL || counts == NULL || nn_module_forward(m) != moe_forward) return false;
+  const moe_t *cfg = nn_module_impl(m);
+  if (!cfg->ran || n_experts != cfg->n_experts) return false;
+  memcpy(counts, cfg->counts, (size_t)n_experts * sizeof *counts);
+  return true;
+}

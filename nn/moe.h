@@ -1,0 +1,65 @@
+/*
+ * Mixture of experts: the operations of a dropless top-k MoE block and the block as a layer.
+ *
+ * The block (nn_moe_new) routes each token of x [..., dim] to k of its E experts and sums the
+ * experts' outputs weighted by the router: logits = x gate^T ([N, E]), probabilities by
+ * softmax, the k largest (ties to the lower expert), renormalised to sum 1 when norm_topk (as
+ * Qwen3-MoE's norm_topk_prob and Mixtral), and each expert a SwiGLU MLP,
+ * down(silu(gate(x)) * up(x)). Every token reaches its k experts (no capacity limit). The
+ * experts are stored stacked, as TorchTitan's grouped experts: experts.gate_proj and
+ * experts.up_proj [E, ffn, dim], experts.down_proj [E, dim, ffn]; the router is the child
+ * linear "gate" (weight [E, dim]).
+ *
+ * The operations under it, each recorded for backward: nn_moe_route (softmax and top-k),
+ * nn_gather_rows (tokens into expert order), nn_grouped_linear (one product per expert over
+ * its contiguous block of rows) and nn_combine_rows (the weighted sum back into token order).
+ * They compute in f32 on the CPU for now; other dtypes and devices are refused by name.
+ */
+#ifndef FSDPC_NN_MOE_H
+#define FSDPC_NN_MOE_H
+
+#include "nn/layers.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+#pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
+
+/* Routing of N tokens to k of E experts from logits [N, E]: *weights [N, k] (differentiable
+ * in logits) and *experts, the experts chosen (I64 [N, k], host, caller frees), each token's
+ * in descending probability. Local. */
+fsdpc_status_t nn_moe_route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
+                            nn_var_t **weights, fsdpc_tensor_t *experts);
+
+/* out[m] = x[rows[m]]: x [N, D], rows I64 [M] in [0, N) -> [M, D]. Backward sums the rows'
+ * gradients back into x's. Local. */
+fsdpc_status_t nn_gather_rows(nn_ctx_t *ctx, nn_var_t *x, const fsdpc_tensor_t *rows,
+                              nn_var_t **out);
+
+/* x [M, in] in blocks of counts[e] rows, e = 0..E-1 in order (summing to M), and w [E, out,
+ * in]: block e of the output [M, out] is block e of x times w[e]^T. Local. */
+fsdpc_status_t nn_grouped_linear(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, const int64_t *counts,
+                                 int n_experts, nn_var_t **out);
+
+/* out [N, D] with out[slots[m] / k] += weights[slots[m]] * y[m]: y [M, D], weights [N, k] (read
+ * flat), slots I64 [M] in [0, N k). Local. */
+fsdpc_status_t nn_combine_rows(nn_ctx_t *ctx, nn_var_t *y, nn_var_t *weights,
+                               const fsdpc_tensor_t *slots, nn_var_t **out);
+
+/* The MoE block as a layer (kind "moe"): children "gate" (linear dim -> n_experts, no bias)
+ * and "experts" (the stacked SwiGLU weights); forward x [..., dim] -> [..., dim]. Initialised by
+ * nn_module_reset_parameters as Linear layers each (U(-1/sqrt(in), 1/sqrt(in))). Local. */
+fsdpc_status_t nn_moe_new(nn_module_t *parent, const char *name, int64_t dim, int64_t ffn_dim,
+                          int n_experts, int top_k, bool norm_topk, const nn_layer_options_t *opt,
+                          nn_module_t **out);
+
+/* Tokens each expert received in the module's last forward (counts[n_experts]); false when
+ * m is not a MoE block or has not run. Local. */
+bool nn_moe_last_load(const nn_module_t *m, int64_t *counts, int n_experts);
+
+#pragma GCC visibility pop
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,139 @@
+/*
+ * The MoE block (nn/moe.h) against an independent PyTorch MoE (tests/reference/
+ * make_moe_golden.py): the output, the tokens each expert received and the gradients of the
+ * input and of every weight, with top-2 routing plain and renormalised and with top-1 over 8
+ * experts of which some receive no token; and the operations' refusals.
+ */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint/safetensors.h"
+#include "nn/moe.h"
+#include "tests/harness.h"
+
+#define REF SOURCE_ROOT "/tests/reference/"
+
+static void ok(fsdpc_status_t st) {
+  ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
+}
+
+/* Golden tensor CASE.NAME on the host, in its stored dtype. */
+static void golden(st_file_t *f, const char *tag, const char *name, fsdpc_tensor_t *out) {
+  char full[128];
+  snprintf(full, sizeof full, "%s.%s", tag, name);
+  const st_info_t *info = st_find(f, full);
+  ck_assert_msg(info != NULL, "golden file has no %s", full);
+  dtype_t dt = strcmp(name, "load") == 0 ? DTYPE_I64 : DTYPE_F32;
+  ok(tensor_init(out, dt, device_cpu(), info->ndim, info->shape));
+  ok(st_read(f, full, out));
+}
+
+static const char *const weights[] = {"gate.weight", "experts.gate_proj", "experts.up_proj",
+                                      "experts.down_proj"};
+
+/* The block of case tag, run forward and backward with the upstream gradient r; every value
+ * against torch's. */
+static void check_case(const char *tag, int experts, int k, bool norm) {
+  st_file_t *g;
+  ok(st_open(REF "tiny_moe_golden.safetensors", &g));
+  nn_module_t *m;
+  ok(nn_moe_new(NULL, "", 8, 12, experts, k, norm, NULL, &m));
+  ok(nn_module_finalize(m));
+  for (int i = 0; i < 4; i++) {
+    fsdpc_tensor_t w;
+    golden(g, tag, weights[i], &w);
+    ok(nn_param_copy_full(nn_param_find(m, weights[i]), &w));
+    tensor_free(&w);
+  }
+  fsdpc_tensor_t x, r, ref;
+  golden(g, tag, "x", &x);
+  golden(g, tag, "r", &r);
+  nn_ctx_t *ctx;
+  nn_var_t *in, *out;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_var_new(&x, true, &in));
+  ok(nn_call(ctx, m, in, &out));
+  golden(g, tag, "out", &ref);
+  double e = test_rel_l2(&out->value, &ref);
+  ck_assert_msg(e <= 1e-6, "%s: output relative L2 error %.3g", tag, e);
+  tensor_free(&ref);
+  int64_t load[8];
+  ck_assert(nn_moe_last_load(m, load, experts));
+  golden(g, tag, "load", &ref);
+  ck_assert(memcmp(load, ref.data, (size_t)experts * sizeof *load) == 0);
+  tensor_free(&ref);
+  ok(nn_backward_grad(ctx, out, &r));
+  golden(g, tag, "grad.x", &ref);
+  e = test_rel_l2(&in->grad, &ref);
+  ck_assert_msg(e <= 1e-5, "%s: input gradient relative L2 error %.3g", tag, e);
+  tensor_free(&ref);
+  for (int i = 0; i < 4; i++) {
+    char name[64];
+    snprintf(name, sizeof name, "grad.%s", weights[i]);
+    golden(g, tag, name, &ref);
+    nn_param_t *p = nn_param_find(m, weights[i]);
+    ck_assert_msg(p->grad != NULL, "%s: %s has no gradient", tag, weights[i]);
+    e = test_rel_l2(dtensor_local(p->grad), &ref);
+    ck_assert_msg(e <= 1e-5, "%s: %s relative L2 error %.3g", tag, name, e);
+    tensor_free(&ref);
+  }
+  nn_var_put(out);
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  nn_module_free(m);
+  st_close(g);
+}
+
+START_TEST(top2_plain) { check_case("plain", 4, 2, false); }
+END_TEST
+
+START_TEST(top2_renormalised) { check_case("norm", 4, 2, true); }
+END_TEST
+
+START_TEST(top1_with_idle_experts) { check_case("sparse", 8, 1, false); }
+END_TEST
+
+/* Bad sizes and inputs are refused by name, without a crash. */
+START_TEST(refusals) {
+  nn_module_t *m = NULL;
+  ck_assert_int_ne(nn_moe_new(NULL, "moe", 8, 12, 4, 5, true, NULL, &m), STATUS_OK);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "top_k 5"));
+  ck_assert_int_ne(nn_moe_new(NULL, "moe", 8, 12, 0, 1, true, NULL, &m), STATUS_OK);
+  ok(nn_moe_new(NULL, "", 8, 12, 4, 2, true, NULL, &m));
+  ok(nn_module_finalize(m));
+  fsdpc_tensor_t x;
+  ok(tensor_zeros(&x, DTYPE_F32, device_cpu(), 2, (int64_t[]){3, 7}));
+  nn_ctx_t *ctx;
+  nn_var_t *in, *out = NULL;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_var_new(&x, false, &in));
+  ck_assert_int_ne(nn_call(ctx, m, in, &out), STATUS_OK);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "does not end in dim 8"));
+  fsdpc_tensor_t rows;
+  ok(tensor_init(&rows, DTYPE_I64, device_cpu(), 1, (int64_t[]){1}));
+  ((int64_t *)rows.data)[0] = 3;
+  ck_assert_int_ne(nn_gather_rows(ctx, in, &rows, &out), STATUS_OK);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "row 3 outside [0, 3)"));
+  int64_t load[4];
+  ck_assert(!nn_moe_last_load(m, load, 4)); /* it has not run */
+  tensor_free(&rows);
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  nn_module_free(m);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("moe");
+  TCase *tc = tcase_create("moe");
+  tcase_add_test(tc, top2_plain);
+  tcase_add_test(tc, top2_renormalised);
+  tcase_add_test(tc, top1_with_idle_experts);
+  tcase_add_test(tc, refusals);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
