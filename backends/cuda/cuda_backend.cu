@@ -235,13 +235,22 @@ static bool cast_contiguous(void *dst, int ddt, const void *src, int sdt, int64_
   });
 }
 
-static int cuda_device_count(void) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+/* The devices this process sees: fixed for its life (CUDA_VISIBLE_DEVICES is read once, when
+ * the runtime starts), so counted once; every allocation and copy checks its device against
+ * it. */
+static int device_count_seen = 0;
+static pthread_once_t device_count_once = PTHREAD_ONCE_INIT;
+
+static void count_devices(void) {
+  if (cudaGetDeviceCount(&device_count_seen) != cudaSuccess) {
     cudaGetLastError(); /* no driver (error 35) or no device: zero devices */
-    return 0;
+    device_count_seen = 0;
   }
-  return n;
+}
+
+static int cuda_device_count(void) {
+  pthread_once(&device_count_once, count_devices);
+  return device_count_seen;
 }
 
 static fsdpc_status_t cuda_device_uuid(int index, uint8_t out[16]) {
