@@ -121,9 +121,7 @@ static fsdpc_status_t make(const char *name, nn_forward_fn fn, const char *kind,
   return STATUS_OK;
 }
 
-/* Adds m to parent (when given) after st, the result of adding its parameters; m is freed on
- * failure. */
-static fsdpc_status_t attach(nn_module_t *parent, nn_module_t *m, fsdpc_status_t st,
+fsdpc_status_t layers_attach(nn_module_t *parent, nn_module_t *m, fsdpc_status_t st,
                              nn_module_t **out) {
   if (st == STATUS_OK && parent != NULL) st = nn_module_add_child(parent, m);
   if (st != STATUS_OK) {
@@ -153,7 +151,7 @@ static fsdpc_status_t projection_new(nn_module_t *parent, const char *name, bool
   fsdpc_status_t st = conv1d ? add_param(m, "weight", in_features, out_features, opt)
                              : add_param(m, "weight", out_features, in_features, opt);
   if (st == STATUS_OK && bias) st = add_param(m, "bias", out_features, 0, opt);
-  return attach(parent, m, st, out);
+  return layers_attach(parent, m, st, out);
 }
 
 fsdpc_status_t nn_linear_new(nn_module_t *parent, const char *name, int64_t in_features,
@@ -176,7 +174,7 @@ fsdpc_status_t nn_embedding_new(nn_module_t *parent, const char *name, int64_t n
   FSDPC_TRY(check_size(name, "dim", dim));
   nn_module_t *m;
   FSDPC_TRY(make(name, embedding_forward, "embedding", &(layer_t){0}, &m));
-  return attach(parent, m, add_param(m, "weight", num_embeddings, dim, opt), out);
+  return layers_attach(parent, m, add_param(m, "weight", num_embeddings, dim, opt), out);
 }
 
 static fsdpc_status_t check_eps(const char *name, double eps) {
@@ -193,7 +191,7 @@ fsdpc_status_t nn_rmsnorm_new(nn_module_t *parent, const char *name, int64_t dim
   FSDPC_TRY(check_eps(name, eps));
   nn_module_t *m;
   FSDPC_TRY(make(name, rmsnorm_forward, "rmsnorm", &(layer_t){.eps = eps}, &m));
-  return attach(parent, m, add_param(m, "weight", dim, 0, opt), out);
+  return layers_attach(parent, m, add_param(m, "weight", dim, 0, opt), out);
 }
 
 fsdpc_status_t nn_layernorm_new(nn_module_t *parent, const char *name, int64_t dim, double eps,
@@ -206,7 +204,7 @@ fsdpc_status_t nn_layernorm_new(nn_module_t *parent, const char *name, int64_t d
   FSDPC_TRY(make(name, layernorm_forward, "layernorm", &(layer_t){.eps = eps}, &m));
   fsdpc_status_t st = add_param(m, "weight", dim, 0, opt);
   if (st == STATUS_OK && bias) st = add_param(m, "bias", dim, 0, opt);
-  return attach(parent, m, st, out);
+  return layers_attach(parent, m, st, out);
 }
 
 fsdpc_status_t nn_activation_new(nn_module_t *parent, const char *name, kernel_act_t act,
@@ -216,14 +214,14 @@ fsdpc_status_t nn_activation_new(nn_module_t *parent, const char *name, kernel_a
     return err_set(STATUS_EINVAL, "layer '%s': unknown activation %d", name, (int)act);
   nn_module_t *m;
   FSDPC_TRY(make(name, activation_forward, NULL, &(layer_t){.act = act}, &m));
-  return attach(parent, m, STATUS_OK, out);
+  return layers_attach(parent, m, STATUS_OK, out);
 }
 
 fsdpc_status_t nn_sequential_new(nn_module_t *parent, const char *name, nn_module_t **out) {
   if (out) *out = NULL;
   nn_module_t *m;
   FSDPC_TRY(make(name, sequential_forward, NULL, &(layer_t){0}, &m));
-  return attach(parent, m, STATUS_OK, out);
+  return layers_attach(parent, m, STATUS_OK, out);
 }
 
 /* ---- init ---- */

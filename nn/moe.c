@@ -466,21 +466,11 @@ fsdpc_status_t nn_moe_new(nn_module_t *parent, const char *name, int64_t dim, in
   }
   *cfg = (moe_t){dim, ffn_dim, n_experts, top_k, norm_topk, false, counts};
   nn_module_t *m = NULL;
-  fsdpc_status_t st = nn_module_new_owned(name, moe_forward, cfg, moe_free, &m);
-  if (st != STATUS_OK) {
-    moe_free(cfg);
-    return st;
-  }
+  FSDPC_TRY(nn_module_new_owned(name, moe_forward, cfg, moe_free, &m)); /* cfg freed on failure */
   nn_module_set_kind(m, "moe");
-  st = nn_linear_new(m, "gate", dim, n_experts, false, opt, NULL);
+  fsdpc_status_t st = nn_linear_new(m, "gate", dim, n_experts, false, opt, NULL);
   if (st == STATUS_OK) st = experts_new(m, cfg, opt);
-  if (st == STATUS_OK && parent != NULL) st = nn_module_add_child(parent, m);
-  if (st != STATUS_OK) {
-    nn_module_free(m);
-    return st;
-  }
-  if (out) *out = m;
-  return STATUS_OK;
+  return layers_attach(parent, m, st, out);
 }
 
 bool nn_moe_last_load(const nn_module_t *m, int64_t *counts, int n_experts) {
