@@ -12,13 +12,18 @@
 
 /* The operations compute on the host in f32 for now. */
 static fsdpc_status_t host_f32(const char *op, const fsdpc_tensor_t *t) {
+  if (tensor_is_meta(t) || !tensor_is_contiguous(t))
+    return err_set(STATUS_EINVAL, "%s: needs a contiguous tensor with values, got %s", op,
+                   tensor_is_meta(t) ? "a meta tensor" : "a strided view");
   if (t->device.type == DEVICE_CPU && t->dtype == DTYPE_F32) return STATUS_OK;
   return err_set(STATUS_EDTYPE, "%s: computes in f32 on the CPU for now, got %s on %s", op,
                  dtype_name(t->dtype), t->device.type == DEVICE_CPU ? "the CPU" : "a CUDA device");
 }
 
 static fsdpc_status_t host_i64(const char *op, const char *what, const fsdpc_tensor_t *t) {
-  if (t->device.type == DEVICE_CPU && t->dtype == DTYPE_I64 && t->ndim == 1) return STATUS_OK;
+  if (t->device.type == DEVICE_CPU && t->dtype == DTYPE_I64 && t->ndim == 1 && !tensor_is_meta(t) &&
+      tensor_is_contiguous(t))
+    return STATUS_OK;
   return err_set(STATUS_EINVAL, "%s: %s must be a host I64 vector", op, what);
 }
 
@@ -30,6 +35,7 @@ static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *z = n->in[0];
   if (!z->requires_grad) return STATUS_OK;
+  FSDPC_TRY(host_f32("nn_moe_route (backward)", &n->out->grad));
   const fsdpc_tensor_t *p = &n->saved[0], *ex = &n->saved[1];
   int64_t E = p->shape[1], N = p->shape[0], k = n->ints[0];
   bool norm = n->ints[1] != 0;
@@ -163,6 +169,7 @@ static fsdpc_status_t combine_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *y = n->in[0], *w = n->in[1];
   const fsdpc_tensor_t *slots = &n->saved[0];
+  FSDPC_TRY(host_f32("nn_combine_rows (backward)", &n->out->grad));
   int64_t M = y->value.shape[0], D = y->value.shape[1], k = n->ints[0];
   const float *go = n->out->grad.data, *yv = y->value.data, *wv = w->value.data;
   const int64_t *s = slots->data;
@@ -177,7 +184,7 @@ static fsdpc_status_t combine_backward(nn_ctx_t *ctx, nn_node_t *n) {
       if (dy.data) ((float *)dy.data)[m * D + d] = wv[s[m]] * g[d];
       dot += (double)yv[m * D + d] * g[d];
     }
-    if (dw.data) ((float *)dw.data)[s[m]] = (float)dot;
+    if (dw.data) ((float *)dw.data)[s[m]] += (float)dot; /* a slot may repeat */
   }
   if (st == STATUS_OK && dy.data) st = nn_accumulate_grad(y, &dy);
   if (st == STATUS_OK && dw.data) st = nn_accumulate_grad(w, &dw);
@@ -261,6 +268,7 @@ static fsdpc_status_t grouped_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   const int64_t *counts = n->saved[0].data;
+  FSDPC_TRY(host_f32("nn_grouped_linear (backward)", &n->out->grad));
   fsdpc_tensor_t dx = {0}, dw = {0};
   fsdpc_status_t st = STATUS_OK;
   if (x->requires_grad) st = ops_zeros_like(&dx, &x->value);

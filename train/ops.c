@@ -92,7 +92,7 @@ static void lock_record(int fd, char *out, size_t size, long *pid, char *host, s
     snprintf(out, size, "pid %ld on host %s since %s (plan %s)", *pid, jh->valuestring,
              js->valuestring, jl->valuestring);
   } else {
-    snprintf(out, size, "a record that is not fsdp-train's");
+    snprintf(out, size, "a record that is not a training job's");
   }
   cJSON_Delete(o);
 }
@@ -149,7 +149,7 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
       close(*fd);
       *fd = -1;
       return err_set(STATUS_EINVAL,
-                     "checkpoint.dir '%s' is in use by another fsdp-train: %s. Two jobs in one "
+                     "checkpoint.dir '%s' is in use by another training job: %s. Two jobs in one "
                      "folder overwrite each other's checkpoints: wait for it to end, or give "
                      "this run another checkpoint.dir",
                      dir, held[0] ? held : "(no record yet)");
@@ -198,7 +198,7 @@ void train_lock_note(const char *dir) {
   if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
     lock_record(fd, held, sizeof held, &pid, host, sizeof host);
     fprintf(stderr,
-            "%s: note: checkpoint.dir '%s' is in use by another fsdp-train (%s): a run "
+            "%s: note: checkpoint.dir '%s' is in use by another training job (%s): a run "
             "would refuse to start until it ends\n",
             train_prog(), dir, held[0] ? held : "no record yet");
   }

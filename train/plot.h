@@ -14,11 +14,6 @@
 
 #ifdef __cplusplus
 extern "C" {
-#pragma GCC visibility pop
-#ifdef __cplusplus
-}
-#endif
-
 #endif
 #pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 

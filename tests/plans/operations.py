@@ -240,7 +240,7 @@ def operations():
     wait_step(steps, 25, a)
     p, secs = run(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "checkpoint.dir=" + ck,
                       "--set", "checkpoint.load=auto"], timeout=60)
-    holder = re.search(r"checkpoint\.dir '\S+' is in use by another fsdp-train: pid (\d+) on host",
+    holder = re.search(r"checkpoint\.dir '\S+' is in use by another training job: pid (\d+) on host",
                        p.stderr)
     check(p.returncode != 0 and holder is not None and int(holder.group(1)) in
           rank_pids(os.path.join(tmp, "lock-a.jsonl")) and "step " not in p.stdout and secs < 30,

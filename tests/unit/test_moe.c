@@ -125,6 +125,34 @@ START_TEST(refusals) {
 }
 END_TEST
 
+/* A slot named twice sums both rows forward and both rows' products backward. */
+START_TEST(combine_repeated_slot) {
+  fsdpc_tensor_t y, w, slots, g;
+  ok(tensor_init(&y, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 1}));
+  ok(tensor_init(&w, DTYPE_F32, device_cpu(), 2, (int64_t[]){1, 1}));
+  ok(tensor_init(&slots, DTYPE_I64, device_cpu(), 1, (int64_t[]){2}));
+  ok(tensor_init(&g, DTYPE_F32, device_cpu(), 2, (int64_t[]){1, 1}));
+  ((float *)y.data)[0] = 1, ((float *)y.data)[1] = 2, ((float *)w.data)[0] = 0.5f;
+  ((int64_t *)slots.data)[0] = ((int64_t *)slots.data)[1] = 0;
+  ((float *)g.data)[0] = 1;
+  nn_ctx_t *ctx;
+  nn_var_t *yv, *wv, *out;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_var_new(&y, true, &yv));
+  ok(nn_var_new(&w, true, &wv));
+  ok(nn_combine_rows(ctx, yv, wv, &slots, &out));
+  ck_assert_float_eq(((float *)out->value.data)[0], 1.5f);
+  ok(nn_backward_grad(ctx, out, &g));
+  ck_assert_float_eq(((float *)wv->grad.data)[0], 3.0f);
+  ck_assert_float_eq(((float *)yv->grad.data)[1], 0.5f);
+  nn_var_put(out);
+  nn_var_put(yv);
+  nn_var_put(wv);
+  tensor_free(&slots);
+  nn_ctx_free(ctx);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("moe");
   TCase *tc = tcase_create("moe");
@@ -132,6 +160,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, top2_renormalised);
   tcase_add_test(tc, top1_with_idle_experts);
   tcase_add_test(tc, refusals);
+  tcase_add_test(tc, combine_repeated_slot);
   suite_add_tcase(s, tc);
   return s;
 }
