@@ -235,11 +235,7 @@ fsdpc_status_t nn_combine_rows(nn_ctx_t *ctx, nn_var_t *y, nn_var_t *weights,
 
 /* ---- grouped products ---- */
 
-/* Block e of t's rows ([c, cols]) and w's matrix e ([out, in]): views, freed by the caller. */
-static fsdpc_status_t block(const fsdpc_tensor_t *t, int64_t off, int64_t c, fsdpc_tensor_t *v) {
-  return tensor_narrow(v, t, 0, off, c);
-}
-
+/* w's matrix e ([out, in]): a view, freed by the caller. */
 static fsdpc_status_t matrix(const fsdpc_tensor_t *w, int64_t e, fsdpc_tensor_t *v) {
   fsdpc_tensor_t one;
   FSDPC_TRY(tensor_narrow(&one, w, 0, e, 1));
@@ -252,9 +248,9 @@ static fsdpc_status_t matrix(const fsdpc_tensor_t *w, int64_t e, fsdpc_tensor_t 
 static fsdpc_status_t grouped_backward_block(nn_node_t *n, fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
                                              int64_t e, int64_t off, int64_t c) {
   fsdpc_tensor_t xe = {0}, dye = {0}, dxe = {0}, we = {0}, dwe = {0};
-  fsdpc_status_t st = block(&n->in[0]->value, off, c, &xe);
-  if (st == STATUS_OK) st = block(&n->out->grad, off, c, &dye);
-  if (st == STATUS_OK && dx->data) st = block(dx, off, c, &dxe);
+  fsdpc_status_t st = tensor_narrow(&xe, &n->in[0]->value, 0, off, c);
+  if (st == STATUS_OK) st = tensor_narrow(&dye, &n->out->grad, 0, off, c);
+  if (st == STATUS_OK && dx->data) st = tensor_narrow(&dxe, dx, 0, off, c);
   if (st == STATUS_OK) st = matrix(&n->param->compute, e, &we);
   if (st == STATUS_OK && dw->data) st = matrix(dw, e, &dwe);
   if (st == STATUS_OK && dx->data) st = kernel_matmul(&dxe, &dye, false, &we, false, 1.0f, 0.0f);
@@ -288,8 +284,12 @@ static fsdpc_status_t grouped(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, const i
   FSDPC_TRY(host_f32("nn_grouped_linear", X));
   FSDPC_TRY(host_f32("nn_grouped_linear", W));
   int64_t M = 0;
-  for (int e = 0; e < E; e++) M += counts[e] >= 0 ? counts[e] : -((int64_t)1 << 62);
-  if (W->ndim != 3 || W->shape[0] != E || X->ndim != 2 || X->shape[1] != W->shape[2] ||
+  bool negative = false;
+  for (int e = 0; e < E; e++) {
+    negative |= counts[e] < 0;
+    M += counts[e];
+  }
+  if (negative || W->ndim != 3 || W->shape[0] != E || X->ndim != 2 || X->shape[1] != W->shape[2] ||
       M != X->shape[0])
     return err_set(STATUS_ESHAPE,
                    "nn_grouped_linear (%s): x [rows, in] with rows the sum of %d counts, w "
@@ -302,8 +302,8 @@ static fsdpc_status_t grouped(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, const i
   for (int64_t e = 0, off = 0; e < E && st == STATUS_OK; off += counts[e++]) {
     if (counts[e] == 0) continue;
     fsdpc_tensor_t xe = {0}, ye = {0}, we = {0};
-    st = block(X, off, counts[e], &xe);
-    if (st == STATUS_OK) st = block(&y, off, counts[e], &ye);
+    st = tensor_narrow(&xe, X, 0, off, counts[e]);
+    if (st == STATUS_OK) st = tensor_narrow(&ye, &y, 0, off, counts[e]);
     if (st == STATUS_OK) st = matrix(W, e, &we);
     if (st == STATUS_OK) st = kernel_matmul(&ye, &xe, false, &we, true, 1.0f, 0.0f);
     tensor_free(&xe);

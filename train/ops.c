@@ -308,15 +308,59 @@ static void shortest(double x, char *buf, size_t n) {
   }
 }
 
-fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
+/* The model a checkpoint records (train_state.json's saved_under.model), as a JSON object
+ * (caller deletes), or NULL when it records none. */
+static fsdpc_status_t saved_model(const char *ckpt, cJSON **model) {
   char *text = NULL;
+  *model = NULL;
   FSDPC_TRY(ckpt_state_text(ckpt, &text));
   cJSON *o = cJSON_Parse(text);
   free(text);
-  const cJSON *under = cJSON_GetObjectItemCaseSensitive(o, "saved_under");
-  const cJSON *model = cJSON_GetObjectItemCaseSensitive(under, "model");
-  char *mtext = cJSON_IsObject(model) ? cJSON_PrintUnformatted(model) : NULL;
+  cJSON *m = cJSON_DetachItemFromObjectCaseSensitive(
+      cJSON_GetObjectItemCaseSensitive(o, "saved_under"), "model");
   cJSON_Delete(o);
+  if (cJSON_IsObject(m))
+    *model = m;
+  else
+    cJSON_Delete(m);
+  return STATUS_OK;
+}
+
+/* The first key of want whose value differs in got, or NULL. */
+static const cJSON *first_difference(const cJSON *want, const cJSON *got) {
+  for (const cJSON *k = want ? want->child : NULL; k != NULL; k = k->next)
+    if (!cJSON_Compare(k, cJSON_GetObjectItemCaseSensitive(got, k->string), true)) return k;
+  return NULL;
+}
+
+fsdpc_status_t train_check_own_model(const char *ckpt, const char *name, const char *described) {
+  cJSON *got = NULL;
+  FSDPC_TRY(saved_model(ckpt, &got));
+  cJSON *want = cJSON_Parse(described);
+  fsdpc_status_t st = STATUS_OK;
+  if (got != NULL && !cJSON_Compare(got, want, true)) { /* no record: checked as it loads */
+    const cJSON *diff = first_difference(want, got);
+    char *g =
+        cJSON_PrintUnformatted(diff ? cJSON_GetObjectItemCaseSensitive(got, diff->string) : got);
+    char *w = cJSON_PrintUnformatted(diff ? diff : want);
+    st = err_set(STATUS_EINVAL,
+                 "checkpoint.load: %s holds another model than this program's '%s': %s%s%s in "
+                 "the checkpoint, %s here",
+                 ckpt, name, diff ? diff->string : "", diff ? " is " : "its description is ",
+                 g ? g : "(absent)", w ? w : "?");
+    free(g);
+    free(w);
+  }
+  cJSON_Delete(got);
+  cJSON_Delete(want);
+  return st;
+}
+
+fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
+  cJSON *model = NULL;
+  FSDPC_TRY(saved_model(ckpt, &model));
+  char *mtext = model ? cJSON_PrintUnformatted(model) : NULL;
+  cJSON_Delete(model);
   if (mtext == NULL) return STATUS_OK; /* no record: the shapes are checked as it loads */
   llama_config_t c = LLAMA_CONFIG_INIT;
   fsdpc_status_t st = llama_config_from_hf_text(mtext, ckpt, &c);

@@ -61,6 +61,11 @@ fsdpc_status_t train_check_same_plan(const char *settings);
  * checkpoint without a record passes. Local. */
 fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt);
 
+/* The same for a program's own model (train_main's): the record equal to the model's
+ * description (described: a JSON object's text), or a refusal naming name and the first key
+ * that differs. Local. */
+fsdpc_status_t train_check_own_model(const char *ckpt, const char *name, const char *described);
+
 /* The files this run reads (the plan, data.path and eval.path's files, init_from's folder, the
  * checkpoint to resume) may not be its outputs: --metrics, --plot (the metrics file neither).
  * Each output is a regular file or new, in a writable folder. Local; a dry run checks too. */

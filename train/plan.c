@@ -106,14 +106,18 @@ static fsdpc_status_t read_architecture(plan_ctx_t *c, int m, llama_config_t *mc
 
 /* The rest of read_model: the seed, how the weights start, and the architecture (from
  * model.init_from, model.config or the section's keys). */
-static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *keys) {
+/* model.seed and model.deferred_init: how the weights start, whatever the model. */
+static fsdpc_status_t read_model_start(plan_ctx_t *c, int m) {
   fsdpc_plan_t *p = c->job;
-  uint64_t seed = p->model_seed;
   int64_t s = 0;
   FSDPC_TRY(pr_get_int(c, m, "model", "seed", 0, INT64_MAX, &s));
-  if (pr_find(c, m, "seed")) seed = (uint64_t)s;
-  p->model_seed = seed;
-  FSDPC_TRY(pr_get_bool(c, m, "model", "deferred_init", &p->deferred_init));
+  if (pr_find(c, m, "seed")) p->model_seed = (uint64_t)s;
+  return pr_get_bool(c, m, "model", "deferred_init", &p->deferred_init);
+}
+
+static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *keys) {
+  fsdpc_plan_t *p = c->job;
+  FSDPC_TRY(read_model_start(c, m));
   FSDPC_TRY(pr_get_path(c, m, "model", "init_from", p->init_from));
   char config[PLAN_PATH_MAX] = "";
   FSDPC_TRY(pr_get_path(c, m, "model", "config", config));
@@ -153,7 +157,6 @@ static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *k
 /* The model section of a program's own model (own: its name): seed and deferred_init only. */
 static fsdpc_status_t read_own_model(plan_ctx_t *c, int m, const char *const *keys,
                                      const char *own) {
-  fsdpc_plan_t *p = c->job;
   for (int i = 0; keys[i]; i++)
     if (strcmp(keys[i], "seed") != 0 && strcmp(keys[i], "deferred_init") != 0 &&
         pr_find(c, m, keys[i])) {
@@ -164,10 +167,7 @@ static fsdpc_status_t read_own_model(plan_ctx_t *c, int m, const char *const *ke
                      "only seed and deferred_init",
                      own);
     }
-  int64_t s = 0;
-  FSDPC_TRY(pr_get_int(c, m, "model", "seed", 0, INT64_MAX, &s));
-  if (pr_find(c, m, "seed")) p->model_seed = (uint64_t)s;
-  return pr_get_bool(c, m, "model", "deferred_init", &p->deferred_init);
+  return read_model_start(c, m);
 }
 
 static fsdpc_status_t read_model(plan_ctx_t *c, int root, const char *own) {
@@ -643,8 +643,7 @@ static void load_hint(const char *dir, char *hint, size_t size) {
              dir);
 }
 
-static fsdpc_status_t check_sequence_split(const fsdpc_plan_t *p);
-static fsdpc_status_t resolve_global_batch(fsdpc_plan_t *p);
+static fsdpc_status_t resolve_mesh(fsdpc_plan_t *p, int world, const char *own);
 
 fsdpc_status_t plan_resolve(fsdpc_plan_t *p, int world) {
   ARG_NONNULL(p);
@@ -652,13 +651,7 @@ fsdpc_status_t plan_resolve(fsdpc_plan_t *p, int world) {
 }
 
 fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
-  if (own == NULL) {
-    FSDPC_TRY(plan_resolve_model(p, world));
-  } else {
-    FSDPC_TRY(parallel_plan_resolve(&p->par, world));
-    FSDPC_TRY(resolve_global_batch(p));
-    FSDPC_TRY(check_sequence_split(p));
-  }
+  FSDPC_TRY(resolve_mesh(p, world, own));
   if (p->data_path[0] == 0)
     return err_set(STATUS_EINVAL, "%s: data.path: missing (the token file to train on)", p->source);
   FSDPC_TRY(check_path(p->data_path, &p->data_where, "data.path"));
@@ -727,10 +720,8 @@ static fsdpc_status_t resolve_global_batch(fsdpc_plan_t *p) {
   return STATUS_OK;
 }
 
-fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
-  ARG_NONNULL(p);
-  FSDPC_TRY(parallel_plan_resolve(&p->par, world));
-  FSDPC_TRY(resolve_global_batch(p));
+/* The built-in model's sizes that tensor parallelism splits, each divisible by mesh.tp. */
+static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
   if (p->par.tp > 1) {
     const struct {
       const char *key;
@@ -761,5 +752,19 @@ fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
                      "an equal slice)",
                      p->par.mesh_where.text, p->par.tp, (long long)p->model.max_seq_len);
   }
+  return STATUS_OK;
+}
+
+/* The mesh against the world, the global batch, and what tensor parallelism splits: the
+ * built-in model's sizes (own NULL) and, under sequence parallelism, data.seq_len. */
+static fsdpc_status_t resolve_mesh(fsdpc_plan_t *p, int world, const char *own) {
+  FSDPC_TRY(parallel_plan_resolve(&p->par, world));
+  FSDPC_TRY(resolve_global_batch(p));
+  if (own == NULL) FSDPC_TRY(check_builtin_split(p));
   return check_sequence_split(p);
+}
+
+fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world) {
+  ARG_NONNULL(p);
+  return resolve_mesh(p, world, NULL);
 }

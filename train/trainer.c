@@ -208,35 +208,11 @@ static fsdpc_status_t describe_model(const run_t *r, char **out) {
   return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory (the model's description)");
 }
 
-/* The program's model against the one a checkpoint records (train_state.json's
- * saved_under.model): equal descriptions, or a refusal naming the first key that differs. */
+/* The program's model against the one a checkpoint records. */
 static fsdpc_status_t check_own_model(const run_t *r) {
-  char *text = NULL, *mine = NULL;
-  fsdpc_status_t st = ckpt_state_text(r->resumed_from, &text);
-  if (st == STATUS_OK) st = describe_model(r, &mine);
-  cJSON *o = text ? cJSON_Parse(text) : NULL, *want = mine ? cJSON_Parse(mine) : NULL;
-  const cJSON *got =
-      cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(o, "saved_under"), "model");
-  if (st == STATUS_OK && got != NULL && !cJSON_Compare(got, want, true)) {
-    const cJSON *k = NULL, *diff = NULL;
-    cJSON_ArrayForEach(
-        k, want) if (diff == NULL &&
-                     !cJSON_Compare(k, cJSON_GetObjectItemCaseSensitive(got, k->string), true))
-        diff = k;
-    char *g = diff ? cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(got, diff->string))
-                   : cJSON_PrintUnformatted(got);
-    char *w = diff ? cJSON_PrintUnformatted(diff) : cJSON_PrintUnformatted(want);
-    st = err_set(STATUS_EINVAL,
-                 "checkpoint.load: %s holds another model than this program's '%s': %s%s%s in "
-                 "the checkpoint, %s here",
-                 r->resumed_from, r->model.name, diff ? diff->string : "",
-                 diff ? " is " : "its description is ", g ? g : "(absent)", w ? w : "?");
-    free(g);
-    free(w);
-  }
-  cJSON_Delete(o);
-  cJSON_Delete(want);
-  free(text);
+  char *mine = NULL;
+  FSDPC_TRY(describe_model(r, &mine));
+  fsdpc_status_t st = train_check_own_model(r->resumed_from, r->model.name, mine);
   free(mine);
   return st;
 }
