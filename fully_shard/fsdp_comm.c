@@ -325,10 +325,59 @@ static fsdpc_status_t gather_wait(fsdp_group_t *g) {
   return st;
 }
 
+/* Elements of fp's unsharded tensor. */
+static int64_t fp_numel(const fsdp_param_t *fp) {
+  int64_t n = 1;
+  for (int d = 0; d < fp->ndim; d++) n *= fp->shape[d];
+  return n;
+}
+
+/* The elements n tensors of dt take in a buffer shared on dev: on CUDA, to the next 256-byte
+ * boundary (cuBLASLt's and the 16-byte kernels' alignment); on the CPU, n (no padding: the
+ * state's bytes stay those of the tensors). */
+static int64_t aligned_numel(int64_t n, dtype_t dt, device_t dev) {
+  if (dev.type != DEVICE_CUDA) return n;
+  int64_t per = 256 / (int64_t)dtype_size(dt);
+  return (n + per - 1) / per * per;
+}
+
+/* Whether fp's unsharded tensor needs memory of its own: gathered, always; on the one-rank path,
+ * when its shard is not in param_dtype already (else it is viewed). */
+static bool unshard_needs(const fsdp_group_t *g, const fsdp_param_t *fp, bool local) {
+  return !local || fp->padded.dtype != g->param_dtype;
+}
+
+/* One param_dtype buffer for every unsharded tensor that needs memory (each from a 256-byte
+ * boundary): one allocation an unshard rather than one a parameter. The tensors are views
+ * into it, so it is freed with the last of them, at reshard. *buf stays empty when none
+ * needs memory. */
+static fsdpc_status_t unshard_buffer(fsdp_group_t *g, bool local, fsdpc_tensor_t *buf) {
+  int64_t total = 0;
+  for (int i = 0; i < g->n; i++)
+    if (unshard_needs(g, &g->params[i], local))
+      total += aligned_numel(fp_numel(&g->params[i]), g->param_dtype, mesh_device(g->mesh));
+  memset(buf, 0, sizeof *buf);
+  if (total == 0) return STATUS_OK;
+  return tensor_init(buf, g->param_dtype, mesh_device(g->mesh), 1, &total);
+}
+
+/* *full: fp's unsharded shape viewed at element *pos of buf, which then moves past it. */
+static fsdpc_status_t full_in(const fsdp_param_t *fp, const fsdpc_tensor_t *buf, int64_t *pos,
+                              fsdpc_tensor_t *full) {
+  int64_t n = fp_numel(fp);
+  fsdpc_tensor_t slot = {0};
+  fsdpc_status_t st = tensor_narrow(&slot, buf, 0, *pos, n);
+  if (st == STATUS_OK) st = tensor_view(full, &slot, fp->ndim, fp->shape);
+  tensor_free(&slot);
+  *pos += aligned_numel(n, buf->dtype, buf->device);
+  return st;
+}
+
 /* fp's unsharded tensor from the gathered buffer: every rank's rows, added to c to copy out. */
-static fsdpc_status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, fsdpc_tensor_t *full,
+static fsdpc_status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp,
+                                    const fsdpc_tensor_t *buf, int64_t *pos, fsdpc_tensor_t *full,
                                     copies_t *c) {
-  FSDPC_TRY(tensor_init(full, g->param_dtype, mesh_device(g->mesh), fp->ndim, fp->shape));
+  FSDPC_TRY(full_in(fp, buf, pos, full));
   fsdpc_status_t st = STATUS_OK;
   for (int r = 0; r < g->W && st == STATUS_OK; r++)
     st = add_chunk(c, fp, g->W, r, full, &g->gather, r * g->block + fp->offset, false);
@@ -337,33 +386,37 @@ static fsdpc_status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp, fsd
 
 /* fp's unsharded tensor under local_unshard: its shard, viewed, or cast into param_dtype (the
  * cast added to c). */
-static fsdpc_status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, fsdpc_tensor_t *full,
-                                 copies_t *c) {
+static fsdpc_status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, const fsdpc_tensor_t *buf,
+                                 int64_t *pos, fsdpc_tensor_t *full, copies_t *c) {
   fsdpc_tensor_t shard;
   FSDPC_TRY(tensor_view(&shard, &fp->padded, fp->ndim, fp->shape));
-  if (shard.dtype == g->param_dtype) {
+  if (!unshard_needs(g, fp, true)) {
     *full = shard;
     return STATUS_OK;
   }
   fsdpc_tensor_t dst = {0};
-  fsdpc_status_t st = tensor_init(full, g->param_dtype, shard.device, fp->ndim, fp->shape);
+  fsdpc_status_t st = full_in(fp, buf, pos, full);
   if (st == STATUS_OK) st = tensor_ref(&dst, full);
   return copies_add(c, st, &dst, &shard);
 }
 
 /* Completes a started gather: waits, then copies rank r's rows of each parameter out into
  * the unsharded tensors (on the one-rank path: views or casts each shard), all in one
- * tensor_copy_many. */
+ * tensor_copy_many, into one buffer. */
 fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g) {
   if (!g->gathering) return STATUS_OK;
   bool local = g->gather_local;
   fsdpc_status_t st = gather_wait(g);
   tensor_free(&g->post_forward_slice);
+  fsdpc_tensor_t buf = {0};
+  int64_t pos = 0;
+  if (st == STATUS_OK) st = unshard_buffer(g, local, &buf);
   copies_t c = {0};
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     fsdpc_tensor_t full = {0};
-    st = local ? local_full(g, fp, &full, &c) : gathered_full(g, fp, &full, &c);
+    st = local ? local_full(g, fp, &buf, &pos, &full, &c)
+               : gathered_full(g, fp, &buf, &pos, &full, &c);
     if (st == STATUS_OK) {
       tensor_free(&fp->p->compute);
       fp->p->compute = full;
@@ -372,6 +425,7 @@ fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g) {
     }
   }
   st = copies_run(&c, st);
+  tensor_free(&buf);
   tensor_free(&g->gather);
   if (st == STATUS_OK) g->unsharded = true;
   return st;
@@ -637,15 +691,70 @@ static fsdpc_status_t replicate_reduce(fsdp_group_t *g, fsdpc_tensor_t *recv, re
                        op, NULL);
 }
 
+/* Whether the reduction creates fp's sharded gradient: a trainable parameter without one yet
+ * that had a gradient here, or (present, the presence elements, NULL when every trainable
+ * parameter had one) on another rank. */
+static bool takes_new_grad(const fsdp_param_t *fp, const float *present) {
+  if (!fp->trainable || fp->p->grad != NULL) return false;
+  return fp->reducing || (present != NULL && present[fp->red_index] != 0.0f);
+}
+
+static const fsdpc_tensor_t *local_value(const fsdp_param_t *fp) {
+  return dtensor_local(fp->p->value);
+}
+
+/* Whether fp's new gradient goes into buf (of the group's first new gradient's dtype and
+ * device). */
+static bool in_grad_buffer(const fsdp_param_t *fp, const float *present,
+                           const fsdpc_tensor_t *buf) {
+  const fsdpc_tensor_t *v = local_value(fp);
+  return buf->storage != NULL && takes_new_grad(fp, present) && v->dtype == buf->dtype &&
+         device_equal(v->device, buf->device);
+}
+
+/* One buffer for the sharded gradients the reduction creates (a step's first; those of the
+ * first one's dtype and device), each from a 256-byte boundary: one allocation a group rather
+ * than one a parameter. The gradients are views into it, freed with the last of them. *buf
+ * stays empty when fewer than two would share it. */
+static fsdpc_status_t grad_buffer(const fsdp_group_t *g, const float *present,
+                                  fsdpc_tensor_t *buf) {
+  memset(buf, 0, sizeof *buf);
+  const fsdpc_tensor_t *like = NULL;
+  int64_t total = 0;
+  int count = 0;
+  for (int i = 0; i < g->n; i++) {
+    const fsdp_param_t *fp = &g->params[i];
+    if (!takes_new_grad(fp, present)) continue;
+    const fsdpc_tensor_t *v = local_value(fp);
+    if (like == NULL) like = v;
+    if (v->dtype != like->dtype || !device_equal(v->device, like->device)) continue;
+    total += aligned_numel(tensor_numel(v), v->dtype, v->device);
+    count++;
+  }
+  if (count < 2) return STATUS_OK;
+  return tensor_init(buf, like->dtype, like->device, 1, &total);
+}
+
 /* Adds grad, fp's reduced shard (any float dtype), into its sharded gradient: added now, or
- * for the first gradient of a step, a new sharded gradient whose copy of grad goes into c (a
- * group's first gradients are cast in one tensor_copy_many). */
-static fsdpc_status_t add_local_grad(copies_t *c, fsdp_param_t *fp, const fsdpc_tensor_t *grad) {
+ * for the first gradient of a step, a new sharded gradient (in buf at *pos when
+ * in_grad_buffer) whose copy of grad goes into c (a group's first gradients are cast in one
+ * tensor_copy_many). */
+static fsdpc_status_t add_local_grad(copies_t *c, fsdp_param_t *fp, const fsdpc_tensor_t *grad,
+                                     const fsdpc_tensor_t *buf, const float *present,
+                                     int64_t *pos) {
   if (fp->p->grad != NULL) return nn_param_accumulate_local_grad(fp->p, grad);
-  const fsdpc_tensor_t *local = dtensor_local(fp->p->value);
-  fsdpc_tensor_t dst = {0}, src = {0};
+  const fsdpc_tensor_t *local = local_value(fp);
+  fsdpc_tensor_t dst = {0}, src = {0}, mem = {0};
   fsdpc_status_t st = tensor_view(&src, grad, local->ndim, local->shape);
-  if (st == STATUS_OK) st = nn_param_new_local_grad(fp->p, &dst);
+  if (st == STATUS_OK && in_grad_buffer(fp, present, buf)) {
+    int64_t n = tensor_numel(local);
+    st = tensor_narrow(&mem, buf, 0, *pos, n);
+    *pos += aligned_numel(n, buf->dtype, buf->device);
+    if (st == STATUS_OK) st = nn_param_new_local_grad_in(fp->p, &mem, &dst);
+    tensor_free(&mem);
+  } else if (st == STATUS_OK) {
+    st = nn_param_new_local_grad(fp->p, &dst);
+  }
   return copies_add(c, st, &dst, &src);
 }
 
@@ -653,10 +762,14 @@ static fsdpc_status_t add_local_grad(copies_t *c, fsdp_param_t *fp, const fsdpc_
  * gradient, on the current stream (the one that computed it). */
 static fsdpc_status_t reduce_finish_local(fsdp_group_t *g) {
   copies_t c = {0};
-  fsdpc_status_t st = STATUS_OK;
+  fsdpc_tensor_t buf;
+  int64_t pos = 0;
+  fsdpc_status_t st = grad_buffer(g, NULL, &buf);
   for (int i = 0; i < g->n && st == STATUS_OK; i++)
-    if (g->params[i].reducing) st = add_local_grad(&c, &g->params[i], &g->params[i].held);
+    if (g->params[i].reducing)
+      st = add_local_grad(&c, &g->params[i], &g->params[i].held, &buf, NULL, &pos);
   st = copies_run(&c, st);
+  tensor_free(&buf);
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].held);
   g->red_local = false;
   return st;
@@ -717,17 +830,22 @@ fsdpc_status_t fsdp_reduce_finish(fsdp_group_t *root) {
     tensor_free(&tail);
   }
   copies_t c = {0};
+  const float *presence = present.data; /* NULL when every trainable parameter had a gradient */
+  fsdpc_tensor_t buf = {0};
+  int64_t pos = 0;
+  if (st == STATUS_OK && !parked) st = grad_buffer(g, presence, &buf);
   for (int i = 0; i < g->n && st == STATUS_OK && !parked; i++) {
     fsdp_param_t *fp = &g->params[i];
     if (!fp->trainable) continue;
-    if (!fp->reducing && ((const float *)present.data)[fp->red_index] == 0.0f) continue;
+    if (!fp->reducing && presence[fp->red_index] == 0.0f) continue;
     fsdpc_tensor_t mine;
     st = tensor_narrow(&mine, red, 0, g->red_sub ? fp->sub_red_offset : fp->red_offset,
-                       tensor_numel(dtensor_local(fp->p->value)));
-    if (st == STATUS_OK) st = add_local_grad(&c, fp, &mine);
+                       tensor_numel(local_value(fp)));
+    if (st == STATUS_OK) st = add_local_grad(&c, fp, &mine, &buf, presence, &pos);
     tensor_free(&mine);
   }
   st = copies_run(&c, st);
+  tensor_free(&buf);
   tensor_free(&present);
   tensor_free(&host);
   tensor_free(&g->red_recv);

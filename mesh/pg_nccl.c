@@ -80,7 +80,7 @@ static nccl_state_t *state(pg_t *pg) { return pg->impl; }
 
 static fsdpc_status_t nccl_complete(pg_work_t *base) {
   nccl_work_t *w = (nccl_work_t *)base;
-  cudaError_t e = cudaSetDevice(w->device);
+  cudaError_t e = cuda_use_device(w->device);
   if (e == cudaSuccess)
     e = cudaStreamWaitEvent(cuda_stream_raw(stream_current(device_cuda(w->device))), w->done, 0);
   cudaEventDestroy(w->done);
@@ -93,7 +93,7 @@ static fsdpc_status_t begin(pg_t *pg) {
   if (state(pg)->life.aborted)
     return err_set(STATUS_ENCCL, "the NCCL communicator %s was aborted (the job is stopping)",
                    state(pg)->life.name);
-  CUDA_TRY(cudaSetDevice(pg->device.index));
+  CUDA_TRY(cuda_use_device(pg->device.index));
   cudaEvent_t ready;
   CUDA_TRY(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
   cudaStream_t caller = cuda_stream_raw(stream_current(pg->device));
@@ -237,7 +237,7 @@ static fsdpc_status_t nccl_barrier(pg_t *pg, pg_work_t **work) {
 static void nccl_destroy(pg_t *pg) {
   nccl_state_t *s = state(pg);
   if (s == NULL) return;
-  cudaSetDevice(pg->device.index);
+  cuda_use_device(pg->device.index);
   if (s->life.comm != NULL) /* tracked */
     (void)nccl_comm_close(&s->life, CLOSE_LIMIT_S); /* finalized, else aborted */
   if (s->held) mem_note_comm(pg->device, s->held, false);
@@ -282,7 +282,7 @@ static fsdpc_status_t open_comm(pg_t *pg, nccl_state_t *s, nccl_state_t *parent,
   }
   char what[96];
   snprintf(what, sizeof what, "nccl: a stream on cuda:%d", device);
-  cudaError_t e = cudaSetDevice(device);
+  cudaError_t e = cuda_use_device(device);
   int least = 0, greatest = 0; /* the communication stream at the top priority */
   if (e == cudaSuccess) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
   if (e == cudaSuccess)

@@ -432,6 +432,30 @@ fsdpc_status_t nn_named_parameters(const nn_module_t *m, nn_param_t ***out, int 
   return STATUS_OK;
 }
 
+fsdpc_status_t nn_param_new_local_grad_in(nn_param_t *p, const fsdpc_tensor_t *mem,
+                                          fsdpc_tensor_t *local) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(mem);
+  ARG_NONNULL(local);
+  memset(local, 0, sizeof *local);
+  if (p->grad != NULL)
+    return err_set(STATUS_EINVAL, "nn_param_new_local_grad: %s has a gradient already", p->fqn);
+  const fsdpc_tensor_t *v = dtensor_local(p->value);
+  if (mem->dtype != v->dtype || !device_equal(mem->device, v->device) ||
+      tensor_numel(mem) != tensor_numel(v) || !tensor_is_contiguous(mem))
+    return err_set(STATUS_EINVAL,
+                   "nn_param_new_local_grad_in: the memory for %s's gradient is not %lld "
+                   "contiguous elements of its dtype on its device",
+                   p->fqn, (long long)tensor_numel(v));
+  fsdpc_tensor_t t;
+  FSDPC_TRY(tensor_view(&t, mem, v->ndim, v->shape));
+  fsdpc_status_t st = dtensor_from_local(&t, dtensor_mesh(p->value), dtensor_placements(p->value),
+                                         dtensor_ndim(p->value), dtensor_shape(p->value), &p->grad);
+  if (st == STATUS_OK) st = tensor_ref(local, dtensor_local(p->grad));
+  tensor_free(&t);
+  return st;
+}
+
 fsdpc_status_t nn_param_new_local_grad(nn_param_t *p, fsdpc_tensor_t *local) {
   ARG_NONNULL(p);
   ARG_NONNULL(local);
@@ -441,9 +465,7 @@ fsdpc_status_t nn_param_new_local_grad(nn_param_t *p, fsdpc_tensor_t *local) {
   const fsdpc_tensor_t *v = dtensor_local(p->value);
   fsdpc_tensor_t t;
   FSDPC_TRY(tensor_init(&t, v->dtype, v->device, v->ndim, v->shape));
-  fsdpc_status_t st = dtensor_from_local(&t, dtensor_mesh(p->value), dtensor_placements(p->value),
-                                         dtensor_ndim(p->value), dtensor_shape(p->value), &p->grad);
-  if (st == STATUS_OK) st = tensor_ref(local, dtensor_local(p->grad));
+  fsdpc_status_t st = nn_param_new_local_grad_in(p, &t, local);
   tensor_free(&t);
   return st;
 }

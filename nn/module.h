@@ -182,6 +182,12 @@ fsdpc_status_t nn_param_accumulate_local_grad(nn_param_t *p, const fsdpc_tensor_
  * the caller to fill (fully_shard casts a group's first gradients in one copy). */
 fsdpc_status_t nn_param_new_local_grad(nn_param_t *p, fsdpc_tensor_t *local);
 
+/* The same over memory the caller gives: mem (contiguous elements of p->value's local dtype,
+ * device and count) becomes p->grad's local tensor, viewed in the local shape; p holds a
+ * reference. fully_shard gives all the first gradients of a group one buffer. */
+fsdpc_status_t nn_param_new_local_grad_in(nn_param_t *p, const fsdpc_tensor_t *mem,
+                                          fsdpc_tensor_t *local);
+
 /* Replaces p's value (p takes ownership, also on failure): drops the gradient and points
  * compute at the new local tensor. For layers that redistribute parameters (tensor
  * parallelism); refused for a parameter fully_shard manages (use nn_param_copy_full). */

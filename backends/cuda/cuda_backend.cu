@@ -264,8 +264,11 @@ static fsdpc_status_t cuda_device_uuid(int index, uint8_t out[16]) {
   return STATUS_OK;
 }
 
+/* Every launch asks for its stream: once the library stream exists, no lock (ready is
+ * published with release order after the stream is made). */
 static stream_t *cuda_stream_current(int index) {
   if (current_streams[index] != NULL) return current_streams[index];
+  if (__atomic_load_n(&lib_stream_ready[index], __ATOMIC_ACQUIRE)) return &lib_streams[index];
   pthread_mutex_lock(&lib_stream_lock);
   if (!lib_stream_ready[index]) {
     int prev = 0;
@@ -283,7 +286,7 @@ static stream_t *cuda_stream_current(int index) {
         cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess)
       cudaGetLastError(); /* advice only: allocations still work, at the default's cost */
     cudaSetDevice(prev);
-    lib_stream_ready[index] = 1;
+    __atomic_store_n(&lib_stream_ready[index], 1, __ATOMIC_RELEASE);
   }
   pthread_mutex_unlock(&lib_stream_lock);
   return &lib_streams[index];
@@ -294,7 +297,7 @@ static void cuda_stream_set_current(int index, stream_t *s) { current_streams[in
 static cudaStream_t raw_stream(int index) { return cuda_stream_current(index)->s; }
 
 static fsdpc_status_t cuda_alloc(int index, size_t bytes, bool zeroed, void **out) {
-  CUDA_TRY(cudaSetDevice(index));
+  CUDA_TRY(cuda_use_device(index));
   cudaError_t e = cudaMallocAsync(out, bytes, raw_stream(index));
   const char *what = "cudaMallocAsync";
   if (e == cudaSuccess && zeroed) {
@@ -311,7 +314,7 @@ static fsdpc_status_t cuda_alloc(int index, size_t bytes, bool zeroed, void **ou
 static void cuda_free(int index, void *ptr, size_t bytes, bool zeroed) {
   (void)bytes;
   (void)zeroed;
-  cudaSetDevice(index);
+  cuda_use_device(index);
   cudaFreeAsync(ptr, raw_stream(index));
 }
 
@@ -324,7 +327,7 @@ static fsdpc_status_t cuda_copy(int index, const copy_desc_t *desc) {
   for (int i = 0; i < d.ndim; i++) n *= d.shape[i];
   if (n == 0) return STATUS_OK;
   int nd = copy_desc_coalesce(&d);
-  CUDA_TRY(cudaSetDevice(index));
+  CUDA_TRY(cuda_use_device(index));
   cudaStream_t s = raw_stream(index);
   size_t esz = dtype_size(d.src_dtype);
   if (d.dst_dtype == d.src_dtype && d.dst_stride[nd - 1] == 1 && d.src_stride[nd - 1] == 1) {
@@ -366,7 +369,7 @@ static bool float_dtype(dtype_t dt) {
 /* The contiguous copies (same dtype, or between float dtypes) of descs in launches of up to
  * kCopyTable, each given blocks by its size (1024 at most); any other one by cuda_copy. */
 static fsdpc_status_t cuda_copy_many(int index, const copy_desc_t *descs, int n) {
-  CUDA_TRY(cudaSetDevice(index));
+  CUDA_TRY(cuda_use_device(index));
   cudaStream_t s = raw_stream(index);
   copy_table t;
   t.count = 0;
@@ -412,7 +415,7 @@ static fsdpc_status_t cuda_copy_many(int index, const copy_desc_t *descs, int n)
 static fsdpc_status_t cuda_fill(int index, void *ptr, size_t elem_size, size_t n,
                                 uint64_t pattern) {
   if (n == 0) return STATUS_OK;
-  CUDA_TRY(cudaSetDevice(index));
+  CUDA_TRY(cuda_use_device(index));
   const int block = 256;
   cudaStream_t s = raw_stream(index);
   int grid = grid_for((int64_t)n, block);
@@ -437,7 +440,7 @@ static fsdpc_status_t cuda_stream_sync_dev(int index) {
 static fsdpc_status_t cuda_memcpy(device_t dst_dev, void *dst, device_t src_dev, const void *src,
                                   size_t bytes) {
   int index = dst_dev.type == DEVICE_CUDA ? dst_dev.index : src_dev.index;
-  CUDA_TRY(cudaSetDevice(index));
+  CUDA_TRY(cuda_use_device(index));
   cudaStream_t s = raw_stream(index);
   if (dst_dev.type == DEVICE_CUDA && src_dev.type == DEVICE_CUDA && dst_dev.index != src_dev.index)
     CUDA_TRY(cudaMemcpyPeerAsync(dst, dst_dev.index, src, src_dev.index, bytes, s));
@@ -506,7 +509,7 @@ static struct upload *upload_take(int index, size_t bytes) {
 }
 
 static fsdpc_status_t cuda_upload(int index, void *dst, const void *src, size_t bytes) {
-  CUDA_TRY(cudaSetDevice(index));
+  CUDA_TRY(cuda_use_device(index));
   cudaStream_t s = raw_stream(index);
   struct upload *u = bytes <= kUploadMax ? upload_take(index, bytes) : NULL;
   if (u == NULL) {
@@ -529,7 +532,7 @@ static fsdpc_status_t cuda_stream_new(int index, bool high, stream_t **out) {
   if (s == NULL) return err_set(STATUS_ENOMEM, "stream_new: out of host memory");
   s->device = index;
   int least = 0, greatest = 0; /* numerically lower is higher priority */
-  cudaError_t e = cudaSetDevice(index);
+  cudaError_t e = cuda_use_device(index);
   if (e == cudaSuccess && high) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
   if (e == cudaSuccess)
     e = cudaStreamCreateWithPriority(&s->s, cudaStreamNonBlocking, high ? greatest : least);
@@ -561,7 +564,7 @@ static fsdpc_status_t cuda_event_new(int index, event_t **out) {
   event_t *ev = (event_t *)calloc(1, sizeof *ev);
   if (ev == NULL) return err_set(STATUS_ENOMEM, "event_new: out of host memory");
   ev->device = index;
-  cudaError_t e = cudaSetDevice(index);
+  cudaError_t e = cuda_use_device(index);
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev->e, cudaEventDisableTiming);
   if (e != cudaSuccess) {
     free(ev);
@@ -613,7 +616,7 @@ static void cuda_host_unregister(void *p) {
 }
 
 static fsdpc_status_t cuda_copy_async(stream_t *s, void *dst, const void *src, size_t bytes) {
-  CUDA_TRY(cudaSetDevice(s->device));
+  CUDA_TRY(cuda_use_device(s->device));
   CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s->s));
   return STATUS_OK;
 }
@@ -628,7 +631,7 @@ __global__ void delay_kernel(unsigned long long ns) {
 }
 
 static fsdpc_status_t cuda_delay(stream_t *s, double seconds) {
-  CUDA_TRY(cudaSetDevice(s->device));
+  CUDA_TRY(cuda_use_device(s->device));
   delay_kernel<<<1, 1, 0, s->s>>>((unsigned long long)(seconds * 1e9));
   CUDA_TRY(cudaGetLastError());
   return STATUS_OK;

@@ -22,6 +22,15 @@ static inline fsdpc_status_t cuda_status(cudaError_t e, const char *what) {
                  cudaGetErrorString(e));
 }
 
+/* Makes index the calling thread's device, without the runtime call when it is already (the
+ * runtime keeps the current device per thread; asking is a read, setting is not free: this is
+ * every allocation's, copy's and launch's path). */
+static inline cudaError_t cuda_use_device(int index) {
+  int cur = -1;
+  if (cudaGetDevice(&cur) == cudaSuccess && cur == index) return cudaSuccess;
+  return cudaSetDevice(index);
+}
+
 #define CUDA_STR2_(x) #x
 #define CUDA_STR_(x) CUDA_STR2_(x)
 /* Returns from the caller when call fails, naming the call and where it is. */

@@ -236,7 +236,7 @@ fsdpc_status_t cuda_blas_handle(int dev, cudaStream_t s, cublasHandle_t *out) {
   static __thread cublasHandle_t handles[DEVICE_MAX_CUDA];
   pthread_once(&cublas_once, cublas_load);
   if (cublas.error[0]) return err_set(STATUS_ECUBLAS, "%s", cublas.error);
-  CUDA_TRY(cudaSetDevice(dev));
+  CUDA_TRY(cuda_use_device(dev));
   if (handles[dev] == NULL) FSDPC_TRY(cublas_status(cublas.create(&handles[dev]), "cublasCreate"));
   FSDPC_TRY(cublas_status(cublas.set_stream(handles[dev], s), "cublasSetStream"));
   *out = handles[dev];
@@ -336,7 +336,7 @@ static fsdpc_status_t cuda_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, 
   device_t dev = out->device;
   cudaStream_t s = stream_of(out);
   size_t es = dtype_size(out->dtype);
-  CUDA_TRY(cudaSetDevice(dev.index));
+  CUDA_TRY(cuda_use_device(dev.index));
   bool pad = (double)d->m * (double)d->n * (double)d->k >= kPadMinMacs;
   int64_t M = padded_size(d->m, pad), N = padded_size(d->n, pad), K = padded_size(d->k, pad);
   bool zk = K != d->k; /* the operands' padding along k must be zeros */

@@ -203,19 +203,56 @@ struct adamw_entry {
 
 typedef entry_table<adamw_entry, kAdamwTable> adamw_table;
 
+/* One element's AdamW: p, m and v updated from g (both paths of adamw_many_kernel). */
+__device__ static inline void adamw_elem(const adamw_consts &a, float &p, float g, float &m,
+                                         float &v) {
+  float pi = p * a.decay, gi = __fmul_rn(g, a.grad_scale);
+  m += a.one_minus_b1 * (gi - m);
+  v = v * a.b2 + a.one_minus_b2 * gi * gi;
+  float denom = sqrtf(v) / a.bc2_sqrt + a.eps;
+  p = pi + (-a.step_size * m) / denom;
+}
+
+/* All four operands f32 on 16-byte boundaries: four elements a thread in 16-byte loads and
+ * stores (element by element with a dtype switch each ran at 2.97 TB/s on an H200, llama-0.9b's
+ * step), then the tail element-wise. */
+__device__ static void adamw_f32_packs(const adamw_entry &x, int64_t k, int64_t stride) {
+  typedef pack<float> P;
+  int64_t packs = x.n / 4;
+  P *p = (P *)x.p, *m = (P *)x.m, *v = (P *)x.v;
+  const P *g = (const P *)x.g;
+  for (int64_t i = k; i < packs; i += stride) {
+    P pi = p[i], gi = g[i], mi = m[i], vi = v[i];
+#pragma unroll
+    for (int j = 0; j < 4; j++) adamw_elem(x.c, pi.v[j], gi.v[j], mi.v[j], vi.v[j]);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+  }
+  for (int64_t e = packs * 4 + k; e < x.n; e += stride) {
+    float pe = ((float *)x.p)[e], me = ((float *)x.m)[e], ve = ((float *)x.v)[e];
+    adamw_elem(x.c, pe, ((const float *)x.g)[e], me, ve);
+    ((float *)x.p)[e] = pe;
+    ((float *)x.m)[e] = me;
+    ((float *)x.v)[e] = ve;
+  }
+}
+
 __global__ static void adamw_many_kernel(adamw_table t) {
   int64_t b, nb;
   const adamw_entry &x = t.e[table_entry(t, &b, &nb)];
-  const adamw_consts &a = x.c;
-  for (int64_t e = b * blockDim.x + threadIdx.x; e < x.n; e += nb * blockDim.x) {
-    float pi = ldf(x.pdt, x.p, e) * a.decay, gi = __fmul_rn(ldf(x.gdt, x.g, e), a.grad_scale);
-    float m = ldf(x.mdt, x.m, e), v = ldf(x.mdt, x.v, e);
-    m += a.one_minus_b1 * (gi - m);
-    v = v * a.b2 + a.one_minus_b2 * gi * gi;
+  int64_t k = b * blockDim.x + threadIdx.x, stride = nb * blockDim.x;
+  if (x.pdt == DTYPE_F32 && x.gdt == DTYPE_F32 && x.mdt == DTYPE_F32 &&
+      ((uintptr_t)x.p | (uintptr_t)x.g | (uintptr_t)x.m | (uintptr_t)x.v) % 16 == 0) {
+    adamw_f32_packs(x, k, stride);
+    return;
+  }
+  for (int64_t e = k; e < x.n; e += stride) {
+    float p = ldf(x.pdt, x.p, e), m = ldf(x.mdt, x.m, e), v = ldf(x.mdt, x.v, e);
+    adamw_elem(x.c, p, ldf(x.gdt, x.g, e), m, v);
     stf(x.mdt, x.m, e, m); /* bf16 moments rounded when stored; the update uses them unrounded */
     stf(x.mdt, x.v, e, v);
-    float denom = sqrtf(v) / a.bc2_sqrt + a.eps;
-    stf(x.pdt, x.p, e, pi + (-a.step_size * m) / denom);
+    stf(x.pdt, x.p, e, p);
   }
 }
 
