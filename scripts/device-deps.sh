@@ -44,6 +44,9 @@ case "${1:-}" in
     export PKG_CONFIG_SYSROOT_DIR="$root"
     export PYTHONPATH="$root/usr/lib/python3/dist-packages:${PYTHONPATH:-}"
     export OPAL_PREFIX="$root/usr"
+    # the unpacked PMIx looks for its plugins where the machine's own PMIx keeps different
+    # ones (undefined symbols when loaded): point it at its own
+    export PMIX_MCA_mca_base_component_path="$root/usr/lib/x86_64-linux-gnu/pmix2/lib/pmix"
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     ;;
   *)

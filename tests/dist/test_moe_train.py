@@ -34,6 +34,7 @@ data:
   global_batch_size: 4
 train:
   steps: 10
+  device: cpu        # the MoE operations run on the host for now (a GPU machine would pick it)
 log:
   interval: 1
 """ % os.path.join(ROOT, "data", "corpus.txt")

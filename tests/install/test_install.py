@@ -84,7 +84,10 @@ def compile_fragments(tmp, cflags):
 
 
 def main():
-    tmp = tempfile.mkdtemp(prefix="fsdpc-install-")
+    # with the dependencies unpacked under a pkg-config sysroot, pkg-config puts it before every
+    # path it prints: the installed tree goes under it too, its prefix given relative to it
+    sysroot = os.environ.get("PKG_CONFIG_SYSROOT_DIR", "").rstrip("/")
+    tmp = tempfile.mkdtemp(prefix="fsdpc-install-", dir=sysroot or None)
     try:
         p = run(["meson", "install", "-C", BUILD, "--destdir", tmp, "--no-rebuild", "--quiet"])
         check(p.returncode == 0, "meson install --destdir runs (%s)" % p.stderr.strip()[-300:])
@@ -95,8 +98,10 @@ def main():
         if len(pcs) != 1:
             return
         prefix = re.search(r"^prefix=(.*)$", open(pcs[0]).read(), re.M).group(1)
-        env = dict(os.environ, PKG_CONFIG_PATH=os.path.dirname(pcs[0]))
-        define = ["--define-variable=prefix=" + tmp + prefix]
+        search = [os.path.dirname(pcs[0])] + [d for d in os.environ.get(
+            "PKG_CONFIG_PATH", "").split(os.pathsep) if d]  # its own, then the dependencies'
+        env = dict(os.environ, PKG_CONFIG_PATH=os.pathsep.join(search))
+        define = ["--define-variable=prefix=" + tmp[len(sysroot):] + prefix]
 
         def flags(*what):
             q = run(["pkg-config"] + define + list(what) + ["fsdpc"], env=env)
