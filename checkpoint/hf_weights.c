@@ -52,6 +52,114 @@ static fsdpc_status_t read_rows(st_file_t *f, const char *name, int64_t rows, co
   return st;
 }
 
+/* The "N" of a stacked experts' name "P.experts.N" or "experts.N" (N without dots), else
+ * NULL; *plen receives the length of "P.experts." (or "experts."). */
+static const char *stacked_leaf(const char *fqn, size_t *plen) {
+  if (fqn == NULL) return NULL;
+  const char *dot = strrchr(fqn, '.');
+  if (dot == NULL || dot[1] == 0) return NULL;
+  size_t head = (size_t)(dot - fqn); /* "P.experts" */
+  if (head < 7 || strncmp(dot - 7, "experts", 7) != 0 || (head > 7 && dot[-8] != '.')) return NULL;
+  *plen = head + 1;
+  return dot + 1;
+}
+
+bool hf_expert_name(const char *fqn, int64_t j, char *buf, size_t size) {
+  size_t plen;
+  const char *leaf = stacked_leaf(fqn, &plen);
+  if (leaf == NULL || j < 0 || buf == NULL || size == 0) return false;
+  int n = snprintf(buf, size, "%.*s%lld.%s.weight", (int)plen, fqn, (long long)j, leaf);
+  return n > 0 && (size_t)n < size;
+}
+
+bool hf_expert_of(const char *name, char *fqn, size_t size, int64_t *j) {
+  if (name == NULL || fqn == NULL || j == NULL || size == 0) return false;
+  const char *e = strstr(name, "experts.");
+  while (e != NULL && e != name && e[-1] != '.') e = strstr(e + 1, "experts.");
+  if (e == NULL) return false;
+  const char *num = e + 8, *p = num;
+  while (*p >= '0' && *p <= '9') p++;
+  if (p == num || p - num > 9 || *p != '.' || (p - num > 1 && *num == '0')) return false;
+  const char *leaf = p + 1, *tail = strchr(leaf, '.');
+  if (tail == NULL || tail == leaf || strcmp(tail, ".weight") != 0) return false;
+  int n = snprintf(fqn, size, "%.*s%.*s", (int)(num - name), name, (int)(tail - leaf), leaf);
+  if (n <= 0 || (size_t)n >= size) return false;
+  *j = strtoll(num, NULL, 10);
+  return true;
+}
+
+/* Expert j's tensor of stacked parameter p in the first of files[0..nf) that holds it
+ * (*at: its index; -1 when none holds it), or an error when two do. */
+static fsdpc_status_t find_expert(st_file_t *const *files, int nf, const nn_param_t *p, int64_t j,
+                                  char *name, size_t size, int *at) {
+  *at = -1;
+  if (!hf_expert_name(p->fqn, j, name, size))
+    return err_set(STATUS_EINVAL, "parameter '%s': expert %lld's name does not fit", p->fqn,
+                   (long long)j);
+  for (int k = 0; k < nf; k++) {
+    if (st_find(files[k], name) == NULL) continue;
+    if (*at >= 0)
+      return err_set(STATUS_EFORMAT, "tensor '%s' is in both %s and %s", name, st_path(files[*at]),
+                     st_path(files[k]));
+    *at = k;
+  }
+  return STATUS_OK;
+}
+
+/* A stacked experts' parameter P.experts.N [E, a, b] from Hugging Face's per-expert tensors
+ * P.experts.J.N.weight [a, b]: every expert's present with its shape (checked on every rank,
+ * whichever experts its shard holds), then the experts of the local shard read, each the box
+ * the shard covers. */
+static fsdpc_status_t load_experts(st_file_t *const *files, int nf, const char *where,
+                                   nn_param_t *p) {
+  const int64_t *shape = dtensor_shape(p->value);
+  char name[512];
+  for (int64_t j = 0; j < shape[0]; j++) {
+    int at;
+    FSDPC_TRY(find_expert(files, nf, p, j, name, sizeof name, &at));
+    if (at < 0) return err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", where, name);
+    const st_info_t *t = st_find(files[at], name);
+    if (t->ndim != 2 || t->shape[0] != shape[1] || t->shape[1] != shape[2]) {
+      char a[96], b[96];
+      return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, the model's experts %s",
+                     st_path(files[at]), name, tensor_shape_str(t->ndim, t->shape, a, sizeof a),
+                     tensor_shape_str(2, shape + 1, b, sizeof b));
+    }
+  }
+  int64_t off[TENSOR_MAX_DIMS];
+  dtensor_offset(p->value, off);
+  const fsdpc_tensor_t *local = dtensor_local(p->value);
+  fsdpc_status_t st = STATUS_OK;
+  for (int64_t j = 0; j < local->shape[0] && st == STATUS_OK; j++) {
+    int at;
+    st = find_expert(files, nf, p, off[0] + j, name, sizeof name, &at);
+    fsdpc_tensor_t one = {0}, plane = {0};
+    if (st == STATUS_OK) st = tensor_narrow(&one, local, 0, j, 1);
+    if (st == STATUS_OK) st = tensor_view(&plane, &one, 2, local->shape + 1);
+    if (st == STATUS_OK) st = st_read_box(files[at], name, off + 1, &plane);
+    tensor_free(&plane);
+    tensor_free(&one);
+  }
+  return st;
+}
+
+/* Whether name is a Hugging Face per-expert tensor of a stacked parameter among ps[0..n) that
+ * none of the files holds stacked (so that it was read per expert). */
+static bool per_expert_of(const char *name, nn_param_t *const *ps, int n, st_file_t *const *files,
+                          int nf) {
+  char fqn[512];
+  int64_t j;
+  if (!hf_expert_of(name, fqn, sizeof fqn, &j)) return false;
+  for (int i = 0; i < n; i++)
+    if (strcmp(ps[i]->fqn, fqn) == 0) {
+      if (dtensor_ndim(ps[i]->value) != 3 || j >= dtensor_shape(ps[i]->value)[0]) return false;
+      for (int k = 0; k < nf; k++)
+        if (st_find(files[k], fqn) != NULL) return false;
+      return true;
+    }
+  return false;
+}
+
 static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p, bool may_pad) {
   const st_info_t *t = st_find(f, p->fqn);
   if (t == NULL) return err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", st_path(f), p->fqn);
@@ -95,6 +203,12 @@ static fsdpc_status_t load_from(nn_module_t *root, st_file_t *const *files, int 
                      st_path(files[at]), st_path(files[k]));
       at = k;
     }
+    size_t plen;
+    bool stacked = dtensor_ndim(ps[i]->value) == 3 && stacked_leaf(ps[i]->fqn, &plen) != NULL;
+    if (st == STATUS_OK && at < 0 && stacked) { /* Hugging Face's per-expert tensors */
+      st = load_experts(files, nf, where, ps[i]);
+      continue;
+    }
     if (st == STATUS_OK && at < 0)
       st = err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", where, ps[i]->fqn);
     if (st == STATUS_OK) st = load_one(files[at], ps[i], padded && padded(ps[i]->fqn));
@@ -102,7 +216,7 @@ static fsdpc_status_t load_from(nn_module_t *root, st_file_t *const *files, int 
   for (int k = 0; k < nf && st == STATUS_OK; k++)
     for (int i = 0; i < st_num_tensors(files[k]) && st == STATUS_OK; i++) {
       const char *name = st_tensor(files[k], i)->name;
-      bool known = false;
+      bool known = per_expert_of(name, ps, n, files, nf);
       for (int j = 0; j < n && !known; j++) known = strcmp(ps[j]->fqn, name) == 0;
       if (!known)
         st = err_set(STATUS_EFORMAT, "%s: unexpected tensor '%s' (not a parameter of the model)",
@@ -224,7 +338,26 @@ fsdpc_status_t ckpt_save_weights(nn_module_t *root, const char *path) {
                                    "saving %s: parameter '%s' is not whole on "
                                    "this rank (sharded or partial)",
                                    path, ps[i]->fqn));
-    FSDPC_TRY_GOTO(st, st_writer_add(w, ps[i]->fqn, dtensor_local(v)));
+    const fsdpc_tensor_t *t = dtensor_local(v);
+    char name[512];
+    if (t->ndim == 3 && hf_expert_name(ps[i]->fqn, 0, name, sizeof name)) {
+      for (int64_t j = 0; j < t->shape[0]; j++) { /* Hugging Face's names, one per expert */
+        fsdpc_tensor_t one = {0}, plane = {0};
+        if (!hf_expert_name(ps[i]->fqn, j, name, sizeof name))
+          FSDPC_TRY_GOTO(st, err_set(STATUS_EINVAL,
+                                     "saving %s: '%s' expert %lld's name is too "
+                                     "long",
+                                     path, ps[i]->fqn, (long long)j));
+        st = tensor_narrow(&one, t, 0, j, 1);
+        if (st == STATUS_OK) st = tensor_view(&plane, &one, 2, t->shape + 1);
+        if (st == STATUS_OK) st = st_writer_add(w, name, &plane);
+        tensor_free(&plane);
+        tensor_free(&one);
+        if (st != STATUS_OK) goto cleanup;
+      }
+      continue;
+    }
+    FSDPC_TRY_GOTO(st, st_writer_add(w, ps[i]->fqn, t));
   }
   FSDPC_TRY_GOTO(st, st_writer_set_metadata(w, "format", "pt"));
   FSDPC_TRY_GOTO(st, st_writer_save(w, path));

@@ -11,7 +11,8 @@
  * stored dtype to the parameter's; like torch's strict load_state_dict, a missing or an
  * unexpected tensor or a shape mismatch is an error naming the file and the tensor. Saving
  * writes each parameter whole: every parameter must be fully present on this rank
- * (Replicate on every mesh dimension). Neither is collective.
+ * (Replicate on every mesh dimension). Neither is collective. Stacked experts are read and
+ * written per expert, as Hugging Face names them (hf_expert_name below).
  */
 #ifndef FSDPC_CHECKPOINT_HF_WEIGHTS_H
 #define FSDPC_CHECKPOINT_HF_WEIGHTS_H
@@ -41,6 +42,16 @@ fsdpc_status_t ckpt_load_hf_padded(nn_module_t *root, const char *dir,
 fsdpc_status_t hf_weight_files(const char *dir, char ***names, int *n);
 void hf_weight_files_free(char **names, int n);
 fsdpc_status_t ckpt_save_weights(nn_module_t *root, const char *path);
+
+/* Hugging Face's files keep a mixture of experts' weights one tensor per expert where the
+ * model stacks them (nn/moe.h): the parameter P.experts.N [E, a, b] is P.experts.J.N.weight
+ * [a, b] there, J = 0..E-1 (Qwen3-MoE's names). The loads above read either form; saving and
+ * fsdp-ckpt export-hf write Hugging Face's. hf_expert_name writes expert j's name for the
+ * stacked parameter fqn into buf (false when fqn is no P.experts.N, j is negative or the name
+ * does not fit); hf_expert_of parses such a name back into the stacked one and j (false when
+ * name is not one). */
+bool hf_expert_name(const char *fqn, int64_t j, char *buf, size_t size);
+bool hf_expert_of(const char *name, char *fqn, size_t size, int64_t *j);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

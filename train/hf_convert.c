@@ -184,9 +184,16 @@ static int hf_shape(llama_arch_t arch, const dcp_tensor_t *t, int64_t vocab, int
   return hn;
 }
 
+/* The experts a stacked tensor holds (P.experts.N [E, a, b], which Hugging Face's files keep
+ * as E tensors P.experts.J.N.weight), else 0. */
+static int64_t stacked_experts(const dcp_tensor_t *t) {
+  char name[512];
+  return t->ndim == 3 && hf_expert_name(t->name, 0, name, sizeof name) ? t->shape[0] : 0;
+}
+
 /* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
  * time, each in the shape Hugging Face's files give it (llama_hf_shape; a padded vocabulary
- * table's first vocab rows). */
+ * table's first vocab rows; stacked experts one tensor per expert). */
 static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int first,
                                   int last, dtype_t want, const char *path, mesh_t *one,
                                   llama_arch_t arch, int64_t vocab) {
@@ -194,9 +201,16 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
   FSDPC_TRY(st_writer_new(&w));
   fsdpc_status_t st = st_writer_set_metadata(w, "format", "pt");
   int64_t hs[ST_MAX_DIMS + 1];
+  char expert[512];
   for (int i = first; i < last && st == STATUS_OK; i++) {
     int hn = hf_shape(arch, t[i], vocab, hs);
-    st = st_writer_declare(w, t[i]->name, want == DTYPE_COUNT ? t[i]->dtype : want, hn, hs);
+    dtype_t dt = want == DTYPE_COUNT ? t[i]->dtype : want;
+    for (int64_t j = 0; j < stacked_experts(t[i]) && st == STATUS_OK; j++)
+      st = hf_expert_name(t[i]->name, j, expert, sizeof expert)
+               ? st_writer_declare(w, expert, dt, 2, t[i]->shape + 1)
+               : err_set(STATUS_EINVAL, "'%s': expert %lld's name is too long", t[i]->name,
+                         (long long)j);
+    if (stacked_experts(t[i]) == 0) st = st_writer_declare(w, t[i]->name, dt, hn, hs);
   }
   if (st == STATUS_OK) st = st_writer_begin(w, path);
   placement_t rep = placement_replicate();
@@ -220,7 +234,16 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
     if (st == STATUS_OK)
       st = trim ? tensor_narrow(&rows, src, 0, 0, hs[0]) : tensor_ref(&rows, src);
     if (st == STATUS_OK) st = tensor_view(&as, &rows, hn, hs);
-    if (st == STATUS_OK) st = st_writer_write(w, t[i]->name, &as);
+    for (int64_t j = 0; j < stacked_experts(t[i]) && st == STATUS_OK; j++) {
+      fsdpc_tensor_t one = {0}, plane = {0};
+      hf_expert_name(t[i]->name, j, expert, sizeof expert); /* fits: declared above */
+      st = tensor_narrow(&one, &as, 0, j, 1);
+      if (st == STATUS_OK) st = tensor_view(&plane, &one, 2, as.shape + 1);
+      if (st == STATUS_OK) st = st_writer_write(w, expert, &plane);
+      tensor_free(&plane);
+      tensor_free(&one);
+    }
+    if (st == STATUS_OK && stacked_experts(t[i]) == 0) st = st_writer_write(w, t[i]->name, &as);
     tensor_free(&as);
     tensor_free(&rows);
     tensor_free(&conv);
@@ -314,9 +337,14 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
       snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", f + 1, files);
     snprintf(path, sizeof path, "%.4000s/%s", tmp, name);
     st = export_file(r, t, start[f], start[f + 1], o->dtype, path, one, arch, vocab);
-    for (int i = start[f]; index && i < start[f + 1]; i++)
-      cJSON_AddStringToObject(cJSON_GetObjectItemCaseSensitive(index, "weight_map"), t[i]->name,
-                              name);
+    cJSON *map = index ? cJSON_GetObjectItemCaseSensitive(index, "weight_map") : NULL;
+    for (int i = start[f]; map && i < start[f + 1]; i++) {
+      char expert[512];
+      for (int64_t j = 0; j < stacked_experts(t[i]); j++)
+        if (hf_expert_name(t[i]->name, j, expert, sizeof expert))
+          cJSON_AddStringToObject(map, expert, name);
+      if (stacked_experts(t[i]) == 0) cJSON_AddStringToObject(map, t[i]->name, name);
+    }
   }
   if (st == STATUS_OK && index) {
     char path[PATH_LEN + 64], *text = cJSON_Print(index);
@@ -452,6 +480,12 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   int nt = 0;
   if (st == STATUS_OK) st = dcp_reader_open(hf, &r);
   if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
+  if (st == STATUS_OK && llama && lc.n_experts > 0)
+    st = err_set(STATUS_EUNSUPPORTED,
+                 "%s: import-hf of a model with experts (%s) is not implemented: its per-expert "
+                 "tensors are not stacked into a checkpoint yet; train from the folder with "
+                 "model.init_from, which reads them",
+                 hf, llama_arch_name(lc.arch));
   if (st == STATUS_OK && llama) st = check_llama_tensors(hf, &lc, list, nt);
   if (st == STATUS_OK) st = file_check_output_dir(out, "import-hf: OUT", false);
   char tmp[PATH_LEN + 16] = "", model[PATH_LEN + 32];

@@ -105,6 +105,15 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
     block = ea * (6 * N * D + 3 * N * QD + 3 * N * KVD + 3 * N * F) + 2 * N * 4 + B * H * T * 4;
   if (c->qk_norm) /* Qwen3's normalised q and k heads and their inverse RMS */
     block += ea * N * (QD + KVD) / t + 4 * N * (H + (double)c->n_kv_heads) / t;
+  /* Qwen3-MoE's sparse layers: in place of the MLP's 3 N F, the router's logits and
+   * probabilities (f32) and the top-k weights, each token's k rows gathered, the experts' 3 N k
+   * moe_ffn and their outputs (under uniform routing: every expert's share is N k / E rows) */
+  double Km = (double)c->top_k, Fm = (double)c->moe_ffn_dim, E = (double)c->n_experts;
+  double block_moe =
+      block + ea * (3 * N * Km * Fm + 2 * N * Km * D - 3 * N * F) + 4 * (2 * N * E + N * Km);
+  double sparse_before[2] = {0, 0}; /* filled below: sparse layers before i, and all of them */
+  for (int64_t i = 0; i < c->n_layers; i++) sparse_before[1] += llama_layer_is_moe(c, i);
+  double all_blocks = (L - sparse_before[1]) * block + sparse_before[1] * block_moe;
   double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
   double ids = 4 * N * 8;     /* input ids and labels, and their copies */
   double emb = tp ? er * (N * D + Ns * D) : er * N * D;
@@ -131,15 +140,15 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
   /* 1: the loss's backward: every block's tape, the final norm's output (and its gathered
    * copy under sequence parallelism), the logits (their gradient written over the whole ones)
    * and the gradient's local slice, the last unit being gathered for backward */
-  *out = moment("the loss's backward", state, ids + emb + L * (ac ? out_b : block),
+  *out = moment("the loss's backward", state, ids + emb + (ac ? L * out_b : all_blocks),
                 u.root_gathered + ahead + kept,
                 er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + logits + (tp ? er * N * V / t : 0) +
                     root_pending);
   /* 1b: under tensor parallelism, the logits made whole at the forward's end: the local
    * logits and their copy sent, the gathered blocks and their reordering into whole rows */
   if (tp) {
-    llama_memory_t m = moment("the logits made whole", state, ids + emb + L * (ac ? out_b : block),
-                              u.root_gathered + kept,
+    llama_memory_t m = moment("the logits made whole", state,
+                              ids + emb + (ac ? L * out_b : all_blocks), u.root_gathered + kept,
                               er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + 2 * er * N * V / t +
                                   2 * er * N * V + root_pending);
     if (m.peak > out->peak) *out = m;
@@ -149,18 +158,23 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
    * first), its parameters and the next unit's being gathered, its MLP's input gradients;
    * below the last block, the gradients of the block after it being reduced (whole in the
    * reduce dtype, and the reduced shard) and the shards of those reduced before */
-  double mlp = ac ? (tp ? ea * (2 * N * D + Ns * D) : ea * (3 * N * F + F * D))
-                  : ea * (3 * N * F / t + F * D / t);
-  double own = ac ? (tp ? block : block - out_b) : block - 2 * out_b;
+  double dense_mlp = ac ? (tp ? ea * (2 * N * D + Ns * D) : ea * (3 * N * F + F * D))
+                        : ea * (3 * N * F / t + F * D / t);
+  double moe_mlp = ea * (3 * N * Km * Fm + E * Fm * D);
+  sparse_before[0] = sparse_before[1];
   for (int64_t i = c->n_layers - 1; i >= 0; i--) {
-    bool last = i == c->n_layers - 1;
+    bool last = i == c->n_layers - 1, moe = llama_layer_is_moe(c, i);
+    sparse_before[0] -= moe; /* the sparse layers below i */
+    double bi = moe ? block_moe : block, mlp = moe ? moe_mlp : dense_mlp;
+    double own = ac ? (tp ? bi : bi - out_b) : bi - 2 * out_b;
+    double below = ((double)i - sparse_before[0]) * block + sparse_before[0] * block_moe;
     if (!last && !(dp && u.unit > 0)) break; /* nothing reduces: the last block peaks */
     double before = (double)i, after = L - 1 - before;
     llama_memory_t m =
         moment(last ? "the last block's backward"
                     : "a block's backward while the next block's gradients reduce",
                state + (after > 1 ? (after - 1) * u.unit_shard : 0),
-               ids + emb + (ac ? (before + 1) * out_b : before * block) + own,
+               ids + emb + (ac ? (before + 1) * out_b : below) + own,
                u.root_gathered + u.unit_gathered + (i > 0 ? ahead : 0) +
                    (before > 0 ? kept * before / (L - 1) : 0),
                /* the reduction: its input whole, and its output shard (the input itself when

@@ -96,8 +96,13 @@ static fsdpc_status_t read_architecture(plan_ctx_t *c, int m, llama_config_t *mc
   if (name[0] == 0) return STATUS_OK;
   if (!llama_arch_from_name(name, &mc->arch))
     return pr_fail(c, pr_find(c, m, "architecture"), "model.architecture",
-                   "'%s' is not an architecture this build trains (llama, qwen2, qwen3, gpt2)",
+                   "'%s' is not an architecture this build trains (llama, qwen2, qwen3, gpt2, "
+                   "qwen3_moe)",
                    name);
+  if (mc->arch == LLAMA_ARCH_QWEN3_MOE)
+    return pr_fail(c, pr_find(c, m, "architecture"), "model.architecture",
+                   "qwen3_moe's experts are not among the model section's keys: give its "
+                   "config.json with model.config (or a folder with model.init_from)");
   mc->qkv_bias = mc->arch == LLAMA_ARCH_QWEN2;
   mc->o_bias = false;
   mc->qk_norm = mc->arch == LLAMA_ARCH_QWEN3;
@@ -722,6 +727,11 @@ static fsdpc_status_t resolve_global_batch(fsdpc_plan_t *p) {
 
 /* The built-in model's sizes that tensor parallelism splits, each divisible by mesh.tp. */
 static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
+  if (p->par.tp > 1 && p->model.n_experts > 0)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: mesh.tp: %d: tensor parallelism of a model with experts (%s) is not "
+                   "implemented; shard it with dp_shard and dp_replicate",
+                   p->par.mesh_where.text, p->par.tp, llama_arch_name(p->model.arch));
   if (p->par.tp > 1) {
     const struct {
       const char *key;

@@ -150,21 +150,28 @@ static void own_model_line(const run_t *r) {
 static void builtin_model_line(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   const llama_config_t *c = &p->model;
-  char heads[48] = "", extra[64] = "";
+  char heads[48] = "", extra[64] = "", moe[128] = "";
   if (c->head_dim > 0) snprintf(heads, sizeof heads, " of %lld", (long long)c->head_dim);
   snprintf(extra, sizeof extra, "%s%s",
            c->qkv_bias ? (c->o_bias ? ", attention biases" : ", q/k/v biases") : "",
            c->qk_norm ? ", q/k norms" : "");
+  int64_t sparse = 0;
+  for (int64_t i = 0; i < c->n_layers; i++) sparse += llama_layer_is_moe(c, i);
+  if (sparse > 0)
+    snprintf(moe, sizeof moe, ", %lld experts of %lld, top-%lld%s in %lld of the layers",
+             (long long)c->n_experts, (long long)c->moe_ffn_dim, (long long)c->top_k,
+             c->norm_topk ? " renormalised" : "", (long long)sparse);
   char rows[48] = "";
   if (llama_vocab_rows(c) > c->vocab_size)
     snprintf(rows, sizeof rows, " (tables padded to %lld rows)", (long long)llama_vocab_rows(c));
   printf(
-      "  model: %s dim %lld, %lld layer%s, %lld/%lld heads%s, ffn %lld, vocab %lld%s, %s%s; "
+      "  model: %s dim %lld, %lld layer%s, %lld/%lld heads%s, ffn %lld%s, vocab %lld%s, %s%s; "
       "%lld parameters; activation checkpointing %s\n",
       llama_arch_name(c->arch), (long long)c->dim, (long long)c->n_layers,
       c->n_layers == 1 ? "" : "s", (long long)c->n_heads, (long long)c->n_kv_heads, heads,
-      (long long)c->ffn_dim, (long long)c->vocab_size, rows, c->tie_embeddings ? "tied" : "untied",
-      extra, (long long)llama_num_params(c), p->activation_checkpointing ? "on" : "off");
+      (long long)c->ffn_dim, moe, (long long)c->vocab_size, rows,
+      c->tie_embeddings ? "tied" : "untied", extra, (long long)llama_num_params(c),
+      p->activation_checkpointing ? "on" : "off");
 }
 
 /* The header's model lines: the model, fully_shard, the optimizer, tensor parallelism. */

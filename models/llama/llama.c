@@ -10,6 +10,7 @@
 #include "core/args_impl.h"
 #include "core/file.h"
 #include "nn/init.h"
+#include "nn/moe.h"
 #include "nn/ops.h"
 
 struct llama {
@@ -407,10 +408,17 @@ static fsdpc_status_t build_block(builder_t *b, nn_module_t *layers, int64_t i) 
     FSDPC_TRY(add_leaf(b, attn, "k_norm", rmsnorm_forward, hd, 0, NULL));
   }
   FSDPC_TRY(add_leaf(b, blk, "post_attention_layernorm", rmsnorm_forward, c->dim, 0, NULL));
-  FSDPC_TRY(add_container(b, blk, "mlp", mlp_forward, &mlp));
-  FSDPC_TRY(add_leaf(b, mlp, "gate_proj", linear_forward, c->ffn_dim, c->dim, NULL));
-  FSDPC_TRY(add_leaf(b, mlp, "up_proj", linear_forward, c->ffn_dim, c->dim, NULL));
-  FSDPC_TRY(add_leaf(b, mlp, "down_proj", linear_forward, c->dim, c->ffn_dim, NULL));
+  if (llama_layer_is_moe(c, i)) { /* Qwen3-MoE's sparse layer: mlp.gate, mlp.experts.* */
+    nn_layer_options_t lo = {
+        .dtype = b->opt->dtype, .device = b->opt->device, .deferred = b->opt->deferred};
+    FSDPC_TRY(nn_moe_new(blk, "mlp", c->dim, c->moe_ffn_dim, (int)c->n_experts, (int)c->top_k,
+                         c->norm_topk, &lo, NULL));
+  } else {
+    FSDPC_TRY(add_container(b, blk, "mlp", mlp_forward, &mlp));
+    FSDPC_TRY(add_leaf(b, mlp, "gate_proj", linear_forward, c->ffn_dim, c->dim, NULL));
+    FSDPC_TRY(add_leaf(b, mlp, "up_proj", linear_forward, c->ffn_dim, c->dim, NULL));
+    FSDPC_TRY(add_leaf(b, mlp, "down_proj", linear_forward, c->dim, c->ffn_dim, NULL));
+  }
   nn_module_set_checkpoint(blk, b->opt->activation_checkpointing);
   return STATUS_OK;
 }

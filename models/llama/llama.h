@@ -50,6 +50,7 @@ typedef enum llama_arch {
   LLAMA_ARCH_QWEN2,
   LLAMA_ARCH_QWEN3,
   LLAMA_ARCH_GPT2,
+  LLAMA_ARCH_QWEN3_MOE,
   LLAMA_ARCH_COUNT
 } llama_arch_t;
 
@@ -76,7 +77,21 @@ typedef struct llama_config {
    * out. Products of 50304 rows run at full speed where GPT-2's 50257 do not, and tensor
    * parallelism splits them. */
   int64_t pad_vocab_multiple;
+  /* Qwen3-MoE (qwen3_moe): the MLP of a sparse layer is a mixture-of-experts block (nn/moe.h)
+   * of n_experts SwiGLU experts of moe_ffn_dim, top_k of them for each token, their weights
+   * renormalised to sum 1 when norm_topk; layer i is sparse when it is not one of
+   * mlp_only_layers and i + 1 is a multiple of sparse_step (llama_layer_is_moe). The dense
+   * layers keep the MLP of ffn_dim. No experts (0): every layer dense. */
+  int64_t n_experts;    /* num_experts */
+  int64_t top_k;        /* num_experts_per_tok */
+  int64_t moe_ffn_dim;  /* moe_intermediate_size */
+  int64_t sparse_step;  /* decoder_sparse_step */
+  bool norm_topk;       /* norm_topk_prob */
+  uint64_t mlp_only[4]; /* mlp_only_layers: bit i of word i / 64 for layer i (below 256) */
 } llama_config_t;
+
+/* The most layers mlp_only_layers can name (llama_config_t.mlp_only). */
+#define LLAMA_MAX_MLP_ONLY 256
 
 /* Hugging Face's LlamaConfig defaults for what a config.json may leave out. */
 #define LLAMA_CONFIG_INIT                                                               \
@@ -84,11 +99,11 @@ typedef struct llama_config {
     .dim = 4096, .n_layers = 32, .n_heads = 32, .n_kv_heads = 32, .ffn_dim = 11008,     \
     .vocab_size = 32000, .max_seq_len = 2048,                                           \
     .rope = {.theta = 10000.0, .scaling = ROPE_DEFAULT, .factor = 1}, .norm_eps = 1e-6, \
-    .tie_embeddings = false, .init_std = 0.02                                           \
+    .tie_embeddings = false, .init_std = 0.02, .sparse_step = 1                         \
   }
 
-/* The architecture's model_type ("llama", "qwen2", "qwen3", "gpt2"), and the arch of a
- * model_type (false for one not of the family). */
+/* The architecture's model_type ("llama", "qwen2", "qwen3", "gpt2", "qwen3_moe"), and the
+ * arch of a model_type (false for one not of the family). */
 const char *llama_arch_name(llama_arch_t arch);
 bool llama_arch_from_name(const char *model_type, llama_arch_t *out);
 
@@ -108,6 +123,10 @@ int64_t llama_vocab_rows(const llama_config_t *c);
 /* Whether fqn names a parameter whose rows are the vocabulary's in one of the family's
  * architectures (model.embed_tokens.weight, transformer.wte.weight, lm_head.weight). */
 bool llama_is_vocab_table(const char *fqn);
+
+/* Whether layer i's MLP is a mixture of experts (Qwen3-MoE's sparse layers); false for NULL
+ * or i outside [0, n_layers). */
+bool llama_layer_is_moe(const llama_config_t *c, int64_t i);
 
 /* The size of an attention head: head_dim, or dim / n_heads when it is 0. */
 int64_t llama_head_dim(const llama_config_t *c);

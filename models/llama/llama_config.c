@@ -16,7 +16,8 @@ static const struct {
 } arch_names[LLAMA_ARCH_COUNT] = {{"llama", "LlamaForCausalLM"},
                                   {"qwen2", "Qwen2ForCausalLM"},
                                   {"qwen3", "Qwen3ForCausalLM"},
-                                  {"gpt2", "GPT2LMHeadModel"}};
+                                  {"gpt2", "GPT2LMHeadModel"},
+                                  {"qwen3_moe", "Qwen3MoeForCausalLM"}};
 
 const char *llama_arch_name(llama_arch_t arch) {
   return arch >= 0 && arch < LLAMA_ARCH_COUNT ? arch_names[arch].model_type : "?";
@@ -46,9 +47,44 @@ bool llama_is_vocab_table(const char *fqn) {
   return false;
 }
 
+bool llama_layer_is_moe(const llama_config_t *c, int64_t i) {
+  if (c == NULL || i < 0 || i >= c->n_layers || c->n_experts <= 0 || c->sparse_step <= 0)
+    return false;
+  if (i < LLAMA_MAX_MLP_ONLY && (c->mlp_only[i / 64] >> (i % 64) & 1)) return false;
+  return (i + 1) % c->sparse_step == 0;
+}
+
 int64_t llama_head_dim(const llama_config_t *c) {
   if (c == NULL) return 0;
   return c->head_dim > 0 ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
+}
+
+/* The mixture-of-experts keys: only qwen3_moe has experts; top-k from 1 to the experts. */
+static fsdpc_status_t check_experts(const llama_config_t *c) {
+  if (c->arch != LLAMA_ARCH_QWEN3_MOE) {
+    if (c->n_experts != 0)
+      return err_set(STATUS_EINVAL, "model config: %s has no experts (num_experts is qwen3_moe's)",
+                     llama_arch_name(c->arch));
+    return STATUS_OK;
+  }
+  if (c->n_experts < 0 || c->n_experts > 65536)
+    return err_set(STATUS_EINVAL, "model config: num_experts must be from 0 to 65536, got %lld",
+                   (long long)c->n_experts);
+  if (c->n_experts == 0) return STATUS_OK;
+  if (c->top_k < 1 || c->top_k > c->n_experts)
+    return err_set(STATUS_EINVAL,
+                   "model config: num_experts_per_tok must be from 1 to num_experts (%lld), got "
+                   "%lld",
+                   (long long)c->n_experts, (long long)c->top_k);
+  if (c->moe_ffn_dim <= 0 || c->moe_ffn_dim > ((int64_t)1 << 31))
+    return err_set(STATUS_EINVAL,
+                   "model config: moe_intermediate_size must be a size from 1 to 2^31, got %lld",
+                   (long long)c->moe_ffn_dim);
+  if (c->sparse_step < 1 || c->sparse_step > 4096)
+    return err_set(STATUS_EINVAL,
+                   "model config: decoder_sparse_step must be from 1 to 4096, got %lld",
+                   (long long)c->sparse_step);
+  return STATUS_OK;
 }
 
 fsdpc_status_t llama_config_check(const llama_config_t *c) {
@@ -97,8 +133,12 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
                    llama_arch_name(c->arch),
                    qwen2 ? "biases on q_proj, k_proj and v_proj only"
                          : "biases on all four attention projections or none");
-  if (c->qk_norm != (c->arch == LLAMA_ARCH_QWEN3))
-    return err_set(STATUS_EINVAL, "model config: q_norm and k_norm are Qwen3's, and it has them");
+  bool qwen3 = c->arch == LLAMA_ARCH_QWEN3 || c->arch == LLAMA_ARCH_QWEN3_MOE;
+  if (c->qk_norm != qwen3)
+    return err_set(STATUS_EINVAL,
+                   "model config: q_norm and k_norm are Qwen3's (and Qwen3-MoE's), and it has "
+                   "them");
+  FSDPC_TRY(check_experts(c));
   if (!(c->init_std >= 0) || c->init_std > 1e3)
     return err_set(STATUS_EINVAL, "model config: initializer_range must be from 0 to 1000");
   if (c->n_heads % c->n_kv_heads != 0)
@@ -129,7 +169,9 @@ bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, 
            {"head_dim", llama_head_dim(a), llama_head_dim(b)},
            {"qkv_bias", a->qkv_bias, b->qkv_bias},
            {"o_bias", a->o_bias, b->o_bias},
-           {"qk_norm", a->qk_norm, b->qk_norm}};
+           {"qk_norm", a->qk_norm, b->qk_norm},
+           {"n_experts", a->n_experts, b->n_experts},
+           {"moe_ffn_dim", a->moe_ffn_dim, b->moe_ffn_dim}};
   for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
     if (f[i].x != f[i].y) {
       if (why && i == 0)
@@ -137,6 +179,14 @@ bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, 
                  llama_arch_name(b->arch));
       else if (why)
         snprintf(why, size, "%s %lld vs %lld", f[i].name, (long long)f[i].x, (long long)f[i].y);
+      return false;
+    }
+  for (int64_t i = 0; i < a->n_layers; i++)
+    if (llama_layer_is_moe(a, i) != llama_layer_is_moe(b, i)) {
+      if (why)
+        snprintf(why, size, "layer %lld's MLP %s vs %s", (long long)i,
+                 llama_layer_is_moe(a, i) ? "sparse" : "dense",
+                 llama_layer_is_moe(b, i) ? "sparse" : "dense");
       return false;
     }
   return true;
@@ -151,9 +201,14 @@ int64_t llama_num_params(const llama_config_t *c) {
            c->n_layers * layer + 2 * D;
   }
   int64_t hd = llama_head_dim(c), q = c->n_heads * hd, kv = c->n_kv_heads * hd;
-  int64_t layer = 2 * c->dim + 2 * q * c->dim + 2 * kv * c->dim + 3 * c->dim * c->ffn_dim;
+  int64_t layer = 2 * c->dim + 2 * q * c->dim + 2 * kv * c->dim;
   layer += (c->qkv_bias ? q + 2 * kv : 0) + (c->o_bias ? c->dim : 0) + (c->qk_norm ? 2 * hd : 0);
-  return llama_vocab_rows(c) * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + c->dim;
+  int64_t sparse = 0; /* the router [E, dim] and the stacked experts, 3 [E, moe_ffn, dim] */
+  for (int64_t i = 0; i < c->n_layers; i++) sparse += llama_layer_is_moe(c, i);
+  int64_t mlps = (c->n_layers - sparse) * 3 * c->dim * c->ffn_dim +
+                 sparse * (c->n_experts * c->dim + 3 * c->n_experts * c->moe_ffn_dim * c->dim);
+  return llama_vocab_rows(c) * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + mlps +
+         c->dim;
 }
 
 /* Reads an optional integer key; errors name the file and the key. */
@@ -273,7 +328,7 @@ static fsdpc_status_t parse_bias(const char *path, const cJSON *o, llama_config_
   FSDPC_TRY(json_bool(path, o, "attention_bias", &bias));
   c->qkv_bias = c->arch == LLAMA_ARCH_QWEN2 || bias;
   c->o_bias = c->arch != LLAMA_ARCH_QWEN2 && bias;
-  c->qk_norm = c->arch == LLAMA_ARCH_QWEN3;
+  c->qk_norm = c->arch == LLAMA_ARCH_QWEN3 || c->arch == LLAMA_ARCH_QWEN3_MOE;
   const cJSON *types = cJSON_GetObjectItemCaseSensitive(o, "layer_types");
   for (const cJSON *t = cJSON_IsArray(types) ? types->child : NULL; t; t = t->next)
     if (!cJSON_IsString(t) || strcmp(t->valuestring, "full_attention") != 0)
@@ -323,6 +378,50 @@ static fsdpc_status_t parse_gpt2(const char *path, const cJSON *o, llama_config_
   return st == STATUS_OK ? st : err_prefix(st, "%s", path);
 }
 
+/* Qwen3MoeConfig's experts (its defaults for what the file leaves out: 128 experts of 768, 8 a
+ * token, not renormalised, every layer sparse); the router's auxiliary loss is refused when
+ * the config asks for it (output_router_logits with a coefficient). */
+static fsdpc_status_t parse_experts(const char *path, const cJSON *o, llama_config_t *c) {
+  c->n_experts = 128;
+  c->top_k = 8;
+  c->moe_ffn_dim = 768;
+  c->sparse_step = 1;
+  c->norm_topk = false;
+  const char *experts = cJSON_GetObjectItemCaseSensitive(o, "num_experts") == NULL &&
+                                cJSON_GetObjectItemCaseSensitive(o, "num_local_experts") != NULL
+                            ? "num_local_experts"
+                            : "num_experts";
+  FSDPC_TRY(json_int(path, o, experts, &c->n_experts));
+  FSDPC_TRY(json_int(path, o, "num_experts_per_tok", &c->top_k));
+  FSDPC_TRY(json_int(path, o, "moe_intermediate_size", &c->moe_ffn_dim));
+  FSDPC_TRY(json_int(path, o, "decoder_sparse_step", &c->sparse_step));
+  FSDPC_TRY(json_bool(path, o, "norm_topk_prob", &c->norm_topk));
+  bool logits = false;
+  double coef = 0.001; /* Qwen3MoeConfig's */
+  FSDPC_TRY(json_bool(path, o, "output_router_logits", &logits));
+  FSDPC_TRY(json_num(path, o, "router_aux_loss_coef", &coef));
+  if (logits && coef != 0)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: 'output_router_logits' is true with a router_aux_loss_coef of %g, but the "
+                   "router's load-balancing loss is not implemented (set output_router_logits "
+                   "to false to train without it)",
+                   path, coef);
+  const cJSON *only = cJSON_GetObjectItemCaseSensitive(o, "mlp_only_layers");
+  if (only != NULL && !cJSON_IsNull(only) && !cJSON_IsArray(only))
+    return err_set(STATUS_EFORMAT, "%s: 'mlp_only_layers' must be a list of layer indices", path);
+  for (const cJSON *it = only && cJSON_IsArray(only) ? only->child : NULL; it; it = it->next) {
+    double v = cJSON_IsNumber(it) ? it->valuedouble : -1;
+    if (v != floor(v) || v < 0 || v >= LLAMA_MAX_MLP_ONLY)
+      return err_set(STATUS_EFORMAT,
+                     "%s: 'mlp_only_layers' holds %s: layer indices from 0 to %d are read", path,
+                     cJSON_IsNumber(it) ? "an index out of range" : "something not a number",
+                     LLAMA_MAX_MLP_ONLY - 1);
+    int64_t i = (int64_t)v;
+    c->mlp_only[i / 64] |= (uint64_t)1 << (i % 64);
+  }
+  return STATUS_OK;
+}
+
 static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   if (!cJSON_IsObject(o)) return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
   /* the model type first: another architecture's config lacks Llama's keys */
@@ -331,16 +430,17 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
     return err_set(STATUS_EFORMAT, "%s: model_type must be a string", path);
   if (mt && !llama_arch_from_name(mt->valuestring, &c->arch))
     return err_set(STATUS_EUNSUPPORTED,
-                   "%s: model_type \"%.64s\": this build trains \"llama\", \"qwen2\", \"qwen3\" "
-                   "and \"gpt2\" (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                   "GPT2LMHeadModel)",
+                   "%s: model_type \"%.64s\": this build trains \"llama\", \"qwen2\", \"qwen3\", "
+                   "\"gpt2\" and \"qwen3_moe\" (LlamaForCausalLM, Qwen2ForCausalLM, "
+                   "Qwen3ForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM)",
                    path, mt->valuestring);
   /* not Hugging Face's: a run's record of its padded tables (llama_config_to_hf_text) */
   FSDPC_TRY(json_int(path, o, "pad_vocab_multiple", &c->pad_vocab_multiple));
   if (c->arch == LLAMA_ARCH_GPT2) return parse_gpt2(path, o, c);
   if (c->arch != LLAMA_ARCH_LLAMA) /* Qwen's defaults (Qwen2Config, Qwen3Config) */
     c->max_seq_len = 32768;
-  if (c->arch == LLAMA_ARCH_QWEN3) c->head_dim = 128;
+  if (c->arch == LLAMA_ARCH_QWEN3) c->head_dim = 128; /* Qwen3-MoE's: hidden / heads */
+  if (c->arch == LLAMA_ARCH_QWEN3_MOE) FSDPC_TRY(parse_experts(path, o, c));
   const char *required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "vocab_size"};
   for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
@@ -434,6 +534,21 @@ static void gpt2_to_hf(const llama_config_t *c, dtype_t dtype, cJSON *o) {
     cJSON_AddNumberToObject(o, "pad_vocab_multiple", (double)c->pad_vocab_multiple);
 }
 
+/* Qwen3MoeConfig's expert keys (no auxiliary loss); false when out of memory. */
+static bool experts_to_hf(const llama_config_t *c, cJSON *o) {
+  cJSON_AddNumberToObject(o, "num_experts", (double)c->n_experts);
+  cJSON_AddNumberToObject(o, "num_experts_per_tok", (double)c->top_k);
+  cJSON_AddNumberToObject(o, "moe_intermediate_size", (double)c->moe_ffn_dim);
+  cJSON_AddNumberToObject(o, "decoder_sparse_step", (double)c->sparse_step);
+  cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk);
+  cJSON_AddBoolToObject(o, "output_router_logits", 0);
+  cJSON *only = cJSON_AddArrayToObject(o, "mlp_only_layers");
+  if (only == NULL) return false;
+  for (int i = 0; i < LLAMA_MAX_MLP_ONLY; i++)
+    if (c->mlp_only[i / 64] >> (i % 64) & 1) cJSON_AddItemToArray(only, cJSON_CreateNumber(i));
+  return true;
+}
+
 fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, char **out) {
   ARG_NONNULL(c);
   ARG_NONNULL(out);
@@ -481,6 +596,10 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
   if (c->arch == LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "mlp_bias", 0);
   if (c->arch != LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "use_sliding_window", 0);
   cJSON_AddNumberToObject(o, "initializer_range", c->init_std);
+  if (c->arch == LLAMA_ARCH_QWEN3_MOE && !experts_to_hf(c, o)) {
+    cJSON_Delete(o);
+    return err_set(STATUS_ENOMEM, "out of host memory");
+  }
   cJSON_AddStringToObject(o, "torch_dtype", dtype_hf_name(dtype));
   if (c->pad_vocab_multiple > 1)
     cJSON_AddNumberToObject(o, "pad_vocab_multiple", (double)c->pad_vocab_multiple);

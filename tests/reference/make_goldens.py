@@ -20,6 +20,9 @@ variant, named in the golden's metadata "init") and TAG_golden.safetensors, for 
   tiny_qwen3   Qwen3: q_norm and k_norm, head_dim 24 (hidden 64 / 4 heads is 16), tied
   tiny_gpt2    GPT-2 (GPT2LMHeadModel): learned positions, LayerNorm with bias, fused c_attn,
                Conv1D weights [in, out], GELU's tanh form, tied; dim 64, 2 layers, 4 heads
+  tiny_qwen3_moe  Qwen3-MoE: layer 0 a sparse block (4 experts of 32, top-2 renormalised),
+               layer 1 dense (mlp_only_layers); its weight files (init, trained.*) name each
+               expert as Hugging Face does, its gradients (grad.*) the C model's stacked names
 and llama31_inv_freq.json: the rotary frequencies of Llama 3.1 8B's config (head_dim 128), as
 transformers' llama3 rope type defines them.
 
@@ -27,6 +30,7 @@ Needs torch (Debian: apt-get install python3-torch); CI does not run this script
 it on one machine reproduces its files byte for byte (fixed seeds, one CPU thread); on another
 CPU the gradients may differ in the last bits (measured: up to 7e-8 absolute).
 
+  make_goldens.py [TAG...]             every variant, or the ones named
   make_goldens.py logits HFDIR ID...   the logits of a Hugging Face folder (config.json and an
                                        F32 model.safetensors, as fsdp-ckpt export-hf writes)
                                        for one sequence, as JSON, for comparing with the C
@@ -154,6 +158,10 @@ VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (Non
     ("tiny_qwen3", dict(QWEN, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=24,
                         attention_bias=False), True, None),
     ("tiny_gpt2", dict(model_type="gpt2"), True, None),
+    ("tiny_qwen3_moe", dict(QWEN, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                            attention_bias=False, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
+                            norm_topk_prob=True, output_router_logits=False), False, None),
 ]
 # GPT-2 as transformers' GPT2Config writes it (no dropout: the C model has none)
 GPT2_CONFIG = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_layer=2,
@@ -161,6 +169,31 @@ GPT2_CONFIG = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=
                    layer_norm_epsilon=1e-5, activation_function="gelu_new",
                    initializer_range=0.02, tie_word_embeddings=True, attn_pdrop=0.0,
                    embd_pdrop=0.0, resid_pdrop=0.0)
+
+
+def hf_names(tensors):
+    """The tensors under Hugging Face's names: stacked experts (P.experts.N [E, a, b]) one
+    tensor per expert, P.experts.J.N.weight [a, b], as Qwen3-MoE's files hold them."""
+    out = {}
+    for name, t in tensors.items():
+        head, _, leaf = name.rpartition(".")
+        if t.dim() == 3 and (head == "experts" or head.endswith(".experts")):
+            for j in range(t.shape[0]):
+                out["%s.%d.%s.weight" % (head, j, leaf)] = t[j]
+        else:
+            out[name] = t
+    return out
+
+
+def stacked_names(tensors, model):
+    """The inverse of hf_names for the model's parameters."""
+    out = dict(tensors)
+    for name, p in model.named_parameters():
+        head, _, leaf = name.rpartition(".")
+        if p.dim() == 3 and (head == "experts" or head.endswith(".experts")):
+            out[name] = torch.stack([out.pop("%s.%d.%s.weight" % (head, j, leaf))
+                                     for j in range(p.shape[0])])
+    return out
 
 
 def write_config(tag, cfg):
@@ -190,8 +223,10 @@ def run(tag, changes, tied, init_tag):
             else:
                 init[name] = 0.02 * torch.randn(p.shape)
         init_tag = tag
-        save_safetensors(os.path.join(HERE, tag + "_init.safetensors"), init, {"format": "pt"})
-    loaded = load_safetensors(os.path.join(HERE, init_tag + "_init.safetensors"))
+        save_safetensors(os.path.join(HERE, tag + "_init.safetensors"), hf_names(init),
+                         {"format": "pt"})
+    loaded = stacked_names(load_safetensors(os.path.join(HERE, init_tag + "_init.safetensors")),
+                           model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(loaded[name])
@@ -221,9 +256,10 @@ def run(tag, changes, tied, init_tag):
         opt.step()
         losses.append(loss.item())
     golden["train_losses"] = torch.tensor(losses, dtype=torch.float32)
-    if cfg["model_type"] in ("qwen2", "qwen3", "gpt2"):
-        for name, p in model.named_parameters():
-            golden["trained." + name] = p.detach().clone()
+    if cfg["model_type"] in ("qwen2", "qwen3", "gpt2", "qwen3_moe"):
+        trained = hf_names({name: p.detach().clone() for name, p in model.named_parameters()})
+        for name, t in trained.items():
+            golden["trained." + name] = t
     meta = {"batch_size": str(BATCH), "seq_len": str(SEQ), "steps": str(STEPS),
             "torch_version": torch.__version__}
     if init_tag != tag:
@@ -267,8 +303,11 @@ def main():
     torch.use_deterministic_algorithms(True)
     if len(sys.argv) > 2 and sys.argv[1] == "logits":
         return logits(sys.argv[2], [int(a) for a in sys.argv[3:]])
-    cfgs = {tag: run(tag, changes, tied, init) for tag, changes, tied, init in VARIANTS}
-    write_rope_references(cfgs["tiny_llama3"])
+    only = sys.argv[1:]  # TAG...: those variants alone (the others' files left as they are)
+    cfgs = {tag: run(tag, changes, tied, init) for tag, changes, tied, init in VARIANTS
+            if not only or tag in only}
+    if "tiny_llama3" in cfgs:
+        write_rope_references(cfgs["tiny_llama3"])
     return 0
 
 

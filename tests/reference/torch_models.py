@@ -102,6 +102,10 @@ def sdpa_attention(q, k, v):
     return sdpa(q, k, v, is_causal=True)
 
 
+def is_qwen3(c):
+    return c.get("model_type") in ("qwen3", "qwen3_moe")
+
+
 def head_dim(c):
     """The attention head size: head_dim when given (Qwen3's default 128), else hidden / heads."""
     if c.get("head_dim"):
@@ -122,7 +126,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.kv * self.hd, bias=qkv_bias)
         self.v_proj = nn.Linear(d, self.kv * self.hd, bias=qkv_bias)
         self.o_proj = nn.Linear(self.h * self.hd, d, bias=o_bias)
-        if kind == "qwen3":
+        if is_qwen3(c):
             self.q_norm = RMSNorm(self.hd, c["rms_norm_eps"])
             self.k_norm = RMSNorm(self.hd, c["rms_norm_eps"])
 
@@ -153,13 +157,56 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """The experts' SwiGLU weights, stacked: gate_proj and up_proj [E, ffn, dim], down_proj
+    [E, dim, ffn] (the names the C model gives them)."""
+    def __init__(self, e, d, f):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(e, f, d))
+        self.up_proj = nn.Parameter(torch.empty(e, f, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, f))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's sparse block as transformers computes it: router logits, softmax in f32, the
+    top-k probabilities (renormalised with norm_topk_prob), and each expert's tokens through its
+    SwiGLU MLP, added back weighted by their routing weight."""
+    def __init__(self, c):
+        super().__init__()
+        d, self.E, self.k = c["hidden_size"], c["num_experts"], c["num_experts_per_tok"]
+        self.norm = bool(c.get("norm_topk_prob"))
+        self.gate = nn.Linear(d, self.E, bias=False)
+        self.experts = Experts(self.E, d, c["moe_intermediate_size"])
+
+    def forward(self, x):
+        xf = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(xf), dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, self.k, dim=-1)
+        if self.norm:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(xf)
+        w = self.experts
+        for e in range(self.E):
+            tok, slot = torch.where(top_i == e)
+            h = F.silu(xf[tok] @ w.gate_proj[e].t()) * (xf[tok] @ w.up_proj[e].t())
+            out.index_add_(0, tok, (h @ w.down_proj[e].t()) * top_w[tok, slot, None])
+        return out.reshape(x.shape)
+
+
+def layer_is_moe(c, i):
+    """Qwen3-MoE's rule: sparse unless in mlp_only_layers, every decoder_sparse_step-th layer."""
+    return (c.get("model_type") == "qwen3_moe" and c.get("num_experts", 0) > 0 and
+            i not in (c.get("mlp_only_layers") or []) and
+            (i + 1) % c.get("decoder_sparse_step", 1) == 0)
+
+
 class Block(nn.Module):
-    def __init__(self, c, sdpa):
+    def __init__(self, c, sdpa, i=0):
         super().__init__()
         self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.self_attn = Attention(c, sdpa)
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.mlp = MLP(c)
+        self.mlp = SparseMoE(c) if layer_is_moe(c, i) else MLP(c)
 
     def forward(self, x, cos, sin):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -170,7 +217,7 @@ class Body(nn.Module):
     def __init__(self, c, seq, sdpa):
         super().__init__()
         self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(Block(c, sdpa) for _ in range(c["num_hidden_layers"]))
+        self.layers = nn.ModuleList(Block(c, sdpa, i) for i in range(c["num_hidden_layers"]))
         self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.head_dim = head_dim(c)
         self.rope = rope_params(c)

@@ -9,21 +9,21 @@
  * Run with argument "cuda" (the GPU suite) the same checks run on the GPU in fp32, and a bf16
  * variant with the wider tolerances documented in tests/README.md.
  */
+#include <cJSON.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-#include <cJSON.h>
-
-#include "core/file.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"
-#include "train/data.h"
+#include "core/file.h"
 #include "models/llama/llama.h"
 #include "nn/ops.h"
 #include "nn/optim.h"
 #include "tests/harness.h"
+#include "train/data.h"
 
 #define REF SOURCE_ROOT "/tests/reference/"
 #define CORPUS SOURCE_ROOT "/data/corpus.txt"
@@ -337,6 +337,77 @@ END_TEST
 START_TEST(training_gpt2) { check_training("tiny_gpt2", "tiny_gpt2"); }
 END_TEST
 
+/* Qwen3-MoE: layer 0 a sparse block (4 experts of 32, top-2 renormalised), layer 1 dense
+ * (mlp_only_layers); the logits, loss and every gradient of step 0, with and without
+ * activation checkpointing, and ten training steps; its parameter count. (The MoE operations
+ * run on the host in f32: the CPU suite only.) */
+START_TEST(qwen3_moe_against_torch) {
+  check_step0("tiny_qwen3_moe", "tiny_qwen3_moe", false);
+  check_step0("tiny_qwen3_moe", "tiny_qwen3_moe", true);
+  check_training("tiny_qwen3_moe", "tiny_qwen3_moe");
+  llama_config_t c;
+  ok(llama_config_from_hf(REF "tiny_qwen3_moe_config.json", &c));
+  ck_assert(llama_layer_is_moe(&c, 0) && !llama_layer_is_moe(&c, 1));
+  llama_options_t opt = LLAMA_OPTIONS_INIT;
+  opt.deferred = true;
+  llama_t *m;
+  ok(llama_new(&c, &opt, &m));
+  nn_param_t **ps;
+  int n;
+  int64_t total = 0;
+  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  for (int i = 0; i < n; i++) total += tensor_numel(dtensor_local(ps[i]->value));
+  ck_assert_int_eq(total, llama_num_params(&c));
+  free(ps);
+  llama_free(m);
+  /* the experts' names in Hugging Face's files, both ways */
+  char name[128], fqn[128];
+  int64_t j = -1;
+  ck_assert(hf_expert_name("model.layers.3.mlp.experts.up_proj", 7, name, sizeof name));
+  ck_assert_str_eq(name, "model.layers.3.mlp.experts.7.up_proj.weight");
+  ck_assert(hf_expert_of(name, fqn, sizeof fqn, &j) && j == 7);
+  ck_assert_str_eq(fqn, "model.layers.3.mlp.experts.up_proj");
+  ck_assert(hf_expert_name("experts.down_proj", 0, name, sizeof name));
+  ck_assert_str_eq(name, "experts.0.down_proj.weight");
+  const char *not_stacked[] = {"model.layers.0.mlp.gate_proj", "model.subexperts.up_proj",
+                               "model.experts", "experts."};
+  for (size_t i = 0; i < sizeof not_stacked / sizeof not_stacked[0]; i++)
+    ck_assert_msg(!hf_expert_name(not_stacked[i], 0, name, sizeof name), "%s", not_stacked[i]);
+  const char *not_expert[] = {
+      "model.layers.0.mlp.experts.up_proj", "model.layers.0.mlp.experts.01.up_proj.weight",
+      "model.layers.0.mlp.experts.1.up_proj.bias", "model.layers.0.mlp.experts.x.up_proj.weight"};
+  for (size_t i = 0; i < sizeof not_expert / sizeof not_expert[0]; i++)
+    ck_assert_msg(!hf_expert_of(not_expert[i], fqn, sizeof fqn, &j), "%s", not_expert[i]);
+  ck_assert(!hf_expert_name("model.experts.up_proj", 0, name, 12)); /* does not fit */
+  /* saved under those names, loaded back the same */
+  llama_t *a = load_model("tiny_qwen3_moe", "tiny_qwen3_moe", false), *b;
+  opt.deferred = false;
+  ok(llama_new(&c, &opt, &b));
+  char path[] = "/tmp/fsdpc-moe-XXXXXX";
+  int fd = mkstemp(path);
+  ck_assert_int_ge(fd, 0);
+  close(fd);
+  ok(ckpt_save_weights(llama_module(a), path));
+  st_file_t *f;
+  ok(st_open(path, &f));
+  ck_assert_ptr_nonnull(st_find(f, "model.layers.0.mlp.experts.3.down_proj.weight"));
+  ck_assert_ptr_null(st_find(f, "model.layers.0.mlp.experts.down_proj"));
+  st_close(f);
+  ok(ckpt_load_weights(llama_module(b), path));
+  unlink(path);
+  ok(nn_named_parameters(llama_module(a), &ps, &n));
+  for (int i = 0; i < n; i++) {
+    bool same = false;
+    ok(tensor_equal(dtensor_local(ps[i]->value),
+                    dtensor_local(nn_param_find(llama_module(b), ps[i]->fqn)->value), &same));
+    ck_assert_msg(same, "%s differs after a save and a load", ps[i]->fqn);
+  }
+  free(ps);
+  llama_free(a);
+  llama_free(b);
+}
+END_TEST
+
 START_TEST(training_rope_variants) {
   check_training("tiny_v5", "tiny_v5");
   check_training("tiny_llama3", "tiny_llama3");
@@ -521,7 +592,19 @@ START_TEST(config_forms_of_the_family) {
        "'attention_bias' must be true or false"},
       {", \"model_type\": \"gpt2\"", 0, 0, 0, 0, 0, 0, "missing 'n_embd'"},
       {", \"model_type\": \"gpt_neox\"", 0, 0, 0, 0, 0, 0,
-       "model_type \"gpt_neox\": this build trains \"llama\", \"qwen2\", \"qwen3\" and \"gpt2\""},
+       "model_type \"gpt_neox\": this build trains \"llama\", \"qwen2\", \"qwen3\", \"gpt2\" "
+       "and \"qwen3_moe\""},
+      {", \"model_type\": \"qwen3_moe\", \"num_experts\": 8, \"num_experts_per_tok\": 2, "
+       "\"moe_intermediate_size\": 32, \"mlp_only_layers\": [0]",
+       LLAMA_ARCH_QWEN3_MOE, 16, 32768, false, false, true, NULL},
+      {", \"model_type\": \"qwen3_moe\", \"num_experts\": 4, \"num_experts_per_tok\": 5", 0, 0, 0,
+       0, 0, 0, "num_experts_per_tok must be from 1 to num_experts (4), got 5"},
+      {", \"model_type\": \"qwen3_moe\", \"output_router_logits\": true", 0, 0, 0, 0, 0, 0,
+       "the router's load-balancing loss is not implemented"},
+      {", \"model_type\": \"qwen3_moe\", \"mlp_only_layers\": [300]", 0, 0, 0, 0, 0, 0,
+       "'mlp_only_layers' holds an index out of range"},
+      {", \"model_type\": \"qwen3_moe\", \"decoder_sparse_step\": 0", 0, 0, 0, 0, 0, 0,
+       "decoder_sparse_step must be from 1 to 4096"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char text[1024];
@@ -535,6 +618,9 @@ START_TEST(config_forms_of_the_family) {
       continue;
     }
     ck_assert_msg(st == STATUS_OK, "case %zu: %s", i, err_detail());
+    if (c.arch == LLAMA_ARCH_QWEN3_MOE) /* Qwen3MoeConfig's defaults but for those given */
+      ck_assert(c.n_experts == 8 && c.top_k == 2 && c.moe_ffn_dim == 32 && c.sparse_step == 1 &&
+                !c.norm_topk && !llama_layer_is_moe(&c, 0) && llama_layer_is_moe(&c, 1));
     for (int round = 0; round < 2; round++) { /* as read, then written and read back */
       ck_assert_msg(c.arch == cases[i].arch && llama_head_dim(&c) == cases[i].head_dim &&
                         c.max_seq_len == cases[i].max_pos && c.qkv_bias == cases[i].qkv_bias &&
@@ -622,6 +708,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_gpt2);
   tcase_add_test(tc, stages_compose_to_the_model);
   if (mode.device == DEVICE_CPU && mode.dtype == DTYPE_F32) {
+    tcase_add_test(tc, qwen3_moe_against_torch);
     tcase_add_test(tc, config_forms_of_transformers_4_and_5);
     tcase_add_test(tc, config_forms_of_the_family);
     tcase_add_test(tc, llama3_frequencies_of_llama31);
