@@ -6,6 +6,9 @@
 
 #include "core/args_impl.h"
 #include "core/kernels.h"
+#include "dtensor/dtensor.h"
+#include "mesh/mesh.h"
+#include "mesh/pg.h"
 #include "nn/init.h"
 #include "nn/layers_impl.h"
 #include "nn/ops_impl.h"
@@ -233,6 +236,83 @@ fsdpc_status_t nn_combine_rows(nn_ctx_t *ctx, nn_var_t *y, nn_var_t *weights,
   return ops_finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &o, out);
 }
 
+/* ---- exchanging rows between ranks ---- */
+
+/* rows[0..P) of D elements of n->user's group, from x's blocks to the peers' (fwd), or back. */
+static fsdpc_status_t exchange(pg_t *pg, const fsdpc_tensor_t *from, const int64_t *send_rows,
+                               const int64_t *recv_rows, int64_t D, fsdpc_tensor_t *to) {
+  int P = pg_size(pg);
+  size_t sc[P], rc[P];
+  int64_t total = 0;
+  for (int q = 0; q < P; q++) {
+    sc[q] = (size_t)(send_rows[q] * D);
+    rc[q] = (size_t)(recv_rows[q] * D);
+    total += recv_rows[q];
+  }
+  FSDPC_TRY(tensor_init(to, from->dtype, from->device, 2, (int64_t[]){total, D}));
+  pg_work_t *w = NULL;
+  fsdpc_status_t st = pg_all_to_all_v(pg, from->data, sc, to->data, rc, from->dtype, &w);
+  if (st == STATUS_OK) st = pg_wait(w);
+  if (st != STATUS_OK) tensor_free(to);
+  return st;
+}
+
+static fsdpc_status_t all_to_all_backward(nn_ctx_t *ctx, nn_node_t *n) {
+  (void)ctx;
+  nn_var_t *x = n->in[0];
+  const int64_t *c = n->saved[0].data; /* send rows, then receive rows */
+  int P = (int)n->ints[0];
+  fsdpc_tensor_t dx;
+  FSDPC_TRY(host_f32("nn_all_to_all_rows (backward)", &n->out->grad));
+  /* every rank sends the gradients back, whether or not its input needs one */
+  FSDPC_TRY(exchange(n->user, &n->out->grad, c + P, c, x->value.shape[1], &dx));
+  fsdpc_status_t st = x->requires_grad ? nn_accumulate_grad(x, &dx) : STATUS_OK;
+  tensor_free(&dx);
+  return st;
+}
+
+fsdpc_status_t nn_all_to_all_rows(nn_ctx_t *ctx, nn_var_t *x, pg_t *pg, const int64_t *send_rows,
+                                  const int64_t *recv_rows, nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(x);
+  ARG_NONNULL(pg);
+  ARG_NONNULL(send_rows);
+  ARG_NONNULL(recv_rows);
+  ARG_NONNULL(out);
+  *out = NULL;
+  FSDPC_TRY(host_f32("nn_all_to_all_rows", &x->value));
+  int P = pg_size(pg);
+  int64_t M = 0;
+  for (int q = 0; q < P; q++) {
+    if (send_rows[q] < 0 || recv_rows[q] < 0)
+      return err_set(STATUS_EINVAL, "nn_all_to_all_rows: negative row counts");
+    M += send_rows[q];
+  }
+  if (x->value.ndim != 2 || x->value.shape[0] != M)
+    return err_set(STATUS_ESHAPE,
+                   "nn_all_to_all_rows: x must be [rows, dim], its rows the %lld "
+                   "the peers receive",
+                   (long long)M);
+  fsdpc_tensor_t y = {0}, c = {0};
+  FSDPC_TRY(exchange(pg, &x->value, send_rows, recv_rows, x->value.shape[1], &y));
+  fsdpc_status_t st = tensor_init(&c, DTYPE_I64, device_cpu(), 1, (int64_t[]){2 * P});
+  if (st != STATUS_OK) {
+    tensor_free(&y);
+    return st;
+  }
+  memcpy(c.data, send_rows, sizeof(int64_t) * (size_t)P);
+  memcpy((int64_t *)c.data + P, recv_rows, sizeof(int64_t) * (size_t)P);
+  /* recorded when x needs a gradient: so must every rank's (the peers' backward exchanges
+   * need this rank's part) */
+  nn_node_t n = {.backward = all_to_all_backward,
+                 .name = "all_to_all_rows",
+                 .in = {x},
+                 .saved = {c},
+                 .user = pg,
+                 .ints = {P, 0}};
+  return ops_finish(ctx, &n, nn_needs_grad(ctx, &x, 1, NULL), &y, out);
+}
+
 /* ---- grouped products ---- */
 
 /* w's matrix e ([out, in]): a view, freed by the caller. */
@@ -341,12 +421,22 @@ typedef struct moe {
   int n_experts, top_k;
   bool norm_topk;
   bool ran;
-  int64_t *counts; /* tokens per expert in the last forward: the experts' blocks */
+  int64_t *counts; /* tokens of this rank per expert in the last forward */
+  /* expert parallelism (nn_moe_expert_parallel): this rank holds experts [ep_rank *
+   * local, (ep_rank + 1) * local) of the group's ep_size ranks */
+  pg_t *ep;
+  int ep_size, ep_rank, local;
+  int64_t *local_counts;     /* rows each local expert received from the group */
+  const int64_t *run_counts; /* the experts' blocks of the run in progress */
+  int run_experts;
 } moe_t;
 
 static void moe_free(void *p) {
   moe_t *m = p;
-  if (m) free(m->counts);
+  if (m) {
+    free(m->counts);
+    free(m->local_counts);
+  }
   free(m);
 }
 
@@ -354,8 +444,8 @@ static void moe_free(void *p) {
 static fsdpc_status_t experts_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   const moe_t *cfg = nn_module_impl(m);
   nn_var_t *h1 = NULL, *h3 = NULL, *a = NULL;
-  const int64_t *c = cfg->counts;
-  int E = cfg->n_experts;
+  const int64_t *c = cfg->run_counts;
+  int E = cfg->run_experts;
   fsdpc_status_t st = nn_grouped_linear(ctx, in, nn_module_param_named(m, "gate_proj"), c, E, &h1);
   if (st == STATUS_OK)
     st = nn_grouped_linear(ctx, in, nn_module_param_named(m, "up_proj"), c, E, &h3);
@@ -389,6 +479,68 @@ static void sort_by_expert(const fsdpc_tensor_t *experts, int E, int64_t *counts
   for (int64_t s = 0; s < S; s++) order[off[e[s]]++] = s;
 }
 
+/* Expert parallelism: xs, this rank's rows in expert order, go to the ranks holding their
+ * experts (one all-to-all, its counts from every rank's tokens per expert); each rank runs its
+ * experts over the rows it received, regrouped by expert; the results go back by the inverse
+ * all-to-all into xs's order (*ys). Backward runs the same exchanges the other way. */
+static fsdpc_status_t run_expert_parallel(nn_ctx_t *ctx, moe_t *cfg, nn_module_t *experts,
+                                          nn_var_t *xs, nn_var_t **ys) {
+  int P = cfg->ep_size, me = cfg->ep_rank, L = cfg->local, E = cfg->n_experts;
+  int64_t *all = malloc(sizeof(int64_t) * (size_t)P * (size_t)E);
+  int64_t send[P], recv[P], start[P];
+  if (all == NULL) return err_set(STATUS_ENOMEM, "MoE block: out of host memory");
+  fsdpc_status_t st = pg_host_all_gather(cfg->ep, cfg->counts, all, E, PG_HOST_I64);
+  int64_t R = 0;
+  for (int q = 0; q < P && st == STATUS_OK; q++) {
+    send[q] = recv[q] = 0;
+    for (int l = 0; l < L; l++) {
+      send[q] += cfg->counts[q * L + l];  /* my rows for q's experts */
+      recv[q] += all[q * E + me * L + l]; /* q's rows for mine */
+    }
+    start[q] = R;
+    R += recv[q];
+  }
+  for (int l = 0; l < L && st == STATUS_OK; l++) {
+    cfg->local_counts[l] = 0;
+    for (int q = 0; q < P; q++) cfg->local_counts[l] += all[q * E + me * L + l];
+  }
+  /* the received rows come by source, each source's by expert: regrouped by expert (perm),
+   * and back (inv) */
+  fsdpc_tensor_t perm = {0}, inv = {0};
+  if (st == STATUS_OK) st = tensor_init(&perm, DTYPE_I64, device_cpu(), 1, &R);
+  if (st == STATUS_OK) st = tensor_init(&inv, DTYPE_I64, device_cpu(), 1, &R);
+  if (st == STATUS_OK) {
+    int64_t *pv = perm.data, *iv = inv.data, i = 0;
+    for (int l = 0; l < L; l++)
+      for (int q = 0; q < P; q++) {
+        int64_t at = start[q];
+        for (int l2 = 0; l2 < l; l2++) at += all[q * E + me * L + l2];
+        for (int64_t r = 0; r < all[q * E + me * L + l]; r++, i++) {
+          pv[i] = at + r;
+          iv[at + r] = i;
+        }
+      }
+  }
+  free(all);
+  nn_var_t *got = NULL, *grouped_in = NULL, *done = NULL, *back = NULL;
+  if (st == STATUS_OK) st = nn_all_to_all_rows(ctx, xs, cfg->ep, send, recv, &got);
+  if (st == STATUS_OK) st = nn_gather_rows(ctx, got, &perm, &grouped_in);
+  if (st == STATUS_OK) {
+    cfg->run_counts = cfg->local_counts;
+    cfg->run_experts = L;
+    st = nn_call(ctx, experts, grouped_in, &done);
+  }
+  if (st == STATUS_OK) st = nn_gather_rows(ctx, done, &inv, &back);
+  if (st == STATUS_OK) st = nn_all_to_all_rows(ctx, back, cfg->ep, recv, send, ys);
+  nn_var_put(got);
+  nn_var_put(grouped_in);
+  nn_var_put(done);
+  nn_var_put(back);
+  tensor_free(&perm);
+  tensor_free(&inv);
+  return st;
+}
+
 /* Routing, the tokens into expert order, the experts, the weighted sum back. */
 static fsdpc_status_t moe_route_and_run(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *x,
                                         nn_var_t **out) {
@@ -408,7 +560,13 @@ static fsdpc_status_t moe_route_and_run(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
     cfg->ran = true;
     st = nn_gather_rows(ctx, x, &rows, &xs);
   }
-  if (st == STATUS_OK) st = nn_call(ctx, experts, xs, &ys);
+  if (st == STATUS_OK && cfg->ep == NULL) {
+    cfg->run_counts = cfg->counts;
+    cfg->run_experts = cfg->n_experts;
+    st = nn_call(ctx, experts, xs, &ys);
+  } else if (st == STATUS_OK) {
+    st = run_expert_parallel(ctx, cfg, experts, xs, &ys);
+  }
   if (st == STATUS_OK) st = nn_combine_rows(ctx, ys, w, &order, out);
   nn_var_put(logits);
   nn_var_put(w);
@@ -472,7 +630,12 @@ fsdpc_status_t nn_moe_new(nn_module_t *parent, const char *name, int64_t dim, in
     free(counts);
     return err_set(STATUS_ENOMEM, "MoE block '%s': out of host memory", name);
   }
-  *cfg = (moe_t){dim, ffn_dim, n_experts, top_k, norm_topk, false, counts};
+  *cfg = (moe_t){.dim = dim,
+                 .ffn = ffn_dim,
+                 .n_experts = n_experts,
+                 .top_k = top_k,
+                 .norm_topk = norm_topk,
+                 .counts = counts};
   nn_module_t *m = NULL;
   FSDPC_TRY(nn_module_new_owned(name, moe_forward, cfg, moe_free, &m)); /* cfg freed on failure */
   nn_module_set_kind(m, "moe");
@@ -487,4 +650,74 @@ bool nn_moe_last_load(const nn_module_t *m, int64_t *counts, int n_experts) {
   if (!cfg->ran || n_experts != cfg->n_experts) return false;
   memcpy(counts, cfg->counts, (size_t)n_experts * sizeof *counts);
   return true;
+}
+
+/* p (a stacked experts' weight, whole on a one-rank mesh) as mesh's Shard(0) over dimension
+ * dim: this rank's experts copied (or meta when p has no memory yet). */
+static fsdpc_status_t shard_experts(nn_param_t *p, mesh_t *mesh, int dim, int rank, int P) {
+  const fsdpc_tensor_t *whole = dtensor_local(p->value);
+  int64_t L = whole->shape[0] / P, shape[3] = {L, whole->shape[1], whole->shape[2]};
+  fsdpc_tensor_t mine = {0}, rows = {0};
+  fsdpc_status_t st;
+  if (tensor_is_meta(whole)) {
+    st = tensor_meta(&mine, whole->dtype, whole->device, 3, shape);
+  } else {
+    st = tensor_narrow(&rows, whole, 0, (int64_t)rank * L, L);
+    if (st == STATUS_OK) st = tensor_clone(&mine, &rows, whole->dtype, whole->device);
+    tensor_free(&rows);
+  }
+  placement_t pl[MESH_MAX_DIMS];
+  for (int d = 0; d < mesh_ndim(mesh); d++)
+    pl[d] = d == dim ? placement_shard(0) : placement_replicate();
+  dtensor_t *v = NULL;
+  if (st == STATUS_OK) st = dtensor_from_local(&mine, mesh, pl, 3, whole->shape, &v);
+  tensor_free(&mine);
+  return st == STATUS_OK ? nn_param_set_value(p, v) : st;
+}
+
+fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim) {
+  ARG_NONNULL(moe);
+  ARG_NONNULL(mesh);
+  if (nn_module_forward(moe) != moe_forward)
+    return err_set(STATUS_EINVAL, "nn_moe_expert_parallel: '%s' is not a MoE block",
+                   nn_module_name(moe));
+  if (dim < 0 || dim >= mesh_ndim(mesh))
+    return err_set(STATUS_EINVAL, "nn_moe_expert_parallel: mesh has no dimension %d", dim);
+  moe_t *cfg = nn_module_impl(moe);
+  pg_t *pg = mesh_group(mesh, dim);
+  int P = pg_size(pg);
+  if (cfg->ep != NULL)
+    return err_set(STATUS_EINVAL, "nn_moe_expert_parallel: '%s' is expert-parallel already",
+                   nn_module_name(moe));
+  if (cfg->n_experts % P != 0)
+    return err_set(STATUS_EINVAL,
+                   "nn_moe_expert_parallel: %d ranks do not divide '%s''s %d experts (each rank "
+                   "holds as many)",
+                   P, nn_module_name(moe), cfg->n_experts);
+  nn_module_t *experts = nn_module_child(moe, 1);
+  static const char *const names[] = {"gate_proj", "up_proj", "down_proj"};
+  for (int i = 0; i < 3; i++) {
+    nn_param_t *p = nn_module_param_named(experts, names[i]);
+    if (mesh_ndim(dtensor_mesh(p->value)) != 1 || mesh_size(dtensor_mesh(p->value), 0) != 1)
+      return err_set(STATUS_EINVAL,
+                     "nn_moe_expert_parallel: '%s' is distributed already (apply expert "
+                     "parallelism before fully_shard)",
+                     p->fqn);
+  }
+  int64_t *local = calloc((size_t)(cfg->n_experts / P), sizeof *local);
+  if (local == NULL) return err_set(STATUS_ENOMEM, "nn_moe_expert_parallel: out of host memory");
+  for (int i = 0; i < 3; i++) {
+    fsdpc_status_t st =
+        shard_experts(nn_module_param_named(experts, names[i]), mesh, dim, pg_rank(pg), P);
+    if (st != STATUS_OK) {
+      free(local);
+      return st;
+    }
+  }
+  cfg->ep = pg;
+  cfg->ep_size = P;
+  cfg->ep_rank = pg_rank(pg);
+  cfg->local = cfg->n_experts / P;
+  cfg->local_counts = local;
+  return STATUS_OK;
 }

@@ -53,6 +53,25 @@ fsdpc_status_t nn_moe_new(nn_module_t *parent, const char *name, int64_t dim, in
                           int n_experts, int top_k, bool norm_topk, const nn_layer_options_t *opt,
                           nn_module_t **out);
 
+/* Rows of x [M, dim] exchanged over pg (expert parallelism's token dispatch): this rank sends
+ * send_rows[q] rows to rank q of the group (its blocks in rank order, summing to M) and
+ * receives recv_rows[q] from q (which must equal q's send_rows[this rank]; *out holds them in
+ * rank order). Backward sends the gradients back the same way. Every rank of pg calls it, and
+ * runs its backward, in the same order. Collective over pg. */
+fsdpc_status_t nn_all_to_all_rows(nn_ctx_t *ctx, nn_var_t *x, pg_t *pg, const int64_t *send_rows,
+                                  const int64_t *recv_rows, nn_var_t **out);
+
+/* Expert parallelism (TorchTitan's expert_parallel_degree): the block's experts are split over
+ * dimension dim of mesh, Shard(0) there (Replicate on its other dimensions), each of its P
+ * ranks holding E / P consecutive experts (P must divide E); the router stays whole. Each
+ * forward routes this rank's tokens, sends every token's rows to the ranks of its experts by
+ * one all-to-all (the counts agreed from every rank's routing), runs the local experts over
+ * what arrived, and returns the results by the inverse all-to-all; backward likewise. The
+ * router's gradient is this rank's tokens' (sum it over the data-parallel ranks as usual);
+ * an expert's is that of every token of the group routed to it. Before fully_shard; the
+ * checkpoint holds every expert under its global index. Collective over the group. */
+fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim);
+
 /* Tokens each expert received in the module's last forward (counts[n_experts]); false when
  * m is not a MoE block or has not run. Local. */
 bool nn_moe_last_load(const nn_module_t *m, int64_t *counts, int n_experts);

@@ -1,0 +1,192 @@
+/*
+ * Expert parallelism of the MoE block (nn_moe_expert_parallel) on every rank of the world:
+ * each rank routes its own tokens, holds E / W experts, and exchanges rows by all-to-all. The
+ * same block whole on one rank, run over every rank's tokens together, is the reference:
+ * each rank's outputs and input gradients are its rows of the reference's, an expert's
+ * gradient on the rank holding it is the reference's, and the router's summed over the ranks
+ * is the reference's. The all-to-all moves exactly the routed rows: per step, twice forward
+ * and twice backward, every row a rank sends to another, times dim, times 4 bytes.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "nn/moe.h"
+#include "tests/dist/fsdp_common.h"
+
+enum { DIM = 8, FFN = 12, E = 8, K = 2, T = 16 };
+
+static const char *const names[] = {"gate.weight", "experts.gate_proj", "experts.up_proj",
+                                    "experts.down_proj"};
+
+/* Element i of a tensor of the case, the same on every rank. */
+static float value(int tensor, int64_t i) { return (float)(0.5 * sin(0.37 * (double)i + tensor)); }
+
+static void fill(fsdpc_tensor_t *t, int tensor) {
+  for (int64_t i = 0; i < tensor_numel(t); i++) ((float *)t->data)[i] = value(tensor, i);
+}
+
+/* A block with the case's weights (whole). */
+static nn_module_t *block(void) {
+  nn_module_t *m;
+  ok(nn_moe_new(NULL, "", DIM, FFN, E, K, true, NULL, &m));
+  ok(nn_module_finalize(m));
+  for (int i = 0; i < 4; i++) {
+    nn_param_t *p = nn_param_find(m, names[i]);
+    fsdpc_tensor_t w;
+    ok(tensor_init(&w, DTYPE_F32, device_cpu(), dtensor_ndim(p->value), dtensor_shape(p->value)));
+    fill(&w, 10 + i);
+    ok(nn_param_copy_full(p, &w));
+    tensor_free(&w);
+  }
+  return m;
+}
+
+/* Forward of rows [first, first + n) of the case's tokens, backward with their upstream
+ * gradient; *y and *dx hold the output and the input's gradient. */
+static void run(nn_module_t *m, int64_t first, int64_t n, fsdpc_tensor_t *y, fsdpc_tensor_t *dx) {
+  fsdpc_tensor_t x, all, r, rall;
+  int64_t total = T * (int64_t)world_size();
+  ok(tensor_init(&all, DTYPE_F32, device_cpu(), 2, (int64_t[]){total, DIM}));
+  ok(tensor_init(&rall, DTYPE_F32, device_cpu(), 2, (int64_t[]){total, DIM}));
+  fill(&all, 1);
+  fill(&rall, 2);
+  fsdpc_tensor_t xv, rv;
+  ok(tensor_narrow(&xv, &all, 0, first, n));
+  ok(tensor_narrow(&rv, &rall, 0, first, n));
+  ok(tensor_clone(&x, &xv, DTYPE_F32, device_cpu()));
+  ok(tensor_clone(&r, &rv, DTYPE_F32, device_cpu()));
+  nn_ctx_t *ctx;
+  nn_var_t *in, *out;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_var_new(&x, true, &in));
+  ok(nn_call(ctx, m, in, &out));
+  ok(tensor_clone(y, &out->value, DTYPE_F32, device_cpu()));
+  ok(nn_backward_grad(ctx, out, &r));
+  ok(tensor_clone(dx, &in->grad, DTYPE_F32, device_cpu()));
+  nn_var_put(out);
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  tensor_free(&xv);
+  tensor_free(&rv);
+  tensor_free(&all);
+  tensor_free(&rall);
+}
+
+/* Largest |a - b| over the elements, relative to b's largest magnitude. */
+static double rel_err(const fsdpc_tensor_t *a, const fsdpc_tensor_t *b) {
+  double worst = 0, scale = 1e-30;
+  for (int64_t i = 0; i < tensor_numel(b); i++) {
+    double d = fabs((double)((float *)a->data)[i] - ((float *)b->data)[i]);
+    worst = d > worst ? d : worst;
+    scale = fmax(scale, fabs(((float *)b->data)[i]));
+  }
+  return worst / scale;
+}
+
+/* rows [first, first + n) of t (a view, freed by the caller) */
+static fsdpc_tensor_t rows(const fsdpc_tensor_t *t, int64_t first, int64_t n) {
+  fsdpc_tensor_t v;
+  ok(tensor_narrow(&v, t, 0, first, n));
+  return v;
+}
+
+START_TEST(matches_one_rank) {
+  int W = world_size(), r = world_rank(), L = E / W;
+  nn_module_t *ref = block(), *ep = block();
+  fsdpc_tensor_t ry, rdx, y, dx;
+  run(ref, 0, (int64_t)T * W, &ry, &rdx);
+  mesh_t *mesh = dp_mesh();
+  ok(nn_moe_expert_parallel(ep, mesh, 0));
+  nn_param_t *up = nn_param_find(ep, "experts.up_proj");
+  ck_assert_int_eq(dtensor_shape(up->value)[0], E);
+  ck_assert_int_eq(dtensor_local(up->value)->shape[0], L);
+  pg_t *pg = mesh_group(mesh, 0);
+  pg_reset_counters(pg);
+  run(ep, (int64_t)T * r, T, &y, &dx);
+  pg_counters_t c = pg_counters(pg);
+
+  fsdpc_tensor_t mine = rows(&ry, (int64_t)T * r, T), mine_dx = rows(&rdx, (int64_t)T * r, T);
+  double e_y = rel_err(&y, &mine), e_dx = rel_err(&dx, &mine_dx), e_w = 0, e_gate;
+  for (int i = 1; i < 4; i++) { /* the experts this rank holds */
+    const fsdpc_tensor_t *g = dtensor_local(nn_param_find(ep, names[i])->grad);
+    fsdpc_tensor_t want =
+        rows(dtensor_local(nn_param_find(ref, names[i])->grad), (int64_t)r * L, L);
+    e_w = fmax(e_w, rel_err(g, &want));
+    tensor_free(&want);
+  }
+  /* the router: this rank's tokens' gradient, summed over the ranks */
+  const fsdpc_tensor_t *gg = dtensor_local(nn_param_find(ep, names[0])->grad);
+  fsdpc_tensor_t sum;
+  ok(tensor_clone(&sum, gg, DTYPE_F32, device_cpu()));
+  ok(pg_all_reduce(pg, sum.data, sum.data, (size_t)tensor_numel(&sum), DTYPE_F32, REDUCE_SUM,
+                   NULL));
+  e_gate = rel_err(&sum, dtensor_local(nn_param_find(ref, names[0])->grad));
+  expect_all(e_y <= 1e-6 && e_dx <= 1e-6 && e_w <= 1e-6 && e_gate <= 1e-6,
+             "rank %d: outputs %.2g, input gradients %.2g, experts' gradients %.2g, router's "
+             "%.2g from one rank's",
+             r, e_y, e_dx, e_w, e_gate);
+
+  /* the bytes: this rank's rows for each peer's experts and the peers' rows for its own, each
+   * sent forward and back, then their gradients */
+  int64_t load[E], all[E * 8];
+  ck_assert(nn_moe_last_load(ep, load, E));
+  ok(pg_host_all_gather(pg, load, all, E, PG_HOST_I64));
+  int64_t sent = 0, routed = 0;
+  for (int q = 0; q < W; q++)
+    for (int l = 0; l < L; l++) {
+      routed += load[q * L + l];
+      if (q != r) sent += load[q * L + l] + all[q * E + r * L + l];
+    }
+  ck_assert_int_eq(routed, (int64_t)T * K);
+  uint64_t want = 2 * (uint64_t)sent * DIM * sizeof(float);
+  expect_all(c.calls[PG_ALL_TO_ALL] == 4 && c.bytes[PG_ALL_TO_ALL] == want,
+             "rank %d: %llu all-to-alls of %llu bytes, want 4 of %llu", r,
+             (unsigned long long)c.calls[PG_ALL_TO_ALL], (unsigned long long)c.bytes[PG_ALL_TO_ALL],
+             (unsigned long long)want);
+  tensor_free(&mine);
+  tensor_free(&mine_dx);
+  tensor_free(&sum);
+  tensor_free(&ry);
+  tensor_free(&rdx);
+  tensor_free(&y);
+  tensor_free(&dx);
+  nn_module_free(ref);
+  nn_module_free(ep);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* Experts the group does not divide, a second application, a non-MoE module: refused. */
+START_TEST(refusals) {
+  mesh_t *mesh = dp_mesh();
+  nn_module_t *m;
+  int W = world_size();
+  ok(nn_moe_new(NULL, "", DIM, FFN, 3 * W - 1, 1, false, NULL, &m));
+  ok(nn_module_finalize(m));
+  if (W > 1) {
+    ck_assert_int_eq(nn_moe_expert_parallel(m, mesh, 0), STATUS_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err_detail(), "ranks do not divide"));
+  }
+  nn_module_free(m);
+  m = block();
+  ok(nn_moe_expert_parallel(m, mesh, 0));
+  ck_assert_int_eq(nn_moe_expert_parallel(m, mesh, 0), STATUS_EINVAL);
+  ck_assert_int_eq(nn_moe_expert_parallel(nn_module_child(m, 0), mesh, 0), STATUS_EINVAL);
+  ck_assert_int_eq(nn_moe_expert_parallel(m, mesh, 1), STATUS_EINVAL);
+  nn_module_free(m);
+  mesh_free(mesh);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("moe_ep");
+  TCase *tc = tcase_create("moe_ep");
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, matches_one_rank);
+  tcase_add_test(tc, refusals);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
