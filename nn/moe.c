@@ -30,6 +30,98 @@ static fsdpc_status_t host_i64(const char *op, const char *what, const fsdpc_ten
   return err_set(STATUS_EINVAL, "%s: %s must be a host I64 vector", op, what);
 }
 
+/* ---- the load-balancing loss ---- */
+
+struct nn_moe_aux {
+  int n_experts, top_k;
+  double coef, scale;   /* the loss's weight; the factor on its gradient (nn_moe_aux_begin) */
+  int64_t rows;         /* tokens routed by the blocks in this forward */
+  int64_t *counts;      /* of them, the choices of each expert */
+  double *prob_sums;    /* and each expert's router probabilities, summed */
+  int64_t *step_counts; /* choices since the last nn_moe_aux_take_step */
+  double step_loss;
+  int step_forwards;
+};
+
+fsdpc_status_t nn_moe_aux_new(int n_experts, int top_k, double coef, nn_moe_aux_t **out) {
+  ARG_NONNULL(out);
+  *out = NULL;
+  if (n_experts < 1 || top_k < 1 || top_k > n_experts || !(coef >= 0) || coef > 1e6)
+    return err_set(STATUS_EINVAL,
+                   "nn_moe_aux_new: %d experts, top_k %d (1 to the experts), coefficient %g (0 "
+                   "to 1e6)",
+                   n_experts, top_k, coef);
+  nn_moe_aux_t *a = calloc(1, sizeof *a);
+  if (a != NULL) {
+    a->counts = calloc((size_t)n_experts, sizeof *a->counts);
+    a->step_counts = calloc((size_t)n_experts, sizeof *a->step_counts);
+    a->prob_sums = calloc((size_t)n_experts, sizeof *a->prob_sums);
+  }
+  if (a == NULL || a->counts == NULL || a->step_counts == NULL || a->prob_sums == NULL) {
+    nn_moe_aux_free(a);
+    return err_set(STATUS_ENOMEM, "nn_moe_aux_new: out of host memory");
+  }
+  a->n_experts = n_experts;
+  a->top_k = top_k;
+  a->coef = coef;
+  *out = a;
+  return STATUS_OK;
+}
+
+void nn_moe_aux_free(nn_moe_aux_t *a) {
+  if (a == NULL) return;
+  free(a->counts);
+  free(a->step_counts);
+  free(a->prob_sums);
+  free(a);
+}
+
+void nn_moe_aux_begin(nn_moe_aux_t *a, double scale) {
+  if (a == NULL) return;
+  a->rows = 0;
+  a->scale = scale;
+  memset(a->counts, 0, sizeof *a->counts * (size_t)a->n_experts);
+  memset(a->prob_sums, 0, sizeof *a->prob_sums * (size_t)a->n_experts);
+}
+
+double nn_moe_aux_loss(const nn_moe_aux_t *a) {
+  if (a == NULL || a->rows == 0) return 0;
+  double s = 0, n = (double)a->rows;
+  for (int e = 0; e < a->n_experts; e++) s += (double)a->counts[e] / n * (a->prob_sums[e] / n);
+  return (double)a->n_experts * s;
+}
+
+double nn_moe_aux_coef(const nn_moe_aux_t *a) { return a ? a->coef : 0; }
+
+int nn_moe_aux_experts(const nn_moe_aux_t *a) { return a ? a->n_experts : 0; }
+
+bool nn_moe_aux_take_step(nn_moe_aux_t *a, int64_t *counts, int n_experts, double *loss) {
+  if (a == NULL || counts == NULL || loss == NULL || n_experts != a->n_experts) return false;
+  memcpy(counts, a->step_counts, sizeof *counts * (size_t)n_experts);
+  *loss = a->step_forwards ? a->step_loss / a->step_forwards : 0;
+  memset(a->step_counts, 0, sizeof *a->step_counts * (size_t)n_experts);
+  a->step_loss = 0;
+  a->step_forwards = 0;
+  return true;
+}
+
+void nn_moe_aux_end(nn_moe_aux_t *a) {
+  if (a == NULL || a->rows == 0) return;
+  for (int e = 0; e < a->n_experts; e++) a->step_counts[e] += a->counts[e];
+  a->step_loss += nn_moe_aux_loss(a);
+  a->step_forwards++;
+}
+
+/* A forward's routing of N tokens (probabilities p [N, E], choices ex [N, k]) into a. */
+static void aux_add(nn_moe_aux_t *a, const float *p, const int64_t *ex, int64_t N, int64_t E,
+                    int64_t k) {
+  a->rows += N;
+  for (int64_t t = 0; t < N; t++) {
+    for (int64_t e = 0; e < E; e++) a->prob_sums[e] += p[t * E + e];
+    for (int64_t j = 0; j < k; j++) a->counts[ex[t * k + j]]++;
+  }
+}
+
 /* ---- routing ---- */
 
 /* d logits from d weights: through the renormalisation (w_j = p_j / S over the chosen) and the
@@ -61,6 +153,21 @@ static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
     for (int64_t i = 0; i < E; i++) dv[t * E + i] = (float)(-pr[i] * pdp);
     for (int64_t j = 0; j < k; j++) dv[t * E + e[t * k + j]] += (float)(pr[e[t * k + j]] * dp[j]);
   }
+  /* the load-balancing loss E sum_e f_e P_e (f_e: the share of choices of expert e, P_e: its
+   * mean probability, over every block's tokens of the forward): d/dp_te = E f_e / rows,
+   * through the softmax; its weight and the loss's scale */
+  const nn_moe_aux_t *a = n->user;
+  if (a != NULL && a->coef > 0 && a->rows > 0) {
+    double g[E], rows = (double)a->rows;
+    for (int64_t i = 0; i < E; i++)
+      g[i] = a->scale * a->coef * (double)E * ((double)a->counts[i] / rows) / rows;
+    for (int64_t t = 0; t < N; t++) {
+      const float *pr = pv + t * E;
+      double gp = 0;
+      for (int64_t i = 0; i < E; i++) gp += g[i] * pr[i];
+      for (int64_t i = 0; i < E; i++) dv[t * E + i] += (float)(pr[i] * (g[i] - gp));
+    }
+  }
   return nn_accumulate_grad(z, &dz);
 }
 
@@ -86,8 +193,18 @@ static void route_row(const float *z, int64_t E, int64_t k, bool norm, float *pr
   for (int64_t j = 0; j < k; j++) w[j] = norm ? (float)(pr[e[j]] / chosen) : pr[e[j]];
 }
 
+static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
+                            nn_moe_aux_t *aux, nn_var_t **weights, fsdpc_tensor_t *experts);
+
 fsdpc_status_t nn_moe_route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
                             nn_var_t **weights, fsdpc_tensor_t *experts) {
+  return route(ctx, logits, k, norm_topk, NULL, weights, experts);
+}
+
+/* nn_moe_route, reporting to aux (when not NULL): the forward's routing (not a checkpointed
+ * block's recomputation, which the forward reported), and its gradient added in backward. */
+static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
+                            nn_moe_aux_t *aux, nn_var_t **weights, fsdpc_tensor_t *experts) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(logits);
   ARG_NONNULL(weights);
@@ -116,10 +233,22 @@ fsdpc_status_t nn_moe_route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_to
   for (int64_t t = 0; t < N; t++)
     route_row((const float *)z->data + t * E, E, k, norm_topk, (float *)p.data + t * E,
               (int64_t *)experts->data + t * k, (float *)w.data + t * k);
+  if (aux != NULL && (aux->n_experts != E || aux->top_k != k)) {
+    tensor_free(&p);
+    tensor_free(&w);
+    tensor_free(&ex);
+    tensor_free(experts);
+    return err_set(STATUS_EINVAL,
+                   "nn_moe_route: a block of %lld experts, top-%d, reports to a load-balancing "
+                   "loss of %d, top-%d",
+                   (long long)E, k, aux->n_experts, aux->top_k);
+  }
+  if (aux != NULL && !nn_ctx_recomputing(ctx)) aux_add(aux, p.data, experts->data, N, E, k);
   nn_node_t n = {.backward = route_backward,
                  .name = "moe_route",
                  .in = {logits},
                  .saved = {p, ex},
+                 .user = aux,
                  .ints = {k, norm_topk}};
   st = ops_finish(ctx, &n, nn_needs_grad(ctx, &logits, 1, NULL), &w, weights);
   if (st != STATUS_OK) tensor_free(experts);
@@ -429,6 +558,7 @@ typedef struct moe {
   int64_t *local_counts;     /* rows each local expert received from the group */
   const int64_t *run_counts; /* the experts' blocks of the run in progress */
   int run_experts;
+  nn_moe_aux_t *aux; /* the load-balancing loss it reports to (nn_moe_aux_attach), or NULL */
 } moe_t;
 
 static void moe_free(void *p) {
@@ -549,7 +679,7 @@ static fsdpc_status_t moe_route_and_run(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   nn_var_t *logits = NULL, *w = NULL, *xs = NULL, *ys = NULL;
   fsdpc_tensor_t ex = {0}, order = {0}, rows = {0};
   fsdpc_status_t st = nn_call(ctx, gate, x, &logits);
-  if (st == STATUS_OK) st = nn_moe_route(ctx, logits, cfg->top_k, cfg->norm_topk, &w, &ex);
+  if (st == STATUS_OK) st = route(ctx, logits, cfg->top_k, cfg->norm_topk, cfg->aux, &w, &ex);
   int64_t S = tensor_numel(&ex);
   if (st == STATUS_OK) st = tensor_init(&order, DTYPE_I64, device_cpu(), 1, &S);
   if (st == STATUS_OK) st = tensor_init(&rows, DTYPE_I64, device_cpu(), 1, &S);
@@ -721,3 +851,41 @@ fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim) {
   cfg->local_counts = local;
   return STATUS_OK;
 }
+
+/* Attaches a to every MoE block under m (or detaches, a NULL); counts them into *n. */
+static fsdpc_status_t attach(nn_module_t *m, nn_moe_aux_t *a, int *n) {
+  if (nn_module_forward(m) == moe_forward) {
+    moe_t *cfg = nn_module_impl(m);
+    if (a != NULL && (cfg->n_experts != a->n_experts || cfg->top_k != a->top_k))
+      return err_set(STATUS_EINVAL,
+                     "nn_moe_aux_attach: block '%s' has %d experts, top-%d; the loss %d, top-%d",
+                     nn_module_name(m), cfg->n_experts, cfg->top_k, a->n_experts, a->top_k);
+    cfg->aux = a;
+    (*n)++;
+  }
+  for (int i = 0; i < nn_module_num_children(m); i++)
+    FSDPC_TRY(attach(nn_module_child(m, i), a, n));
+  return STATUS_OK;
+}
+
+fsdpc_status_t nn_moe_aux_attach(nn_module_t *root, nn_moe_aux_t *a, int *blocks) {
+  ARG_NONNULL(root);
+  int n = 0;
+  FSDPC_TRY(attach(root, a, &n));
+  if (blocks != NULL) *blocks = n;
+  return STATUS_OK;
+}
+
+static nn_moe_aux_t *find_aux(const nn_module_t *m) {
+  if (nn_module_forward(m) == moe_forward) {
+    const moe_t *cfg = nn_module_impl(m);
+    if (cfg->aux != NULL) return cfg->aux;
+  }
+  for (int i = 0; i < nn_module_num_children(m); i++) {
+    nn_moe_aux_t *a = find_aux(nn_module_child(m, i));
+    if (a != NULL) return a;
+  }
+  return NULL;
+}
+
+nn_moe_aux_t *nn_moe_aux_of(const nn_module_t *root) { return root ? find_aux(root) : NULL; }

@@ -72,6 +72,34 @@ fsdpc_status_t nn_all_to_all_rows(nn_ctx_t *ctx, nn_var_t *x, pg_t *pg, const in
  * checkpoint holds every expert under its global index. Collective over the group. */
 fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim);
 
+/* The load-balancing loss of a model's MoE blocks (transformers' load_balancing_loss_func, as
+ * Qwen3-MoE and Mixtral add it with router_aux_loss_coef): over every token each block
+ * routed in one forward, E sum_e f_e P_e, f_e the share of the top-k choices that went to
+ * expert e and P_e its mean router probability (f_e held constant). Its value is read after
+ * the forward (nn_moe_aux_loss) and added to the loss's; its gradient, coef times the scale
+ * given to nn_moe_aux_begin (the factor the loss's own gradient gets: 1 / grad_accum), is
+ * added by each block's routing in backward, so it also reaches checkpointed blocks. The
+ * blocks must share E and top_k. train_micro_step_async and train_eval_batch run it for a
+ * model whose blocks have one attached. Local. */
+typedef struct nn_moe_aux nn_moe_aux_t;
+fsdpc_status_t nn_moe_aux_new(int n_experts, int top_k, double coef, nn_moe_aux_t **out);
+void nn_moe_aux_free(nn_moe_aux_t *a);
+/* Every MoE block under root reports to a (NULL: to none); *blocks (if not NULL) how many. */
+fsdpc_status_t nn_moe_aux_attach(nn_module_t *root, nn_moe_aux_t *a, int *blocks);
+/* The loss the first block under root reports to, or NULL. */
+nn_moe_aux_t *nn_moe_aux_of(const nn_module_t *root);
+/* Before a forward: clears the routing gathered; scale as above. */
+void nn_moe_aux_begin(nn_moe_aux_t *a, double scale);
+/* After it: the loss's value (unweighted; 0 before any routing) and its weight. */
+double nn_moe_aux_loss(const nn_moe_aux_t *a);
+double nn_moe_aux_coef(const nn_moe_aux_t *a);
+int nn_moe_aux_experts(const nn_moe_aux_t *a); /* its E; 0 for NULL */
+/* After a forward that trains: adds its routing to the step's. nn_moe_aux_take_step gives the
+ * step's choices per expert (counts[n_experts], every block summed) and its mean loss over
+ * the forwards, then starts the next step; false for a NULL or another expert count. */
+void nn_moe_aux_end(nn_moe_aux_t *a);
+bool nn_moe_aux_take_step(nn_moe_aux_t *a, int64_t *counts, int n_experts, double *loss);
+
 /* Tokens each expert received in the module's last forward (counts[n_experts]); false when
  * m is not a MoE block or has not run. Local. */
 bool nn_moe_last_load(const nn_module_t *m, int64_t *counts, int n_experts);

@@ -27,6 +27,7 @@
 #include "mesh/world.h"
 #include "models/llama/llama_plan.h"
 #include "nn/layers.h"
+#include "nn/moe.h"
 #include "parallel/parallelize.h"
 #include "train/llama_cost.h"
 #include "train/ops_impl.h"
@@ -470,12 +471,17 @@ typedef struct loop {
   size_t peak_max;
   fsdpc_tensor_t *micro_loss; /* the micro-steps' losses, on the device until read */
   train_saver_t saver;
+  nn_moe_aux_t *moe; /* the MoE blocks' routing statistics (and load-balancing loss), or NULL */
+  int experts;
+  int64_t *load; /* a step's choices per expert, every block and rank summed */
 } loop_t;
 
 /* One step's figures. */
 typedef struct step_out {
   int64_t s; /* the step's index (the step s + 1 of the run) */
   double t0, loss, norm, factor, dt, tokens, tps, comm, eval_loss;
+  double aux_loss; /* the MoE routers' load-balancing loss (unweighted), mean over the ranks */
+  int64_t load_min, load_max;
   double sums[4 + PLAN_MAX_SIGNALS]; /* the loss, a save's state, the stop requests, summed */
   float coef;                        /* clipping, applied inside the optimizer's pass */
   size_t peak, state;
@@ -521,7 +527,12 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
     if (L->micro_loss == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
   }
   if (st == STATUS_OK) st = train_saver_init(&L->saver, r);
+  L->moe = nn_moe_aux_of(r->root);
+  L->experts = nn_moe_aux_experts(L->moe);
+  if (st == STATUS_OK && L->moe && (L->load = calloc((size_t)L->experts, sizeof *L->load)) == NULL)
+    st = err_set(STATUS_ENOMEM, "out of host memory");
   if (st != STATUS_OK) {
+    free(L->load);
     free(L->micro_loss);
     if (L->mf != NULL) fclose(L->mf);
     return st;
@@ -556,6 +567,22 @@ static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
     o->loss += l / (double)p->grad_accum;
   }
   return st;
+}
+
+/* Step, the MoE blocks' routing over the ranks: the tokens each expert got from every block
+ * (their sum over the ranks), the load-balancing loss's mean. */
+static fsdpc_status_t step_moe(loop_t *L, step_out_t *o) {
+  if (L->moe == NULL) return STATUS_OK;
+  nn_moe_aux_take_step(L->moe, L->load, L->experts, &o->aux_loss);
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), L->load, L->load, L->experts, PG_HOST_I64, REDUCE_SUM));
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), &o->aux_loss, &o->aux_loss, 1, PG_HOST_F64, REDUCE_SUM));
+  o->aux_loss /= world_size();
+  o->load_min = o->load_max = L->load[0];
+  for (int e = 1; e < L->experts; e++) {
+    o->load_min = L->load[e] < o->load_min ? L->load[e] : o->load_min;
+    o->load_max = L->load[e] > o->load_max ? L->load[e] : o->load_max;
+  }
+  return STATUS_OK;
 }
 
 /* Step, the ranks' agreement: the loss, a save's state and the stop requests in one sum; a
@@ -660,6 +687,14 @@ static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
     cJSON_AddNumberToObject(j, "state_bytes", (double)o->state);
     cJSON_AddNumberToObject(j, "step_time_s", o->dt);
     if (o->eval_now) cJSON_AddNumberToObject(j, "eval_loss", o->eval_loss);
+    if (L->moe != NULL) { /* the routing: tokens per expert (every block), the balance loss */
+      cJSON_AddNumberToObject(j, "aux_loss", o->aux_loss);
+      cJSON *load = cJSON_AddArrayToObject(j, "expert_load");
+      for (int e = 0; load && e < L->experts; e++)
+        cJSON_AddItemToArray(load, cJSON_CreateNumber((double)L->load[e]));
+      cJSON_AddNumberToObject(j, "expert_load_min", (double)o->load_min);
+      cJSON_AddNumberToObject(j, "expert_load_max", (double)o->load_max);
+    }
     if (L->saver.stall_s > 0) cJSON_AddNumberToObject(j, "ckpt_stall_s", L->saver.stall_s);
     if (L->saver.saved_step >= 0) { /* a save committed during this step */
       cJSON_AddNumberToObject(j, "ckpt_saved_step", (double)L->saver.saved_step);
@@ -687,12 +722,16 @@ static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) 
          eta = elapsed / (double)(s + 1) * (double)(p->steps - s - 1);
   char pm[32];
   train_mib(pm, sizeof pm, (double)o->peak);
+  char moe[96] = "";
+  if (L->moe != NULL)
+    snprintf(moe, sizeof moe, "  aux %.4f  load %lld-%lld", o->aux_loss, (long long)o->load_min,
+             (long long)o->load_max);
   if (show) {
     printf(
-        "%sstep %5lld/%lld  loss %.6f  lr %.3e  grad_norm %.4f  %.0f tok/s  peak %s  "
+        "%sstep %5lld/%lld  loss %.6f  lr %.3e  grad_norm %.4f%s  %.0f tok/s  peak %s  "
         "ETA %.0fs\n",
         L->tty ? "\r\033[K" : "", (long long)(s + 1), (long long)p->steps, o->loss,
-        p->optim.lr * o->factor, o->norm, o->tps, pm, eta);
+        p->optim.lr * o->factor, o->norm, moe, o->tps, pm, eta);
   } else if (L->tty) { /* live progress on a terminal */
     int w = 30, done = (int)((double)w * (double)(s + 1) / (double)p->steps);
     printf("\r[%.*s%*s] %lld/%lld  loss %.4f  %.0f tok/s  ETA %.0fs", done,
@@ -712,6 +751,7 @@ static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
   L->saver.stall_s = 0;
   L->saver.saved_step = -1;
   FSDPC_TRY(step_compute(r, L, &o));
+  FSDPC_TRY(step_moe(L, &o));
   FSDPC_TRY(step_agree(r, L, &o));
   FSDPC_TRY(step_apply(r, L, &o));
   FSDPC_TRY(step_save(r, L, &o));
@@ -757,6 +797,7 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   if (st != STATUS_OK && !L->agreed) world_stop(st);
   train_saver_free(&L->saver); /* a save in flight after a failure stays uncommitted */
   free(L->micro_loss);
+  free(L->load);
   if (L->mf != NULL && fclose(L->mf) != 0) L->bad = errno ? errno : EIO;
   if (L->mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
     fsdpc_status_t ms = metrics_agree(L->mpath, L->bad);

@@ -19,6 +19,7 @@ struct llama {
   nn_module_t *root;
   nn_module_t **layers;
   fsdpc_tensor_t positions; /* GPT-2: the last forward's position ids [B, T], reused */
+  nn_moe_aux_t *aux;        /* Qwen3-MoE's load-balancing loss, when it has one */
 };
 
 /* ---- forwards ---- */
@@ -516,6 +517,13 @@ fsdpc_status_t llama_new(const llama_config_t *cfg, const llama_options_t *opt, 
   FSDPC_TRY_GOTO(st, mesh_new_local("local", opt->device, &L->mesh));
   builder_t b = {L, opt};
   FSDPC_TRY_GOTO(st, build(&b));
+  int sparse = 0;
+  for (int64_t i = 0; i < cfg->n_layers; i++) sparse += llama_layer_is_moe(cfg, i);
+  if (sparse > 0) { /* the routers' statistics, and their load-balancing loss when weighted */
+    FSDPC_TRY_GOTO(
+        st, nn_moe_aux_new((int)cfg->n_experts, (int)cfg->top_k, cfg->aux_loss_coef, &L->aux));
+    FSDPC_TRY_GOTO(st, nn_moe_aux_attach(L->root, L->aux, NULL));
+  }
   *out = L;
   return STATUS_OK;
 cleanup:
@@ -526,6 +534,7 @@ cleanup:
 void llama_free(llama_t *m) {
   if (m == NULL) return;
   nn_module_free(m->root);
+  nn_moe_aux_free(m->aux);
   tensor_free(&m->positions);
   mesh_free(m->mesh);
   free(m->layers);

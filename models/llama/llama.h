@@ -88,6 +88,9 @@ typedef struct llama_config {
   int64_t sparse_step;  /* decoder_sparse_step */
   bool norm_topk;       /* norm_topk_prob */
   uint64_t mlp_only[4]; /* mlp_only_layers: bit i of word i / 64 for layer i (below 256) */
+  /* The router's load-balancing loss added to the training loss with this weight
+   * (router_aux_loss_coef when output_router_logits; 0: none; nn/moe.h's nn_moe_aux_t) */
+  double aux_loss_coef;
 } llama_config_t;
 
 /* The most layers mlp_only_layers can name (llama_config_t.mlp_only). */

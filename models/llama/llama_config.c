@@ -80,6 +80,8 @@ static fsdpc_status_t check_experts(const llama_config_t *c) {
     return err_set(STATUS_EINVAL,
                    "model config: moe_intermediate_size must be a size from 1 to 2^31, got %lld",
                    (long long)c->moe_ffn_dim);
+  if (!(c->aux_loss_coef >= 0) || c->aux_loss_coef > 1e6)
+    return err_set(STATUS_EINVAL, "model config: router_aux_loss_coef must be from 0 to 1e6");
   if (c->sparse_step < 1 || c->sparse_step > 4096)
     return err_set(STATUS_EINVAL,
                    "model config: decoder_sparse_step must be from 1 to 4096, got %lld",
@@ -397,15 +399,12 @@ static fsdpc_status_t parse_experts(const char *path, const cJSON *o, llama_conf
   FSDPC_TRY(json_int(path, o, "decoder_sparse_step", &c->sparse_step));
   FSDPC_TRY(json_bool(path, o, "norm_topk_prob", &c->norm_topk));
   bool logits = false;
-  double coef = 0.001; /* Qwen3MoeConfig's */
+  double coef = 0.001; /* Qwen3MoeConfig's; added to the loss with output_router_logits */
   FSDPC_TRY(json_bool(path, o, "output_router_logits", &logits));
   FSDPC_TRY(json_num(path, o, "router_aux_loss_coef", &coef));
-  if (logits && coef != 0)
-    return err_set(STATUS_EUNSUPPORTED,
-                   "%s: 'output_router_logits' is true with a router_aux_loss_coef of %g, but the "
-                   "router's load-balancing loss is not implemented (set output_router_logits "
-                   "to false to train without it)",
-                   path, coef);
+  if (!(coef >= 0) || coef > 1e6)
+    return err_set(STATUS_EFORMAT, "%s: 'router_aux_loss_coef' must be from 0 to 1e6", path);
+  c->aux_loss_coef = logits ? coef : 0;
   const cJSON *only = cJSON_GetObjectItemCaseSensitive(o, "mlp_only_layers");
   if (only != NULL && !cJSON_IsNull(only) && !cJSON_IsArray(only))
     return err_set(STATUS_EFORMAT, "%s: 'mlp_only_layers' must be a list of layer indices", path);
@@ -541,7 +540,9 @@ static bool experts_to_hf(const llama_config_t *c, cJSON *o) {
   cJSON_AddNumberToObject(o, "moe_intermediate_size", (double)c->moe_ffn_dim);
   cJSON_AddNumberToObject(o, "decoder_sparse_step", (double)c->sparse_step);
   cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk);
-  cJSON_AddBoolToObject(o, "output_router_logits", 0);
+  cJSON_AddBoolToObject(o, "output_router_logits", c->aux_loss_coef > 0);
+  cJSON_AddNumberToObject(o, "router_aux_loss_coef",
+                          c->aux_loss_coef > 0 ? c->aux_loss_coef : 0.001);
   cJSON *only = cJSON_AddArrayToObject(o, "mlp_only_layers");
   if (only == NULL) return false;
   for (int i = 0; i < LLAMA_MAX_MLP_ONLY; i++)

@@ -220,13 +220,13 @@ def st_read(path):
     return json.loads(raw[8:8 + n]), raw[8 + n:]
 
 
-def hf_folder(tmp, tag):
+def hf_folder(tmp, tag, init=None):
     """A Hugging Face folder in tmp of tests/reference's model TAG: its config and initial
-    weights."""
+    weights (those of the model init, when given)."""
     ref = os.path.join(ROOT, "tests", "reference")
     model = os.path.join(tmp, tag)
     os.mkdir(model)
     os.symlink(os.path.join(ref, tag + "_config.json"), os.path.join(model, "config.json"))
-    os.symlink(os.path.join(ref, tag + "_init.safetensors"),
+    os.symlink(os.path.join(ref, (init or tag) + "_init.safetensors"),
                os.path.join(model, "model.safetensors"))
     return model

@@ -447,7 +447,8 @@ FAMILY_PLANS = [  # (what, ranks, settings): each against one rank, the same glo
 def family_plan(tmp, tag):
     """PYTORCH_PLAN for tests/reference's model TAG, global batch 2; GPT-2's units are
     transformer.h.*, and make_goldens.py's parameter groups match none of its names."""
-    text = PYTORCH_PLAN.replace("{model}", hf_folder(tmp, tag)).replace(
+    init = "tiny_qwen3_moe" if tag == "tiny_qwen3_moe_aux" else None  # its golden's init
+    text = PYTORCH_PLAN.replace("{model}", hf_folder(tmp, tag, init)).replace(
         "{data}", os.path.join(ROOT, "data", "corpus.txt")).replace(
         "  batch_size: 1\n", "  batch_size: 1\n  global_batch_size: 2\n")
     if "gpt2" in tag:
@@ -495,12 +496,13 @@ def family():
     """Qwen2 (q, k, v biases), Qwen3 (q_norm and k_norm, head_dim 24 where hidden / heads is
     16, tied), GPT-2 (learned positions, LayerNorms with bias, fused c_attn, Conv1D weights,
     tied) and Qwen3-MoE (a sparse layer of 4 experts, top-2, and a dense one; its files name
-    each expert), from a Hugging Face folder: one rank reproduces PyTorch's ten losses and its
+    each expert; without and with the routers' load-balancing loss, whose metrics count every
+    routed token), from a Hugging Face folder: one rank reproduces PyTorch's ten losses and its
     export-hf PyTorch's trained weights; FSDP, HSDP and FSDP x TP with sequence parallelism
     (Qwen3's q_norm and k_norm headwise; GPT-2's c_attn split by head for q, k and v alike) on
     4 ranks train one rank's losses (Qwen3-MoE: TP refused by name, FSDP with deferred
     initialisation instead); a bare config.json trains with a falling loss."""
-    for tag in ("tiny_qwen2", "tiny_qwen3", "tiny_gpt2", "tiny_qwen3_moe"):
+    for tag in ("tiny_qwen2", "tiny_qwen3", "tiny_gpt2", "tiny_qwen3_moe", "tiny_qwen3_moe_aux"):
         tmp = mkdtemp()
         plan = family_plan(tmp, tag)
         one, ck = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "ck")
@@ -517,12 +519,19 @@ def family():
               "%s: one rank reproduces PyTorch's ten losses within 1e-5 (worst %.2e)"
               % (tag, worst))
         exported_as_trained(tag, os.path.join(ck, "step-00000010"), os.path.join(tmp, "hf"))
+        if tag.startswith("tiny_qwen3_moe"):  # 2 samples of 32 tokens, top-2, one sparse layer
+            m = losses(one)
+            check(all(sum(r["expert_load"]) == 128 and r["expert_load_min"] == min(
+                r["expert_load"]) and r["expert_load_max"] == max(r["expert_load"]) and
+                r["aux_loss"] > 1 for r in m),
+                  "%s: every step's metrics count the 128 routed tokens by expert, and the "
+                  "load-balancing loss (%.4f at step 1)" % (tag, m[0]["aux_loss"]))
         r1 = os.path.join(tmp, "one-4.jsonl")  # one rank, the plans' global batch
         p, _ = run(1, [plan, "--metrics", r1, "--set", "data.global_batch_size=4",
                        "--set", "mesh.dp_shard=1"])
         ref = [(r["loss"], r["grad_norm"]) for r in losses(r1)] if p.returncode == 0 else []
         plans = FAMILY_PLANS
-        if tag == "tiny_qwen3_moe":  # no tensor parallelism of experts: refused by name
+        if tag == "tiny_qwen3_moe":  # no tensor parallelism of experts, no import: refused
             q, _ = run(4, [plan, "--dry-run", "--set", "mesh.dp_shard=2", "--set", "mesh.tp=2"])
             check(q.returncode != 0 and "tensor parallelism of a model with experts (qwen3_moe) "
                   "is not implemented" in q.stderr, "tiny_qwen3_moe: mesh.tp=2 is refused by name")
@@ -531,6 +540,7 @@ def family():
             check(q.returncode != 0 and "import-hf of a model with experts (qwen3_moe) is not "
                   "implemented" in q.stderr and not os.path.exists(os.path.join(tmp, "imp")),
                   "tiny_qwen3_moe: import-hf is refused by name, nothing written")
+        if tag.startswith("tiny_qwen3_moe"):
             plans = [x for x in FAMILY_PLANS if "TP" not in x[0]] + [
                 ("FSDP on 4, deferred initialisation", 4, ["model.deferred_init=true"]),
                 ("FSDP on 2 with activation checkpointing", 2,

@@ -23,6 +23,8 @@ variant, named in the golden's metadata "init") and TAG_golden.safetensors, for 
   tiny_qwen3_moe  Qwen3-MoE: layer 0 a sparse block (4 experts of 32, top-2 renormalised),
                layer 1 dense (mlp_only_layers); its weight files (init, trained.*) name each
                expert as Hugging Face does, its gradients (grad.*) the C model's stacked names
+  tiny_qwen3_moe_aux  the same with the routers' load-balancing loss (output_router_logits,
+               router_aux_loss_coef 0.1), from tiny_qwen3_moe's init
 and llama31_inv_freq.json: the rotary frequencies of Llama 3.1 8B's config (head_dim 128), as
 transformers' llama3 rope type defines them.
 
@@ -45,7 +47,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from torch_models import CausalLM, GPT2LMHead, inv_freqs, rope_params
+from torch_models import CausalLM, GPT2LMHead, inv_freqs, load_balancing_loss, rope_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(HERE, "..", "..", "data", "corpus.txt")
@@ -146,6 +148,10 @@ def param_groups(model):
 LLAMA3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
 QWEN = dict(rope_theta=1000000.0, use_sliding_window=False, rms_norm_eps=1e-6)
+MOE = dict(QWEN, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+           attention_bias=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+           output_router_logits=False)
 VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (None: a new one)
     ("tiny", {}, False, None),
     ("tiny_tied", {}, True, None),
@@ -158,10 +164,9 @@ VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (Non
     ("tiny_qwen3", dict(QWEN, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=24,
                         attention_bias=False), True, None),
     ("tiny_gpt2", dict(model_type="gpt2"), True, None),
-    ("tiny_qwen3_moe", dict(QWEN, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                            attention_bias=False, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
-                            norm_topk_prob=True, output_router_logits=False), False, None),
+    ("tiny_qwen3_moe", dict(MOE), False, None),
+    ("tiny_qwen3_moe_aux", dict(MOE, output_router_logits=True, router_aux_loss_coef=0.1),
+     False, "tiny_qwen3_moe"),
 ]
 # GPT-2 as transformers' GPT2Config writes it (no dropout: the C model has none)
 GPT2_CONFIG = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_layer=2,
@@ -234,8 +239,13 @@ def run(tag, changes, tied, init_tag):
     tokens = load_tokens()
     V = cfg["vocab_size"]
     x, y = batch(tokens, 0)
+    def with_aux(loss):  # Qwen3-MoE's training loss with output_router_logits
+        if cfg.get("output_router_logits"):
+            loss = loss + cfg["router_aux_loss_coef"] * load_balancing_loss(model, cfg)
+        return loss
+
     logits = model(x)
-    loss = F.cross_entropy(logits.view(-1, V).float(), y.view(-1))
+    loss = with_aux(F.cross_entropy(logits.view(-1, V).float(), y.view(-1)))
     loss.backward()
     golden = {"logits": logits.detach(), "loss": loss.detach().reshape(1)}
     for name, p in model.named_parameters():
@@ -249,7 +259,7 @@ def run(tag, changes, tied, init_tag):
         for g in opt.param_groups:
             g["lr"] = g["base_lr"] * lr_factor(s)
         x, y = batch(tokens, s)
-        loss = F.cross_entropy(model(x).view(-1, V).float(), y.view(-1))
+        loss = with_aux(F.cross_entropy(model(x).view(-1, V).float(), y.view(-1)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN["max_norm"])

@@ -180,7 +180,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x):
         xf = x.reshape(-1, x.shape[-1])
-        probs = F.softmax(self.gate(xf), dim=-1, dtype=torch.float32)
+        self.router_logits = self.gate(xf)  # for the load-balancing loss
+        probs = F.softmax(self.router_logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.k, dim=-1)
         if self.norm:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -191,6 +192,19 @@ class SparseMoE(nn.Module):
             h = F.silu(xf[tok] @ w.gate_proj[e].t()) * (xf[tok] @ w.up_proj[e].t())
             out.index_add_(0, tok, (h @ w.down_proj[e].t()) * top_w[tok, slot, None])
         return out.reshape(x.shape)
+
+
+def load_balancing_loss(model, c):
+    """transformers' load_balancing_loss_func over every sparse block's router logits of the
+    last forward (no attention mask): num_experts * sum over experts of the share of top-k
+    choices (constant) times the mean router probability."""
+    logits = torch.cat([m.router_logits for m in model.modules() if isinstance(m, SparseMoE)])
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    _, chosen = torch.topk(probs, c["num_experts_per_tok"], dim=-1)
+    mask = F.one_hot(chosen, c["num_experts"]).float()  # [rows, k, E]
+    tokens_per_expert = mask.mean(dim=0)
+    prob_per_expert = probs.mean(dim=0)
+    return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * c["num_experts"]
 
 
 def layer_is_moe(c, i):

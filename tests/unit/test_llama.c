@@ -20,6 +20,7 @@
 #include "checkpoint/safetensors.h"
 #include "core/file.h"
 #include "models/llama/llama.h"
+#include "nn/moe.h"
 #include "nn/ops.h"
 #include "nn/optim.h"
 #include "tests/harness.h"
@@ -102,8 +103,21 @@ static void step_fwd_bwd(llama_t *m, const fsdpc_data_t *d, const data_spec_t *s
   ok(tensor_clone(&tg, &tg_h, DTYPE_I64, dev));
   nn_var_t *ids, *logits, *loss;
   ok(nn_var_new(&in, false, &ids));
+  nn_moe_aux_t *aux = nn_moe_aux_of(llama_module(m)); /* Qwen3-MoE's load-balancing loss */
+  nn_moe_aux_begin(aux, 1.0);
   ok(nn_call(ctx, llama_module(m), ids, &logits));
   ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+  if (aux != NULL) { /* loss + coef aux, its gradient coming through the routers */
+    fsdpc_tensor_t c;
+    nn_var_t *cv, *sum;
+    ok(tensor_init(&c, DTYPE_F32, loss->value.device, loss->value.ndim, loss->value.shape));
+    ok(tensor_fill(&c, nn_moe_aux_coef(aux) * nn_moe_aux_loss(aux)));
+    ok(nn_var_new(&c, false, &cv));
+    ok(nn_add(ctx, loss, cv, &sum));
+    nn_var_put(cv);
+    nn_var_put(loss);
+    loss = sum;
+  }
   ok(nn_var_scalar(loss, loss_out));
   ok(nn_backward(ctx, loss));
   if (logits_out) ok(tensor_ref(logits_out, &logits->value));
@@ -339,13 +353,26 @@ END_TEST
 
 /* Qwen3-MoE: layer 0 a sparse block (4 experts of 32, top-2 renormalised), layer 1 dense
  * (mlp_only_layers); the logits, loss and every gradient of step 0, with and without
- * activation checkpointing, and ten training steps; its parameter count. (The MoE operations
- * run on the host in f32: the CPU suite only.) */
+ * activation checkpointing, and ten training steps, without and with the routers'
+ * load-balancing loss; its parameter count. (The MoE operations run on the host in f32: the
+ * CPU suite only.) */
 START_TEST(qwen3_moe_against_torch) {
   check_step0("tiny_qwen3_moe", "tiny_qwen3_moe", false);
   check_step0("tiny_qwen3_moe", "tiny_qwen3_moe", true);
   check_training("tiny_qwen3_moe", "tiny_qwen3_moe");
+  /* with the routers' load-balancing loss (coefficient 0.1), checkpointed blocks too */
+  check_step0("tiny_qwen3_moe_aux", "tiny_qwen3_moe_aux", false);
+  check_step0("tiny_qwen3_moe_aux", "tiny_qwen3_moe_aux", true);
+  check_training("tiny_qwen3_moe_aux", "tiny_qwen3_moe_aux");
   llama_config_t c;
+  ok(llama_config_from_hf(REF "tiny_qwen3_moe_aux_config.json", &c));
+  ck_assert(c.aux_loss_coef == 0.1);
+  char *text;
+  ok(llama_config_to_hf_text(&c, DTYPE_F32, &text)); /* written back with the loss */
+  c.aux_loss_coef = 0;
+  ok(llama_config_from_hf_text(text, "written", &c));
+  ck_assert(c.aux_loss_coef == 0.1);
+  free(text);
   ok(llama_config_from_hf(REF "tiny_qwen3_moe_config.json", &c));
   ck_assert(llama_layer_is_moe(&c, 0) && !llama_layer_is_moe(&c, 1));
   llama_options_t opt = LLAMA_OPTIONS_INIT;
@@ -599,8 +626,9 @@ START_TEST(config_forms_of_the_family) {
        LLAMA_ARCH_QWEN3_MOE, 16, 32768, false, false, true, NULL},
       {", \"model_type\": \"qwen3_moe\", \"num_experts\": 4, \"num_experts_per_tok\": 5", 0, 0, 0,
        0, 0, 0, "num_experts_per_tok must be from 1 to num_experts (4), got 5"},
-      {", \"model_type\": \"qwen3_moe\", \"output_router_logits\": true", 0, 0, 0, 0, 0, 0,
-       "the router's load-balancing loss is not implemented"},
+      {", \"model_type\": \"qwen3_moe\", \"output_router_logits\": true, "
+       "\"router_aux_loss_coef\": -1",
+       0, 0, 0, 0, 0, 0, "'router_aux_loss_coef' must be from 0 to 1e6"},
       {", \"model_type\": \"qwen3_moe\", \"mlp_only_layers\": [300]", 0, 0, 0, 0, 0, 0,
        "'mlp_only_layers' holds an index out of range"},
       {", \"model_type\": \"qwen3_moe\", \"decoder_sparse_step\": 0", 0, 0, 0, 0, 0, 0,
@@ -620,7 +648,8 @@ START_TEST(config_forms_of_the_family) {
     ck_assert_msg(st == STATUS_OK, "case %zu: %s", i, err_detail());
     if (c.arch == LLAMA_ARCH_QWEN3_MOE) /* Qwen3MoeConfig's defaults but for those given */
       ck_assert(c.n_experts == 8 && c.top_k == 2 && c.moe_ffn_dim == 32 && c.sparse_step == 1 &&
-                !c.norm_topk && !llama_layer_is_moe(&c, 0) && llama_layer_is_moe(&c, 1));
+                !c.norm_topk && !llama_layer_is_moe(&c, 0) && llama_layer_is_moe(&c, 1) &&
+                c.aux_loss_coef == 0); /* router_aux_loss_coef only with output_router_logits */
     for (int round = 0; round < 2; round++) { /* as read, then written and read back */
       ck_assert_msg(c.arch == cases[i].arch && llama_head_dim(&c) == cases[i].head_dim &&
                         c.max_seq_len == cases[i].max_pos && c.qkv_bias == cases[i].qkv_bias &&
