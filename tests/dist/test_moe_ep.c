@@ -5,12 +5,16 @@
  * each rank's outputs and input gradients are its rows of the reference's, an expert's
  * gradient on the rank holding it is the reference's, and the router's summed over the ranks
  * is the reference's. The all-to-all moves exactly the routed rows: per step, twice forward
- * and twice backward, every row a rank sends to another, times dim, times 4 bytes.
+ * and twice backward, every row a rank sends to another, times dim, times 4 bytes. A
+ * checkpoint saved with the experts split loads into the whole block and into a split over
+ * fewer ranks.
  */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "checkpoint/dcp.h"
 #include "nn/moe.h"
 #include "tests/dist/fsdp_common.h"
 
@@ -157,6 +161,74 @@ START_TEST(matches_one_rank) {
 }
 END_TEST
 
+/* The block's experts as checkpoint entries (their FQNs; the router, on each rank's own
+ * one-rank mesh here, is no distributed tensor): *n of them. */
+static dcp_entry_t *entries_of(nn_module_t *m, int *n) {
+  *n = 3;
+  dcp_entry_t *e = calloc(3, sizeof *e);
+  ck_assert_ptr_nonnull(e);
+  for (int i = 0; i < 3; i++) {
+    nn_param_t *p = nn_param_find(m, names[i + 1]);
+    e[i] = (dcp_entry_t){p->fqn, p->value};
+  }
+  return e;
+}
+
+/* A checkpoint of the experts saved split over the world (each rank writing its own) holds
+ * every expert under its global index: loaded into the whole block (expert parallelism of 1),
+ * and into the block split over half the ranks where W > 2, it gives the case's weights. */
+START_TEST(checkpoint_across_expert_counts) {
+  int W = world_size();
+  mesh_t *mesh = dp_mesh();
+  nn_module_t *ep = block();
+  ok(nn_moe_expert_parallel(ep, mesh, 0));
+  char dir[64] = "";
+  if (world_rank() == 0) {
+    char tmpl[] = "/tmp/fsdpc-moe-ep-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(tmpl));
+    snprintf(dir, sizeof dir, "%s/ck", tmpl);
+  }
+  ok(pg_broadcast(mesh_group(mesh, 0), dir, sizeof dir / 4, DTYPE_I32, 0, NULL));
+  int n;
+  dcp_entry_t *e = entries_of(ep, &n);
+  ok(dcp_save(dir, e, n, mesh_group(mesh, 0)));
+  free(e);
+  int bad = 0;
+  for (int half = 0; half < (W > 2 ? 2 : 1); half++) {
+    nn_module_t *m = block();
+    for (int i = 0; i < 4; i++) { /* other values, which the load must replace */
+      nn_param_t *p = nn_param_find(m, names[i]);
+      fsdpc_tensor_t z;
+      ok(tensor_zeros(&z, DTYPE_F32, device_cpu(), dtensor_ndim(p->value),
+                      dtensor_shape(p->value)));
+      ok(nn_param_copy_full(p, &z));
+      tensor_free(&z);
+    }
+    mesh_t *sub = NULL;
+    if (half) { /* the world as (2, W / 2): the experts over the second dimension */
+      int shape[2] = {2, W / 2};
+      ok(mesh_new(2, shape, (const char *[]){"a", "ep"}, DEVICE_CPU, &sub));
+      ok(nn_moe_expert_parallel(m, sub, 1));
+    }
+    e = entries_of(m, &n);
+    ok(dcp_load(dir, e, n, NULL));
+    free(e);
+    int r = half ? mesh_coord(sub, 1) : 0;
+    for (int i = 1; i < 4; i++) {
+      const fsdpc_tensor_t *l = dtensor_local(nn_param_find(m, names[i])->value);
+      int64_t first = (int64_t)r * tensor_numel(l); /* its experts' elements */
+      for (int64_t k = 0; k < tensor_numel(l); k++)
+        bad += ((float *)l->data)[k] != value(10 + i, first + k);
+    }
+    nn_module_free(m);
+    mesh_free(sub);
+  }
+  expect_all(bad == 0, "rank %d: %d elements differ from the saved weights", world_rank(), bad);
+  nn_module_free(ep);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* Experts the group does not divide, a second application, a non-MoE module: refused. */
 START_TEST(refusals) {
   mesh_t *mesh = dp_mesh();
@@ -184,6 +256,7 @@ static Suite *make_suite(void) {
   TCase *tc = tcase_create("moe_ep");
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, matches_one_rank);
+  tcase_add_test(tc, checkpoint_across_expert_counts);
   tcase_add_test(tc, refusals);
   suite_add_tcase(s, tc);
   return s;
