@@ -356,7 +356,8 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
   if (st != STATUS_OK) file_remove_tree(tmp);
   if (st == STATUS_OK) {
-    rep->tensors = n;
+    rep->tensors = 0; /* as written: stacked experts one tensor each */
+    for (int i = 0; i < n; i++) rep->tensors += stacked_experts(t[i]) ? stacked_experts(t[i]) : 1;
     rep->files = files;
     rep->bytes = total;
   }
@@ -369,6 +370,36 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
 }
 
 /* ---- import ---- */
+
+/* Whether the folder keeps the stacked experts fqn one tensor per expert (Hugging Face's
+ * names) rather than whole. */
+static bool stacked_in_folder(const dcp_tensor_t *list, int nt, const char *fqn) {
+  char first[512];
+  if (!hf_expert_name(fqn, 0, first, sizeof first)) return false;
+  for (int k = 0; k < nt; k++)
+    if (strcmp(list[k].name, first) == 0) return true;
+  return false;
+}
+
+/* Every expert of the stacked fqn [E, a, b] in the folder, each [a, b]. */
+static fsdpc_status_t check_experts(const char *hf, const dcp_tensor_t *list, int nt,
+                                    const char *fqn, const int64_t *shape) {
+  for (int64_t j = 0; j < shape[0]; j++) {
+    char name[512];
+    hf_expert_name(fqn, j, name, sizeof name); /* fits: expert 0's did */
+    int k = 0;
+    while (k < nt && strcmp(list[k].name, name) != 0) k++;
+    if (k == nt)
+      return err_set(STATUS_EFORMAT, "%s: no tensor '%s', which config.json's model has", hf, name);
+    if (list[k].ndim != 2 || list[k].shape[0] != shape[1] || list[k].shape[1] != shape[2])
+      return err_set(STATUS_ESHAPE,
+                     "%s: tensor '%s' has %d dimensions [%lld, ...], but config.json's model "
+                     "needs [%lld, %lld]",
+                     hf, name, list[k].ndim, (long long)(list[k].ndim ? list[k].shape[0] : 0),
+                     (long long)shape[1], (long long)shape[2]);
+  }
+  return STATUS_OK;
+}
 
 /* The tensors of a Llama folder against the model its config.json describes (a meta model
  * built from it lists the parameters): every parameter present with its shape, nothing else. */
@@ -383,6 +414,10 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
   if (st == STATUS_OK) st = nn_named_parameters(llama_module(m), &ps, &n);
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     const dtensor_t *v = ps[i]->value;
+    if (dtensor_ndim(v) == 3 && stacked_in_folder(list, nt, ps[i]->fqn)) {
+      st = check_experts(hf, list, nt, ps[i]->fqn, dtensor_shape(v));
+      continue;
+    }
     int k = 0;
     while (k < nt && strcmp(list[k].name, ps[i]->fqn) != 0) k++;
     if (k == nt) {
@@ -406,8 +441,12 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
     }
   }
   for (int k = 0; k < nt && st == STATUS_OK; k++) {
+    char fqn[512];
+    int64_t j;
+    const char *as = hf_expert_of(list[k].name, fqn, sizeof fqn, &j) ? fqn : list[k].name;
     int i = 0;
-    while (i < n && strcmp(list[k].name, ps[i]->fqn) != 0) i++;
+    while (i < n && strcmp(as, ps[i]->fqn) != 0) i++;
+    if (i < n && as == fqn && j >= dtensor_shape(ps[i]->value)[0]) i = n; /* no such expert */
     if (i == n)
       st = err_set(STATUS_EFORMAT,
                    "%s: tensor '%s' is no parameter of the model config.json "
@@ -419,9 +458,71 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
   return st;
 }
 
+/* The runs of experts of file f (path from): for each stacked tensor whose experts the file
+ * holds (Hugging Face's P.experts.J.N.weight), one box of consecutive experts, named stacked[b]
+ * (P.experts.N), its tensor t[b] [run, a, b] at row offset[0] = its first J; each expert read
+ * into its row. A file's experts of one tensor must follow each other (Hugging Face's shards
+ * keep them in order). *nb counts the boxes made. */
+static fsdpc_status_t stack_experts(st_file_t *f, const char *from, char (*stacked)[512],
+                                    fsdpc_tensor_t *t, dcp_box_t *boxes, int *nb) {
+  int n = st_num_tensors(f), first = *nb;
+  int64_t *count = calloc((size_t)(n > 0 ? n : 1), sizeof *count);
+  if (count == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  fsdpc_status_t st = STATUS_OK;
+  for (int pass = 0; pass < 2 && st == STATUS_OK; pass++) {
+    for (int i = 0; i < n && st == STATUS_OK; i++) {
+      const st_info_t *info = st_tensor(f, i);
+      char fqn[512];
+      int64_t j;
+      if (!hf_expert_of(info->name, fqn, sizeof fqn, &j)) continue;
+      int b = first;
+      while (b < *nb && strcmp(stacked[b], fqn) != 0) b++;
+      if (info->ndim != 2 || info->dtype == DTYPE_COUNT) {
+        st = err_set(STATUS_EFORMAT, "%s: tensor '%s' is not a 2-D float expert weight", from,
+                     info->name);
+      } else if (pass == 0 && b == *nb) { /* a run starts */
+        snprintf(stacked[b], sizeof stacked[b], "%s", fqn);
+        boxes[b] = (dcp_box_t){stacked[b], &t[b], {j, 0, 0}};
+        count[b] = 1;
+        t[b].dtype = info->dtype; /* kept for the checks until the tensor is made */
+        t[b].shape[1] = info->shape[0];
+        t[b].shape[2] = info->shape[1];
+        (*nb)++;
+      } else if (pass == 0 && j != boxes[b].offset[0] + count[b]) {
+        st = err_set(STATUS_EFORMAT,
+                     "%s: the experts of '%s' in this file do not follow each other (expert "
+                     "%lld after %lld)",
+                     from, fqn, (long long)j, (long long)(boxes[b].offset[0] + count[b] - 1));
+      } else if (pass == 0 && (t[b].dtype != info->dtype || t[b].shape[1] != info->shape[0] ||
+                               t[b].shape[2] != info->shape[1])) {
+        st = err_set(STATUS_ESHAPE, "%s: expert %lld of '%s' differs in shape or dtype", from,
+                     (long long)j, fqn);
+      } else if (pass == 0) {
+        count[b]++;
+      } else { /* pass 1: into its row */
+        fsdpc_tensor_t row = {0}, plane = {0};
+        st = tensor_narrow(&row, &t[b], 0, j - boxes[b].offset[0], 1);
+        if (st == STATUS_OK) st = tensor_view(&plane, &row, 2, info->shape);
+        if (st == STATUS_OK) st = st_read(f, info->name, &plane);
+        tensor_free(&plane);
+        tensor_free(&row);
+      }
+    }
+    for (int k = first; pass == 0 && k < *nb && st == STATUS_OK; k++) { /* the runs' tensors */
+      int64_t shape[3] = {count[k], t[k].shape[1], t[k].shape[2]};
+      dtype_t dt = t[k].dtype;
+      memset(&t[k], 0, sizeof t[k]);
+      st = tensor_init(&t[k], dt, device_cpu(), 3, shape);
+    }
+  }
+  free(count);
+  return st;
+}
+
 /* Writes Hugging Face file `name` of folder hf into folder model under the same name, its
- * tensors whole, with the integrity records of a save of its own (folder: every file's name,
- * and the save's id). */
+ * tensors whole (per-expert tensors stacked: Hugging Face's experts.J.N.weight as rows of
+ * experts.N), with the integrity records of a save of its own (folder: every file's name, and
+ * the save's id). */
 static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char *model,
                                    const dcp_folder_t *folder, llama_arch_t arch) {
   char from[PATH_LEN + 300], to[PATH_LEN + 300];
@@ -433,8 +534,15 @@ static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char 
   dcp_box_t *boxes = calloc((size_t)(n > 0 ? n : 1), sizeof *boxes);
   fsdpc_tensor_t *t = calloc((size_t)(n > 0 ? n : 1), sizeof *t);
   fsdpc_status_t st = boxes && t ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  int nb = 0; /* boxes: the file's experts' runs, then its other tensors */
+  char(*stacked)[512] = st == STATUS_OK ? calloc((size_t)(n > 0 ? n : 1), sizeof *stacked) : NULL;
+  if (st == STATUS_OK && stacked == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  if (st == STATUS_OK) st = stack_experts(f, from, stacked, t, boxes, &nb);
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     const st_info_t *info = st_tensor(f, i);
+    char fqn[512];
+    int64_t j;
+    if (hf_expert_of(info->name, fqn, sizeof fqn, &j)) continue; /* stacked above */
     if (info->dtype == DTYPE_COUNT)
       st = err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s, which is not read here", from,
                    info->name, info->dtype_name);
@@ -445,14 +553,16 @@ static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char 
     /* kept in the model's shape (GPT-2's c_attn: q, k and v each a dimension) */
     int64_t ms[ST_MAX_DIMS + 1];
     int mn = llama_hf_shape(arch, info->name, info->ndim, info->shape, false, ms);
-    if (st == STATUS_OK) st = tensor_view(&t[i], &whole, mn, ms);
+    if (st == STATUS_OK) st = tensor_view(&t[nb], &whole, mn, ms);
     tensor_free(&whole);
-    boxes[i] = (dcp_box_t){info->name, &t[i], {0}};
+    boxes[nb] = (dcp_box_t){info->name, &t[nb], {0}};
+    nb++;
   }
-  if (st == STATUS_OK) st = dcp_write_file(to, boxes, n, folder);
-  for (int i = 0; t && i < n; i++) tensor_free(&t[i]);
+  if (st == STATUS_OK) st = dcp_write_file(to, boxes, nb, folder);
+  for (int i = 0; t && i < nb; i++) tensor_free(&t[i]);
   free(t);
   free(boxes);
+  free(stacked);
   st_close(f);
   return st;
 }
@@ -480,12 +590,6 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   int nt = 0;
   if (st == STATUS_OK) st = dcp_reader_open(hf, &r);
   if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
-  if (st == STATUS_OK && llama && lc.n_experts > 0)
-    st = err_set(STATUS_EUNSUPPORTED,
-                 "%s: import-hf of a model with experts (%s) is not implemented: its per-expert "
-                 "tensors are not stacked into a checkpoint yet; train from the folder with "
-                 "model.init_from, which reads them",
-                 hf, llama_arch_name(lc.arch));
   if (st == STATUS_OK && llama) st = check_llama_tensors(hf, &lc, list, nt);
   if (st == STATUS_OK) st = file_check_output_dir(out, "import-hf: OUT", false);
   char tmp[PATH_LEN + 16] = "", model[PATH_LEN + 32];

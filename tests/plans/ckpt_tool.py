@@ -518,6 +518,13 @@ parallelize:
   tensor_parallel:
     sequence_parallel: true
 """
+FAMILY_MOE_PLAN = """\
+mesh:
+  dp_shard: 4
+parallelize:
+  fully_shard:
+    units: ["model.layers.*"]
+"""
 FAMILY_GPT2_TP_PLAN = """\
 mesh:
   dp_shard: 2
@@ -531,21 +538,23 @@ parallelize:
 
 
 def ckpt_family():
-    """Qwen2, Qwen3 and GPT-2 checkpoints, no model flags given: import-hf of tests/reference's
-    folder, inspect and verify, reshard to FSDP 2 x TP 2 by the architecture's built-in plan
+    """Qwen2, Qwen3, GPT-2 and Qwen3-MoE checkpoints, no model flags given: import-hf of
+    tests/reference's folder (Qwen3-MoE's per-expert tensors stacked), inspect and verify,
+    reshard to FSDP 2 x TP 2 by the architecture's built-in plan (Qwen3-MoE: FSDP on 4)
     (GPT-2's c_attn, [dim, 3 dim] in the folder, kept [dim, 3, dim] and split by head: each
     rank's chunk holds its heads of q, k and v), export-hf back: config.json of its architecture
     and every tensor of the folder bit for bit (the tied lm_head left out, as transformers
     leaves it out; GPT-2's Conv1D weights [in, out] as stored)."""
     tool = lambda *a: sh([TOOL] + list(a), timeout=120)  # noqa: E731
     for tag, model_type in (("tiny_qwen2", "qwen2"), ("tiny_qwen3", "qwen3"),
-                            ("tiny_gpt2", "gpt2")):
+                            ("tiny_gpt2", "gpt2"), ("tiny_qwen3_moe", "qwen3_moe")):
         tmp = mkdtemp()
         hf = hf_folder(tmp, tag)
         ck, tp, out = (os.path.join(tmp, x) for x in ("ck", "ck-tp", "hf-out"))
         plan = os.path.join(tmp, "tp.yaml")
         with open(plan, "w") as f:
-            f.write(FAMILY_GPT2_TP_PLAN if "gpt2" in tag else FAMILY_TP_PLAN)
+            f.write(FAMILY_GPT2_TP_PLAN if "gpt2" in tag else
+                    FAMILY_MOE_PLAN if "moe" in tag else FAMILY_TP_PLAN)
         steps = [("import-hf", hf, ck), ("inspect", ck), ("verify", ck),
                  ("reshard", ck, "--to", plan, tp), ("export-hf", tp, out)]
         done = True
@@ -557,6 +566,11 @@ def ckpt_family():
         check(done, "%s: import-hf, inspect, verify, reshard and export-hf run" % tag)
         if not done:
             continue
+        if "moe" in tag:  # one stacked tensor per layer's experts in the checkpoint
+            p = tool("inspect", ck)
+            check(re.search(r"model\.layers\.0\.mlp\.experts\.up_proj\s+F32\s+4x32x64", p.stdout)
+                  is not None and "experts.0.up_proj" not in p.stdout,
+                  "%s: import-hf stacks each layer's experts into one tensor" % tag)
         if "gpt2" in tag:  # c_attn by head: [dim / dp, 3, dim / tp] a rank, at its tp offset
             with open(os.path.join(hf, "config.json")) as f:
                 d = json.load(f)["n_embd"]

@@ -531,15 +531,23 @@ def family():
                        "--set", "mesh.dp_shard=1"])
         ref = [(r["loss"], r["grad_norm"]) for r in losses(r1)] if p.returncode == 0 else []
         plans = FAMILY_PLANS
-        if tag == "tiny_qwen3_moe":  # no tensor parallelism of experts, no import: refused
+        if tag == "tiny_qwen3_moe":  # no tensor parallelism of experts: refused by name
             q, _ = run(4, [plan, "--dry-run", "--set", "mesh.dp_shard=2", "--set", "mesh.tp=2"])
             check(q.returncode != 0 and "tensor parallelism of a model with experts (qwen3_moe) "
                   "is not implemented" in q.stderr, "tiny_qwen3_moe: mesh.tp=2 is refused by name")
-            q = sh([TOOL, "import-hf", hf_folder(mkdtemp(), tag), os.path.join(tmp, "imp")],
-                   timeout=60)
-            check(q.returncode != 0 and "import-hf of a model with experts (qwen3_moe) is not "
-                  "implemented" in q.stderr and not os.path.exists(os.path.join(tmp, "imp")),
-                  "tiny_qwen3_moe: import-hf is refused by name, nothing written")
+            # its import-hf checkpoint (experts stacked) starts FSDP on 4 as init_from does
+            imp, m = os.path.join(tmp, "imp"), os.path.join(tmp, "imp.jsonl")
+            q = sh([TOOL, "import-hf", hf_folder(mkdtemp(), tag), imp], timeout=60)
+            r, _ = run(4, [plan, "--metrics", m, "--set", "data.global_batch_size=4", "--set",
+                           "model.init_from=null", "--set", "model.config=" + os.path.join(
+                               ROOT, "tests", "reference", tag + "_config.json"),
+                           "--set", "checkpoint.load=" + imp]) if q.returncode == 0 else (q, 0)
+            got = [(x["loss"], x["grad_norm"]) for x in losses(m)] if r.returncode == 0 else []
+            worst = max([abs(a[i] - b[i]) / abs(b[i]) for a, b in zip(got, ref) for i in (0, 1)]
+                        or [1])
+            check(len(got) == len(ref) == 10 and worst <= 5e-6,
+                  "tiny_qwen3_moe: its import-hf checkpoint loaded by FSDP on 4 trains one "
+                  "rank's ten losses and gradient norms within 5e-6 (worst %.2e)" % worst)
         if tag.startswith("tiny_qwen3_moe"):
             plans = [x for x in FAMILY_PLANS if "TP" not in x[0]] + [
                 ("FSDP on 4, deferred initialisation", 4, ["model.deferred_init=true"]),
