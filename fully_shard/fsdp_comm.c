@@ -353,11 +353,14 @@ static bool unshard_needs(const fsdp_group_t *g, const fsdp_param_t *fp, bool lo
  * needs memory. */
 static fsdpc_status_t unshard_buffer(fsdp_group_t *g, bool local, fsdpc_tensor_t *buf) {
   int64_t total = 0;
+  int count = 0;
   for (int i = 0; i < g->n; i++)
-    if (unshard_needs(g, &g->params[i], local))
+    if (unshard_needs(g, &g->params[i], local)) {
       total += aligned_numel(fp_numel(&g->params[i]), g->param_dtype, mesh_device(g->mesh));
+      count++;
+    }
   memset(buf, 0, sizeof *buf);
-  if (total == 0) return STATUS_OK;
+  if (count == 0) return STATUS_OK; /* (empty parameters still get their empty views) */
   return tensor_init(buf, g->param_dtype, mesh_device(g->mesh), 1, &total);
 }
 

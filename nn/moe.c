@@ -783,8 +783,9 @@ bool nn_moe_last_load(const nn_module_t *m, int64_t *counts, int n_experts) {
 }
 
 /* p (a stacked experts' weight, whole on a one-rank mesh) as mesh's Shard(0) over dimension
- * dim: this rank's experts copied (or meta when p has no memory yet). */
-static fsdpc_status_t shard_experts(nn_param_t *p, mesh_t *mesh, int dim, int rank, int P) {
+ * dim, into *v: this rank's experts copied (or meta when p has no memory yet). */
+static fsdpc_status_t shard_experts(const nn_param_t *p, mesh_t *mesh, int dim, int rank, int P,
+                                    dtensor_t **v) {
   const fsdpc_tensor_t *whole = dtensor_local(p->value);
   int64_t L = whole->shape[0] / P, shape[3] = {L, whole->shape[1], whole->shape[2]};
   fsdpc_tensor_t mine = {0}, rows = {0};
@@ -799,10 +800,9 @@ static fsdpc_status_t shard_experts(nn_param_t *p, mesh_t *mesh, int dim, int ra
   placement_t pl[MESH_MAX_DIMS];
   for (int d = 0; d < mesh_ndim(mesh); d++)
     pl[d] = d == dim ? placement_shard(0) : placement_replicate();
-  dtensor_t *v = NULL;
-  if (st == STATUS_OK) st = dtensor_from_local(&mine, mesh, pl, 3, whole->shape, &v);
+  if (st == STATUS_OK) st = dtensor_from_local(&mine, mesh, pl, 3, whole->shape, v);
   tensor_free(&mine);
-  return st == STATUS_OK ? nn_param_set_value(p, v) : st;
+  return st;
 }
 
 fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim) {
@@ -836,13 +836,18 @@ fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim) {
   }
   int64_t *local = calloc((size_t)(cfg->n_experts / P), sizeof *local);
   if (local == NULL) return err_set(STATUS_ENOMEM, "nn_moe_expert_parallel: out of host memory");
-  for (int i = 0; i < 3; i++) {
-    fsdpc_status_t st =
-        shard_experts(nn_module_param_named(experts, names[i]), mesh, dim, pg_rank(pg), P);
-    if (st != STATUS_OK) {
-      free(local);
-      return st;
-    }
+  dtensor_t *v[3] = {NULL, NULL, NULL}; /* all three made before any is installed */
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < 3 && st == STATUS_OK; i++)
+    st = shard_experts(nn_module_param_named(experts, names[i]), mesh, dim, pg_rank(pg), P, &v[i]);
+  for (int i = 0; i < 3 && st == STATUS_OK; i++) {
+    st = nn_param_set_value(nn_module_param_named(experts, names[i]), v[i]); /* takes v[i] */
+    v[i] = NULL;
+  }
+  for (int i = 0; i < 3; i++) dtensor_free(v[i]);
+  if (st != STATUS_OK) {
+    free(local);
+    return st;
   }
   cfg->ep = pg;
   cfg->ep_size = P;

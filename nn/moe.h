@@ -67,9 +67,12 @@ fsdpc_status_t nn_all_to_all_rows(nn_ctx_t *ctx, nn_var_t *x, pg_t *pg, const in
  * forward routes this rank's tokens, sends every token's rows to the ranks of its experts by
  * one all-to-all (the counts agreed from every rank's routing), runs the local experts over
  * what arrived, and returns the results by the inverse all-to-all; backward likewise. The
- * router's gradient is this rank's tokens' (sum it over the data-parallel ranks as usual);
- * an expert's is that of every token of the group routed to it. Before fully_shard; the
- * checkpoint holds every expert under its global index. Collective over the group. */
+ * router's gradient is this rank's loss's, like any replicated parameter's; an expert's is
+ * the sum of the group's P ranks' losses' (every token of the group routed to it): where the
+ * data-parallel ranks' gradients are averaged (fully_shard's default), divide the experts'
+ * by P as well (their unit's fsdp_set_gradient_divide_factor with the data-parallel size, as
+ * TorchTitan does). Before fully_shard; the checkpoint holds every expert under its global
+ * index. Collective over the group. */
 fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim);
 
 /* The load-balancing loss of a model's MoE blocks (transformers' load_balancing_loss_func, as

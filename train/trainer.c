@@ -527,11 +527,13 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
     if (L->micro_loss == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
   }
   if (st == STATUS_OK) st = train_saver_init(&L->saver, r);
+  bool saver = st == STATUS_OK;
   L->moe = nn_moe_aux_of(r->root);
   L->experts = nn_moe_aux_experts(L->moe);
   if (st == STATUS_OK && L->moe && (L->load = calloc((size_t)L->experts, sizeof *L->load)) == NULL)
     st = err_set(STATUS_ENOMEM, "out of host memory");
   if (st != STATUS_OK) {
+    if (saver) train_saver_free(&L->saver);
     free(L->load);
     free(L->micro_loss);
     if (L->mf != NULL) fclose(L->mf);
