@@ -24,6 +24,8 @@ int fsdp_reshard_after_forward(const fsdp_group_t *g) {
   if (g == NULL) return 0;
   return g->reshard_after_forward;
 }
+int fsdp_shard_size(const fsdp_group_t *g) { return g == NULL ? 0 : g->W; }
+
 int fsdp_num_params(const fsdp_group_t *g) {
   if (g == NULL) return 0;
   return g->n;

@@ -115,6 +115,8 @@ bool fsdp_is_unsharded(const fsdp_group_t *g);
 /* The reshard-after-forward policy in effect (after the root was found). */
 int fsdp_reshard_after_forward(const fsdp_group_t *g);
 int fsdp_num_params(const fsdp_group_t *g);
+/* The ranks g shards over (its mesh's last dimension); 0 for NULL. */
+int fsdp_shard_size(const fsdp_group_t *g);
 /* The group of N consecutive ranks of an integer reshard_after_forward, or NULL. */
 pg_t *fsdp_post_forward_group(const fsdp_group_t *g);
 /* The distinct post-forward groups of groups[0..n) (groups of one shard group and N share

@@ -318,8 +318,10 @@ static fsdpc_status_t combine_backward(nn_ctx_t *ctx, nn_node_t *n) {
     }
     if (dw.data) ((float *)dw.data)[s[m]] += (float)dot; /* a slot may repeat */
   }
-  if (st == STATUS_OK && dy.data) st = nn_accumulate_grad(y, &dy);
-  if (st == STATUS_OK && dw.data) st = nn_accumulate_grad(w, &dw);
+  /* by the inputs' needs, not the data: a rank whose experts got no rows still hands on its
+   * empty gradient, so that the exchanges before it run their backward on every rank */
+  if (st == STATUS_OK && y->requires_grad) st = nn_accumulate_grad(y, &dy);
+  if (st == STATUS_OK && w->requires_grad) st = nn_accumulate_grad(w, &dw);
   tensor_free(&dy);
   tensor_free(&dw);
   return st;
@@ -480,8 +482,9 @@ static fsdpc_status_t grouped_backward(nn_ctx_t *ctx, nn_node_t *n) {
   if (st == STATUS_OK && n->param->requires_grad) st = ops_zeros_like(&dw, &n->param->compute);
   for (int64_t e = 0, off = 0; e < n->saved[0].shape[0] && st == STATUS_OK; off += counts[e++])
     if (counts[e] > 0) st = grouped_backward_block(n, &dx, &dw, e, off, counts[e]);
-  if (st == STATUS_OK && dx.data) st = nn_accumulate_grad(x, &dx);
-  if (st == STATUS_OK && dw.data) st = nn_param_accumulate_grad(n->param, &dw);
+  /* empty ones too (a rank whose experts got no rows: see combine_backward) */
+  if (st == STATUS_OK && x->requires_grad) st = nn_accumulate_grad(x, &dx);
+  if (st == STATUS_OK && n->param->requires_grad) st = nn_param_accumulate_grad(n->param, &dw);
   tensor_free(&dx);
   tensor_free(&dw);
   return st;

@@ -71,8 +71,8 @@ fsdpc_status_t nn_all_to_all_rows(nn_ctx_t *ctx, nn_var_t *x, pg_t *pg, const in
  * the sum of the group's P ranks' losses' (every token of the group routed to it): where the
  * data-parallel ranks' gradients are averaged (fully_shard's default), divide the experts'
  * by P as well (their unit's fsdp_set_gradient_divide_factor with the data-parallel size, as
- * TorchTitan does). Before fully_shard; the checkpoint holds every expert under its global
- * index. Collective over the group. */
+ * TorchTitan does; a plan's mesh.ep does so). Before fully_shard; the checkpoint holds every
+ * expert under its global index. Collective over the group. */
 fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim);
 
 /* The load-balancing loss of a model's MoE blocks (transformers' load_balancing_loss_func, as

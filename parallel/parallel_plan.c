@@ -16,13 +16,14 @@ void parallel_plan_defaults(parallel_plan_t *pp) {
   pp->dp_replicate = 1;
   pp->dp_shard = -1;
   pp->tp = 1;
+  pp->ep = 1;
   pp->reshard_after_forward = FSDP_RESHARD_AUTO;
   pp->param_dtype = pp->reduce_dtype = pp->output_dtype = DTYPE_COUNT;
   snprintf(pp->optim_where.text, sizeof pp->optim_where.text, "(plan)");
 }
 
 fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
-  static const char *const keys[] = {"dp_replicate", "dp_shard", "tp", NULL};
+  static const char *const keys[] = {"dp_replicate", "dp_shard", "tp", "ep", NULL};
   int m;
   FSDPC_TRY(pr_section(c, root, "mesh", keys, &m));
   if (m == 0) {
@@ -33,6 +34,10 @@ fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_get_size(c, m, "mesh", "dp_replicate", &c->par->dp_replicate));
   FSDPC_TRY(pr_get_size(c, m, "mesh", "dp_shard", &c->par->dp_shard));
   FSDPC_TRY(pr_get_size(c, m, "mesh", "tp", &c->par->tp));
+  FSDPC_TRY(pr_get_size(c, m, "mesh", "ep", &c->par->ep));
+  if (c->par->ep < 1)
+    return pr_fail(c, pr_find(c, m, "ep"), "mesh.ep",
+                   "expected a size from 1 (the ranks of dp_shard that split the experts)");
   int unknown = (c->par->dp_replicate < 0) + (c->par->dp_shard < 0) + (c->par->tp < 0);
   if (unknown > 1) return pr_fail(c, m, "mesh", "at most one size may be -1");
   return STATUS_OK;
@@ -481,6 +486,18 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                    "%s: parallelize.fully_shard.optimizer_sharding: full does not compose with "
                    "offload: true yet (use shard)",
                    pp->optim_where.text);
+  if (pp->ep > 1 && pp->dp_shard % pp->ep != 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: mesh.ep: %d does not divide mesh.dp_shard=%d (the experts are split over "
+                   "groups of ep of the dp_shard ranks)",
+                   pp->mesh_where.text, pp->ep, pp->dp_shard);
+  if (pp->ep > 1 &&
+      (pp->tp > 1 || pp->offload || (pp->state_over_replicas && pp->dp_replicate > 1)))
+    return err_set(STATUS_EUNSUPPORTED, "%s: mesh.ep: %d does not compose with %s yet",
+                   pp->mesh_where.text, pp->ep,
+                   pp->tp > 1    ? "mesh.tp"
+                   : pp->offload ? "offload"
+                                 : "optimizer_sharding: full");
   if (pp->tp > 1 && pp->n_tp_rules == 0)
     return err_set(STATUS_EINVAL,
                    "%s: parallelize.tensor_parallel.plan: mesh.tp is %d, but no rule says which "

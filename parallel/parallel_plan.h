@@ -77,6 +77,9 @@ typedef struct parallel_plan {
   char source[PLAN_PATH_MAX]; /* the YAML file, or "" when filled in code */
   /* mesh: sizes, -1 = the rest of the world (at most one) */
   int dp_replicate, dp_shard, tp;
+  /* expert parallelism: the MoE blocks' experts split over groups of ep of the dp_shard ranks
+   * (consecutive), and fully sharded over the dp_shard / ep ranks between the groups; 1: off */
+  int ep;
   plan_where_t mesh_where;
   /* parallelize.fully_shard */
   plan_unit_t units[PLAN_MAX_UNITS];

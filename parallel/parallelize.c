@@ -6,10 +6,12 @@
 #include <string.h>
 
 #include "core/args_impl.h"
+#include "nn/moe.h"
 
 struct parallel {
   nn_module_t *root;
   mesh_t *mesh, *dp_mesh, *tp_mesh, *all;
+  mesh_t *ep_mesh, *ep_fsdp_mesh; /* mesh.ep > 1: the experts' split, and their fully_shard */
   tp_plan_t *tp;
   fsdp_group_t **groups;
   int n_groups, cap_groups;
@@ -55,7 +57,45 @@ const tp_plan_t *parallel_tp(const parallel_t *par) {
 
 /* ---- meshes ---- */
 
+/* mesh.ep > 1: the world as (dp_replicate,) dp_shard / ep, ep: the dense units fully shard
+ * over the two flattened ("dp_shard"), the experts over the first only, split over "ep". */
+static fsdpc_status_t make_ep_meshes(parallel_t *par, const parallel_plan_t *pp,
+                                     device_type_t dev) {
+  int shape[3], n = 0;
+  const char *names[3];
+  if (pp->dp_replicate > 1) {
+    shape[n] = pp->dp_replicate;
+    names[n++] = "dp_replicate";
+  }
+  shape[n] = pp->dp_shard / pp->ep;
+  names[n++] = "dp_shard_ep";
+  shape[n] = pp->ep;
+  names[n++] = "ep";
+  FSDPC_TRY(mesh_new(n, shape, names, dev, &par->mesh));
+  FSDPC_TRY(mesh_flatten(par->mesh, n, names, "all", &par->all));
+  mesh_t *shard = NULL, *rep = NULL;
+  FSDPC_TRY(mesh_flatten(par->mesh, 2, names + n - 2, "dp_shard", &shard));
+  fsdpc_status_t st = STATUS_OK;
+  if (n == 3) {
+    st = mesh_slice(par->mesh, 1, names, &rep);
+    if (st == STATUS_OK) st = mesh_concat(rep, shard, &par->dp_mesh);
+    mesh_free(shard);
+  } else {
+    par->dp_mesh = shard;
+  }
+  if (st == STATUS_OK) st = mesh_slice(par->mesh, n - 1, names, &par->ep_fsdp_mesh);
+  if (st == STATUS_OK) st = mesh_slice(par->mesh, 1, names + n - 1, &par->ep_mesh);
+  mesh_free(rep);
+  FSDPC_TRY(st);
+  int nd = mesh_ndim(par->dp_mesh);
+  par->dp_size = pp->dp_replicate * pp->dp_shard;
+  par->dp_rank = nd == 2 ? mesh_coord(par->dp_mesh, 0) * pp->dp_shard + mesh_coord(par->dp_mesh, 1)
+                         : mesh_coord(par->dp_mesh, 0);
+  return STATUS_OK;
+}
+
 static fsdpc_status_t make_meshes(parallel_t *par, const parallel_plan_t *pp, device_type_t dev) {
+  if (pp->ep > 1) return make_ep_meshes(par, pp, dev);
   int shape[3], n = 0;
   const char *names[3];
   if (pp->dp_replicate > 1) {
@@ -92,6 +132,36 @@ static fsdpc_status_t apply_tp(parallel_t *par, const parallel_plan_t *pp) {
   return STATUS_OK;
 }
 
+/* ---- expert parallelism ---- */
+
+/* Every MoE block under m split over the ep mesh; *blocks counts them. */
+static fsdpc_status_t split_experts(parallel_t *par, nn_module_t *m, int *blocks) {
+  const char *kind = nn_module_kind(m);
+  if (kind != NULL && strcmp(kind, "moe") == 0) {
+    FSDPC_TRY(nn_moe_expert_parallel(m, par->ep_mesh, 0));
+    (*blocks)++;
+  }
+  for (int i = 0; i < nn_module_num_children(m); i++)
+    FSDPC_TRY(split_experts(par, nn_module_child(m, i), blocks));
+  return STATUS_OK;
+}
+
+static fsdpc_status_t apply_ep(parallel_t *par, const parallel_plan_t *pp) {
+  if (pp->ep <= 1) return STATUS_OK;
+  int blocks = 0;
+  fsdpc_status_t st = split_experts(par, par->root, &blocks);
+  if (st != STATUS_OK) return err_prefix(st, "%s: mesh.ep", pp->mesh_where.text);
+  if (blocks == 0)
+    return err_set(STATUS_EINVAL, "%s: mesh.ep: %d, but the model has no MoE block to split",
+                   pp->mesh_where.text, pp->ep);
+  return STATUS_OK;
+}
+
+static bool is_experts(const nn_module_t *m) {
+  const char *kind = nn_module_kind(m);
+  return kind != NULL && strcmp(kind, "experts") == 0;
+}
+
 /* ---- fully_shard ---- */
 
 static fsdpc_status_t push_group(parallel_t *par, fsdp_group_t *g) {
@@ -110,11 +180,12 @@ static int plan_shard_dim(const nn_param_t *p, void *pp) {
 static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
                                  const plan_unit_t *u) {
   fsdp_options_t o = FSDP_OPTIONS_INIT;
+  bool experts = par->ep_fsdp_mesh != NULL && is_experts(mod);
   if (pp->n_shard_dims > 0) {
     o.shard_dim = plan_shard_dim;
     o.shard_dim_user = (void *)pp;
   }
-  o.mesh = par->dp_mesh;
+  o.mesh = experts ? par->ep_fsdp_mesh : par->dp_mesh;
   o.offload = pp->offload;
   o.shard_state_over_replicas = pp->state_over_replicas && pp->dp_replicate > 1;
   o.reshard_after_forward = u ? u->reshard_after_forward : FSDP_RESHARD_AUTO;
@@ -123,6 +194,9 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
   o.output_dtype = u ? u->output_dtype : pp->output_dtype;
   fsdp_group_t *g;
   FSDPC_TRY(fully_shard(mod, &o, &g));
+  /* an expert's gradient sums its ep group's losses' (nn_moe_expert_parallel): summed over
+   * the other groups too, divided by every data-parallel rank as the dense ones' average */
+  if (experts) fsdp_set_gradient_divide_factor(mod, (double)par->dp_size);
   /* units come inner first: tp's reductions under mod take its reduce dtype */
   if (par->tp != NULL && fsdp_num_params(g) > 0)
     FSDPC_TRY(tp_set_reduce_dtype(par->tp, mod, fsdp_reduce_dtype(g)));
@@ -155,6 +229,10 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
   for (int i = 0; i < nn_module_num_params(mod); i++) n += param_numel(nn_module_param(mod, i));
   *left = n;
   if (mod == par->root) return STATUS_OK;
+  if (par->ep_fsdp_mesh != NULL && is_experts(mod)) { /* a unit of its own, on its mesh */
+    *left = 0;
+    return shard_unit(par, pp, mod, NULL);
+  }
   int u = first_unit(pp, mod);
   plan_unit_t sized = {.reshard_after_forward = pp->reshard_after_forward,
                        .param_dtype = pp->param_dtype,
@@ -265,6 +343,7 @@ fsdpc_status_t parallel_apply(nn_module_t *root, const parallel_plan_t *pp, devi
   par->root = root;
   fsdpc_status_t st = make_meshes(par, pp, dev);
   if (st == STATUS_OK) st = apply_tp(par, pp);
+  if (st == STATUS_OK) st = apply_ep(par, pp);
   if (st == STATUS_OK) st = apply_fsdp(par, pp);
   if (st != STATUS_OK) {
     parallel_free(par);
@@ -279,6 +358,8 @@ void parallel_free(parallel_t *par) {
   tp_free(par->tp);
   free(par->groups);
   mesh_free(par->tp_mesh);
+  mesh_free(par->ep_mesh);
+  mesh_free(par->ep_fsdp_mesh);
   mesh_free(par->dp_mesh);
   mesh_free(par->all);
   mesh_free(par->mesh);
@@ -295,6 +376,11 @@ fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *
   ARG_NONNULL(mesh_ndim);
   ARG_NONNULL(mesh_shape);
   ARG_NONNULL(pl);
+  if (pp->ep > 1)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "parameter %s: laying a checkpoint out for mesh.ep is not implemented (load "
+                   "the checkpoint under that plan instead: any plan reads it)",
+                   fqn);
   int md = 0, d = parallel_plan_shard_dim(pp, fqn, ndim);
   if (d < 0)
     return err_set(STATUS_EINVAL,

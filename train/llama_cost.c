@@ -192,10 +192,11 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
 llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n) {
   if (p == NULL || groups == NULL) return (llama_comm_t){0};
   llama_comm_t c = {0};
-  int W = p->par.dp_shard, R = p->par.dp_replicate;
+  int R = p->par.dp_replicate;
   double A = (double)p->grad_accum;
   for (int i = 0; i < n; i++) {
     const fsdp_group_t *g = groups[i];
+    int W = fsdp_shard_size(g) > 0 ? fsdp_shard_size(g) : p->par.dp_shard;
     bool root = fsdp_group_name(g)[0] == 0;
     int rs = root ? 0 : fsdp_reshard_after_forward(g); /* the root keeps its parameters */
     if (rs == FSDP_RESHARD_AUTO) rs = 1;
@@ -224,6 +225,18 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
       c.n_ar += (long long)A;
       c.ar += A * 2.0 * (R - 1) * red * (double)dtype_size(rd) / R;
     }
+  }
+  /* expert parallelism: per micro-batch and sparse layer, four exchanges (the rows forward and
+   * back, then their gradients) of a rank's batch x seq_len x top_k rows of dim, the share
+   * (ep - 1) / ep of them for other ranks under uniform routing */
+  int P = p->par.ep;
+  if (P > 1) {
+    const llama_config_t *mc = &p->model;
+    double sparse = 0, es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
+    for (int64_t i = 0; i < mc->n_layers; i++) sparse += llama_layer_is_moe(mc, i);
+    double rows = (double)(p->batch_size * p->seq_len * mc->top_k);
+    c.n_a2a += (long long)(A * 4 * sparse);
+    c.a2a += A * 4 * sparse * rows * (double)(P - 1) / P * (double)mc->dim * es;
   }
   /* tensor parallelism with the built-in Llama plan (docs/plan.md, "Tensor parallelism"): per
    * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype (es

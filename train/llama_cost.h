@@ -56,9 +56,12 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
 typedef struct llama_comm {
   double ag, rs, ar;          /* all-gather, reduce-scatter, all-reduce bytes */
   long long n_ag, n_rs, n_ar; /* calls */
+  double a2a;                 /* expert parallelism's all-to-all bytes, under uniform routing */
+  long long n_a2a;
 } llama_comm_t;
 
-/* Per unit and micro-batch: an all-gather in forward and, when the unit reshards, one in
+/* Per unit and micro-batch (over the ranks the unit shards over: an expert unit's under
+ * mesh.ep, dp_shard / ep): an all-gather in forward and, when the unit reshards, one in
  * backward (within the post-forward group for an integer reshard); one reduce-scatter; under
  * HSDP one all-reduce over the replicas, under HFSDP one reduce-scatter over them instead and
  * one all-gather over them a step. Tensor parallelism with the built-in Llama rules adds

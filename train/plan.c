@@ -727,6 +727,11 @@ static fsdpc_status_t resolve_global_batch(fsdpc_plan_t *p) {
 
 /* The built-in model's sizes that tensor parallelism splits, each divisible by mesh.tp. */
 static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
+  if (p->par.ep > 1 && (p->model.n_experts == 0 || p->model.n_experts % p->par.ep != 0))
+    return err_set(STATUS_EINVAL, "%s: mesh.ep: %d %s (each rank of a group holds as many experts)",
+                   p->par.mesh_where.text, p->par.ep,
+                   p->model.n_experts == 0 ? "needs a model with experts (qwen3_moe)"
+                                           : "does not divide the model's num_experts");
   if (p->par.tp > 1 && p->model.n_experts > 0)
     return err_set(STATUS_EUNSUPPORTED,
                    "%s: mesh.tp: %d: tensor parallelism of a model with experts (%s) is not "

@@ -300,8 +300,15 @@ void train_header(const run_t *r) {
 
 double train_counted_bytes(const run_t *r) {
   double b = 0;
-  for (int k = 0; k < mesh_ndim(r->mesh); k++) {
-    pg_t *pg = mesh_group(r->mesh, k);
+  /* the world mesh's groups, and the data-parallel mesh's where they differ (mesh.ep: the
+   * dense units' dp_shard is its two last dimensions flattened) */
+  const mesh_t *dp = parallel_dp_mesh(r->par);
+  for (int k = 0; k < mesh_ndim(r->mesh) + mesh_ndim(dp); k++) {
+    bool world = k < mesh_ndim(r->mesh);
+    pg_t *pg = world ? mesh_group(r->mesh, k) : mesh_group(dp, k - mesh_ndim(r->mesh));
+    bool again = false;
+    for (int q = 0; !world && q < mesh_ndim(r->mesh); q++) again |= mesh_group(r->mesh, q) == pg;
+    if (again) continue;
     pg_counters_t c = pg_counters(pg);
     for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
     pg_reset_counters(pg);
@@ -481,12 +488,18 @@ void train_dry_run(const run_t *r) {
   fsdpc_plan_t fsdp_only = *p;
   if (!r->builtin) fsdp_only.par.tp = 1;
   llama_comm_t m = llama_comm_estimate(&fsdp_only, r->groups, r->n_groups);
+  char a2a[128] = "";
+  if (p->par.ep > 1)
+    snprintf(a2a, sizeof a2a,
+             ", all-to-all %lld calls %.0f B (uniform routing: the run's metrics give the routed "
+             "bytes)",
+             m.n_a2a, m.a2a);
   printf(
       "communication per step and rank (docs/design.md, Performance model): all-gather %lld calls "
-      "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B%s\n",
-      m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar,
+      "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B%s%s\n",
+      m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar, a2a,
       r->builtin || p->par.tp == 1 ? ""
                                    : "; fully_shard's alone: tensor parallelism's activations "
                                      "are estimated for the built-in models only");
-  if (r->builtin || p->par.tp == 1) printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar);
+  if (r->builtin || p->par.tp == 1) printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar + m.a2a);
 }

@@ -229,6 +229,54 @@ START_TEST(checkpoint_across_expert_counts) {
 }
 END_TEST
 
+/* Ranks whose experts no token chooses (the router's weights favour experts 0 and 1 alone)
+ * still run every exchange, forward and backward: the step ends on every rank, and the idle
+ * experts' gradients are zero. */
+START_TEST(idle_experts) {
+  int W = world_size();
+  mesh_t *mesh = dp_mesh();
+  nn_module_t *m;
+  ok(nn_moe_new(NULL, "", DIM, FFN, W, 1, false, NULL, &m));
+  ok(nn_module_finalize(m));
+  nn_param_t *gate = nn_param_find(m, "gate.weight");
+  fsdpc_tensor_t w;
+  ok(tensor_zeros(&w, DTYPE_F32, device_cpu(), 2, (int64_t[]){W, DIM}));
+  for (int64_t d = 0; d < DIM; d++) ((float *)w.data)[d] = 1; /* expert 0, for positive rows */
+  ok(nn_param_copy_full(gate, &w));
+  tensor_free(&w);
+  ok(nn_module_reset_parameters(nn_module_child(m, 1), 3));
+  ok(nn_moe_expert_parallel(m, mesh, 0));
+  fsdpc_tensor_t x, g;
+  ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, (int64_t[]){T, DIM}));
+  ok(tensor_init(&g, DTYPE_F32, device_cpu(), 2, (int64_t[]){T, DIM}));
+  for (int64_t i = 0; i < T * DIM; i++) {
+    ((float *)x.data)[i] = 1.0f + 0.01f * (float)(i % 7);
+    ((float *)g.data)[i] = 1.0f;
+  }
+  nn_ctx_t *ctx;
+  nn_var_t *in, *out;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_var_new(&x, true, &in));
+  ok(nn_call(ctx, m, in, &out));
+  ok(nn_backward_grad(ctx, out, &g));
+  int64_t load[64];
+  ck_assert(nn_moe_last_load(m, load, W));
+  ck_assert_int_eq(load[0], T);
+  const fsdpc_tensor_t *up = dtensor_local(nn_param_find(m, "experts.up_proj")->grad);
+  double s = 0;
+  for (int64_t i = 0; i < tensor_numel(up); i++) s += fabs(((float *)up->data)[i]);
+  double dx = 0; /* every rank's tokens went to expert 0: their gradients came back */
+  for (int64_t i = 0; i < T * DIM; i++) dx += fabs(((float *)in->grad.data)[i]);
+  expect_all((world_rank() == 0) == (s > 0) && dx > 0,
+             "rank %d: its expert's gradient sums to %g, its input's to %g", world_rank(), s, dx);
+  nn_var_put(out);
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  nn_module_free(m);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* Experts the group does not divide, a second application, a non-MoE module: refused. */
 START_TEST(refusals) {
   mesh_t *mesh = dp_mesh();
@@ -257,6 +305,7 @@ static Suite *make_suite(void) {
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, matches_one_rank);
   tcase_add_test(tc, checkpoint_across_expert_counts);
+  tcase_add_test(tc, idle_experts);
   tcase_add_test(tc, refusals);
   suite_add_tcase(s, tc);
   return s;

@@ -548,8 +548,47 @@ def family():
             check(len(got) == len(ref) == 10 and worst <= 5e-6,
                   "tiny_qwen3_moe: its import-hf checkpoint loaded by FSDP on 4 trains one "
                   "rank's ten losses and gradient norms within 5e-6 (worst %.2e)" % worst)
+        if tag == "tiny_qwen3_moe":  # expert parallelism: a checkpoint of ep 4 resumes at 4, 2, 1
+            ck4, full = os.path.join(tmp, "ck-ep4"), os.path.join(tmp, "ep4.jsonl")
+            q, _ = run(4, [plan, "--metrics", full, "--set", "data.global_batch_size=4", "--set",
+                           "mesh.ep=4", "--set", "checkpoint.dir=" + ck4, "--set",
+                           "checkpoint.interval=5"])
+            want = [x["loss"] for x in losses(full)][5:] if q.returncode == 0 else []
+            for n, ep in ((4, 4), (2, 2), (1, 1)):
+                m = os.path.join(tmp, "resume-%d.jsonl" % ep)
+                q, _ = run(n, [plan, "--metrics", m, "--set", "data.global_batch_size=4",
+                               "--set", "mesh.ep=%d" % ep, "--set",
+                               "checkpoint.load=" + os.path.join(ck4, "step-00000005")])
+                got = [x["loss"] for x in losses(m)] if q.returncode == 0 else []
+                worst = max([abs(a - b) / abs(b) for a, b in zip(got, want)] or [1])
+                check(len(got) == len(want) == 5 and (worst <= 1e-6 if ep < 4 else got == want),
+                      "tiny_qwen3_moe: the step-5 checkpoint of mesh.ep=4 resumes at ep %d on %d "
+                      "rank%s with the uninterrupted run's losses (%s)"
+                      % (ep, n, "s" if n > 1 else "",
+                         "bit for bit" if ep == 4 else "worst %.2e" % worst))
+            d, _ = run(4, [plan, "--dry-run", "--set", "mesh.ep=4", "--set",
+                           "data.global_batch_size=4"])
+            est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
+            real = [x["comm_bytes"] for x in losses(full)]
+            mean = sum(real) / max(len(real), 1)
+            check(est is not None and real and abs(int(est.group(1)) - mean) <= 0.05 * mean and
+                  "all-to-all 4 calls" in d.stdout,
+                  "tiny_qwen3_moe: --dry-run's communication with mesh.ep=4 (the all-to-all under "
+                  "uniform routing) within 5%% of the run's mean (%s vs %.0f B)"
+                  % (est.group(1) if est else "none", mean))
+            q, _ = run(1, [plan, "--dry-run", "--set", "mesh.ep=3", "--set", "mesh.dp_shard=3",
+                           "--set", "data.global_batch_size=3", "--world", "3"])
+            check(q.returncode != 0 and "mesh.ep: 3 does not divide the model's num_experts" in
+                  q.stderr, "tiny_qwen3_moe: mesh.ep=3 (4 experts) is refused by name")
         if tag.startswith("tiny_qwen3_moe"):
             plans = [x for x in FAMILY_PLANS if "TP" not in x[0]] + [
+                ("FSDP on 2, the experts split over both (mesh.ep=2)", 2, ["mesh.ep=2"]),
+                ("FSDP on 4, the experts split over pairs (mesh.ep=2)", 4, ["mesh.ep=2"]),
+                ("FSDP on 4, the experts split over all (mesh.ep=4)", 4, ["mesh.ep=4"]),
+                ("HSDP 2 x 2 with mesh.ep=2", 4,
+                 ["mesh.dp_replicate=2", "mesh.dp_shard=2", "mesh.ep=2"]),
+                ("FSDP on 4, mesh.ep=2, checkpointed", 4,
+                 ["mesh.ep=2", "train.activation_checkpointing=true"]),
                 ("FSDP on 4, deferred initialisation", 4, ["model.deferred_init=true"]),
                 ("FSDP on 2 with activation checkpointing", 2,
                  ["train.activation_checkpointing=true"])]
