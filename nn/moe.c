@@ -711,6 +711,24 @@ static fsdpc_status_t moe_route_and_run(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   return st;
 }
 
+/* The shared expert's SwiGLU over every token: down(silu(gate(x)) * up(x)). */
+static fsdpc_status_t shared_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
+  nn_var_t *h1 = NULL, *h3 = NULL, *a = NULL;
+  fsdpc_status_t st = nn_call(ctx, nn_module_child(m, 0), in, &h1);
+  if (st == STATUS_OK) st = nn_call(ctx, nn_module_child(m, 1), in, &h3);
+  if (st == STATUS_OK) st = nn_silu_mul(ctx, h1, h3, &a);
+  if (st == STATUS_OK) st = nn_call(ctx, nn_module_child(m, 2), a, out);
+  nn_var_put(h1);
+  nn_var_put(h3);
+  nn_var_put(a);
+  return st;
+}
+
+/* The block's shared expert (nn_moe_add_shared_expert), or NULL. */
+static nn_module_t *shared_of(nn_module_t *m) {
+  return nn_module_num_children(m) > 2 ? nn_module_child(m, 2) : NULL;
+}
+
 static fsdpc_status_t moe_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   const moe_t *cfg = nn_module_impl(m);
   const fsdpc_tensor_t *X = &in->value;
@@ -721,12 +739,21 @@ static fsdpc_status_t moe_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, n
                    nn_module_name(m), tensor_shape_str(X->ndim, X->shape, b, sizeof b),
                    (long long)cfg->dim);
   }
-  nn_var_t *x2 = NULL, *o2 = NULL;
+  nn_var_t *x2 = NULL, *o2 = NULL, *sh = NULL, *sum = NULL;
   fsdpc_status_t st = nn_view(ctx, in, 2, (int64_t[]){tensor_numel(X) / cfg->dim, cfg->dim}, &x2);
   if (st == STATUS_OK) st = moe_route_and_run(ctx, m, x2, &o2);
+  if (st == STATUS_OK && shared_of(m) != NULL) { /* every token through the shared expert too */
+    st = nn_call(ctx, shared_of(m), x2, &sh);
+    if (st == STATUS_OK) st = nn_add(ctx, o2, sh, &sum);
+    if (st == STATUS_OK) {
+      nn_var_put(o2);
+      o2 = sum;
+    }
+  }
   if (st == STATUS_OK) st = nn_view(ctx, o2, X->ndim, X->shape, out);
   nn_var_put(x2);
   nn_var_put(o2);
+  nn_var_put(sh);
   return st;
 }
 
@@ -897,3 +924,26 @@ static nn_moe_aux_t *find_aux(const nn_module_t *m) {
 }
 
 nn_moe_aux_t *nn_moe_aux_of(const nn_module_t *root) { return root ? find_aux(root) : NULL; }
+
+fsdpc_status_t nn_moe_add_shared_expert(nn_module_t *moe, int64_t ffn_dim,
+                                        const nn_layer_options_t *opt) {
+  ARG_NONNULL(moe);
+  if (nn_module_forward(moe) != moe_forward)
+    return err_set(STATUS_EINVAL, "nn_moe_add_shared_expert: '%s' is not a MoE block",
+                   nn_module_name(moe));
+  if (shared_of(moe) != NULL)
+    return err_set(STATUS_EINVAL, "nn_moe_add_shared_expert: '%s' has a shared expert already",
+                   nn_module_name(moe));
+  if (ffn_dim < 1)
+    return err_set(STATUS_EINVAL, "nn_moe_add_shared_expert: ffn_dim %lld must be positive",
+                   (long long)ffn_dim);
+  const moe_t *cfg = nn_module_impl(moe);
+  nn_module_t *m = NULL;
+  FSDPC_TRY(nn_module_new("shared_experts", shared_forward, NULL, &m));
+  fsdpc_status_t st = nn_linear_new(m, "gate_proj", cfg->dim, ffn_dim, false, opt, NULL);
+  if (st == STATUS_OK) st = nn_linear_new(m, "up_proj", cfg->dim, ffn_dim, false, opt, NULL);
+  if (st == STATUS_OK) st = nn_linear_new(m, "down_proj", ffn_dim, cfg->dim, false, opt, NULL);
+  if (st == STATUS_OK) st = nn_module_add_child(moe, m);
+  if (st != STATUS_OK) nn_module_free(m);
+  return st;
+}

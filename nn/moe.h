@@ -53,6 +53,13 @@ fsdpc_status_t nn_moe_new(nn_module_t *parent, const char *name, int64_t dim, in
                           int n_experts, int top_k, bool norm_topk, const nn_layer_options_t *opt,
                           nn_module_t **out);
 
+/* Adds a shared expert to the block (DeepSeek-V3's shared_experts, ungated): a SwiGLU MLP of
+ * ffn_dim (child "shared_experts": gate_proj, up_proj [ffn_dim, dim], down_proj [dim,
+ * ffn_dim], linears without bias) that every token goes through, its output added to the
+ * routed experts'. Before nn_module_finalize (and any parallelism). Local. */
+fsdpc_status_t nn_moe_add_shared_expert(nn_module_t *moe, int64_t ffn_dim,
+                                        const nn_layer_options_t *opt);
+
 /* Rows of x [M, dim] exchanged over pg (expert parallelism's token dispatch): this rank sends
  * send_rows[q] rows to rank q of the group (its blocks in rank order, summing to M) and
  * receives recv_rows[q] from q (which must equal q's send_rows[this rank]; *out holds them in

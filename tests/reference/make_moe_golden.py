@@ -13,6 +13,8 @@ for a random r, of the input and of every weight; "load" is the tokens each expe
   norm    E 4, top-2, renormalised
   sparse  E 8, top-1, not renormalised (renormalised, top-1 weights are 1: the router would
           get no gradient); some expert receives no token (its gradients are zero)
+  shared  E 4, top-2, renormalised, and an ungated shared expert of 10 (DeepSeek-V3's
+          shared_experts) added for every token
 
 Needs torch (Debian: apt-get install python3-torch); CI does not run this script. Writes
 tiny_moe_golden.safetensors next to it.
@@ -44,7 +46,7 @@ def moe(x, gate, w_gate, w_up, w_down, k, norm):
     return out.reshape(x.shape), load
 
 
-def case(name, experts, k, norm, seed, out):
+def case(name, experts, k, norm, seed, out, shared=0):
     g = torch.Generator().manual_seed(seed)
     t = {"x": torch.randn(*TOKENS, DIM, generator=g),
          "gate.weight": torch.randn(experts, DIM, generator=g) * 0.5,
@@ -52,9 +54,18 @@ def case(name, experts, k, norm, seed, out):
          "experts.up_proj": torch.randn(experts, FFN, DIM, generator=g) * 0.3,
          "experts.down_proj": torch.randn(experts, DIM, FFN, generator=g) * 0.3,
          "r": torch.randn(*TOKENS, DIM, generator=g)}
+    if shared:  # a shared expert of `shared` hidden units, every token through it, ungated
+        t["shared_experts.gate_proj.weight"] = torch.randn(shared, DIM, generator=g) * 0.3
+        t["shared_experts.up_proj.weight"] = torch.randn(shared, DIM, generator=g) * 0.3
+        t["shared_experts.down_proj.weight"] = torch.randn(DIM, shared, generator=g) * 0.3
     leaves = {n: v.clone().requires_grad_(True) for n, v in t.items() if n != "r"}
     y, load = moe(leaves["x"], leaves["gate.weight"], leaves["experts.gate_proj"],
                   leaves["experts.up_proj"], leaves["experts.down_proj"], k, norm)
+    if shared:
+        xs = leaves["x"]
+        y = y + (F.silu(xs @ leaves["shared_experts.gate_proj.weight"].t()) *
+                 (xs @ leaves["shared_experts.up_proj.weight"].t())) @ \
+            leaves["shared_experts.down_proj.weight"].t()
     (y * t["r"]).sum().backward()
     for n, v in t.items():
         out["%s.%s" % (name, n)] = v
@@ -72,6 +83,7 @@ def main():
     case("norm", 4, 2, True, 12, out)
     load = case("sparse", 8, 1, False, 13, out)
     assert (load == 0).any(), "the sparse case must leave an expert without tokens"
+    case("shared", 4, 2, True, 14, out, shared=10)
     save_safetensors(os.path.join(HERE, "tiny_moe_golden.safetensors"), out,
                      {"dim": str(DIM), "ffn": str(FFN)})
 

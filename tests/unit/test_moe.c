@@ -2,7 +2,8 @@
  * The MoE block (nn/moe.h) against an independent PyTorch MoE (tests/reference/
  * make_moe_golden.py): the output, the tokens each expert received and the gradients of the
  * input and of every weight, with top-2 routing plain and renormalised and with top-1 over 8
- * experts of which some receive no token; and the operations' refusals.
+ * experts of which some receive no token, and with a shared expert; and the operations'
+ * refusals.
  */
 #include <check.h>
 #include <stdio.h>
@@ -30,18 +31,25 @@ static void golden(st_file_t *f, const char *tag, const char *name, fsdpc_tensor
   ok(st_read(f, full, out));
 }
 
-static const char *const weights[] = {"gate.weight", "experts.gate_proj", "experts.up_proj",
-                                      "experts.down_proj"};
+static const char *const weights[] = {"gate.weight",
+                                      "experts.gate_proj",
+                                      "experts.up_proj",
+                                      "experts.down_proj",
+                                      "shared_experts.gate_proj.weight",
+                                      "shared_experts.up_proj.weight",
+                                      "shared_experts.down_proj.weight"};
 
 /* The block of case tag, run forward and backward with the upstream gradient r; every value
  * against torch's. */
-static void check_case(const char *tag, int experts, int k, bool norm) {
+static void check_case(const char *tag, int experts, int k, bool norm, int64_t shared) {
   st_file_t *g;
   ok(st_open(REF "tiny_moe_golden.safetensors", &g));
   nn_module_t *m;
   ok(nn_moe_new(NULL, "", 8, 12, experts, k, norm, NULL, &m));
+  if (shared > 0) ok(nn_moe_add_shared_expert(m, shared, NULL));
   ok(nn_module_finalize(m));
-  for (int i = 0; i < 4; i++) {
+  int nw = shared > 0 ? 7 : 4;
+  for (int i = 0; i < nw; i++) {
     fsdpc_tensor_t w;
     golden(g, tag, weights[i], &w);
     ok(nn_param_copy_full(nn_param_find(m, weights[i]), &w));
@@ -69,7 +77,7 @@ static void check_case(const char *tag, int experts, int k, bool norm) {
   e = test_rel_l2(&in->grad, &ref);
   ck_assert_msg(e <= 1e-5, "%s: input gradient relative L2 error %.3g", tag, e);
   tensor_free(&ref);
-  for (int i = 0; i < 4; i++) {
+  for (int i = 0; i < nw; i++) {
     char name[64];
     snprintf(name, sizeof name, "grad.%s", weights[i]);
     golden(g, tag, name, &ref);
@@ -86,13 +94,28 @@ static void check_case(const char *tag, int experts, int k, bool norm) {
   st_close(g);
 }
 
-START_TEST(top2_plain) { check_case("plain", 4, 2, false); }
+START_TEST(top2_plain) { check_case("plain", 4, 2, false, 0); }
 END_TEST
 
-START_TEST(top2_renormalised) { check_case("norm", 4, 2, true); }
+START_TEST(top2_renormalised) { check_case("norm", 4, 2, true, 0); }
 END_TEST
 
-START_TEST(top1_with_idle_experts) { check_case("sparse", 8, 1, false); }
+START_TEST(top1_with_idle_experts) { check_case("sparse", 8, 1, false, 0); }
+END_TEST
+
+/* DeepSeek-V3's ungated shared expert beside the routed ones. */
+START_TEST(shared_expert) {
+  check_case("shared", 4, 2, true, 10);
+  nn_module_t *m;
+  ok(nn_moe_new(NULL, "", 8, 12, 4, 2, true, NULL, &m));
+  ok(nn_moe_add_shared_expert(m, 10, NULL));
+  ck_assert_int_eq(nn_moe_add_shared_expert(m, 10, NULL), STATUS_EINVAL); /* one */
+  ck_assert_int_eq(nn_moe_add_shared_expert(nn_module_child(m, 0), 10, NULL), STATUS_EINVAL);
+  nn_module_free(m);
+  ok(nn_moe_new(NULL, "", 8, 12, 4, 2, true, NULL, &m));
+  ck_assert_int_eq(nn_moe_add_shared_expert(m, 0, NULL), STATUS_EINVAL);
+  nn_module_free(m);
+}
 END_TEST
 
 /* Bad sizes and inputs are refused by name, without a crash. */
@@ -159,6 +182,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, top2_plain);
   tcase_add_test(tc, top2_renormalised);
   tcase_add_test(tc, top1_with_idle_experts);
+  tcase_add_test(tc, shared_expert);
   tcase_add_test(tc, refusals);
   tcase_add_test(tc, combine_repeated_slot);
   suite_add_tcase(s, tc);
