@@ -95,6 +95,30 @@ double nn_moe_aux_coef(const nn_moe_aux_t *a) { return a ? a->coef : 0; }
 
 int nn_moe_aux_experts(const nn_moe_aux_t *a) { return a ? a->n_experts : 0; }
 
+fsdpc_status_t nn_moe_aux_add(nn_ctx_t *ctx, const nn_moe_aux_t *a, nn_var_t *loss,
+                              nn_var_t **out) {
+  ARG_NONNULL(ctx);
+  ARG_NONNULL(loss);
+  ARG_NONNULL(out);
+  *out = NULL;
+  if (a == NULL || a->coef == 0) {
+    *out = nn_var_ref(loss);
+    return STATUS_OK;
+  }
+  const fsdpc_tensor_t *l = &loss->value;
+  fsdpc_tensor_t c;
+  FSDPC_TRY(tensor_init(&c, l->dtype, l->device, l->ndim, l->shape));
+  fsdpc_status_t st = tensor_fill(&c, a->coef * nn_moe_aux_loss(a));
+  nn_var_t *v = NULL;
+  if (st == STATUS_OK)
+    st = nn_var_new(&c, false, &v);
+  else
+    tensor_free(&c);
+  if (st == STATUS_OK) st = nn_add(ctx, loss, v, out);
+  nn_var_put(v);
+  return st;
+}
+
 bool nn_moe_aux_take_step(nn_moe_aux_t *a, int64_t *counts, int n_experts, double *loss) {
   if (a == NULL || counts == NULL || loss == NULL || n_experts != a->n_experts) return false;
   memcpy(counts, a->step_counts, sizeof *counts * (size_t)n_experts);

@@ -103,6 +103,10 @@ void nn_moe_aux_begin(nn_moe_aux_t *a, double scale);
 /* After it: the loss's value (unweighted; 0 before any routing) and its weight. */
 double nn_moe_aux_loss(const nn_moe_aux_t *a);
 double nn_moe_aux_coef(const nn_moe_aux_t *a);
+/* *out: loss (one element) plus coef times the forward's loss, its value alone (the gradient
+ * comes through the blocks' routing); loss itself, referenced again, when a is NULL or its
+ * coefficient 0. */
+fsdpc_status_t nn_moe_aux_add(nn_ctx_t *ctx, const nn_moe_aux_t *a, nn_var_t *loss, nn_var_t **out);
 int nn_moe_aux_experts(const nn_moe_aux_t *a); /* its E; 0 for NULL */
 /* After a forward that trains: adds its routing to the step's. nn_moe_aux_take_step gives the
  * step's choices per expert (counts[n_experts], every block summed) and its mean loss over

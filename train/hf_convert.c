@@ -205,12 +205,13 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
   for (int i = first; i < last && st == STATUS_OK; i++) {
     int hn = hf_shape(arch, t[i], vocab, hs);
     dtype_t dt = want == DTYPE_COUNT ? t[i]->dtype : want;
-    for (int64_t j = 0; j < stacked_experts(t[i]) && st == STATUS_OK; j++)
+    int64_t E = stacked_experts(t[i]);
+    for (int64_t j = 0; j < E && st == STATUS_OK; j++)
       st = hf_expert_name(t[i]->name, j, expert, sizeof expert)
                ? st_writer_declare(w, expert, dt, 2, t[i]->shape + 1)
                : err_set(STATUS_EINVAL, "'%s': expert %lld's name is too long", t[i]->name,
                          (long long)j);
-    if (stacked_experts(t[i]) == 0) st = st_writer_declare(w, t[i]->name, dt, hn, hs);
+    if (E == 0) st = st_writer_declare(w, t[i]->name, dt, hn, hs);
   }
   if (st == STATUS_OK) st = st_writer_begin(w, path);
   placement_t rep = placement_replicate();
@@ -234,7 +235,8 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
     if (st == STATUS_OK)
       st = trim ? tensor_narrow(&rows, src, 0, 0, hs[0]) : tensor_ref(&rows, src);
     if (st == STATUS_OK) st = tensor_view(&as, &rows, hn, hs);
-    for (int64_t j = 0; j < stacked_experts(t[i]) && st == STATUS_OK; j++) {
+    int64_t E = stacked_experts(t[i]);
+    for (int64_t j = 0; j < E && st == STATUS_OK; j++) {
       fsdpc_tensor_t one = {0}, plane = {0};
       hf_expert_name(t[i]->name, j, expert, sizeof expert); /* fits: declared above */
       st = tensor_narrow(&one, &as, 0, j, 1);
@@ -243,7 +245,7 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
       tensor_free(&plane);
       tensor_free(&one);
     }
-    if (st == STATUS_OK && stacked_experts(t[i]) == 0) st = st_writer_write(w, t[i]->name, &as);
+    if (st == STATUS_OK && E == 0) st = st_writer_write(w, t[i]->name, &as);
     tensor_free(&as);
     tensor_free(&rows);
     tensor_free(&conv);
@@ -340,10 +342,11 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     cJSON *map = index ? cJSON_GetObjectItemCaseSensitive(index, "weight_map") : NULL;
     for (int i = start[f]; map && i < start[f + 1]; i++) {
       char expert[512];
-      for (int64_t j = 0; j < stacked_experts(t[i]); j++)
+      int64_t E = stacked_experts(t[i]);
+      for (int64_t j = 0; j < E; j++)
         if (hf_expert_name(t[i]->name, j, expert, sizeof expert))
           cJSON_AddStringToObject(map, expert, name);
-      if (stacked_experts(t[i]) == 0) cJSON_AddStringToObject(map, t[i]->name, name);
+      if (E == 0) cJSON_AddStringToObject(map, t[i]->name, name);
     }
   }
   if (st == STATUS_OK && index) {
@@ -357,7 +360,10 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   if (st != STATUS_OK) file_remove_tree(tmp);
   if (st == STATUS_OK) {
     rep->tensors = 0; /* as written: stacked experts one tensor each */
-    for (int i = 0; i < n; i++) rep->tensors += stacked_experts(t[i]) ? stacked_experts(t[i]) : 1;
+    for (int i = 0; i < n; i++) {
+      int64_t E = stacked_experts(t[i]);
+      rep->tensors += E ? (int)E : 1;
+    }
     rep->files = files;
     rep->bytes = total;
   }

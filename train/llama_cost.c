@@ -111,9 +111,8 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
   double Km = (double)c->top_k, Fm = (double)c->moe_ffn_dim, E = (double)c->n_experts;
   double block_moe =
       block + ea * (3 * N * Km * Fm + 2 * N * Km * D - 3 * N * F) + 4 * (2 * N * E + N * Km);
-  double sparse_before[2] = {0, 0}; /* filled below: sparse layers before i, and all of them */
-  for (int64_t i = 0; i < c->n_layers; i++) sparse_before[1] += llama_layer_is_moe(c, i);
-  double all_blocks = (L - sparse_before[1]) * block + sparse_before[1] * block_moe;
+  double sparse = (double)llama_num_moe_layers(c);
+  double all_blocks = (L - sparse) * block + sparse * block_moe;
   double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
   double ids = 4 * N * 8;     /* input ids and labels, and their copies */
   double emb = tp ? er * (N * D + Ns * D) : er * N * D;
@@ -161,13 +160,13 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
   double dense_mlp = ac ? (tp ? ea * (2 * N * D + Ns * D) : ea * (3 * N * F + F * D))
                         : ea * (3 * N * F / t + F * D / t);
   double moe_mlp = ea * (3 * N * Km * Fm + E * Fm * D);
-  sparse_before[0] = sparse_before[1];
+  double sparse_below = sparse; /* of the layers below i, in the loop */
   for (int64_t i = c->n_layers - 1; i >= 0; i--) {
     bool last = i == c->n_layers - 1, moe = llama_layer_is_moe(c, i);
-    sparse_before[0] -= moe; /* the sparse layers below i */
+    sparse_below -= moe;
     double bi = moe ? block_moe : block, mlp = moe ? moe_mlp : dense_mlp;
     double own = ac ? (tp ? bi : bi - out_b) : bi - 2 * out_b;
-    double below = ((double)i - sparse_before[0]) * block + sparse_before[0] * block_moe;
+    double below = ((double)i - sparse_below) * block + sparse_below * block_moe;
     if (!last && !(dp && u.unit > 0)) break; /* nothing reduces: the last block peaks */
     double before = (double)i, after = L - 1 - before;
     llama_memory_t m =
@@ -232,8 +231,8 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
   int P = p->par.ep;
   if (P > 1) {
     const llama_config_t *mc = &p->model;
-    double sparse = 0, es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
-    for (int64_t i = 0; i < mc->n_layers; i++) sparse += llama_layer_is_moe(mc, i);
+    double sparse = (double)llama_num_moe_layers(mc);
+    double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
     double rows = (double)(p->batch_size * p->seq_len * mc->top_k);
     c.n_a2a += (long long)(A * 4 * sparse);
     c.a2a += A * 4 * sparse * rows * (double)(P - 1) / P * (double)mc->dim * es;

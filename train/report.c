@@ -155,8 +155,7 @@ static void builtin_model_line(const run_t *r) {
   snprintf(extra, sizeof extra, "%s%s",
            c->qkv_bias ? (c->o_bias ? ", attention biases" : ", q/k/v biases") : "",
            c->qk_norm ? ", q/k norms" : "");
-  int64_t sparse = 0;
-  for (int64_t i = 0; i < c->n_layers; i++) sparse += llama_layer_is_moe(c, i);
+  int64_t sparse = llama_num_moe_layers(c);
   if (sparse > 0)
     snprintf(moe, sizeof moe, ", %lld experts of %lld, top-%lld%s in %lld of the layers",
              (long long)c->n_experts, (long long)c->moe_ffn_dim, (long long)c->top_k,

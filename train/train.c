@@ -15,28 +15,6 @@ static fsdpc_status_t some_target_kept(const fsdpc_tensor_t *tg) {
   return err_set(STATUS_EINVAL, "every target of the batch is ignored: there is no loss to mean");
 }
 
-/* l plus the MoE blocks' load-balancing loss of the forward, weighted (its gradient comes
- * through the blocks' routing: nn/moe.h), into *out; l itself (a reference) when there is
- * none. */
-static fsdpc_status_t add_aux(nn_ctx_t *ctx, const nn_moe_aux_t *aux, nn_var_t *l, nn_var_t **out) {
-  if (aux == NULL || nn_moe_aux_coef(aux) == 0) {
-    nn_var_ref(l);
-    *out = l;
-    return STATUS_OK;
-  }
-  fsdpc_tensor_t c;
-  FSDPC_TRY(tensor_init(&c, l->value.dtype, l->value.device, l->value.ndim, l->value.shape));
-  fsdpc_status_t st = tensor_fill(&c, nn_moe_aux_coef(aux) * nn_moe_aux_loss(aux));
-  nn_var_t *v = NULL;
-  if (st == STATUS_OK)
-    st = nn_var_new(&c, false, &v);
-  else
-    tensor_free(&c);
-  if (st == STATUS_OK) st = nn_add(ctx, l, v, out);
-  nn_var_put(v);
-  return st;
-}
-
 /* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum.
  * *loss: the loss tensor, on the model's device (with the MoE blocks' weighted load-balancing
  * loss, when they have one). */
@@ -59,7 +37,7 @@ static fsdpc_status_t run_batch(nn_module_t *root, device_t dev, const fsdpc_dat
   nn_moe_aux_begin(aux, grad ? 1.0 / (double)spec->grad_accum : 0);
   FSDPC_TRY_GOTO(st, nn_call(ctx, root, ids, &logits));
   FSDPC_TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &ce, NULL));
-  FSDPC_TRY_GOTO(st, add_aux(ctx, aux, ce, &l));
+  FSDPC_TRY_GOTO(st, nn_moe_aux_add(ctx, aux, ce, &l)); /* the routers' balance, weighted */
   FSDPC_TRY_GOTO(st, tensor_ref(loss, &l->value));
   if (grad) {
     FSDPC_TRY_GOTO(st, nn_scale(ctx, l, 1.0 / (double)spec->grad_accum, &scaled));

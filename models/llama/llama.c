@@ -517,9 +517,8 @@ fsdpc_status_t llama_new(const llama_config_t *cfg, const llama_options_t *opt, 
   FSDPC_TRY_GOTO(st, mesh_new_local("local", opt->device, &L->mesh));
   builder_t b = {L, opt};
   FSDPC_TRY_GOTO(st, build(&b));
-  int sparse = 0;
-  for (int64_t i = 0; i < cfg->n_layers; i++) sparse += llama_layer_is_moe(cfg, i);
-  if (sparse > 0) { /* the routers' statistics, and their load-balancing loss when weighted */
+  if (llama_num_moe_layers(cfg) >
+      0) { /* the routers' statistics, and their load-balancing loss when weighted */
     FSDPC_TRY_GOTO(
         st, nn_moe_aux_new((int)cfg->n_experts, (int)cfg->top_k, cfg->aux_loss_coef, &L->aux));
     FSDPC_TRY_GOTO(st, nn_moe_aux_attach(L->root, L->aux, NULL));

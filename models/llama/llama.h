@@ -130,6 +130,8 @@ bool llama_is_vocab_table(const char *fqn);
 /* Whether layer i's MLP is a mixture of experts (Qwen3-MoE's sparse layers); false for NULL
  * or i outside [0, n_layers). */
 bool llama_layer_is_moe(const llama_config_t *c, int64_t i);
+/* How many of the layers are (0 for NULL). */
+int64_t llama_num_moe_layers(const llama_config_t *c);
 
 /* The size of an attention head: head_dim, or dim / n_heads when it is 0. */
 int64_t llama_head_dim(const llama_config_t *c);

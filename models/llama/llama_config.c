@@ -54,6 +54,12 @@ bool llama_layer_is_moe(const llama_config_t *c, int64_t i) {
   return (i + 1) % c->sparse_step == 0;
 }
 
+int64_t llama_num_moe_layers(const llama_config_t *c) {
+  int64_t n = 0;
+  for (int64_t i = 0; c != NULL && i < c->n_layers; i++) n += llama_layer_is_moe(c, i);
+  return n;
+}
+
 int64_t llama_head_dim(const llama_config_t *c) {
   if (c == NULL) return 0;
   return c->head_dim > 0 ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
@@ -205,8 +211,8 @@ int64_t llama_num_params(const llama_config_t *c) {
   int64_t hd = llama_head_dim(c), q = c->n_heads * hd, kv = c->n_kv_heads * hd;
   int64_t layer = 2 * c->dim + 2 * q * c->dim + 2 * kv * c->dim;
   layer += (c->qkv_bias ? q + 2 * kv : 0) + (c->o_bias ? c->dim : 0) + (c->qk_norm ? 2 * hd : 0);
-  int64_t sparse = 0; /* the router [E, dim] and the stacked experts, 3 [E, moe_ffn, dim] */
-  for (int64_t i = 0; i < c->n_layers; i++) sparse += llama_layer_is_moe(c, i);
+  /* the router [E, dim] and the stacked experts, 3 [E, moe_ffn, dim] */
+  int64_t sparse = llama_num_moe_layers(c);
   int64_t mlps = (c->n_layers - sparse) * 3 * c->dim * c->ffn_dim +
                  sparse * (c->n_experts * c->dim + 3 * c->n_experts * c->moe_ffn_dim * c->dim);
   return llama_vocab_rows(c) * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + mlps +

@@ -107,17 +107,10 @@ static void step_fwd_bwd(llama_t *m, const fsdpc_data_t *d, const data_spec_t *s
   nn_moe_aux_begin(aux, 1.0);
   ok(nn_call(ctx, llama_module(m), ids, &logits));
   ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
-  if (aux != NULL) { /* loss + coef aux, its gradient coming through the routers */
-    fsdpc_tensor_t c;
-    nn_var_t *cv, *sum;
-    ok(tensor_init(&c, DTYPE_F32, loss->value.device, loss->value.ndim, loss->value.shape));
-    ok(tensor_fill(&c, nn_moe_aux_coef(aux) * nn_moe_aux_loss(aux)));
-    ok(nn_var_new(&c, false, &cv));
-    ok(nn_add(ctx, loss, cv, &sum));
-    nn_var_put(cv);
-    nn_var_put(loss);
-    loss = sum;
-  }
+  nn_var_t *sum; /* loss + coef aux, its gradient coming through the routers */
+  ok(nn_moe_aux_add(ctx, aux, loss, &sum));
+  nn_var_put(loss);
+  loss = sum;
   ok(nn_var_scalar(loss, loss_out));
   ok(nn_backward(ctx, loss));
   if (logits_out) ok(tensor_ref(logits_out, &logits->value));
