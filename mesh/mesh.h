@@ -64,8 +64,8 @@ fsdpc_status_t mesh_slice(const mesh_t *mesh, int n, const char *const *names, m
 
 /* A mesh with a's dimensions followed by b's, sharing their groups: fully_shard places a
  * tensor-parallel parameter on (dp..., tp) this way. a and b come from the same mesh_new,
- * span disjoint dimensions of it, a's before b's, and have distinct names. Local: no communication.
- */
+ * span disjoint dimensions of it and have distinct names; they may interleave in the world
+ * mesh (mesh_ranks follows the new mesh's own row-major order). Local: no communication. */
 fsdpc_status_t mesh_concat(const mesh_t *a, const mesh_t *b, mesh_t **out);
 
 /* True when a and b come from the same mesh_new. */

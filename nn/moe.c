@@ -136,14 +136,30 @@ void nn_moe_aux_end(nn_moe_aux_t *a) {
   a->step_forwards++;
 }
 
-/* A forward's routing of N tokens (probabilities p [N, E], choices ex [N, k]) into a. */
-static void aux_add(nn_moe_aux_t *a, const float *p, const int64_t *ex, int64_t N, int64_t E,
-                    int64_t k) {
-  a->rows += N;
+/* A forward's routing of N tokens (probabilities p [N, E], choices ex [N, k]) into a; with
+ * tokens (not NULL), summed over that group's ranks first (the block's tokens split over them). */
+static fsdpc_status_t aux_add(nn_moe_aux_t *a, const float *p, const int64_t *ex, int64_t N,
+                              int64_t E, int64_t k, pg_t *tokens) {
+  /* rows, then each expert's choices, then its probabilities summed: exact in f64 */
+  double *v = calloc((size_t)(1 + 2 * E), sizeof *v);
+  if (v == NULL) return err_set(STATUS_ENOMEM, "MoE block: out of host memory");
+  v[0] = (double)N;
   for (int64_t t = 0; t < N; t++) {
-    for (int64_t e = 0; e < E; e++) a->prob_sums[e] += p[t * E + e];
-    for (int64_t j = 0; j < k; j++) a->counts[ex[t * k + j]]++;
+    for (int64_t e = 0; e < E; e++) v[1 + E + e] += p[t * E + e];
+    for (int64_t j = 0; j < k; j++) v[1 + ex[t * k + j]] += 1;
   }
+  fsdpc_status_t st =
+      tokens ? pg_host_all_reduce(tokens, v, v, (size_t)(1 + 2 * E), PG_HOST_F64, REDUCE_SUM)
+             : STATUS_OK;
+  if (st == STATUS_OK) {
+    a->rows += (int64_t)v[0];
+    for (int64_t e = 0; e < E; e++) {
+      a->counts[e] += (int64_t)v[1 + e];
+      a->prob_sums[e] += v[1 + E + e];
+    }
+  }
+  free(v);
+  return st;
 }
 
 /* ---- routing ---- */
@@ -218,17 +234,20 @@ static void route_row(const float *z, int64_t E, int64_t k, bool norm, float *pr
 }
 
 static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
-                            nn_moe_aux_t *aux, nn_var_t **weights, fsdpc_tensor_t *experts);
+                            nn_moe_aux_t *aux, pg_t *tokens, nn_var_t **weights,
+                            fsdpc_tensor_t *experts);
 
 fsdpc_status_t nn_moe_route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
                             nn_var_t **weights, fsdpc_tensor_t *experts) {
-  return route(ctx, logits, k, norm_topk, NULL, weights, experts);
+  return route(ctx, logits, k, norm_topk, NULL, NULL, weights, experts);
 }
 
 /* nn_moe_route, reporting to aux (when not NULL): the forward's routing (not a checkpointed
- * block's recomputation, which the forward reported), and its gradient added in backward. */
+ * block's recomputation, which the forward reported; summed over tokens' ranks when not NULL),
+ * and its gradient added in backward. */
 static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
-                            nn_moe_aux_t *aux, nn_var_t **weights, fsdpc_tensor_t *experts) {
+                            nn_moe_aux_t *aux, pg_t *tokens, nn_var_t **weights,
+                            fsdpc_tensor_t *experts) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(logits);
   ARG_NONNULL(weights);
@@ -267,7 +286,15 @@ static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_to
                    "loss of %d, top-%d",
                    (long long)E, k, aux->n_experts, aux->top_k);
   }
-  if (aux != NULL && !nn_ctx_recomputing(ctx)) aux_add(aux, p.data, experts->data, N, E, k);
+  if (aux != NULL && !nn_ctx_recomputing(ctx))
+    st = aux_add(aux, p.data, experts->data, N, E, k, tokens);
+  if (st != STATUS_OK) {
+    tensor_free(&p);
+    tensor_free(&w);
+    tensor_free(&ex);
+    tensor_free(experts);
+    return st;
+  }
   nn_node_t n = {.backward = route_backward,
                  .name = "moe_route",
                  .in = {logits},
@@ -586,6 +613,7 @@ typedef struct moe {
   const int64_t *run_counts; /* the experts' blocks of the run in progress */
   int run_experts;
   nn_moe_aux_t *aux; /* the load-balancing loss it reports to (nn_moe_aux_attach), or NULL */
+  pg_t *tokens;      /* the group its tokens are split over (nn_moe_split_tokens), or NULL */
 } moe_t;
 
 static void moe_free(void *p) {
@@ -706,7 +734,8 @@ static fsdpc_status_t moe_route_and_run(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   nn_var_t *logits = NULL, *w = NULL, *xs = NULL, *ys = NULL;
   fsdpc_tensor_t ex = {0}, order = {0}, rows = {0};
   fsdpc_status_t st = nn_call(ctx, gate, x, &logits);
-  if (st == STATUS_OK) st = route(ctx, logits, cfg->top_k, cfg->norm_topk, cfg->aux, &w, &ex);
+  if (st == STATUS_OK)
+    st = route(ctx, logits, cfg->top_k, cfg->norm_topk, cfg->aux, cfg->tokens, &w, &ex);
   int64_t S = tensor_numel(&ex);
   if (st == STATUS_OK) st = tensor_init(&order, DTYPE_I64, device_cpu(), 1, &S);
   if (st == STATUS_OK) st = tensor_init(&rows, DTYPE_I64, device_cpu(), 1, &S);
@@ -908,6 +937,17 @@ fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim) {
   cfg->ep_rank = pg_rank(pg);
   cfg->local = cfg->n_experts / P;
   cfg->local_counts = local;
+  return STATUS_OK;
+}
+
+fsdpc_status_t nn_moe_split_tokens(nn_module_t *moe, pg_t *pg) {
+  ARG_NONNULL(moe);
+  ARG_NONNULL(pg);
+  if (nn_module_forward(moe) != moe_forward)
+    return err_set(STATUS_EINVAL, "nn_moe_split_tokens: '%s' is not a MoE block",
+                   nn_module_name(moe));
+  moe_t *cfg = nn_module_impl(moe);
+  cfg->tokens = pg;
   return STATUS_OK;
 }
 

@@ -82,6 +82,14 @@ fsdpc_status_t nn_all_to_all_rows(nn_ctx_t *ctx, nn_var_t *x, pg_t *pg, const in
  * expert under its global index. Collective over the group. */
 fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim);
 
+/* The block's tokens are split over pg's ranks (tensor parallelism's sequence shards: each
+ * rank routes its own): the load-balancing loss's statistics of each forward are summed over
+ * pg, so every rank's loss and gradient are those of all the group's tokens. The block's
+ * parameters' gradients are then this rank's tokens' only: sum them over pg (tensor_parallel
+ * does, for a block under a prepare_input rule with sequence parallelism). pg must outlive the
+ * block. Local; the forwards are collective over pg. */
+fsdpc_status_t nn_moe_split_tokens(nn_module_t *moe, pg_t *pg);
+
 /* The load-balancing loss of a model's MoE blocks (transformers' load_balancing_loss_func, as
  * Qwen3-MoE and Mixtral add it with router_aux_loss_coef): over every token each block
  * routed in one forward, E sum_e f_e P_e, f_e the share of the top-k choices that went to

@@ -491,13 +491,10 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                    "%s: mesh.ep: %d does not divide mesh.dp_shard=%d (the experts are split over "
                    "groups of ep of the dp_shard ranks)",
                    pp->mesh_where.text, pp->ep, pp->dp_shard);
-  if (pp->ep > 1 &&
-      (pp->tp > 1 || pp->offload || (pp->state_over_replicas && pp->dp_replicate > 1)))
+  if (pp->ep > 1 && (pp->offload || (pp->state_over_replicas && pp->dp_replicate > 1)))
     return err_set(STATUS_EUNSUPPORTED, "%s: mesh.ep: %d does not compose with %s yet",
                    pp->mesh_where.text, pp->ep,
-                   pp->tp > 1    ? "mesh.tp"
-                   : pp->offload ? "offload"
-                                 : "optimizer_sharding: full");
+                   pp->offload ? "offload" : "optimizer_sharding: full");
   if (pp->tp > 1 && pp->n_tp_rules == 0)
     return err_set(STATUS_EINVAL,
                    "%s: parallelize.tensor_parallel.plan: mesh.tp is %d, but no rule says which "

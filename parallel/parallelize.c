@@ -30,6 +30,10 @@ mesh_t *parallel_tp_mesh(const parallel_t *par) {
   if (par == NULL) return NULL;
   return par->tp_mesh;
 }
+mesh_t *parallel_expert_mesh(const parallel_t *par) {
+  if (par == NULL) return NULL;
+  return par->ep_fsdp_mesh;
+}
 pg_t *parallel_all_group(const parallel_t *par) {
   if (par == NULL) return NULL;
   return mesh_group(par->all, 0);
@@ -57,12 +61,13 @@ const tp_plan_t *parallel_tp(const parallel_t *par) {
 
 /* ---- meshes ---- */
 
-/* mesh.ep > 1: the world as (dp_replicate,) dp_shard / ep, ep: the dense units fully shard
- * over the two flattened ("dp_shard"), the experts over the first only, split over "ep". */
+/* mesh.ep > 1: the world as ((dp_replicate,) dp_shard / ep, ep(, tp)): the dense units
+ * fully shard over dp_shard / ep and ep flattened ("dp_shard"), the experts over dp_shard /
+ * ep (with tp, flattened with tp: "dp_shard_ep_tp"), split over "ep". */
 static fsdpc_status_t make_ep_meshes(parallel_t *par, const parallel_plan_t *pp,
                                      device_type_t dev) {
-  int shape[3], n = 0;
-  const char *names[3];
+  int shape[4], n = 0;
+  const char *names[4];
   if (pp->dp_replicate > 1) {
     shape[n] = pp->dp_replicate;
     names[n++] = "dp_replicate";
@@ -71,21 +76,32 @@ static fsdpc_status_t make_ep_meshes(parallel_t *par, const parallel_plan_t *pp,
   names[n++] = "dp_shard_ep";
   shape[n] = pp->ep;
   names[n++] = "ep";
+  if (pp->tp > 1) {
+    shape[n] = pp->tp;
+    names[n++] = "tp";
+  }
   FSDPC_TRY(mesh_new(n, shape, names, dev, &par->mesh));
   FSDPC_TRY(mesh_flatten(par->mesh, n, names, "all", &par->all));
-  mesh_t *shard = NULL, *rep = NULL;
-  FSDPC_TRY(mesh_flatten(par->mesh, 2, names + n - 2, "dp_shard", &shard));
-  fsdpc_status_t st = STATUS_OK;
-  if (n == 3) {
-    st = mesh_slice(par->mesh, 1, names, &rep);
-    if (st == STATUS_OK) st = mesh_concat(rep, shard, &par->dp_mesh);
-    mesh_free(shard);
-  } else {
-    par->dp_mesh = shard;
+  static const char *const dense[] = {"dp_shard_ep", "ep"}, *const expert[] = {"dp_shard_ep", "tp"};
+  mesh_t *shard = NULL, *eshard = NULL, *rep = NULL;
+  fsdpc_status_t st = mesh_flatten(par->mesh, 2, dense, "dp_shard", &shard);
+  if (st == STATUS_OK)
+    st = pp->tp > 1 ? mesh_flatten(par->mesh, 2, expert, "dp_shard_ep_tp", &eshard)
+                    : mesh_slice(par->mesh, 1, expert, &eshard);
+  if (st == STATUS_OK && pp->dp_replicate > 1) st = mesh_slice(par->mesh, 1, names, &rep);
+  if (st == STATUS_OK && rep != NULL) {
+    st = mesh_concat(rep, shard, &par->dp_mesh);
+    if (st == STATUS_OK) st = mesh_concat(rep, eshard, &par->ep_fsdp_mesh);
+  } else if (st == STATUS_OK) {
+    par->dp_mesh = mesh_retain(shard);
+    par->ep_fsdp_mesh = mesh_retain(eshard);
   }
-  if (st == STATUS_OK) st = mesh_slice(par->mesh, n - 1, names, &par->ep_fsdp_mesh);
-  if (st == STATUS_OK) st = mesh_slice(par->mesh, 1, names + n - 1, &par->ep_mesh);
+  if (st == STATUS_OK) st = mesh_slice(par->mesh, 1, (const char *[]){"ep"}, &par->ep_mesh);
+  if (st == STATUS_OK && pp->tp > 1)
+    st = mesh_slice(par->mesh, 1, (const char *[]){"tp"}, &par->tp_mesh);
   mesh_free(rep);
+  mesh_free(shard);
+  mesh_free(eshard);
   FSDPC_TRY(st);
   int nd = mesh_ndim(par->dp_mesh);
   par->dp_size = pp->dp_replicate * pp->dp_shard;
@@ -195,8 +211,12 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
   fsdp_group_t *g;
   FSDPC_TRY(fully_shard(mod, &o, &g));
   /* an expert's gradient sums its ep group's losses' (nn_moe_expert_parallel): summed over
-   * the other groups too, divided by every data-parallel rank as the dense ones' average */
-  if (experts) fsdp_set_gradient_divide_factor(mod, (double)par->dp_size);
+   * the other groups too, divided by every data-parallel rank as the dense ones' average; with
+   * tp, summed over the tp ranks as well, which share their tokens' gradients under sequence
+   * parallelism and hold the same ones otherwise */
+  if (experts)
+    fsdp_set_gradient_divide_factor(
+        mod, (double)par->dp_size * (pp->tp > 1 && !pp->sequence_parallel ? pp->tp : 1));
   /* units come inner first: tp's reductions under mod take its reduce dtype */
   if (par->tp != NULL && fsdp_num_params(g) > 0)
     FSDPC_TRY(tp_set_reduce_dtype(par->tp, mod, fsdp_reduce_dtype(g)));
@@ -342,8 +362,9 @@ fsdpc_status_t parallel_apply(nn_module_t *root, const parallel_plan_t *pp, devi
   if (par == NULL) return err_set(STATUS_ENOMEM, "parallelize: out of host memory");
   par->root = root;
   fsdpc_status_t st = make_meshes(par, pp, dev);
-  if (st == STATUS_OK) st = apply_tp(par, pp);
+  /* the experts split before tensor parallelism leaves every other parameter Replicate on tp */
   if (st == STATUS_OK) st = apply_ep(par, pp);
+  if (st == STATUS_OK) st = apply_tp(par, pp);
   if (st == STATUS_OK) st = apply_fsdp(par, pp);
   if (st != STATUS_OK) {
     parallel_free(par);
@@ -368,6 +389,29 @@ void parallel_free(parallel_t *par) {
 
 /* ---- offline placements ---- */
 
+/* A stacked experts' weight under mesh.ep, on the world mesh ((dp_replicate,) dp_shard / ep,
+ * ep(, tp)): its experts split over ep, that split sharded on dimension d over dp_shard / ep
+ * (strided when d is the experts' dimension: the shards chunk each rank's experts), whole on
+ * every replica and tp rank (their files written once). */
+static fsdpc_status_t expert_placements(const parallel_plan_t *pp, int d, int *mesh_ndim,
+                                        int *mesh_shape, placement_t *pl) {
+  int md = 0;
+  if (pp->dp_replicate > 1) {
+    mesh_shape[md] = pp->dp_replicate;
+    pl[md++] = placement_replicate();
+  }
+  mesh_shape[md] = pp->dp_shard / pp->ep;
+  pl[md++] = d == 0 ? placement_strided_shard(0, pp->ep) : placement_shard(d);
+  mesh_shape[md] = pp->ep;
+  pl[md++] = placement_shard(0);
+  if (pp->tp > 1) {
+    mesh_shape[md] = pp->tp;
+    pl[md++] = placement_replicate();
+  }
+  *mesh_ndim = md;
+  return STATUS_OK;
+}
+
 fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
                                          const char *kind, int ndim, int *mesh_ndim,
                                          int *mesh_shape, placement_t *pl) {
@@ -376,17 +420,14 @@ fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *
   ARG_NONNULL(mesh_ndim);
   ARG_NONNULL(mesh_shape);
   ARG_NONNULL(pl);
-  if (pp->ep > 1)
-    return err_set(STATUS_EUNSUPPORTED,
-                   "parameter %s: laying a checkpoint out for mesh.ep is not implemented (load "
-                   "the checkpoint under that plan instead: any plan reads it)",
-                   fqn);
   int md = 0, d = parallel_plan_shard_dim(pp, fqn, ndim);
   if (d < 0)
     return err_set(STATUS_EINVAL,
                    "parameter %s: its shard dimension in parallelize.fully_shard.shard_dims is out "
                    "of range for %d dimensions",
                    fqn, ndim);
+  if (pp->ep > 1 && kind != NULL && strcmp(kind, "experts") == 0)
+    return expert_placements(pp, d, mesh_ndim, mesh_shape, pl);
   if (pp->dp_replicate > 1) { /* HFSDP: the replicas chunk each shard */
     mesh_shape[md] = pp->dp_replicate;
     pl[md++] = !pp->state_over_replicas ? placement_replicate()

@@ -1,9 +1,10 @@
 /*
  * Applying a parallelism plan (parallel_plan.h) to any module tree: the world mesh
- * ((dp_replicate,) dp_shard(, tp)), tensor parallelism on its "tp" dimension by the plan's
- * rules (each matched module's declared kind says how to split it: nn_module_kind), then
- * fully_shard over the data-parallel dimensions, the plan's units first (inner ones first) and
- * the root last.
+ * ((dp_replicate,) dp_shard(, tp)), with mesh.ep the MoE blocks' experts split over "ep"
+ * (nn_moe_expert_parallel), tensor parallelism on its "tp" dimension by the plan's rules (each
+ * matched module's declared kind says how to split it: nn_module_kind), then fully_shard over
+ * the data-parallel dimensions, the plan's units first (inner ones first) and the root last
+ * (with mesh.ep each block's experts a unit of their own over parallel_expert_mesh).
  *
  *   parallel_plan_t pp;
  *   FSDPC_TRY(parallel_plan_load(&pp, "plan.yaml", NULL, 0));
@@ -43,13 +44,18 @@ fsdpc_status_t parallel_apply(nn_module_t *root, const parallel_plan_t *pp, devi
 void parallel_free(parallel_t *par);
 
 /* The world mesh: ("dp_replicate",) "dp_shard"(, "tp"), dp_replicate only when > 1 and tp only
- * when > 1. */
+ * when > 1; with mesh.ep, ("dp_replicate",) "dp_shard_ep", "ep"(, "tp"), dp_shard_ep of size
+ * dp_shard / ep. */
 mesh_t *parallel_mesh(const parallel_t *par);
-/* Its data-parallel part ("dp_shard", or ("dp_replicate", "dp_shard")), which fully_shard
- * shards over. */
+/* Its data-parallel part ("dp_shard", or ("dp_replicate", "dp_shard"); with mesh.ep,
+ * dp_shard_ep and ep flattened into "dp_shard"), which fully_shard shards over. */
 mesh_t *parallel_dp_mesh(const parallel_t *par);
 /* Its "tp" slice, or NULL without tensor parallelism. */
 mesh_t *parallel_tp_mesh(const parallel_t *par);
+/* With mesh.ep, the mesh the experts' units fully shard over: ("dp_replicate",)
+ * "dp_shard_ep", flattened with "tp" into "dp_shard_ep_tp" when tp > 1 (the tp ranks share
+ * the experts' shards); NULL otherwise. */
+mesh_t *parallel_expert_mesh(const parallel_t *par);
 /* A group of every rank (gradient-norm sums, losses). */
 pg_t *parallel_all_group(const parallel_t *par);
 /* This rank's data-parallel index (flattened over dp_replicate x dp_shard) and their number:

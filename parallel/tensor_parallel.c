@@ -6,6 +6,7 @@
 
 #include "core/args_impl.h"
 #include "core/kernels.h"
+#include "nn/moe.h"
 #include "nn/ops.h"
 
 /* ---- the state of one wrapped module ---- */
@@ -15,16 +16,19 @@ typedef struct tp_mod {
   tp_style_t style;
   tp_layout_t in, out; /* resolved: never TP_LAYOUT_DEFAULT */
   bool embedding;
-  bool conv1d; /* weight [in, out] */
+  bool conv1d;   /* weight [in, out] */
+  bool moe;      /* a MoE block under prepare_input: it runs on this rank's tokens */
+  bool sum_only; /* a module under such a block (sequence parallelism): its parameters on tp
+                    have gradients from this rank's tokens, summed over tp */
   mesh_t *mesh;
   nn_param_t *w, *b;    /* the weight, and the bias (or NULL) */
   int64_t first, vocab; /* rowwise embedding: the shard's rows of the vocabulary */
-  nn_param_t *sum[2];   /* parameters whose gradient each rank computes from its sequence
+  nn_param_t *sum[4];   /* parameters whose gradient each rank computes from its sequence
                            shard, summed over tp after each call: a sequence-parallel norm's
                            weight and bias, the bias of a rowwise linear under sequence
-                           parallelism */
+                           parallelism, the parameters of a module under a MoE block */
   int n_sum;
-  fsdpc_tensor_t stash[2]; /* their gradients from earlier calls */
+  fsdpc_tensor_t stash[4]; /* their gradients from earlier calls */
   dtype_t reduce_dtype;    /* gradient reductions' dtype; DTYPE_COUNT: the gradient's own */
 } tp_mod_t;
 
@@ -211,6 +215,27 @@ static fsdpc_status_t finish(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *y, bool
 
 /* ---- forward wrappers ---- */
 
+/* A MoE block runs on the tokens as they come: this rank's sequence shard under sequence
+ * parallelism (its parameters' gradients summed over tp by the sum hooks of the modules under
+ * it), the whole sequence otherwise (every rank alike: the same gradients). Its output keeps
+ * the input's layout. */
+static fsdpc_status_t moe_tokens(nn_ctx_t *ctx, const tp_mod_t *t, nn_module_t *m, nn_var_t *in,
+                                 nn_var_t **out, nn_forward_fn inner) {
+  *out = NULL;
+  tp_layout_t from = arriving(in, t->in);
+  bool split = t->in == TP_SHARD_SEQ;
+  if (split ? from != TP_SHARD_SEQ : from != TP_REPLICATE)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "tensor parallel: %s (prepare_input of a MoE block): its input comes %s; the "
+                   "block runs on %s (give the layer before it that output)",
+                   nn_module_fqn(t->m), tp_layout_name(from),
+                   split ? "this rank's sequence shard, shard(1), under sequence parallelism"
+                         : "the whole sequence, replicate, without sequence parallelism");
+  FSDPC_TRY(inner(ctx, m, in, out));
+  (*out)->layout = from;
+  return STATUS_OK;
+}
+
 static fsdpc_status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
                               nn_forward_fn inner, void *user) {
   const tp_mod_t *t = user;
@@ -219,6 +244,7 @@ static fsdpc_status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_va
   *out = NULL;
   switch (t->style) {
     case TP_PREPARE_INPUT:
+      if (t->moe) return moe_tokens(ctx, t, m, in, out, inner);
       FSDPC_TRY(prepare(ctx, t, in, TP_REPLICATE_REDUCED, &x));
       st = inner(ctx, m, x, out);
       break;
@@ -355,6 +381,7 @@ static fsdpc_status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
   tp_layout_t model = sp ? TP_SHARD_SEQ : TP_REPLICATE;
   t->embedding = kind && strcmp(kind, "embedding") == 0;
   t->conv1d = kind && strcmp(kind, "conv1d") == 0;
+  t->moe = r->style == TP_PREPARE_INPUT && kind && strcmp(kind, "moe") == 0;
   t->style = r->style;
   bool has_params = r->style != TP_PREPARE_INPUT;
   t->w = has_params ? nn_module_param_named(t->m, "weight") : NULL;
@@ -378,7 +405,7 @@ static fsdpc_status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
       break;
     case TP_SEQUENCE_PARALLEL: t->in = t->out = TP_SHARD_SEQ; break;
     case TP_HEADWISE: t->in = t->out = TP_SHARD_LAST; break;
-    default: /* prepare_input */ t->in = model; t->out = TP_REPLICATE_REDUCED;
+    default: /* prepare_input */ t->in = model; t->out = t->moe ? model : TP_REPLICATE_REDUCED;
   }
   if (r->input != TP_LAYOUT_DEFAULT && r->style == TP_HEADWISE)
     return err_set(STATUS_EINVAL, "tensor parallel: %s: headwise takes its input as it comes", fqn);
@@ -415,6 +442,48 @@ typedef struct walk {
   mesh_t *mesh;
 } walk_t;
 
+/* Under a MoE block on sequence shards: every module with parameters gets sum hooks (its
+ * parameters found after placement, tp_fill_sums); none may take a rule of its own. */
+static fsdpc_status_t visit_moe(walk_t *w, nn_module_t *moe, nn_module_t *m) {
+  for (int i = 0; i < nn_module_num_children(m); i++) {
+    nn_module_t *c = nn_module_child(m, i);
+    int r = tp_rule_index(w->rules, w->n_rules, nn_module_fqn(c));
+    if (r >= 0 && tp_rule_applies(&w->rules[r], w->sp))
+      return err_set(STATUS_EINVAL,
+                     "tensor parallel: rule '%s' matches %s, under the MoE block %s, which runs "
+                     "whole on each rank's tokens (its modules take no rule of their own)",
+                     w->rules[r].pattern, nn_module_fqn(c), nn_module_fqn(moe));
+    if (nn_module_num_params(c) > 0) {
+      tp_mod_t *t = &w->plan->mods[w->plan->n++];
+      *t = (tp_mod_t){.m = c,
+                      .style = TP_PREPARE_INPUT,
+                      .sum_only = true,
+                      .mesh = w->mesh,
+                      .reduce_dtype = DTYPE_COUNT};
+      FSDPC_TRY(nn_module_add_hook(c, NN_HOOK_PRE_BACKWARD, sum_hook, t));
+      FSDPC_TRY(nn_module_add_hook(c, NN_HOOK_POST_BACKWARD, sum_hook, t));
+    }
+    FSDPC_TRY(visit_moe(w, moe, c));
+  }
+  return STATUS_OK;
+}
+
+/* After placement: the parameters on tp of the modules under MoE blocks, to sum. */
+static fsdpc_status_t fill_sums(tp_plan_t *plan, const mesh_t *mesh) {
+  for (int i = 0; i < plan->n; i++) {
+    tp_mod_t *t = &plan->mods[i];
+    for (int k = 0; t->sum_only && k < nn_module_num_params(t->m); k++) {
+      nn_param_t *p = nn_module_param(t->m, k);
+      if (dtensor_mesh(p->value) != mesh) continue; /* expert parallelism's, summed by fsdp */
+      if (t->n_sum == 4)
+        return err_set(STATUS_EUNSUPPORTED, "tensor parallel: %s has more than 4 parameters",
+                       nn_module_fqn(t->m));
+      t->sum[t->n_sum++] = p;
+    }
+  }
+  return STATUS_OK;
+}
+
 static fsdpc_status_t visit(walk_t *w, nn_module_t *m) {
   int i = tp_rule_index(w->rules, w->n_rules, nn_module_fqn(m));
   if (i >= 0) w->hits[i]++;
@@ -429,6 +498,10 @@ static fsdpc_status_t visit(walk_t *w, nn_module_t *m) {
     if (t->n_sum > 0) {
       FSDPC_TRY(nn_module_add_hook(m, NN_HOOK_PRE_BACKWARD, sum_hook, t));
       FSDPC_TRY(nn_module_add_hook(m, NN_HOOK_POST_BACKWARD, sum_hook, t));
+    }
+    if (t->moe && w->sp) { /* each rank routes its sequence shard */
+      FSDPC_TRY(nn_moe_split_tokens(m, mesh_group(w->mesh, 0)));
+      FSDPC_TRY(visit_moe(w, m, m));
     }
   }
   for (int i = 0; i < nn_module_num_children(m); i++) FSDPC_TRY(visit(w, nn_module_child(m, i)));
@@ -469,10 +542,13 @@ fsdpc_status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t 
   nn_param_t **ps = NULL;
   int np = 0;
   FSDPC_TRY_GOTO(st, nn_named_parameters(root, &ps, &np));
-  for (int i = 0; i < np && st == STATUS_OK; i++)
-    if (dtensor_mesh(ps[i]->value) != mesh)
+  for (int i = 0; i < np && st == STATUS_OK; i++) {
+    const mesh_t *pm = dtensor_mesh(ps[i]->value);
+    if (pm != mesh && !(!is_local(ps[i]) && mesh_same_root(pm, mesh))) /* not expert-parallel */
       st = place(ps[i], mesh, placement_replicate(), nn_module_fqn(ps[i]->owner));
+  }
   free(ps);
+  if (st == STATUS_OK) st = fill_sums(plan, mesh);
   if (st != STATUS_OK) goto cleanup;
   free(hits);
   *out = plan;
@@ -486,7 +562,7 @@ cleanup:
 void tp_free(tp_plan_t *tp) {
   if (tp == NULL) return;
   for (int i = 0; i < tp->n; i++)
-    for (int k = 0; k < 2; k++) tensor_free(&tp->mods[i].stash[k]);
+    for (int k = 0; k < 4; k++) tensor_free(&tp->mods[i].stash[k]);
   free(tp->mods);
   free(tp);
 }

@@ -383,6 +383,7 @@ static char *reshard_record(const fsdpc_plan_t *p, const reshard_opts_t *o, cons
   cJSON_AddNumberToObject(nu, "dp_replicate", p->par.dp_replicate);
   cJSON_AddNumberToObject(nu, "dp_shard", p->par.dp_shard);
   cJSON_AddNumberToObject(nu, "tp", p->par.tp);
+  if (p->par.ep > 1) cJSON_AddNumberToObject(nu, "ep", p->par.ep);
   cJSON_AddStringToObject(nu, "resharded_from", dir);
   if (config) cJSON_AddItemToObject(nu, "model", cJSON_Parse(config));
   char *under = cJSON_PrintUnformatted(nu);
@@ -433,10 +434,14 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
   if (st == STATUS_OK) say_unchecked_folders(dir);
   if (st == STATUS_OK)
     st = ckpt_reshard_training(dir, out, world, target_placements, &kinds, under, &files);
+  char ep[48] = "";
+  if (p.par.ep > 1) snprintf(ep, sizeof ep, ", the experts split over ep %d", p.par.ep);
   if (st == STATUS_OK)
-    printf("resharded %s for %d rank%s (dp_replicate %d x dp_shard %d x tp %d): %d file%s in %s\n",
-           dir, world, world == 1 ? "" : "s", p.par.dp_replicate, p.par.dp_shard, p.par.tp, files,
-           files == 1 ? "" : "s", out);
+    printf(
+        "resharded %s for %d rank%s (dp_replicate %d x dp_shard %d x tp %d%s): %d file%s in "
+        "%s\n",
+        dir, world, world == 1 ? "" : "s", p.par.dp_replicate, p.par.dp_shard, p.par.tp, ep, files,
+        files == 1 ? "" : "s", out);
   free(under);
   llama_free(model);
   free(config);

@@ -226,32 +226,36 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
     }
   }
   /* expert parallelism: per micro-batch and sparse layer, four exchanges (the rows forward and
-   * back, then their gradients) of a rank's batch x seq_len x top_k rows of dim, the share
-   * (ep - 1) / ep of them for other ranks under uniform routing */
-  int P = p->par.ep;
+   * back, then their gradients) of a rank's batch x seq_len x top_k rows of dim (its sequence
+   * shard's under sequence parallelism), the share (ep - 1) / ep of them for other ranks under
+   * uniform routing */
+  int P = p->par.ep, T = p->par.tp;
   if (P > 1) {
     const llama_config_t *mc = &p->model;
     double sparse = (double)llama_num_moe_layers(mc);
     double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
-    double rows = (double)(p->batch_size * p->seq_len * mc->top_k);
+    double rows = (double)(p->batch_size * p->seq_len * mc->top_k) /
+                  (T > 1 && p->par.sequence_parallel ? T : 1);
     c.n_a2a += (long long)(A * 4 * sparse);
     c.a2a += A * 4 * sparse * rows * (double)(P - 1) / P * (double)mc->dim * es;
   }
   /* tensor parallelism with the built-in Llama plan (docs/plan.md, "Tensor parallelism"): per
    * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype (es
    * bytes); the backward's reductions, gradients, in the reduce dtype (rb bytes) */
-  int T = p->par.tp;
   if (T > 1 && llama_plan_tp_is_builtin(&p->model, &p->par)) {
     const llama_config_t *mc = &p->model;
     double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
     double rb = (double)dtype_size(n ? fsdp_reduce_dtype(groups[0]) : DTYPE_F32);
     double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
+    /* a sparse layer's MoE block runs on the tokens as they come: no prepare_input gather or
+     * rowwise reduction of its own (B: the blocks' conversions, two a dense layer) */
+    double Ls = (double)llama_num_moe_layers(mc), B = 2 * L - Ls;
     double logits = (double)(p->batch_size * p->seq_len) * (double)llama_vocab_rows(mc) / T;
     double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
     bool gpt2 = mc->arch == LLAMA_ARCH_GPT2;
     /* reductions: forward, the embeddings' (GPT-2's tokens and positions) and the rowwise
      * outputs; backward, the inputs of prepare_input (two a block) and of the lm_head */
-    double embs = gpt2 ? 2 : 1, fred = embs + 2 * L * fwd, bred = 2 * L + 1;
+    double embs = gpt2 ? 2 : 1, fred = embs + B * fwd, bred = B + 1;
     /* under sequence parallelism, gradients summed over tp: every norm's weight (and a
      * LayerNorm's bias), and the biases of rowwise layers (GPT-2's two c_proj, an o_proj's) */
     double sums = (2 * L + 1) * (gpt2 ? 2 : 1) + L * (gpt2 ? 2 : mc->o_bias ? 1 : 0);
@@ -261,13 +265,19 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
       /* reduce-scatters (n/T out) for those; all-gathers (n/T in) of the prepare_input and
        * lm_head inputs forward, of the embedding's and rowwise outputs' gradients backward;
        * the norm weights' gradient sums */
-      double gathers = (2 * L * fwd + 1) + (embs + 2 * L);
+      double gathers = (B * fwd + 1) + (embs + B);
       c.n_ag += (long long)(A * gathers);
       c.n_rs += (long long)(A * (fred + bred));
       c.ag += A * gathers * (T - 1) * n / T * es;
       c.rs += A * (fred * es + bred * rb) * (T - 1) * n / T;
       c.n_ar += (long long)(A * sums);
       c.ar += A * sums * (double)(2 * (T - 1) * (mc->dim * (int64_t)rb) / T);
+      /* and each MoE block's router, and its experts unless expert parallelism shards them
+       * over tp */
+      double moe =
+          (double)(mc->n_experts * mc->dim) * (P > 1 ? 1 : 1 + 3 * (double)mc->moe_ffn_dim);
+      c.n_ar += (long long)(A * Ls * (P > 1 ? 1 : 4));
+      c.ar += A * Ls * 2.0 * (T - 1) * moe * rb / T;
     } else {
       c.n_ar += (long long)(A * (fred + bred));
       c.ar += A * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T) * fred +

@@ -60,6 +60,7 @@ void plan_defaults(fsdpc_plan_t *p) {
   p->ckpt_keep = 0;
   p->ckpt_block_bytes = (int64_t)256 << 10; /* checkpoint/dcp.h's (test_parallel checks) */
   p->log_interval = 10;
+  p->moe_aux_loss_coef = -1;
 }
 
 /* The architecture from a Hugging Face config.json (path, or path/config.json where path is a
@@ -209,6 +210,26 @@ static fsdpc_status_t read_model(plan_ctx_t *c, int root, const char *own) {
   int64_t pad = p->model.pad_vocab_multiple;
   FSDPC_TRY(pr_get_int(c, m, "model", "pad_vocab_multiple", 0, 65536, &pad));
   p->model.pad_vocab_multiple = pad;
+  return STATUS_OK;
+}
+
+/* The moe section: aux_loss_coef, the weight of the routers' load-balancing loss (over the
+ * model config's router_aux_loss_coef and output_router_logits; 0 turns it off). A built-in
+ * model must have experts. */
+static fsdpc_status_t read_moe(plan_ctx_t *c, int root, const char *own) {
+  static const char *const keys[] = {"aux_loss_coef", NULL};
+  fsdpc_plan_t *p = c->job;
+  int m;
+  FSDPC_TRY(pr_section(c, root, "moe", keys, &m));
+  if (m == 0 || pr_find(c, m, "aux_loss_coef") == 0) return STATUS_OK;
+  FSDPC_TRY(pr_get_float(c, m, "moe", "aux_loss_coef", 0, 1e6, false, &p->moe_aux_loss_coef));
+  if (own != NULL || p->moe_aux_loss_coef < 0)
+    return STATUS_OK;
+        /* null: not given */ /* the program's own model takes it, if it has experts */
+  if (p->model.n_experts == 0)
+    return pr_fail(c, pr_find(c, m, "aux_loss_coef"), "moe.aux_loss_coef",
+                   "the model (%s) has no experts to balance", llama_arch_name(p->model.arch));
+  p->model.aux_loss_coef = p->moe_aux_loss_coef;
   return STATUS_OK;
 }
 
@@ -556,15 +577,16 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
   if (c == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
   c->par = &p->par;
   c->job = p;
-  static const char *const top[] = {"mesh", "model", "parallelize", "optim", "schedule", "data",
-                                    "eval", "train", "checkpoint",  "log",   NULL};
+  static const char *const top[] = {"mesh", "model", "moe",   "parallelize", "optim", "schedule",
+                                    "data", "eval",  "train", "checkpoint",  "log",   NULL};
   int root = 0;
   fsdpc_status_t st = pr_open(c, path, sets, n_sets, top,
-                              "mesh, model, parallelize, optim, schedule, data, eval, train, "
+                              "mesh, model, moe, parallelize, optim, schedule, data, eval, train, "
                               "checkpoint, log",
                               "model, ", &root);
   if (st == STATUS_OK) st = pp_read_mesh(c, root);
   if (st == STATUS_OK) st = read_model(c, root, own);
+  if (st == STATUS_OK) st = read_moe(c, root, own);
   if (st == STATUS_OK) st = pp_read_parallelize(c, root);
   if (st == STATUS_OK) st = read_optim(c, root);
   if (st == STATUS_OK) st = read_rest(c, root);
@@ -732,11 +754,6 @@ static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
                    p->par.mesh_where.text, p->par.ep,
                    p->model.n_experts == 0 ? "needs a model with experts (qwen3_moe)"
                                            : "does not divide the model's num_experts");
-  if (p->par.tp > 1 && p->model.n_experts > 0)
-    return err_set(STATUS_EUNSUPPORTED,
-                   "%s: mesh.tp: %d: tensor parallelism of a model with experts (%s) is not "
-                   "implemented; shard it with dp_shard and dp_replicate",
-                   p->par.mesh_where.text, p->par.tp, llama_arch_name(p->model.arch));
   if (p->par.tp > 1) {
     const struct {
       const char *key;

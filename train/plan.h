@@ -40,6 +40,7 @@ typedef struct fsdpc_plan {
   char init_from[PLAN_PATH_MAX]; /* a Hugging Face folder, or "" */
   uint64_t model_seed;
   bool deferred_init; /* build meta, parallelise, then allocate and fill only local shards */
+  double moe_aux_loss_coef; /* moe.aux_loss_coef (applied to model.aux_loss_coef); < 0: not given */
   /* optim, schedule */
   adamw_config_t optim;
   char group_patterns[ADAMW_MAX_GROUPS][PLAN_PATTERN_MAX]; /* storage of optim.groups[].pattern */

@@ -297,21 +297,28 @@ void train_header(const run_t *r) {
   fflush(stdout);
 }
 
+/* Adds the bytes counted by pg into *b and resets its counters, unless it is among seen[0..n)
+ * (then or after, recorded there). */
+static void count_group(pg_t *pg, pg_t **seen, int *n, double *b) {
+  for (int q = 0; q < *n; q++)
+    if (seen[q] == pg) return;
+  seen[(*n)++] = pg;
+  pg_counters_t c = pg_counters(pg);
+  for (int j = 0; j < PG_KIND_COUNT; j++) *b += (double)c.bytes[j];
+  pg_reset_counters(pg);
+}
+
 double train_counted_bytes(const run_t *r) {
   double b = 0;
-  /* the world mesh's groups, and the data-parallel mesh's where they differ (mesh.ep: the
-   * dense units' dp_shard is its two last dimensions flattened) */
-  const mesh_t *dp = parallel_dp_mesh(r->par);
-  for (int k = 0; k < mesh_ndim(r->mesh) + mesh_ndim(dp); k++) {
-    bool world = k < mesh_ndim(r->mesh);
-    pg_t *pg = world ? mesh_group(r->mesh, k) : mesh_group(dp, k - mesh_ndim(r->mesh));
-    bool again = false;
-    for (int q = 0; !world && q < mesh_ndim(r->mesh); q++) again |= mesh_group(r->mesh, q) == pg;
-    if (again) continue;
-    pg_counters_t c = pg_counters(pg);
-    for (int j = 0; j < PG_KIND_COUNT; j++) b += (double)c.bytes[j];
-    pg_reset_counters(pg);
-  }
+  /* the groups of the world mesh, of the data-parallel mesh (mesh.ep: its dp_shard the
+   * flattened dp_shard_ep and ep) and of the experts' (mesh.ep with tp: dp_shard_ep and tp
+   * flattened), each once */
+  const mesh_t *meshes[] = {r->mesh, parallel_dp_mesh(r->par), parallel_expert_mesh(r->par)};
+  pg_t *seen[3 * MESH_MAX_DIMS];
+  int n = 0;
+  for (int m = 0; m < 3; m++)
+    for (int k = 0; k < mesh_ndim(meshes[m]); k++)
+      count_group(mesh_group(meshes[m], k), seen, &n, &b);
   pg_t **pf = calloc((size_t)r->n_groups + 1, sizeof *pf);
   int npf = pf ? fsdp_post_forward_groups(r->groups, r->n_groups, pf) : 0;
   for (int i = 0; i < npf; i++) {

@@ -572,11 +572,13 @@ static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
 }
 
 /* Step, the MoE blocks' routing over the ranks: the tokens each expert got from every block
- * (their sum over the ranks), the load-balancing loss's mean. */
-static fsdpc_status_t step_moe(loop_t *L, step_out_t *o) {
+ * (their sum over the ranks; the ranks of a tp group each count the group's tokens), the
+ * load-balancing loss's mean. */
+static fsdpc_status_t step_moe(const run_t *r, loop_t *L, step_out_t *o) {
   if (L->moe == NULL) return STATUS_OK;
   nn_moe_aux_take_step(L->moe, L->load, L->experts, &o->aux_loss);
   FSDPC_TRY(pg_host_all_reduce(world_pg(), L->load, L->load, L->experts, PG_HOST_I64, REDUCE_SUM));
+  for (int e = 0; e < L->experts && r->plan.par.tp > 1; e++) L->load[e] /= r->plan.par.tp;
   FSDPC_TRY(pg_host_all_reduce(world_pg(), &o->aux_loss, &o->aux_loss, 1, PG_HOST_F64, REDUCE_SUM));
   o->aux_loss /= world_size();
   o->load_min = o->load_max = L->load[0];
@@ -753,7 +755,7 @@ static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
   L->saver.stall_s = 0;
   L->saver.saved_step = -1;
   FSDPC_TRY(step_compute(r, L, &o));
-  FSDPC_TRY(step_moe(L, &o));
+  FSDPC_TRY(step_moe(r, L, &o));
   FSDPC_TRY(step_agree(r, L, &o));
   FSDPC_TRY(step_apply(r, L, &o));
   FSDPC_TRY(step_save(r, L, &o));

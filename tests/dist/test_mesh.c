@@ -161,6 +161,37 @@ START_TEST(mesh_flatten_makes_row_major_group) {
 }
 END_TEST
 
+/* Expert parallelism's experts mesh over (dp_shard_ep, ep, tp): dp_shard_ep and tp flattened,
+ * then ep, which lies between them in the world mesh; its ranks are row-major over its own
+ * coordinates. */
+START_TEST(mesh_concat_interleaved_is_row_major_over_its_coordinates) {
+  int W = world_size();
+  if (W != 8) return;
+  int dims[3] = {2, 2, 2};
+  const char *names[3] = {"dp_shard_ep", "ep", "tp"};
+  mesh_t *m = NULL, *flat = NULL, *ep = NULL, *both = NULL;
+  ck_assert_int_eq(mesh_new(3, dims, names, DEVICE_CPU, &m), STATUS_OK);
+  ck_assert_int_eq(mesh_flatten(m, 2, (const char *[]){"dp_shard_ep", "tp"}, "st", &flat),
+                   STATUS_OK);
+  ck_assert_int_eq(mesh_slice(m, 1, (const char *[]){"ep"}, &ep), STATUS_OK);
+  ck_assert_int_eq(mesh_concat(flat, ep, &both), STATUS_OK);
+  /* every rank of the world: (s, e, t) is world rank 4 s + 2 e + t; the new mesh's index
+   * (2 s + t) * 2 + e */
+  int ok = mesh_numel(both) == 8 && mesh_size(both, 0) == 4 && mesh_size(both, 1) == 2;
+  for (int s = 0; s < 2; s++)
+    for (int e = 0; e < 2; e++)
+      for (int t = 0; t < 2; t++) ok &= mesh_ranks(both)[(2 * s + t) * 2 + e] == 4 * s + 2 * e + t;
+  int me = world_rank(), c[2];
+  mesh_unravel(both, (2 * (me / 4) + me % 2) * 2 + (me / 2) % 2, c);
+  ok &= c[0] == mesh_coord(both, 0) && c[1] == mesh_coord(both, 1);
+  expect_all(ok, "an interleaved concat's ranks are not row-major over its coordinates");
+  mesh_free(both);
+  mesh_free(ep);
+  mesh_free(flat);
+  mesh_free(m);
+}
+END_TEST
+
 START_TEST(mesh_size_mismatch_fails_on_every_rank) {
   int W = world_size();
   mesh_t *m = NULL;
@@ -264,6 +295,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, mesh_slice_reuses_parent_groups);
   tcase_add_test(tc, mesh_groups_come_from_one_group_of_every_rank);
   tcase_add_test(tc, mesh_flatten_makes_row_major_group);
+  tcase_add_test(tc, mesh_concat_interleaved_is_row_major_over_its_coordinates);
   tcase_add_test(tc, mesh_size_mismatch_fails_on_every_rank);
   tcase_add_test(tc, mesh_cuda_without_device_fails_on_every_rank);
   tcase_add_test(tc, agree_report_prints_each_message_once_with_its_ranks);

@@ -520,10 +520,14 @@ parallelize:
 """
 FAMILY_MOE_PLAN = """\
 mesh:
-  dp_shard: 4
+  dp_shard: 2
+  tp: 2
+  ep: 2
 parallelize:
   fully_shard:
     units: ["model.layers.*"]
+  tensor_parallel:
+    sequence_parallel: true
 """
 FAMILY_GPT2_TP_PLAN = """\
 mesh:
@@ -540,7 +544,8 @@ parallelize:
 def ckpt_family():
     """Qwen2, Qwen3, GPT-2 and Qwen3-MoE checkpoints, no model flags given: import-hf of
     tests/reference's folder (Qwen3-MoE's per-expert tensors stacked), inspect and verify,
-    reshard to FSDP 2 x TP 2 by the architecture's built-in plan (Qwen3-MoE: FSDP on 4)
+    reshard to FSDP 2 x TP 2 by the architecture's built-in plan (Qwen3-MoE: with mesh.ep=2,
+    each ep rank's file holding its two experts of each layer)
     (GPT-2's c_attn, [dim, 3 dim] in the folder, kept [dim, 3, dim] and split by head: each
     rank's chunk holds its heads of q, k and v), export-hf back: config.json of its architecture
     and every tensor of the folder bit for bit (the tied lm_head left out, as transformers
@@ -571,6 +576,17 @@ def ckpt_family():
             check(re.search(r"model\.layers\.0\.mlp\.experts\.up_proj\s+F32\s+4x32x64", p.stdout)
                   is not None and "experts.0.up_proj" not in p.stdout,
                   "%s: import-hf stacks each layer's experts into one tensor" % tag)
+            chunks = []
+            for fname in sorted(os.listdir(os.path.join(tp, "model"))):
+                ch, _ = st_read(os.path.join(tp, "model", fname))
+                info = json.loads(ch["__metadata__"]["DCP_SHARDING_INFO"])
+                name = "model.layers.0.mlp.experts.up_proj"
+                if name in ch:
+                    chunks.append((ch[name]["shape"], info[name]["saved_offsets"]))
+            want_chunks = [([2, 32, 64], [0, 0, 0]), ([2, 32, 64], [2, 0, 0])]
+            check(sorted(chunks) == want_chunks, "%s: resharded for mesh.ep=2 (x tp 2), the "
+                  "experts' chunks are %s (want %s: each ep rank's two, written once)"
+                  % (tag, sorted(chunks), want_chunks))
         if "gpt2" in tag:  # c_attn by head: [dim / dp, 3, dim / tp] a rank, at its tp offset
             with open(os.path.join(hf, "config.json")) as f:
                 d = json.load(f)["n_embd"]

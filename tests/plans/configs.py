@@ -531,10 +531,21 @@ def family():
                        "--set", "mesh.dp_shard=1"])
         ref = [(r["loss"], r["grad_norm"]) for r in losses(r1)] if p.returncode == 0 else []
         plans = FAMILY_PLANS
-        if tag == "tiny_qwen3_moe":  # no tensor parallelism of experts: refused by name
-            q, _ = run(4, [plan, "--dry-run", "--set", "mesh.dp_shard=2", "--set", "mesh.tp=2"])
-            check(q.returncode != 0 and "tensor parallelism of a model with experts (qwen3_moe) "
-                  "is not implemented" in q.stderr, "tiny_qwen3_moe: mesh.tp=2 is refused by name")
+        if tag == "tiny_qwen3_moe":  # moe.aux_loss_coef: the balancing loss from the plan
+            m = os.path.join(tmp, "aux-key.jsonl")
+            q, _ = run(1, [plan, "--set", "mesh.dp_shard=1", "--set", "data.batch_size=2",
+                           "--set", "moe.aux_loss_coef=0.1", "--metrics", m])
+            got = [r["loss"] for r in losses(m)] if q.returncode == 0 else []
+            want = golden_losses("tiny_qwen3_moe_aux")
+            worst = max([abs(a - b) / abs(b) for a, b in zip(got, want)] or [1])
+            check(len(got) == len(want) == 10 and worst <= 1e-5,
+                  "tiny_qwen3_moe: moe.aux_loss_coef=0.1 in the plan trains PyTorch's losses of "
+                  "router_aux_loss_coef 0.1 within 1e-5 (worst %.2e)" % worst)
+            q, _ = run(1, [plan, "--dry-run", "--set", "moe.aux_loss_coef=0.1", "--set",
+                           "model.init_from=null", "--set", "model.config=" + os.path.join(
+                               ROOT, "tests", "reference", "tiny_qwen3_config.json")])
+            check(q.returncode != 0 and "moe.aux_loss_coef: the model (qwen3) has no experts" in
+                  q.stderr, "moe.aux_loss_coef with a dense model is refused by name")
             # its import-hf checkpoint (experts stacked) starts FSDP on 4 as init_from does
             imp, m = os.path.join(tmp, "imp"), os.path.join(tmp, "imp.jsonl")
             q = sh([TOOL, "import-hf", hf_folder(mkdtemp(), tag), imp], timeout=60)
@@ -566,6 +577,23 @@ def family():
                       "rank%s with the uninterrupted run's losses (%s)"
                       % (ep, n, "s" if n > 1 else "",
                          "bit for bit" if ep == 4 else "worst %.2e" % worst))
+            # fsdp-ckpt reshard lays the ep 4 checkpoint out for ep 2 x tp 2, which resumes it
+            rs, m = os.path.join(tmp, "ck-ep2tp2"), os.path.join(tmp, "resume-rs.jsonl")
+            sets = ["--set", "mesh.ep=2", "--set", "mesh.dp_shard=2", "--set", "mesh.tp=2",
+                    "--set", "parallelize.tensor_parallel.sequence_parallel=true"]
+            q = sh([TOOL, "reshard", os.path.join(ck4, "step-00000005"), "--to", plan, rs] +
+                   sets, timeout=120)
+            if q.returncode == 0:
+                q, _ = run(4, [plan, "--metrics", m, "--set", "data.global_batch_size=4",
+                               "--set", "checkpoint.load=" + rs] + sets)
+            got = [x["loss"] for x in losses(m)] if q.returncode == 0 else []
+            worst = max([abs(a - b) / abs(b) for a, b in zip(got, want)] or [1])
+            check(len(got) == len(want) == 5 and worst <= 1e-6,
+                  "tiny_qwen3_moe: fsdp-ckpt reshard of the step-5 checkpoint of mesh.ep=4 for "
+                  "ep 2 x tp 2 resumes there with the uninterrupted run's losses (worst %.2e)"
+                  % worst)
+            if q.returncode != 0:
+                print(q.stdout[-1500:], q.stderr[-1500:])
             d, _ = run(4, [plan, "--dry-run", "--set", "mesh.ep=4", "--set",
                            "data.global_batch_size=4"])
             est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
@@ -581,7 +609,14 @@ def family():
             check(q.returncode != 0 and "mesh.ep: 3 does not divide the model's num_experts" in
                   q.stderr, "tiny_qwen3_moe: mesh.ep=3 (4 experts) is refused by name")
         if tag.startswith("tiny_qwen3_moe"):
-            plans = [x for x in FAMILY_PLANS if "TP" not in x[0]] + [
+            plans = FAMILY_PLANS + [
+                ("FSDP 2 x TP 2 without sequence parallelism (the blocks on every token)", 4,
+                 ["mesh.dp_shard=2", "mesh.tp=2"]),
+                ("FSDP 2 x TP 2 with sequence parallelism, the experts split over dp (mesh.ep=2)",
+                 4, ["mesh.dp_shard=2", "mesh.tp=2", "mesh.ep=2",
+                     "parallelize.tensor_parallel.sequence_parallel=true"]),
+                ("FSDP 2 x TP 2, mesh.ep=2, without sequence parallelism", 4,
+                 ["mesh.dp_shard=2", "mesh.tp=2", "mesh.ep=2"]),
                 ("FSDP on 2, the experts split over both (mesh.ep=2)", 2, ["mesh.ep=2"]),
                 ("FSDP on 4, the experts split over pairs (mesh.ep=2)", 4, ["mesh.ep=2"]),
                 ("FSDP on 4, the experts split over all (mesh.ep=4)", 4, ["mesh.ep=4"]),

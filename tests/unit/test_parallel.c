@@ -288,6 +288,37 @@ START_TEST(state_over_replicas_in_code) {
 }
 END_TEST
 
+/* mesh.ep: a stacked experts' weight on ((dp_replicate,) dp_shard / ep, ep(, tp)), its
+ * experts over ep and that split over dp_shard / ep (strided on the experts' dimension),
+ * whole on the replicas and tp ranks; every other parameter as without ep. */
+START_TEST(expert_placements_follow_mesh_ep) {
+  parallel_plan_t pp;
+  parallel_plan_defaults(&pp);
+  pp.dp_replicate = 2;
+  pp.dp_shard = 4;
+  pp.ep = 2;
+  pp.tp = 2;
+  ok(parallel_plan_add_tp_rule(&pp, "fc1", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
+  ok(parallel_plan_resolve(&pp, 16));
+  int md, shape[MESH_MAX_DIMS];
+  placement_t pl[MESH_MAX_DIMS];
+  char buf[64];
+  ok(parallel_param_placements(&pp, "mlp.experts.up_proj", "experts", 3, &md, shape, pl));
+  ck_assert_str_eq(placements_str(md, pl, buf, sizeof buf), "(R, SS(0,2), S(0), R)");
+  ck_assert(md == 4 && shape[0] == 2 && shape[1] == 2 && shape[2] == 2 && shape[3] == 2);
+  /* 8 experts: ep rank 1 holds 4..7, dp_shard_ep rank 1 of those 6..7 */
+  int64_t global[3] = {8, 3, 5}, local[3], off[3];
+  placements_local_box(3, global, 4, shape, pl, (int[]){1, 1, 1, 0}, local, off);
+  ck_assert(local[0] == 2 && off[0] == 6 && local[1] == 3 && local[2] == 5);
+  ok(parallel_param_placements(&pp, "fc1.weight", "linear", 2, &md, shape, pl));
+  ck_assert_str_eq(placements_str(md, pl, buf, sizeof buf), "(R, SS(0,2), S(0))");
+  ck_assert(md == 3 && shape[1] == 4);
+  ok(parallel_plan_add_shard_dim(&pp, "mlp.experts.*", 1));
+  ok(parallel_param_placements(&pp, "mlp.experts.up_proj", "experts", 3, &md, shape, pl));
+  ck_assert_str_eq(placements_str(md, pl, buf, sizeof buf), "(R, S(1), S(0), R)");
+}
+END_TEST
+
 /* The job plan's defaults that stand for another folder's: checkpoint.block_bytes is the
  * checkpoint library's block size (parallel/ cannot include checkpoint/). */
 START_TEST(plan_defaults_match_the_libraries) {
@@ -305,6 +336,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, placements_follow_module_kinds);
   tcase_add_test(tc, shard_dims_in_code);
   tcase_add_test(tc, state_over_replicas_in_code);
+  tcase_add_test(tc, expert_placements_follow_mesh_ep);
   tcase_add_test(tc, plan_defaults_match_the_libraries);
   suite_add_tcase(s, tc);
   return s;
