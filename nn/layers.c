@@ -240,6 +240,8 @@ static fsdpc_status_t reset(nn_module_t *m, uint64_t seed) {
     FSDPC_TRY(nn_init_normal(w, seed, 0.0, 1.0));
   } else if (layers_is_experts(m)) {
     FSDPC_TRY(layers_reset_experts(m, seed));
+  } else if (nn_module_param_named(m, "expert_bias") != NULL) {
+    FSDPC_TRY(layers_reset_moe(m));
   } else if (f == rmsnorm_forward || f == layernorm_forward) {
     FSDPC_TRY(nn_init_constant(w, 1.0));
     if (b) FSDPC_TRY(nn_init_constant(b, 0.0));

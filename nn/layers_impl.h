@@ -16,5 +16,7 @@ fsdpc_status_t layers_attach(nn_module_t *parent, nn_module_t *m, fsdpc_status_t
 /* The stacked experts of a MoE block (moe.c): whether m is one, and its initialisation. */
 bool layers_is_experts(nn_module_t *m);
 fsdpc_status_t layers_reset_experts(nn_module_t *m, uint64_t seed);
+/* A MoE block's expert_bias zeroed (nn_moe_set_routing); nothing for any other module. */
+fsdpc_status_t layers_reset_moe(nn_module_t *m);
 
 #endif

@@ -164,8 +164,9 @@ static fsdpc_status_t aux_add(nn_moe_aux_t *a, const float *p, const int64_t *ex
 
 /* ---- routing ---- */
 
-/* d logits from d weights: through the renormalisation (w_j = p_j / S over the chosen) and the
- * softmax (dz_e = p_e (dp_e - sum_j dp_j p_j), dp zero off the chosen). */
+/* d logits from d weights: through the scale c and the renormalisation (w_j = c s_j / S over
+ * the chosen), then the softmax (dz_e = s_e (ds_e - sum_j ds_j s_j), ds zero off the chosen)
+ * or the sigmoid (dz_e = ds_e s_e (1 - s_e)). */
 static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *z = n->in[0];
@@ -173,7 +174,8 @@ static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
   FSDPC_TRY(host_f32("nn_moe_route (backward)", &n->out->grad));
   const fsdpc_tensor_t *p = &n->saved[0], *ex = &n->saved[1];
   int64_t E = p->shape[1], N = p->shape[0], k = n->ints[0];
-  bool norm = n->ints[1] != 0;
+  bool norm = (n->ints[1] & 1) != 0, sigmoid = (n->ints[1] & 2) != 0;
+  double c = n->scalar;
   fsdpc_tensor_t dz;
   FSDPC_TRY(ops_zeros_like(&dz, &z->value));
   const float *pv = p->data, *dw = n->out->grad.data, *w = n->out->value.data;
@@ -187,8 +189,15 @@ static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
       dot += (double)dw[t * k + j] * w[t * k + j];
     }
     for (int64_t j = 0; j < k; j++) {
-      dp[j] = norm ? ((double)dw[t * k + j] - dot) / sum : dw[t * k + j];
+      dp[j] = norm ? c / sum * ((double)dw[t * k + j] - dot / c) : c * dw[t * k + j];
       pdp += dp[j] * pr[e[t * k + j]];
+    }
+    if (sigmoid) {
+      for (int64_t j = 0; j < k; j++) {
+        double s = pr[e[t * k + j]];
+        dv[t * E + e[t * k + j]] = (float)(dp[j] * s * (1 - s));
+      }
+      continue;
     }
     for (int64_t i = 0; i < E; i++) dv[t * E + i] = (float)(-pr[i] * pdp);
     for (int64_t j = 0; j < k; j++) dv[t * E + e[t * k + j]] += (float)(pr[e[t * k + j]] * dp[j]);
@@ -211,43 +220,66 @@ static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
   return nn_accumulate_grad(z, &dz);
 }
 
-/* Row t: softmax into pr, the k largest (ties to the lower index) into e, weights into w. */
-static void route_row(const float *z, int64_t E, int64_t k, bool norm, float *pr, int64_t *e,
+/* How a block routes: k, renormalisation, the scores (softmax or sigmoid), the weights'
+ * scale and a per-expert bias added to the scores for the choice alone (NULL: none). */
+typedef struct route_opts {
+  int k;
+  bool norm, sigmoid;
+  double scale;
+  const float *bias;
+} route_opts_t;
+
+/* Row t: the scores into pr (softmax or sigmoid of z), the k largest scores plus bias (ties to
+ * the lower index) into e, their weights into w. */
+static void route_row(const float *z, int64_t E, const route_opts_t *o, float *pr, int64_t *e,
                       float *w) {
-  float mx = z[0];
-  for (int64_t i = 1; i < E; i++) mx = z[i] > mx ? z[i] : mx;
-  double s = 0;
-  for (int64_t i = 0; i < E; i++) s += exp((double)z[i] - mx);
-  for (int64_t i = 0; i < E; i++) pr[i] = (float)(exp((double)z[i] - mx) / s);
+  int64_t k = o->k;
+  if (o->sigmoid) {
+    for (int64_t i = 0; i < E; i++) pr[i] = (float)(1.0 / (1.0 + exp(-(double)z[i])));
+  } else {
+    float mx = z[0];
+    for (int64_t i = 1; i < E; i++) mx = z[i] > mx ? z[i] : mx;
+    double s = 0;
+    for (int64_t i = 0; i < E; i++) s += exp((double)z[i] - mx);
+    for (int64_t i = 0; i < E; i++) pr[i] = (float)(exp((double)z[i] - mx) / s);
+  }
   double chosen = 0;
   for (int64_t j = 0; j < k; j++) {
     int64_t best = -1;
+    float key = 0;
     for (int64_t i = 0; i < E; i++) {
       bool taken = false;
       for (int64_t q = 0; q < j; q++) taken |= e[q] == i;
-      if (!taken && (best < 0 || pr[i] > pr[best])) best = i;
+      float ki = o->bias ? pr[i] + o->bias[i] : pr[i];
+      if (!taken && (best < 0 || ki > key)) {
+        best = i;
+        key = ki;
+      }
     }
     e[j] = best;
     chosen += pr[best];
   }
-  for (int64_t j = 0; j < k; j++) w[j] = norm ? (float)(pr[e[j]] / chosen) : pr[e[j]];
+  for (int64_t j = 0; j < k; j++)
+    w[j] = (float)(o->scale * (o->norm ? pr[e[j]] / chosen : pr[e[j]]));
 }
 
-static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
+static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, const route_opts_t *o,
                             nn_moe_aux_t *aux, pg_t *tokens, nn_var_t **weights,
                             fsdpc_tensor_t *experts);
 
 fsdpc_status_t nn_moe_route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
                             nn_var_t **weights, fsdpc_tensor_t *experts) {
-  return route(ctx, logits, k, norm_topk, NULL, NULL, weights, experts);
+  route_opts_t o = {.k = k, .norm = norm_topk, .scale = 1};
+  return route(ctx, logits, &o, NULL, NULL, weights, experts);
 }
 
 /* nn_moe_route, reporting to aux (when not NULL): the forward's routing (not a checkpointed
  * block's recomputation, which the forward reported; summed over tokens' ranks when not NULL),
  * and its gradient added in backward. */
-static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_topk,
+static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, const route_opts_t *o,
                             nn_moe_aux_t *aux, pg_t *tokens, nn_var_t **weights,
                             fsdpc_tensor_t *experts) {
+  int k = o->k;
   ARG_NONNULL(ctx);
   ARG_NONNULL(logits);
   ARG_NONNULL(weights);
@@ -274,7 +306,7 @@ static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_to
     return st;
   }
   for (int64_t t = 0; t < N; t++)
-    route_row((const float *)z->data + t * E, E, k, norm_topk, (float *)p.data + t * E,
+    route_row((const float *)z->data + t * E, E, o, (float *)p.data + t * E,
               (int64_t *)experts->data + t * k, (float *)w.data + t * k);
   if (aux != NULL && (aux->n_experts != E || aux->top_k != k)) {
     tensor_free(&p);
@@ -300,7 +332,8 @@ static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, int k, bool norm_to
                  .in = {logits},
                  .saved = {p, ex},
                  .user = aux,
-                 .ints = {k, norm_topk}};
+                 .scalar = o->scale,
+                 .ints = {k, (o->norm ? 1 : 0) | (o->sigmoid ? 2 : 0)}};
   st = ops_finish(ctx, &n, nn_needs_grad(ctx, &logits, 1, NULL), &w, weights);
   if (st != STATUS_OK) tensor_free(experts);
   return st;
@@ -614,6 +647,11 @@ typedef struct moe {
   int run_experts;
   nn_moe_aux_t *aux; /* the load-balancing loss it reports to (nn_moe_aux_attach), or NULL */
   pg_t *tokens;      /* the group its tokens are split over (nn_moe_split_tokens), or NULL */
+  /* nn_moe_set_routing: sigmoid scores, the weights' scale, the bias's rate and the tokens
+   * each expert got since the last nn_moe_update_bias */
+  bool sigmoid;
+  double scale, bias_rate;
+  int64_t *bias_counts;
 } moe_t;
 
 static void moe_free(void *p) {
@@ -621,6 +659,7 @@ static void moe_free(void *p) {
   if (m) {
     free(m->counts);
     free(m->local_counts);
+    free(m->bias_counts);
   }
   free(m);
 }
@@ -733,9 +772,21 @@ static fsdpc_status_t moe_route_and_run(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   nn_module_t *gate = nn_module_child(m, 0), *experts = nn_module_child(m, 1);
   nn_var_t *logits = NULL, *w = NULL, *xs = NULL, *ys = NULL;
   fsdpc_tensor_t ex = {0}, order = {0}, rows = {0};
+  nn_param_t *bias = cfg->bias_counts ? nn_module_param_named(m, "expert_bias") : NULL;
+  route_opts_t o = {cfg->top_k, cfg->norm_topk, cfg->sigmoid, cfg->scale, NULL};
+  bool implicit = false, began = false;
   fsdpc_status_t st = nn_call(ctx, gate, x, &logits);
-  if (st == STATUS_OK)
-    st = route(ctx, logits, cfg->top_k, cfg->norm_topk, cfg->aux, cfg->tokens, &w, &ex);
+  if (st == STATUS_OK && bias != NULL) { /* read for the choice: no gradient */
+    st = nn_param_begin(ctx, "MoE routing", bias, &implicit);
+    began = st == STATUS_OK;
+    if (st == STATUS_OK) st = host_f32("MoE routing (expert_bias)", &bias->compute);
+    if (st == STATUS_OK) o.bias = bias->compute.data;
+  }
+  if (st == STATUS_OK) st = route(ctx, logits, &o, cfg->aux, cfg->tokens, &w, &ex);
+  if (began) st = nn_param_end(ctx, bias, implicit, st);
+  if (st == STATUS_OK && bias != NULL && !nn_ctx_recomputing(ctx) &&
+      nn_needs_grad(ctx, &logits, 1, NULL)) /* a training forward: its choices count */
+    for (int64_t i = 0; i < tensor_numel(&ex); i++) cfg->bias_counts[((int64_t *)ex.data)[i]]++;
   int64_t S = tensor_numel(&ex);
   if (st == STATUS_OK) st = tensor_init(&order, DTYPE_I64, device_cpu(), 1, &S);
   if (st == STATUS_OK) st = tensor_init(&rows, DTYPE_I64, device_cpu(), 1, &S);
@@ -848,6 +899,7 @@ fsdpc_status_t nn_moe_new(nn_module_t *parent, const char *name, int64_t dim, in
                  .n_experts = n_experts,
                  .top_k = top_k,
                  .norm_topk = norm_topk,
+                 .scale = 1,
                  .counts = counts};
   nn_module_t *m = NULL;
   FSDPC_TRY(nn_module_new_owned(name, moe_forward, cfg, moe_free, &m)); /* cfg freed on failure */
@@ -940,6 +992,89 @@ fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim) {
   return STATUS_OK;
 }
 
+fsdpc_status_t nn_moe_set_routing(nn_module_t *moe, nn_moe_score_t score, double route_scale,
+                                  double bias_rate) {
+  ARG_NONNULL(moe);
+  if (nn_module_forward(moe) != moe_forward)
+    return err_set(STATUS_EINVAL, "nn_moe_set_routing: '%s' is not a MoE block",
+                   nn_module_name(moe));
+  moe_t *cfg = nn_module_impl(moe);
+  if ((score != NN_MOE_SOFTMAX && score != NN_MOE_SIGMOID) || !(route_scale > 0) ||
+      route_scale > 1e6 || !(bias_rate >= 0) || bias_rate > 1)
+    return err_set(STATUS_EINVAL,
+                   "nn_moe_set_routing: '%s': score %d (softmax or sigmoid), route_scale %g "
+                   "(above 0, at most 1e6), bias_rate %g (0 to 1)",
+                   nn_module_name(moe), (int)score, route_scale, bias_rate);
+  if (score == NN_MOE_SIGMOID && cfg->aux != NULL)
+    return err_set(STATUS_EINVAL,
+                   "nn_moe_set_routing: '%s' reports to a load-balancing loss, which weighs "
+                   "softmax probabilities",
+                   nn_module_name(moe));
+  if (bias_rate > 0 && cfg->bias_counts == NULL) {
+    cfg->bias_counts = calloc((size_t)cfg->n_experts, sizeof *cfg->bias_counts);
+    if (cfg->bias_counts == NULL)
+      return err_set(STATUS_ENOMEM, "nn_moe_set_routing: out of host memory");
+    const nn_param_t *gw = nn_module_param_named(nn_module_child(moe, 0), "weight");
+    const fsdpc_tensor_t *g = dtensor_local(gw->value);
+    nn_layer_options_t opt = NN_LAYER_OPTIONS_INIT;
+    opt.dtype = g->dtype;
+    opt.device = g->device.type;
+    opt.deferred = tensor_is_meta(g);
+    fsdpc_status_t st = layers_add_param(moe, "expert_bias", 1, (int64_t[]){cfg->n_experts}, &opt);
+    nn_param_t *b = st == STATUS_OK ? nn_module_param_named(moe, "expert_bias") : NULL;
+    if (b != NULL) b->requires_grad = false;
+    if (st != STATUS_OK) {
+      free(cfg->bias_counts);
+      cfg->bias_counts = NULL;
+      return st;
+    }
+  }
+  cfg->sigmoid = score == NN_MOE_SIGMOID;
+  cfg->scale = route_scale;
+  cfg->bias_rate = bias_rate;
+  return STATUS_OK;
+}
+
+/* Every block under m with a bias: its step's counts summed over pg, its bias moved. */
+static fsdpc_status_t update_bias(nn_module_t *m, pg_t *pg) {
+  if (nn_module_forward(m) == moe_forward) {
+    moe_t *cfg = nn_module_impl(m);
+    if (cfg->bias_counts != NULL && cfg->bias_rate > 0) {
+      int E = cfg->n_experts;
+      FSDPC_TRY(pg_host_all_reduce(pg, cfg->bias_counts, cfg->bias_counts, (size_t)E, PG_HOST_I64,
+                                   REDUCE_SUM));
+      double mean = 0;
+      for (int e = 0; e < E; e++) mean += (double)cfg->bias_counts[e] / E;
+      nn_param_t *b = nn_module_param_named(m, "expert_bias");
+      fsdpc_tensor_t *v = (fsdpc_tensor_t *)dtensor_local(b->value);
+      FSDPC_TRY(host_f32("nn_moe_update_bias", v));
+      int64_t off[1] = {0};
+      dtensor_offset(b->value, off);
+      float *d = v->data;
+      for (int64_t i = 0; i < tensor_numel(v); i++) {
+        double c = (double)cfg->bias_counts[off[0] + i];
+        d[i] += (float)(cfg->bias_rate * (c < mean ? 1 : c > mean ? -1 : 0));
+      }
+      memset(cfg->bias_counts, 0, sizeof *cfg->bias_counts * (size_t)E);
+    }
+  }
+  for (int i = 0; i < nn_module_num_children(m); i++)
+    FSDPC_TRY(update_bias(nn_module_child(m, i), pg));
+  return STATUS_OK;
+}
+
+fsdpc_status_t nn_moe_update_bias(nn_module_t *root, pg_t *pg) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(pg);
+  return update_bias(root, pg);
+}
+
+fsdpc_status_t layers_reset_moe(nn_module_t *m) {
+  nn_param_t *b =
+      nn_module_forward(m) == moe_forward ? nn_module_param_named(m, "expert_bias") : NULL;
+  return b ? nn_init_constant(b, 0.0) : STATUS_OK;
+}
+
 fsdpc_status_t nn_moe_split_tokens(nn_module_t *moe, pg_t *pg) {
   ARG_NONNULL(moe);
   ARG_NONNULL(pg);
@@ -955,6 +1090,11 @@ fsdpc_status_t nn_moe_split_tokens(nn_module_t *moe, pg_t *pg) {
 static fsdpc_status_t attach(nn_module_t *m, nn_moe_aux_t *a, int *n) {
   if (nn_module_forward(m) == moe_forward) {
     moe_t *cfg = nn_module_impl(m);
+    if (a != NULL && cfg->sigmoid)
+      return err_set(STATUS_EINVAL,
+                     "nn_moe_aux_attach: block '%s' routes by sigmoid scores; the load-balancing "
+                     "loss weighs softmax probabilities (balance it by its expert_bias instead)",
+                     nn_module_name(m));
     if (a != NULL && (cfg->n_experts != a->n_experts || cfg->top_k != a->top_k))
       return err_set(STATUS_EINVAL,
                      "nn_moe_aux_attach: block '%s' has %d experts, top-%d; the loss %d, top-%d",

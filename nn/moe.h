@@ -60,6 +60,28 @@ fsdpc_status_t nn_moe_new(nn_module_t *parent, const char *name, int64_t dim, in
 fsdpc_status_t nn_moe_add_shared_expert(nn_module_t *moe, int64_t ffn_dim,
                                         const nn_layer_options_t *opt);
 
+/* How a block scores its experts: softmax (Qwen3-MoE, Mixtral; the default) or sigmoid
+ * (DeepSeek-V3). */
+typedef enum nn_moe_score { NN_MOE_SOFTMAX = 0, NN_MOE_SIGMOID } nn_moe_score_t;
+
+/* The block's routing: its scores (NN_MOE_SIGMOID: sigmoid(logits) each, the chosen ones
+ * renormalised when norm_topk as DeepSeek-V3's norm_topk_prob), the weights times route_scale
+ * (DeepSeek-V3's routed_scaling_factor; 1 by default), and with bias_rate > 0 aux-loss-free
+ * load balancing: a parameter expert_bias [E] (no gradient, zeros at reset, in checkpoints)
+ * added to the scores for the choice alone, which nn_moe_update_bias moves by bias_rate
+ * toward the mean load after each step (DeepSeek-V3's e_score_correction_bias, TorchTitan's
+ * expert_bias). Sigmoid scores do not take the load-balancing loss (nn_moe_aux_t). Before
+ * nn_module_finalize. Local. */
+fsdpc_status_t nn_moe_set_routing(nn_module_t *moe, nn_moe_score_t score, double route_scale,
+                                  double bias_rate);
+
+/* After each optimizer step: for every block under root with a bias_rate, the tokens each
+ * expert received in the training forwards since the last call (summed over pg, the ranks
+ * whose tokens trained the step), and its expert_bias raised by bias_rate where an expert got
+ * fewer than the mean and lowered where it got more (each rank its shard). Collective over
+ * pg; the trainer (train_main, trainer_run) calls it with every rank. */
+fsdpc_status_t nn_moe_update_bias(nn_module_t *root, pg_t *pg);
+
 /* Rows of x [M, dim] exchanged over pg (expert parallelism's token dispatch): this rank sends
  * send_rows[q] rows to rank q of the group (its blocks in rank order, summing to M) and
  * receives recv_rows[q] from q (which must equal q's send_rows[this rank]; *out holds them in

@@ -628,6 +628,8 @@ static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   train_save_wait_staged(&L->saver);
   if (o->finite) FSDPC_TRY(optim_step_scaled(r->opt, o->factor, o->coef));
+  /* the MoE blocks' expert_bias toward the step's mean load (nn_moe_set_routing's bias) */
+  if (o->finite) FSDPC_TRY(nn_moe_update_bias(r->root, world_pg()));
   FSDPC_TRY(device_stream_sync(r->dev));
   o->dt = device_clock_seconds() - o->t0;
   o->tokens = (double)(train_global_batch(r) * p->seq_len);

@@ -2,7 +2,8 @@
  * The MoE block (nn/moe.h) against an independent PyTorch MoE (tests/reference/
  * make_moe_golden.py): the output, the tokens each expert received and the gradients of the
  * input and of every weight, with top-2 routing plain and renormalised and with top-1 over 8
- * experts of which some receive no token, and with a shared expert; and the operations'
+ * experts of which some receive no token, with a shared expert, and with DeepSeek-V3's
+ * sigmoid routing and expert bias (its update after a step too); and the operations'
  * refusals.
  */
 #include <check.h>
@@ -40,13 +41,16 @@ static const char *const weights[] = {"gate.weight",
                                       "shared_experts.down_proj.weight"};
 
 /* The block of case tag, run forward and backward with the upstream gradient r; every value
- * against torch's. */
-static void check_case(const char *tag, int experts, int k, bool norm, int64_t shared) {
+ * against torch's. sigmoid: DeepSeek-V3's routing (scale 2.5, the golden expert_bias), and
+ * then the bias's update by 0.125 toward the mean load. */
+static void check_case(const char *tag, int experts, int k, bool norm, int64_t shared,
+                       bool sigmoid) {
   st_file_t *g;
   ok(st_open(REF "tiny_moe_golden.safetensors", &g));
   nn_module_t *m;
   ok(nn_moe_new(NULL, "", 8, 12, experts, k, norm, NULL, &m));
   if (shared > 0) ok(nn_moe_add_shared_expert(m, shared, NULL));
+  if (sigmoid) ok(nn_moe_set_routing(m, NN_MOE_SIGMOID, 2.5, 0.125));
   ok(nn_module_finalize(m));
   int nw = shared > 0 ? 7 : 4;
   for (int i = 0; i < nw; i++) {
@@ -54,6 +58,11 @@ static void check_case(const char *tag, int experts, int k, bool norm, int64_t s
     golden(g, tag, weights[i], &w);
     ok(nn_param_copy_full(nn_param_find(m, weights[i]), &w));
     tensor_free(&w);
+  }
+  fsdpc_tensor_t bias = {0};
+  if (sigmoid) {
+    golden(g, tag, "expert_bias", &bias);
+    ok(nn_param_copy_full(nn_param_find(m, "expert_bias"), &bias));
   }
   fsdpc_tensor_t x, r, ref;
   golden(g, tag, "x", &x);
@@ -87,6 +96,25 @@ static void check_case(const char *tag, int experts, int k, bool norm, int64_t s
     ck_assert_msg(e <= 1e-5, "%s: %s relative L2 error %.3g", tag, name, e);
     tensor_free(&ref);
   }
+  if (sigmoid) { /* no gradient; after the step, each expert's bias 0.125 toward the mean */
+    nn_param_t *b = nn_param_find(m, "expert_bias");
+    ck_assert(b->grad == NULL && !b->requires_grad);
+    mesh_t *one;
+    ok(mesh_local_shared(DEVICE_CPU, &one));
+    ok(nn_moe_update_bias(m, mesh_group(one, 0)));
+    golden(g, tag, "load", &ref);
+    const int64_t *l = ref.data;
+    double mean = 0;
+    for (int i = 0; i < experts; i++) mean += (double)l[i] / experts;
+    const float *got = dtensor_local(b->value)->data, *was = bias.data;
+    for (int i = 0; i < experts; i++)
+      ck_assert_float_eq(got[i], was[i] + (l[i] < mean ? 0.125f : l[i] > mean ? -0.125f : 0));
+    ok(nn_moe_update_bias(m, mesh_group(one, 0))); /* no forward since: no move */
+    for (int i = 0; i < experts; i++)
+      ck_assert_float_eq(got[i], was[i] + (l[i] < mean ? 0.125f : l[i] > mean ? -0.125f : 0));
+    tensor_free(&ref);
+    tensor_free(&bias);
+  }
   nn_var_put(out);
   nn_var_put(in);
   nn_ctx_free(ctx);
@@ -94,18 +122,39 @@ static void check_case(const char *tag, int experts, int k, bool norm, int64_t s
   st_close(g);
 }
 
-START_TEST(top2_plain) { check_case("plain", 4, 2, false, 0); }
+START_TEST(top2_plain) { check_case("plain", 4, 2, false, 0, false); }
 END_TEST
 
-START_TEST(top2_renormalised) { check_case("norm", 4, 2, true, 0); }
+START_TEST(top2_renormalised) { check_case("norm", 4, 2, true, 0, false); }
 END_TEST
 
-START_TEST(top1_with_idle_experts) { check_case("sparse", 8, 1, false, 0); }
+START_TEST(top1_with_idle_experts) { check_case("sparse", 8, 1, false, 0, false); }
+END_TEST
+
+/* DeepSeek-V3's routing: sigmoid scores, the choice moved by expert_bias, renormalised and
+ * scaled; its refusals. */
+START_TEST(sigmoid_routing_with_bias) {
+  check_case("sigmoid", 6, 2, true, 0, true);
+  nn_module_t *m;
+  ok(nn_moe_new(NULL, "", 8, 12, 4, 2, true, NULL, &m));
+  ck_assert_int_eq(nn_moe_set_routing(m, NN_MOE_SIGMOID, 0, 0), STATUS_EINVAL);
+  ck_assert_int_eq(nn_moe_set_routing(m, NN_MOE_SIGMOID, 1, -1), STATUS_EINVAL);
+  ck_assert_int_eq(nn_moe_set_routing(m, (nn_moe_score_t)7, 1, 0), STATUS_EINVAL);
+  ck_assert_int_eq(nn_moe_set_routing(nn_module_child(m, 0), NN_MOE_SIGMOID, 1, 0), STATUS_EINVAL);
+  ok(nn_moe_set_routing(m, NN_MOE_SIGMOID, 1, 0));
+  ck_assert_ptr_null(nn_param_find(m, "expert_bias")); /* without a rate, no bias */
+  nn_moe_aux_t *a;
+  ok(nn_moe_aux_new(4, 2, 0.1, &a));
+  ck_assert_int_eq(nn_moe_aux_attach(m, a, NULL), STATUS_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "sigmoid"));
+  nn_moe_aux_free(a);
+  nn_module_free(m);
+}
 END_TEST
 
 /* DeepSeek-V3's ungated shared expert beside the routed ones. */
 START_TEST(shared_expert) {
-  check_case("shared", 4, 2, true, 10);
+  check_case("shared", 4, 2, true, 10, false);
   nn_module_t *m;
   ok(nn_moe_new(NULL, "", 8, 12, 4, 2, true, NULL, &m));
   ok(nn_moe_add_shared_expert(m, 10, NULL));
@@ -183,6 +232,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, top2_renormalised);
   tcase_add_test(tc, top1_with_idle_experts);
   tcase_add_test(tc, shared_expert);
+  tcase_add_test(tc, sigmoid_routing_with_bias);
   tcase_add_test(tc, refusals);
   tcase_add_test(tc, combine_repeated_slot);
   suite_add_tcase(s, tc);
