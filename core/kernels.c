@@ -363,6 +363,53 @@ fsdpc_status_t kernel_silu_mul_backward(fsdpc_tensor_t *dgate, fsdpc_tensor_t *d
            ops->silu_mul_backward(dgate, dup, dout, gate, up));
 }
 
+/* kernel_moe_combine's shapes: out and dout [N, D], y and dy [M, D], w and dw N k elements,
+ * offs I64 [N k + 1], rows and slots I64 [M]. */
+static fsdpc_status_t check_combine(const char *fn, const fsdpc_tensor_t *out,
+                                    const fsdpc_tensor_t *y, const fsdpc_tensor_t *w,
+                                    const fsdpc_tensor_t *offs, const fsdpc_tensor_t *rows,
+                                    const fsdpc_tensor_t *slots) {
+  int64_t D = last_dim(y), M = D ? tensor_numel(y) / D : 0, N = D ? tensor_numel(out) / D : 0;
+  const fsdpc_tensor_t *idx[3] = {offs, rows, slots};
+  for (int i = 0; i < 3; i++)
+    if (idx[i] != NULL && idx[i]->dtype != DTYPE_I64)
+      return err_set(STATUS_EDTYPE, "%s: offsets, rows and slots must be i64, got %s", fn,
+                     dtype_name(idx[i]->dtype));
+  if (last_dim(out) != D || (N > 0 ? tensor_numel(w) % N != 0 : tensor_numel(w) != 0) ||
+      tensor_numel(offs) != tensor_numel(w) + 1 || tensor_numel(rows) != M ||
+      (slots != NULL && tensor_numel(slots) != M))
+    return err_set(STATUS_ESHAPE,
+                   "%s: out [N, D], y [M, D], w of N k, offs of N k + 1, rows (and slots) of M",
+                   fn);
+  return STATUS_OK;
+}
+
+fsdpc_status_t kernel_moe_combine(fsdpc_tensor_t *out, const fsdpc_tensor_t *y,
+                                  const fsdpc_tensor_t *w, const fsdpc_tensor_t *offs,
+                                  const fsdpc_tensor_t *rows) {
+  const kernel_ops_t *ops;
+  FSDPC_TRY(check_common("kernel_moe_combine", NT(out, y, w, offs, rows), &ops));
+  FSDPC_TRY(check_float_same("kernel_moe_combine", NT(out, y, w)));
+  FSDPC_TRY(check_combine("kernel_moe_combine", out, y, w, offs, rows, NULL));
+  DISPATCH("moe_combine", out, moved(NT(out, y, w, offs, rows)),
+           ops->moe_combine(out, y, w, offs, rows));
+}
+
+fsdpc_status_t kernel_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_t *dw,
+                                           const fsdpc_tensor_t *dout, const fsdpc_tensor_t *y,
+                                           const fsdpc_tensor_t *w, const fsdpc_tensor_t *slots,
+                                           const fsdpc_tensor_t *offs, const fsdpc_tensor_t *rows) {
+  const kernel_ops_t *ops;
+  FSDPC_TRY(
+      check_common("kernel_moe_combine_backward", NT(dy, dw, dout, y, w, slots, offs, rows), &ops));
+  FSDPC_TRY(check_float_same("kernel_moe_combine_backward", NT(dy, dw, dout, y, w)));
+  FSDPC_TRY(check_same_shape("kernel_moe_combine_backward", NT(dy, y)));
+  FSDPC_TRY(check_same_shape("kernel_moe_combine_backward", NT(dw, w)));
+  FSDPC_TRY(check_combine("kernel_moe_combine_backward", dout, y, w, offs, rows, slots));
+  DISPATCH("moe_combine_backward", dy, moved(NT(dy, dw, dout, y, w, slots, offs, rows)),
+           ops->moe_combine_backward(dy, dw, dout, y, w, slots, offs, rows));
+}
+
 static fsdpc_status_t check_act(const char *fn, kernel_act_t act) {
   if (act < 0 || act >= KERNEL_ACT_COUNT)
     return err_set(STATUS_EINVAL, "%s: unknown activation %d", fn, (int)act);

@@ -163,6 +163,23 @@ fsdpc_status_t kernel_silu_mul_backward(fsdpc_tensor_t *dgate, fsdpc_tensor_t *d
                                         const fsdpc_tensor_t *dout, const fsdpc_tensor_t *gate,
                                         const fsdpc_tensor_t *up);
 
+/* A mixture of experts' weighted sum back into token order (N tokens, k slots each, slot
+ * s = t k + j): out[t, :] = sum over j of w[s] times the sum of the rows of y listed for s,
+ * rows[offs[s]] .. rows[offs[s + 1] - 1] in order (none when equal). out [N, D], y [M, D] and w
+ * (N k elements) share one float dtype; offs (N k + 1, from 0, nondecreasing, ending at M) and
+ * rows (M, each in [0, M)) are I64. Writes out. */
+fsdpc_status_t kernel_moe_combine(fsdpc_tensor_t *out, const fsdpc_tensor_t *y,
+                                  const fsdpc_tensor_t *w, const fsdpc_tensor_t *offs,
+                                  const fsdpc_tensor_t *rows);
+
+/* Its gradients from dout [N, D]: dy[m, :] = w[slots[m]] dout[slots[m] / k, :] (slots I64 [M],
+ * each row's slot: the inverse of offs and rows) and dw[s] = sum over the rows m listed for s
+ * of y[m, :] . dout[s / k, :]. dy and dout share y's dtype, dw w's. Writes dy and dw. */
+fsdpc_status_t kernel_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_t *dw,
+                                           const fsdpc_tensor_t *dout, const fsdpc_tensor_t *y,
+                                           const fsdpc_tensor_t *w, const fsdpc_tensor_t *slots,
+                                           const fsdpc_tensor_t *offs, const fsdpc_tensor_t *rows);
+
 /* Pointwise activations: ReLU max(x, 0); GELU x * Phi(x) = x/2 * (1 + erf(x / sqrt(2))) (the
  * exact form, PyTorch's default); SiLU x * sigmoid(x); GELU's tanh form
  * x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) (PyTorch's approximate="tanh", GPT-2's

@@ -45,6 +45,13 @@ typedef struct kernel_ops {
   fsdpc_status_t (*silu_mul_backward)(fsdpc_tensor_t *dgate, fsdpc_tensor_t *dup,
                                       const fsdpc_tensor_t *dout, const fsdpc_tensor_t *gate,
                                       const fsdpc_tensor_t *up);
+  fsdpc_status_t (*moe_combine)(fsdpc_tensor_t *out, const fsdpc_tensor_t *y,
+                                const fsdpc_tensor_t *w, const fsdpc_tensor_t *offs,
+                                const fsdpc_tensor_t *rows);
+  fsdpc_status_t (*moe_combine_backward)(fsdpc_tensor_t *dy, fsdpc_tensor_t *dw,
+                                         const fsdpc_tensor_t *dout, const fsdpc_tensor_t *y,
+                                         const fsdpc_tensor_t *w, const fsdpc_tensor_t *slots,
+                                         const fsdpc_tensor_t *offs, const fsdpc_tensor_t *rows);
   fsdpc_status_t (*activation)(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, kernel_act_t act);
   fsdpc_status_t (*activation_backward)(fsdpc_tensor_t *dx, const fsdpc_tensor_t *dy,
                                         const fsdpc_tensor_t *x, kernel_act_t act);

@@ -13,14 +13,39 @@
 #include "nn/layers_impl.h"
 #include "nn/ops_impl.h"
 
-/* The operations compute on the host in f32 for now. */
-static fsdpc_status_t host_f32(const char *op, const fsdpc_tensor_t *t) {
+/* A tensor the operations compute on: contiguous, with values, of a float dtype, on any device. */
+static fsdpc_status_t float_values(const char *op, const fsdpc_tensor_t *t) {
   if (tensor_is_meta(t) || !tensor_is_contiguous(t))
     return err_set(STATUS_EINVAL, "%s: needs a contiguous tensor with values, got %s", op,
                    tensor_is_meta(t) ? "a meta tensor" : "a strided view");
-  if (t->device.type == DEVICE_CPU && t->dtype == DTYPE_F32) return STATUS_OK;
-  return err_set(STATUS_EDTYPE, "%s: computes in f32 on the CPU for now, got %s on %s", op,
-                 dtype_name(t->dtype), t->device.type == DEVICE_CPU ? "the CPU" : "a CUDA device");
+  if (!dtype_is_float(t->dtype))
+    return err_set(STATUS_EDTYPE, "%s: needs a float tensor, got %s", op, dtype_name(t->dtype));
+  return STATUS_OK;
+}
+
+/* t as f32 on the host into *h: a reference when it is one already, else a copy. */
+static fsdpc_status_t host_f32_of(const fsdpc_tensor_t *t, fsdpc_tensor_t *h) {
+  if (t->device.type == DEVICE_CPU && t->dtype == DTYPE_F32) return tensor_ref(h, t);
+  return tensor_clone(h, t, DTYPE_F32, device_cpu());
+}
+
+/* h (f32 on the host) in like's dtype on like's device into *out: h itself when it is so
+ * already (h is then moved into *out), else a copy (h freed). */
+static fsdpc_status_t like_of(fsdpc_tensor_t *h, const fsdpc_tensor_t *like, fsdpc_tensor_t *out) {
+  if (like->device.type == DEVICE_CPU && like->dtype == DTYPE_F32) {
+    *out = *h;
+    memset(h, 0, sizeof *h);
+    return STATUS_OK;
+  }
+  fsdpc_status_t st = tensor_clone(out, h, like->dtype, like->device);
+  tensor_free(h);
+  return st;
+}
+
+/* A host I64 index vector on dev (a reference on the host). */
+static fsdpc_status_t index_on(const fsdpc_tensor_t *idx, device_t dev, fsdpc_tensor_t *out) {
+  if (dev.type == DEVICE_CPU) return tensor_ref(out, idx);
+  return tensor_upload(out, idx, dev);
 }
 
 static fsdpc_status_t host_i64(const char *op, const char *what, const fsdpc_tensor_t *t) {
@@ -171,14 +196,23 @@ static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *z = n->in[0];
   if (!z->requires_grad) return STATUS_OK;
-  FSDPC_TRY(host_f32("nn_moe_route (backward)", &n->out->grad));
+  FSDPC_TRY(float_values("nn_moe_route (backward)", &n->out->grad));
   const fsdpc_tensor_t *p = &n->saved[0], *ex = &n->saved[1];
   int64_t E = p->shape[1], N = p->shape[0], k = n->ints[0];
   bool norm = (n->ints[1] & 1) != 0, sigmoid = (n->ints[1] & 2) != 0;
   double c = n->scalar;
-  fsdpc_tensor_t dz;
-  FSDPC_TRY(ops_zeros_like(&dz, &z->value));
-  const float *pv = p->data, *dw = n->out->grad.data, *w = n->out->value.data;
+  /* on the host in f32 (the scores and choices are there), the result in z's dtype and place */
+  fsdpc_tensor_t dz = {0}, gh = {0}, wh = {0};
+  fsdpc_status_t st = host_f32_of(&n->out->grad, &gh);
+  if (st == STATUS_OK) st = host_f32_of(&n->out->value, &wh);
+  if (st == STATUS_OK) st = tensor_zeros(&dz, DTYPE_F32, device_cpu(), 2, (int64_t[]){N, E});
+  if (st != STATUS_OK) {
+    tensor_free(&gh);
+    tensor_free(&wh);
+    tensor_free(&dz);
+    return st;
+  }
+  const float *pv = p->data, *dw = gh.data, *w = wh.data;
   const int64_t *e = ex->data;
   float *dv = dz.data;
   for (int64_t t = 0; t < N; t++) {
@@ -217,7 +251,13 @@ static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
       for (int64_t i = 0; i < E; i++) dv[t * E + i] += (float)(pr[i] * (g[i] - gp));
     }
   }
-  return nn_accumulate_grad(z, &dz);
+  tensor_free(&gh);
+  tensor_free(&wh);
+  fsdpc_tensor_t dzd = {0};
+  FSDPC_TRY(like_of(&dz, &z->value, &dzd));
+  st = nn_accumulate_grad(z, &dzd);
+  tensor_free(&dzd);
+  return st;
 }
 
 /* How a block routes: k, renormalisation, the scores (softmax or sigmoid), the weights'
@@ -286,20 +326,25 @@ static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, const route_opts_t 
   ARG_NONNULL(experts);
   *weights = NULL;
   memset(experts, 0, sizeof *experts);
-  const fsdpc_tensor_t *z = &logits->value;
-  FSDPC_TRY(host_f32("nn_moe_route", z));
-  if (z->ndim != 2 || z->shape[1] < 1)
+  const fsdpc_tensor_t *zv = &logits->value;
+  FSDPC_TRY(float_values("nn_moe_route", zv));
+  if (zv->ndim != 2 || zv->shape[1] < 1)
     return err_set(STATUS_ESHAPE, "nn_moe_route: logits must be [tokens, experts]");
-  int64_t N = z->shape[0], E = z->shape[1];
+  int64_t N = zv->shape[0], E = zv->shape[1];
   if (k < 1 || k > E || k > 64)
     return err_set(STATUS_EINVAL, "nn_moe_route: top_k %d must lie in [1, %lld] (the experts)", k,
                    (long long)(E < 64 ? E : 64));
-  fsdpc_tensor_t p = {0}, w = {0}, ex = {0};
+  /* the choice on the host in f32 (its counts decide the exchanges); the weights go back to
+   * the logits' dtype and device */
+  fsdpc_tensor_t zh = {0}, p = {0}, w = {0}, ex = {0};
+  FSDPC_TRY(host_f32_of(zv, &zh));
+  const fsdpc_tensor_t *z = &zh;
   fsdpc_status_t st = tensor_init(&p, DTYPE_F32, z->device, 2, z->shape);
   if (st == STATUS_OK) st = tensor_init(&w, DTYPE_F32, z->device, 2, (int64_t[]){N, k});
   if (st == STATUS_OK) st = tensor_init(experts, DTYPE_I64, device_cpu(), 2, (int64_t[]){N, k});
   if (st == STATUS_OK) st = tensor_ref(&ex, experts);
   if (st != STATUS_OK) {
+    tensor_free(&zh);
     tensor_free(&p);
     tensor_free(&w);
     tensor_free(experts);
@@ -308,6 +353,16 @@ static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, const route_opts_t 
   for (int64_t t = 0; t < N; t++)
     route_row((const float *)z->data + t * E, E, o, (float *)p.data + t * E,
               (int64_t *)experts->data + t * k, (float *)w.data + t * k);
+  tensor_free(&zh);
+  fsdpc_tensor_t wd = {0};
+  st = like_of(&w, zv, &wd);
+  if (st != STATUS_OK) {
+    tensor_free(&p);
+    tensor_free(&ex);
+    tensor_free(experts);
+    return st;
+  }
+  w = wd;
   if (aux != NULL && (aux->n_experts != E || aux->top_k != k)) {
     tensor_free(&p);
     tensor_free(&w);
@@ -360,7 +415,7 @@ fsdpc_status_t nn_gather_rows(nn_ctx_t *ctx, nn_var_t *x, const fsdpc_tensor_t *
   ARG_NONNULL(rows);
   ARG_NONNULL(out);
   *out = NULL;
-  FSDPC_TRY(host_f32("nn_gather_rows", &x->value));
+  FSDPC_TRY(float_values("nn_gather_rows", &x->value));
   FSDPC_TRY(host_i64("nn_gather_rows", "rows", rows));
   if (x->value.ndim != 2) return err_set(STATUS_ESHAPE, "nn_gather_rows: x must be [rows, dim]");
   const int64_t *r = rows->data;
@@ -369,11 +424,12 @@ fsdpc_status_t nn_gather_rows(nn_ctx_t *ctx, nn_var_t *x, const fsdpc_tensor_t *
       return err_set(STATUS_EINVAL, "nn_gather_rows: row %lld outside [0, %lld)", (long long)r[m],
                      (long long)x->value.shape[0]);
   fsdpc_tensor_t y = {0}, saved = {0};
-  FSDPC_TRY(tensor_init(&y, DTYPE_F32, x->value.device, 2,
-                        (int64_t[]){rows->shape[0], x->value.shape[1]}));
-  fsdpc_status_t st = kernel_embedding(&y, &x->value, rows);
-  if (st == STATUS_OK) st = tensor_ref(&saved, rows);
+  FSDPC_TRY(index_on(rows, x->value.device, &saved));
+  fsdpc_status_t st = tensor_init(&y, x->value.dtype, x->value.device, 2,
+                                  (int64_t[]){rows->shape[0], x->value.shape[1]});
+  if (st == STATUS_OK) st = kernel_embedding(&y, &x->value, &saved);
   if (st != STATUS_OK) {
+    tensor_free(&saved);
     tensor_free(&y);
     return st;
   }
@@ -384,24 +440,13 @@ fsdpc_status_t nn_gather_rows(nn_ctx_t *ctx, nn_var_t *x, const fsdpc_tensor_t *
 static fsdpc_status_t combine_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *y = n->in[0], *w = n->in[1];
-  const fsdpc_tensor_t *slots = &n->saved[0];
-  FSDPC_TRY(host_f32("nn_combine_rows (backward)", &n->out->grad));
-  int64_t M = y->value.shape[0], D = y->value.shape[1], k = n->ints[0];
-  const float *go = n->out->grad.data, *yv = y->value.data, *wv = w->value.data;
-  const int64_t *s = slots->data;
+  FSDPC_TRY(float_values("nn_combine_rows (backward)", &n->out->grad));
   fsdpc_tensor_t dy = {0}, dw = {0};
-  fsdpc_status_t st = STATUS_OK;
-  if (y->requires_grad) st = ops_alloc_like(&dy, &y->value);
-  if (st == STATUS_OK && w->requires_grad) st = ops_zeros_like(&dw, &w->value);
-  for (int64_t m = 0; m < M && st == STATUS_OK; m++) {
-    const float *g = go + (s[m] / k) * D;
-    double dot = 0;
-    for (int64_t d = 0; d < D; d++) {
-      if (dy.data) ((float *)dy.data)[m * D + d] = wv[s[m]] * g[d];
-      dot += (double)yv[m * D + d] * g[d];
-    }
-    if (dw.data) ((float *)dw.data)[s[m]] += (float)dot; /* a slot may repeat */
-  }
+  fsdpc_status_t st = ops_alloc_like(&dy, &y->value);
+  if (st == STATUS_OK) st = ops_alloc_like(&dw, &w->value);
+  if (st == STATUS_OK)
+    st = kernel_moe_combine_backward(&dy, &dw, &n->out->grad, &y->value, &w->value, &n->saved[0],
+                                     &n->saved[1], &n->saved[2]);
   /* by the inputs' needs, not the data: a rank whose experts got no rows still hands on its
    * empty gradient, so that the exchanges before it run their backward on every rank */
   if (st == STATUS_OK && y->requires_grad) st = nn_accumulate_grad(y, &dy);
@@ -409,6 +454,28 @@ static fsdpc_status_t combine_backward(nn_ctx_t *ctx, nn_node_t *n) {
   tensor_free(&dy);
   tensor_free(&dw);
   return st;
+}
+
+/* The rows of each slot (CSR: offs [S + 1], rows [M], each slot's in ascending order) from
+ * each row's slot, on the host. */
+static fsdpc_status_t slot_lists(const int64_t *slots, int64_t M, int64_t S, fsdpc_tensor_t *offs,
+                                 fsdpc_tensor_t *rows) {
+  FSDPC_TRY(tensor_zeros(offs, DTYPE_I64, device_cpu(), 1, (int64_t[]){S + 1}));
+  fsdpc_status_t st = tensor_init(rows, DTYPE_I64, device_cpu(), 1, &M);
+  int64_t *pos = st == STATUS_OK ? malloc(sizeof(int64_t) * (size_t)(S > 0 ? S : 1)) : NULL;
+  if (st == STATUS_OK && pos == NULL) st = err_set(STATUS_ENOMEM, "MoE: out of host memory");
+  if (st != STATUS_OK) {
+    tensor_free(offs);
+    tensor_free(rows);
+    return st;
+  }
+  int64_t *o = offs->data, *r = rows->data;
+  for (int64_t m = 0; m < M; m++) o[slots[m] + 1]++;
+  for (int64_t q = 0; q < S; q++) o[q + 1] += o[q];
+  memcpy(pos, o, sizeof(int64_t) * (size_t)S);
+  for (int64_t m = 0; m < M; m++) r[pos[slots[m]]++] = m;
+  free(pos);
+  return STATUS_OK;
 }
 
 fsdpc_status_t nn_combine_rows(nn_ctx_t *ctx, nn_var_t *y, nn_var_t *weights,
@@ -419,34 +486,39 @@ fsdpc_status_t nn_combine_rows(nn_ctx_t *ctx, nn_var_t *y, nn_var_t *weights,
   ARG_NONNULL(slots);
   ARG_NONNULL(out);
   *out = NULL;
-  FSDPC_TRY(host_f32("nn_combine_rows", &y->value));
-  FSDPC_TRY(host_f32("nn_combine_rows", &weights->value));
+  FSDPC_TRY(float_values("nn_combine_rows", &y->value));
+  FSDPC_TRY(float_values("nn_combine_rows", &weights->value));
   FSDPC_TRY(host_i64("nn_combine_rows", "slots", slots));
   const fsdpc_tensor_t *Y = &y->value, *W = &weights->value;
   if (Y->ndim != 2 || W->ndim != 2 || slots->shape[0] != Y->shape[0])
     return err_set(STATUS_ESHAPE, "nn_combine_rows: y [M, dim], weights [tokens, k] and M slots");
+  if (Y->dtype != W->dtype || !device_equal(Y->device, W->device))
+    return err_set(STATUS_EINVAL, "nn_combine_rows: y and weights must share a dtype and device");
   int64_t N = W->shape[0], k = W->shape[1], D = Y->shape[1], M = Y->shape[0];
   const int64_t *s = slots->data;
   for (int64_t m = 0; m < M; m++)
     if (s[m] < 0 || s[m] >= N * k)
       return err_set(STATUS_EINVAL, "nn_combine_rows: slot %lld outside [0, %lld)", (long long)s[m],
                      (long long)(N * k));
-  fsdpc_tensor_t o = {0}, saved = {0};
-  FSDPC_TRY(tensor_zeros(&o, DTYPE_F32, Y->device, 2, (int64_t[]){N, D}));
-  const float *yv = Y->data, *wv = W->data;
-  float *ov = o.data;
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t d = 0; d < D; d++) ov[(s[m] / k) * D + d] += wv[s[m]] * yv[m * D + d];
-  fsdpc_status_t st = tensor_ref(&saved, slots);
+  fsdpc_tensor_t o = {0}, offs = {0}, rows = {0}, saved[3] = {{0}};
+  fsdpc_status_t st = slot_lists(s, M, N * k, &offs, &rows);
+  if (st == STATUS_OK) st = index_on(slots, Y->device, &saved[0]);
+  if (st == STATUS_OK) st = index_on(&offs, Y->device, &saved[1]);
+  if (st == STATUS_OK) st = index_on(&rows, Y->device, &saved[2]);
+  tensor_free(&offs);
+  tensor_free(&rows);
+  if (st == STATUS_OK) st = tensor_init(&o, Y->dtype, Y->device, 2, (int64_t[]){N, D});
+  if (st == STATUS_OK) st = kernel_moe_combine(&o, Y, W, &saved[1], &saved[2]);
   if (st != STATUS_OK) {
     tensor_free(&o);
+    for (int i = 0; i < 3; i++) tensor_free(&saved[i]);
     return st;
   }
   nn_var_t *in[2] = {y, weights};
   nn_node_t n = {.backward = combine_backward,
                  .name = "combine_rows",
                  .in = {y, weights},
-                 .saved = {saved},
+                 .saved = {saved[0], saved[1], saved[2]},
                  .ints = {k, 0}};
   return ops_finish(ctx, &n, nn_needs_grad(ctx, in, 2, NULL), &o, out);
 }
@@ -478,7 +550,7 @@ static fsdpc_status_t all_to_all_backward(nn_ctx_t *ctx, nn_node_t *n) {
   const int64_t *c = n->saved[0].data; /* send rows, then receive rows */
   int P = (int)n->ints[0];
   fsdpc_tensor_t dx;
-  FSDPC_TRY(host_f32("nn_all_to_all_rows (backward)", &n->out->grad));
+  FSDPC_TRY(float_values("nn_all_to_all_rows (backward)", &n->out->grad));
   /* every rank sends the gradients back, whether or not its input needs one */
   FSDPC_TRY(exchange(n->user, &n->out->grad, c + P, c, x->value.shape[1], &dx));
   fsdpc_status_t st = x->requires_grad ? nn_accumulate_grad(x, &dx) : STATUS_OK;
@@ -495,7 +567,7 @@ fsdpc_status_t nn_all_to_all_rows(nn_ctx_t *ctx, nn_var_t *x, pg_t *pg, const in
   ARG_NONNULL(recv_rows);
   ARG_NONNULL(out);
   *out = NULL;
-  FSDPC_TRY(host_f32("nn_all_to_all_rows", &x->value));
+  FSDPC_TRY(float_values("nn_all_to_all_rows", &x->value));
   int P = pg_size(pg);
   int64_t M = 0;
   for (int q = 0; q < P; q++) {
@@ -559,7 +631,7 @@ static fsdpc_status_t grouped_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   const int64_t *counts = n->saved[0].data;
-  FSDPC_TRY(host_f32("nn_grouped_linear (backward)", &n->out->grad));
+  FSDPC_TRY(float_values("nn_grouped_linear (backward)", &n->out->grad));
   fsdpc_tensor_t dx = {0}, dw = {0};
   fsdpc_status_t st = STATUS_OK;
   if (x->requires_grad) st = ops_zeros_like(&dx, &x->value);
@@ -577,8 +649,12 @@ static fsdpc_status_t grouped_backward(nn_ctx_t *ctx, nn_node_t *n) {
 static fsdpc_status_t grouped(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, const int64_t *counts,
                               int E, nn_var_t **out) {
   const fsdpc_tensor_t *W = &w->compute, *X = &x->value;
-  FSDPC_TRY(host_f32("nn_grouped_linear", X));
-  FSDPC_TRY(host_f32("nn_grouped_linear", W));
+  FSDPC_TRY(float_values("nn_grouped_linear", X));
+  FSDPC_TRY(float_values("nn_grouped_linear", W));
+  if (X->dtype != W->dtype || !device_equal(X->device, W->device))
+    return err_set(STATUS_EINVAL,
+                   "nn_grouped_linear (%s): x is %s, the weight %s: one dtype and device", w->fqn,
+                   dtype_name(X->dtype), dtype_name(W->dtype));
   int64_t M = 0;
   bool negative = false;
   for (int e = 0; e < E; e++) {
@@ -592,7 +668,7 @@ static fsdpc_status_t grouped(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, const i
                    "[%d, out, in]",
                    w->fqn, E, E);
   fsdpc_tensor_t y = {0}, c = {0};
-  fsdpc_status_t st = tensor_zeros(&y, DTYPE_F32, X->device, 2, (int64_t[]){M, W->shape[1]});
+  fsdpc_status_t st = tensor_zeros(&y, X->dtype, X->device, 2, (int64_t[]){M, W->shape[1]});
   if (st == STATUS_OK) st = tensor_init(&c, DTYPE_I64, device_cpu(), 1, (int64_t[]){E});
   if (st == STATUS_OK) memcpy(c.data, counts, (size_t)E * sizeof *counts);
   for (int64_t e = 0, off = 0; e < E && st == STATUS_OK; off += counts[e++]) {
@@ -775,15 +851,18 @@ static fsdpc_status_t moe_route_and_run(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   nn_param_t *bias = cfg->bias_counts ? nn_module_param_named(m, "expert_bias") : NULL;
   route_opts_t o = {cfg->top_k, cfg->norm_topk, cfg->sigmoid, cfg->scale, NULL};
   bool implicit = false, began = false;
+  fsdpc_tensor_t bias_h = {0};
   fsdpc_status_t st = nn_call(ctx, gate, x, &logits);
   if (st == STATUS_OK && bias != NULL) { /* read for the choice: no gradient */
     st = nn_param_begin(ctx, "MoE routing", bias, &implicit);
     began = st == STATUS_OK;
-    if (st == STATUS_OK) st = host_f32("MoE routing (expert_bias)", &bias->compute);
-    if (st == STATUS_OK) o.bias = bias->compute.data;
+    if (st == STATUS_OK) st = float_values("MoE routing (expert_bias)", &bias->compute);
+    if (st == STATUS_OK) st = host_f32_of(&bias->compute, &bias_h);
+    if (st == STATUS_OK) o.bias = bias_h.data;
   }
   if (st == STATUS_OK) st = route(ctx, logits, &o, cfg->aux, cfg->tokens, &w, &ex);
   if (began) st = nn_param_end(ctx, bias, implicit, st);
+  tensor_free(&bias_h);
   if (st == STATUS_OK && bias != NULL && !nn_ctx_recomputing(ctx) &&
       nn_needs_grad(ctx, &logits, 1, NULL)) /* a training forward: its choices count */
     for (int64_t i = 0; i < tensor_numel(&ex); i++) cfg->bias_counts[((int64_t *)ex.data)[i]]++;
@@ -1046,16 +1125,20 @@ static fsdpc_status_t update_bias(nn_module_t *m, pg_t *pg) {
       double mean = 0;
       for (int e = 0; e < E; e++) mean += (double)cfg->bias_counts[e] / E;
       nn_param_t *b = nn_module_param_named(m, "expert_bias");
-      fsdpc_tensor_t *v = (fsdpc_tensor_t *)dtensor_local(b->value);
-      FSDPC_TRY(host_f32("nn_moe_update_bias", v));
+      fsdpc_tensor_t *v = (fsdpc_tensor_t *)dtensor_local(b->value), h = {0};
+      FSDPC_TRY(float_values("nn_moe_update_bias", v));
+      FSDPC_TRY(host_f32_of(v, &h)); /* this rank's shard, moved on the host */
       int64_t off[1] = {0};
       dtensor_offset(b->value, off);
-      float *d = v->data;
-      for (int64_t i = 0; i < tensor_numel(v); i++) {
+      float *d = h.data;
+      for (int64_t i = 0; i < tensor_numel(&h); i++) {
         double c = (double)cfg->bias_counts[off[0] + i];
         d[i] += (float)(cfg->bias_rate * (c < mean ? 1 : c > mean ? -1 : 0));
       }
       memset(cfg->bias_counts, 0, sizeof *cfg->bias_counts * (size_t)E);
+      fsdpc_status_t st = h.data == v->data ? STATUS_OK : tensor_copy(v, &h);
+      tensor_free(&h);
+      FSDPC_TRY(st);
     }
   }
   for (int i = 0; i < nn_module_num_children(m); i++)

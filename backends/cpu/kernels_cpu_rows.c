@@ -271,7 +271,80 @@ static fsdpc_status_t cpu_masked_mean(fsdpc_tensor_t *mean, fsdpc_tensor_t *coun
   return STATUS_OK;
 }
 
+/* ---- a mixture of experts' weighted sum ---- */
+
+/* The slots' listed rows, checked: offs from 0, nondecreasing, to M; rows in [0, M). */
+static fsdpc_status_t check_lists(const fsdpc_tensor_t *offs, const fsdpc_tensor_t *rows,
+                                  int64_t M) {
+  const int64_t *o = offs->data, *r = rows->data;
+  int64_t S = tensor_numel(offs) - 1;
+  bool ok = o[0] == 0 && o[S] == M;
+  for (int64_t s = 0; s < S && ok; s++) ok = o[s] <= o[s + 1];
+  for (int64_t m = 0; m < M && ok; m++) ok = r[m] >= 0 && r[m] < M;
+  return ok ? STATUS_OK
+            : err_set(STATUS_EINVAL, "kernel_moe_combine: offsets or rows outside [0, %lld)",
+                      (long long)M);
+}
+
+static fsdpc_status_t cpu_moe_combine(fsdpc_tensor_t *out, const fsdpc_tensor_t *y,
+                                      const fsdpc_tensor_t *w, const fsdpc_tensor_t *offs,
+                                      const fsdpc_tensor_t *rows) {
+  int64_t D = last_dim(y);
+  if (D == 0 || tensor_numel(out) == 0) return STATUS_OK;
+  int64_t M = tensor_numel(y) / D, N = tensor_numel(out) / D, k = tensor_numel(w) / N;
+  FSDPC_TRY(check_lists(offs, rows, M));
+  const int64_t *o = offs->data, *r = rows->data;
+  fbufs_t b = {0};
+  const float *yv = cpu_fbufs_in(&b, y), *wv = cpu_fbufs_in(&b, w);
+  float *ov = cpu_fbufs_out(&b, out, false);
+  if (b.st != STATUS_OK) return cpu_fbufs_end(&b, STATUS_OK);
+  for (int64_t t = 0; t < N; t++) {
+    float *ot = ov + t * D;
+    for (int64_t d = 0; d < D; d++) ot[d] = 0;
+    for (int64_t s = t * k; s < (t + 1) * k; s++)
+      for (int64_t m = o[s]; m < o[s + 1]; m++) {
+        const float *ym = yv + r[m] * D;
+        for (int64_t d = 0; d < D; d++) ot[d] += wv[s] * ym[d];
+      }
+  }
+  return cpu_fbufs_end(&b, STATUS_OK);
+}
+
+static fsdpc_status_t cpu_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_t *dw,
+                                               const fsdpc_tensor_t *dout, const fsdpc_tensor_t *y,
+                                               const fsdpc_tensor_t *w, const fsdpc_tensor_t *slots,
+                                               const fsdpc_tensor_t *offs,
+                                               const fsdpc_tensor_t *rows) {
+  int64_t D = last_dim(y);
+  if (D == 0 || tensor_numel(dout) == 0) return STATUS_OK;
+  int64_t M = tensor_numel(y) / D, N = tensor_numel(dout) / D, S = tensor_numel(w), k = S / N;
+  FSDPC_TRY(check_lists(offs, rows, M));
+  const int64_t *o = offs->data, *r = rows->data, *sl = slots->data;
+  for (int64_t m = 0; m < M; m++)
+    if (sl[m] < 0 || sl[m] >= S)
+      return err_set(STATUS_EINVAL, "kernel_moe_combine_backward: slot %lld outside [0, %lld)",
+                     (long long)sl[m], (long long)S);
+  fbufs_t b = {0};
+  const float *g = cpu_fbufs_in(&b, dout), *yv = cpu_fbufs_in(&b, y), *wv = cpu_fbufs_in(&b, w);
+  float *dyv = cpu_fbufs_out(&b, dy, false), *dwv = cpu_fbufs_out(&b, dw, false);
+  if (b.st != STATUS_OK) return cpu_fbufs_end(&b, STATUS_OK);
+  for (int64_t m = 0; m < M; m++) {
+    const float *gt = g + (sl[m] / k) * D;
+    for (int64_t d = 0; d < D; d++) dyv[m * D + d] = wv[sl[m]] * gt[d];
+  }
+  for (int64_t s = 0; s < S; s++) {
+    const float *gt = g + (s / k) * D;
+    float acc = 0;
+    for (int64_t m = o[s]; m < o[s + 1]; m++)
+      for (int64_t d = 0; d < D; d++) acc += yv[r[m] * D + d] * gt[d];
+    dwv[s] = acc;
+  }
+  return cpu_fbufs_end(&b, STATUS_OK);
+}
+
 void cpu_row_kernels(kernel_ops_t *ops) {
+  ops->moe_combine = cpu_moe_combine;
+  ops->moe_combine_backward = cpu_moe_combine_backward;
   ops->rmsnorm = cpu_rmsnorm;
   ops->rmsnorm_backward = cpu_rmsnorm_backward;
   ops->layernorm = cpu_layernorm;

@@ -335,6 +335,58 @@ __global__ static void masked_mean_kernel(float *mean, long long *count, const f
   }
 }
 
+/* ---- a mixture of experts' weighted sum (kernel_moe_combine) ---- */
+
+/* A thread per output element: the slots' rows in order, products and sums rounded apart (no
+ * contraction), as the CPU twin computes them. Rows outside [0, M) are skipped. */
+template <typename T>
+__global__ static void moe_combine_kernel(T *out, const T *y, const T *w, const int64_t *offs,
+                                          const int64_t *rows, int64_t N, int64_t D, int64_t k,
+                                          int64_t M) {
+  GRID_STRIDE(i, N * D) {
+    int64_t t = i / D, d = i % D;
+    float acc = 0;
+    for (int64_t s = t * k; s < (t + 1) * k; s++) {
+      float ws = tof(w[s]);
+      for (int64_t m = offs[s]; m < offs[s + 1]; m++) {
+        int64_t r = rows[m];
+        if (r >= 0 && r < M) acc = __fadd_rn(acc, __fmul_rn(ws, tof(y[r * D + d])));
+      }
+    }
+    out[i] = fromf<T>(acc);
+  }
+}
+
+/* dy: a thread per element, its row's slot's weight times the slot's token's gradient. */
+template <typename T>
+__global__ static void moe_combine_dy_kernel(T *dy, const T *dout, const T *w, const int64_t *slots,
+                                             int64_t M, int64_t D, int64_t k, int64_t S) {
+  GRID_STRIDE(i, M * D) {
+    int64_t m = i / D, d = i % D, s = slots[m];
+    float v = s >= 0 && s < S ? __fmul_rn(tof(w[s]), tof(dout[(s / k) * D + d])) : 0.0f;
+    dy[i] = fromf<T>(v);
+  }
+}
+
+/* dw: a block per slot (grid-strided), its rows' products with the token's gradient summed
+ * over the block. */
+template <typename T>
+__global__ static void moe_combine_dw_kernel(T *dw, const T *dout, const T *y, const int64_t *offs,
+                                             const int64_t *rows, int64_t S, int64_t D, int64_t k,
+                                             int64_t M) {
+  for (int64_t s = blockIdx.x; s < S; s += gridDim.x) {
+    const T *g = dout + (s / k) * D;
+    int64_t n = (offs[s + 1] - offs[s]) * D;
+    float acc = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      int64_t r = rows[offs[s] + i / D], d = i % D;
+      if (r >= 0 && r < M) acc += tof(y[r * D + d]) * tof(g[d]);
+    }
+    acc = block_reduce<false>(acc);
+    if (threadIdx.x == 0) dw[s] = fromf<T>(acc);
+  }
+}
+
 /* ======================= launchers ======================= */
 
 static const char kTargetRange[] = "%s: a target is >= the vocabulary size %lld";
@@ -449,7 +501,48 @@ static fsdpc_status_t cuda_cross_entropy_backward(fsdpc_tensor_t *dlogits,
   return flag_finish(&f, launched("kernel_cross_entropy_backward"));
 }
 
+static fsdpc_status_t cuda_moe_combine(fsdpc_tensor_t *out, const fsdpc_tensor_t *y,
+                                       const fsdpc_tensor_t *w, const fsdpc_tensor_t *offs,
+                                       const fsdpc_tensor_t *rows) {
+  int64_t D = last_dim(y);
+  if (D == 0 || tensor_numel(out) == 0) return STATUS_OK;
+  int64_t M = tensor_numel(y) / D, N = tensor_numel(out) / D, k = tensor_numel(w) / N;
+  with_float_type(y->dtype, [&](auto t) {
+    using T = decltype(t);
+    moe_combine_kernel<<<grid_for(N * D), kBlock, 0, stream_of(out)>>>(
+        (T *)out->data, (const T *)y->data, (const T *)w->data, (const int64_t *)offs->data,
+        (const int64_t *)rows->data, N, D, k, M);
+  });
+  return launched("kernel_moe_combine");
+}
+
+static fsdpc_status_t cuda_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_t *dw,
+                                                const fsdpc_tensor_t *dout, const fsdpc_tensor_t *y,
+                                                const fsdpc_tensor_t *w,
+                                                const fsdpc_tensor_t *slots,
+                                                const fsdpc_tensor_t *offs,
+                                                const fsdpc_tensor_t *rows) {
+  int64_t D = last_dim(y);
+  if (D == 0 || tensor_numel(dout) == 0) return STATUS_OK;
+  int64_t M = tensor_numel(y) / D, N = tensor_numel(dout) / D, S = tensor_numel(w), k = S / N;
+  cudaStream_t st = stream_of(dy);
+  with_float_type(y->dtype, [&](auto t) {
+    using T = decltype(t);
+    if (M > 0)
+      moe_combine_dy_kernel<<<grid_for(M * D), kBlock, 0, st>>>(
+          (T *)dy->data, (const T *)dout->data, (const T *)w->data, (const int64_t *)slots->data, M,
+          D, k, S);
+    if (S > 0)
+      moe_combine_dw_kernel<<<(unsigned)(S < 65535 ? S : 65535), kBlock, 0, st>>>(
+          (T *)dw->data, (const T *)dout->data, (const T *)y->data, (const int64_t *)offs->data,
+          (const int64_t *)rows->data, S, D, k, M);
+  });
+  return launched("kernel_moe_combine_backward");
+}
+
 void cuda_row_kernels(kernel_ops_t *ops) {
+  ops->moe_combine = cuda_moe_combine;
+  ops->moe_combine_backward = cuda_moe_combine_backward;
   ops->rmsnorm = cuda_rmsnorm;
   ops->rmsnorm_backward = cuda_rmsnorm_backward;
   ops->layernorm = cuda_layernorm;

@@ -37,7 +37,7 @@ data:
   global_batch_size: 4
 train:
   steps: 10
-  device: cpu        # the MoE operations run on the host for now (a GPU machine would pick it)
+  device: cpu        # four ranks: on a machine with one GPU they would share it
 log:
   interval: 1
 """ % os.path.join(ROOT, "data", "corpus.txt")

@@ -561,6 +561,57 @@ static int bias_layernorm_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int6
   return 8;
 }
 
+/* An I64 vector on dev from n host values. */
+static void i64s(fsdpc_tensor_t *t, device_t dev, const int64_t *v, int64_t n) {
+  fsdpc_tensor_t h;
+  ok(tensor_init(&h, DTYPE_I64, device_cpu(), 1, &n));
+  memcpy(h.data, v, sizeof(int64_t) * (size_t)n);
+  ok(tensor_clone(t, &h, DTYPE_I64, dev));
+  tensor_free(&h);
+}
+
+/* A mixture of experts' weighted sum: 37 tokens of 67, top-2, their 74 rows in an expert
+ * order (row m holds slot (m * 29) mod 74), and with slots repeated and unused (row m of 80
+ * holds slot (m * 7) mod 45 of 30 tokens' 90); forward, and the gradients. */
+static int moe_combine_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t N, int64_t k,
+                            int64_t M, bool perm, unsigned long long seed) {
+  int64_t D = 67, S = N * k, sy[2] = {M, D}, so[2] = {N, D}, sw[2] = {N, k};
+  int64_t *slot = malloc(sizeof(int64_t) * (size_t)M), *offs = calloc((size_t)S + 1, 8),
+          *rows = malloc(sizeof(int64_t) * (size_t)M), *at = malloc(sizeof(int64_t) * (size_t)S);
+  for (int64_t m = 0; m < M; m++) slot[m] = perm ? (m * 29) % S : (m * 7) % (S / 2);
+  for (int64_t m = 0; m < M; m++) offs[slot[m] + 1]++;
+  for (int64_t q = 0; q < S; q++) offs[q + 1] += offs[q];
+  memcpy(at, offs, sizeof(int64_t) * (size_t)S);
+  for (int64_t m = 0; m < M; m++) rows[at[slot[m]]++] = m;
+  fsdpc_tensor_t y, w, dout, sum, dy, dw, ts, to, tr;
+  rnd(&y, dev, dt, 2, sy, seed, 1);
+  rnd(&w, dev, dt, 2, sw, seed + 1, 1);
+  rnd(&dout, dev, dt, 2, so, seed + 2, 1);
+  i64s(&ts, dev, slot, M);
+  i64s(&to, dev, offs, S + 1);
+  i64s(&tr, dev, rows, M);
+  poisoned(&sum, dev, dt, 2, so);
+  ok(kernel_moe_combine(&sum, &y, &w, &to, &tr));
+  poisoned(&dy, dev, dt, 2, sy);
+  poisoned(&dw, dev, dt, 2, sw);
+  ok(kernel_moe_combine_backward(&dy, &dw, &dout, &y, &w, &ts, &to, &tr));
+  out(&o[0], &sum);
+  out(&o[1], &dy);
+  out(&o[2], &dw);
+  fsdpc_tensor_t *free_[] = {&y, &w, &dout, &ts, &to, &tr};
+  for (int i = 0; i < 6; i++) tensor_free(free_[i]);
+  free(slot);
+  free(offs);
+  free(rows);
+  free(at);
+  return 3;
+}
+
+static int k_moe_combine(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
+  int n = moe_combine_case(dev, dt, o, 37, 2, 74, true, 31);
+  return n + moe_combine_case(dev, dt, o + n, 30, 3, 80, false, 41);
+}
+
 /* The column sums (db, dw) in one short block of rows (37), and over blocks of 64 rows, the
  * last one short (1,300 rows). */
 static int k_bias_layernorm(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
@@ -584,6 +635,7 @@ static const kcase_t cases[] = {
     {"adamw (bf16 moments)", k_adamw_bf16_moments, 0, 2e-3},
     {"relu/gelu/silu", k_activations, 0, 0},
     {"bias/layernorm", k_bias_layernorm, 0, 0},
+    {"moe_combine", k_moe_combine, 0, 0},
 };
 
 START_TEST(cuda_kernel_matches_cpu) {
