@@ -431,6 +431,10 @@ int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out) {
 
 /* ---- resolve ---- */
 
+bool parallel_plan_ep_borrows_tp(const parallel_plan_t *pp) {
+  return pp != NULL && pp->ep > 1 && pp->dp_shard > 0 && pp->dp_shard % pp->ep != 0;
+}
+
 fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
   ARG_NONNULL(pp);
   if (pp->dp_shard == PLAN_SIZE_NODE) { /* HYBRID_SHARD: the ranks of a node */
@@ -486,11 +490,20 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                    "%s: parallelize.fully_shard.optimizer_sharding: full does not compose with "
                    "offload: true yet (use shard)",
                    pp->optim_where.text);
-  if (pp->ep > 1 && pp->dp_shard % pp->ep != 0)
+  if (pp->ep > 1 && pp->dp_shard % pp->ep != 0 &&
+      (pp->tp == 1 || pp->ep % pp->tp != 0 || pp->dp_shard % (pp->ep / pp->tp) != 0))
     return err_set(STATUS_EINVAL,
-                   "%s: mesh.ep: %d does not divide mesh.dp_shard=%d (the experts are split over "
-                   "groups of ep of the dp_shard ranks)",
-                   pp->mesh_where.text, pp->ep, pp->dp_shard);
+                   "%s: mesh.ep: %d divides neither mesh.dp_shard=%d nor, as a multiple of "
+                   "mesh.tp=%d, dp_shard x tp (the experts are split over groups of ep of the "
+                   "dp_shard ranks, or of ep / tp of them times every tp rank)",
+                   pp->mesh_where.text, pp->ep, pp->dp_shard, pp->tp);
+  if (parallel_plan_ep_borrows_tp(pp) && !pp->sequence_parallel)
+    return err_set(
+        STATUS_EINVAL,
+        "%s: mesh.ep: %d spans the tp ranks (it does not divide dp_shard=%d), which "
+        "hold the same tokens without sequence parallelism: set "
+        "parallelize.tensor_parallel.sequence_parallel: true, or an ep dividing dp_shard",
+        pp->mesh_where.text, pp->ep, pp->dp_shard);
   if (pp->ep > 1 && (pp->offload || (pp->state_over_replicas && pp->dp_replicate > 1)))
     return err_set(STATUS_EUNSUPPORTED, "%s: mesh.ep: %d does not compose with %s yet",
                    pp->mesh_where.text, pp->ep,

@@ -78,7 +78,9 @@ typedef struct parallel_plan {
   /* mesh: sizes, -1 = the rest of the world (at most one) */
   int dp_replicate, dp_shard, tp;
   /* expert parallelism: the MoE blocks' experts split over groups of ep of the dp_shard ranks
-   * (consecutive), and fully sharded over the dp_shard / ep ranks between the groups; 1: off */
+   * (consecutive), and fully sharded over the dp_shard / ep ranks between the groups; or, when ep
+   * does not divide dp_shard, over groups of ep / tp dp_shard ranks times all tp ranks (ep
+   * borrows tp, as TorchTitan's; sequence parallelism gives each tp rank its own tokens); 1: off */
   int ep;
   plan_where_t mesh_where;
   /* parallelize.fully_shard */
@@ -106,6 +108,9 @@ typedef struct parallel_plan {
   bool sequence_parallel;
   plan_where_t tp_where;
 } parallel_plan_t;
+
+/* Whether a resolved plan's ep borrows the tp ranks (ep does not divide dp_shard). */
+bool parallel_plan_ep_borrows_tp(const parallel_plan_t *pp);
 
 /* The defaults: mesh dp_replicate 1, dp_shard -1, tp 1; no units (the root alone is one
  * group); reshard_after_forward auto; the parameters' own dtypes; no tensor-parallel rules. */

@@ -34,6 +34,10 @@ mesh_t *parallel_expert_mesh(const parallel_t *par) {
   if (par == NULL) return NULL;
   return par->ep_fsdp_mesh;
 }
+mesh_t *parallel_ep_mesh(const parallel_t *par) {
+  if (par == NULL) return NULL;
+  return par->ep_mesh;
+}
 pg_t *parallel_all_group(const parallel_t *par) {
   if (par == NULL) return NULL;
   return mesh_group(par->all, 0);
@@ -63,31 +67,35 @@ const tp_plan_t *parallel_tp(const parallel_t *par) {
 
 /* mesh.ep > 1: the world as ((dp_replicate,) dp_shard / ep, ep(, tp)): the dense units
  * fully shard over dp_shard / ep and ep flattened ("dp_shard"), the experts over dp_shard /
- * ep (with tp, flattened with tp: "dp_shard_ep_tp"), split over "ep". */
+ * ep (with tp, flattened with tp: "dp_shard_ep_tp"), split over "ep". When ep borrows tp (it
+ * does not divide dp_shard), ((dp_replicate,) dp_shard / (ep / tp), ep / tp ("ep_dp"), tp):
+ * the experts split over ep_dp and tp flattened ("ep"), fully sharded over dp_shard_ep. */
 static fsdpc_status_t make_ep_meshes(parallel_t *par, const parallel_plan_t *pp,
                                      device_type_t dev) {
-  int shape[4], n = 0;
-  const char *names[4];
+  bool borrow = parallel_plan_ep_borrows_tp(pp);
+  int shape[4], n = 0, epd = borrow ? pp->ep / pp->tp : pp->ep;
+  const char *names[4], *ep_name = borrow ? "ep_dp" : "ep";
   if (pp->dp_replicate > 1) {
     shape[n] = pp->dp_replicate;
     names[n++] = "dp_replicate";
   }
-  shape[n] = pp->dp_shard / pp->ep;
+  shape[n] = pp->dp_shard / epd;
   names[n++] = "dp_shard_ep";
-  shape[n] = pp->ep;
-  names[n++] = "ep";
+  shape[n] = epd;
+  names[n++] = ep_name;
   if (pp->tp > 1) {
     shape[n] = pp->tp;
     names[n++] = "tp";
   }
   FSDPC_TRY(mesh_new(n, shape, names, dev, &par->mesh));
   FSDPC_TRY(mesh_flatten(par->mesh, n, names, "all", &par->all));
-  static const char *const dense[] = {"dp_shard_ep", "ep"}, *const expert[] = {"dp_shard_ep", "tp"};
+  const char *dense[] = {"dp_shard_ep", ep_name}, *expert[] = {"dp_shard_ep", "tp"},
+             *split[] = {ep_name, "tp"};
   mesh_t *shard = NULL, *eshard = NULL, *rep = NULL;
   fsdpc_status_t st = mesh_flatten(par->mesh, 2, dense, "dp_shard", &shard);
   if (st == STATUS_OK)
-    st = pp->tp > 1 ? mesh_flatten(par->mesh, 2, expert, "dp_shard_ep_tp", &eshard)
-                    : mesh_slice(par->mesh, 1, expert, &eshard);
+    st = pp->tp > 1 && !borrow ? mesh_flatten(par->mesh, 2, expert, "dp_shard_ep_tp", &eshard)
+                               : mesh_slice(par->mesh, 1, expert, &eshard);
   if (st == STATUS_OK && pp->dp_replicate > 1) st = mesh_slice(par->mesh, 1, names, &rep);
   if (st == STATUS_OK && rep != NULL) {
     st = mesh_concat(rep, shard, &par->dp_mesh);
@@ -96,7 +104,9 @@ static fsdpc_status_t make_ep_meshes(parallel_t *par, const parallel_plan_t *pp,
     par->dp_mesh = mesh_retain(shard);
     par->ep_fsdp_mesh = mesh_retain(eshard);
   }
-  if (st == STATUS_OK) st = mesh_slice(par->mesh, 1, (const char *[]){"ep"}, &par->ep_mesh);
+  if (st == STATUS_OK)
+    st = borrow ? mesh_flatten(par->mesh, 2, split, "ep", &par->ep_mesh)
+                : mesh_slice(par->mesh, 1, split, &par->ep_mesh);
   if (st == STATUS_OK && pp->tp > 1)
     st = mesh_slice(par->mesh, 1, (const char *[]){"tp"}, &par->tp_mesh);
   mesh_free(rep);
@@ -217,6 +227,7 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
   if (experts)
     fsdp_set_gradient_divide_factor(
         mod, (double)par->dp_size * (pp->tp > 1 && !pp->sequence_parallel ? pp->tp : 1));
+  /* (ep borrowing tp needs sequence parallelism: its tp ranks' tokens are apart) */
   /* units come inner first: tp's reductions under mod take its reduce dtype */
   if (par->tp != NULL && fsdp_num_params(g) > 0)
     FSDPC_TRY(tp_set_reduce_dtype(par->tp, mod, fsdp_reduce_dtype(g)));
@@ -392,7 +403,8 @@ void parallel_free(parallel_t *par) {
 /* A stacked experts' weight under mesh.ep, on the world mesh ((dp_replicate,) dp_shard / ep,
  * ep(, tp)): its experts split over ep, that split sharded on dimension d over dp_shard / ep
  * (strided when d is the experts' dimension: the shards chunk each rank's experts), whole on
- * every replica and tp rank (their files written once). */
+ * every replica and tp rank (their files written once). When ep borrows tp, the ep dimension
+ * is ep / tp dp ranks and tp flattened (adjacent in the world mesh). */
 static fsdpc_status_t expert_placements(const parallel_plan_t *pp, int d, int *mesh_ndim,
                                         int *mesh_shape, placement_t *pl) {
   int md = 0;
@@ -400,11 +412,12 @@ static fsdpc_status_t expert_placements(const parallel_plan_t *pp, int d, int *m
     mesh_shape[md] = pp->dp_replicate;
     pl[md++] = placement_replicate();
   }
-  mesh_shape[md] = pp->dp_shard / pp->ep;
+  bool borrow = parallel_plan_ep_borrows_tp(pp); /* the split over ep / tp dp ranks and tp */
+  mesh_shape[md] = pp->dp_shard / (borrow ? pp->ep / pp->tp : pp->ep);
   pl[md++] = d == 0 ? placement_strided_shard(0, pp->ep) : placement_shard(d);
   mesh_shape[md] = pp->ep;
   pl[md++] = placement_shard(0);
-  if (pp->tp > 1) {
+  if (pp->tp > 1 && !borrow) {
     mesh_shape[md] = pp->tp;
     pl[md++] = placement_replicate();
   }

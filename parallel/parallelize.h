@@ -45,7 +45,8 @@ void parallel_free(parallel_t *par);
 
 /* The world mesh: ("dp_replicate",) "dp_shard"(, "tp"), dp_replicate only when > 1 and tp only
  * when > 1; with mesh.ep, ("dp_replicate",) "dp_shard_ep", "ep"(, "tp"), dp_shard_ep of size
- * dp_shard / ep. */
+ * dp_shard / ep, or when ep borrows tp ("dp_replicate",) "dp_shard_ep", "ep_dp", "tp" with
+ * ep_dp of size ep / tp. */
 mesh_t *parallel_mesh(const parallel_t *par);
 /* Its data-parallel part ("dp_shard", or ("dp_replicate", "dp_shard"); with mesh.ep,
  * dp_shard_ep and ep flattened into "dp_shard"), which fully_shard shards over. */
@@ -56,6 +57,9 @@ mesh_t *parallel_tp_mesh(const parallel_t *par);
  * "dp_shard_ep", flattened with "tp" into "dp_shard_ep_tp" when tp > 1 (the tp ranks share
  * the experts' shards); NULL otherwise. */
 mesh_t *parallel_expert_mesh(const parallel_t *par);
+/* With mesh.ep, the mesh the experts are split over: the world's "ep" dimension, or when ep
+ * borrows tp, "ep_dp" and "tp" flattened into "ep"; NULL otherwise. */
+mesh_t *parallel_ep_mesh(const parallel_t *par);
 /* A group of every rank (gradient-norm sums, losses). */
 pg_t *parallel_all_group(const parallel_t *par);
 /* This rank's data-parallel index (flattened over dp_replicate x dp_shard) and their number:

@@ -226,9 +226,9 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
     }
   }
   /* expert parallelism: per micro-batch and sparse layer, four exchanges (the rows forward and
-   * back, then their gradients) of a rank's batch x seq_len x top_k rows of dim (its sequence
-   * shard's under sequence parallelism), the share (ep - 1) / ep of them for other ranks under
-   * uniform routing */
+   * back, then their gradients; six when checkpointed blocks recompute forward) of a rank's batch x
+   * seq_len x top_k rows of dim (its sequence shard's under sequence parallelism), the share (ep -
+   * 1) / ep of them for other ranks under uniform routing */
   int P = p->par.ep, T = p->par.tp;
   if (P > 1) {
     const llama_config_t *mc = &p->model;
@@ -236,8 +236,9 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
     double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
     double rows = (double)(p->batch_size * p->seq_len * mc->top_k) /
                   (T > 1 && p->par.sequence_parallel ? T : 1);
-    c.n_a2a += (long long)(A * 4 * sparse);
-    c.a2a += A * 4 * sparse * rows * (double)(P - 1) / P * (double)mc->dim * es;
+    double x = p->activation_checkpointing ? 6 : 4; /* a checkpointed block's forward again */
+    c.n_a2a += (long long)(A * x * sparse);
+    c.a2a += A * x * sparse * rows * (double)(P - 1) / P * (double)mc->dim * es;
   }
   /* tensor parallelism with the built-in Llama plan (docs/plan.md, "Tensor parallelism"): per
    * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype (es

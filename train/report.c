@@ -311,12 +311,13 @@ static void count_group(pg_t *pg, pg_t **seen, int *n, double *b) {
 double train_counted_bytes(const run_t *r) {
   double b = 0;
   /* the groups of the world mesh, of the data-parallel mesh (mesh.ep: its dp_shard the
-   * flattened dp_shard_ep and ep) and of the experts' (mesh.ep with tp: dp_shard_ep and tp
-   * flattened), each once */
-  const mesh_t *meshes[] = {r->mesh, parallel_dp_mesh(r->par), parallel_expert_mesh(r->par)};
-  pg_t *seen[3 * MESH_MAX_DIMS];
+   * flattened dp_shard_ep and ep), of the experts' (mesh.ep with tp: dp_shard_ep and tp
+   * flattened) and of their split (ep borrowing tp: ep_dp and tp flattened), each once */
+  const mesh_t *meshes[] = {r->mesh, parallel_dp_mesh(r->par), parallel_expert_mesh(r->par),
+                            parallel_ep_mesh(r->par)};
+  pg_t *seen[4 * MESH_MAX_DIMS];
   int n = 0;
-  for (int m = 0; m < 3; m++)
+  for (int m = 0; m < 4; m++)
     for (int k = 0; k < mesh_ndim(meshes[m]); k++)
       count_group(mesh_group(meshes[m], k), seen, &n, &b);
   pg_t **pf = calloc((size_t)r->n_groups + 1, sizeof *pf);

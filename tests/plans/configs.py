@@ -460,6 +460,19 @@ def family_plan(tmp, tag):
     return plan
 
 
+def export_tensors(ck, out):
+    """export-hf of checkpoint ck into out: its F32 tensors {name: (shape, values)}, or {}."""
+    import struct
+    p = sh([TOOL, "export-hf", ck, out], timeout=120)
+    if p.returncode != 0:
+        print(p.stdout[-1000:], p.stderr[-1000:])
+        return {}
+    head, data = st_read(os.path.join(out, "model.safetensors"))
+    return {n: (t["shape"], struct.unpack("<%df" % ((t["data_offsets"][1] - t["data_offsets"][0])
+                                                     // 4), data[slice(*t["data_offsets"])]))
+            for n, t in head.items() if n != "__metadata__" and t["dtype"] == "F32"}
+
+
 def exported_as_trained(tag, ck, out):
     """export-hf of the one-rank run's final checkpoint: the tensors PyTorch trained, under
     transformers' names and layouts (GPT-2's Conv1D [in, out]), a tied head left out."""
@@ -527,8 +540,9 @@ def family():
                   "%s: every step's metrics count the 128 routed tokens by expert, and the "
                   "load-balancing loss (%.4f at step 1)" % (tag, m[0]["aux_loss"]))
         r1 = os.path.join(tmp, "one-4.jsonl")  # one rank, the plans' global batch
+        ck1 = os.path.join(tmp, "ck-one-4")
         p, _ = run(1, [plan, "--metrics", r1, "--set", "data.global_batch_size=4",
-                       "--set", "mesh.dp_shard=1"])
+                       "--set", "mesh.dp_shard=1", "--set", "checkpoint.dir=" + ck1])
         ref = [(r["loss"], r["grad_norm"]) for r in losses(r1)] if p.returncode == 0 else []
         plans = FAMILY_PLANS
         if tag == "tiny_qwen3_moe":  # moe.aux_loss_coef: the balancing loss from the plan
@@ -577,6 +591,18 @@ def family():
                       "rank%s with the uninterrupted run's losses (%s)"
                       % (ep, n, "s" if n > 1 else "",
                          "bit for bit" if ep == 4 else "worst %.2e" % worst))
+            # the ep 4 run's last checkpoint exports under transformers' names, one rank's weights
+            exported = [export_tensors(os.path.join(d, "step-00000010"), os.path.join(tmp, x))
+                        for d, x in ((ck4, "hf-ep4"), (ck1, "hf-one"))]
+            hf = golden_tensors(tag, "trained.")
+            a, b = exported
+            worst = max([abs(x - y) for n in a if n in b for x, y in zip(a[n][1], b[n][1])] or
+                        [float("inf")])
+            check(sorted(a) == sorted(hf) == sorted(b) and
+                  all(a[n][0] == hf[n][0] for n in hf) and worst <= 2e-5,
+                  "tiny_qwen3_moe: export-hf of mesh.ep=4's last checkpoint holds the %d tensors "
+                  "of transformers' Qwen3MoeForCausalLM (each expert its own) and one rank's "
+                  "trained values (worst %.2e)" % (len(hf), worst))
             # fsdp-ckpt reshard lays the ep 4 checkpoint out for ep 2 x tp 2, which resumes it
             rs, m = os.path.join(tmp, "ck-ep2tp2"), os.path.join(tmp, "resume-rs.jsonl")
             sets = ["--set", "mesh.ep=2", "--set", "mesh.dp_shard=2", "--set", "mesh.tp=2",
@@ -608,6 +634,16 @@ def family():
                            "--set", "data.global_batch_size=3", "--world", "3"])
             check(q.returncode != 0 and "mesh.ep: 3 does not divide the model's num_experts" in
                   q.stderr, "tiny_qwen3_moe: mesh.ep=3 (4 experts) is refused by name")
+            for ep, sp, why in ((4, "false", "spans the tp ranks (it does not divide "
+                                 "dp_shard=2), which hold the same tokens without sequence "
+                                 "parallelism"),
+                                (3, "true", "mesh.ep: 3 divides neither mesh.dp_shard=2 nor")):
+                q, _ = run(1, [plan, "--dry-run", "--world", "4", "--set", "mesh.dp_shard=2",
+                               "--set", "mesh.tp=2", "--set", "mesh.ep=%d" % ep, "--set",
+                               "parallelize.tensor_parallel.sequence_parallel=" + sp])
+                check(q.returncode != 0 and why in q.stderr,
+                      "tiny_qwen3_moe: mesh.ep=%d on dp_shard 2 x tp 2 (sequence parallelism %s) "
+                      "is refused by name" % (ep, sp))
         if tag.startswith("tiny_qwen3_moe"):
             plans = FAMILY_PLANS + [
                 ("FSDP 2 x TP 2 without sequence parallelism (the blocks on every token)", 4,
@@ -617,6 +653,10 @@ def family():
                      "parallelize.tensor_parallel.sequence_parallel=true"]),
                 ("FSDP 2 x TP 2, mesh.ep=2, without sequence parallelism", 4,
                  ["mesh.dp_shard=2", "mesh.tp=2", "mesh.ep=2"]),
+                ("FSDP 2 x TP 2 with sequence parallelism, mesh.ep=4 borrowing the tp ranks", 4,
+                 ["mesh.dp_shard=2", "mesh.tp=2", "mesh.ep=4",
+                  "parallelize.tensor_parallel.sequence_parallel=true",
+                  "train.activation_checkpointing=true"]),
                 ("FSDP on 2, the experts split over both (mesh.ep=2)", 2, ["mesh.ep=2"]),
                 ("FSDP on 4, the experts split over pairs (mesh.ep=2)", 4, ["mesh.ep=2"]),
                 ("FSDP on 4, the experts split over all (mesh.ep=4)", 4, ["mesh.ep=4"]),

@@ -316,6 +316,23 @@ START_TEST(expert_placements_follow_mesh_ep) {
   ok(parallel_plan_add_shard_dim(&pp, "mlp.experts.*", 1));
   ok(parallel_param_placements(&pp, "mlp.experts.up_proj", "experts", 3, &md, shape, pl));
   ck_assert_str_eq(placements_str(md, pl, buf, sizeof buf), "(R, S(1), S(0), R)");
+  /* ep 4 on dp_shard 2 x tp 2 borrows the tp ranks: the experts over 2 dp ranks times tp,
+   * (dp_shard / 2, 2 x tp) in the world's order; sequence parallelism required */
+  parallel_plan_defaults(&pp);
+  pp.dp_shard = 2;
+  pp.tp = 2;
+  pp.ep = 4;
+  ok(parallel_plan_add_tp_rule(&pp, "fc1", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
+  ck_assert_int_eq(parallel_plan_resolve(&pp, 4), STATUS_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "sequence parallelism"));
+  pp.sequence_parallel = true;
+  ok(parallel_plan_resolve(&pp, 4));
+  ck_assert(parallel_plan_ep_borrows_tp(&pp));
+  ok(parallel_param_placements(&pp, "mlp.experts.up_proj", "experts", 3, &md, shape, pl));
+  ck_assert_str_eq(placements_str(md, pl, buf, sizeof buf), "(SS(0,4), S(0))");
+  ck_assert(md == 2 && shape[0] == 1 && shape[1] == 4);
+  pp.ep = 3;
+  ck_assert_int_eq(parallel_plan_resolve(&pp, 4), STATUS_EINVAL);
 }
 END_TEST
 
