@@ -17,13 +17,16 @@ void parallel_plan_defaults(parallel_plan_t *pp) {
   pp->dp_shard = -1;
   pp->tp = 1;
   pp->ep = 1;
+  pp->pp = 1;
+  pp->pp_schedule = PP_1F1B;
+  pp->pp_stages_per_rank = 1;
   pp->reshard_after_forward = FSDP_RESHARD_AUTO;
   pp->param_dtype = pp->reduce_dtype = pp->output_dtype = DTYPE_COUNT;
   snprintf(pp->optim_where.text, sizeof pp->optim_where.text, "(plan)");
 }
 
 fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
-  static const char *const keys[] = {"dp_replicate", "dp_shard", "tp", "ep", NULL};
+  static const char *const keys[] = {"dp_replicate", "dp_shard", "tp", "ep", "pp", NULL};
   int m;
   FSDPC_TRY(pr_section(c, root, "mesh", keys, &m));
   if (m == 0) {
@@ -38,6 +41,10 @@ fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
   if (c->par->ep < 1)
     return pr_fail(c, pr_find(c, m, "ep"), "mesh.ep",
                    "expected a size from 1 (the ranks of dp_shard that split the experts)");
+  FSDPC_TRY(pr_get_size(c, m, "mesh", "pp", &c->par->pp));
+  if (c->par->pp < 1)
+    return pr_fail(c, pr_find(c, m, "pp"), "mesh.pp",
+                   "expected a size from 1 (the pipeline's stages of ranks)");
   int unknown = (c->par->dp_replicate < 0) + (c->par->dp_shard < 0) + (c->par->tp < 0);
   if (unknown > 1) return pr_fail(c, m, "mesh", "at most one size may be -1");
   return STATUS_OK;
@@ -449,7 +456,7 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
   }
   int *sizes[3] = {&pp->dp_replicate, &pp->dp_shard, &pp->tp};
   static const char *names[3] = {"dp_replicate", "dp_shard", "tp"};
-  long long known = 1;
+  long long known = pp->pp > 1 ? pp->pp : 1; /* the pipeline's stages of ranks */
   int rest = -1;
   for (int i = 0; i < 3; i++) {
     if (*sizes[i] < 0)
@@ -465,10 +472,12 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                      pp->mesh_where.text, world, world == 1 ? "" : "s", known, names[rest]);
     *sizes[rest] = (int)(world / known);
   } else if (known != world) {
+    char pipe[32] = "";
+    if (pp->pp > 1) snprintf(pipe, sizeof pipe, " x pp %d", pp->pp);
     return err_set(STATUS_EMESH,
-                   "%s: mesh: dp_replicate x dp_shard x tp = %d x %d x %d = %lld, but the world "
-                   "has %d rank%s",
-                   pp->mesh_where.text, pp->dp_replicate, pp->dp_shard, pp->tp, known, world,
+                   "%s: mesh: dp_replicate x dp_shard x tp = %d x %d x %d%s = %lld, but the "
+                   "world has %d rank%s",
+                   pp->mesh_where.text, pp->dp_replicate, pp->dp_shard, pp->tp, pipe, known, world,
                    world == 1 ? "" : "s");
   }
   for (int i = -1; i < pp->n_units; i++) { /* the section's value, then the units' own */

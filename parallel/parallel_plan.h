@@ -24,6 +24,7 @@
 #define FSDPC_PARALLEL_PARALLEL_PLAN_H
 
 #include "core/dtype.h"
+#include "parallel/pp_schedule.h"
 #include "parallel/tensor_parallel.h"
 
 #ifdef __cplusplus
@@ -82,7 +83,13 @@ typedef struct parallel_plan {
    * does not divide dp_shard, over groups of ep / tp dp_shard ranks times all tp ranks (ep
    * borrows tp, as TorchTitan's; sequence parallelism gives each tp rank its own tokens); 1: off */
   int ep;
-  plan_where_t mesh_where;
+  /* pipeline parallelism: the model's layers split into pp x pp_stages_per_rank stages over
+   * the outermost mesh dimension "pp" (1: off); its schedule and microbatches (the step's
+   * micro-batches; 0: the grad accumulation's) */
+  int pp;
+  pp_schedule_kind_t pp_schedule;
+  int pp_microbatches, pp_stages_per_rank;
+  plan_where_t mesh_where, pp_where;
   /* parallelize.fully_shard */
   plan_unit_t units[PLAN_MAX_UNITS];
   int n_units;

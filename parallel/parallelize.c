@@ -10,7 +10,9 @@
 
 struct parallel {
   nn_module_t *root;
-  mesh_t *mesh, *dp_mesh, *tp_mesh, *all;
+  mesh_t *mesh, *dp_mesh, *tp_mesh, *all, *pp_mesh;
+  nn_module_t *const *owned; /* pipeline parallelism: the modules of this rank's stages */
+  int n_owned;
   mesh_t *ep_mesh, *ep_fsdp_mesh; /* mesh.ep > 1: the experts' split, and their fully_shard */
   tp_plan_t *tp;
   fsdp_group_t **groups;
@@ -33,6 +35,18 @@ mesh_t *parallel_tp_mesh(const parallel_t *par) {
 mesh_t *parallel_expert_mesh(const parallel_t *par) {
   if (par == NULL) return NULL;
   return par->ep_fsdp_mesh;
+}
+mesh_t *parallel_pp_mesh(const parallel_t *par) {
+  if (par == NULL) return NULL;
+  return par->pp_mesh;
+}
+bool parallel_holds(const parallel_t *par, const nn_module_t *m) {
+  if (par == NULL || m == NULL) return false;
+  if (par->owned == NULL) return true;
+  for (; m != NULL; m = nn_module_parent(m))
+    for (int i = 0; i < par->n_owned; i++)
+      if (par->owned[i] == m) return true;
+  return false;
 }
 mesh_t *parallel_ep_mesh(const parallel_t *par) {
   if (par == NULL) return NULL;
@@ -122,8 +136,12 @@ static fsdpc_status_t make_ep_meshes(parallel_t *par, const parallel_plan_t *pp,
 
 static fsdpc_status_t make_meshes(parallel_t *par, const parallel_plan_t *pp, device_type_t dev) {
   if (pp->ep > 1) return make_ep_meshes(par, pp, dev);
-  int shape[3], n = 0;
-  const char *names[3];
+  int shape[4], n = 0;
+  const char *names[4];
+  if (pp->pp > 1) { /* outermost: each stage's ranks together */
+    shape[n] = pp->pp;
+    names[n++] = "pp";
+  }
   if (pp->dp_replicate > 1) {
     shape[n] = pp->dp_replicate;
     names[n++] = "dp_replicate";
@@ -136,8 +154,9 @@ static fsdpc_status_t make_meshes(parallel_t *par, const parallel_plan_t *pp, de
   }
   FSDPC_TRY(mesh_new(n, shape, names, dev, &par->mesh));
   FSDPC_TRY(mesh_flatten(par->mesh, n, names, "all", &par->all));
-  int nd = pp->dp_replicate > 1 ? 2 : 1;
-  FSDPC_TRY(mesh_slice(par->mesh, nd, names, &par->dp_mesh));
+  int nd = pp->dp_replicate > 1 ? 2 : 1, first = pp->pp > 1;
+  FSDPC_TRY(mesh_slice(par->mesh, nd, names + first, &par->dp_mesh));
+  if (pp->pp > 1) FSDPC_TRY(mesh_slice(par->mesh, 1, names, &par->pp_mesh));
   if (pp->tp > 1) FSDPC_TRY(mesh_slice(par->mesh, 1, (const char *[]){"tp"}, &par->tp_mesh));
   par->dp_size = pp->dp_replicate * pp->dp_shard;
   par->dp_rank = nd == 2 ? mesh_coord(par->dp_mesh, 0) * pp->dp_shard + mesh_coord(par->dp_mesh, 1)
@@ -250,6 +269,12 @@ static int64_t param_numel(const nn_param_t *p) {
 /* Post-order: children (inner modules) before their parent. A module becomes a unit by the
  * first unit pattern matching it or, with min_unit_params, when the parameters under it that
  * no inner unit took number at least that many; *left receives that number (0 for a unit). */
+static bool is_owned(const parallel_t *par, const nn_module_t *m) {
+  for (int i = 0; i < par->n_owned; i++)
+    if (par->owned[i] == m) return true;
+  return false;
+}
+
 static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
                             int64_t *left) {
   int64_t n = 0, c;
@@ -260,6 +285,10 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
   for (int i = 0; i < nn_module_num_params(mod); i++) n += param_numel(nn_module_param(mod, i));
   *left = n;
   if (mod == par->root) return STATUS_OK;
+  if (par->owned != NULL && !parallel_holds(par, mod)) { /* another stage's: not sharded here */
+    *left = 0;
+    return STATUS_OK;
+  }
   if (par->ep_fsdp_mesh != NULL && is_experts(mod)) { /* a unit of its own, on its mesh */
     *left = 0;
     return shard_unit(par, pp, mod, NULL);
@@ -269,7 +298,10 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
                        .param_dtype = pp->param_dtype,
                        .reduce_dtype = pp->reduce_dtype,
                        .output_dtype = pp->output_dtype};
-  if (u < 0 && (pp->min_unit_params <= 0 || n < pp->min_unit_params)) return STATUS_OK;
+  /* a stage's own module with parameters left is a unit: the root's part under pipelines */
+  bool stage_rest = par->owned != NULL && is_owned(par, mod) && n > 0;
+  if (u < 0 && !stage_rest && (pp->min_unit_params <= 0 || n < pp->min_unit_params))
+    return STATUS_OK;
   *left = 0;
   return shard_unit(par, pp, mod, u >= 0 ? &pp->units[u] : &sized);
 }
@@ -354,24 +386,31 @@ static fsdpc_status_t apply_fsdp(parallel_t *par, const parallel_plan_t *pp) {
   }
   int64_t left;
   FSDPC_TRY(visit(par, pp, par->root, &left));
+  if (par->owned != NULL) return STATUS_OK; /* the stages' modules are the units */
   return shard_unit(par, pp, par->root, NULL);
 }
 
-fsdpc_status_t parallel_apply(nn_module_t *root, const parallel_plan_t *pp, device_type_t dev,
-                              parallel_t **out) {
-  ARG_NONNULL(out);
-  ARG_NONNULL(root);
-  ARG_NONNULL(pp);
+static fsdpc_status_t apply(nn_module_t *root, const parallel_plan_t *pp, device_type_t dev,
+                            nn_module_t *const *owned, int n_owned, parallel_t **out) {
   *out = NULL;
   if (root == NULL || pp == NULL)
     return err_set(STATUS_EINVAL, "parallel_apply: a module tree and a plan are required");
-  if (pp->dp_replicate < 1 || pp->dp_shard < 1 || pp->tp < 1)
+  if (pp->dp_replicate < 1 || pp->dp_shard < 1 || pp->tp < 1 || pp->pp < 1)
     return err_set(STATUS_EINVAL,
                    "parallel_apply: the plan's mesh has a size of -1 (call parallel_plan_resolve "
                    "first)");
+  if (pp->pp > 1 && (owned == NULL || n_owned < 1))
+    return err_set(STATUS_EINVAL,
+                   "parallel_apply: mesh.pp %d splits the model into stages: give this rank's "
+                   "modules (parallel_apply_stages)",
+                   pp->pp);
+  if (pp->pp > 1 && pp->ep > 1)
+    return err_set(STATUS_EUNSUPPORTED, "parallel_apply: mesh.pp with mesh.ep is not implemented");
   parallel_t *par = calloc(1, sizeof *par);
   if (par == NULL) return err_set(STATUS_ENOMEM, "parallelize: out of host memory");
   par->root = root;
+  par->owned = pp->pp > 1 ? owned : NULL;
+  par->n_owned = pp->pp > 1 ? n_owned : 0;
   fsdpc_status_t st = make_meshes(par, pp, dev);
   /* the experts split before tensor parallelism leaves every other parameter Replicate on tp */
   if (st == STATUS_OK) st = apply_ep(par, pp);
@@ -385,11 +424,30 @@ fsdpc_status_t parallel_apply(nn_module_t *root, const parallel_plan_t *pp, devi
   return STATUS_OK;
 }
 
+fsdpc_status_t parallel_apply(nn_module_t *root, const parallel_plan_t *pp, device_type_t dev,
+                              parallel_t **out) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(root);
+  ARG_NONNULL(pp);
+  return apply(root, pp, dev, NULL, 0, out);
+}
+
+fsdpc_status_t parallel_apply_stages(nn_module_t *root, const parallel_plan_t *pp,
+                                     device_type_t dev, nn_module_t *const *owned, int n_owned,
+                                     parallel_t **out) {
+  ARG_NONNULL(out);
+  ARG_NONNULL(root);
+  ARG_NONNULL(pp);
+  ARG_NONNULL(owned);
+  return apply(root, pp, dev, owned, n_owned, out);
+}
+
 void parallel_free(parallel_t *par) {
   if (par == NULL) return;
   tp_free(par->tp);
   free(par->groups);
   mesh_free(par->tp_mesh);
+  mesh_free(par->pp_mesh);
   mesh_free(par->ep_mesh);
   mesh_free(par->ep_fsdp_mesh);
   mesh_free(par->dp_mesh);
@@ -425,9 +483,30 @@ static fsdpc_status_t expert_placements(const parallel_plan_t *pp, int d, int *m
   return STATUS_OK;
 }
 
+static fsdpc_status_t stage_placements(const parallel_plan_t *pp, const char *fqn, const char *kind,
+                                       int ndim, int *mesh_ndim, int *mesh_shape, placement_t *pl);
+
 fsdpc_status_t parallel_param_placements(const parallel_plan_t *pp, const char *fqn,
                                          const char *kind, int ndim, int *mesh_ndim,
                                          int *mesh_shape, placement_t *pl) {
+  ARG_NONNULL(pp);
+  ARG_NONNULL(mesh_ndim);
+  ARG_NONNULL(mesh_shape);
+  ARG_NONNULL(pl);
+  FSDPC_TRY(stage_placements(pp, fqn, kind, ndim, mesh_ndim, mesh_shape, pl));
+  if (pp->pp <= 1) return STATUS_OK;
+  /* a pipeline: the outermost dimension, Replicate (laid out on the first pipeline rank's
+   * files; each stage's ranks load their parameters from there) */
+  memmove(mesh_shape + 1, mesh_shape, sizeof *mesh_shape * (size_t)*mesh_ndim);
+  memmove(pl + 1, pl, sizeof *pl * (size_t)*mesh_ndim);
+  mesh_shape[0] = pp->pp;
+  pl[0] = placement_replicate();
+  (*mesh_ndim)++;
+  return STATUS_OK;
+}
+
+static fsdpc_status_t stage_placements(const parallel_plan_t *pp, const char *fqn, const char *kind,
+                                       int ndim, int *mesh_ndim, int *mesh_shape, placement_t *pl) {
   ARG_NONNULL(pp);
   ARG_NONNULL(fqn);
   ARG_NONNULL(mesh_ndim);

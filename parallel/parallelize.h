@@ -38,12 +38,23 @@ typedef struct parallel parallel_t;
 fsdpc_status_t parallel_apply(nn_module_t *root, const parallel_plan_t *pp, device_type_t dev,
                               parallel_t **out);
 
+/* Pipeline parallelism (mesh.pp > 1): parallel_apply for the stages this rank holds, owned[0..n)
+ * the modules they are made of (the world mesh's outermost dimension "pp" is the pipeline, so
+ * this rank's pipeline index is world_rank / (world_size / pp)). fully_shard takes units at or
+ * under those modules only: the plan's units among them, and each of them whose parameters no
+ * inner unit took (no root unit); the other stages' modules stay as built (meta when deferred:
+ * materialise only this rank's, nn_module_materialize on each owned module). owned must
+ * outlive the result. Collective over the world. */
+fsdpc_status_t parallel_apply_stages(nn_module_t *root, const parallel_plan_t *pp,
+                                     device_type_t dev, nn_module_t *const *owned, int n_owned,
+                                     parallel_t **out);
+
 /* Frees the tensor-parallel state and releases the meshes, after the last step; the model's
  * fully_shard groups go with the model (they keep the meshes they use until then), so the
  * model and par may be freed in either order. NULL is a no-op. Local. */
 void parallel_free(parallel_t *par);
 
-/* The world mesh: ("dp_replicate",) "dp_shard"(, "tp"), dp_replicate only when > 1 and tp only
+/* The world mesh: ("pp",) ("dp_replicate",) "dp_shard"(, "tp"), pp, dp_replicate and tp only
  * when > 1; with mesh.ep, ("dp_replicate",) "dp_shard_ep", "ep"(, "tp"), dp_shard_ep of size
  * dp_shard / ep, or when ep borrows tp ("dp_replicate",) "dp_shard_ep", "ep_dp", "tp" with
  * ep_dp of size ep / tp. */
@@ -60,6 +71,11 @@ mesh_t *parallel_expert_mesh(const parallel_t *par);
 /* With mesh.ep, the mesh the experts are split over: the world's "ep" dimension, or when ep
  * borrows tp, "ep_dp" and "tp" flattened into "ep"; NULL otherwise. */
 mesh_t *parallel_ep_mesh(const parallel_t *par);
+/* The world's "pp" slice (the pipeline group), or NULL without pipeline parallelism. */
+mesh_t *parallel_pp_mesh(const parallel_t *par);
+/* Whether this rank holds module m: true without pipeline parallelism, else m at or under one
+ * of the modules of parallel_apply_stages. */
+bool parallel_holds(const parallel_t *par, const nn_module_t *m);
 /* A group of every rank (gradient-norm sums, losses). */
 pg_t *parallel_all_group(const parallel_t *par);
 /* This rank's data-parallel index (flattened over dp_replicate x dp_shard) and their number:

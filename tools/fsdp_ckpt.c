@@ -370,7 +370,7 @@ static fsdpc_status_t reshard_world(const fsdpc_plan_t *p, const reshard_opts_t 
   if (p->par.dp_replicate < 0 || p->par.dp_shard < 0 || p->par.tp < 0)
     return err_set(STATUS_EINVAL,
                    "%s: mesh: a size of -1 takes the rest of the world; give --world N", o->config);
-  *world = p->par.dp_replicate * p->par.dp_shard * p->par.tp;
+  *world = p->par.dp_replicate * p->par.dp_shard * p->par.tp * p->par.pp;
   return STATUS_OK;
 }
 

@@ -198,7 +198,9 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
     int W = fsdp_shard_size(g) > 0 ? fsdp_shard_size(g) : p->par.dp_shard;
     bool root = fsdp_group_name(g)[0] == 0;
     int rs = root ? 0 : fsdp_reshard_after_forward(g); /* the root keeps its parameters */
-    if (rs == FSDP_RESHARD_AUTO) rs = 1;
+    /* auto: resharded, but under a pipeline every stage's unit is a root of its own, and keeps
+     * its parameters from a microbatch's forward to its backward */
+    if (rs == FSDP_RESHARD_AUTO) rs = p->par.pp > 1 ? 0 : 1;
     const dtype_t pd = fsdp_param_dtype(g), rd = fsdp_reduce_dtype(g);
     double flat = (double)fsdp_gather_numel(g), red = (double)fsdp_reduce_numel(g);
     if (W > 1) {

@@ -233,6 +233,31 @@ static fsdpc_status_t read_moe(plan_ctx_t *c, int root, const char *own) {
   return STATUS_OK;
 }
 
+/* The pipeline section: schedule, microbatches, stages_per_rank (mesh.pp's stages). */
+static fsdpc_status_t read_pipeline(plan_ctx_t *c, int root) {
+  static const char *const keys[] = {"schedule", "microbatches", "stages_per_rank", NULL};
+  fsdpc_plan_t *p = c->job;
+  int m;
+  FSDPC_TRY(pr_section(c, root, "pipeline", keys, &m));
+  if (m == 0) return STATUS_OK;
+  pr_where_section(c, m, keys, &p->par.pp_where);
+  p->pipeline_given = true;
+  char name[32] = "";
+  FSDPC_TRY(pr_get_str(c, m, "pipeline", "schedule", name, sizeof name));
+  if (name[0] && !pp_schedule_parse(name, &p->par.pp_schedule))
+    return pr_fail(c, pr_find(c, m, "schedule"), "pipeline.schedule",
+                   "'%s' is not a schedule (gpipe, 1f1b, interleaved_1f1b)", name);
+  int64_t v = 0;
+  FSDPC_TRY(pr_get_int(c, m, "pipeline", "microbatches", 1, 1 << 20, &v));
+  p->par.pp_microbatches = (int)v;
+  v = p->par.pp_stages_per_rank;
+  FSDPC_TRY(pr_get_int(c, m, "pipeline", "stages_per_rank", 1, 1 << 16, &v));
+  p->par.pp_stages_per_rank = (int)v;
+  if (p->par.pp_schedule == PP_INTERLEAVED_1F1B && pr_find(c, m, "stages_per_rank") == 0)
+    p->par.pp_stages_per_rank = 2; /* interleaved: two stages a rank unless said */
+  return STATUS_OK;
+}
+
 /* mp_policy {param_dtype, reduce_dtype, output_dtype} under map into dt[0..2] (given keys). */
 static fsdpc_status_t read_optim(plan_ctx_t *c, int root) {
   static const char *const keys[] = {"lr",           "beta1",        "beta2",
@@ -577,16 +602,18 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
   if (c == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
   c->par = &p->par;
   c->job = p;
-  static const char *const top[] = {"mesh", "model", "moe",   "parallelize", "optim", "schedule",
-                                    "data", "eval",  "train", "checkpoint",  "log",   NULL};
+  static const char *const top[] = {"mesh",       "model",    "moe",  "parallelize", "pipeline",
+                                    "optim",      "schedule", "data", "eval",        "train",
+                                    "checkpoint", "log",      NULL};
   int root = 0;
   fsdpc_status_t st = pr_open(c, path, sets, n_sets, top,
-                              "mesh, model, moe, parallelize, optim, schedule, data, eval, train, "
-                              "checkpoint, log",
+                              "mesh, model, moe, parallelize, pipeline, optim, schedule, data, "
+                              "eval, train, checkpoint, log",
                               "model, ", &root);
   if (st == STATUS_OK) st = pp_read_mesh(c, root);
   if (st == STATUS_OK) st = read_model(c, root, own);
   if (st == STATUS_OK) st = read_moe(c, root, own);
+  if (st == STATUS_OK) st = read_pipeline(c, root);
   if (st == STATUS_OK) st = pp_read_parallelize(c, root);
   if (st == STATUS_OK) st = read_optim(c, root);
   if (st == STATUS_OK) st = read_rest(c, root);
@@ -789,9 +816,64 @@ static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
 
 /* The mesh against the world, the global batch, and what tensor parallelism splits: the
  * built-in model's sizes (own NULL) and, under sequence parallelism, data.seq_len. */
+/* mesh.pp and the pipeline section: a built-in model split into pp x stages_per_rank stages of
+ * whole blocks, the step's micro-batches its microbatches, the schedule's own rules; what does
+ * not compose yet refused by name. */
+static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
+  const parallel_plan_t *pp = &p->par;
+  const char *w = pp->pp_where.text[0] ? pp->pp_where.text : pp->mesh_where.text;
+  if (pp->pp == 1) {
+    if (p->pipeline_given)
+      return err_set(STATUS_EINVAL, "%s: pipeline: the section needs mesh.pp above 1", w);
+    return STATUS_OK;
+  }
+  int V = pp->pp_stages_per_rank, S = pp->pp * V;
+  if (own != NULL)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: mesh.pp: %d: pipeline stages are cut from the built-in models' blocks; "
+                   "this program's model (%s) is not split",
+                   pp->mesh_where.text, pp->pp, own);
+  if (p->model.n_layers < S || p->model.n_layers % V != 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: mesh.pp: %d x pipeline.stages_per_rank %d = %d stages %s the model's %lld "
+                   "layers",
+                   w, pp->pp, V, S,
+                   p->model.n_layers < S ? "outnumber" : "(stages_per_rank must divide)",
+                   (long long)p->model.n_layers);
+  if (pp->pp_microbatches > 0 && pp->pp_microbatches != p->grad_accum)
+    return err_set(STATUS_EINVAL,
+                   "%s: pipeline.microbatches: %d, but the data section gives %lld micro-batch%s "
+                   "a step (data.grad_accum, or global_batch_size over batch_size x "
+                   "data-parallel ranks)",
+                   w, pp->pp_microbatches, (long long)p->grad_accum,
+                   p->grad_accum == 1 ? "" : "es");
+  pp_schedule_t *sched = NULL;
+  fsdpc_status_t st = pp_schedule_new(pp->pp_schedule, pp->pp, (int)p->grad_accum, V, &sched);
+  pp_schedule_free(sched);
+  if (st != STATUS_OK)
+    return err_prefix(st, "%s: pipeline (schedule %s, %lld microbatches a step)", w,
+                      pp_schedule_name(pp->pp_schedule), (long long)p->grad_accum);
+  const char *not_yet = p->eval_path[0]           ? "eval.path (evaluation)"
+                        : p->init_from[0]         ? "model.init_from (fsdp-ckpt import-hf first)"
+                        : p->model.tie_embeddings ? "tied embeddings"
+                        : p->model.n_experts > 0  ? "a model with experts"
+                        : pp->sequence_parallel   ? "sequence parallelism"
+                        : pp->offload             ? "offload"
+                        : pp->state_over_replicas ? "optimizer_sharding: full"
+                                                  : NULL;
+  if (not_yet != NULL)
+    return err_set(STATUS_EUNSUPPORTED, "%s: mesh.pp: %d does not compose with %s yet",
+                   pp->mesh_where.text, pp->pp, not_yet);
+  return STATUS_OK;
+}
+
 static fsdpc_status_t resolve_mesh(fsdpc_plan_t *p, int world, const char *own) {
   FSDPC_TRY(parallel_plan_resolve(&p->par, world));
+  /* the pipeline's microbatches are the step's micro-batches, unless the data says otherwise */
+  if (p->par.pp_microbatches > 0 && p->global_batch_size <= 0 && !p->grad_accum_given)
+    p->grad_accum = p->par.pp_microbatches;
   FSDPC_TRY(resolve_global_batch(p));
+  FSDPC_TRY(check_pipeline(p, own));
   if (own == NULL) FSDPC_TRY(check_builtin_split(p));
   return check_sequence_split(p);
 }

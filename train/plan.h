@@ -41,6 +41,7 @@ typedef struct fsdpc_plan {
   uint64_t model_seed;
   bool deferred_init; /* build meta, parallelise, then allocate and fill only local shards */
   double moe_aux_loss_coef; /* moe.aux_loss_coef (applied to model.aux_loss_coef); < 0: not given */
+  bool pipeline_given;      /* the plan has a pipeline section (mesh.pp's schedule) */
   /* optim, schedule */
   adamw_config_t optim;
   char group_patterns[ADAMW_MAX_GROUPS][PLAN_PATTERN_MAX]; /* storage of optim.groups[].pattern */

@@ -479,6 +479,37 @@ static bool memory_lines(const run_t *r) {
   return true;
 }
 
+/* mesh.pp: the schedule, each pipeline rank's stages and actions, the bubble, the sends. */
+static void pipeline_lines(run_t *r) {
+  const pp_schedule_t *s = r->pp_sched;
+  int P = pp_schedule_ranks(s), V = pp_schedule_stages_per_rank(s), S = P * V;
+  int64_t L = r->plan.model.n_layers;
+  pp_step_options_t o = train_pp_options(r);
+  printf(
+      "\npipeline: %s, %d ranks x %d stage%s a rank, %d microbatches a step; bubble %.4f "
+      "(closed form, equal stage times)\n",
+      pp_schedule_name(pp_schedule_kind(s)), P, V, V == 1 ? "" : "s", pp_schedule_microbatches(s),
+      pp_schedule_bubble(s));
+  uint64_t total = 0;
+  for (int q = 0; q < P; q++) {
+    printf("  pipeline rank %d: stage%s", q, V == 1 ? "" : "s");
+    for (int st = q; st < S; st += P)
+      printf(" %d (blocks %lld-%lld%s%s)", st, (long long)(st * L / S),
+             (long long)((st + 1) * L / S - 1), st == 0 ? ", embedding" : "",
+             st == S - 1 ? ", final norm and head" : "");
+    uint64_t b = pp_step_send_bytes(&o, q);
+    total += b;
+    printf("; %d microbatches in flight at most; sends %llu B a step; actions:",
+           pp_schedule_max_in_flight(s, q), (unsigned long long)b);
+    for (int i = 0; i < pp_schedule_num_actions(s, q); i++) {
+      pp_action_t a = pp_schedule_action(s, q, i);
+      printf(" %c%d.%d", a.kind == PP_FORWARD ? 'F' : 'B', a.stage, a.microbatch);
+    }
+    printf("\n");
+  }
+  printf("p2p_bytes %llu\n", (unsigned long long)total);
+}
+
 void train_dry_run(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   if (world_rank() != 0) return;
@@ -489,7 +520,14 @@ void train_dry_run(const run_t *r) {
       p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
   for (int i = 0; i < r->n; i++) param_line(r, r->ps[i]);
   unit_dtypes(r);
-  if (!memory_lines(r) && r->builtin) return;
+  if (r->pp_sched != NULL) {
+    pipeline_lines((run_t *)r);
+    printf(
+        "memory per rank: not estimated under mesh.pp yet (the run's metrics give each "
+        "step's peak)\n");
+  } else if (!memory_lines(r) && r->builtin) {
+    return;
+  }
   /* fully_shard's collectives follow from its groups whatever the model; tensor parallelism's
    * from the built-in models' plans only */
   fsdpc_plan_t fsdp_only = *p;
@@ -508,5 +546,13 @@ void train_dry_run(const run_t *r) {
       r->builtin || p->par.tp == 1 ? ""
                                    : "; fully_shard's alone: tensor parallelism's activations "
                                      "are estimated for the built-in models only");
-  if (r->builtin || p->par.tp == 1) printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar + m.a2a);
+  /* under a pipeline, rank 0's stages and its sends to the next stage */
+  double p2p = 0;
+  if (r->pp_sched != NULL) {
+    pp_step_options_t o = train_pp_options((run_t *)r);
+    p2p = (double)pp_step_send_bytes(&o, 0);
+    printf("  point-to-point (pipeline rank 0's sends): %.0f B\n", p2p);
+  }
+  if ((r->builtin || p->par.tp == 1) && (r->pp_sched == NULL || p->par.tp == 1))
+    printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar + m.a2a + p2p);
 }

@@ -9,6 +9,7 @@
 
 #include "checkpoint/dcp.h"
 #include "parallel/parallelize.h"
+#include "parallel/pipeline.h"
 #include "train/ops_impl.h"
 #include "train/plan.h"
 #include "train/train.h"
@@ -62,6 +63,11 @@ typedef struct run {
   int stopped_by;  /* a signal stopped the run at a step boundary, or 0 */
   bool timed_out;  /* train.time_limit stopped it */
   double t_launch; /* when the process started (train.time_limit counts from it) */
+  /* mesh.pp > 1 (pipe.c): this rank's pipeline index, the modules of its stages, the schedule */
+  int pp_rank;
+  nn_module_t **stage_modules;
+  int n_stage_modules;
+  pp_schedule_t *pp_sched;
 } run_t;
 
 /* The plan's built-in architecture as a train_model_t whose self is r (model.c). */
@@ -78,6 +84,19 @@ void train_data_order(bool shuffle, uint64_t seed, int64_t seq_len, char *buf, s
 double train_counted_bytes(const run_t *r);
 /* bytes as "12.34 MiB" or "1.23 GiB" */
 void train_mib(char *buf, size_t n, double bytes);
+/* Pipeline parallelism (pipe.c). The modules of this rank's stages of the built-in model into
+ * r->stage_modules and the schedule into r->pp_sched (nothing without mesh.pp); freed by
+ * train_pp_free. */
+fsdpc_status_t train_pp_stages(run_t *r);
+void train_pp_free(run_t *r);
+/* One step's forward and backward of every microbatch under the schedule: the step's mean loss
+ * into *loss (every rank) and the bytes this rank sent to its pipeline neighbours into
+ * *p2p_bytes. Collective over the pipeline group. */
+fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, double *loss,
+                             double *p2p_bytes);
+/* The step's options for pp_step (also what --dry-run counts). */
+pp_step_options_t train_pp_options(run_t *r);
+
 /* The header every run prints first (rank 0). */
 void train_header(const run_t *r);
 /* --dry-run's report: placements, shapes, memory and communication of one step (rank 0). */

@@ -290,6 +290,16 @@ static void take_parallel(run_t *r) {
   r->dp_rank = parallel_dp_rank(r->par);
 }
 
+/* The parameters this rank holds into r->ps: every one, or under a pipeline its stages'. */
+static fsdpc_status_t held_parameters(run_t *r) {
+  FSDPC_TRY(nn_named_parameters(r->root, &r->ps, &r->n));
+  int kept = 0;
+  for (int i = 0; i < r->n; i++)
+    if (parallel_holds(r->par, r->ps[i]->owner)) r->ps[kept++] = r->ps[i];
+  r->n = kept;
+  return STATUS_OK;
+}
+
 /* This rank's shards given memory and values (the seed, the Hugging Face folder, or left to
  * the checkpoint), the optimizer made, then the checkpoint loaded. */
 static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
@@ -297,7 +307,10 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
   nn_module_t *root = r->root;
   /* memory and the Hugging Face files may fail on one rank alone: every rank learns of it
    * before the checkpoint's collectives (or the end of the build) */
-  fsdpc_status_t st = nn_module_materialize(root);
+  fsdpc_status_t st = STATUS_OK; /* under a pipeline, this rank's stages alone */
+  if (r->n_stage_modules == 0) st = nn_module_materialize(root);
+  for (int i = 0; i < r->n_stage_modules && st == STATUS_OK; i++)
+    st = nn_module_materialize(r->stage_modules[i]);
   if (st == STATUS_OK && deferred && !p->init_from[0] && !resume)
     st = r->model.init ? r->model.init(r->model.self, root, p->model_seed)
                        : nn_module_reset_parameters(root, p->model_seed);
@@ -306,7 +319,7 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
                              llama_vocab_rows(&p->model) > p->model.vocab_size
                                  ? llama_is_vocab_table
                                  : NULL); /* model.pad_vocab_multiple: the files' rows, zeros */
-  if (st == STATUS_OK) st = nn_named_parameters(root, &r->ps, &r->n);
+  if (st == STATUS_OK) st = held_parameters(r);
   if (st == STATUS_OK) st = optim_new(r->ps, r->n, &p->optim, &r->opt);
   FSDPC_TRY(pg_agree(world_pg(), st));
   if (!resume) return STATUS_OK;
@@ -342,7 +355,8 @@ static fsdpc_status_t build(run_t *r) {
   kernel_attention_set_fused(!p->deterministic);
   FSDPC_TRY(pg_agree(world_pg(), open_data(r))); /* before the model: a bad file fails at once */
   train_build_t how = {.device = dev.type,
-                       .deferred = p->deferred_init || r->args.dry_run, /* no parameter memory */
+                       /* no parameter memory; under a pipeline, only this rank's stages get it */
+                       .deferred = p->deferred_init || r->args.dry_run || p->par.pp > 1,
                        .activation_checkpointing = p->activation_checkpointing,
                        .seed = p->model_seed};
   bool resume; /* a checkpoint to load: it overwrites every parameter */
@@ -355,13 +369,18 @@ static fsdpc_status_t build(run_t *r) {
    * collectives */
   FSDPC_TRY(pg_agree(world_pg(), st));
   nn_module_t *root = r->root;
-  FSDPC_TRY(parallel_apply(root, &p->par, how.device, &r->par));
+  FSDPC_TRY(pg_agree(world_pg(), train_pp_stages(r)));
+  if (r->n_stage_modules > 0)
+    FSDPC_TRY(parallel_apply_stages(root, &p->par, how.device, r->stage_modules, r->n_stage_modules,
+                                    &r->par));
+  else
+    FSDPC_TRY(parallel_apply(root, &p->par, how.device, &r->par));
   take_parallel(r);
   offload_threads(r);
   if (!resume) r->resumed_from[0] = 0;
   FSDPC_TRY(check_before_training(r));
   if (r->args.dry_run) { /* the meta model has every placement and shape */
-    FSDPC_TRY(nn_named_parameters(root, &r->ps, &r->n));
+    FSDPC_TRY(held_parameters(r));
     return resume ? ckpt_check_state(r->resumed_from) : STATUS_OK;
   }
   return fill(r, how.deferred, resume);
@@ -481,6 +500,7 @@ typedef struct step_out {
   int64_t s; /* the step's index (the step s + 1 of the run) */
   double t0, loss, norm, factor, dt, tokens, tps, comm, eval_loss;
   double aux_loss; /* the MoE routers' load-balancing loss (unweighted), mean over the ranks */
+  double p2p;      /* mesh.pp: the bytes this rank sent its pipeline neighbours */
   int64_t load_min, load_max;
   double sums[4 + PLAN_MAX_SIGNALS]; /* the loss, a save's state, the stop requests, summed */
   float coef;                        /* clipping, applied inside the optimizer's pass */
@@ -552,7 +572,14 @@ static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
   optim_zero_grad(r->opt);
   fsdpc_status_t st = STATUS_OK;
   int64_t ran = 0;
-  for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++, ran++) {
+  if (r->pp_sched != NULL) { /* the micro-batches through the pipeline's schedule */
+    ran = p->grad_accum;     /* no loss tensors to read */
+    st = train_pp_step(r, &L->spec, o->s, &o->loss, &o->p2p);
+    if (st == STATUS_OK) /* the pipeline's sends, every rank's summed */
+      st = pg_host_all_reduce(mesh_group(parallel_pp_mesh(r->par), 0), &o->p2p, &o->p2p, 1,
+                              PG_HOST_F64, REDUCE_SUM);
+  }
+  for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK && r->pp_sched == NULL; k++, ran++) {
     fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
     st = train_micro_step_async(root, r->dev, r->data, &L->spec, o->s, k, &L->micro_loss[k]);
   }
@@ -561,7 +588,7 @@ static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
   if (st == STATUS_OK)
     st = clip_grad_coef(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY, r->all,
                         &o->norm, &o->coef);
-  for (int64_t k = 0; k < ran; k++) {
+  for (int64_t k = 0; k < ran && r->pp_sched == NULL; k++) {
     double l = 0;
     if (st == STATUS_OK && L->micro_loss[k].storage != NULL)
       st = llama_loss_read(&L->micro_loss[k], &l);
@@ -693,6 +720,7 @@ static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
     cJSON_AddNumberToObject(j, "state_bytes", (double)o->state);
     cJSON_AddNumberToObject(j, "step_time_s", o->dt);
     if (o->eval_now) cJSON_AddNumberToObject(j, "eval_loss", o->eval_loss);
+    if (r->pp_sched != NULL) cJSON_AddNumberToObject(j, "p2p_bytes", o->p2p);
     if (L->moe != NULL) { /* the routing: tokens per expert (every block), the balance loss */
       cJSON_AddNumberToObject(j, "aux_loss", o->aux_loss);
       cJSON *load = cJSON_AddArrayToObject(j, "expert_load");
@@ -890,6 +918,7 @@ static void run_free(run_t *r) {
     nn_module_free(r->root);
   data_free(r->data);
   data_free(r->eval);
+  train_pp_free(r);
   free(r);
 }
 

@@ -327,6 +327,28 @@ fsdpc_status_t llama_stage_forward(nn_ctx_t *ctx, llama_t *m, int stage, int n_s
   return STATUS_OK;
 }
 
+int llama_stage_modules(const llama_t *m, int stage, int n_stages, nn_module_t **out, int cap) {
+  if (m == NULL || out == NULL || n_stages < 1 || n_stages > m->cfg.n_layers || stage < 0 ||
+      stage >= n_stages)
+    return -1;
+  int64_t L = m->cfg.n_layers, b0 = stage * L / n_stages, b1 = (stage + 1) * L / n_stages;
+  nn_module_t *body = nn_module_child_named(m->root, body_name(m));
+  nn_module_t *all[4096 + 4];
+  int n = 0;
+  if (stage == 0) {
+    bool gpt2 = m->cfg.arch == LLAMA_ARCH_GPT2;
+    all[n++] = nn_module_child_named(body, gpt2 ? "wte" : "embed_tokens");
+    if (gpt2) all[n++] = nn_module_child_named(body, "wpe");
+  }
+  for (int64_t i = b0; i < b1 && n < 4096; i++) all[n++] = m->layers[i];
+  if (stage == n_stages - 1) {
+    all[n++] = nn_module_child_named(body, final_norm(m));
+    all[n++] = nn_module_child_named(m->root, "lm_head");
+  }
+  for (int i = 0; i < n && i < cap; i++) out[i] = all[i];
+  return n;
+}
+
 /* ---- construction ---- */
 
 typedef struct builder {
@@ -547,6 +569,7 @@ fsdpc_status_t llama_init_weights(llama_t *m, uint64_t seed) {
   FSDPC_TRY(nn_named_parameters(m->root, &ps, &n));
   fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
+    if (tensor_is_meta(dtensor_local(ps[i]->value))) continue; /* another pipeline stage's */
     const char *fqn = ps[i]->fqn;
     size_t len = strlen(fqn);
     bool bias = len >= 5 && strcmp(fqn + len - 5, ".bias") == 0;

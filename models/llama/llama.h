@@ -194,7 +194,8 @@ void llama_free(llama_t *m);
 
 /* Linear and embedding weights ~ N(0, init_std), biases 0, norm weights 1 (init.h), as
  * Hugging Face initialises the family, each rank filling its local shards: the same global
- * values under every plan. Local. */
+ * values under every plan. Parameters without memory (meta: another pipeline stage's) are left
+ * alone. Local. */
 fsdpc_status_t llama_init_weights(llama_t *m, uint64_t seed);
 
 nn_module_t *llama_module(const llama_t *m);
@@ -210,6 +211,11 @@ nn_module_t *llama_layer(const llama_t *m, int64_t i);
  * leaves. A reference to in is taken, not consumed. Local. */
 fsdpc_status_t llama_stage_forward(nn_ctx_t *ctx, llama_t *m, int stage, int n_stages, nn_var_t *in,
                                    nn_var_t **out);
+
+/* The modules pipeline stage `stage` of n_stages holds (as llama_stage_forward runs them):
+ * the embedding(s) on stage 0, its blocks, the final norm and lm_head on the last. Writes up
+ * to cap of them into out; returns how many there are (-1 for a stage out of range). Local. */
+int llama_stage_modules(const llama_t *m, int stage, int n_stages, nn_module_t **out, int cap);
 
 /* The one-rank mesh the parameters were created on. */
 mesh_t *llama_local_mesh(const llama_t *m);

@@ -21,6 +21,8 @@
   gpu-multi     several ranks sharing the GPU against one CPU rank (skips, 77, without one)
   operations    final saves, signals, the time limit, the folder lock, refusals before the
                 first step, links and outputs
+  pipeline      mesh.pp: every schedule, composed with FSDP, HSDP and TP, against one rank;
+                point-to-point bytes; checkpoints across pipeline layouts; refusals
 
 Each mode lives in a module of this folder; common.py holds what they share.
 """
@@ -48,6 +50,7 @@ MODES = {
     "gpu": [("gpu", "gpu")],
     "gpu-multi": [("gpu", "gpu_multi")],
     "operations": [("operations", "operations")],
+    "pipeline": [("pipeline", "pipeline")],
 }
 
 

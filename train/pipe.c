@@ -1,0 +1,111 @@
+/* Pipeline parallelism in the trainer (mesh.pp): the built-in model cut into pp x
+ * stages_per_rank stages of whole blocks (llama_stage_modules), this rank's stages those of
+ * pipeline index pp_rank (r, r + pp, ...), each step's micro-batches the schedule's
+ * microbatches (pp_step). */
+#include <stdlib.h>
+
+#include "mesh/world.h"
+#include "models/llama/llama.h"
+#include "nn/ops.h"
+#include "train/run_impl.h"
+
+fsdpc_status_t train_pp_stages(run_t *r) {
+  const parallel_plan_t *pp = &r->plan.par;
+  if (pp->pp <= 1) return STATUS_OK;
+  if (r->llama == NULL)
+    return err_set(STATUS_EUNSUPPORTED, "mesh.pp: pipeline stages split the built-in models only");
+  int P = pp->pp, V = pp->pp_stages_per_rank, S = P * V;
+  /* the outermost mesh dimension: pipeline index world_rank / (world_size / pp) */
+  r->pp_rank = world_rank() / (world_size() / P);
+  int cap = (int)r->plan.model.n_layers + 4 * V;
+  r->stage_modules = calloc((size_t)cap, sizeof *r->stage_modules);
+  if (r->stage_modules == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  for (int s = r->pp_rank; s < S; s += P) {
+    int n = llama_stage_modules(r->llama, s, S, r->stage_modules + r->n_stage_modules,
+                                cap - r->n_stage_modules);
+    if (n < 0 || r->n_stage_modules + n > cap)
+      return err_set(STATUS_EINTERNAL, "mesh.pp: stage %d of %d has no modules", s, S);
+    r->n_stage_modules += n;
+  }
+  return pp_schedule_new(pp->pp_schedule, P, (int)r->plan.grad_accum, V, &r->pp_sched);
+}
+
+void train_pp_free(run_t *r) {
+  free(r->stage_modules);
+  r->stage_modules = NULL;
+  r->n_stage_modules = 0;
+  pp_schedule_free(r->pp_sched);
+  r->pp_sched = NULL;
+}
+
+/* What a step's stages read besides the run: the data's spec and the step. */
+typedef struct stage_step {
+  run_t *r;
+  const data_spec_t *spec;
+  int64_t step;
+} stage_step_t;
+
+/* Microbatch mb's token ids (stage 0) on the device. */
+static fsdpc_status_t stage_input(int mb, nn_var_t **out, void *user) {
+  const stage_step_t *u = user;
+  fsdpc_tensor_t in = {0}, tg = {0}, dev = {0};
+  FSDPC_TRY(data_batch(u->r->data, u->spec, u->step, mb, &in, &tg));
+  fsdpc_status_t st = tensor_upload(&dev, &in, u->r->dev);
+  tensor_free(&in);
+  tensor_free(&tg);
+  if (st == STATUS_OK) st = nn_var_new(&dev, false, out);
+  if (st != STATUS_OK) tensor_free(&dev);
+  return st;
+}
+
+/* Stage s of the model on microbatch mb; the last one's logits into the mean cross-entropy
+ * over its kept targets. */
+static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, nn_var_t **out,
+                                    void *user) {
+  const stage_step_t *u = user;
+  run_t *r = u->r;
+  int S = pp_schedule_ranks(r->pp_sched) * pp_schedule_stages_per_rank(r->pp_sched);
+  nn_var_t *h = NULL;
+  FSDPC_TRY(llama_stage_forward(ctx, r->llama, s, S, in, &h));
+  if (s < S - 1) {
+    *out = h;
+    return STATUS_OK;
+  }
+  fsdpc_tensor_t ids = {0}, tg = {0}, tgd = {0};
+  fsdpc_status_t st = data_batch(r->data, u->spec, u->step, mb, &ids, &tg);
+  tensor_free(&ids);
+  if (st == STATUS_OK) st = tensor_upload(&tgd, &tg, r->dev);
+  if (st == STATUS_OK) st = nn_cross_entropy(ctx, h, &tgd, out, NULL);
+  tensor_free(&tg);
+  tensor_free(&tgd);
+  nn_var_put(h);
+  return st;
+}
+
+pp_step_options_t train_pp_options(run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  pp_step_options_t o = PP_STEP_OPTIONS_INIT;
+  o.group = mesh_group(parallel_pp_mesh(r->par), 0);
+  o.schedule = r->pp_sched;
+  o.ndim = 3; /* the hidden state [batch, seq_len, dim], whole on every tp rank */
+  o.shape[0] = p->batch_size;
+  o.shape[1] = p->seq_len;
+  o.shape[2] = p->model.dim;
+  o.dtype = p->par.param_dtype != DTYPE_COUNT ? p->par.param_dtype : DTYPE_F32;
+  o.device = r->dev;
+  o.forward = stage_forward;
+  o.input = stage_input;
+  return o;
+}
+
+fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, double *loss,
+                             double *p2p_bytes) {
+  stage_step_t u = {r, spec, step};
+  pp_step_options_t o = train_pp_options(r);
+  o.user = &u;
+  pg_counters_t before = pg_counters(o.group);
+  FSDPC_TRY(pp_step(&o, loss));
+  pg_counters_t after = pg_counters(o.group);
+  *p2p_bytes = (double)(after.bytes[PG_SEND_RECV] - before.bytes[PG_SEND_RECV]);
+  return STATUS_OK;
+}
