@@ -62,12 +62,58 @@ static llama_memory_t moment(const char *at, double state, double act, double ga
                           .at = at};
 }
 
+static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n,
+                               double sharded_param_bytes, size_t param_size,
+                               const llama_stage_t *stage, llama_memory_t *out);
+
 fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n,
                                      double sharded_param_bytes, size_t param_size,
                                      llama_memory_t *out) {
   ARG_NONNULL(p);
   if (n > 0) ARG_NONNULL(groups);
   ARG_NONNULL(out);
+  return estimate(p, groups, n, sharded_param_bytes, param_size, NULL, out);
+}
+
+fsdpc_status_t llama_memory_estimate_stage(const fsdpc_plan_t *p, fsdp_group_t *const *groups,
+                                           int n, double sharded_param_bytes, size_t param_size,
+                                           const llama_stage_t *stage, llama_memory_t *out) {
+  ARG_NONNULL(p);
+  if (n > 0) ARG_NONNULL(groups);
+  ARG_NONNULL(stage);
+  ARG_NONNULL(out);
+  if (stage->stages < 1 || stage->blocks < 0 || stage->blocks > p->model.n_layers ||
+      stage->in_flight < 1)
+    return err_set(STATUS_EINVAL,
+                   "memory estimate: %d stages of %d blocks, %d microbatches in flight",
+                   stage->stages, stage->blocks, stage->in_flight);
+  return estimate(p, groups, n, sharded_param_bytes, param_size, stage, out);
+}
+
+/* A pipeline rank's peak: its units gathered the whole step (each a root, kept from a
+ * microbatch's forward to its backward), the tapes of the microbatches in flight (its blocks',
+ * the embedding's on the first stage), a checkpointed block's recomputed tape, the largest
+ * unit's whole gradient, and on the last stage the logits and their gradient. */
+static llama_memory_t stage_peak(const llama_stage_t *st, fsdp_group_t *const *groups, int n,
+                                 int dp_shard, size_t own, bool one_rank, double state,
+                                 double per_block, double out_b, double head_in, double logits,
+                                 bool ac, double unit_reduce) {
+  double gathered = 0;
+  for (int i = 0; i < n; i++) {
+    double numel = (double)fsdp_gather_numel(groups[i]) * dp_shard;
+    size_t pd = dtype_size(fsdp_param_dtype(groups[i]));
+    gathered += one_rank && pd == own ? 0 : numel * (double)pd;
+  }
+  double nb = (double)st->blocks / st->stages; /* a stage's blocks: what one in flight keeps */
+  double mb = head_in + (ac ? nb * out_b : nb * per_block);
+  return moment("a block's backward with the schedule's microbatches in flight", state,
+                st->in_flight * mb + (ac && st->blocks > 0 ? per_block : 0), gathered,
+                unit_reduce + (st->last ? 2 * logits : 0));
+}
+
+static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n,
+                               double sharded_param_bytes, size_t param_size,
+                               const llama_stage_t *stage, llama_memory_t *out) {
   const llama_config_t *c = &p->model;
   const parallel_plan_t *pp = &p->par;
   if (pp->dp_shard < 1 || pp->dp_replicate < 1 || pp->tp < 1)
@@ -129,6 +175,14 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
     if (fsdp_state_over_replicas(groups[i]))
       shards += (double)fsdp_flat_numel(groups[i]) * (double)param_size;
   double state = sharded_param_bytes + shards + moments + (accum ? sharded_param_bytes : 0);
+  if (stage != NULL) { /* a pipeline rank: gradients accumulate over the microbatches */
+    *out = stage_peak(stage, groups, n, pp->dp_shard, param_size, pp->dp_shard == 1 && !pp->offload,
+                      state + (accum ? 0 : sharded_param_bytes), block, out_b,
+                      stage->first ? ids + emb : 0, logits, ac, u.unit_reduce);
+    out->moments = moments;
+    out->shards = shards;
+    return STATUS_OK;
+  }
   /* with accumulation the root's reduction of the previous micro-batch finishes during the
    * next backward: its whole gradients and the reduced shard */
   double root_pending = accum && dp ? u.root + u.root_reduce / sh : 0;

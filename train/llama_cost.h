@@ -51,6 +51,21 @@ fsdpc_status_t llama_memory_estimate(const fsdpc_plan_t *p, fsdp_group_t *const 
                                      double sharded_param_bytes, size_t param_size,
                                      llama_memory_t *out);
 
+/* A pipeline rank's share of the model (mesh.pp): its stages and their blocks, whether it holds
+ * the first stage (the embedding) and the last (the final norm, head and loss), and the most
+ * microbatches whose activations its stages keep at once, summed over them
+ * (pp_schedule_max_in_flight). */
+typedef struct llama_stage {
+  int stages, blocks;
+  bool first, last;
+  int in_flight;
+} llama_stage_t;
+
+/* llama_memory_estimate for a pipeline rank holding stage's share, groups[0..n) its units. */
+fsdpc_status_t llama_memory_estimate_stage(const fsdpc_plan_t *p, fsdp_group_t *const *groups,
+                                           int n, double sharded_param_bytes, size_t param_size,
+                                           const llama_stage_t *stage, llama_memory_t *out);
+
 /* Collectives of one step (all micro-batches) on this rank: calls, and bytes sent as the
  * process groups count them. */
 typedef struct llama_comm {

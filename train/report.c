@@ -446,8 +446,23 @@ static bool memory_lines(const run_t *r) {
   fsdpc_plan_t flip = *p; /* the other activation-checkpointing setting, for comparison */
   flip.activation_checkpointing = !p->activation_checkpointing;
   size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
-  if (llama_memory_estimate(p, r->groups, r->n_groups, pb, own, &est) != STATUS_OK ||
-      llama_memory_estimate(&flip, r->groups, r->n_groups, pb, own, &other) != STATUS_OK) {
+  fsdpc_status_t st1, st2;
+  if (r->pp_sched != NULL) { /* pipeline rank 0's share */
+    int P = pp_schedule_ranks(r->pp_sched), V = pp_schedule_stages_per_rank(r->pp_sched);
+    int64_t L = p->model.n_layers;
+    llama_stage_t stage = {.stages = V,
+                           .first = true,
+                           .last = (P * V - 1) % P == 0,
+                           .in_flight = pp_schedule_max_in_flight(r->pp_sched, 0)};
+    for (int s = 0; s < P * V; s += P)
+      stage.blocks += (int)((s + 1) * L / (P * V) - s * L / (P * V));
+    st1 = llama_memory_estimate_stage(p, r->groups, r->n_groups, pb, own, &stage, &est);
+    st2 = llama_memory_estimate_stage(&flip, r->groups, r->n_groups, pb, own, &stage, &other);
+  } else {
+    st1 = llama_memory_estimate(p, r->groups, r->n_groups, pb, own, &est);
+    st2 = llama_memory_estimate(&flip, r->groups, r->n_groups, pb, own, &other);
+  }
+  if (st1 != STATUS_OK || st2 != STATUS_OK) {
     printf("memory estimate: %s\n", err_detail());
     return false;
   }
@@ -520,14 +535,8 @@ void train_dry_run(const run_t *r) {
       p->par.tp > 1 ? " at rank 0's tp coordinate" : "");
   for (int i = 0; i < r->n; i++) param_line(r, r->ps[i]);
   unit_dtypes(r);
-  if (r->pp_sched != NULL) {
-    pipeline_lines((run_t *)r);
-    printf(
-        "memory per rank: not estimated under mesh.pp yet (the run's metrics give each "
-        "step's peak)\n");
-  } else if (!memory_lines(r) && r->builtin) {
-    return;
-  }
+  if (r->pp_sched != NULL) pipeline_lines((run_t *)r); /* memory: pipeline rank 0's */
+  if (!memory_lines(r) && r->builtin) return;
   /* fully_shard's collectives follow from its groups whatever the model; tensor parallelism's
    * from the built-in models' plans only */
   fsdpc_plan_t fsdp_only = *p;

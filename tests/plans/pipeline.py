@@ -51,6 +51,9 @@ PLANS = [
     ("pp 2, 8 microbatches (grad accumulation) from pipeline.microbatches", 2,
      ["mesh.pp=2", "mesh.dp_shard=1", "data.global_batch_size=null",
       "pipeline.microbatches=8"], 8),
+    ("pp 4, interleaved_1f1b over 8 blocks (2 stages a rank)", 4,
+     ["mesh.pp=4", "mesh.dp_shard=1", "pipeline.schedule=interleaved_1f1b", "model.n_layers=8"],
+     "8 blocks"),
 ]
 
 
@@ -88,12 +91,11 @@ def pipeline():
     with open(plan, "w") as f:
         f.write(PLAN.format(data=os.path.join(ROOT, "data", "corpus.txt")))
     refs = {}
-    for g in (4, 8):
-        m = os.path.join(tmp, "one-%d.jsonl" % g)
-        run(1, [plan, "--metrics", m, "--set", "mesh.dp_shard=1",
-                "--set", "data.global_batch_size=%d" % g])
+    for g, kvs in ((4, []), (8, ["data.global_batch_size=8"]), ("8 blocks", ["model.n_layers=8"])):
+        m = os.path.join(tmp, "one-%s.jsonl" % str(g).replace(" ", "-"))
+        run(1, [plan, "--metrics", m, "--set", "mesh.dp_shard=1"] + sets(kvs))
         refs[g] = losses(m) if os.path.exists(m) else []
-    check(len(refs[4]) == 10 and len(refs[8]) == 10, "one rank trains the reference runs")
+    check(all(len(x) == 10 for x in refs.values()), "one rank trains the reference runs")
     for k, (what, n, kvs, g) in enumerate(PLANS):
         m = os.path.join(tmp, "pp-%d.jsonl" % k)
         p, _ = run(n, [plan, "--metrics", m] + sets(kvs))
@@ -128,6 +130,33 @@ def pipeline():
           "at 8 microbatches 1f1b's peak (%d B) is below gpipe's (%d B); --dry-run prints each "
           "rank's stages, actions and in-flight microbatches, and the bubble 1/9"
           % (peaks["1f1b"], peaks["gpipe"]))
+    # each schedule's peak on pipeline rank 0 against --dry-run's estimate, at a size where the
+    # activations in flight weigh (dim 128, 64 tokens x 2 samples, 8 microbatches)
+    big = os.path.join(tmp, "big.yaml")
+    with open(plan) as f, open(big, "w") as g:
+        g.write(f.read().replace("dim: 32", "dim: 128").replace("ffn_dim: 64", "ffn_dim: 256")
+                .replace("vocab_size: 256", "vocab_size: 512").replace("seq_len: 16", "seq_len: 64")
+                .replace("max_seq_len: 64", "max_seq_len: 128").replace("batch_size: 1\n",
+                                                                        "batch_size: 2\n")
+                .replace("global_batch_size: 4", "global_batch_size: 16")
+                .replace("steps: 10", "steps: 3"))
+    for what, n, kvs in (("gpipe", 2, ["mesh.pp=2", "pipeline.schedule=gpipe"]),
+                         ("1f1b", 2, ["mesh.pp=2"]),
+                         ("interleaved_1f1b", 2, ["mesh.pp=2", "pipeline.schedule=interleaved_1f1b"]),
+                         ("1f1b, checkpointed blocks", 2,
+                          ["mesh.pp=2", "train.activation_checkpointing=true"]),
+                         ("pp 4", 4, ["mesh.pp=4"]),
+                         ("pp 2 x dp_shard 2", 4, ["mesh.pp=2", "mesh.dp_shard=2"])):
+        kvs = kvs + ([] if "mesh.dp_shard=2" in kvs else ["mesh.dp_shard=1"])
+        m = os.path.join(tmp, "mem-%s.jsonl" % what.replace(" ", "_"))
+        p, _ = run(n, [big, "--metrics", m] + sets(kvs))
+        real = max(r["peak_mem_bytes"] for r in losses(m)) if p.returncode == 0 else 0
+        d, _ = run(1, [big, "--dry-run", "--world", str(n)] + sets(kvs))
+        est = re.search(r"^peak_bytes (\d+)$", d.stdout, re.M)
+        est = int(est.group(1)) if est else 0
+        check(real > 0 and abs(est - real) <= 0.15 * real,
+              "%s: pipeline rank 0's peak %d B within 15%% of --dry-run's %d B (%+.1f%%)"
+              % (what, real, est, 100.0 * (est - real) / max(real, 1)))
     # checkpoints move between pipeline layouts
     ck, full = os.path.join(tmp, "ck-pp4"), os.path.join(tmp, "pp4-full.jsonl")
     run(4, [plan, "--metrics", full] + sets(["mesh.pp=4", "mesh.dp_shard=1",
