@@ -71,6 +71,8 @@ typedef struct plan_tp_rule {
   plan_where_t where;
 } plan_tp_rule_t;
 
+#define PLAN_MAX_PP_SPLITS 64
+
 /* dp_shard of HYBRID_SHARD without mesh sizes: the job's ranks per node, found at resolve. */
 #define PLAN_SIZE_NODE (-2)
 
@@ -89,6 +91,9 @@ typedef struct parallel_plan {
   int pp;
   pp_schedule_kind_t pp_schedule;
   int pp_microbatches, pp_stages_per_rank;
+  /* pipeline.split_points: the module each stage after the first begins with ("" none: even) */
+  char pp_splits[PLAN_MAX_PP_SPLITS][PLAN_PATTERN_MAX];
+  int n_pp_splits;
   plan_where_t mesh_where, pp_where;
   /* parallelize.fully_shard */
   plan_unit_t units[PLAN_MAX_UNITS];

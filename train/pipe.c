@@ -17,6 +17,14 @@ fsdpc_status_t train_pp_stages(run_t *r) {
   int P = pp->pp, V = pp->pp_stages_per_rank, S = P * V;
   /* the outermost mesh dimension: pipeline index world_rank / (world_size / pp) */
   r->pp_rank = world_rank() / (world_size() / P);
+  if (pp->n_pp_splits > 0) { /* pipeline.split_points: the stages begin where it says */
+    int64_t *starts = malloc(sizeof *starts * (size_t)S);
+    if (starts == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+    fsdpc_status_t st = plan_pipeline_starts(&r->plan, starts);
+    if (st == STATUS_OK) st = llama_set_stage_splits(r->llama, starts, S);
+    free(starts);
+    FSDPC_TRY(st);
+  }
   int cap = (int)r->plan.model.n_layers + 4 * V;
   r->stage_modules = calloc((size_t)cap, sizeof *r->stage_modules);
   if (r->stage_modules == NULL) return err_set(STATUS_ENOMEM, "out of host memory");

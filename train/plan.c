@@ -235,7 +235,8 @@ static fsdpc_status_t read_moe(plan_ctx_t *c, int root, const char *own) {
 
 /* The pipeline section: schedule, microbatches, stages_per_rank (mesh.pp's stages). */
 static fsdpc_status_t read_pipeline(plan_ctx_t *c, int root) {
-  static const char *const keys[] = {"schedule", "microbatches", "stages_per_rank", NULL};
+  static const char *const keys[] = {"schedule", "microbatches", "stages_per_rank", "split_points",
+                                     NULL};
   fsdpc_plan_t *p = c->job;
   int m;
   FSDPC_TRY(pr_section(c, root, "pipeline", keys, &m));
@@ -255,7 +256,65 @@ static fsdpc_status_t read_pipeline(plan_ctx_t *c, int root) {
   p->par.pp_stages_per_rank = (int)v;
   if (p->par.pp_schedule == PP_INTERLEAVED_1F1B && pr_find(c, m, "stages_per_rank") == 0)
     p->par.pp_stages_per_rank = 2; /* interleaved: two stages a rank unless said */
+  int sp = pr_find(c, m, "split_points");
+  if (pr_is_null(c, sp)) return STATUS_OK;
+  yaml_node_t *n = pr_node(c, sp);
+  if (n->type != YAML_SEQUENCE_NODE)
+    return pr_fail(c, sp, "pipeline.split_points",
+                   "expected a list of module names (each stage's first block after the first)");
+  p->par.n_pp_splits = 0;
+  for (yaml_node_item_t *it = n->data.sequence.items.start; it < n->data.sequence.items.top; it++) {
+    char path[64];
+    snprintf(path, sizeof path, "pipeline.split_points[%d]", p->par.n_pp_splits);
+    if (p->par.n_pp_splits == PLAN_MAX_PP_SPLITS)
+      return pr_fail(c, *it, path, "more than %d split points", PLAN_MAX_PP_SPLITS);
+    const char *v;
+    FSDPC_TRY(pr_want_scalar(c, *it, path, "a module name", &v));
+    if (strlen(v) >= PLAN_PATTERN_MAX) return pr_fail(c, *it, path, "name too long");
+    strcpy(p->par.pp_splits[p->par.n_pp_splits++], v);
+  }
   return STATUS_OK;
+}
+
+/* pipeline.split_points into each stage's first block (starts[0..S)), checked against the model:
+ * S - 1 names of blocks, rising. */
+static fsdpc_status_t split_starts(const fsdpc_plan_t *p, const char *w, int S, int64_t *starts) {
+  const parallel_plan_t *pp = &p->par;
+  int64_t L = p->model.n_layers;
+  const char *body = p->model.arch == LLAMA_ARCH_GPT2 ? "transformer.h" : "model.layers";
+  if (pp->n_pp_splits != S - 1)
+    return err_set(STATUS_EINVAL,
+                   "%s: pipeline.split_points: %d name%s for %d stages (one for each stage after "
+                   "the first: the module it begins with)",
+                   w, pp->n_pp_splits, pp->n_pp_splits == 1 ? "" : "s", S);
+  starts[0] = 0;
+  for (int i = 0; i < pp->n_pp_splits; i++) {
+    const char *name = pp->pp_splits[i];
+    size_t n = strlen(body);
+    char *end = NULL;
+    long long b = -1;
+    if (strncmp(name, body, n) == 0 && name[n] == '.') b = strtoll(name + n + 1, &end, 10);
+    if (b < 0 || end == NULL || *end != 0 || end == name + n + 1 || b >= L)
+      return err_set(STATUS_EINVAL,
+                     "%s: pipeline.split_points[%d]: '%s' is not a block of the model (stages "
+                     "begin at blocks %s.1 to %s.%lld)",
+                     w, i, name, body, body, (long long)(L - 1));
+    if (b <= starts[i])
+      return err_set(STATUS_EINVAL,
+                     "%s: pipeline.split_points[%d]: '%s' does not come after the stage before "
+                     "(split points rise: each stage holds at least one block)",
+                     w, i, name);
+    starts[i + 1] = b;
+  }
+  return STATUS_OK;
+}
+
+fsdpc_status_t plan_pipeline_starts(const fsdpc_plan_t *p, int64_t *starts) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(starts);
+  int S = p->par.pp * p->par.pp_stages_per_rank;
+  const char *w = p->par.pp_where.text[0] ? p->par.pp_where.text : p->par.mesh_where.text;
+  return split_starts(p, w, S, starts);
 }
 
 /* mp_policy {param_dtype, reduce_dtype, output_dtype} under map into dt[0..2] (given keys). */
@@ -840,6 +899,13 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
                    w, pp->pp, V, S,
                    p->model.n_layers < S ? "outnumber" : "(stages_per_rank must divide)",
                    (long long)p->model.n_layers);
+  if (pp->n_pp_splits > 0) {
+    int64_t *starts = malloc(sizeof *starts * (size_t)S);
+    if (starts == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+    fsdpc_status_t st = split_starts(p, w, S, starts);
+    free(starts);
+    FSDPC_TRY(st);
+  }
   if (pp->pp_microbatches > 0 && pp->pp_microbatches != p->grad_accum)
     return err_set(STATUS_EINVAL,
                    "%s: pipeline.microbatches: %d, but the data section gives %lld micro-batch%s "

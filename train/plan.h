@@ -106,6 +106,10 @@ fsdpc_status_t plan_load_settings(fsdpc_plan_t *p, const char *path, const char 
  * Local (every rank reaches the same verdict). */
 fsdpc_status_t plan_resolve(fsdpc_plan_t *p, int world_size);
 
+/* pipeline.split_points of a resolved plan with them as each of its pp x stages_per_rank
+ * stages' first block (starts[0] = 0). Local. */
+fsdpc_status_t plan_pipeline_starts(const fsdpc_plan_t *p, int64_t *starts);
+
 /* plan_resolve's checks of the mesh and the model only: for a tool that lays out a model
  * (fsdp-ckpt reshard) without training it. Local. */
 fsdpc_status_t plan_resolve_model(fsdpc_plan_t *p, int world_size);

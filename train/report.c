@@ -98,8 +98,10 @@ static void header_world(const run_t *r) {
     snprintf(threads, sizeof threads, ", %d kernel threads%s", kernel_cpu_threads(),
              world_size() == 1 ? "" : " each");
   bool hfsdp = p->par.dp_replicate > 1 && p->par.state_over_replicas;
-  printf("  world %d rank%s on %s%s; mesh dp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
-         world_size(), world_size() == 1 ? "" : "s", dev, threads, p->par.dp_replicate,
+  char pipe[32] = "";
+  if (p->par.pp > 1) snprintf(pipe, sizeof pipe, "pp=%d x ", p->par.pp);
+  printf("  world %d rank%s on %s%s; mesh %sdp_replicate=%d x dp_shard=%d x tp=%d (%s)\n",
+         world_size(), world_size() == 1 ? "" : "s", dev, threads, pipe, p->par.dp_replicate,
          p->par.dp_shard, p->par.tp,
          hfsdp                     ? "HFSDP: optimizer state over dp_replicate x dp_shard"
          : p->par.dp_replicate > 1 ? "HSDP"
@@ -191,10 +193,16 @@ static void header_model(const run_t *r) {
              r->dev.type == DEVICE_CPU ? "no effect on the CPU: the state is in host memory already"
                                        : "state in host memory",
              threads);
+  char units[96];
+  if (r->pp_sched != NULL) /* every unit of this rank's stages is a root of its own */
+    snprintf(units, sizeof units, "%d unit%s of this rank's stages", r->n_groups,
+             r->n_groups == 1 ? "" : "s");
+  else
+    snprintf(units, sizeof units, "%d unit%s + root", r->n_groups - 1, r->n_groups == 2 ? "" : "s");
   printf(
-      "  fully_shard: %d group%s (%d unit%s + root); %s%s%sreshard_after_forward %s; param %s, "
+      "  fully_shard: %d group%s (%s); %s%s%sreshard_after_forward %s; param %s, "
       "reduce %s%s\n",
-      r->n_groups, r->n_groups == 1 ? "" : "s", r->n_groups - 1, r->n_groups == 2 ? "" : "s",
+      r->n_groups, r->n_groups == 1 ? "" : "s", units,
       p->par.strategy[0] ? "sharding_strategy " : "", p->par.strategy,
       p->par.strategy[0] ? ": " : "", reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
       dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), offload);
@@ -454,8 +462,11 @@ static bool memory_lines(const run_t *r) {
                            .first = true,
                            .last = (P * V - 1) % P == 0,
                            .in_flight = pp_schedule_max_in_flight(r->pp_sched, 0)};
-    for (int s = 0; s < P * V; s += P)
-      stage.blocks += (int)((s + 1) * L / (P * V) - s * L / (P * V));
+    for (int s = 0; s < P * V; s += P) {
+      int64_t b0 = s * L / (P * V), b1 = (s + 1) * L / (P * V);
+      llama_stage_range(r->llama, s, P * V, &b0, &b1);
+      stage.blocks += (int)(b1 - b0);
+    }
     st1 = llama_memory_estimate_stage(p, r->groups, r->n_groups, pb, own, &stage, &est);
     st2 = llama_memory_estimate_stage(&flip, r->groups, r->n_groups, pb, own, &stage, &other);
   } else {
@@ -508,10 +519,12 @@ static void pipeline_lines(run_t *r) {
   uint64_t total = 0;
   for (int q = 0; q < P; q++) {
     printf("  pipeline rank %d: stage%s", q, V == 1 ? "" : "s");
-    for (int st = q; st < S; st += P)
-      printf(" %d (blocks %lld-%lld%s%s)", st, (long long)(st * L / S),
-             (long long)((st + 1) * L / S - 1), st == 0 ? ", embedding" : "",
-             st == S - 1 ? ", final norm and head" : "");
+    for (int st = q; st < S; st += P) {
+      int64_t b0 = st * L / S, b1 = (st + 1) * L / S;
+      llama_stage_range(r->llama, st, S, &b0, &b1);
+      printf(" %d (blocks %lld-%lld%s%s)", st, (long long)b0, (long long)(b1 - 1),
+             st == 0 ? ", embedding" : "", st == S - 1 ? ", final norm and head" : "");
+    }
     uint64_t b = pp_step_send_bytes(&o, q);
     total += b;
     printf("; %d microbatches in flight at most; sends %llu B a step; actions:",

@@ -20,6 +20,8 @@ struct llama {
   nn_module_t **layers;
   fsdpc_tensor_t positions; /* GPT-2: the last forward's position ids [B, T], reused */
   nn_moe_aux_t *aux;        /* Qwen3-MoE's load-balancing loss, when it has one */
+  int64_t *starts;          /* llama_set_stage_splits: each stage's first block, then L */
+  int split_stages;         /* the stage count they are for (0: even splits) */
 };
 
 /* ---- forwards ---- */
@@ -287,6 +289,43 @@ static fsdpc_status_t causal_lm_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   return st;
 }
 
+bool llama_stage_range(const llama_t *m, int stage, int n_stages, int64_t *first, int64_t *end) {
+  if (m == NULL || first == NULL || end == NULL || n_stages < 1 || n_stages > m->cfg.n_layers ||
+      stage < 0 || stage >= n_stages)
+    return false;
+  int64_t L = m->cfg.n_layers;
+  if (m->split_stages == n_stages) {
+    *first = m->starts[stage];
+    *end = m->starts[stage + 1];
+  } else {
+    *first = stage * L / n_stages;
+    *end = (stage + 1) * L / n_stages;
+  }
+  return true;
+}
+
+fsdpc_status_t llama_set_stage_splits(llama_t *m, const int64_t *first_blocks, int n_stages) {
+  ARG_NONNULL(m);
+  ARG_NONNULL(first_blocks);
+  int64_t L = m->cfg.n_layers;
+  bool ok = n_stages >= 1 && n_stages <= L && first_blocks[0] == 0;
+  for (int s = 1; s < n_stages && ok; s++)
+    ok = first_blocks[s] > first_blocks[s - 1] && first_blocks[s] < L;
+  if (!ok)
+    return err_set(STATUS_EINVAL,
+                   "llama_set_stage_splits: %d stages' first blocks must rise from 0 below the "
+                   "model's %lld blocks",
+                   n_stages, (long long)L);
+  int64_t *starts = malloc(sizeof *starts * (size_t)(n_stages + 1));
+  if (starts == NULL) return err_set(STATUS_ENOMEM, "llama_set_stage_splits: out of host memory");
+  memcpy(starts, first_blocks, sizeof *starts * (size_t)n_stages);
+  starts[n_stages] = L;
+  free(m->starts);
+  m->starts = starts;
+  m->split_stages = n_stages;
+  return STATUS_OK;
+}
+
 fsdpc_status_t llama_stage_forward(nn_ctx_t *ctx, llama_t *m, int stage, int n_stages, nn_var_t *in,
                                    nn_var_t **out) {
   ARG_NONNULL(ctx);
@@ -309,8 +348,9 @@ fsdpc_status_t llama_stage_forward(nn_ctx_t *ctx, llama_t *m, int stage, int n_s
     nn_var_put(h);
     h = e;
   }
-  if (st == STATUS_OK)
-    st = run_blocks(ctx, m, stage * L / n_stages, (stage + 1) * L / n_stages, &h);
+  int64_t b0, b1;
+  llama_stage_range(m, stage, n_stages, &b0, &b1);
+  if (st == STATUS_OK) st = run_blocks(ctx, m, b0, b1, &h);
   if (st == STATUS_OK && stage == n_stages - 1) {
     nn_var_t *normed = NULL, *logits = NULL;
     st = call_child(ctx, body, final_norm(m), h, &normed);
@@ -331,7 +371,8 @@ int llama_stage_modules(const llama_t *m, int stage, int n_stages, nn_module_t *
   if (m == NULL || out == NULL || n_stages < 1 || n_stages > m->cfg.n_layers || stage < 0 ||
       stage >= n_stages)
     return -1;
-  int64_t L = m->cfg.n_layers, b0 = stage * L / n_stages, b1 = (stage + 1) * L / n_stages;
+  int64_t b0, b1;
+  llama_stage_range(m, stage, n_stages, &b0, &b1);
   nn_module_t *body = nn_module_child_named(m->root, body_name(m));
   nn_module_t *all[4096 + 4];
   int n = 0;
@@ -559,6 +600,7 @@ void llama_free(llama_t *m) {
   tensor_free(&m->positions);
   mesh_free(m->mesh);
   free(m->layers);
+  free(m->starts);
   free(m);
 }
 

@@ -203,7 +203,8 @@ const llama_config_t *llama_get_config(const llama_t *m);
 /* The transformer block i (module "model.layers.i"); NULL for i outside [0, n_layers). */
 nn_module_t *llama_layer(const llama_t *m, int64_t i);
 /* Pipeline stage `stage` of n_stages (1 <= n_stages <= n_layers) of the model's forward: the
- * blocks [stage L / n_stages, (stage + 1) L / n_stages) of its L, after the embedding of the
+ * blocks of llama_stage_range (by default [stage L / n_stages, (stage + 1) L / n_stages) of its
+ * L), after the embedding of the
  * ids [B, T] on stage 0 (GPT-2's positions added), before the final norm and the head on the
  * last stage (which returns the logits; the others the hidden state [B, T, dim], which the
  * next stage takes as in). The modules run as nn_call runs them, hooks included, but the
@@ -211,6 +212,16 @@ nn_module_t *llama_layer(const llama_t *m, int64_t i);
  * leaves. A reference to in is taken, not consumed. Local. */
 fsdpc_status_t llama_stage_forward(nn_ctx_t *ctx, llama_t *m, int stage, int n_stages, nn_var_t *in,
                                    nn_var_t **out);
+
+/* Stage `stage` of n_stages's blocks [*first, *end): by llama_set_stage_splits for that stage
+ * count, else the even split [stage L / n_stages, (stage + 1) L / n_stages). false for a stage
+ * out of range. Local. */
+bool llama_stage_range(const llama_t *m, int stage, int n_stages, int64_t *first, int64_t *end);
+
+/* Splits the model into n_stages stages at first_blocks[0..n_stages) (each stage's first
+ * block: 0, then rising, below n_layers; TorchTitan's split points) instead of evenly: the
+ * stage functions with that stage count follow them. Local. */
+fsdpc_status_t llama_set_stage_splits(llama_t *m, const int64_t *first_blocks, int n_stages);
 
 /* The modules pipeline stage `stage` of n_stages holds (as llama_stage_forward runs them):
  * the embedding(s) on stage 0, its blocks, the final norm and lm_head on the last. Writes up

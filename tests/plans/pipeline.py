@@ -130,6 +130,32 @@ def pipeline():
           "at 8 microbatches 1f1b's peak (%d B) is below gpipe's (%d B); --dry-run prints each "
           "rank's stages, actions and in-flight microbatches, and the bubble 1/9"
           % (peaks["1f1b"], peaks["gpipe"]))
+    # pipeline.split_points: stage 1 begins at block 1 (three blocks and the head on it)
+    split = os.path.join(tmp, "split.yaml")
+    for points, n, why in ((["model.layers.1"], 2, None),
+                           (["model.norm"], 2, "'model.norm' is not a block of the model"),
+                           (["model.layers.1", "model.layers.2"], 2,
+                            "2 names for 2 stages (one for each stage after the first"),
+                           (["model.layers.3", "model.layers.2", "model.layers.1"], 4,
+                            "'model.layers.2' does not come after the stage before")):
+        with open(plan) as f, open(split, "w") as g:
+            g.write(f.read() + "pipeline:\n  split_points: [%s]\n" % ", ".join(points))
+        kvs = ["mesh.pp=%d" % n, "mesh.dp_shard=1"]
+        m = os.path.join(tmp, "split.jsonl")
+        p, _ = run(n, [split, "--metrics", m] + sets(kvs))
+        if why is None:
+            got = losses(m) if p.returncode == 0 else []
+            _, _, d = dry(n, split, kvs)
+            w = worst(refs[4], got)
+            check(w <= 2e-5 and "pipeline rank 0: stage 0 (blocks 0-0, embedding)" in d.stdout and
+                  "pipeline rank 1: stage 1 (blocks 1-3, final norm and head)" in d.stdout,
+                  "split_points [model.layers.1]: stages of 1 and 3 blocks (as --dry-run says) "
+                  "train one rank's losses within 2e-5 (worst %.2e)" % w)
+        else:
+            said = ranks_saying(p.stderr, re.escape(why))
+            check(p.returncode != 0 and said == {str(r) for r in range(n)},
+                  "split_points %s on pp %d is refused by name on every rank (%s)"
+                  % (points, n, p.stderr.strip()[-150:]))
     # each schedule's peak on pipeline rank 0 against --dry-run's estimate, at a size where the
     # activations in flight weigh (dim 128, 64 tokens x 2 samples, 8 microbatches)
     big = os.path.join(tmp, "big.yaml")
