@@ -91,6 +91,9 @@ typedef struct parallel_plan {
   int pp;
   pp_schedule_kind_t pp_schedule;
   int pp_microbatches, pp_stages_per_rank;
+  /* pipeline.sync_every_microbatch: reshard and reduce after every microbatch's backward;
+   * false (the default): gathered once a step, gradients reduced after the last microbatch */
+  bool pp_sync_every;
   /* pipeline.split_points: the module each stage after the first begins with ("" none: even) */
   char pp_splits[PLAN_MAX_PP_SPLITS][PLAN_PATTERN_MAX];
   int n_pp_splits;

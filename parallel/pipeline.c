@@ -120,6 +120,7 @@ static fsdpc_status_t run_backward(const pp_step_options_t *o, fsdpc_tensor_t *m
     return err_set(STATUS_EINVAL,
                    "pipeline: backward of stage %d, microbatch %d, before its forward", a.stage,
                    a.microbatch);
+  if (o->before_backward) FSDPC_TRY(o->before_backward(a.stage, a.microbatch, o->user));
   if (a.stage < S - 1) {
     fsdpc_tensor_t g;
     FSDPC_TRY(take_mail(mail, S, M, a, &g));

@@ -45,6 +45,9 @@ typedef fsdpc_status_t (*pp_stage_fn)(nn_ctx_t *ctx, int stage, int microbatch, 
 /* Stage 0's input of microbatch m (a new variable: the caller's reference passes to the
  * step). */
 typedef fsdpc_status_t (*pp_input_fn)(int microbatch, nn_var_t **out, void *user);
+/* Called before B(stage, microbatch) runs on this rank (fully_shard's gradient sync for the
+ * stage's last microbatch only, for example). */
+typedef fsdpc_status_t (*pp_backward_fn)(int stage, int microbatch, void *user);
 
 /* What a step measured on this rank (pp_step_options_t.stats). */
 typedef struct pp_step_stats {
@@ -64,14 +67,16 @@ typedef struct pp_step_options {
   device_t device;
   pp_stage_fn forward;
   pp_input_fn input; /* called on stage 0's rank only */
+  pp_backward_fn before_backward; /* NULL: none */
   void *user;
   pp_step_stats_t *stats; /* if not NULL, filled by each step */
 } pp_step_options_t;
 
-#define PP_STEP_OPTIONS_INIT                                                               \
-  {                                                                                        \
-    .group = NULL, .schedule = NULL, .ndim = 0, .shape = {0}, .dtype = DTYPE_F32,          \
-    .device = {DEVICE_CPU, 0}, .forward = NULL, .input = NULL, .user = NULL, .stats = NULL \
+#define PP_STEP_OPTIONS_INIT                                                            \
+  {                                                                                     \
+    .group = NULL, .schedule = NULL, .ndim = 0, .shape = {0}, .dtype = DTYPE_F32,       \
+    .device = {DEVICE_CPU, 0}, .forward = NULL, .input = NULL, .before_backward = NULL, \
+    .user = NULL, .stats = NULL                                                         \
   }
 
 /* Runs this rank's actions of one step (pp_schedule_action order): its stages' forwards and

@@ -104,6 +104,9 @@ static llama_memory_t stage_peak(const llama_stage_t *st, fsdp_group_t *const *g
     size_t pd = dtype_size(fsdp_param_dtype(groups[i]));
     gathered += one_rank && pd == own ? 0 : numel * (double)pd;
   }
+  /* gathered once a step (pipeline.sync_every_microbatch off), a unit's gradients accumulate
+   * whole until its last microbatch's backward reduces them */
+  if (!st->sync_every && !one_rank) gathered *= 2;
   double nb = (double)st->blocks / st->stages; /* a stage's blocks: what one in flight keeps */
   double mb = head_in + (ac ? nb * out_b : nb * per_block);
   return moment("a block's backward with the schedule's microbatches in flight", state,
@@ -247,6 +250,9 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
   llama_comm_t c = {0};
   int R = p->par.dp_replicate;
   double A = (double)p->grad_accum;
+  /* under a pipeline the units gather once a step and reduce after the last microbatch, unless
+   * pipeline.sync_every_microbatch */
+  double Au = p->par.pp > 1 && !p->par.pp_sync_every ? 1 : A;
   for (int i = 0; i < n; i++) {
     const fsdp_group_t *g = groups[i];
     int W = fsdp_shard_size(g) > 0 ? fsdp_shard_size(g) : p->par.dp_shard;
@@ -258,27 +264,27 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
     const dtype_t pd = fsdp_param_dtype(g), rd = fsdp_reduce_dtype(g);
     double flat = (double)fsdp_gather_numel(g), red = (double)fsdp_reduce_numel(g);
     if (W > 1) {
-      c.n_ag += (long long)A * (rs == 1 ? 2 : 1);
-      c.ag += A * (rs == 1 ? 2 : 1) * (W - 1) * flat * (double)dtype_size(pd);
+      c.n_ag += (long long)Au * (rs == 1 ? 2 : 1);
+      c.ag += Au * (rs == 1 ? 2 : 1) * (W - 1) * flat * (double)dtype_size(pd);
       if (rs >= 2) {
-        c.n_ag += (long long)A;
-        c.ag += A * (rs - 1) * flat * W / rs * (double)dtype_size(pd);
+        c.n_ag += (long long)Au;
+        c.ag += Au * (rs - 1) * flat * W / rs * (double)dtype_size(pd);
       }
-      c.n_rs += (long long)A;
-      c.rs += A * (W - 1) * red * (double)dtype_size(rd);
+      c.n_rs += (long long)Au;
+      c.rs += Au * (W - 1) * red * (double)dtype_size(rd);
     }
     double red2 = (double)fsdp_replica_reduce_numel(g);
     if (R > 1 && fsdp_state_over_replicas(g)) {
       if (red2 > 0) { /* the replicas' reduce-scatters, then one gather of the updated shards */
-        c.n_rs += (long long)A;
-        c.rs += A * (R - 1) * red2 * (double)dtype_size(rd);
+        c.n_rs += (long long)Au;
+        c.rs += Au * (R - 1) * red2 * (double)dtype_size(rd);
         c.n_ag += 1;
         c.ag += (R - 1) * (double)fsdp_replica_gather_numel(g) *
                 (double)dtype_size(fsdp_shard_dtype(g));
       }
     } else if (R > 1) {
-      c.n_ar += (long long)A;
-      c.ar += A * 2.0 * (R - 1) * red * (double)dtype_size(rd) / R;
+      c.n_ar += (long long)Au;
+      c.ar += Au * 2.0 * (R - 1) * red * (double)dtype_size(rd) / R;
     }
   }
   /* expert parallelism: per micro-batch and sparse layer, four exchanges (the rows forward and

@@ -59,6 +59,7 @@ typedef struct llama_stage {
   int stages, blocks;
   bool first, last;
   int in_flight;
+  bool sync_every; /* pipeline.sync_every_microbatch: no whole gradients kept across them */
 } llama_stage_t;
 
 /* llama_memory_estimate for a pipeline rank holding stage's share, groups[0..n) its units. */

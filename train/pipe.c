@@ -90,6 +90,25 @@ static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, 
   return st;
 }
 
+/* Before B(s, mb): the stage's units reduce their gradients and reshard only after its last
+ * microbatch (gathered once a step, the gradients accumulated whole meanwhile), unless
+ * pipeline.sync_every_microbatch. */
+static fsdpc_status_t stage_before_backward(int s, int mb, void *user) {
+  const stage_step_t *u = user;
+  run_t *r = u->r;
+  if (r->plan.par.pp_sync_every) return STATUS_OK;
+  int S = pp_schedule_ranks(r->pp_sched) * pp_schedule_stages_per_rank(r->pp_sched);
+  bool last = mb == pp_schedule_microbatches(r->pp_sched) - 1;
+  nn_module_t *mods[4096 + 4];
+  int n = llama_stage_modules(r->llama, s, S, mods, 4096 + 4);
+  for (int i = 0; i < n; i++) {
+    fsdp_set_requires_gradient_sync(mods[i], last);
+    fsdp_set_reshard_after_backward(mods[i], last);
+    fsdp_set_is_last_backward(mods[i], last);
+  }
+  return STATUS_OK;
+}
+
 pp_step_options_t train_pp_options(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   pp_step_options_t o = PP_STEP_OPTIONS_INIT;
@@ -103,6 +122,7 @@ pp_step_options_t train_pp_options(run_t *r) {
   o.device = r->dev;
   o.forward = stage_forward;
   o.input = stage_input;
+  o.before_backward = stage_before_backward;
   return o;
 }
 

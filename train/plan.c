@@ -235,8 +235,8 @@ static fsdpc_status_t read_moe(plan_ctx_t *c, int root, const char *own) {
 
 /* The pipeline section: schedule, microbatches, stages_per_rank (mesh.pp's stages). */
 static fsdpc_status_t read_pipeline(plan_ctx_t *c, int root) {
-  static const char *const keys[] = {"schedule", "microbatches", "stages_per_rank", "split_points",
-                                     NULL};
+  static const char *const keys[] = {"schedule",     "microbatches",          "stages_per_rank",
+                                     "split_points", "sync_every_microbatch", NULL};
   fsdpc_plan_t *p = c->job;
   int m;
   FSDPC_TRY(pr_section(c, root, "pipeline", keys, &m));
@@ -256,6 +256,7 @@ static fsdpc_status_t read_pipeline(plan_ctx_t *c, int root) {
   p->par.pp_stages_per_rank = (int)v;
   if (p->par.pp_schedule == PP_INTERLEAVED_1F1B && pr_find(c, m, "stages_per_rank") == 0)
     p->par.pp_stages_per_rank = 2; /* interleaved: two stages a rank unless said */
+  FSDPC_TRY(pr_get_bool(c, m, "pipeline", "sync_every_microbatch", &p->par.pp_sync_every));
   int sp = pr_find(c, m, "split_points");
   if (pr_is_null(c, sp)) return STATUS_OK;
   yaml_node_t *n = pr_node(c, sp);

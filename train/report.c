@@ -459,6 +459,7 @@ static bool memory_lines(const run_t *r) {
     int P = pp_schedule_ranks(r->pp_sched), V = pp_schedule_stages_per_rank(r->pp_sched);
     int64_t L = p->model.n_layers;
     llama_stage_t stage = {.stages = V,
+                           .sync_every = p->par.pp_sync_every,
                            .first = true,
                            .last = (P * V - 1) % P == 0,
                            .in_flight = pp_schedule_max_in_flight(r->pp_sched, 0)};

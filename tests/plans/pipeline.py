@@ -42,6 +42,8 @@ PLANS = [
     ("pp 4, gpipe", 4, ["mesh.pp=4", "mesh.dp_shard=1", "pipeline.schedule=gpipe"], 4),
     ("pp 4, 1f1b", 4, ["mesh.pp=4", "mesh.dp_shard=1", "pipeline.schedule=1f1b"], 4),
     ("pp 2 x dp_shard 2", 4, ["mesh.pp=2", "mesh.dp_shard=2"], 4),
+    ("pp 2 x dp_shard 2, resharded and reduced after every microbatch", 4,
+     ["mesh.pp=2", "mesh.dp_shard=2", "pipeline.sync_every_microbatch=true"], 4),
     ("pp 2 x tp 2", 4, ["mesh.pp=2", "mesh.dp_shard=1", "mesh.tp=2"], 4),
     ("pp 2 x dp_replicate 2 x dp_shard 2", 8,
      ["mesh.pp=2", "mesh.dp_replicate=2", "mesh.dp_shard=2", "data.global_batch_size=8"], 8),
@@ -79,9 +81,10 @@ def dry(n, plan, kvs):
 
 
 def pipeline():
-    """Llama of 4 blocks: every schedule on 2 and 4 pipeline ranks, with FSDP, TP and HSDP
-    inside the stages, interleaved with checkpointed blocks, and 8 microbatches, trains one
-    rank's ten losses and gradient norms within 2e-5; each step's point-to-point bytes (summed
+    """Llama of 4 blocks: every schedule on 2 and 4 pipeline ranks, with FSDP (gathered once a
+    step and reduced after the last microbatch, or after every one), TP and HSDP inside the
+    stages, interleaved with checkpointed blocks, and 8 microbatches, trains one rank's ten
+    losses and gradient norms within 2e-5; each step's point-to-point bytes (summed
     over the pipeline) equal --dry-run's closed form, and its communication --dry-run's
     estimate; 1f1b keeps less in flight than gpipe at 8 microbatches; a checkpoint of pp 4
     resumes at pp 4 (bit for bit), pp 2, one rank and FSDP on 4; --dry-run prints each pipeline
@@ -172,7 +175,9 @@ def pipeline():
                          ("1f1b, checkpointed blocks", 2,
                           ["mesh.pp=2", "train.activation_checkpointing=true"]),
                          ("pp 4", 4, ["mesh.pp=4"]),
-                         ("pp 2 x dp_shard 2", 4, ["mesh.pp=2", "mesh.dp_shard=2"])):
+                         ("pp 2 x dp_shard 2", 4, ["mesh.pp=2", "mesh.dp_shard=2"]),
+                         ("pp 2 x dp_shard 2, synced every microbatch", 4,
+                          ["mesh.pp=2", "mesh.dp_shard=2", "pipeline.sync_every_microbatch=true"])):
         kvs = kvs + ([] if "mesh.dp_shard=2" in kvs else ["mesh.dp_shard=1"])
         m = os.path.join(tmp, "mem-%s.jsonl" % what.replace(" ", "_"))
         p, _ = run(n, [big, "--metrics", m] + sets(kvs))
