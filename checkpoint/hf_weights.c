@@ -205,6 +205,9 @@ static fsdpc_status_t load_from(nn_module_t *root, st_file_t *const *files, int 
     }
     size_t plen;
     bool stacked = dtensor_ndim(ps[i]->value) == 3 && stacked_leaf(ps[i]->fqn, &plen) != NULL;
+    /* no memory here (another pipeline stage's): its ranks read it */
+    if (st == STATUS_OK && tensor_is_meta(dtensor_local(ps[i]->value)) && (at >= 0 || stacked))
+      continue;
     if (st == STATUS_OK && at < 0 && stacked) { /* Hugging Face's per-expert tensors */
       st = load_experts(files, nf, where, ps[i]);
       continue;

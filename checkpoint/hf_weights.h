@@ -9,7 +9,8 @@
  *
  * Loading reads, for every parameter, only the box its local shard covers, converting the
  * stored dtype to the parameter's; like torch's strict load_state_dict, a missing or an
- * unexpected tensor or a shape mismatch is an error naming the file and the tensor. Saving
+ * unexpected tensor or a shape mismatch is an error naming the file and the tensor; a
+ * parameter without memory (meta: another pipeline stage's) is checked present, not read. Saving
  * writes each parameter whole: every parameter must be fully present on this rank
  * (Replicate on every mesh dimension). Neither is collective. Stacked experts are read and
  * written per expert, as Hugging Face names them (hf_expert_name below).

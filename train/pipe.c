@@ -53,11 +53,11 @@ typedef struct stage_step {
   int64_t step;
 } stage_step_t;
 
-/* Microbatch mb's token ids (stage 0) on the device. */
-static fsdpc_status_t stage_input(int mb, nn_var_t **out, void *user) {
-  const stage_step_t *u = user;
+/* Microbatch mb's token ids (stage 0) from data d on the device. */
+static fsdpc_status_t stage_input_from(const fsdpc_data_t *d, const stage_step_t *u, int mb,
+                                       nn_var_t **out) {
   fsdpc_tensor_t in = {0}, tg = {0}, dev = {0};
-  FSDPC_TRY(data_batch(u->r->data, u->spec, u->step, mb, &in, &tg));
+  FSDPC_TRY(data_batch(d, u->spec, u->step, mb, &in, &tg));
   fsdpc_status_t st = tensor_upload(&dev, &in, u->r->dev);
   tensor_free(&in);
   tensor_free(&tg);
@@ -66,11 +66,15 @@ static fsdpc_status_t stage_input(int mb, nn_var_t **out, void *user) {
   return st;
 }
 
-/* Stage s of the model on microbatch mb; the last one's logits into the mean cross-entropy
- * over its kept targets. */
-static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, nn_var_t **out,
-                                    void *user) {
+static fsdpc_status_t stage_input(int mb, nn_var_t **out, void *user) {
   const stage_step_t *u = user;
+  return stage_input_from(u->r->data, u, mb, out);
+}
+
+/* Stage s of the model on microbatch mb of data d; the last one's logits into the mean
+ * cross-entropy over its kept targets. */
+static fsdpc_status_t stage_forward_on(const fsdpc_data_t *d, nn_ctx_t *ctx, int s, int mb,
+                                       nn_var_t *in, nn_var_t **out, const stage_step_t *u) {
   run_t *r = u->r;
   int S = pp_schedule_ranks(r->pp_sched) * pp_schedule_stages_per_rank(r->pp_sched);
   nn_var_t *h = NULL;
@@ -80,7 +84,7 @@ static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, 
     return STATUS_OK;
   }
   fsdpc_tensor_t ids = {0}, tg = {0}, tgd = {0};
-  fsdpc_status_t st = data_batch(r->data, u->spec, u->step, mb, &ids, &tg);
+  fsdpc_status_t st = data_batch(d, u->spec, u->step, mb, &ids, &tg);
   tensor_free(&ids);
   if (st == STATUS_OK) st = tensor_upload(&tgd, &tg, r->dev);
   if (st == STATUS_OK) st = nn_cross_entropy(ctx, h, &tgd, out, NULL);
@@ -88,6 +92,12 @@ static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, 
   tensor_free(&tgd);
   nn_var_put(h);
   return st;
+}
+
+static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, nn_var_t **out,
+                                    void *user) {
+  const stage_step_t *u = user;
+  return stage_forward_on(u->r->data, ctx, s, mb, in, out, u);
 }
 
 /* Before B(s, mb): the stage's units reduce their gradients and reshard only after its last
@@ -136,4 +146,71 @@ fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, do
   pg_counters_t after = pg_counters(o.group);
   *p2p_bytes = (double)(after.bytes[PG_SEND_RECV] - before.bytes[PG_SEND_RECV]);
   return STATUS_OK;
+}
+
+/* The boundary activation [batch, seq_len, dim] from stage s's rank to stage s + 1's (h on the
+ * sender, *h received on the other), when they differ. */
+static fsdpc_status_t pass_on(run_t *r, pg_t *g, int s, int P, const data_spec_t *spec,
+                              nn_var_t **h) {
+  int from = s % P, to = (s + 1) % P;
+  if (from == to || (r->pp_rank != from && r->pp_rank != to)) return STATUS_OK;
+  pp_step_options_t o = train_pp_options(r);
+  int64_t shape[3] = {spec->batch_size, o.shape[1], o.shape[2]};
+  fsdpc_tensor_t buf = {0};
+  bool send = r->pp_rank == from;
+  if (send) {
+    FSDPC_TRY(tensor_clone(&buf, &(*h)->value, o.dtype, r->dev)); /* contiguous, the dtype */
+  } else {
+    FSDPC_TRY(tensor_init(&buf, o.dtype, r->dev, 3, shape));
+  }
+  pg_p2p_t op = {send, buf.data, (size_t)tensor_numel(&buf), send ? to : from};
+  pg_work_t *w = NULL;
+  fsdpc_status_t st = pg_send_recv(g, &op, 1, o.dtype, &w);
+  if (st == STATUS_OK) st = pg_wait(w);
+  if (send || st != STATUS_OK) {
+    tensor_free(&buf);
+    return st;
+  }
+  st = nn_var_new(&buf, false, h);
+  if (st != STATUS_OK) tensor_free(&buf);
+  return st;
+}
+
+fsdpc_status_t train_pp_eval_batch(run_t *r, const data_spec_t *spec, int64_t b, double *loss) {
+  int P = pp_schedule_ranks(r->pp_sched), S = P * pp_schedule_stages_per_rank(r->pp_sched);
+  pg_t *g = mesh_group(parallel_pp_mesh(r->par), 0);
+  data_spec_t one = *spec;
+  one.grad_accum = 1;
+  stage_step_t u = {r, &one, b};
+  nn_ctx_t *ctx = NULL;
+  nn_var_t *h = NULL;
+  double l = 0;
+  fsdpc_status_t st = nn_ctx_new(&ctx);
+  if (st == STATUS_OK) nn_ctx_set_grad_enabled(ctx, false);
+  /* the stages in order, each on its rank, the activation passed on between ranks */
+  for (int s = 0; s < S && st == STATUS_OK; s++) {
+    if (s % P == r->pp_rank) {
+      nn_var_t *in = h, *out = NULL;
+      h = NULL;
+      if (s == 0) st = stage_input_from(r->eval, &u, 0, &in);
+      if (st == STATUS_OK) st = stage_forward_on(r->eval, ctx, s, 0, in, &out, &u);
+      nn_var_put(in);
+      if (st == STATUS_OK && s == S - 1) st = llama_loss_read(&out->value, &l);
+      if (s < S - 1)
+        h = out;
+      else
+        nn_var_put(out);
+    }
+    if (st == STATUS_OK && s < S - 1) st = pass_on(r, g, s, P, &one, &h);
+    if ((s + 1) % P != r->pp_rank) { /* the next stage's input is another rank's */
+      nn_var_put(h);
+      h = NULL;
+    }
+  }
+  nn_var_put(h);
+  nn_ctx_free(ctx);
+  /* the last stage's loss on every pipeline rank */
+  if (st == STATUS_OK) st = pg_host_all_reduce(g, &l, &l, 1, PG_HOST_F64, REDUCE_SUM);
+  *loss = l;
+  return st;
 }

@@ -920,9 +920,7 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
   if (st != STATUS_OK)
     return err_prefix(st, "%s: pipeline (schedule %s, %lld microbatches a step)", w,
                       pp_schedule_name(pp->pp_schedule), (long long)p->grad_accum);
-  const char *not_yet = p->eval_path[0]           ? "eval.path (evaluation)"
-                        : p->init_from[0]         ? "model.init_from (fsdp-ckpt import-hf first)"
-                        : p->model.tie_embeddings ? "tied embeddings"
+  const char *not_yet = p->model.tie_embeddings   ? "tied embeddings"
                         : p->model.n_experts > 0  ? "a model with experts"
                         : pp->sequence_parallel   ? "sequence parallelism"
                         : pp->offload             ? "offload"

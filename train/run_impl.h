@@ -94,6 +94,9 @@ void train_pp_free(run_t *r);
  * *p2p_bytes. Collective over the pipeline group. */
 fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, double *loss,
                              double *p2p_bytes);
+/* Evaluation batch b of r->eval through the stages in order, without gradients: its mean loss
+ * on every pipeline rank. Collective over the pipeline group. */
+fsdpc_status_t train_pp_eval_batch(run_t *r, const data_spec_t *spec, int64_t b, double *loss);
 /* The step's options for pp_step (also what --dry-run counts). */
 pp_step_options_t train_pp_options(run_t *r);
 

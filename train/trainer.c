@@ -135,7 +135,8 @@ static fsdpc_status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) 
   data_spec_t one = *spec;
   one.batch_size = r->plan.eval_batch_size; /* train_eval_batch takes one micro-batch */
   for (int64_t b = 0; b < r->plan.eval_batches && st == STATUS_OK; b++) {
-    st = train_eval_batch(r->root, r->dev, r->eval, &one, b, &l);
+    st = r->pp_sched != NULL ? train_pp_eval_batch(r, &one, b, &l)
+                             : train_eval_batch(r->root, r->dev, r->eval, &one, b, &l);
     sum += l;
   }
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);

@@ -2,7 +2,7 @@
 import os
 import re
 
-from common import ROOT, TOOL, check, losses, mkdtemp, ranks_saying, run, sh
+from common import ROOT, TOOL, check, hf_folder, losses, mkdtemp, ranks_saying, run, sh
 
 PLAN = """\
 mesh:
@@ -133,6 +133,38 @@ def pipeline():
           "at 8 microbatches 1f1b's peak (%d B) is below gpipe's (%d B); --dry-run prints each "
           "rank's stages, actions and in-flight microbatches, and the bubble 1/9"
           % (peaks["1f1b"], peaks["gpipe"]))
+    # evaluation through the stages; a Hugging Face folder as the start (each rank reads its
+    # stages' tensors)
+    ev = ["eval.path=" + os.path.join(ROOT, "data", "corpus.txt"), "eval.interval=5",
+          "eval.batches=2"]
+    for what, n, kvs, ref_kvs in (
+            ("pp 2", 2, ["mesh.pp=2", "mesh.dp_shard=1"], ["mesh.dp_shard=1"]),
+            ("pp 2 x dp_shard 2", 4, ["mesh.pp=2", "mesh.dp_shard=2", "data.global_batch_size=8"],
+             ["mesh.dp_shard=2", "data.global_batch_size=8"])):
+        got = {}
+        for name, k, at in (("pipe", n, kvs), ("ref", n // 2, ref_kvs)):
+            m = os.path.join(tmp, "eval-%s-%d.jsonl" % (name, n))
+            run(k, [plan, "--metrics", m] + sets(at + ev))
+            got[name] = [r["eval_loss"] for r in losses(m) if "eval_loss" in r] \
+                if os.path.exists(m) else []
+        check(len(got["pipe"]) == 2 and got["pipe"] == got["ref"],
+              "%s evaluates through the stages: the eval losses of the same plan without the "
+              "pipeline (%s)" % (what, got["pipe"]))
+    init = PLAN.format(data=os.path.join(ROOT, "data", "corpus.txt")).split("model:")[0] + \
+        "model:\n  init_from: %s\n" % hf_folder(mkdtemp(), "tiny_qwen2") + \
+        "parallelize:" + PLAN.split("parallelize:")[1].format(
+            data=os.path.join(ROOT, "data", "corpus.txt"))
+    hfplan = os.path.join(tmp, "hf.yaml")
+    with open(hfplan, "w") as f:
+        f.write(init)
+    runs = {}
+    for name, n, kvs in (("one", 1, ["mesh.dp_shard=1"]), ("pp", 2, ["mesh.pp=2", "mesh.dp_shard=1"])):
+        m = os.path.join(tmp, "hf-%s.jsonl" % name)
+        run(n, [hfplan, "--metrics", m] + sets(kvs))
+        runs[name] = losses(m) if os.path.exists(m) else []
+    w = worst(runs["one"], runs["pp"])
+    check(w <= 2e-5, "model.init_from (Qwen2's folder) under pp 2: one rank's losses within 2e-5 "
+                     "(worst %.2e)" % w)
     # pipeline.split_points: stage 1 begins at block 1 (three blocks and the head on it)
     split = os.path.join(tmp, "split.yaml")
     for points, n, why in ((["model.layers.1"], 2, None),
