@@ -541,6 +541,17 @@ parallelize:
 """
 
 
+def saved_chunks(ck, name):
+    """Every (shape, offsets) box of tensor name in checkpoint ck's model files."""
+    chunks = []
+    for fname in sorted(os.listdir(os.path.join(ck, "model"))):
+        ch, _ = st_read(os.path.join(ck, "model", fname))
+        info = json.loads(ch["__metadata__"]["DCP_SHARDING_INFO"])
+        if name in ch:
+            chunks.append((ch[name]["shape"], info[name]["saved_offsets"]))
+    return chunks
+
+
 def ckpt_family():
     """Qwen2, Qwen3, GPT-2 and Qwen3-MoE checkpoints, no model flags given: import-hf of
     tests/reference's folder (Qwen3-MoE's per-expert tensors stacked), inspect and verify,
@@ -576,13 +587,7 @@ def ckpt_family():
             check(re.search(r"model\.layers\.0\.mlp\.experts\.up_proj\s+F32\s+4x32x64", p.stdout)
                   is not None and "experts.0.up_proj" not in p.stdout,
                   "%s: import-hf stacks each layer's experts into one tensor" % tag)
-            chunks = []
-            for fname in sorted(os.listdir(os.path.join(tp, "model"))):
-                ch, _ = st_read(os.path.join(tp, "model", fname))
-                info = json.loads(ch["__metadata__"]["DCP_SHARDING_INFO"])
-                name = "model.layers.0.mlp.experts.up_proj"
-                if name in ch:
-                    chunks.append((ch[name]["shape"], info[name]["saved_offsets"]))
+            chunks = saved_chunks(tp, "model.layers.0.mlp.experts.up_proj")
             want_chunks = [([2, 32, 64], [0, 0, 0]), ([2, 32, 64], [2, 0, 0])]
             check(sorted(chunks) == want_chunks, "%s: resharded for mesh.ep=2 (x tp 2), the "
                   "experts' chunks are %s (want %s: each ep rank's two, written once)"
@@ -590,13 +595,7 @@ def ckpt_family():
         if "gpt2" in tag:  # c_attn by head: [dim / dp, 3, dim / tp] a rank, at its tp offset
             with open(os.path.join(hf, "config.json")) as f:
                 d = json.load(f)["n_embd"]
-            chunks = []
-            for fname in sorted(os.listdir(os.path.join(tp, "model"))):
-                ch, _ = st_read(os.path.join(tp, "model", fname))
-                info = json.loads(ch["__metadata__"]["DCP_SHARDING_INFO"])
-                name = "transformer.h.0.attn.c_attn.weight"
-                if name in ch:
-                    chunks.append((ch[name]["shape"], info[name]["saved_offsets"]))
+            chunks = saved_chunks(tp, "transformer.h.0.attn.c_attn.weight")
             want_chunks = sorted(([d // 2, 3, d // 2], [r * d // 2, 0, t * d // 2])
                                  for r in range(2) for t in range(2))
             check(sorted(chunks) == want_chunks, "%s: c_attn's chunks under FSDP 2 x TP 2 are "
