@@ -428,6 +428,42 @@ static void unit_dtypes(const run_t *r) {
 
 /* --dry-run: the memory per rank, and a step's peak with what makes it up; false (said) when
  * the estimate fails. */
+/* This rank's stages (mesh.pp) as llama_memory_estimate_stage takes them. */
+static llama_stage_t own_stage(const run_t *r) {
+  int P = pp_schedule_ranks(r->pp_sched), V = pp_schedule_stages_per_rank(r->pp_sched), S = P * V;
+  int64_t L = r->plan.model.n_layers;
+  llama_stage_t stage = {.stages = V,
+                         .sync_every = r->plan.par.pp_sync_every,
+                         .first = r->pp_rank == 0,
+                         .last = (S - 1) % P == r->pp_rank,
+                         .in_flight = pp_schedule_max_in_flight(r->pp_sched, r->pp_rank)};
+  for (int s = r->pp_rank; s < S; s += P) {
+    int64_t b0 = s * L / S, b1 = (s + 1) * L / S;
+    llama_stage_range(r->llama, s, S, &b0, &b1);
+    stage.blocks += (int)(b1 - b0);
+  }
+  return stage;
+}
+
+/* mesh.pp in a dry run of the whole job (not planned from one process): every pipeline rank's
+ * estimated peak (of the pipeline holding rank 0) into peaks[0..pp) on rank 0, else 0s.
+ * Collective over the pipeline group. */
+static void pipeline_peaks(const run_t *r, double *peaks) {
+  int P = pp_schedule_ranks(r->pp_sched);
+  for (int q = 0; q < P; q++) peaks[q] = 0;
+  if (world_planning() || !r->builtin) return;
+  llama_stage_t stage = own_stage(r);
+  size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
+  llama_memory_t est = {0};
+  double mine = llama_memory_estimate_stage(&r->plan, r->groups, r->n_groups,
+                                            sharded_param_bytes(r), own, &stage, &est) == STATUS_OK
+                    ? est.peak
+                    : 0;
+  if (pg_host_all_gather(mesh_group(parallel_pp_mesh(r->par), 0), &mine, peaks, 1, PG_HOST_F64) !=
+      STATUS_OK)
+    err_clear();
+}
+
 static bool memory_lines(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   int W = p->par.dp_shard;
@@ -455,19 +491,8 @@ static bool memory_lines(const run_t *r) {
   flip.activation_checkpointing = !p->activation_checkpointing;
   size_t own = r->n > 0 ? dtype_size(dtensor_local(r->ps[0]->value)->dtype) : 4;
   fsdpc_status_t st1, st2;
-  if (r->pp_sched != NULL) { /* pipeline rank 0's share */
-    int P = pp_schedule_ranks(r->pp_sched), V = pp_schedule_stages_per_rank(r->pp_sched);
-    int64_t L = p->model.n_layers;
-    llama_stage_t stage = {.stages = V,
-                           .sync_every = p->par.pp_sync_every,
-                           .first = true,
-                           .last = (P * V - 1) % P == 0,
-                           .in_flight = pp_schedule_max_in_flight(r->pp_sched, 0)};
-    for (int s = 0; s < P * V; s += P) {
-      int64_t b0 = s * L / (P * V), b1 = (s + 1) * L / (P * V);
-      llama_stage_range(r->llama, s, P * V, &b0, &b1);
-      stage.blocks += (int)(b1 - b0);
-    }
+  if (r->pp_sched != NULL) { /* this pipeline rank's share */
+    llama_stage_t stage = own_stage(r);
     st1 = llama_memory_estimate_stage(p, r->groups, r->n_groups, pb, own, &stage, &est);
     st2 = llama_memory_estimate_stage(&flip, r->groups, r->n_groups, pb, own, &stage, &other);
   } else {
@@ -541,7 +566,15 @@ static void pipeline_lines(run_t *r) {
 
 void train_dry_run(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
-  if (world_rank() != 0) return;
+  double *peaks = NULL; /* mesh.pp: every pipeline rank's estimate (a dry run of the whole job) */
+  if (r->pp_sched != NULL) {
+    peaks = calloc((size_t)pp_schedule_ranks(r->pp_sched), sizeof *peaks);
+    if (peaks != NULL) pipeline_peaks(r, peaks);
+  }
+  if (world_rank() != 0) {
+    free(peaks);
+    return;
+  }
   printf(
       "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "
       "rank%s):\n",
@@ -550,6 +583,9 @@ void train_dry_run(const run_t *r) {
   for (int i = 0; i < r->n; i++) param_line(r, r->ps[i]);
   unit_dtypes(r);
   if (r->pp_sched != NULL) pipeline_lines((run_t *)r); /* memory: pipeline rank 0's */
+  for (int q = 0; peaks != NULL && q < pp_schedule_ranks(r->pp_sched); q++)
+    if (peaks[q] > 0) printf("pp_peak_bytes %d %.0f\n", q, peaks[q]);
+  free(peaks);
   if (!memory_lines(r) && r->builtin) return;
   /* fully_shard's collectives follow from its groups whatever the model; tensor parallelism's
    * from the built-in models' plans only */

@@ -493,7 +493,8 @@ typedef struct loop {
   train_saver_t saver;
   nn_moe_aux_t *moe; /* the MoE blocks' routing statistics (and load-balancing loss), or NULL */
   int experts;
-  int64_t *load; /* a step's choices per expert, every block and rank summed */
+  int64_t *load;    /* a step's choices per expert, every block and rank summed */
+  double *pp_peaks; /* mesh.pp: each pipeline rank's peak in the step (rank 0's pipeline) */
 } loop_t;
 
 /* One step's figures. */
@@ -553,8 +554,12 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
   L->experts = nn_moe_aux_experts(L->moe);
   if (st == STATUS_OK && L->moe && (L->load = calloc((size_t)L->experts, sizeof *L->load)) == NULL)
     st = err_set(STATUS_ENOMEM, "out of host memory");
+  if (st == STATUS_OK && r->pp_sched != NULL &&
+      (L->pp_peaks = calloc((size_t)p->par.pp, sizeof *L->pp_peaks)) == NULL)
+    st = err_set(STATUS_ENOMEM, "out of host memory");
   if (st != STATUS_OK) {
     if (saver) train_saver_free(&L->saver);
+    free(L->pp_peaks);
     free(L->load);
     free(L->micro_loss);
     if (L->mf != NULL) fclose(L->mf);
@@ -665,6 +670,11 @@ static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
   o->comm = train_counted_bytes(r);
   o->peak = mem_stats(r->dev).peak;
   o->state = mem_stats(r->dev).current;
+  if (L->pp_peaks != NULL) { /* every stage's peak, for the metrics */
+    double mine = (double)o->peak;
+    FSDPC_TRY(pg_host_all_gather(mesh_group(parallel_pp_mesh(r->par), 0), &mine, L->pp_peaks, 1,
+                                 PG_HOST_F64));
+  }
   L->peak_max = o->peak > L->peak_max ? o->peak : L->peak_max;
   if (o->s == r->start_step) L->first_loss = o->loss;
   L->step_max = o->dt > L->step_max ? o->dt : L->step_max;
@@ -721,7 +731,12 @@ static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
     cJSON_AddNumberToObject(j, "state_bytes", (double)o->state);
     cJSON_AddNumberToObject(j, "step_time_s", o->dt);
     if (o->eval_now) cJSON_AddNumberToObject(j, "eval_loss", o->eval_loss);
-    if (r->pp_sched != NULL) cJSON_AddNumberToObject(j, "p2p_bytes", o->p2p);
+    if (r->pp_sched != NULL) {
+      cJSON_AddNumberToObject(j, "p2p_bytes", o->p2p);
+      cJSON *pk = cJSON_AddArrayToObject(j, "pp_peak_mem_bytes"); /* pipeline rank q's */
+      for (int q = 0; pk && L->pp_peaks && q < p->par.pp; q++)
+        cJSON_AddItemToArray(pk, cJSON_CreateNumber(L->pp_peaks[q]));
+    }
     if (L->moe != NULL) { /* the routing: tokens per expert (every block), the balance loss */
       cJSON_AddNumberToObject(j, "aux_loss", o->aux_loss);
       cJSON *load = cJSON_AddArrayToObject(j, "expert_load");
@@ -833,6 +848,7 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   train_saver_free(&L->saver); /* a save in flight after a failure stays uncommitted */
   free(L->micro_loss);
   free(L->load);
+  free(L->pp_peaks);
   if (L->mf != NULL && fclose(L->mf) != 0) L->bad = errno ? errno : EIO;
   if (L->mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
     fsdpc_status_t ms = metrics_agree(L->mpath, L->bad);
