@@ -94,6 +94,7 @@ static fsdpc_status_t run_forward(const pp_step_options_t *o, fsdpc_tensor_t *ma
     fsdpc_tensor_t t;
     FSDPC_TRY(take_mail(mail, S, M, a, &t));
     FSDPC_TRY(nn_var_new(&t, true, &b->in)); /* its gradient goes back to the previous stage */
+    b->in->layout = o->layout;
   } else {
     FSDPC_TRY(o->input(a.microbatch, &b->in, o->user));
   }

@@ -65,6 +65,10 @@ typedef struct pp_step_options {
   int64_t shape[TENSOR_MAX_DIMS]; /* the same at every boundary, contiguous */
   dtype_t dtype;
   device_t device;
+  /* the layout received activations carry (nn_var_t.layout: tensor parallelism's, such as
+   * TP_SHARD_SEQ under sequence parallelism, whose shape then holds this rank's sequence
+   * shard); 0: none */
+  int layout;
   pp_stage_fn forward;
   pp_input_fn input; /* called on stage 0's rank only */
   pp_backward_fn before_backward; /* NULL: none */

@@ -124,10 +124,13 @@ pp_step_options_t train_pp_options(run_t *r) {
   pp_step_options_t o = PP_STEP_OPTIONS_INIT;
   o.group = mesh_group(parallel_pp_mesh(r->par), 0);
   o.schedule = r->pp_sched;
-  o.ndim = 3; /* the hidden state [batch, seq_len, dim], whole on every tp rank */
+  o.ndim = 3; /* the hidden state [batch, seq_len, dim], whole on every tp rank, or its
+               * sequence shard under sequence parallelism */
+  bool sp = p->par.tp > 1 && p->par.sequence_parallel;
   o.shape[0] = p->batch_size;
-  o.shape[1] = p->seq_len;
+  o.shape[1] = sp ? p->seq_len / p->par.tp : p->seq_len;
   o.shape[2] = p->model.dim;
+  o.layout = sp ? TP_SHARD_SEQ : 0;
   o.dtype = p->par.param_dtype != DTYPE_COUNT ? p->par.param_dtype : DTYPE_F32;
   o.device = r->dev;
   o.forward = stage_forward;
@@ -173,6 +176,7 @@ static fsdpc_status_t pass_on(run_t *r, pg_t *g, int s, int P, const data_spec_t
   }
   st = nn_var_new(&buf, false, h);
   if (st != STATUS_OK) tensor_free(&buf);
+  if (st == STATUS_OK) (*h)->layout = o.layout;
   return st;
 }
 

@@ -922,7 +922,6 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
                       pp_schedule_name(pp->pp_schedule), (long long)p->grad_accum);
   const char *not_yet = p->model.tie_embeddings   ? "tied embeddings"
                         : p->model.n_experts > 0  ? "a model with experts"
-                        : pp->sequence_parallel   ? "sequence parallelism"
                         : pp->offload             ? "offload"
                         : pp->state_over_replicas ? "optimizer_sharding: full"
                                                   : NULL;
