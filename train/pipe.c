@@ -6,6 +6,7 @@
 
 #include "mesh/world.h"
 #include "models/llama/llama.h"
+#include "nn/moe.h"
 #include "nn/ops.h"
 #include "train/run_impl.h"
 
@@ -78,7 +79,12 @@ static fsdpc_status_t stage_forward_on(const fsdpc_data_t *d, nn_ctx_t *ctx, int
   run_t *r = u->r;
   int S = pp_schedule_ranks(r->pp_sched) * pp_schedule_stages_per_rank(r->pp_sched);
   nn_var_t *h = NULL;
+  /* a training forward's routing counts toward the step's expert load (the balancing loss
+   * itself is refused under pipelines) */
+  nn_moe_aux_t *aux = d == r->data ? nn_moe_aux_of(r->root) : NULL;
+  nn_moe_aux_begin(aux, 0);
   FSDPC_TRY(llama_stage_forward(ctx, r->llama, s, S, in, &h));
+  nn_moe_aux_end(aux);
   if (s < S - 1) {
     *out = h;
     return STATUS_OK;

@@ -161,14 +161,25 @@ def pipeline():
     hfplan = os.path.join(tmp, "hf.yaml")
     with open(hfplan, "w") as f:
         f.write(init)
-    runs = {}
-    for name, n, kvs in (("one", 1, ["mesh.dp_shard=1"]), ("pp", 2, ["mesh.pp=2", "mesh.dp_shard=1"])):
-        m = os.path.join(tmp, "hf-%s.jsonl" % name)
-        run(n, [hfplan, "--metrics", m] + sets(kvs))
-        runs[name] = losses(m) if os.path.exists(m) else []
-    w = worst(runs["one"], runs["pp"])
-    check(w <= 2e-5, "model.init_from (Qwen2's folder) under pp 2: one rank's losses within 2e-5 "
-                     "(worst %.2e)" % w)
+    for tag in ("tiny_qwen2", "tiny_qwen3_moe"):  # Qwen3-MoE: a sparse layer on each stage's
+        with open(hfplan, "w") as f:  # side of the split (its routing counted by every rank)
+            f.write(init.replace(init.split("init_from: ")[1].split("\n")[0],
+                                 hf_folder(mkdtemp(), tag)))
+        runs = {}
+        for name, n, kvs in (("one", 1, ["mesh.dp_shard=1"]),
+                             ("pp", 2, ["mesh.pp=2", "mesh.dp_shard=1"])):
+            m = os.path.join(tmp, "hf-%s-%s.jsonl" % (tag, name))
+            run(n, [hfplan, "--metrics", m] + sets(kvs))
+            runs[name] = losses(m) if os.path.exists(m) else []
+        w = worst(runs["one"], runs["pp"])
+        loads = [r.get("expert_load") for r in runs["pp"]]
+        check(w <= 2e-5 and loads == [r.get("expert_load") for r in runs["one"]],
+              "model.init_from (%s's folder) under pp 2: one rank's losses within 2e-5 (worst "
+              "%.2e)%s" % (tag, w, ", and its expert loads" if "moe" in tag else ""))
+    p, _ = run(2, [hfplan] + sets(["mesh.pp=2", "mesh.dp_shard=1", "moe.aux_loss_coef=0.1"]))
+    check(p.returncode != 0 and ranks_saying(p.stderr, "does not compose with the routers' "
+                                             "load-balancing loss yet") == {"0", "1"},
+          "a balancing loss under mesh.pp is refused by name on every rank")
     # pipeline.split_points: stage 1 begins at block 1 (three blocks and the head on it)
     split = os.path.join(tmp, "split.yaml")
     for points, n, why in ((["model.layers.1"], 2, None),
