@@ -924,7 +924,6 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
                         : p->model.aux_loss_coef > 0 ? "the routers' load-balancing loss"
                         : pp->ep > 1                 ? "mesh.ep"
                         : pp->offload                ? "offload"
-                        : pp->state_over_replicas    ? "optimizer_sharding: full"
                                                      : NULL;
   if (not_yet != NULL)
     return err_set(STATUS_EUNSUPPORTED, "%s: mesh.pp: %d does not compose with %s yet",
