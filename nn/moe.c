@@ -1126,6 +1126,10 @@ static fsdpc_status_t update_bias(nn_module_t *m, pg_t *pg) {
       for (int e = 0; e < E; e++) mean += (double)cfg->bias_counts[e] / E;
       nn_param_t *b = nn_module_param_named(m, "expert_bias");
       fsdpc_tensor_t *v = (fsdpc_tensor_t *)dtensor_local(b->value), h = {0};
+      if (tensor_is_meta(v)) { /* another pipeline stage's block: its ranks move it */
+        memset(cfg->bias_counts, 0, sizeof *cfg->bias_counts * (size_t)E);
+        goto children;
+      }
       FSDPC_TRY(float_values("nn_moe_update_bias", v));
       FSDPC_TRY(host_f32_of(v, &h)); /* this rank's shard, moved on the host */
       int64_t off[1] = {0};
@@ -1141,6 +1145,7 @@ static fsdpc_status_t update_bias(nn_module_t *m, pg_t *pg) {
       FSDPC_TRY(st);
     }
   }
+children:
   for (int i = 0; i < nn_module_num_children(m); i++)
     FSDPC_TRY(update_bias(nn_module_child(m, i), pg));
   return STATUS_OK;

@@ -407,8 +407,9 @@ static fsdpc_status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
     case TP_HEADWISE: t->in = t->out = TP_SHARD_LAST; break;
     default: /* prepare_input */ t->in = model; t->out = t->moe ? model : TP_REPLICATE_REDUCED;
   }
-  if (r->input != TP_LAYOUT_DEFAULT && r->style == TP_HEADWISE)
-    return err_set(STATUS_EINVAL, "tensor parallel: %s: headwise takes its input as it comes", fqn);
+  if (r->input != TP_LAYOUT_DEFAULT && (r->style == TP_HEADWISE || t->moe))
+    return err_set(STATUS_EINVAL, "tensor parallel: %s: %s takes its input as it comes", fqn,
+                   t->moe ? "a MoE block" : "headwise");
   if (r->input != TP_LAYOUT_DEFAULT) t->in = r->input;
   if (r->output != TP_LAYOUT_DEFAULT) {
     if (r->style == TP_SEQUENCE_PARALLEL || r->style == TP_PREPARE_INPUT || r->style == TP_HEADWISE)
@@ -499,7 +500,7 @@ static fsdpc_status_t visit(walk_t *w, nn_module_t *m) {
       FSDPC_TRY(nn_module_add_hook(m, NN_HOOK_PRE_BACKWARD, sum_hook, t));
       FSDPC_TRY(nn_module_add_hook(m, NN_HOOK_POST_BACKWARD, sum_hook, t));
     }
-    if (t->moe && w->sp) { /* each rank routes its sequence shard */
+    if (t->moe && t->in == TP_SHARD_SEQ) { /* each rank routes its sequence shard */
       FSDPC_TRY(nn_moe_split_tokens(m, mesh_group(w->mesh, 0)));
       FSDPC_TRY(visit_moe(w, m, m));
     }

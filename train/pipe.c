@@ -137,7 +137,10 @@ pp_step_options_t train_pp_options(run_t *r) {
   o.shape[1] = sp ? p->seq_len / p->par.tp : p->seq_len;
   o.shape[2] = p->model.dim;
   o.layout = sp ? TP_SHARD_SEQ : 0;
-  o.dtype = p->par.param_dtype != DTYPE_COUNT ? p->par.param_dtype : DTYPE_F32;
+  /* a stage's last unit's output: mp_policy's output_dtype, else its compute dtype */
+  o.dtype = p->par.output_dtype != DTYPE_COUNT  ? p->par.output_dtype
+            : p->par.param_dtype != DTYPE_COUNT ? p->par.param_dtype
+                                                : DTYPE_F32;
   o.device = r->dev;
   o.forward = stage_forward;
   o.input = stage_input;

@@ -566,15 +566,10 @@ static void pipeline_lines(run_t *r) {
 
 void train_dry_run(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
-  double *peaks = NULL; /* mesh.pp: every pipeline rank's estimate (a dry run of the whole job) */
-  if (r->pp_sched != NULL) {
-    peaks = calloc((size_t)pp_schedule_ranks(r->pp_sched), sizeof *peaks);
-    if (peaks != NULL) pipeline_peaks(r, peaks);
-  }
-  if (world_rank() != 0) {
-    free(peaks);
-    return;
-  }
+  /* mesh.pp: every pipeline rank's estimate (a dry run of the whole job); stages <= layers */
+  double peaks[4096] = {0};
+  if (r->pp_sched != NULL && pp_schedule_ranks(r->pp_sched) <= 4096) pipeline_peaks(r, peaks);
+  if (world_rank() != 0) return;
   printf(
       "\nparameters (placements on mesh (%s%s), global shape, local shape of each dp_shard "
       "rank%s):\n",
@@ -583,9 +578,8 @@ void train_dry_run(const run_t *r) {
   for (int i = 0; i < r->n; i++) param_line(r, r->ps[i]);
   unit_dtypes(r);
   if (r->pp_sched != NULL) pipeline_lines((run_t *)r); /* memory: pipeline rank 0's */
-  for (int q = 0; peaks != NULL && q < pp_schedule_ranks(r->pp_sched); q++)
+  for (int q = 0; r->pp_sched != NULL && q < pp_schedule_ranks(r->pp_sched) && q < 4096; q++)
     if (peaks[q] > 0) printf("pp_peak_bytes %d %.0f\n", q, peaks[q]);
-  free(peaks);
   if (!memory_lines(r) && r->builtin) return;
   /* fully_shard's collectives follow from its groups whatever the model; tensor parallelism's
    * from the built-in models' plans only */

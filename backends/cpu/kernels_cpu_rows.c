@@ -316,7 +316,10 @@ static fsdpc_status_t cpu_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_
                                                const fsdpc_tensor_t *offs,
                                                const fsdpc_tensor_t *rows) {
   int64_t D = last_dim(y);
-  if (D == 0 || tensor_numel(dout) == 0) return STATUS_OK;
+  if (D == 0 || tensor_numel(dout) == 0) { /* no features: no weight gradient */
+    if (tensor_numel(dw) > 0) memset(dw->data, 0, tensor_nbytes(dw));
+    return STATUS_OK;
+  }
   int64_t M = tensor_numel(y) / D, N = tensor_numel(dout) / D, S = tensor_numel(w), k = S / N;
   FSDPC_TRY(check_lists(offs, rows, M));
   const int64_t *o = offs->data, *r = rows->data, *sl = slots->data;

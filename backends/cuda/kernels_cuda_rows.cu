@@ -523,7 +523,12 @@ static fsdpc_status_t cuda_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor
                                                 const fsdpc_tensor_t *offs,
                                                 const fsdpc_tensor_t *rows) {
   int64_t D = last_dim(y);
-  if (D == 0 || tensor_numel(dout) == 0) return STATUS_OK;
+  if (D == 0 || tensor_numel(dout) == 0) { /* no features: no weight gradient */
+    if (tensor_numel(dw) > 0)
+      return cuda_status(cudaMemsetAsync(dw->data, 0, tensor_nbytes(dw), stream_of(dw)),
+                         "kernel_moe_combine_backward");
+    return STATUS_OK;
+  }
   int64_t M = tensor_numel(y) / D, N = tensor_numel(dout) / D, S = tensor_numel(w), k = S / N;
   cudaStream_t st = stream_of(dy);
   with_float_type(y->dtype, [&](auto t) {
