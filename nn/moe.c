@@ -1151,6 +1151,19 @@ children:
   return STATUS_OK;
 }
 
+static void clear_counts(nn_module_t *m) {
+  if (nn_module_forward(m) == moe_forward) {
+    moe_t *cfg = nn_module_impl(m);
+    if (cfg->bias_counts != NULL)
+      memset(cfg->bias_counts, 0, sizeof *cfg->bias_counts * (size_t)cfg->n_experts);
+  }
+  for (int i = 0; i < nn_module_num_children(m); i++) clear_counts(nn_module_child(m, i));
+}
+
+void nn_moe_discard_bias_counts(nn_module_t *root) {
+  if (root != NULL) clear_counts(root);
+}
+
 fsdpc_status_t nn_moe_update_bias(nn_module_t *root, pg_t *pg) {
   ARG_NONNULL(root);
   ARG_NONNULL(pg);

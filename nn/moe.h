@@ -81,6 +81,9 @@ fsdpc_status_t nn_moe_set_routing(nn_module_t *moe, nn_moe_score_t score, double
  * fewer than the mean and lowered where it got more (each rank its shard). Collective over
  * pg; the trainer (train_main, trainer_run) calls it with every rank. */
 fsdpc_status_t nn_moe_update_bias(nn_module_t *root, pg_t *pg);
+/* Forgets the tokens counted since the last nn_moe_update_bias (a step not applied: the
+ * trainer's non-finite step skipped). NULL: no-op. Local. */
+void nn_moe_discard_bias_counts(nn_module_t *root);
 
 /* Rows of x [M, dim] exchanged over pg (expert parallelism's token dispatch): this rank sends
  * send_rows[q] rows to rank q of the group (its blocks in rank order, summing to M) and

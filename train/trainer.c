@@ -663,6 +663,7 @@ static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
   if (o->finite) FSDPC_TRY(optim_step_scaled(r->opt, o->factor, o->coef));
   /* the MoE blocks' expert_bias toward the step's mean load (nn_moe_set_routing's bias) */
   if (o->finite) FSDPC_TRY(nn_moe_update_bias(r->root, world_pg()));
+  if (!o->finite) nn_moe_discard_bias_counts(r->root); /* the skipped step's routing */
   FSDPC_TRY(device_stream_sync(r->dev));
   o->dt = device_clock_seconds() - o->t0;
   o->tokens = (double)(train_global_batch(r) * p->seq_len);
