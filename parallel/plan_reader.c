@@ -314,6 +314,38 @@ static int add_scalar(plan_ctx_t *c, const char *s, const char *set) {
   return i;
 }
 
+/* A --set value: "[a, b, ...]" a list of those scalars (each trimmed, quotes around it
+ * dropped; "[]" an empty list), anything else one scalar. The node, or 0 out of memory. */
+static int add_value(plan_ctx_t *c, const char *s, const char *set) {
+  size_t n = strlen(s);
+  if (n < 2 || s[0] != '[' || s[n - 1] != ']') return add_scalar(c, s, set);
+  int seq = yaml_document_add_sequence(&c->doc, NULL, YAML_FLOW_SEQUENCE_STYLE);
+  if (!seq) return 0;
+  if (seq - c->set_base < MAX_SETS) c->set_of[seq - c->set_base] = set;
+  if (seq - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = seq - c->set_base + 1;
+  char item[512];
+  const char *p = s + 1, *end = s + n - 1;
+  while (p < end) {
+    while (p < end && (*p == ' ' || *p == '\t')) p++;
+    if (p == end) break;
+    char q = *p == '"' || *p == '\'' ? *p : 0;
+    const char *a = q ? p + 1 : p, *b = a;
+    while (b < end && (q ? *b != q : *b != ',')) b++;
+    const char *stop = b;
+    if (!q)
+      while (stop > a && (stop[-1] == ' ' || stop[-1] == '\t')) stop--;
+    size_t len = (size_t)(stop - a) < sizeof item - 1 ? (size_t)(stop - a) : sizeof item - 1;
+    memcpy(item, a, len);
+    item[len] = 0;
+    int v = add_scalar(c, item, set);
+    if (!v || !yaml_document_append_sequence_item(&c->doc, seq, v)) return 0;
+    p = q && b < end ? b + 1 : b;
+    while (p < end && *p != ',') p++;
+    if (p < end) p++;
+  }
+  return seq;
+}
+
 /* The next part of a --set key path at *pos: up to a '.' outside quotes; a part in double or
  * single quotes ("*norm*", 'model.layers.0.*') is taken literally, dots included, then an
  * optional [INDEX]. Returns the part (in place, quotes removed), NULL at the end; *bad is set
@@ -380,7 +412,7 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
                        n == 1 ? "" : "s");
       yaml_node_item_t *item = &seq->data.sequence.items.start[index];
       if (last) { /* replace the item */
-        int val = add_scalar(c, eq + 1, set);
+        int val = add_value(c, eq + 1, set);
         if (!val) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
         *item = val;
         return STATUS_OK;
@@ -389,7 +421,7 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
       continue;
     }
     if (last) { /* replace the value given in the file, or add the key */
-      int val = add_scalar(c, eq + 1, set);
+      int val = add_value(c, eq + 1, set);
       if (!val) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
       yaml_node_t *m = pr_node(c, cur);
       for (yaml_node_pair_t *a = m->data.mapping.pairs.start; a < m->data.mapping.pairs.top; a++)

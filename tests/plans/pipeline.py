@@ -209,6 +209,14 @@ def pipeline():
             check(p.returncode != 0 and said == {str(r) for r in range(n)},
                   "split_points %s on pp %d is refused by name on every rank (%s)"
                   % (points, n, p.stderr.strip()[-150:]))
+    # the same split and units given on the command line as lists
+    _, _, d = dry(2, plan, ["mesh.pp=2", "mesh.dp_shard=1",
+                            "pipeline.split_points=[model.layers.1]"])
+    _, _, u = dry(1, plan, ["mesh.dp_shard=1",
+                            "parallelize.fully_shard.units=[ 'model.layers.*' , model.norm ]"])
+    check("pipeline rank 1: stage 1 (blocks 1-3, final norm and head)" in d.stdout and
+          re.search(r"^  model\.norm\s+compute", u.stdout, re.M) is not None,
+          "--set KEY=[a, b] gives a list: split_points and units from the command line")
     # each schedule's peak on every pipeline rank against --dry-run's estimate, at a size where the
     # activations in flight weigh (dim 128, 64 tokens x 2 samples, 8 microbatches)
     big = os.path.join(tmp, "big.yaml")
