@@ -3,7 +3,9 @@
  * pipeline index pp_rank (r, r + pp, ...), each step's micro-batches the schedule's
  * microbatches (pp_step). */
 #include <stdlib.h>
+#include <string.h>
 
+#include "core/kernels.h"
 #include "mesh/world.h"
 #include "models/llama/llama.h"
 #include "nn/moe.h"
@@ -37,6 +39,53 @@ fsdpc_status_t train_pp_stages(run_t *r) {
     r->n_stage_modules += n;
   }
   return pp_schedule_new(pp->pp_schedule, P, (int)r->plan.grad_accum, V, &r->pp_sched);
+}
+
+fsdpc_status_t train_pp_tied(run_t *r) {
+  r->save_ps = r->ps;
+  r->save_n = r->n;
+  r->tied = NULL;
+  if (r->pp_sched == NULL || !r->plan.model.tie_embeddings) return STATUS_OK;
+  int P = pp_schedule_ranks(r->pp_sched), S = P * pp_schedule_stages_per_rank(r->pp_sched);
+  bool first = r->pp_rank == 0, last = (S - 1) % P == r->pp_rank;
+  if (!first && !last) return STATUS_OK;
+  nn_module_t *head = nn_module_child_named(llama_module(r->llama), "lm_head");
+  r->tied = head ? nn_module_param_named(head, "weight") : NULL;
+  if (r->tied == NULL) return err_set(STATUS_EINTERNAL, "mesh.pp: the tied head has no weight");
+  if (first) return STATUS_OK; /* the first rank saves it and counts it */
+  /* the last rank moves it to the end of its parameters (before the optimizer is made: the
+   * checkpoint pairs parameter i with optimizer slot i) and saves and counts the rest */
+  int at = -1;
+  for (int i = 0; i < r->n; i++)
+    if (r->ps[i] == r->tied) at = i;
+  if (at < 0)
+    return err_set(STATUS_EINTERNAL, "mesh.pp: the last stage does not hold the tied weight");
+  memmove(r->ps + at, r->ps + at + 1, sizeof *r->ps * (size_t)(r->n - at - 1));
+  r->ps[r->n - 1] = r->tied;
+  r->save_n = r->n - 1;
+  return STATUS_OK;
+}
+
+/* Tied embeddings: the first and last pipeline ranks add each other's gradient shard of the
+ * shared weight (the same boxes: one plan shards both), so both hold the whole gradient and
+ * take the same step. Collective between those two ranks. */
+static fsdpc_status_t sum_tied(run_t *r, pg_t *g) {
+  if (r->tied == NULL || r->tied->grad == NULL) return STATUS_OK;
+  int P = pp_schedule_ranks(r->pp_sched), S = P * pp_schedule_stages_per_rank(r->pp_sched);
+  int peer = r->pp_rank == 0 ? (S - 1) % P : 0;
+  if (peer == r->pp_rank) return STATUS_OK;
+  fsdpc_tensor_t *mine = (fsdpc_tensor_t *)dtensor_local(r->tied->grad), other = {0};
+  FSDPC_TRY(tensor_init(&other, mine->dtype, mine->device, mine->ndim, mine->shape));
+  pg_p2p_t ops[2] = {{true, mine->data, (size_t)tensor_numel(mine), peer},
+                     {false, other.data, (size_t)tensor_numel(mine), peer}};
+  pg_work_t *w = NULL;
+  fsdpc_status_t st = tensor_is_contiguous(mine)
+                          ? pg_send_recv(g, ops, 2, mine->dtype, &w)
+                          : err_set(STATUS_EINTERNAL, "mesh.pp: the tied gradient is strided");
+  if (st == STATUS_OK) st = pg_wait(w);
+  if (st == STATUS_OK) st = kernel_axpy(mine, 1.0f, &other);
+  tensor_free(&other);
+  return st;
 }
 
 void train_pp_free(run_t *r) {
@@ -155,6 +204,7 @@ fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, do
   o.user = &u;
   pg_counters_t before = pg_counters(o.group);
   FSDPC_TRY(pp_step(&o, loss));
+  FSDPC_TRY(sum_tied(r, o.group));
   pg_counters_t after = pg_counters(o.group);
   *p2p_bytes = (double)(after.bytes[PG_SEND_RECV] - before.bytes[PG_SEND_RECV]);
   return STATUS_OK;

@@ -531,6 +531,14 @@ static bool memory_lines(const run_t *r) {
   return true;
 }
 
+/* The bytes of the tied weight's gradient shard the first and last pipeline ranks exchange
+ * (0 without one). */
+static double tied_bytes(const run_t *r) {
+  if (r->tied == NULL) return 0;
+  const fsdpc_tensor_t *v = dtensor_local(r->tied->value);
+  return (double)tensor_numel(v) * (double)dtype_size(v->dtype);
+}
+
 /* mesh.pp: the schedule, each pipeline rank's stages and actions, the bubble, the sends. */
 static void pipeline_lines(run_t *r) {
   const pp_schedule_t *s = r->pp_sched;
@@ -561,7 +569,15 @@ static void pipeline_lines(run_t *r) {
     }
     printf("\n");
   }
-  printf("p2p_bytes %llu\n", (unsigned long long)total);
+  /* tied embeddings: the first and last pipeline ranks exchange the shared weight's gradient
+   * shard after each step */
+  double tied = tied_bytes(r);
+  if (tied > 0)
+    printf(
+        "  tied embeddings: pipeline ranks 0 and %d exchange the shared weight's gradient "
+        "shard, %.0f B each way\n",
+        (S - 1) % P, tied);
+  printf("p2p_bytes %llu\n", (unsigned long long)(total + (uint64_t)(2 * tied)));
 }
 
 void train_dry_run(const run_t *r) {
@@ -603,7 +619,7 @@ void train_dry_run(const run_t *r) {
   double p2p = 0;
   if (r->pp_sched != NULL) {
     pp_step_options_t o = train_pp_options((run_t *)r);
-    p2p = (double)pp_step_send_bytes(&o, 0);
+    p2p = (double)pp_step_send_bytes(&o, 0) + tied_bytes(r);
     printf("  point-to-point (pipeline rank 0's sends): %.0f B\n", p2p);
   }
   if ((r->builtin || p->par.tp == 1) && (r->pp_sched == NULL || p->par.tp == 1))

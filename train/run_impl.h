@@ -68,6 +68,13 @@ typedef struct run {
   nn_module_t **stage_modules;
   int n_stage_modules;
   pp_schedule_t *pp_sched;
+  /* tied embeddings under mesh.pp: the shared weight, held by the first and the last pipeline
+   * ranks (NULL elsewhere), its gradient summed between them after each step; the last one
+   * leaves it out of the gradient norm and of its saves (train_pp_tied) */
+  nn_param_t *tied;
+  nn_param_t **save_ps; /* what this rank saves and counts in the norm: the first save_n of ps
+                         * (the last pipeline rank's tied weight moved past them) */
+  int save_n;
 } run_t;
 
 /* The plan's built-in architecture as a train_model_t whose self is r (model.c). */
@@ -89,6 +96,8 @@ void train_mib(char *buf, size_t n, double bytes);
  * train_pp_free. */
 fsdpc_status_t train_pp_stages(run_t *r);
 void train_pp_free(run_t *r);
+/* After the parameters are made (r->ps): the tied weight and r->save_ps. */
+fsdpc_status_t train_pp_tied(run_t *r);
 /* One step's forward and backward of every microbatch under the schedule: the step's mean loss
  * into *loss (every rank) and the bytes this rank sent to its pipeline neighbours into
  * *p2p_bytes. Collective over the pipeline group. */

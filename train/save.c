@@ -106,9 +106,9 @@ fsdpc_status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const
   if (st != STATUS_OK) return st;
   sv->started = t0;
   if (sv->async)
-    st = ckpt_async_start(sv->async, dir, r->ps, r->n, r->opt, step, under, world_pg());
+    st = ckpt_async_start(sv->async, dir, r->save_ps, r->save_n, r->opt, step, under, world_pg());
   else
-    st = ckpt_save_training(dir, r->ps, r->n, r->opt, step, under, world_pg());
+    st = ckpt_save_training(dir, r->save_ps, r->save_n, r->opt, step, under, world_pg());
   sv->stall_s += device_clock_seconds() - t0;
   if (st != STATUS_OK) {
     if (world_rank() == 0) put_back(sv, dir);

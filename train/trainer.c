@@ -321,6 +321,7 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
                                  ? llama_is_vocab_table
                                  : NULL); /* model.pad_vocab_multiple: the files' rows, zeros */
   if (st == STATUS_OK) st = held_parameters(r);
+  if (st == STATUS_OK) st = train_pp_tied(r);
   if (st == STATUS_OK) st = optim_new(r->ps, r->n, &p->optim, &r->opt);
   FSDPC_TRY(pg_agree(world_pg(), st));
   if (!resume) return STATUS_OK;
@@ -382,6 +383,7 @@ static fsdpc_status_t build(run_t *r) {
   FSDPC_TRY(check_before_training(r));
   if (r->args.dry_run) { /* the meta model has every placement and shape */
     FSDPC_TRY(held_parameters(r));
+    FSDPC_TRY(train_pp_tied(r));
     return resume ? ckpt_check_state(r->resumed_from) : STATUS_OK;
   }
   return fill(r, how.deferred, resume);
@@ -592,8 +594,9 @@ static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
   o->factor = lr_schedule_factor(&L->sched, o->s);
   o->coef = 1;
   if (st == STATUS_OK)
-    st = clip_grad_coef(r->ps, r->n, p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY, r->all,
-                        &o->norm, &o->coef);
+    st = clip_grad_coef(r->save_ps, r->save_n, /* a tied weight counted once */
+                        p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY, r->all, &o->norm,
+                        &o->coef);
   for (int64_t k = 0; k < ran && r->pp_sched == NULL; k++) {
     double l = 0;
     if (st == STATUS_OK && L->micro_loss[k].storage != NULL)

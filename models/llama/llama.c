@@ -385,6 +385,9 @@ int llama_stage_modules(const llama_t *m, int stage, int n_stages, nn_module_t *
   if (stage == n_stages - 1) {
     all[n++] = nn_module_child_named(body, final_norm(m));
     all[n++] = nn_module_child_named(m->root, "lm_head");
+    if (m->cfg.tie_embeddings && stage > 0) /* the token embedding whose weight the head uses */
+      all[n++] =
+          nn_module_child_named(body, m->cfg.arch == LLAMA_ARCH_GPT2 ? "wte" : "embed_tokens");
   }
   for (int i = 0; i < n && i < cap; i++) out[i] = all[i];
   return n;

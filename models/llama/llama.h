@@ -224,7 +224,8 @@ bool llama_stage_range(const llama_t *m, int stage, int n_stages, int64_t *first
 fsdpc_status_t llama_set_stage_splits(llama_t *m, const int64_t *first_blocks, int n_stages);
 
 /* The modules pipeline stage `stage` of n_stages holds (as llama_stage_forward runs them):
- * the embedding(s) on stage 0, its blocks, the final norm and lm_head on the last. Writes up
+ * the embedding(s) on stage 0, its blocks, the final norm and lm_head on the last (and with
+ * tied embeddings the token embedding too, whose weight lm_head uses: both ends hold it). Writes up
  * to cap of them into out; returns how many there are (-1 for a stage out of range). Local. */
 int llama_stage_modules(const llama_t *m, int stage, int n_stages, nn_module_t **out, int cap);
 

@@ -59,6 +59,12 @@ PLANS = [
     ("pp 2, 8 microbatches (grad accumulation) from pipeline.microbatches", 2,
      ["mesh.pp=2", "mesh.dp_shard=1", "data.global_batch_size=null",
       "pipeline.microbatches=8"], 8),
+    ("pp 2, tied embeddings (the shared weight on the first and last ranks)", 2,
+     ["mesh.pp=2", "mesh.dp_shard=1", "model.tie_embeddings=true"], "tied"),
+    ("pp 4 x nothing, tied embeddings", 4,
+     ["mesh.pp=4", "mesh.dp_shard=1", "model.tie_embeddings=true"], "tied"),
+    ("pp 2 x dp_shard 2, tied embeddings", 4,
+     ["mesh.pp=2", "mesh.dp_shard=2", "model.tie_embeddings=true"], "tied"),
     ("pp 4, interleaved_1f1b over 8 blocks (2 stages a rank)", 4,
      ["mesh.pp=4", "mesh.dp_shard=1", "pipeline.schedule=interleaved_1f1b", "model.n_layers=8"],
      "8 blocks"),
@@ -101,7 +107,8 @@ def pipeline():
     with open(plan, "w") as f:
         f.write(PLAN.format(data=os.path.join(ROOT, "data", "corpus.txt")))
     refs = {}
-    for g, kvs in ((4, []), (8, ["data.global_batch_size=8"]), ("8 blocks", ["model.n_layers=8"])):
+    for g, kvs in ((4, []), (8, ["data.global_batch_size=8"]), ("8 blocks", ["model.n_layers=8"]),
+                   ("tied", ["model.tie_embeddings=true"])):
         m = os.path.join(tmp, "one-%s.jsonl" % str(g).replace(" ", "-"))
         run(1, [plan, "--metrics", m, "--set", "mesh.dp_shard=1"] + sets(kvs))
         refs[g] = losses(m) if os.path.exists(m) else []
@@ -270,6 +277,22 @@ def pipeline():
         check(len(got) == len(want) == 5 and (got == want if what == "pp 4" else w <= 1e-6),
               "the step-5 checkpoint of pp 4 resumes at %s with the uninterrupted run's losses "
               "(%s)" % (what, "bit for bit" if what == "pp 4" else "worst %.2e" % w))
+    # tied embeddings: pp 2 x dp_shard 2's checkpoint (the shared weight saved once) resumes
+    # on one rank
+    ck2, full2 = os.path.join(tmp, "ck-tied"), os.path.join(tmp, "tied-full.jsonl")
+    tied = ["model.tie_embeddings=true"]
+    run(4, [plan, "--metrics", full2] + sets(tied + ["mesh.pp=2", "mesh.dp_shard=2",
+                                                     "checkpoint.dir=" + ck2,
+                                                     "checkpoint.interval=5"]))
+    m = os.path.join(tmp, "tied-resumed.jsonl")
+    p, _ = run(1, [plan, "--metrics", m, "--set", "checkpoint.load=" +
+                   os.path.join(ck2, "step-00000005")] + sets(tied + ["mesh.dp_shard=1"]))
+    got = [r["loss"] for r in losses(m)] if p.returncode == 0 else []
+    want2 = [r["loss"] for r in losses(full2)][5:] if os.path.exists(full2) else []
+    w = max([abs(a - b) / abs(b) for a, b in zip(got, want2)] or [1])
+    check(len(got) == len(want2) == 5 and w <= 1e-6,
+          "tied embeddings: pp 2 x dp_shard 2's step-5 checkpoint resumes on one rank with the "
+          "uninterrupted run's losses (worst %.2e)" % w)
     # fsdp-ckpt reshard lays it out for pp 2 x dp_shard 2, which resumes it
     rs, m = os.path.join(tmp, "ck-pp2dp2"), os.path.join(tmp, "resume-rs.jsonl")
     kvs = ["mesh.pp=2", "mesh.dp_shard=2"]
@@ -296,8 +319,8 @@ def pipeline():
             (["pipeline.schedule=1f1b"], 2, "pipeline: the section needs mesh.pp above 1"),
             (["mesh.pp=2", "mesh.dp_shard=1", "pipeline.schedule=zb"], 2,
              "'zb' is not a schedule (gpipe, 1f1b, interleaved_1f1b)"),
-            (["mesh.pp=2", "mesh.dp_shard=1", "model.tie_embeddings=true"], 2,
-             "mesh.pp: 2 does not compose with tied embeddings yet")):
+            (["mesh.pp=2", "mesh.dp_shard=2", "mesh.ep=2"], 4,
+             "mesh.pp: 2 does not compose with mesh.ep yet")):
         p, _ = run(n, [plan] + sets(kvs), timeout=60)
         said = ranks_saying(p.stderr, re.escape(why))
         check(p.returncode != 0 and said == {str(r) for r in range(n)},
