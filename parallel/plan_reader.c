@@ -314,16 +314,21 @@ static int add_scalar(plan_ctx_t *c, const char *s, const char *set) {
   return i;
 }
 
-/* A --set value: "[a, b, ...]" a list of those scalars (each trimmed, quotes around it
- * dropped; "[]" an empty list), anything else one scalar. The node, or 0 out of memory. */
-static int add_value(plan_ctx_t *c, const char *s, const char *set) {
+/* A --set value into *out: "[a, b, ...]" a list of those scalars (each trimmed, quotes around
+ * it dropped; "[]" an empty list), anything else one scalar. */
+static fsdpc_status_t add_value(plan_ctx_t *c, const char *s, const char *set, int *out) {
   size_t n = strlen(s);
-  if (n < 2 || s[0] != '[' || s[n - 1] != ']') return add_scalar(c, s, set);
+  *out = 0;
+  if (n < 2 || s[0] != '[' || s[n - 1] != ']') {
+    *out = add_scalar(c, s, set);
+    return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+  }
   int seq = yaml_document_add_sequence(&c->doc, NULL, YAML_FLOW_SEQUENCE_STYLE);
-  if (!seq) return 0;
-  if (seq - c->set_base < MAX_SETS) c->set_of[seq - c->set_base] = set;
-  if (seq - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = seq - c->set_base + 1;
-  char item[512];
+  if (!seq) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+  if (seq - c->set_base < MAX_SETS) {
+    c->set_of[seq - c->set_base] = set;
+    if (seq - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = seq - c->set_base + 1;
+  }
   const char *p = s + 1, *end = s + n - 1;
   while (p < end) {
     while (p < end && (*p == ' ' || *p == '\t')) p++;
@@ -332,18 +337,26 @@ static int add_value(plan_ctx_t *c, const char *s, const char *set) {
     const char *a = q ? p + 1 : p, *b = a;
     while (b < end && (q ? *b != q : *b != ',')) b++;
     const char *stop = b;
+    if (q && b == end)
+      return err_set(STATUS_EFORMAT, "--set %s: a quote in the list is not closed", set);
     if (!q)
       while (stop > a && (stop[-1] == ' ' || stop[-1] == '\t')) stop--;
-    size_t len = (size_t)(stop - a) < sizeof item - 1 ? (size_t)(stop - a) : sizeof item - 1;
-    memcpy(item, a, len);
-    item[len] = 0;
-    int v = add_scalar(c, item, set);
-    if (!v || !yaml_document_append_sequence_item(&c->doc, seq, v)) return 0;
-    p = q && b < end ? b + 1 : b;
-    while (p < end && *p != ',') p++;
-    if (p < end) p++;
+    p = q ? b + 1 : b;
+    while (p < end && (*p == ' ' || *p == '\t')) p++;
+    if (p < end && *p != ',')
+      return err_set(STATUS_EFORMAT, "--set %s: expected ',' after a quoted list item", set);
+    if (memchr(a, '[', (size_t)(stop - a)) != NULL || stop == a)
+      return err_set(STATUS_EFORMAT,
+                     "--set %s: a list takes scalar items, none empty (no nested lists)", set);
+    char *item = strndup(a, (size_t)(stop - a));
+    int v = item ? add_scalar(c, item, set) : 0;
+    free(item);
+    if (!v || !yaml_document_append_sequence_item(&c->doc, seq, v))
+      return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+    if (p < end) p++; /* the comma */
   }
-  return seq;
+  *out = seq;
+  return STATUS_OK;
 }
 
 /* The next part of a --set key path at *pos: up to a '.' outside quotes; a part in double or
@@ -412,8 +425,8 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
                        n == 1 ? "" : "s");
       yaml_node_item_t *item = &seq->data.sequence.items.start[index];
       if (last) { /* replace the item */
-        int val = add_value(c, eq + 1, set);
-        if (!val) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+        int val;
+        FSDPC_TRY(add_value(c, eq + 1, set, &val));
         *item = val;
         return STATUS_OK;
       }
@@ -421,8 +434,8 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
       continue;
     }
     if (last) { /* replace the value given in the file, or add the key */
-      int val = add_value(c, eq + 1, set);
-      if (!val) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+      int val;
+      FSDPC_TRY(add_value(c, eq + 1, set, &val));
       yaml_node_t *m = pr_node(c, cur);
       for (yaml_node_pair_t *a = m->data.mapping.pairs.start; a < m->data.mapping.pairs.top; a++)
         if (pr_scalar(c, a->key) && strcmp(pr_scalar(c, a->key), part) == 0) a->value = val;
@@ -435,8 +448,10 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
     if (v == 0 || pr_is_null(c, v)) {
       v = yaml_document_add_mapping(&c->doc, NULL, YAML_BLOCK_MAPPING_STYLE);
       int k = add_scalar(c, part, set);
-      if (v && v - c->set_base < MAX_SETS) c->set_of[v - c->set_base] = set;
-      if (v && v - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = v - c->set_base + 1;
+      if (v && v - c->set_base < MAX_SETS) {
+        c->set_of[v - c->set_base] = set;
+        if (v - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = v - c->set_base + 1;
+      }
       if (!v || !k || !yaml_document_append_mapping_pair(&c->doc, cur, k, v))
         return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
     }
