@@ -83,12 +83,17 @@ const tp_plan_t *parallel_tp(const parallel_t *par) {
  * fully shard over dp_shard / ep and ep flattened ("dp_shard"), the experts over dp_shard /
  * ep (with tp, flattened with tp: "dp_shard_ep_tp"), split over "ep". When ep borrows tp (it
  * does not divide dp_shard), ((dp_replicate,) dp_shard / (ep / tp), ep / tp ("ep_dp"), tp):
- * the experts split over ep_dp and tp flattened ("ep"), fully sharded over dp_shard_ep. */
+ * the experts split over ep_dp and tp flattened ("ep"), fully sharded over dp_shard_ep. A
+ * pipeline's "pp" comes first, the rest within each stage. */
 static fsdpc_status_t make_ep_meshes(parallel_t *par, const parallel_plan_t *pp,
                                      device_type_t dev) {
   bool borrow = parallel_plan_ep_borrows_tp(pp);
-  int shape[4], n = 0, epd = borrow ? pp->ep / pp->tp : pp->ep;
-  const char *names[4], *ep_name = borrow ? "ep_dp" : "ep";
+  int shape[MESH_MAX_DIMS], n = 0, epd = borrow ? pp->ep / pp->tp : pp->ep;
+  const char *names[MESH_MAX_DIMS], *ep_name = borrow ? "ep_dp" : "ep";
+  if (pp->pp > 1) { /* outermost: each stage's ranks together */
+    shape[n] = pp->pp;
+    names[n++] = "pp";
+  }
   if (pp->dp_replicate > 1) {
     shape[n] = pp->dp_replicate;
     names[n++] = "dp_replicate";
@@ -110,7 +115,10 @@ static fsdpc_status_t make_ep_meshes(parallel_t *par, const parallel_plan_t *pp,
   if (st == STATUS_OK)
     st = pp->tp > 1 && !borrow ? mesh_flatten(par->mesh, 2, expert, "dp_shard_ep_tp", &eshard)
                                : mesh_slice(par->mesh, 1, expert, &eshard);
-  if (st == STATUS_OK && pp->dp_replicate > 1) st = mesh_slice(par->mesh, 1, names, &rep);
+  if (st == STATUS_OK && pp->dp_replicate > 1)
+    st = mesh_slice(par->mesh, 1, (const char *[]){"dp_replicate"}, &rep);
+  if (st == STATUS_OK && pp->pp > 1)
+    st = mesh_slice(par->mesh, 1, (const char *[]){"pp"}, &par->pp_mesh);
   if (st == STATUS_OK && rep != NULL) {
     st = mesh_concat(rep, shard, &par->dp_mesh);
     if (st == STATUS_OK) st = mesh_concat(rep, eshard, &par->ep_fsdp_mesh);
@@ -404,8 +412,6 @@ static fsdpc_status_t apply(nn_module_t *root, const parallel_plan_t *pp, device
                    "parallel_apply: mesh.pp %d splits the model into stages: give this rank's "
                    "modules (parallel_apply_stages)",
                    pp->pp);
-  if (pp->pp > 1 && pp->ep > 1)
-    return err_set(STATUS_EUNSUPPORTED, "parallel_apply: mesh.pp with mesh.ep is not implemented");
   parallel_t *par = calloc(1, sizeof *par);
   if (par == NULL) return err_set(STATUS_ENOMEM, "parallelize: out of host memory");
   par->root = root;

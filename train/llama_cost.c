@@ -295,6 +295,14 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
   if (P > 1) {
     const llama_config_t *mc = &p->model;
     double sparse = (double)llama_num_moe_layers(mc);
+    if (p->par.pp > 1) { /* a pipeline rank's sparse layers: its experts' units */
+      sparse = 0;
+      for (int i = 0; i < n; i++) {
+        const char *name = fsdp_group_name(groups[i]);
+        size_t l = strlen(name);
+        sparse += l >= 8 && strcmp(name + l - 8, ".experts") == 0;
+      }
+    }
     double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
     double rows = (double)(p->batch_size * p->seq_len * mc->top_k) /
                   (T > 1 && p->par.sequence_parallel ? T : 1);

@@ -921,7 +921,6 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
     return err_prefix(st, "%s: pipeline (schedule %s, %lld microbatches a step)", w,
                       pp_schedule_name(pp->pp_schedule), (long long)p->grad_accum);
   const char *not_yet = p->model.aux_loss_coef > 0 ? "the routers' load-balancing loss"
-                        : pp->ep > 1               ? "mesh.ep"
                         : pp->offload              ? "offload"
                                                    : NULL;
   if (not_yet != NULL)
