@@ -88,7 +88,7 @@ static void mb_free(mb_t *b) {
  * *send: the output for the next stage, or on the last stage the loss added to *sum. */
 static fsdpc_status_t run_forward(const pp_step_options_t *o, fsdpc_tensor_t *mail, pp_action_t a,
                                   mb_t *b, double *sum, fsdpc_tensor_t *send) {
-  int S = pp_schedule_ranks(o->schedule) * pp_schedule_stages_per_rank(o->schedule);
+  int S = pp_schedule_stages(o->schedule);
   int M = pp_schedule_microbatches(o->schedule);
   if (a.stage > 0) {
     fsdpc_tensor_t t;
@@ -115,7 +115,7 @@ static fsdpc_status_t run_forward(const pp_step_options_t *o, fsdpc_tensor_t *ma
  * microbatch's tape freed. */
 static fsdpc_status_t run_backward(const pp_step_options_t *o, fsdpc_tensor_t *mail, pp_action_t a,
                                    mb_t *b, fsdpc_tensor_t *send) {
-  int S = pp_schedule_ranks(o->schedule) * pp_schedule_stages_per_rank(o->schedule);
+  int S = pp_schedule_stages(o->schedule);
   int M = pp_schedule_microbatches(o->schedule);
   if (b->ctx == NULL)
     return err_set(STATUS_EINVAL,
@@ -269,7 +269,7 @@ fsdpc_status_t pp_step(const pp_step_options_t *o, double *loss) {
 uint64_t pp_step_send_bytes(const pp_step_options_t *o, int rank) {
   if (o == NULL || o->schedule == NULL) return 0;
   const pp_schedule_t *s = o->schedule;
-  int S = pp_schedule_ranks(s) * pp_schedule_stages_per_rank(s);
+  int S = pp_schedule_stages(s);
   uint64_t n = 0, each = (uint64_t)boundary_numel(o) * dtype_size(o->dtype);
   for (int i = 0; i < pp_schedule_num_actions(s, rank); i++) {
     pp_action_t a = pp_schedule_action(s, rank, i);

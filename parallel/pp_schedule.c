@@ -129,6 +129,7 @@ pp_schedule_kind_t pp_schedule_kind(const pp_schedule_t *s) { return s ? s->kind
 int pp_schedule_ranks(const pp_schedule_t *s) { return s ? s->P : 0; }
 int pp_schedule_microbatches(const pp_schedule_t *s) { return s ? s->M : 0; }
 int pp_schedule_stages_per_rank(const pp_schedule_t *s) { return s ? s->V : 0; }
+int pp_schedule_stages(const pp_schedule_t *s) { return s ? s->P * s->V : 0; }
 int pp_schedule_rank_of_stage(const pp_schedule_t *s, int stage) {
   return s && stage >= 0 ? stage % s->P : -1;
 }

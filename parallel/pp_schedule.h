@@ -73,6 +73,8 @@ pp_schedule_kind_t pp_schedule_kind(const pp_schedule_t *s);
 int pp_schedule_ranks(const pp_schedule_t *s);
 int pp_schedule_microbatches(const pp_schedule_t *s);
 int pp_schedule_stages_per_rank(const pp_schedule_t *s);
+/* Every stage of the model: ranks x stages_per_rank. */
+int pp_schedule_stages(const pp_schedule_t *s);
 /* The rank holding global stage s: s mod ranks. */
 int pp_schedule_rank_of_stage(const pp_schedule_t *s, int stage);
 

@@ -21,12 +21,9 @@ fsdpc_status_t train_pp_stages(run_t *r) {
   /* the outermost mesh dimension: pipeline index world_rank / (world_size / pp) */
   r->pp_rank = world_rank() / (world_size() / P);
   if (pp->n_pp_splits > 0) { /* pipeline.split_points: the stages begin where it says */
-    int64_t *starts = malloc(sizeof *starts * (size_t)S);
-    if (starts == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-    fsdpc_status_t st = plan_pipeline_starts(&r->plan, starts);
-    if (st == STATUS_OK) st = llama_set_stage_splits(r->llama, starts, S);
-    free(starts);
-    FSDPC_TRY(st);
+    int64_t starts[PLAN_MAX_PP_SPLITS + 1];
+    FSDPC_TRY(plan_pipeline_starts(&r->plan, starts));
+    FSDPC_TRY(llama_set_stage_splits(r->llama, starts, S));
   }
   int cap = (int)r->plan.model.n_layers + 4 * V;
   r->stage_modules = calloc((size_t)cap, sizeof *r->stage_modules);
@@ -46,8 +43,7 @@ fsdpc_status_t train_pp_tied(run_t *r) {
   r->save_n = r->n;
   r->tied = NULL;
   if (r->pp_sched == NULL || !r->plan.model.tie_embeddings) return STATUS_OK;
-  int P = pp_schedule_ranks(r->pp_sched), S = P * pp_schedule_stages_per_rank(r->pp_sched);
-  bool first = r->pp_rank == 0, last = (S - 1) % P == r->pp_rank;
+  bool first = r->pp_rank == 0, last = train_pp_last_rank(r) == r->pp_rank;
   if (!first && !last) return STATUS_OK;
   nn_module_t *head = nn_module_child_named(llama_module(r->llama), "lm_head");
   r->tied = head ? nn_module_param_named(head, "weight") : NULL;
@@ -71,8 +67,7 @@ fsdpc_status_t train_pp_tied(run_t *r) {
  * take the same step. Collective between those two ranks. */
 static fsdpc_status_t sum_tied(run_t *r, pg_t *g) {
   if (r->tied == NULL || r->tied->grad == NULL) return STATUS_OK;
-  int P = pp_schedule_ranks(r->pp_sched), S = P * pp_schedule_stages_per_rank(r->pp_sched);
-  int peer = r->pp_rank == 0 ? (S - 1) % P : 0;
+  int peer = r->pp_rank == 0 ? train_pp_last_rank(r) : 0;
   if (peer == r->pp_rank) return STATUS_OK;
   fsdpc_tensor_t *mine = (fsdpc_tensor_t *)dtensor_local(r->tied->grad), other = {0};
   FSDPC_TRY(tensor_init(&other, mine->dtype, mine->device, mine->ndim, mine->shape));
@@ -126,7 +121,7 @@ static fsdpc_status_t stage_input(int mb, nn_var_t **out, void *user) {
 static fsdpc_status_t stage_forward_on(const fsdpc_data_t *d, nn_ctx_t *ctx, int s, int mb,
                                        nn_var_t *in, nn_var_t **out, const stage_step_t *u) {
   run_t *r = u->r;
-  int S = pp_schedule_ranks(r->pp_sched) * pp_schedule_stages_per_rank(r->pp_sched);
+  int S = pp_schedule_stages(r->pp_sched);
   nn_var_t *h = NULL;
   /* a training forward's routing counts toward the step's expert load (the balancing loss
    * itself is refused under pipelines) */
@@ -162,7 +157,7 @@ static fsdpc_status_t stage_before_backward(int s, int mb, void *user) {
   const stage_step_t *u = user;
   run_t *r = u->r;
   if (r->plan.par.pp_sync_every) return STATUS_OK;
-  int S = pp_schedule_ranks(r->pp_sched) * pp_schedule_stages_per_rank(r->pp_sched);
+  int S = pp_schedule_stages(r->pp_sched);
   bool last = mb == pp_schedule_microbatches(r->pp_sched) - 1;
   nn_module_t *mods[4096 + 4];
   int n = llama_stage_modules(r->llama, s, S, mods, 4096 + 4);
@@ -240,7 +235,7 @@ static fsdpc_status_t pass_on(run_t *r, pg_t *g, int s, int P, const data_spec_t
 }
 
 fsdpc_status_t train_pp_eval_batch(run_t *r, const data_spec_t *spec, int64_t b, double *loss) {
-  int P = pp_schedule_ranks(r->pp_sched), S = P * pp_schedule_stages_per_rank(r->pp_sched);
+  int P = pp_schedule_ranks(r->pp_sched), S = pp_schedule_stages(r->pp_sched);
   pg_t *g = mesh_group(parallel_pp_mesh(r->par), 0);
   data_spec_t one = *spec;
   one.grad_accum = 1;

@@ -900,13 +900,8 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
                    w, pp->pp, V, S,
                    p->model.n_layers < S ? "outnumber" : "(stages_per_rank must divide)",
                    (long long)p->model.n_layers);
-  if (pp->n_pp_splits > 0) {
-    int64_t *starts = malloc(sizeof *starts * (size_t)S);
-    if (starts == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-    fsdpc_status_t st = split_starts(p, w, S, starts);
-    free(starts);
-    FSDPC_TRY(st);
-  }
+  int64_t starts[PLAN_MAX_PP_SPLITS + 1]; /* split_starts refuses more stages than that */
+  if (pp->n_pp_splits > 0) FSDPC_TRY(split_starts(p, w, S, starts));
   if (pp->pp_microbatches > 0 && pp->pp_microbatches != p->grad_accum)
     return err_set(STATUS_EINVAL,
                    "%s: pipeline.microbatches: %d, but the data section gives %lld micro-batch%s "

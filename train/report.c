@@ -430,15 +430,14 @@ static void unit_dtypes(const run_t *r) {
  * the estimate fails. */
 /* This rank's stages (mesh.pp) as llama_memory_estimate_stage takes them. */
 static llama_stage_t own_stage(const run_t *r) {
-  int P = pp_schedule_ranks(r->pp_sched), V = pp_schedule_stages_per_rank(r->pp_sched), S = P * V;
-  int64_t L = r->plan.model.n_layers;
-  llama_stage_t stage = {.stages = V,
+  int P = pp_schedule_ranks(r->pp_sched), S = pp_schedule_stages(r->pp_sched);
+  llama_stage_t stage = {.stages = pp_schedule_stages_per_rank(r->pp_sched),
                          .sync_every = r->plan.par.pp_sync_every,
                          .first = r->pp_rank == 0,
-                         .last = (S - 1) % P == r->pp_rank,
+                         .last = train_pp_last_rank(r) == r->pp_rank,
                          .in_flight = pp_schedule_max_in_flight(r->pp_sched, r->pp_rank)};
   for (int s = r->pp_rank; s < S; s += P) {
-    int64_t b0 = s * L / S, b1 = (s + 1) * L / S;
+    int64_t b0 = 0, b1 = 0;
     llama_stage_range(r->llama, s, S, &b0, &b1);
     stage.blocks += (int)(b1 - b0);
   }
@@ -542,8 +541,7 @@ static double tied_bytes(const run_t *r) {
 /* mesh.pp: the schedule, each pipeline rank's stages and actions, the bubble, the sends. */
 static void pipeline_lines(run_t *r) {
   const pp_schedule_t *s = r->pp_sched;
-  int P = pp_schedule_ranks(s), V = pp_schedule_stages_per_rank(s), S = P * V;
-  int64_t L = r->plan.model.n_layers;
+  int P = pp_schedule_ranks(s), V = pp_schedule_stages_per_rank(s), S = pp_schedule_stages(s);
   pp_step_options_t o = train_pp_options(r);
   printf(
       "\npipeline: %s, %d ranks x %d stage%s a rank, %d microbatches a step; bubble %.4f "
@@ -554,7 +552,7 @@ static void pipeline_lines(run_t *r) {
   for (int q = 0; q < P; q++) {
     printf("  pipeline rank %d: stage%s", q, V == 1 ? "" : "s");
     for (int st = q; st < S; st += P) {
-      int64_t b0 = st * L / S, b1 = (st + 1) * L / S;
+      int64_t b0 = 0, b1 = 0;
       llama_stage_range(r->llama, st, S, &b0, &b1);
       printf(" %d (blocks %lld-%lld%s%s)", st, (long long)b0, (long long)(b1 - 1),
              st == 0 ? ", embedding" : "", st == S - 1 ? ", final norm and head" : "");
@@ -576,7 +574,7 @@ static void pipeline_lines(run_t *r) {
     printf(
         "  tied embeddings: pipeline ranks 0 and %d exchange the shared weight's gradient "
         "shard, %.0f B each way\n",
-        (S - 1) % P, tied);
+        train_pp_last_rank(r), tied);
   printf("p2p_bytes %llu\n", (unsigned long long)(total + (uint64_t)(2 * tied)));
 }
 

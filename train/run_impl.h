@@ -106,6 +106,10 @@ fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, do
 /* Evaluation batch b of r->eval through the stages in order, without gradients: its mean loss
  * on every pipeline rank. Collective over the pipeline group. */
 fsdpc_status_t train_pp_eval_batch(run_t *r, const data_spec_t *spec, int64_t b, double *loss);
+/* The pipeline rank holding the last stage (the head and the loss). */
+static inline int train_pp_last_rank(const run_t *r) {
+  return pp_schedule_rank_of_stage(r->pp_sched, pp_schedule_stages(r->pp_sched) - 1);
+}
 /* The step's options for pp_step (also what --dry-run counts). */
 pp_step_options_t train_pp_options(run_t *r);
 

@@ -579,17 +579,17 @@ static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
   nn_module_t *root = r->root;
   optim_zero_grad(r->opt);
   fsdpc_status_t st = STATUS_OK;
-  int64_t ran = 0;
+  int64_t ran = 0; /* micro-steps whose loss tensors are to be read (none under a pipeline) */
   if (r->pp_sched != NULL) { /* the micro-batches through the pipeline's schedule */
-    ran = p->grad_accum;     /* no loss tensors to read */
     st = train_pp_step(r, &L->spec, o->s, &o->loss, &o->p2p);
     if (st == STATUS_OK) /* the pipeline's sends, every rank's summed */
       st = pg_host_all_reduce(mesh_group(parallel_pp_mesh(r->par), 0), &o->p2p, &o->p2p, 1,
                               PG_HOST_F64, REDUCE_SUM);
-  }
-  for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK && r->pp_sched == NULL; k++, ran++) {
-    fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
-    st = train_micro_step_async(root, r->dev, r->data, &L->spec, o->s, k, &L->micro_loss[k]);
+  } else {
+    for (int64_t k = 0; k < p->grad_accum && st == STATUS_OK; k++, ran++) {
+      fsdp_set_is_last_backward(root, k == p->grad_accum - 1);
+      st = train_micro_step_async(root, r->dev, r->data, &L->spec, o->s, k, &L->micro_loss[k]);
+    }
   }
   o->factor = lr_schedule_factor(&L->sched, o->s);
   o->coef = 1;
@@ -597,7 +597,7 @@ static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
     st = clip_grad_coef(r->save_ps, r->save_n, /* a tied weight counted once */
                         p->clip_grad_norm > 0 ? p->clip_grad_norm : INFINITY, r->all, &o->norm,
                         &o->coef);
-  for (int64_t k = 0; k < ran && r->pp_sched == NULL; k++) {
+  for (int64_t k = 0; k < ran; k++) {
     double l = 0;
     if (st == STATUS_OK && L->micro_loss[k].storage != NULL)
       st = llama_loss_read(&L->micro_loss[k], &l);

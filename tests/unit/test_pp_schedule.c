@@ -86,6 +86,8 @@ static void check_actions(const pp_schedule_t *s) {
 static void check_slots(const pp_schedule_t *s) {
   int P = pp_schedule_ranks(s), V = pp_schedule_stages_per_rank(s), M = pp_schedule_microbatches(s);
   int n = 2 * M * V, S = P * V, slots;
+  ck_assert_int_eq(pp_schedule_stages(s), S);
+  ck_assert_int_eq(pp_schedule_stages(NULL), 0);
   int *slot = malloc(sizeof(int) * (size_t)(P * n)), *f = malloc(sizeof(int) * (size_t)(2 * S * M));
   ok(pp_schedule_slots(s, slot, &slots));
   double span;
