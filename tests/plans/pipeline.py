@@ -161,9 +161,12 @@ def pipeline():
             run(k, [plan, "--metrics", m] + sets(at + ev))
             got[name] = [r["eval_loss"] for r in losses(m) if "eval_loss" in r] \
                 if os.path.exists(m) else []
-        check(len(got["pipe"]) == 2 and got["pipe"] == got["ref"],
+        # the weights themselves differ by the gradients' summation order (dp x pp against
+        # dp): measured 2.5e-8 under OpenBLAS's Haswell kernels, 0 under SkylakeX's
+        w = max([abs(a - b) / abs(b) for a, b in zip(got["pipe"], got["ref"])] or [1])
+        check(len(got["pipe"]) == len(got["ref"]) == 2 and w <= 1e-6,
               "%s evaluates through the stages: the eval losses of the same plan without the "
-              "pipeline (%s)" % (what, got["pipe"]))
+              "pipeline within 1e-6 (%s, worst %.2e)" % (what, got["pipe"], w))
     init = PLAN.format(data=os.path.join(ROOT, "data", "corpus.txt")).split("model:")[0] + \
         "model:\n  init_from: %s\n" % hf_folder(mkdtemp(), "tiny_qwen2") + \
         "parallelize:" + PLAN.split("parallelize:")[1].format(
