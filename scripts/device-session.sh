@@ -22,7 +22,8 @@
 #   vs-llmc       bench/vs_llmc_gpu.py: GPT-2 124M against llm.c's train_gpt2cu, 16 x 1024, when
 #                 .deps/llm.c holds an llm.c checkout (with .deps/cudnn-frontend, cuDNN on),
 #                 then fsdp-train's kernel table and the model's matrix products
-#   tests         every suite (meson test)
+#   tests         every suite (meson test), in 4 lanes at once (scripts/test-lanes.sh): one
+#                 meson process ran them in ~840 s on a 16-core H200 machine, more than a call
 #   fsdp-step     bench-fsdp-step on llama-100m at 8 x 1024, bf16 (with the host's time a
 #                 unit and a parameter)
 # SESSION_BUDGET_S (default 570) bounds the whole command: a stage that could not end in what
@@ -123,14 +124,16 @@ for s in "$@"; do
       run vs-llmc 400 "$python" bench/vs_llmc_gpu.py --exe build-gpu/tools/fsdp-train \
         --llmc .deps/llm.c --profile "${fe[@]}"
       ;;
-    tests) run tests 540 meson test -C build-gpu --print-errorlogs ;;
+    tests) run tests 540 bash scripts/test-lanes.sh build-gpu 4 ;;
     fsdp-step)
       run fsdp-step 90 build-gpu/bench/bench-fsdp-step --device cuda --param-dtype bf16 \
         --config configs/llama-100m.json --batch 8 --seq 1024 --steps 3
       ;;
   esac
 done
-[ -f build-gpu/meson-logs/testlog.txt ] && cp build-gpu/meson-logs/testlog.txt "$out/"
+for f in build-gpu/meson-logs/testlog.txt build-gpu/meson-logs/lane*.txt; do
+  [ -f "$f" ] && cp "$f" "$out/"
+done
 echo "=== summary ($(($(date +%s) - start)) s of a ${budget} s budget)"
 printf '%s\n' "${summary[@]}"
 exit "$failed"
