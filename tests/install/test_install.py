@@ -8,7 +8,8 @@ name a library found in the -L folders or the linker's own (a CUDA build lists -
 Every C fragment of README.md and docs/ that is not a whole program (those are the examples,
 compared with them by the examples test) compiles against the same headers: its includes,
 then its lines as a function's body after the declarations its `<!-- compiled with: ... -->`
-line gives.
+line gives. A C++ program including <fsdpc/fsdpc.h> compiles (-Wall -Wextra -Werror), links
+against the shared library and runs: every public header is valid C++ with C linkage.
 
   test_install.py BUILD_DIR SOURCE_DIR MPIRUN
 """
@@ -20,6 +21,28 @@ import sys
 import tempfile
 
 BUILD, ROOT, MPIRUN = sys.argv[1:4]
+
+# The whole API from C++: a few calls through it, printing a tensor's size and a shard's.
+CXX_PROGRAM = r"""#include <fsdpc/fsdpc.h>
+
+#include <cstdio>
+
+int main(int argc, char **argv) {
+  if (world_init(&argc, &argv) != STATUS_OK) return 1;
+  int64_t shape[2] = {6, 4};
+  fsdpc_tensor_t t;
+  fsdpc_status_t st = tensor_zeros(&t, DTYPE_F32, device_cpu(), 2, shape);
+  if (st == STATUS_OK) {
+    std::printf("rank %d of %d: %lld elements\n", world_rank(), world_size(),
+                (long long)tensor_numel(&t));
+    tensor_free(&t);
+  } else {
+    std::fprintf(stderr, "%s\n", err_detail());
+  }
+  world_finalize();
+  return st == STATUS_OK ? 0 : 1;
+}
+"""
 failed = 0
 
 
@@ -144,6 +167,22 @@ def main():
                                                          kind, q.stderr.strip()[-400:]))
                 if q.returncode == 0:
                     exes[kind + form] = exe
+        cxx = shutil.which("c++") or shutil.which("g++")
+        if cxx is None:
+            print("skip the C++ program: no C++ compiler (c++ or g++) on the PATH")
+        else:
+            path = os.path.join(tmp, "basics.cpp")
+            with open(path, "w") as f:
+                f.write(CXX_PROGRAM)
+            exe = os.path.join(tmp, "basics-cxx")
+            san = (["-fsanitize=address,undefined"] if os.environ.get("FSDPC_TEST_SANITIZED")
+                   else [])
+            q = run([cxx, "-std=c++17", "-Wall", "-Wextra", "-Werror", "-o", exe, path] + san +
+                    cflags + shared)
+            check(q.returncode == 0, "a C++ program including <fsdpc/fsdpc.h> compiles and links "
+                  "(%s)" % q.stderr.strip()[-400:])
+            if q.returncode == 0:
+                exes["shared-cxx"] = exe
         for kind, exe in exes.items():
             q = run([MPIRUN, "--oversubscribe", "-n", "2", exe],
                     env=dict(os.environ, LD_LIBRARY_PATH=libdir))
