@@ -51,12 +51,20 @@ struct entry_table {
 
 /* The entry of a many-tensor table (entry i owns blocks [e[i].first_block, e[i + 1].first_block),
  * the last one up to the grid's end) this block works on, and the block's place b among the
- * entry's nb blocks. */
+ * entry's nb blocks: the last entry whose first block is at or before this one, found by
+ * halving (first_block never decreases): 7 dependent argument loads for a full table of 120,
+ * where a scan from the front took a later entry's blocks up to 120. */
 template <typename Table>
 __device__ static int table_entry(const Table &t, int64_t *b, int64_t *nb) {
   static_assert(sizeof(Table) <= 4096, "a kernel's arguments: at most 4 KB");
-  int i = 0;
-  while (i + 1 < t.count && (int64_t)blockIdx.x >= t.e[i + 1].first_block) i++;
+  int i = 0, hi = t.count - 1;
+  while (i < hi) {
+    int mid = (i + hi + 1) / 2;
+    if ((int64_t)blockIdx.x >= t.e[mid].first_block)
+      i = mid;
+    else
+      hi = mid - 1;
+  }
   *b = blockIdx.x - t.e[i].first_block;
   *nb = (i + 1 < t.count ? t.e[i + 1].first_block : (int64_t)gridDim.x) - t.e[i].first_block;
   return i;

@@ -132,6 +132,28 @@ struct column_outs {
   column_out o[K];
 };
 
+/*
+ * column_partial_kernel with each thread taking W = 16 / sizeof(T) adjacent columns, a row's in
+ * one 16-byte load per operand: term.packs(i, c, s) adds row i's K values of columns
+ * [c W, c W + W) into s[k][0, W). For D a multiple of W with every operand on a 16-byte
+ * boundary. Each column's sum runs over the same rows in the same order as
+ * column_partial_kernel's would over blocks of `per` rows.
+ */
+template <int K, typename T, typename F>
+__global__ static void column_partial_packs_kernel(float *partial, int64_t rows, int64_t D,
+                                                   int64_t per, F term) {
+  const int W = 16 / sizeof(T);
+  int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (c * W >= D) return;
+  int64_t i1 = (b + 1) * per < rows ? (b + 1) * per : rows;
+  float s[K][W] = {};
+  for (int64_t i = b * per; i < i1; i++) term.packs(i, c, s);
+#pragma unroll
+  for (int k = 0; k < K; k++)
+#pragma unroll
+    for (int j = 0; j < W; j++) partial[((int64_t)k * gridDim.y + b) * D + c * W + j] = s[k][j];
+}
+
 template <int K>
 __global__ static void column_sum_kernel(column_outs<K> outs, const float *partial, int64_t blocks,
                                          int64_t D) {
@@ -140,24 +162,25 @@ __global__ static void column_sum_kernel(column_outs<K> outs, const float *parti
     for (int k = 0; k < K; k++) {
       if (!outs.o[k].p) continue;
       float s = 0;
+#pragma unroll 8
       for (int64_t c = 0; c < blocks; c++) s += partial[(k * blocks + c) * D + j];
       stf(outs.o[k].dt, outs.o[k].p, j, ldf(outs.o[k].dt, outs.o[k].p, j) + s);
     }
   }
 }
 
-/* The K column sums of a rows x D layout on dev's stream s (scratch from dev's pool). */
-template <int K, typename F>
-static fsdpc_status_t column_sums(device_t dev, cudaStream_t s, int64_t rows, int64_t D, F term,
-                                  column_outs<K> outs, const char *what) {
+/* The K column sums of a rows x D layout on dev's stream s (scratch from dev's pool), over
+ * blocks of `per` rows: partial(buffer, blocks) launches the first pass. */
+template <int K, typename P>
+static fsdpc_status_t column_sums_by(device_t dev, cudaStream_t s, int64_t rows, int64_t D,
+                                     int64_t per, column_outs<K> outs, const char *what,
+                                     P partial_pass) {
   if (rows == 0 || D == 0) return STATUS_OK;
-  int64_t per = rows / 65535 + 1 > 64 ? rows / 65535 + 1 : 64;
   int64_t blocks = (rows + per - 1) / per;
   size_t bytes = sizeof(float) * (size_t)(K * blocks * D);
   float *partial;
   FSDPC_TRY(device_alloc(dev, bytes, (void **)&partial));
-  dim3 grid((unsigned)((D + kBlock - 1) / kBlock), (unsigned)blocks);
-  column_partial_kernel<K><<<grid, kBlock, 0, s>>>(partial, rows, D, per, term);
+  partial_pass(partial, blocks);
   fsdpc_status_t st = launched(what);
   if (st == STATUS_OK) {
     column_sum_kernel<K><<<grid_for(D), kBlock, 0, s>>>(outs, partial, blocks, D);
@@ -165,6 +188,43 @@ static fsdpc_status_t column_sums(device_t dev, cudaStream_t s, int64_t rows, in
   }
   device_free(dev, partial, bytes); /* stream-ordered: after the kernels */
   return st;
+}
+
+/* Rows a block of the first pass sums: at least `least`, and few enough blocks for a grid's
+ * second dimension. */
+static inline int64_t column_rows_per_block(int64_t rows, int64_t least) {
+  return rows / 65535 + 1 > least ? rows / 65535 + 1 : least;
+}
+
+/* The K column sums of a rows x D layout on dev's stream s (scratch from dev's pool). */
+template <int K, typename F>
+static fsdpc_status_t column_sums(device_t dev, cudaStream_t s, int64_t rows, int64_t D, F term,
+                                  column_outs<K> outs, const char *what) {
+  int64_t per = column_rows_per_block(rows, 64);
+  return column_sums_by<K>(dev, s, rows, D, per, outs, what, [&](float *partial, int64_t blocks) {
+    dim3 grid((unsigned)((D + kBlock - 1) / kBlock), (unsigned)blocks);
+    column_partial_kernel<K><<<grid, kBlock, 0, s>>>(partial, rows, D, per, term);
+  });
+}
+
+/* column_sums of a term over operands of T in 16-byte packs where `aligned` (every operand on
+ * a 16-byte boundary) and D is a multiple of 16 / sizeof(T); column_sums otherwise. A thread of
+ * column_partial_kernel loads 2 or 4 bytes an operand a row; here 16, over blocks of 32 rows
+ * or more, at most 1024 blocks of rows (8192 rows of 2048 bf16 columns: 512 blocks of 128
+ * threads; the partial sums K x 1024 x D floats at most). The two paths group rows
+ * differently, so their bits differ: each is the same at every run. */
+template <int K, typename T, typename F>
+static fsdpc_status_t column_sums_packs(device_t dev, cudaStream_t s, int64_t rows, int64_t D,
+                                        bool aligned, F term, column_outs<K> outs,
+                                        const char *what) {
+  const int64_t W = 16 / sizeof(T), threads = 128;
+  if (!aligned || D % W != 0) return column_sums<K>(dev, s, rows, D, term, outs, what);
+  int64_t per = column_rows_per_block(rows, (rows + 1023) / 1024 > 32 ? (rows + 1023) / 1024 : 32);
+  return column_sums_by<K>(dev, s, rows, D, per, outs, what, [&](float *partial, int64_t blocks) {
+    dim3 grid((unsigned)((D / W + threads - 1) / threads), (unsigned)blocks);
+    column_partial_packs_kernel<K, T>
+        <<<grid, (unsigned)threads, 0, s>>>(partial, rows, D, per, term);
+  });
 }
 
 /* Index checks without a host wait: a checking kernel writes 1 through p, a word of page-locked

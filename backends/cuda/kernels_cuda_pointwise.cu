@@ -168,12 +168,16 @@ __global__ static void bias_add_vec_kernel(T *out, const T *x, const T *b, I pac
 }
 
 /* the bias gradient's term of row i, column j: dy */
+template <typename T>
 struct bias_term {
-  const void *dy;
-  int dt;
+  const T *dy;
   int64_t D;
-  __device__ void operator()(int64_t i, int64_t j, float *s) const {
-    s[0] += ldf(dt, dy, i * D + j);
+  __device__ void operator()(int64_t i, int64_t j, float *s) const { s[0] += tof(dy[i * D + j]); }
+  /* columns [c W, c W + W) of row i, W = 16 / sizeof(T) (rows on 16-byte boundaries) */
+  __device__ void packs(int64_t i, int64_t c, float (*s)[16 / sizeof(T)]) const {
+    pack<T> g = ((const pack<T> *)(dy + i * D))[c];
+#pragma unroll
+    for (int j = 0; j < (int)(16 / sizeof(T)); j++) s[0][j] += tof(g.v[j]);
   }
 };
 
@@ -258,15 +262,17 @@ __global__ static void adamw_many_kernel(adamw_table t) {
 
 /* Sums of squares without atomics: block b of a tensor's nb blocks (at most kSsqBlocks)
  * strides over its elements nb blocks apart and writes its float partial to the tensor's
- * partial[b]; then one thread per tensor adds its partials in block order in double. Many
- * tensors' blocks go in one launch, each block finding its tensor in the table (its argument,
- * as adamw_many_kernel's); a tensor's partials are the same whatever else the launch holds. */
+ * partial[b]; then a warp per tensor adds its kSsqBlocks partials in double in a fixed order.
+ * Many tensors' blocks go in one launch, each block finding its tensor in the table (its
+ * argument, as adamw_many_kernel's); a tensor's partials are the same whatever else the launch
+ * holds. */
 static const int kSsqBlocks = 1024;
-/* elements a thread reads at least before its tensor takes another block: at one block per
- * 256 elements llama-100m's gradient norm launched about 82,000 blocks of one to three
- * elements a thread, each too short to outweigh its start and its reduction, and ran at 803
- * GB/s on an H200 (22% of its copy bandwidth) */
-static const int64_t kSsqPerThread = 16;
+/* Elements a thread reads at least before its tensor takes another block: a block then reads
+ * 128 KB of f32 (64 KB of bf16) or more, against its fixed costs (its start, finding its tensor,
+ * its reduction). At one block per 256 elements llama-100m's gradient norm launched about 82,000
+ * blocks of one to three elements a thread and ran at 803 GB/s on an H200; at 16 elements a
+ * thread, llama-0.9b's ran at 1.03 TB/s (about 100,000 blocks of 16-45 KB). */
+static const int64_t kSsqPerThread = 128;
 enum { kSsqTable = 120 }; /* tensors per launch: the table stays under 4 KB of arguments */
 
 struct ssq_entry {
@@ -279,14 +285,23 @@ struct ssq_entry {
 typedef entry_table<ssq_entry, kSsqTable> ssq_table;
 
 /* The squares of x's elements [0, n) in 16-byte packs of T (x on a 16-byte boundary), then its
- * tail, striding as the element-wise loop does: thread k of the grid's `stride` threads. */
+ * tail, striding as the element-wise loop does: thread k of the grid's `stride` threads. Four
+ * packs are loaded before any is added, so that each thread keeps 64 bytes in flight. */
 template <typename T>
 __device__ static float ssq_packs(const T *x, int64_t n, int64_t k, int64_t stride) {
-  const int W = 16 / sizeof(T);
-  int64_t packs = n / W;
+  const int W = 16 / sizeof(T), U = 4;
+  int64_t packs = n / W, v = k;
   float s = 0;
-#pragma unroll 2
-  for (int64_t v = k; v < packs; v += stride) {
+  for (; v + (U - 1) * stride < packs; v += U * stride) {
+    pack<T> p[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) p[u] = ((const pack<T> *)x)[v + u * stride];
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+      for (int j = 0; j < W; j++) s += tof(p[u].v[j]) * tof(p[u].v[j]);
+  }
+  for (; v < packs; v += stride) {
     pack<T> p = ((const pack<T> *)x)[v];
 #pragma unroll
     for (int j = 0; j < W; j++) s += tof(p.v[j]) * tof(p.v[j]);
@@ -318,11 +333,20 @@ __global__ static void sum_squares_many_kernel(ssq_table t) {
   if (threadIdx.x == 0) x.partial[b] = s;
 }
 
+/* out[t] = the sum of tensor t's kSsqBlocks partials, a warp per tensor: lane l adds partials
+ * l, l + 32, ... in order, then the lanes' sums are halved together (the same order at every
+ * run). A thread per tensor adding its 1024 partials one after another took them one L2
+ * round trip at a time. */
 __global__ static void sum_squares_total_kernel(double *out, const float *partial, int n) {
-  GRID_STRIDE(t, n) {
+  int lane = threadIdx.x % 32; /* blockDim.x is a multiple of 32: a warp's lanes loop together */
+  int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
+  for (int64_t t = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32; t < n; t += warps) {
+    const float *p = partial + t * kSsqBlocks;
     double s = 0;
-    for (int b = 0; b < kSsqBlocks; b++) s += partial[t * kSsqBlocks + b];
-    out[t] = s;
+    for (int b = lane; b < kSsqBlocks; b += 32) s += p[b];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) out[t] = s;
   }
 }
 
@@ -403,8 +427,14 @@ static fsdpc_status_t cuda_bias_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *x
 
 static fsdpc_status_t cuda_bias_backward(fsdpc_tensor_t *db, const fsdpc_tensor_t *dy) {
   int64_t D = last_dim(dy), rows = tensor_numel(dy) / D;
-  return column_sums<1>(dy->device, stream_of(dy), rows, D, bias_term{dy->data, dy->dtype, D},
-                        column_outs<1>{{{db->data, db->dtype}}}, "kernel_bias_backward");
+  fsdpc_status_t st = STATUS_OK;
+  with_float_type(dy->dtype, [&](auto t) {
+    using T = decltype(t);
+    st = column_sums_packs<1, T>(dy->device, stream_of(dy), rows, D, (uintptr_t)dy->data % 16 == 0,
+                                 bias_term<T>{(const T *)dy->data, D},
+                                 column_outs<1>{{{db->data, db->dtype}}}, "kernel_bias_backward");
+  });
+  return st;
 }
 
 static fsdpc_status_t cuda_add(fsdpc_tensor_t *out, const fsdpc_tensor_t *a,
@@ -515,7 +545,7 @@ static fsdpc_status_t cuda_sum_squares_many(const fsdpc_tensor_t *const *xs, int
     st = launched("kernel_sum_squares");
   }
   if (st == STATUS_OK) {
-    sum_squares_total_kernel<<<grid_for(n), kBlock, 0, s>>>(sums, partial, n);
+    sum_squares_total_kernel<<<grid_for((int64_t)n * 32), kBlock, 0, s>>>(sums, partial, n);
     st = launched("kernel_sum_squares");
   }
   if (st == STATUS_OK) st = device_memcpy(device_cpu(), out, dev, sums, sizeof(double) * n);

@@ -125,6 +125,13 @@ struct rmsnorm_dw_term {
   __device__ void operator()(int64_t i, int64_t j, float *s) const {
     s[0] += tof(dy[i * D + j]) * (tof(x[i * D + j]) * rstd[i]);
   }
+  /* columns [c W, c W + W) of row i, W = 16 / sizeof(T) (rows on 16-byte boundaries) */
+  __device__ void packs(int64_t i, int64_t c, float (*s)[16 / sizeof(T)]) const {
+    pack<T> g = ((const pack<T> *)(dy + i * D))[c], v = ((const pack<T> *)(x + i * D))[c];
+    float r = rstd[i];
+#pragma unroll
+    for (int j = 0; j < (int)(16 / sizeof(T)); j++) s[0][j] += tof(g.v[j]) * (tof(v.v[j]) * r);
+  }
 };
 
 /* One block per row: mean, then the variance about it, then the normalised row; rows in
@@ -204,15 +211,26 @@ __global__ static void layernorm_backward_dx_kernel(T *dx, const T *dy, const T 
 }
 
 /* dw's and db's terms of row i, column j: dy x-hat and dy */
+template <typename T>
 struct layernorm_dwb_term {
-  const void *dy, *x;
-  int xdt;
+  const T *dy, *x;
   const float *mean, *rstd;
   int64_t D;
   __device__ void operator()(int64_t i, int64_t j, float *s) const {
-    float g = ldf(xdt, dy, i * D + j);
-    s[0] += g * ((ldf(xdt, x, i * D + j) - mean[i]) * rstd[i]);
+    float g = tof(dy[i * D + j]);
+    s[0] += g * ((tof(x[i * D + j]) - mean[i]) * rstd[i]);
     s[1] += g;
+  }
+  /* columns [c W, c W + W) of row i, W = 16 / sizeof(T) (rows on 16-byte boundaries) */
+  __device__ void packs(int64_t i, int64_t c, float (*s)[16 / sizeof(T)]) const {
+    pack<T> pg = ((const pack<T> *)(dy + i * D))[c], pv = ((const pack<T> *)(x + i * D))[c];
+    float mu = mean[i], r = rstd[i];
+#pragma unroll
+    for (int j = 0; j < (int)(16 / sizeof(T)); j++) {
+      float g = tof(pg.v[j]);
+      s[0][j] += g * ((tof(pv.v[j]) - mu) * r);
+      s[1][j] += g;
+    }
   }
 };
 
@@ -418,8 +436,10 @@ static fsdpc_status_t cuda_rmsnorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *
         (T *)dx->data, pdy, px, w->data, w->dtype, r, D);
     st = launched("kernel_rmsnorm_backward");
     if (st == STATUS_OK)
-      st = column_sums<1>(x->device, s, rows, D, rmsnorm_dw_term<T>{pdy, px, r, D},
-                          column_outs<1>{{{dw->data, dw->dtype}}}, "kernel_rmsnorm_backward");
+      st = column_sums_packs<1, T>(
+          x->device, s, rows, D, ((uintptr_t)pdy | (uintptr_t)px) % 16 == 0,
+          rmsnorm_dw_term<T>{pdy, px, r, D}, column_outs<1>{{{dw->data, dw->dtype}}},
+          "kernel_rmsnorm_backward");
   });
   return st;
 }
@@ -447,16 +467,20 @@ static fsdpc_status_t cuda_layernorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t
   if (rows == 0) return STATUS_OK;
   cudaStream_t s = stream_of(x);
   const float *mu = (const float *)mean->data, *r = (const float *)rstd->data;
+  column_outs<2> outs = {{{dw->data, dw->dtype}, {db ? db->data : NULL, db ? db->dtype : 0}}};
+  fsdpc_status_t st = STATUS_OK;
   with_float_type(x->dtype, [&](auto t) {
     using T = decltype(t);
+    const T *pdy = (const T *)dy->data, *px = (const T *)x->data;
     layernorm_backward_dx_kernel<<<(unsigned)rows, row_threads(D, x->dtype), 0, s>>>(
-        (T *)dx->data, (const T *)dy->data, (const T *)x->data, w->data, w->dtype, mu, r, D);
+        (T *)dx->data, pdy, px, w->data, w->dtype, mu, r, D);
+    st = launched("kernel_layernorm_backward");
+    if (st == STATUS_OK)
+      st = column_sums_packs<2, T>(
+          x->device, s, rows, D, ((uintptr_t)pdy | (uintptr_t)px) % 16 == 0,
+          layernorm_dwb_term<T>{pdy, px, mu, r, D}, outs, "kernel_layernorm_backward");
   });
-  FSDPC_TRY(launched("kernel_layernorm_backward"));
-  column_outs<2> outs = {{{dw->data, dw->dtype}, {db ? db->data : NULL, db ? db->dtype : 0}}};
-  return column_sums<2>(x->device, s, rows, D,
-                        layernorm_dwb_term{dy->data, x->data, x->dtype, mu, r, D}, outs,
-                        "kernel_layernorm_backward");
+  return st;
 }
 
 static fsdpc_status_t cuda_cross_entropy(fsdpc_tensor_t *losses, const fsdpc_tensor_t *logits,

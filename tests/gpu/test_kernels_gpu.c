@@ -16,7 +16,7 @@
 #include "core/kernels.h"
 #include "tests/harness.h"
 
-#define MAX_T 16
+#define MAX_T 40
 
 static void ok(fsdpc_status_t st) {
   ck_assert_msg(st == STATUS_OK, "%s: %s", status_str(st), err_detail());
@@ -224,9 +224,9 @@ static int rmsnorm_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t row
   return 4;
 }
 
-/* The backward's dw over blocks of 64 rows, the last one short (170 and 1,300 rows), a single
- * short block (9 rows), and rows longer than a block's threads cover in one stride (12,300
- * columns). */
+/* The backward's dw column by column over blocks of 64 rows, the last one short (170 rows of
+ * 333), in 16-byte packs over blocks of 32 rows (1,300 rows of 40), a single short block (9
+ * rows), and rows longer than a block's threads cover in one stride (12,300 columns). */
 static int k_rmsnorm(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int n = rmsnorm_case(dev, dt, o, 170, 333);
   n += rmsnorm_case(dev, dt, o + n, 9, 256);
@@ -494,6 +494,54 @@ static int k_adamw_sumsq(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return 5;
 }
 
+/* kernel_sum_squares_many over 130 tensors (more than one launch's table on a GPU): sizes from
+ * 0 to 70,000, views starting off a 16-byte boundary, and two of 40,000,000 ones (more blocks
+ * than a tensor may take, so each thread strides over many; one on a boundary, one off it),
+ * whose sums must be exactly their sizes: an element read twice or never is seen there. The
+ * output is each random tensor's root mean square, so that every tensor weighs alike in the
+ * comparison; the single call's bits are checked on the device itself. */
+static int k_sumsq_many(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
+  enum { K = 130, ONES = 96 }; /* ONES and ONES + 1: the 40,000,000 ones */
+  fsdpc_tensor_t base[K], view[K];
+  const fsdpc_tensor_t *xs[K];
+  int64_t n[K];
+  for (int k = 0; k < K; k++) {
+    bool ones = k == ONES || k == ONES + 1;
+    n[k] = ones ? 40000000 : (int64_t)k * 541 % 70001;
+    int64_t whole = n[k] + 3;
+    if (ones) {
+      ok(tensor_init(&base[k], dt, dev, 1, &whole));
+      ok(tensor_fill(&base[k], 1.0));
+    } else {
+      rnd(&base[k], dev, dt, 1, &whole, 200 + k, 1);
+    }
+    /* every third tensor starts one element in: off the boundary in every dtype */
+    ok(tensor_narrow(&view[k], &base[k], 0, k % 3 == 1 ? 1 : 0, n[k]));
+    xs[k] = &view[k];
+  }
+  double ss[K];
+  ok(kernel_sum_squares_many(xs, K, ss));
+  for (int k = ONES; k <= ONES + 1; k++)
+    ck_assert_msg(ss[k] == (double)n[k], "item %d: %lld ones sum to %.17g", k, (long long)n[k],
+                  ss[k]);
+  for (int k = 0; k < K; k += 32) { /* a call of its own gives the same bits */
+    int j = k + 29 < K ? k + 29 : K - 1;
+    double one;
+    ok(kernel_sum_squares(&view[j], &one));
+    ck_assert_msg(one == ss[j], "kernel_sum_squares_many item %d: not kernel_sum_squares's bits",
+                  j);
+  }
+  int64_t kk = K;
+  ok(tensor_init(&o[0], DTYPE_F32, device_cpu(), 1, &kk));
+  for (int k = 0; k < K; k++) {
+    ck_assert_msg(n[k] > 0 || ss[k] == 0.0, "item %d: an empty tensor's sum is %g", k, ss[k]);
+    ((float *)o[0].data)[k] = n[k] > 0 ? (float)sqrt(ss[k] / (double)n[k]) : 0.0f;
+    tensor_free(&view[k]);
+    tensor_free(&base[k]);
+  }
+  return 1;
+}
+
 /* AdamW with bf16 moments (optim.state_dtype). */
 static int k_adamw_bf16_moments(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   fsdpc_tensor_t p, g, m, v;
@@ -526,16 +574,29 @@ static int k_activations(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
 
 /* Bias and LayerNorm forward and backward over rows of D: outputs y, db, the norm's y, mean,
  * rstd, dx, dw, db. */
-static int bias_layernorm_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t rows,
-                               int64_t D) {
+/* A random [rows, D] tensor of dt on dev whose first element is `off` elements into its
+ * storage (off 1: every row off a 16-byte boundary when D is a multiple of 8). */
+static void rnd_at(fsdpc_tensor_t *t, device_t dev, dtype_t dt, int64_t rows, int64_t D,
+                   unsigned long long seed, double scale, int64_t off) {
+  int64_t whole = rows * D + off, s[2] = {rows, D};
+  fsdpc_tensor_t flat, part;
+  rnd(&flat, dev, dt, 1, &whole, seed, scale);
+  ok(tensor_narrow(&part, &flat, 0, off, rows * D));
+  ok(tensor_view(t, &part, 2, s));
+  tensor_free(&part);
+  tensor_free(&flat);
+}
+
+static int bias_layernorm_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t rows, int64_t D,
+                               int64_t off) {
   int64_t sx[2] = {rows, D};
   fsdpc_tensor_t x, w, b, y, db, mean, rstd, dy, dx, dw, db2, y2;
-  rnd(&x, dev, dt, 2, sx, 23, 2);
+  rnd_at(&x, dev, dt, rows, D, 23, 2, off);
   rnd(&w, dev, dt, 1, &D, 24, 1);
   rnd(&b, dev, dt, 1, &D, 25, 1);
   poisoned(&y, dev, dt, 2, sx);
   ok(kernel_bias_add(&y, &x, &b));
-  rnd(&dy, dev, dt, 2, sx, 26, 1);
+  rnd_at(&dy, dev, dt, rows, D, 26, 1, off);
   ok(tensor_zeros(&db, DTYPE_F32, dev, 1, &D));
   ok(kernel_bias_backward(&db, &dy));
   poisoned(&y2, dev, dt, 2, sx);
@@ -612,11 +673,16 @@ static int k_moe_combine(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return n + moe_combine_case(dev, dt, o + n, 30, 3, 80, false, 41);
 }
 
-/* The column sums (db, dw) in one short block of rows (37), and over blocks of 64 rows, the
- * last one short (1,300 rows). */
+/* The column sums (db, dw) column by column in one short block of rows (37 of 333) and over
+ * blocks of 64 rows (1,300 of 333, and 1,300 of 40 with the rows off a 16-byte boundary); in
+ * 16-byte packs over blocks of 32 rows, the last one short (1,300 of 40; 600 rows of 1,032
+ * columns, more packs than a block has threads). */
 static int k_bias_layernorm(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
-  int n = bias_layernorm_case(dev, dt, o, 37, 333);
-  return n + bias_layernorm_case(dev, dt, o + n, 1300, 40);
+  int n = bias_layernorm_case(dev, dt, o, 37, 333, 0);
+  n += bias_layernorm_case(dev, dt, o + n, 1300, 333, 0);
+  n += bias_layernorm_case(dev, dt, o + n, 1300, 40, 1);
+  n += bias_layernorm_case(dev, dt, o + n, 600, 1032, 0);
+  return n + bias_layernorm_case(dev, dt, o + n, 1300, 40, 0);
 }
 
 static const kcase_t cases[] = {
@@ -633,6 +699,7 @@ static const kcase_t cases[] = {
     {"cross_entropy", k_cross_entropy, 0, 0},
     {"adamw/sum_squares", k_adamw_sumsq, 0, 0},
     {"adamw (bf16 moments)", k_adamw_bf16_moments, 0, 2e-3},
+    {"sum_squares (many)", k_sumsq_many, 0, 0},
     {"relu/gelu/silu", k_activations, 0, 0},
     {"bias/layernorm", k_bias_layernorm, 0, 0},
     {"moe_combine", k_moe_combine, 0, 0},
