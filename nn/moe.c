@@ -161,6 +161,43 @@ void nn_moe_aux_end(nn_moe_aux_t *a) {
   a->step_forwards++;
 }
 
+int nn_moe_aux_stats_len(const nn_moe_aux_t *a) { return a ? 1 + 2 * a->n_experts : 0; }
+
+void nn_moe_aux_stats_add(const nn_moe_aux_t *a, double *v) {
+  if (a == NULL || v == NULL) return;
+  int E = a->n_experts;
+  v[0] += (double)a->rows;
+  for (int e = 0; e < E; e++) {
+    v[1 + e] += (double)a->counts[e];
+    v[1 + E + e] += a->prob_sums[e];
+  }
+}
+
+void nn_moe_aux_stats_set(nn_moe_aux_t *a, const double *v) {
+  if (a == NULL || v == NULL) return;
+  int E = a->n_experts;
+  a->rows = (int64_t)v[0]; /* counts summed in f64: exact below 2^53 */
+  for (int e = 0; e < E; e++) {
+    a->counts[e] = (int64_t)v[1 + e];
+    a->prob_sums[e] = v[1 + E + e];
+  }
+}
+
+double nn_moe_aux_loss_of(const nn_moe_aux_t *a, const double *v) {
+  if (a == NULL || v == NULL || v[0] == 0) return 0; /* the terms as nn_moe_aux_loss's */
+  int E = a->n_experts;
+  double s = 0;
+  for (int e = 0; e < E; e++) s += v[1 + e] / v[0] * (v[1 + E + e] / v[0]);
+  return (double)E * s;
+}
+
+void nn_moe_aux_step_add(nn_moe_aux_t *a, const double *mine, const double *total) {
+  if (a == NULL || mine == NULL || total == NULL || total[0] == 0) return;
+  for (int e = 0; e < a->n_experts; e++) a->step_counts[e] += (int64_t)mine[1 + e];
+  a->step_loss += nn_moe_aux_loss_of(a, total);
+  a->step_forwards++;
+}
+
 /* A forward's routing of N tokens (probabilities p [N, E], choices ex [N, k]) into a; with
  * tokens (not NULL), summed over that group's ranks first (the block's tokens split over them). */
 static fsdpc_status_t aux_add(nn_moe_aux_t *a, const float *p, const int64_t *ex, int64_t N,

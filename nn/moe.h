@@ -147,6 +147,20 @@ int nn_moe_aux_experts(const nn_moe_aux_t *a); /* its E; 0 for NULL */
 void nn_moe_aux_end(nn_moe_aux_t *a);
 bool nn_moe_aux_take_step(nn_moe_aux_t *a, int64_t *counts, int n_experts, double *loss);
 
+/* A forward whose blocks run on several ranks (pipeline stages): the statistics the loss and
+ * its gradient are made of, as nn_moe_aux_stats_len doubles (the tokens routed, each expert's
+ * choices, each expert's probabilities summed), can be summed over those ranks, then set back
+ * before the blocks' backward. nn_moe_aux_stats_add adds the last forward's to v;
+ * nn_moe_aux_stats_set makes v the forward's (what nn_moe_aux_loss and the blocks' backward
+ * use); nn_moe_aux_loss_of is the loss of v; nn_moe_aux_step_add adds a forward to the step's
+ * figures: the expert choices of mine (this rank's blocks), the loss of total (all of them).
+ * nn_moe_aux_stats_len is 0 for NULL; the others do nothing with a NULL a or v. Local. */
+int nn_moe_aux_stats_len(const nn_moe_aux_t *a);
+void nn_moe_aux_stats_add(const nn_moe_aux_t *a, double *v);
+void nn_moe_aux_stats_set(nn_moe_aux_t *a, const double *v);
+double nn_moe_aux_loss_of(const nn_moe_aux_t *a, const double *v);
+void nn_moe_aux_step_add(nn_moe_aux_t *a, const double *mine, const double *total);
+
 /* Tokens each expert received in the module's last forward (counts[n_experts]); false when
  * m is not a MoE block or has not run. Local. */
 bool nn_moe_last_load(const nn_module_t *m, int64_t *counts, int n_experts);

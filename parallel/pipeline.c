@@ -172,6 +172,7 @@ typedef struct step_state {
   mb_t *mbs;            /* V M: this rank's stages' microbatches */
   fsdpc_tensor_t *mail; /* 2 S M: what arrived for later actions */
   int *slot, *next;     /* every rank's actions' slots; each rank's next action */
+  int *forwarded;       /* per slot: the microbatch the last stage's forward ran, or -1 */
 } step_state_t;
 
 static void state_free(step_state_t *x, int n_mbs, int n_mail) {
@@ -181,6 +182,20 @@ static void state_free(step_state_t *x, int n_mbs, int n_mail) {
   free(x->mail);
   free(x->slot);
   free(x->next);
+  free(x->forwarded);
+}
+
+/* x->forwarded from the slots of the last stage's rank (every rank has n actions). */
+static fsdpc_status_t mark_forwarded(const pp_schedule_t *s, step_state_t *x, int n, int slots) {
+  int S = pp_schedule_stages(s), L = pp_schedule_rank_of_stage(s, S - 1);
+  x->forwarded = malloc(sizeof(int) * (size_t)(slots > 0 ? slots : 1));
+  if (x->forwarded == NULL) return err_set(STATUS_ENOMEM, "pipeline: out of host memory");
+  for (int t = 0; t < slots; t++) x->forwarded[t] = -1;
+  for (int i = 0; i < n; i++) {
+    pp_action_t a = pp_schedule_action(s, L, i);
+    if (a.kind == PP_FORWARD && a.stage == S - 1) x->forwarded[x->slot[L * n + i]] = a.microbatch;
+  }
+  return STATUS_OK;
 }
 
 /* Slot t's exchange: send (to peer), and every message a neighbour's action of slot t makes
@@ -235,6 +250,7 @@ fsdpc_status_t pp_step(const pp_step_options_t *o, double *loss) {
                           ? STATUS_OK
                           : err_set(STATUS_ENOMEM, "pipeline: out of host memory");
   if (st == STATUS_OK) st = pp_schedule_slots(s, x.slot, &slots);
+  if (st == STATUS_OK && o->forwarded) st = mark_forwarded(s, &x, n, slots);
   double sum = 0, t0 = device_clock_seconds();
   if (o->stats) *o->stats = (pp_step_stats_t){0};
   for (int t = 0; t < slots && st == STATUS_OK; t++) {
@@ -255,6 +271,8 @@ fsdpc_status_t pp_step(const pp_step_options_t *o, double *loss) {
     }
     if (st == STATUS_OK) st = exchange(o, &x, t, &send, peer);
     tensor_free(&send);
+    if (st == STATUS_OK && o->forwarded && x.forwarded[t] >= 0)
+      st = o->forwarded(x.forwarded[t], o->user);
   }
   if (o->stats) o->stats->seconds = device_clock_seconds() - t0;
   state_free(&x, V * M, 2 * S * M);

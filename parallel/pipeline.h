@@ -48,6 +48,11 @@ typedef fsdpc_status_t (*pp_input_fn)(int microbatch, nn_var_t **out, void *user
 /* Called before B(stage, microbatch) runs on this rank (fully_shard's gradient sync for the
  * stage's last microbatch only, for example). */
 typedef fsdpc_status_t (*pp_backward_fn)(int stage, int microbatch, void *user);
+/* Called on every rank of the group at the end of the slot in which the last stage's forward of
+ * microbatch m ran: the same slot everywhere, after every stage's forward of m and before any
+ * backward of it. What those forwards made on their ranks can be combined over the group here
+ * (a collective of the group's ranks, such as the MoE routers' statistics). */
+typedef fsdpc_status_t (*pp_forwarded_fn)(int microbatch, void *user);
 
 /* What a step measured on this rank (pp_step_options_t.stats). */
 typedef struct pp_step_stats {
@@ -72,6 +77,7 @@ typedef struct pp_step_options {
   pp_stage_fn forward;
   pp_input_fn input; /* called on stage 0's rank only */
   pp_backward_fn before_backward; /* NULL: none */
+  pp_forwarded_fn forwarded;      /* NULL: none */
   void *user;
   pp_step_stats_t *stats; /* if not NULL, filled by each step */
 } pp_step_options_t;
@@ -80,7 +86,7 @@ typedef struct pp_step_options {
   {                                                                                     \
     .group = NULL, .schedule = NULL, .ndim = 0, .shape = {0}, .dtype = DTYPE_F32,       \
     .device = {DEVICE_CPU, 0}, .forward = NULL, .input = NULL, .before_backward = NULL, \
-    .user = NULL, .stats = NULL                                                         \
+    .forwarded = NULL, .user = NULL, .stats = NULL                                      \
   }
 
 /* Runs this rank's actions of one step (pp_schedule_action order): its stages' forwards and

@@ -91,12 +91,36 @@ void train_pp_free(run_t *r) {
   r->pp_sched = NULL;
 }
 
-/* What a step's stages read besides the run: the data's spec and the step. */
+/* What a step's stages read besides the run: the data's spec and the step; with MoE blocks,
+ * their routing statistics per microbatch (nn_moe_aux_stats_len doubles each): this rank's
+ * stages' (mine) and, once the last stage has run the microbatch, every stage's (total), which
+ * the blocks' backward and the load-balancing loss take. */
 typedef struct stage_step {
   run_t *r;
   const data_spec_t *spec;
   int64_t step;
+  nn_moe_aux_t *aux; /* NULL: no MoE block */
+  int len;
+  double *mine, *total;
 } stage_step_t;
+
+/* u's MoE statistics for m microbatches (none without MoE blocks). */
+static fsdpc_status_t stage_stats_new(stage_step_t *u, int m) {
+  u->aux = nn_moe_aux_of(u->r->root);
+  u->len = nn_moe_aux_stats_len(u->aux);
+  if (u->len == 0) return STATUS_OK;
+  u->mine = calloc((size_t)(m * u->len), sizeof *u->mine);
+  u->total = calloc((size_t)(m * u->len), sizeof *u->total);
+  if (u->mine == NULL || u->total == NULL)
+    return err_set(STATUS_ENOMEM, "mesh.pp: out of host memory for the routers' statistics");
+  return STATUS_OK;
+}
+
+static void stage_stats_free(stage_step_t *u) {
+  free(u->mine);
+  free(u->total);
+  u->mine = u->total = NULL;
+}
 
 /* Microbatch mb's token ids (stage 0) from data d on the device. */
 static fsdpc_status_t stage_input_from(const fsdpc_data_t *d, const stage_step_t *u, int mb,
@@ -123,12 +147,12 @@ static fsdpc_status_t stage_forward_on(const fsdpc_data_t *d, nn_ctx_t *ctx, int
   run_t *r = u->r;
   int S = pp_schedule_stages(r->pp_sched);
   nn_var_t *h = NULL;
-  /* a training forward's routing counts toward the step's expert load (the balancing loss
-   * itself is refused under pipelines) */
-  nn_moe_aux_t *aux = d == r->data ? nn_moe_aux_of(r->root) : NULL;
-  nn_moe_aux_begin(aux, 0);
+  /* the stage's routing statistics of the microbatch; a training forward's loss takes the
+   * gradient factor of the microbatch's loss */
+  bool train = d == r->data;
+  nn_moe_aux_begin(u->aux, train ? 1.0 / (double)pp_schedule_microbatches(r->pp_sched) : 0);
   FSDPC_TRY(llama_stage_forward(ctx, r->llama, s, S, in, &h));
-  nn_moe_aux_end(aux);
+  if (u->mine != NULL) nn_moe_aux_stats_add(u->aux, u->mine + (size_t)mb * u->len);
   if (s < S - 1) {
     *out = h;
     return STATUS_OK;
@@ -156,6 +180,8 @@ static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, 
 static fsdpc_status_t stage_before_backward(int s, int mb, void *user) {
   const stage_step_t *u = user;
   run_t *r = u->r;
+  if (u->total != NULL) /* every stage's routing of the microbatch, for its blocks' backward */
+    nn_moe_aux_stats_set(u->aux, u->total + (size_t)mb * u->len);
   if (r->plan.par.pp_sync_every) return STATUS_OK;
   int S = pp_schedule_stages(r->pp_sched);
   bool last = mb == pp_schedule_microbatches(r->pp_sched) - 1;
@@ -167,6 +193,16 @@ static fsdpc_status_t stage_before_backward(int s, int mb, void *user) {
     fsdp_set_is_last_backward(mods[i], last);
   }
   return STATUS_OK;
+}
+
+/* After the last stage's forward of microbatch mb: its routing statistics summed over the
+ * pipeline's ranks (every stage's blocks). Collective over the pipeline group. */
+static fsdpc_status_t stage_forwarded(int mb, void *user) {
+  const stage_step_t *u = user;
+  if (u->total == NULL) return STATUS_OK;
+  size_t at = (size_t)mb * u->len;
+  return pg_host_all_reduce(mesh_group(parallel_pp_mesh(u->r->par), 0), u->mine + at, u->total + at,
+                            u->len, PG_HOST_F64, REDUCE_SUM);
 }
 
 pp_step_options_t train_pp_options(run_t *r) {
@@ -189,20 +225,38 @@ pp_step_options_t train_pp_options(run_t *r) {
   o.forward = stage_forward;
   o.input = stage_input;
   o.before_backward = stage_before_backward;
+  o.forwarded = stage_forwarded;
   return o;
 }
 
 fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, double *loss,
                              double *p2p_bytes) {
-  stage_step_t u = {r, spec, step};
+  stage_step_t u = {.r = r, .spec = spec, .step = step};
+  int M = pp_schedule_microbatches(r->pp_sched);
+  fsdpc_status_t st = stage_stats_new(&u, M);
+  if (st != STATUS_OK) { /* alone: the others would wait in the step for this rank */
+    stage_stats_free(&u);
+    return world_stop(st);
+  }
   pp_step_options_t o = train_pp_options(r);
   o.user = &u;
   pg_counters_t before = pg_counters(o.group);
-  FSDPC_TRY(pp_step(&o, loss));
-  FSDPC_TRY(sum_tied(r, o.group));
+  st = pp_step(&o, loss);
+  if (st == STATUS_OK) st = sum_tied(r, o.group);
   pg_counters_t after = pg_counters(o.group);
   *p2p_bytes = (double)(after.bytes[PG_SEND_RECV] - before.bytes[PG_SEND_RECV]);
-  return STATUS_OK;
+  /* the microbatches' routing: this rank's blocks' choices to the step's expert load; the
+   * load-balancing loss of all the stages' blocks, weighted, to the step's loss (its gradient
+   * came through the blocks' backward) */
+  double aux = 0;
+  for (int mb = 0; mb < M && st == STATUS_OK && u.len > 0; mb++) {
+    size_t at = (size_t)mb * u.len;
+    nn_moe_aux_step_add(u.aux, u.mine + at, u.total + at);
+    aux += nn_moe_aux_loss_of(u.aux, u.total + at);
+  }
+  if (st == STATUS_OK) *loss += nn_moe_aux_coef(u.aux) * aux / M;
+  stage_stats_free(&u);
+  return st;
 }
 
 /* The boundary activation [batch, seq_len, dim] from stage s's rank to stage s + 1's (h on the
@@ -239,11 +293,16 @@ fsdpc_status_t train_pp_eval_batch(run_t *r, const data_spec_t *spec, int64_t b,
   pg_t *g = mesh_group(parallel_pp_mesh(r->par), 0);
   data_spec_t one = *spec;
   one.grad_accum = 1;
-  stage_step_t u = {r, &one, b};
+  stage_step_t u = {.r = r, .spec = &one, .step = b};
   nn_ctx_t *ctx = NULL;
   nn_var_t *h = NULL;
   double l = 0;
-  fsdpc_status_t st = nn_ctx_new(&ctx);
+  fsdpc_status_t st = stage_stats_new(&u, 1);
+  if (st != STATUS_OK) {
+    stage_stats_free(&u);
+    return world_stop(st);
+  }
+  st = nn_ctx_new(&ctx);
   if (st == STATUS_OK) nn_ctx_set_grad_enabled(ctx, false);
   /* the stages in order, each on its rank, the activation passed on between ranks */
   for (int s = 0; s < S && st == STATUS_OK; s++) {
@@ -267,8 +326,14 @@ fsdpc_status_t train_pp_eval_batch(run_t *r, const data_spec_t *spec, int64_t b,
   }
   nn_var_put(h);
   nn_ctx_free(ctx);
-  /* the last stage's loss on every pipeline rank */
+  /* the last stage's loss on every pipeline rank, with every stage's routing: the weighted
+   * load-balancing loss of the batch is added, as without a pipeline */
   if (st == STATUS_OK) st = pg_host_all_reduce(g, &l, &l, 1, PG_HOST_F64, REDUCE_SUM);
+  if (st == STATUS_OK && u.len > 0)
+    st = pg_host_all_reduce(g, u.mine, u.total, u.len, PG_HOST_F64, REDUCE_SUM);
+  if (st == STATUS_OK && u.len > 0)
+    l += nn_moe_aux_coef(u.aux) * nn_moe_aux_loss_of(u.aux, u.total);
+  stage_stats_free(&u);
   *loss = l;
   return st;
 }

@@ -915,12 +915,9 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
   if (st != STATUS_OK)
     return err_prefix(st, "%s: pipeline (schedule %s, %lld microbatches a step)", w,
                       pp_schedule_name(pp->pp_schedule), (long long)p->grad_accum);
-  const char *not_yet = p->model.aux_loss_coef > 0 ? "the routers' load-balancing loss"
-                        : pp->offload              ? "offload"
-                                                   : NULL;
-  if (not_yet != NULL)
-    return err_set(STATUS_EUNSUPPORTED, "%s: mesh.pp: %d does not compose with %s yet",
-                   pp->mesh_where.text, pp->pp, not_yet);
+  if (pp->offload)
+    return err_set(STATUS_EUNSUPPORTED, "%s: mesh.pp: %d does not compose with offload yet",
+                   pp->mesh_where.text, pp->pp);
   return STATUS_OK;
 }
 

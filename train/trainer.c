@@ -742,8 +742,7 @@ static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
         cJSON_AddItemToArray(pk, cJSON_CreateNumber(L->pp_peaks[q]));
     }
     if (L->moe != NULL) { /* the routing: tokens per expert (every block), the balance loss */
-      if (r->pp_sched == NULL) /* under a pipeline each stage's blocks' alone: not reported */
-        cJSON_AddNumberToObject(j, "aux_loss", o->aux_loss);
+      cJSON_AddNumberToObject(j, "aux_loss", o->aux_loss);
       cJSON *load = cJSON_AddArrayToObject(j, "expert_load");
       for (int e = 0; load && e < L->experts; e++)
         cJSON_AddItemToArray(load, cJSON_CreateNumber((double)L->load[e]));
@@ -778,9 +777,7 @@ static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) 
   char pm[32];
   train_mib(pm, sizeof pm, (double)o->peak);
   char moe[96] = "";
-  if (L->moe != NULL && r->pp_sched != NULL) /* each stage routes its own blocks */
-    snprintf(moe, sizeof moe, "  load %lld-%lld", (long long)o->load_min, (long long)o->load_max);
-  else if (L->moe != NULL)
+  if (L->moe != NULL)
     snprintf(moe, sizeof moe, "  aux %.4f  load %lld-%lld", o->aux_loss, (long long)o->load_min,
              (long long)o->load_max);
   if (show) {

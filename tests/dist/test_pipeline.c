@@ -37,7 +37,32 @@ typedef struct stages {
   fsdpc_data_t *d;
   data_spec_t spec;
   int64_t step;
+  pg_t *pp_pg;
+  /* the forwarded hook: microbatches it was called for in this step, in order; the ones a
+   * backward found not yet forwarded, and the hook's calls that were not collective */
+  int forwarded[MICRO], n_forwarded, early_backwards, lone_calls;
 } stages_t;
+
+/* After the last stage's forward of mb: on every rank of the pipeline in the same slot (a
+ * host all-reduce of one over the group sums to its size) and in microbatch order. */
+static fsdpc_status_t on_forwarded(int mb, void *user) {
+  stages_t *u = user;
+  double one = 1;
+  FSDPC_TRY(pg_host_all_reduce(u->pp_pg, &one, &one, 1, PG_HOST_F64, REDUCE_SUM));
+  if (one != pg_size(u->pp_pg) || u->n_forwarded >= MICRO) u->lone_calls++;
+  if (u->n_forwarded < MICRO) u->forwarded[u->n_forwarded++] = mb;
+  return STATUS_OK;
+}
+
+/* Every backward of mb comes after the hook's call for mb. */
+static fsdpc_status_t before_backward(int s, int mb, void *user) {
+  (void)s;
+  stages_t *u = user;
+  bool seen = false;
+  for (int i = 0; i < u->n_forwarded; i++) seen |= u->forwarded[i] == mb;
+  if (!seen) u->early_backwards++;
+  return STATUS_OK;
+}
 
 static fsdpc_status_t input_ids(int mb, nn_var_t **out, void *user) {
   stages_t *u = user;
@@ -196,7 +221,7 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
   fsdpc_data_t *d;
   ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   const int64_t B = 2, T = 16;
-  stages_t u = {.m = pp.m, .S = S, .d = d};
+  stages_t u = {.m = pp.m, .S = S, .d = d, .pp_pg = pp_pg};
   u.spec = (data_spec_t){.batch_size = B,
                          .seq_len = T,
                          .grad_accum = MICRO,
@@ -211,6 +236,8 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
   o.shape[0] = B, o.shape[1] = T, o.shape[2] = cfg.dim;
   o.forward = stage_forward;
   o.input = input_ids;
+  o.forwarded = on_forwarded;
+  o.before_backward = before_backward;
   o.user = &u;
   pp_step_stats_t stats;
   o.stats = &stats;
@@ -228,8 +255,18 @@ static void run_schedule(pp_schedule_kind_t kind, int V) {
     for (int m = 0; m < MICRO; m++) lref += ref_fwd_bwd(ref.m, d, &u.spec, step, m) / MICRO;
     ref_average_grads(&ref, DP);
     u.step = step;
+    u.n_forwarded = 0;
     pg_reset_counters(pp_pg);
     ok(pp_step(&o, &lpp));
+    bool in_order = u.n_forwarded == MICRO;
+    for (int m = 0; m < u.n_forwarded; m++) in_order &= u.forwarded[m] == m;
+    if (!in_order || u.early_backwards || u.lone_calls) {
+      bad++;
+      printf(
+          "rank %d, step %d: the forwarded hook ran for %d microbatches (in order: %d), %d "
+          "backwards came before it, %d calls were not on every rank\n",
+          r, step, u.n_forwarded, in_order, u.early_backwards, u.lone_calls);
+    }
     /* the dp mean (the tp ranks of a stage hold the same loss) */
     ok(pg_host_all_reduce(dp_pg, &lpp, &lpp, 1, PG_HOST_F64, REDUCE_SUM));
     lpp /= DP * TP;

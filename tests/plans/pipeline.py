@@ -101,7 +101,8 @@ def pipeline():
     estimate, and every pipeline rank's peak its estimate within 15%; 1f1b keeps less in flight
     than gpipe at 8 microbatches; a checkpoint of pp 4
     resumes at pp 4 (bit for bit), pp 2, one rank and FSDP on 4; --dry-run prints each pipeline
-    rank's stages and actions and the bubble; what does not fit is refused by name."""
+    rank's stages and actions and the bubble; a Qwen3-MoE's load-balancing loss trains, reports
+    and evaluates as one rank's; what does not fit is refused by name."""
     tmp = mkdtemp()
     plan = os.path.join(tmp, "plan.yaml")
     with open(plan, "w") as f:
@@ -193,10 +194,42 @@ def pipeline():
             check(w <= 2e-5 and loads == [r.get("expert_load") for r in runs["one"]],
                   "model.init_from (%s's folder) under %s: one rank's losses within 2e-5 (worst "
                   "%.2e)%s" % (tag, name, w, ", and its expert loads" if "moe" in tag else ""))
-    p, _ = run(2, [hfplan] + sets(["mesh.pp=2", "mesh.dp_shard=1", "moe.aux_loss_coef=0.1"]))
-    check(p.returncode != 0 and ranks_saying(p.stderr, "does not compose with the routers' "
-                                             "load-balancing loss yet") == {"0", "1"},
-          "a balancing loss under mesh.pp is refused by name on every rank")
+    # the routers' load-balancing loss: every stage's blocks' routing of a microbatch summed
+    # over the pipeline before its backward; the loss, its gradient, the reported aux_loss and
+    # the evaluation's loss as one rank's (tiny_qwen3_moe's folder is the last one written)
+    aux = ["moe.aux_loss_coef=0.1"] + ev
+    runs = {}
+    plans = [("one", 1, ["mesh.dp_shard=1"]), ("pp 2", 2, ["mesh.pp=2", "mesh.dp_shard=1"]),
+             ("pp 2, gpipe, checkpointed blocks", 2,
+              ["mesh.pp=2", "mesh.dp_shard=1", "pipeline.schedule=gpipe",
+               "train.activation_checkpointing=true"]),
+             ("pp 2 x dp_shard 2 x ep 2", 4, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.ep=2"]),
+             ("dp_shard 2 x ep 2", 2, ["mesh.dp_shard=2", "mesh.ep=2"])]
+    # evaluation splits its batches over the data-parallel ranks: the same ranks without the
+    # pipeline are the reference there
+    eval_ref = {"pp 2 x dp_shard 2 x ep 2": "dp_shard 2 x ep 2"}
+    for name, n, kvs in plans:
+        m = os.path.join(tmp, "aux-%s.jsonl" % re.sub(r"[^a-z0-9]", "", name))
+        run(n, [hfplan, "--metrics", m] + sets(kvs + aux))
+        runs[name] = losses(m) if os.path.exists(m) else []
+        runs[name + " eval"] = [r["eval_loss"] for r in losses(m) if "eval_loss" in r] \
+            if os.path.exists(m) else []
+    one = runs["one"]
+    check(len(one) == 10 and all(r.get("aux_loss", 0) > 0 for r in one),
+          "one rank trains tiny_qwen3_moe with moe.aux_loss_coef=0.1 and reports its aux_loss")
+    for name, _, _ in plans[1:-1]:
+        got = runs[name]
+        w = worst(one, got)
+        wa = max([abs(a["aux_loss"] - b["aux_loss"]) / a["aux_loss"] for a, b in zip(one, got)]
+                 or [1])
+        ref = runs[eval_ref.get(name, "one") + " eval"]
+        we = max([abs(a - b) / abs(a) for a, b in zip(ref, runs[name + " eval"])] or [1])
+        check(len(got) == 10 and w <= 2e-5 and wa <= 2e-5 and
+              len(runs[name + " eval"]) == len(ref) == 2 and we <= 1e-6 and
+              [r.get("expert_load") for r in got] == [r.get("expert_load") for r in one],
+              "the load-balancing loss under %s: one rank's losses and gradient norms within 2e-5 "
+              "(worst %.2e), its aux_loss (%.2e), the eval losses of %s within 1e-6 (%.2e), "
+              "the same expert loads" % (name, w, wa, eval_ref.get(name, "one rank"), we))
     # pipeline.split_points: stage 1 begins at block 1 (three blocks and the head on it)
     split = os.path.join(tmp, "split.yaml")
     for points, n, why in ((["model.layers.1"], 2, None),
