@@ -48,6 +48,12 @@ static __device__ inline int64_t ldi(int dt, const void *p, int64_t i) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
        i += (int64_t)gridDim.x * blockDim.x)
 
+/* Sum over the warp; every lane gets the same bits (each level adds the same pairs). */
+static __device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 /* Sum or max over the block; every thread gets the result. blockDim.x is a multiple of 32. */
 template <bool kMax>
 static __device__ inline float block_reduce(float v) {
