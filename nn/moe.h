@@ -123,7 +123,8 @@ fsdpc_status_t nn_moe_split_tokens(nn_module_t *moe, pg_t *pg);
  * given to nn_moe_aux_begin (the factor the loss's own gradient gets: 1 / grad_accum), is
  * added by each block's routing in backward, so it also reaches checkpointed blocks. The
  * blocks must share E and top_k. train_micro_step_async and train_eval_batch run it for a
- * model whose blocks have one attached. Local. */
+ * model whose blocks have one attached; fsdp-train's pipelines sum each microbatch's
+ * statistics over the stages first (nn_moe_aux_stats_add below). Local. */
 typedef struct nn_moe_aux nn_moe_aux_t;
 fsdpc_status_t nn_moe_aux_new(int n_experts, int top_k, double coef, nn_moe_aux_t **out);
 void nn_moe_aux_free(nn_moe_aux_t *a);

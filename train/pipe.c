@@ -64,19 +64,21 @@ fsdpc_status_t train_pp_tied(run_t *r) {
 
 /* Tied embeddings: the first and last pipeline ranks add each other's gradient shard of the
  * shared weight (the same boxes: one plan shards both), so both hold the whole gradient and
- * take the same step. Collective between those two ranks. */
+ * take the same step. Collective between those two ranks: one that fails alone (its buffer's
+ * allocation) stops the job, as the step does, rather than leave the other waiting. */
 static fsdpc_status_t sum_tied(run_t *r, pg_t *g) {
   if (r->tied == NULL || r->tied->grad == NULL) return STATUS_OK;
   int peer = r->pp_rank == 0 ? train_pp_last_rank(r) : 0;
   if (peer == r->pp_rank) return STATUS_OK;
   fsdpc_tensor_t *mine = (fsdpc_tensor_t *)dtensor_local(r->tied->grad), other = {0};
-  FSDPC_TRY(tensor_init(&other, mine->dtype, mine->device, mine->ndim, mine->shape));
+  fsdpc_status_t st = tensor_init(&other, mine->dtype, mine->device, mine->ndim, mine->shape);
+  if (st != STATUS_OK) return world_stop(st);
   pg_p2p_t ops[2] = {{true, mine->data, (size_t)tensor_numel(mine), peer},
                      {false, other.data, (size_t)tensor_numel(mine), peer}};
   pg_work_t *w = NULL;
-  fsdpc_status_t st = tensor_is_contiguous(mine)
-                          ? pg_send_recv(g, ops, 2, mine->dtype, &w)
-                          : err_set(STATUS_EINTERNAL, "mesh.pp: the tied gradient is strided");
+  st = tensor_is_contiguous(mine)
+           ? pg_send_recv(g, ops, 2, mine->dtype, &w)
+           : err_set(STATUS_EINTERNAL, "mesh.pp: the tied gradient is strided");
   if (st == STATUS_OK) st = pg_wait(w);
   if (st == STATUS_OK) st = kernel_axpy(mine, 1.0f, &other);
   tensor_free(&other);
@@ -180,7 +182,8 @@ static fsdpc_status_t stage_forward(nn_ctx_t *ctx, int s, int mb, nn_var_t *in, 
 static fsdpc_status_t stage_before_backward(int s, int mb, void *user) {
   const stage_step_t *u = user;
   run_t *r = u->r;
-  if (u->total != NULL) /* every stage's routing of the microbatch, for its blocks' backward */
+  if (u->total != NULL) /* every stage's routing of the microbatch, for its blocks' backward
+                         * (zeros without the loss's weight: its backward adds nothing) */
     nn_moe_aux_stats_set(u->aux, u->total + (size_t)mb * u->len);
   if (r->plan.par.pp_sync_every) return STATUS_OK;
   int S = pp_schedule_stages(r->pp_sched);
@@ -240,8 +243,14 @@ fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, do
   }
   pp_step_options_t o = train_pp_options(r);
   o.user = &u;
+  /* without the loss, the blocks' backward needs no totals: the step's figures take one sum of
+   * every microbatch's statistics after it, not one wait a microbatch during it */
+  bool weighted = nn_moe_aux_coef(u.aux) > 0;
+  if (!weighted) o.forwarded = NULL;
   pg_counters_t before = pg_counters(o.group);
   st = pp_step(&o, loss);
+  if (st == STATUS_OK && u.len > 0 && !weighted)
+    st = pg_host_all_reduce(o.group, u.mine, u.total, M * u.len, PG_HOST_F64, REDUCE_SUM);
   if (st == STATUS_OK) st = sum_tied(r, o.group);
   pg_counters_t after = pg_counters(o.group);
   *p2p_bytes = (double)(after.bytes[PG_SEND_RECV] - before.bytes[PG_SEND_RECV]);

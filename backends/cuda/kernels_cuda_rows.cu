@@ -13,8 +13,8 @@
  * A row of V elements of T in chunks of W = 16 / sizeof(T): chunk c holds the elements of
  * [c W, c W + W) below V. When every row the kernel touches starts on a 16-byte boundary (vec),
  * a whole chunk is one aligned pack; otherwise, and for a last partial chunk, it goes element
- * by element, the places past V reading as fill. A block's threads take chunks threadIdx.x,
- * threadIdx.x + blockDim.x, ...
+ * by element, the places past V reading as fill. The threads on a row take chunks t, t + n,
+ * ... (t their place among the row's n threads: a warp's lanes, or a block's threads).
  */
 template <typename T>
 struct chunks {
