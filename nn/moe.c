@@ -783,12 +783,11 @@ static fsdpc_status_t experts_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *i
   nn_var_t *h1 = NULL, *h3 = NULL, *a = NULL;
   const int64_t *c = cfg->run_counts;
   int E = cfg->run_experts;
-  fsdpc_status_t st = nn_grouped_linear(ctx, in, nn_module_param_named(m, "gate_proj"), c, E, &h1);
-  if (st == STATUS_OK)
-    st = nn_grouped_linear(ctx, in, nn_module_param_named(m, "up_proj"), c, E, &h3);
+  /* the stacked weights by their place (gate, up, down): nn_moe_name_experts may rename them */
+  fsdpc_status_t st = nn_grouped_linear(ctx, in, nn_module_param(m, 0), c, E, &h1);
+  if (st == STATUS_OK) st = nn_grouped_linear(ctx, in, nn_module_param(m, 1), c, E, &h3);
   if (st == STATUS_OK) st = nn_silu_mul(ctx, h1, h3, &a);
-  if (st == STATUS_OK)
-    st = nn_grouped_linear(ctx, a, nn_module_param_named(m, "down_proj"), c, E, out);
+  if (st == STATUS_OK) st = nn_grouped_linear(ctx, a, nn_module_param(m, 2), c, E, out);
   nn_var_put(h1);
   nn_var_put(h3);
   nn_var_put(a);
@@ -800,9 +799,9 @@ bool layers_is_experts(nn_module_t *m) { return nn_module_forward(m) == experts_
 fsdpc_status_t layers_reset_experts(nn_module_t *m, uint64_t seed) {
   const moe_t *cfg = nn_module_impl(m);
   double a = 1.0 / sqrt((double)cfg->dim), b = 1.0 / sqrt((double)cfg->ffn);
-  FSDPC_TRY(nn_init_uniform(nn_module_param_named(m, "gate_proj"), seed, -a, a));
-  FSDPC_TRY(nn_init_uniform(nn_module_param_named(m, "up_proj"), seed, -a, a));
-  return nn_init_uniform(nn_module_param_named(m, "down_proj"), seed, -b, b);
+  FSDPC_TRY(nn_init_uniform(nn_module_param(m, 0), seed, -a, a)); /* gate, up, down */
+  FSDPC_TRY(nn_init_uniform(nn_module_param(m, 1), seed, -a, a));
+  return nn_init_uniform(nn_module_param(m, 2), seed, -b, b);
 }
 
 /* The slots (token t's j-th choice: t k + j) in expert order, stable, into order; counts. */
@@ -1076,9 +1075,8 @@ fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim) {
                    "holds as many)",
                    P, nn_module_name(moe), cfg->n_experts);
   nn_module_t *experts = nn_module_child(moe, 1);
-  static const char *const names[] = {"gate_proj", "up_proj", "down_proj"};
-  for (int i = 0; i < 3; i++) {
-    nn_param_t *p = nn_module_param_named(experts, names[i]);
+  for (int i = 0; i < 3; i++) { /* gate, up, down */
+    nn_param_t *p = nn_module_param(experts, i);
     if (mesh_ndim(dtensor_mesh(p->value)) != 1 || mesh_size(dtensor_mesh(p->value), 0) != 1)
       return err_set(STATUS_EINVAL,
                      "nn_moe_expert_parallel: '%s' is distributed already (apply expert "
@@ -1090,9 +1088,9 @@ fsdpc_status_t nn_moe_expert_parallel(nn_module_t *moe, mesh_t *mesh, int dim) {
   dtensor_t *v[3] = {NULL, NULL, NULL}; /* all three made before any is installed */
   fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < 3 && st == STATUS_OK; i++)
-    st = shard_experts(nn_module_param_named(experts, names[i]), mesh, dim, pg_rank(pg), P, &v[i]);
+    st = shard_experts(nn_module_param(experts, i), mesh, dim, pg_rank(pg), P, &v[i]);
   for (int i = 0; i < 3 && st == STATUS_OK; i++) {
-    st = nn_param_set_value(nn_module_param_named(experts, names[i]), v[i]); /* takes v[i] */
+    st = nn_param_set_value(nn_module_param(experts, i), v[i]); /* takes v[i] */
     v[i] = NULL;
   }
   for (int i = 0; i < 3; i++) dtensor_free(v[i]);
@@ -1266,6 +1264,42 @@ static nn_moe_aux_t *find_aux(const nn_module_t *m) {
 }
 
 nn_moe_aux_t *nn_moe_aux_of(const nn_module_t *root) { return root ? find_aux(root) : NULL; }
+
+fsdpc_status_t nn_moe_name_experts(nn_module_t *moe, const char *gate, const char *up,
+                                   const char *down) {
+  ARG_NONNULL(moe);
+  ARG_NONNULL(gate);
+  ARG_NONNULL(up);
+  ARG_NONNULL(down);
+  if (nn_module_forward(moe) != moe_forward)
+    return err_set(STATUS_EINVAL, "nn_moe_name_experts: '%s' is not a MoE block",
+                   nn_module_name(moe));
+  nn_module_t *experts = nn_module_child(moe, 1);
+  const char *names[3] = {gate, up, down};
+  for (int i = 0; i < 3; i++) {
+    bool plain = names[i][0] != 0 && strchr(names[i], '.') == NULL;
+    for (int j = 0; j < i && plain; j++) plain = strcmp(names[i], names[j]) != 0;
+    if (!plain)
+      return err_set(STATUS_EINVAL,
+                     "nn_moe_name_experts: '%s' is not a name for one of the experts' three "
+                     "weights (not empty, no '.', each its own)",
+                     names[i]);
+    if (nn_module_param(experts, i)->fqn != NULL)
+      return err_set(STATUS_EINVAL, "nn_moe_name_experts: '%s' is finalized already",
+                     nn_module_name(moe));
+  }
+  char *copies[3] = {strdup(gate), strdup(up), strdup(down)};
+  if (!copies[0] || !copies[1] || !copies[2]) {
+    for (int i = 0; i < 3; i++) free(copies[i]);
+    return err_set(STATUS_ENOMEM, "nn_moe_name_experts: out of host memory");
+  }
+  for (int i = 0; i < 3; i++) {
+    nn_param_t *p = nn_module_param(experts, i);
+    free(p->name);
+    p->name = copies[i];
+  }
+  return STATUS_OK;
+}
 
 fsdpc_status_t nn_moe_add_shared_expert(nn_module_t *moe, int64_t ffn_dim,
                                         const nn_layer_options_t *opt) {

@@ -53,6 +53,12 @@ fsdpc_status_t nn_moe_new(nn_module_t *parent, const char *name, int64_t dim, in
                           int n_experts, int top_k, bool norm_topk, const nn_layer_options_t *opt,
                           nn_module_t **out);
 
+/* Renames the experts' three stacked weights (gate_proj, up_proj, down_proj by default), as a
+ * model's files name them (Mixtral's w1, w3, w2): the names of their parameters, checkpoints
+ * and Hugging Face files. Before nn_module_finalize. Local. */
+fsdpc_status_t nn_moe_name_experts(nn_module_t *moe, const char *gate, const char *up,
+                                   const char *down);
+
 /* Adds a shared expert to the block (DeepSeek-V3's shared_experts, ungated): a SwiGLU MLP of
  * ffn_dim (child "shared_experts": gate_proj, up_proj [ffn_dim, dim], down_proj [dim,
  * ffn_dim], linears without bias) that every token goes through, its output added to the

@@ -172,7 +172,8 @@ static fsdpc_status_t block_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in,
   FSDPC_TRY_GOTO(st, call_child(ctx, m, n[1], r, &a));
   FSDPC_TRY_GOTO(st, nn_add(ctx, in, a, &h));
   FSDPC_TRY_GOTO(st, call_child(ctx, m, n[2], h, &r2));
-  FSDPC_TRY_GOTO(st, call_child(ctx, m, "mlp", r2, &f));
+  /* the MLP: mlp, or Mixtral's block_sparse_moe; the block's fourth child either way */
+  FSDPC_TRY_GOTO(st, nn_call(ctx, nn_module_child(m, 3), r2, &f));
   FSDPC_TRY_GOTO(st, nn_add(ctx, h, f, out));
 cleanup:
   nn_var_put(r);
@@ -475,11 +476,15 @@ static fsdpc_status_t build_block(builder_t *b, nn_module_t *layers, int64_t i) 
     FSDPC_TRY(add_leaf(b, attn, "k_norm", rmsnorm_forward, hd, 0, NULL));
   }
   FSDPC_TRY(add_leaf(b, blk, "post_attention_layernorm", rmsnorm_forward, c->dim, 0, NULL));
-  if (llama_layer_is_moe(c, i)) { /* Qwen3-MoE's sparse layer: mlp.gate, mlp.experts.* */
+  if (llama_layer_is_moe(c, i)) { /* Qwen3-MoE's sparse layer: mlp.gate, mlp.experts.*;
+                                   * Mixtral's block_sparse_moe.gate, .experts.{w1, w3, w2} */
     nn_layer_options_t lo = {
         .dtype = b->opt->dtype, .device = b->opt->device, .deferred = b->opt->deferred};
-    FSDPC_TRY(nn_moe_new(blk, "mlp", c->dim, c->moe_ffn_dim, (int)c->n_experts, (int)c->top_k,
-                         c->norm_topk, &lo, NULL));
+    bool mixtral = c->arch == LLAMA_ARCH_MIXTRAL;
+    nn_module_t *moe = NULL;
+    FSDPC_TRY(nn_moe_new(blk, mixtral ? "block_sparse_moe" : "mlp", c->dim, c->moe_ffn_dim,
+                         (int)c->n_experts, (int)c->top_k, c->norm_topk, &lo, &moe));
+    if (mixtral) FSDPC_TRY(nn_moe_name_experts(moe, "w1", "w3", "w2"));
   } else {
     FSDPC_TRY(add_container(b, blk, "mlp", mlp_forward, &mlp));
     FSDPC_TRY(add_leaf(b, mlp, "gate_proj", linear_forward, c->ffn_dim, c->dim, NULL));

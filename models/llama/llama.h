@@ -51,6 +51,7 @@ typedef enum llama_arch {
   LLAMA_ARCH_QWEN3,
   LLAMA_ARCH_GPT2,
   LLAMA_ARCH_QWEN3_MOE,
+  LLAMA_ARCH_MIXTRAL,
   LLAMA_ARCH_COUNT
 } llama_arch_t;
 
@@ -81,10 +82,12 @@ typedef struct llama_config {
    * of n_experts SwiGLU experts of moe_ffn_dim, top_k of them for each token, their weights
    * renormalised to sum 1 when norm_topk; layer i is sparse when it is not one of
    * mlp_only_layers and i + 1 is a multiple of sparse_step (llama_layer_is_moe). The dense
-   * layers keep the MLP of ffn_dim. No experts (0): every layer dense. */
-  int64_t n_experts;    /* num_experts */
+   * layers keep the MLP of ffn_dim. No experts (0): every layer dense. Mixtral (mixtral):
+   * Llama's attention, every layer sparse (block_sparse_moe: gate, experts w1, w3, w2),
+   * num_local_experts of intermediate_size, renormalised. */
+  int64_t n_experts;    /* num_experts (Mixtral's num_local_experts) */
   int64_t top_k;        /* num_experts_per_tok */
-  int64_t moe_ffn_dim;  /* moe_intermediate_size */
+  int64_t moe_ffn_dim;  /* moe_intermediate_size (Mixtral's intermediate_size) */
   int64_t sparse_step;  /* decoder_sparse_step */
   bool norm_topk;       /* norm_topk_prob */
   uint64_t mlp_only[4]; /* mlp_only_layers: bit i of word i / 64 for layer i (below 256) */
@@ -105,8 +108,8 @@ typedef struct llama_config {
     .tie_embeddings = false, .init_std = 0.02, .sparse_step = 1                         \
   }
 
-/* The architecture's model_type ("llama", "qwen2", "qwen3", "gpt2", "qwen3_moe"), and the
- * arch of a model_type (false for one not of the family). */
+/* The architecture's model_type ("llama", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral"), and
+ * the arch of a model_type (false for one not of the family). */
 const char *llama_arch_name(llama_arch_t arch);
 bool llama_arch_from_name(const char *model_type, llama_arch_t *out);
 

@@ -13,11 +13,10 @@
 
 static const struct {
   const char *model_type, *hf_class;
-} arch_names[LLAMA_ARCH_COUNT] = {{"llama", "LlamaForCausalLM"},
-                                  {"qwen2", "Qwen2ForCausalLM"},
-                                  {"qwen3", "Qwen3ForCausalLM"},
-                                  {"gpt2", "GPT2LMHeadModel"},
-                                  {"qwen3_moe", "Qwen3MoeForCausalLM"}};
+} arch_names[LLAMA_ARCH_COUNT] = {
+    {"llama", "LlamaForCausalLM"},        {"qwen2", "Qwen2ForCausalLM"},
+    {"qwen3", "Qwen3ForCausalLM"},        {"gpt2", "GPT2LMHeadModel"},
+    {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"mixtral", "MixtralForCausalLM"}};
 
 const char *llama_arch_name(llama_arch_t arch) {
   return arch >= 0 && arch < LLAMA_ARCH_COUNT ? arch_names[arch].model_type : "?";
@@ -65,13 +64,23 @@ int64_t llama_head_dim(const llama_config_t *c) {
   return c->head_dim > 0 ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
 }
 
-/* The mixture-of-experts keys: only qwen3_moe has experts; top-k from 1 to the experts. */
+/* The mixture-of-experts keys: only qwen3_moe and mixtral have experts (mixtral's in every
+ * layer, renormalised); top-k from 1 to the experts. */
 static fsdpc_status_t check_experts(const llama_config_t *c) {
-  if (c->arch != LLAMA_ARCH_QWEN3_MOE) {
+  if (c->arch != LLAMA_ARCH_QWEN3_MOE && c->arch != LLAMA_ARCH_MIXTRAL) {
     if (c->n_experts != 0)
-      return err_set(STATUS_EINVAL, "model config: %s has no experts (num_experts is qwen3_moe's)",
+      return err_set(STATUS_EINVAL,
+                     "model config: %s has no experts (num_experts is qwen3_moe's and mixtral's)",
                      llama_arch_name(c->arch));
     return STATUS_OK;
+  }
+  if (c->arch == LLAMA_ARCH_MIXTRAL) {
+    bool only = false;
+    for (int i = 0; i < 4; i++) only |= c->mlp_only[i] != 0;
+    if (c->n_experts < 1 || c->sparse_step != 1 || only || !c->norm_topk)
+      return err_set(STATUS_EINVAL,
+                     "model config: mixtral has experts in every layer, their weights "
+                     "renormalised (num_local_experts at least 1, no dense layers)");
   }
   if (c->n_experts < 0 || c->n_experts > 65536)
     return err_set(STATUS_EINVAL, "model config: num_experts must be from 0 to 65536, got %lld",
@@ -134,6 +143,8 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
     return err_set(STATUS_EINVAL,
                    "model config: gpt2 has biases of its own, heads of dim / n_heads and as many "
                    "key/value heads as heads");
+  if (c->arch == LLAMA_ARCH_MIXTRAL && (c->qkv_bias || c->o_bias))
+    return err_set(STATUS_EINVAL, "model config: mixtral's attention has no biases");
   if (!gpt2 && (qwen2 ? !c->qkv_bias || c->o_bias : c->qkv_bias != c->o_bias))
     return err_set(STATUS_EINVAL,
                    "model config: %s has %s (attention biases as Hugging Face's architecture has "
@@ -386,6 +397,40 @@ static fsdpc_status_t parse_gpt2(const char *path, const cJSON *o, llama_config_
   return st == STATUS_OK ? st : err_prefix(st, "%s", path);
 }
 
+/* MixtralConfig's experts (its defaults: 8 of intermediate_size in every layer, 2 a token,
+ * renormalised; the router's loss with output_router_logits), and its refusals: Mistral's
+ * sliding window and the router's jitter noise are not implemented. The model's other
+ * defaults (rope_theta 1e6, rms_norm_eps 1e-5) go in before the keys are read, its 8
+ * key/value heads with them; the experts' size after intermediate_size is. */
+static fsdpc_status_t parse_mixtral(const char *path, const cJSON *o, llama_config_t *c) {
+  c->n_experts = 8;
+  c->top_k = 2;
+  c->sparse_step = 1;
+  c->norm_topk = true;
+  FSDPC_TRY(json_int(path, o, "num_local_experts", &c->n_experts));
+  FSDPC_TRY(json_int(path, o, "num_experts_per_tok", &c->top_k));
+  bool logits = false;
+  double coef = 0.001, jitter = 0; /* MixtralConfig's */
+  FSDPC_TRY(json_bool(path, o, "output_router_logits", &logits));
+  FSDPC_TRY(json_num(path, o, "router_aux_loss_coef", &coef));
+  if (!(coef >= 0) || coef > 1e6)
+    return err_set(STATUS_EFORMAT, "%s: 'router_aux_loss_coef' must be from 0 to 1e6", path);
+  c->aux_loss_coef = logits ? coef : 0;
+  FSDPC_TRY(json_num(path, o, "router_jitter_noise", &jitter));
+  if (jitter != 0)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "%s: 'router_jitter_noise' is %g, but the router's jitter noise is not "
+                   "implemented (0 routes without it)",
+                   path, jitter);
+  FSDPC_TRY(json_refuse(path, o, "sliding_window",
+                        "sliding-window attention is not implemented (every layer attends to "
+                        "the whole sequence; null turns it off)"));
+  c->rope.theta = 1e6;
+  c->norm_eps = 1e-5;
+  c->max_seq_len = 4096 * 32;
+  return STATUS_OK;
+}
+
 /* Qwen3MoeConfig's experts (its defaults for what the file leaves out: 128 experts of 768, 8 a
  * token, not renormalised, every layer sparse); the router's auxiliary loss is refused when
  * the config asks for it (output_router_logits with a coefficient). */
@@ -436,8 +481,8 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
   if (mt && !llama_arch_from_name(mt->valuestring, &c->arch))
     return err_set(STATUS_EUNSUPPORTED,
                    "%s: model_type \"%.64s\": this build trains \"llama\", \"qwen2\", \"qwen3\", "
-                   "\"gpt2\" and \"qwen3_moe\" (LlamaForCausalLM, Qwen2ForCausalLM, "
-                   "Qwen3ForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM)",
+                   "\"gpt2\", \"qwen3_moe\" and \"mixtral\" (LlamaForCausalLM, Qwen2ForCausalLM, "
+                   "Qwen3ForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM, MixtralForCausalLM)",
                    path, mt->valuestring);
   /* not Hugging Face's: a run's record of its padded tables (llama_config_to_hf_text) */
   FSDPC_TRY(json_int(path, o, "pad_vocab_multiple", &c->pad_vocab_multiple));
@@ -446,6 +491,7 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
     c->max_seq_len = 32768;
   if (c->arch == LLAMA_ARCH_QWEN3) c->head_dim = 128; /* Qwen3-MoE's: hidden / heads */
   if (c->arch == LLAMA_ARCH_QWEN3_MOE) FSDPC_TRY(parse_experts(path, o, c));
+  if (c->arch == LLAMA_ARCH_MIXTRAL) FSDPC_TRY(parse_mixtral(path, o, c));
   const char *required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "vocab_size"};
   for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
@@ -462,7 +508,7 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
   FSDPC_TRY(json_int(path, o, "hidden_size", &c->dim));
   FSDPC_TRY(json_int(path, o, "num_hidden_layers", &c->n_layers));
   FSDPC_TRY(json_int(path, o, "num_attention_heads", &c->n_heads));
-  c->n_kv_heads = c->n_heads;
+  c->n_kv_heads = c->arch == LLAMA_ARCH_MIXTRAL ? 8 : c->n_heads; /* MixtralConfig's 8 */
   FSDPC_TRY(json_int(path, o, "num_key_value_heads", &c->n_kv_heads));
   FSDPC_TRY(json_int(path, o, "intermediate_size", &c->ffn_dim));
   FSDPC_TRY(json_int(path, o, "vocab_size", &c->vocab_size));
@@ -470,6 +516,7 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
   FSDPC_TRY(parse_rope(path, o, &c->rope));
   FSDPC_TRY(json_num(path, o, "rms_norm_eps", &c->norm_eps));
   FSDPC_TRY(json_bool(path, o, "tie_word_embeddings", &c->tie_embeddings));
+  if (c->arch == LLAMA_ARCH_MIXTRAL) c->moe_ffn_dim = c->ffn_dim; /* the experts' size */
   FSDPC_TRY(json_int(path, o, "head_dim", &c->head_dim));
   if (c->head_dim <= 0 && cJSON_GetObjectItemCaseSensitive(o, "head_dim") != NULL)
     return err_set(STATUS_EFORMAT, "%s: 'head_dim' must be positive", path);
@@ -601,11 +648,20 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
   cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
   if (c->arch != LLAMA_ARCH_QWEN2) cJSON_AddBoolToObject(o, "attention_bias", c->o_bias);
   if (c->arch == LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "mlp_bias", 0);
-  if (c->arch != LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "use_sliding_window", 0);
+  if (c->arch != LLAMA_ARCH_LLAMA && c->arch != LLAMA_ARCH_MIXTRAL)
+    cJSON_AddBoolToObject(o, "use_sliding_window", 0);
   cJSON_AddNumberToObject(o, "initializer_range", c->init_std);
   if (c->arch == LLAMA_ARCH_QWEN3_MOE && !experts_to_hf(c, o)) {
     cJSON_Delete(o);
     return err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  if (c->arch == LLAMA_ARCH_MIXTRAL) { /* MixtralConfig's: intermediate_size is the experts' */
+    cJSON_AddNumberToObject(o, "num_local_experts", (double)c->n_experts);
+    cJSON_AddNumberToObject(o, "num_experts_per_tok", (double)c->top_k);
+    cJSON_AddBoolToObject(o, "output_router_logits", c->aux_loss_coef > 0);
+    cJSON_AddNumberToObject(o, "router_aux_loss_coef",
+                            c->aux_loss_coef > 0 ? c->aux_loss_coef : 0.001);
+    cJSON_AddNullToObject(o, "sliding_window");
   }
   cJSON_AddStringToObject(o, "torch_dtype", dtype_hf_name(dtype));
   if (c->pad_vocab_multiple > 1)

@@ -6,27 +6,61 @@
 #include "core/args_impl.h"
 #include "nn/module.h"
 
-/* The Llama plan of TorchTitan, by the module names of models/llama/llama.c; with Qwen3's
- * q_norm and k_norm the two rules at the end too. */
-static const tp_rule_t llama_plan[] = {
-    {"model.embed_tokens", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.input_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn.q_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn.k_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn.v_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn.o_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.post_attention_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT,
-     TP_LAYOUT_DEFAULT},
-    {"model.layers.*.mlp", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.mlp.gate_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.mlp.up_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.mlp.down_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.norm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"lm_head", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_REPLICATE},
-    {"model.layers.*.self_attn.q_norm", TP_HEADWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
-    {"model.layers.*.self_attn.k_norm", TP_HEADWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+/* The Llama plan of TorchTitan, by the module names of models/llama/llama.c, each rule with
+ * what a model needs to have it: the MLP's three products where a layer is dense, the MLP as
+ * one input where it is named mlp (dense, or Qwen3-MoE's sparse block), Mixtral's sparse block
+ * by its own name, Qwen3's q_norm and k_norm. A rule that matches no module is refused, so a
+ * model gets only the rules of the modules it has. */
+enum { NEED_ALL, NEED_DENSE, NEED_MLP, NEED_MIXTRAL, NEED_QK_NORM };
+static const struct {
+  tp_rule_t rule;
+  int need;
+} llama_plan[] = {
+    {{"model.embed_tokens", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT}, NEED_ALL},
+    {{"model.layers.*.input_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_ALL},
+    {{"model.layers.*.self_attn", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_ALL},
+    {{"model.layers.*.self_attn.q_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_ALL},
+    {{"model.layers.*.self_attn.k_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_ALL},
+    {{"model.layers.*.self_attn.v_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_ALL},
+    {{"model.layers.*.self_attn.o_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_ALL},
+    {{"model.layers.*.post_attention_layernorm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT,
+      TP_LAYOUT_DEFAULT},
+     NEED_ALL},
+    {{"model.layers.*.mlp", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT}, NEED_MLP},
+    {{"model.layers.*.mlp.gate_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_DENSE},
+    {{"model.layers.*.mlp.up_proj", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT}, NEED_DENSE},
+    {{"model.layers.*.mlp.down_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_DENSE},
+    {{"model.layers.*.block_sparse_moe", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_MIXTRAL},
+    {{"model.norm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT}, NEED_ALL},
+    {{"lm_head", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_REPLICATE}, NEED_ALL},
+    {{"model.layers.*.self_attn.q_norm", TP_HEADWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_QK_NORM},
+    {{"model.layers.*.self_attn.k_norm", TP_HEADWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+     NEED_QK_NORM},
 };
+enum { LLAMA_PLAN_RULES = sizeof llama_plan / sizeof llama_plan[0] };
+
+/* Whether c's model has what rule need asks (NULL: Llama's). */
+static bool has(const llama_config_t *c, int need) {
+  bool mixtral = c && c->arch == LLAMA_ARCH_MIXTRAL, dense = c == NULL;
+  for (int64_t i = 0; c && i < c->n_layers && !dense; i++) dense = !llama_layer_is_moe(c, i);
+  switch (need) {
+    case NEED_DENSE: return dense;
+    case NEED_MLP: return !mixtral;
+    case NEED_MIXTRAL: return mixtral;
+    case NEED_QK_NORM: return c && c->qk_norm;
+    default: return true;
+  }
+}
 
 /* GPT-2's, by transformers' names: both embeddings by rows (their Partial outputs summed),
  * LayerNorms on sequence shards, c_attn (stored [dim, 3, dim]) and c_fc by columns, both c_proj
@@ -52,8 +86,12 @@ int llama_plan_tp_rules(const llama_config_t *c, const tp_rule_t **rules) {
     *rules = gpt2_plan;
     return (int)(sizeof gpt2_plan / sizeof gpt2_plan[0]);
   }
-  *rules = llama_plan;
-  return (int)(sizeof llama_plan / sizeof llama_plan[0]) - (c && c->qk_norm ? 0 : 2);
+  static _Thread_local tp_rule_t mine[LLAMA_PLAN_RULES]; /* this thread's last answer */
+  int n = 0;
+  for (int i = 0; i < LLAMA_PLAN_RULES; i++)
+    if (has(c, llama_plan[i].need)) mine[n++] = llama_plan[i].rule;
+  *rules = mine;
+  return n;
 }
 
 fsdpc_status_t llama_plan_fill_tp_rules(const llama_config_t *c, parallel_plan_t *pp) {

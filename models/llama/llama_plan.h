@@ -20,8 +20,10 @@ extern "C" {
 /* The built-in rules of the model of c (NULL: Llama's): attention and MLP inputs split by
  * column and outputs by row, the vocabulary split in the embedding and lm_head, whose output
  * is made whole for the loss; norms on sequence shards under sequence parallelism; with
- * Qwen3's q_norm and k_norm, those headwise; GPT-2's by its names (both embeddings by rows,
- * c_attn by head). Returns their number. */
+ * Qwen3's q_norm and k_norm, those headwise; a mixture of experts' block (Qwen3-MoE's mlp,
+ * Mixtral's block_sparse_moe) on the tokens as they come, the dense MLP's rules only where a
+ * layer is dense; GPT-2's by its names (both embeddings by rows, c_attn by head). Returns
+ * their number; *rules stays valid until this thread's next call. */
 int llama_plan_tp_rules(const llama_config_t *c, const tp_rule_t **rules);
 
 /* Puts the built-in rules of c's model into pp (tp_plan_given stays false). */

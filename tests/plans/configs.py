@@ -429,7 +429,7 @@ def model_config():
                   ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                    "max_seq_len")), []),
              r"model\.config: \S+gpt2\.json: model_type \"gpt_neox\": this build trains "
-             r"\"llama\", \"qwen2\", \"qwen3\", \"gpt2\" and \"qwen3_moe\"")]:
+             r"\"llama\", \"qwen2\", \"qwen3\", \"gpt2\", \"qwen3_moe\" and \"mixtral\"")]:
         p, _ = run(2, [debug, "--set", "mesh.dp_shard=2"] + sets)
         check(p.returncode != 0 and re.search(r"\[ranks 0,1\] .*" + want_err, p.stderr),
               "model.config refused from every rank: /%s/ (%s)" %
@@ -508,14 +508,16 @@ def exported_as_trained(tag, ck, out):
 def family():
     """Qwen2 (q, k, v biases), Qwen3 (q_norm and k_norm, head_dim 24 where hidden / heads is
     16, tied), GPT-2 (learned positions, LayerNorms with bias, fused c_attn, Conv1D weights,
-    tied) and Qwen3-MoE (a sparse layer of 4 experts, top-2, and a dense one; its files name
+    tied), Qwen3-MoE (a sparse layer of 4 experts, top-2, and a dense one; its files name
     each expert; without and with the routers' load-balancing loss, whose metrics count every
-    routed token), from a Hugging Face folder: one rank reproduces PyTorch's ten losses and its
+    routed token) and Mixtral (both layers sparse, block_sparse_moe's w1, w3 and w2, with the
+    balancing loss), from a Hugging Face folder: one rank reproduces PyTorch's ten losses and its
     export-hf PyTorch's trained weights; FSDP, HSDP and FSDP x TP with sequence parallelism
     (Qwen3's q_norm and k_norm headwise; GPT-2's c_attn split by head for q, k and v alike) on
     4 ranks train one rank's losses (Qwen3-MoE: TP refused by name, FSDP with deferred
     initialisation instead); a bare config.json trains with a falling loss."""
-    for tag in ("tiny_qwen2", "tiny_qwen3", "tiny_gpt2", "tiny_qwen3_moe", "tiny_qwen3_moe_aux"):
+    for tag in ("tiny_qwen2", "tiny_qwen3", "tiny_gpt2", "tiny_qwen3_moe", "tiny_qwen3_moe_aux",
+                "tiny_mixtral"):
         tmp = mkdtemp()
         plan = family_plan(tmp, tag)
         one, ck = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "ck")
@@ -532,13 +534,14 @@ def family():
               "%s: one rank reproduces PyTorch's ten losses within 1e-5 (worst %.2e)"
               % (tag, worst))
         exported_as_trained(tag, os.path.join(ck, "step-00000010"), os.path.join(tmp, "hf"))
-        if tag.startswith("tiny_qwen3_moe"):  # 2 samples of 32 tokens, top-2, one sparse layer
-            m = losses(one)
-            check(all(sum(r["expert_load"]) == 128 and r["expert_load_min"] == min(
+        if tag.startswith("tiny_qwen3_moe") or tag == "tiny_mixtral":
+            # 2 samples of 32 tokens, top-2: Qwen3-MoE's one sparse layer, Mixtral's two
+            m, routed = losses(one), 256 if tag == "tiny_mixtral" else 128
+            check(all(sum(r["expert_load"]) == routed and r["expert_load_min"] == min(
                 r["expert_load"]) and r["expert_load_max"] == max(r["expert_load"]) and
                 r["aux_loss"] > 1 for r in m),
-                  "%s: every step's metrics count the 128 routed tokens by expert, and the "
-                  "load-balancing loss (%.4f at step 1)" % (tag, m[0]["aux_loss"]))
+                  "%s: every step's metrics count the %d routed tokens by expert, and the "
+                  "load-balancing loss (%.4f at step 1)" % (tag, routed, m[0]["aux_loss"]))
         r1 = os.path.join(tmp, "one-4.jsonl")  # one rank, the plans' global batch
         ck1 = os.path.join(tmp, "ck-one-4")
         p, _ = run(1, [plan, "--metrics", r1, "--set", "data.global_batch_size=4",
@@ -644,6 +647,15 @@ def family():
                 check(q.returncode != 0 and why in q.stderr,
                       "tiny_qwen3_moe: mesh.ep=%d on dp_shard 2 x tp 2 (sequence parallelism %s) "
                       "is refused by name" % (ep, sp))
+        if tag == "tiny_mixtral":  # every layer sparse: no dense MLP for tp's rules to split
+            plans = FAMILY_PLANS + [
+                ("FSDP 2 x TP 2 without sequence parallelism (the blocks on every token)", 4,
+                 ["mesh.dp_shard=2", "mesh.tp=2"]),
+                ("FSDP on 4, the experts split over pairs (mesh.ep=2)", 4, ["mesh.ep=2"]),
+                ("FSDP 2 x TP 2 with sequence parallelism, mesh.ep=2, checkpointed", 4,
+                 ["mesh.dp_shard=2", "mesh.tp=2", "mesh.ep=2",
+                  "parallelize.tensor_parallel.sequence_parallel=true",
+                  "train.activation_checkpointing=true"])]
         if tag.startswith("tiny_qwen3_moe"):
             plans = FAMILY_PLANS + [
                 ("FSDP 2 x TP 2 without sequence parallelism (the blocks on every token)", 4,
@@ -705,8 +717,10 @@ def family():
             for sets, want_err in [
                     (["model.architecture=gpt_neox"], r"model\.architecture: 'gpt_neox' is not "
                      r"an architecture this build trains \(llama, qwen2, qwen3, gpt2, "
-                     r"qwen3_moe\)"),
+                     r"qwen3_moe, mixtral\)"),
                     (["model.architecture=qwen3_moe"], r"model\.architecture: qwen3_moe's "
+                     r"experts are not among the model section's keys"),
+                    (["model.architecture=mixtral"], r"model\.architecture: mixtral's "
                      r"experts are not among the model section's keys"),
                     (["model.architecture=gpt2", "model.n_kv_heads=4", "mesh.tp=2",
                       "mesh.dp_shard=1", "model.vocab_size=257", "--world=2"],

@@ -25,6 +25,9 @@ variant, named in the golden's metadata "init") and TAG_golden.safetensors, for 
                expert as Hugging Face does, its gradients (grad.*) the C model's stacked names
   tiny_qwen3_moe_aux  the same with the routers' load-balancing loss (output_router_logits,
                router_aux_loss_coef 0.1), from tiny_qwen3_moe's init
+  tiny_mixtral Mixtral: Llama's attention, both layers sparse (block_sparse_moe: 4 experts of
+               48, w1, w3 and w2 each expert's tensors in its files, top-2 renormalised), the
+               routers' load-balancing loss (router_aux_loss_coef 0.02)
 and llama31_inv_freq.json: the rotary frequencies of Llama 3.1 8B's config (head_dim 128), as
 transformers' llama3 rope type defines them.
 
@@ -152,6 +155,10 @@ MOE = dict(QWEN, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
            attention_bias=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
            output_router_logits=False)
+MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], rope_theta=1000000.0,
+               num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+               output_router_logits=True, router_aux_loss_coef=0.02, router_jitter_noise=0.0,
+               sliding_window=None)
 VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (None: a new one)
     ("tiny", {}, False, None),
     ("tiny_tied", {}, True, None),
@@ -167,6 +174,7 @@ VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (Non
     ("tiny_qwen3_moe", dict(MOE), False, None),
     ("tiny_qwen3_moe_aux", dict(MOE, output_router_logits=True, router_aux_loss_coef=0.1),
      False, "tiny_qwen3_moe"),
+    ("tiny_mixtral", dict(MIXTRAL), False, None),
 ]
 # GPT-2 as transformers' GPT2Config writes it (no dropout: the C model has none)
 GPT2_CONFIG = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_layer=2,
@@ -239,7 +247,7 @@ def run(tag, changes, tied, init_tag):
     tokens = load_tokens()
     V = cfg["vocab_size"]
     x, y = batch(tokens, 0)
-    def with_aux(loss):  # Qwen3-MoE's training loss with output_router_logits
+    def with_aux(loss):  # Qwen3-MoE's and Mixtral's training loss with output_router_logits
         if cfg.get("output_router_logits"):
             loss = loss + cfg["router_aux_loss_coef"] * load_balancing_loss(model, cfg)
         return loss
@@ -266,7 +274,7 @@ def run(tag, changes, tied, init_tag):
         opt.step()
         losses.append(loss.item())
     golden["train_losses"] = torch.tensor(losses, dtype=torch.float32)
-    if cfg["model_type"] in ("qwen2", "qwen3", "gpt2", "qwen3_moe"):
+    if cfg["model_type"] in ("qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral"):
         trained = hf_names({name: p.detach().clone() for name, p in model.named_parameters()})
         for name, t in trained.items():
             golden["trained." + name] = t

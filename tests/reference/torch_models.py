@@ -157,26 +157,43 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def is_mixtral(c):
+    return c.get("model_type") == "mixtral"
+
+
+def num_experts(c):
+    """Qwen3-MoE's num_experts, Mixtral's num_local_experts."""
+    return c["num_local_experts"] if is_mixtral(c) else c.get("num_experts", 0)
+
+
 class Experts(nn.Module):
-    """The experts' SwiGLU weights, stacked: gate_proj and up_proj [E, ffn, dim], down_proj
-    [E, dim, ffn] (the names the C model gives them)."""
-    def __init__(self, e, d, f):
+    """The experts' SwiGLU weights, stacked: gate and up [E, ffn, dim], down [E, dim, ffn], under
+    the names the C model gives them (gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2)."""
+    def __init__(self, e, d, f, names):
         super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(e, f, d))
-        self.up_proj = nn.Parameter(torch.empty(e, f, d))
-        self.down_proj = nn.Parameter(torch.empty(e, d, f))
+        self.names = names
+        for name, shape in zip(names, ((e, f, d), (e, f, d), (e, d, f))):
+            setattr(self, name, nn.Parameter(torch.empty(*shape)))
+
+    def weights(self, e):
+        return [getattr(self, n)[e] for n in self.names]
 
 
 class SparseMoE(nn.Module):
-    """Qwen3-MoE's sparse block as transformers computes it: router logits, softmax in f32, the
-    top-k probabilities (renormalised with norm_topk_prob), and each expert's tokens through its
-    SwiGLU MLP, added back weighted by their routing weight."""
+    """Qwen3-MoE's and Mixtral's sparse block as transformers computes it: router logits,
+    softmax in f32, the top-k probabilities (renormalised with norm_topk_prob; always by
+    Mixtral), and each expert's tokens through its SwiGLU MLP, added back weighted by their
+    routing weight."""
     def __init__(self, c):
         super().__init__()
-        d, self.E, self.k = c["hidden_size"], c["num_experts"], c["num_experts_per_tok"]
-        self.norm = bool(c.get("norm_topk_prob"))
+        d, self.E, self.k = c["hidden_size"], num_experts(c), c["num_experts_per_tok"]
+        self.norm = is_mixtral(c) or bool(c.get("norm_topk_prob"))
         self.gate = nn.Linear(d, self.E, bias=False)
-        self.experts = Experts(self.E, d, c["moe_intermediate_size"])
+        if is_mixtral(c):
+            self.experts = Experts(self.E, d, c["intermediate_size"], ("w1", "w3", "w2"))
+        else:
+            self.experts = Experts(self.E, d, c["moe_intermediate_size"],
+                                   ("gate_proj", "up_proj", "down_proj"))
 
     def forward(self, x):
         xf = x.reshape(-1, x.shape[-1])
@@ -186,11 +203,11 @@ class SparseMoE(nn.Module):
         if self.norm:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(xf)
-        w = self.experts
         for e in range(self.E):
             tok, slot = torch.where(top_i == e)
-            h = F.silu(xf[tok] @ w.gate_proj[e].t()) * (xf[tok] @ w.up_proj[e].t())
-            out.index_add_(0, tok, (h @ w.down_proj[e].t()) * top_w[tok, slot, None])
+            gate, up, down = self.experts.weights(e)
+            h = F.silu(xf[tok] @ gate.t()) * (xf[tok] @ up.t())
+            out.index_add_(0, tok, (h @ down.t()) * top_w[tok, slot, None])
         return out.reshape(x.shape)
 
 
@@ -201,14 +218,17 @@ def load_balancing_loss(model, c):
     logits = torch.cat([m.router_logits for m in model.modules() if isinstance(m, SparseMoE)])
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     _, chosen = torch.topk(probs, c["num_experts_per_tok"], dim=-1)
-    mask = F.one_hot(chosen, c["num_experts"]).float()  # [rows, k, E]
+    mask = F.one_hot(chosen, num_experts(c)).float()  # [rows, k, E]
     tokens_per_expert = mask.mean(dim=0)
     prob_per_expert = probs.mean(dim=0)
-    return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * c["num_experts"]
+    return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * num_experts(c)
 
 
 def layer_is_moe(c, i):
-    """Qwen3-MoE's rule: sparse unless in mlp_only_layers, every decoder_sparse_step-th layer."""
+    """Qwen3-MoE's rule: sparse unless in mlp_only_layers, every decoder_sparse_step-th layer;
+    Mixtral's: every layer."""
+    if is_mixtral(c):
+        return True
     return (c.get("model_type") == "qwen3_moe" and c.get("num_experts", 0) > 0 and
             i not in (c.get("mlp_only_layers") or []) and
             (i + 1) % c.get("decoder_sparse_step", 1) == 0)
@@ -220,11 +240,13 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.self_attn = Attention(c, sdpa)
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.mlp = SparseMoE(c) if layer_is_moe(c, i) else MLP(c)
+        # Mixtral's sparse block is block_sparse_moe in its files
+        self.ffn_name = "block_sparse_moe" if is_mixtral(c) else "mlp"
+        setattr(self, self.ffn_name, SparseMoE(c) if layer_is_moe(c, i) else MLP(c))
 
     def forward(self, x, cos, sin):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + getattr(self, self.ffn_name)(self.post_attention_layernorm(h))
 
 
 class Body(nn.Module):

@@ -361,6 +361,82 @@ START_TEST(qwen3_moe_trains_as_torch) {
 }
 END_TEST
 
+/* Mixtral: Llama's attention, both layers sparse (4 experts of 48, w1, w3, w2, top-2
+ * renormalised) with the routers' load-balancing loss (0.02): step 0 with and without
+ * activation checkpointing and ten training steps against the torch model. */
+START_TEST(mixtral_trains_as_torch) {
+  check_step0("tiny_mixtral", "tiny_mixtral", false);
+  check_step0("tiny_mixtral", "tiny_mixtral", true);
+  check_training("tiny_mixtral", "tiny_mixtral");
+}
+END_TEST
+
+/* Mixtral's config, parameter count and Hugging Face names: MixtralConfig's keys read and
+ * written back (the experts' size is intermediate_size, the loss with output_router_logits),
+ * the weights saved as its files name them (block_sparse_moe.experts.J.w1.weight) and loaded
+ * back the same. */
+START_TEST(mixtral_against_torch) {
+  llama_config_t c;
+  ok(llama_config_from_hf(REF "tiny_mixtral_config.json", &c));
+  ck_assert(c.arch == LLAMA_ARCH_MIXTRAL && c.n_experts == 4 && c.top_k == 2 &&
+            c.moe_ffn_dim == 48 && c.norm_topk && c.aux_loss_coef == 0.02 &&
+            llama_layer_is_moe(&c, 0) && llama_layer_is_moe(&c, 1) && !c.qkv_bias && !c.o_bias &&
+            !c.qk_norm && c.rope.theta == 1e6);
+  char *text;
+  ok(llama_config_to_hf_text(&c, DTYPE_F32, &text));
+  llama_config_t back;
+  ok(llama_config_from_hf_text(text, "written", &back));
+  char why[128] = "";
+  ck_assert_msg(llama_config_same_params(&c, &back, why, sizeof why), "%s", why);
+  ck_assert(back.aux_loss_coef == 0.02 && back.norm_topk && back.moe_ffn_dim == 48);
+  ck_assert(strstr(text, "\"num_local_experts\"") && !strstr(text, "moe_intermediate_size") &&
+            !strstr(text, "use_sliding_window"));
+  free(text);
+  llama_options_t opt = LLAMA_OPTIONS_INIT;
+  opt.deferred = true;
+  llama_t *m;
+  ok(llama_new(&c, &opt, &m));
+  nn_param_t **ps;
+  int n;
+  int64_t total = 0;
+  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  for (int i = 0; i < n; i++) total += tensor_numel(dtensor_local(ps[i]->value));
+  ck_assert_int_eq(total, llama_num_params(&c));
+  ck_assert_ptr_nonnull(
+      nn_param_find(llama_module(m), "model.layers.1.block_sparse_moe.gate.weight"));
+  ck_assert_ptr_nonnull(
+      nn_param_find(llama_module(m), "model.layers.0.block_sparse_moe.experts.w3"));
+  ck_assert_ptr_null(nn_param_find(llama_module(m), "model.layers.0.mlp.experts.up_proj"));
+  free(ps);
+  llama_free(m);
+  llama_t *a = load_model("tiny_mixtral", "tiny_mixtral", false), *b;
+  opt.deferred = false;
+  ok(llama_new(&c, &opt, &b));
+  char path[] = "/tmp/fsdpc-mixtral-XXXXXX";
+  int fd = mkstemp(path);
+  ck_assert_int_ge(fd, 0);
+  close(fd);
+  ok(ckpt_save_weights(llama_module(a), path));
+  st_file_t *f;
+  ok(st_open(path, &f));
+  ck_assert_ptr_nonnull(st_find(f, "model.layers.1.block_sparse_moe.experts.3.w2.weight"));
+  ck_assert_ptr_null(st_find(f, "model.layers.1.block_sparse_moe.experts.w2"));
+  st_close(f);
+  ok(ckpt_load_weights(llama_module(b), path));
+  unlink(path);
+  ok(nn_named_parameters(llama_module(a), &ps, &n));
+  for (int i = 0; i < n; i++) {
+    bool same = false;
+    ok(tensor_equal(dtensor_local(ps[i]->value),
+                    dtensor_local(nn_param_find(llama_module(b), ps[i]->fqn)->value), &same));
+    ck_assert_msg(same, "%s differs after a save and a load", ps[i]->fqn);
+  }
+  free(ps);
+  llama_free(a);
+  llama_free(b);
+}
+END_TEST
+
 START_TEST(qwen3_moe_against_torch) {
   llama_config_t c;
   ok(llama_config_from_hf(REF "tiny_qwen3_moe_aux_config.json", &c));
@@ -617,8 +693,8 @@ START_TEST(config_forms_of_the_family) {
        "'attention_bias' must be true or false"},
       {", \"model_type\": \"gpt2\"", 0, 0, 0, 0, 0, 0, "missing 'n_embd'"},
       {", \"model_type\": \"gpt_neox\"", 0, 0, 0, 0, 0, 0,
-       "model_type \"gpt_neox\": this build trains \"llama\", \"qwen2\", \"qwen3\", \"gpt2\" "
-       "and \"qwen3_moe\""},
+       "model_type \"gpt_neox\": this build trains \"llama\", \"qwen2\", \"qwen3\", \"gpt2\", "
+       "\"qwen3_moe\" and \"mixtral\""},
       {", \"model_type\": \"qwen3_moe\", \"num_experts\": 8, \"num_experts_per_tok\": 2, "
        "\"moe_intermediate_size\": 32, \"mlp_only_layers\": [0]",
        LLAMA_ARCH_QWEN3_MOE, 16, 32768, false, false, true, NULL},
@@ -631,6 +707,18 @@ START_TEST(config_forms_of_the_family) {
        "'mlp_only_layers' holds an index out of range"},
       {", \"model_type\": \"qwen3_moe\", \"decoder_sparse_step\": 0", 0, 0, 0, 0, 0, 0,
        "decoder_sparse_step must be from 1 to 4096"},
+      {", \"model_type\": \"mixtral\", \"sliding_window\": null", LLAMA_ARCH_MIXTRAL, 16, 131072,
+       false, false, false, NULL},
+      {", \"model_type\": \"mixtral\", \"sliding_window\": 4096", 0, 0, 0, 0, 0, 0,
+       "'sliding_window' is set, but sliding-window attention is not implemented"},
+      {", \"model_type\": \"mixtral\", \"router_jitter_noise\": 0.1", 0, 0, 0, 0, 0, 0,
+       "'router_jitter_noise' is 0.1, but the router's jitter noise is not implemented"},
+      {", \"model_type\": \"mixtral\", \"attention_bias\": true", 0, 0, 0, 0, 0, 0,
+       "mixtral's attention has no biases"},
+      {", \"model_type\": \"mixtral\", \"num_local_experts\": 0", 0, 0, 0, 0, 0, 0,
+       "mixtral has experts in every layer"},
+      {", \"model_type\": \"mixtral\", \"num_local_experts\": 2, \"num_experts_per_tok\": 3", 0, 0,
+       0, 0, 0, 0, "num_experts_per_tok must be from 1 to num_experts (2), got 3"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char text[1024];
@@ -648,6 +736,10 @@ START_TEST(config_forms_of_the_family) {
       ck_assert(c.n_experts == 8 && c.top_k == 2 && c.moe_ffn_dim == 32 && c.sparse_step == 1 &&
                 !c.norm_topk && !llama_layer_is_moe(&c, 0) && llama_layer_is_moe(&c, 1) &&
                 c.aux_loss_coef == 0); /* router_aux_loss_coef only with output_router_logits */
+    if (c.arch == LLAMA_ARCH_MIXTRAL)  /* MixtralConfig's defaults: 8 experts of the MLP's size */
+      ck_assert(c.n_experts == 8 && c.top_k == 2 && c.moe_ffn_dim == 160 && c.norm_topk &&
+                llama_layer_is_moe(&c, 0) && llama_layer_is_moe(&c, 1) && c.aux_loss_coef == 0 &&
+                c.rope.theta == 1e6 && c.norm_eps == 1e-5 && c.n_kv_heads == 2);
     for (int round = 0; round < 2; round++) { /* as read, then written and read back */
       ck_assert_msg(c.arch == cases[i].arch && llama_head_dim(&c) == cases[i].head_dim &&
                         c.max_seq_len == cases[i].max_pos && c.qkv_bias == cases[i].qkv_bias &&
@@ -735,8 +827,10 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, training_gpt2);
   tcase_add_test(tc, stages_compose_to_the_model);
   if (mode.dtype == DTYPE_F32) tcase_add_test(tc, qwen3_moe_trains_as_torch);
+  if (mode.dtype == DTYPE_F32) tcase_add_test(tc, mixtral_trains_as_torch);
   if (mode.device == DEVICE_CPU && mode.dtype == DTYPE_F32) {
     tcase_add_test(tc, qwen3_moe_against_torch);
+    tcase_add_test(tc, mixtral_against_torch);
     tcase_add_test(tc, config_forms_of_transformers_4_and_5);
     tcase_add_test(tc, config_forms_of_the_family);
     tcase_add_test(tc, llama3_frequencies_of_llama31);

@@ -220,6 +220,19 @@ START_TEST(refusals) {
   ck_assert_int_ne(nn_moe_new(NULL, "moe", 8, 12, 4, 5, true, NULL, &m), STATUS_OK);
   ck_assert_ptr_nonnull(strstr(err_detail(), "top_k 5"));
   ck_assert_int_ne(nn_moe_new(NULL, "moe", 8, 12, 0, 1, true, NULL, &m), STATUS_OK);
+  /* the experts' weights renamed (Mixtral's w1, w3, w2) before finalize, by plain names */
+  ok(nn_moe_new(NULL, "", 8, 12, 4, 2, true, NULL, &m));
+  ck_assert_int_eq(nn_moe_name_experts(m, "w1", "w1", "w2"), STATUS_EINVAL); /* twice */
+  ck_assert_int_eq(nn_moe_name_experts(m, "w.1", "w3", "w2"), STATUS_EINVAL);
+  ck_assert_int_eq(nn_moe_name_experts(m, "", "w3", "w2"), STATUS_EINVAL);
+  ck_assert_int_eq(nn_moe_name_experts(nn_module_child(m, 0), "w1", "w3", "w2"), STATUS_EINVAL);
+  ok(nn_moe_name_experts(m, "w1", "w3", "w2"));
+  ok(nn_module_finalize(m));
+  ck_assert_ptr_nonnull(nn_param_find(m, "experts.w3"));
+  ck_assert_ptr_null(nn_param_find(m, "experts.up_proj"));
+  ck_assert_int_eq(nn_moe_name_experts(m, "a", "b", "c"), STATUS_EINVAL); /* finalized */
+  ck_assert_ptr_nonnull(strstr(err_detail(), "finalized already"));
+  nn_module_free(m);
   ok(nn_moe_new(NULL, "", 8, 12, 4, 2, true, NULL, &m));
   ok(nn_module_finalize(m));
   fsdpc_tensor_t x;
