@@ -183,12 +183,13 @@ fsdpc_status_t kernel_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_t *d
 /* Pointwise activations: ReLU max(x, 0); GELU x * Phi(x) = x/2 * (1 + erf(x / sqrt(2))) (the
  * exact form, PyTorch's default); SiLU x * sigmoid(x); GELU's tanh form
  * x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) (PyTorch's approximate="tanh", GPT-2's
- * gelu_new). */
+ * gelu_new); sigmoid 1 / (1 + exp(-x)) (Qwen2-MoE's shared-expert gate). */
 typedef enum kernel_act {
   KERNEL_ACT_RELU,
   KERNEL_ACT_GELU,
   KERNEL_ACT_SILU,
   KERNEL_ACT_GELU_TANH,
+  KERNEL_ACT_SIGMOID,
   KERNEL_ACT_COUNT
 } kernel_act_t;
 

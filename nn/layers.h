@@ -70,7 +70,7 @@ fsdpc_status_t nn_layernorm_new(nn_module_t *parent, const char *name, int64_t d
                                 bool bias, const nn_layer_options_t *opt, nn_module_t **out);
 
 /* An activation without parameters: KERNEL_ACT_RELU, KERNEL_ACT_GELU, KERNEL_ACT_SILU,
- * KERNEL_ACT_GELU_TANH. */
+ * KERNEL_ACT_GELU_TANH, KERNEL_ACT_SIGMOID. */
 fsdpc_status_t nn_activation_new(nn_module_t *parent, const char *name, kernel_act_t act,
                                  nn_module_t **out);
 

@@ -943,9 +943,34 @@ static fsdpc_status_t shared_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in
   return st;
 }
 
-/* The block's shared expert (nn_moe_add_shared_expert), or NULL. */
+/* The block's shared expert (nn_moe_add_shared_expert, nn_moe_add_gated_shared_expert), or
+ * NULL; its gate (the gated one's), or NULL. */
 static nn_module_t *shared_of(nn_module_t *m) {
   return nn_module_num_children(m) > 2 ? nn_module_child(m, 2) : NULL;
+}
+static nn_module_t *shared_gate_of(nn_module_t *m) {
+  return nn_module_num_children(m) > 3 ? nn_module_child(m, 3) : NULL;
+}
+
+/* *sh (a new reference in place of the caller's) = sigmoid(gate(x)) * *sh, each token's row
+ * scaled by its gate: the rows combined one to one (nn_combine_rows, k 1). */
+static fsdpc_status_t gate_shared(nn_ctx_t *ctx, nn_module_t *gate, nn_var_t *x, nn_var_t **sh) {
+  int64_t N = x->value.shape[0];
+  nn_var_t *g = NULL, *s = NULL, *out = NULL;
+  fsdpc_tensor_t slots = {0};
+  fsdpc_status_t st = nn_call(ctx, gate, x, &g);
+  if (st == STATUS_OK) st = nn_activation(ctx, g, KERNEL_ACT_SIGMOID, &s);
+  if (st == STATUS_OK) st = tensor_init(&slots, DTYPE_I64, device_cpu(), 1, &N);
+  for (int64_t t = 0; st == STATUS_OK && t < N; t++) ((int64_t *)slots.data)[t] = t;
+  if (st == STATUS_OK) st = nn_combine_rows(ctx, *sh, s, &slots, &out);
+  if (st == STATUS_OK) {
+    nn_var_put(*sh);
+    *sh = out;
+  }
+  tensor_free(&slots);
+  nn_var_put(g);
+  nn_var_put(s);
+  return st;
 }
 
 static fsdpc_status_t moe_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
@@ -963,6 +988,8 @@ static fsdpc_status_t moe_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, n
   if (st == STATUS_OK) st = moe_route_and_run(ctx, m, x2, &o2);
   if (st == STATUS_OK && shared_of(m) != NULL) { /* every token through the shared expert too */
     st = nn_call(ctx, shared_of(m), x2, &sh);
+    if (st == STATUS_OK && shared_gate_of(m) != NULL)
+      st = gate_shared(ctx, shared_gate_of(m), x2, &sh);
     if (st == STATUS_OK) st = nn_add(ctx, o2, sh, &sum);
     if (st == STATUS_OK) {
       nn_var_put(o2);
@@ -1301,25 +1328,37 @@ fsdpc_status_t nn_moe_name_experts(nn_module_t *moe, const char *gate, const cha
   return STATUS_OK;
 }
 
-fsdpc_status_t nn_moe_add_shared_expert(nn_module_t *moe, int64_t ffn_dim,
-                                        const nn_layer_options_t *opt) {
+/* The shared expert named name (and, gated, its gate) added to moe, by fn for its messages. */
+static fsdpc_status_t add_shared(nn_module_t *moe, const char *name, bool gated, int64_t ffn_dim,
+                                 const nn_layer_options_t *opt, const char *fn) {
   ARG_NONNULL(moe);
   if (nn_module_forward(moe) != moe_forward)
-    return err_set(STATUS_EINVAL, "nn_moe_add_shared_expert: '%s' is not a MoE block",
-                   nn_module_name(moe));
+    return err_set(STATUS_EINVAL, "%s: '%s' is not a MoE block", fn, nn_module_name(moe));
   if (shared_of(moe) != NULL)
-    return err_set(STATUS_EINVAL, "nn_moe_add_shared_expert: '%s' has a shared expert already",
-                   nn_module_name(moe));
+    return err_set(STATUS_EINVAL, "%s: '%s' has a shared expert already", fn, nn_module_name(moe));
   if (ffn_dim < 1)
-    return err_set(STATUS_EINVAL, "nn_moe_add_shared_expert: ffn_dim %lld must be positive",
-                   (long long)ffn_dim);
+    return err_set(STATUS_EINVAL, "%s: ffn_dim %lld must be positive", fn, (long long)ffn_dim);
   const moe_t *cfg = nn_module_impl(moe);
   nn_module_t *m = NULL;
-  FSDPC_TRY(nn_module_new("shared_experts", shared_forward, NULL, &m));
+  FSDPC_TRY(nn_module_new(name, shared_forward, NULL, &m));
   fsdpc_status_t st = nn_linear_new(m, "gate_proj", cfg->dim, ffn_dim, false, opt, NULL);
   if (st == STATUS_OK) st = nn_linear_new(m, "up_proj", cfg->dim, ffn_dim, false, opt, NULL);
   if (st == STATUS_OK) st = nn_linear_new(m, "down_proj", ffn_dim, cfg->dim, false, opt, NULL);
   if (st == STATUS_OK) st = nn_module_add_child(moe, m);
-  if (st != STATUS_OK) nn_module_free(m);
+  if (st != STATUS_OK) {
+    nn_module_free(m);
+    return st;
+  }
+  if (gated) st = nn_linear_new(moe, "shared_expert_gate", cfg->dim, 1, false, opt, NULL);
   return st;
+}
+
+fsdpc_status_t nn_moe_add_shared_expert(nn_module_t *moe, int64_t ffn_dim,
+                                        const nn_layer_options_t *opt) {
+  return add_shared(moe, "shared_experts", false, ffn_dim, opt, "nn_moe_add_shared_expert");
+}
+
+fsdpc_status_t nn_moe_add_gated_shared_expert(nn_module_t *moe, int64_t ffn_dim,
+                                              const nn_layer_options_t *opt) {
+  return add_shared(moe, "shared_expert", true, ffn_dim, opt, "nn_moe_add_gated_shared_expert");
 }

@@ -66,6 +66,13 @@ fsdpc_status_t nn_moe_name_experts(nn_module_t *moe, const char *gate, const cha
 fsdpc_status_t nn_moe_add_shared_expert(nn_module_t *moe, int64_t ffn_dim,
                                         const nn_layer_options_t *opt);
 
+/* Adds Qwen2-MoE's gated shared expert: a SwiGLU MLP of ffn_dim (child "shared_expert":
+ * gate_proj, up_proj, down_proj, no biases) and its gate (child "shared_expert_gate": a linear
+ * dim -> 1 without bias); every token's output gains sigmoid(gate(x)) times shared_expert(x).
+ * One shared expert a block, gated or not. Before nn_module_finalize. Local. */
+fsdpc_status_t nn_moe_add_gated_shared_expert(nn_module_t *moe, int64_t ffn_dim,
+                                              const nn_layer_options_t *opt);
+
 /* How a block scores its experts: softmax (Qwen3-MoE, Mixtral; the default) or sigmoid
  * (DeepSeek-V3). */
 typedef enum nn_moe_score { NN_MOE_SOFTMAX = 0, NN_MOE_SIGMOID } nn_moe_score_t;

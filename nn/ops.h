@@ -52,7 +52,7 @@ fsdpc_status_t nn_attention(nn_ctx_t *ctx, nn_var_t *q, nn_var_t *k, nn_var_t *v
 fsdpc_status_t nn_bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t **out);
 
 /* act(x) elementwise: KERNEL_ACT_RELU, KERNEL_ACT_GELU (exact, erf form), KERNEL_ACT_SILU,
- * KERNEL_ACT_GELU_TANH (GPT-2's tanh form). */
+ * KERNEL_ACT_GELU_TANH (GPT-2's tanh form), KERNEL_ACT_SIGMOID. */
 fsdpc_status_t nn_activation(nn_ctx_t *ctx, nn_var_t *x, kernel_act_t act, nn_var_t **out);
 
 /* LayerNorm over the last dimension (PyTorch's: biased variance, eps inside the square root)

@@ -114,7 +114,8 @@ fsdpc_status_t nn_bias_add(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *b, nn_var_t *
 
 /* ---- activations ---- */
 
-static const char *const act_names[KERNEL_ACT_COUNT] = {"relu", "gelu", "silu", "gelu_tanh"};
+static const char *const act_names[KERNEL_ACT_COUNT] = {"relu", "gelu", "silu", "gelu_tanh",
+                                                        "sigmoid"};
 
 static fsdpc_status_t activation_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;

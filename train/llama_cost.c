@@ -160,6 +160,9 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   double Km = (double)c->top_k, Fm = (double)c->moe_ffn_dim, E = (double)c->n_experts;
   double block_moe =
       block + ea * (3 * N * Km * Fm + 2 * N * Km * D - 3 * N * F) + 4 * (2 * N * E + N * Km);
+  /* Qwen2-MoE's shared expert over every token: its 3 N Fs, its output, gate and gated output */
+  double Fs = (double)c->shared_ffn_dim;
+  if (Fs > 0) block_moe += ea * (3 * N * Fs + 2 * N * D + 2 * N);
   double sparse = (double)llama_num_moe_layers(c);
   double all_blocks = (L - sparse) * block + sparse * block_moe;
   double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
@@ -216,7 +219,8 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
    * reduce dtype, and the reduced shard) and the shards of those reduced before */
   double dense_mlp = ac ? (tp ? ea * (2 * N * D + Ns * D) : ea * (3 * N * F + F * D))
                         : ea * (3 * N * F / t + F * D / t);
-  double moe_mlp = ea * (3 * N * Km * Fm + E * Fm * D);
+  double moe_mlp =
+      ea * (3 * N * Km * Fm + E * Fm * D) + (Fs > 0 ? ea * (3 * N * Fs + 3 * Fs * D) : 0);
   double sparse_below = sparse; /* of the layers below i, in the loop */
   for (int64_t i = c->n_layers - 1; i >= 0; i--) {
     bool last = i == c->n_layers - 1, moe = llama_layer_is_moe(c, i);
@@ -349,6 +353,11 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
           (double)(mc->n_experts * mc->dim) * (P > 1 ? 1 : 1 + 3 * (double)mc->moe_ffn_dim);
       c.n_ar += (long long)(A * Ls * (P > 1 ? 1 : 4));
       c.ar += A * Ls * 2.0 * (T - 1) * moe * rb / T;
+      if (mc->shared_ffn_dim > 0) { /* Qwen2-MoE's shared expert's three weights and its gate */
+        double sh = (double)mc->dim * (3 * (double)mc->shared_ffn_dim + 1);
+        c.n_ar += (long long)(A * Ls * 4);
+        c.ar += A * Ls * 2.0 * (T - 1) * sh * rb / T;
+      }
     } else {
       c.n_ar += (long long)(A * (fred + bred));
       c.ar += A * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T) * fred +

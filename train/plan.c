@@ -98,9 +98,10 @@ static fsdpc_status_t read_architecture(plan_ctx_t *c, int m, llama_config_t *mc
   if (!llama_arch_from_name(name, &mc->arch))
     return pr_fail(c, pr_find(c, m, "architecture"), "model.architecture",
                    "'%s' is not an architecture this build trains (llama, qwen2, qwen3, gpt2, "
-                   "qwen3_moe, mixtral)",
+                   "qwen3_moe, mixtral, qwen2_moe)",
                    name);
-  if (mc->arch == LLAMA_ARCH_QWEN3_MOE || mc->arch == LLAMA_ARCH_MIXTRAL)
+  if (mc->arch == LLAMA_ARCH_QWEN3_MOE || mc->arch == LLAMA_ARCH_MIXTRAL ||
+      mc->arch == LLAMA_ARCH_QWEN2_MOE)
     return pr_fail(c, pr_find(c, m, "architecture"), "model.architecture",
                    "%s's experts are not among the model section's keys: give its "
                    "config.json with model.config (or a folder with model.init_from)",
@@ -840,8 +841,9 @@ static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
   if (p->par.ep > 1 && (p->model.n_experts == 0 || p->model.n_experts % p->par.ep != 0))
     return err_set(STATUS_EINVAL, "%s: mesh.ep: %d %s (each rank of a group holds as many experts)",
                    p->par.mesh_where.text, p->par.ep,
-                   p->model.n_experts == 0 ? "needs a model with experts (qwen3_moe, mixtral)"
-                                           : "does not divide the model's num_experts");
+                   p->model.n_experts == 0
+                       ? "needs a model with experts (qwen3_moe, mixtral, qwen2_moe)"
+                       : "does not divide the model's num_experts");
   if (p->par.tp > 1) {
     const struct {
       const char *key;

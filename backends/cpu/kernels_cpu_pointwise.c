@@ -122,6 +122,7 @@ static float act_value(kernel_act_t act, float x) {
     case KERNEL_ACT_RELU: return x > 0.0f ? x : 0.0f;
     case KERNEL_ACT_GELU: return 0.5f * x * (1.0f + erff(x * (float)M_SQRT1_2));
     case KERNEL_ACT_GELU_TANH: return 0.5f * x * (1.0f + gelu_tanh_t(x));
+    case KERNEL_ACT_SIGMOID: return silu_sig(x);
     default: return x * silu_sig(x);
   }
 }
@@ -136,6 +137,10 @@ static float act_derivative(kernel_act_t act, float x) {
       float t = gelu_tanh_t(x);
       return 0.5f * (1.0f + t) +
              0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
+    }
+    case KERNEL_ACT_SIGMOID: {
+      float s = silu_sig(x);
+      return s * (1.0f - s);
     }
     default: {
       float s = silu_sig(x);

@@ -107,6 +107,7 @@ __device__ static float act_value(int act, float x) {
     case KERNEL_ACT_RELU: return x > 0.0f ? x : 0.0f;
     case KERNEL_ACT_GELU: return 0.5f * x * (1.0f + erff(x * (float)M_SQRT1_2));
     case KERNEL_ACT_GELU_TANH: return 0.5f * x * (1.0f + gelu_tanh_t(x));
+    case KERNEL_ACT_SIGMOID: return 1.0f / (1.0f + expf(-x));
     default: return x / (1.0f + expf(-x));
   }
 }
@@ -121,6 +122,10 @@ __device__ static float act_derivative(int act, float x) {
       float t = gelu_tanh_t(x);
       return 0.5f * (1.0f + t) +
              0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
+    }
+    case KERNEL_ACT_SIGMOID: {
+      float s = 1.0f / (1.0f + expf(-x));
+      return s * (1.0f - s);
     }
     default: {
       float s = 1.0f / (1.0f + expf(-x));

@@ -485,6 +485,8 @@ static fsdpc_status_t build_block(builder_t *b, nn_module_t *layers, int64_t i) 
     FSDPC_TRY(nn_moe_new(blk, mixtral ? "block_sparse_moe" : "mlp", c->dim, c->moe_ffn_dim,
                          (int)c->n_experts, (int)c->top_k, c->norm_topk, &lo, &moe));
     if (mixtral) FSDPC_TRY(nn_moe_name_experts(moe, "w1", "w3", "w2"));
+    if (c->shared_ffn_dim > 0) /* Qwen2-MoE's: mlp.shared_expert, mlp.shared_expert_gate */
+      FSDPC_TRY(nn_moe_add_gated_shared_expert(moe, c->shared_ffn_dim, &lo));
   } else {
     FSDPC_TRY(add_container(b, blk, "mlp", mlp_forward, &mlp));
     FSDPC_TRY(add_leaf(b, mlp, "gate_proj", linear_forward, c->ffn_dim, c->dim, NULL));

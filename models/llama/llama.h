@@ -52,6 +52,7 @@ typedef enum llama_arch {
   LLAMA_ARCH_GPT2,
   LLAMA_ARCH_QWEN3_MOE,
   LLAMA_ARCH_MIXTRAL,
+  LLAMA_ARCH_QWEN2_MOE,
   LLAMA_ARCH_COUNT
 } llama_arch_t;
 
@@ -84,12 +85,15 @@ typedef struct llama_config {
    * mlp_only_layers and i + 1 is a multiple of sparse_step (llama_layer_is_moe). The dense
    * layers keep the MLP of ffn_dim. No experts (0): every layer dense. Mixtral (mixtral):
    * Llama's attention, every layer sparse (block_sparse_moe: gate, experts w1, w3, w2),
-   * num_local_experts of intermediate_size, renormalised. */
+   * num_local_experts of intermediate_size, renormalised. Qwen2-MoE (qwen2_moe): Qwen2's
+   * attention, Qwen3-MoE's sparse layers plus a shared expert of shared_ffn_dim gated by a
+   * sigmoid (mlp.shared_expert, mlp.shared_expert_gate). */
   int64_t n_experts;    /* num_experts (Mixtral's num_local_experts) */
   int64_t top_k;        /* num_experts_per_tok */
   int64_t moe_ffn_dim;  /* moe_intermediate_size (Mixtral's intermediate_size) */
   int64_t sparse_step;  /* decoder_sparse_step */
   bool norm_topk;       /* norm_topk_prob */
+  int64_t shared_ffn_dim; /* shared_expert_intermediate_size (Qwen2-MoE's); 0: none */
   uint64_t mlp_only[4]; /* mlp_only_layers: bit i of word i / 64 for layer i (below 256) */
   /* The router's load-balancing loss added to the training loss with this weight
    * (router_aux_loss_coef when output_router_logits; 0: none; nn/moe.h's nn_moe_aux_t) */
@@ -108,8 +112,8 @@ typedef struct llama_config {
     .tie_embeddings = false, .init_std = 0.02, .sparse_step = 1                         \
   }
 
-/* The architecture's model_type ("llama", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral"), and
- * the arch of a model_type (false for one not of the family). */
+/* The architecture's model_type ("llama", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral",
+ * "qwen2_moe"), and the arch of a model_type (false for one not of the family). */
 const char *llama_arch_name(llama_arch_t arch);
 bool llama_arch_from_name(const char *model_type, llama_arch_t *out);
 

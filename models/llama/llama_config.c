@@ -16,7 +16,8 @@ static const struct {
 } arch_names[LLAMA_ARCH_COUNT] = {
     {"llama", "LlamaForCausalLM"},        {"qwen2", "Qwen2ForCausalLM"},
     {"qwen3", "Qwen3ForCausalLM"},        {"gpt2", "GPT2LMHeadModel"},
-    {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"mixtral", "MixtralForCausalLM"}};
+    {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"mixtral", "MixtralForCausalLM"},
+    {"qwen2_moe", "Qwen2MoeForCausalLM"}};
 
 const char *llama_arch_name(llama_arch_t arch) {
   return arch >= 0 && arch < LLAMA_ARCH_COUNT ? arch_names[arch].model_type : "?";
@@ -64,13 +65,24 @@ int64_t llama_head_dim(const llama_config_t *c) {
   return c->head_dim > 0 ? c->head_dim : c->n_heads > 0 ? c->dim / c->n_heads : 0;
 }
 
-/* The mixture-of-experts keys: only qwen3_moe and mixtral have experts (mixtral's in every
- * layer, renormalised); top-k from 1 to the experts. */
+/* The mixture-of-experts keys: only qwen3_moe, mixtral and qwen2_moe have experts (mixtral's
+ * in every layer, renormalised), and only qwen2_moe a shared expert (its own, of a positive
+ * size); top-k from 1 to the experts. */
 static fsdpc_status_t check_experts(const llama_config_t *c) {
-  if (c->arch != LLAMA_ARCH_QWEN3_MOE && c->arch != LLAMA_ARCH_MIXTRAL) {
+  bool qwen2_moe = c->arch == LLAMA_ARCH_QWEN2_MOE;
+  if (qwen2_moe ? c->shared_ffn_dim < 1 || c->shared_ffn_dim > ((int64_t)1 << 31)
+                : c->shared_ffn_dim != 0)
+    return err_set(
+        STATUS_EINVAL,
+        "model config: %s (shared_expert_intermediate_size is qwen2_moe's, a size "
+        "from 1 to 2^31), got %lld",
+        qwen2_moe ? "qwen2_moe has a shared expert" : "only qwen2_moe has a shared expert",
+        (long long)c->shared_ffn_dim);
+  if (c->arch != LLAMA_ARCH_QWEN3_MOE && c->arch != LLAMA_ARCH_MIXTRAL && !qwen2_moe) {
     if (c->n_experts != 0)
       return err_set(STATUS_EINVAL,
-                     "model config: %s has no experts (num_experts is qwen3_moe's and mixtral's)",
+                     "model config: %s has no experts (num_experts is qwen3_moe's, mixtral's and "
+                     "qwen2_moe's)",
                      llama_arch_name(c->arch));
     return STATUS_OK;
   }
@@ -138,7 +150,8 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
                    "model config: hidden_size %lld must be num_attention_heads %lld times an "
                    "even head size (or give head_dim)",
                    (long long)c->dim, (long long)c->n_heads);
-  bool qwen2 = c->arch == LLAMA_ARCH_QWEN2, gpt2 = c->arch == LLAMA_ARCH_GPT2;
+  bool qwen2 = c->arch == LLAMA_ARCH_QWEN2 || c->arch == LLAMA_ARCH_QWEN2_MOE,
+       gpt2 = c->arch == LLAMA_ARCH_GPT2;
   if (gpt2 && (c->qkv_bias || c->o_bias || c->head_dim != 0 || c->n_kv_heads != c->n_heads))
     return err_set(STATUS_EINVAL,
                    "model config: gpt2 has biases of its own, heads of dim / n_heads and as many "
@@ -190,7 +203,8 @@ bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, 
            {"o_bias", a->o_bias, b->o_bias},
            {"qk_norm", a->qk_norm, b->qk_norm},
            {"n_experts", a->n_experts, b->n_experts},
-           {"moe_ffn_dim", a->moe_ffn_dim, b->moe_ffn_dim}};
+           {"moe_ffn_dim", a->moe_ffn_dim, b->moe_ffn_dim},
+           {"shared_ffn_dim", a->shared_ffn_dim, b->shared_ffn_dim}};
   for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
     if (f[i].x != f[i].y) {
       if (why && i == 0)
@@ -222,10 +236,13 @@ int64_t llama_num_params(const llama_config_t *c) {
   int64_t hd = llama_head_dim(c), q = c->n_heads * hd, kv = c->n_kv_heads * hd;
   int64_t layer = 2 * c->dim + 2 * q * c->dim + 2 * kv * c->dim;
   layer += (c->qkv_bias ? q + 2 * kv : 0) + (c->o_bias ? c->dim : 0) + (c->qk_norm ? 2 * hd : 0);
-  /* the router [E, dim] and the stacked experts, 3 [E, moe_ffn, dim] */
+  /* the router [E, dim] and the stacked experts, 3 [E, moe_ffn, dim]; a shared expert's
+   * three [shared_ffn, dim] and its gate [1, dim] */
   int64_t sparse = llama_num_moe_layers(c);
-  int64_t mlps = (c->n_layers - sparse) * 3 * c->dim * c->ffn_dim +
-                 sparse * (c->n_experts * c->dim + 3 * c->n_experts * c->moe_ffn_dim * c->dim);
+  int64_t shared = c->shared_ffn_dim > 0 ? 3 * c->shared_ffn_dim * c->dim + c->dim : 0;
+  int64_t mlps =
+      (c->n_layers - sparse) * 3 * c->dim * c->ffn_dim +
+      sparse * (c->n_experts * c->dim + 3 * c->n_experts * c->moe_ffn_dim * c->dim + shared);
   return llama_vocab_rows(c) * c->dim * (c->tie_embeddings ? 1 : 2) + c->n_layers * layer + mlps +
          c->dim;
 }
@@ -345,8 +362,11 @@ static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope)
 static fsdpc_status_t parse_bias(const char *path, const cJSON *o, llama_config_t *c) {
   bool bias = false;
   FSDPC_TRY(json_bool(path, o, "attention_bias", &bias));
-  c->qkv_bias = c->arch == LLAMA_ARCH_QWEN2 || bias;
-  c->o_bias = c->arch != LLAMA_ARCH_QWEN2 && bias;
+  bool qwen2 = c->arch == LLAMA_ARCH_QWEN2 || c->arch == LLAMA_ARCH_QWEN2_MOE;
+  c->qkv_bias = qwen2 || bias;
+  c->o_bias = !qwen2 && bias;
+  if (c->arch == LLAMA_ARCH_QWEN2_MOE) /* transformers 5's key, true by default */
+    FSDPC_TRY(json_bool(path, o, "qkv_bias", &c->qkv_bias));
   c->qk_norm = c->arch == LLAMA_ARCH_QWEN3 || c->arch == LLAMA_ARCH_QWEN3_MOE;
   const cJSON *types = cJSON_GetObjectItemCaseSensitive(o, "layer_types");
   for (const cJSON *t = cJSON_IsArray(types) ? types->child : NULL; t; t = t->next)
@@ -432,12 +452,15 @@ static fsdpc_status_t parse_mixtral(const char *path, const cJSON *o, llama_conf
 }
 
 /* Qwen3MoeConfig's experts (its defaults for what the file leaves out: 128 experts of 768, 8 a
- * token, not renormalised, every layer sparse); the router's auxiliary loss is refused when
- * the config asks for it (output_router_logits with a coefficient). */
+ * token, not renormalised, every layer sparse), or Qwen2MoeConfig's (60 of 1408, 4 a token, a
+ * shared expert of 5632); the router's loss with output_router_logits. */
 static fsdpc_status_t parse_experts(const char *path, const cJSON *o, llama_config_t *c) {
-  c->n_experts = 128;
-  c->top_k = 8;
-  c->moe_ffn_dim = 768;
+  bool qwen2 = c->arch == LLAMA_ARCH_QWEN2_MOE;
+  c->n_experts = qwen2 ? 60 : 128;
+  c->top_k = qwen2 ? 4 : 8;
+  c->moe_ffn_dim = qwen2 ? 1408 : 768;
+  c->shared_ffn_dim = qwen2 ? 5632 : 0;
+  if (qwen2) FSDPC_TRY(json_int(path, o, "shared_expert_intermediate_size", &c->shared_ffn_dim));
   c->sparse_step = 1;
   c->norm_topk = false;
   const char *experts = cJSON_GetObjectItemCaseSensitive(o, "num_experts") == NULL &&
@@ -481,8 +504,9 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
   if (mt && !llama_arch_from_name(mt->valuestring, &c->arch))
     return err_set(STATUS_EUNSUPPORTED,
                    "%s: model_type \"%.64s\": this build trains \"llama\", \"qwen2\", \"qwen3\", "
-                   "\"gpt2\", \"qwen3_moe\" and \"mixtral\" (LlamaForCausalLM, Qwen2ForCausalLM, "
-                   "Qwen3ForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM, MixtralForCausalLM)",
+                   "\"gpt2\", \"qwen3_moe\", \"mixtral\" and \"qwen2_moe\" (LlamaForCausalLM, "
+                   "Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM, "
+                   "MixtralForCausalLM, Qwen2MoeForCausalLM)",
                    path, mt->valuestring);
   /* not Hugging Face's: a run's record of its padded tables (llama_config_to_hf_text) */
   FSDPC_TRY(json_int(path, o, "pad_vocab_multiple", &c->pad_vocab_multiple));
@@ -490,7 +514,8 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
   if (c->arch != LLAMA_ARCH_LLAMA) /* Qwen's defaults (Qwen2Config, Qwen3Config) */
     c->max_seq_len = 32768;
   if (c->arch == LLAMA_ARCH_QWEN3) c->head_dim = 128; /* Qwen3-MoE's: hidden / heads */
-  if (c->arch == LLAMA_ARCH_QWEN3_MOE) FSDPC_TRY(parse_experts(path, o, c));
+  if (c->arch == LLAMA_ARCH_QWEN3_MOE || c->arch == LLAMA_ARCH_QWEN2_MOE)
+    FSDPC_TRY(parse_experts(path, o, c));
   if (c->arch == LLAMA_ARCH_MIXTRAL) FSDPC_TRY(parse_mixtral(path, o, c));
   const char *required[] = {"hidden_size", "num_hidden_layers", "num_attention_heads",
                             "intermediate_size", "vocab_size"};
@@ -586,8 +611,11 @@ static void gpt2_to_hf(const llama_config_t *c, dtype_t dtype, cJSON *o) {
     cJSON_AddNumberToObject(o, "pad_vocab_multiple", (double)c->pad_vocab_multiple);
 }
 
-/* Qwen3MoeConfig's expert keys (no auxiliary loss); false when out of memory. */
+/* Qwen3MoeConfig's expert keys (no auxiliary loss), and Qwen2MoeConfig's shared expert; false
+ * when out of memory. */
 static bool experts_to_hf(const llama_config_t *c, cJSON *o) {
+  if (c->shared_ffn_dim > 0)
+    cJSON_AddNumberToObject(o, "shared_expert_intermediate_size", (double)c->shared_ffn_dim);
   cJSON_AddNumberToObject(o, "num_experts", (double)c->n_experts);
   cJSON_AddNumberToObject(o, "num_experts_per_tok", (double)c->top_k);
   cJSON_AddNumberToObject(o, "moe_intermediate_size", (double)c->moe_ffn_dim);
@@ -646,12 +674,14 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
   }
   cJSON_AddNumberToObject(o, "rms_norm_eps", c->norm_eps);
   cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
-  if (c->arch != LLAMA_ARCH_QWEN2) cJSON_AddBoolToObject(o, "attention_bias", c->o_bias);
+  if (c->arch != LLAMA_ARCH_QWEN2 && c->arch != LLAMA_ARCH_QWEN2_MOE)
+    cJSON_AddBoolToObject(o, "attention_bias", c->o_bias);
   if (c->arch == LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "mlp_bias", 0);
   if (c->arch != LLAMA_ARCH_LLAMA && c->arch != LLAMA_ARCH_MIXTRAL)
     cJSON_AddBoolToObject(o, "use_sliding_window", 0);
   cJSON_AddNumberToObject(o, "initializer_range", c->init_std);
-  if (c->arch == LLAMA_ARCH_QWEN3_MOE && !experts_to_hf(c, o)) {
+  if ((c->arch == LLAMA_ARCH_QWEN3_MOE || c->arch == LLAMA_ARCH_QWEN2_MOE) &&
+      !experts_to_hf(c, o)) {
     cJSON_Delete(o);
     return err_set(STATUS_ENOMEM, "out of host memory");
   }

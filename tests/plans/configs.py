@@ -429,7 +429,8 @@ def model_config():
                   ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
                    "max_seq_len")), []),
              r"model\.config: \S+gpt2\.json: model_type \"gpt_neox\": this build trains "
-             r"\"llama\", \"qwen2\", \"qwen3\", \"gpt2\", \"qwen3_moe\" and \"mixtral\"")]:
+             r"\"llama\", \"qwen2\", \"qwen3\", \"gpt2\", \"qwen3_moe\", \"mixtral\" and "
+             r"\"qwen2_moe\"")]:
         p, _ = run(2, [debug, "--set", "mesh.dp_shard=2"] + sets)
         check(p.returncode != 0 and re.search(r"\[ranks 0,1\] .*" + want_err, p.stderr),
               "model.config refused from every rank: /%s/ (%s)" %
@@ -510,14 +511,15 @@ def family():
     16, tied), GPT-2 (learned positions, LayerNorms with bias, fused c_attn, Conv1D weights,
     tied), Qwen3-MoE (a sparse layer of 4 experts, top-2, and a dense one; its files name
     each expert; without and with the routers' load-balancing loss, whose metrics count every
-    routed token) and Mixtral (both layers sparse, block_sparse_moe's w1, w3 and w2, with the
+    routed token), Mixtral (both layers sparse, block_sparse_moe's w1, w3 and w2, with the
+    balancing loss) and Qwen2-MoE (a sparse layer with a sigmoid-gated shared expert, the
     balancing loss), from a Hugging Face folder: one rank reproduces PyTorch's ten losses and its
     export-hf PyTorch's trained weights; FSDP, HSDP and FSDP x TP with sequence parallelism
     (Qwen3's q_norm and k_norm headwise; GPT-2's c_attn split by head for q, k and v alike) on
     4 ranks train one rank's losses (Qwen3-MoE: TP refused by name, FSDP with deferred
     initialisation instead); a bare config.json trains with a falling loss."""
     for tag in ("tiny_qwen2", "tiny_qwen3", "tiny_gpt2", "tiny_qwen3_moe", "tiny_qwen3_moe_aux",
-                "tiny_mixtral"):
+                "tiny_mixtral", "tiny_qwen2_moe"):
         tmp = mkdtemp()
         plan = family_plan(tmp, tag)
         one, ck = os.path.join(tmp, "one.jsonl"), os.path.join(tmp, "ck")
@@ -534,7 +536,7 @@ def family():
               "%s: one rank reproduces PyTorch's ten losses within 1e-5 (worst %.2e)"
               % (tag, worst))
         exported_as_trained(tag, os.path.join(ck, "step-00000010"), os.path.join(tmp, "hf"))
-        if tag.startswith("tiny_qwen3_moe") or tag == "tiny_mixtral":
+        if tag.startswith("tiny_qwen3_moe") or tag in ("tiny_mixtral", "tiny_qwen2_moe"):
             # 2 samples of 32 tokens, top-2: Qwen3-MoE's one sparse layer, Mixtral's two
             m, routed = losses(one), 256 if tag == "tiny_mixtral" else 128
             check(all(sum(r["expert_load"]) == routed and r["expert_load_min"] == min(
@@ -647,6 +649,12 @@ def family():
                 check(q.returncode != 0 and why in q.stderr,
                       "tiny_qwen3_moe: mesh.ep=%d on dp_shard 2 x tp 2 (sequence parallelism %s) "
                       "is refused by name" % (ep, sp))
+        if tag == "tiny_qwen2_moe":  # the shared expert and its gate under tp and ep
+            plans = FAMILY_PLANS + [
+                ("FSDP 2 x TP 2 without sequence parallelism (the blocks on every token)", 4,
+                 ["mesh.dp_shard=2", "mesh.tp=2"]),
+                ("FSDP on 4, the experts split over all (mesh.ep=4), checkpointed", 4,
+                 ["mesh.ep=4", "train.activation_checkpointing=true"])]
         if tag == "tiny_mixtral":  # every layer sparse: no dense MLP for tp's rules to split
             plans = FAMILY_PLANS + [
                 ("FSDP 2 x TP 2 without sequence parallelism (the blocks on every token)", 4,
@@ -713,11 +721,21 @@ def family():
                       "tiny_gpt2: FSDP 2 x TP 2, sequence parallelism %s: one rank's ten losses "
                       "and gradient norms within 5e-6 (worst %.2e); communication %d B per step, "
                       "--dry-run %s" % (sp, worst, real, est.group(1) if est else "none"))
+        if tag == "tiny_qwen2_moe":  # --dry-run's communication counts the shared expert's sums
+            k = [w for w, _, _ in plans].index("FSDP 2 x TP 2 with sequence parallelism")
+            real = [r["comm_bytes"] for r in losses(os.path.join(tmp, "plan-%d.jsonl" % k))] \
+                if os.path.exists(os.path.join(tmp, "plan-%d.jsonl" % k)) else []
+            d, _ = run(4, [plan, "--dry-run", "-v", "--set", "data.global_batch_size=4"] +
+                       sum((["--set", kv] for kv in plans[k][2]), []))
+            est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
+            check(bool(real) and est is not None and set(real) == {int(est.group(1))},
+                  "tiny_qwen2_moe: FSDP 2 x TP 2 with sequence parallelism communicates --dry-run's "
+                  "%s B a step (measured %s)" % (est.group(1) if est else "none", sorted(set(real))))
         if tag == "tiny_qwen2":  # the plan's keys: refusals by name
             for sets, want_err in [
                     (["model.architecture=gpt_neox"], r"model\.architecture: 'gpt_neox' is not "
                      r"an architecture this build trains \(llama, qwen2, qwen3, gpt2, "
-                     r"qwen3_moe, mixtral\)"),
+                     r"qwen3_moe, mixtral, qwen2_moe\)"),
                     (["model.architecture=qwen3_moe"], r"model\.architecture: qwen3_moe's "
                      r"experts are not among the model section's keys"),
                     (["model.architecture=mixtral"], r"model\.architecture: mixtral's "

@@ -25,6 +25,9 @@ variant, named in the golden's metadata "init") and TAG_golden.safetensors, for 
                expert as Hugging Face does, its gradients (grad.*) the C model's stacked names
   tiny_qwen3_moe_aux  the same with the routers' load-balancing loss (output_router_logits,
                router_aux_loss_coef 0.1), from tiny_qwen3_moe's init
+  tiny_qwen2_moe  Qwen2-MoE: Qwen2's attention biases, layer 0 dense and layer 1 sparse
+               (decoder_sparse_step 2: 4 experts of 32, top-2 not renormalised, and a shared
+               expert of 40 gated by a sigmoid), the routers' load-balancing loss (0.05)
   tiny_mixtral Mixtral: Llama's attention, both layers sparse (block_sparse_moe: 4 experts of
                48, w1, w3 and w2 each expert's tensors in its files, top-2 renormalised), the
                routers' load-balancing loss (router_aux_loss_coef 0.02)
@@ -159,6 +162,10 @@ MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], rope_
                num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                output_router_logits=True, router_aux_loss_coef=0.02, router_jitter_noise=0.0,
                sliding_window=None)
+QWEN2_MOE = dict(QWEN, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=40, decoder_sparse_step=2, norm_topk_prob=False,
+                 output_router_logits=True, router_aux_loss_coef=0.05)
 VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (None: a new one)
     ("tiny", {}, False, None),
     ("tiny_tied", {}, True, None),
@@ -175,6 +182,7 @@ VARIANTS = [  # tag, config changes, tied, the variant whose init is reused (Non
     ("tiny_qwen3_moe_aux", dict(MOE, output_router_logits=True, router_aux_loss_coef=0.1),
      False, "tiny_qwen3_moe"),
     ("tiny_mixtral", dict(MIXTRAL), False, None),
+    ("tiny_qwen2_moe", dict(QWEN2_MOE), False, None),
 ]
 # GPT-2 as transformers' GPT2Config writes it (no dropout: the C model has none)
 GPT2_CONFIG = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_layer=2,
@@ -247,7 +255,7 @@ def run(tag, changes, tied, init_tag):
     tokens = load_tokens()
     V = cfg["vocab_size"]
     x, y = batch(tokens, 0)
-    def with_aux(loss):  # Qwen3-MoE's and Mixtral's training loss with output_router_logits
+    def with_aux(loss):  # the MoE models' training loss with output_router_logits
         if cfg.get("output_router_logits"):
             loss = loss + cfg["router_aux_loss_coef"] * load_balancing_loss(model, cfg)
         return loss
@@ -274,7 +282,7 @@ def run(tag, changes, tied, init_tag):
         opt.step()
         losses.append(loss.item())
     golden["train_losses"] = torch.tensor(losses, dtype=torch.float32)
-    if cfg["model_type"] in ("qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral"):
+    if cfg["model_type"] in ("qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral", "qwen2_moe"):
         trained = hf_names({name: p.detach().clone() for name, p in model.named_parameters()})
         for name, t in trained.items():
             golden["trained." + name] = t

@@ -120,8 +120,9 @@ class Attention(nn.Module):
         self.hd = head_dim(c)
         self.attend = sdpa_attention if sdpa else exact_attention
         d, kind = c["hidden_size"], c.get("model_type", "llama")
-        qkv_bias = kind == "qwen2" or bool(c.get("attention_bias"))
-        o_bias = kind != "qwen2" and bool(c.get("attention_bias"))
+        qwen2 = kind in ("qwen2", "qwen2_moe")
+        qkv_bias = (qwen2 and c.get("qkv_bias", True)) or bool(c.get("attention_bias"))
+        o_bias = not qwen2 and bool(c.get("attention_bias"))
         self.q_proj = nn.Linear(d, self.h * self.hd, bias=qkv_bias)
         self.k_proj = nn.Linear(d, self.kv * self.hd, bias=qkv_bias)
         self.v_proj = nn.Linear(d, self.kv * self.hd, bias=qkv_bias)
@@ -146,9 +147,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, f=None):
         super().__init__()
-        d, f = c["hidden_size"], c["intermediate_size"]
+        d, f = c["hidden_size"], f or c["intermediate_size"]
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
@@ -180,10 +181,11 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Qwen3-MoE's and Mixtral's sparse block as transformers computes it: router logits,
-    softmax in f32, the top-k probabilities (renormalised with norm_topk_prob; always by
-    Mixtral), and each expert's tokens through its SwiGLU MLP, added back weighted by their
-    routing weight."""
+    """Qwen3-MoE's, Mixtral's and Qwen2-MoE's sparse block as transformers computes it: router
+    logits, softmax in f32, the top-k probabilities (renormalised with norm_topk_prob; always
+    by Mixtral), and each expert's tokens through its SwiGLU MLP, added back weighted by their
+    routing weight; Qwen2-MoE adds a shared expert over every token, scaled by the sigmoid of
+    its gate."""
     def __init__(self, c):
         super().__init__()
         d, self.E, self.k = c["hidden_size"], num_experts(c), c["num_experts_per_tok"]
@@ -194,6 +196,9 @@ class SparseMoE(nn.Module):
         else:
             self.experts = Experts(self.E, d, c["moe_intermediate_size"],
                                    ("gate_proj", "up_proj", "down_proj"))
+        if c.get("model_type") == "qwen2_moe":
+            self.shared_expert = MLP(c, c["shared_expert_intermediate_size"])
+            self.shared_expert_gate = nn.Linear(d, 1, bias=False)
 
     def forward(self, x):
         xf = x.reshape(-1, x.shape[-1])
@@ -208,6 +213,8 @@ class SparseMoE(nn.Module):
             gate, up, down = self.experts.weights(e)
             h = F.silu(xf[tok] @ gate.t()) * (xf[tok] @ up.t())
             out.index_add_(0, tok, (h @ down.t()) * top_w[tok, slot, None])
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(xf)) * self.shared_expert(xf)
         return out.reshape(x.shape)
 
 
@@ -229,7 +236,7 @@ def layer_is_moe(c, i):
     Mixtral's: every layer."""
     if is_mixtral(c):
         return True
-    return (c.get("model_type") == "qwen3_moe" and c.get("num_experts", 0) > 0 and
+    return (c.get("model_type") in ("qwen3_moe", "qwen2_moe") and c.get("num_experts", 0) > 0 and
             i not in (c.get("mlp_only_layers") or []) and
             (i + 1) % c.get("decoder_sparse_step", 1) == 0)
 

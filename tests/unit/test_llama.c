@@ -364,6 +364,44 @@ END_TEST
 /* Mixtral: Llama's attention, both layers sparse (4 experts of 48, w1, w3, w2, top-2
  * renormalised) with the routers' load-balancing loss (0.02): step 0 with and without
  * activation checkpointing and ten training steps against the torch model. */
+/* Qwen2-MoE: Qwen2's attention biases, layer 0 dense, layer 1 sparse (4 experts of 32, top-2
+ * not renormalised, a shared expert of 40 gated by a sigmoid), the routers' loss (0.05): step
+ * 0 with and without checkpointing and ten training steps against the torch model; the config
+ * read and written back; the parameter count; the shared expert's names. */
+START_TEST(qwen2_moe_trains_as_torch) {
+  check_step0("tiny_qwen2_moe", "tiny_qwen2_moe", false);
+  check_step0("tiny_qwen2_moe", "tiny_qwen2_moe", true);
+  check_training("tiny_qwen2_moe", "tiny_qwen2_moe");
+  if (mode.device != DEVICE_CPU) return;
+  llama_config_t c, back;
+  ok(llama_config_from_hf(REF "tiny_qwen2_moe_config.json", &c));
+  ck_assert(c.arch == LLAMA_ARCH_QWEN2_MOE && c.shared_ffn_dim == 40 && c.qkv_bias && !c.o_bias &&
+            !c.norm_topk && !llama_layer_is_moe(&c, 0) && llama_layer_is_moe(&c, 1) &&
+            c.aux_loss_coef == 0.05);
+  char *text, why[128] = "";
+  ok(llama_config_to_hf_text(&c, DTYPE_F32, &text));
+  ok(llama_config_from_hf_text(text, "written", &back));
+  free(text);
+  ck_assert_msg(llama_config_same_params(&c, &back, why, sizeof why), "%s", why);
+  llama_options_t opt = LLAMA_OPTIONS_INIT;
+  opt.deferred = true;
+  llama_t *m;
+  ok(llama_new(&c, &opt, &m));
+  nn_param_t **ps;
+  int n;
+  int64_t total = 0;
+  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  for (int i = 0; i < n; i++) total += tensor_numel(dtensor_local(ps[i]->value));
+  free(ps);
+  ck_assert_int_eq(total, llama_num_params(&c));
+  ck_assert_ptr_nonnull(
+      nn_param_find(llama_module(m), "model.layers.1.mlp.shared_expert.down_proj.weight"));
+  ck_assert_ptr_nonnull(
+      nn_param_find(llama_module(m), "model.layers.1.mlp.shared_expert_gate.weight"));
+  llama_free(m);
+}
+END_TEST
+
 START_TEST(mixtral_trains_as_torch) {
   check_step0("tiny_mixtral", "tiny_mixtral", false);
   check_step0("tiny_mixtral", "tiny_mixtral", true);
@@ -694,7 +732,7 @@ START_TEST(config_forms_of_the_family) {
       {", \"model_type\": \"gpt2\"", 0, 0, 0, 0, 0, 0, "missing 'n_embd'"},
       {", \"model_type\": \"gpt_neox\"", 0, 0, 0, 0, 0, 0,
        "model_type \"gpt_neox\": this build trains \"llama\", \"qwen2\", \"qwen3\", \"gpt2\", "
-       "\"qwen3_moe\" and \"mixtral\""},
+       "\"qwen3_moe\", \"mixtral\" and \"qwen2_moe\""},
       {", \"model_type\": \"qwen3_moe\", \"num_experts\": 8, \"num_experts_per_tok\": 2, "
        "\"moe_intermediate_size\": 32, \"mlp_only_layers\": [0]",
        LLAMA_ARCH_QWEN3_MOE, 16, 32768, false, false, true, NULL},
@@ -709,6 +747,13 @@ START_TEST(config_forms_of_the_family) {
        "decoder_sparse_step must be from 1 to 4096"},
       {", \"model_type\": \"mixtral\", \"sliding_window\": null", LLAMA_ARCH_MIXTRAL, 16, 131072,
        false, false, false, NULL},
+      {", \"model_type\": \"qwen2_moe\", \"num_experts\": 8, \"num_experts_per_tok\": 2, "
+       "\"moe_intermediate_size\": 32, \"mlp_only_layers\": [0]",
+       LLAMA_ARCH_QWEN2_MOE, 16, 32768, true, false, false, NULL},
+      {", \"model_type\": \"qwen2_moe\", \"shared_expert_intermediate_size\": 0", 0, 0, 0, 0, 0, 0,
+       "qwen2_moe has a shared expert"},
+      {", \"model_type\": \"qwen2_moe\", \"qkv_bias\": false", 0, 0, 0, 0, 0, 0,
+       "qwen2_moe has biases on q_proj, k_proj and v_proj only"},
       {", \"model_type\": \"mixtral\", \"sliding_window\": 4096", 0, 0, 0, 0, 0, 0,
        "'sliding_window' is set, but sliding-window attention is not implemented"},
       {", \"model_type\": \"mixtral\", \"router_jitter_noise\": 0.1", 0, 0, 0, 0, 0, 0,
@@ -736,6 +781,10 @@ START_TEST(config_forms_of_the_family) {
       ck_assert(c.n_experts == 8 && c.top_k == 2 && c.moe_ffn_dim == 32 && c.sparse_step == 1 &&
                 !c.norm_topk && !llama_layer_is_moe(&c, 0) && llama_layer_is_moe(&c, 1) &&
                 c.aux_loss_coef == 0); /* router_aux_loss_coef only with output_router_logits */
+    if (c.arch == LLAMA_ARCH_QWEN2_MOE) /* Qwen2MoeConfig's defaults but for those given */
+      ck_assert(c.n_experts == 8 && c.top_k == 2 && c.moe_ffn_dim == 32 &&
+                c.shared_ffn_dim == 5632 && !c.norm_topk && !llama_layer_is_moe(&c, 0) &&
+                llama_layer_is_moe(&c, 1));
     if (c.arch == LLAMA_ARCH_MIXTRAL)  /* MixtralConfig's defaults: 8 experts of the MLP's size */
       ck_assert(c.n_experts == 8 && c.top_k == 2 && c.moe_ffn_dim == 160 && c.norm_topk &&
                 llama_layer_is_moe(&c, 0) && llama_layer_is_moe(&c, 1) && c.aux_loss_coef == 0 &&
@@ -828,6 +877,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, stages_compose_to_the_model);
   if (mode.dtype == DTYPE_F32) tcase_add_test(tc, qwen3_moe_trains_as_torch);
   if (mode.dtype == DTYPE_F32) tcase_add_test(tc, mixtral_trains_as_torch);
+  if (mode.dtype == DTYPE_F32) tcase_add_test(tc, qwen2_moe_trains_as_torch);
   if (mode.device == DEVICE_CPU && mode.dtype == DTYPE_F32) {
     tcase_add_test(tc, qwen3_moe_against_torch);
     tcase_add_test(tc, mixtral_against_torch);

@@ -211,6 +211,17 @@ START_TEST(shared_expert) {
   ok(nn_moe_new(NULL, "", 8, 12, 4, 2, true, NULL, &m));
   ck_assert_int_eq(nn_moe_add_shared_expert(m, 0, NULL), STATUS_EINVAL);
   nn_module_free(m);
+  /* Qwen2-MoE's gated one (checked against torch in the llama suite's qwen2_moe): its expert
+   * and gate under their names, one shared expert a block, gated or not */
+  ok(nn_moe_new(NULL, "", 8, 12, 4, 2, true, NULL, &m));
+  ok(nn_moe_add_gated_shared_expert(m, 10, NULL));
+  ck_assert_int_eq(nn_moe_add_gated_shared_expert(m, 10, NULL), STATUS_EINVAL);
+  ck_assert_int_eq(nn_moe_add_shared_expert(m, 10, NULL), STATUS_EINVAL);
+  ok(nn_module_finalize(m));
+  ck_assert_ptr_nonnull(nn_param_find(m, "shared_expert.up_proj.weight"));
+  nn_param_t *g = nn_param_find(m, "shared_expert_gate.weight");
+  ck_assert(g != NULL && dtensor_shape(g->value)[0] == 1 && dtensor_shape(g->value)[1] == 8);
+  nn_module_free(m);
 }
 END_TEST
 

@@ -272,6 +272,11 @@ static fsdpc_status_t b_gelu_tanh(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, 
   return nn_activation(ctx, in[0], KERNEL_ACT_GELU_TANH, out);
 }
 
+static fsdpc_status_t b_sigmoid(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
+  (void)p;
+  return nn_activation(ctx, in[0], KERNEL_ACT_SIGMOID, out);
+}
+
 static fsdpc_status_t b_silu(nn_ctx_t *ctx, nn_var_t **in, nn_param_t **p, nn_var_t **out) {
   (void)p;
   return nn_activation(ctx, in[0], KERNEL_ACT_SILU, out);
@@ -351,6 +356,7 @@ static const fd_case_t cases[] = {
     {"bias_add", 1, {3}, {{2, 3, 5}}, {true}, 1, {1}, {{5}}, b_bias_add, NULL},
     {"gelu", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_gelu, NULL},
     {"gelu_tanh", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_gelu_tanh, NULL},
+    {"sigmoid", 1, {2}, {{3, 7}}, {true}, 0, {0}, {{0}}, b_sigmoid, NULL},
     {"linear_io", 1, {3}, {{2, 3, 4}}, {true}, 1, {2}, {{4, 5}}, b_linear_io, NULL},
     {"narrow", 1, {3}, {{2, 3, 9}}, {true}, 0, {0}, {{0}}, b_narrow, NULL},
     {"narrow_slices", 1, {3}, {{2, 3, 9}}, {true}, 0, {0}, {{0}}, b_narrow_slices, NULL},
@@ -395,6 +401,12 @@ START_TEST(activations_match_reference_values) {
   static const double dgelu_tanh[7] = {
       -0.011584166630969516, -0.1277107931514331, 0.13263009646535764, 0.5,
       0.6953540951510604,    1.0829640838457826,  1.037951576212666};
+  static const double sigmoid[7] = {
+      0.04742587317756678, 0.18242552380635635, 0.3775406687981454, 0.5,
+      0.5621765008857981,  0.7310585786300049,  0.9241418199787566};
+  static const double dsigmoid[7] = {
+      0.04517665973091214, 0.14914645207033286, 0.2350037122015945, 0.25,
+      0.24613408273759835, 0.19661193324148185, 0.07010371654510807};
   int64_t n = 7;
   fsdpc_tensor_t x, y, one, d;
   ok(tensor_init(&x, DTYPE_F32, device_cpu(), 1, &n));
@@ -403,7 +415,7 @@ START_TEST(activations_match_reference_values) {
   ok(tensor_init(&one, DTYPE_F32, device_cpu(), 1, &n));
   ok(tensor_fill(&one, 1.0));
   for (int i = 0; i < 7; i++) ((float *)x.data)[i] = (float)xs[i];
-  const double *want[KERNEL_ACT_COUNT] = {NULL, gelu, silu, gelu_tanh};
+  const double *want[KERNEL_ACT_COUNT] = {NULL, gelu, silu, gelu_tanh, sigmoid};
   for (int a = 0; a < KERNEL_ACT_COUNT; a++) {
     ok(kernel_activation(&y, &x, (kernel_act_t)a));
     for (int i = 0; i < 7; i++) {
@@ -420,6 +432,10 @@ START_TEST(activations_match_reference_values) {
   for (int i = 0; i < 7; i++)
     ck_assert_msg(fabs(((float *)d.data)[i] - dgelu_tanh[i]) <= 1e-6,
                   "gelu_tanh'(%g): %.9g, want %.9g", xs[i], ((float *)d.data)[i], dgelu_tanh[i]);
+  ok(kernel_activation_backward(&d, &one, &x, KERNEL_ACT_SIGMOID));
+  for (int i = 0; i < 7; i++)
+    ck_assert_msg(fabs(((float *)d.data)[i] - dsigmoid[i]) <= 1e-6, "sigmoid'(%g): %.9g, want %.9g",
+                  xs[i], ((float *)d.data)[i], dsigmoid[i]);
   ok(kernel_activation_backward(&d, &one, &x, KERNEL_ACT_RELU));
   ck_assert(((float *)d.data)[3] == 0.0f && ((float *)d.data)[5] == 1.0f); /* relu'(0) = 0 */
   tensor_free(&x);
