@@ -154,15 +154,19 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
     block = ea * (6 * N * D + 3 * N * QD + 3 * N * KVD + 3 * N * F) + 2 * N * 4 + B * H * T * 4;
   if (c->qk_norm) /* Qwen3's normalised q and k heads and their inverse RMS */
     block += ea * N * (QD + KVD) / t + 4 * N * (H + (double)c->n_kv_heads) / t;
-  /* Qwen3-MoE's sparse layers: in place of the MLP's 3 N F, the router's logits and
-   * probabilities (f32) and the top-k weights, each token's k rows gathered, the experts' 3 N k
-   * moe_ffn and their outputs (under uniform routing: every expert's share is N k / E rows) */
+  /* the sparse layers: in place of the MLP's 3 N F / t, the router's logits and probabilities
+   * (f32) and the top-k weights, each token's k rows gathered, the experts' 3 Nm k moe_ffn and
+   * their outputs (under uniform routing: every expert's share is Nm k / E rows), Nm the tokens
+   * a rank's block runs on (its sequence shard under sequence parallelism, else all of them:
+   * the experts are not split by tensor parallelism) */
   double Km = (double)c->top_k, Fm = (double)c->moe_ffn_dim, E = (double)c->n_experts;
-  double block_moe =
-      block + ea * (3 * N * Km * Fm + 2 * N * Km * D - 3 * N * F) + 4 * (2 * N * E + N * Km);
-  /* Qwen2-MoE's shared expert over every token: its 3 N Fs, its output, gate and gated output */
+  double Nm = sp ? Ns : N;
+  double block_moe = block + ea * (3 * Nm * Km * Fm + 2 * Nm * Km * D - 3 * N * F / t) +
+                     4 * (2 * Nm * E + Nm * Km);
+  /* Qwen2-MoE's shared expert over those tokens: its 3 Nm Fs, its output, gate and gated
+   * output */
   double Fs = (double)c->shared_ffn_dim;
-  if (Fs > 0) block_moe += ea * (3 * N * Fs + 2 * N * D + 2 * N);
+  if (Fs > 0) block_moe += ea * (3 * Nm * Fs + 2 * Nm * D + 2 * Nm);
   double sparse = (double)llama_num_moe_layers(c);
   double all_blocks = (L - sparse) * block + sparse * block_moe;
   double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
@@ -220,7 +224,7 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   double dense_mlp = ac ? (tp ? ea * (2 * N * D + Ns * D) : ea * (3 * N * F + F * D))
                         : ea * (3 * N * F / t + F * D / t);
   double moe_mlp =
-      ea * (3 * N * Km * Fm + E * Fm * D) + (Fs > 0 ? ea * (3 * N * Fs + 3 * Fs * D) : 0);
+      ea * (3 * Nm * Km * Fm + E * Fm * D) + (Fs > 0 ? ea * (3 * Nm * Fs + 3 * Fs * D) : 0);
   double sparse_below = sparse; /* of the layers below i, in the loop */
   for (int64_t i = c->n_layers - 1; i >= 0; i--) {
     bool last = i == c->n_layers - 1, moe = llama_layer_is_moe(c, i);

@@ -852,7 +852,10 @@ static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
     } split[] = {
         {"n_heads", p->model.n_heads, "whole attention heads"},
         {"n_kv_heads", p->model.n_kv_heads, "whole key/value heads"},
-        {"ffn_dim", p->model.ffn_dim, "an equal slice of the MLP"},
+        /* a model whose every layer is sparse has no MLP to split (Mixtral's ffn_dim is its
+         * experts' size) */
+        {"ffn_dim", llama_num_moe_layers(&p->model) < p->model.n_layers ? p->model.ffn_dim : 0,
+         "an equal slice of the MLP"},
         {llama_vocab_rows(&p->model) == p->model.vocab_size ? "vocab_size" : "vocab_size (padded)",
          llama_vocab_rows(&p->model), "an equal slice of the vocabulary"}};
     for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)

@@ -89,10 +89,12 @@ static fsdpc_status_t check_experts(const llama_config_t *c) {
   if (c->arch == LLAMA_ARCH_MIXTRAL) {
     bool only = false;
     for (int i = 0; i < 4; i++) only |= c->mlp_only[i] != 0;
-    if (c->n_experts < 1 || c->sparse_step != 1 || only || !c->norm_topk)
+    if (c->n_experts < 1 || c->sparse_step != 1 || only || !c->norm_topk ||
+        c->moe_ffn_dim != c->ffn_dim)
       return err_set(STATUS_EINVAL,
                      "model config: mixtral has experts in every layer, their weights "
-                     "renormalised (num_local_experts at least 1, no dense layers)");
+                     "renormalised (num_local_experts at least 1, no dense layers), each of "
+                     "intermediate_size");
   }
   if (c->n_experts < 0 || c->n_experts > 65536)
     return err_set(STATUS_EINVAL, "model config: num_experts must be from 0 to 65536, got %lld",
@@ -158,7 +160,9 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
                    "key/value heads as heads");
   if (c->arch == LLAMA_ARCH_MIXTRAL && (c->qkv_bias || c->o_bias))
     return err_set(STATUS_EINVAL, "model config: mixtral's attention has no biases");
-  if (!gpt2 && (qwen2 ? !c->qkv_bias || c->o_bias : c->qkv_bias != c->o_bias))
+  /* Qwen2's q, k and v biases; Qwen2-MoE's too unless its qkv_bias says otherwise */
+  bool qkv_only = qwen2 && (c->qkv_bias || c->arch == LLAMA_ARCH_QWEN2_MOE);
+  if (!gpt2 && (qwen2 ? !qkv_only || c->o_bias : c->qkv_bias != c->o_bias))
     return err_set(STATUS_EINVAL,
                    "model config: %s has %s (attention biases as Hugging Face's architecture has "
                    "them)",
@@ -533,7 +537,11 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
   FSDPC_TRY(json_int(path, o, "hidden_size", &c->dim));
   FSDPC_TRY(json_int(path, o, "num_hidden_layers", &c->n_layers));
   FSDPC_TRY(json_int(path, o, "num_attention_heads", &c->n_heads));
-  c->n_kv_heads = c->arch == LLAMA_ARCH_MIXTRAL ? 8 : c->n_heads; /* MixtralConfig's 8 */
+  /* MixtralConfig's 8 when the key is absent (null: as many as the heads, as there) */
+  c->n_kv_heads = c->arch == LLAMA_ARCH_MIXTRAL &&
+                          cJSON_GetObjectItemCaseSensitive(o, "num_key_value_heads") == NULL
+                      ? 8
+                      : c->n_heads;
   FSDPC_TRY(json_int(path, o, "num_key_value_heads", &c->n_kv_heads));
   FSDPC_TRY(json_int(path, o, "intermediate_size", &c->ffn_dim));
   FSDPC_TRY(json_int(path, o, "vocab_size", &c->vocab_size));
@@ -676,6 +684,7 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
   cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
   if (c->arch != LLAMA_ARCH_QWEN2 && c->arch != LLAMA_ARCH_QWEN2_MOE)
     cJSON_AddBoolToObject(o, "attention_bias", c->o_bias);
+  if (c->arch == LLAMA_ARCH_QWEN2_MOE) cJSON_AddBoolToObject(o, "qkv_bias", c->qkv_bias);
   if (c->arch == LLAMA_ARCH_LLAMA) cJSON_AddBoolToObject(o, "mlp_bias", 0);
   if (c->arch != LLAMA_ARCH_LLAMA && c->arch != LLAMA_ARCH_MIXTRAL)
     cJSON_AddBoolToObject(o, "use_sliding_window", 0);

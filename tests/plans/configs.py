@@ -516,8 +516,9 @@ def family():
     balancing loss), from a Hugging Face folder: one rank reproduces PyTorch's ten losses and its
     export-hf PyTorch's trained weights; FSDP, HSDP and FSDP x TP with sequence parallelism
     (Qwen3's q_norm and k_norm headwise; GPT-2's c_attn split by head for q, k and v alike) on
-    4 ranks train one rank's losses (Qwen3-MoE: TP refused by name, FSDP with deferred
-    initialisation instead); a bare config.json trains with a falling loss."""
+    4 ranks train one rank's losses (the MoE models also with TP without sequence
+    parallelism, expert parallelism, deferred initialisation and checkpointing); a bare
+    config.json trains with a falling loss."""
     for tag in ("tiny_qwen2", "tiny_qwen3", "tiny_gpt2", "tiny_qwen3_moe", "tiny_qwen3_moe_aux",
                 "tiny_mixtral", "tiny_qwen2_moe"):
         tmp = mkdtemp()

@@ -361,9 +361,6 @@ START_TEST(qwen3_moe_trains_as_torch) {
 }
 END_TEST
 
-/* Mixtral: Llama's attention, both layers sparse (4 experts of 48, w1, w3, w2, top-2
- * renormalised) with the routers' load-balancing loss (0.02): step 0 with and without
- * activation checkpointing and ten training steps against the torch model. */
 /* Qwen2-MoE: Qwen2's attention biases, layer 0 dense, layer 1 sparse (4 experts of 32, top-2
  * not renormalised, a shared expert of 40 gated by a sigmoid), the routers' loss (0.05): step
  * 0 with and without checkpointing and ten training steps against the torch model; the config
@@ -402,6 +399,9 @@ START_TEST(qwen2_moe_trains_as_torch) {
 }
 END_TEST
 
+/* Mixtral: Llama's attention, both layers sparse (4 experts of 48, w1, w3, w2, top-2
+ * renormalised) with the routers' load-balancing loss (0.02): step 0 with and without
+ * activation checkpointing and ten training steps against the torch model. */
 START_TEST(mixtral_trains_as_torch) {
   check_step0("tiny_mixtral", "tiny_mixtral", false);
   check_step0("tiny_mixtral", "tiny_mixtral", true);
@@ -752,8 +752,10 @@ START_TEST(config_forms_of_the_family) {
        LLAMA_ARCH_QWEN2_MOE, 16, 32768, true, false, false, NULL},
       {", \"model_type\": \"qwen2_moe\", \"shared_expert_intermediate_size\": 0", 0, 0, 0, 0, 0, 0,
        "qwen2_moe has a shared expert"},
-      {", \"model_type\": \"qwen2_moe\", \"qkv_bias\": false", 0, 0, 0, 0, 0, 0,
-       "qwen2_moe has biases on q_proj, k_proj and v_proj only"},
+      {", \"model_type\": \"qwen2_moe\", \"num_experts\": 8, \"num_experts_per_tok\": 2, "
+       "\"moe_intermediate_size\": 32, \"mlp_only_layers\": [0], \"qkv_bias\": false",
+       LLAMA_ARCH_QWEN2_MOE, 16, 32768, false, false, false, NULL},
+
       {", \"model_type\": \"mixtral\", \"sliding_window\": 4096", 0, 0, 0, 0, 0, 0,
        "'sliding_window' is set, but sliding-window attention is not implemented"},
       {", \"model_type\": \"mixtral\", \"router_jitter_noise\": 0.1", 0, 0, 0, 0, 0, 0,
