@@ -361,6 +361,58 @@ START_TEST(qwen3_moe_trains_as_torch) {
 }
 END_TEST
 
+/* The parameters of c's model (built meta) number llama_num_params(c); with the parameter
+ * `has` (not NULL) among them and `lacks` not. */
+static void check_params(const llama_config_t *c, const char *has, const char *lacks) {
+  llama_options_t opt = LLAMA_OPTIONS_INIT;
+  opt.deferred = true;
+  llama_t *m;
+  ok(llama_new(c, &opt, &m));
+  nn_param_t **ps;
+  int n;
+  int64_t total = 0;
+  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  for (int i = 0; i < n; i++) total += tensor_numel(dtensor_local(ps[i]->value));
+  free(ps);
+  ck_assert_int_eq(total, llama_num_params(c));
+  if (has) ck_assert_msg(nn_param_find(llama_module(m), has) != NULL, "no parameter %s", has);
+  if (lacks) ck_assert_msg(nn_param_find(llama_module(m), lacks) == NULL, "a parameter %s", lacks);
+  llama_free(m);
+}
+
+/* Golden tag's model saved by ckpt_save_weights under Hugging Face's names (the file holds
+ * `holds`, not `lacks`) and loaded back into a fresh model of c: every parameter the same. */
+static void check_saved_names(const char *tag, const llama_config_t *c, const char *holds,
+                              const char *lacks) {
+  llama_t *a = load_model(tag, tag, false), *b;
+  llama_options_t opt = LLAMA_OPTIONS_INIT;
+  ok(llama_new(c, &opt, &b));
+  char path[] = "/tmp/fsdpc-moe-XXXXXX";
+  int fd = mkstemp(path);
+  ck_assert_int_ge(fd, 0);
+  close(fd);
+  ok(ckpt_save_weights(llama_module(a), path));
+  st_file_t *f;
+  ok(st_open(path, &f));
+  ck_assert_msg(st_find(f, holds) != NULL, "%s: no tensor %s", tag, holds);
+  ck_assert_msg(st_find(f, lacks) == NULL, "%s: a tensor %s", tag, lacks);
+  st_close(f);
+  ok(ckpt_load_weights(llama_module(b), path));
+  unlink(path);
+  nn_param_t **ps;
+  int n;
+  ok(nn_named_parameters(llama_module(a), &ps, &n));
+  for (int i = 0; i < n; i++) {
+    bool same = false;
+    ok(tensor_equal(dtensor_local(ps[i]->value),
+                    dtensor_local(nn_param_find(llama_module(b), ps[i]->fqn)->value), &same));
+    ck_assert_msg(same, "%s differs after a save and a load", ps[i]->fqn);
+  }
+  free(ps);
+  llama_free(a);
+  llama_free(b);
+}
+
 /* Qwen2-MoE: Qwen2's attention biases, layer 0 dense, layer 1 sparse (4 experts of 32, top-2
  * not renormalised, a shared expert of 40 gated by a sigmoid), the routers' loss (0.05): step
  * 0 with and without checkpointing and ten training steps against the torch model; the config
@@ -380,22 +432,9 @@ START_TEST(qwen2_moe_trains_as_torch) {
   ok(llama_config_from_hf_text(text, "written", &back));
   free(text);
   ck_assert_msg(llama_config_same_params(&c, &back, why, sizeof why), "%s", why);
-  llama_options_t opt = LLAMA_OPTIONS_INIT;
-  opt.deferred = true;
-  llama_t *m;
-  ok(llama_new(&c, &opt, &m));
-  nn_param_t **ps;
-  int n;
-  int64_t total = 0;
-  ok(nn_named_parameters(llama_module(m), &ps, &n));
-  for (int i = 0; i < n; i++) total += tensor_numel(dtensor_local(ps[i]->value));
-  free(ps);
-  ck_assert_int_eq(total, llama_num_params(&c));
-  ck_assert_ptr_nonnull(
-      nn_param_find(llama_module(m), "model.layers.1.mlp.shared_expert.down_proj.weight"));
-  ck_assert_ptr_nonnull(
-      nn_param_find(llama_module(m), "model.layers.1.mlp.shared_expert_gate.weight"));
-  llama_free(m);
+  check_params(&c, "model.layers.1.mlp.shared_expert_gate.weight", NULL);
+  check_saved_names("tiny_qwen2_moe", &c, "model.layers.1.mlp.shared_expert.down_proj.weight",
+                    "model.layers.1.mlp.experts.down_proj");
 }
 END_TEST
 
@@ -430,48 +469,10 @@ START_TEST(mixtral_against_torch) {
   ck_assert(strstr(text, "\"num_local_experts\"") && !strstr(text, "moe_intermediate_size") &&
             !strstr(text, "use_sliding_window"));
   free(text);
-  llama_options_t opt = LLAMA_OPTIONS_INIT;
-  opt.deferred = true;
-  llama_t *m;
-  ok(llama_new(&c, &opt, &m));
-  nn_param_t **ps;
-  int n;
-  int64_t total = 0;
-  ok(nn_named_parameters(llama_module(m), &ps, &n));
-  for (int i = 0; i < n; i++) total += tensor_numel(dtensor_local(ps[i]->value));
-  ck_assert_int_eq(total, llama_num_params(&c));
-  ck_assert_ptr_nonnull(
-      nn_param_find(llama_module(m), "model.layers.1.block_sparse_moe.gate.weight"));
-  ck_assert_ptr_nonnull(
-      nn_param_find(llama_module(m), "model.layers.0.block_sparse_moe.experts.w3"));
-  ck_assert_ptr_null(nn_param_find(llama_module(m), "model.layers.0.mlp.experts.up_proj"));
-  free(ps);
-  llama_free(m);
-  llama_t *a = load_model("tiny_mixtral", "tiny_mixtral", false), *b;
-  opt.deferred = false;
-  ok(llama_new(&c, &opt, &b));
-  char path[] = "/tmp/fsdpc-mixtral-XXXXXX";
-  int fd = mkstemp(path);
-  ck_assert_int_ge(fd, 0);
-  close(fd);
-  ok(ckpt_save_weights(llama_module(a), path));
-  st_file_t *f;
-  ok(st_open(path, &f));
-  ck_assert_ptr_nonnull(st_find(f, "model.layers.1.block_sparse_moe.experts.3.w2.weight"));
-  ck_assert_ptr_null(st_find(f, "model.layers.1.block_sparse_moe.experts.w2"));
-  st_close(f);
-  ok(ckpt_load_weights(llama_module(b), path));
-  unlink(path);
-  ok(nn_named_parameters(llama_module(a), &ps, &n));
-  for (int i = 0; i < n; i++) {
-    bool same = false;
-    ok(tensor_equal(dtensor_local(ps[i]->value),
-                    dtensor_local(nn_param_find(llama_module(b), ps[i]->fqn)->value), &same));
-    ck_assert_msg(same, "%s differs after a save and a load", ps[i]->fqn);
-  }
-  free(ps);
-  llama_free(a);
-  llama_free(b);
+  check_params(&c, "model.layers.0.block_sparse_moe.experts.w3",
+               "model.layers.0.mlp.experts.up_proj");
+  check_saved_names("tiny_mixtral", &c, "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+                    "model.layers.1.block_sparse_moe.experts.w2");
 }
 END_TEST
 
@@ -487,18 +488,7 @@ START_TEST(qwen3_moe_against_torch) {
   free(text);
   ok(llama_config_from_hf(REF "tiny_qwen3_moe_config.json", &c));
   ck_assert(llama_layer_is_moe(&c, 0) && !llama_layer_is_moe(&c, 1));
-  llama_options_t opt = LLAMA_OPTIONS_INIT;
-  opt.deferred = true;
-  llama_t *m;
-  ok(llama_new(&c, &opt, &m));
-  nn_param_t **ps;
-  int n;
-  int64_t total = 0;
-  ok(nn_named_parameters(llama_module(m), &ps, &n));
-  for (int i = 0; i < n; i++) total += tensor_numel(dtensor_local(ps[i]->value));
-  ck_assert_int_eq(total, llama_num_params(&c));
-  free(ps);
-  llama_free(m);
+  check_params(&c, NULL, NULL);
   /* the experts' names in Hugging Face's files, both ways */
   char name[128], fqn[128];
   int64_t j = -1;
@@ -519,31 +509,8 @@ START_TEST(qwen3_moe_against_torch) {
     ck_assert_msg(!hf_expert_of(not_expert[i], fqn, sizeof fqn, &j), "%s", not_expert[i]);
   ck_assert(!hf_expert_name("model.experts.up_proj", 0, name, 12)); /* does not fit */
   /* saved under those names, loaded back the same */
-  llama_t *a = load_model("tiny_qwen3_moe", "tiny_qwen3_moe", false), *b;
-  opt.deferred = false;
-  ok(llama_new(&c, &opt, &b));
-  char path[] = "/tmp/fsdpc-moe-XXXXXX";
-  int fd = mkstemp(path);
-  ck_assert_int_ge(fd, 0);
-  close(fd);
-  ok(ckpt_save_weights(llama_module(a), path));
-  st_file_t *f;
-  ok(st_open(path, &f));
-  ck_assert_ptr_nonnull(st_find(f, "model.layers.0.mlp.experts.3.down_proj.weight"));
-  ck_assert_ptr_null(st_find(f, "model.layers.0.mlp.experts.down_proj"));
-  st_close(f);
-  ok(ckpt_load_weights(llama_module(b), path));
-  unlink(path);
-  ok(nn_named_parameters(llama_module(a), &ps, &n));
-  for (int i = 0; i < n; i++) {
-    bool same = false;
-    ok(tensor_equal(dtensor_local(ps[i]->value),
-                    dtensor_local(nn_param_find(llama_module(b), ps[i]->fqn)->value), &same));
-    ck_assert_msg(same, "%s differs after a save and a load", ps[i]->fqn);
-  }
-  free(ps);
-  llama_free(a);
-  llama_free(b);
+  check_saved_names("tiny_qwen3_moe", &c, "model.layers.0.mlp.experts.3.down_proj.weight",
+                    "model.layers.0.mlp.experts.down_proj");
 }
 END_TEST
 
@@ -755,7 +722,6 @@ START_TEST(config_forms_of_the_family) {
       {", \"model_type\": \"qwen2_moe\", \"num_experts\": 8, \"num_experts_per_tok\": 2, "
        "\"moe_intermediate_size\": 32, \"mlp_only_layers\": [0], \"qkv_bias\": false",
        LLAMA_ARCH_QWEN2_MOE, 16, 32768, false, false, false, NULL},
-
       {", \"model_type\": \"mixtral\", \"sliding_window\": 4096", 0, 0, 0, 0, 0, 0,
        "'sliding_window' is set, but sliding-window attention is not implemented"},
       {", \"model_type\": \"mixtral\", \"router_jitter_noise\": 0.1", 0, 0, 0, 0, 0, 0,
