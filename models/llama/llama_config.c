@@ -421,11 +421,24 @@ static fsdpc_status_t parse_gpt2(const char *path, const cJSON *o, llama_config_
   return st == STATUS_OK ? st : err_prefix(st, "%s", path);
 }
 
+/* The routers' load-balancing loss: router_aux_loss_coef (0.001, the default of every MoE
+ * config of the family) when output_router_logits, else none. */
+static fsdpc_status_t parse_router_loss(const char *path, const cJSON *o, llama_config_t *c) {
+  bool logits = false;
+  double coef = 0.001;
+  FSDPC_TRY(json_bool(path, o, "output_router_logits", &logits));
+  FSDPC_TRY(json_num(path, o, "router_aux_loss_coef", &coef));
+  if (!(coef >= 0) || coef > 1e6)
+    return err_set(STATUS_EFORMAT, "%s: 'router_aux_loss_coef' must be from 0 to 1e6", path);
+  c->aux_loss_coef = logits ? coef : 0;
+  return STATUS_OK;
+}
+
 /* MixtralConfig's experts (its defaults: 8 of intermediate_size in every layer, 2 a token,
  * renormalised; the router's loss with output_router_logits), and its refusals: Mistral's
  * sliding window and the router's jitter noise are not implemented. The model's other
- * defaults (rope_theta 1e6, rms_norm_eps 1e-5) go in before the keys are read, its 8
- * key/value heads with them; the experts' size after intermediate_size is. */
+ * defaults (rope_theta 1e6, rms_norm_eps 1e-5) go in before the keys are read (its 8
+ * key/value heads where parse_hf reads them); the experts' size after intermediate_size is. */
 static fsdpc_status_t parse_mixtral(const char *path, const cJSON *o, llama_config_t *c) {
   c->n_experts = 8;
   c->top_k = 2;
@@ -433,13 +446,8 @@ static fsdpc_status_t parse_mixtral(const char *path, const cJSON *o, llama_conf
   c->norm_topk = true;
   FSDPC_TRY(json_int(path, o, "num_local_experts", &c->n_experts));
   FSDPC_TRY(json_int(path, o, "num_experts_per_tok", &c->top_k));
-  bool logits = false;
-  double coef = 0.001, jitter = 0; /* MixtralConfig's */
-  FSDPC_TRY(json_bool(path, o, "output_router_logits", &logits));
-  FSDPC_TRY(json_num(path, o, "router_aux_loss_coef", &coef));
-  if (!(coef >= 0) || coef > 1e6)
-    return err_set(STATUS_EFORMAT, "%s: 'router_aux_loss_coef' must be from 0 to 1e6", path);
-  c->aux_loss_coef = logits ? coef : 0;
+  FSDPC_TRY(parse_router_loss(path, o, c));
+  double jitter = 0; /* MixtralConfig's */
   FSDPC_TRY(json_num(path, o, "router_jitter_noise", &jitter));
   if (jitter != 0)
     return err_set(STATUS_EUNSUPPORTED,
@@ -476,13 +484,7 @@ static fsdpc_status_t parse_experts(const char *path, const cJSON *o, llama_conf
   FSDPC_TRY(json_int(path, o, "moe_intermediate_size", &c->moe_ffn_dim));
   FSDPC_TRY(json_int(path, o, "decoder_sparse_step", &c->sparse_step));
   FSDPC_TRY(json_bool(path, o, "norm_topk_prob", &c->norm_topk));
-  bool logits = false;
-  double coef = 0.001; /* Qwen3MoeConfig's; added to the loss with output_router_logits */
-  FSDPC_TRY(json_bool(path, o, "output_router_logits", &logits));
-  FSDPC_TRY(json_num(path, o, "router_aux_loss_coef", &coef));
-  if (!(coef >= 0) || coef > 1e6)
-    return err_set(STATUS_EFORMAT, "%s: 'router_aux_loss_coef' must be from 0 to 1e6", path);
-  c->aux_loss_coef = logits ? coef : 0;
+  FSDPC_TRY(parse_router_loss(path, o, c));
   const cJSON *only = cJSON_GetObjectItemCaseSensitive(o, "mlp_only_layers");
   if (only != NULL && !cJSON_IsNull(only) && !cJSON_IsArray(only))
     return err_set(STATUS_EFORMAT, "%s: 'mlp_only_layers' must be a list of layer indices", path);

@@ -51,8 +51,8 @@ enum { LLAMA_PLAN_RULES = sizeof llama_plan / sizeof llama_plan[0] };
 
 /* Whether c's model has what rule need asks (NULL: Llama's). */
 static bool has(const llama_config_t *c, int need) {
-  bool mixtral = c && c->arch == LLAMA_ARCH_MIXTRAL, dense = c == NULL;
-  for (int64_t i = 0; c && i < c->n_layers && !dense; i++) dense = !llama_layer_is_moe(c, i);
+  bool mixtral = c && c->arch == LLAMA_ARCH_MIXTRAL;
+  bool dense = c == NULL || llama_num_moe_layers(c) < c->n_layers;
   switch (need) {
     case NEED_DENSE: return dense;
     case NEED_MLP: return !mixtral;
