@@ -225,7 +225,7 @@ static fsdpc_status_t column_sums_packs(device_t dev, cudaStream_t s, int64_t ro
                                         const char *what) {
   const int64_t W = 16 / sizeof(T), threads = 128;
   if (!aligned || D % W != 0) return column_sums<K>(dev, s, rows, D, term, outs, what);
-  int64_t per = column_rows_per_block(rows, (rows + 1023) / 1024 > 32 ? (rows + 1023) / 1024 : 32);
+  int64_t per = (rows + 1023) / 1024 > 32 ? (rows + 1023) / 1024 : 32; /* <= 1024 blocks */
   return column_sums_by<K>(dev, s, rows, D, per, outs, what, [&](float *partial, int64_t blocks) {
     dim3 grid((unsigned)((D / W + threads - 1) / threads), (unsigned)blocks);
     column_partial_packs_kernel<K, T>
