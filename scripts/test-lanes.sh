@@ -5,7 +5,7 @@
 #   bash scripts/test-lanes.sh BUILD_DIR [LANES]     (LANES default 4)
 # Tests go to the lane with the least work so far, heaviest first, by a rough weight (seconds
 # on a 16-core GPU machine: the plans drivers 40, plans-operations 100, the GPU suites 15, the
-# rest 3). slurm, whose job must reach a step before its time limit's warning, runs after the
+# CUDA emulator's 40, the rest 3). slurm, whose job must reach a step before its time limit's warning, runs after the
 # lanes, alone (beside another lane on 2 cores it missed its step). Each lane's log is
 # BUILD_DIR/meson-logs/laneN.txt and its output laneN.out (the solo run's laneS); the outputs
 # are printed lane by lane, then the counts of all lanes together. The exit status is 0 when
@@ -30,6 +30,7 @@ weight() {
     plans-operations) echo 100 ;;
     plans-*) echo 40 ;;
     *gpu*) echo 15 ;;
+    *cuda-emu*) echo 40 ;;
     *) echo 3 ;;
   esac
 }
