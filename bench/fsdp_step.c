@@ -74,10 +74,12 @@ static void host_time(llama_t *m, fsdpc_data_t *d, const data_spec_t *spec, int6
   double k0[NN_HOOK_COUNT], k1[NN_HOOK_COUNT], h = 0; /* the hooks' time by kind, and all */
   int64_t n0[NN_HOOK_COUNT], n1[NN_HOOK_COUNT], c = 0;
   for (int k = 0; k < NN_HOOK_COUNT; k++) fsdp_hook_time_of((nn_hook_kind_t)k, &k0[k], &n0[k]);
+  size_t allocs = mem_stats(dev).allocs;
   double t0 = device_clock_seconds();
   fsdpc_tensor_t loss;
   BENCH_TRY(llama_micro_step_async(m, d, spec, s, 0, &loss));
   double t1 = device_clock_seconds();
+  allocs = mem_stats(dev).allocs - allocs;
   for (int k = 0; k < NN_HOOK_COUNT; k++) {
     fsdp_hook_time_of((nn_hook_kind_t)k, &k1[k], &n1[k]);
     h += k1[k] - k0[k];
@@ -95,11 +97,11 @@ static void host_time(llama_t *m, fsdpc_data_t *d, const data_spec_t *spec, int6
   if (world_rank() == 0)
     printf(
         "host time in a step (device idle at its start): forward + backward launched in %.3f ms "
-        "with %zu host wait(s), %.1f us per unit (%d units), of which fully_shard's hooks "
-        "%.1f us per unit (%lld calls); the optimizer launched in %.3f ms, %.2f us per "
-        "parameter (%d), its device work done %.3f ms later\n",
-        1e3 * (t1 - t0), waits, 1e6 * (t1 - t0) / ng, ng, 1e6 * h / ng, (long long)c,
-        1e3 * (t3 - t2), 1e6 * (t3 - t2) / n, n, 1e3 * (t4 - t3));
+        "with %zu host wait(s) and %.1f device allocations per unit, %.1f us per unit (%d "
+        "units), of which fully_shard's hooks %.1f us per unit (%lld calls); the optimizer "
+        "launched in %.3f ms, %.2f us per parameter (%d), its device work done %.3f ms later\n",
+        1e3 * (t1 - t0), waits, (double)allocs / ng, 1e6 * (t1 - t0) / ng, ng, 1e6 * h / ng,
+        (long long)c, 1e3 * (t3 - t2), 1e6 * (t3 - t2) / n, n, 1e3 * (t4 - t3));
   static const char *const kinds[NN_HOOK_COUNT] = {"pre-forward", "post-forward", "pre-backward",
                                                    "post-backward"};
   if (world_rank() == 0) {

@@ -15,6 +15,7 @@
 static _Atomic size_t mem_current[1 + DEVICE_MAX_CUDA];
 static _Atomic size_t mem_peak[1 + DEVICE_MAX_CUDA];
 static _Atomic size_t mem_comm[1 + DEVICE_MAX_CUDA];
+static _Atomic size_t mem_allocs[1 + DEVICE_MAX_CUDA];
 
 static int mem_slot(device_t dev) {
   if (dev.type == DEVICE_CPU) return 0;
@@ -23,6 +24,7 @@ static int mem_slot(device_t dev) {
 }
 
 static void mem_account_add(int slot, size_t bytes) {
+  atomic_fetch_add(&mem_allocs[slot], 1);
   size_t now = atomic_fetch_add(&mem_current[slot], bytes) + bytes;
   size_t peak = atomic_load(&mem_peak[slot]);
   while (now > peak && !atomic_compare_exchange_weak(&mem_peak[slot], &peak, now)) {
@@ -31,9 +33,9 @@ static void mem_account_add(int slot, size_t bytes) {
 
 mem_stats_t mem_stats(device_t dev) {
   int slot = mem_slot(dev);
-  if (slot < 0) return (mem_stats_t){0, 0, 0};
+  if (slot < 0) return (mem_stats_t){0, 0, 0, 0};
   return (mem_stats_t){atomic_load(&mem_current[slot]), atomic_load(&mem_peak[slot]),
-                       atomic_load(&mem_comm[slot])};
+                       atomic_load(&mem_comm[slot]), atomic_load(&mem_allocs[slot])};
 }
 
 void mem_note_comm(device_t dev, size_t bytes, bool held) {

@@ -162,6 +162,8 @@ typedef struct mem_stats {
   size_t comm;    /* bytes the collective library (NCCL) holds on the device, apart from current
                    * and peak: measured as the drop in the device's free memory while each of
                    * its communicators was made, given back when it is closed */
+  size_t allocs;  /* allocations so far (device_alloc and device_alloc_zeroed calls that took
+                   * memory): on a GPU each is a call into the driver's pool allocator */
 } mem_stats_t;
 
 mem_stats_t mem_stats(device_t dev);

@@ -164,6 +164,7 @@ static void group_free(fsdp_group_t *g) {
   event_free(g->copied);
   tensor_free(&g->red_send);
   tensor_free(&g->red_recv);
+  tensor_free(&g->grad_buf);
   for (int i = 0; i < g->n; i++) {
     tensor_free(&g->params[i].padded);
     tensor_free(&g->params[i].master);
@@ -523,6 +524,7 @@ static fsdpc_status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t ki
     case NN_HOOK_PRE_BACKWARD:
       if (g->is_root) fsdp_state_backward_begins(&g->state);
       FSDPC_TRY(fsdp_unshard(g));
+      FSDPC_TRY(fsdp_reserve_grads(g));
       return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
       fsdpc_status_t st = fsdp_after_backward(g);

@@ -174,6 +174,13 @@ fsdpc_status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *
  * on the path it started on. */
 void fsdp_set_one_rank_path(bool on);
 
+/* On a GPU, a backward forms a unit's gradients in one buffer reserved at its pre-backward
+ * (one allocation and one free a unit, where each gradient would take its own; the operations
+ * that form a parameter's gradient in place, nn_param_grad_memory, get a slot from the second
+ * backward on). The same values. On by default; FSDPC_FSDP_GRAD_BUFFER=0 in the environment, or
+ * fsdp_set_grad_buffer(false), turns it off. Process-wide. */
+void fsdp_set_grad_buffer(bool on);
+
 /* HFSDP (shard_state_over_replicas): whether g keeps its state over the replicas; the
  * elements per rank of its reduce-scatter over the replicas (every trainable parameter's
  * 1/(R*S) slice padded alike, then one presence element per such parameter, rounded up to 16

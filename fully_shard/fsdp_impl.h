@@ -136,6 +136,9 @@ struct fsdp_group {
   bool red_missing; /* this rank had no gradient for some trainable parameter */
   pg_work_t *red_work;
   bool red_local; /* the reduction in flight holds the gradients themselves (one-rank path) */
+  /* on a GPU, from the pre-backward that reserved it to the next reduction: the one buffer of
+   * the slots of its parameters' first gradients (fsdp_reserve_grads) */
+  fsdpc_tensor_t grad_buf;
   fsdp_event_fn on_event;
   void *on_event_user;
   fsdp_group_t *root;    /* found on the first forward */
@@ -224,6 +227,10 @@ fsdpc_status_t fsdp_unshard_start(fsdp_group_t *g);
 fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g);
 /* Integer reshard after forward: keep this rank's 1/N slice, free the unsharded tensors. */
 fsdpc_status_t fsdp_reshard_to_slice(fsdp_group_t *g);
+/* Pre-backward, on a GPU: one buffer for the gradients its operations will form in place
+ * (nn_param_grad_memory), a slot of it for each such trainable parameter, where each would
+ * take an allocation of its own; at the first backward after a reduction. */
+fsdpc_status_t fsdp_reserve_grads(fsdp_group_t *g);
 /* Post-backward: packs the unsharded gradients and issues the reduce-scatter, after finishing
  * the reduction in flight (of any group under the same root). */
 fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g);

@@ -249,11 +249,36 @@ fsdpc_status_t nn_grad_to_add_into(nn_var_t *v, fsdpc_tensor_t **into) {
   return STATUS_OK;
 }
 
+/* Whether g is p's slot (a reference to its memory). */
+static bool in_slot(const nn_param_t *p, const fsdpc_tensor_t *g) {
+  return p->grad_slot.storage != NULL && g->storage == p->grad_slot.storage &&
+         g->data == p->grad_slot.data;
+}
+
+fsdpc_status_t nn_param_grad_memory(nn_param_t *p, bool zeroed, fsdpc_tensor_t *out) {
+  ARG_NONNULL(p);
+  ARG_NONNULL(out);
+  memset(out, 0, sizeof *out);
+  p->grad_slot_used = true;
+  const fsdpc_tensor_t *c = &p->compute;
+  if (p->grad_slot.storage == NULL || present(&p->compute_grad)) {
+    return zeroed ? tensor_zeros(out, c->dtype, c->device, c->ndim, c->shape)
+                  : tensor_init(out, c->dtype, c->device, c->ndim, c->shape);
+  }
+  FSDPC_TRY(tensor_ref(out, &p->grad_slot));
+  fsdpc_status_t st = zeroed ? tensor_fill(out, 0.0) : STATUS_OK;
+  if (st != STATUS_OK) tensor_free(out);
+  return st;
+}
+
 fsdpc_status_t nn_param_accumulate_grad(nn_param_t *p, fsdpc_tensor_t *g) {
   ARG_NONNULL(p);
   ARG_NONNULL(g);
   fsdpc_status_t st = STATUS_OK;
-  if (present(&p->compute_grad)) {
+  if (in_slot(p, g) && !present(&p->compute_grad)) { /* formed in the slot: it is the gradient */
+    p->compute_grad = p->grad_slot;
+    memset(&p->grad_slot, 0, sizeof p->grad_slot);
+  } else if (present(&p->compute_grad)) {
     st = kernel_axpy(&p->compute_grad, 1.0f, g);
   } else if (p->external) {
     st = tensor_ref(&p->compute_grad, g);

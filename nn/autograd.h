@@ -129,8 +129,16 @@ fsdpc_status_t nn_accumulate_grad(nn_var_t *v, fsdpc_tensor_t *g);
  * nn_accumulate_grad. NULL otherwise. */
 fsdpc_status_t nn_grad_to_add_into(nn_var_t *v, fsdpc_tensor_t **into);
 
-/* Adds g into p's compute_grad (allocating it first); g is released. */
+/* Adds g into p's compute_grad (allocating it first); g is released. When g is the memory of
+ * p's slot (nn_param_grad_memory), compute_grad takes it over without a copy. */
 fsdpc_status_t nn_param_accumulate_grad(nn_param_t *p, fsdpc_tensor_t *g);
+
+/* *out: the memory in which an operation forms its share of p's gradient, of compute's dtype,
+ * device and shape, contiguous, to be passed to nn_param_accumulate_grad: p's slot when p's
+ * hooks reserved one and p has no gradient yet (fully_shard reserves one buffer for its unit's
+ * gradients on a GPU, one allocation where each would take its own), else new memory. zeroed:
+ * filled with zeros (for kernels that add into it); otherwise its contents are undefined. */
+fsdpc_status_t nn_param_grad_memory(nn_param_t *p, bool zeroed, fsdpc_tensor_t *out);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -77,6 +77,7 @@ fsdpc_status_t nn_module_new(const char *name, nn_forward_fn forward, void *impl
 static void param_free(nn_param_t *p) {
   tensor_free(&p->compute);
   tensor_free(&p->compute_grad);
+  tensor_free(&p->grad_slot);
   dtensor_free(p->grad);
   dtensor_free(p->value);
   free(p->name);
@@ -566,6 +567,7 @@ fsdpc_status_t nn_module_materialize(nn_module_t *root) {
 void nn_param_zero_grad(nn_param_t *p) {
   if (p == NULL) return;
   tensor_free(&p->compute_grad);
+  tensor_free(&p->grad_slot);
   dtensor_free(p->grad);
   p->grad = NULL;
 }

@@ -64,6 +64,11 @@ struct nn_param {
   dtensor_t *grad;       /* same mesh and placements as value; NULL until a gradient exists */
   fsdpc_tensor_t compute;      /* the unsharded value that forward and backward read */
   fsdpc_tensor_t compute_grad; /* gradient of compute, accumulated by backward */
+  /* memory p's hooks reserved for the first gradient of a backward (fully_shard: a view of one
+   * buffer for its unit's gradients), handed to the operation that forms it
+   * (nn_param_grad_memory) and then become compute_grad; empty otherwise */
+  fsdpc_tensor_t grad_slot;
+  bool grad_slot_used; /* an operation has asked for p's gradient memory: a slot would be used */
   bool requires_grad;
   bool external; /* compute and compute_grad are managed by hooks, not by the module tree */
   const nn_param_guard_t *guard; /* an external parameter's guard, or NULL */

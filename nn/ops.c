@@ -50,7 +50,7 @@ static fsdpc_status_t linear_backward_matrix(nn_node_t *n, const fsdpc_tensor_t 
   }
   if (n->param->requires_grad) {
     fsdpc_tensor_t dw, dwm;
-    FSDPC_TRY(ops_alloc_like(&dw, &n->param->compute)); /* the parameter's shape */
+    FSDPC_TRY(nn_param_grad_memory(n->param, false, &dw)); /* the parameter's shape */
     fsdpc_status_t st = matrix_of(&dw, &dwm);
     if (st == STATUS_OK)
       st = io ? kernel_matmul(&dwm, &x->value, true, dy, false, 1.0f, 0.0f)
@@ -195,7 +195,7 @@ static fsdpc_status_t embedding_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   if (!n->param->requires_grad) return STATUS_OK;
   fsdpc_tensor_t dw;
-  FSDPC_TRY(ops_zeros_like(&dw, &n->param->compute));
+  FSDPC_TRY(nn_param_grad_memory(n->param, true, &dw));
   fsdpc_status_t st =
       kernel_embedding_shard_backward(&dw, &n->out->grad, &n->in[0]->value, n->ints[0], n->ints[1]);
   if (st != STATUS_OK) {
@@ -256,7 +256,7 @@ static fsdpc_status_t rmsnorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
   nn_var_t *x = n->in[0];
   fsdpc_tensor_t dx, dw;
   FSDPC_TRY(ops_alloc_like(&dx, &x->value));
-  fsdpc_status_t st = ops_zeros_like(&dw, &n->param->compute);
+  fsdpc_status_t st = nn_param_grad_memory(n->param, true, &dw);
   if (st == STATUS_OK) {
     st = kernel_rmsnorm_backward(&dx, &dw, &n->out->grad, &x->value, &n->param->compute,
                                  &n->saved[0]);

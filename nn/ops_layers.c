@@ -69,7 +69,7 @@ static fsdpc_status_t bias_backward(nn_ctx_t *ctx, nn_node_t *n) {
   }
   if (!n->param->requires_grad) return STATUS_OK;
   fsdpc_tensor_t db, row;
-  FSDPC_TRY(ops_zeros_like(&db, &n->param->compute)); /* the parameter's shape */
+  FSDPC_TRY(nn_param_grad_memory(n->param, true, &db)); /* the parameter's shape */
   fsdpc_status_t st = vector_of(&db, &row);
   if (st == STATUS_OK) st = kernel_bias_backward(&row, &n->out->grad);
   tensor_free(&row);
@@ -160,8 +160,8 @@ static fsdpc_status_t layernorm_backward(nn_ctx_t *ctx, nn_node_t *n) {
   nn_param_t *w = n->param, *b = n->user;
   fsdpc_tensor_t dx = {0}, dw = {0}, db = {0};
   fsdpc_status_t st = ops_alloc_like(&dx, &x->value);
-  if (st == STATUS_OK) st = ops_zeros_like(&dw, &w->compute);
-  if (st == STATUS_OK && b != NULL) st = ops_zeros_like(&db, &b->compute);
+  if (st == STATUS_OK) st = nn_param_grad_memory(w, true, &dw);
+  if (st == STATUS_OK && b != NULL) st = nn_param_grad_memory(b, true, &db);
   if (st == STATUS_OK)
     st = kernel_layernorm_backward(&dx, &dw, b ? &db : NULL, &n->out->grad, &x->value, &w->compute,
                                    &n->saved[0], &n->saved[1]);

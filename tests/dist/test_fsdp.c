@@ -607,6 +607,76 @@ START_TEST(micro_step_makes_no_host_wait) {
 }
 END_TEST
 
+/* On a GPU a backward forms each unit's gradients in one buffer reserved at its pre-backward
+ * (fsdp_set_grad_buffer): the same gradients, bit for bit, as with an allocation each, in one
+ * device allocation a unit where its k parameters took k. The first backward learns which
+ * operations form their gradients in place; the next two compare, from the same parameters. */
+START_TEST(grad_buffer_same_gradients_fewer_allocations) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  device_t dev = mesh_device(mesh);
+  llama_options_t o = LLAMA_OPTIONS_INIT;
+  o.device = test_device_type();
+  llama_t *m;
+  ok(llama_new(&cfg, &o, &m));
+  ok(llama_init_weights(m, 5));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  opt.offload = test_offload();
+  fsdp_group_t *g;
+  for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(m, i), &opt, &g));
+  ok(fully_shard(llama_module(m), &opt, &g));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
+  data_spec_t spec = {.batch_size = 2,
+                      .seq_len = 16,
+                      .grad_accum = 1,
+                      .dp_size = world_size(),
+                      .dp_rank = world_rank()};
+  nn_param_t **ps;
+  int n;
+  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  double loss;
+  ok(llama_micro_step(m, d, &spec, 0, 0, &loss));
+  fsdpc_tensor_t *grads[2];
+  size_t allocs[2];
+  for (int run = 0; run < 2; run++) { /* with the buffer, then without */
+    for (int i = 0; i < n; i++) nn_param_zero_grad(ps[i]);
+    fsdp_set_grad_buffer(run == 0);
+    size_t a0 = mem_stats(dev).allocs;
+    ok(llama_micro_step(m, d, &spec, 1, 0, &loss));
+    allocs[run] = mem_stats(dev).allocs - a0;
+    grads[run] = calloc((size_t)n, sizeof(fsdpc_tensor_t));
+    for (int i = 0; i < n; i++)
+      ok(tensor_clone(&grads[run][i], dtensor_local(ps[i]->grad), DTYPE_F32, device_cpu()));
+  }
+  fsdp_set_grad_buffer(true);
+  int differ = 0;
+  for (int i = 0; i < n; i++) {
+    bool same;
+    ok(tensor_equal(&grads[0][i], &grads[1][i], &same));
+    differ += !same;
+    tensor_free(&grads[0][i]);
+    tensor_free(&grads[1][i]);
+  }
+  long saved = (long)allocs[1] - (long)allocs[0], want = n - (cfg.n_layers + 1);
+  if (world_rank() == 0)
+    printf("a step's device allocations: %zu with a buffer a unit, %zu without\n", allocs[0],
+           allocs[1]);
+  expect_all(differ == 0 && saved == want,
+             "a buffer a unit: %d of %d gradients differ; %ld allocations saved, %ld expected",
+             differ, n, saved, want);
+  free(grads[0]);
+  free(grads[1]);
+  free(ps);
+  fsdp_free_all(llama_module(m));
+  llama_free(m);
+  data_free(d);
+  mesh_free(mesh);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("fsdp");
   TCase *tc = tcase_create("fsdp");
@@ -632,6 +702,7 @@ static Suite *make_suite(void) {
       tcase_add_test(tc, training_parity_shard_dims);
       tcase_add_test(tc, deferred_init_allocates_only_shards);
       tcase_add_test(tc, micro_step_makes_no_host_wait);
+      tcase_add_test(tc, grad_buffer_same_gradients_fewer_allocations);
     }
     suite_add_tcase(s, tc);
     return s;
