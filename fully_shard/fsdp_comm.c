@@ -601,11 +601,12 @@ fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g) {
   g->red_last = g->is_last_backward;
   g->sub_red_grads = sub;
   g->sub_red_block = g->hfsdp ? fsdp_align_block(sub + params, g->reduce_dtype) : 0;
-  if (flat == 0 || (!any && local_reduce(g))) {
+  bool local = flat > 0 && local_reduce(g);
+  if (flat == 0 || (local && !any)) {
     tensor_free(&g->grad_buf);
     return STATUS_OK;
   }
-  if (local_reduce(g)) {
+  if (local) {
     tensor_free(&g->grad_buf); /* the gradients in it keep it */
     for (int i = 0; i < g->n; i++) {
       fsdp_param_t *fp = &g->params[i];

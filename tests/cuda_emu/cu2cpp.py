@@ -12,32 +12,19 @@ import re
 import sys
 
 
-def match_back(s, i, close, open_):
-    """Index of the open_ that pairs with s[i] == close, scanning backwards."""
+def match(s, i, step, here, there):
+    """Index of the bracket `there` that pairs with s[i] == here, scanning by step (1 forward,
+    -1 backward)."""
     depth = 0
-    while i >= 0:
-        if s[i] == close:
+    while 0 <= i < len(s):
+        if s[i] == here:
             depth += 1
-        elif s[i] == open_:
+        elif s[i] == there:
             depth -= 1
             if depth == 0:
                 return i
-        i -= 1
-    raise ValueError("unbalanced '%s'" % close)
-
-
-def match_fwd(s, i, open_, close):
-    """Index of the close that pairs with s[i] == open_."""
-    depth = 0
-    while i < len(s):
-        if s[i] == open_:
-            depth += 1
-        elif s[i] == close:
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    raise ValueError("unbalanced '%s'" % open_)
+        i += step
+    raise ValueError("unbalanced '%s'" % here)
 
 
 def launches(src, where):
@@ -51,7 +38,7 @@ def launches(src, where):
         while src[j].isspace():
             j -= 1
         if src[j] == ">":  # the kernel's template arguments
-            j = match_back(src, j, ">", "<") - 1
+            j = match(src, j, -1, ">", "<") - 1
         while j >= 0 and (src[j].isalnum() or src[j] in "_:"):
             j -= 1
         start = j + 1
@@ -62,7 +49,7 @@ def launches(src, where):
             a += 1
         if not kernel or src[a] != "(":
             sys.exit("%s:%d: a launch cu2cpp.py cannot read" % (where, src.count("\n", 0, k) + 1))
-        b = match_fwd(src, a, "(", ")")
+        b = match(src, a, 1, "(", ")")
         out.append(src[pos:start])
         out.append("emu_cfg(%s) << [&]() { %s(%s); }" % (src[k + 3:e], kernel, src[a + 1:b]))
         pos = b + 1

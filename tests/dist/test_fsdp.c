@@ -555,6 +555,24 @@ START_TEST(deferred_init_allocates_only_shards) {
 }
 END_TEST
 
+/* The tiny Llama of the goldens (*cfg), each layer a unit under the root's, on mesh (offloaded
+ * as the test mode says). */
+static llama_t *sharded_tiny(mesh_t *mesh, llama_config_t *cfg) {
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", cfg));
+  llama_options_t o = LLAMA_OPTIONS_INIT;
+  o.device = test_device_type();
+  llama_t *m;
+  ok(llama_new(cfg, &o, &m));
+  ok(llama_init_weights(m, 5));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  opt.offload = test_offload();
+  fsdp_group_t *g;
+  for (int i = 0; i < cfg->n_layers; i++) ok(fully_shard(llama_layer(m, i), &opt, &g));
+  ok(fully_shard(llama_module(m), &opt, &g));
+  return m;
+}
+
 /* On a GPU with NCCL groups a training micro-step makes no host wait: the batch is uploaded
  * without one, the loss and its gradient stay on the device, the kernels' index checks wait
  * for the next wait, and the collectives are ordered by events. The second and third
@@ -563,19 +581,8 @@ START_TEST(micro_step_makes_no_host_wait) {
   /* host-staged groups and offloaded gradients wait by design */
   if (pg_device_backend() != PG_BACKEND_NATIVE || test_offload()) return;
   llama_config_t cfg;
-  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   mesh_t *mesh = dp_mesh();
-  llama_options_t o = LLAMA_OPTIONS_INIT;
-  o.device = test_device_type();
-  llama_t *m;
-  ok(llama_new(&cfg, &o, &m));
-  ok(llama_init_weights(m, 5));
-  fsdp_options_t opt = FSDP_OPTIONS_INIT;
-  opt.mesh = mesh;
-  opt.offload = test_offload();
-  fsdp_group_t *g;
-  for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(m, i), &opt, &g));
-  ok(fully_shard(llama_module(m), &opt, &g));
+  llama_t *m = sharded_tiny(mesh, &cfg);
   fsdpc_data_t *d;
   ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 2, .seq_len = 16, .grad_accum = 3,
@@ -613,20 +620,9 @@ END_TEST
  * operations form their gradients in place; the next two compare, from the same parameters. */
 START_TEST(grad_buffer_same_gradients_fewer_allocations) {
   llama_config_t cfg;
-  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   mesh_t *mesh = dp_mesh();
   device_t dev = mesh_device(mesh);
-  llama_options_t o = LLAMA_OPTIONS_INIT;
-  o.device = test_device_type();
-  llama_t *m;
-  ok(llama_new(&cfg, &o, &m));
-  ok(llama_init_weights(m, 5));
-  fsdp_options_t opt = FSDP_OPTIONS_INIT;
-  opt.mesh = mesh;
-  opt.offload = test_offload();
-  fsdp_group_t *g;
-  for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(m, i), &opt, &g));
-  ok(fully_shard(llama_module(m), &opt, &g));
+  llama_t *m = sharded_tiny(mesh, &cfg);
   fsdpc_data_t *d;
   ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 2,

@@ -83,6 +83,31 @@ def finish(proc, limit=120):
     return rc, "".join(proc.lines), err
 
 
+def mpirun_passes_on(sig, tmp):
+    """Whether this machine's mpirun passes sig on to the ranks of a job (Open MPI's does for
+    SIGUSR1 and SIGUSR2; a launcher set up otherwise may not): a probe job of two shell ranks
+    that exit 3 on it, signalled once both wait for it."""
+    ready = os.path.join(tmp, "probe")
+    os.makedirs(ready, exist_ok=True)
+    name = signal.Signals(sig).name[3:]
+    script = ('trap "exit 3" %s; touch %s/$$; i=0; '
+              'while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done' % (name, ready))
+    proc = subprocess.Popen([MPIRUN] + MPI_ARGS + ["-n", "2", "sh", "-c", script],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    t = time.time()
+    while len(os.listdir(ready)) < 2 and proc.poll() is None and time.time() - t < 60:
+        time.sleep(0.02)
+    os.kill(proc.pid, sig)
+    try:
+        rc = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        proc.wait()
+        rc = None
+    return rc == 3
+
+
 def operations():
     """Runs that survive operations: the last step always saved; signals and train.time_limit
     stop at a step boundary, save, and resume bit-identically; one job per checkpoint folder;
@@ -158,9 +183,14 @@ def operations():
         print("sanitized build: SIGUSR1 through mpirun, SIGTERM to one rank, with async saves "
               "and the time limit run in the plain build")
     else:
-        hit = interrupted("sigusr1-to-mpirun", lambda proc, m: os.kill(proc.pid, signal.SIGUSR1))
-        check(hit is not None and hit.group(2) == "SIGUSR1",
-              "SIGUSR1 forwarded by mpirun is named")
+        if mpirun_passes_on(signal.SIGUSR1, tmp):
+            hit = interrupted("sigusr1-to-mpirun",
+                              lambda proc, m: os.kill(proc.pid, signal.SIGUSR1))
+            check(hit is not None and hit.group(2) == "SIGUSR1",
+                  "SIGUSR1 forwarded by mpirun is named")
+        else:  # the launcher's setting, not the job's: reported, the rest still checked
+            print("skip  sigusr1-to-mpirun: this machine's mpirun does not pass SIGUSR1 on to its "
+                  "ranks (a job of two shell ranks waiting for it never got it)")
         interrupted("sigterm-one-rank", to_ranks(signal.SIGTERM, first_only=True))
         hit = interrupted("sigterm-async", to_ranks(signal.SIGTERM),
                           ["checkpoint.async=true", "checkpoint.interval=7"])
