@@ -8,8 +8,9 @@
  *   emu_cfg(grid, 256, 0, stream) << [&]() { my_kernel(x, n); };   // was my_kernel<<<...>>>(x, n)
  *
  * Blocks run one after another and a block's threads take turns on one host thread, switching
- * at barriers and shuffles only, so a kernel's result is what a GPU computes in one order of
- * its threads; races between threads are not found here.
+ * at barriers and shuffles only, in thread order or from the last thread to the first (blocks
+ * alternate): a read of what another thread writes with no barrier between them comes too
+ * early in one of the two orders; races between blocks or with atomics are not found here.
  */
 #ifndef FSDPC_TESTS_CUDA_EMU_H
 #define FSDPC_TESTS_CUDA_EMU_H

@@ -55,6 +55,7 @@ struct warp {
 };
 
 std::mutex launch_lock; /* one launch at a time: the state below is the running block's */
+unsigned long launches; /* so far: a launch's blocks alternate their threads' order from it */
 const std::function<void()> *body;
 std::vector<fiber> fibers;
 void *sched; /* the launching thread's stack while a fiber runs */
@@ -99,8 +100,10 @@ int linear_tid() {
                emu_blockDim.x * (emu_threadIdx.y + emu_blockDim.y * emu_threadIdx.z));
 }
 
-/* Runs the current block's n threads to their ends, round robin from barrier to barrier. */
-void run_block(int n) {
+/* Runs the current block's n threads to their ends, round robin from barrier to barrier: in
+ * thread order, or from the last thread to the first (reverse), so that a thread reading what
+ * another writes without a barrier between them reads it too early in one of the two orders. */
+void run_block(int n, bool reverse) {
   if ((int)fibers.size() < n) fibers.resize(n);
   for (int t = 0; t < n; t++) {
     fiber &f = fibers[t];
@@ -129,7 +132,8 @@ void run_block(int n) {
     warps[w].bar = barrier{n - 32 * w < 32 ? n - 32 * w : 32, 0, 0};
   for (int remaining = n; remaining > 0;) {
     progress = false;
-    for (int t = 0; t < n; t++) {
+    for (int k = 0; k < n; k++) {
+      int t = reverse ? n - 1 - k : k;
       fiber &f = fibers[t];
       if (f.done) continue;
       cur = t;
@@ -179,11 +183,12 @@ void emu_cfg::operator<<(const std::function<void()> &fn) const {
   body = &fn;
   emu_blockDim = block;
   emu_gridDim = grid;
+  unsigned long block = launches++;
   for (unsigned z = 0; z < grid.z; z++)
     for (unsigned y = 0; y < grid.y; y++)
       for (unsigned x = 0; x < grid.x; x++) {
         emu_blockIdx = uint3{x, y, z};
-        run_block((int)threads);
+        run_block((int)threads, block++ % 2 == 1);
       }
 }
 
