@@ -1,12 +1,15 @@
 /*
- * The CUDA emulator's cuBLAS: the four functions the backend loads (kernels_cuda.cu), with
- * cuBLAS's column-major products computed on the host in f32, k in order; and its dlopen,
- * which hands out this library for cuBLAS's name and reports every other one absent
- * (emu_dl.h).
+ * The CUDA emulator's cuBLAS and cuBLASLt: the functions the backend loads (kernels_cuda.cu,
+ * cublas_lt.c), with their column-major products computed on the host in f32, k in order, and
+ * cuBLASLt's descriptors kept and checked as far as the backend uses them (transposes, layouts,
+ * the workspace its heuristic asks for); and the emulator's dlopen, which hands out these for
+ * cuBLAS's and cuBLASLt's names and reports every other library (cuDNN) absent (emu_dl.h).
  */
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "emu_dl.h"
@@ -71,20 +74,197 @@ static cublasStatus_t gemm_batched(cublasHandle_t h, cublasOperation_t ta, cubla
   return CUBLAS_STATUS_SUCCESS;
 }
 
+/* ---- cuBLASLt: one algorithm, asking for a workspace that the product then checks ---- */
+
+static int lt_library;
+static const size_t kLtWorkspace = 64 << 10;
+
+struct lt_desc { /* in a cublasLtMatmulDescOpaque_t */
+  cublasOperation_t ta, tb;
+};
+struct lt_layout { /* in a cublasLtMatrixLayoutOpaque_t */
+  cudaDataType type;
+  uint64_t rows, cols;
+  int64_t ld;
+};
+
+static lt_desc desc_of(const cublasLtMatmulDesc_t d) {
+  lt_desc x;
+  memcpy(&x, d->data, sizeof x);
+  return x;
+}
+
+static lt_layout layout_of(const cublasLtMatrixLayout_t l) {
+  lt_layout x;
+  memcpy(&x, l->data, sizeof x);
+  return x;
+}
+
+static cublasStatus_t lt_create(cublasLtHandle_t *h) {
+  *h = (cublasLtHandle_t)&lt_library;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static cublasStatus_t lt_desc_create(cublasLtMatmulDesc_t *d, cublasComputeType_t compute,
+                                     cudaDataType_t scale) {
+  if (compute != CUBLAS_COMPUTE_32F || scale != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+  *d = new cublasLtMatmulDescOpaque_t();
+  lt_desc x{CUBLAS_OP_N, CUBLAS_OP_N};
+  memcpy((*d)->data, &x, sizeof x);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static cublasStatus_t lt_desc_set(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr,
+                                  const void *buf, size_t size) {
+  lt_desc x = desc_of(d);
+  if (size != sizeof(int32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+  if (attr == CUBLASLT_MATMUL_DESC_TRANSA)
+    memcpy(&x.ta, buf, size);
+  else if (attr == CUBLASLT_MATMUL_DESC_TRANSB)
+    memcpy(&x.tb, buf, size);
+  else
+    return CUBLAS_STATUS_NOT_SUPPORTED; /* the backend sets no other attribute */
+  memcpy(d->data, &x, sizeof x);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static cublasStatus_t lt_desc_destroy(cublasLtMatmulDesc_t d) {
+  delete d;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static cublasStatus_t lt_layout_create(cublasLtMatrixLayout_t *l, cudaDataType type, uint64_t rows,
+                                       uint64_t cols, int64_t ld) {
+  if (ld < (int64_t)rows || ld < 1) return CUBLAS_STATUS_INVALID_VALUE; /* column-major */
+  *l = new cublasLtMatrixLayoutOpaque_t();
+  lt_layout x{type, rows, cols, ld};
+  memcpy((*l)->data, &x, sizeof x);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static cublasStatus_t lt_layout_destroy(cublasLtMatrixLayout_t l) {
+  delete l;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static cublasStatus_t lt_pref_create(cublasLtMatmulPreference_t *p) {
+  *p = new cublasLtMatmulPreferenceOpaque_t();
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static cublasStatus_t lt_pref_set(cublasLtMatmulPreference_t p,
+                                  cublasLtMatmulPreferenceAttributes_t attr, const void *buf,
+                                  size_t size) {
+  if (attr == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES && size == sizeof(uint64_t))
+    p->data[0] = *(const uint64_t *)buf;
+  else if (size != sizeof(uint32_t))
+    return CUBLAS_STATUS_INVALID_VALUE;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static cublasStatus_t lt_pref_destroy(cublasLtMatmulPreference_t p) {
+  delete p;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+/* Whether the layouts make D (m x n) = op(A) (m x k) op(B) (k x n), C like D; *k set. */
+static bool lt_shapes(const lt_desc *d, const lt_layout *a, const lt_layout *b, const lt_layout *c,
+                      const lt_layout *o, uint64_t *k) {
+  uint64_t am = d->ta == CUBLAS_OP_N ? a->rows : a->cols,
+           ak = d->ta == CUBLAS_OP_N ? a->cols : a->rows;
+  uint64_t bk = d->tb == CUBLAS_OP_N ? b->rows : b->cols,
+           bn = d->tb == CUBLAS_OP_N ? b->cols : b->rows;
+  *k = ak;
+  return am == o->rows && bn == o->cols && ak == bk && c->rows == o->rows && c->cols == o->cols &&
+         c->ld == o->ld && a->type == b->type && c->type == o->type;
+}
+
+static cublasStatus_t lt_heuristic(cublasLtHandle_t, cublasLtMatmulDesc_t d,
+                                   cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                   cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t o,
+                                   cublasLtMatmulPreference_t p, int requested,
+                                   cublasLtMatmulHeuristicResult_t *results, int *returned) {
+  uint64_t k;
+  *returned = 0;
+  if (requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
+  lt_desc x = desc_of(d);
+  lt_layout A = layout_of(a), B = layout_of(b), C = layout_of(c), D = layout_of(o);
+  if (!lt_shapes(&x, &A, &B, &C, &D, &k)) return CUBLAS_STATUS_INVALID_VALUE;
+  if (p->data[0] < kLtWorkspace) return CUBLAS_STATUS_NOT_SUPPORTED; /* no algorithm fits */
+  memset(&results[0], 0, sizeof results[0]);
+  results[0].algo.data[0] = 0x4c74; /* the one algorithm */
+  results[0].workspaceSize = kLtWorkspace;
+  results[0].state = CUBLAS_STATUS_SUCCESS;
+  results[0].wavesCount = 1.0f;
+  *returned = 1;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+static cublasStatus_t lt_matmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const void *alpha,
+                                const void *a, cublasLtMatrixLayout_t la, const void *b,
+                                cublasLtMatrixLayout_t lb, const void *beta, const void *c,
+                                cublasLtMatrixLayout_t lc, void *o, cublasLtMatrixLayout_t lo,
+                                const cublasLtMatmulAlgo_t *algo, void *workspace,
+                                size_t workspace_bytes, cudaStream_t) {
+  lt_desc x = desc_of(d);
+  lt_layout A = layout_of(la), B = layout_of(lb), C = layout_of(lc), D = layout_of(lo);
+  uint64_t k;
+  if (h != (cublasLtHandle_t)&lt_library || algo == NULL || algo->data[0] != 0x4c74 ||
+      !lt_shapes(&x, &A, &B, &C, &D, &k) || workspace_bytes < kLtWorkspace || workspace == NULL)
+    return CUBLAS_STATUS_INVALID_VALUE;
+  memset(workspace, 0, workspace_bytes); /* the workspace must be device memory of that size */
+  if (c != o) {                          /* C into D first (the backend passes D as C) */
+    size_t e = D.type == CUDA_R_32F ? 4 : 2;
+    for (uint64_t j = 0; j < D.cols; j++)
+      memmove((char *)o + j * D.ld * e, (const char *)c + j * C.ld * e, D.rows * e);
+  }
+  return gemm(NULL, x.ta, x.tb, (int)D.rows, (int)D.cols, (int)k, alpha, a, A.type, (int)A.ld, b,
+              B.type, (int)B.ld, beta, o, D.type, (int)D.ld, CUBLAS_COMPUTE_32F,
+              CUBLAS_GEMM_DEFAULT);
+}
+
+static const char *lt_status_name(cublasStatus_t s) {
+  static thread_local char text[48];
+  snprintf(text, sizeof text, "cuBLAS status %d (emulated)", (int)s);
+  return text;
+}
+
+/* ---- dlopen ---- */
+
 static thread_local const char *dl_error = "";
 
 extern "C" void *emu_dlopen(const char *name, int) {
   if (name != NULL && strncmp(name, "libcublas.so.", 13) == 0) return &library;
+  if (name != NULL && strncmp(name, "libcublasLt.so.", 15) == 0) return &lt_library;
   dl_error = "not in the CUDA emulator";
   return NULL;
 }
 
 extern "C" void *emu_dlsym(void *lib, const char *symbol) {
-  if (lib != &library) return NULL;
-  if (strcmp(symbol, "cublasCreate_v2") == 0) return (void *)create;
-  if (strcmp(symbol, "cublasSetStream_v2") == 0) return (void *)set_stream;
-  if (strcmp(symbol, "cublasGemmEx") == 0) return (void *)gemm;
-  if (strcmp(symbol, "cublasGemmBatchedEx") == 0) return (void *)gemm_batched;
+  static const struct {
+    void *lib;
+    const char *name;
+    void *fn;
+  } table[] = {
+      {&library, "cublasCreate_v2", (void *)create},
+      {&library, "cublasSetStream_v2", (void *)set_stream},
+      {&library, "cublasGemmEx", (void *)gemm},
+      {&library, "cublasGemmBatchedEx", (void *)gemm_batched},
+      {&lt_library, "cublasLtCreate", (void *)lt_create},
+      {&lt_library, "cublasLtMatmulDescCreate", (void *)lt_desc_create},
+      {&lt_library, "cublasLtMatmulDescSetAttribute", (void *)lt_desc_set},
+      {&lt_library, "cublasLtMatmulDescDestroy", (void *)lt_desc_destroy},
+      {&lt_library, "cublasLtMatrixLayoutCreate", (void *)lt_layout_create},
+      {&lt_library, "cublasLtMatrixLayoutDestroy", (void *)lt_layout_destroy},
+      {&lt_library, "cublasLtMatmulPreferenceCreate", (void *)lt_pref_create},
+      {&lt_library, "cublasLtMatmulPreferenceSetAttribute", (void *)lt_pref_set},
+      {&lt_library, "cublasLtMatmulPreferenceDestroy", (void *)lt_pref_destroy},
+      {&lt_library, "cublasLtMatmulAlgoGetHeuristic", (void *)lt_heuristic},
+      {&lt_library, "cublasLtMatmul", (void *)lt_matmul},
+      {&lt_library, "cublasLtGetStatusName", (void *)lt_status_name},
+  };
+  for (const auto &t : table)
+    if (t.lib == lib && strcmp(t.name, symbol) == 0) return t.fn;
   return NULL;
 }
 

@@ -1,8 +1,8 @@
 /*
  * The CUDA emulator's dynamic loading: the CUDA backend loads cuBLAS, cuBLASLt and cuDNN with
  * dlopen at run time; in the emulator's build its sources call these instead, which give the
- * emulated cuBLAS (cublas.cpp) and report every other library absent, as on a machine without
- * it. Included before each of them.
+ * emulated cuBLAS and cuBLASLt (cublas.cpp) and report every other library (cuDNN) absent, as
+ * on a machine without it. Included before each of them.
  */
 #ifndef FSDPC_TESTS_CUDA_EMU_DL_H
 #define FSDPC_TESTS_CUDA_EMU_DL_H
