@@ -347,21 +347,28 @@ static bool unshard_needs(const fsdp_group_t *g, const fsdp_param_t *fp, bool lo
   return !local || fp->padded.dtype != g->param_dtype;
 }
 
-/* One param_dtype buffer for every unsharded tensor that needs memory (each from a 256-byte
- * boundary): one allocation an unshard rather than one a parameter. The tensors are views
- * into it, so it is freed with the last of them, at reshard. *buf stays empty when none
- * needs memory. */
-static fsdpc_status_t unshard_buffer(fsdp_group_t *g, bool local, fsdpc_tensor_t *buf) {
+/* One param_dtype buffer on g's device for the unsharded shapes of the parameters want(g, fp,
+ * arg) picks, each from a 256-byte boundary (full_in lays them out in order): one allocation
+ * rather than one a parameter. *buf stays empty when fewer than least (>= 1) are picked. */
+static fsdpc_status_t group_buffer(const fsdp_group_t *g,
+                                   bool (*want)(const fsdp_group_t *, const fsdp_param_t *, bool),
+                                   bool arg, int least, fsdpc_tensor_t *buf) {
   int64_t total = 0;
   int count = 0;
   for (int i = 0; i < g->n; i++)
-    if (unshard_needs(g, &g->params[i], local)) {
+    if (want(g, &g->params[i], arg)) {
       total += aligned_numel(fp_numel(&g->params[i]), g->param_dtype, mesh_device(g->mesh));
       count++;
     }
   memset(buf, 0, sizeof *buf);
-  if (count == 0) return STATUS_OK; /* (empty parameters still get their empty views) */
+  if (count < least) return STATUS_OK;
   return tensor_init(buf, g->param_dtype, mesh_device(g->mesh), 1, &total);
+}
+
+/* The buffer of every unsharded tensor that needs memory. The tensors are views into it, so it
+ * is freed with the last of them, at reshard. (Empty parameters still get their empty views.) */
+static fsdpc_status_t unshard_buffer(fsdp_group_t *g, bool local, fsdpc_tensor_t *buf) {
+  return group_buffer(g, unshard_needs, local, 1, buf);
 }
 
 /* *full: fp's unsharded shape viewed at element *pos of buf, which then moves past it. */
@@ -489,8 +496,9 @@ static fast_path_t unit_grads =
 void fsdp_set_grad_buffer(bool on) { fast_path_set(&unit_grads, on); }
 
 /* Whether fp's slot would be taken: a trainable parameter whose gradient an operation has formed
- * in place before (nn_param_grad_memory), in param_dtype. */
-static bool takes_slot(const fsdp_group_t *g, const fsdp_param_t *fp) {
+ * in place before (nn_param_grad_memory), in param_dtype. (unused: group_buffer's argument) */
+static bool takes_slot(const fsdp_group_t *g, const fsdp_param_t *fp, bool unused) {
+  (void)unused;
   const nn_param_t *p = fp->p;
   return p->requires_grad && p->grad_slot_used && p->compute.dtype == g->param_dtype;
 }
@@ -507,20 +515,12 @@ fsdpc_status_t fsdp_reserve_grads(fsdp_group_t *g) {
     if (g->params[i].p->compute_grad.storage != NULL || g->params[i].p->grad_slot.storage != NULL)
       return STATUS_OK;      /* accumulating over backwards without a reduction: they have memory */
   tensor_free(&g->grad_buf); /* one whose gradients were dropped since (zero_grad) */
-  int64_t total = 0;
-  int count = 0;
-  for (int i = 0; i < g->n; i++) {
-    const fsdp_param_t *fp = &g->params[i];
-    if (!takes_slot(g, fp)) continue;
-    total += aligned_numel(fp_numel(fp), g->param_dtype, dev);
-    count++;
-  }
-  if (count < 2) return STATUS_OK; /* (one allocation either way) */
-  FSDPC_TRY(tensor_init(&g->grad_buf, g->param_dtype, dev, 1, &total));
+  /* fewer than two: one allocation either way */
+  FSDPC_TRY(group_buffer(g, takes_slot, false, 2, &g->grad_buf));
   int64_t pos = 0;
   fsdpc_status_t st = STATUS_OK;
-  for (int i = 0; i < g->n && st == STATUS_OK; i++)
-    if (takes_slot(g, &g->params[i]))
+  for (int i = 0; i < g->n && st == STATUS_OK && g->grad_buf.storage != NULL; i++)
+    if (takes_slot(g, &g->params[i], false))
       st = full_in(&g->params[i], &g->grad_buf, &pos, &g->params[i].p->grad_slot);
   if (st != STATUS_OK) {
     drop_slots(g);

@@ -6,7 +6,8 @@
 
 #include "core/args_impl.h"
 #include "core/kernels.h"
-#include "nn/ops.h" /* nn_cast, for the casts at a module's boundary */
+#include "nn/ops.h"      /* nn_cast, for the casts at a module's boundary */
+#include "nn/ops_impl.h" /* ops_alloc_like, ops_zeros_like */
 
 typedef enum entry_kind {
   ENTRY_OP,
@@ -260,11 +261,8 @@ fsdpc_status_t nn_param_grad_memory(nn_param_t *p, bool zeroed, fsdpc_tensor_t *
   ARG_NONNULL(out);
   memset(out, 0, sizeof *out);
   p->grad_slot_used = true;
-  const fsdpc_tensor_t *c = &p->compute;
-  if (p->grad_slot.storage == NULL || present(&p->compute_grad)) {
-    return zeroed ? tensor_zeros(out, c->dtype, c->device, c->ndim, c->shape)
-                  : tensor_init(out, c->dtype, c->device, c->ndim, c->shape);
-  }
+  if (p->grad_slot.storage == NULL || present(&p->compute_grad))
+    return zeroed ? ops_zeros_like(out, &p->compute) : ops_alloc_like(out, &p->compute);
   FSDPC_TRY(tensor_ref(out, &p->grad_slot));
   fsdpc_status_t st = zeroed ? tensor_fill(out, 0.0) : STATUS_OK;
   if (st != STATUS_OK) tensor_free(out);
