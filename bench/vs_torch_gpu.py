@@ -7,9 +7,10 @@ Both train the same model, batch, mixed precision and optimizer.
                   [--batch 8] [--seq 1024] [--steps 30] [--warmup 5] [--param-dtype bf16]
                   [--reduce-dtype f32] [--python PYTHON] [--peak-tflops X] [--keep DIR]
                   [--profile] [--torch-compile] [--torch-eager] [--offload]
+                  [--also-env NAME=VALUE]...
 
-Both sides train the config's model (a Hugging Face config.json of Llama, Qwen2 or Qwen3; a
-vocabulary past 65536 takes uint32 token files) at world size 1 on the first visible GPU:
+Both sides train the config's model (a Hugging Face config.json of Llama, Qwen2, Qwen3 or their
+mixtures of experts; a vocabulary past 65536 takes uint32 token files) at world size 1 on the first visible GPU:
 fully_shard on every decoder layer and on the root with the same mixed-precision policy
 (param_dtype, reduce_dtype), AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1, none on
 the norms), clipping at 1.0, windows of the same random token file. fsdp-train runs a plan
@@ -17,12 +18,14 @@ written from the config (train.device: cuda; its metrics file gives each step's 
 the accounting layer's peak bytes); torch runs bench/torch_fsdp2.py with PYTHON (default: this
 interpreter). Printed for each: the median tokens/s of the steps after the warmup ones, MFU
 (6 x parameters x tokens/s over the GPU's dense bf16 peak: 989 TFLOP/s for H100 SXM and H200,
-or --peak-tflops), peak memory and the first and last loss; then fsdpc's ratio to torch.
+or --peak-tflops; with experts, the parameters a token's products take), peak memory and the first and last loss; then fsdpc's ratio to torch.
 With --torch-compile torch also runs with each decoder layer through torch.compile before
 fully_shard (TorchTitan's order), with --torch-eager without FSDP (the model in f32 under
 torch.autocast, as a one-GPU user trains it), each a row of its own with fsdpc's ratio to it.
 With --offload both keep the sharded state on the host (fsdpc's fully_shard offload: true,
-torch's CPUOffloadPolicy), the optimizer step there. With --profile fsdp-train runs under FSDPC_PROFILE=1 and its kernel table (device time per
+torch's CPUOffloadPolicy), the optimizer step there. Each --also-env NAME=VALUE runs fsdp-train again with that in its environment (a faster path
+turned off, e.g. FSDPC_GROUPED_GEMM=0: the experts' products one by one), a row of its own with
+fsdpc's ratio to it. With --profile fsdp-train runs under FSDPC_PROFILE=1 and its kernel table (device time per
 kernel, summed over the run) is printed first (the timers add a little to its tokens/s).
 Then attention alone: bench-attention against torch's scaled_dot_product_attention at B=8,
 T=1024, 16 heads of 128, causal, bf16 (median forward and forward + backward times, and the
@@ -84,16 +87,42 @@ log:
        data, "u32" if u32(cfg) else "u16", a.seq, a.batch, a.steps, a.steps)
 
 
+def sparse_layer(cfg, i):
+    """Whether layer i holds experts (Qwen3-MoE's and Qwen2-MoE's rule; Mixtral's: all)."""
+    kind = cfg.get("model_type", "llama")
+    if kind == "mixtral":
+        return True
+    if kind not in ("qwen3_moe", "qwen2_moe") or not cfg.get("num_experts"):
+        return False
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    return i not in cfg.get("mlp_only_layers", []) and (i + 1) % step == 0
+
+
 def params_of(cfg):
-    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    """The model's parameters, and those a token's products take (all but the experts it is
+    not routed to): the latter give MFU, 6 x active parameters x tokens/s."""
+    d, f, v = cfg["hidden_size"], cfg.get("intermediate_size", 0), cfg["vocab_size"]
     h, kv, L = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     kind = cfg.get("model_type", "llama")
     hd = cfg.get("head_dim") or (128 if kind == "qwen3" else d // h)
-    layer = d * (h * hd) * 2 + d * (kv * hd) * 2 + 3 * d * f + 2 * d
-    bias = kind != "qwen2" and bool(cfg.get("attention_bias"))
-    layer += (h * hd + 2 * kv * hd if kind == "qwen2" or bias else 0) + (d if bias else 0)
-    layer += 2 * hd if kind == "qwen3" else 0
-    return v * d * (1 if cfg.get("tie_word_embeddings", False) else 2) + L * layer + d
+    attn = d * (h * hd) * 2 + d * (kv * hd) * 2 + 2 * d
+    bias = kind not in ("qwen2", "qwen2_moe") and bool(cfg.get("attention_bias"))
+    attn += (h * hd + 2 * kv * hd if kind in ("qwen2", "qwen2_moe") or bias else 0)
+    attn += d if bias else 0
+    attn += 2 * hd if kind in ("qwen3", "qwen3_moe") else 0
+    total = active = v * d * (1 if cfg.get("tie_word_embeddings", False) else 2) + d
+    for i in range(L):
+        if not sparse_layer(cfg, i):
+            total += attn + 3 * d * f
+            active += attn + 3 * d * f
+            continue
+        E = cfg.get("num_local_experts") or cfg["num_experts"]
+        ef = f if kind == "mixtral" else cfg["moe_intermediate_size"]
+        shared = 3 * d * cfg.get("shared_expert_intermediate_size", 0)
+        shared += d if shared else 0  # the shared expert's gate
+        total += attn + d * E + 3 * d * ef * E + shared
+        active += attn + d * E + 3 * d * ef * cfg["num_experts_per_tok"] + shared
+    return total, active
 
 
 def gpu_name():
@@ -114,8 +143,9 @@ def peak_tflops(name, given):
     return 0.0
 
 
-def run_fsdpc(a, plan, metrics):
-    env = dict(os.environ, FSDPC_PROFILE="1") if a.profile else None
+def run_fsdpc(a, plan, metrics, extra_env=None):
+    env = dict(os.environ, FSDPC_PROFILE="1") if a.profile else dict(os.environ)
+    env.update(extra_env or {})
     p = subprocess.run([a.exe, plan, "--metrics", metrics], capture_output=True, text=True,
                        env=env)
     if p.returncode != 0:
@@ -245,7 +275,13 @@ def main():
                     help="also run torch without FSDP, under autocast")
     ap.add_argument("--offload", action="store_true",
                     help="sharded state on the host on both sides (torch's CPUOffloadPolicy)")
+    ap.add_argument("--also-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="run fsdp-train again with NAME=VALUE in its environment (a path "
+                         "turned off, e.g. FSDPC_GROUPED_GEMM=0): a row of its own")
     a = ap.parse_args()
+    for kv in a.also_env:
+        if "=" not in kv or not kv.split("=", 1)[0]:
+            ap.error("--also-env takes NAME=VALUE, not '%s'" % kv)
     bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(a.exe))), "bench")
     a.attention_exe = a.attention_exe or os.path.join(bench_dir, "bench-attention")
     a.matmul_exe = a.matmul_exe or os.path.join(bench_dir, "bench-matmul")
@@ -277,6 +313,11 @@ def main():
         if p.returncode != 0:
             sys.exit("fsdp-train --dry-run failed:\n" + p.stderr[-3000:])
         ours = run_fsdpc(a, plan, os.path.join(work, "metrics.jsonl"))
+        variants = []  # (label, figures) of fsdp-train under each --also-env
+        for i, kv in enumerate(a.also_env):
+            name, value = kv.split("=", 1)
+            variants.append(("fsdpc " + kv, run_fsdpc(
+                a, plan, os.path.join(work, "metrics-%d.jsonl" % i), {name: value})))
         theirs, why = run_torch(a, data)
         extra = []  # (label, the run's figures, why it has none)
         for wanted, flag, label in ((a.torch_eager, "--no-fsdp", "torch eager (autocast)"),
@@ -285,21 +326,26 @@ def main():
                 extra.append((label,) + run_torch(a, data, [flag]))
         name = gpu_name() or (theirs or {}).get("device", "")
         peak = peak_tflops(name, a.peak_tflops)
-        nparams = params_of(cfg)
-        print("%s; %s, %s parameters, batch %d x %d, param %s, reduce %s; median of steps "
-              "%d-%d" % (name or "GPU", os.path.basename(a.config), "{:,}".format(nparams),
-                         a.batch, a.seq, a.param_dtype, a.reduce_dtype, a.warmup + 1, a.steps))
-        print("%-22s %12s %7s %12s %20s" % ("", "tokens/s", "MFU", "peak memory", "loss"))
-        sides = [("fsdpc fsdp-train", ours)]
+        total, nparams = params_of(cfg)
+        counted = "{:,} parameters".format(total)
+        if nparams != total:
+            counted += " ({:,} a token's: MFU's)".format(nparams)
+        print("%s; %s, %s, batch %d x %d, param %s, reduce %s; median of steps "
+              "%d-%d" % (name or "GPU", os.path.basename(a.config), counted, a.batch, a.seq,
+                         a.param_dtype, a.reduce_dtype, a.warmup + 1, a.steps))
+        print("%-28s %12s %7s %12s %20s" % ("", "tokens/s", "MFU", "peak memory", "loss"))
+        sides = [("fsdpc fsdp-train", ours)] + variants
         if theirs:
             sides.append(("torch %s FSDP2" % theirs["torch"], theirs))
         sides += [(label, r) for label, r, _ in extra if r]
         for label, r in sides:
             mfu = ("%6.2f%%" % (100 * 6 * nparams * r["tokens_per_s"] / (peak * 1e12))
                    if peak else "     ?")
-            print("%-22s %12.0f %7s %9.2f GiB %9.4f -> %.4f" % (
+            print("%-28s %12.0f %7s %9.2f GiB %9.4f -> %.4f" % (
                 label, r["tokens_per_s"], mfu, r["peak_mem_bytes"] / 2 ** 30, r["first_loss"],
                 r["last_loss"]))
+        for label, r in variants:
+            print("fsdpc / %s: %.3fx tokens/s" % (label, ours["tokens_per_s"] / r["tokens_per_s"]))
         if theirs:
             print("fsdpc / torch FSDP2%s: %.3fx tokens/s" % (
                 " + CPUOffloadPolicy" if a.offload else "",

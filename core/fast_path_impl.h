@@ -21,6 +21,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct fast_path {
   pthread_mutex_t lock;
   const char *env, *env_off_text; /* NAME and "NAME=0" */
@@ -31,10 +35,10 @@ typedef struct fast_path {
   char note[512];
 } fast_path_t;
 
-#define FAST_PATH_INIT(name, setter_call)                                      \
-  {                                                                            \
-    .lock = PTHREAD_MUTEX_INITIALIZER, .env = name, .env_off_text = name "=0", \
-    .setter = setter_call, .enabled = true, .env_off = -1                      \
+#define FAST_PATH_INIT(name, setter_call)                                        \
+  {                                                                              \
+    .lock = PTHREAD_MUTEX_INITIALIZER, .env = name, .env_off_text = name "=0",   \
+    .setter = setter_call, .enabled = true, .env_off = -1, .runs = 0, .note = "" \
   }
 
 /* With p->lock held: what keeps the path off ("NAME=0" or the setter), "" when nothing does. */
@@ -48,5 +52,9 @@ void fast_path_set(fast_path_t *p, bool on);
 const char *fast_path_off(fast_path_t *p);
 int64_t fast_path_runs(fast_path_t *p);
 void fast_path_note_copy(fast_path_t *p, char *buf, size_t size);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -3,6 +3,8 @@
 #include "core/kernels.h"
 
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/args_impl.h"
@@ -118,32 +120,152 @@ static fsdpc_status_t check_same_shape(const char *fn, const fsdpc_tensor_t *con
   return STATUS_OK;
 }
 
+/* The sizes of out = op(a) @ op(b), refused unless they fit. */
+static fsdpc_status_t matmul_dims(const char *fn, const fsdpc_tensor_t *out,
+                                  const fsdpc_tensor_t *a, bool trans_a, const fsdpc_tensor_t *b,
+                                  bool trans_b, matmul_dims_t *d) {
+  if (a->ndim < 1 || b->ndim < 1 || out->ndim < 1)
+    return err_set(STATUS_ESHAPE, "%s: scalars are not matrices", fn);
+  int64_t ar = rows_of(a), ac = last_dim(a), br = rows_of(b), bc = last_dim(b);
+  d->m = trans_a ? ac : ar;
+  d->k = trans_a ? ar : ac;
+  int64_t kb = trans_b ? bc : br;
+  d->n = trans_b ? br : bc;
+  d->lda = ac;
+  d->ldb = bc;
+  if (kb != d->k || last_dim(out) != d->n || tensor_numel(out) != d->m * d->n) {
+    char sa[96], sb[96], so[96];
+    return err_set(STATUS_ESHAPE, "%s: %s%s @ %s%s cannot produce %s", fn,
+                   tensor_shape_str(a->ndim, a->shape, sa, sizeof sa), trans_a ? "^T" : "",
+                   tensor_shape_str(b->ndim, b->shape, sb, sizeof sb), trans_b ? "^T" : "",
+                   tensor_shape_str(out->ndim, out->shape, so, sizeof so));
+  }
+  if (d->m > INT32_MAX || d->n > INT32_MAX || d->k > INT32_MAX)
+    return err_set(STATUS_EUNSUPPORTED, "%s: dimensions beyond 2^31-1", fn);
+  return STATUS_OK;
+}
+
 fsdpc_status_t kernel_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
                              const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta) {
   const kernel_ops_t *ops;
   FSDPC_TRY(check_common("kernel_matmul", NT(out, a, b), &ops));
   FSDPC_TRY(check_float_same("kernel_matmul", NT(out, a, b)));
-  if (a->ndim < 1 || b->ndim < 1 || out->ndim < 1)
-    return err_set(STATUS_ESHAPE, "kernel_matmul: scalars are not matrices");
   matmul_dims_t d;
-  int64_t ar = rows_of(a), ac = last_dim(a), br = rows_of(b), bc = last_dim(b);
-  d.m = trans_a ? ac : ar;
-  d.k = trans_a ? ar : ac;
-  int64_t kb = trans_b ? bc : br;
-  d.n = trans_b ? br : bc;
-  d.lda = ac;
-  d.ldb = bc;
-  if (kb != d.k || last_dim(out) != d.n || tensor_numel(out) != d.m * d.n) {
-    char sa[96], sb[96], so[96];
-    return err_set(STATUS_ESHAPE, "kernel_matmul: %s%s @ %s%s cannot produce %s",
-                   tensor_shape_str(a->ndim, a->shape, sa, sizeof sa), trans_a ? "^T" : "",
-                   tensor_shape_str(b->ndim, b->shape, sb, sizeof sb), trans_b ? "^T" : "",
-                   tensor_shape_str(out->ndim, out->shape, so, sizeof so));
-  }
-  if (d.m > INT32_MAX || d.n > INT32_MAX || d.k > INT32_MAX)
-    return err_set(STATUS_EUNSUPPORTED, "kernel_matmul: dimensions beyond 2^31-1");
+  FSDPC_TRY(matmul_dims("kernel_matmul", out, a, trans_a, b, trans_b, &d));
   if (d.m == 0 || d.n == 0) return STATUS_OK;
   DISPATCH("matmul", out, 0, ops->matmul(out, a, trans_a, b, trans_b, alpha, beta, &d));
+}
+
+/* A tensor's bytes [lo, hi) and the product it belongs to. */
+typedef struct span {
+  uintptr_t lo, hi;
+  int product;
+} span_t;
+
+static int span_order(const void *x, const void *y) {
+  const span_t *a = x, *b = y;
+  return a->lo < b->lo ? -1 : a->lo > b->lo;
+}
+
+static span_t span_of(const fsdpc_tensor_t *t, int product) {
+  uintptr_t lo = (uintptr_t)t->data;
+  return (span_t){lo, lo + tensor_nbytes(t), product};
+}
+
+/* Whether [lo, hi) meets one of the n sorted, disjoint spans; *which is its product. */
+static bool span_meets(const span_t *s, int n, uintptr_t lo, uintptr_t hi, int *which) {
+  int first = 0, last = n; /* the first span that ends after lo */
+  while (first < last) {
+    int mid = first + (last - first) / 2;
+    if (s[mid].hi <= lo)
+      first = mid + 1;
+    else
+      last = mid;
+  }
+  if (first < n && s[first].lo < hi && lo < hi) {
+    *which = s[first].product;
+    return true;
+  }
+  return false;
+}
+
+/* No product's output shares a byte with another's output or with any operand: run together,
+ * the products' order is not defined. */
+static fsdpc_status_t check_apart(const kernel_product_t *p, int n) {
+  span_t *outs = malloc(sizeof *outs * (size_t)n);
+  if (outs == NULL) return err_set(STATUS_ENOMEM, "kernel_matmul_many: %d products", n);
+  int k = 0;
+  for (int i = 0; i < n; i++)
+    if (tensor_nbytes(p[i].out) > 0) outs[k++] = span_of(p[i].out, i);
+  qsort(outs, (size_t)k, sizeof *outs, span_order);
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 1; i < k && st == STATUS_OK; i++)
+    if (outs[i].lo < outs[i - 1].hi)
+      st = err_set(STATUS_EINVAL, "kernel_matmul_many: the outputs of products %d and %d overlap",
+                   outs[i - 1].product, outs[i].product);
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    const fsdpc_tensor_t *ops[2] = {p[i].a, p[i].b};
+    for (int j = 0; j < 2 && st == STATUS_OK; j++) {
+      span_t x = span_of(ops[j], i);
+      int which;
+      if (span_meets(outs, k, x.lo, x.hi, &which))
+        st = err_set(STATUS_EINVAL,
+                     "kernel_matmul_many: product %d's %s overlaps the output of product %d", i,
+                     j == 0 ? "a" : "b", which);
+    }
+  }
+  free(outs);
+  return st;
+}
+
+fsdpc_status_t kernel_matmul_many(const kernel_product_t *p, int n, bool trans_a, bool trans_b,
+                                  float alpha, float beta) {
+  ARG_NONNULL(p);
+  if (n < 0) return err_set(STATUS_EINVAL, "kernel_matmul_many: %d products", n);
+  if (n == 0) return STATUS_OK;
+  const kernel_ops_t *ops = NULL;
+  matmul_dims_t *d = malloc(sizeof *d * (size_t)n);
+  if (d == NULL) return err_set(STATUS_ENOMEM, "kernel_matmul_many: %d products", n);
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    const char *fn = "kernel_matmul_many";
+    st = check_common(fn, NT(p[i].out, p[i].a, p[i].b, p[0].out), &ops);
+    if (st == STATUS_OK) st = check_float_same(fn, NT(p[i].out, p[i].a, p[i].b, p[0].out));
+    if (st == STATUS_OK) st = matmul_dims(fn, p[i].out, p[i].a, trans_a, p[i].b, trans_b, &d[i]);
+    if (st != STATUS_OK) st = err_prefix(st, "product %d of %d", i, n);
+  }
+  if (st == STATUS_OK) st = check_apart(p, n);
+  /* products without elements are skipped, as kernel_matmul skips them */
+  int k = 0;
+  for (int i = 0; i < n && st == STATUS_OK; i++)
+    if (d[i].m > 0 && d[i].n > 0) k++;
+  kernel_product_t *q = st == STATUS_OK && k < n ? malloc(sizeof *q * (size_t)k) : NULL;
+  if (st == STATUS_OK && k < n && k > 0 && q == NULL)
+    st = err_set(STATUS_ENOMEM, "kernel_matmul_many: %d products", n);
+  if (q != NULL)
+    for (int i = 0, j = 0; i < n; i++)
+      if (d[i].m > 0 && d[i].n > 0) {
+        q[j] = p[i];
+        d[j++] = d[i];
+      }
+  const kernel_product_t *run = q != NULL ? q : p;
+  if (st == STATUS_OK && k > 0 && ops->matmul_many != NULL) {
+    const fsdpc_tensor_t *first = run[0].out;
+    if (!kernel_profile_enabled()) {
+      st = ops->matmul_many(run, d, k, trans_a, trans_b, alpha, beta);
+    } else {
+      kernel_prof_t pc;
+      kernel_prof_begin(&pc, first->device);
+      st = kernel_prof_end(&pc, "matmul (grouped)", 0,
+                           ops->matmul_many(run, d, k, trans_a, trans_b, alpha, beta));
+    }
+  } else {
+    for (int i = 0; i < k && st == STATUS_OK; i++)
+      st = kernel_matmul(run[i].out, run[i].a, trans_a, run[i].b, trans_b, alpha, beta);
+  }
+  free(q);
+  free(d);
+  return st;
 }
 
 fsdpc_status_t kernel_embedding_shard(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,

@@ -37,6 +37,20 @@ extern "C" {
 fsdpc_status_t kernel_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
                              const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta);
 
+/* One product of kernel_matmul_many: out = alpha * op(a) @ op(b) + beta * out. */
+typedef struct kernel_product {
+  fsdpc_tensor_t *out;
+  const fsdpc_tensor_t *a, *b;
+} kernel_product_t;
+
+/* The n products p[0..n) as kernel_matmul would run them one by one, with one trans_a, trans_b,
+ * alpha and beta: each product checked as kernel_matmul checks it, all of one float dtype and
+ * device, their outputs apart from each other and from every operand. A mixture of experts' blocks
+ * take one for each expert that got tokens. On CUDA devices they run as one grouped cuBLAS call
+ * (cublasGemmGroupedBatchedEx; see kernel_matmul_set_grouped) rather than a call each. */
+fsdpc_status_t kernel_matmul_many(const kernel_product_t *p, int n, bool trans_a, bool trans_b,
+                                  float alpha, float beta);
+
 /* out[..., D] = table[ids[...], :]; ids are I32 or I64 in [0, V). */
 fsdpc_status_t kernel_embedding(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,
                                 const fsdpc_tensor_t *ids);
@@ -138,6 +152,20 @@ void kernel_matmul_set_lt(bool on);
 const char *kernel_matmul_lt_off(void);
 int64_t kernel_matmul_lt_runs(void);
 const char *kernel_matmul_lt_note(void);
+
+/* On CUDA devices kernel_matmul_many runs its products as one cublasGemmGroupedBatchedEx where
+ * the loaded cuBLAS has it (CUDA 12.5 on) and every operand starts on a 16-byte boundary with rows
+ * of a multiple of 16 bytes; otherwise it runs them one by one as kernel_matmul does.
+ * FSDPC_GROUPED_GEMM=0 in the environment (whatever kernel_matmul_set_grouped says), or
+ * kernel_matmul_set_grouped(false), keeps to the latter. kernel_matmul_grouped_runs counts the
+ * grouped calls in this process; kernel_matmul_grouped_note says why the last call that could
+ * not, did not ("" when none has); kernel_matmul_grouped_off what keeps every call off it
+ * ("FSDPC_GROUPED_GEMM=0", "kernel_matmul_set_grouped(false)", a build without CUDA), "" when
+ * nothing does. */
+void kernel_matmul_set_grouped(bool on);
+const char *kernel_matmul_grouped_off(void);
+int64_t kernel_matmul_grouped_runs(void);
+const char *kernel_matmul_grouped_note(void);
 
 /* On CUDA devices attention runs cuDNN's fused flash attention when libcudnn.so.9 loads and
  * takes the call (bf16 or f16, head dim a multiple of 8 up to 256), and batched cuBLAS products

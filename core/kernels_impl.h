@@ -21,6 +21,9 @@ typedef struct kernel_ops {
   fsdpc_status_t (*matmul)(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
                            const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta,
                            const matmul_dims_t *d);
+  /* NULL: kernel_matmul_many runs matmul on each product; d[i] are p[i]'s sizes */
+  fsdpc_status_t (*matmul_many)(const kernel_product_t *p, const matmul_dims_t *d, int n,
+                                bool trans_a, bool trans_b, float alpha, float beta);
   /* table holds rows [first, first + V) of a vocabulary of `vocab` ids (first = 0 and
    * vocab = V when whole): ids outside the rows give zero rows and no gradient */
   fsdpc_status_t (*embedding)(fsdpc_tensor_t *out, const fsdpc_tensor_t *table,

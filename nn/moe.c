@@ -648,33 +648,76 @@ static fsdpc_status_t matrix(const fsdpc_tensor_t *w, int64_t e, fsdpc_tensor_t 
   return st;
 }
 
-/* One expert's share of the backward: dx_e = dy_e w_e, dw_e = dy_e^T x_e. */
-static fsdpc_status_t grouped_backward_block(nn_node_t *n, fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
-                                             int64_t e, int64_t off, int64_t c) {
-  fsdpc_tensor_t xe = {0}, dye = {0}, dxe = {0}, we = {0}, dwe = {0};
-  fsdpc_status_t st = tensor_narrow(&xe, &n->in[0]->value, 0, off, c);
-  if (st == STATUS_OK) st = tensor_narrow(&dye, &n->out->grad, 0, off, c);
-  if (st == STATUS_OK && dx->data) st = tensor_narrow(&dxe, dx, 0, off, c);
-  if (st == STATUS_OK) st = matrix(&n->param->compute, e, &we);
-  if (st == STATUS_OK && dw->data) st = matrix(dw, e, &dwe);
-  if (st == STATUS_OK && dx->data) st = kernel_matmul(&dxe, &dye, false, &we, false, 1.0f, 0.0f);
-  if (st == STATUS_OK && dw->data) st = kernel_matmul(&dwe, &dye, true, &xe, false, 1.0f, 0.0f);
-  fsdpc_tensor_t *all[] = {&xe, &dye, &dxe, &we, &dwe};
-  for (int i = 0; i < 5; i++) tensor_free(all[i]);
+/* The views of a grouped product's operands, one of each kind for each expert that got rows. */
+typedef struct expert_views {
+  fsdpc_tensor_t *t; /* kinds x experts, kind-major */
+  kernel_product_t *p;
+  int kinds, experts, used;
+} expert_views_t;
+
+static fsdpc_status_t views_new(expert_views_t *v, int kinds, int experts) {
+  memset(v, 0, sizeof *v);
+  v->t = calloc((size_t)kinds * (size_t)experts, sizeof *v->t);
+  v->p = calloc((size_t)experts, sizeof *v->p);
+  v->kinds = kinds;
+  v->experts = experts;
+  if (v->t == NULL || v->p == NULL) {
+    free(v->t);
+    free(v->p);
+    return err_set(STATUS_ENOMEM, "nn_grouped_linear: views of %d experts", experts);
+  }
+  return STATUS_OK;
+}
+
+static fsdpc_status_t views_free(expert_views_t *v, fsdpc_status_t st) {
+  for (int i = 0; i < v->kinds * v->experts; i++) tensor_free(&v->t[i]);
+  free(v->t);
+  free(v->p);
   return st;
 }
 
+/* The view of kind k of the i-th expert that got rows. */
+static fsdpc_tensor_t *view(expert_views_t *v, int k, int i) { return &v->t[k * v->experts + i]; }
+
+/* Rows [off, off + c) of t. */
+static fsdpc_status_t rows(const fsdpc_tensor_t *t, int64_t off, int64_t c, fsdpc_tensor_t *out) {
+  return tensor_narrow(out, t, 0, off, c);
+}
+
+/* The backward: dx_e = dy_e w_e and dw_e = dy_e^T x_e for each expert e that got rows, each kind
+ * of product in one kernel_matmul_many. */
 static fsdpc_status_t grouped_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *x = n->in[0];
   const int64_t *counts = n->saved[0].data;
+  int E = (int)n->saved[0].shape[0];
   FSDPC_TRY(float_values("nn_grouped_linear (backward)", &n->out->grad));
   fsdpc_tensor_t dx = {0}, dw = {0};
+  expert_views_t v; /* kinds: x_e, dy_e, dx_e, w_e, dw_e */
+  FSDPC_TRY(views_new(&v, 5, E));
   fsdpc_status_t st = STATUS_OK;
   if (x->requires_grad) st = ops_zeros_like(&dx, &x->value);
   if (st == STATUS_OK && n->param->requires_grad) st = ops_zeros_like(&dw, &n->param->compute);
-  for (int64_t e = 0, off = 0; e < n->saved[0].shape[0] && st == STATUS_OK; off += counts[e++])
-    if (counts[e] > 0) st = grouped_backward_block(n, &dx, &dw, e, off, counts[e]);
+  for (int64_t e = 0, off = 0; e < E && st == STATUS_OK; off += counts[e++]) {
+    if (counts[e] == 0) continue;
+    int i = v.used++;
+    st = rows(&n->in[0]->value, off, counts[e], view(&v, 0, i));
+    if (st == STATUS_OK) st = rows(&n->out->grad, off, counts[e], view(&v, 1, i));
+    if (st == STATUS_OK && dx.data) st = rows(&dx, off, counts[e], view(&v, 2, i));
+    if (st == STATUS_OK) st = matrix(&n->param->compute, e, view(&v, 3, i));
+    if (st == STATUS_OK && dw.data) st = matrix(&dw, e, view(&v, 4, i));
+  }
+  if (st == STATUS_OK && dx.data) { /* dx_e = dy_e w_e */
+    for (int i = 0; i < v.used; i++)
+      v.p[i] = (kernel_product_t){view(&v, 2, i), view(&v, 1, i), view(&v, 3, i)};
+    st = kernel_matmul_many(v.p, v.used, false, false, 1.0f, 0.0f);
+  }
+  if (st == STATUS_OK && dw.data) { /* dw_e = dy_e^T x_e */
+    for (int i = 0; i < v.used; i++)
+      v.p[i] = (kernel_product_t){view(&v, 4, i), view(&v, 1, i), view(&v, 0, i)};
+    st = kernel_matmul_many(v.p, v.used, true, false, 1.0f, 0.0f);
+  }
+  st = views_free(&v, st);
   /* empty ones too (a rank whose experts got no rows: see combine_backward) */
   if (st == STATUS_OK && x->requires_grad) st = nn_accumulate_grad(x, &dx);
   if (st == STATUS_OK && n->param->requires_grad) st = nn_param_accumulate_grad(n->param, &dw);
@@ -708,16 +751,20 @@ static fsdpc_status_t grouped(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, const i
   fsdpc_status_t st = tensor_zeros(&y, X->dtype, X->device, 2, (int64_t[]){M, W->shape[1]});
   if (st == STATUS_OK) st = tensor_init(&c, DTYPE_I64, device_cpu(), 1, (int64_t[]){E});
   if (st == STATUS_OK) memcpy(c.data, counts, (size_t)E * sizeof *counts);
-  for (int64_t e = 0, off = 0; e < E && st == STATUS_OK; off += counts[e++]) {
-    if (counts[e] == 0) continue;
-    fsdpc_tensor_t xe = {0}, ye = {0}, we = {0};
-    st = tensor_narrow(&xe, X, 0, off, counts[e]);
-    if (st == STATUS_OK) st = tensor_narrow(&ye, &y, 0, off, counts[e]);
-    if (st == STATUS_OK) st = matrix(W, e, &we);
-    if (st == STATUS_OK) st = kernel_matmul(&ye, &xe, false, &we, true, 1.0f, 0.0f);
-    tensor_free(&xe);
-    tensor_free(&ye);
-    tensor_free(&we);
+  expert_views_t v; /* kinds: y_e, x_e, w_e */
+  if (st == STATUS_OK) st = views_new(&v, 3, E);
+  if (st == STATUS_OK) {
+    for (int64_t e = 0, off = 0; e < E && st == STATUS_OK; off += counts[e++]) {
+      if (counts[e] == 0) continue;
+      int i = v.used++;
+      st = rows(&y, off, counts[e], view(&v, 0, i));
+      if (st == STATUS_OK) st = rows(X, off, counts[e], view(&v, 1, i));
+      if (st == STATUS_OK) st = matrix(W, e, view(&v, 2, i));
+      v.p[i] = (kernel_product_t){view(&v, 0, i), view(&v, 1, i), view(&v, 2, i)};
+    }
+    if (st == STATUS_OK)
+      st = kernel_matmul_many(v.p, v.used, false, true, 1.0f, 0.0f); /* x_e w_e^T */
+    st = views_free(&v, st);
   }
   if (st != STATUS_OK) {
     tensor_free(&y);

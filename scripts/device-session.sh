@@ -18,6 +18,9 @@
 #   profile-0.9b  fsdp-train alone on configs/llama-0.9b.json with its kernel profile
 #   compare-qwen3 on configs/qwen3-0.6b.json (head_dim 128, q/k norms, a 151936 vocabulary),
 #                 torch FSDP2 and FSDP2 + compile
+#   moe           fsdp-train alone on configs/qwen3-moe-1.3b.json (64 experts, top-8) with its
+#                 kernel profile, then again with the experts' products one by one
+#                 (FSDPC_GROUPED_GEMM=0) against one grouped cuBLAS call a product kind
 #   reference     tests/reference's torch models against transformers (on the CPU)
 #   vs-llmc       bench/vs_llmc_gpu.py: GPT-2 124M against llm.c's train_gpt2cu, 16 x 1024, when
 #                 .deps/llm.c holds an llm.c checkout (with .deps/cudnn-frontend, cuDNN on),
@@ -45,10 +48,11 @@ if [ $# -eq 0 ]; then set -- suites multi compare fsdp-step; fi
 for s in "$@"; do
   case "$s" in
     suites | multi | compare | compare-0.9b | offload-0.9b | profile-0.9b | compare-qwen3 | \
-      reference | vs-llmc | tests | fsdp-step) ;;
+      moe | reference | vs-llmc | tests | fsdp-step) ;;
     *)
       echo "device-session: unknown stage '$s' (suites, multi, compare, compare-0.9b," \
-        "offload-0.9b, profile-0.9b, compare-qwen3, reference, vs-llmc, tests, fsdp-step)" >&2
+        "offload-0.9b, profile-0.9b, compare-qwen3, moe, reference, vs-llmc, tests," \
+        "fsdp-step)" >&2
       exit 2
       ;;
   esac
@@ -116,6 +120,11 @@ for s in "$@"; do
     compare-qwen3)
       run compare-qwen3 300 "$python" "${vs[@]}" --config configs/qwen3-0.6b.json --torch-compile \
         --steps 20
+      ;;
+    moe) # fsdpc alone (torch's reference model loops over the experts)
+      run moe 240 "$python" bench/vs_torch_gpu.py --exe build-gpu/tools/fsdp-train \
+        --python /bin/false --config configs/qwen3-moe-1.3b.json --profile --steps 8 --warmup 3 \
+        --also-env FSDPC_GROUPED_GEMM=0
       ;;
     reference) run reference 120 "$python" tests/reference/check_transformers.py ;;
     vs-llmc)

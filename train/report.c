@@ -129,6 +129,8 @@ static void header_world(const run_t *r) {
         "batched cuBLAS products\n");
   if (r->dev.type == DEVICE_CUDA && kernel_matmul_lt_off()[0])
     printf("  matrix products: cublasGemmEx (%s)\n", kernel_matmul_lt_off());
+  if (r->dev.type == DEVICE_CUDA && kernel_matmul_grouped_off()[0])
+    printf("  experts' products: one call each (%s)\n", kernel_matmul_grouped_off());
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) warn_oversubscribed();
 }
 

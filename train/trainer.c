@@ -840,6 +840,10 @@ static fsdpc_status_t profile_report(const run_t *r, const loop_t *L) {
     const char *note = kernel_matmul_lt_note();
     printf("matrix products: cuBLASLt %lld calls%s%s\n", (long long)kernel_matmul_lt_runs(),
            note[0] ? "; the last that took cublasGemmEx: " : "", note);
+    const char *why = kernel_matmul_grouped_note();
+    if (kernel_matmul_grouped_runs() > 0 || why[0])
+      printf("experts' products: %lld grouped cuBLAS calls%s%s\n",
+             (long long)kernel_matmul_grouped_runs(), why[0] ? "; the last one by one: " : "", why);
   }
   return st;
 }

@@ -15,3 +15,8 @@ void kernel_matmul_set_lt(bool on) { (void)on; }
 const char *kernel_matmul_lt_off(void) { return "built without CUDA"; }
 int64_t kernel_matmul_lt_runs(void) { return 0; }
 const char *kernel_matmul_lt_note(void) { return "built without CUDA"; }
+
+void kernel_matmul_set_grouped(bool on) { (void)on; }
+const char *kernel_matmul_grouped_off(void) { return "built without CUDA"; }
+int64_t kernel_matmul_grouped_runs(void) { return 0; }
+const char *kernel_matmul_grouped_note(void) { return "built without CUDA"; }

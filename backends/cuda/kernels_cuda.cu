@@ -14,8 +14,21 @@
 
 #include "backends/cuda/cublas_lt.h"
 #include "backends/cuda/kernels_cuda.h"
+#include "core/fast_path_impl.h"
 
 /* ======================= kernels ======================= */
+
+/* Pointers handed in a launch's arguments (a kernel's arguments take up to 4 KiB), written to
+ * device memory at dst. */
+static const int kPtrChunk = 448;
+typedef struct ptr_chunk {
+  const void *p[kPtrChunk];
+} ptr_chunk_t;
+
+__global__ static void ptrs_kernel(const void **dst, ptr_chunk_t c, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = c.p[i];
+}
 
 /* table holds rows [first, first + V) of a vocabulary of `vocab` ids; others give zeros */
 __global__ static void embedding_kernel(void *out, const void *table, int tdt, const void *ids,
@@ -201,6 +214,7 @@ static struct {
                                  const void *const[], cudaDataType, int, const void *,
                                  void *const[], cudaDataType, int, int, cublasComputeType_t,
                                  cublasGemmAlgo_t);
+  decltype(&cublasGemmGroupedBatchedEx) gemm_grouped; /* NULL before cuBLAS 12.5 */
   char error[256];
 } cublas;
 static pthread_once_t cublas_once = PTHREAD_ONCE_INIT;
@@ -225,6 +239,7 @@ static void cublas_load(void) {
   cublas.set_stream = (decltype(cublas.set_stream))dlsym(lib, "cublasSetStream_v2");
   cublas.gemm = (decltype(cublas.gemm))dlsym(lib, "cublasGemmEx");
   cublas.gemm_batched = (decltype(cublas.gemm_batched))dlsym(lib, "cublasGemmBatchedEx");
+  cublas.gemm_grouped = (decltype(cublas.gemm_grouped))dlsym(lib, "cublasGemmGroupedBatchedEx");
   if (!cublas.create || !cublas.set_stream || !cublas.gemm || !cublas.gemm_batched)
     snprintf(cublas.error, sizeof cublas.error,
              "%s lacks cublasCreate_v2, cublasSetStream_v2, "
@@ -361,6 +376,127 @@ static fsdpc_status_t cuda_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, 
   strided_t *bufs[3] = {&A, &B, &D};
   for (int i = 0; i < 3; i++) /* stream-ordered: after the product */
     if (bufs[i]->bytes) device_free(dev, bufs[i]->p, bufs[i]->bytes);
+  return st;
+}
+
+/*
+ * Several products in one cublasGemmGroupedBatchedEx, each a group of one (a mixture of experts'
+ * products differ in their rows): one call into cuBLAS where a loop makes one for each expert,
+ * with its own descriptors and launches. Its operand pointers go to the device in the arguments
+ * of a small kernel (a copy from pageable host memory may wait for the stream). Products it
+ * cannot take run one by one.
+ */
+static fast_path_t grouped =
+    FAST_PATH_INIT("FSDPC_GROUPED_GEMM", "kernel_matmul_set_grouped(false)");
+static bool grouped_refused[DTYPE_COUNT]; /* cuBLAS said not supported: under grouped.lock */
+
+extern "C" void kernel_matmul_set_grouped(bool on) { fast_path_set(&grouped, on); }
+extern "C" const char *kernel_matmul_grouped_off(void) { return fast_path_off(&grouped); }
+extern "C" int64_t kernel_matmul_grouped_runs(void) { return fast_path_runs(&grouped); }
+extern "C" const char *kernel_matmul_grouped_note(void) {
+  static __thread char copy[512];
+  fast_path_note_copy(&grouped, copy, sizeof copy);
+  return copy;
+}
+
+static bool on16(const void *p) { return (uintptr_t)p % 16 == 0; }
+
+/* Why the products cannot run grouped ("" when they can). */
+static const char *grouped_refusal(const kernel_product_t *p, const matmul_dims_t *d, int n) {
+  const char *off = fast_path_off_locked(&grouped);
+  if (off[0]) return off;
+  if (cublas.gemm_grouped == NULL) return "the loaded cuBLAS lacks cublasGemmGroupedBatchedEx";
+  dtype_t dt = p[0].out->dtype;
+  if (grouped_refused[dt]) return "cuBLAS does not support this dtype grouped";
+  int64_t es = (int64_t)dtype_size(dt);
+  for (int i = 0; i < n; i++)
+    if (!on16(p[i].out->data) || !on16(p[i].a->data) || !on16(p[i].b->data) || d[i].lda * es % 16 ||
+        d[i].ldb * es % 16 || d[i].n * es % 16)
+      return "an operand off a 16-byte boundary, or rows of a size that is not a multiple of 16 "
+             "bytes";
+  return "";
+}
+
+/* The grouped call; *refused when cuBLAS does not support it (nothing ran). */
+static fsdpc_status_t grouped_call(const kernel_product_t *p, const matmul_dims_t *d, int n,
+                                   bool trans_a, bool trans_b, float alpha, float beta,
+                                   bool *refused) {
+  *refused = false;
+  device_t dev = p[0].out->device;
+  cudaStream_t s = stream_of(p[0].out);
+  cublasHandle_t h;
+  FSDPC_TRY(cuda_blas_handle(dev.index, s, &h));
+  size_t bytes = 3 * (size_t)n * sizeof(void *);
+  const void **ptrs;
+  FSDPC_TRY(device_alloc(dev, bytes, (void **)&ptrs));
+  /* Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS's A is our b. */
+  fsdpc_status_t st = STATUS_OK;
+  ptr_chunk_t c;
+  for (int i0 = 0; i0 < 3 * n && st == STATUS_OK; i0 += kPtrChunk) {
+    int k = 3 * n - i0 < kPtrChunk ? 3 * n - i0 : kPtrChunk;
+    for (int j = 0; j < k; j++) {
+      int i = (i0 + j) % n, which = (i0 + j) / n;
+      c.p[j] = which == 0 ? p[i].b->data : which == 1 ? p[i].a->data : p[i].out->data;
+    }
+    ptrs_kernel<<<(k + kBlock - 1) / kBlock, kBlock, 0, s>>>(ptrs + i0, c, k);
+    st = launched("kernel_matmul_many (operand pointers)");
+  }
+  /* per product: the two operations, then m, n, k, lda, ldb, ldc, the group size (one) */
+  cublasOperation_t *op = (cublasOperation_t *)malloc(sizeof *op * 2 * (size_t)n);
+  int *v = (int *)malloc(sizeof *v * 7 * (size_t)n);
+  float *scale = (float *)malloc(sizeof *scale * 2 * (size_t)n);
+  if (st == STATUS_OK && (op == NULL || v == NULL || scale == NULL))
+    st = err_set(STATUS_ENOMEM, "kernel_matmul_many: %d products", n);
+  if (st == STATUS_OK) {
+    for (int i = 0; i < n; i++) {
+      op[i] = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+      op[n + i] = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+      int64_t x[7] = {d[i].n, d[i].m, d[i].k, d[i].ldb, d[i].lda, d[i].n, 1};
+      for (int j = 0; j < 7; j++) v[j * n + i] = (int)x[j];
+      scale[i] = alpha;
+      scale[n + i] = beta;
+    }
+    cudaDataType_t t = cuda_dtype(p[0].out->dtype);
+    cublasStatus_t cs = cublas.gemm_grouped(
+        h, op, op + n, v, v + n, v + 2 * n, scale, ptrs, t, v + 3 * n, ptrs + n, t, v + 4 * n,
+        scale + n, (void *const *)(ptrs + 2 * n), t, v + 5 * n, n, v + 6 * n, CUBLAS_COMPUTE_32F);
+    *refused = cs == CUBLAS_STATUS_NOT_SUPPORTED;
+    if (!*refused) {
+      char what[96];
+      snprintf(what, sizeof what, "cublasGemmGroupedBatchedEx (%d products)", n);
+      st = cublas_status(cs, what);
+    }
+  }
+  free(op);
+  free(v);
+  free(scale);
+  device_free(dev, ptrs, bytes); /* stream-ordered: after the products */
+  return st;
+}
+
+static fsdpc_status_t cuda_matmul_many(const kernel_product_t *p, const matmul_dims_t *d, int n,
+                                       bool trans_a, bool trans_b, float alpha, float beta) {
+  CUDA_TRY(cuda_use_device(p[0].out->device.index));
+  pthread_once(&cublas_once, cublas_load);
+  fsdpc_status_t st = STATUS_OK;
+  bool ran = false, refused = false;
+  pthread_mutex_lock(&grouped.lock);
+  const char *why = cublas.error[0] ? cublas.error : grouped_refusal(p, d, n);
+  if (why[0]) {
+    fast_path_note(&grouped, "%s", why);
+  } else {
+    st = grouped_call(p, d, n, trans_a, trans_b, alpha, beta, &refused);
+    if (refused) {
+      grouped_refused[p[0].out->dtype] = true;
+      fast_path_note(&grouped, "cuBLAS does not support %s products grouped",
+                     dtype_name(p[0].out->dtype));
+    }
+    ran = st == STATUS_OK && !refused;
+    if (ran) grouped.runs++;
+  }
+  pthread_mutex_unlock(&grouped.lock);
+  for (int i = 0; i < n && st == STATUS_OK && !ran; i++)
+    st = cuda_matmul(p[i].out, p[i].a, trans_a, p[i].b, trans_b, alpha, beta, &d[i]);
   return st;
 }
 
@@ -546,6 +682,7 @@ static pthread_once_t ops_once = PTHREAD_ONCE_INIT;
 
 static void ops_init(void) {
   ops.matmul = cuda_matmul;
+  ops.matmul_many = cuda_matmul_many;
   ops.embedding = cuda_embedding;
   ops.embedding_backward = cuda_embedding_backward;
   ops.rope = cuda_rope;

@@ -74,6 +74,30 @@ static cublasStatus_t gemm_batched(cublasHandle_t h, cublasOperation_t ta, cubla
   return CUBLAS_STATUS_SUCCESS;
 }
 
+/* Group g: group_size[g] products of its sizes, operations and scales; the pointer arrays
+ * (device memory) hold the products of every group in order. */
+static cublasStatus_t gemm_grouped(cublasHandle_t h, const cublasOperation_t ta[],
+                                   const cublasOperation_t tb[], const int m[], const int n[],
+                                   const int k[], const void *alpha, const void *const a[],
+                                   cudaDataType at, const int lda[], const void *const b[],
+                                   cudaDataType bt, const int ldb[], const void *beta,
+                                   void *const c[], cudaDataType ct, const int ldc[], int groups,
+                                   const int group_size[], cublasComputeType_t comp) {
+  if (groups < 0 || comp != CUBLAS_COMPUTE_32F) return CUBLAS_STATUS_INVALID_VALUE;
+  if (at != bt || at != ct) return CUBLAS_STATUS_NOT_SUPPORTED;
+  long e = 0;
+  for (int g = 0; g < groups; g++) {
+    if (group_size[g] < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    for (int j = 0; j < group_size[g]; j++, e++) {
+      cublasStatus_t s =
+          gemm(h, ta[g], tb[g], m[g], n[g], k[g], (const float *)alpha + g, a[e], at, lda[g], b[e],
+               bt, ldb[g], (const float *)beta + g, c[e], ct, ldc[g], comp, CUBLAS_GEMM_DEFAULT);
+      if (s != CUBLAS_STATUS_SUCCESS) return s;
+    }
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 /* ---- cuBLASLt: one algorithm, asking for a workspace that the product then checks ---- */
 
 static int lt_library;
@@ -250,6 +274,7 @@ extern "C" void *emu_dlsym(void *lib, const char *symbol) {
       {&library, "cublasSetStream_v2", (void *)set_stream},
       {&library, "cublasGemmEx", (void *)gemm},
       {&library, "cublasGemmBatchedEx", (void *)gemm_batched},
+      {&library, "cublasGemmGroupedBatchedEx", (void *)gemm_grouped},
       {&lt_library, "cublasLtCreate", (void *)lt_create},
       {&lt_library, "cublasLtMatmulDescCreate", (void *)lt_desc_create},
       {&lt_library, "cublasLtMatmulDescSetAttribute", (void *)lt_desc_set},

@@ -149,6 +149,82 @@ static int k_matmul_padded(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   return 3;
 }
 
+/* A mixture of experts' products through kernel_matmul_many over E stacked [out, in] weights,
+ * the rows of x split by counts (one expert without rows): y_e = x_e w_e^T, dx_e = dy_e w_e,
+ * dw_e += 0.5 dy_e^T x_e (into values already there). Outputs y, dx, dw. */
+static void experts_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t in, int64_t outd) {
+  enum { E = 5 };
+  static const int64_t counts[E] = {7, 0, 13, 1, 9};
+  int64_t rows = 30, sw[3] = {E, outd, in}, sx[2] = {rows, in}, sy[2] = {rows, outd};
+  fsdpc_tensor_t w, x, dy, y, dx, dw;
+  rnd(&w, dev, dt, 3, sw, 11, 1);
+  rnd(&x, dev, dt, 2, sx, 12, 1);
+  rnd(&dy, dev, dt, 2, sy, 13, 1);
+  rnd(&dw, dev, dt, 3, sw, 14, 1);
+  poisoned(&y, dev, dt, 2, sy);
+  poisoned(&dx, dev, dt, 2, sx);
+  fsdpc_tensor_t v[5][E] = {{{0}}}; /* x_e, dy_e, y_e, dx_e, w_e; dw_e */
+  fsdpc_tensor_t dwe[E] = {{0}};
+  kernel_product_t fwd[E], bx[E], bw[E];
+  int n = 0;
+  for (int64_t e = 0, off = 0; e < E; off += counts[e++]) {
+    if (counts[e] == 0) continue;
+    ok(tensor_narrow(&v[0][n], &x, 0, off, counts[e]));
+    ok(tensor_narrow(&v[1][n], &dy, 0, off, counts[e]));
+    ok(tensor_narrow(&v[2][n], &y, 0, off, counts[e]));
+    ok(tensor_narrow(&v[3][n], &dx, 0, off, counts[e]));
+    fsdpc_tensor_t one;
+    ok(tensor_narrow(&one, &w, 0, e, 1));
+    ok(tensor_view(&v[4][n], &one, 2, sw + 1));
+    tensor_free(&one);
+    ok(tensor_narrow(&one, &dw, 0, e, 1));
+    ok(tensor_view(&dwe[n], &one, 2, sw + 1));
+    tensor_free(&one);
+    fwd[n] = (kernel_product_t){&v[2][n], &v[0][n], &v[4][n]};
+    bx[n] = (kernel_product_t){&v[3][n], &v[1][n], &v[4][n]};
+    bw[n] = (kernel_product_t){&dwe[n], &v[1][n], &v[0][n]};
+    n++;
+  }
+  ok(kernel_matmul_many(fwd, n, false, true, 1.0f, 0.0f));
+  ok(kernel_matmul_many(bx, n, false, false, 1.0f, 0.0f));
+  ok(kernel_matmul_many(bw, n, true, false, 0.5f, 1.0f));
+  for (int i = 0; i < n; i++) {
+    for (int k = 0; k < 5; k++) tensor_free(&v[k][i]);
+    tensor_free(&dwe[i]);
+  }
+  out(&o[0], &y);
+  out(&o[1], &dx);
+  out(&o[2], &dw);
+  tensor_free(&w);
+  tensor_free(&x);
+  tensor_free(&dy);
+}
+
+/* The experts' products with rows of 40 and 24 elements (16-byte multiples in every dtype), which
+ * take one grouped cuBLAS call each on the device, then with rows of 37 and 24 (off 16 bytes),
+ * which run one by one. The case fails where the three calls did not run grouped for a reason
+ * other than cuBLAS refusing the dtype (under the emulator: for any reason), or the last one
+ * did not give its reason. */
+static int k_matmul_many(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
+  int64_t runs = kernel_matmul_grouped_runs();
+  experts_case(dev, dt, o, 40, 24);
+  int64_t grouped = kernel_matmul_grouped_runs() - runs;
+  char note[512];
+  snprintf(note, sizeof note, "%s", kernel_matmul_grouped_note());
+  experts_case(dev, dt, o + 3, 37, 24);
+  if (dev.type == DEVICE_CUDA) {
+    bool off = kernel_matmul_grouped_off()[0] != '\0';
+    bool refused = !emulated() && strstr(note, "does not support") != NULL;
+    ck_assert_msg(grouped == 3 || ((off || refused) && grouped == 0),
+                  "%s: %lld of 3 calls grouped (%s)", dtype_name(dt), (long long)grouped, note);
+    ck_assert_int_eq(kernel_matmul_grouped_runs() - runs, grouped);
+    if (grouped == 3)
+      ck_assert_msg(strstr(kernel_matmul_grouped_note(), "16-byte") != NULL, "note: %s",
+                    kernel_matmul_grouped_note());
+  }
+  return 6;
+}
+
 static int k_embedding(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int64_t st[2] = {61, 33}, so[2] = {45, 33};
   fsdpc_tensor_t table, id, y, g, dy;
@@ -707,6 +783,7 @@ static const kcase_t cases[] = {
     {"relu/gelu/silu", k_activations, 0, 0},
     {"bias/layernorm", k_bias_layernorm, 0, 0},
     {"moe_combine", k_moe_combine, 0, 0},
+    {"matmul_many (experts)", k_matmul_many, 0, 0},
 };
 
 START_TEST(cuda_kernel_matches_cpu) {

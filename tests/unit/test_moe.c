@@ -63,6 +63,18 @@ static const char *const weights[] = {"gate.weight",
                                       "shared_experts.up_proj.weight",
                                       "shared_experts.down_proj.weight"};
 
+/* On the device the experts' products of a forward and backward are nine grouped cuBLAS calls
+ * (gate, up and down: one forward, two backward), unless turned off or, on a GPU, cuBLAS does
+ * not support them (the note says so); the emulator has them. */
+static void grouped_calls(const char *tag, int64_t calls) {
+  const char *note = kernel_matmul_grouped_note();
+  bool off = kernel_matmul_grouped_off()[0] != '\0';
+  bool refused = getenv("FSDPC_TEST_CUDA_EMULATED") == NULL && strstr(note, "does not support");
+  ck_assert_msg(calls == 9 || ((off || refused) && calls == 0),
+                "%s: %lld grouped calls of the experts' 9 (%s)", tag, (long long)calls, note);
+  if (calls == 0) printf("%s: the experts' products ran one by one: %s\n", tag, note);
+}
+
 /* The block of case tag, run forward and backward with the upstream gradient r; every value
  * against torch's. sigmoid: DeepSeek-V3's routing (scale 2.5, the golden expert_bias), and
  * then the bias's update by 0.125 toward the mean load. */
@@ -96,6 +108,7 @@ static void check_case(const char *tag, int experts, int k, bool norm, int64_t s
   to_dev(&r);
   nn_ctx_t *ctx;
   nn_var_t *in, *out;
+  int64_t grouped = kernel_matmul_grouped_runs();
   ok(nn_ctx_new(&ctx));
   ok(nn_var_new(&x, true, &in));
   ok(nn_call(ctx, m, in, &out));
@@ -111,6 +124,7 @@ static void check_case(const char *tag, int experts, int k, bool norm, int64_t s
   ck_assert(memcmp(load, ref.data, (size_t)experts * sizeof *load) == 0);
   tensor_free(&ref);
   ok(nn_backward_grad(ctx, out, &r));
+  if (mode.device == DEVICE_CUDA) grouped_calls(tag, kernel_matmul_grouped_runs() - grouped);
   golden(g, tag, "grad.x", &ref);
   h = host(&in->grad);
   e = test_rel_l2(&h, &ref);

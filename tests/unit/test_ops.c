@@ -706,6 +706,78 @@ END_TEST
 /* The mean loss on the device: kernel_masked_mean against a sum in f64 over the kept rows
  * (NaN and a zero count when none is kept), and its gradient with the scale read from the
  * tensors: the same bits as the kernel given dloss / count on the host. */
+/* out = alpha op(a) op(b) + beta out in double, row-major, from the values before. */
+static void product_by_definition(const float *a, bool ta, const float *b, bool tb, float *out,
+                                  int64_t M, int64_t N, int64_t K, float alpha, float beta) {
+  for (int64_t i = 0; i < M; i++)
+    for (int64_t j = 0; j < N; j++) {
+      double s = 0;
+      for (int64_t k = 0; k < K; k++)
+        s += (double)(ta ? a[k * M + i] : a[i * K + k]) * (tb ? b[j * K + k] : b[k * N + j]);
+      out[i * N + j] = (float)(alpha * s + beta * out[i * N + j]);
+    }
+}
+
+/* kernel_matmul_many: each product as its definition (one without rows among them), with a
+ * transposed b, alpha and beta; and its refusals, each naming the product or the overlap. */
+START_TEST(matmul_many_matches_definition_and_refuses_overlaps) {
+  enum { P = 3 };
+  const int64_t M[P] = {5, 0, 3}, N = 4, K = 6;
+  fsdpc_tensor_t a[P], b[P], c[P];
+  float want[P][20];
+  kernel_product_t p[P];
+  test_rng_t r = {7};
+  for (int i = 0; i < P; i++) {
+    ok(tensor_init(&a[i], DTYPE_F32, device_cpu(), 2, (int64_t[]){M[i], K}));
+    ok(tensor_init(&b[i], DTYPE_F32, device_cpu(), 2, (int64_t[]){N, K})); /* b^T is [K, N] */
+    ok(tensor_init(&c[i], DTYPE_F32, device_cpu(), 2, (int64_t[]){M[i], N}));
+    test_fill_uniform(&a[i], &r, 1);
+    test_fill_uniform(&b[i], &r, 1);
+    test_fill_uniform(&c[i], &r, 1);
+    if (M[i] > 0) memcpy(want[i], c[i].data, tensor_nbytes(&c[i]));
+    product_by_definition(a[i].data, false, b[i].data, true, want[i], M[i], N, K, 0.5f, 2.0f);
+    p[i] = (kernel_product_t){&c[i], &a[i], &b[i]};
+  }
+  ok(kernel_matmul_many(p, P, false, true, 0.5f, 2.0f));
+  for (int i = 0; i < P; i++)
+    for (int64_t e = 0; e < M[i] * N; e++)
+      ck_assert_msg(fabsf(((float *)c[i].data)[e] - want[i][e]) <= 1e-5f * (1 + fabsf(want[i][e])),
+                    "product %d element %lld: %g, by definition %g", i, (long long)e,
+                    ((float *)c[i].data)[e], want[i][e]);
+  ok(kernel_matmul_many(p, 0, false, true, 1.0f, 0.0f)); /* none */
+  /* refusals */
+  ck_assert_int_eq(kernel_matmul_many(NULL, 1, false, true, 1.0f, 0.0f), STATUS_EINVAL);
+  ck_assert_int_eq(kernel_matmul_many(p, -1, false, true, 1.0f, 0.0f), STATUS_EINVAL);
+  ck_assert_int_eq(kernel_matmul_many(p, P, false, false, 1.0f, 0.0f), STATUS_ESHAPE);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "product 0 of 3"));
+  kernel_product_t twice[2] = {p[0], p[0]};
+  ck_assert_int_eq(kernel_matmul_many(twice, 2, false, true, 1.0f, 0.0f), STATUS_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "outputs of products 0 and 1 overlap"));
+  fsdpc_tensor_t cv; /* product 1 reads the output of product 0 through a view */
+  ok(tensor_view(&cv, &c[0], 2, (int64_t[]){4, 5}));
+  fsdpc_tensor_t a2;
+  ok(tensor_init(&a2, DTYPE_F32, device_cpu(), 2, (int64_t[]){3, 5}));
+  kernel_product_t reads[2] = {p[0], {&c[2], &a2, &cv}}; /* [3, 5] @ [4, 5]^T */
+  ck_assert_int_eq(kernel_matmul_many(reads, 2, false, true, 1.0f, 0.0f), STATUS_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "product 1's b overlaps the output of product 0"));
+  fsdpc_tensor_t h;
+  ok(tensor_init(&h, DTYPE_BF16, device_cpu(), 2, (int64_t[]){3, 4}));
+  kernel_product_t mixed[2] = {p[0], {&h, &a[2], &b[2]}};
+  ck_assert_int_eq(kernel_matmul_many(mixed, 2, false, true, 1.0f, 0.0f), STATUS_EDTYPE);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "product 1 of 2"));
+  kernel_product_t none[1] = {{NULL, &a[0], &b[0]}};
+  ck_assert_int_eq(kernel_matmul_many(none, 1, false, true, 1.0f, 0.0f), STATUS_EINVAL);
+  tensor_free(&h);
+  tensor_free(&a2);
+  tensor_free(&cv);
+  for (int i = 0; i < P; i++) {
+    tensor_free(&a[i]);
+    tensor_free(&b[i]);
+    tensor_free(&c[i]);
+  }
+}
+END_TEST
+
 START_TEST(masked_mean_and_its_gradient_match_host_values) {
   int64_t N = 5, V = 7, one = 1, shape[2] = {N, V};
   fsdpc_tensor_t vals, tg, mean, count, logits, dloss, d_host, d_dev;
@@ -765,6 +837,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, rope_matches_definition_across_calls);
   tcase_add_test(tc, cross_entropy_consume_reuses_the_logits);
   tcase_add_test(tc, masked_mean_and_its_gradient_match_host_values);
+  tcase_add_test(tc, matmul_many_matches_definition_and_refuses_overlaps);
   suite_add_tcase(s, tc);
   return s;
 }
