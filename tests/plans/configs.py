@@ -3,6 +3,7 @@ step for step), the PyTorch reference losses, evaluation and data shuffling."""
 import json
 import os
 import re
+import sys
 
 from common import (BASE, PLANS, ROOT, STEPS, TOOL, check, hf_folder, losses, mkdtemp, run, sh,
                     st_read)
@@ -435,6 +436,24 @@ def model_config():
         check(p.returncode != 0 and re.search(r"\[ranks 0,1\] .*" + want_err, p.stderr),
               "model.config refused from every rank: /%s/ (%s)" %
               (want_err[:50], p.stderr.strip()[-200:]))
+    # the GPU benchmark's parameter counts (its MFU) are the model's, experts included
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import vs_torch_gpu
+    for cfg in ["configs/llama-100m.json", "configs/llama-0.9b.json", "configs/qwen3-0.6b.json",
+                "configs/qwen3-moe-1.3b.json", "tests/reference/tiny_qwen3_moe_config.json",
+                "tests/reference/tiny_qwen2_moe_config.json",
+                "tests/reference/tiny_mixtral_config.json", "tests/reference/tiny_qwen2_config.json"]:
+        where = os.path.join(ROOT, cfg)
+        plan = os.path.join(tmp, "count.yaml")
+        with open(plan, "w") as f:
+            f.write(text.replace(keys.group(0), "model:\n  config: %s\n  seed: 1\n" % where))
+        p, _ = run(1, [plan, "--dry-run"])
+        got = re.search(r"; (\d+) parameters;", p.stdout)
+        with open(where) as f:
+            total, active = vs_torch_gpu.params_of(json.load(f))
+        check(p.returncode == 0 and got and int(got.group(1)) == total and 0 < active <= total,
+              "bench/vs_torch_gpu.py counts %s's %s parameters (%d; %d a token's)"
+              % (cfg, got.group(1) if got else "?", total, active))
 
 
 FAMILY_PLANS = [  # (what, ranks, settings): each against one rank, the same global batch
