@@ -98,6 +98,9 @@ typedef struct llama_config {
   /* The router's load-balancing loss added to the training loss with this weight
    * (router_aux_loss_coef when output_router_logits; 0: none; nn/moe.h's nn_moe_aux_t) */
   double aux_loss_coef;
+  /* The config's router_aux_loss_coef as read, also when output_router_logits leaves it unused,
+   * so that the written config keeps it (0: the family's default, 0.001) */
+  double router_aux_loss_coef;
 } llama_config_t;
 
 /* The most layers mlp_only_layers can name (llama_config_t.mlp_only). */

@@ -431,7 +431,14 @@ static fsdpc_status_t parse_router_loss(const char *path, const cJSON *o, llama_
   if (!(coef >= 0) || coef > 1e6)
     return err_set(STATUS_EFORMAT, "%s: 'router_aux_loss_coef' must be from 0 to 1e6", path);
   c->aux_loss_coef = logits ? coef : 0;
+  c->router_aux_loss_coef = coef;
   return STATUS_OK;
+}
+
+/* The router_aux_loss_coef a written config holds: the weight in use, else the one read. */
+static double router_coef_of(const llama_config_t *c) {
+  if (c->aux_loss_coef > 0) return c->aux_loss_coef;
+  return c->router_aux_loss_coef > 0 ? c->router_aux_loss_coef : 0.001;
 }
 
 /* MixtralConfig's experts (its defaults: 8 of intermediate_size in every layer, 2 a token,
@@ -632,8 +639,7 @@ static bool experts_to_hf(const llama_config_t *c, cJSON *o) {
   cJSON_AddNumberToObject(o, "decoder_sparse_step", (double)c->sparse_step);
   cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk);
   cJSON_AddBoolToObject(o, "output_router_logits", c->aux_loss_coef > 0);
-  cJSON_AddNumberToObject(o, "router_aux_loss_coef",
-                          c->aux_loss_coef > 0 ? c->aux_loss_coef : 0.001);
+  cJSON_AddNumberToObject(o, "router_aux_loss_coef", router_coef_of(c));
   cJSON *only = cJSON_AddArrayToObject(o, "mlp_only_layers");
   if (only == NULL) return false;
   for (int i = 0; i < LLAMA_MAX_MLP_ONLY; i++)
@@ -700,8 +706,7 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
     cJSON_AddNumberToObject(o, "num_local_experts", (double)c->n_experts);
     cJSON_AddNumberToObject(o, "num_experts_per_tok", (double)c->top_k);
     cJSON_AddBoolToObject(o, "output_router_logits", c->aux_loss_coef > 0);
-    cJSON_AddNumberToObject(o, "router_aux_loss_coef",
-                            c->aux_loss_coef > 0 ? c->aux_loss_coef : 0.001);
+    cJSON_AddNumberToObject(o, "router_aux_loss_coef", router_coef_of(c));
     cJSON_AddNullToObject(o, "sliding_window");
   }
   cJSON_AddStringToObject(o, "torch_dtype", dtype_hf_name(dtype));

@@ -773,6 +773,39 @@ START_TEST(config_forms_of_the_family) {
 }
 END_TEST
 
+/* router_aux_loss_coef survives a written config also while output_router_logits leaves it
+ * unused (Qwen3-MoE, Qwen2-MoE and Mixtral), and is the weight in use when it is. */
+START_TEST(router_coefficient_written_back) {
+  static const char *const types[] = {"qwen3_moe", "qwen2_moe", "mixtral"};
+  for (int t = 0; t < 3; t++)
+    for (int logits = 0; logits < 2; logits++) {
+      char text[512];
+      snprintf(text, sizeof text,
+               "{\"model_type\": \"%s\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "
+               "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"intermediate_size\": "
+               "160, \"vocab_size\": 256, \"num_experts\": 4, \"num_local_experts\": 4, "
+               "\"num_experts_per_tok\": 2, "
+               "\"router_aux_loss_coef\": 0.02, \"output_router_logits\": %s}",
+               types[t], logits ? "true" : "false");
+      llama_config_t c;
+      ok(llama_config_from_hf_text(text, "config.json", &c));
+      ck_assert(c.aux_loss_coef == (logits ? 0.02 : 0));
+      char *out;
+      ok(llama_config_to_hf_text(&c, DTYPE_F32, &out));
+      cJSON *o = cJSON_Parse(out);
+      free(out);
+      ck_assert_ptr_nonnull(o);
+      const cJSON *coef = cJSON_GetObjectItem(o, "router_aux_loss_coef"),
+                  *on = cJSON_GetObjectItem(o, "output_router_logits");
+      ck_assert_msg(cJSON_IsNumber(coef) && coef->valuedouble == 0.02 && cJSON_IsBool(on) &&
+                        cJSON_IsTrue(on) == logits,
+                    "%s, output_router_logits %d: written %g, %d", types[t], logits,
+                    coef ? coef->valuedouble : -1, on ? cJSON_IsTrue(on) : -1);
+      cJSON_Delete(o);
+    }
+}
+END_TEST
+
 /* Llama 3.1 8B's rotary frequencies (head_dim 128, theta 5e5, llama3 scaling factor 8 over
  * 8192 positions: 64 pairs over all three regimes) equal torch's from transformers' formula. */
 START_TEST(llama3_frequencies_of_llama31) {
@@ -851,6 +884,7 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, mixtral_against_torch);
     tcase_add_test(tc, config_forms_of_transformers_4_and_5);
     tcase_add_test(tc, config_forms_of_the_family);
+    tcase_add_test(tc, router_coefficient_written_back);
     tcase_add_test(tc, llama3_frequencies_of_llama31);
   }
   suite_add_tcase(s, tc);
