@@ -145,6 +145,12 @@ static fsdpc_status_t matmul_dims(const char *fn, const fsdpc_tensor_t *out,
   return STATUS_OK;
 }
 
+/* out = beta * out, a product over no terms (zeros for beta 0, whatever out held). */
+static fsdpc_status_t scale_by_beta(fsdpc_tensor_t *out, float beta) {
+  if (beta == 1.0f) return STATUS_OK;
+  return beta == 0.0f ? tensor_fill(out, 0.0) : kernel_scale(out, beta);
+}
+
 fsdpc_status_t kernel_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool trans_a,
                              const fsdpc_tensor_t *b, bool trans_b, float alpha, float beta) {
   const kernel_ops_t *ops;
@@ -153,6 +159,7 @@ fsdpc_status_t kernel_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, bool 
   matmul_dims_t d;
   FSDPC_TRY(matmul_dims("kernel_matmul", out, a, trans_a, b, trans_b, &d));
   if (d.m == 0 || d.n == 0) return STATUS_OK;
+  if (d.k == 0) return scale_by_beta(out, beta);
   DISPATCH("matmul", out, 0, ops->matmul(out, a, trans_a, b, trans_b, alpha, beta, &d));
 }
 
@@ -235,16 +242,20 @@ fsdpc_status_t kernel_matmul_many(const kernel_product_t *p, int n, bool trans_a
     if (st != STATUS_OK) st = err_prefix(st, "product %d of %d", i, n);
   }
   if (st == STATUS_OK) st = check_apart(p, n);
-  /* products without elements are skipped, as kernel_matmul skips them */
+  /* products without elements are skipped and those with k 0 scaled, as kernel_matmul does;
+   * the others run together */
   int k = 0;
   for (int i = 0; i < n && st == STATUS_OK; i++)
-    if (d[i].m > 0 && d[i].n > 0) k++;
-  kernel_product_t *q = st == STATUS_OK && k < n ? malloc(sizeof *q * (size_t)k) : NULL;
-  if (st == STATUS_OK && k < n && k > 0 && q == NULL)
+    if (d[i].m > 0 && d[i].n > 0 && d[i].k == 0)
+      st = scale_by_beta(p[i].out, beta);
+    else if (d[i].m > 0 && d[i].n > 0)
+      k++;
+  kernel_product_t *q = st == STATUS_OK && k > 0 && k < n ? malloc(sizeof *q * (size_t)k) : NULL;
+  if (st == STATUS_OK && k > 0 && k < n && q == NULL)
     st = err_set(STATUS_ENOMEM, "kernel_matmul_many: %d products", n);
   if (q != NULL)
     for (int i = 0, j = 0; i < n; i++)
-      if (d[i].m > 0 && d[i].n > 0) {
+      if (d[i].m > 0 && d[i].n > 0 && d[i].k > 0) {
         q[j] = p[i];
         d[j++] = d[i];
       }

@@ -214,7 +214,14 @@ static struct {
                                  const void *const[], cudaDataType, int, const void *,
                                  void *const[], cudaDataType, int, int, cublasComputeType_t,
                                  cublasGemmAlgo_t);
-  decltype(&cublasGemmGroupedBatchedEx) gemm_grouped; /* NULL before cuBLAS 12.5 */
+  /* cublasGemmGroupedBatchedEx, spelt out so that headers before 12.5 compile; NULL in a
+   * cuBLAS without it */
+  cublasStatus_t (*gemm_grouped)(cublasHandle_t, const cublasOperation_t[],
+                                 const cublasOperation_t[], const int[], const int[], const int[],
+                                 const void *, const void *const[], cudaDataType_t, const int[],
+                                 const void *const[], cudaDataType_t, const int[], const void *,
+                                 void *const[], cudaDataType_t, const int[], int, const int[],
+                                 cublasComputeType_t);
   char error[256];
 } cublas;
 static pthread_once_t cublas_once = PTHREAD_ONCE_INIT;
@@ -388,7 +395,8 @@ static fsdpc_status_t cuda_matmul(fsdpc_tensor_t *out, const fsdpc_tensor_t *a, 
  */
 static fast_path_t grouped =
     FAST_PATH_INIT("FSDPC_GROUPED_GEMM", "kernel_matmul_set_grouped(false)");
-static bool grouped_refused[DTYPE_COUNT]; /* cuBLAS said not supported: under grouped.lock */
+/* cuBLAS said not supported, by dtype and transposes: under grouped.lock */
+static bool grouped_refused[DTYPE_COUNT][2][2];
 
 extern "C" void kernel_matmul_set_grouped(bool on) { fast_path_set(&grouped, on); }
 extern "C" const char *kernel_matmul_grouped_off(void) { return fast_path_off(&grouped); }
@@ -401,13 +409,15 @@ extern "C" const char *kernel_matmul_grouped_note(void) {
 
 static bool on16(const void *p) { return (uintptr_t)p % 16 == 0; }
 
-/* Why the products cannot run grouped ("" when they can). */
-static const char *grouped_refusal(const kernel_product_t *p, const matmul_dims_t *d, int n) {
+/* With grouped.lock held: why the products cannot run grouped ("" when they can). */
+static const char *grouped_refusal(const kernel_product_t *p, const matmul_dims_t *d, int n,
+                                   bool trans_a, bool trans_b) {
   const char *off = fast_path_off_locked(&grouped);
   if (off[0]) return off;
   if (cublas.gemm_grouped == NULL) return "the loaded cuBLAS lacks cublasGemmGroupedBatchedEx";
   dtype_t dt = p[0].out->dtype;
-  if (grouped_refused[dt]) return "cuBLAS does not support this dtype grouped";
+  if (grouped_refused[dt][trans_a][trans_b])
+    return "cuBLAS does not support these products grouped (their dtype and transposes)";
   int64_t es = (int64_t)dtype_size(dt);
   for (int i = 0; i < n; i++)
     if (!on16(p[i].out->data) || !on16(p[i].a->data) || !on16(p[i].b->data) || d[i].lda * es % 16 ||
@@ -480,21 +490,26 @@ static fsdpc_status_t cuda_matmul_many(const kernel_product_t *p, const matmul_d
   pthread_once(&cublas_once, cublas_load);
   fsdpc_status_t st = STATUS_OK;
   bool ran = false, refused = false;
+  dtype_t dt = p[0].out->dtype;
   pthread_mutex_lock(&grouped.lock);
-  const char *why = cublas.error[0] ? cublas.error : grouped_refusal(p, d, n);
-  if (why[0]) {
-    fast_path_note(&grouped, "%s", why);
-  } else {
-    st = grouped_call(p, d, n, trans_a, trans_b, alpha, beta, &refused);
-    if (refused) {
-      grouped_refused[p[0].out->dtype] = true;
-      fast_path_note(&grouped, "cuBLAS does not support %s products grouped",
-                     dtype_name(p[0].out->dtype));
-    }
-    ran = st == STATUS_OK && !refused;
-    if (ran) grouped.runs++;
-  }
+  const char *why = cublas.error[0] ? cublas.error : grouped_refusal(p, d, n, trans_a, trans_b);
+  if (why[0]) fast_path_note(&grouped, "%s", why);
   pthread_mutex_unlock(&grouped.lock);
+  if (!why[0]) {
+    st = grouped_call(p, d, n, trans_a, trans_b, alpha, beta, &refused);
+    ran = st == STATUS_OK && !refused;
+    pthread_mutex_lock(&grouped.lock);
+    if (refused) {
+      grouped_refused[dt][trans_a][trans_b] = true;
+      fast_path_note(&grouped,
+                     "cuBLAS does not support %s products grouped with these transposes "
+                     "(a %s, b %s)",
+                     dtype_name(dt), trans_a ? "transposed" : "as stored",
+                     trans_b ? "transposed" : "as stored");
+    }
+    if (ran) grouped.runs++;
+    pthread_mutex_unlock(&grouped.lock);
+  }
   for (int i = 0; i < n && st == STATUS_OK && !ran; i++)
     st = cuda_matmul(p[i].out, p[i].a, trans_a, p[i].b, trans_b, alpha, beta, &d[i]);
   return st;

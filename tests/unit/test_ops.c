@@ -703,9 +703,6 @@ START_TEST(cross_entropy_consume_reuses_the_logits) {
 }
 END_TEST
 
-/* The mean loss on the device: kernel_masked_mean against a sum in f64 over the kept rows
- * (NaN and a zero count when none is kept), and its gradient with the scale read from the
- * tensors: the same bits as the kernel given dloss / count on the host. */
 /* out = alpha op(a) op(b) + beta out in double, row-major, from the values before. */
 static void product_by_definition(const float *a, bool ta, const float *b, bool tb, float *out,
                                   int64_t M, int64_t N, int64_t K, float alpha, float beta) {
@@ -760,6 +757,33 @@ START_TEST(matmul_many_matches_definition_and_refuses_overlaps) {
   kernel_product_t reads[2] = {p[0], {&c[2], &a2, &cv}}; /* [3, 5] @ [4, 5]^T */
   ck_assert_int_eq(kernel_matmul_many(reads, 2, false, true, 1.0f, 0.0f), STATUS_EINVAL);
   ck_assert_ptr_nonnull(strstr(err_detail(), "product 1's b overlaps the output of product 0"));
+  /* among five outputs (rows of one tensor, given out of order), an operand that meets the
+   * last of them in memory, and a product that reads its own output */
+  fsdpc_tensor_t big, rows5[5], in5, w4;
+  ok(tensor_zeros(&big, DTYPE_F32, device_cpu(), 2, (int64_t[]){10, 4}));
+  ok(tensor_zeros(&in5, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 6}));
+  ok(tensor_zeros(&w4, DTYPE_F32, device_cpu(), 2, (int64_t[]){4, 4}));
+  kernel_product_t six[6];
+  for (int i = 0; i < 5; i++) {
+    ok(tensor_narrow(&rows5[i], &big, 0, 2 * ((i * 3) % 5), 2)); /* rows 0, 6, 2, 8, 4 */
+    six[i] = (kernel_product_t){&rows5[i], &in5, &b[0]};         /* [2, 6] @ [4, 6]^T */
+  }
+  ok(kernel_matmul_many(six, 5, false, true, 1.0f, 0.0f)); /* apart: taken */
+  fsdpc_tensor_t row5, a1, out2;
+  ok(tensor_narrow(&row5, &big, 0, 5, 1)); /* the second row of product 4's output */
+  ok(tensor_zeros(&a1, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 4}));
+  ok(tensor_zeros(&out2, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 1}));
+  six[5] = (kernel_product_t){&out2, &a1, &row5}; /* [2, 4] @ [1, 4]^T */
+  ck_assert_int_eq(kernel_matmul_many(six, 6, false, true, 1.0f, 0.0f), STATUS_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "product 5's b overlaps the output of product 4"));
+  fsdpc_tensor_t first;
+  ok(tensor_narrow(&first, &big, 0, 0, 2)); /* product 0's output, read as its own a */
+  kernel_product_t self = {&rows5[0], &first, &w4};
+  ck_assert_int_eq(kernel_matmul_many(&self, 1, false, true, 1.0f, 0.0f), STATUS_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "product 0's a overlaps the output of product 0"));
+  for (int i = 0; i < 5; i++) tensor_free(&rows5[i]);
+  fsdpc_tensor_t *more[] = {&big, &in5, &w4, &row5, &a1, &out2, &first};
+  for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) tensor_free(more[i]);
   fsdpc_tensor_t h;
   ok(tensor_init(&h, DTYPE_BF16, device_cpu(), 2, (int64_t[]){3, 4}));
   kernel_product_t mixed[2] = {p[0], {&h, &a[2], &b[2]}};
@@ -778,6 +802,9 @@ START_TEST(matmul_many_matches_definition_and_refuses_overlaps) {
 }
 END_TEST
 
+/* The mean loss on the device: kernel_masked_mean against a sum in f64 over the kept rows
+ * (NaN and a zero count when none is kept), and its gradient with the scale read from the
+ * tensors: the same bits as the kernel given dloss / count on the host. */
 START_TEST(masked_mean_and_its_gradient_match_host_values) {
   int64_t N = 5, V = 7, one = 1, shape[2] = {N, V};
   fsdpc_tensor_t vals, tg, mean, count, logits, dloss, d_host, d_dev;
