@@ -543,6 +543,76 @@ fsdpc_status_t kernel_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_t *d
            ops->moe_combine_backward(dy, dw, dout, y, w, slots, offs, rows));
 }
 
+/* A routing's tensors: [N, E] and [N, k] of their dtypes, E elements of bias or g. */
+static fsdpc_status_t check_route(const char *fn, const fsdpc_tensor_t *NE[2],
+                                  const fsdpc_tensor_t *Nk[3], const fsdpc_tensor_t *perE, int k,
+                                  moe_route_args_t *a) {
+  const fsdpc_tensor_t *z = NE[0];
+  if (z->ndim != 2 || z->shape[1] < 1) return shape_error(fn, "the logits", z, "[tokens, experts]");
+  int64_t N = z->shape[0], E = z->shape[1];
+  if (k < 1 || k > E || k > MOE_MAX_TOP_K)
+    return err_set(STATUS_EINVAL, "%s: top_k %d must lie in [1, %lld]", fn, k,
+                   (long long)(E < MOE_MAX_TOP_K ? E : MOE_MAX_TOP_K));
+  for (int i = 0; i < 2; i++) {
+    FSDPC_TRY(check_dtype(fn, "a [tokens, experts] tensor", NE[i], DTYPE_F32));
+    if (NE[i]->ndim != 2 || NE[i]->shape[0] != N || NE[i]->shape[1] != E)
+      return shape_error(fn, "a [tokens, experts] tensor", NE[i], "the logits' shape");
+  }
+  for (int i = 0; i < 3; i++) {
+    FSDPC_TRY(check_dtype(fn, i == 0 ? "the experts" : "a weights tensor", Nk[i],
+                          i == 0 ? DTYPE_I64 : DTYPE_F32));
+    if (Nk[i]->ndim != 2 || Nk[i]->shape[0] != N || Nk[i]->shape[1] != k)
+      return shape_error(fn, i == 0 ? "the experts" : "a weights tensor", Nk[i], "[tokens, k]");
+  }
+  if (perE != NULL) {
+    FSDPC_TRY(check_dtype(fn, "a tensor of one value an expert", perE, DTYPE_F32));
+    if (tensor_numel(perE) != E)
+      return shape_error(fn, "a tensor of one value an expert", perE, "[experts]");
+  }
+  *a = (moe_route_args_t){.E = E, .k = k};
+  return STATUS_OK;
+}
+
+fsdpc_status_t kernel_moe_route(fsdpc_tensor_t *p, fsdpc_tensor_t *experts, fsdpc_tensor_t *w,
+                                const fsdpc_tensor_t *z, const fsdpc_tensor_t *bias, int k,
+                                bool norm, bool sigmoid, double scale) {
+  const kernel_ops_t *ops;
+  const char *fn = "kernel_moe_route";
+  FSDPC_TRY(bias ? check_common(fn, NT(z, p, experts, w, bias), &ops)
+                 : check_common(fn, NT(z, p, experts, w), &ops));
+  moe_route_args_t a;
+  FSDPC_TRY(check_route(fn, (const fsdpc_tensor_t *[2]){z, p},
+                        (const fsdpc_tensor_t *[3]){experts, w, w}, bias, k, &a));
+  if (!(scale > 0) || !isfinite(scale))
+    return err_set(STATUS_EINVAL, "%s: scale %g must be positive and finite", fn, scale);
+  a.norm = norm;
+  a.sigmoid = sigmoid;
+  a.scale = scale;
+  if (a.E * k == 0 || z->shape[0] == 0) return STATUS_OK;
+  DISPATCH("moe_route", z, moved(NT(z, p, experts, w)), ops->moe_route(p, experts, w, z, bias, &a));
+}
+
+fsdpc_status_t kernel_moe_route_backward(fsdpc_tensor_t *dz, const fsdpc_tensor_t *dw,
+                                         const fsdpc_tensor_t *w, const fsdpc_tensor_t *p,
+                                         const fsdpc_tensor_t *experts, const fsdpc_tensor_t *g,
+                                         int k, bool norm, bool sigmoid, double scale) {
+  const kernel_ops_t *ops;
+  const char *fn = "kernel_moe_route_backward";
+  FSDPC_TRY(g ? check_common(fn, NT(p, dz, dw, w, experts, g), &ops)
+              : check_common(fn, NT(p, dz, dw, w, experts), &ops));
+  moe_route_args_t a;
+  FSDPC_TRY(check_route(fn, (const fsdpc_tensor_t *[2]){p, dz},
+                        (const fsdpc_tensor_t *[3]){experts, dw, w}, g, k, &a));
+  if (!(scale > 0) || !isfinite(scale))
+    return err_set(STATUS_EINVAL, "%s: scale %g must be positive and finite", fn, scale);
+  a.norm = norm;
+  a.sigmoid = sigmoid;
+  a.scale = scale;
+  if (p->shape[0] == 0) return STATUS_OK;
+  DISPATCH("moe_route_backward", dz, moved(NT(dz, dw, w, p, experts)),
+           ops->moe_route_backward(dz, dw, w, p, experts, g, &a));
+}
+
 static fsdpc_status_t check_act(const char *fn, kernel_act_t act) {
   if (act < 0 || act >= KERNEL_ACT_COUNT)
     return err_set(STATUS_EINVAL, "%s: unknown activation %d", fn, (int)act);

@@ -208,6 +208,25 @@ fsdpc_status_t kernel_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_t *d
                                            const fsdpc_tensor_t *w, const fsdpc_tensor_t *slots,
                                            const fsdpc_tensor_t *offs, const fsdpc_tensor_t *rows);
 
+/* A mixture of experts' routing of each token's logits z [N, E] (F32): p [N, E] (F32) its scores
+ * (the softmax of the row; with sigmoid, each logit's sigmoid), experts [N, k] (I64) the k
+ * largest scores, plus bias [E] (F32, for the choice alone) when not NULL, from the largest,
+ * ties to the lower expert, and w [N, k] (F32) their weights: scale times the score, over the
+ * chosen scores' sum when norm. 1 <= k <= min(E, 64). The scores are computed in f64 and rounded
+ * once, so every device chooses the same experts. Writes p, experts and w. */
+fsdpc_status_t kernel_moe_route(fsdpc_tensor_t *p, fsdpc_tensor_t *experts, fsdpc_tensor_t *w,
+                                const fsdpc_tensor_t *z, const fsdpc_tensor_t *bias, int k,
+                                bool norm, bool sigmoid, double scale);
+
+/* Its backward: dz [N, E] (F32) from dw [N, k] (F32) through the forward's w, p and experts
+ * (each in [0, E)), with its k, norm, sigmoid and scale; with g [E] (F32) not NULL, plus the
+ * gradient of a loss whose derivative by p[t, e] is g[e] (the load-balancing loss), through the
+ * softmax. Writes dz. */
+fsdpc_status_t kernel_moe_route_backward(fsdpc_tensor_t *dz, const fsdpc_tensor_t *dw,
+                                         const fsdpc_tensor_t *w, const fsdpc_tensor_t *p,
+                                         const fsdpc_tensor_t *experts, const fsdpc_tensor_t *g,
+                                         int k, bool norm, bool sigmoid, double scale);
+
 /* Pointwise activations: ReLU max(x, 0); GELU x * Phi(x) = x/2 * (1 + erf(x / sqrt(2))) (the
  * exact form, PyTorch's default); SiLU x * sigmoid(x); GELU's tanh form
  * x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) (PyTorch's approximate="tanh", GPT-2's

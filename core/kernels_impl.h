@@ -6,6 +6,7 @@
 #define FSDPC_BASE_KERNELS_IMPL_H
 
 #include "core/kernels.h"
+#include "core/moe_route_impl.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -55,6 +56,14 @@ typedef struct kernel_ops {
                                          const fsdpc_tensor_t *dout, const fsdpc_tensor_t *y,
                                          const fsdpc_tensor_t *w, const fsdpc_tensor_t *slots,
                                          const fsdpc_tensor_t *offs, const fsdpc_tensor_t *rows);
+  /* bias and g may be NULL; a holds E, k, norm, sigmoid and scale */
+  fsdpc_status_t (*moe_route)(fsdpc_tensor_t *p, fsdpc_tensor_t *experts, fsdpc_tensor_t *w,
+                              const fsdpc_tensor_t *z, const fsdpc_tensor_t *bias,
+                              const moe_route_args_t *a);
+  fsdpc_status_t (*moe_route_backward)(fsdpc_tensor_t *dz, const fsdpc_tensor_t *dw,
+                                       const fsdpc_tensor_t *w, const fsdpc_tensor_t *p,
+                                       const fsdpc_tensor_t *experts, const fsdpc_tensor_t *g,
+                                       const moe_route_args_t *a);
   fsdpc_status_t (*activation)(fsdpc_tensor_t *out, const fsdpc_tensor_t *x, kernel_act_t act);
   fsdpc_status_t (*activation_backward)(fsdpc_tensor_t *dx, const fsdpc_tensor_t *dy,
                                         const fsdpc_tensor_t *x, kernel_act_t act);

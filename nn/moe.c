@@ -6,6 +6,7 @@
 
 #include "core/args_impl.h"
 #include "core/kernels.h"
+#include "core/moe_route_impl.h"
 #include "dtensor/dtensor.h"
 #include "mesh/mesh.h"
 #include "mesh/pg.h"
@@ -27,19 +28,6 @@ static fsdpc_status_t float_values(const char *op, const fsdpc_tensor_t *t) {
 static fsdpc_status_t host_f32_of(const fsdpc_tensor_t *t, fsdpc_tensor_t *h) {
   if (t->device.type == DEVICE_CPU && t->dtype == DTYPE_F32) return tensor_ref(h, t);
   return tensor_clone(h, t, DTYPE_F32, device_cpu());
-}
-
-/* h (f32 on the host) in like's dtype on like's device into *out: h itself when it is so
- * already (h is then moved into *out), else a copy (h freed). */
-static fsdpc_status_t like_of(fsdpc_tensor_t *h, const fsdpc_tensor_t *like, fsdpc_tensor_t *out) {
-  if (like->device.type == DEVICE_CPU && like->dtype == DTYPE_F32) {
-    *out = *h;
-    memset(h, 0, sizeof *h);
-    return STATUS_OK;
-  }
-  fsdpc_status_t st = tensor_clone(out, h, like->dtype, like->device);
-  tensor_free(h);
-  return st;
 }
 
 /* A host I64 index vector on dev (a reference on the host). */
@@ -226,119 +214,73 @@ static fsdpc_status_t aux_add(nn_moe_aux_t *a, const float *p, const int64_t *ex
 
 /* ---- routing ---- */
 
-/* d logits from d weights: through the scale c and the renormalisation (w_j = c s_j / S over
- * the chosen), then the softmax (dz_e = s_e (ds_e - sum_j ds_j s_j), ds zero off the chosen)
- * or the sigmoid (dz_e = ds_e s_e (1 - s_e)). */
+/* t as F32 on dev into *out: a reference when it is one already, else a copy. */
+static fsdpc_status_t f32_on(const fsdpc_tensor_t *t, device_t dev, fsdpc_tensor_t *out) {
+  if (t->dtype == DTYPE_F32 && device_equal(t->device, dev)) return tensor_ref(out, t);
+  return tensor_clone(out, t, DTYPE_F32, dev);
+}
+
+/* t32 (F32, taken over) in dtype dt on its device into *out. */
+static fsdpc_status_t as_dtype(fsdpc_tensor_t *t32, dtype_t dt, fsdpc_tensor_t *out) {
+  if (dt == DTYPE_F32) {
+    *out = *t32;
+    memset(t32, 0, sizeof *t32);
+    return STATUS_OK;
+  }
+  fsdpc_status_t st = tensor_clone(out, t32, dt, t32->device);
+  tensor_free(t32);
+  return st;
+}
+
+/* d logits from d weights (kernel_moe_route_backward, where the scores and choices are: the
+ * logits' device), plus the load-balancing loss's: E sum_e f_e P_e (f_e: the share of choices
+ * of expert e, P_e: its mean probability, over every block's tokens of the forward), whose
+ * derivative by p_te is E f_e / rows, times its weight and the loss's scale. */
 static fsdpc_status_t route_backward(nn_ctx_t *ctx, nn_node_t *n) {
   (void)ctx;
   nn_var_t *z = n->in[0];
   if (!z->requires_grad) return STATUS_OK;
   FSDPC_TRY(float_values("nn_moe_route (backward)", &n->out->grad));
   const fsdpc_tensor_t *p = &n->saved[0], *ex = &n->saved[1];
-  int64_t E = p->shape[1], N = p->shape[0], k = n->ints[0];
+  int64_t E = p->shape[1], N = p->shape[0];
+  int k = (int)n->ints[0];
   bool norm = (n->ints[1] & 1) != 0, sigmoid = (n->ints[1] & 2) != 0;
-  double c = n->scalar;
-  /* on the host in f32 (the scores and choices are there), the result in z's dtype and place */
-  fsdpc_tensor_t dz = {0}, gh = {0}, wh = {0};
-  fsdpc_status_t st = host_f32_of(&n->out->grad, &gh);
-  if (st == STATUS_OK) st = host_f32_of(&n->out->value, &wh);
-  if (st == STATUS_OK) st = tensor_zeros(&dz, DTYPE_F32, device_cpu(), 2, (int64_t[]){N, E});
-  if (st != STATUS_OK) {
-    tensor_free(&gh);
-    tensor_free(&wh);
-    tensor_free(&dz);
-    return st;
-  }
-  const float *pv = p->data, *dw = gh.data, *w = wh.data;
-  const int64_t *e = ex->data;
-  float *dv = dz.data;
-  for (int64_t t = 0; t < N; t++) {
-    const float *pr = pv + t * E;
-    double sum = 0, dot = 0, dp[64], pdp = 0;
-    for (int64_t j = 0; j < k; j++) {
-      sum += pr[e[t * k + j]];
-      dot += (double)dw[t * k + j] * w[t * k + j];
-    }
-    for (int64_t j = 0; j < k; j++) {
-      dp[j] = norm ? c / sum * ((double)dw[t * k + j] - dot / c) : c * dw[t * k + j];
-      pdp += dp[j] * pr[e[t * k + j]];
-    }
-    if (sigmoid) {
-      for (int64_t j = 0; j < k; j++) {
-        double s = pr[e[t * k + j]];
-        dv[t * E + e[t * k + j]] = (float)(dp[j] * s * (1 - s));
-      }
-      continue;
-    }
-    for (int64_t i = 0; i < E; i++) dv[t * E + i] = (float)(-pr[i] * pdp);
-    for (int64_t j = 0; j < k; j++) dv[t * E + e[t * k + j]] += (float)(pr[e[t * k + j]] * dp[j]);
-  }
-  /* the load-balancing loss E sum_e f_e P_e (f_e: the share of choices of expert e, P_e: its
-   * mean probability, over every block's tokens of the forward): d/dp_te = E f_e / rows,
-   * through the softmax; its weight and the loss's scale */
+  device_t dev = p->device;
+  fsdpc_tensor_t dz = {0}, dw = {0}, w = {0}, g = {0}, gh = {0};
+  fsdpc_status_t st = f32_on(&n->out->grad, dev, &dw);
+  if (st == STATUS_OK) st = f32_on(&n->out->value, dev, &w);
+  if (st == STATUS_OK) st = tensor_init(&dz, DTYPE_F32, dev, 2, (int64_t[]){N, E});
   const nn_moe_aux_t *a = n->user;
-  if (a != NULL && a->coef > 0 && a->rows > 0) {
-    double g[E], rows = (double)a->rows;
-    for (int64_t i = 0; i < E; i++)
-      g[i] = a->scale * a->coef * (double)E * ((double)a->counts[i] / rows) / rows;
-    for (int64_t t = 0; t < N; t++) {
-      const float *pr = pv + t * E;
-      double gp = 0;
-      for (int64_t i = 0; i < E; i++) gp += g[i] * pr[i];
-      for (int64_t i = 0; i < E; i++) dv[t * E + i] += (float)(pr[i] * (g[i] - gp));
+  bool aux = a != NULL && a->coef > 0 && a->rows > 0;
+  if (st == STATUS_OK && aux) {
+    st = tensor_init(&gh, DTYPE_F32, device_cpu(), 1, &E);
+    for (int64_t i = 0; st == STATUS_OK && i < E; i++) {
+      double rows = (double)a->rows;
+      ((float *)gh.data)[i] =
+          (float)(a->scale * a->coef * (double)E * ((double)a->counts[i] / rows) / rows);
     }
+    if (st == STATUS_OK) st = f32_on(&gh, dev, &g);
   }
-  tensor_free(&gh);
-  tensor_free(&wh);
+  if (st == STATUS_OK)
+    st = kernel_moe_route_backward(&dz, &dw, &w, p, ex, aux ? &g : NULL, k, norm, sigmoid,
+                                   n->scalar);
   fsdpc_tensor_t dzd = {0};
-  FSDPC_TRY(like_of(&dz, &z->value, &dzd));
-  st = nn_accumulate_grad(z, &dzd);
-  tensor_free(&dzd);
+  if (st == STATUS_OK) st = as_dtype(&dz, z->value.dtype, &dzd);
+  if (st == STATUS_OK) st = nn_accumulate_grad(z, &dzd);
+  fsdpc_tensor_t *all[] = {&dz, &dw, &w, &g, &gh, &dzd};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
   return st;
 }
 
 /* How a block routes: k, renormalisation, the scores (softmax or sigmoid), the weights'
- * scale and a per-expert bias added to the scores for the choice alone (NULL: none). */
+ * scale and a per-expert bias (F32 on the logits' device) added to the scores for the choice
+ * alone (NULL: none). */
 typedef struct route_opts {
   int k;
   bool norm, sigmoid;
   double scale;
-  const float *bias;
+  const fsdpc_tensor_t *bias;
 } route_opts_t;
-
-/* Row t: the scores into pr (softmax or sigmoid of z), the k largest scores plus bias (ties to
- * the lower index) into e, their weights into w. */
-static void route_row(const float *z, int64_t E, const route_opts_t *o, float *pr, int64_t *e,
-                      float *w) {
-  int64_t k = o->k;
-  if (o->sigmoid) {
-    for (int64_t i = 0; i < E; i++) pr[i] = (float)(1.0 / (1.0 + exp(-(double)z[i])));
-  } else {
-    float mx = z[0];
-    for (int64_t i = 1; i < E; i++) mx = z[i] > mx ? z[i] : mx;
-    double s = 0;
-    for (int64_t i = 0; i < E; i++) s += exp((double)z[i] - mx);
-    for (int64_t i = 0; i < E; i++) pr[i] = (float)(exp((double)z[i] - mx) / s);
-  }
-  double chosen = 0;
-  for (int64_t j = 0; j < k; j++) {
-    int64_t best = -1;
-    float key = 0;
-    for (int64_t i = 0; i < E; i++) {
-      bool taken = false;
-      for (int64_t q = 0; q < j; q++) taken |= e[q] == i;
-      float ki = o->bias ? pr[i] + o->bias[i] : pr[i];
-      if (!taken && (best < 0 || ki > key)) {
-        best = i;
-        key = ki;
-      }
-    }
-    e[j] = best;
-    chosen += pr[best];
-  }
-  for (int64_t j = 0; j < k; j++)
-    w[j] = (float)(o->scale * (o->norm ? pr[e[j]] / chosen : pr[e[j]]));
-}
 
 static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, const route_opts_t *o,
                             nn_moe_aux_t *aux, pg_t *tokens, nn_var_t **weights,
@@ -368,57 +310,41 @@ static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, const route_opts_t 
   if (zv->ndim != 2 || zv->shape[1] < 1)
     return err_set(STATUS_ESHAPE, "nn_moe_route: logits must be [tokens, experts]");
   int64_t N = zv->shape[0], E = zv->shape[1];
-  if (k < 1 || k > E || k > 64)
+  if (k < 1 || k > E || k > MOE_MAX_TOP_K)
     return err_set(STATUS_EINVAL, "nn_moe_route: top_k %d must lie in [1, %lld] (the experts)", k,
-                   (long long)(E < 64 ? E : 64));
-  /* the choice on the host in f32 (its counts decide the exchanges); the weights go back to
-   * the logits' dtype and device */
-  fsdpc_tensor_t zh = {0}, p = {0}, w = {0}, ex = {0};
-  FSDPC_TRY(host_f32_of(zv, &zh));
-  const fsdpc_tensor_t *z = &zh;
-  fsdpc_status_t st = tensor_init(&p, DTYPE_F32, z->device, 2, z->shape);
-  if (st == STATUS_OK) st = tensor_init(&w, DTYPE_F32, z->device, 2, (int64_t[]){N, k});
-  if (st == STATUS_OK) st = tensor_init(experts, DTYPE_I64, device_cpu(), 2, (int64_t[]){N, k});
-  if (st == STATUS_OK) st = tensor_ref(&ex, experts);
-  if (st != STATUS_OK) {
-    tensor_free(&zh);
-    tensor_free(&p);
-    tensor_free(&w);
-    tensor_free(experts);
-    return st;
-  }
-  for (int64_t t = 0; t < N; t++)
-    route_row((const float *)z->data + t * E, E, o, (float *)p.data + t * E,
-              (int64_t *)experts->data + t * k, (float *)w.data + t * k);
-  tensor_free(&zh);
-  fsdpc_tensor_t wd = {0};
-  st = like_of(&w, zv, &wd);
-  if (st != STATUS_OK) {
-    tensor_free(&p);
-    tensor_free(&ex);
-    tensor_free(experts);
-    return st;
-  }
-  w = wd;
-  if (aux != NULL && (aux->n_experts != E || aux->top_k != k)) {
-    tensor_free(&p);
-    tensor_free(&w);
-    tensor_free(&ex);
-    tensor_free(experts);
+                   (long long)(E < MOE_MAX_TOP_K ? E : MOE_MAX_TOP_K));
+  if (aux != NULL && (aux->n_experts != E || aux->top_k != k))
     return err_set(STATUS_EINVAL,
                    "nn_moe_route: a block of %lld experts, top-%d, reports to a load-balancing "
                    "loss of %d, top-%d",
                    (long long)E, k, aux->n_experts, aux->top_k);
+  /* the choice where the logits are (kernel_moe_route: the same on every device); the experts
+   * then on the host too (their counts decide the exchanges), the weights in the logits'
+   * dtype */
+  device_t dev = zv->device;
+  fsdpc_tensor_t z = {0}, p = {0}, w = {0}, ex = {0}, wd = {0}, ph = {0};
+  fsdpc_status_t st = f32_on(zv, dev, &z);
+  if (st == STATUS_OK) st = tensor_init(&p, DTYPE_F32, dev, 2, (int64_t[]){N, E});
+  if (st == STATUS_OK) st = tensor_init(&w, DTYPE_F32, dev, 2, (int64_t[]){N, k});
+  if (st == STATUS_OK) st = tensor_init(&ex, DTYPE_I64, dev, 2, (int64_t[]){N, k});
+  if (st == STATUS_OK)
+    st = kernel_moe_route(&p, &ex, &w, &z, o->bias, k, o->norm, o->sigmoid, o->scale);
+  tensor_free(&z);
+  if (st == STATUS_OK)
+    st = dev.type == DEVICE_CPU ? tensor_ref(experts, &ex)
+                                : tensor_clone(experts, &ex, DTYPE_I64, device_cpu());
+  if (st == STATUS_OK) st = as_dtype(&w, zv->dtype, &wd);
+  if (st == STATUS_OK && aux != NULL && !nn_ctx_recomputing(ctx)) {
+    st = f32_on(&p, device_cpu(), &ph);
+    if (st == STATUS_OK) st = aux_add(aux, ph.data, experts->data, N, E, k, tokens);
+    tensor_free(&ph);
   }
-  if (aux != NULL && !nn_ctx_recomputing(ctx))
-    st = aux_add(aux, p.data, experts->data, N, E, k, tokens);
   if (st != STATUS_OK) {
-    tensor_free(&p);
-    tensor_free(&w);
-    tensor_free(&ex);
-    tensor_free(experts);
+    fsdpc_tensor_t *all[] = {&p, &w, &ex, &wd, experts};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
     return st;
   }
+  w = wd;
   nn_node_t n = {.backward = route_backward,
                  .name = "moe_route",
                  .in = {logits},
@@ -934,18 +860,18 @@ static fsdpc_status_t moe_route_and_run(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   nn_param_t *bias = cfg->bias_counts ? nn_module_param_named(m, "expert_bias") : NULL;
   route_opts_t o = {cfg->top_k, cfg->norm_topk, cfg->sigmoid, cfg->scale, NULL};
   bool implicit = false, began = false;
-  fsdpc_tensor_t bias_h = {0};
+  fsdpc_tensor_t bias_f = {0};
   fsdpc_status_t st = nn_call(ctx, gate, x, &logits);
   if (st == STATUS_OK && bias != NULL) { /* read for the choice: no gradient */
     st = nn_param_begin(ctx, "MoE routing", bias, &implicit);
     began = st == STATUS_OK;
     if (st == STATUS_OK) st = float_values("MoE routing (expert_bias)", &bias->compute);
-    if (st == STATUS_OK) st = host_f32_of(&bias->compute, &bias_h);
-    if (st == STATUS_OK) o.bias = bias_h.data;
+    if (st == STATUS_OK) st = f32_on(&bias->compute, logits->value.device, &bias_f);
+    if (st == STATUS_OK) o.bias = &bias_f;
   }
   if (st == STATUS_OK) st = route(ctx, logits, &o, cfg->aux, cfg->tokens, &w, &ex);
   if (began) st = nn_param_end(ctx, bias, implicit, st);
-  tensor_free(&bias_h);
+  tensor_free(&bias_f);
   if (st == STATUS_OK && bias != NULL && !nn_ctx_recomputing(ctx) &&
       nn_needs_grad(ctx, &logits, 1, NULL)) /* a training forward: its choices count */
     for (int64_t i = 0; i < tensor_numel(&ex); i++) cfg->bias_counts[((int64_t *)ex.data)[i]]++;

@@ -12,8 +12,9 @@
  *
  * The operations under it, each recorded for backward: nn_moe_route (softmax and top-k),
  * nn_gather_rows (tokens into expert order), nn_grouped_linear (one product per expert over
- * its contiguous block of rows) and nn_combine_rows (the weighted sum back into token order).
- * They compute in f32 on the CPU for now; other dtypes and devices are refused by name.
+ * its contiguous block of rows; on CUDA one grouped cuBLAS call) and nn_combine_rows (the
+ * weighted sum back into token order). They run on the tensors' device in any float dtype; the
+ * routing (kernel_moe_route) where the logits are, its choices then copied to the host.
  */
 #ifndef FSDPC_NN_MOE_H
 #define FSDPC_NN_MOE_H

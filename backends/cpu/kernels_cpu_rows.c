@@ -345,7 +345,69 @@ static fsdpc_status_t cpu_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_
   return cpu_fbufs_end(&b, STATUS_OK);
 }
 
+/* ---- a mixture of experts' routing: a token a step, the tokens over the kernel threads ---- */
+
+typedef struct route_share {
+  const moe_route_args_t *a;
+  const float *z, *bias, *dw, *w, *g;
+  float *p, *wout, *dz;
+  const int64_t *ein;
+  int64_t *e;
+} route_share_t;
+
+static void route_share(const void *ctx, int t, int64_t i0, int64_t i1) {
+  (void)t;
+  const route_share_t *r = ctx;
+  int64_t E = r->a->E, k = r->a->k;
+  for (int64_t i = i0; i < i1; i++)
+    moe_route_row(r->a, r->z + i * E, r->bias, r->p + i * E, r->e + i * k, r->wout + i * k);
+}
+
+static fsdpc_status_t cpu_moe_route(fsdpc_tensor_t *p, fsdpc_tensor_t *experts, fsdpc_tensor_t *w,
+                                    const fsdpc_tensor_t *z, const fsdpc_tensor_t *bias,
+                                    const moe_route_args_t *a) {
+  route_share_t r = {.a = a,
+                     .z = z->data,
+                     .bias = bias ? bias->data : NULL,
+                     .p = p->data,
+                     .wout = w->data,
+                     .e = experts->data};
+  cpu_for_shares(z->shape[0], a->E * (4 + a->k), ELEM_GRAIN, 1, route_share, &r);
+  return STATUS_OK;
+}
+
+static void route_backward_share(const void *ctx, int t, int64_t i0, int64_t i1) {
+  (void)t;
+  const route_share_t *r = ctx;
+  int64_t E = r->a->E, k = r->a->k;
+  for (int64_t i = i0; i < i1; i++)
+    moe_route_row_backward(r->a, r->p + i * E, r->ein + i * k, r->dw + i * k, r->w + i * k, r->g,
+                           r->dz + i * E);
+}
+
+static fsdpc_status_t cpu_moe_route_backward(fsdpc_tensor_t *dz, const fsdpc_tensor_t *dw,
+                                             const fsdpc_tensor_t *w, const fsdpc_tensor_t *p,
+                                             const fsdpc_tensor_t *experts, const fsdpc_tensor_t *g,
+                                             const moe_route_args_t *a) {
+  const int64_t *e = experts->data;
+  for (int64_t i = 0; i < tensor_numel(experts); i++)
+    if (e[i] < 0 || e[i] >= a->E)
+      return err_set(STATUS_EINVAL, "kernel_moe_route_backward: expert %lld outside [0, %lld)",
+                     (long long)e[i], (long long)a->E);
+  route_share_t r = {.a = a,
+                     .p = p->data,
+                     .ein = e,
+                     .dw = dw->data,
+                     .w = w->data,
+                     .g = g ? g->data : NULL,
+                     .dz = dz->data};
+  cpu_for_shares(p->shape[0], a->E * 4, ELEM_GRAIN, 1, route_backward_share, &r);
+  return STATUS_OK;
+}
+
 void cpu_row_kernels(kernel_ops_t *ops) {
+  ops->moe_route = cpu_moe_route;
+  ops->moe_route_backward = cpu_moe_route_backward;
   ops->moe_combine = cpu_moe_combine;
   ops->moe_combine_backward = cpu_moe_combine_backward;
   ops->rmsnorm = cpu_rmsnorm;

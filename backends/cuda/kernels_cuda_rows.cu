@@ -595,7 +595,56 @@ static fsdpc_status_t cuda_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor
   return launched("kernel_moe_combine_backward");
 }
 
+/* ---- a mixture of experts' routing: a thread a token, core/moe_route_impl.h's rows ---- */
+
+__global__ static void moe_route_kernel(moe_route_args_t a, const float *z, const float *bias,
+                                        float *p, int64_t *e, float *w, int64_t N) {
+  GRID_STRIDE(t, N) { moe_route_row(&a, z + t * a.E, bias, p + t * a.E, e + t * a.k, w + t * a.k); }
+}
+
+/* Tokens with an expert outside [0, E) set *bad and are left. */
+__global__ static void moe_route_backward_kernel(moe_route_args_t a, const float *p,
+                                                 const int64_t *e, const float *dw, const float *w,
+                                                 const float *g, float *dz, int64_t N, int *bad) {
+  GRID_STRIDE(t, N) {
+    const int64_t *et = e + t * a.k;
+    bool ok = true;
+    for (int j = 0; j < a.k; j++) ok &= et[j] >= 0 && et[j] < a.E;
+    if (!ok) {
+      *bad = 1;
+      continue;
+    }
+    moe_route_row_backward(&a, p + t * a.E, et, dw + t * a.k, w + t * a.k, g, dz + t * a.E);
+  }
+}
+
+static fsdpc_status_t cuda_moe_route(fsdpc_tensor_t *p, fsdpc_tensor_t *experts, fsdpc_tensor_t *w,
+                                     const fsdpc_tensor_t *z, const fsdpc_tensor_t *bias,
+                                     const moe_route_args_t *a) {
+  int64_t N = z->shape[0];
+  moe_route_kernel<<<grid_for(N), kBlock, 0, stream_of(z)>>>(
+      *a, (const float *)z->data, bias ? (const float *)bias->data : NULL, (float *)p->data,
+      (int64_t *)experts->data, (float *)w->data, N);
+  return launched("kernel_moe_route");
+}
+
+static fsdpc_status_t cuda_moe_route_backward(fsdpc_tensor_t *dz, const fsdpc_tensor_t *dw,
+                                              const fsdpc_tensor_t *w, const fsdpc_tensor_t *p,
+                                              const fsdpc_tensor_t *experts,
+                                              const fsdpc_tensor_t *g, const moe_route_args_t *a) {
+  int64_t N = p->shape[0];
+  flag_t f;
+  FSDPC_TRY(flag_new(&f, dz->device, "%s: an expert is outside [0, %lld)",
+                     "kernel_moe_route_backward", a->E));
+  moe_route_backward_kernel<<<grid_for(N), kBlock, 0, stream_of(dz)>>>(
+      *a, (const float *)p->data, (const int64_t *)experts->data, (const float *)dw->data,
+      (const float *)w->data, g ? (const float *)g->data : NULL, (float *)dz->data, N, f.p);
+  return flag_finish(&f, launched("kernel_moe_route_backward"));
+}
+
 void cuda_row_kernels(kernel_ops_t *ops) {
+  ops->moe_route = cuda_moe_route;
+  ops->moe_route_backward = cuda_moe_route_backward;
   ops->moe_combine = cuda_moe_combine;
   ops->moe_combine_backward = cuda_moe_combine_backward;
   ops->rmsnorm = cuda_rmsnorm;

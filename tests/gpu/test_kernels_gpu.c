@@ -749,6 +749,48 @@ static int moe_combine_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t
   return 3;
 }
 
+/* A mixture of experts' routing of 300 tokens over 40 experts, top-6, in f32 whatever dt: softmax
+ * scores renormalised, then sigmoid scores with an expert bias and a scale of 2.5; each one's
+ * backward, the first also with a load-balancing term. The experts must be the same (an expert
+ * chosen apart moves the relative error far past the tolerance). Outputs p, experts, w, dz for
+ * each routing, and dz with the term. */
+static int k_moe_route(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
+  (void)dt;
+  int64_t N = 300, E = 40, k = 6, sz[2] = {N, E}, sk[2] = {N, k};
+  fsdpc_tensor_t z, bias, dw, g;
+  rnd(&z, dev, DTYPE_F32, 2, sz, 41, 3);
+  rnd(&bias, dev, DTYPE_F32, 1, &E, 42, 0.05);
+  rnd(&dw, dev, DTYPE_F32, 2, sk, 43, 1);
+  rnd(&g, dev, DTYPE_F32, 1, &E, 44, 0.01);
+  for (int r = 0; r < 2; r++) {
+    bool sigmoid = r == 1;
+    fsdpc_tensor_t p, ex, w, dz;
+    poisoned(&p, dev, DTYPE_F32, 2, sz);
+    poisoned(&w, dev, DTYPE_F32, 2, sk);
+    ok(tensor_init(&ex, DTYPE_I64, dev, 2, sk));
+    ok(kernel_moe_route(&p, &ex, &w, &z, sigmoid ? &bias : NULL, (int)k, true, sigmoid,
+                        sigmoid ? 2.5 : 1.0));
+    poisoned(&dz, dev, DTYPE_F32, 2, sz);
+    ok(kernel_moe_route_backward(&dz, &dw, &w, &p, &ex, NULL, (int)k, true, sigmoid,
+                                 sigmoid ? 2.5 : 1.0));
+    if (!sigmoid) {
+      fsdpc_tensor_t dzg;
+      poisoned(&dzg, dev, DTYPE_F32, 2, sz);
+      ok(kernel_moe_route_backward(&dzg, &dw, &w, &p, &ex, &g, (int)k, true, false, 1.0));
+      out(&o[8], &dzg);
+    }
+    out(&o[4 * r], &p);
+    out(&o[4 * r + 1], &ex);
+    out(&o[4 * r + 2], &w);
+    out(&o[4 * r + 3], &dz);
+  }
+  tensor_free(&z);
+  tensor_free(&bias);
+  tensor_free(&dw);
+  tensor_free(&g);
+  return 9;
+}
+
 static int k_moe_combine(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   int n = moe_combine_case(dev, dt, o, 37, 2, 74, true, 31);
   return n + moe_combine_case(dev, dt, o + n, 30, 3, 80, false, 41);
@@ -785,6 +827,7 @@ static const kcase_t cases[] = {
     {"bias/layernorm", k_bias_layernorm, 0, 0},
     {"moe_combine", k_moe_combine, 0, 0},
     {"matmul_many (experts)", k_matmul_many, 0, 0},
+    {"moe_route", k_moe_route, 0, 0},
 };
 
 START_TEST(cuda_kernel_matches_cpu) {

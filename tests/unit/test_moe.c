@@ -8,11 +8,13 @@
  * routing's choice on the host, the rows and experts' products on the device.
  */
 #include <check.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "checkpoint/safetensors.h"
+#include "core/kernels.h"
 #include "nn/moe.h"
 #include "tests/harness.h"
 
@@ -241,7 +243,41 @@ START_TEST(shared_expert) {
 END_TEST
 
 /* Bad sizes and inputs are refused by name, without a crash. */
+/* kernel_moe_route's refusals, each by name; a NaN logit still gives k distinct experts. */
+static void route_refusals(void) {
+  fsdpc_tensor_t z, p, ex, w, dz, bad, b3;
+  ok(tensor_zeros(&z, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 4}));
+  ok(tensor_zeros(&p, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 4}));
+  ok(tensor_zeros(&dz, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 4}));
+  ok(tensor_zeros(&ex, DTYPE_I64, device_cpu(), 2, (int64_t[]){2, 2}));
+  ok(tensor_zeros(&w, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 2}));
+  ok(tensor_zeros(&bad, DTYPE_BF16, device_cpu(), 2, (int64_t[]){2, 4}));
+  ok(tensor_zeros(&b3, DTYPE_F32, device_cpu(), 1, (int64_t[]){3}));
+  ck_assert_int_eq(kernel_moe_route(&p, &ex, &w, &z, NULL, 3, true, false, 1), STATUS_ESHAPE);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "[tokens, k]"));
+  ck_assert_int_eq(kernel_moe_route(&p, &ex, &w, &z, NULL, 5, true, false, 1), STATUS_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "top_k 5 must lie in [1, 4]"));
+  ck_assert_int_eq(kernel_moe_route(&p, &ex, &w, &bad, NULL, 2, true, false, 1), STATUS_EDTYPE);
+  ck_assert_int_eq(kernel_moe_route(&p, &ex, &w, &z, &b3, 2, true, false, 1), STATUS_ESHAPE);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "[experts]"));
+  ck_assert_int_eq(kernel_moe_route(&p, &ex, &w, &z, NULL, 2, true, false, 0), STATUS_EINVAL);
+  ((float *)z.data)[1] = NAN; /* token 0: a NaN score among equal ones */
+  ok(kernel_moe_route(&p, &ex, &w, &z, NULL, 2, true, false, 1));
+  const int64_t *e = ex.data;
+  for (int t = 0; t < 2; t++)
+    ck_assert(e[2 * t] >= 0 && e[2 * t] < 4 && e[2 * t + 1] >= 0 && e[2 * t + 1] < 4 &&
+              e[2 * t] != e[2 * t + 1]);
+  ck_assert(e[2] == 0 && e[3] == 1); /* token 1: equal scores, the lower experts first */
+  ((int64_t *)ex.data)[3] = 4;
+  ck_assert_int_eq(kernel_moe_route_backward(&dz, &w, &w, &p, &ex, NULL, 2, true, false, 1),
+                   STATUS_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err_detail(), "expert 4 outside [0, 4)"));
+  fsdpc_tensor_t *all[] = {&z, &p, &ex, &w, &dz, &bad, &b3};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
+}
+
 START_TEST(refusals) {
+  route_refusals();
   nn_module_t *m = NULL;
   ck_assert_int_ne(nn_moe_new(NULL, "moe", 8, 12, 4, 5, true, NULL, &m), STATUS_OK);
   ck_assert_ptr_nonnull(strstr(err_detail(), "top_k 5"));
