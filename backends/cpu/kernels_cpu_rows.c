@@ -286,6 +286,55 @@ static fsdpc_status_t check_lists(const fsdpc_tensor_t *offs, const fsdpc_tensor
                       (long long)M);
 }
 
+/* The operands of a combine or its backward, as f32 arrays, for the kernel threads. */
+typedef struct combine {
+  const int64_t *o, *r, *sl;
+  const float *y, *w, *g;
+  float *out, *dy, *dw;
+  int64_t D, k;
+} combine_t;
+
+/* Tokens [t0, t1): each output row the sum of its slots' rows, weighted, in slot order. */
+static void combine_share(const void *ctx, int th, int64_t t0, int64_t t1) {
+  (void)th;
+  const combine_t *c = ctx;
+  int64_t D = c->D, k = c->k;
+  for (int64_t t = t0; t < t1; t++) {
+    float *ot = c->out + t * D;
+    for (int64_t d = 0; d < D; d++) ot[d] = 0;
+    for (int64_t s = t * k; s < (t + 1) * k; s++)
+      for (int64_t m = c->o[s]; m < c->o[s + 1]; m++) {
+        const float *ym = c->y + c->r[m] * D;
+        for (int64_t d = 0; d < D; d++) ot[d] += c->w[s] * ym[d];
+      }
+  }
+}
+
+/* Rows [m0, m1) of dy: each its slot's weight times its token's gradient. */
+static void combine_dy_share(const void *ctx, int th, int64_t m0, int64_t m1) {
+  (void)th;
+  const combine_t *c = ctx;
+  int64_t D = c->D;
+  for (int64_t m = m0; m < m1; m++) {
+    const float *gt = c->g + (c->sl[m] / c->k) * D;
+    for (int64_t d = 0; d < D; d++) c->dy[m * D + d] = c->w[c->sl[m]] * gt[d];
+  }
+}
+
+/* Slots [s0, s1) of dw: each its rows' dot products with its token's gradient, in order. */
+static void combine_dw_share(const void *ctx, int th, int64_t s0, int64_t s1) {
+  (void)th;
+  const combine_t *c = ctx;
+  int64_t D = c->D;
+  for (int64_t s = s0; s < s1; s++) {
+    const float *gt = c->g + (s / c->k) * D;
+    float acc = 0;
+    for (int64_t m = c->o[s]; m < c->o[s + 1]; m++)
+      for (int64_t d = 0; d < D; d++) acc += c->y[c->r[m] * D + d] * gt[d];
+    c->dw[s] = acc;
+  }
+}
+
 static fsdpc_status_t cpu_moe_combine(fsdpc_tensor_t *out, const fsdpc_tensor_t *y,
                                       const fsdpc_tensor_t *w, const fsdpc_tensor_t *offs,
                                       const fsdpc_tensor_t *rows) {
@@ -293,20 +342,13 @@ static fsdpc_status_t cpu_moe_combine(fsdpc_tensor_t *out, const fsdpc_tensor_t 
   if (D == 0 || tensor_numel(out) == 0) return STATUS_OK;
   int64_t M = tensor_numel(y) / D, N = tensor_numel(out) / D, k = tensor_numel(w) / N;
   FSDPC_TRY(check_lists(offs, rows, M));
-  const int64_t *o = offs->data, *r = rows->data;
   fbufs_t b = {0};
-  const float *yv = cpu_fbufs_in(&b, y), *wv = cpu_fbufs_in(&b, w);
-  float *ov = cpu_fbufs_out(&b, out, false);
+  combine_t c = {.o = offs->data, .r = rows->data, .D = D, .k = k};
+  c.y = cpu_fbufs_in(&b, y);
+  c.w = cpu_fbufs_in(&b, w);
+  c.out = cpu_fbufs_out(&b, out, false);
   if (b.st != STATUS_OK) return cpu_fbufs_end(&b, STATUS_OK);
-  for (int64_t t = 0; t < N; t++) {
-    float *ot = ov + t * D;
-    for (int64_t d = 0; d < D; d++) ot[d] = 0;
-    for (int64_t s = t * k; s < (t + 1) * k; s++)
-      for (int64_t m = o[s]; m < o[s + 1]; m++) {
-        const float *ym = yv + r[m] * D;
-        for (int64_t d = 0; d < D; d++) ot[d] += wv[s] * ym[d];
-      }
-  }
+  cpu_for_shares(N, D * k, ELEM_GRAIN, 1, combine_share, &c);
   return cpu_fbufs_end(&b, STATUS_OK);
 }
 
@@ -328,20 +370,15 @@ static fsdpc_status_t cpu_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_
       return err_set(STATUS_EINVAL, "kernel_moe_combine_backward: slot %lld outside [0, %lld)",
                      (long long)sl[m], (long long)S);
   fbufs_t b = {0};
-  const float *g = cpu_fbufs_in(&b, dout), *yv = cpu_fbufs_in(&b, y), *wv = cpu_fbufs_in(&b, w);
-  float *dyv = cpu_fbufs_out(&b, dy, false), *dwv = cpu_fbufs_out(&b, dw, false);
+  combine_t c = {.o = o, .r = r, .sl = sl, .D = D, .k = k};
+  c.g = cpu_fbufs_in(&b, dout);
+  c.y = cpu_fbufs_in(&b, y);
+  c.w = cpu_fbufs_in(&b, w);
+  c.dy = cpu_fbufs_out(&b, dy, false);
+  c.dw = cpu_fbufs_out(&b, dw, false);
   if (b.st != STATUS_OK) return cpu_fbufs_end(&b, STATUS_OK);
-  for (int64_t m = 0; m < M; m++) {
-    const float *gt = g + (sl[m] / k) * D;
-    for (int64_t d = 0; d < D; d++) dyv[m * D + d] = wv[sl[m]] * gt[d];
-  }
-  for (int64_t s = 0; s < S; s++) {
-    const float *gt = g + (s / k) * D;
-    float acc = 0;
-    for (int64_t m = o[s]; m < o[s + 1]; m++)
-      for (int64_t d = 0; d < D; d++) acc += yv[r[m] * D + d] * gt[d];
-    dwv[s] = acc;
-  }
+  cpu_for_shares(M, D, ELEM_GRAIN, 1, combine_dy_share, &c);
+  cpu_for_shares(S, M / (S > 0 ? S : 1) * D + 1, ELEM_GRAIN, 1, combine_dw_share, &c);
   return cpu_fbufs_end(&b, STATUS_OK);
 }
 

@@ -1,9 +1,10 @@
 /*
  * The CPU kernels on several threads: each kernel on inputs large enough to be split (odd sizes,
- * so that shares end mid-vector), fp32 and bf16, gives the same bits as on one thread; matrix
- * products, whose rounding is the BLAS's per call shape, agree to 1e-6 and give the same bits
- * run after run on the same thread count. Three training steps of llama-small (AdamW, clipping)
- * likewise, parameter by parameter.
+ * so that shares end mid-vector), fp32 and bf16, a mixture of experts' routing and weighted sum
+ * among them, gives the same bits as on one thread; matrix products, whose rounding is the
+ * BLAS's per call shape, agree to 1e-6 and give the same bits run after run on the same thread
+ * count. Three training steps of llama-small (AdamW, clipping) likewise, parameter by
+ * parameter.
  */
 #include <math.h>
 #include <stdio.h>
@@ -46,7 +47,7 @@ static void ids(fsdpc_tensor_t *t, int64_t n, int64_t below, int64_t ignored_eve
         ignored_every > 0 && i % ignored_every == 0 ? -100 : (int64_t)(uniform() * (double)below);
 }
 
-enum { MAX_OUT = 48 };
+enum { MAX_OUT = 64 };
 
 /* Inputs shared by both runs. */
 typedef struct inputs {
@@ -117,6 +118,51 @@ static fsdpc_tensor_t *out_copy(outputs_t *o, const char *name, const fsdpc_tens
   fsdpc_tensor_t *t = out_new(o, name, from->dtype, from->ndim, from->shape);
   memcpy(t->data, from->data, tensor_nbytes(t));
   return t;
+}
+
+/* A view of numel(shape) values of a 1-D tensor from off (the caller frees it). */
+static fsdpc_tensor_t first_of(const fsdpc_tensor_t *t, int64_t off, int ndim,
+                               const int64_t *shape) {
+  int64_t n = 1;
+  for (int i = 0; i < ndim; i++) n *= shape[i];
+  fsdpc_tensor_t part, v;
+  ok(tensor_narrow(&part, t, 0, off, n));
+  ok(tensor_view(&v, &part, ndim, shape));
+  tensor_free(&part);
+  return v;
+}
+
+/* A mixture of experts' routing (the logits as 263 experts' scores of 301 tokens, top-8, with
+ * a bias; its backward with the load-balancing term) and weighted sum (2 slots a token, each
+ * one row, the rows shuffled), forward and backward. */
+static void moe_kernels(const inputs_t *in, outputs_t *o) {
+  int64_t N = in->logits.shape[0], E = in->logits.shape[1], k = 8, nk[2] = {N, k};
+  fsdpc_tensor_t bias = first_of(&in->g, 0, 1, &E), g = first_of(&in->g, E, 1, &E);
+  fsdpc_tensor_t dw = first_of(&in->up, 0, 2, nk);
+  fsdpc_tensor_t *p = out_new(o, "moe scores", DTYPE_F32, 2, in->logits.shape);
+  fsdpc_tensor_t *ex = out_new(o, "moe experts", DTYPE_I64, 2, nk);
+  fsdpc_tensor_t *w = out_new(o, "moe weights", DTYPE_F32, 2, nk);
+  ok(kernel_moe_route(p, ex, w, &in->logits, &bias, (int)k, true, false, 1.5));
+  ok(kernel_moe_route_backward(out_new(o, "moe dz", DTYPE_F32, 2, in->logits.shape), &dw, w, p, ex,
+                               &g, (int)k, true, false, 1.5));
+  int64_t S = 2 * N, D = 57, yd[2] = {S, D}, nd[2] = {N, D}, s1 = S + 1;
+  fsdpc_tensor_t y = first_of(&in->gate, 0, 2, yd), ws = first_of(&in->up, 0, 1, &S);
+  fsdpc_tensor_t dout = first_of(&in->up, S, 2, nd), offs, rows, slots;
+  ok(tensor_init(&offs, DTYPE_I64, device_cpu(), 1, &s1));
+  ok(tensor_init(&rows, DTYPE_I64, device_cpu(), 1, &S));
+  ok(tensor_init(&slots, DTYPE_I64, device_cpu(), 1, &S));
+  for (int64_t s = 0; s <= S; s++) ((int64_t *)offs.data)[s] = s;
+  for (int64_t s = 0; s < S; s++) {
+    int64_t r = s * 37 % S; /* 37 and 602 are coprime: a permutation */
+    ((int64_t *)rows.data)[s] = r;
+    ((int64_t *)slots.data)[r] = s;
+  }
+  ok(kernel_moe_combine(out_new(o, "moe combine", DTYPE_F32, 2, nd), &y, &ws, &offs, &rows));
+  ok(kernel_moe_combine_backward(out_new(o, "moe combine dy", DTYPE_F32, 2, yd),
+                                 out_new(o, "moe combine dw", DTYPE_F32, 1, &S), &dout, &y, &ws,
+                                 &slots, &offs, &rows));
+  fsdpc_tensor_t *all[] = {&bias, &g, &dw, &y, &ws, &dout, &offs, &rows, &slots};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
 }
 
 /* Every kernel the CPU splits, on the inputs. */
@@ -194,6 +240,7 @@ static void run_kernels(const inputs_t *in, outputs_t *o) {
     ok(kernel_adamw(p, &in->g, m, v, &args));
     ok(kernel_adamw(p, &in->g, m, v, &args));
   }
+  moe_kernels(in, o);
   ok(kernel_sum_squares(&in->gate, &o->sums[0]));
   ok(kernel_sum_squares(&in->p, &o->sums[1]));
   double both[2]; /* the gradient norm's call: the same bits as one call each */
