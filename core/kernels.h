@@ -213,7 +213,8 @@ fsdpc_status_t kernel_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_t *d
  * largest scores, plus bias [E] (F32, for the choice alone) when not NULL, from the largest,
  * ties to the lower expert, and w [N, k] (F32) their weights: scale times the score, over the
  * chosen scores' sum when norm. 1 <= k <= min(E, 64). The scores are computed in f64 and rounded
- * once, so every device chooses the same experts. Writes p, experts and w. */
+ * once on every device, which then choose the same experts (but where their f64 exp differs in
+ * the last bit at a rounding boundary, rarely). Writes p, experts and w. */
 fsdpc_status_t kernel_moe_route(fsdpc_tensor_t *p, fsdpc_tensor_t *experts, fsdpc_tensor_t *w,
                                 const fsdpc_tensor_t *z, const fsdpc_tensor_t *bias, int k,
                                 bool norm, bool sigmoid, double scale);

@@ -1,7 +1,9 @@
 /*
  * A mixture of experts' routing of one token, forward and backward, shared by the CPU and CUDA
  * twins of kernel_moe_route (core/kernels.h) so that both choose the same experts: the scores in
- * f64 rounded once to f32, the choice by comparisons of f32 keys.
+ * f64 rounded once to f32, the choice by comparisons of f32 keys. (The devices' f64 exp may
+ * differ in its last bit, rounding a score apart in rare cases; CUDA contracts the backward's
+ * sums into fused multiply-adds.)
  */
 #ifndef FSDPC_CORE_MOE_ROUTE_IMPL_H
 #define FSDPC_CORE_MOE_ROUTE_IMPL_H
@@ -29,7 +31,8 @@ typedef struct moe_route_args {
 /* A token's logits z (E) into its scores pr (the softmax, or each logit's sigmoid), its k
  * experts e (the largest scores plus bias when not NULL, from the largest, ties to the lower
  * expert: kept in order in one pass) and their weights w (scale times the score, over the
- * chosen scores' sum when norm). A NaN score is never preferred and never repeats an expert. */
+ * chosen scores' sum when norm). With NaN scores the choice is not defined, but its k experts
+ * stay distinct and in [0, E). */
 static inline MOE_HD void moe_route_row(const moe_route_args_t *a, const float *z,
                                         const float *bias, float *pr, int64_t *e, float *w) {
   int64_t E = a->E;

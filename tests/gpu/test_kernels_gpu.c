@@ -749,46 +749,55 @@ static int moe_combine_case(device_t dev, dtype_t dt, fsdpc_tensor_t *o, int64_t
   return 3;
 }
 
-/* A mixture of experts' routing of 300 tokens over 40 experts, top-6, in f32 whatever dt: softmax
- * scores renormalised, then sigmoid scores with an expert bias and a scale of 2.5; each one's
- * backward, the first also with a load-balancing term. The experts must be the same (an expert
- * chosen apart moves the relative error far past the tolerance). Outputs p, experts, w, dz for
- * each routing, and dz with the term. */
+/* A mixture of experts' routing of 300 tokens over 40 experts in f32 whatever dt: top-6 softmax
+ * scores renormalised (its backward also with a load-balancing term), top-6 sigmoid scores with
+ * an expert bias and a scale of 2.5, top-1 plain, and all 40 with the bias, renormalised; each
+ * one's backward. The experts must be the same (an expert chosen apart moves the relative
+ * error far past the tolerance). Outputs p, experts, w and dz of each, then dz with the term. */
 static int k_moe_route(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {
   (void)dt;
-  int64_t N = 300, E = 40, k = 6, sz[2] = {N, E}, sk[2] = {N, k};
-  fsdpc_tensor_t z, bias, dw, g;
+  static const struct {
+    int k;
+    bool norm, sigmoid, bias;
+    double scale;
+  } v[4] = {{6, true, false, false, 1.0},
+            {6, true, true, true, 2.5},
+            {1, false, false, false, 1.0},
+            {40, true, false, true, 1.0}};
+  int64_t N = 300, E = 40, sz[2] = {N, E};
+  fsdpc_tensor_t z, bias, g;
   rnd(&z, dev, DTYPE_F32, 2, sz, 41, 3);
   rnd(&bias, dev, DTYPE_F32, 1, &E, 42, 0.05);
-  rnd(&dw, dev, DTYPE_F32, 2, sk, 43, 1);
   rnd(&g, dev, DTYPE_F32, 1, &E, 44, 0.01);
-  for (int r = 0; r < 2; r++) {
-    bool sigmoid = r == 1;
-    fsdpc_tensor_t p, ex, w, dz;
+  for (int r = 0; r < 4; r++) {
+    int k = v[r].k;
+    int64_t sk[2] = {N, k};
+    fsdpc_tensor_t p, ex, w, dz, dw;
+    rnd(&dw, dev, DTYPE_F32, 2, sk, 43 + (unsigned long long)r, 1);
     poisoned(&p, dev, DTYPE_F32, 2, sz);
     poisoned(&w, dev, DTYPE_F32, 2, sk);
     ok(tensor_init(&ex, DTYPE_I64, dev, 2, sk));
-    ok(kernel_moe_route(&p, &ex, &w, &z, sigmoid ? &bias : NULL, (int)k, true, sigmoid,
-                        sigmoid ? 2.5 : 1.0));
+    ok(kernel_moe_route(&p, &ex, &w, &z, v[r].bias ? &bias : NULL, k, v[r].norm, v[r].sigmoid,
+                        v[r].scale));
     poisoned(&dz, dev, DTYPE_F32, 2, sz);
-    ok(kernel_moe_route_backward(&dz, &dw, &w, &p, &ex, NULL, (int)k, true, sigmoid,
-                                 sigmoid ? 2.5 : 1.0));
-    if (!sigmoid) {
+    ok(kernel_moe_route_backward(&dz, &dw, &w, &p, &ex, NULL, k, v[r].norm, v[r].sigmoid,
+                                 v[r].scale));
+    if (r == 0) {
       fsdpc_tensor_t dzg;
       poisoned(&dzg, dev, DTYPE_F32, 2, sz);
-      ok(kernel_moe_route_backward(&dzg, &dw, &w, &p, &ex, &g, (int)k, true, false, 1.0));
-      out(&o[8], &dzg);
+      ok(kernel_moe_route_backward(&dzg, &dw, &w, &p, &ex, &g, k, true, false, 1.0));
+      out(&o[16], &dzg);
     }
     out(&o[4 * r], &p);
     out(&o[4 * r + 1], &ex);
     out(&o[4 * r + 2], &w);
     out(&o[4 * r + 3], &dz);
+    tensor_free(&dw);
   }
   tensor_free(&z);
   tensor_free(&bias);
-  tensor_free(&dw);
   tensor_free(&g);
-  return 9;
+  return 17;
 }
 
 static int k_moe_combine(device_t dev, dtype_t dt, fsdpc_tensor_t *o) {

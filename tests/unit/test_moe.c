@@ -5,7 +5,7 @@
  * experts of which some receive no token, with a shared expert, and with DeepSeek-V3's
  * sigmoid routing and expert bias (its update after a step too); and the operations'
  * refusals. With the argument "cuda" (the GPU suite) the cases run on the GPU in f32: the
- * routing's choice on the host, the rows and experts' products on the device.
+ * routing, the rows and the experts' products on the device, the choices then on the host.
  */
 #include <check.h>
 #include <math.h>
@@ -242,8 +242,8 @@ START_TEST(shared_expert) {
 }
 END_TEST
 
-/* Bad sizes and inputs are refused by name, without a crash. */
-/* kernel_moe_route's refusals, each by name; a NaN logit still gives k distinct experts. */
+/* kernel_moe_route's refusals, each by name; NaN scores (a row of them, or one among others)
+ * still give k distinct experts. */
 static void route_refusals(void) {
   fsdpc_tensor_t z, p, ex, w, dz, bad, b3;
   ok(tensor_zeros(&z, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 4}));
@@ -268,6 +268,8 @@ static void route_refusals(void) {
     ck_assert(e[2 * t] >= 0 && e[2 * t] < 4 && e[2 * t + 1] >= 0 && e[2 * t + 1] < 4 &&
               e[2 * t] != e[2 * t + 1]);
   ck_assert(e[2] == 0 && e[3] == 1); /* token 1: equal scores, the lower experts first */
+  ok(kernel_moe_route(&p, &ex, &w, &z, NULL, 2, true, true, 1)); /* sigmoid: one NaN score */
+  ck_assert(e[0] >= 0 && e[0] < 4 && e[1] >= 0 && e[1] < 4 && e[0] != e[1]);
   ((int64_t *)ex.data)[3] = 4;
   ck_assert_int_eq(kernel_moe_route_backward(&dz, &w, &w, &p, &ex, NULL, 2, true, false, 1),
                    STATUS_EINVAL);
@@ -276,6 +278,7 @@ static void route_refusals(void) {
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
 }
 
+/* Bad sizes and inputs are refused by name, without a crash. */
 START_TEST(refusals) {
   route_refusals();
   nn_module_t *m = NULL;
