@@ -21,6 +21,9 @@
 /* The most experts a token takes. */
 #define MOE_MAX_TOP_K 64
 
+/* Up to this many experts, the host keeps a row's exponentials rather than computing them twice. */
+#define MOE_KEEP_EXPS 512
+
 typedef struct moe_route_args {
   int64_t E;
   int k;
@@ -43,8 +46,17 @@ static inline MOE_HD void moe_route_row(const moe_route_args_t *a, const float *
     float mx = z[0];
     for (int64_t i = 1; i < E; i++) mx = z[i] > mx ? z[i] : mx;
     double s = 0;
-    for (int64_t i = 0; i < E; i++) s += exp((double)z[i] - mx);
-    for (int64_t i = 0; i < E; i++) pr[i] = (float)(exp((double)z[i] - mx) / s);
+#ifndef __CUDA_ARCH__
+    if (E <= MOE_KEEP_EXPS) { /* on the host each exp once (the same values: exp is a function) */
+      double ex[MOE_KEEP_EXPS];
+      for (int64_t i = 0; i < E; i++) s += ex[i] = exp((double)z[i] - mx);
+      for (int64_t i = 0; i < E; i++) pr[i] = (float)(ex[i] / s);
+    } else
+#endif
+    {
+      for (int64_t i = 0; i < E; i++) s += exp((double)z[i] - mx);
+      for (int64_t i = 0; i < E; i++) pr[i] = (float)(exp((double)z[i] - mx) / s);
+    }
   }
   float key[MOE_MAX_TOP_K];
   int n = 0;
