@@ -543,10 +543,11 @@ fsdpc_status_t kernel_moe_combine_backward(fsdpc_tensor_t *dy, fsdpc_tensor_t *d
            ops->moe_combine_backward(dy, dw, dout, y, w, slots, offs, rows));
 }
 
-/* A routing's tensors: [N, E] and [N, k] of their dtypes, E elements of bias or g. */
+/* A routing's tensors ([N, E] and [N, k] of their dtypes, E elements of bias or g) and scale,
+ * into *a. */
 static fsdpc_status_t check_route(const char *fn, const fsdpc_tensor_t *NE[2],
                                   const fsdpc_tensor_t *Nk[3], const fsdpc_tensor_t *perE, int k,
-                                  moe_route_args_t *a) {
+                                  bool norm, bool sigmoid, double scale, moe_route_args_t *a) {
   const fsdpc_tensor_t *z = NE[0];
   if (z->ndim != 2 || z->shape[1] < 1) return shape_error(fn, "the logits", z, "[tokens, experts]");
   int64_t N = z->shape[0], E = z->shape[1];
@@ -569,7 +570,9 @@ static fsdpc_status_t check_route(const char *fn, const fsdpc_tensor_t *NE[2],
     if (tensor_numel(perE) != E)
       return shape_error(fn, "a tensor of one value an expert", perE, "[experts]");
   }
-  *a = (moe_route_args_t){.E = E, .k = k};
+  if (!(scale > 0) || !isfinite(scale))
+    return err_set(STATUS_EINVAL, "%s: scale %g must be positive and finite", fn, scale);
+  *a = (moe_route_args_t){.E = E, .k = k, .norm = norm, .sigmoid = sigmoid, .scale = scale};
   return STATUS_OK;
 }
 
@@ -582,13 +585,9 @@ fsdpc_status_t kernel_moe_route(fsdpc_tensor_t *p, fsdpc_tensor_t *experts, fsdp
                  : check_common(fn, NT(z, p, experts, w), &ops));
   moe_route_args_t a;
   FSDPC_TRY(check_route(fn, (const fsdpc_tensor_t *[2]){z, p},
-                        (const fsdpc_tensor_t *[3]){experts, w, w}, bias, k, &a));
-  if (!(scale > 0) || !isfinite(scale))
-    return err_set(STATUS_EINVAL, "%s: scale %g must be positive and finite", fn, scale);
-  a.norm = norm;
-  a.sigmoid = sigmoid;
-  a.scale = scale;
-  if (a.E * k == 0 || z->shape[0] == 0) return STATUS_OK;
+                        (const fsdpc_tensor_t *[3]){experts, w, w}, bias, k, norm, sigmoid, scale,
+                        &a));
+  if (z->shape[0] == 0) return STATUS_OK;
   DISPATCH("moe_route", z, moved(NT(z, p, experts, w)), ops->moe_route(p, experts, w, z, bias, &a));
 }
 
@@ -602,12 +601,8 @@ fsdpc_status_t kernel_moe_route_backward(fsdpc_tensor_t *dz, const fsdpc_tensor_
               : check_common(fn, NT(p, dz, dw, w, experts), &ops));
   moe_route_args_t a;
   FSDPC_TRY(check_route(fn, (const fsdpc_tensor_t *[2]){p, dz},
-                        (const fsdpc_tensor_t *[3]){experts, dw, w}, g, k, &a));
-  if (!(scale > 0) || !isfinite(scale))
-    return err_set(STATUS_EINVAL, "%s: scale %g must be positive and finite", fn, scale);
-  a.norm = norm;
-  a.sigmoid = sigmoid;
-  a.scale = scale;
+                        (const fsdpc_tensor_t *[3]){experts, dw, w}, g, k, norm, sigmoid, scale,
+                        &a));
   if (p->shape[0] == 0) return STATUS_OK;
   DISPATCH("moe_route_backward", dz, moved(NT(dz, dw, w, p, experts)),
            ops->moe_route_backward(dz, dw, w, p, experts, g, &a));
