@@ -6,7 +6,9 @@
  * through cublasGemmEx in alternate repetitions (kernel_matmul_set_lt), and the table sets their
  * median times side by side; on the CPU it times OpenBLAS. The last lines weigh every shape by how
  * often a step runs it (layers, and Llama's k/v and gate/up twice) and print one JSON line for
- * scripts.
+ * scripts. With experts (Qwen3-MoE, Qwen2-MoE, Mixtral), the dense MLP rows count the dense
+ * layers only, and a last table times one layer's experts' products (gate's shape, the tokens
+ * spread evenly) made one call an expert against one grouped call (kernel_matmul_many).
  *
  *   bench-matmul [--config configs/llama-100m.json] [--device cpu|cuda]
  *                [--dtype f32|bf16|f16] [--tokens N] [--reps 20]
@@ -55,6 +57,86 @@ static const char *cell(double flop, double s, char *buf, size_t n) {
   return buf;
 }
 
+/* Median seconds of n products with the same transposes: one kernel_matmul each (p = 0), then
+ * one kernel_matmul_many (p = 1), taken in turn. */
+static void time_many(device_t dev, int reps, double *times, double *med,
+                      const kernel_product_t *ps, int n, bool ta, bool tb) {
+  for (int r = -2; r < reps; r++)
+    for (int p = 0; p < 2; p++) {
+      BENCH_TRY(device_stream_sync(dev));
+      double t0 = device_clock_seconds();
+      if (p == 0)
+        for (int i = 0; i < n; i++)
+          BENCH_TRY(kernel_matmul(ps[i].out, ps[i].a, ta, ps[i].b, tb, 1.0f, 0.0f));
+      else
+        BENCH_TRY(kernel_matmul_many(ps, n, ta, tb, 1.0f, 0.0f));
+      BENCH_TRY(device_stream_sync(dev));
+      if (r >= 0) times[p * reps + r] = device_clock_seconds() - t0;
+    }
+  for (int p = 0; p < 2; p++) med[p] = bench_median(times + p * reps, reps);
+}
+
+/* A mixture of experts' products of one layer's gate (or up) projection, E experts of ffn x dim,
+ * over N tokens routed k a token, c = N k / E rows each: forward, input gradient and weight
+ * gradient, one call an expert against one grouped call. */
+static void experts(device_t dev, dtype_t dt, int reps, double *times, int64_t N, int64_t E,
+                    int64_t k, int64_t ffn, int64_t dim) {
+  int64_t c = N * k / E, sx[2] = {E * c, dim}, sy[2] = {E * c, ffn}, sw[3] = {E, ffn, dim};
+  fsdpc_tensor_t x, w, y, dy, dx, dw;
+  bench_random(&x, dt, dev, 2, sx, 1);
+  bench_random(&w, dt, dev, 3, sw, 2);
+  bench_random(&dy, dt, dev, 2, sy, 3);
+  BENCH_TRY(tensor_init(&y, dt, dev, 2, sy));
+  BENCH_TRY(tensor_init(&dx, dt, dev, 2, sx));
+  BENCH_TRY(tensor_init(&dw, dt, dev, 3, sw));
+  fsdpc_tensor_t *v = calloc((size_t)(6 * E), sizeof *v); /* x, dy, y, dx, w, dw of each */
+  kernel_product_t *ps = calloc((size_t)(3 * E), sizeof *ps);
+  if (v == NULL || ps == NULL) bench_leave(1);
+  for (int64_t e = 0; e < E; e++) {
+    fsdpc_tensor_t *t = v + 6 * e, one;
+    BENCH_TRY(tensor_narrow(&t[0], &x, 0, e * c, c));
+    BENCH_TRY(tensor_narrow(&t[1], &dy, 0, e * c, c));
+    BENCH_TRY(tensor_narrow(&t[2], &y, 0, e * c, c));
+    BENCH_TRY(tensor_narrow(&t[3], &dx, 0, e * c, c));
+    BENCH_TRY(tensor_narrow(&one, &w, 0, e, 1));
+    BENCH_TRY(tensor_view(&t[4], &one, 2, sw + 1));
+    tensor_free(&one);
+    BENCH_TRY(tensor_narrow(&one, &dw, 0, e, 1));
+    BENCH_TRY(tensor_view(&t[5], &one, 2, sw + 1));
+    tensor_free(&one);
+    ps[e] = (kernel_product_t){&t[2], &t[0], &t[4]};         /* y_e = x_e w_e^T */
+    ps[E + e] = (kernel_product_t){&t[3], &t[1], &t[4]};     /* dx_e = dy_e w_e */
+    ps[2 * E + e] = (kernel_product_t){&t[5], &t[1], &t[0]}; /* dw_e = dy_e^T x_e */
+  }
+  printf(
+      "experts' products of a layer: %lld experts of %lldx%lld, %lld tokens top-%lld (%lld "
+      "rows an expert), %s\n",
+      (long long)E, (long long)ffn, (long long)dim, (long long)N, (long long)k, (long long)c,
+      dtype_name(dt));
+  printf("%-11s %16s %22s %22s %7s\n", "product", "m x n x k", "one call each", "grouped", "x");
+  static const char *kinds[3] = {"forward", "input grad", "weight grad"};
+  double flop = 2.0 * (double)(E * c) * (double)ffn * (double)dim;
+  for (int kind = 0; kind < 3; kind++) {
+    double med[2];
+    time_many(dev, reps, times, med, ps + kind * E, (int)E, kind == 2, kind == 0);
+    char dims[48], col[2][64];
+    snprintf(dims, sizeof dims, "%lldx%lldx%lld", (long long)(kind == 2 ? ffn : c),
+             (long long)(kind == 0 ? ffn : dim),
+             (long long)(kind == 0   ? dim
+                         : kind == 1 ? ffn
+                                     : c));
+    for (int p = 0; p < 2; p++) cell(flop, med[p], col[p], sizeof col[p]);
+    printf("%-11s %16s %22s %22s %6.2fx\n", kinds[kind], dims, col[0], col[1], med[0] / med[1]);
+  }
+  if (dev.type == DEVICE_CUDA && kernel_matmul_grouped_runs() == 0)
+    printf("no grouped cuBLAS call ran: %s\n", kernel_matmul_grouped_note());
+  for (int64_t i = 0; i < 6 * E; i++) tensor_free(&v[i]);
+  free(v);
+  free(ps);
+  fsdpc_tensor_t *all[] = {&x, &w, &y, &dy, &dx, &dw};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tensor_free(all[i]);
+}
+
 int main(int argc, char **argv) {
   if (world_init(&argc, &argv) != STATUS_OK) {
     fprintf(stderr, "bench-matmul: %s\n", err_detail());
@@ -70,13 +152,13 @@ int main(int argc, char **argv) {
   int64_t N = bench_int(argc, argv, "--tokens", cuda ? 8192 : 512, 1, 1 << 24);
   int reps = (int)bench_int(argc, argv, "--reps", 20, 1, 100000);
   int paths = cuda ? 2 : 1;
-  int64_t Dh = llama_head_dim(&c), L = c.n_layers;
+  int64_t Dh = llama_head_dim(&c), L = c.n_layers, dense = L - llama_num_moe_layers(&c);
   layer_t llama[] = {
       {"q", c.n_heads * Dh, c.dim, L, false},
       {"o", c.dim, c.n_heads * Dh, L, false},
       {"k, v", c.n_kv_heads * Dh, c.dim, 2 * L, false},
-      {"gate, up", c.ffn_dim, c.dim, 2 * L, false},
-      {"down", c.dim, c.ffn_dim, L, false},
+      {"gate, up", c.ffn_dim, c.dim, 2 * dense, false}, /* the dense layers' MLPs */
+      {"down", c.dim, c.ffn_dim, dense, false},
       {"lm head", c.vocab_size, c.dim, 1, false},
   };
   layer_t gpt2[] = {
@@ -100,6 +182,7 @@ int main(int argc, char **argv) {
     printf("%-10s %-11s %16s %22s\n", "linear", "product", "m x n x k", "OpenBLAS");
   for (size_t i = 0; i < n_layers; i++) {
     const layer_t *l = &layers[i];
+    if (l->per_step == 0) continue; /* no dense MLP: every layer has experts */
     fsdpc_tensor_t x, w, dy, y, dx, dw;
     int64_t sy[2] = {N, l->out}, sx[2] = {N, l->in}, sw[2] = {l->out, l->in};
     if (l->io) {
@@ -154,6 +237,7 @@ int main(int argc, char **argv) {
     printf("a step's products: %.2f ms (%.1f GFLOP/s)\n", 1e3 * step[0], step_flop / step[0] / 1e9);
     printf("{\"openblas_ms\": %.6f, \"tflop\": %.6f}\n", 1e3 * step[0], step_flop / 1e12);
   }
+  if (L > dense) experts(dev, dt, reps, times, N, c.n_experts, c.top_k, c.moe_ffn_dim, c.dim);
   free(times);
   world_finalize();
   return 0;
