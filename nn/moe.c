@@ -188,16 +188,18 @@ void nn_moe_aux_step_add(nn_moe_aux_t *a, const double *mine, const double *tota
 
 /* A forward's routing of N tokens (probabilities p [N, E], choices ex [N, k]) into a; with
  * tokens (not NULL), summed over that group's ranks first (the block's tokens split over them). */
-static fsdpc_status_t aux_add(nn_moe_aux_t *a, const float *p, const int64_t *ex, int64_t N,
-                              int64_t E, int64_t k, pg_t *tokens) {
-  /* rows, then each expert's choices, then its probabilities summed: exact in f64 */
+static fsdpc_status_t aux_add(nn_moe_aux_t *a, const float *p, const float *psum, const int64_t *ex,
+                              int64_t N, int64_t E, int64_t k, pg_t *tokens) {
+  /* rows, then each expert's choices, then its probabilities summed: in f64 from the scores p
+   * [N, E], or the sums psum [E] made on a device */
   double *v = calloc((size_t)(1 + 2 * E), sizeof *v);
   if (v == NULL) return err_set(STATUS_ENOMEM, "MoE block: out of host memory");
   v[0] = (double)N;
   for (int64_t t = 0; t < N; t++) {
-    for (int64_t e = 0; e < E; e++) v[1 + E + e] += p[t * E + e];
+    for (int64_t e = 0; p != NULL && e < E; e++) v[1 + E + e] += p[t * E + e];
     for (int64_t j = 0; j < k; j++) v[1 + ex[t * k + j]] += 1;
   }
+  for (int64_t e = 0; psum != NULL && e < E; e++) v[1 + E + e] = psum[e];
   fsdpc_status_t st =
       tokens ? pg_host_all_reduce(tokens, v, v, (size_t)(1 + 2 * E), PG_HOST_F64, REDUCE_SUM)
              : STATUS_OK;
@@ -335,9 +337,17 @@ static fsdpc_status_t route(nn_ctx_t *ctx, nn_var_t *logits, const route_opts_t 
                                 : tensor_clone(experts, &ex, DTYPE_I64, device_cpu());
   if (st == STATUS_OK) st = as_dtype(&w, zv->dtype, &wd);
   if (st == STATUS_OK && aux != NULL && !nn_ctx_recomputing(ctx)) {
-    st = f32_on(&p, device_cpu(), &ph);
-    if (st == STATUS_OK) st = aux_add(aux, ph.data, experts->data, N, E, k, tokens);
-    tensor_free(&ph);
+    if (dev.type == DEVICE_CPU) {
+      st = aux_add(aux, p.data, NULL, experts->data, N, E, k, tokens);
+    } else { /* the scores summed by expert where they are: E values to the host */
+      fsdpc_tensor_t sums = {0};
+      st = tensor_zeros(&sums, DTYPE_F32, dev, 1, &E);
+      if (st == STATUS_OK) st = kernel_bias_backward(&sums, &p);
+      if (st == STATUS_OK) st = tensor_clone(&ph, &sums, DTYPE_F32, device_cpu());
+      if (st == STATUS_OK) st = aux_add(aux, NULL, ph.data, experts->data, N, E, k, tokens);
+      tensor_free(&sums);
+      tensor_free(&ph);
+    }
   }
   if (st != STATUS_OK) {
     fsdpc_tensor_t *all[] = {&p, &w, &ex, &wd, experts};
