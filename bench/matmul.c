@@ -237,7 +237,11 @@ int main(int argc, char **argv) {
     printf("a step's products: %.2f ms (%.1f GFLOP/s)\n", 1e3 * step[0], step_flop / step[0] / 1e9);
     printf("{\"openblas_ms\": %.6f, \"tflop\": %.6f}\n", 1e3 * step[0], step_flop / 1e12);
   }
-  if (L > dense) experts(dev, dt, reps, times, N, c.n_experts, c.top_k, c.moe_ffn_dim, c.dim);
+  if (L > dense) { /* the step's totals above leave them out */
+    printf("the %lld layers with experts: their products below, not in the step's totals\n",
+           (long long)(L - dense));
+    experts(dev, dt, reps, times, N, c.n_experts, c.top_k, c.moe_ffn_dim, c.dim);
+  }
   free(times);
   world_finalize();
   return 0;

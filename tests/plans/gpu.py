@@ -81,7 +81,8 @@ def gpu_multi():
     mode (FSDPC_PG=staged-lazy): FSDP on 2 ranks, HSDP 2x2, FSDP 2 x TP 2 and HSDP 2x2 x TP 2
     train configs/hsdp-tp.yaml's model on the device with the losses of one rank on the CPU
     taking the same global batch (the plans' parity promise, within the GPU's f32 rounding), and
-    the tiny Qwen3-MoE with its experts split over 2 ranks (FSDP 2 and 4 x EP 2) likewise."""
+    the tiny Qwen3-MoE with its balancing loss and its experts split over 2 ranks (FSDP 2 and
+    4 x EP 2) likewise."""
     tmp = mkdtemp()
     cfg = os.path.join(ROOT, "configs", "hsdp-tp.yaml")
     try:  # the GPUs the driver lists; the runs below ask for CUDA and say so if they miss it
@@ -131,15 +132,15 @@ def gpu_multi():
         if p.returncode != 0:
             print(p.stdout[-1500:], p.stderr[-2500:])
     # a mixture of experts split over ranks sharing the GPU (mesh.ep: the all-to-all through the
-    # host-staged groups; the routing and the grouped products on the device) against one CPU
-    # rank taking the same global batch
-    from configs import family_plan  # noqa: E402  (its plan of the tiny models)
-    plan = family_plan(mkdtemp(), "tiny_qwen3_moe")
+    # host-staged groups; the routing, its statistics for the balancing loss and the grouped
+    # products on the device) against one CPU rank taking the same global batch
+    from configs import family_plan  # the plan of the tiny models
+    plan = family_plan(mkdtemp(), "tiny_qwen3_moe_aux")
     batch = ["--set", "data.global_batch_size=4", "--set", "train.steps=6"]
     ref = os.path.join(tmp, "moe-cpu.jsonl")
     p, _ = run(1, [plan, "--set", "mesh.dp_shard=1", "--set", "train.device=cpu", "--metrics",
                    ref] + batch)
-    check(p.returncode == 0, "tiny_qwen3_moe, one rank on the CPU: the reference run")
+    check(p.returncode == 0, "tiny_qwen3_moe_aux, one rank on the CPU: the reference run")
     want = [(r["loss"], r["grad_norm"]) for r in losses(ref)] if p.returncode == 0 else []
     for name, n, sets in [("FSDP 2 x EP 2", 2, ["mesh.dp_shard=2", "mesh.ep=2"]),
                           ("FSDP 4 x EP 2", 4, ["mesh.dp_shard=4", "mesh.ep=2"])]:
@@ -149,8 +150,9 @@ def gpu_multi():
         got = [(r["loss"], r["grad_norm"]) for r in losses(m)] if p.returncode == 0 else []
         worst = (max(abs(a[i] - b[i]) / abs(b[i]) for a, b in zip(got, want) for i in (0, 1))
                  if got and len(got) == len(want) == 6 else float("inf"))
-        check(p.returncode == 0 and "on cuda:0" in p.stdout and worst <= 1e-4,
-              "tiny_qwen3_moe, %s on %d ranks sharing the GPU: one CPU rank's losses and "
+        check(p.returncode == 0 and "on cuda:0" in p.stdout and
+              "process groups: host-staged, lazy test mode" in p.stdout and worst <= 1e-4,
+              "tiny_qwen3_moe_aux, %s on %d ranks sharing the GPU: one CPU rank's losses and "
               "gradient norms (worst relative %.2e)" % (name, n, worst))
         if p.returncode != 0:
             print(p.stdout[-1500:], p.stderr[-2500:])
