@@ -57,6 +57,19 @@ static const char *cell(double flop, double s, char *buf, size_t n) {
   return buf;
 }
 
+/* A product's operands: x [sx], w (ndim_w, sw) and dy [sy] random, y [sy], dx [sx] and dw
+ * (ndim_w, sw) to write. */
+static void operands(device_t dev, dtype_t dt, const int64_t *sx, const int64_t *sy, int ndim_w,
+                     const int64_t *sw, fsdpc_tensor_t *x, fsdpc_tensor_t *w, fsdpc_tensor_t *dy,
+                     fsdpc_tensor_t *y, fsdpc_tensor_t *dx, fsdpc_tensor_t *dw) {
+  bench_random(x, dt, dev, 2, sx, 1);
+  bench_random(w, dt, dev, ndim_w, sw, 2);
+  bench_random(dy, dt, dev, 2, sy, 3);
+  BENCH_TRY(tensor_init(y, dt, dev, 2, sy));
+  BENCH_TRY(tensor_init(dx, dt, dev, 2, sx));
+  BENCH_TRY(tensor_init(dw, dt, dev, ndim_w, sw));
+}
+
 /* Median seconds of n products with the same transposes: one kernel_matmul each (p = 0), then
  * one kernel_matmul_many (p = 1), taken in turn. */
 static void time_many(device_t dev, int reps, double *times, double *med,
@@ -83,12 +96,7 @@ static void experts(device_t dev, dtype_t dt, int reps, double *times, int64_t N
                     int64_t k, int64_t ffn, int64_t dim) {
   int64_t c = N * k / E, sx[2] = {E * c, dim}, sy[2] = {E * c, ffn}, sw[3] = {E, ffn, dim};
   fsdpc_tensor_t x, w, y, dy, dx, dw;
-  bench_random(&x, dt, dev, 2, sx, 1);
-  bench_random(&w, dt, dev, 3, sw, 2);
-  bench_random(&dy, dt, dev, 2, sy, 3);
-  BENCH_TRY(tensor_init(&y, dt, dev, 2, sy));
-  BENCH_TRY(tensor_init(&dx, dt, dev, 2, sx));
-  BENCH_TRY(tensor_init(&dw, dt, dev, 3, sw));
+  operands(dev, dt, sx, sy, 3, sw, &x, &w, &dy, &y, &dx, &dw);
   fsdpc_tensor_t *v = calloc((size_t)(6 * E), sizeof *v); /* x, dy, y, dx, w, dw of each */
   kernel_product_t *ps = calloc((size_t)(3 * E), sizeof *ps);
   if (v == NULL || ps == NULL) bench_leave(1);
@@ -189,12 +197,7 @@ int main(int argc, char **argv) {
       sw[0] = l->in;
       sw[1] = l->out;
     }
-    bench_random(&x, dt, dev, 2, sx, 1);
-    bench_random(&w, dt, dev, 2, sw, 2);
-    bench_random(&dy, dt, dev, 2, sy, 3);
-    BENCH_TRY(tensor_init(&y, dt, dev, 2, sy));
-    BENCH_TRY(tensor_init(&dx, dt, dev, 2, sx));
-    BENCH_TRY(tensor_init(&dw, dt, dev, 2, sw));
+    operands(dev, dt, sx, sy, 2, sw, &x, &w, &dy, &y, &dx, &dw);
     double flop = 2.0 * (double)N * (double)l->out * (double)l->in;
     for (int kind = 0; kind < 3; kind++) {
       double med[2];

@@ -225,6 +225,19 @@ static fsdpc_status_t check_apart(const kernel_product_t *p, int n) {
   return st;
 }
 
+/* The n checked products with elements: the backend's grouped call, else one kernel_matmul each. */
+static fsdpc_status_t run_many(const kernel_ops_t *ops, const kernel_product_t *p,
+                               const matmul_dims_t *d, int n, bool trans_a, bool trans_b,
+                               float alpha, float beta) {
+  if (ops->matmul_many != NULL)
+    DISPATCH("matmul (grouped)", p[0].out, 0,
+             ops->matmul_many(p, d, n, trans_a, trans_b, alpha, beta));
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < n && st == STATUS_OK; i++)
+    st = kernel_matmul(p[i].out, p[i].a, trans_a, p[i].b, trans_b, alpha, beta);
+  return st;
+}
+
 fsdpc_status_t kernel_matmul_many(const kernel_product_t *p, int n, bool trans_a, bool trans_b,
                                   float alpha, float beta) {
   ARG_NONNULL(p);
@@ -259,21 +272,8 @@ fsdpc_status_t kernel_matmul_many(const kernel_product_t *p, int n, bool trans_a
         q[j] = p[i];
         d[j++] = d[i];
       }
-  const kernel_product_t *run = q != NULL ? q : p;
-  if (st == STATUS_OK && k > 0 && ops->matmul_many != NULL) {
-    const fsdpc_tensor_t *first = run[0].out;
-    if (!kernel_profile_enabled()) {
-      st = ops->matmul_many(run, d, k, trans_a, trans_b, alpha, beta);
-    } else {
-      kernel_prof_t pc;
-      kernel_prof_begin(&pc, first->device);
-      st = kernel_prof_end(&pc, "matmul (grouped)", 0,
-                           ops->matmul_many(run, d, k, trans_a, trans_b, alpha, beta));
-    }
-  } else {
-    for (int i = 0; i < k && st == STATUS_OK; i++)
-      st = kernel_matmul(run[i].out, run[i].a, trans_a, run[i].b, trans_b, alpha, beta);
-  }
+  if (st == STATUS_OK && k > 0)
+    st = run_many(ops, q != NULL ? q : p, d, k, trans_a, trans_b, alpha, beta);
   free(q);
   free(d);
   return st;

@@ -24,10 +24,10 @@ static fsdpc_status_t float_values(const char *op, const fsdpc_tensor_t *t) {
   return STATUS_OK;
 }
 
-/* t as f32 on the host into *h: a reference when it is one already, else a copy. */
-static fsdpc_status_t host_f32_of(const fsdpc_tensor_t *t, fsdpc_tensor_t *h) {
-  if (t->device.type == DEVICE_CPU && t->dtype == DTYPE_F32) return tensor_ref(h, t);
-  return tensor_clone(h, t, DTYPE_F32, device_cpu());
+/* t as F32 on dev into *out: a reference when it is one already, else a copy. */
+static fsdpc_status_t f32_on(const fsdpc_tensor_t *t, device_t dev, fsdpc_tensor_t *out) {
+  if (t->dtype == DTYPE_F32 && device_equal(t->device, dev)) return tensor_ref(out, t);
+  return tensor_clone(out, t, DTYPE_F32, dev);
 }
 
 /* A host I64 index vector on dev (a reference on the host). */
@@ -215,12 +215,6 @@ static fsdpc_status_t aux_add(nn_moe_aux_t *a, const float *p, const float *psum
 }
 
 /* ---- routing ---- */
-
-/* t as F32 on dev into *out: a reference when it is one already, else a copy. */
-static fsdpc_status_t f32_on(const fsdpc_tensor_t *t, device_t dev, fsdpc_tensor_t *out) {
-  if (t->dtype == DTYPE_F32 && device_equal(t->device, dev)) return tensor_ref(out, t);
-  return tensor_clone(out, t, DTYPE_F32, dev);
-}
 
 /* t32 (F32, taken over) in dtype dt on its device into *out. */
 static fsdpc_status_t as_dtype(fsdpc_tensor_t *t32, dtype_t dt, fsdpc_tensor_t *out) {
@@ -615,11 +609,6 @@ static fsdpc_status_t views_free(expert_views_t *v, fsdpc_status_t st) {
 /* The view of kind k of the i-th expert that got rows. */
 static fsdpc_tensor_t *view(expert_views_t *v, int k, int i) { return &v->t[k * v->experts + i]; }
 
-/* Rows [off, off + c) of t. */
-static fsdpc_status_t rows(const fsdpc_tensor_t *t, int64_t off, int64_t c, fsdpc_tensor_t *out) {
-  return tensor_narrow(out, t, 0, off, c);
-}
-
 /* The backward: dx_e = dy_e w_e and dw_e = dy_e^T x_e for each expert e that got rows, each kind
  * of product in one kernel_matmul_many. */
 static fsdpc_status_t grouped_backward(nn_ctx_t *ctx, nn_node_t *n) {
@@ -637,9 +626,9 @@ static fsdpc_status_t grouped_backward(nn_ctx_t *ctx, nn_node_t *n) {
   for (int64_t e = 0, off = 0; e < E && st == STATUS_OK; off += counts[e++]) {
     if (counts[e] == 0) continue;
     int i = v.used++;
-    st = rows(&n->in[0]->value, off, counts[e], view(&v, 0, i));
-    if (st == STATUS_OK) st = rows(&n->out->grad, off, counts[e], view(&v, 1, i));
-    if (st == STATUS_OK && dx.data) st = rows(&dx, off, counts[e], view(&v, 2, i));
+    st = tensor_narrow(view(&v, 0, i), &n->in[0]->value, 0, off, counts[e]);
+    if (st == STATUS_OK) st = tensor_narrow(view(&v, 1, i), &n->out->grad, 0, off, counts[e]);
+    if (st == STATUS_OK && dx.data) st = tensor_narrow(view(&v, 2, i), &dx, 0, off, counts[e]);
     if (st == STATUS_OK) st = matrix(&n->param->compute, e, view(&v, 3, i));
     if (st == STATUS_OK && dw.data) st = matrix(&dw, e, view(&v, 4, i));
   }
@@ -693,8 +682,8 @@ static fsdpc_status_t grouped(nn_ctx_t *ctx, nn_var_t *x, nn_param_t *w, const i
     for (int64_t e = 0, off = 0; e < E && st == STATUS_OK; off += counts[e++]) {
       if (counts[e] == 0) continue;
       int i = v.used++;
-      st = rows(&y, off, counts[e], view(&v, 0, i));
-      if (st == STATUS_OK) st = rows(X, off, counts[e], view(&v, 1, i));
+      st = tensor_narrow(view(&v, 0, i), &y, 0, off, counts[e]);
+      if (st == STATUS_OK) st = tensor_narrow(view(&v, 1, i), X, 0, off, counts[e]);
       if (st == STATUS_OK) st = matrix(W, e, view(&v, 2, i));
       v.p[i] = (kernel_product_t){view(&v, 0, i), view(&v, 1, i), view(&v, 2, i)};
     }
@@ -1176,7 +1165,7 @@ static fsdpc_status_t update_bias(nn_module_t *m, pg_t *pg) {
         goto children;
       }
       FSDPC_TRY(float_values("nn_moe_update_bias", v));
-      FSDPC_TRY(host_f32_of(v, &h)); /* this rank's shard, moved on the host */
+      FSDPC_TRY(f32_on(v, device_cpu(), &h)); /* this rank's shard, moved on the host */
       int64_t off[1] = {0};
       dtensor_offset(b->value, off);
       float *d = h.data;
