@@ -523,8 +523,7 @@ static fsdpc_status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t ki
     case NN_HOOK_POST_FORWARD: g->in_forward--; return post_forward(ctx, g);
     case NN_HOOK_PRE_BACKWARD:
       if (g->is_root) fsdp_state_backward_begins(&g->state);
-      FSDPC_TRY(fsdp_unshard(g));
-      FSDPC_TRY(fsdp_reserve_grads(g));
+      FSDPC_TRY(fsdp_unshard_for_backward(g));
       return backward_prefetch(g);
     case NN_HOOK_POST_BACKWARD: {
       fsdpc_status_t st = fsdp_after_backward(g);

@@ -177,8 +177,9 @@ void fsdp_set_one_rank_path(bool on);
 /* On a GPU, a backward forms a unit's gradients in one buffer reserved at its pre-backward
  * (one allocation and one free a unit, where each gradient would take its own; the operations
  * that form a parameter's gradient in place, nn_param_grad_memory, get a slot from the second
- * backward on). The same values. On by default; FSDPC_FSDP_GRAD_BUFFER=0 in the environment, or
- * fsdp_set_grad_buffer(false), turns it off. Process-wide. */
+ * backward on); on the one-rank path, where the post-backward frees both, within the buffer
+ * of the unshard (none of its own). The same values. On by default; FSDPC_FSDP_GRAD_BUFFER=0 in the
+ * environment, or fsdp_set_grad_buffer(false), turns it off. Process-wide. */
 void fsdp_set_grad_buffer(bool on);
 
 /* HFSDP (shard_state_over_replicas): whether g keeps its state over the replicas; the

@@ -347,28 +347,45 @@ static bool unshard_needs(const fsdp_group_t *g, const fsdp_param_t *fp, bool lo
   return !local || fp->padded.dtype != g->param_dtype;
 }
 
-/* One param_dtype buffer on g's device for the unsharded shapes of the parameters want(g, fp,
- * arg) picks, each from a 256-byte boundary (full_in lays them out in order): one allocation
- * rather than one a parameter. *buf stays empty when fewer than least (>= 1) are picked. */
-static fsdpc_status_t group_buffer(const fsdp_group_t *g,
-                                   bool (*want)(const fsdp_group_t *, const fsdp_param_t *, bool),
-                                   bool arg, int least, fsdpc_tensor_t *buf) {
+/* The param_dtype elements the unsharded shapes of the parameters want(g, fp, arg) picks take
+ * in a buffer, each from a 256-byte boundary (full_in lays them out in order); *count of
+ * them. */
+static int64_t group_numel(const fsdp_group_t *g,
+                           bool (*want)(const fsdp_group_t *, const fsdp_param_t *, bool), bool arg,
+                           int *count) {
   int64_t total = 0;
-  int count = 0;
+  *count = 0;
   for (int i = 0; i < g->n; i++)
     if (want(g, &g->params[i], arg)) {
       total += aligned_numel(fp_numel(&g->params[i]), g->param_dtype, mesh_device(g->mesh));
-      count++;
+      (*count)++;
     }
+  return total;
+}
+
+/* One param_dtype buffer on g's device for the parameters want picks (group_numel), then
+ * extra elements: one allocation rather than one a parameter. *buf stays empty when fewer
+ * than least (>= 1) are picked. */
+static fsdpc_status_t group_buffer(const fsdp_group_t *g,
+                                   bool (*want)(const fsdp_group_t *, const fsdp_param_t *, bool),
+                                   bool arg, int least, int64_t extra, fsdpc_tensor_t *buf) {
+  int count;
+  int64_t total = group_numel(g, want, arg, &count) + extra;
   memset(buf, 0, sizeof *buf);
   if (count < least) return STATUS_OK;
   return tensor_init(buf, g->param_dtype, mesh_device(g->mesh), 1, &total);
 }
 
-/* The buffer of every unsharded tensor that needs memory. The tensors are views into it, so it
- * is freed with the last of them, at reshard. (Empty parameters still get their empty views.) */
+/* The buffer of every unsharded tensor that needs memory, and after them, for the one-rank
+ * path's pre-backward (g->slots_after), the unit's gradient slots (slots_numel elements): one
+ * allocation rather than two. The tensors are views into it, so it is freed with the last of
+ * them: at reshard, or with the gradients, which the one-rank path adds into the sharded ones
+ * in the same post-backward. (Empty parameters still get their empty views.) */
 static fsdpc_status_t unshard_buffer(fsdp_group_t *g, bool local, fsdpc_tensor_t *buf) {
-  return group_buffer(g, unshard_needs, local, 1, buf);
+  FSDPC_TRY(group_buffer(g, unshard_needs, local, 1, g->slots_after, buf));
+  if (buf->storage == NULL || g->slots_after == 0) return STATUS_OK;
+  int64_t at = tensor_numel(buf) - g->slots_after;
+  return tensor_narrow(&g->slot_room, buf, 0, at, g->slots_after);
 }
 
 /* *full: fp's unsharded shape viewed at element *pos of buf, which then moves past it. */
@@ -496,11 +513,20 @@ static fast_path_t unit_grads =
 void fsdp_set_grad_buffer(bool on) { fast_path_set(&unit_grads, on); }
 
 /* Whether fp's slot would be taken: a trainable parameter whose gradient an operation has formed
- * in place before (nn_param_grad_memory), in param_dtype. (unused: group_buffer's argument) */
-static bool takes_slot(const fsdp_group_t *g, const fsdp_param_t *fp, bool unused) {
-  (void)unused;
+ * in place before (nn_param_grad_memory), in param_dtype (before_unshard: the unshard about to
+ * make its tensor will make it in param_dtype). */
+static bool takes_slot(const fsdp_group_t *g, const fsdp_param_t *fp, bool before_unshard) {
   const nn_param_t *p = fp->p;
-  return p->requires_grad && p->grad_slot_used && p->compute.dtype == g->param_dtype;
+  return p->requires_grad && p->grad_slot_used &&
+         (before_unshard || p->compute.dtype == g->param_dtype);
+}
+
+/* The elements of g's slots in one buffer (full_in's layout), or 0 when fewer than two would be
+ * taken (one allocation either way). */
+static int64_t slots_numel(const fsdp_group_t *g, bool before_unshard) {
+  int count;
+  int64_t n = group_numel(g, takes_slot, before_unshard, &count);
+  return count < 2 ? 0 : n;
 }
 
 /* Drops the slots no gradient took. */
@@ -508,15 +534,26 @@ static void drop_slots(fsdp_group_t *g) {
   for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].p->grad_slot);
 }
 
-fsdpc_status_t fsdp_reserve_grads(fsdp_group_t *g) {
-  device_t dev = mesh_device(g->mesh);
-  if (dev.type != DEVICE_CUDA || fast_path_off(&unit_grads)[0] != '\0') return STATUS_OK;
+/* Whether a pre-backward reserves g's slots: on a GPU, unless accumulating over backwards
+ * without a reduction (the gradients have their memory). */
+static bool reserves(const fsdp_group_t *g) {
+  if (mesh_device(g->mesh).type != DEVICE_CUDA || fast_path_off(&unit_grads)[0] != '\0')
+    return false;
   for (int i = 0; i < g->n; i++)
     if (g->params[i].p->compute_grad.storage != NULL || g->params[i].p->grad_slot.storage != NULL)
-      return STATUS_OK;      /* accumulating over backwards without a reduction: they have memory */
+      return false;
+  return true;
+}
+
+/* Lays g's slots out in g->grad_buf: room (the unshard buffer's tail) when it has their size,
+ * else a buffer of their own. */
+static fsdpc_status_t reserve_grads(fsdp_group_t *g, const fsdpc_tensor_t *room) {
+  if (!reserves(g)) return STATUS_OK;
   tensor_free(&g->grad_buf); /* one whose gradients were dropped since (zero_grad) */
-  /* fewer than two: one allocation either way */
-  FSDPC_TRY(group_buffer(g, takes_slot, false, 2, &g->grad_buf));
+  if (room->storage != NULL && tensor_numel(room) == slots_numel(g, false))
+    FSDPC_TRY(tensor_ref(&g->grad_buf, room));
+  else
+    FSDPC_TRY(group_buffer(g, takes_slot, false, 2, 0, &g->grad_buf));
   int64_t pos = 0;
   fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < g->n && st == STATUS_OK && g->grad_buf.storage != NULL; i++)
@@ -526,6 +563,25 @@ fsdpc_status_t fsdp_reserve_grads(fsdp_group_t *g) {
     drop_slots(g);
     tensor_free(&g->grad_buf);
   }
+  return st;
+}
+
+/* Whether g's next post-backward frees its unsharded tensors and its gradients both, on the
+ * stream that computed them: the one-rank path's reduction, which syncs, then reshard. */
+static bool frees_together(const fsdp_group_t *g) {
+  bool local = g->gathering ? g->gather_local : local_unshard(g);
+  return local && !g->unsharded && g->sync && g->reshard_after_backward && g->divide_factor <= 0 &&
+         (g->replicate == NULL || pg_size(g->replicate) <= 1);
+}
+
+fsdpc_status_t fsdp_unshard_for_backward(fsdp_group_t *g) {
+  g->slots_after = frees_together(g) && reserves(g) ? slots_numel(g, true) : 0;
+  fsdpc_status_t st = fsdp_unshard(g);
+  fsdpc_tensor_t room = g->slot_room; /* the unshard buffer's tail, when it made one */
+  memset(&g->slot_room, 0, sizeof g->slot_room);
+  g->slots_after = 0;
+  if (st == STATUS_OK) st = reserve_grads(g, &room);
+  tensor_free(&room);
   return st;
 }
 
@@ -539,9 +595,11 @@ static bool exact_in(dtype_t dt, dtype_t reduce_dtype) {
 }
 
 /* One rank, no replicas, shards where it computes, the plain average (of one), and contiguous
- * gradients that reduce_dtype holds exactly: the reduction has nothing to add up, so it holds the
- * gradients themselves, and fsdp_reduce_finish adds them into the sharded gradients with no
- * packed buffer; the same values as the packed path. */
+ * gradients that reduce_dtype holds exactly: the reduction has nothing to add up, so
+ * reduce_local adds the gradients themselves into the sharded gradients, with no packed buffer
+ * and nothing left in flight; the same values as the packed path. */
+static fsdpc_status_t reduce_local(fsdp_group_t *g);
+
 static bool local_reduce(const fsdp_group_t *g) {
   if (!one_rank_group(g) || g->divide_factor > 0) return false;
   if (g->replicate != NULL && pg_size(g->replicate) > 1) return false;
@@ -606,18 +664,7 @@ fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g) {
     tensor_free(&g->grad_buf);
     return STATUS_OK;
   }
-  if (local) {
-    tensor_free(&g->grad_buf); /* the gradients in it keep it */
-    for (int i = 0; i < g->n; i++) {
-      fsdp_param_t *fp = &g->params[i];
-      if (!fp->reducing) continue;
-      fp->held = fp->p->compute_grad; /* moved: backward starts the next one afresh */
-      memset(&fp->p->compute_grad, 0, sizeof fp->p->compute_grad);
-    }
-    g->red_local = true;
-    g->root->state.reducing = g;
-    return STATUS_OK;
-  }
+  if (local) return reduce_local(g);
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
   FSDPC_TRY(
@@ -679,8 +726,7 @@ void fsdp_reduce_drop(fsdp_group_t *g) {
   tensor_free(&g->grad_buf);
   tensor_free(&g->red_send);
   tensor_free(&g->red_recv);
-  for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].held);
-  g->red_local = g->red_sub = false;
+  g->red_sub = false;
   g->red_flat = 0;
   if (g->root != NULL && g->root->state.reducing == g) g->root->state.reducing = NULL;
 }
@@ -820,20 +866,21 @@ static fsdpc_status_t add_local_grad(copies_t *c, fsdp_param_t *fp, const fsdpc_
   return copies_add(c, st, &dst, &src);
 }
 
-/* Finishes a reduction of the one-rank path: each held gradient added into its sharded
- * gradient, on the current stream (the one that computed it). */
-static fsdpc_status_t reduce_finish_local(fsdp_group_t *g) {
+/* The reduction of the one-rank path: each gradient added into its sharded gradient at once,
+ * on the current stream (the one that computed it), then freed. */
+static fsdpc_status_t reduce_local(fsdp_group_t *g) {
   copies_t c = {0};
   fsdpc_tensor_t buf;
   int64_t pos = 0;
   fsdpc_status_t st = grad_buffer(g, NULL, &buf);
   for (int i = 0; i < g->n && st == STATUS_OK; i++)
     if (g->params[i].reducing)
-      st = add_local_grad(&c, &g->params[i], &g->params[i].held, &buf, NULL, &pos);
+      st = add_local_grad(&c, &g->params[i], &g->params[i].p->compute_grad, &buf, NULL, &pos);
   st = copies_run(&c, st);
   tensor_free(&buf);
-  for (int i = 0; i < g->n; i++) tensor_free(&g->params[i].held);
-  g->red_local = false;
+  for (int i = 0; i < g->n; i++)
+    if (g->params[i].reducing) tensor_free(&g->params[i].p->compute_grad);
+  tensor_free(&g->grad_buf);
   return st;
 }
 
@@ -848,7 +895,6 @@ fsdpc_status_t fsdp_reduce_finish(fsdp_group_t *root) {
   fsdp_group_t *g = root->state.reducing;
   if (g == NULL) return STATUS_OK;
   root->state.reducing = NULL;
-  if (g->red_local) return reduce_finish_local(g);
   device_t dev = mesh_device(g->mesh);
   stream_t *prev;
   fsdpc_status_t st = side_enter(g, dev, reduce_stream(g), false, &prev);

@@ -30,7 +30,6 @@ typedef struct fsdp_param {
   bool trainable;     /* in the group's reduce layout (requires_grad when the reduction started) */
   int64_t red_offset; /* in one rank's block of the reduce buffer, elements */
   int red_index;      /* its place among the trainable parameters (its presence element) */
-  fsdpc_tensor_t held; /* that gradient itself, on the one-rank path (fsdp_comm.c) */
   /* HFSDP: this rank's len rows of the 1/S shard are chunked over the R replicas; replica q's
    * chunk lies at sub_offset (sub_red_offset in the reduce layout) of block q of the replica
    * buffers, padded to sub_rows */
@@ -135,10 +134,13 @@ struct fsdp_group {
   int red_params;
   bool red_missing; /* this rank had no gradient for some trainable parameter */
   pg_work_t *red_work;
-  bool red_local; /* the reduction in flight holds the gradients themselves (one-rank path) */
   /* on a GPU, from the pre-backward that reserved it to the next reduction: the one buffer of
-   * the slots of its parameters' first gradients (fsdp_reserve_grads) */
+   * the slots of its parameters' first gradients (fsdp_unshard_for_backward) */
   fsdpc_tensor_t grad_buf;
+  /* fsdp_unshard_for_backward: the slots' elements the unshard buffer gets after the unsharded
+   * tensors (0: none), and that tail of it */
+  int64_t slots_after;
+  fsdpc_tensor_t slot_room;
   fsdp_event_fn on_event;
   void *on_event_user;
   fsdp_group_t *root;    /* found on the first forward */
@@ -227,10 +229,12 @@ fsdpc_status_t fsdp_unshard_start(fsdp_group_t *g);
 fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g);
 /* Integer reshard after forward: keep this rank's 1/N slice, free the unsharded tensors. */
 fsdpc_status_t fsdp_reshard_to_slice(fsdp_group_t *g);
-/* Pre-backward, on a GPU: one buffer for the gradients its operations will form in place
- * (nn_param_grad_memory), a slot of it for each such trainable parameter, where each would
- * take an allocation of its own; at the first backward after a reduction. */
-fsdpc_status_t fsdp_reserve_grads(fsdp_group_t *g);
+/* Pre-backward: unshards g and, on a GPU, reserves one buffer for the gradients its
+ * operations will form in place (nn_param_grad_memory), a slot of it for each such trainable
+ * parameter, where each would take an allocation of its own; at the first backward after a
+ * reduction. On the one-rank path, whose post-backward frees both, the slots follow the
+ * unsharded tensors in the unshard's buffer. */
+fsdpc_status_t fsdp_unshard_for_backward(fsdp_group_t *g);
 /* Post-backward: packs the unsharded gradients and issues the reduce-scatter, after finishing
  * the reduction in flight (of any group under the same root). */
 fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g);
