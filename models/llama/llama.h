@@ -99,8 +99,10 @@ typedef struct llama_config {
    * (router_aux_loss_coef when output_router_logits; 0: none; nn/moe.h's nn_moe_aux_t) */
   double aux_loss_coef;
   /* The config's router_aux_loss_coef as read, also when output_router_logits leaves it unused,
-   * so that the written config keeps it (0: the family's default, 0.001) */
+   * so that the written config keeps it; router_aux_loss_given: the config named it (else the
+   * family's default, 0.001, is written) */
   double router_aux_loss_coef;
+  bool router_aux_loss_given;
 } llama_config_t;
 
 /* The most layers mlp_only_layers can name (llama_config_t.mlp_only). */

@@ -432,13 +432,16 @@ static fsdpc_status_t parse_router_loss(const char *path, const cJSON *o, llama_
     return err_set(STATUS_EFORMAT, "%s: 'router_aux_loss_coef' must be from 0 to 1e6", path);
   c->aux_loss_coef = logits ? coef : 0;
   c->router_aux_loss_coef = coef;
+  c->router_aux_loss_given = cJSON_HasObjectItem(o, "router_aux_loss_coef");
   return STATUS_OK;
 }
 
-/* The router_aux_loss_coef a written config holds: the weight in use, else the one read. */
+/* The router_aux_loss_coef a written config holds: the weight in use, else the one read (an
+ * explicit 0 too), else the family's default. */
 static double router_coef_of(const llama_config_t *c) {
   if (c->aux_loss_coef > 0) return c->aux_loss_coef;
-  return c->router_aux_loss_coef > 0 ? c->router_aux_loss_coef : 0.001;
+  if (c->router_aux_loss_given || c->router_aux_loss_coef > 0) return c->router_aux_loss_coef;
+  return 0.001;
 }
 
 /* MixtralConfig's experts (its defaults: 8 of intermediate_size in every layer, 2 a token,

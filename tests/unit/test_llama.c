@@ -777,19 +777,24 @@ END_TEST
  * unused (Qwen3-MoE, Qwen2-MoE and Mixtral), and is the weight in use when it is. */
 START_TEST(router_coefficient_written_back) {
   static const char *const types[] = {"qwen3_moe", "qwen2_moe", "mixtral"};
+  /* named (0.02, or 0: no loss even where output_router_logits is turned on later), or left
+   * to the family's default (0.001) */
+  static const char *const given[] = {", \"router_aux_loss_coef\": 0.02", "",
+                                      ", \"router_aux_loss_coef\": 0"};
+  static const double want[] = {0.02, 0.001, 0};
   for (int t = 0; t < 3; t++)
-    for (int logits = 0; logits < 2; logits++) {
+    for (int k = 0; k < 6; k++) {
+      int logits = k % 2, g = k / 2;
       char text[512];
       snprintf(text, sizeof text,
                "{\"model_type\": \"%s\", \"hidden_size\": 64, \"num_hidden_layers\": 2, "
                "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"intermediate_size\": "
                "160, \"vocab_size\": 256, \"num_experts\": 4, \"num_local_experts\": 4, "
-               "\"num_experts_per_tok\": 2, "
-               "\"router_aux_loss_coef\": 0.02, \"output_router_logits\": %s}",
-               types[t], logits ? "true" : "false");
+               "\"num_experts_per_tok\": 2, \"output_router_logits\": %s%s}",
+               types[t], logits ? "true" : "false", given[g]);
       llama_config_t c;
       ok(llama_config_from_hf_text(text, "config.json", &c));
-      ck_assert(c.aux_loss_coef == (logits ? 0.02 : 0));
+      ck_assert(c.aux_loss_coef == (logits ? want[g] : 0));
       char *out;
       ok(llama_config_to_hf_text(&c, DTYPE_F32, &out));
       cJSON *o = cJSON_Parse(out);
@@ -797,9 +802,11 @@ START_TEST(router_coefficient_written_back) {
       ck_assert_ptr_nonnull(o);
       const cJSON *coef = cJSON_GetObjectItem(o, "router_aux_loss_coef"),
                   *on = cJSON_GetObjectItem(o, "output_router_logits");
-      ck_assert_msg(cJSON_IsNumber(coef) && coef->valuedouble == 0.02 && cJSON_IsBool(on) &&
-                        cJSON_IsTrue(on) == logits,
-                    "%s, output_router_logits %d: written %g, %d", types[t], logits,
+      /* a loss of weight 0 is none: written as output_router_logits false */
+      bool written_on = logits && want[g] > 0;
+      ck_assert_msg(cJSON_IsNumber(coef) && coef->valuedouble == want[g] && cJSON_IsBool(on) &&
+                        cJSON_IsTrue(on) == written_on,
+                    "%s, output_router_logits %d%s: written %g, %d", types[t], logits, given[g],
                     coef ? coef->valuedouble : -1, on ? cJSON_IsTrue(on) : -1);
       cJSON_Delete(o);
     }
