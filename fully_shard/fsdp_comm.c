@@ -504,9 +504,9 @@ fsdpc_status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
 
 /* ---- gradient reduction ---- */
 
-/* One buffer for a unit's gradients (fsdp_reserve_grads): on a GPU, where an allocation and a
- * free are calls into the driver's allocator (about 1.5 us each on an H200's host), it saves
- * two of them for each gradient but one, a unit's nine in a Llama layer. */
+/* One buffer for a unit's gradients (fsdp_unshard_for_backward): on a GPU, where an allocation and
+ * a free are calls into the driver's allocator (about 1.5 us each on an H200's host), it saves two
+ * of them for each gradient but one, a unit's nine in a Llama layer. */
 static fast_path_t unit_grads =
     FAST_PATH_INIT("FSDPC_FSDP_GRAD_BUFFER", "fsdp_set_grad_buffer(false)");
 
@@ -566,12 +566,19 @@ static fsdpc_status_t reserve_grads(fsdp_group_t *g, const fsdpc_tensor_t *room)
   return st;
 }
 
+/* Whether a gradient of dtype dt reaches reduce_dtype without rounding. */
+static bool exact_in(dtype_t dt, dtype_t reduce_dtype) {
+  return dt == reduce_dtype || reduce_dtype == DTYPE_F32;
+}
+
 /* Whether g's next post-backward frees its unsharded tensors and its gradients both, on the
- * stream that computed them: the one-rank path's reduction, which syncs, then reshard. */
+ * stream that computed them: the one-rank path's reduction (local_reduce, for gradients in
+ * param_dtype, as the slots hold them), which syncs, then reshard. */
 static bool frees_together(const fsdp_group_t *g) {
   bool local = g->gathering ? g->gather_local : local_unshard(g);
   return local && !g->unsharded && g->sync && g->reshard_after_backward && g->divide_factor <= 0 &&
-         (g->replicate == NULL || pg_size(g->replicate) <= 1);
+         (g->replicate == NULL || pg_size(g->replicate) <= 1) &&
+         exact_in(g->param_dtype, g->reduce_dtype);
 }
 
 fsdpc_status_t fsdp_unshard_for_backward(fsdp_group_t *g) {
@@ -587,11 +594,6 @@ fsdpc_status_t fsdp_unshard_for_backward(fsdp_group_t *g) {
 
 static bool has_grad(const nn_param_t *p) {
   return p->requires_grad && (p->compute_grad.storage != NULL || p->compute_grad.ndim > 0);
-}
-
-/* Whether a gradient of dtype dt reaches reduce_dtype without rounding. */
-static bool exact_in(dtype_t dt, dtype_t reduce_dtype) {
-  return dt == reduce_dtype || reduce_dtype == DTYPE_F32;
 }
 
 /* One rank, no replicas, shards where it computes, the plain average (of one), and contiguous

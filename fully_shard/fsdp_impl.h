@@ -26,7 +26,7 @@ typedef struct fsdp_param {
   int64_t offset;        /* in the flat all-gather buffer of one rank, elements */
   fsdpc_tensor_t padded; /* this rank's zero-padded shard, flat (rows * row), original dtype; on
                       the host when offloaded */
-  bool reducing;      /* its gradient is in the group's reduction in flight */
+  bool reducing;         /* its gradient is in the group's last reduction */
   bool trainable;     /* in the group's reduce layout (requires_grad when the reduction started) */
   int64_t red_offset; /* in one rank's block of the reduce buffer, elements */
   int red_index;      /* its place among the trainable parameters (its presence element) */
@@ -236,7 +236,8 @@ fsdpc_status_t fsdp_reshard_to_slice(fsdp_group_t *g);
  * unsharded tensors in the unshard's buffer. */
 fsdpc_status_t fsdp_unshard_for_backward(fsdp_group_t *g);
 /* Post-backward: packs the unsharded gradients and issues the reduce-scatter, after finishing
- * the reduction in flight (of any group under the same root). */
+ * the reduction in flight (of any group under the same root); on the one-rank path, adds the
+ * gradients into the sharded ones at once. */
 fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g);
 /* Finishes the root's reduction in flight, if any: waits for the reduce-scatter, all-reduces
  * (HSDP) and accumulates into the sharded gradients. */
