@@ -375,7 +375,8 @@ fsdpc_status_t tensor_copy_many(fsdpc_tensor_t *dst, const fsdpc_tensor_t *src, 
     for (int i = 0; i < n; i++) FSDPC_TRY(tensor_copy(&dst[i], &src[i]));
     return STATUS_OK;
   }
-  copy_desc_t *d = malloc(sizeof *d * (size_t)n);
+  copy_desc_t few[16]; /* a fully_shard unit's parameters: no allocation */
+  copy_desc_t *d = n <= 16 ? few : malloc(sizeof *d * (size_t)n);
   if (d == NULL) return err_set(STATUS_ENOMEM, "copy: out of host memory for %d pairs", n);
   int m = 0;
   double bytes = 0; /* read and written */
@@ -395,7 +396,7 @@ fsdpc_status_t tensor_copy_many(fsdpc_tensor_t *dst, const fsdpc_tensor_t *src, 
     kernel_prof_begin(&pc, dev);
     st = kernel_prof_end(&pc, "copy (batched)", bytes, be->copy_many(dev.index, d, m));
   }
-  free(d);
+  if (d != few) free(d);
   return st;
 }
 

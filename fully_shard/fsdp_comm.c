@@ -105,26 +105,45 @@ void fsdp_emit(fsdp_group_t *g, const char *event) {
 /* Copies gathered for one tensor_copy_many: FSDP's copy-in, copy-out and gradient packing
  * each go to the device as one launch rather than one per parameter and rank. A zeroed list
  * is empty. */
+enum { kCopiesInline = 16 }; /* a unit's parameters: its lists stay off the heap */
 typedef struct copies {
-  fsdpc_tensor_t *dst, *src;
+  fsdpc_tensor_t *dst, *src; /* the inline arrays, then the heap's once they are full */
   int n, cap;
+  fsdpc_tensor_t dst_in[kCopiesInline], src_in[kCopiesInline];
 } copies_t;
+
+/* Doubles c's capacity, on the heap. */
+static bool copies_grow(copies_t *c) {
+  int cap = 2 * c->cap;
+  fsdpc_tensor_t *d = malloc(sizeof *d * (size_t)cap), *s = malloc(sizeof *s * (size_t)cap);
+  if (d == NULL || s == NULL) {
+    free(d);
+    free(s);
+    return false;
+  }
+  memcpy(d, c->dst, sizeof *d * (size_t)c->n);
+  memcpy(s, c->src, sizeof *s * (size_t)c->n);
+  if (c->dst != c->dst_in) {
+    free(c->dst);
+    free(c->src);
+  }
+  c->dst = d;
+  c->src = s;
+  c->cap = cap;
+  return true;
+}
 
 /* When st is STATUS_OK, adds the copy of src into dst to c, which takes both tensors (the
  * caller's are zeroed); otherwise, or when c cannot grow, frees them. Returns the status. */
 static fsdpc_status_t copies_add(copies_t *c, fsdpc_status_t st, fsdpc_tensor_t *dst,
                                  fsdpc_tensor_t *src) {
-  if (st == STATUS_OK && c->n == c->cap) {
-    int cap = c->cap ? 2 * c->cap : 16;
-    fsdpc_tensor_t *d = realloc(c->dst, sizeof *d * (size_t)cap);
-    if (d != NULL) c->dst = d;
-    fsdpc_tensor_t *s = d != NULL ? realloc(c->src, sizeof *s * (size_t)cap) : NULL;
-    if (s != NULL) c->src = s;
-    if (s == NULL)
-      st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory for %d copies", cap);
-    else
-      c->cap = cap;
+  if (st == STATUS_OK && c->cap == 0) {
+    c->dst = c->dst_in;
+    c->src = c->src_in;
+    c->cap = kCopiesInline;
   }
+  if (st == STATUS_OK && c->n == c->cap && !copies_grow(c))
+    st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory for %d copies", 2 * c->cap);
   if (st != STATUS_OK) {
     tensor_free(dst);
     tensor_free(src);
@@ -142,9 +161,12 @@ static void copies_free(copies_t *c) {
     tensor_free(&c->dst[i]);
     tensor_free(&c->src[i]);
   }
-  free(c->dst);
-  free(c->src);
-  memset(c, 0, sizeof *c);
+  if (c->dst != c->dst_in) {
+    free(c->dst);
+    free(c->src);
+  }
+  c->dst = c->src = NULL;
+  c->n = c->cap = 0;
 }
 
 /* Runs the gathered copies (when st is STATUS_OK) and frees the list. */
