@@ -99,6 +99,29 @@ fsdpc_status_t dtensor_from_local(const fsdpc_tensor_t *local, mesh_t *mesh, con
   return st;
 }
 
+fsdpc_status_t dtensor_from_local_like(const fsdpc_tensor_t *local, const dtensor_t *like,
+                                       dtensor_t **out) {
+  if (like == NULL) return err_set(STATUS_EINVAL, "dtensor_from_local_like: like is NULL");
+  FSDPC_TRY(check_args("dtensor_from_local_like", out, local, like->mesh, like->pl));
+  *out = NULL;
+  const fsdpc_tensor_t *v = &like->local;
+  if (local->ndim != v->ndim ||
+      memcmp(local->shape, v->shape, sizeof(int64_t) * (size_t)v->ndim) != 0 ||
+      !tensor_is_contiguous(local) || !device_equal(local->device, v->device)) {
+    char a[96], b[96];
+    return err_set(STATUS_ESHAPE,
+                   "dtensor_from_local_like: local tensor %s, but like's is %s, contiguous, on "
+                   "its device",
+                   tensor_shape_str(local->ndim, local->shape, a, sizeof a),
+                   tensor_shape_str(v->ndim, v->shape, b, sizeof b));
+  }
+  fsdpc_tensor_t mine;
+  FSDPC_TRY(tensor_ref(&mine, local));
+  fsdpc_status_t st = dtensor_wrap_owned(&mine, like->mesh, like->pl, like->ndim, like->shape, out);
+  tensor_free(&mine);
+  return st;
+}
+
 fsdpc_status_t local_from_full(const fsdpc_tensor_t *full, const mesh_t *mesh,
                                const placement_t *pl, fsdpc_tensor_t *out) {
   int coord[MESH_MAX_DIMS];

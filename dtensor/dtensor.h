@@ -36,6 +36,12 @@ typedef struct dtensor dtensor_t;
 fsdpc_status_t dtensor_from_local(const fsdpc_tensor_t *local, mesh_t *mesh, const placement_t *pl,
                                   int ndim, const int64_t *global_shape, dtensor_t **out);
 
+/* dtensor_from_local with like's mesh, placements and global shape, for a local tensor shaped
+ * as like's (a parameter's gradient, of any dtype): contiguous, of like's local shape, on
+ * like's local device; the shard's place is like's, not worked out again. Local. */
+fsdpc_status_t dtensor_from_local_like(const fsdpc_tensor_t *local, const dtensor_t *like,
+                                       dtensor_t **out);
+
 /* Distributes a full tensor. src_rank == DTENSOR_ALL_RANKS: every rank passes the same full
  * tensor and nothing is communicated. Otherwise src_rank (a world rank in the mesh) holds the
  * data; other ranks pass a tensor of the same shape and dtype whose contents are ignored, and

@@ -450,8 +450,7 @@ fsdpc_status_t nn_param_new_local_grad_in(nn_param_t *p, const fsdpc_tensor_t *m
                    p->fqn, (long long)tensor_numel(v));
   fsdpc_tensor_t t;
   FSDPC_TRY(tensor_view(&t, mem, v->ndim, v->shape));
-  fsdpc_status_t st = dtensor_from_local(&t, dtensor_mesh(p->value), dtensor_placements(p->value),
-                                         dtensor_ndim(p->value), dtensor_shape(p->value), &p->grad);
+  fsdpc_status_t st = dtensor_from_local_like(&t, p->value, &p->grad);
   if (st == STATUS_OK) st = tensor_ref(local, dtensor_local(p->grad));
   tensor_free(&t);
   return st;

@@ -234,6 +234,33 @@ START_TEST(from_local_checks_the_shard_shape) {
   ck_assert_int_eq(got[0], off[0]);
   tensor_free(&local); /* the DTensor holds its own reference */
   ck_assert_int_eq(dtensor_local(d)->shape[0], ls[0]);
+  /* shaped as d's shard, in another dtype (a gradient): d's mesh, placements, global shape
+   * and place; a wrong shape or a strided tensor refused */
+  fsdpc_tensor_t like, strided;
+  ck_assert_int_eq(tensor_init(&like, DTYPE_BF16, device_cpu(), 1, ls), STATUS_OK);
+  dtensor_t *e = NULL;
+  ck_assert_int_eq(dtensor_from_local_like(&like, d, &e), STATUS_OK);
+  ck_assert_ptr_eq(dtensor_mesh(e), mesh);
+  ck_assert_int_eq(dtensor_ndim(e), 1);
+  ck_assert_int_eq(dtensor_shape(e)[0], 13);
+  ck_assert_int_eq(dtensor_local(e)->dtype, DTYPE_BF16);
+  ck_assert_ptr_eq(dtensor_local(e)->data, like.data);
+  for (int i = 0; i < g_ndim; i++)
+    ck_assert(placement_equal(dtensor_placements(e)[i], dtensor_placements(d)[i]));
+  dtensor_offset(e, got);
+  ck_assert_int_eq(got[0], off[0]);
+  dtensor_free(e);
+  tensor_free(&like);
+  int64_t two[2] = {ls[0], 2}, one = ls[0] + 1;
+  ck_assert_int_eq(tensor_init(&like, DTYPE_F32, device_cpu(), 1, &one), STATUS_OK);
+  ck_assert_int_eq(dtensor_from_local_like(&like, d, &e), STATUS_ESHAPE);
+  tensor_free(&like);
+  ck_assert_int_eq(tensor_init(&like, DTYPE_F32, device_cpu(), 2, two), STATUS_OK);
+  ck_assert_int_eq(tensor_narrow(&strided, &like, 1, 0, 1), STATUS_OK);
+  strided.ndim = 1; /* column 0 of [ls, 2]: ls elements two apart */
+  if (ls[0] > 1) ck_assert_int_eq(dtensor_from_local_like(&strided, d, &e), STATUS_ESHAPE);
+  tensor_free(&strided);
+  tensor_free(&like);
   dtensor_free(d);
   mesh_free(mesh);
 }
