@@ -114,6 +114,54 @@ static void host_time(llama_t *m, fsdpc_data_t *d, const data_spec_t *spec, int6
   }
 }
 
+/* On a GPU: what the calls a fully_shard hook makes cost this host, the device idle (a few
+ * hundred of each, timed on the host): an allocation from the device's pool and its free, a
+ * launch of a unit's list of nine casts (tensor_copy_many), a launch of a one-element kernel. */
+static void call_costs(device_t dev) {
+  enum { kReps = 300, kCopies = 9 };
+  int64_t n = 1 << 18, one = 1;
+  fsdpc_tensor_t src[kCopies], dst[kCopies], x, t;
+  for (int i = 0; i < kCopies; i++) {
+    BENCH_TRY(tensor_zeros(&src[i], DTYPE_F32, dev, 1, &one));
+    BENCH_TRY(tensor_init(&dst[i], DTYPE_BF16, dev, 1, &one));
+  }
+  BENCH_TRY(tensor_zeros(&x, DTYPE_F32, dev, 1, &one));
+  double alloc = 0, release = 0, copies = 0, kernel = 0;
+  for (int round = 0; round < 2; round++) { /* the first warms the pool and the modules */
+    BENCH_TRY(device_stream_sync(dev));
+    alloc = release = 0;
+    for (int r = 0; r < kReps; r++) {
+      double t0 = device_clock_seconds();
+      BENCH_TRY(tensor_init(&t, DTYPE_BF16, dev, 1, &n));
+      double t1 = device_clock_seconds();
+      tensor_free(&t);
+      alloc += t1 - t0;
+      release += device_clock_seconds() - t1;
+    }
+    BENCH_TRY(device_stream_sync(dev));
+    double t0 = device_clock_seconds();
+    for (int r = 0; r < kReps; r++) BENCH_TRY(tensor_copy_many(dst, src, kCopies));
+    copies = device_clock_seconds() - t0;
+    BENCH_TRY(device_stream_sync(dev));
+    t0 = device_clock_seconds();
+    for (int r = 0; r < kReps; r++) BENCH_TRY(kernel_scale(&x, 1.0f));
+    kernel = device_clock_seconds() - t0;
+  }
+  BENCH_TRY(device_stream_sync(dev));
+  for (int i = 0; i < kCopies; i++) {
+    tensor_free(&src[i]);
+    tensor_free(&dst[i]);
+  }
+  tensor_free(&x);
+  if (world_rank() == 0)
+    printf(
+        "  the driver's calls on this host, the device idle: an allocation %.2f us and its "
+        "free %.2f us (the device's pool), a launch of %d casts %.2f us, of a one-element "
+        "kernel %.2f us\n",
+        1e6 * alloc / kReps, 1e6 * release / kReps, kCopies, 1e6 * copies / kReps,
+        1e6 * kernel / kReps);
+}
+
 /* The bytes this rank holds of the updated parameters, their gradients and AdamW's moments,
  * summed over every rank (each rank's own elements: no replica counted twice when the
  * placements say the state is sharded over all), against the model's P elements of each. */
@@ -451,7 +499,10 @@ int main(int argc, char **argv) {
              mem_stats(device_cpu()).peak / 1048576.0, host_base / 1048576.0);
   }
   state_share(ps, n, o, P, W, Ws, R, opt.shard_state_over_replicas);
-  if (dev.type == DEVICE_CUDA) host_time(m, d, &spec, steps, ps, n, ng, all_ranks, o, dev);
+  if (dev.type == DEVICE_CUDA) {
+    host_time(m, d, &spec, steps, ps, n, ng, all_ranks, o, dev);
+    call_costs(dev);
+  }
   /* FSDP's own copies (copy-in with its cast, copy-out, reduce-scatter packing) in one more
    * step, profiled, against the device's copy bandwidth */
   bool was_on = kernel_profile_enabled();
