@@ -398,16 +398,17 @@ static fsdpc_status_t group_buffer(const fsdp_group_t *g,
   return tensor_init(buf, g->param_dtype, mesh_device(g->mesh), 1, &total);
 }
 
-/* The buffer of every unsharded tensor that needs memory, and after them, for the one-rank
- * path's pre-backward (g->slots_after), the unit's gradient slots (slots_numel elements): one
- * allocation rather than two. The tensors are views into it, so it is freed with the last of
- * them: at reshard, or with the gradients, which the one-rank path adds into the sharded ones
- * in the same post-backward. (Empty parameters still get their empty views.) */
-static fsdpc_status_t unshard_buffer(fsdp_group_t *g, bool local, fsdpc_tensor_t *buf) {
-  FSDPC_TRY(group_buffer(g, unshard_needs, local, 1, g->slots_after, buf));
-  if (buf->storage == NULL || g->slots_after == 0) return STATUS_OK;
-  int64_t at = tensor_numel(buf) - g->slots_after;
-  return tensor_narrow(&g->slot_room, buf, 0, at, g->slots_after);
+/* The buffer of every unsharded tensor that needs memory, then slots elements for the
+ * one-rank path's pre-backward (the unit's gradient slots; *room receives that tail when
+ * slots > 0): one allocation rather than two. The tensors are views into it, so it is freed
+ * with the last of them: at reshard, or with the gradients, which the one-rank path adds into
+ * the sharded ones in the same post-backward. (Empty parameters still get their empty
+ * views.) */
+static fsdpc_status_t unshard_buffer(fsdp_group_t *g, bool local, int64_t slots,
+                                     fsdpc_tensor_t *buf, fsdpc_tensor_t *room) {
+  FSDPC_TRY(group_buffer(g, unshard_needs, local, 1, slots, buf));
+  if (buf->storage == NULL || slots == 0) return STATUS_OK;
+  return tensor_narrow(room, buf, 0, tensor_numel(buf) - slots, slots);
 }
 
 /* *full: fp's unsharded shape viewed at element *pos of buf, which then moves past it. */
@@ -451,15 +452,15 @@ static fsdpc_status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, const 
 
 /* Completes a started gather: waits, then copies rank r's rows of each parameter out into
  * the unsharded tensors (on the one-rank path: views or casts each shard), all in one
- * tensor_copy_many, into one buffer. */
-fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g) {
+ * tensor_copy_many, into one buffer (with slots elements after them, *room: unshard_buffer). */
+static fsdpc_status_t unshard_wait(fsdp_group_t *g, int64_t slots, fsdpc_tensor_t *room) {
   if (!g->gathering) return STATUS_OK;
   bool local = g->gather_local;
   fsdpc_status_t st = gather_wait(g);
   tensor_free(&g->post_forward_slice);
   fsdpc_tensor_t buf = {0};
   int64_t pos = 0;
-  if (st == STATUS_OK) st = unshard_buffer(g, local, &buf);
+  if (st == STATUS_OK) st = unshard_buffer(g, local, slots, &buf, room);
   copies_t c = {0};
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
@@ -479,6 +480,8 @@ fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g) {
   if (st == STATUS_OK) g->unsharded = true;
   return st;
 }
+
+fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g) { return unshard_wait(g, 0, NULL); }
 
 fsdpc_status_t fsdp_unshard(fsdp_group_t *g) {
   ARG_NONNULL(g);
@@ -604,11 +607,10 @@ static bool frees_together(const fsdp_group_t *g) {
 }
 
 fsdpc_status_t fsdp_unshard_for_backward(fsdp_group_t *g) {
-  g->slots_after = frees_together(g) && reserves(g) ? slots_numel(g, true) : 0;
-  fsdpc_status_t st = fsdp_unshard(g);
-  fsdpc_tensor_t room = g->slot_room; /* the unshard buffer's tail, when it made one */
-  memset(&g->slot_room, 0, sizeof g->slot_room);
-  g->slots_after = 0;
+  int64_t slots = frees_together(g) && reserves(g) ? slots_numel(g, true) : 0;
+  fsdpc_tensor_t room = {0}; /* the unshard buffer's tail, when it made one */
+  fsdpc_status_t st = fsdp_unshard_start(g);
+  if (st == STATUS_OK) st = unshard_wait(g, slots, &room);
   if (st == STATUS_OK) st = reserve_grads(g, &room);
   tensor_free(&room);
   return st;

@@ -137,10 +137,6 @@ struct fsdp_group {
   /* on a GPU, from the pre-backward that reserved it to the next reduction: the one buffer of
    * the slots of its parameters' first gradients (fsdp_unshard_for_backward) */
   fsdpc_tensor_t grad_buf;
-  /* fsdp_unshard_for_backward: the slots' elements the unshard buffer gets after the unsharded
-   * tensors (0: none), and that tail of it */
-  int64_t slots_after;
-  fsdpc_tensor_t slot_room;
   fsdp_event_fn on_event;
   void *on_event_user;
   fsdp_group_t *root;    /* found on the first forward */
