@@ -375,8 +375,8 @@ fsdpc_status_t tensor_copy_many(fsdpc_tensor_t *dst, const fsdpc_tensor_t *src, 
     for (int i = 0; i < n; i++) FSDPC_TRY(tensor_copy(&dst[i], &src[i]));
     return STATUS_OK;
   }
-  copy_desc_t few[16]; /* a fully_shard unit's parameters: no allocation */
-  copy_desc_t *d = n <= 16 ? few : malloc(sizeof *d * (size_t)n);
+  copy_desc_t few[32]; /* two fully_shard units' parameters (a joint unshard): no allocation */
+  copy_desc_t *d = n <= 32 ? few : malloc(sizeof *d * (size_t)n);
   if (d == NULL) return err_set(STATUS_ENOMEM, "copy: out of host memory for %d pairs", n);
   int m = 0;
   double bytes = 0; /* read and written */

@@ -425,33 +425,36 @@ void fsdp_lazy_init(fsdp_group_t *g) {
   if (g->reshard_after_forward == FSDP_RESHARD_AUTO) g->reshard_after_forward = !g->is_root;
 }
 
-/* The group to prefetch in forward: explicit list, else the group that followed this call
- * in the last iteration's forward order. */
-static fsdpc_status_t forward_prefetch(fsdp_group_t *g, fsdp_group_t *next) {
-  if (g->fwd_explicit) {
-    for (int i = 0; i < g->n_fwd_prefetch; i++) FSDPC_TRY(fsdp_unshard_start(g->fwd_prefetch[i]));
-    return STATUS_OK;
-  }
-  return next ? fsdp_unshard_start(next) : STATUS_OK;
+/* The groups to prefetch in forward: the explicit list, else next, the group that followed
+ * this call in the last iteration's forward order. *n receives their count. */
+static fsdp_group_t *const *forward_ahead(fsdp_group_t *g, fsdp_group_t *const *next, int *n) {
+  *n = g->fwd_explicit ? g->n_fwd_prefetch : *next != NULL;
+  return g->fwd_explicit ? g->fwd_prefetch : next;
 }
 
-/* The group to prefetch in backward: explicit list, else the call before this one in
- * post-forward order (the next to run backward). */
-static fsdpc_status_t backward_prefetch(fsdp_group_t *g) {
-  fsdp_group_t *next = fsdp_state_pre_backward(&g->root->state, g);
-  if (g->bwd_explicit) {
-    for (int k = 0; k < g->n_bwd_prefetch; k++) FSDPC_TRY(fsdp_unshard_start(g->bwd_prefetch[k]));
-    return STATUS_OK;
-  }
-  return next ? fsdp_unshard_start(next) : STATUS_OK;
+/* The groups to prefetch in backward: the explicit list, else *next, the call before this one
+ * in post-forward order (the next to run backward). */
+static fsdp_group_t *const *backward_ahead(fsdp_group_t *g, fsdp_group_t **next, int *n) {
+  *next = fsdp_state_pre_backward(&g->root->state, g);
+  *n = g->bwd_explicit ? g->n_bwd_prefetch : *next != NULL;
+  return g->bwd_explicit ? g->bwd_prefetch : next;
 }
 
 static fsdpc_status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   if (nn_ctx_recomputing(ctx)) return fsdp_unshard(g); /* no orders, no prefetch */
   fsdp_group_t *next;
+  int n;
   FSDPC_TRY(fsdp_state_pre_forward(&g->root->state, g, &next));
-  FSDPC_TRY(fsdp_unshard(g));
-  return forward_prefetch(g, next);
+  fsdp_group_t *const *ahead = forward_ahead(g, &next, &n);
+  return fsdp_unshard_ahead(g, ahead, n, false);
+}
+
+static fsdpc_status_t pre_backward(fsdp_group_t *g) {
+  if (g->is_root) fsdp_state_backward_begins(&g->state);
+  fsdp_group_t *next;
+  int n;
+  fsdp_group_t *const *ahead = backward_ahead(g, &next, &n);
+  return fsdp_unshard_ahead(g, ahead, n, true);
 }
 
 fsdpc_status_t fsdp_after_forward(fsdp_group_t *g) {
@@ -521,10 +524,7 @@ static fsdpc_status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t ki
   switch (kind) {
     case NN_HOOK_PRE_FORWARD: g->in_forward++; return pre_forward(ctx, g);
     case NN_HOOK_POST_FORWARD: g->in_forward--; return post_forward(ctx, g);
-    case NN_HOOK_PRE_BACKWARD:
-      if (g->is_root) fsdp_state_backward_begins(&g->state);
-      FSDPC_TRY(fsdp_unshard_for_backward(g));
-      return backward_prefetch(g);
+    case NN_HOOK_PRE_BACKWARD: return pre_backward(g);
     case NN_HOOK_POST_BACKWARD: {
       fsdpc_status_t st = fsdp_after_backward(g);
       if (!g->is_root) return st;

@@ -182,6 +182,17 @@ void fsdp_set_one_rank_path(bool on);
  * environment, or fsdp_set_grad_buffer(false), turns it off. Process-wide. */
 void fsdp_set_grad_buffer(bool on);
 
+/* On the one-rank path, a unit whose pre-forward or pre-backward casts its shards into
+ * param_dtype casts those of the unit it prefetches too, into one buffer, in one launch: one
+ * allocation, launch and free for two units where each would make its own (the prefetched
+ * unit's tensors are made in its place at its own hook). Both must be freed at the same point
+ * of their calls (reshard_after_forward 1, or reshard after backward), on one device, in one
+ * param_dtype. Its cost: the prefetched unit's unsharded tensors (and in backward its gradient
+ * slots) from the earlier hook on, as the all-gather prefetched for it holds them on several
+ * ranks. The same values. On by default; FSDPC_FSDP_JOINT_UNSHARD=0 in the environment, or
+ * fsdp_set_joint_unshard(false), turns it off. Process-wide. */
+void fsdp_set_joint_unshard(bool on);
+
 /* HFSDP (shard_state_over_replicas): whether g keeps its state over the replicas; the
  * elements per rank of its reduce-scatter over the replicas (every trainable parameter's
  * 1/(R*S) slice padded alike, then one presence element per such parameter, rounded up to 16

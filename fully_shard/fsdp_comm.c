@@ -105,7 +105,7 @@ void fsdp_emit(fsdp_group_t *g, const char *event) {
 /* Copies gathered for one tensor_copy_many: FSDP's copy-in, copy-out and gradient packing
  * each go to the device as one launch rather than one per parameter and rank. A zeroed list
  * is empty. */
-enum { kCopiesInline = 16 }; /* a unit's parameters: its lists stay off the heap */
+enum { kCopiesInline = 32 }; /* two units' parameters: their lists stay off the heap */
 typedef struct copies {
   fsdpc_tensor_t *dst, *src; /* the inline arrays, then the heap's once they are full */
   int n, cap;
@@ -339,7 +339,7 @@ fsdpc_status_t fsdp_unshard_start(fsdp_group_t *g) {
 static fsdpc_status_t gather_wait(fsdp_group_t *g) {
   fsdpc_status_t st = pg_wait(g->pending);
   g->pending = NULL;
-  g->gathering = g->gather_local = false;
+  g->gathering = g->gather_local = g->prepared = false;
   if (g->copied != NULL) {
     fsdpc_status_t s2 = stream_wait_event(stream_current(mesh_device(g->mesh)), g->copied);
     if (st == STATUS_OK) st = s2;
@@ -434,8 +434,8 @@ static fsdpc_status_t gathered_full(fsdp_group_t *g, const fsdp_param_t *fp,
   return st;
 }
 
-/* fp's unsharded tensor under local_unshard: its shard, viewed, or cast into param_dtype (the
- * cast added to c). */
+/* fp's unsharded tensor under local_unshard: its shard, viewed, or its place in buf, into which
+ * the cast goes (added to c; a NULL c: cast already, by the unshard that prepared g). */
 static fsdpc_status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, const fsdpc_tensor_t *buf,
                                  int64_t *pos, fsdpc_tensor_t *full, copies_t *c) {
   fsdpc_tensor_t shard;
@@ -446,26 +446,119 @@ static fsdpc_status_t local_full(fsdp_group_t *g, const fsdp_param_t *fp, const 
   }
   fsdpc_tensor_t dst = {0};
   fsdpc_status_t st = full_in(fp, buf, pos, full);
+  if (c == NULL) {
+    tensor_free(&shard);
+    return st;
+  }
   if (st == STATUS_OK) st = tensor_ref(&dst, full);
   return copies_add(c, st, &dst, &shard);
 }
 
+/* The joint unshard of the one-rank path: a unit's pre-forward or pre-backward that casts its
+ * shards also casts those of the units it prefetches, into one buffer, in one launch, where
+ * each would take an allocation and a launch of its own at its own hook. A prefetched unit
+ * keeps its place in the buffer (gather, prepared) until its hook makes its tensors there.
+ * Its memory: the next unit's unsharded tensors from this one's hook on, as the all-gather
+ * prefetched for it holds them on several ranks. */
+static fast_path_t joint =
+    FAST_PATH_INIT("FSDPC_FSDP_JOINT_UNSHARD", "fsdp_set_joint_unshard(false)");
+
+void fsdp_set_joint_unshard(bool on) { fast_path_set(&joint, on); }
+
+static bool frees_together(const fsdp_group_t *g);
+static bool reserves(const fsdp_group_t *g);
+static int64_t slots_numel(const fsdp_group_t *g, bool before_unshard);
+
+/* Whether g, about to cast its shards on the one-rank path, takes the casts of p, which it
+ * prefetches: p started on that path and not prepared, on g's device in g's param_dtype, and
+ * both freed at the same point of their calls (after forward, or after backward), so that
+ * neither keeps the other's memory. */
+static bool joins(const fsdp_group_t *g, const fsdp_group_t *p, bool backward) {
+  if (p == g || !p->initialised || !p->gathering || !p->gather_local || p->prepared ||
+      p->param_dtype != g->param_dtype || !device_equal(mesh_device(p->mesh), mesh_device(g->mesh)))
+    return false;
+  if (backward) return g->reshard_after_backward && p->reshard_after_backward;
+  return g->reshard_after_forward == 1 && p->reshard_after_forward == 1;
+}
+
+/* The elements of g's place in a joint buffer: its tensors that need memory, then slots
+ * elements; 0 when none of its tensors does. */
+static int64_t place_numel(const fsdp_group_t *g, int64_t slots) {
+  int count;
+  int64_t n = group_numel(g, unshard_needs, true, &count);
+  return count < 1 ? 0 : n + slots;
+}
+
+/* On the one-rank path, the buffer of g's unsharded tensors and slots elements (*buf, with the
+ * slots' tail in *room when slots > 0) and of the places of the groups of ahead that join g
+ * (their gather, prepared), their casts added to c. */
+static fsdpc_status_t joint_buffer(fsdp_group_t *g, int64_t slots, fsdp_group_t *const *ahead,
+                                   int n_ahead, bool backward, fsdpc_tensor_t *buf,
+                                   fsdpc_tensor_t *room, copies_t *c) {
+  int64_t mine = place_numel(g, slots), total = mine, places[8] = {0}, more[8] = {0};
+  n_ahead = n_ahead < 8 ? n_ahead : 8;
+  for (int k = 0; k < n_ahead; k++) {
+    if (!joins(g, ahead[k], backward)) continue;
+    if (backward && frees_together(ahead[k]) && reserves(ahead[k]))
+      more[k] = slots_numel(ahead[k], true);
+    places[k] = place_numel(ahead[k], more[k]);
+    total += places[k];
+  }
+  if (total == mine) return unshard_buffer(g, true, slots, buf, room);
+  fsdpc_tensor_t all;
+  FSDPC_TRY(tensor_init(&all, g->param_dtype, mesh_device(g->mesh), 1, &total));
+  fsdpc_status_t st = STATUS_OK;
+  if (mine > 0) st = tensor_narrow(buf, &all, 0, 0, mine);
+  if (st == STATUS_OK && mine > 0 && slots > 0)
+    st = tensor_narrow(room, buf, 0, mine - slots, slots);
+  int64_t at = mine;
+  for (int k = 0; k < n_ahead && st == STATUS_OK; k++) {
+    if (places[k] == 0) continue;
+    fsdp_group_t *p = ahead[k];
+    st = tensor_narrow(&p->gather, &all, 0, at, places[k]);
+    at += places[k];
+    int64_t pos = 0;
+    for (int i = 0; i < p->n && st == STATUS_OK; i++) {
+      fsdpc_tensor_t full = {0};
+      st = local_full(p, &p->params[i], &p->gather, &pos, &full, c);
+      tensor_free(&full);
+    }
+    p->prepared = st == STATUS_OK;
+    p->prepared_slots = more[k];
+  }
+  tensor_free(&all);
+  return st;
+}
+
 /* Completes a started gather: waits, then copies rank r's rows of each parameter out into
- * the unsharded tensors (on the one-rank path: views or casts each shard), all in one
- * tensor_copy_many, into one buffer (with slots elements after them, *room: unshard_buffer). */
-static fsdpc_status_t unshard_wait(fsdp_group_t *g, int64_t slots, fsdpc_tensor_t *room) {
+ * the unsharded tensors (on the one-rank path: views or casts each shard, with the casts of
+ * the groups of ahead that join it: joint_buffer), all in one tensor_copy_many, into one
+ * buffer (with slots elements after them, *room: unshard_buffer). A group prepared by such a
+ * joint unshard makes its tensors where that one cast them. */
+static fsdpc_status_t unshard_wait(fsdp_group_t *g, int64_t slots, fsdpc_tensor_t *room,
+                                   fsdp_group_t *const *ahead, int n_ahead, bool backward) {
   if (!g->gathering) return STATUS_OK;
-  bool local = g->gather_local;
+  bool local = g->gather_local, prepared = g->prepared;
+  fsdpc_tensor_t buf = {0};
+  if (prepared) { /* its place, cast already: its tensors, then its slots */
+    buf = g->gather;
+    memset(&g->gather, 0, sizeof g->gather);
+    slots = g->prepared_slots;
+  }
   fsdpc_status_t st = gather_wait(g);
   tensor_free(&g->post_forward_slice);
-  fsdpc_tensor_t buf = {0};
   int64_t pos = 0;
-  if (st == STATUS_OK) st = unshard_buffer(g, local, slots, &buf, room);
   copies_t c = {0};
+  if (st == STATUS_OK && prepared && slots > 0 && room != NULL)
+    st = tensor_narrow(room, &buf, 0, tensor_numel(&buf) - slots, slots);
+  else if (st == STATUS_OK && local && !prepared && fast_path_off(&joint)[0] == '\0')
+    st = joint_buffer(g, slots, ahead, n_ahead, backward, &buf, room, &c);
+  else if (st == STATUS_OK && !prepared)
+    st = unshard_buffer(g, local, slots, &buf, room);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[i];
     fsdpc_tensor_t full = {0};
-    st = local ? local_full(g, fp, &buf, &pos, &full, &c)
+    st = local ? local_full(g, fp, &buf, &pos, &full, prepared ? NULL : &c)
                : gathered_full(g, fp, &buf, &pos, &full, &c);
     if (st == STATUS_OK) {
       tensor_free(&fp->p->compute);
@@ -481,7 +574,9 @@ static fsdpc_status_t unshard_wait(fsdp_group_t *g, int64_t slots, fsdpc_tensor_
   return st;
 }
 
-fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g) { return unshard_wait(g, 0, NULL); }
+fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g) {
+  return unshard_wait(g, 0, NULL, NULL, 0, false);
+}
 
 fsdpc_status_t fsdp_unshard(fsdp_group_t *g) {
   ARG_NONNULL(g);
@@ -606,14 +701,33 @@ static bool frees_together(const fsdp_group_t *g) {
          exact_in(g->param_dtype, g->reduce_dtype);
 }
 
-fsdpc_status_t fsdp_unshard_for_backward(fsdp_group_t *g) {
+/* Pre-backward: unshards g (after starting ahead, when ahead join it: joint_buffer) and, on a
+ * GPU, reserves its slots. */
+static fsdpc_status_t unshard_for_backward(fsdp_group_t *g, fsdp_group_t *const *ahead,
+                                           int n_ahead) {
   int64_t slots = frees_together(g) && reserves(g) ? slots_numel(g, true) : 0;
   fsdpc_tensor_t room = {0}; /* the unshard buffer's tail, when it made one */
   fsdpc_status_t st = fsdp_unshard_start(g);
-  if (st == STATUS_OK) st = unshard_wait(g, slots, &room);
+  if (st == STATUS_OK) st = unshard_wait(g, slots, &room, ahead, n_ahead, true);
   if (st == STATUS_OK) st = reserve_grads(g, &room);
   tensor_free(&room);
   return st;
+}
+
+fsdpc_status_t fsdp_unshard_ahead(fsdp_group_t *g, fsdp_group_t *const *ahead, int n_ahead,
+                                  bool backward) {
+  /* a cast on the one-rank path to come: the prefetches start first, to join it */
+  bool joint_cast =
+      !g->unsharded && (g->gathering ? g->gather_local && !g->prepared : local_unshard(g));
+  if (joint_cast) {
+    FSDPC_TRY(fsdp_unshard_start(g));
+    for (int k = 0; k < n_ahead; k++) FSDPC_TRY(fsdp_unshard_start(ahead[k]));
+    return backward ? unshard_for_backward(g, ahead, n_ahead)
+                    : unshard_wait(g, 0, NULL, ahead, n_ahead, false);
+  }
+  FSDPC_TRY(backward ? unshard_for_backward(g, NULL, 0) : fsdp_unshard(g));
+  for (int k = 0; k < n_ahead; k++) FSDPC_TRY(fsdp_unshard_start(ahead[k]));
+  return STATUS_OK;
 }
 
 static bool has_grad(const nn_param_t *p) {

@@ -112,6 +112,10 @@ struct fsdp_group {
   double divide_factor;        /* > 0: sum / factor instead of the average */
   fsdpc_tensor_t gather;       /* the all-gather buffer while gathering */
   bool gather_local;           /* gathering on the one-rank path: no buffer (fsdp_comm.c) */
+  /* prepared: on the one-rank path, cast by the unshard of the group that prefetched it into
+   * gather, its place in that one's buffer (its tensors, then prepared_slots elements) */
+  bool prepared;
+  int64_t prepared_slots;
   pg_work_t *pending;          /* its collective */
   event_t *copied;             /* copy-in done (CUDA) */
   bool gathering;
@@ -163,7 +167,8 @@ fsdpc_status_t fsdp_state_post_forward(fsdp_state_t *s, fsdp_group_t *g);
 void fsdp_state_backward_begins(fsdp_state_t *s);
 /* g's pre-backward: the group to run backward after g (what to prefetch), or NULL. */
 fsdp_group_t *fsdp_state_pre_backward(fsdp_state_t *s, const fsdp_group_t *g);
-/* The root's post-backward: reshards the groups prefetched for a backward that did not come. */
+/* The root's post-backward: reshards the groups prefetched for a call that did not come (in
+ * backward, or in forward: named by the last step's order, or by an explicit list). */
 void fsdp_state_backward_ends(fsdp_state_t *s);
 
 /* ---- fsdp.c: the group's state machine ---- */
@@ -225,12 +230,15 @@ fsdpc_status_t fsdp_unshard_start(fsdp_group_t *g);
 fsdpc_status_t fsdp_unshard_wait(fsdp_group_t *g);
 /* Integer reshard after forward: keep this rank's 1/N slice, free the unsharded tensors. */
 fsdpc_status_t fsdp_reshard_to_slice(fsdp_group_t *g);
-/* Pre-backward: unshards g and, on a GPU, reserves one buffer for the gradients its
- * operations will form in place (nn_param_grad_memory), a slot of it for each such trainable
- * parameter, where each would take an allocation of its own; at the first backward after a
- * reduction. On the one-rank path, whose post-backward frees both, the slots follow the
- * unsharded tensors in the unshard's buffer. */
-fsdpc_status_t fsdp_unshard_for_backward(fsdp_group_t *g);
+/* A pre-forward's or pre-backward's unshard of g and start of the prefetches ahead (n_ahead
+ * groups). In backward, on a GPU, it also reserves one buffer for the gradients g's operations
+ * will form in place (nn_param_grad_memory), a slot of it for each such trainable parameter,
+ * where each would take an allocation of its own; at the first backward after a reduction.
+ * On the one-rank path, whose post-backward frees both, the slots follow the unsharded
+ * tensors in the unshard's buffer, and a unit that casts its shards casts those of the
+ * prefetched units too, into the same buffer (fsdp_set_joint_unshard). */
+fsdpc_status_t fsdp_unshard_ahead(fsdp_group_t *g, fsdp_group_t *const *ahead, int n_ahead,
+                                  bool backward);
 /* Post-backward: packs the unsharded gradients and issues the reduce-scatter, after finishing
  * the reduction in flight (of any group under the same root); on the one-rank path, adds the
  * gradients into the sharded ones at once. */

@@ -51,8 +51,22 @@ fsdp_group_t *fsdp_state_pre_backward(fsdp_state_t *s, const fsdp_group_t *g) {
   return i > 0 ? s->bwd_order.v[i - 1] : NULL;
 }
 
+/* Drops g's prefetch, if one is in flight: what it gathered or cast holds the shards as they
+ * were, which an optimizer step is about to change. */
+static void drop_prefetch(fsdp_group_t *g) {
+  if (g->gathering) fsdp_reshard(g);
+}
+
 void fsdp_state_backward_ends(fsdp_state_t *s) {
   s->in_backward = false;
-  for (int i = 0; i < s->fwd_order.n; i++)
-    if (s->fwd_order.v[i]->gathering) fsdp_reshard(s->fwd_order.v[i]);
+  /* what a prefetch can have started: the groups of this forward (backward prefetches among
+   * them), those of the last one (forward prefetches follow its order; a group it ran may not
+   * have run in this one), and what the explicit lists of this forward's groups name */
+  for (int i = 0; i < s->fwd_order.n; i++) {
+    fsdp_group_t *g = s->fwd_order.v[i];
+    drop_prefetch(g);
+    for (int k = 0; k < g->n_fwd_prefetch; k++) drop_prefetch(g->fwd_prefetch[k]);
+    for (int k = 0; k < g->n_bwd_prefetch; k++) drop_prefetch(g->bwd_prefetch[k]);
+  }
+  for (int i = 0; i < s->prev_fwd_order.n; i++) drop_prefetch(s->prev_fwd_order.v[i]);
 }

@@ -167,9 +167,11 @@ struct copy_entry {
 
 typedef entry_table<copy_entry, kCopyTable> copy_table;
 /* A launch of at most kCopySmall entries (a fully_shard unit's parameters) passes a table of
- * that size: 0.5 KB of arguments rather than 3.8 KB, which every launch copies. */
-enum { kCopySmall = 16 };
+ * that size: 0.5 KB of arguments rather than 3.8 KB, which every launch copies; of at most
+ * kCopyMedium (two units' casts in a joint unshard), 1 KB. */
+enum { kCopySmall = 16, kCopyMedium = 32 };
 typedef entry_table<copy_entry, kCopySmall> copy_table_small;
+typedef entry_table<copy_entry, kCopyMedium> copy_table_medium;
 
 template <typename Table>
 __global__ static void copy_many_kernel(Table t) {
@@ -367,6 +369,15 @@ static fsdpc_status_t cuda_copy(int index, const copy_desc_t *desc) {
   return STATUS_OK;
 }
 
+/* Launches the first t.count entries of t from a table of Small's size. */
+template <typename Small>
+static void launch_copies_in(const copy_table &t, int64_t blocks, cudaStream_t s) {
+  Small small;
+  small.count = t.count;
+  memcpy(small.e, t.e, sizeof(copy_entry) * (size_t)t.count);
+  copy_many_kernel<<<(unsigned)blocks, 256, 0, s>>>(small);
+}
+
 static bool float_dtype(dtype_t dt) {
   return dt == DTYPE_F32 || dt == DTYPE_BF16 || dt == DTYPE_F16;
 }
@@ -381,16 +392,13 @@ static fsdpc_status_t cuda_copy_many(int index, const copy_desc_t *descs, int n)
   int64_t blocks = 0;
   for (int i = 0; i <= n; i++) {
     if (i == n || t.count == kCopyTable) { /* launch what the table holds */
-      if (t.count > kCopySmall) {
+      if (t.count > kCopyMedium)
         copy_many_kernel<<<(unsigned)blocks, 256, 0, s>>>(t);
-        CUDA_TRY(cudaGetLastError());
-      } else if (t.count > 0) {
-        copy_table_small small;
-        small.count = t.count;
-        memcpy(small.e, t.e, sizeof(copy_entry) * (size_t)t.count);
-        copy_many_kernel<<<(unsigned)blocks, 256, 0, s>>>(small);
-        CUDA_TRY(cudaGetLastError());
-      }
+      else if (t.count > kCopySmall)
+        launch_copies_in<copy_table_medium>(t, blocks, s);
+      else if (t.count > 0)
+        launch_copies_in<copy_table_small>(t, blocks, s);
+      if (t.count > 0) CUDA_TRY(cudaGetLastError());
       t.count = 0;
       blocks = 0;
       if (i == n) break;

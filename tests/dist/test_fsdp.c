@@ -633,11 +633,14 @@ END_TEST
 /* The gradients' buffer a unit (one allocation where each gradient but one took its own), and
  * under param_dtype on the one-rank path, that buffer within the unshard's (one more a unit
  * whose pre-backward unshards: every block's; the root stays unsharded). */
-static void grad_buffer_allocations(dtype_t param_dtype) {
-  llama_config_t cfg;
+/* A step's device allocations after a first step (allocs[0] with set(true), allocs[1] with
+ * set(false)) on the tiny model in param_dtype (DTYPE_COUNT: the parameters'), and *differ,
+ * the gradients that are not the same bits both ways. Returns the number of parameters. */
+static int allocations_both_ways(void (*set)(bool), dtype_t param_dtype, llama_config_t *cfg,
+                                 size_t allocs[2], int *differ) {
   mesh_t *mesh = dp_mesh();
   device_t dev = mesh_device(mesh);
-  llama_t *m = sharded_tiny(mesh, &cfg, param_dtype);
+  llama_t *m = sharded_tiny(mesh, cfg, param_dtype);
   fsdpc_data_t *d;
   ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t spec = {.batch_size = 2,
@@ -651,10 +654,9 @@ static void grad_buffer_allocations(dtype_t param_dtype) {
   double loss;
   ok(llama_micro_step(m, d, &spec, 0, 0, &loss));
   fsdpc_tensor_t *grads[2];
-  size_t allocs[2];
-  for (int run = 0; run < 2; run++) { /* with the buffer, then without */
+  for (int run = 0; run < 2; run++) { /* turned on, then off */
     for (int i = 0; i < n; i++) nn_param_zero_grad(ps[i]);
-    fsdp_set_grad_buffer(run == 0);
+    set(run == 0);
     size_t a0 = mem_stats(dev).allocs;
     ok(llama_micro_step(m, d, &spec, 1, 0, &loss));
     allocs[run] = mem_stats(dev).allocs - a0;
@@ -662,15 +664,29 @@ static void grad_buffer_allocations(dtype_t param_dtype) {
     for (int i = 0; i < n; i++)
       ok(tensor_clone(&grads[run][i], dtensor_local(ps[i]->grad), DTYPE_F32, device_cpu()));
   }
-  fsdp_set_grad_buffer(true);
-  int differ = 0;
+  set(true);
+  *differ = 0;
   for (int i = 0; i < n; i++) {
     bool same;
     ok(tensor_equal(&grads[0][i], &grads[1][i], &same));
-    differ += !same;
+    *differ += !same;
     tensor_free(&grads[0][i]);
     tensor_free(&grads[1][i]);
   }
+  free(grads[0]);
+  free(grads[1]);
+  free(ps);
+  fsdp_free_all(llama_module(m));
+  llama_free(m);
+  data_free(d);
+  mesh_free(mesh);
+  return n;
+}
+
+static void grad_buffer_allocations(dtype_t param_dtype) {
+  llama_config_t cfg;
+  size_t allocs[2];
+  int differ, n = allocations_both_ways(fsdp_set_grad_buffer, param_dtype, &cfg, allocs, &differ);
   long saved = (long)allocs[1] - (long)allocs[0], want = n - (cfg.n_layers + 1);
   bool one_rank_path = one_rank_path_on() && !test_offload();
   if (param_dtype != DTYPE_COUNT && one_rank_path) want += cfg.n_layers;
@@ -683,18 +699,35 @@ static void grad_buffer_allocations(dtype_t param_dtype) {
   expect_all(differ == 0 && saved == want,
              "a buffer a unit: %d of %d gradients differ; %ld allocations saved, %ld expected",
              differ, n, saved, want);
-  free(grads[0]);
-  free(grads[1]);
-  free(ps);
-  fsdp_free_all(llama_module(m));
-  llama_free(m);
-  data_free(d);
-  mesh_free(mesh);
 }
 
 START_TEST(grad_buffer_same_gradients_fewer_allocations) {
   grad_buffer_allocations(DTYPE_COUNT);
   grad_buffer_allocations(DTYPE_BF16);
+}
+END_TEST
+
+/* The one-rank path's joint unshard: a layer's pre-forward and pre-backward cast the next
+ * layer's shards with its own, one allocation for two layers (the root keeps its parameters
+ * from forward to backward and joins none); the same gradients. Elsewhere, or with the shards
+ * already in param_dtype (nothing cast), the same allocations. */
+START_TEST(joint_unshard_same_gradients_fewer_allocations) {
+  for (int k = 0; k < 2; k++) {
+    dtype_t pd = k == 0 ? DTYPE_COUNT : DTYPE_BF16;
+    llama_config_t cfg;
+    size_t allocs[2];
+    int differ, n = allocations_both_ways(fsdp_set_joint_unshard, pd, &cfg, allocs, &differ);
+    long saved = (long)allocs[1] - (long)allocs[0];
+    long want = pd != DTYPE_COUNT && one_rank_path_on() && !test_offload() && world_size() == 1
+                    ? 2 * (cfg.n_layers / 2) /* forward's pairs and backward's */
+                    : 0;
+    if (world_rank() == 0)
+      printf("a step's allocations (param_dtype %s): %zu with joint unshards, %zu without\n",
+             pd == DTYPE_COUNT ? "the parameters'" : dtype_name(pd), allocs[0], allocs[1]);
+    expect_all(differ == 0 && saved == want,
+               "joint unshard: %d of %d gradients differ; %ld allocations saved, %ld expected",
+               differ, n, saved, want);
+  }
 }
 END_TEST
 
@@ -724,6 +757,7 @@ static Suite *make_suite(void) {
       tcase_add_test(tc, deferred_init_allocates_only_shards);
       tcase_add_test(tc, micro_step_makes_no_host_wait);
       tcase_add_test(tc, grad_buffer_same_gradients_fewer_allocations);
+      tcase_add_test(tc, joint_unshard_same_gradients_fewer_allocations);
     }
     suite_add_tcase(s, tc);
     return s;
@@ -746,6 +780,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, int_reshard_invalid_is_refused);
   tcase_add_test(tc, memory_within_budget);
   tcase_add_test(tc, deferred_init_allocates_only_shards);
+  tcase_add_test(tc, joint_unshard_same_gradients_fewer_allocations);
   suite_add_tcase(s, tc);
   return s;
 }

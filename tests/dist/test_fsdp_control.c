@@ -406,6 +406,48 @@ START_TEST(ranks_with_different_gradient_sets) {
 }
 END_TEST
 
+/* A unit prefetched for a call that does not come (the last step's order named it next) is
+ * dropped at the end of backward: a change of its shards before its next call is what that
+ * call computes with, whether the prefetch gathered it (several ranks) or cast it with the
+ * unit that prefetched it (one rank in bf16: a joint unshard). */
+START_TEST(unconsumed_prefetch_sees_later_changes) {
+  mesh_t *mesh = dp_mesh(), *local;
+  ok(mesh_new_local("local", DEVICE_CPU, &local));
+  int md = mesh_ndim(mesh);
+  int dp = md == 2 ? mesh_coord(mesh, 0) * mesh_size(mesh, 1) + mesh_coord(mesh, 1)
+                   : mesh_coord(mesh, 0);
+  int bad = 0;
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    nn_module_t *sh = branch_model(local);
+    fsdp_options_t opt = FSDP_OPTIONS_INIT;
+    opt.mesh = mesh;
+    if (bf16) opt.param_dtype = DTYPE_BF16;
+    static const char *const units[] = {"emb", "even", "odd", "head"};
+    for (int k = 0; k < 4; k++) ok(fully_shard(nn_module_find(sh, units[k]), &opt, NULL));
+    ok(fully_shard(sh, &opt, NULL));
+    const int T = 5;
+    branch = 0;
+    twice_step(sh, dp * T, T); /* emb, even, head */
+    branch = 1;
+    twice_step(sh, dp * T, T); /* emb prefetches even, but odd runs */
+    nn_param_t *w = nn_param_find(sh, "even.weight");
+    ok(tensor_fill((fsdpc_tensor_t *)dtensor_local(w->value), 0.125));
+    branch = 0;
+    double first = twice_step(sh, dp * T, T), again = twice_step(sh, dp * T, T);
+    if (first != again) {
+      printf("rank %d, param_dtype %s: loss %.9g after the change, then %.9g\n", world_rank(),
+             bf16 ? "bf16" : "f32", first, again);
+      bad++;
+    }
+    fsdp_free_all(sh);
+    nn_module_free(sh);
+  }
+  expect_all(bad == 0, "a prefetch no call used: %d stale runs", bad);
+  mesh_free(local);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* An ignored parameter stays whole and local; a divide factor of 1 sums the gradients. */
 START_TEST(ignored_parameter_and_divide_factor) {
   mesh_t *mesh = dp_mesh(), *local;
@@ -466,8 +508,10 @@ static void log_event(const char *event, const fsdp_group_t *g, void *user) {
            name[0] ? name + strlen("model.") : "root");
 }
 
-/* Runs two iterations and returns the second one's events: forward, then backward. */
-static void two_iterations(int explicit_mode, char *fwd, char *bwd, size_t size) {
+/* Runs two iterations and returns the second one's events: forward, then backward (bf16:
+ * parameters in bf16, which the one-rank path casts, two layers at a time in a joint
+ * unshard). */
+static void two_iterations(int explicit_mode, bool bf16, char *fwd, char *bwd, size_t size) {
   llama_config_t cfg;
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   mesh_t *mesh = dp_mesh();
@@ -475,6 +519,7 @@ static void two_iterations(int explicit_mode, char *fwd, char *bwd, size_t size)
   ok(llama_new(&cfg, NULL, &m));
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
+  if (bf16) opt.param_dtype = DTYPE_BF16;
   fsdp_group_t *l0, *l1, *root;
   ok(fully_shard(llama_layer(m, 0), &opt, &l0));
   ok(fully_shard(llama_layer(m, 1), &opt, &l1));
@@ -529,32 +574,38 @@ static const char *kDefaultBackward =
 
 START_TEST(event_order_default) {
   char fwd[2048], bwd[2048];
-  two_iterations(0, fwd, bwd, sizeof fwd);
-  /* forward: the root gathers, prefetching block 0; block 0 prefetches block 1 */
-  ck_assert_str_eq(fwd, kDefaultForward);
-  /* backward: the root (still gathered) prefetches block 1; block 1 prefetches block 0 */
-  ck_assert_str_eq(bwd, kDefaultBackward);
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    two_iterations(0, bf16, fwd, bwd, sizeof fwd);
+    /* forward: the root gathers, prefetching block 0; block 0 prefetches block 1 */
+    ck_assert_str_eq(fwd, kDefaultForward);
+    /* backward: the root (still gathered) prefetches block 1; block 1 prefetches block 0 */
+    ck_assert_str_eq(bwd, kDefaultBackward);
+  }
 }
 END_TEST
 
 START_TEST(event_order_explicit_forward_prefetch) {
   char fwd[2048], bwd[2048];
-  two_iterations(1, fwd, bwd, sizeof fwd);
-  ck_assert_str_eq(fwd,
-                   "unshard root\nunshard layers.1\nunshard layers.0\nreshard layers.0\n"
-                   "reshard layers.1\n");
-  ck_assert_str_eq(bwd, kDefaultBackward);
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    two_iterations(1, bf16, fwd, bwd, sizeof fwd);
+    ck_assert_str_eq(fwd,
+                     "unshard root\nunshard layers.1\nunshard layers.0\nreshard layers.0\n"
+                     "reshard layers.1\n");
+    ck_assert_str_eq(bwd, kDefaultBackward);
+  }
 }
 END_TEST
 
 START_TEST(event_order_explicit_backward_prefetch) {
   char fwd[2048], bwd[2048];
-  two_iterations(2, fwd, bwd, sizeof fwd);
-  ck_assert_str_eq(fwd, kDefaultForward);
-  ck_assert_str_eq(bwd,
-                   "unshard layers.0\nunshard layers.1\npost_backward layers.1\n"
-                   "reshard layers.1\npost_backward layers.0\nreshard layers.0\n"
-                   "post_backward root\nreshard root\n");
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    two_iterations(2, bf16, fwd, bwd, sizeof fwd);
+    ck_assert_str_eq(fwd, kDefaultForward);
+    ck_assert_str_eq(bwd,
+                     "unshard layers.0\nunshard layers.1\npost_backward layers.1\n"
+                     "reshard layers.1\npost_backward layers.0\nreshard layers.0\n"
+                     "post_backward root\nreshard root\n");
+  }
 }
 END_TEST
 
@@ -572,6 +623,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, event_order_default);
   tcase_add_test(tc, event_order_explicit_forward_prefetch);
   tcase_add_test(tc, event_order_explicit_backward_prefetch);
+  tcase_add_test(tc, unconsumed_prefetch_sees_later_changes);
   suite_add_tcase(s, tc);
   return s;
 }
