@@ -157,6 +157,7 @@ fsdpc_status_t ckpt_reshard_training(const char *dir, const char *out, int world
   }
   cJSON_Delete(under);
   if (st == STATUS_OK) st = file_check_output_dir(out, "reshard: OUT", false);
+  if (st == STATUS_OK) st = file_check_outside(out, dir, "reshard: OUT");
   char tmp[PATH_LEN + 16];
   if (st == STATUS_OK) st = file_make_temp_dir(out, tmp, sizeof tmp);
   bool made = st == STATUS_OK;

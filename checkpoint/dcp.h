@@ -140,6 +140,10 @@ typedef struct dcp_tensor {
 /* Opens folder dir: parses every file's header and checks the integrity records and the
  * tiling of every tensor (errors name the file and the tensor). */
 fsdpc_status_t dcp_reader_open(const char *dir, dcp_reader_t **out);
+/* The same for the n files of dir named by files (a Hugging Face folder's model.safetensors or
+ * the files its index names), the folder's other files left out. */
+fsdpc_status_t dcp_reader_open_files(const char *dir, const char *const *files, int n,
+                                     dcp_reader_t **out);
 void dcp_reader_close(dcp_reader_t *r);
 /* The folder's checks, and (may be NULL) the block size of the first file. */
 dcp_checks_t dcp_reader_checks(const dcp_reader_t *r, uint64_t *block_bytes);

@@ -270,17 +270,14 @@ static fsdpc_status_t build_table(dcp_reader_t *r) {
   return st;
 }
 
-fsdpc_status_t dcp_reader_open(const char *dir, dcp_reader_t **out) {
-  ARG_NONNULL(dir);
-  ARG_NONNULL(out);
-  *out = NULL;
+/* Opens files names[0..n) of dir into a new reader; takes the names (frees them and the list,
+ * whatever happens). */
+static fsdpc_status_t open_named(const char *dir, char **names, int n, dcp_reader_t **out) {
   dcp_reader_t *r = calloc(1, sizeof *r);
-  if (r == NULL) return oom();
-  snprintf(r->dir, sizeof r->dir, "%s", dir);
-  char **names = NULL;
-  int n = 0;
-  fsdpc_status_t st = list_files(dir, &names, &n);
-  if (st == STATUS_OK && (r->files = calloc((size_t)n, sizeof(rfile_t))) == NULL) st = oom();
+  fsdpc_status_t st = r ? STATUS_OK : oom();
+  if (r) snprintf(r->dir, sizeof r->dir, "%s", dir);
+  if (st == STATUS_OK && (r->files = calloc((size_t)(n > 0 ? n : 1), sizeof(rfile_t))) == NULL)
+    st = oom();
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     char path[DCP_JOIN_MAX];
     snprintf(path, sizeof path, "%.4000s/%.255s", dir, names[i]);
@@ -300,6 +297,33 @@ fsdpc_status_t dcp_reader_open(const char *dir, dcp_reader_t **out) {
   }
   *out = r;
   return STATUS_OK;
+}
+
+fsdpc_status_t dcp_reader_open(const char *dir, dcp_reader_t **out) {
+  ARG_NONNULL(dir);
+  ARG_NONNULL(out);
+  *out = NULL;
+  char **names = NULL;
+  int n = 0;
+  FSDPC_TRY(list_files(dir, &names, &n));
+  return open_named(dir, names, n, out);
+}
+
+fsdpc_status_t dcp_reader_open_files(const char *dir, const char *const *files, int n,
+                                     dcp_reader_t **out) {
+  ARG_NONNULL(dir);
+  ARG_NONNULL(out);
+  *out = NULL;
+  if (n < 1 || files == NULL) return err_set(STATUS_EINVAL, "%s: no file to open", dir);
+  char **names = calloc((size_t)n, sizeof *names);
+  if (names == NULL) return oom();
+  for (int i = 0; i < n; i++)
+    if ((names[i] = strdup(files[i])) == NULL) {
+      for (int k = 0; k < i; k++) free(names[k]);
+      free(names);
+      return oom();
+    }
+  return open_named(dir, names, n, out);
 }
 
 void dcp_reader_close(dcp_reader_t *r) {

@@ -203,8 +203,11 @@ bool file_remove_tree(const char *path) {
   return rmdir(path) == 0 && ok;
 }
 
+/* path's temporary sibling, PATH.tmp-XXXXXX (a folder's trailing slashes left out). */
 static fsdpc_status_t temp_name(const char *path, char *tmp, size_t size) {
-  int n = snprintf(tmp, size, "%s.tmp-XXXXXX", path);
+  int len = (int)strnlen(path, DIRS_PATH_MAX + 1);
+  while (len > 1 && path[len - 1] == '/') len--;
+  int n = snprintf(tmp, size, "%.*s.tmp-XXXXXX", len, path);
   if (n < 0 || (size_t)n >= size || path[0] == 0)
     return err_set(STATUS_EINVAL, "'%s': empty or too long a path", path);
   return STATUS_OK;
@@ -383,6 +386,23 @@ fsdpc_status_t file_check_output(const char *path, const char *what, const file_
   char parent[DIRS_PATH_MAX];
   parent_of(path, parent, sizeof parent);
   return writable_folder(what, parent, path);
+}
+
+fsdpc_status_t file_check_outside(const char *path, const char *input, const char *what) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(input);
+  what = what ? what : "output";
+  char parent[DIRS_PATH_MAX], *in = realpath(input, NULL), *at = NULL;
+  parent_of(path, parent, sizeof parent);
+  if (in != NULL) at = realpath(parent, NULL);
+  size_t n = in ? strlen(in) : 0;
+  bool inside = at != NULL && strncmp(at, in, n) == 0 && (at[n] == 0 || at[n] == '/' || n == 1);
+  free(in);
+  free(at);
+  if (!inside) return STATUS_OK;
+  char why[DIRS_PATH_MAX + 80];
+  snprintf(why, sizeof why, "lies inside '%.3800s', which it reads; name a path outside it", input);
+  return dirs_error(what, path, why);
 }
 
 static bool folder_empty(const char *path) {

@@ -82,6 +82,10 @@ fsdpc_status_t file_check_output(const char *path, const char *what, const file_
  * exists and is writable. */
 fsdpc_status_t file_check_output_dir(const char *path, const char *what, bool empty_ok);
 
+/* Checks that the output path (whose parent exists: file_check_output_dir) lies outside the
+ * input folder (the links of both resolved): a tool writes nothing into what it reads. */
+fsdpc_status_t file_check_outside(const char *path, const char *input, const char *what);
+
 #pragma GCC visibility pop
 #ifdef __cplusplus
 }

@@ -68,7 +68,9 @@ fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char
     case TP_COLWISE:
     case TP_ROWWISE:
       if (!linear && !emb && !conv1d)
-        return err_set(STATUS_EINVAL, "%s applies to linear, conv1d and embedding layers, not a %s",
+        return err_set(STATUS_EINVAL,
+                       "%s applies to linear, conv1d and embedding layers, not to a module "
+                       "of kind '%s'",
                        tp_style_name(style), kind ? kind : "container");
       if (bias && emb)
         return err_set(STATUS_EINVAL, "%s: an embedding with a bias is not supported",
@@ -87,8 +89,8 @@ fsdpc_status_t tp_param_placement(tp_style_t style, const char *kind, const char
     case TP_SEQUENCE_PARALLEL:
     case TP_HEADWISE:
       if (!is_norm(kind))
-        return err_set(STATUS_EINVAL, "%s applies to norms, not a %s", tp_style_name(style),
-                       kind ? kind : "container");
+        return err_set(STATUS_EINVAL, "%s applies to norms, not to a module of kind '%s'",
+                       tp_style_name(style), kind ? kind : "container");
       return STATUS_OK;
     case TP_PREPARE_INPUT: return STATUS_OK;
     default: return err_set(STATUS_EINVAL, "unknown style");

@@ -263,6 +263,13 @@ static fsdpc_status_t verify(const char *dir) {
          checked, unchecked, damaged);
   if (damaged > 0)
     return err_set(STATUS_EFORMAT, "%s: %d tensors damaged (named above)", dir, damaged);
+  char state[PATH_LEN + 32];
+  snprintf(state, sizeof state, "%.4000s/train_state.json", dir);
+  if (strcmp(model, dir) != 0 && access(state, F_OK) != 0) /* DIR/model: a training checkpoint's */
+    return err_set(STATUS_EFORMAT,
+                   "%s: no train_state.json: not a complete checkpoint, which every load refuses "
+                   "(its save did not finish, or the file was removed)",
+                   dir);
   return STATUS_OK;
 }
 
@@ -434,14 +441,15 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
   if (st == STATUS_OK) say_unchecked_folders(dir);
   if (st == STATUS_OK)
     st = ckpt_reshard_training(dir, out, world, target_placements, &kinds, under, &files);
-  char ep[48] = "";
+  char ep[48] = "", pp[24] = "";
   if (p.par.ep > 1) snprintf(ep, sizeof ep, ", the experts split over ep %d", p.par.ep);
+  if (p.par.pp > 1) snprintf(pp, sizeof pp, "pp %d x ", p.par.pp);
   if (st == STATUS_OK)
     printf(
-        "resharded %s for %d rank%s (dp_replicate %d x dp_shard %d x tp %d%s): %d file%s in "
+        "resharded %s for %d rank%s (%sdp_replicate %d x dp_shard %d x tp %d%s): %d file%s in "
         "%s\n",
-        dir, world, world == 1 ? "" : "s", p.par.dp_replicate, p.par.dp_shard, p.par.tp, ep, files,
-        files == 1 ? "" : "s", out);
+        dir, world, world == 1 ? "" : "s", pp, p.par.dp_replicate, p.par.dp_shard, p.par.tp, ep,
+        files, files == 1 ? "" : "s", out);
   free(under);
   llama_free(model);
   free(config);

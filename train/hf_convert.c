@@ -257,6 +257,51 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
   return st;
 }
 
+static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *c,
+                                          const dcp_tensor_t *list, int nt);
+
+/* For a model of the built-in family but GPT-2 (arch), the config written at config_path
+ * checked against the tensors of t as the export writes them (import-hf's check: every
+ * parameter of the model it describes present with its shape, nothing else), before any is
+ * written. */
+static fsdpc_status_t check_export(const char *dir, const hf_export_opts_t *o,
+                                   const char *config_path, llama_arch_t arch, int64_t vocab,
+                                   const dcp_tensor_t *const *t, int n) {
+  if (arch == LLAMA_ARCH_COUNT || arch == LLAMA_ARCH_GPT2) return STATUS_OK;
+  llama_config_t lc;
+  FSDPC_TRY(llama_config_from_hf(config_path, &lc));
+  int count = 0;
+  for (int i = 0; i < n; i++) count += stacked_experts(t[i]) ? (int)stacked_experts(t[i]) : 1;
+  dcp_tensor_t *v = calloc((size_t)count + 1, sizeof *v);
+  char(*names)[512] = calloc((size_t)count + 1, sizeof *names);
+  fsdpc_status_t st = v && names ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  int k = 0;
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    int64_t E = stacked_experts(t[i]);
+    for (int64_t j = 0; j < E && st == STATUS_OK; j++, k++) {
+      if (!hf_expert_name(t[i]->name, j, names[k], sizeof names[k]))
+        st = err_set(STATUS_EINVAL, "'%s': expert %lld's name is too long", t[i]->name,
+                     (long long)j);
+      v[k] = (dcp_tensor_t){.name = names[k], .dtype = t[i]->dtype, .ndim = 2};
+      v[k].shape[0] = t[i]->shape[1];
+      v[k].shape[1] = t[i]->shape[2];
+    }
+    if (E > 0) continue;
+    v[k] = (dcp_tensor_t){.name = t[i]->name, .dtype = t[i]->dtype};
+    v[k].ndim = hf_shape(arch, t[i], vocab, v[k].shape);
+    k++;
+  }
+  char label[PATH_LEN + 64];
+  if (o->config)
+    snprintf(label, sizeof label, "%.2000s exported with --config %.2000s", dir, o->config);
+  else
+    snprintf(label, sizeof label, "%.4000s", dir);
+  if (st == STATUS_OK) st = check_llama_tensors(label, &lc, v, k);
+  free(names);
+  free(v);
+  return st;
+}
+
 fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t *o,
                               hf_report_t *report) {
   ARG_NONNULL(dir);
@@ -273,10 +318,9 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   snprintf(model, sizeof model, "%.4000s/model", dir);
   if (!file_is_dir(model)) snprintf(model, sizeof model, "%s", dir);
   FSDPC_TRY(file_check_output_dir(out, "export-hf: OUT", true));
-  if (file_is_dir(out) && rmdir(out) != 0)
-    return err_set(STATUS_EINVAL, "%s: exists and is not empty", out);
-  /* written into a fresh OUT.tmp-XXXXXX, renamed when complete: a failure (a damaged block)
-   * leaves no OUT */
+  FSDPC_TRY(file_check_outside(out, dir, "export-hf: OUT"));
+  /* written into a fresh OUT.tmp-XXXXXX, renamed when complete (over an empty OUT, which
+   * rename replaces): a failure (a damaged block) leaves OUT as it was */
   char tmp[PATH_LEN + 16] = "";
   dcp_reader_t *r;
   FSDPC_TRY(dcp_reader_open(model, &r));
@@ -305,6 +349,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     snprintf(path, sizeof path, "%.4000s/config.json", tmp);
     dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
     st = export_config(dir, o, cd, path, &arch, &vocab);
+    if (st == STATUS_OK) st = check_export(dir, o, path, arch, vocab, t, n);
   }
   /* files: consecutive tensors up to max_shard_bytes each (a larger tensor gets its own) */
   int *start = st == STATUS_OK ? calloc((size_t)n + 2, sizeof(int)) : NULL;
@@ -397,6 +442,11 @@ static fsdpc_status_t check_experts(const char *hf, const dcp_tensor_t *list, in
     while (k < nt && strcmp(list[k].name, name) != 0) k++;
     if (k == nt)
       return err_set(STATUS_EFORMAT, "%s: no tensor '%s', which config.json's model has", hf, name);
+    if (list[k].dtype == DTYPE_COUNT || !dtype_is_float(list[k].dtype))
+      return err_set(STATUS_EDTYPE,
+                     "%s: tensor '%s' is stored as %s; the model's parameters are "
+                     "floating point (F32, BF16 or F16)",
+                     hf, name, list[k].dtype_name);
     if (list[k].ndim != 2 || list[k].shape[0] != shape[1] || list[k].shape[1] != shape[2])
       return err_set(STATUS_ESHAPE,
                      "%s: tensor '%s' has %d dimensions [%lld, ...], but config.json's model "
@@ -431,6 +481,13 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
                    ps[i]->fqn);
       break;
     }
+    if (list[k].dtype == DTYPE_COUNT || !dtype_is_float(list[k].dtype)) {
+      st = err_set(STATUS_EDTYPE,
+                   "%s: tensor '%s' is stored as %s; the model's parameters are "
+                   "floating point (F32, BF16 or F16)",
+                   hf, ps[i]->fqn, list[k].dtype_name);
+      break;
+    }
     bool same = list[k].ndim == dtensor_ndim(v);
     for (int d = 0; same && d < list[k].ndim; d++) same = list[k].shape[d] == dtensor_shape(v)[d];
     if (!same) {
@@ -461,6 +518,40 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
   }
   free(ps);
   llama_free(m);
+  return st;
+}
+
+/* A stacked tensor's experts in a Hugging Face folder (P.experts.J.N.weight): one each of J =
+ * 0, 1, ..., E - 1, as the stacked tensor [E, a, b] holds them, whatever the model. */
+typedef struct expert_no {
+  const char *name;
+  char fqn[512];
+  int64_t j;
+} expert_no_t;
+
+static int cmp_expert_no(const void *a, const void *b) {
+  const expert_no_t *x = a, *y = b;
+  int c = strcmp(x->fqn, y->fqn);
+  return c ? c : (x->j > y->j) - (x->j < y->j);
+}
+
+static fsdpc_status_t check_expert_numbers(const char *hf, const dcp_tensor_t *list, int nt) {
+  expert_no_t *e = malloc(sizeof *e * (size_t)(nt > 0 ? nt : 1));
+  if (e == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  int m = 0;
+  for (int k = 0; k < nt; k++)
+    if (hf_expert_of(list[k].name, e[m].fqn, sizeof e[m].fqn, &e[m].j)) e[m++].name = list[k].name;
+  qsort(e, (size_t)m, sizeof *e, cmp_expert_no);
+  fsdpc_status_t st = STATUS_OK;
+  for (int a = 0, b; a < m && st == STATUS_OK; a = b) {
+    for (b = a; b < m && strcmp(e[b].fqn, e[a].fqn) == 0; b++)
+      if (st == STATUS_OK && e[b].j != b - a)
+        st = err_set(STATUS_EFORMAT,
+                     "%s: the experts of '%s' must be numbered 0, 1, ... each once: expert %d "
+                     "is missing, '%s' is there",
+                     hf, e[a].fqn, b - a, e[b].name);
+  }
+  free(e);
   return st;
 }
 
@@ -591,22 +682,25 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   bool llama = st == STATUS_OK && is_llama(cfg);
   if (llama) st = llama_config_from_hf(cfg_path, &lc);
   /* the source's tensors, read once for the checks (their files validated) */
+  /* model.safetensors or the files its index names: the folder's others are not read */
+  char **names = NULL;
+  int n = 0;
+  if (st == STATUS_OK) st = hf_weight_files(hf, &names, &n);
   dcp_reader_t *r = NULL;
   const dcp_tensor_t *list = NULL;
   int nt = 0;
-  if (st == STATUS_OK) st = dcp_reader_open(hf, &r);
+  if (st == STATUS_OK) st = dcp_reader_open_files(hf, (const char *const *)names, n, &r);
   if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
+  if (st == STATUS_OK) st = check_expert_numbers(hf, list, nt);
   if (st == STATUS_OK && llama) st = check_llama_tensors(hf, &lc, list, nt);
   if (st == STATUS_OK) st = file_check_output_dir(out, "import-hf: OUT", false);
+  if (st == STATUS_OK) st = file_check_outside(out, hf, "import-hf: OUT");
   char tmp[PATH_LEN + 16] = "", model[PATH_LEN + 32];
   if (st == STATUS_OK) st = file_make_temp_dir(out, tmp, sizeof tmp);
   bool made = st == STATUS_OK;
   snprintf(model, sizeof model, "%s/model", tmp);
   if (st == STATUS_OK && mkdir(model, 0755) != 0)
     st = err_set(STATUS_EIO, "%s: cannot create: %s", model, strerror(errno));
-  char **names = NULL;
-  int n = 0;
-  if (st == STATUS_OK) st = hf_weight_files(hf, &names, &n);
   uint64_t id = dcp_new_save_id();
   dcp_folder_t folder = {(const char *const *)names, n, id};
   for (int i = 0; i < n && st == STATUS_OK; i++)

@@ -261,6 +261,55 @@ def ckpt_tool():
         p = tool_run(*args)
         check(p.returncode != 0 and re.search(want, p.stderr) is not None,
               "fsdp-ckpt %s: exit %d, says /%s/" % (args[0], p.returncode, want))
+    # OUT: an empty folder stays as it was when the export fails, a trailing slash names the
+    # same folder, and a path inside what the command reads is refused before anything is
+    # written
+    empty = os.path.join(tmp, "empty-out")
+    os.mkdir(empty)
+    damaged = os.path.join(tmp, "damaged-step")
+    shutil.copytree(step, damaged)
+    shard0 = sorted(glob.glob(os.path.join(damaged, "model", "*.safetensors")))[0]
+    with open(shard0, "r+b") as f:
+        f.seek(-3, 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    p = tool_run("export-hf", damaged, empty)
+    check(p.returncode != 0 and os.path.isdir(empty) and not os.listdir(empty) and
+          not glob.glob(empty + ".tmp*"),
+          "export-hf of a damaged checkpoint into an empty folder: refused, the folder kept")
+    p = tool_run("export-hf", step, empty + "/")
+    check(p.returncode == 0 and os.path.isfile(os.path.join(empty, "model.safetensors")),
+          "export-hf into an empty folder named with a trailing slash")
+    before = sorted(os.listdir(step)), sorted(os.listdir(os.path.join(step, "model")))
+    src_hf = os.path.join(tmp, "hf-f32")
+    for op, args in (("export-hf", [step, os.path.join(step, "model", "shard-x.safetensors")]),
+                     ("reshard", [step, "--to", os.path.join(ROOT, "configs", "fsdp.yaml"),
+                                  "--world", "2", os.path.join(step, "rs")]),
+                     ("import-hf", [src_hf, os.path.join(src_hf, "ck")])):
+        p = tool_run(op, *args)
+        check(p.returncode != 0 and "lies inside" in p.stderr and not os.path.exists(args[-1]),
+              "fsdp-ckpt %s into its own input: refused (%s)" % (op, p.stderr.strip()[-120:]))
+    check((sorted(os.listdir(step)), sorted(os.listdir(os.path.join(step, "model")))) == before
+          and tool_run("verify", step).returncode == 0, "the inputs stay as they were")
+    # export-hf checks the config it writes against the tensors, as import-hf would
+    with open(os.path.join(src_hf, "config.json")) as f:
+        tied = json.load(f)
+    tied["tie_word_embeddings"] = True
+    tied_path, tied_out = os.path.join(tmp, "tied.json"), os.path.join(tmp, "hf-tied")
+    with open(tied_path, "w") as f:
+        json.dump(tied, f)
+    p = tool_run("export-hf", step, tied_out, "--config", tied_path)
+    check(p.returncode != 0 and re.search(r"tensor 'lm_head\.weight' is no parameter", p.stderr)
+          and not os.path.exists(tied_out) and not glob.glob(tied_out + ".tmp*"),
+          "export-hf --config of a model without the checkpoint's lm_head: refused, no OUT")
+    # verify: a step folder without train_state.json, which every load refuses
+    nostate = os.path.join(tmp, "no-state")
+    shutil.copytree(step, nostate)
+    os.remove(os.path.join(nostate, "train_state.json"))
+    p = tool_run("verify", nostate)
+    check(p.returncode != 0 and "no train_state.json" in p.stderr,
+          "verify of a step folder without train_state.json exits non-zero")
     # import-hf checks config.json against a plan's limits and every tensor against the model it
     # describes, before writing anything; model.init_from reads config.json the same way
     src = os.path.join(tmp, "hf-f32")
@@ -314,6 +363,23 @@ def ckpt_tool():
             p, _ = run(1, [bad_cfg, "--set", "train.steps=1"], timeout=60)
             check(p.returncode != 0 and re.search(want, p.stderr) is not None and
                   time.time() - t < 30, "model.init_from with %s: refused at once" % name)
+    # import-hf reads model.safetensors or the index's files only; a Llama's parameters are
+    # floating point
+    extra = variant("extra-file")
+    shutil.copy(os.path.join(extra, "model.safetensors"),
+                os.path.join(extra, "consolidated.safetensors"))
+    with open(os.path.join(extra, "adapter.safetensors"), "w") as f:
+        f.write("junk")
+    p = tool_run("import-hf", extra, os.path.join(tmp, "imp-extra"))
+    check(p.returncode == 0 and "from 1 file" in p.stdout,
+          "import-hf leaves a folder's other .safetensors files unread (%s)" % p.stderr[-200:])
+    ints = variant("int-norm")
+    edit_header(os.path.join(ints, "model.safetensors"),
+                lambda h: h["model.norm.weight"].update(dtype="I32"))
+    p = tool_run("import-hf", ints, os.path.join(tmp, "imp-int"))
+    check(p.returncode != 0 and re.search(r"'model\.norm\.weight' is stored as I32", p.stderr) and
+          not os.path.exists(os.path.join(tmp, "imp-int")),
+          "import-hf of a Llama with an I32 norm weight: refused before writing")
     # an imported checkpoint is this project's: integrity records that verify, and catch a
     # flipped byte
     p = tool_run("inspect", imp)
@@ -430,6 +496,25 @@ def ckpt_any_model():
     p = tool_run("import-hf", hf, ck0)
     check(p.returncode == 0 and "imported 28 tensors" in p.stdout,
           "import-hf takes a GPT-2 folder: %s" % (p.stdout + p.stderr).strip()[-300:])
+    # per-expert tensors of a model it does not know: numbered from 0, each once
+    import struct
+    gap = os.path.join(tmp, "experts-gap")
+    os.mkdir(gap)
+    with open(os.path.join(gap, "config.json"), "w") as f:
+        json.dump({"model_type": "another"}, f)
+    header, data = {"__metadata__": {"format": "pt"}}, b""
+    for j in (1, 2):
+        header["m.experts.%d.w.weight" % j] = {"dtype": "F32", "shape": [4, 8],
+                                               "data_offsets": [len(data), len(data) + 128]}
+        data += bytes(128)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.path.join(gap, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data)
+    p = tool_run("import-hf", gap, os.path.join(tmp, "ck-gap"))
+    check(p.returncode != 0 and re.search(r"expert 0 is missing", p.stderr) and
+          not os.path.exists(os.path.join(tmp, "ck-gap")),
+          "import-hf of experts 1 and 2 without 0: refused (%s)" % p.stderr.strip()[-160:])
     plans = {"fsdp4": "mesh: {dp_shard: 4}\nparallelize:\n  fully_shard:\n"
                       "    units: [\"transformer.h.*\"]\n",
              "tp2x2": "mesh: {dp_shard: 2, tp: 2}\nparallelize:\n  fully_shard:\n"
@@ -498,7 +583,8 @@ def ckpt_any_model():
     for extra, plan, want in [(["--embedding", "transformer.h.*.mlp.c_fc"], "tp2x2",
                                r"mlp\.c_fc.*an embedding with a bias is not supported"),
                               ([], "bad", r"ln_1.*colwise applies to linear, conv1d and "
-                                          r"embedding layers, not a layernorm")]:
+                                          r"embedding layers, not to a module of kind "
+                                          r"'layernorm'")]:
         p = tool_run("reshard", os.path.join(tmp, "ck-fsdp4"), "--to",
                      os.path.join(tmp, plan + ".yaml"), os.path.join(tmp, "never"), *extra)
         check(p.returncode != 0 and re.search(want, p.stderr) is not None and
