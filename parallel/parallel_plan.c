@@ -23,6 +23,7 @@ void parallel_plan_defaults(parallel_plan_t *pp) {
   pp->reshard_after_forward = FSDP_RESHARD_AUTO;
   pp->param_dtype = pp->reduce_dtype = pp->output_dtype = DTYPE_COUNT;
   snprintf(pp->optim_where.text, sizeof pp->optim_where.text, "(plan)");
+  snprintf(pp->ep_where.text, sizeof pp->ep_where.text, "(plan)");
 }
 
 fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
@@ -31,20 +32,24 @@ fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_section(c, root, "mesh", keys, &m));
   if (m == 0) {
     snprintf(c->par->mesh_where.text, sizeof c->par->mesh_where.text, "%s", c->source);
+    c->par->ep_where = c->par->mesh_where;
     return STATUS_OK;
   }
   pr_where_section(c, m, keys, &c->par->mesh_where);
+  int ep = pr_find(c, m, "ep");
+  if (ep != 0)
+    pr_where_of(c, ep, &c->par->ep_where);
+  else
+    c->par->ep_where = c->par->mesh_where;
   FSDPC_TRY(pr_get_size(c, m, "mesh", "dp_replicate", &c->par->dp_replicate));
   FSDPC_TRY(pr_get_size(c, m, "mesh", "dp_shard", &c->par->dp_shard));
   FSDPC_TRY(pr_get_size(c, m, "mesh", "tp", &c->par->tp));
-  FSDPC_TRY(pr_get_size(c, m, "mesh", "ep", &c->par->ep));
-  if (c->par->ep < 1)
-    return pr_fail(c, pr_find(c, m, "ep"), "mesh.ep",
-                   "expected a size from 1 (the ranks of dp_shard that split the experts)");
-  FSDPC_TRY(pr_get_size(c, m, "mesh", "pp", &c->par->pp));
-  if (c->par->pp < 1)
-    return pr_fail(c, pr_find(c, m, "pp"), "mesh.pp",
-                   "expected a size from 1 (the pipeline's stages of ranks)");
+  int64_t v = c->par->ep; /* sizes from 1: neither takes the rest of the world */
+  FSDPC_TRY(pr_get_int(c, m, "mesh", "ep", 1, 1 << 20, &v));
+  c->par->ep = (int)v;
+  v = c->par->pp;
+  FSDPC_TRY(pr_get_int(c, m, "mesh", "pp", 1, 1 << 20, &v));
+  c->par->pp = (int)v;
   int unknown = (c->par->dp_replicate < 0) + (c->par->dp_shard < 0) + (c->par->tp < 0);
   if (unknown > 1) return pr_fail(c, m, "mesh", "at most one size may be -1");
   return STATUS_OK;
@@ -340,8 +345,9 @@ fsdpc_status_t parallel_plan_load(parallel_plan_t *pp, const char *path, const c
   parallel_plan_defaults(pp);
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(pp->source, path);
-  plan_where_t *ws[] = {&pp->mesh_where, &pp->fsdp_where, &pp->tp_where, &pp->optim_where};
-  for (int i = 0; i < 4; i++) snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
+  plan_where_t *ws[] = {&pp->mesh_where, &pp->fsdp_where, &pp->tp_where, &pp->optim_where,
+                        &pp->ep_where};
+  for (int i = 0; i < 5; i++) snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   plan_ctx_t *c = calloc(1, sizeof *c);
   if (c == NULL) return err_set(STATUS_ENOMEM, "plan: out of host memory");
   c->par = pp;
@@ -505,18 +511,17 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                    "%s: mesh.ep: %d divides neither mesh.dp_shard=%d nor, as a multiple of "
                    "mesh.tp=%d, dp_shard x tp (the experts are split over groups of ep of the "
                    "dp_shard ranks, or of ep / tp of them times every tp rank)",
-                   pp->mesh_where.text, pp->ep, pp->dp_shard, pp->tp);
+                   pp->ep_where.text, pp->ep, pp->dp_shard, pp->tp);
   if (parallel_plan_ep_borrows_tp(pp) && !pp->sequence_parallel)
     return err_set(
         STATUS_EINVAL,
         "%s: mesh.ep: %d spans the tp ranks (it does not divide dp_shard=%d), which "
         "hold the same tokens without sequence parallelism: set "
         "parallelize.tensor_parallel.sequence_parallel: true, or an ep dividing dp_shard",
-        pp->mesh_where.text, pp->ep, pp->dp_shard);
+        pp->ep_where.text, pp->ep, pp->dp_shard);
   if (pp->ep > 1 && (pp->offload || (pp->state_over_replicas && pp->dp_replicate > 1)))
     return err_set(STATUS_EUNSUPPORTED, "%s: mesh.ep: %d does not compose with %s yet",
-                   pp->mesh_where.text, pp->ep,
-                   pp->offload ? "offload" : "optimizer_sharding: full");
+                   pp->ep_where.text, pp->ep, pp->offload ? "offload" : "optimizer_sharding: full");
   if (pp->tp > 1 && pp->n_tp_rules == 0)
     return err_set(STATUS_EINVAL,
                    "%s: parallelize.tensor_parallel.plan: mesh.tp is %d, but no rule says which "

@@ -98,6 +98,7 @@ typedef struct parallel_plan {
   char pp_splits[PLAN_MAX_PP_SPLITS][PLAN_PATTERN_MAX];
   int n_pp_splits;
   plan_where_t mesh_where, pp_where;
+  plan_where_t ep_where; /* mesh.ep's own place (mesh_where without it) */
   /* parallelize.fully_shard */
   plan_unit_t units[PLAN_MAX_UNITS];
   int n_units;

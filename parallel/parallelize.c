@@ -203,10 +203,10 @@ static fsdpc_status_t apply_ep(parallel_t *par, const parallel_plan_t *pp) {
   if (pp->ep <= 1) return STATUS_OK;
   int blocks = 0;
   fsdpc_status_t st = split_experts(par, par->root, &blocks);
-  if (st != STATUS_OK) return err_prefix(st, "%s: mesh.ep", pp->mesh_where.text);
+  if (st != STATUS_OK) return err_prefix(st, "%s: mesh.ep", pp->ep_where.text);
   if (blocks == 0)
     return err_set(STATUS_EINVAL, "%s: mesh.ep: %d, but the model has no MoE block to split",
-                   pp->mesh_where.text, pp->ep);
+                   pp->ep_where.text, pp->ep);
   return STATUS_OK;
 }
 

@@ -286,6 +286,12 @@ fsdpc_status_t pr_get_reshard(plan_ctx_t *c, int map, const char *prefix, int *o
     return pr_fail(c, v, path, "expected true, false or an integer, got '%s'", s);
   if (errno == ERANGE || x < 0 || x > (1 << 20))
     return pr_fail(c, v, path, "%s is out of range (an integer N >= 2, or true / false)", s);
+  if (x < 2) /* PyTorch reads 1 as false: a reading either way would be a guess */
+    return pr_fail(c, v, path,
+                   "%s is ambiguous: an integer N keeps the parameters sharded over groups of N "
+                   "ranks after forward (N >= 2); write false to keep them whole (as PyTorch "
+                   "reads 1), true to reshard them fully",
+                   s);
   *out = (int)x;
   return STATUS_OK;
 }

@@ -457,6 +457,8 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
     st = file_inputs_add(in, data_file_path(eval, i), "eval.path's file");
   if (st == STATUS_OK && p->init_from[0])
     st = file_inputs_add(in, p->init_from, "a file of model.init_from");
+  if (st == STATUS_OK && p->model_config[0])
+    st = file_inputs_add(in, p->model_config, "model.config's file");
   if (st == STATUS_OK && resumed && resumed[0])
     st = file_inputs_add(in, resumed, "a file of the checkpoint it resumes");
   if (st == STATUS_OK && metrics && metrics[0]) {

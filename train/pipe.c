@@ -335,13 +335,9 @@ fsdpc_status_t train_pp_eval_batch(run_t *r, const data_spec_t *spec, int64_t b,
   }
   nn_var_put(h);
   nn_ctx_free(ctx);
-  /* the last stage's loss on every pipeline rank, with every stage's routing: the weighted
-   * load-balancing loss of the batch is added, as without a pipeline */
+  /* the last stage's loss on every pipeline rank: the cross-entropy alone, as without a
+   * pipeline */
   if (st == STATUS_OK) st = pg_host_all_reduce(g, &l, &l, 1, PG_HOST_F64, REDUCE_SUM);
-  if (st == STATUS_OK && u.len > 0)
-    st = pg_host_all_reduce(g, u.mine, u.total, u.len, PG_HOST_F64, REDUCE_SUM);
-  if (st == STATUS_OK && u.len > 0)
-    l += nn_moe_aux_coef(u.aux) * nn_moe_aux_loss_of(u.aux, u.total);
   stage_stats_free(&u);
   *loss = l;
   return st;

@@ -127,7 +127,7 @@ static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *k
   fsdpc_plan_t *p = c->job;
   FSDPC_TRY(read_model_start(c, m));
   FSDPC_TRY(pr_get_path(c, m, "model", "init_from", p->init_from));
-  char config[PLAN_PATH_MAX] = "";
+  char *config = p->model_config;
   FSDPC_TRY(pr_get_path(c, m, "model", "config", config));
   if (p->init_from[0] && config[0])
     return pr_fail(c, pr_find(c, m, "config"), "model",
@@ -657,7 +657,7 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
   strcpy(p->par.source, path);
   plan_where_t *ws[] = {&p->par.mesh_where,  &p->par.fsdp_where, &p->par.tp_where,
                         &p->par.optim_where, &p->data_where,     &p->eval_where,
-                        &p->ckpt_where};
+                        &p->ckpt_where,      &p->par.ep_where};
   for (int i = 0; i < (int)(sizeof ws / sizeof ws[0]); i++)
     snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   plan_ctx_t *c = calloc(1, sizeof *c);
@@ -839,11 +839,15 @@ static fsdpc_status_t resolve_global_batch(fsdpc_plan_t *p) {
 /* The built-in model's sizes that tensor parallelism splits, each divisible by mesh.tp. */
 static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
   if (p->par.ep > 1 && (p->model.n_experts == 0 || p->model.n_experts % p->par.ep != 0))
-    return err_set(STATUS_EINVAL, "%s: mesh.ep: %d %s (each rank of a group holds as many experts)",
-                   p->par.mesh_where.text, p->par.ep,
-                   p->model.n_experts == 0
-                       ? "needs a model with experts (qwen3_moe, mixtral, qwen2_moe)"
-                       : "does not divide the model's num_experts");
+    return p->model.n_experts == 0
+               ? err_set(STATUS_EINVAL,
+                         "%s: mesh.ep: %d needs a model with experts (qwen3_moe, mixtral, "
+                         "qwen2_moe)",
+                         p->par.ep_where.text, p->par.ep)
+               : err_set(STATUS_EINVAL,
+                         "%s: mesh.ep: %d does not divide the model's num_experts, %lld (each "
+                         "rank of a group holds as many experts)",
+                         p->par.ep_where.text, p->par.ep, (long long)p->model.n_experts);
   if (p->par.tp > 1) {
     const struct {
       const char *key;

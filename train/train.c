@@ -37,7 +37,12 @@ static fsdpc_status_t run_batch(nn_module_t *root, device_t dev, const fsdpc_dat
   nn_moe_aux_begin(aux, grad ? 1.0 / (double)spec->grad_accum : 0);
   FSDPC_TRY_GOTO(st, nn_call(ctx, root, ids, &logits));
   FSDPC_TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &ce, NULL));
-  FSDPC_TRY_GOTO(st, nn_moe_aux_add(ctx, aux, ce, &l)); /* the routers' balance, weighted */
+  /* training adds the routers' balance, weighted; an evaluation's loss is the cross-entropy
+   * alone (the balance depends on how the batch is split over ranks and micro-batches) */
+  if (grad)
+    FSDPC_TRY_GOTO(st, nn_moe_aux_add(ctx, aux, ce, &l));
+  else
+    l = nn_var_ref(ce);
   FSDPC_TRY_GOTO(st, tensor_ref(loss, &l->value));
   if (grad) {
     FSDPC_TRY_GOTO(st, nn_scale(ctx, l, 1.0 / (double)spec->grad_accum, &scaled));

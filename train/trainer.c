@@ -14,6 +14,7 @@
  */
 #include <cJSON.h>
 #include <errno.h>
+#include <fnmatch.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -146,6 +147,47 @@ static fsdpc_status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) 
   /* every rank's tokens count the same; the ranks of one tp group hold the same loss */
   *loss = all / (double)world_size() / (double)r->plan.eval_batches;
   return STATUS_OK;
+}
+
+static const char *param_name(const nn_param_t *p) { return p->fqn ? p->fqn : p->name; }
+
+/* optim.param_groups name the whole model's parameters (under a pipeline every rank's model
+ * has them all, meta outside its stages): a pattern that matches none is refused, on every
+ * rank alike, a dry run's too. */
+static fsdpc_status_t check_param_groups(const run_t *r) {
+  const adamw_config_t *cfg = &r->plan.optim;
+  if (cfg->n_groups == 0) return STATUS_OK;
+  nn_param_t **ps = NULL;
+  int n = 0;
+  FSDPC_TRY(nn_named_parameters(r->root, &ps, &n));
+  fsdpc_status_t st = STATUS_OK;
+  for (int g = 0; g < cfg->n_groups && st == STATUS_OK; g++) {
+    bool hit = cfg->groups[g].pattern == NULL;
+    for (int i = 0; i < n && !hit; i++)
+      hit = fnmatch(cfg->groups[g].pattern, param_name(ps[i]), 0) == 0;
+    if (!hit)
+      st = err_set(STATUS_EINVAL,
+                   "optim.param_groups: '%s' matches no parameter of the model (--dry-run -v "
+                   "lists their names)",
+                   cfg->groups[g].pattern);
+  }
+  free(ps);
+  return st;
+}
+
+/* The optimizer of this rank's parameters (check_param_groups has checked the groups): the
+ * groups that match one of them (under a pipeline the others name another stage's). */
+static fsdpc_status_t optim_for_rank(run_t *r) {
+  adamw_config_t cfg = r->plan.optim;
+  int k = 0;
+  for (int g = 0; g < cfg.n_groups; g++) {
+    bool hit = cfg.groups[g].pattern == NULL;
+    for (int i = 0; i < r->n && !hit; i++)
+      hit = fnmatch(cfg.groups[g].pattern, param_name(r->ps[i]), 0) == 0;
+    if (hit) cfg.groups[k++] = cfg.groups[g];
+  }
+  cfg.n_groups = k;
+  return optim_new(r->ps, r->n, &cfg, &r->opt);
 }
 
 /* What dir's train_state.json (saved_under) records of the run that saved it: its global
@@ -322,7 +364,7 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
                                  : NULL); /* model.pad_vocab_multiple: the files' rows, zeros */
   if (st == STATUS_OK) st = held_parameters(r);
   if (st == STATUS_OK) st = train_pp_tied(r);
-  if (st == STATUS_OK) st = optim_new(r->ps, r->n, &p->optim, &r->opt);
+  if (st == STATUS_OK) st = optim_for_rank(r);
   FSDPC_TRY(pg_agree(world_pg(), st));
   if (!resume) return STATUS_OK;
   r->verified = -1;
@@ -381,6 +423,7 @@ static fsdpc_status_t build(run_t *r) {
   offload_threads(r);
   if (!resume) r->resumed_from[0] = 0;
   FSDPC_TRY(check_before_training(r));
+  FSDPC_TRY(check_param_groups(r)); /* the same model on every rank: the same verdict */
   if (r->args.dry_run) { /* the meta model has every placement and shape */
     FSDPC_TRY(held_parameters(r));
     FSDPC_TRY(train_pp_tied(r));
@@ -719,7 +762,7 @@ static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
 
 /* Report: the step's line of the metrics file (rank 0), agreed over the ranks (a full disk
  * stops every rank). */
-static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
+static void metrics_write(run_t *r, loop_t *L, const step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   if (L->mf) {
     cJSON *j = cJSON_CreateObject();
@@ -760,6 +803,10 @@ static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
     free(line);
     cJSON_Delete(j);
   }
+}
+
+static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
+  metrics_write(r, L, o);
   if (!L->mpath[0]) return STATUS_OK;
   fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
   if (st != STATUS_OK) L->agreed = true;
@@ -809,9 +856,15 @@ static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
   FSDPC_TRY(step_agree(r, L, &o));
   FSDPC_TRY(step_apply(r, L, &o));
   FSDPC_TRY(step_save(r, L, &o));
-  FSDPC_TRY(step_evaluate(r, L, &o));
+  fsdpc_status_t ev = step_evaluate(r, L, &o);
   L->last_loss = o.loss;
   L->tok_sum += o.tokens;
+  if (ev != STATUS_OK) { /* the step trained (and saved): its lines, without the evaluation */
+    o.eval_now = false;
+    metrics_write(r, L, &o);
+    if (L->lead) progress_line(r, L, &o);
+    return ev;
+  }
   FSDPC_TRY(metrics_line(r, L, &o));
   L->steps_done = s + 1 - r->start_step;
   *stop = o.stopping;

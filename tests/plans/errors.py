@@ -49,6 +49,10 @@ def errors():
         ("integer reshard not dividing dp_shard", base.replace(
             'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    reshard_after_forward: 3'),
          [], r"fully_shard\.reshard_after_forward: 3 is not below mesh\.dp_shard=2"),
+        ("integer reshard 1, which PyTorch reads as false", base.replace(
+            'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    reshard_after_forward: 1'),
+         [], r"fully_shard\.reshard_after_forward: 1 is ambiguous: .*write false to keep them "
+             r"whole"),
         ("a unit's integer reshard not dividing dp_shard", base.replace(
             'units: ["model.layers.*"]',
             'units: [{match: "model.layers.*", reshard_after_forward: 3}]'),
@@ -98,8 +102,8 @@ def errors():
         ("tp pattern matching nothing", tp_plan("model.blocks.*.mlp: prepare_input"), [],
          r"tensor_parallel\.plan: tensor parallel: 'model\.blocks\.\*\.mlp' matches no module"),
         ("tp style on the wrong layer", tp_plan("model.norm: colwise"), [],
-         r"tensor parallel: model\.norm: colwise applies to linear, conv1d and embedding layers, not a "
-         r"rmsnorm"),
+         r"tensor parallel: model\.norm: colwise applies to linear, conv1d and embedding layers, not to a "
+         r"module of kind 'rmsnorm'"),
         ("lm_head logits left split", tp_plan("lm_head: colwise"), [],
          r"plan\.lm_head: the loss needs whole logits"),
         ("sequence not divisible by tp", tp_base.replace("seq_len: 16", "seq_len: 15").replace(
@@ -261,7 +265,8 @@ def errors():
     # token ids are checked where each batch reads them, naming the file and the byte offset;
     # the start-up reads only sizes and headers. The corpus as uint16 tokens with an id past
     # the vocabulary: at token 100 only rank 1's batch of the second step reads it (samples of
-    # 17 tokens from 96 and 112); at the end of the file, the two steps never read it.
+    # 17 tokens from 96 and 112); at the end of the file, the two steps never read it. An
+    # evaluation's failure after the last step still reports that step (its line and metrics).
     for name, at, fmt, vocab, step_lines, want in (
             ("a text file beyond a vocabulary of 50", None, "text", 50, 0,
              r"data file \S+corpus\.txt: the token at byte offset \d+ has id \d+, outside the "
@@ -270,7 +275,7 @@ def errors():
              r"data file \S+bad\.u16: the token at byte offset 200 has id 300, outside the "
              r"vocabulary of 256"),
             ("an id of 300 that no step reads", len(corpus), "u16", 256, 2, None),
-            ("eval tokens: an id of 300 in the first batch", 5, "eval", 256, 1,
+            ("eval tokens: an id of 300 in the first batch", 5, "eval", 256, 2,
              r"data file \S+bad\.u16: the token at byte offset 10 has id 300, outside the "
              r"vocabulary of 256")):
         path, text = data, base.replace("vocab_size: 256", "vocab_size: %d" % vocab)
@@ -286,8 +291,13 @@ def errors():
         plan = os.path.join(tmp, "vocab.yaml")
         with open(plan, "w") as f:
             f.write(text + "log:\n  interval: 1\n")
-        p, secs = run(2, [plan], timeout=60)
+        metrics = os.path.join(tmp, "vocab.jsonl")
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        p, secs = run(2, [plan, "--metrics", metrics], timeout=60)
         lines = len(re.findall(r"^step\s+\d+/", p.stdout, re.M))
+        with open(metrics) as f:
+            lines = min(lines, sum(1 for _ in f))  # every step line has its metrics line
         if want is None:
             check(p.returncode == 0 and lines == step_lines,
                   "%s: trains (the start reads no token)" % name)

@@ -443,6 +443,14 @@ def operations():
     shutil.copy(data, tokens)
     mine = [EXE, plan, "--set", "train.steps=1", "--set", "data.path=" + tokens]
     metrics = os.path.join(tmp, "ref.jsonl")
+    arch = os.path.join(tmp, "llama-tiny.json")  # the plan's model.config
+    shutil.copy(os.path.join(ROOT, "configs", "llama-tiny.json"), arch)
+    arch_plan = os.path.join(tmp, "arch.yaml")
+    with open(debug) as f, open(arch_plan, "w") as g:
+        text = re.sub(r"(?m)^  (dim|n_layers|n_heads|n_kv_heads|ffn_dim|vocab_size|"
+                      r"max_seq_len): .*\n", "", f.read())
+        g.write(text.replace("model:\n", "model:\n  config: %s\n" % arch, 1))
+    with_arch = [EXE, arch_plan, "--set", "train.steps=1", "--set", "data.path=" + tokens]
     for name, cmd, victim_file in (
             ("--metrics at the training data", mine + ["--metrics", tokens], tokens),
             ("--metrics at the plan", mine + ["--metrics", plan], plan),
@@ -451,6 +459,9 @@ def operations():
                      "--metrics", state], state),
             ("--plot at the plan", mine + ["--metrics", os.path.join(tmp, "p.jsonl"), "--plot",
                                            plan], plan),
+            ("--metrics at model.config's file", with_arch + ["--metrics", arch], arch),
+            ("--plot at model.config's file",
+             with_arch + ["--metrics", os.path.join(tmp, "c.jsonl"), "--plot", arch], arch),
             ("fsdp-plot -o at its input", [plot, metrics, "-o", metrics], metrics),
             ("fsdp-plan -o at its input", [plan_tool, "convert", ds, "-o", ds], ds),
             ("fsdp-plot -o /dev/null", [plot, metrics, "-o", "/dev/null"], None),

@@ -237,6 +237,22 @@ def pipeline():
               "the load-balancing loss under %s: the losses and gradient norms of %s within "
               "2e-5 (worst %.2e), its aux_loss (%.2e), its eval losses within 1e-6 (%.2e), the "
               "same expert loads" % (name, same.get(name, "one rank"), w, wa, we))
+    # the evaluation's loss is the cross-entropy alone: the same samples in batches of 1 or 2
+    # give the same value, whatever the routers' balance within each batch
+    split_eval = {}
+    for size, batches in ((1, 4), (2, 2)):
+        m = os.path.join(tmp, "aux-eval-%d.jsonl" % size)
+        run(1, [hfplan, "--metrics", m] + sets(["mesh.dp_shard=1", "moe.aux_loss_coef=1",
+                                                 "eval.path=" + os.path.join(ROOT, "data",
+                                                                             "corpus.txt"),
+                                                 "eval.interval=5", "eval.batch_size=%d" % size,
+                                                 "eval.batches=%d" % batches]))
+        split_eval[size] = [r["eval_loss"] for r in losses(m) if "eval_loss" in r] \
+            if os.path.exists(m) else []
+    we = max([abs(a - b) / abs(a) for a, b in zip(split_eval[1], split_eval[2])] or [1])
+    check(len(split_eval[1]) == len(split_eval[2]) == 2 and we <= 1e-6,
+          "a model with experts evaluates the same samples in batches of 1 and of 2 to the same "
+          "loss within 1e-6 (%.2e)" % we)
     # pipeline.split_points: stage 1 begins at block 1 (three blocks and the head on it)
     split = os.path.join(tmp, "split.yaml")
     for points, n, why in ((["model.layers.1"], 2, None),
@@ -373,3 +389,28 @@ def pipeline():
         check(p.returncode != 0 and said == {str(r) for r in range(n)},
               "%s on %d ranks is refused by name on every rank (%s)"
               % (" ".join(kvs), n, p.stderr.strip()[-150:]))
+    # optim.param_groups name the whole model's parameters: under a pipeline a pattern of one
+    # stage's (the head's, the embedding's) trains as on one rank, and one of no stage's is
+    # refused alike on every rank
+    grouped = os.path.join(tmp, "grouped.yaml")
+    with open(grouped, "w") as f:
+        f.write(PLAN.format(data=os.path.join(ROOT, "data", "corpus.txt")).replace(
+            "  lr: 3.0e-3\n", "  lr: 3.0e-3\n  param_groups:\n    \"lm_head.*\": {lr: 1.0e-3}\n"
+            "    \"model.embed_tokens.*\": {weight_decay: 0.0}\n"))
+    one, two = os.path.join(tmp, "grouped-one.jsonl"), os.path.join(tmp, "grouped-pp.jsonl")
+    run(1, [grouped, "--metrics", one, "--set", "mesh.dp_shard=1"])
+    p, _ = run(2, [grouped, "--metrics", two, "--set", "mesh.pp=2", "--set", "mesh.dp_shard=1"])
+    got, want = (losses(two) if p.returncode == 0 else []), (losses(one) if os.path.exists(one)
+                                                            else [])
+    w = worst(want, got)
+    check(len(want) == 10 and w <= 2e-5,
+          "param_groups of the head and the embedding on pp 2: one rank's losses within 2e-5 "
+          "(worst %.2e; %s)" % (w, p.stderr.strip()[-200:]))
+    nowhere = os.path.join(tmp, "grouped-nowhere.yaml")
+    with open(grouped) as f, open(nowhere, "w") as g:
+        g.write(f.read().replace("model.embed_tokens.*", "model.nowhere.*"))
+    p, _ = run(2, [nowhere, "--set", "mesh.pp=2", "--set", "mesh.dp_shard=1"], timeout=60)
+    said = ranks_saying(p.stderr, re.escape("'model.nowhere.*' matches no parameter of the model"))
+    check(p.returncode != 0 and said == {"0", "1"},
+          "a param_groups pattern of no stage's parameter: refused by name on every rank (%s)"
+          % p.stderr.strip()[-200:])
