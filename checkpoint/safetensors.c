@@ -155,10 +155,18 @@ static fsdpc_status_t parse_metadata(st_file_t *f, const cJSON *m) {
 }
 
 static fsdpc_status_t parse_header(st_file_t *f, const char *text) {
-  cJSON *root = cJSON_Parse(text);
+  const char *end = NULL;
+  cJSON *root = cJSON_ParseWithOpts(text, &end, false);
   if (root == NULL || !cJSON_IsObject(root)) {
     cJSON_Delete(root);
     return err_set(STATUS_EFORMAT, "%s: header is not a JSON object", f->path);
+  }
+  while (end != NULL && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
+    end++; /* the format pads the header with spaces */
+  if (end != NULL && *end != '\0') {
+    cJSON_Delete(root);
+    return err_set(STATUS_EFORMAT, "%s: the header has bytes after its JSON object (at '%.16s')",
+                   f->path, end);
   }
   fsdpc_status_t st = STATUS_OK;
   int total = cJSON_GetArraySize(root);

@@ -459,6 +459,15 @@ bool world_agree_report(fsdpc_status_t st, const char *prog) {
   if (gs != STATUS_OK) {
     if (mine[0]) fprintf(stderr, "%s: [rank %d] %s\n", prog, rank, text);
   } else if (rank == 0) {
+    /* "rank K: X", where rank K says X: the agreement's copy of K's failure, said once with
+     * K's */
+    for (int r = 0; r < size; r++) {
+      char *m = all + (size_t)r * N;
+      int k = -1, at = 0;
+      if (sscanf(m, "rank %d: %n", &k, &at) == 1 && at > 0 && k >= 0 && k < size && k != r &&
+          strcmp(m + at, all + (size_t)k * N) == 0)
+        memmove(m, m + at, strlen(m + at) + 1);
+    }
     char ranks[256];
     for (int pass = 0; pass < 2; pass++) /* the failures first, then the others */
       for (int r = 0; r < size; r++) {

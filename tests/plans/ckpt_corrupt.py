@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import time
 
@@ -31,6 +32,12 @@ def ckpt_corrupt():
         pos = 8 + n + (b + e) // 2
         return raw[:pos] + bytes([raw[pos] ^ 0x10]) + raw[pos + 1:]
 
+    def junk_after_header(raw):
+        (n,) = struct.unpack("<Q", raw[:8])
+        head = raw[8:8 + n].rstrip(b" ") + b"!"
+        head += b" " * (-len(head) % 8)
+        return struct.pack("<Q", len(head)) + head + raw[8 + n:]
+
     # (the damage table, mode ckpt-damage, runs every damage through every command; these
     # few run with the sanitizers' leak check too)
     cases = [
@@ -41,6 +48,8 @@ def ckpt_corrupt():
          r"checksum mismatch"),
         ("malformed header JSON", lambda raw: raw[:8] + b"{]" + raw[10:],
          r"shard-00000\.safetensors.*(JSON|header)"),
+        ("bytes after the header's JSON", junk_after_header,
+         r"shard-00000\.safetensors: the header has bytes after its JSON object"),
         ("a shape changed", header_edit(
             lambda h: h["model.layers.0.mlp.up_proj.weight"].__setitem__("shape", [64, 80])),
          r"shard-00000\.safetensors: the header does not match its checksum"),
