@@ -480,7 +480,10 @@ static fsdpc_status_t post_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   /* inside a checkpointed call's recomputation the parameters are needed next */
   if (nn_ctx_recomputing(ctx)) return STATUS_OK;
   FSDPC_TRY(fsdp_state_post_forward(&g->root->state, g));
-  return fsdp_after_forward(g);
+  fsdpc_status_t st = fsdp_after_forward(g);
+  /* a forward without gradients (evaluation): no backward comes to drop what it prefetched */
+  if (g->is_root && !nn_ctx_recording(ctx)) fsdp_state_drop_prefetches(&g->state);
+  return st;
 }
 
 /* The hooks' host time and calls so far, by kind (fsdp_hook_time, fsdp_hook_time_of). */

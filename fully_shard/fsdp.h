@@ -158,7 +158,9 @@ void fsdp_set_gradient_divide_factor(nn_module_t *root, double factor);
  * the last iteration's forward, right after this group is gathered; backward starts the
  * all-gather of the group that runs backward next (reverse post-forward order). An explicit
  * list (possibly empty) replaces the default for that group. On the CPU a started all-gather
- * is a nonblocking MPI collective completed at the group's next unshard. Local. */
+ * is a nonblocking MPI collective completed at the group's next unshard; one that no call
+ * consumed is dropped at the end of the root's backward (or of its forward without
+ * gradients), so that the next unshard gathers the shards as they are then. Local. */
 fsdpc_status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
 fsdpc_status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n);
 
@@ -187,10 +189,11 @@ void fsdp_set_grad_buffer(bool on);
  * allocation, launch and free for two units where each would make its own (the prefetched
  * unit's tensors are made in its place at its own hook). Both must be freed at the same point
  * of their calls (reshard_after_forward 1, or reshard after backward), on one device, in one
- * param_dtype. Its cost: the prefetched unit's unsharded tensors (and in backward its gradient
- * slots) from the earlier hook on, as the all-gather prefetched for it holds them on several
- * ranks. The same values. On by default; FSDPC_FSDP_JOINT_UNSHARD=0 in the environment, or
- * fsdp_set_joint_unshard(false), turns it off. Process-wide. */
+ * param_dtype, and neither call may hold the other (the root and nested units join none). Its
+ * cost: the prefetched unit's unsharded tensors (and in backward its gradient slots) from the
+ * earlier hook on, as the all-gather prefetched for it holds them on several ranks; the buffer
+ * goes with the later unit's tensors. The same values. On by default; FSDPC_FSDP_JOINT_UNSHARD=0 in
+ * the environment, or fsdp_set_joint_unshard(false), turns it off. Process-wide. */
 void fsdp_set_joint_unshard(bool on);
 
 /* HFSDP (shard_state_over_replicas): whether g keeps its state over the replicas; the

@@ -469,16 +469,28 @@ static bool frees_together(const fsdp_group_t *g);
 static bool reserves(const fsdp_group_t *g);
 static int64_t slots_numel(const fsdp_group_t *g, bool before_unshard);
 
+/* Whether a module of a lies inside (or is) a module of b. */
+static bool inside(const fsdp_group_t *a, const fsdp_group_t *b) {
+  for (int i = 0; i < a->n_modules; i++)
+    for (const nn_module_t *m = a->modules[i]; m != NULL; m = nn_module_parent(m))
+      for (int j = 0; j < b->n_modules; j++)
+        if (m == b->modules[j]) return true;
+  return false;
+}
+
 /* Whether g, about to cast its shards on the one-rank path, takes the casts of p, which it
- * prefetches: p started on that path and not prepared, on g's device in g's param_dtype, and
- * both freed at the same point of their calls (after forward, or after backward), so that
- * neither keeps the other's memory. */
+ * prefetches: p started on that path and not prepared, on g's device in g's param_dtype, both
+ * freed at the same point of their calls (after forward, or after backward) and neither call
+ * inside the other's (not the root, not nested units), so that neither keeps the other's
+ * memory beyond its own call. */
 static bool joins(const fsdp_group_t *g, const fsdp_group_t *p, bool backward) {
   if (p == g || !p->initialised || !p->gathering || !p->gather_local || p->prepared ||
-      p->param_dtype != g->param_dtype || !device_equal(mesh_device(p->mesh), mesh_device(g->mesh)))
+      p->gather.storage != NULL || g->is_root || p->is_root || p->param_dtype != g->param_dtype ||
+      !device_equal(mesh_device(p->mesh), mesh_device(g->mesh)))
     return false;
-  if (backward) return g->reshard_after_backward && p->reshard_after_backward;
-  return g->reshard_after_forward == 1 && p->reshard_after_forward == 1;
+  bool freed = backward ? g->reshard_after_backward && p->reshard_after_backward
+                        : g->reshard_after_forward == 1 && p->reshard_after_forward == 1;
+  return freed && !inside(g, p) && !inside(p, g);
 }
 
 /* The elements of g's place in a joint buffer: its tensors that need memory, then slots
@@ -489,16 +501,23 @@ static int64_t place_numel(const fsdp_group_t *g, int64_t slots) {
   return count < 1 ? 0 : n + slots;
 }
 
+enum { kJoinMax = 8 }; /* the prefetched groups a joint unshard takes at most */
+
 /* On the one-rank path, the buffer of g's unsharded tensors and slots elements (*buf, with the
  * slots' tail in *room when slots > 0) and of the places of the groups of ahead that join g
- * (their gather, prepared), their casts added to c. */
+ * (their gather; listed in joined[0..*n_joined), to be marked prepared once the casts, added
+ * to c, have run). */
 static fsdpc_status_t joint_buffer(fsdp_group_t *g, int64_t slots, fsdp_group_t *const *ahead,
                                    int n_ahead, bool backward, fsdpc_tensor_t *buf,
-                                   fsdpc_tensor_t *room, copies_t *c) {
-  int64_t mine = place_numel(g, slots), total = mine, places[8] = {0}, more[8] = {0};
-  n_ahead = n_ahead < 8 ? n_ahead : 8;
+                                   fsdpc_tensor_t *room, copies_t *c, fsdp_group_t **joined,
+                                   int *n_joined) {
+  int64_t mine = place_numel(g, slots), total = mine, places[kJoinMax] = {0}, more[kJoinMax] = {0};
+  *n_joined = 0;
+  n_ahead = n_ahead < kJoinMax ? n_ahead : kJoinMax;
   for (int k = 0; k < n_ahead; k++) {
-    if (!joins(g, ahead[k], backward)) continue;
+    bool again = false; /* a list that names a group twice: its place once */
+    for (int j = 0; j < k && !again; j++) again = ahead[j] == ahead[k];
+    if (again || !joins(g, ahead[k], backward)) continue;
     if (backward && frees_together(ahead[k]) && reserves(ahead[k]))
       more[k] = slots_numel(ahead[k], true);
     places[k] = place_numel(ahead[k], more[k]);
@@ -518,16 +537,28 @@ static fsdpc_status_t joint_buffer(fsdp_group_t *g, int64_t slots, fsdp_group_t 
     st = tensor_narrow(&p->gather, &all, 0, at, places[k]);
     at += places[k];
     int64_t pos = 0;
+    p->prepared_slots = more[k];
+    joined[(*n_joined)++] = p;
     for (int i = 0; i < p->n && st == STATUS_OK; i++) {
       fsdpc_tensor_t full = {0};
       st = local_full(p, &p->params[i], &p->gather, &pos, &full, c);
       tensor_free(&full);
     }
-    p->prepared = st == STATUS_OK;
-    p->prepared_slots = more[k];
   }
   tensor_free(&all);
   return st;
+}
+
+/* After a joint unshard's casts (st: how they went): the joined groups are prepared, or, when
+ * the casts did not run, their places dropped (each casts at its own hook). */
+static void joint_done(fsdp_group_t **joined, int n, fsdpc_status_t st) {
+  for (int k = 0; k < n; k++) {
+    joined[k]->prepared = st == STATUS_OK;
+    if (st != STATUS_OK) {
+      tensor_free(&joined[k]->gather);
+      joined[k]->prepared_slots = 0;
+    }
+  }
 }
 
 /* Completes a started gather: waits, then copies rank r's rows of each parameter out into
@@ -549,10 +580,12 @@ static fsdpc_status_t unshard_wait(fsdp_group_t *g, int64_t slots, fsdpc_tensor_
   tensor_free(&g->post_forward_slice);
   int64_t pos = 0;
   copies_t c = {0};
+  fsdp_group_t *joined[kJoinMax];
+  int n_joined = 0;
   if (st == STATUS_OK && prepared && slots > 0 && room != NULL)
     st = tensor_narrow(room, &buf, 0, tensor_numel(&buf) - slots, slots);
   else if (st == STATUS_OK && local && !prepared && fast_path_off(&joint)[0] == '\0')
-    st = joint_buffer(g, slots, ahead, n_ahead, backward, &buf, room, &c);
+    st = joint_buffer(g, slots, ahead, n_ahead, backward, &buf, room, &c, joined, &n_joined);
   else if (st == STATUS_OK && !prepared)
     st = unshard_buffer(g, local, slots, &buf, room);
   for (int i = 0; i < g->n && st == STATUS_OK; i++) {
@@ -568,6 +601,7 @@ static fsdpc_status_t unshard_wait(fsdp_group_t *g, int64_t slots, fsdpc_tensor_
     }
   }
   st = copies_run(&c, st);
+  joint_done(joined, n_joined, st);
   tensor_free(&buf);
   tensor_free(&g->gather);
   if (st == STATUS_OK) g->unsharded = true;
@@ -624,9 +658,9 @@ fsdpc_status_t fsdp_reshard_to_slice(fsdp_group_t *g) {
 
 /* ---- gradient reduction ---- */
 
-/* One buffer for a unit's gradients (fsdp_unshard_for_backward): on a GPU, where an allocation and
- * a free are calls into the driver's allocator (about 1.5 us each on an H200's host), it saves two
- * of them for each gradient but one, a unit's nine in a Llama layer. */
+/* One buffer for a unit's gradients (reserved at its pre-backward): on a GPU, where an allocation
+ * and a free are calls into the driver's allocator (about 1.5 us each on an H200's host), it saves
+ * two of them for each gradient but one, a unit's nine in a Llama layer. */
 static fast_path_t unit_grads =
     FAST_PATH_INIT("FSDPC_FSDP_GRAD_BUFFER", "fsdp_set_grad_buffer(false)");
 

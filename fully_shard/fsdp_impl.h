@@ -139,7 +139,7 @@ struct fsdp_group {
   bool red_missing; /* this rank had no gradient for some trainable parameter */
   pg_work_t *red_work;
   /* on a GPU, from the pre-backward that reserved it to the next reduction: the one buffer of
-   * the slots of its parameters' first gradients (fsdp_unshard_for_backward) */
+   * the slots of its parameters' first gradients (fsdp_unshard_ahead) */
   fsdpc_tensor_t grad_buf;
   fsdp_event_fn on_event;
   void *on_event_user;
@@ -167,9 +167,13 @@ fsdpc_status_t fsdp_state_post_forward(fsdp_state_t *s, fsdp_group_t *g);
 void fsdp_state_backward_begins(fsdp_state_t *s);
 /* g's pre-backward: the group to run backward after g (what to prefetch), or NULL. */
 fsdp_group_t *fsdp_state_pre_backward(fsdp_state_t *s, const fsdp_group_t *g);
-/* The root's post-backward: reshards the groups prefetched for a call that did not come (in
- * backward, or in forward: named by the last step's order, or by an explicit list). */
+/* The root's post-backward: fsdp_state_drop_prefetches. */
 void fsdp_state_backward_ends(fsdp_state_t *s);
+/* Reshards the groups prefetched for a call that did not come (in backward, or in forward:
+ * named by the last step's order, or by an explicit list): what they gathered or cast holds
+ * the shards as they were. At the end of backward, and of a forward without gradients (no
+ * backward follows). */
+void fsdp_state_drop_prefetches(fsdp_state_t *s);
 
 /* ---- fsdp.c: the group's state machine ---- */
 

@@ -59,6 +59,10 @@ static void drop_prefetch(fsdp_group_t *g) {
 
 void fsdp_state_backward_ends(fsdp_state_t *s) {
   s->in_backward = false;
+  fsdp_state_drop_prefetches(s);
+}
+
+void fsdp_state_drop_prefetches(fsdp_state_t *s) {
   /* what a prefetch can have started: the groups of this forward (backward prefetches among
    * them), those of the last one (forward prefetches follow its order; a group it ran may not
    * have run in this one), and what the explicit lists of this forward's groups name */

@@ -268,7 +268,7 @@ fsdpc_status_t pr_get_dtype(plan_ctx_t *c, int map, const char *prefix, const ch
   return STATUS_OK;
 }
 
-/* true | false | integer N >= 2 (0 and 1 mean false and true). */
+/* true | false | integer N >= 2 (0 and 1 refused as ambiguous: PyTorch reads 1 as false). */
 fsdpc_status_t pr_get_reshard(plan_ctx_t *c, int map, const char *prefix, int *out) {
   char path[256];
   int v = pr_lookup(c, map, prefix, "reshard_after_forward", path);

@@ -16,8 +16,8 @@ static fsdpc_status_t some_target_kept(const fsdpc_tensor_t *tg) {
 }
 
 /* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum.
- * *loss: the loss tensor, on the model's device (with the MoE blocks' weighted load-balancing
- * loss, when they have one). */
+ * *loss: the loss tensor, on the model's device (with grad, plus the MoE blocks' weighted
+ * load-balancing loss, when they have one; without, the cross-entropy alone). */
 static fsdpc_status_t run_batch(nn_module_t *root, device_t dev, const fsdpc_data_t *d,
                                 const data_spec_t *spec, int64_t step, int64_t micro, bool grad,
                                 fsdpc_tensor_t *loss) {

@@ -167,10 +167,14 @@ static void expected_counts(const plan_t *pl, fsdp_group_t **groups, int n_group
 
 /* Whether a world of one rank takes fully_shard's one-rank path (on unless the environment
  * turns it off: FSDPC_FSDP_ONE_RANK=0). */
-static bool one_rank_path_on(void) {
+/* Whether shard groups of one rank take the one-rank path (FSDPC_FSDP_ONE_RANK, read as the
+ * library reads it). */
+static bool one_rank_path_allowed(void) {
   const char *off = getenv("FSDPC_FSDP_ONE_RANK");
-  return world_size() == 1 && !(off != NULL && strcmp(off, "0") == 0);
+  return !(off != NULL && strcmp(off, "0") == 0);
 }
+
+static bool one_rank_path_on(void) { return world_size() == 1 && one_rank_path_allowed(); }
 
 static void parity(const plan_t *pl) {
   llama_config_t cfg;
@@ -718,7 +722,9 @@ START_TEST(joint_unshard_same_gradients_fewer_allocations) {
     size_t allocs[2];
     int differ, n = allocations_both_ways(fsdp_set_joint_unshard, pd, &cfg, allocs, &differ);
     long saved = (long)allocs[1] - (long)allocs[0];
-    long want = pd != DTYPE_COUNT && one_rank_path_on() && !test_offload() && world_size() == 1
+    /* shard groups of one rank (HSDP's too) take the path */
+    bool one_rank = world_size() / (hsdp_mode() ? hsdp_replicas() : 1) == 1;
+    long want = pd != DTYPE_COUNT && one_rank_path_allowed() && !test_offload() && one_rank
                     ? 2 * (cfg.n_layers / 2) /* forward's pairs and backward's */
                     : 0;
     if (world_rank() == 0)
@@ -728,6 +734,78 @@ START_TEST(joint_unshard_same_gradients_fewer_allocations) {
                "joint unshard: %d of %d gradients differ; %ld allocations saved, %ld expected",
                differ, n, saved, want);
   }
+}
+END_TEST
+
+/* Three steps of the tiny model in bf16 whose root reshards after forward too and whose
+ * explicit prefetch lists name a unit twice: their losses into loss[3] and the device memory
+ * held after each into held[3]. */
+static void three_steps_listed_twice(double loss[3], size_t held[3]) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  device_t dev = mesh_device(mesh);
+  llama_options_t o = LLAMA_OPTIONS_INIT;
+  o.device = test_device_type();
+  llama_t *m;
+  ok(llama_new(&cfg, &o, &m));
+  ok(llama_init_weights(m, 5));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  opt.offload = test_offload();
+  opt.param_dtype = DTYPE_BF16;
+  opt.reshard_after_forward = 1; /* the root's too */
+  fsdp_group_t *l0, *l1, *root;
+  ok(fully_shard(llama_layer(m, 0), &opt, &l0));
+  ok(fully_shard(llama_layer(m, 1), &opt, &l1));
+  ok(fully_shard(llama_module(m), &opt, &root));
+  fsdp_group_t *twice0[] = {l0, l0}, *twice1[] = {l1, l1};
+  ok(fsdp_set_forward_prefetch(root, twice0, 2));
+  ok(fsdp_set_forward_prefetch(l0, twice1, 2));
+  ok(fsdp_set_backward_prefetch(root, twice1, 2));
+  ok(fsdp_set_backward_prefetch(l1, twice0, 2));
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
+  data_spec_t spec = {.batch_size = 2,
+                      .seq_len = 16,
+                      .grad_accum = 1,
+                      .dp_size = world_size(),
+                      .dp_rank = world_rank()};
+  nn_param_t **ps;
+  int n;
+  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  for (int step = 0; step < 3; step++) {
+    for (int i = 0; i < n; i++) nn_param_zero_grad(ps[i]);
+    ok(llama_micro_step(m, d, &spec, step, 0, &loss[step]));
+    ok(device_stream_sync(dev));
+    held[step] = mem_stats(dev).current;
+  }
+  free(ps);
+  fsdp_free_all(llama_module(m));
+  llama_free(m);
+  data_free(d);
+  mesh_free(mesh);
+}
+
+/* A joint unshard takes a unit named twice in a prefetch list once, and a root that reshards
+ * joins none: the same losses as without joint unshards, and the same memory held after each
+ * step (nothing kept from one step to the next). */
+START_TEST(joint_unshard_lists_twice_and_a_resharding_root) {
+  double loss[2][3];
+  size_t held[2][3];
+  for (int run = 0; run < 2; run++) {
+    fsdp_set_joint_unshard(run == 0);
+    three_steps_listed_twice(loss[run], held[run]);
+  }
+  fsdp_set_joint_unshard(true);
+  int bad = 0;
+  for (int step = 0; step < 3; step++) {
+    bad += loss[0][step] != loss[1][step] || held[0][step] != held[1][step];
+    if (world_rank() == 0)
+      printf("step %d: loss %.9g / %.9g, held %zu / %zu B (joint / not)\n", step, loss[0][step],
+             loss[1][step], held[0][step], held[1][step]);
+  }
+  expect_all(bad == 0, "joint unshard with lists naming a unit twice: %d steps differ", bad);
 }
 END_TEST
 
@@ -758,6 +836,7 @@ static Suite *make_suite(void) {
       tcase_add_test(tc, micro_step_makes_no_host_wait);
       tcase_add_test(tc, grad_buffer_same_gradients_fewer_allocations);
       tcase_add_test(tc, joint_unshard_same_gradients_fewer_allocations);
+      tcase_add_test(tc, joint_unshard_lists_twice_and_a_resharding_root);
     }
     suite_add_tcase(s, tc);
     return s;
@@ -781,6 +860,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, memory_within_budget);
   tcase_add_test(tc, deferred_init_allocates_only_shards);
   tcase_add_test(tc, joint_unshard_same_gradients_fewer_allocations);
+  tcase_add_test(tc, joint_unshard_lists_twice_and_a_resharding_root);
   suite_add_tcase(s, tc);
   return s;
 }

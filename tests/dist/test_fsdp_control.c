@@ -281,6 +281,33 @@ static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
   return v;
 }
 
+/* The loss of a forward without gradients (no backward follows). */
+static double eval_step(nn_module_t *root, int64_t first, int64_t n) {
+  int64_t shape[2] = {1, n};
+  fsdpc_tensor_t ids, tg;
+  ok(tensor_init(&ids, DTYPE_I64, device_cpu(), 2, shape));
+  ok(tensor_init(&tg, DTYPE_I64, device_cpu(), 2, shape));
+  for (int64_t i = 0; i < n; i++) {
+    ((int64_t *)ids.data)[i] = (first + i) * 7 % 11;
+    ((int64_t *)tg.data)[i] = (first + i) * 5 % 11;
+  }
+  nn_ctx_t *ctx;
+  ok(nn_ctx_new(&ctx));
+  nn_ctx_set_grad_enabled(ctx, false);
+  nn_var_t *x, *logits, *loss;
+  ok(nn_var_new(&ids, false, &x));
+  ok(nn_call(ctx, root, x, &logits));
+  ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
+  double v;
+  ok(nn_var_scalar(loss, &v));
+  nn_var_put(loss);
+  nn_var_put(logits);
+  nn_var_put(x);
+  tensor_free(&tg);
+  nn_ctx_free(ctx);
+  return v;
+}
+
 START_TEST(module_called_twice) {
   mesh_t *mesh = dp_mesh(), *local;
   ok(mesh_new_local("local", DEVICE_CPU, &local));
@@ -407,9 +434,10 @@ START_TEST(ranks_with_different_gradient_sets) {
 END_TEST
 
 /* A unit prefetched for a call that does not come (the last step's order named it next) is
- * dropped at the end of backward: a change of its shards before its next call is what that
- * call computes with, whether the prefetch gathered it (several ranks) or cast it with the
- * unit that prefetched it (one rank in bf16: a joint unshard). */
+ * dropped at the end of backward, or of a forward without gradients: a change of its shards
+ * before its next call is what that call computes with, whether the prefetch gathered it
+ * (several ranks) or cast it with the unit that prefetched it (one rank in bf16: a joint
+ * unshard). */
 START_TEST(unconsumed_prefetch_sees_later_changes) {
   mesh_t *mesh = dp_mesh(), *local;
   ok(mesh_new_local("local", DEVICE_CPU, &local));
@@ -434,9 +462,17 @@ START_TEST(unconsumed_prefetch_sees_later_changes) {
     ok(tensor_fill((fsdpc_tensor_t *)dtensor_local(w->value), 0.125));
     branch = 0;
     double first = twice_step(sh, dp * T, T), again = twice_step(sh, dp * T, T);
-    if (first != again) {
-      printf("rank %d, param_dtype %s: loss %.9g after the change, then %.9g\n", world_rank(),
-             bf16 ? "bf16" : "f32", first, again);
+    /* forwards without gradients: the same, with no backward to end them */
+    branch = 1;
+    eval_step(sh, dp * T, T);
+    ok(tensor_fill((fsdpc_tensor_t *)dtensor_local(w->value), 0.25));
+    branch = 0;
+    double eval_first = eval_step(sh, dp * T, T), eval_again = eval_step(sh, dp * T, T);
+    if (first != again || eval_first != eval_again) {
+      printf(
+          "rank %d, param_dtype %s: loss %.9g after the change, then %.9g; without "
+          "gradients %.9g, then %.9g\n",
+          world_rank(), bf16 ? "bf16" : "f32", first, again, eval_first, eval_again);
       bad++;
     }
     fsdp_free_all(sh);
