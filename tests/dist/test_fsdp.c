@@ -572,21 +572,48 @@ END_TEST
 /* The tiny Llama of the goldens (*cfg), each layer a unit under the root's, on mesh (offloaded
  * as the test mode says). */
 /* param_dtype: FSDP's (DTYPE_COUNT: the parameters' own) */
-static llama_t *sharded_tiny(mesh_t *mesh, llama_config_t *cfg, dtype_t param_dtype) {
+/* The tiny model, each layer a unit and the root one, sharded with opt over its mesh (offload
+ * as the test's); groups (may be NULL) receives the layers' groups, then the root's. */
+static llama_t *sharded_tiny_with(llama_config_t *cfg, fsdp_options_t opt, fsdp_group_t **groups) {
   ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", cfg));
   llama_options_t o = LLAMA_OPTIONS_INIT;
   o.device = test_device_type();
   llama_t *m;
   ok(llama_new(cfg, &o, &m));
   ok(llama_init_weights(m, 5));
+  opt.offload = test_offload();
+  fsdp_group_t *g;
+  for (int i = 0; i < cfg->n_layers; i++) {
+    ok(fully_shard(llama_layer(m, i), &opt, &g));
+    if (groups) groups[i] = g;
+  }
+  ok(fully_shard(llama_module(m), &opt, &g));
+  if (groups) groups[cfg->n_layers] = g;
+  return m;
+}
+
+static llama_t *sharded_tiny(mesh_t *mesh, llama_config_t *cfg, dtype_t param_dtype) {
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
-  opt.offload = test_offload();
   opt.param_dtype = param_dtype;
-  fsdp_group_t *g;
-  for (int i = 0; i < cfg->n_layers; i++) ok(fully_shard(llama_layer(m, i), &opt, &g));
-  ok(fully_shard(llama_module(m), &opt, &g));
-  return m;
+  return sharded_tiny_with(cfg, opt, NULL);
+}
+
+/* This rank's micro-batches of 2 x 16 tokens, one a step. */
+static data_spec_t tiny_spec(void) {
+  return (data_spec_t){.batch_size = 2,
+                       .seq_len = 16,
+                       .grad_accum = 1,
+                       .dp_size = world_size(),
+                       .dp_rank = world_rank()};
+}
+
+/* The corpus, and m's parameters (*ps: the caller frees). */
+static fsdpc_data_t *tiny_data(llama_t *m, nn_param_t ***ps, int *n) {
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
+  ok(nn_named_parameters(llama_module(m), ps, n));
+  return d;
 }
 
 /* On a GPU with NCCL groups a training micro-step makes no host wait: the batch is uploaded
@@ -645,16 +672,10 @@ static int allocations_both_ways(void (*set)(bool), dtype_t param_dtype, llama_c
   mesh_t *mesh = dp_mesh();
   device_t dev = mesh_device(mesh);
   llama_t *m = sharded_tiny(mesh, cfg, param_dtype);
-  fsdpc_data_t *d;
-  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
-  data_spec_t spec = {.batch_size = 2,
-                      .seq_len = 16,
-                      .grad_accum = 1,
-                      .dp_size = world_size(),
-                      .dp_rank = world_rank()};
   nn_param_t **ps;
   int n;
-  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  fsdpc_data_t *d = tiny_data(m, &ps, &n);
+  data_spec_t spec = tiny_spec();
   double loss;
   ok(llama_micro_step(m, d, &spec, 0, 0, &loss));
   fsdpc_tensor_t *grads[2];
@@ -742,38 +763,25 @@ END_TEST
  * held after each into held[3]. */
 static void three_steps_listed_twice(double loss[3], size_t held[3]) {
   llama_config_t cfg;
-  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
   mesh_t *mesh = dp_mesh();
   device_t dev = mesh_device(mesh);
-  llama_options_t o = LLAMA_OPTIONS_INIT;
-  o.device = test_device_type();
-  llama_t *m;
-  ok(llama_new(&cfg, &o, &m));
-  ok(llama_init_weights(m, 5));
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
-  opt.offload = test_offload();
   opt.param_dtype = DTYPE_BF16;
   opt.reshard_after_forward = 1; /* the root's too */
-  fsdp_group_t *l0, *l1, *root;
-  ok(fully_shard(llama_layer(m, 0), &opt, &l0));
-  ok(fully_shard(llama_layer(m, 1), &opt, &l1));
-  ok(fully_shard(llama_module(m), &opt, &root));
-  fsdp_group_t *twice0[] = {l0, l0}, *twice1[] = {l1, l1};
-  ok(fsdp_set_forward_prefetch(root, twice0, 2));
-  ok(fsdp_set_forward_prefetch(l0, twice1, 2));
-  ok(fsdp_set_backward_prefetch(root, twice1, 2));
-  ok(fsdp_set_backward_prefetch(l1, twice0, 2));
-  fsdpc_data_t *d;
-  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
-  data_spec_t spec = {.batch_size = 2,
-                      .seq_len = 16,
-                      .grad_accum = 1,
-                      .dp_size = world_size(),
-                      .dp_rank = world_rank()};
+  fsdp_group_t *g[8];            /* the layers', then the root's */
+  llama_t *m = sharded_tiny_with(&cfg, opt, g);
+  ck_assert_int_eq(cfg.n_layers, 2);
+  g[2] = g[cfg.n_layers];
+  fsdp_group_t *twice0[] = {g[0], g[0]}, *twice1[] = {g[1], g[1]};
+  ok(fsdp_set_forward_prefetch(g[2], twice0, 2));
+  ok(fsdp_set_forward_prefetch(g[0], twice1, 2));
+  ok(fsdp_set_backward_prefetch(g[2], twice1, 2));
+  ok(fsdp_set_backward_prefetch(g[1], twice0, 2));
   nn_param_t **ps;
   int n;
-  ok(nn_named_parameters(llama_module(m), &ps, &n));
+  fsdpc_data_t *d = tiny_data(m, &ps, &n);
+  data_spec_t spec = tiny_spec();
   for (int step = 0; step < 3; step++) {
     for (int i = 0; i < n; i++) nn_param_zero_grad(ps[i]);
     ok(llama_micro_step(m, d, &spec, step, 0, &loss[step]));

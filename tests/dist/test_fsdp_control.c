@@ -255,7 +255,9 @@ static nn_module_t *twice_model(mesh_t *local) {
   return hand_model(local, twice_fwd, 3, names, fns, shapes, 77);
 }
 
-static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
+/* The loss of a step on tokens first .. first + n - 1 of a fixed sequence; with grad, after
+ * its backward (else a forward without gradients: no backward follows). */
+static double hand_step(nn_module_t *root, int64_t first, int64_t n, bool grad) {
   int64_t shape[2] = {1, n};
   fsdpc_tensor_t ids, tg;
   ok(tensor_init(&ids, DTYPE_I64, device_cpu(), 2, shape));
@@ -266,13 +268,14 @@ static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
   }
   nn_ctx_t *ctx;
   ok(nn_ctx_new(&ctx));
+  nn_ctx_set_grad_enabled(ctx, grad);
   nn_var_t *x, *logits, *loss;
   ok(nn_var_new(&ids, false, &x));
   ok(nn_call(ctx, root, x, &logits));
   ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
   double v;
   ok(nn_var_scalar(loss, &v));
-  ok(nn_backward(ctx, loss));
+  if (grad) ok(nn_backward(ctx, loss));
   nn_var_put(loss);
   nn_var_put(logits);
   nn_var_put(x);
@@ -281,31 +284,12 @@ static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
   return v;
 }
 
-/* The loss of a forward without gradients (no backward follows). */
+static double twice_step(nn_module_t *root, int64_t first, int64_t n) {
+  return hand_step(root, first, n, true);
+}
+
 static double eval_step(nn_module_t *root, int64_t first, int64_t n) {
-  int64_t shape[2] = {1, n};
-  fsdpc_tensor_t ids, tg;
-  ok(tensor_init(&ids, DTYPE_I64, device_cpu(), 2, shape));
-  ok(tensor_init(&tg, DTYPE_I64, device_cpu(), 2, shape));
-  for (int64_t i = 0; i < n; i++) {
-    ((int64_t *)ids.data)[i] = (first + i) * 7 % 11;
-    ((int64_t *)tg.data)[i] = (first + i) * 5 % 11;
-  }
-  nn_ctx_t *ctx;
-  ok(nn_ctx_new(&ctx));
-  nn_ctx_set_grad_enabled(ctx, false);
-  nn_var_t *x, *logits, *loss;
-  ok(nn_var_new(&ids, false, &x));
-  ok(nn_call(ctx, root, x, &logits));
-  ok(nn_cross_entropy(ctx, logits, &tg, &loss, NULL));
-  double v;
-  ok(nn_var_scalar(loss, &v));
-  nn_var_put(loss);
-  nn_var_put(logits);
-  nn_var_put(x);
-  tensor_free(&tg);
-  nn_ctx_free(ctx);
-  return v;
+  return hand_step(root, first, n, false);
 }
 
 START_TEST(module_called_twice) {
