@@ -134,9 +134,11 @@ for s in "$@"; do
         --llmc .deps/llm.c --profile "${fe[@]}"
       ;;
     tests) run tests 540 bash scripts/test-lanes.sh build-gpu 4 ;;
-    fsdp-step)
-      run fsdp-step 90 build-gpu/bench/bench-fsdp-step --device cuda --param-dtype bf16 \
-        --config configs/llama-100m.json --batch 8 --seq 1024 --steps 3
+    fsdp-step) # then without the joint unshard, for the hooks' host time either way
+      step=(build-gpu/bench/bench-fsdp-step --device cuda --param-dtype bf16
+        --config configs/llama-100m.json --batch 8 --seq 1024 --steps 3)
+      run fsdp-step 90 "${step[@]}"
+      run fsdp-step-separate 90 env FSDPC_FSDP_JOINT_UNSHARD=0 "${step[@]}"
       ;;
   esac
 done
