@@ -294,6 +294,12 @@ try:
     main()
 finally:
     stop()
+    if failures:  # what the cluster saw, before its folder goes
+        for log in ("slurmctld.log", "slurmd.log"):
+            path = os.path.join(TMP, log)
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    print("--- the end of %s\n%s" % (log, "".join(f.readlines()[-60:])))
     shutil.rmtree(TMP, ignore_errors=True)
 print("%d failure(s)" % len(failures))
 sys.exit(1 if failures else 0)
