@@ -265,22 +265,24 @@ def main():
     if not (hit and state == "COMPLETED"):
         print(text[-3000:])
 
-    # 2. a time limit with a warning signal before it: --time=1 (a minute), SIGUSR1 at 45 s
-    # before it, and a run long enough to reach it; the requeued run (no limit on restarts)
-    # finishes
+    # 2. a time limit with a warning signal before it, and a run long enough to reach it.
+    # Slurm checks time limits periodically and may send the warning up to 60 s before the
+    # time asked for: with --time=1 and @45 it could come as the job started, before the batch
+    # shell had its trap, and be lost. --time=2 and @40 put it 20 to 80 s into the job, at
+    # least 40 s before the limit.
     ck = os.path.join(TMP, "ck-limit")
     job, out, metrics = submit("limit", ["train.steps=100000", "log.interval=100",
                                          "checkpoint.load=auto", "checkpoint.dir=" + ck],
-                               ["--time=1", "--signal=B:USR1@45"])
+                               ["--time=2", "--signal=B:USR1@40"])
     t, text = time.time(), ""
-    while job and time.time() - t < 180:
+    while job and time.time() - t < 240:
         text = open(out).read() if os.path.exists(out) else ""
         if "requeueing job" in text:
             break
         time.sleep(1)
     hit = re.search(r"interrupted by SIGUSR1 at step (\d+); saved (\S+)", text)
     check(hit is not None and os.path.isdir(hit.group(2)) and "requeueing job" in text,
-          "a time limit's warning signal (--signal=B:USR1@45): the job saves at step %s and "
+          "a time limit's warning signal (--signal=B:USR1@40): the job saves at step %s and "
           "requeues itself" % (hit.group(1) if hit else "?"))
     if job:
         slurm(["scancel", str(job)])
