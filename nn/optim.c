@@ -24,6 +24,15 @@ struct optim {
   int64_t steps;
 };
 
+static const char *fqn_of(const nn_param_t *p) { return p->fqn ? p->fqn : p->name; }
+
+bool optim_group_matches(const adamw_group_t *group, nn_param_t *const *params, int n) {
+  if (group->pattern == NULL) return true;
+  for (int i = 0; i < n; i++)
+    if (fnmatch(group->pattern, fqn_of(params[i]), 0) == 0) return true;
+  return false;
+}
+
 fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t *cfg,
                          optim_t **out) {
   ARG_NONNULL(out);
@@ -54,9 +63,9 @@ fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t 
     s->p = params[i];
     s->lr = cfg->lr;
     s->weight_decay = cfg->weight_decay;
-    const char *fqn = params[i]->fqn ? params[i]->fqn : params[i]->name;
     for (int g = 0; g < cfg->n_groups; g++) {
-      if (cfg->groups[g].pattern == NULL || fnmatch(cfg->groups[g].pattern, fqn, 0) != 0) continue;
+      if (cfg->groups[g].pattern == NULL || fnmatch(cfg->groups[g].pattern, fqn_of(params[i]), 0))
+        continue;
       if (cfg->groups[g].lr >= 0) s->lr = cfg->groups[g].lr;
       if (cfg->groups[g].weight_decay >= 0) s->weight_decay = cfg->groups[g].weight_decay;
       break;
@@ -64,18 +73,12 @@ fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t 
   }
   /* as for fully_shard units: a group that matches nothing is a mistake, not a no-op */
   for (int g = 0; g < cfg->n_groups; g++) {
-    const char *pat = cfg->groups[g].pattern;
-    bool hit = pat == NULL;
-    for (int i = 0; i < n && !hit; i++)
-      hit = fnmatch(pat, params[i]->fqn ? params[i]->fqn : params[i]->name, 0) == 0;
-    if (!hit) {
-      const char *first = n > 0 ? (params[0]->fqn ? params[0]->fqn : params[0]->name) : "none";
-      free(o->slots);
-      free(o);
-      return err_set(STATUS_EINVAL,
-                     "optim.param_groups: '%s' matches no parameter (parameters here: %s, ...)",
-                     pat, first);
-    }
+    if (optim_group_matches(&cfg->groups[g], params, n)) continue;
+    free(o->slots);
+    free(o);
+    return err_set(STATUS_EINVAL,
+                   "optim.param_groups: '%s' matches no parameter (parameters here: %s, ...)",
+                   cfg->groups[g].pattern, n > 0 ? fqn_of(params[0]) : "none");
   }
   for (int g = 0; g < cfg->n_groups; g++) o->cfg.groups[g].pattern = NULL; /* not kept */
   *out = o;

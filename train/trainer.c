@@ -14,7 +14,6 @@
  */
 #include <cJSON.h>
 #include <errno.h>
-#include <fnmatch.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -149,8 +148,6 @@ static fsdpc_status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) 
   return STATUS_OK;
 }
 
-static const char *param_name(const nn_param_t *p) { return p->fqn ? p->fqn : p->name; }
-
 /* optim.param_groups name the whole model's parameters (under a pipeline every rank's model
  * has them all, meta outside its stages): a pattern that matches none is refused, on every
  * rank alike, a dry run's too. */
@@ -161,16 +158,12 @@ static fsdpc_status_t check_param_groups(const run_t *r) {
   int n = 0;
   FSDPC_TRY(nn_named_parameters(r->root, &ps, &n));
   fsdpc_status_t st = STATUS_OK;
-  for (int g = 0; g < cfg->n_groups && st == STATUS_OK; g++) {
-    bool hit = cfg->groups[g].pattern == NULL;
-    for (int i = 0; i < n && !hit; i++)
-      hit = fnmatch(cfg->groups[g].pattern, param_name(ps[i]), 0) == 0;
-    if (!hit)
+  for (int g = 0; g < cfg->n_groups && st == STATUS_OK; g++)
+    if (!optim_group_matches(&cfg->groups[g], ps, n))
       st = err_set(STATUS_EINVAL,
                    "optim.param_groups: '%s' matches no parameter of the model (--dry-run -v "
                    "lists their names)",
                    cfg->groups[g].pattern);
-  }
   free(ps);
   return st;
 }
@@ -180,12 +173,8 @@ static fsdpc_status_t check_param_groups(const run_t *r) {
 static fsdpc_status_t optim_for_rank(run_t *r) {
   adamw_config_t cfg = r->plan.optim;
   int k = 0;
-  for (int g = 0; g < cfg.n_groups; g++) {
-    bool hit = cfg.groups[g].pattern == NULL;
-    for (int i = 0; i < r->n && !hit; i++)
-      hit = fnmatch(cfg.groups[g].pattern, param_name(r->ps[i]), 0) == 0;
-    if (hit) cfg.groups[k++] = cfg.groups[g];
-  }
+  for (int g = 0; g < cfg.n_groups; g++)
+    if (optim_group_matches(&cfg.groups[g], r->ps, r->n)) cfg.groups[k++] = cfg.groups[g];
   cfg.n_groups = k;
   return optim_new(r->ps, r->n, &cfg, &r->opt);
 }
