@@ -191,62 +191,107 @@ static int64_t stacked_experts(const dcp_tensor_t *t) {
   return t->ndim == 3 && hf_expert_name(t->name, 0, name, sizeof name) ? t->shape[0] : 0;
 }
 
-/* Writes tensors [first, last) of the sorted list into one file, one tensor in memory at a
- * time, each in the shape Hugging Face's files give it (llama_hf_shape; a padded vocabulary
- * table's first vocab rows; stacked experts one tensor per expert). */
-static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, int first,
-                                  int last, dtype_t want, const char *path, mesh_t *one,
-                                  llama_arch_t arch, int64_t vocab) {
+/* The tensors export-hf writes, in order: each in the shape Hugging Face's files give it
+ * (llama_hf_shape; a padded vocabulary table's first vocab rows), a stacked tensor one
+ * tensor per expert. */
+typedef struct hf_list {
+  int n;
+  dcp_tensor_t *v;    /* names and shapes as written, the source's dtype */
+  char (*names)[512]; /* the experts' names, where v[k].name points */
+  int *src;           /* v[k] comes from t[src[k]], */
+  int64_t *plane;     /* its expert plane[k], or the whole of it: -1 */
+} hf_list_t;
+
+static void hf_list_free(hf_list_t *l) {
+  free(l->v);
+  free(l->names);
+  free(l->src);
+  free(l->plane);
+  memset(l, 0, sizeof *l);
+}
+
+static fsdpc_status_t hf_list_of(const dcp_tensor_t *const *t, int n, llama_arch_t arch,
+                                 int64_t vocab, hf_list_t *l) {
+  memset(l, 0, sizeof *l);
+  int count = 0;
+  for (int i = 0; i < n; i++) count += stacked_experts(t[i]) ? (int)stacked_experts(t[i]) : 1;
+  size_t c = (size_t)count + 1;
+  l->v = calloc(c, sizeof *l->v);
+  l->names = calloc(c, sizeof *l->names);
+  l->src = calloc(c, sizeof *l->src);
+  l->plane = calloc(c, sizeof *l->plane);
+  fsdpc_status_t st = l->v && l->names && l->src && l->plane
+                          ? STATUS_OK
+                          : err_set(STATUS_ENOMEM, "out of host memory");
+  int k = 0;
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    int64_t E = stacked_experts(t[i]);
+    for (int64_t j = 0; j < E && st == STATUS_OK; j++, k++) {
+      if (!hf_expert_name(t[i]->name, j, l->names[k], sizeof l->names[k]))
+        st = err_set(STATUS_EINVAL, "'%s': expert %lld's name is too long", t[i]->name,
+                     (long long)j);
+      l->v[k] = (dcp_tensor_t){.name = l->names[k], .dtype = t[i]->dtype, .ndim = 2};
+      l->v[k].shape[0] = t[i]->shape[1];
+      l->v[k].shape[1] = t[i]->shape[2];
+      l->src[k] = i;
+      l->plane[k] = j;
+    }
+    if (E > 0) continue;
+    l->v[k] = (dcp_tensor_t){.name = t[i]->name, .dtype = t[i]->dtype};
+    l->v[k].ndim = hf_shape(arch, t[i], vocab, l->v[k].shape);
+    l->src[k] = i;
+    l->plane[k] = -1;
+    k++;
+  }
+  l->n = k;
+  if (st != STATUS_OK) hf_list_free(l);
+  return st;
+}
+
+/* Writes entries [first, last) of l into one file, one source tensor in memory at a time. */
+static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, const hf_list_t *l,
+                                  int first, int last, dtype_t want, const char *path,
+                                  mesh_t *one) {
   st_writer_t *w;
   FSDPC_TRY(st_writer_new(&w));
   fsdpc_status_t st = st_writer_set_metadata(w, "format", "pt");
-  int64_t hs[ST_MAX_DIMS + 1];
-  char expert[512];
-  for (int i = first; i < last && st == STATUS_OK; i++) {
-    int hn = hf_shape(arch, t[i], vocab, hs);
-    dtype_t dt = want == DTYPE_COUNT ? t[i]->dtype : want;
-    int64_t E = stacked_experts(t[i]);
-    for (int64_t j = 0; j < E && st == STATUS_OK; j++)
-      st = hf_expert_name(t[i]->name, j, expert, sizeof expert)
-               ? st_writer_declare(w, expert, dt, 2, t[i]->shape + 1)
-               : err_set(STATUS_EINVAL, "'%s': expert %lld's name is too long", t[i]->name,
-                         (long long)j);
-    if (E == 0) st = st_writer_declare(w, t[i]->name, dt, hn, hs);
-  }
+  for (int k = first; k < last && st == STATUS_OK; k++)
+    st = st_writer_declare(w, l->v[k].name, want == DTYPE_COUNT ? l->v[k].dtype : want,
+                           l->v[k].ndim, l->v[k].shape);
   if (st == STATUS_OK) st = st_writer_begin(w, path);
   placement_t rep = placement_replicate();
-  for (int i = first; i < last && st == STATUS_OK; i++) {
+  for (int k = first; k < last && st == STATUS_OK;) {
+    const dcp_tensor_t *src = t[l->src[k]];
     fsdpc_tensor_t full, conv = {0};
     dtensor_t *dt = NULL;
-    st = tensor_init(&full, t[i]->dtype, device_cpu(), t[i]->ndim, t[i]->shape);
+    st = tensor_init(&full, src->dtype, device_cpu(), src->ndim, src->shape);
     if (st != STATUS_OK) break;
-    st = dtensor_from_local(&full, one, &rep, t[i]->ndim, t[i]->shape, &dt);
-    dcp_entry_t e = {t[i]->name, dt};
+    st = dtensor_from_local(&full, one, &rep, src->ndim, src->shape, &dt);
+    dcp_entry_t e = {src->name, dt};
     if (st == STATUS_OK) st = dcp_reader_load(r, &e, 1, NULL);
-    const fsdpc_tensor_t *src = &full;
+    const fsdpc_tensor_t *from = &full;
     if (st == STATUS_OK && want != DTYPE_COUNT && want != full.dtype) {
       st = tensor_clone(&conv, &full, want, device_cpu());
-      src = &conv;
+      from = &conv;
     }
-    /* the tensor in Hugging Face's shape: a view (of a padded table's first rows) */
-    fsdpc_tensor_t rows = {0}, as = {0};
-    int hn = hf_shape(arch, t[i], vocab, hs);
-    bool trim = hn > 0 && hs[0] < t[i]->shape[0];
+    /* the whole tensor as written: a view (of a padded table's first rows); each expert's
+     * plane is a view of a stacked one */
+    fsdpc_tensor_t rows = {0};
+    bool whole = l->plane[k] < 0;
+    bool trim = whole && l->v[k].ndim > 0 && l->v[k].shape[0] < src->shape[0];
     if (st == STATUS_OK)
-      st = trim ? tensor_narrow(&rows, src, 0, 0, hs[0]) : tensor_ref(&rows, src);
-    if (st == STATUS_OK) st = tensor_view(&as, &rows, hn, hs);
-    int64_t E = stacked_experts(t[i]);
-    for (int64_t j = 0; j < E && st == STATUS_OK; j++) {
-      fsdpc_tensor_t one = {0}, plane = {0};
-      hf_expert_name(t[i]->name, j, expert, sizeof expert); /* fits: declared above */
-      st = tensor_narrow(&one, &as, 0, j, 1);
-      if (st == STATUS_OK) st = tensor_view(&plane, &one, 2, as.shape + 1);
-      if (st == STATUS_OK) st = st_writer_write(w, expert, &plane);
-      tensor_free(&plane);
-      tensor_free(&one);
+      st = trim ? tensor_narrow(&rows, from, 0, 0, l->v[k].shape[0]) : tensor_ref(&rows, from);
+    for (; k < last && t[l->src[k]] == src && st == STATUS_OK; k++) {
+      fsdpc_tensor_t one_plane = {0}, as = {0};
+      if (whole)
+        st = tensor_ref(&one_plane, &rows);
+      else
+        st = tensor_narrow(&one_plane, &rows, 0, l->plane[k], 1);
+      if (st == STATUS_OK) st = tensor_view(&as, &one_plane, l->v[k].ndim, l->v[k].shape);
+      if (st == STATUS_OK) st = st_writer_write(w, l->v[k].name, &as);
+      tensor_free(&as);
+      tensor_free(&one_plane);
     }
-    if (st == STATUS_OK && E == 0) st = st_writer_write(w, t[i]->name, &as);
-    tensor_free(&as);
     tensor_free(&rows);
     tensor_free(&conv);
     dtensor_free(dt);
@@ -261,45 +306,19 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
                                           const dcp_tensor_t *list, int nt);
 
 /* For a model of the built-in family but GPT-2 (arch), the config written at config_path
- * checked against the tensors of t as the export writes them (import-hf's check: every
- * parameter of the model it describes present with its shape, nothing else), before any is
- * written. */
+ * checked against the tensors as the export writes them (import-hf's check: every parameter
+ * of the model it describes present with its shape, nothing else), before any is written. */
 static fsdpc_status_t check_export(const char *dir, const hf_export_opts_t *o,
-                                   const char *config_path, llama_arch_t arch, int64_t vocab,
-                                   const dcp_tensor_t *const *t, int n) {
+                                   const char *config_path, llama_arch_t arch, const hf_list_t *l) {
   if (arch == LLAMA_ARCH_COUNT || arch == LLAMA_ARCH_GPT2) return STATUS_OK;
   llama_config_t lc;
   FSDPC_TRY(llama_config_from_hf(config_path, &lc));
-  int count = 0;
-  for (int i = 0; i < n; i++) count += stacked_experts(t[i]) ? (int)stacked_experts(t[i]) : 1;
-  dcp_tensor_t *v = calloc((size_t)count + 1, sizeof *v);
-  char(*names)[512] = calloc((size_t)count + 1, sizeof *names);
-  fsdpc_status_t st = v && names ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
-  int k = 0;
-  for (int i = 0; i < n && st == STATUS_OK; i++) {
-    int64_t E = stacked_experts(t[i]);
-    for (int64_t j = 0; j < E && st == STATUS_OK; j++, k++) {
-      if (!hf_expert_name(t[i]->name, j, names[k], sizeof names[k]))
-        st = err_set(STATUS_EINVAL, "'%s': expert %lld's name is too long", t[i]->name,
-                     (long long)j);
-      v[k] = (dcp_tensor_t){.name = names[k], .dtype = t[i]->dtype, .ndim = 2};
-      v[k].shape[0] = t[i]->shape[1];
-      v[k].shape[1] = t[i]->shape[2];
-    }
-    if (E > 0) continue;
-    v[k] = (dcp_tensor_t){.name = t[i]->name, .dtype = t[i]->dtype};
-    v[k].ndim = hf_shape(arch, t[i], vocab, v[k].shape);
-    k++;
-  }
   char label[PATH_LEN + 64];
   if (o->config)
     snprintf(label, sizeof label, "%.2000s exported with --config %.2000s", dir, o->config);
   else
     snprintf(label, sizeof label, "%.4000s", dir);
-  if (st == STATUS_OK) st = check_llama_tensors(label, &lc, v, k);
-  free(names);
-  free(v);
-  return st;
+  return check_llama_tensors(label, &lc, l->v, l->n);
 }
 
 fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_opts_t *o,
@@ -344,32 +363,39 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   if (st == STATUS_OK) qsort(t, (size_t)n, sizeof *t, cmp_by_name);
   if (st == STATUS_OK) st = mesh_new_local("one", DEVICE_CPU, &one);
   if (st == STATUS_OK) st = file_make_temp_dir(out, tmp, sizeof tmp);
+  hf_list_t l = {0};
   if (st == STATUS_OK) { /* first: the config may be missing, before any tensor is written */
     char path[PATH_LEN + 64];
     snprintf(path, sizeof path, "%.4000s/config.json", tmp);
     dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
     st = export_config(dir, o, cd, path, &arch, &vocab);
-    if (st == STATUS_OK) st = check_export(dir, o, path, arch, vocab, t, n);
+    if (st == STATUS_OK) st = hf_list_of(t, n, arch, vocab, &l);
+    if (st == STATUS_OK) st = check_export(dir, o, path, arch, &l);
   }
-  /* files: consecutive tensors up to max_shard_bytes each (a larger tensor gets its own) */
-  int *start = st == STATUS_OK ? calloc((size_t)n + 2, sizeof(int)) : NULL;
+  /* files: consecutive source tensors up to max_shard_bytes each (a larger one gets its
+   * own); start[] holds the entries of l where each begins */
+  int *start = st == STATUS_OK ? calloc((size_t)l.n + 2, sizeof(int)) : NULL;
   int files = 0;
   uint64_t total = 0, cur = 0;
   if (st == STATUS_OK && start == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
-  for (int i = 0; i < n && st == STATUS_OK; i++) {
-    size_t es = dtype_size(o->dtype == DTYPE_COUNT ? t[i]->dtype : o->dtype);
-    uint64_t b = (uint64_t)t[i]->bytes / dtype_size(t[i]->dtype) * es;
-    int64_t hs[ST_MAX_DIMS + 1]; /* a padded table's rows beyond vocab stay out */
-    if (hf_shape(arch, t[i], vocab, hs) > 0 && hs[0] < t[i]->shape[0])
-      b = b / (uint64_t)t[i]->shape[0] * (uint64_t)hs[0];
-    if (i == 0 || (cur > 0 && cur + b > o->max_shard_bytes)) {
-      start[files++] = i;
+  for (int k = 0; k < l.n && st == STATUS_OK;) {
+    size_t es = dtype_size(o->dtype == DTYPE_COUNT ? l.v[k].dtype : o->dtype);
+    uint64_t b = 0; /* the bytes of the entries of one source tensor */
+    int next = k;
+    for (; next < l.n && l.src[next] == l.src[k]; next++) {
+      uint64_t e = es;
+      for (int d = 0; d < l.v[next].ndim; d++) e *= (uint64_t)l.v[next].shape[d];
+      b += e;
+    }
+    if (k == 0 || (cur > 0 && cur + b > o->max_shard_bytes)) {
+      start[files++] = k;
       cur = 0;
     }
     cur += b;
     total += b;
+    k = next;
   }
-  if (st == STATUS_OK && n > 0) start[files] = n;
+  if (st == STATUS_OK && l.n > 0) start[files] = l.n;
   if (st == STATUS_OK && files > 1) {
     index = cJSON_CreateObject();
     cJSON *meta = cJSON_AddObjectToObject(index, "metadata");
@@ -383,16 +409,10 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     else
       snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", f + 1, files);
     snprintf(path, sizeof path, "%.4000s/%s", tmp, name);
-    st = export_file(r, t, start[f], start[f + 1], o->dtype, path, one, arch, vocab);
+    st = export_file(r, t, &l, start[f], start[f + 1], o->dtype, path, one);
     cJSON *map = index ? cJSON_GetObjectItemCaseSensitive(index, "weight_map") : NULL;
-    for (int i = start[f]; map && i < start[f + 1]; i++) {
-      char expert[512];
-      int64_t E = stacked_experts(t[i]);
-      for (int64_t j = 0; j < E; j++)
-        if (hf_expert_name(t[i]->name, j, expert, sizeof expert))
-          cJSON_AddStringToObject(map, expert, name);
-      if (E == 0) cJSON_AddStringToObject(map, t[i]->name, name);
-    }
+    for (int k = start[f]; map && k < start[f + 1]; k++)
+      cJSON_AddStringToObject(map, l.v[k].name, name);
   }
   if (st == STATUS_OK && index) {
     char path[PATH_LEN + 64], *text = cJSON_Print(index);
@@ -404,15 +424,12 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
   if (st != STATUS_OK) file_remove_tree(tmp);
   if (st == STATUS_OK) {
-    rep->tensors = 0; /* as written: stacked experts one tensor each */
-    for (int i = 0; i < n; i++) {
-      int64_t E = stacked_experts(t[i]);
-      rep->tensors += E ? (int)E : 1;
-    }
+    rep->tensors = l.n; /* as written: stacked experts one tensor each */
     rep->files = files;
     rep->bytes = total;
   }
   cJSON_Delete(index);
+  hf_list_free(&l);
   free(start);
   free(t);
   mesh_free(one);

@@ -696,6 +696,30 @@ def ckpt_family():
         check(same, "%s: export-hf after a reshard gives the folder's %d tensors bit for bit%s"
               % (tag, len(names), " (lm_head.weight left out: tied)" if tag in (
                   "tiny_qwen3", "tiny_gpt2") else ""))
+        if "moe" in tag:  # in several files: each layer's experts together, the same bytes
+            split = os.path.join(tmp, "hf-split")
+            p = tool("export-hf", tp, split, "--max-shard-bytes", "40000")
+            with open(os.path.join(split, "model.safetensors.index.json")) as f:
+                where = json.load(f)["weight_map"]
+            split_data = {}
+            for name in sorted(set(where.values())):
+                sh_h, sh_data = st_read(os.path.join(split, name))
+                for k, t in sh_h.items():
+                    if k != "__metadata__":
+                        b, e = t["data_offsets"]
+                        split_data[k] = (t["shape"], sh_data[b:e], where.get(k) == name)
+            files_of = lambda layer, proj: {where.get(k) for k in where  # noqa: E731
+                                            if ".%d.mlp.experts." % layer in k and proj in k}
+            check(p.returncode == 0 and len(set(where.values())) > 2 and
+                  sorted(split_data) == names and all(
+                      split_data[k][0] == want_h[k]["shape"] and split_data[k][2] and
+                      split_data[k][1] == want_data[want_h[k]["data_offsets"][0]:
+                                                    want_h[k]["data_offsets"][1]]
+                      for k in names) and
+                  all(len(files_of(0, proj)) == 1 for proj in ("up_proj", "gate_proj")),
+                  "%s: export-hf --max-shard-bytes 40000 writes the same tensors into %d files, "
+                  "the index naming each one's file and a layer's experts in one file"
+                  % (tag, len(set(where.values()))))
         with open(os.path.join(out, "config.json")) as f:
             got = json.load(f)
         with open(os.path.join(hf, "config.json")) as f:
