@@ -1,5 +1,6 @@
 #include "train/llama_cost.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/args_impl.h"
@@ -114,6 +115,75 @@ static llama_memory_t stage_peak(const llama_stage_t *st, fsdp_group_t *const *g
                 unit_reduce + (st->last ? 2 * logits : 0));
 }
 
+/* The layer a unit's name places it in ("...layers.I" or "...h.I", and what it holds), or -1. */
+static int64_t unit_layer(const char *name) {
+  for (const char *at = name; (at = strchr(at, '.')) != NULL; at++) {
+    char *end;
+    long long i = strtoll(at + 1, &end, 10);
+    if (end != at + 1 && (*end == 0 || *end == '.') && i >= 0) return i;
+  }
+  return -1;
+}
+
+/* An evaluation after a step: the state as the step left it (the shards, their gradients and
+ * the moments), then a forward without gradients of eval.batch_size samples a rank. It peaks
+ * either inside a block's MLP (its input and the residual stream, the MLP's own activations:
+ * no tape is kept; the block's units gathered, the next block's ahead, the units before it
+ * kept as reshard_after_forward says), or at the loss (the final norm's output and the
+ * logits). */
+static void eval_peak(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n, const units_t *u,
+                      size_t own, bool one_rank, double state, llama_memory_t *out) {
+  const llama_config_t *c = &p->model;
+  double t = (double)p->par.tp, D = (double)c->dim, F = (double)c->ffn_dim;
+  double V = (double)llama_vocab_rows(c);
+  double pad = V > (double)c->vocab_size ? (double)c->vocab_size + V : 0;
+  bool tp = p->par.tp > 1, sp = tp && p->par.sequence_parallel;
+  double ea = (double)dtype_size(u->unit_dtype), er = (double)dtype_size(u->root_dtype);
+  double N = (double)(p->eval_batch_size * p->seq_len), Ns = sp ? N / t : N;
+  double ids = 4 * N * 8;
+  /* GPT-2's MLP: c_fc's output and its GELU (and a LayerNorm's D wide more); SwiGLU's: gate,
+   * up and their product */
+  bool gpt2 = c->arch == LLAMA_ARCH_GPT2;
+  double mlp = (gpt2 ? 2 : 3) * N * F / t;
+  double dense = ea * ((gpt2 ? 7 : 6) * N * D + (tp ? Ns * D : 0) + mlp);
+  /* a sparse block's: router logits and probabilities (f32), top-k weights, each token's k
+   * rows, the experts' activations and outputs (under expert parallelism the rows sent and
+   * received, there and back) and Qwen2-MoE's shared expert */
+  double Km = (double)c->top_k, Fm = (double)c->moe_ffn_dim, E = (double)c->n_experts;
+  double Nm = sp ? Ns : N, Fs = (double)c->shared_ffn_dim;
+  double sparse = ea * (6 * Nm * D + 3 * Nm * Km * Fm + 2 * Nm * Km * D) +
+                  (p->par.ep > 1 ? ea * 4 * Nm * Km * D : 0) + 4 * (2 * Nm * E + Nm * Km) +
+                  (Fs > 0 ? ea * (3 * Nm * Fs + 2 * Nm * D) : 0);
+  /* each layer's units gathered (a unit placed in no layer counts for every one) */
+  int64_t L = c->n_layers;
+  double *g = calloc((size_t)L + 1, sizeof *g);
+  for (int i = 0; g && i < n; i++) {
+    const char *name = fsdp_group_name(groups[i]);
+    if (name[0] == 0) continue; /* the root */
+    double numel = (double)fsdp_gather_numel(groups[i]) * p->par.dp_shard;
+    size_t pd = dtype_size(fsdp_param_dtype(groups[i]));
+    double b = one_rank && pd == own ? 0 : numel * (double)pd;
+    int64_t l = unit_layer(name);
+    for (int64_t j = 0; j < L; j++)
+      if (l == j || l < 0 || l >= L) g[j] += b;
+  }
+  llama_memory_t best = moment("an evaluation's loss", state, ids + er * (Ns + (sp ? N : 0)) * D,
+                               u->root_gathered + u->kept_all,
+                               er * (tp ? 2 * N * V / t + 2 * N * V : N * V) + er * N * pad);
+  /* (under tensor parallelism the local logits and their copy sent, the gathered blocks and
+   * their reordering into whole rows) */
+  for (int64_t j = 0; g && j < L; j++) {
+    double ahead = j + 1 < L ? g[j + 1] : 0, kept = u->kept_all * (double)j / (double)L;
+    llama_memory_t m =
+        moment("an evaluation's block", state, ids + (llama_layer_is_moe(c, j) ? sparse : dense),
+               u->root_gathered + g[j] + ahead + kept, 0);
+    if (m.peak > best.peak) best = m;
+  }
+  out->eval = g ? best.peak : 0; /* 0: not estimated (no memory for the table) */
+  out->eval_at = best.at;
+  free(g);
+}
+
 static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n,
                                double sharded_param_bytes, size_t param_size,
                                const llama_stage_t *stage, llama_memory_t *out) {
@@ -172,7 +242,10 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
   double ids = 4 * N * 8;     /* input ids and labels, and their copies */
   double emb = tp ? er * (N * D + Ns * D) : er * N * D;
-  double logits = er * N * V / t + (tp ? er * N * V : 0) + er * N * pad; /* local, and whole */
+  /* under tensor parallelism the local logits and their copy sent, the gathered blocks and
+   * their reordering into whole rows */
+  double logits =
+      er * (tp ? 2 * N * V / t + 2 * N * V : N * V) + er * N * pad; /* local, and whole */
   /* after the loss's backward: the lm_head's and final norm's gradients and the gradient
    * flowing into the blocks (the logits' memory, their gradient since the loss's backward,
    * is freed once the lm_head has used it) */
@@ -248,6 +321,8 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   }
   out->moments = moments; /* part of the state at every moment */
   out->shards = shards;
+  eval_peak(p, groups, n, &u, param_size, pp->dp_shard == 1 && !pp->offload,
+            2 * sharded_param_bytes + shards + moments, out);
   return STATUS_OK;
 }
 

@@ -41,6 +41,9 @@ typedef struct llama_memory {
   double shards;      /* HFSDP: the 1/dp_shard parameter shards the units gather from, kept
                          beside the 1/(dp_replicate x dp_shard) ones the optimizer updates;
                          part of state (0 without HFSDP) */
+  double eval;        /* an evaluation's peak (eval.batch_size samples a rank, a forward
+                         without gradients) after a step; 0 where not estimated (mesh.pp) */
+  const char *eval_at; /* where it peaks, in words */
 } llama_memory_t;
 
 /* The estimate for plan p (resolved) whose model was parallelised into groups[0..n) (the

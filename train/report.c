@@ -529,6 +529,14 @@ static bool memory_lines(const run_t *r) {
   printf("state_bytes %.0f\n", 2 * pb + est.shards + est.moments);
   printf("largest_unit_bytes %.0f\n", largest);
   printf("peak_bytes %.0f\n", est.peak);
+  if (r->eval != NULL && est.eval > 0) {
+    char ev[32];
+    train_mib(ev, sizeof ev, est.eval);
+    printf("  an evaluation (eval.batch_size %lld) peaks at %s in %s%s\n",
+           (long long)p->eval_batch_size, ev, est.eval_at,
+           est.eval > est.peak ? ": more than a step" : "");
+    printf("eval_peak_bytes %.0f\n", est.eval);
+  }
   return true;
 }
 

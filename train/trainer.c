@@ -540,7 +540,7 @@ typedef struct step_out {
   int64_t load_min, load_max;
   double sums[4 + PLAN_MAX_SIGNALS]; /* the loss, a save's state, the stop requests, summed */
   float coef;                        /* clipping, applied inside the optimizer's pass */
-  size_t peak, state;
+  size_t peak, state, eval_peak;     /* eval_peak: the evaluation's, apart from the step's */
   bool finite, stopping, eval_now;
   train_stop_t stop;
 } step_out_t;
@@ -744,7 +744,9 @@ static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
   o->eval_now = r->eval != NULL && !o->stopping &&
                 ((p->eval_interval > 0 && done % p->eval_interval == 0) || done == p->steps);
   if (!o->eval_now) return STATUS_OK;
+  mem_reset_peak(r->dev);
   fsdpc_status_t st = evaluate(r, &L->spec, &o->eval_loss);
+  o->eval_peak = mem_stats(r->dev).peak;
   train_counted_bytes(r); /* its collectives are not the next step's */
   return st;
 }
@@ -767,6 +769,7 @@ static void metrics_write(run_t *r, loop_t *L, const step_out_t *o) {
     cJSON_AddNumberToObject(j, "state_bytes", (double)o->state);
     cJSON_AddNumberToObject(j, "step_time_s", o->dt);
     if (o->eval_now) cJSON_AddNumberToObject(j, "eval_loss", o->eval_loss);
+    if (o->eval_now) cJSON_AddNumberToObject(j, "eval_peak_mem_bytes", (double)o->eval_peak);
     if (r->pp_sched != NULL) {
       cJSON_AddNumberToObject(j, "p2p_bytes", o->p2p);
       cJSON *pk = cJSON_AddArrayToObject(j, "pp_peak_mem_bytes"); /* pipeline rank q's */

@@ -14,15 +14,19 @@ def dry_run():
     import resource
     tmp = mkdtemp()
     worst = 0.0
+    # an evaluation after the last step, of batches larger than the steps'
+    evals = ["--set", "eval.path=" + os.path.join(ROOT, "data", "corpus.txt"), "--set",
+             "eval.format=text", "--set", "eval.batches=1", "--set", "eval.batch_size=8"]
     for name, n, _ in PLANS:
         plan = os.path.join(ROOT, "configs", name + ".yaml")
         for ac in ("false", "true"):
-            sets = ["--set", "train.activation_checkpointing=" + ac]
+            sets = ["--set", "train.activation_checkpointing=" + ac] + evals
             p, _ = run(n, [plan, "--dry-run", "-v"] + sets)
             check(p.returncode == 0, "%s (checkpointing %s): --dry-run -v runs" % (name, ac))
             est_comm = re.search(r"^comm_bytes (\d+)$", p.stdout, re.M)
             est_state = re.search(r"^state_bytes (\d+)$", p.stdout, re.M)
             est_peak = re.search(r"^peak_bytes (\d+)$", p.stdout, re.M)
+            est_eval = re.search(r"^eval_peak_bytes (\d+)$", p.stdout, re.M)
             ok = bool(est_comm and est_state and est_peak)
             check(ok, "%s: --dry-run prints its estimates" % name)
             if ac == "false":
@@ -53,6 +57,11 @@ def dry_run():
             check(abs(want_peak - peak) <= 0.15 * peak,
                   "%s, activation checkpointing %s: a step's peak %d B, estimated %d B (%+.1f%%)"
                   % (name, ac, peak, want_peak, 100.0 * (want_peak - peak) / peak))
+            got_eval = m[-1].get("eval_peak_mem_bytes", 0)
+            want_eval = int(est_eval.group(1)) if est_eval else -1
+            check(abs(want_eval - got_eval) <= 0.1 * got_eval,
+                  "%s, activation checkpointing %s: the evaluation's peak (eval.batch_size 8) "
+                  "%d B, estimated %d B" % (name, ac, got_eval, want_eval))
             if ac == "true":
                 continue
             got_comm, got_state = m[-1]["comm_bytes"], m[-1]["state_bytes"]
