@@ -415,13 +415,14 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
    * sections alone. The data and training sections are not read. */
   fsdpc_status_t st = STATUS_OK;
   if (llama) {
-    char why[128];
+    char why[192];
     llama_config_t saved;
     st = llama_config_from_hf_text(config, dir, &saved);
     if (st == STATUS_OK && !p.model_given) {
       p.model = saved; /* and its architecture's built-in tensor-parallel rules */
       if (!p.par.tp_plan_given) st = llama_plan_fill_tp_rules(&p.model, &p.par);
-    } else if (st == STATUS_OK && !llama_config_same_params(&saved, &p.model, why, sizeof why))
+    } else if (st == STATUS_OK && (!llama_config_same_params(&saved, &p.model, why, sizeof why) ||
+                                   !llama_config_same_function(&saved, &p.model, why, sizeof why)))
       st = err_set(STATUS_EINVAL,
                    "%s: the checkpoint's model differs from the model of %s (%s: saved vs "
                    "planned; leave the model section out to take the checkpoint's)",

@@ -410,6 +410,14 @@ fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
                    flag ? (b ? "true" : "false") : sb, keys[i].key,
                    flag ? (a ? "true" : "false") : sa);
   }
+  char why[160]; /* the rest of what makes the model's function: the routing, RoPE's scaling */
+  if (!llama_config_same_function(&c, m, why, sizeof why))
+    return err_set(STATUS_EINVAL,
+                   "checkpoint.load: '%s' was saved from another model (%s: saved vs planned): "
+                   "a checkpoint resumes only the model it was saved from (plan the model it "
+                   "records, or start from its weights with model.init_from after fsdp-ckpt "
+                   "export-hf)",
+                   ckpt, why);
   if (llama_vocab_rows(&c) != llama_vocab_rows(m))
     return err_set(STATUS_EINVAL,
                    "checkpoint.load: '%s' holds an embedding and head of %lld rows "

@@ -185,6 +185,13 @@ int64_t llama_num_params(const llama_config_t *c);
 bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, char *why,
                               size_t size);
 
+/* True when a and b, with the same parameters, compute the same function: the rotary
+ * embedding (theta and scaling), norm_eps and the routing (num_experts_per_tok,
+ * norm_topk_prob); otherwise why as above, under Hugging Face's key names ("rope_theta 1e+06
+ * vs 10000"). */
+bool llama_config_same_function(const llama_config_t *a, const llama_config_t *b, char *why,
+                                size_t size);
+
 typedef struct llama_options {
   dtype_t dtype;                 /* parameter dtype */
   device_type_t device;          /* where parameters live (this rank's device) */

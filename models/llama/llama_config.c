@@ -229,6 +229,55 @@ bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, 
   return true;
 }
 
+/* x in the fewest digits that read back as x. */
+static void shortest_g(double x, char *buf, size_t n) {
+  if (x == floor(x) && fabs(x) < 1e15) {
+    snprintf(buf, n, "%.0f", x);
+    return;
+  }
+  for (int prec = 1; prec <= 17; prec++) {
+    snprintf(buf, n, "%.*g", prec, x);
+    if (strtod(buf, NULL) == x) return;
+  }
+}
+
+bool llama_config_same_function(const llama_config_t *a, const llama_config_t *b, char *why,
+                                size_t size) {
+  if (a == NULL || b == NULL) return false;
+  bool moe = a->n_experts > 0 || b->n_experts > 0;
+  const struct {
+    const char *name;
+    double x, y;
+  } f[] = {{"rope_theta", a->rope.theta, b->rope.theta},
+           {"rope_scaling (type)", (double)a->rope.scaling, (double)b->rope.scaling},
+           {"rope_scaling (factor)", a->rope.factor, b->rope.factor},
+           {"rope_scaling (low_freq_factor)", a->rope.low_freq_factor, b->rope.low_freq_factor},
+           {"rope_scaling (high_freq_factor)", a->rope.high_freq_factor, b->rope.high_freq_factor},
+           {"rope_scaling (original_max_position_embeddings)", a->rope.original_max_pos,
+            b->rope.original_max_pos},
+           {a->arch == LLAMA_ARCH_GPT2 ? "layer_norm_epsilon" : "rms_norm_eps", a->norm_eps,
+            b->norm_eps},
+           {"num_experts_per_tok", moe ? (double)a->top_k : 0, moe ? (double)b->top_k : 0},
+           {"norm_topk_prob", moe && a->norm_topk, moe && b->norm_topk}};
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+    double x = f[i].x, y = f[i].y;
+    if (x == y || fabs(x - y) <= 1e-12 * fabs(y)) continue; /* a JSON round trip of a double */
+    if (why) {
+      char sx[32], sy[32];
+      bool flag = strcmp(f[i].name, "norm_topk_prob") == 0;
+      shortest_g(x, sx, sizeof sx);
+      shortest_g(y, sy, sizeof sy);
+      if (flag) {
+        snprintf(sx, sizeof sx, "%s", x ? "true" : "false");
+        snprintf(sy, sizeof sy, "%s", y ? "true" : "false");
+      }
+      snprintf(why, size, "%s %s vs %s", f[i].name, sx, sy);
+    }
+    return false;
+  }
+  return true;
+}
+
 int64_t llama_num_params(const llama_config_t *c) {
   if (c == NULL) return 0;
   if (c->arch == LLAMA_ARCH_GPT2) { /* LayerNorms and projections with biases; positions */

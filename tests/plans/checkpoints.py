@@ -240,6 +240,11 @@ def checkpoints():
             os.path.join(tmp, "rs-other"), "--set", "model.n_layers=3"], timeout=300)
     check(p.returncode != 0 and "differs from the model of" in p.stderr and
           "n_layers 2 vs 3" in p.stderr, "reshard to another model names the difference")
+    p = sh([TOOL, "reshard", os.path.join(s, "step-00000005"), "--to", cfg("debug"),
+            os.path.join(tmp, "rs-other"), "--set", "model.rope_theta=500000"], timeout=300)
+    check(p.returncode != 0 and "rope_theta 10000 vs 500000" in p.stderr and
+          not os.path.exists(os.path.join(tmp, "rs-other")),
+          "reshard to a model of other parameters' values (rope_theta) names the difference")
     # 3. keep: only the newest checkpoints stay
     k = os.path.join(tmp, "k")
     train(2, "fsdp-grad-accum", ["train.steps=6", "checkpoint.dir=" + k, "checkpoint.interval=2",

@@ -678,6 +678,30 @@ def ckpt_family():
             check(sorted(chunks) == want_chunks, "%s: resharded for mesh.ep=2 (x tp 2), the "
                   "experts' chunks are %s (want %s: each ep rank's two, written once)"
                   % (tag, sorted(chunks), want_chunks))
+            # another routing (top-k, renormalisation) is another model: refused by name when
+            # resumed or resharded to, before anything runs or is written
+            with open(os.path.join(hf, "config.json")) as f:
+                base = json.load(f)
+            for key, value, said in (("num_experts_per_tok", 4, "num_experts_per_tok 2 vs 4"),
+                                     ("norm_topk_prob", False, "norm_topk_prob true vs false")):
+                other = os.path.join(tmp, key + ".json")
+                with open(other, "w") as f:
+                    json.dump(dict(base, **{key: value}), f)
+                resume = os.path.join(tmp, key + ".yaml")
+                with open(resume, "w") as f:
+                    f.write("model:\n  config: %s\ndata:\n  path: %s\n  format: text\n"
+                            "  seq_len: 16\n  batch_size: 1\ntrain:\n  steps: 1\n"
+                            "checkpoint:\n  load: %s\n"
+                            % (other, os.path.join(ROOT, "data", "corpus.txt"), ck))
+                p = sh([EXE, resume], timeout=120)
+                q = tool("reshard", ck, "--to", resume, os.path.join(tmp, "rs-" + key), "--world",
+                         "2")
+                check(p.returncode != 0 and "was saved from another model (%s: saved vs "
+                      "planned)" % said in p.stderr and q.returncode != 0 and
+                      "differs from the model of %s (%s" % (resume, said) in q.stderr and
+                      not os.path.exists(os.path.join(tmp, "rs-" + key)),
+                      "%s: resuming or resharding to a model with another %s is refused, naming "
+                      "it (%s / %s)" % (tag, key, p.stderr.strip()[-120:], q.stderr.strip()[-120:]))
         if "gpt2" in tag:  # c_attn by head: [dim / dp, 3, dim / tp] a rank, at its tp offset
             with open(os.path.join(hf, "config.json")) as f:
                 d = json.load(f)["n_embd"]
