@@ -54,6 +54,13 @@ struct nn_moe_aux {
   int64_t *step_counts; /* choices since the last nn_moe_aux_take_step */
   double step_loss;
   int step_forwards;
+  /* nn_moe_aux_share_over: the data-parallel groups the batch is split over, the gradients'
+   * averaging factor; after nn_moe_aux_share, this rank's own choices (for the step's) */
+  pg_t *share[NN_MOE_SHARE_MAX];
+  int n_share;
+  double weight;
+  bool shared;
+  int64_t *own_counts;
 };
 
 fsdpc_status_t nn_moe_aux_new(int n_experts, int top_k, double coef, nn_moe_aux_t **out) {
@@ -69,14 +76,17 @@ fsdpc_status_t nn_moe_aux_new(int n_experts, int top_k, double coef, nn_moe_aux_
     a->counts = calloc((size_t)n_experts, sizeof *a->counts);
     a->step_counts = calloc((size_t)n_experts, sizeof *a->step_counts);
     a->prob_sums = calloc((size_t)n_experts, sizeof *a->prob_sums);
+    a->own_counts = calloc((size_t)n_experts, sizeof *a->own_counts);
   }
-  if (a == NULL || a->counts == NULL || a->step_counts == NULL || a->prob_sums == NULL) {
+  if (a == NULL || a->counts == NULL || a->step_counts == NULL || a->prob_sums == NULL ||
+      a->own_counts == NULL) {
     nn_moe_aux_free(a);
     return err_set(STATUS_ENOMEM, "nn_moe_aux_new: out of host memory");
   }
   a->n_experts = n_experts;
   a->top_k = top_k;
   a->coef = coef;
+  a->weight = 1;
   *out = a;
   return STATUS_OK;
 }
@@ -86,13 +96,56 @@ void nn_moe_aux_free(nn_moe_aux_t *a) {
   free(a->counts);
   free(a->step_counts);
   free(a->prob_sums);
+  free(a->own_counts);
   free(a);
+}
+
+fsdpc_status_t nn_moe_aux_share_over(nn_moe_aux_t *a, pg_t *const *groups, int n, double weight) {
+  ARG_NONNULL(a);
+  if (n > 0) ARG_NONNULL(groups);
+  if (n < 0 || n > NN_MOE_SHARE_MAX || !(weight >= 1) || weight > 1e9)
+    return err_set(STATUS_EINVAL, "nn_moe_aux_share_over: %d groups (0 to %d), weight %g (>= 1)", n,
+                   NN_MOE_SHARE_MAX, weight);
+  for (int i = 0; i < n; i++) {
+    if (groups[i] == NULL)
+      return err_set(STATUS_EINVAL, "nn_moe_aux_share_over: group %d is NULL", i);
+    a->share[i] = groups[i];
+  }
+  a->n_share = n;
+  a->weight = weight;
+  return STATUS_OK;
+}
+
+fsdpc_status_t nn_moe_aux_stats_share(const nn_moe_aux_t *a, double *v) {
+  if (a == NULL || v == NULL || a->coef == 0) return STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < a->n_share && st == STATUS_OK; i++)
+    st = pg_host_all_reduce(a->share[i], v, v, (size_t)nn_moe_aux_stats_len(a), PG_HOST_F64,
+                            REDUCE_SUM);
+  return st;
+}
+
+fsdpc_status_t nn_moe_aux_share(nn_moe_aux_t *a) {
+  if (a == NULL || a->coef == 0 || a->n_share == 0) return STATUS_OK;
+  int E = a->n_experts, len = nn_moe_aux_stats_len(a);
+  double *v = calloc((size_t)len, sizeof *v);
+  if (v == NULL) return err_set(STATUS_ENOMEM, "MoE load-balancing loss: out of host memory");
+  memcpy(a->own_counts, a->counts, sizeof *a->counts * (size_t)E);
+  nn_moe_aux_stats_add(a, v);
+  fsdpc_status_t st = nn_moe_aux_stats_share(a, v);
+  if (st == STATUS_OK) {
+    nn_moe_aux_stats_set(a, v);
+    a->shared = true;
+  }
+  free(v);
+  return st;
 }
 
 void nn_moe_aux_begin(nn_moe_aux_t *a, double scale) {
   if (a == NULL) return;
   a->rows = 0;
-  a->scale = scale;
+  a->shared = false;
+  a->scale = scale * a->weight;
   memset(a->counts, 0, sizeof *a->counts * (size_t)a->n_experts);
   memset(a->prob_sums, 0, sizeof *a->prob_sums * (size_t)a->n_experts);
 }
@@ -144,7 +197,8 @@ bool nn_moe_aux_take_step(nn_moe_aux_t *a, int64_t *counts, int n_experts, doubl
 
 void nn_moe_aux_end(nn_moe_aux_t *a) {
   if (a == NULL || a->rows == 0) return;
-  for (int e = 0; e < a->n_experts; e++) a->step_counts[e] += a->counts[e];
+  const int64_t *own = a->shared ? a->own_counts : a->counts;
+  for (int e = 0; e < a->n_experts; e++) a->step_counts[e] += own[e];
   a->step_loss += nn_moe_aux_loss(a);
   a->step_forwards++;
 }

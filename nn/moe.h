@@ -162,6 +162,22 @@ int nn_moe_aux_experts(const nn_moe_aux_t *a); /* its E; 0 for NULL */
 void nn_moe_aux_end(nn_moe_aux_t *a);
 bool nn_moe_aux_take_step(nn_moe_aux_t *a, int64_t *counts, int n_experts, double *loss);
 
+/* Data parallelism: each forward's tokens are one part of a batch split over the ranks of
+ * groups[0..n) together (every data-parallel rank, each routing its own samples), and the
+ * gradients are averaged over weight (>= 1) such parts. nn_moe_aux_share, after a forward
+ * that trains and before the loss is read, then sums its statistics over those ranks, so that
+ * the loss and its gradient are those of the whole batch's tokens (Megatron's global
+ * auxiliary loss), the same however it is split; the gradient is scaled by weight against the
+ * averaging. The step's expert choices stay this rank's own. nn_moe_aux_share does nothing
+ * with a NULL a, no groups or a coefficient of 0; it is collective over the groups. Groups
+ * must outlive a. */
+#define NN_MOE_SHARE_MAX 4
+fsdpc_status_t nn_moe_aux_share_over(nn_moe_aux_t *a, pg_t *const *groups, int n, double weight);
+fsdpc_status_t nn_moe_aux_share(nn_moe_aux_t *a);
+/* Statistics v (nn_moe_aux_stats_len doubles, below) summed over those groups in place, as
+ * nn_moe_aux_share sums a forward's; nothing without groups or with a coefficient of 0. */
+fsdpc_status_t nn_moe_aux_stats_share(const nn_moe_aux_t *a, double *v);
+
 /* A forward whose blocks run on several ranks (pipeline stages): the statistics the loss and
  * its gradient are made of, as nn_moe_aux_stats_len doubles (the tokens routed, each expert's
  * choices, each expert's probabilities summed), can be summed over those ranks, then set back

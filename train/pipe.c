@@ -199,13 +199,15 @@ static fsdpc_status_t stage_before_backward(int s, int mb, void *user) {
 }
 
 /* After the last stage's forward of microbatch mb: its routing statistics summed over the
- * pipeline's ranks (every stage's blocks). Collective over the pipeline group. */
+ * pipeline's ranks (every stage's blocks), then over the data-parallel ranks
+ * (nn_moe_aux_share_over). Collective over the pipeline group and those. */
 static fsdpc_status_t stage_forwarded(int mb, void *user) {
   const stage_step_t *u = user;
   if (u->total == NULL) return STATUS_OK;
   size_t at = (size_t)mb * u->len;
-  return pg_host_all_reduce(mesh_group(parallel_pp_mesh(u->r->par), 0), u->mine + at, u->total + at,
-                            u->len, PG_HOST_F64, REDUCE_SUM);
+  FSDPC_TRY(pg_host_all_reduce(mesh_group(parallel_pp_mesh(u->r->par), 0), u->mine + at,
+                               u->total + at, u->len, PG_HOST_F64, REDUCE_SUM));
+  return nn_moe_aux_stats_share(u->aux, u->total + at); /* and the data-parallel ranks' */
 }
 
 pp_step_options_t train_pp_options(run_t *r) {

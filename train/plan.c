@@ -216,13 +216,24 @@ static fsdpc_status_t read_model(plan_ctx_t *c, int root, const char *own) {
 }
 
 /* The moe section: aux_loss_coef, the weight of the routers' load-balancing loss (over the
- * model config's router_aux_loss_coef and output_router_logits; 0 turns it off). A built-in
- * model must have experts. */
+ * model config's router_aux_loss_coef and output_router_logits; 0 turns it off), and
+ * aux_loss_scope, the tokens it is computed over. A built-in model must have experts. */
 static fsdpc_status_t read_moe(plan_ctx_t *c, int root, const char *own) {
-  static const char *const keys[] = {"aux_loss_coef", NULL};
+  static const char *const keys[] = {"aux_loss_coef", "aux_loss_scope", NULL};
   fsdpc_plan_t *p = c->job;
   int m;
   FSDPC_TRY(pr_section(c, root, "moe", keys, &m));
+  char scope[32] = "";
+  if (m != 0) FSDPC_TRY(pr_get_str(c, m, "moe", "aux_loss_scope", scope, sizeof scope));
+  if (scope[0] && strcmp(scope, "micro_batch") != 0 && strcmp(scope, "global") != 0)
+    return pr_fail(c, pr_find(c, m, "aux_loss_scope"), "moe.aux_loss_scope",
+                   "'%s' is not a scope (micro_batch: each rank's micro-batch; global: every "
+                   "data-parallel rank's together)",
+                   scope);
+  p->moe_aux_global = strcmp(scope, "global") == 0;
+  if (p->moe_aux_global && own == NULL && p->model.n_experts == 0)
+    return pr_fail(c, pr_find(c, m, "aux_loss_scope"), "moe.aux_loss_scope",
+                   "the model (%s) has no experts to balance", llama_arch_name(p->model.arch));
   if (m == 0 || pr_find(c, m, "aux_loss_coef") == 0) return STATUS_OK;
   FSDPC_TRY(pr_get_float(c, m, "moe", "aux_loss_coef", 0, 1e6, false, &p->moe_aux_loss_coef));
   if (own != NULL || p->moe_aux_loss_coef < 0)

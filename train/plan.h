@@ -42,6 +42,7 @@ typedef struct fsdpc_plan {
   uint64_t model_seed;
   bool deferred_init; /* build meta, parallelise, then allocate and fill only local shards */
   double moe_aux_loss_coef; /* moe.aux_loss_coef (applied to model.aux_loss_coef); < 0: not given */
+  bool moe_aux_global;      /* moe.aux_loss_scope: global (over the data-parallel ranks) */
   bool pipeline_given;      /* the plan has a pipeline section (mesh.pp's schedule) */
   /* optim, schedule */
   adamw_config_t optim;

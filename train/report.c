@@ -154,16 +154,20 @@ static void own_model_line(const run_t *r) {
 static void builtin_model_line(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   const llama_config_t *c = &p->model;
-  char heads[48] = "", extra[64] = "", moe[128] = "";
+  char heads[48] = "", extra[64] = "", moe[224] = "";
   if (c->head_dim > 0) snprintf(heads, sizeof heads, " of %lld", (long long)c->head_dim);
   snprintf(extra, sizeof extra, "%s%s",
            c->qkv_bias ? (c->o_bias ? ", attention biases" : ", q/k/v biases") : "",
            c->qk_norm ? ", q/k norms" : "");
   int64_t sparse = llama_num_moe_layers(c);
   if (sparse > 0)
-    snprintf(moe, sizeof moe, ", %lld experts of %lld, top-%lld%s in %lld of the layers",
+    snprintf(moe, sizeof moe, ", %lld experts of %lld, top-%lld%s in %lld of the layers%s",
              (long long)c->n_experts, (long long)c->moe_ffn_dim, (long long)c->top_k,
-             c->norm_topk ? " renormalised" : "", (long long)sparse);
+             c->norm_topk ? " renormalised" : "", (long long)sparse,
+             c->aux_loss_coef == 0 ? ""
+             : p->moe_aux_global
+                 ? " (load-balancing loss over every data-parallel rank's micro-batch)"
+                 : " (load-balancing loss over each rank's micro-batch)");
   char rows[48] = "";
   if (llama_vocab_rows(c) > c->vocab_size)
     snprintf(rows, sizeof rows, " (tables padded to %lld rows)", (long long)llama_vocab_rows(c));

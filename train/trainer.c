@@ -322,6 +322,26 @@ static void take_parallel(run_t *r) {
   r->dp_rank = parallel_dp_rank(r->par);
 }
 
+/* moe.aux_loss_scope: global: the load-balancing loss of a model with experts over the
+ * data-parallel ranks' tokens together (each micro-step's: the same loss however its samples
+ * are split over the ranks). */
+static fsdpc_status_t share_routing(run_t *r) {
+  nn_moe_aux_t *aux = nn_moe_aux_of(r->root);
+  mesh_t *dp = parallel_dp_mesh(r->par);
+  if (!r->plan.moe_aux_global || aux == NULL || r->dp_size <= 1 || dp == NULL) return STATUS_OK;
+  pg_t *groups[NN_MOE_SHARE_MAX];
+  int n = 0, ranks = 1;
+  for (int d = 0; d < mesh_ndim(dp) && n < NN_MOE_SHARE_MAX; d++)
+    if (mesh_size(dp, d) > 1) {
+      groups[n++] = mesh_group(dp, d);
+      ranks *= mesh_size(dp, d);
+    }
+  if (ranks != r->dp_size) /* the data-parallel mesh is the data's split */
+    return err_set(STATUS_EINTERNAL, "the MoE loss's data-parallel groups span %d ranks of %d",
+                   ranks, r->dp_size);
+  return nn_moe_aux_share_over(aux, groups, n, (double)r->dp_size);
+}
+
 /* The parameters this rank holds into r->ps: every one, or under a pipeline its stages'. */
 static fsdpc_status_t held_parameters(run_t *r) {
   FSDPC_TRY(nn_named_parameters(r->root, &r->ps, &r->n));
@@ -409,6 +429,7 @@ static fsdpc_status_t build(run_t *r) {
   else
     FSDPC_TRY(parallel_apply(root, &p->par, how.device, &r->par));
   take_parallel(r);
+  FSDPC_TRY(share_routing(r));
   offload_threads(r);
   if (!resume) r->resumed_from[0] = 0;
   FSDPC_TRY(check_before_training(r));

@@ -525,6 +525,45 @@ def exported_as_trained(tag, ck, out):
         print(p.stdout[-1000:], p.stderr[-1000:])
 
 
+def global_scope(tmp, plan):
+    """moe.aux_loss_scope: global: the balancing loss over every data-parallel rank's
+    micro-batch: the plans (4 samples a micro-step over 4 or 2 data-parallel ranks) train the
+    losses of one rank with all 4 samples in one micro-batch, where the default scope (each
+    rank's micro-batch) does not."""
+    def ten(n, sets, name):
+        m = os.path.join(tmp, name + ".jsonl")
+        args = [plan, "--metrics", m, "--set", "moe.aux_loss_coef=0.5"]
+        for kv in sets:
+            args += ["--set", kv]
+        q, _ = run(n, args)
+        if q.returncode != 0:
+            print(q.stdout[-1500:], q.stderr[-1500:])
+        return [(r["loss"], r["aux_loss"]) for r in losses(m)] if q.returncode == 0 else []
+
+    def worst(got, ref):
+        return max([abs(a[i] - b[i]) / abs(b[i]) for a, b in zip(got, ref) for i in (0, 1)]
+                   or [1])
+
+    ref = ten(1, ["mesh.dp_shard=1", "data.global_batch_size=4", "data.batch_size=4"], "g-one")
+    for what, n, sets in (
+            ("FSDP on 4", 4, ["data.batch_size=1"]),
+            ("HSDP 2 x 2 with mesh.ep=2", 4,
+             ["data.batch_size=1", "mesh.dp_replicate=2", "mesh.dp_shard=2", "mesh.ep=2"]),
+            ("FSDP 2 x TP 2 with sequence parallelism", 4,
+             ["data.batch_size=2", "mesh.dp_shard=2", "mesh.tp=2",
+              "parallelize.tensor_parallel.sequence_parallel=true"])):
+        got = ten(n, sets + ["data.global_batch_size=4", "moe.aux_loss_scope=global"], "g-" + what)
+        w = worst(got, ref)
+        check(len(got) == len(ref) == 10 and w <= 5e-6,
+              "tiny_qwen3_moe_aux: moe.aux_loss_scope=global, %s: one rank's ten losses and "
+              "balancing losses with the 4 samples in one micro-batch, within 5e-6 (worst %.2e)"
+              % (what, w))
+    got = ten(4, ["data.batch_size=1", "data.global_batch_size=4"], "g-default")
+    w = worst(got, ref)
+    check(len(got) == 10 and w > 1e-4, "tiny_qwen3_moe_aux: the default scope (each rank's "
+          "micro-batch of 1 sample) trains another model than that (%.2e apart)" % w)
+
+
 def family():
     """Qwen2 (q, k, v biases), Qwen3 (q_norm and k_norm, head_dim 24 where hidden / heads is
     16, tied), GPT-2 (learned positions, LayerNorms with bias, fused c_attn, Conv1D weights,
@@ -741,6 +780,8 @@ def family():
                       "tiny_gpt2: FSDP 2 x TP 2, sequence parallelism %s: one rank's ten losses "
                       "and gradient norms within 5e-6 (worst %.2e); communication %d B per step, "
                       "--dry-run %s" % (sp, worst, real, est.group(1) if est else "none"))
+        if tag == "tiny_qwen3_moe_aux":  # moe.aux_loss_scope: global
+            global_scope(tmp, plan)
         if tag == "tiny_qwen2_moe":  # --dry-run's communication counts the shared expert's sums
             k = [w for w, _, _ in plans].index("FSDP 2 x TP 2 with sequence parallelism")
             real = [r["comm_bytes"] for r in losses(os.path.join(tmp, "plan-%d.jsonl" % k))] \
