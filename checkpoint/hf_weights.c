@@ -160,9 +160,10 @@ static bool per_expert_of(const char *name, nn_param_t *const *ps, int n, st_fil
   return false;
 }
 
-static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p, bool may_pad) {
-  const st_info_t *t = st_find(f, p->fqn);
-  if (t == NULL) return err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", st_path(f), p->fqn);
+/* Parameter p from the file's tensor name. */
+static fsdpc_status_t load_one(st_file_t *f, const char *name, nn_param_t *p, bool may_pad) {
+  const st_info_t *t = st_find(f, name);
+  if (t == NULL) return err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", st_path(f), name);
   int nd = dtensor_ndim(p->value);
   const int64_t *shape = dtensor_shape(p->value);
   bool same = t->ndim == nd;
@@ -172,36 +173,92 @@ static fsdpc_status_t load_one(st_file_t *f, nn_param_t *p, bool may_pad) {
   if (!same && !merged && !padded) {
     char a[96], b[96];
     return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, the model expects %s", st_path(f),
-                   p->fqn, tensor_shape_str(t->ndim, t->shape, a, sizeof a),
+                   name, tensor_shape_str(t->ndim, t->shape, a, sizeof a),
                    tensor_shape_str(nd, shape, b, sizeof b));
   }
   int64_t off[TENSOR_MAX_DIMS];
   dtensor_offset(p->value, off);
   fsdpc_tensor_t dst;
   FSDPC_TRY(tensor_ref(&dst, dtensor_local(p->value)));
-  fsdpc_status_t st = merged   ? st_read_box_as(f, p->fqn, nd, shape, off, &dst)
-                      : padded ? read_rows(f, p->fqn, t->shape[0], off, &dst)
-                               : st_read_box(f, p->fqn, off, &dst);
+  fsdpc_status_t st = merged   ? st_read_box_as(f, name, nd, shape, off, &dst)
+                      : padded ? read_rows(f, name, t->shape[0], off, &dst)
+                               : st_read_box(f, name, off, &dst);
   tensor_free(&dst);
   return st;
+}
+
+/* The files' tensors under the model's names (hf_load_opts_t.canonical): for tensor i of
+ * file k, names[k][i] ("": skipped, no parameter; the list ends with NULL). */
+typedef struct file_names {
+  int nf;
+  char ***names;
+} file_names_t;
+
+static void file_names_free(file_names_t *fn) {
+  for (int k = 0; fn->names && k < fn->nf; k++) {
+    for (int i = 0; fn->names[k] && fn->names[k][i]; i++) free(fn->names[k][i]);
+    free(fn->names[k]);
+  }
+  free(fn->names);
+}
+
+static fsdpc_status_t file_names_of(st_file_t *const *files, int nf, const hf_load_opts_t *o,
+                                    file_names_t *fn) {
+  fn->nf = nf;
+  fn->names = calloc((size_t)(nf ? nf : 1), sizeof *fn->names);
+  if (fn->names == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  for (int k = 0; k < nf; k++) {
+    int n = st_num_tensors(files[k]);
+    fn->names[k] = calloc((size_t)n + 1, sizeof *fn->names[k]);
+    if (fn->names[k] == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+    for (int i = 0; i < n; i++) {
+      char buf[512];
+      const char *name = st_tensor(files[k], i)->name;
+      /* "" for a tensor skipped (NULL ends a file's list) */
+      fn->names[k][i] = strdup(o->canonical(name, buf, sizeof buf, o->user) ? buf : "");
+      if (fn->names[k][i] == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+    }
+  }
+  return STATUS_OK;
+}
+
+/* The file name of the tensor that is parameter fqn in file k (NULL: none there). */
+static const char *name_in(st_file_t *const *files, const file_names_t *fn, int k,
+                           const char *fqn) {
+  if (fn->names == NULL) return st_find(files[k], fqn) ? fqn : NULL;
+  for (int i = 0; fn->names[k][i]; i++)
+    if (fn->names[k][i][0] && strcmp(fn->names[k][i], fqn) == 0)
+      return st_tensor(files[k], i)->name;
+  return NULL;
 }
 
 /* Loads every parameter from the first of files[0..nf) that holds it; fails on a parameter in
  * none (naming where) or in two, and on a tensor that is not a parameter. */
 static fsdpc_status_t load_from(nn_module_t *root, st_file_t *const *files, int nf,
-                                const char *where, bool (*padded)(const char *fqn)) {
+                                const char *where, const hf_load_opts_t *o) {
   nn_param_t **ps = NULL;
   int n = 0;
+  file_names_t fn = {0};
   FSDPC_TRY(nn_named_parameters(root, &ps, &n));
-  fsdpc_status_t st = STATUS_OK;
+  fsdpc_status_t st = o->canonical ? file_names_of(files, nf, o, &fn) : STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     int at = -1;
+    const char *name = NULL;
     for (int k = 0; k < nf && st == STATUS_OK; k++) {
-      if (st_find(files[k], ps[i]->fqn) == NULL) continue;
+      const char *here = name_in(files, &fn, k, ps[i]->fqn);
+      if (here == NULL) continue;
       if (at >= 0)
         st = err_set(STATUS_EFORMAT, "tensor '%s' is in both %s and %s", ps[i]->fqn,
                      st_path(files[at]), st_path(files[k]));
       at = k;
+      name = here;
+    }
+    if (st == STATUS_OK && fn.names != NULL && at >= 0) { /* under two names in one file */
+      int seen = 0;
+      for (int j = 0; fn.names[at][j]; j++) seen += strcmp(fn.names[at][j], ps[i]->fqn) == 0;
+      if (seen > 1)
+        st = err_set(STATUS_EFORMAT, "%s: parameter '%s' is there under two names",
+                     st_path(files[at]), ps[i]->fqn);
     }
     size_t plen;
     bool stacked = dtensor_ndim(ps[i]->value) == 3 && stacked_leaf(ps[i]->fqn, &plen) != NULL;
@@ -214,17 +271,18 @@ static fsdpc_status_t load_from(nn_module_t *root, st_file_t *const *files, int 
     }
     if (st == STATUS_OK && at < 0)
       st = err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", where, ps[i]->fqn);
-    if (st == STATUS_OK) st = load_one(files[at], ps[i], padded && padded(ps[i]->fqn));
+    if (st == STATUS_OK) st = load_one(files[at], name, ps[i], o->padded && o->padded(ps[i]->fqn));
   }
   for (int k = 0; k < nf && st == STATUS_OK; k++)
     for (int i = 0; i < st_num_tensors(files[k]) && st == STATUS_OK; i++) {
-      const char *name = st_tensor(files[k], i)->name;
-      bool known = per_expert_of(name, ps, n, files, nf);
+      const char *name = fn.names ? fn.names[k][i] : st_tensor(files[k], i)->name;
+      bool known = name[0] == 0 || per_expert_of(name, ps, n, files, nf); /* "": skipped */
       for (int j = 0; j < n && !known; j++) known = strcmp(ps[j]->fqn, name) == 0;
       if (!known)
         st = err_set(STATUS_EFORMAT, "%s: unexpected tensor '%s' (not a parameter of the model)",
-                     st_path(files[k]), name);
+                     st_path(files[k]), st_tensor(files[k], i)->name);
     }
+  file_names_free(&fn);
   free(ps);
   return st;
 }
@@ -234,7 +292,8 @@ fsdpc_status_t ckpt_load_weights(nn_module_t *root, const char *path) {
   ARG_NONNULL(path);
   st_file_t *f = NULL;
   FSDPC_TRY(st_open(path, &f));
-  fsdpc_status_t st = load_from(root, &f, 1, path, NULL);
+  hf_load_opts_t o = {0};
+  fsdpc_status_t st = load_from(root, &f, 1, path, &o);
   st_close(f);
   return st;
 }
@@ -245,8 +304,14 @@ fsdpc_status_t ckpt_load_hf(nn_module_t *root, const char *dir) {
 
 fsdpc_status_t ckpt_load_hf_padded(nn_module_t *root, const char *dir,
                                    bool (*padded)(const char *fqn)) {
+  hf_load_opts_t o = {.padded = padded};
+  return ckpt_load_hf_with(root, dir, &o);
+}
+
+fsdpc_status_t ckpt_load_hf_with(nn_module_t *root, const char *dir, const hf_load_opts_t *o) {
   ARG_NONNULL(root);
   ARG_NONNULL(dir);
+  ARG_NONNULL(o);
   char **names;
   int n;
   FSDPC_TRY(hf_weight_files(dir, &names, &n));
@@ -257,7 +322,7 @@ fsdpc_status_t ckpt_load_hf_padded(nn_module_t *root, const char *dir,
     snprintf(path, sizeof path, "%.4000s/%.255s", dir, names[i]);
     st = st_open(path, &files[i]);
   }
-  if (st == STATUS_OK) st = load_from(root, files, n, dir, padded);
+  if (st == STATUS_OK) st = load_from(root, files, n, dir, o);
   for (int i = 0; files && i < n; i++) st_close(files[i]);
   free(files);
   hf_weight_files_free(names, n);

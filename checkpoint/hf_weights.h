@@ -37,6 +37,18 @@ fsdpc_status_t ckpt_load_hf(nn_module_t *root, const char *dir);
 fsdpc_status_t ckpt_load_hf_padded(nn_module_t *root, const char *dir,
                                    bool (*padded)(const char *fqn));
 
+/* How a folder's files may name the model's parameters otherwise (transformers'
+ * base_model_prefix and ignored keys). canonical writes the model's name for a file's tensor
+ * name into buf and returns true, or returns false for a tensor that is no parameter and is
+ * skipped (a buffer saved beside them); NULL: the files use the model's names. padded as for
+ * ckpt_load_hf_padded. */
+typedef struct hf_load_opts {
+  bool (*padded)(const char *fqn);
+  bool (*canonical)(const char *name, char *buf, size_t size, const void *user);
+  const void *user;
+} hf_load_opts_t;
+fsdpc_status_t ckpt_load_hf_with(nn_module_t *root, const char *dir, const hf_load_opts_t *o);
+
 /* The weight files of a Hugging Face folder: those its index names (each once, in order of
  * first appearance), else model.safetensors. *names (file names, not paths) is freed with
  * hf_weight_files_free. */

@@ -99,6 +99,10 @@ static int natural_cmp(const char *a, const char *b) {
   return (unsigned char)*a - (unsigned char)*b;
 }
 
+static int cmp_tensor_names(const void *x, const void *y) {
+  return strcmp(((const dcp_tensor_t *)x)->name, ((const dcp_tensor_t *)y)->name);
+}
+
 static int cmp_by_name(const void *x, const void *y) {
   return natural_cmp((*(const dcp_tensor_t *const *)x)->name,
                      (*(const dcp_tensor_t *const *)y)->name);
@@ -305,12 +309,12 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
 static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *c,
                                           const dcp_tensor_t *list, int nt);
 
-/* For a model of the built-in family but GPT-2 (arch), the config written at config_path
+/* For a model of the built-in family (arch), the config written at config_path
  * checked against the tensors as the export writes them (import-hf's check: every parameter
  * of the model it describes present with its shape, nothing else), before any is written. */
 static fsdpc_status_t check_export(const char *dir, const hf_export_opts_t *o,
                                    const char *config_path, llama_arch_t arch, const hf_list_t *l) {
-  if (arch == LLAMA_ARCH_COUNT || arch == LLAMA_ARCH_GPT2) return STATUS_OK;
+  if (arch == LLAMA_ARCH_COUNT) return STATUS_OK;
   llama_config_t lc;
   FSDPC_TRY(llama_config_from_hf(config_path, &lc));
   char label[PATH_LEN + 64];
@@ -505,16 +509,17 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
                    hf, ps[i]->fqn, list[k].dtype_name);
       break;
     }
-    bool same = list[k].ndim == dtensor_ndim(v);
-    for (int d = 0; same && d < list[k].ndim; d++) same = list[k].shape[d] == dtensor_shape(v)[d];
+    int64_t hs[TENSOR_MAX_DIMS + 1]; /* the parameter as the files hold it (GPT-2's c_attn) */
+    int hn = llama_hf_shape(c->arch, ps[i]->fqn, dtensor_ndim(v), dtensor_shape(v), true, hs);
+    bool same = list[k].ndim == hn;
+    for (int d = 0; same && d < hn; d++) same = list[k].shape[d] == hs[d];
     if (!same) {
       char a[96] = "", b[96] = "";
       for (int d = 0; d < list[k].ndim; d++)
         snprintf(a + strlen(a), sizeof a - strlen(a), "%s%lld", d ? ", " : "",
                  (long long)list[k].shape[d]);
-      for (int d = 0; d < dtensor_ndim(v); d++)
-        snprintf(b + strlen(b), sizeof b - strlen(b), "%s%lld", d ? ", " : "",
-                 (long long)dtensor_shape(v)[d]);
+      for (int d = 0; d < hn; d++)
+        snprintf(b + strlen(b), sizeof b - strlen(b), "%s%lld", d ? ", " : "", (long long)hs[d]);
       st = err_set(STATUS_ESHAPE,
                    "%s: tensor '%s' has shape [%s], but config.json's model needs [%s]", hf,
                    ps[i]->fqn, a, b);
@@ -657,6 +662,8 @@ static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char 
     char fqn[512];
     int64_t j;
     if (hf_expert_of(info->name, fqn, sizeof fqn, &j)) continue; /* stacked above */
+    if (!llama_hf_canonical(arch, info->name, stacked[nb], sizeof stacked[nb]))
+      continue; /* a buffer (GPT-2's attention masks) */
     if (info->dtype == DTYPE_COUNT)
       st = err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s, which is not read here", from,
                    info->name, info->dtype_name);
@@ -666,10 +673,10 @@ static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char 
     if (st == STATUS_OK) st = st_read(f, info->name, &whole);
     /* kept in the model's shape (GPT-2's c_attn: q, k and v each a dimension) */
     int64_t ms[ST_MAX_DIMS + 1];
-    int mn = llama_hf_shape(arch, info->name, info->ndim, info->shape, false, ms);
+    int mn = llama_hf_shape(arch, stacked[nb], info->ndim, info->shape, false, ms);
     if (st == STATUS_OK) st = tensor_view(&t[nb], &whole, mn, ms);
     tensor_free(&whole);
-    boxes[nb] = (dcp_box_t){info->name, &t[nb], {0}};
+    boxes[nb] = (dcp_box_t){stacked[nb], &t[nb], {0}}; /* under the model's name */
     nb++;
   }
   if (st == STATUS_OK) st = dcp_write_file(to, boxes, nb, folder);
@@ -696,7 +703,8 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   fsdpc_status_t st =
       cJSON_IsObject(cfg) ? STATUS_OK : err_set(STATUS_EFORMAT, "%s: not a JSON object", cfg_path);
   llama_config_t lc;
-  bool llama = st == STATUS_OK && is_llama(cfg);
+  llama_arch_t arch = arch_of(cfg);
+  bool llama = st == STATUS_OK && arch != LLAMA_ARCH_COUNT; /* GPT-2 too */
   if (llama) st = llama_config_from_hf(cfg_path, &lc);
   /* the source's tensors, read once for the checks (their files validated) */
   /* model.safetensors or the files its index names: the folder's others are not read */
@@ -709,7 +717,24 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   if (st == STATUS_OK) st = dcp_reader_open_files(hf, (const char *const *)names, n, &r);
   if (st == STATUS_OK) st = dcp_reader_list(r, &list, &nt);
   if (st == STATUS_OK) st = check_expert_numbers(hf, list, nt);
-  if (st == STATUS_OK && llama) st = check_llama_tensors(hf, &lc, list, nt);
+  /* the tensors under the model's names (GPT-2's base-model files), buffers left out */
+  dcp_tensor_t *canon = st == STATUS_OK ? calloc((size_t)nt + 1, sizeof *canon) : NULL;
+  char(*canon_names)[512] = canon ? calloc((size_t)nt + 1, sizeof *canon_names) : NULL;
+  if (st == STATUS_OK && canon_names == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  int nc = 0;
+  for (int k = 0; k < nt && st == STATUS_OK; k++)
+    if (llama_hf_canonical(arch, list[k].name, canon_names[nc], sizeof canon_names[nc])) {
+      canon[nc] = list[k];
+      canon[nc].name = canon_names[nc];
+      nc++;
+    }
+  if (st == STATUS_OK) qsort(canon, (size_t)nc, sizeof *canon, cmp_tensor_names);
+  for (int a = 0; a + 1 < nc && st == STATUS_OK; a++) /* one tensor under both of its names */
+    if (strcmp(canon[a].name, canon[a + 1].name) == 0)
+      st = err_set(STATUS_EFORMAT, "%s: tensor '%s' is there under two names", hf, canon[a].name);
+  if (st == STATUS_OK && llama) st = check_llama_tensors(hf, &lc, canon, nc);
+  free(canon_names);
+  free(canon);
   if (st == STATUS_OK) st = file_check_output_dir(out, "import-hf: OUT", false);
   if (st == STATUS_OK) st = file_check_outside(out, hf, "import-hf: OUT");
   char tmp[PATH_LEN + 16] = "", model[PATH_LEN + 32];
@@ -721,7 +746,7 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   uint64_t id = dcp_new_save_id();
   dcp_folder_t folder = {(const char *const *)names, n, id};
   for (int i = 0; i < n && st == STATUS_OK; i++)
-    st = rewrite_file(hf, names[i], model, &folder, arch_of(cfg));
+    st = rewrite_file(hf, names[i], model, &folder, arch);
   cJSON *state = cJSON_CreateObject(), *under = cJSON_CreateObject();
   cJSON_AddNumberToObject(state, "step", 0);
   cJSON_AddNumberToObject(state, "optim_steps", 0);
@@ -736,10 +761,14 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
     file_remove_tree(tmp);
   free(text);
   cJSON_Delete(state);
-  if (st == STATUS_OK) {
-    rep->tensors = nt;
+  if (st == STATUS_OK) { /* as written: the buffers left out */
     rep->files = n;
-    for (int i = 0; i < nt; i++) rep->bytes += list[i].bytes;
+    for (int i = 0; i < nt; i++) {
+      char name[512];
+      if (!llama_hf_canonical(arch, list[i].name, name, sizeof name)) continue;
+      rep->tensors++;
+      rep->bytes += list[i].bytes;
+    }
   }
   dcp_reader_close(r);
   hf_weight_files_free(names, n);

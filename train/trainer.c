@@ -342,6 +342,11 @@ static fsdpc_status_t share_routing(run_t *r) {
   return nn_moe_aux_share_over(aux, groups, n, (double)r->dp_size);
 }
 
+/* hf_load_opts_t.canonical for the built-in family's architecture *user. */
+static bool hf_name_of(const char *name, char *buf, size_t size, const void *user) {
+  return llama_hf_canonical(*(const llama_arch_t *)user, name, buf, size);
+}
+
 /* The parameters this rank holds into r->ps: every one, or under a pipeline its stages'. */
 static fsdpc_status_t held_parameters(run_t *r) {
   FSDPC_TRY(nn_named_parameters(r->root, &r->ps, &r->n));
@@ -366,11 +371,14 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
   if (st == STATUS_OK && deferred && !p->init_from[0] && !resume)
     st = r->model.init ? r->model.init(r->model.self, root, p->model_seed)
                        : nn_module_reset_parameters(root, p->model_seed);
-  if (st == STATUS_OK && p->init_from[0]) /* after sharding: each rank reads its shards' rows */
-    st = ckpt_load_hf_padded(root, p->init_from,
-                             llama_vocab_rows(&p->model) > p->model.vocab_size
-                                 ? llama_is_vocab_table
-                                 : NULL); /* model.pad_vocab_multiple: the files' rows, zeros */
+  if (st == STATUS_OK && p->init_from[0]) { /* after sharding: each rank reads its shards' */
+    hf_load_opts_t o = {
+        /* model.pad_vocab_multiple: the files' rows, then zeros */
+        .padded = llama_vocab_rows(&p->model) > p->model.vocab_size ? llama_is_vocab_table : NULL,
+        .canonical = hf_name_of, /* the names transformers also reads (GPT-2's) */
+        .user = &p->model.arch};
+    st = ckpt_load_hf_with(root, p->init_from, &o);
+  }
   if (st == STATUS_OK) st = held_parameters(r);
   if (st == STATUS_OK) st = train_pp_tied(r);
   if (st == STATUS_OK) st = optim_for_rank(r);

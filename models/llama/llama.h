@@ -131,6 +131,14 @@ bool llama_arch_from_name(const char *model_type, llama_arch_t *out);
 int llama_hf_shape(llama_arch_t arch, const char *fqn, int ndim, const int64_t *shape, bool to_hf,
                    int64_t *out);
 
+/* The model's name for tensor `name` of arch's Hugging Face files into buf (true; cut to
+ * fit), or false for a tensor that is no parameter, to skip. GPT-2's files
+ * saved from the base model (the Hub's openai-community/gpt2) leave out "transformer.",
+ * which transformers adds back (base_model_prefix), and hold each layer's attention masks
+ * h.N.attn.bias and h.N.attn.masked_bias, buffers that transformers skips; the other
+ * architectures' names are the model's. */
+bool llama_hf_canonical(llama_arch_t arch, const char *name, char *buf, size_t size);
+
 /* The rows of the embedding and head: vocab_size rounded up to a multiple of
  * pad_vocab_multiple (vocab_size when that is 0 or 1); 0 for NULL. */
 int64_t llama_vocab_rows(const llama_config_t *c);

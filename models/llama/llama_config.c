@@ -784,6 +784,23 @@ static bool ends_with(const char *s, const char *tail) {
   return n >= m && strcmp(s + n - m, tail) == 0;
 }
 
+bool llama_hf_canonical(llama_arch_t arch, const char *name, char *buf, size_t size) {
+  if (name == NULL || buf == NULL || size == 0) return false;
+  const char *base = "transformer.";
+  bool prefixed = strncmp(name, base, strlen(base)) == 0;
+  bool add = arch == LLAMA_ARCH_GPT2 && !prefixed && strncmp(name, "lm_head.", 8) != 0;
+  if (arch == LLAMA_ARCH_GPT2) { /* h.N.attn.bias, h.N.attn.masked_bias: the masks */
+    const char *rest = prefixed ? name + strlen(base) : name, *p = rest + 2;
+    if (strncmp(rest, "h.", 2) == 0 && *p >= '0' && *p <= '9') {
+      while (*p >= '0' && *p <= '9') p++;
+      if (strcmp(p, ".attn.bias") == 0 || strcmp(p, ".attn.masked_bias") == 0) return false;
+    }
+  }
+  int n = snprintf(buf, size, "%s%s", add ? base : "", name);
+  if (n < 0 || (size_t)n >= size) snprintf(buf, size, "%s", name); /* no parameter's anyway */
+  return true;
+}
+
 int llama_hf_shape(llama_arch_t arch, const char *fqn, int ndim, const int64_t *shape, bool to_hf,
                    int64_t *out) {
   if (out == NULL || ndim < 0 || ndim > TENSOR_MAX_DIMS || (ndim > 0 && shape == NULL)) return -1;

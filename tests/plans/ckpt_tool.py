@@ -638,6 +638,92 @@ def saved_chunks(ck, name):
     return chunks
 
 
+def write_st(path, tensors):
+    """A safetensors file of tensors {name: (dtype, shape, bytes)}."""
+    import struct
+    header, data = {"__metadata__": {"format": "pt"}}, b""
+    for name in sorted(tensors):
+        dt, shape, raw = tensors[name]
+        header[name] = {"dtype": dt, "shape": shape,
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    hj = json.dumps(header).encode()
+    hj += b" " * (-len(hj) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hj)) + hj + data)
+
+
+def gpt2_hub():
+    """GPT-2 as the Hub keeps it (saved from GPT2Model: no "transformer." in the names, each
+    layer's attention masks attn.bias and attn.masked_bias beside the parameters): init_from
+    trains the losses of the prefixed folder, import-hf writes the same checkpoint (the masks
+    left out); a tensor under both names, or one missing, is refused by name."""
+    import struct
+    tmp = mkdtemp()
+    hf = hf_folder(tmp, "tiny_gpt2")
+    with open(os.path.join(hf, "config.json")) as f:
+        pos = json.load(f)["n_positions"]
+    head, data = st_read(os.path.join(hf, "model.safetensors"))
+    prefixed = {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]])
+                for k, v in head.items() if k != "__metadata__"}
+    mask = struct.pack("<%df" % (pos * pos), *[1.0 if c <= r else 0.0
+                                                for r in range(pos) for c in range(pos)])
+    hub = {k[len("transformer."):] if k.startswith("transformer.") else k: v
+           for k, v in prefixed.items()}
+    layers = sorted({k.split(".")[1] for k in hub if k.startswith("h.")})
+    for i in layers:
+        hub["h.%s.attn.bias" % i] = ("F32", [1, 1, pos, pos], mask)
+        hub["h.%s.attn.masked_bias" % i] = ("F32", [], struct.pack("<f", -1e4))
+
+    def folder(name, tensors):
+        path = os.path.join(tmp, name)
+        os.mkdir(path)
+        os.symlink(os.path.join(hf, "config.json"), os.path.join(path, "config.json"))
+        write_st(os.path.join(path, "model.safetensors"), tensors)
+        return path
+
+    hub_dir = folder("hub", hub)
+    plan_text = ("model:\n  init_from: %s\nparallelize:\n  fully_shard:\n    units: "
+                 "[\"transformer.h.*\"]\ndata:\n  path: %s\n  seq_len: 32\n  batch_size: 1\n"
+                 "train:\n  steps: 4\n")
+    got = {}
+    for tag, src in (("prefixed", hf), ("hub", hub_dir)):
+        plan = os.path.join(tmp, tag + ".yaml")
+        with open(plan, "w") as f:
+            f.write(plan_text % (src, os.path.join(ROOT, "data", "corpus.txt")))
+        m = os.path.join(tmp, tag + ".jsonl")
+        p, _ = run(2, [plan, "--metrics", m])
+        got[tag] = [r["loss"] for r in losses(m)] if p.returncode == 0 else p.stderr[-300:]
+    check(isinstance(got["hub"], list) and len(got["hub"]) == 4 and got["hub"] == got["prefixed"],
+          "GPT-2 in the Hub's layout (no transformer. prefix, attention masks): model.init_from "
+          "trains the prefixed folder's losses bit for bit (%s)" % got["hub"])
+    ck_hub, ck_pre = os.path.join(tmp, "ck-hub"), os.path.join(tmp, "ck-prefixed")
+    p = sh([TOOL, "import-hf", hub_dir, ck_hub], timeout=120)
+    q = sh([TOOL, "import-hf", hf, ck_pre], timeout=120)
+    same = p.returncode == 0 and q.returncode == 0 and \
+        assemble(os.path.join(ck_hub, "model"))[0] == assemble(os.path.join(ck_pre, "model"))[0]
+    check(same and "imported %d tensors" % len(prefixed) in p.stdout,
+          "import-hf of the Hub's layout writes the prefixed folder's checkpoint, masks left out "
+          "(%s)" % (p.stdout.strip()[-120:] or p.stderr.strip()[-200:]))
+    both = dict(hub, **{"transformer.wte.weight": prefixed["transformer.wte.weight"]})
+    both_dir = folder("both", both)
+    p = sh([TOOL, "import-hf", both_dir, os.path.join(tmp, "ck-both")], timeout=120)
+    plan = os.path.join(tmp, "both.yaml")
+    with open(plan, "w") as f:
+        f.write(plan_text % (both_dir, os.path.join(ROOT, "data", "corpus.txt")))
+    q, _ = run(1, [plan])
+    check(p.returncode != 0 and "'transformer.wte.weight' is there under two names" in p.stderr
+          and q.returncode != 0 and "'transformer.wte.weight' is there under two names" in
+          q.stderr and not os.path.exists(os.path.join(tmp, "ck-both")),
+          "a folder with wte.weight and transformer.wte.weight is refused by name by import-hf "
+          "and init_from (%s / %s)" % (p.stderr.strip()[-100:], q.stderr.strip()[-100:]))
+    less = {k: v for k, v in hub.items() if k != "h.0.mlp.c_fc.bias"}
+    p = sh([TOOL, "import-hf", folder("less", less), os.path.join(tmp, "ck-less")], timeout=120)
+    check(p.returncode != 0 and "no tensor 'transformer.h.0.mlp.c_fc.bias'" in p.stderr,
+          "import-hf of a GPT-2 folder without a parameter is refused, naming it (%s)"
+          % p.stderr.strip()[-160:])
+
+
 def ckpt_family():
     """Qwen2, Qwen3, GPT-2 and Qwen3-MoE checkpoints, no model flags given: import-hf of
     tests/reference's folder (Qwen3-MoE's per-expert tensors stacked), inspect and verify,

@@ -44,7 +44,7 @@ MODES = {
                 ("dry_run", "messages")],
     "checkpoint": [("checkpoints", "checkpoints")],
     "ckpt-tool": [("ckpt_tool", "ckpt_tool"), ("ckpt_tool", "ckpt_any_model"),
-                  ("ckpt_tool", "ckpt_family")],
+                  ("ckpt_tool", "ckpt_family"), ("ckpt_tool", "gpt2_hub")],
     "ckpt-corrupt": [("ckpt_corrupt", "ckpt_corrupt")],
     "ckpt-damage": [("ckpt_damage", "ckpt_damage")],
     "gpu": [("gpu", "gpu")],
