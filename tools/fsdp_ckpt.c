@@ -428,6 +428,7 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
                    "planned; leave the model section out to take the checkpoint's)",
                    dir, o->config, why);
   }
+  p.layout_only = true;
   if (st == STATUS_OK)
     st = llama ? plan_resolve_model(&p, world) : parallel_plan_resolve(&p.par, world);
   /* the Llama's module kinds come from a meta model: no memory */

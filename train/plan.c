@@ -923,6 +923,7 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
                    (long long)p->model.n_layers);
   int64_t starts[PLAN_MAX_PP_SPLITS + 1]; /* split_starts refuses more stages than that */
   if (pp->n_pp_splits > 0) FSDPC_TRY(split_starts(p, w, S, starts));
+  if (p->layout_only) return STATUS_OK; /* the microbatches lay nothing out */
   if (pp->pp_microbatches > 0 && pp->pp_microbatches != p->grad_accum)
     return err_set(STATUS_EINVAL,
                    "%s: pipeline.microbatches: %d, but the data section gives %lld micro-batch%s "

@@ -43,6 +43,9 @@ typedef struct fsdpc_plan {
   bool deferred_init; /* build meta, parallelise, then allocate and fill only local shards */
   double moe_aux_loss_coef; /* moe.aux_loss_coef (applied to model.aux_loss_coef); < 0: not given */
   bool moe_aux_global;      /* moe.aux_loss_scope: global (over the data-parallel ranks) */
+  /* set before plan_resolve_model by a tool that lays a checkpoint out for the plan (fsdp-ckpt
+   * reshard): what only a run needs (the pipeline's microbatches) is not checked */
+  bool layout_only;
   bool pipeline_given;      /* the plan has a pipeline section (mesh.pp's schedule) */
   /* optim, schedule */
   adamw_config_t optim;

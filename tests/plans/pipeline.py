@@ -2,7 +2,8 @@
 import os
 import re
 
-from common import ROOT, TOOL, check, hf_folder, losses, mkdtemp, ranks_saying, run, sh
+from common import (ROOT, TOOL, check, hf_folder, losses, mkdtemp, ranks_saying, run, sh,
+                    st_read)
 
 PLAN = """\
 mesh:
@@ -369,6 +370,24 @@ def pipeline():
     check(len(got) == len(want) == 5 and w <= 1e-6 and "for 4 ranks" in said,
           "fsdp-ckpt reshard of pp 4's step-5 checkpoint for pp 2 x dp_shard 2 (4 ranks) resumes "
           "there with the uninterrupted run's losses (worst %.2e)" % w)
+    # a plan of mesh: and parallelize: alone (no data section, so one microbatch) lays it
+    # out the same: the microbatches lay nothing out
+    bare = os.path.join(tmp, "pp-bare.yaml")
+    with open(bare, "w") as f:
+        f.write("mesh:\n  pp: 2\n  dp_shard: 2\nparallelize:\n  fully_shard:\n"
+                "    units: [\"model.layers.*\"]\n")
+    rs2 = os.path.join(tmp, "ck-pp2dp2-bare")
+    q = sh([TOOL, "reshard", os.path.join(ck, "step-00000005"), "--to", bare, rs2], timeout=120)
+
+    def boxes(folder):
+        out = {}
+        for name in sorted(os.listdir(os.path.join(folder, "model"))):
+            h, _ = st_read(os.path.join(folder, "model", name))
+            out[name] = {k: (v["dtype"], v["shape"]) for k, v in h.items() if k != "__metadata__"}
+        return out
+    check(q.returncode == 0 and os.path.isdir(rs2) and boxes(rs2) == boxes(rs),
+          "fsdp-ckpt reshard --to a plan of only mesh: (pp 2) and parallelize: writes the full "
+          "plan's files (%s)" % (q.stderr.strip()[-160:] or "ok"))
     # refused by name, before any step
     for kvs, n, why in (
             (["mesh.pp=8", "mesh.dp_shard=1", "data.global_batch_size=8"], 8,
