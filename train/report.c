@@ -612,7 +612,8 @@ void train_dry_run(const run_t *r) {
   /* fully_shard's collectives follow from its groups whatever the model; tensor parallelism's
    * from the built-in models' plans only */
   fsdpc_plan_t fsdp_only = *p;
-  if (!r->builtin) fsdp_only.par.tp = 1;
+  bool tp_counted = p->par.tp == 1 || (r->builtin && r->pp_sched == NULL);
+  if (!tp_counted) fsdp_only.par.tp = 1;
   llama_comm_t m = llama_comm_estimate(&fsdp_only, r->groups, r->n_groups);
   char a2a[128] = "";
   if (p->par.ep > 1)
@@ -624,9 +625,11 @@ void train_dry_run(const run_t *r) {
       "communication per step and rank (docs/design.md, Performance model): all-gather %lld calls "
       "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B%s%s\n",
       m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar, a2a,
-      r->builtin || p->par.tp == 1 ? ""
-                                   : "; fully_shard's alone: tensor parallelism's activations "
-                                     "are estimated for the built-in models only");
+      tp_counted   ? ""
+      : r->builtin ? "; fully_shard's alone: tensor parallelism's activations are not "
+                     "estimated under a pipeline (the run's metrics give them)"
+                   : "; fully_shard's alone: tensor parallelism's activations are estimated "
+                     "for the built-in models only");
   /* under a pipeline, rank 0's stages and its sends to the next stage */
   double p2p = 0;
   if (r->pp_sched != NULL) {
@@ -634,6 +637,5 @@ void train_dry_run(const run_t *r) {
     p2p = (double)pp_step_send_bytes(&o, 0) + tied_bytes(r);
     printf("  point-to-point (pipeline rank 0's sends): %.0f B\n", p2p);
   }
-  if ((r->builtin || p->par.tp == 1) && (r->pp_sched == NULL || p->par.tp == 1))
-    printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar + m.a2a + p2p);
+  if (tp_counted) printf("comm_bytes %.0f\n", m.ag + m.rs + m.ar + m.a2a + p2p);
 }
