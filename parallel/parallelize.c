@@ -230,6 +230,23 @@ static int plan_shard_dim(const nn_param_t *p, void *pp) {
   return d < 0 ? INT_MIN : d;
 }
 
+/* Whether m is mod or under it. */
+static bool within(const nn_module_t *m, const nn_module_t *mod) {
+  for (const nn_module_t *up = m; up != NULL; up = nn_module_parent(up))
+    if (up == mod) return true;
+  return false;
+}
+
+/* Whether m (outside mod's subtree) uses a parameter owned in mod's subtree. */
+static bool uses_param_of(const nn_module_t *m, const nn_module_t *mod) {
+  if (within(m, mod)) return false;
+  for (int i = 0; i < nn_module_num_params(m); i++)
+    if (within(nn_module_param(m, i)->owner, mod)) return true;
+  return false;
+}
+
+#define PARALLEL_MAX_SHARERS 4
+
 static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
                                  const plan_unit_t *u) {
   fsdp_options_t o = FSDP_OPTIONS_INIT;
@@ -246,7 +263,18 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
   o.reduce_dtype = u ? u->reduce_dtype : pp->reduce_dtype;
   o.output_dtype = u ? u->output_dtype : pp->output_dtype;
   fsdp_group_t *g;
-  FSDPC_TRY(fully_shard(mod, &o, &g));
+  /* under a pipeline, the stage's modules that use a parameter of mod's (a tied head, which
+   * shares the token embedding's weight) join its unit: their forwards are the unit's */
+  nn_module_t *with[1 + PARALLEL_MAX_SHARERS];
+  int n_with = 0;
+  with[n_with++] = mod;
+  for (int i = 0; i < par->n_owned && n_with < 1 + PARALLEL_MAX_SHARERS; i++)
+    if (uses_param_of(par->owned[i], mod) && fsdp_group_of(par->owned[i]) == NULL)
+      with[n_with++] = par->owned[i];
+  if (n_with > 1)
+    FSDPC_TRY(fully_shard_modules(with, n_with, &o, &g));
+  else
+    FSDPC_TRY(fully_shard(mod, &o, &g));
   /* an expert's gradient sums its ep group's losses' (nn_moe_expert_parallel): summed over
    * the other groups too, divided by every data-parallel rank as the dense ones' average; with
    * tp, summed over the tp ranks as well, which share their tokens' gradients under sequence
@@ -293,6 +321,10 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
   for (int i = 0; i < nn_module_num_params(mod); i++) n += param_numel(nn_module_param(mod, i));
   *left = n;
   if (mod == par->root) return STATUS_OK;
+  if (fsdp_group_of(mod) != NULL) { /* joined the unit of the module it shares with */
+    *left = 0;
+    return STATUS_OK;
+  }
   if (par->owned != NULL && !parallel_holds(par, mod)) { /* another stage's: not sharded here */
     *left = 0;
     return STATUS_OK;

@@ -122,6 +122,9 @@ def pipeline():
         w = worst(refs[g], got)
         check(w <= 2e-5, "%s on %d ranks: one rank's ten losses and gradient norms within 2e-5 "
                          "(worst %.2e)" % (what, n, w))
+        if g == "tied":  # the head's stage gathers the shared weight as its unit's, not on demand
+            check("ran outside the forward" not in p.stderr,
+                  "%s: the tied head runs inside its unit, without an on-demand warning" % what)
         if p.returncode != 0:
             print(p.stdout[-1500:], p.stderr[-1500:])
             continue
