@@ -205,6 +205,7 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   bool dp = pp->dp_shard * pp->dp_replicate > 1, accum = p->grad_accum > 1;
   double ea = (double)dtype_size(u.unit_dtype), er = (double)dtype_size(u.root_dtype);
   double Ns = sp ? N / t : N; /* tokens of a rank between blocks */
+  bool gpt2 = c->arch == LLAMA_ARCH_GPT2;
 
   /* what one block's tape keeps: its norms' and residual adds' outputs, o and the down
    * projection (D wide), q, the rotated q and attention (n_heads x head_dim wide), k, v and
@@ -222,6 +223,11 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
             B * (H / t) * T * 4;
   else
     block = ea * (6 * N * D + 3 * N * QD + 3 * N * KVD + 3 * N * F) + 2 * N * 4 + B * H * T * 4;
+  /* GPT-2's block keeps more: c_attn's product and its bias's sum (3 D / t wide each) and the
+   * narrowed copies of q, k and v in place of q, k, v and the rotated q and k (4 N D / t
+   * more); both c_proj's bias sums beside their products (2 Ns D); each LayerNorm's mean
+   * beside its inverse deviation (2 Ns f32) */
+  if (gpt2) block += ea * (4 * N * D / t + 2 * Ns * D) + 2 * Ns * 4;
   if (c->qk_norm) /* Qwen3's normalised q and k heads and their inverse RMS */
     block += ea * N * (QD + KVD) / t + 4 * N * (H + (double)c->n_kv_heads) / t;
   /* the sparse layers: in place of the MLP's 3 N F / t, the router's logits and probabilities
@@ -240,8 +246,12 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   double sparse = (double)llama_num_moe_layers(c);
   double all_blocks = (L - sparse) * block + sparse * block_moe;
   double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
-  double ids = 4 * N * 8;     /* input ids and labels, and their copies */
-  double emb = tp ? er * (N * D + Ns * D) : er * N * D;
+  /* input ids and labels, and their copies; GPT-2's position ids (kept between steps) */
+  double ids = 4 * N * 8 + (gpt2 ? N * 8 : 0);
+  /* the embedding's output (whole and reduced under tensor parallelism); GPT-2's wte's and
+   * wpe's outputs beside their sum */
+  double emb = gpt2 ? (tp ? er * (2 * N * D + 3 * Ns * D) : 3 * er * N * D)
+                    : (tp ? er * (N * D + Ns * D) : er * N * D);
   /* under tensor parallelism the local logits and their copy sent, the gathered blocks and
    * their reordering into whole rows */
   double logits =
@@ -273,19 +283,24 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   double ahead = u.kept_largest == u.unit_gathered ? 0 : u.unit_gathered;
   double kept = u.kept_all - u.kept_largest; /* what the blocks before the last keep */
 
+  /* the final norm's f32 rows: RMSNorm's inverse RMS; a LayerNorm's mean too */
+  double fnorm = (gpt2 ? 2 : 1) * Ns * 4;
   /* 1: the loss's backward: every block's tape, the final norm's output (and its gathered
-   * copy under sequence parallelism), the logits (their gradient written over the whole ones)
-   * and the gradient's local slice, the last unit being gathered for backward */
+   * copy under sequence parallelism), the logits (their gradient written over them) and, at
+   * the lm_head's backward, its input's and weight's gradients; under tensor parallelism the
+   * whole gradient and its local slice (the gathered blocks and their reordering are gone by
+   * then), the last unit being gathered for backward */
   *out = moment("the loss's backward", state, ids + emb + (ac ? L * out_b : all_blocks),
                 u.root_gathered + ahead + kept,
-                er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + logits + (tp ? er * N * V / t : 0) +
+                er * (Ns * D + (sp ? N * D : 0)) + fnorm +
+                    (tp ? er * (N * V + N * V / t + N * pad) : logits + er * (N * D + V * D)) +
                     root_pending);
   /* 1b: under tensor parallelism, the logits made whole at the forward's end: the local
    * logits and their copy sent, the gathered blocks and their reordering into whole rows */
   if (tp) {
     llama_memory_t m = moment("the logits made whole", state,
                               ids + emb + (ac ? L * out_b : all_blocks), u.root_gathered + kept,
-                              er * (Ns * D + (sp ? N * D : 0)) + Ns * 4 + 2 * er * N * V / t +
+                              er * (Ns * D + (sp ? N * D : 0)) + fnorm + 2 * er * N * V / t +
                                   2 * er * N * V + root_pending);
     if (m.peak > out->peak) *out = m;
   }
@@ -294,8 +309,11 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
    * first), its parameters and the next unit's being gathered, its MLP's input gradients;
    * below the last block, the gradients of the block after it being reduced (whole in the
    * reduce dtype, and the reduced shard) and the shards of those reduced before */
-  double dense_mlp = ac ? (tp ? ea * (2 * N * D + Ns * D) : ea * (3 * N * F + F * D))
-                        : ea * (3 * N * F / t + F * D / t);
+  /* GPT-2's GELU backward: its output's gradient and its input's (2 F wide, SwiGLU's 3), and
+   * c_proj's bias gradient beside its weight's */
+  double fw = gpt2 ? 2 : 3, cb = gpt2 ? ea * D : 0;
+  double dense_mlp = ac ? (tp ? ea * (2 * N * D + Ns * D) : ea * (fw * N * F + F * D) + cb)
+                        : ea * (fw * N * F / t + F * D / t) + cb;
   double moe_mlp =
       ea * (3 * Nm * Km * Fm + E * Fm * D) + (Fs > 0 ? ea * (3 * Nm * Fs + 3 * Fs * D) : 0);
   double sparse_below = sparse; /* of the layers below i, in the loop */
@@ -303,7 +321,9 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
     bool last = i == c->n_layers - 1, moe = llama_layer_is_moe(c, i);
     sparse_below -= moe;
     double bi = moe ? block_moe : block, mlp = moe ? moe_mlp : dense_mlp;
-    double own = ac ? (tp ? bi : bi - out_b) : bi - 2 * out_b;
+    /* GPT-2: c_proj's bias sum used too, beside its product (and the block's output) */
+    double used = gpt2 && !tp ? out_b : 0;
+    double own = ac ? (tp ? bi : bi - out_b - used) : bi - 2 * out_b - used;
     double below = ((double)i - sparse_below) * block + sparse_below * block_moe;
     if (!last && !(dp && u.unit > 0)) break; /* nothing reduces: the last block peaks */
     double before = (double)i, after = L - 1 - before;
