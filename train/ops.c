@@ -34,6 +34,9 @@ fsdpc_status_t train_signals_install(const fsdpc_plan_t *p) {
   sa.sa_handler = on_signal;
   sa.sa_flags = SA_RESTART; /* reads, writes and waits go on; the loop looks at the boundary */
   sigemptyset(&sa.sa_mask);
+  /* a closed output (| head, a tee whose session dropped) must not kill a run: its prints
+   * fail and training goes on to its saves */
+  signal(SIGPIPE, SIG_IGN);
   for (int i = 0; i < p->n_signals; i++)
     if (sigaction(p->signals[i], &sa, NULL) != 0)
       return err_set(STATUS_EINVAL, "train.signals: cannot handle %s: %s",

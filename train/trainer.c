@@ -253,6 +253,35 @@ static fsdpc_status_t check_own_model(const run_t *r) {
 /* What would fail later is refused now, on every rank, a dry run included: outputs that would
  * replace an input, a checkpoint of another model, step folders the run would save over.
  * Collective over the world. */
+static data_spec_t spec_of(const run_t *r);
+
+/* The samples d gives this rank for micro-batches [0, micros) of step `step` (an evaluation's
+ * batch), read and dropped: a token outside the vocabulary or a file cut short, named under
+ * key. Local. */
+static fsdpc_status_t check_samples(const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
+                                    int64_t micros, const char *key) {
+  for (int64_t k = 0; k < micros; k++) {
+    fsdpc_tensor_t in = {0}, tg = {0};
+    fsdpc_status_t st = data_batch(d, spec, step, k, &in, &tg);
+    tensor_free(&in);
+    tensor_free(&tg);
+    if (st != STATUS_OK) return err_prefix(st, "%s", key);
+  }
+  return STATUS_OK;
+}
+
+/* eval.path's batches, the same at every evaluation: read once before the first step, so
+ * that a bad one stops the run now, not after an interval of training. */
+static fsdpc_status_t check_eval_samples(const run_t *r) {
+  if (r->eval == NULL) return STATUS_OK;
+  data_spec_t one = spec_of(r);
+  one.batch_size = r->plan.eval_batch_size;
+  one.grad_accum = 1;
+  for (int64_t b = 0; b < r->plan.eval_batches; b++)
+    FSDPC_TRY(check_samples(r->eval, &one, b, 1, "eval.path"));
+  return STATUS_OK;
+}
+
 static fsdpc_status_t check_before_training(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   const char *metrics = r->args.metrics ? r->args.metrics : p->metrics;
@@ -262,6 +291,7 @@ static fsdpc_status_t check_before_training(run_t *r) {
   if (st == STATUS_OK && r->resumed_from[0] && r->builtin)
     st = train_check_model(p, r->resumed_from);
   if (st == STATUS_OK && r->resumed_from[0] && !r->builtin) st = check_own_model(r);
+  if (st == STATUS_OK) st = check_eval_samples(r);
   FSDPC_TRY(pg_agree(world_pg(), st));
   int64_t start = 0; /* the step the checkpoint was saved after (read again by the load) */
   if (r->resumed_from[0]) st = train_checkpoint_step(r->resumed_from, &start);
@@ -549,6 +579,11 @@ typedef struct loop {
   int bad;           /* errno of a metrics write that failed on this rank */
   bool lead, tty;    /* rank 0; and a live progress bar on its terminal */
   bool agreed;       /* the loop's failure is one every rank met alike */
+  /* and one that left the model as its last completed step made it (a bad sample, a full
+   * metrics disk, a non-finite step): that step is saved before the run stops */
+  bool keep;
+  int64_t completed; /* the steps the model has taken */
+  int64_t asked;     /* the last step handed to the saver */
   double t_start, t_profile, first_loss, last_loss, tok_sum, step_max;
   int64_t steps_done, profile_from;
   size_t peak_max;
@@ -593,6 +628,7 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
   const fsdpc_plan_t *p = &r->plan;
   memset(L, 0, sizeof *L);
   L->spec = spec_of(r);
+  L->completed = L->asked = r->start_step;
   L->sched = (lr_schedule_t){
       .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
   L->mpath = r->args.metrics ? r->args.metrics : p->metrics;
@@ -638,8 +674,15 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
 static fsdpc_status_t step_compute(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   nn_module_t *root = r->root;
+  /* the step's samples read first, on every rank, before any of its collectives: a bad one
+   * stops every rank alike with the model as the last step left it */
+  fsdpc_status_t st =
+      pg_agree(world_pg(), check_samples(r->data, &L->spec, o->s, p->grad_accum, "data.path"));
+  if (st != STATUS_OK) {
+    L->agreed = L->keep = true;
+    return st;
+  }
   optim_zero_grad(r->opt);
-  fsdpc_status_t st = STATUS_OK;
   int64_t ran = 0; /* micro-steps whose loss tensors are to be read (none under a pipeline) */
   if (r->pp_sched != NULL) { /* the micro-batches through the pipeline's schedule */
     st = train_pp_step(r, &L->spec, o->s, &o->loss, &o->p2p);
@@ -703,7 +746,7 @@ static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
   /* the same verdict on every rank: the loss and the norm are reduced over the world */
   o->finite = isfinite(o->loss) && isfinite(o->norm);
   if (!o->finite && !p->skip_nonfinite) {
-    L->agreed = true;
+    L->agreed = L->keep = true; /* the optimizer has not applied it */
     return err_set(STATUS_EINVAL,
                    "step %lld: the loss is %g and the gradient norm %g; stopping before the "
                    "optimizer applies the step, so the weights and the last checkpoint stay "
@@ -728,6 +771,7 @@ static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
   /* the MoE blocks' expert_bias toward the step's mean load (nn_moe_set_routing's bias) */
   if (o->finite) FSDPC_TRY(nn_moe_update_bias(r->root, world_pg()));
   if (!o->finite) nn_moe_discard_bias_counts(r->root); /* the skipped step's routing */
+  L->completed = o->s + 1;
   FSDPC_TRY(device_stream_sync(r->dev));
   o->dt = device_clock_seconds() - o->t0;
   o->tokens = (double)(train_global_batch(r) * p->seq_len);
@@ -760,6 +804,7 @@ static fsdpc_status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
     st = pg_agree(world_pg(), saved_under(r, &under));
     if (st == STATUS_OK)
       st = train_save(&L->saver, r, done, under, o->stopping || done == p->steps);
+    if (st == STATUS_OK) L->asked = done;
     free(under);
   }
   L->agreed = st != STATUS_OK;
@@ -819,8 +864,12 @@ static void metrics_write(run_t *r, loop_t *L, const step_out_t *o) {
       cJSON_AddNumberToObject(j, "ckpt_save_s", L->saver.last_s);
     }
     char *line = cJSON_PrintUnformatted(j);
-    if (line == NULL || fprintf(L->mf, "%s\n", line) < 0 || fflush(L->mf) != 0)
+    long at = ftell(L->mf);
+    if (line == NULL || fprintf(L->mf, "%s\n", line) < 0 || fflush(L->mf) != 0) {
       L->bad = errno ? errno : EIO;
+      /* the file ends on its last whole line, as fsdp-plot reads it */
+      if (at >= 0 && ftruncate(fileno(L->mf), at) == 0) clearerr(L->mf);
+    }
     free(line);
     cJSON_Delete(j);
   }
@@ -830,7 +879,7 @@ static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
   metrics_write(r, L, o);
   if (!L->mpath[0]) return STATUS_OK;
   fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
-  if (st != STATUS_OK) L->agreed = true;
+  if (st != STATUS_OK) L->agreed = L->keep = true;
   return st;
 }
 
@@ -922,6 +971,32 @@ static fsdpc_status_t profile_report(const run_t *r, const loop_t *L) {
   return st;
 }
 
+/* After a failure every rank met alike with the model as its last completed step made it:
+ * that step saved (and a save in flight committed) before the run stops on st, whose
+ * message is kept. Collective. */
+static fsdpc_status_t save_before_stopping(run_t *r, loop_t *L, fsdpc_status_t st) {
+  if (!r->plan.ckpt_dir[0]) return st;
+  char why[4096];
+  snprintf(why, sizeof why, "%s", err_detail());
+  fsdpc_status_t sv = STATUS_OK;
+  if (L->completed > L->asked) {
+    char *under = NULL;
+    sv = pg_agree(world_pg(), saved_under(r, &under));
+    if (sv == STATUS_OK) sv = train_save(&L->saver, r, L->completed, under, true);
+    free(under);
+  } else {
+    sv = train_save_finish(&L->saver, r);
+  }
+  if (world_rank() == 0 && sv == STATUS_OK && L->completed > r->start_step)
+    fprintf(stderr,
+            "%s: stopping after step %lld on the error below; saved %s/step-%08lld first "
+            "(resume with checkpoint.load: auto)\n",
+            train_prog(), (long long)L->completed, r->plan.ckpt_dir, (long long)L->completed);
+  if (world_rank() == 0 && sv != STATUS_OK)
+    fprintf(stderr, "%s: the save before stopping failed too: %s\n", train_prog(), err_detail());
+  return err_set(st, "%s", why);
+}
+
 /* Finish: the saver and the metrics file closed (agreed), the plot, rank 0's summary. */
 static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   /* a failure this rank may have met alone (memory, the data file, a device) stops the others
@@ -974,6 +1049,7 @@ static fsdpc_status_t train(run_t *r) {
   bool stop = false;
   for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK && !stop; s++)
     st = step(r, &L, s, &stop);
+  if (st != STATUS_OK && L.keep) st = save_before_stopping(r, &L, st);
   return loop_finish(r, &L, st);
 }
 

@@ -133,6 +133,47 @@ def operations():
         got = saved(ck) if os.path.isdir(ck) else []
         check(p.returncode == 0 and got == want,
               "checkpoint.dir with %s leaves %s (%s)" % (" ".join(sets), want, got))
+    # 1b. a run stopped by a bad sample, a non-finite step or a full metrics disk saves the
+    # step before it: a u16 file whose token 256 x 7 + 10 (read by step 8 on 2 ranks of 2
+    # samples of 64) is outside the vocabulary
+    import struct
+    bad = os.path.join(tmp, "bad16.bin")
+    toks = [(i * 7) % 256 for i in range(256 * 20)]
+    toks[256 * 7 + 10] = 300
+    with open(bad, "wb") as f:
+        f.write(struct.pack("<%dH" % len(toks), *toks))
+    ck = os.path.join(tmp, "bad-sample")
+    p, _ = run(2, [cfg, "--set", "data.path=" + bad, "--set", "data.format=u16", "--set",
+                   "train.steps=20", "--set", "checkpoint.interval=5", "--set",
+                   "checkpoint.dir=" + ck])
+    got = saved(ck) if os.path.isdir(ck) else []
+    check(p.returncode == 1 and "data.path: data file %s: the token at byte offset %d has id "
+          "300" % (bad, 2 * (256 * 7 + 10)) in p.stderr and "stopping after step 7 on the "
+          "error below; saved %s/step-00000007 first" % ck in p.stderr and
+          got == ["step-00000005", "step-00000007"],
+          "a bad token met at step 8 stops every rank, naming data.path, and saves step 7 "
+          "first (%s; %s)" % (got, p.stderr.strip()[-200:]))
+    # the evaluation's batches are read before the first step (and by --dry-run)
+    for dry in ([], ["--dry-run"]):
+        ck = os.path.join(tmp, "bad-eval%d" % len(dry))
+        p, _ = run(2, [cfg, "--set", "eval.path=" + bad, "--set", "eval.format=u16", "--set",
+                       "eval.batches=8", "--set", "eval.interval=100", "--set",
+                       "checkpoint.dir=" + ck] + dry)
+        check(p.returncode == 1 and "eval.path: data file %s: the token at byte offset" % bad
+              in p.stderr and "step " not in p.stdout and not (os.path.isdir(ck) and saved(ck)),
+              "a bad token in eval.path's batches is refused before the first step%s (%s)"
+              % (" by --dry-run" if dry else "", p.stderr.strip()[-160:]))
+    # a closed output (| head) does not kill the run: it trains on and saves its last step
+    ck = os.path.join(tmp, "closed-pipe")
+    proc = subprocess.Popen([EXE, debug, "--set", "train.steps=40", "--set", "log.interval=1",
+                             "--set", "checkpoint.dir=" + ck], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    proc.stdout.readline()
+    proc.stdout.close()
+    rc = proc.wait(timeout=120)
+    check(rc == 0 and saved(ck) == ["step-00000040"],
+          "fsdp-train with its output closed (| head) trains on and saves its last step "
+          "(exit %d, %s)" % (rc, saved(ck) if os.path.isdir(ck) else []))
 
     # 2. signals and the time limit, on 4 ranks: a save at the step boundary, exit 75, and a
     # resume whose losses equal an uninterrupted run's bit for bit
