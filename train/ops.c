@@ -456,6 +456,53 @@ fsdpc_status_t train_check_step_folders(const fsdpc_plan_t *p, int64_t start) {
   return pg_agree(world_pg(), st);
 }
 
+/* Whether name is one of a run's step folders (or their .tmp), by its start: "step-" and a
+ * digit. */
+static bool step_folder_name(const char *name, size_t n) {
+  return n > 5 && strncmp(name, "step-", 5) == 0 && name[5] >= '0' && name[5] <= '9';
+}
+
+/* An output must not be what checkpoint.dir's run manages: its lock file, a step folder's
+ * name, or a file inside one (which checkpoint.keep prunes and checkpoint.overwrite replaces). */
+static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *path,
+                                          const char *what) {
+  if (!p->ckpt_dir[0]) return STATUS_OK;
+  char parent[PLAN_PATH_MAX + 8];
+  const char *slash = strrchr(path, '/');
+  const char *base = slash ? slash + 1 : path;
+  if (slash == NULL)
+    snprintf(parent, sizeof parent, ".");
+  else if (slash == path)
+    snprintf(parent, sizeof parent, "/");
+  else
+    snprintf(parent, sizeof parent, "%.*s", (int)(slash - path), path);
+  char *dir = realpath(p->ckpt_dir, NULL), *at = realpath(parent, NULL);
+  fsdpc_status_t st = STATUS_OK;
+  size_t n = dir ? strlen(dir) : 0;
+  if (dir != NULL && at != NULL && strcmp(at, dir) == 0) { /* in the folder itself */
+    if (strcmp(base, "fsdp-train.lock") == 0)
+      st = err_set(STATUS_EINVAL, "%s '%s' is checkpoint.dir's lock file; name another file", what,
+                   path);
+    else if (step_folder_name(base, strlen(base)))
+      st = err_set(STATUS_EINVAL,
+                   "%s '%s' is named as checkpoint.dir's step folders are, which the run "
+                   "saves, prunes and replaces; name another file",
+                   what, path);
+  } else if (dir != NULL && at != NULL && strncmp(at, dir, n) == 0 && at[n] == '/') {
+    const char *sub = at + n + 1, *end = strchr(sub, '/');
+    size_t len = end ? (size_t)(end - sub) : strlen(sub);
+    if (step_folder_name(sub, len))
+      st = err_set(STATUS_EINVAL,
+                   "%s '%s' lies in checkpoint.dir's step folder %.*s, which checkpoint.keep "
+                   "prunes and checkpoint.overwrite replaces; name a path outside the step "
+                   "folders",
+                   what, path, (int)len, sub);
+  }
+  free(dir);
+  free(at);
+  return st;
+}
+
 fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, const char *plot,
                                    const fsdpc_data_t *data, const fsdpc_data_t *eval,
                                    const char *resumed) {
@@ -473,11 +520,13 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
   if (st == STATUS_OK && resumed && resumed[0])
     st = file_inputs_add(in, resumed, "a file of the checkpoint it resumes");
   if (st == STATUS_OK && metrics && metrics[0]) {
-    st = file_check_output(metrics, "--metrics (or log.metrics)", in);
+    st = outside_checkpoints(p, metrics, "--metrics (or log.metrics)");
+    if (st == STATUS_OK) st = file_check_output(metrics, "--metrics (or log.metrics)", in);
     if (st == STATUS_OK) st = file_inputs_add(in, metrics, "the metrics file");
   }
   if (st == STATUS_OK && plot) {
-    st = file_check_output(plot, "--plot", in);
+    st = outside_checkpoints(p, plot, "--plot");
+    if (st == STATUS_OK) st = file_check_output(plot, "--plot", in);
     if (st == STATUS_OK && metrics && strcmp(plot, metrics) == 0)
       st = err_set(STATUS_EINVAL, "--plot '%s' is the metrics file it draws; name another file",
                    plot);

@@ -95,6 +95,8 @@ static fsdpc_status_t parse_args(int argc, char **argv, args_t *a) {
     return err_set(STATUS_EINVAL, "--world plans a job without running it: it goes with --dry-run");
   if (a->ranks_per_node && !a->world)
     return err_set(STATUS_EINVAL, "--ranks-per-node goes with --world");
+  if (a->metrics != NULL && a->metrics[0] == 0) /* an unset shell variable: no metrics */
+    return err_set(STATUS_EINVAL, "--metrics '': empty path");
   return STATUS_OK;
 }
 

@@ -516,3 +516,24 @@ def operations():
               re.search(r"an input of this run|not a regular file|the metrics file it draws",
                         p.stderr),
               "%s: refused, the file intact (%s)" % (name, p.stderr.strip()[-160:]))
+    # outputs where checkpoint.dir's run prunes, replaces or locks: refused before step 1
+    own = os.path.join(tmp, "own-ck")
+    sh(mine + ["--set", "checkpoint.dir=" + own], timeout=120)  # leaves step-00000001
+    for name, out, said in (
+            ("--metrics inside a step folder", ["--metrics",
+                                                os.path.join(own, "step-00000001", "m.jsonl")],
+             "lies in checkpoint.dir's step folder step-00000001"),
+            ("--metrics at the lock file", ["--metrics", os.path.join(own, "fsdp-train.lock")],
+             "is checkpoint.dir's lock file"),
+            ("--metrics named as a later step folder",
+             ["--metrics", os.path.join(own, "step-00000004")],
+             "is named as checkpoint.dir's step folders are"),
+            ("--plot named as a later step folder",
+             ["--metrics", os.path.join(tmp, "q.jsonl"), "--plot",
+              os.path.join(own, "step-00000004")], "is named as checkpoint.dir's step folders"),
+            ("--metrics ''", ["--metrics", ""], "--metrics '': empty path")):
+        p = sh(mine + ["--set", "train.steps=4", "--set", "checkpoint.dir=" + own,
+                       "--set", "checkpoint.load=auto"] + out, timeout=120)
+        check(p.returncode != 0 and said in p.stderr and
+              sorted(os.listdir(own)) == ["step-00000001"],
+              "%s: refused before the first step (%s)" % (name, p.stderr.strip()[-160:]))
