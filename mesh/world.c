@@ -460,23 +460,46 @@ bool world_agree_report(fsdpc_status_t st, const char *prog) {
     if (mine[0]) fprintf(stderr, "%s: [rank %d] %s\n", prog, rank, text);
   } else if (rank == 0) {
     /* "rank K: X", where rank K says X: the agreement's copy of K's failure, said once with
-     * K's */
-    for (int r = 0; r < size; r++) {
+     * K's, which is named where the others only pass it on ("[ranks 0-3, from rank 1]") */
+    bool *relayed = calloc((size_t)size, sizeof *relayed);
+    for (int r = 0; relayed && r < size; r++) {
       char *m = all + (size_t)r * N;
       int k = -1, at = 0;
       if (sscanf(m, "rank %d: %n", &k, &at) == 1 && at > 0 && k >= 0 && k < size && k != r &&
-          strcmp(m + at, all + (size_t)k * N) == 0)
+          strcmp(m + at, all + (size_t)k * N) == 0) {
         memmove(m, m + at, strlen(m + at) + 1);
+        relayed[r] = true;
+      }
     }
-    char ranks[256];
+    char ranks[256], from[256];
     for (int pass = 0; pass < 2; pass++) /* the failures first, then the others */
       for (int r = 0; r < size; r++) {
         const char *m = all + (size_t)r * N;
         if (done[r] || (pass == 0) != (m[0] != '\0')) continue;
+        bool *was = relayed ? calloc((size_t)size, sizeof *was) : NULL;
+        if (was != NULL) memcpy(was, done, sizeof *done * (size_t)size);
         int count = rank_list(ranks, sizeof ranks, all, N, size, r, done);
-        fprintf(stderr, "%s: [rank%s %s] %s\n", prog, count == 1 ? "" : "s", ranks,
-                m[0] ? m : "stopping: another rank failed");
+        /* of the group (newly done), those that said it themselves */
+        int said = 0, own = 0;
+        size_t len = 0;
+        from[0] = '\0';
+        for (int k = 0; was != NULL && k < size; k++) {
+          if (was[k] || !done[k]) continue;
+          said++;
+          if (relayed[k]) continue;
+          own++;
+          int w = snprintf(from + len, sizeof from - len, "%s%d", len ? "," : "", k);
+          if (w > 0 && (size_t)w < sizeof from - len) len += (size_t)w;
+        }
+        free(was);
+        if (own > 0 && own < said)
+          fprintf(stderr, "%s: [rank%s %s, from rank%s %s] %s\n", prog, count == 1 ? "" : "s",
+                  ranks, own == 1 ? "" : "s", from, m);
+        else
+          fprintf(stderr, "%s: [rank%s %s] %s\n", prog, count == 1 ? "" : "s", ranks,
+                  m[0] ? m : "stopping: another rank failed");
       }
+    free(relayed);
   }
   /* no rank exits before rank 0 has printed: mpirun ends the job at the first failed exit */
   if (gs == STATUS_OK) (void)world_barrier(MPI_COMM_WORLD, "MPI_Barrier (error messages)");

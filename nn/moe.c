@@ -117,7 +117,9 @@ fsdpc_status_t nn_moe_aux_share_over(nn_moe_aux_t *a, pg_t *const *groups, int n
 }
 
 fsdpc_status_t nn_moe_aux_stats_share(const nn_moe_aux_t *a, double *v) {
-  if (a == NULL || v == NULL || a->coef == 0) return STATUS_OK;
+  ARG_NONNULL(a);
+  ARG_NONNULL(v);
+  if (a->coef == 0) return STATUS_OK;
   fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < a->n_share && st == STATUS_OK; i++)
     st = pg_host_all_reduce(a->share[i], v, v, (size_t)nn_moe_aux_stats_len(a), PG_HOST_F64,
@@ -126,7 +128,8 @@ fsdpc_status_t nn_moe_aux_stats_share(const nn_moe_aux_t *a, double *v) {
 }
 
 fsdpc_status_t nn_moe_aux_share(nn_moe_aux_t *a) {
-  if (a == NULL || a->coef == 0 || a->n_share == 0) return STATUS_OK;
+  ARG_NONNULL(a);
+  if (a->coef == 0 || a->n_share == 0) return STATUS_OK;
   int E = a->n_experts, len = nn_moe_aux_stats_len(a);
   double *v = calloc((size_t)len, sizeof *v);
   if (v == NULL) return err_set(STATUS_ENOMEM, "MoE load-balancing loss: out of host memory");

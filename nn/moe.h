@@ -169,8 +169,8 @@ bool nn_moe_aux_take_step(nn_moe_aux_t *a, int64_t *counts, int n_experts, doubl
  * the loss and its gradient are those of the whole batch's tokens (Megatron's global
  * auxiliary loss), the same however it is split; the gradient is scaled by weight against the
  * averaging. The step's expert choices stay this rank's own. nn_moe_aux_share does nothing
- * with a NULL a, no groups or a coefficient of 0; it is collective over the groups. Groups
- * must outlive a. */
+ * without groups or with a coefficient of 0; it is collective over the groups. Groups must
+ * outlive a. */
 #define NN_MOE_SHARE_MAX 4
 fsdpc_status_t nn_moe_aux_share_over(nn_moe_aux_t *a, pg_t *const *groups, int n, double weight);
 fsdpc_status_t nn_moe_aux_share(nn_moe_aux_t *a);

@@ -27,6 +27,7 @@ struct optim {
 static const char *fqn_of(const nn_param_t *p) { return p->fqn ? p->fqn : p->name; }
 
 bool optim_group_matches(const adamw_group_t *group, nn_param_t *const *params, int n) {
+  if (group == NULL || (n > 0 && params == NULL)) return false;
   if (group->pattern == NULL) return true;
   for (int i = 0; i < n; i++)
     if (fnmatch(group->pattern, fqn_of(params[i]), 0) == 0) return true;

@@ -57,7 +57,7 @@ typedef struct adamw_config {
 typedef struct optim optim_t;
 
 /* Whether group matches one of params[0..n) by FQN (a group without a pattern matches any);
- * optim_new refuses a group that matches none of its parameters. */
+ * optim_new refuses a group that matches none of its parameters. False for NULL arguments. */
 bool optim_group_matches(const adamw_group_t *group, nn_param_t *const *params, int n);
 
 /* An optimizer over params (borrowed; they must outlive it). Patterns are copied. */

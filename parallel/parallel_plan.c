@@ -24,6 +24,7 @@ void parallel_plan_defaults(parallel_plan_t *pp) {
   pp->param_dtype = pp->reduce_dtype = pp->output_dtype = DTYPE_COUNT;
   snprintf(pp->optim_where.text, sizeof pp->optim_where.text, "(plan)");
   snprintf(pp->ep_where.text, sizeof pp->ep_where.text, "(plan)");
+  snprintf(pp->tp_size_where.text, sizeof pp->tp_size_where.text, "(plan)");
 }
 
 fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
@@ -32,15 +33,19 @@ fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_section(c, root, "mesh", keys, &m));
   if (m == 0) {
     snprintf(c->par->mesh_where.text, sizeof c->par->mesh_where.text, "%s", c->source);
-    c->par->ep_where = c->par->mesh_where;
+    c->par->ep_where = c->par->tp_size_where = c->par->mesh_where;
     return STATUS_OK;
   }
   pr_where_section(c, m, keys, &c->par->mesh_where);
-  int ep = pr_find(c, m, "ep");
+  int ep = pr_find(c, m, "ep"), tp = pr_find(c, m, "tp");
   if (ep != 0)
     pr_where_of(c, ep, &c->par->ep_where);
   else
     c->par->ep_where = c->par->mesh_where;
+  if (tp != 0)
+    pr_where_of(c, tp, &c->par->tp_size_where);
+  else
+    c->par->tp_size_where = c->par->mesh_where;
   FSDPC_TRY(pr_get_size(c, m, "mesh", "dp_replicate", &c->par->dp_replicate));
   FSDPC_TRY(pr_get_size(c, m, "mesh", "dp_shard", &c->par->dp_shard));
   FSDPC_TRY(pr_get_size(c, m, "mesh", "tp", &c->par->tp));

@@ -99,6 +99,7 @@ typedef struct parallel_plan {
   int n_pp_splits;
   plan_where_t mesh_where, pp_where;
   plan_where_t ep_where; /* mesh.ep's own place (mesh_where without it) */
+  plan_where_t tp_size_where; /* mesh.tp's own place (mesh_where without it) */
   /* parallelize.fully_shard */
   plan_unit_t units[PLAN_MAX_UNITS];
   int n_units;

@@ -7,6 +7,7 @@
  * overlaid, each run in its own colour, with a legend naming the files (comparing plans is
  * the common case). No plotting library: the SVG is written directly.
  */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +40,14 @@ int main(int argc, char **argv) {
       free(files);
       return 0;
     }
-    if (strcmp(s, "-o") == 0 || strcmp(s, "--output") == 0) {
+    bool o = strcmp(s, "-o") == 0 || strcmp(s, "--output") == 0;
+    if ((o || strncmp(s, "--output=", 9) == 0) && out != NULL) {
+      fprintf(stderr, "fsdp-plot: %s: the output is already given ('%s'); one picture a run\n", s,
+              out);
+      free(files);
+      return 2;
+    }
+    if (o) {
       if (i + 1 >= argc) {
         fprintf(stderr, "fsdp-plot: %s needs a file name\n", s);
         free(files);

@@ -346,8 +346,24 @@ static const char *strategy_name(const char *v) {
   return NULL;
 }
 
+/* The unit pattern of a decoder layer class of the built-in family (transformers' names), or
+ * NULL. */
+static const char *layer_pattern(const char *cls) {
+  static const char *const model_layers[] = {"LlamaDecoderLayer",
+                                             "Qwen2DecoderLayer",
+                                             "Qwen3DecoderLayer",
+                                             "Qwen3MoeDecoderLayer",
+                                             "Qwen2MoeDecoderLayer",
+                                             "MixtralDecoderLayer",
+                                             NULL};
+  for (int i = 0; model_layers[i]; i++)
+    if (strcmp(cls, model_layers[i]) == 0) return "model.layers.*";
+  return strcmp(cls, "GPT2Block") == 0 ? "transformer.h.*" : NULL;
+}
+
 /* fsdp_transformer_layer_cls_to_wrap: a class name, a comma-separated list of them, or a YAML
- * list. LlamaDecoderLayer is the built-in Llama's layer; any other class is listed. */
+ * list. The built-in family's decoder layers become their unit patterns; any other class is
+ * listed. */
 static void wrap_classes(out_t *o, const cJSON *cls, const char *from) {
   char names[512] = "", b[160];
   if (cJSON_IsArray(cls)) {
@@ -360,20 +376,37 @@ static void wrap_classes(out_t *o, const cJSON *cls, const char *from) {
     const char *v = plan_text_of(cls, b, sizeof b);
     snprintf(names, sizeof names, "%s", v && cJSON_IsString(cls) ? v : "");
   }
-  bool llama = false;
+  const char *patterns[2] = {NULL, NULL}; /* model.layers.*, transformer.h.*: each once */
+  char classes[512] = "";
+  int unknown = 0;
   for (char *save = NULL, *name = strtok_r(names, ", ", &save); name;
        name = strtok_r(NULL, ", ", &save)) {
-    if (strcmp(name, "LlamaDecoderLayer") == 0)
-      llama = true;
-    else
+    const char *pat = layer_pattern(name);
+    if (pat == NULL) {
+      unknown++;
       leave(o, "fsdp_config.fsdp_transformer_layer_cls_to_wrap",
-            "'%s': units are FQN patterns here; the built-in Llama's layers are "
-            "\"model.layers.*\"",
+            "'%s': units are FQN patterns here; the built-in models' layers are "
+            "\"model.layers.*\" (Llama, Qwen, Mixtral) and \"transformer.h.*\" (GPT-2)",
             name);
+      continue;
+    }
+    patterns[strcmp(pat, "model.layers.*") == 0 ? 0 : 1] = pat;
+    snprintf(classes + strlen(classes), sizeof classes - strlen(classes), "%s%s",
+             classes[0] ? ", " : "", name);
   }
-  if (llama)
-    put(o, "parallelize.fully_shard", "units", "[\"model.layers.*\"]",
-        "%s with LlamaDecoderLayer: one unit per decoder layer", from);
+  char units[64];
+  if (patterns[0] && patterns[1])
+    snprintf(units, sizeof units, "[\"%s\", \"%s\"]", patterns[0], patterns[1]);
+  else if (patterns[0] || patterns[1])
+    snprintf(units, sizeof units, "[\"%s\"]", patterns[0] ? patterns[0] : patterns[1]);
+  if (patterns[0] || patterns[1])
+    put(o, "parallelize.fully_shard", "units", units, "%s with %s: one unit per decoder layer%s",
+        from, classes,
+        patterns[0] && patterns[1] ? " (one pattern per model: keep your model's)" : "");
+  else if (unknown > 0)
+    leave(o, from,
+          "no class named is a built-in model's layer: the plan has no units, so the whole "
+          "model would be gathered at once; set parallelize.fully_shard.units");
   else if (!cJSON_IsArray(cls) && names[0] == 0)
     leave(o, from, "TRANSFORMER_BASED_WRAP names no class (fsdp_transformer_layer_cls_to_wrap)");
 }

@@ -176,7 +176,8 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
         train_prog(), dir, held,
         pid > 0 && strcmp(host, me) == 0 && kill((pid_t)pid, 0) != 0 ? " (no longer running)" : "");
   snprintf(g_lock_path, sizeof g_lock_path, "%s", path);
-  return lock_write(*fd, plan_path);
+  fsdpc_status_t st = lock_write(*fd, plan_path);
+  return st == STATUS_OK ? st : err_prefix(st, "checkpoint.dir '%s': its lock %s", dir, path);
 }
 
 fsdpc_status_t train_lock(const char *dir, const char *plan_path, int *fd) {

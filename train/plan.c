@@ -668,7 +668,7 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
   strcpy(p->par.source, path);
   plan_where_t *ws[] = {&p->par.mesh_where,  &p->par.fsdp_where, &p->par.tp_where,
                         &p->par.optim_where, &p->data_where,     &p->eval_where,
-                        &p->ckpt_where,      &p->par.ep_where};
+                        &p->ckpt_where,      &p->par.ep_where,   &p->par.tp_size_where};
   for (int i = 0; i < (int)(sizeof ws / sizeof ws[0]); i++)
     snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   plan_ctx_t *c = calloc(1, sizeof *c);
@@ -878,7 +878,7 @@ static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
         return err_set(STATUS_EINVAL,
                        "%s: mesh.tp: %d does not divide model.%s=%lld (each tensor-parallel "
                        "rank needs %s%s)",
-                       p->par.mesh_where.text, p->par.tp, split[i].key, (long long)split[i].v,
+                       p->par.tp_size_where.text, p->par.tp, split[i].key, (long long)split[i].v,
                        split[i].why,
                        strncmp(split[i].key, "vocab_size", 10) == 0
                            ? "; set model.pad_vocab_multiple to a multiple of mesh.tp (128 pads "
@@ -890,7 +890,7 @@ static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
                      "%s: mesh.tp: %d does not divide model.max_seq_len=%lld (the built-in "
                      "GPT-2 plan splits the position table by rows, each tensor-parallel rank "
                      "an equal slice)",
-                     p->par.mesh_where.text, p->par.tp, (long long)p->model.max_seq_len);
+                     p->par.tp_size_where.text, p->par.tp, (long long)p->model.max_seq_len);
   }
   return STATUS_OK;
 }

@@ -78,11 +78,15 @@ static fsdpc_status_t read_run(const char *path, run_t *r) {
                    line);
     } else {
       double v[N_SERIES];
-      for (int k = 0; k < N_SERIES; k++) {
+      for (int k = 0; k < N_SERIES && st == STATUS_OK; k++) {
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, KEYS[k]);
+        /* a number, or null (a non-finite value, as fsdp-train writes it), or absent */
+        if (it != NULL && !cJSON_IsNumber(it) && !cJSON_IsNull(it))
+          st = err_set(STATUS_EFORMAT, "%s:%d: '%s' is not a number (not a metrics file?)", path,
+                       line, KEYS[k]);
         v[k] = cJSON_IsNumber(it) && isfinite(it->valuedouble) ? clamp(it->valuedouble) : NAN;
       }
-      st = push(r, clamp(step->valuedouble), v);
+      if (st == STATUS_OK) st = push(r, clamp(step->valuedouble), v);
     }
     cJSON_Delete(o);
   }

@@ -36,7 +36,7 @@ static fsdpc_status_t run_batch(nn_module_t *root, device_t dev, const fsdpc_dat
   FSDPC_TRY_GOTO(st, nn_var_new(&in, false, &ids));
   nn_moe_aux_begin(aux, grad ? 1.0 / (double)spec->grad_accum : 0);
   FSDPC_TRY_GOTO(st, nn_call(ctx, root, ids, &logits));
-  if (grad) FSDPC_TRY_GOTO(st, nn_moe_aux_share(aux)); /* the whole batch's routing */
+  if (grad && aux) FSDPC_TRY_GOTO(st, nn_moe_aux_share(aux)); /* the whole batch's routing */
   FSDPC_TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &ce, NULL));
   /* training adds the routers' balance, weighted; an evaluation's loss is the cross-entropy
    * alone (the balance depends on how the batch is split over ranks and micro-batches) */

@@ -562,7 +562,7 @@ static void stopped_line(const run_t *r, const train_stop_t *stop, int64_t step,
   if (stop->signal)
     snprintf(why, sizeof why, "interrupted by %s", train_signal_name(stop->signal));
   else
-    snprintf(why, sizeof why, "stopped before train.time_limit (%.0f s)", p->time_limit_s);
+    snprintf(why, sizeof why, "stopped before train.time_limit (%g s)", p->time_limit_s);
   ckpt_step_dir(p->ckpt_dir, step, dir, sizeof dir);
   if (p->ckpt_dir[0])
     snprintf(saved, sizeof saved, "saved %s (resume with checkpoint.load: auto)", dir);
@@ -582,7 +582,7 @@ typedef struct loop {
   bool lead, tty;    /* rank 0; and a live progress bar on its terminal */
   bool agreed;       /* the loop's failure is one every rank met alike */
   /* and one that left the model as its last completed step made it (a bad sample, a full
-   * metrics disk, a non-finite step): that step is saved before the run stops */
+   * metrics disk): that step is saved before the run stops */
   bool keep;
   int64_t completed; /* the steps the model has taken */
   int64_t asked;     /* the last step handed to the saver */
@@ -748,7 +748,7 @@ static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
   /* the same verdict on every rank: the loss and the norm are reduced over the world */
   o->finite = isfinite(o->loss) && isfinite(o->norm);
   if (!o->finite && !p->skip_nonfinite) {
-    L->agreed = L->keep = true; /* the optimizer has not applied it */
+    L->agreed = true; /* not saved: the weights that gave it would give it again */
     return err_set(STATUS_EINVAL,
                    "step %lld: the loss is %g and the gradient norm %g; stopping before the "
                    "optimizer applies the step, so the weights and the last checkpoint stay "

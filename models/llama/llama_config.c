@@ -96,14 +96,15 @@ static fsdpc_status_t check_experts(const llama_config_t *c) {
                      "renormalised (num_local_experts at least 1, no dense layers), each of "
                      "intermediate_size");
   }
-  if (c->n_experts < 0 || c->n_experts > 65536)
-    return err_set(STATUS_EINVAL, "model config: num_experts must be from 0 to 65536, got %lld",
+  /* the MoE block's limits (nn_moe_new), said here with the config's keys */
+  if (c->n_experts < 0 || c->n_experts > 4096)
+    return err_set(STATUS_EINVAL, "model config: num_experts must be from 0 to 4096, got %lld",
                    (long long)c->n_experts);
   if (c->n_experts == 0) return STATUS_OK;
-  if (c->top_k < 1 || c->top_k > c->n_experts)
+  if (c->top_k < 1 || c->top_k > c->n_experts || c->top_k > 64)
     return err_set(STATUS_EINVAL,
-                   "model config: num_experts_per_tok must be from 1 to num_experts (%lld), got "
-                   "%lld",
+                   "model config: num_experts_per_tok must be from 1 to num_experts (%lld) and "
+                   "at most 64, got %lld",
                    (long long)c->n_experts, (long long)c->top_k);
   if (c->moe_ffn_dim <= 0 || c->moe_ffn_dim > ((int64_t)1 << 31))
     return err_set(STATUS_EINVAL,
@@ -149,8 +150,11 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
                    (long long)c->head_dim);
   if (c->head_dim == 0 && (c->dim % c->n_heads != 0 || (c->dim / c->n_heads) % 2 != 0))
     return err_set(STATUS_EINVAL,
-                   "model config: hidden_size %lld must be num_attention_heads %lld times an "
-                   "even head size (or give head_dim)",
+                   c->arch == LLAMA_ARCH_GPT2
+                       ? "model config: n_embd %lld must be n_head %lld times an even head size "
+                         "(GPT-2's heads are n_embd / n_head; odd sizes are not supported here)"
+                       : "model config: hidden_size %lld must be num_attention_heads %lld times "
+                         "an even head size (or give head_dim)",
                    (long long)c->dim, (long long)c->n_heads);
   bool qwen2 = c->arch == LLAMA_ARCH_QWEN2 || c->arch == LLAMA_ARCH_QWEN2_MOE,
        gpt2 = c->arch == LLAMA_ARCH_GPT2;

@@ -284,6 +284,22 @@ START_TEST(agree_report_prints_each_message_once_with_its_ranks) {
   expect_all(!ok && strcmp(said, want) == 0, "rank %d printed \"%s\", expected \"%s\"", r,
              said, want);
   free(said);
+
+  /* rank 1's failure, which the others pass on as "rank 1: ..." (the agreement's copy), is
+   * said once with every rank that stops on it and rank 1 named; rank 3's own, apart */
+  static const char *const relayed[9] = {
+      [2] = "t: [ranks 0,1, from rank 1] file 1\n",
+      [3] = "t: [ranks 0-2, from rank 1] file 1\n",
+      [4] = "t: [ranks 0-2, from rank 1] file 1\nt: [rank 3] file 3\n",
+      [6] = "t: [ranks 0-2,4,5, from rank 1] file 1\nt: [rank 3] file 3\n",
+      [8] = "t: [ranks 0-2,4-7, from rank 1] file 1\nt: [rank 3] file 3\n"};
+  if (W >= 2) {
+    said = report(STATUS_EIO, r == 1 ? "file 1" : r == 3 ? "file 3" : "rank 1: file 1", &ok);
+    want = r == 0 ? relayed[W] : "";
+    expect_all(!ok && strcmp(said, want) == 0, "rank %d printed \"%s\", expected \"%s\"", r, said,
+               want);
+    free(said);
+  }
 }
 END_TEST
 

@@ -75,7 +75,8 @@ def run(n, args, timeout=300, mpi_args=()):
     return p, time.time() - t
 
 
-RANKS = r"\[ranks? ([\d,\-]+)\]"  # "[rank 2]", "[ranks 0-3]", "[ranks 0,2,5-7]"
+# "[rank 2]", "[ranks 0-3]", "[ranks 0,2,5-7]", "[ranks 0-3, from rank 1]" (1's, passed on)
+RANKS = r"\[ranks? ([\d,\-]+)(?:, from ranks? [\d,\-]+)?\]"
 
 
 def rank_set(spec):

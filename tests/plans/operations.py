@@ -194,7 +194,7 @@ def operations():
             wait_step(steps, 20, proc)
             deliver(proc, m)
         rc, out, err = finish(proc)
-        hit = re.search(r"(interrupted by (SIG\w+)|stopped before train\.time_limit \(\d+ s\)) at "
+        hit = re.search(r"(interrupted by (SIG\w+)|stopped before train\.time_limit \([\d.e+]+ s\)) at "
                         r"step (\d+); saved (\S+) \(resume with checkpoint\.load: auto\)", out)
         stopped = hit is not None and 0 < int(hit.group(3)) < S
         check(rc not in (0, None) and stopped and os.path.isdir(hit.group(4)) and

@@ -103,7 +103,13 @@ def plots():
     huge_step = os.path.join(tmp, "huge-step.jsonl")
     with open(huge_step, "w") as f:
         f.write('{"step": 1, "loss": 2.0}\n{"step": 1e400, "loss": 1.0}\n')
+    strloss = os.path.join(tmp, "strloss.jsonl")
+    with open(strloss, "w") as f:
+        f.write('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": "abc"}\n')
     for args, want in [([a, os.path.join(tmp, "missing.jsonl")], r"missing\.jsonl"),
+                       ([strloss], r"strloss\.jsonl:2: 'loss' is not a number"),
+                       ([a, "-o", os.path.join(tmp, "y.svg")],
+                        r"-o: the output is already given"),
                        ([bad], r"bad\.jsonl:2: not a JSON object"),
                        ([empty], r"empty\.jsonl: no steps in it"),
                        ([nostep], r"nostep\.jsonl:1: no finite number 'step'"),
@@ -320,7 +326,21 @@ def converts_read_as_their_tools_do(tmp, tool):
         ("layer classes as a comma list", "acc-comma.yaml",
          "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
          "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer,GPT2Block\n",
-         [r'units: \["model\.layers\.\*"\]', r"'GPT2Block': units are FQN patterns"], [], []),
+         [r'units: \["model\.layers\.\*", "transformer\.h\.\*"\]  # .*one pattern per model'],
+         [r"units are FQN patterns"], []),
+        ("GPT-2's layer class", "acc-gpt2.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+         "  fsdp_transformer_layer_cls_to_wrap: GPT2Block\n",
+         [r'units: \["transformer\.h\.\*"\]  # .*GPT2Block'], [r"units are FQN patterns"], []),
+        ("Qwen3-MoE's layer class", "acc-qwen3moe.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+         "  fsdp_transformer_layer_cls_to_wrap: Qwen3MoeDecoderLayer\n",
+         [r'units: \["model\.layers\.\*"\]  # .*Qwen3MoeDecoderLayer'], [], []),
+        ("a layer class of another model", "acc-other.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+         "  fsdp_transformer_layer_cls_to_wrap: MyBlock\n",
+         [r"'MyBlock': units are FQN patterns", r"the plan has no units, so the whole model"],
+         [r"^\s+units:"], []),
         ("NO_WRAP", "acc-nowrap.yaml",
          "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: NO_WRAP\n",
          [r"units: \[\]  # .*the whole model is gathered at once"], [], []),

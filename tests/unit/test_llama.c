@@ -704,7 +704,11 @@ START_TEST(config_forms_of_the_family) {
        "\"moe_intermediate_size\": 32, \"mlp_only_layers\": [0]",
        LLAMA_ARCH_QWEN3_MOE, 16, 32768, false, false, true, NULL},
       {", \"model_type\": \"qwen3_moe\", \"num_experts\": 4, \"num_experts_per_tok\": 5", 0, 0, 0,
-       0, 0, 0, "num_experts_per_tok must be from 1 to num_experts (4), got 5"},
+       0, 0, 0, "num_experts_per_tok must be from 1 to num_experts (4) and at most 64, got 5"},
+      {", \"model_type\": \"qwen3_moe\", \"num_experts\": 4097", 0, 0, 0, 0, 0, 0,
+       "num_experts must be from 0 to 4096, got 4097"},
+      {", \"model_type\": \"qwen3_moe\", \"num_experts\": 128, \"num_experts_per_tok\": 65", 0, 0,
+       0, 0, 0, 0, "num_experts_per_tok must be from 1 to num_experts (128) and at most 64"},
       {", \"model_type\": \"qwen3_moe\", \"output_router_logits\": true, "
        "\"router_aux_loss_coef\": -1",
        0, 0, 0, 0, 0, 0, "'router_aux_loss_coef' must be from 0 to 1e6"},
@@ -731,7 +735,7 @@ START_TEST(config_forms_of_the_family) {
       {", \"model_type\": \"mixtral\", \"num_local_experts\": 0", 0, 0, 0, 0, 0, 0,
        "mixtral has experts in every layer"},
       {", \"model_type\": \"mixtral\", \"num_local_experts\": 2, \"num_experts_per_tok\": 3", 0, 0,
-       0, 0, 0, 0, "num_experts_per_tok must be from 1 to num_experts (2), got 3"},
+       0, 0, 0, 0, "num_experts_per_tok must be from 1 to num_experts (2) and at most 64, got 3"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     char text[1024];
