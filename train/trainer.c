@@ -491,9 +491,11 @@ static fsdpc_status_t metrics_agree(const char *path, int err) {
 
 /* Opens the metrics file (rank 0) for a run starting after step start: a fresh run starts it
  * anew; a resumed run keeps the lines up to its step (later ones belong to the run it
- * replaces), rewritten through a fresh file beside it and a rename, and appends. NULL with errno
- * set on failure. */
-static FILE *metrics_open(const char *path, int64_t start) {
+ * replaces), rewritten through a fresh file beside it and a rename, and appends. With defer
+ * (not NULL: a checkpoint.overwrite rollback, whose newer checkpoints stay until its first save
+ * commits) the fresh file is not renamed: its name goes into defer, the run appends to it, and
+ * metrics_settle renames it once that save commits. NULL with errno set on failure. */
+static FILE *metrics_open(const char *path, int64_t start, char *defer, size_t defer_size) {
   if (start == 0) return fopen(path, "w");
   FILE *in = fopen(path, "r");
   if (in == NULL) return errno == ENOENT ? fopen(path, "w") : NULL;
@@ -516,6 +518,10 @@ static FILE *metrics_open(const char *path, int64_t start) {
   bool ok = out != NULL && !ferror(in) && fflush(out) == 0 && !ferror(out);
   fclose(in);
   if (out != NULL && fclose(out) != 0) ok = false;
+  if (ok && defer != NULL) {
+    snprintf(defer, defer_size, "%s", tmp);
+    return fopen(tmp, "a");
+  }
   if (!ok || rename(tmp, path) != 0) {
     int e = errno;
     unlink(tmp);
@@ -586,6 +592,9 @@ typedef struct loop {
   bool keep;
   int64_t completed; /* the steps the model has taken */
   int64_t asked;     /* the last step handed to the saver */
+  /* a checkpoint.overwrite rollback's metrics file, renamed over mpath once its first save
+   * commits (the newer checkpoints, whose lines the old file holds, are removed then) */
+  char mtmp[PLAN_PATH_MAX + 16];
   double t_start, t_profile, first_loss, last_loss, tok_sum, step_max;
   int64_t steps_done, profile_from;
   size_t peak_max;
@@ -642,7 +651,10 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
   /* the profile leaves out the first two steps (allocation, first touch, warm-up), or only the
    * first in runs of fewer than four */
   L->profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
-  if (L->lead && L->mpath[0] && (L->mf = metrics_open(L->mpath, r->start_step)) == NULL)
+  bool rollback = p->ckpt_dir[0] && p->ckpt_overwrite && r->start_step > 0;
+  if (L->lead && L->mpath[0] &&
+      (L->mf = metrics_open(L->mpath, r->start_step, rollback ? L->mtmp : NULL, sizeof L->mtmp)) ==
+          NULL)
     L->bad = errno;
   fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
   if (st == STATUS_OK) {
@@ -813,6 +825,19 @@ static fsdpc_status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
   return st;
 }
 
+/* A rollback's metrics file takes its name once the rollback's first save has committed (rank
+ * 0); with final, a run ending before that leaves the old file as it was. */
+static void metrics_settle(loop_t *L, bool final) {
+  if (!L->mtmp[0] || L->mf == NULL) return;
+  if (L->saver.replaced) {
+    if (fflush(L->mf) != 0 || rename(L->mtmp, L->mpath) != 0) L->bad = errno ? errno : EIO;
+    L->mtmp[0] = 0;
+  } else if (final) {
+    unlink(L->mtmp);
+    L->mtmp[0] = 0;
+  }
+}
+
 /* Evaluate: after every eval.interval steps and after the last. */
 static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
@@ -928,6 +953,7 @@ static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
   FSDPC_TRY(step_agree(r, L, &o));
   FSDPC_TRY(step_apply(r, L, &o));
   FSDPC_TRY(step_save(r, L, &o));
+  metrics_settle(L, false);
   fsdpc_status_t ev = step_evaluate(r, L, &o);
   L->last_loss = o.loss;
   L->tok_sum += o.tokens;
@@ -1008,6 +1034,7 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   free(L->micro_loss);
   free(L->load);
   free(L->pp_peaks);
+  metrics_settle(L, true);
   if (L->mf != NULL && fclose(L->mf) != 0) L->bad = errno ? errno : EIO;
   if (L->mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
     fsdpc_status_t ms = metrics_agree(L->mpath, L->bad);

@@ -393,6 +393,27 @@ def operations():
                                                    "step-00000020"] and
           "replaced the step folders after step 16" in p.stderr,
           "checkpoint.overwrite: true rolls back, replacing the newer folders (%s)" % saved(ck))
+    # and its metrics file keeps the lines of those folders' steps until then: a rollback that
+    # stops before its first save (here a bad sample in its first step) leaves the file whole
+    rb, rm = os.path.join(tmp, "rollback"), os.path.join(tmp, "rollback.jsonl")
+    bad5 = os.path.join(tmp, "bad-step5.bin")  # one rank of 8 samples of 64: step 5 reads 2100
+    toks = [(i * 7) % 256 for i in range(256 * 20)]
+    toks[2100] = 300
+    with open(bad5, "wb") as f:
+        f.write(struct.pack("<%dH" % len(toks), *toks))
+    run(1, [debug, "--set", "train.steps=8", "--set", "checkpoint.interval=4", "--set",
+            "checkpoint.dir=" + rb, "--metrics", rm])
+    before = open(rm).read() if os.path.exists(rm) else ""
+    p, _ = run(1, [debug, "--set", "train.steps=8", "--set", "checkpoint.dir=" + rb, "--set",
+                   "checkpoint.load=" + os.path.join(rb, "step-00000004"), "--set",
+                   "checkpoint.overwrite=true", "--set", "data.path=" + bad5, "--set",
+                   "data.format=u16", "--metrics", rm])
+    left = sorted(os.listdir(tmp))
+    check(p.returncode == 1 and before.count("\n") == 8 and open(rm).read() == before and
+          saved(rb) == ["step-00000004", "step-00000008"] and
+          not [f for f in left if f.startswith("rollback.jsonl.")],
+          "a checkpoint.overwrite rollback stopped before its first save leaves the metrics "
+          "file's 8 lines and the folders as they were (%s)" % saved(rb))
     # ranks started with different plans: refused at once, naming the keys and the ranks
     for name, a_sets, b_sets, want in (
             ("train.steps", ["train.steps=5"], ["train.steps=8"],
