@@ -300,18 +300,6 @@ fsdpc_status_t train_checkpoint_step(const char *ckpt, int64_t *step) {
   return STATUS_OK;
 }
 
-/* x in the fewest digits that read back as x ("1e-05", not "1.0000000000000001e-05"). */
-static void shortest(double x, char *buf, size_t n) {
-  if (x == floor(x) && fabs(x) < 1e15) {
-    snprintf(buf, n, "%.0f", x);
-    return;
-  }
-  for (int prec = 1; prec <= 17; prec++) {
-    snprintf(buf, n, "%.*g", prec, x);
-    if (strtod(buf, NULL) == x) return;
-  }
-}
-
 /* The model a checkpoint records (train_state.json's saved_under.model), as a JSON object
  * (caller deletes), or NULL when it records none. */
 static fsdpc_status_t saved_model(const char *ckpt, cJSON **model) {
@@ -403,8 +391,8 @@ fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
     char sa[32], sb[32];
     bool flag =
         strcmp(keys[i].key, "tie_embeddings") == 0 || strcmp(keys[i].key, "attention_bias") == 0;
-    shortest(a, sa, sizeof sa);
-    shortest(b, sb, sizeof sb);
+    llama_config_number(a, sa, sizeof sa);
+    llama_config_number(b, sb, sizeof sb);
     return err_set(STATUS_EINVAL,
                    "checkpoint.load: '%s' was saved with model.%s = %s, the plan has %s: a "
                    "checkpoint resumes only the model it was saved from (set the plan's "

@@ -193,6 +193,10 @@ int64_t llama_num_params(const llama_config_t *c);
 bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, char *why,
                               size_t size);
 
+/* A config's number x into buf in the fewest digits that read back as x ("1e-05", not
+ * "1.0000000000000001e-05"; an integer in full). */
+void llama_config_number(double x, char *buf, size_t n);
+
 /* True when a and b, with the same parameters, compute the same function: the rotary
  * embedding (theta and scaling), norm_eps and the routing (num_experts_per_tok,
  * norm_topk_prob); otherwise why as above, under Hugging Face's key names ("rope_theta 1e+06

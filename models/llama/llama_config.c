@@ -233,8 +233,8 @@ bool llama_config_same_params(const llama_config_t *a, const llama_config_t *b, 
   return true;
 }
 
-/* x in the fewest digits that read back as x. */
-static void shortest_g(double x, char *buf, size_t n) {
+void llama_config_number(double x, char *buf, size_t n) {
+  if (buf == NULL || n == 0) return;
   if (x == floor(x) && fabs(x) < 1e15) {
     snprintf(buf, n, "%.0f", x);
     return;
@@ -269,8 +269,8 @@ bool llama_config_same_function(const llama_config_t *a, const llama_config_t *b
     if (why) {
       char sx[32], sy[32];
       bool flag = strcmp(f[i].name, "norm_topk_prob") == 0;
-      shortest_g(x, sx, sizeof sx);
-      shortest_g(y, sy, sizeof sy);
+      llama_config_number(x, sx, sizeof sx);
+      llama_config_number(y, sy, sizeof sy);
       if (flag) {
         snprintf(sx, sizeof sx, "%s", x ? "true" : "false");
         snprintf(sy, sizeof sy, "%s", y ? "true" : "false");
