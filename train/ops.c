@@ -140,6 +140,16 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
     if (*fd < 0)
       return err_set(STATUS_EIO, "checkpoint.dir '%s': cannot open its lock %s: %s", dir, path,
                      strerror(errno));
+    struct stat sb; /* the record is written into it: never into another name of a file */
+    if (fstat(*fd, &sb) == 0 && (!S_ISREG(sb.st_mode) || sb.st_nlink > 1)) {
+      close(*fd);
+      *fd = -1;
+      return err_set(STATUS_EINVAL,
+                     "checkpoint.dir '%s': its lock %s is %s, not a job's lock; nothing was "
+                     "written (remove it if it is no file of yours)",
+                     dir, path,
+                     S_ISREG(sb.st_mode) ? "a hard link of another file" : "no regular file");
+    }
     e = flock(*fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
     if (e != 0 || same_file(*fd, path)) break;
     close(*fd); /* locked a file its job removed as it ended: take the new one */

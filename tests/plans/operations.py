@@ -334,6 +334,18 @@ def operations():
                                           r"2026-01-01T00:00:00Z \(plan x\.yaml\), which ended "
                                           r"without releasing it \(no longer running\)", p.stderr),
           "a lock left by a dead process is taken over with a note")
+    # a lock that is another name of a file (a hard link): refused, the file untouched
+    hl = os.path.join(tmp, "ck-hardlink")
+    os.makedirs(hl)
+    precious = os.path.join(tmp, "precious.txt")
+    with open(precious, "w") as f:
+        f.write("mine\n")
+    os.link(precious, os.path.join(hl, "fsdp-train.lock"))
+    p, _ = run(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "train.steps=2", "--set",
+                   "checkpoint.dir=" + hl])
+    check(p.returncode != 0 and "is a hard link of another file, not a job's lock" in p.stderr
+          and open(precious).read() == "mine\n" and saved(hl) == [],
+          "a lock file that is a hard link of another file is refused, that file untouched")
 
     # 4. late refusals: before the first step (no step line), and by --dry-run
     ck = os.path.join(tmp, "ck-newer")
