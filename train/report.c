@@ -292,6 +292,12 @@ static void header_order_warnings(const run_t *r) {
             "samples are skipped or repeated\n",
             train_prog(), r->resumed_from, (long long)r->saved_batch,
             (long long)train_global_batch(r));
+  int64_t tokens = r->data ? data_num_tokens(r->data) : 0;
+  if (r->saved_tokens > 0 && tokens > 0 && r->saved_tokens != tokens)
+    fprintf(stderr,
+            "%s: warning: %s was trained on data of %lld tokens, this run's data.path holds "
+            "%lld: from here its steps read other samples than the run it resumes would have\n",
+            train_prog(), r->resumed_from, (long long)r->saved_tokens, (long long)tokens);
   char order[sizeof r->saved_order];
   train_data_order(p->shuffle, p->seed, p->seq_len, order, sizeof order);
   if (r->saved_order[0] && strcmp(r->saved_order, order) != 0)

@@ -56,6 +56,7 @@ typedef struct run {
   dcp_stats_t load_stats;
   int64_t verified;    /* chunks checked against their checksums before loading (-1: not asked) */
   int64_t saved_batch; /* the global batch the resumed checkpoint was saved with; 0: unknown */
+  int64_t saved_tokens; /* the tokens of the data it was trained on; 0: unknown */
   /* train_data_order of the resumed checkpoint's run; "": unknown */
   char saved_order[96];
   char *settings;  /* the plan's settings text (plan_load_settings) */

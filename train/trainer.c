@@ -182,10 +182,12 @@ static fsdpc_status_t optim_for_rank(run_t *r) {
 }
 
 /* What dir's train_state.json (saved_under) records of the run that saved it: its global
- * batch (0 when unknown) and its data order (train_data_order; "" when unknown). */
-static void read_saved_run(const char *dir, int64_t *batch, char *order, size_t n) {
+ * batch, its data's tokens (0 when unknown) and its data order (train_data_order; "" when
+ * unknown). */
+static void read_saved_run(const char *dir, int64_t *batch, int64_t *tokens, char *order,
+                           size_t n) {
   char *text = NULL;
-  *batch = 0;
+  *batch = *tokens = 0;
   order[0] = 0;
   if (ckpt_state_text(dir, &text) != STATUS_OK) err_clear();
   if (text == NULL) return;
@@ -198,6 +200,8 @@ static void read_saved_run(const char *dir, int64_t *batch, char *order, size_t 
   const cJSON *shuffle = cJSON_GetObjectItemCaseSensitive(d, "shuffle");
   const cJSON *seed = cJSON_GetObjectItemCaseSensitive(d, "seed");
   const cJSON *seq = cJSON_GetObjectItemCaseSensitive(d, "seq_len");
+  const cJSON *toks = cJSON_GetObjectItemCaseSensitive(d, "tokens");
+  if (cJSON_IsNumber(toks) && toks->valuedouble >= 1) *tokens = (int64_t)toks->valuedouble;
   char *end = NULL;
   unsigned long long s = cJSON_IsString(seed) ? strtoull(seed->valuestring, &end, 10) : 0;
   if (cJSON_IsBool(shuffle) && end != NULL && end != seed->valuestring && *end == 0 &&
@@ -420,7 +424,8 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
   if (p->ckpt_verify) FSDPC_TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
   FSDPC_TRY(
       ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
-  read_saved_run(r->resumed_from, &r->saved_batch, r->saved_order, sizeof r->saved_order);
+  read_saved_run(r->resumed_from, &r->saved_batch, &r->saved_tokens, r->saved_order,
+                 sizeof r->saved_order);
   return STATUS_OK;
 }
 
@@ -550,6 +555,7 @@ static fsdpc_status_t saved_under(const run_t *r, char **out) {
       cJSON_AddBoolToObject(order, "shuffle", p->shuffle) &&
       cJSON_AddStringToObject(order, "seed", seed) &&
       cJSON_AddNumberToObject(order, "seq_len", (double)p->seq_len) &&
+      cJSON_AddNumberToObject(order, "tokens", (double)data_num_tokens(r->data)) &&
       cJSON_AddItemToObject(o, "model", model)) {
     model = NULL; /* o owns it */
     text = cJSON_PrintUnformatted(o);

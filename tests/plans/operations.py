@@ -153,6 +153,20 @@ def operations():
           got == ["step-00000005", "step-00000007"],
           "a bad token met at step 8 stops every rank, naming data.path, and saves step 7 "
           "first (%s; %s)" % (got, p.stderr.strip()[-200:]))
+    # a resume reading other data (another data.path) is warned of; the same data is not
+    rw, small = os.path.join(tmp, "resume-data"), os.path.join(tmp, "small.txt")
+    with open(data, "rb") as f, open(small, "wb") as g:
+        g.write(f.read()[:20000])
+    run(1, [debug, "--set", "train.steps=2", "--set", "checkpoint.dir=" + rw])
+    said = {}
+    for steps, path in ((3, data), (4, small)):
+        p, _ = run(1, [debug, "--set", "train.steps=%d" % steps, "--set", "checkpoint.dir=" + rw,
+                       "--set", "checkpoint.load=auto", "--set", "data.path=" + path])
+        said[path] = p.stderr if p.returncode == 0 else "exit %d" % p.returncode
+    check("was trained on data of" not in said[data] and
+          re.search(r"step-00000003 was trained on data of \d+ tokens, this run's data\.path "
+                    r"holds 20000", said[small]) is not None,
+          "a resume on other data (20000 tokens) is warned of, one on the same data is not")
     # the evaluation's batches are read before the first step (and by --dry-run)
     for dry in ([], ["--dry-run"]):
         ck = os.path.join(tmp, "bad-eval%d" % len(dry))
