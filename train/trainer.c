@@ -662,6 +662,9 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
       (L->mf = metrics_open(L->mpath, r->start_step, rollback ? L->mtmp : NULL, sizeof L->mtmp)) ==
           NULL)
     L->bad = errno;
+  /* unbuffered: a line that fails to be written is cut off the file (metrics_write), and no
+   * buffered rest of it is written later */
+  if (L->mf != NULL) setvbuf(L->mf, NULL, _IONBF, 0);
   fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
   if (st == STATUS_OK) {
     L->micro_loss = calloc((size_t)p->grad_accum, sizeof *L->micro_loss);
