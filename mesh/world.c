@@ -476,23 +476,19 @@ bool world_agree_report(fsdpc_status_t st, const char *prog) {
       for (int r = 0; r < size; r++) {
         const char *m = all + (size_t)r * N;
         if (done[r] || (pass == 0) != (m[0] != '\0')) continue;
-        bool *was = relayed ? calloc((size_t)size, sizeof *was) : NULL;
-        if (was != NULL) memcpy(was, done, sizeof *done * (size_t)size);
         int count = rank_list(ranks, sizeof ranks, all, N, size, r, done);
-        /* of the group (newly done), those that said it themselves */
-        int said = 0, own = 0;
+        /* of the group (every rank saying m: rank_list takes them all), those that said it
+         * themselves */
+        int own = 0;
         size_t len = 0;
         from[0] = '\0';
-        for (int k = 0; was != NULL && k < size; k++) {
-          if (was[k] || !done[k]) continue;
-          said++;
-          if (relayed[k]) continue;
+        for (int k = r; relayed != NULL && k < size; k++) {
+          if (relayed[k] || strcmp(all + (size_t)k * N, m) != 0) continue;
           own++;
           int w = snprintf(from + len, sizeof from - len, "%s%d", len ? "," : "", k);
           if (w > 0 && (size_t)w < sizeof from - len) len += (size_t)w;
         }
-        free(was);
-        if (own > 0 && own < said)
+        if (own > 0 && own < count)
           fprintf(stderr, "%s: [rank%s %s, from rank%s %s] %s\n", prog, count == 1 ? "" : "s",
                   ranks, own == 1 ? "" : "s", from, m);
         else

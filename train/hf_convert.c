@@ -722,10 +722,12 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   char(*canon_names)[512] = canon ? calloc((size_t)nt + 1, sizeof *canon_names) : NULL;
   if (st == STATUS_OK && canon_names == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
   int nc = 0;
+  uint64_t kept_bytes = 0; /* of the tensors written */
   for (int k = 0; k < nt && st == STATUS_OK; k++)
     if (llama_hf_canonical(arch, list[k].name, canon_names[nc], sizeof canon_names[nc])) {
       canon[nc] = list[k];
       canon[nc].name = canon_names[nc];
+      kept_bytes += list[k].bytes;
       nc++;
     }
   if (st == STATUS_OK) qsort(canon, (size_t)nc, sizeof *canon, cmp_tensor_names);
@@ -763,12 +765,8 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   cJSON_Delete(state);
   if (st == STATUS_OK) { /* as written: the buffers left out */
     rep->files = n;
-    for (int i = 0; i < nt; i++) {
-      char name[512];
-      if (!llama_hf_canonical(arch, list[i].name, name, sizeof name)) continue;
-      rep->tensors++;
-      rep->bytes += list[i].bytes;
-    }
+    rep->tensors = nc;
+    rep->bytes = kept_bytes;
   }
   dcp_reader_close(r);
   hf_weight_files_free(names, n);

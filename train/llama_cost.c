@@ -246,8 +246,9 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   double sparse = (double)llama_num_moe_layers(c);
   double all_blocks = (L - sparse) * block + sparse * block_moe;
   double out_b = ea * Ns * D; /* a block's output: all that checkpointing keeps */
-  /* input ids and labels, and their copies; GPT-2's position ids (kept between steps) */
-  double ids = 4 * N * 8 + (gpt2 ? N * 8 : 0);
+  /* what the model keeps between steps: GPT-2's position ids [batch, seq_len] (i64) */
+  double buffers = gpt2 ? N * 8 : 0;
+  double ids = 4 * N * 8 + buffers; /* input ids and labels, and their copies; those */
   /* the embedding's output (whole and reduced under tensor parallelism); GPT-2's wte's and
    * wpe's outputs beside their sum */
   double emb = gpt2 ? (tp ? er * (2 * N * D + 3 * Ns * D) : 3 * er * N * D)
@@ -274,6 +275,7 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
                       stage->first ? ids + emb : 0, logits, ac, u.unit_reduce);
     out->moments = moments;
     out->shards = shards;
+    out->buffers = buffers;
     return STATUS_OK;
   }
   /* with accumulation the root's reduction of the previous micro-batch finishes during the
@@ -341,6 +343,7 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   }
   out->moments = moments; /* part of the state at every moment */
   out->shards = shards;
+  out->buffers = buffers;
   eval_peak(p, groups, n, &u, param_size, pp->dp_shard == 1 && !pp->offload,
             2 * sharded_param_bytes + shards + moments, out);
   return STATUS_OK;

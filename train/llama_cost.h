@@ -41,6 +41,8 @@ typedef struct llama_memory {
   double shards;      /* HFSDP: the 1/dp_shard parameter shards the units gather from, kept
                          beside the 1/(dp_replicate x dp_shard) ones the optimizer updates;
                          part of state (0 without HFSDP) */
+  double buffers;     /* what the model keeps between steps beside its parameters (GPT-2's
+                         position ids), part of activations */
   double eval;        /* an evaluation's peak (eval.batch_size samples a rank, a forward
                          without gradients) after a step; 0 where not estimated (mesh.pp) */
   const char *eval_at; /* where it peaks, in words */

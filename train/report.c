@@ -536,9 +536,7 @@ static bool memory_lines(const run_t *r) {
       "  a step peaks at %s in %s: state %s, activations %s, gathered units %s, in "
       "flight %s; %s activation checkpointing: %s\n",
       pk, est.at, st, ac, ga, fl, p->activation_checkpointing ? "without" : "with", ot);
-  /* GPT-2's position ids [batch_size, seq_len] (i64), kept by the model between steps */
-  double pos = p->model.arch == LLAMA_ARCH_GPT2 ? 8.0 * (double)(p->batch_size * p->seq_len) : 0;
-  printf("state_bytes %.0f\n", 2 * pb + est.shards + est.moments + pos);
+  printf("state_bytes %.0f\n", 2 * pb + est.shards + est.moments + est.buffers);
   printf("largest_unit_bytes %.0f\n", largest);
   printf("peak_bytes %.0f\n", est.peak);
   if (r->eval != NULL && est.eval > 0) {

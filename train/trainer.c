@@ -411,7 +411,9 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
     hf_load_opts_t o = {
         /* model.pad_vocab_multiple: the files' rows, then zeros */
         .padded = llama_vocab_rows(&p->model) > p->model.vocab_size ? llama_is_vocab_table : NULL,
-        .canonical = hf_name_of, /* the names transformers also reads (GPT-2's) */
+        /* the names transformers also reads: only GPT-2's files name the parameters
+         * otherwise (llama_hf_canonical); the others are looked up as they are */
+        .canonical = p->model.arch == LLAMA_ARCH_GPT2 ? hf_name_of : NULL,
         .user = &p->model.arch};
     st = ckpt_load_hf_with(root, p->init_from, &o);
   }
@@ -816,20 +818,24 @@ static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
 /* Save: an asynchronous save every rank has written commits here (one that failed stops the
  * run, named); then a save every checkpoint.interval steps, of the last step, and of a step
  * the run stops after (those two wait for their commit). Agreed over the ranks. */
+/* The state after step handed to the saver under the run's record (wait: committed before
+ * returning). Collective. */
+static fsdpc_status_t save_step(run_t *r, loop_t *L, int64_t step, bool wait) {
+  char *under = NULL;
+  fsdpc_status_t st = pg_agree(world_pg(), saved_under(r, &under));
+  if (st == STATUS_OK) st = train_save(&L->saver, r, step, under, wait);
+  if (st == STATUS_OK) L->asked = step;
+  free(under);
+  return st;
+}
+
 static fsdpc_status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   int64_t done = o->s + 1;
   fsdpc_status_t st = train_save_poll(&L->saver, r, o->sums + 1);
   bool save = p->ckpt_dir[0] && ((p->ckpt_interval > 0 && done % p->ckpt_interval == 0) ||
                                  done == p->steps || o->stopping);
-  if (st == STATUS_OK && save) {
-    char *under = NULL;
-    st = pg_agree(world_pg(), saved_under(r, &under));
-    if (st == STATUS_OK)
-      st = train_save(&L->saver, r, done, under, o->stopping || done == p->steps);
-    if (st == STATUS_OK) L->asked = done;
-    free(under);
-  }
+  if (st == STATUS_OK && save) st = save_step(r, L, done, o->stopping || done == p->steps);
   L->agreed = st != STATUS_OK;
   return st;
 }
@@ -1015,20 +1021,15 @@ static fsdpc_status_t save_before_stopping(run_t *r, loop_t *L, fsdpc_status_t s
   if (!r->plan.ckpt_dir[0]) return st;
   char why[4096];
   snprintf(why, sizeof why, "%s", err_detail());
-  fsdpc_status_t sv = STATUS_OK;
-  if (L->completed > L->asked) {
-    char *under = NULL;
-    sv = pg_agree(world_pg(), saved_under(r, &under));
-    if (sv == STATUS_OK) sv = train_save(&L->saver, r, L->completed, under, true);
-    free(under);
-  } else {
-    sv = train_save_finish(&L->saver, r);
-  }
+  fsdpc_status_t sv = L->completed > L->asked ? save_step(r, L, L->completed, true)
+                                              : train_save_finish(&L->saver, r);
+  char dir[PLAN_PATH_MAX + 32];
+  ckpt_step_dir(r->plan.ckpt_dir, L->completed, dir, sizeof dir);
   if (world_rank() == 0 && sv == STATUS_OK && L->completed > r->start_step)
     fprintf(stderr,
-            "%s: stopping after step %lld on the error below; saved %s/step-%08lld first "
-            "(resume with checkpoint.load: auto)\n",
-            train_prog(), (long long)L->completed, r->plan.ckpt_dir, (long long)L->completed);
+            "%s: stopping after step %lld on the error below; saved %s first (resume with "
+            "checkpoint.load: auto)\n",
+            train_prog(), (long long)L->completed, dir);
   if (world_rank() == 0 && sv != STATUS_OK)
     fprintf(stderr, "%s: the save before stopping failed too: %s\n", train_prog(), err_detail());
   return err_set(st, "%s", why);
