@@ -338,8 +338,7 @@ fsdpc_status_t file_inputs_add(file_inputs_t *in, const char *path, const char *
   return add_one(in, &sb, path, what);
 }
 
-/* The folder that holds path ("." for a bare name) into buf. */
-static void parent_of(const char *path, char *buf, size_t size) {
+void file_parent_of(const char *path, char *buf, size_t size) {
   snprintf(buf, size, "%s", path);
   size_t n = strlen(buf);
   while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
@@ -384,7 +383,7 @@ fsdpc_status_t file_check_output(const char *path, const char *what, const file_
     return dirs_error(what, path, strerror(errno));
   }
   char parent[DIRS_PATH_MAX];
-  parent_of(path, parent, sizeof parent);
+  file_parent_of(path, parent, sizeof parent);
   return writable_folder(what, parent, path);
 }
 
@@ -393,7 +392,7 @@ fsdpc_status_t file_check_outside(const char *path, const char *input, const cha
   ARG_NONNULL(input);
   what = what ? what : "output";
   char parent[DIRS_PATH_MAX], *in = realpath(input, NULL), *at = NULL;
-  parent_of(path, parent, sizeof parent);
+  file_parent_of(path, parent, sizeof parent);
   if (in != NULL) at = realpath(parent, NULL);
   size_t n = in ? strlen(in) : 0;
   bool inside = at != NULL && strncmp(at, in, n) == 0 && (at[n] == 0 || at[n] == '/' || n == 1);
@@ -434,6 +433,6 @@ fsdpc_status_t file_check_output_dir(const char *path, const char *what, bool em
     return dirs_error(what, path, strerror(errno));
   }
   char parent[DIRS_PATH_MAX];
-  parent_of(path, parent, sizeof parent);
+  file_parent_of(path, parent, sizeof parent);
   return writable_folder(what, parent, path);
 }

@@ -38,6 +38,10 @@ fsdpc_status_t file_write_text(const char *path, const char *text);
 /* Whether path names a folder (following links). */
 bool file_is_dir(const char *path);
 
+/* The folder that holds path into buf: "." for a bare name, "/" for one in the root;
+ * trailing slashes of path ignored. */
+void file_parent_of(const char *path, char *buf, size_t size);
+
 /* Creates folder path with its missing parents (as mkdir -p; an existing folder is fine) and
  * checks that it is writable. Errors read "WHAT 'PATH': reason" (what may be NULL). */
 fsdpc_status_t file_make_dirs(const char *path, const char *what);

@@ -467,14 +467,9 @@ static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *pat
                                           const char *what) {
   if (!p->ckpt_dir[0]) return STATUS_OK;
   char parent[PLAN_PATH_MAX + 8];
+  file_parent_of(path, parent, sizeof parent);
   const char *slash = strrchr(path, '/');
   const char *base = slash ? slash + 1 : path;
-  if (slash == NULL)
-    snprintf(parent, sizeof parent, ".");
-  else if (slash == path)
-    snprintf(parent, sizeof parent, "/");
-  else
-    snprintf(parent, sizeof parent, "%.*s", (int)(slash - path), path);
   char *dir = realpath(p->ckpt_dir, NULL), *at = realpath(parent, NULL);
   fsdpc_status_t st = STATUS_OK;
   size_t n = dir ? strlen(dir) : 0;
