@@ -234,7 +234,8 @@ fsdpc_status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *co
     return err_set(STATUS_EINVAL, "checkpoint: the save of %s is in flight: commit it first",
                    a->dir);
   if (strlen(dir) >= sizeof a->dir) return err_set(STATUS_EINVAL, "checkpoint: path too long");
-  FSDPC_TRY(ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &a->e));
+  /* a failure here is agreed below, with every rank in the same collective */
+  fsdpc_status_t st = ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &a->e);
   snprintf(a->dir, sizeof a->dir, "%s", dir);
   a->rank = pg_rank(pg);
   a->step = step;
@@ -242,9 +243,8 @@ fsdpc_status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *co
   a->saved_under = saved_under ? strdup(saved_under) : NULL;
   atomic_store(&a->done, 0);
   a->staged = false;
-  fsdpc_status_t st = saved_under && !a->saved_under
-                          ? err_set(STATUS_ENOMEM, "checkpoint: out of host memory")
-                          : STATUS_OK;
+  if (st == STATUS_OK && saved_under && !a->saved_under)
+    st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   st = pg_agree(pg, st);
   if (st == STATUS_OK) st = dcp_prepare(dir, a->tmp, sizeof a->tmp, pg);
   bool prepared = st == STATUS_OK;
@@ -252,8 +252,8 @@ fsdpc_status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *co
     fsdpc_status_t mine = STATUS_OK;
     char sub[PATH_LEN + 8];
     for (int k = 0; k < 2 && a->rank == 0 && mine == STATUS_OK; k++) {
-      snprintf(sub, sizeof sub, "%.4300s/%s", a->tmp, k ? "optim" : "model");
-      mine = ckpt_make_dir(sub);
+      mine = file_join(sub, sizeof sub, a->tmp, k ? "optim" : "model");
+      if (mine == STATUS_OK) mine = ckpt_make_dir(sub);
     }
     st = pg_agree(pg, mine);
   }
@@ -286,7 +286,6 @@ fsdpc_status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *co
 fsdpc_status_t ckpt_async_commit(ckpt_async_t *a, pg_t *pg, int64_t *step) {
   ARG_NONNULL(a);
   ARG_NONNULL(pg);
-  ARG_NONNULL(step);
   if (!a->pending) return err_set(STATUS_EINVAL, "checkpoint: no save in flight");
   pthread_join(a->writer, NULL); /* written by now, where the caller waited for every rank */
   a->pending = false;

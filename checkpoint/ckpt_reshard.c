@@ -84,9 +84,10 @@ static fsdpc_status_t reshard_rank(const target_t *tg, dcp_reader_t *r, const ch
   }
   if (st == STATUS_OK && folder != NULL) st = dcp_reader_read_boxes(r, boxes, nb);
   if (st == STATUS_OK && folder != NULL && nb > 0) {
-    char path[PATH_LEN + 64];
-    snprintf(path, sizeof path, "%.4000s/shard-%05d.safetensors", out_folder, rank);
-    st = dcp_write_file(path, boxes, nb, folder);
+    char path[PATH_LEN + 64], name[32];
+    dcp_shard_name(rank, name, sizeof name);
+    st = file_join(path, sizeof path, out_folder, name);
+    if (st == STATUS_OK) st = dcp_write_file(path, boxes, nb, folder);
   }
   *held_out = nb;
   for (int i = 0; folder && i < nb; i++) tensor_free(&held[i]);
@@ -138,7 +139,7 @@ fsdpc_status_t ckpt_reshard_training(const char *dir, const char *out, int world
                                      const char *saved_under, int *files) {
   if (world < 1) return err_set(STATUS_EINVAL, "reshard: world size %d", world);
   char path[PATH_LEN], *text = NULL;
-  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
+  FSDPC_TRY(file_join(path, sizeof path, dir, "train_state.json"));
   if (access(path, F_OK) != 0)
     return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
   FSDPC_TRY(ckpt_check_state(dir));
@@ -168,8 +169,9 @@ fsdpc_status_t ckpt_reshard_training(const char *dir, const char *out, int world
   const char *subs[2] = {"model", "optim"};
   for (int k = 0; k < 2 && st == STATUS_OK; k++) {
     char from[PATH_LEN + 16], to[PATH_LEN + 16];
-    snprintf(from, sizeof from, "%.4000s/%s", dir, subs[k]);
-    snprintf(to, sizeof to, "%.4000s/%s", tmp, subs[k]);
+    st = file_join(from, sizeof from, dir, subs[k]);
+    if (st == STATUS_OK) st = file_join(to, sizeof to, tmp, subs[k]);
+    if (st != STATUS_OK) break;
     if (k == 1 && !file_is_dir(from)) break; /* weights only */
     st = reshard_folder(&tg, from, to, &n_files, &ids[k]);
     has_optim = k == 1 && st == STATUS_OK;

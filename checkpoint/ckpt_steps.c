@@ -38,8 +38,10 @@ fsdpc_status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx) {
     char canon[64]; /* only the names fsdp-train writes: step-6 or 20 digits are someone else's */
     snprintf(canon, sizeof canon, "step-%08lld%s", s, is_tmp ? ".tmp" : "");
     if (strcmp(canon, e->d_name) != 0) continue;
-    char state[PATH_LEN];
-    snprintf(state, sizeof state, "%.4000s/%.255s/train_state.json", root, e->d_name);
+    char sub[PATH_LEN], state[PATH_LEN];
+    st = file_join(sub, sizeof sub, root, e->d_name);
+    if (st == STATUS_OK) st = file_join(state, sizeof state, sub, "train_state.json");
+    if (st != STATUS_OK) break;
     ckpt_step_kind_t kind = is_tmp                     ? CKPT_STEP_TMP
                             : access(state, R_OK) == 0 ? CKPT_STEP_COMPLETE
                                                        : CKPT_STEP_INCOMPLETE;
@@ -121,14 +123,11 @@ fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *co
 /* Removes root's entry `name`; a complete checkpoint loses its train_state.json first, so a
  * half-removed one is never taken for complete. */
 static fsdpc_status_t remove_entry(const char *root, const char *name, ckpt_step_kind_t kind) {
-  char path[PATH_LEN];
-  snprintf(path, sizeof path, "%.4000s/%.255s", root, name);
+  char path[PATH_LEN], state[PATH_LEN + 32];
+  FSDPC_TRY(file_join(path, sizeof path, root, name)); /* never a shortened path: another file */
+  FSDPC_TRY(file_join(state, sizeof state, path, "train_state.json"));
   struct stat sb;
-  if (kind == CKPT_STEP_COMPLETE && lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
-    char state[PATH_LEN + 32];
-    snprintf(state, sizeof state, "%s/train_state.json", path);
-    unlink(state);
-  }
+  if (kind == CKPT_STEP_COMPLETE && lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) unlink(state);
   if (!file_remove_tree(path))
     return err_set(STATUS_EIO, "checkpoint: cannot remove all of %s: %s", path, strerror(errno));
   return STATUS_OK;
@@ -163,6 +162,47 @@ fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed) {
   removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
   fsdpc_status_t st = ckpt_scan_steps(root, remove_step, &r);
   if (removed) *removed = r.removed;
+  return st;
+}
+
+fsdpc_status_t ckpt_restore_replaced(const char *root, int *restored, int *removed) {
+  ARG_NONNULL(root);
+  if (restored) *restored = 0;
+  if (removed) *removed = 0;
+  DIR *d = opendir(root);
+  if (d == NULL) return STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
+  struct dirent *e;
+  while (st == STATUS_OK && (e = readdir(d)) != NULL) {
+    long long s, pid;
+    char canon[96], tail;
+    if (sscanf(e->d_name, "step-%lld.replaced-%lld%c", &s, &pid, &tail) != 2 || s < 0 || pid < 0)
+      continue;
+    snprintf(canon, sizeof canon, "step-%08lld.replaced-%lld", s, pid);
+    if (strcmp(canon, e->d_name) != 0) continue; /* only the names a save gives */
+    char aside[PATH_LEN], dir[PATH_LEN], state[PATH_LEN + 32], name[32];
+    snprintf(name, sizeof name, "step-%08lld", s);
+    st = file_join(aside, sizeof aside, root, e->d_name);
+    if (st == STATUS_OK) st = file_join(dir, sizeof dir, root, name);
+    if (st != STATUS_OK) break;
+    struct stat sb;
+    if (lstat(dir, &sb) != 0 && errno == ENOENT) {
+      if (rename(aside, dir) != 0)
+        st = err_set(STATUS_EIO, "checkpoint: cannot put %s back as %s: %s", aside, dir,
+                     strerror(errno));
+      else if (restored)
+        (*restored)++;
+      continue;
+    }
+    st = file_join(state, sizeof state, dir, "train_state.json");
+    if (st == STATUS_OK && S_ISDIR(sb.st_mode) && access(state, F_OK) == 0) {
+      if (!file_remove_tree(aside))
+        st = err_set(STATUS_EIO, "checkpoint: cannot remove all of %s: %s", aside, strerror(errno));
+      else if (removed)
+        (*removed)++;
+    }
+  }
+  closedir(d);
   return st;
 }
 

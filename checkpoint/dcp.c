@@ -51,6 +51,24 @@ static fsdpc_status_t fsync_path(const char *path) {
   return STATUS_OK;
 }
 
+/* The folders directly in dir (a training checkpoint's model/ and optim/), synced: the shard
+ * files renamed into them by every rank. */
+static fsdpc_status_t fsync_subfolders(const char *dir) {
+  DIR *d = opendir(dir);
+  if (d == NULL) return err_set(STATUS_EIO, "%s: cannot open to sync: %s", dir, strerror(errno));
+  fsdpc_status_t st = STATUS_OK;
+  struct dirent *e;
+  while (st == STATUS_OK && (e = readdir(d)) != NULL) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+    char sub[DCP_JOIN_MAX];
+    struct stat sb;
+    st = file_join(sub, sizeof sub, dir, e->d_name);
+    if (st == STATUS_OK && lstat(sub, &sb) == 0 && S_ISDIR(sb.st_mode)) st = fsync_path(sub);
+  }
+  closedir(d);
+  return st;
+}
+
 static uint64_t g_block_bytes = DCP_BLOCK_BYTES_DEFAULT;
 
 fsdpc_status_t dcp_set_block_bytes(uint64_t bytes) {
@@ -101,9 +119,29 @@ static void pending_free(pending_t *p) {
   memset(p, 0, sizeof *p);
 }
 
+/* The most block hashes a file records: 16 hex digits each, 32 MB of its header, well inside
+ * what a reader takes (ST_MAX_HEADER). */
+#define MAX_FILE_HASHES ((uint64_t)2000000)
+
+/* The block size of a file of n boxes: the set one, doubled while the file would record more
+ * than MAX_FILE_HASHES hashes (a large shard under a small checkpoint.block_bytes), so that
+ * every file written can be read. Each file records its own. */
+static uint64_t file_block_bytes(const dcp_box_t *boxes, int n) {
+  uint64_t block = g_block_bytes;
+  for (;;) {
+    uint64_t hashes = 0;
+    for (int i = 0; i < n; i++) {
+      const fsdpc_tensor_t *t = boxes[i].value;
+      hashes += dcp_blocks_of((uint64_t)tensor_numel(t) * dtype_size(t->dtype), block);
+    }
+    if (hashes <= MAX_FILE_HASHES || 2 * block > DCP_BLOCK_BYTES_MAX) return block;
+    block *= 2;
+  }
+}
+
 static fsdpc_status_t pending_hash(const dcp_box_t *boxes, int n, pending_t *p) {
   memset(p, 0, sizeof *p);
-  p->it.block_bytes = g_block_bytes;
+  p->it.block_bytes = file_block_bytes(boxes, n);
   p->n = n;
   if ((p->ht = calloc((size_t)(n > 0 ? n : 1), sizeof *p->ht)) == NULL)
     return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
@@ -254,7 +292,7 @@ static fsdpc_status_t write_shards(const char *tmp, const dcp_entry_t *entries, 
     st = pending_seal(&p, &folder);
     char path[DCP_JOIN_MAX], name[32];
     dcp_shard_name(rank, name, sizeof name);
-    snprintf(path, sizeof path, "%.4010s/%s", tmp, name);
+    if (st == STATUS_OK) st = file_join(path, sizeof path, tmp, name);
     if (st == STATUS_OK) st = write_sealed(path, b, count, &p);
   }
   pending_free(&p);
@@ -275,7 +313,7 @@ fsdpc_status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
   if (strlen(dir) + 8 >= DCP_PATH_MAX || size < DCP_PATH_MAX)
     st = err_set(STATUS_EINVAL, "checkpoint: path too long");
   else
-    snprintf(tmp, size, "%.4000s.tmp", dir);
+    snprintf(tmp, size, "%s.tmp", dir);
   struct stat sb;
   if (rank == 0 && st == STATUS_OK) {
     if (lstat(dir, &sb) == 0) {
@@ -303,20 +341,14 @@ fsdpc_status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
   ARG_NONNULL(pg);
   int rank = pg_rank(pg);
   fsdpc_status_t st = STATUS_OK;
-  if (rank == 0) { /* the folder's entries, then the rename, reach the disk */
-    st = fsync_path(tmp);
+  if (rank == 0) { /* the folders' entries (the files' names), then the rename, reach the disk */
+    st = fsync_subfolders(tmp);
+    if (st == STATUS_OK) st = fsync_path(tmp);
     if (st == STATUS_OK && rename(tmp, dir) != 0)
       st = err_set(STATUS_EIO, "checkpoint: cannot rename %s to %s: %s", tmp, dir, strerror(errno));
     if (st == STATUS_OK) {
       char parent[DCP_PATH_MAX];
-      snprintf(parent, sizeof parent, "%s", dir);
-      char *slash = strrchr(parent, '/');
-      if (slash == parent)
-        slash[1] = 0;
-      else if (slash)
-        *slash = 0;
-      else
-        strcpy(parent, ".");
+      file_parent_of(dir, parent, sizeof parent);
       st = fsync_path(parent);
     }
   }

@@ -6,8 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/args_impl.h"
 #include "checkpoint/dcp_reader_impl.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 
 static int cmp_str(const void *a, const void *b) {
   return strcmp(*(char *const *)a, *(char *const *)b);
@@ -280,11 +281,11 @@ static fsdpc_status_t open_named(const char *dir, char **names, int n, dcp_reade
     st = oom();
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     char path[DCP_JOIN_MAX];
-    snprintf(path, sizeof path, "%.4000s/%.255s", dir, names[i]);
     r->n_files = i + 1;
     r->files[i].base = names[i]; /* owned by the file now */
     names[i] = NULL;
-    st = dcp_rfile_open(&r->files[i], path);
+    st = file_join(path, sizeof path, dir, r->files[i].base);
+    if (st == STATUS_OK) st = dcp_rfile_open(&r->files[i], path);
   }
   for (int i = 0; i < n; i++) free(names[i]);
   free(names);

@@ -319,8 +319,8 @@ fsdpc_status_t ckpt_load_hf_with(nn_module_t *root, const char *dir, const hf_lo
   fsdpc_status_t st = files ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     char path[4400];
-    snprintf(path, sizeof path, "%.4000s/%.255s", dir, names[i]);
-    st = st_open(path, &files[i]);
+    st = file_join(path, sizeof path, dir, names[i]);
+    if (st == STATUS_OK) st = st_open(path, &files[i]);
   }
   if (st == STATUS_OK) st = load_from(root, files, n, dir, o);
   for (int i = 0; files && i < n; i++) st_close(files[i]);
@@ -335,9 +335,9 @@ fsdpc_status_t hf_weight_files(const char *dir, char ***out, int *n) {
   ARG_NONNULL(n);
   enum { MAX_FILES = 4096 };
   char path[4400];
-  snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", dir);
   *out = NULL;
   *n = 0;
+  FSDPC_TRY(file_join(path, sizeof path, dir, "model.safetensors.index.json"));
   char **names = calloc(MAX_FILES, sizeof(char *));
   if (names == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   fsdpc_status_t st = STATUS_OK;

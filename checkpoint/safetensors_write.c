@@ -152,36 +152,41 @@ static cJSON *raw_u64(uint64_t v) {
  * then copies whole cache lines. */
 static fsdpc_status_t build_header(const st_writer_t *w, char **out, size_t *len) {
   cJSON *root = cJSON_CreateObject();
-  if (root == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  if (w->n_meta > 0) {
+  bool ok = root != NULL; /* every item added: a header missing one would misplace the data */
+  if (ok && w->n_meta > 0) {
     cJSON *m = cJSON_AddObjectToObject(root, "__metadata__");
-    for (int i = 0; m && i < w->n_meta; i++)
-      cJSON_AddStringToObject(m, w->meta[i].key, w->meta[i].value);
+    ok = m != NULL;
+    for (int i = 0; ok && i < w->n_meta; i++)
+      ok = cJSON_AddStringToObject(m, w->meta[i].key, w->meta[i].value) != NULL;
   }
   uint64_t pos = 0;
-  for (int i = 0; i < w->n; i++) {
+  for (int i = 0; ok && i < w->n; i++) {
     const wentry_t *e = &w->e[i];
     cJSON *o = cJSON_AddObjectToObject(root, e->name);
-    if (o == NULL) break;
-    cJSON_AddStringToObject(o, "dtype", st_dtype_name(e->dtype));
-    cJSON *sh = cJSON_AddArrayToObject(o, "shape");
+    cJSON *sh = o ? cJSON_AddArrayToObject(o, "shape") : NULL;
+    ok = sh != NULL && cJSON_AddStringToObject(o, "dtype", st_dtype_name(e->dtype)) != NULL;
     uint64_t numel = 1;
-    for (int d = 0; sh && d < e->ndim; d++) {
-      cJSON_AddItemToArray(sh, raw_u64((uint64_t)e->shape[d]));
+    for (int d = 0; ok && d < e->ndim; d++) {
+      ok = cJSON_AddItemToArray(sh, raw_u64((uint64_t)e->shape[d]));
       numel *= (uint64_t)e->shape[d];
     }
-    cJSON *off = cJSON_AddArrayToObject(o, "data_offsets");
+    cJSON *off = ok ? cJSON_AddArrayToObject(o, "data_offsets") : NULL;
     uint64_t end = pos + numel * dtype_size(e->dtype);
-    if (off) {
-      cJSON_AddItemToArray(off, raw_u64(pos));
-      cJSON_AddItemToArray(off, raw_u64(end));
-    }
+    ok = off != NULL && cJSON_AddItemToArray(off, raw_u64(pos)) &&
+         cJSON_AddItemToArray(off, raw_u64(end));
     pos = end;
   }
-  char *text = cJSON_PrintUnformatted(root);
+  char *text = ok ? cJSON_PrintUnformatted(root) : NULL;
   cJSON_Delete(root);
   if (text == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   size_t n = strlen(text), padded = ((n + 8 + 63) & ~(size_t)63) - 8;
+  if (padded > ST_MAX_HEADER) { /* no reader would open the file */
+    free(text);
+    return err_set(STATUS_EINVAL,
+                   "safetensors: a header of %zu bytes, more than the %u a reader takes (%d "
+                   "tensors)",
+                   padded, ST_MAX_HEADER, w->n);
+  }
   char *buf = realloc(text, padded + 1);
   if (buf == NULL) {
     free(text);

@@ -26,6 +26,7 @@ void ckpt_entries_free(ckpt_entries_t *e) {
   free(e->optim);
   free(e->owned);
   free(e->names);
+  memset(e, 0, sizeof *e); /* freed twice is harmless */
 }
 
 fsdpc_status_t ckpt_entries_make(nn_param_t *const *params, int n, optim_t *opt,
@@ -115,8 +116,8 @@ fsdpc_status_t ckpt_state_text(const char *dir, char **out) {
   ARG_NONNULL(dir);
   ARG_NONNULL(out);
   char path[PATH_LEN];
-  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
   *out = NULL;
+  FSDPC_TRY(file_join(path, sizeof path, dir, "train_state.json"));
   if (access(path, F_OK) != 0) return STATUS_OK;
   return file_read_text(path, FILE_TEXT_MAX, out);
 }
@@ -129,7 +130,7 @@ fsdpc_status_t ckpt_commit_state(const char *tmp, const char *out, const char *s
   char *sealed = NULL, path[PATH_LEN];
   fsdpc_status_t st = STATUS_OK;
   if (model_id) st = ckpt_state_seal(state_text, *model_id, optim_id, &sealed);
-  snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
+  if (st == STATUS_OK) st = file_join(path, sizeof path, tmp, "train_state.json");
   if (st == STATUS_OK) st = file_write_text(path, sealed ? sealed : state_text);
   free(sealed);
   if (st == STATUS_OK && rename(tmp, out) != 0)
@@ -152,7 +153,7 @@ fsdpc_status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_ste
   fsdpc_status_t st = ckpt_state_seal(text, model_id, &optim_id, &sealed);
   free(text);
   char path[PATH_LEN];
-  snprintf(path, sizeof path, "%.4000s/train_state.json", tmp);
+  if (st == STATUS_OK) st = file_join(path, sizeof path, tmp, "train_state.json");
   if (st == STATUS_OK) st = file_write_text(path, sealed);
   free(sealed);
   return st;
@@ -166,13 +167,15 @@ fsdpc_status_t ckpt_save_training(const char *dir, nn_param_t *const *params, in
   ARG_NONNULL(pg);
   int rank = pg_rank(pg);
   ckpt_entries_t e;
-  FSDPC_TRY(ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &e));
+  /* agreed: a rank short of memory must not leave the others in the save's collectives */
+  fsdpc_status_t st = pg_agree(pg, ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &e));
+  if (st != STATUS_OK) return st;
   char tmp[PATH_LEN], model[PATH_LEN], optim[PATH_LEN];
-  fsdpc_status_t st = dcp_prepare(dir, tmp, sizeof tmp, pg);
+  st = dcp_prepare(dir, tmp, sizeof tmp, pg);
   bool prepared = st == STATUS_OK;
-  if (st == STATUS_OK) {
-    snprintf(model, sizeof model, "%.4000s/model", tmp);
-    snprintf(optim, sizeof optim, "%.4000s/optim", tmp);
+  if (st == STATUS_OK) st = file_join(model, sizeof model, tmp, "model");
+  if (st == STATUS_OK) st = file_join(optim, sizeof optim, tmp, "optim");
+  if (st == STATUS_OK) { /* the same paths on every rank: agreed */
     fsdpc_status_t mine = STATUS_OK;
     if (rank == 0) {
       mine = ckpt_make_dir(model);
@@ -198,7 +201,7 @@ fsdpc_status_t ckpt_save_training(const char *dir, nn_param_t *const *params, in
 
 /* train_state.json of checkpoint dir, parsed (caller deletes); its path into path. */
 static fsdpc_status_t load_state(const char *dir, char *path, size_t size, cJSON **out) {
-  snprintf(path, size, "%.4000s/train_state.json", dir);
+  FSDPC_TRY(file_join(path, size, dir, "train_state.json"));
   char *text;
   FSDPC_TRY(file_read_text(path, FILE_TEXT_MAX, &text));
   *out = cJSON_Parse(text);
@@ -285,8 +288,8 @@ static void opened_close(opened_t *c) {
 
 static fsdpc_status_t opened_open(const char *dir, opened_t *c) {
   memset(c, 0, sizeof *c);
-  snprintf(c->model, sizeof c->model, "%.4000s/model", dir);
-  snprintf(c->optim, sizeof c->optim, "%.4000s/optim", dir);
+  FSDPC_TRY(file_join(c->model, sizeof c->model, dir, "model"));
+  FSDPC_TRY(file_join(c->optim, sizeof c->optim, dir, "optim"));
   fsdpc_status_t st = load_state(dir, c->path, sizeof c->path, &c->state);
   if (st == STATUS_OK) st = open_if_any(c->model, &c->rm);
   if (st == STATUS_OK) st = open_if_any(c->optim, &c->ro);
@@ -338,8 +341,8 @@ fsdpc_status_t ckpt_load_training(const char *dir, nn_param_t *const *params, in
 
 fsdpc_status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks) {
   char model[PATH_LEN], optim[PATH_LEN];
-  snprintf(model, sizeof model, "%.4000s/model", dir);
-  snprintf(optim, sizeof optim, "%.4000s/optim", dir);
+  FSDPC_TRY(file_join(model, sizeof model, dir, "model"));
+  FSDPC_TRY(file_join(optim, sizeof optim, dir, "optim"));
   int64_t a = 0, b = 0;
   FSDPC_TRY(pg_agree(pg, ckpt_check_state(dir)));
   FSDPC_TRY(dcp_verify(model, pg, &a));

@@ -152,6 +152,13 @@ fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *co
  * what it points to. Local; call it on one rank, with no job saving into root. */
 fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed);
 
+/* Settles the folders a checkpoint.overwrite save moved aside (step-NNNNNNNN.replaced-PID)
+ * and a job that died left there: one whose step folder is absent comes back under its name
+ * (*restored counts them), one whose step folder is complete (the save committed) is removed
+ * (*removed); any other stays. Call it after ckpt_remove_unfinished. Local; on one rank, with
+ * no job saving into root. */
+fsdpc_status_t ckpt_restore_replaced(const char *root, int *restored, int *removed);
+
 /* Removes the step folders under root after step `after`, except step `keep` (-1: none);
  * complete ones lose their train_state.json first, so a half-removed one is never taken for
  * complete. Links are removed themselves. Local; call it on one rank. */

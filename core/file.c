@@ -338,6 +338,14 @@ fsdpc_status_t file_inputs_add(file_inputs_t *in, const char *path, const char *
   return add_one(in, &sb, path, what);
 }
 
+fsdpc_status_t file_join(char *buf, size_t size, const char *dir, const char *name) {
+  int n = snprintf(buf, size, "%s/%s", dir, name);
+  if (n >= 0 && (size_t)n < size) return STATUS_OK;
+  if (size > 0) buf[0] = 0;
+  return err_set(STATUS_EINVAL, "path too long (%d bytes, at most %zu): %.200s.../%.255s", n,
+                 size > 0 ? size - 1 : 0, dir, name);
+}
+
 void file_parent_of(const char *path, char *buf, size_t size) {
   snprintf(buf, size, "%s", path);
   size_t n = strlen(buf);

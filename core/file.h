@@ -42,6 +42,10 @@ bool file_is_dir(const char *path);
  * trailing slashes of path ignored. */
 void file_parent_of(const char *path, char *buf, size_t size);
 
+/* buf = dir "/" name. A path that does not fit in size bytes is refused (EINVAL, naming it),
+ * never cut short: a shortened path names another file. */
+fsdpc_status_t file_join(char *buf, size_t size, const char *dir, const char *name);
+
 /* Creates folder path with its missing parents (as mkdir -p; an existing folder is fine) and
  * checks that it is writable. Errors read "WHAT 'PATH': reason" (what may be NULL). */
 fsdpc_status_t file_make_dirs(const char *path, const char *what);

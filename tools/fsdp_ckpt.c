@@ -53,14 +53,15 @@ static void usage(FILE *f) {
  * plain shard folder. */
 static fsdpc_status_t check_state(const char *dir) {
   char path[PATH_LEN];
-  snprintf(path, sizeof path, "%.4000s/train_state.json", dir);
+  FSDPC_TRY(file_join(path, sizeof path, dir, "train_state.json"));
   return access(path, F_OK) == 0 ? ckpt_check_state(dir) : STATUS_OK;
 }
 
 /* The folder of the model's shards: DIR/model in a training checkpoint, else DIR. */
-static void model_folder(const char *dir, char *out, size_t size) {
-  snprintf(out, size, "%.4000s/model", dir);
+static fsdpc_status_t model_folder(const char *dir, char *out, size_t size) {
+  FSDPC_TRY(file_join(out, size, dir, "model"));
   if (!file_is_dir(out)) snprintf(out, size, "%s", dir);
+  return STATUS_OK;
 }
 
 static void shape_text(int nd, const int64_t *s, char *buf, size_t n) {
@@ -181,7 +182,7 @@ static fsdpc_status_t inspect_run(const char *dir, bool *listed) {
 static fsdpc_status_t inspect(const char *dir) {
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   char own[PATH_LEN + 32];
-  snprintf(own, sizeof own, "%.4000s/train_state.json", dir);
+  FSDPC_TRY(file_join(own, sizeof own, dir, "train_state.json"));
   if (access(own, F_OK) != 0) {
     bool listed;
     FSDPC_TRY(inspect_run(dir, &listed));
@@ -198,6 +199,7 @@ static fsdpc_status_t inspect(const char *dir) {
     printf("checkpoint %s: after step %lld\n", dir,
            cJSON_IsNumber(s) ? (long long)s->valuedouble : -1);
     const cJSON *it;
+    if (!cJSON_IsObject(u)) u = NULL; /* an older or another tool's record: not shown */
     cJSON_ArrayForEach(it, u) {
       if (strcmp(it->string, "model") == 0) continue;
       char *v = cJSON_PrintUnformatted(it);
@@ -212,9 +214,9 @@ static fsdpc_status_t inspect(const char *dir) {
     }
   }
   char model[PATH_LEN], optim[PATH_LEN];
-  model_folder(dir, model, sizeof model);
-  fsdpc_status_t st = inspect_folder("model", model);
-  snprintf(optim, sizeof optim, "%.4000s/optim", dir);
+  fsdpc_status_t st = model_folder(dir, model, sizeof model);
+  if (st == STATUS_OK) st = inspect_folder("model", model);
+  if (st == STATUS_OK) st = file_join(optim, sizeof optim, dir, "optim");
   if (st == STATUS_OK && file_is_dir(optim)) st = inspect_folder("optimizer state", optim);
   cJSON_Delete(state);
   return st;
@@ -253,9 +255,10 @@ static fsdpc_status_t verify_folder(const char *dir, int *checked, int *unchecke
 static fsdpc_status_t verify(const char *dir) {
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   FSDPC_TRY(check_state(dir));
-  char model[PATH_LEN], optim[PATH_LEN];
-  model_folder(dir, model, sizeof model);
-  snprintf(optim, sizeof optim, "%.4000s/optim", dir);
+  char model[PATH_LEN], optim[PATH_LEN], state[PATH_LEN + 32];
+  FSDPC_TRY(model_folder(dir, model, sizeof model));
+  FSDPC_TRY(file_join(optim, sizeof optim, dir, "optim"));
+  FSDPC_TRY(file_join(state, sizeof state, dir, "train_state.json"));
   int checked = 0, unchecked = 0, damaged = 0;
   FSDPC_TRY(verify_folder(model, &checked, &unchecked, &damaged));
   if (file_is_dir(optim)) FSDPC_TRY(verify_folder(optim, &checked, &unchecked, &damaged));
@@ -263,8 +266,6 @@ static fsdpc_status_t verify(const char *dir) {
          checked, unchecked, damaged);
   if (damaged > 0)
     return err_set(STATUS_EFORMAT, "%s: %d tensors damaged (named above)", dir, damaged);
-  char state[PATH_LEN + 32];
-  snprintf(state, sizeof state, "%.4000s/train_state.json", dir);
   if (strcmp(model, dir) != 0 && access(state, F_OK) != 0) /* DIR/model: a training checkpoint's */
     return err_set(STATUS_EFORMAT,
                    "%s: no train_state.json: not a complete checkpoint, which every load refuses "
@@ -352,9 +353,9 @@ static void say_unchecked_folders(const char *dir) {
   const char *subs[2] = {"model", "optim"};
   for (int k = 0; k < 2; k++) {
     char path[PATH_LEN + 16];
-    snprintf(path, sizeof path, "%.4000s/%s", dir, subs[k]);
     dcp_reader_t *r;
-    if (file_is_dir(path) && dcp_reader_open(path, &r) == STATUS_OK) {
+    if (file_join(path, sizeof path, dir, subs[k]) == STATUS_OK && file_is_dir(path) &&
+        dcp_reader_open(path, &r) == STATUS_OK) {
       say_unchecked(r, path);
       dcp_reader_close(r);
     }
@@ -405,7 +406,7 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
   FSDPC_TRY(reshard_world(&p, o, &world));
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   char state[PATH_LEN + 32], *config = NULL;
-  snprintf(state, sizeof state, "%s/train_state.json", dir);
+  FSDPC_TRY(file_join(state, sizeof state, dir, "train_state.json"));
   if (access(state, F_OK) != 0)
     return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
   FSDPC_TRY(ckpt_recorded_config(dir, &config));

@@ -167,7 +167,7 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
   } else {
     FSDPC_TRY(read_state(dir, &state));
     config = recorded_model(state);
-    snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir);
+    snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir); /* for messages */
   }
   *arch = arch_of(config);
   fsdpc_status_t st = config ? write_config(config, origin, dtype, path, vocab)
@@ -335,10 +335,10 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   memset(rep, 0, sizeof *rep);
   char model[PATH_LEN], state[PATH_LEN];
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
-  snprintf(state, sizeof state, "%.4000s/train_state.json", dir);
+  FSDPC_TRY(file_join(state, sizeof state, dir, "train_state.json"));
   if (access(state, F_OK) == 0) FSDPC_TRY(ckpt_check_state(dir));
   /* the model's shards: DIR/model in a training checkpoint, else DIR */
-  snprintf(model, sizeof model, "%.4000s/model", dir);
+  FSDPC_TRY(file_join(model, sizeof model, dir, "model"));
   if (!file_is_dir(model)) snprintf(model, sizeof model, "%s", dir);
   FSDPC_TRY(file_check_output_dir(out, "export-hf: OUT", true));
   FSDPC_TRY(file_check_outside(out, dir, "export-hf: OUT"));
@@ -370,9 +370,9 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   hf_list_t l = {0};
   if (st == STATUS_OK) { /* first: the config may be missing, before any tensor is written */
     char path[PATH_LEN + 64];
-    snprintf(path, sizeof path, "%.4000s/config.json", tmp);
     dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
-    st = export_config(dir, o, cd, path, &arch, &vocab);
+    st = file_join(path, sizeof path, tmp, "config.json");
+    if (st == STATUS_OK) st = export_config(dir, o, cd, path, &arch, &vocab);
     if (st == STATUS_OK) st = hf_list_of(t, n, arch, vocab, &l);
     if (st == STATUS_OK) st = check_export(dir, o, path, arch, &l);
   }
@@ -412,16 +412,17 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
       snprintf(name, sizeof name, "model.safetensors");
     else
       snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", f + 1, files);
-    snprintf(path, sizeof path, "%.4000s/%s", tmp, name);
-    st = export_file(r, t, &l, start[f], start[f + 1], o->dtype, path, one);
+    st = file_join(path, sizeof path, tmp, name);
+    if (st == STATUS_OK) st = export_file(r, t, &l, start[f], start[f + 1], o->dtype, path, one);
     cJSON *map = index ? cJSON_GetObjectItemCaseSensitive(index, "weight_map") : NULL;
     for (int k = start[f]; map && k < start[f + 1]; k++)
       cJSON_AddStringToObject(map, l.v[k].name, name);
   }
   if (st == STATUS_OK && index) {
     char path[PATH_LEN + 64], *text = cJSON_Print(index);
-    snprintf(path, sizeof path, "%.4000s/model.safetensors.index.json", tmp);
-    st = text ? file_write_text(path, text) : err_set(STATUS_ENOMEM, "out of host memory");
+    st = text ? file_join(path, sizeof path, tmp, "model.safetensors.index.json")
+              : err_set(STATUS_ENOMEM, "out of host memory");
+    if (st == STATUS_OK) st = file_write_text(path, text);
     free(text);
   }
   if (st == STATUS_OK && rename(tmp, out) != 0)
@@ -645,8 +646,8 @@ static fsdpc_status_t stack_experts(st_file_t *f, const char *from, char (*stack
 static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char *model,
                                    const dcp_folder_t *folder, llama_arch_t arch) {
   char from[PATH_LEN + 300], to[PATH_LEN + 300];
-  snprintf(from, sizeof from, "%.4000s/%s", hf, name);
-  snprintf(to, sizeof to, "%.4000s/%s", model, name);
+  FSDPC_TRY(file_join(from, sizeof from, hf, name));
+  FSDPC_TRY(file_join(to, sizeof to, model, name));
   st_file_t *f;
   FSDPC_TRY(st_open(from, &f));
   int n = st_num_tensors(f);
@@ -696,7 +697,7 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   hf_report_t *rep = report ? report : &rep_local;
   memset(rep, 0, sizeof *rep);
   char cfg_path[PATH_LEN + 64], *config = NULL;
-  snprintf(cfg_path, sizeof cfg_path, "%.4000s/config.json", hf);
+  FSDPC_TRY(file_join(cfg_path, sizeof cfg_path, hf, "config.json"));
   FSDPC_TRY(file_read_text(cfg_path, FILE_TEXT_MAX, &config));
   cJSON *cfg = cJSON_Parse(config);
   free(config);
@@ -742,7 +743,7 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   char tmp[PATH_LEN + 16] = "", model[PATH_LEN + 32];
   if (st == STATUS_OK) st = file_make_temp_dir(out, tmp, sizeof tmp);
   bool made = st == STATUS_OK;
-  snprintf(model, sizeof model, "%s/model", tmp);
+  if (st == STATUS_OK) st = file_join(model, sizeof model, tmp, "model");
   if (st == STATUS_OK && mkdir(model, 0755) != 0)
     st = err_set(STATUS_EIO, "%s: cannot create: %s", model, strerror(errno));
   uint64_t id = dcp_new_save_id();

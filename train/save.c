@@ -17,10 +17,16 @@ fsdpc_status_t train_saver_init(train_saver_t *sv, const run_t *r) {
   return r->plan.ckpt_async ? ckpt_async_new(&sv->async) : STATUS_OK;
 }
 
+static void put_back(train_saver_t *sv, const char *dir);
+
 void train_saver_free(train_saver_t *sv) {
-  ckpt_async_free(
-      sv->async); /* an uncommitted save stays as step-N.tmp: the next start removes it */
+  char dir[PLAN_PATH_MAX + 32];
+  snprintf(dir, sizeof dir, "%s", ckpt_async_dir(sv->async));
+  /* an uncommitted save stays as step-N.tmp, which the next start removes; the folder
+   * checkpoint.overwrite moved aside for it comes back */
+  ckpt_async_free(sv->async);
   sv->async = NULL;
+  if (world_rank() == 0 && dir[0]) put_back(sv, dir);
 }
 
 /* Before the first save under checkpoint.overwrite: the folder of its step, if any, moved aside

@@ -322,6 +322,20 @@ static fsdpc_status_t start(run_t *r) {
   if (removed > 0)
     fprintf(stderr, "%s: checkpoint.dir '%s': removed %d unfinished save%s (step-*.tmp)\n",
             train_prog(), p->ckpt_dir, removed, removed == 1 ? "" : "s");
+  /* the folders checkpoint.overwrite moved aside for saves that never committed */
+  int restored = 0, stale = 0;
+  if (st == STATUS_OK && world_rank() == 0)
+    st = ckpt_restore_replaced(p->ckpt_dir, &restored, &stale);
+  if (restored > 0)
+    fprintf(stderr,
+            "%s: checkpoint.dir '%s': put back %d step folder%s that checkpoint.overwrite had "
+            "moved aside for a save that did not finish\n",
+            train_prog(), p->ckpt_dir, restored, restored == 1 ? "" : "s");
+  if (stale > 0)
+    fprintf(stderr,
+            "%s: checkpoint.dir '%s': removed %d step folder%s that checkpoint.overwrite had "
+            "replaced (step-*.replaced-*)\n",
+            train_prog(), p->ckpt_dir, stale, stale == 1 ? "" : "s");
   return pg_agree(world_pg(), st);
 }
 
@@ -1040,7 +1054,16 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   /* a failure this rank may have met alone (memory, the data file, a device) stops the others
    * at once, where they would wait for it in the step's collectives until the watchdog */
   if (st != STATUS_OK && !L->agreed) world_stop(st);
-  train_saver_free(&L->saver); /* a save in flight after a failure stays uncommitted */
+  /* after a failure every rank met alike, a save in flight (of a step before it) commits, as
+   * it would have without checkpoint.async; else it stays uncommitted */
+  if (st != STATUS_OK && L->agreed && !L->keep) {
+    char why[4096];
+    snprintf(why, sizeof why, "%s", err_detail());
+    if (train_save_finish(&L->saver, r) != STATUS_OK && world_rank() == 0)
+      fprintf(stderr, "%s: the save in flight failed too: %s\n", train_prog(), err_detail());
+    err_set(st, "%s", why);
+  }
+  train_saver_free(&L->saver);
   free(L->micro_loss);
   free(L->load);
   free(L->pp_peaks);

@@ -647,6 +647,51 @@ START_TEST(failed_save_removes_its_temporary_folder) {
 }
 END_TEST
 
+/* A file whose blocks would be too many to record (a large shard under a small block size)
+ * records a larger block size of its own, doubled until they fit, and loads exactly: 125 MB
+ * of f32 in 64-byte blocks would record 2,000,000 hashes and more. One rank (the test holds
+ * the tensor twice). */
+START_TEST(a_large_shard_records_a_larger_block_size) {
+  if (world_size() != 1) return;
+  make_root();
+  ok(dcp_set_block_bytes(64));
+  int W = 1;
+  mesh_t *mesh;
+  const char *n1[] = {"w"};
+  ok(mesh_new(1, &W, n1, DEVICE_CPU, &mesh));
+  const int64_t shape[2] = {31251, 1024}; /* 128,004,096 bytes: 2,000,064 blocks of 64 */
+  fsdpc_tensor_t full;
+  ok(tensor_init(&full, DTYPE_F32, device_cpu(), 2, shape));
+  for (int64_t k = 0; k < tensor_numel(&full); k++) ((float *)full.data)[k] = (float)(k % 8191);
+  placement_t rep = placement_replicate();
+  dtensor_t *d;
+  ok(dtensor_distribute(&full, mesh, &rep, DTENSOR_ALL_RANKS, &d));
+  char dir[400], path[500];
+  snprintf(dir, sizeof dir, "%s/wide", root);
+  ok(dcp_save(dir, &(dcp_entry_t){"big", d}, 1, world_pg()));
+  snprintf(path, sizeof path, "%s/shard-00000.safetensors", dir);
+  st_file_t *f;
+  ok(st_open(path, &f));
+  cJSON *rec = cJSON_Parse(st_metadata(f, "FSDPC_INTEGRITY"));
+  const cJSON *b = cJSON_GetObjectItemCaseSensitive(rec, "block_bytes");
+  ck_assert_msg(cJSON_IsNumber(b) && b->valuedouble == 128,
+                "the file records blocks of %g bytes, not 128",
+                cJSON_IsNumber(b) ? b->valuedouble : -1);
+  cJSON_Delete(rec);
+  st_close(f);
+  ok(tensor_fill((fsdpc_tensor_t *)dtensor_local(d), 0));
+  ok(dcp_load(dir, &(dcp_entry_t){"big", d}, 1, NULL));
+  bool eq = false;
+  ok(tensor_equal(dtensor_local(d), &full, &eq));
+  ck_assert_msg(eq, "the large shard loads its values");
+  dtensor_free(d);
+  tensor_free(&full);
+  mesh_free(mesh);
+  ok(dcp_set_block_bytes(DCP_BLOCK_BYTES_DEFAULT));
+  remove_root();
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("dcp");
   TCase *tc = tcase_create("dcp");
@@ -657,6 +702,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, large_chunks_are_checked_while_read);
   tcase_add_test(tc, errors_name_the_tensor);
   tcase_add_test(tc, failed_save_removes_its_temporary_folder);
+  tcase_add_test(tc, a_large_shard_records_a_larger_block_size);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -7,8 +7,8 @@ import re
 import shutil
 import time
 
-from common import (EXE, ROOT, TOOL, check, edit_header, hf_folder, losses, mkdtemp, run, sh,
-                    st_read)
+from common import (EXE, ROOT, TOOL, check, edit_header, edit_state, hf_folder, losses, mkdtemp,
+                    run, sh, st_read, strip_records)
 
 
 def hf_expected(cfg):
@@ -292,6 +292,37 @@ def ckpt_tool():
               "fsdp-ckpt %s into its own input: refused (%s)" % (op, p.stderr.strip()[-120:]))
     check((sorted(os.listdir(step)), sorted(os.listdir(os.path.join(step, "model")))) == before
           and tool_run("verify", step).returncode == 0, "the inputs stay as they were")
+    # outputs whose folder's path is 4000 bytes long: written whole into OUT (paths are never
+    # cut short, which named a file beside OUT), a file there kept
+    deep = tmp
+    while len(deep) < 3700:
+        deep = os.path.join(deep, "d" * 200)
+    deep = os.path.join(deep, "e" * (3999 - len(deep)))
+    os.makedirs(deep)
+    with open(os.path.join(deep, "config.json"), "w") as f:
+        f.write("kept")
+    made = ["config.json"]
+    for op, args, out in (
+            ("export-hf", [step], "o"), ("import-hf", [src_hf], "i"),
+            ("reshard", [step, "--to", os.path.join(ROOT, "configs", "fsdp.yaml"), "--world", "2"],
+             "r")):
+        p = tool_run(op, *(args + [os.path.join(deep, out)]))
+        made.append(out)
+        check(p.returncode == 0 and open(os.path.join(deep, "config.json")).read() == "kept" and
+              sorted(os.listdir(deep)) == sorted(made) and
+              len(os.listdir(os.path.join(deep, out))) >= 2,
+              "fsdp-ckpt %s into a folder of a 4000-byte path: all of it in OUT (%s)" %
+              (op, sorted(os.listdir(deep))))
+        if p.returncode != 0:
+            print(p.stderr[-600:])
+    # inspect shows a record of another tool, whose saved_under is no object, without it
+    other = os.path.join(tmp, "other-tool")
+    shutil.copytree(step, other)
+    strip_records(other)
+    edit_state(other, lambda st: st.update(saved_under=[1]))
+    p = tool_run("inspect", other)
+    check(p.returncode == 0 and "after step 3" in p.stdout,
+          "inspect of a checkpoint whose saved_under is a list (rc %d)" % p.returncode)
     # export-hf checks the config it writes against the tensors, as import-hf would
     with open(os.path.join(src_hf, "config.json")) as f:
         tied = json.load(f)

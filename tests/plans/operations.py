@@ -440,6 +440,33 @@ def operations():
           not [f for f in left if f.startswith("rollback.jsonl.")],
           "a checkpoint.overwrite rollback stopped before its first save leaves the metrics "
           "file's 8 lines and the folders as they were (%s)" % saved(rb))
+    # an asynchronous save in flight when every rank stops alike (a non-finite step 7 here)
+    # commits, as it would have without checkpoint.async; the folder checkpoint.overwrite moved
+    # aside for it is not left behind
+    nf = os.path.join(tmp, "nonfinite")
+    blow = ["--set", "train.steps=12", "--set", "optim.lr=1e3", "--set", "optim.clip_grad_norm=0",
+            "--set", "schedule.warmup_steps=0", "--set", "checkpoint.dir=" + nf, "--set",
+            "checkpoint.interval=1"]
+    p1, _ = run(1, [debug] + blow)
+    p, _ = run(1, [debug] + blow + ["--set", "checkpoint.load=" + os.path.join(nf, "step-00000005"),
+                                    "--set", "checkpoint.overwrite=true", "--set",
+                                    "checkpoint.async=true"])
+    check(p1.returncode == 1 and p.returncode == 1 and "step 7: the loss is" in p.stderr and
+          "saved %s (written in the background)" % os.path.join(nf, "step-00000006") in p.stdout
+          and saved(nf) == ["step-%08d" % k for k in range(1, 7)],
+          "an asynchronous save in flight at a non-finite step commits; nothing is left moved "
+          "aside (%s)" % saved(nf))
+    # a job killed while such a save was in flight: the next start puts the folder moved aside
+    # back, or removes it when its replacement committed
+    os.rename(os.path.join(nf, "step-00000006"), os.path.join(nf, "step-00000006.replaced-4242"))
+    shutil.copytree(os.path.join(nf, "step-00000005"), os.path.join(nf, "step-00000005.replaced-99"))
+    p, _ = run(1, [debug] + blow + ["--set", "checkpoint.load=auto", "--set", "train.steps=6"])
+    check(p.returncode == 0 and "put back 1 step folder" in p.stderr and
+          "removed 1 step folder that checkpoint.overwrite had replaced" in p.stderr and
+          "resumed from %s" % os.path.join(nf, "step-00000006") in p.stdout and
+          saved(nf) == ["step-%08d" % k for k in range(1, 7)],
+          "the next start puts back a folder moved aside for a save that never committed (%s)"
+          % saved(nf))
     # ranks started with different plans: refused at once, naming the keys and the ranks
     for name, a_sets, b_sets, want in (
             ("train.steps", ["train.steps=5"], ["train.steps=8"],
