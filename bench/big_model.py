@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from fsdpc_version import version
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPI = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
 
@@ -63,6 +65,7 @@ def model_section(text, replacement):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=version())
     ap.add_argument("--exe", default=os.path.join(ROOT, "build", "tools", "fsdp-train"))
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "llama-520m.yaml"))
     ap.add_argument("--world", type=int, default=8)

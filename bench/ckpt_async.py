@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 
+from fsdpc_version import version
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPI = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
 
@@ -94,6 +96,7 @@ def run(args, ranks, plan, folder, asynchronous):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--version", action="version", version=version())
     ap.add_argument("--exe", default=os.path.join(ROOT, "build", "tools", "fsdp-train"))
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "llama-100m.json"))
     ap.add_argument("--ranks", default="1,4")

@@ -47,6 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "reference"))
 from torch_models import CausalLM  # noqa: E402
 
+from fsdpc_version import version
+
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -58,6 +60,7 @@ def free_port():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=version())
     ap.add_argument("--config", required=True, help="a Hugging Face Llama config.json")
     ap.add_argument("--data", required=True, help="little-endian uint16 token file")
     ap.add_argument("--u32", action="store_true", help="the token file holds uint32 tokens")

@@ -44,6 +44,8 @@ import tempfile
 import threading
 import time
 
+from fsdpc_version import version
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEAKS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
          ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0)]  # dense bf16 TFLOP/s
@@ -276,6 +278,7 @@ def run_fsdpc(a, plan, metrics):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=version())
     ap.add_argument("--llmc", help="an llm.c checkout (karpathy/llm.c)")
     ap.add_argument("--exe", default=os.path.join(ROOT, "build", "tools", "fsdp-train"))
     ap.add_argument("--model", choices=sorted(MODELS), default="124m")

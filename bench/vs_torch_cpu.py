@@ -23,6 +23,8 @@ import statistics
 import subprocess
 import sys
 
+from fsdpc_version import version
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODELS = {"tiny": ("llama-tiny.json", 8, 64), "small": ("llama-small.json", 8, 64),
           "100m": ("llama-100m.json", 2, 64)}
@@ -102,6 +104,7 @@ def torch_eager(config, batch, seq, steps, threads):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=version())
     ap.add_argument("exe", help="bench-train-tiny")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)

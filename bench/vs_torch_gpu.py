@@ -47,6 +47,8 @@ import subprocess
 import sys
 import tempfile
 
+from fsdpc_version import version
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEAKS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
          ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0)]  # dense bf16 TFLOP/s
@@ -254,6 +256,7 @@ def matmul(a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=version())
     ap.add_argument("--exe", default=os.path.join(ROOT, "build", "tools", "fsdp-train"))
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "llama-100m.json"))
     ap.add_argument("--batch", type=int, default=8)

@@ -98,6 +98,7 @@ typedef struct parallel_plan {
   char pp_splits[PLAN_MAX_PP_SPLITS][PLAN_PATTERN_MAX];
   int n_pp_splits;
   plan_where_t mesh_where, pp_where;
+  plan_where_t pp_splits_where, pp_micro_where; /* pipeline.split_points', microbatches' own */
   plan_where_t ep_where; /* mesh.ep's own place (mesh_where without it) */
   plan_where_t tp_size_where; /* mesh.tp's own place (mesh_where without it) */
   /* parallelize.fully_shard */

@@ -392,8 +392,21 @@ static char *reshard_record(const fsdpc_plan_t *p, const reshard_opts_t *o, cons
   cJSON_AddNumberToObject(nu, "dp_shard", p->par.dp_shard);
   cJSON_AddNumberToObject(nu, "tp", p->par.tp);
   if (p->par.ep > 1) cJSON_AddNumberToObject(nu, "ep", p->par.ep);
+  if (p->par.pp > 1) cJSON_AddNumberToObject(nu, "pp", p->par.pp);
   cJSON_AddStringToObject(nu, "resharded_from", dir);
   if (config) cJSON_AddItemToObject(nu, "model", cJSON_Parse(config));
+  /* the training run's own record, which a resume compares with its plan's (another global
+   * batch or data order is warned of): the source's, unchanged by a new layout */
+  char *text = NULL;
+  cJSON *src = ckpt_state_text(dir, &text) == STATUS_OK && text ? cJSON_Parse(text) : NULL;
+  free(text);
+  const cJSON *was = cJSON_GetObjectItemCaseSensitive(src, "saved_under");
+  const char *kept[2] = {"global_batch", "data_order"};
+  for (int k = 0; k < 2 && cJSON_IsObject(was); k++) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(was, kept[k]);
+    if (v != NULL) cJSON_AddItemToObject(nu, kept[k], cJSON_Duplicate(v, true));
+  }
+  cJSON_Delete(src);
   char *under = cJSON_PrintUnformatted(nu);
   cJSON_Delete(nu);
   return under;
@@ -413,7 +426,7 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
   bool llama = config && hf_config_is_family(config);
   /* a model fsdp-train builds: the checkpoint records it; a plan that states one must state
    * the same, or nothing would load. Any other model: the plan's mesh and parallelize
-   * sections alone. The data and training sections are not read. */
+   * sections alone. The data and training sections are checked, and shape nothing. */
   fsdpc_status_t st = STATUS_OK;
   if (llama) {
     char why[192];

@@ -261,7 +261,15 @@ static int parse_args(int argc, char **argv, const char **in, const char **outp)
     return 2;
   }
   for (int i = 2; i < argc; i++) {
-    if (strcmp(argv[i], "-o") == 0 && i + 1 < argc) {
+    if (strcmp(argv[i], "-o") == 0) {
+      if (i + 1 == argc) {
+        fprintf(stderr, "fsdp-plan: -o needs a file name\n");
+        return 2;
+      }
+      if (*outp != NULL) {
+        fprintf(stderr, "fsdp-plan: -o given twice ('%s' and '%s')\n", *outp, argv[i + 1]);
+        return 2;
+      }
       *outp = argv[++i];
     } else if (argv[i][0] == '-' && argv[i][1] != '\0') {
       fprintf(stderr, "fsdp-plan: unknown option '%s' (--help)\n", argv[i]);

@@ -264,6 +264,8 @@ static fsdpc_status_t read_pipeline(plan_ctx_t *c, int root) {
   int64_t v = 0;
   FSDPC_TRY(pr_get_int(c, m, "pipeline", "microbatches", 1, 1 << 20, &v));
   p->par.pp_microbatches = (int)v;
+  if (pr_find(c, m, "microbatches"))
+    pr_where_of(c, pr_find(c, m, "microbatches"), &p->par.pp_micro_where);
   v = p->par.pp_stages_per_rank;
   FSDPC_TRY(pr_get_int(c, m, "pipeline", "stages_per_rank", 1, 1 << 16, &v));
   p->par.pp_stages_per_rank = (int)v;
@@ -272,6 +274,7 @@ static fsdpc_status_t read_pipeline(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_get_bool(c, m, "pipeline", "sync_every_microbatch", &p->par.pp_sync_every));
   int sp = pr_find(c, m, "split_points");
   if (pr_is_null(c, sp)) return STATUS_OK;
+  pr_where_of(c, sp, &p->par.pp_splits_where);
   yaml_node_t *n = pr_node(c, sp);
   if (n->type != YAML_SEQUENCE_NODE)
     return pr_fail(c, sp, "pipeline.split_points",
@@ -327,8 +330,7 @@ fsdpc_status_t plan_pipeline_starts(const fsdpc_plan_t *p, int64_t *starts) {
   ARG_NONNULL(p);
   ARG_NONNULL(starts);
   int S = p->par.pp * p->par.pp_stages_per_rank;
-  const char *w = p->par.pp_where.text[0] ? p->par.pp_where.text : p->par.mesh_where.text;
-  return split_starts(p, w, S, starts);
+  return split_starts(p, p->par.pp_splits_where.text, S, starts);
 }
 
 /* mp_policy {param_dtype, reduce_dtype, output_dtype} under map into dt[0..2] (given keys). */
@@ -922,14 +924,14 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
                    p->model.n_layers < S ? "outnumber" : "(stages_per_rank must divide)",
                    (long long)p->model.n_layers);
   int64_t starts[PLAN_MAX_PP_SPLITS + 1]; /* split_starts refuses more stages than that */
-  if (pp->n_pp_splits > 0) FSDPC_TRY(split_starts(p, w, S, starts));
+  if (pp->n_pp_splits > 0) FSDPC_TRY(split_starts(p, pp->pp_splits_where.text, S, starts));
   if (p->layout_only) return STATUS_OK; /* the microbatches lay nothing out */
   if (pp->pp_microbatches > 0 && pp->pp_microbatches != p->grad_accum)
     return err_set(STATUS_EINVAL,
                    "%s: pipeline.microbatches: %d, but the data section gives %lld micro-batch%s "
                    "a step (data.grad_accum, or global_batch_size over batch_size x "
                    "data-parallel ranks)",
-                   w, pp->pp_microbatches, (long long)p->grad_accum,
+                   pp->pp_micro_where.text, pp->pp_microbatches, (long long)p->grad_accum,
                    p->grad_accum == 1 ? "" : "es");
   pp_schedule_t *sched = NULL;
   fsdpc_status_t st = pp_schedule_new(pp->pp_schedule, pp->pp, (int)p->grad_accum, V, &sched);

@@ -529,13 +529,22 @@ static FILE *metrics_open(const char *path, int64_t start, char *defer, size_t d
   }
   char *line = NULL;
   size_t cap = 0;
+  double last = 0; /* the last step kept */
   while (out != NULL && getline(&line, &cap, in) > 0) {
     cJSON *o = cJSON_Parse(line);
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
     if (!cJSON_IsNumber(step) || step->valuedouble <= (double)start) fputs(line, out);
+    if (cJSON_IsNumber(step) && step->valuedouble <= (double)start && step->valuedouble > last)
+      last = step->valuedouble;
     cJSON_Delete(o);
   }
   free(line);
+  /* a run stopped on a metrics line it could not write saved that step first */
+  if (last > 0 && last < (double)start)
+    fprintf(stderr,
+            "%s: warning: the metrics file '%s' ends at step %.0f; the lines of steps %.0f to "
+            "%lld are missing (the run that saved them did not write them)\n",
+            train_prog(), path, last, last + 1, (long long)start);
   bool ok = out != NULL && !ferror(in) && fflush(out) == 0 && !ferror(out);
   fclose(in);
   if (out != NULL && fclose(out) != 0) ok = false;

@@ -315,6 +315,16 @@ def ckpt_tool():
               (op, sorted(os.listdir(deep))))
         if p.returncode != 0:
             print(p.stderr[-600:])
+    # the resharded checkpoint keeps the training run's record (a resume under another global
+    # batch or data order is warned of, as from the source)
+    def under(folder):
+        with open(os.path.join(folder, "train_state.json")) as f:
+            return json.load(f)["saved_under"]
+    src, rs = under(step), under(os.path.join(deep, "r"))
+    check(all(k in src and rs.get(k) == src[k] for k in ("global_batch", "data_order")) and
+          rs.get("world_size") == 2 and rs.get("resharded_from") == step,
+          "reshard keeps the source's global_batch and data_order, records its new world (%s)" %
+          {k: rs.get(k) for k in ("global_batch", "data_order", "world_size")})
     # inspect shows a record of another tool, whose saved_under is no object, without it
     other = os.path.join(tmp, "other-tool")
     shutil.copytree(step, other)

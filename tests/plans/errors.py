@@ -413,6 +413,7 @@ def errors():
             ([tool("fsdp-plan"), "--version"], True, version),
             ([tool("fsdp-plan"), "convert", "a.yaml", "--to", "x"], False,
              r"unknown option '--to'"),
+            ([tool("fsdp-plan"), "convert", "a.yaml", "-o"], False, r"-o needs a file name"),
             ([tool("fsdp-plot"), "--help"], True, r"usage: fsdp-plot METRICS.jsonl\.\.\. -o"),
             ([tool("fsdp-plot"), "--version"], True, version),
             ([tool("fsdp-plot"), "--bins", "3"], False, r"unknown option '--bins'"),
@@ -421,6 +422,10 @@ def errors():
              r"--plot draws the metrics file: give --metrics PATH or log.metrics"),
             ([sys.executable, os.path.join(ROOT, "bench", "vs_llmc_gpu.py"), "--help"], True,
              r"usage: vs_llmc_gpu.py"),
+            ([sys.executable, os.path.join(ROOT, "bench", "big_model.py"), "--version"], True,
+             version),
+            ([sys.executable, os.path.join(ROOT, "bench", "vs_torch_cpu.py"), "--version"], True,
+             version),
             ([sys.executable, os.path.join(ROOT, "bench", "vs_llmc_gpu.py")], True,
              r"no llm.c checkout to compare with")]:
         p = sh(argv, timeout=60)

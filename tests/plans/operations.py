@@ -167,6 +167,21 @@ def operations():
           re.search(r"step-00000003 was trained on data of \d+ tokens, this run's data\.path "
                     r"holds 20000", said[small]) is not None,
           "a resume on other data (20000 tokens) is warned of, one on the same data is not")
+    # a resume whose metrics file lacks the lines before its step (a run stopped on a line it
+    # could not write saved that step first) says which are missing, and appends after them
+    gm, gck = os.path.join(tmp, "gap.jsonl"), os.path.join(tmp, "gap")
+    run(1, [debug, "--set", "train.steps=8", "--set", "checkpoint.dir=" + gck, "--metrics", gm])
+    with open(gm) as f:
+        head = f.readlines()[:6]
+    with open(gm, "w") as f:
+        f.writelines(head)
+    p, _ = run(1, [debug, "--set", "train.steps=10", "--set", "checkpoint.dir=" + gck, "--set",
+                   "checkpoint.load=auto", "--metrics", gm])
+    check(p.returncode == 0 and "the metrics file '%s' ends at step 6; the lines of steps 7 to 8 "
+          "are missing" % gm in p.stderr and [r["step"] for r in losses(gm)] ==
+          [1, 2, 3, 4, 5, 6, 9, 10],
+          "a resume after a metrics file's missing lines warns of the gap (%s)" %
+          p.stderr.strip()[-200:])
     # the evaluation's batches are read before the first step (and by --dry-run)
     for dry in ([], ["--dry-run"]):
         ck = os.path.join(tmp, "bad-eval%d" % len(dry))

@@ -399,8 +399,14 @@ def pipeline():
              "1 microbatches for 2 ranks; it needs at least as many microbatches as ranks"),
             (["mesh.pp=2", "mesh.dp_shard=1", "model.n_layers=9",
               "pipeline.schedule=interleaved_1f1b"], 2, "(stages_per_rank must divide)"),
-            (["mesh.pp=2", "mesh.dp_shard=1", "pipeline.microbatches=3"], 2,
-             "pipeline.microbatches: 3, but the data section gives 4 micro-batches a step"),
+            (["mesh.pp=2", "mesh.dp_shard=1", "pipeline.microbatches=3",
+              "pipeline.split_points=[model.layers.1]"], 2,
+             "--set pipeline.microbatches=3: pipeline.microbatches: 3, but the data section "
+             "gives 4 micro-batches a step"),
+            (["mesh.pp=2", "mesh.dp_shard=1", "pipeline.split_points=[model.layers.0]",
+              "pipeline.microbatches=4"], 2,
+             "--set pipeline.split_points=[model.layers.0]: pipeline.split_points[0]: "
+             "'model.layers.0' does not come after the stage before"),
             (["pipeline.schedule=1f1b"], 2, "pipeline: the section needs mesh.pp above 1"),
             (["mesh.pp=2", "mesh.dp_shard=1", "pipeline.schedule=zb"], 2,
              "'zb' is not a schedule (gpipe, 1f1b, interleaved_1f1b)"),
