@@ -82,6 +82,9 @@ fsdpc_status_t st_writer_add(st_writer_t *w, const char *name, const fsdpc_tenso
   ARG_NONNULL(w);
   ARG_NONNULL(name);
   ARG_NONNULL(t);
+  char what[160];
+  snprintf(what, sizeof what, "safetensors: tensor '%.120s'", name);
+  FSDPC_TRY(tensor_check_memory(what, t)); /* a meta model's: no values to save */
   wentry_t *e = NULL;
   FSDPC_TRY(add_entry(w, name, t->dtype, t->ndim, &e));
   memcpy(e->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
@@ -250,6 +253,9 @@ fsdpc_status_t st_writer_write(st_writer_t *w, const char *name, const fsdpc_ten
       memcmp(t->shape, e->shape, sizeof(int64_t) * (size_t)e->ndim) != 0)
     return err_set(STATUS_ESHAPE, "safetensors: %s: tensor '%s' differs from its declaration",
                    w->path, name);
+  char what[160];
+  snprintf(what, sizeof what, "safetensors: tensor '%.120s'", name);
+  FSDPC_TRY(tensor_check_memory(what, t));
   fsdpc_status_t st = STATUS_OK;
   if (t->device.type == DEVICE_CPU && tensor_is_contiguous(t)) {
     st = write_all(w->fp, w->tmp, t->data, tensor_nbytes(t));

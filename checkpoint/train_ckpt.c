@@ -45,6 +45,14 @@ fsdpc_status_t ckpt_entries_make(nn_param_t *const *params, int n, optim_t *opt,
     const char *name = params[i]->fqn;
     e->model[i] = (dcp_entry_t){name, params[i]->value};
     if (mode == CKPT_ENTRIES_MODEL_ONLY) continue;
+    if (optim_param(opt, i) != params[i]) { /* its moments would go under another's name */
+      const nn_param_t *o = optim_param(opt, i);
+      ckpt_entries_free(e);
+      return err_set(STATUS_EINVAL,
+                     "checkpoint: parameter %d ('%s') is not the optimizer's parameter %d (%s); "
+                     "give the parameters in the order given to optim_new",
+                     i, name, i, o ? o->fqn : "it has none");
+    }
     fsdpc_status_t st = mode == CKPT_ENTRIES_SAVE
                             ? optim_state(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1])
                             : optim_state_for_load(opt, i, &e->owned[2 * i], &e->owned[2 * i + 1]);
@@ -307,6 +315,10 @@ fsdpc_status_t ckpt_check_state(const char *dir) {
 
 fsdpc_status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                                   int64_t *step, dcp_stats_t *stats) {
+  ARG_NONNULL(dir);
+  if (n > 0) ARG_NONNULL(params);
+  ARG_NONNULL(opt);
+  ARG_NONNULL(step);
   opened_t c;
   int64_t s = 0, os = 0;
   FSDPC_TRY(opened_open(dir, &c));

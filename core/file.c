@@ -339,6 +339,9 @@ fsdpc_status_t file_inputs_add(file_inputs_t *in, const char *path, const char *
 }
 
 fsdpc_status_t file_join(char *buf, size_t size, const char *dir, const char *name) {
+  ARG_NONNULL(buf);
+  ARG_NONNULL(dir);
+  ARG_NONNULL(name);
   int n = snprintf(buf, size, "%s/%s", dir, name);
   if (n >= 0 && (size_t)n < size) return STATUS_OK;
   if (size > 0) buf[0] = 0;
@@ -347,6 +350,8 @@ fsdpc_status_t file_join(char *buf, size_t size, const char *dir, const char *na
 }
 
 void file_parent_of(const char *path, char *buf, size_t size) {
+  if (buf == NULL || size == 0) return;
+  if (path == NULL) path = "";
   snprintf(buf, size, "%s", path);
   size_t n = strlen(buf);
   while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;

@@ -146,6 +146,20 @@ static fsdpc_status_t meta_error(const char *what, const fsdpc_tensor_t *t) {
                  what, tensor_shape_str(t->ndim, t->shape, a, sizeof a));
 }
 
+fsdpc_status_t tensor_check_memory(const char *what, const fsdpc_tensor_t *t) {
+  ARG_NONNULL(t);
+  if (tensor_numel(t) == 0) return STATUS_OK;
+  if (t->meta) return meta_error(what, t);
+  if (t->data == NULL) {
+    char a[96];
+    return err_set(STATUS_EINVAL,
+                   "%s: a tensor of shape %s has no memory (freed, or never made by tensor_init "
+                   "or tensor_zeros)",
+                   what, tensor_shape_str(t->ndim, t->shape, a, sizeof a));
+  }
+  return STATUS_OK;
+}
+
 fsdpc_status_t tensor_zeros(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int ndim,
                             const int64_t *shape) {
   return tensor_alloc(t, dtype, dev, ndim, shape, true);
@@ -168,6 +182,7 @@ fsdpc_status_t tensor_upload(fsdpc_tensor_t *out, const fsdpc_tensor_t *host, de
   memset(out, 0, sizeof *out);
   if (host->device.type != DEVICE_CPU || host->meta || !tensor_is_contiguous(host))
     return err_set(STATUS_EINVAL, "tensor_upload: the source must be a contiguous host tensor");
+  FSDPC_TRY(tensor_check_memory("tensor_upload", host));
   FSDPC_TRY(tensor_init(out, host->dtype, dev, host->ndim, host->shape));
   fsdpc_status_t st = device_upload(dev, out->data, host->data,
                                     (size_t)tensor_numel(host) * dtype_size(host->dtype));
@@ -257,7 +272,7 @@ fsdpc_status_t tensor_narrow(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, int
   if (dim < 0 || dim >= src->ndim)
     return err_set(STATUS_EINVAL, "narrow: dimension %d out of range for shape %s", dim,
                    tensor_shape_str(src->ndim, src->shape, a, sizeof a));
-  if (start < 0 || length < 0 || start + length > src->shape[dim])
+  if (start < 0 || length < 0 || start > src->shape[dim] - length) /* no overflow */
     return err_set(STATUS_ESHAPE, "narrow: [%lld, %lld) outside dimension %d of shape %s",
                    (long long)start, (long long)(start + length), dim,
                    tensor_shape_str(src->ndim, src->shape, a, sizeof a));
@@ -316,7 +331,8 @@ fsdpc_status_t tensor_copy(fsdpc_tensor_t *dst, const fsdpc_tensor_t *src) {
                    tensor_shape_str(dst->ndim, dst->shape, a, sizeof a),
                    tensor_shape_str(src->ndim, src->shape, b, sizeof b));
   if (tensor_numel(dst) == 0) return STATUS_OK;
-  if (dst->meta || src->meta) return meta_error("copy", dst->meta ? dst : src);
+  FSDPC_TRY(tensor_check_memory("copy", dst));
+  FSDPC_TRY(tensor_check_memory("copy", src));
   if (device_equal(dst->device, src->device)) {
     copy_desc_t d;
     desc_from(&d, dst, src);
@@ -367,8 +383,8 @@ fsdpc_status_t tensor_copy_many(fsdpc_tensor_t *dst, const fsdpc_tensor_t *src, 
                      "copy: pair %d of %d: destination shape %s differs from source shape %s", i, n,
                      tensor_shape_str(dst[i].ndim, dst[i].shape, a, sizeof a),
                      tensor_shape_str(src[i].ndim, src[i].shape, b, sizeof b));
-    if (tensor_numel(&dst[i]) > 0 && (dst[i].meta || src[i].meta))
-      return meta_error("copy", dst[i].meta ? &dst[i] : &src[i]);
+    FSDPC_TRY(tensor_check_memory("copy", &dst[i]));
+    FSDPC_TRY(tensor_check_memory("copy", &src[i]));
     together = together && device_equal(dst[i].device, dev) && device_equal(src[i].device, dev);
   }
   if (!together) {
@@ -403,7 +419,7 @@ fsdpc_status_t tensor_copy_many(fsdpc_tensor_t *dst, const fsdpc_tensor_t *src, 
 fsdpc_status_t tensor_fill(fsdpc_tensor_t *t, double value) {
   ARG_NONNULL(t);
   if (tensor_numel(t) == 0) return STATUS_OK;
-  if (t->meta) return meta_error("fill", t);
+  FSDPC_TRY(tensor_check_memory("fill", t));
   uint64_t pattern = 0;
   dtype_store(t->dtype, &pattern, 0, value);
   size_t esz = dtype_size(t->dtype);
@@ -424,7 +440,8 @@ fsdpc_status_t tensor_equal(const fsdpc_tensor_t *a, const fsdpc_tensor_t *b, bo
   ARG_NONNULL(equal);
   *equal = false;
   if (a->dtype != b->dtype || !tensor_same_shape(a, b)) return STATUS_OK;
-  if (tensor_numel(a) > 0 && (a->meta || b->meta)) return meta_error("equal", a->meta ? a : b);
+  FSDPC_TRY(tensor_check_memory("equal", a));
+  FSDPC_TRY(tensor_check_memory("equal", b));
   fsdpc_status_t st = STATUS_OK;
   fsdpc_tensor_t ha = {0}, hb = {0};
   FSDPC_TRY_GOTO(st, tensor_clone(&ha, a, a->dtype, device_cpu()));

@@ -60,6 +60,10 @@ fsdpc_status_t tensor_meta(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int n
                            const int64_t *shape);
 static inline bool tensor_is_meta(const fsdpc_tensor_t *t) { return t != NULL && t->meta; }
 
+/* What reads or writes t's elements (`what`, named in the error) checks this first: a meta
+ * tensor, or one without memory (freed, or zero-initialised and never made), is refused. */
+fsdpc_status_t tensor_check_memory(const char *what, const fsdpc_tensor_t *t);
+
 /* Same, filled with zeros. */
 fsdpc_status_t tensor_zeros(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int ndim,
                             const int64_t *shape);

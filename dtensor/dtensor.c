@@ -65,6 +65,7 @@ static fsdpc_status_t check_args(const char *what, void *out, const fsdpc_tensor
   if (mesh == NULL)
     return err_set(STATUS_EINVAL, "%s: the mesh is NULL (did mesh_new fail?)", what);
   if (pl == NULL) return err_set(STATUS_EINVAL, "%s: the placements are NULL", what);
+  if (!t->meta) FSDPC_TRY(tensor_check_memory(what, t)); /* a meta one: deferred init's */
   return STATUS_OK;
 }
 
@@ -154,23 +155,54 @@ static fsdpc_status_t broadcast_over_mesh(mesh_t *mesh, const int *src, fsdpc_te
   return STATUS_OK;
 }
 
+/* Before a broadcast from one rank: every rank of mesh learns whether any failed its own
+ * checks (st) or passes a tensor of another shape or dtype than the others, so that all
+ * return the same error rather than some waiting in the broadcast. Collective over mesh. */
+static fsdpc_status_t agree_full(mesh_t *mesh, const fsdpc_tensor_t *full, fsdpc_status_t st) {
+  enum { K = 2 + TENSOR_MAX_DIMS };
+  int64_t v[2 * K + 1] = {0}, got[2 * K + 1];
+  v[2 * K] = st != STATUS_OK; /* a rank failed: its error, not the shapes, is the one */
+  if (full != NULL) {
+    v[0] = full->dtype;
+    v[1] = full->ndim;
+    for (int d = 0; d < full->ndim && d < TENSOR_MAX_DIMS; d++) v[2 + d] = full->shape[d];
+  }
+  for (int i = 0; i < K; i++) v[K + i] = -v[i]; /* the maximum of -x: the minimum */
+  fsdpc_status_t cs = STATUS_OK;
+  for (int k = 0; k < mesh_ndim(mesh) && cs == STATUS_OK; k++) {
+    cs = pg_host_all_reduce(mesh_group(mesh, k), v, got, 2 * K + 1, PG_HOST_I64, REDUCE_MAX);
+    memcpy(v, got, sizeof v);
+  }
+  if (cs != STATUS_OK) return cs;
+  bool same = true;
+  for (int i = 0; i < K; i++) same = same && v[i] == -v[K + i];
+  if (st == STATUS_OK && !same && v[2 * K] == 0)
+    st = err_set(STATUS_ESHAPE,
+                 "dtensor_distribute: the ranks pass tensors of different shapes or dtypes "
+                 "(every rank passes one of the full tensor's shape and dtype)");
+  for (int k = 0; k < mesh_ndim(mesh); k++) st = pg_agree(mesh_group(mesh, k), st);
+  return st;
+}
+
 fsdpc_status_t dtensor_distribute(const fsdpc_tensor_t *full, mesh_t *mesh, const placement_t *pl,
                                   int src_rank, dtensor_t **out) {
-  FSDPC_TRY(check_args("dtensor_distribute", out, full, mesh, pl));
+  if (out == NULL || mesh == NULL) return check_args("dtensor_distribute", out, full, mesh, pl);
   *out = NULL;
-  FSDPC_TRY(check_device(full, mesh, "dtensor_distribute", false));
+  fsdpc_status_t st = check_args("dtensor_distribute", out, full, mesh, pl);
+  if (st == STATUS_OK) st = check_device(full, mesh, "dtensor_distribute", false);
   int shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
-  FSDPC_TRY(placements_check(full->ndim, mesh_ndim(mesh), shape, pl));
+  if (st == STATUS_OK) st = placements_check(full->ndim, mesh_ndim(mesh), shape, pl);
+  int idx = -1;
+  for (int i = 0; src_rank != DTENSOR_ALL_RANKS && i < mesh_numel(mesh); i++)
+    if (mesh_ranks(mesh)[i] == src_rank) idx = i;
+  if (st == STATUS_OK && src_rank != DTENSOR_ALL_RANKS && idx < 0)
+    st = err_set(STATUS_EINVAL, "distribute: source rank %d is not in the mesh", src_rank);
+  if (src_rank != DTENSOR_ALL_RANKS) st = agree_full(mesh, st == STATUS_OK ? full : NULL, st);
+  FSDPC_TRY(st);
   fsdpc_tensor_t local = {0}, scratch = {0};
-  fsdpc_status_t st = STATUS_OK;
   const fsdpc_tensor_t *from = full;
   if (src_rank != DTENSOR_ALL_RANKS) {
-    int idx = -1;
-    for (int i = 0; i < mesh_numel(mesh); i++)
-      if (mesh_ranks(mesh)[i] == src_rank) idx = i;
-    if (idx < 0)
-      return err_set(STATUS_EINVAL, "distribute: source rank %d is not in the mesh", src_rank);
     int src[MESH_MAX_DIMS];
     mesh_unravel(mesh, idx, src);
     FSDPC_TRY_GOTO(st, tensor_clone(&scratch, full, full->dtype, full->device));

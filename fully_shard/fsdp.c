@@ -257,6 +257,29 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
                    "fully_shard: the mesh must be 1-D (shard) or 2-D "
                    "(replicate, shard), got %d dimensions",
                    md);
+  for (int i = 1; i < n_modules; i++)
+    if (top_of(ms[i]) != top_of(ms[0])) /* a group lives and goes with one model */
+      return err_set(STATUS_EINVAL,
+                     "fully_shard: module %d ('%s') belongs to another model than module 0 "
+                     "('%s'); a group's modules must share one top module",
+                     i, nn_module_fqn(ms[i]), nn_module_fqn(ms[0]));
+  const dtype_t dts[3] = {opt->param_dtype, opt->reduce_dtype, opt->output_dtype};
+  static const char *const dt_keys[3] = {"param_dtype", "reduce_dtype", "output_dtype"};
+  for (int k = 0; k < 3; k++)
+    if (dts[k] != DTYPE_COUNT && ((unsigned)dts[k] > DTYPE_COUNT || !dtype_is_float(dts[k])))
+      return err_set(STATUS_EINVAL,
+                     "fully_shard: %s %d is not a floating-point dtype (or DTYPE_COUNT for the "
+                     "default)",
+                     dt_keys[k], (int)dts[k]);
+  if (opt->n_ignored < 0 || (opt->n_ignored > 0 && opt->ignored == NULL))
+    return err_set(STATUS_EINVAL, "fully_shard: %d ignored parameters given without their list",
+                   opt->n_ignored);
+  for (int i = 0; i < opt->n_ignored; i++)
+    if (opt->ignored[i] == NULL)
+      return err_set(STATUS_EINVAL, "fully_shard: ignored parameter %d is NULL", i);
+  if (!(opt->on_demand_timeout >= 0))
+    return err_set(STATUS_EINVAL, "fully_shard: on_demand_timeout %g is not a number of seconds",
+                   opt->on_demand_timeout);
   int W = mesh_size(opt->mesh, md - 1), N = opt->reshard_after_forward;
   if (N != FSDP_RESHARD_AUTO && N != 0 && N != 1 && (N < 2 || N >= W || W % N != 0))
     return err_set(STATUS_EINVAL,
@@ -541,8 +564,20 @@ static fsdpc_status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t ki
   }
 }
 
-static fsdpc_status_t set_list(fsdp_group_t ***list, int *n, bool *explicit_,
+/* g's prefetch list: groups of g's own model (they go with it), none NULL. */
+static fsdpc_status_t set_list(const fsdp_group_t *g, fsdp_group_t ***list, int *n, bool *explicit_,
                                fsdp_group_t *const *gs, int count) {
+  if (count < 0 || (count > 0 && gs == NULL))
+    return err_set(STATUS_EINVAL, "fully_shard: a prefetch list of %d groups without the list",
+                   count);
+  for (int i = 0; i < count; i++) {
+    if (gs[i] == NULL)
+      return err_set(STATUS_EINVAL, "fully_shard: prefetch group %d of %s is NULL", i,
+                     fsdp_group_name(g));
+    if (top_of(gs[i]->module) != top_of(g->module))
+      return err_set(STATUS_EINVAL, "fully_shard: %s cannot prefetch %s, a group of another model",
+                     fsdp_group_name(g), fsdp_group_name(gs[i]));
+  }
   fsdp_group_t **v = NULL;
   if (count > 0 && (v = malloc(sizeof(fsdp_group_t *) * (size_t)count)) == NULL)
     return err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
@@ -556,12 +591,12 @@ static fsdpc_status_t set_list(fsdp_group_t ***list, int *n, bool *explicit_,
 
 fsdpc_status_t fsdp_set_forward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
   ARG_NONNULL(g);
-  return set_list(&g->fwd_prefetch, &g->n_fwd_prefetch, &g->fwd_explicit, groups, n);
+  return set_list(g, &g->fwd_prefetch, &g->n_fwd_prefetch, &g->fwd_explicit, groups, n);
 }
 
 fsdpc_status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *groups, int n) {
   ARG_NONNULL(g);
-  return set_list(&g->bwd_prefetch, &g->n_bwd_prefetch, &g->bwd_explicit, groups, n);
+  return set_list(g, &g->bwd_prefetch, &g->n_bwd_prefetch, &g->bwd_explicit, groups, n);
 }
 
 void fsdp_set_event_hook(nn_module_t *root, fsdp_event_fn fn, void *user) {

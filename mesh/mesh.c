@@ -36,7 +36,9 @@ struct mesh {
 static void root_release(mesh_root_t *root) {
   if (root == NULL || --root->refcount > 0) return;
   pg_release(root->all);
-  MPI_Comm_free(&root->comm);
+  int finalized = 0;
+  MPI_Finalized(&finalized); /* freed after world_finalize: the memory alone */
+  if (!finalized) MPI_Comm_free(&root->comm);
   free(root);
 }
 
@@ -186,6 +188,10 @@ fsdpc_status_t mesh_new(int ndim, const int *shape, const char *const *names,
   if (ndim < 1 || ndim > MESH_MAX_DIMS)
     return err_set(STATUS_EMESH, "mesh: 1 to %d dimensions, got %d", MESH_MAX_DIMS, ndim);
   if (shape == NULL) return err_set(STATUS_EINVAL, "mesh_new: shape is NULL");
+  if (world_pg() == NULL) return err_set(STATUS_EINVAL, "mesh_new: call world_init first");
+  if (device_type != DEVICE_CPU && device_type != DEVICE_CUDA)
+    return err_set(STATUS_EINVAL, "mesh_new: device type %d is neither DEVICE_CPU nor DEVICE_CUDA",
+                   (int)device_type);
   FSDPC_TRY(check_names(ndim, names));
   int sizes[MESH_MAX_DIMS];
   FSDPC_TRY(resolve_shape(ndim, shape, names, world_size(), sizes));

@@ -124,8 +124,10 @@ void pg_release(pg_t *pg) {
     pg_release(k->g);
     free(k);
   }
-  if (pg->ops->destroy) pg->ops->destroy(pg);
-  MPI_Comm_free(&pg->comm);
+  int finalized = 0;
+  MPI_Finalized(&finalized); /* a group freed after world_finalize: its memory alone */
+  if (!finalized && pg->ops->destroy) pg->ops->destroy(pg);
+  if (!finalized) MPI_Comm_free(&pg->comm);
   free(pg);
 }
 

@@ -44,6 +44,7 @@ static bool present(const fsdpc_tensor_t *t) { return t->storage != NULL || t->n
 fsdpc_status_t nn_var_new(fsdpc_tensor_t *value, bool requires_grad, nn_var_t **out) {
   ARG_NONNULL(out);
   ARG_NONNULL(value);
+  if (!value->meta) FSDPC_TRY(tensor_check_memory("nn_var_new", value));
   nn_var_t *v = calloc(1, sizeof *v);
   if (v == NULL) {
     tensor_free(value);
@@ -475,6 +476,18 @@ fsdpc_status_t nn_backward(nn_ctx_t *ctx, nn_var_t *loss) {
   if (loss == NULL || tensor_numel(&loss->value) != 1) {
     nn_ctx_clear(ctx);
     return err_set(STATUS_EINVAL, "nn_backward: the loss must have exactly one element");
+  }
+  /* recorded by this context since its last backward: a loss of another context, or whose
+   * backward already ran, would take no gradient here (and leave its seed behind) */
+  bool recorded = false;
+  for (int i = ctx->tape.n - 1; i >= 0 && !recorded; i--)
+    recorded = ctx->tape.e[i].kind == ENTRY_OP && ctx->tape.e[i].node.out == loss;
+  if (!recorded) {
+    nn_ctx_clear(ctx);
+    return err_set(STATUS_EINVAL,
+                   "nn_backward: the loss is not on this context's tape (computed in another "
+                   "context, with gradients off or from no parameter, or its backward already "
+                   "ran)");
   }
   fsdpc_tensor_t one;
   fsdpc_status_t st =

@@ -242,12 +242,28 @@ void nn_module_remove_hooks(nn_module_t *m, const void *user) {
   }
 }
 
+static bool hook_registered(const nn_module_t *m, nn_hook_kind_t kind, hook_t h) {
+  for (int i = 0; i < m->n_hooks[kind]; i++)
+    if (m->hooks[kind][i].fn == h.fn && m->hooks[kind][i].user == h.user) return true;
+  return false;
+}
+
 fsdpc_status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(m);
-  for (int i = 0; i < m->n_hooks[kind]; i++)
-    FSDPC_TRY(m->hooks[kind][i].fn(ctx, m, kind, m->hooks[kind][i].user));
-  return STATUS_OK;
+  int n = m->n_hooks[kind];
+  if (n == 1) return m->hooks[kind][0].fn(ctx, m, kind, m->hooks[kind][0].user);
+  /* the hooks registered when the call began, each run if still registered at its turn: a
+   * hook may remove itself or others (nn_module_remove_hooks) without one being skipped; one
+   * added meanwhile runs from the next call */
+  hook_t local[16], *h = n <= 16 ? local : malloc(sizeof *h * (size_t)n);
+  if (h == NULL) return err_set(STATUS_ENOMEM, "module '%s': out of host memory", nn_module_fqn(m));
+  memcpy(h, m->hooks[kind], sizeof *h * (size_t)n);
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < n && st == STATUS_OK; i++)
+    if (i == 0 || hook_registered(m, kind, h[i])) st = h[i].fn(ctx, m, kind, h[i].user);
+  if (h != local) free(h);
+  return st;
 }
 
 fsdpc_status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user) {

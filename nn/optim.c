@@ -2,6 +2,7 @@
 
 #include <fnmatch.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,31 @@ bool optim_group_matches(const adamw_group_t *group, nn_param_t *const *params, 
   return false;
 }
 
+static int cmp_ptr(const void *a, const void *b) {
+  uintptr_t x = (uintptr_t) * (void *const *)a, y = (uintptr_t) * (void *const *)b;
+  return (x > y) - (x < y);
+}
+
+/* Every parameter given once: one given twice (a tied weight listed under both its modules)
+ * would be stepped twice. */
+static fsdpc_status_t check_distinct(nn_param_t *const *params, int n) {
+  for (int i = 0; i < n; i++)
+    if (params[i] == NULL) return err_set(STATUS_EINVAL, "AdamW: parameter %d is NULL", i);
+  nn_param_t **v = malloc(sizeof *v * (size_t)(n ? n : 1));
+  if (v == NULL) return err_set(STATUS_ENOMEM, "AdamW: out of host memory");
+  memcpy(v, params, sizeof *v * (size_t)n);
+  qsort(v, (size_t)n, sizeof *v, cmp_ptr);
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 1; i < n && st == STATUS_OK; i++)
+    if (v[i] == v[i - 1])
+      st = err_set(STATUS_EINVAL,
+                   "AdamW: parameter '%s' is given twice (a tied weight: list it once); it "
+                   "would take two steps",
+                   v[i]->fqn ? v[i]->fqn : "?");
+  free(v);
+  return st;
+}
+
 fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t *cfg,
                          optim_t **out) {
   ARG_NONNULL(out);
@@ -52,6 +78,7 @@ fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t 
                    dtype_name(cfg->state_dtype));
   if (cfg->n_groups < 0 || cfg->n_groups > ADAMW_MAX_GROUPS)
     return err_set(STATUS_EINVAL, "AdamW: at most %d parameter groups", ADAMW_MAX_GROUPS);
+  FSDPC_TRY(check_distinct(params, n));
   optim_t *o = calloc(1, sizeof *o);
   if (o == NULL || (o->slots = calloc((size_t)(n ? n : 1), sizeof(slot_t))) == NULL) {
     free(o);
@@ -146,6 +173,10 @@ static fsdpc_status_t state_of(optim_t *o, int i, bool zero, dtensor_t **exp_avg
   return st;
 }
 
+nn_param_t *optim_param(const optim_t *o, int i) {
+  return o != NULL && i >= 0 && i < o->n ? o->slots[i].p : NULL;
+}
+
 fsdpc_status_t optim_state(optim_t *o, int i, dtensor_t **exp_avg, dtensor_t **exp_avg_sq) {
   ARG_NONNULL(o);
   ARG_NONNULL(exp_avg);
@@ -167,6 +198,10 @@ fsdpc_status_t optim_step(optim_t *o, double lr_factor) {
 }
 
 fsdpc_status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale) {
+  ARG_NONNULL(o);
+  if (!(lr_factor >= 0) || !isfinite(lr_factor)) /* a NaN would reach every weight */
+    return err_set(STATUS_EINVAL, "AdamW step: learning-rate factor %g is not a number >= 0",
+                   lr_factor);
   if (!(grad_scale > 0) || !isfinite(grad_scale))
     return err_set(STATUS_EINVAL, "AdamW step: gradient scale %g is not a positive number",
                    (double)grad_scale);

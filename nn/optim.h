@@ -79,6 +79,8 @@ void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_dec
 
 /* Steps taken so far. */
 int64_t optim_steps(const optim_t *o);
+/* The parameter of slot i (the i-th given to optim_new), or NULL when there is none. */
+nn_param_t *optim_param(const optim_t *o, int i);
 
 /* Parameter i's AdamW moments (exp_avg, exp_avg_sq; state_dtype, zero before the first step) as new
  * DTensors sharing the optimizer's memory, with the parameter's mesh and placements: for

@@ -455,6 +455,7 @@ bool parallel_plan_ep_borrows_tp(const parallel_plan_t *pp) {
 
 fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
   ARG_NONNULL(pp);
+  bool node_sized = false;
   if (pp->dp_shard == PLAN_SIZE_NODE) { /* HYBRID_SHARD: the ranks of a node */
     if (world_started_size() != world)
       return err_set(STATUS_EINVAL,
@@ -462,8 +463,12 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                      "not this job, whose nodes it could count: give mesh.dp_shard (the ranks "
                      "per node)",
                      pp->fsdp_where.text, pp->strategy, world);
-    pp->dp_shard = world_local_size();
+    /* a node's ranks of one pipeline stage (a stage smaller than a node shards over its
+     * ranks alone), over tp */
+    int stage = pp->pp > 1 && world % pp->pp == 0 ? world / pp->pp : world;
+    pp->dp_shard = world_local_size() < stage ? world_local_size() : stage;
     if (pp->tp > 1 && pp->dp_shard % pp->tp == 0) pp->dp_shard /= pp->tp;
+    node_sized = true;
   }
   int *sizes[3] = {&pp->dp_replicate, &pp->dp_shard, &pp->tp};
   static const char *names[3] = {"dp_replicate", "dp_shard", "tp"};
@@ -476,11 +481,16 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
       known *= *sizes[i];
   }
   if (rest >= 0) {
-    if (known > world || world % known != 0)
+    if (known > world || world % known != 0) {
+      char why[160] = "";
+      if (node_sized)
+        snprintf(why, sizeof why, "; sharding_strategy %s took dp_shard %d, a node's ranks",
+                 pp->strategy, pp->dp_shard);
       return err_set(STATUS_EMESH,
                      "%s: mesh: the world has %d rank%s, which mesh sizes of product %lld do not "
-                     "divide (mesh.%s = -1 takes the rest)",
-                     pp->mesh_where.text, world, world == 1 ? "" : "s", known, names[rest]);
+                     "divide (mesh.%s = -1 takes the rest%s)",
+                     pp->mesh_where.text, world, world == 1 ? "" : "s", known, names[rest], why);
+    }
     *sizes[rest] = (int)(world / known);
   } else if (known != world) {
     char pipe[32] = "";

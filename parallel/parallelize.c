@@ -329,15 +329,22 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
     *left = 0;
     return STATUS_OK;
   }
-  if (par->ep_fsdp_mesh != NULL && is_experts(mod)) { /* a unit of its own, on its mesh */
-    *left = 0;
-    return shard_unit(par, pp, mod, NULL);
-  }
   int u = first_unit(pp, mod);
   plan_unit_t sized = {.reshard_after_forward = pp->reshard_after_forward,
                        .param_dtype = pp->param_dtype,
                        .reduce_dtype = pp->reduce_dtype,
                        .output_dtype = pp->output_dtype};
+  if (par->ep_fsdp_mesh != NULL && is_experts(mod)) { /* a unit of its own, on its mesh */
+    *left = 0;
+    /* with the units item that matches it, as without expert parallelism, else the section's
+     * settings; the section's group size for reshard_after_forward, where it spans the
+     * experts' smaller shard group, keeps them gathered (as it would a group that size) */
+    plan_unit_t e = u >= 0 ? pp->units[u] : sized;
+    int W = mesh_size(par->ep_fsdp_mesh, mesh_ndim(par->ep_fsdp_mesh) - 1);
+    int N = e.reshard_after_forward;
+    if (u < 0 && N >= 2 && (N >= W || W % N != 0)) e.reshard_after_forward = 0;
+    return shard_unit(par, pp, mod, &e);
+  }
   /* a stage's own module with parameters left is a unit: the root's part under pipelines */
   bool stage_rest = par->owned != NULL && is_owned(par, mod) && n > 0;
   if (u < 0 && !stage_rest && (pp->min_unit_params <= 0 || n < pp->min_unit_params))

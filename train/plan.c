@@ -921,7 +921,7 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
                    "%s: mesh.pp: %d x pipeline.stages_per_rank %d = %d stages %s the model's %lld "
                    "layers",
                    w, pp->pp, V, S,
-                   p->model.n_layers < S ? "outnumber" : "(stages_per_rank must divide)",
+                   p->model.n_layers < S ? "outnumber" : "do not fit: stages_per_rank must divide",
                    (long long)p->model.n_layers);
   int64_t starts[PLAN_MAX_PP_SPLITS + 1]; /* split_starts refuses more stages than that */
   if (pp->n_pp_splits > 0) FSDPC_TRY(split_starts(p, pp->pp_splits_where.text, S, starts));

@@ -698,6 +698,33 @@ def family():
                            "--set", "data.global_batch_size=3", "--world", "3"])
             check(q.returncode != 0 and "mesh.ep: 3 does not divide the model's num_experts" in
                   q.stderr, "tiny_qwen3_moe: mesh.ep=3 (4 experts) is refused by name")
+            # the experts' units under mesh.ep take the units item that matches them, as
+            # without it; the section's group size where it spans their shard group keeps
+            # them gathered
+            own = os.path.join(tmp, "experts-unit.yaml")
+            with open(plan) as f, open(own, "w") as g:
+                g.write(f.read().replace(
+                    '    units: ["model.layers.*"]\n',
+                    '    units: [{match: "model.layers.*.mlp.experts", mp_policy: {param_dtype: '
+                    'bf16}, reshard_after_forward: false}, "model.layers.*"]\n'))
+            lines = {}
+            for ep, extra in ((1, []), (2, []), (2, ["parallelize.fully_shard.units=["
+                                                     "'model.layers.*']",
+                                                     "parallelize.fully_shard."
+                                                     "reshard_after_forward=2"])):
+                q, _ = run(1, [own, "--dry-run", "--world", "4", "--set", "mesh.dp_shard=4",
+                               "--set", "data.global_batch_size=4", "--set",
+                               "mesh.ep=%d" % ep] + sum((["--set", x] for x in extra), []))
+                if q.returncode != 0:
+                    print(q.stderr[-600:])
+                lines[(ep, bool(extra))] = sorted(set(re.findall(
+                    r"^  model\.layers\.\d+\.mlp\.experts\s+(compute \S+).*"
+                    r"(reshard_after_forward \S+)", q.stdout, re.M)))
+            check(lines[(1, False)] == lines[(2, False)] ==
+                  [("compute bf16", "reshard_after_forward false")] and
+                  lines[(2, True)] == [("compute f32", "reshard_after_forward false")],
+                  "tiny_qwen3_moe: under mesh.ep the experts' units keep their units item's "
+                  "mp_policy and reshard_after_forward (%s)" % lines)
             for ep, sp, why in ((4, "false", "spans the tp ranks (it does not divide "
                                  "dp_shard=2), which hold the same tokens without sequence "
                                  "parallelism"),

@@ -283,6 +283,13 @@ def pipeline():
             check(p.returncode != 0 and said == {str(r) for r in range(n)},
                   "split_points %s on pp %d is refused by name on every rank (%s)"
                   % (points, n, p.stderr.strip()[-150:]))
+    # HYBRID_SHARD under a pipeline: a stage of fewer ranks than a node shards over its own
+    # (4 ranks on one node, pp 2: dp_shard 2 a stage, not the node's 4)
+    p, _ = run(4, [plan, "--dry-run"] + sets(["mesh.pp=2", "mesh.dp_shard=-1",
+                                                "parallelize.fully_shard.sharding_strategy="
+                                                "HYBRID_SHARD"]))
+    check(p.returncode == 0 and "mesh pp=2 x dp_replicate=1 x dp_shard=2 x tp=1" in p.stdout, "HYBRID_SHARD with mesh.pp=2 on 4 ranks of a node shards each stage over "
+          "its 2 ranks (%s)" % (p.stderr.strip()[-160:] or p.stdout[:200]))
     # the same split and units given on the command line as lists
     _, _, d = dry(2, plan, ["mesh.pp=2", "mesh.dp_shard=1",
                             "pipeline.split_points=[model.layers.1]"])
@@ -398,7 +405,8 @@ def pipeline():
             (["mesh.pp=2", "mesh.dp_shard=1", "data.global_batch_size=1"], 2,
              "1 microbatches for 2 ranks; it needs at least as many microbatches as ranks"),
             (["mesh.pp=2", "mesh.dp_shard=1", "model.n_layers=9",
-              "pipeline.schedule=interleaved_1f1b"], 2, "(stages_per_rank must divide)"),
+              "pipeline.schedule=interleaved_1f1b"], 2,
+             "4 stages do not fit: stages_per_rank must divide the model's 9 layers"),
             (["mesh.pp=2", "mesh.dp_shard=1", "pipeline.microbatches=3",
               "pipeline.split_points=[model.layers.1]"], 2,
              "--set pipeline.microbatches=3: pipeline.microbatches: 3, but the data section "

@@ -1,0 +1,245 @@
+/*
+ * The library misused as a user's own training loop may misuse it: each call must be refused
+ * with a status that names the problem (the same on every rank where it is collective), never
+ * crash, hang, or compute something else. Runs on one rank and on two.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "checkpoint/hf_weights.h"
+#include "checkpoint/train_ckpt.h"
+#include "fully_shard/fsdp.h"
+#include "nn/init.h"
+#include "nn/layers.h"
+#include "nn/optim.h"
+#include "tests/harness.h"
+
+#define ok(call) ck_assert_msg((call) == STATUS_OK, "%s: %s", #call, err_detail())
+
+/* call must fail with a message holding want. */
+#define refused(call, want)                                                    \
+  do {                                                                         \
+    fsdpc_status_t st_ = (call);                                               \
+    ck_assert_msg(st_ != STATUS_OK && strstr(err_detail(), want) != NULL,      \
+                  "%s: expected a refusal naming \"%s\", got %s", #call, want, \
+                  st_ == STATUS_OK ? "success" : err_detail());                \
+  } while (0)
+
+/* fc1 (4 -> 8), gelu, fc2 (8 -> 2) */
+static nn_module_t *mlp(bool deferred) {
+  nn_module_t *m = NULL;
+  nn_layer_options_t lo = NN_LAYER_OPTIONS_INIT;
+  lo.deferred = deferred;
+  ok(nn_sequential_new(NULL, "", &m));
+  ok(nn_linear_new(m, "fc1", 4, 8, true, &lo, NULL));
+  ok(nn_activation_new(m, "act1", KERNEL_ACT_GELU, NULL));
+  ok(nn_linear_new(m, "fc2", 8, 2, true, &lo, NULL));
+  ok(nn_module_finalize(m));
+  return m;
+}
+
+static mesh_t *world_mesh(void) {
+  mesh_t *m = NULL;
+  ok(mesh_new(1, (int[]){world_size()}, (const char *[]){"dp"}, DEVICE_CPU, &m));
+  return m;
+}
+
+static nn_var_t *input(void) {
+  fsdpc_tensor_t x;
+  ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 4}));
+  for (int i = 0; i < 8; i++) ((float *)x.data)[i] = (float)nn_init_normal_value(3, "x", i);
+  nn_var_t *v = NULL;
+  ok(nn_var_new(&x, false, &v));
+  return v;
+}
+
+/* The sum of the outputs of m on the input, as a loss recorded on ctx. */
+static nn_var_t *loss_of(nn_ctx_t *ctx, nn_module_t *m) {
+  nn_var_t *in = input(), *out = NULL, *l = NULL;
+  fsdpc_tensor_t zero;
+  ok(tensor_zeros(&zero, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 2}));
+  ok(nn_call(ctx, m, in, &out));
+  ok(nn_mse_loss(ctx, out, &zero, &l));
+  tensor_free(&zero);
+  nn_var_put(out);
+  nn_var_put(in);
+  return l;
+}
+
+START_TEST(fully_shard_checks_its_options) {
+  mesh_t *mesh = world_mesh();
+  nn_module_t *m = mlp(false), *other = mlp(false);
+  fsdp_options_t fo = FSDP_OPTIONS_INIT;
+  fo.mesh = mesh;
+  fo.param_dtype = (dtype_t)42;
+  refused(fully_shard(m, &fo, NULL), "param_dtype 42 is not a floating-point dtype");
+  fo.param_dtype = DTYPE_COUNT;
+  fo.reduce_dtype = DTYPE_I32; /* would truncate every gradient */
+  refused(fully_shard(m, &fo, NULL), "reduce_dtype");
+  fo.reduce_dtype = DTYPE_COUNT;
+  fo.n_ignored = 2;
+  refused(fully_shard(m, &fo, NULL), "2 ignored parameters given without their list");
+  fo.n_ignored = 0;
+  refused(
+      fully_shard_modules((nn_module_t *[]){nn_module_find(m, "fc1"), nn_module_find(other, "fc1")},
+                          2, &fo, NULL),
+      "belongs to another model");
+  /* prefetch lists: no NULL entry, no group of another model */
+  fsdp_group_t *g1 = NULL, *g2 = NULL, *go = NULL;
+  ok(fully_shard(nn_module_find(m, "fc1"), &fo, &g1));
+  ok(fully_shard(nn_module_find(m, "fc2"), &fo, &g2));
+  ok(fully_shard(other, &fo, &go));
+  refused(fsdp_set_forward_prefetch(g1, (fsdp_group_t *[]){NULL}, 1), "is NULL");
+  refused(fsdp_set_forward_prefetch(g1, NULL, 3), "without the list");
+  refused(fsdp_set_backward_prefetch(g2, (fsdp_group_t *[]){go}, 1), "a group of another model");
+  ok(fsdp_set_forward_prefetch(g1, (fsdp_group_t *[]){g2}, 1));
+  nn_module_free(other); /* its groups go with it; m's keep working */
+  nn_ctx_t *ctx = NULL;
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *l = loss_of(ctx, m);
+  ok(nn_backward(ctx, l));
+  nn_var_put(l);
+  nn_ctx_free(ctx);
+  nn_module_free(m);
+  mesh_free(mesh);
+}
+END_TEST
+
+START_TEST(tensors_without_memory_and_narrow_bounds) {
+  fsdpc_tensor_t z = {0}, out = {0}, t;
+  bool eq;
+  refused(tensor_fill(&z, 1), "has no memory");
+  refused(tensor_clone(&out, &z, DTYPE_F32, device_cpu()), "has no memory");
+  refused(tensor_equal(&z, &z, &eq), "has no memory");
+  nn_var_t *v = NULL;
+  refused(nn_var_new(&z, false, &v), "has no memory");
+  ok(tensor_init(&t, DTYPE_F32, device_cpu(), 2, (int64_t[]){4, 6}));
+  refused(tensor_copy(&t, &(fsdpc_tensor_t){.dtype = DTYPE_F32, .ndim = 2, .shape = {4, 6}}),
+          "has no memory");
+  refused(tensor_narrow(&out, &t, 0, INT64_MAX - 1, 2), "outside dimension 0");
+  refused(tensor_narrow(&out, &t, 0, 2, INT64_MAX), "outside dimension 0");
+  tensor_free(&t);
+}
+END_TEST
+
+START_TEST(optimizer_and_checkpoint_pairing) {
+  mesh_t *mesh = world_mesh();
+  nn_module_t *m = mlp(false);
+  fsdp_options_t fo = FSDP_OPTIONS_INIT;
+  fo.mesh = mesh;
+  ok(fully_shard(m, &fo, NULL));
+  nn_param_t **ps = NULL;
+  int n = 0;
+  ok(nn_named_parameters(m, &ps, &n));
+  adamw_config_t ac = ADAMW_CONFIG_INIT;
+  optim_t *opt = NULL;
+  refused(optim_new((nn_param_t *[]){ps[0], ps[1], ps[0]}, 3, &ac, &opt), "is given twice");
+  ok(optim_new(ps, n, &ac, &opt));
+  refused(optim_step(opt, NAN), "learning-rate factor");
+  /* the moments of parameter i are the optimizer's slot i: another order is refused, on every
+   * rank, before anything is written */
+  char dir[64];
+  snprintf(dir, sizeof dir, "/tmp/fsdpc-misuse-%d", (int)getpid());
+  MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
+  nn_param_t *swapped[4] = {ps[1], ps[0], ps[2], ps[3]};
+  refused(ckpt_save_training(dir, swapped, n, opt, 1, NULL, world_pg()),
+          "is not the optimizer's parameter 0");
+  ck_assert_msg(access(dir, F_OK) != 0, "a refused save wrote %s", dir);
+  int64_t step = 0;
+  refused(ckpt_load_training(dir, ps, n, NULL, &step, NULL), "opt is NULL");
+  optim_free(opt);
+  free(ps);
+  nn_module_free(m);
+  mesh_free(mesh);
+  /* a meta model has no values to save: refused, no file left */
+  nn_module_t *meta = mlp(true);
+  char path[96];
+  snprintf(path, sizeof path, "%s-meta-%d.safetensors", dir, world_rank());
+  refused(ckpt_save_weights(meta, path), "a meta tensor");
+  char tmp[128];
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  ck_assert_msg(access(path, F_OK) != 0 && access(tmp, F_OK) != 0, "a refused save left %s", path);
+  nn_module_free(meta);
+}
+END_TEST
+
+static int ran_a, ran_b;
+static fsdpc_status_t hook_once(nn_ctx_t *c, nn_module_t *m, nn_hook_kind_t k, void *u) {
+  (void)c;
+  (void)k;
+  ran_a++;
+  nn_module_remove_hooks(m, u); /* a one-shot hook */
+  return STATUS_OK;
+}
+static fsdpc_status_t hook_count(nn_ctx_t *c, nn_module_t *m, nn_hook_kind_t k, void *u) {
+  (void)c;
+  (void)m;
+  (void)k;
+  (void)u;
+  ran_b++;
+  return STATUS_OK;
+}
+
+START_TEST(backward_and_hooks) {
+  nn_module_t *m = mlp(false);
+  int ta, tb;
+  ok(nn_module_add_hook(m, NN_HOOK_PRE_FORWARD, hook_once, &ta));
+  ok(nn_module_add_hook(m, NN_HOOK_PRE_FORWARD, hook_count, &tb));
+  nn_ctx_t *ctx = NULL, *other = NULL;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_ctx_new(&other));
+  nn_var_t *l = loss_of(ctx, m);
+  ck_assert_msg(ran_a == 1 && ran_b == 1, "a hook that removed itself skipped the next (%d, %d)",
+                ran_a, ran_b);
+  refused(nn_backward(other, l), "not on this context's tape");
+  ok(nn_backward(ctx, l));
+  refused(nn_backward(ctx, l), "not on this context's tape"); /* twice */
+  nn_var_put(l);
+  nn_var_t *l2 = loss_of(ctx, m);
+  ck_assert_msg(ran_a == 1 && ran_b == 2, "hooks after the removal: %d, %d", ran_a, ran_b);
+  ok(nn_backward(ctx, l2));
+  nn_var_put(l2);
+  nn_ctx_free(other);
+  nn_ctx_free(ctx);
+  nn_module_free(m);
+}
+END_TEST
+
+/* dtensor_distribute from one rank whose tensor's shape the others do not share: every rank is
+ * refused alike (before: the source returned ok and the others an MPI truncation error). */
+START_TEST(distribute_agrees_on_the_shape) {
+  mesh_t *mesh = world_mesh();
+  fsdpc_tensor_t f;
+  int rows = world_rank() == world_size() - 1 ? 6 : 4;
+  ok(tensor_zeros(&f, DTYPE_F32, device_cpu(), 2, (int64_t[]){rows, 3}));
+  dtensor_t *x = NULL;
+  fsdpc_status_t st = dtensor_distribute(&f, mesh, (placement_t[]){placement_replicate()}, 0, &x);
+  bool want_ok = world_size() == 1;
+  expect_all(want_ok ? st == STATUS_OK
+                     : st == STATUS_ESHAPE && strstr(err_detail(), "different shapes") != NULL,
+             "dtensor_distribute of unequal shapes: %s", st ? err_detail() : "ok");
+  dtensor_free(x);
+  tensor_free(&f);
+  mesh_t *bad = NULL;
+  refused(mesh_new(1, (int[]){world_size()}, (const char *[]){"dp"}, (device_type_t)7, &bad),
+          "device type 7");
+  mesh_free(mesh);
+}
+END_TEST
+
+static Suite *make_suite(void) {
+  Suite *s = suite_create("misuse");
+  TCase *tc = tcase_create("misuse");
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, fully_shard_checks_its_options);
+  tcase_add_test(tc, tensors_without_memory_and_narrow_bounds);
+  tcase_add_test(tc, optimizer_and_checkpoint_pairing);
+  tcase_add_test(tc, backward_and_hooks);
+  tcase_add_test(tc, distribute_agrees_on_the_shape);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(int argc, char **argv) { return harness_main(argc, argv, make_suite); }
