@@ -149,7 +149,7 @@ def main():
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64) & 0xFFFFFFFF
     else:
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.int16).to(torch.int64) & 0xFFFF
-    span = len(tokens) - a.seq - 1
+    span = len(tokens) - a.seq
     if span <= 0:
         sys.exit("torch_fsdp2.py: %s holds fewer than seq + 1 tokens" % a.data)
     if int(tokens.max()) >= cfg["vocab_size"]:

@@ -68,7 +68,7 @@ opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                          {"params": no_decay, "weight_decay": 0.0}], lr=3e-3, betas=(0.9, 0.95))
 tokens = torch.tensor(list(open(sys.argv[7], "rb").read()), dtype=torch.int64)
 V, warm = cfg["vocab_size"], max(1, steps // 10)
-span = len(tokens) - seq - 1
+span = len(tokens) - seq
 rates, t = [], time.perf_counter()
 for s in range(steps):
     f = (s + 1) / warm if s < warm else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))

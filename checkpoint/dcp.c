@@ -84,11 +84,13 @@ fsdpc_status_t dcp_set_block_bytes(uint64_t bytes) {
 uint64_t dcp_block_bytes(void) { return g_block_bytes; }
 
 /* Appends the block hashes of a contiguous tensor's bytes, wherever it lives, to h. */
-static fsdpc_status_t hash_blocks(const fsdpc_tensor_t *t, uint64_t block, uint64_t *h) {
+static fsdpc_status_t hash_blocks(const char *name, const fsdpc_tensor_t *t, uint64_t block,
+                                  uint64_t *h) {
   if (tensor_is_meta(t))
     return err_set(STATUS_EINVAL,
-                   "checkpoint: a meta tensor has no data to save (allocate and initialise "
-                   "the model first)");
+                   "checkpoint: tensor '%s' is meta: no values to save (a model built for "
+                   "deferred initialisation: nn_module_materialize and initialise it first)",
+                   name);
   fsdpc_tensor_t host = {0};
   const fsdpc_tensor_t *src = t;
   if (t->device.type != DEVICE_CPU || !tensor_is_contiguous(t)) {
@@ -160,7 +162,7 @@ static fsdpc_status_t pending_hash(const dcp_box_t *boxes, int n, pending_t *p) 
     return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   uint64_t k = 0;
   for (int i = 0; i < n; i++) {
-    FSDPC_TRY(hash_blocks(boxes[i].value, p->it.block_bytes, p->it.hashes + k));
+    FSDPC_TRY(hash_blocks(boxes[i].name, boxes[i].value, p->it.block_bytes, p->it.hashes + k));
     k += dcp_blocks_of(p->ht[i].end - p->ht[i].begin, p->it.block_bytes);
   }
   return STATUS_OK;

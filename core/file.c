@@ -318,8 +318,8 @@ static fsdpc_status_t add_folder(file_inputs_t *in, const char *path, const char
     if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
     char sub[DIRS_PATH_MAX];
     struct stat sb;
-    snprintf(sub, sizeof sub, "%.3800s/%.255s", path, e->d_name);
-    if (lstat(sub, &sb) != 0) continue;
+    st = file_join(sub, sizeof sub, path, e->d_name);
+    if (st != STATUS_OK || lstat(sub, &sb) != 0) continue;
     if (S_ISREG(sb.st_mode))
       st = add_one(in, &sb, sub, what);
     else if (S_ISDIR(sb.st_mode) && depth > 0)

@@ -389,7 +389,9 @@ fsdpc_status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst
   FSDPC_TRY(placements_check(src->ndim, n, shape, dst));
   if (tensor_is_meta(&src->local))
     return err_set(STATUS_EINVAL,
-                   "dtensor_redistribute: the DTensor is meta (no memory; allocate it first)");
+                   "dtensor_redistribute: the DTensor is meta, with no memory (a model built "
+                   "for deferred initialisation: allocate its shards with "
+                   "nn_module_materialize first)");
   if (!device_equal(src->local.device, mesh_device(mesh))) {
     char a[16], b[16];
     return err_set(STATUS_EINVAL,

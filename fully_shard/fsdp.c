@@ -243,10 +243,14 @@ fsdpc_status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group
 fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const fsdp_options_t *opt,
                                    fsdp_group_t **out) {
   if (out) *out = NULL;
-  if (ms == NULL || n_modules < 1 || opt == NULL || opt->mesh == NULL)
-    return err_set(STATUS_EINVAL, "fully_shard: modules, options and mesh are required");
+  if (ms == NULL || n_modules < 1) return err_set(STATUS_EINVAL, "fully_shard: no module given");
+  if (opt == NULL) return err_set(STATUS_EINVAL, "fully_shard: opt is NULL");
+  if (opt->mesh == NULL)
+    return err_set(STATUS_EINVAL, "fully_shard: opt->mesh is NULL (did mesh_new fail?)");
   for (int i = 0; i < n_modules; i++) {
-    if (ms[i] == NULL) return err_set(STATUS_EINVAL, "fully_shard: module %d is NULL", i);
+    if (ms[i] == NULL)
+      return n_modules == 1 ? err_set(STATUS_EINVAL, "fully_shard: m is NULL")
+                            : err_set(STATUS_EINVAL, "fully_shard_modules: module %d is NULL", i);
     if (fsdp_group_of(ms[i]) != NULL)
       return err_set(STATUS_EINVAL, "fully_shard: module '%s' is already fully sharded",
                      nn_module_fqn(ms[i]));

@@ -28,7 +28,8 @@ fsdpc_status_t fsdp_collect_params(const nn_module_t *m, const fsdp_options_t *o
 }
 
 /* The tensor-parallel mesh p already lives on (1-D, of the same world mesh as the group's),
- * or NULL for a whole parameter. */
+ * or NULL for a whole parameter: one on a mesh of one rank, whatever its placement (a
+ * tensor_parallel over tp 1 gives its colwise weights Shard(0) there). */
 static mesh_t *tp_mesh_of(const nn_param_t *p) {
   mesh_t *pm = dtensor_mesh(p->value);
   return mesh_ndim(pm) == 1 && mesh_size(pm, 0) == 1 ? NULL : pm;
@@ -59,8 +60,10 @@ fsdpc_status_t fsdp_check_param(const nn_param_t *p, const fsdp_options_t *opt, 
                      "Replicate DTensor on one tensor-parallel dimension of the same world "
                      "mesh composes with fully_shard)",
                      p->fqn);
-  } else if (pl[0].kind != PLACEMENT_REPLICATE) {
-    return err_set(STATUS_EINVAL, "fully_shard: parameter %s is already distributed", p->fqn);
+  } else if (pl[0].kind == PLACEMENT_PARTIAL) { /* on one rank: a Shard holds it whole */
+    return err_set(STATUS_EINVAL,
+                   "fully_shard: parameter %s is a Partial DTensor; give it reduced (Replicate)",
+                   p->fqn);
   }
   if (dtensor_ndim(v) < 1)
     return err_set(STATUS_ESHAPE,

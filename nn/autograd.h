@@ -12,7 +12,7 @@
  *   FSDPC_TRY(nn_ctx_new(&ctx));
  *   FSDPC_TRY(nn_var_new(&tokens, false, &ids));          // takes over `tokens`
  *   FSDPC_TRY(nn_call(ctx, model, ids, &logits));          // records the tape
- *   FSDPC_TRY(nn_cross_entropy(ctx, logits, targets, &loss));
+ *   FSDPC_TRY(nn_cross_entropy(ctx, logits, targets, &loss, NULL));
  *   FSDPC_TRY(nn_backward(ctx, loss));                     // parameter grads now in compute_grad
  *   nn_var_put(loss); nn_var_put(logits); nn_var_put(ids);
  *   nn_ctx_free(ctx);

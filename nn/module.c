@@ -281,8 +281,16 @@ fsdpc_status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in
   ARG_NONNULL(m);
   ARG_NONNULL(in);
   ARG_NONNULL(out);
-  if (m->wrap) return m->wrap(ctx, m, in, out, m->forward, m->wrap_user);
-  return m->forward(ctx, m, in, out);
+  fsdpc_status_t st =
+      m->wrap ? m->wrap(ctx, m, in, out, m->forward, m->wrap_user) : m->forward(ctx, m, in, out);
+  /* a leaf's dtype error named by the leaf: an input whose dtype is not its parameters' (an
+   * mp_policy output_dtype narrower than a module outside the units, which no unit casts) */
+  if (st == STATUS_EDTYPE && m->n_children == 0 && nn_module_num_params(m) > 0)
+    st = err_prefix(st,
+                    "%s: its input is not of its parameters' dtype (a unit's mp_policy "
+                    "output_dtype that it, outside every unit, does not take?)",
+                    nn_module_fqn(m));
+  return st;
 }
 
 void nn_module_set_checkpoint(nn_module_t *m, bool enabled) {

@@ -174,10 +174,22 @@ static fsdpc_status_t make_meshes(parallel_t *par, const parallel_plan_t *pp, de
 
 /* ---- tensor parallelism ---- */
 
+static int count_matches(const nn_module_t *root, const nn_module_t *mod, const char *pattern);
+
 static fsdpc_status_t apply_tp(parallel_t *par, const parallel_plan_t *pp) {
   if (pp->tp <= 1) return STATUS_OK;
   tp_rule_t rules[PLAN_MAX_TP_RULES];
   int n = parallel_plan_tp_rules(pp, rules);
+  for (int i = 0; i < n; i++) /* a rule for no module named at its own line */
+    if (count_matches(par->root, par->root, rules[i].pattern) == 0) {
+      char names[256];
+      const char *w =
+          pp->tp_rules[i].where.text[0] ? pp->tp_rules[i].where.text : pp->tp_where.text;
+      return err_set(STATUS_EINVAL,
+                     "%s: parallelize.tensor_parallel.plan: '%s' matches no module (modules "
+                     "here: %s, ...)",
+                     w, rules[i].pattern, nn_module_names(par->root, 6, names, sizeof names));
+    }
   fsdpc_status_t st =
       tensor_parallel(par->root, par->tp_mesh, rules, n, pp->sequence_parallel, &par->tp);
   if (st != STATUS_OK) /* name the rules' place in the file and the tree's modules */
@@ -343,7 +355,13 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
     int W = mesh_size(par->ep_fsdp_mesh, mesh_ndim(par->ep_fsdp_mesh) - 1);
     int N = e.reshard_after_forward;
     if (u < 0 && N >= 2 && (N >= W || W % N != 0)) e.reshard_after_forward = 0;
-    return shard_unit(par, pp, mod, &e);
+    fsdpc_status_t st = shard_unit(par, pp, mod, &e);
+    if (st != STATUS_OK && u >= 0)
+      return err_prefix(st,
+                        "%s: parallelize.fully_shard.units[%d] ('%s', %s: its experts shard over "
+                        "dp_shard / ep = %d ranks)",
+                        pp->units[u].where.text, u, pp->units[u].pattern, nn_module_fqn(mod), W);
+    return st;
   }
   /* a stage's own module with parameters left is a unit: the root's part under pipelines */
   bool stage_rest = par->owned != NULL && is_owned(par, mod) && n > 0;

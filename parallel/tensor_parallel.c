@@ -509,6 +509,40 @@ static fsdpc_status_t visit(walk_t *w, nn_module_t *m) {
   return STATUS_OK;
 }
 
+/* A module with parameters of its own (Replicate on tp) and no rule runs whole on each rank:
+ * given a shard of its input (a norm on sequence shards, or on this rank's heads), each rank
+ * would compute another gradient of its parameters, summed by no one. Refused there. */
+static fsdpc_status_t unruled(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out,
+                              nn_forward_fn inner, void *user) {
+  (void)user;
+  if (in->layout == TP_SHARD_SEQ || in->layout == TP_SHARD_LAST)
+    return err_set(STATUS_EINVAL,
+                   "tensor parallel: %s has parameters and no rule, but its input comes %s: "
+                   "each rank would take another gradient of them; give it a rule "
+                   "(sequence_parallel for a norm on sequence shards, headwise for a norm of "
+                   "each rank's heads)",
+                   nn_module_fqn(m), tp_layout_name((tp_layout_t)in->layout));
+  return inner(ctx, m, in, out);
+}
+
+static bool has_rule(const tp_plan_t *plan, const nn_module_t *m) {
+  for (int i = 0; i < plan->n; i++)
+    if (plan->mods[i].m == m) return true;
+  return false;
+}
+
+/* The modules under m (m included) without a rule of their own (a MoE block's modules have
+ * their sums) that hold parameters Replicate on mesh: their inputs checked (unruled). */
+static fsdpc_status_t guard_unruled(const tp_plan_t *plan, const mesh_t *mesh, nn_module_t *m) {
+  bool on_tp = false;
+  for (int k = 0; k < nn_module_num_params(m) && !on_tp; k++)
+    on_tp = dtensor_mesh(nn_module_param(m, k)->value) == mesh;
+  if (on_tp && !has_rule(plan, m)) FSDPC_TRY(nn_module_wrap_forward(m, unruled, NULL));
+  for (int i = 0; i < nn_module_num_children(m); i++)
+    FSDPC_TRY(guard_unruled(plan, mesh, nn_module_child(m, i)));
+  return STATUS_OK;
+}
+
 static int count_modules(const nn_module_t *m) {
   int n = 1;
   for (int i = 0; i < nn_module_num_children(m); i++) n += count_modules(nn_module_child(m, i));
@@ -550,6 +584,7 @@ fsdpc_status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t 
   }
   free(ps);
   if (st == STATUS_OK) st = fill_sums(plan, mesh);
+  if (st == STATUS_OK) st = guard_unruled(plan, mesh, root);
   if (st != STATUS_OK) goto cleanup;
   free(hits);
   *out = plan;

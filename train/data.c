@@ -348,7 +348,8 @@ int64_t data_sample_start(const fsdpc_data_t *d, const data_spec_t *spec, int64_
     uint64_t key = splitmix64(spec->seed ^ splitmix64((uint64_t)epoch));
     return permute((int64_t)(g % windows), windows, key) * spec->seq_len;
   }
-  int64_t span = d->n - spec->seq_len - 1;
+  int64_t span = d->n - spec->seq_len; /* the starts 0 .. n - seq_len - 1: the last reads the
+                                          stream's last token */
   return (int64_t)(g * spec->seq_len % span);
 }
 

@@ -11,7 +11,7 @@
  *
  * For step s, micro-step m of grad_accum, global micro-batch G = dp_size * batch_size,
  * sample j in [0, G) starts at
- *   ((s * grad_accum + m) * G + j) * seq_len  mod  (N - seq_len - 1);
+ *   ((s * grad_accum + m) * G + j) * seq_len  mod  (N - seq_len);
  * its inputs are seq_len tokens from there and its targets the same shifted by one. With
  * shuffle, the global sample index g = (s * grad_accum + m) * G + j instead picks a window of
  * the stream's W = (N - 1) / seq_len windows of seq_len + 1 tokens that start every seq_len

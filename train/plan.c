@@ -234,15 +234,21 @@ static fsdpc_status_t read_moe(plan_ctx_t *c, int root, const char *own) {
   if (p->moe_aux_global && own == NULL && p->model.n_experts == 0)
     return pr_fail(c, pr_find(c, m, "aux_loss_scope"), "moe.aux_loss_scope",
                    "the model (%s) has no experts to balance", llama_arch_name(p->model.arch));
-  if (m == 0 || pr_find(c, m, "aux_loss_coef") == 0) return STATUS_OK;
-  FSDPC_TRY(pr_get_float(c, m, "moe", "aux_loss_coef", 0, 1e6, false, &p->moe_aux_loss_coef));
-  if (own != NULL || p->moe_aux_loss_coef < 0)
-    return STATUS_OK;
-        /* null: not given */ /* the program's own model takes it, if it has experts */
-  if (p->model.n_experts == 0)
-    return pr_fail(c, pr_find(c, m, "aux_loss_coef"), "moe.aux_loss_coef",
-                   "the model (%s) has no experts to balance", llama_arch_name(p->model.arch));
-  p->model.aux_loss_coef = p->moe_aux_loss_coef;
+  if (m != 0 && pr_find(c, m, "aux_loss_coef") != 0) {
+    FSDPC_TRY(pr_get_float(c, m, "moe", "aux_loss_coef", 0, 1e6, false, &p->moe_aux_loss_coef));
+    /* null: not given; the program's own model takes it, if it has experts */
+    if (own == NULL && p->moe_aux_loss_coef >= 0 && p->model.n_experts == 0)
+      return pr_fail(c, pr_find(c, m, "aux_loss_coef"), "moe.aux_loss_coef",
+                     "the model (%s) has no experts to balance", llama_arch_name(p->model.arch));
+    if (own == NULL && p->moe_aux_loss_coef >= 0) p->model.aux_loss_coef = p->moe_aux_loss_coef;
+  }
+  /* the scope of a loss that is off would change nothing (its figure in the metrics would
+   * stay each rank's) */
+  if (p->moe_aux_global && own == NULL && p->model.aux_loss_coef == 0)
+    return pr_fail(c, pr_find(c, m, "aux_loss_scope"), "moe.aux_loss_scope",
+                   "global, but the load-balancing loss is off (a coefficient of 0: "
+                   "moe.aux_loss_coef, or the config's router_aux_loss_coef without "
+                   "output_router_logits); give it a coefficient, or leave the scope");
   return STATUS_OK;
 }
 

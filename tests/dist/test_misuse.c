@@ -3,6 +3,7 @@
  * with a status that names the problem (the same on every rank where it is collective), never
  * crash, hang, or compute something else. Runs on one rank and on two.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@
 #include "nn/init.h"
 #include "nn/layers.h"
 #include "nn/optim.h"
+#include "parallel/tensor_parallel.h"
 #include "tests/harness.h"
 
 #define ok(call) ck_assert_msg((call) == STATUS_OK, "%s: %s", #call, err_detail())
@@ -153,11 +155,11 @@ START_TEST(optimizer_and_checkpoint_pairing) {
   free(ps);
   nn_module_free(m);
   mesh_free(mesh);
-  /* a meta model has no values to save: refused, no file left */
+  /* a meta model has no values to save: refused naming nn_module_materialize, no file left */
   nn_module_t *meta = mlp(true);
   char path[96];
   snprintf(path, sizeof path, "%s-meta-%d.safetensors", dir, world_rank());
-  refused(ckpt_save_weights(meta, path), "a meta tensor");
+  refused(ckpt_save_weights(meta, path), "nn_module_materialize");
   char tmp[128];
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   ck_assert_msg(access(path, F_OK) != 0 && access(tmp, F_OK) != 0, "a refused save left %s", path);
@@ -229,6 +231,43 @@ START_TEST(distribute_agrees_on_the_shape) {
 }
 END_TEST
 
+/* tensor_parallel over a tp dimension of one rank, then fully_shard over the data-parallel
+ * one: composes (it was refused, the weights being Shard(0) on the one-rank mesh), and trains
+ * what the plain model computes. */
+START_TEST(tensor_parallel_of_one_rank_composes) {
+  mesh_t *mesh = NULL, *tpm = NULL, *dpm = NULL;
+  ok(mesh_new(2, (int[]){world_size(), 1}, (const char *[]){"dp_shard", "tp"}, DEVICE_CPU, &mesh));
+  ok(mesh_slice(mesh, 1, (const char *[]){"tp"}, &tpm));
+  ok(mesh_slice(mesh, 1, (const char *[]){"dp_shard"}, &dpm));
+  nn_module_t *m = mlp(false), *plain = mlp(false);
+  ok(nn_module_reset_parameters(m, 5));
+  ok(nn_module_reset_parameters(plain, 5));
+  tp_plan_t *tp = NULL;
+  tp_rule_t rules[] = {{"fc1", TP_COLWISE, 0, 0}, {"fc2", TP_ROWWISE, 0, 0}};
+  ok(tensor_parallel(m, tpm, rules, 2, false, &tp));
+  fsdp_options_t fo = FSDP_OPTIONS_INIT;
+  fo.mesh = dpm;
+  ok(fully_shard(m, &fo, NULL));
+  nn_ctx_t *ctx = NULL;
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *a = loss_of(ctx, m), *b = loss_of(ctx, plain);
+  double x = 0, y = 0;
+  ok(nn_var_scalar(a, &x));
+  ok(nn_var_scalar(b, &y));
+  ck_assert_msg(fabs(x - y) <= 1e-6 * fabs(y), "tp of one rank x fsdp: loss %.9g, plain %.9g", x,
+                y);
+  nn_var_put(a);
+  nn_var_put(b);
+  nn_ctx_free(ctx);
+  nn_module_free(plain);
+  nn_module_free(m);
+  tp_free(tp);
+  mesh_free(dpm);
+  mesh_free(tpm);
+  mesh_free(mesh);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("misuse");
   TCase *tc = tcase_create("misuse");
@@ -238,6 +277,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, optimizer_and_checkpoint_pairing);
   tcase_add_test(tc, backward_and_hooks);
   tcase_add_test(tc, distribute_agrees_on_the_shape);
+  tcase_add_test(tc, tensor_parallel_of_one_rank_composes);
   suite_add_tcase(s, tc);
   return s;
 }

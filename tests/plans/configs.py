@@ -562,6 +562,10 @@ def global_scope(tmp, plan):
     w = worst(got, ref)
     check(len(got) == 10 and w > 1e-4, "tiny_qwen3_moe_aux: the default scope (each rank's "
           "micro-batch of 1 sample) trains another model than that (%.2e apart)" % w)
+    q, _ = run(1, [plan, "--dry-run", "--set", "moe.aux_loss_scope=global", "--set",
+                   "moe.aux_loss_coef=0"])
+    check(q.returncode != 0 and "moe.aux_loss_scope: global, but the load-balancing loss is off"
+          in q.stderr, "tiny_qwen3_moe_aux: the global scope of a loss turned off is refused")
 
 
 def family():
@@ -725,6 +729,20 @@ def family():
                   lines[(2, True)] == [("compute f32", "reshard_after_forward false")],
                   "tiny_qwen3_moe: under mesh.ep the experts' units keep their units item's "
                   "mp_policy and reshard_after_forward (%s)" % lines)
+            with open(own) as f:
+                bad2 = f.read().replace("reshard_after_forward: false}",
+                                        "reshard_after_forward: 2}")
+            with open(own, "w") as g:
+                g.write(bad2)
+            q, _ = run(1, [own, "--dry-run", "--world", "4", "--set", "mesh.dp_shard=4", "--set",
+                           "data.global_batch_size=4", "--set", "mesh.ep=2"])
+            check(q.returncode != 0 and re.search(
+                r"experts-unit\.yaml:\d+:\d+: parallelize\.fully_shard\.units\[0\] "
+                r"\('model\.layers\.\*\.mlp\.experts', model\.layers\.0\.mlp\.experts: its "
+                r"experts shard over dp_shard / ep = 2 ranks\): fully_shard: reshard_after_forward 2",
+                q.stderr) is not None,
+                  "tiny_qwen3_moe: a units item's group size the experts' shard group cannot take "
+                  "is refused naming the item (%s)" % q.stderr.strip()[-200:])
             for ep, sp, why in ((4, "false", "spans the tp ranks (it does not divide "
                                  "dp_shard=2), which hold the same tokens without sequence "
                                  "parallelism"),

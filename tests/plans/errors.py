@@ -100,7 +100,8 @@ def errors():
         ("unknown tp layout", tp_plan("lm_head: {style: colwise, output: sideways}"), [],
          r"plan\.lm_head: output: expected replicate, shard\(1\) or shard\(-1\)"),
         ("tp pattern matching nothing", tp_plan("model.blocks.*.mlp: prepare_input"), [],
-         r"tensor_parallel\.plan: tensor parallel: 'model\.blocks\.\*\.mlp' matches no module"),
+         r"bad\d*\.yaml:\d+:\d+: parallelize\.tensor_parallel\.plan: 'model\.blocks\.\*\.mlp' "
+         r"matches no module"),
         ("tp style on the wrong layer", tp_plan("model.norm: colwise"), [],
          r"tensor parallel: model\.norm: colwise applies to linear, conv1d and embedding layers, not to a "
          r"module of kind 'rmsnorm'"),
@@ -380,6 +381,32 @@ def errors():
           "both ranks name the file (%s)" % ("%.1f" % secs if secs else "never", sorted(said)))
     if said != {"0", "1"}:
         print(err[-1500:])
+    # a module with parameters and no tensor-parallel rule given a shard of its input (a norm
+    # on sequence shards, Qwen3's head norms on each rank's heads) would train another model:
+    # refused on every rank at the first forward, naming it and the rule it needs
+    tp_plan = os.path.join(ROOT, "configs", "tp.yaml")
+    no_norm = os.path.join(mkdtemp(), "tp-no-norm.yaml")
+    with open(tp_plan) as f, open(no_norm, "w") as g:
+        g.write(f.read().replace("      model.norm: sequence_parallel\n", "").replace(
+            "../data/", os.path.join(ROOT, "data") + "/"))
+    for plan, sets, want in (
+            (no_norm, [], r"tensor parallel: model\.norm has parameters and no rule, but its "
+             r"input comes shard\(1\).*sequence_parallel for a norm on sequence shards"),
+            (tp_plan, ["model.architecture=qwen3",
+                       "parallelize.tensor_parallel.sequence_parallel=false"],
+             r"tensor parallel: model\.layers\.0\.self_attn\.q_norm has parameters and no "
+             r"rule, but its input comes shard\(-1\).*headwise"),
+            # and a unit's output dtype that the head, outside every unit, does not take
+            (os.path.join(ROOT, "configs", "fsdp.yaml"),
+             ["mesh.dp_shard=2", "parallelize.fully_shard.mp_policy.output_dtype=bf16"],
+             r"lm_head: its input is not of its parameters' dtype \(a unit's mp_policy "
+             r"output_dtype")):
+        p, _ = run(2, [plan, "--set", "train.steps=2"] + sum((["--set", x] for x in sets), []),
+                   timeout=120)
+        said = ranks_saying(p.stderr, want)
+        check(p.returncode != 0 and said == {"0", "1"} and "step " not in p.stdout,
+              "refused on both ranks at the first forward, naming the module /%s/ (%s)"
+              % (want[:50], p.stderr.strip()[-200:]))
     # every program: --help and --version answer at once; a wrong flag or value is an error
     build = os.path.join(os.path.dirname(EXE), "..")
     tool = lambda name: os.path.join(build, "tools", name)

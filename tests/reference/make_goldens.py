@@ -118,7 +118,7 @@ def load_tokens():
 
 def batch(tokens, step, micro=0, grad_accum=1, dp_size=1, dp_rank=0):
     G = dp_size * BATCH
-    span = len(tokens) - SEQ - 1
+    span = len(tokens) - SEQ
     xs, ys = [], []
     for b in range(BATCH):
         j = dp_rank * BATCH + b

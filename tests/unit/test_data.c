@@ -54,7 +54,7 @@ START_TEST(data_order_and_dp_split) {
   ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   int64_t N = data_num_tokens(d);
   data_spec_t g = {.batch_size = 4, .seq_len = 16, .grad_accum = 2, .dp_size = 1, .dp_rank = 0};
-  ck_assert_int_eq(data_sample_start(d, &g, 3, 1, 2), ((3 * 2 + 1) * 4 + 2) * 16 % (N - 17));
+  ck_assert_int_eq(data_sample_start(d, &g, 3, 1, 2), ((3 * 2 + 1) * 4 + 2) * 16 % (N - 16));
   fsdpc_tensor_t gi, gt;
   ok(data_batch(d, &g, 3, 1, &gi, &gt));
   const int64_t *all = gi.data, *allt = gt.data;
@@ -69,6 +69,18 @@ START_TEST(data_order_and_dp_split) {
     tensor_free(&in);
     tensor_free(&tg);
   }
+  /* in order, every window of a stream of k whole ones is read, the last one (which holds the
+   * stream's last token) included */
+  data_free(d);
+  char wpath[256];
+  write_tokens(wpath, sizeof wpath, "windows-in-order.txt", 1, 1 + 5 * 7, 0, 1);
+  ok(data_open(wpath, DATA_BYTES, &d));
+  data_spec_t w = {.batch_size = 1, .seq_len = 5, .grad_accum = 1, .dp_size = 1};
+  for (int64_t step = 0; step < 7; step++)
+    ck_assert_int_eq(data_sample_start(d, &w, step, 0, 0), 5 * step);
+  data_free(d);
+  remove(wpath);
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
   data_spec_t bad = g;
   bad.dp_rank = 1;
   ck_assert_int_eq(data_batch(d, &bad, 0, 0, &gi, &gt), STATUS_EINVAL);
