@@ -1,6 +1,7 @@
 /* The step folders of a run's checkpoint folder (train_ckpt.h): step-NNNNNNNN, complete or
  * not, and the unfinished saves step-NNNNNNNN.tmp; finding the newest, counting, pruning and
  * removing them without following links. */
+#include <cJSON.h>
 #include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -10,11 +11,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checkpoint/train_ckpt.h"
 #include "core/args_impl.h"
 #include "core/file.h"
-#include "checkpoint/train_ckpt.h"
 
 #define PATH_LEN 4400
+#define REMOVING ".removing" /* a step folder being removed: step-NNNNNNNN[.tmp].removing */
 
 void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
   if (out == NULL || size == 0) return;
@@ -123,14 +125,42 @@ fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *co
 /* Removes root's entry `name`; a complete checkpoint loses its train_state.json first, so a
  * half-removed one is never taken for complete. */
 static fsdpc_status_t remove_entry(const char *root, const char *name, ckpt_step_kind_t kind) {
-  char path[PATH_LEN], state[PATH_LEN + 32];
+  (void)kind;
+  char path[PATH_LEN], gone[PATH_LEN + 16];
   FSDPC_TRY(file_join(path, sizeof path, root, name)); /* never a shortened path: another file */
-  FSDPC_TRY(file_join(state, sizeof state, path, "train_state.json"));
-  struct stat sb;
-  if (kind == CKPT_STEP_COMPLETE && lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) unlink(state);
-  if (!file_remove_tree(path))
-    return err_set(STATUS_EIO, "checkpoint: cannot remove all of %s: %s", path, strerror(errno));
+  int n = snprintf(gone, sizeof gone, "%s" REMOVING, path);
+  if (n < 0 || (size_t)n >= sizeof gone)
+    return err_set(STATUS_EINVAL, "checkpoint: path too long: %.200s...", path);
+  /* renamed first, at once (a link itself): a folder half removed by a kill is never taken for
+   * a checkpoint, and the next start removes it (ckpt_remove_unfinished) */
+  if (rename(path, gone) != 0)
+    return err_set(STATUS_EIO, "checkpoint: cannot remove %s: %s", path, strerror(errno));
+  if (!file_remove_tree(gone))
+    return err_set(STATUS_EIO, "checkpoint: cannot remove all of %s: %s", gone, strerror(errno));
   return STATUS_OK;
+}
+
+/* Removes the entries step-N....REMOVING under root that a removal a kill cut short left;
+ * *removed counts them. */
+static fsdpc_status_t remove_half_removed(const char *root, int *removed) {
+  DIR *d = opendir(root);
+  if (d == NULL) return STATUS_OK;
+  fsdpc_status_t st = STATUS_OK;
+  struct dirent *e;
+  size_t tail = strlen(REMOVING);
+  while (st == STATUS_OK && (e = readdir(d)) != NULL) {
+    size_t n = strlen(e->d_name);
+    if (strncmp(e->d_name, "step-", 5) != 0 || n <= tail + 5 ||
+        strcmp(e->d_name + n - tail, REMOVING) != 0)
+      continue;
+    char path[PATH_LEN];
+    st = file_join(path, sizeof path, root, e->d_name);
+    if (st == STATUS_OK && !file_remove_tree(path))
+      st = err_set(STATUS_EIO, "checkpoint: cannot remove all of %s: %s", path, strerror(errno));
+    if (st == STATUS_OK) (*removed)++;
+  }
+  closedir(d);
+  return st;
 }
 
 typedef enum removal_mode {
@@ -161,6 +191,7 @@ fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed) {
   ARG_NONNULL(root);
   removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
   fsdpc_status_t st = ckpt_scan_steps(root, remove_step, &r);
+  if (st == STATUS_OK) st = remove_half_removed(root, &r.removed);
   if (removed) *removed = r.removed;
   return st;
 }
@@ -248,4 +279,107 @@ fsdpc_status_t ckpt_prune(const char *root, int keep) {
       .root = root, .mode = REMOVE_COMPLETE_UPTO, .after = n > keep ? steps[n - keep - 1] : -1};
   free(steps);
   return r.after < 0 ? STATUS_OK : ckpt_scan_steps(root, remove_step, &r);
+}
+
+/* ---- a rollback's journal ---- */
+
+fsdpc_status_t ckpt_rollback_begin(const char *root, int64_t after, const char *run,
+                                   const char *own_file) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(run);
+  char path[PATH_LEN];
+  FSDPC_TRY(file_join(path, sizeof path, root, CKPT_ROLLBACK_JOURNAL));
+  cJSON *o = cJSON_CreateObject();
+  char *text = NULL;
+  if (o != NULL && cJSON_AddNumberToObject(o, "after", (double)after) &&
+      cJSON_AddStringToObject(o, "run", run) &&
+      cJSON_AddStringToObject(o, "own_file", own_file ? own_file : ""))
+    text = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  if (text == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  fsdpc_status_t st = file_replace_text(path, text); /* whole or not at all, synced */
+  free(text);
+  return st;
+}
+
+fsdpc_status_t ckpt_rollback_end(const char *root) {
+  ARG_NONNULL(root);
+  char path[PATH_LEN];
+  FSDPC_TRY(file_join(path, sizeof path, root, CKPT_ROLLBACK_JOURNAL));
+  if (unlink(path) != 0 && errno != ENOENT)
+    return err_set(STATUS_EIO, "checkpoint: cannot remove %s: %s", path, strerror(errno));
+  return STATUS_OK;
+}
+
+/* The run id step folder name under root records in saved_under, into run ("" when none). */
+static void run_of(const char *root, const char *name, char *run, size_t size) {
+  char dir[PATH_LEN], *text = NULL;
+  run[0] = 0;
+  if (file_join(dir, sizeof dir, root, name) != STATUS_OK ||
+      ckpt_state_text(dir, &text) != STATUS_OK || text == NULL)
+    return;
+  cJSON *o = cJSON_Parse(text);
+  free(text);
+  const cJSON *r =
+      cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(o, "saved_under"), "run");
+  if (cJSON_IsString(r)) snprintf(run, size, "%s", r->valuestring);
+  cJSON_Delete(o);
+}
+
+typedef struct settle {
+  const char *root, *run;
+  int64_t after;
+  bool committed; /* first pass: a folder of the run's */
+  int removed;
+} settle_t;
+
+static fsdpc_status_t find_run(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
+  settle_t *t = ctx;
+  if (s <= t->after || kind != CKPT_STEP_COMPLETE || t->committed) return STATUS_OK;
+  char run[64];
+  run_of(t->root, name, run, sizeof run);
+  t->committed = strcmp(run, t->run) == 0;
+  return STATUS_OK;
+}
+
+static fsdpc_status_t remove_replaced(void *ctx, const char *name, int64_t s,
+                                      ckpt_step_kind_t kind) {
+  settle_t *t = ctx;
+  if (s <= t->after || kind == CKPT_STEP_TMP) return STATUS_OK;
+  char run[64];
+  run_of(t->root, name, run, sizeof run);
+  if (kind == CKPT_STEP_COMPLETE && strcmp(run, t->run) == 0) return STATUS_OK; /* the run's */
+  FSDPC_TRY(remove_entry(t->root, name, kind));
+  t->removed++;
+  return STATUS_OK;
+}
+
+fsdpc_status_t ckpt_rollback_settle(const char *root, bool *found, bool *finished, int *replaced) {
+  ARG_NONNULL(root);
+  *found = *finished = false;
+  *replaced = 0;
+  char path[PATH_LEN], *text = NULL;
+  FSDPC_TRY(file_join(path, sizeof path, root, CKPT_ROLLBACK_JOURNAL));
+  if (access(path, F_OK) != 0) return STATUS_OK;
+  *found = true;
+  FSDPC_TRY(file_read_text(path, 1 << 16, &text));
+  cJSON *o = cJSON_Parse(text);
+  free(text);
+  const cJSON *after = cJSON_GetObjectItemCaseSensitive(o, "after");
+  const cJSON *run = cJSON_GetObjectItemCaseSensitive(o, "run");
+  const cJSON *own = cJSON_GetObjectItemCaseSensitive(o, "own_file");
+  fsdpc_status_t st = STATUS_OK;
+  if (!cJSON_IsNumber(after) || !cJSON_IsString(run) || run->valuestring[0] == 0)
+    st = err_set(STATUS_EFORMAT,
+                 "%s: not the journal of a rollback (remove it if no job uses this folder)", path);
+  settle_t t = {root, st == STATUS_OK ? run->valuestring : "", 0, false, 0};
+  if (st == STATUS_OK) t.after = (int64_t)after->valuedouble;
+  if (st == STATUS_OK) st = ckpt_scan_steps(root, find_run, &t);
+  if (st == STATUS_OK && t.committed) st = ckpt_scan_steps(root, remove_replaced, &t);
+  if (st == STATUS_OK && cJSON_IsString(own) && own->valuestring[0]) unlink(own->valuestring);
+  cJSON_Delete(o);
+  if (st == STATUS_OK) st = ckpt_rollback_end(root);
+  *finished = t.committed;
+  *replaced = t.removed;
+  return st;
 }

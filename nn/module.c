@@ -252,6 +252,7 @@ fsdpc_status_t nn_module_run_hooks(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t
   ARG_NONNULL(ctx);
   ARG_NONNULL(m);
   int n = m->n_hooks[kind];
+  if (n == 0) return STATUS_OK;
   if (n == 1) return m->hooks[kind][0].fn(ctx, m, kind, m->hooks[kind][0].user);
   /* the hooks registered when the call began, each run if still registered at its turn: a
    * hook may remove itself or others (nn_module_remove_hooks) without one being skipped; one

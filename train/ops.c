@@ -474,9 +474,9 @@ static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *pat
   fsdpc_status_t st = STATUS_OK;
   size_t n = dir ? strlen(dir) : 0;
   if (dir != NULL && at != NULL && strcmp(at, dir) == 0) { /* in the folder itself */
-    if (strcmp(base, "fsdp-train.lock") == 0)
-      st = err_set(STATUS_EINVAL, "%s '%s' is checkpoint.dir's lock file; name another file", what,
-                   path);
+    if (strcmp(base, "fsdp-train.lock") == 0 || strcmp(base, CKPT_ROLLBACK_JOURNAL) == 0)
+      st = err_set(STATUS_EINVAL, "%s '%s' is checkpoint.dir's %s; name another file", what, path,
+                   strcmp(base, CKPT_ROLLBACK_JOURNAL) == 0 ? "rollback journal" : "lock file");
     else if (step_folder_name(base, strlen(base)))
       st = err_set(STATUS_EINVAL,
                    "%s '%s' is named as checkpoint.dir's step folders are, which the run "

@@ -53,6 +53,7 @@ typedef struct run {
   int dp_size, dp_rank;
   int64_t start_step; /* steps already taken (resumed from a checkpoint) */
   char resumed_from[PLAN_PATH_MAX + 32];
+  char run_id[24]; /* this run's, recorded in its checkpoints' saved_under ("run") */
   dcp_stats_t load_stats;
   int64_t verified;    /* chunks checked against their checksums before loading (-1: not asked) */
   int64_t saved_batch; /* the global batch the resumed checkpoint was saved with; 0: unknown */

@@ -70,7 +70,8 @@ static void committed(train_saver_t *sv, const run_t *r, int64_t step) {
     int removed = 0;
     bool aside = sv->aside[0] != 0;
     if (aside) file_remove_tree(sv->aside);
-    if (ckpt_remove_newer(p->ckpt_dir, r->start_step, step, &removed) != STATUS_OK)
+    if (ckpt_remove_newer(p->ckpt_dir, r->start_step, step, &removed) != STATUS_OK ||
+        ckpt_rollback_end(p->ckpt_dir) != STATUS_OK) /* the journal goes last */
       fprintf(stderr, "%s: checkpoint.overwrite: %s\n", train_prog(), err_detail());
     if (removed > 0 || aside)
       fprintf(stderr,

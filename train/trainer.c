@@ -320,8 +320,10 @@ static fsdpc_status_t start(run_t *r) {
   int removed = 0;
   fsdpc_status_t st = world_rank() == 0 ? ckpt_remove_unfinished(p->ckpt_dir, &removed) : STATUS_OK;
   if (removed > 0)
-    fprintf(stderr, "%s: checkpoint.dir '%s': removed %d unfinished save%s (step-*.tmp)\n",
-            train_prog(), p->ckpt_dir, removed, removed == 1 ? "" : "s");
+    fprintf(stderr,
+            "%s: checkpoint.dir '%s': removed %d unfinished save%s or removal%s (step-*.tmp, "
+            "step-*.removing)\n",
+            train_prog(), p->ckpt_dir, removed, removed == 1 ? "" : "s", removed == 1 ? "" : "s");
   /* the folders checkpoint.overwrite moved aside for saves that never committed */
   int restored = 0, stale = 0;
   if (st == STATUS_OK && world_rank() == 0)
@@ -336,6 +338,22 @@ static fsdpc_status_t start(run_t *r) {
             "%s: checkpoint.dir '%s': removed %d step folder%s that checkpoint.overwrite had "
             "replaced (step-*.replaced-*)\n",
             train_prog(), p->ckpt_dir, stale, stale == 1 ? "" : "s");
+  /* a checkpoint.overwrite rollback a job began and did not end: finished where its first
+   * save committed, else undone */
+  bool found = false, finished = false;
+  int replaced = 0;
+  if (st == STATUS_OK && world_rank() == 0)
+    st = ckpt_rollback_settle(p->ckpt_dir, &found, &finished, &replaced);
+  if (found && finished)
+    fprintf(stderr,
+            "%s: checkpoint.dir '%s': finished the checkpoint.overwrite rollback a job stopped "
+            "in: removed the %d step folder%s it replaces\n",
+            train_prog(), p->ckpt_dir, replaced, replaced == 1 ? "" : "s");
+  else if (found)
+    fprintf(stderr,
+            "%s: checkpoint.dir '%s': a checkpoint.overwrite rollback a job stopped in had "
+            "saved nothing; the step folders are as they were\n",
+            train_prog(), p->ckpt_dir);
   return pg_agree(world_pg(), st);
 }
 
@@ -517,20 +535,23 @@ static fsdpc_status_t metrics_agree(const char *path, int err) {
  * commits) the fresh file is not renamed: its name goes into defer, the run appends to it, and
  * metrics_settle renames it once that save commits. NULL with errno set on failure. */
 static FILE *metrics_open(const char *path, int64_t start, char *defer, size_t defer_size) {
-  if (start == 0) return fopen(path, "w");
-  FILE *in = fopen(path, "r");
-  if (in == NULL) return errno == ENOENT ? fopen(path, "w") : NULL;
+  if (start == 0 && defer == NULL) return fopen(path, "w");
+  FILE *in = NULL;
+  if (start > 0 && (in = fopen(path, "r")) == NULL) {
+    if (errno != ENOENT) return NULL;
+    if (defer == NULL) return fopen(path, "w");
+  }
   char tmp[PLAN_PATH_MAX + 16];
   FILE *out = NULL;
   if (file_create_temp(path, tmp, sizeof tmp, &out) != STATUS_OK) {
-    fclose(in);
+    if (in != NULL) fclose(in);
     errno = EIO;
     return NULL;
   }
   char *line = NULL;
   size_t cap = 0;
   double last = 0; /* the last step kept */
-  while (out != NULL && getline(&line, &cap, in) > 0) {
+  while (in != NULL && out != NULL && getline(&line, &cap, in) > 0) {
     cJSON *o = cJSON_Parse(line);
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
     if (!cJSON_IsNumber(step) || step->valuedouble <= (double)start) fputs(line, out);
@@ -545,8 +566,8 @@ static FILE *metrics_open(const char *path, int64_t start, char *defer, size_t d
             "%s: warning: the metrics file '%s' ends at step %.0f; the lines of steps %.0f to "
             "%lld are missing (the run that saved them did not write them)\n",
             train_prog(), path, last, last + 1, (long long)start);
-  bool ok = out != NULL && !ferror(in) && fflush(out) == 0 && !ferror(out);
-  fclose(in);
+  bool ok = out != NULL && (in == NULL || !ferror(in)) && fflush(out) == 0 && !ferror(out);
+  if (in != NULL) fclose(in);
   if (out != NULL && fclose(out) != 0) ok = false;
   if (ok && defer != NULL) {
     snprintf(defer, defer_size, "%s", tmp);
@@ -572,6 +593,7 @@ static fsdpc_status_t saved_under(const run_t *r, char **out) {
   snprintf(seed, sizeof seed, "%llu", (unsigned long long)p->seed); /* exact, unlike a double */
   if (model != NULL && o != NULL && cJSON_AddStringToObject(o, "plan", p->source) &&
       cJSON_AddNumberToObject(o, "world_size", world_size()) &&
+      (!r->run_id[0] || cJSON_AddStringToObject(o, "run", r->run_id)) &&
       cJSON_AddNumberToObject(o, "dp_replicate", p->par.dp_replicate) &&
       cJSON_AddNumberToObject(o, "dp_shard", p->par.dp_shard) &&
       cJSON_AddNumberToObject(o, "tp", p->par.tp) &&
@@ -682,15 +704,34 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
   /* the profile leaves out the first two steps (allocation, first touch, warm-up), or only the
    * first in runs of fewer than four */
   L->profile_from = r->start_step + (p->steps - r->start_step >= 4 ? 2 : 1);
-  bool rollback = p->ckpt_dir[0] && p->ckpt_overwrite && r->start_step > 0;
+  /* a run of its own id in its checkpoints (a rollback's journal tells its saves from the
+   * history it replaces) */
+  snprintf(r->run_id, sizeof r->run_id, "%016llx", (unsigned long long)dcp_new_save_id());
+  /* checkpoint.overwrite with step folders after the start (a rollback, or a rerun from
+   * scratch): they, and the metrics file, stay as they were until its first save commits */
+  int newer = 0;
+  int64_t newest = -1;
+  if (L->lead && p->ckpt_dir[0] && p->ckpt_overwrite &&
+      ckpt_newer(p->ckpt_dir, r->start_step, r->start_step, &newer, &newest) != STATUS_OK)
+    newer = 0;
+  bool rollback = p->ckpt_dir[0] && p->ckpt_overwrite && (r->start_step > 0 || newer > 0);
   if (L->lead && L->mpath[0] &&
       (L->mf = metrics_open(L->mpath, r->start_step, rollback ? L->mtmp : NULL, sizeof L->mtmp)) ==
           NULL)
     L->bad = errno;
+  /* its journal: a job killed between its first save and the removal of the folders it
+   * replaces is finished by the next start, not left with both histories */
+  fsdpc_status_t jst = STATUS_OK;
+  if (L->lead && newer > 0) {
+    char *own = L->mtmp[0] ? realpath(L->mtmp, NULL) : NULL; /* found from any folder */
+    jst = ckpt_rollback_begin(p->ckpt_dir, r->start_step, r->run_id, own ? own : "");
+    free(own);
+  }
   /* unbuffered: a line that fails to be written is cut off the file (metrics_write), and no
    * buffered rest of it is written later */
   if (L->mf != NULL) setvbuf(L->mf, NULL, _IONBF, 0);
   fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
+  if (st == STATUS_OK) st = pg_agree(world_pg(), jst);
   if (st == STATUS_OK) {
     L->micro_loss = calloc((size_t)p->grad_accum, sizeof *L->micro_loss);
     if (L->micro_loss == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
@@ -1073,6 +1114,8 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
     err_set(st, "%s", why);
   }
   train_saver_free(&L->saver);
+  /* a rollback that committed nothing: its journal goes, the folders as they were */
+  if (L->lead && r->plan.ckpt_dir[0] && !L->saver.replaced) ckpt_rollback_end(r->plan.ckpt_dir);
   free(L->micro_loss);
   free(L->load);
   free(L->pp_peaks);

@@ -128,7 +128,7 @@ def ckpt_corrupt():
     check(p.returncode == 0 and "resumed from %s" % good in p.stdout and
           re.search(r"checkpoint\.load=auto: skipped the newer \S+step-00000009 \(no "
                     r"train_state\.json", p.stderr) is not None and
-          re.search(r"removed 1 unfinished save \(step-\*\.tmp\)", p.stderr) is not None and
+          re.search(r"removed 1 unfinished save or removal \(step-\*\.tmp, step-\*\.removing\)", p.stderr) is not None and
           not os.path.exists(os.path.join(ck, "step-00000011.tmp")),
           "load: auto resumes the newest complete checkpoint and names the newer one it "
           "skipped; the unfinished save is removed")

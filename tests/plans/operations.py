@@ -1,6 +1,7 @@
 """Final saves, signals, the time limit, the folder lock, refusals before the first step,
 links and outputs."""
 import glob
+import json
 import os
 import re
 import shutil
@@ -455,6 +456,20 @@ def operations():
           not [f for f in left if f.startswith("rollback.jsonl.")],
           "a checkpoint.overwrite rollback stopped before its first save leaves the metrics "
           "file's 8 lines and the folders as they were (%s)" % saved(rb))
+    # so does a rerun from scratch under checkpoint.overwrite (a bad token at step 1 here)
+    bad1 = os.path.join(tmp, "bad-step1.bin")
+    toks[2100], toks[10] = 7, 300
+    with open(bad1, "wb") as f:
+        f.write(struct.pack("<%dH" % len(toks), *toks))
+    p, _ = run(1, [debug, "--set", "train.steps=8", "--set", "checkpoint.dir=" + rb, "--set",
+                   "checkpoint.overwrite=true", "--set", "data.path=" + bad1, "--set",
+                   "data.format=u16", "--metrics", rm])
+    check(p.returncode == 1 and open(rm).read() == before and
+          saved(rb) == ["step-00000004", "step-00000008"] and
+          not [f for f in os.listdir(tmp) if f.startswith("rollback.jsonl.")] and
+          not os.path.exists(os.path.join(rb, "fsdp-train.rollback")),
+          "a rerun from scratch under checkpoint.overwrite stopped before its first save leaves "
+          "the metrics file and the folders as they were (%s)" % saved(rb))
     # an asynchronous save in flight when every rank stops alike (a non-finite step 7 here)
     # commits, as it would have without checkpoint.async; the folder checkpoint.overwrite moved
     # aside for it is not left behind
@@ -471,6 +486,45 @@ def operations():
           and saved(nf) == ["step-%08d" % k for k in range(1, 7)],
           "an asynchronous save in flight at a non-finite step commits; nothing is left moved "
           "aside (%s)" % saved(nf))
+    # a rollback killed after its first save committed, before the history it replaces was
+    # removed (journal fsdp-train.rollback left, old step folders back in place): the next
+    # start finishes it; one that committed nothing is undone; a removal cut short
+    # (step-N.removing) is removed. Built from a finished rollback of steps 4 -> 6 (the old
+    # steps 7 and 8 copied back, the journal written as the killed job left it).
+    rj = os.path.join(tmp, "rollback-journal")
+    run(1, [debug, "--set", "train.steps=8", "--set", "checkpoint.interval=1", "--set",
+            "checkpoint.dir=" + rj])
+    old = os.path.join(tmp, "rollback-journal-old")
+    os.makedirs(old)
+    for k in (7, 8):
+        shutil.copytree(os.path.join(rj, "step-%08d" % k), os.path.join(old, "step-%08d" % k))
+    roll = ["--set", "checkpoint.dir=" + rj, "--set", "checkpoint.interval=1", "--set",
+            "checkpoint.overwrite=true", "--set", "optim.lr=1.0e-3"]
+    p1, _ = run(1, [debug, "--set", "train.steps=6", "--set",
+                    "checkpoint.load=" + os.path.join(rj, "step-00000004")] + roll)
+    with open(os.path.join(rj, "step-00000005", "train_state.json")) as f:
+        rid = json.load(f)["saved_under"].get("run", "")
+    for k in (7, 8):
+        shutil.copytree(os.path.join(old, "step-%08d" % k), os.path.join(rj, "step-%08d" % k))
+    os.makedirs(os.path.join(rj, "step-00000002.removing", "model"))
+    journal = os.path.join(rj, "fsdp-train.rollback")
+    with open(journal, "w") as f:
+        json.dump({"after": 4, "run": rid, "own_file": ""}, f)
+    p, _ = run(1, [debug, "--set", "train.steps=6", "--set", "checkpoint.load=auto"] + roll)
+    check(p1.returncode == 0 and len(rid) == 16 and p.returncode == 0 and
+          "finished the checkpoint.overwrite rollback a job stopped in: removed the 2 step "
+          "folders it replaces" in p.stderr and "removed 1 unfinished save or removal" in p.stderr
+          and "checkpoint is after step 6" in p.stdout and
+          saved(rj) == ["step-%08d" % k for k in range(1, 7)] and not os.path.exists(journal),
+          "a rollback killed between its first save and the removal of what it replaces is "
+          "finished by the next start (%s; %s)" % (saved(rj), p.stderr.strip()[-200:]))
+    with open(journal, "w") as f:
+        json.dump({"after": 4, "run": "0123456789abcdef", "own_file": ""}, f)
+    p, _ = run(1, [debug, "--set", "train.steps=6", "--set", "checkpoint.load=auto"] + roll)
+    check(p.returncode == 0 and "had saved nothing; the step folders are as they were" in
+          p.stderr and saved(rj) == ["step-%08d" % k for k in range(1, 7)] and
+          not os.path.exists(journal),
+          "a rollback that committed nothing is undone by the next start (%s)" % saved(rj))
     # a job killed while such a save was in flight: the next start puts the folder moved aside
     # back, or removes it when its replacement committed
     os.rename(os.path.join(nf, "step-00000006"), os.path.join(nf, "step-00000006.replaced-4242"))
