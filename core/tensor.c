@@ -273,10 +273,14 @@ fsdpc_status_t tensor_narrow(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, int
     return err_set(STATUS_EINVAL, "narrow: dimension %d out of range for shape %s", dim,
                    tensor_shape_str(src->ndim, src->shape, a, sizeof a));
   if (start < 0 || length < 0 || start > src->shape[dim] - length) /* no overflow */
-    return err_set(STATUS_ESHAPE,
-                   "narrow: %lld elements from %lld outside dimension %d of shape %s",
-                   (long long)length, (long long)start, dim,
-                   tensor_shape_str(src->ndim, src->shape, a, sizeof a));
+    return start >= 0 && length >= 0 && length <= INT64_MAX - start
+               ? err_set(STATUS_ESHAPE, "narrow: [%lld, %lld) outside dimension %d of shape %s",
+                         (long long)start, (long long)(start + length), dim,
+                         tensor_shape_str(src->ndim, src->shape, a, sizeof a))
+               : err_set(STATUS_ESHAPE,
+                         "narrow: %lld elements from %lld outside dimension %d of shape %s",
+                         (long long)length, (long long)start, dim,
+                         tensor_shape_str(src->ndim, src->shape, a, sizeof a));
   fsdpc_tensor_t v = *src;
   v.shape[dim] = length;
   if (tensor_numel(&v) == 0) {
