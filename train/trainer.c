@@ -714,7 +714,7 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
   if (L->lead && p->ckpt_dir[0] && p->ckpt_overwrite &&
       ckpt_newer(p->ckpt_dir, r->start_step, r->start_step, &newer, &newest) != STATUS_OK)
     newer = 0;
-  bool rollback = p->ckpt_dir[0] && p->ckpt_overwrite && (r->start_step > 0 || newer > 0);
+  bool rollback = newer > 0; /* (rank 0's: the metrics file and the journal are its) */
   if (L->lead && L->mpath[0] &&
       (L->mf = metrics_open(L->mpath, r->start_step, rollback ? L->mtmp : NULL, sizeof L->mtmp)) ==
           NULL)
