@@ -122,10 +122,8 @@ fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *co
   return STATUS_OK;
 }
 
-/* Removes root's entry `name`; a complete checkpoint loses its train_state.json first, so a
- * half-removed one is never taken for complete. */
-static fsdpc_status_t remove_entry(const char *root, const char *name, ckpt_step_kind_t kind) {
-  (void)kind;
+/* Removes root's entry `name`, renamed NAME.removing first (see below). */
+static fsdpc_status_t remove_entry(const char *root, const char *name) {
   char path[PATH_LEN], gone[PATH_LEN + 16];
   FSDPC_TRY(file_join(path, sizeof path, root, name)); /* never a shortened path: another file */
   int n = snprintf(gone, sizeof gone, "%s" REMOVING, path);
@@ -182,7 +180,7 @@ static fsdpc_status_t remove_step(void *ctx, const char *name, int64_t s, ckpt_s
               : r->mode == REMOVE_AFTER ? kind != CKPT_STEP_TMP && s > r->after && s != r->keep
                                         : kind == CKPT_STEP_COMPLETE && s <= r->after;
   if (!take) return STATUS_OK;
-  FSDPC_TRY(remove_entry(r->root, name, kind));
+  FSDPC_TRY(remove_entry(r->root, name));
   r->removed++;
   return STATUS_OK;
 }
@@ -349,7 +347,7 @@ static fsdpc_status_t remove_replaced(void *ctx, const char *name, int64_t s,
   char run[64];
   run_of(t->root, name, run, sizeof run);
   if (kind == CKPT_STEP_COMPLETE && strcmp(run, t->run) == 0) return STATUS_OK; /* the run's */
-  FSDPC_TRY(remove_entry(t->root, name, kind));
+  FSDPC_TRY(remove_entry(t->root, name));
   t->removed++;
   return STATUS_OK;
 }

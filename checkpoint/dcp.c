@@ -86,11 +86,9 @@ uint64_t dcp_block_bytes(void) { return g_block_bytes; }
 /* Appends the block hashes of a contiguous tensor's bytes, wherever it lives, to h. */
 static fsdpc_status_t hash_blocks(const char *name, const fsdpc_tensor_t *t, uint64_t block,
                                   uint64_t *h) {
-  if (tensor_is_meta(t))
-    return err_set(STATUS_EINVAL,
-                   "checkpoint: tensor '%s' is meta: no values to save (a model built for "
-                   "deferred initialisation: nn_module_materialize and initialise it first)",
-                   name);
+  char what[160];
+  snprintf(what, sizeof what, "checkpoint: tensor '%.120s'", name);
+  FSDPC_TRY(tensor_check_memory(what, t)); /* a meta model's: no values to save */
   fsdpc_tensor_t host = {0};
   const fsdpc_tensor_t *src = t;
   if (t->device.type != DEVICE_CPU || !tensor_is_contiguous(t)) {

@@ -36,9 +36,7 @@ struct mesh {
 static void root_release(mesh_root_t *root) {
   if (root == NULL || --root->refcount > 0) return;
   pg_release(root->all);
-  int finalized = 0;
-  MPI_Finalized(&finalized); /* freed after world_finalize: the memory alone */
-  if (!finalized) MPI_Comm_free(&root->comm);
+  pg_comm_free(&root->comm);
   free(root);
 }
 

@@ -127,8 +127,14 @@ void pg_release(pg_t *pg) {
   int finalized = 0;
   MPI_Finalized(&finalized); /* a group freed after world_finalize: its memory alone */
   if (!finalized && pg->ops->destroy) pg->ops->destroy(pg);
-  if (!finalized) MPI_Comm_free(&pg->comm);
+  pg_comm_free(&pg->comm);
   free(pg);
+}
+
+void pg_comm_free(MPI_Comm *comm) {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Comm_free(comm);
 }
 
 int pg_rank(const pg_t *pg) {

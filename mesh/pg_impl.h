@@ -83,6 +83,10 @@ fsdpc_status_t pg_new_planned(int size, int rank, device_t dev, pg_t **out);
 /* Maps an MPI return code into a status with the failing call named. */
 fsdpc_status_t pg_mpi_status(int rc, const char *what);
 
+/* Frees comm, unless MPI has been finalized (a group or mesh freed after world_finalize: its
+ * memory alone is freed, where MPI would abort). */
+void pg_comm_free(MPI_Comm *comm);
+
 /* Allocates a group with a duplicate of comm and fills rank and size; the backend fills the
  * rest. */
 fsdpc_status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out);
