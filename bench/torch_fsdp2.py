@@ -39,15 +39,19 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from fsdpc_version import version
+
+if "--version" in sys.argv[1:]:  # answered without torch, as the other scripts do
+    print(version() % {"prog": os.path.basename(sys.argv[0])})
+    sys.exit(0)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                                 "reference"))
 from torch_models import CausalLM  # noqa: E402
-
-from fsdpc_version import version
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 

@@ -294,6 +294,31 @@ static void opened_close(opened_t *c) {
   dcp_reader_close(c->ro);
 }
 
+/* A step folder's name (step-NNNNNNNN, as fsdp-train writes it) against the step its state
+ * records: load: auto, checkpoint.keep and the rollbacks go by the name, a load by the state,
+ * so a folder renamed or copied over another step's name is refused. */
+static fsdpc_status_t check_step_name(const char *dir, const char *path, const cJSON *o) {
+  const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
+  size_t n = strlen(dir);
+  while (n > 1 && dir[n - 1] == '/') n--;
+  size_t b = n;
+  while (b > 0 && dir[b - 1] != '/') b--;
+  char base[64], canon[64];
+  if (!cJSON_IsNumber(s) || n - b >= sizeof base) return STATUS_OK;
+  memcpy(base, dir + b, n - b);
+  base[n - b] = 0;
+  long long named;
+  char tail;
+  if (sscanf(base, "step-%lld%c", &named, &tail) != 1 || named < 0) return STATUS_OK;
+  snprintf(canon, sizeof canon, "step-%08lld", named);
+  if (strcmp(canon, base) != 0 || (double)named == s->valuedouble) return STATUS_OK;
+  return err_set(STATUS_EFORMAT,
+                 "%s records step %.0f, but its folder is named for step %lld (renamed, or "
+                 "copied over another step's name?): checkpoint.load: auto and checkpoint.keep "
+                 "go by the name, a resume by the file; name the folder step-%08.0f",
+                 path, s->valuedouble, named, s->valuedouble);
+}
+
 static fsdpc_status_t opened_open(const char *dir, opened_t *c) {
   memset(c, 0, sizeof *c);
   FSDPC_TRY(file_join(c->model, sizeof c->model, dir, "model"));
@@ -302,6 +327,7 @@ static fsdpc_status_t opened_open(const char *dir, opened_t *c) {
   if (st == STATUS_OK) st = open_if_any(c->model, &c->rm);
   if (st == STATUS_OK) st = open_if_any(c->optim, &c->ro);
   if (st == STATUS_OK) st = check_state(c->path, c->model, c->optim, c->state, c->rm, c->ro);
+  if (st == STATUS_OK) st = check_step_name(dir, c->path, c->state);
   if (st != STATUS_OK) opened_close(c);
   return st;
 }

@@ -451,14 +451,20 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
         return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
       return STATUS_OK;
     }
-    if (v == 0 || pr_is_null(c, v)) {
+    if (v == 0 || pr_is_null(c, v)) { /* a new mapping: for the key given null, or added */
+      int had = v;
       v = yaml_document_add_mapping(&c->doc, NULL, YAML_BLOCK_MAPPING_STYLE);
-      int k = add_scalar(c, part, set);
       if (v && v - c->set_base < MAX_SETS) {
         c->set_of[v - c->set_base] = set;
         if (v - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = v - c->set_base + 1;
       }
-      if (!v || !k || !yaml_document_append_mapping_pair(&c->doc, cur, k, v))
+      if (!v) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+      yaml_node_t *m = pr_node(c, cur);
+      for (yaml_node_pair_t *a = m->data.mapping.pairs.start; had && a < m->data.mapping.pairs.top;
+           a++)
+        if (a->value == had) a->value = v;
+      int k = had ? 1 : add_scalar(c, part, set);
+      if (!k || (!had && !yaml_document_append_mapping_pair(&c->doc, cur, k, v)))
         return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
     }
     cur = v;

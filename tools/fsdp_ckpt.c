@@ -179,6 +179,35 @@ static fsdpc_status_t inspect_run(const char *dir, bool *listed) {
   return st;
 }
 
+/* A run's checkpoint.dir given where one checkpoint is wanted: refused, naming its newest
+ * complete step folder. */
+static fsdpc_status_t refuse_run_folder(const char *dir, const char *cmd) {
+  char own[PATH_LEN + 32];
+  FSDPC_TRY(file_join(own, sizeof own, dir, "train_state.json"));
+  if (access(own, F_OK) == 0) return STATUS_OK;
+  run_steps_t l = {NULL, 0};
+  fsdpc_status_t st = ckpt_scan_steps(dir, add_run_step, &l);
+  const char *newest = NULL;
+  int64_t best = -1;
+  for (int i = 0; st == STATUS_OK && i < l.n; i++)
+    if (l.v[i].kind == CKPT_STEP_COMPLETE && l.v[i].step > best) {
+      best = l.v[i].step;
+      newest = l.v[i].name;
+    }
+  if (st == STATUS_OK && l.n > 0 && newest != NULL)
+    st = err_set(STATUS_EINVAL,
+                 "%s is a run's checkpoint folder (%d step folder%s): %s takes one checkpoint, "
+                 "such as its newest complete one, %s/%s (fsdp-ckpt inspect %s lists them)",
+                 dir, l.n, l.n == 1 ? "" : "s", cmd, dir, newest, dir);
+  else if (st == STATUS_OK && l.n > 0)
+    st = err_set(STATUS_EINVAL,
+                 "%s is a run's checkpoint folder with no complete checkpoint (fsdp-ckpt inspect "
+                 "%s lists its step folders): %s takes one checkpoint",
+                 dir, dir, cmd);
+  free(l.v);
+  return st;
+}
+
 static fsdpc_status_t inspect(const char *dir) {
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   char own[PATH_LEN + 32];
@@ -254,6 +283,7 @@ static fsdpc_status_t verify_folder(const char *dir, int *checked, int *unchecke
  * every block once, checking it: what a load checks of the blocks it reads, over all of them. */
 static fsdpc_status_t verify(const char *dir) {
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  FSDPC_TRY(refuse_run_folder(dir, "verify"));
   FSDPC_TRY(check_state(dir));
   char model[PATH_LEN], optim[PATH_LEN], state[PATH_LEN + 32];
   FSDPC_TRY(model_folder(dir, model, sizeof model));
@@ -274,12 +304,11 @@ static fsdpc_status_t verify(const char *dir) {
   return STATUS_OK;
 }
 
-/* ---- export-hf ---- */
-
 /* ---- export-hf, import-hf ---- */
 
 static fsdpc_status_t export_hf(const char *dir, const char *out, const hf_export_opts_t *o) {
   hf_report_t rep;
+  if (file_is_dir(dir)) FSDPC_TRY(refuse_run_folder(dir, "export-hf"));
   fsdpc_status_t st = ckpt_export_hf(dir, out, o, &rep);
   if (rep.unchecked)
     printf("%s has no checksums (written by another tool): what is read from it is unchecked\n",
@@ -396,13 +425,14 @@ static char *reshard_record(const fsdpc_plan_t *p, const reshard_opts_t *o, cons
   cJSON_AddStringToObject(nu, "resharded_from", dir);
   if (config) cJSON_AddItemToObject(nu, "model", cJSON_Parse(config));
   /* the training run's own record, which a resume compares with its plan's (another global
-   * batch or data order is warned of): the source's, unchanged by a new layout */
+   * batch, data order or learning-rate schedule is warned of): the source's, unchanged by a
+   * new layout */
   char *text = NULL;
   cJSON *src = ckpt_state_text(dir, &text) == STATUS_OK && text ? cJSON_Parse(text) : NULL;
   free(text);
   const cJSON *was = cJSON_GetObjectItemCaseSensitive(src, "saved_under");
-  const char *kept[2] = {"global_batch", "data_order"};
-  for (int k = 0; k < 2 && cJSON_IsObject(was); k++) {
+  const char *kept[3] = {"global_batch", "data_order", "schedule"};
+  for (int k = 0; k < 3 && cJSON_IsObject(was); k++) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(was, kept[k]);
     if (v != NULL) cJSON_AddItemToObject(nu, kept[k], cJSON_Duplicate(v, true));
   }
@@ -418,6 +448,7 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
   FSDPC_TRY(plan_load(&p, o->config, o->sets, o->n_sets));
   FSDPC_TRY(reshard_world(&p, o, &world));
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
+  FSDPC_TRY(refuse_run_folder(dir, "reshard"));
   char state[PATH_LEN + 32], *config = NULL;
   FSDPC_TRY(file_join(state, sizeof state, dir, "train_state.json"));
   if (access(state, F_OK) != 0)
@@ -550,19 +581,32 @@ static fsdpc_status_t export_command(int argc, char **argv) {
   return export_hf(pos[0], pos[1], &o);
 }
 
+/* A command of folders alone (inspect, verify, import-hf): its arguments, none an option. */
+static fsdpc_status_t folders_only(int argc, char **argv, int want, const char *takes) {
+  for (int i = 2; i < argc; i++)
+    if (argv[i][0] == '-' && argv[i][1] != 0)
+      return err_set(STATUS_EINVAL, "%s: unknown option '%s' (it takes %s)", argv[1], argv[i],
+                     takes);
+  if (argc - 2 != want)
+    return err_set(STATUS_EINVAL, "%s takes %s, got %d argument%s", argv[1], takes, argc - 2,
+                   argc - 2 == 1 ? "" : "s");
+  return STATUS_OK;
+}
+
 static fsdpc_status_t run(int argc, char **argv) {
-  if (argc < 3) return err_set(STATUS_EINVAL, "missing a command and its folders");
+  if (argc < 2) return err_set(STATUS_EINVAL, "missing a command and its folders");
   const char *cmd = argv[1];
+  if (cmd[0] == '-' && cmd[1] != 0) return err_set(STATUS_EINVAL, "unknown option '%s'", cmd);
   if (strcmp(cmd, "inspect") == 0) {
-    if (argc != 3) return err_set(STATUS_EINVAL, "inspect takes one folder");
+    FSDPC_TRY(folders_only(argc, argv, 1, "one folder"));
     return inspect(argv[2]);
   }
   if (strcmp(cmd, "verify") == 0) {
-    if (argc != 3) return err_set(STATUS_EINVAL, "verify takes one folder");
+    FSDPC_TRY(folders_only(argc, argv, 1, "one folder"));
     return verify(argv[2]);
   }
   if (strcmp(cmd, "import-hf") == 0) {
-    if (argc != 4) return err_set(STATUS_EINVAL, "import-hf takes HFDIR OUT");
+    FSDPC_TRY(folders_only(argc, argv, 2, "HFDIR OUT"));
     return import_hf(argv[2], argv[3]);
   }
   if (strcmp(cmd, "reshard") == 0) return reshard_command(argc, argv);
@@ -588,7 +632,8 @@ int main(int argc, char **argv) {
   if (st != STATUS_OK) {
     fprintf(stderr, "fsdp-ckpt: %s\n", err_detail());
     if (strncmp(err_detail(), "missing a command", 17) == 0 ||
-        strncmp(err_detail(), "unknown command", 15) == 0)
+        strncmp(err_detail(), "unknown command", 15) == 0 ||
+        strncmp(err_detail(), "unknown option", 14) == 0)
       usage(stderr);
   }
   world_finalize();

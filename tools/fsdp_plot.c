@@ -20,7 +20,8 @@ static void usage(FILE *f) {
           "usage: fsdp-plot METRICS.jsonl... -o OUT.svg\n"
           "       fsdp-plot --help | --version\n"
           "  draws loss, learning rate, gradient norm and tokens/s against step from the\n"
-          "  files fsdp-train --metrics writes, the runs overlaid with a legend\n");
+          "  files fsdp-train --metrics writes, the runs overlaid with a legend\n"
+          "  (-o OUT.svg: also --output OUT.svg or --output=OUT.svg)\n");
 }
 
 int main(int argc, char **argv) {

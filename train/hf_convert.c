@@ -164,6 +164,27 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
     if (given == NULL) return err_set(STATUS_EFORMAT, "%s: not valid JSON", o->config);
     config = given;
     snprintf(origin, sizeof origin, "%s", o->config);
+    /* transformers finds a model by its config's model_type; the checkpoint's own record
+     * says which model its tensors are */
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(given, "model_type");
+    fsdpc_status_t st = STATUS_OK;
+    if (!cJSON_IsString(type) || !type->valuestring[0])
+      st = err_set(STATUS_EINVAL,
+                   "--config %s: no model_type: not a Hugging Face model config (the "
+                   "config.json of the model, as transformers writes it)",
+                   o->config);
+    if (st == STATUS_OK) st = read_state(dir, &state);
+    llama_arch_t was = arch_of(recorded_model(state));
+    if (st == STATUS_OK && was != LLAMA_ARCH_COUNT && arch_of(given) != was)
+      st = err_set(STATUS_EINVAL,
+                   "--config %s: model_type '%s', but the checkpoint's tensors are a %s model's "
+                   "(saved_under.model in its train_state.json): give that model's config",
+                   o->config, type->valuestring, llama_arch_name(was));
+    if (st != STATUS_OK) {
+      cJSON_Delete(given);
+      cJSON_Delete(state);
+      return st;
+    }
   } else {
     FSDPC_TRY(read_state(dir, &state));
     config = recorded_model(state);

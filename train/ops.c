@@ -391,9 +391,7 @@ fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
       {"vocab_size", (double)c.vocab_size, (double)m->vocab_size},
       {"tie_embeddings", c.tie_embeddings, m->tie_embeddings},
       {"rope_theta", c.rope.theta, m->rope.theta},
-      {"rope_scaling (type)", (double)c.rope.scaling, (double)m->rope.scaling},
-      {"rope_scaling (factor)", c.rope.factor, m->rope.factor},
-      {"norm_eps", c.norm_eps, m->norm_eps},
+      {"norm_eps", c.norm_eps, m->norm_eps}, /* RoPE's scaling, below: no plan key */
   };
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
     double a = keys[i].saved, b = keys[i].plan;

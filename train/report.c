@@ -22,10 +22,10 @@ static const char *dt_str(dtype_t d) { return d == DTYPE_COUNT ? "own" : dtype_n
 
 void train_data_order(bool shuffle, uint64_t seed, int64_t seq_len, char *buf, size_t n) {
   if (shuffle)
-    snprintf(buf, n, "shuffled by train.seed %llu, samples of %lld tokens",
-             (unsigned long long)seed, (long long)(seq_len + 1));
+    snprintf(buf, n, "shuffled by train.seed %llu, samples of data.seq_len %lld",
+             (unsigned long long)seed, (long long)seq_len);
   else
-    snprintf(buf, n, "in file order, samples of %lld tokens", (long long)(seq_len + 1));
+    snprintf(buf, n, "in file order, samples of data.seq_len %lld", (long long)seq_len);
 }
 
 void train_mib(char *buf, size_t n, double bytes) {
@@ -270,19 +270,21 @@ static void header_data(const run_t *r) {
     if (p->eval_interval > 0)
       snprintf(every, sizeof every, "every %lld steps and ", (long long)p->eval_interval);
     printf(
-        "  eval: %s (%lld tokens), %lld global batches of %lld x %lld samples %safter the last "
-        "step\n",
+        "  eval: %s (%lld tokens), %lld global batches of %lld samples (%lld x %lld micro-batches "
+        "x %lld data-parallel ranks) %safter the last step\n",
         p->eval_path, (long long)data_num_tokens(r->eval), (long long)p->eval_batches,
-        (long long)p->eval_batch_size, (long long)r->dp_size, every);
-    double reads =
-        (double)p->eval_batches * (double)(p->eval_batch_size * r->dp_size) * (double)p->seq_len;
+        (long long)(p->eval_batch_size * p->grad_accum * r->dp_size), (long long)p->eval_batch_size,
+        (long long)p->grad_accum, (long long)r->dp_size, every);
+    double reads = (double)p->eval_batches * (double)p->grad_accum *
+                   (double)(p->eval_batch_size * r->dp_size) * (double)p->seq_len;
     if (reads > (double)data_num_tokens(r->eval))
       printf("  eval: note: its batches read %.0f tokens, more than it holds: samples repeat\n",
              reads);
   }
 }
 
-/* Warnings when a resumed run reads the data in another order than the run it resumes. */
+/* Warnings when a resumed run reads the data in another order, or follows another
+ * learning-rate schedule, than the run it resumes. */
 static void header_order_warnings(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   if (r->saved_batch > 0 && r->saved_batch != train_global_batch(r))
@@ -298,6 +300,26 @@ static void header_order_warnings(const run_t *r) {
             "%s: warning: %s was trained on data of %lld tokens, this run's data.path holds "
             "%lld: from here its steps read other samples than the run it resumes would have\n",
             train_prog(), r->resumed_from, (long long)r->saved_tokens, (long long)tokens);
+  const saved_schedule_t *was = &r->saved_schedule;
+  if (was->total_steps > 0 && r->start_step < p->steps &&
+      (was->total_steps != p->steps || was->warmup_steps != p->warmup_steps ||
+       was->min_ratio != p->min_lr_ratio || was->lr != p->optim.lr)) {
+    lr_schedule_t then = {.warmup_steps = was->warmup_steps,
+                          .total_steps = was->total_steps,
+                          .min_ratio = was->min_ratio};
+    lr_schedule_t now = {
+        .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
+    int64_t at = r->start_step; /* the first step this run takes, 0-based */
+    fprintf(stderr,
+            "%s: warning: %s was trained under another learning-rate schedule (train.steps "
+            "%lld, schedule.warmup_steps %lld, schedule.min_lr_ratio %g, optim.lr %g; this "
+            "run's: %lld, %lld, %g, %g): from step %lld the learning rate follows this run's, "
+            "%.4g where the saved run's would be %.4g\n",
+            train_prog(), r->resumed_from, (long long)was->total_steps,
+            (long long)was->warmup_steps, was->min_ratio, was->lr, (long long)p->steps,
+            (long long)p->warmup_steps, p->min_lr_ratio, p->optim.lr, (long long)at + 1,
+            p->optim.lr * lr_schedule_factor(&now, at), was->lr * lr_schedule_factor(&then, at));
+  }
   char order[sizeof r->saved_order];
   train_data_order(p->shuffle, p->seed, p->seq_len, order, sizeof order);
   if (r->saved_order[0] && strcmp(r->saved_order, order) != 0)

@@ -27,6 +27,12 @@ typedef struct args {
   int ranks_per_node; /* --ranks-per-node M (with --world): 8, or N when fewer */
 } args_t;
 
+/* The learning-rate schedule a checkpoint's run trained under (saved_under.schedule). */
+typedef struct saved_schedule {
+  int64_t total_steps, warmup_steps; /* train.steps, schedule.warmup_steps */
+  double min_ratio, lr;              /* schedule.min_lr_ratio, optim.lr */
+} saved_schedule_t;
+
 typedef struct run {
   fsdpc_plan_t plan;
   args_t args;
@@ -60,6 +66,7 @@ typedef struct run {
   int64_t saved_tokens; /* the tokens of the data it was trained on; 0: unknown */
   /* train_data_order of the resumed checkpoint's run; "": unknown */
   char saved_order[96];
+  saved_schedule_t saved_schedule; /* its learning-rate schedule; total_steps 0: unknown */
   char *settings;  /* the plan's settings text (plan_load_settings) */
   int lock_fd;     /* checkpoint.dir's lock (rank 0), or -1 */
   int stopped_by;  /* a signal stopped the run at a step boundary, or 0 */

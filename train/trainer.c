@@ -43,8 +43,18 @@ static void usage(FILE *f) {
           "usage: %s CONFIG.yaml [--set key.path=value]... [--metrics PATH] [--plot OUT.svg]\n"
           "       %*s [--dry-run [-v] [--world N [--ranks-per-node M]]]\n"
           "       %s --help | --version\n"
-          "  under mpirun -n N for N ranks; the plan's mesh must multiply to N\n",
+          "  under mpirun -n N for N ranks; the plan's mesh must multiply to N;\n"
+          "  --set=, --metrics= and --plot= take the value after '='; -v is --verbose\n",
           train_prog(), (int)strlen(train_prog()), "", train_prog());
+}
+
+/* An option given at most once (the run writes one metrics file, one plot). */
+static fsdpc_status_t once(const char **slot, const char *opt, const char *value) {
+  if (*slot != NULL)
+    return err_set(STATUS_EINVAL, "%s given twice ('%s' and '%s'): a run writes one", opt, *slot,
+                   value);
+  *slot = value;
+  return STATUS_OK;
 }
 
 static fsdpc_status_t parse_args(int argc, char **argv, args_t *a) {
@@ -56,18 +66,16 @@ static fsdpc_status_t parse_args(int argc, char **argv, args_t *a) {
       if (s[2] == 's') {
         if (a->n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set options");
         a->sets[a->n_sets++] = argv[++i];
-      } else if (s[2] == 'p') {
-        a->plot = argv[++i];
       } else {
-        a->metrics = argv[++i];
+        FSDPC_TRY(once(s[2] == 'p' ? &a->plot : &a->metrics, s, argv[++i]));
       }
     } else if (strncmp(s, "--set=", 6) == 0) {
       if (a->n_sets == 256) return err_set(STATUS_EINVAL, "more than 256 --set options");
       a->sets[a->n_sets++] = s + 6;
     } else if (strncmp(s, "--metrics=", 10) == 0) {
-      a->metrics = s + 10;
+      FSDPC_TRY(once(&a->metrics, "--metrics", s + 10));
     } else if (strncmp(s, "--plot=", 7) == 0) {
-      a->plot = s + 7;
+      FSDPC_TRY(once(&a->plot, "--plot", s + 7));
     } else if (strcmp(s, "--world") == 0 || strcmp(s, "--ranks-per-node") == 0) {
       int *dst = s[2] == 'w' ? &a->world : &a->ranks_per_node;
       char *end = NULL;
@@ -127,18 +135,25 @@ static fsdpc_status_t open_data(run_t *r) {
   return open_tokens(r, p->eval_path, p->eval_format, &p->eval_where, "eval.path", &r->eval);
 }
 
-/* The mean loss over eval.batches global batches of eval.batch_size samples a data-parallel
- * rank, of eval.path (the same batches every time, in the training data's order), without
- * gradients; then every unit's parameters are released (the root keeps them gathered after a
- * forward, for the backward that would follow). Collective over the world. */
+/* The forwards of an evaluation: eval.batches global batches, each of grad_accum forwards of
+ * eval.batch_size samples on every data-parallel rank, as a step's micro-batches (with the
+ * default eval.batch_size, data.batch_size, a global batch is the training's: every plan of
+ * one global batch evaluates the same samples). Forward f reads the samples of global
+ * micro-batch f of eval.path (train_eval_batch takes one micro-batch of a step f). */
+static int64_t eval_forwards(const fsdpc_plan_t *p) { return p->eval_batches * p->grad_accum; }
+
+/* The mean loss over eval_forwards of eval.path (the same samples every time, in the training
+ * data's order), without gradients; then every unit's parameters are released (the root keeps
+ * them gathered after a forward, for the backward that would follow). Collective over the
+ * world. */
 static fsdpc_status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) {
   double sum = 0, l = 0;
   fsdpc_status_t st = STATUS_OK;
   data_spec_t one = *spec;
-  one.batch_size = r->plan.eval_batch_size; /* train_eval_batch takes one micro-batch */
-  for (int64_t b = 0; b < r->plan.eval_batches && st == STATUS_OK; b++) {
-    st = r->pp_sched != NULL ? train_pp_eval_batch(r, &one, b, &l)
-                             : train_eval_batch(r->root, r->dev, r->eval, &one, b, &l);
+  one.batch_size = r->plan.eval_batch_size;
+  for (int64_t f = 0; f < eval_forwards(&r->plan) && st == STATUS_OK; f++) {
+    st = r->pp_sched != NULL ? train_pp_eval_batch(r, &one, f, &l)
+                             : train_eval_batch(r->root, r->dev, r->eval, &one, f, &l);
     sum += l;
   }
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);
@@ -146,7 +161,7 @@ static fsdpc_status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) 
   double all = 0;
   FSDPC_TRY(pg_host_all_reduce(world_pg(), &sum, &all, 1, PG_HOST_F64, REDUCE_SUM));
   /* every rank's tokens count the same; the ranks of one tp group hold the same loss */
-  *loss = all / (double)world_size() / (double)r->plan.eval_batches;
+  *loss = all / (double)world_size() / (double)eval_forwards(&r->plan);
   return STATUS_OK;
 }
 
@@ -182,13 +197,14 @@ static fsdpc_status_t optim_for_rank(run_t *r) {
 }
 
 /* What dir's train_state.json (saved_under) records of the run that saved it: its global
- * batch, its data's tokens (0 when unknown) and its data order (train_data_order; "" when
- * unknown). */
-static void read_saved_run(const char *dir, int64_t *batch, int64_t *tokens, char *order,
-                           size_t n) {
+ * batch, its data's tokens (0 when unknown), its data order (train_data_order; "" when
+ * unknown) and its learning-rate schedule (sched->total_steps 0 when unknown). */
+static void read_saved_run(const char *dir, int64_t *batch, int64_t *tokens, char *order, size_t n,
+                           saved_schedule_t *sched) {
   char *text = NULL;
   *batch = *tokens = 0;
   order[0] = 0;
+  memset(sched, 0, sizeof *sched);
   if (ckpt_state_text(dir, &text) != STATUS_OK) err_clear();
   if (text == NULL) return;
   cJSON *o = cJSON_Parse(text);
@@ -202,6 +218,18 @@ static void read_saved_run(const char *dir, int64_t *batch, int64_t *tokens, cha
   const cJSON *seq = cJSON_GetObjectItemCaseSensitive(d, "seq_len");
   const cJSON *toks = cJSON_GetObjectItemCaseSensitive(d, "tokens");
   if (cJSON_IsNumber(toks) && toks->valuedouble >= 1) *tokens = (int64_t)toks->valuedouble;
+  const cJSON *sc = cJSON_GetObjectItemCaseSensitive(under, "schedule");
+  const cJSON *steps = cJSON_GetObjectItemCaseSensitive(sc, "steps");
+  const cJSON *warm = cJSON_GetObjectItemCaseSensitive(sc, "warmup_steps");
+  const cJSON *ratio = cJSON_GetObjectItemCaseSensitive(sc, "min_lr_ratio");
+  const cJSON *lr = cJSON_GetObjectItemCaseSensitive(sc, "lr");
+  if (cJSON_IsNumber(steps) && steps->valuedouble >= 1 && steps->valuedouble < 9e15 &&
+      cJSON_IsNumber(warm) && warm->valuedouble >= 0 && warm->valuedouble < 9e15 &&
+      cJSON_IsNumber(ratio) && cJSON_IsNumber(lr))
+    *sched = (saved_schedule_t){.total_steps = (int64_t)steps->valuedouble,
+                                .warmup_steps = (int64_t)warm->valuedouble,
+                                .min_ratio = ratio->valuedouble,
+                                .lr = lr->valuedouble};
   char *end = NULL;
   unsigned long long s = cJSON_IsString(seed) ? strtoull(seed->valuestring, &end, 10) : 0;
   if (cJSON_IsBool(shuffle) && end != NULL && end != seed->valuestring && *end == 0 &&
@@ -283,8 +311,8 @@ static fsdpc_status_t check_eval_samples(const run_t *r) {
   data_spec_t one = spec_of(r);
   one.batch_size = r->plan.eval_batch_size;
   one.grad_accum = 1;
-  for (int64_t b = 0; b < r->plan.eval_batches; b++)
-    FSDPC_TRY(check_samples(r->eval, &one, b, 1, "eval.path"));
+  for (int64_t f = 0; f < eval_forwards(&r->plan); f++)
+    FSDPC_TRY(check_samples(r->eval, &one, f, 1, "eval.path"));
   return STATUS_OK;
 }
 
@@ -294,6 +322,8 @@ static fsdpc_status_t check_before_training(run_t *r) {
   fsdpc_status_t st = STATUS_OK;
   if (world_rank() == 0) /* rank 0 writes them */
     st = train_check_outputs(p, metrics, r->args.plot, r->data, r->eval, r->resumed_from);
+  /* the checkpoint's state and its files' headers (a dry run reads no further) */
+  if (st == STATUS_OK && r->resumed_from[0]) st = ckpt_check_state(r->resumed_from);
   if (st == STATUS_OK && r->resumed_from[0] && r->builtin)
     st = train_check_model(p, r->resumed_from);
   if (st == STATUS_OK && r->resumed_from[0] && !r->builtin) st = check_own_model(r);
@@ -459,7 +489,7 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
   FSDPC_TRY(
       ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
   read_saved_run(r->resumed_from, &r->saved_batch, &r->saved_tokens, r->saved_order,
-                 sizeof r->saved_order);
+                 sizeof r->saved_order, &r->saved_schedule);
   return STATUS_OK;
 }
 
@@ -515,8 +545,7 @@ static fsdpc_status_t build(run_t *r) {
   FSDPC_TRY(check_param_groups(r)); /* the same model on every rank: the same verdict */
   if (r->args.dry_run) { /* the meta model has every placement and shape */
     FSDPC_TRY(held_parameters(r));
-    FSDPC_TRY(train_pp_tied(r));
-    return resume ? ckpt_check_state(r->resumed_from) : STATUS_OK;
+    return train_pp_tied(r);
   }
   return fill(r, how.deferred, resume);
 }
@@ -550,16 +579,27 @@ static FILE *metrics_open(const char *path, int64_t start, char *defer, size_t d
   }
   char *line = NULL;
   size_t cap = 0;
+  ssize_t len;
   double last = 0; /* the last step kept */
-  while (in != NULL && out != NULL && getline(&line, &cap, in) > 0) {
+  int64_t junk = 0; /* lines that are no step's (a last line cut short by a kill) */
+  while (in != NULL && out != NULL && (len = getline(&line, &cap, in)) > 0) {
     cJSON *o = cJSON_Parse(line);
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
-    if (!cJSON_IsNumber(step) || step->valuedouble <= (double)start) fputs(line, out);
-    if (cJSON_IsNumber(step) && step->valuedouble <= (double)start && step->valuedouble > last)
-      last = step->valuedouble;
+    if (!cJSON_IsNumber(step)) {
+      junk++;
+    } else if (step->valuedouble <= (double)start) {
+      fputs(line, out);
+      if (line[len - 1] != '\n') fputc('\n', out); /* whole, but its newline lost */
+      last = step->valuedouble > last ? step->valuedouble : last;
+    }
     cJSON_Delete(o);
   }
   free(line);
+  if (junk > 0)
+    fprintf(stderr,
+            "%s: warning: the metrics file '%s' had %lld line%s that %s no step's metrics (a "
+            "line cut short when a run was killed); left out\n",
+            train_prog(), path, (long long)junk, junk == 1 ? "" : "s", junk == 1 ? "is" : "are");
   /* a run stopped on a metrics line it could not write saved that step first */
   if (last > 0 && last < (double)start)
     fprintf(stderr,
@@ -587,7 +627,7 @@ static fsdpc_status_t saved_under(const run_t *r, char **out) {
   const fsdpc_plan_t *p = &r->plan;
   char *model_text = NULL;
   FSDPC_TRY(describe_model(r, &model_text));
-  cJSON *model = cJSON_Parse(model_text), *o = cJSON_CreateObject(), *order = NULL;
+  cJSON *model = cJSON_Parse(model_text), *o = cJSON_CreateObject(), *order = NULL, *sched = NULL;
   free(model_text);
   char *text = NULL, seed[24];
   snprintf(seed, sizeof seed, "%llu", (unsigned long long)p->seed); /* exact, unlike a double */
@@ -603,6 +643,11 @@ static fsdpc_status_t saved_under(const run_t *r, char **out) {
       cJSON_AddStringToObject(order, "seed", seed) &&
       cJSON_AddNumberToObject(order, "seq_len", (double)p->seq_len) &&
       cJSON_AddNumberToObject(order, "tokens", (double)data_num_tokens(r->data)) &&
+      (sched = cJSON_AddObjectToObject(o, "schedule")) != NULL &&
+      cJSON_AddNumberToObject(sched, "steps", (double)p->steps) &&
+      cJSON_AddNumberToObject(sched, "warmup_steps", (double)p->warmup_steps) &&
+      cJSON_AddNumberToObject(sched, "min_lr_ratio", p->min_lr_ratio) &&
+      cJSON_AddNumberToObject(sched, "lr", p->optim.lr) &&
       cJSON_AddItemToObject(o, "model", model)) {
     model = NULL; /* o owns it */
     text = cJSON_PrintUnformatted(o);

@@ -253,7 +253,7 @@ bool llama_config_same_function(const llama_config_t *a, const llama_config_t *b
     const char *name;
     double x, y;
   } f[] = {{"rope_theta", a->rope.theta, b->rope.theta},
-           {"rope_scaling (type)", (double)a->rope.scaling, (double)b->rope.scaling},
+           {"rope_scaling (rope_type)", (double)a->rope.scaling, (double)b->rope.scaling},
            {"rope_scaling (factor)", a->rope.factor, b->rope.factor},
            {"rope_scaling (low_freq_factor)", a->rope.low_freq_factor, b->rope.low_freq_factor},
            {"rope_scaling (high_freq_factor)", a->rope.high_freq_factor, b->rope.high_freq_factor},
@@ -267,6 +267,7 @@ bool llama_config_same_function(const llama_config_t *a, const llama_config_t *b
     double x = f[i].x, y = f[i].y;
     if (x == y || fabs(x - y) <= 1e-12 * fabs(y)) continue; /* a JSON round trip of a double */
     if (why) {
+      static const char *const rope_types[] = {"default", "linear", "llama3"}; /* by rope_t */
       char sx[32], sy[32];
       bool flag = strcmp(f[i].name, "norm_topk_prob") == 0;
       llama_config_number(x, sx, sizeof sx);
@@ -274,6 +275,11 @@ bool llama_config_same_function(const llama_config_t *a, const llama_config_t *b
       if (flag) {
         snprintf(sx, sizeof sx, "%s", x ? "true" : "false");
         snprintf(sy, sizeof sy, "%s", y ? "true" : "false");
+      }
+      if (strcmp(f[i].name, "rope_scaling (rope_type)") == 0 && x >= 0 && x <= ROPE_LLAMA3 &&
+          y >= 0 && y <= ROPE_LLAMA3) {
+        snprintf(sx, sizeof sx, "%s", rope_types[(int)x]);
+        snprintf(sy, sizeof sy, "%s", rope_types[(int)y]);
       }
       snprintf(why, size, "%s %s vs %s", f[i].name, sx, sy);
     }

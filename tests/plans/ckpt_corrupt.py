@@ -10,7 +10,7 @@ import subprocess
 import time
 
 from common import (EXE, MPIRUN, MPI_ARGS, RANKS, ROOT, TOOL, check, header_edit, kill_session,
-                    mkdtemp, rank_set, ranks_saying, run, sh, strip_records)
+                    edit_state, mkdtemp, rank_set, ranks_saying, run, sh, strip_records)
 
 
 def ckpt_corrupt():
@@ -195,21 +195,52 @@ def ckpt_corrupt():
                   r"(\d+)", p.stderr)
     check(m is not None and m.group(2) == "12" and m.group(1) != "12",
           "a resume under another global batch says so (%s)" % str(m.groups() if m else None))
+    # a step folder copied under another step's name: load: auto would take it for step 8
+    renamed = os.path.join(tmp, "renamed")
+    shutil.copytree(good, os.path.join(renamed, "step-00000008"))
+    p, _ = run(2, [cfg, "--set", "train.steps=10", "--set", "checkpoint.dir=" + renamed,
+                   "--set", "checkpoint.load=auto"], timeout=120)
+    want = (r"step-00000008/train_state\.json records step 2, but its folder is named for step 8 "
+            r"\(renamed, or copied over another step's name\?\).*name the folder step-00000002")
+    check(p.returncode != 0 and ranks_saying(p.stderr, want) == {"0", "1"} and
+          "step 1 " not in p.stdout,
+          "a step folder named for another step is refused at start on both ranks (%s)"
+          % p.stderr.strip()[-300:])
+    p = sh([TOOL, "verify", os.path.join(renamed, "step-00000008")], timeout=60)
+    check(p.returncode != 0 and re.search(want, p.stderr) is not None,
+          "fsdp-ckpt verify names a step folder named for another step")
     bare = os.path.join(tmp, "no-records")
     shutil.copytree(good, bare)
     strip_records(bare)
+    # its run's schedule made this one's (train.steps 3): no schedule warning below
+    edit_state(bare, lambda st: st["saved_under"]["schedule"].update(steps=3))
     p, _ = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + bare,
                    "--set", "checkpoint.verify=true"], timeout=120)
     check(p.returncode == 0 and "checkpoint.verify: nothing to verify (the files carry no "
           "checksums)" in p.stdout, "checkpoint.verify on files without checksums says so")
     check("global batch" not in p.stderr, "a resume under the saved global batch: no warning")
     check("reading the data" not in p.stderr, "a resume in the saved data order: no warning")
+    check("learning-rate schedule" not in p.stderr, "a resume under the saved schedule: no warning")
     p, _ = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + good,
                    "--set", "data.shuffle=true", "--set", "train.seed=7"], timeout=120)
     check(p.returncode == 0 and re.search(
-        r"warning: \S+ was saved reading the data in file order, samples of (\d+) tokens; this "
-        r"run reads it shuffled by train\.seed 7, samples of \1 tokens", p.stderr) is not None,
+        r"warning: \S+ was saved reading the data in file order, samples of data\.seq_len (\d+); "
+        r"this run reads it shuffled by train\.seed 7, samples of data\.seq_len \1", p.stderr)
+          is not None,
           "a resume under another data order says so")
+    # train.steps 2 -> 3, within the 10 warmup steps: the same rate at step 3, another decay
+    check(re.search(r"warning: \S+step-00000002 was trained under another learning-rate schedule "
+                    r"\(train\.steps 2, schedule\.warmup_steps 10, schedule\.min_lr_ratio 0\.1, "
+                    r"optim\.lr 0\.003; this run's: 3, 10, 0\.1, 0\.003\): from step 3 the "
+                    r"learning rate follows this run's, 0\.0009 where the saved run's would be "
+                    r"0\.0009", p.stderr) is not None,
+          "a resume under another train.steps says so, with the rates of its first step")
+    p, _ = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + good,
+                   "--set", "optim.lr=0.001"], timeout=120)
+    check(p.returncode == 0 and re.search(
+        r"optim\.lr 0\.003; this run's: 3, 10, 0\.1, 0\.001\): from step 3 the learning rate "
+        r"follows this run's, 0\.0003 where the saved run's would be 0\.0009", p.stderr)
+          is not None, "a resume under another optim.lr says so")
     p, _ = run(4, [cfg, "--set", "train.steps=3", "--set",
                    "checkpoint.load=" + os.path.join(tmp, "flipped-data-byte"),
                    "--set", "checkpoint.verify=true"], timeout=120)

@@ -321,10 +321,11 @@ def ckpt_tool():
         with open(os.path.join(folder, "train_state.json")) as f:
             return json.load(f)["saved_under"]
     src, rs = under(step), under(os.path.join(deep, "r"))
-    check(all(k in src and rs.get(k) == src[k] for k in ("global_batch", "data_order")) and
+    kept = ("global_batch", "data_order", "schedule")
+    check(all(k in src and rs.get(k) == src[k] for k in kept) and
           rs.get("world_size") == 2 and rs.get("resharded_from") == step,
-          "reshard keeps the source's global_batch and data_order, records its new world (%s)" %
-          {k: rs.get(k) for k in ("global_batch", "data_order", "world_size")})
+          "reshard keeps the source's global_batch, data_order and schedule, records its new world "
+          "(%s)" % {k: rs.get(k) for k in ("global_batch", "data_order", "schedule", "world_size")})
     # inspect shows a record of another tool, whose saved_under is no object, without it
     other = os.path.join(tmp, "other-tool")
     shutil.copytree(step, other)
@@ -344,6 +345,22 @@ def ckpt_tool():
     check(p.returncode != 0 and re.search(r"tensor 'lm_head\.weight' is no parameter", p.stderr)
           and not os.path.exists(tied_out) and not glob.glob(tied_out + ".tmp*"),
           "export-hf --config of a model without the checkpoint's lm_head: refused, no OUT")
+    # --config must be a model config (model_type), and the checkpoint's model's
+    for name, given, want in [
+            ("state", os.path.join(step, "train_state.json"), r"no model_type: not a Hugging Face "
+             r"model config"),
+            ("bert", {"model_type": "bert"}, r"model_type 'bert', but the checkpoint's tensors "
+             r"are a llama model's")]:
+        path, out = os.path.join(tmp, name + ".json"), os.path.join(tmp, "hf-" + name)
+        if isinstance(given, dict):
+            with open(path, "w") as f:
+                json.dump(given, f)
+        else:
+            path = given
+        p = tool_run("export-hf", step, out, "--config", path)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None and
+              not os.path.exists(out), "export-hf --config of %s: refused, no OUT (%s)"
+              % (name, p.stderr.strip()[-200:]))
     # verify: a step folder without train_state.json, which every load refuses
     nostate = os.path.join(tmp, "no-state")
     shutil.copytree(step, nostate)

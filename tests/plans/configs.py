@@ -325,6 +325,11 @@ def evaluation():
     for name, extra in [("hsdp", ["--set", "mesh.dp_shard=1", "--set", "mesh.dp_replicate=2"]),
                         ("tp", ["--set", "mesh.dp_shard=1", "--set", "mesh.tp=2", "--set",
                                 "data.batch_size=4"]),  # the tp ranks share one batch
+                        # one data-parallel rank of two micro-batches: the same global batch
+                        ("tp-accum", ["--set", "mesh.dp_shard=1", "--set", "mesh.tp=2", "--set",
+                                      "data.grad_accum=2"]),
+                        ("pp-accum", ["--set", "mesh.dp_shard=1", "--set", "mesh.pp=2", "--set",
+                                      "data.grad_accum=2"]),
                         ("zero2", ["--set", "parallelize.fully_shard.reshard_after_forward=false"]),
                         ("ac", ["--set", "train.activation_checkpointing=true"])]:
         _, other, _ = train(name, extra)
@@ -332,14 +337,15 @@ def evaluation():
             worst = float("inf")
             continue
         worst = max([worst] + [abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(other, ev)])
-    check(worst <= 1e-5, "HSDP, TP, reshard_after_forward false and activation checkpointing "
-          "give FSDP's evaluation losses within 1e-5 (worst %.2e)" % worst)
+    check(worst <= 1e-5, "HSDP, TP, TP and PP of two micro-batches, reshard_after_forward false "
+          "and activation checkpointing give FSDP's evaluation losses within 1e-5 (worst %.2e)"
+          % worst)
     # eval.batch_size: two batches of twice the samples are the same samples as four of the
     # training size (the data order is by sample), so the same mean; training is unchanged
     wide, we, out = train("wide", ["--set", "eval.batch_size=4", "--set", "eval.batches=2"])
     close = we is not None and ev is not None and len(we) == len(ev) and all(
         abs(a[1] - b[1]) <= 1e-6 * abs(b[1]) for a, b in zip(we, ev))
-    check(close and wide == fsdp and "2 global batches of 4 x 2 samples" in out,
+    check(close and wide == fsdp and "2 global batches of 8 samples (4 x 1 micro-batches x 2 data-parallel ranks)" in out,
           "eval.batch_size 4 over 2 batches gives the evaluation of 4 batches of 2 (%s, %s)"
           % (we, ev))
     # with weights that cannot move, evaluation of the training file's first four batches is

@@ -304,3 +304,10 @@ def messages():
         r"ck: a run's checkpoint folder, 1 complete checkpoint:\n  step-00000002 +complete\n"
         r"  step-00000004\.tmp +a save that did not finish", p.stdout),
         "fsdp-ckpt inspect of a run's folder lists its checkpoints (%s)" % p.stdout.strip()[:200])
+    for cmd in (["verify", ck], ["export-hf", ck, ck + "-hf"]):
+        p = sh([TOOL] + cmd, timeout=60)
+        check(p.returncode != 0 and re.search(
+            r"ck is a run's checkpoint folder \(2 step folders\): %s takes one checkpoint, such "
+            r"as its newest complete one, \S+ck/step-00000002" % cmd[0], p.stderr) is not None,
+              "fsdp-ckpt %s of a run's folder names its newest checkpoint (%s)"
+              % (cmd[0], p.stderr.strip()[-200:]))

@@ -31,6 +31,12 @@ def errors():
     cases = [
         ("--set with an empty value", None, ["--set", "data.seq_len="],
          r"--set data\.seq_len=: no value after '='"),
+        # a section given null takes --set keys as if it were absent (no duplicate key)
+        ("--set into a section set to null", None,
+         ["--set", "model=null", "--set", "model.dimm=32"],
+         r"--set model\.dimm=32: model\.dimm: unknown key; did you mean 'dim'\?"),
+        ("--set into a section left empty", base + "eval:\n", ["--set", "eval.pathh=x"],
+         r"eval\.pathh: unknown key; did you mean 'path'\?"),
         ("an llm.c token file read as text", base.replace(data, llmc_as_text), [],
          r"llmc\.bin: starts with llm\.c's header \(magic 20240520\).*data\.format: llmc"),
         ("syntax error", "mesh: [1, 2\n", [], r"bad\d*\.yaml:\d+:\d+: not valid YAML"),
@@ -149,7 +155,10 @@ def errors():
         ("units not a list", base.replace('units: ["model.layers.*"]', 'units: "model.layers.*"'),
          [], r"units: expected a list of module patterns"),
         ("checkpoint.load not a checkpoint", base + "checkpoint:\n  load: /nonexistent/step-5\n", [],
-         r"checkpoint\.load: '/nonexistent/step-5' is not a complete checkpoint"),
+         r"checkpoint\.load: '/nonexistent/step-5' does not exist"),
+        ("checkpoint.load: AUTO", base + "checkpoint:\n  dir: ck\n  load: AUTO\n", [],
+         r"checkpoint\.load: '\S+AUTO' does not exist \(resuming the newest checkpoint of "
+         r"checkpoint\.dir is auto, in lower case\)"),
         ("checkpoint.interval without a folder", base + "checkpoint:\n  interval: 5\n", [],
          r"checkpoint\.interval: 5 needs checkpoint\.dir"),
         # hostile input ends at once: no blocking open, no quadratic parse
@@ -415,7 +424,17 @@ def errors():
     for argv, ok, want in [
             ([EXE, "--version"], True, version), ([EXE, "--help"], True, r"usage: fsdp-train"),
             ([EXE, "--stpes", "5"], False, r"unknown option '--stpes'"),
+            ([EXE, "c.yaml", "--metrics", "a.jsonl", "--metrics=b.jsonl"], False,
+             r"--metrics given twice \('a\.jsonl' and 'b\.jsonl'\): a run writes one"),
+            ([EXE, "c.yaml", "--plot=a.svg", "--plot", "b.svg"], False, r"--plot given twice"),
             ([TOOL, "--version"], True, version), ([TOOL, "--help"], True, r"usage: fsdp-ckpt"),
+            ([TOOL, "--bogus"], False, r"fsdp-ckpt: unknown option '--bogus'\nusage:"),
+            ([TOOL, "bogus"], False, r"unknown command 'bogus' \(inspect, verify"),
+            ([TOOL, "verify", "x", "--bogus"], False,
+             r"verify: unknown option '--bogus' \(it takes one folder\)"),
+            ([TOOL, "import-hf", "a", "b", "--dtype", "bf16"], False,
+             r"import-hf: unknown option '--dtype' \(it takes HFDIR OUT\)"),
+            ([TOOL, "inspect", "a", "b"], False, r"inspect takes one folder, got 2 arguments"),
             ([tool("fsdp-demo"), "--help"], True, r"usage: mpirun -n 4 fsdp-demo"),
             ([tool("fsdp-demo"), "--version"], True, version),
             ([tool("fsdp-demo"), "extra"], False, r"unknown argument 'extra'"),
@@ -452,6 +471,8 @@ def errors():
             ([sys.executable, os.path.join(ROOT, "bench", "big_model.py"), "--version"], True,
              version),
             ([sys.executable, os.path.join(ROOT, "bench", "vs_torch_cpu.py"), "--version"], True,
+             version),
+            ([sys.executable, os.path.join(ROOT, "bench", "torch_fsdp2.py"), "--version"], True,
              version),
             ([sys.executable, os.path.join(ROOT, "bench", "vs_llmc_gpu.py")], True,
              r"no llm.c checkout to compare with")]:

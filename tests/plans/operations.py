@@ -10,7 +10,7 @@ import subprocess
 import time
 
 from common import (EXE, MPIRUN, MPI_ARGS, ROOT, SANITIZER_REPORT, TOOL, check, kill_session,
-                    losses, mkdtemp, ranks_saying, run, sh)
+                    edit_state, losses, mkdtemp, ranks_saying, run, sh, strip_records)
 
 
 def rank_pids(marker):
@@ -183,6 +183,40 @@ def operations():
           [1, 2, 3, 4, 5, 6, 9, 10],
           "a resume after a metrics file's missing lines warns of the gap (%s)" %
           p.stderr.strip()[-200:])
+    # without checkpoint.dir no line has checkpoint fields
+    nm = os.path.join(tmp, "no-ckpt.jsonl")
+    p, _ = run(1, [debug, "--set", "train.steps=2", "--metrics", nm])
+    rows = losses(nm) if p.returncode == 0 else []
+    check(len(rows) == 2 and not any(k.startswith("ckpt_") for r in rows for k in r),
+          "a run without checkpoint.dir writes no ckpt_ field (%s)" % rows[-1:])
+    # a metrics file that cannot be written: refused before the run, by --dry-run too (as
+    # another user: root writes any file)
+    ro = os.path.join(tmp, "ro")
+    os.makedirs(ro)
+    os.chmod(tmp, 0o755)
+    os.chmod(ro, 0o777)
+    with open(os.path.join(ro, "m.jsonl"), "w") as f:
+        f.write("kept\n")
+    os.chmod(os.path.join(ro, "m.jsonl"), 0o444)
+    who = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 \
+        else []
+    for dry in (["--dry-run"], []):
+        p = sh(who + [EXE, debug, "--metrics", os.path.join(ro, "m.jsonl")] + dry, timeout=60)
+        check(p.returncode != 0 and "m.jsonl': exists and cannot be written (Permission denied)"
+              in p.stderr and "step 1 " not in p.stdout,
+              "a read-only metrics file is refused before any step%s (%s)"
+              % (" by --dry-run" if dry else "", p.stderr.strip()[-200:]))
+    # a last line cut short (a kill in its write): left out, the next line starts on its own
+    with open(gm) as f:
+        rows = f.readlines()
+    with open(gm, "w") as f:
+        f.writelines(rows[:7] + [rows[7][:25]])  # steps 1-6, 9 and a piece of 10's line
+    p, _ = run(1, [debug, "--set", "train.steps=11", "--set", "checkpoint.dir=" + gck, "--set",
+                   "checkpoint.load=auto", "--metrics", gm])
+    check(p.returncode == 0 and "the metrics file '%s' had 1 line that is no step's metrics" % gm
+          in p.stderr and [r["step"] for r in losses(gm)] == [1, 2, 3, 4, 5, 6, 9, 11],
+          "a resume after a cut last metrics line leaves it out and writes whole lines (%s)" %
+          p.stderr.strip()[-300:])
     # the evaluation's batches are read before the first step (and by --dry-run)
     for dry in ([], ["--dry-run"]):
         ck = os.path.join(tmp, "bad-eval%d" % len(dry))
@@ -384,6 +418,12 @@ def operations():
     short = os.path.join(tmp, "short.txt")
     with open(data, "rb") as f, open(short, "wb") as g:
         g.write(f.read()[:65])  # data.seq_len + 1 tokens: one sample, no second start
+    # a checkpoint of a model with a scaled rotary embedding (its record, as another tool's)
+    scaled = os.path.join(tmp, "scaled-rope")
+    shutil.copytree(os.path.join(ck, "step-00000020"), scaled)
+    strip_records(scaled)
+    edit_state(scaled, lambda st: st["saved_under"]["model"].update(
+        rope_scaling={"rope_type": "linear", "factor": 2.0}))
     cases = [
         ("a rerun into a folder of newer checkpoints",
          ["--set", "checkpoint.dir=" + ck],
@@ -406,6 +446,9 @@ def operations():
         ("another rope_theta", ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"),
                                 "--set", "model.rope_theta=500000"],
          r"was saved with model\.rope_theta = 10000, the plan has 500000"),
+        ("another rope scaling", ["--set", "checkpoint.load=" + scaled],
+         r"was saved from another model \(rope_scaling \(rope_type\) linear vs default: saved "
+         r"vs planned\)"),
         ("another norm_eps", ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"),
                               "--set", "model.norm_eps=1e-6"],
          r"was saved with model\.norm_eps = 1e-05, the plan has 1e-06"),
