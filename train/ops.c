@@ -495,6 +495,42 @@ static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *pat
   return st;
 }
 
+fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *metrics,
+                                          const char *resumed, int64_t start) {
+  if (metrics == NULL || !metrics[0] || resumed == NULL || !resumed[0] || start >= p->steps ||
+      !p->ckpt_dir[0]) /* no folder of its own: a rerun from that step, as documented */
+    return STATUS_OK;
+  char parent[PLAN_PATH_MAX + 8];
+  file_parent_of(resumed, parent, sizeof parent);
+  char *dir = realpath(p->ckpt_dir, NULL), *at = realpath(parent, NULL);
+  bool own = dir != NULL && at != NULL && strcmp(dir, at) == 0;
+  free(dir);
+  free(at);
+  FILE *f = own ? NULL : fopen(metrics, "r");
+  if (f == NULL) return STATUS_OK; /* one of its own checkpoints, or no file yet */
+  char *line = NULL;
+  size_t cap = 0;
+  double first = 0, last = 0; /* the steps after start the file holds */
+  while (getline(&line, &cap, f) > 0) {
+    cJSON *o = cJSON_Parse(line);
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
+    if (cJSON_IsNumber(s) && s->valuedouble > (double)start) {
+      first = first == 0 || s->valuedouble < first ? s->valuedouble : first;
+      last = s->valuedouble > last ? s->valuedouble : last;
+    }
+    cJSON_Delete(o);
+  }
+  free(line);
+  fclose(f);
+  if (last == 0) return STATUS_OK;
+  return err_set(STATUS_EINVAL,
+                 "--metrics (or log.metrics) '%s' holds the lines of steps %.0f to %.0f, after "
+                 "step %lld, where this run resumes from '%s', outside its checkpoint.dir: "
+                 "this run would replace them, and they belong to the run it branches from; "
+                 "give this run a metrics file of its own",
+                 metrics, first, last, (long long)start, resumed);
+}
+
 fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, const char *plot,
                                    const fsdpc_data_t *data, const fsdpc_data_t *eval,
                                    const char *resumed) {

@@ -331,6 +331,8 @@ static fsdpc_status_t check_before_training(run_t *r) {
   FSDPC_TRY(pg_agree(world_pg(), st));
   int64_t start = 0; /* the step the checkpoint was saved after (read again by the load) */
   if (r->resumed_from[0]) st = train_checkpoint_step(r->resumed_from, &start);
+  if (st == STATUS_OK && world_rank() == 0)
+    st = train_check_metrics_branch(p, metrics, r->resumed_from, start);
   FSDPC_TRY(pg_agree(world_pg(), st));
   return train_check_step_folders(p, start);
 }

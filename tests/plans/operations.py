@@ -217,6 +217,19 @@ def operations():
           in p.stderr and [r["step"] for r in losses(gm)] == [1, 2, 3, 4, 5, 6, 9, 11],
           "a resume after a cut last metrics line leaves it out and writes whole lines (%s)" %
           p.stderr.strip()[-300:])
+    # a branch of that run (from its step 8, into another checkpoint.dir) given its metrics
+    # file would replace its lines of steps 9 to 11: refused, the file untouched
+    before = open(gm).read()
+    for dry in ([], ["--dry-run"]):
+        p, _ = run(1, [debug, "--set", "train.steps=12", "--set", "checkpoint.dir=" +
+                       os.path.join(tmp, "branch"), "--set", "checkpoint.load=" +
+                       os.path.join(gck, "step-00000008"), "--metrics", gm] + dry)
+        check(p.returncode != 0 and re.search(
+            r"'\S+gap\.jsonl' holds the lines of steps 9 to 11, after step 8, where this run "
+            r"resumes from '\S+step-00000008', outside its checkpoint\.dir", p.stderr) and
+              open(gm).read() == before,
+              "a branch into another folder is refused the metrics file of the run it branches "
+              "from%s (%s)" % (" (--dry-run)" if dry else "", p.stderr.strip()[-200:]))
     # the evaluation's batches are read before the first step (and by --dry-run)
     for dry in ([], ["--dry-run"]):
         ck = os.path.join(tmp, "bad-eval%d" % len(dry))
