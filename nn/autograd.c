@@ -35,6 +35,7 @@ struct nn_ctx {
   bool grad_enabled;
   int suspended; /* > 0 inside the forward of a checkpointed call */
   bool recomputing;
+  int casts;           /* calls in progress whose module cast its input (nn_module_set_cast) */
   nn_module_t **calls; /* the module calls in progress, outermost first */
   int n_calls, cap_calls;
 };
@@ -328,22 +329,32 @@ static fsdpc_status_t call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_v
   e.node.out = nn_var_ref(*out);
   e.node.name = "checkpoint";
   e.node.user = (void *)fn;
+  e.node.ints[0] = ctx->casts; /* the recomputation's inner units return what they did */
   FSDPC_TRY(push(ctx, &e));
   return nn_module_run_hooks(ctx, m, NN_HOOK_POST_FORWARD);
 }
 
-/* call() with the casts at m's boundary (nn_module_set_cast). */
+/* call() with the casts at m's boundary (nn_module_set_cast). Called inside another module
+ * that cast its input, m returns the dtype it was given: its output goes on in the caller's
+ * arithmetic, whose operations take one dtype (an f32 MLP unit in a bf16 block, an f32
+ * experts unit in a bf16 layer). Else its output is cast to its output dtype, if it has one;
+ * without one, a unit narrower than an f32 input returns f32. */
 static fsdpc_status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
                                 nn_var_t **out) {
   dtype_t cin, cout;
   nn_module_cast(m, &cin, &cout);
   dtype_t given = in ? in->value.dtype : DTYPE_COUNT;
   if (cin == DTYPE_COUNT || in == NULL || !dtype_is_float(given)) return call(ctx, m, fn, in, out);
-  if (cout == DTYPE_COUNT && given == DTYPE_F32 && cin != DTYPE_F32) cout = DTYPE_F32;
+  if (ctx->casts > 0)
+    cout = given;
+  else if (cout == DTYPE_COUNT && given == DTYPE_F32 && cin != DTYPE_F32)
+    cout = DTYPE_F32;
   nn_var_t *x = NULL, *y = NULL;
   *out = NULL;
   FSDPC_TRY(nn_cast(ctx, in, cin, &x));
+  ctx->casts++;
   fsdpc_status_t st = call(ctx, m, fn, x, &y);
+  ctx->casts--;
   nn_var_put(x);
   if (st != STATUS_OK || cout == DTYPE_COUNT || !dtype_is_float(y->value.dtype)) {
     *out = y;
@@ -411,7 +422,10 @@ static fsdpc_status_t backward_checkpoint(nn_ctx_t *ctx, entry_t *e) {
   tape_t outer = ctx->tape;
   memset(&ctx->tape, 0, sizeof ctx->tape);
   ctx->recomputing = true;
+  int casts = ctx->casts;
+  ctx->casts = (int)e->node.ints[0];
   st = call_recorded(ctx, e->module, (nn_forward_fn)e->node.user, in2, &out2);
+  ctx->casts = casts;
   ctx->recomputing = false;
   tape_t sub = ctx->tape;
   ctx->tape = outer;

@@ -348,19 +348,25 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
                        .output_dtype = pp->output_dtype};
   if (par->ep_fsdp_mesh != NULL && is_experts(mod)) { /* a unit of its own, on its mesh */
     *left = 0;
-    /* with the units item that matches it, as without expert parallelism, else the section's
-     * settings; the section's group size for reshard_after_forward, where it spans the
-     * experts' smaller shard group, keeps them gathered (as it would a group that size) */
-    plan_unit_t e = u >= 0 ? pp->units[u] : sized;
+    /* with the units item that matches it, else the one of the unit it lies in (where it
+     * computes without expert parallelism: its dtypes), else the section's settings; a group
+     * size for reshard_after_forward it was not given, where it spans the experts' smaller
+     * shard group, keeps them gathered (as it would a group that size) */
+    int from = u;
+    for (const nn_module_t *up = nn_module_parent(mod); from < 0 && up != NULL && up != par->root;
+         up = nn_module_parent(up))
+      from = first_unit(pp, up);
+    plan_unit_t e = from >= 0 ? pp->units[from] : sized;
     int W = mesh_size(par->ep_fsdp_mesh, mesh_ndim(par->ep_fsdp_mesh) - 1);
     int N = e.reshard_after_forward;
     if (u < 0 && N >= 2 && (N >= W || W % N != 0)) e.reshard_after_forward = 0;
     fsdpc_status_t st = shard_unit(par, pp, mod, &e);
-    if (st != STATUS_OK && u >= 0)
+    if (st != STATUS_OK && from >= 0)
       return err_prefix(st,
                         "%s: parallelize.fully_shard.units[%d] ('%s', %s: its experts shard over "
                         "dp_shard / ep = %d ranks)",
-                        pp->units[u].where.text, u, pp->units[u].pattern, nn_module_fqn(mod), W);
+                        pp->units[from].where.text, from, pp->units[from].pattern,
+                        nn_module_fqn(mod), W);
     return st;
   }
   /* a stage's own module with parameters left is a unit: the root's part under pipelines */

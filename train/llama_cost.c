@@ -380,17 +380,40 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
       c.rs += Au * (W - 1) * red * (double)dtype_size(rd);
     }
     double red2 = (double)fsdp_replica_reduce_numel(g);
+    /* a tied head outside the token embedding's unit: its use of the unit's weight is an
+     * on-demand call of that unit, each micro-step (no pipeline: one joins them in a unit;
+     * the ranks' agreement on it goes over a side channel, not counted here): the weight
+     * gathered for it (a full gather, or from the post-forward groups of N: the head's
+     * forward and backward, the embedding's backward a full gather after the head's backward
+     * resharded it; kept gathered: the embedding's backward's gather alone), and the head's
+     * gradient reduced as the unit's own */
+    size_t nl = strlen(fsdp_group_name(g));
+    const char *tail = fsdp_group_name(g) + (nl > 4 ? nl - 4 : 0);
+    bool head_use = p->model.tie_embeddings && p->par.pp == 1 && !root &&
+                    (strcmp(tail, ".wte") == 0 ||
+                     (nl > 13 && strcmp(fsdp_group_name(g) + nl - 13, ".embed_tokens") == 0));
+    if (head_use) {
+      double full = (W - 1) * flat * (double)dtype_size(pd);
+      double part = rs >= 2 ? (rs - 1) * flat * W / rs * (double)dtype_size(pd) : 0;
+      if (W > 1) {
+        c.n_ag += (long long)A * (rs == 0 ? 1 : rs == 1 ? 2 : 3);
+        c.ag += A * (rs == 0 ? full : rs == 1 ? 2 * full : 2 * part + full - part);
+        c.n_rs += (long long)A;
+        c.rs += A * (W - 1) * red * (double)dtype_size(rd);
+      }
+    }
+    double uses = head_use ? 2 : 1; /* reductions a micro-step: the unit's, and the head's */
     if (R > 1 && fsdp_state_over_replicas(g)) {
       if (red2 > 0) { /* the replicas' reduce-scatters, then one gather of the updated shards */
-        c.n_rs += (long long)Au;
-        c.rs += Au * (R - 1) * red2 * (double)dtype_size(rd);
+        c.n_rs += (long long)(Au * uses);
+        c.rs += Au * uses * (R - 1) * red2 * (double)dtype_size(rd);
         c.n_ag += 1;
         c.ag += (R - 1) * (double)fsdp_replica_gather_numel(g) *
                 (double)dtype_size(fsdp_shard_dtype(g));
       }
     } else if (R > 1) {
-      c.n_ar += (long long)Au;
-      c.ar += Au * 2.0 * (R - 1) * red * (double)dtype_size(rd) / R;
+      c.n_ar += (long long)(Au * uses);
+      c.ar += Au * uses * 2.0 * (R - 1) * red * (double)dtype_size(rd) / R;
     }
   }
   /* expert parallelism: per micro-batch and sparse layer, four exchanges (the rows forward and

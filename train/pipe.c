@@ -155,9 +155,15 @@ static fsdpc_status_t stage_forward_on(const fsdpc_data_t *d, nn_ctx_t *ctx, int
   nn_moe_aux_begin(u->aux, train ? 1.0 / (double)pp_schedule_microbatches(r->pp_sched) : 0);
   FSDPC_TRY(llama_stage_forward(ctx, r->llama, s, S, in, &h));
   if (u->mine != NULL) nn_moe_aux_stats_add(u->aux, u->mine + (size_t)mb * u->len);
-  if (s < S - 1) {
-    *out = h;
-    return STATUS_OK;
+  if (s < S - 1) { /* in the boundary's dtype (a widening: train_pp_options) */
+    dtype_t b = train_pp_options(r).dtype;
+    if (h->value.dtype == b) {
+      *out = h;
+      return STATUS_OK;
+    }
+    fsdpc_status_t st = nn_cast(ctx, h, b, out);
+    nn_var_put(h);
+    return st;
   }
   fsdpc_tensor_t ids = {0}, tg = {0}, tgd = {0};
   fsdpc_status_t st = data_batch(d, u->spec, u->step, mb, &ids, &tg);
@@ -222,10 +228,18 @@ pp_step_options_t train_pp_options(run_t *r) {
   o.shape[1] = sp ? p->seq_len / p->par.tp : p->seq_len;
   o.shape[2] = p->model.dim;
   o.layout = sp ? TP_SHARD_SEQ : 0;
-  /* a stage's last unit's output: mp_policy's output_dtype, else its compute dtype */
-  o.dtype = p->par.output_dtype != DTYPE_COUNT  ? p->par.output_dtype
-            : p->par.param_dtype != DTYPE_COUNT ? p->par.param_dtype
-                                                : DTYPE_F32;
+  /* a stage's last unit's output: mp_policy's output_dtype, else its compute dtype; with
+   * units of several dtypes (mp_policy of an item), f32, which holds each of them exactly:
+   * every stage's output is widened to it (stage_forward_on), and the units cast what they
+   * take, so the stages compute what they do without a pipeline */
+  dtype_t sec = p->par.param_dtype != DTYPE_COUNT ? p->par.param_dtype : DTYPE_F32;
+  o.dtype = p->par.output_dtype != DTYPE_COUNT ? p->par.output_dtype : sec;
+  for (int i = 0; i < p->par.n_units; i++) {
+    const plan_unit_t *it = &p->par.units[i];
+    dtype_t c = it->param_dtype != DTYPE_COUNT ? it->param_dtype : DTYPE_F32;
+    dtype_t out = it->output_dtype != DTYPE_COUNT ? it->output_dtype : c;
+    if (c != o.dtype || out != o.dtype) o.dtype = DTYPE_F32;
+  }
   o.device = r->dev;
   o.forward = stage_forward;
   o.input = stage_input;

@@ -150,6 +150,10 @@ static fsdpc_status_t read_model_keys(plan_ctx_t *c, int m, const char *const *k
   FSDPC_TRY(pr_get_float(c, m, "model", "norm_eps", 0, 1, true, &mc->norm_eps));
   FSDPC_TRY(pr_get_bool(c, m, "model", "tie_embeddings", &mc->tie_embeddings));
   FSDPC_TRY(pr_get_int(c, m, "model", "head_dim", 0, 65536, &mc->head_dim));
+  char rp[256];
+  if (mc->arch == LLAMA_ARCH_GPT2 && pr_lookup(c, m, "model", "rope_theta", rp) != 0)
+    return pr_fail(c, pr_find(c, m, "rope_theta"), "model.rope_theta",
+                   "gpt2 has no rotary embedding (its positions are learned): remove the key");
   if (mc->arch == LLAMA_ARCH_GPT2 && pr_find(c, m, "n_kv_heads") == 0)
     mc->n_kv_heads = mc->n_heads; /* GPT-2 has a key and a value head for every head */
   bool bias = false;

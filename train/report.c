@@ -445,17 +445,25 @@ static void param_line(const run_t *r, const nn_param_t *prm) {
 static void unit_dtypes(const run_t *r) {
   printf(
       "\nunits (fully_shard groups): floating-point inputs are cast to the compute dtype; "
-      "output auto = the compute dtype, or f32 when the input was f32\n");
+      "output auto = the compute dtype, or f32 when the input was f32; a unit inside another "
+      "returns the dtype it was given (given)\n");
   for (int i = 0; i < r->n_groups; i++) {
     const fsdp_group_t *g = r->groups[i];
     const char *name = fsdp_group_name(g);
     dtype_t cin = DTYPE_COUNT, cout = DTYPE_COUNT;
     nn_module_t *m = name[0] ? nn_module_find(r->root, name) : NULL;
     if (m) nn_module_cast(m, &cin, &cout);
+    bool inside = false; /* a unit's module above it, the root (given token ids) aside */
+    for (const nn_module_t *up = m ? nn_module_parent(m) : NULL; up && up != r->root && !inside;
+         up = nn_module_parent(up))
+      inside = fsdp_group_of(up) != NULL;
     char rb[16];
-    printf("  %-28s compute %-4s  reduce %-4s  output %-4s  reshard_after_forward %s\n",
+    printf("  %-28s compute %-4s  reduce %-4s  output %-5s  reshard_after_forward %s\n",
            name[0] ? name : "(root)", dtype_name(fsdp_param_dtype(g)),
-           dtype_name(fsdp_reduce_dtype(g)), cout != DTYPE_COUNT ? dtype_name(cout) : "auto",
+           dtype_name(fsdp_reduce_dtype(g)),
+           inside                ? "given"
+           : cout != DTYPE_COUNT ? dtype_name(cout)
+                                 : "auto",
            reshard_str(fsdp_reshard_after_forward(g), rb, sizeof rb));
   }
 }

@@ -65,9 +65,9 @@ def worst(a, b, key):
 def main():
     tmp = tempfile.mkdtemp(prefix="fsdpc-trainer-api-")
     common = ["train.steps=10", "eval.interval=5", "log.interval=1"]
-    # the reference: one rank (eval.batch_size is per data-parallel rank: 8 samples in all)
+    # the reference: one rank (an evaluation batch is the global batch, in every plan)
     ref_m = os.path.join(tmp, "ref.jsonl")
-    p = run(1, FSDP_PLAN, common + ["eval.batch_size=8", "log.metrics=" + ref_m,
+    p = run(1, FSDP_PLAN, common + ["log.metrics=" + ref_m,
                                     "checkpoint.dir=" + os.path.join(tmp, "ref"),
                                     "checkpoint.interval=5"])
     check(p.returncode == 0, "tiny-lm on 1 rank trains 10 steps")
@@ -86,10 +86,9 @@ def main():
           os.path.exists(os.path.join(tmp, "ref", "step-00000010", "train_state.json")),
           "it saves checkpoints after steps 5 and 10")
     # other plans: the same losses, norms and evaluations
-    for what, n, plan, ebs in [("FSDP on 4 ranks", 4, FSDP_PLAN, 2),
-                               ("FSDP 2 x TP 2", 4, TP_PLAN, 4)]:
+    for what, n, plan in [("FSDP on 4 ranks", 4, FSDP_PLAN), ("FSDP 2 x TP 2", 4, TP_PLAN)]:
         path = os.path.join(tmp, "m%d%s.jsonl" % (n, "tp" if plan == TP_PLAN else ""))
-        p = run(n, plan, common + ["eval.batch_size=%d" % ebs, "log.metrics=" + path])
+        p = run(n, plan, common + ["log.metrics=" + path])
         got = metrics(path) if p.returncode == 0 else []
         w = [worst(ref, got, k) for k in ("loss", "grad_norm", "eval_loss")]
         check(len(got) == 10 and max(w) <= 2e-5,
@@ -107,7 +106,7 @@ def main():
           (said.group(1) if said else "?"))
     # the tensor-parallel plan resumes the one-rank checkpoint
     path = os.path.join(tmp, "resumed.jsonl")
-    p = run(4, TP_PLAN, common + ["eval.batch_size=4", "log.metrics=" + path,
+    p = run(4, TP_PLAN, common + ["log.metrics=" + path,
                                  "checkpoint.load=" + os.path.join(tmp, "ref", "step-00000005")])
     got = metrics(path) if p.returncode == 0 else []
     w = max(worst(ref, got, "loss"), worst(ref, got, "eval_loss"))

@@ -55,24 +55,41 @@ def configs():
          {"model.layers.0": "bf16", "model.layers.1": "bf16", "lm_head": "f32", "(root)": "bf16"}),
         ("f32, model.layers.1 bf16", 'units: [{match: "model.layers.1", mp_policy: '
                                      '{param_dtype: bf16}}, "model.layers.*"]',
-         {"model.layers.0": "f32", "model.layers.1": "bf16", "(root)": "f32"})]
+         {"model.layers.0": "f32", "model.layers.1": "bf16", "(root)": "f32"}),
+        # an f32 first layer: its f32 output reaches the head, a unit that casts it
+        ("bf16, model.layers.0 f32", 'units: [{match: "model.layers.0", mp_policy: '
+                                     '{param_dtype: f32}}, "model.layers.*", lm_head]\n    '
+                                     'mp_policy: {param_dtype: bf16, reduce_dtype: f32}',
+         {"model.layers.0": "f32", "model.layers.1": "bf16", "lm_head": "bf16",
+          "(root)": "bf16"}),
+        # units inside units: each MLP returns its block's bf16, whatever it computes in
+        ("bf16, the MLPs f32", 'units: [{match: "model.layers.*.mlp", mp_policy: {param_dtype: '
+                               'f32}}, "model.layers.*"]\n    mp_policy: {param_dtype: bf16, '
+                               'reduce_dtype: f32}',
+         {"model.layers.0.mlp": "f32", "model.layers.1.mlp": "f32", "model.layers.0": "bf16",
+          "model.layers.1": "bf16", "(root)": "bf16"})]
     for k, (what, rule, want) in enumerate(mixed):
         plan = os.path.join(tmp, "mixed-%d.yaml" % k)
         with open(plan, "w") as f:
             f.write(text.replace(units, rule))
         p, _ = run(4, [plan, "--dry-run"])
         got = dict(re.findall(r"^  (\S+) +compute (\w+) ", p.stdout, re.M))
-        check(p.returncode == 0 and got == want,
-              "%s: the units compute in %s (--dry-run: %s)" % (what, want, got))
-        metrics = os.path.join(tmp, "mixed-%d.jsonl" % k)
-        p, _ = run(4, [plan, "--set", "train.steps=%d" % STEPS, "--metrics", metrics])
-        m = [r["loss"] for r in losses(metrics)] if p.returncode == 0 else []
-        worst = max(abs(a - b) / abs(b) for a, b in zip(m, ref)) if m and ref else 1
-        check(len(m) == STEPS and 0 < worst <= 2e-3,
-              "%s: trains on 4 ranks, losses within 2e-3 of debug.yaml's and not equal (worst "
-              "%.2e)" % (what, worst))
-        if p.returncode != 0:
-            print(p.stderr[-2000:])
+        given = re.findall(r"^  (\S+) +compute \w+ +reduce \w+ +output given ", p.stdout, re.M)
+        check(p.returncode == 0 and got == want and
+              given == [u for u in want if u.endswith(".mlp")],
+              "%s: the units compute in %s, the inner ones return what they are given "
+              "(--dry-run: %s, %s)" % (what, want, got, given))
+        # and under a pipeline (its stages pass f32 between units of several dtypes)
+        for pp in ([], ["--set", "mesh.pp=2", "--set", "data.grad_accum=2"]):  # global batch
+            metrics = os.path.join(tmp, "mixed-%d-%d.jsonl" % (k, len(pp)))
+            p, _ = run(4, [plan, "--set", "train.steps=%d" % STEPS, "--metrics", metrics] + pp)
+            m = [r["loss"] for r in losses(metrics)] if p.returncode == 0 else []
+            worst = max(abs(a - b) / abs(b) for a, b in zip(m, ref)) if m and ref else 1
+            check(len(m) == STEPS and 0 < worst <= 2e-3,
+                  "%s: trains on 4 ranks%s, losses within 2e-3 of debug.yaml's and not equal "
+                  "(worst %.2e)" % (what, " under mesh.pp=2" if pp else "", worst))
+            if p.returncode != 0:
+                print(p.stderr[-2000:])
     # sharding_strategy / zero_stage (Accelerate's and DeepSpeed's words): the mesh and
     # reshard_after_forward they stand for, training as one rank does
     # (sanitized builds: the two 2-D meshes; the others differ only in what the parser sets)
@@ -735,6 +752,22 @@ def family():
                   lines[(2, True)] == [("compute f32", "reshard_after_forward false")],
                   "tiny_qwen3_moe: under mesh.ep the experts' units keep their units item's "
                   "mp_policy and reshard_after_forward (%s)" % lines)
+            # experts no item names take their layer's item, where they compute without ep
+            layer = os.path.join(tmp, "layer-unit.yaml")
+            with open(plan) as f, open(layer, "w") as g:
+                g.write(f.read().replace(
+                    '    units: ["model.layers.*"]\n',
+                    '    units: [{match: "model.layers.*", mp_policy: {param_dtype: bf16}}]\n'))
+            q, _ = run(1, [layer, "--dry-run", "--world", "2", "--set", "mesh.dp_shard=2",
+                           "--set", "data.global_batch_size=4", "--set", "mesh.ep=2"])
+            lm = os.path.join(tmp, "layer-unit.jsonl")
+            r, _ = run(2, [layer, "--set", "mesh.dp_shard=2", "--set", "data.global_batch_size=4",
+                           "--set", "mesh.ep=2", "--set", "train.steps=2", "--metrics", lm])
+            experts = set(re.findall(r"^  model\.layers\.\d+\.mlp\.experts\s+compute (\S+)"
+                                     r".*output (\S+)", q.stdout, re.M))
+            check(experts == {("bf16", "given")} and r.returncode == 0 and len(losses(lm)) == 2,
+                  "tiny_qwen3_moe: under mesh.ep experts no item names compute in their layer's "
+                  "item's bf16 and train (%s, exit %d)" % (experts, r.returncode))
             with open(own) as f:
                 bad2 = f.read().replace("reshard_after_forward: false}",
                                         "reshard_after_forward: 2}")

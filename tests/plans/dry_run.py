@@ -94,6 +94,27 @@ def dry_run():
                   "communication %d B, estimated %s B" %
                   (name, ac, peak, want_peak, 100.0 * (want_peak - peak) / peak,
                    m[-1]["comm_bytes"], est_comm.group(1)))
+    # a tied head outside the token embedding's unit gathers and reduces that unit on demand
+    # (each reshard_after_forward, and across replicas): the communication exactly
+    for name, n, sets in (
+            ("fsdp", 4, ["model.tie_embeddings=true", "parallelize.fully_shard.units="
+                         "[model.layers.*, model.embed_tokens]",
+                         "parallelize.fully_shard.reshard_after_forward=2"]),
+            ("fsdp", 4, ["model.tie_embeddings=true", "parallelize.fully_shard.units="
+                         "[model.layers.*, model.embed_tokens]", "mesh.dp_shard=2",
+                         "mesh.dp_replicate=2", "data.grad_accum=2"]),
+            ("gpt2", 2, ["parallelize.fully_shard.units=[transformer.h.*, transformer.wte]",
+                         "parallelize.fully_shard.reshard_after_forward=false"])):
+        plan = os.path.join(ROOT, "configs", name + ".yaml")
+        args = sum((["--set", x] for x in sets + ["train.steps=2"]), [])
+        d, _ = run(n, [plan, "--dry-run"] + args)
+        est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
+        metrics = os.path.join(tmp, "tied-%s-%d.jsonl" % (name, len(sets)))
+        q, _ = run(n, [plan, "--metrics", metrics] + args)
+        got = losses(metrics)[-1]["comm_bytes"] if q.returncode == 0 else -1
+        check(est is not None and got == int(est.group(1)),
+              "%s with %s: communication %d B per step, estimated %s B"
+              % (name, " ".join(sets[1:]), got, est.group(1) if est else "none"))
     print("dry-run peak estimates: worst error %.1f%% over %d runs" % (100 * worst,
                                                                      2 * len(PLANS) + 4))
     # --world N from one process prints the memory and communication figures of a dry run
