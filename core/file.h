@@ -81,9 +81,8 @@ void file_inputs_free(file_inputs_t *in);
 fsdpc_status_t file_inputs_add(file_inputs_t *in, const char *path, const char *what);
 
 /* Checks that the output file path may be written, before anything is: when it exists it is
- * a writable regular file (a symbolic link, a folder, a FIFO or a device is refused) and none
- * of the inputs (NULL: none); its folder exists and is writable. Errors read "WHAT 'PATH':
- * reason". */
+ * a regular file (a symbolic link, a folder, a FIFO or a device is refused) and none of the
+ * inputs (NULL: none); its folder exists and is writable. Errors read "WHAT 'PATH': reason". */
 fsdpc_status_t file_check_output(const char *path, const char *what, const file_inputs_t *in);
 
 /* The same for an output folder that is written whole and renamed into place: when path exists

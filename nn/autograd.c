@@ -335,16 +335,23 @@ static fsdpc_status_t call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_v
 }
 
 /* call() with the casts at m's boundary (nn_module_set_cast). Called inside another module
- * that cast its input, m returns the dtype it was given: its output goes on in the caller's
- * arithmetic, whose operations take one dtype (an f32 MLP unit in a bf16 block, an f32
- * experts unit in a bf16 layer). Else its output is cast to its output dtype, if it has one;
- * without one, a unit narrower than an f32 input returns f32. */
+ * with casts that is not the root (a unit's module with parameters below the top), m returns
+ * the dtype it was given: its output goes on in that module's arithmetic, whose operations
+ * take one dtype (an f32 MLP unit in a bf16 block, an f32 experts unit in a bf16 layer).
+ * Else its output is cast to its output dtype, if it has one; without one, a unit narrower
+ * than an f32 input returns f32. */
 static fsdpc_status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn, nn_var_t *in,
                                 nn_var_t **out) {
   dtype_t cin, cout;
   nn_module_cast(m, &cin, &cout);
   dtype_t given = in ? in->value.dtype : DTYPE_COUNT;
-  if (cin == DTYPE_COUNT || in == NULL || !dtype_is_float(given)) return call(ctx, m, fn, in, out);
+  int inner = cin != DTYPE_COUNT && nn_module_parent(m) != NULL; /* for the units inside it */
+  if (cin == DTYPE_COUNT || in == NULL || !dtype_is_float(given)) {
+    ctx->casts += inner;
+    fsdpc_status_t st = call(ctx, m, fn, in, out);
+    ctx->casts -= inner;
+    return st;
+  }
   if (ctx->casts > 0)
     cout = given;
   else if (cout == DTYPE_COUNT && given == DTYPE_F32 && cin != DTYPE_F32)
@@ -352,9 +359,9 @@ static fsdpc_status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn,
   nn_var_t *x = NULL, *y = NULL;
   *out = NULL;
   FSDPC_TRY(nn_cast(ctx, in, cin, &x));
-  ctx->casts++;
+  ctx->casts += inner;
   fsdpc_status_t st = call(ctx, m, fn, x, &y);
-  ctx->casts--;
+  ctx->casts -= inner;
   nn_var_put(x);
   if (st != STATUS_OK || cout == DTYPE_COUNT || !dtype_is_float(y->value.dtype)) {
     *out = y;

@@ -284,13 +284,16 @@ fsdpc_status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in
   ARG_NONNULL(out);
   fsdpc_status_t st =
       m->wrap ? m->wrap(ctx, m, in, out, m->forward, m->wrap_user) : m->forward(ctx, m, in, out);
-  /* a leaf's dtype error named by the leaf: an input whose dtype is not its parameters' (an
-   * mp_policy output_dtype narrower than a module outside the units, which no unit casts) */
+  /* a leaf's dtype error named by the leaf: an input whose dtype is not its parameters' (a
+   * unit before it returned its compute dtype or its output_dtype, and no unit casts for this
+   * module) */
   if (st == STATUS_EDTYPE && m->n_children == 0 && nn_module_num_params(m) > 0)
     st = err_prefix(st,
                     "%s: its input is not of its parameters' dtype (a unit's mp_policy "
-                    "output_dtype that it, outside every unit, does not take?)",
-                    nn_module_fqn(m));
+                    "output_dtype, or the compute dtype a unit before it returns, which no unit "
+                    "casts for %s: make it a unit of its own with parameters, which casts its "
+                    "input, or give the unit before it an output_dtype of this dtype)",
+                    nn_module_fqn(m), nn_module_fqn(m));
   return st;
 }
 

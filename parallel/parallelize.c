@@ -275,6 +275,9 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
   o.reduce_dtype = u ? u->reduce_dtype : pp->reduce_dtype;
   o.output_dtype = u ? u->output_dtype : pp->output_dtype;
   fsdp_group_t *g;
+  bool own_dtypes =
+      u && (u->param_dtype != pp->param_dtype || u->reduce_dtype != pp->reduce_dtype ||
+            u->output_dtype != pp->output_dtype);
   /* under a pipeline, the stage's modules that use a parameter of mod's (a tied head, which
    * shares the token embedding's weight) join its unit: their forwards are the unit's */
   nn_module_t *with[1 + PARALLEL_MAX_SHARERS];
@@ -287,6 +290,14 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
     FSDPC_TRY(fully_shard_modules(with, n_with, &o, &g));
   else
     FSDPC_TRY(fully_shard(mod, &o, &g));
+  /* a unit without parameters of its own (a head tied to the token embedding) gathers and
+   * casts nothing: an item's mp_policy for it would be ignored */
+  if (own_dtypes && fsdp_num_params(g) == 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: parallelize.fully_shard.units item '%s': %s has no parameters of its own "
+                   "(a tied head uses the token embedding's), so its mp_policy would not apply; "
+                   "give the dtypes to the unit that holds them",
+                   u->where.text, u->pattern, nn_module_fqn(mod));
   /* an expert's gradient sums its ep group's losses' (nn_moe_expert_parallel): summed over
    * the other groups too, divided by every data-parallel rank as the dense ones' average; with
    * tp, summed over the tp ranks as well, which share their tokens' gradients under sequence
@@ -348,25 +359,29 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
                        .output_dtype = pp->output_dtype};
   if (par->ep_fsdp_mesh != NULL && is_experts(mod)) { /* a unit of its own, on its mesh */
     *left = 0;
-    /* with the units item that matches it, else the one of the unit it lies in (where it
-     * computes without expert parallelism: its dtypes), else the section's settings; a group
-     * size for reshard_after_forward it was not given, where it spans the experts' smaller
-     * shard group, keeps them gathered (as it would a group that size) */
-    int from = u;
-    for (const nn_module_t *up = nn_module_parent(mod); from < 0 && up != NULL && up != par->root;
-         up = nn_module_parent(up))
-      from = first_unit(pp, up);
-    plan_unit_t e = from >= 0 ? pp->units[from] : sized;
+    /* with the units item that matches it, else the section's settings with the dtypes of
+     * the unit it lies in (where it computes without expert parallelism); a group size for
+     * reshard_after_forward it was not given, where it spans the experts' smaller shard
+     * group, keeps them gathered (as it would a group that size) */
+    plan_unit_t e = u >= 0 ? pp->units[u] : sized;
+    int in = -1;
+    for (const nn_module_t *up = nn_module_parent(mod);
+         u < 0 && in < 0 && up != NULL && up != par->root; up = nn_module_parent(up))
+      in = first_unit(pp, up);
+    if (in >= 0) {
+      e.param_dtype = pp->units[in].param_dtype;
+      e.reduce_dtype = pp->units[in].reduce_dtype;
+      e.output_dtype = pp->units[in].output_dtype;
+    }
     int W = mesh_size(par->ep_fsdp_mesh, mesh_ndim(par->ep_fsdp_mesh) - 1);
     int N = e.reshard_after_forward;
     if (u < 0 && N >= 2 && (N >= W || W % N != 0)) e.reshard_after_forward = 0;
     fsdpc_status_t st = shard_unit(par, pp, mod, &e);
-    if (st != STATUS_OK && from >= 0)
+    if (st != STATUS_OK && u >= 0)
       return err_prefix(st,
                         "%s: parallelize.fully_shard.units[%d] ('%s', %s: its experts shard over "
                         "dp_shard / ep = %d ranks)",
-                        pp->units[from].where.text, from, pp->units[from].pattern,
-                        nn_module_fqn(mod), W);
+                        pp->units[u].where.text, u, pp->units[u].pattern, nn_module_fqn(mod), W);
     return st;
   }
   /* a stage's own module with parameters left is a unit: the root's part under pipelines */

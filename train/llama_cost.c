@@ -359,6 +359,19 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
   /* under a pipeline the units gather once a step and reduce after the last microbatch, unless
    * pipeline.sync_every_microbatch */
   double Au = p->par.pp > 1 && !p->par.pp_sync_every ? 1 : A;
+  /* with tied embeddings, the unit holding the token embedding (its own, or the innermost
+   * that contains it: the body's), unless it is the root's, which the head is inside */
+  int tied = -1;
+  size_t best = 0;
+  const char *emb = p->model.arch == LLAMA_ARCH_GPT2 ? "transformer.wte" : "model.embed_tokens";
+  for (int i = 0; i < n && p->model.tie_embeddings && p->par.pp == 1; i++) {
+    const char *name = fsdp_group_name(groups[i]);
+    size_t l = strlen(name);
+    if (l > best && strncmp(emb, name, l) == 0 && (emb[l] == 0 || emb[l] == '.')) {
+      best = l;
+      tied = i;
+    }
+  }
   for (int i = 0; i < n; i++) {
     const fsdp_group_t *g = groups[i];
     int W = fsdp_shard_size(g) > 0 ? fsdp_shard_size(g) : p->par.dp_shard;
@@ -387,11 +400,7 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
      * forward and backward, the embedding's backward a full gather after the head's backward
      * resharded it; kept gathered: the embedding's backward's gather alone), and the head's
      * gradient reduced as the unit's own */
-    size_t nl = strlen(fsdp_group_name(g));
-    const char *tail = fsdp_group_name(g) + (nl > 4 ? nl - 4 : 0);
-    bool head_use = p->model.tie_embeddings && p->par.pp == 1 && !root &&
-                    (strcmp(tail, ".wte") == 0 ||
-                     (nl > 13 && strcmp(fsdp_group_name(g) + nl - 13, ".embed_tokens") == 0));
+    bool head_use = i == tied;
     if (head_use) {
       double full = (W - 1) * flat * (double)dtype_size(pd);
       double part = rs >= 2 ? (rs - 1) * flat * W / rs * (double)dtype_size(pd) : 0;

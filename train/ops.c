@@ -526,8 +526,9 @@ fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *met
   return err_set(STATUS_EINVAL,
                  "--metrics (or log.metrics) '%s' holds the lines of steps %.0f to %.0f, after "
                  "step %lld, where this run resumes from '%s', outside its checkpoint.dir: "
-                 "this run would replace them, and they belong to the run it branches from; "
-                 "give this run a metrics file of its own",
+                 "this run would replace them, and they belong to the run it branches from (or "
+                 "to an earlier attempt of this one); give this run a metrics file of its own, "
+                 "or remove those lines",
                  metrics, first, last, (long long)start, resumed);
 }
 
@@ -550,6 +551,13 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
   if (st == STATUS_OK && metrics && metrics[0]) {
     st = outside_checkpoints(p, metrics, "--metrics (or log.metrics)");
     if (st == STATUS_OK) st = file_check_output(metrics, "--metrics (or log.metrics)", in);
+    /* a fresh run writes into it (a resumed one renames a new file over it) */
+    if (st == STATUS_OK && !(resumed && resumed[0]) && access(metrics, F_OK) == 0 &&
+        access(metrics, W_OK) != 0)
+      st = err_set(STATUS_EIO,
+                   "--metrics (or log.metrics) '%s': exists and cannot be written (%s); nothing "
+                   "was written",
+                   metrics, strerror(errno));
     if (st == STATUS_OK) st = file_inputs_add(in, metrics, "the metrics file");
   }
   if (st == STATUS_OK && plot) {

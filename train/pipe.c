@@ -216,6 +216,43 @@ static fsdpc_status_t stage_forwarded(int mb, void *user) {
   return nn_moe_aux_stats_share(u->aux, u->total + at); /* and the data-parallel ranks' */
 }
 
+/* The settings of module fqn's unit under a pipeline (each block, the embedding, the norm and
+ * the head a unit): the first units item that matches it, else the section's. */
+static void unit_dtypes(const fsdpc_plan_t *p, const char *fqn, dtype_t *compute, dtype_t *out) {
+  const plan_unit_t *u = NULL;
+  for (int i = 0; i < p->par.n_units && u == NULL; i++)
+    if (nn_fqn_match(p->par.units[i].pattern, fqn)) u = &p->par.units[i];
+  dtype_t c = u ? u->param_dtype : p->par.param_dtype;
+  *compute = c != DTYPE_COUNT ? c : DTYPE_F32;
+  *out = u ? u->output_dtype : p->par.output_dtype;
+}
+
+/* What crosses the stage boundaries: the dtype each stage's last block returns as it does
+ * without a pipeline (the token embedding's compute dtype, then each block's output dtype,
+ * else f32 for an f32 input it computes narrower, else its compute dtype); f32 where the
+ * boundaries differ, which holds each of them exactly (stage_forward_on widens each stage's
+ * output to it; the units cast what they take, so the stages compute what they do without a
+ * pipeline). */
+static dtype_t boundary_dtype(const run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  bool gpt2 = p->model.arch == LLAMA_ARCH_GPT2;
+  int S = pp_schedule_stages(r->pp_sched);
+  dtype_t d, out, c, at = DTYPE_COUNT;
+  unit_dtypes(p, gpt2 ? "transformer.wte" : "model.embed_tokens", &d, &out);
+  for (int s = 0; s < S - 1; s++) {
+    int64_t b0 = 0, b1 = 0;
+    llama_stage_range(r->llama, s, S, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++) {
+      char fqn[64];
+      snprintf(fqn, sizeof fqn, gpt2 ? "transformer.h.%lld" : "model.layers.%lld", (long long)b);
+      unit_dtypes(p, fqn, &c, &out);
+      d = out != DTYPE_COUNT ? out : d == DTYPE_F32 ? DTYPE_F32 : c;
+    }
+    at = at == DTYPE_COUNT || at == d ? d : DTYPE_F32;
+  }
+  return at == DTYPE_COUNT ? DTYPE_F32 : at;
+}
+
 pp_step_options_t train_pp_options(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   pp_step_options_t o = PP_STEP_OPTIONS_INIT;
@@ -228,18 +265,7 @@ pp_step_options_t train_pp_options(run_t *r) {
   o.shape[1] = sp ? p->seq_len / p->par.tp : p->seq_len;
   o.shape[2] = p->model.dim;
   o.layout = sp ? TP_SHARD_SEQ : 0;
-  /* a stage's last unit's output: mp_policy's output_dtype, else its compute dtype; with
-   * units of several dtypes (mp_policy of an item), f32, which holds each of them exactly:
-   * every stage's output is widened to it (stage_forward_on), and the units cast what they
-   * take, so the stages compute what they do without a pipeline */
-  dtype_t sec = p->par.param_dtype != DTYPE_COUNT ? p->par.param_dtype : DTYPE_F32;
-  o.dtype = p->par.output_dtype != DTYPE_COUNT ? p->par.output_dtype : sec;
-  for (int i = 0; i < p->par.n_units; i++) {
-    const plan_unit_t *it = &p->par.units[i];
-    dtype_t c = it->param_dtype != DTYPE_COUNT ? it->param_dtype : DTYPE_F32;
-    dtype_t out = it->output_dtype != DTYPE_COUNT ? it->output_dtype : c;
-    if (c != o.dtype || out != o.dtype) o.dtype = DTYPE_F32;
-  }
+  o.dtype = boundary_dtype(r);
   o.device = r->dev;
   o.forward = stage_forward;
   o.input = stage_input;

@@ -812,7 +812,8 @@ fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
   if (p->ckpt_load[0] && strcmp(p->ckpt_load, "auto") != 0) {
     char state[PLAN_PATH_MAX + 32];
     snprintf(state, sizeof state, "%s/train_state.json", p->ckpt_load);
-    if (access(state, R_OK) != 0 && !file_is_dir(p->ckpt_load)) {
+    struct stat sb;
+    if (access(state, R_OK) != 0 && stat(p->ckpt_load, &sb) != 0) {
       const char *b = strrchr(p->ckpt_load, '/');
       b = b ? b + 1 : p->ckpt_load;
       return err_set(STATUS_EIO, "%s: checkpoint.load: '%s' does not exist%s", p->ckpt_where.text,
@@ -821,6 +822,11 @@ fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
                                                   "checkpoint.dir is auto, in lower case)"
                                                 : "");
     }
+    if (access(state, R_OK) != 0 && !S_ISDIR(sb.st_mode))
+      return err_set(STATUS_EIO,
+                     "%s: checkpoint.load: '%s' is not a folder (a checkpoint is its step folder, "
+                     "checkpoint.dir/step-N)",
+                     p->ckpt_where.text, p->ckpt_load);
     if (access(state, R_OK) != 0) {
       char hint[3 * PLAN_PATH_MAX];
       load_hint(p->ckpt_load, hint, sizeof hint);

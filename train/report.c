@@ -270,8 +270,8 @@ static void header_data(const run_t *r) {
     if (p->eval_interval > 0)
       snprintf(every, sizeof every, "every %lld steps and ", (long long)p->eval_interval);
     printf(
-        "  eval: %s (%lld tokens), %lld global batches of %lld samples (%lld x %lld micro-batches "
-        "x %lld data-parallel ranks) %safter the last step\n",
+        "  eval: %s (%lld tokens), %lld global batches of %lld samples (eval.batch_size %lld x "
+        "%lld micro-batches x %lld data-parallel ranks) %safter the last step\n",
         p->eval_path, (long long)data_num_tokens(r->eval), (long long)p->eval_batches,
         (long long)(p->eval_batch_size * p->grad_accum * r->dp_size), (long long)p->eval_batch_size,
         (long long)p->grad_accum, (long long)r->dp_size, every);
@@ -453,11 +453,16 @@ static void unit_dtypes(const run_t *r) {
     dtype_t cin = DTYPE_COUNT, cout = DTYPE_COUNT;
     nn_module_t *m = name[0] ? nn_module_find(r->root, name) : NULL;
     if (m) nn_module_cast(m, &cin, &cout);
-    bool inside = false; /* a unit's module above it, the root (given token ids) aside */
-    for (const nn_module_t *up = m ? nn_module_parent(m) : NULL; up && up != r->root && !inside;
-         up = nn_module_parent(up))
-      inside = fsdp_group_of(up) != NULL;
+    bool inside = false; /* a unit's module with parameters above it, the root aside (as
+                          * the run decides: cast_call) */
+    for (const nn_module_t *up = m ? nn_module_parent(m) : NULL;
+         up && nn_module_parent(up) != NULL && !inside; up = nn_module_parent(up))
+      inside = fsdp_group_of(up) != NULL && fsdp_num_params(fsdp_group_of(up)) > 0;
     char rb[16];
+    if (fsdp_num_params(g) == 0) { /* its modules compute in the dtype of what they use */
+      printf("  %-28s (no parameters of its own)\n", name[0] ? name : "(root)");
+      continue;
+    }
     printf("  %-28s compute %-4s  reduce %-4s  output %-5s  reshard_after_forward %s\n",
            name[0] ? name : "(root)", dtype_name(fsdp_param_dtype(g)),
            dtype_name(fsdp_reduce_dtype(g)),

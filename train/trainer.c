@@ -322,8 +322,9 @@ static fsdpc_status_t check_before_training(run_t *r) {
   fsdpc_status_t st = STATUS_OK;
   if (world_rank() == 0) /* rank 0 writes them */
     st = train_check_outputs(p, metrics, r->args.plot, r->data, r->eval, r->resumed_from);
-  /* the checkpoint's state and its files' headers (a dry run reads no further) */
-  if (st == STATUS_OK && r->resumed_from[0]) st = ckpt_check_state(r->resumed_from);
+  /* the checkpoint's state and its files' headers (a dry run reads no further), by rank 0 */
+  if (st == STATUS_OK && r->resumed_from[0] && world_rank() == 0)
+    st = ckpt_check_state(r->resumed_from);
   if (st == STATUS_OK && r->resumed_from[0] && r->builtin)
     st = train_check_model(p, r->resumed_from);
   if (st == STATUS_OK && r->resumed_from[0] && !r->builtin) st = check_own_model(r);
@@ -600,7 +601,7 @@ static FILE *metrics_open(const char *path, int64_t start, char *defer, size_t d
   if (junk > 0)
     fprintf(stderr,
             "%s: warning: the metrics file '%s' had %lld line%s that %s no step's metrics (a "
-            "line cut short when a run was killed); left out\n",
+            "line cut short when a run was killed, or another program's); left out\n",
             train_prog(), path, (long long)junk, junk == 1 ? "" : "s", junk == 1 ? "is" : "are");
   /* a run stopped on a metrics line it could not write saved that step first */
   if (last > 0 && last < (double)start)

@@ -62,7 +62,8 @@ def configs():
                                      'mp_policy: {param_dtype: bf16, reduce_dtype: f32}',
          {"model.layers.0": "f32", "model.layers.1": "bf16", "lm_head": "bf16",
           "(root)": "bf16"}),
-        # units inside units: each MLP returns its block's bf16, whatever it computes in
+        # units inside units: each MLP returns its block's bf16, whatever it computes in (the
+        # blocks checkpointed: their recomputation too)
         ("bf16, the MLPs f32", 'units: [{match: "model.layers.*.mlp", mp_policy: {param_dtype: '
                                'f32}}, "model.layers.*"]\n    mp_policy: {param_dtype: bf16, '
                                'reduce_dtype: f32}',
@@ -80,9 +81,11 @@ def configs():
               "%s: the units compute in %s, the inner ones return what they are given "
               "(--dry-run: %s, %s)" % (what, want, got, given))
         # and under a pipeline (its stages pass f32 between units of several dtypes)
+        ac = ["--set", "train.activation_checkpointing=true"] if "MLPs" in what else []
         for pp in ([], ["--set", "mesh.pp=2", "--set", "data.grad_accum=2"]):  # global batch
             metrics = os.path.join(tmp, "mixed-%d-%d.jsonl" % (k, len(pp)))
-            p, _ = run(4, [plan, "--set", "train.steps=%d" % STEPS, "--metrics", metrics] + pp)
+            p, _ = run(4, [plan, "--set", "train.steps=%d" % STEPS, "--metrics", metrics] + pp +
+                       ac)
             m = [r["loss"] for r in losses(metrics)] if p.returncode == 0 else []
             worst = max(abs(a - b) / abs(b) for a, b in zip(m, ref)) if m and ref else 1
             check(len(m) == STEPS and 0 < worst <= 2e-3,
@@ -362,7 +365,8 @@ def evaluation():
     wide, we, out = train("wide", ["--set", "eval.batch_size=4", "--set", "eval.batches=2"])
     close = we is not None and ev is not None and len(we) == len(ev) and all(
         abs(a[1] - b[1]) <= 1e-6 * abs(b[1]) for a, b in zip(we, ev))
-    check(close and wide == fsdp and "2 global batches of 8 samples (4 x 1 micro-batches x 2 data-parallel ranks)" in out,
+    check(close and wide == fsdp and "2 global batches of 8 samples (eval.batch_size 4 x 1 micro-batches x 2 "
+          "data-parallel ranks)" in out,
           "eval.batch_size 4 over 2 batches gives the evaluation of 4 batches of 2 (%s, %s)"
           % (we, ev))
     # with weights that cannot move, evaluation of the training file's first four batches is

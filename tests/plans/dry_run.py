@@ -104,17 +104,19 @@ def dry_run():
                          "[model.layers.*, model.embed_tokens]", "mesh.dp_shard=2",
                          "mesh.dp_replicate=2", "data.grad_accum=2"]),
             ("gpt2", 2, ["parallelize.fully_shard.units=[transformer.h.*, transformer.wte]",
-                         "parallelize.fully_shard.reshard_after_forward=false"])):
+                         "parallelize.fully_shard.reshard_after_forward=false"]),
+            # the embedding inside the body's unit: that unit is the one used on demand
+            ("gpt2", 2, ["parallelize.fully_shard.units=[transformer.h.*, transformer]"])):
         plan = os.path.join(ROOT, "configs", name + ".yaml")
         args = sum((["--set", x] for x in sets + ["train.steps=2"]), [])
         d, _ = run(n, [plan, "--dry-run"] + args)
         est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
-        metrics = os.path.join(tmp, "tied-%s-%d.jsonl" % (name, len(sets)))
+        metrics = os.path.join(tmp, "tied-%s-%d.jsonl" % (name, len(sets) + len(sets[0])))
         q, _ = run(n, [plan, "--metrics", metrics] + args)
         got = losses(metrics)[-1]["comm_bytes"] if q.returncode == 0 else -1
         check(est is not None and got == int(est.group(1)),
               "%s with %s: communication %d B per step, estimated %s B"
-              % (name, " ".join(sets[1:]), got, est.group(1) if est else "none"))
+              % (name, " ".join(sets), got, est.group(1) if est else "none"))
     print("dry-run peak estimates: worst error %.1f%% over %d runs" % (100 * worst,
                                                                      2 * len(PLANS) + 4))
     # --world N from one process prints the memory and communication figures of a dry run
@@ -325,7 +327,8 @@ def messages():
         r"ck: a run's checkpoint folder, 1 complete checkpoint:\n  step-00000002 +complete\n"
         r"  step-00000004\.tmp +a save that did not finish", p.stdout),
         "fsdp-ckpt inspect of a run's folder lists its checkpoints (%s)" % p.stdout.strip()[:200])
-    for cmd in (["verify", ck], ["export-hf", ck, ck + "-hf"]):
+    for cmd in (["verify", ck], ["export-hf", ck, ck + "-hf"],
+                ["reshard", ck, "--to", fsdp_yaml, ck + "-rs", "--world", "2"]):
         p = sh([TOOL] + cmd, timeout=60)
         check(p.returncode != 0 and re.search(
             r"ck is a run's checkpoint folder \(2 step folders\): %s takes one checkpoint, such "

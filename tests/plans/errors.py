@@ -40,6 +40,12 @@ def errors():
         ("a rotary theta for GPT-2", base, ["--set", "model.architecture=gpt2", "--set",
                                             "model.rope_theta=1000000"],
          r"model\.rope_theta: gpt2 has no rotary embedding \(its positions are learned\)"),
+        ("an mp_policy for a head tied to the embedding", base.replace(
+            'units: ["model.layers.*"]',
+            'units: ["model.layers.*", model.embed_tokens, {match: lm_head, mp_policy: '
+            '{param_dtype: bf16}}]'), ["--set", "model.tie_embeddings=true"],
+         r"units item 'lm_head': lm_head has no parameters of its own \(a tied head uses the "
+         r"token embedding's\), so its mp_policy would not apply"),
         ("an llm.c token file read as text", base.replace(data, llmc_as_text), [],
          r"llmc\.bin: starts with llm\.c's header \(magic 20240520\).*data\.format: llmc"),
         ("syntax error", "mesh: [1, 2\n", [], r"bad\d*\.yaml:\d+:\d+: not valid YAML"),
@@ -412,7 +418,8 @@ def errors():
             (os.path.join(ROOT, "configs", "fsdp.yaml"),
              ["mesh.dp_shard=2", "parallelize.fully_shard.mp_policy.output_dtype=bf16"],
              r"lm_head: its input is not of its parameters' dtype \(a unit's mp_policy "
-             r"output_dtype")):
+             r"output_dtype, or the compute dtype a unit before it returns, which no unit casts "
+             r"for lm_head: make it a unit of its own with parameters")):
         p, _ = run(2, [plan, "--set", "train.steps=2"] + sum((["--set", x] for x in sets), []),
                    timeout=120)
         said = ranks_saying(p.stderr, want)
