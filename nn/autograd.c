@@ -35,7 +35,7 @@ struct nn_ctx {
   bool grad_enabled;
   int suspended; /* > 0 inside the forward of a checkpointed call */
   bool recomputing;
-  int casts;           /* calls in progress whose module cast its input (nn_module_set_cast) */
+  int casts;           /* calls in progress of modules with casts below the root (cast_call) */
   nn_module_t **calls; /* the module calls in progress, outermost first */
   int n_calls, cap_calls;
 };
@@ -346,21 +346,18 @@ static fsdpc_status_t cast_call(nn_ctx_t *ctx, nn_module_t *m, nn_forward_fn fn,
   nn_module_cast(m, &cin, &cout);
   dtype_t given = in ? in->value.dtype : DTYPE_COUNT;
   int inner = cin != DTYPE_COUNT && nn_module_parent(m) != NULL; /* for the units inside it */
-  if (cin == DTYPE_COUNT || in == NULL || !dtype_is_float(given)) {
-    ctx->casts += inner;
-    fsdpc_status_t st = call(ctx, m, fn, in, out);
-    ctx->casts -= inner;
-    return st;
-  }
-  if (ctx->casts > 0)
+  bool cast = cin != DTYPE_COUNT && in != NULL && dtype_is_float(given);
+  if (!cast)
+    cout = DTYPE_COUNT;
+  else if (ctx->casts > 0)
     cout = given;
   else if (cout == DTYPE_COUNT && given == DTYPE_F32 && cin != DTYPE_F32)
     cout = DTYPE_F32;
   nn_var_t *x = NULL, *y = NULL;
   *out = NULL;
-  FSDPC_TRY(nn_cast(ctx, in, cin, &x));
+  if (cast) FSDPC_TRY(nn_cast(ctx, in, cin, &x));
   ctx->casts += inner;
-  fsdpc_status_t st = call(ctx, m, fn, x, &y);
+  fsdpc_status_t st = call(ctx, m, fn, cast ? x : in, &y);
   ctx->casts -= inner;
   nn_var_put(x);
   if (st != STATUS_OK || cout == DTYPE_COUNT || !dtype_is_float(y->value.dtype)) {

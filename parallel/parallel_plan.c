@@ -449,6 +449,12 @@ int parallel_plan_tp_rules(const parallel_plan_t *pp, tp_rule_t *out) {
 
 /* ---- resolve ---- */
 
+const plan_unit_t *parallel_plan_unit(const parallel_plan_t *pp, const char *fqn) {
+  for (int u = 0; pp != NULL && fqn != NULL && u < pp->n_units; u++)
+    if (nn_fqn_match(pp->units[u].pattern, fqn)) return &pp->units[u];
+  return NULL;
+}
+
 bool parallel_plan_ep_borrows_tp(const parallel_plan_t *pp) {
   return pp != NULL && pp->ep > 1 && pp->dp_shard > 0 && pp->dp_shard % pp->ep != 0;
 }

@@ -155,6 +155,10 @@ fsdpc_status_t plan_yaml_check_depth(const char *origin, const char *text, size_
 fsdpc_status_t parallel_plan_add_tp_rule(parallel_plan_t *pp, const char *pattern, tp_style_t style,
                                          tp_layout_t input, tp_layout_t output);
 
+/* The units item module fqn takes: the first whose pattern matches it (NULL: none; the
+ * section's settings apply). */
+const plan_unit_t *parallel_plan_unit(const parallel_plan_t *pp, const char *fqn);
+
 /* Adds a fully_shard unit given in code, with the section's settings. */
 fsdpc_status_t parallel_plan_add_unit(parallel_plan_t *pp, const char *pattern);
 

@@ -314,9 +314,8 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
 
 /* The index of the first unit pattern matching mod, or -1. */
 static int first_unit(const parallel_plan_t *pp, const nn_module_t *mod) {
-  for (int u = 0; u < pp->n_units; u++)
-    if (nn_fqn_match(pp->units[u].pattern, nn_module_fqn(mod))) return u;
-  return -1;
+  const plan_unit_t *u = parallel_plan_unit(pp, nn_module_fqn(mod));
+  return u ? (int)(u - pp->units) : -1;
 }
 
 static int64_t param_numel(const nn_param_t *p) {

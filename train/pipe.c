@@ -218,10 +218,9 @@ static fsdpc_status_t stage_forwarded(int mb, void *user) {
 
 /* The settings of module fqn's unit under a pipeline (each block, the embedding, the norm and
  * the head a unit): the first units item that matches it, else the section's. */
-static void unit_dtypes(const fsdpc_plan_t *p, const char *fqn, dtype_t *compute, dtype_t *out) {
-  const plan_unit_t *u = NULL;
-  for (int i = 0; i < p->par.n_units && u == NULL; i++)
-    if (nn_fqn_match(p->par.units[i].pattern, fqn)) u = &p->par.units[i];
+static void unit_dtypes(const fsdpc_plan_t *p, const nn_module_t *m, dtype_t *compute,
+                        dtype_t *out) {
+  const plan_unit_t *u = parallel_plan_unit(&p->par, nn_module_fqn(m));
   dtype_t c = u ? u->param_dtype : p->par.param_dtype;
   *compute = c != DTYPE_COUNT ? c : DTYPE_F32;
   *out = u ? u->output_dtype : p->par.output_dtype;
@@ -235,17 +234,16 @@ static void unit_dtypes(const fsdpc_plan_t *p, const char *fqn, dtype_t *compute
  * pipeline). */
 static dtype_t boundary_dtype(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
-  bool gpt2 = p->model.arch == LLAMA_ARCH_GPT2;
   int S = pp_schedule_stages(r->pp_sched);
   dtype_t d, out, c, at = DTYPE_COUNT;
-  unit_dtypes(p, gpt2 ? "transformer.wte" : "model.embed_tokens", &d, &out);
+  nn_module_t *first[1];
+  llama_stage_modules(r->llama, 0, S, first, 1); /* the token embedding, stage 0's first */
+  unit_dtypes(p, first[0], &d, &out);
   for (int s = 0; s < S - 1; s++) {
     int64_t b0 = 0, b1 = 0;
     llama_stage_range(r->llama, s, S, &b0, &b1);
     for (int64_t b = b0; b < b1; b++) {
-      char fqn[64];
-      snprintf(fqn, sizeof fqn, gpt2 ? "transformer.h.%lld" : "model.layers.%lld", (long long)b);
-      unit_dtypes(p, fqn, &c, &out);
+      unit_dtypes(p, llama_layer(r->llama, b), &c, &out);
       d = out != DTYPE_COUNT ? out : d == DTYPE_F32 ? DTYPE_F32 : c;
     }
     at = at == DTYPE_COUNT || at == d ? d : DTYPE_F32;

@@ -245,6 +245,11 @@ void llama_config_number(double x, char *buf, size_t n) {
   }
 }
 
+/* transformers' rope_type of each rope_scaling_t */
+static const char *const rope_type_names[] = {
+    [ROPE_DEFAULT] = "default", [ROPE_LINEAR] = "linear", [ROPE_LLAMA3] = "llama3"};
+#define N_ROPE_TYPES (sizeof rope_type_names / sizeof rope_type_names[0])
+
 bool llama_config_same_function(const llama_config_t *a, const llama_config_t *b, char *why,
                                 size_t size) {
   if (a == NULL || b == NULL) return false;
@@ -267,7 +272,6 @@ bool llama_config_same_function(const llama_config_t *a, const llama_config_t *b
     double x = f[i].x, y = f[i].y;
     if (x == y || fabs(x - y) <= 1e-12 * fabs(y)) continue; /* a JSON round trip of a double */
     if (why) {
-      static const char *const rope_types[] = {"default", "linear", "llama3"}; /* by rope_t */
       char sx[32], sy[32];
       bool flag = strcmp(f[i].name, "norm_topk_prob") == 0;
       llama_config_number(x, sx, sizeof sx);
@@ -276,10 +280,10 @@ bool llama_config_same_function(const llama_config_t *a, const llama_config_t *b
         snprintf(sx, sizeof sx, "%s", x ? "true" : "false");
         snprintf(sy, sizeof sy, "%s", y ? "true" : "false");
       }
-      if (strcmp(f[i].name, "rope_scaling (rope_type)") == 0 && x >= 0 && x <= ROPE_LLAMA3 &&
-          y >= 0 && y <= ROPE_LLAMA3) {
-        snprintf(sx, sizeof sx, "%s", rope_types[(int)x]);
-        snprintf(sy, sizeof sy, "%s", rope_types[(int)y]);
+      if (strcmp(f[i].name, "rope_scaling (rope_type)") == 0 && x >= 0 && x < N_ROPE_TYPES &&
+          y >= 0 && y < N_ROPE_TYPES) {
+        snprintf(sx, sizeof sx, "%s", rope_type_names[(int)x]);
+        snprintf(sy, sizeof sy, "%s", rope_type_names[(int)y]);
       }
       snprintf(why, size, "%s %s vs %s", f[i].name, sx, sy);
     }
@@ -366,10 +370,6 @@ static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope)
   FSDPC_TRY(json_num(path, o, "rope_theta", &top));
   if (top != -1) rope->theta = top;
   static const char *const keys[] = {"rope_scaling", "rope_parameters"};
-  static const struct {
-    const char *name;
-    rope_scaling_t scaling;
-  } types[] = {{"default", ROPE_DEFAULT}, {"linear", ROPE_LINEAR}, {"llama3", ROPE_LLAMA3}};
   const char *typed = NULL; /* the section that set the type */
   for (int k = 0; k < 2; k++) {
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, keys[k]);
@@ -386,17 +386,17 @@ static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope)
       return err_set(STATUS_EUNSUPPORTED,
                      "%s: '%s' has no rope_type: its rotary embedding is unknown", path, keys[k]);
     size_t i = 0;
-    while (i < sizeof types / sizeof types[0] && strcmp(t->valuestring, types[i].name) != 0) i++;
-    if (i == sizeof types / sizeof types[0])
+    while (i < N_ROPE_TYPES && strcmp(t->valuestring, rope_type_names[i]) != 0) i++;
+    if (i == N_ROPE_TYPES)
       return err_set(STATUS_EUNSUPPORTED,
                      "%s: '%s.%s' is '%s': the rotary embeddings implemented are default, linear "
                      "and llama3 (no dynamic, yarn or longrope scaling)",
                      path, keys[k], tkey, t->valuestring);
-    if (typed != NULL && types[i].scaling != rope->scaling)
+    if (typed != NULL && (rope_scaling_t)i != rope->scaling)
       return err_set(STATUS_EFORMAT, "%s: '%s' and '%s' give different rope types", path, typed,
                      keys[k]);
     typed = keys[k];
-    rope->scaling = types[i].scaling;
+    rope->scaling = (rope_scaling_t)i;
     if (rope->scaling != ROPE_DEFAULT)
       FSDPC_TRY(rope_num(path, keys[k], r, "factor", &rope->factor));
     if (rope->scaling == ROPE_LLAMA3) {
@@ -742,7 +742,7 @@ fsdpc_status_t llama_config_to_hf_text(const llama_config_t *c, dtype_t dtype, c
       return err_set(STATUS_ENOMEM, "out of host memory");
     }
     bool llama3 = c->rope.scaling == ROPE_LLAMA3;
-    cJSON_AddStringToObject(r, "rope_type", llama3 ? "llama3" : "linear");
+    cJSON_AddStringToObject(r, "rope_type", rope_type_names[c->rope.scaling]);
     cJSON_AddNumberToObject(r, "factor", c->rope.factor);
     if (llama3) {
       cJSON_AddNumberToObject(r, "low_freq_factor", c->rope.low_freq_factor);
