@@ -24,6 +24,22 @@ void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size) {
   snprintf(out, size, "%s/step-%08" PRId64, root, step);
 }
 
+bool ckpt_step_name(const char *name, int64_t *step, bool *tmp) {
+  if (name == NULL) return false;
+  long long s;
+  char tail;
+  int got = sscanf(name, "step-%lld%c", &s, &tail);
+  size_t n = strlen(name);
+  bool is_tmp = got == 2 && n > 4 && strcmp(name + n - 4, ".tmp") == 0;
+  if ((got != 1 && !is_tmp) || s < 0) return false;
+  char canon[64];
+  snprintf(canon, sizeof canon, "step-%08lld%s", s, is_tmp ? ".tmp" : "");
+  if (strcmp(canon, name) != 0) return false;
+  if (step) *step = s;
+  if (tmp) *tmp = is_tmp;
+  return true;
+}
+
 fsdpc_status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx) {
   ARG_NONNULL(root);
   ARG_NONNULL(fn);
@@ -32,14 +48,9 @@ fsdpc_status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx) {
   struct dirent *e;
   fsdpc_status_t st = STATUS_OK;
   while (st == STATUS_OK && (e = readdir(d)) != NULL) {
-    long long s;
-    char tail;
-    int got = sscanf(e->d_name, "step-%lld%c", &s, &tail);
-    bool is_tmp = got == 2 && strcmp(e->d_name + strlen(e->d_name) - 4, ".tmp") == 0;
-    if ((got != 1 && !is_tmp) || s < 0) continue;
-    char canon[64]; /* only the names fsdp-train writes: step-6 or 20 digits are someone else's */
-    snprintf(canon, sizeof canon, "step-%08lld%s", s, is_tmp ? ".tmp" : "");
-    if (strcmp(canon, e->d_name) != 0) continue;
+    int64_t s;
+    bool is_tmp;
+    if (!ckpt_step_name(e->d_name, &s, &is_tmp)) continue;
     char sub[PATH_LEN], state[PATH_LEN];
     st = file_join(sub, sizeof sub, root, e->d_name);
     if (st == STATUS_OK) st = file_join(state, sizeof state, sub, "train_state.json");

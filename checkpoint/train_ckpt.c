@@ -303,20 +303,19 @@ static fsdpc_status_t check_step_name(const char *dir, const char *path, const c
   while (n > 1 && dir[n - 1] == '/') n--;
   size_t b = n;
   while (b > 0 && dir[b - 1] != '/') b--;
-  char base[64], canon[64];
+  char base[64];
   if (!cJSON_IsNumber(s) || n - b >= sizeof base) return STATUS_OK;
   memcpy(base, dir + b, n - b);
   base[n - b] = 0;
-  long long named;
-  char tail;
-  if (sscanf(base, "step-%lld%c", &named, &tail) != 1 || named < 0) return STATUS_OK;
-  snprintf(canon, sizeof canon, "step-%08lld", named);
-  if (strcmp(canon, base) != 0 || (double)named == s->valuedouble) return STATUS_OK;
+  int64_t named;
+  bool tmp;
+  if (!ckpt_step_name(base, &named, &tmp) || tmp || (double)named == s->valuedouble)
+    return STATUS_OK;
   return err_set(STATUS_EFORMAT,
                  "%s records step %.0f, but its folder is named for step %lld (renamed, or "
                  "copied over another step's name?): checkpoint.load: auto and checkpoint.keep "
                  "go by the name, a resume by the file; name the folder step-%08.0f",
-                 path, s->valuedouble, named, s->valuedouble);
+                 path, s->valuedouble, (long long)named, s->valuedouble);
 }
 
 static fsdpc_status_t opened_open(const char *dir, opened_t *c) {

@@ -140,6 +140,11 @@ fsdpc_status_t ckpt_scan_steps(const char *root, ckpt_step_fn *fn, void *ctx);
 /* The folder of the checkpoint after step under root: root/step-NNNNNNNN. */
 void ckpt_step_dir(const char *root, int64_t step, char *out, size_t size);
 
+/* Whether name (a folder's last component) is a step folder's as ckpt_step_dir writes it,
+ * step-NNNNNNNN, or an unfinished save's, step-NNNNNNNN.tmp: its step into *step and which into
+ * *tmp (either may be NULL). step-6 and names of 20 digits are someone else's. */
+bool ckpt_step_name(const char *name, int64_t *step, bool *tmp);
+
 /* The step folders under root that a run from step `after` to step `upto` would pass over:
  * complete checkpoints after `after`, and folders step-NNNNNNNN without a train_state.json in
  * (after, upto] (unfinished saves, step-NNNNNNNN.tmp, not counted). Their number into *count

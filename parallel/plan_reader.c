@@ -310,9 +310,8 @@ fsdpc_status_t pr_section(plan_ctx_t *c, int root, const char *key, const char *
 
 /* ---- --set ---- */
 
-static int add_scalar(plan_ctx_t *c, const char *s, const char *set) {
-  int i = yaml_document_add_scalar(&c->doc, NULL, (yaml_char_t *)s, (int)strlen(s),
-                                   YAML_PLAIN_SCALAR_STYLE);
+/* Notes node i as one that --set `set` added (its errors name the --set). */
+static int note_set(plan_ctx_t *c, int i, const char *set) {
   if (i && i - c->set_base < MAX_SETS) {
     c->set_of[i - c->set_base] = set;
     if (i - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = i - c->set_base + 1;
@@ -320,21 +319,80 @@ static int add_scalar(plan_ctx_t *c, const char *s, const char *set) {
   return i;
 }
 
+static int add_scalar_styled(plan_ctx_t *c, const char *s, size_t n, yaml_scalar_style_t style,
+                             const char *set) {
+  return note_set(c, yaml_document_add_scalar(&c->doc, NULL, (yaml_char_t *)s, (int)n, style), set);
+}
+
+static int add_scalar(plan_ctx_t *c, const char *s, const char *set) {
+  return add_scalar_styled(c, s, strlen(s), YAML_PLAIN_SCALAR_STYLE, set);
+}
+
+/* Node i of document `from` copied into the plan's document, what it holds too; 0 when out of
+ * memory. */
+static int copy_node(plan_ctx_t *c, yaml_document_t *from, int i, const char *set) {
+  yaml_node_t *n = yaml_document_get_node(from, i);
+  if (n == NULL) return 0;
+  if (n->type == YAML_SCALAR_NODE)
+    return add_scalar_styled(c, (const char *)n->data.scalar.value, n->data.scalar.length,
+                             n->data.scalar.style, set);
+  if (n->type == YAML_SEQUENCE_NODE) {
+    int seq = note_set(c, yaml_document_add_sequence(&c->doc, NULL, YAML_FLOW_SEQUENCE_STYLE), set);
+    for (yaml_node_item_t *a = n->data.sequence.items.start; seq && a < n->data.sequence.items.top;
+         a++) {
+      int v = copy_node(c, from, *a, set);
+      if (!v || !yaml_document_append_sequence_item(&c->doc, seq, v)) return 0;
+    }
+    return seq;
+  }
+  int map = note_set(c, yaml_document_add_mapping(&c->doc, NULL, YAML_FLOW_MAPPING_STYLE), set);
+  for (yaml_node_pair_t *a = n->data.mapping.pairs.start; map && a < n->data.mapping.pairs.top;
+       a++) {
+    int k = copy_node(c, from, a->key, set), v = k ? copy_node(c, from, a->value, set) : 0;
+    if (!v || !yaml_document_append_mapping_pair(&c->doc, map, k, v)) return 0;
+  }
+  return map;
+}
+
+/* A --set value in YAML's flow style ({key: value, ...}, or a list holding lists or mappings)
+ * into *out, read as the plan file is read. */
+static fsdpc_status_t add_flow_value(plan_ctx_t *c, const char *s, const char *set, int *out) {
+  size_t n = strlen(s);
+  fsdpc_status_t st = plan_yaml_check_depth("the value", s, n, PLAN_MAX_DEPTH);
+  if (st != STATUS_OK) return err_prefix(st, "--set %s", set);
+  yaml_parser_t parser;
+  yaml_document_t doc;
+  yaml_parser_initialize(&parser);
+  yaml_parser_set_input_string(&parser, (const unsigned char *)s, n);
+  if (!yaml_parser_load(&parser, &doc)) {
+    bool alias = parser.context && strstr(parser.context, "alias") != NULL;
+    st = err_set(STATUS_EFORMAT,
+                 "--set %s: the value is not valid YAML: %s%s%s (at character %zu)%s", set,
+                 parser.problem ? parser.problem : "syntax error", parser.context ? " " : "",
+                 parser.context ? parser.context : "", parser.problem_mark.index + 1,
+                 alias ? "; a pattern that starts with '*' goes in quotes: '*norm*'" : "");
+  }
+  yaml_parser_delete(&parser);
+  if (st != STATUS_OK) return st;
+  *out = yaml_document_get_root_node(&doc) ? copy_node(c, &doc, 1, set) : 0;
+  yaml_document_delete(&doc);
+  return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+}
+
 /* A --set value into *out: "[a, b, ...]" a list of those scalars (each trimmed, quotes around
- * it dropped; "[]" an empty list), anything else one scalar. */
+ * it dropped; "[]" an empty list), a mapping "{...}" or a list holding "[" or "{" read as YAML's
+ * flow style, anything else one scalar. */
 static fsdpc_status_t add_value(plan_ctx_t *c, const char *s, const char *set, int *out) {
   size_t n = strlen(s);
   *out = 0;
+  if (s[0] == '{' || (n >= 2 && s[0] == '[' && s[n - 1] == ']' && strpbrk(s + 1, "[{") != NULL))
+    return add_flow_value(c, s, set, out);
   if (n < 2 || s[0] != '[' || s[n - 1] != ']') {
     *out = add_scalar(c, s, set);
     return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
   }
-  int seq = yaml_document_add_sequence(&c->doc, NULL, YAML_FLOW_SEQUENCE_STYLE);
+  int seq = note_set(c, yaml_document_add_sequence(&c->doc, NULL, YAML_FLOW_SEQUENCE_STYLE), set);
   if (!seq) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
-  if (seq - c->set_base < MAX_SETS) {
-    c->set_of[seq - c->set_base] = set;
-    if (seq - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = seq - c->set_base + 1;
-  }
   const char *p = s + 1, *end = s + n - 1;
   while (p < end) {
     while (p < end && (*p == ' ' || *p == '\t')) p++;
@@ -351,9 +409,7 @@ static fsdpc_status_t add_value(plan_ctx_t *c, const char *s, const char *set, i
     while (p < end && (*p == ' ' || *p == '\t')) p++;
     if (p < end && *p != ',')
       return err_set(STATUS_EFORMAT, "--set %s: expected ',' after a quoted list item", set);
-    if (memchr(a, '[', (size_t)(stop - a)) != NULL || stop == a)
-      return err_set(STATUS_EFORMAT,
-                     "--set %s: a list takes scalar items, none empty (no nested lists)", set);
+    if (stop == a) return err_set(STATUS_EFORMAT, "--set %s: a list item is empty", set);
     char *item = strndup(a, (size_t)(stop - a));
     int v = item ? add_scalar(c, item, set) : 0;
     free(item);
@@ -453,11 +509,7 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
     }
     if (v == 0 || pr_is_null(c, v)) { /* a new mapping: for the key given null, or added */
       int had = v;
-      v = yaml_document_add_mapping(&c->doc, NULL, YAML_BLOCK_MAPPING_STYLE);
-      if (v && v - c->set_base < MAX_SETS) {
-        c->set_of[v - c->set_base] = set;
-        if (v - c->set_base + 1 > c->n_set_nodes) c->n_set_nodes = v - c->set_base + 1;
-      }
+      v = note_set(c, yaml_document_add_mapping(&c->doc, NULL, YAML_BLOCK_MAPPING_STYLE), set);
       if (!v) return err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
       yaml_node_t *m = pr_node(c, cur);
       for (yaml_node_pair_t *a = m->data.mapping.pairs.start; had && a < m->data.mapping.pairs.top;

@@ -186,19 +186,15 @@ static fsdpc_status_t refuse_run_folder(const char *dir, const char *cmd) {
   FSDPC_TRY(file_join(own, sizeof own, dir, "train_state.json"));
   if (access(own, F_OK) == 0) return STATUS_OK;
   run_steps_t l = {NULL, 0};
+  char newest[PATH_LEN + 32];
+  bool found = false;
   fsdpc_status_t st = ckpt_scan_steps(dir, add_run_step, &l);
-  const char *newest = NULL;
-  int64_t best = -1;
-  for (int i = 0; st == STATUS_OK && i < l.n; i++)
-    if (l.v[i].kind == CKPT_STEP_COMPLETE && l.v[i].step > best) {
-      best = l.v[i].step;
-      newest = l.v[i].name;
-    }
-  if (st == STATUS_OK && l.n > 0 && newest != NULL)
+  if (st == STATUS_OK && l.n > 0) st = ckpt_latest(dir, newest, sizeof newest, &found, NULL, 0);
+  if (st == STATUS_OK && l.n > 0 && found)
     st = err_set(STATUS_EINVAL,
                  "%s is a run's checkpoint folder (%d step folder%s): %s takes one checkpoint, "
-                 "such as its newest complete one, %s/%s (fsdp-ckpt inspect %s lists them)",
-                 dir, l.n, l.n == 1 ? "" : "s", cmd, dir, newest, dir);
+                 "such as its newest complete one, %s (fsdp-ckpt inspect %s lists them)",
+                 dir, l.n, l.n == 1 ? "" : "s", cmd, newest, dir);
   else if (st == STATUS_OK && l.n > 0)
     st = err_set(STATUS_EINVAL,
                  "%s is a run's checkpoint folder with no complete checkpoint (fsdp-ckpt inspect "

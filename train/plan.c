@@ -3,7 +3,6 @@
  * reader of plan_reader.c, then resolved against the world size. */
 #include "train/plan.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
@@ -14,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checkpoint/train_ckpt.h"
 #include "core/args_impl.h"
 #include "core/file.h"
 #include "fully_shard/fsdp.h"
@@ -747,34 +747,19 @@ static fsdpc_status_t check_path(const char *path, const plan_where_t *where, co
 }
 
 /* What a checkpoint.load folder without train_state.json may be: a run's checkpoint.dir (its
- * newest complete step-N named) or a Hugging Face folder. "" when neither. Step folders by
- * ckpt_scan_steps' rule (the names ckpt_step_dir writes), which this layer cannot call. */
+ * newest complete step folder named) or a Hugging Face folder. "" when neither. */
 static void load_hint(const char *dir, char *hint, size_t size) {
   hint[0] = 0;
-  DIR *d = opendir(dir);
-  if (d == NULL) return;
-  char newest[256] = "";
-  long long best = -1;
-  for (struct dirent *e; (e = readdir(d)) != NULL;) {
-    long long step;
-    char canon[64];
-    if (sscanf(e->d_name, "step-%lld", &step) != 1 || step <= best) continue;
-    snprintf(canon, sizeof canon, "step-%08lld", step);
-    if (strcmp(canon, e->d_name) != 0) continue;
-    char state[PLAN_PATH_MAX + 300];
-    snprintf(state, sizeof state, "%s/%s/train_state.json", dir, e->d_name);
-    if (access(state, R_OK) != 0) continue;
-    best = step;
-    snprintf(newest, sizeof newest, "%s", e->d_name);
-  }
-  closedir(d);
+  char newest[PLAN_PATH_MAX + 32];
+  bool found = false;
+  if (ckpt_latest(dir, newest, sizeof newest, &found, NULL, 0) != STATUS_OK) found = false;
   char config[PLAN_PATH_MAX + 16];
   snprintf(config, sizeof config, "%s/config.json", dir);
-  if (best >= 0)
+  if (found)
     snprintf(hint, size,
-             "; it is a run's checkpoint folder, the newest complete checkpoint %s/%s: name that, "
+             "; it is a run's checkpoint folder, the newest complete checkpoint %s: name that, "
              "or resume the newest with checkpoint.dir: %s and checkpoint.load: auto",
-             dir, newest, dir);
+             newest, dir);
   else if (access(config, R_OK) == 0)
     snprintf(hint, size,
              "; it is a Hugging Face folder (config.json): start from its weights with "

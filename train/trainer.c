@@ -1215,6 +1215,41 @@ static fsdpc_status_t train(run_t *r) {
   return loop_finish(r, &L, st);
 }
 
+/* The outermost folder of path (path itself or one above it) that does not exist into out; ""
+ * when path exists. */
+static void outermost_missing(const char *path, char *out, size_t size) {
+  out[0] = 0;
+  char buf[PLAN_PATH_MAX];
+  size_t n = strlen(path);
+  if (n >= sizeof buf || size < sizeof buf) return;
+  for (size_t i = 1; i <= n; i++) {
+    if (path[i] != '/' && path[i] != 0) continue;
+    memcpy(buf, path, i);
+    buf[i] = 0;
+    struct stat sb;
+    if (stat(buf, &sb) != 0 && errno == ENOENT) {
+      memcpy(out, buf, i + 1);
+      return;
+    }
+  }
+}
+
+/* A run that stopped before it saved anything leaves no checkpoint.dir it made: the folders
+ * from checkpoint.dir up to the outermost one it made are removed while they are empty. */
+static void remove_made_dirs(const char *made, const char *dir) {
+  if (!made[0] || world_rank() != 0) return;
+  char buf[PLAN_PATH_MAX];
+  snprintf(buf, sizeof buf, "%s", dir);
+  size_t n = strlen(buf);
+  while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
+  while (strlen(buf) >= strlen(made) && rmdir(buf) == 0) {
+    if (strcmp(buf, made) == 0) return;
+    char *slash = strrchr(buf, '/');
+    if (slash == NULL || slash == buf) return;
+    *slash = 0;
+  }
+}
+
 /* The command line and the plan, checked before anything else: the launch, the plan resolved
  * against the world, the checkpoint folder made, the signal handlers installed. */
 static fsdpc_status_t set_up(run_t *r, int argc, char **argv) {
@@ -1234,9 +1269,17 @@ static fsdpc_status_t set_up(run_t *r, int argc, char **argv) {
                  "log.metrics in the plan");
   if (st == STATUS_OK) world_set_timeout(r->plan.comm_timeout_s);
   if (st == STATUS_OK) st = dcp_set_block_bytes((uint64_t)r->plan.ckpt_block_bytes);
-  if (st == STATUS_OK && r->plan.ckpt_dir[0]) /* before training */
-    st = r->args.dry_run ? file_check_dirs(r->plan.ckpt_dir, "checkpoint.dir")
-                         : file_make_dirs(r->plan.ckpt_dir, "checkpoint.dir");
+  /* checkpoint.dir made before training, by rank 0 first: it notes which folders it made */
+  bool make = st == STATUS_OK && r->plan.ckpt_dir[0] && !r->args.dry_run;
+  if (make && world_rank() == 0) {
+    outermost_missing(r->plan.ckpt_dir, r->made_dir, sizeof r->made_dir);
+    st = file_make_dirs(r->plan.ckpt_dir, "checkpoint.dir");
+  }
+  st = pg_agree(world_pg(), st);
+  if (make && st == STATUS_OK && world_rank() != 0)
+    st = file_make_dirs(r->plan.ckpt_dir, "checkpoint.dir");
+  if (st == STATUS_OK && r->plan.ckpt_dir[0] && r->args.dry_run)
+    st = file_check_dirs(r->plan.ckpt_dir, "checkpoint.dir");
   if (st == STATUS_OK && !r->args.dry_run) st = train_signals_install(&r->plan);
   return st;
 }
@@ -1323,7 +1366,11 @@ int train_main(int argc, char **argv, const char *program, const train_model_t *
     st = set_up(r, argc, argv);
   }
   int rc = agree(st) ? run(r) : 1;
-  run_free(r);
+  char made[PLAN_PATH_MAX], dir[PLAN_PATH_MAX];
+  snprintf(made, sizeof made, "%s", r ? r->made_dir : "");
+  snprintf(dir, sizeof dir, "%s", r ? r->plan.ckpt_dir : "");
+  run_free(r); /* the lock file removed */
+  if (rc == 1) remove_made_dirs(made, dir);
   world_finalize();
   return rc;
 }

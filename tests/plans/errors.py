@@ -140,7 +140,17 @@ def errors():
          r"--set parallelize\.fully_shard\.units=\['model\.layers\.\*\]: a quote in the list "
          r"is not closed"),
         ("--set with a nested list", None, ["--set", "parallelize.fully_shard.units=[[a], b]"],
-         r"a list takes scalar items, none empty \(no nested lists\)"),
+         r"units\[0\]: expected a mapping of keys \(match, \.\.\.\)"),
+        ("--set with a flow value that is not YAML", None,
+         ["--set", "parallelize.fully_shard.units=[{match: model.layers.*]"],
+         r"--set parallelize\.fully_shard\.units=\[\{match: model\.layers\.\*\]: the value is "
+         r"not valid YAML: did not find expected ',' or '\}' while parsing a flow mapping"),
+        ("--set with a pattern read as an alias", None,
+         ["--set", "parallelize.fully_shard.units=[{match: *norm*}]"],
+         r"not valid YAML: .* alias \(at character 15\); a pattern that starts with '\*' goes in "
+         r"quotes: '\*norm\*'"),
+        ("--set with an empty list item", None, ["--set", "parallelize.fully_shard.units=[a,,b]"],
+         r"--set parallelize\.fully_shard\.units=\[a,,b\]: a list item is empty"),
         ("--set with a list item in the wrong place", None,
          ["--set", "parallelize.fully_shard.units=['model.layers.*'x]"],
          r"expected ',' after a quoted list item"),

@@ -200,12 +200,21 @@ def operations():
     os.chmod(os.path.join(ro, "m.jsonl"), 0o444)
     who = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 \
         else []
+    # the refused run leaves no trace: the checkpoint.dir folders it made are gone, the one
+    # that was there stays
+    os.makedirs(os.path.join(ro, "kept"))
+    os.chmod(os.path.join(ro, "kept"), 0o777)
     for dry in (["--dry-run"], []):
-        p = sh(who + [EXE, debug, "--metrics", os.path.join(ro, "m.jsonl")] + dry, timeout=60)
-        check(p.returncode != 0 and "m.jsonl': exists and cannot be written (Permission denied)"
-              in p.stderr and "step 1 " not in p.stdout,
-              "a read-only metrics file is refused before any step%s (%s)"
-              % (" by --dry-run" if dry else "", p.stderr.strip()[-200:]))
+        for ck in (os.path.join(ro, "made", "by", "run"), os.path.join(ro, "kept")):
+            p = sh(who + [EXE, debug, "--metrics", os.path.join(ro, "m.jsonl"), "--set",
+                          "checkpoint.dir=" + ck] + dry, timeout=60)
+            check(p.returncode != 0 and "m.jsonl': exists and cannot be written (Permission "
+                  "denied)" in p.stderr and "step 1 " not in p.stdout and
+                  not os.path.exists(os.path.join(ro, "made")) and
+                  os.listdir(os.path.join(ro, "kept")) == [],
+                  "a read-only metrics file is refused before any step%s, leaving %s as it was "
+                  "(%s)" % (" by --dry-run" if dry else "", os.path.basename(ck),
+                            p.stderr.strip()[-200:]))
     # a last line cut short (a kill in its write): left out, the next line starts on its own
     with open(gm) as f:
         rows = f.readlines()
@@ -374,9 +383,9 @@ def operations():
     last = max([int(x) for x in re.findall(r"^step\s+(\d+)/", p.stdout, re.M)] or [0])
     want = r"\S+step-00000010\.tmp/(model|optim)/shard-0000[01]\.safetensors"
     check(p.returncode != 0 and ranks_saying(p.stderr, want) == {"0", "1"} and 10 <= last < 20
-          and saved(ck) == [],
+          and not os.path.exists(ck),
           "checkpoint.async: a background write that fails stops the run after step %d on both "
-          "ranks, naming the file; no folder is left" % last)
+          "ranks, naming the file; no folder is left, not even checkpoint.dir it made" % last)
     if ranks_saying(p.stderr, want) != {"0", "1"}:
         print(p.stderr[-1500:])
 
