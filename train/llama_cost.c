@@ -351,6 +351,143 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
 
 /* ---- communication ---- */
 
+/* The innermost group whose module holds the module fqn (the root's holds every one), -1 when
+ * none does. */
+static int group_of(fsdp_group_t *const *groups, int n, const char *fqn) {
+  int best = -1;
+  size_t longest = 0;
+  for (int i = 0; i < n; i++) {
+    const char *name = fsdp_group_name(groups[i]);
+    size_t l = strlen(name);
+    if ((best < 0 || l > longest) && strncmp(fqn, name, l) == 0 &&
+        (l == 0 || fqn[l] == 0 || fqn[l] == '.')) {
+      best = i;
+      longest = l;
+    }
+  }
+  return best;
+}
+
+/* The bytes of an element the module fqn computes in (its unit's parameter dtype), or reduces
+ * its gradients in (reduce): f32 outside every group. */
+static double module_bytes(fsdp_group_t *const *groups, int n, const char *fqn, bool reduce) {
+  int g = group_of(groups, n, fqn);
+  if (g < 0) return (double)dtype_size(DTYPE_F32);
+  return (double)dtype_size(reduce ? fsdp_reduce_dtype(groups[g]) : fsdp_param_dtype(groups[g]));
+}
+
+/* A ring all-reduce's bytes a rank sends for count elements of size bytes over T ranks. */
+static double ring_all_reduce(int T, int64_t count, double size) {
+  return (double)(2 * (T - 1) * (count * (int64_t)size) / T);
+}
+
+/* Tensor parallelism with the built-in plan (docs/plan.md, "Tensor parallelism") into c, per
+ * micro-batch (A of them a step): activations of n = batch x seq_len x dim elements, each in the
+ * compute dtype of the module that makes them, the backward's reductions of gradients in that
+ * module's reduce dtype. */
+static void tp_comm(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n, double A,
+                    llama_comm_t *c) {
+  const llama_config_t *mc = &p->model;
+  int T = p->par.tp, P = p->par.ep;
+  bool gpt2 = mc->arch == LLAMA_ARCH_GPT2, sp = p->par.sequence_parallel;
+  double N = (double)(p->batch_size * p->seq_len * mc->dim);
+  double logits = (double)(p->batch_size * p->seq_len) * (double)llama_vocab_rows(mc) / T;
+  double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
+#define BYTES(fqn, reduce) module_bytes(groups, n, fqn, reduce)
+  /* per dtype-weighted count: the forward's reductions (the embeddings' outputs, the rowwise
+   * outputs), the backward's (the inputs of prepare_input, two a dense block, and of the
+   * lm_head), the gathers under sequence parallelism (the inputs of prepare_input and the
+   * lm_head forward; the embeddings' and rowwise outputs' gradients backward), and the
+   * gradient sums over tp of the weights sequence parallelism replicates */
+  double fred = 0, bred = 0, gath = 0, sums = 0, whole = 0; /* whole: without sp */
+  int64_t Ni = p->batch_size * p->seq_len * mc->dim;
+  long long n_fred = 0, n_bred = 0, n_gath = 0, n_sums = 0;
+  const char *embs[2] = {gpt2 ? "transformer.wte" : "model.embed_tokens", "transformer.wpe"};
+  for (int e = 0; e < (gpt2 ? 2 : 1); e++) {
+    double b = BYTES(embs[e], false);
+    fred += b;
+    whole += ring_all_reduce(T, Ni, b);
+    gath += b;
+    n_fred++;
+    n_gath++;
+  }
+  double head = BYTES("lm_head", false), head_r = BYTES("lm_head", true);
+  bred += head_r;
+  whole += ring_all_reduce(T, Ni, head_r);
+  gath += head;
+  n_bred++;
+  n_gath++;
+  char fqn[96];
+  const char *layer = gpt2 ? "transformer.h" : "model.layers";
+  const char *norms[2] = {gpt2 ? "ln_1" : "input_layernorm",
+                          gpt2 ? "ln_2" : "post_attention_layernorm"};
+  double norm_parts = gpt2 ? 2 : 1; /* a LayerNorm's weight and bias */
+  for (int64_t l = 0; l < mc->n_layers; l++) {
+    bool sparse = llama_layer_is_moe(mc, l);
+    /* a sparse layer's MoE block runs on the tokens as they come: no prepare_input gather or
+     * rowwise reduction of its own */
+    const char *blocks[2] = {gpt2 ? "attn" : "self_attn", "mlp"};
+    for (int b = 0; b < (sparse ? 1 : 2); b++) {
+      snprintf(fqn, sizeof fqn, "%s.%lld.%s", layer, (long long)l, blocks[b]);
+      double e = BYTES(fqn, false), r = BYTES(fqn, true);
+      fred += fwd * e;
+      bred += r;
+      whole += fwd * ring_all_reduce(T, Ni, e) + ring_all_reduce(T, Ni, r);
+      gath += fwd * e + e;
+      n_fred += (long long)fwd;
+      n_bred++;
+      n_gath += (long long)fwd + 1;
+      /* the rowwise layer's bias: GPT-2's c_proj, an o_proj's */
+      if (gpt2 || (b == 0 && mc->o_bias)) {
+        sums += ring_all_reduce(T, mc->dim, r);
+        n_sums++;
+      }
+    }
+    for (int k = 0; k < 2; k++) {
+      snprintf(fqn, sizeof fqn, "%s.%lld.%s", layer, (long long)l, norms[k]);
+      sums += norm_parts * ring_all_reduce(T, mc->dim, BYTES(fqn, true));
+      n_sums += (long long)norm_parts;
+    }
+    if (sparse && sp) { /* the router, and the experts unless expert parallelism shards them
+                         * over tp; Qwen2-MoE's shared expert's three weights and its gate */
+      snprintf(fqn, sizeof fqn, "%s.%lld.%s", layer, (long long)l,
+               mc->arch == LLAMA_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp");
+      double r = BYTES(fqn, true);
+      double moe =
+          (double)(mc->n_experts * mc->dim) * (P > 1 ? 1 : 1 + 3 * (double)mc->moe_ffn_dim);
+      c->n_ar += (long long)(A * (P > 1 ? 1 : 4));
+      c->ar += A * 2.0 * (T - 1) * moe * r / T;
+      if (mc->shared_ffn_dim > 0) {
+        double sh = (double)mc->dim * (3 * (double)mc->shared_ffn_dim + 1);
+        c->n_ar += (long long)(A * 4);
+        c->ar += A * 2.0 * (T - 1) * sh * r / T;
+      }
+    }
+    if (mc->qk_norm) { /* Qwen3's headwise q_norm and k_norm: their weights' sums */
+      snprintf(fqn, sizeof fqn, "%s.%lld.%s", layer, (long long)l, blocks[0]);
+      c->n_ar += (long long)(A * 2);
+      c->ar += A * 2 * ring_all_reduce(T, llama_head_dim(mc), BYTES(fqn, true));
+    }
+  }
+  snprintf(fqn, sizeof fqn, "%s", gpt2 ? "transformer.ln_f" : "model.norm");
+  sums += norm_parts * ring_all_reduce(T, mc->dim, BYTES(fqn, true));
+  n_sums += (long long)norm_parts;
+#undef BYTES
+  c->n_ag += (long long)A;
+  c->ag += A * (T - 1) * logits * head; /* the lm_head output made whole */
+  if (sp) {                             /* reduce-scatters and all-gathers of n / T elements */
+    c->n_ag += (long long)A * n_gath;
+    c->ag += A * gath * (T - 1) * N / T;
+    c->n_rs += (long long)A * (n_fred + n_bred);
+    c->rs += A * (fred + bred) * (T - 1) * N / T;
+    c->n_ar += (long long)A * n_sums;
+    c->ar += A * sums;
+  } else {
+    c->n_ar += (long long)A * (n_fred + n_bred);
+    c->ar += A * whole;
+  }
+}
+
 llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n) {
   if (p == NULL || groups == NULL) return (llama_comm_t){0};
   llama_comm_t c = {0};
@@ -361,17 +498,9 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
   double Au = p->par.pp > 1 && !p->par.pp_sync_every ? 1 : A;
   /* with tied embeddings, the unit holding the token embedding (its own, or the innermost
    * that contains it: the body's), unless it is the root's, which the head is inside */
-  int tied = -1;
-  size_t best = 0;
   const char *emb = p->model.arch == LLAMA_ARCH_GPT2 ? "transformer.wte" : "model.embed_tokens";
-  for (int i = 0; i < n && p->model.tie_embeddings && p->par.pp == 1; i++) {
-    const char *name = fsdp_group_name(groups[i]);
-    size_t l = strlen(name);
-    if (l > best && strncmp(emb, name, l) == 0 && (emb[l] == 0 || emb[l] == '.')) {
-      best = l;
-      tied = i;
-    }
-  }
+  int tied = p->model.tie_embeddings && p->par.pp == 1 ? group_of(groups, n, emb) : -1;
+  if (tied >= 0 && fsdp_group_name(groups[tied])[0] == 0) tied = -1;
   for (int i = 0; i < n; i++) {
     const fsdp_group_t *g = groups[i];
     int W = fsdp_shard_size(g) > 0 ? fsdp_shard_size(g) : p->par.dp_shard;
@@ -432,75 +561,35 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
   int P = p->par.ep, T = p->par.tp;
   if (P > 1) {
     const llama_config_t *mc = &p->model;
-    double sparse = (double)llama_num_moe_layers(mc);
-    if (p->par.pp > 1) { /* a pipeline rank's sparse layers: its experts' units */
-      sparse = 0;
+    /* the rows go out and come back in the MoE block's compute dtype: the sparse layers' (a
+     * pipeline rank's: those of its experts' units) */
+    double es = 0; /* summed over the sparse layers */
+    long long sparse = 0;
+    char block[96];
+    if (p->par.pp > 1) {
       for (int i = 0; i < n; i++) {
         const char *name = fsdp_group_name(groups[i]);
         size_t l = strlen(name);
-        sparse += l >= 8 && strcmp(name + l - 8, ".experts") == 0;
+        if (l < 8 || strcmp(name + l - 8, ".experts") != 0 || l - 8 >= sizeof block) continue;
+        snprintf(block, sizeof block, "%.*s", (int)(l - 8), name);
+        es += module_bytes(groups, n, block, false);
+        sparse++;
+      }
+    } else {
+      for (int64_t l = 0; l < mc->n_layers; l++) {
+        if (!llama_layer_is_moe(mc, l)) continue;
+        snprintf(block, sizeof block, "model.layers.%lld.%s", (long long)l,
+                 mc->arch == LLAMA_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp");
+        es += module_bytes(groups, n, block, false);
+        sparse++;
       }
     }
-    double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
     double rows = (double)(p->batch_size * p->seq_len * mc->top_k) /
                   (T > 1 && p->par.sequence_parallel ? T : 1);
     double x = p->activation_checkpointing ? 6 : 4; /* a checkpointed block's forward again */
-    c.n_a2a += (long long)(A * x * sparse);
-    c.a2a += A * x * sparse * rows * (double)(P - 1) / P * (double)mc->dim * es;
+    c.n_a2a += (long long)(A * x) * sparse;
+    c.a2a += A * x * rows * (double)(P - 1) / P * (double)mc->dim * es;
   }
-  /* tensor parallelism with the built-in Llama plan (docs/plan.md, "Tensor parallelism"): per
-   * micro-batch, activations of n = batch x seq_len x dim elements in the compute dtype (es
-   * bytes); the backward's reductions, gradients, in the reduce dtype (rb bytes) */
-  if (T > 1 && llama_plan_tp_is_builtin(&p->model, &p->par)) {
-    const llama_config_t *mc = &p->model;
-    double es = (double)dtype_size(n ? fsdp_param_dtype(groups[0]) : DTYPE_F32);
-    double rb = (double)dtype_size(n ? fsdp_reduce_dtype(groups[0]) : DTYPE_F32);
-    double n = (double)(p->batch_size * p->seq_len * mc->dim), L = (double)mc->n_layers;
-    /* a sparse layer's MoE block runs on the tokens as they come: no prepare_input gather or
-     * rowwise reduction of its own (B: the blocks' conversions, two a dense layer) */
-    double Ls = (double)llama_num_moe_layers(mc), B = 2 * L - Ls;
-    double logits = (double)(p->batch_size * p->seq_len) * (double)llama_vocab_rows(mc) / T;
-    double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
-    bool gpt2 = mc->arch == LLAMA_ARCH_GPT2;
-    /* reductions: forward, the embeddings' (GPT-2's tokens and positions) and the rowwise
-     * outputs; backward, the inputs of prepare_input (two a block) and of the lm_head */
-    double embs = gpt2 ? 2 : 1, fred = embs + B * fwd, bred = B + 1;
-    /* under sequence parallelism, gradients summed over tp: every norm's weight (and a
-     * LayerNorm's bias), and the biases of rowwise layers (GPT-2's two c_proj, an o_proj's) */
-    double sums = (2 * L + 1) * (gpt2 ? 2 : 1) + L * (gpt2 ? 2 : mc->o_bias ? 1 : 0);
-    c.n_ag += (long long)A;
-    c.ag += A * (T - 1) * logits * es; /* the lm_head output made whole */
-    if (p->par.sequence_parallel) {
-      /* reduce-scatters (n/T out) for those; all-gathers (n/T in) of the prepare_input and
-       * lm_head inputs forward, of the embedding's and rowwise outputs' gradients backward;
-       * the norm weights' gradient sums */
-      double gathers = (B * fwd + 1) + (embs + B);
-      c.n_ag += (long long)(A * gathers);
-      c.n_rs += (long long)(A * (fred + bred));
-      c.ag += A * gathers * (T - 1) * n / T * es;
-      c.rs += A * (fred * es + bred * rb) * (T - 1) * n / T;
-      c.n_ar += (long long)(A * sums);
-      c.ar += A * sums * (double)(2 * (T - 1) * (mc->dim * (int64_t)rb) / T);
-      /* and each MoE block's router, and its experts unless expert parallelism shards them
-       * over tp */
-      double moe =
-          (double)(mc->n_experts * mc->dim) * (P > 1 ? 1 : 1 + 3 * (double)mc->moe_ffn_dim);
-      c.n_ar += (long long)(A * Ls * (P > 1 ? 1 : 4));
-      c.ar += A * Ls * 2.0 * (T - 1) * moe * rb / T;
-      if (mc->shared_ffn_dim > 0) { /* Qwen2-MoE's shared expert's three weights and its gate */
-        double sh = (double)mc->dim * (3 * (double)mc->shared_ffn_dim + 1);
-        c.n_ar += (long long)(A * Ls * 4);
-        c.ar += A * Ls * 2.0 * (T - 1) * sh * rb / T;
-      }
-    } else {
-      c.n_ar += (long long)(A * (fred + bred));
-      c.ar += A * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)es) / T) * fred +
-              A * (double)(2 * (T - 1) * ((int64_t)n * (int64_t)rb) / T) * bred;
-    }
-    if (mc->qk_norm) { /* Qwen3's headwise q_norm and k_norm: their weights' sums */
-      c.n_ar += (long long)(A * 2 * L);
-      c.ar += A * 2 * L * (double)(2 * (T - 1) * (llama_head_dim(mc) * (int64_t)rb) / T);
-    }
-  }
+  if (T > 1 && llama_plan_tp_is_builtin(&p->model, &p->par)) tp_comm(p, groups, n, A, &c);
   return c;
 }

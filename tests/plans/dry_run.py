@@ -219,7 +219,7 @@ def tp_reduce_dtype():
     on tp run in f32 (the forward's in bf16): a real step's communication equals --dry-run's
     closed form exactly, with and without sequence parallelism (tp.yaml) and with Qwen3's
     headwise norms (qwen3-tp.yaml: FSDP 2 x TP 2), and the f32 reduction moves more bytes than
-    a bf16 one."""
+    a bf16 one; units of other dtypes than the root's, exactly too."""
     tmp = mkdtemp()
     mp = ["--set", "parallelize.fully_shard.mp_policy.param_dtype=bf16"]
     for name, n, extra in (("tp", 2, []),
@@ -241,6 +241,30 @@ def tp_reduce_dtype():
                   "estimated %d B" % (what, rd, got[rd][0], got[rd][1]))
         check(got["f32"][0] > got["bf16"][0], "%s: f32 reduction moves %d B, bf16 %d B"
               % (what, got["f32"][0], got["bf16"][0]))
+    # per-unit dtypes: each layer's collectives in its own unit's dtypes, the embeddings' and the
+    # head's in theirs (the units given on the command line in YAML's flow style)
+    layers_bf16 = "parallelize.fully_shard.units=[{match: %s, mp_policy: {param_dtype: bf16}}]"
+    mlp_f32 = ("parallelize.fully_shard.units=[{match: model.layers.*.mlp, mp_policy: "
+               "{param_dtype: f32, reduce_dtype: f32}}, model.layers.*]")
+    for name, n, sets in (
+            ("tp", 2, [layers_bf16 % "model.layers.*"]),
+            ("tp", 2, [layers_bf16 % "model.layers.*",
+                       "parallelize.tensor_parallel.sequence_parallel=false"]),
+            ("tp", 2, [mlp_f32, "parallelize.fully_shard.mp_policy={param_dtype: bf16, "
+                       "reduce_dtype: f32}"]),
+            ("qwen3-tp", 4, [layers_bf16 % "model.layers.*"]),
+            ("gpt2", 2, [layers_bf16 % "transformer.h.*", "mesh.dp_shard=1", "mesh.tp=2",
+                         "parallelize.tensor_parallel.sequence_parallel=true"])):
+        plan = os.path.join(ROOT, "configs", name + ".yaml")
+        args = sum((["--set", x] for x in sets + ["train.steps=2"]), [])
+        d, _ = run(n, [plan, "--dry-run"] + args)
+        est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
+        metrics = os.path.join(tmp, "units-%s-%d.jsonl" % (name, len(sets[-1])))
+        q, _ = run(n, [plan, "--metrics", metrics] + args)
+        got = losses(metrics)[-1]["comm_bytes"] if q.returncode == 0 else -1
+        check(est is not None and got == int(est.group(1)),
+              "%s with %s: communication %d B per step, estimated %s B"
+              % (name, " ".join(sets), got, est.group(1) if est else "none"))
 
 
 def messages():
