@@ -337,48 +337,63 @@ static fsdpc_status_t pass_on(run_t *r, pg_t *g, int s, int P, const data_spec_t
   return st;
 }
 
-fsdpc_status_t train_pp_eval_batch(run_t *r, const data_spec_t *spec, int64_t b, double *loss) {
+fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, double *sum) {
   int P = pp_schedule_ranks(r->pp_sched), S = pp_schedule_stages(r->pp_sched);
   pg_t *g = mesh_group(parallel_pp_mesh(r->par), 0);
   data_spec_t one = *spec;
   one.grad_accum = 1;
-  stage_step_t u = {.r = r, .spec = &one, .step = b};
+  stage_step_t u = {.r = r, .spec = &one};
   nn_ctx_t *ctx = NULL;
-  nn_var_t *h = NULL;
   double l = 0;
-  fsdpc_status_t st = stage_stats_new(&u, 1);
-  if (st != STATUS_OK) {
-    stage_stats_free(&u);
-    return world_stop(st);
-  }
-  st = nn_ctx_new(&ctx);
+  /* in[s]: stage s's input at this time (on its rank), out[s]: its output to pass on */
+  nn_var_t **in = calloc((size_t)S, sizeof *in), **out = calloc((size_t)S, sizeof *out);
+  fsdpc_status_t st =
+      in && out ? stage_stats_new(&u, 1) : err_set(STATUS_ENOMEM, "mesh.pp: out of host memory");
+  if (st == STATUS_OK) st = nn_ctx_new(&ctx);
   if (st == STATUS_OK) nn_ctx_set_grad_enabled(ctx, false);
-  /* the stages in order, each on its rank, the activation passed on between ranks */
-  for (int s = 0; s < S && st == STATUS_OK; s++) {
-    if (s % P == r->pp_rank) {
-      nn_var_t *in = h, *out = NULL;
-      h = NULL;
-      if (s == 0) st = stage_input_from(r->eval, &u, 0, &in);
-      if (st == STATUS_OK) st = stage_forward_on(r->eval, ctx, s, 0, in, &out, &u);
-      nn_var_put(in);
-      if (st == STATUS_OK && s == S - 1) st = llama_loss_read(&out->value, &l);
+  /* a wavefront: at time t stage s runs batch t - s, every rank its stages at once, then the
+   * activations pass on, stage by stage in the same order on every rank */
+  for (int64_t t = 0; t < n + S - 1 && st == STATUS_OK; t++) {
+    for (int s = 0; s < S && st == STATUS_OK; s++) {
+      int64_t b = t - s;
+      if (b < 0 || b >= n || s % P != r->pp_rank) continue;
+      nn_var_t *x = in[s], *y = NULL;
+      in[s] = NULL;
+      u.step = b;
+      if (s == 0) st = stage_input_from(r->eval, &u, 0, &x);
+      if (st == STATUS_OK) st = stage_forward_on(r->eval, ctx, s, 0, x, &y, &u);
+      nn_var_put(x);
+      double lb = 0;
+      if (st == STATUS_OK && s == S - 1) st = llama_loss_read(&y->value, &lb);
+      l += lb;
       if (s < S - 1)
-        h = out;
+        out[s] = y;
       else
-        nn_var_put(out);
+        nn_var_put(y);
     }
-    if (st == STATUS_OK && s < S - 1) st = pass_on(r, g, s, P, &one, &h);
-    if ((s + 1) % P != r->pp_rank) { /* the next stage's input is another rank's */
-      nn_var_put(h);
-      h = NULL;
+    for (int s = 0; s < S - 1 && st == STATUS_OK; s++) {
+      int64_t b = t - s;
+      if (b < 0 || b >= n) continue;
+      nn_var_t *x = out[s];
+      out[s] = NULL;
+      st = pass_on(r, g, s, P, &one, &x);
+      if ((s + 1) % P == r->pp_rank)
+        in[s + 1] = x;
+      else
+        nn_var_put(x);
     }
   }
-  nn_var_put(h);
+  for (int s = 0; in && out && s < S; s++) {
+    nn_var_put(in[s]);
+    nn_var_put(out[s]);
+  }
+  free(in);
+  free(out);
   nn_ctx_free(ctx);
-  /* the last stage's loss on every pipeline rank: the cross-entropy alone, as without a
+  /* the last stage's losses on every pipeline rank: the cross-entropy alone, as without a
    * pipeline */
   if (st == STATUS_OK) st = pg_host_all_reduce(g, &l, &l, 1, PG_HOST_F64, REDUCE_SUM);
   stage_stats_free(&u);
-  *loss = l;
+  *sum = l;
   return st;
 }

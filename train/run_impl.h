@@ -113,9 +113,10 @@ fsdpc_status_t train_pp_tied(run_t *r);
  * *p2p_bytes. Collective over the pipeline group. */
 fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, double *loss,
                              double *p2p_bytes);
-/* Evaluation batch b of r->eval through the stages in order, without gradients: its mean loss
- * on every pipeline rank. Collective over the pipeline group. */
-fsdpc_status_t train_pp_eval_batch(run_t *r, const data_spec_t *spec, int64_t b, double *loss);
+/* Evaluation batches 0 to n - 1 of r->eval through the stages, without gradients, pipelined
+ * (stage s runs batch b while stage s + 1 runs batch b - 1): the sum of their mean losses, in
+ * batch order, into *sum on every pipeline rank. Collective over the pipeline group. */
+fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, double *sum);
 /* The pipeline rank holding the last stage (the head and the loss). */
 static inline int train_pp_last_rank(const run_t *r) {
   return pp_schedule_rank_of_stage(r->pp_sched, pp_schedule_stages(r->pp_sched) - 1);

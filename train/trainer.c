@@ -151,9 +151,9 @@ static fsdpc_status_t evaluate(run_t *r, const data_spec_t *spec, double *loss) 
   fsdpc_status_t st = STATUS_OK;
   data_spec_t one = *spec;
   one.batch_size = r->plan.eval_batch_size;
-  for (int64_t f = 0; f < eval_forwards(&r->plan) && st == STATUS_OK; f++) {
-    st = r->pp_sched != NULL ? train_pp_eval_batch(r, &one, f, &l)
-                             : train_eval_batch(r->root, r->dev, r->eval, &one, f, &l);
+  if (r->pp_sched != NULL) st = train_pp_eval(r, &one, eval_forwards(&r->plan), &sum);
+  for (int64_t f = 0; r->pp_sched == NULL && f < eval_forwards(&r->plan) && st == STATUS_OK; f++) {
+    st = train_eval_batch(r->root, r->dev, r->eval, &one, f, &l);
     sum += l;
   }
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);

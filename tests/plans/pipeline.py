@@ -159,7 +159,11 @@ def pipeline():
     for what, n, kvs, ref_kvs in (
             ("pp 2", 2, ["mesh.pp=2", "mesh.dp_shard=1"], ["mesh.dp_shard=1"]),
             ("pp 2 x dp_shard 2", 4, ["mesh.pp=2", "mesh.dp_shard=2", "data.global_batch_size=8"],
-             ["mesh.dp_shard=2", "data.global_batch_size=8"])):
+             ["mesh.dp_shard=2", "data.global_batch_size=8"]),
+            # two stages a rank, five batches in flight through four stages
+            ("pp 2 interleaved", 2, ["mesh.pp=2", "mesh.dp_shard=1", "eval.batches=5",
+                                     "pipeline.schedule=interleaved_1f1b"],
+             ["mesh.dp_shard=1", "eval.batches=5"])):
         got = {}
         for name, k, at in (("pipe", n, kvs), ("ref", n // 2, ref_kvs)):
             m = os.path.join(tmp, "eval-%s-%d.jsonl" % (name, n))
