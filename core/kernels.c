@@ -374,8 +374,8 @@ fsdpc_status_t kernel_rmsnorm_backward(fsdpc_tensor_t *dx, fsdpc_tensor_t *dw,
 
 fsdpc_status_t rope_check(const rope_t *r) {
   ARG_NONNULL(r);
-  if (!(r->theta > 0))
-    return err_set(STATUS_EINVAL, "rope_theta must be positive, got %g", r->theta);
+  if (!(r->theta > 0) || !isfinite(r->theta))
+    return err_set(STATUS_EINVAL, "rope_theta must be positive and finite, got %g", r->theta);
   if (r->scaling == ROPE_DEFAULT) return STATUS_OK;
   if (r->scaling != ROPE_LINEAR && r->scaling != ROPE_LLAMA3)
     return err_set(STATUS_EINVAL, "unknown rotary embedding scaling %d", (int)r->scaling);

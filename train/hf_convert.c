@@ -599,64 +599,85 @@ static fsdpc_status_t check_expert_numbers(const char *hf, const dcp_tensor_t *l
   return st;
 }
 
+/* An expert weight of a Hugging Face file: tensor i of the file, expert j of stacked tensor
+ * fqn, in box `box` of the runs below. */
+typedef struct file_expert {
+  int i, box;
+  int64_t j;
+  char fqn[512];
+} file_expert_t;
+
+static int cmp_file_expert(const void *a, const void *b) {
+  const file_expert_t *x = a, *y = b;
+  int c = strcmp(x->fqn, y->fqn);
+  return c ? c : (x->j > y->j) - (x->j < y->j);
+}
+
 /* The runs of experts of file f (path from): for each stacked tensor whose experts the file
- * holds (Hugging Face's P.experts.J.N.weight), one box of consecutive experts, named stacked[b]
- * (P.experts.N), its tensor t[b] [run, a, b] at row offset[0] = its first J; each expert read
- * into its row. A file's experts of one tensor must follow each other (Hugging Face's shards
- * keep them in order). *nb counts the boxes made. */
+ * holds (Hugging Face's P.experts.J.N.weight), in any order (safetensors writes names sorted:
+ * experts.10 before experts.2) but consecutive (Hugging Face's shards keep them so), one box
+ * named stacked[b] (P.experts.N), its tensor t[b] [run, a, b] at row offset[0] = its first J;
+ * each expert read into its row. *nb counts the boxes made. */
 static fsdpc_status_t stack_experts(st_file_t *f, const char *from, char (*stacked)[512],
                                     fsdpc_tensor_t *t, dcp_box_t *boxes, int *nb) {
-  int n = st_num_tensors(f), first = *nb;
+  int n = st_num_tensors(f), m = 0, first = *nb;
+  file_expert_t *e = malloc(sizeof *e * (size_t)(n > 0 ? n : 1));
   int64_t *count = calloc((size_t)(n > 0 ? n : 1), sizeof *count);
-  if (count == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  fsdpc_status_t st = STATUS_OK;
-  for (int pass = 0; pass < 2 && st == STATUS_OK; pass++) {
-    for (int i = 0; i < n && st == STATUS_OK; i++) {
-      const st_info_t *info = st_tensor(f, i);
-      char fqn[512];
-      int64_t j;
-      if (!hf_expert_of(info->name, fqn, sizeof fqn, &j)) continue;
-      int b = first;
-      while (b < *nb && strcmp(stacked[b], fqn) != 0) b++;
-      if (info->ndim != 2 || info->dtype == DTYPE_COUNT) {
-        st = err_set(STATUS_EFORMAT, "%s: tensor '%s' is not a 2-D float expert weight", from,
-                     info->name);
-      } else if (pass == 0 && b == *nb) { /* a run starts */
-        snprintf(stacked[b], sizeof stacked[b], "%s", fqn);
-        boxes[b] = (dcp_box_t){stacked[b], &t[b], {j, 0, 0}};
-        count[b] = 1;
-        t[b].dtype = info->dtype; /* kept for the checks until the tensor is made */
-        t[b].shape[1] = info->shape[0];
-        t[b].shape[2] = info->shape[1];
-        (*nb)++;
-      } else if (pass == 0 && j != boxes[b].offset[0] + count[b]) {
-        st = err_set(STATUS_EFORMAT,
-                     "%s: the experts of '%s' in this file do not follow each other (expert "
-                     "%lld after %lld)",
-                     from, fqn, (long long)j, (long long)(boxes[b].offset[0] + count[b] - 1));
-      } else if (pass == 0 && (t[b].dtype != info->dtype || t[b].shape[1] != info->shape[0] ||
-                               t[b].shape[2] != info->shape[1])) {
-        st = err_set(STATUS_ESHAPE, "%s: expert %lld of '%s' differs in shape or dtype", from,
-                     (long long)j, fqn);
-      } else if (pass == 0) {
-        count[b]++;
-      } else { /* pass 1: into its row */
-        fsdpc_tensor_t row = {0}, plane = {0};
-        st = tensor_narrow(&row, &t[b], 0, j - boxes[b].offset[0], 1);
-        if (st == STATUS_OK) st = tensor_view(&plane, &row, 2, info->shape);
-        if (st == STATUS_OK) st = st_read(f, info->name, &plane);
-        tensor_free(&plane);
-        tensor_free(&row);
-      }
-    }
-    for (int k = first; pass == 0 && k < *nb && st == STATUS_OK; k++) { /* the runs' tensors */
-      int64_t shape[3] = {count[k], t[k].shape[1], t[k].shape[2]};
-      dtype_t dt = t[k].dtype;
-      memset(&t[k], 0, sizeof t[k]);
-      st = tensor_init(&t[k], dt, device_cpu(), 3, shape);
+  fsdpc_status_t st = e && count ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    const st_info_t *info = st_tensor(f, i);
+    if (!hf_expert_of(info->name, e[m].fqn, sizeof e[m].fqn, &e[m].j)) continue;
+    if (info->ndim != 2 || info->dtype == DTYPE_COUNT)
+      st = err_set(STATUS_EFORMAT, "%s: tensor '%s' is not a 2-D float expert weight", from,
+                   info->name);
+    e[m++].i = i;
+  }
+  if (st == STATUS_OK && m > 1) qsort(e, (size_t)m, sizeof *e, cmp_file_expert);
+  for (int k = 0; k < m && st == STATUS_OK; k++) {
+    const st_info_t *info = st_tensor(f, e[k].i), *prev = k ? st_tensor(f, e[k - 1].i) : NULL;
+    bool same = k > 0 && strcmp(e[k].fqn, e[k - 1].fqn) == 0;
+    if (same && e[k].j == e[k - 1].j) {
+      st = err_set(STATUS_EFORMAT, "%s: expert %lld of '%s' is in the file twice", from,
+                   (long long)e[k].j, e[k].fqn);
+    } else if (same && (prev->dtype != info->dtype || prev->shape[0] != info->shape[0] ||
+                        prev->shape[1] != info->shape[1])) {
+      st = err_set(STATUS_ESHAPE, "%s: expert %lld of '%s' differs in shape or dtype", from,
+                   (long long)e[k].j, e[k].fqn);
+    } else if (same && e[k].j == e[k - 1].j + 1) { /* the run goes on */
+      e[k].box = e[k - 1].box;
+      count[e[k].box - first]++;
+    } else if (same) { /* a checkpoint file holds one box of a tensor */
+      st = err_set(STATUS_EFORMAT,
+                   "%s: the experts of '%s' in this file are not consecutive (%lld, then %lld): "
+                   "each file must hold a run of experts of a tensor, in any order",
+                   from, e[k].fqn, (long long)e[k - 1].j, (long long)e[k].j);
+    } else { /* a run starts */
+      int b = (*nb)++;
+      snprintf(stacked[b], sizeof stacked[b], "%s", e[k].fqn);
+      boxes[b] = (dcp_box_t){stacked[b], &t[b], {e[k].j, 0, 0}};
+      count[b - first] = 1;
+      e[k].box = b;
     }
   }
+  for (int k = 0; k < m && st == STATUS_OK; k++) { /* the runs' tensors, from their first */
+    const st_info_t *info = st_tensor(f, e[k].i);
+    int b = e[k].box;
+    if (k > 0 && e[k - 1].box == b) continue;
+    int64_t shape[3] = {count[b - first], info->shape[0], info->shape[1]};
+    st = tensor_init(&t[b], info->dtype, device_cpu(), 3, shape);
+  }
+  for (int k = 0; k < m && st == STATUS_OK; k++) { /* each expert into its row */
+    const st_info_t *info = st_tensor(f, e[k].i);
+    int b = e[k].box;
+    fsdpc_tensor_t row = {0}, plane = {0};
+    st = tensor_narrow(&row, &t[b], 0, e[k].j - boxes[b].offset[0], 1);
+    if (st == STATUS_OK) st = tensor_view(&plane, &row, 2, info->shape);
+    if (st == STATUS_OK) st = st_read(f, info->name, &plane);
+    tensor_free(&plane);
+    tensor_free(&row);
+  }
   free(count);
+  free(e);
   return st;
 }
 

@@ -186,8 +186,9 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
                    "model config: num_attention_heads %lld is not a multiple of "
                    "num_key_value_heads %lld",
                    (long long)c->n_heads, (long long)c->n_kv_heads);
-  if (!(c->norm_eps > 0))
-    return err_set(STATUS_EINVAL, "model config: rms_norm_eps must be positive");
+  if (!(c->norm_eps > 0 && c->norm_eps <= 1)) /* a larger one all but zeroes the norms' output */
+    return err_set(STATUS_EINVAL, "model config: %s must be in (0, 1], got %g",
+                   c->arch == LLAMA_ARCH_GPT2 ? "layer_norm_epsilon" : "rms_norm_eps", c->norm_eps);
   if (rope_check(&c->rope) != STATUS_OK) return err_prefix(STATUS_EINVAL, "model config");
   return STATUS_OK;
 }
@@ -318,7 +319,8 @@ int64_t llama_num_params(const llama_config_t *c) {
 static fsdpc_status_t json_int(const char *path, const cJSON *o, const char *key, int64_t *v) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
   if (it == NULL || cJSON_IsNull(it)) return STATUS_OK;
-  if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble))
+  if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble) ||
+      it->valuedouble != floor(it->valuedouble) || fabs(it->valuedouble) > 9e18)
     return err_set(STATUS_EFORMAT, "%s: '%s' must be an integer", path, key);
   *v = (int64_t)it->valuedouble;
   return STATUS_OK;
@@ -328,6 +330,8 @@ static fsdpc_status_t json_num(const char *path, const cJSON *o, const char *key
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
   if (it == NULL || cJSON_IsNull(it)) return STATUS_OK;
   if (!cJSON_IsNumber(it)) return err_set(STATUS_EFORMAT, "%s: '%s' must be a number", path, key);
+  if (!isfinite(it->valuedouble)) /* 1e400 reads as infinity */
+    return err_set(STATUS_EFORMAT, "%s: '%s' must be a finite number", path, key);
   *v = it->valuedouble;
   return STATUS_OK;
 }
@@ -366,9 +370,11 @@ static fsdpc_status_t rope_num(const char *path, const char *section, const cJSO
  * rope_parameters {rope_theta, rope_type, ...}. The default, linear and llama3 types are
  * implemented; any other is refused, naming the key, rather than read as one of them. */
 static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope) {
-  double top = -1;
+  const cJSON *given = cJSON_GetObjectItemCaseSensitive(o, "rope_theta");
+  bool top_given = given != NULL && !cJSON_IsNull(given);
+  double top = rope->theta;
   FSDPC_TRY(json_num(path, o, "rope_theta", &top));
-  if (top != -1) rope->theta = top;
+  rope->theta = top;
   static const char *const keys[] = {"rope_scaling", "rope_parameters"};
   const char *typed = NULL; /* the section that set the type */
   for (int k = 0; k < 2; k++) {
@@ -405,17 +411,16 @@ static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope)
       FSDPC_TRY(
           rope_num(path, keys[k], r, "original_max_position_embeddings", &rope->original_max_pos));
     }
-    double theta = -1;
     char key[40];
     snprintf(key, sizeof key, "%s.rope_theta", keys[k]);
     const cJSON *th = cJSON_GetObjectItemCaseSensitive(r, "rope_theta");
-    if (th != NULL && !cJSON_IsNumber(th))
-      return err_set(STATUS_EFORMAT, "%s: '%s' must be a number", path, key);
-    if (th != NULL) theta = th->valuedouble;
-    if (theta != -1 && top != -1 && theta != top)
+    if (th == NULL || cJSON_IsNull(th)) continue;
+    if (!cJSON_IsNumber(th) || !isfinite(th->valuedouble))
+      return err_set(STATUS_EFORMAT, "%s: '%s' must be a finite number", path, key);
+    if (top_given && th->valuedouble != top)
       return err_set(STATUS_EFORMAT, "%s: 'rope_theta' is %g but '%s' is %g", path, top, key,
-                     theta);
-    if (theta != -1) rope->theta = theta;
+                     th->valuedouble);
+    rope->theta = th->valuedouble;
   }
   return STATUS_OK;
 }

@@ -404,7 +404,19 @@ def ckpt_tool():
                  down.replace(".", "\\."), ffn, cfg["hidden_size"], cfg["hidden_size"], ffn)),
             ("vocab_size given twice", variant("twice-key", raw=cfg_text.replace(
                 '"vocab_size"', '"vocab_size": %d, "vocab_size"' % (vocab + 1), 1)),
-             r"'vocab_size' is given twice")):
+             r"'vocab_size' is given twice"),
+            # values a plan refuses: not read as "not given", not infinite
+            ("rope_theta -1", variant("theta-m1", {"rope_theta": -1}),
+             r"rope_theta must be positive and finite, got -1"),
+            ("rope_theta 1e400", variant("theta-inf", raw=json.dumps(dict(cfg, rope_theta=1))
+                                         .replace('"rope_theta": 1', '"rope_theta": 1e400')),
+             r"'rope_theta' must be a finite number"),
+            ("rms_norm_eps 10", variant("eps-10", {"rms_norm_eps": 10}),
+             r"rms_norm_eps must be in \(0, 1\], got 10"),
+            ("num_hidden_layers 1e400", variant("layers-inf", raw=json.dumps(
+                dict(cfg, num_hidden_layers=1)).replace('"num_hidden_layers": 1',
+                                                        '"num_hidden_layers": 1e400')),
+             r"'num_hidden_layers' must be an integer")):
         out = os.path.join(tmp, "imp-" + os.path.basename(folder))
         t = time.time()
         p = tool_run("import-hf", folder, out)
@@ -696,11 +708,12 @@ def saved_chunks(ck, name):
     return chunks
 
 
-def write_st(path, tensors):
-    """A safetensors file of tensors {name: (dtype, shape, bytes)}."""
+def write_st(path, tensors, order=None):
+    """A safetensors file of tensors {name: (dtype, shape, bytes)}, in the order of the names
+    in order (sorted by default, as the safetensors library writes them)."""
     import struct
     header, data = {"__metadata__": {"format": "pt"}}, b""
-    for name in sorted(tensors):
+    for name in order or sorted(tensors):
         dt, shape, raw = tensors[name]
         header[name] = {"dtype": dt, "shape": shape,
                         "data_offsets": [len(data), len(data) + len(raw)]}
@@ -888,6 +901,52 @@ def ckpt_family():
                   "%s: export-hf --max-shard-bytes 40000 writes the same tensors into %d files, "
                   "the index naming each one's file and a layer's experts in one file"
                   % (tag, len(set(where.values()))))
+            # experts in any order and split over files (safetensors writes names sorted, so
+            # experts.10 before experts.2): experts 3 and 2 in one file, in that order, the
+            # rest in another; imported and exported back, the same bytes. Experts 3 and 1
+            # in one file are refused, naming the gap
+            mixed = os.path.join(tmp, "hf-mixed")
+            os.makedirs(mixed)
+            shutil.copy(os.path.join(hf, "config.json"), mixed)
+            tensors = {k: (t["dtype"], t["shape"], want_data[t["data_offsets"][0]:
+                                                           t["data_offsets"][1]])
+                       for k, t in want_h.items() if k != "__metadata__"}
+            one = [k for k in tensors if re.search(r"\.experts\.[23]\.", k)]
+            one.sort(key=lambda k: -int(re.search(r"\.experts\.(\d+)\.", k).group(1)))
+            write_st(os.path.join(mixed, "a.safetensors"), {k: tensors[k] for k in one}, one)
+            rest = [k for k in tensors if k not in one]
+            rest.sort(key=lambda k: (re.sub(r"\.experts\.\d+\.", ".", k), -len(k), k),
+                      reverse=True)
+            write_st(os.path.join(mixed, "b.safetensors"), {k: tensors[k] for k in rest}, rest)
+            with open(os.path.join(mixed, "model.safetensors.index.json"), "w") as f:
+                json.dump({"weight_map": dict({k: "a.safetensors" for k in one},
+                                              **{k: "b.safetensors" for k in rest})}, f)
+            back = os.path.join(tmp, "hf-mixed-back")
+            p = tool("import-hf", mixed, os.path.join(tmp, "ck-mixed"))
+            q = tool("export-hf", os.path.join(tmp, "ck-mixed"), back) if p.returncode == 0 \
+                else p
+            h2, data2 = st_read(os.path.join(back, "model.safetensors")) \
+                if q.returncode == 0 else ({}, b"")
+            check(sorted(k for k in h2 if k != "__metadata__") == names and all(
+                data2[h2[k]["data_offsets"][0]:h2[k]["data_offsets"][1]] == tensors[k][2]
+                for k in names),
+                  "%s: import-hf of experts in another order, split over two files (3 and 2 in "
+                  "one), exports back the same tensors bit for bit (%s)"
+                  % (tag, (p.stderr + q.stderr).strip()[-200:]))
+            gap = [k for k in tensors if re.search(r"\.experts\.[13]\.", k)]
+            write_st(os.path.join(mixed, "a.safetensors"), {k: tensors[k] for k in gap})
+            rest = [k for k in tensors if k not in gap]
+            write_st(os.path.join(mixed, "b.safetensors"), {k: tensors[k] for k in rest})
+            with open(os.path.join(mixed, "model.safetensors.index.json"), "w") as f:
+                json.dump({"weight_map": dict({k: "a.safetensors" for k in gap},
+                                              **{k: "b.safetensors" for k in rest})}, f)
+            p = tool("import-hf", mixed, os.path.join(tmp, "ck-gap"))
+            check(p.returncode != 0 and re.search(
+                r"a\.safetensors: the experts of 'model\.layers\.\d\.mlp\.experts\.\w+' in this "
+                r"file are not consecutive \(1, then 3\)", p.stderr) and
+                  not os.path.exists(os.path.join(tmp, "ck-gap")),
+                  "%s: import-hf of a file holding experts 1 and 3 of a tensor is refused, naming "
+                  "the gap (%s)" % (tag, p.stderr.strip()[-200:]))
         with open(os.path.join(out, "config.json")) as f:
             got = json.load(f)
         with open(os.path.join(hf, "config.json")) as f:
