@@ -338,10 +338,12 @@ fsdpc_status_t hf_weight_files(const char *dir, char ***out, int *n) {
   *out = NULL;
   *n = 0;
   FSDPC_TRY(file_join(path, sizeof path, dir, "model.safetensors.index.json"));
+  char single[4400]; /* with both, model.safetensors is the model, as transformers reads it */
+  FSDPC_TRY(file_join(single, sizeof single, dir, "model.safetensors"));
   char **names = calloc(MAX_FILES, sizeof(char *));
   if (names == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   fsdpc_status_t st = STATUS_OK;
-  if (access(path, F_OK) == 0) {
+  if (access(path, F_OK) == 0 && access(single, F_OK) != 0) {
     char *text = NULL;
     st = file_read_text(path, FILE_TEXT_MAX, &text);
     cJSON *o = st == STATUS_OK ? cJSON_Parse(text) : NULL;

@@ -49,9 +49,9 @@ typedef struct hf_load_opts {
 } hf_load_opts_t;
 fsdpc_status_t ckpt_load_hf_with(nn_module_t *root, const char *dir, const hf_load_opts_t *o);
 
-/* The weight files of a Hugging Face folder: those its index names (each once, in order of
- * first appearance), else model.safetensors. *names (file names, not paths) is freed with
- * hf_weight_files_free. */
+/* The weight files of a Hugging Face folder: model.safetensors, else those its index names
+ * (each once, in order of first appearance), as transformers chooses. *names (file names, not
+ * paths) is freed with hf_weight_files_free. */
 fsdpc_status_t hf_weight_files(const char *dir, char ***names, int *n);
 void hf_weight_files_free(char **names, int n);
 fsdpc_status_t ckpt_save_weights(nn_module_t *root, const char *path);

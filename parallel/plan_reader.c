@@ -567,6 +567,17 @@ fsdpc_status_t pr_parse_file(plan_ctx_t *c, const char *path) {
   if (size >= 0 && (size_t)size != len)
     st = err_set(STATUS_EFORMAT, "%s:1:1: not valid YAML: the file holds a NUL byte (binary?)",
                  path);
+  /* a byte-order mark is read at the start only: another one would be part of a key */
+  const char *bom =
+      len >= 3 ? strstr(text + (memcmp(text, "\xef\xbb\xbf", 3) == 0 ? 3 : 0), "\xef\xbb\xbf")
+               : NULL;
+  if (st == STATUS_OK && bom != NULL) {
+    size_t line = 1;
+    for (const char *q = text; q < bom; q++) line += *q == '\n';
+    st = err_set(STATUS_EFORMAT,
+                 "%s:%zu: a byte-order mark (U+FEFF) where only the file's start may have one",
+                 path, line);
+  }
   if (st == STATUS_OK) st = plan_yaml_check_depth(path, text, len, PLAN_MAX_DEPTH);
   if (st != STATUS_OK) {
     free(text);
@@ -580,6 +591,21 @@ fsdpc_status_t pr_parse_file(plan_ctx_t *c, const char *path) {
                  parser.problem_mark.line + 1, parser.problem_mark.column + 1,
                  parser.problem ? parser.problem : "syntax error", parser.context ? " " : "",
                  parser.context ? parser.context : "");
+    memset(&c->doc, 0, sizeof c->doc);
+  }
+  yaml_document_t more; /* a plan is one document: a second one would be ignored */
+  if (st == STATUS_OK && yaml_parser_load(&parser, &more)) {
+    yaml_node_t *root = yaml_document_get_root_node(&more); /* "---" alone: empty, ignored */
+    bool another =
+        root != NULL && !(root->type == YAML_SCALAR_NODE && root->data.scalar.length == 0);
+    size_t line = more.start_mark.line + 1;
+    yaml_document_delete(&more);
+    if (another)
+      st = err_set(STATUS_EFORMAT, "%s:%zu: a second YAML document ('---'): a plan is one document",
+                   path, line);
+  }
+  if (st != STATUS_OK && c->doc.nodes.start != NULL) {
+    yaml_document_delete(&c->doc);
     memset(&c->doc, 0, sizeof c->doc);
   }
   yaml_parser_delete(&parser);

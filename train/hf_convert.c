@@ -3,18 +3,19 @@
 #include <cJSON.h>
 #include <ctype.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "core/args_impl.h"
-#include "core/file.h"
 #include "checkpoint/dcp.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/train_ckpt.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 #include "models/llama/llama.h"
 
 #define PATH_LEN 4096
@@ -273,6 +274,24 @@ static fsdpc_status_t hf_list_of(const dcp_tensor_t *const *t, int n, llama_arch
   return st;
 }
 
+/* The elements of src (f32 or bf16) finite there and beyond f16's range in f16 copy h; the
+ * largest magnitude among them into *worst. */
+static int64_t f16_overflows(const fsdpc_tensor_t *src, const fsdpc_tensor_t *h, double *worst) {
+  int64_t n = tensor_numel(src), bad = 0;
+  const uint16_t *hv = h->data;
+  *worst = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if ((hv[i] & 0x7fff) != 0x7c00) continue; /* not an infinity */
+    double x = src->dtype == DTYPE_F32    ? ((const float *)src->data)[i]
+               : src->dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)src->data)[i])
+                                          : INFINITY;
+    if (!isfinite(x)) continue;
+    bad++;
+    *worst = fabs(x) > *worst ? fabs(x) : *worst;
+  }
+  return bad;
+}
+
 /* Writes entries [first, last) of l into one file, one source tensor in memory at a time. */
 static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t, const hf_list_t *l,
                                   int first, int last, dtype_t want, const char *path,
@@ -299,6 +318,16 @@ static fsdpc_status_t export_file(dcp_reader_t *r, const dcp_tensor_t *const *t,
       st = tensor_clone(&conv, &full, want, device_cpu());
       from = &conv;
     }
+    double worst = 0;
+    int64_t over = st == STATUS_OK && want == DTYPE_F16 && full.dtype != DTYPE_F16
+                       ? f16_overflows(&full, &conv, &worst)
+                       : 0;
+    if (over > 0)
+      st = err_set(STATUS_EDTYPE,
+                   "export-hf --dtype f16: tensor '%s' has %lld value%s beyond f16's range "
+                   "(largest magnitude %g, f16's 65504), which f16 would make infinite: export "
+                   "in bf16 or f32",
+                   src->name, (long long)over, over == 1 ? "" : "s", worst);
     /* the whole tensor as written: a view (of a padded table's first rows); each expert's
      * plane is a view of a stacked one */
     fsdpc_tensor_t rows = {0};

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import time
 
 from common import (EXE, ROOT, TOOL, check, edit_header, edit_state, hf_folder, losses, mkdtemp,
@@ -443,6 +444,14 @@ def ckpt_tool():
     p = tool_run("import-hf", extra, os.path.join(tmp, "imp-extra"))
     check(p.returncode == 0 and "from 1 file" in p.stdout,
           "import-hf leaves a folder's other .safetensors files unread (%s)" % p.stderr[-200:])
+    # with both model.safetensors and an index, model.safetensors is the model (transformers'
+    # choice): an index naming a file that is not there is not read
+    with open(os.path.join(extra, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}, f)
+    p = tool_run("import-hf", extra, os.path.join(tmp, "imp-both"))
+    check(p.returncode == 0 and "from 1 file" in p.stdout,
+          "import-hf of a folder with model.safetensors and an index reads model.safetensors, "
+          "as transformers does (%s)" % (p.stdout + p.stderr).strip()[-200:])
     ints = variant("int-norm")
     edit_header(os.path.join(ints, "model.safetensors"),
                 lambda h: h["model.norm.weight"].update(dtype="I32"))
@@ -450,6 +459,26 @@ def ckpt_tool():
     check(p.returncode != 0 and re.search(r"'model\.norm\.weight' is stored as I32", p.stderr) and
           not os.path.exists(os.path.join(tmp, "imp-int")),
           "import-hf of a Llama with an I32 norm weight: refused before writing")
+    # export-hf --dtype f16 of a value beyond f16's range (70000 in an f32 norm weight) is
+    # refused, naming the tensor, not written as infinity; bf16 holds it
+    big = variant("big-norm")
+    path = os.path.join(big, "model.safetensors")
+    h, _ = st_read(path)
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n + h["model.norm.weight"]["data_offsets"][0])
+        f.write(struct.pack("<f", 70000.0))
+    p = tool_run("import-hf", big, os.path.join(tmp, "imp-big"))
+    q = tool_run("export-hf", os.path.join(tmp, "imp-big"), os.path.join(tmp, "big-f16"),
+                 "--dtype", "f16")
+    r = tool_run("export-hf", os.path.join(tmp, "imp-big"), os.path.join(tmp, "big-bf16"),
+                 "--dtype", "bf16")
+    check(p.returncode == 0 and q.returncode != 0 and
+          "tensor 'model.norm.weight' has 1 value beyond f16's range (largest magnitude 70000"
+          in q.stderr and not os.path.exists(os.path.join(tmp, "big-f16")) and
+          r.returncode == 0,
+          "export-hf --dtype f16 of a value beyond f16's range is refused, naming the tensor; "
+          "bf16 exports it (%s)" % q.stderr.strip()[-200:])
     # an imported checkpoint is this project's: integrity records that verify, and catch a
     # flipped byte
     p = tool_run("inspect", imp)

@@ -156,6 +156,11 @@ def errors():
          r"expected ',' after a quoted list item"),
         ("inconsistent model", base.replace("n_heads: 2", "n_heads: 3"), [], r"bad\d*\.yaml:\d+:\d+: model: "),
         ("top level not a mapping", "- mesh\n- model\n", [], r"expected a mapping of sections"),
+        # a plan is one document, a byte-order mark only at its start (one there is read)
+        ("two YAML documents", base + "---\ntrain:\n  steps: 7\n", [],
+         r"bad\d*\.yaml:\d+: a second YAML document \('---'\): a plan is one document"),
+        ("a byte-order mark after the first", ("\ufeff\ufeff" + base).encode(), [],
+         r"bad\d*\.yaml:1: a byte-order mark \(U\+FEFF\) where only the file's start may have one"),
         ("missing plan file", "MISSING", [], r"cannot open the plan .*missing\.yaml: No such file"),
         ("unknown option", None, ["--frobnicate"], r"unknown option '--frobnicate'"),
         ("-v without --dry-run", None, ["-v"], r"-v goes with --dry-run"),
