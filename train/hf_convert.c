@@ -17,6 +17,7 @@
 #include "core/args_impl.h"
 #include "core/file.h"
 #include "models/llama/llama.h"
+#include "train/hf_convert_impl.h"
 
 #define PATH_LEN 4096
 
@@ -109,6 +110,43 @@ static int cmp_by_name(const void *x, const void *y) {
                      (*(const dcp_tensor_t *const *)y)->name);
 }
 
+fsdpc_status_t hf_config_carry(char **text, const cJSON *source) {
+  ARG_NONNULL(text);
+  if (source == NULL || *text == NULL) return STATUS_OK;
+  static const char *const own[] = {"torch_dtype", "dtype", "rope_scaling", "rope_parameters",
+                                    "pad_vocab_multiple"};
+  cJSON *o = cJSON_Parse(*text);
+  if (!cJSON_IsObject(o)) {
+    cJSON_Delete(o);
+    return err_set(STATUS_EINTERNAL, "a model config written here is not a JSON object");
+  }
+  const cJSON *it;
+  bool ok = true;
+  cJSON_ArrayForEach(it, source) {
+    bool skip = cJSON_GetObjectItemCaseSensitive(o, it->string) != NULL;
+    for (size_t k = 0; !skip && k < sizeof own / sizeof own[0]; k++)
+      skip = strcmp(it->string, own[k]) == 0;
+    if (!skip) ok = ok && cJSON_AddItemToObject(o, it->string, cJSON_Duplicate(it, true));
+  }
+  char *out = ok ? cJSON_Print(o) : NULL;
+  cJSON_Delete(o);
+  if (out == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  free(*text);
+  *text = out;
+  return STATUS_OK;
+}
+
+fsdpc_status_t hf_config_carry_file(char **text, const char *path) {
+  if (path == NULL || !path[0]) return STATUS_OK;
+  char *src = NULL;
+  FSDPC_TRY(file_read_text(path, FILE_TEXT_MAX, &src));
+  cJSON *o = cJSON_Parse(src);
+  free(src);
+  fsdpc_status_t st = hf_config_carry(text, o);
+  cJSON_Delete(o);
+  return st;
+}
+
 /* A Hugging Face config of any model written as config.json with torch_dtype set to dtype;
  * the built-in Llama's (model_type "llama") is checked and written in its normal form. origin
  * names where the config came from. */
@@ -126,7 +164,12 @@ static fsdpc_status_t write_config(const cJSON *config, const char *origin, dtyp
     /* padded tables are written vocab_size rows long, as transformers' model has them */
     if (llama_vocab_rows(&cfg) > cfg.vocab_size) *vocab = cfg.vocab_size;
     cfg.pad_vocab_multiple = 0;
-    return llama_config_to_hf(&cfg, dtype, path);
+    char *normal = NULL; /* with the keys the model does not read carried over */
+    st = llama_config_to_hf_text(&cfg, dtype, &normal);
+    if (st == STATUS_OK) st = hf_config_carry(&normal, config);
+    if (st == STATUS_OK) st = file_write_text(path, normal);
+    free(normal);
+    return st;
   }
   cJSON *c = cJSON_Duplicate(config, true);
   const cJSON *pad = cJSON_GetObjectItemCaseSensitive(config, "pad_vocab_multiple");

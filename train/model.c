@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include "models/llama/llama.h"
+#include "train/hf_convert_impl.h"
 #include "train/run_impl.h"
 
 static const char *prog = "fsdp-train";
@@ -33,7 +34,18 @@ static fsdpc_status_t builtin_init(void *self, nn_module_t *root, uint64_t seed)
 static fsdpc_status_t builtin_describe(void *self, char **json) {
   run_t *r = self;
   dtype_t dt = r->n > 0 ? dtensor_local(r->ps[0]->value)->dtype : DTYPE_F32;
-  return llama_config_to_hf_text(&r->plan.model, dt, json);
+  FSDPC_TRY(llama_config_to_hf_text(&r->plan.model, dt, json));
+  /* the keys of the config.json it came from that the model does not read (the tokens' ids) */
+  char from[PLAN_PATH_MAX + 16];
+  snprintf(from, sizeof from, "%s%s",
+           r->plan.init_from[0] ? r->plan.init_from : r->plan.model_config,
+           r->plan.init_from[0] ? "/config.json" : "");
+  fsdpc_status_t st = hf_config_carry_file(json, from);
+  if (st != STATUS_OK) {
+    free(*json);
+    *json = NULL;
+  }
+  return st;
 }
 
 static void builtin_free(void *self, nn_module_t *root) {

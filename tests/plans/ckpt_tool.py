@@ -838,6 +838,13 @@ def ckpt_family():
                             ("tiny_gpt2", "gpt2"), ("tiny_qwen3_moe", "qwen3_moe")):
         tmp = mkdtemp()
         hf = hf_folder(tmp, tag)
+        # keys the model does not read (the tokens' ids, a version) go through to the export
+        with open(os.path.join(hf, "config.json")) as f:
+            extra = dict(json.load(f), bos_token_id=1, eos_token_id=[2, 3], pad_token_id=None,
+                         transformers_version="4.51.3")
+        os.remove(os.path.join(hf, "config.json"))
+        with open(os.path.join(hf, "config.json"), "w") as f:
+            json.dump(extra, f)
         ck, tp, out = (os.path.join(tmp, x) for x in ("ck", "ck-tp", "hf-out"))
         plan = os.path.join(tmp, "tp.yaml")
         with open(plan, "w") as f:
@@ -982,8 +989,26 @@ def ckpt_family():
             want = json.load(f)
         keys = ("model_type", "architectures", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta",
-                "n_embd", "n_layer", "n_head", "n_positions", "activation_function")
+                "n_embd", "n_layer", "n_head", "n_positions", "activation_function",
+                "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")
         diff = [k for k in keys if k in want and got.get(k) != want[k]]
         check(got.get("model_type") == model_type and not diff,
               "%s: export-hf writes a %s config.json (differs in: %s)"
               % (tag, model_type, ", ".join(diff) or "nothing"))
+        if tag == "tiny_qwen3":  # a run from model.init_from records them too
+            init, ckd = os.path.join(tmp, "init.yaml"), os.path.join(tmp, "ck-init")
+            with open(init, "w") as f:
+                f.write("model:\n  init_from: %s\ndata:\n  path: %s\n  format: text\n"
+                        "  seq_len: 16\n  batch_size: 1\ntrain:\n  steps: 1\ncheckpoint:\n"
+                        "  dir: %s\n" % (hf, os.path.join(ROOT, "data", "corpus.txt"), ckd))
+            p = sh([EXE, init], timeout=120)
+            q = tool("export-hf", os.path.join(ckd, "step-00000001"),
+                     os.path.join(tmp, "hf-init")) if p.returncode == 0 else p
+            got = {}
+            if q.returncode == 0:
+                with open(os.path.join(tmp, "hf-init", "config.json")) as f:
+                    got = json.load(f)
+            check(got.get("eos_token_id") == [2, 3] and got.get("bos_token_id") == 1 and
+                  got.get("transformers_version") == "4.51.3",
+                  "%s: a checkpoint trained from model.init_from exports the folder's token ids "
+                  "and version (%s)" % (tag, (p.stderr + q.stderr).strip()[-200:]))
