@@ -17,6 +17,7 @@
  * checkpoints of any model: names and shapes come from the files.
  */
 #include <cJSON.h>
+#include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -517,8 +518,9 @@ static fsdpc_status_t reshard_command(int argc, char **argv) {
       } else if (a[2] == 'w') {
         char *end;
         long w = strtol(v, &end, 10);
-        if (*end || w < 1 || w > 1 << 20)
-          return err_set(STATUS_EINVAL, "--world: expected a positive integer, got '%s'", v);
+        if (!isdigit((unsigned char)v[0]) || *end || w < 1 || w > 1 << 20)
+          return err_set(STATUS_EINVAL,
+                         "--world: expected a number of ranks from 1 to %d, got '%s'", 1 << 20, v);
         o.world = (int)w;
       } else if (a[2] == 'e') {
         if (o.n_embeddings == 256) return err_set(STATUS_EINVAL, "more than 256 --embedding");
@@ -558,7 +560,7 @@ static fsdpc_status_t export_command(int argc, char **argv) {
         char *end;
         errno = 0;
         unsigned long long b = strtoull(v, &end, 10);
-        if (errno || *end || b == 0 || v[0] == '-')
+        if (errno || *end || b == 0 || !isdigit((unsigned char)v[0]))
           return err_set(STATUS_EINVAL, "--max-shard-bytes: expected a positive integer, got '%s'",
                          v);
         o.max_shard_bytes = b;
@@ -593,6 +595,8 @@ static fsdpc_status_t run(int argc, char **argv) {
   if (argc < 2) return err_set(STATUS_EINVAL, "missing a command and its folders");
   const char *cmd = argv[1];
   if (cmd[0] == '-' && cmd[1] != 0) return err_set(STATUS_EINVAL, "unknown option '%s'", cmd);
+  for (int i = 2; i < argc; i++) /* "" as a folder would name the root folder's files */
+    if (argv[i][0] == 0) return err_set(STATUS_EINVAL, "%s: argument %d is empty", cmd, i - 1);
   if (strcmp(cmd, "inspect") == 0) {
     FSDPC_TRY(folders_only(argc, argv, 1, "one folder"));
     return inspect(argv[2]);

@@ -258,7 +258,13 @@ def ckpt_tool():
                         r"--dtype: expected f32, bf16 or f16"),
                        (["import-hf", tmp, os.path.join(tmp, "z")], r"config\.json"),
                        (["import-hf", os.path.join(tmp, "hf-f32"), imp], r"already exists"),
-                       (["frobnicate", step], r"unknown command 'frobnicate'")]:
+                       (["frobnicate", step], r"unknown command 'frobnicate'"),
+                       (["import-hf", "", os.path.join(tmp, "z")], r"import-hf: argument 1 is empty"),
+                       (["export-hf", step, os.path.join(tmp, "y"), "--max-shard-bytes", " 100"],
+                        r"--max-shard-bytes: expected a positive integer, got ' 100'"),
+                       (["reshard", step, "--to", os.path.join(ROOT, "configs", "fsdp.yaml"),
+                         os.path.join(tmp, "y"), "--world", "100000000"],
+                        r"--world: expected a number of ranks from 1 to 1048576, got '100000000'")]:
         p = tool_run(*args)
         check(p.returncode != 0 and re.search(want, p.stderr) is not None,
               "fsdp-ckpt %s: exit %d, says /%s/" % (args[0], p.returncode, want))
