@@ -132,6 +132,13 @@ static void header_world(const run_t *r) {
   if (r->dev.type == DEVICE_CUDA && kernel_matmul_grouped_off()[0])
     printf("  experts' products: one call each (%s)\n", kernel_matmul_grouped_off());
   if (r->dev.type == DEVICE_CPU && kernel_cpu_threads() > 1) warn_oversubscribed();
+  if (r->builtin && p->par.tp > 1 && !p->par.sequence_parallel &&
+      llama_num_moe_layers(&p->model) > 0)
+    printf(
+        "  note: mesh.tp=%d without sequence parallelism: every tp rank routes the whole "
+        "sequence through the experts, %d times the MoE blocks' work; "
+        "parallelize.tensor_parallel.sequence_parallel: true splits it\n",
+        p->par.tp, p->par.tp);
 }
 
 /* The header's line on the program's own model: its name, vocabulary and parameters. */

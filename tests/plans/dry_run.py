@@ -290,6 +290,19 @@ def messages():
           "--set reaches param_groups patterns with dots in quotes; the header lists the groups")
     check("grad_accum 4 (global batch 8 samples)" in out,
           "data.global_batch_size 8 over 1 rank of 2 samples derives grad_accum 4")
+    # a model with experts under tp without sequence parallelism: each tp rank runs every
+    # token's experts (the model section replaced whole by a flow --set)
+    qwen = os.path.join(ROOT, "configs", "qwen3-tp.yaml")
+    moe = "model={config: %s}" % os.path.join(ROOT, "configs", "qwen3-moe-1.3b.json")
+    said = {}
+    for sp in ("false", "true"):
+        q, _ = run(1, [qwen, "--dry-run", "--world", "4", "--set", moe, "--set",
+                       "parallelize.tensor_parallel.sequence_parallel=" + sp])
+        said[sp] = q.returncode == 0 and "note: mesh.tp=2 without sequence parallelism: every " \
+            "tp rank routes the whole sequence through the experts, 2 times the MoE blocks' " \
+            "work" in q.stdout
+    check(said == {"false": True, "true": False},
+          "mesh.tp with experts and no sequence parallelism is noted, with it not (%s)" % said)
     check(re.search(r"data: note: the run reads 2560000 tokens, 16\.0 times the 160329 the data "
                     r"holds: each sample is seen about 16 times", out),
           "a run that reads its data 16 times over says so")
