@@ -882,6 +882,21 @@ static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
   o->stopping = o->s + 1 < p->steps && (o->stop.signal != 0 || o->stop.time_limit);
   /* the same verdict on every rank: the loss and the norm are reduced over the world */
   o->finite = isfinite(o->loss) && isfinite(o->norm);
+  if (!o->finite && !p->skip_nonfinite && o->s == r->start_step) {
+    L->agreed = true; /* before any update: the learning rate is not the cause */
+    return err_set(STATUS_EINVAL,
+                   "step %lld: the loss is %g and the gradient norm %g at the run's first step, "
+                   "before any update of its own: the weights it starts from (%s%s) hold "
+                   "non-finite values, or the model overflows in its compute dtype "
+                   "(parallelize.fully_shard.mp_policy)",
+                   (long long)o->s + 1, o->loss, o->norm,
+                   r->resumed_from[0] ? "the checkpoint "
+                   : p->init_from[0]  ? "model.init_from "
+                                      : "",
+                   r->resumed_from[0] ? r->resumed_from
+                   : p->init_from[0]  ? p->init_from
+                                      : "the initialisation of model.seed");
+  }
   if (!o->finite && !p->skip_nonfinite) {
     L->agreed = true; /* not saved: the weights that gave it would give it again */
     return err_set(STATUS_EINVAL,

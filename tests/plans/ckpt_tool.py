@@ -485,6 +485,25 @@ def ckpt_tool():
           r.returncode == 0,
           "export-hf --dtype f16 of a value beyond f16's range is refused, naming the tensor; "
           "bf16 exports it (%s)" % q.stderr.strip()[-200:])
+    # starting weights that hold a NaN: the first step's non-finite loss names them, not the
+    # learning rate
+    nan = variant("nan-norm")
+    path = os.path.join(nan, "model.safetensors")
+    h, _ = st_read(path)
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n + h["model.norm.weight"]["data_offsets"][0])
+        f.write(struct.pack("<f", float("nan")))
+    nan_cfg = os.path.join(tmp, "init-nan.yaml")
+    with open(nan_cfg, "w") as f:
+        f.write(text.replace(src, nan))
+    p, _ = run(1, [nan_cfg, "--set", "train.steps=2"], timeout=60)
+    check(p.returncode != 0 and re.search(
+        r"step 1: the loss is nan and the gradient norm nan at the run's first step, before any "
+        r"update of its own: the weights it starts from \(model\.init_from \S+hf-nan-norm\) "
+        r"hold non-finite values", p.stderr) is not None,
+          "a NaN in model.init_from's weights: the first step's refusal names them (%s)"
+          % p.stderr.strip()[-200:])
     # an imported checkpoint is this project's: integrity records that verify, and catch a
     # flipped byte
     p = tool_run("inspect", imp)
