@@ -105,7 +105,13 @@ static fsdpc_status_t writable_folder(const char *what, const char *path, const 
 }
 
 fsdpc_status_t file_make_dirs(const char *path, const char *what) {
+  return file_make_dirs_noted(path, what, NULL, NULL, 0);
+}
+
+fsdpc_status_t file_make_dirs_noted(const char *path, const char *what, size_t *made, int *n_made,
+                                    int max) {
   ARG_NONNULL(path);
+  if (n_made) *n_made = 0;
   char buf[DIRS_PATH_MAX];
   size_t n = strlen(path);
   if (n == 0 || n >= sizeof buf) return dirs_error(what, path, "empty or too long a path");
@@ -117,6 +123,7 @@ fsdpc_status_t file_make_dirs(const char *path, const char *what) {
     struct stat sb;
     char why[DIRS_PATH_MAX + 80];
     if (mkdir(buf, 0755) == 0) {
+      if (made && n_made && *n_made < max) made[(*n_made)++] = i;
       buf[i] = c;
       continue;
     }

@@ -50,6 +50,12 @@ fsdpc_status_t file_join(char *buf, size_t size, const char *dir, const char *na
  * checks that it is writable. Errors read "WHAT 'PATH': reason" (what may be NULL). */
 fsdpc_status_t file_make_dirs(const char *path, const char *what);
 
+/* file_make_dirs, noting the folders it created (not those that were there): the lengths of
+ * their prefixes of path, outermost first, into made[0..*n_made) (at most max of them; made
+ * may be NULL). The inverse removes them innermost first while they are empty. */
+fsdpc_status_t file_make_dirs_noted(const char *path, const char *what, size_t *made, int *n_made,
+                                    int max);
+
 /* Checks, creating nothing, that folder path could be written: it is a writable folder, or its
  * nearest existing ancestor is. Errors as file_make_dirs's. */
 fsdpc_status_t file_check_dirs(const char *path, const char *what);

@@ -328,6 +328,50 @@ static int add_scalar(plan_ctx_t *c, const char *s, const char *set) {
   return add_scalar_styled(c, s, strlen(s), YAML_PLAIN_SCALAR_STYLE, set);
 }
 
+/* Why a YAML text is not one document: the problem, where (line and column from 1, the
+ * character from 1), and whether it is a pattern read as an alias ('*norm'). */
+typedef struct yaml_why {
+  char text[320];
+  size_t line, column, at;
+  bool alias;
+} yaml_why_t;
+
+/* The one document of a YAML text into *doc; false, *why said, when the text is not valid
+ * YAML or holds a second document (a "---" alone aside), which would be ignored. */
+static bool load_one_document(const char *text, size_t len, yaml_document_t *doc, yaml_why_t *why) {
+  yaml_parser_t parser;
+  yaml_parser_initialize(&parser);
+  yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
+  bool ok = yaml_parser_load(&parser, doc), loaded = ok;
+  yaml_document_t more;
+  yaml_mark_t at = parser.problem_mark;
+  if (ok && yaml_parser_load(&parser, &more)) {
+    yaml_node_t *root = yaml_document_get_root_node(&more);
+    ok = root == NULL || (root->type == YAML_SCALAR_NODE && root->data.scalar.length == 0);
+    at = more.start_mark;
+    yaml_document_delete(&more);
+    if (!ok) snprintf(why->text, sizeof why->text, "a second YAML document ('---')");
+  } else if (ok) { /* what follows the document is not valid */
+    ok = false;
+    at = parser.problem_mark;
+  }
+  if (!ok && parser.error != YAML_NO_ERROR) {
+    const char *problem = parser.problem ? parser.problem : "syntax error";
+    snprintf(why->text, sizeof why->text, "not valid YAML: %s%s%s", problem,
+             parser.context ? " " : "", parser.context ? parser.context : "");
+    why->alias = strstr(problem, "alias") || (parser.context && strstr(parser.context, "alias"));
+  }
+  why->line = at.line + 1;
+  why->column = at.column + 1;
+  why->at = at.index + 1;
+  if (!ok && loaded) yaml_document_delete(doc);
+  if (!ok) memset(doc, 0, sizeof *doc);
+  yaml_parser_delete(&parser);
+  return ok;
+}
+
+#define ALIAS_HINT "; a pattern that starts with '*' goes in quotes: '*norm*'"
+
 /* Node i of document `from` copied into the plan's document, what it holds too; 0 when out of
  * memory. */
 static int copy_node(plan_ctx_t *c, yaml_document_t *from, int i, const char *set) {
@@ -360,20 +404,11 @@ static fsdpc_status_t add_flow_value(plan_ctx_t *c, const char *s, const char *s
   size_t n = strlen(s);
   fsdpc_status_t st = plan_yaml_check_depth("the value", s, n, PLAN_MAX_DEPTH);
   if (st != STATUS_OK) return err_prefix(st, "--set %s", set);
-  yaml_parser_t parser;
   yaml_document_t doc;
-  yaml_parser_initialize(&parser);
-  yaml_parser_set_input_string(&parser, (const unsigned char *)s, n);
-  if (!yaml_parser_load(&parser, &doc)) {
-    bool alias = parser.context && strstr(parser.context, "alias") != NULL;
-    st = err_set(STATUS_EFORMAT,
-                 "--set %s: the value is not valid YAML: %s%s%s (at character %zu)%s", set,
-                 parser.problem ? parser.problem : "syntax error", parser.context ? " " : "",
-                 parser.context ? parser.context : "", parser.problem_mark.index + 1,
-                 alias ? "; a pattern that starts with '*' goes in quotes: '*norm*'" : "");
-  }
-  yaml_parser_delete(&parser);
-  if (st != STATUS_OK) return st;
+  yaml_why_t why = {0};
+  if (!load_one_document(s, n, &doc, &why))
+    return err_set(STATUS_EFORMAT, "--set %s: the value is %s (at character %zu)%s", set, why.text,
+                   why.at, why.alias ? ALIAS_HINT : "");
   *out = yaml_document_get_root_node(&doc) ? copy_node(c, &doc, 1, set) : 0;
   yaml_document_delete(&doc);
   return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
@@ -583,32 +618,11 @@ fsdpc_status_t pr_parse_file(plan_ctx_t *c, const char *path) {
     free(text);
     return st;
   }
-  yaml_parser_t parser;
-  yaml_parser_initialize(&parser);
-  yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
-  if (!yaml_parser_load(&parser, &c->doc)) {
-    st = err_set(STATUS_EFORMAT, "%s:%zu:%zu: not valid YAML: %s%s%s", path,
-                 parser.problem_mark.line + 1, parser.problem_mark.column + 1,
-                 parser.problem ? parser.problem : "syntax error", parser.context ? " " : "",
-                 parser.context ? parser.context : "");
-    memset(&c->doc, 0, sizeof c->doc);
-  }
-  yaml_document_t more; /* a plan is one document: a second one would be ignored */
-  if (st == STATUS_OK && yaml_parser_load(&parser, &more)) {
-    yaml_node_t *root = yaml_document_get_root_node(&more); /* "---" alone: empty, ignored */
-    bool another =
-        root != NULL && !(root->type == YAML_SCALAR_NODE && root->data.scalar.length == 0);
-    size_t line = more.start_mark.line + 1;
-    yaml_document_delete(&more);
-    if (another)
-      st = err_set(STATUS_EFORMAT, "%s:%zu: a second YAML document ('---'): a plan is one document",
-                   path, line);
-  }
-  if (st != STATUS_OK && c->doc.nodes.start != NULL) {
-    yaml_document_delete(&c->doc);
-    memset(&c->doc, 0, sizeof c->doc);
-  }
-  yaml_parser_delete(&parser);
+  yaml_why_t why = {0};
+  if (!load_one_document(text, len, &c->doc, &why))
+    st = err_set(STATUS_EFORMAT, "%s:%zu:%zu: %s%s%s", path, why.line, why.column, why.text,
+                 strncmp(why.text, "a second", 8) == 0 ? ": a plan is one document" : "",
+                 why.alias ? ALIAS_HINT : "");
   free(text);
   return st;
 }

@@ -112,7 +112,7 @@ static int cmp_by_name(const void *x, const void *y) {
 
 fsdpc_status_t hf_config_carry(char **text, const cJSON *source) {
   ARG_NONNULL(text);
-  if (source == NULL || *text == NULL) return STATUS_OK;
+  if (!cJSON_IsObject(source) || *text == NULL) return STATUS_OK;
   static const char *const own[] = {"torch_dtype", "dtype", "rope_scaling", "rope_parameters",
                                     "pad_vocab_multiple"};
   cJSON *o = cJSON_Parse(*text);
@@ -134,17 +134,6 @@ fsdpc_status_t hf_config_carry(char **text, const cJSON *source) {
   free(*text);
   *text = out;
   return STATUS_OK;
-}
-
-fsdpc_status_t hf_config_carry_file(char **text, const char *path) {
-  if (path == NULL || !path[0]) return STATUS_OK;
-  char *src = NULL;
-  FSDPC_TRY(file_read_text(path, FILE_TEXT_MAX, &src));
-  cJSON *o = cJSON_Parse(src);
-  free(src);
-  fsdpc_status_t st = hf_config_carry(text, o);
-  cJSON_Delete(o);
-  return st;
 }
 
 /* A Hugging Face config of any model written as config.json with torch_dtype set to dtype;

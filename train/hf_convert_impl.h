@@ -10,10 +10,7 @@
  * model's config) lacks, added to it: the tokens' ids, sliding_window, transformers_version
  * and whatever else transformers keeps and the model here does not read. The dtype keys and
  * the rotary embedding's sections stay the normal form's alone. *text is replaced (freed and
- * written anew); source NULL leaves it. */
+ * written anew); a source that is not a JSON object leaves it. */
 fsdpc_status_t hf_config_carry(char **text, const cJSON *source);
-
-/* The same, source read from the config.json file at path ("" or NULL: none). */
-fsdpc_status_t hf_config_carry_file(char **text, const char *path);
 
 #endif

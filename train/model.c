@@ -35,12 +35,8 @@ static fsdpc_status_t builtin_describe(void *self, char **json) {
   run_t *r = self;
   dtype_t dt = r->n > 0 ? dtensor_local(r->ps[0]->value)->dtype : DTYPE_F32;
   FSDPC_TRY(llama_config_to_hf_text(&r->plan.model, dt, json));
-  /* the keys of the config.json it came from that the model does not read (the tokens' ids) */
-  char from[PLAN_PATH_MAX + 16];
-  snprintf(from, sizeof from, "%s%s",
-           r->plan.init_from[0] ? r->plan.init_from : r->plan.model_config,
-           r->plan.init_from[0] ? "/config.json" : "");
-  fsdpc_status_t st = hf_config_carry_file(json, from);
+  /* the keys of the config it came from that the model does not read (the tokens' ids) */
+  fsdpc_status_t st = hf_config_carry(json, r->carried);
   if (st != STATUS_OK) {
     free(*json);
     *json = NULL;

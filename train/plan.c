@@ -87,6 +87,7 @@ static fsdpc_status_t read_hf_config(plan_ctx_t *c, int m, const char *const *ke
   snprintf(name, sizeof name, "model.%s", key);
   if (llama_config_from_hf(cfg, &p->model) != STATUS_OK)
     return pr_fail(c, pr_find(c, m, key), name, "%s", err_detail());
+  snprintf(p->model_source, sizeof p->model_source, "%s", cfg);
   return STATUS_OK;
 }
 

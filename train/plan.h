@@ -39,6 +39,8 @@ typedef struct fsdpc_plan {
   bool model_given;              /* the plan states the architecture (model keys or init_from) */
   char init_from[PLAN_PATH_MAX]; /* a Hugging Face folder, or "" */
   char model_config[PLAN_PATH_MAX]; /* model.config's file (the architecture alone), or "" */
+  char model_source[PLAN_PATH_MAX + 16]; /* the config.json the architecture came from
+                                          * (model.init_from's or model.config's), or "" */
   uint64_t model_seed;
   bool deferred_init; /* build meta, parallelise, then allocate and fill only local shards */
   double moe_aux_loss_coef; /* moe.aux_loss_coef (applied to model.aux_loss_coef); < 0: not given */

@@ -4,6 +4,7 @@
 #ifndef FSDPC_TRAIN_RUN_IMPL_H
 #define FSDPC_TRAIN_RUN_IMPL_H
 
+#include <cJSON.h>
 #include <stdbool.h>
 #include <stddef.h>
 
@@ -69,7 +70,10 @@ typedef struct run {
   saved_schedule_t saved_schedule; /* its learning-rate schedule; total_steps 0: unknown */
   char *settings;  /* the plan's settings text (plan_load_settings) */
   int lock_fd;     /* checkpoint.dir's lock (rank 0), or -1 */
-  char made_dir[PLAN_PATH_MAX]; /* the outermost folder of checkpoint.dir this run made, or "" */
+  cJSON *carried;  /* the model's Hugging Face config its record carries (hf_config_carry), or
+                    * NULL */
+  size_t made_len[64]; /* the folders of checkpoint.dir this run made: prefixes of it */
+  int n_made;
   int stopped_by;  /* a signal stopped the run at a step boundary, or 0 */
   bool timed_out;  /* train.time_limit stopped it */
   double t_launch; /* when the process started (train.time_limit counts from it) */

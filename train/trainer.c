@@ -29,6 +29,7 @@
 #include "nn/layers.h"
 #include "nn/moe.h"
 #include "parallel/parallelize.h"
+#include "train/hf_convert.h"
 #include "train/llama_cost.h"
 #include "train/ops_impl.h"
 #include "train/plan.h"
@@ -411,6 +412,20 @@ static fsdpc_status_t find_resume(run_t *r, bool *resume) {
   return STATUS_OK;
 }
 
+/* The Hugging Face config the built-in model's record carries the keys of that the model does
+ * not read (its tokens' ids): the config.json it came from (model.init_from, model.config),
+ * else the record of the checkpoint it resumes. Read once, before the first save. */
+static fsdpc_status_t read_carried(run_t *r) {
+  char *text = NULL;
+  if (r->plan.model_source[0])
+    FSDPC_TRY(file_read_text(r->plan.model_source, FILE_TEXT_MAX, &text));
+  else if (r->resumed_from[0])
+    FSDPC_TRY(ckpt_recorded_config(r->resumed_from, &text));
+  r->carried = text ? cJSON_Parse(text) : NULL;
+  free(text);
+  return STATUS_OK;
+}
+
 /* The parallelised model's handles into r. */
 static void take_parallel(run_t *r) {
   r->mesh = parallel_mesh(r->par);
@@ -545,6 +560,7 @@ static fsdpc_status_t build(run_t *r) {
   offload_threads(r);
   if (!resume) r->resumed_from[0] = 0;
   FSDPC_TRY(check_before_training(r));
+  if (!r->args.dry_run && r->builtin) FSDPC_TRY(read_carried(r));
   FSDPC_TRY(check_param_groups(r)); /* the same model on every rank: the same verdict */
   if (r->args.dry_run) { /* the meta model has every placement and shape */
     FSDPC_TRY(held_parameters(r));
@@ -1230,38 +1246,16 @@ static fsdpc_status_t train(run_t *r) {
   return loop_finish(r, &L, st);
 }
 
-/* The outermost folder of path (path itself or one above it) that does not exist into out; ""
- * when path exists. */
-static void outermost_missing(const char *path, char *out, size_t size) {
-  out[0] = 0;
+/* A run that stopped before it saved anything leaves no checkpoint.dir it made: the folders it
+ * made (file_make_dirs_noted) are removed, innermost first, while they are empty. */
+static void remove_made_dirs(const char *dir, const size_t *len, int n) {
+  if (world_rank() != 0) return;
   char buf[PLAN_PATH_MAX];
-  size_t n = strlen(path);
-  if (n >= sizeof buf || size < sizeof buf) return;
-  for (size_t i = 1; i <= n; i++) {
-    if (path[i] != '/' && path[i] != 0) continue;
-    memcpy(buf, path, i);
-    buf[i] = 0;
-    struct stat sb;
-    if (stat(buf, &sb) != 0 && errno == ENOENT) {
-      memcpy(out, buf, i + 1);
-      return;
-    }
-  }
-}
-
-/* A run that stopped before it saved anything leaves no checkpoint.dir it made: the folders
- * from checkpoint.dir up to the outermost one it made are removed while they are empty. */
-static void remove_made_dirs(const char *made, const char *dir) {
-  if (!made[0] || world_rank() != 0) return;
-  char buf[PLAN_PATH_MAX];
-  snprintf(buf, sizeof buf, "%s", dir);
-  size_t n = strlen(buf);
-  while (n > 1 && buf[n - 1] == '/') buf[--n] = 0;
-  while (strlen(buf) >= strlen(made) && rmdir(buf) == 0) {
-    if (strcmp(buf, made) == 0) return;
-    char *slash = strrchr(buf, '/');
-    if (slash == NULL || slash == buf) return;
-    *slash = 0;
+  for (int k = n - 1; k >= 0; k--) {
+    if (len[k] >= sizeof buf) continue;
+    memcpy(buf, dir, len[k]);
+    buf[len[k]] = 0;
+    (void)rmdir(buf);
   }
 }
 
@@ -1287,8 +1281,8 @@ static fsdpc_status_t set_up(run_t *r, int argc, char **argv) {
   /* checkpoint.dir made before training, by rank 0 first: it notes which folders it made */
   bool make = st == STATUS_OK && r->plan.ckpt_dir[0] && !r->args.dry_run;
   if (make && world_rank() == 0) {
-    outermost_missing(r->plan.ckpt_dir, r->made_dir, sizeof r->made_dir);
-    st = file_make_dirs(r->plan.ckpt_dir, "checkpoint.dir");
+    st = file_make_dirs_noted(r->plan.ckpt_dir, "checkpoint.dir", r->made_len, &r->n_made,
+                              (int)(sizeof r->made_len / sizeof r->made_len[0]));
   }
   st = pg_agree(world_pg(), st);
   if (make && st == STATUS_OK && world_rank() != 0)
@@ -1304,6 +1298,7 @@ static void run_free(run_t *r) {
   if (r == NULL) return;
   train_unlock(r->lock_fd);
   free(r->settings);
+  cJSON_Delete(r->carried);
   optim_free(r->opt);
   free(r->ps);
   parallel_free(r->par);
@@ -1381,11 +1376,13 @@ int train_main(int argc, char **argv, const char *program, const train_model_t *
     st = set_up(r, argc, argv);
   }
   int rc = agree(st) ? run(r) : 1;
-  char made[PLAN_PATH_MAX], dir[PLAN_PATH_MAX];
-  snprintf(made, sizeof made, "%s", r ? r->made_dir : "");
+  char dir[PLAN_PATH_MAX];
+  size_t made[64];
+  int n_made = r ? r->n_made : 0;
   snprintf(dir, sizeof dir, "%s", r ? r->plan.ckpt_dir : "");
+  if (r) memcpy(made, r->made_len, sizeof made);
   run_free(r); /* the lock file removed */
-  if (rc == 1) remove_made_dirs(made, dir);
+  if (rc == 1) remove_made_dirs(dir, made, n_made);
   world_finalize();
   return rc;
 }

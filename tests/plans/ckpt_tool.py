@@ -1037,3 +1037,35 @@ def ckpt_family():
                   got.get("transformers_version") == "4.51.3",
                   "%s: a checkpoint trained from model.init_from exports the folder's token ids "
                   "and version (%s)" % (tag, (p.stderr + q.stderr).strip()[-200:]))
+            # and so does one from model.config naming the folder, saving every step, then a
+            # run that resumes its checkpoint with the architecture's keys (the record's)
+            cfg_plan, ckc = os.path.join(tmp, "config.yaml"), os.path.join(tmp, "ck-config")
+            corpus = os.path.join(ROOT, "data", "corpus.txt")
+            with open(cfg_plan, "w") as f:
+                f.write("model:\n  config: %s\ndata:\n  path: %s\n  format: text\n"
+                        "  seq_len: 16\n  batch_size: 1\ntrain:\n  steps: 2\ncheckpoint:\n"
+                        "  dir: %s\n  interval: 1\n" % (hf, corpus, ckc))
+            keys_plan, ckk = os.path.join(tmp, "keys.yaml"), os.path.join(tmp, "ck-keys")
+            with open(keys_plan, "w") as f:
+                f.write("model:\n  architecture: qwen3\n  dim: 64\n  n_layers: 2\n  n_heads: 4\n"
+                        "  n_kv_heads: 2\n  head_dim: 24\n  ffn_dim: 160\n  vocab_size: 256\n"
+                        "  max_seq_len: 64\n  rope_theta: 1000000.0\n  norm_eps: 1.0e-6\n"
+                        "  tie_embeddings: true\ndata:\n  path: %s\n  format: text\n"
+                        "  seq_len: 16\n  batch_size: 1\ntrain:\n  steps: 3\ncheckpoint:\n"
+                        "  dir: %s\n  load: %s\n" % (corpus, ckk,
+                                                    os.path.join(ckc, "step-00000002")))
+            outs = []
+            for plan_file, step in ((cfg_plan, os.path.join(ckc, "step-00000001")),
+                                    (keys_plan, os.path.join(ckk, "step-00000003"))):
+                p = sh([EXE, plan_file], timeout=120)
+                dest = os.path.join(tmp, "hf-" + os.path.basename(plan_file)[:-5])
+                q = tool("export-hf", step, dest) if p.returncode == 0 else p
+                got = {}
+                if q.returncode == 0:
+                    with open(os.path.join(dest, "config.json")) as f:
+                        got = json.load(f)
+                outs.append(got.get("eos_token_id") == [2, 3] or
+                            (p.stderr + q.stderr).strip()[-200:])
+            check(outs == [True, True], "%s: model.config naming the folder saves every step "
+                  "and exports its token ids, and a resume by the architecture's keys keeps them "
+                  "(%s)" % (tag, outs))

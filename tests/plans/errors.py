@@ -149,6 +149,14 @@ def errors():
          ["--set", "parallelize.fully_shard.units=[{match: *norm*}]"],
          r"not valid YAML: .* alias \(at character 15\); a pattern that starts with '\*' goes in "
          r"quotes: '\*norm\*'"),
+        ("--set with a flow value followed by more", None,
+         ["--set", "parallelize.fully_shard.mp_policy={param_dtype: bf16} junk"],
+         r"mp_policy=\{param_dtype: bf16\} junk: the value is not valid YAML: did not find "
+         r"expected <document start>"),
+        ("--set with a pattern read as an undefined alias", None,
+         ["--set", "parallelize.fully_shard.units=[{match: *norm, reshard_after_forward: true}]"],
+         r"not valid YAML: found undefined alias \(at character \d+\); a pattern that starts "
+         r"with '\*' goes in quotes"),
         ("--set with an empty list item", None, ["--set", "parallelize.fully_shard.units=[a,,b]"],
          r"--set parallelize\.fully_shard\.units=\[a,,b\]: a list item is empty"),
         ("--set with a list item in the wrong place", None,
@@ -158,7 +166,9 @@ def errors():
         ("top level not a mapping", "- mesh\n- model\n", [], r"expected a mapping of sections"),
         # a plan is one document, a byte-order mark only at its start (one there is read)
         ("two YAML documents", base + "---\ntrain:\n  steps: 7\n", [],
-         r"bad\d*\.yaml:\d+: a second YAML document \('---'\): a plan is one document"),
+         r"bad\d*\.yaml:\d+:1: a second YAML document \('---'\): a plan is one document"),
+        ("a second YAML document that is not valid", base + "---\ntrain: {steps: 7\n", [],
+         r"bad\d*\.yaml:\d+:1: not valid YAML: did not find expected ',' or '\}'"),
         ("a byte-order mark after the first", ("\ufeff\ufeff" + base).encode(), [],
          r"bad\d*\.yaml:1: a byte-order mark \(U\+FEFF\) where only the file's start may have one"),
         ("missing plan file", "MISSING", [], r"cannot open the plan .*missing\.yaml: No such file"),

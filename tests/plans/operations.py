@@ -205,7 +205,9 @@ def operations():
     os.makedirs(os.path.join(ro, "kept"))
     os.chmod(os.path.join(ro, "kept"), 0o777)
     for dry in (["--dry-run"], []):
-        for ck in (os.path.join(ro, "made", "by", "run"), os.path.join(ro, "kept")):
+        # (made/../kept/run: "kept" is reached through a folder the run made, and stays)
+        for ck in (os.path.join(ro, "made", "by", "run"), os.path.join(ro, "kept"),
+                   os.path.join(ro, "made", "..", "kept", "run")):
             p = sh(who + [EXE, debug, "--metrics", os.path.join(ro, "m.jsonl"), "--set",
                           "checkpoint.dir=" + ck] + dry, timeout=60)
             check(p.returncode != 0 and "m.jsonl': exists and cannot be written (Permission "

@@ -167,7 +167,7 @@ def pipeline():
         got = {}
         for name, k, at in (("pipe", n, kvs), ("ref", n // 2, ref_kvs)):
             m = os.path.join(tmp, "eval-%s-%d.jsonl" % (name, n))
-            run(k, [plan, "--metrics", m] + sets(at + ev))
+            run(k, [plan, "--metrics", m] + sets(ev + at))  # at's settings last: they win
             got[name] = [r["eval_loss"] for r in losses(m) if "eval_loss" in r] \
                 if os.path.exists(m) else []
         # the weights themselves differ by the gradients' summation order (dp x pp against
