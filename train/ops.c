@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -42,6 +43,28 @@ fsdpc_status_t train_signals_install(const fsdpc_plan_t *p) {
       return err_set(STATUS_EINVAL, "train.signals: cannot handle %s: %s",
                      train_signal_name(p->signals[i]), strerror(errno));
   return STATUS_OK;
+}
+
+/* The signals train.signals may name: held from the start of the program until the plan says
+ * which it handles, so that one arriving during start-up is not lost (taken by its default
+ * action, killing the rank without a word) but delivered then, to the handler or the default
+ * action as the plan says. */
+static void stop_signal_set(sigset_t *set) {
+  sigemptyset(set);
+  const int all[] = {SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP, SIGXCPU};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) sigaddset(set, all[i]);
+}
+
+void train_signals_hold(void) {
+  sigset_t set;
+  stop_signal_set(&set);
+  pthread_sigmask(SIG_BLOCK, &set, NULL); /* the threads started later keep them held */
+}
+
+void train_signals_release(void) {
+  sigset_t set;
+  stop_signal_set(&set);
+  pthread_sigmask(SIG_UNBLOCK, &set, NULL);
 }
 
 int train_signal(void) { return g_signal; }

@@ -23,6 +23,11 @@ void train_set_prog(const char *name);
 /* Installs handlers for p's signals: the first one received is recorded (train_signal), a
  * second exits the process at once with status 128 + its number. Local. */
 fsdpc_status_t train_signals_install(const fsdpc_plan_t *p);
+/* Holds (blocks) the signals train.signals may name in the calling thread, and so in every
+ * thread it starts: called first thing, before the plan is read. train_signals_release, once the
+ * handlers are in place, delivers one that came meanwhile. */
+void train_signals_hold(void);
+void train_signals_release(void);
 /* The first of train.signals this process received, or 0. */
 int train_signal(void);
 /* "SIGTERM", "SIGUSR1", ... */

@@ -201,9 +201,10 @@ static fsdpc_status_t optim_for_rank(run_t *r) {
  * batch, its data's tokens (0 when unknown), its data order (train_data_order; "" when
  * unknown) and its learning-rate schedule (sched->total_steps 0 when unknown). */
 static void read_saved_run(const char *dir, int64_t *batch, int64_t *tokens, char *order, size_t n,
-                           saved_schedule_t *sched) {
+                           saved_schedule_t *sched, bool *eval_pending) {
   char *text = NULL;
   *batch = *tokens = 0;
+  *eval_pending = false;
   order[0] = 0;
   memset(sched, 0, sizeof *sched);
   if (ckpt_state_text(dir, &text) != STATUS_OK) err_clear();
@@ -219,6 +220,7 @@ static void read_saved_run(const char *dir, int64_t *batch, int64_t *tokens, cha
   const cJSON *seq = cJSON_GetObjectItemCaseSensitive(d, "seq_len");
   const cJSON *toks = cJSON_GetObjectItemCaseSensitive(d, "tokens");
   if (cJSON_IsNumber(toks) && toks->valuedouble >= 1) *tokens = (int64_t)toks->valuedouble;
+  *eval_pending = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(under, "eval_pending"));
   const cJSON *sc = cJSON_GetObjectItemCaseSensitive(under, "schedule");
   const cJSON *steps = cJSON_GetObjectItemCaseSensitive(sc, "steps");
   const cJSON *warm = cJSON_GetObjectItemCaseSensitive(sc, "warmup_steps");
@@ -507,7 +509,7 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
   FSDPC_TRY(
       ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
   read_saved_run(r->resumed_from, &r->saved_batch, &r->saved_tokens, r->saved_order,
-                 sizeof r->saved_order, &r->saved_schedule);
+                 sizeof r->saved_order, &r->saved_schedule, &r->resume_eval);
   return STATUS_OK;
 }
 
@@ -581,8 +583,10 @@ static fsdpc_status_t metrics_agree(const char *path, int err) {
  * replaces), rewritten through a fresh file beside it and a rename, and appends. With defer
  * (not NULL: a checkpoint.overwrite rollback, whose newer checkpoints stay until its first save
  * commits) the fresh file is not renamed: its name goes into defer, the run appends to it, and
- * metrics_settle renames it once that save commits. NULL with errno set on failure. */
-static FILE *metrics_open(const char *path, int64_t start, char *defer, size_t defer_size) {
+ * metrics_settle renames it once that save commits. The fields of patch (may be NULL) go into
+ * step start's line (the evaluation a stop skipped). NULL with errno set on failure. */
+static FILE *metrics_open(const char *path, int64_t start, const cJSON *patch, char *defer,
+                          size_t defer_size) {
   if (start == 0 && defer == NULL) return fopen(path, "w");
   FILE *in = NULL;
   if (start > 0 && (in = fopen(path, "r")) == NULL) {
@@ -606,6 +610,21 @@ static FILE *metrics_open(const char *path, int64_t start, char *defer, size_t d
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
     if (!cJSON_IsNumber(step)) {
       junk++;
+    } else if (step->valuedouble == (double)start && patch != NULL) { /* its fields added */
+      const cJSON *it;
+      cJSON_ArrayForEach(it, patch) {
+        cJSON_DeleteItemFromObjectCaseSensitive(o, it->string);
+        cJSON_AddItemToObject(o, it->string, cJSON_Duplicate(it, true));
+      }
+      char *text = cJSON_PrintUnformatted(o);
+      if (text == NULL || fprintf(out, "%s\n", text) < 0) { /* the file would lose it */
+        free(text);
+        fclose(out);
+        out = NULL;
+        break;
+      }
+      free(text);
+      last = step->valuedouble > last ? step->valuedouble : last;
     } else if (step->valuedouble <= (double)start) {
       fputs(line, out);
       if (line[len - 1] != '\n') fputc('\n', out); /* whole, but its newline lost */
@@ -667,6 +686,7 @@ static fsdpc_status_t saved_under(const run_t *r, char **out) {
       cJSON_AddNumberToObject(sched, "warmup_steps", (double)p->warmup_steps) &&
       cJSON_AddNumberToObject(sched, "min_lr_ratio", p->min_lr_ratio) &&
       cJSON_AddNumberToObject(sched, "lr", p->optim.lr) &&
+      (!r->saving_stop_eval || cJSON_AddBoolToObject(o, "eval_pending", true)) &&
       cJSON_AddItemToObject(o, "model", model)) {
     model = NULL; /* o owns it */
     text = cJSON_PrintUnformatted(o);
@@ -752,7 +772,7 @@ static data_spec_t spec_of(const run_t *r) {
 
 /* Set up: the data order, the schedule, the metrics file, the saver. On failure nothing is
  * left to finish. */
-static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
+static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
   const fsdpc_plan_t *p = &r->plan;
   memset(L, 0, sizeof *L);
   L->spec = spec_of(r);
@@ -780,8 +800,8 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L) {
     newer = 0;
   bool rollback = newer > 0; /* (rank 0's: the metrics file and the journal are its) */
   if (L->lead && L->mpath[0] &&
-      (L->mf = metrics_open(L->mpath, r->start_step, rollback ? L->mtmp : NULL, sizeof L->mtmp)) ==
-          NULL)
+      (L->mf = metrics_open(L->mpath, r->start_step, patch, rollback ? L->mtmp : NULL,
+                            sizeof L->mtmp)) == NULL)
     L->bad = errno;
   /* its journal: a job killed between its first save and the removal of the folders it
    * replaces is finished by the next start, not left with both histories */
@@ -972,13 +992,25 @@ static fsdpc_status_t save_step(run_t *r, loop_t *L, int64_t step, bool wait) {
   return st;
 }
 
+/* Whether an evaluation follows step done (of those trained): every eval.interval steps and
+ * after the last. */
+static bool eval_due(const run_t *r, int64_t done) {
+  const fsdpc_plan_t *p = &r->plan;
+  return r->eval != NULL &&
+         ((p->eval_interval > 0 && done % p->eval_interval == 0) || done == p->steps);
+}
+
 static fsdpc_status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   int64_t done = o->s + 1;
   fsdpc_status_t st = train_save_poll(&L->saver, r, o->sums + 1);
   bool save = p->ckpt_dir[0] && ((p->ckpt_interval > 0 && done % p->ckpt_interval == 0) ||
                                  done == p->steps || o->stopping);
+  /* a stop skips the step's evaluation (step_evaluate): its checkpoint says so, and the run
+   * that resumes it evaluates first */
+  r->saving_stop_eval = o->stopping && eval_due(r, done);
   if (st == STATUS_OK && save) st = save_step(r, L, done, o->stopping || done == p->steps);
+  r->saving_stop_eval = false;
   L->agreed = st != STATUS_OK;
   return st;
 }
@@ -998,10 +1030,7 @@ static void metrics_settle(loop_t *L, bool final) {
 
 /* Evaluate: after every eval.interval steps and after the last. */
 static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
-  const fsdpc_plan_t *p = &r->plan;
-  int64_t done = o->s + 1;
-  o->eval_now = r->eval != NULL && !o->stopping &&
-                ((p->eval_interval > 0 && done % p->eval_interval == 0) || done == p->steps);
+  o->eval_now = !o->stopping && eval_due(r, o->s + 1);
   if (!o->eval_now) return STATUS_OK;
   mem_reset_peak(r->dev);
   fsdpc_status_t st = evaluate(r, &L->spec, &o->eval_loss);
@@ -1098,6 +1127,27 @@ static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) 
   fflush(stdout);
 }
 
+/* A signal of train.signals that came while the step saved or evaluated: agreed now (the
+ * step's own agreement came before), so the run stops at this step, saved (an asynchronous
+ * save of it committed first), not after another step and another save. */
+static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
+  int64_t done = o->s + 1;
+  bool saved = p->ckpt_dir[0] && L->asked == done;
+  if (o->stopping || done >= p->steps || p->n_signals == 0 || !(saved || o->eval_now))
+    return STATUS_OK; /* (the same on every rank) */
+  double v[1 + PLAN_MAX_SIGNALS];
+  int n = train_stop_values(p, false, v);
+  fsdpc_status_t st = pg_host_all_reduce(world_pg(), v, v, n, PG_HOST_F64, REDUCE_SUM);
+  train_stop_t stop = st == STATUS_OK ? train_stop_of(p, v) : (train_stop_t){0};
+  if (stop.signal == 0) return st;
+  o->stopping = true;
+  o->stop = stop;
+  if (p->ckpt_dir[0]) st = saved ? train_save_finish(&L->saver, r) : save_step(r, L, done, true);
+  L->agreed = st != STATUS_OK;
+  return st;
+}
+
 /* One step, in its phases. *stop: the run ends after it (a signal or the time limit). */
 static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
   step_out_t o = {.s = s, .t0 = device_clock_seconds()};
@@ -1121,15 +1171,15 @@ static fsdpc_status_t step(run_t *r, loop_t *L, int64_t s, bool *stop) {
     if (L->lead) progress_line(r, L, &o);
     return ev;
   }
+  FSDPC_TRY(step_stop_late(r, L, &o));
   FSDPC_TRY(metrics_line(r, L, &o));
   L->steps_done = s + 1 - r->start_step;
   *stop = o.stopping;
+  if (L->lead) progress_line(r, L, &o);
   if (o.stopping) {
     r->stopped_by = o.stop.signal;
     r->timed_out = o.stop.signal == 0;
     if (L->lead) stopped_line(r, &o.stop, s + 1, L->tty);
-  } else if (L->lead) {
-    progress_line(r, L, &o);
   }
   return STATUS_OK;
 }
@@ -1236,8 +1286,24 @@ static fsdpc_status_t train(run_t *r) {
     if (world_rank() == 0) eval_line(r, r->start_step, eval_loss, "");
     return STATUS_OK;
   }
+  /* the evaluation of the step resumed from that the stop which saved it skipped */
+  cJSON *patch = NULL;
+  if (r->resume_eval && eval_due(r, r->start_step)) {
+    data_spec_t spec = spec_of(r);
+    double eval_loss;
+    mem_reset_peak(r->dev);
+    FSDPC_TRY(evaluate(r, &spec, &eval_loss));
+    size_t peak = mem_stats(r->dev).peak;
+    train_counted_bytes(r); /* its collectives are not the first step's */
+    if (world_rank() == 0) eval_line(r, r->start_step, eval_loss, "");
+    patch = cJSON_CreateObject();
+    cJSON_AddNumberToObject(patch, "eval_loss", eval_loss);
+    cJSON_AddNumberToObject(patch, "eval_peak_mem_bytes", (double)peak);
+  }
   loop_t L;
-  FSDPC_TRY(loop_start(r, &L));
+  fsdpc_status_t started = loop_start(r, &L, patch);
+  cJSON_Delete(patch);
+  FSDPC_TRY(started);
   fsdpc_status_t st = STATUS_OK;
   bool stop = false;
   for (int64_t s = r->start_step; s < p->steps && st == STATUS_OK && !stop; s++)
@@ -1358,11 +1424,14 @@ int train_main(int argc, char **argv, const char *program, const train_model_t *
             bad);
     return 1;
   }
+  train_signals_hold(); /* until the plan's handlers are in place (set_up) */
   if (world_init(&argc, &argv) != STATUS_OK) {
+    train_signals_release();
     fprintf(stderr, "%s: %s\n", train_prog(), err_detail());
     return 1;
   }
   if (answered(argc, argv)) {
+    train_signals_release();
     world_finalize();
     return 0;
   }
@@ -1375,6 +1444,7 @@ int train_main(int argc, char **argv, const char *program, const train_model_t *
     if (model) r->model = *model;
     st = set_up(r, argc, argv);
   }
+  train_signals_release();
   int rc = agree(st) ? run(r) : 1;
   char dir[PLAN_PATH_MAX];
   size_t made[64];

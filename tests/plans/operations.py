@@ -329,6 +329,67 @@ def operations():
         check(hit is not None and hit.group(1).startswith("stopped before train.time_limit"),
               "train.time_limit stops the run before it")
 
+    # a signal during start-up (held from the program's start until the plan's handlers are
+    # in place; seen here in /proc as blocked) stops the run at its first step, saved, exit 75
+    ck, m = os.path.join(tmp, "ck-start-signal"), os.path.join(tmp, "start-signal.jsonl")
+    proc, steps = start(0, [debug, "--set", "train.steps=50", "--set", "checkpoint.dir=" + ck], m)
+    held, t = False, time.time()
+    while not held and proc.poll() is None and time.time() - t < 30:
+        try:
+            with open("/proc/%d/status" % proc.pid) as f:
+                blk = re.search(r"^SigBlk:\s*([0-9a-f]+)", f.read(), re.M)
+            held = blk is not None and int(blk.group(1), 16) & (1 << (signal.SIGTERM - 1)) != 0
+        except OSError:
+            break
+    if held:
+        os.kill(proc.pid, signal.SIGTERM)
+    rc, out, err = finish(proc)
+    check(held and rc == 75 and "interrupted by SIGTERM at step 1; saved" in out and
+          saved(ck) == ["step-00000001"],
+          "SIGTERM during start-up: the run stops at step 1, saved, exit 75 (held %s, exit %s, "
+          "%s)" % (held, rc, (out + err).strip()[-200:]))
+
+    # a signal during a step's save stops the run at that step, already saved: no second step
+    # and save after it
+    ck, m = os.path.join(tmp, "ck-save-signal"), os.path.join(tmp, "save-signal.jsonl")
+    proc, steps = start(0, [debug, "--set", "model.dim=512", "--set", "model.n_layers=6",
+                            "--set", "model.ffn_dim=1376", "--set", "model.n_heads=8", "--set",
+                            "model.n_kv_heads=4", "--set", "data.batch_size=1", "--set",
+                            "data.seq_len=16", "--set", "train.steps=100", "--set",
+                            "checkpoint.interval=5", "--set", "checkpoint.dir=" + ck], m)
+    t = time.time()
+    while not os.path.isdir(os.path.join(ck, "step-00000005.tmp")) and proc.poll() is None \
+            and time.time() - t < 60:
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, out, err = finish(proc)
+    check(rc == 75 and "interrupted by SIGTERM at step 5; saved" in out and
+          saved(ck) == ["step-00000005"],
+          "SIGTERM during step 5's save: the run stops at step 5, saved once (exit %s, %s, %s)"
+          % (rc, saved(ck) if os.path.isdir(ck) else [], (out + err).strip()[-160:]))
+
+    # a stop skips the evaluation its step is due (it would delay the stop): the resumed run
+    # makes it first, as the uninterrupted run did, into the step's line of the metrics file
+    ev = [debug, "--set", "train.steps=60", "--set", "log.interval=1", "--set",
+          "eval.path=" + data, "--set", "eval.interval=1", "--set", "eval.batches=2"]
+    ev_ref = os.path.join(tmp, "eval-ref.jsonl")
+    p, _ = run(1, ev + ["--metrics", ev_ref])
+    want = {r["step"]: r.get("eval_loss") for r in losses(ev_ref)} if p.returncode == 0 else {}
+    ck, m = os.path.join(tmp, "ck-eval-stop"), os.path.join(tmp, "eval-stop.jsonl")
+    proc, steps = start(0, ev + ["--set", "checkpoint.dir=" + ck], m)
+    wait_step(steps, 5, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, out, _ = finish(proc)
+    at = re.search(r"interrupted by SIGTERM at step (\d+)", out)
+    p, _ = run(1, ev + ["--set", "checkpoint.dir=" + ck, "--set", "checkpoint.load=auto",
+                        "--metrics", m])
+    got = {r["step"]: r.get("eval_loss") for r in losses(m)} if p.returncode == 0 else {}
+    check(rc == 75 and at is not None and len(want) == 60 and got == want and
+          "eval after step %s: loss" % (at.group(1) if at else "?") in p.stdout,
+          "a stop at step %s skips its evaluation; the resumed run makes it first, every step's "
+          "eval_loss then equal to the uninterrupted run's"
+          % (at.group(1) if at else "none"))
+
     # a second SIGTERM during the save: exits at once (128 + 15); the previous checkpoint
     # stays complete and loads; the unfinished save is removed at the next start
     ck = os.path.join(tmp, "ck-second")
