@@ -587,7 +587,18 @@ static fsdpc_status_t metrics_agree(const char *path, int err) {
  * step start's line (the evaluation a stop skipped). NULL with errno set on failure. */
 static FILE *metrics_open(const char *path, int64_t start, const cJSON *patch, char *defer,
                           size_t defer_size) {
-  if (start == 0 && defer == NULL) return fopen(path, "w");
+  if (start == 0 && defer == NULL) {
+    FILE *old = fopen(path, "r");
+    long lines = 0;
+    for (int c; old != NULL && (c = fgetc(old)) != EOF;) lines += c == '\n';
+    if (old != NULL) fclose(old);
+    if (lines > 0) /* a fresh run's file is its own: another run's lines are not kept */
+      fprintf(stderr,
+              "%s: note: the metrics file '%s' held %ld line%s of an earlier run; this run "
+              "starts at step 0 and replaces %s\n",
+              train_prog(), path, lines, lines == 1 ? "" : "s", lines == 1 ? "it" : "them");
+    return fopen(path, "w");
+  }
   FILE *in = NULL;
   if (start > 0 && (in = fopen(path, "r")) == NULL) {
     if (errno != ENOENT) return NULL;

@@ -189,6 +189,12 @@ def operations():
     rows = losses(nm) if p.returncode == 0 else []
     check(len(rows) == 2 and not any(k.startswith("ckpt_") for r in rows for k in r),
           "a run without checkpoint.dir writes no ckpt_ field (%s)" % rows[-1:])
+    # a fresh run given that file again replaces it, saying so
+    p, _ = run(1, [debug, "--set", "train.steps=1", "--metrics", nm])
+    check(p.returncode == 0 and "note: the metrics file '%s' held 2 lines of an earlier run; "
+          "this run starts at step 0 and replaces them" % nm in p.stderr and len(losses(nm)) == 1,
+          "a fresh run replaces an earlier run's metrics file, noting its lines (%s)"
+          % p.stderr.strip()[-200:])
     # a metrics file that cannot be written: refused before the run, by --dry-run too (as
     # another user: root writes any file)
     ro = os.path.join(tmp, "ro")
