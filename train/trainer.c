@@ -1454,6 +1454,8 @@ int train_main(int argc, char **argv, const char *program, const train_model_t *
     r->builtin = model == NULL;
     if (model) r->model = *model;
     st = set_up(r, argc, argv);
+  } else {
+    st = pg_agree(world_pg(), st); /* the one set_up makes on the others */
   }
   train_signals_release();
   int rc = agree(st) ? run(r) : 1;
