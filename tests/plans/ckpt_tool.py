@@ -467,13 +467,16 @@ def ckpt_tool():
           "import-hf of a Llama with an I32 norm weight: refused before writing")
     # export-hf --dtype f16 of a value beyond f16's range (70000 in an f32 norm weight) is
     # refused, naming the tensor, not written as infinity; bf16 holds it
-    big = variant("big-norm")
-    path = os.path.join(big, "model.safetensors")
-    h, _ = st_read(path)
-    with open(path, "r+b") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(8 + n + h["model.norm.weight"]["data_offsets"][0])
-        f.write(struct.pack("<f", 70000.0))
+    def norm_first(name, value):  # a folder whose final norm's first weight is value (f32)
+        folder = variant(name)
+        path = os.path.join(folder, "model.safetensors")
+        h, _ = st_read(path)
+        with open(path, "r+b") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            f.seek(8 + n + h["model.norm.weight"]["data_offsets"][0])
+            f.write(struct.pack("<f", value))
+        return folder
+    big = norm_first("big-norm", 70000.0)
     p = tool_run("import-hf", big, os.path.join(tmp, "imp-big"))
     q = tool_run("export-hf", os.path.join(tmp, "imp-big"), os.path.join(tmp, "big-f16"),
                  "--dtype", "f16")
@@ -487,13 +490,7 @@ def ckpt_tool():
           "bf16 exports it (%s)" % q.stderr.strip()[-200:])
     # starting weights that hold a NaN: the first step's non-finite loss names them, not the
     # learning rate
-    nan = variant("nan-norm")
-    path = os.path.join(nan, "model.safetensors")
-    h, _ = st_read(path)
-    with open(path, "r+b") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(8 + n + h["model.norm.weight"]["data_offsets"][0])
-        f.write(struct.pack("<f", float("nan")))
+    nan = norm_first("nan-norm", float("nan"))
     nan_cfg = os.path.join(tmp, "init-nan.yaml")
     with open(nan_cfg, "w") as f:
         f.write(text.replace(src, nan))
