@@ -394,6 +394,9 @@ static void tp_comm(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n, d
   double logits = (double)(p->batch_size * p->seq_len) * (double)llama_vocab_rows(mc) / T;
   double fwd = p->activation_checkpointing ? 2 : 1; /* blocks recompute their forward */
 #define BYTES(fqn, reduce) module_bytes(groups, n, fqn, reduce)
+  /* under a pipeline, the modules of this rank's stages: those its units hold */
+  bool pipe = p->par.pp > 1;
+#define HELD(fqn) (!pipe || group_of(groups, n, fqn) >= 0)
   /* per dtype-weighted count: the forward's reductions (the embeddings' outputs, the rowwise
    * outputs), the backward's (the inputs of prepare_input, two a dense block, and of the
    * lm_head), the gathers under sequence parallelism (the inputs of prepare_input and the
@@ -403,7 +406,7 @@ static void tp_comm(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n, d
   int64_t Ni = p->batch_size * p->seq_len * mc->dim;
   long long n_fred = 0, n_bred = 0, n_gath = 0, n_sums = 0;
   const char *embs[2] = {gpt2 ? "transformer.wte" : "model.embed_tokens", "transformer.wpe"};
-  for (int e = 0; e < (gpt2 ? 2 : 1); e++) {
+  for (int e = 0; e < (gpt2 ? 2 : 1) && HELD(embs[0]); e++) {
     double b = BYTES(embs[e], false);
     fred += b;
     whole += ring_all_reduce(T, Ni, b);
@@ -411,18 +414,23 @@ static void tp_comm(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n, d
     n_fred++;
     n_gath++;
   }
+  bool last = HELD("lm_head"); /* the final norm and the head: the last stage's */
   double head = BYTES("lm_head", false), head_r = BYTES("lm_head", true);
-  bred += head_r;
-  whole += ring_all_reduce(T, Ni, head_r);
-  gath += head;
-  n_bred++;
-  n_gath++;
+  if (last) {
+    bred += head_r;
+    whole += ring_all_reduce(T, Ni, head_r);
+    gath += head;
+    n_bred++;
+    n_gath++;
+  }
   char fqn[96];
   const char *layer = gpt2 ? "transformer.h" : "model.layers";
   const char *norms[2] = {gpt2 ? "ln_1" : "input_layernorm",
                           gpt2 ? "ln_2" : "post_attention_layernorm"};
   double norm_parts = gpt2 ? 2 : 1; /* a LayerNorm's weight and bias */
   for (int64_t l = 0; l < mc->n_layers; l++) {
+    snprintf(fqn, sizeof fqn, "%s.%lld", layer, (long long)l);
+    if (!HELD(fqn)) continue;
     bool sparse = llama_layer_is_moe(mc, l);
     /* a sparse layer's MoE block runs on the tokens as they come: no prepare_input gather or
      * rowwise reduction of its own */
@@ -470,11 +478,14 @@ static void tp_comm(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n, d
     }
   }
   snprintf(fqn, sizeof fqn, "%s", gpt2 ? "transformer.ln_f" : "model.norm");
-  sums += norm_parts * ring_all_reduce(T, mc->dim, BYTES(fqn, true));
-  n_sums += (long long)norm_parts;
+  if (last) {
+    sums += norm_parts * ring_all_reduce(T, mc->dim, BYTES(fqn, true));
+    n_sums += (long long)norm_parts;
+    c->n_ag += (long long)A;
+    c->ag += A * (T - 1) * logits * head; /* the lm_head output made whole */
+  }
+#undef HELD
 #undef BYTES
-  c->n_ag += (long long)A;
-  c->ag += A * (T - 1) * logits * head; /* the lm_head output made whole */
   if (sp) {                             /* reduce-scatters and all-gathers of n / T elements */
     c->n_ag += (long long)A * n_gath;
     c->ag += A * gath * (T - 1) * N / T;

@@ -660,7 +660,7 @@ void train_dry_run(const run_t *r) {
   /* fully_shard's collectives follow from its groups whatever the model; tensor parallelism's
    * from the built-in models' plans only */
   fsdpc_plan_t fsdp_only = *p;
-  bool tp_counted = p->par.tp == 1 || (r->builtin && r->pp_sched == NULL);
+  bool tp_counted = p->par.tp == 1 || r->builtin;
   if (!tp_counted) fsdp_only.par.tp = 1;
   llama_comm_t m = llama_comm_estimate(&fsdp_only, r->groups, r->n_groups);
   char a2a[128] = "";
@@ -673,11 +673,9 @@ void train_dry_run(const run_t *r) {
       "communication per step and rank (docs/design.md, Performance model): all-gather %lld calls "
       "%.0f B, reduce-scatter %lld calls %.0f B, all-reduce %lld calls %.0f B%s%s\n",
       m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar, a2a,
-      tp_counted   ? ""
-      : r->builtin ? "; fully_shard's alone: tensor parallelism's activations are not "
-                     "estimated under a pipeline (the run's metrics give them)"
-                   : "; fully_shard's alone: tensor parallelism's activations are estimated "
-                     "for the built-in models only");
+      tp_counted ? ""
+                 : "; fully_shard's alone: tensor parallelism's activations are estimated "
+                   "for the built-in models only");
   /* under a pipeline, rank 0's stages and its sends to the next stage */
   double p2p = 0;
   if (r->pp_sched != NULL) {

@@ -241,6 +241,31 @@ def tp_reduce_dtype():
                   "estimated %d B" % (what, rd, got[rd][0], got[rd][1]))
         check(got["f32"][0] > got["bf16"][0], "%s: f32 reduction moves %d B, bf16 %d B"
               % (what, got["f32"][0], got["bf16"][0]))
+    # under a pipeline, pipeline rank 0's stages' collectives (and its point-to-point sends):
+    # with and without sequence parallelism, interleaved stages, recomputed blocks, Qwen3's
+    # headwise norms, GPT-2, and experts
+    pp = ["mesh.pp=2", "pipeline.microbatches=2", "model.n_layers=4"]
+    moe = "model={config: %s}" % os.path.join(ROOT, "tests", "reference",
+                                              "tiny_qwen3_moe_config.json")
+    for name, sets in (
+            ("tp", pp),
+            ("tp", pp + ["parallelize.tensor_parallel.sequence_parallel=false"]),
+            ("tp", pp + ["pipeline.schedule=interleaved_1f1b"]),
+            ("tp", pp + ["train.activation_checkpointing=true"]),
+            ("qwen3-tp", pp + ["mesh.dp_shard=1"]),
+            ("qwen3-tp", [moe, "mesh.pp=2", "pipeline.microbatches=2", "mesh.dp_shard=1"]),
+            ("gpt2", pp + ["mesh.dp_shard=1", "mesh.tp=2",
+                           "parallelize.tensor_parallel.sequence_parallel=true"])):
+        plan = os.path.join(ROOT, "configs", name + ".yaml")
+        args = sum((["--set", x] for x in sets + ["train.steps=2"]), [])
+        d, _ = run(4, [plan, "--dry-run"] + args)
+        est = re.search(r"^comm_bytes (\d+)$", d.stdout, re.M)
+        metrics = os.path.join(tmp, "pp-%s-%d.jsonl" % (name, len(" ".join(sets))))
+        q, _ = run(4, [plan, "--metrics", metrics] + args)
+        got = losses(metrics)[-1]["comm_bytes"] if q.returncode == 0 else -1
+        check(est is not None and got == int(est.group(1)),
+              "%s with %s: communication under pp 2 x tp 2 %d B per step, estimated %s B"
+              % (name, " ".join(sets), got, est.group(1) if est else "none"))
     # per-unit dtypes: each layer's collectives in its own unit's dtypes, the embeddings' and the
     # head's in theirs (the units given on the command line in YAML's flow style)
     layers_bf16 = "parallelize.fully_shard.units=[{match: %s, mp_policy: {param_dtype: bf16}}]"
