@@ -379,22 +379,34 @@ def operations():
     ev = [debug, "--set", "train.steps=60", "--set", "log.interval=1", "--set",
           "eval.path=" + data, "--set", "eval.interval=1", "--set", "eval.batches=2"]
     ev_ref = os.path.join(tmp, "eval-ref.jsonl")
-    p, _ = run(1, ev + ["--metrics", ev_ref])
+    p, ev_secs = run(1, ev + ["--metrics", ev_ref])
     want = {r["step"]: r.get("eval_loss") for r in losses(ev_ref)} if p.returncode == 0 else {}
-    ck, m = os.path.join(tmp, "ck-eval-stop"), os.path.join(tmp, "eval-stop.jsonl")
-    proc, steps = start(0, ev + ["--set", "checkpoint.dir=" + ck], m)
-    wait_step(steps, 5, proc)
-    os.kill(proc.pid, signal.SIGTERM)
-    rc, out, _ = finish(proc)
-    at = re.search(r"interrupted by SIGTERM at step (\d+)", out)
-    p, _ = run(1, ev + ["--set", "checkpoint.dir=" + ck, "--set", "checkpoint.load=auto",
-                        "--metrics", m])
-    got = {r["step"]: r.get("eval_loss") for r in losses(m)} if p.returncode == 0 else {}
-    check(rc == 75 and at is not None and len(want) == 60 and got == want and
-          "eval after step %s: loss" % (at.group(1) if at else "?") in p.stdout,
-          "a stop at step %s skips its evaluation; the resumed run makes it first, every step's "
-          "eval_loss then equal to the uninterrupted run's"
-          % (at.group(1) if at else "none"))
+    # a signal may come during the step's evaluation, which then runs first; the time limit
+    # stops at the step's agreement, before it
+    for how in ("SIGTERM", "train.time_limit"):
+        ck, m = os.path.join(tmp, "ck-eval-" + how), os.path.join(tmp, "eval-%s.jsonl" % how)
+        if how == "SIGTERM":
+            proc, steps = start(0, ev + ["--set", "checkpoint.dir=" + ck], m)
+            wait_step(steps, 5, proc)
+            os.kill(proc.pid, signal.SIGTERM)
+            rc, out, _ = finish(proc)
+        else:
+            q, _ = run(1, ev + ["--set", "checkpoint.dir=" + ck, "--set",
+                                "train.time_limit=%.2f" % (ev_secs / 2), "--metrics", m])
+            rc, out = q.returncode, q.stdout
+        at = re.search(r"(interrupted by SIGTERM|stopped before train\.time_limit \(\S+ s\)) "
+                       r"at step (\d+)", out)
+        p, _ = run(1, ev + ["--set", "checkpoint.dir=" + ck, "--set", "checkpoint.load=auto",
+                            "--metrics", m])
+        got = {r["step"]: r.get("eval_loss") for r in losses(m)} if p.returncode == 0 else {}
+        said = "eval after step %s: loss" % (at.group(2) if at else "?")
+        check(rc == 75 and at is not None and len(want) == 60 and got == want and
+              (out + p.stdout).count(said) == 1 and (how == "SIGTERM" or said in p.stdout),
+              "%s at step %s: each evaluation made once, by the %s run, every step's eval_loss "
+              "equal to the uninterrupted run's (exit %s, differing steps %s)"
+              % (how, at.group(2) if at else "none",
+                 "resumed" if said in p.stdout else "stopped", rc,
+                 [k for k in want if got.get(k) != want[k]][:5]))
 
     # a second SIGTERM during the save: exits at once (128 + 15); the previous checkpoint
     # stays complete and loads; the unfinished save is removed at the next start
