@@ -508,18 +508,23 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
                    world == 1 ? "" : "s");
   }
   for (int i = -1; i < pp->n_units; i++) { /* the section's value, then the units' own */
-    int N = i >= 0 ? pp->units[i].reshard_after_forward : pp->reshard_after_forward;
+    int *at = i >= 0 ? &pp->units[i].reshard_after_forward : &pp->reshard_after_forward;
+    int N = *at;
     if (i >= 0 && N == pp->reshard_after_forward) continue; /* inherited, or the same */
+    if (N >= 2 && N == pp->dp_shard) { /* groups of all dp_shard ranks: true, as PyTorch reads it */
+      *at = 1;
+      continue;
+    }
     const char *w = i >= 0 ? pp->units[i].where.text : pp->fsdp_where.text;
     char key[64] = "parallelize.fully_shard.reshard_after_forward";
     if (i >= 0)
       snprintf(key, sizeof key, "parallelize.fully_shard.units[%d].reshard_after_forward", i);
-    if (N >= 2 && (N >= pp->dp_shard || pp->dp_shard % N != 0))
+    if (N >= 2 && (N > pp->dp_shard || pp->dp_shard % N != 0))
       return err_set(STATUS_EINVAL,
                      "%s: %s: %d %s mesh.dp_shard=%d (an integer N keeps parameters sharded "
-                     "over groups of N ranks after forward: 1 < N < dp_shard, dividing it)",
-                     w, key, N, N >= pp->dp_shard ? "is not below" : "does not divide",
-                     pp->dp_shard);
+                     "over groups of N ranks after forward: 1 < N <= dp_shard, dividing it; "
+                     "dp_shard itself is true)",
+                     w, key, N, N > pp->dp_shard ? "is above" : "does not divide", pp->dp_shard);
   }
   if (pp->state_over_replicas && pp->dp_replicate > 1 && pp->offload)
     return err_set(STATUS_EINVAL,

@@ -35,10 +35,19 @@
 /* Values a YAML document may expand to: aliases repeat a node wherever they stand, and a few
  * levels of them expand a small file into billions of values. */
 enum { YAML_VALUES_MAX = 100000 };
+/* the budget left when a key is a list or a mapping (below what any count reaches) */
+#define KEY_NOT_SCALAR (-100L * YAML_VALUES_MAX)
 
 static cJSON *yaml_to_json(yaml_document_t *d, yaml_node_t *n, int depth, long *budget) {
   if (n == NULL || depth > 64 || --*budget < 0) return NULL;
-  if (n->type == YAML_SCALAR_NODE) return cJSON_CreateString((const char *)n->data.scalar.value);
+  if (n->type == YAML_SCALAR_NODE) { /* a plain null (~, null, empty) as YAML reads it */
+    const char *v = (const char *)n->data.scalar.value;
+    if (n->data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
+        (!v[0] || strcmp(v, "~") == 0 || strcmp(v, "null") == 0 || strcmp(v, "Null") == 0 ||
+         strcmp(v, "NULL") == 0))
+      return cJSON_CreateNull();
+    return cJSON_CreateString(v);
+  }
   if (n->type == YAML_SEQUENCE_NODE) {
     cJSON *a = cJSON_CreateArray();
     for (yaml_node_item_t *i = n->data.sequence.items.start;
@@ -50,7 +59,11 @@ static cJSON *yaml_to_json(yaml_document_t *d, yaml_node_t *n, int depth, long *
   for (yaml_node_pair_t *p = n->data.mapping.pairs.start;
        o && *budget >= 0 && p < n->data.mapping.pairs.top; p++) {
     yaml_node_t *k = yaml_document_get_node(d, p->key);
-    if (k == NULL || k->type != YAML_SCALAR_NODE) continue;
+    if (k == NULL || k->type != YAML_SCALAR_NODE) { /* a list or mapping as a key: no setting */
+      cJSON_Delete(o);
+      *budget = KEY_NOT_SCALAR;
+      return NULL;
+    }
     cJSON_AddItemToObject(o, (const char *)k->data.scalar.value,
                           yaml_to_json(d, yaml_document_get_node(d, p->value), depth + 1, budget));
   }
@@ -94,7 +107,10 @@ static fsdpc_status_t parse_yaml(const char *path, const char *text, cJSON **out
     yaml_node_t *root = yaml_document_get_root_node(&d);
     long budget = YAML_VALUES_MAX;
     *out = root && root->type == YAML_MAPPING_NODE ? yaml_to_json(&d, root, 0, &budget) : NULL;
-    if (budget < 0)
+    if (budget <= KEY_NOT_SCALAR / 2)
+      st = err_set(STATUS_EFORMAT, "%s: a key that is a list or a mapping (settings are named)",
+                   path);
+    else if (budget < 0)
       st =
           err_set(STATUS_EFORMAT, "%s: expands to more than %d values (aliases repeating aliases?)",
                   path, YAML_VALUES_MAX);
@@ -164,6 +180,24 @@ static fsdpc_status_t read_deepspeed_file(const char *path, cJSON *c, char *file
   if (name->valuestring[0] != '/' && slash != NULL)
     snprintf(file, n, "%.*s/%s", (int)(slash - path), path, name->valuestring);
   if (file[0] == 0 || access(file, F_OK) != 0) snprintf(file, n, "%s", name->valuestring);
+  /* Accelerate refuses its own settings beside the file (they would be ignored) */
+  static const char *const ignored[] = {
+      "gradient_accumulation_steps", "gradient_clipping",     "zero_stage",
+      "offload_optimizer_device",    "offload_param_device",  "offload_param_nvme_path",
+      "offload_optimizer_nvme_path", "zero3_save_16bit_model"};
+  char given[512] = "";
+  for (size_t k = 0; k < sizeof ignored / sizeof ignored[0]; k++)
+    if (cJSON_GetObjectItemCaseSensitive(ds, ignored[k]))
+      snprintf(given + strlen(given), sizeof given - strlen(given), "%sdeepspeed_config.%s",
+               given[0] ? ", " : "", ignored[k]);
+  if (cJSON_GetObjectItemCaseSensitive(c, "mixed_precision"))
+    snprintf(given + strlen(given), sizeof given - strlen(given), "%smixed_precision",
+             given[0] ? ", " : "");
+  if (given[0])
+    return err_set(STATUS_EINVAL,
+                   "%s: %s beside deepspeed_config.deepspeed_config_file: Accelerate refuses "
+                   "them there (the DeepSpeed config file gives them); remove them",
+                   path, given);
   cJSON *inner = NULL;
   fsdpc_status_t st = read_config(file, &inner);
   if (st != STATUS_OK) return err_prefix(st, "%s: deepspeed_config.deepspeed_config_file", path);
@@ -314,15 +348,17 @@ int main(int argc, char **argv) {
   out_t *o = calloc(1, sizeof *o);
   char kind[160], ds_file[4200] = "";
   fsdpc_status_t st = o ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
-  if (st == STATUS_OK && outp) { /* before anything is read or written */
+  if (st == STATUS_OK) st = read_config(in, &c);
+  if (st == STATUS_OK) st = read_deepspeed_file(in, c, ds_file, sizeof ds_file);
+  if (st == STATUS_OK && outp) { /* before anything is written: no input is the output */
     file_inputs_t *inputs = NULL;
     st = file_inputs_new(&inputs);
     if (st == STATUS_OK) st = file_inputs_add(inputs, in, "the config being converted");
+    if (st == STATUS_OK && ds_file[0])
+      st = file_inputs_add(inputs, ds_file, "its deepspeed_config_file");
     if (st == STATUS_OK) st = file_check_output(outp, "-o", inputs);
     file_inputs_free(inputs);
   }
-  if (st == STATUS_OK) st = read_config(in, &c);
-  if (st == STATUS_OK) st = read_deepspeed_file(in, c, ds_file, sizeof ds_file);
   if (st == STATUS_OK) st = plan_convert(c, in, o, kind, sizeof kind);
   if (st == STATUS_OK) st = write_out(outp, o, in, kind, ds_file, c);
   cJSON_Delete(c);

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 const char *plan_text_of(const cJSON *it, char *buf, size_t n) {
   if (it == NULL || cJSON_IsNull(it)) return NULL;
@@ -19,8 +20,12 @@ const char *plan_text_of(const cJSON *it, char *buf, size_t n) {
   return "(a structure)";
 }
 
+/* True as Accelerate's str_to_bool reads it (and PyYAML's booleans). */
 static bool truthy(const char *v) {
-  return v && (strcasecmp(v, "true") == 0 || strcmp(v, "1") == 0 || strcasecmp(v, "yes") == 0);
+  static const char *const yes[] = {"true", "1", "yes", "y", "t", "on"};
+  for (size_t i = 0; v && i < sizeof yes / sizeof yes[0]; i++)
+    if (strcasecmp(v, yes[i]) == 0) return true;
+  return false;
 }
 
 /* ---- output: plan keys by section, and the settings left out ---- */
@@ -36,6 +41,15 @@ static void put(out_t *o, const char *section, const char *key, const char *valu
   va_start(ap, from);
   vsnprintf(e->from, sizeof e->from, from, ap);
   va_end(ap);
+}
+
+/* Drops what earlier settings put into section.key (a later setting that overrides them). */
+static void unput(out_t *o, const char *section, const char *key) {
+  int k = 0;
+  for (int i = 0; i < o->n_keys; i++)
+    if (strcmp(o->keys[i].section, section) != 0 || strcmp(o->keys[i].key, key) != 0)
+      o->keys[k++] = o->keys[i];
+  o->n_keys = k;
 }
 
 static void leave(out_t *o, const char *setting, const char *why, ...) {
@@ -79,6 +93,10 @@ static void precision(out_t *o, const char *v, const char *from) {
   put(o, "parallelize.fully_shard.mp_policy", "param_dtype", dt, "%s: %s", from, v);
   put(o, "parallelize.fully_shard.mp_policy", "reduce_dtype", "f32",
       "%s: %s (gradients reduced in f32)", from, v);
+  if (strcmp(dt, "f16") == 0)
+    leave(o, "fp16 loss scaling",
+          "none here (a dynamic loss scaler there): small f16 gradients may underflow; bf16 "
+          "needs none");
 }
 
 /* ---- DeepSpeed: a ds_config.json, or Accelerate's deepspeed_config section ---- */
@@ -164,6 +182,40 @@ static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
               "gradients and optimizer state together (parallelize.fully_shard.offload: true)");
       else if (dev && strcmp(dev, "none") != 0)
         leave(o, name, "device '%s': only the host (cpu) is an offload target", dev);
+    } else if (strcmp(it->string, "cpu_offload") == 0 ||
+               strcmp(it->string, "cpu_offload_param") == 0) { /* the deprecated forms */
+      bool param = strcmp(it->string, "cpu_offload_param") == 0;
+      const cJSON *other =
+          cJSON_GetObjectItemCaseSensitive(z, param ? "cpu_offload" : "cpu_offload_param");
+      char ob[64];
+      if (truthy(plan_text_of(it, b, sizeof b)) &&
+          (param || truthy(plan_text_of(other, ob, sizeof ob))))
+        put(o, "parallelize.fully_shard", "offload", "true",
+            "%s (CUDA: sharded parameters, gradients and optimizer on the host)", name);
+      else if (truthy(plan_text_of(it, b, sizeof b)))
+        leave(o, name,
+              "the optimizer alone on the host: offload here moves the sharded parameters, "
+              "gradients and optimizer state together (parallelize.fully_shard.offload: true)");
+    } else if (strcmp(it->string, "mics_shard_size") == 0) {
+      long m = 0;
+      const char *v = plan_text_of(it, b, sizeof b);
+      if (v && whole_ranks(v, &m) && m > 1) {
+        put(o, "mesh", "dp_shard", v, "%s: parameters sharded within groups of %ld ranks", name, m);
+        put(o, "mesh", "dp_replicate", "-1", "%s: and replicated across the groups (HSDP)", name);
+      } else if (v && strcmp(v, "-1") != 0) {
+        leave(o, name, "'%s' is not a number of ranks above 1", v);
+      }
+    } else if (strcmp(it->string, "zero_quantized_weights") == 0 ||
+               strcmp(it->string, "zero_quantized_gradients") == 0 ||
+               strcmp(it->string, "zero_quantized_nontrainable_weights") == 0) {
+      if (truthy(plan_text_of(it, b, sizeof b)))
+        leave(o, name,
+              "int8 communication (ZeRO++): the collectives here carry the compute and reduce "
+              "dtypes (mp_policy)");
+    } else if (strcmp(it->string, "stage3_param_persistence_threshold") == 0) {
+      leave(o, name,
+            "parameters below it kept whole there: here every parameter of a unit is sharded "
+            "(units choose what is gathered together)");
     } else if (strcmp(it->string, "stage3_gather_16bit_weights_on_model_save") == 0 ||
                strcmp(it->string, "gather_16bit_weights_on_model_save") == 0) {
       leave(o, name,
@@ -178,12 +230,20 @@ static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
 /* The top-level offload devices, the tensor-parallel size and the batch and clipping numbers. */
 static void ds_sizes(out_t *o, const cJSON *c, const char *prefix) {
   char b[64], name[96];
+  char pb[64];
+  const char *pdev =
+      plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "offload_param_device"), pb, sizeof pb);
+  bool param_cpu = pdev && strcmp(pdev, "cpu") == 0;
   for (int k = 0; k < 2; k++) {
     const char *key = k ? "offload_param_device" : "offload_optimizer_device";
     const char *dev = plan_text_of(cJSON_GetObjectItemCaseSensitive(c, key), b, sizeof b);
     snprintf(name, sizeof name, "%s%s", prefix, key);
-    if (dev && strcmp(dev, "cpu") == 0)
+    if (dev && strcmp(dev, "cpu") == 0 && (k == 1 || param_cpu))
       put(o, "parallelize.fully_shard", "offload", "true", "%s cpu", name);
+    else if (dev && strcmp(dev, "cpu") == 0) /* the optimizer alone */
+      leave(o, name,
+            "device cpu for the optimizer alone: offload here moves the sharded parameters, "
+            "gradients and optimizer state together (parallelize.fully_shard.offload: true)");
     else if (dev && strcmp(dev, "none") != 0)
       leave(o, name, "device '%s': only the host (cpu) is an offload target", dev);
   }
@@ -204,18 +264,22 @@ static void ds_sizes(out_t *o, const cJSON *c, const char *prefix) {
   number(o, c, "gradient_accumulation_steps", name, "data", "grad_accum");
   snprintf(name, sizeof name, "%sgradient_clipping", prefix);
   number(o, c, "gradient_clipping", name, "optim", "clip_grad_norm");
+  if (!*prefix && cJSON_GetObjectItemCaseSensitive(c, "gradient_clipping") == NULL)
+    put(o, "optim", "clip_grad_norm", "0", "gradient_clipping not given: DeepSpeed does not clip");
   snprintf(name, sizeof name, "%strain_batch_size", prefix);
   number(o, c, "train_batch_size", name, "data", "global_batch_size");
 }
 
-/* bf16 and fp16: {"enabled": true | false | "auto"}. */
-static void ds_precision(out_t *o, const cJSON *c, const char *prefix) {
+/* bf16 (or its older name bfloat16) and fp16: {"enabled": true | false | "auto"}; both
+ * enabled is refused, as DeepSpeed refuses it. */
+static fsdpc_status_t ds_precision(out_t *o, const cJSON *c, const char *prefix) {
   char b[64], name[96];
-  for (int k = 0; k < 2; k++) { /* bf16, fp16: {"enabled": true | false | "auto"} */
-    const char *which = k ? "fp16" : "bf16";
-    const char *v = plan_text_of(
-        cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, which), "enabled"), b,
-        sizeof b);
+  bool on[2] = {false, false};
+  for (int k = 0; k < 3; k++) { /* bf16, bfloat16, fp16 */
+    const char *which = k == 2 ? "fp16" : k ? "bfloat16" : "bf16";
+    const cJSON *section = cJSON_GetObjectItemCaseSensitive(c, which);
+    if (section == NULL) continue;
+    const char *v = plan_text_of(cJSON_GetObjectItemCaseSensitive(section, "enabled"), b, sizeof b);
     snprintf(name, sizeof name, "%s%s.enabled", prefix, which);
     if (is_auto(v) && *prefix) /* Accelerate fills it from its mixed_precision */
       leave(o, name, "'auto': follows mixed_precision, translated above");
@@ -223,15 +287,32 @@ static void ds_precision(out_t *o, const cJSON *c, const char *prefix) {
       leave(o, name,
             "'auto': the Hugging Face Trainer fills it from its --%s flag; give "
             "parallelize.fully_shard.mp_policy.param_dtype: %s here if the run uses %s",
-            which, k ? "f16" : "bf16", which);
-    else if (truthy(v))
-      precision(o, which, name);
-    if (k && truthy(v)) leave(o, "fp16 loss scaling", "none here; bf16 needs none");
+            k == 2 ? "fp16" : "bf16", k == 2 ? "f16" : "bf16", k == 2 ? "fp16" : "bf16");
+    else if (truthy(v) && !on[k == 2])
+      precision(o, k == 2 ? "fp16" : "bf16", name);
+    on[k == 2] = on[k == 2] || truthy(v);
   }
+  if (on[0] && on[1])
+    return err_set(STATUS_EINVAL,
+                   "%sbf16 and %sfp16 are both enabled: DeepSpeed refuses that; enable one", prefix,
+                   prefix);
+  return STATUS_OK;
 }
 
-/* The optimizer (AdamW or Adam) and the scheduler (WarmupLR, WarmupCosineLR). */
-static void ds_optim_schedule(out_t *o, const cJSON *c) {
+/* A number setting, or DeepSpeed's default for it when it is not given (def: the default's text,
+ * why: where it comes from). */
+static void number_or(out_t *o, const cJSON *src, const char *name, const char *shown,
+                      const char *section, const char *key, const char *def, const char *why) {
+  if (cJSON_GetObjectItemCaseSensitive(src, name) != NULL)
+    number(o, src, name, shown, section, key);
+  else
+    put(o, section, key, def, "%s not given: %s", shown, why);
+}
+
+/* The optimizer (AdamW or Adam) and the scheduler (WarmupLR, WarmupCosineLR), with DeepSpeed's
+ * defaults for what they leave out (a DeepSpeed file: prefix ""; Accelerate's section takes the
+ * training script's). */
+static void ds_optim_schedule(out_t *o, const cJSON *c, const char *prefix) {
   char b[64];
   const cJSON *opt = cJSON_GetObjectItemCaseSensitive(c, "optimizer");
   if (opt) {
@@ -240,9 +321,12 @@ static void ds_optim_schedule(out_t *o, const cJSON *c) {
     if (type && strcasecmp(type, "AdamW") != 0 && strcasecmp(type, "Adam") != 0) {
       leave(o, "optimizer.type", "'%s': the optimizer here is AdamW", type);
     } else {
-      number(o, p, "lr", "optimizer.params.lr", "optim", "lr");
+      /* DeepSpeed's Adam and AdamW: its fused Adam in AdamW mode, lr 1e-3, betas (0.9, 0.999),
+       * eps 1e-8, weight_decay 0 */
+      number_or(o, p, "lr", "optimizer.params.lr", "optim", "lr", "0.001", "DeepSpeed's 1e-3");
       number(o, p, "eps", "optimizer.params.eps", "optim", "eps");
-      number(o, p, "weight_decay", "optimizer.params.weight_decay", "optim", "weight_decay");
+      number_or(o, p, "weight_decay", "optimizer.params.weight_decay", "optim", "weight_decay", "0",
+                "DeepSpeed's 0");
       const cJSON *betas = cJSON_GetObjectItemCaseSensitive(p, "betas");
       if (cJSON_GetArraySize(betas) == 2) {
         cJSON *b1 = cJSON_GetArrayItem(betas, 0), *b2 = cJSON_GetArrayItem(betas, 1);
@@ -257,32 +341,61 @@ static void ds_optim_schedule(out_t *o, const cJSON *c) {
         }
       } else if (betas != NULL) {
         leave(o, "optimizer.params.betas", "not a pair of numbers: give optim.beta1/beta2");
+      } else {
+        put(o, "optim", "beta1", "0.9",
+            "optimizer.params.betas not given: DeepSpeed's (0.9, 0.999)");
+        put(o, "optim", "beta2", "0.999",
+            "optimizer.params.betas not given: DeepSpeed's (0.9, 0.999)");
       }
+      const char *mode =
+          plan_text_of(cJSON_GetObjectItemCaseSensitive(p, "adam_w_mode"), b, sizeof b);
+      if (mode && !truthy(mode))
+        leave(o, "optimizer.params.adam_w_mode",
+              "false: Adam with L2 regularisation there; the optimizer here is AdamW "
+              "(decoupled weight decay)");
+      if (cJSON_GetObjectItemCaseSensitive(p, "torch_adam"))
+        leave(o, "optimizer.params.torch_adam", "an implementation choice: AdamW here is fused");
     }
+  } else if (!*prefix) {
+    leave(o, "optimizer",
+          "not in the config: the training script's; this plan's optim section applies");
   }
   const cJSON *sch = cJSON_GetObjectItemCaseSensitive(c, "scheduler");
   if (sch) {
     const char *type = plan_text_of(cJSON_GetObjectItemCaseSensitive(sch, "type"), b, sizeof b);
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(sch, "params");
-    number(o, p, "warmup_num_steps", "scheduler.params.warmup_num_steps", "schedule",
-           "warmup_steps");
+    bool known = type && (strcmp(type, "WarmupCosineLR") == 0 || strcmp(type, "WarmupLR") == 0);
+    if (known) /* both warm up over 1000 steps by default, log-shaped */
+      number_or(o, p, "warmup_num_steps", "scheduler.params.warmup_num_steps", "schedule",
+                "warmup_steps", "1000", "DeepSpeed's 1000");
+    const char *wt = plan_text_of(cJSON_GetObjectItemCaseSensitive(p, "warmup_type"), b, sizeof b);
+    if (known && (wt == NULL || strcmp(wt, "linear") != 0))
+      leave(o, "scheduler.params.warmup_type",
+            "'%s': the warmup here is linear (DeepSpeed's default is log)", wt ? wt : "log");
     if (type && strcmp(type, "WarmupCosineLR") == 0) {
       number(o, p, "total_num_steps", "scheduler.params.total_num_steps", "train", "steps");
-      number(o, p, "cos_min_ratio", "scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio");
+      number_or(o, p, "cos_min_ratio", "scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio",
+                "0.0001", "DeepSpeed's 1e-4");
+      if (cJSON_GetObjectItemCaseSensitive(p, "warmup_min_ratio"))
+        leave(o, "scheduler.params.warmup_min_ratio",
+              "the warmup here starts from lr / warmup_steps");
     } else if (type && strcmp(type, "WarmupLR") == 0) {
       put(o, "schedule", "min_lr_ratio", "1.0",
-          "scheduler.type WarmupLR: the rate stays at optim.lr after the warmup (no decay)");
-      const char *wt =
-          plan_text_of(cJSON_GetObjectItemCaseSensitive(p, "warmup_type"), b, sizeof b);
-      if (wt == NULL || strcmp(wt, "linear") != 0)
-        leave(o, "scheduler.params.warmup_type",
-              "'%s': the warmup here is linear (DeepSpeed's default is log)", wt ? wt : "log");
+          "scheduler.type WarmupLR: the rate stays at its peak after the warmup (no decay)");
+      /* the rate rises to warmup_max_lr, whatever the optimizer's lr */
+      unput(o, "optim", "lr");
+      number_or(o, p, "warmup_max_lr", "scheduler.params.warmup_max_lr", "optim", "lr", "0.001",
+                "DeepSpeed's 1e-3, the peak WarmupLR rises to");
       if (cJSON_GetObjectItemCaseSensitive(p, "warmup_min_lr"))
         leave(o, "scheduler.params.warmup_min_lr", "the warmup here starts from lr / warmup_steps");
     } else {
       leave(o, "scheduler.type", "'%s': the schedule here is linear warmup then cosine decay",
             type ? type : "?");
     }
+  } else if (!*prefix) {
+    leave(o, "scheduler",
+          "not in the config: the training script's (DeepSpeed alone keeps the rate constant); "
+          "this plan's schedule applies (schedule.warmup_steps, schedule.min_lr_ratio)");
   }
 }
 
@@ -294,6 +407,7 @@ static void ds_leftovers(out_t *o, const cJSON *c, const char *prefix) {
                                      "gradient_accumulation_steps",
                                      "gradient_clipping",
                                      "bf16",
+                                     "bfloat16",
                                      "fp16",
                                      "optimizer",
                                      "scheduler",
@@ -323,12 +437,13 @@ static void ds_leftovers(out_t *o, const cJSON *c, const char *prefix) {
   }
 }
 
-static void deepspeed(out_t *o, const cJSON *c, const char *prefix) {
+static fsdpc_status_t deepspeed(out_t *o, const cJSON *c, const char *prefix) {
   ds_zero(o, c, prefix);
   ds_sizes(o, c, prefix);
-  ds_precision(o, c, prefix);
-  ds_optim_schedule(o, c);
+  FSDPC_TRY(ds_precision(o, c, prefix));
+  ds_optim_schedule(o, c, prefix);
   ds_leftovers(o, c, prefix);
+  return STATUS_OK;
 }
 
 /* ---- Accelerate ---- */
@@ -338,11 +453,11 @@ static const char *strategy_name(const char *v) {
                                           "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"};
   if (v == NULL) return NULL;
   if (v[0] >= '1' && v[0] <= '5' && v[1] == '\0') return by_number[v[0] - '0'];
-  if (strcmp(v, "HYBRID_SHARD_ZERO2") == 0) return "_HYBRID_SHARD_ZERO2";
+  if (strcasecmp(v, "HYBRID_SHARD_ZERO2") == 0) return "_HYBRID_SHARD_ZERO2";
   static const char *const names[] = {"FULL_SHARD",   "SHARD_GRAD_OP",       "NO_SHARD",
                                       "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", NULL};
   for (int i = 0; names[i]; i++)
-    if (strcmp(v, names[i]) == 0) return names[i];
+    if (strcasecmp(v, names[i]) == 0) return names[i]; /* Accelerate upper-cases it */
   return NULL;
 }
 
@@ -408,7 +523,10 @@ static void wrap_classes(out_t *o, const cJSON *cls, const char *from) {
           "no class named is a built-in model's layer: the plan has no units, so the whole "
           "model would be gathered at once; set parallelize.fully_shard.units");
   else if (!cJSON_IsArray(cls) && names[0] == 0)
-    leave(o, from, "TRANSFORMER_BASED_WRAP names no class (fsdp_transformer_layer_cls_to_wrap)");
+    put(o, "parallelize.fully_shard", "units", "[\"model.layers.*\"]",
+        "%s without fsdp_transformer_layer_cls_to_wrap: Accelerate wraps the model's "
+        "_no_split_modules, its decoder layers (GPT-2's: \"transformer.h.*\")",
+        from);
 }
 
 /* fsdp_auto_wrap_policy v (with the settings it reads) as fully_shard units. */
@@ -544,14 +662,14 @@ fsdpc_status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *ki
                      "config (no zero_optimization or batch size)",
                      path);
     snprintf(kind, n, "a DeepSpeed config");
-    deepspeed(o, c, "");
-    return STATUS_OK;
+    return deepspeed(o, c, "");
   }
   snprintf(kind, n, "an Accelerate config (distributed_type: %s)", dt);
   if (strcmp(dt, "FSDP") == 0) {
     accelerate_fsdp(o, cJSON_GetObjectItemCaseSensitive(c, "fsdp_config"));
   } else if (strcmp(dt, "DEEPSPEED") == 0) {
-    deepspeed(o, cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config"), "deepspeed_config.");
+    FSDPC_TRY(
+        deepspeed(o, cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config"), "deepspeed_config."));
   } else if (strcmp(dt, "MULTI_GPU") == 0 || strcmp(dt, "MULTI_CPU") == 0 ||
              strcmp(dt, "NO") == 0) {
     put(o, "parallelize.fully_shard", "sharding_strategy", "NO_SHARD",
@@ -570,11 +688,22 @@ fsdpc_status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *ki
     const char *k = it->string;
     bool launcher = false;
     for (int i = 0; LAUNCHER_KEYS[i] && !launcher; i++) launcher = strcmp(k, LAUNCHER_KEYS[i]) == 0;
-    if (launcher || strcmp(k, "distributed_type") == 0 || strcmp(k, "mixed_precision") == 0 ||
+    if (strcmp(k, "distributed_type") == 0 || strcmp(k, "mixed_precision") == 0 ||
         strcmp(k, "fsdp_config") == 0 || strcmp(k, "deepspeed_config") == 0 ||
-        strcmp(k, "gradient_accumulation_steps") == 0)
-      continue;
-    leave(o, k, "no equivalent here");
+        strcmp(k, "gradient_accumulation_steps") == 0 || strcmp(k, "num_processes") == 0)
+      continue; /* translated, or in the header (num_processes) */
+    if (launcher && strcmp(k, "num_machines") == 0) {
+      char nb[64];
+      const char *nm = plan_text_of(it, nb, sizeof nb);
+      leave(o, k,
+            "'%s': a launcher setting (mpirun or srun places the ranks here); HYBRID_SHARD "
+            "shards within a node: plan it from one process with --world N --ranks-per-node M",
+            nm ? nm : "");
+    } else if (launcher) {
+      leave(o, k, "a launcher setting (mpirun or srun places the ranks here)");
+    } else {
+      leave(o, k, "no equivalent here");
+    }
   }
   return STATUS_OK;
 }

@@ -315,6 +315,13 @@ def messages():
           "--set reaches param_groups patterns with dots in quotes; the header lists the groups")
     check("grad_accum 4 (global batch 8 samples)" in out,
           "data.global_batch_size 8 over 1 rank of 2 samples derives grad_accum 4")
+    # reshard_after_forward N equal to dp_shard is true, as PyTorch reads it (ZeRO++'s hpZ of a
+    # whole node converts to it)
+    q, _ = run(1, [os.path.join(ROOT, "configs", "debug.yaml"), "--dry-run", "--world", "2",
+                   "--set", "mesh.dp_shard=2", "--set",
+                   "parallelize.fully_shard.reshard_after_forward=2"])
+    check(q.returncode == 0 and "units + root); reshard_after_forward true;" in q.stdout,
+          "reshard_after_forward 2 over dp_shard 2 is true (%s)" % (q.stdout + q.stderr)[-200:])
     # a model with experts under tp without sequence parallelism: each tp rank runs every
     # token's experts (the model section replaced whole by a flow --set)
     qwen = os.path.join(ROOT, "configs", "qwen3-tp.yaml")

@@ -63,7 +63,7 @@ def errors():
          r"mesh: dp_replicate x dp_shard x tp = 1 x 3 x 1 = 3, but the world has 2 ranks"),
         ("integer reshard not dividing dp_shard", base.replace(
             'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    reshard_after_forward: 3'),
-         [], r"fully_shard\.reshard_after_forward: 3 is not below mesh\.dp_shard=2"),
+         [], r"fully_shard\.reshard_after_forward: 3 is above mesh\.dp_shard=2"),
         ("integer reshard 1, which PyTorch reads as false", base.replace(
             'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    reshard_after_forward: 1'),
          [], r"fully_shard\.reshard_after_forward: 1 is ambiguous: .*write false to keep them "
@@ -71,7 +71,7 @@ def errors():
         ("a unit's integer reshard not dividing dp_shard", base.replace(
             'units: ["model.layers.*"]',
             'units: [{match: "model.layers.*", reshard_after_forward: 3}]'),
-         [], r"fully_shard\.units\[0\]\.reshard_after_forward: 3 is not below "
+         [], r"fully_shard\.units\[0\]\.reshard_after_forward: 3 is above "
              r"mesh\.dp_shard=2"),
         ("missing data file", base.replace(data, "/nonexistent/tokens.bin"), [],
          r"data\.path: cannot read '/nonexistent/tokens\.bin'"),
@@ -250,7 +250,7 @@ def errors():
         ("--set reshard_after_forward not dividing", None,
          ["--set", "parallelize.fully_shard.reshard_after_forward=3"],
          r"--set parallelize\.fully_shard\.reshard_after_forward=3: parallelize\.fully_shard\."
-         r"reshard_after_forward: 3 is not below mesh\.dp_shard=2"),
+         r"reshard_after_forward: 3 is above mesh\.dp_shard=2"),
         ("--set seq_len too long", None, ["--set", "data.seq_len=128"],
          r"--set data\.seq_len=128: data\.seq_len: 128 exceeds model\.max_seq_len=64"),
         ("--set key path with an open quote", None, ["--set", 'optim.param_groups."*norm*.lr=1'],

@@ -186,6 +186,8 @@ parallelize:
   fully_shard:
     units: ["model.layers.*"]
     reshard_after_forward: 2
+optim:
+  clip_grad_norm: 0
 """, ["reshard_after_forward: 2", "train_micro_batch_size_per_gpu: 'auto'",
       "offload_optimizer: device 'nvme'"]),
     ("accelerate-size-based.yaml", 4, """\
@@ -308,7 +310,7 @@ def converts_read_as_their_tools_do(tmp, tool):
          [r"#   bf16\.enabled: 'auto': the Hugging Face Trainer fills it"],
          [r"^\s+param_dtype:"], []),
         ("an Accelerate config naming a deepspeed_config_file", "acc-dsfile.yaml",
-         "distributed_type: DEEPSPEED\nmixed_precision: bf16\ndeepspeed_config:\n"
+         "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
          "  deepspeed_config_file: ds-file.json\n",
          [r"zero_stage: 3", r"batch_size: 2", r"with its DeepSpeed config \S*ds-file\.json"],
          [], []),
@@ -354,8 +356,64 @@ def converts_read_as_their_tools_do(tmp, tool):
          [r"offload_optimizer: device cpu for the optimizer alone"], [r"^\s+offload: true"], []),
         ("WarmupLR", "warmuplr.json", '{"train_micro_batch_size_per_gpu": 2, "scheduler": '
                                       '{"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}',
-         [r"min_lr_ratio: 1\.0  # scheduler\.type WarmupLR", r"warmup_steps: 5"],
+         [r"min_lr_ratio: 1\.0  # scheduler\.type WarmupLR", r"warmup_steps: 5",
+          r"^  lr: 0\.001  # scheduler\.params\.warmup_max_lr not given: DeepSpeed's 1e-3"],
          [r"linear warmup then cosine decay"], []),
+        # WarmupLR's peak is its warmup_max_lr, whatever the optimizer's lr
+        ("WarmupLR's warmup_max_lr", "warmupmax.json",
+         '{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": '
+         '{"lr": 0.0001}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, '
+         '"warmup_max_lr": 0.001, "warmup_num_steps": 5, "warmup_type": "linear"}}}',
+         [r"^  lr: 0\.001  # scheduler\.params\.warmup_max_lr$"], [r"^  lr: 0\.0001"], []),
+        # what a DeepSpeed file leaves out is DeepSpeed's default, not this plan's
+        ("DeepSpeed's defaults", "ds-defaults.json",
+         '{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": '
+         '{"lr": 1e-4}}, "scheduler": {"type": "WarmupCosineLR", "params": '
+         '{"total_num_steps": 100}}}',
+         [r"^  clip_grad_norm: 0  # gradient_clipping not given: DeepSpeed does not clip",
+          r"^  beta2: 0\.999  # optimizer\.params\.betas not given",
+          r"^  weight_decay: 0  # optimizer\.params\.weight_decay not given: DeepSpeed's 0",
+          r"^  min_lr_ratio: 0\.0001  # scheduler\.params\.cos_min_ratio not given",
+          r"^  warmup_steps: 1000  # scheduler\.params\.warmup_num_steps not given",
+          r"scheduler\.params\.warmup_type: 'log': the warmup here is linear"], [], []),
+        ("no optimizer or scheduler section", "ds-none.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}',
+         [r"#   optimizer: not in the config: the training script's",
+          r"#   scheduler: not in the config: the training script's"], [r"^  lr:"], []),
+        ("Adam with L2 regularisation", "adam-l2.json",
+         '{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": '
+         '{"lr": 0.001, "adam_w_mode": false}}}',
+         [r"adam_w_mode: false: Adam with L2 regularisation there"], [], []),
+        ("the legacy bfloat16 section", "bfloat16.json",
+         '{"train_micro_batch_size_per_gpu": 2, "bfloat16": {"enabled": true}}',
+         [r"param_dtype: bf16  # bfloat16\.enabled"], [r"bfloat16: no equivalent"], []),
+        ("MiCS", "mics.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
+         '"mics_shard_size": 2}}',
+         [r"^  dp_shard: 2  # zero_optimization\.mics_shard_size",
+          r"^  dp_replicate: -1  # zero_optimization\.mics_shard_size"], [r"bucket or overlap"],
+         []),
+        ("the deprecated cpu_offload_param", "legacy-offload.json",
+         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
+         '"cpu_offload": true, "cpu_offload_param": true}}',
+         [r"^    offload: true  # zero_optimization\.cpu_offload"], [r"bucket or overlap"], []),
+        ("Accelerate's optimizer-only offload", "acc-offload-opt.yaml",
+         "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"
+         "  offload_optimizer_device: cpu\n",
+         [r"offload_optimizer_device: device cpu for the optimizer alone"],
+         [r"^\s+offload: true"], []),
+        ("TRANSFORMER_BASED_WRAP without a class", "acc-noclass.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+         "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n",
+         [r'units: \["model\.layers\.\*"\]  # .*_no_split_modules'], [], []),
+        ("YAML's booleans and nulls", "acc-yaml.yaml",
+         "distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: on\n"
+         "  fsdp_sharding_strategy: ~\nmixed_precision: null\n",
+         [r"^    offload: true"], [r"'~'", r"'null'"], []),
+        ("launcher settings", "acc-launch.yaml",
+         "distributed_type: FSDP\nnum_machines: 2\nmachine_rank: 0\nnum_processes: 8\n",
+         [r"#   num_machines: '2': a launcher setting.*--ranks-per-node",
+          r"#   machine_rank: a launcher setting"], [], []),
         ("stage3_gather_16bit_weights_on_model_save", "gather16.json",
          '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
          '"stage3_gather_16bit_weights_on_model_save": true}}',
@@ -389,6 +447,30 @@ def converts_read_as_their_tools_do(tmp, tool):
         check(good, "fsdp-plan convert, %s: as its tool means it" % name)
         if not good:
             print(e.stdout[-1500:], e.stderr[-500:])
+    # refused as the tools refuse them; an output that is the DeepSpeed file the config names
+    # is an input
+    with open(os.path.join(tmp, "both.json"), "w") as f:
+        f.write('{"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true}, '
+                '"fp16": {"enabled": true}}')
+    with open(os.path.join(tmp, "acc-conflict.yaml"), "w") as f:
+        f.write("distributed_type: DEEPSPEED\nmixed_precision: bf16\ndeepspeed_config:\n"
+                "  deepspeed_config_file: ds-file.json\n  zero_stage: 2\n")
+    with open(ds) as f:
+        ds_text = f.read()
+    for args, want in (
+            (["both.json"], r"bf16 and fp16 are both enabled: DeepSpeed refuses that"),
+            (["acc-conflict.yaml"], r"deepspeed_config\.zero_stage, mixed_precision beside "
+                                    r"deepspeed_config\.deepspeed_config_file: Accelerate "
+                                    r"refuses them"),
+            (["acc-dsfile.yaml", "-o", ds], r"-o .*ds-file\.json.*its deepspeed_config_file")):
+        e = sh([tool, "convert", os.path.join(tmp, args[0])] + args[1:], timeout=60)
+        with open(ds) as f:
+            kept = f.read() == ds_text
+        check(e.returncode != 0 and re.search(want, e.stderr) is not None and kept,
+              "fsdp-plan convert %s: refused /%s/, the DeepSpeed file kept"
+              % (" ".join(os.path.basename(a) for a in args), want))
+        if e.returncode == 0 or not re.search(want, e.stderr):
+            print(e.stderr[-400:])
     for name, fname, data, want in (
             ("a second JSON object after the first", "two.json",
              b'{"zero_optimization": {"stage": 3}} {"x": 1}', r"more after the object"),
