@@ -268,6 +268,12 @@ static void ds_sizes(out_t *o, const cJSON *c, const char *prefix) {
     put(o, "optim", "clip_grad_norm", "0", "gradient_clipping not given: DeepSpeed does not clip");
   snprintf(name, sizeof name, "%strain_batch_size", prefix);
   number(o, c, "train_batch_size", name, "data", "global_batch_size");
+  if (cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(c, "train_batch_size")) &&
+      !cJSON_GetObjectItemCaseSensitive(c, "train_micro_batch_size_per_gpu"))
+    leave(o, name,
+          "without train_micro_batch_size_per_gpu, DeepSpeed derives the micro-batch from the "
+          "world size (train_batch_size / (ranks x gradient_accumulation_steps)); give "
+          "data.batch_size so: data.global_batch_size then gives data.grad_accum");
 }
 
 /* bf16 (or its older name bfloat16) and fp16: {"enabled": true | false | "auto"}; both

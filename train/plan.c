@@ -543,6 +543,8 @@ static fsdpc_status_t read_rest(plan_ctx_t *c, int root) {
   static const char *const data_later[] = {"path", "seq_len", "global_batch_size", "batch_size",
                                            NULL};
   if (m) pr_where_section(c, m, data_later, &p->data_where);
+  static const char *const batch_keys[] = {"global_batch_size", "batch_size", "grad_accum", NULL};
+  if (m) pr_where_section(c, m, batch_keys, &p->batch_where);
   FSDPC_TRY(pr_get_path(c, m, "data", "path", p->data_path));
   FSDPC_TRY(read_format(c, m, "data", &p->data_format, NULL));
   FSDPC_TRY(pr_get_int(c, m, "data", "seq_len", 1, (int64_t)1 << 24, &p->seq_len));
@@ -681,7 +683,8 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
   strcpy(p->par.source, path);
   plan_where_t *ws[] = {&p->par.mesh_where,  &p->par.fsdp_where, &p->par.tp_where,
                         &p->par.optim_where, &p->data_where,     &p->eval_where,
-                        &p->ckpt_where,      &p->par.ep_where,   &p->par.tp_size_where};
+                        &p->ckpt_where,      &p->par.ep_where,   &p->par.tp_size_where,
+                        &p->batch_where};
   for (int i = 0; i < (int)(sizeof ws / sizeof ws[0]); i++)
     snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   plan_ctx_t *c = calloc(1, sizeof *c);
@@ -845,7 +848,7 @@ static fsdpc_status_t resolve_global_batch(fsdpc_plan_t *p) {
                    "%s: data.global_batch_size: %lld is not data.batch_size %lld x %lld "
                    "data-parallel rank%s x data.grad_accum %lld = %lld (leave grad_accum out to "
                    "derive it)",
-                   p->data_where.text, (long long)p->global_batch_size, (long long)p->batch_size,
+                   p->batch_where.text, (long long)p->global_batch_size, (long long)p->batch_size,
                    (long long)dp, dp == 1 ? "" : "s", (long long)p->grad_accum,
                    (long long)(per_micro * p->grad_accum));
   if (!p->grad_accum_given) {
@@ -853,7 +856,7 @@ static fsdpc_status_t resolve_global_batch(fsdpc_plan_t *p) {
       return err_set(STATUS_EINVAL,
                      "%s: data.global_batch_size: %lld is not a multiple of data.batch_size %lld x "
                      "%lld data-parallel rank%s = %lld samples a micro-batch",
-                     p->data_where.text, (long long)p->global_batch_size, (long long)p->batch_size,
+                     p->batch_where.text, (long long)p->global_batch_size, (long long)p->batch_size,
                      (long long)dp, dp == 1 ? "" : "s", (long long)per_micro);
     p->grad_accum = p->global_batch_size / per_micro;
   }

@@ -63,6 +63,7 @@ typedef struct fsdpc_plan {
   bool grad_accum_given;     /* data.grad_accum in the plan (else derived from the global batch) */
   bool shuffle; /* each epoch's windows in an order drawn from train.seed */
   plan_where_t data_where;
+  plan_where_t batch_where; /* of the batch keys (global_batch_size, batch_size, grad_accum) */
   /* eval: the loss on held-out tokens, without gradients */
   char eval_path[PLAN_PATH_MAX]; /* "": no evaluation */
   data_format_t eval_format;     /* data_format unless given */

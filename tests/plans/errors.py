@@ -261,6 +261,10 @@ def errors():
              r"model\.dim, model\.n_layers, model\.n_heads, model\.n_kv_heads, model\.ffn_dim, "
              r"model\.vocab_size, model\.max_seq_len$"),
         # data.global_batch_size states batch_size x data-parallel ranks x grad_accum
+        # a batch error names the --set of a batch key, not another of the data section's
+        ("global batch with another --set in data", None,
+         ["--set", "data.global_batch_size=6", "--set", "data.seq_len=8"],
+         r"--set data\.global_batch_size=6: data\.global_batch_size: 6 is not a multiple"),
         ("global batch not a multiple", None, ["--set", "data.global_batch_size=6"],
          r"data\.global_batch_size: 6 is not a multiple of data\.batch_size 2 x 2 data-parallel "
          r"ranks = 4 samples a micro-batch"),

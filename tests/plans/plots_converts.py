@@ -410,6 +410,9 @@ def converts_read_as_their_tools_do(tmp, tool):
          "distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: on\n"
          "  fsdp_sharding_strategy: ~\nmixed_precision: null\n",
          [r"^    offload: true"], [r"'~'", r"'null'"], []),
+        ("train_batch_size alone", "tbs.json", '{"train_batch_size": 16}',
+         [r"^  global_batch_size: 16", r"#   train_batch_size: without "
+          r"train_micro_batch_size_per_gpu, DeepSpeed derives the micro-batch"], [], []),
         ("launcher settings", "acc-launch.yaml",
          "distributed_type: FSDP\nnum_machines: 2\nmachine_rank: 0\nnum_processes: 8\n",
          [r"#   num_machines: '2': a launcher setting.*--ranks-per-node",
