@@ -19,9 +19,12 @@ static const char *const COLOURS[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"
                                       "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
 enum { N_COLOURS = sizeof COLOURS / sizeof COLOURS[0] };
 
+/* A value a line leaves out: the curve goes on past it (a null, NAN, breaks it). */
+#define ABSENT INFINITY
+
 typedef struct run {
   const char *name;
-  double *step, *v[N_SERIES]; /* NAN where a value is null or absent */
+  double *step, *v[N_SERIES]; /* NAN where a value is null, ABSENT where the line has none */
   int64_t n, cap;
 } run_t;
 
@@ -54,6 +57,54 @@ static double clamp(double v) {
   return v > PLOT_LIMIT ? PLOT_LIMIT : v < -PLOT_LIMIT ? -PLOT_LIMIT : v;
 }
 
+typedef struct at_step {
+  double step;
+  int64_t line;
+} at_step_t;
+
+static int by_step_then_line(const void *a, const void *b) {
+  const at_step_t *x = a, *y = b;
+  if (x->step != y->step) return x->step < y->step ? -1 : 1;
+  return (x->line > y->line) - (x->line < y->line);
+}
+
+/* A run's lines in step order, a step given twice taking its last line (as a resumed run's
+ * rewrite would), each said on stderr: drawn in file order they would double back. */
+static fsdpc_status_t in_step_order(run_t *r, const char *path) {
+  bool sorted = true;
+  for (int64_t i = 1; i < r->n && sorted; i++) sorted = r->step[i] > r->step[i - 1];
+  if (sorted) return STATUS_OK;
+  at_step_t *o = malloc(sizeof *o * (size_t)r->n);
+  double *tmp = malloc(sizeof *tmp * (size_t)r->n);
+  if (o == NULL || tmp == NULL) {
+    free(o);
+    free(tmp);
+    return err_set(STATUS_ENOMEM, "fsdp-plot: out of host memory");
+  }
+  for (int64_t i = 0; i < r->n; i++) o[i] = (at_step_t){r->step[i], i};
+  qsort(o, (size_t)r->n, sizeof *o, by_step_then_line);
+  int64_t kept = 0, twice = 0;
+  for (int64_t i = 0; i < r->n; i++) { /* the last line of each step */
+    if (i + 1 < r->n && o[i + 1].step == o[i].step) {
+      twice++;
+      continue;
+    }
+    o[kept++] = o[i];
+  }
+  for (int k = -1; k < N_SERIES; k++) {
+    double *a = k < 0 ? r->step : r->v[k];
+    for (int64_t i = 0; i < kept; i++) tmp[i] = a[o[i].line];
+    memcpy(a, tmp, sizeof *tmp * (size_t)kept);
+  }
+  r->n = kept;
+  free(o);
+  free(tmp);
+  fprintf(stderr, "fsdp-plot: warning: %s: its steps are not in order%s; drawn in step order%s\n",
+          path, twice ? ", and some are given more than once" : "",
+          twice ? ", each step's last line taken" : "");
+  return STATUS_OK;
+}
+
 static fsdpc_status_t read_run(const char *path, run_t *r) {
   FILE *f;
   FSDPC_TRY(file_open_regular(path, "cannot open the metrics file", &f));
@@ -84,7 +135,9 @@ static fsdpc_status_t read_run(const char *path, run_t *r) {
         if (it != NULL && !cJSON_IsNumber(it) && !cJSON_IsNull(it))
           st = err_set(STATUS_EFORMAT, "%s:%d: '%s' is not a number (not a metrics file?)", path,
                        line, KEYS[k]);
-        v[k] = cJSON_IsNumber(it) && isfinite(it->valuedouble) ? clamp(it->valuedouble) : NAN;
+        v[k] = it == NULL                                        ? ABSENT
+               : cJSON_IsNumber(it) && isfinite(it->valuedouble) ? clamp(it->valuedouble)
+                                                                 : NAN;
       }
       if (st == STATUS_OK) st = push(r, clamp(step->valuedouble), v);
     }
@@ -95,6 +148,7 @@ static fsdpc_status_t read_run(const char *path, run_t *r) {
   free(text);
   if (st == STATUS_OK && r->n == 0)
     st = err_set(STATUS_EFORMAT, "%s: no steps in it (an empty metrics file)", path);
+  if (st == STATUS_OK) st = in_step_order(r, path);
   return st;
 }
 
@@ -192,22 +246,38 @@ static void axes(FILE *f, const frame_t *fr) {
 
 /* Run r's curve of value k: one polyline per stretch of values (a gap where a value is
  * missing), and the loss panel's evaluations as circles. */
+/* Run r's dash pattern: none for the first N_COLOURS runs, then one per round of the colours. */
+static const char *dashes(int r) {
+  static const char *const d[] = {"", " stroke-dasharray=\"6 3\"", " stroke-dasharray=\"2 2\"",
+                                  " stroke-dasharray=\"8 3 2 3\""};
+  return d[(r / N_COLOURS) % 4];
+}
+
 static void curve(FILE *f, const frame_t *fr, const run_t *run, int r, int k) {
-  bool open = false;
+  int64_t open = 0; /* the points of the stretch being drawn */
+  double lx = 0, ly = 0;
   for (int64_t i = 0; i <= run->n; i++) {
+    if (i < run->n && isinf(run->v[k][i])) continue; /* a line without it: the curve goes on */
     bool have = i < run->n && !isnan(run->v[k][i]);
     if (have && !open)
       fprintf(f,
-              "<polyline class=\"run%d\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\" "
+              "<polyline class=\"run%d\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\"%s "
               "points=\"",
-              r, COLOURS[r % N_COLOURS]);
-    if (have)
-      fprintf(f, "%s%.2f,%.2f", open ? " " : "", fx(fr, run->step[i]), fy(fr, run->v[k][i]));
-    if (!have && open) fputs("\"/>\n", f);
-    open = have;
+              r, COLOURS[r % N_COLOURS], dashes(r));
+    if (have) {
+      lx = fx(fr, run->step[i]), ly = fy(fr, run->v[k][i]);
+      fprintf(f, "%s%.2f,%.2f", open ? " " : "", lx, ly);
+    }
+    if (!have && open) {
+      fputs("\"/>\n", f);
+      if (open == 1) /* a lone point draws no line: a dot */
+        fprintf(f, "<circle class=\"run%d\" cx=\"%.2f\" cy=\"%.2f\" r=\"2.5\" fill=\"%s\"/>\n", r,
+                lx, ly, COLOURS[r % N_COLOURS]);
+    }
+    open = have ? open + 1 : 0;
   }
   for (int64_t i = 0; k == 0 && i < run->n; i++)
-    if (!isnan(run->v[EVAL][i]))
+    if (isfinite(run->v[EVAL][i]))
       fprintf(f,
               "<circle class=\"eval%d\" cx=\"%.2f\" cy=\"%.2f\" r=\"4\" fill=\"white\" "
               "stroke=\"%s\" stroke-width=\"2\"/>\n",
@@ -222,7 +292,7 @@ static void panel(FILE *f, const run_t *runs, int n, int k, double ox, double oy
       fr.x1 = fmax(fr.x1, runs[r].step[i]);
       double v[2] = {runs[r].v[k][i], k == 0 ? runs[r].v[EVAL][i] : NAN};
       for (int j = 0; j < 2; j++)
-        if (!isnan(v[j])) fr.y0 = fmin(fr.y0, v[j]), fr.y1 = fmax(fr.y1, v[j]);
+        if (isfinite(v[j])) fr.y0 = fmin(fr.y0, v[j]), fr.y1 = fmax(fr.y1, v[j]);
     }
   fr.w = PANEL_W - LEFT - RIGHT, fr.h = PANEL_H - TOP - BOTTOM;
   fr.px = ox + LEFT, fr.py = oy + TOP;
@@ -263,10 +333,10 @@ static fsdpc_status_t write_svg(const run_t *runs, int n, const char *out) {
     double y = 16 + 18.0 * r;
     fprintf(f,
             "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"%s\" "
-            "stroke-width=\"3\"/><text x=\"%d\" y=\"%.1f\">",
-            LEFT, y - 4, LEFT + 24, y - 4, COLOURS[r % N_COLOURS], LEFT + 32, y);
+            "stroke-width=\"3\"%s/><text x=\"%d\" y=\"%.1f\">",
+            LEFT, y - 4, LEFT + 24, y - 4, COLOURS[r % N_COLOURS], dashes(r), LEFT + 32, y);
     xml_text(f, runs[r].name);
-    fprintf(f, " (%lld steps)</text>\n", (long long)runs[r].n);
+    fprintf(f, " (%lld step%s)</text>\n", (long long)runs[r].n, runs[r].n == 1 ? "" : "s");
   }
   fputs("</g>\n", f);
   for (int k = 0; k < N_PANELS; k++)

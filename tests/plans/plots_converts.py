@@ -120,6 +120,48 @@ def plots():
         check(e.returncode != 0 and re.search(want, e.stderr) is not None and
               not os.path.exists(os.path.join(tmp, "x.svg")),
               "fsdp-plot refuses it: /%s/ (exit %d)" % (want, e.returncode))
+    # a lone point is a dot; a line without a value does not break the curve (a null does);
+    # steps out of order are drawn in order, a step given twice by its last line, said; runs
+    # beyond the ten colours are dashed
+    def write(name, rows):
+        path = os.path.join(tmp, name)
+        with open(path, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+    lone = write("lone.jsonl", [{"step": 1, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0,
+                                 "tokens_per_s": 10.0}])
+    evalonly = write("evalonly.jsonl", [{"step": 1, "loss": 3.0}, {"step": 2, "eval_loss": 2.5},
+                                        {"step": 3, "loss": 2.0}])
+    shuffled = write("shuffled.jsonl", [{"step": 3, "loss": 1.0}, {"step": 1, "loss": 9.0},
+                                        {"step": 2, "loss": 2.0}, {"step": 1, "loss": 3.0}])
+    many = [write("m%d.jsonl" % i, [{"step": 1, "loss": 1.0 + i}, {"step": 2, "loss": 0.5 + i}])
+            for i in range(11)]
+    got = {}
+    for name, files in (("lone", [lone]), ("evalonly", [evalonly]), ("shuffled", [shuffled]),
+                        ("many", many)):
+        svg = os.path.join(tmp, name + ".svg")
+        e = sh([plot] + files + ["-o", svg], timeout=60)
+        root = ET.parse(svg).getroot() if e.returncode == 0 else None
+        loss = [g for g in root.iter(ns + "g") if g.get("id") == "loss"][0] if root else None
+        got[name] = (e, root, loss)
+    e, root, loss = got["lone"]
+    check(root is not None and len([c for c in root.iter(ns + "circle")
+                                    if c.get("class") == "run0"]) == 4,
+          "a run of one step is a dot in each panel")
+    e, root, loss = got["evalonly"]
+    check(loss is not None and [len(pl.get("points").split()) for pl in loss.iter(ns + "polyline")]
+          == [2], "a line with an evaluation alone leaves the loss curve whole")
+    e, root, loss = got["shuffled"]
+    pts = [tuple(map(float, pt.split(","))) for pl in loss.iter(ns + "polyline")
+           for pt in pl.get("points").split()] if loss is not None else []
+    check(len(pts) == 3 and pts[0][0] < pts[1][0] < pts[2][0] and pts[0][1] < pts[1][1] and
+          "its steps are not in order, and some are given more than once" in e.stderr and
+          any("(3 steps)" in (t.text or "") for t in root.iter(ns + "text")),
+          "steps out of order are drawn in order, step 1 by its last line (%s)" % pts)
+    e, root, loss = got["many"]
+    dashed = {pl.get("class") for pl in loss.iter(ns + "polyline")
+              if pl.get("stroke-dasharray")} if loss is not None else set()
+    check(dashed == {"run10"}, "the eleventh run is dashed, the first ten not (%s)" % dashed)
     # any finite values, steps and names: a valid SVG, finite coordinates, done at once
     import xml.etree.ElementTree as ET
     odd = os.path.join(tmp, "odd\x01name\xff.jsonl".encode("utf-8", "surrogateescape").decode(
