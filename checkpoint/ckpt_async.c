@@ -234,6 +234,7 @@ fsdpc_status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *co
     return err_set(STATUS_EINVAL, "checkpoint: the save of %s is in flight: commit it first",
                    a->dir);
   if (strlen(dir) >= sizeof a->dir) return err_set(STATUS_EINVAL, "checkpoint: path too long");
+  FSDPC_TRY(pg_agree(pg, ckpt_check_save_args(step, saved_under)));
   /* a failure here is agreed below, with every rank in the same collective */
   fsdpc_status_t st = ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &a->e);
   snprintf(a->dir, sizeof a->dir, "%s", dir);

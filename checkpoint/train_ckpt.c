@@ -167,6 +167,22 @@ fsdpc_status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_ste
   return st;
 }
 
+fsdpc_status_t ckpt_check_save_args(int64_t step, const char *saved_under) {
+  if (step < 0)
+    return err_set(STATUS_EINVAL, "checkpoint: step %lld is negative (the steps taken)",
+                   (long long)step);
+  if (saved_under == NULL) return STATUS_OK;
+  cJSON *o = cJSON_Parse(saved_under);
+  bool object = cJSON_IsObject(o);
+  cJSON_Delete(o);
+  if (!object)
+    return err_set(STATUS_EINVAL,
+                   "checkpoint: saved_under is not a JSON object ({...}), which train_state.json "
+                   "records: %.60s",
+                   saved_under);
+  return STATUS_OK;
+}
+
 fsdpc_status_t ckpt_save_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                                   int64_t step, const char *saved_under, pg_t *pg) {
   ARG_NONNULL(dir);
@@ -174,6 +190,7 @@ fsdpc_status_t ckpt_save_training(const char *dir, nn_param_t *const *params, in
   ARG_NONNULL(opt);
   ARG_NONNULL(pg);
   int rank = pg_rank(pg);
+  FSDPC_TRY(pg_agree(pg, ckpt_check_save_args(step, saved_under)));
   ckpt_entries_t e;
   /* agreed: a rank short of memory must not leave the others in the save's collectives */
   fsdpc_status_t st = pg_agree(pg, ckpt_entries_make(params, n, opt, CKPT_ENTRIES_SAVE, &e));

@@ -28,6 +28,10 @@ void ckpt_entries_free(ckpt_entries_t *e);
 fsdpc_status_t ckpt_make_dir(const char *path);
 
 /* train_state.json of the folder tmp, sealed with the ids of its model/ and optim/ saves. */
+/* A save's step and saved_under checked before anything is written: the step is not negative,
+ * and saved_under (may be NULL) is a JSON object, which train_state.json records. Local. */
+fsdpc_status_t ckpt_check_save_args(int64_t step, const char *saved_under);
+
 fsdpc_status_t ckpt_write_state(const char *tmp, int64_t step, int64_t optim_steps,
                                 const char *saved_under, uint64_t model_id, uint64_t optim_id);
 

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 #include "core/args_impl.h"
 #include "fully_shard/fsdp_impl.h"
@@ -236,6 +237,50 @@ static void free_with_model(nn_module_t *m, void *ext) {
   for (fsdp_group_t *g = live_of(top, NULL); g != NULL; g = live_of(top, NULL)) free_group(g);
 }
 
+/* The mesh's ranks agree on a new group, this rank's verdict st first: they shard the same
+ * parameters (names, global shapes, dtypes), in the same order. A rank that built another
+ * model, or called fully_shard on other modules, would otherwise gather other ranks' bytes as
+ * its own (or wait for good). Collective over each of the mesh's groups. */
+static fsdpc_status_t agree_params(const fsdp_options_t *opt, const fsdp_plist_t *l,
+                                   const nn_module_t *m, fsdpc_status_t st) {
+  XXH64_state_t *h = XXH64_createState();
+  if (h == NULL && st == STATUS_OK) st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  if (h != NULL) XXH64_reset(h, 0);
+  for (int i = 0; h != NULL && i < l->n; i++) {
+    const dtensor_t *v = l->p[i]->value;
+    int64_t nd = dtensor_ndim(v), dt = dtensor_local(v)->dtype;
+    XXH64_update(h, l->p[i]->fqn, strlen(l->p[i]->fqn) + 1);
+    XXH64_update(h, &nd, sizeof nd);
+    XXH64_update(h, dtensor_shape(v), sizeof(int64_t) * (size_t)nd);
+    XXH64_update(h, &dt, sizeof dt);
+  }
+  uint64_t mine = h ? XXH64_digest(h) : 0;
+  XXH64_freeState(h);
+  for (int k = 0; k < mesh_ndim(opt->mesh); k++) {
+    pg_t *pg = mesh_group(opt->mesh, k);
+    FSDPC_TRY(pg_agree(pg, st));
+    int n = pg_size(pg), other = -1;
+    uint64_t *all = malloc(sizeof *all * (size_t)n);
+    fsdpc_status_t gs = all ? STATUS_OK : err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+    gs = pg_agree(pg, gs);
+    if (gs == STATUS_OK) gs = pg_host_all_gather(pg, &mine, all, 8, PG_HOST_BYTE);
+    for (int r = 0; gs == STATUS_OK && r < n && other < 0; r++)
+      if (all[r] != all[0]) other = r;
+    free(all);
+    if (gs == STATUS_OK && other >= 0) /* every rank sees it: the same verdict everywhere */
+      gs = err_set(STATUS_EINVAL,
+                   "fully_shard: %s%s%s: the ranks of the mesh's dimension %d shard different "
+                   "parameters (rank %d's names, shapes or dtypes differ from rank 0's): every "
+                   "rank must build the same model and call fully_shard on the same modules, "
+                   "in the same order",
+                   nn_module_fqn(m)[0] ? "'" : "",
+                   nn_module_fqn(m)[0] ? nn_module_fqn(m) : "the root module",
+                   nn_module_fqn(m)[0] ? "'" : "", k, other);
+    FSDPC_TRY(gs);
+  }
+  return STATUS_OK;
+}
+
 fsdpc_status_t fully_shard(nn_module_t *m, const fsdp_options_t *opt, fsdp_group_t **out) {
   return fully_shard_modules(&m, 1, opt, out);
 }
@@ -285,10 +330,11 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
     return err_set(STATUS_EINVAL, "fully_shard: on_demand_timeout %g is not a number of seconds",
                    opt->on_demand_timeout);
   int W = mesh_size(opt->mesh, md - 1), N = opt->reshard_after_forward;
-  if (N != FSDP_RESHARD_AUTO && N != 0 && N != 1 && (N < 2 || N >= W || W % N != 0))
+  if (N != FSDP_RESHARD_AUTO && N != 0 && N != 1 && (N < 2 || N > W || W % N != 0))
     return err_set(STATUS_EINVAL,
                    "fully_shard: reshard_after_forward %d is not valid for a shard group of %d "
-                   "ranks (use true, false, or an integer N with 1 < N < %d dividing %d)",
+                   "ranks (use true, false, or an integer N dividing %d: N = %d is true, as "
+                   "PyTorch reads it)",
                    N, W, W, W);
   fsdp_plist_t l = {0};
   fsdpc_status_t st = STATUS_OK;
@@ -303,6 +349,7 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   for (int i = 0; i < l.n && st == STATUS_OK; i++)
     st = fsdp_check_param(l.p[i], opt, &g->params[i].dim);
   if (st == STATUS_OK) st = check_hfsdp(opt);
+  st = agree_params(opt, &l, ms[0], st);
   if (st != STATUS_OK) {
     free(l.p);
     group_free(g);
@@ -320,7 +367,8 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   g->R = md == 2 ? mesh_size(opt->mesh, 0) : 1;
   g->hfsdp = opt->shard_state_over_replicas && g->R > 1; /* one replica: HSDP's layout */
   g->rrank = md == 2 ? mesh_coord(opt->mesh, 0) : 0;
-  g->reshard_after_forward = opt->reshard_after_forward;
+  if (N >= 2 && N == W) N = 1; /* groups of the whole shard group: resharded fully */
+  g->reshard_after_forward = N;
   g->sync = g->all_reduce = g->reshard_after_backward = g->is_last_backward = true;
   g->offload = opt->offload && mesh_device(opt->mesh).type == DEVICE_CUDA;
   /* the offloaded shards, their gradients and the optimizer's state page-locked: their copies

@@ -36,9 +36,10 @@ extern "C" {
 #pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* reshard_after_forward values: FSDP_RESHARD_AUTO (false for the root, true elsewhere),
- * 0 (false), 1 (true), or N with 1 < N < W dividing the shard size W: after forward keep a
+ * 0 (false), 1 (true), or N with 1 < N <= W dividing the shard size W: after forward keep a
  * 1/N slice of the gathered parameters, so the backward all-gather runs within groups of N
- * consecutive ranks of the shard group (ranks.view(-1, N)). */
+ * consecutive ranks of the shard group (ranks.view(-1, N)); N = W is true, as PyTorch reads
+ * it. */
 #define FSDP_RESHARD_AUTO (-1)
 
 typedef struct fsdp_options {

@@ -33,7 +33,9 @@ fsdpc_status_t pg_mpi_status(int rc, const char *what) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "code %d", rc);
-  return err_set(STATUS_EMPI, "%s failed: %s", what, text);
+  /* a call that failed here (ranks that called different collectives, or counts that differ:
+   * MPI_ERR_TRUNCATE) leaves the others waiting on it: the job stops, each rank naming it */
+  return world_stop(err_set(STATUS_EMPI, "%s failed: %s", what, text));
 }
 
 fsdpc_status_t pg_alloc(MPI_Comm comm, const pg_ops_t *ops, device_t dev, pg_t **out) {

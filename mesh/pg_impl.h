@@ -80,7 +80,8 @@ struct pg_work {
  * Local. */
 fsdpc_status_t pg_new_planned(int size, int rank, device_t dev, pg_t **out);
 
-/* Maps an MPI return code into a status with the failing call named. */
+/* Maps an MPI return code into a status with the failing call named; a failure stops the job
+ * (world_stop), the other ranks of a collective being left waiting on it. */
 fsdpc_status_t pg_mpi_status(int rc, const char *what);
 
 /* Frees comm, unless MPI has been finalized (a group or mesh freed after world_finalize: its

@@ -272,8 +272,23 @@ static bool counts_here(const dtensor_t *g) {
   return true;
 }
 
+/* Whether t is split over ranks: sharded or partial on a mesh dimension of more than one. */
+static bool split_over_ranks(const dtensor_t *t) {
+  const mesh_t *mesh = dtensor_mesh(t);
+  const placement_t *pl = dtensor_placements(t);
+  for (int i = 0; i < mesh_ndim(mesh); i++)
+    if (pl[i].kind != PLACEMENT_REPLICATE && mesh_size(mesh, i) > 1) return true;
+  return false;
+}
+
 fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t *group,
                               double *norm, float *coef) {
+  for (int i = 0; group == NULL && i < n; i++) /* this rank's norm alone would be another's */
+    if (params[i]->grad != NULL && split_over_ranks(params[i]->grad))
+      return err_set(STATUS_EINVAL,
+                     "clip_grad_norm: '%s' is split over ranks (sharded): the norm needs the "
+                     "group its shards span (the data-parallel group, or the world), not NULL",
+                     params[i]->fqn);
   double total = 0;
   const fsdpc_tensor_t **gs = malloc(sizeof *gs * (size_t)(n > 0 ? n : 1));
   double *ss = malloc(sizeof *ss * (size_t)(n > 0 ? n : 1));

@@ -10,7 +10,7 @@
  *   FSDPC_TRY(optim_new(params, n, &cfg, &opt));
  *   ... backward ...
  *   FSDPC_TRY(clip_grad_norm(params, n, 1.0, NULL, &norm));
- *   FSDPC_TRY(optim_step(opt, lr_schedule(&sched, cfg.lr, step) / cfg.lr));
+ *   FSDPC_TRY(optim_step(opt, lr_schedule_factor(&sched, step)));  // the rate is cfg.lr x this
  *   optim_free(opt);
  *
  * The optimizer steps on each parameter's local shard (p->value, p->grad); moments are
@@ -97,7 +97,8 @@ void optim_zero_grad(optim_t *o);
 
 /* Global L2 norm of all gradients across all shards, every element counted once (a shard
  * replicated over mesh dimensions is counted only on coordinate 0 of them); group, if not
- * NULL, is the process group over which the per-rank sums are added (NULL: this rank only).
+ * NULL, is the process group over which the per-rank sums are added (NULL: this rank only,
+ * refused when a gradient is split over ranks).
  * Scales every gradient by max_norm / (norm + 1e-6) when that is below 1. *norm receives the
  * norm before clipping. Collective over group. */
 fsdpc_status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,

@@ -314,6 +314,11 @@ static void parity(const plan_t *pl) {
     }
     bad += compare_shards(&ref, &sh, true, grad_tol); /* gradients before clipping */
     ok(clip_grad_norm(ref.ps, ref.n, 1.0, NULL, NULL));
+    /* a sharded model's norm needs the group its shards span: NULL (this rank alone) refused */
+    if (s == 0 && mesh_size(mesh, md - 1) > 1)
+      expect_all(clip_grad_norm(sh.ps, sh.n, 1.0, NULL, NULL) == STATUS_EINVAL &&
+                     strstr(err_detail(), "is split over ranks") != NULL,
+                 "clip_grad_norm of shards with no group: %s", err_detail());
     ok(clip_grad_norm(sh.ps, sh.n, 1.0, world_pg, NULL));
     ok(optim_step(ref.opt, lr_schedule_factor(&sched, s)));
     ok(optim_step(sh.opt, lr_schedule_factor(&sched, s)));
@@ -394,13 +399,19 @@ START_TEST(int_reshard_invalid_is_refused) {
   ok(llama_new(&cfg, NULL, &m));
   fsdp_options_t opt = FSDP_OPTIONS_INIT;
   opt.mesh = mesh;
-  int bad_values[] = {Ws, Ws + 1, -2, Ws > 2 ? Ws - 1 : 7};
+  int bad_values[] = {Ws + 1, -2, Ws > 2 ? Ws - 1 : 7, 2 * Ws + 1};
   for (int i = 0; i < 4; i++) {
     opt.reshard_after_forward = bad_values[i];
     int v = bad_values[i];
-    if ((v >= -1 && v <= 1) || (v > 1 && v < Ws && Ws % v == 0)) continue; /* valid ones */
+    if ((v >= -1 && v <= 1) || (v > 1 && v <= Ws && Ws % v == 0)) continue; /* valid ones */
     ck_assert_int_eq(fully_shard(llama_layer(m, 0), &opt, NULL), STATUS_EINVAL);
     ck_assert(strstr(err_detail(), "reshard_after_forward") != NULL);
+  }
+  if (Ws >= 2) { /* N = the shard group's size is true, as PyTorch reads it */
+    fsdp_group_t *g = NULL;
+    opt.reshard_after_forward = Ws;
+    ok(fully_shard(llama_layer(m, 0), &opt, &g));
+    ck_assert_int_eq(fsdp_reshard_after_forward(g), 1);
   }
   llama_free(m);
   mesh_free(mesh);

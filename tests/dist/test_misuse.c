@@ -149,6 +149,13 @@ START_TEST(optimizer_and_checkpoint_pairing) {
   refused(ckpt_save_training(dir, swapped, n, opt, 1, NULL, world_pg()),
           "is not the optimizer's parameter 0");
   ck_assert_msg(access(dir, F_OK) != 0, "a refused save wrote %s", dir);
+  /* what train_state.json records: a step of none or more, saved_under a JSON object */
+  refused(ckpt_save_training(dir, ps, n, opt, -5, NULL, world_pg()), "step -5 is negative");
+  refused(ckpt_save_training(dir, ps, n, opt, 1, "this is {not json", world_pg()),
+          "saved_under is not a JSON object");
+  refused(ckpt_save_training(dir, ps, n, opt, 1, "[1, 2]", world_pg()),
+          "saved_under is not a JSON object");
+  ck_assert_msg(access(dir, F_OK) != 0, "a refused save wrote %s", dir);
   int64_t step = 0;
   refused(ckpt_load_training(dir, ps, n, NULL, &step, NULL), "opt is NULL");
   optim_free(opt);
@@ -231,6 +238,29 @@ START_TEST(distribute_agrees_on_the_shape) {
 }
 END_TEST
 
+/* fully_shard agrees on its unit over the mesh: a rank whose module has another shape, or that
+ * shards another module, is refused on every rank (it would gather other ranks' bytes as its
+ * own, or wait for good). */
+START_TEST(fully_shard_agrees_on_the_unit) {
+  mesh_t *mesh = world_mesh();
+  nn_module_t *m = NULL;
+  int last = world_rank() == world_size() - 1;
+  ok(nn_sequential_new(NULL, "", &m));
+  ok(nn_linear_new(m, "fc", 8, last ? 12 : 16, false, NULL, NULL));
+  ok(nn_module_finalize(m));
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  fsdpc_status_t st = fully_shard(m, &opt, NULL);
+  expect_all(world_size() == 1 ? st == STATUS_OK
+                               : st == STATUS_EINVAL && strstr(err_detail(),
+                                                               "shard different "
+                                                               "parameters") != NULL,
+             "fully_shard of unequal shapes: %s", st ? err_detail() : "ok");
+  nn_module_free(m);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* tensor_parallel over a tp dimension of one rank, then fully_shard over the data-parallel
  * one: composes (it was refused, the weights being Shard(0) on the one-rank mesh), and trains
  * what the plain model computes. */
@@ -277,6 +307,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, optimizer_and_checkpoint_pairing);
   tcase_add_test(tc, backward_and_hooks);
   tcase_add_test(tc, distribute_agrees_on_the_shape);
+  tcase_add_test(tc, fully_shard_agrees_on_the_unit);
   tcase_add_test(tc, tensor_parallel_of_one_rank_composes);
   suite_add_tcase(s, tc);
   return s;
