@@ -774,15 +774,16 @@ def family():
                   "item's bf16 and train (%s, exit %d)" % (experts, r.returncode))
             with open(own) as f:
                 bad2 = f.read().replace("reshard_after_forward: false}",
-                                        "reshard_after_forward: 2}")
+                                        "reshard_after_forward: 4}")
             with open(own, "w") as g:
                 g.write(bad2)
-            q, _ = run(1, [own, "--dry-run", "--world", "4", "--set", "mesh.dp_shard=4", "--set",
-                           "data.global_batch_size=4", "--set", "mesh.ep=2"])
+            # (4 divides dp_shard 8; the experts shard over 8 / ep 4 = 2 ranks)
+            q, _ = run(1, [own, "--dry-run", "--world", "8", "--set", "mesh.dp_shard=8", "--set",
+                           "data.global_batch_size=8", "--set", "mesh.ep=4"])
             check(q.returncode != 0 and re.search(
                 r"experts-unit\.yaml:\d+:\d+: parallelize\.fully_shard\.units\[0\] "
                 r"\('model\.layers\.\*\.mlp\.experts', model\.layers\.0\.mlp\.experts: its "
-                r"experts shard over dp_shard / ep = 2 ranks\): fully_shard: reshard_after_forward 2",
+                r"experts shard over dp_shard / ep = 2 ranks\): fully_shard: reshard_after_forward 4",
                 q.stderr) is not None,
                   "tiny_qwen3_moe: a units item's group size the experts' shard group cannot take "
                   "is refused naming the item (%s)" % q.stderr.strip()[-200:])
