@@ -33,7 +33,8 @@
  * so the extremes give about 1.2e-38 and 2.4e38 instead of 0 and infinity (enough for softmax
  * and sigmoid); NaN stays NaN. */
 static inline float exp_f32(float x) {
-  float c = x < -87.3f ? -87.3f : x > 88.37f ? 88.37f : x;
+  /* (NaN fails both tests: clamped to -87.3, its integer part stays defined; returned below) */
+  float c = x > -87.3f ? (x < 88.37f ? x : 88.37f) : -87.3f;
   float t = c * 1.44269504088896341f;
   float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
   float r = c - n * 0.693359375f;
