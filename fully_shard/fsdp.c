@@ -259,14 +259,8 @@ static fsdpc_status_t agree_params(const fsdp_options_t *opt, const fsdp_plist_t
   for (int k = 0; k < mesh_ndim(opt->mesh); k++) {
     pg_t *pg = mesh_group(opt->mesh, k);
     FSDPC_TRY(pg_agree(pg, st));
-    int n = pg_size(pg), other = -1;
-    uint64_t *all = malloc(sizeof *all * (size_t)n);
-    fsdpc_status_t gs = all ? STATUS_OK : err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-    gs = pg_agree(pg, gs);
-    if (gs == STATUS_OK) gs = pg_host_all_gather(pg, &mine, all, 8, PG_HOST_BYTE);
-    for (int r = 0; gs == STATUS_OK && r < n && other < 0; r++)
-      if (all[r] != all[0]) other = r;
-    free(all);
+    int other = -1;
+    fsdpc_status_t gs = pg_host_first_differing(pg, mine, &other);
     if (gs == STATUS_OK && other >= 0) /* every rank sees it: the same verdict everywhere */
       gs = err_set(STATUS_EINVAL,
                    "fully_shard: %s%s%s: the ranks of the mesh's dimension %d shard different "

@@ -200,6 +200,11 @@ fsdpc_status_t pg_host_all_reduce_within(pg_t *pg, const void *send, void *recv,
 fsdpc_status_t pg_host_all_gather(pg_t *pg, const void *send, void *recv, int count,
                                   pg_host_type_t type);
 
+/* The lowest rank of the group whose value differs from rank 0's into *rank, -1 when every rank
+ * brought the same: value a fingerprint of what the ranks must agree on (a plan, the parameters
+ * of a unit), each rank's verdict the same. */
+fsdpc_status_t pg_host_first_differing(pg_t *pg, uint64_t value, int *rank);
+
 /* Agreement on an outcome: STATUS_OK when every rank of the group passed OK; otherwise a
  * failing rank keeps its own status and detail, and every other rank gets the status of the
  * lowest failing rank and its detail text prefixed with "rank R: " (R: its rank in the

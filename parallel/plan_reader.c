@@ -333,7 +333,7 @@ static int add_scalar(plan_ctx_t *c, const char *s, const char *set) {
 typedef struct yaml_why {
   char text[320];
   size_t line, column, at;
-  bool alias;
+  bool alias, second; /* a pattern read as an alias; a second document */
 } yaml_why_t;
 
 /* The one document of a YAML text into *doc; false, *why said, when the text is not valid
@@ -350,6 +350,7 @@ static bool load_one_document(const char *text, size_t len, yaml_document_t *doc
     ok = root == NULL || (root->type == YAML_SCALAR_NODE && root->data.scalar.length == 0);
     at = more.start_mark;
     yaml_document_delete(&more);
+    why->second = !ok;
     if (!ok) snprintf(why->text, sizeof why->text, "a second YAML document ('---')");
   } else if (ok) { /* what follows the document is not valid */
     ok = false;
@@ -621,8 +622,7 @@ fsdpc_status_t pr_parse_file(plan_ctx_t *c, const char *path) {
   yaml_why_t why = {0};
   if (!load_one_document(text, len, &c->doc, &why))
     st = err_set(STATUS_EFORMAT, "%s:%zu:%zu: %s%s%s", path, why.line, why.column, why.text,
-                 strncmp(why.text, "a second", 8) == 0 ? ": a plan is one document" : "",
-                 why.alias ? ALIAS_HINT : "");
+                 why.second ? ": a plan is one document" : "", why.alias ? ALIAS_HINT : "");
   free(text);
   return st;
 }

@@ -99,6 +99,28 @@ static void precision(out_t *o, const char *v, const char *from) {
           "needs none");
 }
 
+/* An offload to the host named `name` (its comment name + suffix): the sharded parameters,
+ * gradients and optimizer state when the parameters go there (params_too), else listed: the
+ * optimizer's state cannot go alone. */
+static void host_offload(out_t *o, const char *name, const char *suffix, bool params_too) {
+  if (params_too)
+    put(o, "parallelize.fully_shard", "offload", "true", "%s%s", name, suffix);
+  else
+    leave(o, name,
+          "device cpu for the optimizer alone: offload here moves the sharded parameters, "
+          "gradients and optimizer state together (parallelize.fully_shard.offload: true)");
+}
+
+/* A number setting, or DeepSpeed's default for it when it is not given (def: the default's text,
+ * why: where it comes from). */
+static void number_or(out_t *o, const cJSON *src, const char *name, const char *shown,
+                      const char *section, const char *key, const char *def, const char *why) {
+  if (cJSON_GetObjectItemCaseSensitive(src, name) != NULL)
+    number(o, src, name, shown, section, key);
+  else
+    put(o, section, key, def, "%s not given: %s", shown, why);
+}
+
 /* ---- DeepSpeed: a ds_config.json, or Accelerate's deepspeed_config section ---- */
 
 /* The units DeepSpeed's ZeRO implies: it gathers parameters submodule by submodule as they run,
@@ -173,13 +195,10 @@ static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
       const char *odev =
           plan_text_of(cJSON_GetObjectItemCaseSensitive(other, "device"), ob, sizeof ob);
       bool both = odev && strcmp(odev, "cpu") == 0;
-      if (dev && strcmp(dev, "cpu") == 0 && (both || strcmp(it->string, "offload_param") == 0))
-        put(o, "parallelize.fully_shard", "offload", "true",
-            "%s.device cpu (CUDA: sharded parameters, gradients and optimizer on the host)", name);
-      else if (dev && strcmp(dev, "cpu") == 0)
-        leave(o, name,
-              "device cpu for the optimizer alone: offload here moves the sharded parameters, "
-              "gradients and optimizer state together (parallelize.fully_shard.offload: true)");
+      if (dev && strcmp(dev, "cpu") == 0)
+        host_offload(o, name,
+                     ".device cpu (CUDA: sharded parameters, gradients and optimizer on the host)",
+                     both || strcmp(it->string, "offload_param") == 0);
       else if (dev && strcmp(dev, "none") != 0)
         leave(o, name, "device '%s': only the host (cpu) is an offload target", dev);
     } else if (strcmp(it->string, "cpu_offload") == 0 ||
@@ -188,14 +207,9 @@ static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
       const cJSON *other =
           cJSON_GetObjectItemCaseSensitive(z, param ? "cpu_offload" : "cpu_offload_param");
       char ob[64];
-      if (truthy(plan_text_of(it, b, sizeof b)) &&
-          (param || truthy(plan_text_of(other, ob, sizeof ob))))
-        put(o, "parallelize.fully_shard", "offload", "true",
-            "%s (CUDA: sharded parameters, gradients and optimizer on the host)", name);
-      else if (truthy(plan_text_of(it, b, sizeof b)))
-        leave(o, name,
-              "the optimizer alone on the host: offload here moves the sharded parameters, "
-              "gradients and optimizer state together (parallelize.fully_shard.offload: true)");
+      if (truthy(plan_text_of(it, b, sizeof b)))
+        host_offload(o, name, " (CUDA: sharded parameters, gradients and optimizer on the host)",
+                     param || truthy(plan_text_of(other, ob, sizeof ob)));
     } else if (strcmp(it->string, "mics_shard_size") == 0) {
       long m = 0;
       const char *v = plan_text_of(it, b, sizeof b);
@@ -238,12 +252,8 @@ static void ds_sizes(out_t *o, const cJSON *c, const char *prefix) {
     const char *key = k ? "offload_param_device" : "offload_optimizer_device";
     const char *dev = plan_text_of(cJSON_GetObjectItemCaseSensitive(c, key), b, sizeof b);
     snprintf(name, sizeof name, "%s%s", prefix, key);
-    if (dev && strcmp(dev, "cpu") == 0 && (k == 1 || param_cpu))
-      put(o, "parallelize.fully_shard", "offload", "true", "%s cpu", name);
-    else if (dev && strcmp(dev, "cpu") == 0) /* the optimizer alone */
-      leave(o, name,
-            "device cpu for the optimizer alone: offload here moves the sharded parameters, "
-            "gradients and optimizer state together (parallelize.fully_shard.offload: true)");
+    if (dev && strcmp(dev, "cpu") == 0)
+      host_offload(o, name, " cpu", k == 1 || param_cpu);
     else if (dev && strcmp(dev, "none") != 0)
       leave(o, name, "device '%s': only the host (cpu) is an offload target", dev);
   }
@@ -263,9 +273,11 @@ static void ds_sizes(out_t *o, const cJSON *c, const char *prefix) {
   snprintf(name, sizeof name, "%sgradient_accumulation_steps", prefix);
   number(o, c, "gradient_accumulation_steps", name, "data", "grad_accum");
   snprintf(name, sizeof name, "%sgradient_clipping", prefix);
-  number(o, c, "gradient_clipping", name, "optim", "clip_grad_norm");
-  if (!*prefix && cJSON_GetObjectItemCaseSensitive(c, "gradient_clipping") == NULL)
-    put(o, "optim", "clip_grad_norm", "0", "gradient_clipping not given: DeepSpeed does not clip");
+  if (*prefix) /* Accelerate's section: the training script clips */
+    number(o, c, "gradient_clipping", name, "optim", "clip_grad_norm");
+  else
+    number_or(o, c, "gradient_clipping", name, "optim", "clip_grad_norm", "0",
+              "DeepSpeed does not clip");
   snprintf(name, sizeof name, "%strain_batch_size", prefix);
   number(o, c, "train_batch_size", name, "data", "global_batch_size");
   if (cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(c, "train_batch_size")) &&
@@ -303,16 +315,6 @@ static fsdpc_status_t ds_precision(out_t *o, const cJSON *c, const char *prefix)
                    "%sbf16 and %sfp16 are both enabled: DeepSpeed refuses that; enable one", prefix,
                    prefix);
   return STATUS_OK;
-}
-
-/* A number setting, or DeepSpeed's default for it when it is not given (def: the default's text,
- * why: where it comes from). */
-static void number_or(out_t *o, const cJSON *src, const char *name, const char *shown,
-                      const char *section, const char *key, const char *def, const char *why) {
-  if (cJSON_GetObjectItemCaseSensitive(src, name) != NULL)
-    number(o, src, name, shown, section, key);
-  else
-    put(o, section, key, def, "%s not given: %s", shown, why);
 }
 
 /* The optimizer (AdamW or Adam) and the scheduler (WarmupLR, WarmupCosineLR), with DeepSpeed's

@@ -351,6 +351,15 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
 
 /* ---- communication ---- */
 
+/* The built-in models' module names the estimates look up: the token embedding and a sparse
+ * layer's MoE block. */
+static const char *token_embedding(const llama_config_t *c) {
+  return c->arch == LLAMA_ARCH_GPT2 ? "transformer.wte" : "model.embed_tokens";
+}
+static const char *moe_block(const llama_config_t *c) {
+  return c->arch == LLAMA_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+}
+
 /* The innermost group whose module holds the module fqn (the root's holds every one), -1 when
  * none does. */
 static int group_of(fsdp_group_t *const *groups, int n, const char *fqn) {
@@ -405,7 +414,7 @@ static void tp_comm(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n, d
   double fred = 0, bred = 0, gath = 0, sums = 0, whole = 0; /* whole: without sp */
   int64_t Ni = p->batch_size * p->seq_len * mc->dim;
   long long n_fred = 0, n_bred = 0, n_gath = 0, n_sums = 0;
-  const char *embs[2] = {gpt2 ? "transformer.wte" : "model.embed_tokens", "transformer.wpe"};
+  const char *embs[2] = {token_embedding(mc), "transformer.wpe"};
   for (int e = 0; e < (gpt2 ? 2 : 1) && HELD(embs[0]); e++) {
     double b = BYTES(embs[e], false);
     fred += b;
@@ -458,8 +467,7 @@ static void tp_comm(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n, d
     }
     if (sparse && sp) { /* the router, and the experts unless expert parallelism shards them
                          * over tp; Qwen2-MoE's shared expert's three weights and its gate */
-      snprintf(fqn, sizeof fqn, "%s.%lld.%s", layer, (long long)l,
-               mc->arch == LLAMA_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp");
+      snprintf(fqn, sizeof fqn, "%s.%lld.%s", layer, (long long)l, moe_block(mc));
       double r = BYTES(fqn, true);
       double moe =
           (double)(mc->n_experts * mc->dim) * (P > 1 ? 1 : 1 + 3 * (double)mc->moe_ffn_dim);
@@ -509,8 +517,9 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
   double Au = p->par.pp > 1 && !p->par.pp_sync_every ? 1 : A;
   /* with tied embeddings, the unit holding the token embedding (its own, or the innermost
    * that contains it: the body's), unless it is the root's, which the head is inside */
-  const char *emb = p->model.arch == LLAMA_ARCH_GPT2 ? "transformer.wte" : "model.embed_tokens";
-  int tied = p->model.tie_embeddings && p->par.pp == 1 ? group_of(groups, n, emb) : -1;
+  int tied = p->model.tie_embeddings && p->par.pp == 1
+                 ? group_of(groups, n, token_embedding(&p->model))
+                 : -1;
   if (tied >= 0 && fsdp_group_name(groups[tied])[0] == 0) tied = -1;
   for (int i = 0; i < n; i++) {
     const fsdp_group_t *g = groups[i];
@@ -589,8 +598,7 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
     } else {
       for (int64_t l = 0; l < mc->n_layers; l++) {
         if (!llama_layer_is_moe(mc, l)) continue;
-        snprintf(block, sizeof block, "model.layers.%lld.%s", (long long)l,
-                 mc->arch == LLAMA_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp");
+        snprintf(block, sizeof block, "model.layers.%lld.%s", (long long)l, moe_block(mc));
         es += module_bytes(groups, n, block, false);
         sparse++;
       }

@@ -288,15 +288,10 @@ static void describe_difference(const char *mine, const char *theirs, char *out,
 
 fsdpc_status_t train_check_same_plan(const char *settings) {
   pg_t *pg = world_pg();
-  int n = world_size();
-  int64_t mine = (int64_t)XXH64(settings, strlen(settings), 0);
-  int64_t *all = malloc(sizeof *all * (size_t)n);
-  if (all == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  fsdpc_status_t st = pg_host_all_gather(pg, &mine, all, 1, PG_HOST_I64);
-  bool same = true;
-  for (int r = 0; st == STATUS_OK && r < n; r++) same &= all[r] == all[0];
-  free(all);
-  if (st != STATUS_OK || same) return st;
+  uint64_t mine = XXH64(settings, strlen(settings), 0);
+  int other = -1;
+  fsdpc_status_t st = pg_host_first_differing(pg, mine, &other);
+  if (st != STATUS_OK || other < 0) return st;
   /* rank 0's text to every rank, in 4-byte words */
   int64_t len = (int64_t)strlen(settings) + 1;
   FSDPC_TRY(pg_host_all_reduce(pg, &len, &len, 1, PG_HOST_I64, REDUCE_MAX)); /* the longest */
@@ -304,7 +299,7 @@ fsdpc_status_t train_check_same_plan(const char *settings) {
   if (words == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   if (world_rank() == 0) memcpy(words, settings, strlen(settings) + 1);
   st = pg_broadcast(pg, words, (size_t)(len + 3) / 4, DTYPE_I32, 0, NULL);
-  if (st == STATUS_OK && mine != (int64_t)XXH64(words, strlen((char *)words), 0)) {
+  if (st == STATUS_OK && mine != XXH64(words, strlen((char *)words), 0)) {
     char what[1024];
     describe_difference(settings, (const char *)words, what, sizeof what);
     st = err_set(STATUS_EINVAL,

@@ -72,7 +72,6 @@ typedef struct run {
   int lock_fd;     /* checkpoint.dir's lock (rank 0), or -1 */
   cJSON *carried;  /* the model's Hugging Face config its record carries (hf_config_carry), or
                     * NULL */
-  bool saving_stop_eval; /* the save being made is a stop's at a step whose evaluation it skips */
   bool resume_eval;      /* the resumed checkpoint's evaluation was skipped by a stop: run it */
   size_t made_len[64]; /* the folders of checkpoint.dir this run made: prefixes of it */
   int n_made;

@@ -671,8 +671,9 @@ static FILE *metrics_open(const char *path, int64_t start, const cJSON *patch, c
   return fopen(path, "a");
 }
 
-/* The plan a checkpoint is saved under, as train_state.json's saved_under (caller frees). */
-static fsdpc_status_t saved_under(const run_t *r, char **out) {
+/* The plan a checkpoint is saved under, as train_state.json's saved_under (caller frees);
+ * eval_pending: its step's evaluation was skipped by a stop (the resume makes it). */
+static fsdpc_status_t saved_under(const run_t *r, bool eval_pending, char **out) {
   const fsdpc_plan_t *p = &r->plan;
   char *model_text = NULL;
   FSDPC_TRY(describe_model(r, &model_text));
@@ -697,7 +698,7 @@ static fsdpc_status_t saved_under(const run_t *r, char **out) {
       cJSON_AddNumberToObject(sched, "warmup_steps", (double)p->warmup_steps) &&
       cJSON_AddNumberToObject(sched, "min_lr_ratio", p->min_lr_ratio) &&
       cJSON_AddNumberToObject(sched, "lr", p->optim.lr) &&
-      (!r->saving_stop_eval || cJSON_AddBoolToObject(o, "eval_pending", true)) &&
+      (!eval_pending || cJSON_AddBoolToObject(o, "eval_pending", true)) &&
       cJSON_AddItemToObject(o, "model", model)) {
     model = NULL; /* o owns it */
     text = cJSON_PrintUnformatted(o);
@@ -993,10 +994,10 @@ static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
  * run, named); then a save every checkpoint.interval steps, of the last step, and of a step
  * the run stops after (those two wait for their commit). Agreed over the ranks. */
 /* The state after step handed to the saver under the run's record (wait: committed before
- * returning). Collective. */
-static fsdpc_status_t save_step(run_t *r, loop_t *L, int64_t step, bool wait) {
+ * returning; eval_pending: saved_under's). Collective. */
+static fsdpc_status_t save_step(run_t *r, loop_t *L, int64_t step, bool wait, bool eval_pending) {
   char *under = NULL;
-  fsdpc_status_t st = pg_agree(world_pg(), saved_under(r, &under));
+  fsdpc_status_t st = pg_agree(world_pg(), saved_under(r, eval_pending, &under));
   if (st == STATUS_OK) st = train_save(&L->saver, r, step, under, wait);
   if (st == STATUS_OK) L->asked = step;
   free(under);
@@ -1019,9 +1020,8 @@ static fsdpc_status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
                                  done == p->steps || o->stopping);
   /* a stop skips the step's evaluation (step_evaluate): its checkpoint says so, and the run
    * that resumes it evaluates first */
-  r->saving_stop_eval = o->stopping && eval_due(r, done);
-  if (st == STATUS_OK && save) st = save_step(r, L, done, o->stopping || done == p->steps);
-  r->saving_stop_eval = false;
+  if (st == STATUS_OK && save)
+    st = save_step(r, L, done, o->stopping || done == p->steps, o->stopping && eval_due(r, done));
   L->agreed = st != STATUS_OK;
   return st;
 }
@@ -1039,15 +1039,21 @@ static void metrics_settle(loop_t *L, bool final) {
   }
 }
 
+/* evaluate() with its own peak memory into *peak, its collectives left out of the next step's
+ * counts. */
+static fsdpc_status_t evaluate_measured(run_t *r, const data_spec_t *spec, double *loss,
+                                        size_t *peak) {
+  mem_reset_peak(r->dev);
+  fsdpc_status_t st = evaluate(r, spec, loss);
+  *peak = mem_stats(r->dev).peak;
+  train_counted_bytes(r);
+  return st;
+}
+
 /* Evaluate: after every eval.interval steps and after the last. */
 static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
   o->eval_now = !o->stopping && eval_due(r, o->s + 1);
-  if (!o->eval_now) return STATUS_OK;
-  mem_reset_peak(r->dev);
-  fsdpc_status_t st = evaluate(r, &L->spec, &o->eval_loss);
-  o->eval_peak = mem_stats(r->dev).peak;
-  train_counted_bytes(r); /* its collectives are not the next step's */
-  return st;
+  return o->eval_now ? evaluate_measured(r, &L->spec, &o->eval_loss, &o->eval_peak) : STATUS_OK;
 }
 
 /* Report: the step's line of the metrics file (rank 0), agreed over the ranks (a full disk
@@ -1154,7 +1160,8 @@ static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
   if (stop.signal == 0) return st;
   o->stopping = true;
   o->stop = stop;
-  if (p->ckpt_dir[0]) st = saved ? train_save_finish(&L->saver, r) : save_step(r, L, done, true);
+  if (p->ckpt_dir[0])
+    st = saved ? train_save_finish(&L->saver, r) : save_step(r, L, done, true, false);
   L->agreed = st != STATUS_OK;
   return st;
 }
@@ -1225,7 +1232,7 @@ static fsdpc_status_t save_before_stopping(run_t *r, loop_t *L, fsdpc_status_t s
   if (!r->plan.ckpt_dir[0]) return st;
   char why[4096];
   snprintf(why, sizeof why, "%s", err_detail());
-  fsdpc_status_t sv = L->completed > L->asked ? save_step(r, L, L->completed, true)
+  fsdpc_status_t sv = L->completed > L->asked ? save_step(r, L, L->completed, true, false)
                                               : train_save_finish(&L->saver, r);
   char dir[PLAN_PATH_MAX + 32];
   ckpt_step_dir(r->plan.ckpt_dir, L->completed, dir, sizeof dir);
@@ -1302,10 +1309,8 @@ static fsdpc_status_t train(run_t *r) {
   if (r->resume_eval && eval_due(r, r->start_step)) {
     data_spec_t spec = spec_of(r);
     double eval_loss;
-    mem_reset_peak(r->dev);
-    FSDPC_TRY(evaluate(r, &spec, &eval_loss));
-    size_t peak = mem_stats(r->dev).peak;
-    train_counted_bytes(r); /* its collectives are not the first step's */
+    size_t peak;
+    FSDPC_TRY(evaluate_measured(r, &spec, &eval_loss, &peak));
     if (world_rank() == 0) eval_line(r, r->start_step, eval_loss, "");
     patch = cJSON_CreateObject();
     cJSON_AddNumberToObject(patch, "eval_loss", eval_loss);
