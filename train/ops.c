@@ -550,6 +550,34 @@ fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *met
                  metrics, first, last, (long long)start, resumed);
 }
 
+/* A metrics file given again holds metrics lines (a JSON object with a number "step"), at
+ * least one, or nothing: the run replaces its lines, and another file's content (a
+ * mistyped name) is not a run's to replace. Local. */
+static fsdpc_status_t metrics_file_is_metrics(const char *metrics) {
+  FILE *f = fopen(metrics, "r");
+  if (f == NULL) return STATUS_OK; /* absent (or unreadable: refused as it is written) */
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t len;
+  long lines = 0, first_other = 0;
+  bool step = false;
+  while (!step && (len = getline(&line, &cap, f)) > 0) {
+    lines++;
+    cJSON *o = cJSON_Parse(line);
+    step = cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, "step"));
+    cJSON_Delete(o);
+    if (!step && first_other == 0 && strspn(line, " \t\r\n") < (size_t)len) first_other = lines;
+  }
+  free(line);
+  fclose(f);
+  if (step || first_other == 0) return STATUS_OK;
+  return err_set(STATUS_EINVAL,
+                 "--metrics (or log.metrics) '%s' holds no metrics line (line %ld is not a JSON "
+                 "object with a \"step\"): this run would replace a file that is not a run's "
+                 "metrics; name another file, or remove this one",
+                 metrics, first_other);
+}
+
 fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, const char *plot,
                                    const fsdpc_data_t *data, const fsdpc_data_t *eval,
                                    const char *resumed) {
@@ -569,6 +597,7 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
   if (st == STATUS_OK && metrics && metrics[0]) {
     st = outside_checkpoints(p, metrics, "--metrics (or log.metrics)");
     if (st == STATUS_OK) st = file_check_output(metrics, "--metrics (or log.metrics)", in);
+    if (st == STATUS_OK) st = metrics_file_is_metrics(metrics);
     /* a fresh run writes into it (a resumed one renames a new file over it) */
     if (st == STATUS_OK && !(resumed && resumed[0]) && access(metrics, F_OK) == 0 &&
         access(metrics, W_OK) != 0)

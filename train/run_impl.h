@@ -73,6 +73,7 @@ typedef struct run {
   cJSON *carried;  /* the model's Hugging Face config its record carries (hf_config_carry), or
                     * NULL */
   bool resume_eval;      /* the resumed checkpoint's evaluation was skipped by a stop: run it */
+  cJSON *saved_line;     /* the resumed step's metrics line its checkpoint records, or NULL */
   size_t made_len[64]; /* the folders of checkpoint.dir this run made: prefixes of it */
   int n_made;
   int stopped_by;  /* a signal stopped the run at a step boundary, or 0 */

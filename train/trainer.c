@@ -199,12 +199,14 @@ static fsdpc_status_t optim_for_rank(run_t *r) {
 
 /* What dir's train_state.json (saved_under) records of the run that saved it: its global
  * batch, its data's tokens (0 when unknown), its data order (train_data_order; "" when
- * unknown) and its learning-rate schedule (sched->total_steps 0 when unknown). */
+ * unknown), its learning-rate schedule (sched->total_steps 0 when unknown), whether its step's
+ * evaluation is pending, and its step's metrics line (*line, NULL when not recorded). */
 static void read_saved_run(const char *dir, int64_t *batch, int64_t *tokens, char *order, size_t n,
-                           saved_schedule_t *sched, bool *eval_pending) {
+                           saved_schedule_t *sched, bool *eval_pending, cJSON **line) {
   char *text = NULL;
   *batch = *tokens = 0;
   *eval_pending = false;
+  *line = NULL;
   order[0] = 0;
   memset(sched, 0, sizeof *sched);
   if (ckpt_state_text(dir, &text) != STATUS_OK) err_clear();
@@ -221,6 +223,9 @@ static void read_saved_run(const char *dir, int64_t *batch, int64_t *tokens, cha
   const cJSON *toks = cJSON_GetObjectItemCaseSensitive(d, "tokens");
   if (cJSON_IsNumber(toks) && toks->valuedouble >= 1) *tokens = (int64_t)toks->valuedouble;
   *eval_pending = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(under, "eval_pending"));
+  const cJSON *m = cJSON_GetObjectItemCaseSensitive(under, "metrics");
+  if (cJSON_IsObject(m) && cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(m, "step")))
+    *line = cJSON_Duplicate(m, true);
   const cJSON *sc = cJSON_GetObjectItemCaseSensitive(under, "schedule");
   const cJSON *steps = cJSON_GetObjectItemCaseSensitive(sc, "steps");
   const cJSON *warm = cJSON_GetObjectItemCaseSensitive(sc, "warmup_steps");
@@ -509,7 +514,7 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
   FSDPC_TRY(
       ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
   read_saved_run(r->resumed_from, &r->saved_batch, &r->saved_tokens, r->saved_order,
-                 sizeof r->saved_order, &r->saved_schedule, &r->resume_eval);
+                 sizeof r->saved_order, &r->saved_schedule, &r->resume_eval, &r->saved_line);
   return STATUS_OK;
 }
 
@@ -578,15 +583,30 @@ static fsdpc_status_t metrics_agree(const char *path, int err) {
   return pg_agree(world_pg(), st);
 }
 
+/* Writes line o to out with patch's fields (may be NULL) put in; false when it could not. */
+static bool put_patched(FILE *out, cJSON *o, const cJSON *patch) {
+  const cJSON *it;
+  cJSON_ArrayForEach(it, patch) {
+    cJSON_DeleteItemFromObjectCaseSensitive(o, it->string);
+    cJSON_AddItemToObject(o, it->string, cJSON_Duplicate(it, true));
+  }
+  char *text = cJSON_PrintUnformatted(o);
+  bool ok = text != NULL && fprintf(out, "%s\n", text) >= 0;
+  free(text);
+  return ok;
+}
+
 /* Opens the metrics file (rank 0) for a run starting after step start: a fresh run starts it
  * anew; a resumed run keeps the lines up to its step (later ones belong to the run it
  * replaces), rewritten through a fresh file beside it and a rename, and appends. With defer
  * (not NULL: a checkpoint.overwrite rollback, whose newer checkpoints stay until its first save
  * commits) the fresh file is not renamed: its name goes into defer, the run appends to it, and
  * metrics_settle renames it once that save commits. The fields of patch (may be NULL) go into
- * step start's line (the evaluation a stop skipped). NULL with errno set on failure. */
-static FILE *metrics_open(const char *path, int64_t start, const cJSON *patch, char *defer,
-                          size_t defer_size) {
+ * step start's line (the evaluation a stop skipped); saved (may be NULL), the line its
+ * checkpoint records, is written when the file lacks it (the run was killed after the save).
+ * NULL with errno set on failure. */
+static FILE *metrics_open(const char *path, int64_t start, const cJSON *patch, const cJSON *saved,
+                          char *defer, size_t defer_size) {
   if (start == 0 && defer == NULL) {
     FILE *old = fopen(path, "r");
     long lines = 0;
@@ -616,45 +636,62 @@ static FILE *metrics_open(const char *path, int64_t start, const cJSON *patch, c
   ssize_t len;
   double last = 0; /* the last step kept */
   int64_t junk = 0; /* lines that are no step's (a last line cut short by a kill) */
+  bool have = false; /* step start's line */
   while (in != NULL && out != NULL && (len = getline(&line, &cap, in)) > 0) {
     cJSON *o = cJSON_Parse(line);
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
     if (!cJSON_IsNumber(step)) {
       junk++;
     } else if (step->valuedouble == (double)start && patch != NULL) { /* its fields added */
-      const cJSON *it;
-      cJSON_ArrayForEach(it, patch) {
-        cJSON_DeleteItemFromObjectCaseSensitive(o, it->string);
-        cJSON_AddItemToObject(o, it->string, cJSON_Duplicate(it, true));
-      }
-      char *text = cJSON_PrintUnformatted(o);
-      if (text == NULL || fprintf(out, "%s\n", text) < 0) { /* the file would lose it */
-        free(text);
+      if (!put_patched(out, o, patch)) {                              /* the file would lose it */
         fclose(out);
         out = NULL;
-        break;
       }
-      free(text);
-      last = step->valuedouble > last ? step->valuedouble : last;
+      have = true;
     } else if (step->valuedouble <= (double)start) {
       fputs(line, out);
       if (line[len - 1] != '\n') fputc('\n', out); /* whole, but its newline lost */
-      last = step->valuedouble > last ? step->valuedouble : last;
+      have = have || step->valuedouble == (double)start;
     }
+    if (cJSON_IsNumber(step) && step->valuedouble <= (double)start)
+      last = step->valuedouble > last ? step->valuedouble : last;
     cJSON_Delete(o);
   }
   free(line);
+  /* the step's line, lost by a kill between its save and its line, from the checkpoint */
+  const cJSON *ss = cJSON_GetObjectItemCaseSensitive(saved, "step");
+  bool restore =
+      in != NULL && out != NULL && !have && cJSON_IsNumber(ss) && ss->valuedouble == (double)start;
+  if (restore) {
+    cJSON *o = cJSON_Duplicate(saved, true);
+    if (o == NULL || !put_patched(out, o, patch)) {
+      fclose(out);
+      out = NULL;
+    }
+    cJSON_Delete(o);
+  }
   if (junk > 0)
     fprintf(stderr,
             "%s: warning: the metrics file '%s' had %lld line%s that %s no step's metrics (a "
             "line cut short when a run was killed, or another program's); left out\n",
             train_prog(), path, (long long)junk, junk == 1 ? "" : "s", junk == 1 ? "is" : "are");
   /* a run stopped on a metrics line it could not write saved that step first */
-  if (last > 0 && last < (double)start)
+  int64_t upto = restore ? start - 1 : start;
+  if (last > 0 && last + 1 == (double)upto)
+    fprintf(stderr,
+            "%s: warning: the metrics file '%s' ends at step %.0f; the line of step %lld is "
+            "missing (the run that saved it did not write it)\n",
+            train_prog(), path, last, (long long)upto);
+  else if (last > 0 && last < (double)upto)
     fprintf(stderr,
             "%s: warning: the metrics file '%s' ends at step %.0f; the lines of steps %.0f to "
             "%lld are missing (the run that saved them did not write them)\n",
-            train_prog(), path, last, last + 1, (long long)start);
+            train_prog(), path, last, last + 1, (long long)upto);
+  if (restore && out != NULL)
+    fprintf(stderr,
+            "%s: note: the metrics file '%s' had no line for step %lld, the run that saved it "
+            "having stopped before writing it; written from the checkpoint's record\n",
+            train_prog(), path, (long long)start);
   bool ok = out != NULL && (in == NULL || !ferror(in)) && fflush(out) == 0 && !ferror(out);
   if (in != NULL) fclose(in);
   if (out != NULL && fclose(out) != 0) ok = false;
@@ -672,8 +709,10 @@ static FILE *metrics_open(const char *path, int64_t start, const cJSON *patch, c
 }
 
 /* The plan a checkpoint is saved under, as train_state.json's saved_under (caller frees);
- * eval_pending: its step's evaluation was skipped by a stop (the resume makes it). */
-static fsdpc_status_t saved_under(const run_t *r, bool eval_pending, char **out) {
+ * eval_pending: its step's evaluation was skipped by a stop (the resume makes it); line (may be
+ * NULL): the step's metrics line, which a resume writes if the metrics file lost it. */
+static fsdpc_status_t saved_under(const run_t *r, bool eval_pending, const cJSON *line,
+                                  char **out) {
   const fsdpc_plan_t *p = &r->plan;
   char *model_text = NULL;
   FSDPC_TRY(describe_model(r, &model_text));
@@ -699,6 +738,7 @@ static fsdpc_status_t saved_under(const run_t *r, bool eval_pending, char **out)
       cJSON_AddNumberToObject(sched, "min_lr_ratio", p->min_lr_ratio) &&
       cJSON_AddNumberToObject(sched, "lr", p->optim.lr) &&
       (!eval_pending || cJSON_AddBoolToObject(o, "eval_pending", true)) &&
+      (line == NULL || cJSON_AddItemToObject(o, "metrics", cJSON_Duplicate(line, true))) &&
       cJSON_AddItemToObject(o, "model", model)) {
     model = NULL; /* o owns it */
     text = cJSON_PrintUnformatted(o);
@@ -753,6 +793,7 @@ typedef struct loop {
   int experts;
   int64_t *load;    /* a step's choices per expert, every block and rank summed */
   double *pp_peaks; /* mesh.pp: each pipeline rank's peak in the step (rank 0's pipeline) */
+  cJSON *unwritten; /* the metrics line a write error lost (rank 0), recorded by the save */
 } loop_t;
 
 /* One step's figures. */
@@ -782,6 +823,11 @@ static data_spec_t spec_of(const run_t *r) {
                        .vocab_size = r->model.vocab_size};
 }
 
+/* The metrics file: --metrics, else log.metrics ("" for none). */
+static const char *metrics_path(const run_t *r) {
+  return r->args.metrics ? r->args.metrics : r->plan.metrics;
+}
+
 /* Set up: the data order, the schedule, the metrics file, the saver. On failure nothing is
  * left to finish. */
 static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
@@ -791,7 +837,7 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
   L->completed = L->asked = r->start_step;
   L->sched = (lr_schedule_t){
       .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
-  L->mpath = r->args.metrics ? r->args.metrics : p->metrics;
+  L->mpath = metrics_path(r);
   /* a live progress bar on a terminal; mpirun hands every rank a pseudo-terminal even when
    * its own output is redirected, so under a launcher the bar stays off */
   bool launched = getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("SLURM_PROCID");
@@ -812,8 +858,8 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
     newer = 0;
   bool rollback = newer > 0; /* (rank 0's: the metrics file and the journal are its) */
   if (L->lead && L->mpath[0] &&
-      (L->mf = metrics_open(L->mpath, r->start_step, patch, rollback ? L->mtmp : NULL,
-                            sizeof L->mtmp)) == NULL)
+      (L->mf = metrics_open(L->mpath, r->start_step, patch, r->saved_line,
+                            rollback ? L->mtmp : NULL, sizeof L->mtmp)) == NULL)
     L->bad = errno;
   /* its journal: a job killed between its first save and the removal of the folders it
    * replaces is finished by the next start, not left with both histories */
@@ -990,17 +1036,74 @@ static fsdpc_status_t step_apply(run_t *r, loop_t *L, step_out_t *o) {
   return STATUS_OK;
 }
 
+/* Report: the step's line of the metrics file, with its evaluation when o->eval_now (NULL when
+ * out of host memory). */
+static cJSON *metrics_json(const run_t *r, const loop_t *L, const step_out_t *o) {
+  const fsdpc_plan_t *p = &r->plan;
+  cJSON *j = cJSON_CreateObject();
+  if (j == NULL) return NULL;
+  cJSON_AddNumberToObject(j, "step", (double)(o->s + 1));
+  cJSON_AddNumberToObject(j, "loss", o->loss);
+  cJSON_AddNumberToObject(j, "lr", p->optim.lr * o->factor);
+  cJSON_AddNumberToObject(j, "grad_norm", o->norm);
+  cJSON_AddNumberToObject(j, "tokens_per_s", o->tps);
+  cJSON_AddNumberToObject(j, "peak_mem_bytes", (double)o->peak);
+  size_t nccl = mem_stats(r->dev).comm; /* NCCL's own buffers, apart from the peak */
+  if (nccl > 0) cJSON_AddNumberToObject(j, "nccl_mem_bytes", (double)nccl);
+  cJSON_AddNumberToObject(j, "comm_bytes", o->comm);
+  cJSON_AddNumberToObject(j, "state_bytes", (double)o->state);
+  cJSON_AddNumberToObject(j, "step_time_s", o->dt);
+  if (o->eval_now) cJSON_AddNumberToObject(j, "eval_loss", o->eval_loss);
+  if (o->eval_now) cJSON_AddNumberToObject(j, "eval_peak_mem_bytes", (double)o->eval_peak);
+  if (r->pp_sched != NULL) {
+    cJSON_AddNumberToObject(j, "p2p_bytes", o->p2p);
+    cJSON *pk = cJSON_AddArrayToObject(j, "pp_peak_mem_bytes"); /* pipeline rank q's */
+    for (int q = 0; pk && L->pp_peaks && q < p->par.pp; q++)
+      cJSON_AddItemToArray(pk, cJSON_CreateNumber(L->pp_peaks[q]));
+  }
+  if (L->moe != NULL) { /* the routing: tokens per expert (every block), the balance loss */
+    cJSON_AddNumberToObject(j, "aux_loss", o->aux_loss);
+    cJSON *load = cJSON_AddArrayToObject(j, "expert_load");
+    for (int e = 0; load && e < L->experts; e++)
+      cJSON_AddItemToArray(load, cJSON_CreateNumber((double)L->load[e]));
+    cJSON_AddNumberToObject(j, "expert_load_min", (double)o->load_min);
+    cJSON_AddNumberToObject(j, "expert_load_max", (double)o->load_max);
+  }
+  if (L->saver.stall_s > 0) cJSON_AddNumberToObject(j, "ckpt_stall_s", L->saver.stall_s);
+  if (L->saver.saved_step >= 0) { /* a save committed during this step */
+    cJSON_AddNumberToObject(j, "ckpt_saved_step", (double)L->saver.saved_step);
+    cJSON_AddNumberToObject(j, "ckpt_save_s", L->saver.last_s);
+  }
+  return j;
+}
+
 /* Save: an asynchronous save every rank has written commits here (one that failed stops the
  * run, named); then a save every checkpoint.interval steps, of the last step, and of a step
  * the run stops after (those two wait for their commit). Agreed over the ranks. */
 /* The state after step handed to the saver under the run's record (wait: committed before
- * returning; eval_pending: saved_under's). Collective. */
-static fsdpc_status_t save_step(run_t *r, loop_t *L, int64_t step, bool wait, bool eval_pending) {
+ * returning; eval_pending: saved_under's; line: the step's metrics line to record, or NULL).
+ * Collective. */
+static fsdpc_status_t save_step(run_t *r, loop_t *L, int64_t step, bool wait, bool eval_pending,
+                                cJSON *line) {
   char *under = NULL;
-  fsdpc_status_t st = pg_agree(world_pg(), saved_under(r, eval_pending, &under));
+  /* restored, the line is of a save that committed: this one, when it waits for its commit */
+  if (line != NULL && wait) {
+    cJSON_DeleteItemFromObjectCaseSensitive(line, "ckpt_saved_step");
+    cJSON_AddNumberToObject(line, "ckpt_saved_step", (double)step);
+  }
+  fsdpc_status_t st = pg_agree(world_pg(), saved_under(r, eval_pending, line, &under));
   if (st == STATUS_OK) st = train_save(&L->saver, r, step, under, wait);
   if (st == STATUS_OK) L->asked = step;
   free(under);
+  return st;
+}
+
+/* save_step of step o, its metrics line (rank 0's) recorded. Collective. */
+static fsdpc_status_t save_step_of(run_t *r, loop_t *L, const step_out_t *o, bool wait,
+                                   bool eval_pending) {
+  cJSON *line = world_rank() == 0 ? metrics_json(r, L, o) : NULL;
+  fsdpc_status_t st = save_step(r, L, o->s + 1, wait, eval_pending, line);
+  cJSON_Delete(line);
   return st;
 }
 
@@ -1021,7 +1124,7 @@ static fsdpc_status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
   /* a stop skips the step's evaluation (step_evaluate): its checkpoint says so, and the run
    * that resumes it evaluates first */
   if (st == STATUS_OK && save)
-    st = save_step(r, L, done, o->stopping || done == p->steps, o->stopping && eval_due(r, done));
+    st = save_step_of(r, L, o, o->stopping || done == p->steps, o->stopping && eval_due(r, done));
   L->agreed = st != STATUS_OK;
   return st;
 }
@@ -1059,47 +1162,18 @@ static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
 /* Report: the step's line of the metrics file (rank 0), agreed over the ranks (a full disk
  * stops every rank). */
 static void metrics_write(run_t *r, loop_t *L, const step_out_t *o) {
-  const fsdpc_plan_t *p = &r->plan;
   if (L->mf) {
-    cJSON *j = cJSON_CreateObject();
-    cJSON_AddNumberToObject(j, "step", (double)(o->s + 1));
-    cJSON_AddNumberToObject(j, "loss", o->loss);
-    cJSON_AddNumberToObject(j, "lr", p->optim.lr * o->factor);
-    cJSON_AddNumberToObject(j, "grad_norm", o->norm);
-    cJSON_AddNumberToObject(j, "tokens_per_s", o->tps);
-    cJSON_AddNumberToObject(j, "peak_mem_bytes", (double)o->peak);
-    size_t nccl = mem_stats(r->dev).comm; /* NCCL's own buffers, apart from the peak */
-    if (nccl > 0) cJSON_AddNumberToObject(j, "nccl_mem_bytes", (double)nccl);
-    cJSON_AddNumberToObject(j, "comm_bytes", o->comm);
-    cJSON_AddNumberToObject(j, "state_bytes", (double)o->state);
-    cJSON_AddNumberToObject(j, "step_time_s", o->dt);
-    if (o->eval_now) cJSON_AddNumberToObject(j, "eval_loss", o->eval_loss);
-    if (o->eval_now) cJSON_AddNumberToObject(j, "eval_peak_mem_bytes", (double)o->eval_peak);
-    if (r->pp_sched != NULL) {
-      cJSON_AddNumberToObject(j, "p2p_bytes", o->p2p);
-      cJSON *pk = cJSON_AddArrayToObject(j, "pp_peak_mem_bytes"); /* pipeline rank q's */
-      for (int q = 0; pk && L->pp_peaks && q < p->par.pp; q++)
-        cJSON_AddItemToArray(pk, cJSON_CreateNumber(L->pp_peaks[q]));
-    }
-    if (L->moe != NULL) { /* the routing: tokens per expert (every block), the balance loss */
-      cJSON_AddNumberToObject(j, "aux_loss", o->aux_loss);
-      cJSON *load = cJSON_AddArrayToObject(j, "expert_load");
-      for (int e = 0; load && e < L->experts; e++)
-        cJSON_AddItemToArray(load, cJSON_CreateNumber((double)L->load[e]));
-      cJSON_AddNumberToObject(j, "expert_load_min", (double)o->load_min);
-      cJSON_AddNumberToObject(j, "expert_load_max", (double)o->load_max);
-    }
-    if (L->saver.stall_s > 0) cJSON_AddNumberToObject(j, "ckpt_stall_s", L->saver.stall_s);
-    if (L->saver.saved_step >= 0) { /* a save committed during this step */
-      cJSON_AddNumberToObject(j, "ckpt_saved_step", (double)L->saver.saved_step);
-      cJSON_AddNumberToObject(j, "ckpt_save_s", L->saver.last_s);
-    }
+    cJSON *j = metrics_json(r, L, o);
     char *line = cJSON_PrintUnformatted(j);
     long at = ftell(L->mf);
     if (line == NULL || fprintf(L->mf, "%s\n", line) < 0 || fflush(L->mf) != 0) {
       L->bad = errno ? errno : EIO;
-      /* the file ends on its last whole line, as fsdp-plot reads it */
+      /* the file ends on its last whole line, as fsdp-plot reads it; the line goes into the
+       * step's checkpoint, whence the resumed run writes it */
       if (at >= 0 && ftruncate(fileno(L->mf), at) == 0) clearerr(L->mf);
+      cJSON_Delete(L->unwritten);
+      L->unwritten = j;
+      j = NULL;
     }
     free(line);
     cJSON_Delete(j);
@@ -1161,7 +1235,7 @@ static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
   o->stopping = true;
   o->stop = stop;
   if (p->ckpt_dir[0])
-    st = saved ? train_save_finish(&L->saver, r) : save_step(r, L, done, true, false);
+    st = saved ? train_save_finish(&L->saver, r) : save_step_of(r, L, o, true, false);
   L->agreed = st != STATUS_OK;
   return st;
 }
@@ -1232,8 +1306,9 @@ static fsdpc_status_t save_before_stopping(run_t *r, loop_t *L, fsdpc_status_t s
   if (!r->plan.ckpt_dir[0]) return st;
   char why[4096];
   snprintf(why, sizeof why, "%s", err_detail());
-  fsdpc_status_t sv = L->completed > L->asked ? save_step(r, L, L->completed, true, false)
-                                              : train_save_finish(&L->saver, r);
+  fsdpc_status_t sv = L->completed > L->asked
+                          ? save_step(r, L, L->completed, true, false, L->unwritten)
+                          : train_save_finish(&L->saver, r);
   char dir[PLAN_PATH_MAX + 32];
   ckpt_step_dir(r->plan.ckpt_dir, L->completed, dir, sizeof dir);
   if (world_rank() == 0 && sv == STATUS_OK && L->completed > r->start_step)
@@ -1266,6 +1341,7 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   free(L->micro_loss);
   free(L->load);
   free(L->pp_peaks);
+  cJSON_Delete(L->unwritten);
   metrics_settle(L, true);
   if (L->mf != NULL && fclose(L->mf) != 0) L->bad = errno ? errno : EIO;
   if (L->mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
@@ -1290,32 +1366,102 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   return st;
 }
 
+/* What the metrics file at path holds of step start (rank 0's file). */
+typedef struct metrics_seen {
+  bool file;   /* it is there */
+  bool line;   /* step start's line */
+  bool eval;   /* that line's evaluation */
+  double last; /* the last step of its lines */
+} metrics_seen_t;
+
+static metrics_seen_t metrics_scan(const char *path, int64_t start) {
+  metrics_seen_t seen = {0};
+  FILE *in = fopen(path, "r");
+  if (in == NULL) return seen;
+  seen.file = true;
+  char *line = NULL;
+  size_t cap = 0;
+  while (getline(&line, &cap, in) > 0) {
+    cJSON *o = cJSON_Parse(line);
+    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
+    if (cJSON_IsNumber(step)) {
+      seen.last = step->valuedouble > seen.last ? step->valuedouble : seen.last;
+      if (step->valuedouble == (double)start) {
+        seen.line = true;
+        seen.eval = cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, "eval_loss"));
+      }
+    }
+    cJSON_Delete(o);
+  }
+  free(line);
+  fclose(in);
+  return seen;
+}
+
+/* Whether the step a run resumes from still needs its evaluation: the metrics file has its
+ * line without one (or none), else (no file) the checkpoint records a stop that skipped it.
+ * seen: rank 0's view of the file. Collective. */
+static fsdpc_status_t resume_eval_needed(run_t *r, metrics_seen_t *seen, bool *need) {
+  *need = r->resume_eval;
+  const char *mpath = metrics_path(r);
+  if (r->start_step == 0 || !mpath[0]) return STATUS_OK;
+  double v[2] = {0, 0};
+  if (world_rank() == 0) {
+    *seen = metrics_scan(mpath, r->start_step);
+    v[0] = seen->file;
+    v[1] = seen->file && !seen->eval;
+  }
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), v, v, 2, PG_HOST_F64, REDUCE_SUM));
+  if (v[0] > 0) *need = v[1] > 0;
+  return STATUS_OK;
+}
+
+/* The evaluation of the step a run starts from: its line printed, its figures into *patch (the
+ * fields of that step's metrics line; caller frees). Collective. */
+static fsdpc_status_t evaluate_start(run_t *r, cJSON **patch) {
+  data_spec_t spec = spec_of(r);
+  double eval_loss;
+  size_t peak;
+  FSDPC_TRY(evaluate_measured(r, &spec, &eval_loss, &peak));
+  if (world_rank() == 0) eval_line(r, r->start_step, eval_loss, "");
+  *patch = cJSON_CreateObject();
+  cJSON_AddNumberToObject(*patch, "eval_loss", eval_loss);
+  cJSON_AddNumberToObject(*patch, "eval_peak_mem_bytes", (double)peak);
+  return STATUS_OK;
+}
+
+/* A run with nothing to train (its checkpoint at train.steps or after): the checkpoint's
+ * evaluation when the plan has one, and its step's line in the metrics file (rank 0) where the
+ * run that saved it stopped before writing it or its evaluation; a file with later steps is
+ * left as it is. Collective. */
+static fsdpc_status_t evaluate_saved(run_t *r, const metrics_seen_t *seen) {
+  const fsdpc_plan_t *p = &r->plan;
+  if (world_rank() == 0)
+    printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
+           (long long)r->start_step, (long long)p->steps);
+  cJSON *patch = NULL; /* a checkpoint's evaluation: resume it with train.steps at its step */
+  if (r->eval != NULL) FSDPC_TRY(evaluate_start(r, &patch));
+  bool lost = !seen->line ? r->saved_line != NULL : patch != NULL && !seen->eval;
+  if (world_rank() == 0 && seen->file && seen->last <= (double)r->start_step && lost) {
+    FILE *f = metrics_open(metrics_path(r), r->start_step, seen->eval ? NULL : patch, r->saved_line,
+                           NULL, 0);
+    if (f == NULL || fclose(f) != 0)
+      fprintf(stderr, "%s: warning: cannot write step %lld's line into the metrics file '%s': %s\n",
+              train_prog(), (long long)r->start_step, metrics_path(r), strerror(errno));
+  }
+  cJSON_Delete(patch);
+  return STATUS_OK;
+}
+
 static fsdpc_status_t train(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
-  if (r->start_step >= p->steps) { /* before the metrics file is touched */
-    if (world_rank() == 0)
-      printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
-             (long long)r->start_step, (long long)p->steps);
-    if (r->eval == NULL) return STATUS_OK;
-    /* a checkpoint's evaluation: resume it with train.steps at its step */
-    data_spec_t spec = spec_of(r);
-    double eval_loss;
-    FSDPC_TRY(evaluate(r, &spec, &eval_loss));
-    if (world_rank() == 0) eval_line(r, r->start_step, eval_loss, "");
-    return STATUS_OK;
-  }
-  /* the evaluation of the step resumed from that the stop which saved it skipped */
+  metrics_seen_t seen = {0};
+  bool eval_first;
+  FSDPC_TRY(resume_eval_needed(r, &seen, &eval_first));
+  if (r->start_step >= p->steps) return evaluate_saved(r, &seen); /* before the file is touched */
+  /* the evaluation of the step resumed from, which the run that saved it did not make */
   cJSON *patch = NULL;
-  if (r->resume_eval && eval_due(r, r->start_step)) {
-    data_spec_t spec = spec_of(r);
-    double eval_loss;
-    size_t peak;
-    FSDPC_TRY(evaluate_measured(r, &spec, &eval_loss, &peak));
-    if (world_rank() == 0) eval_line(r, r->start_step, eval_loss, "");
-    patch = cJSON_CreateObject();
-    cJSON_AddNumberToObject(patch, "eval_loss", eval_loss);
-    cJSON_AddNumberToObject(patch, "eval_peak_mem_bytes", (double)peak);
-  }
+  if (eval_first && eval_due(r, r->start_step)) FSDPC_TRY(evaluate_start(r, &patch));
   loop_t L;
   fsdpc_status_t started = loop_start(r, &L, patch);
   cJSON_Delete(patch);
@@ -1381,6 +1527,7 @@ static void run_free(run_t *r) {
   train_unlock(r->lock_fd);
   free(r->settings);
   cJSON_Delete(r->carried);
+  cJSON_Delete(r->saved_line);
   optim_free(r->opt);
   free(r->ps);
   parallel_free(r->par);

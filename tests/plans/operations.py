@@ -168,8 +168,9 @@ def operations():
           re.search(r"step-00000003 was trained on data of \d+ tokens, this run's data\.path "
                     r"holds 20000", said[small]) is not None,
           "a resume on other data (20000 tokens) is warned of, one on the same data is not")
-    # a resume whose metrics file lacks the lines before its step (a run stopped on a line it
-    # could not write saved that step first) says which are missing, and appends after them
+    # a resume whose metrics file lacks the lines before its step (lost with a checkpoint
+    # folder, or by hand) says which are missing, writes its step's line from the checkpoint,
+    # and appends after them
     gm, gck = os.path.join(tmp, "gap.jsonl"), os.path.join(tmp, "gap")
     run(1, [debug, "--set", "train.steps=8", "--set", "checkpoint.dir=" + gck, "--metrics", gm])
     with open(gm) as f:
@@ -178,11 +179,32 @@ def operations():
         f.writelines(head)
     p, _ = run(1, [debug, "--set", "train.steps=10", "--set", "checkpoint.dir=" + gck, "--set",
                    "checkpoint.load=auto", "--metrics", gm])
-    check(p.returncode == 0 and "the metrics file '%s' ends at step 6; the lines of steps 7 to 8 "
-          "are missing" % gm in p.stderr and [r["step"] for r in losses(gm)] ==
-          [1, 2, 3, 4, 5, 6, 9, 10],
+    check(p.returncode == 0 and "the metrics file '%s' ends at step 6; the line of step 7 is "
+          "missing" % gm in p.stderr and [r["step"] for r in losses(gm)] ==
+          [1, 2, 3, 4, 5, 6, 8, 9, 10],
           "a resume after a metrics file's missing lines warns of the gap (%s)" %
           p.stderr.strip()[-200:])
+    # a metrics file that fills up (its rank's files limited to 64 KiB, which the checkpoints of
+    # this model fit) stops the run, saving the step whose line was lost with that line: the
+    # resumed run writes it, and the file holds every step
+    fk, fm = os.path.join(tmp, "fill"), os.path.join(tmp, "fill.jsonl")
+    tiny = [debug, "--set", "model.dim=8", "--set", "model.n_heads=2", "--set",
+            "model.n_kv_heads=1", "--set", "model.ffn_dim=16", "--set", "model.n_layers=1",
+            "--set", "data.seq_len=8", "--set", "data.batch_size=1", "--set",
+            "checkpoint.dir=" + fk, "--set", "checkpoint.load=auto", "--set", "log.interval=1000",
+            "--metrics", fm]
+    run(1, tiny + ["--set", "train.steps=170"])
+    limited = 'trap "" XFSZ; ulimit -f 128; exec "$0" "$@"'
+    p = sh([MPIRUN] + MPI_ARGS + ["-n", "1", "sh", "-c", limited, EXE] + tiny +
+           ["--set", "train.steps=400"], timeout=120)
+    stopped = saved(fk)[-1] if os.path.isdir(fk) else ""
+    q, _ = run(1, tiny + ["--set", "train.steps=400"])
+    check(p.returncode != 0 and "cannot write the metrics file" in p.stderr and
+          stopped > "step-00000170" and q.returncode == 0 and
+          "written from the checkpoint's record" in q.stderr and
+          [r["step"] for r in losses(fm)] == list(range(1, 401)),
+          "a full metrics file stops the run at %s, whose line the resumed run writes: every "
+          "step's line is there (%s)" % (stopped, q.stderr.strip()[-200:]))
     # without checkpoint.dir no line has checkpoint fields
     nm = os.path.join(tmp, "no-ckpt.jsonl")
     p, _ = run(1, [debug, "--set", "train.steps=2", "--metrics", nm])
@@ -195,6 +217,21 @@ def operations():
           "this run starts at step 0 and replaces them" % nm in p.stderr and len(losses(nm)) == 1,
           "a fresh run replaces an earlier run's metrics file, noting its lines (%s)"
           % p.stderr.strip()[-200:])
+    # a file that holds no metrics line (a mistyped name) is not replaced: refused before the
+    # run, by --dry-run too; an empty file is written
+    notes = os.path.join(tmp, "notes.txt")
+    for dry in ([], ["--dry-run"]):
+        with open(notes, "w") as f:
+            f.write("\nmy notes\n")
+        p, _ = run(1, [debug, "--set", "train.steps=1", "--metrics", notes] + dry)
+        check(p.returncode != 0 and "'%s' holds no metrics line (line 2 is not a JSON object "
+              "with a \"step\")" % notes in p.stderr and open(notes).read() == "\nmy notes\n" and
+              "step 1 " not in p.stdout,
+              "a --metrics file of other content is refused%s, untouched (%s)"
+              % (" by --dry-run" if dry else "", p.stderr.strip()[-200:]))
+    open(notes, "w").close()
+    p, _ = run(1, [debug, "--set", "train.steps=1", "--metrics", notes])
+    check(p.returncode == 0 and len(losses(notes)) == 1, "an empty --metrics file is written")
     # a metrics file that cannot be written: refused before the run, by --dry-run too (as
     # another user: root writes any file)
     ro = os.path.join(tmp, "ro")
@@ -227,22 +264,22 @@ def operations():
     with open(gm) as f:
         rows = f.readlines()
     with open(gm, "w") as f:
-        f.writelines(rows[:7] + [rows[7][:25]])  # steps 1-6, 9 and a piece of 10's line
+        f.writelines(rows[:7] + [rows[7][:25]])  # steps 1-6, 8 and a piece of 9's line
     p, _ = run(1, [debug, "--set", "train.steps=11", "--set", "checkpoint.dir=" + gck, "--set",
                    "checkpoint.load=auto", "--metrics", gm])
     check(p.returncode == 0 and "the metrics file '%s' had 1 line that is no step's metrics" % gm
-          in p.stderr and [r["step"] for r in losses(gm)] == [1, 2, 3, 4, 5, 6, 9, 11],
+          in p.stderr and [r["step"] for r in losses(gm)] == [1, 2, 3, 4, 5, 6, 8, 10, 11],
           "a resume after a cut last metrics line leaves it out and writes whole lines (%s)" %
           p.stderr.strip()[-300:])
     # a branch of that run (from its step 8, into another checkpoint.dir) given its metrics
-    # file would replace its lines of steps 9 to 11: refused, the file untouched
+    # file would replace its lines of steps 10 and 11: refused, the file untouched
     before = open(gm).read()
     for dry in ([], ["--dry-run"]):
         p, _ = run(1, [debug, "--set", "train.steps=12", "--set", "checkpoint.dir=" +
                        os.path.join(tmp, "branch"), "--set", "checkpoint.load=" +
                        os.path.join(gck, "step-00000008"), "--metrics", gm] + dry)
         check(p.returncode != 0 and re.search(
-            r"'\S+gap\.jsonl' holds the lines of steps 9 to 11, after step 8, where this run "
+            r"'\S+gap\.jsonl' holds the lines of steps 10 to 11, after step 8, where this run "
             r"resumes from '\S+step-00000008', outside its checkpoint\.dir", p.stderr) and
               open(gm).read() == before,
               "a branch into another folder is refused the metrics file of the run it branches "
@@ -407,6 +444,36 @@ def operations():
               % (how, at.group(2) if at else "none",
                  "resumed" if said in p.stdout else "stopped", rc,
                  [k for k in want if got.get(k) != want[k]][:5]))
+
+    # a kill after a save commits and before its step's line (or during the last step's
+    # evaluation, which follows the save): the resumed run writes the line from the
+    # checkpoint's record, with the evaluation made then, as the uninterrupted run wrote it
+    ck, m = os.path.join(tmp, "ck-lost-line"), os.path.join(tmp, "lost-line.jsonl")
+    lost = [debug, "--set", "train.steps=6", "--set", "checkpoint.interval=3", "--set",
+            "checkpoint.dir=" + ck, "--set", "eval.path=" + data, "--set", "eval.interval=3",
+            "--set", "eval.batches=2", "--set", "checkpoint.load=auto", "--metrics", m]
+    keys = ("step", "loss", "lr", "grad_norm", "eval_loss")
+
+    def lines_of(path):
+        return [{k: r.get(k) for k in keys} for r in losses(path)]
+
+    p, _ = run(1, lost)
+    whole = lines_of(m) if p.returncode == 0 else []
+    for drop_from, what in ((6, "the last step"), (3, "an interval step")):
+        with open(m) as f:
+            kept = [ln for ln in f if json.loads(ln)["step"] < drop_from]
+        with open(m, "w") as f:
+            f.writelines(kept)
+        if drop_from == 3:
+            shutil.rmtree(os.path.join(ck, "step-00000006"), ignore_errors=True)
+        q, _ = run(1, lost)
+        check(q.returncode == 0 and len(whole) == 6 and whole[2]["eval_loss"] is not None and
+              lines_of(m) == whole and "written from the checkpoint's record" in q.stderr and
+              "are missing" not in q.stderr,
+              "a kill between %s's save and its metrics line: the resumed run writes the line "
+              "from the checkpoint, evaluated, as the uninterrupted run (exit %s, %s, %s)"
+              % (what, q.returncode, lines_of(m) if os.path.exists(m) else None,
+                 q.stderr.strip()[-200:]))
 
     # a second SIGTERM during the save: exits at once (128 + 15); the previous checkpoint
     # stays complete and loads; the unfinished save is removed at the next start
