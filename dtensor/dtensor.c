@@ -27,6 +27,15 @@ fsdpc_status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, in
   if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
     return err_set(STATUS_ESHAPE, "DTensor of %d dimensions (at most %d)", ndim, TENSOR_MAX_DIMS);
   FSDPC_TRY(placements_check(ndim, mesh_ndim(mesh), shape, pl));
+  for (int i = 0; i < mesh_ndim(mesh); i++)
+    if (coord[i] < 0 || coord[i] >= shape[i])
+      return err_set(STATUS_EINVAL,
+                     "dtensor_compute_box: coord[%d] is %d, outside mesh dimension %d of size %d",
+                     i, coord[i], i, shape[i]);
+  for (int d = 0; d < ndim; d++)
+    if (global_shape[d] < 0)
+      return err_set(STATUS_ESHAPE, "dtensor_compute_box: global_shape[%d] is %lld, negative", d,
+                     (long long)global_shape[d]);
   placements_local_box(ndim, global_shape, mesh_ndim(mesh), shape, pl, coord, local_shape, offset);
   return STATUS_OK;
 }

@@ -67,7 +67,8 @@ const placement_t *dtensor_placements(const dtensor_t *dt);
 void dtensor_offset(const dtensor_t *dt, int64_t *offset);
 
 /* Local shape and offset that placements give mesh coordinates coord for a global shape on
- * mesh (mesh_ndim(mesh) coordinates). Checks the placements. No communication. */
+ * mesh (mesh_ndim(mesh) coordinates). Checks the placements, the coordinates (each within its
+ * mesh dimension) and the shape (no negative size). No communication. */
 fsdpc_status_t dtensor_compute_box(const mesh_t *mesh, const placement_t *pl, int ndim,
                                    const int64_t *global_shape, const int *coord,
                                    int64_t *local_shape, int64_t *offset);

@@ -40,11 +40,18 @@ const char *placements_str(int n, const placement_t *pl, char *buf, size_t size)
   return buf;
 }
 
-int64_t placement_chunk_size(int64_t n, int64_t w) { return n <= 0 ? 0 : (n + w - 1) / w; }
+int64_t placement_chunk_size(int64_t n, int64_t w) {
+  return n <= 0 || w <= 0 ? 0 : n / w + (n % w != 0);
+}
 
 void placement_chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int64_t *length) {
   if (offset == NULL || length == NULL) return;
+  if (n <= 0 || w <= 0 || r < 0) { /* no chunk */
+    *offset = *length = 0;
+    return;
+  }
   int64_t c = placement_chunk_size(n, w);
+  if (r >= w) r = w; /* past the last: the empty chunk at the end */
   int64_t lo = r * c < n ? r * c : n;
   int64_t hi = (r + 1) * c < n ? (r + 1) * c : n;
   *offset = lo;

@@ -77,10 +77,11 @@ const char *placement_str(placement_t p, char *buf, size_t size);
 /* "(S(0), R)" into buf; returns buf. */
 const char *placements_str(int n, const placement_t *pl, char *buf, size_t size);
 
-/* ceil(n / w): the chunk size of n elements over w ranks (0 when n == 0). w > 0. */
+/* ceil(n / w): the chunk size of n elements over w ranks; 0 when n <= 0 or w <= 0. */
 int64_t placement_chunk_size(int64_t n, int64_t w);
 
-/* Offset and length of rank r's chunk of n elements over w ranks. */
+/* Offset and length of rank r's chunk of n elements over w ranks; a rank past the last has the
+ * empty chunk at n, and n <= 0, w <= 0 or r < 0 give offset and length 0. */
 void placement_chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int64_t *length);
 
 /* Checks placements for a tensor of tensor_ndim dimensions on a mesh of the given shape:

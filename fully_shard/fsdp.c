@@ -538,7 +538,8 @@ fsdpc_status_t fsdp_after_forward(fsdp_group_t *g) {
  * post-backward runs inside its backward and finishes its reductions itself. */
 fsdpc_status_t fsdp_after_backward(fsdp_group_t *g) {
   fsdp_emit(g, "post_backward");
-  fsdpc_status_t st = g->sync ? fsdp_reduce_start(g) : STATUS_OK; /* else keep accumulating */
+  /* else keep accumulating */
+  fsdpc_status_t st = g->sync ? fsdp_reduce_start(g) : fsdp_widen_grads(g);
   if (g->reshard_after_backward) fsdp_reshard(g);
   if (st == STATUS_OK && !g->root->state.in_backward && g->root->is_last_backward)
     st = fsdp_finish_backward(g->root);

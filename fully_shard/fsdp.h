@@ -138,7 +138,8 @@ int64_t fsdp_reduce_numel(const fsdp_group_t *g);
 
 /* Gradient-sync control, applied to every group under root (as on PyTorch's FSDPModule):
  * - requires_gradient_sync false: backward keeps accumulating unsharded gradients and issues
- *   no collective; the next backward with sync reduces the sum (gradient accumulation).
+ *   no collective; the next backward with sync reduces the sum (gradient accumulation). The
+ *   gradients kept add up in reduce_dtype where it is wider than the compute dtype.
  * - requires_all_reduce false (HSDP): reduce-scatter only; the partial results are summed
  *   into the next all-reduce.
  * - reshard_after_backward false: parameters stay unsharded after backward.

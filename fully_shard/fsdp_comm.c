@@ -768,6 +768,20 @@ static bool has_grad(const nn_param_t *p) {
   return p->requires_grad && (p->compute_grad.storage != NULL || p->compute_grad.ndim > 0);
 }
 
+fsdpc_status_t fsdp_widen_grads(fsdp_group_t *g) {
+  for (int i = 0; i < g->n; i++) {
+    nn_param_t *p = g->params[i].p;
+    if (!has_grad(p) || g->reduce_dtype == DTYPE_COUNT ||
+        dtype_size(p->compute_grad.dtype) >= dtype_size(g->reduce_dtype))
+      continue;
+    fsdpc_tensor_t wide;
+    FSDPC_TRY(tensor_clone(&wide, &p->compute_grad, g->reduce_dtype, p->compute_grad.device));
+    tensor_free(&p->compute_grad);
+    p->compute_grad = wide;
+  }
+  return STATUS_OK;
+}
+
 /* One rank, no replicas, shards where it computes, the plain average (of one), and contiguous
  * gradients that reduce_dtype holds exactly: the reduction has nothing to add up, so
  * reduce_local adds the gradients themselves into the sharded gradients, with no packed buffer

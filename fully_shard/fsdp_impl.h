@@ -247,6 +247,10 @@ fsdpc_status_t fsdp_unshard_ahead(fsdp_group_t *g, fsdp_group_t *const *ahead, i
  * the reduction in flight (of any group under the same root); on the one-rank path, adds the
  * gradients into the sharded ones at once. */
 fsdpc_status_t fsdp_reduce_start(fsdp_group_t *g);
+/* A backward without gradient sync: the gradients it keeps for the next one are held in
+ * reduce_dtype where that is wider than theirs, so that the backwards add up at the precision
+ * of the reduction (as PyTorch FSDP2 accumulates unsharded gradients). Local. */
+fsdpc_status_t fsdp_widen_grads(fsdp_group_t *g);
 /* Finishes the root's reduction in flight, if any: waits for the reduce-scatter, all-reduces
  * (HSDP) and accumulates into the sharded gradients. */
 fsdpc_status_t fsdp_reduce_finish(fsdp_group_t *root);

@@ -328,7 +328,16 @@ static fsdpc_status_t sum_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kin
                            r->dtype, REDUCE_SUM, NULL);
       if (st == STATUS_OK && cast) st = tensor_copy(g, &wide);
       tensor_free(&wide);
-      if (st == STATUS_OK && stash->storage != NULL) st = kernel_axpy(g, 1.0f, stash);
+      /* into the wider of the two (gradients kept without sync are widened: fsdp_widen_grads) */
+      if (st == STATUS_OK && stash->storage != NULL &&
+          dtype_size(stash->dtype) > dtype_size(g->dtype)) {
+        st = kernel_axpy(stash, 1.0f, g);
+        tensor_free(g);
+        *g = *stash;
+        memset(stash, 0, sizeof *stash);
+      } else if (st == STATUS_OK && stash->storage != NULL) {
+        st = kernel_axpy(g, 1.0f, stash);
+      }
       tensor_free(stash);
     } else if (stash->storage != NULL) {
       p->compute_grad = *stash;

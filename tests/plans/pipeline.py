@@ -34,6 +34,8 @@ log:
   interval: 5
 """
 
+MP = "parallelize.fully_shard.mp_policy={param_dtype: bf16, reduce_dtype: f32}"
+
 # (what, ranks, settings, global batch): each against one rank of the same global batch
 PLANS = [
     ("pp 2, gpipe", 2, ["mesh.pp=2", "mesh.dp_shard=1", "pipeline.schedule=gpipe"], 4),
@@ -66,6 +68,9 @@ PLANS = [
      ["mesh.pp=4", "mesh.dp_shard=1", "model.tie_embeddings=true"], "tied"),
     ("pp 2 x dp_shard 2, tied embeddings", 4,
      ["mesh.pp=2", "mesh.dp_shard=2", "model.tie_embeddings=true"], "tied"),
+    # a stage's gradients, kept over the microbatches, add up in reduce_dtype (f32), as one
+    # rank's reduced gradients do, not in the bf16 they are computed in
+    ("pp 2, bf16 compute, f32 reduction", 2, ["mesh.pp=2", "mesh.dp_shard=1", MP], "bf16"),
     ("pp 4, interleaved_1f1b over 8 blocks (2 stages a rank)", 4,
      ["mesh.pp=4", "mesh.dp_shard=1", "pipeline.schedule=interleaved_1f1b", "model.n_layers=8"],
      "8 blocks"),
@@ -110,7 +115,7 @@ def pipeline():
         f.write(PLAN.format(data=os.path.join(ROOT, "data", "corpus.txt")))
     refs = {}
     for g, kvs in ((4, []), (8, ["data.global_batch_size=8"]), ("8 blocks", ["model.n_layers=8"]),
-                   ("tied", ["model.tie_embeddings=true"])):
+                   ("tied", ["model.tie_embeddings=true"]), ("bf16", [MP])):
         m = os.path.join(tmp, "one-%s.jsonl" % str(g).replace(" ", "-"))
         run(1, [plan, "--metrics", m, "--set", "mesh.dp_shard=1"] + sets(kvs))
         refs[g] = losses(m) if os.path.exists(m) else []

@@ -279,6 +279,11 @@ START_TEST(init_is_plan_independent) {
   int coord = mesh_coord(world, 0);
   int64_t lshape[2], off[2];
   ok(dtensor_compute_box(world, &sh, 2, shape, &coord, lshape, off));
+  for (int bad = -1; bad <= W; bad += W + 1) /* a coordinate outside the mesh is refused */
+    ck_assert_int_eq(dtensor_compute_box(world, &sh, 2, shape, &bad, lshape, off), STATUS_EINVAL);
+  int64_t negative[2] = {10, -3};
+  ck_assert_int_eq(dtensor_compute_box(world, &sh, 2, negative, &coord, lshape, off),
+                   STATUS_ESHAPE);
   fsdpc_tensor_t local;
   ok(tensor_zeros(&local, DTYPE_F32, device_cpu(), 2, lshape));
   dtensor_t *d;

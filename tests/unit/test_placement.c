@@ -28,6 +28,16 @@ START_TEST(chunk_range_torch_chunk_rule) {
   ck_assert_int_eq(placement_chunk_size(6, 4), 2);
   ck_assert_int_eq(placement_chunk_size(0, 4), 0);
   ck_assert_int_eq(placement_chunk_size(17, 8), 3);
+  /* no ranks, a rank outside them: no chunk, never a division by zero */
+  ck_assert_int_eq(placement_chunk_size(6, 0), 0);
+  ck_assert_int_eq(placement_chunk_size(6, -2), 0);
+  int64_t off = 9, len = 9;
+  placement_chunk_range(6, 0, 0, &off, &len);
+  ck_assert(off == 0 && len == 0);
+  placement_chunk_range(6, 4, -1, &off, &len);
+  ck_assert(off == 0 && len == 0);
+  placement_chunk_range(6, 4, 7, &off, &len);
+  ck_assert(off == 6 && len == 0);
 }
 END_TEST
 
