@@ -148,7 +148,18 @@ fsdpc_status_t file_check_dirs(const char *path, const char *what) {
   memcpy(buf, path, n + 1);
   for (;;) { /* up to the nearest entry that exists */
     struct stat sb;
-    if (stat(buf, &sb) == 0) return writable_folder(what, buf, path);
+    if (stat(buf, &sb) == 0 && strcmp(buf, path) == 0) return writable_folder(what, buf, path);
+    if (stat(buf, &sb) == 0) { /* a folder made in it, then removed: what permissions miss */
+      FSDPC_TRY(writable_folder(what, buf, path));
+      char probe[DIRS_PATH_MAX + 32], why[DIRS_PATH_MAX + 80];
+      snprintf(probe, sizeof probe, "%s/.fsdpc-probe-XXXXXX", buf);
+      if (mkdtemp(probe) == NULL) {
+        snprintf(why, sizeof why, "cannot create a folder in '%s': %s", buf, strerror(errno));
+        return dirs_error(what, path, why);
+      }
+      rmdir(probe);
+      return STATUS_OK;
+    }
     if ((errno != ENOENT && errno != ENOTDIR) || strcmp(buf, ".") == 0 || strcmp(buf, "/") == 0) {
       char why[DIRS_PATH_MAX + 80];
       snprintf(why, sizeof why, "'%s': %s", buf, strerror(errno));

@@ -56,8 +56,10 @@ fsdpc_status_t file_make_dirs(const char *path, const char *what);
 fsdpc_status_t file_make_dirs_noted(const char *path, const char *what, size_t *made, int *n_made,
                                     int max);
 
-/* Checks, creating nothing, that folder path could be written: it is a writable folder, or its
- * nearest existing ancestor is. Errors as file_make_dirs's. */
+/* Checks, leaving nothing behind, that folder path could be written: it is a writable folder,
+ * or its nearest existing ancestor is one a folder can be made in (an empty folder is made
+ * there and removed: permissions alone miss file systems such as /proc). Errors as
+ * file_make_dirs's. */
 fsdpc_status_t file_check_dirs(const char *path, const char *what);
 
 /* Removes path and, when it is a folder, everything under it, never following a symbolic

@@ -62,16 +62,19 @@ bool tensor_same_shape(const fsdpc_tensor_t *a, const fsdpc_tensor_t *b) {
   return true;
 }
 
-static fsdpc_status_t check_shape(int ndim, const int64_t *shape) {
+/* The shape of a tensor fn makes. */
+static fsdpc_status_t check_shape(const char *fn, int ndim, const int64_t *shape) {
   if (ndim < 0 || ndim > TENSOR_MAX_DIMS)
-    return err_set(STATUS_ESHAPE, "tensors have 0 to %d dimensions, got %d", TENSOR_MAX_DIMS, ndim);
-  if (ndim > 0 && shape == NULL) return err_set(STATUS_EINVAL, "shape is NULL");
+    return err_set(STATUS_ESHAPE, "%s: tensors have 0 to %d dimensions, got %d", fn,
+                   TENSOR_MAX_DIMS, ndim);
+  if (ndim > 0 && shape == NULL) return err_set(STATUS_EINVAL, "%s: shape is NULL", fn);
   int64_t numel = 1;
   for (int i = 0; i < ndim; i++) {
     if (shape[i] < 0)
-      return err_set(STATUS_ESHAPE, "negative size %lld in dimension %d", (long long)shape[i], i);
+      return err_set(STATUS_ESHAPE, "%s: negative size %lld in dimension %d", fn,
+                     (long long)shape[i], i);
     if (shape[i] > 0 && numel > INT64_MAX / 16 / shape[i])
-      return err_set(STATUS_ESHAPE, "shape too large");
+      return err_set(STATUS_ESHAPE, "%s: shape too large", fn);
     numel *= shape[i];
   }
   return STATUS_OK;
@@ -96,8 +99,9 @@ static fsdpc_status_t tensor_alloc(fsdpc_tensor_t *t, dtype_t dtype, device_t de
                                    const int64_t *shape, bool zeroed) {
   if (t == NULL) return err_set(STATUS_EINVAL, "tensor_init: t is NULL");
   memset(t, 0, sizeof *t);
-  if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
-  FSDPC_TRY(check_shape(ndim, shape));
+  if (dtype_size(dtype) == 0)
+    return err_set(STATUS_EDTYPE, "tensor_init: invalid dtype %d", (int)dtype);
+  FSDPC_TRY(check_shape("tensor_init", ndim, shape));
   FSDPC_TRY(device_check(dev));
   set_layout(t, dtype, dev, ndim, shape);
   size_t bytes = tensor_nbytes(t);
@@ -130,8 +134,9 @@ fsdpc_status_t tensor_meta(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int n
                            const int64_t *shape) {
   if (t == NULL) return err_set(STATUS_EINVAL, "tensor_meta: t is NULL");
   memset(t, 0, sizeof *t);
-  if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
-  FSDPC_TRY(check_shape(ndim, shape));
+  if (dtype_size(dtype) == 0)
+    return err_set(STATUS_EDTYPE, "tensor_meta: invalid dtype %d", (int)dtype);
+  FSDPC_TRY(check_shape("tensor_meta", ndim, shape));
   set_layout(t, dtype, dev, ndim, shape);
   t->meta = true;
   return STATUS_OK;
@@ -194,8 +199,9 @@ fsdpc_status_t tensor_wrap(fsdpc_tensor_t *t, void *data, dtype_t dtype, device_
                            const int64_t *shape) {
   if (t == NULL) return err_set(STATUS_EINVAL, "tensor_wrap: t is NULL");
   memset(t, 0, sizeof *t);
-  if (dtype_size(dtype) == 0) return err_set(STATUS_EDTYPE, "invalid dtype %d", (int)dtype);
-  FSDPC_TRY(check_shape(ndim, shape));
+  if (dtype_size(dtype) == 0)
+    return err_set(STATUS_EDTYPE, "tensor_wrap: invalid dtype %d", (int)dtype);
+  FSDPC_TRY(check_shape("tensor_wrap", ndim, shape));
   set_layout(t, dtype, dev, ndim, shape);
   if (tensor_numel(t) > 0 && data == NULL)
     return err_set(STATUS_EINVAL, "tensor_wrap: data is NULL for a non-empty tensor");
@@ -243,7 +249,7 @@ fsdpc_status_t tensor_view(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, int n
   ARG_NONNULL(out);
   ARG_NONNULL(src);
   if (ndim > 0) ARG_NONNULL(shape);
-  FSDPC_TRY(check_shape(ndim, shape));
+  FSDPC_TRY(check_shape("tensor_view", ndim, shape));
   char a[96], b[96];
   int64_t n = 1;
   for (int i = 0; i < ndim; i++) n *= shape[i];

@@ -380,8 +380,8 @@ fsdpc_status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst
   if (src == NULL || dst == NULL || out == NULL)
     return err_set(STATUS_EINVAL, "dtensor_redistribute: %s is NULL",
                    out == NULL   ? "out"
-                   : src == NULL ? "the DTensor"
-                                 : "the placements");
+                   : src == NULL ? "src (the DTensor)"
+                                 : "dst (the placements)");
   *out = NULL;
   mesh_t *mesh = src->mesh;
   int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS];

@@ -283,6 +283,7 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
                                    fsdp_group_t **out) {
   if (out) *out = NULL;
   if (ms == NULL || n_modules < 1) return err_set(STATUS_EINVAL, "fully_shard: no module given");
+  if (n_modules == 1 && ms[0] == NULL) return err_set(STATUS_EINVAL, "fully_shard: m is NULL");
   if (opt == NULL) return err_set(STATUS_EINVAL, "fully_shard: opt is NULL");
   if (opt->mesh == NULL)
     return err_set(STATUS_EINVAL, "fully_shard: opt->mesh is NULL (did mesh_new fail?)");

@@ -190,6 +190,7 @@ fsdpc_status_t mesh_new(int ndim, const int *shape, const char *const *names,
   if (device_type != DEVICE_CPU && device_type != DEVICE_CUDA)
     return err_set(STATUS_EINVAL, "mesh_new: device type %d is neither DEVICE_CPU nor DEVICE_CUDA",
                    (int)device_type);
+  if (names == NULL) return err_set(STATUS_EINVAL, "mesh_new: names is NULL");
   FSDPC_TRY(check_names(ndim, names));
   int sizes[MESH_MAX_DIMS];
   FSDPC_TRY(resolve_shape(ndim, shape, names, world_size(), sizes));

@@ -91,11 +91,13 @@ fsdpc_status_t world_init(int *argc, char ***argv) {
   }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   const char *pg_env = getenv("FSDPC_PG"); /* the device groups' backend (mesh/pg.h) */
+  bool pg_bad = false; /* refused once the world is up, so that every rank can report it */
   if (pg_env != NULL && pg_env[0] != 0) {
     pg_backend_t b;
-    if (!pg_backend_parse(pg_env, &b))
-      return err_set(STATUS_EINVAL, "FSDPC_PG=%s: expected native, staged or staged-lazy", pg_env);
-    pg_set_device_backend(b);
+    if (pg_backend_parse(pg_env, &b))
+      pg_set_device_backend(b);
+    else
+      pg_bad = true;
   }
   bool known = (env_int("OMPI_COMM_WORLD_LOCAL_RANK", &local_rank) &&
                 env_int("OMPI_COMM_WORLD_LOCAL_SIZE", &local_size)) ||
@@ -112,7 +114,10 @@ fsdpc_status_t world_init(int *argc, char ***argv) {
   if (world_group == NULL) FSDPC_TRY(pg_new_mpi(MPI_COMM_WORLD, &world_group));
   main_thread = pthread_self();
   device_set_wait_hook(device_wait_check);
-  return stop_channel_open();
+  FSDPC_TRY(stop_channel_open());
+  if (pg_bad)
+    return err_set(STATUS_EINVAL, "FSDPC_PG=%s: expected native, staged or staged-lazy", pg_env);
+  return STATUS_OK;
 }
 
 void world_finalize(void) {

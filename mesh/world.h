@@ -26,7 +26,8 @@ extern "C" {
 #pragma GCC visibility push(default) /* the API: exported (the library builds hidden) */
 
 /* Initialises MPI (unless the program already did) and selects this rank's CUDA device.
- * Collective over all processes of the job. */
+ * Collective over all processes of the job. A bad FSDPC_PG is refused with the world up
+ * (world_pg() not NULL), the same on every rank, so that the ranks can report it together. */
 fsdpc_status_t world_init(int *argc, char ***argv);
 
 /* Finalises MPI if world_init initialised it. In a build with AddressSanitizer, LeakSanitizer's

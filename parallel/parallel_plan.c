@@ -25,6 +25,7 @@ void parallel_plan_defaults(parallel_plan_t *pp) {
   snprintf(pp->optim_where.text, sizeof pp->optim_where.text, "(plan)");
   snprintf(pp->ep_where.text, sizeof pp->ep_where.text, "(plan)");
   snprintf(pp->tp_size_where.text, sizeof pp->tp_size_where.text, "(plan)");
+  snprintf(pp->pp_size_where.text, sizeof pp->pp_size_where.text, "(plan)");
 }
 
 fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
@@ -33,11 +34,15 @@ fsdpc_status_t pp_read_mesh(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_section(c, root, "mesh", keys, &m));
   if (m == 0) {
     snprintf(c->par->mesh_where.text, sizeof c->par->mesh_where.text, "%s", c->source);
-    c->par->ep_where = c->par->tp_size_where = c->par->mesh_where;
+    c->par->ep_where = c->par->tp_size_where = c->par->pp_size_where = c->par->mesh_where;
     return STATUS_OK;
   }
   pr_where_section(c, m, keys, &c->par->mesh_where);
-  int ep = pr_find(c, m, "ep"), tp = pr_find(c, m, "tp");
+  int ep = pr_find(c, m, "ep"), tp = pr_find(c, m, "tp"), pp = pr_find(c, m, "pp");
+  if (pp != 0)
+    pr_where_of(c, pp, &c->par->pp_size_where);
+  else
+    c->par->pp_size_where = c->par->mesh_where;
   if (ep != 0)
     pr_where_of(c, ep, &c->par->ep_where);
   else

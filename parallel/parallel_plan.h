@@ -101,6 +101,7 @@ typedef struct parallel_plan {
   plan_where_t pp_splits_where, pp_micro_where; /* pipeline.split_points', microbatches' own */
   plan_where_t ep_where; /* mesh.ep's own place (mesh_where without it) */
   plan_where_t tp_size_where; /* mesh.tp's own place (mesh_where without it) */
+  plan_where_t pp_size_where; /* mesh.pp's own place (mesh_where without it) */
   /* parallelize.fully_shard */
   plan_unit_t units[PLAN_MAX_UNITS];
   int n_units;

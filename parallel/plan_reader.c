@@ -103,8 +103,10 @@ fsdpc_status_t pr_check_keys(plan_ctx_t *c, int i, const char *path, const char 
     size_t best = 3;
     for (int j = 0; keys[j]; j++) {
       if (strcmp(keys[j], k) == 0) known = true;
-      size_t d = edit_distance(keys[j], k);
-      if (d < best) {
+      size_t d = edit_distance(keys[j], k), lk = strlen(k), lj = strlen(keys[j]);
+      /* near enough to be a typo: at most a third of the longer name differs ("foo" is not
+       * "moe") */
+      if (d < best && 3 * d <= (lk > lj ? lk : lj) + 1) {
         best = d;
         near = keys[j];
       }
@@ -499,6 +501,13 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
   bool bad = false;
   for (char *part = next_part(&pos, &bad); part; part = next_part(&pos, &bad)) {
     bool last = *pos == 0;
+    if (pr_node(c, cur)->type == YAML_SCALAR_NODE) /* a list item given as a string */
+      return err_set(STATUS_EFORMAT,
+                     "--set %s: '%s' would go inside '%s', a single value, not a mapping of keys "
+                     "(an item given as a string, such as a unit's pattern, takes keys once "
+                     "written as a mapping: replace it whole with NAME[INDEX]={match: PATTERN, "
+                     "...})",
+                     set, part, pr_scalar(c, cur));
     if (pr_node(c, cur)->type != YAML_MAPPING_NODE)
       return err_set(STATUS_EFORMAT, "--set %s: '%s' is inside a value that is not a mapping", set,
                      part);

@@ -89,9 +89,9 @@ fsdpc_status_t pp_schedule_new(pp_schedule_kind_t kind, int ranks, int microbatc
                    name, V, V == 1 ? "" : "s", names[PP_1F1B]);
   if (kind != PP_GPIPE && M < P)
     return err_set(STATUS_EINVAL,
-                   "pipeline schedule %s: %d microbatches for %d ranks; it needs "
+                   "pipeline schedule %s: %d microbatch%s for %d ranks; it needs "
                    "at least as many microbatches as ranks",
-                   name, M, P);
+                   name, M, M == 1 ? "" : "es", P);
   if (kind == PP_INTERLEAVED_1F1B && M % P != 0)
     return err_set(STATUS_EINVAL,
                    "pipeline schedule %s: %d microbatches is not a multiple of "

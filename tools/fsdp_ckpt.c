@@ -47,7 +47,8 @@ static void usage(FILE *f) {
           "       fsdp-ckpt import-hf HFDIR OUT\n"
           "       fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set key.path=value]...\n"
           "                 [--embedding GLOB]...\n"
-          "       fsdp-ckpt --help | --version\n");
+          "       fsdp-ckpt --help | --version\n"
+          "  an option's value may follow it or an '=' (--dtype=bf16)\n");
 }
 
 /* A training checkpoint's train_state.json against its record and its folders; nothing for a
@@ -289,10 +290,12 @@ static fsdpc_status_t verify(const char *dir) {
   int checked = 0, unchecked = 0, damaged = 0;
   FSDPC_TRY(verify_folder(model, &checked, &unchecked, &damaged));
   if (file_is_dir(optim)) FSDPC_TRY(verify_folder(optim, &checked, &unchecked, &damaged));
-  printf("%s: %d chunks match their checksums, %d saved without one, %d tensors damaged\n", dir,
-         checked, unchecked, damaged);
+  printf("%s: %d chunk%s match%s their checksums, %d saved without one, %d tensor%s damaged\n", dir,
+         checked, checked == 1 ? "" : "s", checked == 1 ? "es" : "", unchecked, damaged,
+         damaged == 1 ? "" : "s");
   if (damaged > 0)
-    return err_set(STATUS_EFORMAT, "%s: %d tensors damaged (named above)", dir, damaged);
+    return err_set(STATUS_EFORMAT, "%s: %d tensor%s damaged (named above)", dir, damaged,
+                   damaged == 1 ? "" : "s");
   if (strcmp(model, dir) != 0 && access(state, F_OK) != 0) /* DIR/model: a training checkpoint's */
     return err_set(STATUS_EFORMAT,
                    "%s: no train_state.json: not a complete checkpoint, which every load refuses "
@@ -502,17 +505,35 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
 
 /* ---- main ---- */
 
+/* "--name=value" with name one of names (the options that take a value): "--name" into opt and
+ * the value into *value; otherwise false. */
+static bool split_eq(const char *a, const char *const *names, char *opt, size_t n,
+                     const char **value) {
+  const char *eq = strchr(a, '=');
+  if (strncmp(a, "--", 2) != 0 || eq == NULL || (size_t)(eq - a) >= n) return false;
+  for (int k = 0; names[k]; k++)
+    if (strlen(names[k]) == (size_t)(eq - a) && strncmp(a, names[k], (size_t)(eq - a)) == 0) {
+      snprintf(opt, n, "%s", names[k]);
+      *value = eq + 1;
+      return true;
+    }
+  return false;
+}
+
 /* fsdp-ckpt reshard DIR --to CONFIG OUT [--world N] [--set k=v]... [--embedding GLOB]... */
 static fsdpc_status_t reshard_command(int argc, char **argv) {
   const char *pos[2] = {NULL, NULL}, *sets[256], *embeddings[256];
   reshard_opts_t o = {.config = NULL, .sets = sets, .embeddings = embeddings};
   int np = 0;
+  static const char *const valued[] = {"--to", "--world", "--set", "--embedding", NULL};
   for (int i = 2; i < argc; i++) {
-    const char *a = argv[i];
+    const char *a = argv[i], *v = NULL;
+    char opt[16];
+    if (split_eq(a, valued, opt, sizeof opt, &v)) a = opt;
     if (strcmp(a, "--to") == 0 || strcmp(a, "--world") == 0 || strcmp(a, "--set") == 0 ||
         strcmp(a, "--embedding") == 0) {
-      if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
-      const char *v = argv[++i];
+      if (v == NULL && i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
+      if (v == NULL) v = argv[++i];
       if (a[2] == 't') {
         o.config = v;
       } else if (a[2] == 'w') {
@@ -547,12 +568,15 @@ static fsdpc_status_t export_command(int argc, char **argv) {
   hf_export_opts_t o = HF_EXPORT_OPTS_INIT;
   const char *pos[2] = {NULL, NULL};
   int np = 0;
+  static const char *const valued[] = {"--dtype", "--max-shard-bytes", "--config", NULL};
   for (int i = 2; i < argc; i++) {
-    const char *a = argv[i];
+    const char *a = argv[i], *v = NULL;
+    char opt[24];
+    if (split_eq(a, valued, opt, sizeof opt, &v)) a = opt;
     if (strcmp(a, "--dtype") == 0 || strcmp(a, "--max-shard-bytes") == 0 ||
         strcmp(a, "--config") == 0) {
-      if (i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
-      const char *v = argv[++i];
+      if (v == NULL && i + 1 >= argc) return err_set(STATUS_EINVAL, "%s needs a value", a);
+      if (v == NULL) v = argv[++i];
       if (a[2] == 'd') {
         if (dtype_parse(v, &o.dtype) != STATUS_OK || !dtype_is_float(o.dtype))
           return err_set(STATUS_EINVAL, "--dtype: expected f32, bf16 or f16, got '%s'", v);

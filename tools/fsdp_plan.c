@@ -269,7 +269,7 @@ static void write_plan(FILE *f, const out_t *o, const char *path, const char *ki
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: fsdp-plan convert CONFIG.yaml|CONFIG.json [-o PLAN.yaml]\n"
+          "usage: fsdp-plan convert CONFIG.yaml|CONFIG.json [-o|--output PLAN.yaml]\n"
           "       fsdp-plan --help | --version\n"
           "  an Accelerate config (YAML) or a DeepSpeed config (JSON) as plan keys, each\n"
           "  commented with its source, and the settings with no equivalent listed\n");
@@ -295,16 +295,19 @@ static int parse_args(int argc, char **argv, const char **in, const char **outp)
     return 2;
   }
   for (int i = 2; i < argc; i++) {
-    if (strcmp(argv[i], "-o") == 0) {
-      if (i + 1 == argc) {
-        fprintf(stderr, "fsdp-plan: -o needs a file name\n");
+    bool eq = strncmp(argv[i], "--output=", 9) == 0;
+    if (strcmp(argv[i], "-o") == 0 || strcmp(argv[i], "--output") == 0 || eq) {
+      if (!eq && i + 1 == argc) {
+        fprintf(stderr, "fsdp-plan: %s needs a file name\n", argv[i]);
         return 2;
       }
+      const char *v = eq ? argv[i] + 9 : argv[i + 1];
       if (*outp != NULL) {
-        fprintf(stderr, "fsdp-plan: -o given twice ('%s' and '%s')\n", *outp, argv[i + 1]);
+        fprintf(stderr, "fsdp-plan: -o given twice ('%s' and '%s')\n", *outp, v);
         return 2;
       }
-      *outp = argv[++i];
+      *outp = v;
+      i += !eq;
     } else if (argv[i][0] == '-' && argv[i][1] != '\0') {
       fprintf(stderr, "fsdp-plan: unknown option '%s' (--help)\n", argv[i]);
       return 2;
@@ -360,6 +363,14 @@ int main(int argc, char **argv) {
     file_inputs_free(inputs);
   }
   if (st == STATUS_OK) st = plan_convert(c, in, o, kind, sizeof kind);
+  if (st == STATUS_OK && o->n_bad > 0) { /* values its own tool refuses: nothing written */
+    fprintf(stderr, "fsdp-plan: %s (%s): %d setting%s %s not valid there; nothing was written\n",
+            in, kind, o->n_bad, o->n_bad == 1 ? "" : "s", o->n_bad == 1 ? "is" : "are");
+    for (int i = 0; i < o->n_bad; i++) fprintf(stderr, "  %s: %s\n", o->bad[i].key, o->bad[i].from);
+    cJSON_Delete(c);
+    free(o);
+    return 1;
+  }
   if (st == STATUS_OK) st = write_out(outp, o, in, kind, ds_file, c);
   cJSON_Delete(c);
   free(o);

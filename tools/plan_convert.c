@@ -62,6 +62,18 @@ static void leave(out_t *o, const char *setting, const char *why, ...) {
   va_end(ap);
 }
 
+/* A setting whose value DeepSpeed or Accelerate would refuse: the conversion fails, naming it,
+ * rather than write a plan of the rest. */
+static void invalid(out_t *o, const char *setting, const char *why, ...) {
+  if (o->n_bad == MAX_KEYS) return;
+  entry_t *e = &o->bad[o->n_bad++];
+  snprintf(e->key, sizeof e->key, "%s", setting);
+  va_list ap;
+  va_start(ap, why);
+  vsnprintf(e->from, sizeof e->from, why, ap);
+  va_end(ap);
+}
+
 static bool is_auto(const char *v) { return v && strcmp(v, "auto") == 0; }
 
 /* A number setting into section.key; "auto" (filled in by the HF Trainer) is left out. */
@@ -77,7 +89,7 @@ static void number(out_t *o, const cJSON *src, const char *name, const char *sho
   char *end;
   strtod(v, &end);
   if (*end != '\0' || end == v) {
-    leave(o, shown, "'%s' is not a number", v);
+    invalid(o, shown, "'%s' is not a number", v);
     return;
   }
   put(o, section, key, v, "%s", shown);
@@ -155,7 +167,7 @@ static void zero(out_t *o, const char *stage, const char *from, long hpz) {
         from);
     layer_units(o, from);
   } else {
-    leave(o, from, "stage '%s' is not a ZeRO stage (0, 1, 2 or 3)", stage);
+    invalid(o, from, "stage '%s' is not a ZeRO stage (0, 1, 2 or 3)", stage);
   }
 }
 
@@ -177,7 +189,7 @@ static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
   const char *hv =
       plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "zero_hpz_partition_size"), b, sizeof b);
   snprintf(name, sizeof name, "%szero_optimization.zero_hpz_partition_size", prefix);
-  if (hv && !whole_ranks(hv, &hpz)) leave(o, name, "'%s' is not a whole number of ranks", hv);
+  if (hv && !whole_ranks(hv, &hpz)) invalid(o, name, "'%s' is not a whole number of ranks", hv);
   char sb[64];
   snprintf(name, sizeof name, "%szero_optimization.stage", prefix);
   zero(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "stage"), sb, sizeof sb), name, hpz);
@@ -217,7 +229,7 @@ static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
         put(o, "mesh", "dp_shard", v, "%s: parameters sharded within groups of %ld ranks", name, m);
         put(o, "mesh", "dp_replicate", "-1", "%s: and replicated across the groups (HSDP)", name);
       } else if (v && strcmp(v, "-1") != 0) {
-        leave(o, name, "'%s' is not a number of ranks above 1", v);
+        invalid(o, name, "'%s' is not a number of ranks above 1", v);
       }
     } else if (strcmp(it->string, "zero_quantized_weights") == 0 ||
                strcmp(it->string, "zero_quantized_gradients") == 0 ||
@@ -262,7 +274,7 @@ static void ds_sizes(out_t *o, const cJSON *c, const char *prefix) {
   long tp = 0;
   snprintf(name, sizeof name, "%stensor_parallel.autotp_size", prefix);
   if (tps && !whole_ranks(tps, &tp))
-    leave(o, name, "'%s' is not a whole number of ranks", tps);
+    invalid(o, name, "'%s' is not a whole number of ranks", tps);
   else if (tps)
     put(o, "mesh", "tp", tps,
         "%s: the built-in Llama's tensor-parallel plan over %s ranks (the data-parallel sizes "
@@ -348,7 +360,7 @@ static void ds_optim_schedule(out_t *o, const cJSON *c, const char *prefix) {
           leave(o, "optimizer.params.betas", "not two numbers ('auto'?): give optim.beta1/beta2");
         }
       } else if (betas != NULL) {
-        leave(o, "optimizer.params.betas", "not a pair of numbers: give optim.beta1/beta2");
+        invalid(o, "optimizer.params.betas", "not a pair of numbers");
       } else {
         put(o, "optim", "beta1", "0.9",
             "optimizer.params.betas not given: DeepSpeed's (0.9, 0.999)");
@@ -555,7 +567,7 @@ static void wrap_policy(out_t *o, const cJSON *f, const char *v, const char *fro
     double x = n ? strtod(n, &end) : 1e8; /* Accelerate's default */
     char num[32];
     if (n && (end == n || *end != '\0' || !(x >= 1) || x > 1e15)) {
-      leave(o, "fsdp_config.fsdp_min_num_params", "'%s' is not a number of parameters", n);
+      invalid(o, "fsdp_config.fsdp_min_num_params", "'%s' is not a number of parameters", n);
     } else {
       snprintf(num, sizeof num, "%.0f", x);
       put(o, "parallelize.fully_shard", "min_unit_params", num,
@@ -580,7 +592,7 @@ static void accelerate_fsdp(out_t *o, const cJSON *f) {
       if (s)
         put(o, "parallelize.fully_shard", "sharding_strategy", s, "%s: %s", from, v);
       else
-        leave(o, from, "'%s' is not a sharding strategy", v ? v : "");
+        invalid(o, from, "'%s' is not a sharding strategy", v ? v : "");
     } else if (strcmp(k, "fsdp_reshard_after_forward") == 0) {
       put(o, "parallelize.fully_shard", "reshard_after_forward", truthy(v) ? "true" : "false",
           "%s: %s", from, v);

@@ -17,7 +17,8 @@ typedef struct entry {
 
 typedef struct out {
   entry_t keys[MAX_KEYS], left[MAX_KEYS];
-  int n_keys, n_left;
+  entry_t bad[MAX_KEYS]; /* settings whose values their own tool refuses (stage 5, "x" ranks) */
+  int n_keys, n_left, n_bad;
 } out_t;
 
 /* A setting as text ("true", "3", "bf16"), whatever its JSON type; NULL when absent. */

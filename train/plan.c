@@ -794,6 +794,14 @@ fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
   if (p->ckpt_interval > 0 && p->ckpt_dir[0] == 0)
     return err_set(STATUS_EINVAL, "%s: checkpoint.interval: %lld needs checkpoint.dir",
                    p->ckpt_where.text, (long long)p->ckpt_interval);
+  /* what shapes the saves, given without a folder to save into: a plan that expects saves */
+  char value[24];
+  snprintf(value, sizeof value, "%lld", (long long)p->ckpt_keep);
+  const char *saves = p->ckpt_keep > 0 ? "keep" : p->ckpt_async ? "async" : NULL;
+  if (saves != NULL && p->ckpt_dir[0] == 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: checkpoint.%s: %s needs checkpoint.dir (nothing is saved without it)",
+                   p->ckpt_where.text, saves, p->ckpt_keep > 0 ? value : "true");
   if (strcmp(p->ckpt_load, "auto") == 0 && p->ckpt_dir[0] == 0)
     return err_set(STATUS_EINVAL,
                    "%s: checkpoint.load: auto resumes from checkpoint.dir, which is not set",
@@ -918,10 +926,11 @@ static fsdpc_status_t check_builtin_split(const fsdpc_plan_t *p) {
  * not compose yet refused by name. */
 static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
   const parallel_plan_t *pp = &p->par;
-  const char *w = pp->pp_where.text[0] ? pp->pp_where.text : pp->mesh_where.text;
+  const char *w = pp->pp_size_where.text;
   if (pp->pp == 1) {
     if (p->pipeline_given)
-      return err_set(STATUS_EINVAL, "%s: pipeline: the section needs mesh.pp above 1", w);
+      return err_set(STATUS_EINVAL, "%s: pipeline: the section needs mesh.pp above 1",
+                     pp->pp_where.text[0] ? pp->pp_where.text : w);
     return STATUS_OK;
   }
   int V = pp->pp_stages_per_rank, S = pp->pp * V;
@@ -929,7 +938,7 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
     return err_set(STATUS_EUNSUPPORTED,
                    "%s: mesh.pp: %d: pipeline stages are cut from the built-in models' blocks; "
                    "this program's model (%s) is not split",
-                   pp->mesh_where.text, pp->pp, own);
+                   w, pp->pp, own);
   if (p->model.n_layers < S || p->model.n_layers % V != 0)
     return err_set(STATUS_EINVAL,
                    "%s: mesh.pp: %d x pipeline.stages_per_rank %d = %d stages %s the model's %lld "
@@ -950,12 +959,18 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
   pp_schedule_t *sched = NULL;
   fsdpc_status_t st = pp_schedule_new(pp->pp_schedule, pp->pp, (int)p->grad_accum, V, &sched);
   pp_schedule_free(sched);
-  if (st != STATUS_OK)
-    return err_prefix(st, "%s: pipeline (schedule %s, %lld microbatches a step)", w,
-                      pp_schedule_name(pp->pp_schedule), (long long)p->grad_accum);
+  if (st != STATUS_OK) { /* the step's micro-batches are the schedule's microbatches */
+    char why[1024];
+    snprintf(why, sizeof why, "%s", err_detail());
+    return err_set(st,
+                   "%s: mesh.pp: %d: %s (a step's microbatches are its micro-batches: "
+                   "data.grad_accum, or data.global_batch_size over data.batch_size x "
+                   "data-parallel ranks, or pipeline.microbatches)",
+                   w, pp->pp, why);
+  }
   if (pp->offload)
-    return err_set(STATUS_EUNSUPPORTED, "%s: mesh.pp: %d does not compose with offload yet",
-                   pp->mesh_where.text, pp->pp);
+    return err_set(STATUS_EUNSUPPORTED, "%s: mesh.pp: %d does not compose with offload yet", w,
+                   pp->pp);
   return STATUS_OK;
 }
 

@@ -212,13 +212,18 @@ static void header_model(const run_t *r) {
              r->n_groups == 1 ? "" : "s");
   else
     snprintf(units, sizeof units, "%d unit%s + root", r->n_groups - 1, r->n_groups == 2 ? "" : "s");
+  bool own_mp = false; /* a unit's mp_policy of its own: the units table has each */
+  for (int i = 0; i < p->par.n_units; i++)
+    own_mp = own_mp || p->par.units[i].param_dtype != p->par.param_dtype ||
+             p->par.units[i].reduce_dtype != p->par.reduce_dtype;
   printf(
       "  fully_shard: %d group%s (%s); %s%s%sreshard_after_forward %s; param %s, "
-      "reduce %s%s\n",
+      "reduce %s%s%s\n",
       r->n_groups, r->n_groups == 1 ? "" : "s", units,
       p->par.strategy[0] ? "sharding_strategy " : "", p->par.strategy,
       p->par.strategy[0] ? ": " : "", reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
-      dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype), offload);
+      dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype),
+      own_mp ? " (some units their own: see the units table)" : "", offload);
   optim_line(p);
   if (r->tp)
     printf("  tensor_parallel: %d module%s on tp=%d (%s); sequence parallelism %s\n",

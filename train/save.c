@@ -129,7 +129,7 @@ fsdpc_status_t train_save(train_saver_t *sv, const run_t *r, int64_t step, const
 }
 
 void train_save_wait_staged(train_saver_t *sv) {
-  if (sv->async == NULL) return; /* no save to wait for: no stall to count */
+  if (!ckpt_async_pending(sv->async)) return; /* no save to wait for: no stall to count */
   double t0 = device_clock_seconds();
   ckpt_async_wait_staged(sv->async);
   sv->stall_s += device_clock_seconds() - t0;

@@ -45,7 +45,7 @@ static void usage(FILE *f) {
           "       %*s [--dry-run [-v] [--world N [--ranks-per-node M]]]\n"
           "       %s --help | --version\n"
           "  under mpirun -n N for N ranks; the plan's mesh must multiply to N;\n"
-          "  --set=, --metrics= and --plot= take the value after '='; -v is --verbose\n",
+          "  an option's value may follow it or an '=' (--set=k=v); -v is --verbose\n",
           train_prog(), (int)strlen(train_prog()), "", train_prog());
 }
 
@@ -77,15 +77,19 @@ static fsdpc_status_t parse_args(int argc, char **argv, args_t *a) {
       FSDPC_TRY(once(&a->metrics, "--metrics", s + 10));
     } else if (strncmp(s, "--plot=", 7) == 0) {
       FSDPC_TRY(once(&a->plot, "--plot", s + 7));
-    } else if (strcmp(s, "--world") == 0 || strcmp(s, "--ranks-per-node") == 0) {
+    } else if (strcmp(s, "--world") == 0 || strcmp(s, "--ranks-per-node") == 0 ||
+               strncmp(s, "--world=", 8) == 0 || strncmp(s, "--ranks-per-node=", 17) == 0) {
       int *dst = s[2] == 'w' ? &a->world : &a->ranks_per_node;
+      const char *eq = strchr(s, '='), *arg = eq ? eq + 1 : i + 1 < argc ? argv[i + 1] : NULL;
+      char name[24];
+      snprintf(name, sizeof name, "%.*s", eq ? (int)(eq - s) : (int)strlen(s), s);
       char *end = NULL;
-      long v = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
-      if (i + 1 >= argc || end == argv[i + 1] || *end != 0 || v < 1 || v > (1L << 20))
-        return err_set(STATUS_EINVAL, "%s: expected a number of ranks from 1 to %ld, got '%s'", s,
-                       1L << 20, i + 1 < argc ? argv[i + 1] : "");
+      long v = arg ? strtol(arg, &end, 10) : 0;
+      if (arg == NULL || end == arg || *end != 0 || v < 1 || v > (1L << 20))
+        return err_set(STATUS_EINVAL, "%s: expected a number of ranks from 1 to %ld, got '%s'",
+                       name, 1L << 20, arg ? arg : "");
       *dst = (int)v;
-      i++;
+      i += eq == NULL;
     } else if (strcmp(s, "--dry-run") == 0) {
       a->dry_run = true;
     } else if (strcmp(s, "-v") == 0 || strcmp(s, "--verbose") == 0) {
@@ -810,6 +814,9 @@ typedef struct step_out {
   train_stop_t stop;
 } step_out_t;
 
+/* x as printed: a NaN without the sign %g would give it ("-nan"), which means nothing. */
+static double unsigned_nan(double x) { return isnan(x) ? fabs(x) : x; }
+
 /* This rank's share of the run's data order. */
 static data_spec_t spec_of(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
@@ -983,7 +990,7 @@ static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
                    "before any update of its own: the weights it starts from (%s%s) hold "
                    "non-finite values, or the model overflows in its compute dtype "
                    "(parallelize.fully_shard.mp_policy)",
-                   (long long)o->s + 1, o->loss, o->norm,
+                   (long long)o->s + 1, unsigned_nan(o->loss), unsigned_nan(o->norm),
                    r->resumed_from[0] ? "the checkpoint "
                    : p->init_from[0]  ? "model.init_from "
                                       : "",
@@ -998,13 +1005,13 @@ static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
                    "optimizer applies the step, so the weights and the last checkpoint stay "
                    "finite (lower optim.lr, set optim.clip_grad_norm, or set train.nonfinite: "
                    "skip to skip such steps)",
-                   (long long)o->s + 1, o->loss, o->norm);
+                   (long long)o->s + 1, unsigned_nan(o->loss), unsigned_nan(o->norm));
   }
   if (!o->finite && L->lead)
     fprintf(stderr,
             "%s: step %lld: the loss is %g and the gradient norm %g; the step "
             "is skipped (train.nonfinite: skip)\n",
-            train_prog(), (long long)o->s + 1, o->loss, o->norm);
+            train_prog(), (long long)o->s + 1, unsigned_nan(o->loss), unsigned_nan(o->norm));
   return STATUS_OK;
 }
 
@@ -1588,9 +1595,15 @@ int train_main(int argc, char **argv, const char *program, const train_model_t *
     return 1;
   }
   train_signals_hold(); /* until the plan's handlers are in place (set_up) */
-  if (world_init(&argc, &argv) != STATUS_OK) {
+  fsdpc_status_t up = world_init(&argc, &argv);
+  if (up != STATUS_OK) {
     train_signals_release();
-    fprintf(stderr, "%s: %s\n", train_prog(), err_detail());
+    if (world_pg() == NULL) {
+      fprintf(stderr, "%s: %s\n", train_prog(), err_detail());
+      return 1;
+    }
+    agree(up); /* the world is up: rank 0 reports it once for the ranks */
+    world_finalize();
     return 1;
   }
   if (answered(argc, argv)) {

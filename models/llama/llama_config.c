@@ -158,10 +158,20 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
                    (long long)c->dim, (long long)c->n_heads);
   bool qwen2 = c->arch == LLAMA_ARCH_QWEN2 || c->arch == LLAMA_ARCH_QWEN2_MOE,
        gpt2 = c->arch == LLAMA_ARCH_GPT2;
-  if (gpt2 && (c->qkv_bias || c->o_bias || c->head_dim != 0 || c->n_kv_heads != c->n_heads))
+  if (gpt2 && c->n_kv_heads != c->n_heads)
     return err_set(STATUS_EINVAL,
-                   "model config: gpt2 has biases of its own, heads of dim / n_heads and as many "
-                   "key/value heads as heads");
+                   "model config: gpt2 has as many key/value heads as heads: n_kv_heads %lld "
+                   "differs from n_heads %lld (leave n_kv_heads out)",
+                   (long long)c->n_kv_heads, (long long)c->n_heads);
+  if (gpt2 && c->head_dim != 0)
+    return err_set(STATUS_EINVAL,
+                   "model config: gpt2's heads are dim / n_heads: head_dim %lld is not for it "
+                   "(leave head_dim out)",
+                   (long long)c->head_dim);
+  if (gpt2 && (c->qkv_bias || c->o_bias))
+    return err_set(STATUS_EINVAL,
+                   "model config: gpt2 has biases of its own on every projection: "
+                   "attention_bias is not for it (leave it out)");
   if (c->arch == LLAMA_ARCH_MIXTRAL && (c->qkv_bias || c->o_bias))
     return err_set(STATUS_EINVAL, "model config: mixtral's attention has no biases");
   /* Qwen2's q, k and v biases; Qwen2-MoE's too unless its qkv_bias says otherwise */
@@ -636,6 +646,8 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
 }
 
 fsdpc_status_t llama_config_from_hf(const char *path, llama_config_t *out) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(out);
   char *text = NULL;
   FSDPC_TRY(file_read_text(path, (size_t)1 << 24, &text));
   fsdpc_status_t st = llama_config_from_hf_text(text, path, out);

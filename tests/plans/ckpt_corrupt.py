@@ -174,7 +174,7 @@ def ckpt_corrupt():
     p = sh([TOOL, "verify", os.path.join(tmp, "flipped-data-byte")], timeout=120)
     check(p.returncode != 0 and re.search(
         r"shard-00000\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight': "
-        r"checksum mismatch", p.stderr) is not None and "1 tensors damaged" in p.stdout,
+        r"checksum mismatch", p.stderr) is not None and "1 tensor damaged" in p.stdout,
           "verify names the flipped tensor and exits non-zero")
     # checkpoint.verify: a load under another plan (4 ranks: partial chunks, unchecked by the
     # load itself) checks every chunk first, the tensors split over the ranks

@@ -481,7 +481,7 @@ def ckpt_tool():
     q = tool_run("export-hf", os.path.join(tmp, "imp-big"), os.path.join(tmp, "big-f16"),
                  "--dtype", "f16")
     r = tool_run("export-hf", os.path.join(tmp, "imp-big"), os.path.join(tmp, "big-bf16"),
-                 "--dtype", "bf16")
+                 "--dtype=bf16")  # (an option's value after '=')
     check(p.returncode == 0 and q.returncode != 0 and
           "tensor 'model.norm.weight' has 1 value beyond f16's range (largest magnitude 70000"
           in q.stderr and not os.path.exists(os.path.join(tmp, "big-f16")) and

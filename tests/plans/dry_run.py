@@ -130,7 +130,7 @@ def dry_run():
     for name, n in compared:
         plan = os.path.join(ROOT, "configs", name + ".yaml")
         real, _ = run(n, [plan, "--dry-run"])
-        planned, _ = run(1, [plan, "--dry-run", "--world", str(n)])
+        planned, _ = run(1, [plan, "--dry-run", "--world=%d" % n])  # '=' as a space
         a, b = figures.findall(real.stdout), figures.findall(planned.stdout)
         check(real.returncode == 0 and planned.returncode == 0 and len(a) > 10 and a == b and
               "planned from one process (--world %d" % n in planned.stdout,

@@ -53,6 +53,8 @@ def errors():
          r"bad\d*\.yaml:16:12: data\.seq_len: expected an integer, got 'abc'"),
         ("unknown top-level key", base + "trian:\n  steps: 3\n", [],
          r"trian: unknown key; did you mean 'train'\?"),
+        ("unknown key like no key", base + "foo:\n  x: 1\n", [],
+         r"foo: unknown key \(expected one of: mesh, model, moe, "),
         ("unknown nested key", base.replace("  dim: 32", "  dimm: 32"), [],
          r"model\.dimm: unknown key; did you mean 'dim'\?"),
         ("negative mesh size", base.replace("dp_shard: -1", "dp_shard: -3"), [],
@@ -195,6 +197,10 @@ def errors():
          r"checkpoint\.dir is auto, in lower case\)"),
         ("checkpoint.interval without a folder", base + "checkpoint:\n  interval: 5\n", [],
          r"checkpoint\.interval: 5 needs checkpoint\.dir"),
+        ("checkpoint.keep without a folder", base + "checkpoint:\n  keep: 2\n", [],
+         r"checkpoint\.keep: 2 needs checkpoint\.dir \(nothing is saved without it\)"),
+        ("checkpoint.async without a folder", base + "checkpoint:\n  async: true\n", [],
+         r"checkpoint\.async: true needs checkpoint\.dir"),
         # hostile input ends at once: no blocking open, no quadratic parse
         ("plan path is a FIFO", "FIFO", [], r"cannot open the plan .*fifo\.yaml: is a FIFO, not a "
          r"regular file"),
@@ -538,6 +544,12 @@ def errors():
             env, "trains" if want is None else "refused, /%s/" % want, p.returncode))
         if not good:
             print(p.stdout[-500:], p.stderr[-1000:])
+    # a bad FSDPC_PG: refused on every rank, reported once for all of them
+    p = sh([MPIRUN] + MPI_ARGS + ["-n", "4", EXE, debug], timeout=60, env={"FSDPC_PG": "bogus"})
+    check(p.returncode != 0 and p.stderr.count("FSDPC_PG=bogus") == 1 and
+          ranks_saying(p.stderr, r"FSDPC_PG=bogus: expected native, staged or staged-lazy") ==
+          {"0", "1", "2", "3"},
+          "FSDPC_PG=bogus on 4 ranks: one line for the 4 ranks (%s)" % p.stderr.strip()[-200:])
     # more kernel threads than the CPUs the process may run on: trains, warning that steps slow
     for threads in ["2", "1"]:
         p = sh(["taskset", "-c", "0", EXE, debug, "--set", "train.steps=1"], timeout=60,

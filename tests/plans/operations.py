@@ -513,6 +513,10 @@ def operations():
           [r["ckpt_saved_step"] for r in rows if "ckpt_saved_step" in r] == [50, 100, 150, 200],
           "checkpoint.async: the losses of a run without saves, every checkpoint committed and "
           "verified (%s)" % saved(ck))
+    # only steps that spent time on a save have ckpt_stall_s: none before the first
+    check(rows and not any("ckpt_stall_s" in r for r in rows[:49]) and "ckpt_stall_s" in rows[49],
+          "checkpoint.async: no ckpt_stall_s before the first save (steps %s)"
+          % [r["step"] for r in rows[:49] if "ckpt_stall_s" in r][:5])
     m2 = os.path.join(tmp, "async-resumed.jsonl")
     p, _ = run(4, [cfg, "--set", "train.steps=%d" % S, "--set", "checkpoint.load=" +
                    os.path.join(ck, "step-00000050"), "--metrics", m2])

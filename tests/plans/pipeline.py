@@ -412,7 +412,10 @@ def pipeline():
             (["mesh.pp=8", "mesh.dp_shard=1", "data.global_batch_size=8"], 8,
              "8 x pipeline.stages_per_rank 1 = 8 stages outnumber the model's 4 layers"),
             (["mesh.pp=2", "mesh.dp_shard=1", "data.global_batch_size=1"], 2,
-             "1 microbatches for 2 ranks; it needs at least as many microbatches as ranks"),
+             "--set mesh.pp=2: mesh.pp: 2: pipeline schedule 1f1b: 1 microbatch for 2 ranks; "
+             "it needs at least as many microbatches as ranks (a step's microbatches are its "
+             "micro-batches: data.grad_accum, or data.global_batch_size over data.batch_size x "
+             "data-parallel ranks, or pipeline.microbatches)"),
             (["mesh.pp=2", "mesh.dp_shard=1", "model.n_layers=9",
               "pipeline.schedule=interleaved_1f1b"], 2,
              "4 stages do not fit: stages_per_rank must divide the model's 9 layers"),

@@ -254,10 +254,12 @@ def converts():
     tool = os.path.join(os.path.dirname(EXE), "fsdp-plan")
     sets = ["--set", "data.path=" + os.path.join(ROOT, "data", "corpus.txt"),
             "--set", "data.seq_len=16"]
-    for name, n, hand, said in CONVERTED:
+    for k, (name, n, hand, said) in enumerate(CONVERTED):
         src = os.path.join(ROOT, "tests", "convert", name)
         out = os.path.join(tmp, name + ".plan.yaml")
-        p = sh([tool, "convert", src, "-o", out], timeout=60)
+        # -o, --output and --output= alike
+        o = [["-o", out], ["--output", out], ["--output=" + out]][k % 3]
+        p = sh([tool, "convert", src] + o, timeout=60)
         text = open(out).read() if p.returncode == 0 else ""
         check(p.returncode == 0 and all(w in text for w in said),
               "fsdp-plan convert %s: exit %d, writes %s" % (name, p.returncode, said))
@@ -468,15 +470,6 @@ def converts_read_as_their_tools_do(tmp, tool):
          '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "stage": 3}}',
          [r"zero_stage: 3"], [r"zero_stage: 2"],
          [r"zero_optimization\.stage is given more than once; the last value is taken"]),
-        ("betas that are not numbers", "betas.json",
-         '{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": '
-         '{"lr": 0.001, "betas": "0.9"}}}',
-         [r"optimizer\.params\.betas: not a pair of numbers"], [], []),
-        ("a fractional hpZ size", "hpz.json",
-         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
-         '"zero_hpz_partition_size": 2.5}}',
-         [r"zero_hpz_partition_size: '2\.5' is not a whole number of ranks"],
-         [r"reshard_after_forward: 2"], []),
         ("a header that says what to add", "header.json",
          '{"train_micro_batch_size_per_gpu": 2}',
          [r"Add a model: section and data\.path"], [r"Add your model: and data: sections"], []),
@@ -500,9 +493,19 @@ def converts_read_as_their_tools_do(tmp, tool):
     with open(os.path.join(tmp, "acc-conflict.yaml"), "w") as f:
         f.write("distributed_type: DEEPSPEED\nmixed_precision: bf16\ndeepspeed_config:\n"
                 "  deepspeed_config_file: ds-file.json\n  zero_stage: 2\n")
+    # values DeepSpeed itself refuses: every one named, nothing written
+    with open(os.path.join(tmp, "invalid.json"), "w") as f:
+        f.write('{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": '
+                '{"lr": 0.001, "betas": "0.9"}}, "zero_optimization": {"stage": 5, '
+                '"zero_hpz_partition_size": 2.5}}')
     with open(ds) as f:
         ds_text = f.read()
     for args, want in (
+            (["invalid.json", "-o", os.path.join(tmp, "invalid.yaml")],
+             r"invalid\.json \(a DeepSpeed config\): 3 settings are not valid there; nothing was "
+             r"written\n  zero_optimization\.zero_hpz_partition_size: '2\.5' is not a whole number "
+             r"of ranks\n  zero_optimization\.stage: stage '5' is not a ZeRO stage \(0, 1, 2 or "
+             r"3\)\n  optimizer\.params\.betas: not a pair of numbers"),
             (["both.json"], r"bf16 and fp16 are both enabled: DeepSpeed refuses that"),
             (["acc-conflict.yaml"], r"deepspeed_config\.zero_stage, mixed_precision beside "
                                     r"deepspeed_config\.deepspeed_config_file: Accelerate "
@@ -511,7 +514,8 @@ def converts_read_as_their_tools_do(tmp, tool):
         e = sh([tool, "convert", os.path.join(tmp, args[0])] + args[1:], timeout=60)
         with open(ds) as f:
             kept = f.read() == ds_text
-        check(e.returncode != 0 and re.search(want, e.stderr) is not None and kept,
+        check(e.returncode != 0 and re.search(want, e.stderr) is not None and kept and
+              not os.path.exists(os.path.join(tmp, "invalid.yaml")),
               "fsdp-plan convert %s: refused /%s/, the DeepSpeed file kept"
               % (" ".join(os.path.basename(a) for a in args), want))
         if e.returncode == 0 or not re.search(want, e.stderr):
