@@ -177,6 +177,7 @@ static void group_free(fsdp_group_t *g) {
   free(g->members);
   free(g->params);
   free(g->modules);
+  free(g->ignored);
   mesh_free(g->param_mesh);
   mesh_free(g->mesh);
   free(g);
@@ -355,6 +356,13 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   g->n_modules = n_modules;
   g->mesh = mesh_retain(opt->mesh); /* the group may outlive its creator's mesh reference */
   g->opt = *opt;
+  /* the caller's list may go once fully_shard returns: the group keeps a copy (the first
+   * forward checks, through it, that no parameter was added since) */
+  if (opt->n_ignored > 0 && (g->ignored = malloc(sizeof *g->ignored * (size_t)opt->n_ignored)))
+    memcpy(g->ignored, opt->ignored, sizeof *g->ignored * (size_t)opt->n_ignored);
+  else if (opt->n_ignored > 0)
+    st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  g->opt.ignored = g->ignored;
   g->shard = mesh_group(opt->mesh, md - 1);
   g->replicate = md == 2 ? mesh_group(opt->mesh, 0) : NULL;
   g->W = mesh_size(opt->mesh, md - 1);
@@ -368,7 +376,7 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   g->offload = opt->offload && mesh_device(opt->mesh).type == DEVICE_CUDA;
   /* the offloaded shards, their gradients and the optimizer's state page-locked: their copies
    * run at the bus's speed, the shards' beside the compute */
-  st = g->offload ? device_pin_host_memory(mesh_device(opt->mesh)) : STATUS_OK;
+  if (st == STATUS_OK && g->offload) st = device_pin_host_memory(mesh_device(opt->mesh));
   if (st == STATUS_OK) st = fsdp_streams_of(mesh_device(opt->mesh), &g->streams);
   for (int i = 0; i < l.n && st == STATUS_OK; i++) {
     fsdp_param_t *fp = &g->params[g->n];
@@ -593,7 +601,30 @@ static fsdpc_status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, v
   return st;
 }
 
+/* The group's modules hold no parameter that neither it, an inner group nor its ignored list
+ * claims: one added after fully_shard would be neither sharded nor reduced, each rank's copy
+ * drifting from the others' in silence. */
+static fsdpc_status_t check_unclaimed(const fsdp_group_t *g) {
+  fsdp_plist_t l = {0};
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < g->n_modules && st == STATUS_OK; i++)
+    st = fsdp_collect_params(g->modules[i], &g->opt, &l);
+  if (st == STATUS_OK && l.n > 0) {
+    const nn_param_t *p = l.p[0];
+    const char *owner = nn_module_fqn(p->owner);
+    st = err_set(STATUS_EINVAL,
+                 "fully_shard: parameter '%s%s%s' was added after fully_shard, to a module of the "
+                 "unit at '%s': it would be neither sharded nor reduced (add parameters before "
+                 "fully_shard, or name it in fsdp_options_t.ignored)",
+                 owner && owner[0] ? owner : "", owner && owner[0] ? "." : "", p->name,
+                 nn_module_fqn(g->module));
+  }
+  free(l.p);
+  return st;
+}
+
 static fsdpc_status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind) {
+  if (!g->initialised) FSDPC_TRY(check_unclaimed(g));
   fsdp_lazy_init(g);
   switch (kind) {
     case NN_HOOK_PRE_FORWARD: g->in_forward++; return pre_forward(ctx, g);

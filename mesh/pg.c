@@ -198,6 +198,60 @@ static fsdpc_status_t check_call(const pg_t *pg, const char *what, dtype_t dt, s
   return STATUS_OK;
 }
 
+/* FSDPC_CHECK_COLLECTIVES=1 (PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL): every collective
+ * first compares its call with the other ranks' (which collective, its element count and
+ * dtype, its reduce op or root, and its number among the group's calls) over the host, so that
+ * ranks that call different collectives, or the same one with different sizes, stop with an
+ * error naming both calls on every rank instead of exchanging the wrong bytes. A host
+ * all-gather a call: a debugging mode. */
+enum { CALL_FIELDS = 5 };
+static const char *const call_names[] = {"all_gather", "reduce_scatter", "all_reduce",
+                                         "all_to_all", "all_to_all_v",   "broadcast",
+                                         "barrier"};
+
+static bool checking_calls(void) { /* (read each time: beside a collective, nothing) */
+  const char *e = getenv("FSDPC_CHECK_COLLECTIVES");
+  return e != NULL && e[0] != 0 && strcmp(e, "0") != 0;
+}
+
+static void call_text(const int64_t *c, char *buf, size_t n) {
+  int k = (int)c[1];
+  const char *name =
+      k >= 0 && k < (int)(sizeof call_names / sizeof call_names[0]) ? call_names[k] : "(unknown)";
+  int len = snprintf(buf, n, "call %lld, %s", (long long)c[0], name);
+  if (k == 6 || len < 0 || (size_t)len >= n) return;
+  len += snprintf(buf + len, n - (size_t)len, " of %lld x %s", (long long)c[2],
+                  dtype_name((dtype_t)c[3]));
+  if ((k == 1 || k == 2) && (size_t)len < n)
+    snprintf(buf + len, n - (size_t)len, " (%s)", reduce_op_name((reduce_op_t)c[4]));
+  else if (k == 5 && (size_t)len < n)
+    snprintf(buf + len, n - (size_t)len, " from root %lld", (long long)c[4]);
+}
+
+/* kind: call_names' index; extra: the reduce op or the root. Collective over pg when on. */
+static fsdpc_status_t same_call(pg_t *pg, int kind, size_t count, dtype_t dt, int extra) {
+  if (!checking_calls() || pg->planned || pg->size == 1) return STATUS_OK;
+  int64_t mine[CALL_FIELDS] = {pg->calls++, kind, (int64_t)count, (int64_t)dt, extra};
+  int64_t *all = malloc(sizeof *all * CALL_FIELDS * (size_t)pg->size);
+  FSDPC_TRY(pg_agree(pg, all ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory")));
+  fsdpc_status_t st = pg_host_all_gather(pg, mine, all, CALL_FIELDS, PG_HOST_I64);
+  int r = 1;
+  while (st == STATUS_OK && r < pg->size &&
+         memcmp(all + CALL_FIELDS * r, all, sizeof *all * CALL_FIELDS) == 0)
+    r++;
+  if (st == STATUS_OK && r < pg->size) {
+    char a[160], b[160];
+    call_text(all, a, sizeof a);
+    call_text(all + CALL_FIELDS * r, b, sizeof b);
+    st = err_set(STATUS_EINVAL,
+                 "FSDPC_CHECK_COLLECTIVES: the ranks of a group of %d called different "
+                 "collectives: its rank 0 %s, its rank %d %s",
+                 pg->size, a, r, b);
+  }
+  free(all);
+  return st;
+}
+
 static fsdpc_status_t check_op(const char *what, dtype_t dt, reduce_op_t op) {
   if (op != REDUCE_SUM && op != REDUCE_AVG && op != REDUCE_MAX)
     return err_set(STATUS_EINVAL, "%s: invalid reduce op %d", what, (int)op);
@@ -233,6 +287,7 @@ fsdpc_status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t coun
   FSDPC_TRY(check_call(pg, "all_gather", dt, count, count * (size_t)(pg ? pg->size : 1)));
   FSDPC_TRY(check_buf("all_gather", send, count));
   FSDPC_TRY(check_buf("all_gather", recv, count));
+  FSDPC_TRY(same_call(pg, 0, count, dt, 0));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->all_gather(pg, send, recv, count, dt, &w);
   if (st == STATUS_OK)
@@ -248,6 +303,7 @@ fsdpc_status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t 
   FSDPC_TRY(check_op("reduce_scatter", dt, op));
   FSDPC_TRY(check_buf("reduce_scatter", send, recv_count));
   FSDPC_TRY(check_buf("reduce_scatter", recv, recv_count));
+  FSDPC_TRY(same_call(pg, 1, recv_count, dt, (int)op));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->reduce_scatter(pg, send, recv, recv_count, dt, op, &w);
   if (st == STATUS_OK) {
@@ -264,6 +320,7 @@ fsdpc_status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t coun
   FSDPC_TRY(check_op("all_reduce", dt, op));
   FSDPC_TRY(check_buf("all_reduce", send, count));
   FSDPC_TRY(check_buf("all_reduce", recv, count));
+  FSDPC_TRY(same_call(pg, 2, count, dt, (int)op));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->all_reduce(pg, send, recv, count, dt, op, &w);
   if (st == STATUS_OK) {
@@ -282,6 +339,7 @@ fsdpc_status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t coun
   FSDPC_TRY(check_buf("all_to_all", recv, count));
   if (count > 0 && send == recv)
     return err_set(STATUS_EINVAL, "all_to_all: send and recv must not be the same buffer");
+  FSDPC_TRY(same_call(pg, 3, count, dt, 0));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->all_to_all(pg, send, recv, count, dt, &w);
   if (st == STATUS_OK)
@@ -311,6 +369,7 @@ fsdpc_status_t pg_all_to_all_v(pg_t *pg, const void *send, const size_t *send_co
   FSDPC_TRY(check_buf("all_to_all_v", recv, nr));
   if (ns > 0 && nr > 0 && send == recv)
     return err_set(STATUS_EINVAL, "all_to_all_v: send and recv must not be the same buffer");
+  FSDPC_TRY(same_call(pg, 4, 0, dt, 0)); /* (each rank's counts its own) */
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->all_to_all_v(pg, send, send_counts, recv, recv_counts, dt, &w);
   if (st == STATUS_OK)
@@ -346,6 +405,7 @@ fsdpc_status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int r
   FSDPC_TRY(check_buf("broadcast", buf, count));
   if (root < 0 || root >= pg->size)
     return err_set(STATUS_EINVAL, "broadcast: root %d outside a group of %d", root, pg->size);
+  FSDPC_TRY(same_call(pg, 5, count, dt, root));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->broadcast(pg, buf, count, dt, root, &w);
   if (st == STATUS_OK)
@@ -357,6 +417,7 @@ fsdpc_status_t pg_barrier(pg_t *pg, pg_work_t **work) {
   if (work) *work = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "barrier: group is NULL");
   FSDPC_TRY(world_check());
+  FSDPC_TRY(same_call(pg, 6, 0, DTYPE_F32, 0));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->barrier(pg, &w);
   if (st == STATUS_OK) count_call(pg, PG_BARRIER, 0);

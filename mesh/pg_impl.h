@@ -61,6 +61,7 @@ struct pg {
                           * pg_consecutive); released with it */
   bool planned; /* a group of a planning world (world_plan_as): rank and size planned, comm this
                  * process alone; host values act as if every rank brought this one's */
+  int64_t calls; /* the collectives called on it (FSDPC_CHECK_COLLECTIVES numbers them) */
 };
 
 typedef struct pg_kept {

@@ -472,6 +472,15 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
                    "%s: the checkpoint's model differs from the model of %s (%s: saved vs "
                    "planned; leave the model section out to take the checkpoint's)",
                    dir, o->config, why);
+    else if (st == STATUS_OK && llama_vocab_rows(&saved) != llama_vocab_rows(&p.model))
+      st = err_set(STATUS_EINVAL,
+                   "%s: the checkpoint holds an embedding and head of %lld rows "
+                   "(model.pad_vocab_multiple = %lld), the model of %s has %lld: set its "
+                   "model.pad_vocab_multiple to %lld, or leave the model section out to take the "
+                   "checkpoint's",
+                   dir, (long long)llama_vocab_rows(&saved), (long long)saved.pad_vocab_multiple,
+                   o->config, (long long)llama_vocab_rows(&p.model),
+                   (long long)saved.pad_vocab_multiple);
   }
   p.layout_only = true;
   if (st == STATUS_OK)

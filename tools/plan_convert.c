@@ -591,8 +591,8 @@ static void accelerate_fsdp(out_t *o, const cJSON *f) {
       const char *s = strategy_name(v);
       if (s)
         put(o, "parallelize.fully_shard", "sharding_strategy", s, "%s: %s", from, v);
-      else
-        invalid(o, from, "'%s' is not a sharding strategy", v ? v : "");
+      else if (v != NULL) /* (null: not set) */
+        invalid(o, from, "'%s' is not a sharding strategy", v);
     } else if (strcmp(k, "fsdp_reshard_after_forward") == 0) {
       put(o, "parallelize.fully_shard", "reshard_after_forward", truthy(v) ? "true" : "false",
           "%s: %s", from, v);

@@ -597,7 +597,6 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
   if (st == STATUS_OK && metrics && metrics[0]) {
     st = outside_checkpoints(p, metrics, "--metrics (or log.metrics)");
     if (st == STATUS_OK) st = file_check_output(metrics, "--metrics (or log.metrics)", in);
-    if (st == STATUS_OK) st = metrics_file_is_metrics(metrics);
     /* a fresh run writes into it (a resumed one renames a new file over it) */
     if (st == STATUS_OK && !(resumed && resumed[0]) && access(metrics, F_OK) == 0 &&
         access(metrics, W_OK) != 0)
@@ -605,6 +604,7 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
                    "--metrics (or log.metrics) '%s': exists and cannot be written (%s); nothing "
                    "was written",
                    metrics, strerror(errno));
+    if (st == STATUS_OK) st = metrics_file_is_metrics(metrics);
     if (st == STATUS_OK) st = file_inputs_add(in, metrics, "the metrics file");
   }
   if (st == STATUS_OK && plot) {

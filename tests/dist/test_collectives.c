@@ -364,6 +364,36 @@ START_TEST(pg_rejects_bad_arguments_locally) {
 }
 END_TEST
 
+/* FSDPC_CHECK_COLLECTIVES=1: calls that differ between the ranks (another size, another
+ * collective) are refused on every rank with the same message naming both, before any byte is
+ * exchanged; calls that match run as ever. */
+START_TEST(mismatched_collectives_are_named_under_the_check) {
+  if (world_size() < 2) return;
+  pg_t *pg = new_world_group();
+  int r = pg_rank(pg);
+  int32_t x[8] = {1, 1, 1, 1, 1, 1, 1, 1}, y[64] = {0};
+  setenv("FSDPC_CHECK_COLLECTIVES", "1", 1);
+  ck_assert_int_eq(pg_all_reduce(pg, x, y, 4, DTYPE_I32, REDUCE_SUM, NULL), STATUS_OK);
+  ck_assert_int_eq(y[0], pg_size(pg));
+  fsdpc_status_t st = pg_all_reduce(pg, x, y, r == 0 ? 4 : 5, DTYPE_I32, REDUCE_SUM, NULL);
+  ck_assert_int_eq(st, STATUS_EINVAL);
+  ck_assert_msg(strstr(err_detail(),
+                       "its rank 0 call 1, all_reduce of 4 x i32 (sum), its rank 1 "
+                       "call 1, all_reduce of 5 x i32 (sum)") != NULL,
+                "rank %d: %s", r, err_detail());
+  st = r == 0 ? pg_all_gather(pg, x, y, 2, DTYPE_I32, NULL)
+              : pg_all_reduce(pg, x, y, 2, DTYPE_I32, REDUCE_MAX, NULL);
+  ck_assert_int_eq(st, STATUS_EINVAL);
+  ck_assert_msg(strstr(err_detail(),
+                       "its rank 0 call 2, all_gather of 2 x i32, its rank 1 call "
+                       "2, all_reduce of 2 x i32 (max)") != NULL,
+                "rank %d: %s", r, err_detail());
+  ck_assert_int_eq(pg_broadcast(pg, x, 8, DTYPE_I32, 0, NULL), STATUS_OK);
+  unsetenv("FSDPC_CHECK_COLLECTIVES");
+  pg_release(pg);
+}
+END_TEST
+
 START_TEST(pg_agree_reports_the_failing_rank_everywhere) {
   int r = world_rank(), W = world_size();
   fsdpc_status_t st = r == W - 1 ? err_set(STATUS_ESHAPE, "bad shape on the last rank") : STATUS_OK;
@@ -506,6 +536,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, async_collectives_overlap_then_wait);
   tcase_add_test(tc, pg_counters_match_formulas);
   tcase_add_test(tc, pg_rejects_bad_arguments_locally);
+  tcase_add_test(tc, mismatched_collectives_are_named_under_the_check);
   tcase_add_test(tc, pg_agree_reports_the_failing_rank_everywhere);
   tcase_add_test(tc, host_channel_and_groups_from_groups);
   tcase_add_test(tc, staged_copies_in_at_the_call_or_lazily_at_the_wait);

@@ -109,6 +109,47 @@ START_TEST(fully_shard_checks_its_options) {
 }
 END_TEST
 
+/* A parameter added after fully_shard would be neither sharded nor reduced: the first forward
+ * refuses it by name. The ignored list is the group's own copy: the caller's may go. */
+START_TEST(parameters_after_fully_shard_are_refused) {
+  mesh_t *mesh = world_mesh();
+  nn_module_t *m = mlp(false), *late = mlp(false);
+  fsdp_options_t fo = FSDP_OPTIONS_INIT;
+  fo.mesh = mesh;
+  {
+    nn_param_t *ig[1] = {nn_module_param(nn_module_find(m, "fc2"), 1)};
+    fo.ignored = ig;
+    fo.n_ignored = 1;
+    ok(fully_shard(m, &fo, NULL));
+    memset(ig, 0, sizeof ig); /* the caller's list, gone */
+  }
+  fo.ignored = NULL;
+  fo.n_ignored = 0;
+  nn_ctx_t *ctx = NULL;
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *l = loss_of(ctx, m); /* the ignored bias is not taken for a late one */
+  ok(nn_backward(ctx, l));
+  nn_var_put(l);
+  nn_ctx_free(ctx);
+  ok(fully_shard(late, &fo, NULL));
+  fsdpc_tensor_t t;
+  ok(tensor_zeros(&t, DTYPE_F32, device_cpu(), 1, (int64_t[]){8}));
+  placement_t rep = placement_replicate();
+  dtensor_t *d = NULL;
+  ok(dtensor_from_local(&t, mesh, &rep, 1, (int64_t[]){8}, &d));
+  tensor_free(&t);
+  ok(nn_module_add_param(nn_module_find(late, "fc1"), "extra", d, true, NULL));
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *in = input(), *out = NULL;
+  refused(nn_call(ctx, late, in, &out), "parameter 'fc1.extra' was added after fully_shard");
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  nn_module_free(late);
+  nn_module_free(m);
+  mesh_free(mesh);
+}
+END_TEST
+
 START_TEST(tensors_without_memory_and_narrow_bounds) {
   fsdpc_tensor_t z = {0}, out = {0}, t;
   bool eq;
@@ -303,6 +344,7 @@ static Suite *make_suite(void) {
   TCase *tc = tcase_create("misuse");
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, fully_shard_checks_its_options);
+  tcase_add_test(tc, parameters_after_fully_shard_are_refused);
   tcase_add_test(tc, tensors_without_memory_and_narrow_bounds);
   tcase_add_test(tc, optimizer_and_checkpoint_pairing);
   tcase_add_test(tc, backward_and_hooks);

@@ -989,3 +989,12 @@ def padded_vocab():
     check(p.returncode != 0 and "holds an embedding and head of 300 rows "
           "(model.pad_vocab_multiple = 100), the plan's have 256" in p.stderr,
           "resuming the padded checkpoint without the padding is refused by name")
+    # and fsdp-ckpt reshard --to a plan without it, which would lay out what cannot load
+    out = os.path.join(tmp, "resharded")
+    p = sh([TOOL, "reshard", os.path.join(ck, "step-00000010"), "--to", plan, out, "--world", "1",
+            "--set", "mesh.dp_shard=1"], timeout=120)
+    check(p.returncode != 0 and "the checkpoint holds an embedding and head of 300 rows "
+          "(model.pad_vocab_multiple = 100), the model of %s has 256" % plan in p.stderr and
+          not os.path.exists(out),
+          "fsdp-ckpt reshard of the padded checkpoint to a plan without the padding is refused "
+          "by name (%s)" % p.stderr.strip()[-200:])
