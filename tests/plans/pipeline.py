@@ -139,6 +139,18 @@ def pipeline():
         check(real == {(p2p, want_comm)},
               "%s: every step's point-to-point bytes %s equal the closed form %s, and its "
               "communication --dry-run's %s" % (what, sorted(real)[:2], p2p, comm))
+    # under bf16 compute with sequence parallelism the stages' kept gradients add up in f32
+    # too (the norms' summed gradients included): pp 2 x tp 2 trains tp 2's bits
+    sp = ["mesh.dp_shard=1", "mesh.tp=2", "parallelize.tensor_parallel.sequence_parallel=true", MP]
+    got = []
+    for n, kvs in ((2, sp), (4, sp + ["mesh.pp=2"])):
+        m = os.path.join(tmp, "sp-bf16-%d.jsonl" % n)
+        p, _ = run(n, [plan, "--metrics", m] + sets(kvs))
+        got.append([(r["loss"], r["grad_norm"]) for r in losses(m)] if p.returncode == 0 else [])
+    check(len(got[0]) == 10 and got[1] == got[0],
+          "pp 2 x tp 2 with sequence parallelism in bf16: tp 2's ten losses and gradient norms "
+          "bit for bit (worst %.2e)" % worst([{"loss": a, "grad_norm": b} for a, b in got[0]],
+                                             [{"loss": a, "grad_norm": b} for a, b in got[1]]))
     # 1f1b keeps fewer microbatches' activations than gpipe (pipeline rank 0, 8 microbatches)
     peaks = {}
     for sched in ("gpipe", "1f1b"):
