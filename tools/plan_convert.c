@@ -52,25 +52,28 @@ static void unput(out_t *o, const char *section, const char *key) {
   o->n_keys = k;
 }
 
-static void leave(out_t *o, const char *setting, const char *why, ...) {
-  if (o->n_left == MAX_KEYS) return;
-  entry_t *e = &o->left[o->n_left++];
+/* setting and why it is listed, into list (of *n entries). */
+static void listed(entry_t *list, int *n, const char *setting, const char *why, va_list ap) {
+  if (*n == MAX_KEYS) return;
+  entry_t *e = &list[(*n)++];
   snprintf(e->key, sizeof e->key, "%s", setting);
+  vsnprintf(e->from, sizeof e->from, why, ap);
+}
+
+/* A setting with no equivalent here: listed in the plan's comments, with the reason. */
+static void leave(out_t *o, const char *setting, const char *why, ...) {
   va_list ap;
   va_start(ap, why);
-  vsnprintf(e->from, sizeof e->from, why, ap);
+  listed(o->left, &o->n_left, setting, why, ap);
   va_end(ap);
 }
 
 /* A setting whose value DeepSpeed or Accelerate would refuse: the conversion fails, naming it,
  * rather than write a plan of the rest. */
 static void invalid(out_t *o, const char *setting, const char *why, ...) {
-  if (o->n_bad == MAX_KEYS) return;
-  entry_t *e = &o->bad[o->n_bad++];
-  snprintf(e->key, sizeof e->key, "%s", setting);
   va_list ap;
   va_start(ap, why);
-  vsnprintf(e->from, sizeof e->from, why, ap);
+  listed(o->bad, &o->n_bad, setting, why, ap);
   va_end(ap);
 }
 
