@@ -282,16 +282,21 @@ static void header_data(const run_t *r) {
     if (p->eval_interval > 0)
       snprintf(every, sizeof every, "every %lld steps and ", (long long)p->eval_interval);
     printf(
-        "  eval: %s (%lld tokens), %lld global batches of %lld samples (eval.batch_size %lld x "
+        "  eval: %s (%lld tokens), %lld global batch%s of %lld samples (eval.batch_size %lld x "
         "%lld micro-batches x %lld data-parallel ranks) %safter the last step\n",
         p->eval_path, (long long)data_num_tokens(r->eval), (long long)p->eval_batches,
+        p->eval_batches == 1 ? "" : "es",
         (long long)(p->eval_batch_size * p->grad_accum * r->dp_size), (long long)p->eval_batch_size,
         (long long)p->grad_accum, (long long)r->dp_size, every);
-    double reads = (double)p->eval_batches * (double)p->grad_accum *
-                   (double)(p->eval_batch_size * r->dp_size) * (double)p->seq_len;
-    if (reads > (double)data_num_tokens(r->eval))
-      printf("  eval: note: its batches read %.0f tokens, more than it holds: samples repeat\n",
-             reads);
+    /* the distinct samples of seq_len + 1 tokens, shuffled or not: (n - 1) / seq_len */
+    double samples = (double)p->eval_batches * (double)p->grad_accum *
+                     (double)(p->eval_batch_size * r->dp_size),
+           distinct = (double)((data_num_tokens(r->eval) - 1) / p->seq_len);
+    if (samples > distinct)
+      printf(
+          "  eval: note: its batches read %.0f samples, more than the %.0f distinct samples of "
+          "%lld tokens it holds: samples repeat\n",
+          samples, distinct, (long long)p->seq_len);
   }
 }
 

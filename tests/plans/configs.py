@@ -373,6 +373,21 @@ def evaluation():
           "data-parallel ranks)" in out,
           "eval.batch_size 4 over 2 batches gives the evaluation of 4 batches of 2 (%s, %s)"
           % (we, ev))
+    # an evaluation that reads more samples than the file's distinct ones says so: a file of
+    # 13 samples of 16 tokens holds 12 windows (the 13th would need the token after the last)
+    short = os.path.join(tmp, "e208.txt")
+    with open(os.path.join(ROOT, "data", "corpus.txt"), "rb") as f, open(short, "wb") as g:
+        g.write(f.read()[:208])
+    notes = []
+    for n in (12, 13):
+        p, _ = run(1, [os.path.join(ROOT, "configs", "debug.yaml"), "--dry-run", "--set",
+                       "data.seq_len=16", "--set", "eval.path=" + short, "--set", "eval.batches=1",
+                       "--set", "eval.batch_size=%d" % n, "--set", "data.batch_size=%d" % n])
+        notes.append("samples repeat" in p.stdout)
+    check(notes == [False, True] and "eval: note: its batches read 13 samples, more than the 12 "
+          "distinct samples of 16 tokens it holds: samples repeat" in p.stdout,
+          "an evaluation of 13 samples on a file of 12 windows notes that samples repeat; of 12 "
+          "does not (%s)" % notes)
     # with weights that cannot move, evaluation of the training file's first four batches is
     # the mean of the first four training losses
     frozen, fe, _ = train("frozen", ["--set", "optim.lr=1e-30", "--set", "train.steps=4",
