@@ -157,8 +157,14 @@ static fsdpc_status_t remove_half_removed(const char *root, int *removed) {
   fsdpc_status_t st = STATUS_OK;
   struct dirent *e;
   size_t tail = strlen(REMOVING);
+  const char *journal = CKPT_ROLLBACK_JOURNAL ".tmp-"; /* a journal's write a kill cut short */
   while (st == STATUS_OK && (e = readdir(d)) != NULL) {
     size_t n = strlen(e->d_name);
+    if (strncmp(e->d_name, journal, strlen(journal)) == 0 && n == strlen(journal) + 6) {
+      char path[PATH_LEN];
+      if (file_join(path, sizeof path, root, e->d_name) == STATUS_OK) unlink(path);
+      continue;
+    }
     if (strncmp(e->d_name, "step-", 5) != 0 || n <= tail + 5 ||
         strcmp(e->d_name + n - tail, REMOVING) != 0)
       continue;
@@ -385,7 +391,15 @@ fsdpc_status_t ckpt_rollback_settle(const char *root, bool *found, bool *finishe
   if (st == STATUS_OK) t.after = (int64_t)after->valuedouble;
   if (st == STATUS_OK) st = ckpt_scan_steps(root, find_run, &t);
   if (st == STATUS_OK && t.committed) st = ckpt_scan_steps(root, remove_replaced, &t);
-  if (st == STATUS_OK && cJSON_IsString(own) && own->valuestring[0]) unlink(own->valuestring);
+  /* its own file: a finished rollback's takes the name it stands in for (NAME.tmp-XXXXXX, as
+   * file_create_temp names it, is NAME's), an undone one's goes */
+  if (st == STATUS_OK && cJSON_IsString(own) && own->valuestring[0]) {
+    const char *o = own->valuestring, *tmp = strstr(o, ".tmp-");
+    char target[PATH_LEN];
+    bool named = tmp != NULL && strlen(tmp) == 11 && (size_t)(tmp - o) < sizeof target;
+    if (named) snprintf(target, sizeof target, "%.*s", (int)(tmp - o), o);
+    if (!(t.committed && named && rename(o, target) == 0)) unlink(o);
+  }
   cJSON_Delete(o);
   if (st == STATUS_OK) st = ckpt_rollback_end(root);
   *finished = t.committed;

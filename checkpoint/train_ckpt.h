@@ -154,7 +154,8 @@ fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *co
 
 /* Removes the unfinished saves under root (step-NNNNNNNN.tmp, left by a job that died while
  * saving) and the folders a removal left half done (step-NNNNNNNN.removing); *removed (may be
- * NULL) receives how many. A symbolic link is removed itself, never
+ * NULL) receives how many. A rollback journal's unfinished write
+ * (fsdp-train.rollback.tmp-XXXXXX) goes too, uncounted. A symbolic link is removed itself, never
  * what it points to. Local; call it on one rank, with no job saving into root. */
 fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed);
 
@@ -167,13 +168,14 @@ fsdpc_status_t ckpt_restore_replaced(const char *root, int *restored, int *remov
 
 /* A checkpoint.overwrite rollback's journal: root/fsdp-train.rollback, written (begin) before
  * it saves anything, holding the step it continues from, the run id its saves record in
- * saved_under ("run") and a file of its own to remove (the metrics file it writes until its
- * first save commits; "" for none); removed (end) once the step folders it replaces are gone.
- * After a job that died in between, ckpt_rollback_settle finishes what it began: when a
- * complete step folder after `after` carries the run id (its first save committed), the
- * other step folders after `after` (the history it replaces) are removed (*replaced counts
- * them, *finished is true); else the folders stay as they were. Either way the journal and
- * its file go. Local; on one rank, with the folder locked. */
+ * saved_under ("run") and a file of its own (the metrics file it writes until its first save
+ * commits, NAME.tmp-XXXXXX as file_create_temp names it for NAME; "" for none); removed (end)
+ * once the step folders it replaces are gone. After a job that died in between,
+ * ckpt_rollback_settle finishes what it began: when a complete step folder after `after`
+ * carries the run id (its first save committed), the other step folders after `after` (the
+ * history it replaces) are removed (*replaced counts them, *finished is true) and its file
+ * takes NAME's place; else the folders stay as they were and its file goes. Either way the
+ * journal goes. Local; on one rank, with the folder locked. */
 #define CKPT_ROLLBACK_JOURNAL "fsdp-train.rollback"
 fsdpc_status_t ckpt_rollback_begin(const char *root, int64_t after, const char *run,
                                    const char *own_file);

@@ -382,6 +382,25 @@ void file_parent_of(const char *path, char *buf, size_t size) {
     *slash = 0;
 }
 
+int file_remove_stale_temps(const char *path) {
+  if (path == NULL || path[0] == 0) return 0;
+  char parent[DIRS_PATH_MAX], tmp[DIRS_PATH_MAX];
+  if (temp_name(path, tmp, sizeof tmp) != STATUS_OK) return 0; /* "PATH.tmp-XXXXXX" */
+  file_parent_of(tmp, parent, sizeof parent);
+  const char *slash = strrchr(tmp, '/'), *base = slash ? slash + 1 : tmp;
+  size_t stem = strlen(base) - 6; /* the name up to the six characters mkstemp chose */
+  DIR *d = opendir(parent);
+  int removed = 0;
+  for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
+    if (strlen(e->d_name) != stem + 6 || strncmp(e->d_name, base, stem) != 0) continue;
+    char at[DIRS_PATH_MAX];
+    int n = snprintf(at, sizeof at, "%s/%s", parent, e->d_name);
+    if (n > 0 && (size_t)n < sizeof at && file_remove_tree(at)) removed++;
+  }
+  if (d != NULL) closedir(d);
+  return removed;
+}
+
 static const char *kind_of(mode_t m) {
   return S_ISLNK(m)    ? "a symbolic link (name the file it points to, if that is meant)"
          : S_ISDIR(m)  ? "a folder"

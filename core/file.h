@@ -76,6 +76,11 @@ fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size);
  * name into tmp. */
 fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out);
 
+/* Removes what file_make_temp_dir and file_create_temp left beside path when the process
+ * writing path died before its rename (PATH.tmp-XXXXXX: files, folders, links themselves);
+ * returns how many went. Call it where no other process writes path. */
+int file_remove_stale_temps(const char *path);
+
 /* Writes text to path through a fresh file beside it, renamed over path when complete. */
 fsdpc_status_t file_replace_text(const char *path, const char *text);
 

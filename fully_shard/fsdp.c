@@ -345,6 +345,13 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   for (int i = 0; i < l.n && st == STATUS_OK; i++)
     st = fsdp_check_param(l.p[i], opt, &g->params[i].dim);
   if (st == STATUS_OK) st = check_hfsdp(opt);
+  /* a copy of the ignored list (the first forward checks, through it, that no parameter was
+   * added since), made before the ranks agree: a rank short of memory stops them all */
+  if (st == STATUS_OK && opt->n_ignored > 0 &&
+      (g->ignored = malloc(sizeof *g->ignored * (size_t)opt->n_ignored)) == NULL)
+    st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  if (st == STATUS_OK && opt->n_ignored > 0)
+    memcpy(g->ignored, opt->ignored, sizeof *g->ignored * (size_t)opt->n_ignored);
   st = agree_params(opt, &l, ms[0], st);
   if (st != STATUS_OK) {
     free(l.p);
@@ -356,13 +363,7 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
   g->n_modules = n_modules;
   g->mesh = mesh_retain(opt->mesh); /* the group may outlive its creator's mesh reference */
   g->opt = *opt;
-  /* the caller's list may go once fully_shard returns: the group keeps a copy (the first
-   * forward checks, through it, that no parameter was added since) */
-  if (opt->n_ignored > 0 && (g->ignored = malloc(sizeof *g->ignored * (size_t)opt->n_ignored)))
-    memcpy(g->ignored, opt->ignored, sizeof *g->ignored * (size_t)opt->n_ignored);
-  else if (opt->n_ignored > 0)
-    st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
-  g->opt.ignored = g->ignored;
+  g->opt.ignored = g->ignored; /* the group's copy: the caller's may go once this returns */
   g->shard = mesh_group(opt->mesh, md - 1);
   g->replicate = md == 2 ? mesh_group(opt->mesh, 0) : NULL;
   g->W = mesh_size(opt->mesh, md - 1);
@@ -492,8 +493,31 @@ void fsdp_set_is_last_backward(nn_module_t *root, bool last) {
 
 /* ---- hooks ---- */
 
-void fsdp_lazy_init(fsdp_group_t *g) {
-  if (g->initialised) return;
+/* The group's modules hold no parameter that neither it, an inner group nor its ignored list
+ * claims: one added after fully_shard would be neither sharded nor reduced, each rank's copy
+ * drifting from the others' in silence. */
+static fsdpc_status_t check_unclaimed(const fsdp_group_t *g) {
+  fsdp_plist_t l = {0};
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < g->n_modules && st == STATUS_OK; i++)
+    st = fsdp_collect_params(g->modules[i], &g->opt, &l);
+  if (st == STATUS_OK && l.n > 0) {
+    const nn_param_t *p = l.p[0];
+    const char *owner = nn_module_fqn(p->owner);
+    st = err_set(STATUS_EINVAL,
+                 "fully_shard: parameter '%s%s%s' was added after fully_shard, to a module of the "
+                 "unit at '%s': it would be neither sharded nor reduced (add parameters before "
+                 "fully_shard, or name it in fsdp_options_t.ignored)",
+                 owner && owner[0] ? owner : "", owner && owner[0] ? "." : "", p->name,
+                 nn_module_fqn(g->module));
+  }
+  free(l.p);
+  return st;
+}
+
+fsdpc_status_t fsdp_lazy_init(fsdp_group_t *g) {
+  if (g->initialised) return STATUS_OK;
+  FSDPC_TRY(check_unclaimed(g));
   g->initialised = true;
   g->root = g; /* the outermost group above any of this group's modules */
   for (int i = 0; i < g->n_modules; i++)
@@ -501,6 +525,7 @@ void fsdp_lazy_init(fsdp_group_t *g) {
       if (fsdp_group_of(a) != NULL && fsdp_group_of(a) != g) g->root = fsdp_group_of(a);
   g->is_root = g->root == g;
   if (g->reshard_after_forward == FSDP_RESHARD_AUTO) g->reshard_after_forward = !g->is_root;
+  return STATUS_OK;
 }
 
 /* The groups to prefetch in forward: the explicit list, else next, the group that followed
@@ -601,31 +626,8 @@ static fsdpc_status_t hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t kind, v
   return st;
 }
 
-/* The group's modules hold no parameter that neither it, an inner group nor its ignored list
- * claims: one added after fully_shard would be neither sharded nor reduced, each rank's copy
- * drifting from the others' in silence. */
-static fsdpc_status_t check_unclaimed(const fsdp_group_t *g) {
-  fsdp_plist_t l = {0};
-  fsdpc_status_t st = STATUS_OK;
-  for (int i = 0; i < g->n_modules && st == STATUS_OK; i++)
-    st = fsdp_collect_params(g->modules[i], &g->opt, &l);
-  if (st == STATUS_OK && l.n > 0) {
-    const nn_param_t *p = l.p[0];
-    const char *owner = nn_module_fqn(p->owner);
-    st = err_set(STATUS_EINVAL,
-                 "fully_shard: parameter '%s%s%s' was added after fully_shard, to a module of the "
-                 "unit at '%s': it would be neither sharded nor reduced (add parameters before "
-                 "fully_shard, or name it in fsdp_options_t.ignored)",
-                 owner && owner[0] ? owner : "", owner && owner[0] ? "." : "", p->name,
-                 nn_module_fqn(g->module));
-  }
-  free(l.p);
-  return st;
-}
-
 static fsdpc_status_t hook_run(nn_ctx_t *ctx, fsdp_group_t *g, nn_hook_kind_t kind) {
-  if (!g->initialised) FSDPC_TRY(check_unclaimed(g));
-  fsdp_lazy_init(g);
+  FSDPC_TRY(fsdp_lazy_init(g));
   switch (kind) {
     case NN_HOOK_PRE_FORWARD: g->in_forward++; return pre_forward(ctx, g);
     case NN_HOOK_POST_FORWARD: g->in_forward--; return post_forward(ctx, g);

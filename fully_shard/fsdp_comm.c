@@ -769,6 +769,7 @@ static bool has_grad(const nn_param_t *p) {
 }
 
 fsdpc_status_t fsdp_widen_grads(fsdp_group_t *g) {
+  bool widened = false;
   for (int i = 0; i < g->n; i++) {
     nn_param_t *p = g->params[i].p;
     if (!has_grad(p) || g->reduce_dtype == DTYPE_COUNT ||
@@ -778,6 +779,13 @@ fsdpc_status_t fsdp_widen_grads(fsdp_group_t *g) {
     FSDPC_TRY(tensor_clone(&wide, &p->compute_grad, g->reduce_dtype, p->compute_grad.device));
     tensor_free(&p->compute_grad);
     p->compute_grad = wide;
+    widened = true;
+  }
+  /* the narrow gradients' buffer (slots a GPU's pre-backward laid out) goes with them: only
+   * what is still a view of it keeps its memory */
+  if (widened) {
+    drop_slots(g);
+    tensor_free(&g->grad_buf);
   }
   return STATUS_OK;
 }

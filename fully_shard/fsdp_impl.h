@@ -178,8 +178,9 @@ void fsdp_state_drop_prefetches(fsdp_state_t *s);
 
 /* ---- fsdp.c: the group's state machine ---- */
 
-/* Finds the group's root and resolves an auto reshard policy, on the first hook. */
-void fsdp_lazy_init(fsdp_group_t *g);
+/* Finds the group's root and resolves an auto reshard policy, on the first hook, after
+ * checking that no parameter was added to its modules since fully_shard. */
+fsdpc_status_t fsdp_lazy_init(fsdp_group_t *g);
 /* After a call's forward: frees the unsharded parameters as reshard_after_forward says. */
 fsdpc_status_t fsdp_after_forward(fsdp_group_t *g);
 /* After a call's backward: reduces the gradients it produced (unless accumulating without

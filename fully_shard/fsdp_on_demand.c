@@ -167,7 +167,7 @@ static fsdpc_status_t member_hook(nn_ctx_t *ctx, nn_module_t *m, nn_hook_kind_t 
   (void)m;
   fsdp_member_t *mb = user;
   fsdp_group_t *g = mb->g;
-  fsdp_lazy_init(g);
+  FSDPC_TRY(fsdp_lazy_init(g));
   bool recomputing = nn_ctx_recomputing(ctx), rec = nn_ctx_recording(ctx) && !recomputing;
   switch (kind) {
     case NN_HOOK_PRE_FORWARD: {
@@ -216,7 +216,7 @@ static bool guard_ready(const nn_param_t *p) { return group_of_param(p)->in_forw
 
 static fsdpc_status_t guard_enter(nn_ctx_t *ctx, nn_param_t *p, const char *op) {
   fsdp_group_t *g = group_of_param(p);
-  fsdp_lazy_init(g);
+  FSDPC_TRY(fsdp_lazy_init(g));
   if (!nn_ctx_recomputing(ctx)) {
     fsdp_member_t *mb = member_of(g, p->owner);
     char what[512];

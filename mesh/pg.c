@@ -204,7 +204,7 @@ static fsdpc_status_t check_call(const pg_t *pg, const char *what, dtype_t dt, s
  * ranks that call different collectives, or the same one with different sizes, stop with an
  * error naming both calls on every rank instead of exchanging the wrong bytes. A host
  * all-gather a call: a debugging mode. */
-enum { CALL_FIELDS = 5 };
+enum { CALL_FIELDS = 6 }; /* the call's number, kind, count, dtype, op or root; world rank */
 static const char *const call_names[] = {"all_gather", "reduce_scatter", "all_reduce",
                                          "all_to_all", "all_to_all_v",   "broadcast",
                                          "barrier"};
@@ -219,7 +219,7 @@ static void call_text(const int64_t *c, char *buf, size_t n) {
   const char *name =
       k >= 0 && k < (int)(sizeof call_names / sizeof call_names[0]) ? call_names[k] : "(unknown)";
   int len = snprintf(buf, n, "call %lld, %s", (long long)c[0], name);
-  if (k == 6 || len < 0 || (size_t)len >= n) return;
+  if (k == 6 || k == 4 || len < 0 || (size_t)len >= n) return; /* (v: each rank's counts) */
   len += snprintf(buf + len, n - (size_t)len, " of %lld x %s", (long long)c[2],
                   dtype_name((dtype_t)c[3]));
   if ((k == 1 || k == 2) && (size_t)len < n)
@@ -231,13 +231,13 @@ static void call_text(const int64_t *c, char *buf, size_t n) {
 /* kind: call_names' index; extra: the reduce op or the root. Collective over pg when on. */
 static fsdpc_status_t same_call(pg_t *pg, int kind, size_t count, dtype_t dt, int extra) {
   if (!checking_calls() || pg->planned || pg->size == 1) return STATUS_OK;
-  int64_t mine[CALL_FIELDS] = {pg->calls++, kind, (int64_t)count, (int64_t)dt, extra};
+  int64_t mine[CALL_FIELDS] = {pg->calls++, kind, (int64_t)count, (int64_t)dt, extra, world_rank()};
   int64_t *all = malloc(sizeof *all * CALL_FIELDS * (size_t)pg->size);
-  FSDPC_TRY(pg_agree(pg, all ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory")));
-  fsdpc_status_t st = pg_host_all_gather(pg, mine, all, CALL_FIELDS, PG_HOST_I64);
-  int r = 1;
+  fsdpc_status_t st = pg_agree(pg, all ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory"));
+  if (st == STATUS_OK) st = pg_host_all_gather(pg, mine, all, CALL_FIELDS, PG_HOST_I64);
+  int r = 1; /* the first rank whose call differs from rank 0's (the world ranks aside) */
   while (st == STATUS_OK && r < pg->size &&
-         memcmp(all + CALL_FIELDS * r, all, sizeof *all * CALL_FIELDS) == 0)
+         memcmp(all + CALL_FIELDS * r, all, sizeof *all * (CALL_FIELDS - 1)) == 0)
     r++;
   if (st == STATUS_OK && r < pg->size) {
     char a[160], b[160];
@@ -245,8 +245,9 @@ static fsdpc_status_t same_call(pg_t *pg, int kind, size_t count, dtype_t dt, in
     call_text(all + CALL_FIELDS * r, b, sizeof b);
     st = err_set(STATUS_EINVAL,
                  "FSDPC_CHECK_COLLECTIVES: the ranks of a group of %d called different "
-                 "collectives: its rank 0 %s, its rank %d %s",
-                 pg->size, a, r, b);
+                 "collectives: its rank 0 (world rank %lld) %s, its rank %d (world rank %lld) %s",
+                 pg->size, (long long)all[CALL_FIELDS - 1], a, r,
+                 (long long)all[CALL_FIELDS * r + CALL_FIELDS - 1], b);
   }
   free(all);
   return st;

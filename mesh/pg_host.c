@@ -121,8 +121,8 @@ fsdpc_status_t pg_host_first_differing(pg_t *pg, uint64_t value, int *rank) {
   *rank = -1;
   uint64_t *all = malloc(sizeof *all * (size_t)pg->size);
   /* agreed: a rank short of memory must not leave the others in the gather */
-  FSDPC_TRY(pg_agree(pg, all ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory")));
-  fsdpc_status_t st = pg_host_all_gather(pg, &value, all, 1, PG_HOST_I64);
+  fsdpc_status_t st = pg_agree(pg, all ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory"));
+  if (st == STATUS_OK) st = pg_host_all_gather(pg, &value, all, 1, PG_HOST_I64);
   for (int r = 0; st == STATUS_OK && r < pg->size && *rank < 0; r++)
     if (all[r] != all[0]) *rank = r;
   free(all);

@@ -498,15 +498,20 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
   key[kl] = 0;
   int cur = root;
   char *pos = key;
-  bool bad = false;
+  bool bad = false, item_given = false; /* the part before was NAME[INDEX] */
   for (char *part = next_part(&pos, &bad); part; part = next_part(&pos, &bad)) {
     bool last = *pos == 0;
-    if (pr_node(c, cur)->type == YAML_SCALAR_NODE) /* a list item given as a string */
+    if (pr_node(c, cur)->type == YAML_SCALAR_NODE && item_given) /* an item given as a string */
       return err_set(STATUS_EFORMAT,
                      "--set %s: '%s' would go inside '%s', a single value, not a mapping of keys "
                      "(an item given as a string, such as a unit's pattern, takes keys once "
                      "written as a mapping: replace it whole with NAME[INDEX]={match: PATTERN, "
                      "...})",
+                     set, part, pr_scalar(c, cur));
+    if (pr_node(c, cur)->type == YAML_SCALAR_NODE)
+      return err_set(STATUS_EFORMAT,
+                     "--set %s: '%s' would go inside the value '%s', a single value, not a "
+                     "mapping of keys",
                      set, part, pr_scalar(c, cur));
     if (pr_node(c, cur)->type != YAML_MAPPING_NODE)
       return err_set(STATUS_EFORMAT, "--set %s: '%s' is inside a value that is not a mapping", set,
@@ -531,6 +536,7 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
         return err_set(STATUS_EFORMAT, "--set %s: '%s' has %ld item%s (from 0)", set, part, n,
                        n == 1 ? "" : "s");
       yaml_node_item_t *item = &seq->data.sequence.items.start[index];
+      item_given = true;
       if (last) { /* replace the item */
         int val;
         FSDPC_TRY(add_value(c, eq + 1, set, &val));
@@ -540,6 +546,7 @@ fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
       cur = *item;
       continue;
     }
+    item_given = false;
     if (last) { /* replace the value given in the file, or add the key */
       int val;
       FSDPC_TRY(add_value(c, eq + 1, set, &val));

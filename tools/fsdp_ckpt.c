@@ -319,7 +319,19 @@ static fsdpc_status_t export_hf(const char *dir, const char *out, const hf_expor
   return st;
 }
 
+/* What an earlier command writing out left when it was stopped (OUT.tmp-XXXXXX, written
+ * before its rename): removed, said. */
+static void clear_stale(const char *out) {
+  int n = file_remove_stale_temps(out);
+  if (n > 0)
+    fprintf(stderr,
+            "fsdp-ckpt: note: removed %d unfinished output%s beside '%s' (%s.tmp-*), left by a "
+            "command that was stopped\n",
+            n, n == 1 ? "" : "s", out, out);
+}
+
 static fsdpc_status_t import_hf(const char *hf, const char *out) {
+  clear_stale(out);
   hf_report_t rep;
   FSDPC_TRY(ckpt_import_hf(hf, out, &rep));
   printf("imported %d tensors from %d file%s of %s into %s (step 0, no optimizer state)\n",
@@ -569,6 +581,7 @@ static fsdpc_status_t reshard_command(int argc, char **argv) {
   }
   if (np != 2 || o.config == NULL)
     return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
+  clear_stale(pos[1]);
   return reshard(pos[0], pos[1], &o);
 }
 
@@ -609,6 +622,7 @@ static fsdpc_status_t export_command(int argc, char **argv) {
     }
   }
   if (np != 2) return err_set(STATUS_EINVAL, "export-hf takes DIR OUT");
+  clear_stale(pos[1]);
   return export_hf(pos[0], pos[1], &o);
 }
 
@@ -657,7 +671,13 @@ int main(int argc, char **argv) {
       printf("fsdp-ckpt (fsdpc) %s\n", fsdpc_version());
       return 0;
     }
-  if (world_init(&argc, &argv) != STATUS_OK) {
+  fsdpc_status_t up = world_init(&argc, &argv);
+  if (up != STATUS_OK && world_pg() != NULL) { /* the world is up: reported once for all */
+    world_agree_report(up, "fsdp-ckpt");
+    world_finalize();
+    return 1;
+  }
+  if (up != STATUS_OK) {
     fprintf(stderr, "fsdp-ckpt: %s\n", err_detail());
     return 1;
   }

@@ -297,13 +297,15 @@ static int parse_args(int argc, char **argv, const char **in, const char **outp)
   for (int i = 2; i < argc; i++) {
     bool eq = strncmp(argv[i], "--output=", 9) == 0;
     if (strcmp(argv[i], "-o") == 0 || strcmp(argv[i], "--output") == 0 || eq) {
-      if (!eq && i + 1 == argc) {
-        fprintf(stderr, "fsdp-plan: %s needs a file name\n", argv[i]);
+      const char *opt = eq ? "--output" : argv[i];
+      if ((!eq && i + 1 == argc) || (eq && argv[i][9] == 0)) {
+        fprintf(stderr, "fsdp-plan: %s needs a file name\n", opt);
         return 2;
       }
       const char *v = eq ? argv[i] + 9 : argv[i + 1];
       if (*outp != NULL) {
-        fprintf(stderr, "fsdp-plan: -o given twice ('%s' and '%s')\n", *outp, v);
+        fprintf(stderr, "fsdp-plan: %s given twice ('%s' and '%s'; -o and --output are one)\n", opt,
+                *outp, v);
         return 2;
       }
       *outp = v;

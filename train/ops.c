@@ -513,6 +513,33 @@ static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *pat
   return st;
 }
 
+train_metrics_seen_t train_metrics_scan(const char *path, int64_t start) {
+  train_metrics_seen_t seen = {0};
+  FILE *in = fopen(path, "r");
+  if (in == NULL) return seen;
+  seen.file = true;
+  char *line = NULL;
+  size_t cap = 0;
+  while (getline(&line, &cap, in) > 0) {
+    cJSON *o = cJSON_Parse(line);
+    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
+    double s = cJSON_IsNumber(step) ? step->valuedouble : 0;
+    seen.last = s > seen.last ? s : seen.last;
+    if (cJSON_IsNumber(step) && s == (double)start) {
+      seen.line = true;
+      seen.eval = cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, "eval_loss"));
+    }
+    if (s > (double)start) {
+      seen.first_after = seen.first_after == 0 || s < seen.first_after ? s : seen.first_after;
+      seen.last_after = s > seen.last_after ? s : seen.last_after;
+    }
+    cJSON_Delete(o);
+  }
+  free(line);
+  fclose(in);
+  return seen;
+}
+
 fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *metrics,
                                           const char *resumed, int64_t start) {
   if (metrics == NULL || !metrics[0] || resumed == NULL || !resumed[0] || start >= p->steps ||
@@ -524,22 +551,9 @@ fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *met
   bool own = dir != NULL && at != NULL && strcmp(dir, at) == 0;
   free(dir);
   free(at);
-  FILE *f = own ? NULL : fopen(metrics, "r");
-  if (f == NULL) return STATUS_OK; /* one of its own checkpoints, or no file yet */
-  char *line = NULL;
-  size_t cap = 0;
-  double first = 0, last = 0; /* the steps after start the file holds */
-  while (getline(&line, &cap, f) > 0) {
-    cJSON *o = cJSON_Parse(line);
-    const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
-    if (cJSON_IsNumber(s) && s->valuedouble > (double)start) {
-      first = first == 0 || s->valuedouble < first ? s->valuedouble : first;
-      last = s->valuedouble > last ? s->valuedouble : last;
-    }
-    cJSON_Delete(o);
-  }
-  free(line);
-  fclose(f);
+  if (own) return STATUS_OK; /* one of its own checkpoints */
+  train_metrics_seen_t seen = train_metrics_scan(metrics, start);
+  double first = seen.first_after, last = seen.last_after; /* (none: no file yet) */
   if (last == 0) return STATUS_OK;
   return err_set(STATUS_EINVAL,
                  "--metrics (or log.metrics) '%s' holds the lines of steps %.0f to %.0f, after "
@@ -551,26 +565,38 @@ fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *met
 }
 
 /* A metrics file given again holds metrics lines (a JSON object with a number "step"), at
- * least one, or nothing: the run replaces its lines, and another file's content (a
- * mistyped name) is not a run's to replace. Local. */
+ * least one in its first 64 KiB (a line cut short by a kill counts, as its start shows), or
+ * nothing: the run replaces its lines, and another file's content (a mistyped name) is not a
+ * run's to replace. Local. */
 static fsdpc_status_t metrics_file_is_metrics(const char *metrics) {
+  enum { HEAD = 65536 };
   FILE *f = fopen(metrics, "r");
   if (f == NULL) return STATUS_OK; /* absent (or unreadable: refused as it is written) */
-  char *line = NULL;
-  size_t cap = 0;
-  ssize_t len;
-  long lines = 0, first_other = 0;
-  bool step = false;
-  while (!step && (len = getline(&line, &cap, f)) > 0) {
-    lines++;
-    cJSON *o = cJSON_Parse(line);
-    step = cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, "step"));
-    cJSON_Delete(o);
-    if (!step && first_other == 0 && strspn(line, " \t\r\n") < (size_t)len) first_other = lines;
-  }
-  free(line);
+  char *head = malloc(HEAD);
+  size_t n = head ? fread(head, 1, HEAD - 1, f) : 0;
   fclose(f);
-  if (step || first_other == 0) return STATUS_OK;
+  if (head == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  head[n] = 0;
+  long line = 0, first_other = 0;
+  for (char *l = head, *next; l < head + n; l = next) {
+    next = strchr(l, '\n');
+    next = next ? next + 1 : head + n;
+    line++;
+    char keep = *next;
+    *next = 0; /* (the line alone, its newline kept) */
+    cJSON *o = cJSON_Parse(l);
+    bool step = cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, "step")) ||
+                strncmp(l, "{\"step\":", 8) == 0;
+    cJSON_Delete(o);
+    if (first_other == 0 && l[strspn(l, " \t\r\n")] != 0) first_other = line;
+    *next = keep;
+    if (step) {
+      free(head);
+      return STATUS_OK;
+    }
+  }
+  free(head);
+  if (first_other == 0) return STATUS_OK;
   return err_set(STATUS_EINVAL,
                  "--metrics (or log.metrics) '%s' holds no metrics line (line %ld is not a JSON "
                  "object with a \"step\"): this run would replace a file that is not a run's "

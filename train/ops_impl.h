@@ -82,6 +82,17 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
  * of another run) keeps the metrics file's lines up to start and rewrites the rest: when the
  * file holds steps after start, which belong to the run it branches from, refused, naming
  * them. Local (rank 0's file). */
+/* What the metrics file at path holds about step start. Local. */
+typedef struct train_metrics_seen {
+  bool file;          /* it is there */
+  bool line;          /* step start's line */
+  bool eval;          /* that line's evaluation */
+  double last;        /* the last step of its lines */
+  double first_after; /* the first and last steps after start (0: none) */
+  double last_after;
+} train_metrics_seen_t;
+train_metrics_seen_t train_metrics_scan(const char *path, int64_t start);
+
 fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *metrics,
                                           const char *resumed, int64_t start);
 

@@ -316,6 +316,11 @@ static fsdpc_status_t check_samples(const fsdpc_data_t *d, const data_spec_t *sp
   return STATUS_OK;
 }
 
+/* The metrics file: --metrics, else log.metrics ("" for none). */
+static const char *metrics_path(const run_t *r) {
+  return r->args.metrics ? r->args.metrics : r->plan.metrics;
+}
+
 /* eval.path's batches, the same at every evaluation: read once before the first step, so
  * that a bad one stops the run now, not after an interval of training. */
 static fsdpc_status_t check_eval_samples(const run_t *r) {
@@ -330,7 +335,7 @@ static fsdpc_status_t check_eval_samples(const run_t *r) {
 
 static fsdpc_status_t check_before_training(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
-  const char *metrics = r->args.metrics ? r->args.metrics : p->metrics;
+  const char *metrics = metrics_path(r);
   fsdpc_status_t st = STATUS_OK;
   if (world_rank() == 0) /* rank 0 writes them */
     st = train_check_outputs(p, metrics, r->args.plot, r->data, r->eval, r->resumed_from);
@@ -399,6 +404,15 @@ static fsdpc_status_t start(run_t *r) {
             "%s: checkpoint.dir '%s': a checkpoint.overwrite rollback a job stopped in had "
             "saved nothing; the step folders are as they were\n",
             train_prog(), p->ckpt_dir);
+  /* rewrites of the metrics file a killed run left beside it (a finished rollback's took its
+   * name above) */
+  const char *mpath = metrics_path(r);
+  int left = st == STATUS_OK && world_rank() == 0 && mpath[0] ? file_remove_stale_temps(mpath) : 0;
+  if (left > 0)
+    fprintf(stderr,
+            "%s: note: removed %d unfinished rewrite%s of the metrics file beside '%s' "
+            "(%s.tmp-*), left by a run that was killed\n",
+            train_prog(), left, left == 1 ? "" : "s", mpath, mpath);
   return pg_agree(world_pg(), st);
 }
 
@@ -830,11 +844,6 @@ static data_spec_t spec_of(const run_t *r) {
                        .vocab_size = r->model.vocab_size};
 }
 
-/* The metrics file: --metrics, else log.metrics ("" for none). */
-static const char *metrics_path(const run_t *r) {
-  return r->args.metrics ? r->args.metrics : r->plan.metrics;
-}
-
 /* Set up: the data order, the schedule, the metrics file, the saver. On failure nothing is
  * left to finish. */
 static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
@@ -864,6 +873,7 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
       ckpt_newer(p->ckpt_dir, r->start_step, r->start_step, &newer, &newest) != STATUS_OK)
     newer = 0;
   bool rollback = newer > 0; /* (rank 0's: the metrics file and the journal are its) */
+
   if (L->lead && L->mpath[0] &&
       (L->mf = metrics_open(L->mpath, r->start_step, patch, r->saved_line,
                             rollback ? L->mtmp : NULL, sizeof L->mtmp)) == NULL)
@@ -1093,9 +1103,12 @@ static cJSON *metrics_json(const run_t *r, const loop_t *L, const step_out_t *o)
 static fsdpc_status_t save_step(run_t *r, loop_t *L, int64_t step, bool wait, bool eval_pending,
                                 cJSON *line) {
   char *under = NULL;
-  /* restored, the line is of a save that committed: this one, when it waits for its commit */
+  /* restored, the line is of a save that committed: this one, when it waits for its commit
+   * (whose times the line cannot hold: it is recorded before them) */
   if (line != NULL && wait) {
     cJSON_DeleteItemFromObjectCaseSensitive(line, "ckpt_saved_step");
+    cJSON_DeleteItemFromObjectCaseSensitive(line, "ckpt_save_s");
+    cJSON_DeleteItemFromObjectCaseSensitive(line, "ckpt_stall_s");
     cJSON_AddNumberToObject(line, "ckpt_saved_step", (double)step);
   }
   fsdpc_status_t st = pg_agree(world_pg(), saved_under(r, eval_pending, line, &under));
@@ -1373,50 +1386,21 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   return st;
 }
 
-/* What the metrics file at path holds of step start (rank 0's file). */
-typedef struct metrics_seen {
-  bool file;   /* it is there */
-  bool line;   /* step start's line */
-  bool eval;   /* that line's evaluation */
-  double last; /* the last step of its lines */
-} metrics_seen_t;
-
-static metrics_seen_t metrics_scan(const char *path, int64_t start) {
-  metrics_seen_t seen = {0};
-  FILE *in = fopen(path, "r");
-  if (in == NULL) return seen;
-  seen.file = true;
-  char *line = NULL;
-  size_t cap = 0;
-  while (getline(&line, &cap, in) > 0) {
-    cJSON *o = cJSON_Parse(line);
-    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
-    if (cJSON_IsNumber(step)) {
-      seen.last = step->valuedouble > seen.last ? step->valuedouble : seen.last;
-      if (step->valuedouble == (double)start) {
-        seen.line = true;
-        seen.eval = cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, "eval_loss"));
-      }
-    }
-    cJSON_Delete(o);
-  }
-  free(line);
-  fclose(in);
-  return seen;
-}
-
 /* Whether the step a run resumes from still needs its evaluation: the metrics file has its
- * line without one (or none), else (no file) the checkpoint records a stop that skipped it.
- * seen: rank 0's view of the file. Collective. */
-static fsdpc_status_t resume_eval_needed(run_t *r, metrics_seen_t *seen, bool *need) {
+ * line without one (or none, and the checkpoint's record of the line none), else (no file)
+ * the checkpoint records a stop that skipped it. seen: rank 0's view of the file. Collective. */
+static fsdpc_status_t resume_eval_needed(run_t *r, train_metrics_seen_t *seen, bool *need) {
   *need = r->resume_eval;
   const char *mpath = metrics_path(r);
   if (r->start_step == 0 || !mpath[0]) return STATUS_OK;
   double v[2] = {0, 0};
   if (world_rank() == 0) {
-    *seen = metrics_scan(mpath, r->start_step);
+    *seen = train_metrics_scan(mpath, r->start_step);
+    /* a line the file lost whose record has its evaluation (a full disk): written as it is */
+    bool recorded =
+        !seen->line && cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(r->saved_line, "eval_loss"));
     v[0] = seen->file;
-    v[1] = seen->file && !seen->eval;
+    v[1] = seen->file && !seen->eval && !recorded;
   }
   FSDPC_TRY(pg_host_all_reduce(world_pg(), v, v, 2, PG_HOST_F64, REDUCE_SUM));
   if (v[0] > 0) *need = v[1] > 0;
@@ -1441,13 +1425,20 @@ static fsdpc_status_t evaluate_start(run_t *r, cJSON **patch) {
  * evaluation when the plan has one, and its step's line in the metrics file (rank 0) where the
  * run that saved it stopped before writing it or its evaluation; a file with later steps is
  * left as it is. Collective. */
-static fsdpc_status_t evaluate_saved(run_t *r, const metrics_seen_t *seen) {
+static fsdpc_status_t evaluate_saved(run_t *r, const train_metrics_seen_t *seen) {
   const fsdpc_plan_t *p = &r->plan;
   if (world_rank() == 0)
     printf("nothing to train: the checkpoint is after step %lld, train.steps is %lld\n",
            (long long)r->start_step, (long long)p->steps);
   cJSON *patch = NULL; /* a checkpoint's evaluation: resume it with train.steps at its step */
   if (r->eval != NULL) FSDPC_TRY(evaluate_start(r, &patch));
+  /* checkpoint.keep, which a kill during the last save's pruning left undone: the run resumed
+   * the newest checkpoint (auto), so the newest are those a finished run keeps */
+  if (world_rank() == 0 && p->ckpt_keep > 0 && strcmp(p->ckpt_load, "auto") == 0 &&
+      ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep) != STATUS_OK) {
+    fprintf(stderr, "%s: warning: checkpoint.keep: %s\n", train_prog(), err_detail());
+    err_clear();
+  }
   bool lost = !seen->line ? r->saved_line != NULL : patch != NULL && !seen->eval;
   if (world_rank() == 0 && seen->file && seen->last <= (double)r->start_step && lost) {
     FILE *f = metrics_open(metrics_path(r), r->start_step, seen->eval ? NULL : patch, r->saved_line,
@@ -1462,7 +1453,7 @@ static fsdpc_status_t evaluate_saved(run_t *r, const metrics_seen_t *seen) {
 
 static fsdpc_status_t train(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
-  metrics_seen_t seen = {0};
+  train_metrics_seen_t seen = {0};
   bool eval_first;
   FSDPC_TRY(resume_eval_needed(r, &seen, &eval_first));
   if (r->start_step >= p->steps) return evaluate_saved(r, &seen); /* before the file is touched */

@@ -378,15 +378,15 @@ START_TEST(mismatched_collectives_are_named_under_the_check) {
   fsdpc_status_t st = pg_all_reduce(pg, x, y, r == 0 ? 4 : 5, DTYPE_I32, REDUCE_SUM, NULL);
   ck_assert_int_eq(st, STATUS_EINVAL);
   ck_assert_msg(strstr(err_detail(),
-                       "its rank 0 call 1, all_reduce of 4 x i32 (sum), its rank 1 "
-                       "call 1, all_reduce of 5 x i32 (sum)") != NULL,
+                       "its rank 0 (world rank 0) call 1, all_reduce of 4 x i32 (sum), its "
+                       "rank 1 (world rank 1) call 1, all_reduce of 5 x i32 (sum)") != NULL,
                 "rank %d: %s", r, err_detail());
   st = r == 0 ? pg_all_gather(pg, x, y, 2, DTYPE_I32, NULL)
               : pg_all_reduce(pg, x, y, 2, DTYPE_I32, REDUCE_MAX, NULL);
   ck_assert_int_eq(st, STATUS_EINVAL);
   ck_assert_msg(strstr(err_detail(),
-                       "its rank 0 call 2, all_gather of 2 x i32, its rank 1 call "
-                       "2, all_reduce of 2 x i32 (max)") != NULL,
+                       "call 2, all_gather of 2 x i32, its rank 1 (world rank 1) call 2, "
+                       "all_reduce of 2 x i32 (max)") != NULL,
                 "rank %d: %s", r, err_detail());
   ck_assert_int_eq(pg_broadcast(pg, x, 8, DTYPE_I32, 0, NULL), STATUS_OK);
   unsetenv("FSDPC_CHECK_COLLECTIVES");

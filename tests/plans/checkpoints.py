@@ -101,14 +101,21 @@ def checkpoints():
               {"0", "1"},
               "checkpoint.dir under a file: every rank refuses it before training %s(exit %d)"
               % (" ".join(extra) + " " if extra else "", p.returncode))
-    # where no folder can be made whatever the permissions say (/proc, even for root)
+    # where no folder can be made whatever the permissions say (/proc, even for root); where
+    # one can, the dry run's probe folder is gone after it
     for extra in ([], ["--dry-run"]):
         p, _ = run(2, [cfg("fsdp"), "--set", "checkpoint.dir=/proc/fsdpc-ckpt"] + extra)
         check(p.returncode != 0 and "step " not in p.stdout and ranks_saying(
-            p.stderr, r"checkpoint\.dir '/proc/fsdpc-ckpt': cannot create") == {"0", "1"} and
-              not [e for e in os.listdir(tmp) if e.startswith(".fsdpc-probe")],
+            p.stderr, r"checkpoint\.dir '/proc/fsdpc-ckpt': cannot create") == {"0", "1"},
               "checkpoint.dir in /proc: every rank refuses it before training %s(%s)"
               % (" ".join(extra) + " " if extra else "", p.stderr.strip()[-160:]))
+    probed = os.path.join(tmp, "probed")
+    os.makedirs(probed)
+    p, _ = run(2, [cfg("fsdp"), "--set", "checkpoint.dir=" + os.path.join(probed, "new", "sub"),
+                   "--dry-run"])
+    check(p.returncode == 0 and os.listdir(probed) == [],
+          "--dry-run with a checkpoint.dir to be made leaves nothing where it probed (%s)"
+          % os.listdir(probed))
     p, _ = run(2, [cfg("fsdp"), "--set", "train.steps=3", "--metrics", "/dev/full"])
     check(p.returncode != 0 and "step " not in p.stdout and ranks_saying(
         p.stderr, r"--metrics \(or log\.metrics\) '/dev/full': is a device, not a regular file") ==

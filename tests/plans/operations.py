@@ -708,9 +708,11 @@ def operations():
     # start finishes it; one that committed nothing is undone; a removal cut short
     # (step-N.removing) is removed. Built from a finished rollback of steps 4 -> 6 (the old
     # steps 7 and 8 copied back, the journal written as the killed job left it).
-    rj = os.path.join(tmp, "rollback-journal")
+    rj, rm = os.path.join(tmp, "rollback-journal"), os.path.join(tmp, "rollback.jsonl")
     run(1, [debug, "--set", "train.steps=8", "--set", "checkpoint.interval=1", "--set",
-            "checkpoint.dir=" + rj])
+            "checkpoint.dir=" + rj, "--metrics", rm])
+    with open(rm) as f:
+        old_lines = f.read()
     old = os.path.join(tmp, "rollback-journal-old")
     os.makedirs(old)
     for k in (7, 8):
@@ -718,23 +720,40 @@ def operations():
     roll = ["--set", "checkpoint.dir=" + rj, "--set", "checkpoint.interval=1", "--set",
             "checkpoint.overwrite=true", "--set", "optim.lr=1.0e-3"]
     p1, _ = run(1, [debug, "--set", "train.steps=6", "--set",
-                    "checkpoint.load=" + os.path.join(rj, "step-00000004")] + roll)
+                    "checkpoint.load=" + os.path.join(rj, "step-00000004"), "--metrics", rm] +
+                roll)
     with open(os.path.join(rj, "step-00000005", "train_state.json")) as f:
         rid = json.load(f)["saved_under"].get("run", "")
+    with open(rm) as f:  # the rollback's lines: in its own file while it was killed
+        new_lines = f.read()
+    with open(rm, "w") as f:
+        f.write(old_lines)
+    own = rm + ".tmp-Ab12Cd"
+    with open(own, "w") as f:
+        f.write(new_lines)
+    with open(rm + ".tmp-Zz99Yy", "w") as f:  # a rewrite a killed resume left
+        f.write(old_lines[:40])
+    with open(os.path.join(rj, "fsdp-train.rollback.tmp-Qq77Rr"), "w") as f:  # a journal's write
+        f.write('{"after": 4')
     for k in (7, 8):
         shutil.copytree(os.path.join(old, "step-%08d" % k), os.path.join(rj, "step-%08d" % k))
     os.makedirs(os.path.join(rj, "step-00000002.removing", "model"))
     journal = os.path.join(rj, "fsdp-train.rollback")
     with open(journal, "w") as f:
-        json.dump({"after": 4, "run": rid, "own_file": ""}, f)
-    p, _ = run(1, [debug, "--set", "train.steps=6", "--set", "checkpoint.load=auto"] + roll)
+        json.dump({"after": 4, "run": rid, "own_file": own}, f)
+    p, _ = run(1, [debug, "--set", "train.steps=6", "--set", "checkpoint.load=auto", "--metrics",
+                   rm] + roll)
     check(p1.returncode == 0 and len(rid) == 16 and p.returncode == 0 and
           "finished the checkpoint.overwrite rollback a job stopped in: removed the 2 step "
           "folders it replaces" in p.stderr and "removed 1 unfinished save or removal" in p.stderr
           and "checkpoint is after step 6" in p.stdout and
-          saved(rj) == ["step-%08d" % k for k in range(1, 7)] and not os.path.exists(journal),
+          saved(rj) == ["step-%08d" % k for k in range(1, 7)] and not os.path.exists(journal) and
+          open(rm).read() == new_lines and
+          "removed 1 unfinished rewrite of the metrics file" in p.stderr and
+          not glob.glob(rm + ".tmp-*") and not glob.glob(journal + ".tmp-*"),
           "a rollback killed between its first save and the removal of what it replaces is "
-          "finished by the next start (%s; %s)" % (saved(rj), p.stderr.strip()[-200:]))
+          "finished by the next start, its metrics file given its name, the temporary files "
+          "gone (%s; %s)" % (saved(rj), p.stderr.strip()[-200:]))
     with open(journal, "w") as f:
         json.dump({"after": 4, "run": "0123456789abcdef", "own_file": ""}, f)
     p, _ = run(1, [debug, "--set", "train.steps=6", "--set", "checkpoint.load=auto"] + roll)
@@ -742,6 +761,16 @@ def operations():
           p.stderr and saved(rj) == ["step-%08d" % k for k in range(1, 7)] and
           not os.path.exists(journal),
           "a rollback that committed nothing is undone by the next start (%s)" % saved(rj))
+    # checkpoint.keep left undone by a kill during the last save's pruning: the next start,
+    # with nothing left to train from the newest checkpoint (auto), prunes
+    kp = os.path.join(tmp, "keep-undone")
+    run(1, [debug, "--set", "train.steps=8", "--set", "checkpoint.interval=2", "--set",
+            "checkpoint.dir=" + kp])
+    p, _ = run(1, [debug, "--set", "train.steps=8", "--set", "checkpoint.dir=" + kp, "--set",
+                   "checkpoint.keep=2", "--set", "checkpoint.load=auto"])
+    check(p.returncode == 0 and saved(kp) == ["step-00000006", "step-00000008"],
+          "checkpoint.keep undone by a kill is done by the next start with nothing to train (%s)"
+          % saved(kp))
     # a job killed while such a save was in flight: the next start puts the folder moved aside
     # back, or removes it when its replacement committed
     os.rename(os.path.join(nf, "step-00000006"), os.path.join(nf, "step-00000006.replaced-4242"))
@@ -827,6 +856,14 @@ def operations():
         check(p.returncode == 0 and os.path.isdir(out) and
               os.path.exists(os.path.join(victim, "keep.txt")),
               "fsdp-ckpt %s beside OUT.tmp links: writes OUT, leaves what they point to" % op)
+        # what a stopped command left (OUT.tmp-XXXXXX, a folder) is removed, said
+        again = out + "-again"
+        os.makedirs(os.path.join(again + ".tmp-q1W2e3", "model"))
+        p = sh([TOOL, op] + args + [again], timeout=120)
+        check(p.returncode == 0 and os.path.isdir(again) and not glob.glob(again + ".tmp-*") and
+              "removed 1 unfinished output beside" in p.stderr,
+              "fsdp-ckpt %s removes the unfinished output a stopped run left beside OUT (%s)"
+              % (op, p.stderr.strip()[-160:]))
         link = os.path.join(tmp, "link-" + op)
         os.symlink(os.path.join(tmp, "nowhere-" + op), link)
         p = sh([TOOL, op] + args + [link], timeout=120)
