@@ -18,6 +18,7 @@
 #include "checkpoint/train_ckpt.h"
 #include "core/file.h"
 #include "mesh/world.h"
+#include "train/metrics_impl.h"
 #include "train/ops_impl.h"
 
 /* ---- signals ---- */
@@ -513,97 +514,6 @@ static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *pat
   return st;
 }
 
-train_metrics_seen_t train_metrics_scan(const char *path, int64_t start) {
-  train_metrics_seen_t seen = {0};
-  FILE *in = fopen(path, "r");
-  if (in == NULL) return seen;
-  seen.file = true;
-  char *line = NULL;
-  size_t cap = 0;
-  while (getline(&line, &cap, in) > 0) {
-    cJSON *o = cJSON_Parse(line);
-    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
-    double s = cJSON_IsNumber(step) ? step->valuedouble : 0;
-    seen.last = s > seen.last ? s : seen.last;
-    if (cJSON_IsNumber(step) && s == (double)start) {
-      seen.line = true;
-      seen.eval = cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, "eval_loss"));
-    }
-    if (s > (double)start) {
-      seen.first_after = seen.first_after == 0 || s < seen.first_after ? s : seen.first_after;
-      seen.last_after = s > seen.last_after ? s : seen.last_after;
-    }
-    cJSON_Delete(o);
-  }
-  free(line);
-  fclose(in);
-  return seen;
-}
-
-fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *metrics,
-                                          const char *resumed, int64_t start) {
-  if (metrics == NULL || !metrics[0] || resumed == NULL || !resumed[0] || start >= p->steps ||
-      !p->ckpt_dir[0]) /* no folder of its own: a rerun from that step, as documented */
-    return STATUS_OK;
-  char parent[PLAN_PATH_MAX + 8];
-  file_parent_of(resumed, parent, sizeof parent);
-  char *dir = realpath(p->ckpt_dir, NULL), *at = realpath(parent, NULL);
-  bool own = dir != NULL && at != NULL && strcmp(dir, at) == 0;
-  free(dir);
-  free(at);
-  if (own) return STATUS_OK; /* one of its own checkpoints */
-  train_metrics_seen_t seen = train_metrics_scan(metrics, start);
-  double first = seen.first_after, last = seen.last_after; /* (none: no file yet) */
-  if (last == 0) return STATUS_OK;
-  return err_set(STATUS_EINVAL,
-                 "--metrics (or log.metrics) '%s' holds the lines of steps %.0f to %.0f, after "
-                 "step %lld, where this run resumes from '%s', outside its checkpoint.dir: "
-                 "this run would replace them, and they belong to the run it branches from (or "
-                 "to an earlier attempt of this one); give this run a metrics file of its own, "
-                 "or remove those lines",
-                 metrics, first, last, (long long)start, resumed);
-}
-
-/* A metrics file given again holds metrics lines (a JSON object with a number "step"), at
- * least one in its first 64 KiB (a line cut short by a kill counts, as its start shows), or
- * nothing: the run replaces its lines, and another file's content (a mistyped name) is not a
- * run's to replace. Local. */
-static fsdpc_status_t metrics_file_is_metrics(const char *metrics) {
-  enum { HEAD = 65536 };
-  FILE *f = fopen(metrics, "r");
-  if (f == NULL) return STATUS_OK; /* absent (or unreadable: refused as it is written) */
-  char *head = malloc(HEAD);
-  size_t n = head ? fread(head, 1, HEAD - 1, f) : 0;
-  fclose(f);
-  if (head == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  head[n] = 0;
-  long line = 0, first_other = 0;
-  for (char *l = head, *next; l < head + n; l = next) {
-    next = strchr(l, '\n');
-    next = next ? next + 1 : head + n;
-    line++;
-    char keep = *next;
-    *next = 0; /* (the line alone, its newline kept) */
-    cJSON *o = cJSON_Parse(l);
-    bool step = cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, "step")) ||
-                strncmp(l, "{\"step\":", 8) == 0;
-    cJSON_Delete(o);
-    if (first_other == 0 && l[strspn(l, " \t\r\n")] != 0) first_other = line;
-    *next = keep;
-    if (step) {
-      free(head);
-      return STATUS_OK;
-    }
-  }
-  free(head);
-  if (first_other == 0) return STATUS_OK;
-  return err_set(STATUS_EINVAL,
-                 "--metrics (or log.metrics) '%s' holds no metrics line (line %ld is not a JSON "
-                 "object with a \"step\"): this run would replace a file that is not a run's "
-                 "metrics; name another file, or remove this one",
-                 metrics, first_other);
-}
-
 fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, const char *plot,
                                    const fsdpc_data_t *data, const fsdpc_data_t *eval,
                                    const char *resumed) {
@@ -630,7 +540,7 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
                    "--metrics (or log.metrics) '%s': exists and cannot be written (%s); nothing "
                    "was written",
                    metrics, strerror(errno));
-    if (st == STATUS_OK) st = metrics_file_is_metrics(metrics);
+    if (st == STATUS_OK) st = train_metrics_check_content(metrics);
     if (st == STATUS_OK) st = file_inputs_add(in, metrics, "the metrics file");
   }
   if (st == STATUS_OK && plot) {

@@ -78,24 +78,6 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
                                    const fsdpc_data_t *data, const fsdpc_data_t *eval,
                                    const char *resumed);
 
-/* A run with a checkpoint.dir resumed after step start from a checkpoint outside it (a branch
- * of another run) keeps the metrics file's lines up to start and rewrites the rest: when the
- * file holds steps after start, which belong to the run it branches from, refused, naming
- * them. Local (rank 0's file). */
-/* What the metrics file at path holds about step start. Local. */
-typedef struct train_metrics_seen {
-  bool file;          /* it is there */
-  bool line;          /* step start's line */
-  bool eval;          /* that line's evaluation */
-  double last;        /* the last step of its lines */
-  double first_after; /* the first and last steps after start (0: none) */
-  double last_after;
-} train_metrics_seen_t;
-train_metrics_seen_t train_metrics_scan(const char *path, int64_t start);
-
-fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *metrics,
-                                          const char *resumed, int64_t start);
-
 /* checkpoint.dir's step folders after `start` (the step the run starts after) would be passed
  * over by this run: refused, naming the newest and the ways out, unless checkpoint.overwrite.
  * Rank 0 reads the folder; agreed. Collective. */

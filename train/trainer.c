@@ -31,6 +31,7 @@
 #include "parallel/parallelize.h"
 #include "train/hf_convert.h"
 #include "train/llama_cost.h"
+#include "train/metrics_impl.h"
 #include "train/ops_impl.h"
 #include "train/plan.h"
 #include "train/plan_impl.h"
@@ -594,138 +595,6 @@ static fsdpc_status_t build(run_t *r) {
   return fill(r, how.deferred, resume);
 }
 
-/* Every rank learns whether rank 0 could write the metrics file (err: its errno, or 0). */
-static fsdpc_status_t metrics_agree(const char *path, int err) {
-  fsdpc_status_t st = STATUS_OK;
-  if (err) st = err_set(STATUS_EIO, "cannot write the metrics file '%s': %s", path, strerror(err));
-  return pg_agree(world_pg(), st);
-}
-
-/* Writes line o to out with patch's fields (may be NULL) put in; false when it could not. */
-static bool put_patched(FILE *out, cJSON *o, const cJSON *patch) {
-  const cJSON *it;
-  cJSON_ArrayForEach(it, patch) {
-    cJSON_DeleteItemFromObjectCaseSensitive(o, it->string);
-    cJSON_AddItemToObject(o, it->string, cJSON_Duplicate(it, true));
-  }
-  char *text = cJSON_PrintUnformatted(o);
-  bool ok = text != NULL && fprintf(out, "%s\n", text) >= 0;
-  free(text);
-  return ok;
-}
-
-/* Opens the metrics file (rank 0) for a run starting after step start: a fresh run starts it
- * anew; a resumed run keeps the lines up to its step (later ones belong to the run it
- * replaces), rewritten through a fresh file beside it and a rename, and appends. With defer
- * (not NULL: a checkpoint.overwrite rollback, whose newer checkpoints stay until its first save
- * commits) the fresh file is not renamed: its name goes into defer, the run appends to it, and
- * metrics_settle renames it once that save commits. The fields of patch (may be NULL) go into
- * step start's line (the evaluation a stop skipped); saved (may be NULL), the line its
- * checkpoint records, is written when the file lacks it (the run was killed after the save).
- * NULL with errno set on failure. */
-static FILE *metrics_open(const char *path, int64_t start, const cJSON *patch, const cJSON *saved,
-                          char *defer, size_t defer_size) {
-  if (start == 0 && defer == NULL) {
-    FILE *old = fopen(path, "r");
-    long lines = 0;
-    for (int c; old != NULL && (c = fgetc(old)) != EOF;) lines += c == '\n';
-    if (old != NULL) fclose(old);
-    if (lines > 0) /* a fresh run's file is its own: another run's lines are not kept */
-      fprintf(stderr,
-              "%s: note: the metrics file '%s' held %ld line%s of an earlier run; this run "
-              "starts at step 0 and replaces %s\n",
-              train_prog(), path, lines, lines == 1 ? "" : "s", lines == 1 ? "it" : "them");
-    return fopen(path, "w");
-  }
-  FILE *in = NULL;
-  if (start > 0 && (in = fopen(path, "r")) == NULL) {
-    if (errno != ENOENT) return NULL;
-    if (defer == NULL) return fopen(path, "w");
-  }
-  char tmp[PLAN_PATH_MAX + 16];
-  FILE *out = NULL;
-  if (file_create_temp(path, tmp, sizeof tmp, &out) != STATUS_OK) {
-    if (in != NULL) fclose(in);
-    errno = EIO;
-    return NULL;
-  }
-  char *line = NULL;
-  size_t cap = 0;
-  ssize_t len;
-  double last = 0; /* the last step kept */
-  int64_t junk = 0; /* lines that are no step's (a last line cut short by a kill) */
-  bool have = false; /* step start's line */
-  while (in != NULL && out != NULL && (len = getline(&line, &cap, in)) > 0) {
-    cJSON *o = cJSON_Parse(line);
-    const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
-    if (!cJSON_IsNumber(step)) {
-      junk++;
-    } else if (step->valuedouble == (double)start && patch != NULL) { /* its fields added */
-      if (!put_patched(out, o, patch)) {                              /* the file would lose it */
-        fclose(out);
-        out = NULL;
-      }
-      have = true;
-    } else if (step->valuedouble <= (double)start) {
-      fputs(line, out);
-      if (line[len - 1] != '\n') fputc('\n', out); /* whole, but its newline lost */
-      have = have || step->valuedouble == (double)start;
-    }
-    if (cJSON_IsNumber(step) && step->valuedouble <= (double)start)
-      last = step->valuedouble > last ? step->valuedouble : last;
-    cJSON_Delete(o);
-  }
-  free(line);
-  /* the step's line, lost by a kill between its save and its line, from the checkpoint */
-  const cJSON *ss = cJSON_GetObjectItemCaseSensitive(saved, "step");
-  bool restore =
-      in != NULL && out != NULL && !have && cJSON_IsNumber(ss) && ss->valuedouble == (double)start;
-  if (restore) {
-    cJSON *o = cJSON_Duplicate(saved, true);
-    if (o == NULL || !put_patched(out, o, patch)) {
-      fclose(out);
-      out = NULL;
-    }
-    cJSON_Delete(o);
-  }
-  if (junk > 0)
-    fprintf(stderr,
-            "%s: warning: the metrics file '%s' had %lld line%s that %s no step's metrics (a "
-            "line cut short when a run was killed, or another program's); left out\n",
-            train_prog(), path, (long long)junk, junk == 1 ? "" : "s", junk == 1 ? "is" : "are");
-  /* a run stopped on a metrics line it could not write saved that step first */
-  int64_t upto = restore ? start - 1 : start;
-  if (last > 0 && last + 1 == (double)upto)
-    fprintf(stderr,
-            "%s: warning: the metrics file '%s' ends at step %.0f; the line of step %lld is "
-            "missing (the run that saved it did not write it)\n",
-            train_prog(), path, last, (long long)upto);
-  else if (last > 0 && last < (double)upto)
-    fprintf(stderr,
-            "%s: warning: the metrics file '%s' ends at step %.0f; the lines of steps %.0f to "
-            "%lld are missing (the run that saved them did not write them)\n",
-            train_prog(), path, last, last + 1, (long long)upto);
-  if (restore && out != NULL)
-    fprintf(stderr,
-            "%s: note: the metrics file '%s' had no line for step %lld, the run that saved it "
-            "having stopped before writing it; written from the checkpoint's record\n",
-            train_prog(), path, (long long)start);
-  bool ok = out != NULL && (in == NULL || !ferror(in)) && fflush(out) == 0 && !ferror(out);
-  if (in != NULL) fclose(in);
-  if (out != NULL && fclose(out) != 0) ok = false;
-  if (ok && defer != NULL) {
-    snprintf(defer, defer_size, "%s", tmp);
-    return fopen(tmp, "a");
-  }
-  if (!ok || rename(tmp, path) != 0) {
-    int e = errno;
-    unlink(tmp);
-    errno = e;
-    return NULL;
-  }
-  return fopen(path, "a");
-}
-
 /* The plan a checkpoint is saved under, as train_state.json's saved_under (caller frees);
  * eval_pending: its step's evaluation was skipped by a stop (the resume makes it); line (may be
  * NULL): the step's metrics line, which a resume writes if the metrics file lost it. */
@@ -875,8 +744,8 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
   bool rollback = newer > 0; /* (rank 0's: the metrics file and the journal are its) */
 
   if (L->lead && L->mpath[0] &&
-      (L->mf = metrics_open(L->mpath, r->start_step, patch, r->saved_line,
-                            rollback ? L->mtmp : NULL, sizeof L->mtmp)) == NULL)
+      (L->mf = train_metrics_open(L->mpath, r->start_step, patch, r->saved_line,
+                                  rollback ? L->mtmp : NULL, sizeof L->mtmp)) == NULL)
     L->bad = errno;
   /* its journal: a job killed between its first save and the removal of the folders it
    * replaces is finished by the next start, not left with both histories */
@@ -889,7 +758,7 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
   /* unbuffered: a line that fails to be written is cut off the file (metrics_write), and no
    * buffered rest of it is written later */
   if (L->mf != NULL) setvbuf(L->mf, NULL, _IONBF, 0);
-  fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
+  fsdpc_status_t st = train_metrics_agree(L->mpath, L->bad);
   if (st == STATUS_OK) st = pg_agree(world_pg(), jst);
   if (st == STATUS_OK) {
     L->micro_loss = calloc((size_t)p->grad_accum, sizeof *L->micro_loss);
@@ -1203,7 +1072,7 @@ static void metrics_write(run_t *r, loop_t *L, const step_out_t *o) {
 static fsdpc_status_t metrics_line(run_t *r, loop_t *L, const step_out_t *o) {
   metrics_write(r, L, o);
   if (!L->mpath[0]) return STATUS_OK;
-  fsdpc_status_t st = metrics_agree(L->mpath, L->bad);
+  fsdpc_status_t st = train_metrics_agree(L->mpath, L->bad);
   if (st != STATUS_OK) L->agreed = L->keep = true;
   return st;
 }
@@ -1365,7 +1234,7 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   metrics_settle(L, true);
   if (L->mf != NULL && fclose(L->mf) != 0) L->bad = errno ? errno : EIO;
   if (L->mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
-    fsdpc_status_t ms = metrics_agree(L->mpath, L->bad);
+    fsdpc_status_t ms = train_metrics_agree(L->mpath, L->bad);
     if (st == STATUS_OK) st = ms;
   }
   if (st == STATUS_OK && L->lead && r->args.plot != NULL &&
@@ -1441,8 +1310,8 @@ static fsdpc_status_t evaluate_saved(run_t *r, const train_metrics_seen_t *seen)
   }
   bool lost = !seen->line ? r->saved_line != NULL : patch != NULL && !seen->eval;
   if (world_rank() == 0 && seen->file && seen->last <= (double)r->start_step && lost) {
-    FILE *f = metrics_open(metrics_path(r), r->start_step, seen->eval ? NULL : patch, r->saved_line,
-                           NULL, 0);
+    FILE *f = train_metrics_open(metrics_path(r), r->start_step, seen->eval ? NULL : patch,
+                                 r->saved_line, NULL, 0);
     if (f == NULL || fclose(f) != 0)
       fprintf(stderr, "%s: warning: cannot write step %lld's line into the metrics file '%s': %s\n",
               train_prog(), (long long)r->start_step, metrics_path(r), strerror(errno));
