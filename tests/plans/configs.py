@@ -198,6 +198,23 @@ def configs():
     check(len(runs[0][0]) == STEPS and runs[1][0] == runs[0][0] and runs[1][1] and not runs[0][1],
           "FSDPC_PG=staged-lazy on hsdp-tp (8 ranks): said in the header, the native losses bit "
           "for bit")
+    # every collective compared over the host first: no call of a correct plan differs between
+    # its ranks (HSDP x TP, a pipeline with TP, experts split over ranks), and the bits are the
+    # same
+    checked = os.path.join(tmp, "pg-checked.jsonl")
+    p, _ = run(8, [hsdp_tp, "--metrics", checked, "--set", "train.steps=%d" % STEPS],
+               mpi_args=("-x", "FSDPC_CHECK_COLLECTIVES=1"))
+    same = p.returncode == 0 and [r["loss"] for r in losses(checked)] == runs[0][0]
+    for plan, n, kvs in ((os.path.join(ROOT, "configs", "debug.yaml"), 4,
+                          ["mesh.pp=2", "mesh.tp=2", "model.n_layers=2", "data.grad_accum=2",
+                           "parallelize.tensor_parallel.sequence_parallel=true"]),
+                         (family_plan(tmp, "tiny_qwen3_moe"), 4,
+                          ["mesh.ep=2", "data.global_batch_size=4"])):
+        q, _ = run(n, [plan, "--set", "train.steps=2"] + [x for kv in kvs for x in ("--set", kv)],
+                   mpi_args=("-x", "FSDPC_CHECK_COLLECTIVES=1"))
+        same = same and q.returncode == 0 and "FSDPC_CHECK_COLLECTIVES" not in q.stderr
+    check(same, "FSDPC_CHECK_COLLECTIVES=1: hsdp-tp, pp 2 x tp 2 and experts over ep 2 train as "
+                "without it, no call refused")
     # --set reaches list items: NAME[INDEX], replaced whole or entered
     plan = os.path.join(tmp, "mixed-0.yaml")
     for sets, want in [
