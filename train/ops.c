@@ -187,8 +187,9 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
       *fd = -1;
       return err_set(STATUS_EINVAL,
                      "checkpoint.dir '%s' is in use by another training job: %s. Two jobs in one "
-                     "folder overwrite each other's checkpoints: wait for it to end, or give "
-                     "this run another checkpoint.dir",
+                     "folder overwrite each other's checkpoints: wait for it to end (a job whose "
+                     "launcher was killed with SIGKILL may still be running: its ranks stop on "
+                     "SIGTERM), or give this run another checkpoint.dir",
                      dir, held[0] ? held : "(no record yet)");
     }
     /* a file system without locks (some parallel file systems mount without them) */

@@ -135,4 +135,24 @@ void train_header(const run_t *r);
 /* --dry-run's report: placements, shapes, memory and communication of one step (rank 0). */
 void train_dry_run(const run_t *r);
 
+/* The set-up (trainer.c) and the training loop (loop.c) share these. */
+/* This rank's share of the run's data order. */
+data_spec_t train_spec_of(const run_t *r);
+/* The samples d gives this rank for micro-batches [0, micros) of step `step`, read and
+ * dropped: a bad token or a file cut short named under key. Local. */
+fsdpc_status_t train_check_samples(const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
+                                   int64_t micros, const char *key);
+/* The mean loss over eval.path's batches (the same every time), without gradients. Collective
+ * over the world. */
+fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, double *loss);
+/* Rank 0's line for an evaluation after step (prefix: to clear a progress bar). */
+void train_eval_line(const run_t *r, int64_t step, double loss, const char *prefix);
+/* The model's description for train_state.json (a JSON object's text; caller frees). */
+fsdpc_status_t train_describe_model(const run_t *r, char **out);
+/* The metrics file: --metrics, else log.metrics ("" for none). */
+const char *train_metrics_path(const run_t *r);
+/* The training of a built run, from its start step (the evaluation its checkpoint's run did
+ * not make first; nothing to train: the checkpoint's evaluation). Collective over the world. */
+fsdpc_status_t train_loop(run_t *r);
+
 #endif
