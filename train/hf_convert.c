@@ -120,9 +120,16 @@ fsdpc_status_t hf_config_carry(char **text, const cJSON *source) {
     cJSON_Delete(o);
     return err_set(STATUS_EINTERNAL, "a model config written here is not a JSON object");
   }
+  /* training settings the model here never applies (dropout): the source's values stand, for
+   * whoever trains the exported model next */
+  static const char *const theirs[] = {"attn_pdrop", "embd_pdrop", "resid_pdrop",
+                                       "summary_first_dropout", "attention_dropout"};
   const cJSON *it;
   bool ok = true;
   cJSON_ArrayForEach(it, source) {
+    for (size_t k = 0; k < sizeof theirs / sizeof theirs[0]; k++)
+      if (strcmp(it->string, theirs[k]) == 0)
+        cJSON_DeleteItemFromObjectCaseSensitive(o, it->string);
     bool skip = cJSON_GetObjectItemCaseSensitive(o, it->string) != NULL;
     for (size_t k = 0; !skip && k < sizeof own / sizeof own[0]; k++)
       skip = strcmp(it->string, own[k]) == 0;
@@ -183,6 +190,28 @@ static fsdpc_status_t write_config(const cJSON *config, const char *origin, dtyp
   return st;
 }
 
+/* --config's model (given) against the one the checkpoint records (in state): the same
+ * parameters and the same function (heads, RoPE, norms, routing), or the exported folder would
+ * describe another model than its tensors trained as. */
+static fsdpc_status_t same_model(const char *path, const cJSON *given, const cJSON *state) {
+  char *a = cJSON_PrintUnformatted(given), *b = cJSON_PrintUnformatted(recorded_model(state));
+  llama_config_t cg = LLAMA_CONFIG_INIT, cs = LLAMA_CONFIG_INIT;
+  fsdpc_status_t st = a && b ? llama_config_from_hf_text(a, path, &cg)
+                             : err_set(STATUS_ENOMEM, "out of host memory");
+  if (st == STATUS_OK) st = llama_config_from_hf_text(b, "the checkpoint's record", &cs);
+  free(a);
+  free(b);
+  char why[192];
+  if (st == STATUS_OK && (!llama_config_same_params(&cg, &cs, why, sizeof why) ||
+                          !llama_config_same_function(&cg, &cs, why, sizeof why)))
+    st = err_set(STATUS_EINVAL,
+                 "--config %s describes another model than the checkpoint's (%s: given vs "
+                 "saved): its tensors trained as the recorded one; leave --config out to export "
+                 "that one",
+                 path, why);
+  return st;
+}
+
 /* config.json: --config, or the model config the checkpoint was saved with; *arch its
  * architecture in the built-in family (LLAMA_ARCH_COUNT: another model). */
 static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, dtype_t dtype,
@@ -213,6 +242,7 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
                    "--config %s: model_type '%s', but the checkpoint's tensors are a %s model's "
                    "(saved_under.model in its train_state.json): give that model's config",
                    o->config, type->valuestring, llama_arch_name(was));
+    if (st == STATUS_OK && was != LLAMA_ARCH_COUNT) st = same_model(o->config, given, state);
     if (st != STATUS_OK) {
       cJSON_Delete(given);
       cJSON_Delete(state);
@@ -615,11 +645,15 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
     int i = 0;
     while (i < n && strcmp(as, ps[i]->fqn) != 0) i++;
     if (i < n && as == fqn && j >= dtensor_shape(ps[i]->value)[0]) i = n; /* no such expert */
+    bool head = strcmp(list[k].name, "lm_head.weight") == 0;
     if (i == n)
       st = err_set(STATUS_EFORMAT,
                    "%s: tensor '%s' is no parameter of the model config.json "
-                   "describes",
-                   hf, list[k].name);
+                   "describes%s",
+                   hf, list[k].name,
+                   head ? " (its tie_word_embeddings is true: the head is the embedding; set it "
+                          "false for a head of its own)"
+                        : "");
   }
   free(ps);
   llama_free(m);

@@ -1,5 +1,6 @@
 /* fsdp-train's report: the header of a run and --dry-run's placements, memory estimate and
  * communication. */
+#include <cJSON.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -158,6 +159,26 @@ static void own_model_line(const run_t *r) {
 }
 
 /* The header's line on the built-in model: its architecture and sizes. */
+/* The dropout rates the model's config.json gives above 0, which training here never applies
+ * (export-hf keeps them in the config it writes). */
+static void dropout_note(const run_t *r) {
+  static const char *const keys[] = {"attn_pdrop", "embd_pdrop", "resid_pdrop",
+                                     "attention_dropout"};
+  char said[256] = "";
+  size_t n = 0;
+  for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r->carried, keys[k]);
+    if (cJSON_IsNumber(v) && v->valuedouble > 0 && n < sizeof said)
+      n += (size_t)snprintf(said + n, sizeof said - n, "%s%s %g", n ? ", " : "", keys[k],
+                            v->valuedouble);
+  }
+  if (said[0])
+    printf(
+        "  model: note: its config.json's %s %s not applied: training here has no dropout "
+        "(export-hf keeps the rates in the config it writes)\n",
+        said, strchr(said, ',') ? "are" : "is");
+}
+
 static void builtin_model_line(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   const llama_config_t *c = &p->model;
@@ -193,10 +214,12 @@ static void header_model(const run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   char rb[16], mb[32];
   train_mib(mb, sizeof mb, sharded_param_bytes(r));
-  if (r->builtin)
+  if (r->builtin) {
     builtin_model_line(r);
-  else
+    dropout_note(r);
+  } else {
     own_model_line(r);
+  }
   char threads[64] = "";
   if (r->host_threads > 0)
     snprintf(threads, sizeof threads, ", the optimizer on %d host threads", r->host_threads);

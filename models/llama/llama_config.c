@@ -411,6 +411,8 @@ static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope)
     if (typed != NULL && (rope_scaling_t)i != rope->scaling)
       return err_set(STATUS_EFORMAT, "%s: '%s' and '%s' give different rope types", path, typed,
                      keys[k]);
+    const char *first = typed; /* the other section, when both give the scaling */
+    const rope_t was = *rope;
     typed = keys[k];
     rope->scaling = (rope_scaling_t)i;
     if (rope->scaling != ROPE_DEFAULT)
@@ -421,6 +423,17 @@ static fsdpc_status_t parse_rope(const char *path, const cJSON *o, rope_t *rope)
       FSDPC_TRY(
           rope_num(path, keys[k], r, "original_max_position_embeddings", &rope->original_max_pos));
     }
+    const struct {
+      const char *key;
+      double a, b;
+    } same[] = {{"factor", was.factor, rope->factor},
+                {"low_freq_factor", was.low_freq_factor, rope->low_freq_factor},
+                {"high_freq_factor", was.high_freq_factor, rope->high_freq_factor},
+                {"original_max_position_embeddings", was.original_max_pos, rope->original_max_pos}};
+    for (size_t j = 0; first != NULL && rope->scaling != ROPE_DEFAULT && j < 4; j++)
+      if (same[j].a != same[j].b && (j == 0 || rope->scaling == ROPE_LLAMA3))
+        return err_set(STATUS_EFORMAT, "%s: '%s' and '%s' give different %s (%g and %g)", path,
+                       first, keys[k], same[j].key, same[j].a, same[j].b);
     char key[40];
     snprintf(key, sizeof key, "%s.rope_theta", keys[k]);
     const cJSON *th = cJSON_GetObjectItemCaseSensitive(r, "rope_theta");
@@ -456,14 +469,43 @@ static fsdpc_status_t parse_bias(const char *path, const cJSON *o, llama_config_
   return STATUS_OK;
 }
 
+/* GPT2Config's attribute_map reads hidden_size, num_hidden_layers, num_attention_heads and
+ * max_position_embeddings as n_embd, n_layer, n_head and n_positions: an alias alone stands
+ * for its key (into *v); one beside its key with another value is refused (the file would give
+ * one setting two values). */
+static const char *const gpt2_keys[][2] = {{"n_embd", "hidden_size"},
+                                           {"n_layer", "num_hidden_layers"},
+                                           {"n_head", "num_attention_heads"},
+                                           {"n_positions", "max_position_embeddings"}};
+
+static fsdpc_status_t gpt2_alias(const char *path, const cJSON *o, int k, int64_t *v) {
+  const char *key = gpt2_keys[k][0], *alias = gpt2_keys[k][1];
+  const cJSON *a = cJSON_GetObjectItemCaseSensitive(o, alias);
+  if (a == NULL || cJSON_IsNull(a)) return STATUS_OK;
+  int64_t x = *v;
+  FSDPC_TRY(json_int(path, o, alias, &x));
+  if (cJSON_GetObjectItemCaseSensitive(o, key) == NULL) {
+    *v = x;
+    return STATUS_OK;
+  }
+  if (x != *v)
+    return err_set(STATUS_EINVAL,
+                   "%s: '%s' is %lld and '%s' %lld: transformers reads %s as %s, so the file "
+                   "gives one setting two values; keep one",
+                   path, key, (long long)*v, alias, (long long)x, alias, key);
+  return STATUS_OK;
+}
+
 /* GPT2Config: n_embd, n_layer, n_head, n_inner (null: 4 n_embd), n_positions, vocab_size,
  * layer_norm_epsilon, activation_function (the tanh GELU), tie_word_embeddings (true by
  * default), initializer_range; the attention variants GPT-2 allows are refused by name. */
 static fsdpc_status_t parse_gpt2(const char *path, const cJSON *o, llama_config_t *c) {
-  const char *required[] = {"n_embd", "n_layer", "n_head", "vocab_size"};
-  for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
-    if (cJSON_GetObjectItemCaseSensitive(o, required[i]) == NULL)
-      return err_set(STATUS_EFORMAT, "%s: missing '%s'", path, required[i]);
+  for (int k = 0; k < 3; k++) /* n_embd, n_layer, n_head, or their aliases */
+    if (cJSON_GetObjectItemCaseSensitive(o, gpt2_keys[k][0]) == NULL &&
+        cJSON_GetObjectItemCaseSensitive(o, gpt2_keys[k][1]) == NULL)
+      return err_set(STATUS_EFORMAT, "%s: missing '%s'", path, gpt2_keys[k][0]);
+  if (cJSON_GetObjectItemCaseSensitive(o, "vocab_size") == NULL)
+    return err_set(STATUS_EFORMAT, "%s: missing 'vocab_size'", path);
   const cJSON *act = cJSON_GetObjectItemCaseSensitive(o, "activation_function");
   if (act && (!cJSON_IsString(act) || (strcmp(act->valuestring, "gelu_new") != 0 &&
                                        strcmp(act->valuestring, "gelu_pytorch_tanh") != 0)))
@@ -483,11 +525,15 @@ static fsdpc_status_t parse_gpt2(const char *path, const cJSON *o, llama_config_
   FSDPC_TRY(json_int(path, o, "n_embd", &c->dim));
   FSDPC_TRY(json_int(path, o, "n_layer", &c->n_layers));
   FSDPC_TRY(json_int(path, o, "n_head", &c->n_heads));
+  FSDPC_TRY(gpt2_alias(path, o, 0, &c->dim));
+  FSDPC_TRY(gpt2_alias(path, o, 1, &c->n_layers));
+  FSDPC_TRY(gpt2_alias(path, o, 2, &c->n_heads));
   c->n_kv_heads = c->n_heads;
   c->ffn_dim = 4 * c->dim;
   FSDPC_TRY(json_int(path, o, "n_inner", &c->ffn_dim));
   FSDPC_TRY(json_int(path, o, "vocab_size", &c->vocab_size));
   FSDPC_TRY(json_int(path, o, "n_positions", &c->max_seq_len));
+  FSDPC_TRY(gpt2_alias(path, o, 3, &c->max_seq_len));
   FSDPC_TRY(json_num(path, o, "layer_norm_epsilon", &c->norm_eps));
   FSDPC_TRY(json_num(path, o, "initializer_range", &c->init_std));
   FSDPC_TRY(json_bool(path, o, "tie_word_embeddings", &c->tie_embeddings));

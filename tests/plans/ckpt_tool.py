@@ -349,9 +349,11 @@ def ckpt_tool():
     with open(tied_path, "w") as f:
         json.dump(tied, f)
     p = tool_run("export-hf", step, tied_out, "--config", tied_path)
-    check(p.returncode != 0 and re.search(r"tensor 'lm_head\.weight' is no parameter", p.stderr)
+    check(p.returncode != 0 and re.search(r"describes another model than the checkpoint's "
+                                          r"\(tie", p.stderr)
           and not os.path.exists(tied_out) and not glob.glob(tied_out + ".tmp*"),
-          "export-hf --config of a model without the checkpoint's lm_head: refused, no OUT")
+          "export-hf --config of a model without the checkpoint's lm_head: refused, no OUT (%s)"
+          % p.stderr.strip()[-160:])
     # --config must be a model config (model_type), and the checkpoint's model's
     for name, given, want in [
             ("state", os.path.join(step, "train_state.json"), r"no model_type: not a Hugging Face "
@@ -420,6 +422,11 @@ def ckpt_tool():
              r"'rope_theta' must be a finite number"),
             ("rms_norm_eps 10", variant("eps-10", {"rms_norm_eps": 10}),
              r"rms_norm_eps must be in \(0, 1\], got 10"),
+            # two sections of the rotary embedding that disagree: no silent choice
+            ("rope_scaling and rope_parameters of other factors", variant("rope-both", {
+                "rope_scaling": {"rope_type": "linear", "factor": 2},
+                "rope_parameters": {"rope_type": "linear", "factor": 4}}),
+             r"'rope_scaling' and 'rope_parameters' give different factor \(2 and 4\)"),
             ("num_hidden_layers 1e400", variant("layers-inf", raw=json.dumps(
                 dict(cfg, num_hidden_layers=1)).replace('"num_hidden_layers": 1',
                                                         '"num_hidden_layers": 1e400')),
@@ -440,6 +447,27 @@ def ckpt_tool():
             p, _ = run(1, [bad_cfg, "--set", "train.steps=1"], timeout=60)
             check(p.returncode != 0 and re.search(want, p.stderr) is not None and
                   time.time() - t < 30, "model.init_from with %s: refused at once" % name)
+    # export-hf --config of another model than the checkpoint's (the same shapes, another
+    # rope_theta or heads) is refused: the folder would describe what its tensors did not train
+    # as; the checkpoint's own config is taken
+    imp = os.path.join(tmp, "imp-for-config")
+    p = tool_run("import-hf", src, imp)
+    for name, edit in (("rope_theta", {"rope_theta": 500.0}),
+                       ("heads", {"num_attention_heads": cfg["num_attention_heads"] * 2,
+                                  "num_key_value_heads": cfg["num_key_value_heads"] * 2,
+                                  "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]
+                                  // 2})):
+        other = os.path.join(variant("config-" + name, edit), "config.json")
+        out = os.path.join(tmp, "exp-config-" + name)
+        q = tool_run("export-hf", imp, out, "--config", other)
+        check(p.returncode == 0 and q.returncode != 0 and
+              "describes another model than the checkpoint's" in q.stderr and
+              not os.path.exists(out),
+              "export-hf --config of another %s than the checkpoint's is refused (%s)"
+              % (name, q.stderr.strip()[-160:]))
+    q = tool_run("export-hf", imp, os.path.join(tmp, "exp-config-same"), "--config",
+                 os.path.join(src, "config.json"))
+    check(q.returncode == 0, "export-hf --config of the checkpoint's own model writes it")
     # import-hf reads model.safetensors or the index's files only; a Llama's parameters are
     # floating point
     extra = variant("extra-file")

@@ -3,6 +3,7 @@ step for step), the PyTorch reference losses, evaluation and data shuffling."""
 import json
 import os
 import re
+import shutil
 import sys
 
 from common import (BASE, PLANS, ROOT, STEPS, TOOL, check, hf_folder, losses, mkdtemp, run, sh,
@@ -1021,6 +1022,44 @@ def padded_vocab():
     check(p.returncode != 0 and "holds an embedding and head of 300 rows "
           "(model.pad_vocab_multiple = 100), the plan's have 256" in p.stderr,
           "resuming the padded checkpoint without the padding is refused by name")
+    # GPT2Config's aliases: num_attention_heads (or num_hidden_layers) beside n_head (n_layer)
+    # with another value is refused (same shapes: nothing else would catch it); alone, or the
+    # same, it stands for its key; dropout rates are noted as not applied and kept by export-hf
+    hf = os.path.join(tmp, tag)  # family_plan's folder
+    with open(os.path.join(hf, "config.json")) as f:
+        gcfg = json.load(f)
+    for alias, value, ok in (("num_attention_heads", 2, False), ("num_hidden_layers", 1, False),
+                             ("num_attention_heads", gcfg["n_head"], True)):
+        folder = os.path.join(tmp, "gpt2-%s-%d" % (alias, value))
+        shutil.copytree(hf, folder)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(dict(gcfg, **{alias: value}), f)
+        q = sh([TOOL, "import-hf", folder, folder + "-ck"], timeout=120)
+        key = {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}[alias]
+        check(q.returncode == 0 if ok else (
+            q.returncode != 0 and "'%s' is %d and '%s' %d: transformers reads %s as %s" % (
+                key, gcfg[key], alias, value, alias, key) in q.stderr),
+              "GPT-2's %s %d beside %s %d: %s (%s)" % (alias, value, key, gcfg[key],
+                                                       "read as one" if ok else "refused",
+                                                       q.stderr.strip()[-160:]))
+    drop = os.path.join(tmp, "gpt2-dropout")
+    shutil.copytree(hf, drop)
+    with open(os.path.join(drop, "config.json"), "w") as f:
+        json.dump(dict(gcfg, attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1), f)
+    dck, dout = os.path.join(tmp, "drop-ck"), os.path.join(tmp, "drop-hf")
+    q, _ = run(1, [plan, "--set", "mesh.dp_shard=1", "--set", "data.batch_size=2", "--set",
+                   "model.init_from=" + drop, "--set", "train.steps=1", "--set",
+                   "checkpoint.dir=" + dck])
+    e = sh([TOOL, "export-hf", os.path.join(dck, "step-00000001"), dout], timeout=120)
+    kept = {}
+    if e.returncode == 0:
+        with open(os.path.join(dout, "config.json")) as f:
+            kept = json.load(f)
+    check(q.returncode == 0 and "its config.json's attn_pdrop 0.1, embd_pdrop 0.1, resid_pdrop "
+          "0.1 are not applied: training here has no dropout" in q.stdout and
+          [kept.get(k) for k in ("attn_pdrop", "embd_pdrop", "resid_pdrop")] == [0.1] * 3,
+          "GPT-2 with dropout 0.1: the header says it is not applied, export-hf keeps the rates "
+          "(%s)" % [kept.get(k) for k in ("attn_pdrop", "embd_pdrop", "resid_pdrop")])
     # and fsdp-ckpt reshard --to a plan without it, which would lay out what cannot load
     out = os.path.join(tmp, "resharded")
     p = sh([TOOL, "reshard", os.path.join(ck, "step-00000010"), "--to", plan, out, "--world", "1",

@@ -696,7 +696,9 @@ START_TEST(config_forms_of_the_family) {
        "head_dim must be an even size"},
       {", \"model_type\": \"qwen3\", \"attention_bias\": 1", 0, 0, 0, 0, 0, 0,
        "'attention_bias' must be true or false"},
-      {", \"model_type\": \"gpt2\"", 0, 0, 0, 0, 0, 0, "missing 'n_embd'"},
+      /* GPT2Config's aliases: the base's hidden_size is n_embd, which may not say otherwise */
+      {", \"model_type\": \"gpt2\", \"n_embd\": 32", 0, 0, 0, 0, 0, 0,
+       "'n_embd' is 32 and 'hidden_size' 64: transformers reads hidden_size as n_embd"},
       {", \"model_type\": \"gpt_neox\"", 0, 0, 0, 0, 0, 0,
        "model_type \"gpt_neox\": this build trains \"llama\", \"qwen2\", \"qwen3\", \"gpt2\", "
        "\"qwen3_moe\", \"mixtral\" and \"qwen2_moe\""},
