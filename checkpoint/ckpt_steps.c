@@ -157,14 +157,8 @@ static fsdpc_status_t remove_half_removed(const char *root, int *removed) {
   fsdpc_status_t st = STATUS_OK;
   struct dirent *e;
   size_t tail = strlen(REMOVING);
-  const char *journal = CKPT_ROLLBACK_JOURNAL ".tmp-"; /* a journal's write a kill cut short */
   while (st == STATUS_OK && (e = readdir(d)) != NULL) {
     size_t n = strlen(e->d_name);
-    if (strncmp(e->d_name, journal, strlen(journal)) == 0 && n == strlen(journal) + 6) {
-      char path[PATH_LEN];
-      if (file_join(path, sizeof path, root, e->d_name) == STATUS_OK) unlink(path);
-      continue;
-    }
     if (strncmp(e->d_name, "step-", 5) != 0 || n <= tail + 5 ||
         strcmp(e->d_name + n - tail, REMOVING) != 0)
       continue;
@@ -207,6 +201,10 @@ fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed) {
   removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
   fsdpc_status_t st = ckpt_scan_steps(root, remove_step, &r);
   if (st == STATUS_OK) st = remove_half_removed(root, &r.removed);
+  char journal[PATH_LEN]; /* a rollback journal's write a kill cut short */
+  if (st == STATUS_OK &&
+      file_join(journal, sizeof journal, root, CKPT_ROLLBACK_JOURNAL) == STATUS_OK)
+    file_remove_stale_temps(journal);
   if (removed) *removed = r.removed;
   return st;
 }

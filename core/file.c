@@ -148,9 +148,10 @@ fsdpc_status_t file_check_dirs(const char *path, const char *what) {
   memcpy(buf, path, n + 1);
   for (;;) { /* up to the nearest entry that exists */
     struct stat sb;
-    if (stat(buf, &sb) == 0 && strcmp(buf, path) == 0) return writable_folder(what, buf, path);
-    if (stat(buf, &sb) == 0) { /* a folder made in it, then removed: what permissions miss */
+    if (stat(buf, &sb) == 0) {
       FSDPC_TRY(writable_folder(what, buf, path));
+      if (strcmp(buf, path) == 0) return STATUS_OK;
+      /* an ancestor: a folder made in it, then removed, finds what permissions miss */
       char probe[DIRS_PATH_MAX + 32], why[DIRS_PATH_MAX + 80];
       snprintf(probe, sizeof probe, "%s/.fsdpc-probe-XXXXXX", buf);
       if (mkdtemp(probe) == NULL) {

@@ -101,8 +101,8 @@ struct fsdp_group {
   pg_t *agree[2];          /* host groups of the shard and replicate ranks for agreeing on
                               on-demand unshards (NULL: a group of one rank, or no HSDP) */
   int W, rank;
-  fsdp_options_t opt; /* its ignored list: the group's own copy, ignored */
-  nn_param_t **ignored;
+  fsdp_options_t opt;   /* its ignored list points at the group's own copy: */
+  nn_param_t **ignored; /* (fully_shard copies the caller's) */
   dtype_t param_dtype, reduce_dtype;
   int reshard_after_forward; /* resolved on the first forward */
   bool initialised, is_root, unsharded;

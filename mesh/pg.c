@@ -205,9 +205,7 @@ static fsdpc_status_t check_call(const pg_t *pg, const char *what, dtype_t dt, s
  * error naming both calls on every rank instead of exchanging the wrong bytes. A host
  * all-gather a call: a debugging mode. */
 enum { CALL_FIELDS = 6 }; /* the call's number, kind, count, dtype, op or root; world rank */
-static const char *const call_names[] = {"all_gather", "reduce_scatter", "all_reduce",
-                                         "all_to_all", "all_to_all_v",   "broadcast",
-                                         "barrier"};
+#define CALL_COUNTS_OWN (-1) /* the count of all_to_all_v: each rank's counts its own */
 
 static bool checking_calls(void) { /* (read each time: beside a collective, nothing) */
   const char *e = getenv("FSDPC_CHECK_COLLECTIVES");
@@ -215,23 +213,23 @@ static bool checking_calls(void) { /* (read each time: beside a collective, noth
 }
 
 static void call_text(const int64_t *c, char *buf, size_t n) {
-  int k = (int)c[1];
-  const char *name =
-      k >= 0 && k < (int)(sizeof call_names / sizeof call_names[0]) ? call_names[k] : "(unknown)";
-  int len = snprintf(buf, n, "call %lld, %s", (long long)c[0], name);
-  if (k == 6 || k == 4 || len < 0 || (size_t)len >= n) return; /* (v: each rank's counts) */
+  pg_kind_t k = (pg_kind_t)c[1];
+  int len = snprintf(buf, n, "call %lld, %s%s", (long long)c[0], pg_kind_name(k),
+                     c[2] == CALL_COUNTS_OWN ? "_v" : "");
+  if (k == PG_BARRIER || c[2] == CALL_COUNTS_OWN || len < 0 || (size_t)len >= n) return;
   len += snprintf(buf + len, n - (size_t)len, " of %lld x %s", (long long)c[2],
                   dtype_name((dtype_t)c[3]));
-  if ((k == 1 || k == 2) && (size_t)len < n)
+  if ((k == PG_REDUCE_SCATTER || k == PG_ALL_REDUCE) && (size_t)len < n)
     snprintf(buf + len, n - (size_t)len, " (%s)", reduce_op_name((reduce_op_t)c[4]));
-  else if (k == 5 && (size_t)len < n)
+  else if (k == PG_BROADCAST && (size_t)len < n)
     snprintf(buf + len, n - (size_t)len, " from root %lld", (long long)c[4]);
 }
 
-/* kind: call_names' index; extra: the reduce op or the root. Collective over pg when on. */
-static fsdpc_status_t same_call(pg_t *pg, int kind, size_t count, dtype_t dt, int extra) {
+/* extra: the reduce op or the root; count CALL_COUNTS_OWN: all_to_all_v's. Collective over pg
+ * when on. */
+static fsdpc_status_t same_call(pg_t *pg, pg_kind_t kind, int64_t count, dtype_t dt, int extra) {
   if (!checking_calls() || pg->planned || pg->size == 1) return STATUS_OK;
-  int64_t mine[CALL_FIELDS] = {pg->calls++, kind, (int64_t)count, (int64_t)dt, extra, world_rank()};
+  int64_t mine[CALL_FIELDS] = {pg->calls++, kind, count, (int64_t)dt, extra, world_rank()};
   int64_t *all = malloc(sizeof *all * CALL_FIELDS * (size_t)pg->size);
   fsdpc_status_t st = pg_agree(pg, all ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory"));
   if (st == STATUS_OK) st = pg_host_all_gather(pg, mine, all, CALL_FIELDS, PG_HOST_I64);
@@ -288,7 +286,7 @@ fsdpc_status_t pg_all_gather(pg_t *pg, const void *send, void *recv, size_t coun
   FSDPC_TRY(check_call(pg, "all_gather", dt, count, count * (size_t)(pg ? pg->size : 1)));
   FSDPC_TRY(check_buf("all_gather", send, count));
   FSDPC_TRY(check_buf("all_gather", recv, count));
-  FSDPC_TRY(same_call(pg, 0, count, dt, 0));
+  FSDPC_TRY(same_call(pg, PG_ALL_GATHER, (int64_t)count, dt, 0));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->all_gather(pg, send, recv, count, dt, &w);
   if (st == STATUS_OK)
@@ -304,7 +302,7 @@ fsdpc_status_t pg_reduce_scatter(pg_t *pg, const void *send, void *recv, size_t 
   FSDPC_TRY(check_op("reduce_scatter", dt, op));
   FSDPC_TRY(check_buf("reduce_scatter", send, recv_count));
   FSDPC_TRY(check_buf("reduce_scatter", recv, recv_count));
-  FSDPC_TRY(same_call(pg, 1, recv_count, dt, (int)op));
+  FSDPC_TRY(same_call(pg, PG_REDUCE_SCATTER, (int64_t)recv_count, dt, (int)op));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->reduce_scatter(pg, send, recv, recv_count, dt, op, &w);
   if (st == STATUS_OK) {
@@ -321,7 +319,7 @@ fsdpc_status_t pg_all_reduce(pg_t *pg, const void *send, void *recv, size_t coun
   FSDPC_TRY(check_op("all_reduce", dt, op));
   FSDPC_TRY(check_buf("all_reduce", send, count));
   FSDPC_TRY(check_buf("all_reduce", recv, count));
-  FSDPC_TRY(same_call(pg, 2, count, dt, (int)op));
+  FSDPC_TRY(same_call(pg, PG_ALL_REDUCE, (int64_t)count, dt, (int)op));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->all_reduce(pg, send, recv, count, dt, op, &w);
   if (st == STATUS_OK) {
@@ -340,7 +338,7 @@ fsdpc_status_t pg_all_to_all(pg_t *pg, const void *send, void *recv, size_t coun
   FSDPC_TRY(check_buf("all_to_all", recv, count));
   if (count > 0 && send == recv)
     return err_set(STATUS_EINVAL, "all_to_all: send and recv must not be the same buffer");
-  FSDPC_TRY(same_call(pg, 3, count, dt, 0));
+  FSDPC_TRY(same_call(pg, PG_ALL_TO_ALL, (int64_t)count, dt, 0));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->all_to_all(pg, send, recv, count, dt, &w);
   if (st == STATUS_OK)
@@ -370,7 +368,7 @@ fsdpc_status_t pg_all_to_all_v(pg_t *pg, const void *send, const size_t *send_co
   FSDPC_TRY(check_buf("all_to_all_v", recv, nr));
   if (ns > 0 && nr > 0 && send == recv)
     return err_set(STATUS_EINVAL, "all_to_all_v: send and recv must not be the same buffer");
-  FSDPC_TRY(same_call(pg, 4, 0, dt, 0)); /* (each rank's counts its own) */
+  FSDPC_TRY(same_call(pg, PG_ALL_TO_ALL, CALL_COUNTS_OWN, dt, 0));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->all_to_all_v(pg, send, send_counts, recv, recv_counts, dt, &w);
   if (st == STATUS_OK)
@@ -406,7 +404,7 @@ fsdpc_status_t pg_broadcast(pg_t *pg, void *buf, size_t count, dtype_t dt, int r
   FSDPC_TRY(check_buf("broadcast", buf, count));
   if (root < 0 || root >= pg->size)
     return err_set(STATUS_EINVAL, "broadcast: root %d outside a group of %d", root, pg->size);
-  FSDPC_TRY(same_call(pg, 5, count, dt, root));
+  FSDPC_TRY(same_call(pg, PG_BROADCAST, (int64_t)count, dt, root));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->broadcast(pg, buf, count, dt, root, &w);
   if (st == STATUS_OK)
@@ -418,7 +416,7 @@ fsdpc_status_t pg_barrier(pg_t *pg, pg_work_t **work) {
   if (work) *work = NULL;
   if (pg == NULL) return err_set(STATUS_EINVAL, "barrier: group is NULL");
   FSDPC_TRY(world_check());
-  FSDPC_TRY(same_call(pg, 6, 0, DTYPE_F32, 0));
+  FSDPC_TRY(same_call(pg, PG_BARRIER, 0, DTYPE_F32, 0));
   pg_work_t *w = NULL;
   fsdpc_status_t st = pg->ops->barrier(pg, &w);
   if (st == STATUS_OK) count_call(pg, PG_BARRIER, 0);

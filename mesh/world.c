@@ -120,6 +120,17 @@ fsdpc_status_t world_init(int *argc, char ***argv) {
   return STATUS_OK;
 }
 
+bool world_start(int *argc, char ***argv, const char *prog) {
+  fsdpc_status_t up = world_init(argc, argv);
+  if (up == STATUS_OK) return true;
+  if (world_group != NULL) /* the world is up: reported once for all */
+    world_agree_report(up, prog);
+  else
+    fprintf(stderr, "%s: %s\n", prog ? prog : "fsdpc", err_detail());
+  world_finalize();
+  return false;
+}
+
 void world_finalize(void) {
   device_set_wait_hook(NULL);
   int done = 0;

@@ -30,6 +30,11 @@ extern "C" {
  * (world_pg() not NULL), the same on every rank, so that the ranks can report it together. */
 fsdpc_status_t world_init(int *argc, char ***argv);
 
+/* world_init for a program: false when it failed, its message then printed (once for every
+ * rank, as world_agree_report prints, when the world came up far enough to agree) and the
+ * world finished. prog names the program in the message. */
+bool world_start(int *argc, char ***argv, const char *prog);
+
 /* Finalises MPI if world_init initialised it. In a build with AddressSanitizer, LeakSanitizer's
  * check runs here, before MPI_Finalize, instead of at exit (memory still reachable is no leak;
  * allocations dropped after this call are not checked). */

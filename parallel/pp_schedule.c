@@ -64,6 +64,24 @@ static void interleaved_1f1b(pp_action_t *a, int r, int P, int M, int V) {
   while (b < total) a[n++] = interleaved(PP_BACKWARD, b++, r, P, V);
 }
 
+fsdpc_status_t pp_schedule_check_microbatches(pp_schedule_kind_t kind, int ranks,
+                                              int microbatches) {
+  int P = ranks, M = microbatches;
+  if (kind < 0 || kind >= PP_SCHEDULE_COUNT)
+    return err_set(STATUS_EINVAL, "pipeline schedule: unknown schedule %d", (int)kind);
+  if (kind != PP_GPIPE && M < P)
+    return err_set(STATUS_EINVAL,
+                   "pipeline schedule %s: %d microbatch%s for %d ranks; it needs "
+                   "at least as many microbatches as ranks",
+                   names[kind], M, M == 1 ? "" : "es", P);
+  if (kind == PP_INTERLEAVED_1F1B && P > 0 && M % P != 0)
+    return err_set(STATUS_EINVAL,
+                   "pipeline schedule %s: %d microbatches is not a multiple of "
+                   "the %d ranks (microbatches go through the stages in groups of the ranks)",
+                   names[kind], M, P);
+  return STATUS_OK;
+}
+
 fsdpc_status_t pp_schedule_new(pp_schedule_kind_t kind, int ranks, int microbatches,
                                int stages_per_rank, pp_schedule_t **out) {
   ARG_NONNULL(out);
@@ -87,16 +105,7 @@ fsdpc_status_t pp_schedule_new(pp_schedule_kind_t kind, int ranks, int microbatc
                    "pipeline schedule %s: %d stage%s a rank; it needs at least 2 "
                    "(one stage a rank is %s)",
                    name, V, V == 1 ? "" : "s", names[PP_1F1B]);
-  if (kind != PP_GPIPE && M < P)
-    return err_set(STATUS_EINVAL,
-                   "pipeline schedule %s: %d microbatch%s for %d ranks; it needs "
-                   "at least as many microbatches as ranks",
-                   name, M, M == 1 ? "" : "es", P);
-  if (kind == PP_INTERLEAVED_1F1B && M % P != 0)
-    return err_set(STATUS_EINVAL,
-                   "pipeline schedule %s: %d microbatches is not a multiple of "
-                   "the %d ranks (microbatches go through the stages in groups of the ranks)",
-                   name, M, P);
+  FSDPC_TRY(pp_schedule_check_microbatches(kind, P, M));
   if ((long long)2 * M * V * P > (1 << 28))
     return err_set(STATUS_EINVAL,
                    "pipeline schedule %s: %d ranks x %d microbatches x %d stages "

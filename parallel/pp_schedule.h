@@ -61,6 +61,10 @@ typedef struct pp_schedule pp_schedule_t;
 bool pp_schedule_parse(const char *name, pp_schedule_kind_t *out);
 const char *pp_schedule_name(pp_schedule_kind_t kind);
 
+/* The microbatches a schedule takes for ranks: at least as many as the ranks (not GPipe), a
+ * multiple of them (interleaved 1F1B); pp_schedule_new checks them too. Local. */
+fsdpc_status_t pp_schedule_check_microbatches(pp_schedule_kind_t kind, int ranks, int microbatches);
+
 /* The schedule of kind on ranks pipeline ranks, microbatches microbatches a step and
  * stages_per_rank stages a rank (1 but for interleaved_1f1b, which needs at least 2). Refused,
  * naming the value: ranks or microbatches below 1; 1f1b and interleaved_1f1b with fewer

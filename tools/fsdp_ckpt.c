@@ -671,16 +671,7 @@ int main(int argc, char **argv) {
       printf("fsdp-ckpt (fsdpc) %s\n", fsdpc_version());
       return 0;
     }
-  fsdpc_status_t up = world_init(&argc, &argv);
-  if (up != STATUS_OK && world_pg() != NULL) { /* the world is up: reported once for all */
-    world_agree_report(up, "fsdp-ckpt");
-    world_finalize();
-    return 1;
-  }
-  if (up != STATUS_OK) {
-    fprintf(stderr, "fsdp-ckpt: %s\n", err_detail());
-    return 1;
-  }
+  if (!world_start(&argc, &argv, "fsdp-ckpt")) return 1;
   fsdpc_status_t st = run(argc, argv);
   if (st != STATUS_OK) {
     fprintf(stderr, "fsdp-ckpt: %s\n", err_detail());

@@ -114,16 +114,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "fsdp-demo: unknown argument '%s' (it takes none; --help)\n", argv[i]);
     return 2;
   }
-  fsdpc_status_t up = world_init(&argc, &argv);
-  if (up != STATUS_OK && world_pg() != NULL) { /* the world is up: reported once for all */
-    world_agree_report(up, "fsdp-demo");
-    world_finalize();
-    return 1;
-  }
-  if (up != STATUS_OK) {
-    fprintf(stderr, "fsdp-demo: %s\n", err_detail());
-    return 1;
-  }
+  if (!world_start(&argc, &argv, "fsdp-demo")) return 1;
   fsdpc_status_t st = run();
   if (st != STATUS_OK)
     fprintf(stderr, "fsdp-demo: rank %d: %s: %s\n", world_rank(), status_str(st), err_detail());

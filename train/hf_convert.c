@@ -110,6 +110,9 @@ static int cmp_by_name(const void *x, const void *y) {
                      (*(const dcp_tensor_t *const *)y)->name);
 }
 
+const char *const hf_dropout_keys[] = {
+    "attn_pdrop", "embd_pdrop", "resid_pdrop", "attention_dropout", "summary_first_dropout", NULL};
+
 fsdpc_status_t hf_config_carry(char **text, const cJSON *source) {
   ARG_NONNULL(text);
   if (!cJSON_IsObject(source) || *text == NULL) return STATUS_OK;
@@ -120,15 +123,13 @@ fsdpc_status_t hf_config_carry(char **text, const cJSON *source) {
     cJSON_Delete(o);
     return err_set(STATUS_EINTERNAL, "a model config written here is not a JSON object");
   }
-  /* training settings the model here never applies (dropout): the source's values stand, for
-   * whoever trains the exported model next */
-  static const char *const theirs[] = {"attn_pdrop", "embd_pdrop", "resid_pdrop",
-                                       "summary_first_dropout", "attention_dropout"};
   const cJSON *it;
   bool ok = true;
   cJSON_ArrayForEach(it, source) {
-    for (size_t k = 0; k < sizeof theirs / sizeof theirs[0]; k++)
-      if (strcmp(it->string, theirs[k]) == 0)
+    /* the dropout rates, which the model here never applies: the source's stand, for whoever
+     * trains the exported model next */
+    for (int k = 0; hf_dropout_keys[k]; k++)
+      if (strcmp(it->string, hf_dropout_keys[k]) == 0)
         cJSON_DeleteItemFromObjectCaseSensitive(o, it->string);
     bool skip = cJSON_GetObjectItemCaseSensitive(o, it->string) != NULL;
     for (size_t k = 0; !skip && k < sizeof own / sizeof own[0]; k++)

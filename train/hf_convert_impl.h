@@ -14,4 +14,8 @@
  * source that is not a JSON object leaves it. */
 fsdpc_status_t hf_config_carry(char **text, const cJSON *source);
 
+/* The dropout rates a Hugging Face config may give (NULL-terminated): training here applies
+ * none; the run's header names those above 0, and hf_config_carry keeps the source's. */
+extern const char *const hf_dropout_keys[];
+
 #endif

@@ -956,15 +956,9 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
                    "data-parallel ranks)",
                    pp->pp_micro_where.text, pp->pp_microbatches, (long long)p->grad_accum,
                    p->grad_accum == 1 ? "" : "es");
-  pp_schedule_t *sched = NULL;
-  fsdpc_status_t st = pp_schedule_new(pp->pp_schedule, pp->pp, (int)p->grad_accum, V, &sched);
-  pp_schedule_free(sched);
-  /* too few microbatches for the ranks (or not a multiple of them, interleaved): the step's
-   * micro-batches are the schedule's microbatches, which the data section sets */
-  int64_t M = p->grad_accum;
-  bool micro = (pp->pp_schedule != PP_GPIPE && M < pp->pp) ||
-               (pp->pp_schedule == PP_INTERLEAVED_1F1B && M % pp->pp != 0);
-  if (st != STATUS_OK && micro) {
+  /* the step's micro-batches are the schedule's microbatches, which the data section sets */
+  fsdpc_status_t st = pp_schedule_check_microbatches(pp->pp_schedule, pp->pp, (int)p->grad_accum);
+  if (st != STATUS_OK) {
     char why[1024];
     snprintf(why, sizeof why, "%s", err_detail());
     return err_set(st,
@@ -973,6 +967,9 @@ static fsdpc_status_t check_pipeline(fsdpc_plan_t *p, const char *own) {
                    "data-parallel ranks, or pipeline.microbatches)",
                    w, pp->pp, why);
   }
+  pp_schedule_t *sched = NULL;
+  st = pp_schedule_new(pp->pp_schedule, pp->pp, (int)p->grad_accum, V, &sched);
+  pp_schedule_free(sched);
   if (st != STATUS_OK)
     return err_prefix(st, "%s: pipeline (schedule %s)",
                       pp->pp_where.text[0] ? pp->pp_where.text : w,

@@ -9,6 +9,7 @@
 #include "core/kernels.h"
 #include "mesh/world.h"
 #include "models/llama/llama_plan.h"
+#include "train/hf_convert_impl.h"
 #include "train/llama_cost.h"
 #include "train/run_impl.h"
 
@@ -162,14 +163,12 @@ static void own_model_line(const run_t *r) {
 /* The dropout rates the model's config.json gives above 0, which training here never applies
  * (export-hf keeps them in the config it writes). */
 static void dropout_note(const run_t *r) {
-  static const char *const keys[] = {"attn_pdrop", "embd_pdrop", "resid_pdrop",
-                                     "attention_dropout"};
   char said[256] = "";
   size_t n = 0;
-  for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r->carried, keys[k]);
+  for (int k = 0; hf_dropout_keys[k]; k++) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(r->carried, hf_dropout_keys[k]);
     if (cJSON_IsNumber(v) && v->valuedouble > 0 && n < sizeof said)
-      n += (size_t)snprintf(said + n, sizeof said - n, "%s%s %g", n ? ", " : "", keys[k],
+      n += (size_t)snprintf(said + n, sizeof said - n, "%s%s %g", n ? ", " : "", hf_dropout_keys[k],
                             v->valuedouble);
   }
   if (said[0])

@@ -709,15 +709,8 @@ int train_main(int argc, char **argv, const char *program, const train_model_t *
     return 1;
   }
   train_signals_hold(); /* until the plan's handlers are in place (set_up) */
-  fsdpc_status_t up = world_init(&argc, &argv);
-  if (up != STATUS_OK) {
+  if (!world_start(&argc, &argv, train_prog())) {
     train_signals_release();
-    if (world_pg() == NULL) {
-      fprintf(stderr, "%s: %s\n", train_prog(), err_detail());
-      return 1;
-    }
-    agree(up); /* the world is up: rank 0 reports it once for the ranks */
-    world_finalize();
     return 1;
   }
   if (answered(argc, argv)) {
