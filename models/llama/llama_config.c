@@ -631,6 +631,31 @@ static fsdpc_status_t parse_experts(const char *path, const cJSON *o, llama_conf
   return STATUS_OK;
 }
 
+/* A config without model_type is read as Llama's (as LlamaConfig reads any dict); one holding
+ * a key only another architecture of the family has is refused, naming the model_type to add,
+ * rather than trained as a Llama without its experts or its GPT-2 layout. */
+static fsdpc_status_t check_untyped(const char *path, const cJSON *o) {
+  static const struct {
+    const char *key, *model_type;
+  } marks[] = {
+      {"n_embd", "gpt2"},
+      {"n_layer", "gpt2"},
+      {"n_head", "gpt2"},
+      {"n_positions", "gpt2"},
+      {"shared_expert_intermediate_size", "qwen2_moe"},
+      {"num_experts", "qwen3_moe\" or \"qwen2_moe"},
+      {"moe_intermediate_size", "qwen3_moe\" or \"qwen2_moe"},
+      {"num_local_experts", "mixtral"},
+  };
+  for (size_t i = 0; i < sizeof marks / sizeof marks[0]; i++)
+    if (cJSON_GetObjectItemCaseSensitive(o, marks[i].key) != NULL)
+      return err_set(STATUS_EFORMAT,
+                     "%s: no model_type, and '%s' is not a Llama config's key: add "
+                     "\"model_type\": \"%s\" (a config without one is read as \"llama\")",
+                     path, marks[i].key, marks[i].model_type);
+  return STATUS_OK;
+}
+
 static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t *c) {
   if (!cJSON_IsObject(o)) return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
   /* the model type first: another architecture's config lacks Llama's keys */
@@ -644,6 +669,7 @@ static fsdpc_status_t parse_hf(const char *path, const cJSON *o, llama_config_t 
                    "Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM, "
                    "MixtralForCausalLM, Qwen2MoeForCausalLM)",
                    path, mt->valuestring);
+  if (mt == NULL) FSDPC_TRY(check_untyped(path, o));
   /* not Hugging Face's: a run's record of its padded tables (llama_config_to_hf_text) */
   FSDPC_TRY(json_int(path, o, "pad_vocab_multiple", &c->pad_vocab_multiple));
   if (c->arch == LLAMA_ARCH_GPT2) return parse_gpt2(path, o, c);

@@ -699,6 +699,13 @@ START_TEST(config_forms_of_the_family) {
       /* GPT2Config's aliases: the base's hidden_size is n_embd, which may not say otherwise */
       {", \"model_type\": \"gpt2\", \"n_embd\": 32", 0, 0, 0, 0, 0, 0,
        "'n_embd' is 32 and 'hidden_size' 64: transformers reads hidden_size as n_embd"},
+      /* no model_type: Llama's, unless a key says another architecture */
+      {", \"n_embd\": 64", 0, 0, 0, 0, 0, 0,
+       "no model_type, and 'n_embd' is not a Llama config's key: add \"model_type\": \"gpt2\""},
+      {", \"num_experts\": 8, \"shared_expert_intermediate_size\": 64", 0, 0, 0, 0, 0, 0,
+       "'shared_expert_intermediate_size' is not a Llama config's key: add \"model_type\": "
+       "\"qwen2_moe\""},
+      {", \"num_local_experts\": 8", 0, 0, 0, 0, 0, 0, "add \"model_type\": \"mixtral\""},
       {", \"model_type\": \"gpt_neox\"", 0, 0, 0, 0, 0, 0,
        "model_type \"gpt_neox\": this build trains \"llama\", \"qwen2\", \"qwen3\", \"gpt2\", "
        "\"qwen3_moe\", \"mixtral\" and \"qwen2_moe\""},
