@@ -313,6 +313,11 @@ static fsdpc_status_t export_hf(const char *dir, const char *out, const hf_expor
   if (rep.unchecked)
     printf("%s has no checksums (written by another tool): what is read from it is unchecked\n",
            dir);
+  if (st == STATUS_OK && rep.unquantized)
+    fprintf(stderr,
+            "fsdp-ckpt: note: the model config's quantization_config is left out of %s's "
+            "config.json: the tensors written are not quantized\n",
+            out);
   if (st == STATUS_OK)
     printf("exported %d tensors, %llu bytes, into %d file%s in %s\n", rep.tensors,
            (unsigned long long)rep.bytes, rep.files, rep.files == 1 ? "" : "s", out);

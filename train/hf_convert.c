@@ -116,8 +116,9 @@ const char *const hf_dropout_keys[] = {
 fsdpc_status_t hf_config_carry(char **text, const cJSON *source) {
   ARG_NONNULL(text);
   if (!cJSON_IsObject(source) || *text == NULL) return STATUS_OK;
-  static const char *const own[] = {"torch_dtype", "dtype", "rope_scaling", "rope_parameters",
-                                    "pad_vocab_multiple"};
+  static const char *const own[] = {"torch_dtype",        "dtype",
+                                    "rope_scaling",       "rope_parameters",
+                                    "pad_vocab_multiple", "quantization_config"};
   cJSON *o = cJSON_Parse(*text);
   if (!cJSON_IsObject(o)) {
     cJSON_Delete(o);
@@ -176,6 +177,8 @@ static fsdpc_status_t write_config(const cJSON *config, const char *origin, dtyp
     *vocab = (int64_t)vs->valuedouble;
     cJSON_DeleteItemFromObjectCaseSensitive(c, "pad_vocab_multiple");
   }
+  /* the tensors are written in a float dtype: transformers would read them as quantized */
+  cJSON_DeleteItemFromObjectCaseSensitive(c, "quantization_config");
   const char *names[] = {[DTYPE_F32] = "float32", [DTYPE_BF16] = "bfloat16",
                          [DTYPE_F16] = "float16"};
   const char *name = (size_t)dtype < sizeof names / sizeof names[0] ? names[dtype] : NULL;
@@ -216,7 +219,8 @@ static fsdpc_status_t same_model(const char *path, const cJSON *given, const cJS
 /* config.json: --config, or the model config the checkpoint was saved with; *arch its
  * architecture in the built-in family (LLAMA_ARCH_COUNT: another model). */
 static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, dtype_t dtype,
-                                    const char *path, llama_arch_t *arch, int64_t *vocab) {
+                                    const char *path, llama_arch_t *arch, int64_t *vocab,
+                                    bool *unquantized) {
   char *text = NULL, origin[PATH_LEN];
   cJSON *state = NULL, *given = NULL;
   const cJSON *config = NULL;
@@ -255,6 +259,7 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
     snprintf(origin, sizeof origin, "%.4000s/train_state.json", dir); /* for messages */
   }
   *arch = arch_of(config);
+  *unquantized = cJSON_GetObjectItemCaseSensitive(config, "quantization_config") != NULL;
   fsdpc_status_t st = config ? write_config(config, origin, dtype, path, vocab)
                              : err_set(STATUS_EINVAL,
                                        "%s: no model config recorded in train_state.json; give "
@@ -485,7 +490,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     char path[PATH_LEN + 64];
     dtype_t cd = o->dtype != DTYPE_COUNT ? o->dtype : n > 0 ? t[0]->dtype : DTYPE_F32;
     st = file_join(path, sizeof path, tmp, "config.json");
-    if (st == STATUS_OK) st = export_config(dir, o, cd, path, &arch, &vocab);
+    if (st == STATUS_OK) st = export_config(dir, o, cd, path, &arch, &vocab, &rep->unquantized);
     if (st == STATUS_OK) st = hf_list_of(t, n, arch, vocab, &l);
     if (st == STATUS_OK) st = check_export(dir, o, path, arch, &l);
   }

@@ -38,6 +38,7 @@ typedef struct hf_report {
   int tensors, files;
   uint64_t bytes;  /* of tensor data written (export) or found (import) */
   bool unchecked;  /* the source carries no checksums: what was read is unchecked */
+  bool unquantized; /* export: the config's quantization_config left out (the tensors are not) */
 } hf_report_t;
 
 /* Writes the model of checkpoint dir (a training checkpoint's model/, or a folder of shard

@@ -468,6 +468,18 @@ def ckpt_tool():
     q = tool_run("export-hf", imp, os.path.join(tmp, "exp-config-same"), "--config",
                  os.path.join(src, "config.json"))
     check(q.returncode == 0, "export-hf --config of the checkpoint's own model writes it")
+    # a quantized model's config: the float tensors written are not quantized, so its
+    # quantization_config is left out (transformers would read them as quantized), with a note
+    quant = os.path.join(variant("config-quant", {"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}), "config.json")
+    out = os.path.join(tmp, "exp-config-quant")
+    q = tool_run("export-hf", imp, out, "--config", quant)
+    with open(os.path.join(out, "config.json")) if q.returncode == 0 else open(os.devnull) as f:
+        written = f.read()
+    check(q.returncode == 0 and "quantization_config is left out" in q.stderr and
+          '"hidden_size"' in written and "quantization_config" not in written,
+          "export-hf of a quantized model's config leaves quantization_config out (%s)"
+          % q.stderr.strip()[-160:])
     # import-hf reads model.safetensors or the index's files only; a Llama's parameters are
     # floating point
     extra = variant("extra-file")
