@@ -181,7 +181,7 @@ fsdpc_status_t ckpt_reshard_training(const char *dir, const char *out, int world
   if (st == STATUS_OK)
     st = ckpt_commit_state(tmp, out, state_text, &ids[0], has_optim ? &ids[1] : NULL);
   else if (made)
-    file_remove_tree(tmp);
+    file_discard_temp_dir(tmp);
   free(state_text);
   cJSON_Delete(state);
   if (st == STATUS_OK && files) *files = n_files;

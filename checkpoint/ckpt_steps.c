@@ -204,7 +204,7 @@ fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed) {
   char journal[PATH_LEN]; /* a rollback journal's write a kill cut short */
   if (st == STATUS_OK &&
       file_join(journal, sizeof journal, root, CKPT_ROLLBACK_JOURNAL) == STATUS_OK)
-    file_remove_stale_temps(journal);
+    file_remove_stale_temps(journal, NULL);
   if (removed) *removed = r.removed;
   return st;
 }

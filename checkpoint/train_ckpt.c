@@ -141,9 +141,8 @@ fsdpc_status_t ckpt_commit_state(const char *tmp, const char *out, const char *s
   if (st == STATUS_OK) st = file_join(path, sizeof path, tmp, "train_state.json");
   if (st == STATUS_OK) st = file_write_text(path, sealed ? sealed : state_text);
   free(sealed);
-  if (st == STATUS_OK && rename(tmp, out) != 0)
-    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
-  if (st != STATUS_OK) file_remove_tree(tmp);
+  if (st == STATUS_OK) st = file_commit_temp_dir(tmp, out);
+  if (st != STATUS_OK) file_discard_temp_dir(tmp);
   return st;
 }
 

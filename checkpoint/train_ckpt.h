@@ -106,8 +106,8 @@ fsdpc_status_t ckpt_state_text(const char *dir, char **out);
 
 /* Completes a checkpoint written into folder tmp: its train_state.json from state_text
  * (sealed with the ids of the saves of its folders when model_id is given, ckpt_state_seal),
- * then the rename of tmp to out. On failure tmp is removed. For tools that write
- * checkpoints. Local. */
+ * then the rename of tmp (made by file_make_temp_dir) to out. On failure tmp is removed. For tools
+ * that write checkpoints. Local. */
 fsdpc_status_t ckpt_commit_state(const char *tmp, const char *out, const char *state_text,
                                  const uint64_t *model_id, const uint64_t *optim_id);
 

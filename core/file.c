@@ -3,9 +3,11 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -232,6 +234,29 @@ static fsdpc_status_t temp_name(const char *path, char *tmp, size_t size) {
   return STATUS_OK;
 }
 
+/* The temporary folders this process is writing, each with the descriptor of its mark
+ * (FILE_TEMP_MARK inside it) held under an exclusive flock: another process removes a folder
+ * of that name only when it can take that lock, that is when the writer has died. */
+#define TEMP_HELD 16
+static struct {
+  char path[DIRS_PATH_MAX + 16];
+  int fd;
+} held[TEMP_HELD];
+static pthread_mutex_t held_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The mark's descriptor of folder tmp, removed from the table; -1 when not held. */
+static int held_take(const char *tmp) {
+  int fd = -1;
+  pthread_mutex_lock(&held_lock);
+  for (int i = 0; i < TEMP_HELD && fd < 0; i++)
+    if (held[i].path[0] && strcmp(held[i].path, tmp) == 0) {
+      fd = held[i].fd;
+      held[i].path[0] = 0;
+    }
+  pthread_mutex_unlock(&held_lock);
+  return fd;
+}
+
 fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
   ARG_NONNULL(path);
   ARG_NONNULL(tmp);
@@ -239,7 +264,54 @@ fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
   if (mkdtemp(tmp) == NULL)
     return err_set(STATUS_EIO, "cannot create a folder beside '%s': %s", path, strerror(errno));
   chmod(tmp, 0755); /* mkdtemp's 0700, as mkdir would have made it */
+  char mark[DIRS_PATH_MAX + 64];
+  snprintf(mark, sizeof mark, "%s/%s", tmp, FILE_TEMP_MARK);
+  int fd = open(mark, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  int e = errno;
+  if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    e = errno;
+    close(fd);
+    fd = -1;
+  }
+  pthread_mutex_lock(&held_lock);
+  int slot = 0;
+  while (fd >= 0 && slot < TEMP_HELD && held[slot].path[0]) slot++;
+  if (fd >= 0 && slot < TEMP_HELD) {
+    snprintf(held[slot].path, sizeof held[slot].path, "%s", tmp);
+    held[slot].fd = fd;
+  }
+  pthread_mutex_unlock(&held_lock);
+  if (fd < 0 || slot == TEMP_HELD) {
+    if (fd >= 0) close(fd);
+    file_remove_tree(tmp);
+    return err_set(STATUS_EIO, "cannot mark the folder beside '%s' as being written: %s", path,
+                   fd < 0 ? strerror(e) : "too many at once");
+  }
   return STATUS_OK;
+}
+
+fsdpc_status_t file_commit_temp_dir(const char *tmp, const char *path) {
+  ARG_NONNULL(tmp);
+  ARG_NONNULL(path);
+  /* an empty folder path names keeps its permissions: the export replaces it */
+  struct stat sb;
+  if (lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) chmod(tmp, sb.st_mode & 07777);
+  char mark[DIRS_PATH_MAX + 64];
+  snprintf(mark, sizeof mark, "%s/%s", tmp, FILE_TEMP_MARK);
+  unlink(mark);
+  int fd = held_take(tmp);
+  fsdpc_status_t st = STATUS_OK;
+  if (rename(tmp, path) != 0)
+    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, path, strerror(errno));
+  if (fd >= 0) close(fd); /* after the rename: the unmarked folder was never unlocked */
+  return st;
+}
+
+void file_discard_temp_dir(const char *tmp) {
+  if (tmp == NULL || tmp[0] == 0) return;
+  file_remove_tree(tmp);
+  int fd = held_take(tmp);
+  if (fd >= 0) close(fd);
 }
 
 fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out) {
@@ -251,6 +323,8 @@ fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE *
   int fd = mkstemp(tmp);
   if (fd < 0)
     return err_set(STATUS_EIO, "cannot create a file beside '%s': %s", path, strerror(errno));
+  /* locked while it is written (until fclose): file_remove_stale_temps leaves it */
+  flock(fd, LOCK_EX | LOCK_NB);
   mode_t mask = umask(0); /* mkstemp's 0600, as fopen would have made it */
   umask(mask);
   fchmod(fd, 0666 & ~mask);
@@ -383,7 +457,29 @@ void file_parent_of(const char *path, char *buf, size_t size) {
     *slash = 0;
 }
 
-int file_remove_stale_temps(const char *path) {
+/* Whether the entry at of folder dfd, a temporary one's name, was left by a writer that died:
+ * a file no process holds locked, or a folder holding FILE_TEMP_MARK no process holds
+ * locked; never a link, a folder without the mark, or what a path of keep names. */
+static bool stale_temp(int dfd, const char *name, const char *const *keep) {
+  struct stat sb, kb;
+  if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0) return false;
+  for (int i = 0; keep != NULL && keep[i] != NULL; i++)
+    if (stat(keep[i], &kb) == 0 && kb.st_dev == sb.st_dev && kb.st_ino == sb.st_ino) return false;
+  int fd = -1;
+  if (S_ISREG(sb.st_mode)) {
+    fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  } else if (S_ISDIR(sb.st_mode)) {
+    int d = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (d >= 0) fd = openat(d, FILE_TEMP_MARK, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (d >= 0) close(d);
+  }
+  if (fd < 0) return false;
+  bool dead = flock(fd, LOCK_EX | LOCK_NB) == 0;
+  close(fd);
+  return dead;
+}
+
+int file_remove_stale_temps(const char *path, const char *const *keep) {
   if (path == NULL || path[0] == 0) return 0;
   char parent[DIRS_PATH_MAX], tmp[DIRS_PATH_MAX];
   if (temp_name(path, tmp, sizeof tmp) != STATUS_OK) return 0; /* "PATH.tmp-XXXXXX" */
@@ -394,6 +490,7 @@ int file_remove_stale_temps(const char *path) {
   int removed = 0;
   for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
     if (strlen(e->d_name) != stem + 6 || strncmp(e->d_name, base, stem) != 0) continue;
+    if (!stale_temp(dirfd(d), e->d_name, keep)) continue;
     char at[DIRS_PATH_MAX];
     int n = snprintf(at, sizeof at, "%s/%s", parent, e->d_name);
     if (n > 0 && (size_t)n < sizeof at && file_remove_tree(at)) removed++;

@@ -68,18 +68,34 @@ fsdpc_status_t file_check_dirs(const char *path, const char *what);
  * when something could not be removed (a path that does not exist is no failure). */
 bool file_remove_tree(const char *path);
 
+/* The file inside a folder of file_make_temp_dir's that marks it as this library's while it
+ * is being written; removed by file_commit_temp_dir. */
+#define FILE_TEMP_MARK ".fsdpc-partial"
+
 /* Creates a fresh folder beside path, named "PATH.tmp-XXXXXX" (mkdtemp), for writing what
- * will be renamed to path; its name into tmp. Nothing that exists is reused. */
+ * will be renamed to path; its name into tmp. Nothing that exists is reused. It holds
+ * FILE_TEMP_MARK, locked (flock) by this process until file_commit_temp_dir or
+ * file_discard_temp_dir: file_remove_stale_temps in another process leaves it. */
 fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size);
 
+/* Renames folder tmp of file_make_temp_dir's to path, its mark removed (an empty folder path
+ * names gives it its permissions), and releases its lock. tmp is left on failure. */
+fsdpc_status_t file_commit_temp_dir(const char *tmp, const char *path);
+
+/* Removes folder tmp of file_make_temp_dir's (file_remove_tree) and releases its lock. */
+void file_discard_temp_dir(const char *tmp);
+
 /* Creates and opens for writing a fresh file beside path, "PATH.tmp-XXXXXX" (mkstemp); its
- * name into tmp. */
+ * name into tmp. It is locked (flock) until it is closed. */
 fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE **out);
 
 /* Removes what file_make_temp_dir and file_create_temp left beside path when the process
- * writing path died before its rename (PATH.tmp-XXXXXX: files, folders, links themselves);
- * returns how many went. Call it where no other process writes path. */
-int file_remove_stale_temps(const char *path);
+ * writing path died before its rename: entries named PATH.tmp-XXXXXX that are files no
+ * process holds locked, or folders holding FILE_TEMP_MARK that no process holds locked. A
+ * link, a folder without the mark (not this library's), a temporary being written and what
+ * a path of keep names (a NULL-terminated list, or NULL: a command's inputs) are left.
+ * Returns how many went. */
+int file_remove_stale_temps(const char *path, const char *const *keep);
 
 /* Writes text to path through a fresh file beside it, renamed over path when complete. */
 fsdpc_status_t file_replace_text(const char *path, const char *text);

@@ -324,10 +324,11 @@ static fsdpc_status_t export_hf(const char *dir, const char *out, const hf_expor
   return st;
 }
 
-/* What an earlier command writing out left when it was stopped (OUT.tmp-XXXXXX, written
- * before its rename): removed, said. */
-static void clear_stale(const char *out) {
-  int n = file_remove_stale_temps(out);
+/* What an earlier command writing out left when it was stopped (OUT.tmp-XXXXXX, marked as
+ * being written, its writer gone): removed, said; never input, the command's. */
+static void clear_stale(const char *out, const char *input) {
+  const char *keep[] = {input, NULL};
+  int n = file_remove_stale_temps(out, keep);
   if (n > 0)
     fprintf(stderr,
             "fsdp-ckpt: note: removed %d unfinished output%s beside '%s' (%s.tmp-*), left by a "
@@ -336,7 +337,7 @@ static void clear_stale(const char *out) {
 }
 
 static fsdpc_status_t import_hf(const char *hf, const char *out) {
-  clear_stale(out);
+  clear_stale(out, hf);
   hf_report_t rep;
   FSDPC_TRY(ckpt_import_hf(hf, out, &rep));
   printf("imported %d tensors from %d file%s of %s into %s (step 0, no optimizer state)\n",
@@ -586,7 +587,7 @@ static fsdpc_status_t reshard_command(int argc, char **argv) {
   }
   if (np != 2 || o.config == NULL)
     return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
-  clear_stale(pos[1]);
+  clear_stale(pos[1], pos[0]);
   return reshard(pos[0], pos[1], &o);
 }
 
@@ -627,7 +628,7 @@ static fsdpc_status_t export_command(int argc, char **argv) {
     }
   }
   if (np != 2) return err_set(STATUS_EINVAL, "export-hf takes DIR OUT");
-  clear_stale(pos[1]);
+  clear_stale(pos[1], pos[0]);
   return export_hf(pos[0], pos[1], &o);
 }
 

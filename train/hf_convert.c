@@ -543,9 +543,8 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
     if (st == STATUS_OK) st = file_write_text(path, text);
     free(text);
   }
-  if (st == STATUS_OK && rename(tmp, out) != 0)
-    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, out, strerror(errno));
-  if (st != STATUS_OK) file_remove_tree(tmp);
+  if (st == STATUS_OK) st = file_commit_temp_dir(tmp, out);
+  if (st != STATUS_OK) file_discard_temp_dir(tmp);
   if (st == STATUS_OK) {
     rep->tensors = l.n; /* as written: stacked experts one tensor each */
     rep->files = files;
@@ -904,7 +903,7 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   if (st == STATUS_OK)
     st = ckpt_commit_state(tmp, out, text, &id, NULL); /* sealed: weights only */
   else if (made)
-    file_remove_tree(tmp);
+    file_discard_temp_dir(tmp);
   free(text);
   cJSON_Delete(state);
   if (st == STATUS_OK) { /* as written: the buffers left out */

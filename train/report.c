@@ -250,8 +250,9 @@ static void header_model(const run_t *r) {
   if (r->tp)
     printf("  tensor_parallel: %d module%s on tp=%d (%s); sequence parallelism %s\n",
            tp_num_modules(r->tp), tp_num_modules(r->tp) == 1 ? "" : "s", p->par.tp,
-           r->builtin && llama_plan_tp_is_builtin(&p->model, &p->par) ? "the built-in Llama plan"
-                                                                      : "the plan's rules",
+           !(r->builtin && llama_plan_tp_is_builtin(&p->model, &p->par)) ? "the plan's rules"
+           : p->model.arch == LLAMA_ARCH_GPT2                            ? "the built-in GPT-2 plan"
+                                              : "the built-in Llama plan",
            p->par.sequence_parallel ? "on" : "off");
   printf("  sharded parameters on rank 0: %s\n", mb);
 }
@@ -692,7 +693,7 @@ void train_dry_run(const run_t *r) {
   /* fully_shard's collectives follow from its groups whatever the model; tensor parallelism's
    * from the built-in models' plans only */
   fsdpc_plan_t fsdp_only = *p;
-  bool tp_counted = p->par.tp == 1 || r->builtin;
+  bool tp_counted = p->par.tp == 1 || (r->builtin && llama_plan_tp_is_builtin(&p->model, &p->par));
   if (!tp_counted) fsdp_only.par.tp = 1;
   llama_comm_t m = llama_comm_estimate(&fsdp_only, r->groups, r->n_groups);
   char a2a[128] = "";
@@ -707,7 +708,7 @@ void train_dry_run(const run_t *r) {
       m.n_ag, m.ag, m.n_rs, m.rs, m.n_ar, m.ar, a2a,
       tp_counted ? ""
                  : "; fully_shard's alone: tensor parallelism's activations are estimated "
-                   "for the built-in models only");
+                   "for the built-in models' own plans only");
   /* under a pipeline, rank 0's stages and its sends to the next stage */
   double p2p = 0;
   if (r->pp_sched != NULL) {

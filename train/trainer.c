@@ -408,7 +408,8 @@ static fsdpc_status_t start(run_t *r) {
   /* rewrites of the metrics file a killed run left beside it (a finished rollback's took its
    * name above) */
   const char *mpath = train_metrics_path(r);
-  int left = st == STATUS_OK && world_rank() == 0 && mpath[0] ? file_remove_stale_temps(mpath) : 0;
+  int left =
+      st == STATUS_OK && world_rank() == 0 && mpath[0] ? file_remove_stale_temps(mpath, NULL) : 0;
   if (left > 0)
     fprintf(stderr,
             "%s: note: removed %d unfinished rewrite%s of the metrics file beside '%s' "

@@ -115,11 +115,16 @@ bool llama_plan_tp_is_builtin(const llama_config_t *c, const parallel_plan_t *pp
   const tp_rule_t *d;
   int n = llama_plan_tp_rules(c, &d);
   if (pp->n_tp_rules != n) return false;
+  /* the same rules in any order: no two of the built-in plan's patterns match one module */
+  bool used[LLAMA_PLAN_RULES + 16] = {false};
   for (int i = 0; i < n; i++) {
     const plan_tp_rule_t *r = &pp->tp_rules[i];
-    if (strcmp(r->pattern, d[i].pattern) != 0 || r->style != d[i].style || r->input != d[i].input ||
-        r->output != d[i].output)
-      return false;
+    int j = 0;
+    while (j < n && (used[j] || strcmp(r->pattern, d[j].pattern) != 0 || r->style != d[j].style ||
+                     r->input != d[j].input || r->output != d[j].output))
+      j++;
+    if (j == n || j >= (int)(sizeof used / sizeof used[0])) return false;
+    used[j] = true;
   }
   return true;
 }

@@ -1,5 +1,6 @@
 """Final saves, signals, the time limit, the folder lock, refusals before the first step,
 links and outputs."""
+import fcntl
 import glob
 import json
 import os
@@ -856,13 +857,38 @@ def operations():
         check(p.returncode == 0 and os.path.isdir(out) and
               os.path.exists(os.path.join(victim, "keep.txt")),
               "fsdp-ckpt %s beside OUT.tmp links: writes OUT, leaves what they point to" % op)
-        # what a stopped command left (OUT.tmp-XXXXXX, a folder) is removed, said
+        # what a stopped command left (OUT.tmp-XXXXXX, a folder marked .fsdpc-partial, no
+        # longer locked) is removed, said; a folder of that name without the mark (the
+        # user's), one whose mark a live command holds locked, and the command's own input
+        # are left
         again = out + "-again"
         os.makedirs(os.path.join(again + ".tmp-q1W2e3", "model"))
+        open(os.path.join(again + ".tmp-q1W2e3", ".fsdpc-partial"), "w").close()
+        users = again + ".tmp-backup"
+        os.makedirs(users)
+        with open(os.path.join(users, "notes.txt"), "w") as f:
+            f.write("mine")
+        live = again + ".tmp-L1v3ee"
+        os.makedirs(live)
+        held = open(os.path.join(live, ".fsdpc-partial"), "w")
+        fcntl.flock(held, fcntl.LOCK_EX)
         p = sh([TOOL, op] + args + [again], timeout=120)
-        check(p.returncode == 0 and os.path.isdir(again) and not glob.glob(again + ".tmp-*") and
+        held.close()
+        check(p.returncode == 0 and os.path.isdir(again) and
+              sorted(glob.glob(again + ".tmp-*")) == sorted([users, live]) and
               "removed 1 unfinished output beside" in p.stderr,
-              "fsdp-ckpt %s removes the unfinished output a stopped run left beside OUT (%s)"
+              "fsdp-ckpt %s removes the unfinished output a stopped run left beside OUT, not "
+              "the user's folder of that name nor a running command's (%s)"
+              % (op, p.stderr.strip()[-160:]))
+        shutil.rmtree(live)
+        # an input named like OUT's temporary (a copy the user made) is read, not removed
+        named = os.path.join(tmp, "in-%s.tmp-final1" % op)
+        source = args[0] if op != "import-hf" else os.path.join(tmp, "out-export-hf")
+        shutil.copytree(source, named)
+        open(os.path.join(named, ".fsdpc-partial"), "w").close()
+        p = sh([TOOL, op, named] + args[1:] + [os.path.join(tmp, "in-%s" % op)], timeout=120)
+        check(p.returncode == 0 and os.path.isdir(named) and "removed" not in p.stderr,
+              "fsdp-ckpt %s leaves its input named like OUT's temporary (%s)"
               % (op, p.stderr.strip()[-160:]))
         link = os.path.join(tmp, "link-" + op)
         os.symlink(os.path.join(tmp, "nowhere-" + op), link)
