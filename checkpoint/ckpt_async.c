@@ -278,7 +278,7 @@ fsdpc_status_t ckpt_async_start(ckpt_async_t *a, const char *dir, nn_param_t *co
     }
   }
   if (st != STATUS_OK) {
-    if (prepared && a->rank == 0) file_remove_tree(a->tmp); /* every rank agreed: none writes */
+    if (prepared && a->rank == 0) file_discard_temp_dir(a->tmp); /* agreed: none writes */
     release(a);
   }
   return st;
@@ -301,7 +301,7 @@ fsdpc_status_t ckpt_async_commit(ckpt_async_t *a, pg_t *pg, int64_t *step) {
     st = pg_agree(pg, mine);
   }
   if (st == STATUS_OK) st = dcp_commit(a->tmp, a->dir, pg);
-  if (st != STATUS_OK && pg_rank(pg) == 0) file_remove_tree(a->tmp); /* every rank agreed */
+  if (st != STATUS_OK && pg_rank(pg) == 0) file_discard_temp_dir(a->tmp); /* every rank agreed */
   if (step) *step = a->step;
   release(a);
   return st;

@@ -11,11 +11,13 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
+#include "checkpoint/dcp_integrity_impl.h"
+#include "checkpoint/dcp_reader_impl.h"
+#include "checkpoint/safetensors.h"
 #include "core/args_impl.h"
 #include "core/file.h"
-#include "checkpoint/dcp_integrity_impl.h"
-#include "checkpoint/safetensors.h"
 #include "dtensor/placement.h"
 
 #define DCP_PATH_MAX 4096
@@ -233,6 +235,7 @@ fsdpc_status_t dcp_shard_boxes(const dcp_entry_t *entries, int n, dcp_box_t *b, 
   ARG_NONNULL(b);
   ARG_NONNULL(count);
   *count = 0;
+  FSDPC_TRY(dcp_check_entries(entries, n, true, "dcp_shard_boxes"));
   for (int i = 0; i < n; i++) {
     bool mine;
     FSDPC_TRY(writes_shard(entries[i].name, entries[i].value, &mine));
@@ -279,6 +282,13 @@ static fsdpc_status_t write_shards(const char *tmp, const dcp_entry_t *entries, 
   if (st == STATUS_OK) st = got;
   uint64_t id = all ? dcp_block_hash(all, sizeof(uint64_t) * 2 * (size_t)size) : 0;
   if (save_id) *save_id = id;
+  bool any = false;
+  for (int r = 0; r < size && all != NULL; r++) any = any || all[2 * r];
+  if (st == STATUS_OK && !any) /* every rank sees it */
+    st = err_set(STATUS_EINVAL,
+                 "checkpoint save into %s: nothing to save (no entries, or only tensors without "
+                 "elements)",
+                 tmp);
   for (int r = 0; r < size && st == STATUS_OK; r++) {
     if (!all[2 * r]) continue;
     if ((files[n_files] = malloc(32)) == NULL) {
@@ -316,13 +326,12 @@ fsdpc_status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
     snprintf(tmp, size, "%s.tmp", dir);
   struct stat sb;
   if (rank == 0 && st == STATUS_OK) {
-    if (lstat(dir, &sb) == 0) {
+    if (lstat(dir, &sb) == 0)
       st = err_set(STATUS_EINVAL, "checkpoint: %s already exists", dir);
-    } else {
-      file_remove_tree(tmp); /* left by a save that died before its commit (a link: itself) */
-      if (mkdir(tmp, 0755) != 0)
-        st = err_set(STATUS_EIO, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
-    }
+    else /* what a save that died before its commit left goes; nothing else of that name */
+      st = file_claim_temp_dir(tmp);
+    if (st != STATUS_OK && strncmp(err_detail(), "checkpoint:", 11) != 0)
+      st = err_prefix(st, "checkpoint");
   }
   return pg_agree(pg, st);
 }
@@ -332,6 +341,31 @@ fsdpc_status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, 
   ARG_NONNULL(folder);
   if (n > 0) ARG_NONNULL(entries);
   ARG_NONNULL(pg);
+  FSDPC_TRY(pg_agree(pg, dcp_check_entries(entries, n, true, "checkpoint save")));
+  /* the ranks save the same entries: one rank's other list would leave tensors short of
+   * chunks, found only by a load */
+  XXH64_state_t *h = XXH64_createState();
+  fsdpc_status_t st = h ? STATUS_OK : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  if (h != NULL) XXH64_reset(h, 0);
+  for (int i = 0; h != NULL && i < n; i++) {
+    const dtensor_t *v = entries[i].value;
+    int64_t nd = dtensor_ndim(v), dt = dtensor_local(v)->dtype;
+    XXH64_update(h, entries[i].name, strlen(entries[i].name) + 1);
+    XXH64_update(h, &nd, sizeof nd);
+    XXH64_update(h, dtensor_shape(v), sizeof(int64_t) * (size_t)nd);
+    XXH64_update(h, &dt, sizeof dt);
+  }
+  uint64_t mine = h ? XXH64_digest(h) : 0;
+  XXH64_freeState(h);
+  FSDPC_TRY(pg_agree(pg, st));
+  int other = -1;
+  FSDPC_TRY(pg_host_first_differing(pg, mine, &other));
+  if (other >= 0) /* every rank sees it: the same verdict everywhere */
+    return err_set(STATUS_EINVAL,
+                   "checkpoint save into %s: rank %d passes other entries than rank 0 (their "
+                   "number, names, global shapes or dtypes differ): every rank must save the "
+                   "same tensors in the same order",
+                   folder, other);
   return pg_agree(pg, write_shards(folder, entries, n, pg, save_id));
 }
 
@@ -344,8 +378,7 @@ fsdpc_status_t dcp_commit(const char *tmp, const char *dir, pg_t *pg) {
   if (rank == 0) { /* the folders' entries (the files' names), then the rename, reach the disk */
     st = fsync_subfolders(tmp);
     if (st == STATUS_OK) st = fsync_path(tmp);
-    if (st == STATUS_OK && rename(tmp, dir) != 0)
-      st = err_set(STATUS_EIO, "checkpoint: cannot rename %s to %s: %s", tmp, dir, strerror(errno));
+    if (st == STATUS_OK) st = file_commit_temp_dir(tmp, dir);
     if (st == STATUS_OK) {
       char parent[DCP_PATH_MAX];
       file_parent_of(dir, parent, sizeof parent);
@@ -364,6 +397,6 @@ fsdpc_status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t
   fsdpc_status_t st = dcp_write(tmp, entries, n, pg, NULL);
   if (st == STATUS_OK) st = dcp_commit(tmp, dir, pg);
   int rank = pg_rank(pg);
-  if (st != STATUS_OK && rank == 0) file_remove_tree(tmp); /* all ranks agreed: none writes */
+  if (st != STATUS_OK && rank == 0) file_discard_temp_dir(tmp); /* agreed: none writes */
   return st;
 }

@@ -296,10 +296,35 @@ fsdpc_status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, in
   return checks_done(r, st); /* the checks of one box ran while the next was read */
 }
 
+fsdpc_status_t dcp_check_entries(const dcp_entry_t *entries, int n, bool save, const char *who) {
+  if (n < 0) return err_set(STATUS_EINVAL, "%s: %d entries", who, n);
+  for (int i = 0; i < n; i++) {
+    if (entries[i].name == NULL || entries[i].name[0] == 0)
+      return err_set(STATUS_EINVAL, "%s: entry %d has %s name", who, i,
+                     entries[i].name ? "an empty" : "a NULL");
+    if (entries[i].value == NULL)
+      return err_set(STATUS_EINVAL, "%s: entry %d ('%s') has a NULL value", who, i,
+                     entries[i].name);
+    const mesh_t *m = dtensor_mesh(entries[i].value);
+    const placement_t *pl = dtensor_placements(entries[i].value);
+    for (int d = 0; !save && d < mesh_ndim(m); d++)
+      if (pl[d].kind == PLACEMENT_PARTIAL) {
+        char b[32];
+        return err_set(STATUS_EUNSUPPORTED,
+                       "%s: tensor '%s' has placement %s on mesh dimension %d: every local term "
+                       "would hold the whole value; load it as Shard or Replicate, then "
+                       "redistribute",
+                       who, entries[i].name, placement_str(pl[d], b, sizeof b), d);
+      }
+  }
+  return STATUS_OK;
+}
+
 fsdpc_status_t dcp_reader_load(dcp_reader_t *r, const dcp_entry_t *entries, int n,
                                dcp_stats_t *stats) {
   ARG_NONNULL(r);
   if (n > 0) ARG_NONNULL(entries);
+  FSDPC_TRY(dcp_check_entries(entries, n, false, "checkpoint load"));
   dcp_stats_t s = {0};
   s.files = r->n_files;
   s.unchecked = r->checks == DCP_CHECKS_NONE;

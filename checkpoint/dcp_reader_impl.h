@@ -64,6 +64,11 @@ static inline fsdpc_status_t oom(void) {
 fsdpc_status_t dcp_rfile_open(rfile_t *rf, const char *path);
 void dcp_rfile_close(rfile_t *rf);
 
+/* The entries of a save or a load, checked (who: the function, for messages): each with a
+ * name that is not empty and a value; for a load (save false), no Partial placement, whose
+ * local terms would each receive the whole value. */
+fsdpc_status_t dcp_check_entries(const dcp_entry_t *entries, int n, bool save, const char *who);
+
 /* Tensor name's index in the reader's table, or -1. */
 int dcp_find_tensor(const dcp_reader_t *r, const char *name);
 

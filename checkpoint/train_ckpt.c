@@ -218,7 +218,7 @@ fsdpc_status_t ckpt_save_training(const char *dir, nn_param_t *const *params, in
   }
   if (st == STATUS_OK) st = dcp_commit(tmp, dir, pg);
   /* every rank has agreed on the failure, so no rank still writes: free the space it took */
-  if (st != STATUS_OK && prepared && rank == 0) file_remove_tree(tmp);
+  if (st != STATUS_OK && prepared && rank == 0) file_discard_temp_dir(tmp);
   ckpt_entries_free(&e);
   return st;
 }

@@ -257,13 +257,9 @@ static int held_take(const char *tmp) {
   return fd;
 }
 
-fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
-  ARG_NONNULL(path);
-  ARG_NONNULL(tmp);
-  FSDPC_TRY(temp_name(path, tmp, size));
-  if (mkdtemp(tmp) == NULL)
-    return err_set(STATUS_EIO, "cannot create a folder beside '%s': %s", path, strerror(errno));
-  chmod(tmp, 0755); /* mkdtemp's 0700, as mkdir would have made it */
+/* Marks the fresh folder tmp as being written (FILE_TEMP_MARK, locked and held); on failure
+ * tmp is removed. */
+static fsdpc_status_t mark_and_hold(const char *tmp) {
   char mark[DIRS_PATH_MAX + 64];
   snprintf(mark, sizeof mark, "%s/%s", tmp, FILE_TEMP_MARK);
   int fd = open(mark, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
@@ -284,10 +280,38 @@ fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
   if (fd < 0 || slot == TEMP_HELD) {
     if (fd >= 0) close(fd);
     file_remove_tree(tmp);
-    return err_set(STATUS_EIO, "cannot mark the folder beside '%s' as being written: %s", path,
+    return err_set(STATUS_EIO, "cannot mark '%s' as being written: %s", tmp,
                    fd < 0 ? strerror(e) : "too many at once");
   }
   return STATUS_OK;
+}
+
+fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(tmp);
+  FSDPC_TRY(temp_name(path, tmp, size));
+  if (mkdtemp(tmp) == NULL)
+    return err_set(STATUS_EIO, "cannot create a folder beside '%s': %s", path, strerror(errno));
+  chmod(tmp, 0755); /* mkdtemp's 0700, as mkdir would have made it */
+  return mark_and_hold(tmp);
+}
+
+static bool stale_temp(int dfd, const char *name, const char *const *keep);
+
+fsdpc_status_t file_claim_temp_dir(const char *tmp) {
+  ARG_NONNULL(tmp);
+  struct stat sb;
+  if (lstat(tmp, &sb) == 0) {
+    if (!stale_temp(AT_FDCWD, tmp, NULL))
+      return err_set(STATUS_EIO,
+                     "'%s' exists and is not what a stopped save left (it lacks the %s mark, or "
+                     "a save still writes it): remove it, or save elsewhere",
+                     tmp, FILE_TEMP_MARK);
+    file_remove_tree(tmp);
+  }
+  if (mkdir(tmp, 0755) != 0)
+    return err_set(STATUS_EIO, "cannot create '%s': %s", tmp, strerror(errno));
+  return mark_and_hold(tmp);
 }
 
 fsdpc_status_t file_commit_temp_dir(const char *tmp, const char *path) {

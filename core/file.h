@@ -78,8 +78,15 @@ bool file_remove_tree(const char *path);
  * file_discard_temp_dir: file_remove_stale_temps in another process leaves it. */
 fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size);
 
-/* Renames folder tmp of file_make_temp_dir's to path, its mark removed (an empty folder path
- * names gives it its permissions), and releases its lock. tmp is left on failure. */
+/* Creates folder tmp, of a name chosen by the caller, marked and locked as
+ * file_make_temp_dir's are; one that exists is removed first when it is what a dead writer
+ * left (file_remove_stale_temps's rule), and refused otherwise (a user's folder, a live
+ * writer's, a link). */
+fsdpc_status_t file_claim_temp_dir(const char *tmp);
+
+/* Renames folder tmp of file_make_temp_dir's (or file_claim_temp_dir's) to path, its mark removed
+ * (an empty folder path names gives it its permissions), and releases its lock. tmp is left on
+ * failure. */
 fsdpc_status_t file_commit_temp_dir(const char *tmp, const char *path);
 
 /* Removes folder tmp of file_make_temp_dir's (file_remove_tree) and releases its lock. */

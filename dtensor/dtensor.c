@@ -75,6 +75,7 @@ static fsdpc_status_t check_args(const char *what, void *out, const fsdpc_tensor
     return err_set(STATUS_EINVAL, "%s: the mesh is NULL (did mesh_new fail?)", what);
   if (pl == NULL) return err_set(STATUS_EINVAL, "%s: the placements are NULL", what);
   if (!t->meta) FSDPC_TRY(tensor_check_memory(what, t)); /* a meta one: deferred init's */
+  FSDPC_TRY(placements_check_dtype(mesh_ndim(mesh), pl, t->dtype, what));
   return STATUS_OK;
 }
 
@@ -167,14 +168,24 @@ static fsdpc_status_t broadcast_over_mesh(mesh_t *mesh, const int *src, fsdpc_te
 /* Before a broadcast from one rank: every rank of mesh learns whether any failed its own
  * checks (st) or passes a tensor of another shape or dtype than the others, so that all
  * return the same error rather than some waiting in the broadcast. Collective over mesh. */
-static fsdpc_status_t agree_full(mesh_t *mesh, const fsdpc_tensor_t *full, fsdpc_status_t st) {
-  enum { K = 2 + TENSOR_MAX_DIMS };
+static fsdpc_status_t agree_full(mesh_t *mesh, const fsdpc_tensor_t *full, const placement_t *pl,
+                                 int src_rank, fsdpc_status_t st) {
+  enum { K = 3 + TENSOR_MAX_DIMS + 4 * MESH_MAX_DIMS };
   int64_t v[2 * K + 1] = {0}, got[2 * K + 1];
   v[2 * K] = st != STATUS_OK; /* a rank failed: its error, not the shapes, is the one */
   if (full != NULL) {
     v[0] = full->dtype;
     v[1] = full->ndim;
-    for (int d = 0; d < full->ndim && d < TENSOR_MAX_DIMS; d++) v[2 + d] = full->shape[d];
+    v[2] = src_rank;
+    for (int d = 0; d < full->ndim && d < TENSOR_MAX_DIMS; d++) v[3 + d] = full->shape[d];
+    for (int k = 0; k < mesh_ndim(mesh) && k < MESH_MAX_DIMS; k++) {
+      int64_t *w = &v[3 + TENSOR_MAX_DIMS + 4 * k];
+      bool shard = pl[k].kind == PLACEMENT_SHARD; /* the fields the kind reads */
+      w[0] = pl[k].kind;
+      w[1] = shard ? pl[k].dim : 0;
+      w[2] = pl[k].kind == PLACEMENT_PARTIAL ? pl[k].op : 0;
+      w[3] = shard ? pl[k].split_factor : 0;
+    }
   }
   for (int i = 0; i < K; i++) v[K + i] = -v[i]; /* the maximum of -x: the minimum */
   fsdpc_status_t cs = STATUS_OK;
@@ -187,8 +198,9 @@ static fsdpc_status_t agree_full(mesh_t *mesh, const fsdpc_tensor_t *full, fsdpc
   for (int i = 0; i < K; i++) same = same && v[i] == -v[K + i];
   if (st == STATUS_OK && !same && v[2 * K] == 0)
     st = err_set(STATUS_ESHAPE,
-                 "dtensor_distribute: the ranks pass tensors of different shapes or dtypes "
-                 "(every rank passes one of the full tensor's shape and dtype)");
+                 "dtensor_distribute: the ranks pass tensors of different shapes or dtypes, "
+                 "different placements or different source ranks (every rank passes the same "
+                 "placements, source rank, and a tensor of the full tensor's shape and dtype)");
   for (int k = 0; k < mesh_ndim(mesh); k++) st = pg_agree(mesh_group(mesh, k), st);
   return st;
 }
@@ -207,7 +219,8 @@ fsdpc_status_t dtensor_distribute(const fsdpc_tensor_t *full, mesh_t *mesh, cons
     if (mesh_ranks(mesh)[i] == src_rank) idx = i;
   if (st == STATUS_OK && src_rank != DTENSOR_ALL_RANKS && idx < 0)
     st = err_set(STATUS_EINVAL, "distribute: source rank %d is not in the mesh", src_rank);
-  if (src_rank != DTENSOR_ALL_RANKS) st = agree_full(mesh, st == STATUS_OK ? full : NULL, st);
+  if (src_rank != DTENSOR_ALL_RANKS)
+    st = agree_full(mesh, st == STATUS_OK ? full : NULL, pl, src_rank, st);
   FSDPC_TRY(st);
   fsdpc_tensor_t local = {0}, scratch = {0};
   const fsdpc_tensor_t *from = full;

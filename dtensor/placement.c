@@ -58,6 +58,18 @@ void placement_chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int
   *length = hi - lo;
 }
 
+fsdpc_status_t placements_check_dtype(int mesh_ndim, const placement_t *pl, dtype_t dt,
+                                      const char *what) {
+  ARG_NONNULL(pl);
+  for (int i = 0; i < mesh_ndim; i++)
+    if (pl[i].kind == PLACEMENT_PARTIAL && pl[i].op == REDUCE_AVG && !dtype_is_float(dt))
+      return err_set(STATUS_EDTYPE,
+                     "%s: Partial(avg) on mesh dimension %d needs a floating-point dtype, got %s "
+                     "(an integer average would truncate)",
+                     what ? what : "placements", i, dtype_name(dt));
+  return STATUS_OK;
+}
+
 fsdpc_status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
                                 const placement_t *pl) {
   ARG_NONNULL(mesh_shape);

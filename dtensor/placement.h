@@ -89,6 +89,11 @@ void placement_chunk_range(int64_t n, int64_t w, int64_t r, int64_t *offset, int
 fsdpc_status_t placements_check(int tensor_ndim, int mesh_ndim, const int *mesh_shape,
                                 const placement_t *pl);
 
+/* Checks placements against the tensor's dtype: Partial(avg) needs a floating-point one (an
+ * integer average would truncate); what names the caller. */
+fsdpc_status_t placements_check_dtype(int mesh_ndim, const placement_t *pl, dtype_t dt,
+                                      const char *what);
+
 /* Local shape and global offset of the shard held at mesh coordinates coord. Placements
  * must pass placements_check. Pure computation, no communication. */
 void placements_local_box(int ndim, const int64_t *global_shape, int mesh_ndim,

@@ -387,6 +387,7 @@ fsdpc_status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst
   int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
   FSDPC_TRY(placements_check(src->ndim, n, shape, dst));
+  FSDPC_TRY(placements_check_dtype(n, dst, src->local.dtype, "dtensor_redistribute"));
   if (tensor_is_meta(&src->local))
     return err_set(STATUS_EINVAL,
                    "dtensor_redistribute: the DTensor is meta, with no memory (a model built "

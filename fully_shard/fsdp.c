@@ -243,7 +243,27 @@ static void free_with_model(nn_module_t *m, void *ext) {
  * model, or called fully_shard on other modules, would otherwise gather other ranks' bytes as
  * its own (or wait for good). Collective over each of the mesh's groups. */
 static fsdpc_status_t agree_params(const fsdp_options_t *opt, const fsdp_plist_t *l,
-                                   const nn_module_t *m, fsdpc_status_t st) {
+                                   const fsdp_param_t *fps, const nn_module_t *m,
+                                   fsdpc_status_t st) {
+  /* and on the options that shape the collectives: each rank's own would gather, reduce and
+   * reshard other byte counts than the others (a truncated message, or a wait for good) */
+  XXH64_state_t *oh = XXH64_createState();
+  if (oh == NULL && st == STATUS_OK) st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
+  if (oh != NULL) {
+    int64_t o[8] = {opt->reshard_after_forward,
+                    opt->param_dtype,
+                    opt->reduce_dtype,
+                    opt->output_dtype,
+                    opt->n_ignored,
+                    opt->offload,
+                    opt->shard_state_over_replicas,
+                    0};
+    XXH64_reset(oh, 0);
+    XXH64_update(oh, o, sizeof o);
+    for (int i = 0; fps != NULL && i < l->n; i++) XXH64_update(oh, &fps[i].dim, sizeof fps[i].dim);
+  }
+  uint64_t options = oh ? XXH64_digest(oh) : 0;
+  XXH64_freeState(oh);
   XXH64_state_t *h = XXH64_createState();
   if (h == NULL && st == STATUS_OK) st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
   if (h != NULL) XXH64_reset(h, 0);
@@ -268,6 +288,16 @@ static fsdpc_status_t agree_params(const fsdp_options_t *opt, const fsdp_plist_t
                    "parameters (rank %d's names, shapes or dtypes differ from rank 0's): every "
                    "rank must build the same model and call fully_shard on the same modules, "
                    "in the same order",
+                   nn_module_fqn(m)[0] ? "'" : "",
+                   nn_module_fqn(m)[0] ? nn_module_fqn(m) : "the root module",
+                   nn_module_fqn(m)[0] ? "'" : "", k, other);
+    if (gs == STATUS_OK) gs = pg_host_first_differing(pg, options, &other);
+    if (gs == STATUS_OK && other >= 0)
+      gs = err_set(STATUS_EINVAL,
+                   "fully_shard: %s%s%s: the ranks of the mesh's dimension %d pass different "
+                   "options (rank %d's reshard_after_forward, param_dtype, reduce_dtype, "
+                   "output_dtype, offload, shard_state_over_replicas, ignored parameters or "
+                   "shard_dim differ from rank 0's): every rank must pass the same",
                    nn_module_fqn(m)[0] ? "'" : "",
                    nn_module_fqn(m)[0] ? nn_module_fqn(m) : "the root module",
                    nn_module_fqn(m)[0] ? "'" : "", k, other);
@@ -352,7 +382,7 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
     st = err_set(STATUS_ENOMEM, "fully_shard: out of host memory");
   if (st == STATUS_OK && opt->n_ignored > 0)
     memcpy(g->ignored, opt->ignored, sizeof *g->ignored * (size_t)opt->n_ignored);
-  st = agree_params(opt, &l, ms[0], st);
+  st = agree_params(opt, &l, g ? g->params : NULL, ms[0], st);
   if (st != STATUS_OK) {
     free(l.p);
     group_free(g);

@@ -153,7 +153,8 @@ void fsdp_set_reshard_after_backward(nn_module_t *root, bool reshard);
 void fsdp_set_is_last_backward(nn_module_t *root, bool last);
 
 /* Reduce gradients as a sum divided by factor instead of the average over the data-parallel
- * ranks (factor > 0; 0 restores the average). Applied to every group under root. */
+ * ranks (factor > 0; 0, a negative factor or NaN restores the average). Applied to every group
+ * under root. */
 void fsdp_set_gradient_divide_factor(nn_module_t *root, double factor);
 
 /* Prefetching. By default forward starts the all-gather of the group that followed this one in

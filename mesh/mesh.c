@@ -97,10 +97,11 @@ static fsdpc_status_t fill_ranks(mesh_t *m) {
   return STATUS_OK;
 }
 
-static fsdpc_status_t check_names(int ndim, const char *const *names) {
+static fsdpc_status_t check_names(const char *who, int ndim, const char *const *names) {
   for (int i = 0; i < ndim; i++) {
-    if (names == NULL || names[i] == NULL || names[i][0] == '\0')
-      return err_set(STATUS_EMESH, "mesh dimension %d has no name", i);
+    if (names == NULL || names[i] == NULL)
+      return err_set(STATUS_EINVAL, "%s: the name of mesh dimension %d is NULL", who, i);
+    if (names[i][0] == '\0') return err_set(STATUS_EMESH, "mesh dimension %d has no name", i);
     if (strlen(names[i]) >= MESH_NAME_MAX)
       return err_set(STATUS_EMESH, "mesh dimension name '%s' is longer than %d characters",
                      names[i], MESH_NAME_MAX - 1);
@@ -191,7 +192,7 @@ fsdpc_status_t mesh_new(int ndim, const int *shape, const char *const *names,
     return err_set(STATUS_EINVAL, "mesh_new: device type %d is neither DEVICE_CPU nor DEVICE_CUDA",
                    (int)device_type);
   if (names == NULL) return err_set(STATUS_EINVAL, "mesh_new: names is NULL");
-  FSDPC_TRY(check_names(ndim, names));
+  FSDPC_TRY(check_names("mesh_new", ndim, names));
   int sizes[MESH_MAX_DIMS];
   FSDPC_TRY(resolve_shape(ndim, shape, names, world_size(), sizes));
 
@@ -241,7 +242,7 @@ fsdpc_status_t mesh_new(int ndim, const int *shape, const char *const *names,
 fsdpc_status_t mesh_new_local(const char *name, device_type_t device_type, mesh_t **out) {
   if (out == NULL) return err_set(STATUS_EINVAL, "mesh_new_local: out is NULL");
   *out = NULL;
-  FSDPC_TRY(check_names(1, &name));
+  FSDPC_TRY(check_names("mesh_new_local", 1, &name));
   device_t dev = device_cpu();
   if (device_type == DEVICE_CUDA) {
     dev = world_device();
@@ -398,7 +399,7 @@ fsdpc_status_t mesh_flatten(const mesh_t *mesh, int n, const char *const *names,
   *out = NULL;
   int idx[MESH_MAX_DIMS];
   FSDPC_TRY(lookup_dims(mesh, n, names, idx));
-  FSDPC_TRY(check_names(1, &new_name));
+  FSDPC_TRY(check_names("mesh_flatten", 1, &new_name));
   mesh_t *m = NULL;
   FSDPC_TRY(new_mesh(mesh->root, &m));
   m->ndim = 1;

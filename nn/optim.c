@@ -283,6 +283,11 @@ static bool split_over_ranks(const dtensor_t *t) {
 
 fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm, pg_t *group,
                               double *norm, float *coef) {
+  ARG_NONNULL(coef);
+  if (n < 0 || (n > 0 && params == NULL))
+    return err_set(STATUS_EINVAL, "clip_grad_norm: %d parameters given without their list", n);
+  for (int i = 0; i < n; i++)
+    if (params[i] == NULL) return err_set(STATUS_EINVAL, "clip_grad_norm: parameter %d is NULL", i);
   for (int i = 0; group == NULL && i < n; i++) /* this rank's norm alone would be another's */
     if (params[i]->grad != NULL && split_over_ranks(params[i]->grad))
       return err_set(STATUS_EINVAL,

@@ -580,7 +580,8 @@ START_TEST(errors_name_the_tensor) {
   char dir[400], stale[420];
   snprintf(dir, sizeof dir, "%s/ckpt", root);
   snprintf(stale, sizeof stale, "%s.tmp", dir);
-  /* a save that died before its commit left a temporary folder: ignored and replaced */
+  /* a folder of the temporary's name that is not a save's (no mark): refused on every rank,
+   * left as it was */
   if (world_rank() == 0) {
     ck_assert_int_eq(mkdir(stale, 0755), 0);
     FILE *f = fopen(strcat(strcpy((char[440]){0}, stale), "/shard-00000.safetensors"), "w");
@@ -588,10 +589,22 @@ START_TEST(errors_name_the_tensor) {
     fclose(f);
   }
   MPI_Barrier(MPI_COMM_WORLD);
-  fsdpc_status_t st = dcp_load(stale, e, NT, NULL);
+  fsdpc_status_t st = dcp_save(dir, e, NT, world_pg());
+  ck_assert_msg(st != STATUS_OK && strstr(err_detail(), "is not what a stopped save left"), "%s",
+                st ? err_detail() : "ok");
+  ck_assert_int_eq(access(strcat(strcpy((char[440]){0}, stale), "/shard-00000.safetensors"), F_OK),
+                   0);
+  /* a save that died before its commit left its temporary folder, marked: replaced */
+  if (world_rank() == 0) {
+    FILE *f = fopen(strcat(strcpy((char[440]){0}, stale), "/.fsdpc-partial"), "w");
+    fclose(f);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  st = dcp_load(stale, e, NT, NULL);
   ck_assert_int_ne(st, STATUS_OK); /* the partial file is not a checkpoint */
   ok(dcp_save(dir, e, NT, world_pg()));
   ck_assert_int_ne(access(stale, F_OK), 0);
+  ck_assert_int_ne(access(strcat(strcpy((char[440]){0}, dir), "/.fsdpc-partial"), F_OK), 0);
   /* saving over an existing checkpoint is refused on every rank */
   st = dcp_save(dir, e, NT, world_pg());
   ck_assert_int_ne(st, STATUS_OK);

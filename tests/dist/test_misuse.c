@@ -9,8 +9,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "checkpoint/dcp.h"
 #include "checkpoint/hf_weights.h"
 #include "checkpoint/train_ckpt.h"
+#include "core/file.h"
 #include "fully_shard/fsdp.h"
 #include "nn/init.h"
 #include "nn/layers.h"
@@ -302,6 +304,107 @@ START_TEST(fully_shard_agrees_on_the_unit) {
 }
 END_TEST
 
+/* fully_shard agrees on the options that shape its collectives: a rank passing another
+ * reshard_after_forward or param_dtype is refused on every rank (it would gather, reduce and
+ * reshard other byte counts: an MPI truncation at the first forward). */
+START_TEST(fully_shard_agrees_on_the_options) {
+  mesh_t *mesh = world_mesh();
+  int last = world_rank() == world_size() - 1;
+  for (int k = 0; k < 2; k++) {
+    nn_module_t *m = mlp(false);
+    fsdp_options_t opt = FSDP_OPTIONS_INIT;
+    opt.mesh = mesh;
+    if (k == 0) opt.reshard_after_forward = last ? 0 : 1;
+    if (k == 1) opt.param_dtype = last ? DTYPE_BF16 : DTYPE_COUNT;
+    fsdpc_status_t st = fully_shard(m, &opt, NULL);
+    expect_all(world_size() == 1
+                   ? st == STATUS_OK
+                   : st == STATUS_EINVAL && strstr(err_detail(), "pass different options") != NULL,
+               "fully_shard with unequal options (%d): %s", k, st ? err_detail() : "ok");
+    nn_module_free(m);
+  }
+  mesh_free(mesh);
+}
+END_TEST
+
+/* dtensor_distribute from a source rank agrees on the placements too; Partial(avg) of an
+ * integer tensor is refused at once (an average would truncate), not at its first reduction. */
+START_TEST(distribute_agrees_on_the_placements) {
+  mesh_t *mesh = world_mesh();
+  fsdpc_tensor_t f, i64;
+  ok(tensor_zeros(&f, DTYPE_F32, device_cpu(), 2, (int64_t[]){4, 3}));
+  ok(tensor_zeros(&i64, DTYPE_I64, device_cpu(), 1, (int64_t[]){4}));
+  placement_t pl = world_rank() == world_size() - 1 ? placement_replicate() : placement_shard(0);
+  dtensor_t *x = NULL;
+  fsdpc_status_t st = dtensor_distribute(&f, mesh, &pl, 0, &x);
+  expect_all(world_size() == 1
+                 ? st == STATUS_OK
+                 : st != STATUS_OK && strstr(err_detail(), "different placements") != NULL,
+             "dtensor_distribute of unequal placements: %s", st ? err_detail() : "ok");
+  dtensor_free(x);
+  x = NULL;
+  refused(dtensor_distribute(&i64, mesh, (placement_t[]){placement_partial(REDUCE_AVG)},
+                             DTENSOR_ALL_RANKS, &x),
+          "Partial(avg) on mesh dimension 0 needs a floating-point dtype, got i64");
+  ok(dtensor_distribute(&i64, mesh, (placement_t[]){placement_shard(0)}, DTENSOR_ALL_RANKS, &x));
+  dtensor_t *y = NULL;
+  refused(dtensor_redistribute(x, (placement_t[]){placement_partial(REDUCE_AVG)}, &y),
+          "needs a floating-point dtype");
+  dtensor_free(x);
+  tensor_free(&i64);
+  tensor_free(&f);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* dcp_save and dcp_load check their entries: a NULL or empty name, a NULL value, no entries,
+ * ranks passing other entries (every rank refused, nothing written), and a load into a
+ * Partial DTensor, whose every local term would receive the whole value. */
+START_TEST(checkpoint_entries_are_checked) {
+  mesh_t *mesh = world_mesh();
+  fsdpc_tensor_t f;
+  ok(tensor_init(&f, DTYPE_F32, device_cpu(), 2, (int64_t[]){7, 3}));
+  for (int i = 0; i < 21; i++) ((float *)f.data)[i] = (float)(3 * i + 1);
+  dtensor_t *a = NULL, *b = NULL, *p = NULL;
+  ok(dtensor_distribute(&f, mesh, (placement_t[]){placement_shard(0)}, DTENSOR_ALL_RANKS, &a));
+  ok(dtensor_distribute(&f, mesh, (placement_t[]){placement_replicate()}, DTENSOR_ALL_RANKS, &b));
+  char dir[64];
+  snprintf(dir, sizeof dir, "/tmp/fsdpc-entries-%d", (int)getpid());
+  MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
+  refused(dcp_save(dir, (dcp_entry_t[]){{NULL, a}}, 1, world_pg()), "entry 0 has a NULL name");
+  refused(dcp_save(dir, (dcp_entry_t[]){{"w", NULL}}, 1, world_pg()),
+          "entry 0 ('w') has a NULL value");
+  refused(dcp_save(dir, NULL, 0, world_pg()), "nothing to save");
+  int last = world_rank() == world_size() - 1;
+  fsdpc_status_t st = dcp_save(dir, (dcp_entry_t[]){{"w", a}, {"v", b}}, last ? 1 : 2, world_pg());
+  expect_all(world_size() == 1
+                 ? st == STATUS_OK
+                 : st == STATUS_EINVAL && strstr(err_detail(), "passes other entries than rank 0"),
+             "dcp_save of unequal entries: %s", st ? err_detail() : "ok");
+  if (world_size() > 1) ck_assert_msg(access(dir, F_OK) != 0, "a refused save wrote %s", dir);
+  if (world_size() > 1) ok(dcp_save(dir, (dcp_entry_t[]){{"w", a}, {"v", b}}, 2, world_pg()));
+  refused(dcp_load(dir, (dcp_entry_t[]){{NULL, a}}, 1, NULL), "entry 0 has a NULL name");
+  ok(dtensor_distribute(&f, mesh, (placement_t[]){placement_partial(REDUCE_SUM)}, DTENSOR_ALL_RANKS,
+                        &p));
+  refused(dcp_load(dir, (dcp_entry_t[]){{"w", p}}, 1, NULL),
+          "has placement P(sum) on mesh dimension 0");
+  ok(dcp_load(dir, (dcp_entry_t[]){{"w", b}}, 1, NULL));
+  fsdpc_tensor_t full;
+  ok(dtensor_full_tensor(b, &full));
+  for (int i = 0; i < 21; i++)
+    ck_assert_msg(((float *)full.data)[i] == (float)(3 * i + 1), "loaded w[%d] = %g", i,
+                  ((float *)full.data)[i]);
+  tensor_free(&full);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) file_remove_tree(dir);
+  dtensor_free(p);
+  dtensor_free(b);
+  dtensor_free(a);
+  tensor_free(&f);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* tensor_parallel over a tp dimension of one rank, then fully_shard over the data-parallel
  * one: composes (it was refused, the weights being Shard(0) on the one-rank mesh), and trains
  * what the plain model computes. */
@@ -350,6 +453,9 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, backward_and_hooks);
   tcase_add_test(tc, distribute_agrees_on_the_shape);
   tcase_add_test(tc, fully_shard_agrees_on_the_unit);
+  tcase_add_test(tc, fully_shard_agrees_on_the_options);
+  tcase_add_test(tc, distribute_agrees_on_the_placements);
+  tcase_add_test(tc, checkpoint_entries_are_checked);
   tcase_add_test(tc, tensor_parallel_of_one_rank_composes);
   suite_add_tcase(s, tc);
   return s;

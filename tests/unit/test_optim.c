@@ -73,6 +73,13 @@ START_TEST(adamw_matches_formula_and_groups) {
   double after;
   ok(clip_grad_norm(ps, 2, 100.0, NULL, &after));
   ck_assert_double_eq_tol(after, 1.0, 1e-5);
+  /* a NULL list or parameter is refused by name, not dereferenced */
+  float coef;
+  ck_assert(clip_grad_norm(NULL, 1, 1.0, NULL, &norm) == STATUS_EINVAL &&
+            strstr(err_detail(), "1 parameters given without their list"));
+  ck_assert(clip_grad_norm((nn_param_t *[]){ps[0], NULL}, 2, 1.0, NULL, &norm) == STATUS_EINVAL &&
+            strstr(err_detail(), "parameter 1 is NULL"));
+  ck_assert(clip_grad_coef(NULL, 1, 1.0, NULL, &norm, &coef) == STATUS_EINVAL);
   optim_free(o);
   nn_module_free(m);
   mesh_free(mesh);
