@@ -150,26 +150,28 @@ static fsdpc_status_t remove_entry(const char *root, const char *name) {
 }
 
 /* Removes the entries step-N....REMOVING under root that a removal a kill cut short left;
- * *removed counts them. */
-static fsdpc_status_t remove_half_removed(const char *root, int *removed) {
+ * *removed counts them. One that cannot go is left (never taken for a checkpoint), counted in
+ * *left, the first one's cause into why. */
+static void remove_half_removed(const char *root, int *removed, int *left, char *why, size_t size) {
   DIR *d = opendir(root);
-  if (d == NULL) return STATUS_OK;
-  fsdpc_status_t st = STATUS_OK;
+  if (d == NULL) return;
   struct dirent *e;
   size_t tail = strlen(REMOVING);
-  while (st == STATUS_OK && (e = readdir(d)) != NULL) {
+  while ((e = readdir(d)) != NULL) {
     size_t n = strlen(e->d_name);
     if (strncmp(e->d_name, "step-", 5) != 0 || n <= tail + 5 ||
         strcmp(e->d_name + n - tail, REMOVING) != 0)
       continue;
     char path[PATH_LEN];
-    st = file_join(path, sizeof path, root, e->d_name);
-    if (st == STATUS_OK && !file_remove_tree(path))
-      st = err_set(STATUS_EIO, "checkpoint: cannot remove all of %s: %s", path, strerror(errno));
-    if (st == STATUS_OK) (*removed)++;
+    if (file_join(path, sizeof path, root, e->d_name) != STATUS_OK) continue;
+    if (file_remove_tree(path)) {
+      (*removed)++;
+    } else {
+      if ((*left)++ == 0)
+        snprintf(why, size, "cannot remove all of %.300s: %s", path, strerror(errno));
+    }
   }
   closedir(d);
-  return st;
 }
 
 typedef enum removal_mode {
@@ -183,6 +185,8 @@ typedef struct removal {
   removal_mode_t mode;
   int64_t after, keep; /* keep: a step folder to leave (-1: none) */
   int removed;
+  fsdpc_status_t failed; /* pruning: the first removal that failed (the others are tried) */
+  char why[512];
 } removal_t;
 
 static fsdpc_status_t remove_step(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
@@ -191,16 +195,29 @@ static fsdpc_status_t remove_step(void *ctx, const char *name, int64_t s, ckpt_s
               : r->mode == REMOVE_AFTER ? kind != CKPT_STEP_TMP && s > r->after && s != r->keep
                                         : kind == CKPT_STEP_COMPLETE && s <= r->after;
   if (!take) return STATUS_OK;
-  FSDPC_TRY(remove_entry(r->root, name));
+  fsdpc_status_t st = remove_entry(r->root, name);
+  if (st != STATUS_OK && r->mode == REMOVE_COMPLETE_UPTO) {
+    if (r->failed == STATUS_OK) snprintf(r->why, sizeof r->why, "%s", err_detail());
+    if (r->failed == STATUS_OK) r->failed = st;
+    return STATUS_OK;
+  }
+  FSDPC_TRY(st);
   r->removed++;
   return STATUS_OK;
 }
 
-fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed) {
+fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed, int *left, char *why,
+                                      size_t why_size) {
   ARG_NONNULL(root);
+  if (left) *left = 0;
+  if (why && why_size) why[0] = 0;
   removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
   fsdpc_status_t st = ckpt_scan_steps(root, remove_step, &r);
-  if (st == STATUS_OK) st = remove_half_removed(root, &r.removed);
+  int kept = 0;
+  char first[512] = "";
+  if (st == STATUS_OK) remove_half_removed(root, &r.removed, &kept, first, sizeof first);
+  if (left) *left = kept;
+  if (why && why_size) snprintf(why, why_size, "%s", first);
   char journal[PATH_LEN]; /* a rollback journal's write a kill cut short */
   if (st == STATUS_OK &&
       file_join(journal, sizeof journal, root, CKPT_ROLLBACK_JOURNAL) == STATUS_OK)
@@ -291,7 +308,9 @@ fsdpc_status_t ckpt_prune(const char *root, int keep) {
   removal_t r = {
       .root = root, .mode = REMOVE_COMPLETE_UPTO, .after = n > keep ? steps[n - keep - 1] : -1};
   free(steps);
-  return r.after < 0 ? STATUS_OK : ckpt_scan_steps(root, remove_step, &r);
+  fsdpc_status_t st = r.after < 0 ? STATUS_OK : ckpt_scan_steps(root, remove_step, &r);
+  if (st == STATUS_OK && r.failed != STATUS_OK) st = err_set(r.failed, "%s", r.why);
+  return st;
 }
 
 /* ---- a rollback's journal ---- */

@@ -154,10 +154,13 @@ fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *co
 
 /* Removes the unfinished saves under root (step-NNNNNNNN.tmp, left by a job that died while
  * saving) and the folders a removal left half done (step-NNNNNNNN.removing); *removed (may be
- * NULL) receives how many. A rollback journal's unfinished write
- * (fsdp-train.rollback.tmp-XXXXXX) goes too, uncounted. A symbolic link is removed itself, never
- * what it points to. Local; call it on one rank, with no job saving into root. */
-fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed);
+ * NULL) receives how many. A half-removed folder that cannot go (a file in it that may not be
+ * removed) is left, never being taken for a checkpoint: *left (may be NULL) counts them and
+ * why (may be NULL) receives the first one's cause. A rollback journal's unfinished write
+ * (fsdp-train.rollback.tmp-XXXXXX) goes too, uncounted. A symbolic link is removed itself,
+ * never what it points to. Local; call it on one rank, with no job saving into root. */
+fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed, int *left, char *why,
+                                      size_t why_size);
 
 /* Settles the folders a checkpoint.overwrite save moved aside (step-NNNNNNNN.replaced-PID)
  * and a job that died left there: one whose step folder is absent comes back under its name
@@ -189,8 +192,9 @@ fsdpc_status_t ckpt_rollback_settle(const char *root, bool *found, bool *finishe
 fsdpc_status_t ckpt_remove_newer(const char *root, int64_t after, int64_t keep, int *removed);
 
 /* Removes all but the newest keep complete checkpoints under root (keep <= 0: none); a
- * checkpoint that is a symbolic link loses the link, never what it points to. Local; call it
- * on one rank. */
+ * checkpoint that is a symbolic link loses the link, never what it points to. One that cannot
+ * be removed fails the call, naming it and its cause, after the others are removed. Local;
+ * call it on one rank. */
 fsdpc_status_t ckpt_prune(const char *root, int keep);
 
 #pragma GCC visibility pop

@@ -189,9 +189,12 @@ bool file_is_dir(const char *path) {
 }
 
 /* Empties the folder open at fd (owned: closed here), then nothing else. */
-static bool remove_entries(int fd) {
+/* Removes everything in folder fd (closed here); *err keeps the first failure's errno (the
+ * cause: a file that cannot go, not the folder left not empty by it). */
+static bool remove_entries(int fd, int *err) {
   DIR *d = fdopendir(fd);
   if (d == NULL) {
+    if (*err == 0) *err = errno;
     close(fd);
     return false;
   }
@@ -201,13 +204,18 @@ static bool remove_entries(int fd) {
     const char *name = e->d_name;
     if (strcmp(name, ".") == 0 || strcmp(name, "..") == 0) continue;
     if (unlinkat(dirfd(d), name, 0) == 0) continue; /* a file or a link: never its target */
+    int why = errno; /* EISDIR (or EPERM, as Linux gives for folders too) when a folder */
     int sub = openat(dirfd(d), name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (sub < 0) {
+      if (*err == 0) *err = why;
       ok = false;
       continue;
     }
-    ok &= remove_entries(sub);
-    if (unlinkat(dirfd(d), name, AT_REMOVEDIR) != 0) ok = false;
+    ok &= remove_entries(sub, err);
+    if (unlinkat(dirfd(d), name, AT_REMOVEDIR) != 0) {
+      if (*err == 0) *err = errno;
+      ok = false;
+    }
   }
   closedir(d);
   return ok;
@@ -220,8 +228,11 @@ bool file_remove_tree(const char *path) {
   if (!S_ISDIR(sb.st_mode)) return unlink(path) == 0; /* a link goes, its target stays */
   int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) return unlink(path) == 0; /* replaced by a link since the lstat */
-  bool ok = remove_entries(fd);
-  return rmdir(path) == 0 && ok;
+  int err = 0;
+  bool ok = remove_entries(fd, &err);
+  if (rmdir(path) == 0 && ok) return true;
+  if (err != 0) errno = err; /* the cause, for the caller's message */
+  return false;
 }
 
 /* path's temporary sibling, PATH.tmp-XXXXXX (a folder's trailing slashes left out). */
@@ -521,6 +532,23 @@ int file_remove_stale_temps(const char *path, const char *const *keep) {
   }
   if (d != NULL) closedir(d);
   return removed;
+}
+
+bool file_same_path(const char *a, const char *b) {
+  if (a == NULL || b == NULL) return false;
+  struct stat sa, sb;
+  if (stat(a, &sa) == 0 && stat(b, &sb) == 0)
+    return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  /* one not there yet: the same name in the same folder */
+  const char *na = strrchr(a, '/'), *nb = strrchr(b, '/');
+  na = na ? na + 1 : a;
+  nb = nb ? nb + 1 : b;
+  if (strcmp(na, nb) != 0 || na[0] == 0) return false;
+  char pa[DIRS_PATH_MAX], pb[DIRS_PATH_MAX];
+  file_parent_of(a, pa, sizeof pa);
+  file_parent_of(b, pb, sizeof pb);
+  return stat(pa, &sa) == 0 && stat(pb, &sb) == 0 && sa.st_dev == sb.st_dev &&
+         sa.st_ino == sb.st_ino;
 }
 
 static const char *kind_of(mode_t m) {

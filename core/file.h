@@ -65,7 +65,8 @@ fsdpc_status_t file_check_dirs(const char *path, const char *what);
 /* Removes path and, when it is a folder, everything under it, never following a symbolic
  * link: a link is removed itself, not what it points to, and folders are walked through
  * descriptors opened with O_NOFOLLOW, so nothing outside path is touched. Best effort: false
- * when something could not be removed (a path that does not exist is no failure). */
+ * when something could not be removed (a path that does not exist is no failure), errno then
+ * the first failure's (the entry that could not go, not its folder left not empty). */
 bool file_remove_tree(const char *path);
 
 /* The file inside a folder of file_make_temp_dir's that marks it as this library's while it
@@ -103,6 +104,10 @@ fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE *
  * a path of keep names (a NULL-terminated list, or NULL: a command's inputs) are left.
  * Returns how many went. */
 int file_remove_stale_temps(const char *path, const char *const *keep);
+
+/* Whether paths a and b name the same file: the same file when both exist, else the same name
+ * in the same folder (./m.jsonl and m.jsonl, a path through a link to the folder). */
+bool file_same_path(const char *a, const char *b);
 
 /* Writes text to path through a fresh file beside it, renamed over path when complete. */
 fsdpc_status_t file_replace_text(const char *path, const char *text);

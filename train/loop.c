@@ -119,6 +119,7 @@ typedef struct step_out {
   float coef;                        /* clipping, applied inside the optimizer's pass */
   size_t peak, state, eval_peak;     /* eval_peak: the evaluation's, apart from the step's */
   bool finite, stopping, eval_now;
+  bool eval_cut; /* a signal ended the step's evaluation: the stop saves it as pending */
   train_stop_t stop;
 } step_out_t;
 
@@ -271,13 +272,24 @@ static fsdpc_status_t step_moe(const run_t *r, loop_t *L, step_out_t *o) {
   return STATUS_OK;
 }
 
+/* Whether an evaluation follows step done (of those trained): every eval.interval steps and
+ * after the last. */
+static bool eval_due(const run_t *r, int64_t done) {
+  const fsdpc_plan_t *p = &r->plan;
+  return r->eval != NULL &&
+         ((p->eval_interval > 0 && done % p->eval_interval == 0) || done == p->steps);
+}
+
 /* Step, the ranks' agreement: the loss, a save's state and the stop requests in one sum; a
  * non-finite step stops the run (every rank alike) unless train.nonfinite skips it. */
 static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   double t = device_clock_seconds(), step_est = t - o->t0 > L->step_max ? t - o->t0 : L->step_max;
   double save_s = L->saver.last_s > 0 ? L->saver.last_s : step_est;
-  bool time_up = p->time_limit_s > 0 && t - r->t_launch + step_est + save_s > p->time_limit_s;
+  /* and the evaluation due after this step, which a run that goes on makes first */
+  double eval_s = eval_due(r, o->s + 1) ? train_eval_estimate(r, step_est) : 0;
+  bool time_up =
+      p->time_limit_s > 0 && t - r->t_launch + eval_s + step_est + save_s > p->time_limit_s;
   o->sums[0] = o->loss;
   train_save_values(&L->saver, o->sums + 1); /* an asynchronous save: written, failed */
   int nsums = 3 + train_stop_values(p, time_up, o->sums + 3);
@@ -421,14 +433,6 @@ static fsdpc_status_t save_step_of(run_t *r, loop_t *L, const step_out_t *o, boo
   return st;
 }
 
-/* Whether an evaluation follows step done (of those trained): every eval.interval steps and
- * after the last. */
-static bool eval_due(const run_t *r, int64_t done) {
-  const fsdpc_plan_t *p = &r->plan;
-  return r->eval != NULL &&
-         ((p->eval_interval > 0 && done % p->eval_interval == 0) || done == p->steps);
-}
-
 static fsdpc_status_t step_save(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   int64_t done = o->s + 1;
@@ -458,19 +462,28 @@ static void metrics_settle(loop_t *L, bool final) {
 
 /* train_evaluate() with its own peak memory into *peak, its collectives left out of the next step's
  * counts. */
-static fsdpc_status_t evaluate_measured(run_t *r, const data_spec_t *spec, double *loss,
-                                        size_t *peak) {
+static fsdpc_status_t evaluate_measured(run_t *r, const data_spec_t *spec, bool stoppable,
+                                        train_eval_t *ev, size_t *peak) {
   mem_reset_peak(r->dev);
-  fsdpc_status_t st = train_evaluate(r, spec, loss);
+  fsdpc_status_t st = train_evaluate(r, spec, stoppable, ev);
   *peak = mem_stats(r->dev).peak;
   train_counted_bytes(r);
   return st;
 }
 
-/* Evaluate: after every eval.interval steps and after the last. */
+/* Evaluate: after every eval.interval steps and after the last. A sample that cannot be read
+ * now stops the run with the step saved; a signal of train.signals ends the evaluation, the
+ * stop (step_stop_late) saving the step with its evaluation pending. */
 static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
   o->eval_now = !o->stopping && eval_due(r, o->s + 1);
-  return o->eval_now ? evaluate_measured(r, &L->spec, &o->eval_loss, &o->eval_peak) : STATUS_OK;
+  if (!o->eval_now) return STATUS_OK;
+  train_eval_t ev;
+  fsdpc_status_t st = evaluate_measured(r, &L->spec, true, &ev, &o->eval_peak);
+  if (st != STATUS_OK && ev.agreed) L->agreed = L->keep = true;
+  o->eval_loss = ev.loss;
+  o->eval_cut = ev.cut;
+  o->eval_now = st == STATUS_OK && !ev.cut;
+  return st;
 }
 
 /* Report: the step's line of the metrics file (rank 0), agreed over the ranks (a full disk
@@ -539,7 +552,8 @@ static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   int64_t done = o->s + 1;
   bool saved = p->ckpt_dir[0] && L->asked == done;
-  if (o->stopping || done >= p->steps || p->n_signals == 0 || !(saved || o->eval_now))
+  if (o->stopping || done >= p->steps || p->n_signals == 0 ||
+      !(saved || o->eval_now || o->eval_cut))
     return STATUS_OK; /* (the same on every rank) */
   double v[1 + PLAN_MAX_SIGNALS];
   int n = train_stop_values(p, false, v);
@@ -549,7 +563,7 @@ static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
   o->stopping = true;
   o->stop = stop;
   if (p->ckpt_dir[0])
-    st = saved ? train_save_finish(&L->saver, r) : save_step_of(r, L, o, true, false);
+    st = saved ? train_save_finish(&L->saver, r) : save_step_of(r, L, o, true, o->eval_cut);
   L->agreed = st != STATUS_OK;
   return st;
 }
@@ -705,9 +719,10 @@ static fsdpc_status_t resume_eval_needed(run_t *r, train_metrics_seen_t *seen, b
  * fields of that step's metrics line; caller frees). Collective. */
 static fsdpc_status_t evaluate_start(run_t *r, cJSON **patch) {
   data_spec_t spec = train_spec_of(r);
-  double eval_loss;
+  train_eval_t ev;
   size_t peak;
-  FSDPC_TRY(evaluate_measured(r, &spec, &eval_loss, &peak));
+  FSDPC_TRY(evaluate_measured(r, &spec, false, &ev, &peak));
+  double eval_loss = ev.loss;
   if (world_rank() == 0) train_eval_line(r, r->start_step, eval_loss, "");
   *patch = cJSON_CreateObject();
   cJSON_AddNumberToObject(*patch, "eval_loss", eval_loss);

@@ -53,7 +53,23 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
               "%s: note: the metrics file '%s' held %ld line%s of an earlier run; this run "
               "starts at step 0 and replaces %s\n",
               train_prog(), path, lines, lines == 1 ? "" : "s", lines == 1 ? "it" : "them");
-    return fopen(path, "w");
+    if (access(path, F_OK) != 0) return fopen(path, "w");
+    /* a fresh file renamed over it, not the file itself emptied: a hard link to it (a
+     * snapshot, a backup) keeps what it held */
+    char tmp[PLAN_PATH_MAX + 16];
+    FILE *fresh = NULL;
+    if (file_create_temp(path, tmp, sizeof tmp, &fresh) != STATUS_OK) {
+      errno = EIO;
+      return NULL;
+    }
+    if (rename(tmp, path) != 0) {
+      int e = errno;
+      fclose(fresh);
+      unlink(tmp);
+      errno = e;
+      return NULL;
+    }
+    return fresh;
   }
   FILE *in = NULL;
   if (start > 0 && (in = fopen(path, "r")) == NULL) {

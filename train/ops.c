@@ -547,7 +547,7 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
   if (st == STATUS_OK && plot) {
     st = outside_checkpoints(p, plot, "--plot");
     if (st == STATUS_OK) st = file_check_output(plot, "--plot", in);
-    if (st == STATUS_OK && metrics && strcmp(plot, metrics) == 0)
+    if (st == STATUS_OK && metrics && metrics[0] && file_same_path(plot, metrics))
       st = err_set(STATUS_EINVAL, "--plot '%s' is the metrics file it draws; name another file",
                    plot);
   }

@@ -337,7 +337,9 @@ static fsdpc_status_t pass_on(run_t *r, pg_t *g, int s, int P, const data_spec_t
   return st;
 }
 
-fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, double *sum) {
+fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool stoppable,
+                             double *sum, bool *cut) {
+  *cut = false;
   int P = pp_schedule_ranks(r->pp_sched), S = pp_schedule_stages(r->pp_sched);
   pg_t *g = mesh_group(parallel_pp_mesh(r->par), 0);
   data_spec_t one = *spec;
@@ -353,8 +355,10 @@ fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, doubl
   if (st == STATUS_OK) nn_ctx_set_grad_enabled(ctx, false);
   /* a wavefront: at time t stage s runs batch t - s, every rank its stages at once, then the
    * activations pass on, stage by stage in the same order on every rank */
-  for (int64_t t = 0; t < n + S - 1 && st == STATUS_OK; t++) {
-    for (int s = 0; s < S && st == STATUS_OK; s++) {
+  for (int64_t t = 0; t < n + S - 1 && st == STATUS_OK && !*cut; t++) {
+    /* a signal ends it between two times, the same on every rank */
+    if (t > 0 && stoppable) st = train_signalled(r, cut);
+    for (int s = 0; s < S && st == STATUS_OK && !*cut; s++) {
       int64_t b = t - s;
       if (b < 0 || b >= n || s % P != r->pp_rank) continue;
       nn_var_t *x = in[s], *y = NULL;
@@ -371,7 +375,7 @@ fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, doubl
       else
         nn_var_put(y);
     }
-    for (int s = 0; s < S - 1 && st == STATUS_OK; s++) {
+    for (int s = 0; s < S - 1 && st == STATUS_OK && !*cut; s++) {
       int64_t b = t - s;
       if (b < 0 || b >= n) continue;
       nn_var_t *x = out[s];

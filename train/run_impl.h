@@ -79,6 +79,7 @@ typedef struct run {
   int stopped_by;  /* a signal stopped the run at a step boundary, or 0 */
   bool timed_out;  /* train.time_limit stopped it */
   double t_launch; /* when the process started (train.time_limit counts from it) */
+  double eval_s;   /* the seconds of the last evaluation (0: none yet) */
   /* mesh.pp > 1 (pipe.c): this rank's pipeline index, the modules of its stages, the schedule */
   int pp_rank;
   nn_module_t **stage_modules;
@@ -122,7 +123,11 @@ fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, do
 /* Evaluation batches 0 to n - 1 of r->eval through the stages, without gradients, pipelined
  * (stage s runs batch b while stage s + 1 runs batch b - 1): the sum of their mean losses, in
  * batch order, into *sum on every pipeline rank. Collective over the pipeline group. */
-fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, double *sum);
+fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool stoppable,
+                             double *sum, bool *cut);
+/* Whether a signal of train.signals has reached some rank, into *stop (the stop itself is
+ * agreed at the step's end). Collective over the world. */
+fsdpc_status_t train_signalled(const run_t *r, bool *stop);
 /* The pipeline rank holding the last stage (the head and the loss). */
 static inline int train_pp_last_rank(const run_t *r) {
   return pp_schedule_rank_of_stage(r->pp_sched, pp_schedule_stages(r->pp_sched) - 1);
@@ -142,9 +147,20 @@ data_spec_t train_spec_of(const run_t *r);
  * dropped: a bad token or a file cut short named under key. Local. */
 fsdpc_status_t train_check_samples(const fsdpc_data_t *d, const data_spec_t *spec, int64_t step,
                                    int64_t micros, const char *key);
-/* The mean loss over eval.path's batches (the same every time), without gradients. Collective
+/* What an evaluation gave. */
+typedef struct train_eval {
+  double loss; /* the mean loss over eval.path's batches */
+  bool cut;    /* a signal of train.signals stopped it (stoppable): no loss */
+  bool agreed; /* its failure met every rank alike before any forward (a sample that cannot
+                * be read now): the model is intact */
+} train_eval_t;
+/* The mean loss over eval.path's batches (the same every time), without gradients; stoppable:
+ * a signal of train.signals that reaches some rank ends it between two forwards. Collective
  * over the world. */
-fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, double *loss);
+fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, bool stoppable, train_eval_t *out);
+/* The seconds an evaluation is expected to take, from the last one's (0 when none ran: then
+ * from step_s, the seconds of a training step, as its forwards' share of it). */
+double train_eval_estimate(const run_t *r, double step_s);
 /* Rank 0's line for an evaluation after step (prefix: to clear a progress bar). */
 void train_eval_line(const run_t *r, int64_t step, double loss, const char *prefix);
 /* The model's description for train_state.json (a JSON object's text; caller frees). */

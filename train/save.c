@@ -82,8 +82,11 @@ static void committed(train_saver_t *sv, const run_t *r, int64_t step) {
   }
   sv->replaced = true;
   sv->aside[0] = 0;
-  ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep);
   printf("saved %s%s\n", dir, sv->async ? " (written in the background)" : "");
+  if (ckpt_prune(p->ckpt_dir, (int)p->ckpt_keep) != STATUS_OK) { /* the run goes on */
+    fprintf(stderr, "%s: warning: checkpoint.keep: %s\n", train_prog(), err_detail());
+    err_clear();
+  }
   fflush(stdout);
 }
 

@@ -149,27 +149,67 @@ static fsdpc_status_t open_data(run_t *r) {
  * micro-batch f of eval.path (train_eval_batch takes one micro-batch of a step f). */
 static int64_t eval_forwards(const fsdpc_plan_t *p) { return p->eval_batches * p->grad_accum; }
 
-/* The mean loss over eval_forwards of eval.path (the same samples every time, in the training
- * data's order), without gradients; then every unit's parameters are released (the root keeps
- * them gathered after a forward, for the backward that would follow). Collective over the
- * world. */
-fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, double *loss) {
-  double sum = 0, l = 0;
-  fsdpc_status_t st = STATUS_OK;
+/* eval.path's samples of every forward of an evaluation, read and dropped on this rank. */
+static fsdpc_status_t eval_samples(const run_t *r, const data_spec_t *spec) {
   data_spec_t one = *spec;
   one.batch_size = r->plan.eval_batch_size;
-  if (r->pp_sched != NULL) st = train_pp_eval(r, &one, eval_forwards(&r->plan), &sum);
-  for (int64_t f = 0; r->pp_sched == NULL && f < eval_forwards(&r->plan) && st == STATUS_OK; f++) {
+  one.grad_accum = 1;
+  for (int64_t f = 0; f < eval_forwards(&r->plan); f++)
+    FSDPC_TRY(train_check_samples(r->eval, &one, f, 1, "eval.path"));
+  return STATUS_OK;
+}
+
+fsdpc_status_t train_signalled(const run_t *r, bool *stop) {
+  double v[1 + PLAN_MAX_SIGNALS];
+  int n = train_stop_values(&r->plan, false, v);
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), v, v, n, PG_HOST_F64, REDUCE_SUM));
+  *stop = train_stop_of(&r->plan, v).signal != 0;
+  return STATUS_OK;
+}
+
+/* The mean loss over eval_forwards of eval.path (the same samples every time, in the training
+ * data's order), without gradients; then every unit's parameters are released (the root keeps
+ * them gathered after a forward, for the backward that would follow). The samples are read
+ * first on every rank, agreed: a file cut short since the start stops every rank alike, before
+ * any forward. Collective over the world. */
+fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, bool stoppable,
+                              train_eval_t *out) {
+  *out = (train_eval_t){0};
+  double sum = 0, l = 0, t0 = device_clock_seconds();
+  data_spec_t one = *spec;
+  one.batch_size = r->plan.eval_batch_size;
+  int64_t n = eval_forwards(&r->plan);
+  fsdpc_status_t st = pg_agree(world_pg(), eval_samples(r, spec));
+  if (st != STATUS_OK) {
+    out->agreed = true;
+    return st;
+  }
+  stoppable = stoppable && r->plan.n_signals > 0;
+  if (r->pp_sched != NULL) st = train_pp_eval(r, &one, n, stoppable, &sum, &out->cut);
+  for (int64_t f = 0; r->pp_sched == NULL && f < n && st == STATUS_OK && !out->cut; f++) {
     st = train_eval_batch(r->root, r->dev, r->eval, &one, f, &l);
     sum += l;
+    if (st == STATUS_OK && stoppable) st = train_signalled(r, &out->cut);
   }
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);
   if (st != STATUS_OK) return world_stop(st); /* the others would wait in the forward */
+  if (out->cut) return STATUS_OK;
   double all = 0;
   FSDPC_TRY(pg_host_all_reduce(world_pg(), &sum, &all, 1, PG_HOST_F64, REDUCE_SUM));
   /* every rank's tokens count the same; the ranks of one tp group hold the same loss */
-  *loss = all / (double)world_size() / (double)eval_forwards(&r->plan);
+  out->loss = all / (double)world_size() / (double)n;
+  r->eval_s = device_clock_seconds() - t0;
   return STATUS_OK;
+}
+
+double train_eval_estimate(const run_t *r, double step_s) {
+  if (r->eval == NULL) return 0;
+  if (r->eval_s > 0) return r->eval_s;
+  /* a forward is about a third of a forward and backward; a step's micro-batches are
+   * data.batch_size samples, the evaluation's eval.batch_size */
+  const fsdpc_plan_t *p = &r->plan;
+  return step_s / 3.0 * (double)p->eval_batches * (double)p->eval_batch_size /
+         (double)(p->batch_size > 0 ? p->batch_size : 1);
 }
 
 /* optim.param_groups name the whole model's parameters (under a pipeline every rank's model
@@ -326,12 +366,8 @@ const char *train_metrics_path(const run_t *r) {
  * that a bad one stops the run now, not after an interval of training. */
 static fsdpc_status_t check_eval_samples(const run_t *r) {
   if (r->eval == NULL) return STATUS_OK;
-  data_spec_t one = train_spec_of(r);
-  one.batch_size = r->plan.eval_batch_size;
-  one.grad_accum = 1;
-  for (int64_t f = 0; f < eval_forwards(&r->plan); f++)
-    FSDPC_TRY(train_check_samples(r->eval, &one, f, 1, "eval.path"));
-  return STATUS_OK;
+  data_spec_t spec = train_spec_of(r);
+  return eval_samples(r, &spec);
 }
 
 static fsdpc_status_t check_before_training(run_t *r) {
@@ -368,8 +404,17 @@ static fsdpc_status_t start(run_t *r) {
     return STATUS_OK;
   }
   FSDPC_TRY(train_lock(p->ckpt_dir, p->source, &r->lock_fd));
-  int removed = 0;
-  fsdpc_status_t st = world_rank() == 0 ? ckpt_remove_unfinished(p->ckpt_dir, &removed) : STATUS_OK;
+  int removed = 0, stuck = 0;
+  char why[512] = "";
+  fsdpc_status_t st = world_rank() == 0
+                          ? ckpt_remove_unfinished(p->ckpt_dir, &removed, &stuck, why, sizeof why)
+                          : STATUS_OK;
+  if (stuck > 0)
+    fprintf(stderr,
+            "%s: warning: checkpoint.dir '%s': %d folder%s a removal left half done "
+            "(step-*.removing) could not be removed, and stay%s (never read as a checkpoint): "
+            "%s\n",
+            train_prog(), p->ckpt_dir, stuck, stuck == 1 ? "" : "s", stuck == 1 ? "s" : "", why);
   if (removed > 0)
     fprintf(stderr,
             "%s: checkpoint.dir '%s': removed %d unfinished save%s or removal%s (step-*.tmp, "

@@ -446,6 +446,51 @@ def operations():
                  "resumed" if said in p.stdout else "stopped", rc,
                  [k for k in want if got.get(k) != want[k]][:5]))
 
+    # a long evaluation (4000 batches, seconds): a SIGTERM during it ends it between two
+    # batches, the step saved with its evaluation pending, which the resumed run makes; the
+    # time limit counts the evaluation due after a step; an eval.path cut short since the
+    # start stops the run with its step saved
+    ev_copy = os.path.join(tmp, "eval-copy.txt")
+    shutil.copy(data, ev_copy)
+    long_ev = [debug, "--set", "train.steps=12", "--set", "log.interval=1", "--set",
+               "eval.path=" + ev_copy, "--set", "eval.interval=10", "--set", "eval.batches=4000"]
+    ck = os.path.join(tmp, "ck-long-eval")
+    proc, steps = start(0, long_ev + ["--set", "checkpoint.dir=" + ck],
+                        os.path.join(tmp, "long-eval.jsonl"))
+    wait_step(steps, 9, proc)
+    time.sleep(0.5)  # step 10 takes milliseconds, its evaluation seconds
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, out, _ = finish(proc)
+    state = os.path.join(ck, "step-00000010", "train_state.json")
+    pending = json.load(open(state))["saved_under"].get("eval_pending") \
+        if os.path.exists(state) else None
+    p, _ = run(1, long_ev + ["--set", "checkpoint.dir=" + ck, "--set", "checkpoint.load=auto"])
+    check(rc == 75 and "interrupted by SIGTERM at step 10" in out and
+          "eval after step 10" not in out and pending is True and p.returncode == 0 and
+          p.stdout.count("eval after step 10") == 1,
+          "SIGTERM during a long evaluation ends it: step 10 saved with its evaluation pending, "
+          "made once by the resumed run (exit %s, pending %s)" % (rc, pending))
+    ck = os.path.join(tmp, "ck-eval-limit")
+    t0 = time.time()
+    p, _ = run(1, long_ev + ["--set", "checkpoint.dir=" + ck, "--set", "train.time_limit=4"])
+    took = time.time() - t0
+    check(p.returncode == 75 and "stopped before train.time_limit (4 s) at step 10" in p.stdout
+          and "eval after step 10" not in p.stdout and took < 4,
+          "train.time_limit counts the evaluation due after a step: stops at step 10 before "
+          "it, within the limit (%.1f s, exit %s)" % (took, p.returncode))
+    ck = os.path.join(tmp, "ck-eval-cut")
+    proc, steps = start(0, [debug, "--set", "train.steps=400", "--set", "log.interval=1",
+                            "--set", "eval.path=" + ev_copy, "--set", "eval.interval=100",
+                            "--set", "checkpoint.dir=" + ck], os.path.join(tmp, "cut.jsonl"))
+    wait_step(steps, 20, proc)
+    os.truncate(ev_copy, 1000)
+    rc, out, err = finish(proc)
+    check(rc == 1 and "eval.path: data file %s: cannot read tokens" % ev_copy in err and
+          "stopping after step 100 on the error below; saved %s/step-00000100 first" % ck in err
+          and saved(ck) == ["step-00000100"],
+          "an eval.path cut short during the run stops it at step 100's evaluation, step 100 "
+          "saved first (exit %s, %s)" % (rc, err.strip()[-200:]))
+
     # a kill after a save commits and before its step's line (or during the last step's
     # evaluation, which follows the save): the resumed run writes the line from the
     # checkpoint's record, with the evaluation made then, as the uninterrupted run wrote it
@@ -954,9 +999,46 @@ def operations():
             ("--plot named as a later step folder",
              ["--metrics", os.path.join(tmp, "q.jsonl"), "--plot",
               os.path.join(own, "step-00000004")], "is named as checkpoint.dir's step folders"),
-            ("--metrics ''", ["--metrics", ""], "--metrics '': empty path")):
+            ("--metrics ''", ["--metrics", ""], "--metrics '': empty path"),
+            ("--plot naming the metrics file another way",
+             ["--metrics", os.path.join(tmp, "same.jsonl"), "--plot",
+              os.path.join(tmp, ".", "same.jsonl")], "is the metrics file it draws")):
         p = sh(mine + ["--set", "train.steps=4", "--set", "checkpoint.dir=" + own,
                        "--set", "checkpoint.load=auto"] + out, timeout=120)
         check(p.returncode != 0 and said in p.stderr and
               sorted(os.listdir(own)) == ["step-00000001"],
               "%s: refused before the first step (%s)" % (name, p.stderr.strip()[-160:]))
+    # a fresh run's metrics file is a new file renamed over the old one: a hard link to the
+    # old one (a snapshot) keeps its lines
+    snap_m, snap = os.path.join(tmp, "linked.jsonl"), os.path.join(tmp, "linked-snapshot.jsonl")
+    sh(mine + ["--set", "train.steps=3", "--metrics", snap_m], timeout=120)
+    os.link(snap_m, snap)
+    p = sh(mine + ["--set", "train.steps=2", "--metrics", snap_m], timeout=120)
+    check(p.returncode == 0 and len(open(snap).readlines()) == 3 and
+          len(open(snap_m).readlines()) == 2,
+          "a fresh run replaces its metrics file, leaving a hard link's lines as they were")
+    # checkpoint.keep that cannot remove a folder (a file in it that may not go: chattr +i)
+    # warns, naming the file's cause, prunes the others and goes on; the half-removed folder
+    # it leaves is warned of, not refused, by the next start
+    kp = os.path.join(tmp, "keep-stuck")
+    sh(mine + ["--set", "train.steps=4", "--set", "checkpoint.interval=1", "--set",
+               "checkpoint.dir=" + kp], timeout=120)
+    pinned = os.path.join(kp, "step-00000001", "train_state.json")
+    if sh(["chattr", "+i", pinned], timeout=30).returncode != 0:
+        print("note: chattr +i is refused here; checkpoint.keep's failed removal not checked")
+        return
+    try:
+        more = mine + ["--set", "checkpoint.interval=1", "--set", "checkpoint.dir=" + kp,
+                       "--set", "checkpoint.load=auto", "--set", "checkpoint.keep=2"]
+        p = sh(more + ["--set", "train.steps=6"], timeout=120)
+        q = sh(more + ["--set", "train.steps=7"], timeout=120)
+        check(p.returncode == 0 and "warning: checkpoint.keep: checkpoint: cannot remove all of "
+              "%s/step-00000001.removing: Operation not permitted" % kp in p.stderr and
+              q.returncode == 0 and "could not be removed, and stays" in q.stderr and
+              saved(kp) == ["step-00000001.removing", "step-00000006", "step-00000007"],
+              "checkpoint.keep warns of a folder it cannot remove, prunes the rest, and the "
+              "next start goes on (%s; %s)" % (saved(kp), (p.stderr + q.stderr).strip()[-300:]))
+    finally:
+        sh(["chattr", "-i", os.path.join(kp, "step-00000001.removing", "train_state.json")],
+           timeout=30)
+        sh(["chattr", "-i", pinned], timeout=30)
