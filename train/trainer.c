@@ -603,7 +603,7 @@ static fsdpc_status_t build(run_t *r) {
     st = world_choose_device(p->device, &dev, r->device_note, sizeof r->device_note);
   if (st != STATUS_OK)
     return err_prefix(st, "%s: train.device: %s", p->source, device_want_name(p->device));
-  if (r->builtin) FSDPC_TRY(llama_plan_check(&p->par));
+  if (r->builtin) FSDPC_TRY(llama_plan_check(&p->model, &p->par));
   kernel_attention_set_fused(!p->deterministic);
   FSDPC_TRY(pg_agree(world_pg(), open_data(r))); /* before the model: a bad file fails at once */
   train_build_t how = {.device = dev.type,

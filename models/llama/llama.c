@@ -89,6 +89,17 @@ static fsdpc_status_t attention_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t 
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "q_proj", in, &q));
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "k_proj", in, &k));
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "v_proj", in, &v));
+  /* heads in the model's proportion (under tensor parallelism: each split alike) */
+  int64_t wq = q->value.shape[2], wk = k->value.shape[2], wv = v->value.shape[2];
+  if (wq % hd != 0 || wk % hd != 0 || wk != wv ||
+      (wq / hd) * c->n_kv_heads != (wk / hd) * c->n_heads)
+    FSDPC_TRY_GOTO(st, err_set(STATUS_ESHAPE,
+                               "%s: q_proj, k_proj and v_proj give %lld, %lld and %lld features, "
+                               "not %lld query heads to %lld key/value heads of %lld: under "
+                               "tensor parallelism the three must split their heads alike (the "
+                               "same rule, colwise)",
+                               nn_module_fqn(m), (long long)wq, (long long)wk, (long long)wv,
+                               (long long)c->n_heads, (long long)c->n_kv_heads, (long long)hd));
   FSDPC_TRY_GOTO(st, split_heads(ctx, q, hd, &q4));
   FSDPC_TRY_GOTO(st, split_heads(ctx, k, hd, &k4));
   FSDPC_TRY_GOTO(st, split_heads(ctx, v, hd, &v4));
@@ -113,6 +124,13 @@ static fsdpc_status_t mlp_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, n
   fsdpc_status_t st = STATUS_OK;
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "gate_proj", in, &g));
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "up_proj", in, &u));
+  if (g->value.shape[g->value.ndim - 1] != u->value.shape[u->value.ndim - 1])
+    FSDPC_TRY_GOTO(st, err_set(STATUS_ESHAPE,
+                               "%s: gate_proj gives %lld features and up_proj %lld: under tensor "
+                               "parallelism the two must split them alike (the same rule, "
+                               "colwise)",
+                               nn_module_fqn(m), (long long)g->value.shape[g->value.ndim - 1],
+                               (long long)u->value.shape[u->value.ndim - 1]));
   FSDPC_TRY_GOTO(st, nn_silu_mul(ctx, g, u, &s));
   FSDPC_TRY_GOTO(st, call_child(ctx, m, "down_proj", s, out));
 cleanup:

@@ -129,9 +129,60 @@ bool llama_plan_tp_is_builtin(const llama_config_t *c, const parallel_plan_t *pp
   return true;
 }
 
-fsdpc_status_t llama_plan_check(const parallel_plan_t *pp) {
+/* The first of pp's rules that applies to module fqn, or NULL (no rule: it runs whole). */
+static const plan_tp_rule_t *rule_of(const parallel_plan_t *pp, const char *fqn) {
+  for (int i = 0; i < pp->n_tp_rules; i++)
+    if (nn_fqn_match(pp->tp_rules[i].pattern, fqn))
+      return pp->tp_rules[i].style == TP_SEQUENCE_PARALLEL && !pp->sequence_parallel
+                 ? NULL
+                 : &pp->tp_rules[i];
+  return NULL;
+}
+
+/* Whether rule r splits its module's output features over tp (colwise, output Shard(-1)). */
+static bool splits_output(const plan_tp_rule_t *r) {
+  return r != NULL && r->style == TP_COLWISE &&
+         (r->output == TP_LAYOUT_DEFAULT || r->output == TP_SHARD_LAST);
+}
+
+/* The projections a block combines (q, k and v by head; gate and up by feature) split alike:
+ * one split and another whole would meet in the attention or the SwiGLU with other sizes. */
+static fsdpc_status_t check_siblings(const llama_config_t *c, const parallel_plan_t *pp) {
+  if (c == NULL || c->arch == LLAMA_ARCH_GPT2) return STATUS_OK; /* c_attn and c_fc: one each */
+  static const char *const attn[] = {"q_proj", "k_proj", "v_proj"}, *const mlp[] = {"gate_proj",
+                                                                                    "up_proj"};
+  for (int64_t l = 0; l < c->n_layers; l++)
+    for (int b = 0; b < 2; b++) {
+      if (b == 1 && llama_layer_is_moe(c, l)) continue; /* its block runs whole */
+      const char *const *names = b ? mlp : attn;
+      int n = b ? 2 : 3;
+      char block[64], fqn[96];
+      snprintf(block, sizeof block, "model.layers.%lld.%s", (long long)l, b ? "mlp" : "self_attn");
+      snprintf(fqn, sizeof fqn, "%s.%s", block, names[0]);
+      const plan_tp_rule_t *first = rule_of(pp, fqn);
+      for (int k = 1; k < n; k++) {
+        snprintf(fqn, sizeof fqn, "%s.%s", block, names[k]);
+        const plan_tp_rule_t *r = rule_of(pp, fqn);
+        if (splits_output(r) == splits_output(first)) continue;
+        const plan_tp_rule_t *split = splits_output(r) ? r : first;
+        return err_set(STATUS_EINVAL,
+                       "%s: parallelize.tensor_parallel.plan: %s's %s is split over tp (rule "
+                       "'%s') and its %s is not (%s): %s must split their %s alike; give each "
+                       "{style: colwise} (the built-in plan's)",
+                       split->where.text, block, splits_output(r) ? names[k] : names[0],
+                       split->pattern, splits_output(r) ? names[0] : names[k],
+                       (splits_output(r) ? first : r) ? "its rule outputs whole" : "no rule",
+                       b ? "gate_proj and up_proj" : "q_proj, k_proj and v_proj",
+                       b ? "features" : "heads");
+      }
+    }
+  return STATUS_OK;
+}
+
+fsdpc_status_t llama_plan_check(const llama_config_t *c, const parallel_plan_t *pp) {
   ARG_NONNULL(pp);
   if (pp->tp <= 1) return STATUS_OK;
+  FSDPC_TRY(check_siblings(c, pp));
   for (int i = 0; i < pp->n_tp_rules; i++) {
     const plan_tp_rule_t *r = &pp->tp_rules[i];
     if (nn_fqn_match(r->pattern, "lm_head") && r->style == TP_COLWISE && r->output != TP_REPLICATE)

@@ -4,7 +4,7 @@
  *
  *   parallel_plan_t *pp = &plan.par;
  *   if (!pp->tp_plan_given) FSDPC_TRY(llama_plan_fill_tp_rules(&plan.model, pp));
- *   FSDPC_TRY(llama_plan_check(pp));
+ *   FSDPC_TRY(llama_plan_check(&plan.model, pp));
  */
 #ifndef FSDPC_PARALLEL_LLAMA_PLAN_H
 #define FSDPC_PARALLEL_LLAMA_PLAN_H
@@ -33,9 +33,11 @@ fsdpc_status_t llama_plan_fill_tp_rules(const llama_config_t *c, parallel_plan_t
  * same order). */
 bool llama_plan_tp_is_builtin(const llama_config_t *c, const parallel_plan_t *pp);
 
-/* What training the Llama needs of a plan: with tp > 1 the loss reads whole logits, so a
- * colwise lm_head must output replicate. Errors name the rule's place. */
-fsdpc_status_t llama_plan_check(const parallel_plan_t *pp);
+/* What training the model of c (NULL: the checks of any) needs of a plan: with tp > 1 the
+ * loss reads whole logits, so a colwise lm_head must output replicate; the projections a block
+ * combines split alike (q_proj, k_proj and v_proj by head, gate_proj and up_proj by feature).
+ * Errors name the rule's place. */
+fsdpc_status_t llama_plan_check(const llama_config_t *c, const parallel_plan_t *pp);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

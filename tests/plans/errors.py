@@ -124,6 +124,19 @@ def errors():
          r"module of kind 'rmsnorm'"),
         ("lm_head logits left split", tp_plan("lm_head: colwise"), [],
          r"plan\.lm_head: the loss needs whole logits"),
+        ("k_proj left whole beside a split q_proj",
+         tp_plan("model.layers.*.self_attn.q_proj: colwise, "
+                 "model.layers.*.self_attn.v_proj: colwise, "
+                 "lm_head: {style: colwise, output: replicate}"), [],
+         r"model\.layers\.0\.self_attn's q_proj is split over tp \(rule "
+         r"'model\.layers\.\*\.self_attn\.q_proj'\) and its k_proj is not \(no rule\): q_proj, "
+         r"k_proj and v_proj must split their heads alike"),
+        ("up_proj output whole beside a split gate_proj",
+         tp_plan("model.layers.*.mlp.gate_proj: colwise, "
+                 "model.layers.*.mlp.up_proj: {style: colwise, output: replicate}, "
+                 "lm_head: {style: colwise, output: replicate}"), [],
+         r"model\.layers\.0\.mlp's gate_proj is split over tp .* and its up_proj is not \(its "
+         r"rule outputs whole\): gate_proj and up_proj must split their features alike"),
         ("sequence not divisible by tp", tp_base.replace("seq_len: 16", "seq_len: 15").replace(
             "parallelize:\n", "parallelize:\n  tensor_parallel:\n    sequence_parallel: true\n"),
          [], r"data\.seq_len: 15 is not divisible by mesh\.tp=2"),
