@@ -126,7 +126,7 @@ fsdpc_status_t ckpt_state_text(const char *dir, char **out) {
   char path[PATH_LEN];
   *out = NULL;
   FSDPC_TRY(file_join(path, sizeof path, dir, "train_state.json"));
-  if (access(path, F_OK) != 0) return STATUS_OK;
+  if (!file_lexists(path)) return STATUS_OK;
   return file_read_text(path, FILE_TEXT_MAX, out);
 }
 

@@ -534,6 +534,11 @@ int file_remove_stale_temps(const char *path, const char *const *keep) {
   return removed;
 }
 
+bool file_lexists(const char *path) {
+  struct stat sb;
+  return path != NULL && lstat(path, &sb) == 0;
+}
+
 bool file_same_path(const char *a, const char *b) {
   if (a == NULL || b == NULL) return false;
   struct stat sa, sb;

@@ -37,6 +37,9 @@ fsdpc_status_t file_write_text(const char *path, const char *text);
 
 /* Whether path names a folder (following links). */
 bool file_is_dir(const char *path);
+/* Whether path names an entry of its folder, even a link to nothing or a loop of links (which
+ * a read then names), not only a file that can be reached. */
+bool file_lexists(const char *path);
 
 /* The folder that holds path into buf: "." for a bare name, "/" for one in the root;
  * trailing slashes of path ignored. */

@@ -73,8 +73,11 @@ static fsdpc_status_t check_shape(const char *fn, int ndim, const int64_t *shape
     if (shape[i] < 0)
       return err_set(STATUS_ESHAPE, "%s: negative size %lld in dimension %d", fn,
                      (long long)shape[i], i);
-    if (shape[i] > 0 && numel > INT64_MAX / 16 / shape[i])
-      return err_set(STATUS_ESHAPE, "%s: shape too large", fn);
+    if (shape[i] > 0 && numel > INT64_MAX / 16 / shape[i]) {
+      char sb[160];
+      return err_set(STATUS_ESHAPE, "%s: shape %s holds more elements than a tensor may (2^59)", fn,
+                     tensor_shape_str(ndim, shape, sb, sizeof sb));
+    }
     numel *= shape[i];
   }
   return STATUS_OK;

@@ -56,7 +56,7 @@ static void usage(FILE *f) {
 static fsdpc_status_t check_state(const char *dir) {
   char path[PATH_LEN];
   FSDPC_TRY(file_join(path, sizeof path, dir, "train_state.json"));
-  return access(path, F_OK) == 0 ? ckpt_check_state(dir) : STATUS_OK;
+  return file_lexists(path) ? ckpt_check_state(dir) : STATUS_OK;
 }
 
 /* The folder of the model's shards: DIR/model in a training checkpoint, else DIR. */
@@ -164,17 +164,30 @@ static fsdpc_status_t inspect_run(const char *dir, bool *listed) {
   *listed = st == STATUS_OK && l.n > 0;
   if (*listed) {
     qsort(l.v, (size_t)l.n, sizeof *l.v, by_step);
+    /* a complete one's record checked as every load checks it (its step against its name,
+     * its files' headers): one a load refuses is said so, with why */
+    char(*why)[512] = calloc((size_t)l.n, sizeof *why);
+    if (why == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
     int complete = 0;
-    for (int i = 0; i < l.n; i++) complete += l.v[i].kind == CKPT_STEP_COMPLETE;
+    for (int i = 0; why && i < l.n; i++) {
+      char path[PATH_LEN];
+      if (l.v[i].kind != CKPT_STEP_COMPLETE || file_join(path, sizeof path, dir, l.v[i].name))
+        continue;
+      if (ckpt_check_state(path) != STATUS_OK) snprintf(why[i], sizeof why[i], "%s", err_detail());
+      err_clear();
+      complete += why[i][0] == 0;
+    }
     printf("%s: a run's checkpoint folder, %d complete checkpoint%s:\n", dir, complete,
            complete == 1 ? "" : "s");
-    for (int i = 0; i < l.n; i++) {
-      printf("  %-24s %s\n", l.v[i].name,
-             l.v[i].kind == CKPT_STEP_COMPLETE ? "complete"
-             : l.v[i].kind == CKPT_STEP_TMP
-                 ? "a save that did not finish (removed at the next start)"
-                 : "not a complete checkpoint (no train_state.json)");
+    for (int i = 0; why && i < l.n; i++) {
+      printf(
+          "  %-24s %s%s\n", l.v[i].name,
+          l.v[i].kind == CKPT_STEP_COMPLETE ? (why[i][0] ? "refused by every load: " : "complete")
+          : l.v[i].kind == CKPT_STEP_TMP ? "a save that did not finish (removed at the next start)"
+                                         : "not a complete checkpoint (no train_state.json)",
+          l.v[i].kind == CKPT_STEP_COMPLETE ? why[i] : "");
     }
+    free(why);
     printf("inspect one of them: fsdp-ckpt inspect %s/STEP\n", dir);
   }
   free(l.v);
@@ -296,7 +309,7 @@ static fsdpc_status_t verify(const char *dir) {
   if (damaged > 0)
     return err_set(STATUS_EFORMAT, "%s: %d tensor%s damaged (named above)", dir, damaged,
                    damaged == 1 ? "" : "s");
-  if (strcmp(model, dir) != 0 && access(state, F_OK) != 0) /* DIR/model: a training checkpoint's */
+  if (strcmp(model, dir) != 0 && !file_lexists(state)) /* DIR/model: a training checkpoint's */
     return err_set(STATUS_EFORMAT,
                    "%s: no train_state.json: not a complete checkpoint, which every load refuses "
                    "(its save did not finish, or the file was removed)",
@@ -469,7 +482,7 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
   FSDPC_TRY(refuse_run_folder(dir, "reshard"));
   char state[PATH_LEN + 32], *config = NULL;
   FSDPC_TRY(file_join(state, sizeof state, dir, "train_state.json"));
-  if (access(state, F_OK) != 0)
+  if (!file_lexists(state))
     return err_set(STATUS_EINVAL, "%s: not a training checkpoint (no train_state.json)", dir);
   FSDPC_TRY(ckpt_recorded_config(dir, &config));
   bool llama = config && hf_config_is_family(config);

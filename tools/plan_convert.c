@@ -583,8 +583,27 @@ static void wrap_policy(out_t *o, const cJSON *f, const char *v, const char *fro
   }
 }
 
+/* fsdp_sharding_strategy (FSDP1's) and fsdp_reshard_after_forward (FSDP2's, which replaces
+ * it) given both: they must mean the same, as fsdp-train requires of the plan keys. */
+static void strategy_and_reshard(out_t *o, const cJSON *f) {
+  char sb[64], rb[64];
+  const char *s = strategy_name(
+      plan_text_of(cJSON_GetObjectItemCaseSensitive(f, "fsdp_sharding_strategy"), sb, sizeof sb));
+  const char *r = plan_text_of(cJSON_GetObjectItemCaseSensitive(f, "fsdp_reshard_after_forward"),
+                               rb, sizeof rb);
+  if (s == NULL || r == NULL || strategy_name(r) != NULL || strcmp(s, "NO_SHARD") == 0) return;
+  bool implied = strcmp(s, "FULL_SHARD") == 0 || strcmp(s, "HYBRID_SHARD") == 0;
+  if (truthy(r) != implied)
+    invalid(o, "fsdp_config.fsdp_reshard_after_forward",
+            "'%s' disagrees with fsdp_config.fsdp_sharding_strategy %s (which means "
+            "reshard_after_forward %s): FSDP2's fsdp_reshard_after_forward replaces "
+            "fsdp_sharding_strategy; give one",
+            r, s, implied ? "true" : "false");
+}
+
 static void accelerate_fsdp(out_t *o, const cJSON *f) {
   char b[160];
+  strategy_and_reshard(o, f);
   for (const cJSON *it = f ? f->child : NULL; it; it = it->next) {
     const char *k = it->string, *v = plan_text_of(it, b, sizeof b);
     char from[120];

@@ -454,7 +454,7 @@ fsdpc_status_t ckpt_export_hf(const char *dir, const char *out, const hf_export_
   char model[PATH_LEN], state[PATH_LEN];
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   FSDPC_TRY(file_join(state, sizeof state, dir, "train_state.json"));
-  if (access(state, F_OK) == 0) FSDPC_TRY(ckpt_check_state(dir));
+  if (file_lexists(state)) FSDPC_TRY(ckpt_check_state(dir));
   /* the model's shards: DIR/model in a training checkpoint, else DIR */
   FSDPC_TRY(file_join(model, sizeof model, dir, "model"));
   if (!file_is_dir(model)) snprintf(model, sizeof model, "%s", dir);
@@ -610,7 +610,13 @@ static fsdpc_status_t check_llama_tensors(const char *hf, const llama_config_t *
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     const dtensor_t *v = ps[i]->value;
     if (dtensor_ndim(v) == 3 && stacked_in_folder(list, nt, ps[i]->fqn)) {
-      st = check_experts(hf, list, nt, ps[i]->fqn, dtensor_shape(v));
+      for (int k = 0; k < nt && st == STATUS_OK; k++)
+        if (strcmp(list[k].name, ps[i]->fqn) == 0)
+          st = err_set(STATUS_EFORMAT,
+                       "%s: tensor '%s' is there both whole and one tensor per expert (as "
+                       "Hugging Face's files keep them): give one form",
+                       hf, ps[i]->fqn);
+      if (st == STATUS_OK) st = check_experts(hf, list, nt, ps[i]->fqn, dtensor_shape(v));
       continue;
     }
     int k = 0;

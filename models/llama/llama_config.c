@@ -200,6 +200,23 @@ fsdpc_status_t llama_config_check(const llama_config_t *c) {
     return err_set(STATUS_EINVAL, "model config: %s must be in (0, 1], got %g",
                    c->arch == LLAMA_ARCH_GPT2 ? "layer_norm_epsilon" : "rms_norm_eps", c->norm_eps);
   if (rope_check(&c->rope) != STATUS_OK) return err_prefix(STATUS_EINVAL, "model config");
+  /* each size within its limit, a product of them may still be more than a tensor holds */
+  double D = (double)c->dim, hd = (double)llama_head_dim(c);
+  const struct {
+    const char *what;
+    double numel;
+  } big_ones[] = {
+      {"q_proj (num_attention_heads x head_dim x hidden_size)", (double)c->n_heads * hd * D},
+      {"the embedding (vocab_size x hidden_size)", (double)llama_vocab_rows(c) * D},
+      {"the MLP's (intermediate_size x hidden_size)", (double)c->ffn_dim * D},
+      {"the experts' (num_experts x moe_intermediate_size x hidden_size)",
+       (double)c->n_experts * (double)c->moe_ffn_dim * D}};
+  for (size_t i = 0; i < sizeof big_ones / sizeof big_ones[0]; i++)
+    if (big_ones[i].numel > (double)((int64_t)1 << 59))
+      return err_set(STATUS_EINVAL,
+                     "model config: %s would hold %.3g elements, more than a tensor holds "
+                     "(2^59)",
+                     big_ones[i].what, big_ones[i].numel);
   return STATUS_OK;
 }
 

@@ -1045,6 +1045,23 @@ def ckpt_family():
                   not os.path.exists(os.path.join(tmp, "ck-gap")),
                   "%s: import-hf of a file holding experts 1 and 3 of a tensor is refused, naming "
                   "the gap (%s)" % (tag, p.stderr.strip()[-200:]))
+            # a layer's experts both stacked and one tensor per expert: refused, naming it
+            both = os.path.join(tmp, "hf-both-forms")
+            os.makedirs(both)
+            shutil.copy(os.path.join(hf, "config.json"), both)
+            per = sorted(k for k in tensors if ".0.mlp.experts." in k and ".up_proj." in k)
+            stacked = dict(tensors)
+            stacked["model.layers.0.mlp.experts.up_proj"] = (
+                tensors[per[0]][0], [len(per)] + tensors[per[0]][1],
+                b"".join(tensors[k][2] for k in sorted(per, key=lambda k: int(
+                    re.search(r"\.experts\.(\d+)\.", k).group(1)))))
+            write_st(os.path.join(both, "model.safetensors"), stacked)
+            p = tool("import-hf", both, os.path.join(tmp, "ck-both"))
+            check(p.returncode != 0 and "tensor 'model.layers.0.mlp.experts.up_proj' is there "
+                  "both whole and one tensor per expert" in p.stderr and
+                  not os.path.exists(os.path.join(tmp, "ck-both")),
+                  "%s: import-hf of experts both stacked and per expert is refused, naming the "
+                  "tensor (%s)" % (tag, p.stderr.strip()[-200:]))
         with open(os.path.join(out, "config.json")) as f:
             got = json.load(f)
         with open(os.path.join(hf, "config.json")) as f:

@@ -1,6 +1,7 @@
 """--dry-run's estimates against a real run's counters, and the wording of messages."""
 import os
 import re
+import shutil
 import time
 
 from common import (PLANS, ROOT, TOOL, check, losses, mkdtemp, ranks_saying, run, sh)
@@ -396,6 +397,24 @@ def messages():
         r"ck: a run's checkpoint folder, 1 complete checkpoint:\n  step-00000002 +complete\n"
         r"  step-00000004\.tmp +a save that did not finish", p.stdout),
         "fsdp-ckpt inspect of a run's folder lists its checkpoints (%s)" % p.stdout.strip()[:200])
+    # a copy of a checkpoint under another step's name: listed as every load refuses it
+    shutil.copytree(os.path.join(ck, "step-00000002"), os.path.join(ck, "step-00000006"))
+    p = sh([TOOL, "inspect", ck], timeout=60)
+    check(p.returncode == 0 and "1 complete checkpoint:" in p.stdout and re.search(
+        r"step-00000006 +refused by every load: \S+step-00000006/train_state\.json records step "
+        r"2, but its folder is named for step 6", p.stdout),
+        "fsdp-ckpt inspect says a checkpoint copied under another step's name is refused (%s)"
+        % p.stdout.strip()[-300:])
+    shutil.rmtree(os.path.join(ck, "step-00000006"))
+    # a train_state.json that is a loop of links: named as such, not taken as missing
+    looped = os.path.join(tmp, "looped")
+    shutil.copytree(os.path.join(ck, "step-00000002"), looped)
+    os.remove(os.path.join(looped, "train_state.json"))
+    os.symlink("train_state.json", os.path.join(looped, "train_state.json"))
+    p = sh([TOOL, "verify", looped], timeout=60)
+    check(p.returncode != 0 and "train_state.json: Too many levels of symbolic links" in p.stderr,
+          "fsdp-ckpt verify of a train_state.json that links to itself names the loop (%s)"
+          % p.stderr.strip()[-200:])
     for cmd in (["verify", ck], ["export-hf", ck, ck + "-hf"],
                 ["reshard", ck, "--to", fsdp_yaml, ck + "-rs", "--world", "2"]):
         p = sh([TOOL] + cmd, timeout=60)

@@ -493,6 +493,9 @@ def converts_read_as_their_tools_do(tmp, tool):
     with open(os.path.join(tmp, "acc-conflict.yaml"), "w") as f:
         f.write("distributed_type: DEEPSPEED\nmixed_precision: bf16\ndeepspeed_config:\n"
                 "  deepspeed_config_file: ds-file.json\n  zero_stage: 2\n")
+    with open(os.path.join(tmp, "acc-strategy.yaml"), "w") as f:
+        f.write("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                "  fsdp_reshard_after_forward: true\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n")
     # values DeepSpeed itself refuses: every one named, nothing written
     with open(os.path.join(tmp, "invalid.json"), "w") as f:
         f.write('{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": '
@@ -507,6 +510,8 @@ def converts_read_as_their_tools_do(tmp, tool):
              r"of ranks\n  zero_optimization\.stage: stage '5' is not a ZeRO stage \(0, 1, 2 or "
              r"3\)\n  optimizer\.params\.betas: not a pair of numbers"),
             (["both.json"], r"bf16 and fp16 are both enabled: DeepSpeed refuses that"),
+            (["acc-strategy.yaml"], r"fsdp_config\.fsdp_reshard_after_forward: 'true' disagrees "
+                                    r"with fsdp_config\.fsdp_sharding_strategy SHARD_GRAD_OP"),
             (["acc-conflict.yaml"], r"deepspeed_config\.zero_stage, mixed_precision beside "
                                     r"deepspeed_config\.deepspeed_config_file: Accelerate "
                                     r"refuses them"),
