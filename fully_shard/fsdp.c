@@ -277,6 +277,8 @@ static fsdpc_status_t agree_params(const fsdp_options_t *opt, const fsdp_plist_t
   }
   uint64_t mine = h ? XXH64_digest(h) : 0;
   XXH64_freeState(h);
+  char unit[300];
+  snprintf(unit, sizeof unit, nn_module_fqn(m)[0] ? "'%s'" : "the root module%s", nn_module_fqn(m));
   for (int k = 0; k < mesh_ndim(opt->mesh); k++) {
     pg_t *pg = mesh_group(opt->mesh, k);
     FSDPC_TRY(pg_agree(pg, st));
@@ -284,23 +286,19 @@ static fsdpc_status_t agree_params(const fsdp_options_t *opt, const fsdp_plist_t
     fsdpc_status_t gs = pg_host_first_differing(pg, mine, &other);
     if (gs == STATUS_OK && other >= 0) /* every rank sees it: the same verdict everywhere */
       gs = err_set(STATUS_EINVAL,
-                   "fully_shard: %s%s%s: the ranks of the mesh's dimension %d shard different "
+                   "fully_shard: %s: the ranks of the mesh's dimension %d shard different "
                    "parameters (rank %d's names, shapes or dtypes differ from rank 0's): every "
                    "rank must build the same model and call fully_shard on the same modules, "
                    "in the same order",
-                   nn_module_fqn(m)[0] ? "'" : "",
-                   nn_module_fqn(m)[0] ? nn_module_fqn(m) : "the root module",
-                   nn_module_fqn(m)[0] ? "'" : "", k, other);
+                   unit, k, other);
     if (gs == STATUS_OK) gs = pg_host_first_differing(pg, options, &other);
     if (gs == STATUS_OK && other >= 0)
       gs = err_set(STATUS_EINVAL,
-                   "fully_shard: %s%s%s: the ranks of the mesh's dimension %d pass different "
+                   "fully_shard: %s: the ranks of the mesh's dimension %d pass different "
                    "options (rank %d's reshard_after_forward, param_dtype, reduce_dtype, "
                    "output_dtype, offload, shard_state_over_replicas, ignored parameters or "
                    "shard_dim differ from rank 0's): every rank must pass the same",
-                   nn_module_fqn(m)[0] ? "'" : "",
-                   nn_module_fqn(m)[0] ? nn_module_fqn(m) : "the root module",
-                   nn_module_fqn(m)[0] ? "'" : "", k, other);
+                   unit, k, other);
     FSDPC_TRY(gs);
   }
   return STATUS_OK;
