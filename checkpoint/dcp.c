@@ -336,36 +336,100 @@ fsdpc_status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
   return pg_agree(pg, st);
 }
 
+/* One written box of a save, as every rank sees it: its tensor's name (hashed), global and
+ * local element counts, shape and dtype (hashed), and the rank writing it. */
+typedef struct cover {
+  int64_t name, global, local, shape, rank;
+} cover_t;
+
+static int cmp_cover(const void *x, const void *y) {
+  const cover_t *a = x, *b = y;
+  if (a->name != b->name) return a->name < b->name ? -1 : 1;
+  return (a->rank > b->rank) - (a->rank < b->rank);
+}
+
+static int64_t hash63(const void *data, size_t bytes, uint64_t seed) {
+  return (int64_t)(XXH64(data, bytes, seed) >> 1);
+}
+
+/* The ranks' shards of a save tile every tensor they name: the same global shape and dtype
+ * everywhere, elements adding up to the whole (a rank that leaves out its shard of a tensor
+ * the others save, or passes another shape, would otherwise write a folder no load takes,
+ * found only then). Ranks may save different tensors (a pipeline's stages). Every rank
+ * reaches the same verdict from the same table. Collective over pg. */
+static fsdpc_status_t check_coverage(const char *folder, const dcp_entry_t *entries, int n,
+                                     pg_t *pg) {
+  int R = pg_size(pg), me = pg_rank(pg);
+  int64_t mine = 0, *counts = calloc((size_t)R, sizeof *counts);
+  cover_t *rec = calloc((size_t)(n > 0 ? n : 1), sizeof *rec), *all = NULL;
+  fsdpc_status_t st =
+      counts && rec ? STATUS_OK : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    bool writes;
+    st = writes_shard(entries[i].name, entries[i].value, &writes);
+    if (st != STATUS_OK || !writes) continue;
+    const dtensor_t *v = entries[i].value;
+    int64_t g = 1, d[TENSOR_MAX_DIMS + 2] = {dtensor_ndim(v), dtensor_local(v)->dtype};
+    for (int k = 0; k < dtensor_ndim(v); k++) g *= d[2 + k] = dtensor_shape(v)[k];
+    rec[mine++] = (cover_t){hash63(entries[i].name, strlen(entries[i].name), 0), g,
+                            tensor_numel(dtensor_local(v)),
+                            hash63(d, sizeof(int64_t) * (size_t)(2 + dtensor_ndim(v)), 0), me};
+  }
+  FSDPC_TRY(pg_agree(pg, st));
+  st = pg_host_all_gather(pg, &mine, counts, 1, PG_HOST_I64);
+  int64_t M = 0;
+  for (int r = 0; r < R && st == STATUS_OK; r++) M = counts[r] > M ? counts[r] : M;
+  cover_t *padded = st == STATUS_OK ? calloc((size_t)(M ? M : 1), sizeof *padded) : NULL;
+  if (padded && (all = calloc((size_t)R * (size_t)(M ? M : 1), sizeof *all)) != NULL) {
+    memcpy(padded, rec, sizeof *rec * (size_t)mine);
+    st = pg_host_all_gather(pg, padded, all, (int)(M * 5), PG_HOST_I64);
+  } else if (st == STATUS_OK) {
+    st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  }
+  free(padded);
+  int64_t total = 0;
+  for (int r = 0; r < R && st == STATUS_OK; r++) /* the rows each rank filled, together */
+    for (int64_t k = 0; k < counts[r]; k++) all[total++] = all[(int64_t)r * M + k];
+  if (st == STATUS_OK) qsort(all, (size_t)total, sizeof *all, cmp_cover);
+  const cover_t *bad = NULL;
+  int64_t held = 0;
+  for (int64_t a = 0, b; a < total && st == STATUS_OK && bad == NULL; a = b) {
+    held = 0;
+    bool same = true;
+    for (b = a; b < total && all[b].name == all[a].name; b++) {
+      held += all[b].local;
+      same = same && all[b].shape == all[a].shape;
+    }
+    if (!same || held != all[a].global) bad = &all[a];
+  }
+  if (bad != NULL) { /* its name, where this rank saves it */
+    const char *name = NULL;
+    for (int i = 0; i < n && name == NULL; i++)
+      if (hash63(entries[i].name, strlen(entries[i].name), 0) == bad->name) name = entries[i].name;
+    char who[600];
+    if (name)
+      snprintf(who, sizeof who, "'%.500s'", name);
+    else
+      snprintf(who, sizeof who, "of rank %lld", (long long)bad->rank);
+    st = err_set(STATUS_EINVAL,
+                 "checkpoint save into %s: the ranks' shards of tensor %s hold %lld of its %lld "
+                 "elements, or disagree on its shape or dtype: every rank saves its shard of each "
+                 "tensor, with the same global shape and dtype",
+                 folder, who, (long long)held, (long long)bad->global);
+  }
+  free(all);
+  free(rec);
+  free(counts);
+  return pg_agree(pg, st);
+}
+
 fsdpc_status_t dcp_write(const char *folder, const dcp_entry_t *entries, int n, pg_t *pg,
                          uint64_t *save_id) {
   ARG_NONNULL(folder);
   if (n > 0) ARG_NONNULL(entries);
   ARG_NONNULL(pg);
   FSDPC_TRY(pg_agree(pg, dcp_check_entries(entries, n, true, "checkpoint save")));
-  /* the ranks save the same entries: one rank's other list would leave tensors short of
-   * chunks, found only by a load */
-  XXH64_state_t *h = XXH64_createState();
-  fsdpc_status_t st = h ? STATUS_OK : err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
-  if (h != NULL) XXH64_reset(h, 0);
-  for (int i = 0; h != NULL && i < n; i++) {
-    const dtensor_t *v = entries[i].value;
-    int64_t nd = dtensor_ndim(v), dt = dtensor_local(v)->dtype;
-    XXH64_update(h, entries[i].name, strlen(entries[i].name) + 1);
-    XXH64_update(h, &nd, sizeof nd);
-    XXH64_update(h, dtensor_shape(v), sizeof(int64_t) * (size_t)nd);
-    XXH64_update(h, &dt, sizeof dt);
-  }
-  uint64_t mine = h ? XXH64_digest(h) : 0;
-  XXH64_freeState(h);
-  FSDPC_TRY(pg_agree(pg, st));
-  int other = -1;
-  FSDPC_TRY(pg_host_first_differing(pg, mine, &other));
-  if (other >= 0) /* every rank sees it: the same verdict everywhere */
-    return err_set(STATUS_EINVAL,
-                   "checkpoint save into %s: rank %d passes other entries than rank 0 (their "
-                   "number, names, global shapes or dtypes differ): every rank must save the "
-                   "same tensors in the same order",
-                   folder, other);
+  FSDPC_TRY(check_coverage(folder, entries, n, pg));
   return pg_agree(pg, write_shards(folder, entries, n, pg, save_id));
 }
 

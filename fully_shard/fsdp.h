@@ -43,7 +43,7 @@ extern "C" {
 #define FSDP_RESHARD_AUTO (-1)
 
 typedef struct fsdp_options {
-  mesh_t *mesh;               /* 1-D (shard) or 2-D (replicate, shard); must outlive the group */
+  mesh_t *mesh; /* 1-D (shard) or 2-D (replicate, shard); the group keeps it (mesh_retain) */
   int reshard_after_forward;  /* FSDP_RESHARD_AUTO, 0, 1 or N (see above) */
   dtype_t param_dtype;        /* all-gather and compute dtype; DTYPE_COUNT: the parameter's */
   dtype_t reduce_dtype;       /* gradient reduction dtype; DTYPE_COUNT: param_dtype */

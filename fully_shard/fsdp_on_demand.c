@@ -25,6 +25,15 @@ static int collect_members(fsdp_group_t *g, nn_module_t *m, bool count_only) {
   return n;
 }
 
+/* Whether module m holds one of the group's parameters, itself or under it: a member that
+ * holds none needs nothing gathered when called on its own (an activation, a dropout). */
+static bool holds_params(const fsdp_group_t *g, const nn_module_t *m) {
+  for (int i = 0; i < g->n; i++)
+    for (const nn_module_t *o = g->params[i].p->owner; o != NULL; o = nn_module_parent(o))
+      if (o == m) return true;
+  return false;
+}
+
 fsdpc_status_t fsdp_install_members(fsdp_group_t *g) {
   size_t n = (size_t)g->n_modules;
   for (int i = 0; i < g->n_modules; i++) n += (size_t)collect_members(g, g->modules[i], true);
@@ -34,7 +43,7 @@ fsdpc_status_t fsdp_install_members(fsdp_group_t *g) {
     g->members[g->n_members++] = (fsdp_member_t){.g = g, .m = g->modules[i]};
   for (int i = 0; i < g->n_modules; i++) collect_members(g, g->modules[i], false);
   for (int i = g->n_modules; i < g->n_members; i++)
-    for (int k = 0; k < NN_HOOK_COUNT; k++)
+    for (int k = 0; k < NN_HOOK_COUNT && holds_params(g, g->members[i].m); k++)
       FSDPC_TRY(nn_module_add_hook(g->members[i].m, k, member_hook, &g->members[i]));
   return STATUS_OK;
 }

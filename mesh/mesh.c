@@ -243,6 +243,9 @@ fsdpc_status_t mesh_new_local(const char *name, device_type_t device_type, mesh_
   if (out == NULL) return err_set(STATUS_EINVAL, "mesh_new_local: out is NULL");
   *out = NULL;
   FSDPC_TRY(check_names("mesh_new_local", 1, &name));
+  int up = 0; /* its group is an MPI communicator of this process alone */
+  if (MPI_Initialized(&up) != MPI_SUCCESS || !up || world_pg() == NULL)
+    return err_set(STATUS_EINVAL, "mesh_new_local: call world_init first");
   device_t dev = device_cpu();
   if (device_type == DEVICE_CUDA) {
     dev = world_device();

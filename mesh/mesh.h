@@ -43,7 +43,8 @@ fsdpc_status_t mesh_new(int ndim, const int *shape, const char *const *names,
                         device_type_t device_type, mesh_t **out);
 
 /* A 1-D mesh of this rank alone (size 1, named name), for tensors that are not distributed:
- * an unsharded parameter is Replicate on such a mesh. Local; no communication. */
+ * an unsharded parameter is Replicate on such a mesh (so every module constructor needs
+ * world_init first: before it, an error says so). Local; no communication. */
 fsdpc_status_t mesh_new_local(const char *name, device_type_t device_type, mesh_t **out);
 
 /* The library's one-rank mesh on this rank's device of the given type, named "local", made on

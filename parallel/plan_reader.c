@@ -270,22 +270,27 @@ fsdpc_status_t pr_get_dtype(plan_ctx_t *c, int map, const char *prefix, const ch
   return STATUS_OK;
 }
 
-/* true | false | integer N >= 2 (0 and 1 refused as ambiguous: PyTorch reads 1 as false). */
+/* auto | true | false | integer N >= 2 (0 and 1 refused as ambiguous: PyTorch reads 1 as
+ * false). auto, the default, as PyTorch's None: true for a unit, false for the root. */
 fsdpc_status_t pr_get_reshard(plan_ctx_t *c, int map, const char *prefix, int *out) {
   char path[256];
   int v = pr_lookup(c, map, prefix, "reshard_after_forward", path);
   if (v == 0) return STATUS_OK;
   const char *s;
-  FSDPC_TRY(pr_want_scalar(c, v, path, "true, false or an integer", &s));
+  FSDPC_TRY(pr_want_scalar(c, v, path, "auto, true, false or an integer", &s));
   if (strcasecmp(s, "true") == 0 || strcasecmp(s, "false") == 0) {
     *out = strcasecmp(s, "true") == 0;
+    return STATUS_OK;
+  }
+  if (strcasecmp(s, "auto") == 0) {
+    *out = FSDP_RESHARD_AUTO;
     return STATUS_OK;
   }
   char *end;
   errno = 0;
   long long x = strtoll(s, &end, 10);
   if (end == s || *end != 0)
-    return pr_fail(c, v, path, "expected true, false or an integer, got '%s'", s);
+    return pr_fail(c, v, path, "expected auto, true, false or an integer, got '%s'", s);
   if (errno == ERANGE || x < 0 || x > (1 << 20))
     return pr_fail(c, v, path, "%s is out of range (an integer N >= 2, or true / false)", s);
   if (x < 2) /* PyTorch reads 1 as false: a reading either way would be a guess */

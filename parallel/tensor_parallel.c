@@ -35,6 +35,7 @@ typedef struct tp_mod {
 struct tp_plan {
   tp_mod_t *mods;
   int n;
+  mesh_t *mesh; /* retained: its forwards move activations on it until tp_free */
 };
 
 /* ---- conversions: differentiable redistributions of activations ---- */
@@ -42,22 +43,23 @@ struct tp_plan {
 /* A conversion moves the activation between placements on the 1-D tp mesh; its backward
  * moves the gradient between the conjugate placements. */
 typedef enum conv {
-  CONV_COPY,          /* R -> R: nothing; backward P -> R */
-  CONV_GATHER_SEQ,    /* S(1) -> R; backward P -> S(1) */
-  CONV_SCATTER_SEQ,   /* R -> S(1); backward S(1) -> R */
-  CONV_GATHER_LAST,   /* S(-1) -> R; backward R -> S(-1) */
-  CONV_REDUCE,        /* P -> R; backward R -> R */
-  CONV_REDUCE_SCATTER /* P -> S(1); backward S(1) -> R */
+  CONV_COPY,           /* R -> R: nothing; backward P -> R */
+  CONV_GATHER_SEQ,     /* S(1) -> R; backward P -> S(1) */
+  CONV_SCATTER_SEQ,    /* R -> S(1); backward S(1) -> R */
+  CONV_GATHER_LAST,    /* S(-1) -> R; backward R -> S(-1) */
+  CONV_REDUCE,         /* P -> R; backward R -> R */
+  CONV_REDUCE_SCATTER, /* P -> S(1); backward S(1) -> R */
+  CONV_SCATTER_LAST    /* R -> S(-1): each rank's chunk; backward S(-1) -> R */
 } conv_t;
 
 typedef enum pk { PK_R, PK_P, PK_SEQ, PK_LAST } pk_t;
 
-static const pk_t conv_fwd[][2] = {{PK_R, PK_R},    {PK_SEQ, PK_R}, {PK_R, PK_SEQ},
-                                   {PK_LAST, PK_R}, {PK_P, PK_R},   {PK_P, PK_SEQ}};
-static const pk_t conv_bwd[][2] = {{PK_P, PK_R},    {PK_P, PK_SEQ}, {PK_SEQ, PK_R},
-                                   {PK_R, PK_LAST}, {PK_R, PK_R},   {PK_SEQ, PK_R}};
-static const char *const conv_names[] = {"copy",       "gather(1)", "scatter(1)",
-                                         "gather(-1)", "reduce",    "reduce_scatter(1)"};
+static const pk_t conv_fwd[][2] = {{PK_R, PK_R}, {PK_SEQ, PK_R}, {PK_R, PK_SEQ}, {PK_LAST, PK_R},
+                                   {PK_P, PK_R}, {PK_P, PK_SEQ}, {PK_R, PK_LAST}};
+static const pk_t conv_bwd[][2] = {{PK_P, PK_R}, {PK_P, PK_SEQ}, {PK_SEQ, PK_R}, {PK_R, PK_LAST},
+                                   {PK_R, PK_R}, {PK_SEQ, PK_R}, {PK_LAST, PK_R}};
+static const char *const conv_names[] = {"copy",   "gather(1)",         "scatter(1)", "gather(-1)",
+                                         "reduce", "reduce_scatter(1)", "scatter(-1)"};
 
 static placement_t placement_of(pk_t k, int ndim) {
   switch (k) {
@@ -122,6 +124,11 @@ static fsdpc_status_t convert_backward(nn_ctx_t *ctx, nn_node_t *n) {
 static fsdpc_status_t check_split(const tp_mod_t *t, const fsdpc_tensor_t *x, conv_t c) {
   int W = mesh_size(t->mesh, 0), d = -1;
   if (c == CONV_SCATTER_SEQ || c == CONV_REDUCE_SCATTER) d = 1;
+  if (c == CONV_SCATTER_LAST && (x->ndim < 1 || x->shape[x->ndim - 1] % W != 0))
+    return err_set(STATUS_ESHAPE,
+                   "tensor parallel: %s: its input's %lld features are not divisible by tp=%d "
+                   "(input: replicate splits them evenly)",
+                   nn_module_fqn(t->m), (long long)(x->ndim ? x->shape[x->ndim - 1] : 0), W);
   if (d < 0) return STATUS_OK;
   if (x->ndim < 2 || x->shape[d] % W != 0)
     return err_set(STATUS_ESHAPE,
@@ -161,8 +168,18 @@ static tp_layout_t arriving(const nn_var_t *x, tp_layout_t declared) {
   return x->layout != TP_LAYOUT_DEFAULT ? (tp_layout_t)x->layout : declared;
 }
 
+/* Whether prepare() moves an input arriving as from to want: the conversions there are. */
+static bool preparable(tp_layout_t from, tp_layout_t want) {
+  if (from == want || (want == TP_SHARD_LAST && from == TP_LAYOUT_DEFAULT)) return true;
+  if (want == TP_REPLICATE_REDUCED) return from == TP_REPLICATE || from == TP_SHARD_SEQ;
+  if (want == TP_SHARD_SEQ) return from == TP_REPLICATE || from == TP_REPLICATE_REDUCED;
+  if (want == TP_SHARD_LAST) return from == TP_REPLICATE;
+  return false;
+}
+
 /* An input made ready for a style: Replicate for colwise layers (reduced once in backward),
- * Shard(1) for sequence-parallel norms, Shard(-1) for rowwise layers. *y is a new
+ * Shard(1) for sequence-parallel norms, Shard(-1) for rowwise layers (a replicated input
+ * split here, as PyTorch's RowwiseParallel(input_layouts=Replicate())). *y is a new
  * reference. */
 static fsdpc_status_t prepare(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, tp_layout_t want,
                               nn_var_t **y) {
@@ -187,6 +204,8 @@ static fsdpc_status_t prepare(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *x, tp_
     return convert(ctx, t, x, CONV_GATHER_SEQ, want, y);
   if (want == TP_SHARD_SEQ && (from == TP_REPLICATE || from == TP_REPLICATE_REDUCED))
     return convert(ctx, t, x, CONV_SCATTER_SEQ, want, y);
+  if (want == TP_SHARD_LAST && from == TP_REPLICATE)
+    return convert(ctx, t, x, CONV_SCATTER_LAST, want, y);
   return unsupported(t, "input", from, want);
 }
 
@@ -426,6 +445,23 @@ static fsdpc_status_t setup(tp_mod_t *t, const tp_rule_t *r, bool sp) {
                      tp_style_name(r->style));
     t->out = r->output;
   }
+  /* the layouts a rule declares: ones no conversion reaches are refused now, not at the
+   * first forward */
+  tp_layout_t want = r->style == TP_SEQUENCE_PARALLEL ? TP_SHARD_SEQ
+                     : r->style == TP_ROWWISE         ? TP_SHARD_LAST
+                                                      : TP_REPLICATE_REDUCED;
+  bool own_input = t->embedding || t->moe || r->style == TP_HEADWISE;
+  if (r->input != TP_LAYOUT_DEFAULT && !own_input && !preparable(t->in, want))
+    return err_set(STATUS_EUNSUPPORTED,
+                   "tensor parallel: %s (%s): input %s cannot be made the %s it computes on "
+                   "(from replicate: any; from shard(1): replicate)",
+                   fqn, tp_style_name(r->style), tp_layout_name(t->in),
+                   tp_layout_name(want == TP_REPLICATE_REDUCED ? TP_REPLICATE : want));
+  if (r->output != TP_LAYOUT_DEFAULT && r->style == TP_ROWWISE && t->out == TP_SHARD_LAST)
+    return err_set(STATUS_EUNSUPPORTED,
+                   "tensor parallel: %s (rowwise): output shard(-1) is not supported (its output "
+                   "is summed over tp: replicate or shard(1))",
+                   fqn);
   if (t->w == NULL) return STATUS_OK;
   FSDPC_TRY(place(t->w, t->mesh, pl, fqn));
   if (t->b != NULL) FSDPC_TRY(place(t->b, t->mesh, bpl, fqn));
@@ -596,6 +632,7 @@ fsdpc_status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t 
   if (st == STATUS_OK) st = guard_unruled(plan, mesh, root);
   if (st != STATUS_OK) goto cleanup;
   free(hits);
+  plan->mesh = mesh_retain(mesh);
   *out = plan;
   return STATUS_OK;
 cleanup:
@@ -609,6 +646,7 @@ void tp_free(tp_plan_t *tp) {
   for (int i = 0; i < tp->n; i++)
     for (int k = 0; k < 4; k++) tensor_free(&tp->mods[i].stash[k]);
   free(tp->mods);
+  mesh_free(tp->mesh);
   free(tp);
 }
 

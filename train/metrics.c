@@ -89,7 +89,9 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
   double last = 0;   /* the last step kept */
   int64_t junk = 0;  /* lines that are no step's (a last line cut short by a kill) */
   bool have = false; /* step start's line */
+  int64_t read = 0;  /* lines: a new or empty file starts after step start */
   while (in != NULL && out != NULL && (len = getline(&line, &cap, in)) > 0) {
+    read++;
     cJSON *o = cJSON_Parse(line);
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
     if (!cJSON_IsNumber(step)) {
@@ -113,7 +115,7 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
   /* the step's line, lost by a kill between its save and its line, from the checkpoint */
   const cJSON *ss = cJSON_GetObjectItemCaseSensitive(saved, "step");
   bool restore =
-      in != NULL && out != NULL && !have && cJSON_IsNumber(ss) && ss->valuedouble == (double)start;
+      read > 0 && out != NULL && !have && cJSON_IsNumber(ss) && ss->valuedouble == (double)start;
   if (restore) {
     cJSON *o = cJSON_Duplicate(saved, true);
     if (o == NULL || !put_patched(out, o, patch)) {
@@ -164,10 +166,10 @@ train_metrics_seen_t train_metrics_scan(const char *path, int64_t start) {
   train_metrics_seen_t seen = {0};
   FILE *in = fopen(path, "r");
   if (in == NULL) return seen;
-  seen.file = true;
   char *line = NULL;
   size_t cap = 0;
   while (getline(&line, &cap, in) > 0) {
+    seen.file = true;
     cJSON *o = cJSON_Parse(line);
     const cJSON *step = cJSON_GetObjectItemCaseSensitive(o, "step");
     double s = cJSON_IsNumber(step) ? step->valuedouble : 0;

@@ -30,7 +30,7 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
 
 /* What the metrics file at path holds about step start. Local. */
 typedef struct train_metrics_seen {
-  bool file;          /* it is there */
+  bool file;          /* it is there, with lines (a new or empty file starts after start) */
   bool line;          /* step start's line */
   bool eval;          /* that line's evaluation */
   double last;        /* the last step of its lines */

@@ -244,7 +244,8 @@ static void header_model(const run_t *r) {
       r->n_groups, r->n_groups == 1 ? "" : "s", units,
       p->par.strategy[0] ? "sharding_strategy " : "", p->par.strategy,
       p->par.strategy[0] ? ": " : "", reshard_str(p->par.reshard_after_forward, rb, sizeof rb),
-      dt_str(p->par.param_dtype), dt_str(p->par.reduce_dtype),
+      dt_str(p->par.param_dtype),
+      dt_str(p->par.reduce_dtype != DTYPE_COUNT ? p->par.reduce_dtype : p->par.param_dtype),
       own_mp ? " (some units their own: see the units table)" : "", offload);
   optim_line(p);
   if (r->tp)

@@ -395,6 +395,50 @@ START_TEST(conv1d_layers_split_like_linears) {
 }
 END_TEST
 
+/* A rowwise layer given its input whole (input: replicate, PyTorch's
+ * RowwiseParallel(input_layouts=Replicate())) takes this rank's chunk of it: after a colwise
+ * layer that outputs replicate, the single-rank output, loss and gradients. The plan keeps
+ * its mesh (freed here at once). A layout no conversion reaches is refused by tensor_parallel,
+ * not at the first forward. */
+START_TEST(rowwise_input_replicate_takes_its_chunk) {
+  mesh_t *world, *tp;
+  int shape[2] = {R * S, T};
+  const char *names[] = {"dp", "tp"};
+  ok(mesh_new(2, shape, names, DEVICE_CPU, &world));
+  ok(mesh_slice(world, 1, &names[1], &tp));
+  nn_module_t *ref = conv1d_mlp(), *m = conv1d_mlp(), *bad = conv1d_mlp();
+  const tp_rule_t rules[] = {{"c_fc", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_REPLICATE},
+                             {"c_proj", TP_ROWWISE, TP_REPLICATE, TP_LAYOUT_DEFAULT}};
+  tp_plan_t *plan, *no = NULL;
+  ok(tensor_parallel(m, tp, rules, 2, false, &plan));
+  const tp_rule_t wrong[] = {{"c_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_SHARD_LAST}};
+  fsdpc_status_t st = tensor_parallel(bad, tp, wrong, 1, false, &no);
+  expect_all(st == STATUS_EUNSUPPORTED && strstr(err_detail(), "output shard(-1) is not supported"),
+             "a rowwise output shard(-1) is refused by tensor_parallel: %s",
+             st ? err_detail() : "ok");
+  mesh_free(tp);
+  mesh_free(world);
+  fsdpc_tensor_t pr, ps;
+  double lr = conv1d_step(ref, &pr), ls = conv1d_step(m, &ps);
+  run_t a = {0}, b = {0};
+  ok(nn_named_parameters(ref, &a.ps, &a.n));
+  ok(nn_named_parameters(m, &b.ps, &b.n));
+  int wrong_grads = compare_shards(&a, &b, true, 1e-5);
+  double e = test_rel_l2(&ps, &pr);
+  expect_all(wrong_grads == 0 && e < 1e-6 && fabs(ls - lr) <= 1e-6 * fabs(lr),
+             "rowwise input: replicate: output %.2g, loss %.2g, %d gradient mismatches", e,
+             fabs(ls - lr), wrong_grads);
+  free(a.ps);
+  free(b.ps);
+  tensor_free(&pr);
+  tensor_free(&ps);
+  nn_module_free(ref);
+  nn_module_free(m);
+  nn_module_free(bad);
+  tp_free(plan);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("tp");
   TCase *tc = tcase_create("tp");
@@ -409,6 +453,7 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, parity_colwise_embedding_sequence_parallel);
     if (S >= 4) tcase_add_test(tc, parity_sequence_parallel_int_reshard);
     tcase_add_test(tc, conv1d_layers_split_like_linears);
+    tcase_add_test(tc, rowwise_input_replicate_takes_its_chunk);
     tcase_add_test(tc, reduce_dtype_on_tp_reductions);
   } else {
     tcase_add_test(tc, uneven_split_is_refused);
