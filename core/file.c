@@ -337,7 +337,12 @@ fsdpc_status_t file_commit_temp_dir(const char *tmp, const char *path) {
   int fd = held_take(tmp);
   fsdpc_status_t st = STATUS_OK;
   if (rename(tmp, path) != 0)
-    st = err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, path, strerror(errno));
+    st = errno == ENOTEMPTY || errno == EEXIST
+             ? err_set(STATUS_EIO,
+                       "'%s' was filled while this command wrote it (another command writing the "
+                       "same output?): left as it is, this command's output not kept",
+                       path)
+             : err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, path, strerror(errno));
   if (fd >= 0) close(fd); /* after the rename: the unmarked folder was never unlocked */
   return st;
 }
@@ -495,11 +500,25 @@ void file_parent_of(const char *path, char *buf, size_t size) {
 /* Whether the entry at of folder dfd, a temporary one's name, was left by a writer that died:
  * a file no process holds locked, or a folder holding FILE_TEMP_MARK no process holds
  * locked; never a link, a folder without the mark, or what a path of keep names. */
+/* Whether path, or a folder it lies in, is the entry of stat sb. */
+static bool lies_in(const char *path, const struct stat *sb) {
+  char at[DIRS_PATH_MAX], up[DIRS_PATH_MAX];
+  snprintf(at, sizeof at, "%s", path);
+  for (int depth = 0; depth < 4096; depth++) {
+    struct stat kb;
+    if (stat(at, &kb) == 0 && kb.st_dev == sb->st_dev && kb.st_ino == sb->st_ino) return true;
+    file_parent_of(at, up, sizeof up);
+    if (strcmp(up, at) == 0) return false; /* "." or "/" */
+    snprintf(at, sizeof at, "%s", up);
+  }
+  return false;
+}
+
 static bool stale_temp(int dfd, const char *name, const char *const *keep) {
-  struct stat sb, kb;
+  struct stat sb, mb;
   if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0) return false;
   for (int i = 0; keep != NULL && keep[i] != NULL; i++)
-    if (stat(keep[i], &kb) == 0 && kb.st_dev == sb.st_dev && kb.st_ino == sb.st_ino) return false;
+    if (lies_in(keep[i], &sb)) return false; /* an input, or the folder of one */
   int fd = -1;
   if (S_ISREG(sb.st_mode)) {
     fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
@@ -509,6 +528,10 @@ static bool stale_temp(int dfd, const char *name, const char *const *keep) {
     if (d >= 0) close(d);
   }
   if (fd < 0) return false;
+  if (fstat(fd, &mb) != 0 || !S_ISREG(mb.st_mode)) { /* a mark is a file, never a folder */
+    close(fd);
+    return false;
+  }
   bool dead = flock(fd, LOCK_EX | LOCK_NB) == 0;
   close(fd);
   return dead;

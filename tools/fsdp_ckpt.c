@@ -339,18 +339,20 @@ static fsdpc_status_t export_hf(const char *dir, const char *out, const hf_expor
 
 /* What an earlier command writing out left when it was stopped (OUT.tmp-XXXXXX, marked as
  * being written, its writer gone): removed, said; never input, the command's. */
-static void clear_stale(const char *out, const char *input) {
-  const char *keep[] = {input, NULL};
+static void clear_stale(const char *out, const char *input, const char *other) {
+  const char *keep[] = {input, other, NULL};
   int n = file_remove_stale_temps(out, keep);
+  int len = (int)strlen(out);
+  while (len > 1 && out[len - 1] == '/') len--; /* OUT/ names OUT */
   if (n > 0)
     fprintf(stderr,
-            "fsdp-ckpt: note: removed %d unfinished output%s beside '%s' (%s.tmp-*), left by a "
-            "command that was stopped\n",
-            n, n == 1 ? "" : "s", out, out);
+            "fsdp-ckpt: note: removed %d unfinished output%s beside '%s' (%.*s.tmp-*), left by "
+            "a command that was stopped\n",
+            n, n == 1 ? "" : "s", out, len, out);
 }
 
 static fsdpc_status_t import_hf(const char *hf, const char *out) {
-  clear_stale(out, hf);
+  clear_stale(out, hf, NULL);
   hf_report_t rep;
   FSDPC_TRY(ckpt_import_hf(hf, out, &rep));
   printf("imported %d tensors from %d file%s of %s into %s (step 0, no optimizer state)\n",
@@ -600,7 +602,7 @@ static fsdpc_status_t reshard_command(int argc, char **argv) {
   }
   if (np != 2 || o.config == NULL)
     return err_set(STATUS_EINVAL, "reshard takes DIR --to CONFIG OUT");
-  clear_stale(pos[1], pos[0]);
+  clear_stale(pos[1], pos[0], o.config);
   return reshard(pos[0], pos[1], &o);
 }
 
@@ -641,7 +643,7 @@ static fsdpc_status_t export_command(int argc, char **argv) {
     }
   }
   if (np != 2) return err_set(STATUS_EINVAL, "export-hf takes DIR OUT");
-  clear_stale(pos[1], pos[0]);
+  clear_stale(pos[1], pos[0], o.config);
   return export_hf(pos[0], pos[1], &o);
 }
 

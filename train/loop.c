@@ -286,17 +286,21 @@ static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   double t = device_clock_seconds(), step_est = t - o->t0 > L->step_max ? t - o->t0 : L->step_max;
   double save_s = L->saver.last_s > 0 ? L->saver.last_s : step_est;
-  /* and the evaluation due after this step, which a run that goes on makes first */
+  /* and the evaluation due after this step, which a run that goes on makes first; after the
+   * last step, that evaluation alone (the step is saved whatever happens: with its
+   * evaluation pending, the run stops before making it) */
+  bool last = o->s + 1 >= p->steps;
   double eval_s = eval_due(r, o->s + 1) ? train_eval_estimate(r, step_est) : 0;
-  bool time_up =
-      p->time_limit_s > 0 && t - r->t_launch + eval_s + step_est + save_s > p->time_limit_s;
+  bool time_up = p->time_limit_s > 0 && (last ? eval_s > 0 : true) &&
+                 t - r->t_launch + eval_s + (last ? 0 : step_est) + save_s > p->time_limit_s;
   o->sums[0] = o->loss;
   train_save_values(&L->saver, o->sums + 1); /* an asynchronous save: written, failed */
   int nsums = 3 + train_stop_values(p, time_up, o->sums + 3);
   FSDPC_TRY(pg_host_all_reduce(world_pg(), o->sums, o->sums, nsums, PG_HOST_F64, REDUCE_SUM));
   o->loss = o->sums[0] / world_size(); /* the ranks of one tp group hold the same loss */
   o->stop = train_stop_of(p, o->sums + 3);
-  o->stopping = o->s + 1 < p->steps && (o->stop.signal != 0 || o->stop.time_limit);
+  o->stopping = last ? o->stop.time_limit : o->stop.signal != 0 || o->stop.time_limit;
+  if (last) o->stop.signal = 0; /* the run ends with this step anyway */
   /* the same verdict on every rank: the loss and the norm are reduced over the world */
   o->finite = isfinite(o->loss) && isfinite(o->norm);
   if (!o->finite && !p->skip_nonfinite && o->s == r->start_step) {
@@ -552,9 +556,11 @@ static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
   const fsdpc_plan_t *p = &r->plan;
   int64_t done = o->s + 1;
   bool saved = p->ckpt_dir[0] && L->asked == done;
-  if (o->stopping || done >= p->steps || p->n_signals == 0 ||
-      !(saved || o->eval_now || o->eval_cut))
-    return STATUS_OK; /* (the same on every rank) */
+  /* (the same on every rank); after the last step only a signal that cut its evaluation
+   * short stops the run: saved already, it exits as stopped, the evaluation to be made */
+  if (o->stopping || p->n_signals == 0 || !(saved || o->eval_now || o->eval_cut) ||
+      (done >= p->steps && !o->eval_cut))
+    return STATUS_OK;
   double v[1 + PLAN_MAX_SIGNALS];
   int n = train_stop_values(p, false, v);
   fsdpc_status_t st = pg_host_all_reduce(world_pg(), v, v, n, PG_HOST_F64, REDUCE_SUM);
@@ -562,7 +568,7 @@ static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
   if (stop.signal == 0) return st;
   o->stopping = true;
   o->stop = stop;
-  if (p->ckpt_dir[0])
+  if (p->ckpt_dir[0] && done < p->steps)
     st = saved ? train_save_finish(&L->saver, r) : save_step_of(r, L, o, true, o->eval_cut);
   L->agreed = st != STATUS_OK;
   return st;

@@ -338,8 +338,8 @@ static fsdpc_status_t pass_on(run_t *r, pg_t *g, int s, int P, const data_spec_t
 }
 
 fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool stoppable,
-                             double *sum, bool *cut) {
-  *cut = false;
+                             double *sum, bool *cut, bool *agreed) {
+  *cut = *agreed = false;
   int P = pp_schedule_ranks(r->pp_sched), S = pp_schedule_stages(r->pp_sched);
   pg_t *g = mesh_group(parallel_pp_mesh(r->par), 0);
   data_spec_t one = *spec;
@@ -356,8 +356,11 @@ fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool 
   /* a wavefront: at time t stage s runs batch t - s, every rank its stages at once, then the
    * activations pass on, stage by stage in the same order on every rank */
   for (int64_t t = 0; t < n + S - 1 && st == STATUS_OK && !*cut; t++) {
-    /* a signal ends it between two times, the same on every rank */
-    if (t > 0 && stoppable) st = train_signalled(r, cut);
+    /* batch t's samples read where the first stage takes them, and a signal looked for,
+     * agreed: a failure or a stop ends it between two times, the same on every rank */
+    int64_t f = r->pp_rank == 0 ? t : t - (S - 1); /* the inputs; else the last's targets */
+    bool reads = f >= 0 && f < n && (r->pp_rank == 0 || (S - 1) % P == r->pp_rank);
+    st = train_eval_agree(r, &one, f, reads, stoppable && t > 0, cut, agreed);
     for (int s = 0; s < S && st == STATUS_OK && !*cut; s++) {
       int64_t b = t - s;
       if (b < 0 || b >= n || s % P != r->pp_rank) continue;

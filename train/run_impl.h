@@ -124,7 +124,13 @@ fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, do
  * (stage s runs batch b while stage s + 1 runs batch b - 1): the sum of their mean losses, in
  * batch order, into *sum on every pipeline rank. Collective over the pipeline group. */
 fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool stoppable,
-                             double *sum, bool *cut);
+                             double *sum, bool *cut, bool *agreed);
+/* Before evaluation forward f (one: the evaluation's data spec): this rank's samples of it
+ * read when it reads them (reads), then, when stoppable, a signal of train.signals looked for
+ * (*cut), each agreed over the world; a sample that cannot be read fails every rank alike
+ * (*agreed set). Collective over the world. */
+fsdpc_status_t train_eval_agree(const run_t *r, const data_spec_t *one, int64_t f, bool reads,
+                                bool stoppable, bool *cut, bool *agreed);
 /* Whether a signal of train.signals has reached some rank, into *stop (the stop itself is
  * agreed at the step's end). Collective over the world. */
 fsdpc_status_t train_signalled(const run_t *r, bool *stop);

@@ -172,6 +172,18 @@ fsdpc_status_t train_signalled(const run_t *r, bool *stop) {
  * them gathered after a forward, for the backward that would follow). The samples are read
  * first on every rank, agreed: a file cut short since the start stops every rank alike, before
  * any forward. Collective over the world. */
+fsdpc_status_t train_eval_agree(const run_t *r, const data_spec_t *one, int64_t f, bool reads,
+                                bool stoppable, bool *cut, bool *agreed) {
+  data_spec_t single = *one;
+  single.grad_accum = 1;
+  fsdpc_status_t st = reads ? train_check_samples(r->eval, &single, f, 1, "eval.path") : STATUS_OK;
+  if ((st = pg_agree(world_pg(), st)) != STATUS_OK) {
+    *agreed = true;
+    return st;
+  }
+  return stoppable ? train_signalled(r, cut) : STATUS_OK;
+}
+
 fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, bool stoppable,
                               train_eval_t *out) {
   *out = (train_eval_t){0};
@@ -179,20 +191,19 @@ fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, bool stoppable,
   data_spec_t one = *spec;
   one.batch_size = r->plan.eval_batch_size;
   int64_t n = eval_forwards(&r->plan);
-  fsdpc_status_t st = pg_agree(world_pg(), eval_samples(r, spec));
-  if (st != STATUS_OK) {
-    out->agreed = true;
-    return st;
-  }
   stoppable = stoppable && r->plan.n_signals > 0;
-  if (r->pp_sched != NULL) st = train_pp_eval(r, &one, n, stoppable, &sum, &out->cut);
-  for (int64_t f = 0; r->pp_sched == NULL && f < n && st == STATUS_OK && !out->cut; f++) {
+  fsdpc_status_t st = STATUS_OK;
+  if (r->pp_sched != NULL) st = train_pp_eval(r, &one, n, stoppable, &sum, &out->cut, &out->agreed);
+  /* before each forward its samples are read on every rank and a signal looked for, agreed:
+   * a file cut short since the start stops every rank alike, the model intact */
+  for (int64_t f = 0; r->pp_sched == NULL && f < n && st == STATUS_OK; f++) {
+    st = train_eval_agree(r, &one, f, true, stoppable && f > 0, &out->cut, &out->agreed);
+    if (st != STATUS_OK || out->cut) break;
     st = train_eval_batch(r->root, r->dev, r->eval, &one, f, &l);
     sum += l;
-    if (st == STATUS_OK && stoppable) st = train_signalled(r, &out->cut);
   }
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);
-  if (st != STATUS_OK) return world_stop(st); /* the others would wait in the forward */
+  if (st != STATUS_OK) return out->agreed ? st : world_stop(st); /* else others would wait */
   if (out->cut) return STATUS_OK;
   double all = 0;
   FSDPC_TRY(pg_host_all_reduce(world_pg(), &sum, &all, 1, PG_HOST_F64, REDUCE_SUM));

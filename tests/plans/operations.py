@@ -478,6 +478,32 @@ def operations():
           and "eval after step 10" not in p.stdout and took < 4,
           "train.time_limit counts the evaluation due after a step: stops at step 10 before "
           "it, within the limit (%.1f s, exit %s)" % (took, p.returncode))
+    # the same after the last step: a signal during its evaluation (the step saved already)
+    # ends the run as stopped, exit 75, and the time limit stops it before that evaluation;
+    # the run resumed with nothing to train makes it
+    for how in ("SIGTERM", "train.time_limit"):
+        ck = os.path.join(tmp, "ck-last-eval-" + how)
+        last = long_ev + ["--set", "train.steps=10", "--set", "checkpoint.dir=" + ck]
+        if how == "SIGTERM":
+            proc, steps = start(0, last, os.path.join(tmp, "last-eval.jsonl"))
+            t0 = time.time()
+            while not os.path.isdir(os.path.join(ck, "step-00000010")) and \
+                    proc.poll() is None and time.time() - t0 < 60:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            os.kill(proc.pid, signal.SIGTERM)
+            rc, out, _ = finish(proc)
+        else:
+            q, _ = run(1, last + ["--set", "train.time_limit=4"])
+            rc, out = q.returncode, q.stdout
+        said = ("interrupted by SIGTERM" if how == "SIGTERM" else
+                "stopped before train.time_limit (4 s)") + " at step 10; saved"
+        p, _ = run(1, last + ["--set", "checkpoint.load=auto"])
+        check(rc == 75 and said in out and "eval after step 10" not in out and
+              p.returncode == 0 and "nothing to train" in p.stdout and
+              p.stdout.count("eval after step 10") == 1,
+              "%s during the last step's evaluation: exit 75, the step saved, the evaluation "
+              "made by the resumed run (exit %s, %s)" % (how, rc, out.strip()[-160:]))
     ck = os.path.join(tmp, "ck-eval-cut")
     proc, steps = start(0, [debug, "--set", "train.steps=400", "--set", "log.interval=1",
                             "--set", "eval.path=" + ev_copy, "--set", "eval.interval=100",
@@ -935,6 +961,19 @@ def operations():
         check(p.returncode == 0 and os.path.isdir(named) and "removed" not in p.stderr,
               "fsdp-ckpt %s leaves its input named like OUT's temporary (%s)"
               % (op, p.stderr.strip()[-160:]))
+        # or lying inside a marked leftover of that name; a mark that is a folder is no mark
+        holder = os.path.join(tmp, "in2-%s.tmp-abcdef" % op)
+        os.makedirs(holder)
+        open(os.path.join(holder, ".fsdpc-partial"), "w").close()
+        inside = os.path.join(holder, "input")
+        shutil.copytree(source, inside)
+        foldered = os.path.join(tmp, "in2-%s.tmp-fold3r" % op)
+        os.makedirs(os.path.join(foldered, ".fsdpc-partial"))
+        p = sh([TOOL, op, inside] + args[1:] + [os.path.join(tmp, "in2-%s" % op)], timeout=120)
+        check(p.returncode == 0 and os.path.isdir(inside) and os.path.isdir(foldered) and
+              "removed" not in p.stderr,
+              "fsdp-ckpt %s leaves a leftover its input lies in, and a folder whose mark is a "
+              "folder (%s)" % (op, p.stderr.strip()[-160:]))
         link = os.path.join(tmp, "link-" + op)
         os.symlink(os.path.join(tmp, "nowhere-" + op), link)
         p = sh([TOOL, op] + args + [link], timeout=120)
