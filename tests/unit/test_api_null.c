@@ -22,12 +22,13 @@
 #include <unistd.h>
 
 #include "api_calls.h"
-#include "core/tensor.h"
 #include "checkpoint/safetensors.h"
+#include "core/tensor.h"
 #include "mesh/mesh.h"
 #include "mesh/world.h"
-#include "train/data.h"
+#include "nn/layers.h"
 #include "nn/module.h"
+#include "train/data.h"
 
 /* Functions whose NULL or -1 arguments have a meaning of their own, so STATUS_OK is right. */
 static const char *const allowed_ok[] = {
@@ -57,6 +58,20 @@ static int ok_allowed(const char *name) {
 }
 
 /* 0 when the call behaved; otherwise a line saying what happened. */
+/* Constructors that need MPI called before world_init: an error that says so, not MPI's abort
+ * of the process. */
+static int before_world_init(void) {
+  mesh_t *m = NULL;
+  nn_module_t *root = NULL;
+  fsdpc_status_t a = mesh_new_local("x", DEVICE_CPU, &m);
+  int bad = !(a == STATUS_EINVAL && strstr(err_detail(), "call world_init first"));
+  fsdpc_status_t b = nn_sequential_new(NULL, "", &root);
+  if (b == STATUS_OK) b = nn_linear_new(root, "fc", 4, 4, true, NULL, NULL);
+  bad += !(b != STATUS_OK && strstr(err_detail(), "call world_init first"));
+  nn_module_free(root);
+  return bad;
+}
+
 static int run_one(const api_call_t *c, int quiet) {
   fflush(NULL);
   pid_t pid = fork();
@@ -264,6 +279,17 @@ int main(int argc, char **argv) {
     return 1;
   }
   if (only) return failed ? 1 : 0;
+  fflush(NULL);
+  pid_t pid = fork(); /* a process that never starts MPI */
+  if (pid == 0) {
+    alarm(20);
+    _exit(before_world_init());
+  }
+  int ws = 0;
+  bool early = pid > 0 && waitpid(pid, &ws, 0) == pid && WIFEXITED(ws) && WEXITSTATUS(ws) == 0;
+  printf("%s constructors before world_init: an error naming world_init\n",
+         early ? "ok  " : "FAIL");
+  failed += !early;
 
   /* valid handles: MPI started, no child processes from here on */
   if (world_init(&argc, &argv) != STATUS_OK) {
