@@ -375,16 +375,22 @@ static fsdpc_status_t check_coverage(const char *folder, const dcp_entry_t *entr
                             tensor_numel(dtensor_local(v)),
                             hash63(d, sizeof(int64_t) * (size_t)(2 + dtensor_ndim(v)), 0), me};
   }
-  FSDPC_TRY(pg_agree(pg, st));
-  st = pg_host_all_gather(pg, &mine, counts, 1, PG_HOST_I64);
+  /* every step agreed: a rank that fails one (its memory) never leaves the others waiting in
+   * the next exchange */
+  st = pg_agree(pg, st);
+  if (st == STATUS_OK) st = pg_host_all_gather(pg, &mine, counts, 1, PG_HOST_I64);
   int64_t M = 0;
   for (int r = 0; r < R && st == STATUS_OK; r++) M = counts[r] > M ? counts[r] : M;
-  cover_t *padded = st == STATUS_OK ? calloc((size_t)(M ? M : 1), sizeof *padded) : NULL;
-  if (padded && (all = calloc((size_t)R * (size_t)(M ? M : 1), sizeof *all)) != NULL) {
+  cover_t *padded = NULL;
+  if (st == STATUS_OK) {
+    padded = calloc((size_t)(M ? M : 1), sizeof *padded);
+    all = calloc((size_t)R * (size_t)(M ? M : 1), sizeof *all);
+    st = pg_agree(
+        pg, padded && all ? STATUS_OK : err_set(STATUS_ENOMEM, "checkpoint: out of host memory"));
+  }
+  if (st == STATUS_OK) {
     memcpy(padded, rec, sizeof *rec * (size_t)mine);
     st = pg_host_all_gather(pg, padded, all, (int)(M * 5), PG_HOST_I64);
-  } else if (st == STATUS_OK) {
-    st = err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
   }
   free(padded);
   int64_t total = 0;

@@ -3,12 +3,14 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core/args_impl.h"
@@ -271,11 +273,14 @@ static int held_take(const char *tmp) {
 /* Marks the fresh folder tmp as being written (FILE_TEMP_MARK, locked and held); on failure
  * tmp is removed. */
 static fsdpc_status_t mark_and_hold(const char *tmp) {
-  char mark[DIRS_PATH_MAX + 64];
+  char mark[DIRS_PATH_MAX + 64], unnamed[DIRS_PATH_MAX + 64];
   snprintf(mark, sizeof mark, "%s/%s", tmp, FILE_TEMP_MARK);
-  int fd = open(mark, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  snprintf(unnamed, sizeof unnamed, "%s/%s.new", tmp, FILE_TEMP_MARK);
+  /* locked under another name, then named: no other process ever finds the mark unlocked
+   * while this one writes */
+  int fd = open(unnamed, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   int e = errno;
-  if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0) {
+  if (fd >= 0 && (flock(fd, LOCK_EX | LOCK_NB) != 0 || rename(unnamed, mark) != 0)) {
     e = errno;
     close(fd);
     fd = -1;
@@ -502,8 +507,9 @@ void file_parent_of(const char *path, char *buf, size_t size) {
  * locked; never a link, a folder without the mark, or what a path of keep names. */
 /* Whether path, or a folder it lies in, is the entry of stat sb. */
 static bool lies_in(const char *path, const struct stat *sb) {
-  char at[DIRS_PATH_MAX], up[DIRS_PATH_MAX];
-  snprintf(at, sizeof at, "%s", path);
+  char at[DIRS_PATH_MAX], up[DIRS_PATH_MAX], real[PATH_MAX];
+  /* its folders as they are (links resolved, from the root), else as written */
+  snprintf(at, sizeof at, "%s", realpath(path, real) ? real : path);
   for (int depth = 0; depth < 4096; depth++) {
     struct stat kb;
     if (stat(at, &kb) == 0 && kb.st_dev == sb->st_dev && kb.st_ino == sb->st_ino) return true;
@@ -520,7 +526,9 @@ static bool stale_temp(int dfd, const char *name, const char *const *keep) {
   for (int i = 0; keep != NULL && keep[i] != NULL; i++)
     if (lies_in(keep[i], &sb)) return false; /* an input, or the folder of one */
   int fd = -1;
-  if (S_ISREG(sb.st_mode)) {
+  /* a file is locked once its writer has created it: one made in the last seconds may be a
+   * writer's between the two */
+  if (S_ISREG(sb.st_mode) && sb.st_mtime + 10 < time(NULL)) {
     fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   } else if (S_ISDIR(sb.st_mode)) {
     int d = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);

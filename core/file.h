@@ -102,11 +102,10 @@ fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE *
 
 /* Removes what file_make_temp_dir and file_create_temp left beside path when the process
  * writing path died before its rename: entries named PATH.tmp-XXXXXX that are files no
- * process holds locked, or folders holding FILE_TEMP_MARK that no process holds locked. A
- * link, a folder without the mark (not this library's, or a mark that is no file), a
- * temporary being written and one that a path of keep names or lies in (a NULL-terminated
- * list, or NULL: a command's inputs) are left.
- * Returns how many went. */
+ * process holds locked (and not changed in the last 10 s), or folders holding FILE_TEMP_MARK that
+ * no process holds locked. A link, a folder without the mark (not this library's, or a mark that is
+ * no file), a temporary being written and one that a path of keep names or lies in (a
+ * NULL-terminated list, or NULL: a command's inputs) are left. Returns how many went. */
 int file_remove_stale_temps(const char *path, const char *const *keep);
 
 /* Whether paths a and b name the same file: the same file when both exist, else the same name

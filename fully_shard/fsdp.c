@@ -279,28 +279,73 @@ static fsdpc_status_t agree_params(const fsdp_options_t *opt, const fsdp_plist_t
   XXH64_freeState(h);
   char unit[300];
   snprintf(unit, sizeof unit, nn_module_fqn(m)[0] ? "'%s'" : "the root module%s", nn_module_fqn(m));
-  for (int k = 0; k < mesh_ndim(opt->mesh); k++) {
-    pg_t *pg = mesh_group(opt->mesh, k);
-    FSDPC_TRY(pg_agree(pg, st));
-    int other = -1;
-    fsdpc_status_t gs = pg_host_first_differing(pg, mine, &other);
-    if (gs == STATUS_OK && other >= 0) /* every rank sees it: the same verdict everywhere */
-      gs = err_set(STATUS_EINVAL,
-                   "fully_shard: %s: the ranks of the mesh's dimension %d shard different "
-                   "parameters (rank %d's names, shapes or dtypes differ from rank 0's): every "
-                   "rank must build the same model and call fully_shard on the same modules, "
-                   "in the same order",
-                   unit, k, other);
-    if (gs == STATUS_OK) gs = pg_host_first_differing(pg, options, &other);
-    if (gs == STATUS_OK && other >= 0)
-      gs = err_set(STATUS_EINVAL,
-                   "fully_shard: %s: the ranks of the mesh's dimension %d pass different "
-                   "options (rank %d's reshard_after_forward, param_dtype, reduce_dtype, "
-                   "output_dtype, offload, shard_state_over_replicas, ignored parameters or "
-                   "shard_dim differ from rank 0's): every rank must pass the same",
-                   unit, k, other);
-    FSDPC_TRY(gs);
+  /* a failure some rank met alone reaches the whole mesh first (each dimension's groups in
+   * turn), then every dimension is compared, and the verdict spreads the same way: no rank
+   * returns while another waits in a later dimension's exchange */
+  const mesh_t *mesh = opt->mesh;
+  for (int k = 0; k < mesh_ndim(mesh); k++) st = pg_agree(mesh_group(mesh, k), st);
+  if (st != STATUS_OK) return st;
+  int bad_dim = -1, bad_rank = -1;
+  bool options_differ = false;
+  for (int k = 0; k < mesh_ndim(mesh) && st == STATUS_OK; k++) {
+    int a = -1, b = -1;
+    st = pg_host_first_differing(mesh_group(mesh, k), mine, &a);
+    if (st == STATUS_OK) st = pg_host_first_differing(mesh_group(mesh, k), options, &b);
+    if (st == STATUS_OK && bad_dim < 0 && (a >= 0 || b >= 0)) {
+      bad_dim = k;
+      options_differ = a < 0;
+      int c[MESH_MAX_DIMS], at = 0; /* that group rank's world rank */
+      for (int d = 0; d < mesh_ndim(mesh); d++)
+        c[d] = d == k ? (a >= 0 ? a : b) : mesh_coord(mesh, d);
+      for (int d = 0; d < mesh_ndim(mesh); d++) at = at * mesh_size(mesh, d) + c[d];
+      bad_rank = mesh_ranks(mesh)[at];
+    }
   }
+  if (st == STATUS_OK && bad_dim >= 0 && !options_differ)
+    st = err_set(STATUS_EINVAL,
+                 "fully_shard: %s: the ranks of the mesh's dimension %d shard different "
+                 "parameters (rank %d's names, shapes or dtypes differ from the group's first): "
+                 "every rank must build the same model and call fully_shard on the same modules, "
+                 "in the same order",
+                 unit, bad_dim, bad_rank);
+  else if (st == STATUS_OK && bad_dim >= 0)
+    st = err_set(STATUS_EINVAL,
+                 "fully_shard: %s: the ranks of the mesh's dimension %d pass different options "
+                 "(rank %d's reshard_after_forward, param_dtype, reduce_dtype, output_dtype, "
+                 "offload, shard_state_over_replicas, ignored parameters or shard_dim differ "
+                 "from the group's first): every rank must pass the same",
+                 unit, bad_dim, bad_rank);
+  for (int k = 0; k < mesh_ndim(mesh); k++) st = pg_agree(mesh_group(mesh, k), st);
+  return st;
+}
+
+/* The options a rank may get wrong alone (its own dtypes, lists, numbers), for a shard group of
+ * W ranks. */
+static fsdpc_status_t check_options(const fsdp_options_t *opt, int W) {
+  const dtype_t dts[3] = {opt->param_dtype, opt->reduce_dtype, opt->output_dtype};
+  static const char *const dt_keys[3] = {"param_dtype", "reduce_dtype", "output_dtype"};
+  for (int k = 0; k < 3; k++)
+    if (dts[k] != DTYPE_COUNT && ((unsigned)dts[k] > DTYPE_COUNT || !dtype_is_float(dts[k])))
+      return err_set(STATUS_EINVAL,
+                     "fully_shard: %s %d is not a floating-point dtype (or DTYPE_COUNT for the "
+                     "default)",
+                     dt_keys[k], (int)dts[k]);
+  if (opt->n_ignored < 0 || (opt->n_ignored > 0 && opt->ignored == NULL))
+    return err_set(STATUS_EINVAL, "fully_shard: %d ignored parameters given without their list",
+                   opt->n_ignored);
+  for (int i = 0; i < opt->n_ignored; i++)
+    if (opt->ignored[i] == NULL)
+      return err_set(STATUS_EINVAL, "fully_shard: ignored parameter %d is NULL", i);
+  if (!(opt->on_demand_timeout >= 0))
+    return err_set(STATUS_EINVAL, "fully_shard: on_demand_timeout %g is not a number of seconds",
+                   opt->on_demand_timeout);
+  int N = opt->reshard_after_forward;
+  if (N != FSDP_RESHARD_AUTO && N != 0 && N != 1 && (N < 2 || N > W || W % N != 0))
+    return err_set(STATUS_EINVAL,
+                   "fully_shard: reshard_after_forward %d is not valid for a shard group of %d "
+                   "ranks (use true, false, or an integer N dividing %d: N = %d is true, as "
+                   "PyTorch reads it)",
+                   N, W, W, W);
   return STATUS_OK;
 }
 
@@ -336,32 +381,11 @@ fsdpc_status_t fully_shard_modules(nn_module_t *const *ms, int n_modules, const 
                      "fully_shard: module %d ('%s') belongs to another model than module 0 "
                      "('%s'); a group's modules must share one top module",
                      i, nn_module_fqn(ms[i]), nn_module_fqn(ms[0]));
-  const dtype_t dts[3] = {opt->param_dtype, opt->reduce_dtype, opt->output_dtype};
-  static const char *const dt_keys[3] = {"param_dtype", "reduce_dtype", "output_dtype"};
-  for (int k = 0; k < 3; k++)
-    if (dts[k] != DTYPE_COUNT && ((unsigned)dts[k] > DTYPE_COUNT || !dtype_is_float(dts[k])))
-      return err_set(STATUS_EINVAL,
-                     "fully_shard: %s %d is not a floating-point dtype (or DTYPE_COUNT for the "
-                     "default)",
-                     dt_keys[k], (int)dts[k]);
-  if (opt->n_ignored < 0 || (opt->n_ignored > 0 && opt->ignored == NULL))
-    return err_set(STATUS_EINVAL, "fully_shard: %d ignored parameters given without their list",
-                   opt->n_ignored);
-  for (int i = 0; i < opt->n_ignored; i++)
-    if (opt->ignored[i] == NULL)
-      return err_set(STATUS_EINVAL, "fully_shard: ignored parameter %d is NULL", i);
-  if (!(opt->on_demand_timeout >= 0))
-    return err_set(STATUS_EINVAL, "fully_shard: on_demand_timeout %g is not a number of seconds",
-                   opt->on_demand_timeout);
   int W = mesh_size(opt->mesh, md - 1), N = opt->reshard_after_forward;
-  if (N != FSDP_RESHARD_AUTO && N != 0 && N != 1 && (N < 2 || N > W || W % N != 0))
-    return err_set(STATUS_EINVAL,
-                   "fully_shard: reshard_after_forward %d is not valid for a shard group of %d "
-                   "ranks (use true, false, or an integer N dividing %d: N = %d is true, as "
-                   "PyTorch reads it)",
-                   N, W, W, W);
   fsdp_plist_t l = {0};
-  fsdpc_status_t st = STATUS_OK;
+  /* a rank whose own options fail these still takes part in the agreement (agree_params):
+   * every rank of the mesh fails with it */
+  fsdpc_status_t st = check_options(opt, W);
   for (int i = 0; i < n_modules && st == STATUS_OK; i++) st = fsdp_collect_params(ms[i], opt, &l);
   fsdp_group_t *g = NULL;
   if (st == STATUS_OK && (g = calloc(1, sizeof *g)) == NULL)

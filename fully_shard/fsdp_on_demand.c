@@ -25,12 +25,15 @@ static int collect_members(fsdp_group_t *g, nn_module_t *m, bool count_only) {
   return n;
 }
 
-/* Whether module m holds one of the group's parameters, itself or under it: a member that
- * holds none needs nothing gathered when called on its own (an activation, a dropout). */
+/* Whether module m uses one of the group's parameters, itself or under it (its own, or one
+ * it shares: a tied head): a member that uses none needs nothing gathered when called on its
+ * own (an activation, a dropout). */
 static bool holds_params(const fsdp_group_t *g, const nn_module_t *m) {
-  for (int i = 0; i < g->n; i++)
-    for (const nn_module_t *o = g->params[i].p->owner; o != NULL; o = nn_module_parent(o))
-      if (o == m) return true;
+  for (int k = 0; k < nn_module_num_params(m); k++)
+    for (int i = 0; i < g->n; i++)
+      if (nn_module_param(m, k) == g->params[i].p) return true;
+  for (int c = 0; c < nn_module_num_children(m); c++)
+    if (holds_params(g, nn_module_child(m, c))) return true;
   return false;
 }
 

@@ -120,8 +120,9 @@ bool tp_rule_applies(const tp_rule_t *rule, bool sequence_parallel);
  * parameters must all be whole (Replicate on a one-rank mesh) and the same on every rank.
  * mesh is 1-D. Every pattern must match a module of a kind its style handles; a declared
  * input or output layout no conversion reaches is refused here. The plan keeps the mesh
- * (mesh_retain) until tp_free, so the caller may free its own reference at once. Local: no
- * communication. */
+ * (mesh_retain) until tp_free for the forwards that move activations on it; the parameters
+ * placed on it need it as long as they live, as every DTensor does (fully_shard keeps the
+ * mesh it places them on). Local: no communication. */
 fsdpc_status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t *rules, int n,
                                bool sequence_parallel, tp_plan_t **out);
 

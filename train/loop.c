@@ -570,6 +570,12 @@ static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
   o->stop = stop;
   if (p->ckpt_dir[0] && done < p->steps)
     st = saved ? train_save_finish(&L->saver, r) : save_step_of(r, L, o, true, o->eval_cut);
+  /* saved before its evaluation, which the signal cut short: the checkpoint says it pends */
+  if (st == STATUS_OK && saved && o->eval_cut) {
+    char dir[PLAN_PATH_MAX + 32];
+    ckpt_step_dir(p->ckpt_dir, done, dir, sizeof dir);
+    st = pg_agree(world_pg(), world_rank() == 0 ? train_mark_eval_pending(dir) : STATUS_OK);
+  }
   L->agreed = st != STATUS_OK;
   return st;
 }

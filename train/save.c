@@ -1,6 +1,8 @@
 /* The trainer's checkpoints during a run (save_impl.h). */
+#include <cJSON.h>
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -147,4 +149,39 @@ fsdpc_status_t train_save_poll(train_saver_t *sv, const run_t *r, const double *
   if (!ckpt_async_pending(sv->async)) return STATUS_OK;
   if (sums[0] < world_size() && sums[1] == 0) return STATUS_OK; /* still writing */
   return train_save_finish(sv, r);
+}
+
+fsdpc_status_t train_mark_eval_pending(const char *dir) {
+  char *text = NULL, *sealed = NULL, path[PLAN_PATH_MAX + 64];
+  FSDPC_TRY(ckpt_state_text(dir, &text));
+  cJSON *o = text ? cJSON_Parse(text) : NULL;
+  free(text);
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, "integrity");
+  const cJSON *m = cJSON_GetObjectItemCaseSensitive(it, "model");
+  const cJSON *op = cJSON_GetObjectItemCaseSensitive(it, "optim");
+  cJSON *under = cJSON_GetObjectItemCaseSensitive(o, "saved_under");
+  fsdpc_status_t st = cJSON_IsObject(under) && cJSON_IsString(m)
+                          ? STATUS_OK
+                          : err_set(STATUS_EFORMAT,
+                                    "%s: no saved_under or integrity record to "
+                                    "update",
+                                    dir);
+  uint64_t model_id = 0, optim_id = 0;
+  if (st == STATUS_OK) {
+    model_id = strtoull(m->valuestring, NULL, 16);
+    if (cJSON_IsString(op)) optim_id = strtoull(op->valuestring, NULL, 16);
+    cJSON_DeleteItemFromObjectCaseSensitive(under, "eval_pending");
+    cJSON_AddBoolToObject(under, "eval_pending", true);
+    cJSON_DeleteItemFromObjectCaseSensitive(o, "integrity");
+    text = cJSON_PrintUnformatted(o);
+    if (text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  }
+  if (st == STATUS_OK)
+    st = ckpt_state_seal(text, model_id, cJSON_IsString(op) ? &optim_id : NULL, &sealed);
+  if (st == STATUS_OK) st = file_join(path, sizeof path, dir, "train_state.json");
+  if (st == STATUS_OK) st = file_replace_text(path, sealed); /* whole or not at all */
+  free(sealed);
+  free(text);
+  cJSON_Delete(o);
+  return st;
 }

@@ -40,4 +40,9 @@ void train_save_wait_staged(train_saver_t *sv);
 /* Commits a save in flight, waiting for this rank's writer. Collective. */
 fsdpc_status_t train_save_finish(train_saver_t *sv, const run_t *r);
 
+/* Records in the committed checkpoint dir that its step's evaluation is pending
+ * (saved_under.eval_pending: a signal cut it short after the save), its train_state.json
+ * resealed and replaced whole. Local (rank 0's). */
+fsdpc_status_t train_mark_eval_pending(const char *dir);
+
 #endif

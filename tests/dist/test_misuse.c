@@ -324,6 +324,22 @@ START_TEST(fully_shard_agrees_on_the_options) {
     nn_module_free(m);
   }
   mesh_free(mesh);
+  /* on a 2-D mesh (replicate, shard) too, one rank's other option: every rank refused, none
+   * left waiting in another group's exchange (before: the other replicas hung) */
+  if (world_size() % 2 == 0 && world_size() >= 4) {
+    mesh_t *two = NULL;
+    ok(mesh_new(2, (int[]){world_size() / 2, 2}, (const char *[]){"rep", "shard"}, DEVICE_CPU,
+                &two));
+    nn_module_t *m = mlp(false);
+    fsdp_options_t opt = FSDP_OPTIONS_INIT;
+    opt.mesh = two;
+    if (last) opt.param_dtype = DTYPE_BF16;
+    fsdpc_status_t st = fully_shard(m, &opt, NULL);
+    expect_all(st == STATUS_EINVAL && strstr(err_detail(), "pass different options"),
+               "fully_shard with unequal options on a 2-D mesh: %s", st ? err_detail() : "ok");
+    nn_module_free(m);
+    mesh_free(two);
+  }
 }
 END_TEST
 

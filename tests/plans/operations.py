@@ -447,13 +447,15 @@ def operations():
                  [k for k in want if got.get(k) != want[k]][:5]))
 
     # a long evaluation (4000 batches, seconds): a SIGTERM during it ends it between two
-    # batches, the step saved with its evaluation pending, which the resumed run makes; the
-    # time limit counts the evaluation due after a step; an eval.path cut short since the
-    # start stops the run with its step saved
+    # batches, the step saved with its evaluation pending, which the resumed run makes (a short
+    # one there: `short`); the time limit counts the evaluation due after a step (one of 10^5
+    # batches, which it never starts); an eval.path cut short since the start stops the run
+    # with its step saved
     ev_copy = os.path.join(tmp, "eval-copy.txt")
     shutil.copy(data, ev_copy)
     long_ev = [debug, "--set", "train.steps=12", "--set", "log.interval=1", "--set",
                "eval.path=" + ev_copy, "--set", "eval.interval=10", "--set", "eval.batches=4000"]
+    short, huge = ["--set", "eval.batches=50"], ["--set", "eval.batches=100000"]
     ck = os.path.join(tmp, "ck-long-eval")
     proc, steps = start(0, long_ev + ["--set", "checkpoint.dir=" + ck],
                         os.path.join(tmp, "long-eval.jsonl"))
@@ -464,7 +466,8 @@ def operations():
     state = os.path.join(ck, "step-00000010", "train_state.json")
     pending = json.load(open(state))["saved_under"].get("eval_pending") \
         if os.path.exists(state) else None
-    p, _ = run(1, long_ev + ["--set", "checkpoint.dir=" + ck, "--set", "checkpoint.load=auto"])
+    p, _ = run(1, long_ev + short + ["--set", "checkpoint.dir=" + ck, "--set",
+                                     "checkpoint.load=auto"])
     check(rc == 75 and "interrupted by SIGTERM at step 10" in out and
           "eval after step 10" not in out and pending is True and p.returncode == 0 and
           p.stdout.count("eval after step 10") == 1,
@@ -472,12 +475,40 @@ def operations():
           "made once by the resumed run (exit %s, pending %s)" % (rc, pending))
     ck = os.path.join(tmp, "ck-eval-limit")
     t0 = time.time()
-    p, _ = run(1, long_ev + ["--set", "checkpoint.dir=" + ck, "--set", "train.time_limit=4"])
+    p, _ = run(1, long_ev + huge + ["--set", "checkpoint.dir=" + ck, "--set",
+                                    "train.time_limit=4"])
     took = time.time() - t0
     check(p.returncode == 75 and "stopped before train.time_limit (4 s) at step 10" in p.stdout
           and "eval after step 10" not in p.stdout and took < 4,
           "train.time_limit counts the evaluation due after a step: stops at step 10 before "
           "it, within the limit (%.1f s, exit %s)" % (took, p.returncode))
+    # a step saved before its evaluation (checkpoint.interval) whose evaluation a signal cuts
+    # short: its checkpoint is marked pending after the fact, so that a resume without a
+    # metrics file (which would show it) still makes it
+    ck = os.path.join(tmp, "ck-saved-then-cut")
+    cut_m = os.path.join(tmp, "saved-then-cut.jsonl")
+    proc, steps = start(0, long_ev + ["--set", "checkpoint.dir=" + ck, "--set",
+                                      "checkpoint.interval=10"], cut_m)
+    t0 = time.time()
+    while not os.path.isdir(os.path.join(ck, "step-00000010")) and proc.poll() is None and \
+            time.time() - t0 < 60:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, out, _ = finish(proc)
+    state = os.path.join(ck, "step-00000010", "train_state.json")
+    pending = json.load(open(state))["saved_under"].get("eval_pending") \
+        if os.path.exists(state) else None
+    v = sh([TOOL, "verify", os.path.join(ck, "step-00000010")], timeout=60)
+    if os.path.exists(cut_m):
+        os.remove(cut_m)  # the checkpoint alone says what is pending
+    p, _ = run(1, long_ev + short + ["--set", "checkpoint.dir=" + ck, "--set",
+                                     "checkpoint.load=auto"])
+    check(rc == 75 and "eval after step 10" not in out and pending is True and
+          v.returncode == 0 and p.returncode == 0 and p.stdout.count("eval after step 10") == 1,
+          "a signal cutting the evaluation of a step saved before it: the checkpoint marked "
+          "pending (and still verifies), the resumed run makes it (exit %s, pending %s, %s)"
+          % (rc, pending, v.stderr.strip()[-120:]))
     # the same after the last step: a signal during its evaluation (the step saved already)
     # ends the run as stopped, exit 75, and the time limit stops it before that evaluation;
     # the run resumed with nothing to train makes it
@@ -494,11 +525,11 @@ def operations():
             os.kill(proc.pid, signal.SIGTERM)
             rc, out, _ = finish(proc)
         else:
-            q, _ = run(1, last + ["--set", "train.time_limit=4"])
+            q, _ = run(1, last + huge + ["--set", "train.time_limit=4"])
             rc, out = q.returncode, q.stdout
         said = ("interrupted by SIGTERM" if how == "SIGTERM" else
                 "stopped before train.time_limit (4 s)") + " at step 10; saved"
-        p, _ = run(1, last + ["--set", "checkpoint.load=auto"])
+        p, _ = run(1, last + short + ["--set", "checkpoint.load=auto"])
         check(rc == 75 and said in out and "eval after step 10" not in out and
               p.returncode == 0 and "nothing to train" in p.stdout and
               p.stdout.count("eval after step 10") == 1,
@@ -807,6 +838,8 @@ def operations():
         f.write(old_lines[:40])
     with open(os.path.join(rj, "fsdp-train.rollback.tmp-Qq77Rr"), "w") as f:  # a journal's write
         f.write('{"after": 4')
+    for left in (rm + ".tmp-Zz99Yy", os.path.join(rj, "fsdp-train.rollback.tmp-Qq77Rr")):
+        os.utime(left, (time.time() - 60, time.time() - 60))  # left a while ago
     for k in (7, 8):
         shutil.copytree(os.path.join(old, "step-%08d" % k), os.path.join(rj, "step-%08d" % k))
     os.makedirs(os.path.join(rj, "step-00000002.removing", "model"))
