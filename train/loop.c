@@ -119,7 +119,9 @@ typedef struct step_out {
   float coef;                        /* clipping, applied inside the optimizer's pass */
   size_t peak, state, eval_peak;     /* eval_peak: the evaluation's, apart from the step's */
   bool finite, stopping, eval_now;
-  bool eval_cut; /* a signal ended the step's evaluation: the stop saves it as pending */
+  bool eval_cut;          /* a signal or the time limit ended the step's evaluation: the stop
+                           * saves it as pending */
+  train_stop_t eval_stop; /* which, agreed */
   train_stop_t stop;
 } step_out_t;
 
@@ -486,6 +488,7 @@ static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
   if (st != STATUS_OK && ev.agreed) L->agreed = L->keep = true;
   o->eval_loss = ev.loss;
   o->eval_cut = ev.cut;
+  o->eval_stop = ev.stop;
   o->eval_now = st == STATUS_OK && !ev.cut;
   return st;
 }
@@ -558,14 +561,18 @@ static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
   bool saved = p->ckpt_dir[0] && L->asked == done;
   /* (the same on every rank); after the last step only a signal that cut its evaluation
    * short stops the run: saved already, it exits as stopped, the evaluation to be made */
-  if (o->stopping || p->n_signals == 0 || !(saved || o->eval_now || o->eval_cut) ||
-      (done >= p->steps && !o->eval_cut))
+  if (o->stopping || !(saved || o->eval_now || o->eval_cut) || (done >= p->steps && !o->eval_cut))
     return STATUS_OK;
+  if (!o->eval_cut && p->n_signals == 0) return STATUS_OK;
+  /* an evaluation cut short says why, agreed already; else the signals are agreed now */
   double v[1 + PLAN_MAX_SIGNALS];
-  int n = train_stop_values(p, false, v);
-  fsdpc_status_t st = pg_host_all_reduce(world_pg(), v, v, n, PG_HOST_F64, REDUCE_SUM);
-  train_stop_t stop = st == STATUS_OK ? train_stop_of(p, v) : (train_stop_t){0};
-  if (stop.signal == 0) return st;
+  int n = o->eval_cut ? 0 : train_stop_values(p, false, v);
+  fsdpc_status_t st =
+      n ? pg_host_all_reduce(world_pg(), v, v, n, PG_HOST_F64, REDUCE_SUM) : STATUS_OK;
+  train_stop_t stop = o->eval_cut       ? o->eval_stop
+                      : st == STATUS_OK ? train_stop_of(p, v)
+                                        : (train_stop_t){0};
+  if (stop.signal == 0 && !stop.time_limit) return st;
   o->stopping = true;
   o->stop = stop;
   if (p->ckpt_dir[0] && done < p->steps)
@@ -733,7 +740,23 @@ static fsdpc_status_t evaluate_start(run_t *r, cJSON **patch) {
   data_spec_t spec = train_spec_of(r);
   train_eval_t ev;
   size_t peak;
-  FSDPC_TRY(evaluate_measured(r, &spec, false, &ev, &peak));
+  *patch = NULL;
+  FSDPC_TRY(evaluate_measured(r, &spec, true, &ev, &peak));
+  if (ev.cut) { /* stopped as a step would be: the checkpoint as it was, still pending */
+    r->stopped_by = ev.stop.signal;
+    r->timed_out = ev.stop.signal == 0;
+    char why[96];
+    if (ev.stop.signal)
+      snprintf(why, sizeof why, "interrupted by %s", train_signal_name(ev.stop.signal));
+    else
+      snprintf(why, sizeof why, "stopped before train.time_limit (%g s)", r->plan.time_limit_s);
+    if (world_rank() == 0)
+      printf(
+          "%s during the evaluation of step %lld, which the run makes first: stopping "
+          "before any step, the checkpoint as it was (resume with checkpoint.load: auto)\n",
+          why, (long long)r->start_step);
+    return STATUS_OK;
+  }
   double eval_loss = ev.loss;
   if (world_rank() == 0) train_eval_line(r, r->start_step, eval_loss, "");
   *patch = cJSON_CreateObject();
@@ -753,6 +776,7 @@ static fsdpc_status_t evaluate_saved(run_t *r, const train_metrics_seen_t *seen)
            (long long)r->start_step, (long long)p->steps);
   cJSON *patch = NULL; /* a checkpoint's evaluation: resume it with train.steps at its step */
   if (r->eval != NULL) FSDPC_TRY(evaluate_start(r, &patch));
+  if (r->stopped_by || r->timed_out) return STATUS_OK; /* cut short: to be made again */
   /* checkpoint.keep, which a kill during the last save's pruning left undone: the run resumed
    * the newest checkpoint (auto), so the newest are those a finished run keeps */
   if (world_rank() == 0 && p->ckpt_keep > 0 && strcmp(p->ckpt_load, "auto") == 0 &&
@@ -781,6 +805,7 @@ fsdpc_status_t train_loop(run_t *r) {
   /* the evaluation of the step resumed from, which the run that saved it did not make */
   cJSON *patch = NULL;
   if (eval_first && eval_due(r, r->start_step)) FSDPC_TRY(evaluate_start(r, &patch));
+  if (r->stopped_by || r->timed_out) return STATUS_OK; /* cut short: to be made again */
   loop_t L;
   fsdpc_status_t started = loop_start(r, &L, patch);
   cJSON_Delete(patch);

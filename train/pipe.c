@@ -101,6 +101,9 @@ typedef struct stage_step {
   run_t *r;
   const data_spec_t *spec;
   int64_t step;
+  /* an evaluation's batch read (and agreed) beforehand, on the host: the first stage's ids,
+   * the last stage's targets (NULL: read here) */
+  const fsdpc_tensor_t *ready_ids, *ready_targets;
   nn_moe_aux_t *aux; /* NULL: no MoE block */
   int len;
   double *mine, *total;
@@ -128,8 +131,8 @@ static void stage_stats_free(stage_step_t *u) {
 static fsdpc_status_t stage_input_from(const fsdpc_data_t *d, const stage_step_t *u, int mb,
                                        nn_var_t **out) {
   fsdpc_tensor_t in = {0}, tg = {0}, dev = {0};
-  FSDPC_TRY(data_batch(d, u->spec, u->step, mb, &in, &tg));
-  fsdpc_status_t st = tensor_upload(&dev, &in, u->r->dev);
+  if (u->ready_ids == NULL) FSDPC_TRY(data_batch(d, u->spec, u->step, mb, &in, &tg));
+  fsdpc_status_t st = tensor_upload(&dev, u->ready_ids ? u->ready_ids : &in, u->r->dev);
   tensor_free(&in);
   tensor_free(&tg);
   if (st == STATUS_OK) st = nn_var_new(&dev, false, out);
@@ -166,9 +169,9 @@ static fsdpc_status_t stage_forward_on(const fsdpc_data_t *d, nn_ctx_t *ctx, int
     return st;
   }
   fsdpc_tensor_t ids = {0}, tg = {0}, tgd = {0};
-  fsdpc_status_t st = data_batch(d, u->spec, u->step, mb, &ids, &tg);
+  fsdpc_status_t st = u->ready_targets ? STATUS_OK : data_batch(d, u->spec, u->step, mb, &ids, &tg);
   tensor_free(&ids);
-  if (st == STATUS_OK) st = tensor_upload(&tgd, &tg, r->dev);
+  if (st == STATUS_OK) st = tensor_upload(&tgd, u->ready_targets ? u->ready_targets : &tg, r->dev);
   if (st == STATUS_OK) st = nn_cross_entropy(ctx, h, &tgd, out, NULL);
   tensor_free(&tg);
   tensor_free(&tgd);
@@ -338,8 +341,10 @@ static fsdpc_status_t pass_on(run_t *r, pg_t *g, int s, int P, const data_spec_t
 }
 
 fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool stoppable,
-                             double *sum, bool *cut, bool *agreed) {
-  *cut = *agreed = false;
+                             double *sum, train_stop_t *cut, bool *agreed) {
+  *cut = (train_stop_t){0};
+  *agreed = false;
+  double batch_s = 0;
   int P = pp_schedule_ranks(r->pp_sched), S = pp_schedule_stages(r->pp_sched);
   pg_t *g = mesh_group(parallel_pp_mesh(r->par), 0);
   data_spec_t one = *spec;
@@ -355,13 +360,20 @@ fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool 
   if (st == STATUS_OK) nn_ctx_set_grad_enabled(ctx, false);
   /* a wavefront: at time t stage s runs batch t - s, every rank its stages at once, then the
    * activations pass on, stage by stage in the same order on every rank */
-  for (int64_t t = 0; t < n + S - 1 && st == STATUS_OK && !*cut; t++) {
-    /* batch t's samples read where the first stage takes them, and a signal looked for,
-     * agreed: a failure or a stop ends it between two times, the same on every rank */
-    int64_t f = r->pp_rank == 0 ? t : t - (S - 1); /* the inputs; else the last's targets */
+  bool stop = false;
+  for (int64_t t = 0; t < n + S - 1 && st == STATUS_OK && !stop; t++) {
+    /* the samples this time reads (batch t's ids on the first stage, batch t - S + 1's
+     * targets on the last), read and agreed first, then used: a failure or a stop ends it
+     * between two times, the same on every rank */
+    double tb = device_clock_seconds();
+    int64_t f = r->pp_rank == 0 ? t : t - (S - 1);
     bool reads = f >= 0 && f < n && (r->pp_rank == 0 || (S - 1) % P == r->pp_rank);
-    st = train_eval_agree(r, &one, f, reads, stoppable && t > 0, cut, agreed);
-    for (int s = 0; s < S && st == STATUS_OK && !*cut; s++) {
+    fsdpc_tensor_t ids = {0}, tg = {0};
+    st = train_eval_agree(r, &one, f, reads, stoppable && t > 0, batch_s, &ids, &tg, cut, agreed);
+    stop = cut->signal != 0 || cut->time_limit;
+    u.ready_ids = reads && r->pp_rank == 0 ? &ids : NULL;
+    u.ready_targets = reads && r->pp_rank != 0 ? &tg : NULL;
+    for (int s = 0; s < S && st == STATUS_OK && !stop; s++) {
       int64_t b = t - s;
       if (b < 0 || b >= n || s % P != r->pp_rank) continue;
       nn_var_t *x = in[s], *y = NULL;
@@ -378,7 +390,10 @@ fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool 
       else
         nn_var_put(y);
     }
-    for (int s = 0; s < S - 1 && st == STATUS_OK && !*cut; s++) {
+    u.ready_ids = u.ready_targets = NULL;
+    tensor_free(&ids);
+    tensor_free(&tg);
+    for (int s = 0; s < S - 1 && st == STATUS_OK && !stop; s++) {
       int64_t b = t - s;
       if (b < 0 || b >= n) continue;
       nn_var_t *x = out[s];
@@ -389,6 +404,7 @@ fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool 
       else
         nn_var_put(x);
     }
+    batch_s = device_clock_seconds() - tb;
   }
   for (int s = 0; in && out && s < S; s++) {
     nn_var_put(in[s]);

@@ -124,16 +124,16 @@ fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, do
  * (stage s runs batch b while stage s + 1 runs batch b - 1): the sum of their mean losses, in
  * batch order, into *sum on every pipeline rank. Collective over the pipeline group. */
 fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool stoppable,
-                             double *sum, bool *cut, bool *agreed);
+                             double *sum, train_stop_t *cut, bool *agreed);
 /* Before evaluation forward f (one: the evaluation's data spec): this rank's samples of it
- * read when it reads them (reads), then, when stoppable, a signal of train.signals looked for
- * (*cut), each agreed over the world; a sample that cannot be read fails every rank alike
- * (*agreed set). Collective over the world. */
+ * read into *ids and *targets when it reads them (reads; the caller frees them), then, when
+ * stoppable, a signal of train.signals looked for and train.time_limit (within twice batch_s,
+ * the last forward's seconds, of passing) checked, each agreed over the world: cut->signal or
+ * cut->time_limit set when the evaluation is to end here. A sample that cannot be read fails
+ * every rank alike (*agreed set). Collective over the world. */
 fsdpc_status_t train_eval_agree(const run_t *r, const data_spec_t *one, int64_t f, bool reads,
-                                bool stoppable, bool *cut, bool *agreed);
-/* Whether a signal of train.signals has reached some rank, into *stop (the stop itself is
- * agreed at the step's end). Collective over the world. */
-fsdpc_status_t train_signalled(const run_t *r, bool *stop);
+                                bool stoppable, double batch_s, fsdpc_tensor_t *ids,
+                                fsdpc_tensor_t *targets, train_stop_t *cut, bool *agreed);
 /* The pipeline rank holding the last stage (the head and the loss). */
 static inline int train_pp_last_rank(const run_t *r) {
   return pp_schedule_rank_of_stage(r->pp_sched, pp_schedule_stages(r->pp_sched) - 1);
@@ -156,7 +156,9 @@ fsdpc_status_t train_check_samples(const fsdpc_data_t *d, const data_spec_t *spe
 /* What an evaluation gave. */
 typedef struct train_eval {
   double loss; /* the mean loss over eval.path's batches */
-  bool cut;    /* a signal of train.signals stopped it (stoppable): no loss */
+  bool cut;    /* a signal of train.signals or train.time_limit stopped it (stoppable): no
+                * loss; stop says which */
+  train_stop_t stop;
   bool agreed; /* its failure met every rank alike before any forward (a sample that cannot
                 * be read now): the model is intact */
 } train_eval_t;

@@ -18,19 +18,35 @@ static fsdpc_status_t some_target_kept(const fsdpc_tensor_t *tg) {
 /* Forward and loss of the batch of (step, micro); with grad, backward of loss / grad_accum.
  * *loss: the loss tensor, on the model's device (with grad, plus the MoE blocks' weighted
  * load-balancing loss, when they have one; without, the cross-entropy alone). */
+static fsdpc_status_t run_read(nn_module_t *root, device_t dev, const fsdpc_tensor_t *in_h,
+                               const fsdpc_tensor_t *tg_h, const data_spec_t *spec, bool grad,
+                               fsdpc_tensor_t *loss);
+
 static fsdpc_status_t run_batch(nn_module_t *root, device_t dev, const fsdpc_data_t *d,
                                 const data_spec_t *spec, int64_t step, int64_t micro, bool grad,
                                 fsdpc_tensor_t *loss) {
-  fsdpc_tensor_t in_h = {0}, tg_h = {0}, in = {0}, tg = {0};
+  fsdpc_tensor_t in_h = {0}, tg_h = {0};
+  memset(loss, 0, sizeof *loss);
+  fsdpc_status_t st = data_batch(d, spec, step, micro, &in_h, &tg_h);
+  if (st == STATUS_OK) st = run_read(root, dev, &in_h, &tg_h, spec, grad, loss);
+  tensor_free(&in_h);
+  tensor_free(&tg_h);
+  return st;
+}
+
+/* run_batch on the batch read already (ids and targets on the host). */
+static fsdpc_status_t run_read(nn_module_t *root, device_t dev, const fsdpc_tensor_t *in_h,
+                               const fsdpc_tensor_t *tg_h, const data_spec_t *spec, bool grad,
+                               fsdpc_tensor_t *loss) {
+  fsdpc_tensor_t in = {0}, tg = {0};
   nn_ctx_t *ctx = NULL;
   nn_var_t *ids = NULL, *logits = NULL, *ce = NULL, *l = NULL, *scaled = NULL;
   nn_moe_aux_t *aux = nn_moe_aux_of(root);
   fsdpc_status_t st = STATUS_OK;
   memset(loss, 0, sizeof *loss);
-  FSDPC_TRY_GOTO(st, data_batch(d, spec, step, micro, &in_h, &tg_h));
-  FSDPC_TRY_GOTO(st, some_target_kept(&tg_h)); /* the device's mean would be NaN, unnoticed */
-  FSDPC_TRY_GOTO(st, tensor_upload(&in, &in_h, dev)); /* no host wait: read on this stream only */
-  FSDPC_TRY_GOTO(st, tensor_upload(&tg, &tg_h, dev));
+  FSDPC_TRY_GOTO(st, some_target_kept(tg_h));        /* the device's mean would be NaN, unnoticed */
+  FSDPC_TRY_GOTO(st, tensor_upload(&in, in_h, dev)); /* no host wait: read on this stream only */
+  FSDPC_TRY_GOTO(st, tensor_upload(&tg, tg_h, dev));
   FSDPC_TRY_GOTO(st, nn_ctx_new(&ctx));
   nn_ctx_set_grad_enabled(ctx, grad);
   FSDPC_TRY_GOTO(st, nn_var_new(&in, false, &ids));
@@ -60,8 +76,6 @@ cleanup:
   nn_ctx_free(ctx);
   tensor_free(&in);
   tensor_free(&tg);
-  tensor_free(&in_h);
-  tensor_free(&tg_h);
   return st;
 }
 
@@ -128,5 +142,17 @@ fsdpc_status_t train_eval_batch(nn_module_t *root, device_t dev, const fsdpc_dat
   one.grad_accum = 1;
   fsdpc_tensor_t t;
   FSDPC_TRY(run_batch(root, dev, d, &one, b, 0, false, &t));
+  return llama_loss_read(&t, loss);
+}
+
+fsdpc_status_t train_eval_batch_on(nn_module_t *root, device_t dev, const fsdpc_tensor_t *ids,
+                                   const fsdpc_tensor_t *targets, double *loss) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(ids);
+  ARG_NONNULL(targets);
+  ARG_NONNULL(loss);
+  data_spec_t one = {.grad_accum = 1};
+  fsdpc_tensor_t t;
+  FSDPC_TRY(run_read(root, dev, ids, targets, &one, false, &t));
   return llama_loss_read(&t, loss);
 }

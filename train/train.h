@@ -46,6 +46,11 @@ fsdpc_status_t train_micro_step_async(nn_module_t *root, device_t dev, const fsd
                                       fsdpc_tensor_t *loss);
 fsdpc_status_t train_eval_batch(nn_module_t *root, device_t dev, const fsdpc_data_t *d,
                                 const data_spec_t *spec, int64_t b, double *loss);
+/* train_eval_batch on a batch read beforehand (data_batch's ids and targets, on the host): a
+ * caller may first agree over the ranks that each could read its batch, so that a file cut
+ * short fails every rank alike, before the forward's collectives. */
+fsdpc_status_t train_eval_batch_on(nn_module_t *root, device_t dev, const fsdpc_tensor_t *ids,
+                                   const fsdpc_tensor_t *targets, double *loss);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

@@ -159,49 +159,58 @@ static fsdpc_status_t eval_samples(const run_t *r, const data_spec_t *spec) {
   return STATUS_OK;
 }
 
-fsdpc_status_t train_signalled(const run_t *r, bool *stop) {
+fsdpc_status_t train_eval_agree(const run_t *r, const data_spec_t *one, int64_t f, bool reads,
+                                bool stoppable, double batch_s, fsdpc_tensor_t *ids,
+                                fsdpc_tensor_t *targets, train_stop_t *cut, bool *agreed) {
+  data_spec_t single = *one;
+  single.grad_accum = 1;
+  fsdpc_status_t st = reads ? data_batch(r->eval, &single, f, 0, ids, targets) : STATUS_OK;
+  if (st != STATUS_OK) st = err_prefix(st, "eval.path");
+  if ((st = pg_agree(world_pg(), st)) != STATUS_OK) {
+    *agreed = true;
+    return st;
+  }
+  if (!stoppable) return STATUS_OK;
+  const fsdpc_plan_t *p = &r->plan;
+  bool time_up =
+      p->time_limit_s > 0 && device_clock_seconds() - r->t_launch + 2 * batch_s > p->time_limit_s;
   double v[1 + PLAN_MAX_SIGNALS];
-  int n = train_stop_values(&r->plan, false, v);
+  int n = train_stop_values(p, time_up, v);
   FSDPC_TRY(pg_host_all_reduce(world_pg(), v, v, n, PG_HOST_F64, REDUCE_SUM));
-  *stop = train_stop_of(&r->plan, v).signal != 0;
+  *cut = train_stop_of(p, v);
   return STATUS_OK;
 }
 
 /* The mean loss over eval_forwards of eval.path (the same samples every time, in the training
  * data's order), without gradients; then every unit's parameters are released (the root keeps
- * them gathered after a forward, for the backward that would follow). The samples are read
- * first on every rank, agreed: a file cut short since the start stops every rank alike, before
- * any forward. Collective over the world. */
-fsdpc_status_t train_eval_agree(const run_t *r, const data_spec_t *one, int64_t f, bool reads,
-                                bool stoppable, bool *cut, bool *agreed) {
-  data_spec_t single = *one;
-  single.grad_accum = 1;
-  fsdpc_status_t st = reads ? train_check_samples(r->eval, &single, f, 1, "eval.path") : STATUS_OK;
-  if ((st = pg_agree(world_pg(), st)) != STATUS_OK) {
-    *agreed = true;
-    return st;
-  }
-  return stoppable ? train_signalled(r, cut) : STATUS_OK;
-}
-
+ * them gathered after a forward, for the backward that would follow). Before each forward its
+ * samples are read on every rank, agreed, and the forward runs on them: a file cut short
+ * since the start stops every rank alike, the model intact. Collective over the world. */
 fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, bool stoppable,
                               train_eval_t *out) {
   *out = (train_eval_t){0};
-  double sum = 0, l = 0, t0 = device_clock_seconds();
+  double sum = 0, l = 0, t0 = device_clock_seconds(), batch_s = 0;
   data_spec_t one = *spec;
   one.batch_size = r->plan.eval_batch_size;
   int64_t n = eval_forwards(&r->plan);
-  stoppable = stoppable && r->plan.n_signals > 0;
+  stoppable = stoppable && (r->plan.n_signals > 0 || r->plan.time_limit_s > 0);
   fsdpc_status_t st = STATUS_OK;
-  if (r->pp_sched != NULL) st = train_pp_eval(r, &one, n, stoppable, &sum, &out->cut, &out->agreed);
-  /* before each forward its samples are read on every rank and a signal looked for, agreed:
-   * a file cut short since the start stops every rank alike, the model intact */
+  if (r->pp_sched != NULL)
+    st = train_pp_eval(r, &one, n, stoppable, &sum, &out->stop, &out->agreed);
   for (int64_t f = 0; r->pp_sched == NULL && f < n && st == STATUS_OK; f++) {
-    st = train_eval_agree(r, &one, f, true, stoppable && f > 0, &out->cut, &out->agreed);
-    if (st != STATUS_OK || out->cut) break;
-    st = train_eval_batch(r->root, r->dev, r->eval, &one, f, &l);
+    double tb = device_clock_seconds();
+    fsdpc_tensor_t ids = {0}, tg = {0};
+    st =
+        train_eval_agree(r, &one, f, true, stoppable, batch_s, &ids, &tg, &out->stop, &out->agreed);
+    bool cut = out->stop.signal != 0 || out->stop.time_limit;
+    if (st == STATUS_OK && !cut) st = train_eval_batch_on(r->root, r->dev, &ids, &tg, &l);
+    tensor_free(&ids);
+    tensor_free(&tg);
+    if (st != STATUS_OK || cut) break;
     sum += l;
+    batch_s = device_clock_seconds() - tb;
   }
+  out->cut = out->stop.signal != 0 || out->stop.time_limit;
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);
   if (st != STATUS_OK) return out->agreed ? st : world_stop(st); /* else others would wait */
   if (out->cut) return STATUS_OK;

@@ -466,6 +466,21 @@ def operations():
     state = os.path.join(ck, "step-00000010", "train_state.json")
     pending = json.load(open(state))["saved_under"].get("eval_pending") \
         if os.path.exists(state) else None
+    # the resumed run's first evaluation (the pending one) stops the same way, before any step,
+    # the checkpoint as it was (a job preempted again and again still gets through)
+    proc, steps = start(0, long_ev + ["--set", "checkpoint.dir=" + ck, "--set",
+                                      "checkpoint.load=auto"], os.path.join(tmp, "again.jsonl"))
+    t0 = time.time()
+    while not any("resumed from" in ln for ln in proc.lines) and proc.poll() is None and \
+            time.time() - t0 < 60:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc2, out2, _ = finish(proc)
+    check(rc2 == 75 and "interrupted by SIGTERM during the evaluation of step 10" in out2 and
+          "eval after step 10" not in out2 and saved(ck) == ["step-00000010"],
+          "SIGTERM during the evaluation a resumed run makes first: exit 75 before any step, "
+          "the checkpoint as it was (exit %s, %s)" % (rc2, out2.strip()[-160:]))
     p, _ = run(1, long_ev + short + ["--set", "checkpoint.dir=" + ck, "--set",
                                      "checkpoint.load=auto"])
     check(rc == 75 and "interrupted by SIGTERM at step 10" in out and
