@@ -304,40 +304,38 @@ START_TEST(fully_shard_agrees_on_the_unit) {
 }
 END_TEST
 
+/* fully_shard of mlp() on mesh with the last rank's option k other (0: reshard_after_forward,
+ * 1: param_dtype): refused on every rank, naming the options, when more than one rank. */
+static void expect_unequal_options(mesh_t *mesh, int k, const char *what) {
+  int last = world_rank() == world_size() - 1;
+  nn_module_t *m = mlp(false);
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  if (k == 0) opt.reshard_after_forward = last ? 0 : 1;
+  if (k == 1) opt.param_dtype = last ? DTYPE_BF16 : DTYPE_COUNT;
+  fsdpc_status_t st = fully_shard(m, &opt, NULL);
+  expect_all(world_size() == 1
+                 ? st == STATUS_OK
+                 : st == STATUS_EINVAL && strstr(err_detail(), "pass different options") != NULL,
+             "fully_shard with unequal options (%s): %s", what, st ? err_detail() : "ok");
+  nn_module_free(m);
+}
+
 /* fully_shard agrees on the options that shape its collectives: a rank passing another
  * reshard_after_forward or param_dtype is refused on every rank (it would gather, reduce and
- * reshard other byte counts: an MPI truncation at the first forward). */
+ * reshard other byte counts: an MPI truncation at the first forward); on a 2-D mesh
+ * (replicate, shard) too, none left waiting in another group's exchange (before: the other
+ * replicas hung). */
 START_TEST(fully_shard_agrees_on_the_options) {
   mesh_t *mesh = world_mesh();
-  int last = world_rank() == world_size() - 1;
-  for (int k = 0; k < 2; k++) {
-    nn_module_t *m = mlp(false);
-    fsdp_options_t opt = FSDP_OPTIONS_INIT;
-    opt.mesh = mesh;
-    if (k == 0) opt.reshard_after_forward = last ? 0 : 1;
-    if (k == 1) opt.param_dtype = last ? DTYPE_BF16 : DTYPE_COUNT;
-    fsdpc_status_t st = fully_shard(m, &opt, NULL);
-    expect_all(world_size() == 1
-                   ? st == STATUS_OK
-                   : st == STATUS_EINVAL && strstr(err_detail(), "pass different options") != NULL,
-               "fully_shard with unequal options (%d): %s", k, st ? err_detail() : "ok");
-    nn_module_free(m);
-  }
+  expect_unequal_options(mesh, 0, "reshard_after_forward");
+  expect_unequal_options(mesh, 1, "param_dtype");
   mesh_free(mesh);
-  /* on a 2-D mesh (replicate, shard) too, one rank's other option: every rank refused, none
-   * left waiting in another group's exchange (before: the other replicas hung) */
   if (world_size() % 2 == 0 && world_size() >= 4) {
     mesh_t *two = NULL;
     ok(mesh_new(2, (int[]){world_size() / 2, 2}, (const char *[]){"rep", "shard"}, DEVICE_CPU,
                 &two));
-    nn_module_t *m = mlp(false);
-    fsdp_options_t opt = FSDP_OPTIONS_INIT;
-    opt.mesh = two;
-    if (last) opt.param_dtype = DTYPE_BF16;
-    fsdpc_status_t st = fully_shard(m, &opt, NULL);
-    expect_all(st == STATUS_EINVAL && strstr(err_detail(), "pass different options"),
-               "fully_shard with unequal options on a 2-D mesh: %s", st ? err_detail() : "ok");
-    nn_module_free(m);
+    expect_unequal_options(two, 1, "param_dtype, 2-D mesh");
     mesh_free(two);
   }
 }
