@@ -448,14 +448,15 @@ def operations():
 
     # a long evaluation (4000 batches, seconds): a SIGTERM during it ends it between two
     # batches, the step saved with its evaluation pending, which the resumed run makes (a short
-    # one there: `short`); the time limit counts the evaluation due after a step (one of 10^5
-    # batches, which it never starts); an eval.path cut short since the start stops the run
+    # one there: `short`); the time limit counts the evaluation due after a step (one of 2 x
+    # 10^4 batches, estimated at a minute, which it never starts; its samples are read before
+    # the first step, seconds at most); an eval.path cut short since the start stops the run
     # with its step saved
     ev_copy = os.path.join(tmp, "eval-copy.txt")
     shutil.copy(data, ev_copy)
     long_ev = [debug, "--set", "train.steps=12", "--set", "log.interval=1", "--set",
                "eval.path=" + ev_copy, "--set", "eval.interval=10", "--set", "eval.batches=4000"]
-    short, huge = ["--set", "eval.batches=50"], ["--set", "eval.batches=100000"]
+    short, huge = ["--set", "eval.batches=50"], ["--set", "eval.batches=20000"]
     ck = os.path.join(tmp, "ck-long-eval")
     proc, steps = start(0, long_ev + ["--set", "checkpoint.dir=" + ck],
                         os.path.join(tmp, "long-eval.jsonl"))
