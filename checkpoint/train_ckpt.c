@@ -253,6 +253,27 @@ static bool hex_member(const cJSON *o, const char *key, uint64_t *out) {
   return cJSON_IsString(v) && strlen(v->valuestring) == 16 && dcp_parse_hex64(v->valuestring, out);
 }
 
+fsdpc_status_t ckpt_state_reseal(const char *text, char **out) {
+  ARG_NONNULL(text);
+  ARG_NONNULL(out);
+  *out = NULL;
+  cJSON *o = cJSON_Parse(text);
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, "integrity");
+  uint64_t model_id = 0, optim_id = 0;
+  bool has_optim = hex_member(it, "optim", &optim_id);
+  fsdpc_status_t st = STATUS_OK;
+  if (!cJSON_IsObject(o))
+    st = err_set(STATUS_EINVAL, "checkpoint: a train state is not a JSON object");
+  else if (it == NULL)
+    st = (*out = strdup(text)) ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory");
+  else if (!hex_member(it, "model", &model_id))
+    st = err_set(STATUS_EFORMAT, "checkpoint: a train state's integrity record has no model id");
+  else
+    st = ckpt_state_seal(text, model_id, has_optim ? &optim_id : NULL, out);
+  cJSON_Delete(o);
+  return st;
+}
+
 /* The state o (read from path) against its integrity record and the folders' readers (NULL:
  * the folder does not exist). */
 static fsdpc_status_t check_state(const char *path, const char *model, const char *optim,

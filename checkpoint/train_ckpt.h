@@ -100,6 +100,10 @@ fsdpc_status_t ckpt_check_state(const char *dir);
 fsdpc_status_t ckpt_state_seal(const char *text, uint64_t model_id, const uint64_t *optim_id,
                                char **out);
 
+/* ckpt_state_seal of an edited train state that keeps the ids its own integrity record holds
+ * (a state without a record is copied as it is). For tools that update a committed state. */
+fsdpc_status_t ckpt_state_reseal(const char *text, char **out);
+
 /* A training checkpoint's train_state.json as text into *out (the caller frees it); NULL when
  * dir has none (a plain shard folder). Read only: ckpt_check_state checks it. Local. */
 fsdpc_status_t ckpt_state_text(const char *dir, char **out);

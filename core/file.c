@@ -502,9 +502,6 @@ void file_parent_of(const char *path, char *buf, size_t size) {
     *slash = 0;
 }
 
-/* Whether the entry at of folder dfd, a temporary one's name, was left by a writer that died:
- * a file no process holds locked, or a folder holding FILE_TEMP_MARK no process holds
- * locked; never a link, a folder without the mark, or what a path of keep names. */
 /* Whether path, or a folder it lies in, is the entry of stat sb. */
 static bool lies_in(const char *path, const struct stat *sb) {
   char at[DIRS_PATH_MAX], up[DIRS_PATH_MAX], real[PATH_MAX];
@@ -520,6 +517,10 @@ static bool lies_in(const char *path, const struct stat *sb) {
   return false;
 }
 
+/* Whether the entry name of folder dfd, a temporary one's name, was left by a writer that
+ * died: a file no process holds locked, or a folder holding FILE_TEMP_MARK (a file) no
+ * process holds locked; never a link, a folder without the mark, or what a path of keep names
+ * or lies in. */
 static bool stale_temp(int dfd, const char *name, const char *const *keep) {
   struct stat sb, mb;
   if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0) return false;

@@ -119,9 +119,8 @@ typedef struct step_out {
   float coef;                        /* clipping, applied inside the optimizer's pass */
   size_t peak, state, eval_peak;     /* eval_peak: the evaluation's, apart from the step's */
   bool finite, stopping, eval_now;
-  bool eval_cut;          /* a signal or the time limit ended the step's evaluation: the stop
-                           * saves it as pending */
-  train_stop_t eval_stop; /* which, agreed */
+  train_stop_t eval_stop; /* what ended the step's evaluation, agreed (train_stop_any: the
+                           * stop saves it as pending) */
   train_stop_t stop;
 } step_out_t;
 
@@ -301,7 +300,7 @@ static fsdpc_status_t step_agree(run_t *r, loop_t *L, step_out_t *o) {
   FSDPC_TRY(pg_host_all_reduce(world_pg(), o->sums, o->sums, nsums, PG_HOST_F64, REDUCE_SUM));
   o->loss = o->sums[0] / world_size(); /* the ranks of one tp group hold the same loss */
   o->stop = train_stop_of(p, o->sums + 3);
-  o->stopping = last ? o->stop.time_limit : o->stop.signal != 0 || o->stop.time_limit;
+  o->stopping = last ? o->stop.time_limit : train_stop_any(o->stop);
   if (last) o->stop.signal = 0; /* the run ends with this step anyway */
   /* the same verdict on every rank: the loss and the norm are reduced over the world */
   o->finite = isfinite(o->loss) && isfinite(o->norm);
@@ -487,9 +486,8 @@ static fsdpc_status_t step_evaluate(run_t *r, loop_t *L, step_out_t *o) {
   fsdpc_status_t st = evaluate_measured(r, &L->spec, true, &ev, &o->eval_peak);
   if (st != STATUS_OK && ev.agreed) L->agreed = L->keep = true;
   o->eval_loss = ev.loss;
-  o->eval_cut = ev.cut;
   o->eval_stop = ev.stop;
-  o->eval_now = st == STATUS_OK && !ev.cut;
+  o->eval_now = st == STATUS_OK && !train_stop_any(ev.stop);
   return st;
 }
 
@@ -561,24 +559,24 @@ static fsdpc_status_t step_stop_late(run_t *r, loop_t *L, step_out_t *o) {
   bool saved = p->ckpt_dir[0] && L->asked == done;
   /* (the same on every rank); after the last step only a signal that cut its evaluation
    * short stops the run: saved already, it exits as stopped, the evaluation to be made */
-  if (o->stopping || !(saved || o->eval_now || o->eval_cut) || (done >= p->steps && !o->eval_cut))
-    return STATUS_OK;
-  if (!o->eval_cut && p->n_signals == 0) return STATUS_OK;
+  bool cut = train_stop_any(o->eval_stop);
+  if (o->stopping || !(saved || o->eval_now || cut) || (done >= p->steps && !cut)) return STATUS_OK;
+  if (!cut && p->n_signals == 0) return STATUS_OK;
   /* an evaluation cut short says why, agreed already; else the signals are agreed now */
   double v[1 + PLAN_MAX_SIGNALS];
-  int n = o->eval_cut ? 0 : train_stop_values(p, false, v);
+  int n = cut ? 0 : train_stop_values(p, false, v);
   fsdpc_status_t st =
       n ? pg_host_all_reduce(world_pg(), v, v, n, PG_HOST_F64, REDUCE_SUM) : STATUS_OK;
-  train_stop_t stop = o->eval_cut       ? o->eval_stop
+  train_stop_t stop = cut               ? o->eval_stop
                       : st == STATUS_OK ? train_stop_of(p, v)
                                         : (train_stop_t){0};
-  if (stop.signal == 0 && !stop.time_limit) return st;
+  if (!train_stop_any(stop)) return st;
   o->stopping = true;
   o->stop = stop;
   if (p->ckpt_dir[0] && done < p->steps)
-    st = saved ? train_save_finish(&L->saver, r) : save_step_of(r, L, o, true, o->eval_cut);
+    st = saved ? train_save_finish(&L->saver, r) : save_step_of(r, L, o, true, cut);
   /* saved before its evaluation, which the signal cut short: the checkpoint says it pends */
-  if (st == STATUS_OK && saved && o->eval_cut) {
+  if (st == STATUS_OK && saved && cut) {
     char dir[PLAN_PATH_MAX + 32];
     ckpt_step_dir(p->ckpt_dir, done, dir, sizeof dir);
     st = pg_agree(world_pg(), world_rank() == 0 ? train_mark_eval_pending(dir) : STATUS_OK);
@@ -742,7 +740,7 @@ static fsdpc_status_t evaluate_start(run_t *r, cJSON **patch) {
   size_t peak;
   *patch = NULL;
   FSDPC_TRY(evaluate_measured(r, &spec, true, &ev, &peak));
-  if (ev.cut) { /* stopped as a step would be: the checkpoint as it was, still pending */
+  if (train_stop_any(ev.stop)) { /* stopped as a step would be: the checkpoint as it was */
     r->stopped_by = ev.stop.signal;
     r->timed_out = ev.stop.signal == 0;
     char why[96];

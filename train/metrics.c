@@ -53,8 +53,7 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
               "%s: note: the metrics file '%s' held %ld line%s of an earlier run; this run "
               "starts at step 0 and replaces %s\n",
               train_prog(), path, lines, lines == 1 ? "" : "s", lines == 1 ? "it" : "them");
-    if (access(path, F_OK) != 0) return fopen(path, "w");
-    /* a fresh file renamed over it, not the file itself emptied: a hard link to it (a
+    /* a fresh file renamed over any there, not that file emptied: a hard link to it (a
      * snapshot, a backup) keeps what it held */
     char tmp[PLAN_PATH_MAX + 16];
     FILE *fresh = NULL;

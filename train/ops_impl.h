@@ -44,6 +44,8 @@ typedef struct train_stop {
 int train_stop_values(const fsdpc_plan_t *p, bool time_up, double *out);
 /* The agreed stop from the summed values. */
 train_stop_t train_stop_of(const fsdpc_plan_t *p, const double *sums);
+/* Whether s stops anything (a signal or the time limit). */
+static inline bool train_stop_any(train_stop_t s) { return s.signal != 0 || s.time_limit; }
 
 /* Takes the lock of checkpoint.dir (a file there, fsdp-train.lock, held with flock and
  * recording host, pid, start time and plan) on rank 0, agreed: a second job refuses, naming

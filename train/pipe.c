@@ -370,7 +370,7 @@ fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool 
     bool reads = f >= 0 && f < n && (r->pp_rank == 0 || (S - 1) % P == r->pp_rank);
     fsdpc_tensor_t ids = {0}, tg = {0};
     st = train_eval_agree(r, &one, f, reads, stoppable && t > 0, batch_s, &ids, &tg, cut, agreed);
-    stop = cut->signal != 0 || cut->time_limit;
+    stop = train_stop_any(*cut);
     u.ready_ids = reads && r->pp_rank == 0 ? &ids : NULL;
     u.ready_targets = reads && r->pp_rank != 0 ? &tg : NULL;
     for (int s = 0; s < S && st == STATUS_OK && !stop; s++) {

@@ -156,9 +156,8 @@ fsdpc_status_t train_check_samples(const fsdpc_data_t *d, const data_spec_t *spe
 /* What an evaluation gave. */
 typedef struct train_eval {
   double loss; /* the mean loss over eval.path's batches */
-  bool cut;    /* a signal of train.signals or train.time_limit stopped it (stoppable): no
-                * loss; stop says which */
-  train_stop_t stop;
+  train_stop_t stop; /* what stopped it, when something did (stoppable: train_stop_any): no
+                      * loss then */
   bool agreed; /* its failure met every rank alike before any forward (a sample that cannot
                 * be read now): the model is intact */
 } train_eval_t;

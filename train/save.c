@@ -156,28 +156,18 @@ fsdpc_status_t train_mark_eval_pending(const char *dir) {
   FSDPC_TRY(ckpt_state_text(dir, &text));
   cJSON *o = text ? cJSON_Parse(text) : NULL;
   free(text);
-  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, "integrity");
-  const cJSON *m = cJSON_GetObjectItemCaseSensitive(it, "model");
-  const cJSON *op = cJSON_GetObjectItemCaseSensitive(it, "optim");
+  text = NULL;
   cJSON *under = cJSON_GetObjectItemCaseSensitive(o, "saved_under");
-  fsdpc_status_t st = cJSON_IsObject(under) && cJSON_IsString(m)
+  fsdpc_status_t st = cJSON_IsObject(under)
                           ? STATUS_OK
-                          : err_set(STATUS_EFORMAT,
-                                    "%s: no saved_under or integrity record to "
-                                    "update",
-                                    dir);
-  uint64_t model_id = 0, optim_id = 0;
+                          : err_set(STATUS_EFORMAT, "%s: no saved_under to update", dir);
   if (st == STATUS_OK) {
-    model_id = strtoull(m->valuestring, NULL, 16);
-    if (cJSON_IsString(op)) optim_id = strtoull(op->valuestring, NULL, 16);
     cJSON_DeleteItemFromObjectCaseSensitive(under, "eval_pending");
     cJSON_AddBoolToObject(under, "eval_pending", true);
-    cJSON_DeleteItemFromObjectCaseSensitive(o, "integrity");
-    text = cJSON_PrintUnformatted(o);
-    if (text == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+    if ((text = cJSON_PrintUnformatted(o)) == NULL)
+      st = err_set(STATUS_ENOMEM, "out of host memory");
   }
-  if (st == STATUS_OK)
-    st = ckpt_state_seal(text, model_id, cJSON_IsString(op) ? &optim_id : NULL, &sealed);
+  if (st == STATUS_OK) st = ckpt_state_reseal(text, &sealed); /* the same save's ids */
   if (st == STATUS_OK) st = file_join(path, sizeof path, dir, "train_state.json");
   if (st == STATUS_OK) st = file_replace_text(path, sealed); /* whole or not at all */
   free(sealed);

@@ -149,16 +149,6 @@ static fsdpc_status_t open_data(run_t *r) {
  * micro-batch f of eval.path (train_eval_batch takes one micro-batch of a step f). */
 static int64_t eval_forwards(const fsdpc_plan_t *p) { return p->eval_batches * p->grad_accum; }
 
-/* eval.path's samples of every forward of an evaluation, read and dropped on this rank. */
-static fsdpc_status_t eval_samples(const run_t *r, const data_spec_t *spec) {
-  data_spec_t one = *spec;
-  one.batch_size = r->plan.eval_batch_size;
-  one.grad_accum = 1;
-  for (int64_t f = 0; f < eval_forwards(&r->plan); f++)
-    FSDPC_TRY(train_check_samples(r->eval, &one, f, 1, "eval.path"));
-  return STATUS_OK;
-}
-
 fsdpc_status_t train_eval_agree(const run_t *r, const data_spec_t *one, int64_t f, bool reads,
                                 bool stoppable, double batch_s, fsdpc_tensor_t *ids,
                                 fsdpc_tensor_t *targets, train_stop_t *cut, bool *agreed) {
@@ -202,7 +192,7 @@ fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, bool stoppable,
     fsdpc_tensor_t ids = {0}, tg = {0};
     st =
         train_eval_agree(r, &one, f, true, stoppable, batch_s, &ids, &tg, &out->stop, &out->agreed);
-    bool cut = out->stop.signal != 0 || out->stop.time_limit;
+    bool cut = train_stop_any(out->stop);
     if (st == STATUS_OK && !cut) st = train_eval_batch_on(r->root, r->dev, &ids, &tg, &l);
     tensor_free(&ids);
     tensor_free(&tg);
@@ -210,10 +200,9 @@ fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, bool stoppable,
     sum += l;
     batch_s = device_clock_seconds() - tb;
   }
-  out->cut = out->stop.signal != 0 || out->stop.time_limit;
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);
   if (st != STATUS_OK) return out->agreed ? st : world_stop(st); /* else others would wait */
-  if (out->cut) return STATUS_OK;
+  if (train_stop_any(out->stop)) return STATUS_OK;
   double all = 0;
   FSDPC_TRY(pg_host_all_reduce(world_pg(), &sum, &all, 1, PG_HOST_F64, REDUCE_SUM));
   /* every rank's tokens count the same; the ranks of one tp group hold the same loss */
@@ -386,8 +375,12 @@ const char *train_metrics_path(const run_t *r) {
  * that a bad one stops the run now, not after an interval of training. */
 static fsdpc_status_t check_eval_samples(const run_t *r) {
   if (r->eval == NULL) return STATUS_OK;
-  data_spec_t spec = train_spec_of(r);
-  return eval_samples(r, &spec);
+  data_spec_t one = train_spec_of(r);
+  one.batch_size = r->plan.eval_batch_size;
+  one.grad_accum = 1;
+  for (int64_t f = 0; f < eval_forwards(&r->plan); f++)
+    FSDPC_TRY(train_check_samples(r->eval, &one, f, 1, "eval.path"));
+  return STATUS_OK;
 }
 
 static fsdpc_status_t check_before_training(run_t *r) {
