@@ -1,5 +1,6 @@
 #include "core/file.h"
 
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -622,6 +623,33 @@ fsdpc_status_t file_check_output(const char *path, const char *what, const file_
   char parent[DIRS_PATH_MAX];
   file_parent_of(path, parent, sizeof parent);
   return writable_folder(what, parent, path);
+}
+
+fsdpc_status_t file_check_replaces(const char *path, const char *what, const char *kind,
+                                   const char *const *heads) {
+  ARG_NONNULL(path);
+  ARG_NONNULL(kind);
+  ARG_NONNULL(heads);
+  what = what ? what : "output";
+  char head[512];
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return STATUS_OK; /* absent (or unreadable: refused as it is written) */
+  size_t n = fread(head, 1, sizeof head - 1, f);
+  fclose(f);
+  head[n] = 0;
+  const char *at = head + strspn(head, " \t\r\n");
+  if (at == head + n) return STATUS_OK; /* empty, or white space only */
+  for (int i = 0; heads[i] != NULL; i++)
+    if (strncmp(at, heads[i], strlen(heads[i])) == 0) return STATUS_OK;
+  char begins[48]; /* its first characters, as text */
+  size_t k = 0;
+  for (; k < sizeof begins - 1 && at + k < head + n && at[k] != '\n'; k++)
+    begins[k] = isprint((unsigned char)at[k]) ? at[k] : '?';
+  begins[k] = 0;
+  return err_set(STATUS_EINVAL,
+                 "%s '%s': exists and is not %s (it begins '%s'): it would be replaced; name "
+                 "another file, or remove this one",
+                 what, path, kind, begins);
 }
 
 fsdpc_status_t file_check_outside(const char *path, const char *input, const char *what) {

@@ -129,6 +129,13 @@ fsdpc_status_t file_inputs_add(file_inputs_t *in, const char *path, const char *
  * inputs (NULL: none); its folder exists and is writable. Errors read "WHAT 'PATH': reason". */
 fsdpc_status_t file_check_output(const char *path, const char *what, const file_inputs_t *in);
 
+/* Checks that an existing output file (file_check_output) holds what this output writes, and
+ * so is replaced by its user's choice: empty, or beginning (after white space) with one of the
+ * NULL-terminated heads; another file's content (a mistyped or swapped name) is refused, the
+ * error naming kind ("an SVG plot") and what the file begins with. */
+fsdpc_status_t file_check_replaces(const char *path, const char *what, const char *kind,
+                                   const char *const *heads);
+
 /* The same for an output folder that is written whole and renamed into place: when path exists
  * it is a folder, not a symbolic link (an empty one, where empty_ok, else refused); its parent
  * exists and is writable. */

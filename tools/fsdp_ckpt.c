@@ -59,6 +59,20 @@ static fsdpc_status_t check_state(const char *dir) {
   return file_lexists(path) ? ckpt_check_state(dir) : STATUS_OK;
 }
 
+/* A training checkpoint's folder (its DIR/model) without its train_state.json: refused by
+ * every load, so by what would read it as a checkpoint. */
+static fsdpc_status_t check_complete(const char *dir) {
+  char model[PATH_LEN], state[PATH_LEN];
+  FSDPC_TRY(file_join(model, sizeof model, dir, "model"));
+  FSDPC_TRY(file_join(state, sizeof state, dir, "train_state.json"));
+  if (file_is_dir(model) && !file_lexists(state))
+    return err_set(STATUS_EFORMAT,
+                   "%s: no train_state.json: not a complete checkpoint, which every load refuses "
+                   "(its save did not finish, or the file was removed)",
+                   dir);
+  return STATUS_OK;
+}
+
 /* The folder of the model's shards: DIR/model in a training checkpoint, else DIR. */
 static fsdpc_status_t model_folder(const char *dir, char *out, size_t size) {
   FSDPC_TRY(file_join(out, size, dir, "model"));
@@ -229,6 +243,10 @@ static fsdpc_status_t inspect(const char *dir) {
     if (listed) return STATUS_OK;
   }
   FSDPC_TRY(check_state(dir)); /* a train state that passes is valid JSON */
+  if (check_complete(dir) != STATUS_OK) { /* listed all the same: what is left of it */
+    printf("%s\n", err_detail());
+    err_clear();
+  }
   char *text;
   FSDPC_TRY(ckpt_state_text(dir, &text));
   cJSON *state = text ? cJSON_Parse(text) : NULL;
@@ -296,10 +314,9 @@ static fsdpc_status_t verify(const char *dir) {
   if (!file_is_dir(dir)) return err_set(STATUS_EIO, "%s: not a folder", dir);
   FSDPC_TRY(refuse_run_folder(dir, "verify"));
   FSDPC_TRY(check_state(dir));
-  char model[PATH_LEN], optim[PATH_LEN], state[PATH_LEN + 32];
+  char model[PATH_LEN], optim[PATH_LEN];
   FSDPC_TRY(model_folder(dir, model, sizeof model));
   FSDPC_TRY(file_join(optim, sizeof optim, dir, "optim"));
-  FSDPC_TRY(file_join(state, sizeof state, dir, "train_state.json"));
   int checked = 0, unchecked = 0, damaged = 0;
   FSDPC_TRY(verify_folder(model, &checked, &unchecked, &damaged));
   if (file_is_dir(optim)) FSDPC_TRY(verify_folder(optim, &checked, &unchecked, &damaged));
@@ -309,12 +326,7 @@ static fsdpc_status_t verify(const char *dir) {
   if (damaged > 0)
     return err_set(STATUS_EFORMAT, "%s: %d tensor%s damaged (named above)", dir, damaged,
                    damaged == 1 ? "" : "s");
-  if (strcmp(model, dir) != 0 && !file_lexists(state)) /* DIR/model: a training checkpoint's */
-    return err_set(STATUS_EFORMAT,
-                   "%s: no train_state.json: not a complete checkpoint, which every load refuses "
-                   "(its save did not finish, or the file was removed)",
-                   dir);
-  return STATUS_OK;
+  return check_complete(dir);
 }
 
 /* ---- export-hf, import-hf ---- */
@@ -322,6 +334,7 @@ static fsdpc_status_t verify(const char *dir) {
 static fsdpc_status_t export_hf(const char *dir, const char *out, const hf_export_opts_t *o) {
   hf_report_t rep;
   if (file_is_dir(dir)) FSDPC_TRY(refuse_run_folder(dir, "export-hf"));
+  if (file_is_dir(dir)) FSDPC_TRY(check_complete(dir));
   fsdpc_status_t st = ckpt_export_hf(dir, out, o, &rep);
   if (rep.unchecked)
     printf("%s has no checksums (written by another tool): what is read from it is unchecked\n",

@@ -362,6 +362,8 @@ int main(int argc, char **argv) {
     if (st == STATUS_OK && ds_file[0])
       st = file_inputs_add(inputs, ds_file, "its deepspeed_config_file");
     if (st == STATUS_OK) st = file_check_output(outp, "-o", inputs);
+    static const char *const plan[] = {"# fsdp-plan convert ", NULL}; /* write_plan's start */
+    if (st == STATUS_OK) st = file_check_replaces(outp, "-o", "a plan fsdp-plan wrote", plan);
     file_inputs_free(inputs);
   }
   if (st == STATUS_OK) st = plan_convert(c, in, o, kind, sizeof kind);

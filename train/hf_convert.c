@@ -260,11 +260,17 @@ static fsdpc_status_t export_config(const char *dir, const hf_export_opts_t *o, 
   }
   *arch = arch_of(config);
   *unquantized = cJSON_GetObjectItemCaseSensitive(config, "quantization_config") != NULL;
-  fsdpc_status_t st = config ? write_config(config, origin, dtype, path, vocab)
-                             : err_set(STATUS_EINVAL,
-                                       "%s: no model config recorded in train_state.json; give "
-                                       "--config CONFIG.json",
-                                       dir);
+  fsdpc_status_t st =
+      config          ? write_config(config, origin, dtype, path, vocab)
+      : state == NULL ? err_set(STATUS_EINVAL,
+                                "%s: no train_state.json, which records the model's config in a "
+                                "checkpoint fsdp-train saves: give --config CONFIG.json (the "
+                                "model's Hugging Face config)",
+                                dir)
+                      : err_set(STATUS_EINVAL,
+                                "%s: no model config recorded in train_state.json; give "
+                                "--config CONFIG.json",
+                                dir);
   cJSON_Delete(given);
   cJSON_Delete(state);
   return st;

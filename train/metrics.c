@@ -133,17 +133,17 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
   if (last > 0 && last + 1 == (double)upto)
     fprintf(stderr,
             "%s: warning: the metrics file '%s' ends at step %.0f; the line of step %lld is "
-            "missing (the run that saved it did not write it)\n",
+            "missing (never written, or cut from the file since)\n",
             train_prog(), path, last, (long long)upto);
   else if (last > 0 && last < (double)upto)
     fprintf(stderr,
             "%s: warning: the metrics file '%s' ends at step %.0f; the lines of steps %.0f to "
-            "%lld are missing (the run that saved them did not write them)\n",
+            "%lld are missing (never written, or cut from the file since)\n",
             train_prog(), path, last, last + 1, (long long)upto);
   if (restore && out != NULL)
     fprintf(stderr,
-            "%s: note: the metrics file '%s' had no line for step %lld, the run that saved it "
-            "having stopped before writing it; written from the checkpoint's record\n",
+            "%s: note: the metrics file '%s' had no line for step %lld; written from the "
+            "checkpoint's record\n",
             train_prog(), path, (long long)start);
   bool ok = out != NULL && (in == NULL || !ferror(in)) && fflush(out) == 0 && !ferror(out);
   if (in != NULL) fclose(in);

@@ -20,6 +20,7 @@
 #include "mesh/world.h"
 #include "train/metrics_impl.h"
 #include "train/ops_impl.h"
+#include "train/plot.h"
 
 /* ---- signals ---- */
 
@@ -161,6 +162,11 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
   int e = 0;
   for (int tries = 0; tries < 100; tries++) {
     *fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (*fd < 0 && errno == ELOOP) /* O_NOFOLLOW: a symbolic link is never followed */
+      return err_set(STATUS_EINVAL,
+                     "checkpoint.dir '%s': its lock %s is a symbolic link, not a job's lock; "
+                     "nothing was written (remove the link if it is no file of yours)",
+                     dir, path);
     if (*fd < 0)
       return err_set(STATUS_EIO, "checkpoint.dir '%s': cannot open its lock %s: %s", dir, path,
                      strerror(errno));
@@ -421,14 +427,18 @@ fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
         strcmp(keys[i].key, "tie_embeddings") == 0 || strcmp(keys[i].key, "attention_bias") == 0;
     llama_config_number(a, sa, sizeof sa);
     llama_config_number(b, sb, sizeof sb);
+    /* rope_theta and norm_eps shape no tensor: the weights start another model's run */
+    bool shapes = strcmp(keys[i].key, "rope_theta") != 0 && strcmp(keys[i].key, "norm_eps") != 0;
     return err_set(STATUS_EINVAL,
                    "checkpoint.load: '%s' was saved with model.%s = %s, the plan has %s: a "
                    "checkpoint resumes only the model it was saved from (set the plan's "
-                   "model.%s to %s, or start from its weights with model.init_from after "
-                   "fsdp-ckpt export-hf)",
+                   "model.%s to %s%s)",
                    ckpt, keys[i].key, flag ? (a ? "true" : "false") : sa,
                    flag ? (b ? "true" : "false") : sb, keys[i].key,
-                   flag ? (a ? "true" : "false") : sa);
+                   flag ? (a ? "true" : "false") : sa,
+                   shapes ? ": its tensors have that model's shapes"
+                          : ", or start from its weights with model.init_from after fsdp-ckpt "
+                            "export-hf");
   }
   char why[160]; /* the rest of what makes the model's function: the routing, RoPE's scaling */
   if (!llama_config_same_function(&c, m, why, sizeof why))
@@ -547,6 +557,7 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
   if (st == STATUS_OK && plot) {
     st = outside_checkpoints(p, plot, "--plot");
     if (st == STATUS_OK) st = file_check_output(plot, "--plot", in);
+    if (st == STATUS_OK) st = train_plot_check_replaces(plot, "--plot");
     if (st == STATUS_OK && metrics && metrics[0] && file_same_path(plot, metrics))
       st = err_set(STATUS_EINVAL, "--plot '%s' is the metrics file it draws; name another file",
                    plot);

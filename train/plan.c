@@ -797,11 +797,19 @@ fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
   /* what shapes the saves, given without a folder to save into: a plan that expects saves */
   char value[24];
   snprintf(value, sizeof value, "%lld", (long long)p->ckpt_keep);
-  const char *saves = p->ckpt_keep > 0 ? "keep" : p->ckpt_async ? "async" : NULL;
+  const char *saves = p->ckpt_keep > 0    ? "keep"
+                      : p->ckpt_async     ? "async"
+                      : p->ckpt_overwrite ? "overwrite"
+                                          : NULL;
   if (saves != NULL && p->ckpt_dir[0] == 0)
     return err_set(STATUS_EINVAL,
                    "%s: checkpoint.%s: %s needs checkpoint.dir (nothing is saved without it)",
                    p->ckpt_where.text, saves, p->ckpt_keep > 0 ? value : "true");
+  if (p->ckpt_verify && p->ckpt_dir[0] == 0 && p->ckpt_load[0] == 0)
+    return err_set(STATUS_EINVAL,
+                   "%s: checkpoint.verify: true checks a checkpoint before loading it, and none "
+                   "is loaded: give checkpoint.load (a step folder, or auto with checkpoint.dir)",
+                   p->ckpt_where.text);
   if (strcmp(p->ckpt_load, "auto") == 0 && p->ckpt_dir[0] == 0)
     return err_set(STATUS_EINVAL,
                    "%s: checkpoint.load: auto resumes from checkpoint.dir, which is not set",

@@ -356,6 +356,11 @@ static fsdpc_status_t write_svg(const run_t *runs, int n, const char *out) {
   return STATUS_OK;
 }
 
+fsdpc_status_t train_plot_check_replaces(const char *out, const char *what) {
+  static const char *const svg[] = {"<?xml", "<svg", NULL}; /* what write_svg begins with */
+  return file_check_replaces(out, what, "an SVG plot", svg);
+}
+
 fsdpc_status_t train_plot_metrics(const char *const *paths, int n, const char *out) {
   ARG_NONNULL(paths);
   ARG_NONNULL(out);
@@ -367,6 +372,7 @@ fsdpc_status_t train_plot_metrics(const char *const *paths, int n, const char *o
   for (int r = 0; r < n && st == STATUS_OK; r++)
     st = file_inputs_add(in, paths[r], "the metrics file");
   if (st == STATUS_OK) st = file_check_output(out, "-o", in);
+  if (st == STATUS_OK) st = train_plot_check_replaces(out, "-o");
   file_inputs_free(in);
   for (int r = 0; r < n && st == STATUS_OK; r++) {
     runs[r].name = paths[r];

@@ -19,8 +19,13 @@ extern "C" {
 
 /* Reads the n metrics files and writes the picture to out (through out.tmp and a rename).
  * Fails naming the file and line on unreadable input (not JSON, no "step"), and when a file
- * has no step at all. A value that is null or absent (a non-finite loss) leaves a gap. */
+ * has no step at all, and when out exists and is no plot (train_plot_check_replaces). A value
+ * that is null or absent (a non-finite loss) leaves a gap. */
 fsdpc_status_t train_plot_metrics(const char *const *paths, int n, const char *out);
+
+/* Whether out may take a plot (what: the option naming it): absent, empty, or a plot already;
+ * another file there is refused (file_check_replaces). */
+fsdpc_status_t train_plot_check_replaces(const char *out, const char *what);
 
 #pragma GCC visibility pop
 #ifdef __cplusplus

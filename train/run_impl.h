@@ -23,7 +23,7 @@ typedef struct args {
   const char *metrics;
   const char *plot; /* --plot: the metrics drawn as SVG at the end */
   bool dry_run;
-  bool verbose;       /* -v with --dry-run: the per-unit table */
+  const char *verbose; /* -v or --verbose as given (with --dry-run: the per-unit table) */
   int world;          /* --world N with --dry-run: plan for N ranks from this one process */
   int ranks_per_node; /* --ranks-per-node M (with --world): 8, or N when fewer */
 } args_t;

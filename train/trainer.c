@@ -95,7 +95,7 @@ static fsdpc_status_t parse_args(int argc, char **argv, args_t *a) {
     } else if (strcmp(s, "--dry-run") == 0) {
       a->dry_run = true;
     } else if (strcmp(s, "-v") == 0 || strcmp(s, "--verbose") == 0) {
-      a->verbose = true;
+      a->verbose = s[1] == 'v' ? "-v" : "--verbose";
     } else if (s[0] == '-' && s[1] != 0) {
       return err_set(STATUS_EINVAL, "unknown option '%s'", s);
     } else if (a->config == NULL) {
@@ -105,7 +105,8 @@ static fsdpc_status_t parse_args(int argc, char **argv, args_t *a) {
     }
   }
   if (a->config == NULL) return err_set(STATUS_EINVAL, "no plan file given");
-  if (a->verbose && !a->dry_run) return err_set(STATUS_EINVAL, "-v goes with --dry-run");
+  if (a->verbose && !a->dry_run)
+    return err_set(STATUS_EINVAL, "%s goes with --dry-run", a->verbose);
   if (a->world && !a->dry_run)
     return err_set(STATUS_EINVAL, "--world plans a job without running it: it goes with --dry-run");
   if (a->ranks_per_node && !a->world)
@@ -672,7 +673,8 @@ static void remove_made_dirs(const char *dir, const size_t *len, int n) {
 static fsdpc_status_t set_up(run_t *r, int argc, char **argv) {
   fsdpc_status_t st = parse_args(argc, argv, &r->args);
   if (st != STATUS_OK && world_rank() == 0) usage(stderr);
-  if (st == STATUS_OK) st = world_check_launch();
+  /* a dry run trains nothing: planned from one process under any launcher's settings */
+  if (st == STATUS_OK && !r->args.dry_run) st = world_check_launch();
   if (st == STATUS_OK && r->args.world) /* before the plan resolves its mesh against the world */
     st = world_plan_as(r->args.world, r->args.ranks_per_node ? r->args.ranks_per_node : 8);
   const char *own = r->builtin ? NULL : r->model.name;

@@ -377,6 +377,24 @@ def ckpt_tool():
     p = tool_run("verify", nostate)
     check(p.returncode != 0 and "no train_state.json" in p.stderr,
           "verify of a step folder without train_state.json exits non-zero")
+    # export-hf refuses it too (given a config or not); inspect lists it, saying so
+    for extra in ([], ["--config", os.path.join(tmp, "hf-f32", "config.json")]):
+        out = os.path.join(tmp, "no-state-hf")
+        p = tool_run("export-hf", nostate, out, *extra)
+        check(p.returncode != 0 and "%s: no train_state.json: not a complete checkpoint, which "
+              "every load refuses" % nostate in p.stderr and not os.path.exists(out),
+              "export-hf%s of a step folder without train_state.json: refused, no OUT (%s)"
+              % (" --config" if extra else "", p.stderr.strip()[-200:]))
+    out = os.path.join(tmp, "bare-hf")  # a folder of tensors only: the model's config asked for
+    p = tool_run("export-hf", os.path.join(step, "model"), out)
+    check(p.returncode != 0 and "model: no train_state.json, which records the model's config "
+          "in a checkpoint fsdp-train saves: give --config CONFIG.json" in p.stderr and
+          not os.path.exists(out),
+          "export-hf of a folder of tensors only asks for --config (%s)" % p.stderr.strip()[-200:])
+    p = tool_run("inspect", nostate)
+    check(p.returncode == 0 and "no train_state.json: not a complete checkpoint" in p.stdout and
+          "mlp.down_proj.weight" in p.stdout,
+          "inspect of a step folder without train_state.json: its tensors, said incomplete")
     # import-hf checks config.json against a plan's limits and every tensor against the model it
     # describes, before writing anything; model.init_from reads config.json the same way
     src = os.path.join(tmp, "hf-f32")

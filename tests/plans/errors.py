@@ -189,6 +189,7 @@ def errors():
         ("missing plan file", "MISSING", [], r"cannot open the plan .*missing\.yaml: No such file"),
         ("unknown option", None, ["--frobnicate"], r"unknown option '--frobnicate'"),
         ("-v without --dry-run", None, ["-v"], r"-v goes with --dry-run"),
+        ("--verbose without --dry-run", None, ["--verbose"], r"--verbose goes with --dry-run"),
         ("eval.interval without eval.path", base + "eval:\n  interval: 5\n", [],
          r"eval\.interval: 5 needs eval\.path"),
         ("missing eval file", base + "eval:\n  path: /nonexistent/val.bin\n", [],
@@ -214,6 +215,10 @@ def errors():
          r"checkpoint\.keep: 2 needs checkpoint\.dir \(nothing is saved without it\)"),
         ("checkpoint.async without a folder", base + "checkpoint:\n  async: true\n", [],
          r"checkpoint\.async: true needs checkpoint\.dir"),
+        ("checkpoint.overwrite without a folder", base + "checkpoint:\n  overwrite: true\n", [],
+         r"checkpoint\.overwrite: true needs checkpoint\.dir"),
+        ("checkpoint.verify with nothing to load", base + "checkpoint:\n  verify: true\n", [],
+         r"checkpoint\.verify: true checks a checkpoint before loading it, and none is loaded"),
         # hostile input ends at once: no blocking open, no quadratic parse
         ("plan path is a FIFO", "FIFO", [], r"cannot open the plan .*fifo\.yaml: is a FIFO, not a "
          r"regular file"),
@@ -557,6 +562,13 @@ def errors():
             env, "trains" if want is None else "refused, /%s/" % want, p.returncode))
         if not good:
             print(p.stdout[-500:], p.stderr[-1000:])
+        # a dry run trains nothing: it plans from one process under any launcher's settings
+        p = sh([EXE, debug, "--dry-run", "--world", "4", "--set", "mesh.dp_shard=-1"],
+               timeout=60, env=env)
+        check(p.returncode == 0 and "planned from one process" in p.stdout,
+              "fsdp-train --dry-run --world 4 with %s: planned (exit %d)" % (env, p.returncode))
+        if p.returncode != 0:
+            print(p.stderr[-500:])
     # a bad FSDPC_PG: refused on every rank, reported once for all of them
     p = sh([MPIRUN] + MPI_ARGS + ["-n", "4", EXE, debug], timeout=60, env={"FSDPC_PG": "bogus"})
     check(p.returncode != 0 and p.stderr.count("FSDPC_PG=bogus") == 1 and

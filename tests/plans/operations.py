@@ -233,6 +233,25 @@ def operations():
     open(notes, "w").close()
     p, _ = run(1, [debug, "--set", "train.steps=1", "--metrics", notes])
     check(p.returncode == 0 and len(losses(notes)) == 1, "an empty --metrics file is written")
+    # --plot replaces a plot, not another file (the metrics file named in its place, say)
+    other = os.path.join(tmp, "other-run.jsonl")
+    shutil.copy(nm, other)
+    kept = open(other).read()
+    for dry in ([], ["--dry-run"]):
+        p, _ = run(1, [debug, "--set", "train.steps=1", "--metrics",
+                       os.path.join(tmp, "plotted.jsonl"), "--plot", other] + dry)
+        check(p.returncode != 0 and "--plot '%s': exists and is not an SVG plot (it begins "
+              "'{\"step\":" % other in p.stderr and open(other).read() == kept and
+              "step 1 " not in p.stdout,
+              "--plot naming another run's metrics file is refused%s, that file untouched (%s)"
+              % (" by --dry-run" if dry else "", p.stderr.strip()[-200:]))
+    svg = os.path.join(tmp, "plotted.svg")
+    for _ in range(2):  # written, then replaced
+        p, _ = run(1, [debug, "--set", "train.steps=1", "--metrics",
+                       os.path.join(tmp, "plotted.jsonl"), "--plot", svg])
+        check(p.returncode == 0 and open(svg).read().startswith("<?xml"),
+              "--plot writes its plot, and replaces it on the next run (%s)"
+              % p.stderr.strip()[-200:])
     # a metrics file that cannot be written: refused before the run, by --dry-run too (as
     # another user: root writes any file)
     ro = os.path.join(tmp, "ro")
@@ -703,6 +722,16 @@ def operations():
     check(p.returncode != 0 and "is a hard link of another file, not a job's lock" in p.stderr
           and open(precious).read() == "mine\n" and saved(hl) == [],
           "a lock file that is a hard link of another file is refused, that file untouched")
+    # a lock that is a symbolic link: refused, named, never followed
+    sl = os.path.join(tmp, "ck-symlink")
+    os.makedirs(sl)
+    os.symlink(precious, os.path.join(sl, "fsdp-train.lock"))
+    p, _ = run(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "train.steps=2", "--set",
+                   "checkpoint.dir=" + sl])
+    check(p.returncode != 0 and "is a symbolic link, not a job's lock; nothing was written"
+          in p.stderr and open(precious).read() == "mine\n" and saved(sl) == [],
+          "a lock file that is a symbolic link is refused, named, its target untouched (%s)"
+          % p.stderr.strip()[-200:])
 
     # 4. late refusals: before the first step (no step line), and by --dry-run
     ck = os.path.join(tmp, "ck-newer")
@@ -731,14 +760,17 @@ def operations():
          ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"), "--set",
           "model.n_layers=1"],
          r"checkpoint\.load: '\S+step-00000020' was saved with model\.n_layers = 2, the plan "
-         r"has 1"),
+         r"has 1: a checkpoint resumes only the model it was saved from \(set the plan's "
+         r"model\.n_layers to 2: its tensors have that model's shapes\)"),
         ("tied embeddings on an untied checkpoint",
          ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"), "--set",
           "model.tie_embeddings=true"],
          r"was saved with model\.tie_embeddings = false, the plan has true"),
         ("another rope_theta", ["--set", "checkpoint.load=" + os.path.join(ck, "step-00000020"),
                                 "--set", "model.rope_theta=500000"],
-         r"was saved with model\.rope_theta = 10000, the plan has 500000"),
+         r"was saved with model\.rope_theta = 10000, the plan has 500000: .*\(set the plan's "
+         r"model\.rope_theta to 10000, or start from its weights with model\.init_from after "
+         r"fsdp-ckpt export-hf\)"),
         ("another rope scaling", ["--set", "checkpoint.load=" + scaled],
          r"was saved from another model \(rope_scaling \(rope_type\) linear vs default: saved "
          r"vs planned\)"),

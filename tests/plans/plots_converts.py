@@ -120,6 +120,13 @@ def plots():
         check(e.returncode != 0 and re.search(want, e.stderr) is not None and
               not os.path.exists(os.path.join(tmp, "x.svg")),
               "fsdp-plot refuses it: /%s/ (exit %d)" % (want, e.returncode))
+    # -o replaces a plot, not another file: a metrics file named there by mistake is kept
+    kept = open(b).read()
+    e = sh([plot, a, "-o", b], timeout=60)
+    check(e.returncode != 0 and "-o '%s': exists and is not an SVG plot (it begins '{" % b
+          in e.stderr and open(b).read() == kept,
+          "fsdp-plot -o naming a metrics file: refused, the file untouched (%s)"
+          % e.stderr.strip()[-200:])
     # a lone point is a dot; a line without a value does not break the curve (a null does);
     # steps out of order are drawn in order, a step given twice by its last line, said; runs
     # beyond the ten colours are dashed
@@ -303,6 +310,23 @@ def converts():
               "%s converted, on a 7B-shaped Llama at %d ranks: a dry-run peak of %.2f GiB, the "
               "per-layer plan's %.2f GiB" % (name, n, (peaks["converted"] or 0) / 2**30,
                                               (peaks["hand"] or 0) / 2**30))
+    # -o replaces a plan it wrote (edited since: the model added above), not another file
+    # (the hand-written plan, a metrics file)
+    src = os.path.join(ROOT, "tests", "convert", CONVERTED[0][0])
+    again = os.path.join(tmp, CONVERTED[0][0] + ".plan.yaml")
+    p = sh([tool, "convert", src, "-o", again], timeout=60)
+    check(p.returncode == 0 and CONVERT_MODEL not in open(again).read(),
+          "fsdp-plan convert -o replaces the plan it wrote (exit %d)" % p.returncode)
+    for mine in (os.path.join(tmp, CONVERTED[0][0] + ".hand.yaml"),
+                 os.path.join(tmp, "%s.hand.jsonl" % CONVERTED[0][0])):
+        kept = open(mine, "rb").read()
+        p = sh([tool, "convert", src, "-o", mine], timeout=60)
+        check(p.returncode != 0 and re.search(r"-o '%s': exists and is not a plan fsdp-plan "
+                                              r"wrote \(it begins '" % re.escape(mine),
+                                              p.stderr) is not None and
+              open(mine, "rb").read() == kept,
+              "fsdp-plan convert -o %s: refused, the file untouched (%s)"
+              % (os.path.basename(mine), p.stderr.strip()[-200:]))
     # hostile and mistyped configs: a deep nesting refused at once, a section given as a
     # scalar or a list named instead of read as absent
     deep = os.path.join(tmp, "deep.yaml")
