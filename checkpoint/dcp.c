@@ -336,11 +336,13 @@ fsdpc_status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
   return pg_agree(pg, st);
 }
 
-/* One written box of a save, as every rank sees it: its tensor's name (hashed), global and
- * local element counts, shape and dtype (hashed), and the rank writing it. */
+/* One entry of a save, as every rank sees it: its tensor's name (hashed), global element
+ * count, the elements this rank writes of it (0: another rank of its replicas does), shape
+ * and dtype (hashed), the ranks of its mesh and this rank. */
 typedef struct cover {
-  int64_t name, global, local, shape, rank;
+  int64_t name, global, local, shape, ranks, rank;
 } cover_t;
+#define COVER_WORDS ((int)(sizeof(cover_t) / sizeof(int64_t)))
 
 static int cmp_cover(const void *x, const void *y) {
   const cover_t *a = x, *b = y;
@@ -352,11 +354,12 @@ static int64_t hash63(const void *data, size_t bytes, uint64_t seed) {
   return (int64_t)(XXH64(data, bytes, seed) >> 1);
 }
 
-/* The ranks' shards of a save tile every tensor they name: the same global shape and dtype
- * everywhere, elements adding up to the whole (a rank that leaves out its shard of a tensor
- * the others save, or passes another shape, would otherwise write a folder no load takes,
- * found only then). Ranks may save different tensors (a pipeline's stages). Every rank
- * reaches the same verdict from the same table. Collective over pg. */
+/* The ranks' entries of a save agree: every rank of a tensor's mesh passes it, with the same
+ * global shape and dtype, and their shards add up to the whole (a rank that leaves out its
+ * shard of a tensor the others save, or passes another shape, would otherwise write a folder
+ * no load takes, found only then; one of a replicated tensor's ranks passing another shape
+ * would go unseen, its replica not written). Ranks may save different tensors (a pipeline's
+ * stages). Every rank reaches the same verdict from the same table. Collective over pg. */
 static fsdpc_status_t check_coverage(const char *folder, const dcp_entry_t *entries, int n,
                                      pg_t *pg) {
   int R = pg_size(pg), me = pg_rank(pg);
@@ -367,13 +370,16 @@ static fsdpc_status_t check_coverage(const char *folder, const dcp_entry_t *entr
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     bool writes;
     st = writes_shard(entries[i].name, entries[i].value, &writes);
-    if (st != STATUS_OK || !writes) continue;
+    if (st != STATUS_OK) break;
     const dtensor_t *v = entries[i].value;
     int64_t g = 1, d[TENSOR_MAX_DIMS + 2] = {dtensor_ndim(v), dtensor_local(v)->dtype};
     for (int k = 0; k < dtensor_ndim(v); k++) g *= d[2 + k] = dtensor_shape(v)[k];
-    rec[mine++] = (cover_t){hash63(entries[i].name, strlen(entries[i].name), 0), g,
-                            tensor_numel(dtensor_local(v)),
-                            hash63(d, sizeof(int64_t) * (size_t)(2 + dtensor_ndim(v)), 0), me};
+    rec[mine++] = (cover_t){hash63(entries[i].name, strlen(entries[i].name), 0),
+                            g,
+                            writes ? tensor_numel(dtensor_local(v)) : 0,
+                            hash63(d, sizeof(int64_t) * (size_t)(2 + dtensor_ndim(v)), 0),
+                            mesh_numel(dtensor_mesh(v)),
+                            me};
   }
   /* every step agreed: a rank that fails one (its memory) never leaves the others waiting in
    * the next exchange */
@@ -390,7 +396,7 @@ static fsdpc_status_t check_coverage(const char *folder, const dcp_entry_t *entr
   }
   if (st == STATUS_OK) {
     memcpy(padded, rec, sizeof *rec * (size_t)mine);
-    st = pg_host_all_gather(pg, padded, all, (int)(M * 5), PG_HOST_I64);
+    st = pg_host_all_gather(pg, padded, all, (int)(M * COVER_WORDS), PG_HOST_I64);
   }
   free(padded);
   int64_t total = 0;
@@ -398,30 +404,44 @@ static fsdpc_status_t check_coverage(const char *folder, const dcp_entry_t *entr
     for (int64_t k = 0; k < counts[r]; k++) all[total++] = all[(int64_t)r * M + k];
   if (st == STATUS_OK) qsort(all, (size_t)total, sizeof *all, cmp_cover);
   const cover_t *bad = NULL;
-  int64_t held = 0;
+  int64_t held = 0, passed = 0;
+  bool same = true;
   for (int64_t a = 0, b; a < total && st == STATUS_OK && bad == NULL; a = b) {
     held = 0;
-    bool same = true;
+    same = true;
     for (b = a; b < total && all[b].name == all[a].name; b++) {
       held += all[b].local;
-      same = same && all[b].shape == all[a].shape;
+      same = same && all[b].shape == all[a].shape && all[b].ranks == all[a].ranks;
     }
-    if (!same || held != all[a].global) bad = &all[a];
+    passed = b - a;
+    if (!same || held != all[a].global || passed != all[a].ranks) bad = &all[a];
   }
-  if (bad != NULL) { /* its name, where this rank saves it */
-    const char *name = NULL;
-    for (int i = 0; i < n && name == NULL; i++)
-      if (hash63(entries[i].name, strlen(entries[i].name), 0) == bad->name) name = entries[i].name;
-    char who[600];
-    if (name)
-      snprintf(who, sizeof who, "'%.500s'", name);
-    else
-      snprintf(who, sizeof who, "of rank %lld", (long long)bad->rank);
-    st = err_set(STATUS_EINVAL,
-                 "checkpoint save into %s: the ranks' shards of tensor %s hold %lld of its %lld "
-                 "elements, or disagree on its shape or dtype: every rank saves its shard of each "
-                 "tensor, with the same global shape and dtype",
-                 folder, who, (long long)held, (long long)bad->global);
+  if (bad != NULL) { /* its name from the ranks that pass it, for every rank to say */
+    enum { NAME_MAX_SHOWN = 256 };
+    int32_t mine_name[NAME_MAX_SHOWN] = {0}, name[NAME_MAX_SHOWN];
+    for (int i = 0; i < n; i++)
+      if (hash63(entries[i].name, strlen(entries[i].name), 0) == bad->name)
+        for (int k = 0; k < NAME_MAX_SHOWN - 1 && entries[i].name[k]; k++)
+          mine_name[k] = (unsigned char)entries[i].name[k];
+    st = pg_host_all_reduce(pg, mine_name, name, NAME_MAX_SHOWN, PG_HOST_I32, REDUCE_MAX);
+    char who[NAME_MAX_SHOWN + 8];
+    size_t len = 0;
+    who[len++] = '\'';
+    for (int k = 0; st == STATUS_OK && k < NAME_MAX_SHOWN - 1 && name[k]; k++)
+      who[len++] = (char)name[k];
+    who[len++] = '\'';
+    who[len] = 0;
+    if (st == STATUS_OK && same && passed != bad->ranks)
+      st = err_set(STATUS_EINVAL,
+                   "checkpoint save into %s: tensor %s is passed by %lld rank%s, its mesh has "
+                   "%lld: every rank of a tensor's mesh passes it to the save",
+                   folder, who, (long long)passed, passed == 1 ? "" : "s", (long long)bad->ranks);
+    else if (st == STATUS_OK)
+      st = err_set(STATUS_EINVAL,
+                   "checkpoint save into %s: the ranks' shards of tensor %s hold %lld of its "
+                   "%lld elements, or disagree on its shape or dtype: every rank saves its shard "
+                   "of each tensor, with the same global shape and dtype",
+                   folder, who, (long long)held, (long long)bad->global);
   }
   free(all);
   free(rec);

@@ -69,9 +69,11 @@ uint64_t dcp_block_bytes(void);
  * shards (a shard replicated over mesh dimensions is written by the replica at coordinate 0
  * only; empty shards are skipped) into one file of a temporary folder, then rank 0 commits
  * it by renaming it to dir (fsync'd). A crash before the rename leaves no dir; a failed
- * save (a full disk) removes its temporary folder. Partial placements are refused (strided
- * shards, being boxes, are saved like any shard). Collective over pg (world_pg(), or any group
- * that spans every rank of the entries' meshes). */
+ * save (a full disk) removes its temporary folder. Every rank of an entry's mesh passes it,
+ * with the same global shape and dtype (checked, every rank agreeing). Partial placements and
+ * tensors without elements are refused (strided shards, being boxes, are saved like any
+ * shard). Collective over pg (world_pg(), or any group that spans every rank of the entries'
+ * meshes). */
 fsdpc_status_t dcp_save(const char *dir, const dcp_entry_t *entries, int n, pg_t *pg);
 
 /* The steps of dcp_save, for checkpoints of several folders committed at once:
@@ -111,8 +113,9 @@ void dcp_shard_name(int rank, char *out, size_t size);
 
 /* Loads every entry's local shard from folder dir, whatever plan saved it: the global shape
  * must match and the saved chunks must cover the shard; values are converted to the
- * entry's dtype. Reads only the saved rows that intersect this rank's shards. Local (every
- * rank reads for itself). */
+ * entry's dtype between floating-point dtypes, and between integer dtypes (a float saved
+ * into an integer entry, or the reverse, is refused). Reads only the saved rows that intersect this
+ * rank's shards. Local (every rank reads for itself). */
 fsdpc_status_t dcp_load(const char *dir, const dcp_entry_t *entries, int n, dcp_stats_t *stats);
 
 /* A checkpoint folder kept open for several loads (its headers parsed and checked once). */

@@ -305,8 +305,19 @@ fsdpc_status_t dcp_check_entries(const dcp_entry_t *entries, int n, bool save, c
     if (entries[i].value == NULL)
       return err_set(STATUS_EINVAL, "%s: entry %d ('%s') has a NULL value", who, i,
                      entries[i].name);
-    const mesh_t *m = dtensor_mesh(entries[i].value);
-    const placement_t *pl = dtensor_placements(entries[i].value);
+    const dtensor_t *v = entries[i].value;
+    int64_t numel = 1;
+    for (int d = 0; d < dtensor_ndim(v); d++) numel *= dtensor_shape(v)[d];
+    if (numel == 0) { /* no box to write or read: a name with nothing behind it */
+      char b[96];
+      return err_set(STATUS_EINVAL,
+                     "%s: tensor '%s' has no elements (shape %s): a checkpoint holds tensors "
+                     "with elements; leave it out of the entries",
+                     who, entries[i].name,
+                     tensor_shape_str(dtensor_ndim(v), dtensor_shape(v), b, sizeof b));
+    }
+    const mesh_t *m = dtensor_mesh(v);
+    const placement_t *pl = dtensor_placements(v);
     for (int d = 0; !save && d < mesh_ndim(m); d++)
       if (pl[d].kind == PLACEMENT_PARTIAL) {
         char b[32];

@@ -265,6 +265,7 @@ static fsdpc_status_t load_from(nn_module_t *root, st_file_t *const *files, int 
     /* no memory here (another pipeline stage's): its ranks read it */
     if (st == STATUS_OK && tensor_is_meta(dtensor_local(ps[i]->value)) && (at >= 0 || stacked))
       continue;
+    if (st == STATUS_OK) st = nn_param_written(ps[i]); /* a copy kept gathered goes stale */
     if (st == STATUS_OK && at < 0 && stacked) { /* Hugging Face's per-expert tensors */
       st = load_experts(files, nf, where, ps[i]);
       continue;

@@ -393,6 +393,7 @@ fsdpc_status_t ckpt_load_training(const char *dir, nn_param_t *const *params, in
                  dir, (long long)os);
   ckpt_entries_t e = {0};
   dcp_stats_t a = {0}, b = {0};
+  for (int i = 0; i < n && st == STATUS_OK; i++) st = nn_param_written(params[i]);
   if (st == STATUS_OK)
     st = ckpt_entries_make(params, n, opt,
                            weights_only ? CKPT_ENTRIES_MODEL_ONLY : CKPT_ENTRIES_LOAD, &e);

@@ -219,8 +219,9 @@ fsdpc_status_t dtensor_distribute(const fsdpc_tensor_t *full, mesh_t *mesh, cons
     if (mesh_ranks(mesh)[i] == src_rank) idx = i;
   if (st == STATUS_OK && src_rank != DTENSOR_ALL_RANKS && idx < 0)
     st = err_set(STATUS_EINVAL, "distribute: source rank %d is not in the mesh", src_rank);
-  if (src_rank != DTENSOR_ALL_RANKS)
-    st = agree_full(mesh, st == STATUS_OK ? full : NULL, pl, src_rank, st);
+  /* every rank's shape, dtype and placements compared, from every rank holding the data too:
+   * a rank passing another shape would compute its shard of another tensor */
+  st = agree_full(mesh, st == STATUS_OK ? full : NULL, pl, src_rank, st);
   FSDPC_TRY(st);
   fsdpc_tensor_t local = {0}, scratch = {0};
   const fsdpc_tensor_t *from = full;

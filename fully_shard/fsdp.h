@@ -142,7 +142,9 @@ int64_t fsdp_reduce_numel(const fsdp_group_t *g);
  *   gradients kept add up in reduce_dtype where it is wider than the compute dtype.
  * - requires_all_reduce false (HSDP): reduce-scatter only; the partial results are summed
  *   into the next all-reduce.
- * - reshard_after_backward false: parameters stay unsharded after backward.
+ * - reshard_after_backward false: parameters stay unsharded after backward, for the next
+ *   micro-batch's forward; an optimizer step, nn_param_copy_full or a load writing their
+ *   shards drops them (nn_param_written), so the forward after it gathers the new values.
  * - is_last_backward false: the end of backward does not wait for the last gradient
  *   reductions (micro-batches before the last); they finish during the next backward. Leave
  *   it true for the backward before the optimizer step.
@@ -171,12 +173,10 @@ fsdpc_status_t fsdp_set_backward_prefetch(fsdp_group_t *g, fsdp_group_t *const *
  * gather, so unshard views each shard as the unsharded tensor (or casts it once into
  * param_dtype) and the reduction adds the gradients into the sharded ones without packing
  * them: the same values as the flat buffer, with two copies of the group fewer per unshard.
- * In the shards' own dtype the unsharded tensors share the shards' memory, so an update of
- * the shards while the group stays unsharded (reshard_after_backward false across an
- * optimizer step) is seen by them. On by default; FSDPC_FSDP_ONE_RANK=0 in the environment,
- * or fsdp_set_one_rank_path(false), keeps such groups on the flat-buffer path (to compare, or
- * to measure its copies on one device). Process-wide; an unshard or reduction in flight ends
- * on the path it started on. */
+ * In the shards' own dtype the unsharded tensors share the shards' memory. On by default;
+ * FSDPC_FSDP_ONE_RANK=0 in the environment, or fsdp_set_one_rank_path(false), keeps such groups on
+ * the flat-buffer path (to compare, or to measure its copies on one device). Process-wide; an
+ * unshard or reduction in flight ends on the path it started on. */
 void fsdp_set_one_rank_path(bool on);
 
 /* On a GPU, a backward forms a unit's gradients in one buffer reserved at its pre-backward

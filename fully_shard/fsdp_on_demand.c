@@ -254,6 +254,13 @@ static fsdpc_status_t guard_post_backward(nn_ctx_t *ctx, nn_param_t *p) {
   return fsdp_after_backward(group_of_param(p));
 }
 
+/* A shard written between steps: the parameters kept unsharded after backward
+ * (reshard_after_backward false) were gathered before it; the next forward gathers anew. */
+static void guard_written(nn_param_t *p) {
+  fsdp_group_t *g = group_of_param(p);
+  if (g->in_forward == 0) fsdp_reshard(g);
+}
+
 const nn_param_guard_t fsdp_on_demand_guard = {
     .ready = guard_ready,
     .enter = guard_enter,
@@ -261,6 +268,7 @@ const nn_param_guard_t fsdp_on_demand_guard = {
     .pre_backward = guard_pre_backward,
     .post_backward = guard_post_backward,
     .materialize = fsdp_materialize_param,
+    .written = guard_written,
 };
 
 fsdpc_status_t fsdp_register_forward_method(nn_module_t *m) {

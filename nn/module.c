@@ -7,6 +7,7 @@
 
 #include "core/args_impl.h"
 #include "core/kernels.h"
+#include "nn/autograd.h"
 
 typedef struct hook {
   nn_hook_fn fn;
@@ -287,7 +288,12 @@ fsdpc_status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in
   /* a leaf's dtype error named by the leaf: an input whose dtype is not its parameters' (a
    * unit before it returned its compute dtype or its output_dtype, and no unit casts for this
    * module) */
-  if (st == STATUS_EDTYPE && m->n_children == 0 && nn_module_num_params(m) > 0)
+  bool leaf = st == STATUS_EDTYPE && m->n_children == 0 && nn_module_num_params(m) > 0;
+  if (leaf && !dtype_is_float(in->value.dtype)) /* no policy makes ids or labels a float */
+    st = err_prefix(
+        st, "%s: its input has dtype %s (a module with parameters takes a floating-point input)",
+        nn_module_fqn(m), dtype_name(in->value.dtype));
+  else if (leaf)
     st = err_prefix(st,
                     "%s: its input is not of its parameters' dtype (a unit's mp_policy "
                     "output_dtype, or the compute dtype a unit before it returns, which no unit "
@@ -520,6 +526,18 @@ fsdpc_status_t nn_param_accumulate_local_grad(nn_param_t *p, const fsdpc_tensor_
   return st;
 }
 
+fsdpc_status_t nn_param_written(nn_param_t *p) {
+  ARG_NONNULL(p);
+  if (p->guard == NULL) return STATUS_OK;
+  if (p->guard->ready(p))
+    return err_set(STATUS_EINVAL,
+                   "parameter %s: its shard written inside a forward of its unit, which reads "
+                   "the value gathered from it; write it between steps",
+                   p->fqn);
+  if (p->guard->written) p->guard->written(p);
+  return STATUS_OK;
+}
+
 fsdpc_status_t nn_param_copy_full(nn_param_t *p, const fsdpc_tensor_t *full) {
   ARG_NONNULL(p);
   ARG_NONNULL(full);
@@ -535,11 +553,7 @@ fsdpc_status_t nn_param_copy_full(nn_param_t *p, const fsdpc_tensor_t *full) {
   if (!dtype_is_float(full->dtype))
     return err_set(STATUS_EDTYPE, "nn_param_copy_full: parameter %s takes a float value, not %s",
                    p->fqn, dtype_name(full->dtype));
-  if (p->external && p->compute.storage != NULL)
-    return err_set(STATUS_EINVAL,
-                   "nn_param_copy_full: parameter %s is gathered by fully_shard for a step in "
-                   "progress; write it between steps",
-                   p->fqn);
+  FSDPC_TRY(nn_param_written(p));
   int64_t off[TENSOR_MAX_DIMS];
   dtensor_offset(v, off);
   fsdpc_tensor_t src, dst;

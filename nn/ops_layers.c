@@ -246,6 +246,10 @@ fsdpc_status_t nn_mse_loss(nn_ctx_t *ctx, nn_var_t *pred, const fsdpc_tensor_t *
                    tensor_shape_str(pred->value.ndim, pred->value.shape, a, sizeof a),
                    tensor_shape_str(target->ndim, target->shape, b, sizeof b));
   }
+  if (!dtype_is_float(pred->value.dtype) || !dtype_is_float(target->dtype))
+    return err_set(STATUS_EDTYPE,
+                   "nn_mse_loss: prediction %s and target %s: both take a floating-point dtype",
+                   dtype_name(pred->value.dtype), dtype_name(target->dtype));
   int64_t n = tensor_numel(target);
   if (n == 0) return err_set(STATUS_EINVAL, "nn_mse_loss: empty tensors");
   /* the difference in f32, whatever the storage dtypes: diff = pred - target */

@@ -219,7 +219,8 @@ fsdpc_status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale)
     slot_t *s = &o->slots[i];
     if (s->p->grad == NULL || !s->p->requires_grad) continue;
     fsdpc_tensor_t *p = &refs[2 * m], *g = &refs[2 * m + 1];
-    st = slot_ready(s, o->cfg.state_dtype, true);
+    st = nn_param_written(s->p); /* a copy kept gathered from the shard goes stale */
+    if (st == STATUS_OK) st = slot_ready(s, o->cfg.state_dtype, true);
     if (st == STATUS_OK) st = tensor_ref(p, dtensor_local(s->p->value));
     if (st == STATUS_OK) st = tensor_ref(g, dtensor_local(s->p->grad));
     adamw_args_t a = {.lr = s->lr * lr_factor,

@@ -200,6 +200,62 @@ START_TEST(one_rank_path_trains_as_flat_path) {
 }
 END_TEST
 
+/* Parameters kept unsharded after backward (reshard_after_backward false) across optimizer
+ * steps, and a weight written with nn_param_copy_full between steps: the next forward reads
+ * the new shards, as the default (gathering anew every forward) does, the losses bit for bit
+ * the same; in f32 and bf16 (where even one rank holds a cast copy). */
+START_TEST(kept_unsharded_params_see_the_step) {
+  llama_config_t cfg;
+  ok(llama_config_from_hf(SOURCE_ROOT "/tests/reference/tiny_config.json", &cfg));
+  mesh_t *mesh = dp_mesh();
+  fsdpc_data_t *d;
+  ok(data_open(SOURCE_ROOT "/data/corpus.txt", DATA_BYTES, &d));
+  data_spec_t spec = {.batch_size = 2, .seq_len = 16, .grad_accum = 1, .dp_size = 1};
+  for (int bf16 = 0; bf16 < 2; bf16++) {
+    run_t r[2];
+    double loss[2][4];
+    for (int k = 0; k < 2; k++) {
+      run_init(&r[k], &cfg);
+      fsdp_options_t opt = FSDP_OPTIONS_INIT;
+      opt.mesh = mesh;
+      if (bf16) opt.param_dtype = DTYPE_BF16, opt.reduce_dtype = DTYPE_F32;
+      for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(r[k].m, i), &opt, NULL));
+      ok(fully_shard(llama_module(r[k].m), &opt, NULL));
+      fsdp_set_reshard_after_backward(llama_module(r[k].m), k == 0);
+      run_optim(&r[k]);
+      for (int step = 0; step < 4; step++) {
+        if (step == 3) { /* a weight written whole between steps */
+          const dtensor_t *v = r[k].ps[0]->value;
+          fsdpc_tensor_t full;
+          ok(tensor_init(&full, DTYPE_F32, device_cpu(), dtensor_ndim(v), dtensor_shape(v)));
+          ok(tensor_fill(&full, 0.01));
+          ok(nn_param_copy_full(r[k].ps[0], &full));
+          tensor_free(&full);
+        }
+        loss[k][step] = fwd_bwd(r[k].m, d, &spec, step, 0);
+        if (step < 3) ok(optim_step(r[k].opt, 1.0));
+        optim_zero_grad(r[k].opt);
+      }
+    }
+    int bad = 0;
+    for (int step = 0; step < 4; step++) bad += loss[0][step] != loss[1][step];
+    expect_all(bad == 0 && loss[1][1] != loss[1][0],
+               "%s: %d of 4 losses differ with the parameters kept unsharded (%.9g %.9g %.9g "
+               "%.9g against %.9g %.9g %.9g %.9g)",
+               bf16 ? "bf16" : "f32", bad, loss[1][0], loss[1][1], loss[1][2], loss[1][3],
+               loss[0][0], loss[0][1], loss[0][2], loss[0][3]);
+    for (int k = 0; k < 2; k++) {
+      optim_free(r[k].opt);
+      free(r[k].ps);
+      fsdp_free_all(llama_module(r[k].m));
+      llama_free(r[k].m);
+    }
+  }
+  data_free(d);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* ---- a module called twice, by hand-built modules ---- */
 
 static fsdpc_status_t lin_fwd(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
@@ -637,6 +693,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, parameter_state_after_forward_and_backward);
   tcase_add_test(tc, unshard_copies_and_values);
   tcase_add_test(tc, one_rank_path_trains_as_flat_path);
+  tcase_add_test(tc, kept_unsharded_params_see_the_step);
   tcase_add_test(tc, module_called_twice);
   tcase_add_test(tc, ranks_with_different_gradient_sets);
   tcase_add_test(tc, ignored_parameter_and_divide_factor);

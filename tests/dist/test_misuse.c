@@ -259,6 +259,49 @@ START_TEST(backward_and_hooks) {
 }
 END_TEST
 
+/* Integer tensors where floats are taken: an integer input to a module with parameters is
+ * named as such (not as a mixed-precision mismatch), and an integer target of nn_mse_loss is
+ * refused. */
+START_TEST(integer_inputs_are_named) {
+  mesh_t *mesh = world_mesh();
+  nn_module_t *m = mlp(false);
+  fsdp_options_t fo = FSDP_OPTIONS_INIT;
+  fo.mesh = mesh;
+  ok(fully_shard(m, &fo, NULL));
+  nn_ctx_t *ctx = NULL;
+  ok(nn_ctx_new(&ctx));
+  fsdpc_tensor_t ids, target;
+  ok(tensor_zeros(&ids, DTYPE_I32, device_cpu(), 2, (int64_t[]){2, 4}));
+  ok(tensor_zeros(&target, DTYPE_I32, device_cpu(), 2, (int64_t[]){2, 2}));
+  nn_var_t *in = NULL, *out = NULL, *l = NULL;
+  ok(nn_var_new(&ids, false, &in));
+  fsdpc_status_t st = nn_call(ctx, m, in, &out);
+  ck_assert_msg(st != STATUS_OK &&
+                    strstr(err_detail(),
+                           "fc1: its input has dtype i32 (a module "
+                           "with parameters takes a floating-point "
+                           "input)") &&
+                    !strstr(err_detail(), "mp_policy"),
+                "%s", st ? err_detail() : "ok");
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  ok(nn_ctx_new(&ctx));
+  in = input();
+  ok(nn_call(ctx, m, in, &out));
+  refused(nn_mse_loss(ctx, out, &target, &l),
+          "nn_mse_loss: prediction f32 and target i32: both "
+          "take a floating-point dtype");
+  nn_var_put(out);
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  tensor_free(&ids);
+  tensor_free(&target);
+  fsdp_free_all(m);
+  nn_module_free(m);
+  mesh_free(mesh);
+}
+END_TEST
+
 /* dtensor_distribute from one rank whose tensor's shape the others do not share: every rank is
  * refused alike (before: the source returned ok and the others an MPI truncation error). */
 START_TEST(distribute_agrees_on_the_shape) {
@@ -394,6 +437,19 @@ START_TEST(distribute_agrees_on_the_placements) {
              "dtensor_distribute of unequal placements: %s", st ? err_detail() : "ok");
   dtensor_free(x);
   x = NULL;
+  /* every rank passing the data: the shapes are compared all the same (a rank passing another
+   * one would shard another tensor) */
+  fsdpc_tensor_t other;
+  ok(tensor_zeros(&other, DTYPE_F32, device_cpu(), 2, (int64_t[]){world_rank() == 0 ? 12 : 4, 3}));
+  st = dtensor_distribute(&other, mesh, (placement_t[]){placement_shard(0)}, DTENSOR_ALL_RANKS, &x);
+  expect_all(world_size() == 1
+                 ? st == STATUS_OK
+                 : st != STATUS_OK && strstr(err_detail(), "pass tensors of different shapes"),
+             "dtensor_distribute (every rank the source) of unequal shapes: %s",
+             st ? err_detail() : "ok");
+  dtensor_free(x);
+  x = NULL;
+  tensor_free(&other);
   refused(dtensor_distribute(&i64, mesh, (placement_t[]){placement_partial(REDUCE_AVG)},
                              DTENSOR_ALL_RANKS, &x),
           "Partial(avg) on mesh dimension 0 needs a floating-point dtype, got i64");
@@ -426,23 +482,57 @@ START_TEST(checkpoint_entries_are_checked) {
   refused(dcp_save(dir, (dcp_entry_t[]){{"w", NULL}}, 1, world_pg()),
           "entry 0 ('w') has a NULL value");
   refused(dcp_save(dir, NULL, 0, world_pg()), "nothing to save");
-  /* the last rank leaves out its shard of "v" (Shard(0): 7 rows over the ranks), which the
-   * others save: refused on every rank (ranks saving different tensors, a pipeline's stages,
-   * are not) */
+  /* the last rank leaves out its shard of "v" (Shard(0): 7 rows over the ranks), or its
+   * replica of "w", which the others save: refused on every rank (ranks saving different
+   * tensors, a pipeline's stages, are not) */
   int last = world_rank() == world_size() - 1;
-  fsdpc_status_t st = dcp_save(dir, (dcp_entry_t[]){{"w", b}, {"v", a}}, last ? 1 : 2, world_pg());
+  for (int k = 0; k < 2; k++) {
+    dcp_entry_t both[2] = {{"w", b}, {"v", a}};
+    if (k == 1) both[0] = (dcp_entry_t){"v", a}, both[1] = (dcp_entry_t){"w", b};
+    fsdpc_status_t st = dcp_save(dir, both, last ? 1 : 2, world_pg());
+    char want[96];
+    snprintf(want, sizeof want, "tensor '%s' is passed by %d rank%s, its mesh has %d",
+             k == 0 ? "v" : "w", world_size() - 1, world_size() == 2 ? "" : "s", world_size());
+    expect_all(world_size() == 1 ? st == STATUS_OK
+                                 : st == STATUS_EINVAL && strstr(err_detail(), want) != NULL,
+               "dcp_save of a %s tensor a rank leaves out: %s", k == 0 ? "sharded" : "replicated",
+               st ? err_detail() : "ok");
+    if (world_size() > 1) ck_assert_msg(access(dir, F_OK) != 0, "a refused save wrote %s", dir);
+    if (world_size() == 1) file_remove_tree(dir);
+  }
+  /* a replicated tensor of another shape on one rank (its replica is never written) */
+  fsdpc_tensor_t g;
+  ok(tensor_zeros(&g, DTYPE_F32, device_cpu(), 2, (int64_t[]){last ? 5 : 7, 3}));
+  dtensor_t *c = NULL;
+  ok(dtensor_from_local(&g, mesh, (placement_t[]){placement_replicate()}, 2, g.shape, &c));
+  fsdpc_status_t st = dcp_save(dir, (dcp_entry_t[]){{"w", c}}, 1, world_pg());
   expect_all(world_size() == 1
                  ? st == STATUS_OK
-                 : st == STATUS_EINVAL && strstr(err_detail(), "the ranks' shards of tensor"),
-             "dcp_save of a tensor a rank leaves out: %s", st ? err_detail() : "ok");
-  if (world_size() > 1) ck_assert_msg(access(dir, F_OK) != 0, "a refused save wrote %s", dir);
-  if (world_size() > 1) ok(dcp_save(dir, (dcp_entry_t[]){{"w", a}, {"v", b}}, 2, world_pg()));
+                 : st == STATUS_EINVAL && strstr(err_detail(), "disagree on its shape or dtype"),
+             "dcp_save of a replicated tensor of another shape on one rank: %s",
+             st ? err_detail() : "ok");
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (world_rank() == 0) file_remove_tree(dir);
+  MPI_Barrier(MPI_COMM_WORLD);
+  dtensor_free(c);
+  tensor_free(&g);
+  /* a tensor without elements: nothing to write or read, refused by both */
+  dtensor_t *e0 = NULL;
+  ok(tensor_zeros(&g, DTYPE_F32, device_cpu(), 2, (int64_t[]){0, 3}));
+  ok(dtensor_distribute(&g, mesh, (placement_t[]){placement_shard(0)}, DTENSOR_ALL_RANKS, &e0));
+  refused(dcp_save(dir, (dcp_entry_t[]){{"w", a}, {"none", e0}}, 2, world_pg()),
+          "tensor 'none' has no elements (shape [0,3]): a checkpoint holds tensors with elements");
+  ck_assert_msg(access(dir, F_OK) != 0, "a refused save wrote %s", dir);
+  ok(dcp_save(dir, (dcp_entry_t[]){{"w", a}, {"v", b}}, 2, world_pg()));
   refused(dcp_load(dir, (dcp_entry_t[]){{NULL, a}}, 1, NULL), "entry 0 has a NULL name");
   ok(dtensor_distribute(&f, mesh, (placement_t[]){placement_partial(REDUCE_SUM)}, DTENSOR_ALL_RANKS,
                         &p));
   refused(dcp_load(dir, (dcp_entry_t[]){{"w", p}}, 1, NULL),
           "has placement P(sum) on mesh dimension 0");
   ok(dcp_load(dir, (dcp_entry_t[]){{"w", b}}, 1, NULL));
+  refused(dcp_load(dir, (dcp_entry_t[]){{"none", e0}}, 1, NULL), "tensor 'none' has no elements");
+  dtensor_free(e0);
+  tensor_free(&g);
   fsdpc_tensor_t full;
   ok(dtensor_full_tensor(b, &full));
   for (int i = 0; i < 21; i++)
@@ -505,6 +595,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, tensors_without_memory_and_narrow_bounds);
   tcase_add_test(tc, optimizer_and_checkpoint_pairing);
   tcase_add_test(tc, backward_and_hooks);
+  tcase_add_test(tc, integer_inputs_are_named);
   tcase_add_test(tc, distribute_agrees_on_the_shape);
   tcase_add_test(tc, fully_shard_agrees_on_the_unit);
   tcase_add_test(tc, fully_shard_agrees_on_the_options);
