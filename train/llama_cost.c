@@ -146,6 +146,14 @@ static void eval_peak(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n,
   bool gpt2 = c->arch == LLAMA_ARCH_GPT2;
   double mlp = (gpt2 ? 2 : 3) * N * F / t;
   double dense = ea * ((gpt2 ? 7 : 6) * N * D + (tp ? Ns * D : 0) + mlp);
+  /* inside the attention (q, k and v as wide as the heads, which may be wider than dim): the
+   * block's input, its norm and the residual, q, k and v, the rotated q and k (and Qwen3's
+   * normalised ones before), and the attention's output; GPT-2's heads are dim wide */
+  double QD = (double)c->n_heads * (double)llama_head_dim(c);
+  double KVD = (double)c->n_kv_heads * (double)llama_head_dim(c);
+  double attn = gpt2 ? 0
+                     : ea * (3 * N * D + (tp ? Ns * D : 0) +
+                             N * (3 * QD + 3 * KVD + (c->qk_norm ? QD + KVD : 0)) / t);
   /* a sparse block's: router logits and probabilities (f32), top-k weights, each token's k
    * rows, the experts' activations and outputs (under expert parallelism the rows sent and
    * received, there and back) and Qwen2-MoE's shared expert */
@@ -174,9 +182,10 @@ static void eval_peak(const fsdpc_plan_t *p, fsdp_group_t *const *groups, int n,
    * their reordering into whole rows) */
   for (int64_t j = 0; g && j < L; j++) {
     double ahead = j + 1 < L ? g[j + 1] : 0, kept = u->kept_all * (double)j / (double)L;
+    double mlp_at = llama_layer_is_moe(c, j) ? sparse : dense;
     llama_memory_t m =
-        moment("an evaluation's block", state, ids + (llama_layer_is_moe(c, j) ? sparse : dense),
-               u->root_gathered + g[j] + ahead + kept, 0);
+        moment(attn > mlp_at ? "an evaluation's attention" : "an evaluation's block", state,
+               ids + (attn > mlp_at ? attn : mlp_at), u->root_gathered + g[j] + ahead + kept, 0);
     if (m.peak > best.peak) best = m;
   }
   out->eval = g ? best.peak : 0; /* 0: not estimated (no memory for the table) */
@@ -239,6 +248,9 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
   double Nm = sp ? Ns : N;
   double block_moe = block + ea * (3 * Nm * Km * Fm + 2 * Nm * Km * D - 3 * N * F / t) +
                      4 * (2 * Nm * E + Nm * Km);
+  /* under expert parallelism the rows received, grouped by expert, the experts' outputs in
+   * the received order and back: four more copies of the k rows */
+  if (pp->ep > 1) block_moe += ea * 4 * Nm * Km * D;
   /* Qwen2-MoE's shared expert over those tokens: its 3 Nm Fs, its output, gate and gated
    * output */
   double Fs = (double)c->shared_ffn_dim;
@@ -327,18 +339,21 @@ static fsdpc_status_t estimate(const fsdpc_plan_t *p, fsdp_group_t *const *group
     double used = gpt2 && !tp ? out_b : 0;
     double own = ac ? (tp ? bi : bi - out_b - used) : bi - 2 * out_b - used;
     double below = ((double)i - sparse_below) * block + sparse_below * block_moe;
-    if (!last && !(dp && u.unit > 0)) break; /* nothing reduces: the last block peaks */
+    if (!last && u.unit == 0) break; /* no unit's gradients but the root's: the last peaks */
     double before = (double)i, after = L - 1 - before;
-    llama_memory_t m =
-        moment(last ? "the last block's backward"
-                    : "a block's backward while the next block's gradients reduce",
-               state + (after > 1 ? (after - 1) * u.unit_shard : 0),
-               ids + emb + (ac ? (before + 1) * out_b : below) + own,
-               u.root_gathered + u.unit_gathered + (i > 0 ? ahead : 0) +
-                   (before > 0 ? kept * before / (L - 1) : 0),
-               /* the reduction: its input whole, and its output shard (the input itself when
-                * shard groups have one rank) */
-               resid + mlp + root_pending + (last ? 0 : u.unit_reduce * (sh > 1 ? 1 + 1 / sh : 1)));
+    /* the gradient shards of the blocks after it: reduced, but for the next one's (in flight
+     * with data parallelism; added into its shards at once on one rank) */
+    double done = dp ? (after > 1 ? after - 1 : 0) : after;
+    llama_memory_t m = moment(
+        last ? "the last block's backward"
+        : dp ? "a block's backward while the next block's gradients reduce"
+             : "a block's backward beside the gradients of the blocks after it",
+        state + done * u.unit_shard, ids + emb + (ac ? (before + 1) * out_b : below) + own,
+        u.root_gathered + u.unit_gathered + (i > 0 ? ahead : 0) +
+            (before > 0 ? kept * before / (L - 1) : 0),
+        /* the reduction: its input whole, and its output shard (the input itself when
+         * shard groups have one rank) */
+        resid + mlp + root_pending + (last || !dp ? 0 : u.unit_reduce * (sh > 1 ? 1 + 1 / sh : 1)));
     if (m.peak > out->peak) *out = m;
   }
   out->moments = moments; /* part of the state at every moment */

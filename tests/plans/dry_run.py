@@ -168,6 +168,61 @@ def dry_run():
                                        before * 1024 // 1000000))
 
 
+def peak_moments():
+    """The estimate where the peak moves off the shipped plans' moments, within 5% of the real
+    run: one rank with activation checkpointing and a small batch (the gradients of the blocks
+    already through backward dominate), tensor parallelism without data parallelism likewise,
+    experts exchanged by expert parallelism (the rows received, grouped and sent back), and an
+    evaluation of heads wider than dim (Qwen3's: its attention outgrows its MLP)."""
+    tmp = mkdtemp()
+    data = os.path.join(ROOT, "data", "corpus.txt")
+    base = ("parallelize: {fully_shard: {units: ['model.layers.*']}}\n"
+            "optim: {lr: 3.0e-3, weight_decay: 0.1, clip_grad_norm: 1.0}\n"
+            "data: {path: %s, format: text, seq_len: 32, batch_size: 8}\n"
+            "train: {steps: 3}\n" % data)
+    small = "model: {config: %s, seed: 1}\n" % os.path.join(ROOT, "configs", "llama-small.json")
+    tiny = ("model: {dim: 32, n_layers: 4, n_heads: 4, n_kv_heads: 2, ffn_dim: 64, "
+            "vocab_size: 256, max_seq_len: 64, seed: 1}\n")
+    moe = os.path.join(tmp, "moe.json")
+    with open(moe, "w") as f:
+        f.write('{"model_type": "qwen3_moe", "head_dim": 16, "hidden_size": 32, '
+                '"intermediate_size": 64, "moe_intermediate_size": 16, "num_attention_heads": 4, '
+                '"num_key_value_heads": 2, "num_hidden_layers": 4, "num_experts": 8, '
+                '"num_experts_per_tok": 2, "norm_topk_prob": true, "vocab_size": 256, '
+                '"max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1e6, '
+                '"tie_word_embeddings": false}')
+    ac = ["--set", "train.activation_checkpointing=true", "--set", "data.seq_len=128"]
+    evals = ["--set", "eval.path=" + data, "--set", "eval.batch_size=16", "--set",
+             "eval.batches=2", "--set", "eval.interval=1"]
+    for name, n, model, sets, key in (
+            ("one rank, checkpointing, batch 4", 1, small, ac + ["--set", "data.batch_size=4"],
+             "peak"),
+            ("tp 2 without data parallelism, checkpointing", 2, small,
+             ac + ["--set", "data.batch_size=4", "--set", "mesh.dp_shard=1", "--set", "mesh.tp=2"],
+             "peak"),
+            ("Qwen3-MoE, expert parallelism 4", 4, "model: {config: %s, seed: 1}\n" % moe,
+             ["--set", "data.batch_size=2", "--set", "mesh.ep=4"], "peak"),
+            ("Qwen3 heads of 16 (64 wide on dim 32), the evaluation", 1, tiny,
+             evals + ["--set", "model.architecture=qwen3", "--set", "model.head_dim=16"],
+             "eval_peak")):
+        plan = os.path.join(tmp, "plan.yaml")
+        with open(plan, "w") as f:
+            f.write(model + base)
+        p, _ = run(n, [plan, "--dry-run"] + sets)
+        est = re.search(r"^%s_bytes (\d+)$" % key, p.stdout, re.M)
+        metrics = os.path.join(tmp, "m.jsonl")
+        q, _ = run(n, [plan, "--metrics", metrics] + sets)
+        rows = losses(metrics) if q.returncode == 0 else []
+        got = max((r.get(key + "_mem_bytes", 0) for r in rows), default=0)
+        want = int(est.group(1)) if est else -1
+        check(got > 0 and abs(want - got) <= 0.05 * got,
+              "%s: %s %d B, estimated %d B (%+.1f%%)" % (
+                  name, key.replace("_", " "), got, want, 100.0 * (want - got) / max(got, 1)))
+        if got == 0 or est is None:
+            print(p.stdout[-400:], p.stderr[-400:], q.stderr[-400:])
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def state_dtype():
     """optim.state_dtype: bf16 (AdamW's moments in bf16): fsdp.yaml on 4 ranks trains fifty
     steps within bf16's noise of the f32 moments' losses; the state measured after a step is
