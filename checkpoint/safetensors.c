@@ -154,7 +154,23 @@ static fsdpc_status_t parse_metadata(st_file_t *f, const cJSON *m) {
   return STATUS_OK;
 }
 
+/* Whether JSON text escapes a NUL character (\u0000), which a C string would end at: a name
+ * that reads as another. */
+static bool escapes_nul(const char *text) {
+  for (const char *at = text; (at = strstr(at, "u0000")) != NULL; at++) {
+    int slashes = 0;
+    for (const char *b = at - 1; b >= text && *b == '\\'; b--) slashes++;
+    if (slashes % 2 == 1) return true;
+  }
+  return false;
+}
+
 static fsdpc_status_t parse_header(st_file_t *f, const char *text) {
+  if (escapes_nul(text))
+    return err_set(STATUS_EFORMAT,
+                   "%s: the header holds a NUL character (\\u0000) in a name or value, which "
+                   "would read as another name",
+                   f->path);
   const char *end = NULL;
   cJSON *root = cJSON_ParseWithOpts(text, &end, false);
   if (root == NULL || !cJSON_IsObject(root)) {

@@ -3,16 +3,17 @@
 #include <cJSON.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "core/args_impl.h"
-#include "core/file.h"
 #include "checkpoint/dcp_integrity_impl.h"
 #include "checkpoint/train_ckpt_impl.h"
+#include "core/args_impl.h"
+#include "core/file.h"
 
 #define PATH_LEN 4400
 
@@ -238,12 +239,22 @@ static fsdpc_status_t load_state(const char *dir, char *path, size_t size, cJSON
 
 static fsdpc_status_t state_steps(const char *path, const cJSON *o, int64_t *step,
                                   int64_t *optim_steps) {
-  const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "step");
-  const cJSON *os = cJSON_GetObjectItemCaseSensitive(o, "optim_steps");
-  if (!cJSON_IsNumber(s) || !cJSON_IsNumber(os) || s->valuedouble < 0 || os->valuedouble < 0)
-    return err_set(STATUS_EFORMAT, "%s: expected {\"step\": N, \"optim_steps\": N, ...}", path);
-  *step = (int64_t)s->valuedouble;
-  *optim_steps = (int64_t)os->valuedouble;
+  const char *keys[2] = {"step", "optim_steps"};
+  int64_t *out[2] = {step, optim_steps};
+  for (int k = 0; k < 2; k++) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, keys[k]);
+    if (!cJSON_IsNumber(v))
+      return err_set(STATUS_EFORMAT,
+                     "%s: expected {\"step\": N, \"optim_steps\": N, ...}: "
+                     "\"%s\" is %s",
+                     path, keys[k], v ? "not a number" : "missing");
+    double x = v->valuedouble; /* a count a run reaches, exactly representable */
+    if (!(x >= 0 && x <= 9007199254740992.0) || x != floor(x))
+      return err_set(STATUS_EFORMAT,
+                     "%s: \"%s\" is %.17g: expected a whole number of steps from 0 to 2^53", path,
+                     keys[k], x);
+    if (out[k]) *out[k] = (int64_t)x;
+  }
   return STATUS_OK;
 }
 
@@ -297,6 +308,9 @@ static fsdpc_status_t check_state(const char *path, const char *model, const cha
                    "changed): the checkpoint is corrupt",
                    path);
   bool wants_optim = hex_member(it, "optim", &want_o);
+  if (rm == NULL || (wants_optim && ro == NULL))
+    return err_set(STATUS_EFORMAT, "%s is missing, which %s records (removed?)",
+                   rm == NULL ? model : optim, path);
   if (!m_has || m_id != want_m)
     return err_set(STATUS_EFORMAT,
                    "%s was not written by the save that wrote %s (a folder of another "
@@ -360,6 +374,7 @@ static fsdpc_status_t opened_open(const char *dir, opened_t *c) {
   FSDPC_TRY(file_join(c->model, sizeof c->model, dir, "model"));
   FSDPC_TRY(file_join(c->optim, sizeof c->optim, dir, "optim"));
   fsdpc_status_t st = load_state(dir, c->path, sizeof c->path, &c->state);
+  if (st == STATUS_OK) st = state_steps(c->path, c->state, NULL, NULL);
   if (st == STATUS_OK) st = open_if_any(c->model, &c->rm);
   if (st == STATUS_OK) st = open_if_any(c->optim, &c->ro);
   if (st == STATUS_OK) st = check_state(c->path, c->model, c->optim, c->state, c->rm, c->ro);
@@ -373,6 +388,57 @@ fsdpc_status_t ckpt_check_state(const char *dir) {
   FSDPC_TRY(opened_open(dir, &c));
   opened_close(&c);
   return STATUS_OK;
+}
+
+static int by_tensor_name(const void *key, const void *t) {
+  return strcmp(key, ((const dcp_tensor_t *)t)->name);
+}
+
+/* Tensor name of folder r (at path) as a parameter of shape sh takes it. */
+static fsdpc_status_t check_tensor(dcp_reader_t *r, const char *path, const char *name, int nd,
+                                   const int64_t *sh) {
+  const dcp_tensor_t *list;
+  int n;
+  FSDPC_TRY(dcp_reader_list(r, &list, &n));
+  const dcp_tensor_t *t = bsearch(name, list, (size_t)n, sizeof *list, by_tensor_name);
+  char a[96], b[96];
+  if (t == NULL) return err_set(STATUS_EFORMAT, "checkpoint %s: missing tensor '%s'", path, name);
+  if (t->dtype == DTYPE_COUNT || !dtype_is_float(t->dtype))
+    return err_set(STATUS_EDTYPE, "checkpoint %s: tensor '%s' is stored as %s, not a float dtype",
+                   path, name, t->dtype_name);
+  if (t->ndim != nd || memcmp(t->shape, sh, sizeof(int64_t) * (size_t)nd) != 0)
+    return err_set(STATUS_ESHAPE,
+                   "checkpoint %s: tensor '%s' was saved with shape %s, the "
+                   "model's is %s",
+                   path, name, tensor_shape_str(t->ndim, t->shape, a, sizeof a),
+                   tensor_shape_str(nd, sh, b, sizeof b));
+  return STATUS_OK;
+}
+
+fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int n) {
+  ARG_NONNULL(dir);
+  if (n > 0) ARG_NONNULL(params);
+  opened_t c;
+  int64_t s = 0, os = 0;
+  FSDPC_TRY(opened_open(dir, &c));
+  fsdpc_status_t st = state_steps(c.path, c.state, &s, &os);
+  if (st == STATUS_OK && c.rm == NULL)
+    st = err_set(STATUS_EFORMAT, "checkpoint %s: no model folder", dir);
+  if (st == STATUS_OK && os > 0 && c.ro == NULL)
+    st = err_set(STATUS_EFORMAT, "checkpoint %s: no optim folder, yet %lld optimizer steps", dir,
+                 (long long)os);
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    const dtensor_t *v = params[i]->value;
+    int nd = dtensor_ndim(v);
+    st = check_tensor(c.rm, c.model, params[i]->fqn, nd, dtensor_shape(v));
+    for (int k = 0; k < 2 && st == STATUS_OK && c.ro != NULL; k++) {
+      char name[1024];
+      snprintf(name, sizeof name, "%s.%s", params[i]->fqn, k ? "exp_avg_sq" : "exp_avg");
+      st = check_tensor(c.ro, c.optim, name, nd, dtensor_shape(v));
+    }
+  }
+  opened_close(&c);
+  return st;
 }
 
 fsdpc_status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,

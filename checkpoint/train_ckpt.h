@@ -94,6 +94,13 @@ fsdpc_status_t ckpt_load_training(const char *dir, nn_param_t *const *params, in
  * folders carry none either (an earlier version's or another tool's). Local. */
 fsdpc_status_t ckpt_check_state(const char *dir);
 
+/* What ckpt_load_training would refuse of the tensors, found without reading them: every one
+ * of the n parameters (their global shapes: a model built for deferred initialisation will
+ * do) in model/ under its name, of its shape and a floating-point dtype, and where the state
+ * records optimizer steps (or optim/ exists) both AdamW moments in optim/ likewise; the state
+ * checked first (ckpt_check_state). Tensors no parameter names are left alone. Local. */
+fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int n);
+
 /* Adds (or replaces) the integrity record of a train state given as JSON text: model_id and
  * optim_id (NULL: weights only) are the ids of the saves of its folders (dcp_write). The
  * sealed text into *out (caller frees). For tools that write checkpoints. */

@@ -544,8 +544,13 @@ void parallel_free(parallel_t *par) {
 /* A stacked experts' weight under mesh.ep, on the world mesh ((dp_replicate,) dp_shard / ep,
  * ep(, tp)): its experts split over ep, that split sharded on dimension d over dp_shard / ep
  * (strided when d is the experts' dimension: the shards chunk each rank's experts), whole on
- * every replica and tp rank (their files written once). When ep borrows tp, the ep dimension
- * is ep / tp dp ranks and tp flattened (adjacent in the world mesh). */
+ * every replica (their files written once). With tp, their fully_shard spans dp_shard / ep and
+ * tp flattened: so sharded on d over tp too, tp's chunks innermost; where d is the experts'
+ * dimension and dp_shard / ep > 1 that order has no placements on this mesh (the strided
+ * shard would put dp_shard / ep's chunks innermost), and the experts stay whole on tp (the
+ * same values, each written once, read by a tp rank from its neighbour's file). When ep
+ * borrows tp, the ep dimension is ep / tp dp ranks and tp flattened (adjacent in the world
+ * mesh), and the experts shard over dp_shard / ep alone. */
 static fsdpc_status_t expert_placements(const parallel_plan_t *pp, int d, int *mesh_ndim,
                                         int *mesh_shape, placement_t *pl) {
   int md = 0;
@@ -554,13 +559,14 @@ static fsdpc_status_t expert_placements(const parallel_plan_t *pp, int d, int *m
     pl[md++] = placement_replicate();
   }
   bool borrow = parallel_plan_ep_borrows_tp(pp); /* the split over ep / tp dp ranks and tp */
-  mesh_shape[md] = pp->dp_shard / (borrow ? pp->ep / pp->tp : pp->ep);
-  pl[md++] = d == 0 ? placement_strided_shard(0, pp->ep) : placement_shard(d);
+  int outer = pp->dp_shard / (borrow ? pp->ep / pp->tp : pp->ep);
+  mesh_shape[md] = outer;
+  pl[md++] = d == 0 && outer > 1 ? placement_strided_shard(0, pp->ep) : placement_shard(d);
   mesh_shape[md] = pp->ep;
   pl[md++] = placement_shard(0);
   if (pp->tp > 1 && !borrow) {
     mesh_shape[md] = pp->tp;
-    pl[md++] = placement_replicate();
+    pl[md++] = d == 0 && outer > 1 ? placement_replicate() : placement_shard(d);
   }
   *mesh_ndim = md;
   return STATUS_OK;

@@ -280,6 +280,37 @@ static fsdpc_status_t inspect(const char *dir) {
   return st;
 }
 
+/* The checkpoint's tensors against model's parameters (ckpt_check_params): what a load of
+ * that model refuses. */
+static fsdpc_status_t check_params_of(const char *dir, llama_t *model) {
+  nn_param_t **ps = NULL;
+  int n = 0;
+  FSDPC_TRY(nn_named_parameters(llama_module(model), &ps, &n));
+  fsdpc_status_t st = ckpt_check_params(dir, ps, n);
+  free(ps);
+  return st;
+}
+
+/* A training checkpoint of a model fsdp-train builds (its record says which) against that
+ * model, a meta one (no memory); any other model's checkpoint passes. */
+static fsdpc_status_t check_recorded_model(const char *dir) {
+  char *config = NULL;
+  FSDPC_TRY(ckpt_recorded_config(dir, &config));
+  fsdpc_status_t st = STATUS_OK;
+  if (config && hf_config_is_family(config)) {
+    llama_config_t c;
+    llama_options_t lo = LLAMA_OPTIONS_INIT;
+    lo.deferred = true;
+    llama_t *model = NULL;
+    st = llama_config_from_hf_text(config, dir, &c);
+    if (st == STATUS_OK) st = llama_new(&c, &lo, &model);
+    if (st == STATUS_OK) st = check_params_of(dir, model);
+    llama_free(model);
+  }
+  free(config);
+  return st;
+}
+
 /* ---- verify ---- */
 
 /* Checks every chunk of every tensor of one folder; reports each damaged tensor and adds the
@@ -326,7 +357,10 @@ static fsdpc_status_t verify(const char *dir) {
   if (damaged > 0)
     return err_set(STATUS_EFORMAT, "%s: %d tensor%s damaged (named above)", dir, damaged,
                    damaged == 1 ? "" : "s");
-  return check_complete(dir);
+  FSDPC_TRY(check_complete(dir));
+  char state[PATH_LEN];
+  FSDPC_TRY(file_join(state, sizeof state, dir, "train_state.json"));
+  return file_lexists(state) ? check_recorded_model(dir) : STATUS_OK;
 }
 
 /* ---- export-hf, import-hf ---- */
@@ -477,8 +511,10 @@ static char *reshard_record(const fsdpc_plan_t *p, const reshard_opts_t *o, cons
   cJSON *src = ckpt_state_text(dir, &text) == STATUS_OK && text ? cJSON_Parse(text) : NULL;
   free(text);
   const cJSON *was = cJSON_GetObjectItemCaseSensitive(src, "saved_under");
-  const char *kept[3] = {"global_batch", "data_order", "schedule"};
-  for (int k = 0; k < 3 && cJSON_IsObject(was); k++) {
+  /* what the run resumed from it continues: its data, its schedule, the step's metrics line
+   * and an evaluation a stop skipped */
+  const char *kept[5] = {"global_batch", "data_order", "schedule", "metrics", "eval_pending"};
+  for (int k = 0; k < 5 && cJSON_IsObject(was); k++) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(was, kept[k]);
     if (v != NULL) cJSON_AddItemToObject(nu, kept[k], cJSON_Duplicate(v, true));
   }
@@ -536,6 +572,7 @@ static fsdpc_status_t reshard(const char *dir, const char *out, const reshard_op
   lo.deferred = true;
   llama_t *model = NULL;
   if (st == STATUS_OK && llama) st = llama_new(&p.model, &lo, &model);
+  if (st == STATUS_OK && llama) st = check_params_of(dir, model); /* what no load would take */
   kinds_t kinds = {model ? llama_module(model) : NULL, o->embeddings, o->n_embeddings, &p};
   char *under = reshard_record(&p, o, dir, world, config);
   if (st == STATUS_OK && under == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");

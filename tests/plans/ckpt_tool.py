@@ -385,6 +385,80 @@ def ckpt_tool():
               "every load refuses" % nostate in p.stderr and not os.path.exists(out),
               "export-hf%s of a step folder without train_state.json: refused, no OUT (%s)"
               % (" --config" if extra else "", p.stderr.strip()[-200:]))
+    # a checkpoint without checksums (another tool's) that no load would take: a parameter or
+    # a moment missing, a parameter of an integer dtype, a step beyond 2^53; verify and
+    # reshard refuse it, naming what, and write nothing (before, reshard wrote it out with
+    # fresh checksums); the same checkpoint whole passes both
+    def unchecked(name, drop=None, retype=None, state=None):
+        dst = os.path.join(tmp, name)
+        shutil.copytree(step, dst)
+        strip_records(dst)
+
+        def edit(path):  # the tensor dropped with its bytes, the rest laid out again
+            import struct
+            h, data = st_read(path)
+            info = json.loads(h["__metadata__"]["DCP_SHARDING_INFO"])
+            info.pop(drop, None)
+            h["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+            h.pop(drop, None)
+            if retype in h:
+                h[retype]["dtype"] = "I32"
+            out = b""
+            for k in sorted((k for k in h if k != "__metadata__"),
+                            key=lambda k: h[k]["data_offsets"][0]):
+                b, e = h[k]["data_offsets"]
+                h[k]["data_offsets"] = [len(out), len(out) + e - b]
+                out += data[b:e]
+            hj = json.dumps(h).encode()
+            hj += b" " * (-len(hj) % 8)
+            with open(path, "wb") as f:
+                f.write(struct.pack("<Q", len(hj)) + hj + out)
+        for sub in ("model", "optim"):
+            for fname in os.listdir(os.path.join(dst, sub)):
+                edit(os.path.join(dst, sub, fname))
+        edit_state(dst, lambda st: st.update(state or {}))
+        return dst
+    q = "model.layers.0.self_attn.q_proj.weight"
+    to = os.path.join(ROOT, "configs", "fsdp.yaml")
+    for name, kw, said in (
+            ("whole", {}, None),
+            ("no-q", {"drop": q}, "model: missing tensor '%s'" % q),
+            ("no-moment", {"drop": q + ".exp_avg_sq"}, "optim: missing tensor '%s.exp_avg_sq'" % q),
+            ("int-q", {"retype": q}, "tensor '%s' is stored as I32, not a float dtype" % q),
+            ("huge-step", {"state": {"step": 2 ** 70}}, '"step" is 1.1805916207174113e+21: '
+             'expected a whole number of steps from 0 to 2^53')):
+        src = unchecked("unchecked-" + name, **kw)
+        out = os.path.join(tmp, "unchecked-%s-rs" % name)
+        v = tool_run("verify", src)
+        r = tool_run("reshard", src, "--to", to, out, "--world", "2")
+        if said is None:
+            check(v.returncode == 0 and r.returncode == 0 and os.path.isdir(out),
+                  "a checkpoint without checksums, whole: verify and reshard take it (%s)"
+                  % (v.stderr + r.stderr).strip()[-300:])
+            # the reshard keeps the step's metrics line (which a resumed run writes when its
+            # file lacks it)
+            was, now = ({} if not os.path.isdir(x) else json.load(open(os.path.join(
+                x, "train_state.json")))["saved_under"] for x in (src, out))
+            check("metrics" in was and now.get("metrics") == was["metrics"],
+                  "reshard keeps the step's metrics line: %s" % now.get("metrics"))
+        else:
+            check(v.returncode != 0 and said in v.stderr and r.returncode != 0 and
+                  said in r.stderr and not os.path.exists(out),
+                  "a checkpoint without checksums, %s: verify and reshard refuse it, /%s/, no OUT "
+                  "(%s)" % (name, said, (v.stderr + r.stderr).strip()[-300:]))
+    # a name holding a NUL character (\u0000), which a C string ends at: refused, not read as
+    # the name before it
+    nul = os.path.join(tmp, "hf-nul")
+    shutil.copytree(os.path.join(tmp, "hf-f32"), nul)
+
+    def nul_name(h):
+        h[q + "\u0000junk"] = h.pop(q)
+    edit_header(os.path.join(nul, "model.safetensors"), nul_name)
+    out = os.path.join(tmp, "hf-nul-ck")
+    p = tool_run("import-hf", nul, out)
+    check(p.returncode != 0 and "holds a NUL character" in p.stderr and not os.path.exists(out),
+          "import-hf of a tensor name holding \\u0000: refused, no OUT (%s)"
+          % p.stderr.strip()[-200:])
     out = os.path.join(tmp, "bare-hf")  # a folder of tensors only: the model's config asked for
     p = tool_run("export-hf", os.path.join(step, "model"), out)
     check(p.returncode != 0 and "model: no train_state.json, which records the model's config "
@@ -908,7 +982,7 @@ def ckpt_family():
     """Qwen2, Qwen3, GPT-2 and Qwen3-MoE checkpoints, no model flags given: import-hf of
     tests/reference's folder (Qwen3-MoE's per-expert tensors stacked), inspect and verify,
     reshard to FSDP 2 x TP 2 by the architecture's built-in plan (Qwen3-MoE: with mesh.ep=2,
-    each ep rank's file holding its two experts of each layer)
+    each ep rank's two experts of each layer sharded over its tp ranks, as the run saves them)
     (GPT-2's c_attn, [dim, 3 dim] in the folder, kept [dim, 3, dim] and split by head: each
     rank's chunk holds its heads of q, k and v), export-hf back: config.json of its architecture
     and every tensor of the folder bit for bit (the tied lm_head left out, as transformers
@@ -947,10 +1021,10 @@ def ckpt_family():
                   is not None and "experts.0.up_proj" not in p.stdout,
                   "%s: import-hf stacks each layer's experts into one tensor" % tag)
             chunks = saved_chunks(tp, "model.layers.0.mlp.experts.up_proj")
-            want_chunks = [([2, 32, 64], [0, 0, 0]), ([2, 32, 64], [2, 0, 0])]
+            want_chunks = [([1, 32, 64], [e, 0, 0]) for e in range(4)]
             check(sorted(chunks) == want_chunks, "%s: resharded for mesh.ep=2 (x tp 2), the "
-                  "experts' chunks are %s (want %s: each ep rank's two, written once)"
-                  % (tag, sorted(chunks), want_chunks))
+                  "experts' chunks are %s (want %s: each ep rank's two, sharded over its tp "
+                  "ranks as the run's fully_shard shards them)" % (tag, sorted(chunks), want_chunks))
             # another routing (top-k, renormalisation) is another model: refused by name when
             # resumed or resharded to, before anything runs or is written
             with open(os.path.join(hf, "config.json")) as f:
