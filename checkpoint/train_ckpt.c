@@ -415,18 +415,27 @@ static fsdpc_status_t check_tensor(dcp_reader_t *r, const char *path, const char
   return STATUS_OK;
 }
 
+/* A training checkpoint opened with its steps: a model folder, and an optim folder where it
+ * records optimizer steps (a weights-only one, fsdp-ckpt import-hf's, has neither). */
+static fsdpc_status_t opened_training(const char *dir, opened_t *c, int64_t *s, int64_t *os) {
+  FSDPC_TRY(opened_open(dir, c));
+  fsdpc_status_t st = state_steps(c->path, c->state, s, os);
+  if (st == STATUS_OK && c->rm == NULL)
+    st = err_set(STATUS_EFORMAT, "checkpoint %s: no model folder", dir);
+  if (st == STATUS_OK && *os > 0 && c->ro == NULL)
+    st = err_set(STATUS_EFORMAT, "checkpoint %s: no optim folder, yet %lld optimizer steps", dir,
+                 (long long)*os);
+  if (st != STATUS_OK) opened_close(c);
+  return st;
+}
+
 fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int n) {
   ARG_NONNULL(dir);
   if (n > 0) ARG_NONNULL(params);
   opened_t c;
   int64_t s = 0, os = 0;
-  FSDPC_TRY(opened_open(dir, &c));
-  fsdpc_status_t st = state_steps(c.path, c.state, &s, &os);
-  if (st == STATUS_OK && c.rm == NULL)
-    st = err_set(STATUS_EFORMAT, "checkpoint %s: no model folder", dir);
-  if (st == STATUS_OK && os > 0 && c.ro == NULL)
-    st = err_set(STATUS_EFORMAT, "checkpoint %s: no optim folder, yet %lld optimizer steps", dir,
-                 (long long)os);
+  FSDPC_TRY(opened_training(dir, &c, &s, &os));
+  fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     const dtensor_t *v = params[i]->value;
     int nd = dtensor_ndim(v);
@@ -449,14 +458,9 @@ fsdpc_status_t ckpt_load_training(const char *dir, nn_param_t *const *params, in
   ARG_NONNULL(step);
   opened_t c;
   int64_t s = 0, os = 0;
-  FSDPC_TRY(opened_open(dir, &c));
-  fsdpc_status_t st = state_steps(c.path, c.state, &s, &os);
-  if (st == STATUS_OK && c.rm == NULL)
-    st = err_set(STATUS_EFORMAT, "checkpoint %s: no model folder", dir);
+  FSDPC_TRY(opened_training(dir, &c, &s, &os));
+  fsdpc_status_t st = STATUS_OK;
   bool weights_only = os == 0 && c.ro == NULL; /* fsdp-ckpt import-hf */
-  if (st == STATUS_OK && !weights_only && c.ro == NULL)
-    st = err_set(STATUS_EFORMAT, "checkpoint %s: no optim folder, yet %lld optimizer steps",
-                 dir, (long long)os);
   ckpt_entries_t e = {0};
   dcp_stats_t a = {0}, b = {0};
   for (int i = 0; i < n && st == STATUS_OK; i++) st = nn_param_written(params[i]);

@@ -156,6 +156,25 @@ static int shards_differ(const run_t *a, const run_t *b, bool grads) {
   return bad;
 }
 
+/* r: the tiny Llama, every layer and the root fully sharded over mesh (bf16 parameters with
+ * f32 reductions, or f32), with its optimizer. */
+static void sharded_run(run_t *r, const llama_config_t *cfg, mesh_t *mesh, bool bf16) {
+  run_init(r, cfg);
+  fsdp_options_t opt = FSDP_OPTIONS_INIT;
+  opt.mesh = mesh;
+  if (bf16) opt.param_dtype = DTYPE_BF16, opt.reduce_dtype = DTYPE_F32;
+  for (int i = 0; i < cfg->n_layers; i++) ok(fully_shard(llama_layer(r->m, i), &opt, NULL));
+  ok(fully_shard(llama_module(r->m), &opt, NULL));
+  run_optim(r);
+}
+
+static void run_free(run_t *r) {
+  optim_free(r->opt);
+  free(r->ps);
+  fsdp_free_all(llama_module(r->m));
+  llama_free(r->m);
+}
+
 /* One training step on the one-rank path and on the flat-buffer path, in f32 and with bf16
  * parameters: the same gradients after two micro-batches (the first ending without waiting
  * for its reductions) and the same parameters after the optimizer step, bit for bit. More
@@ -171,13 +190,7 @@ START_TEST(one_rank_path_trains_as_flat_path) {
     run_t r[2];
     for (int k = 0; k < 2; k++) {
       fsdp_set_one_rank_path(k == 0);
-      run_init(&r[k], &cfg);
-      fsdp_options_t opt = FSDP_OPTIONS_INIT;
-      opt.mesh = mesh;
-      if (bf16) opt.param_dtype = DTYPE_BF16, opt.reduce_dtype = DTYPE_F32;
-      for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(r[k].m, i), &opt, NULL));
-      ok(fully_shard(llama_module(r[k].m), &opt, NULL));
-      run_optim(&r[k]);
+      sharded_run(&r[k], &cfg, mesh, bf16);
       for (int micro = 0; micro < 2; micro++) {
         fsdp_set_is_last_backward(llama_module(r[k].m), micro == 1);
         fwd_bwd(r[k].m, d, &spec, 0, micro);
@@ -187,12 +200,7 @@ START_TEST(one_rank_path_trains_as_flat_path) {
     for (int k = 0; k < 2; k++) ok(optim_step(r[k].opt, 1.0));
     bad += shards_differ(&r[0], &r[1], false);
     expect_all(bad == 0, "%s: %d shards differ between the paths", bf16 ? "bf16" : "f32", bad);
-    for (int k = 0; k < 2; k++) {
-      optim_free(r[k].opt);
-      free(r[k].ps);
-      fsdp_free_all(llama_module(r[k].m));
-      llama_free(r[k].m);
-    }
+    for (int k = 0; k < 2; k++) run_free(&r[k]);
   }
   fsdp_set_one_rank_path(true);
   data_free(d);
@@ -215,14 +223,8 @@ START_TEST(kept_unsharded_params_see_the_step) {
     run_t r[2];
     double loss[2][4];
     for (int k = 0; k < 2; k++) {
-      run_init(&r[k], &cfg);
-      fsdp_options_t opt = FSDP_OPTIONS_INIT;
-      opt.mesh = mesh;
-      if (bf16) opt.param_dtype = DTYPE_BF16, opt.reduce_dtype = DTYPE_F32;
-      for (int i = 0; i < cfg.n_layers; i++) ok(fully_shard(llama_layer(r[k].m, i), &opt, NULL));
-      ok(fully_shard(llama_module(r[k].m), &opt, NULL));
+      sharded_run(&r[k], &cfg, mesh, bf16);
       fsdp_set_reshard_after_backward(llama_module(r[k].m), k == 0);
-      run_optim(&r[k]);
       for (int step = 0; step < 4; step++) {
         if (step == 3) { /* a weight written whole between steps */
           const dtensor_t *v = r[k].ps[0]->value;
@@ -244,12 +246,7 @@ START_TEST(kept_unsharded_params_see_the_step) {
                "%.9g against %.9g %.9g %.9g %.9g)",
                bf16 ? "bf16" : "f32", bad, loss[1][0], loss[1][1], loss[1][2], loss[1][3],
                loss[0][0], loss[0][1], loss[0][2], loss[0][3]);
-    for (int k = 0; k < 2; k++) {
-      optim_free(r[k].opt);
-      free(r[k].ps);
-      fsdp_free_all(llama_module(r[k].m));
-      llama_free(r[k].m);
-    }
+    for (int k = 0; k < 2; k++) run_free(&r[k]);
   }
   data_free(d);
   mesh_free(mesh);
