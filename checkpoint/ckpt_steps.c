@@ -298,6 +298,23 @@ fsdpc_status_t ckpt_latest(const char *root, char *out, size_t size, bool *found
   return STATUS_OK;
 }
 
+fsdpc_status_t ckpt_latest_before(const char *root, int64_t before, char *out, size_t size,
+                                  bool *found) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(out);
+  ARG_NONNULL(found);
+  int64_t *steps, partial;
+  int n;
+  bool tmp;
+  FSDPC_TRY(list_steps(root, &steps, &n, &partial, &tmp));
+  int k = n - 1;
+  while (k >= 0 && steps[k] >= before) k--;
+  *found = k >= 0;
+  if (k >= 0) ckpt_step_dir(root, steps[k], out, size);
+  free(steps);
+  return STATUS_OK;
+}
+
 fsdpc_status_t ckpt_prune(const char *root, int keep) {
   ARG_NONNULL(root);
   if (keep <= 0) return STATUS_OK;

@@ -134,6 +134,11 @@ fsdpc_status_t ckpt_verify_training(const char *dir, pg_t *pg, int64_t *chunks);
 fsdpc_status_t ckpt_latest(const char *root, char *out, size_t size, bool *found, char *skipped,
                            size_t skipped_size);
 
+/* The newest complete checkpoint in root older than step before (the one to fall back to when
+ * the newest is damaged) into out; *found false when there is none. Local. */
+fsdpc_status_t ckpt_latest_before(const char *root, int64_t before, char *out, size_t size,
+                                  bool *found);
+
 /* Calls fn(ctx, name, step, kind) for each entry directly under root named step-NNNNNNNN
  * (CKPT_STEP_COMPLETE with a train_state.json, else CKPT_STEP_INCOMPLETE) or
  * step-NNNNNNNN.tmp (CKPT_STEP_TMP), as ckpt_step_dir names them (step-6 is not one), links

@@ -745,8 +745,29 @@ static bool answered(int argc, char **argv) {
 }
 
 /* The run of an agreed set-up: the build, the header, then the dry run or the training. */
+/* A damaged newest checkpoint that checkpoint.load: auto took (its files named in the error):
+ * the error names the one before it, which a resume may take instead. */
+static fsdpc_status_t name_older(const run_t *r, fsdpc_status_t st) {
+  const fsdpc_plan_t *p = &r->plan;
+  int64_t step;
+  bool tmp, found = false;
+  const char *base = strrchr(r->resumed_from, '/');
+  if (st != STATUS_EFORMAT || strcmp(p->ckpt_load, "auto") != 0 || !r->resumed_from[0] ||
+      strstr(err_detail(), r->resumed_from) == NULL ||
+      !ckpt_step_name(base ? base + 1 : r->resumed_from, &step, &tmp))
+    return st;
+  char older[PLAN_PATH_MAX], was[2048];
+  snprintf(was, sizeof was, "%s", err_detail());
+  if (ckpt_latest_before(p->ckpt_dir, step, older, sizeof older, &found) != STATUS_OK || !found)
+    return err_set(st, "%s", was); /* (the listing's own error, if any, not this run's) */
+  return err_set(st,
+                 "%s (checkpoint.load: auto takes the newest checkpoint, %s; to resume the one "
+                 "before it, check it with fsdp-ckpt verify %s and give checkpoint.load=%s)",
+                 was, r->resumed_from, older, older);
+}
+
 static int run(run_t *r) {
-  if (!agree(start(r)) || !agree(build(r))) return 1;
+  if (!agree(start(r)) || !agree(name_older(r, build(r)))) return 1;
   if (world_rank() == 0) train_header(r);
   if (r->args.dry_run) {
     train_dry_run(r);

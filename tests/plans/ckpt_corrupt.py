@@ -74,6 +74,24 @@ def ckpt_corrupt():
         check(ok, "%s: exit %d, a rank says /%s/" % (name, p.returncode, want))
         if not ok:
             print(p.stderr[-2000:])
+    # checkpoint.load: auto taking a damaged newest checkpoint: the error names the one before
+    # it, to check and resume instead
+    auto = os.path.join(tmp, "auto")
+    p, _ = run(2, [cfg, "--set", "train.steps=4", "--set", "checkpoint.dir=" + auto,
+                   "--set", "checkpoint.interval=2"])
+    newest = os.path.join(auto, "step-00000004", "model", "shard-00000.safetensors")
+    with open(newest, "rb") as f:
+        raw = f.read()
+    with open(newest, "wb") as f:
+        f.write(flip(raw))
+    p, _ = run(2, [cfg, "--set", "train.steps=6", "--set", "checkpoint.dir=" + auto, "--set",
+                   "checkpoint.load=auto"], timeout=60)
+    older = os.path.join(auto, "step-00000002")
+    check(p.returncode != 0 and "checksum mismatch" in p.stderr and
+          "to resume the one before it, check it with fsdp-ckpt verify %s and give "
+          "checkpoint.load=%s)" % (older, older) in p.stderr and "step 5" not in p.stdout,
+          "checkpoint.load: auto of a damaged newest checkpoint names the one before it (%s)"
+          % p.stderr.strip()[-300:])
     # a shard header with 100,000 extra tensors: parsed in O(n log n), the load goes on (the
     # folder's integrity records removed, as another tool would write it: read unchecked)
     many = os.path.join(tmp, "many-tensors")
