@@ -627,6 +627,7 @@ fsdpc_status_t fsdp_after_backward(fsdp_group_t *g) {
   /* else keep accumulating */
   fsdpc_status_t st = g->sync ? fsdp_reduce_start(g) : fsdp_widen_grads(g);
   if (g->reshard_after_backward) fsdp_reshard(g);
+  g->kept = g->unsharded; /* until its next unshard: an update of the shards may drop it */
   if (st == STATUS_OK && !g->root->state.in_backward && g->root->is_last_backward)
     st = fsdp_finish_backward(g->root);
   return st;

@@ -271,6 +271,7 @@ static fsdpc_status_t shard_on_device(const fsdp_group_t *g, const fsdp_param_t 
 /* Starts gathering the group: copy-in and a nonblocking all-gather (or, after an integer
  * reshard, the all-gather of the kept slices within the post-forward group). */
 fsdpc_status_t fsdp_unshard_start(fsdp_group_t *g) {
+  g->kept = false; /* in use again: a step holds it from here */
   if (g->unsharded || g->gathering) return STATUS_OK;
   if (g->n == 0) {
     g->unsharded = true;
@@ -620,6 +621,7 @@ fsdpc_status_t fsdp_unshard(fsdp_group_t *g) {
 
 void fsdp_reshard(fsdp_group_t *g) {
   if (g == NULL) return;
+  g->kept = false;
   if (g->gathering) { /* a prefetch nobody used: complete it, then drop it */
     gather_wait(g);
     tensor_free(&g->gather);

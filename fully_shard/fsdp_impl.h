@@ -107,6 +107,7 @@ struct fsdp_group {
   int reshard_after_forward; /* resolved on the first forward */
   bool initialised, is_root, unsharded;
   bool sync, all_reduce, reshard_after_backward;
+  bool kept; /* unsharded since its backward (reshard_after_backward false), not used since */
   pg_t *post_forward;          /* integer reshard: the N consecutive ranks of this one */
   fsdpc_tensor_t post_forward_slice; /* blocks [i*W/N, (i+1)*W/N) of the gathered buffer */
   fsdpc_tensor_t partial;      /* HSDP: reduce-scatter outputs waiting for the next all-reduce */

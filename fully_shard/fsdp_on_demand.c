@@ -255,10 +255,18 @@ static fsdpc_status_t guard_post_backward(nn_ctx_t *ctx, nn_param_t *p) {
 }
 
 /* A shard written between steps: the parameters kept unsharded after backward
- * (reshard_after_backward false) were gathered before it; the next forward gathers anew. */
-static void guard_written(nn_param_t *p) {
+ * (reshard_after_backward false) were gathered before it; the next forward gathers anew. From
+ * the unit's forward to its backward the step reads the gathered values: refused. */
+static fsdpc_status_t guard_written(nn_param_t *p) {
   fsdp_group_t *g = group_of_param(p);
-  if (g->in_forward == 0) fsdp_reshard(g);
+  bool gathered = g->unsharded || g->gathering || g->post_forward_slice.storage != NULL;
+  if (g->in_forward > 0 || (gathered && !g->kept))
+    return err_set(STATUS_EINVAL,
+                   "parameter %s is gathered by fully_shard for a step in progress (from its "
+                   "unit's forward to its backward); write it between steps",
+                   p->fqn);
+  if (gathered) fsdp_reshard(g);
+  return STATUS_OK;
 }
 
 const nn_param_guard_t fsdp_on_demand_guard = {

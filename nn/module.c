@@ -528,14 +528,7 @@ fsdpc_status_t nn_param_accumulate_local_grad(nn_param_t *p, const fsdpc_tensor_
 
 fsdpc_status_t nn_param_written(nn_param_t *p) {
   ARG_NONNULL(p);
-  if (p->guard == NULL) return STATUS_OK;
-  if (p->guard->ready(p))
-    return err_set(STATUS_EINVAL,
-                   "parameter %s: its shard written inside a forward of its unit, which reads "
-                   "the value gathered from it; write it between steps",
-                   p->fqn);
-  if (p->guard->written) p->guard->written(p);
-  return STATUS_OK;
+  return p->guard != NULL && p->guard->written != NULL ? p->guard->written(p) : STATUS_OK;
 }
 
 fsdpc_status_t nn_param_copy_full(nn_param_t *p, const fsdpc_tensor_t *full) {

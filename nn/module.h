@@ -54,10 +54,11 @@ typedef struct nn_param_guard {
   fsdpc_status_t (*post_backward)(nn_ctx_t *ctx, nn_param_t *p);
   /* allocates the memory of p's local shard when p is meta (nn_module_materialize) */
   fsdpc_status_t (*materialize)(nn_param_t *p);
-  /* p's shard was written while no call provides its value (an optimizer step, a copy, a
-   * load): an unsharded copy kept since (fully_shard's reshard_after_backward false) is stale
-   * and goes, the next call making it anew. Local. */
-  void (*written)(nn_param_t *p);
+  /* p's shard is being written outside any call (an optimizer step, a copy, a load): an
+   * unsharded copy kept since a backward (fully_shard's reshard_after_backward false) would be
+   * stale and goes, the next call making it anew; refused while a step holds p's value (from
+   * its unit's forward to its backward). Local. */
+  fsdpc_status_t (*written)(nn_param_t *p);
 } nn_param_guard_t;
 
 struct nn_param {
@@ -204,15 +205,15 @@ fsdpc_status_t nn_param_set_value(nn_param_t *p, dtensor_t *value);
 
 /* Writes a whole value into p, sharded or not (as torch's param.copy_ under no_grad): every
  * rank passes the same full tensor (p's global shape, any float dtype, any device) and keeps
- * the part its placements give it. Gradient and optimizer state are left alone. Refused inside a
- * forward of p's fully_shard unit; between steps an unsharded copy kept (reshard_after_backward
- * false) goes (nn_param_written). Local. */
+ * the part its placements give it. Gradient and optimizer state are left alone. Refused while
+ * fully_shard has p gathered for a step in progress; between steps an unsharded copy kept
+ * (reshard_after_backward false) goes (nn_param_written). Local. */
 fsdpc_status_t nn_param_copy_full(nn_param_t *p, const fsdpc_tensor_t *full);
 
-/* Says that p's shard was written outside any call (an optimizer step, a load): what was made
- * from the shard before (fully_shard's unsharded copy kept after backward) goes, so that the
- * next forward reads the new value. Refused (EINVAL) inside a call that provides p's value.
- * Local. */
+/* Says that p's shard is about to be written outside any call (an optimizer step, a load):
+ * what was made from the shard before (fully_shard's unsharded copy kept after backward) goes,
+ * so that the next forward reads the new value. Refused (EINVAL) while a step holds p's value
+ * (from its unit's forward to its backward), when a backward would mix the two. Local. */
 fsdpc_status_t nn_param_written(nn_param_t *p);
 
 /* True when p has no memory yet: a model built for deferred initialisation (its DTensor's
