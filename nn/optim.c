@@ -125,6 +125,10 @@ void optim_free(optim_t *o) {
 
 void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_decay) {
   if (o == NULL || lr == NULL || weight_decay == NULL) return;
+  if (i < 0 || i >= o->n) { /* no such parameter: NaN, which no setting is */
+    *lr = *weight_decay = NAN;
+    return;
+  }
   *lr = o->slots[i].lr;
   *weight_decay = o->slots[i].weight_decay;
 }

@@ -74,7 +74,8 @@ fsdpc_status_t optim_step(optim_t *o, double lr_factor);
  * own; the gradients keep their values. */
 fsdpc_status_t optim_step_scaled(optim_t *o, double lr_factor, float grad_scale);
 
-/* The lr and weight decay a parameter gets (after group matching). */
+/* The lr and weight decay parameter i gets (after group matching); NaN for both when i is not
+ * one of the optimizer's parameters. */
 void optim_param_hparams(const optim_t *o, int i, double *lr, double *weight_decay);
 
 /* Steps taken so far. */

@@ -42,6 +42,7 @@ const char *tp_layout_name(tp_layout_t l) {
 }
 
 int tp_rule_index(const tp_rule_t *rules, int n, const char *fqn) {
+  if (rules == NULL || fqn == NULL) return -1;
   for (int i = 0; i < n; i++)
     if (nn_fqn_match(rules[i].pattern, fqn)) return i;
   return -1;

@@ -805,6 +805,11 @@ fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
     return err_set(STATUS_EINVAL,
                    "%s: checkpoint.%s: %s needs checkpoint.dir (nothing is saved without it)",
                    p->ckpt_where.text, saves, p->ckpt_keep > 0 ? value : "true");
+  if (p->time_limit_s > 0 && p->ckpt_dir[0] == 0) /* exit 75 says: resume me, from nothing */
+    return err_set(STATUS_EINVAL,
+                   "%s: train.time_limit: %g s needs checkpoint.dir: a run it stops saves the "
+                   "step it reached there and exits 75 for its resume",
+                   p->source, p->time_limit_s);
   if (p->ckpt_verify && p->ckpt_dir[0] == 0 && p->ckpt_load[0] == 0)
     return err_set(STATUS_EINVAL,
                    "%s: checkpoint.verify: true checks a checkpoint before loading it, and none "

@@ -324,6 +324,13 @@ static void header_data(const run_t *r) {
   }
 }
 
+/* The saved run's schedule at step s, past its end at its last rate (min_ratio) once its
+ * warmup is over: what it would have gone on with. */
+static double saved_factor(const lr_schedule_t *then, int64_t s) {
+  return s >= then->total_steps && s >= then->warmup_steps ? then->min_ratio
+                                                           : lr_schedule_factor(then, s);
+}
+
 /* Warnings when a resumed run reads the data in another order, or follows another
  * learning-rate schedule, than the run it resumes. */
 static void header_order_warnings(const run_t *r) {
@@ -351,15 +358,25 @@ static void header_order_warnings(const run_t *r) {
     lr_schedule_t now = {
         .warmup_steps = p->warmup_steps, .total_steps = p->steps, .min_ratio = p->min_lr_ratio};
     int64_t at = r->start_step; /* the first step this run takes, 0-based */
-    fprintf(stderr,
-            "%s: warning: %s was trained under another learning-rate schedule (train.steps "
-            "%lld, schedule.warmup_steps %lld, schedule.min_lr_ratio %g, optim.lr %g; this "
-            "run's: %lld, %lld, %g, %g): from step %lld the learning rate follows this run's, "
-            "%.4g where the saved run's would be %.4g\n",
-            train_prog(), r->resumed_from, (long long)was->total_steps,
-            (long long)was->warmup_steps, was->min_ratio, was->lr, (long long)p->steps,
-            (long long)p->warmup_steps, p->min_lr_ratio, p->optim.lr, (long long)at + 1,
-            p->optim.lr * lr_schedule_factor(&now, at), was->lr * lr_schedule_factor(&then, at));
+    /* the rates compared over the steps both schedules have left (1000 of them at most, evenly
+     * spread): the same rates (another train.steps of a constant rate, say) warn of nothing */
+    int64_t end = p->steps, stride = end - at > 1000 ? (end - at) / 1000 : 1;
+    bool differ = false;
+    for (int64_t s = at; s < end && !differ; s += stride) {
+      double a = p->optim.lr * lr_schedule_factor(&now, s);
+      double b = was->lr * saved_factor(&then, s);
+      differ = fabs(a - b) > 1e-12 * fmax(fabs(a), fabs(b));
+    }
+    if (differ)
+      fprintf(stderr,
+              "%s: warning: %s was trained under another learning-rate schedule (train.steps "
+              "%lld, schedule.warmup_steps %lld, schedule.min_lr_ratio %g, optim.lr %g; this "
+              "run's: %lld, %lld, %g, %g): from step %lld the learning rate follows this run's, "
+              "%.4g where the saved run's would be %.4g\n",
+              train_prog(), r->resumed_from, (long long)was->total_steps,
+              (long long)was->warmup_steps, was->min_ratio, was->lr, (long long)p->steps,
+              (long long)p->warmup_steps, p->min_lr_ratio, p->optim.lr, (long long)at + 1,
+              p->optim.lr * lr_schedule_factor(&now, at), was->lr * saved_factor(&then, at));
   }
   char order[sizeof r->saved_order];
   train_data_order(p->shuffle, p->seed, p->seq_len, order, sizeof order);
@@ -370,8 +387,22 @@ static void header_order_warnings(const run_t *r) {
             train_prog(), r->resumed_from, r->saved_order, order);
 }
 
+/* A warmup longer than the run: the rate never reaches optim.lr (the schedule is as the plan
+ * says it; TorchTitan would shorten the warmup). */
+static void header_schedule(const run_t *r) {
+  const fsdpc_plan_t *p = &r->plan;
+  if (p->warmup_steps > p->steps)
+    fprintf(stderr,
+            "%s: warning: schedule.warmup_steps %lld exceeds train.steps %lld: the rate rises "
+            "to %.4g (optim.lr x %lld / %lld) and never reaches optim.lr, nor decays\n",
+            train_prog(), (long long)p->warmup_steps, (long long)p->steps,
+            p->optim.lr * (double)p->steps / (double)p->warmup_steps, (long long)p->steps,
+            (long long)p->warmup_steps);
+}
+
 void train_header(const run_t *r) {
   printf("%s: %s\n", train_prog(), r->plan.source);
+  header_schedule(r);
   header_world(r);
   header_model(r);
   header_resume(r);

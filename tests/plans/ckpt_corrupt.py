@@ -246,13 +246,10 @@ def ckpt_corrupt():
         r"this run reads it shuffled by train\.seed 7, samples of data\.seq_len \1", p.stderr)
           is not None,
           "a resume under another data order says so")
-    # train.steps 2 -> 3, within the 10 warmup steps: the same rate at step 3, another decay
-    check(re.search(r"warning: \S+step-00000002 was trained under another learning-rate schedule "
-                    r"\(train\.steps 2, schedule\.warmup_steps 10, schedule\.min_lr_ratio 0\.1, "
-                    r"optim\.lr 0\.003; this run's: 3, 10, 0\.1, 0\.003\): from step 3 the "
-                    r"learning rate follows this run's, 0\.0009 where the saved run's would be "
-                    r"0\.0009", p.stderr) is not None,
-          "a resume under another train.steps says so, with the rates of its first step")
+    # train.steps 2 -> 3, within the 10 warmup steps: the same rate at step 3, the only step
+    # left: nothing to warn of
+    check("learning-rate schedule" not in p.stderr,
+          "a resume under another train.steps with the same rates over the steps left: no warning")
     p, _ = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + good,
                    "--set", "optim.lr=0.001"], timeout=120)
     check(p.returncode == 0 and re.search(

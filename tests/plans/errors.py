@@ -215,6 +215,8 @@ def errors():
          r"checkpoint\.keep: 2 needs checkpoint\.dir \(nothing is saved without it\)"),
         ("checkpoint.async without a folder", base + "checkpoint:\n  async: true\n", [],
          r"checkpoint\.async: true needs checkpoint\.dir"),
+        ("train.time_limit without a folder", base.replace("train:\n", "train:\n  time_limit: 60\n"),
+         [], r"train\.time_limit: 60 s needs checkpoint\.dir"),
         ("checkpoint.overwrite without a folder", base + "checkpoint:\n  overwrite: true\n", [],
          r"checkpoint\.overwrite: true needs checkpoint\.dir"),
         ("checkpoint.verify with nothing to load", base + "checkpoint:\n  verify: true\n", [],
@@ -569,6 +571,12 @@ def errors():
               "fsdp-train --dry-run --world 4 with %s: planned (exit %d)" % (env, p.returncode))
         if p.returncode != 0:
             print(p.stderr[-500:])
+    # a warmup longer than the run: warned of, the schedule kept as the plan says
+    p = sh([EXE, debug, "--dry-run", "--set", "schedule.warmup_steps=20", "--set",
+            "train.steps=4"], timeout=60)
+    check(p.returncode == 0 and "warning: schedule.warmup_steps 20 exceeds train.steps 4: the "
+          "rate rises to" in p.stderr, "a warmup longer than the run is warned of (%s)"
+          % p.stderr.strip()[-200:])
     # a bad FSDPC_PG: refused on every rank, reported once for all of them
     p = sh([MPIRUN] + MPI_ARGS + ["-n", "4", EXE, debug], timeout=60, env={"FSDPC_PG": "bogus"})
     check(p.returncode != 0 and p.stderr.count("FSDPC_PG=bogus") == 1 and

@@ -43,6 +43,10 @@ START_TEST(adamw_matches_formula_and_groups) {
   double lr, wd;
   optim_param_hparams(o, 1, &lr, &wd);
   ck_assert(lr == 0.01 && wd == 0.0);
+  for (int bad = -1; bad <= 2; bad += 3) { /* no such parameter: NaN, not another's memory */
+    optim_param_hparams(o, bad == -1 ? -100000000 : bad, &lr, &wd);
+    ck_assert(isnan(lr) && isnan(wd));
+  }
   float gvals[3] = {0.5f, -2.0f, 0.0f};
   double p_ref[3] = {1, 1, 1}, m_ref[3] = {0}, v_ref[3] = {0};
   for (int step = 1; step <= 3; step++) {

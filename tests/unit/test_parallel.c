@@ -120,6 +120,7 @@ START_TEST(placements_follow_module_kinds) {
   pp.tp = 2;
   ck_assert_int_eq(parallel_plan_resolve(&pp, 4), STATUS_EINVAL);
   ck_assert(strstr(err_detail(), "no rule says which modules to split") != NULL);
+  ck_assert_int_eq(tp_rule_index(NULL, 1, "fc1"), -1); /* no rules given: none matches */
   ok(parallel_plan_add_tp_rule(&pp, "fc1", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
   ok(parallel_plan_add_tp_rule(&pp, "fc2", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT));
   ok(parallel_plan_add_tp_rule(&pp, "norm", TP_SEQUENCE_PARALLEL, TP_LAYOUT_DEFAULT,
