@@ -136,6 +136,23 @@ static fsdpc_status_t open_tokens(const run_t *r, const char *path, data_format_
   return STATUS_OK;
 }
 
+/* Every rank reads the same stream: its token count compared over the world (copies of the
+ * data on each node that differ, or a pattern matching other files on some, would give each
+ * rank other samples, and a shuffle of its own). Collective. */
+static fsdpc_status_t same_tokens(const fsdpc_data_t *d, const char *key, const char *path) {
+  int64_t n = d ? data_num_tokens(d) : -1, lo, hi;
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), &n, &hi, 1, PG_HOST_I64, REDUCE_MAX));
+  int64_t neg = -n;
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), &neg, &lo, 1, PG_HOST_I64, REDUCE_MAX));
+  lo = -lo;
+  if (lo == hi) return STATUS_OK;
+  return err_set(STATUS_EINVAL,
+                 "%s: '%s' holds %lld tokens on this rank, between %lld and %lld on the ranks: "
+                 "every rank must read the same data (another copy of it on some node, or a "
+                 "pattern matching other files there?)",
+                 key, path, (long long)n, (long long)lo, (long long)hi);
+}
+
 static fsdpc_status_t open_data(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   FSDPC_TRY(open_tokens(r, p->data_path, p->data_format, &p->data_where, "data.path", &r->data));
@@ -620,6 +637,8 @@ static fsdpc_status_t build(run_t *r) {
   if (r->builtin) FSDPC_TRY(llama_plan_check(&p->model, &p->par));
   kernel_attention_set_fused(!p->deterministic);
   FSDPC_TRY(pg_agree(world_pg(), open_data(r))); /* before the model: a bad file fails at once */
+  FSDPC_TRY(pg_agree(world_pg(), same_tokens(r->data, "data.path", p->data_path)));
+  if (r->eval) FSDPC_TRY(pg_agree(world_pg(), same_tokens(r->eval, "eval.path", p->eval_path)));
   train_build_t how = {.device = dev.type,
                        /* no parameter memory; under a pipeline, only this rank's stages get it */
                        .deferred = p->deferred_init || r->args.dry_run || p->par.pp > 1,

@@ -215,6 +215,8 @@ def errors():
          r"checkpoint\.keep: 2 needs checkpoint\.dir \(nothing is saved without it\)"),
         ("checkpoint.async without a folder", base + "checkpoint:\n  async: true\n", [],
          r"checkpoint\.async: true needs checkpoint\.dir"),
+        ("eval.batches without eval.path", base + "eval:\n  batches: 3\n", [],
+         r"bad\d*\.yaml:\d+:\d+: eval\.batches: given without eval\.path"),
         ("train.time_limit without a folder", base.replace("train:\n", "train:\n  time_limit: 60\n"),
          [], r"train\.time_limit: 60 s needs checkpoint\.dir"),
         ("checkpoint.overwrite without a folder", base + "checkpoint:\n  overwrite: true\n", [],
@@ -571,6 +573,23 @@ def errors():
               "fsdp-train --dry-run --world 4 with %s: planned (exit %d)" % (env, p.returncode))
         if p.returncode != 0:
             print(p.stderr[-500:])
+    # ranks reading different copies of data.path (a relative path from another folder on
+    # each rank): refused on both, each naming its count, before any step
+    tmpd = mkdtemp()
+    corpus = open(os.path.join(ROOT, "data", "corpus.txt"), "rb").read()
+    for r, size in ((0, 50000), (1, 40000)):
+        os.makedirs(os.path.join(tmpd, "r%d" % r))
+        with open(os.path.join(tmpd, "r%d" % r, "d.txt"), "wb") as f:
+            f.write(corpus[:size])
+    each = ('cd %s/r$OMPI_COMM_WORLD_RANK && exec %s %s --set data.path=d.txt --set '
+            'train.steps=2 --set mesh.dp_shard=2' % (tmpd, os.path.abspath(EXE),
+                                                     os.path.abspath(debug)))
+    p = sh([MPIRUN] + MPI_ARGS + ["-n", "2", "sh", "-c", each], timeout=60)
+    check(p.returncode != 0 and "'d.txt' holds 50000 tokens on this rank, between 40000 and "
+          "50000 on the ranks: every rank must read the same data" in p.stderr and
+          "holds 40000 tokens on this rank" in p.stderr and "step 1" not in p.stdout,
+          "ranks reading data files of different sizes: refused before step 1 (%s)"
+          % p.stderr.strip()[-300:])
     # a warmup longer than the run: warned of, the schedule kept as the plan says
     p = sh([EXE, debug, "--dry-run", "--set", "schedule.warmup_steps=20", "--set",
             "train.steps=4"], timeout=60)
