@@ -160,6 +160,8 @@ typedef struct train_eval {
                       * loss then */
   bool agreed; /* its failure met every rank alike before any forward (a sample that cannot
                 * be read now): the model is intact */
+  int64_t done, forwards; /* forwards made of how many (a stopped one's: done < forwards) */
+  double secs;            /* seconds it took */
 } train_eval_t;
 /* The mean loss over eval.path's batches (the same every time), without gradients; stoppable:
  * a signal of train.signals that reaches some rank ends it between two forwards. Collective

@@ -217,7 +217,10 @@ fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, bool stoppable,
     if (st != STATUS_OK || cut) break;
     sum += l;
     batch_s = device_clock_seconds() - tb;
+    out->done = f + 1;
   }
+  out->forwards = n;
+  out->secs = device_clock_seconds() - t0;
   for (int i = 0; i < r->n_groups; i++) fsdp_reshard(r->groups[i]);
   if (st != STATUS_OK) return out->agreed ? st : world_stop(st); /* else others would wait */
   if (train_stop_any(out->stop)) return STATUS_OK;

@@ -517,6 +517,15 @@ def operations():
           and "eval after step 10" not in p.stdout and took < 4,
           "train.time_limit counts the evaluation due after a step: stops at step 10 before "
           "it, within the limit (%.1f s, exit %s)" % (took, p.returncode))
+    # its resume makes that evaluation first, which cannot fit in the limit: refused (exit 1),
+    # not stopped with exit 75 for a requeue that would stop there again for ever
+    p, _ = run(1, long_ev + huge + ["--set", "checkpoint.dir=" + ck, "--set",
+                                    "train.time_limit=4", "--set", "checkpoint.load=auto"])
+    check(p.returncode == 1 and re.search(r"the evaluation of step 10, which the run makes "
+                                          r"first, takes about \d+ s .* no resume could make "
+                                          r"it", p.stderr) is not None,
+          "a resume whose first evaluation cannot fit in train.time_limit exits 1, saying so "
+          "(exit %s: %s)" % (p.returncode, p.stderr.strip()[-250:]))
     # a step saved before its evaluation (checkpoint.interval) whose evaluation a signal cuts
     # short: its checkpoint is marked pending after the fact, so that a resume without a
     # metrics file (which would show it) still makes it
