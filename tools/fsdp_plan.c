@@ -186,11 +186,13 @@ static fsdpc_status_t read_deepspeed_file(const char *path, cJSON *c, char *file
       "offload_optimizer_device",    "offload_param_device",  "offload_param_nvme_path",
       "offload_optimizer_nvme_path", "zero3_save_16bit_model"};
   char given[512] = "";
-  for (size_t k = 0; k < sizeof ignored / sizeof ignored[0]; k++)
-    if (cJSON_GetObjectItemCaseSensitive(ds, ignored[k]))
+  for (size_t k = 0; k < sizeof ignored / sizeof ignored[0]; k++) /* (null: not given) */
+    if (!cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(ds, ignored[k])) &&
+        cJSON_GetObjectItemCaseSensitive(ds, ignored[k]))
       snprintf(given + strlen(given), sizeof given - strlen(given), "%sdeepspeed_config.%s",
                given[0] ? ", " : "", ignored[k]);
-  if (cJSON_GetObjectItemCaseSensitive(c, "mixed_precision"))
+  const cJSON *mp = cJSON_GetObjectItemCaseSensitive(c, "mixed_precision");
+  if (mp != NULL && !cJSON_IsNull(mp))
     snprintf(given + strlen(given), sizeof given - strlen(given), "%smixed_precision",
              given[0] ? ", " : "");
   if (given[0])

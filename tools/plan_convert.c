@@ -3,6 +3,7 @@
 #include "tools/plan_convert.h"
 
 #include <ctype.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,9 +80,30 @@ static void invalid(out_t *o, const char *setting, const char *why, ...) {
 
 static bool is_auto(const char *v) { return v && strcmp(v, "auto") == 0; }
 
-/* A number setting into section.key; "auto" (filled in by the HF Trainer) is left out. */
+/* What a number setting may be: a count of at least one (a batch), of at least zero (steps),
+ * a finite number of at least zero (a rate), above zero, or a ratio in [0, 1]. */
+typedef enum num_kind { NUM_COUNT, NUM_STEPS, NUM_NONNEG, NUM_POS, NUM_RATIO } num_kind_t;
+
+/* Whether x is a number of that kind; its description into *what. */
+static bool num_fits(double x, num_kind_t kind, const char **what) {
+  static const char *const whats[] = {
+      "a whole number of at least 1", "a whole number of at least 0",
+      "a finite number of at least 0", "a finite number above 0", "a ratio from 0 to 1"};
+  *what = whats[kind];
+  if (!isfinite(x)) return false;
+  switch (kind) {
+    case NUM_COUNT: return x >= 1 && x <= 1e15 && x == floor(x);
+    case NUM_STEPS: return x >= 0 && x <= 1e15 && x == floor(x);
+    case NUM_NONNEG: return x >= 0;
+    case NUM_POS: return x > 0;
+    default: return x >= 0 && x <= 1;
+  }
+}
+
+/* A number setting into section.key; "auto" (filled in by the HF Trainer) is left out, and one
+ * that is not of its kind (which DeepSpeed or Accelerate would refuse) fails the conversion. */
 static void number(out_t *o, const cJSON *src, const char *name, const char *shown,
-                   const char *section, const char *key) {
+                   const char *section, const char *key, num_kind_t kind) {
   char b[64];
   const char *v = plan_text_of(cJSON_GetObjectItemCaseSensitive(src, name), b, sizeof b);
   if (v == NULL) return;
@@ -90,9 +112,14 @@ static void number(out_t *o, const cJSON *src, const char *name, const char *sho
     return;
   }
   char *end;
-  strtod(v, &end);
+  double x = strtod(v, &end);
+  const char *what;
   if (*end != '\0' || end == v) {
     invalid(o, shown, "'%s' is not a number", v);
+    return;
+  }
+  if (!num_fits(x, kind, &what)) {
+    invalid(o, shown, "'%s' is not %s", v, what);
     return;
   }
   put(o, section, key, v, "%s", shown);
@@ -129,9 +156,10 @@ static void host_offload(out_t *o, const char *name, const char *suffix, bool pa
 /* A number setting, or DeepSpeed's default for it when it is not given (def: the default's text,
  * why: where it comes from). */
 static void number_or(out_t *o, const cJSON *src, const char *name, const char *shown,
-                      const char *section, const char *key, const char *def, const char *why) {
+                      const char *section, const char *key, num_kind_t kind, const char *def,
+                      const char *why) {
   if (cJSON_GetObjectItemCaseSensitive(src, name) != NULL)
-    number(o, src, name, shown, section, key);
+    number(o, src, name, shown, section, key, kind);
   else
     put(o, section, key, def, "%s not given: %s", shown, why);
 }
@@ -195,14 +223,33 @@ static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
   if (hv && !whole_ranks(hv, &hpz)) invalid(o, name, "'%s' is not a whole number of ranks", hv);
   char sb[64];
   snprintf(name, sizeof name, "%szero_optimization.stage", prefix);
-  zero(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "stage"), sb, sizeof sb), name, hpz);
+  const char *stage = plan_text_of(cJSON_GetObjectItemCaseSensitive(z, "stage"), sb, sizeof sb);
+  zero(o, stage, name, hpz);
+  bool three = stage && strcmp(stage, "3") == 0; /* what applies at stage 3 only */
+  if (hv && hpz > 0 && !three) {
+    snprintf(name, sizeof name, "%szero_optimization.zero_hpz_partition_size", prefix);
+    leave(o, name, "%s: hpZ applies at ZeRO stage 3 only (DeepSpeed ignores it at stage %s)", hv,
+          stage ? stage : "0");
+  }
   snprintf(name, sizeof name, "%szero_stage", prefix);
-  zero(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "zero_stage"), sb, sizeof sb), name, 0);
+  char zb[64];
+  const char *zs = plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "zero_stage"), zb, sizeof zb);
+  zero(o, zs, name, 0);
+  if (stage == NULL && zs == NULL) /* the default stage, not the plan's */
+    zero(o, *prefix ? "2" : "0",
+         *prefix ? "deepspeed_config.zero_stage not given: Accelerate's default"
+                 : "zero_optimization.stage not given: DeepSpeed's default",
+         0);
   for (const cJSON *it = z ? z->child : NULL; it; it = it->next) {
     if (strcmp(it->string, "stage") == 0 || strcmp(it->string, "zero_hpz_partition_size") == 0)
       continue;
     snprintf(name, sizeof name, "%szero_optimization.%s", prefix, it->string);
-    if (strcmp(it->string, "offload_optimizer") == 0 || strcmp(it->string, "offload_param") == 0) {
+    if (strcmp(it->string, "offload_param") == 0 && !three) {
+      leave(o, name,
+            "parameters are offloaded at ZeRO stage 3 only (DeepSpeed ignores it at stage %s)",
+            stage ? stage : "0");
+    } else if (strcmp(it->string, "offload_optimizer") == 0 ||
+               strcmp(it->string, "offload_param") == 0) {
       const char *dev = plan_text_of(cJSON_GetObjectItemCaseSensitive(it, "device"), b, sizeof b);
       const cJSON *other = cJSON_GetObjectItemCaseSensitive(
           z, strcmp(it->string, "offload_param") == 0 ? "offload_optimizer" : "offload_param");
@@ -228,7 +275,13 @@ static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
     } else if (strcmp(it->string, "mics_shard_size") == 0) {
       long m = 0;
       const char *v = plan_text_of(it, b, sizeof b);
-      if (v && whole_ranks(v, &m) && m > 1) {
+      if (v && whole_ranks(v, &m) && m > 1 && !three) {
+        leave(o, name, "MiCS applies at ZeRO stage 3 only (DeepSpeed ignores it at stage %s)",
+              stage ? stage : "0");
+      } else if (v && whole_ranks(v, &m) && m > 1) { /* HSDP: sharded as ZeRO-3 within */
+        unput(o, "parallelize.fully_shard", "zero_stage");
+        put(o, "parallelize.fully_shard", "sharding_strategy", "HYBRID_SHARD",
+            "%s with stage 3: ZeRO-3 within groups of %ld ranks, replicated across them", name, m);
         put(o, "mesh", "dp_shard", v, "%s: parameters sharded within groups of %ld ranks", name, m);
         put(o, "mesh", "dp_replicate", "-1", "%s: and replicated across the groups (HSDP)", name);
       } else if (v && strcmp(v, "-1") != 0) {
@@ -284,17 +337,27 @@ static void ds_sizes(out_t *o, const cJSON *c, const char *prefix) {
         "take the rest)",
         name, tps);
   snprintf(name, sizeof name, "%strain_micro_batch_size_per_gpu", prefix);
-  number(o, c, "train_micro_batch_size_per_gpu", name, "data", "batch_size");
+  number(o, c, "train_micro_batch_size_per_gpu", name, "data", "batch_size", NUM_COUNT);
   snprintf(name, sizeof name, "%sgradient_accumulation_steps", prefix);
-  number(o, c, "gradient_accumulation_steps", name, "data", "grad_accum");
+  number(o, c, "gradient_accumulation_steps", name, "data", "grad_accum", NUM_COUNT);
   snprintf(name, sizeof name, "%sgradient_clipping", prefix);
   if (*prefix) /* Accelerate's section: the training script clips */
-    number(o, c, "gradient_clipping", name, "optim", "clip_grad_norm");
+    number(o, c, "gradient_clipping", name, "optim", "clip_grad_norm", NUM_NONNEG);
   else
-    number_or(o, c, "gradient_clipping", name, "optim", "clip_grad_norm", "0",
+    number_or(o, c, "gradient_clipping", name, "optim", "clip_grad_norm", NUM_NONNEG, "0",
               "DeepSpeed does not clip");
   snprintf(name, sizeof name, "%strain_batch_size", prefix);
-  number(o, c, "train_batch_size", name, "data", "global_batch_size");
+  number(o, c, "train_batch_size", name, "data", "global_batch_size", NUM_COUNT);
+  const cJSON *tb = cJSON_GetObjectItemCaseSensitive(c, "train_batch_size");
+  const cJSON *mb = cJSON_GetObjectItemCaseSensitive(c, "train_micro_batch_size_per_gpu");
+  const cJSON *ga = cJSON_GetObjectItemCaseSensitive(c, "gradient_accumulation_steps");
+  double per = cJSON_IsNumber(mb) ? mb->valuedouble * (cJSON_IsNumber(ga) ? ga->valuedouble : 1)
+                                  : 0; /* one data-parallel rank's samples a step */
+  if (cJSON_IsNumber(tb) && per >= 1 && tb->valuedouble >= 1 && fmod(tb->valuedouble, per) != 0)
+    invalid(o, name,
+            "%g is not a whole number of data-parallel ranks' %g samples (micro-batch x "
+            "gradient_accumulation_steps): DeepSpeed refuses it",
+            tb->valuedouble, per);
   if (cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(c, "train_batch_size")) &&
       !cJSON_GetObjectItemCaseSensitive(c, "train_micro_batch_size_per_gpu"))
     leave(o, name,
@@ -346,15 +409,21 @@ static void ds_optim_schedule(out_t *o, const cJSON *c, const char *prefix) {
     } else {
       /* DeepSpeed's Adam and AdamW: its fused Adam in AdamW mode, lr 1e-3, betas (0.9, 0.999),
        * eps 1e-8, weight_decay 0 */
-      number_or(o, p, "lr", "optimizer.params.lr", "optim", "lr", "0.001", "DeepSpeed's 1e-3");
-      number(o, p, "eps", "optimizer.params.eps", "optim", "eps");
-      number_or(o, p, "weight_decay", "optimizer.params.weight_decay", "optim", "weight_decay", "0",
-                "DeepSpeed's 0");
+      number_or(o, p, "lr", "optimizer.params.lr", "optim", "lr", NUM_NONNEG, "0.001",
+                "DeepSpeed's 1e-3");
+      number(o, p, "eps", "optimizer.params.eps", "optim", "eps", NUM_POS);
+      number_or(o, p, "weight_decay", "optimizer.params.weight_decay", "optim", "weight_decay",
+                NUM_NONNEG, "0", "DeepSpeed's 0");
       const cJSON *betas = cJSON_GetObjectItemCaseSensitive(p, "betas");
       if (cJSON_GetArraySize(betas) == 2) {
         cJSON *b1 = cJSON_GetArrayItem(betas, 0), *b2 = cJSON_GetArrayItem(betas, 1);
         char v[64];
-        if (cJSON_IsNumber(b1) && cJSON_IsNumber(b2)) {
+        if (cJSON_IsNumber(b1) && cJSON_IsNumber(b2) &&
+            !(b1->valuedouble >= 0 && b1->valuedouble < 1 && b2->valuedouble >= 0 &&
+              b2->valuedouble < 1)) {
+          invalid(o, "optimizer.params.betas", "[%g, %g]: each must lie in [0, 1)", b1->valuedouble,
+                  b2->valuedouble);
+        } else if (cJSON_IsNumber(b1) && cJSON_IsNumber(b2)) {
           snprintf(v, sizeof v, "%.15g", b1->valuedouble);
           put(o, "optim", "beta1", v, "optimizer.params.betas[0]");
           snprintf(v, sizeof v, "%.15g", b2->valuedouble);
@@ -362,6 +431,10 @@ static void ds_optim_schedule(out_t *o, const cJSON *c, const char *prefix) {
         } else {
           leave(o, "optimizer.params.betas", "not two numbers ('auto'?): give optim.beta1/beta2");
         }
+      } else if (cJSON_IsString(betas) && is_auto(betas->valuestring)) {
+        leave(o, "optimizer.params.betas",
+              "'auto': taken from the training script there; give optim.beta1 and optim.beta2 "
+              "here");
       } else if (betas != NULL) {
         invalid(o, "optimizer.params.betas", "not a pair of numbers");
       } else {
@@ -390,15 +463,16 @@ static void ds_optim_schedule(out_t *o, const cJSON *c, const char *prefix) {
     bool known = type && (strcmp(type, "WarmupCosineLR") == 0 || strcmp(type, "WarmupLR") == 0);
     if (known) /* both warm up over 1000 steps by default, log-shaped */
       number_or(o, p, "warmup_num_steps", "scheduler.params.warmup_num_steps", "schedule",
-                "warmup_steps", "1000", "DeepSpeed's 1000");
+                "warmup_steps", NUM_STEPS, "1000", "DeepSpeed's 1000");
     const char *wt = plan_text_of(cJSON_GetObjectItemCaseSensitive(p, "warmup_type"), b, sizeof b);
     if (known && (wt == NULL || strcmp(wt, "linear") != 0))
       leave(o, "scheduler.params.warmup_type",
             "'%s': the warmup here is linear (DeepSpeed's default is log)", wt ? wt : "log");
     if (type && strcmp(type, "WarmupCosineLR") == 0) {
-      number(o, p, "total_num_steps", "scheduler.params.total_num_steps", "train", "steps");
+      number(o, p, "total_num_steps", "scheduler.params.total_num_steps", "train", "steps",
+             NUM_COUNT);
       number_or(o, p, "cos_min_ratio", "scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio",
-                "0.0001", "DeepSpeed's 1e-4");
+                NUM_RATIO, "0.0001", "DeepSpeed's 1e-4");
       if (cJSON_GetObjectItemCaseSensitive(p, "warmup_min_ratio"))
         leave(o, "scheduler.params.warmup_min_ratio",
               "the warmup here starts from lr / warmup_steps");
@@ -407,8 +481,8 @@ static void ds_optim_schedule(out_t *o, const cJSON *c, const char *prefix) {
           "scheduler.type WarmupLR: the rate stays at its peak after the warmup (no decay)");
       /* the rate rises to warmup_max_lr, whatever the optimizer's lr */
       unput(o, "optim", "lr");
-      number_or(o, p, "warmup_max_lr", "scheduler.params.warmup_max_lr", "optim", "lr", "0.001",
-                "DeepSpeed's 1e-3, the peak WarmupLR rises to");
+      number_or(o, p, "warmup_max_lr", "scheduler.params.warmup_max_lr", "optim", "lr", NUM_NONNEG,
+                "0.001", "DeepSpeed's 1e-3, the peak WarmupLR rises to");
       if (cJSON_GetObjectItemCaseSensitive(p, "warmup_min_lr"))
         leave(o, "scheduler.params.warmup_min_lr", "the warmup here starts from lr / warmup_steps");
     } else {
@@ -725,7 +799,8 @@ fsdpc_status_t plan_convert(const cJSON *c, const char *path, out_t *o, char *ki
   char pb[64];
   precision(o, plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "mixed_precision"), pb, sizeof pb),
             "mixed_precision");
-  number(o, c, "gradient_accumulation_steps", "gradient_accumulation_steps", "data", "grad_accum");
+  number(o, c, "gradient_accumulation_steps", "gradient_accumulation_steps", "data", "grad_accum",
+         NUM_COUNT);
   for (const cJSON *it = c->child; it; it = it->next) {
     const char *k = it->string;
     bool launcher = false;

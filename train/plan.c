@@ -564,16 +564,6 @@ static fsdpc_status_t read_rest(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_get_int(c, m, "eval", "batches", 1, (int64_t)1 << 20, &p->eval_batches));
   p->eval_batch_size = p->batch_size;
   FSDPC_TRY(pr_get_int(c, m, "eval", "batch_size", 1, (int64_t)1 << 24, &p->eval_batch_size));
-  static const char *const shapes_eval[] = {"batches", "batch_size", "format", NULL};
-  for (int i = 0; m && !p->eval_path[0] && shapes_eval[i]; i++) { /* (interval: when resolved) */
-    int v = pr_find(c, m, shapes_eval[i]);
-    char key[32];
-    snprintf(key, sizeof key, "eval.%s", shapes_eval[i]);
-    if (!pr_is_null(c, v))
-      return pr_fail(c, v, key,
-                     "given without eval.path (the token file to evaluate on): "
-                     "nothing would read it");
-  }
   FSDPC_TRY(pr_section(c, root, "train", train_keys, &m));
   FSDPC_TRY(pr_get_int(c, m, "train", "steps", 1, big, &p->steps));
   int64_t seed = -1;

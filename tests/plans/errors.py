@@ -215,8 +215,6 @@ def errors():
          r"checkpoint\.keep: 2 needs checkpoint\.dir \(nothing is saved without it\)"),
         ("checkpoint.async without a folder", base + "checkpoint:\n  async: true\n", [],
          r"checkpoint\.async: true needs checkpoint\.dir"),
-        ("eval.batches without eval.path", base + "eval:\n  batches: 3\n", [],
-         r"bad\d*\.yaml:\d+:\d+: eval\.batches: given without eval\.path"),
         ("train.time_limit without a folder", base.replace("train:\n", "train:\n  time_limit: 60\n"),
          [], r"train\.time_limit: 60 s needs checkpoint\.dir"),
         ("checkpoint.overwrite without a folder", base + "checkpoint:\n  overwrite: true\n", [],

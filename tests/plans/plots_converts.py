@@ -414,6 +414,26 @@ def converts_read_as_their_tools_do(tmp, tool):
         ("NO_WRAP", "acc-nowrap.yaml",
          "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: NO_WRAP\n",
          [r"units: \[\]  # .*the whole model is gathered at once"], [], []),
+        ("MiCS at stage 3: HSDP", "mics.json", '{"zero_optimization": {"stage": 3, '
+                                               '"mics_shard_size": 2}}',
+         [r"dp_shard: 2", r"dp_replicate: -1", r"sharding_strategy: HYBRID_SHARD"],
+         [r"zero_stage:"], []),
+        ("stage-3 settings at stage 2: listed", "stage2-only3.json",
+         '{"zero_optimization": {"stage": 2, "mics_shard_size": 2, "zero_hpz_partition_size": 2, '
+         '"offload_param": {"device": "cpu"}}}',
+         [r"mics_shard_size: MiCS applies at ZeRO stage 3 only",
+          r"zero_hpz_partition_size: 2: hpZ applies at ZeRO stage 3 only",
+          r"offload_param: parameters are offloaded at ZeRO stage 3 only"],
+         [r"dp_replicate", r"offload: true", r"reshard_after_forward"], []),
+        ("no ZeRO stage: DeepSpeed's default, 0", "nostage.json",
+         '{"train_micro_batch_size_per_gpu": 2}',
+         [r"sharding_strategy: NO_SHARD  # zero_optimization\.stage not given: DeepSpeed's "
+          r"default 0"], [], []),
+        ("betas 'auto' (Hugging Face's template)", "betas-auto.json",
+         '{"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": '
+         '{"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}}',
+         [r"#   optimizer\.params\.betas: 'auto': taken from the training script"],
+         [r"beta1:"], []),
         ("ZeRO-1", "zero1.json", '{"train_micro_batch_size_per_gpu": 2, '
                                  '"zero_optimization": {"stage": 1}}',
          [r"zero_stage: 2  # zero_optimization\.stage 1 shards the optimizer state only",
@@ -511,6 +531,11 @@ def converts_read_as_their_tools_do(tmp, tool):
             print(e.stdout[-1500:], e.stderr[-500:])
     # refused as the tools refuse them; an output that is the DeepSpeed file the config names
     # is an input
+    with open(os.path.join(tmp, "bad-sizes.json"), "w") as f:
+        f.write('{"train_micro_batch_size_per_gpu": 0, "gradient_clipping": -1}')
+    with open(os.path.join(tmp, "uneven.json"), "w") as f:
+        f.write('{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, '
+                '"train_batch_size": 15}')
     with open(os.path.join(tmp, "both.json"), "w") as f:
         f.write('{"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true}, '
                 '"fp16": {"enabled": true}}')
@@ -534,6 +559,11 @@ def converts_read_as_their_tools_do(tmp, tool):
              r"of ranks\n  zero_optimization\.stage: stage '5' is not a ZeRO stage \(0, 1, 2 or "
              r"3\)\n  optimizer\.params\.betas: not a pair of numbers"),
             (["both.json"], r"bf16 and fp16 are both enabled: DeepSpeed refuses that"),
+            (["bad-sizes.json"],
+             r"train_micro_batch_size_per_gpu: '0' is not a whole number of at least 1\n"
+             r"  gradient_clipping: '-1' is not a finite number of at least 0"),
+            (["uneven.json"], r"train_batch_size: 15 is not a whole number of data-parallel "
+                              r"ranks' 4 samples"),
             (["acc-strategy.yaml"], r"fsdp_config\.fsdp_reshard_after_forward: 'true' disagrees "
                                     r"with fsdp_config\.fsdp_sharding_strategy SHARD_GRAD_OP"),
             (["acc-conflict.yaml"], r"deepspeed_config\.zero_stage, mixed_precision beside "
