@@ -241,8 +241,17 @@ static fsdpc_status_t finish(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *y, bool
 static fsdpc_status_t moe_tokens(nn_ctx_t *ctx, const tp_mod_t *t, nn_module_t *m, nn_var_t *in,
                                  nn_var_t **out, nn_forward_fn inner) {
   *out = NULL;
-  tp_layout_t from = arriving(in, t->in);
   bool split = t->in == TP_SHARD_SEQ;
+  /* an input without a layout came through no tensor-parallel layer: whole on every rank (its
+   * gradients, summed over tp as a sequence shard's, would count tp times) */
+  if (split && in->layout == TP_LAYOUT_DEFAULT)
+    return err_set(STATUS_EINVAL,
+                   "tensor parallel: %s (prepare_input of a MoE block, sequence parallelism): "
+                   "its input comes from no tensor-parallel layer, so every rank holds the whole "
+                   "sequence, not its Shard(1): give the layer before it a Shard(1) output (a "
+                   "sequence_parallel norm, or rowwise with output shard(1))",
+                   nn_module_fqn(t->m));
+  tp_layout_t from = arriving(in, t->in);
   if (split ? from != TP_SHARD_SEQ : from != TP_REPLICATE)
     return err_set(STATUS_EUNSUPPORTED,
                    "tensor parallel: %s (prepare_input of a MoE block): its input comes %s; the "

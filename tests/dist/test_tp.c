@@ -16,6 +16,7 @@
 #include "models/llama/llama_plan.h"
 #include "nn/init.h"
 #include "nn/layers.h"
+#include "nn/moe.h"
 #include "parallel/parallelize.h"
 #include "tests/dist/fsdp_common.h"
 
@@ -445,6 +446,48 @@ START_TEST(rowwise_input_replicate_takes_its_chunk) {
 }
 END_TEST
 
+/* Sequence parallelism with a MoE block whose input came through no tensor-parallel layer
+ * (whole on every rank, not this rank's sequence shard): refused at its forward on every rank,
+ * where the router's and experts' gradients would have been summed over tp, tp times too
+ * large. */
+START_TEST(moe_input_of_no_layer_is_refused) {
+  mesh_t *world, *tp;
+  int shape[2] = {R * S, T};
+  const char *names[] = {"dp", "tp"};
+  ok(mesh_new(2, shape, names, DEVICE_CPU, &world));
+  ok(mesh_slice(world, 1, &names[1], &tp));
+  nn_module_t *root;
+  ok(nn_sequential_new(NULL, "", &root));
+  ok(nn_moe_new(root, "moe", 8, 12, 4, 2, true, NULL, NULL));
+  ok(nn_module_finalize(root));
+  const tp_rule_t rules[] = {{"moe", TP_PREPARE_INPUT, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT}};
+  tp_plan_t *plan = NULL;
+  ok(tensor_parallel(root, tp, rules, 1, true, &plan));
+  ok(nn_module_reset_parameters(root, 7));
+  fsdpc_tensor_t x;
+  ok(tensor_zeros(&x, DTYPE_F32, device_cpu(), 3, (int64_t[]){2, 4, 8}));
+  nn_ctx_t *ctx;
+  nn_var_t *in, *out = NULL;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_var_new(&x, false, &in));
+  fsdpc_status_t st = nn_call(ctx, root, in, &out);
+  expect_all(st == STATUS_EINVAL && strstr(err_detail(),
+                                           "moe (prepare_input of a MoE block, "
+                                           "sequence parallelism): its input comes "
+                                           "from no tensor-parallel layer"),
+             "a MoE block's input whole on every rank under sequence parallelism: %s",
+             st ? err_detail() : "ok");
+  nn_var_put(out);
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  tensor_free(&x);
+  nn_module_free(root);
+  tp_free(plan);
+  mesh_free(tp);
+  mesh_free(world);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("tp");
   TCase *tc = tcase_create("tp");
@@ -461,6 +504,7 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, conv1d_layers_split_like_linears);
     tcase_add_test(tc, rowwise_input_replicate_takes_its_chunk);
     tcase_add_test(tc, reduce_dtype_on_tp_reductions);
+    tcase_add_test(tc, moe_input_of_no_layer_is_refused);
   } else {
     tcase_add_test(tc, uneven_split_is_refused);
   }
