@@ -66,7 +66,10 @@ fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t 
 void optim_free(optim_t *o);
 
 /* One AdamW step of every parameter that has a gradient, with each group's lr times
- * lr_factor (the schedule's factor). Parameters without a gradient are skipped, as torch does. */
+ * lr_factor (the schedule's factor). Parameters without a gradient are skipped, as torch does;
+ * the bias correction counts the optimizer's steps (optim_steps, what a checkpoint records),
+ * where torch counts each parameter's own: a parameter first stepped at step k > 1 is
+ * corrected as of step k here, as of step 1 there. */
 fsdpc_status_t optim_step(optim_t *o, double lr_factor);
 
 /* optim_step as if every gradient had first been multiplied by grad_scale (> 0; clip_grad_coef's

@@ -15,7 +15,10 @@
  *   sequence_parallel   Replicate (RMSNorm,          Shard(1) -> Shard(1); the weight's
  *                       LayerNorm)                   (and bias's) gradient is summed over tp
  *   prepare_input       -                            the model layout -> Replicate, once for
- *                                                    every colwise child
+ *                                                    every colwise child (which alone may
+ *                                                    read the block's input: a residual
+ *                                                    inside the block would have its
+ *                                                    gradient summed over tp too)
  *   headwise            Replicate (RMSNorm,          this rank's heads, as they come (a norm
  *                       LayerNorm)                   of each head: Qwen3's q_norm, k_norm);
  *                                                    the weight's gradient is summed over tp
