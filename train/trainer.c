@@ -399,7 +399,10 @@ static fsdpc_status_t check_eval_samples(const run_t *r) {
   data_spec_t one = train_spec_of(r);
   one.batch_size = r->plan.eval_batch_size;
   one.grad_accum = 1;
-  for (int64_t f = 0; f < eval_forwards(&r->plan); f++)
+  /* a stop signal ends the check (the run then stops at its first chance, as it would have
+   * without one): an evaluation of many batches is read here first, and a launcher waits
+   * only so long after its SIGTERM */
+  for (int64_t f = 0; f < eval_forwards(&r->plan) && train_signal() == 0; f++)
     FSDPC_TRY(train_check_samples(r->eval, &one, f, 1, "eval.path"));
   return STATUS_OK;
 }

@@ -412,6 +412,21 @@ def operations():
           "SIGTERM during start-up: the run stops at step 1, saved, exit 75 (held %s, exit %s, "
           "%s)" % (held, rc, (out + err).strip()[-200:]))
 
+    # a signal while the start-up reads an evaluation of 10^6 batches for bad tokens (minutes
+    # of reading) ends that read: the run stops at its first step, within seconds
+    ck = os.path.join(tmp, "ck-precheck-signal")
+    proc, steps = start(0, [debug, "--set", "train.steps=50", "--set", "checkpoint.dir=" + ck,
+                            "--set", "eval.path=" + data, "--set", "eval.batches=1000000",
+                            "--set", "eval.batch_size=64"], os.path.join(tmp, "pre.jsonl"))
+    time.sleep(3)
+    t = time.time()
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, out, err = finish(proc)
+    took = time.time() - t
+    check(rc == 75 and "interrupted by SIGTERM at step 1; saved" in out and took < 20,
+          "SIGTERM while the start-up reads a long evaluation's samples: stopped at step 1 in "
+          "%.1f s (exit %s, %s)" % (took, rc, (out + err).strip()[-200:]))
+
     # a signal during a step's save stops the run at that step, already saved: no second step
     # and save after it
     ck, m = os.path.join(tmp, "ck-save-signal"), os.path.join(tmp, "save-signal.jsonl")
