@@ -488,7 +488,38 @@ static char *next_part(char **pos, bool *bad) {
   return start;
 }
 
+/* The offset of s's first byte that is no part of a UTF-8 character (an overlong form, a
+ * surrogate or beyond U+10FFFF included), or -1 when s is UTF-8 throughout. */
+static long bad_utf8(const char *s) {
+  const unsigned char *p = (const unsigned char *)s;
+  for (long i = 0; p[i];) {
+    unsigned c = p[i];
+    int n = c < 0x80             ? 0
+            : (c & 0xe0) == 0xc0 ? 1
+            : (c & 0xf0) == 0xe0 ? 2
+            : (c & 0xf8) == 0xf0 ? 3
+                                 : -1;
+    if (n < 0 || (n == 1 && c < 0xc2) || (n == 3 && c > 0xf4)) return i;
+    unsigned cp = n == 0 ? c : c & (0x3f >> n);
+    for (int k = 1; k <= n; k++) {
+      if ((p[i + k] & 0xc0) != 0x80) return i;
+      cp = cp << 6 | (p[i + k] & 0x3f);
+    }
+    if ((n == 2 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) ||
+        (n == 3 && (cp < 0x10000 || cp > 0x10ffff)))
+      return i;
+    i += n + 1;
+  }
+  return -1;
+}
+
 fsdpc_status_t pr_apply_set(plan_ctx_t *c, int root, const char *set) {
+  long at = bad_utf8(set); /* YAML's text, and a plan's, is Unicode */
+  if (at >= 0)
+    return err_set(STATUS_EFORMAT,
+                   "--set %.*s...: not valid UTF-8 at byte %ld (0x%02x): a plan's text is UTF-8, "
+                   "as YAML's",
+                   (int)at, set, at + 1, (unsigned char)set[at]);
   const char *eq = strchr(set, '=');
   if (eq == NULL || eq == set)
     return err_set(STATUS_EFORMAT, "--set %s: expected key.path=value", set);

@@ -188,6 +188,8 @@ def errors():
          r"bad\d*\.yaml:1: a byte-order mark \(U\+FEFF\) where only the file's start may have one"),
         ("missing plan file", "MISSING", [], r"cannot open the plan .*missing\.yaml: No such file"),
         ("unknown option", None, ["--frobnicate"], r"unknown option '--frobnicate'"),
+        ("a --set value not UTF-8", None, ["--set", "data.path=x\udcff.txt"],
+         r"--set data\.path=x\.\.\.: not valid UTF-8 at byte 12 \(0xff\)"),
         ("-v without --dry-run", None, ["-v"], r"-v goes with --dry-run"),
         ("--verbose without --dry-run", None, ["--verbose"], r"--verbose goes with --dry-run"),
         ("eval.interval without eval.path", base + "eval:\n  interval: 5\n", [],
