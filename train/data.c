@@ -19,6 +19,7 @@ typedef struct dfile {
   int width; /* bytes per token */
   off_t base;
   int64_t first, n;
+  struct stat at_open; /* the file as it was opened: each read finds it the same */
 } dfile_t;
 
 /* The files are read where a batch or a check needs them (opened for that read: a stream of
@@ -79,6 +80,7 @@ static fsdpc_status_t file_open(dfile_t *f, const char *path, int width) {
     st = err_set(STATUS_ENOMEM, "data file %s: out of host memory", path);
   else if (fstat(fileno(fp), &sb) != 0)
     st = err_set(STATUS_EIO, "data file %s: %s", path, strerror(errno));
+  if (st == STATUS_OK) f->at_open = sb;
   if (st == STATUS_OK && width == 0) { /* llm.c's header */
     unsigned char h[12];
     int64_t count = 0;
@@ -270,6 +272,20 @@ static fsdpc_status_t visit(const fsdpc_data_t *d, int64_t i0, int64_t count, un
     if (fd < 0)
       return err_set(STATUS_EIO, "data file %s: cannot open it again: %s", f->path,
                      strerror(errno));
+    struct stat sb; /* another file at its path, or this one written since: other samples */
+    const struct stat *was = &f->at_open;
+    if (fstat(fd, &sb) == 0 &&
+        (sb.st_dev != was->st_dev || sb.st_ino != was->st_ino || sb.st_size != was->st_size ||
+         sb.st_mtim.tv_sec != was->st_mtim.tv_sec || sb.st_mtim.tv_nsec != was->st_mtim.tv_nsec)) {
+      close(fd);
+      return err_set(STATUS_EIO,
+                     "data file %s: changed since the run opened it (%s): its samples would not "
+                     "be the run's",
+                     f->path,
+                     sb.st_dev != was->st_dev || sb.st_ino != was->st_ino
+                         ? "another file at its path"
+                         : "written to since");
+    }
     for (int64_t per = (int64_t)cap / f->width; i0 + done < end && st == STATUS_OK;) {
       int64_t i = i0 + done, k = end - i < per ? end - i : per;
       st = read_bytes(f, fd, f->base + (off_t)((i - f->first) * f->width), (size_t)(k * f->width),

@@ -449,13 +449,40 @@ def errors():
     except subprocess.TimeoutExpired:
         err, secs = "", None
     kill_session(proc.pid)
-    said = ranks_saying(err, r"data file .*big\.txt: cannot read tokens \d+-\d+: the file is "
-                             r"shorter than when it was opened")
+    said = ranks_saying(err, r"data file .*big\.txt: (cannot read tokens \d+-\d+: the file is "
+                             r"shorter than when it was opened|changed since the run opened it "
+                             r"\(written to since\))")
     check(secs is not None and secs < 60 and proc.returncode != 0 and said == {"0", "1"},
           "a token file cut mid-run fails one rank: the job ends in %s s (the watchdog: 600 s), "
           "both ranks name the file (%s)" % ("%.1f" % secs if secs else "never", sorted(said)))
     if said != {"0", "1"}:
         print(err[-1500:])
+    # the token file replaced mid-run (another file renamed over it): the run stops, saved,
+    # naming it, rather than train on other samples
+    swap = os.path.join(tmp, "swap.txt")
+    with open(swap, "wb") as f:
+        f.write(corpus * 64)
+    plan = os.path.join(tmp, "swap.yaml")
+    ck = os.path.join(tmp, "ck-swap")
+    with open(plan, "w") as f:
+        f.write(base.replace(data, swap).replace("steps: 2", "steps: 1000000") +
+                "log:\n  interval: 1\ncheckpoint:\n  dir: %s\n" % ck)
+    proc = subprocess.Popen([EXE, plan], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    time.sleep(2)
+    with open(swap + ".new", "wb") as f:
+        f.write(b"a" * 200000)
+    os.rename(swap + ".new", swap)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        out, err = proc.communicate()
+    check(proc.returncode == 1 and re.search(r"data file .*swap\.txt: changed since the run "
+                                             r"opened it \(another file at its path\)", err)
+          and re.search(r"stopping after step \d+ on the error below; saved", err) is not None,
+          "a token file replaced mid-run stops the run, saved, naming it (exit %s: %s)"
+          % (proc.returncode, err.strip()[-300:]))
     # a module with parameters and no tensor-parallel rule given a shard of its input (a norm
     # on sequence shards, Qwen3's head norms on each rank's heads) would train another model:
     # refused on every rank at the first forward, naming it and the rule it needs
