@@ -385,6 +385,11 @@ static bool is_local(const nn_param_t *p) {
 /* p becomes a DTensor with placement pl on mesh; a parameter already placed there (a tied
  * weight) must agree. */
 static fsdpc_status_t place(nn_param_t *p, mesh_t *mesh, placement_t pl, const char *module) {
+  if (p->external) /* fully_shard's shards, whatever mesh: tensor parallelism splits whole ones */
+    return err_set(STATUS_EINVAL,
+                   "tensor parallel: %s: parameter %s is sharded by fully_shard already; apply "
+                   "tensor_parallel first, then fully_shard over the data-parallel mesh",
+                   module, p->fqn);
   if (dtensor_mesh(p->value) == mesh) {
     if (placement_equal(dtensor_placements(p->value)[0], pl)) return STATUS_OK;
     char a[32], b[32];

@@ -488,6 +488,34 @@ START_TEST(moe_input_of_no_layer_is_refused) {
 }
 END_TEST
 
+/* tensor_parallel after fully_shard over the same ranks: refused, naming the order (it was
+ * taken, and the first forward failed on an unrelated layout) */
+START_TEST(tensor_parallel_after_fully_shard_is_refused) {
+  mesh_t *world, *tp;
+  int shape[2] = {R * S, T};
+  const char *names[] = {"dp", "tp"};
+  ok(mesh_new(2, shape, names, DEVICE_CPU, &world));
+  ok(mesh_slice(world, 1, &names[1], &tp));
+  nn_module_t *m = conv1d_mlp();
+  fsdp_options_t fo = FSDP_OPTIONS_INIT;
+  fo.mesh = tp;
+  ok(fully_shard(m, &fo, NULL));
+  const tp_rule_t rules[] = {{"c_fc", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
+                             {"c_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT}};
+  tp_plan_t *plan = NULL;
+  fsdpc_status_t st = tensor_parallel(m, tp, rules, 2, false, &plan);
+  expect_all(st == STATUS_EINVAL && strstr(err_detail(),
+                                           "is sharded by fully_shard already; "
+                                           "apply tensor_parallel first"),
+             "tensor_parallel after fully_shard: %s", st ? err_detail() : "ok");
+  tp_free(plan);
+  fsdp_free_all(m);
+  nn_module_free(m);
+  mesh_free(tp);
+  mesh_free(world);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("tp");
   TCase *tc = tcase_create("tp");
@@ -505,6 +533,7 @@ static Suite *make_suite(void) {
     tcase_add_test(tc, rowwise_input_replicate_takes_its_chunk);
     tcase_add_test(tc, reduce_dtype_on_tp_reductions);
     tcase_add_test(tc, moe_input_of_no_layer_is_refused);
+    tcase_add_test(tc, tensor_parallel_after_fully_shard_is_refused);
   } else {
     tcase_add_test(tc, uneven_split_is_refused);
   }
