@@ -155,6 +155,9 @@ static fsdpc_status_t read_shard_dims(plan_ctx_t *c, int fs) {
       return pr_fail(c, a->key, path, "more than %d patterns", PLAN_MAX_SHARD_DIMS);
     if (strlen(pat) >= PLAN_PATTERN_MAX)
       return pr_fail(c, a->key, kpath, "pattern longer than %d characters", PLAN_PATTERN_MAX - 1);
+    for (int q = 0; q < par->n_shard_dims; q++)
+      if (strcmp(par->shard_dims[q].pattern, pat) == 0)
+        return pr_fail(c, a->key, path, "'%s' appears twice", pat);
     int64_t d = 0;
     FSDPC_TRY(pr_parse_int(c, a->value, kpath, -TENSOR_MAX_DIMS, TENSOR_MAX_DIMS - 1, &d));
     plan_shard_dim_t *sd = &par->shard_dims[par->n_shard_dims++];
@@ -206,6 +209,9 @@ static fsdpc_status_t read_tp(plan_ctx_t *c, int tp) {
       return pr_fail(c, a->key, ppath, "more than %d rules", PLAN_MAX_TP_RULES);
     if (k == NULL || strlen(k) >= PLAN_PATTERN_MAX)
       return pr_fail(c, a->key, ppath, "expected module pattern: style");
+    for (int q = 0; q < par->n_tp_rules; q++)
+      if (strcmp(par->tp_rules[q].pattern, k) == 0)
+        return pr_fail(c, a->key, ppath, "'%s' appears twice", k);
     plan_tp_rule_t *r = &par->tp_rules[par->n_tp_rules];
     memset(r, 0, sizeof *r);
     char rpath[PLAN_PATTERN_MAX + 64];

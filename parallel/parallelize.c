@@ -424,10 +424,15 @@ static fsdpc_status_t check_shard_dims(const nn_module_t *root, const parallel_p
   fsdpc_status_t st = STATUS_OK;
   for (int i = 0; i < pp->n_shard_dims && st == STATUS_OK; i++) {
     const plan_shard_dim_t *sd = &pp->shard_dims[i];
-    int hits = 0;
+    int hits = 0, by = -1; /* by: the earlier pattern that takes the last one it matches */
+    bool owns = false;
     for (int k = 0; k < n && st == STATUS_OK; k++) {
       if (!nn_fqn_match(sd->pattern, ps[k]->fqn)) continue;
       hits++;
+      int first = 0;
+      while (!nn_fqn_match(pp->shard_dims[first].pattern, ps[k]->fqn)) first++;
+      owns = owns || first == i;
+      if (first != i) by = first;
       int nd = dtensor_ndim(ps[k]->value);
       if (parallel_plan_shard_dim(pp, ps[k]->fqn, nd) < 0)
         st = err_set(STATUS_EINVAL,
@@ -442,6 +447,12 @@ static fsdpc_status_t check_shard_dims(const nn_module_t *root, const parallel_p
                    "(parameters here: %s%s%s, ...)",
                    sd->where.text, sd->pattern, n > 0 ? ps[0]->fqn : "", n > 1 ? ", " : "",
                    n > 1 ? ps[1]->fqn : "");
+    else if (st == STATUS_OK && !owns) /* it would never apply */
+      st = err_set(STATUS_EINVAL,
+                   "%s: parallelize.fully_shard.shard_dims: every parameter '%s' matches is "
+                   "taken by the earlier '%s' (the first matching pattern wins: put the more "
+                   "specific one first)",
+                   sd->where.text, sd->pattern, pp->shard_dims[by].pattern);
   }
   free(ps);
   return st;

@@ -258,6 +258,22 @@ static fsdpc_status_t check_param_groups(const run_t *r) {
                    "optim.param_groups: '%s' matches no parameter of the model (--dry-run -v "
                    "lists their names)",
                    cfg->groups[g].pattern);
+  for (int g = 1; g < cfg->n_groups && st == STATUS_OK; g++) { /* one that never applies */
+    int by = -1;
+    bool owns = false;
+    for (int k = 0; k < n && !owns; k++) {
+      if (!optim_group_matches(&cfg->groups[g], &ps[k], 1)) continue;
+      int first = 0;
+      while (!optim_group_matches(&cfg->groups[first], &ps[k], 1)) first++;
+      owns = first == g;
+      by = first;
+    }
+    if (!owns && by >= 0)
+      st = err_set(STATUS_EINVAL,
+                   "optim.param_groups: every parameter '%s' matches is taken by the earlier "
+                   "'%s' (the first matching pattern wins: put the more specific one first)",
+                   cfg->groups[g].pattern, cfg->groups[by].pattern);
+  }
   free(ps);
   return st;
 }

@@ -188,6 +188,17 @@ def errors():
          r"bad\d*\.yaml:1: a byte-order mark \(U\+FEFF\) where only the file's start may have one"),
         ("missing plan file", "MISSING", [], r"cannot open the plan .*missing\.yaml: No such file"),
         ("unknown option", None, ["--frobnicate"], r"unknown option '--frobnicate'"),
+        ("a tensor-parallel rule given twice", None,
+         ["--set", "parallelize.tensor_parallel.plan={lm_head: colwise, lm_head: rowwise}"],
+         r"parallelize\.tensor_parallel\.plan: 'lm_head' appears twice"),
+        ("a shard_dims pattern that never applies", None,
+         ["--set", 'parallelize.fully_shard.shard_dims={"model.layers.*.mlp.*_proj.weight": 1, '
+                   '"model.layers.*.mlp.down_proj.weight": 0}'],
+         r"every parameter 'model\.layers\.\*\.mlp\.down_proj\.weight' matches is taken by the "
+         r"earlier 'model\.layers\.\*\.mlp\.\*_proj\.weight'"),
+        ("a parameter group that never applies", None,
+         ["--set", 'optim.param_groups={"*": {weight_decay: 0}, "*norm*": {lr: 1e-4}}'],
+         r"optim\.param_groups: every parameter '\*norm\*' matches is taken by the earlier '\*'"),
         ("a --set value not UTF-8", None, ["--set", "data.path=x\udcff.txt"],
          r"--set data\.path=x\.\.\.: not valid UTF-8 at byte 12 \(0xff\)"),
         ("-v without --dry-run", None, ["-v"], r"-v goes with --dry-run"),
