@@ -303,6 +303,14 @@ START_TEST(uneven_split_is_refused) {
 }
 END_TEST
 
+/* The world as (dp, tp) and its tp part. */
+static void tp_meshes(mesh_t **world, mesh_t **tp) {
+  int shape[2] = {R * S, T};
+  const char *names[] = {"dp", "tp"};
+  ok(mesh_new(2, shape, names, DEVICE_CPU, world));
+  ok(mesh_slice(*world, 1, &names[1], tp));
+}
+
 /* An MLP of transformers' Conv1D layers (weight [in, out]) with biases: built eagerly, the same
  * values on every rank. */
 static nn_module_t *conv1d_mlp(void) {
@@ -376,10 +384,7 @@ static int conv1d_against_one_rank(nn_module_t *m, double *e, double *dl, nn_par
  * single-rank output and loss, and on each rank the single-rank gradients' slices. */
 START_TEST(conv1d_layers_split_like_linears) {
   mesh_t *world, *tp;
-  int shape[2] = {R * S, T};
-  const char *names[] = {"dp", "tp"};
-  ok(mesh_new(2, shape, names, DEVICE_CPU, &world));
-  ok(mesh_slice(world, 1, &names[1], &tp));
+  tp_meshes(&world, &tp);
   nn_module_t *m = conv1d_mlp();
   const tp_rule_t rules[] = {{"c_fc", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT},
                              {"c_proj", TP_ROWWISE, TP_LAYOUT_DEFAULT, TP_LAYOUT_DEFAULT}};
@@ -419,10 +424,7 @@ END_TEST
  * not at the first forward. */
 START_TEST(rowwise_input_replicate_takes_its_chunk) {
   mesh_t *world, *tp;
-  int shape[2] = {R * S, T};
-  const char *names[] = {"dp", "tp"};
-  ok(mesh_new(2, shape, names, DEVICE_CPU, &world));
-  ok(mesh_slice(world, 1, &names[1], &tp));
+  tp_meshes(&world, &tp);
   nn_module_t *m = conv1d_mlp(), *other = conv1d_mlp();
   const tp_rule_t rules[] = {{"c_fc", TP_COLWISE, TP_LAYOUT_DEFAULT, TP_REPLICATE},
                              {"c_proj", TP_ROWWISE, TP_REPLICATE, TP_LAYOUT_DEFAULT}};
@@ -452,10 +454,7 @@ END_TEST
  * large. */
 START_TEST(moe_input_of_no_layer_is_refused) {
   mesh_t *world, *tp;
-  int shape[2] = {R * S, T};
-  const char *names[] = {"dp", "tp"};
-  ok(mesh_new(2, shape, names, DEVICE_CPU, &world));
-  ok(mesh_slice(world, 1, &names[1], &tp));
+  tp_meshes(&world, &tp);
   nn_module_t *root;
   ok(nn_sequential_new(NULL, "", &root));
   ok(nn_moe_new(root, "moe", 8, 12, 4, 2, true, NULL, NULL));
@@ -492,10 +491,7 @@ END_TEST
  * taken, and the first forward failed on an unrelated layout) */
 START_TEST(tensor_parallel_after_fully_shard_is_refused) {
   mesh_t *world, *tp;
-  int shape[2] = {R * S, T};
-  const char *names[] = {"dp", "tp"};
-  ok(mesh_new(2, shape, names, DEVICE_CPU, &world));
-  ok(mesh_slice(world, 1, &names[1], &tp));
+  tp_meshes(&world, &tp);
   nn_module_t *m = conv1d_mlp();
   fsdp_options_t fo = FSDP_OPTIONS_INIT;
   fo.mesh = tp;
