@@ -284,7 +284,8 @@ static fsdpc_status_t visit(const fsdpc_data_t *d, int64_t i0, int64_t count, un
                      f->path,
                      sb.st_dev != was->st_dev || sb.st_ino != was->st_ino
                          ? "another file at its path"
-                         : "written to since");
+                     : sb.st_size < was->st_size ? "the file is shorter than when it was opened"
+                                                 : "written to since");
     }
     for (int64_t per = (int64_t)cap / f->width; i0 + done < end && st == STATUS_OK;) {
       int64_t i = i0 + done, k = end - i < per ? end - i : per;

@@ -601,7 +601,8 @@ def operations():
     wait_step(steps, 20, proc)
     os.truncate(ev_copy, 1000)
     rc, out, err = finish(proc)
-    check(rc == 1 and "eval.path: data file %s: cannot read tokens" % ev_copy in err and
+    check(rc == 1 and "eval.path: data file %s: changed since the run opened it (the file is "
+          "shorter than when it was opened)" % ev_copy in err and
           "stopping after step 100 on the error below; saved %s/step-00000100 first" % ck in err
           and saved(ck) == ["step-00000100"],
           "an eval.path cut short during the run stops it at step 100's evaluation, step 100 "
