@@ -387,6 +387,11 @@ static fsdpc_status_t ds_precision(out_t *o, const cJSON *c, const char *prefix)
     else if (truthy(v) && !on[k == 2])
       precision(o, k == 2 ? "fp16" : "bf16", name);
     on[k == 2] = on[k == 2] || truthy(v);
+    for (const cJSON *it = cJSON_IsObject(section) ? section->child : NULL; it; it = it->next) {
+      if (strcmp(it->string, "enabled") == 0) continue; /* fp16's loss scaler's knobs, ... */
+      snprintf(name, sizeof name, "%s%s.%s", prefix, which, it->string);
+      leave(o, name, "no equivalent here (no loss scaler: bf16 needs none)");
+    }
   }
   if (on[0] && on[1])
     return err_set(STATUS_EINVAL,
@@ -451,6 +456,16 @@ static void ds_optim_schedule(out_t *o, const cJSON *c, const char *prefix) {
               "(decoupled weight decay)");
       if (cJSON_GetObjectItemCaseSensitive(p, "torch_adam"))
         leave(o, "optimizer.params.torch_adam", "an implementation choice: AdamW here is fused");
+      static const char *const read[] = {
+          "lr", "eps", "weight_decay", "betas", "adam_w_mode", "torch_adam", NULL};
+      for (const cJSON *it = cJSON_IsObject(p) ? p->child : NULL; it; it = it->next) {
+        bool known = false;
+        for (int k = 0; read[k] && !known; k++) known = strcmp(it->string, read[k]) == 0;
+        char name[160];
+        snprintf(name, sizeof name, "optimizer.params.%s", it->string);
+        if (!known)
+          leave(o, name, "no equivalent here: AdamW here takes lr, betas, eps and weight_decay");
+      }
     }
   } else if (!*prefix) {
     leave(o, "optimizer",
@@ -471,6 +486,10 @@ static void ds_optim_schedule(out_t *o, const cJSON *c, const char *prefix) {
     if (type && strcmp(type, "WarmupCosineLR") == 0) {
       number(o, p, "total_num_steps", "scheduler.params.total_num_steps", "train", "steps",
              NUM_COUNT);
+      if (cJSON_GetObjectItemCaseSensitive(p, "total_num_steps") == NULL)
+        leave(o, "scheduler.params.total_num_steps",
+              "not given (DeepSpeed requires it for WarmupCosineLR): give train.steps, the "
+              "steps the cosine decays over");
       number_or(o, p, "cos_min_ratio", "scheduler.params.cos_min_ratio", "schedule", "min_lr_ratio",
                 NUM_RATIO, "0.0001", "DeepSpeed's 1e-4");
       if (cJSON_GetObjectItemCaseSensitive(p, "warmup_min_ratio"))
@@ -488,6 +507,16 @@ static void ds_optim_schedule(out_t *o, const cJSON *c, const char *prefix) {
     } else {
       leave(o, "scheduler.type", "'%s': the schedule here is linear warmup then cosine decay",
             type ? type : "?");
+    }
+    static const char *const sread[] = {
+        "warmup_num_steps", "warmup_type",   "total_num_steps", "cos_min_ratio",
+        "warmup_min_ratio", "warmup_max_lr", "warmup_min_lr",   NULL};
+    for (const cJSON *it = known && cJSON_IsObject(p) ? p->child : NULL; it; it = it->next) {
+      bool read = false;
+      for (int k = 0; sread[k] && !read; k++) read = strcmp(it->string, sread[k]) == 0;
+      char name[160];
+      snprintf(name, sizeof name, "scheduler.params.%s", it->string);
+      if (!read) leave(o, name, "no equivalent here (the schedule: linear warmup, cosine decay)");
     }
   } else if (!*prefix) {
     leave(o, "scheduler",
@@ -676,8 +705,23 @@ static void strategy_and_reshard(out_t *o, const cJSON *f) {
 }
 
 static void accelerate_fsdp(out_t *o, const cJSON *f) {
-  char b[160];
+  char b[160], vb[32];
   strategy_and_reshard(o, f);
+  const char *ver =
+      plan_text_of(cJSON_GetObjectItemCaseSensitive(f, "fsdp_version"), vb, sizeof vb);
+  const cJSON *raf = cJSON_GetObjectItemCaseSensitive(f, "fsdp_reshard_after_forward");
+  char rb[64];
+  const char *rv = plan_text_of(raf, rb, sizeof rb);
+  static const char *const bools[] = {"true", "false", "True", "False", NULL};
+  bool is_bool = cJSON_IsBool(raf);
+  for (int k = 0; rv && bools[k] && !is_bool; k++) is_bool = strcmp(rv, bools[k]) == 0;
+  if (ver && strcmp(ver, "2") == 0 && rv && !is_bool) { /* FSDP2's: a bool */
+    invalid(o, "fsdp_config.fsdp_reshard_after_forward",
+            "'%s' under fsdp_version 2, which takes true or false (Accelerate refuses others; an "
+            "integer group size is parallelize.fully_shard.reshard_after_forward here)",
+            rv);
+    return;
+  }
   for (const cJSON *it = f ? f->child : NULL; it; it = it->next) {
     const char *k = it->string, *v = plan_text_of(it, b, sizeof b);
     char from[120];

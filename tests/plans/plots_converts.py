@@ -434,6 +434,13 @@ def converts_read_as_their_tools_do(tmp, tool):
          '{"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}}',
          [r"#   optimizer\.params\.betas: 'auto': taken from the training script"],
          [r"beta1:"], []),
+        ("settings of no equivalent listed, each", "leftovers.json",
+         '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "loss_scale": 0}, '
+         '"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "amsgrad": true}}, '
+         '"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "foo": 1}}}',
+         [r"#   fp16\.loss_scale: no equivalent here", r"#   optimizer\.params\.amsgrad: no "
+          r"equivalent here", r"#   scheduler\.params\.foo: no equivalent here",
+          r"#   scheduler\.params\.total_num_steps: not given \(DeepSpeed requires it"], [], []),
         ("ZeRO-1", "zero1.json", '{"train_micro_batch_size_per_gpu": 2, '
                                  '"zero_optimization": {"stage": 1}}',
          [r"zero_stage: 2  # zero_optimization\.stage 1 shards the optimizer state only",
@@ -531,6 +538,9 @@ def converts_read_as_their_tools_do(tmp, tool):
             print(e.stdout[-1500:], e.stderr[-500:])
     # refused as the tools refuse them; an output that is the DeepSpeed file the config names
     # is an input
+    with open(os.path.join(tmp, "acc-fsdp2-int.yaml"), "w") as f:
+        f.write("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                "  fsdp_reshard_after_forward: 2\n")
     with open(os.path.join(tmp, "bad-sizes.json"), "w") as f:
         f.write('{"train_micro_batch_size_per_gpu": 0, "gradient_clipping": -1}')
     with open(os.path.join(tmp, "uneven.json"), "w") as f:
@@ -564,6 +574,8 @@ def converts_read_as_their_tools_do(tmp, tool):
              r"  gradient_clipping: '-1' is not a finite number of at least 0"),
             (["uneven.json"], r"train_batch_size: 15 is not a whole number of data-parallel "
                               r"ranks' 4 samples"),
+            (["acc-fsdp2-int.yaml"], r"fsdp_config\.fsdp_reshard_after_forward: '2' under "
+                                     r"fsdp_version 2, which takes true or false"),
             (["acc-strategy.yaml"], r"fsdp_config\.fsdp_reshard_after_forward: 'true' disagrees "
                                     r"with fsdp_config\.fsdp_sharding_strategy SHARD_GRAD_OP"),
             (["acc-conflict.yaml"], r"deepspeed_config\.zero_stage, mixed_precision beside "
