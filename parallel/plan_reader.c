@@ -430,6 +430,14 @@ static fsdpc_status_t add_value(plan_ctx_t *c, const char *s, const char *set, i
   *out = 0;
   if (s[0] == '{' || (n >= 2 && s[0] == '[' && s[n - 1] == ']' && strpbrk(s + 1, "[{") != NULL))
     return add_flow_value(c, s, set, out);
+  if (n >= 2 && (s[0] == '\'' || s[0] == '"') && s[n - 1] == s[0]) {
+    /* 'text', "null": the quotes go, and the value is a string (null, true, 3 quoted stay
+     * text, as in the plan file) */
+    *out = add_scalar_styled(
+        c, s + 1, n - 2,
+        s[0] == '"' ? YAML_DOUBLE_QUOTED_SCALAR_STYLE : YAML_SINGLE_QUOTED_SCALAR_STYLE, set);
+    return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "--set %s: out of memory", set);
+  }
   if (n < 2 || s[0] != '[' || s[n - 1] != ']') {
     *out = add_scalar(c, s, set);
     return *out ? STATUS_OK : err_set(STATUS_ENOMEM, "--set %s: out of memory", set);

@@ -199,6 +199,9 @@ def errors():
         ("a parameter group that never applies", None,
          ["--set", 'optim.param_groups={"*": {weight_decay: 0}, "*norm*": {lr: 1e-4}}'],
          r"optim\.param_groups: every parameter '\*norm\*' matches is taken by the earlier '\*'"),
+        ("a quoted --set value: a string without its quotes", None,
+         ["--set", "data.format='bytes'"], r"data\.format: expected text, u16, u32 or llmc, got "
+                                           r"'bytes'"),
         ("a --set value not UTF-8", None, ["--set", "data.path=x\udcff.txt"],
          r"--set data\.path=x\.\.\.: not valid UTF-8 at byte 12 \(0xff\)"),
         ("-v without --dry-run", None, ["-v"], r"-v goes with --dry-run"),
