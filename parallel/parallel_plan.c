@@ -335,6 +335,8 @@ fsdpc_status_t pp_read_parallelize(plan_ctx_t *c, int root) {
     static const char *const later[] = {"reshard_after_forward", "sharding_strategy", NULL};
     pr_where_section(c, fs, later, &par->fsdp_where);
     FSDPC_TRY(pr_get_reshard(c, fs, path, &par->reshard_after_forward));
+    int rn = pr_find(c, fs, "reshard_after_forward");
+    if (rn != 0 && !pr_is_null(c, rn)) pr_where_of(c, rn, &par->reshard_where);
     dtype_t dt[3] = {par->param_dtype, par->reduce_dtype, par->output_dtype};
     FSDPC_TRY(read_mp(c, fs, path, dt));
     par->param_dtype = dt[0];
@@ -526,7 +528,9 @@ fsdpc_status_t parallel_plan_resolve(parallel_plan_t *pp, int world) {
       *at = 1;
       continue;
     }
-    const char *w = i >= 0 ? pp->units[i].where.text : pp->fsdp_where.text;
+    const char *w = i >= 0                           ? pp->units[i].where.text
+                    : pp->reshard_where.text[0] != 0 ? pp->reshard_where.text
+                                                     : pp->fsdp_where.text;
     char key[64] = "parallelize.fully_shard.reshard_after_forward";
     if (i >= 0)
       snprintf(key, sizeof key, "parallelize.fully_shard.units[%d].reshard_after_forward", i);

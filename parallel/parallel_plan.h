@@ -113,6 +113,7 @@ typedef struct parallel_plan {
   dtype_t param_dtype, reduce_dtype, output_dtype;
   bool offload;
   plan_where_t fsdp_where;
+  plan_where_t reshard_where; /* of reshard_after_forward where given ("" : not given) */
   char strategy[24]; /* sharding_strategy (or zero_stage's equivalent) as given; "" if none */
   plan_shard_dim_t shard_dims[PLAN_MAX_SHARD_DIMS]; /* shard_dims: {PATTERN: DIM}, in order */
   int n_shard_dims;

@@ -65,7 +65,8 @@ def errors():
          r"mesh: dp_replicate x dp_shard x tp = 1 x 3 x 1 = 3, but the world has 2 ranks"),
         ("integer reshard not dividing dp_shard", base.replace(
             'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    reshard_after_forward: 3'),
-         [], r"fully_shard\.reshard_after_forward: 3 is above mesh\.dp_shard=2"),
+         [], r"\.yaml:14:\d+: parallelize\.fully_shard\.reshard_after_forward: 3 is above "
+             r"mesh\.dp_shard=2"),
         ("integer reshard 1, which PyTorch reads as false", base.replace(
             'units: ["model.layers.*"]', 'units: ["model.layers.*"]\n    reshard_after_forward: 1'),
          [], r"fully_shard\.reshard_after_forward: 1 is ambiguous: .*write false to keep them "
