@@ -557,6 +557,9 @@ static fsdpc_status_t read_rest(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_section(c, root, "eval", eval_keys, &m));
   if (m) pr_where_of(c, m, &p->eval_where);
   FSDPC_TRY(pr_get_path(c, m, "eval", "path", p->eval_path));
+  p->eval_path_where = p->eval_where;
+  int ep = m ? pr_find(c, m, "path") : 0;
+  if (ep != 0 && !pr_is_null(c, ep)) pr_where_of(c, ep, &p->eval_path_where);
   bool eval_format = false;
   FSDPC_TRY(read_format(c, m, "eval", &p->eval_format, &eval_format));
   if (!eval_format) p->eval_format = p->data_format;
@@ -596,6 +599,8 @@ static fsdpc_status_t read_rest(plan_ctx_t *c, int root) {
   FSDPC_TRY(pr_get_int(c, m, "checkpoint", "interval", 0, big, &p->ckpt_interval));
   FSDPC_TRY(pr_get_int(c, m, "checkpoint", "keep", 0, 1 << 20, &p->ckpt_keep));
   int ld = pr_find(c, m, "load");
+  p->load_where = p->ckpt_where;
+  if (ld != 0 && !pr_is_null(c, ld)) pr_where_of(c, ld, &p->load_where);
   if (!pr_is_null(c, ld) && pr_scalar(c, ld) && strcmp(pr_scalar(c, ld), "auto") == 0)
     strcpy(p->ckpt_load, "auto");
   else
@@ -681,10 +686,10 @@ static fsdpc_status_t load(fsdpc_plan_t *p, const char *path, const char *const 
   if (strlen(path) >= PLAN_PATH_MAX) return err_set(STATUS_EINVAL, "plan path too long");
   strcpy(p->source, path);
   strcpy(p->par.source, path);
-  plan_where_t *ws[] = {&p->par.mesh_where,  &p->par.fsdp_where, &p->par.tp_where,
-                        &p->par.optim_where, &p->data_where,     &p->eval_where,
-                        &p->ckpt_where,      &p->par.ep_where,   &p->par.tp_size_where,
-                        &p->batch_where};
+  plan_where_t *ws[] = {&p->par.mesh_where,  &p->par.fsdp_where,  &p->par.tp_where,
+                        &p->par.optim_where, &p->data_where,      &p->eval_where,
+                        &p->ckpt_where,      &p->par.ep_where,    &p->par.tp_size_where,
+                        &p->batch_where,     &p->eval_path_where, &p->load_where};
   for (int i = 0; i < (int)(sizeof ws / sizeof ws[0]); i++)
     snprintf(ws[i]->text, sizeof ws[i]->text, "%s", path);
   plan_ctx_t *c = calloc(1, sizeof *c);
@@ -783,7 +788,7 @@ fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
   if (p->data_path[0] == 0)
     return err_set(STATUS_EINVAL, "%s: data.path: missing (the token file to train on)", p->source);
   FSDPC_TRY(check_path(p->data_path, &p->data_where, "data.path"));
-  if (p->eval_path[0]) FSDPC_TRY(check_path(p->eval_path, &p->eval_where, "eval.path"));
+  if (p->eval_path[0]) FSDPC_TRY(check_path(p->eval_path, &p->eval_path_where, "eval.path"));
   if (p->eval_interval > 0 && !p->eval_path[0])
     return err_set(STATUS_EINVAL,
                    "%s: eval.interval: %lld needs eval.path (the token file to evaluate on)",
@@ -818,7 +823,7 @@ fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
   if (strcmp(p->ckpt_load, "auto") == 0 && p->ckpt_dir[0] == 0)
     return err_set(STATUS_EINVAL,
                    "%s: checkpoint.load: auto resumes from checkpoint.dir, which is not set",
-                   p->ckpt_where.text);
+                   p->load_where.text);
   if (p->ckpt_load[0] && strcmp(p->ckpt_load, "auto") != 0) {
     char state[PLAN_PATH_MAX + 32];
     snprintf(state, sizeof state, "%s/train_state.json", p->ckpt_load);
@@ -826,7 +831,7 @@ fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
     if (access(state, R_OK) != 0 && stat(p->ckpt_load, &sb) != 0) {
       const char *b = strrchr(p->ckpt_load, '/');
       b = b ? b + 1 : p->ckpt_load;
-      return err_set(STATUS_EIO, "%s: checkpoint.load: '%s' does not exist%s", p->ckpt_where.text,
+      return err_set(STATUS_EIO, "%s: checkpoint.load: '%s' does not exist%s", p->load_where.text,
                      p->ckpt_load,
                      strcasecmp(b, "auto") == 0 ? " (resuming the newest checkpoint of "
                                                   "checkpoint.dir is auto, in lower case)"
@@ -836,14 +841,14 @@ fsdpc_status_t plan_resolve_job(fsdpc_plan_t *p, int world, const char *own) {
       return err_set(STATUS_EIO,
                      "%s: checkpoint.load: '%s' is not a folder (a checkpoint is its step folder, "
                      "checkpoint.dir/step-N)",
-                     p->ckpt_where.text, p->ckpt_load);
+                     p->load_where.text, p->ckpt_load);
     if (access(state, R_OK) != 0) {
       char hint[3 * PLAN_PATH_MAX];
       load_hint(p->ckpt_load, hint, sizeof hint);
       return err_set(STATUS_EIO,
                      "%s: checkpoint.load: '%s' is not a complete checkpoint (no "
                      "train_state.json)%s",
-                     p->ckpt_where.text, p->ckpt_load, hint);
+                     p->load_where.text, p->ckpt_load, hint);
     }
   }
   return STATUS_OK;

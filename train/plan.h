@@ -71,6 +71,7 @@ typedef struct fsdpc_plan {
   int64_t eval_batches;          /* global batches per evaluation */
   int64_t eval_batch_size;       /* samples per data-parallel rank (data.batch_size unless given) */
   plan_where_t eval_where;
+  plan_where_t eval_path_where; /* of eval.path itself */
   /* train */
   int64_t steps;
   uint64_t seed; /* data.shuffle's order */
@@ -90,6 +91,7 @@ typedef struct fsdpc_plan {
   bool ckpt_async;     /* saves staged in host memory and written while training goes on */
   int64_t ckpt_block_bytes; /* the block size of the checksums of saved files */
   plan_where_t ckpt_where;
+  plan_where_t load_where; /* of checkpoint.load itself */
   /* log */
   char metrics[PLAN_PATH_MAX];
   int64_t log_interval;

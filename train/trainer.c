@@ -157,7 +157,7 @@ static fsdpc_status_t open_data(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   FSDPC_TRY(open_tokens(r, p->data_path, p->data_format, &p->data_where, "data.path", &r->data));
   if (!p->eval_path[0]) return STATUS_OK;
-  return open_tokens(r, p->eval_path, p->eval_format, &p->eval_where, "eval.path", &r->eval);
+  return open_tokens(r, p->eval_path, p->eval_format, &p->eval_path_where, "eval.path", &r->eval);
 }
 
 /* The forwards of an evaluation: eval.batches global batches, each of grad_accum forwards of

@@ -222,7 +222,7 @@ def errors():
         ("units not a list", base.replace('units: ["model.layers.*"]', 'units: "model.layers.*"'),
          [], r"units: expected a list of module patterns"),
         ("checkpoint.load not a checkpoint", base + "checkpoint:\n  load: /nonexistent/step-5\n", [],
-         r"checkpoint\.load: '/nonexistent/step-5' does not exist"),
+         r"bad\d*\.yaml:21:9: checkpoint\.load: '/nonexistent/step-5' does not exist"),
         ("checkpoint.load: AUTO", base + "checkpoint:\n  dir: ck\n  load: AUTO\n", [],
          r"checkpoint\.load: '\S+AUTO' does not exist \(resuming the newest checkpoint of "
          r"checkpoint\.dir is auto, in lower case\)"),
