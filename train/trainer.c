@@ -140,11 +140,9 @@ static fsdpc_status_t open_tokens(const run_t *r, const char *path, data_format_
  * data on each node that differ, or a pattern matching other files on some, would give each
  * rank other samples, and a shuffle of its own). Collective. */
 static fsdpc_status_t same_tokens(const fsdpc_data_t *d, const char *key, const char *path) {
-  int64_t n = d ? data_num_tokens(d) : -1, lo, hi;
-  FSDPC_TRY(pg_host_all_reduce(world_pg(), &n, &hi, 1, PG_HOST_I64, REDUCE_MAX));
-  int64_t neg = -n;
-  FSDPC_TRY(pg_host_all_reduce(world_pg(), &neg, &lo, 1, PG_HOST_I64, REDUCE_MAX));
-  lo = -lo;
+  int64_t n = d ? data_num_tokens(d) : -1, v[2] = {n, -n}; /* the largest, and the smallest */
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), v, v, 2, PG_HOST_I64, REDUCE_MAX));
+  int64_t hi = v[0], lo = -v[1];
   if (lo == hi) return STATUS_OK;
   return err_set(STATUS_EINVAL,
                  "%s: '%s' holds %lld tokens on this rank, between %lld and %lld on the ranks: "
@@ -785,7 +783,6 @@ static bool answered(int argc, char **argv) {
   return false;
 }
 
-/* The run of an agreed set-up: the build, the header, then the dry run or the training. */
 /* A damaged newest checkpoint that checkpoint.load: auto took (its files named in the error):
  * the error names the one before it, which a resume may take instead. */
 static fsdpc_status_t name_older(const run_t *r, fsdpc_status_t st) {
@@ -807,6 +804,7 @@ static fsdpc_status_t name_older(const run_t *r, fsdpc_status_t st) {
                  was, r->resumed_from, older, older);
 }
 
+/* The run of an agreed set-up: the build, the header, then the dry run or the training. */
 static int run(run_t *r) {
   if (!agree(start(r)) || !agree(name_older(r, build(r)))) return 1;
   if (world_rank() == 0) train_header(r);
