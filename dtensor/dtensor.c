@@ -201,6 +201,7 @@ static fsdpc_status_t agree_full(mesh_t *mesh, const fsdpc_tensor_t *full, const
                  "dtensor_distribute: the ranks pass tensors of different shapes or dtypes, "
                  "different placements or different source ranks (every rank passes the same "
                  "placements, source rank, and a tensor of the full tensor's shape and dtype)");
+  if (v[2 * K] == 0) return st; /* every rank knows the verdict: no rank failed its checks */
   for (int k = 0; k < mesh_ndim(mesh); k++) st = pg_agree(mesh_group(mesh, k), st);
   return st;
 }

@@ -245,6 +245,13 @@ def main():
     check(p.returncode == 0 and len(ref_losses) == steps,
           "the uninterrupted run under mpirun (%d steps)" % len(ref_losses))
 
+    # 2 is submitted first: its wait for the time limit overlaps with 1 (the partition shares
+    # its CPUs between the two jobs)
+    limit_job, limit_out, _ = submit("limit", ["train.steps=100000", "log.interval=100",
+                                               "checkpoint.load=auto",
+                                               "checkpoint.dir=" + os.path.join(TMP, "ck-limit")],
+                                     ["--time=2", "--signal=B:USR1@40"])
+
     # 1. scancel --signal=USR1 to the batch shell: save, exit 75, requeue, resume
     ck = os.path.join(TMP, "ck-usr1")
     job, out, metrics = submit("usr1", common + ["checkpoint.dir=" + ck])
@@ -270,10 +277,7 @@ def main():
     # time asked for: with --time=1 and @45 it could come as the job started, before the batch
     # shell had its trap, and be lost. --time=2 and @40 put it 20 to 80 s into the job, at
     # least 40 s before the limit.
-    ck = os.path.join(TMP, "ck-limit")
-    job, out, metrics = submit("limit", ["train.steps=100000", "log.interval=100",
-                                         "checkpoint.load=auto", "checkpoint.dir=" + ck],
-                               ["--time=2", "--signal=B:USR1@40"])
+    job, out = limit_job, limit_out
     t, text = time.time(), ""
     while job and time.time() - t < 240:
         text = open(out).read() if os.path.exists(out) else ""
