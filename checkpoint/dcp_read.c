@@ -210,6 +210,29 @@ static fsdpc_status_t read_part(const dcp_reader_t *r, const chunk_t *c, const i
   return st;
 }
 
+fsdpc_status_t dcp_reader_check_tensor(const dcp_reader_t *r, const char *name, int nd,
+                                       const int64_t *gshape, dtype_t dtype) {
+  int ti = dcp_find_tensor(r, name);
+  if (ti < 0) return err_set(STATUS_EFORMAT, "checkpoint %s: missing tensor '%s'", r->dir, name);
+  const dcp_tensor_t *t = &r->list[ti];
+  const char *file = st_path(r->files[r->chunks[r->first[ti]].file].f);
+  char a[96], b[96];
+  if (t->ndim != nd)
+    return err_set(STATUS_ESHAPE, "%s: tensor '%s' has %d dimensions, the model's has %d", file,
+                   name, t->ndim, nd);
+  bool fl = dtype_is_float(dtype);
+  if (t->dtype == DTYPE_COUNT || dtype_is_float(t->dtype) != fl)
+    return err_set(STATUS_EDTYPE,
+                   "%s: tensor '%s' is stored as %s, not a%s dtype as the model's %s", file, name,
+                   t->dtype_name, fl ? " float" : "n integer", dtype_name(dtype));
+  if (memcmp(t->shape, gshape, sizeof(int64_t) * (size_t)nd) != 0)
+    return err_set(STATUS_ESHAPE,
+                   "checkpoint %s: tensor '%s' was saved with shape %s, the model's is %s", r->dir,
+                   name, tensor_shape_str(nd, t->shape, a, sizeof a),
+                   tensor_shape_str(nd, gshape, b, sizeof b));
+  return STATUS_OK;
+}
+
 /* Reads the box at global offset loff with local's shape of tensor name (global shape gshape)
  * into local, from the saved chunks that intersect it. */
 static fsdpc_status_t load_box(const dcp_reader_t *r, const char *name, int nd,
@@ -221,22 +244,10 @@ static fsdpc_status_t load_box(const dcp_reader_t *r, const char *name, int nd,
                    "memory (allocate a deferred model's shards with nn_module_materialize "
                    "before loading)",
                    r->dir, name);
+  FSDPC_TRY(dcp_reader_check_tensor(r, name, nd, gshape, local->dtype));
   int ti = dcp_find_tensor(r, name);
-  if (ti < 0) return err_set(STATUS_EFORMAT, "checkpoint %s: missing tensor '%s'", r->dir, name);
   const dcp_tensor_t *t = &r->list[ti];
   const chunk_t *c = &r->chunks[r->first[ti]];
-  char a[96], b[96];
-  if (t->ndim != nd)
-    return err_set(STATUS_ESHAPE, "%s: tensor '%s' has %d dimensions, the model's has %d",
-                   st_path(r->files[c[0].file].f), name, t->ndim, nd);
-  if (t->dtype == DTYPE_COUNT || dtype_is_float(t->dtype) != dtype_is_float(local->dtype))
-    return err_set(STATUS_EDTYPE, "%s: tensor '%s' is stored as %s; the model's is %s",
-                   st_path(r->files[c[0].file].f), name, t->dtype_name, dtype_name(local->dtype));
-  if (memcmp(t->shape, gshape, sizeof(int64_t) * (size_t)nd) != 0)
-    return err_set(STATUS_ESHAPE,
-                   "checkpoint %s: tensor '%s' was saved with shape %s, the model's is %s", r->dir,
-                   name, tensor_shape_str(nd, t->shape, a, sizeof a),
-                   tensor_shape_str(nd, gshape, b, sizeof b));
   int64_t covered = 0;
   fsdpc_status_t st = STATUS_OK;
   for (int k = 0; k < t->chunks && st == STATUS_OK; k++) {

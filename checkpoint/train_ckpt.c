@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "checkpoint/dcp_integrity_impl.h"
+#include "checkpoint/dcp_reader_impl.h"
 #include "checkpoint/train_ckpt_impl.h"
 #include "core/args_impl.h"
 #include "core/file.h"
@@ -390,31 +391,6 @@ fsdpc_status_t ckpt_check_state(const char *dir) {
   return STATUS_OK;
 }
 
-static int by_tensor_name(const void *key, const void *t) {
-  return strcmp(key, ((const dcp_tensor_t *)t)->name);
-}
-
-/* Tensor name of folder r (at path) as a parameter of shape sh takes it. */
-static fsdpc_status_t check_tensor(dcp_reader_t *r, const char *path, const char *name, int nd,
-                                   const int64_t *sh) {
-  const dcp_tensor_t *list;
-  int n;
-  FSDPC_TRY(dcp_reader_list(r, &list, &n));
-  const dcp_tensor_t *t = bsearch(name, list, (size_t)n, sizeof *list, by_tensor_name);
-  char a[96], b[96];
-  if (t == NULL) return err_set(STATUS_EFORMAT, "checkpoint %s: missing tensor '%s'", path, name);
-  if (t->dtype == DTYPE_COUNT || !dtype_is_float(t->dtype))
-    return err_set(STATUS_EDTYPE, "checkpoint %s: tensor '%s' is stored as %s, not a float dtype",
-                   path, name, t->dtype_name);
-  if (t->ndim != nd || memcmp(t->shape, sh, sizeof(int64_t) * (size_t)nd) != 0)
-    return err_set(STATUS_ESHAPE,
-                   "checkpoint %s: tensor '%s' was saved with shape %s, the "
-                   "model's is %s",
-                   path, name, tensor_shape_str(t->ndim, t->shape, a, sizeof a),
-                   tensor_shape_str(nd, sh, b, sizeof b));
-  return STATUS_OK;
-}
-
 /* A training checkpoint opened with its steps: a model folder, and an optim folder where it
  * records optimizer steps (a weights-only one, fsdp-ckpt import-hf's, has neither). */
 static fsdpc_status_t opened_training(const char *dir, opened_t *c, int64_t *s, int64_t *os) {
@@ -439,11 +415,12 @@ fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int
   for (int i = 0; i < n && st == STATUS_OK; i++) {
     const dtensor_t *v = params[i]->value;
     int nd = dtensor_ndim(v);
-    st = check_tensor(c.rm, c.model, params[i]->fqn, nd, dtensor_shape(v));
+    dtype_t dt = dtensor_local(v)->dtype;
+    st = dcp_reader_check_tensor(c.rm, params[i]->fqn, nd, dtensor_shape(v), dt);
     for (int k = 0; k < 2 && st == STATUS_OK && c.ro != NULL; k++) {
       char name[1024];
       snprintf(name, sizeof name, "%s.%s", params[i]->fqn, k ? "exp_avg_sq" : "exp_avg");
-      st = check_tensor(c.ro, c.optim, name, nd, dtensor_shape(v));
+      st = dcp_reader_check_tensor(c.ro, name, nd, dtensor_shape(v), dt);
     }
   }
   opened_close(&c);
