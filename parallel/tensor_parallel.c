@@ -232,6 +232,22 @@ static fsdpc_status_t finish(nn_ctx_t *ctx, const tp_mod_t *t, nn_var_t *y, bool
   return unsupported(t, "output", partial ? TP_LAYOUT_COUNT : TP_SHARD_LAST, t->out);
 }
 
+/* A rowwise layer's input, once prepared, holds this rank's Shard(-1) of the features. One
+ * that came through no tensor-parallel layer with all of them on every rank (no colwise layer
+ * before it, and no input: replicate to split it) is named here rather than by the product's
+ * shape check. */
+static fsdpc_status_t rowwise_input(const tp_mod_t *t, const nn_var_t *x) {
+  int64_t whole = dtensor_shape(t->w->value)[t->conv1d ? 0 : 1];
+  int64_t got = x->value.ndim > 0 ? x->value.shape[x->value.ndim - 1] : -1;
+  if (got != whole || mesh_numel(t->mesh) == 1) return STATUS_OK;
+  return err_set(STATUS_ESHAPE,
+                 "tensor parallel: %s (rowwise): its input has all %lld features on every rank, "
+                 "not this rank's Shard(-1) of them: no colwise layer before it split them; give "
+                 "the layer before it a colwise rule, or this rule input: replicate to split the "
+                 "input here",
+                 nn_module_fqn(t->m), (long long)whole);
+}
+
 /* ---- forward wrappers ---- */
 
 /* A MoE block runs on the tokens as they come: this rank's sequence shard under sequence
@@ -299,6 +315,7 @@ static fsdpc_status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_va
         FSDPC_TRY_GOTO(st, nn_embedding_shard(ctx, in, t->w, t->first, t->vocab, &y));
       } else if (t->b != NULL) { /* the bias is added once, to the reduced output */
         FSDPC_TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
+        FSDPC_TRY_GOTO(st, rowwise_input(t, x));
         FSDPC_TRY_GOTO(st,
                        t->conv1d ? nn_linear_io(ctx, x, t->w, &y) : nn_linear(ctx, x, t->w, &y));
         nn_var_t *r = NULL;
@@ -309,6 +326,7 @@ static fsdpc_status_t wrapped(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_va
         break;
       } else {
         FSDPC_TRY(prepare(ctx, t, in, TP_SHARD_LAST, &x));
+        FSDPC_TRY_GOTO(st, rowwise_input(t, x));
         FSDPC_TRY_GOTO(st, inner(ctx, m, x, &y));
       }
       st = finish(ctx, t, y, true, out);

@@ -447,6 +447,25 @@ def messages():
     check(got["replicate"].returncode == 0 and len(got["replicate-losses"]) == 3 and len(ref) == 3
           and worst <= 1e-5, "with input: replicate it splits the sequence itself: the one-rank "
           "losses (worst %.2e)" % worst)
+    # likewise a rowwise layer whose input no colwise layer split: named at the first forward
+    # (not by the product's shape check); with input: replicate it splits the features itself
+    for name, head in (("rowwise", "rowwise"), ("rowwise-replicate", "{style: rowwise, input: replicate}")):
+        plan = os.path.join(tmp, "%s.yaml" % name)
+        with open(plan, "w") as f:
+            f.write(text.replace("sequence_parallel: true\n", "").replace(
+                "{model.norm: NORM, lm_head: {style: colwise, output: replicate}}",
+                "{lm_head: %s}" % head))
+        metrics = os.path.join(tmp, "%s.jsonl" % name)
+        got[name], _ = run(2, [plan, "--set", "train.steps=3", "--metrics", metrics])
+        got[name + "-losses"] = [r["loss"] for r in losses(metrics)] if os.path.exists(metrics) else []
+    check(got["rowwise"].returncode != 0 and re.search(
+        r"tensor parallel: lm_head \(rowwise\): its input has all 64 features on every rank, not "
+        r"this rank's Shard\(-1\) of them", got["rowwise"].stderr),
+        "a rowwise layer given a replicated activation is refused")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got["rowwise-replicate-losses"], ref)) if ref else 1
+    check(got["rowwise-replicate"].returncode == 0 and len(got["rowwise-replicate-losses"]) == 3
+          and worst <= 1e-5, "with input: replicate it splits the features itself: the one-rank "
+          "losses (worst %.2e)" % worst)
     p = sh([TOOL, "inspect", ck], timeout=60)
     check(p.returncode == 0 and re.search(
         r"ck: a run's checkpoint folder, 1 complete checkpoint:\n  step-00000002 +complete\n"
