@@ -170,7 +170,8 @@ static fsdpc_status_t read_config(const char *path, cJSON **out) {
 
 /* An Accelerate config whose deepspeed_config names a deepspeed_config_file: that file's
  * settings read into deepspeed_config, as Accelerate reads them (a relative path from the
- * config's folder, else from the working directory); its path into file ("" when none). */
+ * config's folder, else from the working directory), the key kept (the translation reads the
+ * file's absent keys as DeepSpeed's defaults); its path into file ("" when none). */
 static fsdpc_status_t read_deepspeed_file(const char *path, cJSON *c, char *file, size_t n) {
   cJSON *ds = cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config");
   const cJSON *name = cJSON_GetObjectItemCaseSensitive(ds, "deepspeed_config_file");
@@ -203,7 +204,6 @@ static fsdpc_status_t read_deepspeed_file(const char *path, cJSON *c, char *file
   cJSON *inner = NULL;
   fsdpc_status_t st = read_config(file, &inner);
   if (st != STATUS_OK) return err_prefix(st, "%s: deepspeed_config.deepspeed_config_file", path);
-  cJSON_DeleteItemFromObjectCaseSensitive(ds, "deepspeed_config_file");
   for (cJSON *it = inner->child; it != NULL;) {
     cJSON *next = it->next;
     if (cJSON_GetObjectItemCaseSensitive(ds, it->string) == NULL)

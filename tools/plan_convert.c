@@ -341,7 +341,9 @@ static void ds_sizes(out_t *o, const cJSON *c, const char *prefix) {
   snprintf(name, sizeof name, "%sgradient_accumulation_steps", prefix);
   number(o, c, "gradient_accumulation_steps", name, "data", "grad_accum", NUM_COUNT);
   snprintf(name, sizeof name, "%sgradient_clipping", prefix);
-  if (*prefix) /* Accelerate's section: the training script clips */
+  /* Accelerate's own section: the training script clips; a DeepSpeed file it names is
+   * DeepSpeed's, which does not clip without the key */
+  if (*prefix && !cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config_file"))
     number(o, c, "gradient_clipping", name, "optim", "clip_grad_norm", NUM_NONNEG);
   else
     number_or(o, c, "gradient_clipping", name, "optim", "clip_grad_norm", NUM_NONNEG, "0",
@@ -377,7 +379,13 @@ static fsdpc_status_t ds_precision(out_t *o, const cJSON *c, const char *prefix)
     if (section == NULL) continue;
     const char *v = plan_text_of(cJSON_GetObjectItemCaseSensitive(section, "enabled"), b, sizeof b);
     snprintf(name, sizeof name, "%s%s.enabled", prefix, which);
-    if (is_auto(v) && *prefix) /* Accelerate fills it from its mixed_precision */
+    if (is_auto(v) && *prefix && cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config_file"))
+      leave(o, name,
+            "'auto': Accelerate fills it from accelerate launch --mixed_precision (the config "
+            "cannot set mixed_precision beside the file); give "
+            "parallelize.fully_shard.mp_policy.param_dtype: %s here if the run uses %s",
+            k == 2 ? "f16" : "bf16", k == 2 ? "fp16" : "bf16");
+    else if (is_auto(v) && *prefix) /* Accelerate fills it from its mixed_precision */
       leave(o, name, "'auto': follows mixed_precision, translated above");
     else if (is_auto(v))
       leave(o, name,
@@ -543,6 +551,7 @@ static void ds_leftovers(out_t *o, const cJSON *c, const char *prefix) {
                                      "offload_param_device",
                                      "zero3_init_flag",
                                      "tensor_parallel",
+                                     "deepspeed_config_file",
                                      NULL};
   for (const cJSON *it = c->child; it; it = it->next) {
     bool known = false;

@@ -312,7 +312,7 @@ fsdpc_status_t train_check_same_plan(const char *settings) {
     describe_difference(settings, (const char *)words, what, sizeof what);
     st = err_set(STATUS_EINVAL,
                  "this rank's plan differs from rank 0's (%s); every rank must start with the "
-                 "same plan file and --set options",
+                 "same plan file, --set options and --dry-run",
                  what);
   } else if (st == STATUS_OK) {
     st = err_set(STATUS_EINVAL,

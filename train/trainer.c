@@ -448,7 +448,14 @@ static fsdpc_status_t check_before_training(run_t *r) {
  * whether another job holds the folder. Collective over the world. */
 static fsdpc_status_t start(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
-  FSDPC_TRY(train_check_same_plan(r->settings));
+  /* the mode too: a dry run beside a real one would wait in the real one's collectives */
+  size_t n = strlen(r->settings);
+  char *mode = malloc(n + 32);
+  if (mode == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  snprintf(mode, n + 32, "%s--dry-run: %s\n", r->settings, r->args.dry_run ? "given" : "absent");
+  fsdpc_status_t same = train_check_same_plan(mode);
+  free(mode);
+  FSDPC_TRY(same);
   if (!p->ckpt_dir[0]) return STATUS_OK;
   if (r->args.dry_run) {
     train_lock_note(p->ckpt_dir);

@@ -981,6 +981,15 @@ def operations():
                   "MPI_ERR" not in p.stderr and not re.search(r"^step ", p.stdout, re.M),
                   "ranks started with different %s%s: refused at once, naming the key" %
                   (name, " (--dry-run)" if dry else ""))
+    # one rank's dry run beside another's training would wait in its collectives
+    cmd = [MPIRUN] + MPI_ARGS + ["-n", "1", EXE, cfg, "--set", "mesh.dp_shard=2", ":", "-n", "1",
+                                 EXE, cfg, "--set", "mesh.dp_shard=2", "--dry-run"]
+    t = time.time()
+    p = sh(cmd, timeout=60)
+    check(p.returncode != 0 and time.time() - t < 30 and re.search(
+        r"\[rank 1\] this rank's plan differs from rank 0's \(--dry-run: given here, absent on "
+        r"rank 0\)", p.stderr) and not re.search(r"^step ", p.stdout, re.M),
+        "a dry run on one rank beside training on another: refused at once, naming --dry-run")
 
     # folders named as fsdp-train never names them are not its checkpoints: load: auto passes
     # them by; a data.path whose name holds [ but names a file is that file, not a pattern

@@ -369,6 +369,8 @@ def converts_read_as_their_tools_do(tmp, tool):
     ds = os.path.join(tmp, "ds-file.json")
     with open(ds, "w") as f:
         f.write('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}')
+    with open(os.path.join(tmp, "ds-auto.json"), "w") as f:
+        f.write('{"zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto"}}')
     bomb = "distributed_type: FSDP\na0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
         "a%d: &a%d [%s]\n" % (i, i, ", ".join(["*a%d" % (i - 1)] * 10)) for i in range(1, 8))
     # (name, file, text, regexes the plan (stdout) must hold, regexes it must not, stderr's)
@@ -380,8 +382,14 @@ def converts_read_as_their_tools_do(tmp, tool):
         ("an Accelerate config naming a deepspeed_config_file", "acc-dsfile.yaml",
          "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
          "  deepspeed_config_file: ds-file.json\n",
-         [r"zero_stage: 3", r"batch_size: 2", r"with its DeepSpeed config \S*ds-file\.json"],
-         [], []),
+         [r"zero_stage: 3", r"batch_size: 2", r"with its DeepSpeed config \S*ds-file\.json",
+          r"clip_grad_norm: 0  # .*gradient_clipping not given: DeepSpeed does not clip"],
+         [r"deepspeed_config_file: no equivalent"], []),
+        ("fp16 'auto' in the deepspeed_config_file of an Accelerate config", "acc-dsauto.yaml",
+         "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+         "  deepspeed_config_file: ds-auto.json\n",
+         [r"fp16\.enabled: 'auto': Accelerate fills it from accelerate launch --mixed_precision"],
+         [r"translated above", r"^\s+param_dtype:"], []),
         ("tensor_parallel.autotp_size", "autotp.json",
          '{"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}}',
          [r"^  tp: 2  # tensor_parallel\.autotp_size"], [r"autotp_size: no equivalent"], []),
