@@ -538,8 +538,8 @@ static void progress_line(const run_t *r, const loop_t *L, const step_out_t *o) 
     printf(
         "%sstep %5lld/%lld  loss %.6f  lr %.3e  grad_norm %.4f%s  %.0f tok/s  peak %s  "
         "ETA %.0fs\n",
-        L->tty ? "\r\033[K" : "", (long long)(s + 1), (long long)p->steps, o->loss,
-        p->optim.lr * o->factor, o->norm, moe, o->tps, pm, eta);
+        L->tty ? "\r\033[K" : "", (long long)(s + 1), (long long)p->steps, unsigned_nan(o->loss),
+        p->optim.lr * o->factor, unsigned_nan(o->norm), moe, o->tps, pm, eta);
   } else if (L->tty) { /* live progress on a terminal */
     int w = 30, done = (int)((double)w * (double)(s + 1) / (double)p->steps);
     printf("\r[%.*s%*s] %lld/%lld  loss %.4f  %.0f tok/s  ETA %.0fs", done,

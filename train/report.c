@@ -196,15 +196,19 @@ static void builtin_model_line(const run_t *r) {
                  ? " (load-balancing loss over every data-parallel rank's micro-batch)"
                  : " (load-balancing loss over each rank's micro-batch)");
   char rows[48] = "";
-  if (llama_vocab_rows(c) > c->vocab_size)
+  char padded[64] = "";
+  if (llama_vocab_rows(c) > c->vocab_size) {
+    int64_t pad = (llama_vocab_rows(c) - c->vocab_size) * c->dim * (c->tie_embeddings ? 1 : 2);
     snprintf(rows, sizeof rows, " (tables padded to %lld rows)", (long long)llama_vocab_rows(c));
+    snprintf(padded, sizeof padded, " (%lld of them in the padding rows)", (long long)pad);
+  }
   printf(
       "  model: %s dim %lld, %lld layer%s, %lld/%lld heads%s, ffn %lld%s, vocab %lld%s, %s%s; "
-      "%lld parameters; activation checkpointing %s\n",
+      "%lld parameters%s; activation checkpointing %s\n",
       llama_arch_name(c->arch), (long long)c->dim, (long long)c->n_layers,
       c->n_layers == 1 ? "" : "s", (long long)c->n_heads, (long long)c->n_kv_heads, heads,
       (long long)c->ffn_dim, moe, (long long)c->vocab_size, rows,
-      c->tie_embeddings ? "tied" : "untied", extra, (long long)llama_num_params(c),
+      c->tie_embeddings ? "tied" : "untied", extra, (long long)llama_num_params(c), padded,
       p->activation_checkpointing ? "on" : "off");
 }
 
