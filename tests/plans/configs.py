@@ -512,7 +512,7 @@ def model_config():
         with open(plan, "w") as f:
             f.write(text.replace(keys.group(0), "model:\n  config: %s\n  seed: 1\n" % where))
         p, _ = run(1, [plan, "--dry-run"])
-        got = re.search(r"; (\d+) parameters;", p.stdout)
+        got = re.search(r"; (\d+) parameters[; ]", p.stdout)
         with open(where) as f:
             total, active = vs_torch_gpu.params_of(json.load(f))
         check(p.returncode == 0 and got and int(got.group(1)) == total and 0 < active <= total,
