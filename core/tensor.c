@@ -173,29 +173,45 @@ fsdpc_status_t tensor_zeros(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int 
   return tensor_alloc(t, dtype, dev, ndim, shape, true);
 }
 
+/* *v, a new tensor made from src, into *out; where out is src, src's reference is released
+ * (the result replaces it: t = view of t). */
+static fsdpc_status_t put_result(fsdpc_tensor_t *out, const fsdpc_tensor_t *src,
+                                 const fsdpc_tensor_t *v) {
+  if (out == src) tensor_free(out);
+  *out = *v;
+  return STATUS_OK;
+}
+
 fsdpc_status_t tensor_clone(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, dtype_t dtype,
                             device_t dev) {
   ARG_NONNULL(out);
   ARG_NONNULL(src);
-  if (src->meta) return tensor_meta(out, dtype, dev, src->ndim, src->shape);
-  FSDPC_TRY(tensor_init(out, dtype, dev, src->ndim, src->shape));
-  fsdpc_status_t st = tensor_copy(out, src);
-  if (st != STATUS_OK) tensor_free(out);
+  fsdpc_tensor_t v;
+  fsdpc_status_t st = src->meta ? tensor_meta(&v, dtype, dev, src->ndim, src->shape)
+                                : tensor_init(&v, dtype, dev, src->ndim, src->shape);
+  if (st == STATUS_OK && !src->meta) st = tensor_copy(&v, src);
+  if (st == STATUS_OK) return put_result(out, src, &v);
+  tensor_free(&v);
+  if (out != src) memset(out, 0, sizeof *out); /* as a failed tensor_init leaves it */
   return st;
 }
 
 fsdpc_status_t tensor_upload(fsdpc_tensor_t *out, const fsdpc_tensor_t *host, device_t dev) {
   ARG_NONNULL(out);
   ARG_NONNULL(host);
-  memset(out, 0, sizeof *out);
+  if (out != host) memset(out, 0, sizeof *out);
   if (host->device.type != DEVICE_CPU || host->meta || !tensor_is_contiguous(host))
     return err_set(STATUS_EINVAL, "tensor_upload: the source must be a contiguous host tensor");
   FSDPC_TRY(tensor_check_memory("tensor_upload", host));
-  FSDPC_TRY(tensor_init(out, host->dtype, dev, host->ndim, host->shape));
-  fsdpc_status_t st = device_upload(dev, out->data, host->data,
-                                    (size_t)tensor_numel(host) * dtype_size(host->dtype));
-  if (st != STATUS_OK) tensor_free(out);
-  return st;
+  fsdpc_tensor_t v;
+  FSDPC_TRY(tensor_init(&v, host->dtype, dev, host->ndim, host->shape));
+  fsdpc_status_t st =
+      device_upload(dev, v.data, host->data, (size_t)tensor_numel(host) * dtype_size(host->dtype));
+  if (st != STATUS_OK) {
+    tensor_free(&v);
+    return st;
+  }
+  return put_result(out, host, &v);
 }
 
 fsdpc_status_t tensor_wrap(fsdpc_tensor_t *t, void *data, dtype_t dtype, device_t dev, int ndim,
@@ -237,9 +253,9 @@ void tensor_free(fsdpc_tensor_t *t) {
 fsdpc_status_t tensor_ref(fsdpc_tensor_t *out, const fsdpc_tensor_t *src) {
   ARG_NONNULL(out);
   ARG_NONNULL(src);
-  *out = *src;
-  if (out->storage) out->storage->refcount++;
-  return STATUS_OK;
+  fsdpc_tensor_t v = *src;
+  if (v.storage) v.storage->refcount++;
+  return put_result(out, src, &v);
 }
 
 bool tensor_shared(const fsdpc_tensor_t *t) {
@@ -269,8 +285,7 @@ fsdpc_status_t tensor_view(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, int n
   v.data = src->data;
   v.storage = src->storage;
   if (v.storage) v.storage->refcount++;
-  *out = v;
-  return STATUS_OK;
+  return put_result(out, src, &v);
 }
 
 fsdpc_status_t tensor_narrow(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, int dim, int64_t start,
@@ -299,8 +314,7 @@ fsdpc_status_t tensor_narrow(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, int
     v.data = (char *)src->data + start * src->stride[dim] * (int64_t)dtype_size(src->dtype);
     if (v.storage) v.storage->refcount++;
   }
-  *out = v;
-  return STATUS_OK;
+  return put_result(out, src, &v);
 }
 
 fsdpc_status_t tensor_narrow_box(fsdpc_tensor_t *out, const fsdpc_tensor_t *src,
@@ -318,8 +332,7 @@ fsdpc_status_t tensor_narrow_box(fsdpc_tensor_t *out, const fsdpc_tensor_t *src,
     FSDPC_TRY(st);
     box = next;
   }
-  *out = box;
-  return STATUS_OK;
+  return put_result(out, src, &box);
 }
 
 static void desc_from(copy_desc_t *d, const fsdpc_tensor_t *dst, const fsdpc_tensor_t *src) {

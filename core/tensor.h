@@ -68,6 +68,10 @@ fsdpc_status_t tensor_check_memory(const char *what, const fsdpc_tensor_t *t);
 fsdpc_status_t tensor_zeros(fsdpc_tensor_t *t, dtype_t dtype, device_t dev, int ndim,
                             const int64_t *shape);
 
+/* The functions below that make out from src (clone, upload, view, narrow, narrow_box, ref)
+ * take out == src: the result then replaces src, whose reference is released
+ * (tensor_view(&t, &t, ...) as t = t.view(...)); on failure src is left as it was. */
+
 /* A contiguous copy of src on dev in dtype (a meta tensor for a meta src). Caller frees out. */
 fsdpc_status_t tensor_clone(fsdpc_tensor_t *out, const fsdpc_tensor_t *src, dtype_t dtype,
                             device_t dev);

@@ -5,6 +5,7 @@
 
 #include "core/args_impl.h"
 #include "dtensor/dtensor_impl.h"
+#include "mesh/world.h"
 
 void mesh_shape_coord(const mesh_t *mesh, int *shape, int *coord) {
   for (int i = 0; i < mesh_ndim(mesh); i++) {
@@ -165,19 +166,17 @@ static fsdpc_status_t broadcast_over_mesh(mesh_t *mesh, const int *src, fsdpc_te
   return STATUS_OK;
 }
 
-/* Before a broadcast from one rank: every rank of mesh learns whether any failed its own
- * checks (st) or passes a tensor of another shape or dtype than the others, so that all
- * return the same error rather than some waiting in the broadcast. Collective over mesh. */
-static fsdpc_status_t agree_full(mesh_t *mesh, const fsdpc_tensor_t *full, const placement_t *pl,
-                                 int src_rank, fsdpc_status_t st) {
+fsdpc_status_t dtensor_agree_args(mesh_t *mesh, dtype_t dtype, int ndim, const int64_t *shape,
+                                  const placement_t *pl, int src_rank, fsdpc_status_t st,
+                                  const char *what) {
   enum { K = 3 + TENSOR_MAX_DIMS + 4 * MESH_MAX_DIMS };
   int64_t v[2 * K + 1] = {0}, got[2 * K + 1];
   v[2 * K] = st != STATUS_OK; /* a rank failed: its error, not the shapes, is the one */
-  if (full != NULL) {
-    v[0] = full->dtype;
-    v[1] = full->ndim;
+  if (st == STATUS_OK) {
+    v[0] = dtype;
+    v[1] = ndim;
     v[2] = src_rank;
-    for (int d = 0; d < full->ndim && d < TENSOR_MAX_DIMS; d++) v[3 + d] = full->shape[d];
+    for (int d = 0; d < ndim && d < TENSOR_MAX_DIMS; d++) v[3 + d] = shape[d];
     for (int k = 0; k < mesh_ndim(mesh) && k < MESH_MAX_DIMS; k++) {
       int64_t *w = &v[3 + TENSOR_MAX_DIMS + 4 * k];
       bool shard = pl[k].kind == PLACEMENT_SHARD; /* the fields the kind reads */
@@ -198,9 +197,9 @@ static fsdpc_status_t agree_full(mesh_t *mesh, const fsdpc_tensor_t *full, const
   for (int i = 0; i < K; i++) same = same && v[i] == -v[K + i];
   if (st == STATUS_OK && !same && v[2 * K] == 0)
     st = err_set(STATUS_ESHAPE,
-                 "dtensor_distribute: the ranks pass tensors of different shapes or dtypes, "
-                 "different placements or different source ranks (every rank passes the same "
-                 "placements, source rank, and a tensor of the full tensor's shape and dtype)");
+                 "%s: the ranks pass different shapes or dtypes, different placements or "
+                 "different source ranks (every rank passes the same)",
+                 what);
   if (v[2 * K] == 0) return st; /* every rank knows the verdict: no rank failed its checks */
   for (int k = 0; k < mesh_ndim(mesh); k++) st = pg_agree(mesh_group(mesh, k), st);
   return st;
@@ -220,16 +219,26 @@ fsdpc_status_t dtensor_distribute(const fsdpc_tensor_t *full, mesh_t *mesh, cons
     if (mesh_ranks(mesh)[i] == src_rank) idx = i;
   if (st == STATUS_OK && src_rank != DTENSOR_ALL_RANKS && idx < 0)
     st = err_set(STATUS_EINVAL, "distribute: source rank %d is not in the mesh", src_rank);
+  if (st == STATUS_OK && src_rank == world_rank() && full->meta)
+    st = err_set(STATUS_EINVAL,
+                 "dtensor_distribute: the source rank's tensor is a meta tensor without memory: "
+                 "there is nothing to send (the other ranks' may be; theirs is not read)");
   /* every rank's shape, dtype and placements compared, from every rank holding the data too:
    * a rank passing another shape would compute its shard of another tensor */
-  st = agree_full(mesh, st == STATUS_OK ? full : NULL, pl, src_rank, st);
+  st = dtensor_agree_args(mesh, st == STATUS_OK ? full->dtype : DTYPE_F32,
+                          st == STATUS_OK ? full->ndim : 0, st == STATUS_OK ? full->shape : NULL,
+                          pl, src_rank, st, "dtensor_distribute");
   FSDPC_TRY(st);
   fsdpc_tensor_t local = {0}, scratch = {0};
   const fsdpc_tensor_t *from = full;
   if (src_rank != DTENSOR_ALL_RANKS) {
     int src[MESH_MAX_DIMS];
     mesh_unravel(mesh, idx, src);
-    FSDPC_TRY_GOTO(st, tensor_clone(&scratch, full, full->dtype, full->device));
+    /* the source's values; the others' buffer only receives them (a meta tensor there too) */
+    if (src_rank == world_rank())
+      FSDPC_TRY_GOTO(st, tensor_clone(&scratch, full, full->dtype, full->device));
+    else
+      FSDPC_TRY_GOTO(st, tensor_init(&scratch, full->dtype, full->device, full->ndim, full->shape));
     FSDPC_TRY_GOTO(st, broadcast_over_mesh(mesh, src, &scratch));
     from = &scratch;
   }

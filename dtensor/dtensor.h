@@ -45,14 +45,16 @@ fsdpc_status_t dtensor_from_local_like(const fsdpc_tensor_t *local, const dtenso
 /* Distributes a full tensor. src_rank == DTENSOR_ALL_RANKS: every rank passes the same full
  * tensor and keeps its shard of it (its values are not compared). Otherwise src_rank (a world
  * rank in the mesh) holds the data; other ranks pass a tensor of the same shape and dtype whose
- * contents are ignored, and the data is broadcast along the mesh dimensions. Either way the
+ * contents are ignored (a meta tensor too), and the data is broadcast along the mesh
+ * dimensions. Either way the
  * ranks' shapes, dtypes and placements are compared first (a small all-reduce per mesh
  * dimension), every rank refusing a difference. Collective over the mesh. */
 fsdpc_status_t dtensor_distribute(const fsdpc_tensor_t *full, mesh_t *mesh, const placement_t *pl,
                                   int src_rank, dtensor_t **out);
 
 /* A new DTensor with placements dst holding the same global value, moved one mesh dimension
- * at a time with the collectives of the redistribute table. Collective over the mesh. */
+ * at a time with the collectives of the redistribute table. Collective over the mesh (with
+ * FSDPC_CHECK_COLLECTIVES set, the ranks' dst and shapes are compared first). */
 fsdpc_status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst, dtensor_t **out);
 
 /* The whole global value on every rank (a new tensor the caller frees). Collective. */

@@ -24,4 +24,12 @@ fsdpc_status_t dtensor_wrap_owned(fsdpc_tensor_t *local, mesh_t *mesh, const pla
 fsdpc_status_t local_from_full(const fsdpc_tensor_t *full, const mesh_t *mesh,
                                const placement_t *pl, fsdpc_tensor_t *out);
 
+/* Every rank of mesh learns whether any failed its own checks (st) or passes other arguments
+ * than the others (dtype, shape, placements, src_rank), so that all return the same error
+ * (what names the call) rather than some waiting in a collective the others never reach.
+ * Collective over mesh. */
+fsdpc_status_t dtensor_agree_args(mesh_t *mesh, dtype_t dtype, int ndim, const int64_t *shape,
+                                  const placement_t *pl, int src_rank, fsdpc_status_t st,
+                                  const char *what);
+
 #endif

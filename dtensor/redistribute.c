@@ -386,8 +386,15 @@ fsdpc_status_t dtensor_redistribute(const dtensor_t *src, const placement_t *dst
   mesh_t *mesh = src->mesh;
   int n = mesh_ndim(mesh), shape[MESH_MAX_DIMS];
   mesh_shape_coord(mesh, shape, NULL);
-  FSDPC_TRY(placements_check(src->ndim, n, shape, dst));
-  FSDPC_TRY(placements_check_dtype(n, dst, src->local.dtype, "dtensor_redistribute"));
+  fsdpc_status_t ok = placements_check(src->ndim, n, shape, dst);
+  if (ok == STATUS_OK)
+    ok = placements_check_dtype(n, dst, src->local.dtype, "dtensor_redistribute");
+  /* FSDPC_CHECK_COLLECTIVES: a rank whose arguments differ, or fail here alone, is named on
+   * every rank (the others would wait in collectives it never makes) */
+  if (pg_checking_calls())
+    ok = dtensor_agree_args(mesh, src->local.dtype, src->ndim, src->shape, dst, DTENSOR_ALL_RANKS,
+                            ok, "dtensor_redistribute");
+  FSDPC_TRY(ok);
   if (tensor_is_meta(&src->local))
     return err_set(STATUS_EINVAL,
                    "dtensor_redistribute: the DTensor is meta, with no memory (a model built "

@@ -207,7 +207,7 @@ static fsdpc_status_t check_call(const pg_t *pg, const char *what, dtype_t dt, s
 enum { CALL_FIELDS = 6 }; /* the call's number, kind, count, dtype, op or root; world rank */
 #define CALL_COUNTS_OWN (-1) /* the count of all_to_all_v: each rank's counts its own */
 
-static bool checking_calls(void) { /* (read each time: beside a collective, nothing) */
+bool pg_checking_calls(void) { /* (read each time: beside a collective, nothing) */
   const char *e = getenv("FSDPC_CHECK_COLLECTIVES");
   return e != NULL && e[0] != 0 && strcmp(e, "0") != 0;
 }
@@ -228,7 +228,7 @@ static void call_text(const int64_t *c, char *buf, size_t n) {
 /* extra: the reduce op or the root; count CALL_COUNTS_OWN: all_to_all_v's. Collective over pg
  * when on. */
 static fsdpc_status_t same_call(pg_t *pg, pg_kind_t kind, int64_t count, dtype_t dt, int extra) {
-  if (!checking_calls() || pg->planned || pg->size == 1) return STATUS_OK;
+  if (!pg_checking_calls() || pg->planned || pg->size == 1) return STATUS_OK;
   int64_t mine[CALL_FIELDS] = {pg->calls++, kind, count, (int64_t)dt, extra, world_rank()};
   int64_t *all = malloc(sizeof *all * CALL_FIELDS * (size_t)pg->size);
   fsdpc_status_t st = pg_agree(pg, all ? STATUS_OK : err_set(STATUS_ENOMEM, "out of host memory"));

@@ -100,6 +100,10 @@ fsdpc_status_t pg_consecutive(pg_t *pg, int n, pg_t **out);
 pg_t *pg_retain(pg_t *pg);
 void pg_release(pg_t *pg);
 
+/* Whether FSDPC_CHECK_COLLECTIVES is set (to anything but 0): every collective then first
+ * compares its call with the other ranks', and dtensor_redistribute its arguments. */
+bool pg_checking_calls(void);
+
 int pg_rank(const pg_t *pg);
 int pg_size(const pg_t *pg);
 /* Where the group's buffers must live: the host for MPI, a CUDA device for NCCL. */

@@ -1222,6 +1222,7 @@ static fsdpc_status_t update_bias(nn_module_t *m, pg_t *pg) {
         goto children;
       }
       FSDPC_TRY(float_values("nn_moe_update_bias", v));
+      FSDPC_TRY(nn_param_written(b));         /* an unsharded copy kept after backward goes */
       FSDPC_TRY(f32_on(v, device_cpu(), &h)); /* this rank's shard, moved on the host */
       int64_t off[1] = {0};
       dtensor_offset(b->value, off);

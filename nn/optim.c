@@ -299,6 +299,17 @@ fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm,
                      "clip_grad_norm: '%s' is split over ranks (sharded): the norm needs the "
                      "group its shards span (the data-parallel group, or the world), not NULL",
                      params[i]->fqn);
+  /* a group narrower than a gradient's mesh leaves out some of its shards: that group's ranks
+   * would clip by another norm than the rest (said over the group with the sum, below) */
+  const char *narrow = NULL;
+  int64_t narrow_numel = 0;
+  for (int i = 0; group != NULL && narrow == NULL && i < n; i++) {
+    const dtensor_t *g = params[i]->grad;
+    if (g != NULL && split_over_ranks(g) && pg_size(group) < mesh_numel(dtensor_mesh(g))) {
+      narrow = params[i]->fqn;
+      narrow_numel = mesh_numel(dtensor_mesh(g));
+    }
+  }
   double total = 0;
   const fsdpc_tensor_t **gs = malloc(sizeof *gs * (size_t)(n > 0 ? n : 1));
   double *ss = malloc(sizeof *ss * (size_t)(n > 0 ? n : 1));
@@ -319,8 +330,20 @@ fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm,
   free(ss);
   FSDPC_TRY(st);
   if (group != NULL) {
-    /* one double over the group's host channel: exact, and not a data collective */
-    FSDPC_TRY(pg_host_all_reduce(group, &total, &total, 1, PG_HOST_F64, REDUCE_SUM));
+    /* two doubles over the group's host channel: exact, and not a data collective */
+    double sum[2] = {total, narrow != NULL};
+    FSDPC_TRY(pg_host_all_reduce(group, sum, sum, 2, PG_HOST_F64, REDUCE_SUM));
+    total = sum[0];
+    if (narrow != NULL)
+      return err_set(STATUS_EINVAL,
+                     "clip_grad_norm: the group has %d ranks, but '%s' is split over a mesh of "
+                     "%lld: the norm needs a group holding every rank of the gradients' meshes "
+                     "(the world, or the data-parallel group of all their dimensions)",
+                     pg_size(group), narrow, (long long)narrow_numel);
+    if (sum[1] > 0)
+      return err_set(STATUS_EINVAL,
+                     "clip_grad_norm: the group is narrower than the mesh of a gradient on "
+                     "another of its ranks (its message names it)");
   }
   double nrm = sqrt(total);
   if (norm) *norm = nrm;

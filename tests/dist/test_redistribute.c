@@ -11,11 +11,13 @@
  * every dtype. Usage: test_redistribute MESH, e.g. "4" or "2x2x2" (the product must equal
  * the world size).
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dtensor/dtensor.h"
+#include "nn/optim.h"
 #include "tests/harness.h"
 
 static int g_ndim;
@@ -153,9 +155,11 @@ START_TEST(distribute_from_source_rank) {
   int src = world_size() - 1, bad = 0;
   static placement_t tuples[4096][MESH_MAX_DIMS];
   int nt = all_tuples(2, tuples);
+  fsdpc_tensor_t meta; /* the other ranks' may hold no memory at all */
+  ck_assert_int_eq(tensor_meta(&meta, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
   for (int p = 0; p < nt; p++) {
     dtensor_t *A = NULL, *B = NULL;
-    const fsdpc_tensor_t *mine = world_rank() == src ? &X : &junk;
+    const fsdpc_tensor_t *mine = world_rank() == src ? &X : p % 2 ? &meta : &junk;
     if (dtensor_distribute(mine, mesh, tuples[p], src, &A) != STATUS_OK ||
         dtensor_distribute(&X, mesh, tuples[p], DTENSOR_ALL_RANKS, &B) != STATUS_OK ||
         !same(dtensor_local(A), dtensor_local(B)))
@@ -164,8 +168,79 @@ START_TEST(distribute_from_source_rank) {
     dtensor_free(B);
   }
   expect_all(bad == 0, "%d source-rank distributions differ", bad);
+  /* the source's own tensor meta: nothing to send, refused on every rank */
+  dtensor_t *A = NULL;
+  fsdpc_status_t st = dtensor_distribute(&meta, mesh, tuples[0], src, &A);
+  expect_all(st == STATUS_EINVAL && A == NULL &&
+                 strstr(err_detail(), "the source rank's tensor is a meta tensor") != NULL,
+             "a meta tensor on the source rank: %s", err_detail());
+  tensor_free(&meta);
   tensor_free(&X);
   tensor_free(&junk);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* FSDPC_CHECK_COLLECTIVES: a redistribution one rank asks with other placements, or with
+ * placements only it finds invalid, is refused on every rank instead of leaving the others in
+ * collectives it never makes. */
+START_TEST(checked_redistribute_agrees_on_arguments) {
+  if (world_size() == 1) return;
+  mesh_t *mesh = make_mesh();
+  fsdpc_tensor_t X;
+  int64_t shape[2] = {6, 4};
+  ck_assert_int_eq(tensor_init(&X, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  fill_pattern(&X, 5);
+  placement_t rep[MESH_MAX_DIMS], mine[MESH_MAX_DIMS];
+  for (int i = 0; i < g_ndim; i++) rep[i] = placement_replicate();
+  dtensor_t *A = NULL;
+  ck_assert_int_eq(dtensor_distribute(&X, mesh, rep, DTENSOR_ALL_RANKS, &A), STATUS_OK);
+  setenv("FSDPC_CHECK_COLLECTIVES", "1", 1);
+  bool last = world_rank() == world_size() - 1;
+  for (int k = 0; k < 2; k++) {
+    memcpy(mine, rep, sizeof rep);
+    if (last) mine[0] = placement_shard(k == 0 ? 5 : 0); /* invalid, or only different */
+    dtensor_t *B = NULL;
+    fsdpc_status_t st = dtensor_redistribute(A, mine, &B);
+    const char *want = k == 1 ? "the ranks pass different shapes or dtypes, different placements"
+                              : "S(5) shards dimension 5 of a 2-D tensor";
+    expect_all(st != STATUS_OK && B == NULL && strstr(err_detail(), want) != NULL,
+               "case %d: refused on every rank, naming it (%s)", k, err_detail());
+    dtensor_free(B);
+  }
+  unsetenv("FSDPC_CHECK_COLLECTIVES");
+  dtensor_free(A);
+  tensor_free(&X);
+  mesh_free(mesh);
+}
+END_TEST
+
+/* clip_grad_norm over a group narrower than a gradient's mesh would clip some ranks by
+ * another norm than the rest: refused on every rank; the world computes the norm. */
+START_TEST(clip_grad_norm_needs_the_whole_mesh) {
+  if (g_ndim < 2) return;
+  mesh_t *mesh = make_mesh();
+  fsdpc_tensor_t X;
+  int64_t shape[2] = {8, 3};
+  ck_assert_int_eq(tensor_init(&X, DTYPE_F32, device_cpu(), 2, shape), STATUS_OK);
+  fill_pattern(&X, 7);
+  placement_t pl[MESH_MAX_DIMS];
+  for (int i = 0; i < g_ndim; i++)
+    pl[i] = i == g_ndim - 1 ? placement_shard(0) : placement_replicate();
+  nn_param_t p = {.fqn = "w"};
+  ck_assert_int_eq(dtensor_distribute(&X, mesh, pl, DTENSOR_ALL_RANKS, &p.grad), STATUS_OK);
+  nn_param_t *ps[1] = {&p};
+  double norm = -1, want = 0;
+  const float *x = X.data;
+  for (int64_t i = 0; i < tensor_numel(&X); i++) want += (double)x[i] * x[i];
+  fsdpc_status_t st = clip_grad_norm(ps, 1, 1e9, mesh_group(mesh, g_ndim - 1), &norm);
+  expect_all(st == STATUS_EINVAL && strstr(err_detail(), "'w' is split over a mesh of"),
+             "a group of the shard dimension alone is refused: %s", err_detail());
+  st = clip_grad_norm(ps, 1, 1e9, world_pg(), &norm);
+  expect_all(st == STATUS_OK && fabs(norm - sqrt(want)) <= 1e-6 * sqrt(want),
+             "the world's norm %.9g, the whole tensor's %.9g", norm, sqrt(want));
+  dtensor_free(p.grad);
+  tensor_free(&X);
   mesh_free(mesh);
 }
 END_TEST
@@ -274,6 +349,8 @@ static Suite *make_suite(void) {
   TCase *tc = tcase_create("property");
   tcase_add_test(tc, redistribute_matches_distribute_for_every_pair);
   tcase_add_test(tc, distribute_from_source_rank);
+  tcase_add_test(tc, checked_redistribute_agrees_on_arguments);
+  tcase_add_test(tc, clip_grad_norm_needs_the_whole_mesh);
   tcase_add_test(tc, strided_shard_round_trips);
   tcase_add_test(tc, from_local_checks_the_shard_shape);
   suite_add_tcase(s, tc);
