@@ -204,6 +204,13 @@ static fsdpc_status_t read_deepspeed_file(const char *path, cJSON *c, char *file
   cJSON *inner = NULL;
   fsdpc_status_t st = read_config(file, &inner);
   if (st != STATUS_OK) return err_prefix(st, "%s: deepspeed_config.deepspeed_config_file", path);
+  if (cJSON_GetObjectItemCaseSensitive(inner, "zero_optimization") == NULL) {
+    cJSON_Delete(inner);
+    return err_set(STATUS_EINVAL,
+                   "%s: its deepspeed_config_file %s has no zero_optimization section: "
+                   "Accelerate refuses such a file (give zero_optimization.stage)",
+                   path, file);
+  }
   for (cJSON *it = inner->child; it != NULL;) {
     cJSON *next = it->next;
     if (cJSON_GetObjectItemCaseSensitive(ds, it->string) == NULL)

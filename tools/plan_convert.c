@@ -235,10 +235,13 @@ static void ds_zero(out_t *o, const cJSON *c, const char *prefix) {
   char zb[64];
   const char *zs = plan_text_of(cJSON_GetObjectItemCaseSensitive(c, "zero_stage"), zb, sizeof zb);
   zero(o, zs, name, 0);
-  if (stage == NULL && zs == NULL) /* the default stage, not the plan's */
-    zero(o, *prefix ? "2" : "0",
-         *prefix ? "deepspeed_config.zero_stage not given: Accelerate's default"
-                 : "zero_optimization.stage not given: DeepSpeed's default",
+  /* the default stage, not the plan's: Accelerate's for its own section, DeepSpeed's for a
+   * DeepSpeed file (one an Accelerate config names too) */
+  bool accelerate = *prefix && !cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config_file");
+  if (stage == NULL && zs == NULL)
+    zero(o, accelerate ? "2" : "0",
+         accelerate ? "deepspeed_config.zero_stage not given: Accelerate's default"
+                    : "zero_optimization.stage not given: DeepSpeed's default",
          0);
   for (const cJSON *it = z ? z->child : NULL; it; it = it->next) {
     if (strcmp(it->string, "stage") == 0 || strcmp(it->string, "zero_hpz_partition_size") == 0)

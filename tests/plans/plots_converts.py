@@ -369,6 +369,13 @@ def converts_read_as_their_tools_do(tmp, tool):
     ds = os.path.join(tmp, "ds-file.json")
     with open(ds, "w") as f:
         f.write('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}')
+    with open(os.path.join(tmp, "ds-nostage.json"), "w") as f:
+        f.write('{"zero_optimization": {}}')
+    with open(os.path.join(tmp, "ds-nozero.json"), "w") as f:
+        f.write('{"train_micro_batch_size_per_gpu": 2}')
+    with open(os.path.join(tmp, "acc-dsnozero.yaml"), "w") as f:
+        f.write("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                "  deepspeed_config_file: ds-nozero.json\n")
     with open(os.path.join(tmp, "ds-auto.json"), "w") as f:
         f.write('{"zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto"}}')
     bomb = "distributed_type: FSDP\na0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
@@ -390,6 +397,12 @@ def converts_read_as_their_tools_do(tmp, tool):
          "  deepspeed_config_file: ds-auto.json\n",
          [r"fp16\.enabled: 'auto': Accelerate fills it from accelerate launch --mixed_precision"],
          [r"translated above", r"^\s+param_dtype:"], []),
+        ("no ZeRO stage in the deepspeed_config_file of an Accelerate config: DeepSpeed's 0",
+         "acc-dsnostage.yaml",
+         "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+         "  deepspeed_config_file: ds-nostage.json\n",
+         [r"sharding_strategy: NO_SHARD  # zero_optimization\.stage not given: DeepSpeed's "
+          r"default 0"], [r"Accelerate's default"], []),
         ("tensor_parallel.autotp_size", "autotp.json",
          '{"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}}',
          [r"^  tp: 2  # tensor_parallel\.autotp_size"], [r"autotp_size: no equivalent"], []),
@@ -589,7 +602,9 @@ def converts_read_as_their_tools_do(tmp, tool):
             (["acc-conflict.yaml"], r"deepspeed_config\.zero_stage, mixed_precision beside "
                                     r"deepspeed_config\.deepspeed_config_file: Accelerate "
                                     r"refuses them"),
-            (["acc-dsfile.yaml", "-o", ds], r"-o .*ds-file\.json.*its deepspeed_config_file")):
+            (["acc-dsfile.yaml", "-o", ds], r"-o .*ds-file\.json.*its deepspeed_config_file"),
+            (["acc-dsnozero.yaml"], r"its deepspeed_config_file \S*ds-nozero\.json has no "
+                                    r"zero_optimization section: Accelerate refuses such a file")):
         e = sh([tool, "convert", os.path.join(tmp, args[0])] + args[1:], timeout=60)
         with open(ds) as f:
             kept = f.read() == ds_text
