@@ -741,21 +741,21 @@ static fsdpc_status_t evaluate_start(run_t *r, cJSON **patch) {
   *patch = NULL;
   double began = device_clock_seconds() - r->t_launch; /* the start-up every run repeats */
   FSDPC_TRY(evaluate_measured(r, &spec, true, &ev, &peak));
-  /* cut by the time limit with its whole measured past what the limit leaves after the
-   * start-up: no resume would make it (exit 75 would be requeued for ever) */
-  double v[2] = {ev.done > 0 ? ev.secs * (double)ev.forwards / (double)ev.done : 0, began};
-  FSDPC_TRY(pg_host_all_reduce(world_pg(), v, v, 2, PG_HOST_F64, REDUCE_MAX)); /* one verdict */
+  /* cut by the time limit: every resume repeats the start-up and this evaluation and would be
+   * cut the same way (exit 75 requeued for ever) */
+  double v[3] = {ev.done > 0 ? ev.secs * (double)ev.forwards / (double)ev.done : 0, began,
+                 (double)ev.done};
+  FSDPC_TRY(pg_host_all_reduce(world_pg(), v, v, 3, PG_HOST_F64, REDUCE_MAX)); /* one verdict */
   double whole = v[0];
   began = v[1];
-  if (train_stop_any(ev.stop) && ev.stop.signal == 0 && whole > 0 &&
-      began + whole > r->plan.time_limit_s)
+  if (train_stop_any(ev.stop) && ev.stop.signal == 0)
     return err_set(STATUS_EINVAL,
-                   "the evaluation of step %lld, which the run makes first, takes about %.0f s "
-                   "(%lld of its %lld forwards in %.1f s), and the start-up %.0f s: more than "
-                   "train.time_limit (%g s) leaves; no resume could make it: raise "
+                   "the evaluation of step %lld, which the run makes first, was cut by "
+                   "train.time_limit (%g s): it takes about %.0f s (%lld of its %lld forwards in "
+                   "%.1f s) after a start-up of %.0f s, and every resume would repeat both; raise "
                    "train.time_limit or lower eval.batches",
-                   (long long)r->start_step, whole, (long long)ev.done, (long long)ev.forwards,
-                   ev.secs, began, r->plan.time_limit_s);
+                   (long long)r->start_step, r->plan.time_limit_s, whole, (long long)v[2],
+                   (long long)ev.forwards, ev.secs, began);
   if (train_stop_any(ev.stop)) { /* stopped as a step would be: the checkpoint as it was */
     r->stopped_by = ev.stop.signal;
     r->timed_out = ev.stop.signal == 0;

@@ -172,6 +172,7 @@ static fsdpc_status_t stage_forward_on(const fsdpc_data_t *d, nn_ctx_t *ctx, int
   fsdpc_status_t st = u->ready_targets ? STATUS_OK : data_batch(d, u->spec, u->step, mb, &ids, &tg);
   tensor_free(&ids);
   if (st == STATUS_OK) st = tensor_upload(&tgd, u->ready_targets ? u->ready_targets : &tg, r->dev);
+  if (st == STATUS_OK) st = train_check_logits(h, u->spec->vocab_size);
   if (st == STATUS_OK) st = nn_cross_entropy(ctx, h, &tgd, out, NULL);
   tensor_free(&tg);
   tensor_free(&tgd);
@@ -341,9 +342,10 @@ static fsdpc_status_t pass_on(run_t *r, pg_t *g, int s, int P, const data_spec_t
 }
 
 fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool stoppable,
-                             double *sum, train_stop_t *cut, bool *agreed) {
+                             double *sum, train_stop_t *cut, bool *agreed, int64_t *done) {
   *cut = (train_stop_t){0};
   *agreed = false;
+  *done = 0;
   double batch_s = 0;
   int P = pp_schedule_ranks(r->pp_sched), S = pp_schedule_stages(r->pp_sched);
   pg_t *g = mesh_group(parallel_pp_mesh(r->par), 0);
@@ -384,6 +386,7 @@ fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool 
       nn_var_put(x);
       double lb = 0;
       if (st == STATUS_OK && s == S - 1) st = llama_loss_read(&y->value, &lb);
+      if (st == STATUS_OK && s == S - 1) (*done)++; /* on the last stage's rank */
       l += lb;
       if (s < S - 1)
         out[s] = y;

@@ -122,9 +122,10 @@ fsdpc_status_t train_pp_step(run_t *r, const data_spec_t *spec, int64_t step, do
                              double *p2p_bytes);
 /* Evaluation batches 0 to n - 1 of r->eval through the stages, without gradients, pipelined
  * (stage s runs batch b while stage s + 1 runs batch b - 1): the sum of their mean losses, in
- * batch order, into *sum on every pipeline rank. Collective over the pipeline group. */
+ * batch order, into *sum on every pipeline rank; the batches the last stage finished into
+ * *done on its rank (0 on the others). Collective over the pipeline group. */
 fsdpc_status_t train_pp_eval(run_t *r, const data_spec_t *spec, int64_t n, bool stoppable,
-                             double *sum, train_stop_t *cut, bool *agreed);
+                             double *sum, train_stop_t *cut, bool *agreed, int64_t *done);
 /* Before evaluation forward f (one: the evaluation's data spec): this rank's samples of it
  * read into *ids and *targets when it reads them (reads; the caller frees them), then, when
  * stoppable, a signal of train.signals looked for and train.time_limit (within twice batch_s,

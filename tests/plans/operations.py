@@ -534,13 +534,17 @@ def operations():
           "it, within the limit (%.1f s, exit %s)" % (took, p.returncode))
     # its resume makes that evaluation first, which cannot fit in the limit: refused (exit 1),
     # not stopped with exit 75 for a requeue that would stop there again for ever
-    p, _ = run(1, long_ev + huge + ["--set", "checkpoint.dir=" + ck, "--set",
-                                    "train.time_limit=4", "--set", "checkpoint.load=auto"])
-    check(p.returncode == 1 and re.search(r"the evaluation of step 10, which the run makes "
-                                          r"first, takes about \d+ s .* no resume could make "
-                                          r"it", p.stderr) is not None,
-          "a resume whose first evaluation cannot fit in train.time_limit exits 1, saying so "
-          "(exit %s: %s)" % (p.returncode, p.stderr.strip()[-250:]))
+    # (under a pipeline too, whose last stage counts the batches it finished)
+    for n, pp in ((1, []), (2, ["--set", "mesh.pp=2", "--set", "pipeline.microbatches=2"])):
+        p, _ = run(n, long_ev + huge + pp + ["--set", "checkpoint.dir=" + ck, "--set",
+                                             "train.time_limit=4", "--set", "checkpoint.load=auto"])
+        check(p.returncode == 1 and re.search(
+            r"the evaluation of step 10, which the run makes first, was cut by train\.time_limit "
+            r"\(4 s\): it takes about [1-9]\d* s \([1-9]\d* of its \d+ forwards in [\d.]+ s\) "
+            r"after a start-up of \d+ s, and every resume would repeat both", p.stderr) is not None,
+            "a resume%s whose first evaluation cannot fit in train.time_limit exits 1, saying so "
+            "(exit %s: %s)" % (" under mesh.pp=2" if pp else "", p.returncode,
+                               p.stderr.strip()[-250:]))
     # a step saved before its evaluation (checkpoint.interval) whose evaluation a signal cuts
     # short: its checkpoint is marked pending after the fact, so that a resume without a
     # metrics file (which would show it) still makes it
