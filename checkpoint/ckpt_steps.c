@@ -92,12 +92,18 @@ static int cmp_step(const void *a, const void *b) {
 }
 
 /* Complete checkpoints under root, sorted by step (ascending); the newest incomplete folder
- * into *partial (step -1 when none): a step-N without train_state.json, or step-N.tmp. */
+ * into *partial (step -1 when none): a step-N without train_state.json, or step-N.tmp. The
+ * caller frees *steps (NULL after a failure). */
 static fsdpc_status_t list_steps(const char *root, int64_t **steps, int *n, int64_t *partial,
                                  bool *partial_tmp) {
   steps_t l = {.partial = -1};
   fsdpc_status_t st = ckpt_scan_steps(root, collect_step, &l);
   if (st == STATUS_OK && l.n > 1) qsort(l.v, (size_t)l.n, sizeof *l.v, cmp_step);
+  if (st != STATUS_OK) { /* nothing handed back on failure */
+    free(l.v);
+    l.v = NULL;
+    l.n = 0;
+  }
   *steps = l.v;
   *n = l.n;
   *partial = l.partial;

@@ -220,6 +220,15 @@ fsdpc_status_t nn_module_finalize(nn_module_t *root) {
   return finalize(root, "");
 }
 
+bool nn_module_finalized(const nn_module_t *m) {
+  if (m == NULL || m->fqn == NULL) return false;
+  for (int i = 0; i < m->n_params; i++)
+    if (m->owns[i] && m->params[i]->fqn == NULL) return false;
+  for (int i = 0; i < m->n_children; i++)
+    if (!nn_module_finalized(m->children[i])) return false;
+  return true;
+}
+
 fsdpc_status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, void *user) {
   if (m == NULL || fn == NULL || kind < 0 || kind >= NN_HOOK_COUNT)
     return err_set(STATUS_EINVAL, "nn_module_add_hook: bad argument");

@@ -125,6 +125,8 @@ fsdpc_status_t nn_module_share_param(nn_module_t *m, nn_param_t *p);
 
 /* Assigns the FQNs of every module and parameter under root. Call after building the tree. */
 fsdpc_status_t nn_module_finalize(nn_module_t *root);
+/* Whether m and everything under it has its FQN (finalised after the last module was added). */
+bool nn_module_finalized(const nn_module_t *m);
 
 /* Registers a hook; hooks of one kind run in registration order. */
 fsdpc_status_t nn_module_add_hook(nn_module_t *m, nn_hook_kind_t kind, nn_hook_fn fn, void *user);

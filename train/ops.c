@@ -294,6 +294,16 @@ static void describe_difference(const char *mine, const char *theirs, char *out,
   if (shown == 0) snprintf(out, size, "the plans differ");
 }
 
+fsdpc_status_t train_check_logits(const nn_var_t *logits, int64_t vocab_size) {
+  const fsdpc_tensor_t *v = &logits->value;
+  int64_t cols = v->ndim > 0 ? v->shape[v->ndim - 1] : 0;
+  if (vocab_size <= 0 || cols >= vocab_size) return STATUS_OK;
+  return err_set(STATUS_ESHAPE,
+                 "the model's logits have %lld columns, fewer than vocab_size %lld: token ids "
+                 "from %lld up would have no logit (the model's head gives one per token id)",
+                 (long long)cols, (long long)vocab_size, (long long)cols);
+}
+
 fsdpc_status_t train_check_same_plan(const char *settings) {
   pg_t *pg = world_pg();
   uint64_t mine = XXH64(settings, strlen(settings), 0);

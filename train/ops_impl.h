@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "nn/autograd.h"
 #include "train/data.h"
 #include "train/plan.h"
 
@@ -58,6 +59,10 @@ fsdpc_status_t train_lock(const char *dir, const char *plan_path, int *fd);
 void train_unlock(int fd);
 /* --dry-run: a note on stderr (rank 0) naming the job that holds checkpoint.dir's lock. */
 void train_lock_note(const char *dir);
+
+/* The logits of a forward: at least vocab_size columns, else named before a token id beyond
+ * them meets the loss (at some later step). Local. */
+fsdpc_status_t train_check_logits(const nn_var_t *logits, int64_t vocab_size);
 
 /* Every rank's settings text (plan_load_settings) equal to rank 0's: a difference names the
  * keys and the ranks ("rank 1: train.steps: 8 here, 5 on rank 0"). Collective. */

@@ -5,6 +5,7 @@
 #include "core/args_impl.h"
 #include "nn/moe.h"
 #include "nn/ops.h"
+#include "train/ops_impl.h"
 
 /* A batch whose every target is ignored (negative) has no mean loss: refused on the host,
  * where the targets are, before any work. */
@@ -52,6 +53,7 @@ static fsdpc_status_t run_read(nn_module_t *root, device_t dev, const fsdpc_tens
   FSDPC_TRY_GOTO(st, nn_var_new(&in, false, &ids));
   nn_moe_aux_begin(aux, grad ? 1.0 / (double)spec->grad_accum : 0);
   FSDPC_TRY_GOTO(st, nn_call(ctx, root, ids, &logits));
+  FSDPC_TRY_GOTO(st, train_check_logits(logits, spec->vocab_size));
   if (grad && aux) FSDPC_TRY_GOTO(st, nn_moe_aux_share(aux)); /* the whole batch's routing */
   FSDPC_TRY_GOTO(st, nn_cross_entropy_consume(ctx, logits, &tg, &ce, NULL));
   /* training adds the routers' balance, weighted; an evaluation's loss is the cross-entropy

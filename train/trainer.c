@@ -202,7 +202,7 @@ fsdpc_status_t train_evaluate(run_t *r, const data_spec_t *spec, bool stoppable,
   stoppable = stoppable && (r->plan.n_signals > 0 || r->plan.time_limit_s > 0);
   fsdpc_status_t st = STATUS_OK;
   if (r->pp_sched != NULL)
-    st = train_pp_eval(r, &one, n, stoppable, &sum, &out->stop, &out->agreed);
+    st = train_pp_eval(r, &one, n, stoppable, &sum, &out->stop, &out->agreed, &out->done);
   for (int64_t f = 0; r->pp_sched == NULL && f < n && st == STATUS_OK; f++) {
     double tb = device_clock_seconds();
     fsdpc_tensor_t ids = {0}, tg = {0};
@@ -348,6 +348,11 @@ static fsdpc_status_t build_model(run_t *r, const train_build_t *how) {
   if (r->root == NULL)
     return err_set(STATUS_EINVAL, "the model '%s' was built without a module tree",
                    r->model.name ? r->model.name : "");
+  if (!nn_module_finalized(r->root))
+    return err_set(STATUS_EINVAL,
+                   "the model '%s' was built without its names: call nn_module_finalize(root) "
+                   "after the last module is added, before build returns",
+                   r->model.name ? r->model.name : "");
   return STATUS_OK;
 }
 
@@ -433,6 +438,11 @@ static fsdpc_status_t check_before_training(run_t *r) {
   if (st == STATUS_OK && r->resumed_from[0] && r->builtin)
     st = train_check_model(p, r->resumed_from);
   if (st == STATUS_OK && r->resumed_from[0] && !r->builtin) st = check_own_model(r);
+  if (st == STATUS_OK && !r->resumed_from[0] && !r->builtin) { /* the first save's record */
+    char *mine = NULL;
+    st = train_describe_model(r, &mine);
+    free(mine);
+  }
   if (st == STATUS_OK) st = check_eval_samples(r);
   FSDPC_TRY(pg_agree(world_pg(), st));
   int64_t start = 0; /* the step the checkpoint was saved after (read again by the load) */
@@ -451,11 +461,13 @@ static fsdpc_status_t start(run_t *r) {
   /* the mode too: a dry run beside a real one would wait in the real one's collectives */
   size_t n = strlen(r->settings);
   char *mode = malloc(n + 32);
-  if (mode == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
-  snprintf(mode, n + 32, "%s--dry-run: %s\n", r->settings, r->args.dry_run ? "given" : "absent");
-  fsdpc_status_t same = train_check_same_plan(mode);
+  if (mode != NULL)
+    snprintf(mode, n + 32, "%s--dry-run: %s\n", r->settings, r->args.dry_run ? "given" : "absent");
+  /* compared all the same without the mode (its ranks then differ): no rank leaves early */
+  fsdpc_status_t same = train_check_same_plan(mode ? mode : r->settings);
   free(mode);
   FSDPC_TRY(same);
+  if (mode == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   if (!p->ckpt_dir[0]) return STATUS_OK;
   if (r->args.dry_run) {
     train_lock_note(p->ckpt_dir);

@@ -12,6 +12,9 @@ only says how to build itself, trained by train_main under YAML plans.
   the reference did; a run stopped by SIGTERM saves, exits 75 and resumes to the losses of a
   run that was not stopped;
 - refusals on every rank: a model key in the plan, a checkpoint of another model (fsdp-train's);
+  a model built without its names, one describing itself by something not a JSON object, one
+  whose head has fewer columns than its vocabulary (tests/examples/own_model_misuse.c), each
+  before any step;
 - --dry-run plans 4 ranks from one process and prints each parameter's placements, and the
   communication of a fully sharded step as the run counts it;
 - docs/your-model.md shows the program's main as it is.
@@ -155,6 +158,22 @@ def main():
                       r"program's 'tiny-lm'", p.stderr)
     check(ft.returncode == 0 and p.returncode != 0 and len(said) == 1,
           "a checkpoint of fsdp-train's Llama is refused on both ranks, named")
+    # a model built wrong is named before any step (a narrow head: at the first forward, not
+    # at the step whose data first holds a token id beyond it)
+    misuse = os.path.join(BUILD, "tests", "own-model-misuse")
+    for how, want in (("unnamed", r"the model 'misuse' was built without its names: call "
+                                  r"nn_module_finalize\(root\)"),
+                      ("describe", r"the model 'misuse' describes itself by something not a "
+                                   r"JSON object"),
+                      ("narrow", r"the model's logits have 255 columns, fewer than vocab_size "
+                                 r"256")):
+        p = subprocess.run([MPIRUN] + MPI_ARGS + ["-n", "2", "-x", "TRAINER_MISUSE=" + how,
+                                                  misuse, FSDP_PLAN, "--set", "train.steps=2",
+                                                  "--set", "parallelize.fully_shard.units=[]"],
+                           capture_output=True, text=True, timeout=120)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None and
+              not re.search(r"^step ", p.stdout, re.M),
+              "a model %s: refused before any step, named (%s)" % (how, p.stderr.strip()[-200:]))
     # the dry run plans a larger job from one process
     p = subprocess.run([LM, TP_PLAN, "--dry-run", "--world", "4"], capture_output=True,
                        text=True, timeout=120)
