@@ -324,6 +324,15 @@ fsdpc_status_t dcp_prepare(const char *dir, char *tmp, size_t size, pg_t *pg) {
     st = err_set(STATUS_EINVAL, "checkpoint: path too long");
   else
     snprintf(tmp, size, "%s.tmp", dir);
+  /* one folder for the whole group: a rank naming another would write into nothing */
+  int other = -1;
+  FSDPC_TRY(pg_agree(pg, st));
+  FSDPC_TRY(pg_host_first_differing(pg, XXH64(dir, strlen(dir), 0), &other));
+  if (other >= 0)
+    return err_set(STATUS_EINVAL,
+                   "checkpoint: the ranks of the save name different folders (this rank '%s'; "
+                   "rank %d of the group another than rank 0's): every rank passes the same",
+                   dir, other);
   struct stat sb;
   if (rank == 0 && st == STATUS_OK) {
     if (lstat(dir, &sb) == 0)

@@ -69,7 +69,8 @@ uint64_t dcp_block_bytes(void);
  * shards (a shard replicated over mesh dimensions is written by the replica at coordinate 0
  * only; empty shards are skipped) into one file of a temporary folder, then rank 0 commits
  * it by renaming it to dir (fsync'd). A crash before the rename leaves no dir; a failed
- * save (a full disk) removes its temporary folder. Every rank of an entry's mesh passes it,
+ * save (a full disk) removes its temporary folder. Every rank passes the same dir (compared),
+ * and each name once. Every rank of an entry's mesh passes it,
  * with the same global shape and dtype (checked, every rank agreeing). Partial placements and
  * tensors without elements are refused (strided shards, being boxes, are saved like any
  * shard). Collective over pg (world_pg(), or any group that spans every rank of the entries'

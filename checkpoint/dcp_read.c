@@ -307,6 +307,23 @@ fsdpc_status_t dcp_reader_read_boxes(dcp_reader_t *r, const dcp_box_t *boxes, in
   return checks_done(r, st); /* the checks of one box ran while the next was read */
 }
 
+static int by_name(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* The first name given to two entries, or NULL (names already checked non-NULL). */
+static fsdpc_status_t twice_named(const dcp_entry_t *entries, int n, const char **twice) {
+  *twice = NULL;
+  const char **names = malloc(sizeof *names * (size_t)(n > 0 ? n : 1));
+  if (names == NULL) return err_set(STATUS_ENOMEM, "checkpoint: out of host memory");
+  for (int i = 0; i < n; i++) names[i] = entries[i].name;
+  qsort(names, (size_t)n, sizeof *names, by_name);
+  for (int i = 1; i < n && *twice == NULL; i++)
+    if (strcmp(names[i - 1], names[i]) == 0) *twice = names[i];
+  free(names);
+  return STATUS_OK;
+}
+
 fsdpc_status_t dcp_check_entries(const dcp_entry_t *entries, int n, bool save, const char *who) {
   if (n < 0) return err_set(STATUS_EINVAL, "%s: %d entries", who, n);
   for (int i = 0; i < n; i++) {
@@ -339,6 +356,10 @@ fsdpc_status_t dcp_check_entries(const dcp_entry_t *entries, int n, bool save, c
                        who, entries[i].name, placement_str(pl[d], b, sizeof b), d);
       }
   }
+  const char *twice;
+  FSDPC_TRY(twice_named(entries, n, &twice));
+  if (twice != NULL)
+    return err_set(STATUS_EINVAL, "%s: two entries are named '%s' (each tensor once)", who, twice);
   return STATUS_OK;
 }
 

@@ -196,10 +196,11 @@ fsdpc_status_t dtensor_agree_args(mesh_t *mesh, dtype_t dtype, int ndim, const i
   bool same = true;
   for (int i = 0; i < K; i++) same = same && v[i] == -v[K + i];
   if (st == STATUS_OK && !same && v[2 * K] == 0)
-    st = err_set(STATUS_ESHAPE,
-                 "%s: the ranks pass different shapes or dtypes, different placements or "
-                 "different source ranks (every rank passes the same)",
-                 what);
+    st =
+        err_set(STATUS_ESHAPE,
+                "%s: the ranks pass tensors of different shapes or dtypes, different placements or "
+                "different source ranks (every rank passes the same)",
+                what);
   if (v[2 * K] == 0) return st; /* every rank knows the verdict: no rank failed its checks */
   for (int k = 0; k < mesh_ndim(mesh); k++) st = pg_agree(mesh_group(mesh, k), st);
   return st;

@@ -610,6 +610,24 @@ START_TEST(errors_name_the_tensor) {
   ck_assert_int_ne(st, STATUS_OK);
   ck_assert_msg(strstr(err_detail(), "already exists") || strstr(err_detail(), "another rank"),
                 "%s", err_detail());
+  /* ranks naming different folders (one rank beside the others): refused on every rank,
+   * nothing written; an entry named twice likewise */
+  if (W > 1) {
+    char other[420];
+    snprintf(other, sizeof other, "%s/ckpt-%d", root, world_rank() == W - 1 ? 1 : 0);
+    st = dcp_save(other, e, NT, world_pg());
+    ck_assert_msg(
+        st == STATUS_EINVAL && strstr(err_detail(), "the ranks of the save name different folders"),
+        "%s", st ? err_detail() : "ok");
+    ck_assert_int_ne(access(other, F_OK), 0);
+  }
+  dcp_entry_t twice[2] = {e[0], e[0]};
+  char dup[420];
+  snprintf(dup, sizeof dup, "%s/dup", root);
+  st = dcp_save(dup, twice, 2, world_pg());
+  ck_assert_msg(st == STATUS_EINVAL && strstr(err_detail(), "two entries are named"), "%s",
+                st ? err_detail() : "ok");
+  ck_assert_int_ne(access(dup, F_OK), 0);
   /* a tensor the checkpoint lacks */
   dcp_entry_t missing = {"z.weight", d[0]};
   ck_assert_int_eq(dcp_load(dir, &missing, 1, NULL), STATUS_EFORMAT);
