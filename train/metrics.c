@@ -1,9 +1,11 @@
 /* The metrics file of a run (metrics_impl.h). */
 #include <cJSON.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include "core/file.h"
@@ -30,6 +32,33 @@ static bool put_patched(FILE *out, cJSON *o, const cJSON *patch) {
   bool ok = text != NULL && fprintf(out, "%s\n", text) >= 0;
   free(text);
   return ok;
+}
+
+/* f, the file a run appends its lines to, under its lock for as long as it stays open: a
+ * second job naming it is refused (train_metrics_check_free) rather than renaming a file of
+ * its own over this one's. NULL (errno EWOULDBLOCK) when another job holds it. */
+static FILE *held(FILE *f) {
+  if (f != NULL && flock(fileno(f), LOCK_EX | LOCK_NB) != 0) {
+    int e = errno;
+    fclose(f);
+    errno = e;
+    return NULL;
+  }
+  return f;
+}
+
+fsdpc_status_t train_metrics_check_free(const char *path) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return STATUS_OK; /* none yet (other reasons: named by the other checks) */
+  bool busy = flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  close(fd);
+  if (busy)
+    return err_set(STATUS_EINVAL,
+                   "--metrics (or log.metrics) '%s': another running job writes it (it holds "
+                   "the file's lock); give this run another metrics file, or wait for that job "
+                   "to end",
+                   path);
+  return STATUS_OK;
 }
 
 /* Opens the metrics file (rank 0) for a run starting after step start: a fresh run starts it
@@ -68,12 +97,12 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
       errno = e;
       return NULL;
     }
-    return fresh;
+    return held(fresh);
   }
   FILE *in = NULL;
   if (start > 0 && (in = fopen(path, "r")) == NULL) {
     if (errno != ENOENT) return NULL;
-    if (defer == NULL) return fopen(path, "w");
+    if (defer == NULL) return held(fopen(path, "w"));
   }
   char tmp[PLAN_PATH_MAX + 16];
   FILE *out = NULL;
@@ -150,7 +179,7 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
   if (out != NULL && fclose(out) != 0) ok = false;
   if (ok && defer != NULL) {
     snprintf(defer, defer_size, "%s", tmp);
-    return fopen(tmp, "a");
+    return held(fopen(tmp, "a"));
   }
   if (!ok || rename(tmp, path) != 0) {
     int e = errno;
@@ -158,7 +187,7 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
     errno = e;
     return NULL;
   }
-  return fopen(path, "a");
+  return held(fopen(path, "a"));
 }
 
 train_metrics_seen_t train_metrics_scan(const char *path, int64_t start) {

@@ -24,9 +24,14 @@ fsdpc_status_t train_metrics_agree(const char *path, int err);
  * metrics_settle renames it once that save commits. The fields of patch (may be NULL) go into
  * step start's line (the evaluation a stop skipped); saved (may be NULL), the line its
  * checkpoint records, is written when the file lacks it (the run was killed after the save).
- * NULL with errno set on failure. */
+ * The file returned holds the file's lock until it is closed. NULL with errno set on failure
+ * (EWOULDBLOCK: another job holds it). */
 FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, const cJSON *saved,
                          char *defer, size_t defer_size);
+
+/* The metrics file at path, when there, not held by another running job (the file a run
+ * appends to is locked while it runs, train_metrics_open): refused, naming it. Local. */
+fsdpc_status_t train_metrics_check_free(const char *path);
 
 /* What the metrics file at path holds about step start. Local. */
 typedef struct train_metrics_seen {

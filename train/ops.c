@@ -561,6 +561,7 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
                    "--metrics (or log.metrics) '%s': exists and cannot be written (%s); nothing "
                    "was written",
                    metrics, strerror(errno));
+    if (st == STATUS_OK) st = train_metrics_check_free(metrics);
     if (st == STATUS_OK) st = train_metrics_check_content(metrics);
     if (st == STATUS_OK) st = file_inputs_add(in, metrics, "the metrics file");
   }

@@ -724,6 +724,17 @@ def operations():
     n = len(steps)
     wait_step(steps, steps[-1] + 5, a)
     check(a.poll() is None and len(steps) > n, "the first job trains on")
+    # nor its metrics file: a second job naming it (another checkpoint.dir) is refused at once,
+    # not given a file of its own renamed over the first one's
+    mine = os.path.join(tmp, "lock-a.jsonl")
+    before = len(open(mine).read().splitlines())
+    p, secs = run(1, [cfg, "--set", "train.steps=3", "--metrics", mine], timeout=60)
+    after = len(open(mine).read().splitlines())
+    check(p.returncode != 0 and re.search(r"--metrics \(or log\.metrics\) '\S+lock-a\.jsonl': "
+                                          r"another running job writes it", p.stderr) and
+          "step " not in p.stdout and after >= before > 0,
+          "a second job on the same metrics file refuses at once, the first's %d lines kept (%d)"
+          % (before, after))
     a.send_signal(signal.SIGUSR1)
     rc, _, _ = finish(a)
     good = all(sh([TOOL, "verify", os.path.join(ck, d)], timeout=120).returncode == 0
