@@ -38,7 +38,8 @@ static bool put_patched(FILE *out, cJSON *o, const cJSON *patch) {
  * second job naming it is refused (train_metrics_check_free) rather than renaming a file of
  * its own over this one's. NULL (errno EWOULDBLOCK) when another job holds it. */
 static FILE *held(FILE *f) {
-  if (f != NULL && flock(fileno(f), LOCK_EX | LOCK_NB) != 0) {
+  /* (a file system without locks, ENOLCK: written all the same, as checkpoint.dir's lock) */
+  if (f != NULL && flock(fileno(f), LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
     int e = errno;
     fclose(f);
     errno = e;
