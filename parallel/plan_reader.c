@@ -248,6 +248,9 @@ fsdpc_status_t pr_get_path(plan_ctx_t *c, int map, const char *prefix, const cha
   char path[256];
   int v = pr_lookup(c, map, prefix, key, path);
   FSDPC_TRY(pr_get_str(c, map, prefix, key, out, PLAN_PATH_MAX));
+  /* "" (a template's unset variable) is no path, and not the key left out either */
+  if (v != 0 && out[0] == 0)
+    return pr_fail(c, v, path, "an empty path: give a path, or null to leave it unset");
   if (v == 0 || out[0] == '/' || v >= c->set_base || c->dir[0] == 0) return STATUS_OK;
   char joined[2 * PLAN_PATH_MAX];
   snprintf(joined, sizeof joined, "%s/%s", c->dir, out);

@@ -31,6 +31,15 @@ def errors():
     cases = [
         ("--set with an empty value", None, ["--set", "data.seq_len="],
          r"--set data\.seq_len=: no value after '='"),
+        # "" (a template's unset variable) is no path: not the key left out, which would
+        # train without saving or evaluating
+        ("an empty checkpoint.dir", base + 'checkpoint:\n  dir: ""\n', [],
+         r"bad\d*\.yaml:\d+:\d+: checkpoint\.dir: an empty path: give a path, or null to leave "
+         r"it unset"),
+        ("an empty log.metrics on the command line", None, ["--set", "log.metrics=''"],
+         r"--set log\.metrics='': log\.metrics: an empty path"),
+        ("an empty eval.path on the command line", None, ["--set", 'eval.path=""'],
+         r'--set eval\.path="": eval\.path: an empty path'),
         # a section given null takes --set keys as if it were absent (no duplicate key)
         ("--set into a section set to null", None,
          ["--set", "model=null", "--set", "model.dimm=32"],
