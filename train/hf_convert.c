@@ -846,6 +846,50 @@ static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char 
 /* The built-in Llama's config (model_type "llama") is checked as a plan would read it, and
  * every tensor against the model it describes; any other model's is kept as it is, for the
  * export to write back. */
+typedef struct held_name {
+  const char *name;
+  int file;
+} held_name_t;
+
+static int cmp_held(const void *x, const void *y) {
+  const held_name_t *a = x, *b = y;
+  int c = strcmp(a->name, b->name);
+  return c ? c : (a->file > b->file) - (a->file < b->file);
+}
+
+/* Every tensor of the n weight files of folder hf in one file only, as transformers reads them
+ * (model.init_from's rule): a tensor in two (listed twice in a hand-made index, or split by
+ * PyTorch DCP's sharding info) refused, naming both files. */
+static fsdpc_status_t each_in_one_file(const char *hf, char *const *names, int n) {
+  if (n < 2) return STATUS_OK;
+  st_file_t **f = calloc((size_t)n, sizeof *f);
+  if (f == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  fsdpc_status_t st = STATUS_OK;
+  int total = 0;
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    char path[PATH_LEN + 512];
+    st = file_join(path, sizeof path, hf, names[i]);
+    if (st == STATUS_OK) st = st_open(path, &f[i]);
+    if (st == STATUS_OK) total += st_num_tensors(f[i]);
+  }
+  held_name_t *all = st == STATUS_OK ? calloc((size_t)total + 1, sizeof *all) : NULL;
+  if (st == STATUS_OK && all == NULL) st = err_set(STATUS_ENOMEM, "out of host memory");
+  int k = 0;
+  for (int i = 0; i < n && st == STATUS_OK; i++)
+    for (int j = 0; j < st_num_tensors(f[i]); j++)
+      all[k++] = (held_name_t){st_tensor(f[i], j)->name, i};
+  if (st == STATUS_OK) qsort(all, (size_t)k, sizeof *all, cmp_held);
+  for (int i = 0; i + 1 < k && st == STATUS_OK; i++)
+    if (strcmp(all[i].name, all[i + 1].name) == 0)
+      st = err_set(STATUS_EFORMAT,
+                   "tensor '%s' is in both %s and %s: every tensor must be in exactly one file",
+                   all[i].name, st_path(f[all[i].file]), st_path(f[all[i + 1].file]));
+  free(all);
+  for (int i = 0; i < n; i++) st_close(f[i]);
+  free(f);
+  return st;
+}
+
 fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
   hf_report_t rep_local;
   hf_report_t *rep = report ? report : &rep_local;
@@ -866,6 +910,7 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
   char **names = NULL;
   int n = 0;
   if (st == STATUS_OK) st = hf_weight_files(hf, &names, &n);
+  if (st == STATUS_OK) st = each_in_one_file(hf, names, n);
   dcp_reader_t *r = NULL;
   const dcp_tensor_t *list = NULL;
   int nt = 0;

@@ -250,6 +250,13 @@ def ckpt_tool():
         p, _ = run(1, [bad_cfg, "--set", "train.steps=1"], timeout=60)
         check(p.returncode != 0 and re.search(want, p.stderr) is not None,
               "init_from %s: exit %d, says /%s/" % (os.path.basename(folder), p.returncode, want))
+        # import-hf alike, before anything is written
+        out_dir = os.path.join(tmp, "imported-" + os.path.basename(folder))
+        p = sh([TOOL, "import-hf", folder, out_dir], timeout=60)
+        check(p.returncode != 0 and re.search(want, p.stderr) is not None and
+              not os.path.exists(out_dir),
+              "import-hf %s: exit %d, says /%s/, writes nothing" % (os.path.basename(folder),
+                                                                   p.returncode, want))
     # mistakes: a clear message and a non-zero exit
     for args, want in [(["export-hf", os.path.join(tmp, "nowhere"), os.path.join(tmp, "x")],
                         r"nowhere: not a folder"),
