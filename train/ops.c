@@ -500,9 +500,10 @@ static bool step_folder_name(const char *name, size_t n) {
 }
 
 /* An output must not be what checkpoint.dir's run manages: its lock file, a step folder's
- * name, or a file inside one (which checkpoint.keep prunes and checkpoint.overwrite replaces). */
-static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *path,
-                                          const char *what) {
+ * name, or a file inside one (which checkpoint.keep prunes and checkpoint.overwrite replaces);
+ * a file the run reads (input) not one inside a step folder either. */
+static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *path, const char *what,
+                                          bool input) {
   if (!p->ckpt_dir[0]) return STATUS_OK;
   char parent[PLAN_PATH_MAX + 8];
   file_parent_of(path, parent, sizeof parent);
@@ -511,7 +512,7 @@ static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *pat
   char *dir = realpath(p->ckpt_dir, NULL), *at = realpath(parent, NULL);
   fsdpc_status_t st = STATUS_OK;
   size_t n = dir ? strlen(dir) : 0;
-  if (dir != NULL && at != NULL && strcmp(at, dir) == 0) { /* in the folder itself */
+  if (dir != NULL && at != NULL && strcmp(at, dir) == 0 && !input) { /* in the folder itself */
     if (strcmp(base, "fsdp-train.lock") == 0 || strcmp(base, CKPT_ROLLBACK_JOURNAL) == 0)
       st = err_set(STATUS_EINVAL, "%s '%s' is checkpoint.dir's %s; name another file", what, path,
                    strcmp(base, CKPT_ROLLBACK_JOURNAL) == 0 ? "rollback journal" : "lock file");
@@ -526,9 +527,11 @@ static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *pat
     if (step_folder_name(sub, len))
       st = err_set(STATUS_EINVAL,
                    "%s '%s' lies in checkpoint.dir's step folder %.*s, which checkpoint.keep "
-                   "prunes and checkpoint.overwrite replaces; name a path outside the step "
-                   "folders",
-                   what, path, (int)len, sub);
+                   "prunes and checkpoint.overwrite replaces; %s",
+                   what, path, (int)len, sub,
+                   input ? "copy it outside the step folders (the run would remove it while "
+                           "reading it)"
+                         : "name a path outside the step folders");
   }
   free(dir);
   free(at);
@@ -541,10 +544,14 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
   file_inputs_t *in = NULL;
   fsdpc_status_t st = file_inputs_new(&in);
   if (st == STATUS_OK) st = file_inputs_add(in, p->source, "the plan");
-  for (int i = 0; data && i < data_num_files(data) && st == STATUS_OK; i++)
-    st = file_inputs_add(in, data_file_path(data, i), "data.path's file");
-  for (int i = 0; eval && i < data_num_files(eval) && st == STATUS_OK; i++)
-    st = file_inputs_add(in, data_file_path(eval, i), "eval.path's file");
+  for (int i = 0; data && i < data_num_files(data) && st == STATUS_OK; i++) {
+    st = outside_checkpoints(p, data_file_path(data, i), "data.path's file", true);
+    if (st == STATUS_OK) st = file_inputs_add(in, data_file_path(data, i), "data.path's file");
+  }
+  for (int i = 0; eval && i < data_num_files(eval) && st == STATUS_OK; i++) {
+    st = outside_checkpoints(p, data_file_path(eval, i), "eval.path's file", true);
+    if (st == STATUS_OK) st = file_inputs_add(in, data_file_path(eval, i), "eval.path's file");
+  }
   if (st == STATUS_OK && p->init_from[0])
     st = file_inputs_add(in, p->init_from, "a file of model.init_from");
   if (st == STATUS_OK && p->model_config[0])
@@ -552,7 +559,7 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
   if (st == STATUS_OK && resumed && resumed[0])
     st = file_inputs_add(in, resumed, "a file of the checkpoint it resumes");
   if (st == STATUS_OK && metrics && metrics[0]) {
-    st = outside_checkpoints(p, metrics, "--metrics (or log.metrics)");
+    st = outside_checkpoints(p, metrics, "--metrics (or log.metrics)", false);
     if (st == STATUS_OK) st = file_check_output(metrics, "--metrics (or log.metrics)", in);
     /* a fresh run writes into it (a resumed one renames a new file over it) */
     if (st == STATUS_OK && !(resumed && resumed[0]) && access(metrics, F_OK) == 0 &&
@@ -566,7 +573,7 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
     if (st == STATUS_OK) st = file_inputs_add(in, metrics, "the metrics file");
   }
   if (st == STATUS_OK && plot) {
-    st = outside_checkpoints(p, plot, "--plot");
+    st = outside_checkpoints(p, plot, "--plot", false);
     if (st == STATUS_OK) st = file_check_output(plot, "--plot", in);
     if (st == STATUS_OK) st = train_plot_check_replaces(plot, "--plot");
     if (st == STATUS_OK && metrics && metrics[0] && file_same_path(plot, metrics))

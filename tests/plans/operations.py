@@ -1169,6 +1169,11 @@ def operations():
              ["--metrics", os.path.join(tmp, "q.jsonl"), "--plot",
               os.path.join(own, "step-00000004")], "is named as checkpoint.dir's step folders"),
             ("--metrics ''", ["--metrics", ""], "--metrics '': empty path"),
+            ("eval.path inside a step folder (checkpoint.keep would remove it while read)",
+             ["--set", "eval.path=" + os.path.join(own, "step-00000001", "train_state.json"),
+              "--set", "checkpoint.keep=1"],
+             "eval.path's file '%s' lies in checkpoint.dir's step folder step-00000001"
+             % os.path.join(own, "step-00000001", "train_state.json")),
             ("--plot naming the metrics file another way",
              ["--metrics", os.path.join(tmp, "same.jsonl"), "--plot",
               os.path.join(tmp, ".", "same.jsonl")], "is the metrics file it draws")):
