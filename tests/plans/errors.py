@@ -40,6 +40,11 @@ def errors():
          r"--set log\.metrics='': log\.metrics: an empty path"),
         ("an empty eval.path on the command line", None, ["--set", 'eval.path=""'],
          r'--set eval\.path="": eval\.path: an empty path'),
+        # a data pattern over the folder checkpoint.dir lies in (which the run makes first)
+        ("a data.path pattern matching checkpoint.dir", None,
+         ["--set", "data.path=" + os.path.join(tmp, "dd", "*"), "--set",
+          "checkpoint.dir=" + os.path.join(tmp, "dd", "ck")],
+         r"data\.path: the pattern '\S+/dd/\*' matches checkpoint\.dir '\S+/dd/ck'"),
         # a section given null takes --set keys as if it were absent (no duplicate key)
         ("--set into a section set to null", None,
          ["--set", "model=null", "--set", "model.dimm=32"],
