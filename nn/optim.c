@@ -328,12 +328,18 @@ fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm,
   for (int i = 0; i < m && st == STATUS_OK; i++) total += ss[i]; /* in parameter order */
   free(gs);
   free(ss);
-  FSDPC_TRY(st);
+  if (group == NULL) FSDPC_TRY(st);
   if (group != NULL) {
-    /* two doubles over the group's host channel: exact, and not a data collective */
-    double sum[2] = {total, narrow != NULL};
-    FSDPC_TRY(pg_host_all_reduce(group, sum, sum, 2, PG_HOST_F64, REDUCE_SUM));
+    /* three doubles over the group's host channel (exact, and not a data collective): the
+     * sum, and whether a rank found the group narrow or failed (every rank then fails) */
+    double sum[3] = {total, narrow != NULL, st != STATUS_OK};
+    FSDPC_TRY(pg_host_all_reduce(group, sum, sum, 3, PG_HOST_F64, REDUCE_SUM));
     total = sum[0];
+    if (st != STATUS_OK) return st;
+    if (sum[2] > 0)
+      return err_set(STATUS_EINVAL,
+                     "clip_grad_norm: another rank of the group failed to sum its gradients "
+                     "(its message names why)");
     if (narrow != NULL)
       return err_set(STATUS_EINVAL,
                      "clip_grad_norm: the group has %d ranks, but '%s' is split over a mesh of "

@@ -96,6 +96,7 @@ typedef struct loop {
   /* a checkpoint.overwrite rollback's metrics file, renamed over mpath once its first save
    * commits (the newer checkpoints, whose lines the old file holds, are removed then) */
   char mtmp[PLAN_PATH_MAX + 16];
+  int mguard; /* the rollback's hold on the file that keeps mpath's name meanwhile, or -1 */
   double t_start, t_profile, first_loss, last_loss, tok_sum, step_max;
   int64_t steps_done, profile_from;
   size_t peak_max;
@@ -145,6 +146,7 @@ data_spec_t train_spec_of(const run_t *r) {
 static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
   const fsdpc_plan_t *p = &r->plan;
   memset(L, 0, sizeof *L);
+  L->mguard = -1;
   L->spec = train_spec_of(r);
   L->completed = L->asked = r->start_step;
   L->sched = (lr_schedule_t){
@@ -172,7 +174,7 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
 
   if (L->lead && L->mpath[0] &&
       (L->mf = train_metrics_open(L->mpath, r->start_step, patch, r->saved_line,
-                                  rollback ? L->mtmp : NULL, sizeof L->mtmp)) == NULL)
+                                  rollback ? L->mtmp : NULL, sizeof L->mtmp, &L->mguard)) == NULL)
     L->bad = errno;
   /* its journal: a job killed between its first save and the removal of the folders it
    * replaces is finished by the next start, not left with both histories */
@@ -206,6 +208,7 @@ static fsdpc_status_t loop_start(run_t *r, loop_t *L, const cJSON *patch) {
     free(L->load);
     free(L->micro_loss);
     if (L->mf != NULL) fclose(L->mf);
+    if (L->mguard >= 0) close(L->mguard);
     return st;
   }
   L->t_start = device_clock_seconds();
@@ -463,6 +466,10 @@ static void metrics_settle(loop_t *L, bool final) {
     unlink(L->mtmp);
     L->mtmp[0] = 0;
   }
+  if (!L->mtmp[0] && L->mguard >= 0) { /* the name is the run's file now, or the old one's */
+    close(L->mguard);
+    L->mguard = -1;
+  }
 }
 
 /* train_evaluate() with its own peak memory into *peak, its collectives left out of the next step's
@@ -689,6 +696,7 @@ static fsdpc_status_t loop_finish(run_t *r, loop_t *L, fsdpc_status_t st) {
   cJSON_Delete(L->unwritten);
   metrics_settle(L, true);
   if (L->mf != NULL && fclose(L->mf) != 0) L->bad = errno ? errno : EIO;
+  if (L->mguard >= 0) close(L->mguard);
   if (L->mpath[0]) { /* the file closed (its last lines written): every rank takes this path */
     fsdpc_status_t ms = train_metrics_agree(L->mpath, L->bad);
     if (st == STATUS_OK) st = ms;
@@ -801,7 +809,7 @@ static fsdpc_status_t evaluate_saved(run_t *r, const train_metrics_seen_t *seen)
   bool lost = !seen->line ? r->saved_line != NULL : patch != NULL && !seen->eval;
   if (world_rank() == 0 && seen->file && seen->last <= (double)r->start_step && lost) {
     FILE *f = train_metrics_open(train_metrics_path(r), r->start_step, seen->eval ? NULL : patch,
-                                 r->saved_line, NULL, 0);
+                                 r->saved_line, NULL, 0, NULL);
     if (f == NULL || fclose(f) != 0)
       fprintf(stderr, "%s: warning: cannot write step %lld's line into the metrics file '%s': %s\n",
               train_prog(), (long long)r->start_step, train_metrics_path(r), strerror(errno));

@@ -34,25 +34,49 @@ static bool put_patched(FILE *out, cJSON *o, const cJSON *patch) {
   return ok;
 }
 
-/* f, the file a run appends its lines to, under its lock for as long as it stays open: a
- * second job naming it is refused (train_metrics_check_free) rather than renaming a file of
- * its own over this one's. NULL (errno EWOULDBLOCK) when another job holds it. */
-static FILE *held(FILE *f) {
-  /* (a file system without locks, ENOLCK: written all the same, as checkpoint.dir's lock) */
-  if (f != NULL && flock(fileno(f), LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
-    int e = errno;
+/* A lock held against another job (flock, exclusive): false only when another job holds it
+ * (errno EWOULDBLOCK); a file system without locks (ENOLCK, EBADF) lets the file be written
+ * unlocked, as checkpoint.dir's lock does. */
+static bool take(int fd) { return flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK; }
+
+/* The file now at path opened and locked while this run replaces it (another job's check then
+ * finds one of the two locked, whichever it opens): its descriptor, -1 when there is none to
+ * hold, -2 (errno EWOULDBLOCK) when another job holds it. */
+static int hold_current(const char *path) {
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  if (!take(fd)) {
+    close(fd);
+    errno = EWOULDBLOCK;
+    return -2;
+  }
+  return fd;
+}
+
+/* f, new and not yet renamed into place, locked first (NULL, errno set, when it cannot be). */
+static FILE *locked(FILE *f) {
+  if (f != NULL && !take(fileno(f))) {
     fclose(f);
-    errno = e;
+    errno = EWOULDBLOCK;
     return NULL;
   }
   return f;
 }
 
-fsdpc_status_t train_metrics_check_free(const char *path) {
+fsdpc_status_t train_metrics_check_free(const char *path, bool dry_run) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return STATUS_OK; /* none yet (other reasons: named by the other checks) */
-  bool busy = flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  /* a shared probe: NFS grants it on a descriptor opened for reading */
+  bool busy = flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
   close(fd);
+  if (busy && dry_run) {
+    fprintf(stderr,
+            "%s: note: --metrics (or log.metrics) '%s': another running job writes it; this "
+            "plan's run would be refused until that job ends\n",
+            train_prog(), path);
+    return STATUS_OK;
+  }
   if (busy)
     return err_set(STATUS_EINVAL,
                    "--metrics (or log.metrics) '%s': another running job writes it (it holds "
@@ -70,8 +94,8 @@ fsdpc_status_t train_metrics_check_free(const char *path) {
  * metrics_settle renames it once that save commits. The fields of patch (may be NULL) go into
  * step start's line (the evaluation a stop skipped); saved (may be NULL), the line its
  * checkpoint records, is written when the file lacks it (the run was killed after the save).
- * NULL with errno set on failure. */
-FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, const cJSON *saved,
+ * The file returned is locked before it takes the name. NULL with errno set on failure. */
+static FILE *open_locked(const char *path, int64_t start, const cJSON *patch, const cJSON *saved,
                          char *defer, size_t defer_size) {
   if (start == 0 && defer == NULL) {
     FILE *old = fopen(path, "r");
@@ -91,19 +115,19 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
       errno = EIO;
       return NULL;
     }
-    if (rename(tmp, path) != 0) {
+    if ((fresh = locked(fresh)) == NULL || rename(tmp, path) != 0) {
       int e = errno;
-      fclose(fresh);
+      if (fresh != NULL) fclose(fresh);
       unlink(tmp);
       errno = e;
       return NULL;
     }
-    return held(fresh);
+    return fresh;
   }
   FILE *in = NULL;
   if (start > 0 && (in = fopen(path, "r")) == NULL) {
     if (errno != ENOENT) return NULL;
-    if (defer == NULL) return held(fopen(path, "w"));
+    if (defer == NULL) return locked(fopen(path, "w"));
   }
   char tmp[PLAN_PATH_MAX + 16];
   FILE *out = NULL;
@@ -177,18 +201,38 @@ FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, co
             train_prog(), path, (long long)start);
   bool ok = out != NULL && (in == NULL || !ferror(in)) && fflush(out) == 0 && !ferror(out);
   if (in != NULL) fclose(in);
+  /* locked before it takes the name, and appended to through a new stream on the same open
+   * file (its lock kept; the caller sets its buffering before any write) */
+  int fd = ok && (out = locked(out)) != NULL ? dup(fileno(out)) : -1;
   if (out != NULL && fclose(out) != 0) ok = false;
-  if (ok && defer != NULL) {
-    snprintf(defer, defer_size, "%s", tmp);
-    return held(fopen(tmp, "a"));
-  }
-  if (!ok || rename(tmp, path) != 0) {
+  FILE *f = ok && fd >= 0 ? fdopen(fd, "a") : NULL;
+  if (f == NULL || (defer == NULL && rename(tmp, path) != 0)) {
     int e = errno;
+    if (f != NULL)
+      fclose(f);
+    else if (fd >= 0)
+      close(fd);
     unlink(tmp);
-    errno = e;
+    errno = e ? e : EIO;
     return NULL;
   }
-  return held(fopen(path, "a"));
+  if (defer != NULL) snprintf(defer, defer_size, "%s", tmp);
+  return f;
+}
+
+FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, const cJSON *saved,
+                         char *defer, size_t defer_size, int *guard) {
+  if (guard != NULL) *guard = -1;
+  int hold = hold_current(path); /* until the new file, locked, has its name */
+  if (hold == -2) return NULL;
+  FILE *f = open_locked(path, start, patch, saved, defer, defer_size);
+  int e = errno;
+  if (f != NULL && defer != NULL && guard != NULL)
+    *guard = hold; /* the old file keeps the name until the rollback settles */
+  else if (hold >= 0)
+    close(hold);
+  errno = e;
+  return f;
 }
 
 train_metrics_seen_t train_metrics_scan(const char *path, int64_t start) {

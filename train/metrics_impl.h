@@ -24,14 +24,18 @@ fsdpc_status_t train_metrics_agree(const char *path, int err);
  * metrics_settle renames it once that save commits. The fields of patch (may be NULL) go into
  * step start's line (the evaluation a stop skipped); saved (may be NULL), the line its
  * checkpoint records, is written when the file lacks it (the run was killed after the save).
- * The file returned holds the file's lock until it is closed. NULL with errno set on failure
- * (EWOULDBLOCK: another job holds it). */
+ * The file returned holds its lock (flock) until it is closed, taken before the file has the
+ * name, and the file that had the name is held meanwhile: another job's check finds one of
+ * the two locked. With defer, *guard (may be NULL without defer) receives the descriptor
+ * holding the file that keeps the name until metrics_settle (-1: none); the caller closes it.
+ * NULL with errno set on failure (EWOULDBLOCK: another job holds the file). */
 FILE *train_metrics_open(const char *path, int64_t start, const cJSON *patch, const cJSON *saved,
-                         char *defer, size_t defer_size);
+                         char *defer, size_t defer_size, int *guard);
 
 /* The metrics file at path, when there, not held by another running job (the file a run
- * appends to is locked while it runs, train_metrics_open): refused, naming it. Local. */
-fsdpc_status_t train_metrics_check_free(const char *path);
+ * appends to is locked while it runs, train_metrics_open): refused, naming it; a dry run
+ * (dry_run) only says so. Local. */
+fsdpc_status_t train_metrics_check_free(const char *path, bool dry_run);
 
 /* What the metrics file at path holds about step start. Local. */
 typedef struct train_metrics_seen {

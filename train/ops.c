@@ -501,10 +501,12 @@ static bool step_folder_name(const char *name, size_t n) {
 
 /* An output must not be what checkpoint.dir's run manages: its lock file, a step folder's
  * name, or a file inside one (which checkpoint.keep prunes and checkpoint.overwrite replaces);
- * a file the run reads (input) not one inside a step folder either. */
+ * a file the run reads (input) not one inside a step folder either where checkpoint.keep or
+ * checkpoint.overwrite would remove it. */
 static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *path, const char *what,
                                           bool input) {
   if (!p->ckpt_dir[0]) return STATUS_OK;
+  if (input && p->ckpt_keep <= 0 && !p->ckpt_overwrite) return STATUS_OK; /* nothing removes it */
   char parent[PLAN_PATH_MAX + 8];
   file_parent_of(path, parent, sizeof parent);
   const char *slash = strrchr(path, '/');
@@ -540,7 +542,7 @@ static fsdpc_status_t outside_checkpoints(const fsdpc_plan_t *p, const char *pat
 
 fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, const char *plot,
                                    const fsdpc_data_t *data, const fsdpc_data_t *eval,
-                                   const char *resumed) {
+                                   const char *resumed, bool dry_run) {
   file_inputs_t *in = NULL;
   fsdpc_status_t st = file_inputs_new(&in);
   if (st == STATUS_OK) st = file_inputs_add(in, p->source, "the plan");
@@ -568,7 +570,7 @@ fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, c
                    "--metrics (or log.metrics) '%s': exists and cannot be written (%s); nothing "
                    "was written",
                    metrics, strerror(errno));
-    if (st == STATUS_OK) st = train_metrics_check_free(metrics);
+    if (st == STATUS_OK) st = train_metrics_check_free(metrics, dry_run);
     if (st == STATUS_OK) st = train_metrics_check_content(metrics);
     if (st == STATUS_OK) st = file_inputs_add(in, metrics, "the metrics file");
   }

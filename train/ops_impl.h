@@ -80,10 +80,11 @@ fsdpc_status_t train_check_own_model(const char *ckpt, const char *name, const c
 
 /* The files this run reads (the plan, data.path and eval.path's files, init_from's folder, the
  * checkpoint to resume) may not be its outputs: --metrics, --plot (the metrics file neither).
- * Each output is a regular file or new, in a writable folder. Local; a dry run checks too. */
+ * Each output is a regular file or new, in a writable folder, and the metrics file not held
+ * by another running job. Local; a dry run checks too (another job's metrics file: a note). */
 fsdpc_status_t train_check_outputs(const fsdpc_plan_t *p, const char *metrics, const char *plot,
                                    const fsdpc_data_t *data, const fsdpc_data_t *eval,
-                                   const char *resumed);
+                                   const char *resumed, bool dry_run);
 
 /* checkpoint.dir's step folders after `start` (the step the run starts after) would be passed
  * over by this run: refused, naming the newest and the ways out, unless checkpoint.overwrite.

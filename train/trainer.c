@@ -442,7 +442,8 @@ static fsdpc_status_t check_before_training(run_t *r) {
   const char *metrics = train_metrics_path(r);
   fsdpc_status_t st = STATUS_OK;
   if (world_rank() == 0) /* rank 0 writes them */
-    st = train_check_outputs(p, metrics, r->args.plot, r->data, r->eval, r->resumed_from);
+    st = train_check_outputs(p, metrics, r->args.plot, r->data, r->eval, r->resumed_from,
+                             r->args.dry_run);
   /* the checkpoint's state and its files' headers (a dry run reads no further), by rank 0 */
   if (st == STATUS_OK && r->resumed_from[0] && world_rank() == 0)
     st = ckpt_check_state(r->resumed_from);
@@ -476,9 +477,10 @@ static fsdpc_status_t start(run_t *r) {
     snprintf(mode, n + 32, "%s--dry-run: %s\n", r->settings, r->args.dry_run ? "given" : "absent");
   /* compared all the same without the mode (its ranks then differ): no rank leaves early */
   fsdpc_status_t same = train_check_same_plan(mode ? mode : r->settings);
+  bool short_of_memory = mode == NULL;
   free(mode);
   FSDPC_TRY(same);
-  if (mode == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  if (short_of_memory) return err_set(STATUS_ENOMEM, "out of host memory");
   if (!p->ckpt_dir[0]) return STATUS_OK;
   if (r->args.dry_run) {
     train_lock_note(p->ckpt_dir);

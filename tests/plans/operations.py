@@ -735,6 +735,9 @@ def operations():
           "step " not in p.stdout and after >= before > 0,
           "a second job on the same metrics file refuses at once, the first's %d lines kept (%d)"
           % (before, after))
+    p, _ = run(1, [cfg, "--set", "train.steps=3", "--metrics", mine, "--dry-run"], timeout=60)
+    check(p.returncode == 0 and "lock-a.jsonl': another running job writes it; this plan's run "
+          "would be refused" in p.stderr, "--dry-run of such a job says so and plans on")
     a.send_signal(signal.SIGUSR1)
     rc, _, _ = finish(a)
     good = all(sh([TOOL, "verify", os.path.join(ck, d)], timeout=120).returncode == 0
