@@ -137,6 +137,11 @@ def dry_run():
               "planned from one process (--world %d" % n in planned.stdout,
               "%s: --dry-run --world %d from one process gives the figures of mpirun -n %d "
               "(%d lines)" % (name, n, n, len(a)))
+        if a != b or real.returncode != 0 or planned.returncode != 0:  # what differs
+            print("  exits %d, %d; first difference: %s" % (
+                real.returncode, planned.returncode,
+                next(((x, y) for x, y in zip(a, b) if x != y), (len(a), len(b)))))
+            print(real.stderr[-800:], planned.stderr[-800:])
     t = time.time()
     p, _ = run(1, [os.path.join(ROOT, "configs", "fsdp.yaml"), "--dry-run", "--world", "1024",
                    "--ranks-per-node", "8", "--set", "mesh.dp_replicate=128", "--set",
