@@ -211,9 +211,10 @@ static fsdpc_status_t read_part(const dcp_reader_t *r, const chunk_t *c, const i
 }
 
 fsdpc_status_t dcp_reader_check_tensor(const dcp_reader_t *r, const char *name, int nd,
-                                       const int64_t *gshape, dtype_t dtype) {
+                                       const int64_t *gshape, dtype_t dtype, int *index) {
   int ti = dcp_find_tensor(r, name);
   if (ti < 0) return err_set(STATUS_EFORMAT, "checkpoint %s: missing tensor '%s'", r->dir, name);
+  if (index != NULL) *index = ti;
   const dcp_tensor_t *t = &r->list[ti];
   const char *file = st_path(r->files[r->chunks[r->first[ti]].file].f);
   char a[96], b[96];
@@ -244,8 +245,8 @@ static fsdpc_status_t load_box(const dcp_reader_t *r, const char *name, int nd,
                    "memory (allocate a deferred model's shards with nn_module_materialize "
                    "before loading)",
                    r->dir, name);
-  FSDPC_TRY(dcp_reader_check_tensor(r, name, nd, gshape, local->dtype));
-  int ti = dcp_find_tensor(r, name);
+  int ti;
+  FSDPC_TRY(dcp_reader_check_tensor(r, name, nd, gshape, local->dtype, &ti));
   const dcp_tensor_t *t = &r->list[ti];
   const chunk_t *c = &r->chunks[r->first[ti]];
   int64_t covered = 0;

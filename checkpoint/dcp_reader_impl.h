@@ -70,9 +70,10 @@ void dcp_rfile_close(rfile_t *rf);
 fsdpc_status_t dcp_check_entries(const dcp_entry_t *entries, int n, bool save, const char *who);
 
 /* Tensor name of r as a tensor of nd dims, global shape gshape and dtype's kind (float or
- * integer) takes it: present, of that rank and shape, stored as a dtype of the same kind. */
+ * integer) takes it: present, of that rank and shape, stored as a dtype of the same kind. Its
+ * index in the reader's table into *index (may be NULL). */
 fsdpc_status_t dcp_reader_check_tensor(const dcp_reader_t *r, const char *name, int nd,
-                                       const int64_t *gshape, dtype_t dtype);
+                                       const int64_t *gshape, dtype_t dtype, int *index);
 
 /* Tensor name's index in the reader's table, or -1. */
 int dcp_find_tensor(const dcp_reader_t *r, const char *name);

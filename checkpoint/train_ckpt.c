@@ -416,11 +416,11 @@ fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int
     const dtensor_t *v = params[i]->value;
     int nd = dtensor_ndim(v);
     dtype_t dt = dtensor_local(v)->dtype;
-    st = dcp_reader_check_tensor(c.rm, params[i]->fqn, nd, dtensor_shape(v), dt);
+    st = dcp_reader_check_tensor(c.rm, params[i]->fqn, nd, dtensor_shape(v), dt, NULL);
     for (int k = 0; k < 2 && st == STATUS_OK && c.ro != NULL; k++) {
       char name[1024];
       snprintf(name, sizeof name, "%s.%s", params[i]->fqn, k ? "exp_avg_sq" : "exp_avg");
-      st = dcp_reader_check_tensor(c.ro, name, nd, dtensor_shape(v), dt);
+      st = dcp_reader_check_tensor(c.ro, name, nd, dtensor_shape(v), dt, NULL);
     }
   }
   opened_close(&c);

@@ -46,9 +46,8 @@ fsdpc_status_t dtensor_from_local_like(const fsdpc_tensor_t *local, const dtenso
  * tensor and keeps its shard of it (its values are not compared). Otherwise src_rank (a world
  * rank in the mesh) holds the data; other ranks pass a tensor of the same shape and dtype whose
  * contents are ignored (a meta tensor too), and the data is broadcast along the mesh
- * dimensions. Either way the
- * ranks' shapes, dtypes and placements are compared first (a small all-reduce per mesh
- * dimension), every rank refusing a difference. Collective over the mesh. */
+ * dimensions. Either way the ranks' shapes, dtypes and placements are compared first (a small
+ * all-reduce per mesh dimension), every rank refusing a difference. Collective over the mesh. */
 fsdpc_status_t dtensor_distribute(const fsdpc_tensor_t *full, mesh_t *mesh, const placement_t *pl,
                                   int src_rank, dtensor_t **out);
 

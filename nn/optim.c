@@ -328,8 +328,9 @@ fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm,
   for (int i = 0; i < m && st == STATUS_OK; i++) total += ss[i]; /* in parameter order */
   free(gs);
   free(ss);
-  if (group == NULL) FSDPC_TRY(st);
-  if (group != NULL) {
+  if (group == NULL) {
+    FSDPC_TRY(st);
+  } else {
     /* three doubles over the group's host channel (exact, and not a data collective): the
      * sum, and whether a rank found the group narrow or failed (every rank then fails) */
     double sum[3] = {total, narrow != NULL, st != STATUS_OK};

@@ -843,9 +843,6 @@ static fsdpc_status_t rewrite_file(const char *hf, const char *name, const char 
   return st;
 }
 
-/* The built-in Llama's config (model_type "llama") is checked as a plan would read it, and
- * every tensor against the model it describes; any other model's is kept as it is, for the
- * export to write back. */
 typedef struct held_name {
   const char *name;
   int file;
@@ -890,6 +887,9 @@ static fsdpc_status_t each_in_one_file(const char *hf, char *const *names, int n
   return st;
 }
 
+/* The built-in Llama's config (model_type "llama") is checked as a plan would read it, and
+ * every tensor against the model it describes; any other model's is kept as it is, for the
+ * export to write back. */
 fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *report) {
   hf_report_t rep_local;
   hf_report_t *rep = report ? report : &rep_local;
