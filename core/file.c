@@ -684,7 +684,8 @@ fsdpc_status_t file_check_output_dir(const char *path, const char *what, bool em
   what = what ? what : "output";
   struct stat sb;
   if (path[0] == 0) return dirs_error(what, path, "empty path");
-  if (lstat(path, &sb) == 0) {
+  bool exists = lstat(path, &sb) == 0;
+  if (exists) {
     char why[160];
     if (!S_ISDIR(sb.st_mode)) {
       snprintf(why, sizeof why, "exists and is %s; nothing was written", kind_of(sb.st_mode));
@@ -699,5 +700,12 @@ fsdpc_status_t file_check_output_dir(const char *path, const char *what, bool em
   }
   char parent[DIRS_PATH_MAX];
   file_parent_of(path, parent, sizeof parent);
+  struct stat pb;
+  /* the output is built beside path and renamed onto it: a mount point cannot be renamed
+   * onto (EBUSY), which would only show once all of it was written */
+  if (exists && stat(parent, &pb) == 0 && pb.st_dev != sb.st_dev)
+    return dirs_error(what, path,
+                      "is a mount point: the output is built beside it and renamed into its "
+                      "place, which a mount point does not allow; name a new folder inside it");
   return writable_folder(what, parent, path);
 }

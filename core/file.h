@@ -137,8 +137,8 @@ fsdpc_status_t file_check_replaces(const char *path, const char *what, const cha
                                    const char *const *heads);
 
 /* The same for an output folder that is written whole and renamed into place: when path exists
- * it is a folder, not a symbolic link (an empty one, where empty_ok, else refused); its parent
- * exists and is writable. */
+ * it is a folder, not a symbolic link nor a mount point (an empty one, where empty_ok, else
+ * refused); its parent exists and is writable. */
 fsdpc_status_t file_check_output_dir(const char *path, const char *what, bool empty_ok);
 
 /* Checks that the output path (whose parent exists: file_check_output_dir) lies outside the

@@ -295,6 +295,21 @@ def ckpt_tool():
     p = tool_run("export-hf", step, empty + "/")
     check(p.returncode == 0 and os.path.isfile(os.path.join(empty, "model.safetensors")),
           "export-hf into an empty folder named with a trailing slash")
+    # an empty mount point as OUT (a container's volume): refused before the export is
+    # written, since it cannot be renamed onto (where this machine lets the test mount one)
+    mnt = os.path.join(tmp, "mount-out")
+    os.mkdir(mnt)
+    if sh(["sh", "-c", "mount -t tmpfs none \"$0\" 2>/dev/null", mnt], timeout=30).returncode == 0:
+        try:
+            p = tool_run("export-hf", step, mnt)
+            check(p.returncode != 0 and "is a mount point" in p.stderr and not os.listdir(mnt) and
+                  not glob.glob(mnt + ".tmp*"),
+                  "export-hf into an empty mount point: refused before writing (%s)"
+                  % p.stderr.strip()[-200:])
+        finally:
+            sh(["umount", mnt], timeout=30)
+    else:
+        print("skip  export-hf into a mount point: this machine does not let the test mount one")
     before = sorted(os.listdir(step)), sorted(os.listdir(os.path.join(step, "model")))
     src_hf = os.path.join(tmp, "hf-f32")
     for op, args in (("export-hf", [step, os.path.join(step, "model", "shard-x.safetensors")]),
