@@ -305,7 +305,7 @@ fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm,
   int64_t narrow_numel = 0;
   for (int i = 0; group != NULL && narrow == NULL && i < n; i++) {
     const dtensor_t *g = params[i]->grad;
-    if (g != NULL && split_over_ranks(g) && pg_size(group) < mesh_numel(dtensor_mesh(g))) {
+    if (g != NULL && pg_size(group) < mesh_numel(dtensor_mesh(g))) {
       narrow = params[i]->fqn;
       narrow_numel = mesh_numel(dtensor_mesh(g));
     }
@@ -314,8 +314,9 @@ fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm,
   const fsdpc_tensor_t **gs = malloc(sizeof *gs * (size_t)(n > 0 ? n : 1));
   double *ss = malloc(sizeof *ss * (size_t)(n > 0 ? n : 1));
   int m = 0;
-  for (int i = 0; i < n; i++)
-    if (params[i]->grad != NULL && counts_here(params[i]->grad))
+  /* NULL: every gradient is whole here (a split one was refused), counted on every rank */
+  for (int i = 0; gs != NULL && i < n; i++)
+    if (params[i]->grad != NULL && (group == NULL || counts_here(params[i]->grad)))
       gs[m++] = dtensor_local(params[i]->grad);
   fsdpc_status_t st =
       gs && ss ? STATUS_OK : err_set(STATUS_ENOMEM, "clip_grad_norm: out of host memory");
@@ -343,8 +344,8 @@ fsdpc_status_t clip_grad_coef(nn_param_t *const *params, int n, double max_norm,
                      "(its message names why)");
     if (narrow != NULL)
       return err_set(STATUS_EINVAL,
-                     "clip_grad_norm: the group has %d ranks, but '%s' is split over a mesh of "
-                     "%lld: the norm needs a group holding every rank of the gradients' meshes "
+                     "clip_grad_norm: the group has %d ranks, but '%s' lies on a mesh of %lld: "
+                     "the norm needs a group holding every rank of the gradients' meshes "
                      "(the world, or the data-parallel group of all their dimensions)",
                      pg_size(group), narrow, (long long)narrow_numel);
     if (sum[1] > 0)

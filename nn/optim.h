@@ -101,8 +101,9 @@ void optim_zero_grad(optim_t *o);
 
 /* Global L2 norm of all gradients across all shards, every element counted once (a shard
  * replicated over mesh dimensions is counted only on coordinate 0 of them); group, if not
- * NULL, is the process group over which the per-rank sums are added (NULL: this rank only,
- * refused when a gradient is split over ranks).
+ * NULL, is the process group over which the per-rank sums are added, holding every rank of
+ * each gradient's mesh (a narrower one is refused); NULL: this rank's gradients only, each
+ * whole here (one split over ranks is refused).
  * Scales every gradient by max_norm / (norm + 1e-6) when that is below 1. *norm receives the
  * norm before clipping. Collective over group. */
 fsdpc_status_t clip_grad_norm(nn_param_t *const *params, int n, double max_norm, pg_t *group,

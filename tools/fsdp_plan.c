@@ -176,7 +176,15 @@ static fsdpc_status_t read_deepspeed_file(const char *path, cJSON *c, char *file
   cJSON *ds = cJSON_GetObjectItemCaseSensitive(c, "deepspeed_config");
   const cJSON *name = cJSON_GetObjectItemCaseSensitive(ds, "deepspeed_config_file");
   file[0] = 0;
-  if (!cJSON_IsString(name) || name->valuestring[0] == 0) return STATUS_OK;
+  if (cJSON_IsNull(name) || (cJSON_IsString(name) && name->valuestring[0] == 0)) {
+    /* null or "" (a template's): no file, as Accelerate reads it */
+    cJSON_DeleteItemFromObjectCaseSensitive(ds, "deepspeed_config_file");
+    return STATUS_OK;
+  }
+  if (name == NULL) return STATUS_OK;
+  if (!cJSON_IsString(name))
+    return err_set(STATUS_EINVAL, "%s: deepspeed_config.deepspeed_config_file must be a path",
+                   path);
   const char *slash = strrchr(path, '/');
   if (name->valuestring[0] != '/' && slash != NULL)
     snprintf(file, n, "%.*s/%s", (int)(slash - path), path, name->valuestring);

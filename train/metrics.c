@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "core/file.h"
@@ -13,11 +14,21 @@
 #include "train/metrics_impl.h"
 #include "train/ops_impl.h"
 
+static fsdpc_status_t busy_error(const char *path) {
+  return err_set(STATUS_EINVAL,
+                 "--metrics (or log.metrics) '%s': another running job writes it (it holds the "
+                 "file's lock); give this run another metrics file, or wait for that job to end",
+                 path);
+}
+
 /* Every rank learns whether rank 0 could write the metrics file (err: its errno, or 0).
  * Collective. */
 fsdpc_status_t train_metrics_agree(const char *path, int err) {
   fsdpc_status_t st = STATUS_OK;
-  if (err) st = err_set(STATUS_EIO, "cannot write the metrics file '%s': %s", path, strerror(err));
+  if (err == EWOULDBLOCK) /* a job that took the lock after this one's check */
+    st = busy_error(path);
+  else if (err)
+    st = err_set(STATUS_EIO, "cannot write the metrics file '%s': %s", path, strerror(err));
   return pg_agree(world_pg(), st);
 }
 
@@ -36,22 +47,40 @@ static bool put_patched(FILE *out, cJSON *o, const cJSON *patch) {
 
 /* A lock held against another job (flock, exclusive): false only when another job holds it
  * (errno EWOULDBLOCK); a file system without locks (ENOLCK, EBADF) lets the file be written
- * unlocked, as checkpoint.dir's lock does. */
-static bool take(int fd) { return flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK; }
+ * unlocked, as checkpoint.dir's lock does. Another job's check (train_metrics_check_free's
+ * shared probe, held for an instant) is waited out: tried for 0.2 s. */
+static bool take(int fd) {
+  for (int i = 0; i < 20; i++) {
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK) return true;
+    usleep(10000);
+  }
+  errno = EWOULDBLOCK;
+  return false;
+}
 
 /* The file now at path opened and locked while this run replaces it (another job's check then
  * finds one of the two locked, whichever it opens): its descriptor, -1 when there is none to
- * hold, -2 (errno EWOULDBLOCK) when another job holds it. */
+ * hold, -2 (errno EWOULDBLOCK) when another job holds it. The file locked is the one that has
+ * the name once locked: another job may rename its own over it between the open and the lock,
+ * then let it go. */
 static int hold_current(const char *path) {
-  int fd = open(path, O_RDWR | O_CLOEXEC);
-  if (fd < 0) fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return -1;
-  if (!take(fd)) {
-    close(fd);
-    errno = EWOULDBLOCK;
-    return -2;
+  for (int tries = 0; tries < 100; tries++) {
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    if (!take(fd)) {
+      close(fd);
+      errno = EWOULDBLOCK;
+      return -2;
+    }
+    struct stat held, named;
+    if (fstat(fd, &held) != 0 || stat(path, &named) != 0 || held.st_dev != named.st_dev ||
+        held.st_ino != named.st_ino)
+      close(fd); /* replaced (or removed) meanwhile: the next try opens what has the name */
+    else
+      return fd;
   }
-  return fd;
+  return -1;
 }
 
 /* f, new and not yet renamed into place, locked first (NULL, errno set, when it cannot be). */
@@ -77,13 +106,7 @@ fsdpc_status_t train_metrics_check_free(const char *path, bool dry_run) {
             train_prog(), path);
     return STATUS_OK;
   }
-  if (busy)
-    return err_set(STATUS_EINVAL,
-                   "--metrics (or log.metrics) '%s': another running job writes it (it holds "
-                   "the file's lock); give this run another metrics file, or wait for that job "
-                   "to end",
-                   path);
-  return STATUS_OK;
+  return busy ? busy_error(path) : STATUS_OK;
 }
 
 /* Opens the metrics file (rank 0) for a run starting after step start: a fresh run starts it

@@ -126,16 +126,25 @@ static bool agree(fsdpc_status_t st) { return world_agree_report(st, train_prog(
 static fsdpc_status_t open_tokens(const run_t *r, const char *path, data_format_t format,
                                   const plan_where_t *where, const char *key, fsdpc_data_t **out) {
   const fsdpc_plan_t *p = &r->plan;
-  /* a pattern over the folder checkpoint.dir lies in would take it (made before this) */
+  /* a pattern over the folder checkpoint.dir lies in would take it, or a folder made for it
+   * (made before this) */
   size_t cl = strlen(p->ckpt_dir);
   while (cl > 1 && p->ckpt_dir[cl - 1] == '/') cl--;
   char ck[PLAN_PATH_MAX];
-  snprintf(ck, sizeof ck, "%.*s", (int)cl, p->ckpt_dir);
-  if (cl > 0 && data_is_pattern(path) && fnmatch(path, ck, FNM_PATHNAME | FNM_PERIOD) == 0)
+  for (size_t n = 1; data_is_pattern(path) && n <= cl; n++) {
+    if (n < cl && p->ckpt_dir[n] != '/') continue;
+    snprintf(ck, sizeof ck, "%.*s", (int)n, p->ckpt_dir);
+    if (fnmatch(path, ck, FNM_PATHNAME | FNM_PERIOD) != 0) continue;
+    if (n == cl)
+      return err_set(STATUS_EINVAL,
+                     "%s: %s: the pattern '%s' matches checkpoint.dir '%s': narrow the pattern "
+                     "or keep the checkpoints outside the data's folder",
+                     where->text, key, path, p->ckpt_dir);
     return err_set(STATUS_EINVAL,
-                   "%s: %s: the pattern '%s' matches checkpoint.dir '%s': narrow the pattern or "
-                   "keep the checkpoints outside the data's folder",
-                   where->text, key, path, p->ckpt_dir);
+                   "%s: %s: the pattern '%s' matches '%s', a folder of checkpoint.dir '%s': "
+                   "narrow the pattern or keep the checkpoints outside the data's folder",
+                   where->text, key, path, ck, p->ckpt_dir);
+  }
   fsdpc_status_t st = data_open(path, format, out);
   if (st != STATUS_OK) return err_prefix(st, "%s: %s", where->text, key);
   int64_t need = p->seq_len + 2; /* a sample and its targets, at one start of at least two */

@@ -234,11 +234,26 @@ START_TEST(clip_grad_norm_needs_the_whole_mesh) {
   const float *x = X.data;
   for (int64_t i = 0; i < tensor_numel(&X); i++) want += (double)x[i] * x[i];
   fsdpc_status_t st = clip_grad_norm(ps, 1, 1e9, mesh_group(mesh, g_ndim - 1), &norm);
-  expect_all(st == STATUS_EINVAL && strstr(err_detail(), "'w' is split over a mesh of"),
+  expect_all(st == STATUS_EINVAL && strstr(err_detail(), "'w' lies on a mesh of"),
              "a group of the shard dimension alone is refused: %s", err_detail());
   st = clip_grad_norm(ps, 1, 1e9, world_pg(), &norm);
   expect_all(st == STATUS_OK && fabs(norm - sqrt(want)) <= 1e-6 * sqrt(want),
              "the world's norm %.9g, the whole tensor's %.9g", norm, sqrt(want));
+  dtensor_free(p.grad);
+  /* replicated over the whole mesh: NULL counts every rank's whole copy (each rank clips by
+   * the same norm), a group narrower than the mesh is refused as for a shard */
+  for (int i = 0; i < g_ndim; i++) pl[i] = placement_replicate();
+  ck_assert_int_eq(dtensor_distribute(&X, mesh, pl, DTENSOR_ALL_RANKS, &p.grad), STATUS_OK);
+  norm = -1;
+  st = clip_grad_norm(ps, 1, 1e9, NULL, &norm);
+  expect_all(st == STATUS_OK && fabs(norm - sqrt(want)) <= 1e-6 * sqrt(want),
+             "a replicated gradient's norm with no group %.9g on every rank, the whole "
+             "tensor's %.9g",
+             norm, sqrt(want));
+  st = clip_grad_norm(ps, 1, 1e9, mesh_group(mesh, g_ndim - 1), &norm);
+  expect_all(st == STATUS_EINVAL && strstr(err_detail(), "'w' lies on a mesh of"),
+             "a replicated gradient with a group of one mesh dimension is refused: %s",
+             err_detail());
   dtensor_free(p.grad);
   tensor_free(&X);
   mesh_free(mesh);

@@ -45,6 +45,11 @@ def errors():
          ["--set", "data.path=" + os.path.join(tmp, "dd", "*"), "--set",
           "checkpoint.dir=" + os.path.join(tmp, "dd", "ck")],
          r"data\.path: the pattern '\S+/dd/\*' matches checkpoint\.dir '\S+/dd/ck'"),
+        ("a data.path pattern matching a folder made for checkpoint.dir", None,
+         ["--set", "data.path=" + os.path.join(tmp, "de", "*"), "--set",
+          "checkpoint.dir=" + os.path.join(tmp, "de", "ck", "run1")],
+         r"data\.path: the pattern '\S+/de/\*' matches '\S+/de/ck', a folder of checkpoint\.dir "
+         r"'\S+/de/ck/run1'"),
         # a section given null takes --set keys as if it were absent (no duplicate key)
         ("--set into a section set to null", None,
          ["--set", "model=null", "--set", "model.dimm=32"],

@@ -403,6 +403,11 @@ def converts_read_as_their_tools_do(tmp, tool):
          "  deepspeed_config_file: ds-nostage.json\n",
          [r"sharding_strategy: NO_SHARD  # zero_optimization\.stage not given: DeepSpeed's "
           r"default 0"], [r"Accelerate's default"], []),
+        ("a null deepspeed_config_file (a template's): Accelerate's own section",
+         "acc-dsnull.yaml",
+         "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: null\n",
+         [r"zero_stage: 2  # deepspeed_config\.zero_stage not given: Accelerate's default 2"],
+         [r"DeepSpeed's default", r"clip_grad_norm: 0"], []),
         ("tensor_parallel.autotp_size", "autotp.json",
          '{"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}}',
          [r"^  tp: 2  # tensor_parallel\.autotp_size"], [r"autotp_size: no equivalent"], []),
