@@ -340,12 +340,18 @@ static fsdpc_status_t check_options(const fsdp_options_t *opt, int W) {
     return err_set(STATUS_EINVAL, "fully_shard: on_demand_timeout %g is not a number of seconds",
                    opt->on_demand_timeout);
   int N = opt->reshard_after_forward;
-  if (N != FSDP_RESHARD_AUTO && N != 0 && N != 1 && (N < 2 || N > W || W % N != 0))
+  if (N != FSDP_RESHARD_AUTO && N != 0 && N != 1 && (N < 2 || N > W || W % N != 0)) {
+    if (W < 2)
+      return err_set(STATUS_EINVAL,
+                     "fully_shard: reshard_after_forward %d is not valid for a shard group of "
+                     "1 rank (use true or false)",
+                     N);
     return err_set(STATUS_EINVAL,
                    "fully_shard: reshard_after_forward %d is not valid for a shard group of %d "
-                   "ranks (use true, false, or an integer N dividing %d: N = %d is true, as "
-                   "PyTorch reads it)",
+                   "ranks (use true, false, or an integer N of 2 to %d dividing it: N = %d is "
+                   "true, as PyTorch reads it)",
                    N, W, W, W);
+  }
   return STATUS_OK;
 }
 

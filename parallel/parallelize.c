@@ -374,7 +374,8 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
     }
     int W = mesh_size(par->ep_fsdp_mesh, mesh_ndim(par->ep_fsdp_mesh) - 1);
     int N = e.reshard_after_forward;
-    if (u < 0 && N >= 2 && (N >= W || W % N != 0)) e.reshard_after_forward = 0;
+    bool given = u >= 0 && N != pp->reshard_after_forward; /* not the section's, inherited */
+    if (!given && N >= 2 && (N >= W || W % N != 0)) e.reshard_after_forward = 0;
     fsdpc_status_t st = shard_unit(par, pp, mod, &e);
     if (st != STATUS_OK && u >= 0)
       return err_prefix(st,

@@ -793,6 +793,19 @@ def family():
                   lines[(2, True)] == [("compute f32", "reshard_after_forward false")],
                   "tiny_qwen3_moe: under mesh.ep the experts' units keep their units item's "
                   "mp_policy and reshard_after_forward (%s)" % lines)
+            # an item naming the experts without a group size of its own takes the section's
+            # as they would unnamed: 2 spans their shard group of 1 at ep 4, so kept gathered
+            q, _ = run(1, [plan, "--dry-run", "--world", "4", "--set", "mesh.dp_shard=4",
+                           "--set", "data.global_batch_size=4", "--set", "mesh.ep=4", "--set",
+                           "parallelize.fully_shard.units=['model.layers.*.mlp.experts', "
+                           "'model.layers.*']", "--set",
+                           "parallelize.fully_shard.reshard_after_forward=2"])
+            got = sorted(set(re.findall(r"^  model\.layers\.\d+\.mlp\.experts\s+.*"
+                                        r"(reshard_after_forward \S+)", q.stdout, re.M)))
+            check(q.returncode == 0 and got == ["reshard_after_forward false"],
+                  "tiny_qwen3_moe: the experts named by an item without a group size, the "
+                  "section's 2 over their shard group of 1 at ep 4: kept gathered (%s%s)"
+                  % (got, q.stderr.strip()[-300:]))
             # experts no item names take their layer's item, where they compute without ep
             layer = os.path.join(tmp, "layer-unit.yaml")
             with open(plan) as f, open(layer, "w") as g:
