@@ -191,6 +191,8 @@ typedef struct removal {
   removal_mode_t mode;
   int64_t after, keep; /* keep: a step folder to leave (-1: none) */
   int removed;
+  int left;              /* REMOVE_TMP: step-N.tmp entries that are no save's, left */
+  char left_why[512];    /* the first one's */
   fsdpc_status_t failed; /* pruning: the first removal that failed (the others are tried) */
   char why[512];
 } removal_t;
@@ -201,6 +203,19 @@ static fsdpc_status_t remove_step(void *ctx, const char *name, int64_t s, ckpt_s
               : r->mode == REMOVE_AFTER ? kind != CKPT_STEP_TMP && s > r->after && s != r->keep
                                         : kind == CKPT_STEP_COMPLETE && s <= r->after;
   if (!take) return STATUS_OK;
+  if (r->mode == REMOVE_TMP) { /* a save's (marked, its writer dead) or a link, never more */
+    char path[PATH_LEN];
+    struct stat sb;
+    FSDPC_TRY(file_join(path, sizeof path, r->root, name));
+    if (lstat(path, &sb) == 0 && !S_ISLNK(sb.st_mode) && !file_is_stale_temp_dir(path)) {
+      if (r->left++ == 0)
+        snprintf(r->left_why, sizeof r->left_why,
+                 "%.300s holds no %s mark, so it is no save's (a save marks its folder): left "
+                 "as it is",
+                 path, FILE_TEMP_MARK);
+      return STATUS_OK;
+    }
+  }
   fsdpc_status_t st = remove_entry(r->root, name);
   if (st != STATUS_OK && r->mode == REMOVE_COMPLETE_UPTO) {
     if (r->failed == STATUS_OK) snprintf(r->why, sizeof r->why, "%s", err_detail());
@@ -219,8 +234,9 @@ fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed, int *left,
   if (why && why_size) why[0] = 0;
   removal_t r = {.root = root, .mode = REMOVE_TMP, .keep = -1};
   fsdpc_status_t st = ckpt_scan_steps(root, remove_step, &r);
-  int kept = 0;
-  char first[512] = "";
+  int kept = r.left;
+  char first[512];
+  snprintf(first, sizeof first, "%s", r.left_why);
   if (st == STATUS_OK) remove_half_removed(root, &r.removed, &kept, first, sizeof first);
   if (left) *left = kept;
   if (why && why_size) snprintf(why, why_size, "%s", first);
@@ -298,7 +314,8 @@ fsdpc_status_t ckpt_latest(const char *root, char *out, size_t size, bool *found
     char dir[PATH_LEN];
     ckpt_step_dir(root, partial, dir, sizeof dir);
     snprintf(skipped, skipped_size, "%s%s (%s)", dir, tmp ? ".tmp" : "",
-             tmp ? "a save that did not finish" : "no train_state.json: not a complete checkpoint");
+             tmp ? "an unfinished folder: never read as a checkpoint"
+                 : "no train_state.json: not a complete checkpoint");
   }
   free(steps);
   return STATUS_OK;

@@ -169,10 +169,11 @@ fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *co
                           int64_t *newest);
 
 /* Removes the unfinished saves under root (step-NNNNNNNN.tmp, left by a job that died while
- * saving) and the folders a removal left half done (step-NNNNNNNN.removing); *removed (may be
- * NULL) receives how many. A half-removed folder that cannot go (a file in it that may not be
- * removed) is left, never being taken for a checkpoint: *left (may be NULL) counts them and
- * why (may be NULL) receives the first one's cause. A rollback journal's unfinished write
+ * saving: marked as a save's, FILE_TEMP_MARK) and the folders a removal left half done
+ * (step-NNNNNNNN.removing); *removed (may be NULL) receives how many. A step-NNNNNNNN.tmp
+ * without the mark (no save's) and a half-removed folder that cannot go (a file in it that may
+ * not be removed) are left, never being taken for a checkpoint: *left (may be NULL) counts
+ * them and why (may be NULL) receives the first one's cause. A rollback journal's unfinished write
  * (fsdp-train.rollback.tmp-XXXXXX) goes too, uncounted. A symbolic link is removed itself,
  * never what it points to. Local; call it on one rank, with no job saving into root. */
 fsdpc_status_t ckpt_remove_unfinished(const char *root, int *removed, int *left, char *why,

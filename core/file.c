@@ -547,6 +547,12 @@ static bool stale_temp(int dfd, const char *name, const char *const *keep) {
   return dead;
 }
 
+bool file_is_stale_temp_dir(const char *path) {
+  struct stat sb;
+  return path != NULL && lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode) &&
+         stale_temp(AT_FDCWD, path, NULL);
+}
+
 int file_remove_stale_temps(const char *path, const char *const *keep) {
   if (path == NULL || path[0] == 0) return 0;
   char parent[DIRS_PATH_MAX], tmp[DIRS_PATH_MAX];

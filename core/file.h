@@ -88,6 +88,11 @@ fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size);
  * writer's, a link). */
 fsdpc_status_t file_claim_temp_dir(const char *tmp);
 
+/* Whether path is a folder of file_make_temp_dir's (or file_claim_temp_dir's) that its writer
+ * left when it died: it holds FILE_TEMP_MARK, a file no process holds locked. A link, a folder
+ * without the mark and one still being written are not. */
+bool file_is_stale_temp_dir(const char *path);
+
 /* Renames folder tmp of file_make_temp_dir's (or file_claim_temp_dir's) to path, its mark removed
  * (an empty folder path names gives it its permissions), and releases its lock. tmp is left on
  * failure. */

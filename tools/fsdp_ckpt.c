@@ -185,8 +185,10 @@ static fsdpc_status_t inspect_run(const char *dir, bool *listed) {
     int complete = 0;
     for (int i = 0; why && i < l.n; i++) {
       char path[PATH_LEN];
-      if (l.v[i].kind != CKPT_STEP_COMPLETE || file_join(path, sizeof path, dir, l.v[i].name))
-        continue;
+      if (file_join(path, sizeof path, dir, l.v[i].name) != STATUS_OK) continue;
+      if (l.v[i].kind == CKPT_STEP_TMP && !file_is_stale_temp_dir(path)) /* not the next start's */
+        snprintf(why[i], sizeof why[i], "no save's, or one still being written: left as it is");
+      if (l.v[i].kind != CKPT_STEP_COMPLETE) continue;
       if (ckpt_check_state(path) != STATUS_OK) snprintf(why[i], sizeof why[i], "%s", err_detail());
       err_clear();
       complete += why[i][0] == 0;
@@ -194,12 +196,13 @@ static fsdpc_status_t inspect_run(const char *dir, bool *listed) {
     printf("%s: a run's checkpoint folder, %d complete checkpoint%s:\n", dir, complete,
            complete == 1 ? "" : "s");
     for (int i = 0; why && i < l.n; i++) {
-      printf(
-          "  %-24s %s%s\n", l.v[i].name,
-          l.v[i].kind == CKPT_STEP_COMPLETE ? (why[i][0] ? "refused by every load: " : "complete")
-          : l.v[i].kind == CKPT_STEP_TMP ? "a save that did not finish (removed at the next start)"
-                                         : "not a complete checkpoint (no train_state.json)",
-          l.v[i].kind == CKPT_STEP_COMPLETE ? why[i] : "");
+      printf("  %-24s %s%s\n", l.v[i].name,
+             l.v[i].kind == CKPT_STEP_COMPLETE
+                 ? (why[i][0] ? "refused by every load: " : "complete")
+             : l.v[i].kind != CKPT_STEP_TMP ? "not a complete checkpoint (no train_state.json)"
+             : why[i][0]                    ? "unfinished, "
+                         : "a save that did not finish (removed at the next start)",
+             why[i]);
     }
     free(why);
     printf("inspect one of them: fsdp-ckpt inspect %s/STEP\n", dir);

@@ -287,12 +287,12 @@ train_metrics_seen_t train_metrics_scan(const char *path, int64_t start) {
 
 fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *metrics,
                                           const char *resumed, int64_t start) {
-  if (metrics == NULL || !metrics[0] || resumed == NULL || !resumed[0] || start >= p->steps ||
-      !p->ckpt_dir[0]) /* no folder of its own: a rerun from that step, as documented */
+  if (metrics == NULL || !metrics[0] || resumed == NULL || !resumed[0] || start >= p->steps)
     return STATUS_OK;
   char parent[PLAN_PATH_MAX + 8];
   file_parent_of(resumed, parent, sizeof parent);
-  char *dir = realpath(p->ckpt_dir, NULL), *at = realpath(parent, NULL);
+  /* (no checkpoint.dir: a branch that saves nowhere) */
+  char *dir = p->ckpt_dir[0] ? realpath(p->ckpt_dir, NULL) : NULL, *at = realpath(parent, NULL);
   bool own = dir != NULL && at != NULL && strcmp(dir, at) == 0;
   free(dir);
   free(at);
@@ -302,11 +302,11 @@ fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *met
   if (last == 0) return STATUS_OK;
   return err_set(STATUS_EINVAL,
                  "--metrics (or log.metrics) '%s' holds the lines of steps %.0f to %.0f, after "
-                 "step %lld, where this run resumes from '%s', outside its checkpoint.dir: "
-                 "this run would replace them, and they belong to the run it branches from (or "
-                 "to an earlier attempt of this one); give this run a metrics file of its own, "
-                 "or remove those lines",
-                 metrics, first, last, (long long)start, resumed);
+                 "step %lld, where this run resumes from '%s', %s: this run would replace "
+                 "them, and they belong to the run it branches from (or to an earlier attempt "
+                 "of this one); give this run a metrics file of its own, or remove those lines",
+                 metrics, first, last, (long long)start, resumed,
+                 p->ckpt_dir[0] ? "outside its checkpoint.dir" : "without a checkpoint.dir");
 }
 
 /* A metrics file given again holds metrics lines (a JSON object with a number "step"), at

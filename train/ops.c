@@ -40,6 +40,9 @@ fsdpc_status_t train_signals_install(const fsdpc_plan_t *p) {
   /* a closed output (| head, a tee whose session dropped) must not kill a run: its prints
    * fail and training goes on to its saves */
   signal(SIGPIPE, SIG_IGN);
+  /* nor a file-size limit (ulimit -f): the write fails (EFBIG) and takes the error path of a
+   * full disk, which saves first, instead of a kill that loses the steps since the last save */
+  signal(SIGXFSZ, SIG_IGN);
   for (int i = 0; i < p->n_signals; i++)
     if (sigaction(p->signals[i], &sa, NULL) != 0)
       return err_set(STATUS_EINVAL, "train.signals: cannot handle %s: %s",
@@ -102,12 +105,12 @@ train_stop_t train_stop_of(const fsdpc_plan_t *p, const double *sums) {
 #define LOCK_TEXT_MAX 4096
 
 /* The holder's record, read from fd ("" when empty), as "pid P on host H since T (plan X)". */
-static void lock_record(int fd, char *out, size_t size, long *pid, char *host, size_t hsize) {
+static bool lock_record(int fd, char *out, size_t size, long *pid, char *host, size_t hsize) {
   char text[LOCK_TEXT_MAX];
   ssize_t n = pread(fd, text, sizeof text - 1, 0);
   out[0] = host[0] = 0;
   *pid = 0;
-  if (n <= 0) return;
+  if (n <= 0) return true;
   text[n] = 0;
   cJSON *o = cJSON_Parse(text);
   const cJSON *jp = cJSON_GetObjectItemCaseSensitive(o, "pid");
@@ -123,6 +126,7 @@ static void lock_record(int fd, char *out, size_t size, long *pid, char *host, s
     snprintf(out, size, "a record that is not a training job's");
   }
   cJSON_Delete(o);
+  return *pid > 0;
 }
 
 static fsdpc_status_t lock_write(int fd, const char *plan_path) {
@@ -180,7 +184,12 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
                      dir, path,
                      S_ISREG(sb.st_mode) ? "a hard link of another file" : "no regular file");
     }
-    e = flock(*fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
+    /* another job's --dry-run probes it for an instant (train_lock_note): waited out */
+    for (int wait = 0; wait < 20; wait++) {
+      e = flock(*fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
+      if (e != EWOULDBLOCK) break;
+      usleep(10000);
+    }
     if (e != 0 || same_file(*fd, path)) break;
     close(*fd); /* locked a file its job removed as it ended: take the new one */
     *fd = -1;
@@ -207,7 +216,15 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
     *fd = -1;
     return STATUS_OK;
   }
-  lock_record(*fd, held, sizeof held, &pid, host, sizeof host);
+  if (!lock_record(*fd, held, sizeof held, &pid, host, sizeof host)) {
+    close(*fd);
+    *fd = -1;
+    return err_set(STATUS_EINVAL,
+                   "checkpoint.dir '%s': its lock %s holds no training job's record (a file of "
+                   "yours?); nothing was written: remove it, or give this run another "
+                   "checkpoint.dir",
+                   dir, path);
+  }
   gethostname(me, sizeof me - 1);
   if (held[0]) /* flock is released when its process ends: that process is gone */
     fprintf(
@@ -240,13 +257,17 @@ void train_lock_note(const char *dir) {
   int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) return;
   long pid;
-  if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
-    lock_record(fd, held, sizeof held, &pid, host, sizeof host);
+  bool record = lock_record(fd, held, sizeof held, &pid, host, sizeof host);
+  if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK)
     fprintf(stderr,
             "%s: note: checkpoint.dir '%s' is in use by another training job (%s): a run "
             "would refuse to start until it ends\n",
             train_prog(), dir, held[0] ? held : "no record yet");
-  }
+  else if (!record)
+    fprintf(stderr,
+            "%s: note: checkpoint.dir '%s': its lock %s holds no training job's record (a file "
+            "of yours?): a run would refuse to start until it is removed\n",
+            train_prog(), dir, path);
   close(fd);
 }
 

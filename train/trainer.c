@@ -503,9 +503,8 @@ static fsdpc_status_t start(run_t *r) {
                           : STATUS_OK;
   if (stuck > 0)
     fprintf(stderr,
-            "%s: warning: checkpoint.dir '%s': %d folder%s a removal left half done "
-            "(step-*.removing) could not be removed, and stay%s (never read as a checkpoint): "
-            "%s\n",
+            "%s: warning: checkpoint.dir '%s': %d unfinished folder%s (step-*.tmp, "
+            "step-*.removing) stay%s (never read as a checkpoint): %s\n",
             train_prog(), p->ckpt_dir, stuck, stuck == 1 ? "" : "s", stuck == 1 ? "s" : "", why);
   if (removed > 0)
     fprintf(stderr,

@@ -137,19 +137,31 @@ def ckpt_corrupt():
                    "train.nonfinite=skip"], timeout=120)
     check(p.returncode == 0 and "is skipped (train.nonfinite: skip)" in p.stderr,
           "train.nonfinite: skip skips the non-finite steps and finishes")
-    # load: auto says which newer folder it passed over, and why; an unfinished save (.tmp) of
-    # a job that died is removed at the start
+    # load: auto says which newer folder it passed over, and why; an unfinished save (.tmp,
+    # marked as a save's) of a job that died is removed at the start, while a step-N.tmp
+    # without the mark (a user's) is left and named
     os.makedirs(os.path.join(ck, "step-00000009"))
     os.makedirs(os.path.join(ck, "step-00000011.tmp"))
+    open(os.path.join(ck, "step-00000011.tmp", ".fsdpc-partial"), "w").close()
+    users = os.path.join(ck, "step-00000007.tmp")
+    os.makedirs(users)
+    with open(os.path.join(users, "notes.txt"), "w") as f:
+        f.write("mine\n")
     p, _ = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.dir=" + ck, "--set",
                    "checkpoint.load=auto"], timeout=120)
     check(p.returncode == 0 and "resumed from %s" % good in p.stdout and
           re.search(r"checkpoint\.load=auto: skipped the newer \S+step-00000009 \(no "
                     r"train_state\.json", p.stderr) is not None and
-          re.search(r"removed 1 unfinished save or removal \(step-\*\.tmp, step-\*\.removing\)", p.stderr) is not None and
-          not os.path.exists(os.path.join(ck, "step-00000011.tmp")),
+          re.search(r"removed 1 unfinished save or removal \(step-\*\.tmp, step-\*\.removing\)",
+                    p.stderr) is not None and
+          not os.path.exists(os.path.join(ck, "step-00000011.tmp")) and
+          re.search(r"1 unfinished folder \(step-\*\.tmp, step-\*\.removing\) stays .*"
+                    r"step-00000007\.tmp holds no \.fsdpc-partial mark", p.stderr) is not None and
+          open(os.path.join(users, "notes.txt")).read() == "mine\n",
           "load: auto resumes the newest complete checkpoint and names the newer one it "
-          "skipped; the unfinished save is removed")
+          "skipped; the unfinished save is removed, an unmarked step-N.tmp left (%s)"
+          % p.stderr.strip()[-400:])
+    shutil.rmtree(users)
     # a rank that stops answering (SIGSTOP) mid-training: the collective watchdog ends the job
     cmd = [MPIRUN] + MPI_ARGS + ["-n", "3", EXE, cfg, "--set", "mesh.dp_shard=3", "--set",
                                  "data.batch_size=2", "--set", "train.steps=1000000", "--set",

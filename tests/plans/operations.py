@@ -304,6 +304,14 @@ def operations():
               open(gm).read() == before,
               "a branch into another folder is refused the metrics file of the run it branches "
               "from%s (%s)" % (" (--dry-run)" if dry else "", p.stderr.strip()[-200:]))
+    # so is one that saves nowhere (no checkpoint.dir)
+    p, _ = run(1, [debug, "--set", "train.steps=12", "--set", "checkpoint.load=" +
+                   os.path.join(gck, "step-00000008"), "--metrics", gm])
+    check(p.returncode != 0 and re.search(
+        r"holds the lines of steps 10 to 11, after step 8, where this run resumes from "
+        r"'\S+step-00000008', without a checkpoint\.dir", p.stderr) and open(gm).read() == before,
+          "a branch without a checkpoint.dir is refused the metrics file of the run it branches "
+          "from (%s)" % p.stderr.strip()[-200:])
     # the evaluation's batches are read before the first step (and by --dry-run)
     for dry in ([], ["--dry-run"]):
         ck = os.path.join(tmp, "bad-eval%d" % len(dry))
@@ -775,6 +783,19 @@ def operations():
           in p.stderr and open(precious).read() == "mine\n" and saved(sl) == [],
           "a lock file that is a symbolic link is refused, named, its target untouched (%s)"
           % p.stderr.strip()[-200:])
+    # a lock file holding something else than a job's record (a user's file of that name):
+    # refused, untouched; --dry-run says so
+    ul = os.path.join(tmp, "ck-userlock")
+    os.makedirs(ul)
+    with open(os.path.join(ul, "fsdp-train.lock"), "w") as f:
+        f.write("user text\n")
+    for dry in ([], ["--dry-run"]):
+        p, _ = run(1, [debug, "--set", "train.steps=2", "--set", "checkpoint.dir=" + ul] + dry)
+        check(("holds no training job's record" in p.stderr) and
+              (p.returncode == 0) == bool(dry) and saved(ul) == [] and
+              open(os.path.join(ul, "fsdp-train.lock")).read() == "user text\n",
+              "a lock file holding no job's record is refused%s, untouched (%s)"
+              % (" (--dry-run: noted)" if dry else "", p.stderr.strip()[-200:]))
 
     # 4. late refusals: before the first step (no step line), and by --dry-run
     ck = os.path.join(tmp, "ck-newer")
@@ -1185,6 +1206,30 @@ def operations():
         check(p.returncode != 0 and said in p.stderr and
               sorted(os.listdir(own)) == ["step-00000001"],
               "%s: refused before the first step (%s)" % (name, p.stderr.strip()[-160:]))
+    # a file-size limit (ulimit -f) reached by the metrics file takes a full disk's path: the
+    # step saved first, whole lines left, not a kill by SIGXFSZ
+    import resource
+    fz, fzm = os.path.join(tmp, "fsize-ck"), os.path.join(tmp, "fsize.jsonl")
+    sh(mine + ["--set", "train.steps=3", "--set", "checkpoint.dir=" + fz, "--metrics", fzm],
+       timeout=120)
+    with open(fzm) as f:
+        rows = [json.loads(r) for r in f]
+    with open(fzm, "w") as f:  # ~4 MB of lines: the limit is reached within a few hundred steps
+        f.writelines(json.dumps(dict(r, pad="x" * 1350000)) + "\n" for r in rows)
+    limit = 4 << 20
+    p = subprocess.run(mine + ["--set", "train.steps=5000", "--set", "checkpoint.dir=" + fz,
+                               "--set", "checkpoint.load=auto", "--metrics", fzm],
+                       capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE,
+                                                             (limit, limit)))
+    last = saved(fz)[-1]
+    with open(fzm) as f:
+        tail = f.read().splitlines()[-1]
+    check(p.returncode == 1 and "cannot write the metrics file '%s': File too large" % fzm
+          in p.stderr and "saved %s/%s first" % (fz, last) in p.stderr and last != "step-00000003"
+          and json.loads(tail)["step"] == int(last[5:]) - 1,
+          "a metrics file at ulimit -f: the run stops on the error, its step saved first, the "
+          "file's lines whole (exit %s, %s)" % (p.returncode, p.stderr.strip()[-200:]))
     # a fresh run's metrics file is a new file renamed over the old one: a hard link to the
     # old one (a snapshot) keeps its lines
     snap_m, snap = os.path.join(tmp, "linked.jsonl"), os.path.join(tmp, "linked-snapshot.jsonl")
@@ -1211,7 +1256,7 @@ def operations():
         q = sh(more + ["--set", "train.steps=7"], timeout=120)
         check(p.returncode == 0 and "warning: checkpoint.keep: checkpoint: cannot remove all of "
               "%s/step-00000001.removing: Operation not permitted" % kp in p.stderr and
-              q.returncode == 0 and "could not be removed, and stays" in q.stderr and
+              q.returncode == 0 and "1 unfinished folder (step-*.tmp, step-*.removing) stays" in q.stderr and
               saved(kp) == ["step-00000001.removing", "step-00000006", "step-00000007"],
               "checkpoint.keep warns of a folder it cannot remove, prunes the rest, and the "
               "next start goes on (%s; %s)" % (saved(kp), (p.stderr + q.stderr).strip()[-300:]))
