@@ -249,15 +249,35 @@ static bool within(const nn_module_t *m, const nn_module_t *mod) {
   return false;
 }
 
-/* Whether m (outside mod's subtree) uses a parameter owned in mod's subtree. */
+/* Whether a module of mod's subtree has parameter p (its own, or one it shares). */
+static bool holds_param(const nn_module_t *mod, const nn_param_t *p) {
+  for (int i = 0; i < nn_module_num_params(mod); i++)
+    if (nn_module_param(mod, i) == p) return true;
+  for (int i = 0; i < nn_module_num_children(mod); i++)
+    if (holds_param(nn_module_child(mod, i), p)) return true;
+  return false;
+}
+
+/* Whether m (outside mod's subtree) uses a parameter of mod's subtree (owned there, or shared
+ * with it: a tied head's weight is the token embedding's). */
 static bool uses_param_of(const nn_module_t *m, const nn_module_t *mod) {
   if (within(m, mod)) return false;
   for (int i = 0; i < nn_module_num_params(m); i++)
-    if (within(nn_module_param(m, i)->owner, mod)) return true;
+    if (holds_param(mod, nn_module_param(m, i))) return true;
   return false;
 }
 
 #define PARALLEL_MAX_SHARERS 4
+
+/* The modules under m, outside mod, that use a parameter of mod's and are in no unit yet, into
+ * with[*n] on (at most max in all). */
+static void add_sharers(nn_module_t *m, const nn_module_t *mod, nn_module_t **with, int *n,
+                        int max) {
+  if (m == mod || *n >= max) return;
+  if (uses_param_of(m, mod) && fsdp_group_of(m) == NULL) with[(*n)++] = m;
+  for (int i = 0; i < nn_module_num_children(m); i++)
+    add_sharers(nn_module_child(m, i), mod, with, n, max);
+}
 
 static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_module_t *mod,
                                  const plan_unit_t *u) {
@@ -278,14 +298,16 @@ static fsdpc_status_t shard_unit(parallel_t *par, const parallel_plan_t *pp, nn_
   bool own_dtypes =
       u && (u->param_dtype != pp->param_dtype || u->reduce_dtype != pp->reduce_dtype ||
             u->output_dtype != pp->output_dtype);
-  /* under a pipeline, the stage's modules that use a parameter of mod's (a tied head, which
-   * shares the token embedding's weight) join its unit: their forwards are the unit's */
+  /* the modules that use a parameter of mod's (a tied head, which shares the token
+   * embedding's weight) join its unit: their forwards are the unit's, not on-demand gathers;
+   * under a pipeline, the stage's */
   nn_module_t *with[1 + PARALLEL_MAX_SHARERS];
   int n_with = 0;
   with[n_with++] = mod;
   for (int i = 0; i < par->n_owned && n_with < 1 + PARALLEL_MAX_SHARERS; i++)
     if (uses_param_of(par->owned[i], mod) && fsdp_group_of(par->owned[i]) == NULL)
       with[n_with++] = par->owned[i];
+  if (par->owned == NULL) add_sharers(par->root, mod, with, &n_with, 1 + PARALLEL_MAX_SHARERS);
   if (n_with > 1)
     FSDPC_TRY(fully_shard_modules(with, n_with, &o, &g));
   else
@@ -345,6 +367,15 @@ static fsdpc_status_t visit(parallel_t *par, const parallel_plan_t *pp, nn_modul
   if (mod == par->root) return STATUS_OK;
   if (fsdp_group_of(mod) != NULL) { /* joined the unit of the module it shares with */
     *left = 0;
+    int u = first_unit(pp, mod);
+    if (u >= 0 && (pp->units[u].param_dtype != pp->param_dtype ||
+                   pp->units[u].reduce_dtype != pp->reduce_dtype ||
+                   pp->units[u].output_dtype != pp->output_dtype))
+      return err_set(STATUS_EINVAL,
+                     "%s: parallelize.fully_shard.units item '%s': %s computes with the "
+                     "parameters of the unit it joins (a tied head, with the token embedding's), "
+                     "so its mp_policy would not apply; give the dtypes to that unit",
+                     pp->units[u].where.text, pp->units[u].pattern, nn_module_fqn(mod));
     return STATUS_OK;
   }
   if (par->owned != NULL && !parallel_holds(par, mod)) { /* another stage's: not sharded here */

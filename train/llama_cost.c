@@ -557,13 +557,12 @@ llama_comm_t llama_comm_estimate(const fsdpc_plan_t *p, fsdp_group_t *const *gro
       c.rs += Au * (W - 1) * red * (double)dtype_size(rd);
     }
     double red2 = (double)fsdp_replica_reduce_numel(g);
-    /* a tied head outside the token embedding's unit: its use of the unit's weight is an
-     * on-demand call of that unit, each micro-step (no pipeline: one joins them in a unit;
-     * the ranks' agreement on it goes over a side channel, not counted here): the weight
-     * gathered for it (a full gather, or from the post-forward groups of N: the head's
-     * forward and backward, the embedding's backward a full gather after the head's backward
-     * resharded it; kept gathered: the embedding's backward's gather alone), and the head's
-     * gradient reduced as the unit's own */
+    /* a tied head outside the token embedding's unit joins that unit (a module of it: its
+     * forward enters the unit again), each micro-step: the weight gathered for it (a full
+     * gather, or from the post-forward groups of N: the head's forward and backward, the
+     * embedding's backward a full gather after the head's backward resharded it; kept
+     * gathered: the embedding's backward's gather alone), and the head's gradient reduced as
+     * the unit's own */
     bool head_use = i == tied;
     if (head_use) {
       double full = (W - 1) * flat * (double)dtype_size(pd);

@@ -44,7 +44,8 @@ def checkpoints():
                 same = same and x.read() == y.read()
     check(same, "the step-10 checkpoints of both runs are byte-identical")
     # 1b. the metrics file of a resumed run: lines up to the checkpoint's step kept, the rest
-    # rewritten; a run with nothing to train leaves it as it is; a write error stops the run
+    # rewritten (a rollback of its own folder: the run the lines are of); a run with nothing to
+    # train leaves it as it is; a write error stops the run
     with open(ma) as f:
         before = f.read()
     p = train(4, "fsdp", ["train.steps=10", "checkpoint.load=" + os.path.join(a, "step-00000010")],
@@ -54,7 +55,8 @@ def checkpoints():
               "a run with nothing to train leaves the metrics file as it is")
     with open(ma, "a") as f:
         f.write(before.splitlines()[-1] + "\n")  # a line past the end, as a longer run leaves
-    train(4, "fsdp", ["train.steps=10", "checkpoint.load=" + os.path.join(a, "step-00000005")],
+    train(4, "fsdp", ["train.steps=10", "checkpoint.load=" + os.path.join(a, "step-00000005"),
+                      "checkpoint.dir=" + a, "checkpoint.interval=5", "checkpoint.overwrite=true"],
           ma)
     m = losses(ma)
     check([r["step"] for r in m] == list(range(1, 11)) and

@@ -63,8 +63,9 @@ def errors():
             'units: ["model.layers.*"]',
             'units: ["model.layers.*", model.embed_tokens, {match: lm_head, mp_policy: '
             '{param_dtype: bf16}}]'), ["--set", "model.tie_embeddings=true"],
-         r"units item 'lm_head': lm_head has no parameters of its own \(a tied head uses the "
-         r"token embedding's\), so its mp_policy would not apply"),
+         r"units item 'lm_head': lm_head computes with the parameters of the unit it joins \(a "
+         r"tied head, with the token embedding's\), so its mp_policy would not apply"),
+
         ("an llm.c token file read as text", base.replace(data, llmc_as_text), [],
          r"llmc\.bin: starts with llm\.c's header \(magic 20240520\).*data\.format: llmc"),
         ("syntax error", "mesh: [1, 2\n", [], r"bad\d*\.yaml:\d+:\d+: not valid YAML"),
