@@ -33,8 +33,12 @@ static pthread_once_t threads_once = PTHREAD_ONCE_INIT;
 
 static void threads_init(void) {
 #ifdef _OPENMP
+  /* a count (the first of a nested list): one OpenMP took as it is; a value it could not read
+   * (0, "abc": OpenMP's default of every CPU) leaves one thread */
   const char *env = getenv("OMP_NUM_THREADS");
-  if (env != NULL && *env != '\0') team_max = omp_get_max_threads();
+  char *end = NULL;
+  long n = env != NULL ? strtol(env, &end, 10) : 0;
+  if (n >= 1 && end != env && (*end == '\0' || *end == ',')) team_max = omp_get_max_threads();
 #endif
   if (getenv("OPENBLAS_NUM_THREADS") != NULL) blas_threads = openblas_get_num_threads();
   openblas_set_num_threads(team_max > 1 ? 1 : blas_threads);
