@@ -110,6 +110,16 @@ static fsdpc_status_t find_expert(st_file_t *const *files, int nf, const nn_para
  * P.experts.J.N.weight [a, b]: every expert's present with its shape (checked on every rank,
  * whichever experts its shard holds), then the experts of the local shard read, each the box
  * the shard covers. */
+/* A parameter's tensor is stored in a floating-point dtype (integers would be read as their
+ * values: weights of another kind altogether). */
+static fsdpc_status_t float_stored(st_file_t *f, const st_info_t *t) {
+  if (dtype_is_float(t->dtype)) return STATUS_OK;
+  return err_set(STATUS_EDTYPE,
+                 "%s: tensor '%s' is stored as %s; the model's parameters are "
+                 "floating point",
+                 st_path(f), t->name, t->dtype_name);
+}
+
 static fsdpc_status_t load_experts(st_file_t *const *files, int nf, const char *where,
                                    nn_param_t *p) {
   const int64_t *shape = dtensor_shape(p->value);
@@ -119,6 +129,7 @@ static fsdpc_status_t load_experts(st_file_t *const *files, int nf, const char *
     FSDPC_TRY(find_expert(files, nf, p, j, name, sizeof name, &at));
     if (at < 0) return err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", where, name);
     const st_info_t *t = st_find(files[at], name);
+    FSDPC_TRY(float_stored(files[at], t));
     if (t->ndim != 2 || t->shape[0] != shape[1] || t->shape[1] != shape[2]) {
       char a[96], b[96];
       return err_set(STATUS_ESHAPE, "%s: tensor '%s' has shape %s, the model's experts %s",
@@ -164,6 +175,7 @@ static bool per_expert_of(const char *name, nn_param_t *const *ps, int n, st_fil
 static fsdpc_status_t load_one(st_file_t *f, const char *name, nn_param_t *p, bool may_pad) {
   const st_info_t *t = st_find(f, name);
   if (t == NULL) return err_set(STATUS_EFORMAT, "%s: missing tensor '%s'", st_path(f), name);
+  FSDPC_TRY(float_stored(f, t));
   int nd = dtensor_ndim(p->value);
   const int64_t *shape = dtensor_shape(p->value);
   bool same = t->ndim == nd;

@@ -242,8 +242,15 @@ def ckpt_tool():
     index["weight_map"]["zz.extra"] = extra  # names the copy: its tensors are then in two files
     with open(os.path.join(twice, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
+    # a weight stored as integers (the same bytes read as their values: another model)
+    ints = os.path.join(tmp, "hf-int")
+    shutil.copytree(os.path.join(tmp, "hf-f32"), ints)
+    edit_header(os.path.join(ints, "model.safetensors"),
+                lambda h: h["lm_head.weight"].update(dtype="I32"))
     for folder, want in [(lacking, re.escape(shards[1])), (twice, r"is in both .*" + extra +
-                                                           r"|is in both .*" + shards[0])]:
+                                                           r"|is in both .*" + shards[0]),
+                         (ints, r"tensor 'lm_head\.weight' is stored as I32; the model's "
+                                r"parameters are floating point")]:
         bad_cfg = os.path.join(tmp, "init-broken.yaml")
         with open(bad_cfg, "w") as f:
             f.write(text.replace(os.path.join(tmp, "hf-f32"), folder))
