@@ -427,6 +427,62 @@ fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int
   return st;
 }
 
+static int by_name(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* Every tensor of folder r (of path) a parameter's, or with suffixes one of its moments:
+ * names[0..n) sorted. */
+static fsdpc_status_t all_named(dcp_reader_t *r, const char *path, const char **names, int n,
+                                bool moments) {
+  const dcp_tensor_t *ts;
+  int m;
+  FSDPC_TRY(dcp_reader_list(r, &ts, &m));
+  for (int i = 0; i < m; i++) {
+    char base[1024];
+    snprintf(base, sizeof base, "%s", ts[i].name);
+    size_t l = strlen(base);
+    bool moment = false;
+    for (int k = 0; moments && !moment && k < 2; k++) {
+      const char *tail = k ? ".exp_avg_sq" : ".exp_avg";
+      size_t t = strlen(tail);
+      if (l > t && strcmp(base + l - t, tail) == 0) {
+        base[l - t] = '\0';
+        moment = true;
+      }
+    }
+    const char *key = base;
+    if ((moments && !moment) || bsearch(&key, names, (size_t)n, sizeof *names, by_name) == NULL)
+      return err_set(STATUS_EFORMAT,
+                     "checkpoint %s: tensor '%s' is %s of the model (another model's, or "
+                     "written beside the model's by another program): a load would leave it "
+                     "unread",
+                     path, ts[i].name,
+                     moments ? "no parameter's AdamW moment (PARAM.exp_avg, PARAM.exp_avg_sq)"
+                             : "no parameter");
+  }
+  return STATUS_OK;
+}
+
+fsdpc_status_t ckpt_check_names(const char *dir, nn_param_t *const *params, int n) {
+  ARG_NONNULL(dir);
+  if (n > 0) ARG_NONNULL(params);
+  const char **names = malloc(sizeof *names * (size_t)(n > 0 ? n : 1));
+  if (names == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
+  for (int i = 0; i < n; i++) names[i] = params[i]->fqn;
+  qsort(names, (size_t)n, sizeof *names, by_name);
+  opened_t c;
+  int64_t s = 0, os = 0;
+  fsdpc_status_t st = opened_training(dir, &c, &s, &os);
+  if (st == STATUS_OK) {
+    st = all_named(c.rm, c.model, names, n, false);
+    if (st == STATUS_OK && c.ro != NULL) st = all_named(c.ro, c.optim, names, n, true);
+    opened_close(&c);
+  }
+  free(names);
+  return st;
+}
+
 fsdpc_status_t ckpt_load_training(const char *dir, nn_param_t *const *params, int n, optim_t *opt,
                                   int64_t *step, dcp_stats_t *stats) {
   ARG_NONNULL(dir);

@@ -101,6 +101,12 @@ fsdpc_status_t ckpt_check_state(const char *dir);
  * checked first (ckpt_check_state). Tensors no parameter names are left alone. Local. */
 fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int n);
 
+/* The checkpoint holds nothing the model lacks: every tensor of model/ is one of the n
+ * parameters (every one of the model's, whichever a rank holds) and every one of optim/ is
+ * one's AdamW moment (PARAM.exp_avg, PARAM.exp_avg_sq); one that is not (another model's, a
+ * writer's extra) is refused, named. Headers only. Local. */
+fsdpc_status_t ckpt_check_names(const char *dir, nn_param_t *const *params, int n);
+
 /* Adds (or replaces) the integrity record of a train state given as JSON text: model_id and
  * optim_id (NULL: weights only) are the ids of the saves of its folders (dcp_write). The
  * sealed text into *out (caller frees). For tools that write checkpoints. */

@@ -667,6 +667,12 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
   if (!resume) return STATUS_OK;
   r->verified = -1;
   if (p->ckpt_verify) FSDPC_TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
+  nn_param_t **all = NULL; /* the whole model's, whichever stages this rank holds */
+  int n_all = 0;
+  st = nn_named_parameters(root, &all, &n_all);
+  if (st == STATUS_OK) st = ckpt_check_names(r->resumed_from, all, n_all);
+  free(all);
+  FSDPC_TRY(pg_agree(world_pg(), st));
   FSDPC_TRY(
       ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
   read_saved_run(r->resumed_from, &r->saved_batch, &r->saved_tokens, r->saved_order,

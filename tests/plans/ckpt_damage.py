@@ -66,6 +66,16 @@ def ckpt_damage():
     def onto_other(h):  # rank 1's chunk of the embedding declared at rank 0's offsets
         sharding(h, lambda i: i["model.embed_tokens.weight"].__setitem__("saved_offsets", [0, 0]))
 
+    def extra_tensor(raw):  # a tensor no parameter names, its data appended
+        (n,) = struct.unpack("<Q", raw[:8])
+        h, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+        name = "model.layers.9.mlp.up_proj.weight"
+        h[name] = {"dtype": "F32", "shape": [2, 4], "data_offsets": [len(data), len(data) + 32]}
+        sharding(h, lambda i: i.__setitem__(name, {"saved_offsets": [0, 0]}))
+        text = json.dumps(h, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return struct.pack("<Q", len(text)) + text + data + bytes(32)
+
     def block_hash(rec):
         rec["blocks"] = ("0" if rec["blocks"][0] != "0" else "1") + rec["blocks"][1:]
 
@@ -141,6 +151,10 @@ def ckpt_damage():
          lambda d: (strip_records(d), edit_header(m1(d), onto_other)),
          r"the chunks of tensor 'model\.embed_tokens\.weight' hold 16384 elements, its shape "
          r"\[128,64\] has 8192", ALL),
+        ("no records, a tensor no parameter names",
+         lambda d: (strip_records(d), edit_file(m0(d), extra_tensor)),
+         r"'model\.layers\.9\.mlp\.up_proj(\.weight)?'", ("resume-1", "resume-3", "verify",
+                                                            "export-hf", "reshard")),
         ("train_state.json: the step changed",
          lambda d: edit_state(d, lambda st: st.__setitem__("step", 3)),
          r"train_state\.json does not match its checksum", ALL),
