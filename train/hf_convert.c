@@ -903,6 +903,13 @@ fsdpc_status_t ckpt_import_hf(const char *hf, const char *out, hf_report_t *repo
       cJSON_IsObject(cfg) ? STATUS_OK : err_set(STATUS_EFORMAT, "%s: not a JSON object", cfg_path);
   llama_config_t lc;
   llama_arch_t arch = arch_of(cfg);
+  /* no model_type: a Llama's, as model.config and model.init_from read it */
+  const cJSON *type = cJSON_GetObjectItemCaseSensitive(cfg, "model_type");
+  if (st == STATUS_OK && type == NULL) arch = LLAMA_ARCH_LLAMA;
+  if (st == STATUS_OK && type != NULL && (!cJSON_IsString(type) || type->valuestring[0] == 0))
+    st = err_set(STATUS_EFORMAT,
+                 "%s: model_type must name the model (a string such as \"llama\"), not %s",
+                 cfg_path, cJSON_IsString(type) ? "an empty string" : "another JSON value");
   bool llama = st == STATUS_OK && arch != LLAMA_ARCH_COUNT; /* GPT-2 too */
   if (llama) st = llama_config_from_hf(cfg_path, &lc);
   /* the source's tensors, read once for the checks (their files validated) */

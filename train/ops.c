@@ -418,12 +418,28 @@ fsdpc_status_t train_check_own_model(const char *ckpt, const char *name, const c
 fsdpc_status_t train_check_model(const fsdpc_plan_t *p, const char *ckpt) {
   cJSON *model = NULL;
   FSDPC_TRY(saved_model(ckpt, &model));
+  /* a record of this family (its model_type, or none: read as Llama's, as model.config reads
+   * a config) is judged; another model's (a model_type of its own) is not this comparison's */
+  const cJSON *type = cJSON_GetObjectItemCaseSensitive(model, "model_type");
+  llama_arch_t arch;
+  bool named = cJSON_IsString(type) && type->valuestring[0] != 0;
+  bool ours = type == NULL || (named && llama_arch_from_name(type->valuestring, &arch));
   char *mtext = model ? cJSON_PrintUnformatted(model) : NULL;
   cJSON_Delete(model);
   if (mtext == NULL) return STATUS_OK; /* no record: the shapes are checked as it loads */
+  if (type != NULL && !named) {
+    free(mtext);
+    return err_set(STATUS_EFORMAT,
+                   "checkpoint.load: '%s' records a model whose model_type is no name (an "
+                   "empty string, or not a string): the checkpoint cannot be checked against "
+                   "the plan's model",
+                   ckpt);
+  }
   llama_config_t c = LLAMA_CONFIG_INIT;
   fsdpc_status_t st = llama_config_from_hf_text(mtext, ckpt, &c);
   free(mtext);
+  if (st != STATUS_OK && ours)
+    return err_prefix(st, "checkpoint.load: '%s' records a model that is not valid", ckpt);
   if (st != STATUS_OK) {
     err_clear(); /* another model's record: not this comparison's to judge */
     return STATUS_OK;

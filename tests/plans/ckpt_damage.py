@@ -155,6 +155,11 @@ def ckpt_damage():
          lambda d: (strip_records(d), edit_file(m0(d), extra_tensor)),
          r"'model\.layers\.9\.mlp\.up_proj(\.weight)?'", ("resume-1", "resume-3", "verify",
                                                             "export-hf", "reshard")),
+        ("no records, the recorded model not valid (0 heads)",
+         lambda d: (strip_records(d), edit_state(
+             d, lambda st: st["saved_under"]["model"].__setitem__("num_attention_heads", 0))),
+         r"num_attention_heads must be a size from 1 to 65536, got 0",
+         ("resume-1", "resume-3", "verify", "export-hf", "reshard")),
         ("train_state.json: the step changed",
          lambda d: edit_state(d, lambda st: st.__setitem__("step", 3)),
          r"train_state\.json does not match its checksum", ALL),

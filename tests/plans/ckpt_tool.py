@@ -548,6 +548,14 @@ def ckpt_tool():
                 "rope_scaling": {"rope_type": "linear", "factor": 2},
                 "rope_parameters": {"rope_type": "linear", "factor": 4}}),
              r"'rope_scaling' and 'rope_parameters' give different factor \(2 and 4\)"),
+            # model_type: none is a Llama's (checked as one), one that names nothing refused
+            ("an empty model_type", variant("type-empty", {"model_type": ""}),
+             r"model_type must name the model \(a string such as \"llama\"\), not an empty "
+             r"string"),
+            ("no model_type and 7 layers", variant("type-none", raw=json.dumps(
+                {k: v for k, v in dict(cfg, num_hidden_layers=7).items() if k != "model_type"})),
+             r"no tensor 'model\.layers\.2\.input_layernorm\.weight', which config\.json's "
+             r"model has"),
             ("num_hidden_layers 1e400", variant("layers-inf", raw=json.dumps(
                 dict(cfg, num_hidden_layers=1)).replace('"num_hidden_layers": 1',
                                                         '"num_hidden_layers": 1e400')),
