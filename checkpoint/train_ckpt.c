@@ -230,12 +230,13 @@ static fsdpc_status_t load_state(const char *dir, char *path, size_t size, cJSON
   FSDPC_TRY(file_join(path, size, dir, "train_state.json"));
   char *text;
   FSDPC_TRY(file_read_text(path, FILE_TEXT_MAX, &text));
-  *out = cJSON_Parse(text);
+  *out = cJSON_ParseWithOpts(text, NULL, true); /* nothing but spaces after the object */
   free(text);
   if (cJSON_IsObject(*out)) return STATUS_OK;
   cJSON_Delete(*out);
   *out = NULL;
-  return err_set(STATUS_EFORMAT, "%s: not a JSON object", path);
+  return err_set(STATUS_EFORMAT, "%s: not a JSON object (alone: nothing after it but spaces)",
+                 path);
 }
 
 static fsdpc_status_t state_steps(const char *path, const cJSON *o, int64_t *step,
