@@ -176,7 +176,12 @@ static fsdpc_status_t check_tiling(const dcp_reader_t *r, const dcp_tensor_t *t,
     huge |= __builtin_add_overflow(sum, v, &sum);
   }
   char a[96];
-  if (huge || sum != total)
+  if (huge)
+    return err_set(STATUS_EFORMAT,
+                   "checkpoint %s: tensor '%s' of shape %s: its elements, or its chunks', "
+                   "number more than 2^64",
+                   r->dir, t->name, tensor_shape_str(nd, t->shape, a, sizeof a));
+  if (sum != total)
     return err_set(STATUS_EFORMAT,
                    "checkpoint %s: the chunks of tensor '%s' hold %llu elements, its shape %s has "
                    "%llu: a chunk is missing, repeated or misplaced",
