@@ -139,6 +139,33 @@ fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *co
   return STATUS_OK;
 }
 
+typedef struct foreign {
+  const char *root;
+  int64_t after, upto;
+  char *name;
+  size_t size;
+} foreign_t;
+
+static fsdpc_status_t find_foreign(void *ctx, const char *name, int64_t s, ckpt_step_kind_t kind) {
+  foreign_t *w = ctx;
+  if (kind != CKPT_STEP_TMP || s <= w->after || s > w->upto || w->name[0]) return STATUS_OK;
+  char path[PATH_LEN];
+  struct stat sb;
+  FSDPC_TRY(file_join(path, sizeof path, w->root, name));
+  if (lstat(path, &sb) == 0 && !S_ISLNK(sb.st_mode) && !file_is_stale_temp_dir(path))
+    snprintf(w->name, w->size, "%s", name);
+  return STATUS_OK;
+}
+
+fsdpc_status_t ckpt_foreign_tmp(const char *root, int64_t after, int64_t upto, char *name,
+                                size_t size) {
+  ARG_NONNULL(root);
+  ARG_NONNULL(name);
+  if (size > 0) name[0] = 0;
+  foreign_t w = {root, after, upto, name, size};
+  return size > 0 ? ckpt_scan_steps(root, find_foreign, &w) : STATUS_OK;
+}
+
 /* Removes root's entry `name`, renamed NAME.removing first (see below). */
 static fsdpc_status_t remove_entry(const char *root, const char *name) {
   char path[PATH_LEN], gone[PATH_LEN + 16];

@@ -174,6 +174,12 @@ bool ckpt_step_name(const char *name, int64_t *step, bool *tmp);
 fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *count,
                           int64_t *newest);
 
+/* The first step-NNNNNNNN.tmp under root with a step in (after, upto] that is no save's (it
+ * lacks the mark a save gives its folder, file_is_stale_temp_dir; a link aside): a save of that
+ * step would be refused. Its name into name ("" when none). Local. */
+fsdpc_status_t ckpt_foreign_tmp(const char *root, int64_t after, int64_t upto, char *name,
+                                size_t size);
+
 /* Removes the unfinished saves under root (step-NNNNNNNN.tmp, left by a job that died while
  * saving: marked as a save's, FILE_TEMP_MARK) and the folders a removal left half done
  * (step-NNNNNNNN.removing); *removed (may be NULL) receives how many. A step-NNNNNNNN.tmp

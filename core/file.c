@@ -281,7 +281,9 @@ static fsdpc_status_t mark_and_hold(const char *tmp) {
    * while this one writes */
   int fd = open(unnamed, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   int e = errno;
-  if (fd >= 0 && (flock(fd, LOCK_EX | LOCK_NB) != 0 || rename(unnamed, mark) != 0)) {
+  /* a file system without locks (ENOLCK): marked unlocked, as checkpoint.dir's lock goes on */
+  if (fd >= 0 &&
+      ((flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) || rename(unnamed, mark) != 0)) {
     e = errno;
     close(fd);
     fd = -1;
@@ -337,19 +339,24 @@ fsdpc_status_t file_commit_temp_dir(const char *tmp, const char *path) {
   /* an empty folder path names keeps its permissions: the export replaces it */
   struct stat sb;
   if (lstat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) chmod(tmp, sb.st_mode & 07777);
-  char mark[DIRS_PATH_MAX + 64];
-  snprintf(mark, sizeof mark, "%s/%s", tmp, FILE_TEMP_MARK);
-  unlink(mark);
-  int fd = held_take(tmp);
+  /* renamed marked and locked, the mark removed after: a kill at any point leaves either the
+   * marked temporary (a dead writer's, removed by the next) or the output, never a temporary
+   * without its mark (which would be taken for a user's) */
   fsdpc_status_t st = STATUS_OK;
-  if (rename(tmp, path) != 0)
+  if (rename(tmp, path) != 0) {
     st = errno == ENOTEMPTY || errno == EEXIST
              ? err_set(STATUS_EIO,
                        "'%s' was filled while this command wrote it (another command writing the "
                        "same output?): left as it is, this command's output not kept",
                        path)
              : err_set(STATUS_EIO, "rename %s -> %s: %s", tmp, path, strerror(errno));
-  if (fd >= 0) close(fd); /* after the rename: the unmarked folder was never unlocked */
+    return st; /* tmp left, marked and held (file_discard_temp_dir removes it) */
+  }
+  char mark[DIRS_PATH_MAX + 64];
+  snprintf(mark, sizeof mark, "%s/%s", path, FILE_TEMP_MARK);
+  unlink(mark);
+  int fd = held_take(tmp);
+  if (fd >= 0) close(fd);
   return st;
 }
 
@@ -522,6 +529,34 @@ static bool lies_in(const char *path, const struct stat *sb) {
  * died: a file no process holds locked, or a folder holding FILE_TEMP_MARK (a file) no
  * process holds locked; never a link, a folder without the mark, or what a path of keep names
  * or lies in. */
+/* A folder a writer killed between creating it and naming its mark left: it holds nothing,
+ * or nothing but the mark not yet named (FILE_TEMP_MARK ".new"), which no process holds. */
+static bool unmarked_leftover(int dfd, const char *name) {
+  int d = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  DIR *dir = d >= 0 ? fdopendir(d) : NULL;
+  if (dir == NULL) {
+    if (d >= 0) close(d);
+    return false;
+  }
+  bool only = true, unnamed = false;
+  for (struct dirent *e; only && (e = readdir(dir)) != NULL;) {
+    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+    unnamed = strcmp(e->d_name, FILE_TEMP_MARK ".new") == 0;
+    only = unnamed;
+  }
+  bool dead = only;
+  if (only && unnamed) {
+    int fd =
+        openat(dirfd(dir), FILE_TEMP_MARK ".new", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    struct stat mb;
+    dead = fd >= 0 && fstat(fd, &mb) == 0 && S_ISREG(mb.st_mode) &&
+           (flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK);
+    if (fd >= 0) close(fd);
+  }
+  closedir(dir);
+  return dead;
+}
+
 static bool stale_temp(int dfd, const char *name, const char *const *keep) {
   struct stat sb, mb;
   if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0) return false;
@@ -537,12 +572,15 @@ static bool stale_temp(int dfd, const char *name, const char *const *keep) {
     if (d >= 0) fd = openat(d, FILE_TEMP_MARK, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (d >= 0) close(d);
   }
+  if (fd < 0 && S_ISDIR(sb.st_mode)) return unmarked_leftover(dfd, name);
   if (fd < 0) return false;
   if (fstat(fd, &mb) != 0 || !S_ISREG(mb.st_mode)) { /* a mark is a file, never a folder */
     close(fd);
     return false;
   }
-  bool dead = flock(fd, LOCK_EX | LOCK_NB) == 0;
+  /* held by no process (a file system without locks, ENOLCK, cannot tell: the writer is taken
+   * for dead, as a second job there goes undetected) */
+  bool dead = flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK;
   close(fd);
   return dead;
 }

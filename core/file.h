@@ -89,13 +89,14 @@ fsdpc_status_t file_make_temp_dir(const char *path, char *tmp, size_t size);
 fsdpc_status_t file_claim_temp_dir(const char *tmp);
 
 /* Whether path is a folder of file_make_temp_dir's (or file_claim_temp_dir's) that its writer
- * left when it died: it holds FILE_TEMP_MARK, a file no process holds locked. A link, a folder
- * without the mark and one still being written are not. */
+ * left when it died: it holds FILE_TEMP_MARK, a file no process holds locked, or nothing but
+ * that mark not yet named (a writer killed as it made the folder). A link, a folder holding
+ * anything else without the mark, and one still being written are not. */
 bool file_is_stale_temp_dir(const char *path);
 
-/* Renames folder tmp of file_make_temp_dir's (or file_claim_temp_dir's) to path, its mark removed
- * (an empty folder path names gives it its permissions), and releases its lock. tmp is left on
- * failure. */
+/* Renames folder tmp of file_make_temp_dir's (or file_claim_temp_dir's) to path (an empty
+ * folder path names gives it its permissions), then removes its mark and releases its lock. tmp
+ * is left on failure, marked and held (file_discard_temp_dir removes it). */
 fsdpc_status_t file_commit_temp_dir(const char *tmp, const char *path);
 
 /* Removes folder tmp of file_make_temp_dir's (file_remove_tree) and releases its lock. */
@@ -108,9 +109,10 @@ fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE *
 /* Removes what file_make_temp_dir and file_create_temp left beside path when the process
  * writing path died before its rename: entries named PATH.tmp-XXXXXX that are files no
  * process holds locked (and not changed in the last 10 s), or folders holding FILE_TEMP_MARK that
- * no process holds locked. A link, a folder without the mark (not this library's, or a mark that is
- * no file), a temporary being written and one that a path of keep names or lies in (a
- * NULL-terminated list, or NULL: a command's inputs) are left. Returns how many went. */
+ * no process holds locked (file_is_stale_temp_dir). A link, a folder without the mark (not this
+ * library's, or a mark that is no file), a temporary being written and one that a path of keep
+ * names or lies in (a NULL-terminated list, or NULL: a command's inputs) are left. Returns how many
+ * went. */
 int file_remove_stale_temps(const char *path, const char *const *keep);
 
 /* Whether paths a and b name the same file: the same file when both exist, else the same name

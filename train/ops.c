@@ -527,6 +527,15 @@ fsdpc_status_t train_check_step_folders(const fsdpc_plan_t *p, int64_t start) {
                    complete ? "Resume the newest with checkpoint.load: auto"
                             : "Remove the folders that are no checkpoint");
   }
+  char tmp[256] = "";
+  if (st == STATUS_OK && world_rank() == 0 && p->ckpt_dir[0])
+    st = ckpt_foreign_tmp(p->ckpt_dir, start, p->steps, tmp, sizeof tmp);
+  if (st == STATUS_OK && tmp[0])
+    st = err_set(STATUS_EINVAL,
+                 "%s: checkpoint.dir '%s' holds %s, which is no save's (it lacks the "
+                 "%s mark a save gives its folder): a save of that step would be refused. "
+                 "Remove or rename it, or give this run another checkpoint.dir",
+                 p->ckpt_where.text, p->ckpt_dir, tmp, FILE_TEMP_MARK);
   return pg_agree(world_pg(), st);
 }
 

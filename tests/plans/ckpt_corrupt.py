@@ -92,8 +92,9 @@ def ckpt_corrupt():
           "checkpoint.load=%s)" % (older, older) in p.stderr and "step 5" not in p.stdout,
           "checkpoint.load: auto of a damaged newest checkpoint names the one before it (%s)"
           % p.stderr.strip()[-300:])
-    # a shard header with 100,000 extra tensors: parsed in O(n log n), the load goes on (the
-    # folder's integrity records removed, as another tool would write it: read unchecked)
+    # a shard header with 100,000 extra tensors: parsed in O(n log n), and the first of them,
+    # no parameter's, named at once (the folder's integrity records removed, as another tool
+    # would write it)
     many = os.path.join(tmp, "many-tensors")
     shutil.copytree(good, many)
     strip_records(many)
@@ -111,9 +112,10 @@ def ckpt_corrupt():
         f.write(struct.pack("<Q", len(text)) + text + data + b"\0" * 400000)
     p, secs = run(2, [cfg, "--set", "train.steps=3", "--set", "checkpoint.load=" + many],
                   timeout=120)
-    check(p.returncode == 0 and secs < 60 and "has no checksums (written by another tool)" in p.stdout,
-          "a shard of 100,000 tensors loads in %.1f s, unchecked and said so (exit %d)"
-          % (secs, p.returncode))
+    check(p.returncode != 0 and secs < 60 and "tensor 'extra.000000' is no parameter of the "
+          "model" in p.stderr,
+          "a shard of 100,000 tensors no parameter names is read and refused in %.1f s, naming "
+          "the first (exit %d)" % (secs, p.returncode))
     # a non-finite step stops the run before the optimizer applies it: the checkpoints on disk
     # stay finite (keep: 1 never prunes the last finite one for a broken one) and resume
     nf = os.path.join(tmp, "nonfinite")
@@ -143,6 +145,10 @@ def ckpt_corrupt():
     os.makedirs(os.path.join(ck, "step-00000009"))
     os.makedirs(os.path.join(ck, "step-00000011.tmp"))
     open(os.path.join(ck, "step-00000011.tmp", ".fsdpc-partial"), "w").close()
+    # killed as it made the folder: empty, or holding only the mark not yet named
+    os.makedirs(os.path.join(ck, "step-00000012.tmp"))
+    os.makedirs(os.path.join(ck, "step-00000014.tmp"))
+    open(os.path.join(ck, "step-00000014.tmp", ".fsdpc-partial.new"), "w").close()
     users = os.path.join(ck, "step-00000007.tmp")
     os.makedirs(users)
     with open(os.path.join(users, "notes.txt"), "w") as f:
@@ -152,9 +158,11 @@ def ckpt_corrupt():
     check(p.returncode == 0 and "resumed from %s" % good in p.stdout and
           re.search(r"checkpoint\.load=auto: skipped the newer \S+step-00000009 \(no "
                     r"train_state\.json", p.stderr) is not None and
-          re.search(r"removed 1 unfinished save or removal \(step-\*\.tmp, step-\*\.removing\)",
-                    p.stderr) is not None and
+          re.search(r"removed 3 unfinished saves or removals \(step-\*\.tmp, "
+                    r"step-\*\.removing\)", p.stderr) is not None and
           not os.path.exists(os.path.join(ck, "step-00000011.tmp")) and
+          not os.path.exists(os.path.join(ck, "step-00000012.tmp")) and
+          not os.path.exists(os.path.join(ck, "step-00000014.tmp")) and
           re.search(r"1 unfinished folder \(step-\*\.tmp, step-\*\.removing\) stays .*"
                     r"step-00000007\.tmp holds no \.fsdpc-partial mark", p.stderr) is not None and
           open(os.path.join(users, "notes.txt")).read() == "mine\n",

@@ -810,7 +810,16 @@ def operations():
     strip_records(scaled)
     edit_state(scaled, lambda st: st["saved_under"]["model"].update(
         rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    foreign = os.path.join(tmp, "ck-foreign")  # a user's folder named as a save's temporary
+    os.makedirs(os.path.join(foreign, "step-00000007.tmp"))
+    with open(os.path.join(foreign, "step-00000007.tmp", "notes.txt"), "w") as f:
+        f.write("mine\n")
     cases = [
+        ("a step-N.tmp that is no save's, in the run's steps",
+         ["--set", "checkpoint.dir=" + foreign],
+         r"checkpoint\.dir '\S+ck-foreign' holds step-00000007\.tmp, which is no save's \(it "
+         r"lacks the \.fsdpc-partial mark a save gives its folder\): a save of that step would "
+         r"be refused"),
         ("a rerun into a folder of newer checkpoints",
          ["--set", "checkpoint.dir=" + ck],
          r"checkpoint\.dir '\S+' holds 10 step folders after step 0, where this run starts "
@@ -858,6 +867,8 @@ def operations():
                   (name, " (--dry-run)" if dry else "", want[:60]))
             if not said:
                 print(p.stderr[-800:])
+    check(open(os.path.join(foreign, "step-00000007.tmp", "notes.txt")).read() == "mine\n",
+          "the step-N.tmp that is no save's is left as it was")
     # checkpoint.overwrite: the rollback runs; the newer folders go once its first save commits
     p, _ = run(2, [cfg, "--set", "mesh.dp_shard=2", "--set", "train.steps=20", "--set",
                    "checkpoint.dir=" + ck, "--set", "checkpoint.interval=2", "--set",
