@@ -723,6 +723,46 @@ static bool folder_empty(const char *path) {
   return n == 0;
 }
 
+/* Whether folder path is a mount point: another file system's root, or a bind mount of a
+ * folder of the same one (listed in /proc/self/mountinfo, whose fifth field is the mount
+ * point, spaces and the like written as octal escapes). */
+static bool mount_point(const char *path, const struct stat *sb) {
+  char parent[DIRS_PATH_MAX];
+  struct stat pb;
+  file_parent_of(path, parent, sizeof parent);
+  if (stat(parent, &pb) == 0 && pb.st_dev != sb->st_dev) return true;
+  char *real = realpath(path, NULL);
+  FILE *f = real ? fopen("/proc/self/mountinfo", "r") : NULL;
+  bool found = false;
+  char *line = NULL;
+  size_t cap = 0;
+  while (f != NULL && !found && getline(&line, &cap, f) > 0) {
+    char *at = line;
+    for (int k = 0; k < 4 && at != NULL; k++) { /* past the first four fields */
+      at = strchr(at, ' ');
+      if (at != NULL) at++;
+    }
+    if (at == NULL) continue;
+    char point[DIRS_PATH_MAX];
+    size_t n = 0;
+    for (; *at && *at != ' ' && n + 1 < sizeof point; at++) {
+      if (at[0] == '\\' && at[1] >= '0' && at[1] <= '3' && at[2] >= '0' && at[2] <= '7' &&
+          at[3] >= '0' && at[3] <= '7') {
+        point[n++] = (char)((at[1] - '0') * 64 + (at[2] - '0') * 8 + (at[3] - '0'));
+        at += 3;
+      } else {
+        point[n++] = *at;
+      }
+    }
+    point[n] = 0;
+    found = strcmp(point, real) == 0 && strcmp(real, "/") != 0;
+  }
+  free(line);
+  if (f != NULL) fclose(f);
+  free(real);
+  return found;
+}
+
 fsdpc_status_t file_check_output_dir(const char *path, const char *what, bool empty_ok) {
   ARG_NONNULL(path);
   what = what ? what : "output";
@@ -744,10 +784,18 @@ fsdpc_status_t file_check_output_dir(const char *path, const char *what, bool em
   }
   char parent[DIRS_PATH_MAX];
   file_parent_of(path, parent, sizeof parent);
-  struct stat pb;
   /* the output is built beside path and renamed onto it: a mount point cannot be renamed
-   * onto (EBUSY), which would only show once all of it was written */
-  if (exists && stat(parent, &pb) == 0 && pb.st_dev != sb.st_dev)
+   * onto (EBUSY), nor can "." or "..", which would only show once all of it was written */
+  size_t len = strlen(path);
+  while (len > 1 && path[len - 1] == '/') len--;
+  const char *base = path + len;
+  while (base > path && base[-1] != '/') base--;
+  if ((len - (size_t)(base - path) == 1 && base[0] == '.') ||
+      (len - (size_t)(base - path) == 2 && base[0] == '.' && base[1] == '.'))
+    return dirs_error(what, path,
+                      "ends in '.' or '..': name the folder by its own name (the output is built "
+                      "beside it and renamed into its place)");
+  if (exists && mount_point(path, &sb))
     return dirs_error(what, path,
                       "is a mount point: the output is built beside it and renamed into its "
                       "place, which a mount point does not allow; name a new folder inside it");

@@ -58,15 +58,21 @@ static bool take(int fd) {
   return false;
 }
 
-/* The file now at path opened and locked while this run replaces it (another job's check then
- * finds one of the two locked, whichever it opens): its descriptor, -1 when there is none to
- * hold, -2 (errno EWOULDBLOCK) when another job holds it. The file locked is the one that has
- * the name once locked: another job may rename its own over it between the open and the lock,
- * then let it go. */
+/* The file now at path (made empty when there is none) opened and locked while this run
+ * replaces it (another job's check then finds one of the two locked, whichever it opens): its
+ * descriptor, -1 when it cannot be held, -2 (errno EWOULDBLOCK) when another job holds it. The file
+ * locked is the one that has the name once locked: another job may rename its own over it between
+ * the open and the lock, then let it go. */
 static int hold_current(const char *path) {
   for (int tries = 0; tries < 100; tries++) {
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0) fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* none yet: made empty, exclusively, and held like any (two jobs starting together would
+     * each rename a file of their own onto the name, one writing to a file that lost it) */
+    if (fd < 0 && errno == ENOENT) {
+      fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      if (fd < 0 && errno == EEXIST) continue; /* made meanwhile: held by its maker */
+    }
     if (fd < 0) return -1;
     if (!take(fd)) {
       close(fd);

@@ -315,8 +315,25 @@ def ckpt_tool():
                   % p.stderr.strip()[-200:])
         finally:
             sh(["umount", mnt], timeout=30)
+        # a bind mount of a folder of the same file system too
+        bind_src = os.path.join(tmp, "bind-source")
+        os.mkdir(bind_src)
+        if sh(["mount", "--bind", bind_src, mnt], timeout=30).returncode == 0:
+            try:
+                p = tool_run("export-hf", step, mnt)
+                check(p.returncode != 0 and "is a mount point" in p.stderr and
+                      not glob.glob(mnt + ".tmp*"),
+                      "export-hf into a bind mount: refused before writing (%s)"
+                      % p.stderr.strip()[-200:])
+            finally:
+                sh(["umount", mnt], timeout=30)
     else:
         print("skip  export-hf into a mount point: this machine does not let the test mount one")
+    os.makedirs(os.path.join(tmp, "dot-out"))
+    p = tool_run("export-hf", step, os.path.join(tmp, "dot-out", "."))
+    check(p.returncode != 0 and "ends in '.' or '..': name the folder by its own name" in
+          p.stderr and not os.listdir(os.path.join(tmp, "dot-out")),
+          "export-hf into 'DIR/.': refused before writing (%s)" % p.stderr.strip()[-200:])
     before = sorted(os.listdir(step)), sorted(os.listdir(os.path.join(step, "model")))
     src_hf = os.path.join(tmp, "hf-f32")
     for op, args in (("export-hf", [step, os.path.join(step, "model", "shard-x.safetensors")]),
