@@ -186,7 +186,11 @@ static fsdpc_status_t inspect_run(const char *dir, bool *listed) {
     for (int i = 0; why && i < l.n; i++) {
       char path[PATH_LEN];
       if (file_join(path, sizeof path, dir, l.v[i].name) != STATUS_OK) continue;
-      if (l.v[i].kind == CKPT_STEP_TMP && !file_is_stale_temp_dir(path)) /* not the next start's */
+      struct stat sb;
+      if (l.v[i].kind == CKPT_STEP_TMP && lstat(path, &sb) == 0 && S_ISLNK(sb.st_mode))
+        snprintf(why[i], sizeof why[i],
+                 "a link: removed itself at the next start (what it points to is kept)");
+      else if (l.v[i].kind == CKPT_STEP_TMP && !file_is_stale_temp_dir(path)) /* left */
         snprintf(why[i], sizeof why[i], "no save's, or one still being written: left as it is");
       if (l.v[i].kind != CKPT_STEP_COMPLETE) continue;
       if (ckpt_check_state(path) != STATUS_OK) snprintf(why[i], sizeof why[i], "%s", err_detail());

@@ -296,7 +296,9 @@ fsdpc_status_t train_check_metrics_branch(const fsdpc_plan_t *p, const char *met
   if (metrics == NULL || !metrics[0] || resumed == NULL || !resumed[0] || start >= p->steps)
     return STATUS_OK;
   char parent[PLAN_PATH_MAX + 8];
-  file_parent_of(resumed, parent, sizeof parent);
+  char *real = realpath(resumed, NULL); /* a link to one of its own: the folder it lies in */
+  file_parent_of(real ? real : resumed, parent, sizeof parent);
+  free(real);
   /* (no checkpoint.dir: a branch that saves nowhere) */
   char *dir = p->ckpt_dir[0] ? realpath(p->ckpt_dir, NULL) : NULL, *at = realpath(parent, NULL);
   bool own = dir != NULL && at != NULL && strcmp(dir, at) == 0;

@@ -144,9 +144,14 @@ static fsdpc_status_t lock_write(int fd, const char *plan_path) {
   cJSON_Delete(o);
   if (text == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   size_t n = strlen(text);
-  bool ok = ftruncate(fd, 0) == 0 && pwrite(fd, text, n, 0) == (ssize_t)n && fsync(fd) == 0;
+  errno = 0;
+  ssize_t w = ftruncate(fd, 0) == 0 ? pwrite(fd, text, n, 0) : -1;
+  bool ok = w == (ssize_t)n && fsync(fd) == 0;
   free(text);
-  return ok ? STATUS_OK : err_set(STATUS_EIO, "cannot write the lock record: %s", strerror(errno));
+  if (ok) return STATUS_OK;
+  return err_set(STATUS_EIO, "cannot write the lock record: %s",
+                 w >= 0 && w < (ssize_t)n ? "written short (a full disk, or a file-size limit)"
+                                          : strerror(errno));
 }
 
 static char g_lock_path[PLAN_PATH_MAX + 32]; /* the lock this process holds */

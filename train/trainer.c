@@ -503,9 +503,9 @@ static fsdpc_status_t start(run_t *r) {
                           : STATUS_OK;
   if (stuck > 0)
     fprintf(stderr,
-            "%s: warning: checkpoint.dir '%s': %d unfinished folder%s (step-*.tmp, "
+            "%s: warning: checkpoint.dir '%s': %d unfinished entr%s (step-*.tmp, "
             "step-*.removing) stay%s (never read as a checkpoint): %s\n",
-            train_prog(), p->ckpt_dir, stuck, stuck == 1 ? "" : "s", stuck == 1 ? "s" : "", why);
+            train_prog(), p->ckpt_dir, stuck, stuck == 1 ? "y" : "ies", stuck == 1 ? "s" : "", why);
   if (removed > 0)
     fprintf(stderr,
             "%s: checkpoint.dir '%s': removed %d unfinished save%s or removal%s (step-*.tmp, "

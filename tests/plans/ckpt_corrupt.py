@@ -163,7 +163,7 @@ def ckpt_corrupt():
           not os.path.exists(os.path.join(ck, "step-00000011.tmp")) and
           not os.path.exists(os.path.join(ck, "step-00000012.tmp")) and
           not os.path.exists(os.path.join(ck, "step-00000014.tmp")) and
-          re.search(r"1 unfinished folder \(step-\*\.tmp, step-\*\.removing\) stays .*"
+          re.search(r"1 unfinished entry \(step-\*\.tmp, step-\*\.removing\) stays .*"
                     r"step-00000007\.tmp holds no \.fsdpc-partial mark", p.stderr) is not None and
           open(os.path.join(users, "notes.txt")).read() == "mine\n",
           "load: auto resumes the newest complete checkpoint and names the newer one it "

@@ -416,6 +416,8 @@ def messages():
     os.makedirs(os.path.join(ck, "step-00000004.tmp"))  # a dead save's (marked)
     open(os.path.join(ck, "step-00000004.tmp", ".fsdpc-partial"), "w").close()
     os.makedirs(os.path.join(ck, "step-00000005.tmp"))  # no save's (a user's folder)
+    open(os.path.join(ck, "step-00000005.tmp", "notes.txt"), "w").close()
+    os.symlink(tmp, os.path.join(ck, "step-00000007.tmp"))  # a link: removed itself
     hf = os.path.join(tmp, "hf")
     os.makedirs(hf)
     with open(os.path.join(hf, "config.json"), "w") as f:
@@ -480,8 +482,9 @@ def messages():
     check(p.returncode == 0 and re.search(
         r"ck: a run's checkpoint folder, 1 complete checkpoint:\n  step-00000002 +complete\n"
         r"  step-00000004\.tmp +a save that did not finish \(removed at the next start\)\n"
-        r"  step-00000005\.tmp +unfinished, no save's, or one still being written: left as it is",
-        p.stdout),
+        r"  step-00000005\.tmp +unfinished, no save's, or one still being written: left as it "
+        r"is\n  step-00000007\.tmp +unfinished, a link: removed itself at the next start \(what "
+        r"it points to is kept\)", p.stdout),
         "fsdp-ckpt inspect of a run's folder lists its checkpoints (%s)" % p.stdout.strip()[:200])
     # a copy of a checkpoint under another step's name: listed as every load refuses it
     shutil.copytree(os.path.join(ck, "step-00000002"), os.path.join(ck, "step-00000006"))
@@ -505,7 +508,7 @@ def messages():
                 ["reshard", ck, "--to", fsdp_yaml, ck + "-rs", "--world", "2"]):
         p = sh([TOOL] + cmd, timeout=60)
         check(p.returncode != 0 and re.search(
-            r"ck is a run's checkpoint folder \(3 step folders\): %s takes one checkpoint, such "
+            r"ck is a run's checkpoint folder \(4 step folders\): %s takes one checkpoint, such "
             r"as its newest complete one, \S+ck/step-00000002" % cmd[0], p.stderr) is not None,
               "fsdp-ckpt %s of a run's folder names its newest checkpoint (%s)"
               % (cmd[0], p.stderr.strip()[-200:]))

@@ -1269,7 +1269,7 @@ def operations():
         q = sh(more + ["--set", "train.steps=7"], timeout=120)
         check(p.returncode == 0 and "warning: checkpoint.keep: checkpoint: cannot remove all of "
               "%s/step-00000001.removing: Operation not permitted" % kp in p.stderr and
-              q.returncode == 0 and "1 unfinished folder (step-*.tmp, step-*.removing) stays" in q.stderr and
+              q.returncode == 0 and "1 unfinished entry (step-*.tmp, step-*.removing) stays" in q.stderr and
               saved(kp) == ["step-00000001.removing", "step-00000006", "step-00000007"],
               "checkpoint.keep warns of a folder it cannot remove, prunes the rest, and the "
               "next start goes on (%s; %s)" % (saved(kp), (p.stderr + q.stderr).strip()[-300:]))
