@@ -421,7 +421,7 @@ fsdpc_status_t st_read_box_as(st_file_t *f, const char *name, int as_ndim, const
                    tensor_shape_str(dst->ndim, dst->shape, b, sizeof b));
   int nd = t->ndim;
   for (int d = 0; d < nd; d++)
-    if (offset[d] < 0 || offset[d] + dst->shape[d] > t->shape[d])
+    if (offset[d] < 0 || offset[d] > t->shape[d] || dst->shape[d] > t->shape[d] - offset[d])
       return err_set(STATUS_ESHAPE,
                      "%s: box of %s at dimension %d is outside tensor '%s' of "
                      "shape %s",

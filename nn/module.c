@@ -110,6 +110,12 @@ fsdpc_status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child) {
   if (nn_module_child_named(parent, child->name) != NULL)
     return err_set(STATUS_EINVAL, "module '%s' already has a child '%s'", parent->name,
                    child->name);
+  for (const nn_module_t *up = parent; up != NULL; up = up->parent) /* a tree, not a cycle */
+    if (up == child)
+      return err_set(STATUS_EINVAL,
+                     "module '%s' cannot be a child of '%s', which is %s: a module tree has "
+                     "no cycles",
+                     child->name, parent->name, parent == child ? "itself" : "under it");
   ARRAY_GROW(parent->children, parent->n_children, parent->cap_children, 4, "module");
   parent->children[parent->n_children++] = child;
   child->parent = parent;
@@ -181,8 +187,15 @@ fsdpc_status_t nn_param_set_value(nn_param_t *p, dtensor_t *value) {
   return STATUS_OK;
 }
 
+static const nn_module_t *root_of(const nn_module_t *m);
+
 fsdpc_status_t nn_module_share_param(nn_module_t *m, nn_param_t *p) {
   if (m == NULL || p == NULL) return err_set(STATUS_EINVAL, "module: NULL argument");
+  if (m->fqn != NULL && p->fqn != NULL && root_of(m) != root_of(p->owner))
+    return err_set(STATUS_EINVAL,
+                   "nn_module_share_param: '%s' is a parameter of another model than module "
+                   "'%s''s: a module shares a parameter of its own tree",
+                   p->fqn, m->name);
   return attach_param(m, p);
 }
 
@@ -215,8 +228,27 @@ static fsdpc_status_t finalize(nn_module_t *m, const char *prefix) {
   return STATUS_OK;
 }
 
+static const nn_module_t *root_of(const nn_module_t *m) {
+  while (m->parent != NULL) m = m->parent;
+  return m;
+}
+
+/* Every parameter a module of root's tree shares is owned in that tree (another model's would
+ * outlive it, or be freed under it). */
+static fsdpc_status_t shared_within(const nn_module_t *m, const nn_module_t *root) {
+  for (int i = 0; i < m->n_params; i++)
+    if (m->params[i]->owner != m && root_of(m->params[i]->owner) != root)
+      return err_set(STATUS_EINVAL,
+                     "module '%s' shares parameter '%s' of a module outside its tree (another "
+                     "model's): nn_module_share_param takes a parameter of the same tree",
+                     m->name, m->params[i]->name);
+  for (int i = 0; i < m->n_children; i++) FSDPC_TRY(shared_within(m->children[i], root));
+  return STATUS_OK;
+}
+
 fsdpc_status_t nn_module_finalize(nn_module_t *root) {
   if (root == NULL) return err_set(STATUS_EINVAL, "module: NULL argument");
+  FSDPC_TRY(shared_within(root, root_of(root)));
   return finalize(root, "");
 }
 

@@ -120,10 +120,12 @@ fsdpc_status_t nn_module_add_child(nn_module_t *parent, nn_module_t *child);
 fsdpc_status_t nn_module_add_param(nn_module_t *m, const char *name, dtensor_t *value,
                                    bool requires_grad, nn_param_t **out);
 
-/* Makes an existing parameter (owned elsewhere in the same tree) usable by m. */
+/* Makes an existing parameter (owned elsewhere in the same tree) usable by m; one of another
+ * tree is refused here when both trees are finalised, else by nn_module_finalize. */
 fsdpc_status_t nn_module_share_param(nn_module_t *m, nn_param_t *p);
 
-/* Assigns the FQNs of every module and parameter under root. Call after building the tree. */
+/* Assigns the FQNs of every module and parameter under root. Call after building the tree.
+ * Refuses a tree in which a module shares a parameter of another tree. */
 fsdpc_status_t nn_module_finalize(nn_module_t *root);
 /* Whether m and everything under it has its FQN (finalised after the last module was added). */
 bool nn_module_finalized(const nn_module_t *m);

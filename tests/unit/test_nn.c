@@ -84,6 +84,25 @@ START_TEST(module_fqns_and_shared_parameters) {
   ck_assert_int_eq(nn_module_add_child(root, dup), STATUS_EINVAL);
   nn_module_free(dup);
   ck_assert_int_eq(nn_module_new("x.y", NULL, NULL, &dup), STATUS_EINVAL);
+  /* a tree, never a cycle: a module is no child of itself nor of one under it */
+  nn_module_t *c, *d;
+  ok(nn_module_new("c", NULL, NULL, &c));
+  ok(nn_module_new("d", NULL, NULL, &d));
+  ok(nn_module_add_child(c, d));
+  ck_assert_int_eq(nn_module_add_child(d, c), STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "no cycles") != NULL);
+  ck_assert_int_eq(nn_module_add_child(d, d), STATUS_EINVAL);
+  /* another tree's parameter is not shared: refused by the share (both finalised) or the
+   * finalise */
+  ok(nn_module_finalize(c));
+  ck_assert_int_eq(nn_module_share_param(d, ps[0]), STATUS_EINVAL);
+  nn_module_t *e;
+  ok(nn_module_new("e", NULL, NULL, &e));
+  ok(nn_module_share_param(e, ps[0]));
+  ck_assert_int_eq(nn_module_finalize(e), STATUS_EINVAL);
+  ck_assert(strstr(err_detail(), "outside its tree") != NULL);
+  nn_module_free(e);
+  nn_module_free(c);
   free(ps);
   nn_module_free(root);
   mesh_free(mesh);

@@ -3,6 +3,7 @@
  * files written by another implementation (the reference goldens), and malformed files, each
  * of which must be refused with an error naming the file and the problem.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +76,10 @@ START_TEST(round_trip_all_dtypes) {
   ck_assert(eq);
   int64_t far[3] = {2, 2, 1};
   ck_assert_int_eq(st_read_box(f, "a.f32", far, &box), STATUS_ESHAPE);
+  /* offsets whose sum with the box's size overflows: outside, not wrapped inside */
+  int64_t huge[3] = {INT64_MAX, 0, 0}, huge2[3] = {0, INT64_MAX - 1, 0};
+  ck_assert_int_eq(st_read_box(f, "a.f32", huge, &box), STATUS_ESHAPE);
+  ck_assert_int_eq(st_read_box(f, "a.f32", huge2, &box), STATUS_ESHAPE);
   ck_assert_int_eq(st_read(f, "nope", &box), STATUS_EFORMAT);
   ck_assert(strstr(err_detail(), "nope") != NULL);
   tensor_free(&box);
