@@ -78,6 +78,15 @@ fsdpc_status_t optim_new(nn_param_t *const *params, int n, const adamw_config_t 
                    dtype_name(cfg->state_dtype));
   if (cfg->n_groups < 0 || cfg->n_groups > ADAMW_MAX_GROUPS)
     return err_set(STATUS_EINVAL, "AdamW: at most %d parameter groups", ADAMW_MAX_GROUPS);
+  if (!isfinite(cfg->lr) || !isfinite(cfg->eps) || !isfinite(cfg->weight_decay))
+    return err_set(STATUS_EINVAL, "AdamW: lr, eps and weight_decay must be finite");
+  for (int g = 0; g < cfg->n_groups; g++) /* negative: the top-level value; NaN or inf: none */
+    if (!isfinite(cfg->groups[g].lr) || !isfinite(cfg->groups[g].weight_decay))
+      return err_set(STATUS_EINVAL,
+                     "AdamW: parameter group %d ('%s'): lr %g, weight_decay %g: each a finite "
+                     "value, or negative for the top-level one",
+                     g, cfg->groups[g].pattern ? cfg->groups[g].pattern : "(null)",
+                     cfg->groups[g].lr, cfg->groups[g].weight_decay);
   FSDPC_TRY(check_distinct(params, n));
   optim_t *o = calloc(1, sizeof *o);
   if (o == NULL || (o->slots = calloc((size_t)(n ? n : 1), sizeof(slot_t))) == NULL) {

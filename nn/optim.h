@@ -30,7 +30,8 @@ extern "C" {
 #define ADAMW_MAX_GROUPS 16
 
 /* Parameters whose FQN matches pattern (fnmatch glob; the first matching group wins) use
- * this group's lr and weight decay; a negative value means the default. */
+ * this group's lr and weight decay; a negative value means the default (NaN and infinities are
+ * refused). */
 typedef struct adamw_group {
   const char *pattern;
   double lr;

@@ -39,6 +39,16 @@ START_TEST(adamw_matches_formula_and_groups) {
   cfg.weight_decay = 0.5;
   cfg.groups[cfg.n_groups++] = (adamw_group_t){"*norm*", 0.01, 0.0};
   optim_t *o;
+  /* a group's NaN or infinite value is refused, not read as "the default" or taken */
+  adamw_config_t bad_cfg = cfg;
+  bad_cfg.groups[0].lr = NAN;
+  ck_assert_int_eq(optim_new(ps, 2, &bad_cfg, &o), STATUS_EINVAL);
+  bad_cfg.groups[0].lr = 0.01;
+  bad_cfg.groups[0].weight_decay = INFINITY;
+  ck_assert_int_eq(optim_new(ps, 2, &bad_cfg, &o), STATUS_EINVAL);
+  bad_cfg = cfg;
+  bad_cfg.lr = INFINITY;
+  ck_assert_int_eq(optim_new(ps, 2, &bad_cfg, &o), STATUS_EINVAL);
   ok(optim_new(ps, 2, &cfg, &o));
   double lr, wd;
   optim_param_hparams(o, 1, &lr, &wd);
