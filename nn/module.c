@@ -319,6 +319,12 @@ fsdpc_status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user)
   return STATUS_OK;
 }
 
+void nn_module_unwrap_forward(nn_module_t *m, const void *user) {
+  if (m == NULL || m->wrap == NULL || m->wrap_user != user) return;
+  m->wrap = NULL;
+  m->wrap_user = NULL;
+}
+
 fsdpc_status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out) {
   ARG_NONNULL(ctx);
   ARG_NONNULL(m);

@@ -260,6 +260,9 @@ typedef fsdpc_status_t (*nn_wrap_fn)(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in
 
 /* Installs m's forward wrapper (one per module; a second is refused). */
 fsdpc_status_t nn_module_wrap_forward(nn_module_t *m, nn_wrap_fn fn, void *user);
+/* Removes m's forward wrapper if it was installed with user (a setup that failed undoing what
+ * it installed). */
+void nn_module_unwrap_forward(nn_module_t *m, const void *user);
 
 /* Runs m's forward through its wrapper, if any (used by nn_call). */
 fsdpc_status_t nn_module_run_forward(nn_ctx_t *ctx, nn_module_t *m, nn_var_t *in, nn_var_t **out);

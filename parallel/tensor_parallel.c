@@ -669,6 +669,11 @@ fsdpc_status_t tensor_parallel(nn_module_t *root, mesh_t *mesh, const tp_rule_t 
   return STATUS_OK;
 cleanup:
   free(hits);
+  for (int i = 0; plan != NULL && plan->mods != NULL && i < plan->n; i++) {
+    /* the modules lose what this call installed: no forward runs through a freed plan */
+    nn_module_unwrap_forward(plan->mods[i].m, &plan->mods[i]);
+    nn_module_remove_hooks(plan->mods[i].m, &plan->mods[i]);
+  }
   tp_free(plan);
   return st;
 }

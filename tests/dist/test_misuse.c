@@ -586,11 +586,49 @@ START_TEST(tensor_parallel_of_one_rank_composes) {
 }
 END_TEST
 
+/* A tensor_parallel that fails on its second rule leaves the model without what it installed:
+ * a forward after it runs the plain modules (or fails naming why), never through the freed
+ * plan. */
+START_TEST(failed_tensor_parallel_leaves_no_wrapper) {
+  int W = world_size();
+  if (W < 2) return;
+  mesh_t *tpm = NULL;
+  ok(mesh_new(1, (int[]){W}, (const char *[]){"tp"}, DEVICE_CPU, &tpm));
+  nn_module_t *m = NULL;
+  ok(nn_sequential_new(NULL, "", &m));
+  ok(nn_linear_new(m, "fc1", 4, 6, true, NULL, NULL));
+  ok(nn_linear_new(m, "fc2", 6, W + 1, true, NULL, NULL)); /* W + 1 rows: colwise refused */
+  ok(nn_module_finalize(m));
+  ok(nn_module_reset_parameters(m, 5));
+  tp_rule_t rules[] = {{"fc1", TP_ROWWISE, 0, 0}, {"fc2", TP_COLWISE, 0, 0}};
+  tp_plan_t *tp = NULL;
+  ck_assert_int_ne(tensor_parallel(m, tpm, rules, 2, false, &tp), STATUS_OK);
+  ck_assert_ptr_null(tp);
+  ck_assert_int_eq(nn_module_num_hooks(nn_module_find(m, "fc1"), NN_HOOK_PRE_BACKWARD), 0);
+  fsdpc_tensor_t x;
+  ok(tensor_init(&x, DTYPE_F32, device_cpu(), 2, (int64_t[]){2, 4}));
+  ok(tensor_fill(&x, 1));
+  nn_ctx_t *ctx = NULL;
+  nn_var_t *in = NULL, *out = NULL;
+  ok(nn_ctx_new(&ctx));
+  ok(nn_var_new(&x, false, &in));
+  fsdpc_status_t st = nn_call(ctx, m, in, &out); /* fc1 Shard(0) on tp: a shape error, or runs */
+  ck_assert(st == STATUS_OK || err_detail()[0] != 0);
+  nn_var_put(out);
+  nn_var_put(in);
+  nn_ctx_free(ctx);
+  tensor_free(&x);
+  nn_module_free(m);
+  mesh_free(tpm);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("misuse");
   TCase *tc = tcase_create("misuse");
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, fully_shard_checks_its_options);
+  tcase_add_test(tc, failed_tensor_parallel_leaves_no_wrapper);
   tcase_add_test(tc, parameters_after_fully_shard_are_refused);
   tcase_add_test(tc, tensors_without_memory_and_narrow_bounds);
   tcase_add_test(tc, optimizer_and_checkpoint_pairing);
