@@ -601,8 +601,16 @@ static fsdp_group_t *const *backward_ahead(fsdp_group_t *g, fsdp_group_t **next,
   return g->bwd_explicit ? g->bwd_prefetch : next;
 }
 
+/* The group's parameters' write counts summed (nn_param_t.version). */
+static uint64_t versions(const fsdp_group_t *g) {
+  uint64_t v = 0;
+  for (int i = 0; i < g->n; i++) v += g->params[i].p->version;
+  return v;
+}
+
 static fsdpc_status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   if (nn_ctx_recomputing(ctx)) return fsdp_unshard(g); /* no orders, no prefetch */
+  if (nn_ctx_recording(ctx)) g->fwd_version = versions(g);
   fsdp_group_t *next;
   int n;
   FSDPC_TRY(fsdp_state_pre_forward(&g->root->state, g, &next));
@@ -611,6 +619,14 @@ static fsdpc_status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
 }
 
 static fsdpc_status_t pre_backward(fsdp_group_t *g) {
+  /* a parameter written since the forward (an optimizer step, a copy): the backward would
+   * gather the new values, not those the forward used (PyTorch refuses an in-place change) */
+  if (versions(g) != g->fwd_version)
+    return err_set(STATUS_EINVAL,
+                   "fully_shard: a parameter of unit '%s' was written (an optimizer step, a "
+                   "copy, a load) between the unit's forward and its backward: the backward "
+                   "would use values the forward did not; write parameters between steps",
+                   nn_module_fqn(g->module)[0] ? nn_module_fqn(g->module) : "(root)");
   if (g->is_root) fsdp_state_backward_begins(&g->state);
   fsdp_group_t *next;
   int n;

@@ -95,6 +95,7 @@ struct fsdp_group {
   fsdp_member_t *members; /* the group's own modules, then the other modules of its subtrees */
   int n_members;
   int in_forward; /* the group's own modules' forward calls in progress */
+  uint64_t fwd_version; /* its parameters' versions summed at the last recorded forward */
   mesh_t *mesh;
   mesh_t *param_mesh;      /* (dp..., tp) of tensor-parallel parameters, or NULL; owned */
   pg_t *shard, *replicate; /* replicate: NULL without HSDP */

@@ -575,7 +575,9 @@ fsdpc_status_t nn_param_accumulate_local_grad(nn_param_t *p, const fsdpc_tensor_
 
 fsdpc_status_t nn_param_written(nn_param_t *p) {
   ARG_NONNULL(p);
-  return p->guard != NULL && p->guard->written != NULL ? p->guard->written(p) : STATUS_OK;
+  FSDPC_TRY(p->guard != NULL && p->guard->written != NULL ? p->guard->written(p) : STATUS_OK);
+  p->version++;
+  return STATUS_OK;
 }
 
 fsdpc_status_t nn_param_copy_full(nn_param_t *p, const fsdpc_tensor_t *full) {

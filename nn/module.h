@@ -76,6 +76,9 @@ struct nn_param {
   bool grad_slot_used; /* an operation has asked for p's gradient memory: a slot would be used */
   bool requires_grad;
   bool external; /* compute and compute_grad are managed by hooks, not by the module tree */
+  /* writes so far (nn_param_written): a hook can tell that the value a call's forward used
+   * was replaced before its backward (fully_shard refuses that backward) */
+  uint64_t version;
   const nn_param_guard_t *guard; /* an external parameter's guard, or NULL */
   void *guard_state;             /* the guard's state for this parameter; not owned */
 };

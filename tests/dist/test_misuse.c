@@ -623,12 +623,47 @@ START_TEST(failed_tensor_parallel_leaves_no_wrapper) {
 }
 END_TEST
 
+/* A parameter written between its unit's forward and backward (the unit resharded after
+ * forward, so nothing held it): the backward would gather the new values, not those the
+ * forward used; refused there, naming the unit, on every rank. */
+START_TEST(written_between_forward_and_backward) {
+  mesh_t *mesh = world_mesh();
+  nn_module_t *m = mlp(false);
+  ok(nn_module_reset_parameters(m, 5));
+  fsdp_options_t fo = FSDP_OPTIONS_INIT;
+  fo.mesh = mesh;
+  ok(fully_shard(nn_module_find(m, "fc1"), &fo, NULL));
+  ok(fully_shard(nn_module_find(m, "fc2"), &fo, NULL));
+  ok(fully_shard(m, &fo, NULL));
+  nn_ctx_t *ctx = NULL;
+  ok(nn_ctx_new(&ctx));
+  nn_var_t *l = loss_of(ctx, m);
+  nn_param_t *w = nn_param_find(m, "fc1.weight");
+  fsdpc_tensor_t zeros;
+  ok(tensor_zeros(&zeros, DTYPE_F32, device_cpu(), 2, (int64_t[]){8, 4}));
+  ok(nn_param_copy_full(w, &zeros)); /* fc1 resharded after its forward: the write goes on */
+  refused(nn_backward(ctx, l), "was written (an optimizer step, a copy, a load) between");
+  nn_var_put(l);
+  nn_ctx_free(ctx);
+  /* a step of its own afterwards runs */
+  ok(nn_ctx_new(&ctx));
+  l = loss_of(ctx, m);
+  ok(nn_backward(ctx, l));
+  nn_var_put(l);
+  nn_ctx_free(ctx);
+  tensor_free(&zeros);
+  nn_module_free(m);
+  mesh_free(mesh);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("misuse");
   TCase *tc = tcase_create("misuse");
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, fully_shard_checks_its_options);
   tcase_add_test(tc, failed_tensor_parallel_leaves_no_wrapper);
+  tcase_add_test(tc, written_between_forward_and_backward);
   tcase_add_test(tc, parameters_after_fully_shard_are_refused);
   tcase_add_test(tc, tensors_without_memory_and_narrow_bounds);
   tcase_add_test(tc, optimizer_and_checkpoint_pairing);
