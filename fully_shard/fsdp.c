@@ -610,7 +610,9 @@ static uint64_t versions(const fsdp_group_t *g) {
 
 static fsdpc_status_t pre_forward(nn_ctx_t *ctx, fsdp_group_t *g) {
   if (nn_ctx_recomputing(ctx)) return fsdp_unshard(g); /* no orders, no prefetch */
-  if (nn_ctx_recording(ctx)) g->fwd_version = versions(g);
+  /* every forward but a recomputation (which runs in backward): a checkpointed call's first
+   * forward records no tape, yet its backward reads what it used */
+  g->fwd_version = versions(g);
   fsdp_group_t *next;
   int n;
   FSDPC_TRY(fsdp_state_pre_forward(&g->root->state, g, &next));

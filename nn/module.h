@@ -57,7 +57,8 @@ typedef struct nn_param_guard {
   /* p's shard is being written outside any call (an optimizer step, a copy, a load): an
    * unsharded copy kept since a backward (fully_shard's reshard_after_backward false) would be
    * stale and goes, the next call making it anew; refused while a step holds p's value (from
-   * its unit's forward to its backward). Local. */
+   * its unit's forward to its backward; one its unit's resharding let through is refused by
+   * that backward: nn_param_t.version). Local. */
   fsdpc_status_t (*written)(nn_param_t *p);
 } nn_param_guard_t;
 
