@@ -450,6 +450,12 @@ static fsdpc_status_t check_before_training(run_t *r) {
   const fsdpc_plan_t *p = &r->plan;
   const char *metrics = train_metrics_path(r);
   fsdpc_status_t st = STATUS_OK;
+  if (world_rank() == 0 && r->args.metrics != NULL && p->metrics[0] &&
+      !file_same_path(r->args.metrics, p->metrics))
+    fprintf(stderr,
+            "%s: note: --metrics '%s' is written; the plan's log.metrics '%s' is not (the "
+            "command line's wins)\n",
+            train_prog(), r->args.metrics, p->metrics);
   if (world_rank() == 0) /* rank 0 writes them */
     st = train_check_outputs(p, metrics, r->args.plot, r->data, r->eval, r->resumed_from,
                              r->args.dry_run);

@@ -1252,6 +1252,13 @@ def operations():
     check(p.returncode == 0 and len(open(snap).readlines()) == 3 and
           len(open(snap_m).readlines()) == 2,
           "a fresh run replaces its metrics file, leaving a hard link's lines as they were")
+    # --metrics and log.metrics both given: the command line's is written, with a note
+    pm, cm = os.path.join(tmp, "plan-named.jsonl"), os.path.join(tmp, "cli-named.jsonl")
+    p = sh(mine + ["--set", "train.steps=1", "--set", "log.metrics=" + pm, "--metrics", cm],
+           timeout=120)
+    check(p.returncode == 0 and "note: --metrics '%s' is written; the plan's log.metrics '%s' is "
+          "not" % (cm, pm) in p.stderr and os.path.exists(cm) and not os.path.exists(pm),
+          "--metrics wins over log.metrics, with a note (%s)" % p.stderr.strip()[-200:])
     # checkpoint.keep that cannot remove a folder (a file in it that may not go: chattr +i)
     # warns, naming the file's cause, prunes the others and goes on; the half-removed folder
     # it leaves is warned of, not refused, by the next start
