@@ -544,7 +544,15 @@ fsdpc_status_t world_check(void) {
 
 static double watchdog_s = WORLD_DEFAULT_TIMEOUT_S;
 
-void world_set_timeout(double seconds) { watchdog_s = seconds > 0 ? seconds : 0; }
+fsdpc_status_t world_set_timeout(double seconds) {
+  if (!(seconds >= 0))
+    return err_set(STATUS_EINVAL,
+                   "world_set_timeout: %g is no number of seconds (0 waits forever, the watchdog "
+                   "off)",
+                   seconds);
+  watchdog_s = seconds;
+  return STATUS_OK;
+}
 double world_timeout(void) { return watchdog_s; }
 
 fsdpc_status_t world_wait(MPI_Request *req, const char *what) {

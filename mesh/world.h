@@ -131,7 +131,8 @@ bool world_agree_report(fsdpc_status_t st, const char *prog);
  * every rank. It covers host waits for device work too (a stream behind an NCCL collective),
  * with the NCCL communicators aborted. */
 #define WORLD_DEFAULT_TIMEOUT_S 600.0
-void world_set_timeout(double seconds);
+/* Refuses a negative or NaN count (left as it was: read as 0 it would wait forever). */
+fsdpc_status_t world_set_timeout(double seconds);
 double world_timeout(void);
 
 /* Records err_detail() as the reason, sends it to every other rank and returns st with the

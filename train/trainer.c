@@ -777,7 +777,7 @@ static fsdpc_status_t set_up(run_t *r, int argc, char **argv) {
     st = err_set(STATUS_EINVAL,
                  "--plot draws the metrics file: give --metrics PATH or "
                  "log.metrics in the plan");
-  if (st == STATUS_OK) world_set_timeout(r->plan.comm_timeout_s);
+  if (st == STATUS_OK) st = world_set_timeout(r->plan.comm_timeout_s);
   if (st == STATUS_OK) st = dcp_set_block_bytes((uint64_t)r->plan.ckpt_block_bytes);
   /* checkpoint.dir made before training, by rank 0 first: it notes which folders it made */
   bool make = st == STATUS_OK && r->plan.ckpt_dir[0] && !r->args.dry_run;

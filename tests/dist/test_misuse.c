@@ -657,6 +657,16 @@ START_TEST(written_between_forward_and_backward) {
 }
 END_TEST
 
+/* A watchdog of a negative or NaN count is refused, the one in force kept (read as 0 it
+ * would have waited forever). */
+START_TEST(watchdog_refuses_nonsense) {
+  double before = world_timeout();
+  refused(world_set_timeout(-5), "no number of seconds");
+  refused(world_set_timeout(NAN), "no number of seconds");
+  ck_assert(world_timeout() == before);
+}
+END_TEST
+
 static Suite *make_suite(void) {
   Suite *s = suite_create("misuse");
   TCase *tc = tcase_create("misuse");
@@ -664,6 +674,7 @@ static Suite *make_suite(void) {
   tcase_add_test(tc, fully_shard_checks_its_options);
   tcase_add_test(tc, failed_tensor_parallel_leaves_no_wrapper);
   tcase_add_test(tc, written_between_forward_and_backward);
+  tcase_add_test(tc, watchdog_refuses_nonsense);
   tcase_add_test(tc, parameters_after_fully_shard_are_refused);
   tcase_add_test(tc, tensors_without_memory_and_narrow_bounds);
   tcase_add_test(tc, optimizer_and_checkpoint_pairing);
