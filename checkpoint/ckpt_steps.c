@@ -139,6 +139,16 @@ fsdpc_status_t ckpt_newer(const char *root, int64_t after, int64_t upto, int *co
   return STATUS_OK;
 }
 
+/* Whether root's step-N.tmp entry name (its path into path) is no save's: not a dead save's
+ * temporary (file_is_stale_temp_dir), a link aside (removed itself, as any link). */
+static fsdpc_status_t no_save(const char *root, const char *name, char *path, size_t size,
+                              bool *foreign) {
+  struct stat sb;
+  FSDPC_TRY(file_join(path, size, root, name));
+  *foreign = lstat(path, &sb) == 0 && !S_ISLNK(sb.st_mode) && !file_is_stale_temp_dir(path);
+  return STATUS_OK;
+}
+
 typedef struct foreign {
   const char *root;
   int64_t after, upto;
@@ -150,10 +160,9 @@ static fsdpc_status_t find_foreign(void *ctx, const char *name, int64_t s, ckpt_
   foreign_t *w = ctx;
   if (kind != CKPT_STEP_TMP || s <= w->after || s > w->upto || w->name[0]) return STATUS_OK;
   char path[PATH_LEN];
-  struct stat sb;
-  FSDPC_TRY(file_join(path, sizeof path, w->root, name));
-  if (lstat(path, &sb) == 0 && !S_ISLNK(sb.st_mode) && !file_is_stale_temp_dir(path))
-    snprintf(w->name, w->size, "%s", name);
+  bool foreign;
+  FSDPC_TRY(no_save(w->root, name, path, sizeof path, &foreign));
+  if (foreign) snprintf(w->name, w->size, "%s", name);
   return STATUS_OK;
 }
 
@@ -232,9 +241,9 @@ static fsdpc_status_t remove_step(void *ctx, const char *name, int64_t s, ckpt_s
   if (!take) return STATUS_OK;
   if (r->mode == REMOVE_TMP) { /* a save's (marked, its writer dead) or a link, never more */
     char path[PATH_LEN];
-    struct stat sb;
-    FSDPC_TRY(file_join(path, sizeof path, r->root, name));
-    if (lstat(path, &sb) == 0 && !S_ISLNK(sb.st_mode) && !file_is_stale_temp_dir(path)) {
+    bool foreign;
+    FSDPC_TRY(no_save(r->root, name, path, sizeof path, &foreign));
+    if (foreign) {
       if (r->left++ == 0)
         snprintf(r->left_why, sizeof r->left_why,
                  "%.300s holds no %s mark, so it is no save's (a save marks its folder): left "

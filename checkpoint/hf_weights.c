@@ -106,10 +106,6 @@ static fsdpc_status_t find_expert(st_file_t *const *files, int nf, const nn_para
   return STATUS_OK;
 }
 
-/* A stacked experts' parameter P.experts.N [E, a, b] from Hugging Face's per-expert tensors
- * P.experts.J.N.weight [a, b]: every expert's present with its shape (checked on every rank,
- * whichever experts its shard holds), then the experts of the local shard read, each the box
- * the shard covers. */
 /* A parameter's tensor is stored in a floating-point dtype (integers would be read as their
  * values: weights of another kind altogether). */
 static fsdpc_status_t float_stored(st_file_t *f, const st_info_t *t) {
@@ -120,6 +116,10 @@ static fsdpc_status_t float_stored(st_file_t *f, const st_info_t *t) {
                  st_path(f), t->name, t->dtype_name);
 }
 
+/* A stacked experts' parameter P.experts.N [E, a, b] from Hugging Face's per-expert tensors
+ * P.experts.J.N.weight [a, b]: every expert's present with its shape (checked on every rank,
+ * whichever experts its shard holds), then the experts of the local shard read, each the box
+ * the shard covers. */
 static fsdpc_status_t load_experts(st_file_t *const *files, int nf, const char *where,
                                    nn_param_t *p) {
   const int64_t *shape = dtensor_shape(p->value);

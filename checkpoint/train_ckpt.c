@@ -406,28 +406,6 @@ static fsdpc_status_t opened_training(const char *dir, opened_t *c, int64_t *s, 
   return st;
 }
 
-fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int n) {
-  ARG_NONNULL(dir);
-  if (n > 0) ARG_NONNULL(params);
-  opened_t c;
-  int64_t s = 0, os = 0;
-  FSDPC_TRY(opened_training(dir, &c, &s, &os));
-  fsdpc_status_t st = STATUS_OK;
-  for (int i = 0; i < n && st == STATUS_OK; i++) {
-    const dtensor_t *v = params[i]->value;
-    int nd = dtensor_ndim(v);
-    dtype_t dt = dtensor_local(v)->dtype;
-    st = dcp_reader_check_tensor(c.rm, params[i]->fqn, nd, dtensor_shape(v), dt, NULL);
-    for (int k = 0; k < 2 && st == STATUS_OK && c.ro != NULL; k++) {
-      char name[1024];
-      snprintf(name, sizeof name, "%s.%s", params[i]->fqn, k ? "exp_avg_sq" : "exp_avg");
-      st = dcp_reader_check_tensor(c.ro, name, nd, dtensor_shape(v), dt, NULL);
-    }
-  }
-  opened_close(&c);
-  return st;
-}
-
 static int by_name(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
@@ -465,22 +443,49 @@ static fsdpc_status_t all_named(dcp_reader_t *r, const char *path, const char **
   return STATUS_OK;
 }
 
-fsdpc_status_t ckpt_check_names(const char *dir, nn_param_t *const *params, int n) {
-  ARG_NONNULL(dir);
-  if (n > 0) ARG_NONNULL(params);
+/* Every tensor of the opened checkpoint c is one of the n parameters or one's moment. */
+static fsdpc_status_t names_known(const opened_t *c, nn_param_t *const *params, int n) {
   const char **names = malloc(sizeof *names * (size_t)(n > 0 ? n : 1));
   if (names == NULL) return err_set(STATUS_ENOMEM, "out of host memory");
   for (int i = 0; i < n; i++) names[i] = params[i]->fqn;
   qsort(names, (size_t)n, sizeof *names, by_name);
+  fsdpc_status_t st = all_named(c->rm, c->model, names, n, false);
+  if (st == STATUS_OK && c->ro != NULL) st = all_named(c->ro, c->optim, names, n, true);
+  free(names);
+  return st;
+}
+
+fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int n) {
+  ARG_NONNULL(dir);
+  if (n > 0) ARG_NONNULL(params);
   opened_t c;
   int64_t s = 0, os = 0;
-  fsdpc_status_t st = opened_training(dir, &c, &s, &os);
-  if (st == STATUS_OK) {
-    st = all_named(c.rm, c.model, names, n, false);
-    if (st == STATUS_OK && c.ro != NULL) st = all_named(c.ro, c.optim, names, n, true);
-    opened_close(&c);
+  FSDPC_TRY(opened_training(dir, &c, &s, &os));
+  fsdpc_status_t st = STATUS_OK;
+  for (int i = 0; i < n && st == STATUS_OK; i++) {
+    const dtensor_t *v = params[i]->value;
+    int nd = dtensor_ndim(v);
+    dtype_t dt = dtensor_local(v)->dtype;
+    st = dcp_reader_check_tensor(c.rm, params[i]->fqn, nd, dtensor_shape(v), dt, NULL);
+    for (int k = 0; k < 2 && st == STATUS_OK && c.ro != NULL; k++) {
+      char name[1024];
+      snprintf(name, sizeof name, "%s.%s", params[i]->fqn, k ? "exp_avg_sq" : "exp_avg");
+      st = dcp_reader_check_tensor(c.ro, name, nd, dtensor_shape(v), dt, NULL);
+    }
   }
-  free(names);
+  if (st == STATUS_OK) st = names_known(&c, params, n);
+  opened_close(&c);
+  return st;
+}
+
+fsdpc_status_t ckpt_check_names(const char *dir, nn_param_t *const *params, int n) {
+  ARG_NONNULL(dir);
+  if (n > 0) ARG_NONNULL(params);
+  opened_t c;
+  int64_t s = 0, os = 0;
+  FSDPC_TRY(opened_training(dir, &c, &s, &os));
+  fsdpc_status_t st = names_known(&c, params, n);
+  opened_close(&c);
   return st;
 }
 

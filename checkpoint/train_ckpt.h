@@ -98,13 +98,15 @@ fsdpc_status_t ckpt_check_state(const char *dir);
  * of the n parameters (their global shapes: a model built for deferred initialisation will
  * do) in model/ under its name, of its shape and a floating-point dtype, and where the state
  * records optimizer steps (or optim/ exists) both AdamW moments in optim/ likewise; the state
- * checked first (ckpt_check_state). Tensors no parameter names are left alone. Local. */
+ * checked first (ckpt_check_state), and no tensor that is neither (ckpt_check_names).
+ * Local. */
 fsdpc_status_t ckpt_check_params(const char *dir, nn_param_t *const *params, int n);
 
 /* The checkpoint holds nothing the model lacks: every tensor of model/ is one of the n
  * parameters (every one of the model's, whichever a rank holds) and every one of optim/ is
  * one's AdamW moment (PARAM.exp_avg, PARAM.exp_avg_sq); one that is not (another model's, a
- * writer's extra) is refused, named. Headers only. Local. */
+ * writer's extra) is refused, named; the state checked first (ckpt_check_state). Headers
+ * only. Local. */
 fsdpc_status_t ckpt_check_names(const char *dir, nn_param_t *const *params, int n);
 
 /* Adds (or replaces) the integrity record of a train state given as JSON text: model_id and

@@ -525,10 +525,18 @@ static bool lies_in(const char *path, const struct stat *sb) {
   return false;
 }
 
-/* Whether the entry name of folder dfd, a temporary one's name, was left by a writer that
- * died: a file no process holds locked, or a folder holding FILE_TEMP_MARK (a file) no
- * process holds locked; never a link, a folder without the mark, or what a path of keep names
- * or lies in. */
+/* Whether fd (closed here; -1: none) is a regular file no process holds locked: a dead
+ * writer's. A file system without locks (ENOLCK) cannot tell: the writer is taken for dead, as
+ * a second job there goes undetected. */
+static bool unheld(int fd) {
+  if (fd < 0) return false;
+  struct stat mb;
+  bool dead = fstat(fd, &mb) == 0 && S_ISREG(mb.st_mode) && /* a mark is a file, not a folder */
+              (flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK);
+  close(fd);
+  return dead;
+}
+
 /* A folder a writer killed between creating it and naming its mark left: it holds nothing,
  * or nothing but the mark not yet named (FILE_TEMP_MARK ".new"), which no process holds. */
 static bool unmarked_leftover(int dfd, const char *name) {
@@ -544,21 +552,18 @@ static bool unmarked_leftover(int dfd, const char *name) {
     unnamed = strcmp(e->d_name, FILE_TEMP_MARK ".new") == 0;
     only = unnamed;
   }
-  bool dead = only;
-  if (only && unnamed) {
-    int fd =
-        openat(dirfd(dir), FILE_TEMP_MARK ".new", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    struct stat mb;
-    dead = fd >= 0 && fstat(fd, &mb) == 0 && S_ISREG(mb.st_mode) &&
-           (flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK);
-    if (fd >= 0) close(fd);
-  }
+  bool dead = only && (!unnamed || unheld(openat(dirfd(dir), FILE_TEMP_MARK ".new",
+                                                 O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)));
   closedir(dir);
   return dead;
 }
 
+/* Whether the entry name of folder dfd, a temporary one's name, was left by a writer that
+ * died: a file no process holds locked, a folder holding FILE_TEMP_MARK (a file) no process
+ * holds locked, or a folder a writer left as it began (unmarked_leftover); never a link,
+ * another folder without the mark, or what a path of keep names or lies in. */
 static bool stale_temp(int dfd, const char *name, const char *const *keep) {
-  struct stat sb, mb;
+  struct stat sb;
   if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) != 0) return false;
   for (int i = 0; keep != NULL && keep[i] != NULL; i++)
     if (lies_in(keep[i], &sb)) return false; /* an input, or the folder of one */
@@ -573,16 +578,7 @@ static bool stale_temp(int dfd, const char *name, const char *const *keep) {
     if (d >= 0) close(d);
   }
   if (fd < 0 && S_ISDIR(sb.st_mode)) return unmarked_leftover(dfd, name);
-  if (fd < 0) return false;
-  if (fstat(fd, &mb) != 0 || !S_ISREG(mb.st_mode)) { /* a mark is a file, never a folder */
-    close(fd);
-    return false;
-  }
-  /* held by no process (a file system without locks, ENOLCK, cannot tell: the writer is taken
-   * for dead, as a second job there goes undetected) */
-  bool dead = flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK;
-  close(fd);
-  return dead;
+  return unheld(fd);
 }
 
 bool file_is_stale_temp_dir(const char *path) {
@@ -614,6 +610,22 @@ int file_remove_stale_temps(const char *path, const char *const *keep) {
 bool file_lexists(const char *path) {
   struct stat sb;
   return path != NULL && lstat(path, &sb) == 0;
+}
+
+int file_lock_exclusive(int fd) {
+  for (int i = 0; i < 20; i++) {
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) return 0;
+    if (errno != EWOULDBLOCK) return errno;
+    usleep(10000);
+  }
+  return EWOULDBLOCK;
+}
+
+bool file_lock_held(int fd) { return flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK; }
+
+bool file_fd_is(int fd, const char *path) {
+  struct stat a, b;
+  return fstat(fd, &a) == 0 && lstat(path, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
 }
 
 bool file_same_path(const char *a, const char *b) {

@@ -115,6 +115,19 @@ fsdpc_status_t file_create_temp(const char *path, char *tmp, size_t size, FILE *
  * went. */
 int file_remove_stale_temps(const char *path, const char *const *keep);
 
+/* Takes an exclusive flock of fd without blocking, waiting out a holder of an instant (another
+ * process's file_lock_held probe: tried for 0.2 s): 0, else the errno of the refusal
+ * (EWOULDBLOCK: another process holds it; ENOLCK and the like: the file system takes no locks). */
+int file_lock_exclusive(int fd);
+
+/* Whether another process holds fd's file locked (flock), probed with a shared lock held for an
+ * instant (NFS grants one on a file opened for reading); false where no locks are taken. */
+bool file_lock_held(int fd);
+
+/* Whether fd is still the file named path (the name itself, not a link's target): false once
+ * another file has taken the name, or none has it. */
+bool file_fd_is(int fd, const char *path);
+
 /* Whether paths a and b name the same file: the same file when both exist, else the same name
  * in the same folder (./m.jsonl and m.jsonl, a path through a link to the folder). */
 bool file_same_path(const char *a, const char *b);

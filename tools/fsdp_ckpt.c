@@ -287,14 +287,13 @@ static fsdpc_status_t inspect(const char *dir) {
   return st;
 }
 
-/* The checkpoint's tensors against model's parameters (ckpt_check_params, ckpt_check_names):
- * what a load of that model refuses. */
+/* The checkpoint's tensors against model's parameters (ckpt_check_params): what a load of
+ * that model refuses. */
 static fsdpc_status_t check_params_of(const char *dir, llama_t *model) {
   nn_param_t **ps = NULL;
   int n = 0;
   FSDPC_TRY(nn_named_parameters(llama_module(model), &ps, &n));
   fsdpc_status_t st = ckpt_check_params(dir, ps, n);
-  if (st == STATUS_OK) st = ckpt_check_names(dir, ps, n);
   free(ps);
   return st;
 }

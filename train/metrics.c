@@ -6,7 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "core/file.h"
@@ -48,12 +47,9 @@ static bool put_patched(FILE *out, cJSON *o, const cJSON *patch) {
 /* A lock held against another job (flock, exclusive): false only when another job holds it
  * (errno EWOULDBLOCK); a file system without locks (ENOLCK, EBADF) lets the file be written
  * unlocked, as checkpoint.dir's lock does. Another job's check (train_metrics_check_free's
- * shared probe, held for an instant) is waited out: tried for 0.2 s. */
+ * probe) is waited out (file_lock_exclusive). */
 static bool take(int fd) {
-  for (int i = 0; i < 20; i++) {
-    if (flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK) return true;
-    usleep(10000);
-  }
+  if (file_lock_exclusive(fd) != EWOULDBLOCK) return true;
   errno = EWOULDBLOCK;
   return false;
 }
@@ -79,12 +75,8 @@ static int hold_current(const char *path) {
       errno = EWOULDBLOCK;
       return -2;
     }
-    struct stat held, named;
-    if (fstat(fd, &held) != 0 || stat(path, &named) != 0 || held.st_dev != named.st_dev ||
-        held.st_ino != named.st_ino)
-      close(fd); /* replaced (or removed) meanwhile: the next try opens what has the name */
-    else
-      return fd;
+    if (file_fd_is(fd, path)) return fd;
+    close(fd); /* replaced (or removed) meanwhile: the next try opens what has the name */
   }
   return -1;
 }
@@ -102,8 +94,7 @@ static FILE *locked(FILE *f) {
 fsdpc_status_t train_metrics_check_free(const char *path, bool dry_run) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return STATUS_OK; /* none yet (other reasons: named by the other checks) */
-  /* a shared probe: NFS grants it on a descriptor opened for reading */
-  bool busy = flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  bool busy = file_lock_held(fd);
   close(fd);
   if (busy && dry_run) {
     fprintf(stderr,

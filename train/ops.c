@@ -156,13 +156,6 @@ static fsdpc_status_t lock_write(int fd, const char *plan_path) {
 
 static char g_lock_path[PLAN_PATH_MAX + 32]; /* the lock this process holds */
 
-/* Whether fd is still the file at path (a job that ended removed it, and another may have
- * made a new one there since this process opened it). */
-static bool same_file(int fd, const char *path) {
-  struct stat a, b;
-  return fstat(fd, &a) == 0 && lstat(path, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
-}
-
 /* Rank 0's part of train_lock. */
 static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) {
   char path[PLAN_PATH_MAX + 32], held[LOCK_TEXT_MAX + 64], host[256], me[256] = "";
@@ -190,12 +183,8 @@ static fsdpc_status_t lock_dir(const char *dir, const char *plan_path, int *fd) 
                      S_ISREG(sb.st_mode) ? "a hard link of another file" : "no regular file");
     }
     /* another job's --dry-run probes it for an instant (train_lock_note): waited out */
-    for (int wait = 0; wait < 20; wait++) {
-      e = flock(*fd, LOCK_EX | LOCK_NB) == 0 ? 0 : errno;
-      if (e != EWOULDBLOCK) break;
-      usleep(10000);
-    }
-    if (e != 0 || same_file(*fd, path)) break;
+    e = file_lock_exclusive(*fd);
+    if (e != 0 || file_fd_is(*fd, path)) break;
     close(*fd); /* locked a file its job removed as it ended: take the new one */
     *fd = -1;
   }
@@ -251,7 +240,7 @@ fsdpc_status_t train_lock(const char *dir, const char *plan_path, int *fd) {
 
 void train_unlock(int fd) {
   if (fd < 0) return;
-  if (same_file(fd, g_lock_path)) unlink(g_lock_path); /* while held: no job has it yet */
+  if (file_fd_is(fd, g_lock_path)) unlink(g_lock_path); /* while held: no job has it yet */
   close(fd);
 }
 
@@ -263,7 +252,7 @@ void train_lock_note(const char *dir) {
   if (fd < 0) return;
   long pid;
   bool record = lock_record(fd, held, sizeof held, &pid, host, sizeof host);
-  if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK)
+  if (file_lock_held(fd))
     fprintf(stderr,
             "%s: note: checkpoint.dir '%s' is in use by another training job (%s): a run "
             "would refuse to start until it ends\n",

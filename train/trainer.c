@@ -465,6 +465,15 @@ static fsdpc_status_t check_before_training(run_t *r) {
   if (st == STATUS_OK && r->resumed_from[0] && r->builtin)
     st = train_check_model(p, r->resumed_from);
   if (st == STATUS_OK && r->resumed_from[0] && !r->builtin) st = check_own_model(r);
+  /* then nothing in its files that model lacks (the whole model's parameters, whichever
+   * stages a rank holds), by rank 0 */
+  if (st == STATUS_OK && r->resumed_from[0] && world_rank() == 0) {
+    nn_param_t **all = NULL;
+    int n_all = 0;
+    st = nn_named_parameters(r->root, &all, &n_all);
+    if (st == STATUS_OK) st = ckpt_check_names(r->resumed_from, all, n_all);
+    free(all);
+  }
   if (st == STATUS_OK && !r->resumed_from[0] && !r->builtin) { /* the first save's record */
     char *mine = NULL;
     st = train_describe_model(r, &mine);
@@ -673,12 +682,6 @@ static fsdpc_status_t fill(run_t *r, bool deferred, bool resume) {
   if (!resume) return STATUS_OK;
   r->verified = -1;
   if (p->ckpt_verify) FSDPC_TRY(ckpt_verify_training(r->resumed_from, world_pg(), &r->verified));
-  nn_param_t **all = NULL; /* the whole model's, whichever stages this rank holds */
-  int n_all = 0;
-  st = nn_named_parameters(root, &all, &n_all);
-  if (st == STATUS_OK) st = ckpt_check_names(r->resumed_from, all, n_all);
-  free(all);
-  FSDPC_TRY(pg_agree(world_pg(), st));
   FSDPC_TRY(
       ckpt_load_training(r->resumed_from, r->ps, r->n, r->opt, &r->start_step, &r->load_stats));
   read_saved_run(r->resumed_from, &r->saved_batch, &r->saved_tokens, r->saved_order,
