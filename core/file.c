@@ -625,7 +625,8 @@ bool file_lock_held(int fd) { return flock(fd, LOCK_SH | LOCK_NB) != 0 && errno 
 
 bool file_fd_is(int fd, const char *path) {
   struct stat a, b;
-  return fstat(fd, &a) == 0 && lstat(path, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+  return path != NULL && fstat(fd, &a) == 0 && lstat(path, &b) == 0 && a.st_dev == b.st_dev &&
+         a.st_ino == b.st_ino;
 }
 
 bool file_same_path(const char *a, const char *b) {
